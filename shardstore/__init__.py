@@ -1,0 +1,47 @@
+"""shardstore: distributed PyTorch checkpoints as one Zarr v3 hierarchy.
+
+The API follows Megatron-Core's ``dist_checkpointing``: switch by changing the import::
+
+    from shardstore import ShardedTensor, save, load
+
+Submodules are imported on first use. That keeps ``import shardstore`` cheap and, more
+importantly, keeps the start-up hook that teaches zarr our data types
+(``shardstore._zarr_autoload``, run from a ``.pth`` file) from importing torch.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "CheckpointingException": "shardstore.core",
+    "check_is_distributed_checkpoint": "shardstore.core",
+    "LocalNonpersistentObject": "shardstore.mapping",
+    "ShardedObject": "shardstore.mapping",
+    "ShardedTensor": "shardstore.mapping",
+    "ShardedTensorFactory": "shardstore.mapping",
+    "StrictHandling": "shardstore.validation",
+    "load": "shardstore.serialization",
+    "load_common_state_dict": "shardstore.serialization",
+    "load_plain_tensors": "shardstore.serialization",
+    "load_sharded_metadata": "shardstore.serialization",
+    "load_tensors_metadata": "shardstore.serialization",
+    "remove_sharded_tensors": "shardstore.serialization",
+    "save": "shardstore.serialization",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardstore' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,223 @@
+"""Walking, splitting and merging nested state dicts (dicts and lists of any depth)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+U, V = TypeVar("U"), TypeVar("V")
+
+
+def extract_matching_values(
+    x: dict | list, predicate: Callable[[Any], bool], return_lists_as_dicts: bool = False
+) -> tuple[dict | list, dict | list]:
+    """Splits ``x`` into the leaves that match ``predicate`` and the rest.
+
+    Both results keep the nesting structure of ``x``; empty containers are dropped.
+
+    Args:
+        x: a nested dict or list
+        predicate: called on every leaf
+        return_lists_as_dicts: represent lists as ``{index: value}`` dicts so that the
+            positions of matching values are preserved
+
+    Returns:
+        ``(matching, nonmatching)``
+    """
+
+    def wrap(values: list[tuple[Any, Any]]) -> dict | list:
+        return dict(values) if return_lists_as_dicts else [v for _, v in values]
+
+    if isinstance(x, dict):
+        matching, nonmatching = {}, {}
+        for k, v in x.items():
+            if isinstance(v, (list, dict)):
+                m, n = extract_matching_values(v, predicate, return_lists_as_dicts)
+                if m:
+                    matching[k] = m
+                if n:
+                    nonmatching[k] = n
+            elif predicate(v):
+                matching[k] = v
+            else:
+                nonmatching[k] = v
+        return matching, nonmatching
+    if isinstance(x, list):
+        m_items, n_items = [], []
+        for i, v in enumerate(x):
+            if isinstance(v, (list, dict)) and v:
+                m, n = extract_matching_values(v, predicate, return_lists_as_dicts)
+                if m:
+                    m_items.append((i, m))
+                if n:
+                    n_items.append((i, n))
+            elif predicate(v):
+                m_items.append((i, v))
+            else:
+                n_items.append((i, v))
+        return wrap(m_items), wrap(n_items)
+    raise ValueError(f"Unexpected top-level object type: {type(x).__name__}")
+
+
+def diff(x1: Any, x2: Any, prefix: tuple = ()) -> tuple[list, list, list]:
+    """Recursive comparison of two nested values.
+
+    Returns:
+        ``(only_left, only_right, mismatch)``: key paths present only in ``x1``, only in
+        ``x2``, and present in both with different values (tensors compared exactly).
+    """
+    mismatch: list = []
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        only_left = [prefix + (k,) for k in x1.keys() - x2.keys()]
+        only_right = [prefix + (k,) for k in x2.keys() - x1.keys()]
+        for k in x1.keys() & x2.keys():
+            left, right, mis = diff(x1[k], x2[k], prefix + (k,))
+            only_left += left
+            only_right += right
+            mismatch += mis
+        return only_left, only_right, mismatch
+    if isinstance(x1, list) and isinstance(x2, list):
+        only_left = [prefix + (i,) for i in range(len(x2), len(x1))]
+        only_right = [prefix + (i,) for i in range(len(x1), len(x2))]
+        for i, (v1, v2) in enumerate(zip(x1, x2)):
+            left, right, mis = diff(v1, v2, prefix + (i,))
+            only_left += left
+            only_right += right
+            mismatch += mis
+        return only_left, only_right, mismatch
+    if isinstance(x1, torch.Tensor) and isinstance(x2, torch.Tensor):
+        same = x1.dtype == x2.dtype and x1.shape == x2.shape and torch.equal(x1, x2)
+    elif isinstance(x1, torch.Tensor) or isinstance(x2, torch.Tensor):
+        same = False
+    else:
+        try:
+            same = bool(x1 == x2)
+        except RuntimeError:
+            same = False
+    if not same:
+        mismatch.append((prefix, type(x1), type(x2)))
+    return [], [], mismatch
+
+
+def inspect_types(x: Any, prefix: tuple = (), indent: int = 4) -> str:
+    """Returns a printable tree of the value types of a nested dict or list."""
+    lines = []
+    pad = " " * indent * len(prefix)
+    if isinstance(x, dict):
+        for k, v in x.items():
+            if isinstance(v, (dict, list)):
+                lines.append(f"{pad}{k}:")
+                lines.append(inspect_types(v, prefix + (k,), indent))
+            else:
+                lines.append(f"{pad}{k}: {_type_summary(v)}")
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            if isinstance(v, (dict, list)):
+                lines.append(f"{pad}[{i}]:")
+                lines.append(inspect_types(v, prefix + (i,), indent))
+            else:
+                lines.append(f"{pad}[{i}]: {_type_summary(v)}")
+    return "\n".join(line for line in lines if line)
+
+
+def _type_summary(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"Tensor of shape {tuple(v.shape)} and dtype {v.dtype}"
+    return type(v).__name__
+
+
+def nested_values(x: dict | list) -> Iterator[Any]:
+    """Yields every leaf of a nested dict or list."""
+    for v in x.values() if isinstance(x, dict) else x:
+        if isinstance(v, (dict, list)):
+            yield from nested_values(v)
+        else:
+            yield v
+
+
+def nested_items_iter(x: dict | list) -> Iterator[tuple[Any, Any]]:
+    """Yields ``(key, leaf)`` for every leaf, the key being the leaf's own key or index."""
+    for k, v in x.items() if isinstance(x, dict) else enumerate(x):
+        if isinstance(v, (dict, list)):
+            yield from nested_items_iter(v)
+        else:
+            yield k, v
+
+
+def dict_map(f: Callable, x: dict) -> None:
+    """Applies ``f`` to the leaves of nested dicts (lists are leaves), in place."""
+    for k, v in x.items():
+        if isinstance(v, dict):
+            dict_map(f, v)
+        else:
+            x[k] = f(v)
+
+
+def dict_map_with_key(f: Callable, x: dict) -> None:
+    """Like ``dict_map`` with ``f(key, value)``."""
+    for k, v in x.items():
+        if isinstance(v, dict):
+            dict_map_with_key(f, v)
+        else:
+            x[k] = f(k, v)
+
+
+def dict_list_map_inplace(f: Callable[[U], V], x: dict | list | U) -> dict | list | V:
+    """Applies ``f`` to every leaf of nested dicts and lists, in place. Returns ``x``."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            x[k] = dict_list_map_inplace(f, v)
+    elif isinstance(x, list):
+        x[:] = (dict_list_map_inplace(f, v) for v in x)
+    else:
+        return f(x)
+    return x
+
+
+def dict_list_map_outplace(f: Callable[[U], V], x: dict | list | U) -> dict | list | V:
+    """Applies ``f`` to every leaf of nested dicts and lists; returns a new structure."""
+    if isinstance(x, dict):
+        return {k: dict_list_map_outplace(f, v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [dict_list_map_outplace(f, v) for v in x]
+    return f(x)
+
+
+def merge(x1: dict | list, x2: dict | list, key: tuple = ()) -> dict | list:
+    """Merges ``x2`` into ``x1`` in place and returns ``x1``.
+
+    Dicts merge by key, lists of equal length element-wise; a leaf present in both
+    is an error (the two parts of a state dict must be disjoint).
+    """
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        for k, v2 in x2.items():
+            x1[k] = v2 if k not in x1 else merge(x1[k], v2, key=key + (k,))
+    elif isinstance(x1, list) and isinstance(x2, list):
+        if len(x1) != len(x2):
+            raise ValueError(
+                f"Cannot merge two lists with different lengths ({len(x1)} and {len(x2)}, "
+                f"encountered at key {key})"
+            )
+        for i, v2 in enumerate(x2):
+            x1[i] = merge(x1[i], v2, key=key + (i,))
+    else:
+        raise ValueError(
+            f"Duplicate non-dict and non-list values encountered: `{x1}` and `{x2}` (at key {key})"
+        )
+    return x1
+
+
+def map_reduce(
+    xs: Iterable,
+    key_fn: Callable = lambda x: x,
+    value_fn: Callable = lambda x: x,
+    reduce_fn: Callable = lambda x: x,
+) -> dict:
+    """Groups ``xs`` by ``key_fn``, maps values with ``value_fn``, reduces each group."""
+    groups: dict = defaultdict(list)
+    for x in xs:
+        groups[key_fn(x)].append(value_fn(x))
+    return {k: reduce_fn(v) for k, v in groups.items()}

@@ -1,0 +1,110 @@
+"""The collectives a save or load needs, on whatever process group the trainer set up.
+
+Everything goes through ``torch.distributed``: NCCL with CUDA tensors in production,
+gloo on CPU in tests. Without an initialized process group, shardstore runs as a
+single rank and every collective is trivial, so a checkpoint can be saved or loaded
+from a plain script.
+
+Tensors that travel through a collective live on the device the backend needs (CUDA
+for NCCL, CPU otherwise); nothing here calls a CUDA-only function unconditionally.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardstore.core import CheckpointingException
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What went wrong on one rank, in a form that survives pickling across ranks."""
+
+    rank: int
+    message: str
+    details: str
+
+    @classmethod
+    def from_exception(cls, rank: int, exc: BaseException) -> RankFailure:
+        details = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return cls(rank, f"{type(exc).__name__}: {exc}", details)
+
+
+class Group:
+    """A view of a process group (or of a single process when none is initialized)."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        self.active = dist.is_available() and dist.is_initialized()
+        self.process_group = process_group
+        if self.active:
+            self.rank = dist.get_rank(process_group)
+            self.world_size = dist.get_world_size(process_group)
+        else:
+            self.rank, self.world_size = 0, 1
+
+    @property
+    def is_coordinator(self) -> bool:
+        """True on the rank that writes the commit record and other single files."""
+        return self.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        """Where tensors must live to travel through this group's collectives."""
+        if self.active and dist.get_backend(self.process_group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def global_rank(self, group_rank: int) -> int:
+        if not self.active or self.process_group is None:
+            return group_rank
+        return dist.get_global_rank(self.process_group, group_rank)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.process_group)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` from group rank ``src`` on every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.global_rank(src), group=self.process_group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.process_group)
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """Collective: raises the same CheckpointingException on every rank if any rank failed.
+
+        Every rank calls it with the exception it caught during ``what`` (or None). This is
+        how a failure on one rank becomes a clear error on all ranks instead of a hang.
+        """
+        local = None if error is None else RankFailure.from_exception(self.rank, error)
+        failures = [f for f in self.all_gather_object(local) if f is not None]
+        raise_failures(failures, what, cause=error)
+
+    def decide(self, error: BaseException | None, what: str, src: int = 0) -> None:
+        """Collective: rank ``src`` tells every rank whether its step ``what`` failed."""
+        local = None if error is None else RankFailure.from_exception(self.rank, error)
+        failure = self.broadcast_object(local, src=src)
+        raise_failures([failure] if failure else [], what, cause=error)
+
+
+def raise_failures(failures: list[RankFailure], what: str, cause: BaseException | None) -> None:
+    if not failures:
+        return
+    if isinstance(cause, CheckpointingException) and len(failures) == 1:
+        raise cause
+    ranks = ", ".join(str(f.rank) for f in failures)
+    lines = "\n".join(f"  rank {f.rank}: {f.message}" for f in failures)
+    raise CheckpointingException(f"{what} failed on rank(s) {ranks}:\n{lines}") from cause

@@ -1,0 +1,104 @@
+"""torch <-> numpy <-> Zarr v3 data types, and zero-copy views between torch and numpy.
+
+bfloat16 and float8 have no numpy type of their own; ml_dtypes provides them. A tensor
+of such a type is viewed bit for bit (``int16``/``uint8`` in between), never converted
+through float32, so saving and loading are exact and copy-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class DType:
+    """One supported element type under its three names.
+
+    Attributes:
+        zarr_name: the Zarr v3 ``data_type`` (what TensorStore writes).
+        torch_dtype: the torch dtype.
+        numpy_dtype: the numpy dtype (ml_dtypes for bfloat16/float8).
+        bits_dtype: the torch integer dtype of the same width, used for bit views of
+            types numpy cannot hold directly; None when numpy holds the type itself.
+    """
+
+    zarr_name: str
+    torch_dtype: torch.dtype
+    numpy_dtype: np.dtype
+    bits_dtype: torch.dtype | None = None
+
+    @property
+    def itemsize(self) -> int:
+        return self.numpy_dtype.itemsize
+
+
+_DTYPES = [
+    DType("bool", torch.bool, np.dtype(np.bool_)),
+    DType("int8", torch.int8, np.dtype(np.int8)),
+    DType("int16", torch.int16, np.dtype(np.int16)),
+    DType("int32", torch.int32, np.dtype(np.int32)),
+    DType("int64", torch.int64, np.dtype(np.int64)),
+    DType("uint8", torch.uint8, np.dtype(np.uint8)),
+    DType("uint16", torch.uint16, np.dtype(np.uint16)),
+    DType("uint32", torch.uint32, np.dtype(np.uint32)),
+    DType("uint64", torch.uint64, np.dtype(np.uint64)),
+    DType("float16", torch.float16, np.dtype(np.float16)),
+    DType("float32", torch.float32, np.dtype(np.float32)),
+    DType("float64", torch.float64, np.dtype(np.float64)),
+    DType("complex64", torch.complex64, np.dtype(np.complex64)),
+    DType("complex128", torch.complex128, np.dtype(np.complex128)),
+    DType("bfloat16", torch.bfloat16, np.dtype(ml_dtypes.bfloat16), torch.int16),
+    DType("float8_e4m3fn", torch.float8_e4m3fn, np.dtype(ml_dtypes.float8_e4m3fn), torch.uint8),
+    DType("float8_e5m2", torch.float8_e5m2, np.dtype(ml_dtypes.float8_e5m2), torch.uint8),
+]
+
+BY_ZARR_NAME: dict[str, DType] = {d.zarr_name: d for d in _DTYPES}
+BY_TORCH: dict[torch.dtype, DType] = {d.torch_dtype: d for d in _DTYPES}
+
+# The seed API's module-level tables (Megatron's zarr strategy exposes them).
+torch_to_numpy_dtype_dict: dict[torch.dtype, np.dtype] = {d.torch_dtype: d.numpy_dtype for d in _DTYPES}
+numpy_to_torch_dtype_dict: dict[np.dtype, torch.dtype] = {d.numpy_dtype: d.torch_dtype for d in _DTYPES}
+
+
+class UnsupportedDTypeError(TypeError):
+    """A dtype shardstore cannot store; the message lists the supported ones."""
+
+
+def from_torch(dtype: torch.dtype) -> DType:
+    try:
+        return BY_TORCH[dtype]
+    except KeyError:
+        raise UnsupportedDTypeError(
+            f"dtype {dtype} is not supported; supported: {sorted(str(d) for d in BY_TORCH)}"
+        ) from None
+
+
+def from_zarr_name(name: object) -> DType:
+    try:
+        return BY_ZARR_NAME[name]  # type: ignore[index]
+    except (KeyError, TypeError):
+        raise UnsupportedDTypeError(
+            f"Zarr data type {name!r} is not supported; supported: {sorted(BY_ZARR_NAME)}"
+        ) from None
+
+
+def tensor_to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's memory (no copy, exact bits)."""
+    dtype = from_torch(tensor.dtype)
+    tensor = tensor.detach()
+    if dtype.bits_dtype is None:
+        return tensor.numpy()
+    return tensor.view(dtype.bits_dtype).numpy().view(dtype.numpy_dtype)
+
+
+def numpy_to_tensor(array: np.ndarray, torch_dtype: torch.dtype) -> torch.Tensor:
+    """A tensor sharing ``array``'s memory, reinterpreted as ``torch_dtype`` (no copy)."""
+    dtype = from_torch(torch_dtype)
+    if dtype.bits_dtype is None:
+        return torch.from_numpy(array.view(dtype.numpy_dtype))
+    bits_numpy = torch_to_numpy_dtype_dict[dtype.bits_dtype]
+    return torch.from_numpy(array.view(bits_numpy)).view(dtype.torch_dtype)

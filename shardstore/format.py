@@ -1,0 +1,267 @@
+"""The on-disk format (version 1): array metadata, group nodes and the commit record.
+
+A checkpoint is one Zarr v3 group::
+
+    <checkpoint>/zarr.json        root group, written LAST: the commit record
+    <checkpoint>/metadata.json    backends that wrote it (shardstore.core)
+    <checkpoint>/common.pt        non-sharded state
+    <checkpoint>/<key>/zarr.json  one Zarr v3 array per ShardedTensor key (the GLOBAL tensor)
+    <checkpoint>/<key>/c/...      its chunks, crc32c on each
+    <checkpoint>/__objects__/...  ShardedObjects, one file per shard
+
+The root ``zarr.json`` carries ``attributes.shardstore`` (our record, read by
+``load``) and Zarr consolidated metadata (read by zarr-python), so one read lists every
+array. Everything read back is validated here: a malformed record gives a
+``CheckpointingException`` that names the checkpoint, never a crash or a huge allocation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardstore.core import CONFIG_FNAME, CheckpointingException
+from shardstore.dtypes import from_zarr_name
+from shardstore.storage import Location
+
+FORMAT_VERSION = 1
+ZARR_JSON = "zarr.json"
+COMMIT_RECORD = ZARR_JSON
+COMMON_FILE = "common.pt"
+OBJECTS_DIR = "__objects__"
+# Files whose presence marks a directory as a (possibly incomplete) shardstore checkpoint.
+CHECKPOINT_MARKERS = (CONFIG_FNAME, COMMIT_RECORD, COMMON_FILE)
+
+# Upper bounds that a record read back must respect (hostile-input guard).
+MAX_NDIM = 32
+MAX_ELEMENTS = 2**62
+
+
+def _library_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shardstore")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class ArrayRecord:
+    """One global array: what its ``zarr.json`` says, in shardstore's terms.
+
+    Attributes:
+        key: the ShardedTensor key, also the array's path in the group.
+        shape: global shape, in elements.
+        dtype: Zarr v3 data type name (``bfloat16``, ``float32``, ...).
+        chunk_shape: regular chunk grid, aligned with the sharding grid of the save.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunk_shape: tuple[int, ...]
+
+    @property
+    def itemsize(self) -> int:
+        return from_zarr_name(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    def zarr_metadata(self) -> dict[str, Any]:
+        """The array's ``zarr.json`` document, as TensorStore would write it."""
+        itemsize = self.itemsize
+        bytes_codec: dict[str, Any] = {"name": "bytes"}
+        if itemsize > 1:
+            bytes_codec["configuration"] = {"endian": "little"}
+        return {
+            "zarr_format": 3,
+            "node_type": "array",
+            "shape": list(self.shape),
+            "data_type": self.dtype,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.chunk_shape)}},
+            "chunk_key_encoding": {"name": "default"},
+            "fill_value": False if self.dtype == "bool" else (0 if _is_integer(self.dtype) else 0.0),
+            "codecs": [bytes_codec, {"name": "crc32c"}],
+        }
+
+    def to_summary(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": self.dtype, "chunk_shape": list(self.chunk_shape)}
+
+    @classmethod
+    def from_summary(cls, key: str, summary: Any, where: str) -> ArrayRecord:
+        if not isinstance(summary, dict):
+            raise CheckpointingException(f"{where}: record of array {key!r} is not an object")
+        shape = _int_tuple(summary.get("shape"), f"{where}: shape of {key!r}", minimum=0)
+        chunk_shape = _int_tuple(summary.get("chunk_shape"), f"{where}: chunk shape of {key!r}", minimum=1)
+        if len(shape) != len(chunk_shape):
+            raise CheckpointingException(
+                f"{where}: array {key!r} has shape {shape} but chunk shape {chunk_shape}"
+            )
+        if math.prod(shape) > MAX_ELEMENTS:
+            raise CheckpointingException(f"{where}: array {key!r} has an absurd shape {shape}")
+        try:
+            from_zarr_name(summary.get("dtype"))
+        except TypeError as exc:
+            raise CheckpointingException(f"{where}: array {key!r}: {exc}") from exc
+        return cls(key, shape, summary["dtype"], chunk_shape)
+
+
+def _is_integer(zarr_name: str) -> bool:
+    return zarr_name.startswith(("int", "uint"))
+
+
+def _int_tuple(value: Any, what: str, minimum: int) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_NDIM:
+        raise CheckpointingException(f"{what} must be a list of at most {MAX_NDIM} integers, got {value!r}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value):
+        raise CheckpointingException(f"{what} must hold integers >= {minimum}, got {value!r}")
+    return tuple(value)
+
+
+def group_metadata(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A group's ``zarr.json`` document."""
+    return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
+
+
+def parent_groups(keys: list[str]) -> list[str]:
+    """Every intermediate group path implied by ``/`` in the keys, parents first."""
+    groups = set()
+    for key in keys:
+        parts = key.split("/")
+        for i in range(1, len(parts)):
+            groups.add("/".join(parts[:i]))
+    return sorted(groups, key=lambda g: (g.count("/"), g))
+
+
+@dataclass(frozen=True)
+class ObjectRecord:
+    """Where a ShardedObject's shards are: its key and the unique keys of its shards."""
+
+    key: str
+    shard_keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """What the root ``zarr.json`` vouches for: a complete checkpoint.
+
+    Attributes:
+        arrays: every ShardedTensor key's array record.
+        objects: every ShardedObject key with its shards' unique keys.
+        world_size: ranks that saved it (informational).
+        format_version: shardstore format version.
+        library_version: shardstore version that wrote it.
+        created: UNIX time of the commit, in seconds.
+    """
+
+    arrays: dict[str, ArrayRecord]
+    objects: dict[str, ObjectRecord] = field(default_factory=dict)
+    world_size: int = 1
+    format_version: int = FORMAT_VERSION
+    library_version: str = field(default_factory=_library_version)
+    created: float = field(default_factory=time.time)
+
+    def to_root_metadata(self) -> dict[str, Any]:
+        """The root group's ``zarr.json``: our record plus Zarr consolidated metadata."""
+        consolidated: dict[str, Any] = {g: group_metadata() for g in parent_groups(list(self.arrays))}
+        consolidated.update({k: a.zarr_metadata() for k, a in self.arrays.items()})
+        attributes = {
+            "shardstore": {
+                "format_version": self.format_version,
+                "library_version": self.library_version,
+                "created": self.created,
+                "world_size": self.world_size,
+                "arrays": {k: a.to_summary() for k, a in sorted(self.arrays.items())},
+                "objects": {k: list(o.shard_keys) for k, o in sorted(self.objects.items())},
+            }
+        }
+        root = group_metadata(attributes)
+        root["consolidated_metadata"] = {
+            "kind": "inline",
+            "must_understand": False,
+            "metadata": dict(sorted(consolidated.items())),
+        }
+        return root
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_root_metadata(), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> CommitRecord:
+        try:
+            root = json.loads(data)
+        except ValueError as exc:
+            raise CheckpointingException(f"{where}: the commit record is not valid JSON: {exc}") from exc
+        record = root.get("attributes", {}).get("shardstore") if isinstance(root, dict) else None
+        if not isinstance(record, dict):
+            raise CheckpointingException(
+                f"{where} is a Zarr group but not a shardstore checkpoint (no attributes.shardstore)"
+            )
+        version = record.get("format_version")
+        if version != FORMAT_VERSION:
+            raise CheckpointingException(
+                f"{where}: checkpoint format version {version!r} is not supported "
+                f"(this shardstore reads version {FORMAT_VERSION}); upgrade shardstore"
+            )
+        arrays_json = record.get("arrays")
+        objects_json = record.get("objects", {})
+        if not isinstance(arrays_json, dict) or not isinstance(objects_json, dict):
+            raise CheckpointingException(f"{where}: 'arrays' and 'objects' must be JSON objects")
+        from shardstore.validation import check_key  # local import: validation imports this module
+
+        arrays = {}
+        for key, summary in arrays_json.items():
+            check_key(key, where=where)
+            arrays[key] = ArrayRecord.from_summary(key, summary, where)
+        objects = {}
+        for key, shard_keys in objects_json.items():
+            check_key(key, where=where)
+            if not isinstance(shard_keys, list) or not all(isinstance(s, str) for s in shard_keys):
+                raise CheckpointingException(f"{where}: shards of object {key!r} must be a list of strings")
+            for shard_key in shard_keys:
+                check_key(shard_key, where=where)
+            objects[key] = ObjectRecord(key, tuple(shard_keys))
+        world_size = record.get("world_size", 1)
+        created = record.get("created", 0.0)
+        return cls(
+            arrays=arrays,
+            objects=objects,
+            world_size=world_size if isinstance(world_size, int) else 1,
+            format_version=version,
+            library_version=str(record.get("library_version", "unknown")),
+            created=float(created) if isinstance(created, (int, float)) else 0.0,
+        )
+
+
+def object_path(shard_key: str) -> str:
+    """Relative path of a ShardedObject shard's file."""
+    return f"{OBJECTS_DIR}/{shard_key}.pt"
+
+
+def is_committed(location: Location) -> bool:
+    return location.exists(COMMIT_RECORD)
+
+
+def read_commit_record(location: Location) -> CommitRecord:
+    """The checkpoint's commit record; a clear error if the checkpoint is incomplete."""
+    data = location.read_bytes_or_none(COMMIT_RECORD)
+    if data is None:
+        if location.is_empty():
+            raise CheckpointingException(f"No checkpoint at {location.describe()}: the location is empty")
+        raise CheckpointingException(
+            f"Checkpoint at {location.describe()} is incomplete: it has no commit record "
+            f"({COMMIT_RECORD}), so its save did not finish. Load an earlier checkpoint, "
+            "or save again into this directory."
+        )
+    return CommitRecord.from_json(data, where=location.describe(COMMIT_RECORD))
+
+
+def write_commit_record(location: Location, record: CommitRecord) -> None:
+    """Writes the root ``zarr.json`` atomically: from now on the checkpoint exists."""
+    location.write_atomic(COMMIT_RECORD, record.to_json())

@@ -1,0 +1,267 @@
+"""The global layout of a save and the write plan derived from it. Pure functions.
+
+Every rank contributes the metadata (never the data) of its shards; after one
+all-gather every rank holds the same ``GlobalLayout`` and derives the same plan from
+it, so no further coordination is needed to know who writes what:
+
+* the chunk grid of every array is aligned with the sharding grid (the chunk shape
+  divides every shard boundary), so every chunk lies inside one main-replica shard and
+  has exactly ONE writer; chunks are further split to stay under ``max_chunk_bytes``;
+* flattened ranges (distributed optimizer) use chunks that are contiguous in the
+  flattened block, so a rank writes the chunks inside its range directly, and the few
+  chunks that straddle a range boundary are assembled by the rank holding their first
+  element from pieces its neighbours send (``FlatChunk``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from itertools import product
+
+from shardstore.dtypes import from_torch
+from shardstore.mapping import ShardedObject, ShardedTensor, is_main_replica
+
+Region = tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """Metadata of one ShardedTensor of one rank, as all ranks see it after the gather.
+
+    Attributes:
+        key: the global tensor's key.
+        rank: the rank holding it (in the save's process group).
+        index: its position in that rank's list of ShardedTensors.
+        dtype: Zarr v3 data type name (``"bfloat16"``, ``"float32"``, ...).
+        global_shape: shape of the global tensor.
+        offset: offset of the block in the global tensor, every axis.
+        block_shape: extent of the block, every axis (1 on prepended axes).
+        flat_range: ``(start, stop)`` within the flattened block, or None.
+        main: True for the main replica (the one that writes).
+        allow_shape_mismatch: see ShardedTensor.
+    """
+
+    key: str
+    rank: int
+    index: int
+    dtype: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    block_shape: tuple[int, ...]
+    flat_range: tuple[int, int] | None
+    main: bool
+    allow_shape_mismatch: bool = False
+
+    @classmethod
+    def from_sharded_tensor(cls, tensor: ShardedTensor, rank: int, index: int) -> ShardRecord:
+        flat = tensor.flattened_range
+        return cls(
+            key=tensor.key,
+            rank=rank,
+            index=index,
+            dtype=from_torch(tensor.dtype).zarr_name,
+            global_shape=tuple(tensor.global_shape),
+            offset=tuple(tensor.global_offset),
+            block_shape=(1,) * tensor.prepend_axis_num + tuple(tensor.local_shape),
+            flat_range=None if flat is None else (flat.start, flat.stop),
+            main=is_main_replica(tensor.replica_id),
+            allow_shape_mismatch=tensor.allow_shape_mismatch,
+        )
+
+    @property
+    def region(self) -> Region:
+        return tuple(slice(o, o + s) for o, s in zip(self.offset, self.block_shape))
+
+    @property
+    def block_volume(self) -> int:
+        return math.prod(self.block_shape)
+
+
+@dataclass(frozen=True)
+class ObjectShardRecord:
+    """Metadata of one ShardedObject of one rank."""
+
+    key: str
+    unique_key: str
+    rank: int
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    main: bool
+
+    @classmethod
+    def from_sharded_object(cls, obj: ShardedObject, rank: int) -> ObjectShardRecord:
+        return cls(
+            obj.key, obj.unique_key, rank, tuple(obj.global_shape), tuple(obj.global_offset),
+            is_main_replica(obj.replica_id),
+        )
+
+
+@dataclass(frozen=True)
+class GlobalLayout:
+    """Every rank's shards, grouped by key. Identical on every rank after the gather."""
+
+    tensors: dict[str, list[ShardRecord]]
+    objects: dict[str, list[ObjectShardRecord]]
+    world_size: int
+
+    @classmethod
+    def from_gathered(
+        cls, per_rank: list[tuple[list[ShardRecord], list[ObjectShardRecord]]]
+    ) -> GlobalLayout:
+        tensors: dict[str, list[ShardRecord]] = defaultdict(list)
+        objects: dict[str, list[ObjectShardRecord]] = defaultdict(list)
+        for rank_tensors, rank_objects in per_rank:
+            for t in rank_tensors:
+                tensors[t.key].append(t)
+            for o in rank_objects:
+                objects[o.key].append(o)
+        return cls(dict(tensors), dict(objects), len(per_rank))
+
+    def main_shards(self, key: str) -> list[ShardRecord]:
+        return [r for r in self.tensors[key] if r.main]
+
+
+@dataclass(frozen=True)
+class FlatChunk:
+    """A chunk of a flattened tensor that straddles the ranges of several ranks.
+
+    Attributes:
+        key: array key.
+        region: the chunk's region in the global array.
+        writer: rank that assembles and writes it (holder of its first element).
+        pieces: ``(rank, index, local_start, local_stop, chunk_start)``: rank ``rank``
+            contributes ``data[local_start:local_stop]`` of its ShardedTensor number
+            ``index`` at flat position ``chunk_start`` of the chunk.
+    """
+
+    key: str
+    region: Region
+    writer: int
+    pieces: tuple[tuple[int, int, int, int, int], ...]
+
+    @property
+    def volume(self) -> int:
+        return math.prod(s.stop - s.start for s in self.region)
+
+
+@dataclass(frozen=True)
+class DirectFlatWrite:
+    """A chunk lying wholly in one rank's flat range: ``data[local_start:local_stop]``."""
+
+    key: str
+    index: int
+    region: Region
+    local_start: int
+    local_stop: int
+
+
+@dataclass
+class FlatPlan:
+    """What one rank does for flattened tensors."""
+
+    direct: list[DirectFlatWrite] = field(default_factory=list)
+    assembled: list[FlatChunk] = field(default_factory=list)  # chunks this rank writes
+    all_straddling: list[FlatChunk] = field(default_factory=list)  # every rank's, same order
+
+
+def chunk_shape_for(
+    main_shards: list[ShardRecord], global_shape: tuple[int, ...], itemsize: int, max_chunk_bytes: int
+) -> tuple[int, ...]:
+    """The chunk shape of an array: aligned with every shard boundary, bounded in bytes.
+
+    Along each axis the chunk size divides every shard start (their gcd), so no chunk
+    crosses a shard boundary. For flattened shards the chunk is also contiguous in the
+    flattened block. Then leading axes are split (by divisors, keeping alignment) until a
+    chunk holds at most ``max_chunk_bytes``.
+    """
+    ndim = len(global_shape)
+    chunk = []
+    for axis in range(ndim):
+        starts = {r.offset[axis] for r in main_shards if r.offset[axis] > 0}
+        size = math.gcd(*starts) if starts else global_shape[axis]
+        chunk.append(max(1, size))
+    if any(r.flat_range is not None for r in main_shards):
+        block = main_shards[0].block_shape
+        chunk = [min(c, b) if b > 0 else c for c, b in zip(chunk, block)]
+        partial = [a for a in range(ndim) if chunk[a] < block[a]]
+        if partial:
+            for a in range(partial[-1]):
+                chunk[a] = 1
+    return _bound_chunk(tuple(chunk), itemsize, max_chunk_bytes)
+
+
+def _bound_chunk(chunk: tuple[int, ...], itemsize: int, max_chunk_bytes: int) -> tuple[int, ...]:
+    """Shrinks leading axes by divisors until the chunk fits ``max_chunk_bytes``.
+
+    Splitting only the leading non-unit axis keeps a contiguous chunk contiguous.
+    """
+    out = list(chunk)
+    for axis in range(len(out)):
+        rest = math.prod(out[axis + 1 :]) * itemsize
+        if out[axis] * rest <= max_chunk_bytes:
+            break
+        out[axis] = _largest_divisor_at_most(out[axis], max(1, max_chunk_bytes // max(rest, 1)))
+        if rest <= max_chunk_bytes:
+            break
+    return tuple(out)
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    best = 1
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            for cand in (d, n // d):
+                if cand <= limit and cand > best:
+                    best = cand
+    return best
+
+
+def block_chunks(record: ShardRecord, chunk_shape: tuple[int, ...], global_shape: tuple[int, ...]):
+    """Yields ``(region, flat_start, flat_stop)`` of every chunk in a shard's block, in
+    flattened order. Requires a chunk shape that is contiguous within the block."""
+    ends = [min(o + b, g) for o, b, g in zip(record.offset, record.block_shape, global_shape)]
+    counts = [-(-(e - o) // c) for o, e, c in zip(record.offset, ends, chunk_shape)]
+    strides = [math.prod(record.block_shape[a + 1 :]) for a in range(len(chunk_shape))]
+    for idx in product(*(range(n) for n in counts)):
+        starts = [o + i * c for o, i, c in zip(record.offset, idx, chunk_shape)]
+        stops = [min(s + c, e) for s, c, e in zip(starts, chunk_shape, ends)]
+        flat_start = sum((s - o) * st for s, o, st in zip(starts, record.offset, strides))
+        volume = math.prod(e - s for s, e in zip(starts, stops))
+        yield tuple(slice(s, e) for s, e in zip(starts, stops)), flat_start, flat_start + volume
+
+
+def plan_flat_writes(
+    key: str, main_shards: list[ShardRecord], chunk_shape: tuple[int, ...], my_rank: int, plan: FlatPlan
+) -> None:
+    """Adds to ``plan`` what ``my_rank`` writes of the flattened tensor ``key``."""
+    blocks: dict[tuple[int, ...], list[ShardRecord]] = defaultdict(list)
+    for r in main_shards:
+        blocks[r.offset].append(r)
+    for offset in sorted(blocks):
+        ranges = sorted(blocks[offset], key=lambda r: r.flat_range[0])
+        range_starts = [r.flat_range[0] for r in ranges]
+        global_shape = ranges[0].global_shape
+        for region, fs, fe in block_chunks(ranges[0], chunk_shape, global_shape):
+            first = bisect.bisect_right(range_starts, fs) - 1
+            holder = ranges[first]
+            if holder.flat_range[1] >= fe:
+                if holder.rank == my_rank:
+                    lo = fs - holder.flat_range[0]
+                    plan.direct.append(DirectFlatWrite(key, holder.index, region, lo, lo + fe - fs))
+                continue
+            pieces = []
+            for r in ranges[first:]:
+                lo, hi = max(fs, r.flat_range[0]), min(fe, r.flat_range[1])
+                if lo >= hi:
+                    if r.flat_range[0] >= fe:
+                        break
+                    continue
+                start = r.flat_range[0]
+                pieces.append((r.rank, r.index, lo - start, hi - start, lo - fs))
+            chunk = FlatChunk(key, region, holder.rank, tuple(pieces))
+            plan.all_straddling.append(chunk)
+            if holder.rank == my_rank:
+                plan.assembled.append(chunk)

@@ -1,0 +1,516 @@
+"""What a rank holds: the classes that describe how local data maps onto global data.
+
+The main entry point is ``ShardedTensor.from_rank_offsets``: it wraps a local tensor and
+says which fragment of the global tensor it is. ``ShardedObject`` does the same for
+arbitrary picklable objects, ``ShardedTensorFactory`` transforms tensors before save and
+after load, and ``LocalNonpersistentObject`` marks values that are never stored.
+
+Names and semantics follow Megatron-Core's ``dist_checkpointing.mapping``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from itertools import chain
+from typing import Any, Optional, Union
+
+import torch
+
+from shardstore.core import CheckpointingException
+from shardstore.dict_utils import dict_list_map_inplace
+
+logger = logging.getLogger(__name__)
+
+# These type definitions are just hints to differentiate a plain model state
+# dict (StateDict) from a state dict with tensors replaced with ShardedTensors
+# (ShardedStateDict).
+StateDict = dict[str, Any]
+CommonStateDict = dict[str, Any]
+ShardedStateDict = dict[str, Any]
+ReplicaId = Union[int, tuple[int, ...]]
+
+_logged_deprecations: dict[str, bool] = {}
+
+
+class ShardedBase(ABC):
+    """Base class for ShardedTensor, ShardedObject and ShardedTensorFactory."""
+
+    key: str
+    data: object
+    replica_id: ReplicaId
+
+    @abstractmethod
+    def validate_metadata_integrity(self) -> None:
+        """Codifies the constraints on metadata attributes."""
+
+    @abstractmethod
+    def without_data(self) -> ShardedBase:
+        """Returns a new instance with ``data=None``."""
+
+
+@dataclass
+class ShardedTensor(ShardedBase):
+    """Represents a mapping between a local tensor and a global tensor.
+
+    The global tensor consists of many local tensors distributed between processes.
+
+    Args:
+        key: unique identifier of a global tensor
+        data: local tensor data. Can be None only for consistency validation
+        dtype: tensor dtype
+        local_shape: local tensor shape
+        global_shape: global tensor shape
+        global_offset: offset of a local tensor in a global tensor, in elements
+        axis_fragmentations: global tensor fragmentation of each axis
+        replica_id: the local tensor's replication with respect to other processes
+        prepend_axis_num: number of axes prepended to the local tensor to reflect the
+            global tensor shape (like unsqueezing the local tensor)
+        allow_shape_mismatch: on load, the stored global shape may differ from the
+            expected one (e.g. padded tensors)
+        flattened_range: a slice applied to the flattened ``local_shape`` tensor to
+            obtain the tensor stored as ``data``
+    """
+
+    key: str
+    data: Optional[torch.Tensor] = field(repr=False)
+    dtype: torch.dtype
+    local_shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    axis_fragmentations: Optional[tuple[int, ...]]
+    replica_id: ReplicaId = 0
+    prepend_axis_num: int = 0
+    allow_shape_mismatch: bool = False
+    flattened_range: Optional[slice] = None
+
+    def __post_init__(self) -> None:
+        self.local_shape = tuple(self.local_shape)
+        self.global_shape = tuple(self.global_shape)
+        self.global_offset = tuple(self.global_offset)
+        if self.axis_fragmentations is not None:
+            self.axis_fragmentations = tuple(self.axis_fragmentations)
+        self.validate_metadata_integrity()
+
+    def validate_metadata_integrity(self) -> None:
+        """Codifies the constraints on metadata attributes.
+
+        ``from_rank_offsets`` and ``from_rank_offsets_flat`` always meet them.
+
+        Raises:
+            CheckpointingException: naming the key and the violated constraint.
+        """
+        def fail(msg: str) -> None:
+            raise CheckpointingException(f"ShardedTensor {self.key!r}: {msg}")
+
+        if self.data is not None:
+            if self.data.dtype != self.dtype:
+                fail(f"data dtype {self.data.dtype} does not match declared dtype {self.dtype}")
+            expected = (
+                self.local_shape
+                if self.flattened_range is None
+                else (self.flattened_range.stop - self.flattened_range.start,)
+            )
+            if tuple(self.data.shape) != tuple(expected):
+                fail(f"data shape {tuple(self.data.shape)} does not match expected {expected}")
+        if len(self.global_shape) != len(self.global_offset):
+            fail(f"global shape {self.global_shape} and offset {self.global_offset} differ in length")
+        if len(self.local_shape) + self.prepend_axis_num != len(self.global_shape):
+            fail(
+                f"local shape {self.local_shape} with {self.prepend_axis_num} prepended axes "
+                f"does not match the rank of global shape {self.global_shape}"
+            )
+        for off, sh in zip(self.global_offset[self.prepend_axis_num :], self.local_shape):
+            if sh != 0 and off % sh != 0:
+                fail(f"global offset {off} is not divisible by local shape {sh}")
+        if self.flattened_range is not None:
+            fr = self.flattened_range
+            if fr.step not in (None, 1):
+                fail(f"flattened_range must have step 1, got {fr}")
+            if not (0 <= fr.start <= fr.stop <= math.prod(self.local_shape)):
+                fail(f"flattened_range {fr} is outside the local shape {self.local_shape}")
+
+    @property
+    def has_regular_grid(self) -> bool:
+        """Alias for having a regular sharding grid."""
+        return self.axis_fragmentations is not None
+
+    def global_slice(self) -> tuple[Union[int, slice], ...]:
+        """The part of the global tensor this ShardedTensor covers (ints on prepended axes)."""
+        return tuple(
+            chain(
+                self.global_offset[: self.prepend_axis_num],
+                (
+                    slice(off, off + sh)
+                    for off, sh in zip(self.global_offset[self.prepend_axis_num :], self.local_shape)
+                ),
+            )
+        )
+
+    def local_chunk_offset_in_global(self) -> tuple[int, ...]:
+        """Offset of the whole local chunk in the global array of chunks."""
+        chunk_offset = list(self.global_offset[: self.prepend_axis_num])
+        for off, sh in zip(self.global_offset[self.prepend_axis_num :], self.local_shape):
+            if sh == 0 or off % sh != 0:
+                raise CheckpointingException(f"{self}: offset {off} is not a multiple of {sh}")
+            chunk_offset.append(off // sh)
+        return tuple(chunk_offset)
+
+    def max_allowed_chunks(self) -> tuple[int, ...]:
+        """The chunk size along each axis implied by ``axis_fragmentations``."""
+        if self.axis_fragmentations is None:
+            raise CheckpointingException(f"{self.key!r} has no regular sharding grid")
+        chunks = []
+        for axis_sh, axis_fragm in zip(self.global_shape, self.axis_fragmentations):
+            if not self.allow_shape_mismatch and axis_sh % axis_fragm != 0:
+                raise CheckpointingException(
+                    f"{self.key!r}: axis shape ({axis_sh}) not divisible by axis fragmentation ({axis_fragm})"
+                )
+            chunks.append(axis_sh // axis_fragm)
+        return tuple(chunks)
+
+    def without_data(self) -> ShardedTensor:
+        return replace(self, data=None)
+
+    @classmethod
+    def from_rank_offsets(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        *rank_offsets: tuple[int, int, int],
+        replica_id: ReplicaId = 0,
+        prepend_axis_num: int = 0,
+        flattened_range: None = None,
+        **init_kwargs: Any,
+    ) -> ShardedTensor:
+        """Builds a ShardedTensor from offsets given in process ranks.
+
+        Args:
+            key: unique key
+            data: local tensor data
+            rank_offsets: each ``(axis, axis_rank_offset, axis_fragm)`` says that if the
+                global tensor is divided into ``axis_fragm`` fragments along ``axis``,
+                ``data`` is fragment number ``axis_rank_offset``.
+            replica_id: see ShardedTensor
+            prepend_axis_num: see ShardedTensor
+            flattened_range: must be None; use ``from_rank_offsets_flat`` instead
+            init_kwargs: passed to ShardedTensor
+        """
+        if flattened_range is not None:
+            raise ValueError(
+                "Cannot instantiate a flat ShardedTensor with `from_rank_offsets`; "
+                "use `from_rank_offsets_flat` instead"
+            )
+        ndim = data.ndim + prepend_axis_num
+        global_offset = [0] * ndim
+        global_shape = [1] * prepend_axis_num + list(data.shape)
+        axis_fragmentations = [1] * ndim
+        seen_axes = set()
+        for axis, axis_rank_offset, axis_fragm in rank_offsets:
+            if (
+                not 0 <= axis < ndim
+                or axis in seen_axes
+                or axis_fragm < 1
+                or not 0 <= axis_rank_offset < axis_fragm
+            ):
+                raise ValueError(f"Invalid rank offsets {rank_offsets} for key {key!r}")
+            seen_axes.add(axis)
+            local_axis_shape = 1 if axis < prepend_axis_num else data.shape[axis - prepend_axis_num]
+            global_shape[axis] = axis_fragm * local_axis_shape
+            global_offset[axis] = axis_rank_offset * local_axis_shape
+            axis_fragmentations[axis] = axis_fragm
+        return cls(
+            key,
+            data,
+            data.dtype,
+            tuple(data.shape),
+            tuple(global_shape),
+            tuple(global_offset),
+            tuple(axis_fragmentations),
+            replica_id,
+            prepend_axis_num,
+            **init_kwargs,
+        )
+
+    @classmethod
+    def from_rank_offsets_flat(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        non_flat_local_shape: tuple[int, ...],
+        *args: tuple[int, int, int],
+        flattened_range: Optional[slice] = None,
+        **kwargs: Any,
+    ) -> ShardedTensor:
+        """Like ``from_rank_offsets`` for a flat ``data`` that is a contiguous range
+        ``flattened_range`` of a local tensor of shape ``non_flat_local_shape``
+        (distributed-optimizer style).
+        """
+        if flattened_range is None:
+            raise CheckpointingException(
+                "Cannot instantiate a non-flat ShardedTensor with `from_rank_offsets_flat`; "
+                "use `from_rank_offsets` instead"
+            )
+        if data.ndim != 1:
+            raise CheckpointingException(f"{key!r}: flat data must be 1-D, got shape {tuple(data.shape)}")
+        if flattened_range.stop - flattened_range.start != data.numel():
+            raise CheckpointingException(
+                f"{key!r}: flattened_range {flattened_range} does not match {data.numel()} elements"
+            )
+        meta = torch.empty(*non_flat_local_shape, dtype=data.dtype, device="meta")
+        template = cls.from_rank_offsets(key, meta, *args, **kwargs)
+        return replace(template, data=data, flattened_range=flattened_range)
+
+    def init_data(self, device: Union[str, torch.device], init_fn: Callable = torch.empty) -> None:
+        """Allocates ``data`` (only if it is None) on ``device`` with ``init_fn``."""
+        if self.data is not None:
+            return
+        self.data = init_fn(self.local_shape, dtype=self.dtype, device=device)
+        if self.flattened_range is not None:
+            self.data = self.data.flatten()[self.flattened_range.start : self.flattened_range.stop]
+
+    def narrow(self, dim: int, start: int, length: int) -> list[ShardedTensor]:
+        """Analogue of ``torch.narrow`` applied to the local tensor on every rank.
+
+        Args:
+            dim: dimension to narrow, not counting prepended axes
+            start: start element
+            length: length of the slice
+
+        Returns:
+            A list of ShardedTensors: always one for non-flat tensors; zero or one for
+            flat ones (only ``dim=0`` is supported for flat tensors).
+        """
+        gdim = dim + self.prepend_axis_num
+        local_len = self.local_shape[dim]
+        if local_len == 0 or self.global_shape[gdim] % local_len or self.global_offset[gdim] % local_len:
+            raise CheckpointingException(f"{self.key!r}: cannot narrow an irregular axis {dim}")
+        global_shape = _with(self.global_shape, gdim, self.global_shape[gdim] * length // local_len)
+        global_offset = _with(self.global_offset, gdim, self.global_offset[gdim] * length // local_len)
+        if self.flattened_range is None:
+            new_data = self.data.narrow(dim, start, length) if self.data is not None else None
+            return [
+                replace(
+                    self,
+                    data=new_data,
+                    local_shape=_with(self.local_shape, dim, length),
+                    global_shape=global_shape,
+                    global_offset=global_offset,
+                )
+            ]
+        if dim != 0:
+            raise CheckpointingException(
+                f"{self.key!r}: flat ShardedTensors can only be narrowed along axis 0, got {dim}"
+            )
+        local_shape = _with(self.local_shape, dim, length)
+        row_volume = math.prod(local_shape[1:])
+        shifted_start = self.flattened_range.start - row_volume * start
+        shifted_stop = self.flattened_range.stop - row_volume * start
+        split_volume = row_volume * length
+        if shifted_stop <= 0 or shifted_start >= split_volume:
+            return []
+        new_range = slice(max(shifted_start, 0), min(shifted_stop, split_volume))
+        first = new_range.start - shifted_start
+        new_data = (
+            self.data[first : first + new_range.stop - new_range.start] if self.data is not None else None
+        )
+        return [
+            replace(
+                self,
+                data=new_data,
+                local_shape=local_shape,
+                global_shape=global_shape,
+                global_offset=global_offset,
+                flattened_range=new_range,
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.__class__.__name__}(key={self.key!r})"
+
+
+def _with(values: tuple[int, ...], index: int, value: int) -> tuple[int, ...]:
+    return values[:index] + (value,) + values[index + 1 :]
+
+
+def is_main_replica(replica_id: ReplicaId) -> bool:
+    """True for the "main" replica: integer 0 or an iterable of zeros.
+
+    Setting correct replica ids is the application's responsibility.
+    """
+    if isinstance(replica_id, int):
+        return replica_id == 0
+    return all(r == 0 for r in replica_id)
+
+
+class LocalNonpersistentObject:
+    """An object that is never stored: on load, the local version is put back.
+
+    Wrapping a value of the state dict in it means: not saved; on load, ``obj`` is
+    placed in the returned state dict as is.
+    """
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def unwrap(self) -> Any:
+        """Returns the original object."""
+        return self.obj
+
+    def __repr__(self) -> str:
+        return f"LocalNonpersistentObject({self.obj!r})"
+
+
+@dataclass
+class ShardedObject(ShardedBase):
+    """Represents a mapping between a local object and a global object.
+
+    Unlike ShardedTensor, the sharding of a global object cannot change between save
+    and load: it is a fully-sharded tensor with atomic elements of arbitrary type.
+
+    Args:
+        key: unique identifier of a global object
+        data: local object data. Can be None only for consistency validation
+        global_shape: global object shape, in shards
+        global_offset: offset of the local object in the global object, in shards
+        replica_id: local object's replication with respect to other processes
+    """
+
+    key: str
+    data: object = field(repr=False)
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    replica_id: ReplicaId = 0
+
+    def __post_init__(self) -> None:
+        self.global_shape = tuple(self.global_shape)
+        self.global_offset = tuple(self.global_offset)
+        self.validate_metadata_integrity()
+
+    def validate_metadata_integrity(self) -> None:
+        if len(self.global_shape) != len(self.global_offset):
+            raise CheckpointingException(
+                f"ShardedObject {self.key!r}: global shape {self.global_shape} and offset "
+                f"{self.global_offset} differ in length"
+            )
+        if any(not 0 <= o < s for o, s in zip(self.global_offset, self.global_shape)):
+            raise CheckpointingException(
+                f"ShardedObject {self.key!r}: offset {self.global_offset} lies outside shape {self.global_shape}"
+            )
+
+    def without_data(self) -> ShardedObject:
+        return replace(self, data=None)
+
+    @property
+    def unique_key(self) -> str:
+        """``<key>/shard_<offset>_<shape>``: names this shard among all shards of the key."""
+        offset = ".".join(map(str, self.global_offset))
+        shape = ".".join(map(str, self.global_shape))
+        return f"{self.key}/shard_{offset}_{shape}"
+
+    def __str__(self) -> str:
+        return f"{self.__class__.__name__}(key={self.key!r})"
+
+    @classmethod
+    def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> ShardedObject:
+        """Builds a data-less ShardedObject from ``<key>/shard_<offset>_<shape>``."""
+        try:
+            key, shard_key = unique_key.rsplit("/", 1)
+            shard_str, offset, shape = shard_key.split("_")
+            if shard_str != "shard":
+                raise ValueError("missing 'shard' prefix")
+            global_offset = tuple(map(int, offset.split(".")))
+            global_shape = tuple(map(int, shape.split(".")))
+        except ValueError as exc:
+            raise CheckpointingException(f"Malformed sharded object key {unique_key!r}: {exc}") from exc
+        if len(global_shape) + 1 == len(global_offset):
+            # Old checkpoints omitted the leading axis of the shape.
+            global_shape = (1,) + global_shape
+        return cls(key, None, global_shape, global_offset, replica_id)
+
+
+FactoryBuildFn = Callable[[str, torch.Tensor, ReplicaId, Optional[slice]], ShardedStateDict]
+FactoryMergeFn = Callable[[StateDict], torch.Tensor]
+
+
+@dataclass
+class ShardedTensorFactory(ShardedBase):
+    """Transforms a tensor into a sub-state-dict before saving, and back after loading.
+
+    The sub-state-dict must depend only on the ``build_fn`` arguments (key, data,
+    replica_id, flattened_range), so the optimizer can apply the same transformation
+    to its states as to the parameters.
+
+    Args:
+        key: unique identifier of the factory
+        data: original model parameter to transform
+        build_fn: turns the tensor into a sharded state dict
+        merge_fn: turns the loaded sub-state-dict back into one tensor (inverse of build_fn)
+        replica_id: factory replication with respect to other processes
+        flattened_range: extra flattening applied to the ShardedTensors it produces
+    """
+
+    key: str
+    data: torch.Tensor
+    build_fn: FactoryBuildFn
+    merge_fn: FactoryMergeFn
+    replica_id: ReplicaId = 0
+    flattened_range: Optional[slice] = None
+
+    def build(self) -> ShardedStateDict:
+        """Builds a ShardedStateDict from the original tensor."""
+        return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
+
+    def validate_metadata_integrity(self) -> None:
+        """No reasonable checks can be applied."""
+
+    def without_data(self) -> ShardedTensorFactory:
+        return replace(self, data=None)
+
+
+def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
+    """Turns ShardedTensorFactories into their built sub-state-dicts, in place."""
+
+    def apply(x: Any) -> Any:
+        return x.build() if isinstance(x, ShardedTensorFactory) else x
+
+    dict_list_map_inplace(apply, sharded_state_dict)
+
+
+def apply_factory_merges(
+    x1: StateDict, x2: ShardedStateDict, key: tuple[str, ...] = ()
+) -> StateDict:
+    """Applies the merges of the ShardedTensorFactories in ``x2`` to ``x1``, in place.
+
+    Args:
+        x1: state dict loaded from the checkpoint
+        x2: subset of ``x1`` (in terms of keys) with ShardedTensorFactory values
+        key: path of the current recursion, for error messages
+
+    Returns:
+        ``x1``, modified in place
+    """
+    if isinstance(x2, ShardedTensorFactory):
+        return x2.merge_fn(x1)
+    where = "/".join(map(str, key)) or "<root>"
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        for k, v2 in x2.items():
+            if k not in x1:
+                raise ValueError(f"Factory merge at {where}: key {k!r} missing from the loaded state dict")
+            x1[k] = apply_factory_merges(x1[k], v2, key=key + (k,))
+    elif isinstance(x1, list) and isinstance(x2, list):
+        if len(x1) != len(x2):
+            raise ValueError(f"Factory merge at {where}: list lengths differ ({len(x1)} vs {len(x2)})")
+        for i, v2 in enumerate(x2):
+            x1[i] = apply_factory_merges(x1[i], v2, key=key + (str(i),))
+    elif isinstance(x1, list) and isinstance(x2, dict):
+        for k, v2 in x2.items():
+            if not isinstance(k, int) or not 0 <= k < len(x1):
+                raise ValueError(f"Factory merge at {where}: invalid list index {k!r}")
+            x1[k] = apply_factory_merges(x1[k], v2, key=key + (str(k),))
+    else:
+        raise ValueError(f"Factory merge at {where}: cannot merge {type(x1).__name__} with {type(x2).__name__}")
+    return x1

@@ -1,0 +1,446 @@
+"""``save`` / ``load`` and the metadata queries: the API a trainer calls.
+
+Save, in stages (each named function below; "collective" = every rank calls it)::
+
+    all ranks    preprocess  factories built, non-persistent values dropped, the state
+                             dict split into sharded part and common part
+    collective   gather      one all-gather of shard metadata; every rank validates the
+                             same global layout (keys, coverage, shapes, dtypes)
+    coordinator  prepare     refuse to replace a committed checkpoint unless asked;
+                             clear leftovers of an interrupted save; write metadata.json
+    all ranks    common      coordinator writes common.pt; each rank its ShardedObjects
+    collective   sharded     the storage core (strategies.zarr): stage, write, agree,
+                             commit (the root zarr.json, written last)
+
+A failure on any rank at any stage raises a CheckpointingException on every rank, and
+the checkpoint then has no commit record. Load reads the commit record first, so an
+incomplete checkpoint is refused before anything else happens.
+
+Names and meaning follow Megatron-Core's ``dist_checkpointing.serialization``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch.distributed as dist
+
+from shardstore.core import CheckpointingConfig, CheckpointingException, maybe_load_config, save_config
+from shardstore.dict_utils import dict_list_map_inplace, extract_matching_values, merge
+from shardstore.distributed import Group
+from shardstore.format import CHECKPOINT_MARKERS, COMMIT_RECORD, is_committed, read_commit_record
+from shardstore.layout import GlobalLayout
+from shardstore.mapping import (
+    CommonStateDict,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    StateDict,
+    apply_factories,
+    apply_factory_merges,
+)
+from shardstore.storage import Location, open_location
+from shardstore.strategies.async_utils import AsyncRequest
+from shardstore.strategies.base import (
+    AsyncSaveShardedStrategy,
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    get_default_strategy,
+)
+from shardstore.utils import extract_nonpersistent, extract_sharded_base
+from shardstore.validation import (
+    StrictHandling,
+    gather_layout,
+    local_records,
+    local_sharded_items,
+    parse_strict_flag,
+    validate_integrity_and_strict_load,
+    validate_sharded_objects_handling,
+    validate_sharding_integrity,
+)
+
+logger = logging.getLogger(__name__)
+
+CheckpointDir = Union[str, Path, Location]
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: CheckpointDir,
+    sharded_strategy: Optional[SaveShardedStrategy] = None,
+    common_strategy: Optional[SaveCommonStrategy] = None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Any = None,
+    *,
+    overwrite: bool = False,
+    process_group: Optional[dist.ProcessGroup] = None,
+) -> Optional[AsyncRequest]:
+    """Saves a sharded state dict; every rank of the group calls it with its own shards.
+
+    Args:
+        sharded_state_dict: nested dicts/lists of ShardedTensors, ShardedObjects,
+            ShardedTensorFactories, LocalNonpersistentObjects and plain values (the
+            plain values form the common state, saved from the coordinator).
+        checkpoint_dir: where to save (created if missing).
+        sharded_strategy: storage strategy; default: Zarr v3 (``"zarr"``, version 1).
+        common_strategy: strategy for the common state; default: torch.
+        validate_access_integrity: accepted for compatibility; the global sharding is
+            always validated, because the storage core relies on exactly one writer
+            per chunk (the check costs one pass over the shard metadata).
+        async_sharded_save: return an AsyncRequest whose I/O the caller schedules
+            (``AsyncCallsQueue``) instead of writing now.
+        preprocess_common_before_consistancy_check: accepted for compatibility; unused.
+        overwrite: replace a committed checkpoint at ``checkpoint_dir``.
+        process_group: ranks that save together (default: the whole world).
+
+    Returns:
+        None, or the AsyncRequest when ``async_sharded_save``.
+
+    Raises:
+        CheckpointingException: on every rank, for invalid input or a failed write.
+    """
+    group = Group(process_group)
+    location = open_location(checkpoint_dir)
+    if sharded_strategy is None:
+        sharded_strategy = get_default_save_sharded_strategy()
+    if common_strategy is None:
+        common_strategy = get_default_save_common_strategy()
+    if async_sharded_save and not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
+        raise CheckpointingException(f"Cannot save asynchronously with {sharded_strategy}: not an async strategy")
+
+    sharded_part, common_part, layout = _preprocess_and_gather(sharded_state_dict, group)
+    _prepare_location(location, group, overwrite, sharded_strategy, common_strategy)
+    if not sharded_strategy.can_handle_sharded_objects:
+        validate_sharded_objects_handling(sharded_strategy, common_strategy)
+        objects_part, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
+    else:
+        objects_part = {}
+    _save_common(location, group, common_strategy, common_part, objects_part)
+    if async_sharded_save:
+        return sharded_strategy.async_save_with_layout(sharded_part, location, layout)
+    sharded_strategy.save_with_layout(sharded_part, location, layout)
+    return None
+
+
+def save_preprocess(
+    sharded_state_dict: ShardedStateDict,
+) -> tuple[ShardedStateDict, StateDict]:
+    """Builds factories, drops non-persistent values, splits off the common state.
+
+    Returns:
+        ``(sharded part, common state)``
+    """
+    apply_factories(sharded_state_dict)
+    _, sharded_state_dict = extract_nonpersistent(sharded_state_dict)
+    sharded_part, common_state_dict = extract_sharded_base(sharded_state_dict)
+    _, sharded_part = extract_matching_values(sharded_part, _is_empty_flat_tensor)
+    return sharded_part, common_state_dict
+
+
+def _is_empty_flat_tensor(x: Any) -> bool:
+    """A flat range of length 0: this rank holds none of that tensor."""
+    return isinstance(x, ShardedTensor) and x.flattened_range is not None and x.data is not None and x.data.numel() == 0
+
+
+def _preprocess_and_gather(
+    sharded_state_dict: ShardedStateDict, group: Group
+) -> tuple[ShardedStateDict, StateDict, GlobalLayout]:
+    """Stages preprocess + gather: a local failure becomes an error on every rank."""
+    error, sharded_part, common_part = None, {}, {}
+    tensors: list[ShardedTensor] = []
+    objects: list[ShardedObject] = []
+    try:
+        sharded_part, common_part = save_preprocess(sharded_state_dict)
+        tensors, objects = local_sharded_items(sharded_part)
+    except Exception as exc:  # reported on every rank by gather_layout
+        error = exc
+    layout = gather_layout(tensors, objects, group, local_error=error)
+    validate_sharding_integrity(layout)
+    return sharded_part, common_part, layout
+
+
+def _prepare_location(
+    location: Location,
+    group: Group,
+    overwrite: bool,
+    sharded_strategy: SaveShardedStrategy,
+    common_strategy: SaveCommonStrategy,
+) -> None:
+    """Coordinator: make ``location`` an empty, marked checkpoint directory."""
+    error = None
+    if group.is_coordinator:
+        try:
+            clear_for_save(location, overwrite)
+            location.prepare()
+            # Written first: it marks the directory as ours, so leftovers of an
+            # interrupted save are recognised (and cleared) by the next save.
+            save_config(
+                CheckpointingConfig(
+                    sharded_strategy.backend,
+                    sharded_strategy.version,
+                    common_strategy.backend,
+                    common_strategy.version,
+                ),
+                location,
+            )
+        except Exception as exc:  # told to every rank by decide()
+            error = exc
+    group.decide(error, f"Preparing checkpoint directory {location.describe()}")
+
+
+def clear_for_save(location: Location, overwrite: bool) -> None:
+    """Empties ``location`` for a new save, refusing to destroy what is not ours.
+
+    The commit record goes first, so an interruption from then on leaves an
+    incomplete checkpoint, never a mix of old and new that looks complete.
+    """
+    if location.is_empty():
+        return
+    if is_committed(location):
+        if not overwrite:
+            raise CheckpointingException(
+                f"{location.describe()} already holds a committed checkpoint; pass overwrite=True "
+                "to replace it, or save to a new directory"
+            )
+        location.remove(COMMIT_RECORD)
+    elif not any(location.exists(marker) for marker in CHECKPOINT_MARKERS):
+        raise CheckpointingException(
+            f"{location.describe()} is not empty and is not a shardstore checkpoint; "
+            "refusing to delete its contents. Save to an empty or new directory."
+        )
+    else:
+        logger.warning("Removing the leftovers of an interrupted save at %s", location.describe())
+    location.remove_tree("")
+
+
+def _save_common(
+    location: Location,
+    group: Group,
+    common_strategy: SaveCommonStrategy,
+    common_part: StateDict,
+    objects_part: ShardedStateDict,
+) -> None:
+    """Stage common: coordinator writes the common state; every rank its objects."""
+    error = None
+    try:
+        if group.is_coordinator:
+            common_strategy.save_common(common_part, location)
+        if objects_part:
+            common_strategy.save_sharded_objects(objects_part, location)
+    except Exception as exc:  # reported on every rank by agree()
+        error = exc
+    group.agree(error, f"Saving the common state and sharded objects to {location.describe()}")
+
+
+def get_default_save_sharded_strategy(backend: str = "zarr", version: int = 1) -> SaveShardedStrategy:
+    """The registered default save strategy for sharded tensors."""
+    return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
+
+
+def get_default_save_common_strategy(backend: str = "torch", version: int = 1) -> SaveCommonStrategy:
+    """The registered default save strategy for the common state."""
+    return get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
+
+
+# --------------------------------------------------------------------------- load
+
+
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: CheckpointDir,
+    sharded_strategy: Optional[LoadShardedStrategy] = None,
+    common_strategy: Optional[LoadCommonStrategy] = None,
+    validate_access_integrity: bool = True,
+    strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+    *,
+    process_group: Optional[dist.ProcessGroup] = None,
+) -> Union[StateDict, tuple[StateDict, set[str], set[str]]]:
+    """Loads the parts of a checkpoint that ``sharded_state_dict`` asks for.
+
+    Each rank describes what it wants with ShardedTensors (any layout: the saved one or
+    another) and gets tensors back in the same structure, merged with the common state.
+
+    Args:
+        sharded_state_dict: the request; its ShardedTensors say which region of each
+            global tensor this rank needs.
+        checkpoint_dir: a committed checkpoint.
+        sharded_strategy, common_strategy: default: chosen from the checkpoint's config.
+        validate_access_integrity: check (collectively) that the requests of all ranks'
+            main replicas cover every requested tensor exactly once.
+        strict: how to handle keys that do not match the checkpoint (StrictHandling).
+        process_group: ranks that load together (default: the whole world).
+
+    Returns:
+        The loaded state dict, or ``(state dict, missing keys, unexpected keys)`` for
+        ``StrictHandling.RETURN_*``.
+
+    Raises:
+        CheckpointingException: incomplete or invalid checkpoint, or mismatches that
+            ``strict`` says to raise on.
+    """
+    group = Group(process_group)
+    location = open_location(checkpoint_dir)
+    record = read_commit_record(location)
+    sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
+        location, sharded_strategy, common_strategy
+    )
+    strict = parse_strict_flag(strict)
+    common_state_dict = common_strategy.load_common(location)
+
+    sharded_state_dict, nonpersistent_state_dict, factories = load_preprocess(sharded_state_dict)
+    merge(common_state_dict, nonpersistent_state_dict)
+    sharded_state_dict, _ = extract_sharded_base(sharded_state_dict)
+
+    tensors, objects = local_sharded_items(sharded_state_dict)
+    if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
+        layout = gather_layout(tensors, objects, group)
+    else:
+        layout = GlobalLayout.from_gathered([local_records(tensors, objects, group.rank)])
+    sharded_state_dict, missing_keys, unexpected_keys = validate_integrity_and_strict_load(
+        sharded_state_dict,
+        strict,
+        validate_access_integrity,
+        layout,
+        set(record.arrays) | set(record.objects),
+        group.rank if layout.world_size > 1 else 0,
+        where=location.describe(),
+    )
+
+    if not sharded_strategy.can_handle_sharded_objects:
+        validate_sharded_objects_handling(sharded_strategy, common_strategy)
+        objects_part, sharded_state_dict = extract_matching_values(
+            sharded_state_dict, lambda v: isinstance(v, ShardedObject)
+        )
+        merge(common_state_dict, common_strategy.load_sharded_objects(objects_part, location))
+    merge(common_state_dict, sharded_strategy.load(sharded_state_dict, location))
+    apply_factory_merges(common_state_dict, factories)
+
+    if StrictHandling.requires_returning_mismatch_keys(strict):
+        return common_state_dict, missing_keys, unexpected_keys
+    return common_state_dict
+
+
+def load_preprocess(
+    sharded_state_dict: ShardedStateDict,
+) -> tuple[ShardedStateDict, StateDict, ShardedStateDict]:
+    """Builds factories (remembering them for the merge) and unwraps non-persistent values.
+
+    Returns:
+        ``(sharded state dict, non-persistent values, factories)``
+    """
+    factories, _ = extract_matching_values(sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory))
+    apply_factories(sharded_state_dict)
+    nonpersistent, sharded_state_dict = extract_nonpersistent(sharded_state_dict)
+    dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
+    return sharded_state_dict, nonpersistent, factories
+
+
+def verify_checkpoint_and_load_strategy(
+    checkpoint_dir: CheckpointDir,
+    sharded_strategy: Optional[LoadShardedStrategy] = None,
+    common_strategy: Optional[LoadCommonStrategy] = None,
+) -> tuple[LoadShardedStrategy, LoadCommonStrategy]:
+    """The load strategies for a checkpoint: defaults from its config, or the given ones
+    after checking they can read it."""
+    location = open_location(checkpoint_dir)
+    config = maybe_load_config(location)
+    if config is None:
+        raise CheckpointingException(f"{location.describe()} is not a distributed checkpoint (no metadata.json)")
+    if sharded_strategy is None:
+        sharded_strategy = get_default_strategy(
+            StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
+        )
+    else:
+        sharded_strategy.check_backend_compatibility(config.sharded_backend)
+        sharded_strategy.check_version_compatibility(config.sharded_backend_version)
+    if common_strategy is None:
+        common_strategy = get_default_strategy(
+            StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version
+        )
+    else:
+        common_strategy.check_backend_compatibility(config.common_backend)
+        common_strategy.check_version_compatibility(config.common_backend_version)
+    return sharded_strategy, common_strategy
+
+
+def get_default_load_sharded_strategy(checkpoint_dir: CheckpointDir) -> LoadShardedStrategy:
+    """The default load strategy for the checkpoint's sharded backend."""
+    return verify_checkpoint_and_load_strategy(checkpoint_dir)[0]
+
+
+def load_common_state_dict(
+    checkpoint_dir: CheckpointDir, common_strategy: Optional[LoadCommonStrategy] = None
+) -> StateDict:
+    """The common (non-sharded) state of a committed checkpoint."""
+    location = open_location(checkpoint_dir)
+    read_commit_record(location)
+    _, common_strategy = verify_checkpoint_and_load_strategy(location, None, common_strategy)
+    return common_strategy.load_common(location)
+
+
+def load_tensors_metadata(
+    checkpoint_dir: CheckpointDir, sharded_strategy: Optional[LoadShardedStrategy] = None
+) -> CommonStateDict:
+    """Every tensor's global shape and dtype, from the commit record alone.
+
+    Returns:
+        ``{key: ShardedTensor without data covering the whole tensor}``
+    """
+    location = open_location(checkpoint_dir)
+    sharded_strategy, _ = verify_checkpoint_and_load_strategy(location, sharded_strategy)
+    return sharded_strategy.load_tensors_metadata(location)
+
+
+def load_sharded_metadata(
+    checkpoint_dir: CheckpointDir,
+    sharded_strategy: Optional[LoadShardedStrategy] = None,
+    common_strategy: Optional[LoadCommonStrategy] = None,
+) -> CommonStateDict:
+    """Data-less ShardedTensors and ShardedObjects of the checkpoint.
+
+    Returns:
+        ``{sharded key: ShardedTensor or ShardedObject}`` (tensors by key, object shards
+        by their unique key).
+    """
+    location = open_location(checkpoint_dir)
+    sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(location, sharded_strategy, common_strategy)
+    metadata = sharded_strategy.load_sharded_metadata(location)
+    if not sharded_strategy.can_handle_sharded_objects:
+        metadata.update(common_strategy.load_sharded_metadata(location))
+    return metadata
+
+
+def load_plain_tensors(checkpoint_dir: CheckpointDir) -> StateDict:
+    """Every tensor of the checkpoint, whole, as plain tensors (on every calling rank)."""
+    sharded_state_dict = load_tensors_metadata(checkpoint_dir)
+    return load(sharded_state_dict, checkpoint_dir, validate_access_integrity=False)
+
+
+def remove_sharded_tensors(checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
+    """Removes every tensor whose key starts with ``key_prefix`` (call on one process)."""
+    sharded_strategy = get_default_load_sharded_strategy(checkpoint_dir)
+    sharded_strategy.remove_sharded_tensors(open_location(checkpoint_dir), key_prefix)
+
+
+__all__ = [
+    "get_default_load_sharded_strategy",
+    "get_default_save_common_strategy",
+    "get_default_save_sharded_strategy",
+    "load",
+    "load_common_state_dict",
+    "load_plain_tensors",
+    "load_sharded_metadata",
+    "load_tensors_metadata",
+    "remove_sharded_tensors",
+    "save",
+]

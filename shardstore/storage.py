@@ -1,0 +1,239 @@
+"""Where bytes go: a checkpoint location and the few operations shardstore needs on it.
+
+A location is a local directory or (later) an ``s3://bucket/prefix``. Bulk chunk I/O
+does not pass through here: the location only hands TensorStore a kvstore spec. What
+passes through here are the small files (``zarr.json`` documents, ``common.pt``, sharded
+objects, the commit record), listing and removal, and durability.
+
+Durability on a local disk: small files are written without a per-file fsync;
+``make_durable`` then flushes the whole file system once (``syncfs``), which covers
+TensorStore's chunk files and every directory entry in one system call instead of one
+per file. The commit record alone is written with temp file + fsync + rename + fsync
+of the directory, so it appears atomically and only after everything it vouches for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Threads for batches of small-file writes; they release the GIL in write().
+SMALL_FILE_WRITERS = 8
+
+
+class StorageError(OSError):
+    """A storage operation failed; the message names the location and the object."""
+
+
+class Location(ABC):
+    """A checkpoint's root: a place where relative paths (``/``-separated) name objects."""
+
+    @abstractmethod
+    def describe(self, rel: str = "") -> str:
+        """A human-readable address of ``rel`` for error messages."""
+
+    @abstractmethod
+    def read_bytes_or_none(self, rel: str) -> bytes | None:
+        """The object's bytes, or None if it does not exist."""
+
+    def read_bytes(self, rel: str) -> bytes:
+        data = self.read_bytes_or_none(rel)
+        if data is None:
+            raise FileNotFoundError(f"{self.describe(rel)} does not exist")
+        return data
+
+    @abstractmethod
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Writes one object (no durability guarantee until ``make_durable``)."""
+
+    def write_many(self, files: dict[str, bytes]) -> None:
+        """Writes many small objects concurrently."""
+        if len(files) <= 1:
+            for rel, data in files.items():
+                self.write_bytes(rel, data)
+            return
+        with ThreadPoolExecutor(SMALL_FILE_WRITERS) as pool:
+            for future in [pool.submit(self.write_bytes, r, d) for r, d in files.items()]:
+                future.result()
+
+    @abstractmethod
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        """Writes one object so that readers see either nothing or all of it, durably."""
+
+    @abstractmethod
+    def exists(self, rel: str) -> bool: ...
+
+    @abstractmethod
+    def is_empty(self) -> bool:
+        """True if nothing is stored under the location (or it does not exist)."""
+
+    @abstractmethod
+    def remove(self, rel: str) -> None:
+        """Removes one object if it exists."""
+
+    @abstractmethod
+    def remove_tree(self, rel: str = "") -> None:
+        """Removes everything under ``rel`` (the whole location for ``""``)."""
+
+    @abstractmethod
+    def prepare(self) -> None:
+        """Makes the location ready to receive objects (creates the directory)."""
+
+    @abstractmethod
+    def make_durable(self) -> None:
+        """Blocks until everything written so far by this process is on stable storage."""
+
+    @abstractmethod
+    def kvstore_spec(self, rel: str = "") -> dict[str, Any]:
+        """TensorStore kvstore spec for the directory ``rel`` (ends with ``/``)."""
+
+    @abstractmethod
+    def tensorstore_context(self) -> dict[str, Any]:
+        """TensorStore context resources suited to this storage."""
+
+
+class LocalLocation(Location):
+    """A directory on a local or shared POSIX file system."""
+
+    def __init__(self, path: str | os.PathLike, fsync: bool = True) -> None:
+        self.root = Path(path).absolute()
+        self.fsync = fsync
+
+    def __repr__(self) -> str:
+        return f"LocalLocation({str(self.root)!r})"
+
+    def _path(self, rel: str) -> Path:
+        return self.root / rel if rel else self.root
+
+    def describe(self, rel: str = "") -> str:
+        return str(self._path(rel))
+
+    def read_bytes_or_none(self, rel: str) -> bytes | None:
+        try:
+            return self._path(rel).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StorageError(f"Cannot read {self.describe(rel)}: {exc}") from exc
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        path = self._path(rel)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+        except OSError as exc:
+            raise StorageError(f"Cannot write {path}: {exc}") from exc
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        path = self._path(rel)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    if self.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            if self.fsync:
+                _fsync_directory(path.parent)
+        except OSError as exc:
+            raise StorageError(f"Cannot write {path}: {exc}") from exc
+
+    def exists(self, rel: str) -> bool:
+        return self._path(rel).exists()
+
+    def is_empty(self) -> bool:
+        return not self.root.exists() or next(self.root.iterdir(), None) is None
+
+    def remove(self, rel: str) -> None:
+        self._path(rel).unlink(missing_ok=True)
+
+    def remove_tree(self, rel: str = "") -> None:
+        path = self._path(rel)
+        if rel == "":
+            # Keep the directory itself: the caller may hold it open or own its permissions.
+            for child in path.iterdir() if path.exists() else ():
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+    def prepare(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"Cannot create checkpoint directory {self.root}: {exc}") from exc
+
+    def make_durable(self) -> None:
+        if self.fsync and self.root.exists():
+            _syncfs(self.root)
+
+    def kvstore_spec(self, rel: str = "") -> dict[str, Any]:
+        path = str(self._path(rel))
+        return {"driver": "file", "path": path if path.endswith("/") else path + "/"}
+
+    def tensorstore_context(self) -> dict[str, Any]:
+        # No fsync per chunk file: make_durable flushes the file system once instead.
+        return {"file_io_sync": False}
+
+
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+
+def _syncfs(path: Path) -> None:
+    """Flushes the file system holding ``path``: data, inodes and directory entries."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        syncfs = getattr(_libc, "syncfs", None)
+        if syncfs is None:
+            os.sync()
+            return
+        if syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise StorageError(err, f"syncfs failed on {path}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def open_location(target: str | os.PathLike | Location, **options: Any) -> Location:
+    """The Location for a checkpoint directory given as a path, URL or Location.
+
+    Args:
+        target: a local path, or an existing Location (returned as is)
+        options: passed to the Location (e.g. ``fsync=False`` for local paths)
+    """
+    if isinstance(target, Location):
+        return target
+    text = os.fspath(target)
+    if "://" in text:
+        scheme = text.split("://", 1)[0]
+        raise StorageError(f"Unsupported checkpoint location scheme {scheme!r} in {text!r}")
+    return LocalLocation(text, **options)

@@ -1,0 +1,232 @@
+"""Strategy interfaces and the registry of default strategies.
+
+A save or load is split between a *sharded* strategy (ShardedTensors, the storage core:
+``strategies.zarr``) and a *common* strategy (the non-sharded state and, here, the
+ShardedObjects: ``strategies.common``). ``serialization`` picks them from the registry
+by action, backend and version, and never touches bytes itself.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Union
+
+from shardstore.core import CheckpointingException
+from shardstore.mapping import ShardedStateDict, StateDict
+from shardstore.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+
+if TYPE_CHECKING:
+    from shardstore.layout import GlobalLayout
+
+CheckpointDir = Union[str, Path]
+
+
+class StrategyAction(Enum):
+    """Specifies save vs load and sharded vs common action."""
+
+    LOAD_COMMON = "load_common"
+    LOAD_SHARDED = "load_sharded"
+    SAVE_COMMON = "save_common"
+    SAVE_SHARDED = "save_sharded"
+
+
+default_strategies: defaultdict[str, dict[tuple, Any]] = defaultdict(dict)
+
+async_calls = AsyncCallsQueue()
+
+
+def get_default_strategy(action: StrategyAction, backend: str, version: int) -> Any:
+    """The default strategy registered for ``action``, ``backend`` and ``version``."""
+    _register_builtin_strategies()
+    try:
+        return default_strategies[action.value][(backend, version)]
+    except KeyError as exc:
+        known = sorted(default_strategies[action.value])
+        raise CheckpointingException(
+            f"No default strategy for {action.value} with backend {backend!r} version {version}; "
+            f"known (backend, version) pairs: {known}"
+        ) from exc
+
+
+def register_default_strategy(
+    action: StrategyAction,
+    backend: str,
+    version: int,
+    strategy: Union[SaveStrategyBase, LoadStrategyBase],
+) -> None:
+    """Makes ``strategy`` the default for ``action``, ``backend`` and ``version``."""
+    default_strategies[action.value][(backend, version)] = strategy
+
+
+_builtins_registered = False
+
+
+def _register_builtin_strategies() -> None:
+    """Registers shardstore's own strategies once (their modules import this one)."""
+    global _builtins_registered
+    if _builtins_registered:
+        return
+    _builtins_registered = True
+    from shardstore.strategies.common import register_default_common_strategies
+    from shardstore.strategies.zarr import register_default_zarr_strategies
+
+    register_default_zarr_strategies()
+    register_default_common_strategies()
+
+
+class LoadStrategyBase(ABC):
+    """Base class for a load strategy: checks compatibility with a checkpoint's backend."""
+
+    @abstractmethod
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        """Raises CheckpointingException if this strategy cannot read ``loaded_backend``."""
+
+    @abstractmethod
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        """Raises CheckpointingException if this strategy cannot read ``loaded_version``."""
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """Whether this strategy loads ShardedObjects."""
+        return False
+
+
+class SaveStrategyBase(ABC):
+    """Base class for a save strategy: names the backend and version of its format."""
+
+    def __init__(self, backend: str, version: int) -> None:
+        self.backend = backend
+        self.version = version
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """Whether this strategy saves ShardedObjects."""
+        return False
+
+    def __str__(self) -> str:
+        return f"{self.__class__.__name__}({self.backend}, {self.version})"
+
+
+class LoadCommonStrategy(LoadStrategyBase):
+    """Load strategy for the common (non-sharded) state."""
+
+    @abstractmethod
+    def load_common(self, checkpoint_dir: CheckpointDir) -> StateDict:
+        """Loads the common part of the checkpoint."""
+
+    @abstractmethod
+    def load_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+    ) -> StateDict:
+        """Loads the ShardedObjects of the state dict."""
+
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
+        """Data-less ShardedObjects of the checkpoint, keyed by their sharded key."""
+        raise NotImplementedError(f"{self} cannot list sharded object metadata")
+
+
+class LoadShardedStrategy(LoadStrategyBase):
+    """Load strategy for ShardedTensors."""
+
+    @abstractmethod
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> StateDict:
+        """Loads the sharded part of the checkpoint."""
+
+    @abstractmethod
+    def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
+        """Data-less ShardedTensors of every checkpoint tensor, keyed by tensor key.
+
+        Only the global shape and dtype are meaningful: each is a single shard covering
+        the whole tensor.
+        """
+
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
+        """Data-less ShardedTensors and ShardedObjects, keyed by sharded key."""
+        if not self.can_handle_sharded_objects:
+            return self.load_tensors_metadata(checkpoint_dir)
+        raise NotImplementedError(f"{self} must implement load_sharded_metadata")
+
+    @abstractmethod
+    def remove_sharded_tensors(self, checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
+        """Removes every tensor whose key starts with ``key_prefix``."""
+
+
+class SaveCommonStrategy(SaveStrategyBase):
+    """Save strategy for the common (non-sharded) state."""
+
+    @abstractmethod
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: CheckpointDir) -> None:
+        """Saves the common part of the state dict (called on the coordinator only)."""
+
+    def save_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+    ) -> None:
+        """Saves this rank's ShardedObjects."""
+        raise NotImplementedError(f"{self} does not save ShardedObjects")
+
+
+class SaveShardedStrategy(SaveStrategyBase):
+    """Save strategy for ShardedTensors."""
+
+    @abstractmethod
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
+        """Saves the sharded part of the state dict (collective)."""
+
+    def save_with_layout(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout
+    ) -> None:
+        """Like ``save``, reusing the global layout ``serialization`` already gathered.
+
+        Strategies that do not need the layout inherit this and ignore it.
+        """
+        self.save(sharded_state_dict, checkpoint_dir)
+
+
+class AsyncSaveShardedStrategy(SaveShardedStrategy):
+    """Save strategy that can return its I/O as an ``AsyncRequest``."""
+
+    @abstractmethod
+    def async_save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+    ) -> AsyncRequest:
+        """Prepares the save and returns the request; the caller schedules it.
+
+        Returns:
+            AsyncRequest with the I/O function and the finalization functions.
+        """
+
+    def async_save_with_layout(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout
+    ) -> AsyncRequest:
+        """Like ``async_save``, reusing an already gathered layout."""
+        return self.async_save(sharded_state_dict, checkpoint_dir)
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
+        """Every async strategy can be used synchronously."""
+        self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()
+
+    def save_with_layout(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout
+    ) -> None:
+        self.async_save_with_layout(sharded_state_dict, checkpoint_dir, layout).execute_sync()
+
+
+__all__ = [
+    "AsyncCallsQueue",
+    "AsyncRequest",
+    "AsyncSaveShardedStrategy",
+    "LoadCommonStrategy",
+    "LoadShardedStrategy",
+    "LoadStrategyBase",
+    "SaveCommonStrategy",
+    "SaveShardedStrategy",
+    "SaveStrategyBase",
+    "StrategyAction",
+    "async_calls",
+    "default_strategies",
+    "get_default_strategy",
+    "register_default_strategy",
+]

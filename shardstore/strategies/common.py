@@ -1,0 +1,175 @@
+"""The non-sharded part of a checkpoint: ``common.pt`` and the ShardedObjects.
+
+Both are ``torch.save`` pickles. They are loaded with ``torch.load(weights_only=True)``
+so a crafted checkpoint cannot run code; the allow-list below adds what trainers
+commonly keep there (numpy arrays and RNG states, ``argparse.Namespace``). Anything
+else is refused with an error that says how to opt in:
+``TorchCommonLoadStrategy(allow_unsafe_pickle=True)`` for checkpoints you trust.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import pickle
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardstore.core import CheckpointingException
+from shardstore.dict_utils import dict_list_map_inplace, nested_values
+from shardstore.format import COMMON_FILE, object_path, read_commit_record
+from shardstore.mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
+from shardstore.storage import Location, open_location
+from shardstore.strategies.base import (
+    CheckpointDir,
+    LoadCommonStrategy,
+    SaveCommonStrategy,
+    StrategyAction,
+    register_default_strategy,
+)
+
+COMMON_BACKEND = "torch"
+COMMON_VERSION = 1
+
+
+def _numpy_safe_globals() -> list[Any]:
+    """What unpickling numpy arrays, dtypes and scalars needs, and nothing that runs code."""
+    try:
+        from numpy._core.multiarray import _reconstruct, scalar
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct, scalar  # type: ignore[no-redef]
+    dtype_classes = {type(np.dtype(t)) for t in np.sctypeDict.values() if t is not np.object_}
+    return [_reconstruct, scalar, np.ndarray, np.dtype, *dtype_classes]
+
+
+SAFE_GLOBALS: list[Any] = [*_numpy_safe_globals(), argparse.Namespace]
+
+
+def serialize(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def deserialize(data: bytes, where: str, allow_unsafe_pickle: bool) -> Any:
+    """Unpickles ``data`` safely unless the caller opted in to arbitrary pickles."""
+    buffer = io.BytesIO(data)
+    try:
+        if allow_unsafe_pickle:
+            return torch.load(buffer, map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(buffer, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "weights_only" in str(exc) or "Unsupported global" in str(exc):
+            raise CheckpointingException(
+                f"{where} contains objects that a safe load refuses (loading them could run code): "
+                f"{str(exc).splitlines()[0]}. If you trust this checkpoint, load with "
+                "common_strategy=TorchCommonLoadStrategy(allow_unsafe_pickle=True)."
+            ) from exc
+        raise CheckpointingException(f"{where} is corrupt: {exc}") from exc
+    except (RuntimeError, EOFError, ValueError) as exc:
+        raise CheckpointingException(f"{where} is corrupt or truncated: {exc}") from exc
+
+
+class TorchCommonSaveStrategy(SaveCommonStrategy):
+    """Saves the common state as ``common.pt`` and each ShardedObject shard as a file."""
+
+    def __init__(self, backend: str = COMMON_BACKEND, version: int = COMMON_VERSION) -> None:
+        super().__init__(backend, version)
+
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: CheckpointDir | Location) -> None:
+        open_location(checkpoint_dir).write_bytes(COMMON_FILE, serialize(common_state_dict))
+
+    def save_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir | Location
+    ) -> None:
+        """Writes this rank's main-replica ShardedObjects (other replicas write nothing)."""
+        files = {
+            object_path(obj.unique_key): serialize(obj.data)
+            for obj in nested_values(sharded_objects_state_dict)
+            if isinstance(obj, ShardedObject) and is_main_replica(obj.replica_id)
+        }
+        open_location(checkpoint_dir).write_many(files)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+
+class TorchCommonLoadStrategy(LoadCommonStrategy):
+    """Loads ``common.pt`` and ShardedObjects, refusing code-running pickles by default.
+
+    Args:
+        allow_unsafe_pickle: load arbitrary pickles (only for checkpoints you trust).
+    """
+
+    def __init__(self, allow_unsafe_pickle: bool = False) -> None:
+        self.allow_unsafe_pickle = allow_unsafe_pickle
+
+    def load_common(self, checkpoint_dir: CheckpointDir | Location) -> StateDict:
+        location = open_location(checkpoint_dir)
+        data = location.read_bytes_or_none(COMMON_FILE)
+        if data is None:
+            raise CheckpointingException(f"Common state {location.describe(COMMON_FILE)} is missing")
+        state = deserialize(data, location.describe(COMMON_FILE), self.allow_unsafe_pickle)
+        if not isinstance(state, dict):
+            raise CheckpointingException(
+                f"{location.describe(COMMON_FILE)} holds a {type(state).__name__}, expected a dict"
+            )
+        return state
+
+    def load_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir | Location
+    ) -> StateDict:
+        location = open_location(checkpoint_dir)
+
+        def load_object(obj: Any) -> Any:
+            if not isinstance(obj, ShardedObject):
+                return obj
+            rel = object_path(obj.unique_key)
+            data = location.read_bytes_or_none(rel)
+            if data is None:
+                raise CheckpointingException(
+                    f"ShardedObject {obj.key!r} shard {obj.unique_key!r} is missing from "
+                    f"{location.describe()} (expected {rel}); was it saved with the same "
+                    "global_shape and offsets?"
+                )
+            return deserialize(data, location.describe(rel), self.allow_unsafe_pickle)
+
+        return dict_list_map_inplace(load_object, sharded_objects_state_dict)
+
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointDir | Location) -> ShardedStateDict:
+        """Data-less ShardedObjects of the checkpoint, keyed by their unique key."""
+        record = read_commit_record(open_location(checkpoint_dir))
+        return {
+            shard_key: ShardedObject.empty_from_unique_key(shard_key)
+            for obj in record.objects.values()
+            for shard_key in obj.shard_keys
+        }
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        if loaded_backend != COMMON_BACKEND:
+            raise CheckpointingException(
+                f"{self} reads common backend {COMMON_BACKEND!r}, the checkpoint has {loaded_backend!r}"
+            )
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        if loaded_version != COMMON_VERSION:
+            raise CheckpointingException(
+                f"{self} reads common backend version {COMMON_VERSION}, the checkpoint has {loaded_version}"
+            )
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        return self.__class__.__name__
+
+
+def register_default_common_strategies() -> None:
+    """Registers the torch common strategies as defaults for backend ``torch`` v1."""
+    register_default_strategy(StrategyAction.LOAD_COMMON, COMMON_BACKEND, COMMON_VERSION, TorchCommonLoadStrategy())
+    register_default_strategy(StrategyAction.SAVE_COMMON, COMMON_BACKEND, COMMON_VERSION, TorchCommonSaveStrategy())

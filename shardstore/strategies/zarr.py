@@ -1,0 +1,744 @@
+"""The storage core: ShardedTensors as Zarr v3 arrays, written and read with TensorStore.
+
+Save, in stages (``ZarrSaveShardedStrategy``)::
+
+    all ranks    stage     tensors -> host numpy views (CUDA copied once); the chunks of
+                           flattened tensors that straddle ranks are assembled by
+                           exchanging only the straddling pieces (collective)
+    all ranks    write     array zarr.json files (owner of each array's first chunk) in
+                           one batch, then every chunk write in flight at once; then
+                           the written data is made durable
+    all ranks    agree     every rank reports success or its error (collective)
+    coordinator  commit    root zarr.json = commit record, written atomically, last
+
+``stage`` is the blocking part of an async save; ``write`` is the ``AsyncRequest``'s
+I/O; ``agree`` + ``commit`` are its finalization.
+
+Load (``ZarrLoadShardedStrategy``): one read of the commit record gives every array's
+metadata; arrays are opened without reading their ``zarr.json``; each requested region
+is read (only the chunks that overlap it), all reads in flight at once, and each result
+becomes the tensor without a copy.
+
+The module functions named after Megatron-Core's zarr strategy (``_create_zarr_array``,
+``_load_from_array``, ...) work on single tensors, for callers of that API.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+import torch
+import torch.distributed as dist
+
+from shardstore.core import CheckpointingException
+from shardstore.dict_utils import dict_list_map_inplace
+from shardstore.distributed import Group
+from shardstore.dtypes import (
+    from_torch,
+    from_zarr_name,
+    numpy_to_tensor,
+    numpy_to_torch_dtype_dict,  # noqa: F401  (seed API)
+    tensor_to_numpy,
+    torch_to_numpy_dtype_dict,  # noqa: F401  (seed API)
+)
+from shardstore.format import (
+    ZARR_JSON,
+    ArrayRecord,
+    CommitRecord,
+    ObjectRecord,
+    group_metadata,
+    parent_groups,
+    read_commit_record,
+    write_commit_record,
+)
+from shardstore.layout import (
+    FlatChunk,
+    FlatPlan,
+    GlobalLayout,
+    Region,
+    ShardRecord,
+    chunk_shape_for,
+    plan_flat_writes,
+)
+from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from shardstore.storage import Location, open_location
+from shardstore.strategies.async_utils import AsyncRequest
+from shardstore.strategies.base import (
+    AsyncSaveShardedStrategy,
+    CheckpointDir,
+    LoadShardedStrategy,
+    StrategyAction,
+    register_default_strategy,
+)
+
+logger = logging.getLogger(__name__)
+
+ZARR_BACKEND = "zarr"
+ZARR_VERSION = 1
+# Bound on one stored object: small enough for fine-grained resharded reads and far
+# below S3's 5 GiB single-PUT limit.
+DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
+# TensorStore I/O operations in flight at once.
+DEFAULT_IO_CONCURRENCY = 64
+
+
+# --------------------------------------------------------------------------- specs
+
+
+def tensorstore_context(location: Location, io_concurrency: int = DEFAULT_IO_CONCURRENCY) -> ts.Context:
+    """One context per save or load: no chunk cache (data passes through once)."""
+    return ts.Context(
+        {
+            "cache_pool": {"total_bytes_limit": 0},
+            "data_copy_concurrency": {"limit": max(1, os.cpu_count() or 1)},
+            "file_io_concurrency": {"limit": io_concurrency},
+            **location.tensorstore_context(),
+        }
+    )
+
+
+def array_spec(location: Location, record: ArrayRecord, for_write: bool) -> dict[str, Any]:
+    """TensorStore spec that opens ``record``'s array without reading its ``zarr.json``.
+
+    Writes store chunks even when they equal the fill value, and reads refuse missing
+    chunks, so a lost chunk is an error instead of silent zeros.
+    """
+    spec: dict[str, Any] = {
+        "driver": "zarr3",
+        "kvstore": location.kvstore_spec(record.key),
+        "metadata": record.zarr_metadata(),
+    }
+    if for_write:
+        spec["store_data_equal_to_fill_value"] = True
+    else:
+        spec["fill_missing_data_reads"] = False
+    return spec
+
+
+def open_arrays(
+    location: Location, records: list[ArrayRecord], context: ts.Context, for_write: bool
+) -> dict[str, ts.TensorStore]:
+    """Opens many arrays concurrently (no I/O: the metadata is assumed, not read)."""
+    futures = {
+        r.key: ts.open(
+            array_spec(location, r, for_write), open=True, assume_metadata=True, context=context
+        )
+        for r in records
+    }
+    handles = {}
+    for key, future in futures.items():
+        try:
+            handles[key] = future.result()
+        except Exception as exc:
+            raise CheckpointingException(
+                f"Cannot open array {key!r} of checkpoint {location.describe()}: {exc}"
+            ) from exc
+    return handles
+
+
+def _region_shape(region: Region) -> tuple[int, ...]:
+    return tuple(s.stop - s.start for s in region)
+
+
+def _ts_index(region: Region) -> tuple[slice, ...]:
+    return tuple(slice(s.start, s.stop) for s in region)
+
+
+# --------------------------------------------------------------------------- save
+
+
+def array_records(layout: GlobalLayout, max_chunk_bytes: int) -> dict[str, ArrayRecord]:
+    """Every array's metadata: a pure function of the layout (same on every rank)."""
+    records = {}
+    for key, shards in layout.tensors.items():
+        first = shards[0]
+        itemsize = from_zarr_name(first.dtype).itemsize
+        main = [s for s in shards if s.main]
+        chunk = chunk_shape_for(main, first.global_shape, itemsize, max_chunk_bytes)
+        records[key] = ArrayRecord(key, first.global_shape, first.dtype, chunk)
+    return records
+
+
+def _owns_first_chunk(shard: ShardRecord) -> bool:
+    """The main shard holding element 0 creates the array (writes its zarr.json)."""
+    return (
+        shard.main
+        and not any(shard.offset)
+        and (shard.flat_range is None or shard.flat_range[0] == 0)
+    )
+
+
+@dataclass
+class WriteOp:
+    """One region of one array and the host bytes that go there."""
+
+    key: str
+    region: Region
+    value: np.ndarray
+
+
+@dataclass
+class StagedSave:
+    """A rank's part of a save, ready for I/O: nothing refers to the caller's tensors
+    except through ``ops`` (host views, or CUDA data already copied to host)."""
+
+    location: Location
+    records: dict[str, ArrayRecord]
+    metadata_files: dict[str, bytes]
+    ops: list[WriteOp]
+    commit_record: CommitRecord
+    group: Group
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor in contiguous CPU memory: a view when it already is, else one copy."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    return tensor.contiguous()
+
+
+def stage_save(
+    tensors: list[ShardedTensor],
+    location: Location,
+    layout: GlobalLayout,
+    group: Group,
+    max_chunk_bytes: int,
+) -> StagedSave:
+    """Collective: prepares this rank's writes (host copies, straddling-chunk exchange)."""
+    records = array_records(layout, max_chunk_bytes)
+    host: list[torch.Tensor | None] = [None] * len(tensors)
+    error = None
+    try:
+        for i, t in enumerate(tensors):
+            if is_main_replica(t.replica_id):
+                if t.data is None:
+                    raise CheckpointingException(f"ShardedTensor {t.key!r} has no data to save")
+                host[i] = to_host(t.data)
+    except Exception as exc:  # reported on every rank by agree()
+        error = exc
+    group.agree(error, f"Staging tensors for checkpoint {location.describe()}")
+
+    ops: list[WriteOp] = []
+    flat_plan = FlatPlan()
+    for key, shards in sorted(layout.tensors.items()):
+        main = [s for s in shards if s.main]
+        if main and main[0].flat_range is not None:
+            plan_flat_writes(key, main, records[key].chunk_shape, group.rank, flat_plan)
+        for s in main:
+            if s.rank == group.rank and s.flat_range is None:
+                value = tensor_to_numpy(host[s.index]).reshape(s.block_shape)
+                ops.append(WriteOp(key, s.region, value))
+    for w in flat_plan.direct:
+        flat = tensor_to_numpy(host[w.index])[w.local_start : w.local_stop]
+        ops.append(WriteOp(w.key, w.region, flat.reshape(_region_shape(w.region))))
+    ops += exchange_straddling_chunks(flat_plan, host, records, group)
+
+    my_shards = [s for shards in layout.tensors.values() for s in shards if s.rank == group.rank]
+    metadata_files = {
+        f"{s.key}/{ZARR_JSON}": json.dumps(records[s.key].zarr_metadata()).encode()
+        for s in my_shards
+        if _owns_first_chunk(s)
+    }
+    if group.is_coordinator:
+        for g in parent_groups(list(records)):
+            metadata_files[f"{g}/{ZARR_JSON}"] = json.dumps(group_metadata()).encode()
+    commit = CommitRecord(
+        arrays=records,
+        objects={
+            key: ObjectRecord(key, tuple(sorted({o.unique_key for o in shards if o.main})))
+            for key, shards in layout.objects.items()
+        },
+        world_size=group.world_size,
+    )
+    return StagedSave(location, records, metadata_files, ops, commit, group)
+
+
+def exchange_straddling_chunks(
+    plan: FlatPlan, host: list[torch.Tensor | None], records: dict[str, ArrayRecord], group: Group
+) -> list[WriteOp]:
+    """Collective: assembles the flat chunks this rank writes from its neighbours' pieces.
+
+    Only the straddling pieces travel, as raw bytes, point to point; every rank walks
+    the same ordered list of straddling chunks, so sends and receives pair up.
+    """
+    if not plan.all_straddling:
+        return []
+    device = group.device
+    assembled: dict[int, tuple[FlatChunk, torch.Tensor]] = {}
+    ops: list[dist.P2POp] = []
+    received: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for tag, chunk in enumerate(plan.all_straddling):
+        itemsize = from_zarr_name(records[chunk.key].dtype).itemsize
+        if chunk.writer == group.rank:
+            buffer = torch.empty(chunk.volume * itemsize, dtype=torch.uint8)
+            assembled[tag] = (chunk, buffer)
+        for rank, index, lo, hi, at in chunk.pieces:
+            if chunk.writer == group.rank:
+                target = buffer[at * itemsize : (at + (hi - lo)) * itemsize]
+                if rank == group.rank:
+                    target.copy_(host[index][lo:hi].view(torch.uint8))
+                else:
+                    landing = target if device.type == "cpu" else torch.empty_like(target, device=device)
+                    ops.append(dist.P2POp(dist.irecv, landing, group.global_rank(rank), group.process_group, tag))
+                    if landing is not target:
+                        received.append((landing, target))
+            elif rank == group.rank:
+                piece = host[index][lo:hi].view(torch.uint8).to(device)
+                ops.append(dist.P2POp(dist.isend, piece, group.global_rank(chunk.writer), group.process_group, tag))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for landing, target in received:
+        target.copy_(landing)
+    result = []
+    for chunk, buffer in assembled.values():
+        dtype = from_zarr_name(records[chunk.key].dtype)
+        value = buffer.numpy().view(dtype.numpy_dtype).reshape(_region_shape(chunk.region))
+        result.append(WriteOp(chunk.key, chunk.region, value))
+    return result
+
+
+def write_staged(staged: StagedSave, io_concurrency: int = DEFAULT_IO_CONCURRENCY) -> None:
+    """This rank's I/O: metadata files, then every chunk write in flight, then durability."""
+    location = staged.location
+    location.write_many(staged.metadata_files)
+    keys = sorted({op.key for op in staged.ops})
+    context = tensorstore_context(location, io_concurrency)
+    handles = open_arrays(location, [staged.records[k] for k in keys], context, for_write=True)
+    pending = [
+        (op, handles[op.key][_ts_index(op.region)].write(op.value, can_reference_source_data_indefinitely=True))
+        for op in staged.ops
+        if op.value.size
+    ]
+    for op, future in pending:
+        try:
+            future.result()
+        except Exception as exc:
+            raise CheckpointingException(
+                f"Writing array {op.key!r} region {_describe_region(op.region)} of checkpoint "
+                f"{location.describe()} failed: {exc}"
+            ) from exc
+    location.make_durable()
+
+
+def _describe_region(region: Region) -> str:
+    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in region) + "]"
+
+
+def finalize_save(staged: StagedSave, error: BaseException | None) -> None:
+    """Collective: every rank agrees the writes succeeded; then the coordinator commits.
+
+    On any failure every rank raises and no commit record is written.
+    """
+    group, location = staged.group, staged.location
+    group.agree(error, f"Writing checkpoint {location.describe()}")
+    commit_error = None
+    if group.is_coordinator:
+        try:
+            write_commit_record(location, staged.commit_record)
+        except Exception as exc:  # told to every rank by decide()
+            commit_error = exc
+    group.decide(commit_error, f"Committing checkpoint {location.describe()}")
+
+
+class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
+    """Saves ShardedTensors as Zarr v3 arrays (one global array per key).
+
+    Args:
+        backend: format name, ``"zarr"``.
+        version: format version, 1.
+        max_chunk_bytes: upper bound on one stored chunk, in bytes.
+        io_concurrency: TensorStore I/O operations in flight at once.
+        process_group: group of the ranks that save together (default: the world).
+    """
+
+    def __init__(
+        self,
+        backend: str = ZARR_BACKEND,
+        version: int = ZARR_VERSION,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(backend, version)
+        if max_chunk_bytes < 1:
+            raise ValueError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
+        self.max_chunk_bytes = max_chunk_bytes
+        self.io_concurrency = io_concurrency
+        self.process_group = process_group
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> AsyncRequest:
+        from shardstore.validation import gather_layout, local_sharded_items, validate_sharding_integrity
+
+        tensors, objects = local_sharded_items(sharded_state_dict)
+        layout = gather_layout(tensors, objects, Group(self.process_group))
+        validate_sharding_integrity(layout)
+        return self.async_save_with_layout(sharded_state_dict, checkpoint_dir, layout)
+
+    def async_save_with_layout(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout
+    ) -> AsyncRequest:
+        from shardstore.validation import local_sharded_items
+
+        tensors, _ = local_sharded_items(sharded_state_dict)
+        group = Group(self.process_group)
+        location = open_location(checkpoint_dir)
+        staged = stage_save(tensors, location, layout, group, self.max_chunk_bytes)
+        return AsyncRequest(
+            async_fn=write_staged,
+            async_fn_args=(staged, self.io_concurrency),
+            finalize_fns=[_finalizer(staged)],
+        )
+
+
+def _finalizer(staged: StagedSave) -> Callable[[BaseException | None], None]:
+    def finalize(error: BaseException | None = None) -> None:
+        finalize_save(staged, error)
+
+    finalize.accepts_async_error = True  # type: ignore[attr-defined]
+    return finalize
+
+
+# --------------------------------------------------------------------------- load
+
+
+@dataclass
+class ReadOp:
+    """A region to read for one ShardedTensor and how to turn it into its tensor."""
+
+    tensor: ShardedTensor
+    region: Region
+    finish: Callable[[torch.Tensor], torch.Tensor]
+
+
+def plan_read(t: ShardedTensor, record: ArrayRecord, where: str) -> ReadOp:
+    """Which region of the stored array ``t`` needs, and the post-processing after it.
+
+    A flattened range reads only the rows of its block that it touches.
+    """
+    stored_dtype = from_zarr_name(record.dtype)
+    if record.shape != t.global_shape and not t.allow_shape_mismatch:
+        raise CheckpointingException(
+            f"{where}: tensor {t.key!r} is stored with global shape {record.shape}, the state "
+            f"dict expects {t.global_shape}; set allow_shape_mismatch=True to load it padded or truncated"
+        )
+    if len(record.shape) != len(t.global_shape):
+        raise CheckpointingException(
+            f"{where}: tensor {t.key!r} is stored with {len(record.shape)} dims, expected {len(t.global_shape)}"
+        )
+    block_shape = (1,) * t.prepend_axis_num + tuple(t.local_shape)
+    block = tuple(slice(o, o + b) for o, b in zip(t.global_offset, block_shape))
+    fr = t.flattened_range
+    if fr is not None and record.shape == t.global_shape and len(block_shape) > 0:
+        axis = next((a for a, b in enumerate(block_shape) if b > 1), len(block_shape) - 1)
+        row = math.prod(block_shape[axis + 1 :])
+        first, last = fr.start // row, -(-fr.stop // row)
+        region = block[:axis] + (slice(block[axis].start + first, block[axis].start + last),) + block[axis + 1 :]
+        skip = fr.start - first * row
+
+        def finish_flat(x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(-1)[skip : skip + fr.stop - fr.start]
+
+        return ReadOp(t, region, finish_flat)
+    region = tuple(slice(min(s.start, n), min(s.stop, n)) for s, n in zip(block, record.shape))
+
+    def finish(x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(_region_shape(region)[t.prepend_axis_num :])
+        if x.dtype != stored_dtype.torch_dtype:  # pragma: no cover (defensive)
+            raise CheckpointingException(f"{where}: {t.key!r} read back as {x.dtype}")
+        return postprocess_loaded(x, t)
+
+    return ReadOp(t, region, finish)
+
+
+def postprocess_loaded(x: torch.Tensor, t: ShardedTensor, apply_flattened_range: bool = True) -> torch.Tensor:
+    """Pads (allow_shape_mismatch) or checks the shape, then applies the flat range."""
+    if tuple(x.shape) != tuple(t.local_shape):
+        if not t.allow_shape_mismatch:
+            raise CheckpointingException(
+                f"Shape mismatch for {t.key!r}: loaded {tuple(x.shape)}, expected {tuple(t.local_shape)}"
+            )
+        x = pad_to_expected_shape(x, t)
+    if apply_flattened_range and t.flattened_range is not None:
+        x = flatten_range(t, x)
+    return x
+
+
+def _place(x: torch.Tensor, t: ShardedTensor) -> torch.Tensor:
+    """The loaded tensor in the requested dtype, on the device of ``t.data`` if given."""
+    if x.dtype != t.dtype:
+        x = x.to(t.dtype)
+    if t.data is not None and t.data.device.type != "cpu":
+        x = x.to(t.data.device, non_blocking=True)
+    return x
+
+
+def load_tensors(
+    tensors: list[ShardedTensor], location: Location, record: CommitRecord,
+    io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+) -> list[torch.Tensor]:
+    """Reads every tensor's region, all reads in flight at once; returns them in order."""
+    where = f"checkpoint {location.describe()}"
+    missing = sorted({t.key for t in tensors if t.key not in record.arrays})
+    if missing:
+        raise CheckpointingException(
+            f"{where} has no tensor(s) {missing}; pass strict='log_unexpected' (or another "
+            "StrictHandling) to skip keys that are not in the checkpoint"
+        )
+    reads = [plan_read(t, record.arrays[t.key], where) for t in tensors]
+    context = tensorstore_context(location, io_concurrency)
+    handles = open_arrays(location, [record.arrays[k] for k in sorted({t.key for t in tensors})], context, False)
+    futures = [handles[r.tensor.key][_ts_index(r.region)].read() for r in reads]
+    results = []
+    for r, future in zip(reads, futures):
+        try:
+            array = future.result()
+        except Exception as exc:
+            raise CheckpointingException(
+                f"Reading tensor {r.tensor.key!r} region {_describe_region(r.region)} from {where} "
+                f"failed: {exc}"
+            ) from exc
+        stored = record.arrays[r.tensor.key]
+        x = numpy_to_tensor(array, from_zarr_name(stored.dtype).torch_dtype)
+        results.append(_place(r.finish(x), r.tensor))
+    return results
+
+
+class ZarrLoadShardedStrategy(LoadShardedStrategy):
+    """Loads ShardedTensors from a shardstore Zarr v3 checkpoint, under any layout.
+
+    Args:
+        io_concurrency: TensorStore I/O operations in flight at once.
+    """
+
+    def __init__(self, io_concurrency: int = DEFAULT_IO_CONCURRENCY) -> None:
+        self.io_concurrency = io_concurrency
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> StateDict:
+        location = open_location(checkpoint_dir)
+        record = read_commit_record(location)
+        return self.load_with_record(sharded_state_dict, location, record)
+
+    def load_with_record(
+        self, sharded_state_dict: ShardedStateDict, location: Location, record: CommitRecord
+    ) -> StateDict:
+        """Like ``load`` with a commit record the caller already read."""
+        tensors: list[ShardedTensor] = []
+
+        def collect(x: Any) -> Any:
+            if isinstance(x, ShardedTensor):
+                tensors.append(x)
+            return x
+
+        dict_list_map_inplace(collect, sharded_state_dict)
+        loaded = iter(load_tensors(tensors, location, record, self.io_concurrency))
+        return dict_list_map_inplace(
+            lambda x: next(loaded) if isinstance(x, ShardedTensor) else x, sharded_state_dict
+        )
+
+    def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
+        record = read_commit_record(open_location(checkpoint_dir))
+        return {key: tensor_metadata(a) for key, a in record.arrays.items()}
+
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
+        return self.load_tensors_metadata(checkpoint_dir)
+
+    def remove_sharded_tensors(self, checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
+        """Removes the arrays whose key starts with ``key_prefix`` (call on one process).
+
+        The commit record is rewritten first, so a crash midway leaves a consistent
+        checkpoint with some unreferenced files, never a record naming missing arrays.
+        """
+        location = open_location(checkpoint_dir)
+        record = read_commit_record(location)
+        removed = [k for k in record.arrays if k.startswith(key_prefix)]
+        kept = {k: a for k, a in record.arrays.items() if k not in removed}
+        write_commit_record(
+            location,
+            CommitRecord(kept, record.objects, record.world_size, record.format_version),
+        )
+        for key in removed:
+            location.remove_tree(key)
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        if loaded_backend != ZARR_BACKEND:
+            raise CheckpointingException(
+                f"{self.__class__.__name__} reads backend {ZARR_BACKEND!r}, the checkpoint has {loaded_backend!r}"
+            )
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        if loaded_version != ZARR_VERSION:
+            raise CheckpointingException(
+                f"{self.__class__.__name__} reads format version {ZARR_VERSION}, the checkpoint has "
+                f"{loaded_version}; upgrade shardstore"
+            )
+
+    def __str__(self) -> str:
+        return self.__class__.__name__
+
+
+def tensor_metadata(record: ArrayRecord) -> ShardedTensor:
+    """A data-less ShardedTensor covering the whole stored array (one shard)."""
+    dtype = from_zarr_name(record.dtype).torch_dtype
+    meta = torch.empty(record.shape, dtype=dtype, device="meta")
+    return ShardedTensor.from_rank_offsets(record.key, meta).without_data()
+
+
+def register_default_zarr_strategies() -> None:
+    """Registers the zarr strategies as defaults for backend ``zarr`` version 1."""
+    register_default_strategy(StrategyAction.LOAD_SHARDED, ZARR_BACKEND, ZARR_VERSION, ZarrLoadShardedStrategy())
+    register_default_strategy(StrategyAction.SAVE_SHARDED, ZARR_BACKEND, ZARR_VERSION, ZarrSaveShardedStrategy())
+
+
+# ------------------------------------------------- Megatron-Core zarr module API
+# Single-tensor building blocks with the seed's names, on the same format and specs.
+
+
+def _single_tensor_record(t: ShardedTensor, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> ArrayRecord:
+    """Array metadata derived from one tensor: chunks follow its own block shape."""
+    shard = ShardRecord.from_sharded_tensor(t, 0, 0)
+    chunk = chunk_shape_for([shard], tuple(t.global_shape), from_torch(t.dtype).itemsize, max_chunk_bytes)
+    return ArrayRecord(t.key, tuple(t.global_shape), from_torch(t.dtype).zarr_name, chunk)
+
+
+def _should_create_array(ten: ShardedTensor) -> bool:
+    """The main replica holding the first element creates the array."""
+    return (
+        is_main_replica(ten.replica_id)
+        and not any(ten.global_offset)
+        and (ten.flattened_range is None or ten.flattened_range.start == 0)
+    )
+
+
+def _create_zarr_array(sharded_tensor: ShardedTensor, checkpoint_dir: CheckpointDir | Location) -> ts.TensorStore:
+    """Creates the array of ``sharded_tensor``'s key (writes its ``zarr.json``)."""
+    location = open_location(checkpoint_dir)
+    record = _single_tensor_record(sharded_tensor)
+    location.write_bytes(f"{record.key}/{ZARR_JSON}", json.dumps(record.zarr_metadata()).encode())
+    return open_arrays(location, [record], tensorstore_context(location), for_write=True)[record.key]
+
+
+def _create_or_open_zarr_arrays(
+    sharded_tensors: list[ShardedTensor], checkpoint_dir: CheckpointDir | Location
+) -> list[ts.TensorStore | None]:
+    """Arrays for the given tensors: created by the first chunk's main replica, opened
+    (from storage) by other main replicas, None for non-main replicas.
+
+    The arrays created here must exist before others open them (a barrier in between
+    when several ranks take part).
+    """
+    arrays: list[ts.TensorStore | None] = [
+        _create_zarr_array(t, checkpoint_dir) if _should_create_array(t) else None for t in sharded_tensors
+    ]
+    location = open_location(checkpoint_dir)
+    for i, t in enumerate(sharded_tensors):
+        if arrays[i] is None and is_main_replica(t.replica_id):
+            arrays[i] = _open_zarr_array_verbose(location.describe(t.key), "r+")
+    return arrays
+
+
+def _save_to_existing_array(sharded_tensor: ShardedTensor, arr: ts.TensorStore | None) -> None:
+    """Writes a non-flat tensor's data into its region of ``arr`` (no-op for None)."""
+    if arr is None:
+        return
+    if sharded_tensor.flattened_range is not None:
+        raise CheckpointingException(
+            f"{sharded_tensor.key!r}: flattened ranges need the cross-rank chunk exchange; "
+            "save them with ZarrSaveShardedStrategy"
+        )
+    block_shape = (1,) * sharded_tensor.prepend_axis_num + tuple(sharded_tensor.local_shape)
+    value = tensor_to_numpy(to_host(sharded_tensor.data)).reshape(block_shape)
+    region = tuple(slice(o, o + b) for o, b in zip(sharded_tensor.global_offset, block_shape))
+    arr[_ts_index(region)].write(value).result()
+
+
+def _open_zarr_array_verbose(path: str | Path, mode: str, **open_kwargs: Any) -> ts.TensorStore:
+    """Opens the array stored at ``path`` (reads its ``zarr.json``), with a clear error."""
+    location = open_location(Path(path).parent)
+    spec = {"driver": "zarr3", "kvstore": location.kvstore_spec(Path(path).name)}
+    options = {"read": True, "write": mode != "r", **open_kwargs}
+    try:
+        return ts.open(spec, open=True, **options).result()
+    except Exception as exc:
+        raise CheckpointingException(f"Cannot open Zarr array at {path} (mode {mode!r}): {exc}") from exc
+
+
+def _load_from_array(sharded_tensor: ShardedTensor, checkpoint_dir: CheckpointDir | Location) -> torch.Tensor:
+    """Loads one tensor from its array (reads the array's own ``zarr.json``)."""
+    location = open_location(checkpoint_dir)
+    arr = _open_zarr_array_verbose(location.describe(sharded_tensor.key), "r")
+    stored = ArrayRecord(
+        sharded_tensor.key, tuple(arr.shape), str(arr.dtype.name), tuple(arr.chunk_layout.read_chunk.shape)
+    )
+    op = plan_read(sharded_tensor, stored, f"checkpoint {location.describe()}")
+    array = arr[_ts_index(op.region)].read().result()
+    return _place(op.finish(numpy_to_tensor(array, from_zarr_name(stored.dtype).torch_dtype)), sharded_tensor)
+
+
+def postprocess_numpy_array(
+    loaded_array: np.ndarray, sharded_tensor: ShardedTensor, apply_flattened_range: bool = True
+) -> torch.Tensor:
+    """Turns a loaded numpy array into the tensor ``sharded_tensor`` asks for (no copy
+    when no padding or cast is needed)."""
+    x = numpy_to_tensor(np.ascontiguousarray(loaded_array), _torch_dtype_of(loaded_array.dtype))
+    x = x.reshape(x.shape[sharded_tensor.prepend_axis_num :]) if x.ndim > len(sharded_tensor.local_shape) else x
+    return postprocess_loaded(x, sharded_tensor, apply_flattened_range)
+
+
+def _torch_dtype_of(dtype: np.dtype) -> torch.dtype:
+    for known_numpy, known_torch in numpy_to_torch_dtype_dict.items():
+        if known_numpy == dtype:
+            return known_torch
+    raise CheckpointingException(f"numpy dtype {dtype} has no torch equivalent")
+
+
+def flatten_range(sharded_tensor: ShardedTensor, x: torch.Tensor) -> torch.Tensor:
+    """Applies ``sharded_tensor.flattened_range`` to ``x``."""
+    return x.flatten()[sharded_tensor.flattened_range]
+
+
+def pad_to_expected_shape(x: torch.Tensor, expected_sharded_ten: ShardedTensor) -> torch.Tensor:
+    """Zero-pads (or truncates) ``x`` to ``expected_sharded_ten.local_shape``.
+
+    Used with ``allow_shape_mismatch``: e.g. a vocabulary padded differently at load.
+    """
+    expected = tuple(expected_sharded_ten.local_shape)
+    if x.ndim != len(expected):
+        raise CheckpointingException(
+            f"{expected_sharded_ten.key!r}: cannot pad {tuple(x.shape)} to {expected}: different ranks"
+        )
+    x = x[tuple(slice(0, e) for e in expected)]
+    pad: list[int] = []
+    for have, want in reversed(list(zip(x.shape, expected))):
+        pad.extend((0, want - have))
+    return torch.nn.functional.pad(x, pad) if any(pad) else x
+
+
+def load_zarr_based_sharded_metadata(
+    checkpoint_dir: CheckpointDir | Location,
+    get_shape_dtype_fn: Callable[[str], tuple[tuple[int, ...], np.dtype]],
+) -> ShardedStateDict:
+    """Data-less ShardedTensors for every array of the checkpoint.
+
+    Args:
+        checkpoint_dir: checkpoint root
+        get_shape_dtype_fn: returns ``(shape, numpy dtype)`` for an array's path
+    """
+    location = open_location(checkpoint_dir)
+    record = read_commit_record(location)
+    sharded = {}
+    for key in record.arrays:
+        shape, dtype = get_shape_dtype_fn(location.describe(key))
+        meta = torch.empty(tuple(shape), dtype=_torch_dtype_of(np.dtype(dtype)), device="meta")
+        sharded[key] = ShardedTensor.from_rank_offsets(key, meta).without_data()
+    return sharded

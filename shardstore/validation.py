@@ -1,0 +1,389 @@
+"""Checks on keys, on the global sharding, and on load mismatches (``StrictHandling``).
+
+The global checks run on every rank over the same gathered layout, so every rank
+reaches the same verdict and raises the same error, with no extra collective, before
+anything is written.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+from collections import defaultdict
+from enum import Enum
+from typing import Any, Union
+
+import numpy as np
+
+from shardstore.core import CheckpointingException
+from shardstore.dict_utils import extract_matching_values, nested_values
+from shardstore.distributed import Group, RankFailure, raise_failures
+from shardstore.layout import GlobalLayout, ObjectShardRecord, ShardRecord
+from shardstore.mapping import (
+    CommonStateDict,
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_KEY_LENGTH = 1024
+MAX_SEGMENT_LENGTH = 255
+# Grid cells the exact coverage check may allocate; past it, a volume check is used.
+MAX_COVERAGE_CELLS = 16_000_000
+MAX_REPORTED_PROBLEMS = 10
+
+
+class StrictHandling(Enum):
+    """How ``load`` handles keys that do not match between the request and the checkpoint.
+
+    "Unexpected" keys are requested by the application but absent from the checkpoint;
+    "missing" keys are in the checkpoint but requested by no rank. The ``*_UNEXPECTED``
+    modes ignore missing keys (which would need an exchange between ranks); the
+    ``*_ALL`` modes check both.
+    """
+
+    # Let the strategy raise on unexpected keys; no extra checkpoint access.
+    ASSUME_OK_UNEXPECTED = "assume_ok_unexpected"
+    # Log unexpected keys (WARNING) and skip them; ignore missing keys.
+    LOG_UNEXPECTED = "log_unexpected"
+    # Log all mismatched keys and skip the unexpected ones.
+    LOG_ALL = "log_all"
+    # Raise on unexpected keys before loading anything.
+    RAISE_UNEXPECTED = "raise_unexpected"
+    # Raise on any mismatch (like ``strict=True`` in ``load_state_dict``).
+    RAISE_ALL = "raise_all"
+    # Skip unexpected keys and return them with the state dict; ignore missing keys.
+    RETURN_UNEXPECTED = "return_unexpected"
+    # Skip unexpected keys and return both kinds with the state dict.
+    RETURN_ALL = "return_all"
+    # Skip unexpected keys and report nothing (not recommended).
+    IGNORE_ALL = "ignore_all"
+
+    @staticmethod
+    def requires_explicit_ckpt_mismatch_check(val: StrictHandling) -> bool:
+        return val != StrictHandling.ASSUME_OK_UNEXPECTED
+
+    @staticmethod
+    def requires_global_app_metadata(val: StrictHandling) -> bool:
+        return val in (StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL)
+
+    @staticmethod
+    def requires_returning_mismatch_keys(val: StrictHandling) -> bool:
+        return val in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
+
+
+def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
+    """Accepts a StrictHandling or its string value."""
+    if isinstance(strict, StrictHandling):
+        return strict
+    try:
+        return StrictHandling(strict)
+    except (ValueError, TypeError) as exc:
+        choices = ", ".join(s.value for s in StrictHandling)
+        raise ValueError(f"Invalid strict flag {strict!r}; choose one of: {choices}") from exc
+
+
+def check_key(key: Any, where: str | None = None) -> None:
+    """Rejects keys that could escape the checkpoint or clash with the format.
+
+    A key is a ``/``-separated path inside the checkpoint. Refused: non-strings, empty
+    segments (so no leading, trailing or double ``/``), ``.`` and ``..``, segments
+    starting with ``__`` (reserved for shardstore), backslashes, NUL and other control
+    characters, and absurd lengths.
+    """
+    context = f" in {where}" if where else ""
+
+    def fail(reason: str) -> None:
+        raise CheckpointingException(f"Invalid checkpoint key {key!r}{context}: {reason}")
+
+    if not isinstance(key, str):
+        fail("keys must be strings")
+    if len(key) > MAX_KEY_LENGTH:
+        fail(f"longer than {MAX_KEY_LENGTH} characters")
+    if any(ord(ch) < 32 for ch in key):
+        fail("contains NUL or another control character")
+    if "\\" in key:
+        fail("contains a backslash")
+    for segment in key.split("/"):
+        if segment == "":
+            fail("has an empty path segment (leading, trailing or double '/')")
+        if segment in (".", ".."):
+            fail(f"has a {segment!r} path segment")
+        if segment.startswith("__"):
+            fail("has a segment starting with '__' (reserved for shardstore)")
+        if len(segment) > MAX_SEGMENT_LENGTH:
+            fail(f"has a path segment longer than {MAX_SEGMENT_LENGTH} characters")
+
+
+def local_records(
+    sharded_tensors: list[ShardedTensor], sharded_objects: list[ShardedObject], rank: int
+) -> tuple[list[ShardRecord], list[ObjectShardRecord]]:
+    """This rank's contribution to the layout; raises on invalid keys or dtypes."""
+    for item in (*sharded_tensors, *sharded_objects):
+        check_key(item.key)
+    tensors = [ShardRecord.from_sharded_tensor(t, rank, i) for i, t in enumerate(sharded_tensors)]
+    objects = [ObjectShardRecord.from_sharded_object(o, rank) for o in sharded_objects]
+    return tensors, objects
+
+
+def gather_layout(
+    sharded_tensors: list[ShardedTensor],
+    sharded_objects: list[ShardedObject],
+    group: Group,
+    local_error: BaseException | None = None,
+) -> GlobalLayout:
+    """Collective: exchanges shard metadata (never data) and returns the global layout.
+
+    A rank whose own shards are invalid (bad key, unsupported dtype) or that passes a
+    ``local_error`` from an earlier step makes every rank raise, with that rank's reason.
+    """
+    contribution: Any
+    if local_error is None:
+        try:
+            contribution = local_records(sharded_tensors, sharded_objects, group.rank)
+        except Exception as exc:  # reported on every rank below
+            local_error = exc
+    if local_error is not None:
+        contribution = RankFailure.from_exception(group.rank, local_error)
+    gathered = group.all_gather_object(contribution)
+    failures = [g for g in gathered if isinstance(g, RankFailure)]
+    raise_failures(failures, "Checking the state dict", cause=local_error)
+    return GlobalLayout.from_gathered(gathered)
+
+
+def validate_sharding_integrity(layout: GlobalLayout) -> None:
+    """Every element of every global tensor is covered exactly once by main replicas,
+    shapes and dtypes agree across ranks, and ShardedObjects are complete.
+
+    Raises:
+        CheckpointingException: listing up to ten problems, each naming its key.
+    """
+    problems: list[str] = []
+    for key, shards in sorted(layout.tensors.items()):
+        problems += _tensor_problems(key, shards)
+        if len(problems) >= MAX_REPORTED_PROBLEMS:
+            break
+    for key, shards in sorted(layout.objects.items()):
+        problems += _object_problems(key, shards)
+    if problems:
+        shown = "\n  ".join(problems[:MAX_REPORTED_PROBLEMS])
+        raise CheckpointingException(f"Invalid global sharding ({len(problems)} problem(s)):\n  {shown}")
+
+
+def _tensor_problems(key: str, shards: list[ShardRecord]) -> list[str]:
+    first = shards[0]
+    for s in shards[1:]:
+        if s.global_shape != first.global_shape:
+            return [
+                f"{key!r}: inconsistent global shape: rank {first.rank} has {first.global_shape}, "
+                f"rank {s.rank} has {s.global_shape}"
+            ]
+        if s.dtype != first.dtype:
+            return [f"{key!r}: inconsistent dtype: rank {first.rank} has {first.dtype}, rank {s.rank} has {s.dtype}"]
+    main = [s for s in shards if s.main]
+    if not main:
+        return [f"{key!r}: no rank holds a main replica (replica_id 0), so nobody would write it"]
+    for s in main:
+        if any(o < 0 or o + b > g for o, b, g in zip(s.offset, s.block_shape, s.global_shape)):
+            return [f"{key!r}: rank {s.rank}'s shard at offset {s.offset} with shape {s.block_shape} "
+                    f"lies outside the global shape {s.global_shape}"]
+    flat = [s.flat_range is not None for s in main]
+    if any(flat) and not all(flat):
+        return [f"{key!r}: some main replicas are flattened and some are not"]
+    if all(flat):
+        problems = _flat_problems(key, main)
+        if problems:
+            return problems
+        main = list({s.offset: s for s in main}.values())
+    return _coverage_problems(key, main, first.global_shape)
+
+
+def _flat_problems(key: str, main: list[ShardRecord]) -> list[str]:
+    blocks: dict[tuple[int, ...], list[ShardRecord]] = defaultdict(list)
+    for s in main:
+        blocks[s.offset].append(s)
+    for offset, ranges in blocks.items():
+        if len({r.block_shape for r in ranges}) > 1:
+            return [f"{key!r}: flattened shards of block {offset} disagree on the block shape"]
+        position, volume = 0, ranges[0].block_volume
+        for r in sorted(ranges, key=lambda r: r.flat_range):
+            start, stop = r.flat_range
+            if start > position:
+                return [f"{key!r}: block at {offset}: flat elements [{position}, {start}) are not covered"]
+            if start < position:
+                return [f"{key!r}: block at {offset}: flat ranges overlap at element {start} (rank {r.rank})"]
+            position = stop
+        if position != volume:
+            return [f"{key!r}: block at {offset}: flat elements [{position}, {volume}) are not covered"]
+    return []
+
+
+def _coverage_problems(key: str, main: list[ShardRecord], global_shape: tuple[int, ...]) -> list[str]:
+    if math.prod(global_shape) == 0:
+        return []
+    volume = sum(s.block_volume for s in main)
+    bounds = [
+        sorted({0, g} | {s.offset[a] for s in main} | {s.offset[a] + s.block_shape[a] for s in main})
+        for a, g in enumerate(global_shape)
+    ]
+    cells = math.prod(len(b) - 1 for b in bounds)
+    if cells > MAX_COVERAGE_CELLS:
+        # Too irregular to count cell by cell: fall back to the total volume.
+        if volume != math.prod(global_shape):
+            return [f"{key!r}: main replicas cover {volume} elements, the global shape has {math.prod(global_shape)}"]
+        return []
+    counts = np.zeros([len(b) - 1 for b in bounds], dtype=np.int32)
+    for s in main:
+        index = tuple(
+            slice(bisect.bisect_left(b, o), bisect.bisect_left(b, o + e))
+            for b, o, e in zip(bounds, s.offset, s.block_shape)
+        )
+        counts[index] += 1
+    problems = []
+    for bad, what in ((counts == 0, "is not covered by any main replica (gap)"),
+                      (counts > 1, "is covered by more than one main replica (overlap)")):
+        if bad.any():
+            cell = tuple(int(i) for i in np.argwhere(bad)[0])
+            start = tuple(b[i] for b, i in zip(bounds, cell))
+            problems.append(f"{key!r}: the region starting at {start} {what}")
+    return problems
+
+
+def _object_problems(key: str, shards: list[ObjectShardRecord]) -> list[str]:
+    shapes = {s.global_shape for s in shards}
+    if len(shapes) > 1:
+        return [f"ShardedObject {key!r}: inconsistent global shapes {sorted(shapes)}"]
+    main_keys = [s.unique_key for s in shards if s.main]
+    if len(main_keys) != len(set(main_keys)):
+        return [f"ShardedObject {key!r}: a shard has more than one main replica"]
+    expected = math.prod(shards[0].global_shape)
+    if len(main_keys) != expected:
+        return [f"ShardedObject {key!r}: {expected - len(main_keys)} of {expected} shards have no main replica"]
+    return []
+
+
+def validate_sharded_objects_handling(sharded_strategy: Any, common_strategy: Any) -> None:
+    """One of the two strategies must handle ShardedObjects."""
+    if not sharded_strategy.can_handle_sharded_objects and not common_strategy.can_handle_sharded_objects:
+        raise CheckpointingException(
+            f"Either the sharded strategy or the common strategy must handle ShardedObjects; "
+            f"neither {sharded_strategy} nor {common_strategy} does"
+        )
+
+
+def determine_missing_and_unexpected_keys(
+    ckpt_keys: set[str], layout: GlobalLayout, my_rank: int, check_missing: bool
+) -> tuple[set[str], set[str]]:
+    """``(missing, unexpected)``: checkpoint keys no rank requested, and keys this rank
+    requested that the checkpoint lacks."""
+    requested_here = {
+        s.key for shards in (*layout.tensors.values(), *layout.objects.values()) for s in shards
+        if s.rank == my_rank
+    }
+    unexpected = requested_here - ckpt_keys
+    missing = ckpt_keys - (layout.tensors.keys() | layout.objects.keys()) if check_missing else set()
+    return missing, unexpected
+
+
+def adjust_non_strict_load(
+    sharded_state_dict: ShardedStateDict, sharded_keys_to_remove: set[str]
+) -> ShardedStateDict:
+    """Drops the ShardedBase entries whose key is in ``sharded_keys_to_remove``."""
+
+    def is_unexpected(x: Any) -> bool:
+        return isinstance(x, ShardedBase) and x.key in sharded_keys_to_remove
+
+    _, kept = extract_matching_values(sharded_state_dict, is_unexpected)
+    return kept
+
+
+def maybe_report_missing_and_unexpected_keys(
+    missing_keys: set[str], unexpected_keys: set[str], raise_error: bool = True, where: str = ""
+) -> None:
+    """Raises (or logs at WARNING) a message listing the mismatched keys, if any."""
+    if not missing_keys and not unexpected_keys:
+        return
+    parts = []
+    if unexpected_keys:
+        parts.append(f"keys requested but not in the checkpoint (unexpected): {sorted(unexpected_keys)}")
+    if missing_keys:
+        parts.append(f"keys in the checkpoint but not requested (missing): {sorted(missing_keys)}")
+    message = f"Checkpoint {where} does not match the requested state dict: " + "; ".join(parts)
+    if raise_error:
+        raise CheckpointingException(message)
+    logger.warning(message)
+
+
+def validate_integrity_and_strict_load(
+    sharded_state_dict: ShardedStateDict,
+    strict: StrictHandling,
+    validate_access_integrity: bool,
+    layout: GlobalLayout | None,
+    ckpt_keys: set[str] | None,
+    my_rank: int,
+    where: str = "",
+) -> tuple[ShardedStateDict, set[str], set[str]]:
+    """Applies ``strict`` and the access-integrity check before a load.
+
+    Returns:
+        ``(sharded_state_dict without unexpected keys, missing_keys, unexpected_keys)``
+    """
+    missing: set[str] = set()
+    unexpected: set[str] = set()
+    if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+        if ckpt_keys is None or layout is None:
+            raise CheckpointingException("Cannot check for key mismatches without the checkpoint's keys")
+        missing, unexpected = determine_missing_and_unexpected_keys(
+            ckpt_keys, layout, my_rank, StrictHandling.requires_global_app_metadata(strict)
+        )
+        sharded_state_dict = adjust_non_strict_load(sharded_state_dict, unexpected)
+        if strict == StrictHandling.IGNORE_ALL:
+            missing, unexpected = set(), set()
+        elif strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
+            maybe_report_missing_and_unexpected_keys(missing, unexpected, True, where)
+        elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+            maybe_report_missing_and_unexpected_keys(missing, unexpected, False, where)
+    if validate_access_integrity:
+        if layout is None:
+            raise CheckpointingException("Cannot check sharding integrity without the global layout")
+        if ckpt_keys is not None and StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+            # Skipped keys are skipped on every rank; drop them everywhere alike.
+            layout = _without_keys(layout, (layout.tensors.keys() | layout.objects.keys()) - ckpt_keys)
+        validate_sharding_integrity(layout)
+    return sharded_state_dict, missing, unexpected
+
+
+def _without_keys(layout: GlobalLayout, keys: set[str]) -> GlobalLayout:
+    return GlobalLayout(
+        {k: v for k, v in layout.tensors.items() if k not in keys},
+        {k: v for k, v in layout.objects.items() if k not in keys},
+        layout.world_size,
+    )
+
+
+def local_sharded_items(sharded_state_dict: ShardedStateDict) -> tuple[list[ShardedTensor], list[ShardedObject]]:
+    """The ShardedTensors and ShardedObjects of a (factory-free) sharded state dict."""
+    values = list(nested_values(sharded_state_dict))
+    return (
+        [v for v in values if isinstance(v, ShardedTensor)],
+        [v for v in values if isinstance(v, ShardedObject)],
+    )
+
+
+__all__ = [
+    "CommonStateDict",
+    "StrictHandling",
+    "adjust_non_strict_load",
+    "check_key",
+    "gather_layout",
+    "local_sharded_items",
+    "maybe_report_missing_and_unexpected_keys",
+    "parse_strict_flag",
+    "validate_integrity_and_strict_load",
+    "validate_sharded_objects_handling",
+    "validate_sharding_integrity",
+]

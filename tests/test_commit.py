@@ -1,0 +1,93 @@
+"""The commit record: incomplete checkpoints are refused; metadata from one read
+(issue 3, points 7 and 8)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardstore import (
+    CheckpointingException,
+    ShardedTensor,
+    load,
+    load_sharded_metadata,
+    load_tensors_metadata,
+    remove_sharded_tensors,
+    save,
+)
+from shardstore.core import check_is_distributed_checkpoint
+
+
+def _save_small(ckpt: Path) -> None:
+    save({"w": ShardedTensor.from_rank_offsets("enc/w", torch.arange(12.0).reshape(3, 4)),
+          "b": ShardedTensor.from_rank_offsets("enc/b", torch.ones(5, dtype=torch.bfloat16)),
+          "x": ShardedTensor.from_rank_offsets("x", torch.zeros(2, 2, 2, dtype=torch.int8))}, ckpt)
+
+
+def test_directory_without_commit_record_is_refused_as_incomplete(ckpt_dir: Path) -> None:
+    _save_small(ckpt_dir)
+    (ckpt_dir / "zarr.json").unlink()
+    assert check_is_distributed_checkpoint(ckpt_dir)  # metadata.json alone does not make it complete
+    request = {"w": ShardedTensor.from_rank_offsets("enc/w", torch.empty(3, 4))}
+    with pytest.raises(CheckpointingException, match="incomplete"):
+        load(request, ckpt_dir)
+    with pytest.raises(CheckpointingException, match="incomplete"):
+        load_tensors_metadata(ckpt_dir)
+
+
+def test_load_tensors_metadata_needs_only_the_root_record(ckpt_dir: Path) -> None:
+    _save_small(ckpt_dir)
+    for child in ckpt_dir.iterdir():  # leave only the commit record and the config
+        if child.name not in ("zarr.json", "metadata.json"):
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+    metadata = load_tensors_metadata(ckpt_dir)
+    assert {k: (v.global_shape, v.dtype) for k, v in metadata.items()} == {
+        "enc/w": ((3, 4), torch.float32),
+        "enc/b": ((5,), torch.bfloat16),
+        "x": ((2, 2, 2), torch.int8),
+    }
+    assert all(v.data is None for v in metadata.values())
+
+
+def test_saving_over_a_committed_checkpoint_needs_overwrite(ckpt_dir: Path) -> None:
+    _save_small(ckpt_dir)
+    with pytest.raises(CheckpointingException, match="overwrite=True"):
+        _save_small(ckpt_dir)
+    save({"y": ShardedTensor.from_rank_offsets("y", torch.ones(1))}, ckpt_dir, overwrite=True)
+    assert set(load_sharded_metadata(ckpt_dir)) == {"y"}
+    assert not (ckpt_dir / "enc").exists(), "the old arrays are gone"
+
+
+def test_leftovers_of_an_interrupted_save_are_cleared(ckpt_dir: Path) -> None:
+    _save_small(ckpt_dir)
+    (ckpt_dir / "zarr.json").unlink()  # as if the save died before its commit
+    save({"y": ShardedTensor.from_rank_offsets("y", torch.ones(1))}, ckpt_dir)
+    assert set(load_tensors_metadata(ckpt_dir)) == {"y"}
+
+
+def test_refuses_to_clear_a_directory_that_is_not_a_checkpoint(ckpt_dir: Path) -> None:
+    ckpt_dir.mkdir()
+    (ckpt_dir / "thesis.tex").write_text("precious")
+    with pytest.raises(CheckpointingException, match="not a shardstore checkpoint"):
+        _save_small(ckpt_dir)
+    assert (ckpt_dir / "thesis.tex").read_text() == "precious"
+
+
+def test_remove_sharded_tensors_updates_the_commit_record(ckpt_dir: Path) -> None:
+    _save_small(ckpt_dir)
+    remove_sharded_tensors(ckpt_dir, "enc/")
+    assert set(load_tensors_metadata(ckpt_dir)) == {"x"}
+    assert not (ckpt_dir / "enc/w").exists()
+    loaded = load({"x": ShardedTensor.from_rank_offsets("x", torch.empty(2, 2, 2, dtype=torch.int8))}, ckpt_dir)
+    assert torch.equal(loaded["x"], torch.zeros(2, 2, 2, dtype=torch.int8))
+
+
+def test_missing_chunk_is_an_error_not_zeros(ckpt_dir: Path) -> None:
+    _save_small(ckpt_dir)
+    chunk = next(p for p in (ckpt_dir / "enc/w/c").rglob("*") if p.is_file())
+    chunk.unlink()
+    with pytest.raises(CheckpointingException, match="enc/w"):
+        load({"w": ShardedTensor.from_rank_offsets("enc/w", torch.empty(3, 4))}, ckpt_dir)

@@ -1,0 +1,109 @@
+"""ShardedObjects, the common state, LocalNonpersistentObject and ShardedTensorFactory
+round-trip (issue 3, point 5)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shardstore import (
+    CheckpointingException,
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+    load,
+    load_common_state_dict,
+    save,
+)
+from shardstore.strategies.common import TorchCommonLoadStrategy
+from tests.dist import run_distributed
+from tests.scenarios import assert_bits_equal, global_tensor
+
+QKV = global_tensor("attn/qkv", (12, 4), torch.float32)
+
+
+def _qkv_factory(rank: int, world: int, data: torch.Tensor) -> ShardedTensorFactory:
+    """Stores a fused QKV (split over ranks on axis 0) as separate q and kv tensors."""
+
+    def build(key, t, replica_id, flattened_range):
+        q, kv = t[: t.shape[0] // 3], t[t.shape[0] // 3 :]
+        return {
+            "q": ShardedTensor.from_rank_offsets(f"{key}/q", q, (0, rank, world), replica_id=replica_id),
+            "kv": ShardedTensor.from_rank_offsets(f"{key}/kv", kv, (0, rank, world), replica_id=replica_id),
+        }
+
+    def merge(sub):
+        return torch.cat([sub["q"], sub["kv"]])
+
+    return ShardedTensorFactory("attn/qkv", data, build, merge)
+
+
+def _local_qkv(rank: int, world: int) -> torch.Tensor:
+    return QKV.chunk(world, 0)[rank].clone()
+
+
+def save_objects(rank: int, world: int, ckpt: str) -> None:
+    rng = np.random.RandomState(rank).get_state()
+    sd = {
+        "step": 1234,
+        "args": argparse.Namespace(lr=0.1, layers=2),
+        "rng": ShardedObject("rng_state", {"np": rng, "torch": torch.tensor([rank])}, (world,), (rank,)),
+        "shared": ShardedObject("shared_object", {"epoch": 7}, (1,), (0,), replica_id=rank),
+        "qkv": _qkv_factory(rank, world, _local_qkv(rank, world)),
+        "cache": LocalNonpersistentObject("never saved"),
+    }
+    save(sd, ckpt)
+
+
+def load_objects(rank: int, world: int, ckpt: str) -> None:
+    sd = {
+        "rng": ShardedObject("rng_state", None, (world,), (rank,)),
+        "shared": ShardedObject("shared_object", None, (1,), (0,), replica_id=rank),
+        "qkv": _qkv_factory(rank, world, torch.empty_like(_local_qkv(rank, world))),
+        "cache": LocalNonpersistentObject(f"local {rank}"),
+    }
+    loaded = load(sd, ckpt)
+    assert loaded["step"] == 1234
+    assert loaded["args"] == argparse.Namespace(lr=0.1, layers=2)
+    assert loaded["cache"] == f"local {rank}"
+    assert loaded["shared"] == {"epoch": 7}
+    expected_rng = np.random.RandomState(rank).get_state()
+    assert loaded["rng"]["np"][0] == expected_rng[0] and np.array_equal(loaded["rng"]["np"][1], expected_rng[1])
+    assert torch.equal(loaded["rng"]["torch"], torch.tensor([rank]))
+    assert_bits_equal(loaded["qkv"], _local_qkv(rank, world), "merged qkv")
+
+
+def test_objects_common_nonpersistent_and_factories_round_trip(ckpt_dir: Path) -> None:
+    run_distributed(save_objects, 2, str(ckpt_dir))
+    run_distributed(load_objects, 2, str(ckpt_dir))
+    common = load_common_state_dict(ckpt_dir)
+    assert common["step"] == 1234 and "cache" not in common
+    # the factory stored two separate global arrays
+    assert (ckpt_dir / "attn/qkv/q/zarr.json").exists() and (ckpt_dir / "attn/qkv/kv/zarr.json").exists()
+
+
+def test_factory_result_reshards_to_one_rank(ckpt_dir: Path) -> None:
+    run_distributed(save_objects, 2, str(ckpt_dir))
+    q = ShardedTensor.from_rank_offsets("attn/qkv/q", torch.empty(4, 4))
+    loaded = load({"q": q}, ckpt_dir, validate_access_integrity=False)
+    assert_bits_equal(loaded["q"], torch.cat([c[: c.shape[0] // 3] for c in QKV.chunk(2, 0)]), "q")
+
+
+class Gadget:
+    """Not on the safe-load allow-list: unpickling it means running this module's code."""
+
+    def __init__(self) -> None:
+        self.armed = True
+
+
+def test_common_state_with_arbitrary_objects_needs_explicit_opt_in(ckpt_dir: Path) -> None:
+    save({"gadget": Gadget()}, ckpt_dir)
+    with pytest.raises(CheckpointingException, match="allow_unsafe_pickle=True"):
+        load({}, ckpt_dir)
+    loaded = load({}, ckpt_dir, common_strategy=TorchCommonLoadStrategy(allow_unsafe_pickle=True))
+    assert isinstance(loaded["gadget"], Gadget)

@@ -1,0 +1,131 @@
+"""Save at one parallel layout, load at others: bit-exact (issue 3, point 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardstore import ShardedTensor, load, save
+from tests.dist import run_distributed
+from tests.scenarios import assert_bits_equal, global_tensor, grid_shard
+
+TENSORS = {
+    "model/dense/weight": ((16, 12), torch.float32),
+    "model/embedding": ((8, 20), torch.bfloat16),
+    "model/bias": ((16,), torch.float16),
+}
+
+
+def _state_dict(rank: int, world: int, axes: dict[str, tuple[int, ...]], empty: bool) -> dict:
+    return {
+        name: grid_shard(name, global_tensor(name, shape, dtype), rank, world, axes.get(name, (0,)), empty=empty)
+        for name, (shape, dtype) in TENSORS.items()
+    }
+
+
+def save_grid(rank: int, world: int, ckpt: str, axes: dict) -> None:
+    save(_state_dict(rank, world, axes, empty=False), ckpt)
+
+
+def load_grid(rank: int, world: int, ckpt: str, axes: dict) -> int:
+    request = _state_dict(rank, world, axes, empty=True)
+    loaded = load(request, ckpt)
+    for name, (shape, dtype) in TENSORS.items():
+        full = global_tensor(name, shape, dtype)
+        assert_bits_equal(loaded[name], full[request[name].global_slice()], f"rank {rank} {name}")
+    return len(loaded)
+
+
+@pytest.mark.parametrize("load_world, load_axes", [(1, (0,)), (2, (1,)), (4, (0, 1))])
+def test_tp_axis0_at_2_ranks_loads_at_other_layouts(ckpt_dir: Path, load_world: int, load_axes: tuple) -> None:
+    run_distributed(save_grid, 2, str(ckpt_dir), {"model/embedding": (0,), "model/dense/weight": (0,)})
+    axes = {"model/dense/weight": load_axes, "model/embedding": load_axes}
+    assert run_distributed(load_grid, load_world, str(ckpt_dir), axes) == [3] * load_world
+
+
+def test_tp_axis1_at_2_ranks_loads_split_along_axis0_at_4(ckpt_dir: Path) -> None:
+    run_distributed(save_grid, 2, str(ckpt_dir), {"model/dense/weight": (1,), "model/embedding": (1,)})
+    run_distributed(load_grid, 4, str(ckpt_dir), {"model/dense/weight": (0,), "model/embedding": (0,)})
+
+
+def test_2d_grid_at_4_ranks_loads_at_1_2_and_4(ckpt_dir: Path) -> None:
+    grid = {"model/dense/weight": (0, 1), "model/embedding": (1, 0)}
+    run_distributed(save_grid, 4, str(ckpt_dir), grid)
+    run_distributed(load_grid, 1, str(ckpt_dir), {})
+    run_distributed(load_grid, 2, str(ckpt_dir), {"model/dense/weight": (1,), "model/embedding": (1,)})
+    run_distributed(load_grid, 4, str(ckpt_dir), {"model/dense/weight": (1, 0), "model/embedding": (0, 1)})
+
+
+def save_replicated(rank: int, world: int, ckpt: str) -> None:
+    full = global_tensor("norm/weight", (33, 7), torch.float64)
+    # Only the main replica writes: other replicas hold garbage that must not land.
+    data = full.clone() if rank == 0 else torch.full_like(full, float(rank))
+    save({"norm": ShardedTensor.from_rank_offsets("norm/weight", data, replica_id=rank)}, ckpt)
+
+
+def load_replicated(rank: int, world: int, ckpt: str) -> None:
+    request = {"norm": ShardedTensor.from_rank_offsets("norm/weight", torch.empty(33, 7, dtype=torch.float64), replica_id=rank)}
+    assert_bits_equal(load(request, ckpt)["norm"], global_tensor("norm/weight", (33, 7), torch.float64))
+
+
+def test_replicated_tensor_is_written_by_the_main_replica_only(ckpt_dir: Path) -> None:
+    run_distributed(save_replicated, 2, str(ckpt_dir))
+    run_distributed(load_replicated, 1, str(ckpt_dir))
+    run_distributed(load_replicated, 4, str(ckpt_dir))
+
+
+NUM_LAYERS, LAYER_SHAPE = 4, (6, 8)
+
+
+def _stacked(rank: int, world: int, empty: bool, tp_axis: int | None) -> dict:
+    """Layers split over ranks (pipeline style), each layer its own ShardedTensor with a
+    prepended layer axis; with ``tp_axis``, each layer is also split over 2 TP ranks."""
+    full = global_tensor("decoder/mlp", (NUM_LAYERS, *LAYER_SHAPE), torch.float32)
+    tp = 2 if tp_axis is not None and world >= 2 else 1
+    pp = world // tp
+    pp_rank, tp_rank = rank // tp, rank % tp
+    layers_per_rank = NUM_LAYERS // pp
+    sd = {}
+    for i in range(layers_per_rank):
+        layer = pp_rank * layers_per_rank + i
+        local = full[layer]
+        offsets = [(0, layer, NUM_LAYERS)]
+        if tp > 1:
+            local = local.chunk(tp, tp_axis)[tp_rank]
+            offsets.append((tp_axis + 1, tp_rank, tp))
+        local = torch.empty_like(local) if empty else local.clone()
+        sd[f"layer{layer}"] = ShardedTensor.from_rank_offsets("decoder/mlp", local, *offsets, prepend_axis_num=1)
+    return sd
+
+
+def save_stacked(rank: int, world: int, ckpt: str, tp_axis: int | None) -> None:
+    save(_stacked(rank, world, False, tp_axis), ckpt)
+
+
+def load_stacked(rank: int, world: int, ckpt: str, tp_axis: int | None) -> int:
+    request = _stacked(rank, world, True, tp_axis)
+    loaded = load(request, ckpt)
+    full = global_tensor("decoder/mlp", (NUM_LAYERS, *LAYER_SHAPE), torch.float32)
+    for name, sh in request.items():
+        assert_bits_equal(loaded[name], full[sh.global_slice()], name)
+    return len(loaded)
+
+
+@pytest.mark.parametrize("load_world, load_tp_axis", [(1, None), (2, None), (4, 1)])
+def test_stacked_layers_with_prepended_axis_reshard(ckpt_dir: Path, load_world: int, load_tp_axis) -> None:
+    run_distributed(save_stacked, 4, str(ckpt_dir), 0)
+    assert sum(run_distributed(load_stacked, load_world, str(ckpt_dir), load_tp_axis)) >= NUM_LAYERS
+
+
+def test_saved_array_is_the_global_tensor_for_plain_zarr(ckpt_dir: Path) -> None:
+    import zarr
+
+    run_distributed(save_grid, 2, str(ckpt_dir), {"model/dense/weight": (1,)})
+    arr = zarr.open_array(str(ckpt_dir / "model/dense/weight"), mode="r")
+    assert arr.shape == (16, 12)
+    expected = global_tensor("model/dense/weight", (16, 12), torch.float32)
+    assert torch.equal(torch.from_numpy(arr[:]).view(torch.int32), expected.view(torch.int32))
+    # chunk grid follows the sharding grid: two column blocks of 6
+    assert arr.chunks == (16, 6)

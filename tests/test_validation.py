@@ -1,0 +1,121 @@
+"""Invalid sharding fails on every rank before anything is written; StrictHandling
+modes behave as documented (issue 3, point 6)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardstore import CheckpointingException, ShardedObject, ShardedTensor, StrictHandling, load, save
+from tests.dist import run_distributed
+
+
+def _bad_state_dict(rank: int, world: int, kind: str) -> dict:
+    full = torch.arange(40, dtype=torch.float32).reshape(8, 5)
+    if kind == "overlap":  # both ranks claim rows 0-3 as main replica
+        return {"w": ShardedTensor.from_rank_offsets("w", full[:4].clone(), (0, 0, 2))}
+    if kind == "gap":  # 3 fragments declared, only 2 ranks hold one
+        return {"w": ShardedTensor.from_rank_offsets("w", full[:2].clone(), (0, rank, 3))}
+    if kind == "shape":  # global shapes disagree
+        rows = 4 if rank == 0 else 3
+        return {"w": ShardedTensor.from_rank_offsets("w", full[:rows].clone(), (0, rank, 2))}
+    if kind == "dtype":  # dtypes disagree
+        dtype = torch.float32 if rank == 0 else torch.float64
+        return {"w": ShardedTensor.from_rank_offsets("w", full[:4].to(dtype), (0, rank, 2))}
+    if kind == "bad_key":  # only rank 1 holds an invalid key
+        key = "w" if rank == 0 else "../escape"
+        return {"w": ShardedTensor.from_rank_offsets(key, full[:4].clone(), (0, rank, 2))}
+    raise ValueError(kind)
+
+
+def save_invalid(rank: int, world: int, ckpt: str, kind: str) -> str:
+    try:
+        save(_bad_state_dict(rank, world, kind), ckpt)
+    except CheckpointingException as exc:
+        return str(exc)
+    raise AssertionError(f"rank {rank}: invalid sharding ({kind}) was accepted")
+
+
+@pytest.mark.parametrize(
+    "kind, message",
+    [("overlap", "overlap"), ("gap", "gap"), ("shape", "inconsistent global shape"),
+     ("dtype", "inconsistent dtype"), ("bad_key", "'..' path segment")],
+)
+def test_invalid_sharding_fails_on_every_rank_before_writing(ckpt_dir: Path, kind: str, message: str) -> None:
+    errors = run_distributed(save_invalid, 2, str(ckpt_dir), kind)
+    for error in errors:
+        assert message in error, error
+    assert not ckpt_dir.exists() or not any(ckpt_dir.iterdir()), "nothing may be written"
+
+
+@pytest.fixture
+def two_key_checkpoint(ckpt_dir: Path) -> Path:
+    save({"a": ShardedTensor.from_rank_offsets("a", torch.ones(3)),
+          "b": ShardedTensor.from_rank_offsets("b", torch.zeros(2))}, ckpt_dir)
+    return ckpt_dir
+
+
+def _request() -> dict:
+    """Asks for ``a`` (present) and ``c`` (absent: unexpected); ``b`` is not requested (missing)."""
+    return {"a": ShardedTensor.from_rank_offsets("a", torch.empty(3)),
+            "c": ShardedTensor.from_rank_offsets("c", torch.empty(4))}
+
+
+def test_assume_ok_unexpected_lets_the_strategy_raise(two_key_checkpoint: Path) -> None:
+    with pytest.raises(CheckpointingException, match=r"no tensor\(s\) \['c'\]"):
+        load(_request(), two_key_checkpoint, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+
+
+@pytest.mark.parametrize("strict, match", [("raise_unexpected", "unexpected"), ("raise_all", "missing")])
+def test_raise_modes(two_key_checkpoint: Path, strict: str, match: str) -> None:
+    with pytest.raises(CheckpointingException, match=match) as info:
+        load(_request(), two_key_checkpoint, strict=strict)
+    assert ("'b'" in str(info.value)) == (strict == "raise_all")
+
+
+@pytest.mark.parametrize("strict, logs_missing", [("log_unexpected", False), ("log_all", True)])
+def test_log_modes_skip_unexpected_and_warn(two_key_checkpoint: Path, caplog, strict: str, logs_missing: bool) -> None:
+    with caplog.at_level(logging.WARNING, logger="shardstore"):
+        loaded = load(_request(), two_key_checkpoint, strict=strict)
+    assert set(loaded) == {"a"} and torch.equal(loaded["a"], torch.ones(3))
+    assert "'c'" in caplog.text and ("'b'" in caplog.text) == logs_missing
+
+
+@pytest.mark.parametrize("strict, missing", [("return_unexpected", set()), ("return_all", {"b"})])
+def test_return_modes(two_key_checkpoint: Path, strict: str, missing: set) -> None:
+    loaded, missing_keys, unexpected_keys = load(_request(), two_key_checkpoint, strict=strict)
+    assert set(loaded) == {"a"}
+    assert unexpected_keys == {"c"} and missing_keys == missing
+
+
+def test_ignore_all_skips_silently(two_key_checkpoint: Path, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="shardstore"):
+        loaded = load(_request(), two_key_checkpoint, strict=StrictHandling.IGNORE_ALL)
+    assert set(loaded) == {"a"} and caplog.text == ""
+
+
+def save_two_keys(rank: int, world: int, ckpt: str) -> None:
+    save({"a": ShardedTensor.from_rank_offsets("a", torch.ones(3), replica_id=rank),
+          "b": ShardedTensor.from_rank_offsets("b", torch.zeros(2), replica_id=rank),
+          "o": ShardedObject("o", rank, (world,), (rank,))}, ckpt)
+
+
+def load_split_keys(rank: int, world: int, ckpt: str) -> tuple:
+    key = "a" if rank == 0 else "b"
+    request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(3 if key == "a" else 2))}
+    _, missing, unexpected = load(request, ckpt, strict="return_all")
+    return sorted(missing), sorted(unexpected)
+
+
+def test_missing_keys_are_global_across_ranks(ckpt_dir: Path) -> None:
+    run_distributed(save_two_keys, 2, str(ckpt_dir))
+    # a requested by rank 0, b by rank 1: only the sharded object 'o' is missing
+    assert run_distributed(load_split_keys, 2, str(ckpt_dir)) == [(["o"], [])] * 2
+
+
+def test_parse_strict_flag_rejects_unknown_values(two_key_checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="raise_all"):
+        load(_request(), two_key_checkpoint, strict="sometimes")

@@ -6,6 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_venv.sh
+.venv/bin/ruff check shardstore tests scripts
 args=()
 if [ "${SHARDSTORE_SLOW:-0}" = "1" ]; then
   args+=(-m "slow or not slow")

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import chain
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 
@@ -76,16 +76,16 @@ class ShardedTensor(ShardedBase):
     """
 
     key: str
-    data: Optional[torch.Tensor] = field(repr=False)
+    data: torch.Tensor | None = field(repr=False)
     dtype: torch.dtype
     local_shape: tuple[int, ...]
     global_shape: tuple[int, ...]
     global_offset: tuple[int, ...]
-    axis_fragmentations: Optional[tuple[int, ...]]
+    axis_fragmentations: tuple[int, ...] | None
     replica_id: ReplicaId = 0
     prepend_axis_num: int = 0
     allow_shape_mismatch: bool = False
-    flattened_range: Optional[slice] = None
+    flattened_range: slice | None = None
 
     def __post_init__(self) -> None:
         self.local_shape = tuple(self.local_shape)
@@ -138,7 +138,7 @@ class ShardedTensor(ShardedBase):
         """Alias for having a regular sharding grid."""
         return self.axis_fragmentations is not None
 
-    def global_slice(self) -> tuple[Union[int, slice], ...]:
+    def global_slice(self) -> tuple[int | slice, ...]:
         """The part of the global tensor this ShardedTensor covers (ints on prepended axes)."""
         return tuple(
             chain(
@@ -242,7 +242,7 @@ class ShardedTensor(ShardedBase):
         data: torch.Tensor,
         non_flat_local_shape: tuple[int, ...],
         *args: tuple[int, int, int],
-        flattened_range: Optional[slice] = None,
+        flattened_range: slice | None = None,
         **kwargs: Any,
     ) -> ShardedTensor:
         """Like ``from_rank_offsets`` for a flat ``data`` that is a contiguous range
@@ -264,7 +264,7 @@ class ShardedTensor(ShardedBase):
         template = cls.from_rank_offsets(key, meta, *args, **kwargs)
         return replace(template, data=data, flattened_range=flattened_range)
 
-    def init_data(self, device: Union[str, torch.device], init_fn: Callable = torch.empty) -> None:
+    def init_data(self, device: str | torch.device, init_fn: Callable = torch.empty) -> None:
         """Allocates ``data`` (only if it is None) on ``device`` with ``init_fn``."""
         if self.data is not None:
             return
@@ -432,7 +432,7 @@ class ShardedObject(ShardedBase):
         return cls(key, None, global_shape, global_offset, replica_id)
 
 
-FactoryBuildFn = Callable[[str, torch.Tensor, ReplicaId, Optional[slice]], ShardedStateDict]
+FactoryBuildFn = Callable[[str, torch.Tensor, ReplicaId, slice | None], ShardedStateDict]
 FactoryMergeFn = Callable[[StateDict], torch.Tensor]
 
 
@@ -458,7 +458,7 @@ class ShardedTensorFactory(ShardedBase):
     build_fn: FactoryBuildFn
     merge_fn: FactoryMergeFn
     replica_id: ReplicaId = 0
-    flattened_range: Optional[slice] = None
+    flattened_range: slice | None = None
 
     def build(self) -> ShardedStateDict:
         """Builds a ShardedStateDict from the original tensor."""

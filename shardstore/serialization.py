@@ -23,11 +23,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch.distributed as dist
 
-from shardstore.core import CheckpointingConfig, CheckpointingException, maybe_load_config, save_config
+from shardstore.core import (
+    CheckpointingConfig,
+    CheckpointingException,
+    maybe_load_config,
+    save_config,
+)
 from shardstore.dict_utils import dict_list_map_inplace, extract_matching_values, merge
 from shardstore.distributed import Group
 from shardstore.format import CHECKPOINT_MARKERS, COMMIT_RECORD, is_committed, read_commit_record
@@ -76,15 +81,15 @@ CheckpointDir = Union[str, Path, Location]
 def save(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: CheckpointDir,
-    sharded_strategy: Optional[SaveShardedStrategy] = None,
-    common_strategy: Optional[SaveCommonStrategy] = None,
+    sharded_strategy: SaveShardedStrategy | None = None,
+    common_strategy: SaveCommonStrategy | None = None,
     validate_access_integrity: bool = True,
     async_sharded_save: bool = False,
     preprocess_common_before_consistancy_check: Any = None,
     *,
     overwrite: bool = False,
-    process_group: Optional[dist.ProcessGroup] = None,
-) -> Optional[AsyncRequest]:
+    process_group: dist.ProcessGroup | None = None,
+) -> AsyncRequest | None:
     """Saves a sharded state dict; every rank of the group calls it with its own shards.
 
     Args:
@@ -258,13 +263,13 @@ def get_default_save_common_strategy(backend: str = "torch", version: int = 1) -
 def load(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: CheckpointDir,
-    sharded_strategy: Optional[LoadShardedStrategy] = None,
-    common_strategy: Optional[LoadCommonStrategy] = None,
+    sharded_strategy: LoadShardedStrategy | None = None,
+    common_strategy: LoadCommonStrategy | None = None,
     validate_access_integrity: bool = True,
-    strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+    strict: str | StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
     *,
-    process_group: Optional[dist.ProcessGroup] = None,
-) -> Union[StateDict, tuple[StateDict, set[str], set[str]]]:
+    process_group: dist.ProcessGroup | None = None,
+) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Loads the parts of a checkpoint that ``sharded_state_dict`` asks for.
 
     Each rank describes what it wants with ShardedTensors (any layout: the saved one or
@@ -347,8 +352,8 @@ def load_preprocess(
 
 def verify_checkpoint_and_load_strategy(
     checkpoint_dir: CheckpointDir,
-    sharded_strategy: Optional[LoadShardedStrategy] = None,
-    common_strategy: Optional[LoadCommonStrategy] = None,
+    sharded_strategy: LoadShardedStrategy | None = None,
+    common_strategy: LoadCommonStrategy | None = None,
 ) -> tuple[LoadShardedStrategy, LoadCommonStrategy]:
     """The load strategies for a checkpoint: defaults from its config, or the given ones
     after checking they can read it."""
@@ -379,7 +384,7 @@ def get_default_load_sharded_strategy(checkpoint_dir: CheckpointDir) -> LoadShar
 
 
 def load_common_state_dict(
-    checkpoint_dir: CheckpointDir, common_strategy: Optional[LoadCommonStrategy] = None
+    checkpoint_dir: CheckpointDir, common_strategy: LoadCommonStrategy | None = None
 ) -> StateDict:
     """The common (non-sharded) state of a committed checkpoint."""
     location = open_location(checkpoint_dir)
@@ -389,7 +394,7 @@ def load_common_state_dict(
 
 
 def load_tensors_metadata(
-    checkpoint_dir: CheckpointDir, sharded_strategy: Optional[LoadShardedStrategy] = None
+    checkpoint_dir: CheckpointDir, sharded_strategy: LoadShardedStrategy | None = None
 ) -> CommonStateDict:
     """Every tensor's global shape and dtype, from the commit record alone.
 
@@ -403,8 +408,8 @@ def load_tensors_metadata(
 
 def load_sharded_metadata(
     checkpoint_dir: CheckpointDir,
-    sharded_strategy: Optional[LoadShardedStrategy] = None,
-    common_strategy: Optional[LoadCommonStrategy] = None,
+    sharded_strategy: LoadShardedStrategy | None = None,
+    common_strategy: LoadCommonStrategy | None = None,
 ) -> CommonStateDict:
     """Data-less ShardedTensors and ShardedObjects of the checkpoint.
 

@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -169,7 +169,7 @@ __LOGGER_STACK: list[logging.Logger] = []
 
 @contextmanager
 def logger_stack(
-    name: Optional[str] = None, current_logger: Optional[logging.Logger] = None
+    name: str | None = None, current_logger: logging.Logger | None = None
 ) -> Iterator[tuple[str, logging.Logger]]:
     """Pushes a scope name and/or logger for the block; restores both afterwards.
 
@@ -201,9 +201,9 @@ def logger_stack(
 @contextmanager
 def debug_time(
     name: str,
-    logger: Optional[logging.Logger] = None,
+    logger: logging.Logger | None = None,
     threshold: float = float("-inf"),
-    level: Optional[int] = None,
+    level: int | None = None,
 ) -> Iterator[None]:
     """Logs how long the block took, in seconds.
 

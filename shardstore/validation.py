@@ -12,7 +12,7 @@ import logging
 import math
 from collections import defaultdict
 from enum import Enum
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -76,7 +76,7 @@ class StrictHandling(Enum):
         return val in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
 
 
-def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
+def parse_strict_flag(strict: str | StrictHandling) -> StrictHandling:
     """Accepts a StrictHandling or its string value."""
     if isinstance(strict, StrictHandling):
         return strict

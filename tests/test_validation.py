@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstore import CheckpointingException, ShardedObject, ShardedTensor, StrictHandling, load, save
+from shardstore import (
+    CheckpointingException,
+    ShardedObject,
+    ShardedTensor,
+    StrictHandling,
+    load,
+    save,
+)
 from tests.dist import run_distributed
 
 

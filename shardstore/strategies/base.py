@@ -55,7 +55,7 @@ def register_default_strategy(
     action: StrategyAction,
     backend: str,
     version: int,
-    strategy: Union[SaveStrategyBase, LoadStrategyBase],
+    strategy: SaveStrategyBase | LoadStrategyBase,
 ) -> None:
     """Makes ``strategy`` the default for ``action``, ``backend`` and ``version``."""
     default_strategies[action.value][(backend, version)] = strategy
@@ -94,7 +94,7 @@ class LoadStrategyBase(ABC):
         return False
 
 
-class SaveStrategyBase(ABC):
+class SaveStrategyBase(ABC):  # noqa: B024 (abstract by convention, as in the seed)
     """Base class for a save strategy: names the backend and version of its format."""
 
     def __init__(self, backend: str, version: int) -> None:

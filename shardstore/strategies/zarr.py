@@ -378,7 +378,11 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.process_group = process_group
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> AsyncRequest:
-        from shardstore.validation import gather_layout, local_sharded_items, validate_sharding_integrity
+        from shardstore.validation import (
+            gather_layout,
+            local_sharded_items,
+            validate_sharding_integrity,
+        )
 
         tensors, objects = local_sharded_items(sharded_state_dict)
         layout = gather_layout(tensors, objects, Group(self.process_group))

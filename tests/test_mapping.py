@@ -1,0 +1,107 @@
+"""ShardedTensor/ShardedObject semantics, dict helpers and prefix utilities (no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardstore import CheckpointingException, ShardedObject, ShardedTensor
+from shardstore.dict_utils import diff, extract_matching_values, merge, nested_values
+from shardstore.mapping import is_main_replica
+from shardstore.utils import (
+    add_prefix_for_sharding,
+    apply_prefix_mapping,
+    replace_prefix_for_sharding,
+    zip_strict,
+)
+
+
+def test_from_rank_offsets_computes_global_shape_and_offset() -> None:
+    t = ShardedTensor.from_rank_offsets("k", torch.zeros(4, 6), (0, 1, 2), (1, 2, 3), replica_id=(0, 1))
+    assert t.global_shape == (8, 18) and t.global_offset == (4, 12) and t.axis_fragmentations == (2, 3)
+    assert t.global_slice() == (slice(4, 8), slice(12, 18))
+    assert t.local_chunk_offset_in_global() == (1, 2) and t.max_allowed_chunks() == (4, 6)
+    assert not is_main_replica(t.replica_id) and is_main_replica((0, 0)) and is_main_replica(0)
+
+
+def test_prepended_axis_gives_integer_index() -> None:
+    t = ShardedTensor.from_rank_offsets("k", torch.zeros(3), (0, 5, 8), prepend_axis_num=1)
+    assert t.global_shape == (8, 3) and t.global_slice() == (5, slice(0, 3))
+
+
+@pytest.mark.parametrize("offsets", [[(0, 2, 2)], [(3, 0, 1)], [(0, 0, 0)], [(0, 0, 2), (0, 1, 2)]])
+def test_invalid_rank_offsets_are_rejected(offsets) -> None:
+    with pytest.raises(ValueError, match="Invalid rank offsets"):
+        ShardedTensor.from_rank_offsets("k", torch.zeros(2, 2), *offsets)
+
+
+def test_flat_constructor_checks_range_against_data() -> None:
+    t = ShardedTensor.from_rank_offsets_flat("k", torch.zeros(5), (3, 4), (0, 1, 2), flattened_range=slice(2, 7))
+    assert t.local_shape == (3, 4) and t.global_shape == (6, 4) and t.flattened_range == slice(2, 7)
+    with pytest.raises(CheckpointingException):
+        ShardedTensor.from_rank_offsets_flat("k", torch.zeros(4), (3, 4), flattened_range=slice(2, 7))
+    with pytest.raises(CheckpointingException):
+        ShardedTensor.from_rank_offsets_flat("k", torch.zeros(5), (3, 4))
+
+
+def test_dtype_and_shape_mismatch_with_data_is_rejected() -> None:
+    with pytest.raises(CheckpointingException, match="dtype"):
+        ShardedTensor("k", torch.zeros(2), torch.float64, (2,), (2,), (0,), None)
+    with pytest.raises(CheckpointingException, match="shape"):
+        ShardedTensor("k", torch.zeros(3), torch.float32, (2,), (2,), (0,), None)
+
+
+def test_narrow_non_flat_and_flat() -> None:
+    t = ShardedTensor.from_rank_offsets("k", torch.arange(12.0).reshape(4, 3), (0, 1, 2))
+    (n,) = t.narrow(0, 1, 2)
+    assert n.local_shape == (2, 3) and n.global_shape == (4, 3) and n.global_offset == (2, 0)
+    assert torch.equal(n.data, torch.arange(3.0, 9.0).reshape(2, 3))
+    flat = ShardedTensor.from_rank_offsets_flat("k", torch.arange(5.0), (3, 4), flattened_range=slice(5, 10))
+    (f,) = flat.narrow(0, 1, 1)  # row 1 = flat [4, 8): overlap is [5, 8)
+    assert f.flattened_range == slice(1, 4) and torch.equal(f.data, torch.arange(3.0))
+    assert flat.narrow(0, 0, 1) == []  # row 0 = flat [0, 4): no overlap
+
+
+def test_init_data_allocates_flat_view() -> None:
+    t = ShardedTensor.from_rank_offsets_flat("k", torch.zeros(5), (3, 4), flattened_range=slice(2, 7)).without_data()
+    t.init_data("cpu")
+    assert t.data.shape == (5,)
+
+
+def test_sharded_object_unique_key_round_trips() -> None:
+    o = ShardedObject("opt/state", 1, (2, 3), (1, 2))
+    assert o.unique_key == "opt/state/shard_1.2_2.3"
+    back = ShardedObject.empty_from_unique_key(o.unique_key)
+    assert (back.key, back.global_shape, back.global_offset, back.data) == ("opt/state", (2, 3), (1, 2), None)
+    with pytest.raises(CheckpointingException, match="Malformed"):
+        ShardedObject.empty_from_unique_key("opt/state/piece_1_2")
+
+
+def test_dict_helpers() -> None:
+    x = {"a": [1, {"b": 2.0}], "c": "s"}
+    match, rest = extract_matching_values(x, lambda v: isinstance(v, float))
+    assert match == {"a": [{"b": 2.0}]} and rest == {"a": [1], "c": "s"}
+    assert list(nested_values(x)) == [1, 2.0, "s"]
+    assert merge({"a": {"b": 1}}, {"a": {"c": 2}}) == {"a": {"b": 1, "c": 2}}
+    with pytest.raises(ValueError, match="Duplicate"):
+        merge({"a": 1}, {"a": 2})
+    only_left, only_right, mismatch = diff({"a": torch.ones(2), "b": 1}, {"a": torch.zeros(2), "c": 1})
+    assert only_left == [("b",)] and only_right == [("c",)] and mismatch[0][0] == ("a",)
+
+
+def test_prefix_helpers() -> None:
+    sd = {"x": ShardedTensor.from_rank_offsets("layer.w", torch.zeros(1)), "y": ShardedObject("layer.o", 1, (1,), (0,))}
+    add_prefix_for_sharding(sd, "model.")
+    assert sd["x"].key == "model.layer.w" and sd["y"].key == "model.layer.o"
+    replace_prefix_for_sharding(sd, "model.", "m/")
+    assert sd["x"].key == "m/layer.w"
+    with pytest.raises(ValueError, match="prefix"):
+        replace_prefix_for_sharding(sd, "nope", "")
+    apply_prefix_mapping(sd, {"m/layer.o": "obj", "m/": "t/"})
+    assert (sd["x"].key, sd["y"].key) == ("t/layer.w", "obj")
+
+
+def test_zip_strict_names_the_lengths() -> None:
+    assert list(zip_strict([1, 2], "ab")) == [(1, "a"), (2, "b")]
+    with pytest.raises(ValueError, match=r"\[2, 3\]"):
+        zip_strict([1, 2], [1, 2, 3])

@@ -361,21 +361,23 @@ def verify_checkpoint_and_load_strategy(
     config = maybe_load_config(location)
     if config is None:
         raise CheckpointingException(f"{location.describe()} is not a distributed checkpoint (no metadata.json)")
-    if sharded_strategy is None:
-        sharded_strategy = get_default_strategy(
-            StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
-        )
-    else:
-        sharded_strategy.check_backend_compatibility(config.sharded_backend)
-        sharded_strategy.check_version_compatibility(config.sharded_backend_version)
-    if common_strategy is None:
-        common_strategy = get_default_strategy(
-            StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version
-        )
-    else:
-        common_strategy.check_backend_compatibility(config.common_backend)
-        common_strategy.check_version_compatibility(config.common_backend_version)
+    sharded_strategy = _resolve_load_strategy(
+        sharded_strategy, StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
+    )
+    common_strategy = _resolve_load_strategy(
+        common_strategy, StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version
+    )
     return sharded_strategy, common_strategy
+
+
+def _resolve_load_strategy(strategy: Any, action: StrategyAction, backend: str, version: int) -> Any:
+    """The registered default for the checkpoint's backend, or ``strategy`` once it has
+    confirmed it can read that backend and version."""
+    if strategy is None:
+        return get_default_strategy(action, backend, version)
+    strategy.check_backend_compatibility(backend)
+    strategy.check_version_compatibility(version)
+    return strategy
 
 
 def get_default_load_sharded_strategy(checkpoint_dir: CheckpointDir) -> LoadShardedStrategy:

@@ -317,7 +317,7 @@ def load(
         validate_access_integrity,
         layout,
         set(record.arrays) | set(record.objects),
-        group.rank if layout.world_size > 1 else 0,
+        group.rank,
         where=location.describe(),
     )
 

@@ -126,3 +126,15 @@ def test_missing_keys_are_global_across_ranks(ckpt_dir: Path) -> None:
 def test_parse_strict_flag_rejects_unknown_values(two_key_checkpoint: Path) -> None:
     with pytest.raises(ValueError, match="raise_all"):
         load(_request(), two_key_checkpoint, strict="sometimes")
+
+
+def load_unexpected_on_rank1(rank: int, world: int, ckpt: str) -> list[str]:
+    key = "a" if rank == 0 else "nope"
+    request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(3), replica_id=rank)}
+    _, _, unexpected = load(request, ckpt, strict="return_unexpected", validate_access_integrity=False)
+    return sorted(unexpected)
+
+
+def test_unexpected_keys_are_detected_on_every_rank_without_a_gather(ckpt_dir: Path) -> None:
+    run_distributed(save_two_keys, 2, str(ckpt_dir))
+    assert run_distributed(load_unexpected_on_rank1, 2, str(ckpt_dir)) == [[], ["nope"]]

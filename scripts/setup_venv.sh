@@ -32,7 +32,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 
 stamp="$venv/.shardstore-installed"
-want="$(cat "$repo_root/pyproject.toml" | sha256sum | cut -d' ' -f1) $torch_spec"
+want="$(sha256sum < "$repo_root/pyproject.toml" | cut -d' ' -f1) $torch_spec"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "Installing $torch_spec and shardstore[test] into $venv"
   "$venv/bin/python" -m pip install -q "$torch_spec"

@@ -27,6 +27,17 @@ from shardstore.mapping import ShardedObject, ShardedTensor, is_main_replica
 Region = tuple[slice, ...]
 
 
+def block_shape(tensor: ShardedTensor) -> tuple[int, ...]:
+    """The extent of a ShardedTensor's block in the global tensor: its (non-flat) local
+    shape with a unit axis for every prepended axis."""
+    return (1,) * tensor.prepend_axis_num + tuple(tensor.local_shape)
+
+
+def region_at(offset: tuple[int, ...], extent: tuple[int, ...]) -> Region:
+    """The box of ``extent`` elements starting at ``offset``."""
+    return tuple(slice(o, o + e) for o, e in zip(offset, extent))
+
+
 @dataclass(frozen=True)
 class ShardRecord:
     """Metadata of one ShardedTensor of one rank, as all ranks see it after the gather.
@@ -65,7 +76,7 @@ class ShardRecord:
             dtype=from_torch(tensor.dtype).zarr_name,
             global_shape=tuple(tensor.global_shape),
             offset=tuple(tensor.global_offset),
-            block_shape=(1,) * tensor.prepend_axis_num + tuple(tensor.local_shape),
+            block_shape=block_shape(tensor),
             flat_range=None if flat is None else (flat.start, flat.stop),
             main=is_main_replica(tensor.replica_id),
             allow_shape_mismatch=tensor.allow_shape_mismatch,
@@ -73,7 +84,7 @@ class ShardRecord:
 
     @property
     def region(self) -> Region:
-        return tuple(slice(o, o + s) for o, s in zip(self.offset, self.block_shape))
+        return region_at(self.offset, self.block_shape)
 
     @property
     def block_volume(self) -> int:

@@ -25,11 +25,8 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import nested_values
+from shardstore.layout import block_shape
 from shardstore.mapping import ShardedStateDict, ShardedTensor
-
-
-def _block_shape(sh_ten: ShardedTensor) -> tuple[int, ...]:
-    return (1,) * sh_ten.prepend_axis_num + tuple(sh_ten.local_shape)
 
 
 class CheckpointableShardedTensor(torch.Tensor):
@@ -49,7 +46,7 @@ class CheckpointableShardedTensor(torch.Tensor):
             raise CheckpointingException(
                 f"{sh_ten.key!r}: DCP cannot represent flattened ranges; save it with shardstore.save"
             )
-        block = data.reshape(_block_shape(sh_ten))
+        block = data.reshape(block_shape(sh_ten))
         # Like a DTensor, the wrapper has the GLOBAL shape: DCP checks it against the
         # saved size; the local block is what __get_tensor_shard__ returns.
         wrapper = torch.Tensor._make_wrapper_subclass(

@@ -66,8 +66,10 @@ from shardstore.layout import (
     GlobalLayout,
     Region,
     ShardRecord,
+    block_shape,
     chunk_shape_for,
     plan_flat_writes,
+    region_at,
 )
 from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from shardstore.storage import Location, open_location
@@ -439,12 +441,12 @@ def plan_read(t: ShardedTensor, record: ArrayRecord, where: str) -> ReadOp:
         raise CheckpointingException(
             f"{where}: tensor {t.key!r} is stored with {len(record.shape)} dims, expected {len(t.global_shape)}"
         )
-    block_shape = (1,) * t.prepend_axis_num + tuple(t.local_shape)
-    block = tuple(slice(o, o + b) for o, b in zip(t.global_offset, block_shape))
+    extent = block_shape(t)
+    block = region_at(t.global_offset, extent)
     fr = t.flattened_range
-    if fr is not None and record.shape == t.global_shape and len(block_shape) > 0:
-        axis = next((a for a, b in enumerate(block_shape) if b > 1), len(block_shape) - 1)
-        row = math.prod(block_shape[axis + 1 :])
+    if fr is not None and record.shape == t.global_shape and len(extent) > 0:
+        axis = next((a for a, b in enumerate(extent) if b > 1), len(extent) - 1)
+        row = math.prod(extent[axis + 1 :])
         first, last = fr.start // row, -(-fr.stop // row)
         region = block[:axis] + (slice(block[axis].start + first, block[axis].start + last),) + block[axis + 1 :]
         skip = fr.start - first * row
@@ -656,10 +658,9 @@ def _save_to_existing_array(sharded_tensor: ShardedTensor, arr: ts.TensorStore |
             f"{sharded_tensor.key!r}: flattened ranges need the cross-rank chunk exchange; "
             "save them with ZarrSaveShardedStrategy"
         )
-    block_shape = (1,) * sharded_tensor.prepend_axis_num + tuple(sharded_tensor.local_shape)
-    value = tensor_to_numpy(to_host(sharded_tensor.data)).reshape(block_shape)
-    region = tuple(slice(o, o + b) for o, b in zip(sharded_tensor.global_offset, block_shape))
-    arr[_ts_index(region)].write(value).result()
+    extent = block_shape(sharded_tensor)
+    value = tensor_to_numpy(to_host(sharded_tensor.data)).reshape(extent)
+    arr[_ts_index(region_at(sharded_tensor.global_offset, extent))].write(value).result()
 
 
 def _open_zarr_array_verbose(path: str | Path, mode: str, **open_kwargs: Any) -> ts.TensorStore:

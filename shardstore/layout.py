@@ -18,10 +18,10 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import product
 
-from shardstore.dtypes import from_torch
+from shardstore.dtypes import from_torch, from_zarr_name
 from shardstore.mapping import ShardedObject, ShardedTensor, is_main_replica
 
 Region = tuple[slice, ...]
@@ -90,6 +90,17 @@ class ShardRecord:
     def block_volume(self) -> int:
         return math.prod(self.block_shape)
 
+    @property
+    def block_id(self) -> tuple:
+        """What replicas of one block have in common."""
+        return (self.key, self.offset, self.block_shape, self.flat_range)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this shard holds (its flat range, or its whole block)."""
+        volume = self.block_volume if self.flat_range is None else self.flat_range[1] - self.flat_range[0]
+        return volume * from_zarr_name(self.dtype).itemsize
+
 
 @dataclass(frozen=True)
 class ObjectShardRecord:
@@ -133,6 +144,36 @@ class GlobalLayout:
 
     def main_shards(self, key: str) -> list[ShardRecord]:
         return [r for r in self.tensors[key] if r.main]
+
+
+def balance_writers(layout: GlobalLayout) -> GlobalLayout:
+    """Fully-parallel save: each replicated block is written by one of its replicas,
+    chosen so that every rank writes about the same number of bytes.
+
+    Without this, every replicated tensor is written by its main replica (replica_id 0),
+    which in a TP x DP job is the same few ranks. Greedy, largest block first, to the
+    replica whose rank has the fewest bytes so far (ties: lowest rank); a pure function
+    of the layout, so every rank computes the same assignment without communication.
+    Replicas must hold equal data, as replication means.
+    """
+    replicas: dict[tuple, list[ShardRecord]] = defaultdict(list)
+    for shards in layout.tensors.values():
+        for s in shards:
+            replicas[s.block_id].append(s)
+    load = [0] * layout.world_size
+    for s in (s for group in replicas.values() if len(group) == 1 for s in group if s.main):
+        load[s.rank] += s.nbytes
+    writers: dict[tuple, ShardRecord] = {}
+    replicated = [g for g in replicas.values() if len(g) > 1 and any(s.main for s in g)]
+    for group in sorted(replicated, key=lambda g: (-g[0].nbytes, repr(g[0].block_id))):
+        writer = min(group, key=lambda s: (load[s.rank], s.rank))
+        load[writer.rank] += writer.nbytes
+        writers[writer.block_id] = writer
+    tensors = {
+        key: [replace(s, main=writers[s.block_id] is s) if s.block_id in writers else s for s in shards]
+        for key, shards in layout.tensors.items()
+    }
+    return GlobalLayout(tensors, layout.objects, layout.world_size)
 
 
 @dataclass(frozen=True)

@@ -58,13 +58,7 @@ class Location(ABC):
 
     def write_many(self, files: dict[str, bytes]) -> None:
         """Writes many small objects concurrently."""
-        if len(files) <= 1:
-            for rel, data in files.items():
-                self.write_bytes(rel, data)
-            return
-        with ThreadPoolExecutor(SMALL_FILE_WRITERS) as pool:
-            for future in [pool.submit(self.write_bytes, r, d) for r, d in files.items()]:
-                future.result()
+        run_parallel(lambda item: self.write_bytes(*item), list(files.items()))
 
     @abstractmethod
     def write_atomic(self, rel: str, data: bytes) -> None:
@@ -93,6 +87,11 @@ class Location(ABC):
     def make_durable(self) -> None:
         """Blocks until everything written so far by this process is on stable storage."""
 
+    def local_path(self, rel: str = "") -> Path | None:
+        """The POSIX path of ``rel`` when the location is a local file system, else None
+        (enables the direct chunk I/O path of ``shardstore.chunk_io``)."""
+        return None
+
     @abstractmethod
     def kvstore_spec(self, rel: str = "") -> dict[str, Any]:
         """TensorStore kvstore spec for the directory ``rel`` (ends with ``/``)."""
@@ -118,6 +117,9 @@ class LocalLocation(Location):
     def describe(self, rel: str = "") -> str:
         return str(self._path(rel))
 
+    def local_path(self, rel: str = "") -> Path:
+        return self._path(rel)
+
     def read_bytes_or_none(self, rel: str) -> bytes | None:
         try:
             return self._path(rel).read_bytes()
@@ -127,9 +129,25 @@ class LocalLocation(Location):
             raise StorageError(f"Cannot read {self.describe(rel)}: {exc}") from exc
 
     def write_bytes(self, rel: str, data: bytes) -> None:
+        self._make_parents([rel])
+        self._write_file(rel, data)
+
+    def write_many(self, files: dict[str, bytes]) -> None:
+        # Directories first, in one thread: parallel mkdirs in one parent directory
+        # contend on its lock (4x slower than serial for 5,000 files here).
+        self._make_parents(list(files))
+        run_parallel(lambda item: self._write_file(*item), list(files.items()))
+
+    def _make_parents(self, rels: list[str]) -> None:
+        for parent in sorted({self._path(rel).parent for rel in rels}):
+            try:
+                parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StorageError(f"Cannot create directory {parent}: {exc}") from exc
+
+    def _write_file(self, rel: str, data: bytes) -> None:
         path = self._path(rel)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "wb") as f:
                 f.write(data)
         except OSError as exc:
@@ -195,6 +213,18 @@ class LocalLocation(Location):
     def tensorstore_context(self) -> dict[str, Any]:
         # No fsync per chunk file: make_durable flushes the file system once instead.
         return {"file_io_sync": False}
+
+
+def run_parallel(fn: Any, items: list[Any], threads: int = SMALL_FILE_WRITERS) -> None:
+    """``fn`` over ``items`` on up to ``threads`` threads; the first error is raised
+    (after the others have finished, so nothing runs on behind the caller's back)."""
+    if len(items) <= 1 or threads <= 1:
+        for item in items:
+            fn(item)
+        return
+    with ThreadPoolExecutor(min(threads, len(items))) as pool:
+        for future in [pool.submit(fn, item) for item in items]:
+            future.result()
 
 
 def _fsync_directory(path: Path) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shardstore import ShardedTensor, load, save
+from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 from tests.dist import run_distributed
 from tests.scenarios import assert_bits_equal, global_tensor, grid_shard
 
@@ -62,7 +63,8 @@ def save_replicated(rank: int, world: int, ckpt: str) -> None:
     full = global_tensor("norm/weight", (33, 7), torch.float64)
     # Only the main replica writes: other replicas hold garbage that must not land.
     data = full.clone() if rank == 0 else torch.full_like(full, float(rank))
-    save({"norm": ShardedTensor.from_rank_offsets("norm/weight", data, replica_id=rank)}, ckpt)
+    sd = {"norm": ShardedTensor.from_rank_offsets("norm/weight", data, replica_id=rank)}
+    save(sd, ckpt, ZarrSaveShardedStrategy(fully_parallel=False))
 
 
 def load_replicated(rank: int, world: int, ckpt: str) -> None:
@@ -74,6 +76,26 @@ def test_replicated_tensor_is_written_by_the_main_replica_only(ckpt_dir: Path) -
     run_distributed(save_replicated, 2, str(ckpt_dir))
     run_distributed(load_replicated, 1, str(ckpt_dir))
     run_distributed(load_replicated, 4, str(ckpt_dir))
+
+
+def save_rank_marked_replicas(rank: int, world: int, ckpt: str) -> None:
+    """Four equal replicated tensors whose data says which rank holds it."""
+    sd = {f"r{i}": ShardedTensor.from_rank_offsets(f"norm{i}", torch.full((64,), float(rank)), replica_id=rank)
+          for i in range(4)}
+    save(sd, ckpt)
+
+
+def test_fully_parallel_save_spreads_replicated_writes_over_replicas(ckpt_dir: Path) -> None:
+    run_distributed(save_rank_marked_replicas, 2, str(ckpt_dir))
+    sd = {f"r{i}": ShardedTensor.from_rank_offsets(f"norm{i}", torch.empty(64)) for i in range(4)}
+    loaded = run_distributed(_load_writers, 1, str(ckpt_dir), sd)[0]
+    # balanced by bytes: two tensors written by each rank
+    assert sorted(loaded) == [0.0, 0.0, 1.0, 1.0]
+
+
+def _load_writers(rank: int, world: int, ckpt: str, sd: dict) -> list[float]:
+    loaded = load(sd, ckpt)
+    return [float(loaded[k][0]) for k in sorted(loaded) if bool((loaded[k] == loaded[k][0]).all())]
 
 
 NUM_LAYERS, LAYER_SHAPE = 4, (6, 8)

@@ -39,6 +39,17 @@ import tensorstore as ts
 import torch
 import torch.distributed as dist
 
+from shardstore.chunk_io import (
+    DEFAULT_IO_THREADS,
+    NATIVE_LITTLE_ENDIAN,
+    ArrayChunks,
+    ReadJob,
+    is_chunk_aligned,
+    read_region,
+    run_reads,
+    run_writes,
+    write_region,
+)
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace
 from shardstore.distributed import Group
@@ -66,6 +77,7 @@ from shardstore.layout import (
     GlobalLayout,
     Region,
     ShardRecord,
+    balance_writers,
     block_shape,
     chunk_shape_for,
     plan_flat_writes,
@@ -219,10 +231,11 @@ def stage_save(
     """Collective: prepares this rank's writes (host copies, straddling-chunk exchange)."""
     records = array_records(layout, max_chunk_bytes)
     host: list[torch.Tensor | None] = [None] * len(tensors)
+    writes = {s.index for shards in layout.tensors.values() for s in shards if s.rank == group.rank and s.main}
     error = None
     try:
         for i, t in enumerate(tensors):
-            if is_main_replica(t.replica_id):
+            if i in writes:
                 if t.data is None:
                     raise CheckpointingException(f"ShardedTensor {t.key!r} has no data to save")
                 host[i] = to_host(t.data)
@@ -310,18 +323,36 @@ def exchange_straddling_chunks(
     return result
 
 
+def local_chunks(location: Location, record: ArrayRecord) -> ArrayChunks | None:
+    """The array's chunk files for direct I/O, or None when TensorStore must do it
+    (object storage, or a big-endian machine)."""
+    root = location.local_path(record.key)
+    if root is None or not NATIVE_LITTLE_ENDIAN:
+        return None
+    return ArrayChunks(record.key, root, record.shape, record.chunk_shape, from_zarr_name(record.dtype).numpy_dtype)
+
+
 def write_staged(staged: StagedSave, io_concurrency: int = DEFAULT_IO_CONCURRENCY) -> None:
-    """This rank's I/O: metadata files, then every chunk write in flight, then durability."""
+    """This rank's I/O: metadata files, then every chunk write in flight, then durability.
+
+    Chunk-aligned writes to a local disk go through ``chunk_io`` (straight from the
+    host tensors' memory); the rest through TensorStore, all started before any waits.
+    """
     location = staged.location
     location.write_many(staged.metadata_files)
-    keys = sorted({op.key for op in staged.ops})
-    context = tensorstore_context(location, io_concurrency)
-    handles = open_arrays(location, [staged.records[k] for k in keys], context, for_write=True)
-    pending = [
-        (op, handles[op.key][_ts_index(op.region)].write(op.value, can_reference_source_data_indefinitely=True))
-        for op in staged.ops
-        if op.value.size
-    ]
+    direct: list = []
+    via_tensorstore: list[WriteOp] = []
+    for op in staged.ops:
+        if not op.value.size:
+            continue
+        record = staged.records[op.key]
+        chunks = local_chunks(location, record)
+        if chunks is not None and is_chunk_aligned(op.region, record.shape, record.chunk_shape):
+            direct += write_region(chunks, op.region, op.value)
+        else:
+            via_tensorstore.append(op)
+    pending = _start_tensorstore_writes(staged, via_tensorstore, io_concurrency)
+    run_writes(direct, min(io_concurrency, DEFAULT_IO_THREADS))
     for op, future in pending:
         try:
             future.result()
@@ -331,6 +362,20 @@ def write_staged(staged: StagedSave, io_concurrency: int = DEFAULT_IO_CONCURRENC
                 f"{location.describe()} failed: {exc}"
             ) from exc
     location.make_durable()
+
+
+def _start_tensorstore_writes(
+    staged: StagedSave, ops: list[WriteOp], io_concurrency: int
+) -> list[tuple[WriteOp, ts.Future]]:
+    if not ops:
+        return []
+    context = tensorstore_context(staged.location, io_concurrency)
+    keys = sorted({op.key for op in ops})
+    handles = open_arrays(staged.location, [staged.records[k] for k in keys], context, for_write=True)
+    return [
+        (op, handles[op.key][_ts_index(op.region)].write(op.value, can_reference_source_data_indefinitely=True))
+        for op in ops
+    ]
 
 
 def _describe_region(region: Region) -> str:
@@ -360,8 +405,13 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         backend: format name, ``"zarr"``.
         version: format version, 1.
         max_chunk_bytes: upper bound on one stored chunk, in bytes.
-        io_concurrency: TensorStore I/O operations in flight at once.
+        io_concurrency: I/O operations in flight at once (TensorStore), capped at
+            ``chunk_io.DEFAULT_IO_THREADS`` threads on the direct local path.
         process_group: group of the ranks that save together (default: the world).
+        fully_parallel: spread the writing of replicated tensors over their replicas,
+            balanced by bytes (``layout.balance_writers``), instead of leaving it all to
+            replica 0. Replicas must then hold equal data. Costs nothing without
+            replicas; on by default.
     """
 
     def __init__(
@@ -371,6 +421,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         io_concurrency: int = DEFAULT_IO_CONCURRENCY,
         process_group: dist.ProcessGroup | None = None,
+        fully_parallel: bool = True,
     ) -> None:
         super().__init__(backend, version)
         if max_chunk_bytes < 1:
@@ -378,6 +429,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.max_chunk_bytes = max_chunk_bytes
         self.io_concurrency = io_concurrency
         self.process_group = process_group
+        self.fully_parallel = fully_parallel
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> AsyncRequest:
         from shardstore.validation import (
@@ -399,6 +451,8 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         tensors, _ = local_sharded_items(sharded_state_dict)
         group = Group(self.process_group)
         location = open_location(checkpoint_dir)
+        if self.fully_parallel:
+            layout = balance_writers(layout)
         staged = stage_save(tensors, location, layout, group, self.max_chunk_bytes)
         return AsyncRequest(
             async_fn=write_staged,
@@ -489,7 +543,11 @@ def load_tensors(
     tensors: list[ShardedTensor], location: Location, record: CommitRecord,
     io_concurrency: int = DEFAULT_IO_CONCURRENCY,
 ) -> list[torch.Tensor]:
-    """Reads every tensor's region, all reads in flight at once; returns them in order."""
+    """Reads every tensor's region, all reads in flight at once; returns them in order.
+
+    On a local disk the chunks are read straight into the result's memory
+    (``chunk_io``); elsewhere TensorStore reads them.
+    """
     where = f"checkpoint {location.describe()}"
     missing = sorted({t.key for t in tensors if t.key not in record.arrays})
     if missing:
@@ -498,22 +556,43 @@ def load_tensors(
             "StrictHandling) to skip keys that are not in the checkpoint"
         )
     reads = [plan_read(t, record.arrays[t.key], where) for t in tensors]
-    context = tensorstore_context(location, io_concurrency)
-    handles = open_arrays(location, [record.arrays[k] for k in sorted({t.key for t in tensors})], context, False)
-    futures = [handles[r.tensor.key][_ts_index(r.region)].read() for r in reads]
+    arrays: list[np.ndarray | ts.Future] = []
+    jobs: list[ReadJob] = []
+    via_tensorstore = [r for r in reads if local_chunks(location, record.arrays[r.tensor.key]) is None]
+    handles = _open_for_read(location, record, via_tensorstore, io_concurrency)
+    for r in reads:
+        stored = record.arrays[r.tensor.key]
+        chunks = local_chunks(location, stored)
+        if chunks is None:
+            arrays.append(handles[r.tensor.key][_ts_index(r.region)].read())
+        else:
+            out = np.empty(_region_shape(r.region), chunks.dtype)
+            jobs += read_region(chunks, r.region, out)
+            arrays.append(out)
+    run_reads(jobs, min(io_concurrency, DEFAULT_IO_THREADS))
     results = []
-    for r, future in zip(reads, futures):
-        try:
-            array = future.result()
-        except Exception as exc:
-            raise CheckpointingException(
-                f"Reading tensor {r.tensor.key!r} region {_describe_region(r.region)} from {where} "
-                f"failed: {exc}"
-            ) from exc
+    for r, array in zip(reads, arrays):
+        if isinstance(array, ts.Future):
+            try:
+                array = array.result()
+            except Exception as exc:
+                raise CheckpointingException(
+                    f"Reading tensor {r.tensor.key!r} region {_describe_region(r.region)} from {where} "
+                    f"failed: {exc}"
+                ) from exc
         stored = record.arrays[r.tensor.key]
         x = numpy_to_tensor(array, from_zarr_name(stored.dtype).torch_dtype)
         results.append(_place(r.finish(x), r.tensor))
     return results
+
+
+def _open_for_read(
+    location: Location, record: CommitRecord, reads: list[ReadOp], io_concurrency: int
+) -> dict[str, ts.TensorStore]:
+    if not reads:
+        return {}
+    context = tensorstore_context(location, io_concurrency)
+    return open_arrays(location, [record.arrays[k] for k in sorted({r.tensor.key for r in reads})], context, False)
 
 
 class ZarrLoadShardedStrategy(LoadShardedStrategy):

@@ -1,0 +1,545 @@
+"""shardstore benchmark: one run, the same state dict and disk, against the peers.
+
+    .venv/bin/python scripts/bench.py                  # 2 GiB, 3 repetitions
+    .venv/bin/python scripts/bench.py --gib 0.5 --reps 1 --cases large
+
+Methods, on the same generated data:
+
+- ``shardstore``  ``shardstore.save`` / ``shardstore.load`` at the same world size;
+- ``dcp``         ``torch.distributed.checkpoint`` with DTensors on a gloo CPU mesh and
+                  its default file-system writer/reader (``sync_files=True``);
+- ``torch``       ``torch.save`` + fsync / ``torch.load`` of the global dict in one process;
+- ``raw``         each rank writes its bytes as one plain file with one fsync (reads it
+                  back into preallocated memory), all ranks at once: the disk's bound.
+
+Cases: ``large`` (tensor-parallel shards, mixed bfloat16/float32), ``small`` (5,000
+replicated 4 KiB tensors), ``reshard`` (saved at 2 ranks, loaded at 1) and ``async``
+(caller-blocked time of an async save vs ``clone()``; a matmul loop's throughput while
+the save runs in the background).
+
+Every timed load starts with the page cache dropped (``/proc/sys/vm/drop_caches`` when
+writable, else ``posix_fadvise(DONTNEED)`` on the checkpoint's files; the report says
+which). Peak RSS is the kernel's high-water mark (reset through ``clear_refs``) minus
+the RSS before the operation, maximum over ranks. Times are medians over ``--reps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+GiB = 2**30
+
+
+# ----------------------------------------------------------------- measurement
+
+
+def drop_page_cache(paths: list[Path]) -> str:
+    """Evicts the files under ``paths`` from the page cache; returns the method used."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        for root in paths:
+            files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+            for p in files:
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+        return "fadvise"
+
+
+def _status_kib(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field_name} not in /proc/self/status")
+
+
+class PeakRSS:
+    """The rise of this process's resident memory during a block, in bytes."""
+
+    def __enter__(self) -> PeakRSS:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5\n")  # resets VmHWM to the current RSS
+        self.before = _status_kib("VmRSS") * 1024
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.extra = _status_kib("VmHWM") * 1024 - self.before
+
+
+@dataclass
+class Sample:
+    seconds: float
+    extra_rss: int
+
+
+@dataclass
+class Result:
+    case: str
+    method: str
+    op: str
+    nbytes: int
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(s.seconds for s in self.samples)
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9
+
+    @property
+    def extra_rss(self) -> int:
+        return max(s.extra_rss for s in self.samples)
+
+
+# ----------------------------------------------------------------- state
+
+
+def large_shapes(total_bytes: int, world: int) -> list[tuple[str, torch.dtype, tuple[int, int], int]]:
+    """(name, dtype, global shape, TP axis): alternating bf16 column- and fp32 row-parallel."""
+    layers = []
+    per_layer = 2 * 4096 * 4096 * 2 + 4096 * 4096 * 4  # one bf16 (8192x4096) + one fp32 (4096x4096)
+    n = max(1, round(total_bytes / per_layer))
+    for i in range(n):
+        layers.append((f"layer{i}.qkv", torch.bfloat16, (8192, 4096), 0))
+        layers.append((f"layer{i}.fc2", torch.float32, (4096, 4096), 1))
+    return layers
+
+
+def make_global(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+
+
+def local_shard(full: torch.Tensor, axis: int, rank: int, world: int) -> torch.Tensor:
+    return full.chunk(world, axis)[rank].clone()
+
+
+@dataclass
+class State:
+    """This rank's shards and how each maps onto the global tensor."""
+
+    shards: dict[str, tuple[torch.Tensor, int]]  # key -> (local tensor, TP axis or -1 = replicated)
+    shapes: dict[str, tuple[int, ...]]
+
+    @property
+    def local_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t, _ in self.shards.values())
+
+
+def build_large(total_bytes: int, rank: int, world: int) -> State:
+    shards, shapes = {}, {}
+    for name, dtype, shape, axis in large_shapes(total_bytes, world):
+        shards[name] = (local_shard(make_global(name, dtype, shape), axis, rank, world), axis)
+        shapes[name] = shape
+    return State(shards, shapes)
+
+
+def build_small(count: int, rank: int) -> State:
+    gen = torch.Generator().manual_seed(1)
+    shards = {f"norm{i}": (torch.randn(1024, generator=gen), -1) for i in range(count)}
+    return State(shards, {k: tuple(t.shape) for k, (t, _) in shards.items()})
+
+
+def full_bytes(state: State) -> int:
+    return sum(
+        torch.empty(0, dtype=t.dtype).element_size() * int(torch.Size(state.shapes[k]).numel())
+        for k, (t, _) in state.shards.items()
+    )
+
+
+# ----------------------------------------------------------------- methods
+
+
+def shardstore_sd(state: State, rank: int, world: int, empty: bool = False) -> dict:
+    from shardstore import ShardedTensor
+
+    sd = {}
+    for key, (t, axis) in state.shards.items():
+        data = torch.empty_like(t) if empty else t
+        if axis < 0:
+            sd[key] = ShardedTensor.from_rank_offsets(key, data, replica_id=rank)
+        else:
+            sd[key] = ShardedTensor.from_rank_offsets(key, data, (axis, rank, world))
+    return sd
+
+
+def dcp_sd(state: State, mesh, empty: bool = False) -> dict:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    sd = {}
+    for key, (t, axis) in state.shards.items():
+        data = torch.empty_like(t) if empty else t
+        placement = Replicate() if axis < 0 else Shard(axis)
+        sd[key] = DTensor.from_local(data, mesh, [placement], run_check=False)
+    return sd
+
+
+def raw_save(state: State, path: Path) -> None:
+    with open(path, "wb") as f:
+        for t, _ in state.shards.values():
+            f.write(memoryview(t.view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def raw_load(buffers: list[torch.Tensor], path: Path) -> None:
+    with open(path, "rb", buffering=0) as f:
+        for b in buffers:
+            view = memoryview(b.view(torch.uint8).numpy())
+            got = 0
+            while got < len(view):
+                got += f.readinto(view[got:])
+
+
+def torch_save(sd: dict, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(sd, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ----------------------------------------------------------------- harness
+
+
+class Bench:
+    """Runs identical sequences on every rank; rank 0 keeps the results."""
+
+    def __init__(self, rank: int, world: int, root: Path, reps: int) -> None:
+        self.rank, self.world, self.root, self.reps = rank, world, root, reps
+        self.results: list[Result] = []
+        self.cache_method = "none"
+        self.solo = dist.new_group([0])
+
+    def _timed(self, fn: Callable[[], None], participate: bool = True) -> Sample:
+        dist.barrier()
+        with PeakRSS() as rss:
+            start = time.perf_counter()
+            if participate:
+                fn()
+            dist.barrier()
+            seconds = time.perf_counter() - start
+        peak = [0] * self.world
+        dist.all_gather_object(peak, rss.extra)
+        return Sample(seconds, max(peak))
+
+    def _drop(self, paths: list[Path]) -> None:
+        dist.barrier()
+        if self.rank == 0:
+            self.cache_method = drop_page_cache(paths)
+        dist.barrier()
+
+    def _clean(self, path: Path) -> None:
+        dist.barrier()
+        if self.rank == 0 and path.exists():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        dist.barrier()
+
+    def measure(
+        self, case: str, method: str, nbytes: int, path: Path,
+        save: Callable[[], None] | None, load: Callable[[], None] | None,
+        check: Callable[[], None] | None = None, solo: bool = False,
+        save_solo: bool | None = None,
+    ) -> None:
+        """``reps`` rounds of save then (page cache dropped) load into ``path``."""
+        save_solo = solo if save_solo is None else save_solo
+        saved = Result(case, method, "save", nbytes)
+        loaded = Result(case, method, "load", nbytes)
+        for rep in range(self.reps):
+            if save is not None:
+                self._clean(path)
+                saved.samples.append(self._timed(save, participate=self.rank == 0 or not save_solo))
+            if load is not None:
+                self._drop([path])
+                loaded.samples.append(self._timed(load, participate=self.rank == 0 or not solo))
+                if check is not None and rep == 0 and (self.rank == 0 or not solo):
+                    check()
+        self.results += [r for r in (saved, loaded) if r.samples]
+        if self.rank == 0:
+            for r in (saved, loaded):
+                if r.samples:
+                    print(f"  {case:8} {method:11} {r.op}: {r.seconds:7.3f} s  {r.gbps:6.2f} GB/s  "
+                          f"+{r.extra_rss / 2**20:7.1f} MiB RSS", flush=True)
+
+
+def run_large(b: Bench, args: argparse.Namespace) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardstore
+
+    state = build_large(int(args.gib * GiB), b.rank, b.world)
+    nbytes = state.local_bytes * b.world
+    case = "large"
+    if b.rank == 0:
+        print(f"large: {nbytes / GiB:.2f} GiB in {len(state.shards)} tensors at {b.world} ranks", flush=True)
+
+    def check_equal(loaded: dict) -> None:
+        for k, (t, _) in state.shards.items():
+            got = loaded[k]
+            got = got.to_local() if hasattr(got, "to_local") else got
+            assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)), k
+
+    ss_path = b.root / "shardstore"
+    ss_target: dict = {}
+
+    def ss_load() -> None:
+        ss_target.clear()
+        ss_target.update(shardstore.load(shardstore_sd(state, b.rank, b.world, empty=True), str(ss_path)))
+
+    b.measure(case, "shardstore", nbytes, ss_path,
+              lambda: shardstore.save(shardstore_sd(state, b.rank, b.world), str(ss_path)),
+              ss_load, lambda: check_equal(ss_target))
+
+    mesh = init_device_mesh("cpu", (b.world,))
+    dcp_path = b.root / "dcp"
+    dcp_target: dict = {}
+
+    def dcp_load() -> None:
+        dcp_target.clear()
+        dcp_target.update(dcp_sd(state, mesh, empty=True))
+        dcp.load(dcp_target, checkpoint_id=str(dcp_path))
+
+    b.measure(case, "dcp", nbytes, dcp_path,
+              lambda: dcp.save(dcp_sd(state, mesh), checkpoint_id=str(dcp_path)),
+              dcp_load, lambda: check_equal(dcp_target))
+
+    raw_path = b.root / "raw"
+    if b.rank == 0:
+        raw_path.mkdir(exist_ok=True)
+    dist.barrier()
+    buffers = [torch.empty_like(t) for t, _ in state.shards.values()]
+    b.measure(case, "raw", nbytes, raw_path,
+              lambda: (raw_path.mkdir(exist_ok=True), raw_save(state, raw_path / f"rank{b.rank}")),
+              lambda: raw_load(buffers, raw_path / f"rank{b.rank}"))
+    buffers.clear()
+
+    if args.cases and "reshard" in args.cases:
+        run_reshard(b, state, ss_path, dcp_path, nbytes)
+
+    # torch.save of the global dict in one process (rank 0 builds it)
+    full = {}
+    if b.rank == 0:
+        full = {name: make_global(name, dtype, shape) for name, dtype, shape, _ in large_shapes(int(args.gib * GiB), b.world)}
+    torch_path = b.root / "torch.pt"
+    b.measure(case, "torch", nbytes, torch_path,
+              lambda: torch_save(full, torch_path),
+              lambda: torch.load(torch_path, weights_only=True), solo=True)
+    full.clear()
+    if args.cases and "async" in args.cases:
+        run_async(b, state, nbytes)
+    for p in (ss_path, dcp_path, raw_path):
+        b._clean(p)
+
+
+def run_reshard(b: Bench, state: State, ss_path: Path, dcp_path: Path, nbytes: int) -> None:
+    """Loads the 2-rank checkpoints (left by the large case) into one process."""
+    import torch.distributed.checkpoint as dcp
+
+    import shardstore
+    from shardstore import ShardedTensor
+
+    def full_empty() -> dict[str, torch.Tensor]:
+        return {k: torch.empty(state.shapes[k], dtype=t.dtype) for k, (t, _) in state.shards.items()}
+
+    def ss_load() -> None:
+        sd = {k: ShardedTensor.from_rank_offsets(k, t) for k, t in full_empty().items()}
+        shardstore.load(sd, str(ss_path), process_group=b.solo)
+
+    def dcp_load() -> None:
+        dcp.load(full_empty(), checkpoint_id=str(dcp_path), no_dist=True)
+
+    b.measure("reshard", "shardstore", nbytes, ss_path, None, ss_load, solo=True)
+    b.measure("reshard", "dcp", nbytes, dcp_path, None, dcp_load, solo=True)
+
+
+def run_small(b: Bench, args: argparse.Namespace) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardstore
+
+    state = build_small(args.small, b.rank)
+    nbytes = full_bytes(state)
+    if b.rank == 0:
+        print(f"small: {args.small} tensors of 4 KiB, replicated on {b.world} ranks", flush=True)
+    ss_path = b.root / "small-shardstore"
+    b.measure("small", "shardstore", nbytes, ss_path,
+              lambda: shardstore.save(shardstore_sd(state, b.rank, b.world), str(ss_path)),
+              lambda: shardstore.load(shardstore_sd(state, b.rank, b.world, empty=True), str(ss_path)))
+    mesh = init_device_mesh("cpu", (b.world,))
+    dcp_path = b.root / "small-dcp"
+    b.measure("small", "dcp", nbytes, dcp_path,
+              lambda: dcp.save(dcp_sd(state, mesh), checkpoint_id=str(dcp_path)),
+              lambda: dcp.load(dcp_sd(state, mesh, empty=True), checkpoint_id=str(dcp_path)))
+    plain = {k: t for k, (t, _) in state.shards.items()}
+    torch_path = b.root / "small-torch.pt"
+    b.measure("small", "torch", nbytes, torch_path,
+              lambda: torch_save(plain, torch_path),
+              lambda: torch.load(torch_path, weights_only=True), solo=True)
+    for p in (ss_path, dcp_path, torch_path):
+        b._clean(p)
+
+
+def run_async(b: Bench, state: State, nbytes: int) -> None:
+    """Caller-blocked time of an async save vs clone(); a matmul loop during the save."""
+    import shardstore
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
+    path = b.root / "async"
+    blocked = Result("async", "shardstore", "blocked", nbytes)
+    cloned = Result("async", "clone", "blocked", nbytes)
+    loop_alone = Result("async", "matmul-loop", "alone", 0)
+    loop_busy = Result("async", "matmul-loop", "during-save", 0)
+    queue = AsyncCallsQueue()
+    a = torch.randn(512, 512)
+
+    def loop(seconds: float) -> float:
+        """Matmuls per second for ``seconds``."""
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            a @ a
+            n += 1
+        return n / (time.perf_counter() - start)
+
+    for _ in range(b.reps):
+        b._clean(path)
+        cloned.samples.append(b._timed(lambda: [t.clone() for t, _ in state.shards.values()]))
+        requests: list = []
+
+        def start_save(requests: list = requests) -> None:
+            sd = shardstore_sd(state, b.rank, b.world)
+            requests.append(shardstore.save(sd, str(path), async_sharded_save=True))
+
+        blocked.samples.append(b._timed(start_save))
+        queue.schedule_async_request(requests[0])
+        start = time.perf_counter()
+        busy = loop(0.5)
+        while queue.get_num_unfinalized_calls():
+            busy = (busy + loop(0.5)) / 2
+            queue.maybe_finalize_async_calls(blocking=False)
+        loop_busy.samples.append(Sample(1 / busy, 0))
+        loop_alone.samples.append(Sample(1 / loop(max(1.0, time.perf_counter() - start)), 0))
+    queue.close()
+    b._clean(path)
+    b.results += [blocked, cloned, loop_alone, loop_busy]
+    if b.rank == 0:
+        print(f"  async blocked {blocked.seconds:.3f} s vs clone {cloned.seconds:.3f} s; "
+              f"matmul rate during save {loop_alone.seconds / loop_busy.seconds:.2f}x of alone", flush=True)
+
+
+# ----------------------------------------------------------------- report
+
+
+def ratios(results: list[Result]) -> dict[str, float]:
+    by = {(r.case, r.method, r.op): r for r in results}
+
+    def ratio(name: str, num: tuple, den: tuple, invert: bool = False) -> dict[str, float]:
+        if num in by and den in by:
+            value = by[den].seconds / by[num].seconds  # throughput ratio = inverse time ratio
+            return {name: round(1 / value if invert else value, 3)}
+        return {}
+
+    out: dict[str, float] = {}
+    for op in ("save", "load"):
+        for peer in ("dcp", "raw", "torch"):
+            out |= ratio(f"large.{op}.vs_{peer}", ("large", "shardstore", op), ("large", peer, op))
+            out |= ratio(f"small.{op}.vs_{peer}", ("small", "shardstore", op), ("small", peer, op))
+    out |= ratio("reshard.load_time_vs_same_layout", ("large", "shardstore", "load"), ("reshard", "shardstore", "load"))
+    out |= ratio("reshard.load.vs_dcp", ("reshard", "shardstore", "load"), ("reshard", "dcp", "load"))
+    out |= ratio("async.blocked_time_vs_clone", ("async", "clone", "blocked"), ("async", "shardstore", "blocked"))
+    out |= ratio("async.loop_rate_vs_alone", ("async", "matmul-loop", "during-save"), ("async", "matmul-loop", "alone"))
+    for r in results:
+        if (r.case, r.method, r.op) == ("large", "shardstore", "save"):
+            out["large.save.extra_rss_vs_state"] = round(r.extra_rss / (r.nbytes / 2), 3)
+    return out
+
+
+def markdown(results: list[Result], extra: dict) -> str:
+    lines = [
+        f"world size {extra['world']}, {extra['reps']} repetitions (median), page cache: {extra['cache']}",
+        "",
+        "| case | method | op | seconds | GB/s | peak extra RSS (MiB, max over ranks) |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in results:
+        rate = f"{r.gbps:.2f}" if r.nbytes else "-"
+        lines.append(f"| {r.case} | {r.method} | {r.op} | {r.seconds:.3f} | {rate} | {r.extra_rss / 2**20:.0f} |")
+    lines += ["", "| ratio (shardstore / peer throughput, or as named) | value |", "|---|---:|"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in extra["ratios"].items()]
+    return "\n".join(lines)
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, root: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(minutes=30))
+    b = Bench(rank, world, Path(root), args.reps)
+    if "large" in args.cases:
+        run_large(b, args)
+    if "small" in args.cases:
+        run_small(b, args)
+    if rank == 0:
+        table = ratios(b.results)
+        extra = {"world": world, "reps": args.reps, "cache": b.cache_method, "ratios": table}
+        report = markdown(b.results, extra)
+        print("\n" + report)
+        payload = {
+            **extra,
+            "gib": args.gib,
+            "results": [asdict(r) | {"median_seconds": r.seconds, "gbps": r.gbps, "extra_rss": r.extra_rss}
+                        for r in b.results],
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+        print(f"\nJSON written to {args.json}")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gib", type=float, default=2.0, help="size of the large state (all ranks)")
+    parser.add_argument("--small", type=int, default=5000, help="number of 4 KiB tensors")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--cases", default="large,reshard,small,async")
+    parser.add_argument("--dir", default=None, help="where to write (default: the temp dir)")
+    parser.add_argument("--json", default="bench.json")
+    args = parser.parse_args()
+    args.cases = args.cases.split(",")
+    root = tempfile.mkdtemp(prefix="shardstore-bench-", dir=args.dir)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        mp.spawn(worker, args=(args.world, port, args, root), nprocs=args.world)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -40,6 +40,10 @@ from shardstore.layout import Region
 from shardstore.storage import run_parallel
 
 CRC_BYTES = 4
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+# A strided destination is filled by a scatter read when its contiguous runs are at
+# least this long; shorter runs go through a one-chunk buffer and a copy.
+MIN_SCATTER_RUN = 4096
 # Threads doing chunk I/O per rank; more did not help on local disks.
 DEFAULT_IO_THREADS = 8
 
@@ -111,7 +115,12 @@ class ChunkFile:
         """Writes a C-contiguous chunk with its crc32c."""
         view = _bytes_view(data)
         crc = crc32c.crc32c(view).to_bytes(CRC_BYTES, "little")
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except FileNotFoundError:  # first chunk of its directory
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, flags, 0o644)
         try:
             buffers: list = [view, crc]
             while buffers:
@@ -122,22 +131,32 @@ class ChunkFile:
 
     def read_into(self, out: np.ndarray) -> None:
         """Fills a C-contiguous ``out`` with the chunk; checks length and crc32c."""
-        view = _bytes_view(out)
+        self.read_into_views([_bytes_view(out)])
+
+    def read_into_views(self, views: list[memoryview]) -> None:
+        """Fills ``views`` in order with the chunk (a scatter read: the rows of a
+        strided destination need no bounce buffer); checks length and crc32c."""
         try:
             f = open(self.path, "rb", buffering=0)
         except FileNotFoundError:
             raise CheckpointingException(f"Missing {self.describe()}: the checkpoint is damaged") from None
+        expected = sum(len(v) for v in views)
+        got = 0
         with f:
-            got = 0
-            while got < len(view) and (n := f.readinto(view[got:])):
+            pending = views
+            while pending and (n := os.readv(f.fileno(), pending[:IOV_MAX])):
                 got += n
+                pending = _advance(pending, n)
             crc = f.read(CRC_BYTES + 1)  # one byte more than expected detects a too-long file
-        if got != len(view) or len(crc) != CRC_BYTES:
+        if got != expected or len(crc) != CRC_BYTES:
             raise CheckpointingException(
-                f"Corrupt {self.describe()}: {got + len(crc)} bytes, expected {len(view) + CRC_BYTES} "
+                f"Corrupt {self.describe()}: {got + len(crc)} bytes, expected {expected + CRC_BYTES} "
                 "(truncated or overwritten)"
             )
-        if crc32c.crc32c(view) != int.from_bytes(crc, "little"):
+        value = 0
+        for v in views:
+            value = crc32c.crc32c(v, value)
+        if value != int.from_bytes(crc, "little"):
             raise CheckpointingException(f"Corrupt {self.describe()}: crc32c mismatch")
 
 
@@ -201,13 +220,29 @@ class ReadJob:
 
     def run(self) -> None:
         target = self.out[self.piece.in_region]
-        buffer = target if self.direct else np.empty(self.chunk_shape, self.out.dtype)
+        runs = None if self.direct or not self.piece.whole else _contiguous_runs(target, self.out.shape)
+        buffer = target if self.direct or runs else np.empty(self.chunk_shape, self.out.dtype)
         try:
-            self.file.read_into(buffer)
+            if runs:
+                self.file.read_into_views(runs)
+            else:
+                self.file.read_into(buffer)
         except OSError as exc:
             raise CheckpointingException(f"Reading {self.file.describe()} failed: {exc}") from exc
-        if not self.direct:
+        if buffer is not target:
             target[...] = buffer[self.piece.in_chunk]
+
+
+def _contiguous_runs(target: np.ndarray, whole_shape: tuple[int, ...]) -> list[memoryview] | None:
+    """``target`` (a strided view into a C-contiguous array of ``whole_shape``) as its
+    contiguous runs in order, or None when they are too short to be worth it."""
+    partial = [a for a, (t, w) in enumerate(zip(target.shape, whole_shape)) if t != w]
+    if not partial:
+        return [_bytes_view(target)]
+    lead = target.shape[: partial[-1]]  # every axis after the last partial one is whole
+    if target.nbytes // max(1, int(np.prod(lead))) < MIN_SCATTER_RUN:
+        return None
+    return [_bytes_view(target[index]) for index in np.ndindex(*lead)]
 
 
 def read_region(array: ArrayChunks, region: Region, out: np.ndarray) -> list[ReadJob]:
@@ -221,15 +256,7 @@ def read_region(array: ArrayChunks, region: Region, out: np.ndarray) -> list[Rea
     ]
 
 
-def make_chunk_dirs(files: list[ChunkFile]) -> None:
-    """Creates the chunk directories once, in one thread (parallel mkdirs in one parent
-    directory contend on its lock and were 4x slower here)."""
-    for parent in sorted({f.path.parent for f in files}):
-        parent.mkdir(parents=True, exist_ok=True)
-
-
 def run_writes(jobs: list[tuple[ChunkFile, np.ndarray]], threads: int = DEFAULT_IO_THREADS) -> None:
-    make_chunk_dirs([f for f, _ in jobs])
     run_parallel(lambda job: _write_job(*job), jobs, threads)
 
 

@@ -327,7 +327,7 @@ def load(
             sharded_state_dict, lambda v: isinstance(v, ShardedObject)
         )
         merge(common_state_dict, common_strategy.load_sharded_objects(objects_part, location))
-    merge(common_state_dict, sharded_strategy.load(sharded_state_dict, location))
+    merge(common_state_dict, sharded_strategy.load_with_record(sharded_state_dict, location, record))
     apply_factory_merges(common_state_dict, factories)
 
     if StrictHandling.requires_returning_mismatch_keys(strict):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
+from shardstore import chunk_io
 from shardstore.chunk_io import (
     ArrayChunks,
     chunk_key,
@@ -47,8 +48,11 @@ def test_direct_chunks_are_byte_identical_to_tensorstore(tmp_path) -> None:
         assert ours == (tmp_path / "theirs" / "w" / chunk_key(index)).read_bytes(), index
 
 
+@pytest.mark.parametrize("scatter", [False, True])
 @pytest.mark.parametrize("region", [((0, 10), (0, 7)), ((3, 9), (2, 5)), ((4, 8), (0, 7)), ((9, 10), (6, 7))])
-def test_read_any_region(tmp_path, region) -> None:
+def test_read_any_region(tmp_path, monkeypatch, region, scatter) -> None:
+    if scatter:  # strided whole chunks read by readv into the rows of the destination
+        monkeypatch.setattr(chunk_io, "MIN_SCATTER_RUN", 1)
     value = _value()
     chunks = _chunks(tmp_path, "a")
     run_writes(write_region(chunks, region_at((0, 0), (10, 7)), value))
@@ -76,3 +80,15 @@ def test_damaged_chunk_is_named(tmp_path, damage) -> None:
     out = np.empty((10, 7), _value().dtype)
     with pytest.raises(CheckpointingException, match=r"chunk c/1/0 of array 'w'"):
         run_reads(read_region(chunks, region_at((0, 0), (10, 7)), out))
+
+
+def test_scatter_read_of_column_chunks(tmp_path) -> None:
+    """Chunks split along the last axis land in strided rows of a full-width result."""
+    dtype = from_zarr_name("float32").numpy_dtype
+    value = np.random.default_rng(0).standard_normal((8, 4096)).astype(dtype)
+    chunks = ArrayChunks("x", tmp_path / "x", (8, 4096), (8, 2048), dtype)
+    run_writes(write_region(chunks, region_at((0, 0), (8, 4096)), value))
+    jobs = read_region(chunks, region_at((0, 0), (8, 4096)), out := np.empty_like(value))
+    assert all(not j.direct and chunk_io._contiguous_runs(out[j.piece.in_region], out.shape) for j in jobs)
+    run_reads(jobs)
+    assert np.array_equal(out, value)

@@ -258,6 +258,7 @@ class Bench:
         dist.barrier()
         if self.rank == 0 and path.exists():
             shutil.rmtree(path) if path.is_dir() else path.unlink()
+            os.sync()  # let the deletion settle before the next timed operation
         dist.barrier()
 
     def measure(

@@ -5,9 +5,18 @@ functions that finalize the save once every rank's I/O is done (``finalize_fns``
 include writing the commit record). ``AsyncCallsQueue`` schedules requests and
 finalizes them in order.
 
-This version runs ``async_fn`` synchronously when the request is scheduled (the
-"synchronous fallback"): semantics and ordering are those of the asynchronous API,
-so trainer code written against it is already correct.
+Background I/O runs on one worker thread per queue, requests in scheduling order.
+A thread, not a process: shardstore's I/O (``chunk_io``: ``os.writev`` and ``crc32c``;
+TensorStore for object storage) releases the GIL, so a thread costs the training loop
+little (``scripts/bench.py``'s async case measures the loop's throughput while a save
+runs), while a worker process would need the staged host buffers in shared memory and
+a pickled copy of the plan for every save. The blocking part of a save is done before
+the request exists: host snapshot of the tensors plus the metadata exchange.
+
+``maybe_finalize_async_calls`` is collective: the ranks agree (one ``all_reduce``) on
+which requests have finished everywhere, then finalize those, oldest first. A failure
+in the background surfaces there, on every rank, and the checkpoint gets no commit
+record.
 """
 
 from __future__ import annotations
@@ -15,8 +24,12 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from shardstore.core import CheckpointingException
 
@@ -67,62 +80,95 @@ class AsyncRequest:
 
 
 class AsyncCallsQueue:
-    """Schedules async save requests and finalizes them in order.
+    """Schedules async save requests, runs their I/O in the background, finalizes them
+    in order.
 
     Args:
-        persistent: accepted for API compatibility (a persistent background worker).
+        persistent: accepted for API compatibility; the worker thread always persists
+            for the queue's lifetime.
+        process_group: the ranks that finalize together (default: the world).
     """
 
-    def __init__(self, persistent: bool = False) -> None:
+    def __init__(self, persistent: bool = True, process_group: dist.ProcessGroup | None = None) -> None:
         self.persistent = persistent
-        self._pending: deque[tuple[int, AsyncRequest, BaseException | None]] = deque()
+        self.process_group = process_group
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="shardstore-async-save")
+        self._pending: deque[tuple[int, AsyncRequest, Future]] = deque()
         self._next_idx = 0
         self._closed = False
 
     def schedule_async_request(self, async_request: AsyncRequest) -> int:
-        """Starts the request's I/O and returns its call index."""
+        """Starts the request's I/O in the background and returns its call index."""
         if self._closed:
             raise CheckpointingException("AsyncCallsQueue is closed; create a new one")
         idx = self._next_idx
         self._next_idx += 1
         request = replace(async_request.freeze(), call_idx=idx)
-        error: BaseException | None = None
-        try:
-            if request.preload_fn is not None:
-                request.preload_fn()
-            if request.async_fn is not None:
-                request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
-        except Exception as exc:  # surfaced by the finalize step on every rank
-            logger.error("Async checkpoint save %d failed: %s", idx, exc)
-            error = exc
-        self._pending.append((idx, request, error))
+        if request.preload_fn is not None:
+            request.preload_fn()
+        self._pending.append((idx, request, self._worker.submit(_run_io, request)))
         return idx
 
     def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = False) -> list[int]:
-        """Finalizes the finished requests, oldest first; returns their call indices.
+        """Finalizes the requests finished on every rank, oldest first; returns their
+        call indices.
 
         Collective unless ``no_dist``: every rank must call it. A request whose I/O
         failed on any rank raises CheckpointingException on every rank, and its
         checkpoint is left without a commit record.
         """
+        if blocking:
+            for _, _, future in self._pending:
+                future.exception()  # waits
+        ready = self._finished_everywhere(no_dist)
         finalized = []
-        while self._pending:
-            idx, request, error = self._pending.popleft()
+        for _ in range(ready):
+            idx, request, future = self._pending.popleft()
+            error = future.exception()
             for fn in request.finalize_fns:
                 _call_finalize(fn, error)
             finalized.append(idx)
         return finalized
 
+    def _finished_everywhere(self, no_dist: bool) -> int:
+        """How many of the oldest requests have finished on every rank."""
+        done = 0
+        for _, _, future in self._pending:
+            if not future.done():
+                break
+            done += 1
+        if no_dist or not dist.is_initialized():
+            return done
+        count = torch.tensor([done], dtype=torch.int64)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.process_group)
+        return int(count.item())
+
     def get_num_unfinalized_calls(self) -> int:
         return len(self._pending)
 
     def close(self, abort: bool = False) -> None:
-        """Finalizes everything still pending (or drops it when ``abort``)."""
-        if abort:
-            self._pending.clear()
-        else:
-            self.maybe_finalize_async_calls(blocking=True)
-        self._closed = True
+        """Finalizes everything still pending (or, with ``abort``, waits for the I/O and
+        drops it uncommitted); stops the worker thread."""
+        try:
+            if abort:
+                for _, _, future in self._pending:
+                    future.exception()
+                self._pending.clear()
+            else:
+                self.maybe_finalize_async_calls(blocking=True)
+        finally:
+            self._closed = True
+            self._worker.shutdown(wait=True)
+
+
+def _run_io(request: AsyncRequest) -> None:
+    if request.async_fn is None:
+        return
+    try:
+        request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
+    except Exception as exc:
+        logger.error("Background I/O of async checkpoint save %d failed: %s", request.call_idx, exc)
+        raise
 
 
 def _call_finalize(fn: Callable[..., Any], error: BaseException | None) -> None:

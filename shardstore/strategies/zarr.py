@@ -84,6 +84,7 @@ from shardstore.layout import (
     region_at,
 )
 from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from shardstore.staging import HostBufferPool, HostSnapshot, to_host
 from shardstore.storage import Location, open_location
 from shardstore.strategies.async_utils import AsyncRequest
 from shardstore.strategies.base import (
@@ -211,14 +212,30 @@ class StagedSave:
     ops: list[WriteOp]
     commit_record: CommitRecord
     group: Group
+    snapshot: HostSnapshot | None = None
 
 
-def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor in contiguous CPU memory: a view when it already is, else one copy."""
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.to("cpu")
-    return tensor.contiguous()
+@dataclass
+class Staging:
+    """How a save makes its host copies.
+
+    Attributes:
+        snapshot: copy even CPU tensors, so the caller may change them once ``save``
+            returns (async saves); CUDA tensors go through ``pool``'s pinned buffers.
+        max_bytes: with ``snapshot``, the most snapshot bytes held at once; above it the
+            blocks are written in waves, in the caller, until the rest fits (flattened
+            tensors are staged at once: their chunks are assembled across ranks).
+        io_concurrency: for the writes of those waves.
+    """
+
+    snapshot: bool = False
+    max_bytes: int | None = None
+    pool: HostBufferPool | None = None
+    io_concurrency: int = DEFAULT_IO_CONCURRENCY
+
+
+def _block_op(s: ShardRecord, host: list[torch.Tensor | None]) -> WriteOp:
+    return WriteOp(s.key, s.region, tensor_to_numpy(host[s.index]).reshape(s.block_shape))
 
 
 def stage_save(
@@ -227,18 +244,34 @@ def stage_save(
     layout: GlobalLayout,
     group: Group,
     max_chunk_bytes: int,
+    staging: Staging | None = None,
 ) -> StagedSave:
     """Collective: prepares this rank's writes (host copies, straddling-chunk exchange)."""
+    staging = staging or Staging()
     records = array_records(layout, max_chunk_bytes)
     host: list[torch.Tensor | None] = [None] * len(tensors)
-    writes = {s.index for shards in layout.tensors.values() for s in shards if s.rank == group.rank and s.main}
+    mine = [s for shards in layout.tensors.values() for s in shards if s.rank == group.rank and s.main]
+    written: set[int] = set()  # blocks already written in an earlier wave
+    snapshot = HostSnapshot(staging.pool) if staging.snapshot else None
     error = None
     try:
-        for i, t in enumerate(tensors):
-            if i in writes:
-                if t.data is None:
-                    raise CheckpointingException(f"ShardedTensor {t.key!r} has no data to save")
-                host[i] = to_host(t.data)
+        held: list[ShardRecord] = []
+        for s in sorted(mine, key=lambda s: s.flat_range is not None):
+            data = tensors[s.index].data
+            if data is None:
+                raise CheckpointingException(f"ShardedTensor {s.key!r} has no data to save")
+            cap = staging.max_bytes
+            if snapshot and cap and held and s.flat_range is None and sum(h.nbytes for h in held) + s.nbytes > cap:
+                snapshot.wait()
+                write_ops(location, records, [_block_op(h, host) for h in held], staging.io_concurrency)
+                for h in held:
+                    host[h.index] = None
+                    written.add(h.index)
+                held = []
+            host[s.index] = snapshot.copy(data) if snapshot else to_host(data)
+            held.append(s)
+        if snapshot:
+            snapshot.wait()
     except Exception as exc:  # reported on every rank by agree()
         error = exc
     group.agree(error, f"Staging tensors for checkpoint {location.describe()}")
@@ -249,10 +282,7 @@ def stage_save(
         main = [s for s in shards if s.main]
         if main and main[0].flat_range is not None:
             plan_flat_writes(key, main, records[key].chunk_shape, group.rank, flat_plan)
-        for s in main:
-            if s.rank == group.rank and s.flat_range is None:
-                value = tensor_to_numpy(host[s.index]).reshape(s.block_shape)
-                ops.append(WriteOp(key, s.region, value))
+        ops += [_block_op(s, host) for s in main if s.rank == group.rank and s.flat_range is None and s.index not in written]
     for w in flat_plan.direct:
         flat = tensor_to_numpy(host[w.index])[w.local_start : w.local_stop]
         ops.append(WriteOp(w.key, w.region, flat.reshape(_region_shape(w.region))))
@@ -275,7 +305,7 @@ def stage_save(
         },
         world_size=group.world_size,
     )
-    return StagedSave(location, records, metadata_files, ops, commit, group)
+    return StagedSave(location, records, metadata_files, ops, commit, group, snapshot)
 
 
 def exchange_straddling_chunks(
@@ -338,20 +368,28 @@ def write_staged(staged: StagedSave, io_concurrency: int = DEFAULT_IO_CONCURRENC
     Chunk-aligned writes to a local disk go through ``chunk_io`` (straight from the
     host tensors' memory); the rest through TensorStore, all started before any waits.
     """
-    location = staged.location
-    location.write_many(staged.metadata_files)
+    staged.location.write_many(staged.metadata_files)
+    write_ops(staged.location, staged.records, staged.ops, io_concurrency)
+    staged.location.make_durable()
+
+
+def write_ops(
+    location: Location, records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int
+) -> None:
+    """Writes regions of arrays: the direct path where it applies, TensorStore for the
+    rest, every write started before any is waited for."""
     direct: list = []
     via_tensorstore: list[WriteOp] = []
-    for op in staged.ops:
+    for op in ops:
         if not op.value.size:
             continue
-        record = staged.records[op.key]
+        record = records[op.key]
         chunks = local_chunks(location, record)
         if chunks is not None and is_chunk_aligned(op.region, record.shape, record.chunk_shape):
             direct += write_region(chunks, op.region, op.value)
         else:
             via_tensorstore.append(op)
-    pending = _start_tensorstore_writes(staged, via_tensorstore, io_concurrency)
+    pending = _start_tensorstore_writes(location, records, via_tensorstore, io_concurrency)
     run_writes(direct, min(io_concurrency, DEFAULT_IO_THREADS))
     for op, future in pending:
         try:
@@ -361,17 +399,16 @@ def write_staged(staged: StagedSave, io_concurrency: int = DEFAULT_IO_CONCURRENC
                 f"Writing array {op.key!r} region {_describe_region(op.region)} of checkpoint "
                 f"{location.describe()} failed: {exc}"
             ) from exc
-    location.make_durable()
 
 
 def _start_tensorstore_writes(
-    staged: StagedSave, ops: list[WriteOp], io_concurrency: int
+    location: Location, records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int
 ) -> list[tuple[WriteOp, ts.Future]]:
     if not ops:
         return []
-    context = tensorstore_context(staged.location, io_concurrency)
+    context = tensorstore_context(location, io_concurrency)
     keys = sorted({op.key for op in ops})
-    handles = open_arrays(staged.location, [staged.records[k] for k in keys], context, for_write=True)
+    handles = open_arrays(location, [records[k] for k in keys], context, for_write=True)
     return [
         (op, handles[op.key][_ts_index(op.region)].write(op.value, can_reference_source_data_indefinitely=True))
         for op in ops
@@ -388,6 +425,9 @@ def finalize_save(staged: StagedSave, error: BaseException | None) -> None:
     On any failure every rank raises and no commit record is written.
     """
     group, location = staged.group, staged.location
+    staged.ops = []  # the host copies are no longer needed
+    if staged.snapshot is not None:
+        staged.snapshot.release()
     group.agree(error, f"Writing checkpoint {location.describe()}")
     commit_error = None
     if group.is_coordinator:
@@ -412,6 +452,8 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
             balanced by bytes (``layout.balance_writers``), instead of leaving it all to
             replica 0. Replicas must then hold equal data. Costs nothing without
             replicas; on by default.
+        max_staging_bytes: async saves only: the most host memory one rank's snapshot
+            may hold; above it the save writes in waves and blocks longer (None: no cap).
     """
 
     def __init__(
@@ -422,6 +464,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         io_concurrency: int = DEFAULT_IO_CONCURRENCY,
         process_group: dist.ProcessGroup | None = None,
         fully_parallel: bool = True,
+        max_staging_bytes: int | None = None,
     ) -> None:
         super().__init__(backend, version)
         if max_chunk_bytes < 1:
@@ -430,6 +473,8 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.io_concurrency = io_concurrency
         self.process_group = process_group
         self.fully_parallel = fully_parallel
+        self.max_staging_bytes = max_staging_bytes
+        self._buffers = HostBufferPool()
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> AsyncRequest:
         from shardstore.validation import (
@@ -446,6 +491,21 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
     def async_save_with_layout(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout
     ) -> AsyncRequest:
+        """Snapshots the tensors to host memory (the blocking part) and returns the
+        request whose ``async_fn`` writes them and whose finalization commits."""
+        staging = Staging(True, self.max_staging_bytes, self._buffers, self.io_concurrency)
+        return self._request(sharded_state_dict, checkpoint_dir, layout, staging)
+
+    def save_with_layout(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout
+    ) -> None:
+        """Synchronous: writes straight from the tensors' memory (no snapshot)."""
+        self._request(sharded_state_dict, checkpoint_dir, layout, Staging()).execute_sync()
+
+    def _request(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout,
+        staging: Staging,
+    ) -> AsyncRequest:
         from shardstore.validation import local_sharded_items
 
         tensors, _ = local_sharded_items(sharded_state_dict)
@@ -453,7 +513,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         location = open_location(checkpoint_dir)
         if self.fully_parallel:
             layout = balance_writers(layout)
-        staged = stage_save(tensors, location, layout, group, self.max_chunk_bytes)
+        staged = stage_save(tensors, location, layout, group, self.max_chunk_bytes, staging)
         return AsyncRequest(
             async_fn=write_staged,
             async_fn_args=(staged, self.io_concurrency),

@@ -235,6 +235,7 @@ class Bench:
         self.results: list[Result] = []
         self.cache_method = "none"
         self.solo = dist.new_group([0])
+        self._methods: list[Method] = []
 
     def _timed(self, fn: Callable[[], None], participate: bool = True) -> Sample:
         dist.barrier()
@@ -265,27 +266,50 @@ class Bench:
         self, case: str, method: str, nbytes: int, path: Path,
         save: Callable[[], None] | None, load: Callable[[], None] | None,
         check: Callable[[], None] | None = None, solo: bool = False,
-        save_solo: bool | None = None,
     ) -> None:
-        """``reps`` rounds of save then (page cache dropped) load into ``path``."""
-        save_solo = solo if save_solo is None else save_solo
-        saved = Result(case, method, "save", nbytes)
-        loaded = Result(case, method, "load", nbytes)
+        """Registers a method; ``flush`` measures all registered methods together."""
+        self._methods.append(Method(case, method, nbytes, path, save, load, check, solo))
+
+    def flush(self) -> None:
+        """``reps`` rounds over the registered methods, interleaved and in a rotating
+        order, so that the disk's slow phases (seen here: the same write taking 0.7 s
+        or 3.4 s minutes apart) fall on every method alike. Each method: save, then
+        load with the page cache dropped."""
+        methods, self._methods = self._methods, []
+        results = {}
+        for m in methods:
+            results[m] = (Result(m.case, m.name, "save", m.nbytes), Result(m.case, m.name, "load", m.nbytes))
         for rep in range(self.reps):
-            if save is not None:
-                self._clean(path)
-                saved.samples.append(self._timed(save, participate=self.rank == 0 or not save_solo))
-            if load is not None:
-                self._drop([path])
-                loaded.samples.append(self._timed(load, participate=self.rank == 0 or not solo))
-                if check is not None and rep == 0 and (self.rank == 0 or not solo):
-                    check()
-        self.results += [r for r in (saved, loaded) if r.samples]
-        if self.rank == 0:
-            for r in (saved, loaded):
-                if r.samples:
-                    print(f"  {case:8} {method:11} {r.op}: {r.seconds:7.3f} s  {r.gbps:6.2f} GB/s  "
-                          f"+{r.extra_rss / 2**20:7.1f} MiB RSS", flush=True)
+            for m in methods[rep % len(methods):] + methods[: rep % len(methods)]:
+                saved, loaded = results[m]
+                here = self.rank == 0 or not m.solo
+                if m.save is not None:
+                    self._clean(m.path)
+                    saved.samples.append(self._timed(m.save, participate=here))
+                if m.load is not None:
+                    self._drop([m.path])
+                    loaded.samples.append(self._timed(m.load, participate=here))
+                    if m.check is not None and rep == 0 and here:
+                        m.check()
+        for saved, loaded in results.values():
+            self.results += [r for r in (saved, loaded) if r.samples]
+            if self.rank == 0:
+                for r in (saved, loaded):
+                    if r.samples:
+                        print(f"  {r.case:8} {r.method:11} {r.op}: {r.seconds:7.3f} s  {r.gbps:6.2f} GB/s  "
+                              f"+{r.extra_rss / 2**20:7.1f} MiB RSS", flush=True)
+
+
+@dataclass(eq=False)
+class Method:
+    case: str
+    name: str
+    nbytes: int
+    path: Path
+    save: Callable[[], None] | None
+    load: Callable[[], None] | None
+    check: Callable[[], None] | None
+    solo: bool
 
 
 def run_large(b: Bench, args: argparse.Namespace) -> None:
@@ -338,10 +362,6 @@ def run_large(b: Bench, args: argparse.Namespace) -> None:
     b.measure(case, "raw", nbytes, raw_path,
               lambda: (raw_path.mkdir(exist_ok=True), raw_save(state, raw_path / f"rank{b.rank}")),
               lambda: raw_load(buffers, raw_path / f"rank{b.rank}"))
-    buffers.clear()
-
-    if args.cases and "reshard" in args.cases:
-        run_reshard(b, state, ss_path, dcp_path, nbytes)
 
     # torch.save of the global dict in one process (rank 0 builds it)
     full = {}
@@ -351,7 +371,13 @@ def run_large(b: Bench, args: argparse.Namespace) -> None:
     b.measure(case, "torch", nbytes, torch_path,
               lambda: torch_save(full, torch_path),
               lambda: torch.load(torch_path, weights_only=True), solo=True)
+    b.flush()
+    buffers.clear()
     full.clear()
+    b._clean(torch_path)
+
+    if args.cases and "reshard" in args.cases:
+        run_reshard(b, state, ss_path, dcp_path, nbytes)
     if args.cases and "async" in args.cases:
         run_async(b, state, nbytes)
     for p in (ss_path, dcp_path, raw_path):
@@ -377,6 +403,7 @@ def run_reshard(b: Bench, state: State, ss_path: Path, dcp_path: Path, nbytes: i
 
     b.measure("reshard", "shardstore", nbytes, ss_path, None, ss_load, solo=True)
     b.measure("reshard", "dcp", nbytes, dcp_path, None, dcp_load, solo=True)
+    b.flush()
 
 
 def run_small(b: Bench, args: argparse.Namespace) -> None:
@@ -403,6 +430,7 @@ def run_small(b: Bench, args: argparse.Namespace) -> None:
     b.measure("small", "torch", nbytes, torch_path,
               lambda: torch_save(plain, torch_path),
               lambda: torch.load(torch_path, weights_only=True), solo=True)
+    b.flush()
     for p in (ss_path, dcp_path, torch_path):
         b._clean(p)
 
@@ -420,13 +448,19 @@ def run_async(b: Bench, state: State, nbytes: int) -> None:
     queue = AsyncCallsQueue()
     a = torch.randn(512, 512)
 
-    def loop(seconds: float) -> float:
-        """Matmuls per second for ``seconds``."""
+    def loop(until: Callable[[], bool]) -> tuple[float, float]:
+        """Matmul rate (per second) until ``until()``; a collective step every 20."""
         n, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            a @ a
-            n += 1
-        return n / (time.perf_counter() - start)
+        while not until():
+            for _ in range(20):
+                a @ a
+            n += 20
+        elapsed = time.perf_counter() - start
+        return n / elapsed, elapsed
+
+    def finished() -> bool:
+        queue.maybe_finalize_async_calls(blocking=False)  # collective, like a trainer's step
+        return queue.get_num_unfinalized_calls() == 0
 
     for _ in range(b.reps):
         b._clean(path)
@@ -439,13 +473,18 @@ def run_async(b: Bench, state: State, nbytes: int) -> None:
 
         blocked.samples.append(b._timed(start_save))
         queue.schedule_async_request(requests[0])
-        start = time.perf_counter()
-        busy = loop(0.5)
-        while queue.get_num_unfinalized_calls():
-            busy = (busy + loop(0.5)) / 2
-            queue.maybe_finalize_async_calls(blocking=False)
+        busy, elapsed = loop(finished)
+        flag = torch.zeros(1)
+        stop = time.perf_counter() + elapsed
+
+        def alone_done(flag: torch.Tensor = flag, stop: float = stop) -> bool:
+            flag.fill_(float(time.perf_counter() >= stop))
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            return bool(flag.item())
+
+        alone, _ = loop(alone_done)
         loop_busy.samples.append(Sample(1 / busy, 0))
-        loop_alone.samples.append(Sample(1 / loop(max(1.0, time.perf_counter() - start)), 0))
+        loop_alone.samples.append(Sample(1 / alone, 0))
     queue.close()
     b._clean(path)
     b.results += [blocked, cloned, loop_alone, loop_busy]
@@ -497,7 +536,7 @@ def markdown(results: list[Result], extra: dict) -> str:
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, root: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)  # one core per rank, as a trainer's rank has its own GPU
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(minutes=30))
     b = Bench(rank, world, Path(root), args.reps)

@@ -103,8 +103,6 @@ class Group:
 def raise_failures(failures: list[RankFailure], what: str, cause: BaseException | None) -> None:
     if not failures:
         return
-    if isinstance(cause, CheckpointingException) and len(failures) == 1:
-        raise cause
     ranks = ", ".join(str(f.rank) for f in failures)
     lines = "\n".join(f"  rank {f.rank}: {f.message}" for f in failures)
     raise CheckpointingException(f"{what} failed on rank(s) {ranks}:\n{lines}") from cause

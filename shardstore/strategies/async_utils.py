@@ -22,6 +22,8 @@ record.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -92,7 +94,9 @@ class AsyncCallsQueue:
     def __init__(self, persistent: bool = True, process_group: dist.ProcessGroup | None = None) -> None:
         self.persistent = persistent
         self.process_group = process_group
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="shardstore-async-save")
+        self._worker = ThreadPoolExecutor(
+            1, thread_name_prefix="shardstore-async-save", initializer=_lower_thread_priority
+        )
         self._pending: deque[tuple[int, AsyncRequest, Future]] = deque()
         self._next_idx = 0
         self._closed = False
@@ -159,6 +163,19 @@ class AsyncCallsQueue:
         finally:
             self._closed = True
             self._worker.shutdown(wait=True)
+
+
+# Nice value of the background I/O threads: the training loop keeps the CPU it needs.
+BACKGROUND_NICE = 10
+
+
+def _lower_thread_priority() -> None:
+    """Lowers the calling thread's CPU priority (Linux: nice is per thread, and the I/O
+    threads this one starts inherit it). Elsewhere a no-op."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError) as exc:
+        logger.debug("Cannot lower the async save thread's priority: %s", exc)
 
 
 def _run_io(request: AsyncRequest) -> None:

@@ -1,0 +1,111 @@
+"""Asynchronous save (issue 6): snapshot at the call, background I/O, collective finalize."""
+
+from __future__ import annotations
+
+import errno
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardstore import ShardedTensor, load, save
+from shardstore.core import CheckpointingException
+from shardstore.format import is_committed, read_commit_record
+from shardstore.storage import LocalLocation
+from shardstore.strategies.async_utils import AsyncCallsQueue
+from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+from tests.dist import run_distributed
+from tests.scenarios import assert_bits_equal, global_tensor
+
+SHAPE = (64, 48)
+
+
+def _sd(rank: int, world: int, empty: bool = False) -> dict:
+    sd = {}
+    for name, dtype in (("w", torch.float32), ("e", torch.bfloat16)):
+        full = global_tensor(name, SHAPE, dtype)
+        data = torch.empty_like(full.chunk(world)[rank]) if empty else full.chunk(world)[rank].clone()
+        sd[name] = ShardedTensor.from_rank_offsets(name, data, (0, rank, world))
+    return sd
+
+
+def _check(rank: int, world: int, ckpt: str) -> None:
+    loaded = load(_sd(rank, world, empty=True), ckpt)
+    for name, dtype in (("w", torch.float32), ("e", torch.bfloat16)):
+        assert_bits_equal(loaded[name], global_tensor(name, SHAPE, dtype).chunk(world)[rank], name)
+
+
+def save_then_clobber(rank: int, world: int, ckpt: str, cap: int | None) -> list[int]:
+    sd = _sd(rank, world)
+    strategy = ZarrSaveShardedStrategy(max_staging_bytes=cap)
+    queue = AsyncCallsQueue()
+    request = save(sd, ckpt, strategy, async_sharded_save=True)
+    for t in sd.values():  # the trainer moves on and changes its tensors at once
+        t.data.fill_(-7)
+    queue.schedule_async_request(request)
+    assert not is_committed(LocalLocation(ckpt)) or cap is not None
+    done: list[int] = []
+    deadline = time.monotonic() + 60
+    while queue.get_num_unfinalized_calls():
+        done += queue.maybe_finalize_async_calls(blocking=False)
+        assert time.monotonic() < deadline, "async save never finished"
+        time.sleep(0.01)
+    queue.close()
+    return done
+
+
+@pytest.mark.parametrize("cap", [None, 64 * 24 * 4])
+def test_snapshot_semantics_and_resharded_load(ckpt_dir: Path, cap: int | None) -> None:
+    """Tensors changed right after save() returns: the checkpoint holds the old values.
+    With a staging cap of one block, the save stages and writes in waves."""
+    assert run_distributed(save_then_clobber, 2, str(ckpt_dir), cap) == [[0], [0]]
+    run_distributed(_check, 1, str(ckpt_dir))
+    run_distributed(_check, 4, str(ckpt_dir))
+
+
+def two_saves_in_flight(rank: int, world: int, first: str, second: str) -> list[int]:
+    queue = AsyncCallsQueue()
+    for ckpt in (first, second):
+        queue.schedule_async_request(save(_sd(rank, world), ckpt, async_sharded_save=True))
+    assert queue.get_num_unfinalized_calls() == 2
+    order = queue.maybe_finalize_async_calls(blocking=True)
+    assert is_committed(LocalLocation(first)) and is_committed(LocalLocation(second))
+    queue.close()
+    return order
+
+
+def test_two_saves_in_flight_finalize_in_order(tmp_path: Path) -> None:
+    first, second = str(tmp_path / "a"), str(tmp_path / "b")
+    assert run_distributed(two_saves_in_flight, 2, first, second) == [[0, 1], [0, 1]]
+    run_distributed(_check, 2, first)
+    run_distributed(_check, 1, second)
+
+
+def failing_background_write(rank: int, world: int, ckpt: str) -> str:
+    from shardstore import chunk_io
+
+    if rank == 1:
+        def no_space(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        chunk_io.ChunkFile.write = no_space
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(save(_sd(rank, world), ckpt, async_sharded_save=True))
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except CheckpointingException as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("finalize did not raise")
+    finally:
+        queue.close(abort=True)
+    assert not is_committed(LocalLocation(ckpt))
+    return message
+
+
+def test_background_failure_surfaces_at_finalize_on_every_rank(ckpt_dir: Path) -> None:
+    messages = run_distributed(failing_background_write, 2, str(ckpt_dir))
+    for m in messages:
+        assert "rank 1" in m and "No space left on device" in m, m
+    with pytest.raises(CheckpointingException, match="incomplete"):
+        read_commit_record(LocalLocation(ckpt_dir))

@@ -29,6 +29,8 @@ _EXPORTS = {
     "load_tensors_metadata": "shardstore.serialization",
     "remove_sharded_tensors": "shardstore.serialization",
     "save": "shardstore.serialization",
+    "verify": "shardstore.integrity",
+    "VerifyReport": "shardstore.integrity",
 }
 
 __all__ = sorted(_EXPORTS)

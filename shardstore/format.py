@@ -17,11 +17,15 @@ array. Everything read back is validated here: a malformed record gives a
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import crc32c
 
 from shardstore.core import CONFIG_FNAME, CheckpointingException
 from shardstore.dtypes import from_zarr_name
@@ -38,6 +42,7 @@ CHECKPOINT_MARKERS = (CONFIG_FNAME, COMMIT_RECORD, COMMON_FILE)
 # Upper bounds that a record read back must respect (hostile-input guard).
 MAX_NDIM = 32
 MAX_ELEMENTS = 2**62
+MAX_CHUNK_BYTES = 2**34  # one chunk is read into memory whole; 16 GiB is far above any we write
 
 
 def _library_version() -> str:
@@ -73,6 +78,15 @@ class ArrayRecord:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.itemsize
 
+    @property
+    def chunk_grid(self) -> tuple[int, ...]:
+        """Chunks along each axis (the regular grid tiles the array, edge chunks padded)."""
+        return tuple(-(-n // c) for n, c in zip(self.shape, self.chunk_shape))
+
+    def chunk_indices(self) -> Iterator[tuple[int, ...]]:
+        """Every chunk of the array: each is stored (none is left out as fill value)."""
+        return itertools.product(*(range(g) for g in self.chunk_grid))
+
     def zarr_metadata(self) -> dict[str, Any]:
         """The array's ``zarr.json`` document, as TensorStore would write it."""
         itemsize = self.itemsize
@@ -91,7 +105,12 @@ class ArrayRecord:
         }
 
     def to_summary(self) -> dict[str, Any]:
-        return {"shape": list(self.shape), "dtype": self.dtype, "chunk_shape": list(self.chunk_shape)}
+        return {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "chunk_shape": list(self.chunk_shape),
+            "chunk_grid": list(self.chunk_grid),
+        }
 
     @classmethod
     def from_summary(cls, key: str, summary: Any, where: str) -> ArrayRecord:
@@ -109,7 +128,15 @@ class ArrayRecord:
             from_zarr_name(summary.get("dtype"))
         except TypeError as exc:
             raise CheckpointingException(f"{where}: array {key!r}: {exc}") from exc
-        return cls(key, shape, summary["dtype"], chunk_shape)
+        record = cls(key, shape, summary["dtype"], chunk_shape)
+        if list(record.chunk_grid) != summary.get("chunk_grid"):
+            raise CheckpointingException(
+                f"{where}: array {key!r}: chunk grid {summary.get('chunk_grid')!r} does not tile shape "
+                f"{shape} in chunks of {chunk_shape} (expected {list(record.chunk_grid)})"
+            )
+        if math.prod(chunk_shape) * record.itemsize > MAX_CHUNK_BYTES:
+            raise CheckpointingException(f"{where}: array {key!r} has an absurd chunk shape {chunk_shape}")
+        return record
 
 
 def _is_integer(zarr_name: str) -> bool:
@@ -158,6 +185,8 @@ class CommitRecord:
         format_version: shardstore format version.
         library_version: shardstore version that wrote it.
         created: UNIX time of the commit, in seconds.
+        files: checksum (``checksum()``) of every non-array file: the common state,
+            sharded objects and ``metadata.json``, by relative path.
     """
 
     arrays: dict[str, ArrayRecord]
@@ -166,6 +195,13 @@ class CommitRecord:
     format_version: int = FORMAT_VERSION
     library_version: str = field(default_factory=_library_version)
     created: float = field(default_factory=time.time)
+    files: dict[str, str] = field(default_factory=dict)
+
+    def expected_files(self) -> set[str]:
+        """The non-array files a record may vouch for: nothing else, and nothing outside
+        the checkpoint."""
+        shard_keys = {k for o in self.objects.values() for k in o.shard_keys}
+        return {CONFIG_FNAME, COMMON_FILE} | {object_path(k) for k in shard_keys}
 
     def to_root_metadata(self) -> dict[str, Any]:
         """The root group's ``zarr.json``: our record plus Zarr consolidated metadata."""
@@ -179,6 +215,7 @@ class CommitRecord:
                 "world_size": self.world_size,
                 "arrays": {k: a.to_summary() for k, a in sorted(self.arrays.items())},
                 "objects": {k: list(o.shard_keys) for k, o in sorted(self.objects.items())},
+                "files": dict(sorted(self.files.items())),
             }
         }
         root = group_metadata(attributes)
@@ -229,7 +266,7 @@ class CommitRecord:
             objects[key] = ObjectRecord(key, tuple(shard_keys))
         world_size = record.get("world_size", 1)
         created = record.get("created", 0.0)
-        return cls(
+        result = cls(
             arrays=arrays,
             objects=objects,
             world_size=world_size if isinstance(world_size, int) else 1,
@@ -237,6 +274,18 @@ class CommitRecord:
             library_version=str(record.get("library_version", "unknown")),
             created=float(created) if isinstance(created, (int, float)) else 0.0,
         )
+        files = record.get("files", {})
+        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+            raise CheckpointingException(f"{where}: 'files' must map paths to checksums")
+        unexpected = sorted(set(files) - result.expected_files())
+        if unexpected:
+            raise CheckpointingException(f"{where}: the record lists unexpected files {unexpected[:5]}")
+        return replace(result, files=dict(files))
+
+
+def checksum(data: bytes) -> str:
+    """The checksum the commit record keeps for a non-array file."""
+    return f"crc32c:{crc32c.crc32c(data):08x}"
 
 
 def object_path(shard_key: str) -> str:

@@ -36,6 +36,7 @@ from shardstore.core import (
 from shardstore.dict_utils import dict_list_map_inplace, extract_matching_values, merge
 from shardstore.distributed import Group
 from shardstore.format import CHECKPOINT_MARKERS, COMMIT_RECORD, is_committed, read_commit_record
+from shardstore.integrity import ChecksummedLocation
 from shardstore.layout import GlobalLayout
 from shardstore.mapping import (
     CommonStateDict,
@@ -296,6 +297,7 @@ def load(
     group = Group(process_group)
     location = open_location(checkpoint_dir)
     record = read_commit_record(location)
+    location = ChecksummedLocation(location, record.files)
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
         location, sharded_strategy, common_strategy
     )

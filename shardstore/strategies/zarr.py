@@ -30,7 +30,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,7 @@ from shardstore.format import (
     read_commit_record,
     write_commit_record,
 )
+from shardstore.integrity import file_checksums
 from shardstore.layout import (
     FlatChunk,
     FlatPlan,
@@ -432,7 +433,8 @@ def finalize_save(staged: StagedSave, error: BaseException | None) -> None:
     commit_error = None
     if group.is_coordinator:
         try:
-            write_commit_record(location, staged.commit_record)
+            files = file_checksums(location, staged.commit_record)
+            write_commit_record(location, replace(staged.commit_record, files=files))
         except Exception as exc:  # told to every rank by decide()
             commit_error = exc
     group.decide(commit_error, f"Committing checkpoint {location.describe()}")
@@ -704,10 +706,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         record = read_commit_record(location)
         removed = [k for k in record.arrays if k.startswith(key_prefix)]
         kept = {k: a for k, a in record.arrays.items() if k not in removed}
-        write_commit_record(
-            location,
-            CommitRecord(kept, record.objects, record.world_size, record.format_version),
-        )
+        write_commit_record(location, replace(record, arrays=kept))
         for key in removed:
             location.remove_tree(key)
 

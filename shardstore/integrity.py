@@ -1,0 +1,182 @@
+"""Verified bytes: checksums of non-array files, and a whole-checkpoint check.
+
+Array chunks carry their own crc32c (Zarr's ``crc32c`` codec), checked by every
+reader. The other files (common state, sharded objects, ``metadata.json``) are
+checksummed in the commit record at commit time; a load reads them through
+``ChecksummedLocation``, which refuses bytes that do not match.
+
+``verify(checkpoint_dir)`` reads everything a checkpoint vouches for (every chunk of
+every array, every listed file) and returns a report naming each missing or corrupt
+object, by array key and chunk.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shardstore.core import CheckpointingException
+from shardstore.format import COMMIT_RECORD, ArrayRecord, CommitRecord, checksum, read_commit_record
+from shardstore.storage import Location, open_location
+
+
+def file_checksums(location: Location, record: CommitRecord) -> dict[str, str]:
+    """Checksums of the non-array files of a checkpoint about to be committed.
+
+    Read back from storage, so what is vouched for is what is there. Every object
+    shard must exist; ``common.pt`` and ``metadata.json`` are listed when present.
+    """
+    sums = {}
+    for rel in sorted(record.expected_files()):
+        data = location.read_bytes_or_none(rel)
+        if data is None:
+            if rel.endswith(".pt") and rel != "common.pt":
+                raise CheckpointingException(f"Sharded object file {location.describe(rel)} is missing at commit")
+            continue
+        sums[rel] = checksum(data)
+    return sums
+
+
+class ChecksummedLocation(Location):
+    """A location whose reads of listed files are checked against the commit record."""
+
+    def __init__(self, inner: Location, files: dict[str, str]) -> None:
+        self.inner, self.files = inner, files
+
+    def read_bytes_or_none(self, rel: str) -> bytes | None:
+        data = self.inner.read_bytes_or_none(rel)
+        expected = self.files.get(rel)
+        if data is not None and expected is not None and checksum(data) != expected:
+            raise CheckpointingException(
+                f"Corrupt file {self.inner.describe(rel)}: its checksum {checksum(data)} differs from "
+                f"{expected} in the commit record; restore it or load an earlier checkpoint"
+            )
+        return data
+
+    # everything else is the inner location's
+    def describe(self, rel: str = "") -> str:
+        return self.inner.describe(rel)
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        self.inner.write_bytes(rel, data)
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        self.inner.write_atomic(rel, data)
+
+    def exists(self, rel: str) -> bool:
+        return self.inner.exists(rel)
+
+    def is_empty(self) -> bool:
+        return self.inner.is_empty()
+
+    def remove(self, rel: str) -> None:
+        self.inner.remove(rel)
+
+    def remove_tree(self, rel: str = "") -> None:
+        self.inner.remove_tree(rel)
+
+    def prepare(self) -> None:
+        self.inner.prepare()
+
+    def make_durable(self) -> None:
+        self.inner.make_durable()
+
+    def local_path(self, rel: str = "") -> Any:
+        return self.inner.local_path(rel)
+
+    def kvstore_spec(self, rel: str = "") -> dict[str, Any]:
+        return self.inner.kvstore_spec(rel)
+
+    def tensorstore_context(self) -> dict[str, Any]:
+        return self.inner.tensorstore_context()
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One missing or corrupt object: ``key`` is the array key (or file path), ``part``
+    the chunk key (``c/0/1``) or ``"file"``."""
+
+    key: str
+    part: str
+    message: str
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` found."""
+
+    checkpoint: str
+    problems: list[Problem] = field(default_factory=list)
+    arrays_checked: int = 0
+    chunks_checked: int = 0
+    files_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def __str__(self) -> str:
+        head = (
+            f"checkpoint {self.checkpoint}: {self.arrays_checked} arrays, {self.chunks_checked} chunks, "
+            f"{self.files_checked} files checked; "
+        )
+        if self.ok:
+            return head + "no problems"
+        lines = [f"  {p.key} [{p.part}]: {p.message}" for p in self.problems]
+        return head + f"{len(self.problems)} problem(s):\n" + "\n".join(lines)
+
+    def raise_if_damaged(self) -> None:
+        if not self.ok:
+            raise CheckpointingException(str(self))
+
+
+def verify(checkpoint_dir: str | os.PathLike | Location) -> VerifyReport:
+    """Checks every chunk of every array and every checksummed file of a checkpoint.
+
+    Never raises for damage: the report lists it (``report.ok``, ``str(report)``,
+    ``report.raise_if_damaged()``).
+    """
+    location = open_location(checkpoint_dir)
+    report = VerifyReport(location.describe())
+    try:
+        record = read_commit_record(location)
+    except CheckpointingException as exc:
+        report.problems.append(Problem(COMMIT_RECORD, "file", str(exc)))
+        return report
+    for rel, expected in sorted(record.files.items()):
+        report.files_checked += 1
+        data = location.read_bytes_or_none(rel)
+        if data is None:
+            report.problems.append(Problem(rel, "file", "missing"))
+        elif checksum(data) != expected:
+            report.problems.append(Problem(rel, "file", f"checksum {checksum(data)} != {expected} in the record"))
+    for _, array in sorted(record.arrays.items()):
+        report.arrays_checked += 1
+        _verify_array(location, array, report)
+    return report
+
+
+def _verify_array(location: Location, array: ArrayRecord, report: VerifyReport) -> None:
+    from shardstore.chunk_io import chunk_key
+    from shardstore.strategies.zarr import local_chunks, open_arrays, tensorstore_context
+
+    chunks = local_chunks(location, array)
+    handle = None
+    if chunks is None:
+        handle = open_arrays(location, [array], tensorstore_context(location), for_write=False)[array.key]
+    buffer = np.empty(array.chunk_shape, chunks.dtype) if chunks is not None else None
+    for index in array.chunk_indices():
+        report.chunks_checked += 1
+        try:
+            if chunks is not None:
+                chunks.file(index).read_into(buffer)
+            else:
+                region = tuple(
+                    slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, array.chunk_shape, array.shape)
+                )
+                handle[region].read().result()
+        except Exception as exc:  # every failure is a finding, reported by chunk
+            report.problems.append(Problem(array.key, chunk_key(index), str(exc)))

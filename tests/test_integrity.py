@@ -1,0 +1,77 @@
+"""Verified bytes (issue 7, point 3): every corruption is found by verify() and by load,
+named by array key and chunk (or by file)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, save, verify
+from shardstore.format import read_commit_record
+from shardstore.storage import LocalLocation
+
+
+def _state(empty: bool = False) -> dict:
+    w = torch.arange(48.0).reshape(8, 6)
+    return {
+        "w": ShardedTensor.from_rank_offsets("enc/w", torch.empty_like(w) if empty else w),
+        "b": ShardedTensor.from_rank_offsets("enc/b", torch.ones(5, dtype=torch.bfloat16)),
+        "rng": ShardedObject("rng", np.random.default_rng(3).bit_generator.state, (1,), (0,)),
+        "step": 7,
+    }
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+DAMAGE: dict[str, tuple[str, Callable[[Path], None], str]] = {
+    # name: (relative path, damage, what the report and the load error must name)
+    "chunk byte flipped": ("enc/w/c/0/0", _flip, "c/0/0"),
+    "chunk truncated": ("enc/w/c/0/0", lambda p: p.write_bytes(p.read_bytes()[:-9]), "c/0/0"),
+    "chunk deleted": ("enc/w/c/0/0", lambda p: p.unlink(), "c/0/0"),
+    "common.pt corrupted": ("common.pt", _flip, "common.pt"),
+    "sharded object corrupted": ("__objects__/rng/shard_0_1.pt", _flip, "__objects__/rng/shard_0_1.pt"),
+}
+
+
+def test_clean_checkpoint_verifies(ckpt_dir: Path) -> None:
+    save(_state(), ckpt_dir)
+    report = verify(ckpt_dir)
+    assert report.ok, str(report)
+    assert (report.arrays_checked, report.chunks_checked) == (2, 2)
+    assert set(read_commit_record(LocalLocation(ckpt_dir)).files) == {
+        "metadata.json", "common.pt", "__objects__/rng/shard_0_1.pt"
+    }
+    assert report.files_checked == 3
+
+
+@pytest.mark.parametrize("name", sorted(DAMAGE))
+def test_damage_is_reported_and_refused(ckpt_dir: Path, name: str) -> None:
+    rel, damage, named = DAMAGE[name]
+    save(_state(), ckpt_dir)
+    damage(ckpt_dir / rel)
+    report = verify(ckpt_dir)
+    assert not report.ok
+    assert len(report.problems) == 1, str(report)
+    problem = report.problems[0]
+    assert named in (problem.part, problem.key), str(report)
+    if "chunk" in name:
+        assert problem.key == "enc/w"
+    with pytest.raises(CheckpointingException, match=named.replace(".", r"\.")):
+        load(_state(empty=True), ckpt_dir)
+
+
+def test_verify_of_an_incomplete_checkpoint_reports_it(ckpt_dir: Path) -> None:
+    save(_state(), ckpt_dir)
+    (ckpt_dir / "zarr.json").unlink()
+    report = verify(ckpt_dir)
+    assert not report.ok and "incomplete" in str(report)
+    with pytest.raises(CheckpointingException, match="incomplete"):
+        report.raise_if_damaged()

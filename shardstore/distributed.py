@@ -12,6 +12,8 @@ for NCCL, CPU otherwise); nothing here calls a CUDA-only function unconditionall
 from __future__ import annotations
 
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +70,8 @@ class Group:
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.process_group)
+        with _peer_failures("all-gather"):
+            dist.all_gather_object(out, obj, group=self.process_group)
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -76,12 +79,14 @@ class Group:
         if self.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=self.global_rank(src), group=self.process_group)
+        with _peer_failures("broadcast"):
+            dist.broadcast_object_list(box, src=self.global_rank(src), group=self.process_group)
         return box[0]
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.process_group)
+            with _peer_failures("barrier"):
+                dist.barrier(group=self.process_group)
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Collective: raises the same CheckpointingException on every rank if any rank failed.
@@ -98,6 +103,19 @@ class Group:
         local = None if error is None else RankFailure.from_exception(self.rank, error)
         failure = self.broadcast_object(local, src=src)
         raise_failures([failure] if failure else [], what, cause=error)
+
+
+@contextmanager
+def _peer_failures(what: str) -> Iterator[None]:
+    """A collective that fails because a peer died or timed out (the backend's
+    connection error or timeout) becomes a CheckpointingException that says so."""
+    try:
+        yield
+    except (RuntimeError, ConnectionError) as exc:  # DistBackendError is a RuntimeError
+        raise CheckpointingException(
+            f"Lost contact with the other ranks during a checkpoint {what}: a rank died, was "
+            f"killed or timed out ({exc}). The checkpoint being saved is not committed."
+        ) from exc
 
 
 def raise_failures(failures: list[RankFailure], what: str, cause: BaseException | None) -> None:

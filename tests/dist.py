@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import socket
 import traceback
 from collections.abc import Callable
@@ -56,18 +57,24 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -> list[Any]:
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 120, killed: tuple[int, ...] = ()
+) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns the
-    per-rank return values (must be picklable). ``fn`` must be a module-level function."""
+    per-rank return values (must be picklable). ``fn`` must be a module-level function.
+
+    ``killed``: ranks expected to die by SIGKILL (their value is None); the test fails
+    if they exit any other way.
+    """
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]
     for p in procs:
         p.start()
-    outcomes: dict[int, tuple[bool, Any]] = {}
+    outcomes: dict[int, tuple[bool, Any]] = {r: (True, None) for r in killed}
     try:
-        for _ in range(world_size):
+        for _ in range(world_size - len(killed)):
             rank, ok, value = results.get(timeout=timeout)
             outcomes[rank] = (ok, value)
     except Exception as exc:
@@ -78,6 +85,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             if p.is_alive():
                 p.kill()
                 p.join()
+    for r in killed:
+        if procs[r].exitcode != -signal.SIGKILL:
+            outcomes[r] = (False, f"expected to be killed, exit code {procs[r].exitcode}")
     failures = {r: v for r, (ok, v) in outcomes.items() if not ok}
     if failures:
         raise AssertionError("\n".join(f"--- rank {r} failed:\n{tb}" for r, tb in sorted(failures.items())))

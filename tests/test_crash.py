@@ -1,0 +1,140 @@
+"""Atomic commit under crashes (issue 7, point 1) and durability order (point 2).
+
+One rank is SIGKILLed at several points of a 2-rank save. Every time: no commit
+record, load refuses with "incomplete", an earlier checkpoint elsewhere still loads
+bit-exact, a new save into the same directory succeeds, and the surviving rank fails
+with a clear error within a bounded time instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, save
+from shardstore.format import is_committed
+from shardstore.storage import LocalLocation
+from tests.dist import run_distributed
+from tests.scenarios import assert_bits_equal, global_tensor
+
+SHAPE = (32, 24)
+SURVIVOR_DEADLINE = 30.0  # seconds the surviving rank may take to give up
+
+
+def _sd(rank: int, world: int, empty: bool = False, shift: float = 0.0) -> dict:
+    sd = {}
+    for name, dtype in (("w", torch.float32), ("e", torch.bfloat16)):
+        full = global_tensor(name, SHAPE, dtype)
+        part = (full + shift if shift else full).chunk(world)[rank]
+        sd[name] = ShardedTensor.from_rank_offsets(name, torch.empty_like(part) if empty else part.clone(), (0, rank, world))
+    sd["rng"] = ShardedObject("rng", torch.tensor([rank]), (world,), (rank,))
+    return sd
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm(point: str) -> None:
+    """Makes this process kill itself at ``point`` of the next save."""
+    import shardstore.chunk_io as chunk_io
+    import shardstore.strategies.zarr as zarr_strategy
+
+    if point == "before data writes":
+        zarr_strategy.write_ops = lambda *a, **k: _die()
+    elif point == "during data writes":
+        original = chunk_io.ChunkFile.write
+
+        def write_one_then_die(self, data):
+            original(self, data)  # some chunks are on disk, others are not
+            _die()
+
+        chunk_io.ChunkFile.write = write_one_then_die
+    elif point == "after data writes":
+        original_durable = LocalLocation.make_durable
+
+        def durable_then_die(self):
+            original_durable(self)
+            _die()
+
+        LocalLocation.make_durable = durable_then_die
+    elif point == "just before commit":
+        zarr_strategy.write_commit_record = lambda *a, **k: _die()
+    else:
+        raise ValueError(point)
+
+
+def save_with_a_crash(rank: int, world: int, ckpt: str, point: str, victim: int) -> tuple[str, float]:
+    if rank == victim:
+        _arm(point)
+    start = time.monotonic()
+    try:
+        save(_sd(rank, world, shift=1.0), ckpt)
+    except CheckpointingException as exc:
+        return str(exc), time.monotonic() - start
+    raise AssertionError("the surviving rank's save returned normally")
+
+
+def plain_save(rank: int, world: int, ckpt: str) -> None:
+    save(_sd(rank, world), ckpt)
+
+
+def check_load(rank: int, world: int, ckpt: str) -> None:
+    loaded = load(_sd(rank, world, empty=True), ckpt)
+    for name, dtype in (("w", torch.float32), ("e", torch.bfloat16)):
+        assert_bits_equal(loaded[name], global_tensor(name, SHAPE, dtype).chunk(world)[rank], name)
+
+
+CRASH_POINTS = [
+    ("before data writes", 1),
+    ("during data writes", 1),
+    ("after data writes", 0),
+    ("just before commit", 0),  # rank 0 is the coordinator that would commit
+]
+
+
+@pytest.mark.parametrize("point, victim", CRASH_POINTS)
+def test_killed_rank_leaves_no_committed_checkpoint(tmp_path: Path, point: str, victim: int) -> None:
+    previous, ckpt = tmp_path / "previous", tmp_path / "ckpt"
+    run_distributed(plain_save, 2, str(previous))
+
+    results = run_distributed(save_with_a_crash, 2, str(ckpt), point, victim, killed=(victim,))
+    message, seconds = results[1 - victim]
+    assert "rank" in message.lower() or "lost contact" in message.lower(), message
+    assert seconds < SURVIVOR_DEADLINE, f"survivor took {seconds:.1f}s to fail"
+
+    assert not is_committed(LocalLocation(ckpt))
+    with pytest.raises(CheckpointingException, match="incomplete"):
+        load(_sd(0, 1, empty=True), ckpt)
+    run_distributed(check_load, 2, str(previous))  # the earlier checkpoint is untouched
+    run_distributed(plain_save, 2, str(ckpt))  # and the directory can be saved into again
+    run_distributed(check_load, 2, str(ckpt))
+
+
+def test_data_is_made_durable_before_the_commit_record(ckpt_dir: Path, monkeypatch) -> None:
+    import shardstore.storage as storage
+
+    events: list[str] = []
+    real_syncfs, real_write_atomic = storage._syncfs, storage.LocalLocation.write_atomic
+    monkeypatch.setattr(storage, "_syncfs", lambda path: (events.append("syncfs"), real_syncfs(path)))
+    monkeypatch.setattr(storage.LocalLocation, "write_atomic",
+                        lambda self, rel, data: (events.append(f"atomic {rel}"), real_write_atomic(self, rel, data)))
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, ckpt_dir)
+    assert events.index("syncfs") < events.index("atomic zarr.json"), events
+    assert not list(ckpt_dir.glob(".zarr.json.*")), "temp file of the atomic write left behind"
+
+
+def test_fsync_can_be_turned_off(ckpt_dir: Path, monkeypatch) -> None:
+    import shardstore.storage as storage
+
+    calls: list[Path] = []
+    monkeypatch.setattr(storage, "_syncfs", calls.append)
+    monkeypatch.setattr(storage.os, "fsync", lambda fd: calls.append(fd))
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, LocalLocation(ckpt_dir, fsync=False))
+    assert calls == []
+    assert is_committed(LocalLocation(ckpt_dir))

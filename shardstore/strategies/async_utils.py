@@ -68,13 +68,21 @@ class AsyncRequest:
         self.finalize_fns.append(fn)
 
     def execute_sync(self) -> None:
-        """Runs the whole request in the caller: preload, I/O, then every finalize step."""
+        """Runs the whole request in the caller: preload, I/O, then every finalize step.
+
+        An I/O error is handed to the finalize steps rather than raised at once: they
+        are collective, and the other ranks are waiting in them to hear about it.
+        """
         if self.preload_fn is not None:
             self.preload_fn()
+        error: BaseException | None = None
         if self.async_fn is not None:
-            self.async_fn(*self.async_fn_args, **self.async_fn_kwargs)
+            try:
+                self.async_fn(*self.async_fn_args, **self.async_fn_kwargs)
+            except Exception as exc:  # the finalize step tells every rank (collective)
+                error = exc
         for fn in self.finalize_fns:
-            fn()
+            _call_finalize(fn, error)
 
     def freeze(self) -> AsyncRequest:
         """A frozen copy (no more finalize functions)."""

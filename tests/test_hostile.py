@@ -1,0 +1,205 @@
+"""Hostile input (issue 7, points 4-6): keys that would escape the checkpoint, crafted
+commit records, code-running pickles, and a full disk."""
+
+from __future__ import annotations
+
+import errno
+import json
+import pickle
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, load_tensors_metadata, save, verify
+from shardstore.format import COMMON_FILE, checksum, is_committed
+from shardstore.storage import LocalLocation
+from tests.dist import run_distributed
+
+HOSTILE_KEYS = [
+    "../escape",
+    "a/../../escape",
+    "/etc/passwd",
+    "a//b",
+    "a/./b",
+    "trailing/",
+    "back\\slash",
+    "nul\x00byte",
+    "new\nline",
+    "__objects__/x",
+    "a/__reserved",
+    "",
+    "x" * 5000,
+    "a/" + "y" * 300,
+]
+
+
+def save_with_hostile_key_on_rank_1(rank: int, world: int, root: str) -> list[str]:
+    """For each hostile key: rank 1 uses it, rank 0 a good key; both must fail."""
+    messages = []
+    for i, bad in enumerate(HOSTILE_KEYS):
+        key = bad if rank == 1 else f"good/{rank}"
+        ckpt = f"{root}/{i}"
+        sd = {"t": ShardedTensor.from_rank_offsets(key, torch.ones(2), replica_id=0)}
+        try:
+            save(sd, ckpt)
+        except CheckpointingException as exc:
+            messages.append(str(exc))
+        else:
+            raise AssertionError(f"key {bad!r} was accepted")
+    return messages
+
+
+def test_hostile_keys_are_rejected_on_every_rank_before_writing(tmp_path: Path) -> None:
+    results = run_distributed(save_with_hostile_key_on_rank_1, 2, str(tmp_path))
+    for messages in results:
+        assert len(messages) == len(HOSTILE_KEYS)
+        assert all("Invalid checkpoint key" in m and "rank(s) 1" in m for m in messages), messages
+    assert not any(tmp_path.iterdir()), "something was written"
+
+
+def test_hostile_sharded_object_key_is_rejected(ckpt_dir: Path) -> None:
+    with pytest.raises(CheckpointingException, match="Invalid checkpoint key"):
+        save({"o": ShardedObject("../../x", 1, (1,), (0,))}, ckpt_dir)
+    assert not ckpt_dir.exists() or not any(ckpt_dir.iterdir())
+
+
+# ------------------------------------------------------------- crafted commit records
+
+
+def _record_edit(path: list, value) -> Callable[[dict], None]:
+    """Sets ``root['attributes']['shardstore'][path...] = value``."""
+
+    def edit(root: dict) -> None:
+        node = root["attributes"]["shardstore"]
+        for p in path[:-1]:
+            node = node[p]
+        node[path[-1]] = value
+
+    return edit
+
+
+def _rename_array(new_key: str) -> Callable[[dict], None]:
+    def edit(root: dict) -> None:
+        arrays = root["attributes"]["shardstore"]["arrays"]
+        arrays[new_key] = arrays.pop("w")
+
+    return edit
+
+
+HOSTILE_RECORDS: dict[str, Callable[[dict], None] | bytes] = {
+    "not json": b"{not json",
+    "json array": b"[1, 2, 3]",
+    "not a shardstore record": b'{"zarr_format": 3, "node_type": "group", "attributes": {}}',
+    "format version as string": _record_edit(["format_version"], "1"),
+    "future format version": _record_edit(["format_version"], 99),
+    "arrays is a list": _record_edit(["arrays"], []),
+    "negative shape": _record_edit(["arrays", "w", "shape"], [-4, 3]),
+    "huge shape": _record_edit(["arrays", "w", "shape"], [2**40, 2**40]),
+    "shape of strings": _record_edit(["arrays", "w", "shape"], ["4", "3"]),
+    "shape as bools": _record_edit(["arrays", "w", "shape"], [True, True]),
+    "too many dims": _record_edit(["arrays", "w", "shape"], [1] * 100),
+    "unknown dtype": _record_edit(["arrays", "w", "dtype"], "complex512"),
+    "dtype not a string": _record_edit(["arrays", "w", "dtype"], 7),
+    "zero chunk shape": _record_edit(["arrays", "w", "chunk_shape"], [0, 3]),
+    "chunk rank mismatch": _record_edit(["arrays", "w", "chunk_shape"], [4]),
+    "chunk grid does not tile": _record_edit(["arrays", "w", "chunk_grid"], [5, 1]),
+    "huge chunk": _record_edit(["arrays", "w", "chunk_shape"], [2**30, 2**30]),
+    "array key escapes": _rename_array("../../etc/passwd"),
+    "absolute array key": _rename_array("/tmp/x"),
+    "object shard escapes": _record_edit(["objects"], {"o": ["../../../tmp/evil"]}),
+    "objects not a list": _record_edit(["objects"], {"o": "shard"}),
+    "file outside checkpoint": _record_edit(["files"], {"../../etc/passwd": "crc32c:00000000"}),
+    "file checksum not a string": _record_edit(["files"], {"common.pt": 5}),
+}
+
+
+def _saved(ckpt: Path) -> None:
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(12.0).reshape(4, 3)), "step": 1}, ckpt)
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_RECORDS))
+def test_crafted_commit_record_gives_a_clear_error(ckpt_dir: Path, name: str) -> None:
+    _saved(ckpt_dir)
+    root_path = ckpt_dir / "zarr.json"
+    edit = HOSTILE_RECORDS[name]
+    if isinstance(edit, bytes):
+        root_path.write_bytes(edit)
+    else:
+        root = json.loads(root_path.read_bytes())
+        edit(root)
+        root_path.write_text(json.dumps(root))
+    start = time.monotonic()
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}
+    with pytest.raises(CheckpointingException):
+        load(request, ckpt_dir)
+    with pytest.raises(CheckpointingException):
+        load_tensors_metadata(ckpt_dir)
+    assert not verify(ckpt_dir).ok
+    assert time.monotonic() - start < 10, "took too long: a huge allocation or a hang"
+
+
+# ------------------------------------------------------------- pickles that run code
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (shutil.rmtree, ("/nonexistent-shardstore-test",))
+
+
+def test_code_running_pickle_in_common_state_is_refused(ckpt_dir: Path) -> None:
+    _saved(ckpt_dir)
+    payload = pickle.dumps({"step": _RunsCode()})
+    (ckpt_dir / COMMON_FILE).write_bytes(payload)
+    # the attacker also fixes the checksum in the record: the pickle guard must still hold
+    root = json.loads((ckpt_dir / "zarr.json").read_bytes())
+    root["attributes"]["shardstore"]["files"][COMMON_FILE] = checksum(payload)
+    (ckpt_dir / "zarr.json").write_text(json.dumps(root))
+    with pytest.raises(CheckpointingException, match="allow_unsafe_pickle"):
+        load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}, ckpt_dir)
+
+
+# ------------------------------------------------------------- disk full
+
+
+def full_disk_on_rank_1(rank: int, world: int, ckpt: str) -> str:
+    from shardstore import chunk_io
+
+    if rank == 1:
+        def no_space(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        chunk_io.ChunkFile.write = no_space
+    try:
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(8, 4), (0, rank, world))}, ckpt)
+    except CheckpointingException as exc:
+        return str(exc)
+    raise AssertionError("save succeeded on a full disk")
+
+
+def test_enospc_from_a_write_fails_every_rank_without_commit(ckpt_dir: Path) -> None:
+    for message in run_distributed(full_disk_on_rank_1, 2, str(ckpt_dir)):
+        assert "No space left on device" in message and "rank(s) 1" in message, message
+    assert not is_committed(LocalLocation(ckpt_dir))
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path):
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); the fault-injected test covers ENOSPC")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_real_full_disk_fails_without_commit(tiny_tmpfs: Path) -> None:
+    ckpt = tiny_tmpfs / "ckpt"
+    with pytest.raises(CheckpointingException, match="No space left on device"):
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(1024, 1024))}, ckpt)  # 4 MiB > 1 MiB
+    assert not is_committed(LocalLocation(ckpt))

@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, load_tensors_metadata, save, verify
+from shardstore import (
+    CheckpointingException,
+    ShardedObject,
+    ShardedTensor,
+    load,
+    load_tensors_metadata,
+    save,
+    verify,
+)
 from shardstore.format import COMMON_FILE, checksum, is_committed
 from shardstore.storage import LocalLocation
 from tests.dist import run_distributed

@@ -1,6 +1,6 @@
 """Where bytes go: a checkpoint location and the few operations shardstore needs on it.
 
-A location is a local directory or (later) an ``s3://bucket/prefix``. Bulk chunk I/O
+A location is a local directory or an ``s3://bucket/prefix`` (``shardstore.s3``). Bulk chunk I/O
 does not pass through here: the location only hands TensorStore a kvstore spec. What
 passes through here are the small files (``zarr.json`` documents, ``common.pt``, sharded
 objects, the commit record), listing and removal, and durability.
@@ -37,6 +37,9 @@ class StorageError(OSError):
 
 class Location(ABC):
     """A checkpoint's root: a place where relative paths (``/``-separated) name objects."""
+
+    # Largest object the storage takes in one write (None: no limit).
+    max_object_bytes: int | None = None
 
     @abstractmethod
     def describe(self, rel: str = "") -> str:
@@ -268,13 +271,20 @@ def open_location(target: str | os.PathLike | Location, **options: Any) -> Locat
     """The Location for a checkpoint directory given as a path, URL or Location.
 
     Args:
-        target: a local path, or an existing Location (returned as is)
-        options: passed to the Location (e.g. ``fsync=False`` for local paths)
+        target: a local path, ``s3://bucket/prefix``, or a Location (returned as is)
+        options: passed to the Location (``fsync=False`` for local paths,
+            ``options=S3Options(...)`` for S3)
     """
     if isinstance(target, Location):
         return target
     text = os.fspath(target)
+    if text.startswith("s3://"):
+        from shardstore.s3 import S3Location
+
+        return S3Location(text, **options)
     if "://" in text:
         scheme = text.split("://", 1)[0]
-        raise StorageError(f"Unsupported checkpoint location scheme {scheme!r} in {text!r}")
+        raise StorageError(
+            f"Unsupported checkpoint location scheme {scheme!r} in {text!r}: use a local path or s3://bucket/prefix"
+        )
     return LocalLocation(text, **options)

@@ -513,6 +513,12 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         tensors, _ = local_sharded_items(sharded_state_dict)
         group = Group(self.process_group)
         location = open_location(checkpoint_dir)
+        limit = location.max_object_bytes
+        if limit is not None and self.max_chunk_bytes > limit:
+            raise CheckpointingException(
+                f"max_chunk_bytes={self.max_chunk_bytes} exceeds the {limit}-byte object limit of "
+                f"{location.describe()}; use a smaller bound"
+            )
         if self.fully_parallel:
             layout = balance_writers(layout)
         staged = stage_save(tensors, location, layout, group, self.max_chunk_bytes, staging)

@@ -1,0 +1,157 @@
+"""A real S3 server for tests (moto's, on 127.0.0.1) and a fault-injecting proxy.
+
+The proxy forwards HTTP requests to the server and, for a share of them, answers
+503 SlowDown instead or drops the connection without answering: what a busy object
+store does. Both listen on loopback only, on free ports, and stop with the test run.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import random
+import socket
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+KEY, SECRET, REGION = "testing-key", "testing-secret", "us-east-1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MotoServer:
+    """moto's S3 server on 127.0.0.1."""
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        self.port = free_port()
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> MotoServer:
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.stop()
+
+    def create_bucket(self, name: str) -> None:
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=KEY,
+                              aws_secret_access_key=SECRET, region_name=REGION)
+        client.create_bucket(Bucket=name)
+
+
+@dataclass
+class Faults:
+    """What the proxy does to each request (probabilities, checked in this order)."""
+
+    error_503: float = 0.0
+    drop: float = 0.0
+    seed: int = 0
+
+
+class FaultyProxy:
+    """HTTP proxy in front of ``target_port`` that injects ``faults``."""
+
+    def __init__(self, target_port: int, faults: Faults) -> None:
+        self.target_port, self.faults = target_port, faults
+        self.counts = {"forwarded": 0, "503": 0, "dropped": 0}
+        self._lock = threading.Lock()
+        self._random = random.Random(faults.seed)
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:  # quiet
+                pass
+
+            def _handle(self) -> None:
+                body = self._read_body()
+                fate = proxy._fate()
+                if fate == "503":
+                    payload = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                if fate == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                self._forward(body)
+
+            def _read_body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    parts = []
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0], 16)
+                        if size == 0:
+                            self.rfile.readline()
+                            return b"".join(parts)
+                        parts.append(self.rfile.read(size))
+                        self.rfile.readline()
+                return self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+
+            def _forward(self, body: bytes) -> None:
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.target_port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+                headers["Content-Length"] = str(len(body))
+                conn.request(self.command, self.path, body=body if body or self.command in ("PUT", "POST") else None,
+                             headers=headers)
+                response = conn.getresponse()
+                data = response.read()
+                self.send_response(response.status, response.reason)
+                for k, v in response.getheaders():
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _fate(self) -> str:
+        with self._lock:
+            r = self._random.random()
+            if r < self.faults.error_503:
+                fate = "503"
+            elif r < self.faults.error_503 + self.faults.drop:
+                fate = "dropped"
+            else:
+                fate = "forwarded"
+            self.counts[fate] += 1
+        return "drop" if fate == "dropped" else fate
+
+    def start(self) -> FaultyProxy:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,224 @@
+"""Checkpoints directly on S3 (issue 5), against moto's real S3 server on 127.0.0.1,
+with a fault-injecting proxy in front of it for the retry and failure tests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from shardstore import (
+    CheckpointingException,
+    ShardedObject,
+    ShardedTensor,
+    load,
+    load_common_state_dict,
+    load_sharded_metadata,
+    load_tensors_metadata,
+    remove_sharded_tensors,
+    save,
+    verify,
+)
+from shardstore.format import is_committed
+from shardstore.s3 import S3Location, S3Options
+from tests.dist import run_distributed
+from tests.s3_support import KEY, REGION, SECRET, Faults, FaultyProxy, MotoServer
+from tests.scenarios import assert_bits_equal, global_tensor, grid_shard
+
+BUCKET = "checkpoints"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[MotoServer]:
+    moto = MotoServer().start()
+    moto.create_bucket(BUCKET)
+    yield moto
+    moto.stop()
+
+
+def _options(endpoint: str, **kw) -> S3Options:
+    return S3Options(endpoint_url=endpoint, key=KEY, secret=SECRET, region=REGION, **kw)
+
+
+_counter = iter(range(10**6))
+
+
+@pytest.fixture
+def url() -> str:
+    return f"s3://{BUCKET}/run{next(_counter)}/iter_0000100"
+
+
+TENSORS = {"dense": ((16, 12), torch.float32), "emb": ((8, 20), torch.bfloat16)}
+FLAT_KEY, FLAT_SHAPE = "optim/exp_avg", (10, 7)
+
+
+def _sd(rank: int, world: int, axes: tuple[int, ...], empty: bool) -> dict:
+    sd = {
+        name: grid_shard(name, global_tensor(name, shape, dtype), rank, world, axes, empty=empty)
+        for name, (shape, dtype) in TENSORS.items()
+    }
+    norm = global_tensor("norm", (7,), torch.float32)
+    sd["norm"] = ShardedTensor.from_rank_offsets("norm", torch.empty_like(norm) if empty else norm.clone(), replica_id=rank)
+    return sd
+
+
+def _flat(rank: int, world: int, empty: bool) -> ShardedTensor:
+    full = global_tensor(FLAT_KEY, FLAT_SHAPE, torch.float32).flatten()
+    cuts = [round(i * full.numel() / world + 3 * (0 < i < world)) for i in range(world + 1)]
+    data = full[cuts[rank]:cuts[rank + 1]].clone()
+    return ShardedTensor.from_rank_offsets_flat(FLAT_KEY, torch.empty_like(data) if empty else data, FLAT_SHAPE,
+                                                flattened_range=slice(cuts[rank], cuts[rank + 1]))
+
+
+def save_s3(rank: int, world: int, url: str, options: S3Options) -> None:
+    sd = _sd(rank, world, (0,), empty=False)
+    sd["flat"] = _flat(rank, world, empty=False)
+    sd["rng"] = ShardedObject("rng", torch.tensor([rank, 42]), (world,), (rank,))
+    sd["iteration"] = 100
+    save(sd, S3Location(url, options))
+
+
+def load_s3(rank: int, world: int, url: str, options: S3Options, axes: tuple[int, ...]) -> None:
+    request = _sd(rank, world, axes, empty=True)
+    loaded = load(request, S3Location(url, options))
+    for name, (shape, dtype) in TENSORS.items():
+        assert_bits_equal(loaded[name], global_tensor(name, shape, dtype)[request[name].global_slice()], name)
+    assert_bits_equal(loaded["norm"], global_tensor("norm", (7,), torch.float32))
+    assert loaded["iteration"] == 100
+
+
+def load_flat_and_objects(rank: int, world: int, url: str, options: S3Options) -> None:
+    loaded = load({"flat": _flat(rank, world, True), "rng": ShardedObject("rng", None, (world,), (rank,))},
+                  S3Location(url, options))
+    assert_bits_equal(loaded["flat"], _flat(rank, world, False).data)
+    assert loaded["rng"].tolist() == [rank, 42]
+
+
+def test_save_and_resharded_load_on_s3(server: MotoServer, url: str) -> None:
+    options = _options(server.endpoint)
+    run_distributed(save_s3, 2, url, options)
+    location = S3Location(url, options)
+    assert is_committed(location)
+    run_distributed(load_s3, 1, url, options, ())
+    run_distributed(load_s3, 4, url, options, (1,))
+    run_distributed(load_flat_and_objects, 2, url, options)
+    assert verify(location).ok
+    meta = load_tensors_metadata(location)
+    assert {k: tuple(v.global_shape) for k, v in meta.items()} == {
+        "dense": (16, 12), "emb": (8, 20), "norm": (7,), FLAT_KEY: FLAT_SHAPE
+    }
+    assert "rng/shard_0_2" in load_sharded_metadata(location)
+    assert load_common_state_dict(location)["iteration"] == 100
+    remove_sharded_tensors(location, "emb")
+    assert "emb" not in load_tensors_metadata(location)
+    assert verify(location).ok
+
+
+def test_overwrite_protection_and_cleanup_of_an_interrupted_save(server: MotoServer, url: str) -> None:
+    location = S3Location(url, _options(server.endpoint))
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}
+    save(sd, location)
+    with pytest.raises(CheckpointingException, match="overwrite=True"):
+        save(sd, location)
+    location.remove("zarr.json")  # as if the save had been interrupted before its commit
+    with pytest.raises(CheckpointingException, match="incomplete"):
+        load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(6))}, location)
+    save({"v": ShardedTensor.from_rank_offsets("v", torch.ones(3))}, location)  # clears the leftovers
+    assert set(load_tensors_metadata(location)) == {"v"}
+    assert not location.exists("w/zarr.json")
+
+
+def test_save_survives_injected_503s_and_dropped_connections(server: MotoServer, url: str) -> None:
+    proxy = FaultyProxy(server.port, Faults(error_503=0.10, drop=0.03, seed=1)).start()
+    try:
+        options = _options(proxy.endpoint, initial_delay=0.01, max_delay=0.2)
+        run_distributed(save_s3, 2, url, options)
+        run_distributed(load_s3, 2, url, options, (1,))
+    finally:
+        proxy.stop()
+    assert proxy.counts["503"] > 5 and proxy.counts["dropped"] > 0, proxy.counts
+    assert verify(S3Location(url, _options(server.endpoint))).ok
+
+
+def save_expecting_failure(rank: int, world: int, url: str, options: S3Options) -> tuple[str, float]:
+    start = time.monotonic()
+    try:
+        save(_sd(rank, world, (0,), empty=False), S3Location(url, options))
+    except CheckpointingException as exc:
+        return str(exc), time.monotonic() - start
+    raise AssertionError("save to a failing store succeeded")
+
+
+def test_permanent_failure_raises_on_every_rank_without_commit(server: MotoServer, url: str) -> None:
+    # The bucket is reachable for the first requests, then every chunk PUT fails.
+    proxy = FaultyProxy(server.port, Faults(error_503=1.0)).start()
+    try:
+        options = _options(proxy.endpoint, max_retries=2, initial_delay=0.01, max_delay=0.05)
+        results = run_distributed(save_expecting_failure, 2, url, options, timeout=120)
+    finally:
+        proxy.stop()
+    for message, seconds in results:
+        assert "s3://" in message and seconds < 60, (message, seconds)
+    assert not is_committed(S3Location(url, _options(server.endpoint)))
+
+
+PLAIN_S3_READER = r"""
+import json, sys
+import numpy as np
+import tensorstore as ts
+import zarr
+endpoint, url, key, secret = sys.argv[1:5]
+assert "shardstore.serialization" not in sys.modules  # only the dtype hook of the .pth
+opts = {"key": key, "secret": secret, "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+group = zarr.open_group(url, mode="r", storage_options=opts)
+bucket, prefix = url[5:].split("/", 1)
+out = {}
+for name in ("dense", "emb"):
+    a = group[name][...]
+    t = ts.open({"driver": "zarr3", "kvstore": {"driver": "s3", "bucket": bucket, "path": f"{prefix}/{name}/",
+                 "endpoint": endpoint, "aws_region": "us-east-1", "aws_credentials": {"type": "environment"}}},
+                open=True).result().read().result()
+    assert a.tobytes() == t.tobytes(), name
+    out[name] = [str(a.dtype), list(a.shape), a.view(np.uint8).tobytes().hex()]
+assert "torch" not in sys.modules and "shardstore.serialization" not in sys.modules
+print(json.dumps(out))
+"""
+
+
+def test_plain_zarr_and_tensorstore_read_an_s3_checkpoint(server: MotoServer, url: str) -> None:
+    options = _options(server.endpoint)
+    run_distributed(save_s3, 2, url, options)
+    env = {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_REGION": REGION, "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-c", PLAIN_S3_READER, server.endpoint, url, KEY, SECRET],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    arrays = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, (shape, dtype) in TENSORS.items():
+        expected = global_tensor(name, shape, dtype)
+        assert arrays[name][0] == ("bfloat16" if dtype == torch.bfloat16 else "float32")
+        assert tuple(arrays[name][1]) == shape
+        assert bytes.fromhex(arrays[name][2]) == expected.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_aws_environment_configures_a_plain_url(server: MotoServer, url: str, monkeypatch, capfd) -> None:
+    for name, value in {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": KEY,
+                        "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_REGION": REGION}.items():
+        monkeypatch.setenv(name, value)
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}, url)
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, url)
+    assert loaded["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    err = capfd.readouterr().err.lower()
+    assert "credential" not in err and "profile" not in err, err  # no credential-lookup noise
+
+
+def test_chunk_bound_above_the_s3_object_limit_is_refused(server: MotoServer, url: str) -> None:
+    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+
+    with pytest.raises(CheckpointingException, match="object limit"):
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, S3Location(url, _options(server.endpoint)),
+             ZarrSaveShardedStrategy(max_chunk_bytes=6 * 2**30))

@@ -435,6 +435,43 @@ def run_small(b: Bench, args: argparse.Namespace) -> None:
         b._clean(p)
 
 
+def run_s3(b: Bench, args: argparse.Namespace) -> None:
+    """shardstore save/load on S3 vs the same bytes as plain objects through s3fs (one
+    object per tensor shard, all of a rank's objects in flight at once), against the
+    local S3 server the launcher started (moto: in-memory, so this measures the client
+    side and the protocol, not a disk)."""
+    import s3fs
+
+    import shardstore
+
+    state = build_large(int(args.s3_gib * GiB), b.rank, b.world)
+    nbytes = state.local_bytes * b.world
+    if b.rank == 0:
+        print(f"s3: {nbytes / GiB:.2f} GiB in {len(state.shards)} tensors at {b.world} ranks, "
+              f"server {os.environ['AWS_ENDPOINT_URL']}", flush=True)
+    fs = s3fs.S3FileSystem()
+    url = f"s3://{S3_BUCKET}/shardstore"
+    plain = f"{S3_BUCKET}/plain/rank{b.rank}"
+
+    def ss_save() -> None:
+        shardstore.save(shardstore_sd(state, b.rank, b.world), url, overwrite=True)
+
+    def ss_load() -> None:
+        shardstore.load(shardstore_sd(state, b.rank, b.world, empty=True), url)
+
+    def plain_save() -> None:
+        fs.pipe({f"{plain}/{k}": t.view(torch.uint8).numpy().tobytes() for k, (t, _) in state.shards.items()})
+
+    def plain_load() -> None:
+        blobs = fs.cat([f"{plain}/{k}" for k in state.shards])
+        for k, (t, _) in state.shards.items():
+            torch.empty_like(t).view(torch.uint8).numpy().reshape(-1)[...] = memoryview(blobs[f"{plain}/{k}"]).cast("B")
+
+    b.measure("s3", "shardstore", nbytes, b.root / "unused-s3-a", ss_save, ss_load)
+    b.measure("s3", "s3fs-plain", nbytes, b.root / "unused-s3-b", plain_save, plain_load)
+    b.flush()
+
+
 def run_async(b: Bench, state: State, nbytes: int) -> None:
     """Caller-blocked time of an async save vs clone(); a matmul loop during the save."""
     import shardstore
@@ -512,6 +549,8 @@ def ratios(results: list[Result]) -> dict[str, float]:
             out |= ratio(f"small.{op}.vs_{peer}", ("small", "shardstore", op), ("small", peer, op))
     out |= ratio("reshard.load_time_vs_same_layout", ("large", "shardstore", "load"), ("reshard", "shardstore", "load"))
     out |= ratio("reshard.load.vs_dcp", ("reshard", "shardstore", "load"), ("reshard", "dcp", "load"))
+    out |= ratio("s3.save.vs_s3fs_plain", ("s3", "shardstore", "save"), ("s3", "s3fs-plain", "save"))
+    out |= ratio("s3.load.vs_s3fs_plain", ("s3", "shardstore", "load"), ("s3", "s3fs-plain", "load"))
     out |= ratio("async.blocked_time_vs_clone", ("async", "clone", "blocked"), ("async", "shardstore", "blocked"))
     out |= ratio("async.loop_rate_vs_alone", ("async", "matmul-loop", "during-save"), ("async", "matmul-loop", "alone"))
     for r in results:
@@ -544,6 +583,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, root: str
         run_large(b, args)
     if "small" in args.cases:
         run_small(b, args)
+    if "s3" in args.cases:
+        run_s3(b, args)
     if rank == 0:
         table = ratios(b.results)
         extra = {"world": world, "reps": args.reps, "cache": b.cache_method, "ratios": table}
@@ -560,13 +601,37 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, root: str
     dist.destroy_process_group()
 
 
+S3_BUCKET = "shardstore-bench"
+
+
+def start_local_s3():
+    """moto's S3 server on 127.0.0.1 for the s3 case; the ranks find it through the AWS
+    environment variables, as a trainer would find its object store."""
+    import logging
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
+                      AWS_SECRET_ACCESS_KEY="bench-secret", AWS_REGION="us-east-1")
+    boto3.client("s3").create_bucket(Bucket=S3_BUCKET)
+    return server
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=2.0, help="size of the large state (all ranks)")
     parser.add_argument("--small", type=int, default=5000, help="number of 4 KiB tensors")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--cases", default="large,reshard,small,async")
+    parser.add_argument("--cases", default="large,reshard,small,async,s3")
+    parser.add_argument("--s3-gib", type=float, default=0.25, help="size of the S3 case's state (all ranks)")
     parser.add_argument("--dir", default=None, help="where to write (default: the temp dir)")
     parser.add_argument("--json", default="bench.json")
     args = parser.parse_args()
@@ -575,10 +640,13 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    server = start_local_s3() if "s3" in args.cases else None
     try:
         mp.spawn(worker, args=(args.world, port, args, root), nprocs=args.world)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        if server is not None:
+            server.stop()
 
 
 if __name__ == "__main__":

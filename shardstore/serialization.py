@@ -133,8 +133,8 @@ def save(
         objects_part = {}
     _save_common(location, group, common_strategy, common_part, objects_part)
     if async_sharded_save:
-        return sharded_strategy.async_save_with_layout(sharded_part, location, layout)
-    sharded_strategy.save_with_layout(sharded_part, location, layout)
+        return sharded_strategy.async_save_with_layout(sharded_part, location, layout, process_group)
+    sharded_strategy.save_with_layout(sharded_part, location, layout, process_group)
     return None
 
 
@@ -329,7 +329,7 @@ def load(
             sharded_state_dict, lambda v: isinstance(v, ShardedObject)
         )
         merge(common_state_dict, common_strategy.load_sharded_objects(objects_part, location))
-    merge(common_state_dict, sharded_strategy.load_with_record(sharded_state_dict, location, record))
+    merge(common_state_dict, sharded_strategy.load_with_record(sharded_state_dict, location, record, process_group))
     apply_factory_merges(common_state_dict, factories)
 
     if StrictHandling.requires_returning_mismatch_keys(strict):

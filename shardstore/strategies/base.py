@@ -135,10 +135,13 @@ class LoadShardedStrategy(LoadStrategyBase):
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> StateDict:
         """Loads the sharded part of the checkpoint."""
 
-    def load_with_record(self, sharded_state_dict: ShardedStateDict, location: Any, record: Any) -> StateDict:
+    def load_with_record(
+        self, sharded_state_dict: ShardedStateDict, location: Any, record: Any, process_group: Any = None
+    ) -> StateDict:
         """``load`` given the opened location and the commit record ``serialization.load``
         has already read, so a strategy need not read and parse it again (for 5,000
-        arrays that parse was a tenth of the load). Default: plain ``load``."""
+        arrays that parse was a tenth of the load), and ``serialization.load``'s process
+        group when it was given one. Default: plain ``load``."""
         return self.load(sharded_state_dict, location)
 
     @abstractmethod
@@ -182,9 +185,11 @@ class SaveShardedStrategy(SaveStrategyBase):
         """Saves the sharded part of the state dict (collective)."""
 
     def save_with_layout(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout,
+        process_group: Any = None,
     ) -> None:
-        """Like ``save``, reusing the global layout ``serialization`` already gathered.
+        """Like ``save``, reusing the global layout ``serialization`` already gathered,
+        on ``serialization.save``'s process group when it was given one.
 
         Strategies that do not need the layout inherit this and ignore it.
         """
@@ -205,7 +210,8 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
         """
 
     def async_save_with_layout(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout,
+        process_group: Any = None,
     ) -> AsyncRequest:
         """Like ``async_save``, reusing an already gathered layout."""
         return self.async_save(sharded_state_dict, checkpoint_dir)
@@ -215,9 +221,10 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
         self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()
 
     def save_with_layout(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout,
+        process_group: Any = None,
     ) -> None:
-        self.async_save_with_layout(sharded_state_dict, checkpoint_dir, layout).execute_sync()
+        self.async_save_with_layout(sharded_state_dict, checkpoint_dir, layout, process_group).execute_sync()
 
 
 __all__ = [

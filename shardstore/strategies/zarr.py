@@ -491,27 +491,29 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         return self.async_save_with_layout(sharded_state_dict, checkpoint_dir, layout)
 
     def async_save_with_layout(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout,
+        process_group: dist.ProcessGroup | None = None,
     ) -> AsyncRequest:
         """Snapshots the tensors to host memory (the blocking part) and returns the
         request whose ``async_fn`` writes them and whose finalization commits."""
         staging = Staging(True, self.max_staging_bytes, self._buffers, self.io_concurrency)
-        return self._request(sharded_state_dict, checkpoint_dir, layout, staging)
+        return self._request(sharded_state_dict, checkpoint_dir, layout, staging, process_group)
 
     def save_with_layout(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         """Synchronous: writes straight from the tensors' memory (no snapshot)."""
-        self._request(sharded_state_dict, checkpoint_dir, layout, Staging()).execute_sync()
+        self._request(sharded_state_dict, checkpoint_dir, layout, Staging(), process_group).execute_sync()
 
     def _request(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout,
-        staging: Staging,
+        staging: Staging, process_group: dist.ProcessGroup | None,
     ) -> AsyncRequest:
         from shardstore.validation import local_sharded_items
 
         tensors, _ = local_sharded_items(sharded_state_dict)
-        group = Group(self.process_group)
+        group = Group(process_group if process_group is not None else self.process_group)
         location = open_location(checkpoint_dir)
         limit = location.max_object_bytes
         if limit is not None and self.max_chunk_bytes > limit:
@@ -663,15 +665,63 @@ def _open_for_read(
     return open_arrays(location, [record.arrays[k] for k in sorted({r.tensor.key for r in reads})], context, False)
 
 
+def load_fully_parallel(
+    tensors: list[ShardedTensor], location: Location, record: CommitRecord, group: Group,
+    io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+) -> list[torch.Tensor]:
+    """Collective ``load_tensors``: a block that several ranks request is read by one of
+    them (balanced by bytes, ``layout.balance_writers``) and sent to the others, so
+    replicas share the storage reads instead of each reading everything."""
+    from shardstore.validation import local_records
+
+    mine = [replace(r, main=True) for r in local_records(tensors, [], group.rank)[0]]
+    layout = balance_writers(GlobalLayout.from_gathered([(g, []) for g in group.all_gather_object(mine)]))
+    members: dict[tuple, list[ShardRecord]] = {}
+    for shards in layout.tensors.values():
+        for s in shards:
+            members.setdefault((s.block_id, s.dtype), []).append(s)
+    reads = [s.index for group_ in members.values() for s in group_ if s.rank == group.rank and s.main]
+    out: dict[int, torch.Tensor] = dict(zip(reads, load_tensors([tensors[i] for i in reads], location, record, io_concurrency)))
+    sends: dict[int, list[torch.Tensor]] = {}
+    receives: dict[int, list[torch.Tensor]] = {}
+    for ident in sorted(members, key=repr):  # the same order on every rank
+        reader = next(s for s in members[ident] if s.main)
+        for s in members[ident]:
+            if s is reader or group.rank not in (s.rank, reader.rank):
+                continue
+            if s.rank == reader.rank:  # one rank asked twice for the same block
+                out[s.index] = out[reader.index].clone()
+            elif reader.rank == group.rank:
+                sends.setdefault(s.rank, []).append(out[reader.index])
+            else:
+                t = tensors[s.index]
+                device = t.data.device if t.data is not None else "cpu"
+                out[s.index] = torch.empty(t.local_shape if t.flattened_range is None else (t.flattened_range.stop - t.flattened_range.start,),
+                                           dtype=t.dtype, device=device)
+                receives.setdefault(reader.rank, []).append(out[s.index])
+    group.exchange(sends, receives)
+    return [out[i] for i in range(len(tensors))]
+
+
 class ZarrLoadShardedStrategy(LoadShardedStrategy):
     """Loads ShardedTensors from a shardstore Zarr v3 checkpoint, under any layout.
 
     Args:
         io_concurrency: TensorStore I/O operations in flight at once.
+        fully_parallel: blocks requested by several ranks (replicas) are read once and
+            exchanged over the process group (``load_fully_parallel``). Collective: every
+            rank of the group must call ``load``. On by default; costs one all-gather of
+            the request metadata when nothing is replicated.
+        process_group: the ranks that load together (default: the world).
     """
 
-    def __init__(self, io_concurrency: int = DEFAULT_IO_CONCURRENCY) -> None:
+    def __init__(
+        self, io_concurrency: int = DEFAULT_IO_CONCURRENCY, fully_parallel: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.io_concurrency = io_concurrency
+        self.fully_parallel = fully_parallel
+        self.process_group = process_group
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> StateDict:
         location = open_location(checkpoint_dir)
@@ -679,9 +729,11 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         return self.load_with_record(sharded_state_dict, location, record)
 
     def load_with_record(
-        self, sharded_state_dict: ShardedStateDict, location: Location, record: CommitRecord
+        self, sharded_state_dict: ShardedStateDict, location: Location, record: CommitRecord,
+        process_group: dist.ProcessGroup | None = None,
     ) -> StateDict:
-        """Like ``load`` with a commit record the caller already read."""
+        """Like ``load`` with a commit record the caller already read (and on the
+        caller's process group when given)."""
         tensors: list[ShardedTensor] = []
 
         def collect(x: Any) -> Any:
@@ -690,7 +742,12 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             return x
 
         dict_list_map_inplace(collect, sharded_state_dict)
-        loaded = iter(load_tensors(tensors, location, record, self.io_concurrency))
+        group = Group(process_group if process_group is not None else self.process_group)
+        if self.fully_parallel and group.world_size > 1:
+            results = load_fully_parallel(tensors, location, record, group, self.io_concurrency)
+        else:
+            results = load_tensors(tensors, location, record, self.io_concurrency)
+        loaded = iter(results)
         return dict_list_map_inplace(
             lambda x: next(loaded) if isinstance(x, ShardedTensor) else x, sharded_state_dict
         )

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -43,6 +42,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from shardstore.testing import free_port
 
 GiB = 2**30
 
@@ -605,22 +606,13 @@ S3_BUCKET = "shardstore-bench"
 
 
 def start_local_s3():
-    """moto's S3 server on 127.0.0.1 for the s3 case; the ranks find it through the AWS
-    environment variables, as a trainer would find its object store."""
-    import logging
+    """A local S3 server for the s3 case; the ranks find it through the AWS environment
+    variables, as a trainer would find its object store."""
+    from shardstore.testing import LocalS3Server
 
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
-                      AWS_SECRET_ACCESS_KEY="bench-secret", AWS_REGION="us-east-1")
-    boto3.client("s3").create_bucket(Bucket=S3_BUCKET)
+    server = LocalS3Server("bench", "bench-secret").start()
+    server.export_environment()
+    server.create_bucket(S3_BUCKET)
     return server
 
 
@@ -637,9 +629,7 @@ def main() -> None:
     args = parser.parse_args()
     args.cases = args.cases.split(",")
     root = tempfile.mkdtemp(prefix="shardstore-bench-", dir=args.dir)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = start_local_s3() if "s3" in args.cases else None
     try:
         mp.spawn(worker, args=(args.world, port, args, root), nprocs=args.world)

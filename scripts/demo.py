@@ -6,9 +6,7 @@ on a local disk, then on S3 (MinIO from docker/, or an embedded local S3 server)
 
 from __future__ import annotations
 
-import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +18,7 @@ import torch.multiprocessing as mp
 
 import shardstore
 from shardstore import ShardedObject, ShardedTensor
+from shardstore.testing import free_port
 
 HIDDEN, VOCAB = 64, 96
 
@@ -61,9 +60,7 @@ def save_worker(rank: int, world: int, port: int, ckpt: str) -> None:
 
 def run_demo(ckpt: str) -> None:
     """Save at 2 ranks, load at 1, metadata, plain zarr: for a local path or an s3:// URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     print(f"1. Saving from 2 tensor-parallel ranks to {ckpt}")
     mp.spawn(save_worker, args=(2, port, ckpt), nprocs=2, join=True)
 
@@ -99,17 +96,11 @@ def s3_demo() -> None:
     embedded moto S3 server on 127.0.0.1 when none is set."""
     server = None
     if not os.environ.get("AWS_ENDPOINT_URL"):
-        from moto.server import ThreadedMotoServer
+        from shardstore.testing import LocalS3Server
 
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        server.start()
-        os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="demo",
-                          AWS_SECRET_ACCESS_KEY="demo-secret", AWS_REGION="us-east-1")
-        print(f"Started an embedded S3 server (moto) at {os.environ['AWS_ENDPOINT_URL']}")
+        server = LocalS3Server("demo", "demo-secret").start()
+        server.export_environment()
+        print(f"Started an embedded S3 server (moto) at {server.endpoint}")
     try:
         import s3fs
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from shardstore.core import (
     CheckpointingConfig,
     CheckpointingException,
+    gc_paused,
     maybe_load_config,
     save_config,
 )
@@ -79,6 +80,7 @@ CheckpointDir = Union[str, Path, Location]
 # --------------------------------------------------------------------------- save
 
 
+@gc_paused
 def save(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: CheckpointDir,
@@ -261,6 +263,7 @@ def get_default_save_common_strategy(backend: str = "torch", version: int = 1) -
 # --------------------------------------------------------------------------- load
 
 
+@gc_paused
 def load(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: CheckpointDir,

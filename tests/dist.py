@@ -10,13 +10,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from shardstore.testing import free_port
 
 _PRELOAD = [
     "torch",
@@ -27,12 +28,6 @@ _PRELOAD = [
     "shardstore.strategies.common",
     "tests.dist",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _context() -> mp.context.BaseContext:

@@ -8,49 +8,22 @@ store does. Both listen on loopback only, on free ports, and stop with the test 
 from __future__ import annotations
 
 import http.client
-import logging
 import random
 import socket
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from shardstore.testing import LocalS3Server
+
 KEY, SECRET, REGION = "testing-key", "testing-secret", "us-east-1"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class MotoServer:
-    """moto's S3 server on 127.0.0.1."""
+class MotoServer(LocalS3Server):
+    """The test suite's S3 server (shardstore.testing), with the tests' credentials."""
 
     def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        self.port = free_port()
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> MotoServer:
-        self._server.start()
-        return self
-
-    def stop(self) -> None:
-        self._server.stop()
-
-    def create_bucket(self, name: str) -> None:
-        import boto3
-
-        client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=KEY,
-                              aws_secret_access_key=SECRET, region_name=REGION)
-        client.create_bucket(Bucket=name)
+        super().__init__(KEY, SECRET, REGION)
 
 
 @dataclass

@@ -473,6 +473,9 @@ def run_s3(b: Bench, args: argparse.Namespace) -> None:
     b.flush()
 
 
+STAGING_CAP_MIB = 256
+
+
 def run_async(b: Bench, state: State, nbytes: int) -> None:
     """Caller-blocked time of an async save vs clone(); a matmul loop during the save."""
     import shardstore
@@ -524,8 +527,20 @@ def run_async(b: Bench, state: State, nbytes: int) -> None:
         loop_busy.samples.append(Sample(1 / busy, 0))
         loop_alone.samples.append(Sample(1 / alone, 0))
     queue.close()
+
+    # with a staging cap: the snapshot is written in waves, host memory stays bounded
+    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+
+    capped = Result("async", f"capped-{STAGING_CAP_MIB}MiB", "blocked", nbytes)
+    strategy = ZarrSaveShardedStrategy(max_staging_bytes=STAGING_CAP_MIB * 2**20)
+    for _ in range(b.reps):
+        b._clean(path)
+        requests.clear()
+        capped.samples.append(b._timed(lambda: requests.append(shardstore.save(
+            shardstore_sd(state, b.rank, b.world), str(path), strategy, async_sharded_save=True))))
+        requests[0].execute_sync()
     b._clean(path)
-    b.results += [blocked, cloned, loop_alone, loop_busy]
+    b.results += [blocked, cloned, capped, loop_alone, loop_busy]
     if b.rank == 0:
         print(f"  async blocked {blocked.seconds:.3f} s vs clone {cloned.seconds:.3f} s; "
               f"matmul rate during save {loop_alone.seconds / loop_busy.seconds:.2f}x of alone", flush=True)
@@ -557,6 +572,8 @@ def ratios(results: list[Result]) -> dict[str, float]:
     for r in results:
         if (r.case, r.method, r.op) == ("large", "shardstore", "save"):
             out["large.save.extra_rss_vs_state"] = round(r.extra_rss / (r.nbytes / 2), 3)
+        if r.case == "async" and r.method.startswith("capped"):
+            out["async.capped_extra_rss_vs_cap"] = round(r.extra_rss / (STAGING_CAP_MIB * 2**20), 3)
     return out
 
 

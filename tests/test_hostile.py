@@ -161,7 +161,7 @@ class _RunsCode:
 
 def test_code_running_pickle_in_common_state_is_refused(ckpt_dir: Path) -> None:
     _saved(ckpt_dir)
-    payload = pickle.dumps({"step": _RunsCode()})
+    payload = pickle.dumps({"step": _RunsCode()}, protocol=2)
     (ckpt_dir / COMMON_FILE).write_bytes(payload)
     # the attacker also fixes the checksum in the record: the pickle guard must still hold
     root = json.loads((ckpt_dir / "zarr.json").read_bytes())

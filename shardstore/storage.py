@@ -40,6 +40,8 @@ class Location(ABC):
 
     # Largest object the storage takes in one write (None: no limit).
     max_object_bytes: int | None = None
+    # Writes must reach stable storage before make_durable returns (local disks).
+    fsync: bool = False
 
     @abstractmethod
     def describe(self, rel: str = "") -> str:

@@ -360,7 +360,8 @@ def local_chunks(location: Location, record: ArrayRecord) -> ArrayChunks | None:
     root = location.local_path(record.key)
     if root is None or not NATIVE_LITTLE_ENDIAN:
         return None
-    return ArrayChunks(record.key, root, record.shape, record.chunk_shape, from_zarr_name(record.dtype).numpy_dtype)
+    dtype = from_zarr_name(record.dtype).numpy_dtype
+    return ArrayChunks(record.key, root, record.shape, record.chunk_shape, dtype, location.fsync)
 
 
 def write_staged(staged: StagedSave, io_concurrency: int = DEFAULT_IO_CONCURRENCY) -> None:

@@ -222,3 +222,23 @@ def test_chunk_bound_above_the_s3_object_limit_is_refused(server: MotoServer, ur
     with pytest.raises(CheckpointingException, match="object limit"):
         save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, S3Location(url, _options(server.endpoint)),
              ZarrSaveShardedStrategy(max_chunk_bytes=6 * 2**30))
+
+
+def async_save_s3(rank: int, world: int, url: str, options: S3Options) -> list[int]:
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
+    sd = _sd(rank, world, (0,), empty=False)
+    sd["iteration"] = 100
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(save(sd, S3Location(url, options), async_sharded_save=True))
+    for t in (v for v in sd.values() if isinstance(v, ShardedTensor)):  # changed right away: the checkpoint keeps the values at the call
+        t.data.fill_(0)
+    done = queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    return done
+
+
+def test_async_save_to_s3(server: MotoServer, url: str) -> None:
+    options = _options(server.endpoint)
+    assert run_distributed(async_save_s3, 2, url, options) == [[0], [0]]
+    run_distributed(load_s3, 1, url, options, ())

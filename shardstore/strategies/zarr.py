@@ -1,23 +1,28 @@
-"""The storage core: ShardedTensors as Zarr v3 arrays, written and read with TensorStore.
+"""The storage core: ShardedTensors as Zarr v3 arrays (one GLOBAL array per key).
 
 Save, in stages (``ZarrSaveShardedStrategy``)::
 
-    all ranks    stage     tensors -> host numpy views (CUDA copied once); the chunks of
-                           flattened tensors that straddle ranks are assembled by
-                           exchanging only the straddling pieces (collective)
+    all ranks    stage     tensors -> host numpy views (CUDA copied once; an async save
+                           snapshots into its own buffers, in waves above a cap); the
+                           chunks of flattened tensors that straddle ranks are assembled
+                           by exchanging only the straddling pieces (collective)
     all ranks    write     array zarr.json files (owner of each array's first chunk) in
                            one batch, then every chunk write in flight at once; then
                            the written data is made durable
     all ranks    agree     every rank reports success or its error (collective)
-    coordinator  commit    root zarr.json = commit record, written atomically, last
+    coordinator  commit    root zarr.json = commit record (with file checksums),
+                           written atomically, last
 
 ``stage`` is the blocking part of an async save; ``write`` is the ``AsyncRequest``'s
-I/O; ``agree`` + ``commit`` are its finalization.
+I/O; ``agree`` + ``commit`` are its finalization. With ``fully_parallel`` (default),
+replicated blocks are written by their replicas in turn (``layout.balance_writers``).
 
 Load (``ZarrLoadShardedStrategy``): one read of the commit record gives every array's
-metadata; arrays are opened without reading their ``zarr.json``; each requested region
-is read (only the chunks that overlap it), all reads in flight at once, and each result
-becomes the tensor without a copy.
+metadata; each requested region is read (only the chunks that overlap it), all reads
+in flight at once. On a local disk chunks go straight into the result's memory
+(``shardstore.chunk_io``); elsewhere (S3) TensorStore reads them, opened from the
+record without reading any ``zarr.json``. With ``fully_parallel`` (default), a block
+that several ranks request is read by one and sent to the others.
 
 The module functions named after Megatron-Core's zarr strategy (``_create_zarr_array``,
 ``_load_from_array``, ...) work on single tensors, for callers of that API.

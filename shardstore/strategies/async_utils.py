@@ -13,9 +13,11 @@ without saving any CPU: the cost of a background save is the kernel copying the 
 into the page cache plus the crc32c, about 0.6 CPU-seconds per GiB here, wherever it
 runs. Measured (2 ranks on 2 cores, each running a matmul loop on one thread, 1 GiB
 per rank): a thread doing plain writes next to a loop with a free core cost the loop
-1-3%; with both cores busy the loop ran at 0.45-0.7x while the save ran. Lowering
-the I/O threads' priority (nice 10) stretched the save from 0.7 s to 2.9 s at the
-same ratio, losing more compute in total, so they run at normal priority. The
+1-3%; with both cores busy the loop ran at 0.5-0.6x while the save ran, with one I/O
+thread (``ZarrSaveShardedStrategy(background_io_threads=1)``, the default; 8 threads:
+0.14-0.54x). Lowering the I/O threads' priority (nice 10) stretched the save from
+0.7 s to 2.9 s at the same ratio, losing more compute in total, so they run at normal
+priority. The
 blocking part of a save is done before the request exists: host snapshot of the
 tensors plus the metadata exchange.
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import errno
+import os
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -109,3 +112,28 @@ def test_background_failure_surfaces_at_finalize_on_every_rank(ckpt_dir: Path) -
         assert "rank 1" in m and "No space left on device" in m, m
     with pytest.raises(CheckpointingException, match="incomplete"):
         read_commit_record(LocalLocation(ckpt_dir))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread CPU priority is Linux only")
+@pytest.mark.parametrize(("priority", "policy", "nice"), [("idle", "SCHED_IDLE", None), ("low", "SCHED_OTHER", 19)])
+def test_background_io_runs_at_lower_cpu_priority(priority: str, policy: str, nice: int | None) -> None:
+    """The I/O thread (and threads it starts) yield the CPU to the training loop;
+    the caller's own priority is untouched."""
+    before = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))
+    queue = AsyncCallsQueue(io_priority=priority)
+
+    def probe() -> tuple[int, int]:
+        tid = threading.get_native_id()
+        return os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
+
+    seen_policy, seen_nice = queue._worker.submit(probe).result()
+    queue.close()
+    assert seen_policy == getattr(os, policy)
+    if nice is not None:
+        assert seen_nice == nice
+    assert (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)) == before
+
+
+def test_unknown_io_priority_is_refused() -> None:
+    with pytest.raises(ValueError, match="io_priority"):
+        AsyncCallsQueue(io_priority="realtime")

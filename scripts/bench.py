@@ -13,7 +13,8 @@ Methods, on the same generated data:
                   back into preallocated memory), all ranks at once: the disk's bound.
 
 Cases: ``large`` (tensor-parallel shards, mixed bfloat16/float32), ``small`` (5,000
-replicated 4 KiB tensors), ``reshard`` (saved at 2 ranks, loaded at 1) and ``async``
+replicated 4 KiB tensors), ``reshard`` (saved at 2 ranks, loaded at 1; baseline: the
+same tensors saved and loaded by one process) and ``async``
 (caller-blocked time of an async save vs ``clone()``; a matmul loop's throughput while
 the save runs in the background).
 
@@ -386,7 +387,12 @@ def run_large(b: Bench, args: argparse.Namespace) -> None:
 
 
 def run_reshard(b: Bench, state: State, ss_path: Path, dcp_path: Path, nbytes: int) -> None:
-    """Loads the 2-rank checkpoints (left by the large case) into one process."""
+    """Loads the 2-rank checkpoints (left by the large case) into one process.
+
+    The same-layout baseline is a checkpoint of the same global tensors saved by one
+    process and loaded by one process: same reader, same bytes, only the layout
+    differs, so the ratio isolates the cost of resharding (the 2-rank load of the
+    large case has twice the readers)."""
     import torch.distributed.checkpoint as dcp
 
     import shardstore
@@ -395,16 +401,27 @@ def run_reshard(b: Bench, state: State, ss_path: Path, dcp_path: Path, nbytes: i
     def full_empty() -> dict[str, torch.Tensor]:
         return {k: torch.empty(state.shapes[k], dtype=t.dtype) for k, (t, _) in state.shards.items()}
 
-    def ss_load() -> None:
+    def ss_load(path: Path = ss_path) -> None:
         sd = {k: ShardedTensor.from_rank_offsets(k, t) for k, t in full_empty().items()}
-        shardstore.load(sd, str(ss_path), process_group=b.solo)
+        shardstore.load(sd, str(path), process_group=b.solo)
+
+    full = {name: make_global(name, t.dtype, state.shapes[name]) for name, (t, _) in state.shards.items()} if b.rank == 0 else {}
+    same_path = b.root / "reshard-same-layout"
+
+    def ss_save_one_rank() -> None:
+        sd = {k: ShardedTensor.from_rank_offsets(k, t) for k, t in full.items()}
+        shardstore.save(sd, str(same_path), process_group=b.solo)
 
     def dcp_load() -> None:
         dcp.load(full_empty(), checkpoint_id=str(dcp_path), no_dist=True)
 
     b.measure("reshard", "shardstore", nbytes, ss_path, None, ss_load, solo=True)
     b.measure("reshard", "dcp", nbytes, dcp_path, None, dcp_load, solo=True)
+    b.measure("reshard", "shardstore-1rank", nbytes, same_path, ss_save_one_rank,
+              lambda: ss_load(same_path), solo=True)
     b.flush()
+    full.clear()
+    b._clean(same_path)
 
 
 def run_small(b: Bench, args: argparse.Namespace) -> None:
@@ -563,7 +580,11 @@ def ratios(results: list[Result]) -> dict[str, float]:
         for peer in ("dcp", "raw", "torch"):
             out |= ratio(f"large.{op}.vs_{peer}", ("large", "shardstore", op), ("large", peer, op))
             out |= ratio(f"small.{op}.vs_{peer}", ("small", "shardstore", op), ("small", peer, op))
-    out |= ratio("reshard.load_time_vs_same_layout", ("large", "shardstore", "load"), ("reshard", "shardstore", "load"))
+    # time of the 2->1 resharded load / time of a 1->1 load of the same tensors (one reader each)
+    out |= ratio("reshard.load_time_vs_same_layout", ("reshard", "shardstore-1rank", "load"),
+                 ("reshard", "shardstore", "load"))
+    # the same against the large case's 2-rank load (twice the readers)
+    out |= ratio("reshard.load_time_vs_2rank_load", ("large", "shardstore", "load"), ("reshard", "shardstore", "load"))
     out |= ratio("reshard.load.vs_dcp", ("reshard", "shardstore", "load"), ("reshard", "dcp", "load"))
     out |= ratio("s3.save.vs_s3fs_plain", ("s3", "shardstore", "save"), ("s3", "s3fs-plain", "save"))
     out |= ratio("s3.load.vs_s3fs_plain", ("s3", "shardstore", "load"), ("s3", "s3fs-plain", "load"))

@@ -139,20 +139,3 @@ def test_fsync_can_be_turned_off(ckpt_dir: Path, monkeypatch) -> None:
     assert calls == []
     assert is_committed(LocalLocation(ckpt_dir))
 
-
-def test_large_chunks_are_fsynced_before_the_commit_record(ckpt_dir: Path, monkeypatch) -> None:
-    import shardstore.chunk_io as chunk_io
-    import shardstore.storage as storage
-
-    events: list[str] = []
-    real_fsync, real_write_atomic = os.fsync, storage.LocalLocation.write_atomic
-    def fsync(fd: int) -> None:
-        if "/w/c/" in os.readlink(f"/proc/self/fd/{fd}"):  # a chunk file of array w
-            events.append("fsync")
-        real_fsync(fd)
-
-    monkeypatch.setattr(chunk_io.os, "fsync", fsync)
-    monkeypatch.setattr(storage.LocalLocation, "write_atomic",
-                        lambda self, rel, data: (events.append(f"atomic {rel}"), real_write_atomic(self, rel, data)))
-    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(1024, 1024))}, ckpt_dir)  # one 4 MiB chunk
-    assert "fsync" in events and events.index("fsync") < events.index("atomic zarr.json"), events

@@ -368,7 +368,7 @@ def local_chunks(location: Location, record: ArrayRecord) -> ArrayChunks | None:
     if root is None or not NATIVE_LITTLE_ENDIAN:
         return None
     dtype = from_zarr_name(record.dtype).numpy_dtype
-    return ArrayChunks(record.key, root, record.shape, record.chunk_shape, dtype, location.fsync)
+    return ArrayChunks(record.key, root, record.shape, record.chunk_shape, dtype)
 
 
 def write_staged(

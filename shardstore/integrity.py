@@ -40,6 +40,12 @@ def file_checksums(location: Location, record: CommitRecord) -> dict[str, str]:
     return sums
 
 
+def checksum_mismatch(data: bytes, expected: str) -> str | None:
+    """Why ``data`` does not match the checksum the commit record keeps for it, or None."""
+    actual = checksum(data)
+    return None if actual == expected else f"its checksum {actual} differs from {expected} in the commit record"
+
+
 class ChecksummedLocation(Location):
     """A location whose reads of listed files are checked against the commit record."""
 
@@ -49,10 +55,9 @@ class ChecksummedLocation(Location):
     def read_bytes_or_none(self, rel: str) -> bytes | None:
         data = self.inner.read_bytes_or_none(rel)
         expected = self.files.get(rel)
-        if data is not None and expected is not None and checksum(data) != expected:
+        if data is not None and expected is not None and (why := checksum_mismatch(data, expected)):
             raise CheckpointingException(
-                f"Corrupt file {self.inner.describe(rel)}: its checksum {checksum(data)} differs from "
-                f"{expected} in the commit record; restore it or load an earlier checkpoint"
+                f"Corrupt file {self.inner.describe(rel)}: {why}; restore it or load an earlier checkpoint"
             )
         return data
 
@@ -151,8 +156,8 @@ def verify(checkpoint_dir: str | os.PathLike | Location) -> VerifyReport:
         data = location.read_bytes_or_none(rel)
         if data is None:
             report.problems.append(Problem(rel, "file", "missing"))
-        elif checksum(data) != expected:
-            report.problems.append(Problem(rel, "file", f"checksum {checksum(data)} != {expected} in the record"))
+        elif why := checksum_mismatch(data, expected):
+            report.problems.append(Problem(rel, "file", why))
     for _, array in sorted(record.arrays.items()):
         report.arrays_checked += 1
         _verify_array(location, array, report)

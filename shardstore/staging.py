@@ -22,7 +22,7 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class HostBufferPool:
-    """Reusable host buffers by (shape, dtype); pinned when CUDA is available, so the
+    """Reusable host buffers by (shape, dtype); pinned for CUDA tensors, so the
     device-to-host copies run at full PCIe speed and without a fresh pin per save."""
 
     def __init__(self) -> None:

@@ -8,8 +8,9 @@ objects, the commit record), listing and removal, and durability.
 Durability on a local disk: small files are written without a per-file fsync;
 ``make_durable`` then flushes the whole file system once (``syncfs``), which covers
 every chunk file (``chunk_io``'s and TensorStore's) and every directory entry in one
-system call instead of one per file. The commit record alone is written with temp file + fsync + rename + fsync
-of the directory, so it appears atomically and only after everything it vouches for.
+system call instead of one per file. The commit record alone is written with temp
+file + fsync + rename + fsync of the directory, so it appears atomically and only
+after everything it vouches for.
 """
 
 from __future__ import annotations

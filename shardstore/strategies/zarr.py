@@ -262,22 +262,24 @@ def stage_save(
     written: set[int] = set()  # blocks already written in an earlier wave
     snapshot = HostSnapshot(staging.pool) if staging.snapshot else None
     error = None
+    cap = staging.max_bytes if snapshot else None
     try:
         held: list[ShardRecord] = []
+        held_bytes = 0
         for s in sorted(mine, key=lambda s: s.flat_range is not None):
             data = tensors[s.index].data
             if data is None:
                 raise CheckpointingException(f"ShardedTensor {s.key!r} has no data to save")
-            cap = staging.max_bytes
-            if snapshot and cap and held and s.flat_range is None and sum(h.nbytes for h in held) + s.nbytes > cap:
+            if cap and held and s.flat_range is None and held_bytes + s.nbytes > cap:
                 snapshot.wait()
                 write_ops(location, records, [_block_op(h, host) for h in held], staging.io_concurrency)
                 for h in held:
                     host[h.index] = None
                     written.add(h.index)
-                held = []
+                held, held_bytes = [], 0
             host[s.index] = snapshot.copy(data) if snapshot else to_host(data)
             held.append(s)
+            held_bytes += s.nbytes
         if snapshot:
             snapshot.wait()
     except Exception as exc:  # reported on every rank by agree()
@@ -644,13 +646,12 @@ def load_tensors(
             "StrictHandling) to skip keys that are not in the checkpoint"
         )
     reads = [plan_read(t, record.arrays[t.key], where) for t in tensors]
+    local = [local_chunks(location, record.arrays[r.tensor.key]) for r in reads]
     arrays: list[np.ndarray | ts.Future] = []
     jobs: list[ReadJob] = []
-    via_tensorstore = [r for r in reads if local_chunks(location, record.arrays[r.tensor.key]) is None]
+    via_tensorstore = [r for r, chunks in zip(reads, local) if chunks is None]
     handles = _open_for_read(location, record, via_tensorstore, io_concurrency)
-    for r in reads:
-        stored = record.arrays[r.tensor.key]
-        chunks = local_chunks(location, stored)
+    for r, chunks in zip(reads, local):
         if chunks is None:
             arrays.append(handles[r.tensor.key][_ts_index(r.region)].read())
         else:

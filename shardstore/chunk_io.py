@@ -31,6 +31,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import crc32c
 import numpy as np
@@ -64,12 +65,14 @@ class ChunkPiece:
         index: the chunk's grid index.
         in_chunk: the part, relative to the chunk's origin.
         in_region: the same part, relative to the region's origin.
+        Both end with ``...``: indexing with them always gives a view, also of a 0-d
+        array (``a[()]`` would give a detached scalar, and a read into it is lost).
         whole: the part is the entire stored chunk (no edge padding, nothing outside).
     """
 
     index: tuple[int, ...]
-    in_chunk: tuple[slice, ...]
-    in_region: tuple[slice, ...]
+    in_chunk: tuple[Any, ...]
+    in_region: tuple[Any, ...]
     whole: bool
 
 
@@ -86,7 +89,7 @@ def chunk_pieces(region: Region, shape: tuple[int, ...], chunk_shape: tuple[int,
             in_chunk.append(slice(lo - i * c, hi - i * c))
             in_region.append(slice(lo - s.start, hi - s.start))
             whole = whole and lo == i * c and hi == (i + 1) * c and hi <= n
-        yield ChunkPiece(tuple(index), tuple(in_chunk), tuple(in_region), whole)
+        yield ChunkPiece(tuple(index), (*in_chunk, ...), (*in_region, ...), whole)
 
 
 def is_chunk_aligned(region: Region, shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> bool:

@@ -7,6 +7,7 @@ through float32, so saving and loading are exact and copy-free.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -102,3 +103,39 @@ def numpy_to_tensor(array: np.ndarray, torch_dtype: torch.dtype) -> torch.Tensor
         return torch.from_numpy(array.view(dtype.numpy_dtype))
     bits_numpy = torch_to_numpy_dtype_dict[dtype.bits_dtype]
     return torch.from_numpy(array.view(bits_numpy)).view(dtype.torch_dtype)
+
+
+# Float types without an infinity: converting a type that has one into them is lossy.
+_NO_INFINITY = {torch.float8_e4m3fn}
+
+
+def is_exact_conversion(src: torch.dtype, dst: torch.dtype) -> bool:
+    """True if every value of ``src`` survives conversion to ``dst`` unchanged.
+
+    What a load may do without being asked: float16 -> float32, int32 -> int64,
+    bool -> anything, int8 -> float16. Not: float32 -> int64 (truncates), float32 ->
+    float16 (overflows to inf), anything -> bool (every non-zero becomes True).
+    """
+    if src == dst or src == torch.bool:
+        return True
+    if dst == torch.bool or src.is_complex and not dst.is_complex:
+        return False
+    if dst.is_complex:
+        component = {torch.complex64: torch.float32, torch.complex128: torch.float64}[dst]
+        return is_exact_conversion(src.to_real() if src.is_complex else src, component)
+    if src.is_floating_point:
+        if not dst.is_floating_point or dst in _NO_INFINITY:
+            return False
+        s, d = torch.finfo(src), torch.finfo(dst)
+        return _mantissa_bits(d) >= _mantissa_bits(s) and d.max >= s.max and d.smallest_normal <= s.smallest_normal
+    s_info = torch.iinfo(src)
+    if dst.is_floating_point:
+        d = torch.finfo(dst)
+        largest = max(-s_info.min, s_info.max)
+        return largest <= 2 ** (_mantissa_bits(d) + 1) and largest <= d.max
+    d_info = torch.iinfo(dst)
+    return d_info.min <= s_info.min and s_info.max <= d_info.max
+
+
+def _mantissa_bits(info: torch.finfo) -> int:
+    return round(-math.log2(info.eps))

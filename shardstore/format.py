@@ -156,6 +156,19 @@ def group_metadata(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
 
 
+def array_group_collisions(keys: list[str]) -> list[str]:
+    """Keys that cannot all live in one Zarr hierarchy: ``a`` and ``a/b`` would make
+    ``a`` both an array and the group holding ``b`` (the second save would write its
+    chunks inside the first's array). One message per clash, naming both keys."""
+    arrays = set(keys)
+    return [
+        f"{group!r} is both an array and the group of {key!r}"
+        for key in sorted(arrays)
+        for group in parent_groups([key])
+        if group in arrays
+    ]
+
+
 def parent_groups(keys: list[str]) -> list[str]:
     """Every intermediate group path implied by ``/`` in the keys, parents first."""
     groups = set()
@@ -256,6 +269,8 @@ class CommitRecord:
         for key, summary in arrays_json.items():
             check_key(key, where=where)
             arrays[key] = ArrayRecord.from_summary(key, summary, where)
+        if clashes := array_group_collisions(list(arrays)):
+            raise CheckpointingException(f"{where}: the record names clashing keys: {clashes[0]}")
         objects = {}
         for key, shard_keys in objects_json.items():
             check_key(key, where=where)

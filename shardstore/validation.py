@@ -19,6 +19,7 @@ import numpy as np
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import extract_matching_values, nested_values
 from shardstore.distributed import Group, RankFailure, raise_failures
+from shardstore.format import array_group_collisions
 from shardstore.layout import GlobalLayout, ObjectShardRecord, ShardRecord
 from shardstore.mapping import (
     CommonStateDict,
@@ -162,7 +163,10 @@ def validate_sharding_integrity(layout: GlobalLayout) -> None:
     Raises:
         CheckpointingException: listing up to ten problems, each naming its key.
     """
-    problems: list[str] = []
+    problems: list[str] = [
+        f"{key!r} names both a ShardedTensor and a ShardedObject" for key in sorted(set(layout.tensors) & set(layout.objects))
+    ]
+    problems += array_group_collisions([*layout.tensors, *layout.objects])
     for key, shards in sorted(layout.tensors.items()):
         problems += _tensor_problems(key, shards)
         if len(problems) >= MAX_REPORTED_PROBLEMS:

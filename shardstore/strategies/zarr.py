@@ -61,6 +61,7 @@ from shardstore.distributed import Group
 from shardstore.dtypes import (
     from_torch,
     from_zarr_name,
+    is_exact_conversion,
     numpy_to_tensor,
     numpy_to_torch_dtype_dict,  # noqa: F401  (seed API)
     tensor_to_numpy,
@@ -620,9 +621,20 @@ def postprocess_loaded(x: torch.Tensor, t: ShardedTensor, apply_flattened_range:
     return x
 
 
-def _place(x: torch.Tensor, t: ShardedTensor) -> torch.Tensor:
-    """The loaded tensor in the requested dtype, on the device of ``t.data`` if given."""
+def _place(x: torch.Tensor, t: ShardedTensor, where: str, allow_lossy_casts: bool = False) -> torch.Tensor:
+    """The loaded tensor in the requested dtype, on the device of ``t.data`` if given.
+
+    A conversion that could change values (float32 -> int64, float32 -> float16, any ->
+    bool) is refused unless ``allow_lossy_casts``: a trainer asking for the wrong dtype
+    must find out at the load, not from a diverging run.
+    """
     if x.dtype != t.dtype:
+        if not allow_lossy_casts and not is_exact_conversion(x.dtype, t.dtype):
+            raise CheckpointingException(
+                f"{where}: tensor {t.key!r} is stored as {x.dtype}, the state dict asks for {t.dtype}, a "
+                "conversion that can change values. Request the stored dtype and convert it yourself, or "
+                "load with ZarrLoadShardedStrategy(allow_lossy_casts=True)"
+            )
         x = x.to(t.dtype)
     if t.data is not None and t.data.device.type != "cpu":
         x = x.to(t.data.device, non_blocking=True)
@@ -631,7 +643,7 @@ def _place(x: torch.Tensor, t: ShardedTensor) -> torch.Tensor:
 
 def load_tensors(
     tensors: list[ShardedTensor], location: Location, record: CommitRecord,
-    io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+    io_concurrency: int = DEFAULT_IO_CONCURRENCY, allow_lossy_casts: bool = False,
 ) -> list[torch.Tensor]:
     """Reads every tensor's region, all reads in flight at once; returns them in order.
 
@@ -671,7 +683,7 @@ def load_tensors(
                 ) from exc
         stored = record.arrays[r.tensor.key]
         x = numpy_to_tensor(array, from_zarr_name(stored.dtype).torch_dtype)
-        results.append(_place(r.finish(x), r.tensor))
+        results.append(_place(r.finish(x), r.tensor, where, allow_lossy_casts))
     return results
 
 
@@ -686,7 +698,7 @@ def _open_for_read(
 
 def load_fully_parallel(
     tensors: list[ShardedTensor], location: Location, record: CommitRecord, group: Group,
-    io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+    io_concurrency: int = DEFAULT_IO_CONCURRENCY, allow_lossy_casts: bool = False,
 ) -> list[torch.Tensor]:
     """Collective ``load_tensors``: a block that several ranks request is read by one of
     them (balanced by bytes, ``layout.balance_writers``) and sent to the others, so
@@ -700,7 +712,7 @@ def load_fully_parallel(
         for s in shards:
             members.setdefault((s.block_id, s.dtype), []).append(s)
     reads = [s.index for group_ in members.values() for s in group_ if s.rank == group.rank and s.main]
-    out: dict[int, torch.Tensor] = dict(zip(reads, load_tensors([tensors[i] for i in reads], location, record, io_concurrency)))
+    out: dict[int, torch.Tensor] = dict(zip(reads, load_tensors([tensors[i] for i in reads], location, record, io_concurrency, allow_lossy_casts)))
     sends: dict[int, list[torch.Tensor]] = {}
     receives: dict[int, list[torch.Tensor]] = {}
     for ident in sorted(members, key=repr):  # the same order on every rank
@@ -732,14 +744,18 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             rank of the group must call ``load``. On by default; costs one all-gather of
             the request metadata when nothing is replicated.
         process_group: the ranks that load together (default: the world).
+        allow_lossy_casts: convert to the requested dtype even where that can change
+            values (float32 -> int64, -> float16, -> bool). Off: such a load raises,
+            naming the key; exact conversions (float16 -> float32, ...) always pass.
     """
 
     def __init__(
         self, io_concurrency: int = DEFAULT_IO_CONCURRENCY, fully_parallel: bool = True,
-        process_group: dist.ProcessGroup | None = None,
+        process_group: dist.ProcessGroup | None = None, allow_lossy_casts: bool = False,
     ) -> None:
         self.io_concurrency = io_concurrency
         self.fully_parallel = fully_parallel
+        self.allow_lossy_casts = allow_lossy_casts
         self.process_group = process_group
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> StateDict:
@@ -763,9 +779,9 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         dict_list_map_inplace(collect, sharded_state_dict)
         group = Group(process_group if process_group is not None else self.process_group)
         if self.fully_parallel and group.world_size > 1:
-            results = load_fully_parallel(tensors, location, record, group, self.io_concurrency)
+            results = load_fully_parallel(tensors, location, record, group, self.io_concurrency, self.allow_lossy_casts)
         else:
-            results = load_tensors(tensors, location, record, self.io_concurrency)
+            results = load_tensors(tensors, location, record, self.io_concurrency, self.allow_lossy_casts)
         loaded = iter(results)
         return dict_list_map_inplace(
             lambda x: next(loaded) if isinstance(x, ShardedTensor) else x, sharded_state_dict
@@ -903,7 +919,8 @@ def _load_from_array(sharded_tensor: ShardedTensor, checkpoint_dir: CheckpointDi
     )
     op = plan_read(sharded_tensor, stored, f"checkpoint {location.describe()}")
     array = arr[_ts_index(op.region)].read().result()
-    return _place(op.finish(numpy_to_tensor(array, from_zarr_name(stored.dtype).torch_dtype)), sharded_tensor)
+    return _place(op.finish(numpy_to_tensor(array, from_zarr_name(stored.dtype).torch_dtype)), sharded_tensor,
+                  f"checkpoint {location.describe()}")
 
 
 def postprocess_numpy_array(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -31,13 +32,19 @@ from shardstore.core import CONFIG_FNAME, CheckpointingException
 from shardstore.dtypes import from_zarr_name
 from shardstore.storage import Location
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Versions this shardstore reads. Version 1 records carry no save id and no chunk
+# checksums: their chunks are checked by their own crc32c only.
+READABLE_FORMAT_VERSIONS = (1, 2)
 ZARR_JSON = "zarr.json"
 COMMIT_RECORD = ZARR_JSON
 COMMON_FILE = "common.pt"
 OBJECTS_DIR = "__objects__"
-# Files whose presence marks a directory as a (possibly incomplete) shardstore checkpoint.
-CHECKPOINT_MARKERS = (CONFIG_FNAME, COMMIT_RECORD, COMMON_FILE)
+# A save in progress (shardstore.commit): its marker file, naming its save id, and the
+# names of its staging directory and of a replaced checkpoint set aside, next to the target.
+SAVE_MARKER = ".shardstore-save.json"
+STAGING_TAG = ".shardstore-save-"
+REPLACED_TAG = ".shardstore-replaced-"
 
 # Upper bounds that a record read back must respect (hostile-input guard).
 MAX_NDIM = 32
@@ -200,6 +207,8 @@ class CommitRecord:
         created: UNIX time of the commit, in seconds.
         files: checksum (``checksum()``) of every non-array file: the common state,
             sharded objects and ``metadata.json``, by relative path.
+        save_id: the save that committed it (``shardstore.commit``); a save that
+            replaces a checkpoint checks this id before it publishes.
     """
 
     arrays: dict[str, ArrayRecord]
@@ -209,6 +218,7 @@ class CommitRecord:
     library_version: str = field(default_factory=_library_version)
     created: float = field(default_factory=time.time)
     files: dict[str, str] = field(default_factory=dict)
+    save_id: str = ""
 
     def expected_files(self) -> set[str]:
         """The non-array files a record may vouch for: nothing else, and nothing outside
@@ -223,6 +233,7 @@ class CommitRecord:
         attributes = {
             "shardstore": {
                 "format_version": self.format_version,
+                "save_id": self.save_id,
                 "library_version": self.library_version,
                 "created": self.created,
                 "world_size": self.world_size,
@@ -254,10 +265,10 @@ class CommitRecord:
                 f"{where} is a Zarr group but not a shardstore checkpoint (no attributes.shardstore)"
             )
         version = record.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_FORMAT_VERSIONS:
             raise CheckpointingException(
                 f"{where}: checkpoint format version {version!r} is not supported "
-                f"(this shardstore reads version {FORMAT_VERSION}); upgrade shardstore"
+                f"(this shardstore reads versions {list(READABLE_FORMAT_VERSIONS)}); upgrade shardstore"
             )
         arrays_json = record.get("arrays")
         objects_json = record.get("objects", {})
@@ -281,6 +292,9 @@ class CommitRecord:
             objects[key] = ObjectRecord(key, tuple(shard_keys))
         world_size = record.get("world_size", 1)
         created = record.get("created", 0.0)
+        save_id = record.get("save_id")
+        if version >= 2 and (not isinstance(save_id, str) or not save_id.isalnum() or len(save_id) > 64):
+            raise CheckpointingException(f"{where}: malformed save id {save_id!r}")
         result = cls(
             arrays=arrays,
             objects=objects,
@@ -288,6 +302,7 @@ class CommitRecord:
             format_version=version,
             library_version=str(record.get("library_version", "unknown")),
             created=float(created) if isinstance(created, (int, float)) else 0.0,
+            save_id=save_id if version >= 2 else f"legacy{int(created) if isinstance(created, (int, float)) else 0}",
         )
         files = record.get("files", {})
         if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
@@ -317,6 +332,12 @@ def read_commit_record(location: Location) -> CommitRecord:
     data = location.read_bytes_or_none(COMMIT_RECORD)
     if data is None:
         if location.is_empty():
+            unfinished = unfinished_saves(location)
+            if unfinished:
+                raise CheckpointingException(
+                    f"No committed checkpoint at {location.describe()}: a save into it is incomplete "
+                    f"(unfinished: {unfinished[:3]}); load an earlier checkpoint or save again"
+                )
             raise CheckpointingException(f"No checkpoint at {location.describe()}: the location is empty")
         raise CheckpointingException(
             f"Checkpoint at {location.describe()} is incomplete: it has no commit record "
@@ -324,6 +345,18 @@ def read_commit_record(location: Location) -> CommitRecord:
             "or save again into this directory."
         )
     return CommitRecord.from_json(data, where=location.describe(COMMIT_RECORD))
+
+
+def unfinished_saves(location: Location) -> list[str]:
+    """Staging directories of saves into ``location`` that have not published (local
+    file systems; running or dead)."""
+    path = location.local_path()
+    if path is None:
+        return []
+    try:
+        return sorted(n for n in os.listdir(path.parent) if n.startswith(f".{path.name}{STAGING_TAG}"))
+    except OSError:
+        return []
 
 
 def write_commit_record(location: Location, record: CommitRecord) -> None:

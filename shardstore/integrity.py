@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from shardstore.core import CheckpointingException
 from shardstore.format import COMMIT_RECORD, ArrayRecord, CommitRecord, checksum, read_commit_record
-from shardstore.storage import Location, open_location
+from shardstore.storage import DelegatingLocation, Location, open_location
 
 
 def file_checksums(location: Location, record: CommitRecord) -> dict[str, str]:
@@ -46,11 +45,12 @@ def checksum_mismatch(data: bytes, expected: str) -> str | None:
     return None if actual == expected else f"its checksum {actual} differs from {expected} in the commit record"
 
 
-class ChecksummedLocation(Location):
+class ChecksummedLocation(DelegatingLocation):
     """A location whose reads of listed files are checked against the commit record."""
 
     def __init__(self, inner: Location, files: dict[str, str]) -> None:
-        self.inner, self.files = inner, files
+        super().__init__(inner)
+        self.files = files
 
     def read_bytes_or_none(self, rel: str) -> bytes | None:
         data = self.inner.read_bytes_or_none(rel)
@@ -60,43 +60,6 @@ class ChecksummedLocation(Location):
                 f"Corrupt file {self.inner.describe(rel)}: {why}; restore it or load an earlier checkpoint"
             )
         return data
-
-    # everything else is the inner location's
-    def describe(self, rel: str = "") -> str:
-        return self.inner.describe(rel)
-
-    def write_bytes(self, rel: str, data: bytes) -> None:
-        self.inner.write_bytes(rel, data)
-
-    def write_atomic(self, rel: str, data: bytes) -> None:
-        self.inner.write_atomic(rel, data)
-
-    def exists(self, rel: str) -> bool:
-        return self.inner.exists(rel)
-
-    def is_empty(self) -> bool:
-        return self.inner.is_empty()
-
-    def remove(self, rel: str) -> None:
-        self.inner.remove(rel)
-
-    def remove_tree(self, rel: str = "") -> None:
-        self.inner.remove_tree(rel)
-
-    def prepare(self) -> None:
-        self.inner.prepare()
-
-    def make_durable(self) -> None:
-        self.inner.make_durable()
-
-    def local_path(self, rel: str = "") -> Any:
-        return self.inner.local_path(rel)
-
-    def kvstore_spec(self, rel: str = "") -> dict[str, Any]:
-        return self.inner.kvstore_spec(rel)
-
-    def tensorstore_context(self) -> dict[str, Any]:
-        return self.inner.tensorstore_context()
 
 
 @dataclass(frozen=True)

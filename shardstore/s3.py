@@ -189,6 +189,14 @@ class S3Location(Location):
         except FileNotFoundError:
             return True
 
+    def list_top(self, limit: int = 10) -> list[str]:
+        self.fs.invalidate_cache()
+        try:
+            entries = self._call("list", "", self.fs.ls, self._path(""), refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)[:limit]
+
     def remove(self, rel: str) -> None:
         try:
             self._call("remove", rel, self.fs.rm_file, self._path(rel))

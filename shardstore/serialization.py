@@ -27,6 +27,7 @@ from typing import Any, Union
 
 import torch.distributed as dist
 
+from shardstore.commit import PendingCheckpoint, begin_save, join_save
 from shardstore.core import (
     CheckpointingConfig,
     CheckpointingException,
@@ -36,7 +37,7 @@ from shardstore.core import (
 )
 from shardstore.dict_utils import dict_list_map_inplace, extract_matching_values, merge
 from shardstore.distributed import Group
-from shardstore.format import CHECKPOINT_MARKERS, COMMIT_RECORD, is_committed, read_commit_record
+from shardstore.format import read_commit_record
 from shardstore.integrity import ChecksummedLocation
 from shardstore.layout import GlobalLayout
 from shardstore.mapping import (
@@ -118,7 +119,7 @@ def save(
         CheckpointingException: on every rank, for invalid input or a failed write.
     """
     group = Group(process_group)
-    location = open_location(checkpoint_dir)
+    target = open_location(checkpoint_dir)
     if sharded_strategy is None:
         sharded_strategy = get_default_save_sharded_strategy()
     if common_strategy is None:
@@ -126,17 +127,22 @@ def save(
     if async_sharded_save and not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
         raise CheckpointingException(f"Cannot save asynchronously with {sharded_strategy}: not an async strategy")
 
-    sharded_part, common_part, layout = _preprocess_and_gather(sharded_state_dict, group)
-    _prepare_location(location, group, overwrite, sharded_strategy, common_strategy)
-    if not sharded_strategy.can_handle_sharded_objects:
-        validate_sharded_objects_handling(sharded_strategy, common_strategy)
-        objects_part, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
-    else:
-        objects_part = {}
-    _save_common(location, group, common_strategy, common_part, objects_part)
-    if async_sharded_save:
-        return sharded_strategy.async_save_with_layout(sharded_part, location, layout, process_group)
-    sharded_strategy.save_with_layout(sharded_part, location, layout, process_group)
+    sharded_part, common_part, layout = _preprocess_and_gather(sharded_state_dict, group, target)
+    pending = _begin_save(target, group, overwrite, sharded_strategy, common_strategy)
+    try:
+        if not sharded_strategy.can_handle_sharded_objects:
+            validate_sharded_objects_handling(sharded_strategy, common_strategy)
+            objects_part, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
+        else:
+            objects_part = {}
+        _save_common(pending, group, common_strategy, common_part, objects_part)
+        if async_sharded_save:
+            return sharded_strategy.async_save_with_layout(sharded_part, pending, layout, process_group)
+        sharded_strategy.save_with_layout(sharded_part, pending, layout, process_group)
+    except CheckpointingException:  # raised on every rank: no rank writes any more
+        if group.is_coordinator:
+            pending.abandon()
+        raise
     return None
 
 
@@ -161,9 +167,10 @@ def _is_empty_flat_tensor(x: Any) -> bool:
 
 
 def _preprocess_and_gather(
-    sharded_state_dict: ShardedStateDict, group: Group
+    sharded_state_dict: ShardedStateDict, group: Group, target: Location
 ) -> tuple[ShardedStateDict, StateDict, GlobalLayout]:
-    """Stages preprocess + gather: a local failure becomes an error on every rank."""
+    """Stages preprocess + gather: a local failure becomes an error on every rank, and
+    so do ranks that name different checkpoint directories."""
     error, sharded_part, common_part = None, {}, {}
     tensors: list[ShardedTensor] = []
     objects: list[ShardedObject] = []
@@ -172,26 +179,24 @@ def _preprocess_and_gather(
         tensors, objects = local_sharded_items(sharded_part)
     except Exception as exc:  # reported on every rank by gather_layout
         error = exc
-    layout = gather_layout(tensors, objects, group, local_error=error)
+    layout = gather_layout(tensors, objects, group, local_error=error, place=target.describe())
     validate_sharding_integrity(layout)
     return sharded_part, common_part, layout
 
 
-def _prepare_location(
-    location: Location,
+def _begin_save(
+    target: Location,
     group: Group,
     overwrite: bool,
     sharded_strategy: SaveShardedStrategy,
     common_strategy: SaveCommonStrategy,
-) -> None:
-    """Coordinator: make ``location`` an empty, marked checkpoint directory."""
-    error = None
+) -> PendingCheckpoint:
+    """Coordinator checks the target and creates the save's staging area
+    (``shardstore.commit``); every rank gets the same pending checkpoint."""
+    pending, error = None, None
     if group.is_coordinator:
         try:
-            clear_for_save(location, overwrite)
-            location.prepare()
-            # Written first: it marks the directory as ours, so leftovers of an
-            # interrupted save are recognised (and cleared) by the next save.
+            pending = begin_save(target, overwrite)
             save_config(
                 CheckpointingConfig(
                     sharded_strategy.backend,
@@ -199,36 +204,15 @@ def _prepare_location(
                     common_strategy.backend,
                     common_strategy.version,
                 ),
-                location,
+                pending,
             )
         except Exception as exc:  # told to every rank by decide()
             error = exc
-    group.decide(error, f"Preparing checkpoint directory {location.describe()}")
-
-
-def clear_for_save(location: Location, overwrite: bool) -> None:
-    """Empties ``location`` for a new save, refusing to destroy what is not ours.
-
-    The commit record goes first, so an interruption from then on leaves an
-    incomplete checkpoint, never a mix of old and new that looks complete.
-    """
-    if location.is_empty():
-        return
-    if is_committed(location):
-        if not overwrite:
-            raise CheckpointingException(
-                f"{location.describe()} already holds a committed checkpoint; pass overwrite=True "
-                "to replace it, or save to a new directory"
-            )
-        location.remove(COMMIT_RECORD)
-    elif not any(location.exists(marker) for marker in CHECKPOINT_MARKERS):
-        raise CheckpointingException(
-            f"{location.describe()} is not empty and is not a shardstore checkpoint; "
-            "refusing to delete its contents. Save to an empty or new directory."
-        )
-    else:
-        logger.warning("Removing the leftovers of an interrupted save at %s", location.describe())
-    location.remove_tree("")
+            if pending is not None:
+                pending.abandon()
+    group.decide(error, f"Preparing checkpoint directory {target.describe()}")
+    intent = group.broadcast_object(pending.intent if pending is not None else None)
+    return pending if pending is not None else join_save(target, intent)
 
 
 def _save_common(

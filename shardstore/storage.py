@@ -15,13 +15,17 @@ after everything it vouches for.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import errno
+import fcntl
 import logging
 import os
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -78,6 +82,10 @@ class Location(ABC):
         """True if nothing is stored under the location (or it does not exist)."""
 
     @abstractmethod
+    def list_top(self, limit: int = 10) -> list[str]:
+        """Up to ``limit`` names directly under the location, sorted (for error messages)."""
+
+    @abstractmethod
     def remove(self, rel: str) -> None:
         """Removes one object if it exists."""
 
@@ -105,6 +113,67 @@ class Location(ABC):
     @abstractmethod
     def tensorstore_context(self) -> dict[str, Any]:
         """TensorStore context resources suited to this storage."""
+
+
+class DelegatingLocation(Location):
+    """A location that passes every operation to ``inner``: subclasses change a few
+    (``ChecksummedLocation`` checks reads, a pending save publishes its commit)."""
+
+    def __init__(self, inner: Location) -> None:
+        self.inner = inner
+
+    @property
+    def max_object_bytes(self) -> int | None:  # type: ignore[override]
+        return self.inner.max_object_bytes
+
+    @property
+    def fsync(self) -> bool:  # type: ignore[override]
+        return self.inner.fsync
+
+    def describe(self, rel: str = "") -> str:
+        return self.inner.describe(rel)
+
+    def read_bytes_or_none(self, rel: str) -> bytes | None:
+        return self.inner.read_bytes_or_none(rel)
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        self.inner.write_bytes(rel, data)
+
+    def write_many(self, files: dict[str, bytes]) -> None:
+        self.inner.write_many(files)
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        self.inner.write_atomic(rel, data)
+
+    def exists(self, rel: str) -> bool:
+        return self.inner.exists(rel)
+
+    def is_empty(self) -> bool:
+        return self.inner.is_empty()
+
+    def list_top(self, limit: int = 10) -> list[str]:
+        return self.inner.list_top(limit)
+
+    def remove(self, rel: str) -> None:
+        self.inner.remove(rel)
+
+    def remove_tree(self, rel: str = "") -> None:
+        self.inner.remove_tree(rel)
+
+    def prepare(self) -> None:
+        self.inner.prepare()
+
+    def make_durable(self) -> None:
+        self.inner.make_durable()
+
+    def local_path(self, rel: str = "") -> Path | None:
+        return self.inner.local_path(rel)
+
+    def kvstore_spec(self, rel: str = "") -> dict[str, Any]:
+        return self.inner.kvstore_spec(rel)
+
+    def tensorstore_context(self) -> dict[str, Any]:
+        return self.inner.tensorstore_context()
 
 
 class LocalLocation(Location):
@@ -185,6 +254,76 @@ class LocalLocation(Location):
     def is_empty(self) -> bool:
         return not self.root.exists() or next(self.root.iterdir(), None) is None
 
+    def list_top(self, limit: int = 10) -> list[str]:
+        try:
+            return sorted(os.listdir(self.root))[:limit]
+        except FileNotFoundError:
+            return []
+
+    def sibling(self, name: str) -> LocalLocation:
+        """The location ``name`` next to this one, in the same parent directory."""
+        return LocalLocation(self.root.parent / name, fsync=self.fsync)
+
+    def siblings(self, prefix: str) -> list[str]:
+        """Names in the parent directory that start with ``prefix``."""
+        try:
+            return sorted(n for n in os.listdir(self.root.parent) if n.startswith(prefix))
+        except FileNotFoundError:
+            return []
+
+    def rename_to(self, target: LocalLocation, exchange: bool) -> bool:
+        """Moves this directory to ``target`` in one step (same file system).
+
+        ``exchange``: swap the two directories atomically (``renameat2`` with
+        ``RENAME_EXCHANGE``), so ``target`` never stops existing; the old content is
+        then here. Otherwise ``target`` must be missing or an empty directory, which
+        rename(2) replaces atomically. Returns False when the file system cannot
+        exchange (then nothing was moved).
+        """
+        try:
+            if not exchange:
+                os.rename(self.root, target.root)
+                return True
+            if _rename_exchange(self.root, target.root):
+                return True
+        except OSError as exc:
+            raise StorageError(f"Cannot move {self.root} to {target.root}: {exc}") from exc
+        return False
+
+    @contextlib.contextmanager
+    def parent_locked(self) -> Iterator[None]:
+        """Holds an exclusive ``flock`` on the parent directory: shardstore processes
+        publishing into the same directory take turns (held for milliseconds). Where
+        the file system has no flock (some network file systems), runs unlocked."""
+        fd = os.open(self.root.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as exc:
+                logger.debug("No flock on %s (%s): publishing unlocked", self.root.parent, exc)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def hold_lock(self) -> int | None:
+        """Takes an exclusive ``flock`` on this directory and returns its descriptor
+        (close it to release); None if another process holds it. A save holds its
+        staging directory's lock for as long as it runs, so a crashed save's
+        directory (lock free) can be told from a running one's."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except OSError as exc:  # no flock on this file system: treat as not held
+            logger.debug("No flock on %s (%s)", self.root, exc)
+        return fd
+
+    def fsync_parent(self) -> None:
+        if self.fsync:
+            _fsync_directory(self.root.parent)
+
     def remove(self, rel: str) -> None:
         self._path(rel).unlink(missing_ok=True)
 
@@ -242,6 +381,23 @@ def run_parallel(fn: Any, items: list[Any], threads: int = SMALL_FILE_WRITERS) -
     with ThreadPoolExecutor(min(threads, len(batches))) as pool:
         for future in [pool.submit(run_batch, batch) for batch in batches]:
             future.result()
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Atomically swaps two paths; False where the C library or file system cannot."""
+    renameat2 = getattr(_libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
 
 
 def _fsync_directory(path: Path) -> None:

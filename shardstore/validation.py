@@ -136,11 +136,14 @@ def gather_layout(
     sharded_objects: list[ShardedObject],
     group: Group,
     local_error: BaseException | None = None,
+    place: str | None = None,
 ) -> GlobalLayout:
     """Collective: exchanges shard metadata (never data) and returns the global layout.
 
     A rank whose own shards are invalid (bad key, unsupported dtype) or that passes a
     ``local_error`` from an earlier step makes every rank raise, with that rank's reason.
+    ``place``: the checkpoint this rank names; ranks that name different ones all raise
+    (one save must not be split over two directories).
     """
     contribution: Any
     if local_error is None:
@@ -150,10 +153,17 @@ def gather_layout(
             local_error = exc
     if local_error is not None:
         contribution = RankFailure.from_exception(group.rank, local_error)
-    gathered = group.all_gather_object(contribution)
-    failures = [g for g in gathered if isinstance(g, RankFailure)]
+    gathered = group.all_gather_object((place, contribution))
+    failures = [g for _, g in gathered if isinstance(g, RankFailure)]
     raise_failures(failures, "Checking the state dict", cause=local_error)
-    return GlobalLayout.from_gathered(gathered)
+    places = sorted({p for p, _ in gathered}, key=str)
+    if len(places) > 1:
+        by_rank = ", ".join(f"rank {r}: {p}" for r, (p, _) in enumerate(gathered) if r < 8)
+        raise CheckpointingException(
+            f"The ranks name different checkpoint directories ({by_rank}); every rank of a save or load "
+            "must pass the same one. Nothing was written."
+        )
+    return GlobalLayout.from_gathered([g for _, g in gathered])
 
 
 def validate_sharding_integrity(layout: GlobalLayout) -> None:

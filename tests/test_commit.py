@@ -63,15 +63,28 @@ def test_saving_over_a_committed_checkpoint_needs_overwrite(ckpt_dir: Path) -> N
 
 def test_leftovers_of_an_interrupted_save_are_cleared(ckpt_dir: Path) -> None:
     _save_small(ckpt_dir)
-    (ckpt_dir / "zarr.json").unlink()  # as if the save died before its commit
-    save({"y": ShardedTensor.from_rank_offsets("y", torch.ones(1))}, ckpt_dir)
+    dead = ckpt_dir.parent / ".ckpt.shardstore-save-0123abcd"  # what a save that died leaves
+    shutil.copytree(ckpt_dir, dead)
+    (dead / ".shardstore-save.json").write_text('{"save_id": "0123abcd"}')
+    save({"y": ShardedTensor.from_rank_offsets("y", torch.ones(1))}, ckpt_dir, overwrite=True)
     assert set(load_tensors_metadata(ckpt_dir)) == {"y"}
+    assert not dead.exists()
+
+
+def test_a_directory_without_commit_record_is_never_deleted(ckpt_dir: Path) -> None:
+    _save_small(ckpt_dir)
+    (ckpt_dir / "zarr.json").unlink()  # no proof that a shardstore save wrote the rest
+    before = sorted(p.relative_to(ckpt_dir) for p in ckpt_dir.rglob("*"))
+    for overwrite in (False, True):
+        with pytest.raises(CheckpointingException, match="holds no committed shardstore checkpoint.*metadata.json"):
+            save({"y": ShardedTensor.from_rank_offsets("y", torch.ones(1))}, ckpt_dir, overwrite=overwrite)
+    assert sorted(p.relative_to(ckpt_dir) for p in ckpt_dir.rglob("*")) == before
 
 
 def test_refuses_to_clear_a_directory_that_is_not_a_checkpoint(ckpt_dir: Path) -> None:
     ckpt_dir.mkdir()
     (ckpt_dir / "thesis.tex").write_text("precious")
-    with pytest.raises(CheckpointingException, match="not a shardstore checkpoint"):
+    with pytest.raises(CheckpointingException, match="holds no committed shardstore checkpoint.*thesis.tex"):
         _save_small(ckpt_dir)
     assert (ckpt_dir / "thesis.tex").read_text() == "precious"
 

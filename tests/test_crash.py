@@ -64,17 +64,19 @@ def _arm(point: str) -> None:
 
         LocalLocation.make_durable = durable_then_die
     elif point == "just before commit":
-        zarr_strategy.write_commit_record = lambda *a, **k: _die()
+        import shardstore.commit as commit
+
+        commit.PendingCheckpoint.commit = lambda *a, **k: _die()
     else:
         raise ValueError(point)
 
 
-def save_with_a_crash(rank: int, world: int, ckpt: str, point: str, victim: int) -> tuple[str, float]:
+def save_with_a_crash(rank: int, world: int, ckpt: str, point: str, victim: int, overwrite: bool) -> tuple[str, float]:
     if rank == victim:
         _arm(point)
     start = time.monotonic()
     try:
-        save(_sd(rank, world, shift=1.0), ckpt)
+        save(_sd(rank, world, shift=1.0), ckpt, overwrite=overwrite)
     except CheckpointingException as exc:
         return str(exc), time.monotonic() - start
     raise AssertionError("the surviving rank's save returned normally")
@@ -103,17 +105,34 @@ def test_killed_rank_leaves_no_committed_checkpoint(tmp_path: Path, point: str, 
     previous, ckpt = tmp_path / "previous", tmp_path / "ckpt"
     run_distributed(plain_save, 2, str(previous))
 
-    results = run_distributed(save_with_a_crash, 2, str(ckpt), point, victim, killed=(victim,))
+    results = run_distributed(save_with_a_crash, 2, str(ckpt), point, victim, False, killed=(victim,))
     message, seconds = results[1 - victim]
     assert "rank" in message.lower() or "lost contact" in message.lower(), message
     assert seconds < SURVIVOR_DEADLINE, f"survivor took {seconds:.1f}s to fail"
 
     assert not is_committed(LocalLocation(ckpt))
-    with pytest.raises(CheckpointingException, match="incomplete"):
+    with pytest.raises(CheckpointingException, match="incomplete|No checkpoint"):
         load(_sd(0, 1, empty=True), ckpt)
     run_distributed(check_load, 2, str(previous))  # the earlier checkpoint is untouched
     run_distributed(plain_save, 2, str(ckpt))  # and the directory can be saved into again
     run_distributed(check_load, 2, str(ckpt))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "previous"], "dead save's staging not cleared"
+
+
+@pytest.mark.parametrize("point, victim", CRASH_POINTS)
+def test_killed_overwrite_keeps_the_old_checkpoint_loadable(tmp_path: Path, point: str, victim: int) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_distributed(plain_save, 2, str(ckpt))
+    results = run_distributed(save_with_a_crash, 2, str(ckpt), point, victim, True, killed=(victim,))
+    assert results[1 - victim][1] < SURVIVOR_DEADLINE
+    run_distributed(check_load, 2, str(ckpt))  # still the old values, bit-exact
+    run_distributed(plain_save_overwrite, 2, str(ckpt))
+    run_distributed(check_load, 2, str(ckpt))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def plain_save_overwrite(rank: int, world: int, ckpt: str) -> None:
+    save(_sd(rank, world), ckpt, overwrite=True)
 
 
 def test_data_is_made_durable_before_the_commit_record(ckpt_dir: Path, monkeypatch) -> None:

@@ -125,9 +125,13 @@ def test_overwrite_protection_and_cleanup_of_an_interrupted_save(server: MotoSer
     save(sd, location)
     with pytest.raises(CheckpointingException, match="overwrite=True"):
         save(sd, location)
-    location.remove("zarr.json")  # as if the save had been interrupted before its commit
+    location.remove("zarr.json")  # no proof that a shardstore save wrote the rest: never deleted
     with pytest.raises(CheckpointingException, match="incomplete"):
         load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(6))}, location)
+    with pytest.raises(CheckpointingException, match="holds no committed shardstore checkpoint"):
+        save(sd, location, overwrite=True)
+    assert location.exists("w/zarr.json")
+    location.write_bytes(".shardstore-save.json", b'{"save_id": "0123abcd"}')  # an interrupted save's marker
     save({"v": ShardedTensor.from_rank_offsets("v", torch.ones(3))}, location)  # clears the leftovers
     assert set(load_tensors_metadata(location)) == {"v"}
     assert not location.exists("w/zarr.json")

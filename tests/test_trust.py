@@ -125,3 +125,132 @@ def test_keys_that_clash_as_array_and_group_are_refused_on_every_rank(
     for message in messages:
         assert "Invalid global sharding" in message and repr(keys[0] if kind == "tensor" else keys[1])[1:-1] in message
     assert not ckpt_dir.exists() or not any(ckpt_dir.iterdir()), "nothing may be written"
+
+
+# ---------------------------------------------- deleting only what is ours (2)
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+FOREIGN_DIRS = {
+    # what Megatron-Core's torch_dist backend leaves: its metadata.json, DCP files, common.pt
+    "megatron torch_dist": {"metadata.json": b'{"sharded_backend": "torch_dist", "sharded_backend_version": 1}',
+                            "__0_0.distcp": b"\x00" * 64, ".metadata": b"dcp", "common.pt": b"pickle"},
+    "megatron zarr": {"metadata.json": b'{"sharded_backend": "zarr", "sharded_backend_version": 1}',
+                      "decoder.weight/.zarray": b"{}", "decoder.weight/0.0": b"\x01" * 16},
+    "experiment folder": {"common.pt": b"my results", "notes/plan.md": b"precious"},
+    "foreign zarr group": {"zarr.json": b'{"zarr_format": 3, "node_type": "group", "attributes": {}}',
+                           "a/zarr.json": b"{}"},
+}
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("kind", sorted(FOREIGN_DIRS))
+def test_save_never_deletes_a_foreign_directory(ckpt_dir: Path, kind: str, overwrite: bool) -> None:
+    for rel, data in FOREIGN_DIRS[kind].items():
+        (ckpt_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ckpt_dir / rel).write_bytes(data)
+    before = _tree(ckpt_dir)
+    with pytest.raises(CheckpointingException, match=r"(no committed shardstore checkpoint|not a shardstore checkpoint)"):
+        save(_one("w", torch.ones(3)), ckpt_dir, overwrite=overwrite)
+    assert _tree(ckpt_dir) == before
+    assert [p.name for p in ckpt_dir.parent.iterdir()] == [ckpt_dir.name], "no staging directory left behind"
+
+
+# ------------------------------------ overwrite keeps the old checkpoint (3)
+
+
+def _values(shift: float) -> dict:
+    return {"w": ShardedTensor.from_rank_offsets("w", torch.arange(12.0).reshape(3, 4) + shift),
+            "s": ShardedTensor.from_rank_offsets("s", torch.tensor(shift)),
+            "step": int(shift)}
+
+
+def _assert_holds(ckpt: Path, shift: float) -> None:
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(3, 4)),
+                   "s": ShardedTensor.from_rank_offsets("s", torch.tensor(0.0))}, ckpt)
+    assert torch.equal(loaded["w"], torch.arange(12.0).reshape(3, 4) + shift)
+    assert loaded["s"].item() == shift and loaded["step"] == int(shift)
+    assert verify(ckpt).ok
+
+
+def _enospc(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+ENOSPC_POINTS = {  # each phase of a save: (module, attribute that fails)
+    "metadata.json": ("shardstore.serialization", "save_config"),
+    "common.pt": ("shardstore.strategies.common", "TorchCommonSaveStrategy.save_common"),
+    "chunk write": ("shardstore.chunk_io", "ChunkFile.write"),
+    "syncfs": ("shardstore.storage", "_syncfs"),
+    "commit record": ("shardstore.storage", "LocalLocation.write_atomic"),
+    "rename": ("shardstore.storage", "LocalLocation.rename_to"),
+}
+
+
+@pytest.mark.parametrize("point", sorted(ENOSPC_POINTS))
+def test_full_disk_during_overwrite_keeps_the_old_checkpoint(ckpt_dir: Path, point: str, monkeypatch) -> None:
+    import importlib
+
+    save(_values(1.0), ckpt_dir)
+    module, attribute = ENOSPC_POINTS[point]
+    owner = importlib.import_module(module)
+    *path, name = attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    monkeypatch.setattr(owner, name, _enospc)
+    with pytest.raises(CheckpointingException, match="No space left on device"):
+        save(_values(2.0), ckpt_dir, overwrite=True)
+    monkeypatch.undo()
+    _assert_holds(ckpt_dir, 1.0)
+    assert [p.name for p in ckpt_dir.parent.iterdir()] == [ckpt_dir.name], "the failed save's files are gone"
+    save(_values(3.0), ckpt_dir, overwrite=True)
+    _assert_holds(ckpt_dir, 3.0)
+
+
+# ------------------------------------------------ one save, one directory (4)
+
+
+def save_to_own_directory(rank: int, world: int, root: str) -> str:
+    try:
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2), (0, rank, world))}, f"{root}/ckpt{rank}")
+    except CheckpointingException as exc:
+        return str(exc)
+    raise AssertionError("a save split over two directories returned normally")
+
+
+def test_ranks_that_name_different_directories_fail_before_writing(tmp_path: Path) -> None:
+    for message in run_distributed(save_to_own_directory, 2, str(tmp_path)):
+        assert "different checkpoint directories" in message and "ckpt0" in message and "ckpt1" in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def async_save_loses_to_a_later_sync_save(rank: int, world: int, ckpt: str, overwrite: bool) -> str:
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
+    def sd(value: float) -> dict:
+        return {"w": ShardedTensor.from_rank_offsets("w", torch.full((4,), value), (0, rank, world)),
+                "job": f"job {value}"}
+
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(save(sd(1.0), ckpt, async_sharded_save=True))  # job A, still running
+    save(sd(2.0), ckpt, overwrite=overwrite)  # job B commits into the same directory first
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except CheckpointingException as exc:
+        return str(exc)
+    finally:
+        queue.close(abort=True)
+    raise AssertionError("both saves committed")
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_two_saves_into_one_directory_cannot_both_commit(ckpt_dir: Path, overwrite: bool) -> None:
+    for message in run_distributed(async_save_loses_to_a_later_sync_save, 2, str(ckpt_dir), overwrite):
+        assert "another save committed there while it ran" in message, message
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(8))}, ckpt_dir)
+    assert torch.equal(loaded["w"], torch.full((8,), 2.0)) and loaded["job"] == "job 2.0"  # B's, whole
+    assert verify(ckpt_dir).ok
+    assert [p.name for p in ckpt_dir.parent.iterdir()] == [ckpt_dir.name]

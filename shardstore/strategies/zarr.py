@@ -55,6 +55,7 @@ from shardstore.chunk_io import (
     run_writes,
     write_region,
 )
+from shardstore.commit import PendingCheckpoint, new_save_id
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace
 from shardstore.distributed import Group
@@ -435,23 +436,40 @@ def _describe_region(region: Region) -> str:
 
 
 def finalize_save(staged: StagedSave, error: BaseException | None) -> None:
-    """Collective: every rank agrees the writes succeeded; then the coordinator commits.
+    """Collective: every rank agrees the writes succeeded; then the coordinator commits
+    (``shardstore.commit``: a save that lost a race with another save fails here).
 
-    On any failure every rank raises and no commit record is written.
+    On any failure every rank raises, no commit record is written, and the coordinator
+    deletes what the save wrote.
     """
     group, location = staged.group, staged.location
     staged.ops = []  # the host copies are no longer needed
     if staged.snapshot is not None:
         staged.snapshot.release()
-    group.agree(error, f"Writing checkpoint {location.describe()}")
-    commit_error = None
-    if group.is_coordinator:
-        try:
-            files = file_checksums(location, staged.commit_record)
-            write_commit_record(location, replace(staged.commit_record, files=files))
-        except Exception as exc:  # told to every rank by decide()
-            commit_error = exc
-    group.decide(commit_error, f"Committing checkpoint {location.describe()}")
+    try:
+        group.agree(error, f"Writing checkpoint {location.describe()}")
+        commit_error = None
+        if group.is_coordinator:
+            try:
+                record = replace(staged.commit_record, files=file_checksums(location, staged.commit_record))
+                publish(location, record)
+            except Exception as exc:  # told to every rank by decide()
+                commit_error = exc
+        group.decide(commit_error, f"Committing checkpoint {location.describe()}")
+    except CheckpointingException:
+        if group.is_coordinator and isinstance(location, PendingCheckpoint):
+            location.abandon()
+        raise
+
+
+def publish(location: Location, record: CommitRecord) -> None:
+    """Writes the commit record: through the save's ``PendingCheckpoint`` (staging
+    published by rename, races refused), or in place for a bare location (the seed's
+    strategy API called directly)."""
+    if isinstance(location, PendingCheckpoint):
+        location.commit(replace(record, save_id=location.intent.save_id))
+    else:
+        write_commit_record(location, replace(record, save_id=new_save_id()))
 
 
 class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):

@@ -74,6 +74,16 @@ class Group:
             dist.all_gather_object(out, obj, group=self.process_group)
         return out
 
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` on the coordinator (an empty list elsewhere): what only
+        the coordinator needs travels only to it."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        with _peer_failures("gather"):
+            dist.gather_object(obj, out, dst=self.global_rank(0), group=self.process_group)
+        return out or []
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """``obj`` from group rank ``src`` on every rank."""
         if self.world_size == 1:

@@ -50,6 +50,8 @@ REPLACED_TAG = ".shardstore-replaced-"
 MAX_NDIM = 32
 MAX_ELEMENTS = 2**62
 MAX_CHUNK_BYTES = 2**34  # one chunk is read into memory whole; 16 GiB is far above any we write
+# Chunks of one array in a format-1 record, which lists no checksums to pay for them.
+MAX_UNBOUND_CHUNKS = 2**24
 
 
 def _library_version() -> str:
@@ -70,12 +72,19 @@ class ArrayRecord:
         shape: global shape, in elements.
         dtype: Zarr v3 data type name (``bfloat16``, ``float32``, ...).
         chunk_shape: regular chunk grid, aligned with the sharding grid of the save.
+        chunk_crcs: crc32c of every chunk, in C order over the grid, as the chunk's
+            writer reported it at the save (None: not bound, format version 1).
     """
 
     key: str
     shape: tuple[int, ...]
     dtype: str
     chunk_shape: tuple[int, ...]
+    chunk_crcs: tuple[int, ...] | None = None
+
+    @property
+    def chunk_count(self) -> int:
+        return math.prod(self.chunk_grid)
 
     @property
     def itemsize(self) -> int:
@@ -112,15 +121,31 @@ class ArrayRecord:
         }
 
     def to_summary(self) -> dict[str, Any]:
-        return {
+        summary: dict[str, Any] = {
             "shape": list(self.shape),
             "dtype": self.dtype,
             "chunk_shape": list(self.chunk_shape),
             "chunk_grid": list(self.chunk_grid),
         }
+        if self.chunk_crcs is not None:
+            summary["chunk_crc32c"] = list(self.chunk_crcs)
+        return summary
+
+    def with_chunk_crcs(self, crcs: dict[tuple[int, ...], int], where: str) -> ArrayRecord:
+        """This record bound to the crc32c its writers reported for each chunk.
+
+        Raises:
+            CheckpointingException: a chunk no rank reported (missing).
+        """
+        missing = [index for index in self.chunk_indices() if index not in crcs]
+        if missing:
+            raise CheckpointingException(
+                f"{where}: no rank wrote chunk(s) {missing[:5]} of array {self.key!r}; not committing"
+            )
+        return replace(self, chunk_crcs=tuple(crcs[index] for index in self.chunk_indices()))
 
     @classmethod
-    def from_summary(cls, key: str, summary: Any, where: str) -> ArrayRecord:
+    def from_summary(cls, key: str, summary: Any, where: str, bound: bool = True) -> ArrayRecord:
         if not isinstance(summary, dict):
             raise CheckpointingException(f"{where}: record of array {key!r} is not an object")
         shape = _int_tuple(summary.get("shape"), f"{where}: shape of {key!r}", minimum=0)
@@ -143,7 +168,20 @@ class ArrayRecord:
             )
         if math.prod(chunk_shape) * record.itemsize > MAX_CHUNK_BYTES:
             raise CheckpointingException(f"{where}: array {key!r} has an absurd chunk shape {chunk_shape}")
-        return record
+        if not bound:
+            if record.chunk_count > MAX_UNBOUND_CHUNKS:
+                raise CheckpointingException(f"{where}: array {key!r} has an absurd chunk grid {record.chunk_grid}")
+            return record
+        # The record must list a crc32c for every chunk, so a grid of 2**31 chunks needs
+        # a record of gigabytes (refused by its size bound) before anything iterates it.
+        crcs = summary.get("chunk_crc32c")
+        if not isinstance(crcs, list) or len(crcs) != record.chunk_count:
+            raise CheckpointingException(
+                f"{where}: array {key!r} must list a crc32c for each of its {record.chunk_count} chunks"
+            )
+        if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2**32 for c in crcs):
+            raise CheckpointingException(f"{where}: array {key!r} has malformed chunk checksums")
+        return replace(record, chunk_crcs=tuple(crcs))
 
 
 def _is_integer(zarr_name: str) -> bool:
@@ -279,7 +317,7 @@ class CommitRecord:
         arrays = {}
         for key, summary in arrays_json.items():
             check_key(key, where=where)
-            arrays[key] = ArrayRecord.from_summary(key, summary, where)
+            arrays[key] = ArrayRecord.from_summary(key, summary, where, bound=version >= 2)
         if clashes := array_group_collisions(list(arrays)):
             raise CheckpointingException(f"{where}: the record names clashing keys: {clashes[0]}")
         objects = {}

@@ -17,9 +17,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shardstore.chunk_io import ArrayChunks, ChunkStore, chunk_key, chunk_store_for
 from shardstore.core import CheckpointingException
+from shardstore.dtypes import from_zarr_name
 from shardstore.format import COMMIT_RECORD, ArrayRecord, CommitRecord, checksum, read_commit_record
 from shardstore.storage import DelegatingLocation, Location, open_location
+
+VERIFY_REMOTE_THREADS = 16
 
 
 def file_checksums(location: Location, record: CommitRecord) -> dict[str, str]:
@@ -121,30 +125,20 @@ def verify(checkpoint_dir: str | os.PathLike | Location) -> VerifyReport:
             report.problems.append(Problem(rel, "file", "missing"))
         elif why := checksum_mismatch(data, expected):
             report.problems.append(Problem(rel, "file", why))
+    store = chunk_store_for(location, VERIFY_REMOTE_THREADS)
     for _, array in sorted(record.arrays.items()):
         report.arrays_checked += 1
-        _verify_array(location, array, report)
+        _verify_array(location, store, array, report)
     return report
 
 
-def _verify_array(location: Location, array: ArrayRecord, report: VerifyReport) -> None:
-    from shardstore.chunk_io import chunk_key
-    from shardstore.strategies.zarr import local_chunks, open_arrays, tensorstore_context
-
-    chunks = local_chunks(location, array)
-    handle = None
-    if chunks is None:
-        handle = open_arrays(location, [array], tensorstore_context(location), for_write=False)[array.key]
-    buffer = np.empty(array.chunk_shape, chunks.dtype) if chunks is not None else None
+def _verify_array(location: Location, store: ChunkStore, array: ArrayRecord, report: VerifyReport) -> None:
+    chunks = ArrayChunks(array.key, store, array.shape, array.chunk_shape,
+                         from_zarr_name(array.dtype).numpy_dtype, array.chunk_crcs)
+    buffer = np.empty(array.chunk_shape, chunks.dtype)
     for index in array.chunk_indices():
         report.chunks_checked += 1
         try:
-            if chunks is not None:
-                chunks.file(index).read_into(buffer)
-            else:
-                region = tuple(
-                    slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, array.chunk_shape, array.shape)
-                )
-                handle[region].read().result()
+            chunks.file(index).read_into(buffer)
         except Exception as exc:  # every failure is a finding, reported by chunk
             report.problems.append(Problem(array.key, chunk_key(index), str(exc)))

@@ -9,6 +9,7 @@ import tensorstore as ts
 from shardstore import chunk_io
 from shardstore.chunk_io import (
     ArrayChunks,
+    FileChunkStore,
     chunk_key,
     read_region,
     run_reads,
@@ -32,7 +33,7 @@ def _value() -> np.ndarray:
 
 
 def _chunks(tmp_path, name: str) -> ArrayChunks:
-    return ArrayChunks("w", tmp_path / name / "w", RECORD.shape, RECORD.chunk_shape,
+    return ArrayChunks("w", FileChunkStore(tmp_path / name), RECORD.shape, RECORD.chunk_shape,
                        from_zarr_name(RECORD.dtype).numpy_dtype)
 
 
@@ -86,7 +87,7 @@ def test_scatter_read_of_column_chunks(tmp_path) -> None:
     """Chunks split along the last axis land in strided rows of a full-width result."""
     dtype = from_zarr_name("float32").numpy_dtype
     value = np.random.default_rng(0).standard_normal((8, 4096)).astype(dtype)
-    chunks = ArrayChunks("x", tmp_path / "x", (8, 4096), (8, 2048), dtype)
+    chunks = ArrayChunks("x", FileChunkStore(tmp_path), (8, 4096), (8, 2048), dtype)
     run_writes(write_region(chunks, region_at((0, 0), (8, 4096)), value))
     jobs = read_region(chunks, region_at((0, 0), (8, 4096)), out := np.empty_like(value))
     assert all(not j.direct and chunk_io._contiguous_runs(out[j.piece.in_region], out.shape) for j in jobs)

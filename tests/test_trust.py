@@ -254,3 +254,71 @@ def test_two_saves_into_one_directory_cannot_both_commit(ckpt_dir: Path, overwri
     assert torch.equal(loaded["w"], torch.full((8,), 2.0)) and loaded["job"] == "job 2.0"  # B's, whole
     assert verify(ckpt_dir).ok
     assert [p.name for p in ckpt_dir.parent.iterdir()] == [ckpt_dir.name]
+
+
+# ------------------------------------ the commit record binds every chunk (4)
+
+
+def _two_arrays(ckpt: Path, shift: float = 0.0) -> None:
+    save({"a": ShardedTensor.from_rank_offsets("a", torch.arange(8.0).reshape(4, 2) + shift),
+          "b": ShardedTensor.from_rank_offsets("b", torch.arange(8.0).reshape(4, 2) * -1 + shift)},
+         ckpt, sharded_strategy=_small_chunks())
+
+
+def _small_chunks():
+    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+
+    return ZarrSaveShardedStrategy(max_chunk_bytes=8)  # one row (2 x float32) per chunk
+
+
+def _swap(x: Path, y: Path) -> None:
+    data = x.read_bytes()
+    x.write_bytes(y.read_bytes())
+    y.write_bytes(data)
+
+
+def _request() -> dict:
+    return {k: ShardedTensor.from_rank_offsets(k, torch.empty(4, 2)) for k in ("a", "b")}
+
+
+@pytest.mark.parametrize("tamper", ["swap within array", "swap between arrays", "copy from another checkpoint"])
+def test_moved_chunks_fail_verify_and_load(tmp_path: Path, tamper: str) -> None:
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    _two_arrays(ckpt)
+    _two_arrays(other, shift=100.0)
+    if tamper == "swap within array":
+        _swap(ckpt / "a/c/0/0", ckpt / "a/c/2/0")
+    elif tamper == "swap between arrays":
+        _swap(ckpt / "a/c/1/0", ckpt / "b/c/1/0")
+    else:
+        (ckpt / "b/c/3/0").write_bytes((other / "b/c/3/0").read_bytes())
+    report = verify(ckpt)
+    assert not report.ok and "commit record keeps" in str(report), str(report)
+    with pytest.raises(CheckpointingException, match=r"Wrong chunk c/\d/0 of array '(a|b)'"):
+        load(_request(), ckpt)
+
+
+def test_format_1_checkpoints_still_load(ckpt_dir: Path) -> None:
+    import json
+
+    _two_arrays(ckpt_dir)
+    root = json.loads((ckpt_dir / "zarr.json").read_text())
+    record = root["attributes"]["shardstore"]
+    record["format_version"] = 1
+    del record["save_id"]
+    for array in record["arrays"].values():
+        del array["chunk_crc32c"]
+    (ckpt_dir / "zarr.json").write_text(json.dumps(root))
+    loaded = load(_request(), ckpt_dir)
+    assert torch.equal(loaded["a"], torch.arange(8.0).reshape(4, 2))
+    assert verify(ckpt_dir).ok
+
+
+def test_a_commit_missing_a_chunk_fails(ckpt_dir: Path, monkeypatch) -> None:
+    import shardstore.strategies.zarr as zarr_strategy
+
+    real = zarr_strategy.write_ops
+    monkeypatch.setattr(zarr_strategy, "write_ops", lambda *a, **k: real(*a, **k)[1:])  # one report lost
+    with pytest.raises(CheckpointingException, match=r"(?s)Committing .*no rank wrote chunk"):
+        _two_arrays(ckpt_dir)
+    assert not ckpt_dir.exists()

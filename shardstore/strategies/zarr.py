@@ -35,7 +35,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +46,13 @@ import torch.distributed as dist
 
 from shardstore.chunk_io import (
     DEFAULT_IO_THREADS,
-    NATIVE_LITTLE_ENDIAN,
     ArrayChunks,
+    ChunkStore,
+    FileChunkStore,
     ReadJob,
+    WrittenChunk,
+    chunk_key,
+    chunk_store_for,
     is_chunk_aligned,
     read_region,
     run_reads,
@@ -58,7 +62,7 @@ from shardstore.chunk_io import (
 from shardstore.commit import PendingCheckpoint, new_save_id
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace
-from shardstore.distributed import Group
+from shardstore.distributed import Group, RankFailure, raise_failures
 from shardstore.dtypes import (
     from_torch,
     from_zarr_name,
@@ -221,6 +225,7 @@ class StagedSave:
     commit_record: CommitRecord
     group: Group
     snapshot: HostSnapshot | None = None
+    written: list[WrittenChunk] = field(default_factory=list)
 
 
 @dataclass
@@ -262,6 +267,7 @@ def stage_save(
     host: list[torch.Tensor | None] = [None] * len(tensors)
     mine = [s for shards in layout.tensors.values() for s in shards if s.rank == group.rank and s.main]
     written: set[int] = set()  # blocks already written in an earlier wave
+    early_chunks: list[WrittenChunk] = []  # what those waves wrote
     snapshot = HostSnapshot(staging.pool) if staging.snapshot else None
     error = None
     cap = staging.max_bytes if snapshot else None
@@ -274,7 +280,7 @@ def stage_save(
                 raise CheckpointingException(f"ShardedTensor {s.key!r} has no data to save")
             if cap and held and s.flat_range is None and held_bytes + s.nbytes > cap:
                 snapshot.wait()
-                write_ops(location, records, [_block_op(h, host) for h in held], staging.io_concurrency)
+                early_chunks += write_ops(location, records, [_block_op(h, host) for h in held], staging.io_concurrency)
                 for h in held:
                     host[h.index] = None
                     written.add(h.index)
@@ -317,7 +323,7 @@ def stage_save(
         },
         world_size=group.world_size,
     )
-    return StagedSave(location, records, metadata_files, ops, commit, group, snapshot)
+    return StagedSave(location, records, metadata_files, ops, commit, group, snapshot, early_chunks)
 
 
 def exchange_straddling_chunks(
@@ -365,14 +371,10 @@ def exchange_straddling_chunks(
     return result
 
 
-def local_chunks(location: Location, record: ArrayRecord) -> ArrayChunks | None:
-    """The array's chunk files for direct I/O, or None when TensorStore must do it
-    (object storage, or a big-endian machine)."""
-    root = location.local_path(record.key)
-    if root is None or not NATIVE_LITTLE_ENDIAN:
-        return None
+def array_chunks(store: ChunkStore, record: ArrayRecord) -> ArrayChunks:
+    """The array's chunks in ``store``, with the checksums the record binds."""
     dtype = from_zarr_name(record.dtype).numpy_dtype
-    return ArrayChunks(record.key, root, record.shape, record.chunk_shape, dtype)
+    return ArrayChunks(record.key, store, record.shape, record.chunk_shape, dtype, record.chunk_crcs)
 
 
 def write_staged(
@@ -380,55 +382,33 @@ def write_staged(
 ) -> None:
     """This rank's I/O: metadata files, then every chunk write in flight, then durability.
 
-    Chunk-aligned writes to a local disk go through ``chunk_io`` (straight from the
-    host tensors' memory); the rest through TensorStore, all started before any waits.
+    What the writers report (each chunk's crc32c) is kept for the commit record.
     """
     staged.location.write_many(staged.metadata_files)
-    write_ops(staged.location, staged.records, staged.ops, io_concurrency, io_threads)
+    staged.written += write_ops(staged.location, staged.records, staged.ops, io_concurrency, io_threads)
     staged.location.make_durable()
 
 
 def write_ops(
     location: Location, records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int,
     io_threads: int = DEFAULT_IO_THREADS,
-) -> None:
-    """Writes regions of arrays: the direct path where it applies, TensorStore for the
-    rest, every write started before any is waited for."""
-    direct: list = []
-    via_tensorstore: list[WriteOp] = []
+) -> list[WrittenChunk]:
+    """Writes whole chunks of arrays (the plan gives every chunk one writer and one
+    write), all in flight at once; returns each chunk's crc32c."""
+    store = chunk_store_for(location, io_concurrency)
+    jobs: list = []
     for op in ops:
         if not op.value.size:
             continue
         record = records[op.key]
-        chunks = local_chunks(location, record)
-        if chunks is not None and is_chunk_aligned(op.region, record.shape, record.chunk_shape):
-            direct += write_region(chunks, op.region, op.value)
-        else:
-            via_tensorstore.append(op)
-    pending = _start_tensorstore_writes(location, records, via_tensorstore, io_concurrency)
-    run_writes(direct, min(io_concurrency, io_threads))
-    for op, future in pending:
-        try:
-            future.result()
-        except Exception as exc:
+        if not is_chunk_aligned(op.region, record.shape, record.chunk_shape):
             raise CheckpointingException(
-                f"Writing array {op.key!r} region {_describe_region(op.region)} of checkpoint "
-                f"{location.describe()} failed: {exc}"
-            ) from exc
-
-
-def _start_tensorstore_writes(
-    location: Location, records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int
-) -> list[tuple[WriteOp, ts.Future]]:
-    if not ops:
-        return []
-    context = tensorstore_context(location, io_concurrency)
-    keys = sorted({op.key for op in ops})
-    handles = open_arrays(location, [records[k] for k in keys], context, for_write=True)
-    return [
-        (op, handles[op.key][_ts_index(op.region)].write(op.value, can_reference_source_data_indefinitely=True))
-        for op in ops
-    ]
+                f"Internal error: the write of {op.key!r} region {_describe_region(op.region)} is not aligned "
+                f"with its chunks {record.chunk_shape}; please report it"
+            )
+        jobs += write_region(array_chunks(store, record), op.region, op.value)
+    threads = min(io_concurrency, io_threads) if isinstance(store, FileChunkStore) else io_concurrency
+    return run_writes(jobs, threads)
 
 
 def _describe_region(region: Region) -> str:
@@ -436,30 +416,50 @@ def _describe_region(region: Region) -> str:
 
 
 def finalize_save(staged: StagedSave, error: BaseException | None) -> None:
-    """Collective: every rank agrees the writes succeeded; then the coordinator commits
+    """Collective: the coordinator gathers every rank's outcome (its error, or the
+    crc32c of each chunk it wrote), binds the chunks into the commit record and commits
     (``shardstore.commit``: a save that lost a race with another save fails here).
 
-    On any failure every rank raises, no commit record is written, and the coordinator
-    deletes what the save wrote.
+    On any failure every rank raises the same error, no commit record is written, and
+    the coordinator deletes what the save wrote.
     """
     group, location = staged.group, staged.location
     staged.ops = []  # the host copies are no longer needed
     if staged.snapshot is not None:
         staged.snapshot.release()
-    try:
-        group.agree(error, f"Writing checkpoint {location.describe()}")
-        commit_error = None
-        if group.is_coordinator:
+    local = RankFailure.from_exception(group.rank, error) if error is not None else staged.written
+    gathered = group.gather_object(local)
+    what, failures = "Writing", []
+    if group.is_coordinator:
+        failures = [g for g in gathered if isinstance(g, RankFailure)]
+        if not failures:
             try:
-                record = replace(staged.commit_record, files=file_checksums(location, staged.commit_record))
-                publish(location, record)
-            except Exception as exc:  # told to every rank by decide()
-                commit_error = exc
-        group.decide(commit_error, f"Committing checkpoint {location.describe()}")
-    except CheckpointingException:
-        if group.is_coordinator and isinstance(location, PendingCheckpoint):
-            location.abandon()
-        raise
+                record = bind_chunks(staged.commit_record, gathered, location.describe())
+                publish(location, replace(record, files=file_checksums(location, record)))
+            except Exception as exc:  # told to every rank below
+                what, failures = "Committing", [RankFailure.from_exception(group.rank, exc)]
+    what, failures = group.broadcast_object((what, failures))
+    if failures and group.is_coordinator and isinstance(location, PendingCheckpoint):
+        location.abandon()
+    raise_failures(failures, f"{what} checkpoint {location.describe()}", cause=error)
+
+
+def bind_chunks(record: CommitRecord, reports: list[list[WrittenChunk]], where: str) -> CommitRecord:
+    """The commit record with every chunk's crc32c as its writer reported it.
+
+    Raises:
+        CheckpointingException: a chunk nobody wrote, or one written twice.
+    """
+    crcs: dict[str, dict[tuple[int, ...], int]] = {key: {} for key in record.arrays}
+    for rank, chunks in enumerate(reports):
+        for key, index, crc in chunks:
+            if index in crcs[key]:
+                raise CheckpointingException(
+                    f"{where}: chunk {chunk_key(index)} of array {key!r} was written twice (rank {rank} and another)"
+                )
+            crcs[key][index] = crc
+    arrays = {key: a.with_chunk_crcs(crcs[key], where) for key, a in record.arrays.items()}
+    return replace(record, arrays=arrays)
 
 
 def publish(location: Location, record: CommitRecord) -> None:
@@ -665,8 +665,8 @@ def load_tensors(
 ) -> list[torch.Tensor]:
     """Reads every tensor's region, all reads in flight at once; returns them in order.
 
-    On a local disk the chunks are read straight into the result's memory
-    (``chunk_io``); elsewhere TensorStore reads them.
+    Chunks land straight in the result's memory where they can (``chunk_io``); each
+    is checked against its own crc32c and the one the commit record binds.
     """
     where = f"checkpoint {location.describe()}"
     missing = sorted({t.key for t in tensors if t.key not in record.arrays})
@@ -676,42 +676,22 @@ def load_tensors(
             "StrictHandling) to skip keys that are not in the checkpoint"
         )
     reads = [plan_read(t, record.arrays[t.key], where) for t in tensors]
-    local = [local_chunks(location, record.arrays[r.tensor.key]) for r in reads]
-    arrays: list[np.ndarray | ts.Future] = []
+    store = chunk_store_for(location, io_concurrency)
+    arrays: list[np.ndarray] = []
     jobs: list[ReadJob] = []
-    via_tensorstore = [r for r, chunks in zip(reads, local) if chunks is None]
-    handles = _open_for_read(location, record, via_tensorstore, io_concurrency)
-    for r, chunks in zip(reads, local):
-        if chunks is None:
-            arrays.append(handles[r.tensor.key][_ts_index(r.region)].read())
-        else:
-            out = np.empty(_region_shape(r.region), chunks.dtype)
-            jobs += read_region(chunks, r.region, out)
-            arrays.append(out)
-    run_reads(jobs, min(io_concurrency, DEFAULT_IO_THREADS))
+    for r in reads:
+        chunks = array_chunks(store, record.arrays[r.tensor.key])
+        out = np.empty(_region_shape(r.region), chunks.dtype)
+        jobs += read_region(chunks, r.region, out)
+        arrays.append(out)
+    threads = min(io_concurrency, DEFAULT_IO_THREADS) if isinstance(store, FileChunkStore) else io_concurrency
+    run_reads(jobs, threads)
     results = []
     for r, array in zip(reads, arrays):
-        if isinstance(array, ts.Future):
-            try:
-                array = array.result()
-            except Exception as exc:
-                raise CheckpointingException(
-                    f"Reading tensor {r.tensor.key!r} region {_describe_region(r.region)} from {where} "
-                    f"failed: {exc}"
-                ) from exc
         stored = record.arrays[r.tensor.key]
         x = numpy_to_tensor(array, from_zarr_name(stored.dtype).torch_dtype)
         results.append(_place(r.finish(x), r.tensor, where, allow_lossy_casts))
     return results
-
-
-def _open_for_read(
-    location: Location, record: CommitRecord, reads: list[ReadOp], io_concurrency: int
-) -> dict[str, ts.TensorStore]:
-    if not reads:
-        return {}
-    context = tensorstore_context(location, io_concurrency)
-    return open_arrays(location, [record.arrays[k] for k in sorted({r.tensor.key for r in reads})], context, False)
 
 
 def load_fully_parallel(

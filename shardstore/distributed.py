@@ -49,6 +49,14 @@ class Group:
         else:
             self.rank, self.world_size = 0, 1
 
+    @classmethod
+    def local(cls) -> Group:
+        """This process alone: every collective is trivial (for calls that any single
+        rank may make, such as ``load_plain_tensors``)."""
+        group = cls.__new__(cls)
+        group.active, group.process_group, group.rank, group.world_size = False, None, 0, 1
+        return group
+
     @property
     def is_coordinator(self) -> bool:
         """True on the rank that writes the commit record and other single files."""

@@ -50,20 +50,35 @@ def checksum_mismatch(data: bytes, expected: str) -> str | None:
 
 
 class ChecksummedLocation(DelegatingLocation):
-    """A location whose reads of listed files are checked against the commit record."""
+    """A committed checkpoint's location: every read of a file the commit record could
+    vouch for (common state, sharded objects, ``metadata.json``) is checked against
+    the record, and such a file the record does not list is refused."""
 
-    def __init__(self, inner: Location, files: dict[str, str]) -> None:
+    def __init__(self, inner: Location, record: CommitRecord) -> None:
         super().__init__(inner)
-        self.files = files
+        self.record = record
+        self._vouchable = record.expected_files()
 
     def read_bytes_or_none(self, rel: str) -> bytes | None:
         data = self.inner.read_bytes_or_none(rel)
-        expected = self.files.get(rel)
-        if data is not None and expected is not None and (why := checksum_mismatch(data, expected)):
+        if data is None or rel not in self._vouchable:
+            return data
+        expected = self.record.files.get(rel)
+        if expected is None:
+            raise CheckpointingException(
+                f"{self.inner.describe(rel)} is not vouched for by the commit record of {self.inner.describe()} "
+                "(added after the commit?); refusing to read it"
+            )
+        if why := checksum_mismatch(data, expected):
             raise CheckpointingException(
                 f"Corrupt file {self.inner.describe(rel)}: {why}; restore it or load an earlier checkpoint"
             )
         return data
+
+
+def open_committed(location: Location) -> ChecksummedLocation:
+    """The committed checkpoint at ``location``, its reads checked against its record."""
+    return ChecksummedLocation(location, read_commit_record(location))
 
 
 @dataclass(frozen=True)

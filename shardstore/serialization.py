@@ -37,8 +37,7 @@ from shardstore.core import (
 )
 from shardstore.dict_utils import dict_list_map_inplace, extract_matching_values, merge
 from shardstore.distributed import Group
-from shardstore.format import read_commit_record
-from shardstore.integrity import ChecksummedLocation
+from shardstore.integrity import open_committed
 from shardstore.layout import GlobalLayout
 from shardstore.mapping import (
     CommonStateDict,
@@ -281,42 +280,68 @@ def load(
         CheckpointingException: incomplete or invalid checkpoint, or mismatches that
             ``strict`` says to raise on.
     """
-    group = Group(process_group)
-    location = open_location(checkpoint_dir)
-    record = read_commit_record(location)
-    location = ChecksummedLocation(location, record.files)
+    return _load(
+        sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy, validate_access_integrity, strict,
+        Group(process_group),
+    )
+
+
+def _load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: CheckpointDir,
+    sharded_strategy: LoadShardedStrategy | None,
+    common_strategy: LoadCommonStrategy | None,
+    validate_access_integrity: bool,
+    strict: str | StrictHandling,
+    group: Group,
+) -> StateDict | tuple[StateDict, set[str], set[str]]:
+    """``load`` on ``group`` (``Group.local()``: this process alone, no collectives)."""
+    location = open_committed(open_location(checkpoint_dir))
+    record = location.record
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
         location, sharded_strategy, common_strategy
     )
     strict = parse_strict_flag(strict)
-    common_state_dict = common_strategy.load_common(location)
-
-    sharded_state_dict, nonpersistent_state_dict, factories = load_preprocess(sharded_state_dict)
-    merge(common_state_dict, nonpersistent_state_dict)
-    sharded_state_dict, _ = extract_sharded_base(sharded_state_dict)
-
-    tensors, objects = local_sharded_items(sharded_state_dict)
+    where = location.describe()
+    # A failure on one rank must reach every rank (never leave them waiting in the
+    # next collective): local steps report through gather_layout or agree.
+    error, common_state_dict, factories = None, {}, {}
+    tensors: list[ShardedTensor] = []
+    objects: list[ShardedObject] = []
+    try:
+        common_state_dict = common_strategy.load_common(location)
+        sharded_state_dict, nonpersistent_state_dict, factories = load_preprocess(sharded_state_dict)
+        merge(common_state_dict, nonpersistent_state_dict)
+        sharded_state_dict, _ = extract_sharded_base(sharded_state_dict)
+        tensors, objects = local_sharded_items(sharded_state_dict)
+    except Exception as exc:  # reported on every rank below
+        error = exc
     if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
-        layout = gather_layout(tensors, objects, group)
+        layout = gather_layout(tensors, objects, group, local_error=error, place=where)
     else:
+        group.agree(error, f"Loading checkpoint {where}")
         layout = GlobalLayout.from_gathered([local_records(tensors, objects, group.rank)])
-    sharded_state_dict, missing_keys, unexpected_keys = validate_integrity_and_strict_load(
-        sharded_state_dict,
-        strict,
-        validate_access_integrity,
-        layout,
-        set(record.arrays) | set(record.objects),
-        group.rank,
-        where=location.describe(),
-    )
-
-    if not sharded_strategy.can_handle_sharded_objects:
-        validate_sharded_objects_handling(sharded_strategy, common_strategy)
-        objects_part, sharded_state_dict = extract_matching_values(
-            sharded_state_dict, lambda v: isinstance(v, ShardedObject)
+    error = None
+    try:
+        sharded_state_dict, missing_keys, unexpected_keys = validate_integrity_and_strict_load(
+            sharded_state_dict,
+            strict,
+            validate_access_integrity,
+            layout,
+            set(record.arrays) | set(record.objects),
+            group.rank,
+            where=where,
         )
-        merge(common_state_dict, common_strategy.load_sharded_objects(objects_part, location))
-    merge(common_state_dict, sharded_strategy.load_with_record(sharded_state_dict, location, record, process_group))
+        if not sharded_strategy.can_handle_sharded_objects:
+            validate_sharded_objects_handling(sharded_strategy, common_strategy)
+            objects_part, sharded_state_dict = extract_matching_values(
+                sharded_state_dict, lambda v: isinstance(v, ShardedObject)
+            )
+            merge(common_state_dict, common_strategy.load_sharded_objects(objects_part, location))
+    except Exception as exc:  # reported on every rank by agree()
+        error = exc
+    group.agree(error, f"Loading checkpoint {where}")
+    merge(common_state_dict, sharded_strategy.load_with_record(sharded_state_dict, location, record, group))
     apply_factory_merges(common_state_dict, factories)
 
     if StrictHandling.requires_returning_mismatch_keys(strict):
@@ -378,8 +403,7 @@ def load_common_state_dict(
     checkpoint_dir: CheckpointDir, common_strategy: LoadCommonStrategy | None = None
 ) -> StateDict:
     """The common (non-sharded) state of a committed checkpoint."""
-    location = open_location(checkpoint_dir)
-    read_commit_record(location)
+    location = open_committed(open_location(checkpoint_dir))
     _, common_strategy = verify_checkpoint_and_load_strategy(location, None, common_strategy)
     return common_strategy.load_common(location)
 
@@ -392,7 +416,7 @@ def load_tensors_metadata(
     Returns:
         ``{key: ShardedTensor without data covering the whole tensor}``
     """
-    location = open_location(checkpoint_dir)
+    location = open_committed(open_location(checkpoint_dir))
     sharded_strategy, _ = verify_checkpoint_and_load_strategy(location, sharded_strategy)
     return sharded_strategy.load_tensors_metadata(location)
 
@@ -408,7 +432,7 @@ def load_sharded_metadata(
         ``{sharded key: ShardedTensor or ShardedObject}`` (tensors by key, object shards
         by their unique key).
     """
-    location = open_location(checkpoint_dir)
+    location = open_committed(open_location(checkpoint_dir))
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(location, sharded_strategy, common_strategy)
     metadata = sharded_strategy.load_sharded_metadata(location)
     if not sharded_strategy.can_handle_sharded_objects:
@@ -417,9 +441,13 @@ def load_sharded_metadata(
 
 
 def load_plain_tensors(checkpoint_dir: CheckpointDir) -> StateDict:
-    """Every tensor of the checkpoint, whole, as plain tensors (on every calling rank)."""
+    """Every tensor of the checkpoint, whole, as plain tensors.
+
+    Not collective: any one process may call it, also one rank of a running job.
+    """
     sharded_state_dict = load_tensors_metadata(checkpoint_dir)
-    return load(sharded_state_dict, checkpoint_dir, validate_access_integrity=False)
+    return _load(sharded_state_dict, checkpoint_dir, None, None, False, StrictHandling.ASSUME_OK_UNEXPECTED,
+                 Group.local())
 
 
 def remove_sharded_tensors(checkpoint_dir: CheckpointDir, key_prefix: str) -> None:

@@ -322,3 +322,63 @@ def test_a_commit_missing_a_chunk_fails(ckpt_dir: Path, monkeypatch) -> None:
     with pytest.raises(CheckpointingException, match=r"(?s)Committing .*no rank wrote chunk"):
         _two_arrays(ckpt_dir)
     assert not ckpt_dir.exists()
+
+
+# ----------------------------------------- every read path checks (5)
+
+
+def test_queries_refuse_files_the_record_does_not_vouch_for(tmp_path: Path) -> None:
+    from shardstore import load_common_state_dict, load_sharded_metadata
+
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    save({**_values(1.0), "rng": ShardedObject("rng", {"seed": 1}, (1,), (0,))}, ckpt)
+    save({**_values(2.0), "rng": ShardedObject("rng", {"seed": 2}, (1,), (0,))}, other)
+    (ckpt / "common.pt").write_bytes((other / "common.pt").read_bytes())
+    with pytest.raises(CheckpointingException, match="Corrupt file .*common.pt"):
+        load_common_state_dict(ckpt)
+    with pytest.raises(CheckpointingException, match="Corrupt file .*common.pt"):
+        load(_values(0.0), ckpt)
+    (ckpt / "metadata.json").write_bytes((ckpt / "metadata.json").read_bytes() + b" ")
+    for query in (load_common_state_dict, load_sharded_metadata, load_plain_tensors):
+        with pytest.raises(CheckpointingException, match="Corrupt file .*metadata.json"):
+            query(ckpt)
+
+
+# ------------------------------- a read error on one rank reaches all (7)
+
+
+def load_with_damage_on_rank_1(rank: int, world: int, ckpt: str, fully_parallel: bool) -> tuple[str, float]:
+    import time
+
+    from shardstore.strategies.zarr import ZarrLoadShardedStrategy
+
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 2), (0, rank, world))}
+    start = time.monotonic()
+    try:
+        load(request, ckpt, sharded_strategy=ZarrLoadShardedStrategy(fully_parallel=fully_parallel))
+    except CheckpointingException as exc:
+        return str(exc), time.monotonic() - start
+    raise AssertionError("the load returned normally")
+
+
+@pytest.mark.parametrize("fully_parallel", [False, True])
+def test_read_error_on_one_rank_is_raised_on_every_rank(ckpt_dir: Path, fully_parallel: bool) -> None:
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(16.0).reshape(8, 2))}, ckpt_dir,
+         sharded_strategy=_small_chunks())
+    chunk = ckpt_dir / "w/c/6/0"  # only rank 1 reads rows 4-7
+    chunk.write_bytes(b"\xff" + chunk.read_bytes()[1:])
+    results = run_distributed(load_with_damage_on_rank_1, 2, str(ckpt_dir), fully_parallel, timeout=60)
+    for message, seconds in results:
+        assert "rank(s) 1" in message and "chunk c/6/0 of array 'w'" in message and str(ckpt_dir) in message, message
+        assert seconds < 10, seconds
+
+
+def plain_tensors_on_rank_0_only(rank: int, world: int, ckpt: str) -> float:
+    if rank == 0:
+        assert load_plain_tensors(ckpt)["w"].shape == (8, 2)
+    return 0.0
+
+
+def test_load_plain_tensors_on_one_rank_of_a_job_does_not_hang(ckpt_dir: Path) -> None:
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(16.0).reshape(8, 2))}, ckpt_dir)
+    run_distributed(plain_tensors_on_rank_0_only, 2, str(ckpt_dir), timeout=60)

@@ -710,7 +710,14 @@ def load_fully_parallel(
         for s in shards:
             members.setdefault((s.block_id, s.dtype), []).append(s)
     reads = [s.index for group_ in members.values() for s in group_ if s.rank == group.rank and s.main]
-    out: dict[int, torch.Tensor] = dict(zip(reads, load_tensors([tensors[i] for i in reads], location, record, io_concurrency, allow_lossy_casts)))
+    out: dict[int, torch.Tensor] = {}
+    error = None
+    try:
+        loaded = load_tensors([tensors[i] for i in reads], location, record, io_concurrency, allow_lossy_casts)
+        out = dict(zip(reads, loaded))
+    except Exception as exc:  # reported on every rank by agree(), before any exchange
+        error = exc
+    group.agree(error, f"Reading checkpoint {location.describe()}")
     sends: dict[int, list[torch.Tensor]] = {}
     receives: dict[int, list[torch.Tensor]] = {}
     for ident in sorted(members, key=repr):  # the same order on every rank
@@ -763,10 +770,13 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
 
     def load_with_record(
         self, sharded_state_dict: ShardedStateDict, location: Location, record: CommitRecord,
-        process_group: dist.ProcessGroup | None = None,
+        process_group: dist.ProcessGroup | Group | None = None,
     ) -> StateDict:
         """Like ``load`` with a commit record the caller already read (and on the
-        caller's process group when given)."""
+        caller's process group or ``Group`` when given).
+
+        Collective: a read that fails on one rank raises the same error, naming the
+        checkpoint, key and chunk, on every rank."""
         tensors: list[ShardedTensor] = []
 
         def collect(x: Any) -> Any:
@@ -775,11 +785,19 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             return x
 
         dict_list_map_inplace(collect, sharded_state_dict)
-        group = Group(process_group if process_group is not None else self.process_group)
+        if isinstance(process_group, Group):
+            group = process_group
+        else:
+            group = Group(process_group if process_group is not None else self.process_group)
         if self.fully_parallel and group.world_size > 1:
             results = load_fully_parallel(tensors, location, record, group, self.io_concurrency, self.allow_lossy_casts)
         else:
-            results = load_tensors(tensors, location, record, self.io_concurrency, self.allow_lossy_casts)
+            results, error = [], None
+            try:
+                results = load_tensors(tensors, location, record, self.io_concurrency, self.allow_lossy_casts)
+            except Exception as exc:  # reported on every rank by agree()
+                error = exc
+            group.agree(error, f"Reading checkpoint {location.describe()}")
         loaded = iter(results)
         return dict_list_map_inplace(
             lambda x: next(loaded) if isinstance(x, ShardedTensor) else x, sharded_state_dict

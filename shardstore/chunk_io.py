@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import stat
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -44,7 +43,7 @@ import numpy as np
 
 from shardstore.core import CheckpointingException
 from shardstore.layout import Region
-from shardstore.storage import Location, run_parallel
+from shardstore.storage import Location, check_inside, open_regular, run_parallel
 
 CRC_BYTES = 4
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -141,7 +140,7 @@ class FileChunkStore(ChunkStore):
 
     def __init__(self, root: Path, threads: int = DEFAULT_IO_THREADS) -> None:
         self.root, self.threads = root, threads
-        self._checked_dirs: set[str] = set()
+        self._checked_dirs: set[Path] = set()
 
     def describe(self, rel: str) -> str:
         return str(self.root / rel)
@@ -163,17 +162,13 @@ class FileChunkStore(ChunkStore):
 
     def get_into(self, rel: str, views: list[memoryview]) -> tuple[int, bytes] | None:
         path = self.root / rel
-        self._check_inside(path.parent)
-        try:
-            # O_NOFOLLOW: a link is refused; O_NONBLOCK: opening a FIFO does not wait
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except FileNotFoundError:
+        if path.parent not in self._checked_dirs:  # once per directory, not per chunk
+            check_inside(self.root, path.parent)
+            self._checked_dirs.add(path.parent)
+        fd = open_regular(path)
+        if fd is None:
             return None
-        except OSError as exc:
-            raise CheckpointingException(f"Cannot open {path}: {exc} (a link or special file?)") from exc
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise CheckpointingException(f"{path} is not a regular file; refusing to read it")
             got, pending = 0, views
             while pending and (n := os.readv(fd, pending[:IOV_MAX])):
                 got += n
@@ -181,20 +176,6 @@ class FileChunkStore(ChunkStore):
             return got, os.read(fd, CRC_BYTES + 1)  # one byte more than expected detects a too-long file
         finally:
             os.close(fd)
-
-    def _check_inside(self, directory: Path) -> None:
-        """The directory resolves inside the checkpoint: no symlinked array or chunk
-        directory leads the read into another checkpoint (checked once per directory)."""
-        key = str(directory)
-        if key in self._checked_dirs:
-            return
-        root = os.path.realpath(self.root)
-        real = os.path.realpath(directory)
-        if real != root and not real.startswith(root + os.sep):
-            raise CheckpointingException(
-                f"{directory} leads outside the checkpoint (to {real}): a symbolic link; refusing to read it"
-            )
-        self._checked_dirs.add(key)
 
 
 class KvChunkStore(ChunkStore):

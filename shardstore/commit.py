@@ -51,7 +51,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardstore.core import CheckpointingException
-from shardstore.format import COMMIT_RECORD, REPLACED_TAG, SAVE_MARKER, STAGING_TAG, CommitRecord
+from shardstore.format import (
+    COMMIT_RECORD,
+    MAX_RECORD_BYTES,
+    REPLACED_TAG,
+    SAVE_MARKER,
+    STAGING_TAG,
+    CommitRecord,
+)
 from shardstore.storage import DelegatingLocation, LocalLocation, Location
 
 logger = logging.getLogger(__name__)
@@ -81,7 +88,7 @@ def committed_save_id(location: Location) -> str | None:
         CheckpointingException: the root ``zarr.json`` is not a shardstore commit record
             (a foreign Zarr group: never ours to replace).
     """
-    data = location.read_bytes_or_none(COMMIT_RECORD)
+    data = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_RECORD_BYTES)
     if data is None:
         return None
     return CommitRecord.from_json(data, where=location.describe(COMMIT_RECORD)).save_id
@@ -97,7 +104,7 @@ def _refuse_foreign(target: Location) -> None:
 
 
 def _marker_id(location: Location) -> str | None:
-    data = location.read_bytes_or_none(SAVE_MARKER)
+    data = location.read_bytes_or_none(SAVE_MARKER, max_bytes=4096)
     if data is None:
         return None
     try:
@@ -172,6 +179,8 @@ class PendingCheckpoint(DelegatingLocation):
             self.release()
 
     def release(self) -> None:
+        """Every rank, once the save is over: closes what the save holds open."""
+        self.inner.end_writes()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -239,6 +248,7 @@ def begin_save(target: Location, overwrite: bool) -> PendingCheckpoint:
         pending = PendingCheckpoint(target, _staging_for(target, save_id), SaveIntent(save_id, replaces))
         pending.inner.prepare()
         pending._lock_fd = pending.inner.hold_lock()
+        pending.inner.begin_writes()
     else:
         target.prepare()
         if not target.is_empty() and _marker_id(target) is not None and committed_save_id(target) is None:
@@ -249,6 +259,7 @@ def begin_save(target: Location, overwrite: bool) -> PendingCheckpoint:
             target.remove(COMMIT_RECORD)  # the documented window on object stores starts here
             target.remove_tree("")
         pending = PendingCheckpoint(target, target, SaveIntent(save_id, replaces))
+        pending.inner.begin_writes()
     _write_marker(pending.inner, save_id)
     return pending
 
@@ -257,8 +268,11 @@ def join_save(target: Location, intent: SaveIntent) -> PendingCheckpoint:
     """Every rank but the coordinator: the pending checkpoint the coordinator began."""
     if isinstance(target, LocalLocation):
         target = LocalLocation(target.root.resolve(), fsync=target.fsync)
-        return PendingCheckpoint(target, _staging_for(target, intent.save_id), intent)
-    return PendingCheckpoint(target, target, intent)
+        pending = PendingCheckpoint(target, _staging_for(target, intent.save_id), intent)
+    else:
+        pending = PendingCheckpoint(target, target, intent)
+    pending.inner.begin_writes()
+    return pending
 
 
 def _staging_for(target: LocalLocation, save_id: str) -> LocalLocation:

@@ -14,13 +14,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, ParamSpec, TypeVar
 
+from shardstore.errors import CheckpointingException
 from shardstore.storage import Location, open_location
 
 CONFIG_FNAME = "metadata.json"
-
-
-class CheckpointingException(Exception):
-    """The one exception type shardstore raises for problems with a checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +67,10 @@ def check_is_distributed_checkpoint(checkpoint_dir: str | Location) -> bool:
 def maybe_load_config(checkpoint_dir: str | Location) -> CheckpointingConfig | None:
     """Returns the checkpoint's config, or None when there is no ``metadata.json``."""
     location = open_location(checkpoint_dir)
-    data = location.read_bytes_or_none(CONFIG_FNAME)
+    try:
+        data = location.read_bytes_or_none(CONFIG_FNAME, max_bytes=2**20)
+    except OSError as exc:
+        raise CheckpointingException(f"Cannot read {location.describe(CONFIG_FNAME)}: {exc}") from exc
     if data is None:
         return None
     return CheckpointingConfig.from_json(data, where=location.describe(CONFIG_FNAME))

@@ -50,6 +50,8 @@ REPLACED_TAG = ".shardstore-replaced-"
 MAX_NDIM = 32
 MAX_ELEMENTS = 2**62
 MAX_CHUNK_BYTES = 2**34  # one chunk is read into memory whole; 16 GiB is far above any we write
+# Largest commit record read (a crc32c per chunk: about 11 bytes each in JSON).
+MAX_RECORD_BYTES = 2**30
 # Chunks of one array in a format-1 record, which lists no checksums to pay for them.
 MAX_UNBOUND_CHUNKS = 2**24
 
@@ -367,7 +369,10 @@ def is_committed(location: Location) -> bool:
 
 def read_commit_record(location: Location) -> CommitRecord:
     """The checkpoint's commit record; a clear error if the checkpoint is incomplete."""
-    data = location.read_bytes_or_none(COMMIT_RECORD)
+    try:
+        data = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_RECORD_BYTES)
+    except OSError as exc:
+        raise CheckpointingException(f"Cannot read the commit record of {location.describe()}: {exc}") from exc
     if data is None:
         if location.is_empty():
             unfinished = unfinished_saves(location)

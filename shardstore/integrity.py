@@ -59,8 +59,8 @@ class ChecksummedLocation(DelegatingLocation):
         self.record = record
         self._vouchable = record.expected_files()
 
-    def read_bytes_or_none(self, rel: str) -> bytes | None:
-        data = self.inner.read_bytes_or_none(rel)
+    def read_bytes_or_none(self, rel: str, max_bytes: int | None = None) -> bytes | None:
+        data = self.inner.read_bytes_or_none(rel, max_bytes)
         if data is None or rel not in self._vouchable:
             return data
         expected = self.record.files.get(rel)
@@ -135,12 +135,20 @@ def verify(checkpoint_dir: str | os.PathLike | Location) -> VerifyReport:
         return report
     for rel, expected in sorted(record.files.items()):
         report.files_checked += 1
-        data = location.read_bytes_or_none(rel)
+        try:
+            data = location.read_bytes_or_none(rel)
+        except CheckpointingException as exc:
+            report.problems.append(Problem(rel, "file", str(exc)))
+            continue
         if data is None:
             report.problems.append(Problem(rel, "file", "missing"))
         elif why := checksum_mismatch(data, expected):
             report.problems.append(Problem(rel, "file", why))
-    store = chunk_store_for(location, VERIFY_REMOTE_THREADS)
+    try:
+        store = chunk_store_for(location, VERIFY_REMOTE_THREADS)
+    except CheckpointingException as exc:
+        report.problems.append(Problem("", "store", str(exc)))
+        return report
     for _, array in sorted(record.arrays.items()):
         report.arrays_checked += 1
         _verify_array(location, store, array, report)
@@ -150,7 +158,11 @@ def verify(checkpoint_dir: str | os.PathLike | Location) -> VerifyReport:
 def _verify_array(location: Location, store: ChunkStore, array: ArrayRecord, report: VerifyReport) -> None:
     chunks = ArrayChunks(array.key, store, array.shape, array.chunk_shape,
                          from_zarr_name(array.dtype).numpy_dtype, array.chunk_crcs)
-    buffer = np.empty(array.chunk_shape, chunks.dtype)
+    try:
+        buffer = np.empty(array.chunk_shape, chunks.dtype)
+    except MemoryError:
+        report.problems.append(Problem(array.key, "all", f"chunk shape {array.chunk_shape} too large to check here"))
+        return
     for index in array.chunk_indices():
         report.chunks_checked += 1
         try:

@@ -161,11 +161,16 @@ class S3Location(Location):
         except Exception as exc:
             raise StorageError(f"Cannot {what} {self.describe(rel)}: {exc}") from exc
 
-    def read_bytes_or_none(self, rel: str) -> bytes | None:
+    def read_bytes_or_none(self, rel: str, max_bytes: int | None = None) -> bytes | None:
         try:
-            return self._call("read", rel, self.fs.cat_file, self._path(rel))
+            if max_bytes is None:
+                return self._call("read", rel, self.fs.cat_file, self._path(rel))
+            data = self._call("read", rel, self.fs.cat_file, self._path(rel), start=0, end=max_bytes + 1)
         except FileNotFoundError:
             return None
+        if len(data) > max_bytes:
+            raise StorageError(f"{self.describe(rel)} holds more than the {max_bytes} bytes a record may have")
+        return data
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         self._call("write", rel, self.fs.pipe_file, self._path(rel), data)

@@ -141,6 +141,8 @@ def save(
     except CheckpointingException:  # raised on every rank: no rank writes any more
         if group.is_coordinator:
             pending.abandon()
+        else:
+            pending.release()
         raise
     return None
 

@@ -23,12 +23,15 @@ import fcntl
 import logging
 import os
 import shutil
-import tempfile
+import stat
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from shardstore.errors import CheckpointingException
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +39,10 @@ logger = logging.getLogger(__name__)
 SMALL_FILE_WRITERS = 8
 
 
-class StorageError(OSError):
-    """A storage operation failed; the message names the location and the object."""
+class StorageError(CheckpointingException, OSError):
+    """A storage operation failed; the message names the location and the object.
+
+    A CheckpointingException (what callers catch) and an OSError (what it is)."""
 
 
 class Location(ABC):
@@ -53,8 +58,24 @@ class Location(ABC):
         """A human-readable address of ``rel`` for error messages."""
 
     @abstractmethod
-    def read_bytes_or_none(self, rel: str) -> bytes | None:
-        """The object's bytes, or None if it does not exist."""
+    def read_bytes_or_none(self, rel: str, max_bytes: int | None = None) -> bytes | None:
+        """The object's bytes, or None if it does not exist.
+
+        ``max_bytes``: refuse (StorageError) an object larger than this: records are
+        read through a bound, so a hostile one cannot make the reader allocate without
+        limit. Local reads never follow a link and never open a special file.
+        """
+
+    def begin_writes(self) -> None:
+        """Called before this process writes its first byte of a save (local disks
+        open the descriptor that ``make_durable`` syncs through, so write-back errors
+        from then on are reported). Nothing to do elsewhere."""
+        return None
+
+    def end_writes(self) -> None:
+        """Releases what ``begin_writes`` holds (after a failed save; ``make_durable``
+        releases it on success)."""
+        return None
 
     def read_bytes(self, rel: str) -> bytes:
         data = self.read_bytes_or_none(rel)
@@ -133,8 +154,14 @@ class DelegatingLocation(Location):
     def describe(self, rel: str = "") -> str:
         return self.inner.describe(rel)
 
-    def read_bytes_or_none(self, rel: str) -> bytes | None:
-        return self.inner.read_bytes_or_none(rel)
+    def read_bytes_or_none(self, rel: str, max_bytes: int | None = None) -> bytes | None:
+        return self.inner.read_bytes_or_none(rel, max_bytes)
+
+    def begin_writes(self) -> None:
+        self.inner.begin_writes()
+
+    def end_writes(self) -> None:
+        self.inner.end_writes()
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         self.inner.write_bytes(rel, data)
@@ -182,6 +209,7 @@ class LocalLocation(Location):
     def __init__(self, path: str | os.PathLike, fsync: bool = True) -> None:
         self.root = Path(path).absolute()
         self.fsync = fsync
+        self._sync_fd: int | None = None
 
     def __repr__(self) -> str:
         return f"LocalLocation({str(self.root)!r})"
@@ -195,13 +223,32 @@ class LocalLocation(Location):
     def local_path(self, rel: str = "") -> Path:
         return self._path(rel)
 
-    def read_bytes_or_none(self, rel: str) -> bytes | None:
+    def read_bytes_or_none(self, rel: str, max_bytes: int | None = None) -> bytes | None:
+        path = self._path(rel)
         try:
-            return self._path(rel).read_bytes()
-        except FileNotFoundError:
-            return None
+            fd = open_regular_file(self.root, path)
+            if fd is None:
+                return None
+            with os.fdopen(fd, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if max_bytes is not None and size > max_bytes:
+                    raise StorageError(f"{path} holds {size} bytes, more than the {max_bytes} a record may have")
+                data = f.read(size + 1)  # one more: a file that grows while read is refused
         except OSError as exc:
-            raise StorageError(f"Cannot read {self.describe(rel)}: {exc}") from exc
+            raise StorageError(f"Cannot read {path}: {exc}") from exc
+        if len(data) != size:
+            raise StorageError(f"{path} changed size while it was read ({size} -> {len(data)}+ bytes)")
+        return data
+
+    def begin_writes(self) -> None:
+        if self.fsync and self._sync_fd is None:
+            self.prepare()
+            self._sync_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+
+    def end_writes(self) -> None:
+        fd, self._sync_fd = self._sync_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         self._make_parents([rel])
@@ -232,7 +279,10 @@ class LocalLocation(Location):
         path = self._path(rel)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            # Mode 0666 less the umask, like every other file (mkstemp's 0600 would keep
+            # teammates from loading the checkpoint).
+            tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
@@ -348,8 +398,20 @@ class LocalLocation(Location):
             raise StorageError(f"Cannot create checkpoint directory {self.root}: {exc}") from exc
 
     def make_durable(self) -> None:
-        if self.fsync and self.root.exists():
-            _syncfs(self.root)
+        """``syncfs`` through the descriptor ``begin_writes`` opened before the first
+        write: Linux reports a write-back error to a descriptor only if it happened
+        after the descriptor was opened (errseq), so one opened now could miss it."""
+        if not self.fsync:
+            return
+        fd, self._sync_fd = self._sync_fd, None
+        if fd is None:
+            if not self.root.exists():
+                return
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            _syncfs(fd, self.root)
+        finally:
+            os.close(fd)
 
     def kvstore_spec(self, rel: str = "") -> dict[str, Any]:
         path = str(self._path(rel))
@@ -411,19 +473,53 @@ def _fsync_directory(path: Path) -> None:
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 
 
-def _syncfs(path: Path) -> None:
-    """Flushes the file system holding ``path``: data, inodes and directory entries."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _syncfs(fd: int, path: Path) -> None:
+    """Flushes the file system holding ``fd`` (a directory ``path``): data, inodes and
+    directory entries."""
+    syncfs = getattr(_libc, "syncfs", None)
+    if syncfs is None:
+        os.sync()
+        return
+    if syncfs(fd) != 0:
+        err = ctypes.get_errno()
+        raise StorageError(err, f"syncfs failed on {path}: {os.strerror(err)}")
+
+
+def open_regular_file(root: Path, path: Path) -> int | None:
+    """A read-only descriptor of ``path``, a regular file inside ``root``; None if it
+    does not exist.
+
+    Refused (StorageError): a symbolic link (``O_NOFOLLOW``), a directory on the way
+    that resolves outside ``root``, and anything but a regular file: a FIFO would block
+    the reader (``O_NONBLOCK`` keeps even the open from waiting), ``/dev/zero`` would
+    never end.
+    """
+    check_inside(root, path.parent)
+    return open_regular(path)
+
+
+def check_inside(root: Path, directory: Path) -> None:
+    """Raises StorageError if ``directory`` resolves outside ``root`` (a symbolic link
+    on the way would lead a read into another checkpoint)."""
+    real_root, real = os.path.realpath(root), os.path.realpath(directory)
+    if real != real_root and not real.startswith(real_root + os.sep):
+        raise StorageError(f"{directory} leads outside {root} (to {real}): a symbolic link; refusing to read it")
+
+
+def open_regular(path: Path) -> int | None:
+    """``open_regular_file`` without the check of the directories on the way."""
     try:
-        syncfs = getattr(_libc, "syncfs", None)
-        if syncfs is None:
-            os.sync()
-            return
-        if syncfs(fd) != 0:
-            err = ctypes.get_errno()
-            raise StorageError(err, f"syncfs failed on {path}: {os.strerror(err)}")
-    finally:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StorageError(f"{path} is a symbolic link; refusing to follow it out of the checkpoint") from exc
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
+        raise StorageError(f"{path} is not a regular file; refusing to read it")
+    return fd
 
 
 def open_location(target: str | os.PathLike | Location, **options: Any) -> Location:

@@ -136,16 +136,38 @@ def plain_save_overwrite(rank: int, world: int, ckpt: str) -> None:
 
 
 def test_data_is_made_durable_before_the_commit_record(ckpt_dir: Path, monkeypatch) -> None:
+    import shardstore.chunk_io as chunk_io
     import shardstore.storage as storage
 
     events: list[str] = []
     real_syncfs, real_write_atomic = storage._syncfs, storage.LocalLocation.write_atomic
-    monkeypatch.setattr(storage, "_syncfs", lambda path: (events.append("syncfs"), real_syncfs(path)))
+    real_begin, real_write = storage.LocalLocation.begin_writes, chunk_io.ChunkFile.write
+
+    def begin(self):
+        real_begin(self)
+        events.append(f"opened fd {self._sync_fd}")
+
+    monkeypatch.setattr(storage.LocalLocation, "begin_writes", begin)
+    monkeypatch.setattr(chunk_io.ChunkFile, "write", lambda self, data: (events.append("chunk"), real_write(self, data))[1])
+    monkeypatch.setattr(storage, "_syncfs", lambda fd, path: (events.append(f"syncfs fd {fd}"), real_syncfs(fd, path)))
     monkeypatch.setattr(storage.LocalLocation, "write_atomic",
                         lambda self, rel, data: (events.append(f"atomic {rel}"), real_write_atomic(self, rel, data)))
     save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, ckpt_dir)
-    assert events.index("syncfs") < events.index("atomic zarr.json"), events
+    opened = next(e for e in events if e.startswith("opened fd"))
+    # errseq: write-back errors reach a descriptor only if opened before them
+    assert events.index(opened) < events.index("chunk") < events.index("syncfs" + opened[len("opened"):]), events
+    assert events.index("syncfs" + opened[len("opened"):]) < events.index("atomic zarr.json"), events
     assert not list(ckpt_dir.glob(".zarr.json.*")), "temp file of the atomic write left behind"
+
+
+def test_files_follow_the_umask(ckpt_dir: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, ckpt_dir)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in ckpt_dir.iterdir() if p.is_file()}
+    assert modes["zarr.json"] == modes["common.pt"] == 0o644, modes
 
 
 def test_fsync_can_be_turned_off(ckpt_dir: Path, monkeypatch) -> None:

@@ -382,3 +382,84 @@ def plain_tensors_on_rank_0_only(rank: int, world: int, ckpt: str) -> float:
 def test_load_plain_tensors_on_one_rank_of_a_job_does_not_hang(ckpt_dir: Path) -> None:
     save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(16.0).reshape(8, 2))}, ckpt_dir)
     run_distributed(plain_tensors_on_rank_0_only, 2, str(ckpt_dir), timeout=60)
+
+
+# ------------------------------------------- hostile files inside (8)
+
+
+def _saved_with_neighbour(tmp_path: Path) -> tuple[Path, Path]:
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    _two_arrays(ckpt)
+    _two_arrays(other)  # same values: only the link check can tell
+    return ckpt, other
+
+
+def _fifo(path: Path) -> None:
+    import os
+
+    path.unlink()
+    os.mkfifo(path)
+
+
+HOSTILE_FILES = {
+    "fifo as chunk": lambda ckpt, other: _fifo(ckpt / "a/c/1/0"),
+    "fifo as common.pt": lambda ckpt, other: _fifo(ckpt / "common.pt"),
+    "zarr.json -> /dev/zero": lambda ckpt, other: ((ckpt / "zarr.json").unlink(), (ckpt / "zarr.json").symlink_to("/dev/zero")),
+    "common.pt -> other checkpoint": lambda ckpt, other: ((ckpt / "common.pt").unlink(),
+                                                          (ckpt / "common.pt").symlink_to(other / "common.pt")),
+    "chunk -> other checkpoint": lambda ckpt, other: ((ckpt / "a/c/1/0").unlink(),
+                                                      (ckpt / "a/c/1/0").symlink_to(other / "a/c/1/0")),
+    "chunk directory -> other checkpoint": lambda ckpt, other: (__import__("shutil").rmtree(ckpt / "a/c/1"),
+                                                                (ckpt / "a/c/1").symlink_to(other / "a/c/1")),
+    "array directory -> other checkpoint": lambda ckpt, other: (__import__("shutil").rmtree(ckpt / "b"),
+                                                                (ckpt / "b").symlink_to(other / "b")),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", sorted(HOSTILE_FILES))
+def test_hostile_files_are_refused_not_followed(tmp_path: Path, name: str) -> None:
+    import time
+
+    ckpt, other = _saved_with_neighbour(tmp_path)
+    HOSTILE_FILES[name](ckpt, other)
+    start = time.monotonic()
+    report = verify(ckpt)  # never raises for damage
+    assert not report.ok, name
+    with pytest.raises(CheckpointingException, match=r"symbolic link|not a regular file|refus"):
+        load(_request(), ckpt)
+    assert time.monotonic() - start < 10
+
+
+# ------------------------------------------------- record bombs (9)
+
+
+def _edit_record(ckpt: Path, edit) -> None:
+    import json
+
+    root = json.loads((ckpt / "zarr.json").read_text())
+    edit(root["attributes"]["shardstore"])
+    (ckpt / "zarr.json").write_text(json.dumps(root))
+
+
+def _bomb(version: int):
+    def edit(record: dict) -> None:
+        record["format_version"] = version
+        record["arrays"]["a"].update(shape=[2**31, 2], chunk_shape=[1, 2], chunk_grid=[2**31, 1])
+        if version == 1:
+            del record["arrays"]["a"]["chunk_crc32c"]
+    return edit
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("version", [1, 2])
+def test_record_bombs_give_clear_errors_without_allocating(ckpt_dir: Path, version: int) -> None:
+    from shardstore import load_common_state_dict, load_sharded_metadata, load_tensors_metadata
+
+    _two_arrays(ckpt_dir)
+    _edit_record(ckpt_dir, _bomb(version))
+    report = verify(ckpt_dir)
+    assert not report.ok and str(ckpt_dir) in str(report)
+    for query in (load_tensors_metadata, load_sharded_metadata, load_common_state_dict, load_plain_tensors):
+        with pytest.raises(CheckpointingException, match=str(ckpt_dir)):
+            query(ckpt_dir)

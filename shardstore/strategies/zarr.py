@@ -439,8 +439,11 @@ def finalize_save(staged: StagedSave, error: BaseException | None) -> None:
             except Exception as exc:  # told to every rank below
                 what, failures = "Committing", [RankFailure.from_exception(group.rank, exc)]
     what, failures = group.broadcast_object((what, failures))
-    if failures and group.is_coordinator and isinstance(location, PendingCheckpoint):
-        location.abandon()
+    if isinstance(location, PendingCheckpoint):
+        if failures and group.is_coordinator:
+            location.abandon()
+        else:
+            location.release()
     raise_failures(failures, f"{what} checkpoint {location.describe()}", cause=error)
 
 

@@ -101,6 +101,16 @@ class Group:
             dist.broadcast_object_list(box, src=self.global_rank(src), group=self.process_group)
         return box[0]
 
+    def min_over_ranks(self, value: int, what: str) -> int:
+        """Collective: the smallest ``value`` of all ranks (on the group's device, so
+        NCCL groups work too)."""
+        if self.world_size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        with _peer_failures(what):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.process_group)
+        return int(tensor.item())
+
     def barrier(self) -> None:
         if self.world_size > 1:
             with _peer_failures("barrier"):

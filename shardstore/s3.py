@@ -48,8 +48,13 @@ class S3Options:
         region: None: ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, else ``us-east-1``.
         key, secret, token: explicit credentials (else environment or profile).
         profile: a profile of the shared AWS config files.
-        max_retries: attempts after the first for a transient failure.
+        max_retries: attempts after the first for a transient failure. With the
+            defaults a dead endpoint, refused connections or permanent 503s fail a save
+            or load within a minute (measured: see the README's S3 section); raise it
+            for stores that throttle for long.
         initial_delay, max_delay: backoff bounds in seconds (jittered, exponential).
+        connect_timeout, read_timeout: seconds before one request is given up (then
+            retried).
         request_concurrency: TensorStore requests in flight per process.
         s3fs_kwargs: extra keyword arguments for ``s3fs.S3FileSystem``.
     """
@@ -60,9 +65,11 @@ class S3Options:
     secret: str | None = None
     token: str | None = None
     profile: str | None = None
-    max_retries: int = 10
+    max_retries: int = 4
     initial_delay: float = 0.05
-    max_delay: float = 5.0
+    max_delay: float = 2.0
+    connect_timeout: float = 10.0
+    read_timeout: float = 30.0
     request_concurrency: int = 32
     s3fs_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -143,7 +150,11 @@ class S3Location(Location):
                 "client_kwargs": {"region_name": o.resolved_region()},
                 # botocore's standard mode: exponential backoff with jitter on 5xx,
                 # throttling and connection errors
-                "config_kwargs": {"retries": {"max_attempts": o.max_retries + 1, "mode": "standard"}},
+                "config_kwargs": {
+                    "retries": {"max_attempts": o.max_retries + 1, "mode": "standard"},
+                    "connect_timeout": o.connect_timeout,
+                    "read_timeout": o.read_timeout,
+                },
                 **o.s3fs_kwargs,
             }
             if o.key is not None:
@@ -151,6 +162,9 @@ class S3Location(Location):
             elif o.resolved_profile():
                 kwargs["profile"] = o.resolved_profile()
             self._fs = s3fs.S3FileSystem(**kwargs)
+            # botocore retries; s3fs's own loop around it (5 rounds by default) would
+            # multiply the attempts: 81 s to report a refused connection, measured.
+            self._fs.retries = 1
         return self._fs
 
     def _call(self, what: str, rel: str, fn: Any, *args: Any, **kwargs: Any) -> Any:

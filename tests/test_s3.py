@@ -26,6 +26,7 @@ from shardstore import (
 )
 from shardstore.format import is_committed
 from shardstore.s3 import S3Location, S3Options
+from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 from tests.dist import run_distributed
 from tests.s3_support import KEY, REGION, SECRET, Faults, FaultyProxy, MotoServer
 from tests.scenarios import assert_bits_equal, global_tensor, grid_shard
@@ -246,3 +247,64 @@ def test_async_save_to_s3(server: MotoServer, url: str) -> None:
     options = _options(server.endpoint)
     assert run_distributed(async_save_s3, 2, url, options) == [[0], [0]]
     run_distributed(load_s3, 1, url, options, ())
+
+
+# ------------------------------------------------------------- issue 13
+
+
+def save_scalars_s3(rank: int, world: int, url: str, options: S3Options) -> None:
+    from tests.test_trust import _scalars
+
+    save(_scalars(empty=False, replica=rank), S3Location(url, options))
+
+
+def load_scalars_s3(rank: int, world: int, url: str, options: S3Options) -> None:
+    from tests.test_trust import DTYPES, _scalar, _scalar_key, _scalars
+
+    loaded = load(_scalars(empty=True, replica=rank), S3Location(url, options))
+    for d in DTYPES:
+        assert_bits_equal(loaded[_scalar_key(d)], _scalar(d), _scalar_key(d))
+
+
+def test_zero_dim_tensors_on_s3(server: MotoServer, url: str) -> None:
+    from shardstore import load_plain_tensors
+    from tests.test_trust import DTYPES, _scalar, _scalar_key
+
+    options = _options(server.endpoint)
+    run_distributed(save_scalars_s3, 2, url, options)
+    run_distributed(load_scalars_s3, 1, url, options)
+    plain = load_plain_tensors(S3Location(url, options))
+    for d in DTYPES:
+        assert_bits_equal(plain[_scalar_key(d)], _scalar(d), _scalar_key(d))
+
+
+def test_moved_chunk_on_s3_fails_load_and_verify(server: MotoServer, url: str) -> None:
+    location = S3Location(url, _options(server.endpoint))
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0).reshape(4, 2))}, location,
+         sharded_strategy=ZarrSaveShardedStrategy(max_chunk_bytes=8))
+    location.write_bytes("w/c/0/0", location.read_bytes("w/c/3/0"))
+    assert not verify(location).ok
+    with pytest.raises(CheckpointingException, match=r"Wrong chunk c/0/0 of array 'w'"):
+        load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 2))}, location)
+
+
+@pytest.mark.parametrize("failure", ["connection refused", "permanent 503"])
+def test_default_options_fail_within_a_minute(server: MotoServer, url: str, failure: str) -> None:
+    from shardstore.testing import free_port
+
+    location = S3Location(url, _options(server.endpoint))
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, location)
+    proxy = None
+    if failure == "connection refused":
+        endpoint = f"http://127.0.0.1:{free_port()}"  # nobody listens there
+    else:
+        proxy = FaultyProxy(server.port, Faults(error_503=1.0)).start()
+        endpoint = proxy.endpoint
+    start = time.monotonic()
+    try:
+        with pytest.raises(CheckpointingException, match=r"s3://checkpoints/.*(zarr\.json|w/)"):
+            load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, S3Location(url, _options(endpoint)))
+    finally:
+        if proxy is not None:
+            proxy.stop()
+    assert time.monotonic() - start < 60

@@ -463,3 +463,37 @@ def test_record_bombs_give_clear_errors_without_allocating(ckpt_dir: Path, versi
     for query in (load_tensors_metadata, load_sharded_metadata, load_common_state_dict, load_plain_tensors):
         with pytest.raises(CheckpointingException, match=str(ckpt_dir)):
             query(ckpt_dir)
+
+
+# --------------------------------------------------- async failures (11)
+
+
+def async_save_with_rank_1_killed(rank: int, world: int, ckpt: str) -> tuple[str, float]:
+    import os
+    import signal
+    import time
+
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
+    queue = AsyncCallsQueue()
+    request = save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(64, 4), (0, rank, world))}, ckpt,
+                   async_sharded_save=True)
+    queue.schedule_async_request(request)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # dies during its background I/O
+    start = time.monotonic()
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except CheckpointingException as exc:
+        return str(exc), time.monotonic() - start
+    raise AssertionError("finalize succeeded without rank 1")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_during_async_io_gives_a_clear_error(ckpt_dir: Path) -> None:
+    (message, seconds), = [r for r in run_distributed(async_save_with_rank_1_killed, 2, str(ckpt_dir), killed=(1,))
+                           if r is not None]
+    assert "not committed" in message and str(ckpt_dir) in message, message
+    assert seconds < 30
+    with pytest.raises(CheckpointingException, match="incomplete|No checkpoint"):
+        load(_one("w", torch.empty(128, 4)), ckpt_dir)

@@ -27,10 +27,11 @@ one whose CPUs are saturated (busy data loaders) gets a slow save and should pas
 blocking part of a save is done before the request exists: host snapshot of the
 tensors plus the metadata exchange.
 
-``maybe_finalize_async_calls`` is collective: the ranks agree (one ``all_reduce``) on
-which requests have finished everywhere, then finalize those, oldest first. A failure
-in the background surfaces there, on every rank, and the checkpoint gets no commit
-record.
+``maybe_finalize_async_calls`` is collective: the ranks agree (one ``all_reduce`` on
+the group's device) on which requests have finished everywhere, then finalize those,
+oldest first. A failure in the background surfaces there, on every rank, and the
+checkpoint gets no commit record; a rank that died makes the others raise a
+CheckpointingException naming the checkpoints left uncommitted.
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from shardstore.core import CheckpointingException
+from shardstore.distributed import Group
 
 logger = logging.getLogger(__name__)
 
@@ -180,9 +181,13 @@ class AsyncCallsQueue:
             done += 1
         if no_dist or not dist.is_initialized():
             return done
-        count = torch.tensor([done], dtype=torch.int64)
-        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.process_group)
-        return int(count.item())
+        try:
+            return Group(self.process_group).min_over_ranks(done, "async finalization")
+        except CheckpointingException as exc:
+            pending = [getattr(fn, "checkpoint", "?") for _, r, _ in self._pending for fn in r.finalize_fns]
+            raise CheckpointingException(
+                f"Async checkpoint save(s) of {sorted(set(pending))} not committed: {exc}"
+            ) from exc
 
     def get_num_unfinalized_calls(self) -> int:
         return len(self._pending)

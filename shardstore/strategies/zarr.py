@@ -578,6 +578,7 @@ def _finalizer(staged: StagedSave) -> Callable[[BaseException | None], None]:
         finalize_save(staged, error)
 
     finalize.accepts_async_error = True  # type: ignore[attr-defined]
+    finalize.checkpoint = staged.location.describe()  # type: ignore[attr-defined]
     return finalize
 
 

@@ -15,16 +15,22 @@ runs. Measured (2 ranks on 2 cores, each running a matmul loop on one thread, 1 
 per rank): a thread doing plain writes next to a loop with a free core cost the loop
 1-3%; with both cores busy the loop ran at 0.5-0.6x while the save ran, with one I/O
 thread (``ZarrSaveShardedStrategy(background_io_threads=1)``, the default; 8 threads:
-0.14-0.54x). The I/O thread therefore runs at the lowest CPU priority by default
-(``AsyncCallsQueue(io_priority="idle")``: Linux SCHED_IDLE): same setting and 1 GiB
-per rank, medians of 3, the loop ran at 0.54x with normal priority (save 2.8 s),
-0.79x at nice 19 (6.2 s) and 0.86x with SCHED_IDLE (8.4 s). The CPU the loop lost
-stayed about 1.2 core-seconds per rank in all three (kernel writeback is not ours to
-lower); the lower priority spreads it thinner over a longer save. A trainer whose
-host CPUs idle while its GPUs compute sees the save run at full speed either way;
-one whose CPUs are saturated (busy data loaders) gets a slow save and should pass
-``io_priority="normal"`` if the save's duration matters more. The
-blocking part of a save is done before the request exists: host snapshot of the
+0.14-0.54x). The I/O thread therefore runs at a lower CPU priority, nice 10 by
+default (``AsyncCallsQueue(io_priority="low")``).
+
+Why not lower still. A thread at Linux SCHED_IDLE (``"idle"``) yields the most CPU, but
+when the cores are saturated it can be preempted while it holds the GIL and then wait
+for the CPU for a long time, and the training thread waits for the GIL with it.
+``scripts/async_gap.py`` (a Python-heavy loop, every core kept busy by spinning
+processes, 256 MiB async save, medians of 3, 2 cores) measured the loop's worst step
+gap and its rate during the save: normal priority 30-33 ms and 0.73-0.75x (save
+2.0-2.3 s); nice 10 36 ms and 0.95x (save 6.0 s); nice 19 34 ms and 1.04x (save 29 s);
+SCHED_IDLE 241-285 ms and 0.96-0.98x (save 97-153 s). Nice 10 keeps the worst gap
+within 1.2x of normal priority's and leaves the loop 95% of its rate. A trainer whose
+host CPUs idle while its GPUs compute sees the save run at full speed either way; pass
+``io_priority="normal"`` when the save's duration matters more than the loop's rate.
+
+The blocking part of a save is done before the request exists: host snapshot of the
 tensors plus the metadata exchange.
 
 ``maybe_finalize_async_calls`` is collective: the ranks agree (one ``all_reduce`` on
@@ -54,9 +60,11 @@ from shardstore.distributed import Group
 logger = logging.getLogger(__name__)
 
 # CPU priority of the background I/O thread: "idle" (Linux SCHED_IDLE: runs on CPU
-# time nothing else wants), "low" (nice 19) or "normal". See the module docstring.
+# time nothing else wants, but can stall the trainer on the GIL), "low" (nice 10) or
+# "normal". See the module docstring.
 IO_PRIORITIES = ("idle", "low", "normal")
-DEFAULT_IO_PRIORITY = "idle"
+DEFAULT_IO_PRIORITY = "low"
+LOW_PRIORITY_NICE = 10
 
 
 @dataclass(frozen=True)
@@ -119,8 +127,9 @@ class AsyncCallsQueue:
             for the queue's lifetime.
         process_group: the ranks that finalize together (default: the world).
         io_priority: CPU priority of the background I/O thread and the threads it
-            starts: "idle" (default; Linux SCHED_IDLE, the I/O uses CPU time the
-            training loop leaves), "low" (nice 19) or "normal" (the caller's). Only
+            starts: "low" (default; nice 10), "idle" (Linux SCHED_IDLE: yields the most
+            CPU, but may stall the training thread on the GIL for hundreds of ms on
+            saturated cores) or "normal" (the caller's). Only
             applied on Linux, where priority is per thread.
     """
 
@@ -221,7 +230,7 @@ def set_thread_priority(priority: str) -> None:
         if priority == "idle":
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
         else:
-            os.setpriority(os.PRIO_PROCESS, tid, 19)
+            os.setpriority(os.PRIO_PROCESS, tid, LOW_PRIORITY_NICE)
     except OSError as exc:  # e.g. a seccomp profile forbids it: the save still works
         logger.warning("Could not lower the CPU priority of the async checkpoint I/O thread: %s", exc)
 

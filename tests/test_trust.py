@@ -497,3 +497,46 @@ def test_a_rank_killed_during_async_io_gives_a_clear_error(ckpt_dir: Path) -> No
     assert seconds < 30
     with pytest.raises(CheckpointingException, match="incomplete|No checkpoint"):
         load(_one("w", torch.empty(128, 4)), ckpt_dir)
+
+
+# ------------------------------------------- a load racing an overwrite (4)
+
+
+@pytest.mark.timeout(120)
+def test_a_load_racing_overwrites_reads_one_checkpoint_or_fails_clearly(ckpt_dir: Path) -> None:
+    import threading
+
+    def state(version: int) -> dict:
+        return {"a": ShardedTensor.from_rank_offsets("a", torch.full((64, 16), float(version))),
+                "b": ShardedTensor.from_rank_offsets("b", torch.full((8,), float(version))),
+                "version": version}
+
+    save(state(0), ckpt_dir, sharded_strategy=_small_chunks())
+    stop = threading.Event()
+
+    def overwrite() -> None:
+        version = 1
+        while not stop.is_set():
+            save(state(version), ckpt_dir, sharded_strategy=_small_chunks(), overwrite=True)
+            version += 1
+
+    writer = threading.Thread(target=overwrite)
+    writer.start()
+    outcomes = {"consistent": 0, "failed": 0}
+    try:
+        for _ in range(40):
+            request = {"a": ShardedTensor.from_rank_offsets("a", torch.empty(64, 16)),
+                       "b": ShardedTensor.from_rank_offsets("b", torch.empty(8))}
+            try:
+                loaded = load(request, ckpt_dir)
+            except CheckpointingException:
+                outcomes["failed"] += 1
+                continue
+            version = float(loaded["version"])
+            assert torch.all(loaded["a"] == version) and torch.all(loaded["b"] == version), "a mix of two saves"
+            outcomes["consistent"] += 1
+    finally:
+        stop.set()
+        writer.join()
+    print("racing load outcomes:", outcomes)
+    assert outcomes["consistent"] > 0, outcomes

@@ -58,6 +58,7 @@ from shardstore.format import (
     SAVE_MARKER,
     STAGING_TAG,
     CommitRecord,
+    foreign_checkpoint_kind,
 )
 from shardstore.storage import DelegatingLocation, LocalLocation, Location
 
@@ -96,8 +97,11 @@ def committed_save_id(location: Location) -> str | None:
 
 def _refuse_foreign(target: Location) -> None:
     found = ", ".join(target.list_top(5))
+    kind = foreign_checkpoint_kind(target)
+    if kind:
+        found = f"{kind}: {found}"
     raise CheckpointingException(
-        f"{target.describe()} is not empty and holds no committed shardstore checkpoint (found: {found}); "
+        f"{target.describe()} is not empty and holds no committed shardstore checkpoint (found {found}); "
         "refusing to delete anything in it. If it is another tool's checkpoint, convert it; if it is an "
         "interrupted save of an older shardstore, delete it yourself. Otherwise save to an empty or new directory."
     )

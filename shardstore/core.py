@@ -25,7 +25,8 @@ class CheckpointingConfig:
     """Which save strategies (backend and version) wrote a checkpoint.
 
     Attributes:
-        sharded_backend: backend of the sharded tensors (``"zarr"``).
+        sharded_backend: backend of the sharded tensors (``"shardstore"``; ``"zarr"`` in
+            checkpoints of shardstore 0.1, and Megatron-Core's zarr backend's).
         sharded_backend_version: format version of that backend.
         common_backend: backend of the common state (``"torch"``).
         common_backend_version: format version of that backend.

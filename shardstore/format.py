@@ -382,12 +382,42 @@ def read_commit_record(location: Location) -> CommitRecord:
                     f"(unfinished: {unfinished[:3]}); load an earlier checkpoint or save again"
                 )
             raise CheckpointingException(f"No checkpoint at {location.describe()}: the location is empty")
+        foreign = foreign_checkpoint_kind(location)
+        if foreign:
+            raise CheckpointingException(
+                f"{location.describe()} is not a shardstore checkpoint: it is {foreign}. shardstore does not "
+                "read it; load it with the tool that wrote it (megatron.core.dist_checkpointing, "
+                "torch.distributed.checkpoint)"
+            )
         raise CheckpointingException(
             f"Checkpoint at {location.describe()} is incomplete: it has no commit record "
             f"({COMMIT_RECORD}), so its save did not finish. Load an earlier checkpoint, "
             "or save again into this directory."
         )
     return CommitRecord.from_json(data, where=location.describe(COMMIT_RECORD))
+
+
+def foreign_checkpoint_kind(location: Location) -> str | None:
+    """What another tool's checkpoint at ``location`` is, or None if it looks like none.
+
+    Megatron-Core writes ``metadata.json`` naming its backend: ``torch_dist`` (PyTorch
+    DCP files plus ``.metadata``) or ``zarr`` (Zarr v2 arrays, ``<key>/.zarray``); plain
+    PyTorch DCP writes ``.metadata`` alone.
+    """
+    try:
+        config = json.loads(location.read_bytes_or_none(CONFIG_FNAME, max_bytes=2**20) or b"null")
+    except (ValueError, OSError):
+        config = None
+    backend = config.get("sharded_backend") if isinstance(config, dict) else None
+    entries = location.list_top(20)
+    zarr_v2 = any(location.exists(f"{entry}/.zarray") for entry in entries[:20] if not entry.startswith("."))
+    if backend == "zarr" and zarr_v2:
+        return "a Megatron-Core zarr checkpoint (Zarr v2 arrays)"
+    if isinstance(backend, str) and backend not in ("zarr", "shardstore"):
+        return f"a Megatron-Core {backend!r} checkpoint"
+    if backend is None and ".metadata" in entries:
+        return "a PyTorch DCP checkpoint"
+    return None
 
 
 def unfinished_saves(location: Location) -> list[str]:

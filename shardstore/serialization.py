@@ -60,7 +60,7 @@ from shardstore.strategies.base import (
     StrategyAction,
     get_default_strategy,
 )
-from shardstore.utils import extract_nonpersistent, extract_sharded_base
+from shardstore.utils import extract_nonpersistent, extract_sharded_base, sharded_values_in_common
 from shardstore.validation import (
     StrictHandling,
     gather_layout,
@@ -159,6 +159,13 @@ def save_preprocess(
     _, sharded_state_dict = extract_nonpersistent(sharded_state_dict)
     sharded_part, common_state_dict = extract_sharded_base(sharded_state_dict)
     _, sharded_part = extract_matching_values(sharded_part, _is_empty_flat_tensor)
+    foreign = sharded_values_in_common(common_state_dict)
+    if foreign:
+        raise CheckpointingException(
+            f"The state dict holds sharded objects that shardstore does not handle, at {foreign[:5]}: they "
+            "would be pickled whole into common.pt. Use shardstore's ShardedTensor/ShardedObject (or convert "
+            "Megatron-Core's objects first); plain values belong in the common state."
+        )
     return sharded_part, common_state_dict
 
 

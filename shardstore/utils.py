@@ -93,6 +93,28 @@ def extract_nonpersistent(
     return _extract_by_types(sharded_state_dict, (LocalNonpersistentObject,))
 
 
+# Class names of sharded mapping objects in the libraries trainers use (Megatron-Core's
+# dist_checkpointing, torch.distributed's DTensor and legacy ShardedTensor). Found in
+# the common state they would be pickled whole into common.pt: no array written, a
+# load that cannot restore them. Matched by name so no library has to be imported.
+SHARDED_CLASS_NAMES = frozenset(
+    {"ShardedBase", "ShardedTensor", "ShardedObject", "ShardedTensorFactory", "LocalNonpersistentObject", "DTensor"}
+)
+
+
+def sharded_values_in_common(common_state_dict: Any, path: str = "") -> list[str]:
+    """Key paths of values in the common state that are sharded mapping objects of any
+    library (``SHARDED_CLASS_NAMES``, anywhere in their class hierarchy)."""
+    if isinstance(common_state_dict, dict):
+        return [p for k, v in common_state_dict.items() for p in sharded_values_in_common(v, f"{path}/{k}")]
+    if isinstance(common_state_dict, (list, tuple)):
+        return [p for i, v in enumerate(common_state_dict) for p in sharded_values_in_common(v, f"{path}[{i}]")]
+    names = {cls.__name__ for cls in type(common_state_dict).__mro__}
+    if names & SHARDED_CLASS_NAMES:
+        return [f"{path or '/'} ({type(common_state_dict).__module__}.{type(common_state_dict).__name__})"]
+    return []
+
+
 def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -> None:
     """Prepends ``prefix`` to the key of every ShardedBase, in place."""
 

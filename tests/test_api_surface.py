@@ -70,10 +70,12 @@ def test_sharded_tensor_has_the_seed_methods() -> None:
         assert hasattr(ShardedObject, name), name
 
 
-def test_default_backend_is_zarr_version_1() -> None:
+def test_default_backend_is_shardstore_version_1_also_under_zarr() -> None:
     from shardstore.serialization import get_default_save_sharded_strategy
     from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 
-    strategy = get_default_save_sharded_strategy()
-    assert isinstance(strategy, ZarrSaveShardedStrategy)
-    assert (strategy.backend, strategy.version) == ("zarr", 1)
+    for name in ("zarr", "shardstore"):
+        strategy = get_default_save_sharded_strategy(name)
+        assert isinstance(strategy, ZarrSaveShardedStrategy)
+        # never Megatron's own ("zarr", 1): Megatron would read our checkpoints with its reader
+        assert (strategy.backend, strategy.version) == ("shardstore", 1)

@@ -7,6 +7,7 @@ scalar, the lossy cast, the array/group clash, ...); the S3 variants live in
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -540,3 +541,29 @@ def test_a_load_racing_overwrites_reads_one_checkpoint_or_fails_clearly(ckpt_dir
         writer.join()
     print("racing load outcomes:", outcomes)
     assert outcomes["consistent"] > 0, outcomes
+
+
+@pytest.mark.parametrize("kind, what", [("megatron torch_dist", "Megatron-Core 'torch_dist' checkpoint"),
+                                        ("megatron zarr", "Megatron-Core zarr checkpoint")])
+def test_foreign_checkpoints_are_named_on_load_and_save(ckpt_dir: Path, kind: str, what: str) -> None:
+    for rel, data in FOREIGN_DIRS[kind].items():
+        (ckpt_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ckpt_dir / rel).write_bytes(data)
+    with pytest.raises(CheckpointingException, match=f"is not a shardstore checkpoint: it is a {what}"):
+        load(_one("w", torch.empty(3)), ckpt_dir)
+    with pytest.raises(CheckpointingException, match=what):
+        save(_one("w", torch.ones(3)), ckpt_dir, overwrite=True)
+
+
+# --------------------------- nothing sharded goes into common.pt (issue 17.2)
+
+
+def test_foreign_sharded_objects_in_the_common_state_are_refused(ckpt_dir: Path) -> None:
+    # Stand-ins with the class names Megatron-Core and torch.distributed use, from
+    # another module: the check must not depend on importing either library.
+    ShardedTensor_ = type("ShardedTensor", (), {"__module__": "megatron.core.dist_checkpointing.mapping"})
+    DTensor = type("DTensor", (torch.Tensor,), {"__module__": "torch.distributed.tensor"})
+    for value, where in ((ShardedTensor_(), "/model/fc1"), ([1, DTensor()], "/model/fc1[1]")):
+        with pytest.raises(CheckpointingException, match=re.escape(where) + ".*would be pickled whole"):
+            save({"model": {"fc1": value}, **_one("w", torch.ones(2))}, ckpt_dir)
+        assert not ckpt_dir.exists()

@@ -109,7 +109,13 @@ from shardstore.strategies.base import (
 
 logger = logging.getLogger(__name__)
 
+# What metadata.json names as the sharded backend. Megatron-Core's own zarr backend is
+# ("zarr", 1): a shardstore checkpoint must not claim it, or Megatron would open ours
+# with its reader and get nothing. "zarr" stays registered as an alias, so code asking
+# for the default "zarr" strategy gets shardstore's.
+SHARDSTORE_BACKEND = "shardstore"
 ZARR_BACKEND = "zarr"
+READABLE_BACKENDS = (SHARDSTORE_BACKEND, ZARR_BACKEND)  # "zarr": checkpoints of shardstore <= 0.1
 ZARR_VERSION = 1
 # Bound on one stored object: small enough for fine-grained resharded reads and far
 # below S3's 5 GiB single-PUT limit.
@@ -479,7 +485,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Saves ShardedTensors as Zarr v3 arrays (one global array per key).
 
     Args:
-        backend: format name, ``"zarr"``.
+        backend: the name ``metadata.json`` records, ``"shardstore"``.
         version: format version, 1.
         max_chunk_bytes: upper bound on one stored chunk, in bytes.
         io_concurrency: I/O operations in flight at once (TensorStore), capped at
@@ -500,7 +506,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def __init__(
         self,
-        backend: str = ZARR_BACKEND,
+        backend: str = SHARDSTORE_BACKEND,
         version: int = ZARR_VERSION,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         io_concurrency: int = DEFAULT_IO_CONCURRENCY,
@@ -829,9 +835,10 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             location.remove_tree(key)
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
-        if loaded_backend != ZARR_BACKEND:
+        if loaded_backend not in READABLE_BACKENDS:
             raise CheckpointingException(
-                f"{self.__class__.__name__} reads backend {ZARR_BACKEND!r}, the checkpoint has {loaded_backend!r}"
+                f"{self.__class__.__name__} reads backends {list(READABLE_BACKENDS)}, the checkpoint has "
+                f"{loaded_backend!r}"
             )
 
     def check_version_compatibility(self, loaded_version: int) -> None:
@@ -853,9 +860,11 @@ def tensor_metadata(record: ArrayRecord) -> ShardedTensor:
 
 
 def register_default_zarr_strategies() -> None:
-    """Registers the zarr strategies as defaults for backend ``zarr`` version 1."""
-    register_default_strategy(StrategyAction.LOAD_SHARDED, ZARR_BACKEND, ZARR_VERSION, ZarrLoadShardedStrategy())
-    register_default_strategy(StrategyAction.SAVE_SHARDED, ZARR_BACKEND, ZARR_VERSION, ZarrSaveShardedStrategy())
+    """Registers the strategies as defaults for backends ``shardstore`` and ``zarr``
+    (an alias), version 1."""
+    for backend in READABLE_BACKENDS:
+        register_default_strategy(StrategyAction.LOAD_SHARDED, backend, ZARR_VERSION, ZarrLoadShardedStrategy())
+        register_default_strategy(StrategyAction.SAVE_SHARDED, backend, ZARR_VERSION, ZarrSaveShardedStrategy())
 
 
 # ------------------------------------------------- Megatron-Core zarr module API

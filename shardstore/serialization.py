@@ -37,6 +37,7 @@ from shardstore.core import (
 )
 from shardstore.dict_utils import dict_list_map_inplace, extract_matching_values, merge
 from shardstore.distributed import Group
+from shardstore.foreign import convert_foreign
 from shardstore.integrity import open_committed
 from shardstore.layout import GlobalLayout
 from shardstore.mapping import (
@@ -119,6 +120,7 @@ def save(
     """
     group = Group(process_group)
     target = open_location(checkpoint_dir)
+    sharded_state_dict = convert_foreign(sharded_state_dict)
     if sharded_strategy is None:
         sharded_strategy = get_default_save_sharded_strategy()
     if common_strategy is None:
@@ -305,6 +307,7 @@ def _load(
     group: Group,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """``load`` on ``group`` (``Group.local()``: this process alone, no collectives)."""
+    sharded_state_dict = convert_foreign(sharded_state_dict)
     location = open_committed(open_location(checkpoint_dir))
     record = location.record
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(

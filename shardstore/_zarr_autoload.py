@@ -14,7 +14,6 @@ is lazy). A process that never imports zarr pays for one meta-path lookup per im
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import sys
 import warnings
 from types import ModuleType
@@ -23,23 +22,46 @@ _TARGET = "zarr.core.dtype"
 
 
 class _RegisterAfterZarrDtype(importlib.abc.MetaPathFinder):
-    """Wraps the loader of ``zarr.core.dtype`` so our types register right after it runs."""
+    """Wraps the loader of ``zarr.core.dtype`` so our types register right after it runs.
+
+    It must see that import before any other finder serves it. pytest puts its
+    assertion-rewriting finder in front and serves every module of a package that
+    registers a pytest plugin, as zarr does (``zarr.testing``): the types were then never
+    registered in test processes. So on every other import this finder moves itself back
+    to the front, and for the target it asks the finders behind it for the spec.
+    """
 
     def find_spec(self, fullname: str, path=None, target=None):  # noqa: ANN001
         if fullname != _TARGET:
+            if sys.meta_path and sys.meta_path[0] is not self:
+                sys.meta_path.remove(self)
+                sys.meta_path.insert(0, self)
             return None
         sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        spec = None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find else None
+            if spec is not None:
+                break
         if spec is None or spec.loader is None:
             return spec
-        run_module = spec.loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            run_module(module)
-            _register_shardstore_dtypes()
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        spec.loader = _RegisteringLoader(spec.loader)  # a wrapper: the loader may serve other modules
         return spec
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    """Runs the real loader, then registers shardstore's data types."""
+
+    def __init__(self, inner: importlib.abc.Loader) -> None:
+        self.inner = inner
+
+    def create_module(self, spec):  # noqa: ANN001, ANN201
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.inner.exec_module(module)
+        _register_shardstore_dtypes()
 
 
 def _register_shardstore_dtypes() -> None:

@@ -120,7 +120,15 @@ class ArrayRecord:
             "chunk_key_encoding": {"name": "default"},
             "fill_value": False if self.dtype == "bool" else (0 if _is_integer(self.dtype) else 0.0),
             "codecs": [bytes_codec, {"name": "crc32c"}],
+            "dimension_names": self.dimension_names(),
         }
+
+    def dimension_names(self) -> list[str]:
+        """One name per axis, unique to the array (``fc1.0``, ``fc1.1``): xarray needs
+        names to open a Zarr v3 array, and arrays of one group must not share a name
+        for axes of different sizes."""
+        base = self.key.rsplit("/", 1)[-1]
+        return [f"{base}.{axis}" for axis in range(len(self.shape))]
 
     def to_summary(self) -> dict[str, Any]:
         summary: dict[str, Any] = {

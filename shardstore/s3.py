@@ -142,7 +142,13 @@ class S3Location(Location):
     @property
     def fs(self) -> Any:
         if self._fs is None:
-            import s3fs
+            try:
+                import s3fs
+            except ImportError as exc:
+                raise StorageError(
+                    f"{self.describe()}: s3:// locations need s3fs, which is not installed; "
+                    "pip install 'shardstore[s3]'"
+                ) from exc
 
             o = self.options
             kwargs: dict[str, Any] = {

@@ -308,3 +308,9 @@ def test_default_options_fail_within_a_minute(server: MotoServer, url: str, fail
         if proxy is not None:
             proxy.stop()
     assert time.monotonic() - start < 60
+
+
+def test_s3_without_s3fs_says_which_extra_to_install(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # as if not installed
+    with pytest.raises(CheckpointingException, match=r"pip install 'shardstore\[s3\]'"):
+        load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, "s3://bucket/prefix")

@@ -559,9 +559,9 @@ def test_foreign_checkpoints_are_named_on_load_and_save(ckpt_dir: Path, kind: st
 
 
 def test_foreign_sharded_objects_in_the_common_state_are_refused(ckpt_dir: Path) -> None:
-    # Stand-ins with the class names Megatron-Core and torch.distributed use, from
-    # another module: the check must not depend on importing either library.
-    ShardedTensor_ = type("ShardedTensor", (), {"__module__": "megatron.core.dist_checkpointing.mapping"})
+    # Stand-ins with the class names such libraries use (Megatron-Core's own objects are
+    # converted instead: tests/test_megatron_objects.py); no library is imported.
+    ShardedTensor_ = type("ShardedTensor", (), {"__module__": "another_trainer.checkpointing"})
     DTensor = type("DTensor", (torch.Tensor,), {"__module__": "torch.distributed.tensor"})
     for value, where in ((ShardedTensor_(), "/model/fc1"), ([1, DTensor()], "/model/fc1[1]")):
         with pytest.raises(CheckpointingException, match=re.escape(where) + ".*would be pickled whole"):

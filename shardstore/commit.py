@@ -64,7 +64,10 @@ from shardstore.storage import DelegatingLocation, LocalLocation, Location
 
 logger = logging.getLogger(__name__)
 
+
 def new_save_id() -> str:
+    """A fresh save id (32 hex digits): names the staging directory, the commit record's
+    ``save_id`` and the marker."""
     return uuid.uuid4().hex
 
 

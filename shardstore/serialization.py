@@ -2,19 +2,24 @@
 
 Save, in stages (each named function below; "collective" = every rank calls it)::
 
-    all ranks    preprocess  factories built, non-persistent values dropped, the state
+    all ranks    preprocess  Megatron-Core objects converted (``shardstore.foreign``),
+                             factories built, non-persistent values dropped, the state
                              dict split into sharded part and common part
-    collective   gather      one all-gather of shard metadata; every rank validates the
-                             same global layout (keys, coverage, shapes, dtypes)
-    coordinator  prepare     refuse to replace a committed checkpoint unless asked;
-                             clear leftovers of an interrupted save; write metadata.json
+    collective   gather      one all-gather of shard metadata and of the directory each
+                             rank names; every rank validates the same global layout
+    coordinator  begin       ``shardstore.commit.begin_save``: refuse what is not ours to
+                             replace, clear dead saves' leftovers, create this save's
+                             staging area and write metadata.json there; every rank
+                             learns the save id
     all ranks    common      coordinator writes common.pt; each rank its ShardedObjects
-    collective   sharded     the storage core (strategies.zarr): stage, write, agree,
-                             commit (the root zarr.json, written last)
+    collective   sharded     the storage core (strategies.zarr): stage, write, gather
+                             the chunk checksums to the coordinator, which commits (the
+                             root zarr.json, written last) and publishes
 
-A failure on any rank at any stage raises a CheckpointingException on every rank, and
-the checkpoint then has no commit record. Load reads the commit record first, so an
-incomplete checkpoint is refused before anything else happens.
+A failure on any rank at any stage raises a CheckpointingException on every rank, the
+coordinator deletes what the save wrote, and whatever was committed at the target
+before stays. Load reads the commit record first, so an incomplete checkpoint is
+refused before anything else happens, and reads every file through it.
 
 Names and meaning follow Megatron-Core's ``dist_checkpointing.serialization``.
 """

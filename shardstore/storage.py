@@ -6,11 +6,16 @@ passes through here are the small files (``zarr.json`` documents, ``common.pt``,
 objects, the commit record), listing and removal, and durability.
 
 Durability on a local disk: small files are written without a per-file fsync;
-``make_durable`` then flushes the whole file system once (``syncfs``), which covers
-every chunk file (``chunk_io``'s and TensorStore's) and every directory entry in one
-system call instead of one per file. The commit record alone is written with temp
-file + fsync + rename + fsync of the directory, so it appears atomically and only
-after everything it vouches for.
+``make_durable`` then flushes the whole file system once (``syncfs``), through a
+descriptor ``begin_writes`` opened before the first write, which covers every chunk
+file and every directory entry in one system call instead of one per file. The commit
+record alone is written with temp file + fsync + rename + fsync of the directory, so
+it appears atomically and only after everything it vouches for.
+
+Reads on a local disk trust nothing: ``open_regular_file`` refuses symbolic links,
+directories that resolve outside the checkpoint, and anything but a regular file, and
+records are read through a size bound. Renames, exchanges and locks for publishing a
+save (``shardstore.commit``) are here too.
 """
 
 from __future__ import annotations

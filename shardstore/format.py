@@ -389,7 +389,9 @@ def read_commit_record(location: Location) -> CommitRecord:
                     f"No committed checkpoint at {location.describe()}: a save into it is incomplete "
                     f"(unfinished: {unfinished[:3]}); load an earlier checkpoint or save again"
                 )
-            raise CheckpointingException(f"No checkpoint at {location.describe()}: the location is empty")
+            raise CheckpointingException(
+                f"No checkpoint at {location.describe()}: the checkpoint directory does not exist or is empty"
+            )
         foreign = foreign_checkpoint_kind(location)
         if foreign:
             raise CheckpointingException(

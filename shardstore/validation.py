@@ -321,11 +321,13 @@ def maybe_report_missing_and_unexpected_keys(
     """Raises (or logs at WARNING) a message listing the mismatched keys, if any."""
     if not missing_keys and not unexpected_keys:
         return
+    # Megatron-Core's key phrases ("Missing keys", "Unexpected keys") first: code that
+    # matches on them keeps working; our detail follows.
     parts = []
     if unexpected_keys:
-        parts.append(f"keys requested but not in the checkpoint (unexpected): {sorted(unexpected_keys)}")
+        parts.append(f"Unexpected keys (requested but not in the checkpoint): {sorted(unexpected_keys)}")
     if missing_keys:
-        parts.append(f"keys in the checkpoint but not requested (missing): {sorted(missing_keys)}")
+        parts.append(f"Missing keys (in the checkpoint but not requested, for all ranks): {sorted(missing_keys)}")
     message = f"Checkpoint {where} does not match the requested state dict: " + "; ".join(parts)
     if raise_error:
         raise CheckpointingException(message)

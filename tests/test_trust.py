@@ -567,3 +567,33 @@ def test_foreign_sharded_objects_in_the_common_state_are_refused(ckpt_dir: Path)
         with pytest.raises(CheckpointingException, match=re.escape(where) + ".*would be pickled whole"):
             save({"model": {"fc1": value}, **_one("w", torch.ones(2))}, ckpt_dir)
         assert not ckpt_dir.exists()
+
+
+# ------------------------------------- Megatron's phrases and names (issue 17.7)
+
+
+def test_errors_keep_megatron_key_phrases(tmp_path: Path) -> None:
+    from shardstore import StrictHandling
+    from shardstore.strategies.base import LoadShardedStrategy
+
+    with pytest.raises(CheckpointingException, match="does not exist"):
+        load(_one("w", torch.empty(3)), tmp_path / "nowhere")
+    save({**_one("w", torch.ones(3)), **_one("v", torch.ones(2))}, tmp_path / "ckpt")
+    with pytest.raises(CheckpointingException, match=r"(?s)Unexpected keys.*'x'.*Missing keys.*'v'"):
+        load({**_one("w", torch.empty(3)), **_one("x", torch.empty(1))}, tmp_path / "ckpt", strict=StrictHandling.RAISE_ALL)
+
+    class Minimal(LoadShardedStrategy):  # what a custom strategy in Megatron-style code implements
+        def load(self, sharded_state_dict, checkpoint_dir):
+            return {}
+
+        def load_tensors_metadata(self, checkpoint_dir):
+            return {}
+
+        def check_backend_compatibility(self, loaded_backend):
+            pass
+
+        def check_version_compatibility(self, loaded_version):
+            pass
+
+    with pytest.raises(NotImplementedError):
+        Minimal().remove_sharded_tensors(tmp_path / "ckpt", "w")

@@ -76,7 +76,7 @@ def test_assume_ok_unexpected_lets_the_strategy_raise(two_key_checkpoint: Path) 
         load(_request(), two_key_checkpoint, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
 
 
-@pytest.mark.parametrize("strict, match", [("raise_unexpected", "unexpected"), ("raise_all", "missing")])
+@pytest.mark.parametrize("strict, match", [("raise_unexpected", "Unexpected keys"), ("raise_all", "Missing keys")])
 def test_raise_modes(two_key_checkpoint: Path, strict: str, match: str) -> None:
     with pytest.raises(CheckpointingException, match=match) as info:
         load(_request(), two_key_checkpoint, strict=strict)

@@ -158,9 +158,12 @@ class LoadShardedStrategy(LoadStrategyBase):
             return self.load_tensors_metadata(checkpoint_dir)
         raise NotImplementedError(f"{self} must implement load_sharded_metadata")
 
-    @abstractmethod
     def remove_sharded_tensors(self, checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
-        """Removes every tensor whose key starts with ``key_prefix``."""
+        """Removes every tensor whose key starts with ``key_prefix``.
+
+        Concrete, as in Megatron-Core: a custom load strategy that does not support it
+        can still be instantiated."""
+        raise NotImplementedError(f"{self} does not support removing tensors from a checkpoint")
 
 
 class SaveCommonStrategy(SaveStrategyBase):

@@ -24,6 +24,7 @@ _EXPORTS = {
     "StrictHandling": "shardstore.validation",
     "load": "shardstore.serialization",
     "load_common_state_dict": "shardstore.serialization",
+    "load_content_metadata": "shardstore.serialization",
     "load_plain_tensors": "shardstore.serialization",
     "load_sharded_metadata": "shardstore.serialization",
     "load_tensors_metadata": "shardstore.serialization",

@@ -81,6 +81,8 @@ from shardstore.validation import (
 logger = logging.getLogger(__name__)
 
 CheckpointDir = Union[str, Path, Location]
+# Where save(content_metadata=...) keeps it in the common state (Megatron-Core's key).
+CONTENT_METADATA_KEY = "content_metadata"
 
 
 # --------------------------------------------------------------------------- save
@@ -95,6 +97,7 @@ def save(
     validate_access_integrity: bool = True,
     async_sharded_save: bool = False,
     preprocess_common_before_consistancy_check: Any = None,
+    content_metadata: dict | None = None,
     *,
     overwrite: bool = False,
     process_group: dist.ProcessGroup | None = None,
@@ -114,6 +117,8 @@ def save(
         async_sharded_save: return an AsyncRequest whose I/O the caller schedules
             (``AsyncCallsQueue``) instead of writing now.
         preprocess_common_before_consistancy_check: accepted for compatibility; unused.
+        content_metadata: what the checkpoint holds (e.g. the parallel layout), kept in
+            the common state; read back with ``load_content_metadata``.
         overwrite: replace a committed checkpoint at ``checkpoint_dir``.
         process_group: ranks that save together (default: the whole world).
 
@@ -126,6 +131,8 @@ def save(
     group = Group(process_group)
     target = open_location(checkpoint_dir)
     sharded_state_dict = convert_foreign(sharded_state_dict)
+    if content_metadata is not None:
+        sharded_state_dict[CONTENT_METADATA_KEY] = content_metadata
     if sharded_strategy is None:
         sharded_strategy = get_default_save_sharded_strategy()
     if common_strategy is None:
@@ -425,6 +432,22 @@ def load_common_state_dict(
     return common_strategy.load_common(location)
 
 
+def load_content_metadata(
+    checkpoint_dir: CheckpointDir | None = None, *, preloaded_state_dict: StateDict | None = None
+) -> dict | None:
+    """The ``content_metadata`` given to ``save``, or None if it had none.
+
+    Args:
+        checkpoint_dir: the checkpoint to read it from, or
+        preloaded_state_dict: an already loaded state dict (no storage access).
+    """
+    if preloaded_state_dict is None:
+        if checkpoint_dir is None:
+            raise ValueError("Pass checkpoint_dir or preloaded_state_dict")
+        preloaded_state_dict = load_common_state_dict(checkpoint_dir)
+    return preloaded_state_dict.get(CONTENT_METADATA_KEY)
+
+
 def load_tensors_metadata(
     checkpoint_dir: CheckpointDir, sharded_strategy: LoadShardedStrategy | None = None
 ) -> CommonStateDict:
@@ -479,6 +502,7 @@ __all__ = [
     "get_default_save_sharded_strategy",
     "load",
     "load_common_state_dict",
+    "load_content_metadata",
     "load_plain_tensors",
     "load_sharded_metadata",
     "load_tensors_metadata",

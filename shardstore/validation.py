@@ -280,6 +280,19 @@ def _object_problems(key: str, shards: list[ObjectShardRecord]) -> list[str]:
     return []
 
 
+def determine_global_metadata(
+    sharded_state_dict: ShardedStateDict, process_group: Any = None
+) -> tuple[list[ShardedBase], list[list[ShardedBase]]]:
+    """Collective (Megatron-Core's name): this rank's ShardedTensors and ShardedObjects
+    without data, and every rank's, by rank.
+
+    For callers of that API; shardstore's own save and load gather compact records
+    instead (``gather_layout``).
+    """
+    local = [item.without_data() for item in nested_values(sharded_state_dict) if isinstance(item, ShardedBase)]
+    return local, Group(process_group).all_gather_object(local)
+
+
 def validate_sharded_objects_handling(sharded_strategy: Any, common_strategy: Any) -> None:
     """One of the two strategies must handle ShardedObjects."""
     if not sharded_strategy.can_handle_sharded_objects and not common_strategy.can_handle_sharded_objects:

@@ -597,3 +597,32 @@ def test_errors_keep_megatron_key_phrases(tmp_path: Path) -> None:
 
     with pytest.raises(NotImplementedError):
         Minimal().remove_sharded_tensors(tmp_path / "ckpt", "w")
+
+
+def save_and_load_through_megatron_names(rank: int, world: int, ckpt: str) -> None:
+    from shardstore.serialization import load_content_metadata
+    from shardstore.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+    from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
+    from shardstore.validation import determine_global_metadata
+
+    def sd(empty: bool) -> dict:
+        data = torch.empty(4) if empty else torch.arange(4.0) + 10 * rank
+        return {"w": ShardedTensor.from_rank_offsets("w", data, (0, rank, world)),
+                "norm": ShardedTensor.from_rank_offsets("norm", torch.empty(3) if empty else torch.ones(3),
+                                                        replica_id=rank)}
+
+    local, everyone = determine_global_metadata(sd(False))
+    assert [t.key for t in local] == ["w", "norm"] and len(everyone) == world and local[0].data is None
+    save(sd(False), ckpt, FullyParallelSaveStrategyWrapper(ZarrSaveShardedStrategy(fully_parallel=False)),
+         content_metadata={"tp": world, "distrib_optim_sharding_type": "dp_zero_gather_scatter"})
+    loaded = load(sd(True), ckpt, FullyParallelLoadStrategyWrapper(ZarrLoadShardedStrategy(fully_parallel=False)))
+    assert torch.equal(loaded["w"], torch.arange(4.0) + 10 * rank) and torch.equal(loaded["norm"], torch.ones(3))
+    assert load_content_metadata(ckpt) == {"tp": world, "distrib_optim_sharding_type": "dp_zero_gather_scatter"}
+    assert load_content_metadata(preloaded_state_dict=loaded)["tp"] == world
+
+
+def test_megatron_training_names_work(ckpt_dir: Path) -> None:
+    run_distributed(save_and_load_through_megatron_names, 2, str(ckpt_dir))

@@ -6,6 +6,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 U, V = TypeVar("U"), TypeVar("V")
@@ -63,43 +64,58 @@ def extract_matching_values(
 
 
 def diff(x1: Any, x2: Any, prefix: tuple = ()) -> tuple[list, list, list]:
-    """Recursive comparison of two nested values.
+    """Recursive comparison of two nested values, with Megatron-Core's semantics.
+
+    Dicts by key; lists and tuples by index; tensors and numpy arrays by value (equal
+    values of different dtypes are equal, as are tensors on different devices);
+    sharded objects (anything with ``replica_id``) by their data.
 
     Returns:
         ``(only_left, only_right, mismatch)``: key paths present only in ``x1``, only in
-        ``x2``, and present in both with different values (tensors compared exactly).
+        ``x2``, and ``(path, type(x1), type(x2))`` of values that differ.
     """
-    mismatch: list = []
     if isinstance(x1, dict) and isinstance(x2, dict):
-        only_left = [prefix + (k,) for k in x1.keys() - x2.keys()]
-        only_right = [prefix + (k,) for k in x2.keys() - x1.keys()]
-        for k in x1.keys() & x2.keys():
-            left, right, mis = diff(x1[k], x2[k], prefix + (k,))
-            only_left += left
-            only_right += right
-            mismatch += mis
-        return only_left, only_right, mismatch
-    if isinstance(x1, list) and isinstance(x2, list):
-        only_left = [prefix + (i,) for i in range(len(x2), len(x1))]
-        only_right = [prefix + (i,) for i in range(len(x1), len(x2))]
-        for i, (v1, v2) in enumerate(zip(x1, x2)):
-            left, right, mis = diff(v1, v2, prefix + (i,))
-            only_left += left
-            only_right += right
-            mismatch += mis
-        return only_left, only_right, mismatch
+        return _diff_items(x1, x2, [k for k in x1 if k in x2], prefix,
+                           [prefix + (k,) for k in x1.keys() - x2.keys()],
+                           [prefix + (k,) for k in x2.keys() - x1.keys()])
+    if isinstance(x1, (list, tuple)) and isinstance(x2, (list, tuple)):
+        return _diff_items(x1, x2, range(min(len(x1), len(x2))), prefix,
+                           [prefix + (i,) for i in range(len(x2), len(x1))],
+                           [prefix + (i,) for i in range(len(x1), len(x2))])
+    if hasattr(x1, "replica_id") and hasattr(x2, "replica_id") and type(x1) is type(x2):
+        return diff(x1.data, x2.data, prefix + (type(x1),))
+    return [], [], [] if _equal_values(x1, x2) else [(prefix, type(x1), type(x2))]
+
+
+def _diff_items(x1: Any, x2: Any, keys: Iterable, prefix: tuple, only_left: list, only_right: list):
+    mismatch: list = []
+    for k in keys:
+        left, right, mis = diff(x1[k], x2[k], prefix + (k,))
+        only_left += left
+        only_right += right
+        mismatch += mis
+    return only_left, only_right, mismatch
+
+
+def _equal_values(x1: Any, x2: Any) -> bool:
     if isinstance(x1, torch.Tensor) and isinstance(x2, torch.Tensor):
-        same = x1.dtype == x2.dtype and x1.shape == x2.shape and torch.equal(x1, x2)
-    elif isinstance(x1, torch.Tensor) or isinstance(x2, torch.Tensor):
-        same = False
-    else:
+        if x1.shape != x2.shape:
+            return False
         try:
-            same = bool(x1 == x2)
-        except RuntimeError:
-            same = False
-    if not same:
-        mismatch.append((prefix, type(x1), type(x2)))
-    return [], [], mismatch
+            return bool(torch.all(x1.cpu() == x2.cpu()))
+        except (RuntimeError, TypeError):
+            return False
+    if isinstance(x1, np.ndarray) or isinstance(x2, np.ndarray):
+        try:
+            return bool(np.array_equal(np.asarray(x1), np.asarray(x2)))
+        except (TypeError, ValueError):
+            return False
+    if isinstance(x1, torch.Tensor) or isinstance(x2, torch.Tensor):
+        return False
+    try:
+        return bool(x1 == x2)
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 def inspect_types(x: Any, prefix: tuple = (), indent: int = 4) -> str:

@@ -381,7 +381,10 @@ def load_preprocess(
     Returns:
         ``(sharded state dict, non-persistent values, factories)``
     """
-    factories, _ = extract_matching_values(sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory))
+    # lists as {index: factory}: the merge puts each back at its index (Megatron-Core does the same)
+    factories, _ = extract_matching_values(
+        sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
+    )
     apply_factories(sharded_state_dict)
     nonpersistent, sharded_state_dict = extract_nonpersistent(sharded_state_dict)
     dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)

@@ -626,3 +626,36 @@ def save_and_load_through_megatron_names(rank: int, world: int, ckpt: str) -> No
 
 def test_megatron_training_names_work(ckpt_dir: Path) -> None:
     run_distributed(save_and_load_through_megatron_names, 2, str(ckpt_dir))
+
+
+def test_factory_inside_a_list_merges_back_at_its_index(ckpt_dir: Path) -> None:
+    from shardstore import ShardedTensorFactory
+
+    def factory(data: torch.Tensor) -> ShardedTensorFactory:
+        def build(key, t, replica_id, flattened_range):
+            return {"a": ShardedTensor.from_rank_offsets(f"{key}/a", t[:2]),
+                    "b": ShardedTensor.from_rank_offsets(f"{key}/b", t[2:])}
+
+        return ShardedTensorFactory("f", data, build, lambda sub: torch.cat([sub["a"], sub["b"]]))
+
+    def layers(empty: bool) -> list:
+        return [ShardedTensor.from_rank_offsets("x", torch.empty(2) if empty else torch.ones(2)),
+                factory(torch.empty(4) if empty else torch.arange(4.0)),
+                ShardedTensor.from_rank_offsets("y", torch.empty(1) if empty else torch.zeros(1))]
+
+    save({"layers": layers(False)}, ckpt_dir)
+    loaded = load({"layers": layers(True)}, ckpt_dir)["layers"]
+    assert [t.tolist() for t in loaded] == [[1.0, 1.0], [0.0, 1.0, 2.0, 3.0], [0.0]]
+
+
+def test_dict_utils_diff_has_megatron_semantics() -> None:
+    import numpy as np
+
+    from shardstore.dict_utils import diff
+
+    left = {"a": [1, (2, torch.ones(2))], "n": np.ones(3), "o": ShardedObject("o", {"v": 1}, (1,), (0,)), "x": 1}
+    right = {"a": [1, (2, torch.ones(2, dtype=torch.float64))], "n": np.ones(3),
+             "o": ShardedObject("o", {"v": 1}, (1,), (0,)), "y": 2}
+    assert diff(left, right) == ([("x",)], [("y",)], [])  # equal values in other dtypes are equal
+    _, _, mismatch = diff({"t": [torch.zeros(2)], "n": np.zeros(3)}, {"t": [torch.ones(2)], "n": np.ones(3)})
+    assert [m[0] for m in mismatch] == [("t", 0), ("n",)]

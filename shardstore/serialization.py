@@ -27,6 +27,7 @@ Names and meaning follow Megatron-Core's ``dist_checkpointing.serialization``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Union
 
@@ -43,6 +44,7 @@ from shardstore.core import (
 from shardstore.dict_utils import dict_list_map_inplace, extract_matching_values, merge
 from shardstore.distributed import Group
 from shardstore.foreign import convert_foreign
+from shardstore.format import checksum
 from shardstore.integrity import open_committed
 from shardstore.layout import GlobalLayout
 from shardstore.mapping import (
@@ -66,6 +68,7 @@ from shardstore.strategies.base import (
     StrategyAction,
     get_default_strategy,
 )
+from shardstore.strategies.common import serialize
 from shardstore.utils import extract_nonpersistent, extract_sharded_base, sharded_values_in_common
 from shardstore.validation import (
     StrictHandling,
@@ -116,7 +119,10 @@ def save(
             per chunk (the check costs one pass over the shard metadata).
         async_sharded_save: return an AsyncRequest whose I/O the caller schedules
             (``AsyncCallsQueue``) instead of writing now.
-        preprocess_common_before_consistancy_check: accepted for compatibility; unused.
+        preprocess_common_before_consistancy_check: applied to the common state before
+            the ranks' common states are compared (a WARNING names the entries that
+            differ from rank 0's, which is the one saved); e.g. to drop entries that
+            legitimately differ, such as per-rank timers.
         content_metadata: what the checkpoint holds (e.g. the parallel layout), kept in
             the common state; read back with ``load_content_metadata``.
         overwrite: replace a committed checkpoint at ``checkpoint_dir``.
@@ -140,7 +146,9 @@ def save(
     if async_sharded_save and not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
         raise CheckpointingException(f"Cannot save asynchronously with {sharded_strategy}: not an async strategy")
 
-    sharded_part, common_part, layout = _preprocess_and_gather(sharded_state_dict, group, target)
+    sharded_part, common_part, layout = _preprocess_and_gather(
+        sharded_state_dict, group, target, preprocess_common_before_consistancy_check
+    )
     pending = _begin_save(target, group, overwrite, sharded_strategy, common_strategy)
     try:
         if not sharded_strategy.can_handle_sharded_objects:
@@ -189,21 +197,40 @@ def _is_empty_flat_tensor(x: Any) -> bool:
 
 
 def _preprocess_and_gather(
-    sharded_state_dict: ShardedStateDict, group: Group, target: Location
+    sharded_state_dict: ShardedStateDict, group: Group, target: Location,
+    preprocess_common: Callable[[StateDict], StateDict] | None = None,
 ) -> tuple[ShardedStateDict, StateDict, GlobalLayout]:
     """Stages preprocess + gather: a local failure becomes an error on every rank, and
-    so do ranks that name different checkpoint directories."""
-    error, sharded_part, common_part = None, {}, {}
+    so do ranks that name different checkpoint directories. The ranks' common states
+    are compared in the same gather (digests only)."""
+    error, sharded_part, common_part, digests = None, {}, {}, None
     tensors: list[ShardedTensor] = []
     objects: list[ShardedObject] = []
     try:
         sharded_part, common_part = save_preprocess(sharded_state_dict)
         tensors, objects = local_sharded_items(sharded_part)
+        if group.world_size > 1:
+            digests = common_state_digests(preprocess_common(common_part) if preprocess_common else common_part)
     except Exception as exc:  # reported on every rank by gather_layout
         error = exc
-    layout = gather_layout(tensors, objects, group, local_error=error, place=target.describe())
+    layout = gather_layout(
+        tensors, objects, group, local_error=error, place=target.describe(), common_digests=digests
+    )
     validate_sharding_integrity(layout)
     return sharded_part, common_part, layout
+
+
+def common_state_digests(common_state_dict: StateDict) -> dict[str, str]:
+    """A checksum of each top-level entry of the common state, as ``common.pt`` would
+    store it (entries that cannot be serialized get their repr's)."""
+    digests = {}
+    for key, value in common_state_dict.items():
+        try:
+            data = serialize(value)
+        except Exception:  # noqa: BLE001  (compared, not saved: a repr is good enough)
+            data = repr(value).encode()
+        digests[str(key)] = checksum(data)
+    return digests
 
 
 def _begin_save(

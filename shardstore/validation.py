@@ -137,13 +137,16 @@ def gather_layout(
     group: Group,
     local_error: BaseException | None = None,
     place: str | None = None,
+    common_digests: dict[str, str] | None = None,
 ) -> GlobalLayout:
     """Collective: exchanges shard metadata (never data) and returns the global layout.
 
     A rank whose own shards are invalid (bad key, unsupported dtype) or that passes a
     ``local_error`` from an earlier step makes every rank raise, with that rank's reason.
     ``place``: the checkpoint this rank names; ranks that name different ones all raise
-    (one save must not be split over two directories).
+    (one save must not be split over two directories). ``common_digests``: a digest of
+    each top-level entry of this rank's common state; where ranks differ, the
+    coordinator logs a warning naming the entries and ranks (only rank 0's is saved).
     """
     contribution: Any
     if local_error is None:
@@ -153,7 +156,10 @@ def gather_layout(
             local_error = exc
     if local_error is not None:
         contribution = RankFailure.from_exception(group.rank, local_error)
-    gathered = group.all_gather_object((place, contribution))
+    gathered_all = group.all_gather_object((place, contribution, common_digests))
+    gathered = [(p, c) for p, c, _ in gathered_all]
+    if group.is_coordinator and common_digests is not None:
+        warn_common_state_mismatch([d for _, _, d in gathered_all])
     failures = [g for _, g in gathered if isinstance(g, RankFailure)]
     raise_failures(failures, "Checking the state dict", cause=local_error)
     places = sorted({p for p, _ in gathered}, key=str)
@@ -164,6 +170,20 @@ def gather_layout(
             "must pass the same one. Nothing was written."
         )
     return GlobalLayout.from_gathered([g for _, g in gathered])
+
+
+def warn_common_state_mismatch(digests: list[dict[str, str] | None]) -> None:
+    """Logs (WARNING) the common-state entries in which ranks differ from rank 0, as
+    Megatron-Core's consistency check does: only rank 0's common state is saved."""
+    reference = digests[0] or {}
+    differing: dict[str, list[int]] = defaultdict(list)
+    for rank, theirs in enumerate(digests[1:], start=1):
+        for key in sorted(set(reference) | set(theirs or {})):
+            if reference.get(key) != (theirs or {}).get(key):
+                differing[key].append(rank)
+    if differing:
+        shown = "; ".join(f"{key!r} on rank(s) {ranks[:8]}" for key, ranks in list(differing.items())[:10])
+        logger.warning("The common state differs from rank 0's (which is the one saved): %s", shown)
 
 
 def validate_sharding_integrity(layout: GlobalLayout) -> None:

@@ -659,3 +659,29 @@ def test_dict_utils_diff_has_megatron_semantics() -> None:
     assert diff(left, right) == ([("x",)], [("y",)], [])  # equal values in other dtypes are equal
     _, _, mismatch = diff({"t": [torch.zeros(2)], "n": np.zeros(3)}, {"t": [torch.ones(2)], "n": np.ones(3)})
     assert [m[0] for m in mismatch] == [("t", 0), ("n",)]
+
+
+def save_with_differing_common_state(rank: int, world: int, ckpt: str, drop_timer: bool) -> list[str]:
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("shardstore").addHandler(Keep(logging.WARNING))
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2), replica_id=rank),
+             "iteration": 7, "timer": rank * 1.5, "args": {"lr": 0.1 * (1 + rank)}}
+    save(state, ckpt, preprocess_common_before_consistancy_check=(
+        (lambda common: {k: v for k, v in common.items() if k != "timer"}) if drop_timer else None))
+    return records
+
+
+@pytest.mark.parametrize("drop_timer", [False, True])
+def test_common_state_differences_between_ranks_are_logged(tmp_path: Path, drop_timer: bool) -> None:
+    logs = run_distributed(save_with_differing_common_state, 2, str(tmp_path / "c"), drop_timer)
+    warning = " ".join(logs[0])
+    assert "differs from rank 0's" in warning and "'args' on rank(s) [1]" in warning
+    assert ("'timer'" in warning) != drop_timer  # the preprocess function is honoured
+    assert "'iteration'" not in warning and logs[1] == []  # only the coordinator reports

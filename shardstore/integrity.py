@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardstore.chunk_io import ArrayChunks, ChunkStore, chunk_key, chunk_store_for
-from shardstore.core import CheckpointingException
+from shardstore.core import CONFIG_FNAME, CheckpointingException
 from shardstore.dtypes import from_zarr_name
 from shardstore.format import COMMIT_RECORD, ArrayRecord, CommitRecord, checksum, read_commit_record
 from shardstore.storage import DelegatingLocation, Location, open_location
@@ -64,6 +64,10 @@ class ChecksummedLocation(DelegatingLocation):
         if data is None or rel not in self._vouchable:
             return data
         expected = self.record.files.get(rel)
+        if expected is None and rel == CONFIG_FNAME:
+            # Megatron-Core's own save (shardstore.megatron) writes metadata.json after the
+            # commit. It only names the backends; the commit record stays the authority.
+            return data
         if expected is None:
             raise CheckpointingException(
                 f"{self.inner.describe(rel)} is not vouched for by the commit record of {self.inner.describe()} "

@@ -125,3 +125,56 @@ def test_irregular_grid_is_refused_with_the_key_named(ckpt_dir: Path) -> None:
     with pytest.raises(CheckpointingException, match="optimizer/exp_avg"):
         save({"buf": buffer}, ckpt_dir)
     assert not ckpt_dir.exists()
+
+
+# ------------------------------------------- issue 17.3: the strategy plug-in
+
+
+def megatron_api_save(rank: int, world: int, ckpt: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    from shardstore.megatron import ShardstoreSaveShardedStrategy
+
+    if rank == 0:
+        Path(ckpt).mkdir()  # Megatron's save expects the directory to exist
+    torch.distributed.barrier()
+    sd = megatron_state_dict(rank, world, empty=False)
+    dist_checkpointing.save(sd, ckpt, sharded_strategy=ShardstoreSaveShardedStrategy())
+
+
+def megatron_api_load(rank: int, world: int, ckpt: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    from shardstore.megatron import ShardstoreLoadShardedStrategy
+
+    sd = megatron_state_dict(rank, world, empty=True)
+    loaded = dist_checkpointing.load(sd, ckpt, sharded_strategy=ShardstoreLoadShardedStrategy())
+    for layer in range(LAYERS):
+        assert_bits_equal(loaded["model"]["layers"][f"{layer}.fc1"], FC1[layer].chunk(world, 0)[rank], "fc1")
+    assert_bits_equal(loaded["model"]["qkv"], QKV.chunk(world, 0)[rank], "qkv")
+    assert loaded["rng"] == {"rank": rank} and loaded["iteration"] == 100
+
+
+def test_megatron_save_and_load_with_the_plugin(ckpt_dir: Path) -> None:
+    import json
+
+    run_distributed(megatron_api_save, 2, str(ckpt_dir))
+    config = json.loads((ckpt_dir / "metadata.json").read_text())
+    assert config["sharded_backend"] == "shardstore", config
+    assert (ckpt_dir / "decoder/layers/fc1/zarr.json").exists()
+    run_distributed(megatron_api_load, 2, str(ckpt_dir))
+    run_distributed(load_tensors_only, 1, str(ckpt_dir))  # shardstore.load reads it too
+    from shardstore import verify
+
+    assert verify(ckpt_dir).ok
+
+
+def test_plugin_without_megatron_says_what_to_install(monkeypatch) -> None:
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "megatron.core.dist_checkpointing.strategies", None)
+    monkeypatch.delitem(sys.modules, "shardstore.megatron", raising=False)
+    with pytest.raises(ImportError, match="needs megatron-core"):
+        importlib.import_module("shardstore.megatron")
+    monkeypatch.delitem(sys.modules, "shardstore.megatron", raising=False)

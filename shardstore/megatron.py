@@ -1,0 +1,98 @@
+"""shardstore as a strategy of Megatron-Core's own ``dist_checkpointing.save``/``load``.
+
+A Megatron-LM user changes two lines::
+
+    from shardstore.megatron import ShardstoreLoadShardedStrategy, ShardstoreSaveShardedStrategy
+    dist_checkpointing.save(sharded_state_dict, ckpt_dir, sharded_strategy=ShardstoreSaveShardedStrategy())
+    dist_checkpointing.load(sharded_state_dict, ckpt_dir, sharded_strategy=ShardstoreLoadShardedStrategy())
+
+Megatron's ``save`` refuses strategies that are not instances of its own base classes,
+so these subclass them and delegate to shardstore's storage core. Megatron keeps its
+part of the flow: it writes ``common.pt`` and the sharded objects with its own common
+strategy before the sharded save, and ``metadata.json`` (backend ``"shardstore"``)
+after it. The tensors become shardstore's Zarr v3 arrays with a commit record; since
+Megatron writes into the directory itself, the save is in place (no staging directory
+and no atomic replacement: those need ``shardstore.save``). ``shardstore.load`` and
+the queries read such a checkpoint too.
+
+Importing this module needs megatron-core; shardstore itself never imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    from megatron.core.dist_checkpointing.strategies import base as _megatron_base
+except ImportError as exc:  # pragma: no cover - exercised where megatron-core is absent
+    raise ImportError(
+        "shardstore.megatron plugs shardstore into megatron.core.dist_checkpointing and needs megatron-core "
+        "(pip install megatron-core); shardstore.save/load work without it"
+    ) from exc
+
+from shardstore.distributed import Group
+from shardstore.foreign import convert_foreign
+from shardstore.storage import open_location
+from shardstore.strategies.zarr import (
+    SHARDSTORE_BACKEND,
+    ZARR_VERSION,
+    ZarrLoadShardedStrategy,
+    ZarrSaveShardedStrategy,
+)
+from shardstore.validation import gather_layout, local_sharded_items, validate_sharding_integrity
+
+
+class ShardstoreSaveShardedStrategy(_megatron_base.SaveShardedStrategy):
+    """Megatron-Core save strategy writing shardstore's format.
+
+    Args:
+        options: ``ZarrSaveShardedStrategy``'s (``max_chunk_bytes``, ``fully_parallel``,
+            ``process_group``, ...).
+    """
+
+    def __init__(self, backend: str = SHARDSTORE_BACKEND, version: int = ZARR_VERSION, **options: Any) -> None:
+        super().__init__(backend, version)
+        self.shardstore = ZarrSaveShardedStrategy(backend, version, **options)
+
+    def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+        """Collective: validates the global layout and writes the tensors, committing
+        them with shardstore's commit record (in place)."""
+        sharded_state_dict = convert_foreign(sharded_state_dict)
+        location = open_location(checkpoint_dir)
+        tensors, objects = local_sharded_items(sharded_state_dict)
+        group = Group(self.shardstore.process_group)
+        layout = gather_layout(tensors, objects, group, place=location.describe())
+        validate_sharding_integrity(layout)
+        self.shardstore.save_with_layout(sharded_state_dict, location, layout)
+
+
+class ShardstoreLoadShardedStrategy(_megatron_base.LoadShardedStrategy):
+    """Megatron-Core load strategy reading shardstore's format (any layout).
+
+    Args:
+        options: ``ZarrLoadShardedStrategy``'s (``fully_parallel``, ``allow_lossy_casts``, ...).
+    """
+
+    def __init__(self, **options: Any) -> None:
+        self.shardstore = ZarrLoadShardedStrategy(**options)
+
+    def load(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
+        return self.shardstore.load(convert_foreign(sharded_state_dict), checkpoint_dir)
+
+    def load_tensors_metadata(self, checkpoint_dir: Any) -> Any:
+        return self.shardstore.load_tensors_metadata(checkpoint_dir)
+
+    def load_sharded_metadata(self, checkpoint_dir: Any) -> Any:
+        return self.shardstore.load_sharded_metadata(checkpoint_dir)
+
+    def remove_sharded_tensors(self, checkpoint_dir: Any, key_prefix: str) -> None:
+        self.shardstore.remove_sharded_tensors(checkpoint_dir, key_prefix)
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        self.shardstore.check_backend_compatibility(loaded_backend)
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        self.shardstore.check_version_compatibility(loaded_version)
+
+
+__all__ = ["ShardstoreLoadShardedStrategy", "ShardstoreSaveShardedStrategy"]

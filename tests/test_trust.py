@@ -685,3 +685,15 @@ def test_common_state_differences_between_ranks_are_logged(tmp_path: Path, drop_
     assert "differs from rank 0's" in warning and "'args' on rank(s) [1]" in warning
     assert ("'timer'" in warning) != drop_timer  # the preprocess function is honoured
     assert "'iteration'" not in warning and logs[1] == []  # only the coordinator reports
+
+
+def test_an_aborted_async_save_is_cleared_by_the_next_save(ckpt_dir: Path) -> None:
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(save(_one("w", torch.ones(4)), ckpt_dir, async_sharded_save=True))
+    queue.close(abort=True)  # nothing committed; its staging directory's lock is released
+    assert not ckpt_dir.exists() and any(".shardstore-save-" in p.name for p in ckpt_dir.parent.iterdir())
+    save(_one("w", torch.full((4,), 2.0)), ckpt_dir)
+    assert [p.name for p in ckpt_dir.parent.iterdir()] == [ckpt_dir.name]
+    assert torch.equal(load(_one("w", torch.empty(4)), ckpt_dir)["w"], torch.full((4,), 2.0))

@@ -203,11 +203,16 @@ class AsyncCallsQueue:
 
     def close(self, abort: bool = False) -> None:
         """Finalizes everything still pending (or, with ``abort``, waits for the I/O and
-        drops it uncommitted); stops the worker thread."""
+        drops it uncommitted: nothing is committed, and the next save into the same
+        place removes what the dropped save wrote); stops the worker thread."""
         try:
             if abort:
-                for _, _, future in self._pending:
+                for _, request, future in self._pending:
                     future.exception()
+                    for fn in request.finalize_fns:  # local: closes what the save holds open
+                        abort_fn = getattr(fn, "abort", None)
+                        if abort_fn is not None:
+                            abort_fn()
                 self._pending.clear()
             else:
                 self.maybe_finalize_async_calls(blocking=True)

@@ -583,8 +583,16 @@ def _finalizer(staged: StagedSave) -> Callable[[BaseException | None], None]:
     def finalize(error: BaseException | None = None) -> None:
         finalize_save(staged, error)
 
+    def abort() -> None:
+        """Local, no agreement: releases the save's descriptors and lock, so the next
+        save into the same place sees a dead save and removes its files (deleting them
+        here could race with other ranks still writing)."""
+        if isinstance(staged.location, PendingCheckpoint):
+            staged.location.release()
+
     finalize.accepts_async_error = True  # type: ignore[attr-defined]
     finalize.checkpoint = staged.location.describe()  # type: ignore[attr-defined]
+    finalize.abort = abort  # type: ignore[attr-defined]
     return finalize
 
 

@@ -29,6 +29,7 @@ difference.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -43,6 +44,8 @@ import crc32c
 import numpy as np
 
 from shardstore.core import CheckpointingException
+from shardstore.dtypes import from_zarr_name
+from shardstore.format import ArrayRecord
 from shardstore.layout import Region
 from shardstore.storage import Location, check_inside, open_regular, run_parallel
 
@@ -214,15 +217,17 @@ class KvChunkStore(ChunkStore):
         return at, bytes(data[at : at + CRC_BYTES + 1])
 
 
-def chunk_store_for(location: Location, remote_threads: int) -> ChunkStore:
-    """The chunk store of a checkpoint location: files where it is a local path, the
-    TensorStore kvstore otherwise (with ``remote_threads`` requests in flight)."""
+def chunk_store_for(location: Location, io_concurrency: int, local_threads: int = DEFAULT_IO_THREADS) -> ChunkStore:
+    """The chunk store of a checkpoint location, with the number of chunk operations to
+    run at once: files where it is a local path (``local_threads`` threads, at most
+    ``io_concurrency``: more did not help on local disks), the TensorStore kvstore
+    otherwise (``io_concurrency`` requests in flight)."""
     if not NATIVE_LITTLE_ENDIAN:
         raise CheckpointingException("shardstore's chunk I/O needs a little-endian host")
     root = location.local_path("")
     if root is not None:
-        return FileChunkStore(root)
-    return KvChunkStore(location, remote_threads)
+        return FileChunkStore(root, min(io_concurrency, local_threads))
+    return KvChunkStore(location, io_concurrency)
 
 
 class ChunkFile:
@@ -315,11 +320,21 @@ class ArrayChunks:
     dtype: np.dtype
     crcs: tuple[int, ...] | None = None
 
+    @classmethod
+    def of(cls, store: ChunkStore, record: ArrayRecord) -> ArrayChunks:
+        """The chunks of the array ``record`` describes, with the checksums it binds."""
+        dtype = from_zarr_name(record.dtype).numpy_dtype
+        return cls(record.key, store, record.shape, record.chunk_shape, dtype, record.chunk_crcs)
+
+    @functools.cached_property
+    def grid(self) -> tuple[int, ...]:
+        """Chunks along each axis."""
+        return tuple(-(-n // c) for n, c in zip(self.shape, self.chunk_shape))
+
     def file(self, index: tuple[int, ...]) -> ChunkFile:
         expected = None
         if self.crcs is not None:
-            grid = tuple(-(-n // c) for n, c in zip(self.shape, self.chunk_shape))
-            expected = self.crcs[int(np.ravel_multi_index(index, grid))] if grid else self.crcs[0]
+            expected = self.crcs[int(np.ravel_multi_index(index, self.grid))] if self.grid else self.crcs[0]
         return ChunkFile(self.store, self.key, index, expected)
 
 

@@ -19,7 +19,6 @@ import numpy as np
 
 from shardstore.chunk_io import ArrayChunks, ChunkStore, chunk_key, chunk_store_for
 from shardstore.core import CONFIG_FNAME, CheckpointingException
-from shardstore.dtypes import from_zarr_name
 from shardstore.format import COMMIT_RECORD, ArrayRecord, CommitRecord, checksum, read_commit_record
 from shardstore.storage import DelegatingLocation, Location, open_location
 
@@ -160,8 +159,7 @@ def verify(checkpoint_dir: str | os.PathLike | Location) -> VerifyReport:
 
 
 def _verify_array(location: Location, store: ChunkStore, array: ArrayRecord, report: VerifyReport) -> None:
-    chunks = ArrayChunks(array.key, store, array.shape, array.chunk_shape,
-                         from_zarr_name(array.dtype).numpy_dtype, array.chunk_crcs)
+    chunks = ArrayChunks.of(store, array)
     try:
         buffer = np.empty(array.chunk_shape, chunks.dtype)
     except MemoryError:

@@ -47,8 +47,6 @@ import torch.distributed as dist
 from shardstore.chunk_io import (
     DEFAULT_IO_THREADS,
     ArrayChunks,
-    ChunkStore,
-    FileChunkStore,
     ReadJob,
     WrittenChunk,
     chunk_key,
@@ -377,12 +375,6 @@ def exchange_straddling_chunks(
     return result
 
 
-def array_chunks(store: ChunkStore, record: ArrayRecord) -> ArrayChunks:
-    """The array's chunks in ``store``, with the checksums the record binds."""
-    dtype = from_zarr_name(record.dtype).numpy_dtype
-    return ArrayChunks(record.key, store, record.shape, record.chunk_shape, dtype, record.chunk_crcs)
-
-
 def write_staged(
     staged: StagedSave, io_concurrency: int = DEFAULT_IO_CONCURRENCY, io_threads: int = DEFAULT_IO_THREADS
 ) -> None:
@@ -401,7 +393,7 @@ def write_ops(
 ) -> list[WrittenChunk]:
     """Writes whole chunks of arrays (the plan gives every chunk one writer and one
     write), all in flight at once; returns each chunk's crc32c."""
-    store = chunk_store_for(location, io_concurrency)
+    store = chunk_store_for(location, io_concurrency, io_threads)
     jobs: list = []
     for op in ops:
         if not op.value.size:
@@ -412,9 +404,8 @@ def write_ops(
                 f"Internal error: the write of {op.key!r} region {_describe_region(op.region)} is not aligned "
                 f"with its chunks {record.chunk_shape}; please report it"
             )
-        jobs += write_region(array_chunks(store, record), op.region, op.value)
-    threads = min(io_concurrency, io_threads) if isinstance(store, FileChunkStore) else io_concurrency
-    return run_writes(jobs, threads)
+        jobs += write_region(ArrayChunks.of(store, record), op.region, op.value)
+    return run_writes(jobs, store.threads)
 
 
 def _describe_region(region: Region) -> str:
@@ -698,12 +689,11 @@ def load_tensors(
     arrays: list[np.ndarray] = []
     jobs: list[ReadJob] = []
     for r in reads:
-        chunks = array_chunks(store, record.arrays[r.tensor.key])
+        chunks = ArrayChunks.of(store, record.arrays[r.tensor.key])
         out = np.empty(_region_shape(r.region), chunks.dtype)
         jobs += read_region(chunks, r.region, out)
         arrays.append(out)
-    threads = min(io_concurrency, DEFAULT_IO_THREADS) if isinstance(store, FileChunkStore) else io_concurrency
-    run_reads(jobs, threads)
+    run_reads(jobs, store.threads)
     results = []
     for r, array in zip(reads, arrays):
         stored = record.arrays[r.tensor.key]

@@ -367,30 +367,30 @@ def _load(
         tensors, objects = local_sharded_items(sharded_state_dict)
     except Exception as exc:  # reported on every rank below
         error = exc
-    if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
+    gather_globally = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict)
+    if gather_globally:  # raises on every rank if any rank failed above
         layout = gather_layout(tensors, objects, group, local_error=error, place=where)
-    else:
-        group.agree(error, f"Loading checkpoint {where}")
-        layout = GlobalLayout.from_gathered([local_records(tensors, objects, group.rank)])
-    error = None
-    try:
-        sharded_state_dict, missing_keys, unexpected_keys = validate_integrity_and_strict_load(
-            sharded_state_dict,
-            strict,
-            validate_access_integrity,
-            layout,
-            set(record.arrays) | set(record.objects),
-            group.rank,
-            where=where,
-        )
-        if not sharded_strategy.can_handle_sharded_objects:
-            validate_sharded_objects_handling(sharded_strategy, common_strategy)
-            objects_part, sharded_state_dict = extract_matching_values(
-                sharded_state_dict, lambda v: isinstance(v, ShardedObject)
+    if error is None:  # else straight to the agreement below, which reports it
+        try:
+            if not gather_globally:
+                layout = GlobalLayout.from_gathered([local_records(tensors, objects, group.rank)])
+            sharded_state_dict, missing_keys, unexpected_keys = validate_integrity_and_strict_load(
+                sharded_state_dict,
+                strict,
+                validate_access_integrity,
+                layout,
+                set(record.arrays) | set(record.objects),
+                group.rank,
+                where=where,
             )
-            merge(common_state_dict, common_strategy.load_sharded_objects(objects_part, location))
-    except Exception as exc:  # reported on every rank by agree()
-        error = exc
+            if not sharded_strategy.can_handle_sharded_objects:
+                validate_sharded_objects_handling(sharded_strategy, common_strategy)
+                objects_part, sharded_state_dict = extract_matching_values(
+                    sharded_state_dict, lambda v: isinstance(v, ShardedObject)
+                )
+                merge(common_state_dict, common_strategy.load_sharded_objects(objects_part, location))
+        except Exception as exc:  # reported on every rank by agree()
+            error = exc
     group.agree(error, f"Loading checkpoint {where}")
     merge(common_state_dict, sharded_strategy.load_with_record(sharded_state_dict, location, record, group))
     apply_factory_merges(common_state_dict, factories)

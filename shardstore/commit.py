@@ -249,7 +249,7 @@ def begin_save(target: Location, overwrite: bool) -> PendingCheckpoint:
     anything that is not provably ours."""
     save_id = new_save_id()
     if isinstance(target, LocalLocation):
-        target = LocalLocation(target.root.resolve(), fsync=target.fsync)
+        target = _resolved(target)
         remove_dead_saves(target)
         replaces = _check_target(target, overwrite)
         pending = PendingCheckpoint(target, _staging_for(target, save_id), SaveIntent(save_id, replaces))
@@ -274,12 +274,18 @@ def begin_save(target: Location, overwrite: bool) -> PendingCheckpoint:
 def join_save(target: Location, intent: SaveIntent) -> PendingCheckpoint:
     """Every rank but the coordinator: the pending checkpoint the coordinator began."""
     if isinstance(target, LocalLocation):
-        target = LocalLocation(target.root.resolve(), fsync=target.fsync)
+        target = _resolved(target)
         pending = PendingCheckpoint(target, _staging_for(target, intent.save_id), intent)
     else:
         pending = PendingCheckpoint(target, target, intent)
     pending.inner.begin_writes()
     return pending
+
+
+def _resolved(target: LocalLocation) -> LocalLocation:
+    """``target`` with symbolic links resolved: the staging directory must be a sibling
+    of the real directory, or the rename would replace the link instead."""
+    return LocalLocation(target.root.resolve(), fsync=target.fsync)
 
 
 def _staging_for(target: LocalLocation, save_id: str) -> LocalLocation:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -30,7 +29,7 @@ import crc32c
 
 from shardstore.core import CONFIG_FNAME, CheckpointingException
 from shardstore.dtypes import from_zarr_name
-from shardstore.storage import Location
+from shardstore.storage import LocalLocation, Location
 
 FORMAT_VERSION = 2
 # Versions this shardstore reads. Version 1 records carry no save id and no chunk
@@ -420,7 +419,7 @@ def foreign_checkpoint_kind(location: Location) -> str | None:
         config = None
     backend = config.get("sharded_backend") if isinstance(config, dict) else None
     entries = location.list_top(20)
-    zarr_v2 = any(location.exists(f"{entry}/.zarray") for entry in entries[:20] if not entry.startswith("."))
+    zarr_v2 = any(location.exists(f"{entry}/.zarray") for entry in entries if not entry.startswith("."))
     if backend == "zarr" and zarr_v2:
         return "a Megatron-Core zarr checkpoint (Zarr v2 arrays)"
     if isinstance(backend, str) and backend not in ("zarr", "shardstore"):
@@ -437,8 +436,8 @@ def unfinished_saves(location: Location) -> list[str]:
     if path is None:
         return []
     try:
-        return sorted(n for n in os.listdir(path.parent) if n.startswith(f".{path.name}{STAGING_TAG}"))
-    except OSError:
+        return LocalLocation(path, fsync=False).siblings(f".{path.name}{STAGING_TAG}")
+    except OSError:  # an unreadable parent: only the error message loses this detail
         return []
 
 

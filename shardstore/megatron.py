@@ -33,6 +33,7 @@ except ImportError as exc:  # pragma: no cover - exercised where megatron-core i
 from shardstore.distributed import Group
 from shardstore.foreign import convert_foreign
 from shardstore.storage import open_location
+from shardstore.strategies.base import DelegatingLoadStrategy
 from shardstore.strategies.zarr import (
     SHARDSTORE_BACKEND,
     ZARR_VERSION,
@@ -52,7 +53,7 @@ class ShardstoreSaveShardedStrategy(_megatron_base.SaveShardedStrategy):
 
     def __init__(self, backend: str = SHARDSTORE_BACKEND, version: int = ZARR_VERSION, **options: Any) -> None:
         super().__init__(backend, version)
-        self.shardstore = ZarrSaveShardedStrategy(backend, version, **options)
+        self.base_strategy = ZarrSaveShardedStrategy(backend, version, **options)
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
         """Collective: validates the global layout and writes the tensors, committing
@@ -60,13 +61,13 @@ class ShardstoreSaveShardedStrategy(_megatron_base.SaveShardedStrategy):
         sharded_state_dict = convert_foreign(sharded_state_dict)
         location = open_location(checkpoint_dir)
         tensors, objects = local_sharded_items(sharded_state_dict)
-        group = Group(self.shardstore.process_group)
+        group = Group(self.base_strategy.process_group)
         layout = gather_layout(tensors, objects, group, place=location.describe())
         validate_sharding_integrity(layout)
-        self.shardstore.save_with_layout(sharded_state_dict, location, layout)
+        self.base_strategy.save_with_layout(sharded_state_dict, location, layout)
 
 
-class ShardstoreLoadShardedStrategy(_megatron_base.LoadShardedStrategy):
+class ShardstoreLoadShardedStrategy(DelegatingLoadStrategy, _megatron_base.LoadShardedStrategy):
     """Megatron-Core load strategy reading shardstore's format (any layout).
 
     Args:
@@ -74,25 +75,10 @@ class ShardstoreLoadShardedStrategy(_megatron_base.LoadShardedStrategy):
     """
 
     def __init__(self, **options: Any) -> None:
-        self.shardstore = ZarrLoadShardedStrategy(**options)
+        self.base_strategy = ZarrLoadShardedStrategy(**options)
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
-        return self.shardstore.load(convert_foreign(sharded_state_dict), checkpoint_dir)
-
-    def load_tensors_metadata(self, checkpoint_dir: Any) -> Any:
-        return self.shardstore.load_tensors_metadata(checkpoint_dir)
-
-    def load_sharded_metadata(self, checkpoint_dir: Any) -> Any:
-        return self.shardstore.load_sharded_metadata(checkpoint_dir)
-
-    def remove_sharded_tensors(self, checkpoint_dir: Any, key_prefix: str) -> None:
-        self.shardstore.remove_sharded_tensors(checkpoint_dir, key_prefix)
-
-    def check_backend_compatibility(self, loaded_backend: str) -> None:
-        self.shardstore.check_backend_compatibility(loaded_backend)
-
-    def check_version_compatibility(self, loaded_version: int) -> None:
-        self.shardstore.check_version_compatibility(loaded_version)
+        return self.base_strategy.load(convert_foreign(sharded_state_dict), checkpoint_dir)
 
 
 __all__ = ["ShardstoreLoadShardedStrategy", "ShardstoreSaveShardedStrategy"]

@@ -166,6 +166,30 @@ class LoadShardedStrategy(LoadStrategyBase):
         raise NotImplementedError(f"{self} does not support removing tensors from a checkpoint")
 
 
+class DelegatingLoadStrategy:
+    """Mixin for a load strategy that wraps another one (``base_strategy``): metadata
+    queries, removal and the compatibility checks are the wrapped strategy's. Listed
+    before the abstract base, it supplies those methods (the fully-parallel wrapper,
+    the Megatron-Core plug-in)."""
+
+    base_strategy: Any
+
+    def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
+        return self.base_strategy.load_tensors_metadata(checkpoint_dir)
+
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
+        return self.base_strategy.load_sharded_metadata(checkpoint_dir)
+
+    def remove_sharded_tensors(self, checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
+        self.base_strategy.remove_sharded_tensors(checkpoint_dir, key_prefix)
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        self.base_strategy.check_backend_compatibility(loaded_backend)
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        self.base_strategy.check_version_compatibility(loaded_version)
+
+
 class SaveCommonStrategy(SaveStrategyBase):
     """Save strategy for the common (non-sharded) state."""
 

@@ -20,6 +20,7 @@ from shardstore.strategies.async_utils import AsyncRequest
 from shardstore.strategies.base import (
     AsyncSaveShardedStrategy,
     CheckpointDir,
+    DelegatingLoadStrategy,
     LoadShardedStrategy,
     SaveShardedStrategy,
 )
@@ -63,7 +64,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         return self.base_strategy.can_handle_sharded_objects
 
 
-class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
+class FullyParallelLoadStrategyWrapper(DelegatingLoadStrategy, LoadShardedStrategy):
     """Delegates to ``strategy`` with its fully-parallel load on (see the module docstring)."""
 
     def __init__(
@@ -80,21 +81,6 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: CheckpointDir) -> Any:
         return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
-
-    def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> Any:
-        return self.base_strategy.load_tensors_metadata(checkpoint_dir)
-
-    def load_sharded_metadata(self, checkpoint_dir: CheckpointDir) -> Any:
-        return self.base_strategy.load_sharded_metadata(checkpoint_dir)
-
-    def remove_sharded_tensors(self, checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
-        self.base_strategy.remove_sharded_tensors(checkpoint_dir, key_prefix)
-
-    def check_backend_compatibility(self, loaded_backend: str) -> None:
-        self.base_strategy.check_backend_compatibility(loaded_backend)
-
-    def check_version_compatibility(self, loaded_version: int) -> None:
-        self.base_strategy.check_version_compatibility(loaded_version)
 
     @property
     def can_handle_sharded_objects(self) -> bool:

@@ -15,6 +15,8 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
+    "CheckpointManager": "shardstore.manager",
+    "CheckpointManagerOptions": "shardstore.manager",
     "CheckpointingException": "shardstore.core",
     "check_is_distributed_checkpoint": "shardstore.core",
     "LocalNonpersistentObject": "shardstore.mapping",

@@ -45,8 +45,9 @@ import numpy as np
 
 from shardstore.core import CheckpointingException
 from shardstore.dtypes import from_zarr_name
-from shardstore.format import ArrayRecord
+from shardstore.format import CHUNK_SEPARATOR, ArrayRecord, chunk_key
 from shardstore.layout import Region
+from shardstore.progress import tracked
 from shardstore.storage import Location, check_inside, open_regular, run_parallel
 
 CRC_BYTES = 4
@@ -61,9 +62,6 @@ DEFAULT_IO_THREADS = 8
 NATIVE_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-def chunk_key(index: tuple[int, ...]) -> str:
-    """Zarr v3 default chunk key encoding: ``c/1/0`` (``c`` for a 0-d array)."""
-    return "/".join(["c", *map(str, index)])
 
 
 @dataclass(frozen=True)
@@ -239,17 +237,19 @@ class ChunkFile:
     """
 
     def __init__(
-        self, store: ChunkStore, array_key: str, index: tuple[int, ...], expected_crc: int | None = None
+        self, store: ChunkStore, array_key: str, index: tuple[int, ...], chunk_key: str,
+        expected_crc: int | None = None,
     ) -> None:
         self.store, self.array_key, self.index, self.expected_crc = store, array_key, index, expected_crc
-        self.rel = f"{array_key}/{chunk_key(index)}"
+        self.chunk_key = chunk_key
+        self.rel = f"{array_key}/{chunk_key}"
 
     @property
     def path(self) -> str:
         return self.store.describe(self.rel)
 
     def describe(self) -> str:
-        return f"chunk {chunk_key(self.index)} of array {self.array_key!r} ({self.path})"
+        return f"chunk {self.chunk_key} of array {self.array_key!r} ({self.path})"
 
     def write(self, data: np.ndarray) -> int:
         """Writes a C-contiguous chunk with its crc32c; returns the crc32c.
@@ -319,12 +319,14 @@ class ArrayChunks:
     chunk_shape: tuple[int, ...]
     dtype: np.dtype
     crcs: tuple[int, ...] | None = None
+    separator: str = CHUNK_SEPARATOR
 
     @classmethod
     def of(cls, store: ChunkStore, record: ArrayRecord) -> ArrayChunks:
         """The chunks of the array ``record`` describes, with the checksums it binds."""
         dtype = from_zarr_name(record.dtype).numpy_dtype
-        return cls(record.key, store, record.shape, record.chunk_shape, dtype, record.chunk_crcs)
+        return cls(record.key, store, record.shape, record.chunk_shape, dtype, record.chunk_crcs,
+                   record.chunk_separator)
 
     @functools.cached_property
     def grid(self) -> tuple[int, ...]:
@@ -335,7 +337,7 @@ class ArrayChunks:
         expected = None
         if self.crcs is not None:
             expected = self.crcs[int(np.ravel_multi_index(index, self.grid))] if self.grid else self.crcs[0]
-        return ChunkFile(self.store, self.key, index, expected)
+        return ChunkFile(self.store, self.key, index, chunk_key(index, self.separator), expected)
 
 
 def write_region(array: ArrayChunks, region: Region, value: np.ndarray) -> list[tuple[ChunkFile, np.ndarray]]:
@@ -371,6 +373,11 @@ class ReadJob:
     piece: ChunkPiece
     chunk_shape: tuple[int, ...]
     direct: bool
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this job fills in ``out``."""
+        return self.out[self.piece.in_region].nbytes
 
     def run(self) -> None:
         target = self.out[self.piece.in_region]
@@ -427,23 +434,33 @@ WrittenChunk = tuple[str, tuple[int, ...], int]  # (array key, chunk index, crc3
 def run_writes(jobs: list[tuple[ChunkFile, np.ndarray]], threads: int | None = None) -> list[WrittenChunk]:
     """Writes the chunks; returns what each writer reports for the commit record."""
     written: list[WrittenChunk] = []
+    with tracked("write", (data.nbytes for _, data in jobs)) as tick:
 
-    def write(job: tuple[ChunkFile, np.ndarray]) -> None:
-        file, data = job
-        try:
-            crc = file.write(data)
-        except CheckpointingException:
-            raise
-        except Exception as exc:  # OSError locally; TensorStore's ValueError for S3
-            raise CheckpointingException(f"Writing {file.describe()} failed: {exc}") from exc
-        written.append((file.array_key, file.index, crc))  # list.append is atomic
+        def write(job: tuple[ChunkFile, np.ndarray]) -> None:
+            file, data = job
+            try:
+                crc = file.write(data)
+            except CheckpointingException:
+                raise
+            except Exception as exc:  # OSError locally; TensorStore's ValueError for S3
+                raise CheckpointingException(f"Writing {file.describe()} failed: {exc}") from exc
+            written.append((file.array_key, file.index, crc))  # list.append is atomic
+            if tick:
+                tick(data.nbytes)
 
-    run_parallel(write, jobs, threads or _threads_of(jobs))
+        run_parallel(write, jobs, threads or _threads_of(jobs))
     return written
 
 
 def run_reads(jobs: list[ReadJob], threads: int | None = None) -> None:
-    run_parallel(ReadJob.run, jobs, threads or _threads_of([(j.file, None) for j in jobs]))
+    """Runs the reads (each fills its part of its output array)."""
+    with tracked("read", (job.nbytes for job in jobs)) as tick:
+
+        def read_and_tick(job: ReadJob) -> None:
+            job.run()
+            tick(job.nbytes)
+
+        run_parallel(read_and_tick if tick else ReadJob.run, jobs, threads or _threads_of([(j.file, None) for j in jobs]))
 
 
 def _threads_of(jobs: list[tuple[ChunkFile, Any]]) -> int:

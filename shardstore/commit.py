@@ -105,7 +105,8 @@ def _refuse_foreign(target: Location) -> None:
         found = f"{kind}: {found}"
     raise CheckpointingException(
         f"{target.describe()} is not empty and holds no committed shardstore checkpoint (found {found}); "
-        "refusing to delete anything in it. If it is another tool's checkpoint, convert it; if it is an "
+        "refusing to delete anything in it. If it is another tool's checkpoint, convert it (`shardstore "
+        "convert`); if it is an "
         "interrupted save of an older shardstore, delete it yourself. Otherwise save to an empty or new directory."
     )
 

@@ -92,6 +92,18 @@ class Group:
             dist.gather_object(obj, out, dst=self.global_rank(0), group=self.process_group)
         return out or []
 
+    def scatter_object(self, objs: list[Any] | None) -> Any:
+        """The coordinator's ``objs[r]`` on group rank ``r`` (``objs`` is read on the
+        coordinator only): each rank receives its own part, not everyone's."""
+        if self.world_size == 1:
+            return objs[0]
+        out: list[Any] = [None]
+        with _peer_failures("scatter"):
+            dist.scatter_object_list(
+                out, objs if self.is_coordinator else None, src=self.global_rank(0), group=self.process_group
+            )
+        return out[0]
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """``obj`` from group rank ``src`` on every rank."""
         if self.world_size == 1:

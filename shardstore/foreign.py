@@ -8,8 +8,8 @@ megatron-core is never imported (it stays optional) and any version with the sam
 fields converts: 0.14 (flattened ranges) through 0.16.
 
 What converts: ``ShardedTensor`` (every field; an irregular grid, which Megatron 0.16
-uses for distributed-optimizer buffers, is refused by shardstore's validation with a
-message naming the key), ``ShardedObject``, ``LocalNonpersistentObject``, and
+uses for distributed-optimizer buffers, is stored as a flattened range, see
+``shardstore.irregular``), ``ShardedObject``, ``LocalNonpersistentObject``, and
 ``ShardedTensorFactory`` (its ``build_fn`` output is converted in turn, its
 ``merge_fn`` receives the loaded tensors as Megatron's would).
 """
@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any
 
 from shardstore.dict_utils import dict_list_map_inplace
+from shardstore.irregular import irregular_as_flat, is_irregular
 from shardstore.mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -46,9 +47,13 @@ _OBJECT_FIELDS = tuple(f.name for f in dataclasses.fields(ShardedObject))
 
 
 def convert_one(value: Any) -> Any:
-    """shardstore's equivalent of one Megatron mapping object (others unchanged)."""
+    """shardstore's equivalent of one Megatron mapping object (others unchanged); a
+    ShardedTensor on an irregular grid (ours or Megatron's) becomes the factory that
+    stores it as a flattened range (``shardstore.irregular``)."""
     if _is_foreign(value, "ShardedTensor"):
-        return ShardedTensor(**_fields(value, _TENSOR_FIELDS))
+        value = ShardedTensor(**_fields(value, _TENSOR_FIELDS))
+    if isinstance(value, ShardedTensor) and is_irregular(value):
+        return irregular_as_flat(value)
     if _is_foreign(value, "ShardedObject"):
         return ShardedObject(**_fields(value, _OBJECT_FIELDS))
     if _is_foreign(value, "LocalNonpersistentObject"):

@@ -1,4 +1,4 @@
-"""The on-disk format (version 1): array metadata, group nodes and the commit record.
+"""The on-disk format (version 3): array metadata, group nodes and the commit record.
 
 A checkpoint is one Zarr v3 group::
 
@@ -6,7 +6,7 @@ A checkpoint is one Zarr v3 group::
     <checkpoint>/metadata.json    backends that wrote it (shardstore.core)
     <checkpoint>/common.pt        non-sharded state
     <checkpoint>/<key>/zarr.json  one Zarr v3 array per ShardedTensor key (the GLOBAL tensor)
-    <checkpoint>/<key>/c/...      its chunks, crc32c on each
+    <checkpoint>/<key>/c.i.j      its chunks, crc32c on each (``c/i/j`` before version 3)
     <checkpoint>/__objects__/...  ShardedObjects, one file per shard
 
 The root ``zarr.json`` carries ``attributes.shardstore`` (our record, read by
@@ -31,10 +31,14 @@ from shardstore.core import CONFIG_FNAME, CheckpointingException
 from shardstore.dtypes import from_zarr_name
 from shardstore.storage import LocalLocation, Location
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # Versions this shardstore reads. Version 1 records carry no save id and no chunk
-# checksums: their chunks are checked by their own crc32c only.
-READABLE_FORMAT_VERSIONS = (1, 2)
+# checksums: their chunks are checked by their own crc32c only. Versions 1 and 2 name
+# chunks ``c/1/0`` (a directory per axis but the last), version 3 ``c.1.0`` (files in
+# the array's directory: one directory per tensor instead of two or three).
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
+CHUNK_SEPARATOR = "."
+LEGACY_CHUNK_SEPARATOR = "/"
 ZARR_JSON = "zarr.json"
 COMMIT_RECORD = ZARR_JSON
 COMMON_FILE = "common.pt"
@@ -75,6 +79,8 @@ class ArrayRecord:
         chunk_shape: regular chunk grid, aligned with the sharding grid of the save.
         chunk_crcs: crc32c of every chunk, in C order over the grid, as the chunk's
             writer reported it at the save (None: not bound, format version 1).
+        chunk_separator: of the chunk keys (Zarr's default encoding): ``.`` since format
+            version 3, ``/`` before.
     """
 
     key: str
@@ -82,6 +88,11 @@ class ArrayRecord:
     dtype: str
     chunk_shape: tuple[int, ...]
     chunk_crcs: tuple[int, ...] | None = None
+    chunk_separator: str = CHUNK_SEPARATOR
+
+    def chunk_key(self, index: tuple[int, ...]) -> str:
+        """The key of chunk ``index`` inside the array: ``c.1.0`` (``c`` for a 0-d array)."""
+        return chunk_key(index, self.chunk_separator)
 
     @property
     def chunk_count(self) -> int:
@@ -100,6 +111,12 @@ class ArrayRecord:
         """Chunks along each axis (the regular grid tiles the array, edge chunks padded)."""
         return tuple(-(-n // c) for n, c in zip(self.shape, self.chunk_shape))
 
+    def chunk_nbytes(self, index: tuple[int, ...]) -> int:
+        """Bytes of the array inside chunk ``index`` (edge chunks hold less than a
+        whole chunk's worth)."""
+        extent = (min(c, n - i * c) for n, c, i in zip(self.shape, self.chunk_shape, index))
+        return math.prod(extent) * self.itemsize
+
     def chunk_indices(self) -> Iterator[tuple[int, ...]]:
         """Every chunk of the array: each is stored (none is left out as fill value)."""
         return itertools.product(*(range(g) for g in self.chunk_grid))
@@ -116,7 +133,7 @@ class ArrayRecord:
             "shape": list(self.shape),
             "data_type": self.dtype,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.chunk_shape)}},
-            "chunk_key_encoding": {"name": "default"},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": self.chunk_separator}},
             "fill_value": False if self.dtype == "bool" else (0 if _is_integer(self.dtype) else 0.0),
             "codecs": [bytes_codec, {"name": "crc32c"}],
             "dimension_names": self.dimension_names(),
@@ -154,7 +171,9 @@ class ArrayRecord:
         return replace(self, chunk_crcs=tuple(crcs[index] for index in self.chunk_indices()))
 
     @classmethod
-    def from_summary(cls, key: str, summary: Any, where: str, bound: bool = True) -> ArrayRecord:
+    def from_summary(
+        cls, key: str, summary: Any, where: str, bound: bool = True, separator: str = CHUNK_SEPARATOR
+    ) -> ArrayRecord:
         if not isinstance(summary, dict):
             raise CheckpointingException(f"{where}: record of array {key!r} is not an object")
         shape = _int_tuple(summary.get("shape"), f"{where}: shape of {key!r}", minimum=0)
@@ -169,7 +188,7 @@ class ArrayRecord:
             from_zarr_name(summary.get("dtype"))
         except TypeError as exc:
             raise CheckpointingException(f"{where}: array {key!r}: {exc}") from exc
-        record = cls(key, shape, summary["dtype"], chunk_shape)
+        record = cls(key, shape, summary["dtype"], chunk_shape, chunk_separator=separator)
         if list(record.chunk_grid) != summary.get("chunk_grid"):
             raise CheckpointingException(
                 f"{where}: array {key!r}: chunk grid {summary.get('chunk_grid')!r} does not tile shape "
@@ -191,6 +210,12 @@ class ArrayRecord:
         if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2**32 for c in crcs):
             raise CheckpointingException(f"{where}: array {key!r} has malformed chunk checksums")
         return replace(record, chunk_crcs=tuple(crcs))
+
+
+def chunk_key(index: tuple[int, ...], separator: str = CHUNK_SEPARATOR) -> str:
+    """Zarr v3's default chunk key encoding: ``c.1.0`` (``c/1/0`` with the ``/`` separator
+    of formats 1 and 2; ``c`` for a 0-d array)."""
+    return separator.join(["c", *map(str, index)])
 
 
 def _is_integer(zarr_name: str) -> bool:
@@ -326,7 +351,8 @@ class CommitRecord:
         arrays = {}
         for key, summary in arrays_json.items():
             check_key(key, where=where)
-            arrays[key] = ArrayRecord.from_summary(key, summary, where, bound=version >= 2)
+            separator = CHUNK_SEPARATOR if version >= 3 else LEGACY_CHUNK_SEPARATOR
+            arrays[key] = ArrayRecord.from_summary(key, summary, where, bound=version >= 2, separator=separator)
         if clashes := array_group_collisions(list(arrays)):
             raise CheckpointingException(f"{where}: the record names clashing keys: {clashes[0]}")
         objects = {}
@@ -393,10 +419,14 @@ def read_commit_record(location: Location) -> CommitRecord:
             )
         foreign = foreign_checkpoint_kind(location)
         if foreign:
+            how = (
+                "`load` and the metadata queries read it as it is; to verify it or keep it in shardstore's "
+                f"format, convert it: `shardstore convert {location.describe()} <new directory>`"
+                if location.exists(".metadata")
+                else "load it with the tool that wrote it (megatron.core.dist_checkpointing)"
+            )
             raise CheckpointingException(
-                f"{location.describe()} is not a shardstore checkpoint: it is {foreign}. shardstore does not "
-                "read it; load it with the tool that wrote it (megatron.core.dist_checkpointing, "
-                "torch.distributed.checkpoint)"
+                f"{location.describe()} is not a shardstore checkpoint: it is {foreign}. {how}"
             )
         raise CheckpointingException(
             f"Checkpoint at {location.describe()} is incomplete: it has no commit record "

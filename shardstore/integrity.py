@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardstore.chunk_io import ArrayChunks, ChunkStore, chunk_key, chunk_store_for
+from shardstore.chunk_io import ArrayChunks, ChunkStore, chunk_store_for
 from shardstore.core import CONFIG_FNAME, CheckpointingException
 from shardstore.format import COMMIT_RECORD, ArrayRecord, CommitRecord, checksum, read_commit_record
+from shardstore.progress import Tick, operation, progress_shown, tracked
 from shardstore.storage import DelegatingLocation, Location, open_location
 
 VERIFY_REMOTE_THREADS = 16
@@ -79,15 +80,19 @@ class ChecksummedLocation(DelegatingLocation):
         return data
 
 
-def open_committed(location: Location) -> ChecksummedLocation:
-    """The committed checkpoint at ``location``, its reads checked against its record."""
+def open_committed(checkpoint: str | os.PathLike | Location) -> ChecksummedLocation:
+    """The committed checkpoint at ``checkpoint``, its reads checked against its record
+    (one already opened so is returned as it is: its record is not read again)."""
+    location = open_location(checkpoint)
+    if isinstance(location, ChecksummedLocation):
+        return location
     return ChecksummedLocation(location, read_commit_record(location))
 
 
 @dataclass(frozen=True)
 class Problem:
     """One missing or corrupt object: ``key`` is the array key (or file path), ``part``
-    the chunk key (``c/0/1``) or ``"file"``."""
+    the chunk key (``c.0.1``; ``c/0/1`` before format version 3) or ``"file"``."""
 
     key: str
     part: str
@@ -103,6 +108,7 @@ class VerifyReport:
     arrays_checked: int = 0
     chunks_checked: int = 0
     files_checked: int = 0
+    bytes_checked: int = 0
 
     @property
     def ok(self) -> bool:
@@ -123,13 +129,21 @@ class VerifyReport:
             raise CheckpointingException(str(self))
 
 
-def verify(checkpoint_dir: str | os.PathLike | Location) -> VerifyReport:
+def verify(checkpoint_dir: str | os.PathLike | Location, progress: bool = False) -> VerifyReport:
     """Checks every chunk of every array and every checksummed file of a checkpoint.
 
     Never raises for damage: the report lists it (``report.ok``, ``str(report)``,
-    ``report.raise_if_damaged()``).
+    ``report.raise_if_damaged()``). ``progress``: a progress bar of the bytes checked,
+    on standard error.
     """
     location = open_location(checkpoint_dir)
+    with progress_shown(progress), operation("verify", location.describe()) as timing:
+        report = _verify(location)
+        timing.nbytes = report.bytes_checked
+    return report
+
+
+def _verify(location: Location) -> VerifyReport:
     report = VerifyReport(location.describe())
     try:
         record = read_commit_record(location)
@@ -152,13 +166,14 @@ def verify(checkpoint_dir: str | os.PathLike | Location) -> VerifyReport:
     except CheckpointingException as exc:
         report.problems.append(Problem("", "store", str(exc)))
         return report
-    for _, array in sorted(record.arrays.items()):
-        report.arrays_checked += 1
-        _verify_array(location, store, array, report)
+    with tracked("verify", (a.nbytes for a in record.arrays.values())) as tick:
+        for _, array in sorted(record.arrays.items()):
+            report.arrays_checked += 1
+            _verify_array(store, array, report, tick)
     return report
 
 
-def _verify_array(location: Location, store: ChunkStore, array: ArrayRecord, report: VerifyReport) -> None:
+def _verify_array(store: ChunkStore, array: ArrayRecord, report: VerifyReport, tick: Tick | None) -> None:
     chunks = ArrayChunks.of(store, array)
     try:
         buffer = np.empty(array.chunk_shape, chunks.dtype)
@@ -170,4 +185,9 @@ def _verify_array(location: Location, store: ChunkStore, array: ArrayRecord, rep
         try:
             chunks.file(index).read_into(buffer)
         except Exception as exc:  # every failure is a finding, reported by chunk
-            report.problems.append(Problem(array.key, chunk_key(index), str(exc)))
+            report.problems.append(Problem(array.key, array.chunk_key(index), str(exc)))
+            continue
+        nbytes = array.chunk_nbytes(index)
+        report.bytes_checked += nbytes
+        if tick:
+            tick(nbytes)

@@ -1,8 +1,7 @@
-"""The global layout of a save and the write plan derived from it. Pure functions.
+"""The global layout of a save or load and the chunk grid derived from it. Pure functions.
 
-Every rank contributes the metadata (never the data) of its shards; after one
-all-gather every rank holds the same ``GlobalLayout`` and derives the same plan from
-it, so no further coordination is needed to know who writes what:
+Every rank contributes the metadata (never the data) of its shards; the coordinator
+(a save, ``shardstore.planner``) or every rank (a load) holds the ``GlobalLayout``:
 
 * the chunk grid of every array is aligned with the sharding grid (the chunk shape
   divides every shard boundary), so every chunk lies inside one main-replica shard and
@@ -15,10 +14,9 @@ it, so no further coordination is needed to know who writes what:
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from itertools import product
 
 from shardstore.dtypes import from_torch, from_zarr_name
@@ -145,16 +143,18 @@ class GlobalLayout:
     def main_shards(self, key: str) -> list[ShardRecord]:
         return [r for r in self.tensors[key] if r.main]
 
+    def main_nbytes(self) -> int:
+        """Bytes of tensor data the checkpoint holds (each main shard once)."""
+        return sum(r.nbytes for shards in self.tensors.values() for r in shards if r.main)
+
 
 def balance_writers(layout: GlobalLayout) -> GlobalLayout:
     """Fully-parallel save: each replicated block is written by one of its replicas,
     chosen so that every rank writes about the same number of bytes.
 
     Without this, every replicated tensor is written by its main replica (replica_id 0),
-    which in a TP x DP job is the same few ranks. Greedy, largest block first, to the
-    replica whose rank has the fewest bytes so far (ties: lowest rank); a pure function
-    of the layout, so every rank computes the same assignment without communication.
-    Replicas must hold equal data, as replication means.
+    which in a TP x DP job is the same few ranks. Blocks with one holder count first;
+    then ``pick_balanced``. Replicas must hold equal data, as replication means.
     """
     replicas: dict[tuple, list[ShardRecord]] = defaultdict(list)
     for shards in layout.tensors.values():
@@ -163,17 +163,27 @@ def balance_writers(layout: GlobalLayout) -> GlobalLayout:
     load = [0] * layout.world_size
     for s in (s for group in replicas.values() if len(group) == 1 for s in group if s.main):
         load[s.rank] += s.nbytes
-    writers: dict[tuple, ShardRecord] = {}
     replicated = [g for g in replicas.values() if len(g) > 1 and any(s.main for s in g)]
-    for group in sorted(replicated, key=lambda g: (-g[0].nbytes, repr(g[0].block_id))):
-        writer = min(group, key=lambda s: (load[s.rank], s.rank))
-        load[writer.rank] += writer.nbytes
-        writers[writer.block_id] = writer
+    writers = {w.block_id: w for w in pick_balanced(replicated, load)}
     tensors = {
         key: [replace(s, main=writers[s.block_id] is s) if s.block_id in writers else s for s in shards]
         for key, shards in layout.tensors.items()
     }
     return GlobalLayout(tensors, layout.objects, layout.world_size)
+
+
+def pick_balanced(groups: list[list[ShardRecord]], load: list[int]) -> list[ShardRecord]:
+    """One member of each group (in the groups' order), so that the ranks' byte counts
+    stay even: greedy, largest group first, to the member whose rank has the fewest
+    bytes so far (ties: lowest rank). ``load``: bytes each rank already has; updated.
+    A pure function of its input, so its result does not depend on who computes it."""
+    chosen: dict[int, ShardRecord] = {}
+    order = sorted(range(len(groups)), key=lambda i: (-groups[i][0].nbytes, repr(groups[i][0].block_id)))
+    for i in order:
+        member = min(groups[i], key=lambda s: (load[s.rank], s.rank))
+        load[member.rank] += member.nbytes
+        chosen[i] = member
+    return [chosen[i] for i in range(len(groups))]
 
 
 @dataclass(frozen=True)
@@ -201,22 +211,15 @@ class FlatChunk:
 
 @dataclass(frozen=True)
 class DirectFlatWrite:
-    """A chunk lying wholly in one rank's flat range: ``data[local_start:local_stop]``."""
+    """A chunk lying wholly in one rank's flat range: ``data[local_start:local_stop]`` of
+    that rank's ShardedTensor number ``index``."""
 
     key: str
     index: int
     region: Region
     local_start: int
     local_stop: int
-
-
-@dataclass
-class FlatPlan:
-    """What one rank does for flattened tensors."""
-
-    direct: list[DirectFlatWrite] = field(default_factory=list)
-    assembled: list[FlatChunk] = field(default_factory=list)  # chunks this rank writes
-    all_straddling: list[FlatChunk] = field(default_factory=list)  # every rank's, same order
+    rank: int
 
 
 def chunk_shape_for(
@@ -283,37 +286,3 @@ def block_chunks(record: ShardRecord, chunk_shape: tuple[int, ...], global_shape
         flat_start = sum((s - o) * st for s, o, st in zip(starts, record.offset, strides))
         volume = math.prod(e - s for s, e in zip(starts, stops))
         yield tuple(slice(s, e) for s, e in zip(starts, stops)), flat_start, flat_start + volume
-
-
-def plan_flat_writes(
-    key: str, main_shards: list[ShardRecord], chunk_shape: tuple[int, ...], my_rank: int, plan: FlatPlan
-) -> None:
-    """Adds to ``plan`` what ``my_rank`` writes of the flattened tensor ``key``."""
-    blocks: dict[tuple[int, ...], list[ShardRecord]] = defaultdict(list)
-    for r in main_shards:
-        blocks[r.offset].append(r)
-    for offset in sorted(blocks):
-        ranges = sorted(blocks[offset], key=lambda r: r.flat_range[0])
-        range_starts = [r.flat_range[0] for r in ranges]
-        global_shape = ranges[0].global_shape
-        for region, fs, fe in block_chunks(ranges[0], chunk_shape, global_shape):
-            first = bisect.bisect_right(range_starts, fs) - 1
-            holder = ranges[first]
-            if holder.flat_range[1] >= fe:
-                if holder.rank == my_rank:
-                    lo = fs - holder.flat_range[0]
-                    plan.direct.append(DirectFlatWrite(key, holder.index, region, lo, lo + fe - fs))
-                continue
-            pieces = []
-            for r in ranges[first:]:
-                lo, hi = max(fs, r.flat_range[0]), min(fe, r.flat_range[1])
-                if lo >= hi:
-                    if r.flat_range[0] >= fe:
-                        break
-                    continue
-                start = r.flat_range[0]
-                pieces.append((r.rank, r.index, lo - start, hi - start, lo - fs))
-            chunk = FlatChunk(key, region, holder.rank, tuple(pieces))
-            plan.all_straddling.append(chunk)
-            if holder.rank == my_rank:
-                plan.assembled.append(chunk)

@@ -123,9 +123,10 @@ class ShardedTensor(ShardedBase):
                 f"local shape {self.local_shape} with {self.prepend_axis_num} prepended axes "
                 f"does not match the rank of global shape {self.global_shape}"
             )
-        for off, sh in zip(self.global_offset[self.prepend_axis_num :], self.local_shape):
-            if sh != 0 and off % sh != 0:
-                fail(f"global offset {off} is not divisible by local shape {sh}")
+        if self.axis_fragmentations is not None:  # irregular grids: shardstore.irregular
+            for off, sh in zip(self.global_offset[self.prepend_axis_num :], self.local_shape):
+                if sh != 0 and off % sh != 0:
+                    fail(f"global offset {off} is not divisible by local shape {sh}")
         if self.flattened_range is not None:
             fr = self.flattened_range
             if fr.step not in (None, 1):

@@ -32,6 +32,9 @@ except ImportError as exc:  # pragma: no cover - exercised where megatron-core i
 
 from shardstore.distributed import Group
 from shardstore.foreign import convert_foreign
+from shardstore.mapping import apply_factories, apply_factory_merges
+from shardstore.protocol import gather_and_plan
+from shardstore.serialization import load_preprocess
 from shardstore.storage import open_location
 from shardstore.strategies.base import DelegatingLoadStrategy
 from shardstore.strategies.zarr import (
@@ -40,7 +43,7 @@ from shardstore.strategies.zarr import (
     ZarrLoadShardedStrategy,
     ZarrSaveShardedStrategy,
 )
-from shardstore.validation import gather_layout, local_sharded_items, validate_sharding_integrity
+from shardstore.utils import local_sharded_items
 
 
 class ShardstoreSaveShardedStrategy(_megatron_base.SaveShardedStrategy):
@@ -59,12 +62,12 @@ class ShardstoreSaveShardedStrategy(_megatron_base.SaveShardedStrategy):
         """Collective: validates the global layout and writes the tensors, committing
         them with shardstore's commit record (in place)."""
         sharded_state_dict = convert_foreign(sharded_state_dict)
+        apply_factories(sharded_state_dict)  # irregular shards, as flattened ranges
         location = open_location(checkpoint_dir)
         tensors, objects = local_sharded_items(sharded_state_dict)
         group = Group(self.base_strategy.process_group)
-        layout = gather_layout(tensors, objects, group, place=location.describe())
-        validate_sharding_integrity(layout)
-        self.base_strategy.save_with_layout(sharded_state_dict, location, layout)
+        plan = gather_and_plan(tensors, objects, group, self.base_strategy.plan_save, place=location.describe())
+        self.base_strategy.save_with_plan(sharded_state_dict, location, plan)
 
 
 class ShardstoreLoadShardedStrategy(DelegatingLoadStrategy, _megatron_base.LoadShardedStrategy):
@@ -78,7 +81,8 @@ class ShardstoreLoadShardedStrategy(DelegatingLoadStrategy, _megatron_base.LoadS
         self.base_strategy = ZarrLoadShardedStrategy(**options)
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
-        return self.base_strategy.load(convert_foreign(sharded_state_dict), checkpoint_dir)
+        sharded_state_dict, _, factories = load_preprocess(convert_foreign(sharded_state_dict))
+        return apply_factory_merges(self.base_strategy.load(sharded_state_dict, checkpoint_dir), factories)
 
 
 __all__ = ["ShardstoreLoadShardedStrategy", "ShardstoreSaveShardedStrategy"]

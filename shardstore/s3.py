@@ -214,7 +214,10 @@ class S3Location(Location):
         except FileNotFoundError:
             return True
 
-    def list_top(self, limit: int = 10) -> list[str]:
+    def child(self, name: str) -> S3Location:
+        return S3Location(self.describe(name), self.options)
+
+    def list_top(self, limit: int | None = 10) -> list[str]:
         self.fs.invalidate_cache()
         try:
             entries = self._call("list", "", self.fs.ls, self._path(""), refresh=True)

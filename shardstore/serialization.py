@@ -5,8 +5,10 @@ Save, in stages (each named function below; "collective" = every rank calls it):
     all ranks    preprocess  Megatron-Core objects converted (``shardstore.foreign``),
                              factories built, non-persistent values dropped, the state
                              dict split into sharded part and common part
-    collective   gather      one all-gather of shard metadata and of the directory each
-                             rank names; every rank validates the same global layout
+    collective   plan        shard metadata and the directory each rank names go to the
+                             coordinator, which validates the global layout and plans
+                             the save; each rank receives only its part
+                             (``shardstore.planner``)
     coordinator  begin       ``shardstore.commit.begin_save``: refuse what is not ours to
                              replace, clear dead saves' leftovers, create this save's
                              staging area and write metadata.json there; every rank
@@ -31,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Union
 
+import torch
 import torch.distributed as dist
 
 from shardstore.commit import PendingCheckpoint, begin_save, join_save
@@ -41,11 +44,17 @@ from shardstore.core import (
     maybe_load_config,
     save_config,
 )
-from shardstore.dict_utils import dict_list_map_inplace, extract_matching_values, merge
+from shardstore.dcp_reader import is_dcp_checkpoint
+from shardstore.dict_utils import (
+    dict_list_map_inplace,
+    extract_matching_values,
+    merge,
+    nested_values,
+)
 from shardstore.distributed import Group
 from shardstore.foreign import convert_foreign
-from shardstore.format import checksum
-from shardstore.integrity import open_committed
+from shardstore.format import CommitRecord, checksum, is_committed
+from shardstore.integrity import ChecksummedLocation, open_committed
 from shardstore.layout import GlobalLayout
 from shardstore.mapping import (
     CommonStateDict,
@@ -57,6 +66,9 @@ from shardstore.mapping import (
     apply_factories,
     apply_factory_merges,
 )
+from shardstore.planner import RankLoadPlan
+from shardstore.progress import operation, progress_shown, stage
+from shardstore.protocol import gather_and_plan
 from shardstore.storage import Location, open_location
 from shardstore.strategies.async_utils import AsyncRequest
 from shardstore.strategies.base import (
@@ -69,16 +81,20 @@ from shardstore.strategies.base import (
     get_default_strategy,
 )
 from shardstore.strategies.common import serialize
-from shardstore.utils import extract_nonpersistent, extract_sharded_base, sharded_values_in_common
+from shardstore.strategies.dcp import DcpLoadCommonStrategy, DcpLoadShardedStrategy
+from shardstore.utils import (
+    extract_nonpersistent,
+    extract_sharded_base,
+    local_sharded_items,
+    sharded_values_in_common,
+)
 from shardstore.validation import (
     StrictHandling,
-    gather_layout,
-    local_records,
-    local_sharded_items,
+    adjust_non_strict_load,
     parse_strict_flag,
-    validate_integrity_and_strict_load,
+    plan_load,
+    reported_mismatches,
     validate_sharded_objects_handling,
-    validate_sharding_integrity,
 )
 
 logger = logging.getLogger(__name__)
@@ -104,6 +120,7 @@ def save(
     *,
     overwrite: bool = False,
     process_group: dist.ProcessGroup | None = None,
+    progress: bool = False,
 ) -> AsyncRequest | None:
     """Saves a sharded state dict; every rank of the group calls it with its own shards.
 
@@ -127,6 +144,8 @@ def save(
             the common state; read back with ``load_content_metadata``.
         overwrite: replace a committed checkpoint at ``checkpoint_dir``.
         process_group: ranks that save together (default: the whole world).
+        progress: show a progress bar of the coordinator's writes on standard error
+            (``shardstore.progress``; an async save's background writes show none).
 
     Returns:
         None, or the AsyncRequest when ``async_sharded_save``.
@@ -146,26 +165,34 @@ def save(
     if async_sharded_save and not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
         raise CheckpointingException(f"Cannot save asynchronously with {sharded_strategy}: not an async strategy")
 
-    sharded_part, common_part, layout = _preprocess_and_gather(
-        sharded_state_dict, group, target, preprocess_common_before_consistancy_check
-    )
-    pending = _begin_save(target, group, overwrite, sharded_strategy, common_strategy)
-    try:
-        if not sharded_strategy.can_handle_sharded_objects:
-            validate_sharded_objects_handling(sharded_strategy, common_strategy)
-            objects_part, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
-        else:
-            objects_part = {}
-        _save_common(pending, group, common_strategy, common_part, objects_part)
-        if async_sharded_save:
-            return sharded_strategy.async_save_with_layout(sharded_part, pending, layout, process_group)
-        sharded_strategy.save_with_layout(sharded_part, pending, layout, process_group)
-    except CheckpointingException:  # raised on every rank: no rank writes any more
-        if group.is_coordinator:
-            pending.abandon()
-        else:
-            pending.release()
-        raise
+    where = target.describe()
+    with progress_shown(progress and group.is_coordinator), operation("save", where) as timing:
+        with stage("save: plan", where):
+            sharded_part, common_part, plan = _preprocess_and_plan(
+                sharded_state_dict, group, target, sharded_strategy, preprocess_common_before_consistancy_check
+            )
+        timing.nbytes = getattr(plan, "checkpoint_nbytes", 0)
+        with stage("save: begin", where):
+            pending = _begin_save(target, group, overwrite, sharded_strategy, common_strategy)
+        try:
+            if not sharded_strategy.can_handle_sharded_objects:
+                validate_sharded_objects_handling(sharded_strategy, common_strategy)
+                objects_part, sharded_part = extract_matching_values(
+                    sharded_part, lambda v: isinstance(v, ShardedObject)
+                )
+            else:
+                objects_part = {}
+            with stage("save: common", where):
+                _save_common(pending, group, common_strategy, common_part, objects_part)
+            if async_sharded_save:
+                return sharded_strategy.async_save_with_plan(sharded_part, pending, plan, process_group)
+            sharded_strategy.save_with_plan(sharded_part, pending, plan, process_group)
+        except CheckpointingException:  # raised on every rank: no rank writes any more
+            if group.is_coordinator:
+                pending.abandon()
+            else:
+                pending.release()
+            raise
     return None
 
 
@@ -196,13 +223,14 @@ def _is_empty_flat_tensor(x: Any) -> bool:
     return isinstance(x, ShardedTensor) and x.flattened_range is not None and x.data is not None and x.data.numel() == 0
 
 
-def _preprocess_and_gather(
-    sharded_state_dict: ShardedStateDict, group: Group, target: Location,
+def _preprocess_and_plan(
+    sharded_state_dict: ShardedStateDict, group: Group, target: Location, sharded_strategy: SaveShardedStrategy,
     preprocess_common: Callable[[StateDict], StateDict] | None = None,
-) -> tuple[ShardedStateDict, StateDict, GlobalLayout]:
-    """Stages preprocess + gather: a local failure becomes an error on every rank, and
-    so do ranks that name different checkpoint directories. The ranks' common states
-    are compared in the same gather (digests only)."""
+) -> tuple[ShardedStateDict, StateDict, Any]:
+    """Stages preprocess + plan (``shardstore.planner``): a local failure becomes an error
+    on every rank, and so do ranks that name different checkpoint directories and an
+    invalid global sharding. The ranks' common states are compared in the same gather
+    (digests only). Returns this rank's part of the strategy's plan."""
     error, sharded_part, common_part, digests = None, {}, {}, None
     tensors: list[ShardedTensor] = []
     objects: list[ShardedObject] = []
@@ -211,13 +239,13 @@ def _preprocess_and_gather(
         tensors, objects = local_sharded_items(sharded_part)
         if group.world_size > 1:
             digests = common_state_digests(preprocess_common(common_part) if preprocess_common else common_part)
-    except Exception as exc:  # reported on every rank by gather_layout
+    except Exception as exc:  # reported on every rank by gather_and_plan
         error = exc
-    layout = gather_layout(
-        tensors, objects, group, local_error=error, place=target.describe(), common_digests=digests
+    plan = gather_and_plan(
+        tensors, objects, group, sharded_strategy.plan_save, local_error=error, place=target.describe(),
+        common_digests=digests,
     )
-    validate_sharding_integrity(layout)
-    return sharded_part, common_part, layout
+    return sharded_part, common_part, plan
 
 
 def common_state_digests(common_state_dict: StateDict) -> dict[str, str]:
@@ -306,6 +334,7 @@ def load(
     strict: str | StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
     *,
     process_group: dist.ProcessGroup | None = None,
+    progress: bool = False,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Loads the parts of a checkpoint that ``sharded_state_dict`` asks for.
 
@@ -321,6 +350,7 @@ def load(
             main replicas cover every requested tensor exactly once.
         strict: how to handle keys that do not match the checkpoint (StrictHandling).
         process_group: ranks that load together (default: the whole world).
+        progress: show a progress bar of the coordinator's reads on standard error.
 
     Returns:
         The loaded state dict, or ``(state dict, missing keys, unexpected keys)`` for
@@ -330,10 +360,12 @@ def load(
         CheckpointingException: incomplete or invalid checkpoint, or mismatches that
             ``strict`` says to raise on.
     """
-    return _load(
-        sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy, validate_access_integrity, strict,
-        Group(process_group),
-    )
+    group = Group(process_group)
+    with progress_shown(progress and group.is_coordinator):
+        return _load(
+            sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy, validate_access_integrity, strict,
+            group,
+        )
 
 
 def _load(
@@ -346,16 +378,39 @@ def _load(
     group: Group,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """``load`` on ``group`` (``Group.local()``: this process alone, no collectives)."""
+    target = open_location(checkpoint_dir)
+    with operation("load", target.describe()) as timing:
+        with stage("load: record", target.describe()):
+            location = open_checkpoint(target)
+        result = _load_opened(
+            sharded_state_dict, location, sharded_strategy, common_strategy, validate_access_integrity, strict, group
+        )
+        timing.nbytes = sum(
+            t.nbytes for t in nested_values(result[0] if isinstance(result, tuple) else result)
+            if isinstance(t, torch.Tensor)
+        )
+    return result
+
+
+def _load_opened(
+    sharded_state_dict: ShardedStateDict,
+    location: Location,
+    sharded_strategy: LoadShardedStrategy | None,
+    common_strategy: LoadCommonStrategy | None,
+    validate_access_integrity: bool,
+    strict: str | StrictHandling,
+    group: Group,
+) -> StateDict | tuple[StateDict, set[str], set[str]]:
+    """``_load`` on an opened checkpoint (``open_checkpoint``)."""
     sharded_state_dict = convert_foreign(sharded_state_dict)
-    location = open_committed(open_location(checkpoint_dir))
-    record = location.record
+    record = getattr(location, "record", None)  # None: a DCP / torch_dist checkpoint
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
         location, sharded_strategy, common_strategy
     )
     strict = parse_strict_flag(strict)
     where = location.describe()
     # A failure on one rank must reach every rank (never leave them waiting in the
-    # next collective): local steps report through gather_layout or agree.
+    # next collective): the plan stage and the read stage each carry local failures.
     error, common_state_dict, factories = None, {}, {}
     tensors: list[ShardedTensor] = []
     objects: list[ShardedObject] = []
@@ -365,34 +420,30 @@ def _load(
         merge(common_state_dict, nonpersistent_state_dict)
         sharded_state_dict, _ = extract_sharded_base(sharded_state_dict)
         tensors, objects = local_sharded_items(sharded_state_dict)
-    except Exception as exc:  # reported on every rank below
+    except Exception as exc:  # reported on every rank by gather_and_plan
         error = exc
-    gather_globally = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict)
-    if gather_globally:  # raises on every rank if any rank failed above
-        layout = gather_layout(tensors, objects, group, local_error=error, place=where)
-    if error is None:  # else straight to the agreement below, which reports it
-        try:
-            if not gather_globally:
-                layout = GlobalLayout.from_gathered([local_records(tensors, objects, group.rank)])
-            sharded_state_dict, missing_keys, unexpected_keys = validate_integrity_and_strict_load(
-                sharded_state_dict,
-                strict,
-                validate_access_integrity,
-                layout,
-                set(record.arrays) | set(record.objects),
-                group.rank,
-                where=where,
+
+    def planner(layout: GlobalLayout) -> list[RankLoadPlan]:  # on the coordinator
+        saved_keys = _saved_keys(location, record, sharded_strategy, common_strategy)
+        return plan_load(layout, saved_keys, strict, validate_access_integrity, sharded_strategy.plan_load, where)
+
+    with stage("load: plan", where):
+        plan = gather_and_plan(tensors, objects, group, planner, local_error=error, place=where, validate=False)
+    missing_keys, unexpected_keys = set(), set()
+    try:  # a failure here is raised on every rank by the read stage's agreement
+        sharded_state_dict = adjust_non_strict_load(sharded_state_dict, plan.unexpected)
+        missing_keys, unexpected_keys = reported_mismatches(strict, plan, where)
+        if not sharded_strategy.can_handle_sharded_objects:
+            validate_sharded_objects_handling(sharded_strategy, common_strategy)
+            objects_part, sharded_state_dict = extract_matching_values(
+                sharded_state_dict, lambda v: isinstance(v, ShardedObject)
             )
-            if not sharded_strategy.can_handle_sharded_objects:
-                validate_sharded_objects_handling(sharded_strategy, common_strategy)
-                objects_part, sharded_state_dict = extract_matching_values(
-                    sharded_state_dict, lambda v: isinstance(v, ShardedObject)
-                )
-                merge(common_state_dict, common_strategy.load_sharded_objects(objects_part, location))
-        except Exception as exc:  # reported on every rank by agree()
-            error = exc
-    group.agree(error, f"Loading checkpoint {where}")
-    merge(common_state_dict, sharded_strategy.load_with_record(sharded_state_dict, location, record, group))
+            merge(common_state_dict, common_strategy.load_sharded_objects(objects_part, location))
+    except Exception as exc:
+        error = exc
+    with stage("load: read", where):
+        loaded = sharded_strategy.load_with_plan(sharded_state_dict, location, record, plan.reads, group, error)
+    merge(common_state_dict, loaded)
     apply_factory_merges(common_state_dict, factories)
 
     if StrictHandling.requires_returning_mismatch_keys(strict):
@@ -418,6 +469,33 @@ def load_preprocess(
     return sharded_state_dict, nonpersistent, factories
 
 
+def _saved_keys(
+    location: Location, record: CommitRecord | None, sharded_strategy: LoadShardedStrategy,
+    common_strategy: LoadCommonStrategy,
+) -> set[str]:
+    """Every tensor and object key the checkpoint holds."""
+    if record is not None:
+        return set(record.arrays) | set(record.objects)
+    found = {**sharded_strategy.load_sharded_metadata(location), **common_strategy.load_sharded_metadata(location)}
+    return {item.key for item in found.values()}
+
+
+def open_checkpoint(checkpoint_dir: CheckpointDir) -> Location:
+    """The checkpoint to read: a committed shardstore checkpoint, its reads checked
+    against its commit record; or a PyTorch DCP / Megatron torch_dist directory, read by
+    ``shardstore.strategies.dcp`` (no commit record, no checksums)."""
+    location = open_location(checkpoint_dir)
+    return location if _is_dcp(location) else open_committed(location)
+
+
+def _is_dcp(location: Location) -> bool:
+    """A PyTorch DCP or Megatron torch_dist checkpoint (DCP's ``.metadata``, no commit record)."""
+    if isinstance(location, ChecksummedLocation):
+        return False
+    path = location.local_path()
+    return path is not None and is_dcp_checkpoint(path) and not is_committed(location)
+
+
 def verify_checkpoint_and_load_strategy(
     checkpoint_dir: CheckpointDir,
     sharded_strategy: LoadShardedStrategy | None = None,
@@ -426,6 +504,8 @@ def verify_checkpoint_and_load_strategy(
     """The load strategies for a checkpoint: defaults from its config, or the given ones
     after checking they can read it."""
     location = open_location(checkpoint_dir)
+    if _is_dcp(location):
+        return sharded_strategy or DcpLoadShardedStrategy(), common_strategy or DcpLoadCommonStrategy()
     config = maybe_load_config(location)
     if config is None:
         raise CheckpointingException(f"{location.describe()} is not a distributed checkpoint (no metadata.json)")
@@ -457,7 +537,7 @@ def load_common_state_dict(
     checkpoint_dir: CheckpointDir, common_strategy: LoadCommonStrategy | None = None
 ) -> StateDict:
     """The common (non-sharded) state of a committed checkpoint."""
-    location = open_committed(open_location(checkpoint_dir))
+    location = open_checkpoint(checkpoint_dir)
     _, common_strategy = verify_checkpoint_and_load_strategy(location, None, common_strategy)
     return common_strategy.load_common(location)
 
@@ -486,7 +566,7 @@ def load_tensors_metadata(
     Returns:
         ``{key: ShardedTensor without data covering the whole tensor}``
     """
-    location = open_committed(open_location(checkpoint_dir))
+    location = open_checkpoint(checkpoint_dir)
     sharded_strategy, _ = verify_checkpoint_and_load_strategy(location, sharded_strategy)
     return sharded_strategy.load_tensors_metadata(location)
 
@@ -502,7 +582,7 @@ def load_sharded_metadata(
         ``{sharded key: ShardedTensor or ShardedObject}`` (tensors by key, object shards
         by their unique key).
     """
-    location = open_committed(open_location(checkpoint_dir))
+    location = open_checkpoint(checkpoint_dir)
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(location, sharded_strategy, common_strategy)
     metadata = sharded_strategy.load_sharded_metadata(location)
     if not sharded_strategy.can_handle_sharded_objects:

@@ -108,8 +108,12 @@ class Location(ABC):
         """True if nothing is stored under the location (or it does not exist)."""
 
     @abstractmethod
-    def list_top(self, limit: int = 10) -> list[str]:
-        """Up to ``limit`` names directly under the location, sorted (for error messages)."""
+    def list_top(self, limit: int | None = 10) -> list[str]:
+        """Up to ``limit`` (None: all) names directly under the location, sorted."""
+
+    @abstractmethod
+    def child(self, name: str) -> Location:
+        """The location of the directory ``name`` under this one (same storage options)."""
 
     @abstractmethod
     def remove(self, rel: str) -> None:
@@ -183,8 +187,11 @@ class DelegatingLocation(Location):
     def is_empty(self) -> bool:
         return self.inner.is_empty()
 
-    def list_top(self, limit: int = 10) -> list[str]:
+    def list_top(self, limit: int | None = 10) -> list[str]:
         return self.inner.list_top(limit)
+
+    def child(self, name: str) -> Location:
+        return self.inner.child(name)
 
     def remove(self, rel: str) -> None:
         self.inner.remove(rel)
@@ -309,11 +316,14 @@ class LocalLocation(Location):
     def is_empty(self) -> bool:
         return not self.root.exists() or next(self.root.iterdir(), None) is None
 
-    def list_top(self, limit: int = 10) -> list[str]:
+    def list_top(self, limit: int | None = 10) -> list[str]:
         try:
             return sorted(os.listdir(self.root))[:limit]
         except FileNotFoundError:
             return []
+
+    def child(self, name: str) -> LocalLocation:
+        return LocalLocation(self._path(name), fsync=self.fsync)
 
     def sibling(self, name: str) -> LocalLocation:
         """The location ``name`` next to this one, in the same parent directory."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from shardstore.dict_utils import dict_list_map_inplace, extract_matching_values
+from shardstore.dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
 from shardstore.mapping import (
     LocalNonpersistentObject,
     ShardedBase,
@@ -76,6 +76,16 @@ def extract_sharded_tensors_or_nonpersistent(
     """Splits off ShardedTensors, factories and LocalNonpersistentObjects."""
     return _extract_by_types(
         sharded_state_dict, (ShardedTensor, ShardedTensorFactory, LocalNonpersistentObject)
+    )
+
+
+def local_sharded_items(sharded_state_dict: ShardedStateDict) -> tuple[list[ShardedTensor], list[ShardedObject]]:
+    """The ShardedTensors and ShardedObjects of a (factory-free) sharded state dict, in
+    its traversal order: plans name a rank's tensors by their index in this list."""
+    values = list(nested_values(sharded_state_dict))
+    return (
+        [v for v in values if isinstance(v, ShardedTensor)],
+        [v for v in values if isinstance(v, ShardedObject)],
     )
 
 

@@ -1,8 +1,8 @@
 """Checks on keys, on the global sharding, and on load mismatches (``StrictHandling``).
 
-The global checks run on every rank over the same gathered layout, so every rank
-reaches the same verdict and raises the same error, with no extra collective, before
-anything is written.
+The global checks run on the coordinator over the gathered layout
+(``protocol.gather_and_plan``), which sends every rank either its part of the plan or the same
+error, before anything is written or read.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import bisect
 import logging
 import math
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import replace
 from enum import Enum
 from typing import Any
 
@@ -18,7 +20,7 @@ import numpy as np
 
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import extract_matching_values, nested_values
-from shardstore.distributed import Group, RankFailure, raise_failures
+from shardstore.distributed import Group
 from shardstore.format import array_group_collisions
 from shardstore.layout import GlobalLayout, ObjectShardRecord, ShardRecord
 from shardstore.mapping import (
@@ -28,6 +30,7 @@ from shardstore.mapping import (
     ShardedStateDict,
     ShardedTensor,
 )
+from shardstore.planner import RankLoadPlan
 
 logger = logging.getLogger(__name__)
 
@@ -131,47 +134,6 @@ def local_records(
     return tensors, objects
 
 
-def gather_layout(
-    sharded_tensors: list[ShardedTensor],
-    sharded_objects: list[ShardedObject],
-    group: Group,
-    local_error: BaseException | None = None,
-    place: str | None = None,
-    common_digests: dict[str, str] | None = None,
-) -> GlobalLayout:
-    """Collective: exchanges shard metadata (never data) and returns the global layout.
-
-    A rank whose own shards are invalid (bad key, unsupported dtype) or that passes a
-    ``local_error`` from an earlier step makes every rank raise, with that rank's reason.
-    ``place``: the checkpoint this rank names; ranks that name different ones all raise
-    (one save must not be split over two directories). ``common_digests``: a digest of
-    each top-level entry of this rank's common state; where ranks differ, the
-    coordinator logs a warning naming the entries and ranks (only rank 0's is saved).
-    """
-    contribution: Any
-    if local_error is None:
-        try:
-            contribution = local_records(sharded_tensors, sharded_objects, group.rank)
-        except Exception as exc:  # reported on every rank below
-            local_error = exc
-    if local_error is not None:
-        contribution = RankFailure.from_exception(group.rank, local_error)
-    gathered_all = group.all_gather_object((place, contribution, common_digests))
-    gathered = [(p, c) for p, c, _ in gathered_all]
-    if group.is_coordinator and common_digests is not None:
-        warn_common_state_mismatch([d for _, _, d in gathered_all])
-    failures = [g for _, g in gathered if isinstance(g, RankFailure)]
-    raise_failures(failures, "Checking the state dict", cause=local_error)
-    places = sorted({p for p, _ in gathered}, key=str)
-    if len(places) > 1:
-        by_rank = ", ".join(f"rank {r}: {p}" for r, (p, _) in enumerate(gathered) if r < 8)
-        raise CheckpointingException(
-            f"The ranks name different checkpoint directories ({by_rank}); every rank of a save or load "
-            "must pass the same one. Nothing was written."
-        )
-    return GlobalLayout.from_gathered([g for _, g in gathered])
-
-
 def warn_common_state_mismatch(digests: list[dict[str, str] | None]) -> None:
     """Logs (WARNING) the common-state entries in which ranks differ from rank 0, as
     Megatron-Core's consistency check does: only rank 0's common state is saved."""
@@ -259,6 +221,8 @@ def _flat_problems(key: str, main: list[ShardRecord]) -> list[str]:
 def _coverage_problems(key: str, main: list[ShardRecord], global_shape: tuple[int, ...]) -> list[str]:
     if math.prod(global_shape) == 0:
         return []
+    if len(main) == 1 and main[0].block_shape == global_shape:  # the common whole-tensor case, no grid to count
+        return []
     volume = sum(s.block_volume for s in main)
     bounds = [
         sorted({0, g} | {s.offset[a] for s in main} | {s.offset[a] + s.block_shape[a] for s in main})
@@ -306,8 +270,8 @@ def determine_global_metadata(
     """Collective (Megatron-Core's name): this rank's ShardedTensors and ShardedObjects
     without data, and every rank's, by rank.
 
-    For callers of that API; shardstore's own save and load gather compact records
-    instead (``gather_layout``).
+    For callers of that API; shardstore's own save and load gather compact records to
+    the coordinator instead (``protocol.gather_and_plan``).
     """
     local = [item.without_data() for item in nested_values(sharded_state_dict) if isinstance(item, ShardedBase)]
     return local, Group(process_group).all_gather_object(local)
@@ -322,24 +286,71 @@ def validate_sharded_objects_handling(sharded_strategy: Any, common_strategy: An
         )
 
 
-def determine_missing_and_unexpected_keys(
-    ckpt_keys: set[str], layout: GlobalLayout, my_rank: int, check_missing: bool
-) -> tuple[set[str], set[str]]:
-    """``(missing, unexpected)``: checkpoint keys no rank requested, and keys this rank
-    requested that the checkpoint lacks."""
-    requested_here = {
-        s.key for shards in (*layout.tensors.values(), *layout.objects.values()) for s in shards
-        if s.rank == my_rank
-    }
-    unexpected = requested_here - ckpt_keys
-    missing = ckpt_keys - (layout.tensors.keys() | layout.objects.keys()) if check_missing else set()
-    return missing, unexpected
+def plan_load(
+    layout: GlobalLayout,
+    ckpt_keys: set[str],
+    strict: StrictHandling,
+    validate_access_integrity: bool,
+    read_planner: Callable[[GlobalLayout], list[Any]],
+    where: str = "",
+) -> list[RankLoadPlan]:
+    """The coordinator's part of a load, from every rank's request (index = group rank).
+
+    Applies ``strict``: keys a rank requested that the checkpoint lacks ("unexpected")
+    are dropped from the plan (the raising modes raise here, so on every rank, naming
+    every rank's keys); checkpoint keys no rank requested ("missing") are found for the
+    ``*_ALL`` modes. Then checks that the main replicas of the requests cover every
+    requested tensor exactly once (``validate_access_integrity``), and lets the sharded
+    strategy plan the reads (``read_planner``, e.g. ``planner.plan_reads``).
+    """
+    unexpected: list[set[str]] = [set() for _ in range(layout.world_size)]
+    missing: set[str] = set()
+    if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+        for shards in (*layout.tensors.values(), *layout.objects.values()):
+            for s in shards:
+                if s.key not in ckpt_keys:
+                    unexpected[s.rank].add(s.key)
+        if StrictHandling.requires_global_app_metadata(strict):
+            missing = ckpt_keys - (layout.tensors.keys() | layout.objects.keys())
+        if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
+            maybe_report_missing_and_unexpected_keys(missing, set().union(*unexpected), True, where)
+        layout = without_keys(layout, set().union(*unexpected))
+    if validate_access_integrity:
+        validate_sharding_integrity(layout)
+    reads = read_planner(layout)
+    return [
+        RankLoadPlan(rank, frozenset(missing), frozenset(unexpected[rank]), reads[rank])
+        for rank in range(layout.world_size)
+    ]
+
+
+def without_keys(layout: GlobalLayout, keys: set[str]) -> GlobalLayout:
+    """``layout`` without the requests for ``keys``, each rank's remaining tensors
+    renumbered as in its state dict once those keys are dropped from it."""
+    if not keys:
+        return layout
+    kept: dict[int, list[ShardRecord]] = defaultdict(list)
+    for key, shards in layout.tensors.items():
+        if key not in keys:
+            for s in shards:
+                kept[s.rank].append(s)
+    renumbered: dict[str, list[ShardRecord]] = defaultdict(list)
+    for shards in kept.values():
+        for index, s in enumerate(sorted(shards, key=lambda s: s.index)):
+            renumbered[s.key].append(replace(s, index=index))
+    return GlobalLayout(
+        {k: renumbered[k] for k in layout.tensors if k in renumbered},
+        {k: v for k, v in layout.objects.items() if k not in keys},
+        layout.world_size,
+    )
 
 
 def adjust_non_strict_load(
-    sharded_state_dict: ShardedStateDict, sharded_keys_to_remove: set[str]
+    sharded_state_dict: ShardedStateDict, sharded_keys_to_remove: set[str] | frozenset[str]
 ) -> ShardedStateDict:
     """Drops the ShardedBase entries whose key is in ``sharded_keys_to_remove``."""
+    if not sharded_keys_to_remove:
+        return sharded_state_dict
 
     def is_unexpected(x: Any) -> bool:
         return isinstance(x, ShardedBase) and x.key in sharded_keys_to_remove
@@ -367,60 +378,18 @@ def maybe_report_missing_and_unexpected_keys(
     logger.warning(message)
 
 
-def validate_integrity_and_strict_load(
-    sharded_state_dict: ShardedStateDict,
-    strict: StrictHandling,
-    validate_access_integrity: bool,
-    layout: GlobalLayout | None,
-    ckpt_keys: set[str] | None,
-    my_rank: int,
-    where: str = "",
-) -> tuple[ShardedStateDict, set[str], set[str]]:
-    """Applies ``strict`` and the access-integrity check before a load.
-
-    Returns:
-        ``(sharded_state_dict without unexpected keys, missing_keys, unexpected_keys)``
-    """
-    missing: set[str] = set()
-    unexpected: set[str] = set()
-    if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
-        if ckpt_keys is None or layout is None:
-            raise CheckpointingException("Cannot check for key mismatches without the checkpoint's keys")
-        missing, unexpected = determine_missing_and_unexpected_keys(
-            ckpt_keys, layout, my_rank, StrictHandling.requires_global_app_metadata(strict)
-        )
-        sharded_state_dict = adjust_non_strict_load(sharded_state_dict, unexpected)
-        if strict == StrictHandling.IGNORE_ALL:
-            missing, unexpected = set(), set()
-        elif strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
-            maybe_report_missing_and_unexpected_keys(missing, unexpected, True, where)
-        elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
-            maybe_report_missing_and_unexpected_keys(missing, unexpected, False, where)
-    if validate_access_integrity:
-        if layout is None:
-            raise CheckpointingException("Cannot check sharding integrity without the global layout")
-        if ckpt_keys is not None and StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
-            # Skipped keys are skipped on every rank; drop them everywhere alike.
-            layout = _without_keys(layout, (layout.tensors.keys() | layout.objects.keys()) - ckpt_keys)
-        validate_sharding_integrity(layout)
-    return sharded_state_dict, missing, unexpected
-
-
-def _without_keys(layout: GlobalLayout, keys: set[str]) -> GlobalLayout:
-    return GlobalLayout(
-        {k: v for k, v in layout.tensors.items() if k not in keys},
-        {k: v for k, v in layout.objects.items() if k not in keys},
-        layout.world_size,
-    )
-
-
-def local_sharded_items(sharded_state_dict: ShardedStateDict) -> tuple[list[ShardedTensor], list[ShardedObject]]:
-    """The ShardedTensors and ShardedObjects of a (factory-free) sharded state dict."""
-    values = list(nested_values(sharded_state_dict))
-    return (
-        [v for v in values if isinstance(v, ShardedTensor)],
-        [v for v in values if isinstance(v, ShardedObject)],
-    )
+def reported_mismatches(
+    strict: StrictHandling, plan: RankLoadPlan, where: str = ""
+) -> tuple[set[str], set[str]]:
+    """This rank's ``(missing, unexpected)`` keys as ``strict`` reports them: logged at
+    WARNING by the logging modes, returned by the returning modes, nothing for
+    ``IGNORE_ALL`` (the raising modes raised while planning)."""
+    missing, unexpected = set(plan.missing), set(plan.unexpected)
+    if strict == StrictHandling.IGNORE_ALL:
+        return set(), set()
+    if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+        maybe_report_missing_and_unexpected_keys(missing, unexpected, False, where)
+    return missing, unexpected
 
 
 __all__ = [
@@ -428,11 +397,9 @@ __all__ = [
     "StrictHandling",
     "adjust_non_strict_load",
     "check_key",
-    "gather_layout",
-    "local_sharded_items",
     "maybe_report_missing_and_unexpected_keys",
     "parse_strict_flag",
-    "validate_integrity_and_strict_load",
+    "plan_load",
     "validate_sharded_objects_handling",
     "validate_sharding_integrity",
 ]

@@ -10,7 +10,6 @@ from shardstore import chunk_io
 from shardstore.chunk_io import (
     ArrayChunks,
     FileChunkStore,
-    chunk_key,
     read_region,
     run_reads,
     run_writes,
@@ -45,8 +44,8 @@ def test_direct_chunks_are_byte_identical_to_tensorstore(tmp_path) -> None:
     store = ts.open(spec, create=True, context=tensorstore_context(theirs)).result()
     store.write(value).result()
     for index in [(0, 0), (1, 0), (2, 0)]:
-        ours = (tmp_path / "ours" / "w" / chunk_key(index)).read_bytes()
-        assert ours == (tmp_path / "theirs" / "w" / chunk_key(index)).read_bytes(), index
+        ours = (tmp_path / "ours" / "w" / RECORD.chunk_key(index)).read_bytes()
+        assert ours == (tmp_path / "theirs" / "w" / RECORD.chunk_key(index)).read_bytes(), index
 
 
 @pytest.mark.parametrize("scatter", [False, True])
@@ -67,7 +66,7 @@ def test_read_any_region(tmp_path, monkeypatch, region, scatter) -> None:
 def test_damaged_chunk_is_named(tmp_path, damage) -> None:
     chunks = _chunks(tmp_path, "a")
     run_writes(write_region(chunks, region_at((0, 0), (10, 7)), _value()))
-    path = tmp_path / "a" / "w" / "c" / "1" / "0"
+    path = tmp_path / "a" / "w" / "c.1.0"
     data = bytearray(path.read_bytes())
     if damage == "flip":
         data[5] ^= 0x01
@@ -79,7 +78,7 @@ def test_damaged_chunk_is_named(tmp_path, damage) -> None:
     else:
         path.unlink()
     out = np.empty((10, 7), _value().dtype)
-    with pytest.raises(CheckpointingException, match=r"chunk c/1/0 of array 'w'"):
+    with pytest.raises(CheckpointingException, match=r"chunk c\.1\.0 of array 'w'"):
         run_reads(read_region(chunks, region_at((0, 0), (10, 7)), out))
 
 
@@ -106,7 +105,7 @@ def test_scatter_read_of_many_rows_costs_about_a_plain_read(tmp_path) -> None:
     chunks = ArrayChunks("x", FileChunkStore(tmp_path), (16384, 2048), (16384, 1024), dtype)
     run_writes(write_region(chunks, region_at((0, 0), (16384, 2048)), value))
     scatter, plain = [], []
-    for _ in range(3):
+    for _ in range(5):
         out = np.empty_like(value)
         jobs = read_region(chunks, region_at((0, 0), (16384, 2048)), out)
         assert all(chunk_io._contiguous_runs(out[j.piece.in_region], out) for j in jobs)
@@ -120,4 +119,5 @@ def test_scatter_read_of_many_rows_costs_about_a_plain_read(tmp_path) -> None:
             chunks.file((0, j)).read_into(buffer)
             out[:, j * 1024 : (j + 1) * 1024] = buffer
         plain.append(time.perf_counter() - start)
-    assert sorted(scatter)[1] < 4 * sorted(plain)[1] + 0.02, (scatter, plain)
+    # the fastest of five runs of each: this machine's noise only ever adds time
+    assert min(scatter) < 4 * min(plain) + 0.02, (scatter, plain)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from shardstore import ShardedTensor, load, load_plain_tensors, save
-from shardstore.layout import FlatPlan, ShardRecord, chunk_shape_for, plan_flat_writes
+from shardstore.layout import ShardRecord, chunk_shape_for
+from shardstore.planner import plan_flat_writes
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 from tests.dist import run_distributed
 from tests.scenarios import assert_bits_equal, global_tensor
@@ -88,13 +89,10 @@ def test_every_flat_chunk_has_exactly_one_writer(cuts, max_bytes) -> None:
     assert math.prod(chunk) * 4 <= max(max_bytes, 4)
     written: dict[tuple, int] = {}
     covered = torch.zeros(shape, dtype=torch.int32)
-    for rank in range(len(records)):
-        plan = FlatPlan()
-        plan_flat_writes("k", records, chunk, rank, plan)
-        regions = [w.region for w in plan.direct] + [c.region for c in plan.assembled]
-        for region in regions:
-            key = tuple((s.start, s.stop) for s in region)
-            assert key not in written, f"chunk {key} written by ranks {written[key]} and {rank}"
-            written[key] = rank
-            covered[region] += 1
+    direct, straddling = plan_flat_writes("k", records, chunk)
+    for region, rank in [(w.region, w.rank) for w in direct] + [(c.region, c.writer) for c in straddling]:
+        key = tuple((s.start, s.stop) for s in region)
+        assert key not in written, f"chunk {key} written by ranks {written[key]} and {rank}"
+        written[key] = rank
+        covered[region] += 1
     assert torch.all(covered == 1)

@@ -33,9 +33,9 @@ def _flip(path: Path) -> None:
 
 DAMAGE: dict[str, tuple[str, Callable[[Path], None], str]] = {
     # name: (relative path, damage, what the report and the load error must name)
-    "chunk byte flipped": ("enc/w/c/0/0", _flip, "c/0/0"),
-    "chunk truncated": ("enc/w/c/0/0", lambda p: p.write_bytes(p.read_bytes()[:-9]), "c/0/0"),
-    "chunk deleted": ("enc/w/c/0/0", lambda p: p.unlink(), "c/0/0"),
+    "chunk byte flipped": ("enc/w/c.0.0", _flip, "c.0.0"),
+    "chunk truncated": ("enc/w/c.0.0", lambda p: p.write_bytes(p.read_bytes()[:-9]), "c.0.0"),
+    "chunk deleted": ("enc/w/c.0.0", lambda p: p.unlink(), "c.0.0"),
     "common.pt corrupted": ("common.pt", _flip, "common.pt"),
     "sharded object corrupted": ("__objects__/rng/shard_0_1.pt", _flip, "__objects__/rng/shard_0_1.pt"),
 }

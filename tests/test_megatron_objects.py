@@ -17,7 +17,7 @@ import torch
 
 mapping = pytest.importorskip("megatron.core.dist_checkpointing.mapping", reason="megatron-core not installed")
 
-from shardstore import CheckpointingException, load, save  # noqa: E402
+from shardstore import load, save  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
 from tests.scenarios import assert_bits_equal, global_tensor  # noqa: E402
 
@@ -118,13 +118,36 @@ def test_megatron_objects_load_at_other_world_sizes(ckpt_dir: Path, world: int) 
     run_distributed(load_tensors_only, world, str(ckpt_dir))
 
 
-def test_irregular_grid_is_refused_with_the_key_named(ckpt_dir: Path) -> None:
-    """Megatron 0.16 cuts distributed-optimizer buffers at arbitrary offsets
-    (axis_fragmentations=None); not supported yet: a clear error, nothing written."""
-    buffer = mapping.ShardedTensor("optimizer/exp_avg", torch.ones(11), torch.float32, (11,), (24,), (13,), None)
-    with pytest.raises(CheckpointingException, match="optimizer/exp_avg"):
-        save({"buf": buffer}, ckpt_dir)
-    assert not ckpt_dir.exists()
+def _irregular_buffer(rank: int, empty: bool) -> object:
+    """Megatron 0.16's distributed-optimizer buffer: 24 elements cut 13 + 11."""
+    cuts = [0, 13, 24]
+    data = torch.arange(24, dtype=torch.float32)[cuts[rank]:cuts[rank + 1]].clone()
+    return mapping.ShardedTensor("optimizer/exp_avg", torch.empty_like(data) if empty else data, torch.float32,
+                                 data.shape, (24,), (cuts[rank],), None, replica_id=(0, 0, 0))
+
+
+def megatron_api_irregular(rank: int, world: int, ckpt: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    from shardstore.megatron import ShardstoreLoadShardedStrategy, ShardstoreSaveShardedStrategy
+
+    if rank == 0:
+        Path(ckpt).mkdir()
+    torch.distributed.barrier()
+    dist_checkpointing.save({"buf": _irregular_buffer(rank, False)}, ckpt,
+                            sharded_strategy=ShardstoreSaveShardedStrategy())
+    loaded = dist_checkpointing.load({"buf": _irregular_buffer(rank, True)}, ckpt,
+                                     sharded_strategy=ShardstoreLoadShardedStrategy())
+    assert_bits_equal(loaded["buf"], _irregular_buffer(rank, False).data)
+
+
+def test_irregular_grids_through_megatrons_own_save_and_load(ckpt_dir: Path) -> None:
+    """The plug-in stores Megatron 0.16's irregular buffers too (tests/test_irregular.py
+    covers resharding them through shardstore's API)."""
+    run_distributed(megatron_api_irregular, 2, str(ckpt_dir))
+    from shardstore import load_plain_tensors
+
+    assert_bits_equal(load_plain_tensors(ckpt_dir)["optimizer/exp_avg"], torch.arange(24, dtype=torch.float32))
 
 
 # ------------------------------------------- issue 17.3: the strategy plug-in

@@ -282,9 +282,9 @@ def test_moved_chunk_on_s3_fails_load_and_verify(server: MotoServer, url: str) -
     location = S3Location(url, _options(server.endpoint))
     save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0).reshape(4, 2))}, location,
          sharded_strategy=ZarrSaveShardedStrategy(max_chunk_bytes=8))
-    location.write_bytes("w/c/0/0", location.read_bytes("w/c/3/0"))
+    location.write_bytes("w/c.0.0", location.read_bytes("w/c.3.0"))
     assert not verify(location).ok
-    with pytest.raises(CheckpointingException, match=r"Wrong chunk c/0/0 of array 'w'"):
+    with pytest.raises(CheckpointingException, match=r"Wrong chunk c\.0\.0 of array 'w'"):
         load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 2))}, location)
 
 
@@ -314,3 +314,19 @@ def test_s3_without_s3fs_says_which_extra_to_install(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "s3fs", None)  # as if not installed
     with pytest.raises(CheckpointingException, match=r"pip install 'shardstore\[s3\]'"):
         load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, "s3://bucket/prefix")
+
+
+# ------------------------------------------------------------- issue 16
+
+
+def test_checkpoint_manager_on_s3(server: MotoServer, url: str) -> None:
+    from shardstore.manager import CheckpointManager, CheckpointManagerOptions
+
+    root = S3Location(url.rsplit("/", 1)[0], _options(server.endpoint))
+    manager = CheckpointManager(root, CheckpointManagerOptions(max_to_keep=2))
+    for step in range(4):
+        manager.save(step, {"w": ShardedTensor.from_rank_offsets("w", torch.full((4,), float(step))), "step": step})
+    assert manager.all_steps() == [2, 3]
+    assert root.list_top(None) == ["iter_0000002", "iter_0000003"]  # nothing left of steps 0 and 1
+    restored = manager.restore({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))})
+    assert restored["step"] == 3 and restored["w"].tolist() == [3.0] * 4

@@ -288,31 +288,53 @@ def test_moved_chunks_fail_verify_and_load(tmp_path: Path, tamper: str) -> None:
     _two_arrays(ckpt)
     _two_arrays(other, shift=100.0)
     if tamper == "swap within array":
-        _swap(ckpt / "a/c/0/0", ckpt / "a/c/2/0")
+        _swap(ckpt / "a/c.0.0", ckpt / "a/c.2.0")
     elif tamper == "swap between arrays":
-        _swap(ckpt / "a/c/1/0", ckpt / "b/c/1/0")
+        _swap(ckpt / "a/c.1.0", ckpt / "b/c.1.0")
     else:
-        (ckpt / "b/c/3/0").write_bytes((other / "b/c/3/0").read_bytes())
+        (ckpt / "b/c.3.0").write_bytes((other / "b/c.3.0").read_bytes())
     report = verify(ckpt)
     assert not report.ok and "commit record keeps" in str(report), str(report)
-    with pytest.raises(CheckpointingException, match=r"Wrong chunk c/\d/0 of array '(a|b)'"):
+    with pytest.raises(CheckpointingException, match=r"Wrong chunk c\.\d\.0 of array '(a|b)'"):
         load(_request(), ckpt)
 
 
-def test_format_1_checkpoints_still_load(ckpt_dir: Path) -> None:
+def _as_legacy_layout(ckpt: Path) -> None:
+    """Moves chunks ``c.i.j`` to ``c/i/j``, as formats 1 and 2 store them."""
+    import json
+
+    for chunk in sorted(ckpt.rglob("c.*")):
+        target = chunk.parent / chunk.name.replace(".", "/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        chunk.rename(target)
+    for meta in ckpt.rglob("zarr.json"):
+        node = json.loads(meta.read_text())
+        if node.get("node_type") == "array":
+            node["chunk_key_encoding"] = {"name": "default"}
+            meta.write_text(json.dumps(node))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_format_1_and_2_checkpoints_still_load(ckpt_dir: Path, version: int) -> None:
+    """Chunks in ``c/i/j`` directories (format 3 writes ``c.i.j``); format 1 without
+    save id and chunk checksums."""
     import json
 
     _two_arrays(ckpt_dir)
+    _as_legacy_layout(ckpt_dir)
     root = json.loads((ckpt_dir / "zarr.json").read_text())
     record = root["attributes"]["shardstore"]
-    record["format_version"] = 1
-    del record["save_id"]
-    for array in record["arrays"].values():
-        del array["chunk_crc32c"]
+    record["format_version"] = version
+    if version == 1:
+        del record["save_id"]
+        for array in record["arrays"].values():
+            del array["chunk_crc32c"]
     (ckpt_dir / "zarr.json").write_text(json.dumps(root))
     loaded = load(_request(), ckpt_dir)
     assert torch.equal(loaded["a"], torch.arange(8.0).reshape(4, 2))
     assert verify(ckpt_dir).ok
+    (ckpt_dir / "a/c/1/0").write_bytes(b"x" * 12)  # the legacy paths are the ones checked
+    assert "a [c/1/0]" in str(verify(ckpt_dir))
 
 
 def test_a_commit_missing_a_chunk_fails(ckpt_dir: Path, monkeypatch) -> None:
@@ -366,11 +388,11 @@ def load_with_damage_on_rank_1(rank: int, world: int, ckpt: str, fully_parallel:
 def test_read_error_on_one_rank_is_raised_on_every_rank(ckpt_dir: Path, fully_parallel: bool) -> None:
     save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(16.0).reshape(8, 2))}, ckpt_dir,
          sharded_strategy=_small_chunks())
-    chunk = ckpt_dir / "w/c/6/0"  # only rank 1 reads rows 4-7
+    chunk = ckpt_dir / "w/c.6.0"  # only rank 1 reads rows 4-7
     chunk.write_bytes(b"\xff" + chunk.read_bytes()[1:])
     results = run_distributed(load_with_damage_on_rank_1, 2, str(ckpt_dir), fully_parallel, timeout=60)
     for message, seconds in results:
-        assert "rank(s) 1" in message and "chunk c/6/0 of array 'w'" in message and str(ckpt_dir) in message, message
+        assert "rank(s) 1" in message and "chunk c.6.0 of array 'w'" in message and str(ckpt_dir) in message, message
         assert seconds < 10, seconds
 
 
@@ -403,15 +425,13 @@ def _fifo(path: Path) -> None:
 
 
 HOSTILE_FILES = {
-    "fifo as chunk": lambda ckpt, other: _fifo(ckpt / "a/c/1/0"),
+    "fifo as chunk": lambda ckpt, other: _fifo(ckpt / "a/c.1.0"),
     "fifo as common.pt": lambda ckpt, other: _fifo(ckpt / "common.pt"),
     "zarr.json -> /dev/zero": lambda ckpt, other: ((ckpt / "zarr.json").unlink(), (ckpt / "zarr.json").symlink_to("/dev/zero")),
     "common.pt -> other checkpoint": lambda ckpt, other: ((ckpt / "common.pt").unlink(),
                                                           (ckpt / "common.pt").symlink_to(other / "common.pt")),
-    "chunk -> other checkpoint": lambda ckpt, other: ((ckpt / "a/c/1/0").unlink(),
-                                                      (ckpt / "a/c/1/0").symlink_to(other / "a/c/1/0")),
-    "chunk directory -> other checkpoint": lambda ckpt, other: (__import__("shutil").rmtree(ckpt / "a/c/1"),
-                                                                (ckpt / "a/c/1").symlink_to(other / "a/c/1")),
+    "chunk -> other checkpoint": lambda ckpt, other: ((ckpt / "a/c.1.0").unlink(),
+                                                      (ckpt / "a/c.1.0").symlink_to(other / "a/c.1.0")),
     "array directory -> other checkpoint": lambda ckpt, other: (__import__("shutil").rmtree(ckpt / "b"),
                                                                 (ckpt / "b").symlink_to(other / "b")),
 }
@@ -543,13 +563,16 @@ def test_a_load_racing_overwrites_reads_one_checkpoint_or_fails_clearly(ckpt_dir
     assert outcomes["consistent"] > 0, outcomes
 
 
-@pytest.mark.parametrize("kind, what", [("megatron torch_dist", "Megatron-Core 'torch_dist' checkpoint"),
-                                        ("megatron zarr", "Megatron-Core zarr checkpoint")])
-def test_foreign_checkpoints_are_named_on_load_and_save(ckpt_dir: Path, kind: str, what: str) -> None:
+@pytest.mark.parametrize("kind, what, on_load", [
+    # torch_dist is read as it is (tests/test_legacy.py); this one's .metadata is junk
+    ("megatron torch_dist", "Megatron-Core 'torch_dist' checkpoint", "is not valid PyTorch DCP metadata"),
+    ("megatron zarr", "Megatron-Core zarr checkpoint", "is not a shardstore checkpoint: it is a Megatron-Core zarr"),
+])
+def test_foreign_checkpoints_are_named_on_load_and_save(ckpt_dir: Path, kind: str, what: str, on_load: str) -> None:
     for rel, data in FOREIGN_DIRS[kind].items():
         (ckpt_dir / rel).parent.mkdir(parents=True, exist_ok=True)
         (ckpt_dir / rel).write_bytes(data)
-    with pytest.raises(CheckpointingException, match=f"is not a shardstore checkpoint: it is a {what}"):
+    with pytest.raises(CheckpointingException, match=on_load):
         load(_one("w", torch.empty(3)), ckpt_dir)
     with pytest.raises(CheckpointingException, match=what):
         save(_one("w", torch.ones(3)), ckpt_dir, overwrite=True)

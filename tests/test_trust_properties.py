@@ -150,8 +150,7 @@ class History:
             self._corrupt(event[1], random.Random(event[2]))
 
     def _corrupt(self, how: str, rng: random.Random) -> None:
-        chunks = sorted(p for p in self.ckpt.rglob("c/**/*") if p.is_file()) or sorted(self.ckpt.rglob("c"))
-        chunks = [p for p in chunks if p.is_file()]
+        chunks = sorted(p for p in self.ckpt.rglob("c*") if p.is_file() and (p.name == "c" or p.name.startswith("c.")))
         if how == "common" or not chunks:
             common = self.ckpt / "common.pt"
             common.write_bytes(common.read_bytes()[:-1])

@@ -71,10 +71,12 @@ def _register_builtin_strategies() -> None:
         return
     _builtins_registered = True
     from shardstore.strategies.common import register_default_common_strategies
+    from shardstore.strategies.dcp import register_default_dcp_strategies
     from shardstore.strategies.zarr import register_default_zarr_strategies
 
     register_default_zarr_strategies()
     register_default_common_strategies()
+    register_default_dcp_strategies()
 
 
 class LoadStrategyBase(ABC):
@@ -144,6 +146,23 @@ class LoadShardedStrategy(LoadStrategyBase):
         group when it was given one. Default: plain ``load``."""
         return self.load(sharded_state_dict, location)
 
+    def plan_load(self, layout: GlobalLayout) -> list[Any]:
+        """Coordinator: every rank's read plan for the gathered requests (index = group
+        rank; ``shardstore.planner``). Default: each rank reads what it asked for."""
+        from shardstore.planner import plan_reads
+
+        return plan_reads(layout, fully_parallel=False)
+
+    def load_with_plan(
+        self, sharded_state_dict: ShardedStateDict, location: Any, record: Any, plan: Any, group: Any,
+        local_error: BaseException | None = None,
+    ) -> StateDict:
+        """Collective: ``load_with_record`` with this rank's part of ``plan_load``.
+        ``local_error``: this rank failed before the read; every rank raises it instead
+        of reading. Default: the error is agreed, then ``load_with_record``."""
+        group.agree(local_error, f"Loading checkpoint {location.describe()}")
+        return self.load_with_record(sharded_state_dict, location, record, group)
+
     @abstractmethod
     def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
         """Data-less ShardedTensors of every checkpoint tensor, keyed by tensor key.
@@ -173,6 +192,13 @@ class DelegatingLoadStrategy:
     the Megatron-Core plug-in)."""
 
     base_strategy: Any
+
+    def plan_load(self, layout: GlobalLayout) -> list[Any]:
+        return self.base_strategy.plan_load(layout)
+
+    def load_with_plan(self, sharded_state_dict: ShardedStateDict, location: Any, record: Any, plan: Any,
+                       group: Any, local_error: BaseException | None = None) -> StateDict:
+        return self.base_strategy.load_with_plan(sharded_state_dict, location, record, plan, group, local_error)
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
         return self.base_strategy.load_tensors_metadata(checkpoint_dir)
@@ -211,14 +237,21 @@ class SaveShardedStrategy(SaveStrategyBase):
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
         """Saves the sharded part of the state dict (collective)."""
 
-    def save_with_layout(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout,
+    def plan_save(self, layout: GlobalLayout) -> list[Any]:
+        """Coordinator: every rank's part of the save of a validated layout (index =
+        group rank), which ``serialization.save`` scatters (``shardstore.planner``).
+
+        This default hands every rank the whole layout."""
+        return [layout] * layout.world_size
+
+    def save_with_plan(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: Any,
         process_group: Any = None,
     ) -> None:
-        """Like ``save``, reusing the global layout ``serialization`` already gathered,
-        on ``serialization.save``'s process group when it was given one.
+        """Like ``save``, with this rank's part of ``plan_save`` (the global sharding is
+        already validated), on ``serialization.save``'s process group when given one.
 
-        Strategies that do not need the layout inherit this and ignore it.
+        Strategies that need no plan inherit this and ignore it.
         """
         self.save(sharded_state_dict, checkpoint_dir)
 
@@ -236,22 +269,22 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
             AsyncRequest with the I/O function and the finalization functions.
         """
 
-    def async_save_with_layout(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout,
+    def async_save_with_plan(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: Any,
         process_group: Any = None,
     ) -> AsyncRequest:
-        """Like ``async_save``, reusing an already gathered layout."""
+        """Like ``async_save``, with this rank's part of ``plan_save``."""
         return self.async_save(sharded_state_dict, checkpoint_dir)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
         """Every async strategy can be used synchronously."""
         self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()
 
-    def save_with_layout(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout,
+    def save_with_plan(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: Any,
         process_group: Any = None,
     ) -> None:
-        self.async_save_with_layout(sharded_state_dict, checkpoint_dir, layout, process_group).execute_sync()
+        self.async_save_with_plan(sharded_state_dict, checkpoint_dir, plan, process_group).execute_sync()
 
 
 __all__ = [

@@ -48,16 +48,19 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
             raise TypeError(f"{self.base_strategy} cannot save asynchronously")
         return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir)
 
-    def async_save_with_layout(self, sharded_state_dict: Any, checkpoint_dir: CheckpointDir, layout: Any,
-                               process_group: Any = None) -> AsyncRequest:
-        return self.base_strategy.async_save_with_layout(sharded_state_dict, checkpoint_dir, layout, process_group)
+    def plan_save(self, layout: Any) -> list[Any]:
+        return self.base_strategy.plan_save(layout)
+
+    def async_save_with_plan(self, sharded_state_dict: Any, checkpoint_dir: CheckpointDir, plan: Any,
+                             process_group: Any = None) -> AsyncRequest:
+        return self.base_strategy.async_save_with_plan(sharded_state_dict, checkpoint_dir, plan, process_group)
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: CheckpointDir) -> None:
         self.base_strategy.save(sharded_state_dict, checkpoint_dir)
 
-    def save_with_layout(self, sharded_state_dict: Any, checkpoint_dir: CheckpointDir, layout: Any,
-                         process_group: Any = None) -> None:
-        self.base_strategy.save_with_layout(sharded_state_dict, checkpoint_dir, layout, process_group)
+    def save_with_plan(self, sharded_state_dict: Any, checkpoint_dir: CheckpointDir, plan: Any,
+                       process_group: Any = None) -> None:
+        self.base_strategy.save_with_plan(sharded_state_dict, checkpoint_dir, plan, process_group)
 
     @property
     def can_handle_sharded_objects(self) -> bool:

@@ -49,7 +49,6 @@ from shardstore.chunk_io import (
     ArrayChunks,
     ReadJob,
     WrittenChunk,
-    chunk_key,
     chunk_store_for,
     is_chunk_aligned,
     read_region,
@@ -74,26 +73,24 @@ from shardstore.format import (
     ZARR_JSON,
     ArrayRecord,
     CommitRecord,
-    ObjectRecord,
     group_metadata,
-    parent_groups,
     read_commit_record,
     write_commit_record,
 )
 from shardstore.integrity import file_checksums
 from shardstore.layout import (
     FlatChunk,
-    FlatPlan,
     GlobalLayout,
     Region,
     ShardRecord,
-    balance_writers,
     block_shape,
     chunk_shape_for,
-    plan_flat_writes,
     region_at,
 )
 from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from shardstore.planner import RankReadPlan, RankSavePlan, plan_reads, plan_save
+from shardstore.progress import stage
+from shardstore.protocol import gather_and_plan
 from shardstore.staging import HostBufferPool, HostSnapshot, to_host
 from shardstore.storage import Location, open_location
 from shardstore.strategies.async_utils import AsyncRequest
@@ -104,6 +101,7 @@ from shardstore.strategies.base import (
     StrategyAction,
     register_default_strategy,
 )
+from shardstore.utils import local_sharded_items
 
 logger = logging.getLogger(__name__)
 
@@ -187,27 +185,6 @@ def _ts_index(region: Region) -> tuple[slice, ...]:
 # --------------------------------------------------------------------------- save
 
 
-def array_records(layout: GlobalLayout, max_chunk_bytes: int) -> dict[str, ArrayRecord]:
-    """Every array's metadata: a pure function of the layout (same on every rank)."""
-    records = {}
-    for key, shards in layout.tensors.items():
-        first = shards[0]
-        itemsize = from_zarr_name(first.dtype).itemsize
-        main = [s for s in shards if s.main]
-        chunk = chunk_shape_for(main, first.global_shape, itemsize, max_chunk_bytes)
-        records[key] = ArrayRecord(key, first.global_shape, first.dtype, chunk)
-    return records
-
-
-def _owns_first_chunk(shard: ShardRecord) -> bool:
-    """The main shard holding element 0 creates the array (writes its zarr.json)."""
-    return (
-        shard.main
-        and not any(shard.offset)
-        and (shard.flat_range is None or shard.flat_range[0] == 0)
-    )
-
-
 @dataclass
 class WriteOp:
     """One region of one array and the host bytes that go there."""
@@ -226,7 +203,7 @@ class StagedSave:
     records: dict[str, ArrayRecord]
     metadata_files: dict[str, bytes]
     ops: list[WriteOp]
-    commit_record: CommitRecord
+    commit_record: CommitRecord | None  # the coordinator's
     group: Group
     snapshot: HostSnapshot | None = None
     written: list[WrittenChunk] = field(default_factory=list)
@@ -260,16 +237,16 @@ def _block_op(s: ShardRecord, host: list[torch.Tensor | None]) -> WriteOp:
 def stage_save(
     tensors: list[ShardedTensor],
     location: Location,
-    layout: GlobalLayout,
+    plan: RankSavePlan,
     group: Group,
-    max_chunk_bytes: int,
     staging: Staging | None = None,
 ) -> StagedSave:
-    """Collective: prepares this rank's writes (host copies, straddling-chunk exchange)."""
+    """Collective: prepares this rank's writes of its ``plan`` (host copies,
+    straddling-chunk exchange)."""
     staging = staging or Staging()
-    records = array_records(layout, max_chunk_bytes)
+    records = plan.records
     host: list[torch.Tensor | None] = [None] * len(tensors)
-    mine = [s for shards in layout.tensors.values() for s in shards if s.rank == group.rank and s.main]
+    mine = plan.shards
     written: set[int] = set()  # blocks already written in an earlier wave
     early_chunks: list[WrittenChunk] = []  # what those waves wrote
     snapshot = HostSnapshot(staging.pool) if staging.snapshot else None
@@ -298,53 +275,34 @@ def stage_save(
         error = exc
     group.agree(error, f"Staging tensors for checkpoint {location.describe()}")
 
-    ops: list[WriteOp] = []
-    flat_plan = FlatPlan()
-    for key, shards in sorted(layout.tensors.items()):
-        main = [s for s in shards if s.main]
-        if main and main[0].flat_range is not None:
-            plan_flat_writes(key, main, records[key].chunk_shape, group.rank, flat_plan)
-        ops += [_block_op(s, host) for s in main if s.rank == group.rank and s.flat_range is None and s.index not in written]
-    for w in flat_plan.direct:
+    ops = [_block_op(s, host) for s in mine if s.flat_range is None and s.index not in written]
+    for w in plan.flat_direct:
         flat = tensor_to_numpy(host[w.index])[w.local_start : w.local_stop]
         ops.append(WriteOp(w.key, w.region, flat.reshape(_region_shape(w.region))))
-    ops += exchange_straddling_chunks(flat_plan, host, records, group)
-
-    my_shards = [s for shards in layout.tensors.values() for s in shards if s.rank == group.rank]
-    metadata_files = {
-        f"{s.key}/{ZARR_JSON}": json.dumps(records[s.key].zarr_metadata()).encode()
-        for s in my_shards
-        if _owns_first_chunk(s)
-    }
-    if group.is_coordinator:
-        for g in parent_groups(list(records)):
-            metadata_files[f"{g}/{ZARR_JSON}"] = json.dumps(group_metadata()).encode()
-    commit = CommitRecord(
-        arrays=records,
-        objects={
-            key: ObjectRecord(key, tuple(sorted({o.unique_key for o in shards if o.main})))
-            for key, shards in layout.objects.items()
-        },
-        world_size=group.world_size,
-    )
-    return StagedSave(location, records, metadata_files, ops, commit, group, snapshot, early_chunks)
+    ops += exchange_straddling_chunks(plan.straddling, host, records, group)
+    metadata_files = {f"{key}/{ZARR_JSON}": json.dumps(records[key].zarr_metadata()).encode()
+                      for key in plan.array_metadata}
+    metadata_files.update({f"{g}/{ZARR_JSON}": json.dumps(group_metadata()).encode() for g in plan.group_metadata})
+    return StagedSave(location, records, metadata_files, ops, plan.commit, group, snapshot, early_chunks)
 
 
 def exchange_straddling_chunks(
-    plan: FlatPlan, host: list[torch.Tensor | None], records: dict[str, ArrayRecord], group: Group
+    straddling: tuple[tuple[int, FlatChunk], ...], host: list[torch.Tensor | None],
+    records: dict[str, ArrayRecord], group: Group,
 ) -> list[WriteOp]:
-    """Collective: assembles the flat chunks this rank writes from its neighbours' pieces.
+    """Among the ranks concerned: assembles the flat chunks this rank writes from its
+    neighbours' pieces.
 
-    Only the straddling pieces travel, as raw bytes, point to point; every rank walks
-    the same ordered list of straddling chunks, so sends and receives pair up.
+    Only the straddling pieces travel, as raw bytes, point to point; each chunk's tag
+    (from the plan, unique within the save) pairs its sends with its receives.
     """
-    if not plan.all_straddling:
+    if not straddling:
         return []
     device = group.device
     assembled: dict[int, tuple[FlatChunk, torch.Tensor]] = {}
     ops: list[dist.P2POp] = []
     received: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for tag, chunk in enumerate(plan.all_straddling):
+    for tag, chunk in straddling:
         itemsize = from_zarr_name(records[chunk.key].dtype).itemsize
         if chunk.writer == group.rank:
             buffer = torch.empty(chunk.volume * itemsize, dtype=torch.uint8)
@@ -382,9 +340,13 @@ def write_staged(
 
     What the writers report (each chunk's crc32c) is kept for the commit record.
     """
-    staged.location.write_many(staged.metadata_files)
-    staged.written += write_ops(staged.location, staged.records, staged.ops, io_concurrency, io_threads)
-    staged.location.make_durable()
+    where = staged.location.describe()
+    with stage("save: write", where) as timing:
+        staged.location.write_many(staged.metadata_files)
+        staged.written += write_ops(staged.location, staged.records, staged.ops, io_concurrency, io_threads)
+        timing.nbytes = sum(op.value.nbytes for op in staged.ops)
+    with stage("save: durable", where):
+        staged.location.make_durable()
 
 
 def write_ops(
@@ -455,7 +417,8 @@ def bind_chunks(record: CommitRecord, reports: list[list[WrittenChunk]], where: 
         for key, index, crc in chunks:
             if index in crcs[key]:
                 raise CheckpointingException(
-                    f"{where}: chunk {chunk_key(index)} of array {key!r} was written twice (rank {rank} and another)"
+                    f"{where}: chunk {record.arrays[key].chunk_key(index)} of array {key!r} was written twice "
+                    f"(rank {rank} and another)"
                 )
             crcs[key][index] = crc
     arrays = {key: a.with_chunk_crcs(crcs[key], where) for key, a in record.arrays.items()}
@@ -518,39 +481,34 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         self._buffers = HostBufferPool()
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> AsyncRequest:
-        from shardstore.validation import (
-            gather_layout,
-            local_sharded_items,
-            validate_sharding_integrity,
-        )
-
         tensors, objects = local_sharded_items(sharded_state_dict)
-        layout = gather_layout(tensors, objects, Group(self.process_group))
-        validate_sharding_integrity(layout)
-        return self.async_save_with_layout(sharded_state_dict, checkpoint_dir, layout)
+        plan = gather_and_plan(tensors, objects, Group(self.process_group), self.plan_save)
+        return self.async_save_with_plan(sharded_state_dict, checkpoint_dir, plan)
 
-    def async_save_with_layout(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout,
+    def plan_save(self, layout: GlobalLayout) -> list[RankSavePlan]:
+        """Coordinator: every rank's part of the save (``shardstore.planner``)."""
+        return plan_save(layout, self.max_chunk_bytes, self.fully_parallel)
+
+    def async_save_with_plan(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: RankSavePlan,
         process_group: dist.ProcessGroup | None = None,
     ) -> AsyncRequest:
         """Snapshots the tensors to host memory (the blocking part) and returns the
         request whose ``async_fn`` writes them and whose finalization commits."""
         staging = Staging(True, self.max_staging_bytes, self._buffers, self.io_concurrency, self.background_io_threads)
-        return self._request(sharded_state_dict, checkpoint_dir, layout, staging, process_group)
+        return self._request(sharded_state_dict, checkpoint_dir, plan, staging, process_group)
 
-    def save_with_layout(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout,
+    def save_with_plan(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: RankSavePlan,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         """Synchronous: writes straight from the tensors' memory (no snapshot)."""
-        self._request(sharded_state_dict, checkpoint_dir, layout, Staging(), process_group).execute_sync()
+        self._request(sharded_state_dict, checkpoint_dir, plan, Staging(), process_group).execute_sync()
 
     def _request(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, layout: GlobalLayout,
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: RankSavePlan,
         staging: Staging, process_group: dist.ProcessGroup | None,
     ) -> AsyncRequest:
-        from shardstore.validation import local_sharded_items
-
         tensors, _ = local_sharded_items(sharded_state_dict)
         group = Group(process_group if process_group is not None else self.process_group)
         location = open_location(checkpoint_dir)
@@ -560,9 +518,8 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
                 f"max_chunk_bytes={self.max_chunk_bytes} exceeds the {limit}-byte object limit of "
                 f"{location.describe()}; use a smaller bound"
             )
-        if self.fully_parallel:
-            layout = balance_writers(layout)
-        staged = stage_save(tensors, location, layout, group, self.max_chunk_bytes, staging)
+        with stage("save: stage", location.describe()):
+            staged = stage_save(tensors, location, plan, group, staging)
         return AsyncRequest(
             async_fn=write_staged,
             async_fn_args=(staged, self.io_concurrency, staging.io_threads),
@@ -572,7 +529,8 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
 
 def _finalizer(staged: StagedSave) -> Callable[[BaseException | None], None]:
     def finalize(error: BaseException | None = None) -> None:
-        finalize_save(staged, error)
+        with stage("save: commit", staged.location.describe()):
+            finalize_save(staged, error)
 
     def abort() -> None:
         """Local, no agreement: releases the save's descriptors and lock, so the next
@@ -702,49 +660,41 @@ def load_tensors(
     return results
 
 
-def load_fully_parallel(
-    tensors: list[ShardedTensor], location: Location, record: CommitRecord, group: Group,
+def run_read_plan(
+    tensors: list[ShardedTensor], location: Location, record: CommitRecord, plan: RankReadPlan, group: Group,
     io_concurrency: int = DEFAULT_IO_CONCURRENCY, allow_lossy_casts: bool = False,
+    local_error: BaseException | None = None,
 ) -> list[torch.Tensor]:
-    """Collective ``load_tensors``: a block that several ranks request is read by one of
-    them (balanced by bytes, ``layout.balance_writers``) and sent to the others, so
-    replicas share the storage reads instead of each reading everything."""
-    from shardstore.validation import local_records
-
-    mine = [replace(r, main=True) for r in local_records(tensors, [], group.rank)[0]]
-    layout = balance_writers(GlobalLayout.from_gathered([(g, []) for g in group.all_gather_object(mine)]))
-    members: dict[tuple, list[ShardRecord]] = {}
-    for shards in layout.tensors.values():
-        for s in shards:
-            members.setdefault((s.block_id, s.dtype), []).append(s)
-    reads = [s.index for group_ in members.values() for s in group_ if s.rank == group.rank and s.main]
+    """Collective: this rank's part of a load (``planner.plan_reads``): its reads, an
+    agreement (a failed read, or ``local_error``, raises on every rank before any
+    exchange), then the exchange of blocks that other ranks read for it."""
     out: dict[int, torch.Tensor] = {}
-    error = None
-    try:
-        loaded = load_tensors([tensors[i] for i in reads], location, record, io_concurrency, allow_lossy_casts)
-        out = dict(zip(reads, loaded))
-    except Exception as exc:  # reported on every rank by agree(), before any exchange
-        error = exc
+    error = local_error
+    if error is None:
+        try:
+            loaded = load_tensors([tensors[i] for i in plan.reads], location, record, io_concurrency, allow_lossy_casts)
+            out = dict(zip(plan.reads, loaded))
+        except Exception as exc:  # reported on every rank by agree(), before any exchange
+            error = exc
     group.agree(error, f"Reading checkpoint {location.describe()}")
-    sends: dict[int, list[torch.Tensor]] = {}
+    for index, source in plan.copies:  # one block asked for twice
+        out[index] = out[source].clone().reshape(_result_shape(tensors[index]))
+    sends = {peer: [out[i] for i in indices] for peer, indices in plan.sends}
     receives: dict[int, list[torch.Tensor]] = {}
-    for ident in sorted(members, key=repr):  # the same order on every rank
-        reader = next(s for s in members[ident] if s.main)
-        for s in members[ident]:
-            if s is reader or group.rank not in (s.rank, reader.rank):
-                continue
-            if s.rank == reader.rank:  # one rank asked twice for the same block
-                out[s.index] = out[reader.index].clone()
-            elif reader.rank == group.rank:
-                sends.setdefault(s.rank, []).append(out[reader.index])
-            else:
-                t = tensors[s.index]
-                device = t.data.device if t.data is not None else "cpu"
-                out[s.index] = torch.empty(t.local_shape if t.flattened_range is None else (t.flattened_range.stop - t.flattened_range.start,),
-                                           dtype=t.dtype, device=device)
-                receives.setdefault(reader.rank, []).append(out[s.index])
+    for peer, indices in plan.receives:
+        for i in indices:
+            t = tensors[i]
+            out[i] = torch.empty(_result_shape(t), dtype=t.dtype, device=t.data.device if t.data is not None else "cpu")
+        receives[peer] = [out[i] for i in indices]
     group.exchange(sends, receives)
     return [out[i] for i in range(len(tensors))]
+
+
+def _result_shape(t: ShardedTensor) -> tuple[int, ...]:
+    """The shape of the tensor a load returns for ``t``."""
+    if t.flattened_range is not None:
+        return (t.flattened_range.stop - t.flattened_range.start,)
+    return tuple(t.local_shape)
 
 
 class ZarrLoadShardedStrategy(LoadShardedStrategy):
@@ -781,34 +731,34 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         process_group: dist.ProcessGroup | Group | None = None,
     ) -> StateDict:
         """Like ``load`` with a commit record the caller already read (and on the
-        caller's process group or ``Group`` when given).
-
-        Collective: a read that fails on one rank raises the same error, naming the
-        checkpoint, key and chunk, on every rank."""
-        tensors: list[ShardedTensor] = []
-
-        def collect(x: Any) -> Any:
-            if isinstance(x, ShardedTensor):
-                tensors.append(x)
-            return x
-
-        dict_list_map_inplace(collect, sharded_state_dict)
+        caller's process group or ``Group`` when given): plans once (``plan_load``,
+        without the strict-handling and integrity checks of ``serialization.load``),
+        then ``load_with_plan``."""
         if isinstance(process_group, Group):
             group = process_group
         else:
             group = Group(process_group if process_group is not None else self.process_group)
-        if self.fully_parallel and group.world_size > 1:
-            results = load_fully_parallel(tensors, location, record, group, self.io_concurrency, self.allow_lossy_casts)
-        else:
-            results, error = [], None
-            try:
-                results = load_tensors(tensors, location, record, self.io_concurrency, self.allow_lossy_casts)
-            except Exception as exc:  # reported on every rank by agree()
-                error = exc
-            group.agree(error, f"Reading checkpoint {location.describe()}")
-        loaded = iter(results)
+        tensors, _ = local_sharded_items(sharded_state_dict)
+        plan = gather_and_plan(tensors, [], group, self.plan_load, place=location.describe(), validate=False)
+        return self.load_with_plan(sharded_state_dict, location, record, plan, group)
+
+    def plan_load(self, layout: GlobalLayout) -> list[RankReadPlan]:
+        """Coordinator: who reads which requested block (``planner.plan_reads``)."""
+        return plan_reads(layout, self.fully_parallel)
+
+    def load_with_plan(
+        self, sharded_state_dict: ShardedStateDict, location: Location, record: CommitRecord, plan: RankReadPlan,
+        group: Group, local_error: BaseException | None = None,
+    ) -> StateDict:
+        """Collective: reads this rank's part (``run_read_plan``) and puts the tensors in
+        place of the request's ShardedTensors. A read that fails on one rank raises the
+        same error, naming the checkpoint, key and chunk, on every rank."""
+        tensors, _ = local_sharded_items(sharded_state_dict)
+        results = iter(run_read_plan(
+            tensors, location, record, plan, group, self.io_concurrency, self.allow_lossy_casts, local_error
+        ))
         return dict_list_map_inplace(
-            lambda x: next(loaded) if isinstance(x, ShardedTensor) else x, sharded_state_dict
+            lambda x: next(results) if isinstance(x, ShardedTensor) else x, sharded_state_dict
         )
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
@@ -869,7 +819,7 @@ def register_default_zarr_strategies() -> None:
 # Single-tensor building blocks with the seed's names, on the same format and specs.
 
 
-def _single_tensor_record(t: ShardedTensor, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> ArrayRecord:
+def single_tensor_record(t: ShardedTensor, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> ArrayRecord:
     """Array metadata derived from one tensor: chunks follow its own block shape."""
     shard = ShardRecord.from_sharded_tensor(t, 0, 0)
     chunk = chunk_shape_for([shard], tuple(t.global_shape), from_torch(t.dtype).itemsize, max_chunk_bytes)
@@ -888,7 +838,7 @@ def _should_create_array(ten: ShardedTensor) -> bool:
 def _create_zarr_array(sharded_tensor: ShardedTensor, checkpoint_dir: CheckpointDir | Location) -> ts.TensorStore:
     """Creates the array of ``sharded_tensor``'s key (writes its ``zarr.json``)."""
     location = open_location(checkpoint_dir)
-    record = _single_tensor_record(sharded_tensor)
+    record = single_tensor_record(sharded_tensor)
     location.write_bytes(f"{record.key}/{ZARR_JSON}", json.dumps(record.zarr_metadata()).encode())
     return open_arrays(location, [record], tensorstore_context(location), for_write=True)[record.key]
 

@@ -1,0 +1,284 @@
+"""The ``shardstore`` command: inspect, verify, convert and diff checkpoints.
+
+Exit status: 0 success (``verify``: no damage; ``diff``: identical), 1 a finding
+(``verify``: damage; ``diff``: differences), 2 an error (no checkpoint there, an
+incomplete or foreign one, a bad argument), with one line on standard error that says
+what to do. Progress bars (standard error) show when it is a terminal (``--progress``
+/ ``--no-progress`` decide otherwise); ``-v`` logs each operation's duration and
+bytes, ``-vv`` each stage's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+
+from shardstore.core import CheckpointingException
+from shardstore.progress import format_bytes, progress_shown
+
+EXIT_FINDING = 1
+EXIT_ERROR = 2
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``5GB`` (10^9), ``1GiB`` (2^30), ``500MB``, ``4096``: a size in bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise click.BadParameter(f"{text!r} is not a size (e.g. 5GB, 1GiB, 4096)")
+    unit = (match.group(2) or "").lower().removesuffix("b")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+class Size(click.ParamType):
+    name = "size"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        return value if isinstance(value, int) else parse_size(str(value))
+
+
+@contextmanager
+def _reported_errors() -> Iterator[None]:
+    """Turns the library's errors into one line on stderr and exit status 2."""
+    try:
+        yield
+    except (CheckpointingException, OSError) as exc:
+        click.echo(f"shardstore: error: {exc}", err=True)
+        sys.exit(EXIT_ERROR)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="Log stages (-v) and details (-vv) to stderr.")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress bars on stderr (default: when stderr is a terminal).")
+@click.pass_context
+def main(ctx: click.Context, verbose: int, progress: bool | None) -> None:
+    """Inspect, verify, convert and compare shardstore checkpoints (local paths or s3://)."""
+    if verbose:
+        logging.basicConfig(
+            level=logging.DEBUG if verbose > 1 else logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr
+        )
+    ctx.with_resource(progress_shown(sys.stderr.isatty() if progress is None else progress))
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+@main.command("inspect")
+@click.argument("checkpoint")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+def inspect_command(checkpoint: str, as_json: bool) -> None:
+    """What CHECKPOINT holds: arrays, sharded objects, common state, format."""
+    from shardstore.inspection import describe_checkpoint
+
+    with _reported_errors():
+        summary = describe_checkpoint(checkpoint)
+    if as_json:
+        click.echo(json.dumps(summary.to_json(), indent=1))
+        return
+    saved = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(summary.created))
+    click.echo(f"checkpoint {summary.checkpoint}")
+    click.echo(
+        f"  format {summary.format_version}, written by shardstore {summary.library_version} from "
+        f"{summary.world_size} rank(s), committed {saved}, save {summary.save_id}"
+    )
+    click.echo(f"arrays: {len(summary.arrays)}, {format_bytes(summary.nbytes)}")
+    width = max((len(a.key) for a in summary.arrays), default=0)
+    for a in summary.arrays:
+        click.echo(
+            f"  {a.key:<{width}}  {_dims(a.shape):<16} {a.dtype:<14} chunks {_dims(a.chunk_shape)} x{a.chunks}"
+            f"  {format_bytes(a.nbytes)}"
+        )
+    click.echo(f"sharded objects: {len(summary.objects)}")
+    for key, shards in summary.objects.items():
+        click.echo(f"  {key}  {len(shards)} shard(s)")
+    click.echo(f"common state: {', '.join(summary.common_keys) or '(empty)'}")
+
+
+main.add_command(inspect_command, "ls")
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+# --------------------------------------------------------------------------- verify
+
+
+@main.command("verify")
+@click.argument("checkpoint")
+def verify_command(checkpoint: str) -> None:
+    """Read every chunk and file of CHECKPOINT and check its checksums.
+
+    Exit status 1 and one line per problem (array and chunk) if anything is damaged.
+    """
+    from shardstore.format import read_commit_record
+    from shardstore.integrity import verify
+    from shardstore.storage import open_location
+
+    with _reported_errors():
+        location = open_location(checkpoint)
+        read_commit_record(location)  # no checkpoint at all is an error, not a finding
+        report = verify(location)
+    for problem in report.problems:
+        click.echo(f"{problem.key} [{problem.part}]: {problem.message}")
+    click.echo(
+        f"{report.checkpoint}: {report.arrays_checked} arrays, {report.chunks_checked} chunks, "
+        f"{report.files_checked} files, {format_bytes(report.bytes_checked)} checked; "
+        + ("no problems" if report.ok else f"{len(report.problems)} problem(s)")
+    )
+    sys.exit(0 if report.ok else EXIT_FINDING)
+
+
+# --------------------------------------------------------------------------- convert
+
+FORMATS = ("shardstore", "torch", "safetensors")
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+def source_format(path: str) -> str:
+    """What SRC is: a shardstore checkpoint, safetensors, a torch.save file, or a PyTorch
+    DCP / Megatron-Core torch_dist checkpoint."""
+    from shardstore.dcp_reader import is_dcp_checkpoint
+    from shardstore.format import foreign_checkpoint_kind, is_committed
+    from shardstore.storage import open_location
+
+    if path.endswith(".safetensors"):
+        return "safetensors"
+    local = Path(path)
+    if not path.startswith("s3://") and local.is_file():
+        return "torch"
+    location = open_location(path)
+    if is_committed(location):
+        return "shardstore"
+    if (local / "model.safetensors.index.json").is_file() or (local / "model.safetensors").is_file():
+        return "safetensors"
+    if not path.startswith("s3://") and is_dcp_checkpoint(local):
+        return "dcp"
+    foreign = foreign_checkpoint_kind(location)
+    if foreign:
+        raise CheckpointingException(f"{path} is {foreign}; reading it is not supported yet")
+    raise CheckpointingException(
+        f"{path} is neither a shardstore checkpoint, a safetensors model nor a torch.save file"
+    )
+
+
+def target_format(source: str, destination: str, to: str | None) -> str:
+    if to:
+        return to
+    if source != "shardstore":
+        return "shardstore"
+    if destination.endswith(_TORCH_SUFFIXES):
+        return "torch"
+    raise click.UsageError("Say what to convert to: --to torch or --to safetensors")
+
+
+@main.command("convert")
+@click.argument("source")
+@click.argument("destination")
+@click.option("--to", type=click.Choice(FORMATS), help="Target format (default: from the paths).")
+@click.option("--overwrite", is_flag=True, help="Replace a shardstore checkpoint at DESTINATION.")
+@click.option("--max-shard-size", type=Size(), default="5GB", show_default=True,
+              help="Largest safetensors file.")
+@click.option("--memory", type=Size(), default="1GiB", show_default=True,
+              help="Most array bytes held at once while reading a checkpoint.")
+def convert_command(source: str, destination: str, to: str | None, overwrite: bool, max_shard_size: int,
+                    memory: int) -> None:
+    """Convert SOURCE into DESTINATION.
+
+    \b
+    shardstore checkpoint -> torch.save file (DESTINATION *.pt, or --to torch)
+    shardstore checkpoint -> safetensors directory (--to safetensors)
+    torch.save file or safetensors (file or model directory) -> shardstore checkpoint
+    PyTorch DCP or Megatron-Core torch_dist checkpoint -> shardstore checkpoint
+
+    A checkpoint written here is verified before the command succeeds.
+    """
+    from shardstore import convert
+
+    with _reported_errors():
+        src = source_format(source)
+        dst = target_format(src, destination, to)
+        steps: dict[tuple[str, str], Callable[[], Any]] = {
+            ("shardstore", "torch"): lambda: convert.to_torch_file(source, destination),
+            ("shardstore", "safetensors"): lambda: convert.to_safetensors(
+                source, destination, max_shard_size, memory
+            ),
+            ("torch", "shardstore"): lambda: convert.from_torch_file(source, destination, overwrite),
+            ("safetensors", "shardstore"): lambda: convert.from_safetensors(source, destination, overwrite),
+            ("dcp", "shardstore"): lambda: convert.from_dcp(source, destination, overwrite),
+        }
+        if (src, dst) not in steps:
+            raise click.UsageError(f"Cannot convert {src} to {dst}")
+        result = steps[(src, dst)]()
+    if isinstance(result, convert.SafetensorsExport):
+        click.echo(f"wrote {result.tensors} tensors, {format_bytes(result.total_bytes)}, in {len(result.files)} file(s)")
+        if result.left_out:
+            click.echo(f"left out (not tensors; safetensors holds tensors only): {', '.join(result.left_out)}",
+                       err=True)
+    elif dst == "shardstore":
+        from shardstore.integrity import verify
+
+        report = verify(destination)
+        if not report.ok:
+            click.echo(str(report), err=True)
+            sys.exit(EXIT_FINDING)
+        click.echo(f"wrote {result} arrays to {destination}; verified {report.chunks_checked} chunks")
+    else:
+        click.echo(f"wrote {destination}")
+
+
+# --------------------------------------------------------------------------- diff
+
+
+@main.command("diff")
+@click.argument("first")
+@click.argument("second")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@click.option("--memory", type=Size(), default="1GiB", show_default=True,
+              help="Most array bytes held at once per checkpoint.")
+def diff_command(first: str, second: str, as_json: bool, memory: int) -> None:
+    """Compare two checkpoints: keys, shapes, dtypes, largest absolute difference.
+
+    Exit status 0 when identical, 1 when they differ.
+    """
+    from shardstore.inspection import diff_checkpoints
+
+    with _reported_errors():
+        result = diff_checkpoints(first, second, memory)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=1))
+    else:
+        for key in result.only_in_first:
+            click.echo(f"- {key}  (only in {first})")
+        for key in result.only_in_second:
+            click.echo(f"+ {key}  (only in {second})")
+        for a in result.arrays:
+            changes = []
+            if a.shape[0] != a.shape[1]:
+                changes.append(f"shape {_dims(a.shape[0])} -> {_dims(a.shape[1])}")
+            if a.dtype[0] != a.dtype[1]:
+                changes.append(f"dtype {a.dtype[0]} -> {a.dtype[1]}")
+            if a.max_abs_diff:
+                changes.append(f"max |difference| {a.max_abs_diff:.6g}")
+            if changes:
+                click.echo(f"~ {a.key}  {', '.join(changes)}")
+        for key in result.common_differences:
+            click.echo(f"~ common state {key}")
+        click.echo("identical" if result.identical else "checkpoints differ")
+    sys.exit(0 if result.identical else EXIT_FINDING)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Looking at checkpoints without loading them into a model: what one holds
+(``describe_checkpoint``), and how two differ (``diff_checkpoints``).
+
+Both are plain data (frozen dataclasses with ``to_json``) that the ``shardstore``
+command prints; neither is collective.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from shardstore.convert import DEFAULT_MEMORY_BYTES, read_arrays
+from shardstore.dict_utils import diff
+from shardstore.integrity import open_committed
+from shardstore.storage import Location
+
+
+@dataclass(frozen=True)
+class ArraySummary:
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunk_shape: tuple[int, ...]
+    chunks: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    """What a committed checkpoint holds, from its commit record and common state."""
+
+    checkpoint: str
+    format_version: int
+    library_version: str
+    created: float
+    world_size: int
+    save_id: str
+    arrays: tuple[ArraySummary, ...]
+    objects: dict[str, tuple[str, ...]]
+    common_keys: tuple[str, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "nbytes": self.nbytes}
+
+
+def describe_checkpoint(checkpoint: str | os.PathLike | Location) -> CheckpointSummary:
+    """The arrays (shape, dtype, chunking, bytes), sharded objects, common-state keys,
+    format version and saving world size of a committed checkpoint."""
+    from shardstore.serialization import load_common_state_dict
+
+    location = open_committed(checkpoint)
+    record = location.record
+    arrays = tuple(
+        ArraySummary(a.key, a.shape, a.dtype, a.chunk_shape, a.chunk_count, a.nbytes)
+        for _, a in sorted(record.arrays.items())
+    )
+    common = load_common_state_dict(location)
+    return CheckpointSummary(
+        checkpoint=location.describe(),
+        format_version=record.format_version,
+        library_version=record.library_version,
+        created=record.created,
+        world_size=record.world_size,
+        save_id=record.save_id,
+        arrays=arrays,
+        objects={k: o.shard_keys for k, o in sorted(record.objects.items())},
+        common_keys=tuple(sorted(str(k) for k in common)),
+    )
+
+
+@dataclass(frozen=True)
+class ArrayDifference:
+    """One array in both checkpoints: ``max_abs_diff`` is None when the shapes differ
+    (nothing to compare element-wise); dtypes may differ, values are compared in
+    float64 (or as integers)."""
+
+    key: str
+    shape: tuple[tuple[int, ...], tuple[int, ...]]
+    dtype: tuple[str, str]
+    max_abs_diff: float | None
+
+
+@dataclass(frozen=True)
+class CheckpointDiff:
+    only_in_first: tuple[str, ...]
+    only_in_second: tuple[str, ...]
+    arrays: tuple[ArrayDifference, ...]
+    common_differences: tuple[str, ...]
+
+    @property
+    def identical(self) -> bool:
+        return not (
+            self.only_in_first
+            or self.only_in_second
+            or self.common_differences
+            or any(a.shape[0] != a.shape[1] or a.dtype[0] != a.dtype[1] or a.max_abs_diff != 0 for a in self.arrays)
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "identical": self.identical}
+
+
+def diff_checkpoints(
+    first: str | os.PathLike | Location,
+    second: str | os.PathLike | Location,
+    memory_bytes: int = DEFAULT_MEMORY_BYTES,
+) -> CheckpointDiff:
+    """Keys, shapes, dtypes and the largest absolute difference of every array the two
+    checkpoints share, and the common-state entries that differ; reads the arrays a
+    batch at a time (``memory_bytes`` per checkpoint)."""
+    from shardstore.serialization import load_common_state_dict
+
+    a, b = open_committed(first), open_committed(second)
+    ra, rb = a.record.arrays, b.record.arrays
+    shared = sorted(set(ra) & set(rb))
+    comparable = [k for k in shared if ra[k].shape == rb[k].shape]
+    largest: dict[str, float] = {}
+    for (key, x), (_, y) in zip(read_arrays(a, comparable, memory_bytes), read_arrays(b, comparable, memory_bytes)):
+        largest[key] = _max_abs_diff(x, y)
+    arrays = tuple(
+        ArrayDifference(k, (ra[k].shape, rb[k].shape), (ra[k].dtype, rb[k].dtype), largest.get(k)) for k in shared
+    )
+    only_a, only_b, mismatched = diff(load_common_state_dict(a), load_common_state_dict(b))
+    paths = [*only_a, *only_b, *(path for path, _, _ in mismatched)]
+    common = tuple(sorted("/".join(map(str, path)) for path in paths))
+    return CheckpointDiff(tuple(sorted(set(ra) - set(rb))), tuple(sorted(set(rb) - set(ra))), arrays, common)
+
+
+def _max_abs_diff(x: torch.Tensor, y: torch.Tensor, block: int = 2**22) -> float:
+    """Largest ``|x - y|`` over equal-shaped tensors, in blocks of ``block`` elements (so
+    the float64 copies stay small); equal infinities and two NaNs count as equal."""
+    largest = 0.0
+    xs, ys = x.reshape(-1), y.reshape(-1)
+    for start in range(0, xs.numel(), block):
+        a = xs[start : start + block].to(torch.float64)
+        b = ys[start : start + block].to(torch.float64)
+        same = (a == b) | (a.isnan() & b.isnan())
+        block_largest = float((a - b).abs().masked_fill(same, 0.0).max())
+        if math.isnan(block_largest):  # NaN against a number
+            return block_largest
+        largest = max(largest, block_largest)
+    return largest

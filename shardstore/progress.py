@@ -1,0 +1,120 @@
+"""What a long save, load, verify or conversion tells its user: timed stages on the
+``shardstore`` logger, and a progress bar on the coordinator when asked for.
+
+Logging (``logging.getLogger("shardstore")``): each whole operation logs one INFO line
+with its duration, bytes and rate (a save: the checkpoint's bytes; a load: the bytes
+this rank loaded; a verify: the bytes it read); each of its stages (plan, begin, common, stage,
+write, durable, commit; record, read) logs a DEBUG line with the same fields, like
+Megatron-Core's debug timers. Nothing is printed unless the application configures
+logging.
+
+Progress: off in the library (pass ``progress=True`` to ``save``, ``load`` or
+``verify``; only the coordinator shows it), on in the command line. The bar counts the
+bytes of this process's chunk reads and writes, on standard error (tqdm). An async
+save's background I/O shows none: it runs after ``save`` returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+logger = logging.getLogger("shardstore")
+
+_SHOWN: ContextVar[bool] = ContextVar("shardstore_progress_shown", default=False)
+
+Tick = Callable[[int], None]
+# Below this, an operation is over before a bar would say anything.
+MIN_PROGRESS_BYTES = 16 * 2**20
+
+
+@contextmanager
+def progress_shown(enabled: bool) -> Iterator[None]:
+    """Shows progress bars for the chunk I/O started by this thread inside the block
+    when ``enabled`` (or when an enclosing block already shows them)."""
+    token = _SHOWN.set(_SHOWN.get() or enabled)
+    try:
+        yield
+    finally:
+        _SHOWN.reset(token)
+
+
+@contextmanager
+def tracked(label: str, sizes: Iterable[int]) -> Iterator[Tick | None]:
+    """A tick function that advances a byte progress bar over ``sizes`` (thread-safe),
+    or None when progress is not shown here; ``sizes`` is only iterated when it is, so
+    the I/O paths pay nothing for a bar nobody asked for."""
+    if not _SHOWN.get():
+        yield None
+        return
+    total_bytes = sum(sizes)
+    if total_bytes < MIN_PROGRESS_BYTES:
+        yield None
+        return
+    from tqdm import tqdm
+
+    lock = threading.Lock()
+    with tqdm(
+        total=total_bytes, desc=label, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+        leave=False, mininterval=0.5,
+    ) as bar:
+
+        def tick(nbytes: int) -> None:
+            with lock:
+                bar.update(nbytes)
+
+        yield tick
+
+
+@dataclass
+class StageTiming:
+    """What a stage reports: set ``nbytes`` inside the block when it moves data."""
+
+    name: str
+    where: str
+    nbytes: int = 0
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        text = f"{self.name} {self.where}: {self.seconds:.3f} s"
+        if self.nbytes:
+            rate = self.nbytes / self.seconds / 2**20 if self.seconds > 0 else float("inf")
+            text += f", {format_bytes(self.nbytes)}, {rate:.0f} MiB/s"
+        return text
+
+
+@contextmanager
+def stage(name: str, where: str, level: int = logging.DEBUG) -> Iterator[StageTiming]:
+    """Times a stage and logs it (DEBUG; INFO for a whole operation); a failed stage
+    logs at DEBUG only, since its error reaches the caller anyway."""
+    timing = StageTiming(name, where)
+    start = time.perf_counter()
+    try:
+        yield timing
+    except BaseException:
+        timing.seconds = time.perf_counter() - start
+        logger.debug("%s (failed)", timing.line())
+        raise
+    timing.seconds = time.perf_counter() - start
+    logger.log(level, "%s", timing.line())
+
+
+def operation(name: str, where: str) -> AbstractContextManager[StageTiming]:
+    """A whole save, load or verify: logged at INFO."""
+    return stage(name, where, logging.INFO)
+
+
+def format_bytes(nbytes: int) -> str:
+    """``1.5 GiB``-style text for a byte count."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,182 @@
+"""Loading PyTorch DCP and Megatron-Core torch_dist checkpoints directly, under any
+layout (``shardstore.dcp_reader`` reads them without running their pickles).
+
+``load``, ``load_tensors_metadata``, ``load_sharded_metadata`` and
+``load_common_state_dict`` pick these strategies for a directory that holds DCP's
+``.metadata`` and no shardstore commit record: Megatron's torch_dist (its
+``metadata.json`` names the backend) or a plain DCP checkpoint. Each requested region
+is assembled from the saved chunks that overlap it, so a load at another world size,
+with another tensor-parallel split or irregular cut, works as on shardstore's own
+format. DCP keeps no checksums: what the files hold is what loads (convert the
+checkpoint, ``shardstore convert``, to have every chunk checked).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardstore.core import CheckpointingException
+from shardstore.dcp_reader import DCP_METADATA, DcpCheckpoint
+from shardstore.dict_utils import dict_list_map_inplace
+from shardstore.distributed import Group
+from shardstore.format import CommitRecord
+from shardstore.layout import block_shape, region_at
+from shardstore.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from shardstore.storage import Location
+from shardstore.strategies.base import (
+    CheckpointDir,
+    LoadShardedStrategy,
+    StrategyAction,
+    register_default_strategy,
+)
+from shardstore.strategies.common import TorchCommonLoadStrategy
+
+TORCH_DIST_BACKEND = "torch_dist"
+DCP_BACKEND = "dcp"  # what a plain DCP checkpoint (no metadata.json) counts as
+
+
+def open_dcp(checkpoint_dir: CheckpointDir | Location) -> DcpCheckpoint:
+    """The opened checkpoint. One load asks for it several times (keys, common state,
+    objects, tensors); its ``.metadata`` is read and unpickled once for as long as the
+    file stays the same."""
+    path = checkpoint_dir.local_path() if isinstance(checkpoint_dir, Location) else checkpoint_dir
+    if path is None:
+        raise CheckpointingException(f"{checkpoint_dir.describe()}: DCP checkpoints are read from local paths only")
+    path = Path(path).resolve()
+    try:
+        stat = (path / DCP_METADATA).stat()
+    except OSError:
+        return DcpCheckpoint(path)  # which says what is missing
+    return _opened(path, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _opened(path: Path, inode: int, size: int, mtime_ns: int) -> DcpCheckpoint:
+    del inode, size, mtime_ns  # the cache key: a rewritten .metadata is read again
+    return DcpCheckpoint(path)
+
+
+def read_requested(source: DcpCheckpoint, t: ShardedTensor) -> torch.Tensor:
+    """The part of the saved tensor that ``t`` asks for, shaped and typed as ``t``."""
+    from shardstore.strategies.zarr import _place, postprocess_loaded
+
+    saved = source.tensors.get(t.key)
+    if saved is None:
+        raise CheckpointingException(f"{source.path} has no tensor {t.key!r}")
+    if saved.shape != t.global_shape and not t.allow_shape_mismatch:
+        raise CheckpointingException(
+            f"{source.path}: tensor {t.key!r} is stored with global shape {saved.shape}, the state dict expects "
+            f"{t.global_shape}"
+        )
+    block = region_at(t.global_offset, block_shape(t))
+    region = tuple(slice(min(s.start, n), min(s.stop, n)) for s, n in zip(block, saved.shape))
+    x = source.read_region(t.key, region)
+    x = postprocess_loaded(x.reshape([s.stop - s.start for s in region][t.prepend_axis_num :]), t)
+    return _place(x, t, str(source.path))
+
+
+class DcpLoadShardedStrategy(LoadShardedStrategy):
+    """Loads ShardedTensors from a DCP / torch_dist checkpoint, under any layout."""
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> StateDict:
+        source = open_dcp(checkpoint_dir)
+        return dict_list_map_inplace(
+            lambda x: read_requested(source, x) if isinstance(x, ShardedTensor) else x, sharded_state_dict
+        )
+
+    def load_with_record(
+        self, sharded_state_dict: ShardedStateDict, location: Location, record: CommitRecord | None,
+        process_group: Any = None,
+    ) -> StateDict:
+        """``load`` with failures agreed on every rank (DCP has no commit record)."""
+        group = process_group if isinstance(process_group, Group) else Group(process_group)
+        result, error = sharded_state_dict, None
+        try:
+            result = self.load(sharded_state_dict, location)
+        except Exception as exc:  # reported on every rank by agree()
+            error = exc
+        group.agree(error, f"Reading checkpoint {location.describe()}")
+        return result
+
+    def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
+        source = open_dcp(checkpoint_dir)
+        return {
+            key: ShardedTensor.from_rank_offsets(key, torch.empty(t.shape, dtype=t.dtype, device="meta")).without_data()
+            for key, t in source.tensors.items()
+        }
+
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
+        return self.load_tensors_metadata(checkpoint_dir)
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        if loaded_backend not in (TORCH_DIST_BACKEND, DCP_BACKEND):
+            raise CheckpointingException(f"{self} reads torch_dist and DCP checkpoints, not {loaded_backend!r}")
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        pass  # DCP's metadata describes itself
+
+    def __str__(self) -> str:
+        return self.__class__.__name__
+
+
+class DcpLoadCommonStrategy(TorchCommonLoadStrategy):
+    """The common state (Megatron's ``common.pt``, plus a plain DCP's non-tensor values)
+    and Megatron's ShardedObjects (DCP items ``<key>/shard_<offset>_<shape>``)."""
+
+    def load_common(self, checkpoint_dir: CheckpointDir | Location) -> StateDict:
+        source = open_dcp(checkpoint_dir)
+        state = source.common_state()
+        for key in sorted(source.items):
+            if not _is_object_shard(key):
+                state[key] = source.read_item(key)
+        return state
+
+    def load_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir | Location
+    ) -> StateDict:
+        source = open_dcp(checkpoint_dir)
+
+        def load_object(obj: Any) -> Any:
+            if not isinstance(obj, ShardedObject):
+                return obj
+            if obj.unique_key not in source.items:
+                raise CheckpointingException(f"{source.path} has no sharded object shard {obj.unique_key!r}")
+            return read_sharded_object(source, obj.unique_key)
+
+        return dict_list_map_inplace(load_object, sharded_objects_state_dict)
+
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointDir | Location) -> ShardedStateDict:
+        source = open_dcp(checkpoint_dir)
+        return {k: ShardedObject.empty_from_unique_key(k) for k in source.items if _is_object_shard(k)}
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        pass  # Megatron's "torch" common backend, or none (plain DCP)
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        pass
+
+
+def read_sharded_object(source: DcpCheckpoint, unique_key: str) -> Any:
+    """A ShardedObject shard's value; Megatron's torch_dist saves the list of the rank's
+    copies of the shard (one), which is unwrapped."""
+    value = source.read_item(unique_key)
+    if source.kind == TORCH_DIST_BACKEND and isinstance(value, list) and len(value) == 1:
+        return value[0]
+    return value
+
+
+def _is_object_shard(key: str) -> bool:
+    try:
+        ShardedObject.empty_from_unique_key(key)
+    except CheckpointingException:
+        return False
+    return True
+
+
+def register_default_dcp_strategies() -> None:
+    """Registers the DCP load strategy as the default for Megatron's ``torch_dist``."""
+    register_default_strategy(StrategyAction.LOAD_SHARDED, TORCH_DIST_BACKEND, 1, DcpLoadShardedStrategy())

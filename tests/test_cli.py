@@ -1,0 +1,206 @@
+"""Issue 16.1: the ``shardstore`` command: inspect, verify, convert, diff, with exit
+status 0 (fine), 1 (a finding) and 2 (an error that says what to do)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from shardstore import ShardedObject, ShardedTensor, load, load_plain_tensors, save
+from shardstore.cli import main, parse_size
+from tests.dist import run_distributed
+from tests.scenarios import assert_bits_equal, global_tensor, grid_shard
+
+FC1 = global_tensor("decoder/fc1", (8, 6), torch.float32)
+EMB = global_tensor("embedding/word", (16, 4), torch.bfloat16)
+
+
+def _save_demo(rank: int, world: int, path: str) -> None:
+    save({"model": {"fc1": grid_shard("decoder/fc1", FC1, rank, world, (0,)),
+                    "emb": grid_shard("embedding/word", EMB, rank, world, (0,)),
+                    "scale": ShardedTensor.from_rank_offsets("decoder/scale", torch.tensor(0.5), replica_id=rank)},
+          "rng": ShardedObject("rng_state", torch.tensor([rank, 7]), (world,), (rank,)),
+          "iteration": 1000, "args": {"lr": 0.1}}, path)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "iter_0001000"
+    run_distributed(_save_demo, 2, str(path))
+    return path
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, ["--no-progress", *args])
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_inspect_lists_arrays_objects_common_state_and_format(demo: Path) -> None:
+    code, out, _ = run("inspect", str(demo))
+    assert code == 0
+    assert "format 3" in out and "from 2 rank(s)" in out
+    assert "decoder/fc1" in out and "[8, 6]" in out and "float32" in out and "chunks [4, 6] x2" in out
+    assert "embedding/word" in out and "bfloat16" in out
+    assert "rng_state  2 shard(s)" in out
+    assert "common state: args, iteration" in out
+
+
+def test_inspect_json_is_complete(demo: Path) -> None:
+    code, out, _ = run("ls", "--json", str(demo))
+    summary = json.loads(out)
+    assert code == 0 and summary["world_size"] == 2 and summary["format_version"] == 3
+    arrays = {a["key"]: a for a in summary["arrays"]}
+    assert arrays["decoder/fc1"]["shape"] == [8, 6] and arrays["decoder/fc1"]["nbytes"] == 8 * 6 * 4
+    assert arrays["decoder/scale"]["shape"] == []
+    assert summary["nbytes"] == 8 * 6 * 4 + 16 * 4 * 2 + 4
+    assert summary["objects"] == {"rng_state": ["rng_state/shard_0_2", "rng_state/shard_1_2"]}
+
+
+def test_verify_passes_and_names_each_damaged_chunk(demo: Path, tmp_path: Path) -> None:
+    code, out, _ = run("verify", str(demo))
+    assert code == 0 and "no problems" in out and "5 chunks" in out
+    damaged = tmp_path / "damaged"
+    subprocess.run(["cp", "-r", str(demo), str(damaged)], check=True)
+    chunk = damaged / "decoder/fc1/c.1.0"
+    chunk.write_bytes(chunk.read_bytes()[:-1] + b"\0")
+    code, out, _ = run("verify", str(damaged))
+    assert code == 1
+    assert "decoder/fc1 [c.1.0]" in out and "1 problem(s)" in out
+
+
+@pytest.mark.parametrize("case", ["missing", "incomplete", "foreign"])
+def test_verify_refuses_what_is_not_a_committed_checkpoint(tmp_path: Path, case: str) -> None:
+    path = tmp_path / "ckpt"
+    if case != "missing":
+        path.mkdir()
+        (path / "metadata.json").write_text(json.dumps(
+            {"sharded_backend": "torch_dist" if case == "foreign" else "shardstore"}))
+        (path / "__0_0.distcp").write_bytes(b"x")
+    code, _, err = run("verify", str(path))
+    assert code == 2
+    expected = {"missing": "does not exist", "incomplete": "incomplete", "foreign": "torch_dist"}[case]
+    assert expected in err and err.startswith("shardstore: error:")
+
+
+def test_convert_to_torch_file_and_back_is_exact(demo: Path, tmp_path: Path) -> None:
+    code, _, _ = run("convert", str(demo), str(tmp_path / "model.pt"))
+    assert code == 0
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert_bits_equal(state["decoder"]["fc1"], FC1)
+    assert_bits_equal(state["embedding"]["word"], EMB)
+    assert state["iteration"] == 1000 and state["args"] == {"lr": 0.1}
+    assert state["rng_state/shard_1_2"].tolist() == [1, 7]
+
+    code, out, _ = run("convert", str(tmp_path / "model.pt"), str(tmp_path / "back"))
+    assert code == 0 and "verified" in out
+    loaded = load_plain_tensors(tmp_path / "back")
+    assert_bits_equal(loaded["decoder/fc1"], FC1)
+    assert_bits_equal(loaded["embedding/word"], EMB)
+    assert loaded["decoder/scale"].shape == () and loaded["decoder/scale"].item() == 0.5
+    assert run("convert", str(demo), str(tmp_path / "model.pt"))[0] == 2  # never replaces a file
+
+
+def test_convert_to_sharded_safetensors_that_the_library_reads(demo: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    out = tmp_path / "hf"
+    code, _, err = run("convert", str(demo), str(out), "--to", "safetensors", "--max-shard-size", "200B")
+    assert code == 0
+    assert "left out" in err and "iteration" in err
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 8 * 6 * 4 + 16 * 4 * 2 + 4
+    assert set(index["weight_map"]) == {"decoder/fc1", "decoder/scale", "embedding/word"}
+    tensors = {}
+    for name in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(out / name))
+    assert_bits_equal(tensors["decoder/fc1"], FC1)
+    assert_bits_equal(tensors["embedding/word"], EMB)
+
+    code, _, _ = run("convert", str(out), str(tmp_path / "back"))
+    assert code == 0
+    assert_bits_equal(load_plain_tensors(tmp_path / "back")["embedding/word"], EMB)
+
+
+def test_convert_a_hugging_face_safetensors_file(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    weights = {"model.layers.0.mlp.weight": torch.randn(6, 3).bfloat16(), "lm_head.weight": torch.randn(5, 3),
+               "model.norm.bias": torch.zeros(0), "flags": torch.tensor([True, False])}
+    save_file(weights, tmp_path / "model.safetensors")
+    code, _, _ = run("convert", str(tmp_path / "model.safetensors"), str(tmp_path / "ckpt"))
+    assert code == 0
+    loaded = load_plain_tensors(tmp_path / "ckpt")
+    for name, tensor in weights.items():
+        assert_bits_equal(loaded[name], tensor, name)
+
+
+def test_conversions_hold_a_bounded_number_of_bytes(demo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardstore.convert import read_arrays
+    from shardstore.strategies.zarr import ZarrLoadShardedStrategy
+
+    requested: list[int] = []
+    original = ZarrLoadShardedStrategy.load_with_record
+
+    def spy(self, sharded_state_dict, *args, **kwargs):
+        requested.append(sum(t.data.nbytes for t in sharded_state_dict.values()))
+        return original(self, sharded_state_dict, *args, **kwargs)
+
+    monkeypatch.setattr(ZarrLoadShardedStrategy, "load_with_record", spy)
+    keys = [key for key, _ in read_arrays(demo, memory_bytes=200)]
+    assert keys == ["decoder/fc1", "decoder/scale", "embedding/word"]
+    assert requested == [192 + 4, 128]  # fc1 and scale, then emb: never more than 200 bytes
+
+
+def test_diff_reports_keys_shapes_dtypes_and_the_largest_difference(demo: Path, tmp_path: Path) -> None:
+    assert run("diff", str(demo), str(demo)) == (0, "identical\n", "")
+    changed = FC1.clone()
+    changed[3, 2] += 0.25
+    save({"fc1": ShardedTensor.from_rank_offsets("decoder/fc1", changed),
+          "emb": ShardedTensor.from_rank_offsets("embedding/word", EMB.float()),
+          "extra": ShardedTensor.from_rank_offsets("extra", torch.ones(2)),
+          "iteration": 1001, "args": {"lr": 0.1}}, tmp_path / "other")
+    code, out, _ = run("diff", str(demo), str(tmp_path / "other"))
+    assert code == 1
+    assert "- decoder/scale" in out and "+ extra" in out
+    assert "~ decoder/fc1  max |difference| 0.25" in out
+    assert "~ embedding/word  dtype bfloat16 -> float32" in out and "max |difference|" not in out.split("embedding")[1]
+    assert "~ common state iteration" in out
+    report = json.loads(run("diff", "--json", str(demo), str(tmp_path / "other"))[1])
+    assert report["identical"] is False
+    assert {a["key"]: a["max_abs_diff"] for a in report["arrays"]}["decoder/fc1"] == pytest.approx(0.25, abs=1e-6)
+
+
+def test_convert_refuses_what_it_cannot_read_clearly(tmp_path: Path) -> None:
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"\x80")  # a damaged DCP checkpoint
+    code, _, err = run("convert", str(tmp_path / "dcp"), str(tmp_path / "out"))
+    assert code == 2 and "is not valid PyTorch DCP metadata" in err
+    zarr2 = tmp_path / "megatron_zarr"  # Megatron-Core's old zarr backend (Zarr v2 arrays)
+    (zarr2 / "decoder.fc1").mkdir(parents=True)
+    (zarr2 / "decoder.fc1" / ".zarray").write_text("{}")
+    (zarr2 / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr"}))
+    code, _, err = run("convert", str(zarr2), str(tmp_path / "out"))
+    assert code == 2 and "Megatron-Core zarr checkpoint" in err and "not supported yet" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("text", "expected"), [("5GB", 5 * 10**9), ("1GiB", 2**30), ("200B", 200), ("4096", 4096),
+                                                ("1.5 MiB", 3 * 2**19)])
+def test_sizes(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+def test_the_console_script_is_installed(demo: Path) -> None:
+    script = Path(sys.executable).with_name("shardstore")
+    result = subprocess.run([str(script), "inspect", str(demo)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "decoder/fc1" in result.stdout
+    assert load({"w": ShardedTensor.from_rank_offsets("decoder/fc1", torch.empty(8, 6))}, demo)["w"].shape == (8, 6)

@@ -1,0 +1,172 @@
+"""Issue 17.4/17.5: checkpoints other tools wrote: Megatron-Core 0.16.1's torch_dist
+(with an irregular distributed-optimizer buffer and ShardedObjects) and plain PyTorch
+DCP (DTensor shards), both committed fixtures (tests/fixtures/legacy/make.py), read
+without running their pickles and converted into shardstore checkpoints that load at
+other world sizes bit-exact."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from shardstore import (
+    CheckpointingException,
+    ShardedObject,
+    ShardedTensor,
+    load,
+    load_common_state_dict,
+    load_plain_tensors,
+    verify,
+)
+from shardstore.cli import main
+from shardstore.convert import from_dcp
+from shardstore.dcp_reader import DcpCheckpoint
+from tests.dist import run_distributed
+from tests.fixtures.legacy.make import DCP, MEGATRON, expected
+from tests.scenarios import assert_bits_equal
+
+
+def test_megatron_torch_dist_converts_bit_exact(tmp_path: Path) -> None:
+    assert from_dcp(MEGATRON, tmp_path / "ckpt") == 3
+    assert verify(tmp_path / "ckpt").ok
+    plain = load_plain_tensors(tmp_path / "ckpt")
+    for key in ("decoder/fc1", "embedding/word", "optimizer/exp_avg"):
+        assert_bits_equal(plain[key], expected()[key], key)
+    common = load_common_state_dict(tmp_path / "ckpt")
+    assert common["iteration"] == 7 and common["args"] == {"lr": 0.5, "tp": 2}
+    objects = load({"rng": [ShardedObject("rng_state", None, (2,), (r,)) for r in range(2)]}, tmp_path / "ckpt")
+    assert objects["rng"] == [{"seed": 1234, "rank": 0}, {"seed": 1235, "rank": 1}]
+
+
+def _load_resharded(rank: int, world: int, ckpt: str) -> None:
+    full = expected()
+    rows = full["decoder/fc1"].chunk(world)[rank]
+    cuts = [0, 5, 24]  # another irregular cut of the optimizer buffer
+    buffer = full["optimizer/exp_avg"][cuts[rank]:cuts[rank + 1]]
+    request = {
+        "fc1": ShardedTensor.from_rank_offsets("decoder/fc1", torch.empty_like(rows), (0, rank, world)),
+        "exp_avg": ShardedTensor("optimizer/exp_avg", torch.empty_like(buffer), buffer.dtype, buffer.shape, (24,),
+                                 (cuts[rank],), None),
+    }
+    loaded = load(request, ckpt)
+    assert_bits_equal(loaded["fc1"], rows)
+    assert_bits_equal(loaded["exp_avg"], buffer)
+
+
+def test_converted_megatron_checkpoint_loads_at_another_layout(tmp_path: Path) -> None:
+    from_dcp(MEGATRON, tmp_path / "ckpt")
+    run_distributed(_load_resharded, 2, str(tmp_path / "ckpt"))
+
+
+def test_plain_dcp_converts_with_its_flattened_names(tmp_path: Path) -> None:
+    source = DcpCheckpoint(DCP)
+    assert source.kind == "dcp"
+    assert len(source.tensors["model.fc1"].chunks) == 2  # the DTensor's two shards
+    from_dcp(DCP, tmp_path / "ckpt")
+    plain = load_plain_tensors(tmp_path / "ckpt")
+    assert_bits_equal(plain["model.fc1"], expected()["decoder/fc1"])
+    assert_bits_equal(plain["model.emb"], expected()["embedding/word"])
+    assert plain["step"].shape == () and plain["step"].item() == 7
+    assert plain["epoch"] == 3  # a plain value: the common state
+
+
+def test_the_command_converts_a_megatron_checkpoint_and_verifies_it(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["--no-progress", "convert", str(MEGATRON), str(tmp_path / "ckpt")])
+    assert result.exit_code == 0, result.output
+    assert "wrote 3 arrays" in result.stdout and "verified" in result.stdout
+
+
+class _RunsCode:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_hostile_metadata_is_refused_without_running_it(tmp_path: Path) -> None:
+    source = tmp_path / "evil"
+    shutil.copytree(MEGATRON, source)
+    marker = tmp_path / "pwned"
+    (source / ".metadata").write_bytes(pickle.dumps({"x": _RunsCode(str(marker))}))
+    with pytest.raises(CheckpointingException, match="refusing to load posix.system"):
+        from_dcp(source, tmp_path / "ckpt")
+    assert not marker.exists()
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_truncated_data_file_names_the_file_and_key(tmp_path: Path) -> None:
+    source = tmp_path / "cut"
+    shutil.copytree(MEGATRON, source)
+    data = source / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(CheckpointingException, match="__1_0.distcp.*lies outside"):
+        from_dcp(source, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()  # nothing that looks complete
+
+
+def test_saving_into_a_megatron_checkpoint_still_refuses(tmp_path: Path) -> None:
+    from shardstore import save
+
+    target = tmp_path / "megatron"
+    shutil.copytree(MEGATRON, target)
+    with pytest.raises(CheckpointingException, match="torch_dist"):
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, target, overwrite=True)
+    assert sorted(p.name for p in target.iterdir()) == sorted(p.name for p in MEGATRON.iterdir())
+
+
+# ------------------------------------------- issue 17.4: loading them as they are
+
+
+def _load_megatron_directly(rank: int, world: int, ckpt: str) -> None:
+    full = expected()
+    rows = full["decoder/fc1"].chunk(world)[rank]
+    cuts = [0, 20, 24] if world == 2 else [0, 24]
+    buffer = full["optimizer/exp_avg"][cuts[rank]:cuts[rank + 1]]
+    request = {
+        "fc1": ShardedTensor.from_rank_offsets("decoder/fc1", torch.empty_like(rows), (0, rank, world)),
+        "emb": ShardedTensor.from_rank_offsets("embedding/word", torch.empty(5, 4, dtype=torch.bfloat16),
+                                               replica_id=rank),
+        "exp_avg": ShardedTensor("optimizer/exp_avg", torch.empty_like(buffer), buffer.dtype, buffer.shape, (24,),
+                                 (cuts[rank],), None),
+        # the saving job's per-rank objects: each asked for once (both by a single rank)
+        "rng": [ShardedObject("rng_state", None, (2,), (r,)) for r in range(2) if world == 1 or r == rank],
+    }
+    loaded = load(request, ckpt)
+    assert_bits_equal(loaded["fc1"], rows)
+    assert_bits_equal(loaded["emb"], full["embedding/word"])
+    assert_bits_equal(loaded["exp_avg"], buffer)
+    assert loaded["rng"] == [{"seed": 1234 + r, "rank": r} for r in range(2) if world == 1 or r == rank]
+    assert loaded["iteration"] == 7
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_megatron_torch_dist_loads_directly_at_other_layouts(world: int) -> None:
+    """Saved at TP 2 with a 13 + 11 optimizer cut; loaded at 1 rank, and at 2 ranks with
+    a 20 + 4 cut, without conversion (the fixture is only read)."""
+    run_distributed(_load_megatron_directly, world, str(MEGATRON))
+
+
+def test_queries_read_dcp_and_torch_dist_checkpoints() -> None:
+    from shardstore import load_sharded_metadata, load_tensors_metadata
+
+    tensors = load_tensors_metadata(MEGATRON)
+    assert tensors["optimizer/exp_avg"].global_shape == (24,)
+    assert tensors["embedding/word"].dtype == torch.bfloat16
+    assert sorted(k for k in load_sharded_metadata(MEGATRON) if "shard" in k) == [
+        "rng_state/shard_0_2", "rng_state/shard_1_2"]
+    assert load_common_state_dict(MEGATRON) == {"iteration": 7, "args": {"lr": 0.5, "tp": 2}}
+    plain = load_plain_tensors(DCP)
+    assert_bits_equal(plain["model.fc1"], expected()["decoder/fc1"])
+    assert plain["epoch"] == 3
+
+
+def test_verify_of_a_dcp_checkpoint_says_to_convert() -> None:
+    report = verify(MEGATRON)
+    assert not report.ok and "shardstore convert" in report.problems[0].message

@@ -1,4 +1,4 @@
-"""How save planning scales with the world size: one process, synthetic records.
+"""How save and load planning scale with the world size: one process, synthetic records.
 
 For W ranks that each hold T tensors (every tensor sharded over all W ranks along
 axis 0, as tensor parallelism does; one key in ten flattened as a distributed
@@ -10,6 +10,10 @@ optimizer's state, cut at uneven offsets), it measures:
   receives, bytes the coordinator receives.
 * every rank plans (before): each rank receives every rank's records (all-gather) and
   does the coordinator's work itself.
+* load, plan once: the same records as the requests of a load at the same layout; the
+  coordinator checks integrity and plans the fully-parallel reads
+  (``validation.plan_load`` with ``planner.plan_reads``). Reported: coordinator CPU and
+  bytes a rank receives (before: every rank all-gathered the requests twice).
 
 Usage: ``python scripts/plan_scaling.py [--worlds 16 64 256 512 1024] [--tensors 1000 10000]
 [--max-records 3000000]``; combinations above ``--max-records`` records are skipped
@@ -28,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shardstore.layout import GlobalLayout, ShardRecord  # noqa: E402
-from shardstore.planner import plan_save  # noqa: E402
-from shardstore.validation import validate_sharding_integrity  # noqa: E402
+from shardstore.planner import plan_reads, plan_save  # noqa: E402
+from shardstore.validation import StrictHandling, plan_load, validate_sharding_integrity  # noqa: E402
 
 ROWS_PER_RANK = 64
 COLS = 256
@@ -71,9 +75,18 @@ def measure(world: int, tensors: int) -> dict[str, float]:
     start = time.process_time()
     pickle.loads(pickled[world // 2])
     unpickle_cpu = time.process_time() - start
-    del layout, plans, gathered
+    del layout, plans
+    gc.collect()
+    start = time.process_time()
+    load_plans = plan_load(GlobalLayout.from_gathered(gathered), set(), StrictHandling.ASSUME_OK_UNEXPECTED, True,
+                           lambda layout: plan_reads(layout, fully_parallel=True))
+    load_pickled = [pickle.dumps(p) for p in load_plans]
+    load_cpu = time.process_time() - start
+    del load_plans, gathered
     gc.collect()
     return {
+        "load_coordinator_s": load_cpu,
+        "load_rank_rx_mb": len(load_pickled[world // 2]) / 1e6,
         "coordinator_s": plan_cpu + pickle_cpu,
         "rank_s": records_cpu + unpickle_cpu,
         "rank_rx_mb": len(pickled[world // 2]) / 1e6,
@@ -90,16 +103,17 @@ def main() -> None:
     parser.add_argument("--max-records", type=int, default=3_000_000)
     args = parser.parse_args()
     print("| tensors/rank | W | coordinator CPU s | per-rank CPU s | per-rank rx MB | coordinator rx MB "
-          "| before: per-rank CPU s | before: per-rank rx MB |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| before: per-rank CPU s | before: per-rank rx MB | load: coordinator CPU s | load: per-rank rx MB |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for tensors in args.tensors:
         for world in args.worlds:
             if world * tensors > args.max_records:
-                print(f"| {tensors} | {world} | skipped ({world * tensors:,} records > --max-records) | | | | | |")
+                print(f"| {tensors} | {world} | skipped ({world * tensors:,} records > --max-records) | | | | | | | |")
                 continue
             m = measure(world, tensors)
             print(f"| {tensors} | {world} | {m['coordinator_s']:.2f} | {m['rank_s']:.3f} | {m['rank_rx_mb']:.2f} "
-                  f"| {m['coordinator_rx_mb']:.1f} | {m['before_rank_s']:.2f} | {m['before_rank_rx_mb']:.1f} |",
+                  f"| {m['coordinator_rx_mb']:.1f} | {m['before_rank_s']:.2f} | {m['before_rank_rx_mb']:.1f} "
+                  f"| {m['load_coordinator_s']:.2f} | {m['load_rank_rx_mb']:.4f} |",
                   flush=True)
 
 

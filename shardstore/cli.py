@@ -125,7 +125,7 @@ def verify_command(checkpoint: str) -> None:
     """
     from shardstore.format import read_commit_record
     from shardstore.integrity import verify
-    from shardstore.storage import open_location
+    from shardstore.locations import open_location
 
     with _reported_errors():
         location = open_location(checkpoint)
@@ -152,7 +152,7 @@ def source_format(path: str) -> str:
     DCP / Megatron-Core torch_dist checkpoint."""
     from shardstore.dcp_reader import is_dcp_checkpoint
     from shardstore.format import foreign_checkpoint_kind, is_committed
-    from shardstore.storage import open_location
+    from shardstore.locations import open_location
 
     if path.endswith(".safetensors"):
         return "safetensors"

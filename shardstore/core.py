@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from shardstore.errors import CheckpointingException
-from shardstore.storage import Location, open_location
+from shardstore.locations import open_location
+from shardstore.storage import Location
 
 CONFIG_FNAME = "metadata.json"
 

@@ -235,6 +235,42 @@ def group_metadata(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
 
 
+MAX_KEY_LENGTH = 1024
+MAX_SEGMENT_LENGTH = 255
+
+
+def check_key(key: Any, where: str | None = None) -> None:
+    """Rejects keys that could escape the checkpoint or clash with the format.
+
+    A key is a ``/``-separated path inside the checkpoint. Refused: non-strings, empty
+    segments (so no leading, trailing or double ``/``), ``.`` and ``..``, segments
+    starting with ``__`` (reserved for shardstore), backslashes, NUL and other control
+    characters, and absurd lengths.
+    """
+    context = f" in {where}" if where else ""
+
+    def fail(reason: str) -> None:
+        raise CheckpointingException(f"Invalid checkpoint key {key!r}{context}: {reason}")
+
+    if not isinstance(key, str):
+        fail("keys must be strings")
+    if len(key) > MAX_KEY_LENGTH:
+        fail(f"longer than {MAX_KEY_LENGTH} characters")
+    if any(ord(ch) < 32 for ch in key):
+        fail("contains NUL or another control character")
+    if "\\" in key:
+        fail("contains a backslash")
+    for segment in key.split("/"):
+        if segment == "":
+            fail("has an empty path segment (leading, trailing or double '/')")
+        if segment in (".", ".."):
+            fail(f"has a {segment!r} path segment")
+        if segment.startswith("__"):
+            fail("has a segment starting with '__' (reserved for shardstore)")
+        if len(segment) > MAX_SEGMENT_LENGTH:
+            fail(f"has a path segment longer than {MAX_SEGMENT_LENGTH} characters")
+
+
 def array_group_collisions(keys: list[str]) -> list[str]:
     """Keys that cannot all live in one Zarr hierarchy: ``a`` and ``a/b`` would make
     ``a`` both an array and the group holding ``b`` (the second save would write its
@@ -346,8 +382,6 @@ class CommitRecord:
         objects_json = record.get("objects", {})
         if not isinstance(arrays_json, dict) or not isinstance(objects_json, dict):
             raise CheckpointingException(f"{where}: 'arrays' and 'objects' must be JSON objects")
-        from shardstore.validation import check_key  # local import: validation imports this module
-
         arrays = {}
         for key, summary in arrays_json.items():
             check_key(key, where=where)

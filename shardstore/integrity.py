@@ -20,8 +20,9 @@ import numpy as np
 from shardstore.chunk_io import ArrayChunks, ChunkStore, chunk_store_for
 from shardstore.core import CONFIG_FNAME, CheckpointingException
 from shardstore.format import COMMIT_RECORD, ArrayRecord, CommitRecord, checksum, read_commit_record
+from shardstore.locations import open_location
 from shardstore.progress import Tick, operation, progress_shown, tracked
-from shardstore.storage import DelegatingLocation, Location, open_location
+from shardstore.storage import DelegatingLocation, Location
 
 VERIFY_REMOTE_THREADS = 16
 

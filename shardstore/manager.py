@@ -29,8 +29,9 @@ import torch.distributed as dist
 from shardstore.core import CheckpointingException
 from shardstore.distributed import Group
 from shardstore.format import COMMIT_RECORD, read_commit_record
+from shardstore.locations import open_location
 from shardstore.mapping import ShardedStateDict, StateDict
-from shardstore.storage import Location, open_location
+from shardstore.storage import Location
 from shardstore.strategies.async_utils import AsyncCallsQueue
 
 logger = logging.getLogger(__name__)

@@ -32,10 +32,10 @@ except ImportError as exc:  # pragma: no cover - exercised where megatron-core i
 
 from shardstore.distributed import Group
 from shardstore.foreign import convert_foreign
+from shardstore.locations import open_location
 from shardstore.mapping import apply_factories, apply_factory_merges
 from shardstore.protocol import gather_and_plan
 from shardstore.serialization import load_preprocess
-from shardstore.storage import open_location
 from shardstore.strategies.base import DelegatingLoadStrategy
 from shardstore.strategies.zarr import (
     SHARDSTORE_BACKEND,

@@ -20,8 +20,19 @@ Save, in stages (each named function below; "collective" = every rank calls it):
 
 A failure on any rank at any stage raises a CheckpointingException on every rank, the
 coordinator deletes what the save wrote, and whatever was committed at the target
-before stays. Load reads the commit record first, so an incomplete checkpoint is
-refused before anything else happens, and reads every file through it.
+before stays.
+
+Load, in stages::
+
+    all ranks    record      the commit record is read first, so an incomplete checkpoint
+                             is refused before anything else happens; every file is read
+                             through it
+    all ranks    preprocess  common state read, factories built, the request collected
+    collective   plan        the requests go to the coordinator, which applies ``strict``,
+                             checks access integrity and plans who reads what
+                             (``validation.plan_load``); each rank receives only its part
+    collective   read        each rank reads its part, agree, exchange of replicated
+                             blocks (the sharded strategy's ``load_with_plan``)
 
 Names and meaning follow Megatron-Core's ``dist_checkpointing.serialization``.
 """
@@ -56,6 +67,7 @@ from shardstore.foreign import convert_foreign
 from shardstore.format import CommitRecord, checksum, is_committed
 from shardstore.integrity import ChecksummedLocation, open_committed
 from shardstore.layout import GlobalLayout
+from shardstore.locations import open_location
 from shardstore.mapping import (
     CommonStateDict,
     ShardedObject,
@@ -69,7 +81,7 @@ from shardstore.mapping import (
 from shardstore.planner import RankLoadPlan
 from shardstore.progress import operation, progress_shown, stage
 from shardstore.protocol import gather_and_plan
-from shardstore.storage import Location, open_location
+from shardstore.storage import Location
 from shardstore.strategies.async_utils import AsyncRequest
 from shardstore.strategies.base import (
     AsyncSaveShardedStrategy,

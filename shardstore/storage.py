@@ -535,26 +535,3 @@ def open_regular(path: Path) -> int | None:
         os.close(fd)
         raise StorageError(f"{path} is not a regular file; refusing to read it")
     return fd
-
-
-def open_location(target: str | os.PathLike | Location, **options: Any) -> Location:
-    """The Location for a checkpoint directory given as a path, URL or Location.
-
-    Args:
-        target: a local path, ``s3://bucket/prefix``, or a Location (returned as is)
-        options: passed to the Location (``fsync=False`` for local paths,
-            ``options=S3Options(...)`` for S3)
-    """
-    if isinstance(target, Location):
-        return target
-    text = os.fspath(target)
-    if text.startswith("s3://"):
-        from shardstore.s3 import S3Location
-
-        return S3Location(text, **options)
-    if "://" in text:
-        scheme = text.split("://", 1)[0]
-        raise StorageError(
-            f"Unsupported checkpoint location scheme {scheme!r} in {text!r}: use a local path or s3://bucket/prefix"
-        )
-    return LocalLocation(text, **options)

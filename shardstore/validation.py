@@ -21,7 +21,7 @@ import numpy as np
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import extract_matching_values, nested_values
 from shardstore.distributed import Group
-from shardstore.format import array_group_collisions
+from shardstore.format import array_group_collisions, check_key
 from shardstore.layout import GlobalLayout, ObjectShardRecord, ShardRecord
 from shardstore.mapping import (
     CommonStateDict,
@@ -34,8 +34,6 @@ from shardstore.planner import RankLoadPlan
 
 logger = logging.getLogger(__name__)
 
-MAX_KEY_LENGTH = 1024
-MAX_SEGMENT_LENGTH = 255
 # Grid cells the exact coverage check may allocate; past it, a volume check is used.
 MAX_COVERAGE_CELLS = 16_000_000
 MAX_REPORTED_PROBLEMS = 10
@@ -89,38 +87,6 @@ def parse_strict_flag(strict: str | StrictHandling) -> StrictHandling:
     except (ValueError, TypeError) as exc:
         choices = ", ".join(s.value for s in StrictHandling)
         raise ValueError(f"Invalid strict flag {strict!r}; choose one of: {choices}") from exc
-
-
-def check_key(key: Any, where: str | None = None) -> None:
-    """Rejects keys that could escape the checkpoint or clash with the format.
-
-    A key is a ``/``-separated path inside the checkpoint. Refused: non-strings, empty
-    segments (so no leading, trailing or double ``/``), ``.`` and ``..``, segments
-    starting with ``__`` (reserved for shardstore), backslashes, NUL and other control
-    characters, and absurd lengths.
-    """
-    context = f" in {where}" if where else ""
-
-    def fail(reason: str) -> None:
-        raise CheckpointingException(f"Invalid checkpoint key {key!r}{context}: {reason}")
-
-    if not isinstance(key, str):
-        fail("keys must be strings")
-    if len(key) > MAX_KEY_LENGTH:
-        fail(f"longer than {MAX_KEY_LENGTH} characters")
-    if any(ord(ch) < 32 for ch in key):
-        fail("contains NUL or another control character")
-    if "\\" in key:
-        fail("contains a backslash")
-    for segment in key.split("/"):
-        if segment == "":
-            fail("has an empty path segment (leading, trailing or double '/')")
-        if segment in (".", ".."):
-            fail(f"has a {segment!r} path segment")
-        if segment.startswith("__"):
-            fail("has a segment starting with '__' (reserved for shardstore)")
-        if len(segment) > MAX_SEGMENT_LENGTH:
-            fail(f"has a path segment longer than {MAX_SEGMENT_LENGTH} characters")
 
 
 def local_records(

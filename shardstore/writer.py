@@ -32,13 +32,15 @@ from shardstore.format import (
     CommitRecord,
     ObjectRecord,
     array_group_collisions,
+    check_key,
     group_metadata,
     parent_groups,
 )
 from shardstore.integrity import file_checksums
 from shardstore.layout import region_at
+from shardstore.locations import open_location
 from shardstore.mapping import ShardedObject, ShardedTensor
-from shardstore.storage import Location, open_location
+from shardstore.storage import Location
 from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION, TorchCommonSaveStrategy
 from shardstore.strategies.zarr import (
     DEFAULT_IO_CONCURRENCY,
@@ -51,7 +53,6 @@ from shardstore.strategies.zarr import (
     single_tensor_record,
     write_ops,
 )
-from shardstore.validation import check_key
 
 
 class CheckpointWriter:

@@ -20,8 +20,9 @@ import torch
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace, nested_values
 from shardstore.format import COMMON_FILE, object_path, read_commit_record
+from shardstore.locations import open_location
 from shardstore.mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
-from shardstore.storage import Location, open_location
+from shardstore.storage import Location
 from shardstore.strategies.base import (
     CheckpointDir,
     LoadCommonStrategy,

@@ -87,12 +87,13 @@ from shardstore.layout import (
     chunk_shape_for,
     region_at,
 )
+from shardstore.locations import open_location
 from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from shardstore.planner import RankReadPlan, RankSavePlan, plan_reads, plan_save
 from shardstore.progress import stage
 from shardstore.protocol import gather_and_plan
 from shardstore.staging import HostBufferPool, HostSnapshot, to_host
-from shardstore.storage import Location, open_location
+from shardstore.storage import Location
 from shardstore.strategies.async_utils import AsyncRequest
 from shardstore.strategies.base import (
     AsyncSaveShardedStrategy,

@@ -1,0 +1,146 @@
+"""Issue 14: a load plans once. The coordinator alone receives the requests, applies
+StrictHandling, checks access integrity and decides who reads what; each rank receives
+its part and reads only that."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardstore import ShardedTensor, load, save
+from shardstore.core import CheckpointingException
+from shardstore.distributed import Group
+from shardstore.layout import GlobalLayout, ShardRecord
+from shardstore.planner import plan_reads
+from shardstore.validation import StrictHandling, plan_load
+from tests.dist import run_distributed
+
+
+def _record(key: str, rank: int, index: int, rows: int = 4, offset: int = 0, dtype: str = "float32") -> ShardRecord:
+    return ShardRecord(key, rank, index, dtype, (16, 8), (offset, 0), (rows, 8), None, True)
+
+
+def test_each_replicated_block_is_read_once_and_the_reads_are_balanced() -> None:
+    # 4 ranks all ask for the same 4 equal blocks (a data-parallel group loading the model)
+    per_rank = [([_record(f"w{i}", rank, i) for i in range(4)], []) for rank in range(4)]
+    plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True)
+    assert sorted(len(p.reads) for p in plans) == [1, 1, 1, 1]
+    readers = {}
+    for p in plans:
+        for _peer, indices in p.sends:
+            for i in indices:
+                readers.setdefault(i, set()).add(p.rank)
+        assert sum(len(ix) for _, ix in p.receives) == 3
+    assert all(len(ranks) == 1 for ranks in readers.values()) and len(readers) == 4
+    # what one rank sends to a peer, that peer receives from it, in the same number
+    for p in plans:
+        for peer, indices in p.sends:
+            theirs = dict(plans[peer].receives)[p.rank]
+            assert len(theirs) == len(indices)
+
+
+def test_without_fully_parallel_every_rank_reads_what_it_asked_for() -> None:
+    per_rank = [([_record(f"w{i}", rank, i) for i in range(3)], []) for rank in range(2)]
+    plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=False)
+    assert [p.reads for p in plans] == [(0, 1, 2), (0, 1, 2)]
+    assert all(not p.sends and not p.receives for p in plans)
+
+
+def test_replicas_asking_for_different_dtypes_each_get_a_reader() -> None:
+    per_rank = [([_record("w", 0, 0, dtype="float32")], []), ([_record("w", 1, 0, dtype="bfloat16")], [])]
+    plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True)
+    assert [p.reads for p in plans] == [(0,), (0,)]
+
+
+def test_a_block_asked_for_twice_by_one_rank_is_read_once() -> None:
+    per_rank = [([_record("w", 0, 0), _record("w", 0, 1)], [])]
+    (plan,) = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True)
+    assert len(plan.reads) == 1 and len(plan.copies) == 1
+
+
+def test_unexpected_keys_are_dropped_and_the_rest_renumbered() -> None:
+    # rank 1 asks for "gone" (not in the checkpoint) between two keys it holds
+    per_rank = [
+        ([_record("a", 0, 0), _record("b", 0, 1)], []),
+        ([_record("a", 1, 0), _record("gone", 1, 1), _record("b", 1, 2)], []),
+    ]
+    layout = GlobalLayout.from_gathered(per_rank)
+    plans = plan_load(layout, {"a", "b", "extra"}, StrictHandling.RETURN_ALL, False,
+                      lambda lay: plan_reads(lay, fully_parallel=False))
+    assert plans[1].unexpected == {"gone"} and plans[0].unexpected == set()
+    assert plans[0].missing == plans[1].missing == {"extra"}
+    assert plans[1].reads.reads == (0, 1)  # "b" is index 1 once "gone" is dropped
+    with pytest.raises(CheckpointingException, match=r"Unexpected keys.*'gone'"):
+        plan_load(layout, {"a", "b"}, StrictHandling.RAISE_UNEXPECTED, False, lambda lay: plan_reads(lay, False))
+
+
+# ------------------------------------------------------------------ at 4 real ranks
+
+
+def _save_replicated(rank: int, world: int, ckpt: str) -> None:
+    torch.manual_seed(0)
+    state = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.randn(64, 8), replica_id=rank) for i in range(8)}
+    save(state, ckpt)
+
+
+def _load_counting_collectives(rank: int, world: int, ckpt: str) -> dict:
+    """Loads the 8 replicated tensors on every rank; counts the collectives and the
+    tensors this rank read from storage."""
+    import shardstore.strategies.zarr as zarr_strategy
+
+    calls: dict[str, int] = {"all_gather_object": 0, "gather_object": 0, "scatter_object": 0, "read": 0}
+    originals = {name: getattr(Group, name) for name in ("all_gather_object", "gather_object", "scatter_object")}
+
+    def counting(name):
+        def wrapper(self, *args, **kwargs):
+            calls[name] += 1
+            return originals[name](self, *args, **kwargs)
+        return wrapper
+
+    original_read = zarr_strategy.load_tensors
+
+    def counting_read(tensors, *args, **kwargs):
+        calls["read"] += len(tensors)
+        return original_read(tensors, *args, **kwargs)
+
+    for name in originals:
+        setattr(Group, name, counting(name))
+    zarr_strategy.load_tensors = counting_read
+    try:
+        request = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.empty(64, 8), replica_id=rank)
+                   for i in range(8)}
+        loaded = load(request, ckpt)
+    finally:
+        for name, fn in originals.items():
+            setattr(Group, name, fn)
+        zarr_strategy.load_tensors = original_read
+    torch.manual_seed(0)
+    for i in range(8):
+        assert torch.equal(loaded[f"w{i}"], torch.randn(64, 8)), f"rank {rank} w{i}"
+    return calls
+
+
+def test_a_load_gathers_once_and_each_replica_reads_its_share(ckpt_dir: Path) -> None:
+    run_distributed(_save_replicated, 2, str(ckpt_dir))
+    calls = run_distributed(_load_counting_collectives, 4, str(ckpt_dir))
+    for rank, c in enumerate(calls):
+        # one gather + one scatter (the plan), one all-gather (the read's agreement)
+        assert (c["gather_object"], c["scatter_object"], c["all_gather_object"]) == (1, 1, 1), (rank, c)
+        assert c["read"] == 2, (rank, c)  # 8 replicated tensors over 4 ranks
+
+
+def _load_with_one_rank_asking_for_a_missing_key(rank: int, world: int, ckpt: str) -> str:
+    request = {"w0": ShardedTensor.from_rank_offsets("w0", torch.empty(64, 8), replica_id=rank)}
+    if rank == 1:
+        request["nope"] = ShardedTensor.from_rank_offsets("nope", torch.empty(2), replica_id=0)
+    with pytest.raises(CheckpointingException) as info:
+        load(request, ckpt, strict=StrictHandling.RAISE_UNEXPECTED)
+    return str(info.value)
+
+
+def test_a_strict_mismatch_on_one_rank_fails_every_rank(ckpt_dir: Path) -> None:
+    run_distributed(_save_replicated, 2, str(ckpt_dir))
+    messages = run_distributed(_load_with_one_rank_asking_for_a_missing_key, 3, str(ckpt_dir), timeout=60)
+    assert all("Unexpected keys" in m and "'nope'" in m for m in messages), messages

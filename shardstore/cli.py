@@ -149,10 +149,10 @@ _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 def source_format(path: str) -> str:
     """What SRC is: a shardstore checkpoint, safetensors, a torch.save file, or a PyTorch
-    DCP / Megatron-Core torch_dist checkpoint."""
-    from shardstore.dcp_reader import is_dcp_checkpoint
+    DCP / Megatron-Core torch_dist or zarr checkpoint."""
     from shardstore.format import foreign_checkpoint_kind, is_committed
     from shardstore.locations import open_location
+    from shardstore.strategies.foreign import is_foreign_checkpoint
 
     if path.endswith(".safetensors"):
         return "safetensors"
@@ -164,8 +164,8 @@ def source_format(path: str) -> str:
         return "shardstore"
     if (local / "model.safetensors.index.json").is_file() or (local / "model.safetensors").is_file():
         return "safetensors"
-    if not path.startswith("s3://") and is_dcp_checkpoint(local):
-        return "dcp"
+    if not path.startswith("s3://") and is_foreign_checkpoint(local):
+        return "foreign"
     foreign = foreign_checkpoint_kind(location)
     if foreign:
         raise CheckpointingException(f"{path} is {foreign}; reading it is not supported yet")
@@ -201,7 +201,7 @@ def convert_command(source: str, destination: str, to: str | None, overwrite: bo
     shardstore checkpoint -> torch.save file (DESTINATION *.pt, or --to torch)
     shardstore checkpoint -> safetensors directory (--to safetensors)
     torch.save file or safetensors (file or model directory) -> shardstore checkpoint
-    PyTorch DCP or Megatron-Core torch_dist checkpoint -> shardstore checkpoint
+    PyTorch DCP or Megatron-Core torch_dist / zarr checkpoint -> shardstore checkpoint
 
     A checkpoint written here is verified before the command succeeds.
     """
@@ -217,7 +217,7 @@ def convert_command(source: str, destination: str, to: str | None, overwrite: bo
             ),
             ("torch", "shardstore"): lambda: convert.from_torch_file(source, destination, overwrite),
             ("safetensors", "shardstore"): lambda: convert.from_safetensors(source, destination, overwrite),
-            ("dcp", "shardstore"): lambda: convert.from_dcp(source, destination, overwrite),
+            ("foreign", "shardstore"): lambda: convert.from_foreign(source, destination, overwrite),
         }
         if (src, dst) not in steps:
             raise click.UsageError(f"Cannot convert {src} to {dst}")

@@ -1,7 +1,8 @@
 """Conversions between a shardstore checkpoint and single-process formats, with
 bounded memory: a ``torch.save`` file, and Hugging Face style safetensors (one file, or
 shards with a ``model.safetensors.index.json``); and imports of PyTorch DCP and
-Megatron-Core torch_dist checkpoints (``from_dcp``, one tensor in memory at a time).
+Megatron-Core torch_dist and zarr checkpoints (``from_foreign``, one tensor in memory at
+a time).
 
 Reading a checkpoint here means whole global arrays, a batch at a time
 (``read_arrays``): at most ``memory_bytes`` of them are alive at once (an array larger
@@ -306,24 +307,30 @@ def from_safetensors(
     return len(state)
 
 
-# --------------------------------------------------------------------------- DCP / torch_dist
+# --------------------------------------------------------------------------- DCP, Megatron torch_dist and zarr
 
 
-def from_dcp(path: str | os.PathLike, checkpoint: str | os.PathLike | Location, overwrite: bool = False) -> int:
-    """Imports a PyTorch DCP or Megatron-Core torch_dist checkpoint (read without running
-    its pickles, ``shardstore.dcp_reader``): every tensor becomes the array of its key,
-    whole, written one at a time; Megatron's ShardedObjects
+def from_foreign(
+    path: str | os.PathLike, checkpoint: str | os.PathLike | Location, overwrite: bool = False
+) -> int:
+    """Imports a PyTorch DCP checkpoint, or a Megatron-Core torch_dist or zarr one (read
+    without running its pickles, ``shardstore.strategies.foreign``): every tensor becomes
+    the array of its key, whole, written one at a time; Megatron's ShardedObjects
     (``<key>/shard_<offset>_<shape>``) stay sharded objects; Megatron's ``common.pt``
     and a plain DCP's other values form the common state. Returns the number of arrays."""
-    from shardstore.strategies.dcp import DcpLoadCommonStrategy, open_dcp, read_sharded_object
+    from shardstore.strategies.foreign import (
+        ForeignLoadCommonStrategy,
+        open_foreign,
+        read_sharded_object,
+    )
     from shardstore.writer import CheckpointWriter
 
-    source = open_dcp(path)
+    source = open_foreign(path)
     with CheckpointWriter(checkpoint, overwrite) as writer:
         for key, tensor in source.iter_tensors():
             writer.write_array(key, tensor)
-        common = DcpLoadCommonStrategy().load_common(source.path)
-        objects = {key: read_sharded_object(source, key) for key in DcpLoadCommonStrategy().load_sharded_metadata(
+        common = ForeignLoadCommonStrategy().load_common(source.path)
+        objects = {key: read_sharded_object(source, key) for key in ForeignLoadCommonStrategy().load_sharded_metadata(
             source.path)}
         writer.commit(common, objects)
     return len(source.tensors)

@@ -14,8 +14,13 @@ bytes of a non-tensor item. Here:
 * non-tensor items (Megatron's ShardedObjects, ``<key>/shard_<offset>_<shape>``, or a
   plain DCP's Python values) load with ``weights_only=True`` too.
 
-Megatron 0.14's reformulated flattened ranges and DCP's storage transforms (compression
-extensions) are refused with an error that says so.
+* Megatron-Core <= 0.14 stored flattened ranges (the distributed optimizer's)
+  "reformulated": a tensor of shape ``G`` cut into blocks ``b`` becomes a
+  ``(G_0/b_0, ..., G_n/b_n, prod(b))`` tensor, one flat row per block, its original shape
+  kept in the metadata's ``mcore_data``. Such a tensor is presented in its original
+  shape, each region assembled from the rows of the blocks it overlaps.
+
+DCP's storage transforms (compression extensions) are refused with an error that says so.
 """
 
 from __future__ import annotations
@@ -24,15 +29,15 @@ import io
 import math
 import os
 import pickle
-from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import product
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from shardstore.core import CheckpointingException, maybe_load_config
-from shardstore.format import COMMON_FILE
+from shardstore.foreign_checkpoint import ForeignCheckpoint, ForeignTensor
 
 DCP_METADATA = ".metadata"
 MAX_METADATA_BYTES = 2**30
@@ -57,11 +62,24 @@ _ALLOWED = {
 }
 
 
+class InertRecord:
+    """Stands in for a class of the saving library that the metadata pickles but the
+    reader does not need (Megatron-Core >= 0.12 keeps its ``MCoreSavePlan`` objects in
+    ``all_local_plans``): it takes the pickled attributes and has no behaviour."""
+
+
+# Classes replaced by InertRecord when unpickling (never imported).
+_INERT = {("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan")}
+
+
 class MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's ``.metadata`` admitting only its metadata classes (dataclasses and
-    enums of ``torch.distributed.checkpoint``), ``torch.Size``, dtypes, layouts and paths."""
+    enums of ``torch.distributed.checkpoint``), ``torch.Size``, dtypes, layouts and paths;
+    Megatron-Core's save plans become ``InertRecord``."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _INERT:
+            return InertRecord
         if module in _DCP_MODULES or (module, name) in _ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
@@ -81,11 +99,13 @@ class DcpChunk:
 
 
 @dataclass(frozen=True)
-class DcpTensor:
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    chunks: tuple[DcpChunk, ...]
+class DcpTensor(ForeignTensor):
+    """A tensor as DCP stored it. ``shape`` is its global shape; for Megatron's
+    reformulated flattened ranges, ``stored_shape`` is the shape of the stored
+    block-rows tensor (else equal to ``shape``)."""
+
+    chunks: tuple[DcpChunk, ...] = ()
+    stored_shape: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -102,28 +122,20 @@ class DcpItem:
     length: int
 
 
-class DcpCheckpoint:
-    """A DCP (or Megatron torch_dist) checkpoint directory, opened for reading.
-
-    Attributes:
-        path: the directory.
-        kind: ``"torch_dist"`` (Megatron-Core) or ``"dcp"``.
-        tensors: every tensor by key.
-        items: every non-tensor item by key.
-    """
+class DcpCheckpoint(ForeignCheckpoint):
+    """A DCP (or Megatron torch_dist) checkpoint directory, opened for reading; ``kind``
+    is ``"torch_dist"`` (Megatron-Core) or ``"dcp"``."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         metadata = self._read_metadata()
         config = maybe_load_config(str(self.path))
         self.kind = "torch_dist" if config is not None and config.sharded_backend == "torch_dist" else "dcp"
-        if getattr(metadata, "mcore_data", None) and any(
-            "nd_reformulated_orig_global_shape" in (v or {}) for v in metadata.mcore_data.values()
-        ):
-            raise CheckpointingException(
-                f"{self.path} holds Megatron-Core flattened ranges saved in the reformulated torch_dist layout "
-                "(megatron-core <= 0.14), which this reader does not support yet"
-            )
+        original_shapes = {
+            key: tuple(value["nd_reformulated_orig_global_shape"])
+            for key, value in (getattr(metadata, "mcore_data", None) or {}).items()
+            if isinstance(value, dict) and "nd_reformulated_orig_global_shape" in value
+        }
         self.tensors: dict[str, DcpTensor] = {}
         self.items: dict[str, DcpItem] = {}
         places: dict[tuple[str, tuple[int, ...] | None], Any] = {}
@@ -144,7 +156,11 @@ class DcpCheckpoint:
                 DcpChunk(tuple(c.offsets), tuple(c.sizes), *self._place(places, key, tuple(c.offsets)))
                 for c in entry.chunks
             )
-            self.tensors[key] = DcpTensor(key, tuple(entry.size), entry.properties.dtype, chunks)
+            stored = tuple(entry.size)
+            shape = original_shapes.get(key, stored)
+            if shape != stored:
+                _check_reformulated(self.path, key, shape, stored)
+            self.tensors[key] = DcpTensor(key, shape, entry.properties.dtype, chunks, stored)
 
     def _read_metadata(self) -> Any:
         file = self.path / DCP_METADATA
@@ -170,23 +186,9 @@ class DcpCheckpoint:
             raise CheckpointingException(f"{self.path}: item {key!r} points outside the checkpoint ({name!r})")
         return name, int(info.offset), int(info.length)
 
-    def _read_bytes(self, key: str, file: str, offset: int, length: int) -> bytes:
-        path = self.path / file
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if offset < 0 or length < 0 or offset + length > size:
-                    raise CheckpointingException(
-                        f"{path}: {key!r} at bytes [{offset}, {offset + length}) lies outside the {size}-byte file"
-                    )
-                f.seek(offset)
-                return f.read(length)
-        except OSError as exc:
-            raise CheckpointingException(f"Cannot read {key!r} from {path}: {exc}") from exc
-
     def read_chunk(self, tensor: DcpTensor, chunk: DcpChunk) -> torch.Tensor:
         """One saved chunk, checked against the metadata."""
-        data = self._read_bytes(tensor.key, chunk.file, chunk.offset, chunk.length)
+        data = self.read_file(chunk.file, chunk.offset, chunk.length, what=repr(tensor.key))
         where = f"{self.path / chunk.file} ({tensor.key!r} at {chunk.offsets})"
         try:
             value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -203,6 +205,11 @@ class DcpCheckpoint:
         """The part ``region`` of the global tensor ``key``, from every saved chunk
         that overlaps it; a part no chunk covers is an error."""
         tensor = self.tensors[key]
+        if tensor.shape != tensor.stored_shape:
+            return self._read_reformulated(tensor, region)
+        return self._read_stored(tensor, region)
+
+    def _read_stored(self, tensor: DcpTensor, region: tuple[slice, ...]) -> torch.Tensor:
         out = torch.empty([s.stop - s.start for s in region], dtype=tensor.dtype)
         covered = 0
         for chunk in tensor.chunks:
@@ -216,34 +223,46 @@ class DcpCheckpoint:
             out[target] = value[source]
             covered += math.prod(b - a for a, b in zip(lo, hi))
         if covered < out.numel():
-            raise CheckpointingException(f"{self.path}: the saved chunks of {key!r} do not cover {region}")
+            raise CheckpointingException(f"{self.path}: the saved chunks of {tensor.key!r} do not cover {region}")
         return out
 
-    def read_tensor(self, key: str) -> torch.Tensor:
-        """The whole global tensor ``key``."""
-        return self.read_region(key, tuple(slice(0, n) for n in self.tensors[key].shape))
-
-    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor, whole, one at a time (sorted by key)."""
-        for key in sorted(self.tensors):
-            yield key, self.read_tensor(key)
+    def _read_reformulated(self, tensor: DcpTensor, region: tuple[slice, ...]) -> torch.Tensor:
+        """A region of a tensor stored as one flat row per block: the rows of the
+        blocks it overlaps, each reshaped to the block and cut to the region."""
+        block = tuple(g // f for g, f in zip(tensor.shape, tensor.stored_shape[:-1]))
+        out = torch.empty([s.stop - s.start for s in region], dtype=tensor.dtype)
+        ranges = [range(s.start // b, -(-s.stop // b)) if s.stop > s.start else range(0)
+                  for s, b in zip(region, block)]
+        for index in product(*ranges):
+            row = (*(slice(i, i + 1) for i in index), slice(0, tensor.stored_shape[-1]))
+            value = self._read_stored(tensor, row).reshape(block)
+            start = [i * b for i, b in zip(index, block)]
+            lo = [max(s.start, a) for s, a in zip(region, start)]
+            hi = [min(s.stop, a + b) for s, a, b in zip(region, start, block)]
+            out[tuple(slice(a - s.start, b - s.start) for a, b, s in zip(lo, hi, region))] = value[
+                tuple(slice(a - a0, b - a0) for a, b, a0 in zip(lo, hi, start))
+            ]
+        return out
 
     def read_item(self, key: str) -> Any:
         """A non-tensor item, loaded with ``weights_only=True``."""
         item = self.items[key]
-        data = self._read_bytes(key, item.file, item.offset, item.length)
-        try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise CheckpointingException(f"Cannot load item {key!r} of {self.path}: {exc}") from exc
+        return self.load_pickled(self.read_file(item.file, item.offset, item.length, what=repr(key)), f"item {key!r}")
 
-    def common_state(self) -> dict[str, Any]:
-        """Megatron's ``common.pt`` (weights_only), or {} for a plain DCP checkpoint."""
-        if not (self.path / COMMON_FILE).exists():
-            return {}
-        from shardstore.strategies.common import TorchCommonLoadStrategy
 
-        return TorchCommonLoadStrategy().load_common(str(self.path))
+def _check_reformulated(path: Path, key: str, shape: tuple[int, ...], stored: tuple[int, ...]) -> None:
+    """A reformulated tensor's stored shape must be (blocks per axis..., block volume)."""
+    blocks = stored[:-1]
+    ok = (
+        len(stored) == len(shape) + 1
+        and all(f > 0 and g % f == 0 for g, f in zip(shape, blocks))
+        and stored[-1] == math.prod(g // f for g, f in zip(shape, blocks))
+    )
+    if not ok:
+        raise CheckpointingException(
+            f"{path}: {key!r} is stored with shape {stored}, which is not a reformulation of its original "
+            f"shape {shape} (blocks per axis, then the block's volume)"
+        )
 
 
 def is_dcp_checkpoint(path: str | os.PathLike) -> bool:

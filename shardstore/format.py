@@ -456,7 +456,7 @@ def read_commit_record(location: Location) -> CommitRecord:
             how = (
                 "`load` and the metadata queries read it as it is; to verify it or keep it in shardstore's "
                 f"format, convert it: `shardstore convert {location.describe()} <new directory>`"
-                if location.exists(".metadata")
+                if location.exists(".metadata") or foreign == MEGATRON_ZARR_KIND
                 else "load it with the tool that wrote it (megatron.core.dist_checkpointing)"
             )
             raise CheckpointingException(
@@ -468,6 +468,9 @@ def read_commit_record(location: Location) -> CommitRecord:
             "or save again into this directory."
         )
     return CommitRecord.from_json(data, where=location.describe(COMMIT_RECORD))
+
+
+MEGATRON_ZARR_KIND = "a Megatron-Core zarr checkpoint (Zarr v2 arrays)"
 
 
 def foreign_checkpoint_kind(location: Location) -> str | None:
@@ -483,9 +486,10 @@ def foreign_checkpoint_kind(location: Location) -> str | None:
         config = None
     backend = config.get("sharded_backend") if isinstance(config, dict) else None
     entries = location.list_top(20)
-    zarr_v2 = any(location.exists(f"{entry}/.zarray") for entry in entries if not entry.startswith("."))
-    if backend == "zarr" and zarr_v2:
-        return "a Megatron-Core zarr checkpoint (Zarr v2 arrays)"
+    # shardstore's own first checkpoints also named the backend "zarr", but they are a
+    # Zarr v3 group (a root zarr.json); Megatron's are Zarr v2 arrays without one
+    if backend == "zarr" and not location.exists(COMMIT_RECORD):
+        return MEGATRON_ZARR_KIND
     if isinstance(backend, str) and backend not in ("zarr", "shardstore"):
         return f"a Megatron-Core {backend!r} checkpoint"
     if backend is None and ".metadata" in entries:

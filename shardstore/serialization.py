@@ -55,7 +55,6 @@ from shardstore.core import (
     maybe_load_config,
     save_config,
 )
-from shardstore.dcp_reader import is_dcp_checkpoint
 from shardstore.dict_utils import (
     dict_list_map_inplace,
     extract_matching_values,
@@ -93,7 +92,11 @@ from shardstore.strategies.base import (
     get_default_strategy,
 )
 from shardstore.strategies.common import serialize
-from shardstore.strategies.dcp import DcpLoadCommonStrategy, DcpLoadShardedStrategy
+from shardstore.strategies.foreign import (
+    ForeignLoadCommonStrategy,
+    ForeignLoadShardedStrategy,
+    is_foreign_checkpoint,
+)
 from shardstore.utils import (
     extract_nonpersistent,
     extract_sharded_base,
@@ -415,7 +418,7 @@ def _load_opened(
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """``_load`` on an opened checkpoint (``open_checkpoint``)."""
     sharded_state_dict = convert_foreign(sharded_state_dict)
-    record = getattr(location, "record", None)  # None: a DCP / torch_dist checkpoint
+    record = getattr(location, "record", None)  # None: another tool's checkpoint
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
         location, sharded_strategy, common_strategy
     )
@@ -494,18 +497,18 @@ def _saved_keys(
 
 def open_checkpoint(checkpoint_dir: CheckpointDir) -> Location:
     """The checkpoint to read: a committed shardstore checkpoint, its reads checked
-    against its commit record; or a PyTorch DCP / Megatron torch_dist directory, read by
-    ``shardstore.strategies.dcp`` (no commit record, no checksums)."""
+    against its commit record; or another tool's (PyTorch DCP, Megatron torch_dist or
+    zarr), read by ``shardstore.strategies.foreign`` (no commit record, no checksums)."""
     location = open_location(checkpoint_dir)
-    return location if _is_dcp(location) else open_committed(location)
+    return location if _is_foreign(location) else open_committed(location)
 
 
-def _is_dcp(location: Location) -> bool:
-    """A PyTorch DCP or Megatron torch_dist checkpoint (DCP's ``.metadata``, no commit record)."""
+def _is_foreign(location: Location) -> bool:
+    """Another tool's checkpoint that ``strategies.foreign`` reads (and no commit record)."""
     if isinstance(location, ChecksummedLocation):
         return False
     path = location.local_path()
-    return path is not None and is_dcp_checkpoint(path) and not is_committed(location)
+    return path is not None and is_foreign_checkpoint(path) and not is_committed(location)
 
 
 def verify_checkpoint_and_load_strategy(
@@ -516,8 +519,8 @@ def verify_checkpoint_and_load_strategy(
     """The load strategies for a checkpoint: defaults from its config, or the given ones
     after checking they can read it."""
     location = open_location(checkpoint_dir)
-    if _is_dcp(location):
-        return sharded_strategy or DcpLoadShardedStrategy(), common_strategy or DcpLoadCommonStrategy()
+    if _is_foreign(location):
+        return sharded_strategy or ForeignLoadShardedStrategy(), common_strategy or ForeignLoadCommonStrategy()
     config = maybe_load_config(location)
     if config is None:
         raise CheckpointingException(f"{location.describe()} is not a distributed checkpoint (no metadata.json)")

@@ -1,8 +1,10 @@
 """Issue 17.4/17.5: checkpoints other tools wrote: Megatron-Core 0.16.1's torch_dist
-(with an irregular distributed-optimizer buffer and ShardedObjects) and plain PyTorch
-DCP (DTensor shards), both committed fixtures (tests/fixtures/legacy/make.py), read
-without running their pickles and converted into shardstore checkpoints that load at
-other world sizes bit-exact."""
+(with an irregular distributed-optimizer buffer and ShardedObjects), plain PyTorch DCP
+(DTensor shards), and Megatron-Core 0.14.0's zarr and torch_dist (flattened ranges,
+stored "reformulated" by torch_dist), all committed fixtures
+(tests/fixtures/legacy/make.py, make_megatron014.py), read without running their
+pickles and converted into shardstore checkpoints that load at other world sizes
+bit-exact."""
 
 from __future__ import annotations
 
@@ -22,18 +24,21 @@ from shardstore import (
     load,
     load_common_state_dict,
     load_plain_tensors,
+    load_tensors_metadata,
     verify,
 )
 from shardstore.cli import main
-from shardstore.convert import from_dcp
+from shardstore.convert import from_foreign
 from shardstore.dcp_reader import DcpCheckpoint
 from tests.dist import run_distributed
 from tests.fixtures.legacy.make import DCP, MEGATRON, expected
+from tests.fixtures.legacy.make_megatron014 import TORCH_DIST as MEGATRON_014_TORCH_DIST
+from tests.fixtures.legacy.make_megatron014 import ZARR as MEGATRON_014_ZARR
 from tests.scenarios import assert_bits_equal
 
 
 def test_megatron_torch_dist_converts_bit_exact(tmp_path: Path) -> None:
-    assert from_dcp(MEGATRON, tmp_path / "ckpt") == 3
+    assert from_foreign(MEGATRON, tmp_path / "ckpt") == 3
     assert verify(tmp_path / "ckpt").ok
     plain = load_plain_tensors(tmp_path / "ckpt")
     for key in ("decoder/fc1", "embedding/word", "optimizer/exp_avg"):
@@ -60,7 +65,7 @@ def _load_resharded(rank: int, world: int, ckpt: str) -> None:
 
 
 def test_converted_megatron_checkpoint_loads_at_another_layout(tmp_path: Path) -> None:
-    from_dcp(MEGATRON, tmp_path / "ckpt")
+    from_foreign(MEGATRON, tmp_path / "ckpt")
     run_distributed(_load_resharded, 2, str(tmp_path / "ckpt"))
 
 
@@ -68,7 +73,7 @@ def test_plain_dcp_converts_with_its_flattened_names(tmp_path: Path) -> None:
     source = DcpCheckpoint(DCP)
     assert source.kind == "dcp"
     assert len(source.tensors["model.fc1"].chunks) == 2  # the DTensor's two shards
-    from_dcp(DCP, tmp_path / "ckpt")
+    from_foreign(DCP, tmp_path / "ckpt")
     plain = load_plain_tensors(tmp_path / "ckpt")
     assert_bits_equal(plain["model.fc1"], expected()["decoder/fc1"])
     assert_bits_equal(plain["model.emb"], expected()["embedding/word"])
@@ -96,7 +101,7 @@ def test_hostile_metadata_is_refused_without_running_it(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     (source / ".metadata").write_bytes(pickle.dumps({"x": _RunsCode(str(marker))}))
     with pytest.raises(CheckpointingException, match="refusing to load posix.system"):
-        from_dcp(source, tmp_path / "ckpt")
+        from_foreign(source, tmp_path / "ckpt")
     assert not marker.exists()
     assert not (tmp_path / "ckpt").exists()
 
@@ -107,7 +112,7 @@ def test_a_truncated_data_file_names_the_file_and_key(tmp_path: Path) -> None:
     data = source / "__1_0.distcp"
     data.write_bytes(data.read_bytes()[:100])
     with pytest.raises(CheckpointingException, match="__1_0.distcp.*lies outside"):
-        from_dcp(source, tmp_path / "ckpt")
+        from_foreign(source, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()  # nothing that looks complete
 
 
@@ -144,13 +149,83 @@ def _load_megatron_directly(rank: int, world: int, ckpt: str) -> None:
     assert_bits_equal(loaded["exp_avg"], buffer)
     assert loaded["rng"] == [{"seed": 1234 + r, "rank": r} for r in range(2) if world == 1 or r == rank]
     assert loaded["iteration"] == 7
+    if "0.14.0" in ckpt:  # its 2-D flattened optimizer state, asked for at another flat cut
+        cut = [0, 30, 48] if world == 2 else [0, 48]
+        flat = full["decoder/fc1"].flatten().neg()[cut[rank]:cut[rank + 1]]
+        again = load({"s": ShardedTensor.from_rank_offsets_flat(
+            "optimizer/fc1_exp_avg", torch.empty_like(flat), (8, 6), flattened_range=slice(cut[rank], cut[rank + 1]))},
+            ckpt)
+        assert_bits_equal(again["s"], flat)
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_megatron_torch_dist_loads_directly_at_other_layouts(world: int) -> None:
+@pytest.mark.parametrize("source", [MEGATRON, MEGATRON_014_ZARR, MEGATRON_014_TORCH_DIST], ids=lambda p: p.name)
+def test_megatron_checkpoints_load_directly_at_other_layouts(world: int, source: Path) -> None:
     """Saved at TP 2 with a 13 + 11 optimizer cut; loaded at 1 rank, and at 2 ranks with
     a 20 + 4 cut, without conversion (the fixture is only read)."""
-    run_distributed(_load_megatron_directly, world, str(MEGATRON))
+    run_distributed(_load_megatron_directly, world, str(source))
+
+
+@pytest.mark.parametrize("source", [MEGATRON_014_ZARR, MEGATRON_014_TORCH_DIST], ids=lambda p: p.name)
+def test_megatron_014_checkpoints_convert_bit_exact(tmp_path: Path, source: Path) -> None:
+    result = CliRunner().invoke(main, ["--no-progress", "convert", str(source), str(tmp_path / "ckpt")])
+    assert result.exit_code == 0, result.output
+    assert "wrote 4 arrays" in result.stdout and "verified" in result.stdout
+    plain = load_plain_tensors(tmp_path / "ckpt")
+    for key in ("decoder/fc1", "embedding/word", "optimizer/exp_avg"):
+        assert_bits_equal(plain[key], expected()[key], key)
+    assert_bits_equal(plain["optimizer/fc1_exp_avg"], -expected()["decoder/fc1"])
+    assert load_common_state_dict(tmp_path / "ckpt") == {"iteration": 7, "args": {"lr": 0.5, "tp": 2}}
+    objects = load({"rng": [ShardedObject("rng_state", None, (2,), (r,)) for r in range(2)]}, tmp_path / "ckpt")
+    assert objects["rng"] == [{"seed": 1234, "rank": 0}, {"seed": 1235, "rank": 1}]
+
+
+def _zarr_copy(tmp_path: Path) -> Path:
+    source = tmp_path / "zarr"
+    shutil.copytree(MEGATRON_014_ZARR, source)
+    return source
+
+
+def test_a_megatron_zarr_chunk_of_the_wrong_size_is_named(tmp_path: Path) -> None:
+    source = _zarr_copy(tmp_path)
+    (source / "decoder/fc1/1.0").write_bytes(b"\0" * 95)
+    with pytest.raises(CheckpointingException, match=r"chunk 'decoder/fc1/1.0' of 'decoder/fc1' holds 95 bytes"):
+        load_plain_tensors(source)
+
+
+def test_a_missing_megatron_zarr_chunk_is_an_error_not_zeros(tmp_path: Path) -> None:
+    source = _zarr_copy(tmp_path)
+    (source / "decoder/fc1/0.0").unlink()
+    with pytest.raises(CheckpointingException, match=r"chunk 'decoder/fc1/0.0' of 'decoder/fc1' is missing"):
+        load_plain_tensors(source)
+
+
+def test_a_megatron_zarr_chunk_linked_out_of_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    source = _zarr_copy(tmp_path)
+    outside = tmp_path / "secret"
+    outside.write_bytes(b"\1" * 96)
+    (source / "decoder/fc1/0.0").unlink()
+    (source / "decoder/fc1/0.0").symlink_to(outside)
+    with pytest.raises(CheckpointingException, match="refusing to read a chunk of 'decoder/fc1'"):
+        load_plain_tensors(source)
+
+
+def test_a_compressed_zarr_v2_array_is_refused_clearly(tmp_path: Path) -> None:
+    source = _zarr_copy(tmp_path)
+    zarray = source / "decoder/fc1/.zarray"
+    zarray.write_text(zarray.read_text().replace('"compressor": null', '"compressor": {"id": "blosc"}'))
+    with pytest.raises(CheckpointingException, match=r"compressor .*blosc.* is not supported"):
+        load_tensors_metadata(source)
+
+
+def test_saving_into_a_megatron_zarr_checkpoint_refuses_and_keeps_it(tmp_path: Path) -> None:
+    from shardstore import save
+
+    target = _zarr_copy(tmp_path)
+    before = sorted(str(p.relative_to(target)) for p in target.rglob("*"))
+    with pytest.raises(CheckpointingException, match="Megatron-Core zarr checkpoint"):
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, target, overwrite=True)
+    assert sorted(str(p.relative_to(target)) for p in target.rglob("*")) == before
 
 
 def test_queries_read_dcp_and_torch_dist_checkpoints() -> None:
@@ -167,6 +242,7 @@ def test_queries_read_dcp_and_torch_dist_checkpoints() -> None:
     assert plain["epoch"] == 3
 
 
-def test_verify_of_a_dcp_checkpoint_says_to_convert() -> None:
-    report = verify(MEGATRON)
+@pytest.mark.parametrize("source", [MEGATRON, MEGATRON_014_ZARR], ids=lambda p: p.name)
+def test_verify_of_another_tools_checkpoint_says_to_convert(source: Path) -> None:
+    report = verify(source)
     assert not report.ok and "shardstore convert" in report.problems[0].message

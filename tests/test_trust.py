@@ -564,9 +564,9 @@ def test_a_load_racing_overwrites_reads_one_checkpoint_or_fails_clearly(ckpt_dir
 
 
 @pytest.mark.parametrize("kind, what, on_load", [
-    # torch_dist is read as it is (tests/test_legacy.py); this one's .metadata is junk
+    # both are read as they are (tests/test_legacy.py); these hold junk metadata
     ("megatron torch_dist", "Megatron-Core 'torch_dist' checkpoint", "is not valid PyTorch DCP metadata"),
-    ("megatron zarr", "Megatron-Core zarr checkpoint", "is not a shardstore checkpoint: it is a Megatron-Core zarr"),
+    ("megatron zarr", "Megatron-Core zarr checkpoint", r"decoder.weight/.zarray is not a Zarr v2 array"),
 ])
 def test_foreign_checkpoints_are_named_on_load_and_save(ckpt_dir: Path, kind: str, what: str, on_load: str) -> None:
     for rel, data in FOREIGN_DIRS[kind].items():

@@ -71,12 +71,12 @@ def _register_builtin_strategies() -> None:
         return
     _builtins_registered = True
     from shardstore.strategies.common import register_default_common_strategies
-    from shardstore.strategies.dcp import register_default_dcp_strategies
+    from shardstore.strategies.foreign import register_default_foreign_strategies
     from shardstore.strategies.zarr import register_default_zarr_strategies
 
     register_default_zarr_strategies()
     register_default_common_strategies()
-    register_default_dcp_strategies()
+    register_default_foreign_strategies()
 
 
 class LoadStrategyBase(ABC):

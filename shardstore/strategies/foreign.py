@@ -1,14 +1,15 @@
-"""Loading PyTorch DCP and Megatron-Core torch_dist checkpoints directly, under any
-layout (``shardstore.dcp_reader`` reads them without running their pickles).
+"""Loading checkpoints other tools wrote directly, under any layout: PyTorch DCP,
+Megatron-Core's torch_dist (``shardstore.dcp_reader``) and Megatron-Core's deprecated
+zarr backend (``shardstore.megatron_zarr_reader``), read without running their pickles.
 
 ``load``, ``load_tensors_metadata``, ``load_sharded_metadata`` and
-``load_common_state_dict`` pick these strategies for a directory that holds DCP's
-``.metadata`` and no shardstore commit record: Megatron's torch_dist (its
-``metadata.json`` names the backend) or a plain DCP checkpoint. Each requested region
-is assembled from the saved chunks that overlap it, so a load at another world size,
-with another tensor-parallel split or irregular cut, works as on shardstore's own
-format. DCP keeps no checksums: what the files hold is what loads (convert the
-checkpoint, ``shardstore convert``, to have every chunk checked).
+``load_common_state_dict`` pick these strategies for a local directory without a
+shardstore commit record that holds DCP's ``.metadata`` (Megatron's torch_dist, or
+plain DCP) or whose ``metadata.json`` names Megatron's ``zarr`` backend. Each requested
+region is assembled from the saved chunks that overlap it, so a load at another world
+size, with another tensor-parallel split or irregular cut, works as on shardstore's own
+format. These formats keep no checksums: what the files hold is what loads (convert
+the checkpoint, ``shardstore convert``, to have every chunk checked from then on).
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ from typing import Any
 
 import torch
 
-from shardstore.core import CheckpointingException
-from shardstore.dcp_reader import DCP_METADATA, DcpCheckpoint
+from shardstore.core import CONFIG_FNAME, CheckpointingException
+from shardstore.dcp_reader import DCP_METADATA, DcpCheckpoint, is_dcp_checkpoint
 from shardstore.dict_utils import dict_list_map_inplace
 from shardstore.distributed import Group
+from shardstore.foreign_checkpoint import ForeignCheckpoint
 from shardstore.format import CommitRecord
 from shardstore.layout import block_shape, region_at
 from shardstore.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from shardstore.megatron_zarr_reader import BACKEND as MEGATRON_ZARR_BACKEND
+from shardstore.megatron_zarr_reader import MegatronZarrCheckpoint, is_megatron_zarr_checkpoint
 from shardstore.storage import Location
 from shardstore.strategies.base import (
     CheckpointDir,
@@ -39,28 +43,40 @@ TORCH_DIST_BACKEND = "torch_dist"
 DCP_BACKEND = "dcp"  # what a plain DCP checkpoint (no metadata.json) counts as
 
 
-def open_dcp(checkpoint_dir: CheckpointDir | Location) -> DcpCheckpoint:
-    """The opened checkpoint. One load asks for it several times (keys, common state,
-    objects, tensors); its ``.metadata`` is read and unpickled once for as long as the
-    file stays the same."""
+def open_foreign(checkpoint_dir: CheckpointDir | Location) -> ForeignCheckpoint:
+    """The opened checkpoint (DCP / torch_dist, or Megatron zarr). One load asks for it
+    several times (keys, common state, objects, tensors); it is read once for as long
+    as its metadata file stays the same."""
     path = checkpoint_dir.local_path() if isinstance(checkpoint_dir, Location) else checkpoint_dir
     if path is None:
-        raise CheckpointingException(f"{checkpoint_dir.describe()}: DCP checkpoints are read from local paths only")
+        raise CheckpointingException(
+            f"{checkpoint_dir.describe()}: checkpoints of other tools are read from local paths only"
+        )
     path = Path(path).resolve()
+    marker = path / (DCP_METADATA if is_dcp_checkpoint(path) else CONFIG_FNAME)
     try:
-        stat = (path / DCP_METADATA).stat()
+        stat = marker.stat()
     except OSError:
-        return DcpCheckpoint(path)  # which says what is missing
+        return _open(path)  # which says what is missing
     return _opened(path, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
+def is_foreign_checkpoint(path: str | Path) -> bool:
+    """A directory this module reads: DCP's ``.metadata``, or Megatron's zarr backend."""
+    return is_dcp_checkpoint(path) or is_megatron_zarr_checkpoint(path)
+
+
+def _open(path: Path) -> ForeignCheckpoint:
+    return MegatronZarrCheckpoint(path) if is_megatron_zarr_checkpoint(path) else DcpCheckpoint(path)
+
+
 @functools.lru_cache(maxsize=8)
-def _opened(path: Path, inode: int, size: int, mtime_ns: int) -> DcpCheckpoint:
-    del inode, size, mtime_ns  # the cache key: a rewritten .metadata is read again
-    return DcpCheckpoint(path)
+def _opened(path: Path, inode: int, size: int, mtime_ns: int) -> ForeignCheckpoint:
+    del inode, size, mtime_ns  # the cache key: a rewritten metadata file is read again
+    return _open(path)
 
 
-def read_requested(source: DcpCheckpoint, t: ShardedTensor) -> torch.Tensor:
+def read_requested(source: ForeignCheckpoint, t: ShardedTensor) -> torch.Tensor:
     """The part of the saved tensor that ``t`` asks for, shaped and typed as ``t``."""
     from shardstore.strategies.zarr import _place, postprocess_loaded
 
@@ -79,11 +95,11 @@ def read_requested(source: DcpCheckpoint, t: ShardedTensor) -> torch.Tensor:
     return _place(x, t, str(source.path))
 
 
-class DcpLoadShardedStrategy(LoadShardedStrategy):
-    """Loads ShardedTensors from a DCP / torch_dist checkpoint, under any layout."""
+class ForeignLoadShardedStrategy(LoadShardedStrategy):
+    """Loads ShardedTensors from a DCP / torch_dist / Megatron zarr checkpoint, under any layout."""
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> StateDict:
-        source = open_dcp(checkpoint_dir)
+        source = open_foreign(checkpoint_dir)
         return dict_list_map_inplace(
             lambda x: read_requested(source, x) if isinstance(x, ShardedTensor) else x, sharded_state_dict
         )
@@ -92,18 +108,27 @@ class DcpLoadShardedStrategy(LoadShardedStrategy):
         self, sharded_state_dict: ShardedStateDict, location: Location, record: CommitRecord | None,
         process_group: Any = None,
     ) -> StateDict:
-        """``load`` with failures agreed on every rank (DCP has no commit record)."""
+        """``load`` with failures agreed on every rank (there is no commit record)."""
         group = process_group if isinstance(process_group, Group) else Group(process_group)
-        result, error = sharded_state_dict, None
-        try:
-            result = self.load(sharded_state_dict, location)
-        except Exception as exc:  # reported on every rank by agree()
-            error = exc
+        return self.load_with_plan(sharded_state_dict, location, record, None, group)
+
+    def load_with_plan(
+        self, sharded_state_dict: ShardedStateDict, location: Location, record: CommitRecord | None, plan: Any,
+        group: Group, local_error: BaseException | None = None,
+    ) -> StateDict:
+        """Collective: each rank reads what it asked for; a failure on any rank (or
+        ``local_error``) raises on every rank."""
+        result, error = sharded_state_dict, local_error
+        if error is None:
+            try:
+                result = self.load(sharded_state_dict, location)
+            except Exception as exc:  # reported on every rank by agree()
+                error = exc
         group.agree(error, f"Reading checkpoint {location.describe()}")
         return result
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
-        source = open_dcp(checkpoint_dir)
+        source = open_foreign(checkpoint_dir)
         return {
             key: ShardedTensor.from_rank_offsets(key, torch.empty(t.shape, dtype=t.dtype, device="meta")).without_data()
             for key, t in source.tensors.items()
@@ -113,22 +138,25 @@ class DcpLoadShardedStrategy(LoadShardedStrategy):
         return self.load_tensors_metadata(checkpoint_dir)
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
-        if loaded_backend not in (TORCH_DIST_BACKEND, DCP_BACKEND):
-            raise CheckpointingException(f"{self} reads torch_dist and DCP checkpoints, not {loaded_backend!r}")
+        if loaded_backend not in (TORCH_DIST_BACKEND, DCP_BACKEND, MEGATRON_ZARR_BACKEND):
+            raise CheckpointingException(
+                f"{self} reads torch_dist, DCP and Megatron zarr checkpoints, not {loaded_backend!r}"
+            )
 
     def check_version_compatibility(self, loaded_version: int) -> None:
-        pass  # DCP's metadata describes itself
+        pass  # the metadata describes itself
 
     def __str__(self) -> str:
         return self.__class__.__name__
 
 
-class DcpLoadCommonStrategy(TorchCommonLoadStrategy):
+class ForeignLoadCommonStrategy(TorchCommonLoadStrategy):
     """The common state (Megatron's ``common.pt``, plus a plain DCP's non-tensor values)
-    and Megatron's ShardedObjects (DCP items ``<key>/shard_<offset>_<shape>``)."""
+    and Megatron's ShardedObjects (``<key>/shard_<offset>_<shape>``: DCP items, or
+    ``.pt`` files of its zarr backend)."""
 
     def load_common(self, checkpoint_dir: CheckpointDir | Location) -> StateDict:
-        source = open_dcp(checkpoint_dir)
+        source = open_foreign(checkpoint_dir)
         state = source.common_state()
         for key in sorted(source.items):
             if not _is_object_shard(key):
@@ -138,7 +166,7 @@ class DcpLoadCommonStrategy(TorchCommonLoadStrategy):
     def load_sharded_objects(
         self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir | Location
     ) -> StateDict:
-        source = open_dcp(checkpoint_dir)
+        source = open_foreign(checkpoint_dir)
 
         def load_object(obj: Any) -> Any:
             if not isinstance(obj, ShardedObject):
@@ -150,7 +178,7 @@ class DcpLoadCommonStrategy(TorchCommonLoadStrategy):
         return dict_list_map_inplace(load_object, sharded_objects_state_dict)
 
     def load_sharded_metadata(self, checkpoint_dir: CheckpointDir | Location) -> ShardedStateDict:
-        source = open_dcp(checkpoint_dir)
+        source = open_foreign(checkpoint_dir)
         return {k: ShardedObject.empty_from_unique_key(k) for k in source.items if _is_object_shard(k)}
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
@@ -160,7 +188,7 @@ class DcpLoadCommonStrategy(TorchCommonLoadStrategy):
         pass
 
 
-def read_sharded_object(source: DcpCheckpoint, unique_key: str) -> Any:
+def read_sharded_object(source: ForeignCheckpoint, unique_key: str) -> Any:
     """A ShardedObject shard's value; Megatron's torch_dist saves the list of the rank's
     copies of the shard (one), which is unwrapped."""
     value = source.read_item(unique_key)
@@ -177,6 +205,6 @@ def _is_object_shard(key: str) -> bool:
     return True
 
 
-def register_default_dcp_strategies() -> None:
-    """Registers the DCP load strategy as the default for Megatron's ``torch_dist``."""
-    register_default_strategy(StrategyAction.LOAD_SHARDED, TORCH_DIST_BACKEND, 1, DcpLoadShardedStrategy())
+def register_default_foreign_strategies() -> None:
+    """Registers the foreign load strategy as the default for Megatron's ``torch_dist``."""
+    register_default_strategy(StrategyAction.LOAD_SHARDED, TORCH_DIST_BACKEND, 1, ForeignLoadShardedStrategy())

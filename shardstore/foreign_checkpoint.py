@@ -1,0 +1,113 @@
+"""What shardstore reads of a checkpoint another tool wrote, whatever its format.
+
+``ForeignCheckpoint`` is the interface the readers of other formats implement
+(``dcp_reader.DcpCheckpoint``: PyTorch DCP and Megatron-Core torch_dist;
+``megatron_zarr_reader.MegatronZarrCheckpoint``: Megatron-Core's deprecated zarr
+backend) and that ``strategies.foreign`` (``load`` and the queries at any layout) and
+``convert`` (import into shardstore's format) use. A reader never executes code from
+the checkpoint: pickled values load with ``weights_only=True``, and every file is
+opened as a regular file inside the checkpoint (no symbolic links out of it, no FIFOs
+or devices), its byte ranges checked against its size.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardstore.core import CheckpointingException
+from shardstore.format import COMMON_FILE
+from shardstore.storage import StorageError, open_regular_file
+
+
+@dataclass(frozen=True)
+class ForeignTensor:
+    """A tensor of a foreign checkpoint: its global shape and dtype."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class ForeignCheckpoint(ABC):
+    """A checkpoint directory of another tool, opened for reading.
+
+    Attributes:
+        path: the directory.
+        kind: the checkpoint's backend name (``"torch_dist"``, ``"dcp"``, ``"zarr"``).
+        tensors: every tensor by key (``ForeignTensor`` or a subclass).
+        items: the keys of its non-tensor items (Megatron's ShardedObject shards by
+            their unique key, ``<key>/shard_<offset>_<shape>``, or a plain DCP's values).
+    """
+
+    path: Path
+    kind: str
+    tensors: dict[str, ForeignTensor]
+    items: dict[str, Any]
+
+    @abstractmethod
+    def read_region(self, key: str, region: tuple[slice, ...]) -> torch.Tensor:
+        """The part ``region`` of the global tensor ``key``; a part the checkpoint does
+        not hold is an error."""
+
+    @abstractmethod
+    def read_item(self, key: str) -> Any:
+        """A non-tensor item, loaded with ``weights_only=True``."""
+
+    def read_tensor(self, key: str) -> torch.Tensor:
+        """The whole global tensor ``key``."""
+        return self.read_region(key, tuple(slice(0, n) for n in self.tensors[key].shape))
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor, whole, one at a time (sorted by key)."""
+        for key in sorted(self.tensors):
+            yield key, self.read_tensor(key)
+
+    def common_state(self) -> dict[str, Any]:
+        """Megatron's ``common.pt`` (weights_only), or {} where there is none."""
+        if not (self.path / COMMON_FILE).exists():
+            return {}
+        from shardstore.strategies.common import TorchCommonLoadStrategy
+
+        return TorchCommonLoadStrategy().load_common(str(self.path))
+
+    def read_file(
+        self, rel: str, offset: int = 0, length: int | None = None, missing_ok: bool = False, what: str = "data"
+    ) -> bytes | None:
+        """Bytes ``[offset, offset + length)`` of the file ``rel`` (the rest of it when
+        ``length`` is None), read safely; None for a missing file when ``missing_ok``.
+        ``what``: what the bytes are, for the error messages (e.g. the tensor's key)."""
+        try:
+            fd = open_regular_file(self.path, self.path / rel)
+        except StorageError as exc:
+            raise CheckpointingException(f"{self.path}: refusing to read {what} from {rel!r}: {exc}") from exc
+        if fd is None:
+            if missing_ok:
+                return None
+            raise CheckpointingException(f"{self.path}: {rel!r}, holding {what}, is missing")
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            stop = size if length is None else offset + length
+            if offset < 0 or stop < offset or stop > size:
+                raise CheckpointingException(
+                    f"{self.path / rel}: {what} at bytes [{offset}, {stop}) lies outside the {size}-byte file"
+                )
+            f.seek(offset)
+            return f.read(stop - offset)
+
+    def load_pickled(self, data: bytes, what: str) -> Any:
+        """A ``torch.save`` value from ``data``, loaded with ``weights_only=True``."""
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # a malformed or code-running pickle
+            raise CheckpointingException(f"Cannot load {what} of {self.path}: {exc}") from exc
+
+
+__all__ = ["ForeignCheckpoint", "ForeignTensor"]

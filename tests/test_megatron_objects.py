@@ -6,6 +6,11 @@ splits, pipeline-stacked layers (``prepend_axis_num``), data-parallel replicas, 
 fused-QKV ``ShardedTensorFactory``, a per-rank ``ShardedObject`` and a
 ``LocalNonpersistentObject``. They are saved at 2 ranks through ``shardstore.save``
 and loaded at 1 and 4 ranks with megatron objects as the request, bit-exact.
+
+CI installs megatron-core 0.16.1; the file also runs against 0.14.0 (flattened ranges
+instead of irregular grids), e.g. ``PYTHONPATH=. /tmp/mc014/bin/python -m pytest
+tests/test_megatron_objects.py`` in the venv ``tests/fixtures/legacy/make_megatron014.py``
+describes.
 """
 
 from __future__ import annotations
@@ -141,6 +146,60 @@ def megatron_api_irregular(rank: int, world: int, ckpt: str) -> None:
     assert_bits_equal(loaded["buf"], _irregular_buffer(rank, False).data)
 
 
+def _megatron_has_flattened_ranges() -> bool:
+    """megatron-core <= 0.14 builds flattened ranges; 0.16 raises on them and builds
+    irregular grids instead (which 0.14 refuses)."""
+    try:
+        mapping.ShardedTensor.from_rank_offsets_flat("x", torch.zeros(2), (4,), flattened_range=slice(0, 2))
+    except Exception:  # noqa: BLE001  (0.16: "flattened_range is not supported")
+        return False
+    return True
+
+
+HAS_FLATTENED_RANGES = _megatron_has_flattened_ranges()
+
+
+def _flat_state(rank: int, cuts: list[int], empty: bool) -> dict:
+    """Megatron 0.14's distributed optimizer: each rank a contiguous range of the
+    flattened parameters (a 1-D one and an 8 x 6 one)."""
+    vector, matrix = torch.arange(24, dtype=torch.float32), FC2[0][:, :6].float()
+    lo, hi = cuts[rank], cuts[rank + 1]
+    matrix_cut = [c * 2 for c in cuts]  # 48 elements, cut at twice the vector's cut
+    m_lo, m_hi = matrix_cut[rank], matrix_cut[rank + 1]
+
+    def take(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x) if empty else x.clone()
+
+    return {
+        "vector": mapping.ShardedTensor.from_rank_offsets_flat(
+            "optimizer/exp_avg", take(vector[lo:hi]), (24,), flattened_range=slice(lo, hi)),
+        "matrix": mapping.ShardedTensor.from_rank_offsets_flat(
+            "optimizer/fc2_exp_avg", take(matrix.flatten()[m_lo:m_hi]), (8, 6), flattened_range=slice(m_lo, m_hi)),
+    }
+
+
+def save_flat(rank: int, world: int, ckpt: str) -> None:
+    save(_flat_state(rank, [0, 13, 24], empty=False), ckpt)
+
+
+def load_flat(rank: int, world: int, ckpt: str) -> None:
+    cuts = [0, 5, 24] if world == 2 else [0, 24]
+    loaded = load(_flat_state(rank, cuts, empty=True), ckpt)
+    expected = _flat_state(rank, cuts, empty=False)
+    for name in ("vector", "matrix"):
+        assert_bits_equal(loaded[name], expected[name].data, name)
+
+
+@pytest.mark.skipif(not HAS_FLATTENED_RANGES, reason="this megatron-core builds irregular grids, not flattened ranges")
+def test_megatron_014_flattened_ranges_save_and_reshard(ckpt_dir: Path) -> None:
+    """0.14's from_rank_offsets_flat objects, cut 13 + 11 (and 26 + 22 of 48), saved at
+    2 ranks, loaded at 1 and at another cut at 2."""
+    run_distributed(save_flat, 2, str(ckpt_dir))
+    run_distributed(load_flat, 1, str(ckpt_dir))
+    run_distributed(load_flat, 2, str(ckpt_dir))
+
+
+@pytest.mark.skipif(HAS_FLATTENED_RANGES, reason="this megatron-core (<= 0.14) refuses irregular grids")
 def test_irregular_grids_through_megatrons_own_save_and_load(ckpt_dir: Path) -> None:
     """The plug-in stores Megatron 0.16's irregular buffers too (tests/test_irregular.py
     covers resharding them through shardstore's API)."""

@@ -260,3 +260,59 @@ def test_plugin_without_megatron_says_what_to_install(monkeypatch) -> None:
     with pytest.raises(ImportError, match="needs megatron-core"):
         importlib.import_module("shardstore.megatron")
     monkeypatch.delitem(sys.modules, "shardstore.megatron", raising=False)
+
+
+def megatron_api_async_save(rank: int, world: int, ckpt: str, fail_rank: int | None) -> str | None:
+    """Megatron's own async path: save(..., async_sharded_save=True) and its
+    AsyncCallsQueue (a forked writer process). Megatron's queue puts a tensor on
+    ``torch.cuda.current_device()``: on a CPU torch that is a stand-in, "cpu"."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    import shardstore.strategies.zarr as zarr_strategy
+    from shardstore.megatron import ShardstoreSaveShardedStrategy
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    if rank == 0:
+        Path(ckpt).mkdir()
+    torch.distributed.barrier()
+    if rank == fail_rank:  # the background writer of this rank fails (after the fork)
+        def failing_write(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+        zarr_strategy.run_writes = failing_write
+    sd = megatron_state_dict(rank, world, empty=False)
+    request = dist_checkpointing.save(sd, ckpt, sharded_strategy=ShardstoreSaveShardedStrategy(),
+                                      async_sharded_save=True)
+    for layer in range(LAYERS):  # the caller may change its tensors once save returns
+        sd["model"]["layers"][f"{layer}.fc1"].data.fill_(-1)
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(request)
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except Exception as exc:  # noqa: BLE001  (the failing case: every rank must see it)
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        queue.close()
+    return None
+
+
+def test_megatron_async_save_with_the_plugin(ckpt_dir: Path) -> None:
+    """17.3: the plug-in through Megatron's async save, the tensors changed right after
+    save returned: the checkpoint holds the values at the call, is verified, and no
+    report file is left."""
+    from shardstore import load_plain_tensors, verify
+
+    assert run_distributed(megatron_api_async_save, 2, str(ckpt_dir), None) == [None, None]
+    assert verify(ckpt_dir).ok
+    assert_bits_equal(load_plain_tensors(ckpt_dir)["decoder/layers/fc1"], FC1)
+    assert not list(ckpt_dir.glob(".shardstore-written-*"))
+
+
+def test_megatron_async_save_failing_in_the_background_fails_every_rank(ckpt_dir: Path) -> None:
+    from shardstore import CheckpointingException, load_plain_tensors
+
+    errors = run_distributed(megatron_api_async_save, 2, str(ckpt_dir), 1)
+    assert all(e and "failed on rank(s) 1" in e and "No space left on device" in e for e in errors), errors
+    with pytest.raises(CheckpointingException, match="commit record"):
+        load_plain_tensors(ckpt_dir)

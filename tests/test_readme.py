@@ -95,7 +95,7 @@ def test_readme_fragments_run_as_written(tmp_path: Path, marker: str, block: str
     fragment = block.replace("/ckpt/", f"{tmp_path}/ckpt/")
     script = (
         "import os\nimport torch.distributed as dist\n"
-        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:%d', rank=0, world_size=1)\n" % free_port()
+        f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
         + save_py.replace("if dist.is_initialized():\n    dist.destroy_process_group()", "")
         + _FRAGMENT_CONTEXT[marker] + fragment + _CHECKS[marker]
         + "dist.destroy_process_group()\n"

@@ -36,11 +36,17 @@ def _context() -> mp.context.BaseContext:
     return ctx
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, backend: str = "gloo"
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
+        if backend == "nccl":  # one GPU per rank (NCCL refuses two ranks on one GPU)
+            import torch
+
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=60),
         )
         value = fn(rank, world_size, *args)
@@ -53,18 +59,23 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
 
 
 def run_distributed(
-    fn: Callable, world_size: int, *args: Any, timeout: float = 120, killed: tuple[int, ...] = ()
+    fn: Callable, world_size: int, *args: Any, timeout: float = 120, killed: tuple[int, ...] = (),
+    backend: str = "gloo",
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns the
     per-rank return values (must be picklable). ``fn`` must be a module-level function.
 
     ``killed``: ranks expected to die by SIGKILL (their value is None); the test fails
-    if they exit any other way.
+    if they exit any other way. ``backend``: ``"gloo"``, or ``"nccl"`` (each rank on its
+    own GPU).
     """
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, backend))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outcomes: dict[int, tuple[bool, Any]] = {r: (True, None) for r in killed}

@@ -1,0 +1,108 @@
+"""Issue 15: the GPU path. CUDA tensors on NCCL (world 1: NCCL refuses two ranks on one
+GPU) and on gloo groups of 2 ranks sharing a GPU: sync save and load into CUDA targets
+bit-exact (bf16, fp32, fp8), async saves whose finalize runs its collective on the
+group's device with the tensors overwritten right after ``save`` returned (on the
+default stream and on a side stream), flattened ranges and fully-parallel loads.
+
+Every scenario runs twice: on CUDA (marked ``gpu``, skipped where CUDA is absent, as in
+CI; ``pytest -m gpu`` on a GPU machine) and on CPU with gloo, which checks the
+scenario itself on every machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardstore import ShardedTensor, load, save
+from shardstore.strategies.async_utils import AsyncCallsQueue
+from tests.dist import run_distributed
+
+_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+ON_CUDA_NCCL = pytest.param("cuda", "nccl", marks=[pytest.mark.gpu, _cuda], id="cuda-nccl")
+ON_CUDA_GLOO = pytest.param("cuda", "gloo", marks=[pytest.mark.gpu, _cuda], id="cuda-gloo")
+ON_CPU = pytest.param("cpu", "gloo", id="cpu-gloo")
+DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+
+
+def _full(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Deterministic global values of ``key`` (on the CPU)."""
+    generator = torch.Generator().manual_seed(sum(map(ord, key)))
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def _state(rank: int, world: int, device: str, empty: bool) -> dict:
+    """Each dtype's (16, 8) tensor split along axis 0 over the ranks, plus a flattened
+    range (distributed optimizer) of a (6, 4) tensor cut at element 10."""
+    state = {}
+    for dtype in DTYPES:
+        key = f"w_{str(dtype).split('.')[-1]}"
+        part = _full(key, (16, 8), dtype).chunk(world)[rank].to(device)
+        state[key] = ShardedTensor.from_rank_offsets(key, torch.empty_like(part) if empty else part, (0, rank, world))
+    cuts = [0, 10, 24] if world == 2 else [0, 24]
+    flat = _full("flat", (6, 4), torch.float32).flatten()[cuts[rank]:cuts[rank + 1]].to(device)
+    state["flat"] = ShardedTensor.from_rank_offsets_flat(
+        "flat", torch.empty_like(flat) if empty else flat, (6, 4), flattened_range=slice(cuts[rank], cuts[rank + 1]))
+    return state
+
+
+def _check(loaded: dict, rank: int, world: int, device: str) -> None:
+    expected = _state(rank, world, "cpu", empty=False)
+    for key, want in expected.items():
+        got = loaded[key]
+        assert got.device.type == device, (key, got.device)
+        assert got.dtype == want.data.dtype and torch.equal(
+            got.cpu().view(torch.uint8), want.data.view(torch.uint8)), key
+
+
+def save_and_load(rank: int, world: int, ckpt: str, device: str) -> None:
+    save(_state(rank, world, device, empty=False), ckpt)
+    load_world = world  # the same ranks, another layout: the whole tensors on every rank
+    request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(16, 8, dtype=t.dtype, device=device),
+                                                    replica_id=rank)
+               for key, t in _state(rank, world, device, empty=True).items() if key != "flat"}
+    loaded = load(request, ckpt)
+    for dtype in DTYPES:
+        key = f"w_{str(dtype).split('.')[-1]}"
+        assert loaded[key].device.type == device
+        assert torch.equal(loaded[key].cpu().view(torch.uint8), _full(key, (16, 8), dtype).view(torch.uint8)), key
+    _check(load(_state(rank, load_world, device, empty=True), ckpt), rank, load_world, device)
+
+
+def async_save_then_overwrite(rank: int, world: int, ckpt: str, device: str) -> None:
+    """The caller changes its tensors right after ``save`` returns, on the default stream
+    and on a side stream; the checkpoint holds the values at the call."""
+    state = _state(rank, world, device, empty=False)
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(save(state, ckpt, async_sharded_save=True))
+    side = torch.cuda.Stream() if device == "cuda" else None
+    for i, t in enumerate(state.values()):
+        if side is not None and i % 2:
+            with torch.cuda.stream(side):
+                t.data.zero_()
+        else:
+            t.data.zero_()
+    queue.close()  # waits, then finalizes: a collective on the group's device
+    _check(load(_state(rank, world, device, empty=True), ckpt), rank, world, device)
+
+
+@pytest.mark.parametrize("device, backend", [ON_CUDA_NCCL, ON_CPU])
+def test_save_and_load_at_world_1(ckpt_dir: Path, device: str, backend: str) -> None:
+    run_distributed(save_and_load, 1, str(ckpt_dir), device, backend=backend)
+
+
+@pytest.mark.parametrize("device, backend", [ON_CUDA_GLOO, ON_CPU])
+def test_save_and_load_at_2_ranks(ckpt_dir: Path, device: str, backend: str) -> None:
+    run_distributed(save_and_load, 2, str(ckpt_dir), device, backend=backend)
+
+
+@pytest.mark.parametrize("device, backend", [ON_CUDA_NCCL, ON_CPU])
+def test_async_save_with_tensors_overwritten_at_world_1(ckpt_dir: Path, device: str, backend: str) -> None:
+    run_distributed(async_save_then_overwrite, 1, str(ckpt_dir), device, backend=backend)
+
+
+@pytest.mark.parametrize("device, backend", [ON_CUDA_GLOO, ON_CPU])
+def test_async_save_with_tensors_overwritten_at_2_ranks(ckpt_dir: Path, device: str, backend: str) -> None:
+    run_distributed(async_save_then_overwrite, 2, str(ckpt_dir), device, backend=backend)

@@ -21,9 +21,13 @@ from shardstore.strategies.async_utils import AsyncCallsQueue
 from tests.dist import run_distributed
 
 _cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-ON_CUDA_NCCL = pytest.param("cuda", "nccl", marks=[pytest.mark.gpu, _cuda], id="cuda-nccl")
-ON_CUDA_GLOO = pytest.param("cuda", "gloo", marks=[pytest.mark.gpu, _cuda], id="cuda-gloo")
-ON_CPU = pytest.param("cpu", "gloo", id="cpu-gloo")
+_gpu = [pytest.mark.gpu, _cuda]
+PLACES = [  # (world, device, backend): NCCL at world 1 only, two ranks share one GPU through gloo
+    pytest.param(1, "cuda", "nccl", marks=_gpu, id="1-cuda-nccl"),
+    pytest.param(2, "cuda", "gloo", marks=_gpu, id="2-cuda-gloo"),
+    pytest.param(1, "cpu", "gloo", id="1-cpu-gloo"),
+    pytest.param(2, "cpu", "gloo", id="2-cpu-gloo"),
+]
 DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 
 
@@ -88,21 +92,7 @@ def async_save_then_overwrite(rank: int, world: int, ckpt: str, device: str) -> 
     _check(load(_state(rank, world, device, empty=True), ckpt), rank, world, device)
 
 
-@pytest.mark.parametrize("device, backend", [ON_CUDA_NCCL, ON_CPU])
-def test_save_and_load_at_world_1(ckpt_dir: Path, device: str, backend: str) -> None:
-    run_distributed(save_and_load, 1, str(ckpt_dir), device, backend=backend)
-
-
-@pytest.mark.parametrize("device, backend", [ON_CUDA_GLOO, ON_CPU])
-def test_save_and_load_at_2_ranks(ckpt_dir: Path, device: str, backend: str) -> None:
-    run_distributed(save_and_load, 2, str(ckpt_dir), device, backend=backend)
-
-
-@pytest.mark.parametrize("device, backend", [ON_CUDA_NCCL, ON_CPU])
-def test_async_save_with_tensors_overwritten_at_world_1(ckpt_dir: Path, device: str, backend: str) -> None:
-    run_distributed(async_save_then_overwrite, 1, str(ckpt_dir), device, backend=backend)
-
-
-@pytest.mark.parametrize("device, backend", [ON_CUDA_GLOO, ON_CPU])
-def test_async_save_with_tensors_overwritten_at_2_ranks(ckpt_dir: Path, device: str, backend: str) -> None:
-    run_distributed(async_save_then_overwrite, 2, str(ckpt_dir), device, backend=backend)
+@pytest.mark.parametrize("world, device, backend", PLACES)
+@pytest.mark.parametrize("scenario", [save_and_load, async_save_then_overwrite], ids=lambda f: f.__name__)
+def test_cuda_tensors(ckpt_dir: Path, scenario, world: int, device: str, backend: str) -> None:
+    run_distributed(scenario, world, str(ckpt_dir), device, backend=backend)

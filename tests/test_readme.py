@@ -1,5 +1,13 @@
-"""Issue 16.6: the README's quick start runs as written: ``save.py`` on 2 ranks under
-torchrun, ``load.py`` on 1 rank and on 2 (so at another world size)."""
+"""Issue 16.6: the README's Python runs as written: the quick start's ``save.py`` on 2
+ranks under torchrun and ``load.py`` on 1 rank and on 2 (so at another world size); the
+other blocks in one process each.
+
+torch 2.13's gloo backend can abort a process at interpreter exit ("terminate called
+without an active exception", pytorch/pytorch#190489: its worker threads outlive the
+interpreter), seen here about 1 run in 3 without ``destroy_process_group`` and rarely,
+under load, with it. The scripts print a marker as their last statement; a run whose
+every process printed it and then died of exactly that abort passed (everything it
+does, and every check it makes, ran); any other failure fails the test."""
 
 from __future__ import annotations
 
@@ -30,14 +38,30 @@ def _run(script: Path, ranks: int, ckpt: Path) -> None:
     else:
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                    "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, f"{script.name} on {ranks} rank(s):\n{result.stdout}\n{result.stderr}"
+    _check_finished(subprocess.run(command, env=env, capture_output=True, text=True, timeout=180), ranks,
+                    f"{script.name} on {ranks} rank(s)")
+
+
+DONE = "shardstore-readme-test: done"
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def _finished(script: str) -> str:
+    """The script with the marker as its last statement."""
+    return f"{script}\nprint({DONE!r}, flush=True)\n"
+
+
+def _check_finished(result: subprocess.CompletedProcess, processes: int, what: str) -> None:
+    report = f"{what}:\n{result.stdout}\n{result.stderr}"
+    all_done = result.stdout.count(DONE) == processes
+    assert all_done, report
+    assert result.returncode == 0 or EXIT_ABORT in result.stderr, report
 
 
 def test_quick_start_runs_as_written(tmp_path: Path) -> None:
     save_py, load_py = _quick_start_blocks()
-    (tmp_path / "save.py").write_text(save_py)
-    (tmp_path / "load.py").write_text(load_py)
+    (tmp_path / "save.py").write_text(_finished(save_py))
+    (tmp_path / "load.py").write_text(_finished(load_py))
     ckpt = tmp_path / "ckpt" / "iter_0001000"
     _run(tmp_path / "save.py", 2, ckpt)
     _run(tmp_path / "load.py", 1, ckpt)
@@ -100,6 +124,7 @@ def test_readme_fragments_run_as_written(tmp_path: Path, marker: str, block: str
         + _FRAGMENT_CONTEXT[marker] + fragment + _CHECKS[marker]
         + "dist.destroy_process_group()\n"
     )
+    script = _finished(script)
     (tmp_path / "fragment.py").write_text(script)
     env = {**os.environ, "CKPT": str(ckpt)}
     server = None
@@ -113,7 +138,7 @@ def test_readme_fragments_run_as_written(tmp_path: Path, marker: str, block: str
     try:
         result = subprocess.run([sys.executable, str(tmp_path / "fragment.py")], env=env, capture_output=True,
                                 text=True, timeout=180, cwd=tmp_path)
-        assert result.returncode == 0, f"{marker}:\n{result.stdout}\n{result.stderr}"
+        _check_finished(result, 1, marker)
         if server is not None:
             from shardstore import load_tensors_metadata
             from shardstore.s3 import S3Options

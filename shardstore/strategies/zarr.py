@@ -119,6 +119,8 @@ ZARR_VERSION = 1
 DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
 # TensorStore I/O operations in flight at once.
 DEFAULT_IO_CONCURRENCY = 64
+# Host memory a sync save of CUDA tensors copies through at once (pinned buffers).
+DEFAULT_SYNC_STAGING_BYTES = 2 * 2**30
 
 
 # --------------------------------------------------------------------------- specs
@@ -216,10 +218,13 @@ class Staging:
 
     Attributes:
         snapshot: copy even CPU tensors, so the caller may change them once ``save``
-            returns (async saves); CUDA tensors go through ``pool``'s pinned buffers.
-        max_bytes: with ``snapshot``, the most snapshot bytes held at once; above it the
-            blocks are written in waves, in the caller, until the rest fits (flattened
-            tensors are staged at once: their chunks are assembled across ranks).
+            returns (async saves). Without it (sync saves) CPU tensors are written from
+            the caller's memory and only CUDA tensors are copied. CUDA tensors go through
+            ``pool``'s pinned buffers.
+        max_bytes: the most copied bytes held at once; above it the blocks are written
+            in waves, in the caller, each wave's writes overlapping the copies of the
+            next (two waves of at most half of it; flattened tensors are staged at once:
+            their chunks are assembled across ranks). None: no bound.
         io_concurrency: for the writes of those waves.
         io_threads: threads for the direct local writes of this save.
     """
@@ -247,35 +252,49 @@ def stage_save(
     staging = staging or Staging()
     records = plan.records
     host: list[torch.Tensor | None] = [None] * len(tensors)
-    mine = plan.shards
     written: set[int] = set()  # blocks already written in an earlier wave
     early_chunks: list[WrittenChunk] = []  # what those waves wrote
-    snapshot = HostSnapshot(staging.pool) if staging.snapshot else None
+    snapshot = HostSnapshot(staging.pool)
     error = None
-    cap = staging.max_bytes if snapshot else None
+
+    def write_wave(wave: list[ShardRecord], copied: Any) -> None:
+        """Writes a wave once its copies landed; its buffers go back to the pool."""
+        copied.synchronize()
+        early_chunks.extend(write_ops(location, records, [_block_op(h, host) for h in wave], staging.io_concurrency))
+        snapshot.release([host[h.index] for h in wave])
+        for h in wave:
+            host[h.index] = None
+            written.add(h.index)
+
     try:
-        held: list[ShardRecord] = []
-        held_bytes = 0
-        for s in sorted(mine, key=lambda s: s.flat_range is not None):
+        waves: list[tuple[list[ShardRecord], Any, int]] = []  # closed waves, copies in flight
+        held: list[ShardRecord] = []  # the wave being copied
+        held_bytes = in_flight = 0
+        for s in sorted(plan.shards, key=lambda s: s.flat_range is not None):
             data = tensors[s.index].data
             if data is None:
                 raise CheckpointingException(f"ShardedTensor {s.key!r} has no data to save")
-            if cap and held and s.flat_range is None and held_bytes + s.nbytes > cap:
-                snapshot.wait()
-                early_chunks += write_ops(location, records, [_block_op(h, host) for h in held], staging.io_concurrency)
-                for h in held:
-                    host[h.index] = None
-                    written.add(h.index)
-                held, held_bytes = [], 0
-            host[s.index] = snapshot.copy(data) if snapshot else to_host(data)
-            held.append(s)
-            held_bytes += s.nbytes
-        if snapshot:
-            snapshot.wait()
+            copy = staging.snapshot or data.device.type != "cpu"
+            if staging.max_bytes and copy and s.flat_range is None:
+                if held and held_bytes + s.nbytes > staging.max_bytes // 2:
+                    waves.append((held, snapshot.mark(), held_bytes))
+                    in_flight += held_bytes
+                    held, held_bytes = [], 0
+                # the newest waves' copies run while the oldest is written, within the bound
+                while waves and in_flight + held_bytes + s.nbytes > staging.max_bytes:
+                    wave, copied, nbytes = waves.pop(0)
+                    write_wave(wave, copied)
+                    in_flight -= nbytes
+            host[s.index] = snapshot.copy(data) if copy else to_host(data)
+            if copy:
+                held.append(s)
+                held_bytes += s.nbytes
+        snapshot.wait()
     except Exception as exc:  # reported on every rank by agree()
         error = exc
     group.agree(error, f"Staging tensors for checkpoint {location.describe()}")
 
+    mine = plan.shards
     ops = [_block_op(s, host) for s in mine if s.flat_range is None and s.index not in written]
     for w in plan.flat_direct:
         flat = tensor_to_numpy(host[w.index])[w.local_start : w.local_stop]
@@ -452,6 +471,9 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
             replicas; on by default.
         max_staging_bytes: async saves only: the most host memory one rank's snapshot
             may hold; above it the save writes in waves and blocks longer (None: no cap).
+        sync_staging_bytes: sync saves of CUDA tensors: the most host memory their
+            copies hold at once (CPU tensors are written from their own memory). Pinned
+            buffers returned after a save stay for the next one, up to this many bytes.
         background_io_threads: async saves only: threads writing local chunks in the
             background. Few on purpose: every runnable I/O thread takes an equal share of
             a core from the training loop. Measured on 2 cores, each busy with a rank's
@@ -469,6 +491,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         fully_parallel: bool = True,
         max_staging_bytes: int | None = None,
         background_io_threads: int = 1,
+        sync_staging_bytes: int = DEFAULT_SYNC_STAGING_BYTES,
     ) -> None:
         super().__init__(backend, version)
         if max_chunk_bytes < 1:
@@ -479,7 +502,14 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.fully_parallel = fully_parallel
         self.max_staging_bytes = max_staging_bytes
         self.background_io_threads = background_io_threads
-        self._buffers = HostBufferPool()
+        self.sync_staging_bytes = sync_staging_bytes
+        self._buffers = HostBufferPool()  # async snapshots: every buffer kept for the next save
+        self._sync_buffers = HostBufferPool(max_free_bytes=sync_staging_bytes)
+
+    def release_buffers(self) -> None:
+        """Frees the pinned host buffers kept for the next save's copies."""
+        self._buffers.clear()
+        self._sync_buffers.clear()
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> AsyncRequest:
         tensors, objects = local_sharded_items(sharded_state_dict)
@@ -503,8 +533,11 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: RankSavePlan,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        """Synchronous: writes straight from the tensors' memory (no snapshot)."""
-        self._request(sharded_state_dict, checkpoint_dir, plan, Staging(), process_group).execute_sync()
+        """Synchronous: writes CPU tensors straight from their memory; CUDA tensors
+        stream through pinned buffers, at most ``sync_staging_bytes`` at once, their
+        copies overlapping the writes."""
+        staging = Staging(False, self.sync_staging_bytes, self._sync_buffers, self.io_concurrency)
+        self._request(sharded_state_dict, checkpoint_dir, plan, staging, process_group).execute_sync()
 
     def _request(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: RankSavePlan,

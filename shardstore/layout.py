@@ -145,7 +145,12 @@ class GlobalLayout:
 
     def main_nbytes(self) -> int:
         """Bytes of tensor data the checkpoint holds (each main shard once)."""
-        return sum(r.nbytes for shards in self.tensors.values() for r in shards if r.main)
+        total = 0
+        for shards in self.tensors.values():
+            elements = sum(r.block_volume if r.flat_range is None else r.flat_range[1] - r.flat_range[0]
+                           for r in shards if r.main)
+            total += elements * from_zarr_name(shards[0].dtype).itemsize  # one dtype per key (validated)
+        return total
 
 
 def balance_writers(layout: GlobalLayout) -> GlobalLayout:
@@ -160,13 +165,15 @@ def balance_writers(layout: GlobalLayout) -> GlobalLayout:
     for shards in layout.tensors.values():
         for s in shards:
             replicas[s.block_id].append(s)
+    replicated = [g for g in replicas.values() if len(g) > 1 and any(s.main for s in g)]
+    if not replicated:  # every block has one holder: nothing to choose
+        return layout
     load = [0] * layout.world_size
     for s in (s for group in replicas.values() if len(group) == 1 for s in group if s.main):
         load[s.rank] += s.nbytes
-    replicated = [g for g in replicas.values() if len(g) > 1 and any(s.main for s in g)]
     writers = {w.block_id: w for w in pick_balanced(replicated, load)}
     tensors = {
-        key: [replace(s, main=writers[s.block_id] is s) if s.block_id in writers else s for s in shards]
+        key: [replace(s, main=writers[b] is s) if (b := s.block_id) in writers else s for s in shards]
         for key, shards in layout.tensors.items()
     }
     return GlobalLayout(tensors, layout.objects, layout.world_size)
@@ -176,9 +183,9 @@ def pick_balanced(groups: list[list[ShardRecord]], load: list[int]) -> list[Shar
     """One member of each group (in the groups' order), so that the ranks' byte counts
     stay even: greedy, largest group first, to the member whose rank has the fewest
     bytes so far (ties: lowest rank). ``load``: bytes each rank already has; updated.
-    A pure function of its input, so its result does not depend on who computes it."""
+    A pure function of its input (the groups' order included)."""
     chosen: dict[int, ShardRecord] = {}
-    order = sorted(range(len(groups)), key=lambda i: (-groups[i][0].nbytes, repr(groups[i][0].block_id)))
+    order = sorted(range(len(groups)), key=lambda i: -groups[i][0].nbytes)  # stable: ties in the groups' order
     for i in order:
         member = min(groups[i], key=lambda s: (load[s.rank], s.rank))
         load[member.rank] += member.nbytes

@@ -250,7 +250,7 @@ def plan_reads(layout: GlobalLayout, fully_parallel: bool) -> list[RankReadPlan]
     for shards in layout.tensors.values():
         for s in shards:
             requests[(s.block_id, s.dtype)].append(s)
-    groups = sorted(requests.values(), key=lambda g: repr((g[0].block_id, g[0].dtype)))
+    groups = list(requests.values())  # in the order of the gathered requests
     readers = pick_balanced(groups, [0] * world)
     reads: list[list[int]] = [[] for _ in range(world)]
     copies: list[list[tuple[int, int]]] = [[] for _ in range(world)]

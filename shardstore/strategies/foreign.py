@@ -27,6 +27,7 @@ from shardstore.distributed import Group
 from shardstore.foreign_checkpoint import ForeignCheckpoint
 from shardstore.format import CommitRecord
 from shardstore.layout import block_shape, region_at
+from shardstore.loaded import place_loaded, postprocess_loaded
 from shardstore.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from shardstore.megatron_zarr_reader import BACKEND as MEGATRON_ZARR_BACKEND
 from shardstore.megatron_zarr_reader import MegatronZarrCheckpoint, is_megatron_zarr_checkpoint
@@ -78,8 +79,6 @@ def _opened(path: Path, inode: int, size: int, mtime_ns: int) -> ForeignCheckpoi
 
 def read_requested(source: ForeignCheckpoint, t: ShardedTensor) -> torch.Tensor:
     """The part of the saved tensor that ``t`` asks for, shaped and typed as ``t``."""
-    from shardstore.strategies.zarr import _place, postprocess_loaded
-
     saved = source.tensors.get(t.key)
     if saved is None:
         raise CheckpointingException(f"{source.path} has no tensor {t.key!r}")
@@ -92,7 +91,7 @@ def read_requested(source: ForeignCheckpoint, t: ShardedTensor) -> torch.Tensor:
     region = tuple(slice(min(s.start, n), min(s.stop, n)) for s, n in zip(block, saved.shape))
     x = source.read_region(t.key, region)
     x = postprocess_loaded(x.reshape([s.stop - s.start for s in region][t.prepend_axis_num :]), t)
-    return _place(x, t, str(source.path))
+    return place_loaded(x, t, str(source.path))
 
 
 class ForeignLoadShardedStrategy(LoadShardedStrategy):

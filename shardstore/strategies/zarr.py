@@ -63,7 +63,6 @@ from shardstore.distributed import Group, RankFailure, raise_failures
 from shardstore.dtypes import (
     from_torch,
     from_zarr_name,
-    is_exact_conversion,
     numpy_to_tensor,
     numpy_to_torch_dtype_dict,  # noqa: F401  (seed API)
     tensor_to_numpy,
@@ -86,6 +85,12 @@ from shardstore.layout import (
     block_shape,
     chunk_shape_for,
     region_at,
+)
+from shardstore.loaded import (  # flatten_range, pad_to_expected_shape: Megatron-Core's names here
+    flatten_range,  # noqa: F401
+    pad_to_expected_shape,  # noqa: F401
+    place_loaded,
+    postprocess_loaded,
 )
 from shardstore.locations import open_location
 from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
@@ -627,39 +632,6 @@ def plan_read(t: ShardedTensor, record: ArrayRecord, where: str) -> ReadOp:
     return ReadOp(t, region, finish)
 
 
-def postprocess_loaded(x: torch.Tensor, t: ShardedTensor, apply_flattened_range: bool = True) -> torch.Tensor:
-    """Pads (allow_shape_mismatch) or checks the shape, then applies the flat range."""
-    if tuple(x.shape) != tuple(t.local_shape):
-        if not t.allow_shape_mismatch:
-            raise CheckpointingException(
-                f"Shape mismatch for {t.key!r}: loaded {tuple(x.shape)}, expected {tuple(t.local_shape)}"
-            )
-        x = pad_to_expected_shape(x, t)
-    if apply_flattened_range and t.flattened_range is not None:
-        x = flatten_range(t, x)
-    return x
-
-
-def _place(x: torch.Tensor, t: ShardedTensor, where: str, allow_lossy_casts: bool = False) -> torch.Tensor:
-    """The loaded tensor in the requested dtype, on the device of ``t.data`` if given.
-
-    A conversion that could change values (float32 -> int64, float32 -> float16, any ->
-    bool) is refused unless ``allow_lossy_casts``: a trainer asking for the wrong dtype
-    must find out at the load, not from a diverging run.
-    """
-    if x.dtype != t.dtype:
-        if not allow_lossy_casts and not is_exact_conversion(x.dtype, t.dtype):
-            raise CheckpointingException(
-                f"{where}: tensor {t.key!r} is stored as {x.dtype}, the state dict asks for {t.dtype}, a "
-                "conversion that can change values. Request the stored dtype and convert it yourself, or "
-                "load with ZarrLoadShardedStrategy(allow_lossy_casts=True)"
-            )
-        x = x.to(t.dtype)
-    if t.data is not None and t.data.device.type != "cpu":
-        x = x.to(t.data.device, non_blocking=True)
-    return x
-
-
 def load_tensors(
     tensors: list[ShardedTensor], location: Location, record: CommitRecord,
     io_concurrency: int = DEFAULT_IO_CONCURRENCY, allow_lossy_casts: bool = False,
@@ -690,7 +662,7 @@ def load_tensors(
     for r, array in zip(reads, arrays):
         stored = record.arrays[r.tensor.key]
         x = numpy_to_tensor(array, from_zarr_name(stored.dtype).torch_dtype)
-        results.append(_place(r.finish(x), r.tensor, where, allow_lossy_casts))
+        results.append(place_loaded(r.finish(x), r.tensor, where, allow_lossy_casts))
     return results
 
 
@@ -930,8 +902,8 @@ def _load_from_array(sharded_tensor: ShardedTensor, checkpoint_dir: CheckpointDi
     )
     op = plan_read(sharded_tensor, stored, f"checkpoint {location.describe()}")
     array = arr[_ts_index(op.region)].read().result()
-    return _place(op.finish(numpy_to_tensor(array, from_zarr_name(stored.dtype).torch_dtype)), sharded_tensor,
-                  f"checkpoint {location.describe()}")
+    return place_loaded(op.finish(numpy_to_tensor(array, from_zarr_name(stored.dtype).torch_dtype)), sharded_tensor,
+                        f"checkpoint {location.describe()}")
 
 
 def postprocess_numpy_array(
@@ -949,28 +921,6 @@ def _torch_dtype_of(dtype: np.dtype) -> torch.dtype:
         if known_numpy == dtype:
             return known_torch
     raise CheckpointingException(f"numpy dtype {dtype} has no torch equivalent")
-
-
-def flatten_range(sharded_tensor: ShardedTensor, x: torch.Tensor) -> torch.Tensor:
-    """Applies ``sharded_tensor.flattened_range`` to ``x``."""
-    return x.flatten()[sharded_tensor.flattened_range]
-
-
-def pad_to_expected_shape(x: torch.Tensor, expected_sharded_ten: ShardedTensor) -> torch.Tensor:
-    """Zero-pads (or truncates) ``x`` to ``expected_sharded_ten.local_shape``.
-
-    Used with ``allow_shape_mismatch``: e.g. a vocabulary padded differently at load.
-    """
-    expected = tuple(expected_sharded_ten.local_shape)
-    if x.ndim != len(expected):
-        raise CheckpointingException(
-            f"{expected_sharded_ten.key!r}: cannot pad {tuple(x.shape)} to {expected}: different ranks"
-        )
-    x = x[tuple(slice(0, e) for e in expected)]
-    pad: list[int] = []
-    for have, want in reversed(list(zip(x.shape, expected))):
-        pad.extend((0, want - have))
-    return torch.nn.functional.pad(x, pad) if any(pad) else x
 
 
 def load_zarr_based_sharded_metadata(

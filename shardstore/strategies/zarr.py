@@ -2,10 +2,12 @@
 
 Save, in stages (``ZarrSaveShardedStrategy``)::
 
-    all ranks    stage     tensors -> host numpy views (CUDA copied once; an async save
-                           snapshots into its own buffers, in waves above a cap); the
-                           chunks of flattened tensors that straddle ranks are assembled
-                           by exchanging only the straddling pieces (collective)
+    all ranks    stage     tensors -> host numpy views; CUDA tensors (and, for an async
+                           save, every tensor) copied into host buffers, in waves under
+                           a byte bound, each wave written while the next is copied
+                           (``shardstore.staging``); the chunks of flattened tensors that
+                           straddle ranks are assembled by exchanging only the
+                           straddling pieces (collective)
     all ranks    write     array zarr.json files (owner of each array's first chunk) in
                            one batch, then every chunk write in flight at once; then
                            the written data is made durable
@@ -18,11 +20,13 @@ I/O; ``agree`` + ``commit`` are its finalization. With ``fully_parallel`` (defau
 replicated blocks are written by their replicas in turn (``layout.balance_writers``).
 
 Load (``ZarrLoadShardedStrategy``): one read of the commit record gives every array's
-metadata; each requested region is read (only the chunks that overlap it), all reads
-in flight at once. On a local disk chunks go straight into the result's memory
-(``shardstore.chunk_io``); elsewhere (S3) TensorStore reads them, opened from the
-record without reading any ``zarr.json``. With ``fully_parallel`` (default), a block
-that several ranks request is read by one and sent to the others.
+metadata; the coordinator plans who reads what (``plan_load``, ``planner.plan_reads``)
+and each rank runs its part (``run_read_plan``): its regions are read (only the chunks
+that overlap them), all reads in flight at once, then agreed, then exchanged. On a local
+disk chunks go straight into the result's memory (``shardstore.chunk_io``); elsewhere
+(S3) TensorStore reads them, opened from the record without reading any ``zarr.json``.
+With ``fully_parallel`` (default), a block that several ranks request is read by one
+and sent to the others.
 
 The module functions named after Megatron-Core's zarr strategy (``_create_zarr_array``,
 ``_load_from_array``, ...) work on single tensors, for callers of that API.

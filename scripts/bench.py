@@ -16,7 +16,10 @@ Cases: ``large`` (tensor-parallel shards, mixed bfloat16/float32), ``small`` (5,
 replicated 4 KiB tensors), ``reshard`` (saved at 2 ranks, loaded at 1; baseline: the
 same tensors saved and loaded by one process) and ``async``
 (caller-blocked time of an async save vs ``clone()``; a matmul loop's throughput while
-the save runs in the background).
+the save runs in the background); ``device`` (not in the default set: tensors on
+``--device``, CUDA on the GPU machine, at ``--world 1``: sync save, load into device
+targets, async blocked time against a pinned device-to-host copy, against DCP,
+``torch.save`` and the raw bound; ``--cases device --world 1 --gib 8``).
 
 Every timed load starts with the page cache dropped (``/proc/sys/vm/drop_caches`` when
 writable, else ``posix_fadvise(DONTNEED)`` on the checkpoint's files; the report says
@@ -563,6 +566,114 @@ def run_async(b: Bench, state: State, nbytes: int) -> None:
               f"matmul rate during save {loop_alone.seconds / loop_busy.seconds:.2f}x of alone", flush=True)
 
 
+def run_device(b: Bench, args: argparse.Namespace) -> None:
+    """Issue 15: tensors on ``--device`` (CUDA on the GPU machine): shardstore's sync
+    save and its load into device targets against DCP (plain tensors), ``torch.save``
+    and the raw bound (copy to host, one file, fsync; read back into pinned memory, copy
+    to the device); an async save's caller-blocked time against its floor, a pinned
+    device-to-host copy of the same bytes. Run it at ``--world 1`` (NCCL puts one rank on
+    a GPU; the group here is gloo, whose collectives are trivial at world 1)."""
+    import torch.distributed.checkpoint as dcp
+
+    import shardstore
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
+    device = torch.device(args.device)
+    cpu_state = build_large(int(args.gib * GiB), b.rank, b.world)
+    state = State({k: (t.to(device), axis) for k, (t, axis) in cpu_state.shards.items()}, cpu_state.shapes)
+    del cpu_state
+    nbytes = state.local_bytes * b.world
+    case = f"{device.type}"
+    if b.rank == 0:
+        print(f"{case}: {nbytes / GiB:.2f} GiB in {len(state.shards)} tensors on {device} at {b.world} rank(s)",
+              flush=True)
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def check_equal(loaded: dict) -> None:
+        for k, (t, _) in state.shards.items():
+            assert loaded[k].device.type == device.type, (k, loaded[k].device)
+            assert torch.equal(loaded[k].view(torch.uint8), t.view(torch.uint8)), k
+
+    ss_path, ss_target = b.root / "device-shardstore", {}
+
+    def ss_load() -> None:
+        ss_target.clear()
+        ss_target.update(shardstore.load(shardstore_sd(state, b.rank, b.world, empty=True), str(ss_path)))
+        synchronize()
+
+    b.measure(case, "shardstore", nbytes, ss_path,
+              lambda: shardstore.save(shardstore_sd(state, b.rank, b.world), str(ss_path)),
+              ss_load, lambda: check_equal(ss_target))
+
+    plain = {k: t for k, (t, _) in state.shards.items()}  # world 1: the local tensors are the global ones
+    dcp_path, dcp_target = b.root / "device-dcp", {}
+
+    def dcp_load() -> None:
+        dcp_target.clear()
+        dcp_target.update({k: torch.empty_like(t) for k, t in plain.items()})
+        dcp.load(dcp_target, checkpoint_id=str(dcp_path))
+        synchronize()
+
+    if b.world == 1:
+        b.measure(case, "dcp", nbytes, dcp_path, lambda: dcp.save(plain, checkpoint_id=str(dcp_path)), dcp_load,
+                  lambda: check_equal(dcp_target))
+        torch_path = b.root / "device-torch.pt"
+        b.measure(case, "torch", nbytes, torch_path, lambda: torch_save(plain, torch_path),
+                  lambda: (torch.load(torch_path, map_location=device, weights_only=True), synchronize()))
+
+    raw_path = b.root / "device-raw"
+    pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=device.type == "cuda") for t, _ in state.shards.values()]
+    targets = [torch.empty_like(t) for t, _ in state.shards.values()]
+
+    def raw_device_save() -> None:
+        raw_path.mkdir(exist_ok=True)
+        host = State({k: (t.cpu(), a) for k, (t, a) in state.shards.items()}, state.shapes)
+        raw_save(host, raw_path / f"rank{b.rank}")
+
+    def raw_device_load() -> None:
+        raw_load(pinned, raw_path / f"rank{b.rank}")
+        for src, dst in zip(pinned, targets):
+            dst.copy_(src, non_blocking=True)
+        synchronize()
+
+    b.measure(case, "raw", nbytes, raw_path, raw_device_save, raw_device_load)
+    b.flush()
+
+    # async: what the caller waits for, against a pinned device-to-host copy of the same bytes
+    path = b.root / "device-async"
+    blocked = Result(case, "shardstore-async", "blocked", nbytes)
+    floor = Result(case, "pinned-copy", "blocked", nbytes)
+    written = Result(case, "shardstore-async", "until-written", nbytes)
+    queue = AsyncCallsQueue()
+
+    def pinned_copy() -> None:
+        for src, dst in zip(state.shards.values(), pinned):
+            dst.copy_(src[0], non_blocking=True)
+        synchronize()
+
+    for _ in range(b.reps):
+        b._clean(path)
+        floor.samples.append(b._timed(pinned_copy))
+        requests: list = []
+        blocked.samples.append(b._timed(lambda requests=requests: requests.append(
+            shardstore.save(shardstore_sd(state, b.rank, b.world), str(path), async_sharded_save=True))))
+        start = time.perf_counter()
+        queue.schedule_async_request(requests[0])
+        queue.maybe_finalize_async_calls(blocking=True)
+        written.samples.append(Sample(time.perf_counter() - start + blocked.samples[-1].seconds, 0))
+    queue.close()
+    b._clean(path)
+    for p in (ss_path, dcp_path, raw_path):
+        b._clean(p)
+    b.results += [blocked, floor, written]
+    if b.rank == 0:
+        print(f"  async blocked {blocked.seconds:.3f} s vs pinned copy {floor.seconds:.3f} s "
+              f"({blocked.seconds / floor.seconds:.2f}x); written after {written.seconds:.3f} s", flush=True)
+
+
 # ----------------------------------------------------------------- report
 
 
@@ -590,6 +701,13 @@ def ratios(results: list[Result]) -> dict[str, float]:
     out |= ratio("s3.load.vs_s3fs_plain", ("s3", "shardstore", "load"), ("s3", "s3fs-plain", "load"))
     out |= ratio("async.blocked_time_vs_clone", ("async", "clone", "blocked"), ("async", "shardstore", "blocked"))
     out |= ratio("async.loop_rate_vs_alone", ("async", "matmul-loop", "during-save"), ("async", "matmul-loop", "alone"))
+    for device in ("cuda", "cpu"):  # the device case
+        for op in ("save", "load"):
+            for peer in ("dcp", "raw", "torch"):
+                out |= ratio(f"{device}.{op}.vs_{peer}", (device, "shardstore", op), (device, peer, op))
+        # time the caller waits for an async save / time of a pinned copy of the same bytes
+        out |= ratio(f"{device}.async_blocked_time_vs_pinned_copy", (device, "pinned-copy", "blocked"),
+                     (device, "shardstore-async", "blocked"))
     for r in results:
         if (r.case, r.method, r.op) == ("large", "shardstore", "save"):
             out["large.save.extra_rss_vs_state"] = round(r.extra_rss / (r.nbytes / 2), 3)
@@ -624,6 +742,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, root: str
         run_small(b, args)
     if "s3" in args.cases:
         run_s3(b, args)
+    if "device" in args.cases:
+        run_device(b, args)
     if rank == 0:
         table = ratios(b.results)
         extra = {"world": world, "reps": args.reps, "cache": b.cache_method, "ratios": table}
@@ -664,6 +784,8 @@ def main() -> None:
     parser.add_argument("--s3-gib", type=float, default=0.25, help="size of the S3 case's state (all ranks)")
     parser.add_argument("--dir", default=None, help="where to write (default: the temp dir)")
     parser.add_argument("--json", default="bench.json")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="device of the tensors in the 'device' case (default: cuda when available)")
     args = parser.parse_args()
     args.cases = args.cases.split(",")
     root = tempfile.mkdtemp(prefix="shardstore-bench-", dir=args.dir)

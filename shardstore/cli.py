@@ -87,19 +87,21 @@ def inspect_command(checkpoint: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(summary.to_json(), indent=1))
         return
-    saved = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(summary.created))
     click.echo(f"checkpoint {summary.checkpoint}")
-    click.echo(
-        f"  format {summary.format_version}, written by shardstore {summary.library_version} from "
-        f"{summary.world_size} rank(s), committed {saved}, save {summary.save_id}"
-    )
+    if summary.kind == "shardstore":
+        saved = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(summary.created))
+        click.echo(
+            f"  format {summary.format_version}, written by shardstore {summary.library_version} from "
+            f"{summary.world_size} rank(s), committed {saved}, save {summary.save_id}"
+        )
+    else:
+        click.echo(f"  written by another tool ({FOREIGN_KINDS.get(summary.kind, summary.kind)}), read as it is; "
+                   "no checksums to verify (`shardstore convert` it for those)")
     click.echo(f"arrays: {len(summary.arrays)}, {format_bytes(summary.nbytes)}")
     width = max((len(a.key) for a in summary.arrays), default=0)
     for a in summary.arrays:
-        click.echo(
-            f"  {a.key:<{width}}  {_dims(a.shape):<16} {a.dtype:<14} chunks {_dims(a.chunk_shape)} x{a.chunks}"
-            f"  {format_bytes(a.nbytes)}"
-        )
+        chunking = f"chunks {_dims(a.chunk_shape)} x{a.chunks}" if a.chunk_shape or not a.shape else f"{a.chunks} chunk(s)"
+        click.echo(f"  {a.key:<{width}}  {_dims(a.shape):<16} {a.dtype:<14} {chunking}  {format_bytes(a.nbytes)}")
     click.echo(f"sharded objects: {len(summary.objects)}")
     for key, shards in summary.objects.items():
         click.echo(f"  {key}  {len(shards)} shard(s)")
@@ -107,6 +109,8 @@ def inspect_command(checkpoint: str, as_json: bool) -> None:
 
 
 main.add_command(inspect_command, "ls")
+
+FOREIGN_KINDS = {"torch_dist": "Megatron-Core torch_dist", "dcp": "PyTorch DCP", "zarr": "Megatron-Core zarr"}
 
 
 def _dims(shape: tuple[int, ...]) -> str:

@@ -32,7 +32,10 @@ class ArraySummary:
 
 @dataclass(frozen=True)
 class CheckpointSummary:
-    """What a committed checkpoint holds, from its commit record and common state."""
+    """What a checkpoint holds: a committed shardstore checkpoint, from its commit
+    record and common state; another tool's (``kind`` names it: ``torch_dist``, ``dcp``,
+    ``zarr``), from its own metadata, where the commit-record fields are empty (0, "")
+    and an array's ``chunk_shape`` is empty when its saved chunks differ in shape."""
 
     checkpoint: str
     format_version: int
@@ -43,6 +46,7 @@ class CheckpointSummary:
     arrays: tuple[ArraySummary, ...]
     objects: dict[str, tuple[str, ...]]
     common_keys: tuple[str, ...]
+    kind: str = "shardstore"
 
     @property
     def nbytes(self) -> int:
@@ -57,6 +61,8 @@ def describe_checkpoint(checkpoint: str | os.PathLike | Location) -> CheckpointS
     format version and saving world size of a committed checkpoint."""
     from shardstore.serialization import load_common_state_dict
 
+    if _is_foreign(checkpoint):
+        return describe_foreign(checkpoint)
     location = open_committed(checkpoint)
     record = location.record
     arrays = tuple(
@@ -74,6 +80,47 @@ def describe_checkpoint(checkpoint: str | os.PathLike | Location) -> CheckpointS
         arrays=arrays,
         objects={k: o.shard_keys for k, o in sorted(record.objects.items())},
         common_keys=tuple(sorted(str(k) for k in common)),
+    )
+
+
+def _is_foreign(checkpoint: str | os.PathLike | Location) -> bool:
+    """A local directory of another tool that ``strategies.foreign`` reads, without a
+    shardstore commit record."""
+    from shardstore.format import is_committed
+    from shardstore.locations import open_location
+    from shardstore.strategies.foreign import is_foreign_checkpoint
+
+    location = open_location(checkpoint)
+    path = location.local_path()
+    return path is not None and is_foreign_checkpoint(path) and not is_committed(location)
+
+
+def describe_foreign(checkpoint: str | os.PathLike | Location) -> CheckpointSummary:
+    """What another tool's checkpoint (PyTorch DCP, Megatron-Core torch_dist or zarr)
+    holds, read as ``load`` reads it (no code from it runs)."""
+    from shardstore.dtypes import from_torch
+    from shardstore.megatron_zarr_reader import ZarrV2Array
+    from shardstore.strategies.foreign import ForeignLoadCommonStrategy, open_foreign
+
+    source = open_foreign(checkpoint)
+    arrays = []
+    for key, t in sorted(source.tensors.items()):
+        dtype = from_torch(t.dtype)
+        if isinstance(t, ZarrV2Array):
+            chunk_shape, chunks = t.chunks, math.prod(-(-s // c) for s, c in zip(t.shape, t.chunks))
+        else:
+            chunk_shape, chunks = (), len(getattr(t, "chunks", ()))
+        arrays.append(ArraySummary(key, t.shape, dtype.zarr_name, chunk_shape, chunks,
+                                   math.prod(t.shape) * dtype.itemsize))
+    shards = ForeignLoadCommonStrategy().load_sharded_metadata(source.path)
+    objects: dict[str, list[str]] = {}
+    for unique_key, obj in sorted(shards.items()):
+        objects.setdefault(obj.key, []).append(unique_key)
+    common = ForeignLoadCommonStrategy().load_common(source.path)
+    return CheckpointSummary(
+        checkpoint=str(source.path), format_version=0, library_version="", created=0.0, world_size=0, save_id="",
+        arrays=tuple(arrays), objects={k: tuple(v) for k, v in objects.items()},
+        common_keys=tuple(sorted(str(k) for k in common)), kind=source.kind,
     )
 
 

@@ -248,3 +248,22 @@ def test_queries_read_dcp_and_torch_dist_checkpoints() -> None:
 def test_verify_of_another_tools_checkpoint_says_to_convert(source: Path) -> None:
     report = verify(source)
     assert not report.ok and "shardstore convert" in report.problems[0].message
+
+
+@pytest.mark.parametrize("source, kind, arrays", [
+    (MEGATRON_014_ZARR, "zarr", 4), (MEGATRON_014_TORCH_DIST, "torch_dist", 4), (DCP, "dcp", 3)],
+    ids=lambda v: getattr(v, "name", str(v)))
+def test_inspect_lists_another_tools_checkpoint(source: Path, kind: str, arrays: int) -> None:
+    import json
+
+    result = CliRunner().invoke(main, ["--no-progress", "inspect", "--json", str(source)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["kind"] == kind and len(summary["arrays"]) == arrays
+    by_key = {a["key"]: a for a in summary["arrays"]}
+    if kind != "dcp":
+        assert by_key["optimizer/exp_avg"]["shape"] == [24] and by_key["embedding/word"]["dtype"] == "bfloat16"
+        assert summary["objects"] == {"rng_state": ["rng_state/shard_0_2", "rng_state/shard_1_2"]}
+        assert summary["common_keys"] == ["args", "iteration"]
+    text = CliRunner().invoke(main, ["--no-progress", "inspect", str(source)]).stdout
+    assert "written by another tool" in text

@@ -29,6 +29,7 @@ import io
 import math
 import os
 import pickle
+import stat
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
@@ -128,6 +129,7 @@ class DcpCheckpoint(ForeignCheckpoint):
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        self._sizes: dict[str, int] = {}  # data file -> size in bytes
         metadata = self._read_metadata()
         config = maybe_load_config(str(self.path))
         self.kind = "torch_dist" if config is not None and config.sharded_backend == "torch_dist" else "dcp"
@@ -184,7 +186,26 @@ class DcpCheckpoint(ForeignCheckpoint):
         name = str(info.relative_path)
         if "/" in name or "\\" in name or name.startswith(".") or not name:
             raise CheckpointingException(f"{self.path}: item {key!r} points outside the checkpoint ({name!r})")
-        return name, int(info.offset), int(info.length)
+        offset, length = int(info.offset), int(info.length)
+        size = self._file_size(name)
+        if offset < 0 or length < 0 or offset + length > size:
+            raise CheckpointingException(
+                f"{self.path / name}: {key!r} at bytes [{offset}, {offset + length}) lies outside the {size}-byte file"
+            )
+        return name, offset, length
+
+    def _file_size(self, name: str) -> int:
+        """The size of a data file (once per file), which bounds what may be read from it."""
+        sizes = self._sizes
+        if name not in sizes:
+            try:
+                info = os.lstat(self.path / name)
+            except OSError as exc:
+                raise CheckpointingException(f"{self.path}: cannot read the data file {name!r}: {exc}") from exc
+            if not stat.S_ISREG(info.st_mode):
+                raise CheckpointingException(f"{self.path}: refusing to read {name!r}: not a regular file")
+            sizes[name] = info.st_size
+        return sizes[name]
 
     def read_chunk(self, tensor: DcpTensor, chunk: DcpChunk) -> torch.Tensor:
         """One saved chunk, checked against the metadata."""
@@ -210,13 +231,22 @@ class DcpCheckpoint(ForeignCheckpoint):
         return self._read_stored(tensor, region)
 
     def _read_stored(self, tensor: DcpTensor, region: tuple[slice, ...]) -> torch.Tensor:
-        out = torch.empty([s.stop - s.start for s in region], dtype=tensor.dtype)
-        covered = 0
+        overlapping = []
         for chunk in tensor.chunks:
             lo = [max(s.start, o) for s, o in zip(region, chunk.offsets)]
             hi = [min(s.stop, o + n) for s, o, n in zip(region, chunk.offsets, chunk.sizes)]
-            if any(a >= b for a, b in zip(lo, hi)):
-                continue
+            if not any(a >= b for a, b in zip(lo, hi)):
+                overlapping.append((chunk, lo, hi))
+        # what is allocated is bounded by the bytes on disk, not by what the metadata claims
+        needed = math.prod(s.stop - s.start for s in region) * torch.empty((), dtype=tensor.dtype).element_size()
+        if sum(chunk.length for chunk, _, _ in overlapping) < needed:
+            raise CheckpointingException(
+                f"{self.path}: the saved chunks of {tensor.key!r} hold fewer bytes than the {needed} its region "
+                f"{region} needs: the metadata does not match the data files"
+            )
+        out = torch.empty([s.stop - s.start for s in region], dtype=tensor.dtype)
+        covered = 0
+        for chunk, lo, hi in overlapping:
             value = self.read_chunk(tensor, chunk)
             source = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, chunk.offsets))
             target = tuple(slice(a - s.start, b - s.start) for a, b, s in zip(lo, hi, region))

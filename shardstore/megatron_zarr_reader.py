@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
@@ -135,8 +136,9 @@ class MegatronZarrCheckpoint(ForeignCheckpoint):
 
     def read_region(self, key: str, region: tuple[slice, ...]) -> torch.Tensor:
         array = self.tensors[key]
-        out = np.empty([s.stop - s.start for s in region], dtype=_numpy_dtype(array.dtype))
         ranges = [range(s.start // c, -(-s.stop // c)) for s, c in zip(region, array.chunks)]
+        self._check_sizes(array, list(product(*ranges)))
+        out = np.empty([s.stop - s.start for s in region], dtype=_numpy_dtype(array.dtype))
         for index in product(*ranges):
             start = [i * c for i, c in zip(index, array.chunks)]
             chunk = self._read_chunk(array, index)
@@ -146,6 +148,35 @@ class MegatronZarrCheckpoint(ForeignCheckpoint):
                 tuple(slice(a - b0, b - b0) for a, b, b0 in zip(lo, hi, start))
             ]
         return numpy_to_tensor(out, array.dtype)
+
+    def _check_sizes(self, array: ZarrV2Array, indices: list[tuple[int, ...]]) -> None:
+        """Every chunk file of a region holds its chunk's bytes, checked before anything
+        is allocated: the memory a read takes is bounded by what is on disk, not by what
+        a ``.zarray`` claims."""
+        expected = math.prod(array.chunks) * array.itemsize
+        for index in indices:
+            rel = array.chunk_file(index)
+            try:
+                info = os.lstat(self.path / rel)
+            except FileNotFoundError:
+                info = None
+            except OSError as exc:
+                raise CheckpointingException(f"{self.path}: cannot inspect chunk {rel!r} of {array.key!r}: {exc}") \
+                    from exc
+            if info is not None and not stat.S_ISREG(info.st_mode):
+                raise CheckpointingException(
+                    f"{self.path}: refusing to read a chunk of {array.key!r} from {rel!r}: not a regular file "
+                    "(a symbolic link, directory or special file)"
+                )
+            size = None if info is None else info.st_size
+            if size is None:
+                raise CheckpointingException(
+                    f"{self.path}: chunk {rel!r} of {array.key!r} is missing (Megatron-Core writes every chunk)"
+                )
+            if size != expected:
+                raise CheckpointingException(
+                    f"{self.path}: chunk {rel!r} of {array.key!r} holds {size} bytes, expected {expected}"
+                )
 
     def _read_chunk(self, array: ZarrV2Array, index: tuple[int, ...]) -> np.ndarray:
         """One chunk file, whole (Zarr v2 stores edge chunks at full size)."""

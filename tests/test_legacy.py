@@ -267,3 +267,32 @@ def test_inspect_lists_another_tools_checkpoint(source: Path, kind: str, arrays:
         assert summary["common_keys"] == ["args", "iteration"]
     text = CliRunner().invoke(main, ["--no-progress", "inspect", str(source)]).stdout
     assert "written by another tool" in text
+
+
+def test_a_zarray_claiming_a_huge_array_is_refused_before_allocating(tmp_path: Path) -> None:
+    """A hostile .zarray: shape and chunk of 2^40 elements over a 96-byte chunk file."""
+    import json
+
+    source = _zarr_copy(tmp_path)
+    zarray = source / "decoder/fc1/.zarray"
+    meta = json.loads(zarray.read_text())
+    meta.update(shape=[2**40, 6], chunks=[2**40, 6])
+    zarray.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointingException, match=r"chunk 'decoder/fc1/0.0' of 'decoder/fc1' holds 96 bytes"):
+        load_plain_tensors(source)
+
+
+def test_dcp_metadata_claiming_a_huge_tensor_is_refused_before_allocating(tmp_path: Path) -> None:
+    """A hostile .metadata (pickled with DCP's own classes): a tensor of 2^40 x 6 floats
+    whose chunk is a few hundred bytes of the data file."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    source = tmp_path / "bomb"
+    shutil.copytree(MEGATRON, source)
+    metadata = pickle.loads((source / ".metadata").read_bytes())  # the test's own fixture: trusted here
+    entry = metadata.state_dict_metadata["decoder/fc1"]
+    entry.size = torch.Size([2**40, 6])
+    entry.chunks[0] = ChunkStorageMetadata(entry.chunks[0].offsets, torch.Size([2**40 - 4, 6]))
+    (source / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointingException, match=r"'decoder/fc1' hold fewer bytes than"):
+        load_plain_tensors(source)

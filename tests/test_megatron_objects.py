@@ -316,3 +316,16 @@ def test_megatron_async_save_failing_in_the_background_fails_every_rank(ckpt_dir
     assert all(e and "failed on rank(s) 1" in e and "No space left on device" in e for e in errors), errors
     with pytest.raises(CheckpointingException, match="commit record"):
         load_plain_tensors(ckpt_dir)
+
+
+def test_megatrons_own_queries_refuse_a_shardstore_checkpoint(tmp_path: Path) -> None:
+    """17.6: Megatron-Core opening our checkpoint without the plug-in gets an error that
+    names the backend, not an empty result (as when we claimed its zarr backend)."""
+    from megatron.core import dist_checkpointing
+
+    from shardstore import ShardedTensor
+
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, tmp_path / "ckpt")
+    for query in (dist_checkpointing.load_tensors_metadata, dist_checkpointing.load_common_state_dict):
+        with pytest.raises(Exception, match="shardstore"):
+            query(str(tmp_path / "ckpt"))

@@ -77,11 +77,16 @@ class HostBufferPool:
         self._free_bytes = 0
 
 
-class _Done:
-    """The mark of a batch whose copies are already complete (CPU copies)."""
+class _Marks:
+    """Events marking the copies issued so far, one per device's copy stream (none for
+    CPU copies, which are complete when issued)."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self.events = events
 
     def synchronize(self) -> None:
-        pass
+        for event in self.events:
+            event.synchronize()
 
 
 class HostSnapshot:
@@ -94,28 +99,27 @@ class HostSnapshot:
     def __init__(self, pool: HostBufferPool | None = None) -> None:
         self.pool = pool
         self.buffers: list[torch.Tensor] = []
-        self._stream: Any = None
+        self._streams: dict[torch.device, Any] = {}  # a copy stream per device
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
         if tensor.device.type == "cuda" and self.pool is not None:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(device=tensor.device)
+            stream = self._streams.get(tensor.device)
+            if stream is None:
+                stream = self._streams[tensor.device] = torch.cuda.Stream(device=tensor.device)
             # ordered after what the caller queued on its stream (the step that wrote it)
-            self._stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
             out = self.pool.take(tensor)
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(stream):
                 out.copy_(tensor, non_blocking=True)
-            tensor.record_stream(self._stream)  # its memory stays valid until the copy ran
+            tensor.record_stream(stream)  # its memory stays valid until the copy ran
             self.buffers.append(out)
             return out
         return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
 
-    def mark(self) -> Any:
+    def mark(self) -> _Marks:
         """What to wait for (``.synchronize()``) until the copies issued so far landed."""
-        if self._stream is None:
-            return _Done()
-        return self._stream.record_event()
+        return _Marks([stream.record_event() for stream in self._streams.values()])
 
     def wait(self) -> None:
         """Blocks until every copy issued so far has landed."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -163,23 +164,40 @@ def diff_checkpoints(
 ) -> CheckpointDiff:
     """Keys, shapes, dtypes and the largest absolute difference of every array the two
     checkpoints share, and the common-state entries that differ; reads the arrays a
-    batch at a time (``memory_bytes`` per checkpoint)."""
+    batch at a time (``memory_bytes`` per checkpoint; another tool's checkpoint, one
+    tensor at a time). Either may be another tool's checkpoint (``describe_foreign``),
+    e.g. to check a conversion against its source."""
     from shardstore.serialization import load_common_state_dict
 
-    a, b = open_committed(first), open_committed(second)
-    ra, rb = a.record.arrays, b.record.arrays
+    ra = {a.key: a for a in describe_checkpoint(first).arrays}
+    rb = {a.key: a for a in describe_checkpoint(second).arrays}
     shared = sorted(set(ra) & set(rb))
     comparable = [k for k in shared if ra[k].shape == rb[k].shape]
     largest: dict[str, float] = {}
-    for (key, x), (_, y) in zip(read_arrays(a, comparable, memory_bytes), read_arrays(b, comparable, memory_bytes)):
+    pairs = zip(_whole_arrays(first, comparable, memory_bytes), _whole_arrays(second, comparable, memory_bytes))
+    for (key, x), (_, y) in pairs:
         largest[key] = _max_abs_diff(x, y)
     arrays = tuple(
         ArrayDifference(k, (ra[k].shape, rb[k].shape), (ra[k].dtype, rb[k].dtype), largest.get(k)) for k in shared
     )
-    only_a, only_b, mismatched = diff(load_common_state_dict(a), load_common_state_dict(b))
+    only_a, only_b, mismatched = diff(load_common_state_dict(first), load_common_state_dict(second))
     paths = [*only_a, *only_b, *(path for path, _, _ in mismatched)]
     common = tuple(sorted("/".join(map(str, path)) for path in paths))
     return CheckpointDiff(tuple(sorted(set(ra) - set(rb))), tuple(sorted(set(rb) - set(ra))), arrays, common)
+
+
+def _whole_arrays(
+    checkpoint: str | os.PathLike | Location, keys: list[str], memory_bytes: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(key, whole tensor)`` of ``keys``, sorted by key."""
+    if _is_foreign(checkpoint):
+        from shardstore.strategies.foreign import open_foreign
+
+        source = open_foreign(checkpoint)
+        for key in sorted(keys):
+            yield key, source.read_tensor(key)
+        return
+    yield from read_arrays(checkpoint, keys, memory_bytes)
 
 
 def _max_abs_diff(x: torch.Tensor, y: torch.Tensor, block: int = 2**22) -> float:

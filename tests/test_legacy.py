@@ -296,3 +296,16 @@ def test_dcp_metadata_claiming_a_huge_tensor_is_refused_before_allocating(tmp_pa
     (source / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(CheckpointingException, match=r"'decoder/fc1' hold fewer bytes than"):
         load_plain_tensors(source)
+
+
+def test_diff_compares_across_formats(tmp_path: Path) -> None:
+    """The two readers agree: Megatron 0.14's zarr and torch_dist saves of the same state
+    are identical to each other and to the zarr one's conversion; 0.16.1's lacks one
+    tensor."""
+    from shardstore.inspection import diff_checkpoints
+
+    from_foreign(MEGATRON_014_ZARR, tmp_path / "converted")
+    assert diff_checkpoints(MEGATRON_014_ZARR, MEGATRON_014_TORCH_DIST).identical
+    assert diff_checkpoints(MEGATRON_014_TORCH_DIST, tmp_path / "converted").identical
+    result = CliRunner().invoke(main, ["--no-progress", "diff", str(MEGATRON_014_ZARR), str(MEGATRON)])
+    assert result.exit_code == 1 and "optimizer/fc1_exp_avg" in result.stdout

@@ -720,3 +720,24 @@ def test_an_aborted_async_save_is_cleared_by_the_next_save(ckpt_dir: Path) -> No
     save(_one("w", torch.full((4,), 2.0)), ckpt_dir)
     assert [p.name for p in ckpt_dir.parent.iterdir()] == [ckpt_dir.name]
     assert torch.equal(load(_one("w", torch.empty(4)), ckpt_dir)["w"], torch.full((4,), 2.0))
+
+
+# ------------------------------------------- loads into the caller's tensors
+
+
+def test_a_load_reads_into_the_requests_own_cpu_tensors(tmp_path: Path) -> None:
+    """A contiguous CPU tensor of the stored dtype and shape is filled in place and
+    returned (no second copy of the state); any other request gets a new tensor and its
+    own tensor is left alone."""
+    values = torch.arange(24.0).reshape(4, 6)
+    save({"w": ShardedTensor.from_rank_offsets("w", values), "h": ShardedTensor.from_rank_offsets(
+        "h", values.half())}, tmp_path / "ckpt")
+    mine = torch.full((4, 6), float("nan"))
+    strided = torch.full((6, 4), float("nan")).t()  # not contiguous
+    upcast = torch.full((4, 6), float("nan"))  # float16 stored, float32 asked: converted
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", mine),
+                   "h": ShardedTensor.from_rank_offsets("h", upcast)}, tmp_path / "ckpt")
+    assert loaded["w"] is mine and torch.equal(mine, values)
+    assert loaded["h"] is not upcast and torch.equal(loaded["h"], values) and upcast.isnan().all()
+    again = load({"w": ShardedTensor.from_rank_offsets("w", strided)}, tmp_path / "ckpt")
+    assert again["w"] is not strided and torch.equal(again["w"], values) and strided.isnan().all()

@@ -643,7 +643,11 @@ def load_tensors(
     """Reads every tensor's region, all reads in flight at once; returns them in order.
 
     Chunks land straight in the result's memory where they can (``chunk_io``); each
-    is checked against its own crc32c and the one the commit record binds.
+    is checked against its own crc32c and the one the commit record binds. A request
+    whose ``data`` is a contiguous CPU tensor of the stored dtype and the region's shape
+    is read into that tensor, which is returned (as DCP loads in place): no second copy
+    of the rank's state in memory, and memory a trainer already touched. On a failed
+    load such a tensor may hold part of the checkpoint.
     """
     where = f"checkpoint {location.describe()}"
     missing = sorted({t.key for t in tensors if t.key not in record.arrays})
@@ -656,18 +660,38 @@ def load_tensors(
     store = chunk_store_for(location, io_concurrency)
     arrays: list[np.ndarray] = []
     jobs: list[ReadJob] = []
+    in_place: list[bool] = []
     for r in reads:
-        chunks = ArrayChunks.of(store, record.arrays[r.tensor.key])
-        out = np.empty(_region_shape(r.region), chunks.dtype)
+        stored = record.arrays[r.tensor.key]
+        chunks = ArrayChunks.of(store, stored)
+        target = _in_place_target(r, from_zarr_name(stored.dtype).torch_dtype)
+        out = np.empty(_region_shape(r.region), chunks.dtype) if target is None else target
         jobs += read_region(chunks, r.region, out)
         arrays.append(out)
+        in_place.append(target is not None)
     run_reads(jobs, store.threads)
     results = []
-    for r, array in zip(reads, arrays):
+    for r, array, into_data in zip(reads, arrays, in_place):
+        if into_data:
+            results.append(r.tensor.data)
+            continue
         stored = record.arrays[r.tensor.key]
         x = numpy_to_tensor(array, from_zarr_name(stored.dtype).torch_dtype)
         results.append(place_loaded(r.finish(x), r.tensor, where, allow_lossy_casts))
     return results
+
+
+def _in_place_target(read: ReadOp, stored_dtype: torch.dtype) -> np.ndarray | None:
+    """The request's own memory as the destination of its region (a numpy view), when
+    the read needs no conversion: a contiguous CPU tensor of the stored dtype whose
+    shape is the region's (no flattened range, padding or prepended-axis change)."""
+    t, data = read.tensor, read.tensor.data
+    if data is None or data.device.type != "cpu" or data.dtype != stored_dtype or not data.is_contiguous():
+        return None
+    shape = _region_shape(read.region)
+    if t.flattened_range is not None or tuple(shape[t.prepend_axis_num :]) != tuple(data.shape):
+        return None
+    return tensor_to_numpy(data.detach()).reshape(shape)
 
 
 def run_read_plan(

@@ -741,3 +741,14 @@ def test_a_load_reads_into_the_requests_own_cpu_tensors(tmp_path: Path) -> None:
     assert loaded["h"] is not upcast and torch.equal(loaded["h"], values) and upcast.isnan().all()
     again = load({"w": ShardedTensor.from_rank_offsets("w", strided)}, tmp_path / "ckpt")
     assert again["w"] is not strided and torch.equal(again["w"], values) and strided.isnan().all()
+
+
+def test_tied_request_tensors_each_get_their_own_values(tmp_path: Path) -> None:
+    """One tensor requested under two keys (tied weights) that the checkpoint holds with
+    different values: each key's result has its own values."""
+    save({"a": ShardedTensor.from_rank_offsets("a", torch.ones(3)),
+          "b": ShardedTensor.from_rank_offsets("b", torch.full((3,), 2.0))}, tmp_path / "ckpt")
+    tied = torch.zeros(3)
+    loaded = load({"a": ShardedTensor.from_rank_offsets("a", tied), "b": ShardedTensor.from_rank_offsets("b", tied)},
+                  tmp_path / "ckpt")
+    assert torch.equal(loaded["a"], torch.ones(3)) and torch.equal(loaded["b"], torch.full((3,), 2.0))

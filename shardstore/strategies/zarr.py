@@ -661,10 +661,16 @@ def load_tensors(
     arrays: list[np.ndarray] = []
     jobs: list[ReadJob] = []
     in_place: list[bool] = []
+    targets_seen: set[int] = set()  # tied tensors (one memory, two keys) get their own results
     for r in reads:
         stored = record.arrays[r.tensor.key]
         chunks = ArrayChunks.of(store, stored)
         target = _in_place_target(r, from_zarr_name(stored.dtype).torch_dtype)
+        if target is not None:
+            if r.tensor.data.data_ptr() in targets_seen:
+                target = None
+            else:
+                targets_seen.add(r.tensor.data.data_ptr())
         out = np.empty(_region_shape(r.region), chunks.dtype) if target is None else target
         jobs += read_region(chunks, r.region, out)
         arrays.append(out)

@@ -5,6 +5,7 @@
 # these (../shared/FACTS.md). There, before the tests:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 #   python3 -m pytest -m gpu tests/test_gpu.py
+#   python3 scripts/bench.py --cases device --world 1 --gib 8
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl

@@ -167,13 +167,13 @@ class DcpCheckpoint(ForeignCheckpoint):
     def _read_metadata(self) -> Any:
         file = self.path / DCP_METADATA
         try:
-            with open(file, "rb") as f:
-                data = f.read(MAX_METADATA_BYTES + 1)
+            size = os.lstat(file).st_size
         except OSError as exc:
             raise CheckpointingException(f"{self.path} is not a distributed checkpoint: cannot read {file}: {exc}") \
                 from exc
-        if len(data) > MAX_METADATA_BYTES:
+        if size > MAX_METADATA_BYTES:  # checked before reading it
             raise CheckpointingException(f"{file} is larger than {MAX_METADATA_BYTES} bytes")
+        data = self.read_file(DCP_METADATA, 0, size, what="the metadata")  # a regular file inside the checkpoint
         try:
             return MetadataUnpickler(io.BytesIO(data)).load()
         except Exception as exc:  # any malformed or hostile pickle

@@ -106,9 +106,10 @@ class MegatronZarrCheckpoint(ForeignCheckpoint):
 
     def _array(self, key: str) -> ZarrV2Array:
         where = f"{self.path / key / ZARRAY}"
-        data = self.read_file(f"{key}/{ZARRAY}", what=f"the metadata of {key!r}")
-        if len(data) > MAX_ZARRAY_BYTES:
+        size = os.lstat(self.path / key / ZARRAY).st_size
+        if size > MAX_ZARRAY_BYTES:  # checked before reading it
             raise CheckpointingException(f"{where} is larger than {MAX_ZARRAY_BYTES} bytes")
+        data = self.read_file(f"{key}/{ZARRAY}", 0, size, what=f"the metadata of {key!r}")
         try:
             meta = json.loads(data)
         except ValueError as exc:

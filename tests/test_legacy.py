@@ -309,3 +309,15 @@ def test_diff_compares_across_formats(tmp_path: Path) -> None:
     assert diff_checkpoints(MEGATRON_014_TORCH_DIST, tmp_path / "converted").identical
     result = CliRunner().invoke(main, ["--no-progress", "diff", str(MEGATRON_014_ZARR), str(MEGATRON)])
     assert result.exit_code == 1 and "optimizer/fc1_exp_avg" in result.stdout
+
+
+def test_foreign_metadata_linked_out_of_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    """A .metadata that is a symbolic link (here to a large file outside) is not read."""
+    source = tmp_path / "linked"
+    shutil.copytree(MEGATRON, source)
+    outside = tmp_path / "elsewhere.metadata"
+    outside.write_bytes((source / ".metadata").read_bytes())
+    (source / ".metadata").unlink()
+    (source / ".metadata").symlink_to(outside)
+    with pytest.raises(CheckpointingException, match="refusing to read the metadata"):
+        load_plain_tensors(source)

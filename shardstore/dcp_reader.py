@@ -109,8 +109,8 @@ class DcpTensor(ForeignTensor):
     stored_shape: tuple[int, ...] = ()
 
     @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+    def chunk_count(self) -> int:
+        return len(self.chunks)
 
 
 @dataclass(frozen=True)
@@ -238,7 +238,7 @@ class DcpCheckpoint(ForeignCheckpoint):
             if not any(a >= b for a, b in zip(lo, hi)):
                 overlapping.append((chunk, lo, hi))
         # what is allocated is bounded by the bytes on disk, not by what the metadata claims
-        needed = math.prod(s.stop - s.start for s in region) * torch.empty((), dtype=tensor.dtype).element_size()
+        needed = math.prod(s.stop - s.start for s in region) * tensor.itemsize
         if sum(chunk.length for chunk, _, _ in overlapping) < needed:
             raise CheckpointingException(
                 f"{self.path}: the saved chunks of {tensor.key!r} hold fewer bytes than the {needed} its region "

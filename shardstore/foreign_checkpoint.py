@@ -13,6 +13,7 @@ or devices), its byte ranges checked against its size.
 from __future__ import annotations
 
 import io
+import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -29,11 +30,30 @@ from shardstore.storage import StorageError, open_regular_file
 
 @dataclass(frozen=True)
 class ForeignTensor:
-    """A tensor of a foreign checkpoint: its global shape and dtype."""
+    """A tensor of a foreign checkpoint: its global shape and dtype; each reader's
+    subclass says how it is chunked."""
 
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        """The shape of every saved chunk, or () where they differ."""
+        return ()
+
+    @property
+    def chunk_count(self) -> int:
+        """How many chunks hold it."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how it is chunked")
 
 
 class ForeignCheckpoint(ABC):

@@ -100,19 +100,13 @@ def describe_foreign(checkpoint: str | os.PathLike | Location) -> CheckpointSumm
     """What another tool's checkpoint (PyTorch DCP, Megatron-Core torch_dist or zarr)
     holds, read as ``load`` reads it (no code from it runs)."""
     from shardstore.dtypes import from_torch
-    from shardstore.megatron_zarr_reader import ZarrV2Array
     from shardstore.strategies.foreign import ForeignLoadCommonStrategy, open_foreign
 
     source = open_foreign(checkpoint)
-    arrays = []
-    for key, t in sorted(source.tensors.items()):
-        dtype = from_torch(t.dtype)
-        if isinstance(t, ZarrV2Array):
-            chunk_shape, chunks = t.chunks, math.prod(-(-s // c) for s, c in zip(t.shape, t.chunks))
-        else:
-            chunk_shape, chunks = (), len(getattr(t, "chunks", ()))
-        arrays.append(ArraySummary(key, t.shape, dtype.zarr_name, chunk_shape, chunks,
-                                   math.prod(t.shape) * dtype.itemsize))
+    arrays = tuple(
+        ArraySummary(key, t.shape, from_torch(t.dtype).zarr_name, t.chunk_shape, t.chunk_count, t.nbytes)
+        for key, t in sorted(source.tensors.items())
+    )
     shards = ForeignLoadCommonStrategy().load_sharded_metadata(source.path)
     objects: dict[str, list[str]] = {}
     for unique_key, obj in sorted(shards.items()):
@@ -120,7 +114,7 @@ def describe_foreign(checkpoint: str | os.PathLike | Location) -> CheckpointSumm
     common = ForeignLoadCommonStrategy().load_common(source.path)
     return CheckpointSummary(
         checkpoint=str(source.path), format_version=0, library_version="", created=0.0, world_size=0, save_id="",
-        arrays=tuple(arrays), objects={k: tuple(v) for k, v in objects.items()},
+        arrays=arrays, objects={k: tuple(v) for k, v in objects.items()},
         common_keys=tuple(sorted(str(k) for k in common)), kind=source.kind,
     )
 

@@ -62,8 +62,17 @@ class ZarrV2Array(ForeignTensor):
     separator: str = "."
 
     @property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+    def chunk_shape(self) -> tuple[int, ...]:
+        return self.chunks
+
+    @property
+    def chunk_count(self) -> int:
+        return math.prod(-(-s // c) for s, c in zip(self.shape, self.chunks))
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Bytes of every chunk file (Zarr v2 stores edge chunks at full size)."""
+        return math.prod(self.chunks) * self.itemsize
 
     def chunk_file(self, index: tuple[int, ...]) -> str:
         return f"{self.key}/{self.separator.join(map(str, index)) if index else '0'}"
@@ -154,44 +163,40 @@ class MegatronZarrCheckpoint(ForeignCheckpoint):
         """Every chunk file of a region holds its chunk's bytes, checked before anything
         is allocated: the memory a read takes is bounded by what is on disk, not by what
         a ``.zarray`` claims."""
-        expected = math.prod(array.chunks) * array.itemsize
         for index in indices:
             rel = array.chunk_file(index)
             try:
                 info = os.lstat(self.path / rel)
             except FileNotFoundError:
-                info = None
+                self._check_chunk_size(array, rel, None)
+                continue
             except OSError as exc:
                 raise CheckpointingException(f"{self.path}: cannot inspect chunk {rel!r} of {array.key!r}: {exc}") \
                     from exc
-            if info is not None and not stat.S_ISREG(info.st_mode):
+            if not stat.S_ISREG(info.st_mode):
                 raise CheckpointingException(
                     f"{self.path}: refusing to read a chunk of {array.key!r} from {rel!r}: not a regular file "
                     "(a symbolic link, directory or special file)"
                 )
-            size = None if info is None else info.st_size
-            if size is None:
-                raise CheckpointingException(
-                    f"{self.path}: chunk {rel!r} of {array.key!r} is missing (Megatron-Core writes every chunk)"
-                )
-            if size != expected:
-                raise CheckpointingException(
-                    f"{self.path}: chunk {rel!r} of {array.key!r} holds {size} bytes, expected {expected}"
-                )
+            self._check_chunk_size(array, rel, info.st_size)
 
-    def _read_chunk(self, array: ZarrV2Array, index: tuple[int, ...]) -> np.ndarray:
-        """One chunk file, whole (Zarr v2 stores edge chunks at full size)."""
-        rel = array.chunk_file(index)
-        data = self.read_file(rel, missing_ok=True, what=f"a chunk of {array.key!r}")
-        if data is None:
+    def _check_chunk_size(self, array: ZarrV2Array, rel: str, size: int | None) -> None:
+        """Raises unless the chunk file ``rel`` exists (``size`` not None) and holds
+        exactly one chunk's bytes."""
+        if size is None:
             raise CheckpointingException(
                 f"{self.path}: chunk {rel!r} of {array.key!r} is missing (Megatron-Core writes every chunk)"
             )
-        expected = math.prod(array.chunks) * array.itemsize
-        if len(data) != expected:
+        if size != array.chunk_nbytes:
             raise CheckpointingException(
-                f"{self.path}: chunk {rel!r} of {array.key!r} holds {len(data)} bytes, expected {expected}"
+                f"{self.path}: chunk {rel!r} of {array.key!r} holds {size} bytes, expected {array.chunk_nbytes}"
             )
+
+    def _read_chunk(self, array: ZarrV2Array, index: tuple[int, ...]) -> np.ndarray:
+        """One chunk file, whole (checked again as read: it may have changed since)."""
+        rel = array.chunk_file(index)
+        data = self.read_file(rel, missing_ok=True, what=f"a chunk of {array.key!r}")
+        self._check_chunk_size(array, rel, None if data is None else len(data))
         return np.frombuffer(data, dtype=_numpy_dtype(array.dtype)).reshape(array.chunks)
 
     def read_item(self, key: str) -> object:

@@ -1,7 +1,8 @@
 """The global layout of a save or load and the chunk grid derived from it. Pure functions.
 
 Every rank contributes the metadata (never the data) of its shards; the coordinator
-(a save, ``shardstore.planner``) or every rank (a load) holds the ``GlobalLayout``:
+alone holds the ``GlobalLayout`` and plans from it (``shardstore.protocol``,
+``shardstore.planner``):
 
 * the chunk grid of every array is aligned with the sharding grid (the chunk shape
   divides every shard boundary), so every chunk lies inside one main-replica shard and

@@ -25,10 +25,10 @@ Load protocol (``serialization.load``)::
                              strategy's read plan (``plan_reads``: which rank reads each
                              requested block from storage, who sends it to whom)
     collective   scatter     rank r receives ``RankLoadPlan`` r (or the error)
-    every rank   read        its reads only; agree; exchange; agree
+    collective   read        its reads only; agree; exchange
 
 A plan names a rank's tensors by their index in its own list of ShardedTensors (the
-order of ``validation.local_sharded_items``), so it is applied to the same state dict
+order of ``utils.local_sharded_items``), so it is applied to the same state dict
 whose records were gathered (for a load: after dropping the unexpected keys the plan
 names, which ``validation.plan_load`` renumbers for).
 """

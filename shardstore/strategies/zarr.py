@@ -665,12 +665,7 @@ def load_tensors(
     for r in reads:
         stored = record.arrays[r.tensor.key]
         chunks = ArrayChunks.of(store, stored)
-        target = _in_place_target(r, from_zarr_name(stored.dtype).torch_dtype)
-        if target is not None:
-            if r.tensor.data.data_ptr() in targets_seen:
-                target = None
-            else:
-                targets_seen.add(r.tensor.data.data_ptr())
+        target = _in_place_target(r, from_zarr_name(stored.dtype).torch_dtype, targets_seen)
         out = np.empty(_region_shape(r.region), chunks.dtype) if target is None else target
         jobs += read_region(chunks, r.region, out)
         arrays.append(out)
@@ -687,16 +682,21 @@ def load_tensors(
     return results
 
 
-def _in_place_target(read: ReadOp, stored_dtype: torch.dtype) -> np.ndarray | None:
+def _in_place_target(read: ReadOp, stored_dtype: torch.dtype, taken: set[int]) -> np.ndarray | None:
     """The request's own memory as the destination of its region (a numpy view), when
     the read needs no conversion: a contiguous CPU tensor of the stored dtype whose
-    shape is the region's (no flattened range, padding or prepended-axis change)."""
+    shape is the region's (no flattened range, padding or prepended-axis change), and
+    whose memory no earlier request of this load took (``taken``: data pointers;
+    updated)."""
     t, data = read.tensor, read.tensor.data
     if data is None or data.device.type != "cpu" or data.dtype != stored_dtype or not data.is_contiguous():
         return None
     shape = _region_shape(read.region)
     if t.flattened_range is not None or tuple(shape[t.prepend_axis_num :]) != tuple(data.shape):
         return None
+    if data.data_ptr() in taken:
+        return None
+    taken.add(data.data_ptr())
     return tensor_to_numpy(data.detach()).reshape(shape)
 
 
@@ -743,9 +743,10 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
     Args:
         io_concurrency: TensorStore I/O operations in flight at once.
         fully_parallel: blocks requested by several ranks (replicas) are read once and
-            exchanged over the process group (``load_fully_parallel``). Collective: every
-            rank of the group must call ``load``. On by default; costs one all-gather of
-            the request metadata when nothing is replicated.
+            exchanged over the process group (``planner.plan_reads``, ``run_read_plan``).
+            Collective: every rank of the group must call ``load``. On by default; the
+            plan is made once either way (one gather and one scatter of the request
+            metadata).
         process_group: the ranks that load together (default: the world).
         allow_lossy_casts: convert to the requested dtype even where that can change
             values (float32 -> int64, -> float16, -> bool). Off: such a load raises,

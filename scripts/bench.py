@@ -222,6 +222,41 @@ def raw_load(buffers: list[torch.Tensor], path: Path) -> None:
                 got += f.readinto(view[got:])
 
 
+def files_save(state: State, path: Path, rank: int, world: int) -> None:
+    """The small case's bound for a format of one Zarr array per key: this rank's share
+    of the keys each as a directory with a 600-byte metadata file and a chunk file, made
+    by 8 threads, then one ``sync``. No checksums, no record, no checks."""
+    from shardstore.storage import run_parallel
+
+    mine = list(state.shards.items())[rank::world]
+    meta = b" " * 600
+
+    def write(item: tuple[str, tuple[torch.Tensor, int]]) -> None:
+        key, (t, _) = item
+        os.makedirs(path / key, exist_ok=True)
+        for name, data in (("zarr.json", meta), ("c.0", memoryview(t.view(torch.uint8).numpy()))):
+            fd = os.open(path / key / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            os.write(fd, data)
+            os.close(fd)
+
+    run_parallel(write, mine, 8)
+    os.sync()
+
+
+def files_load(state: State, path: Path, rank: int, world: int) -> None:
+    """Reads this rank's chunk files of ``files_save`` into new tensors, 8 threads."""
+    from shardstore.storage import run_parallel
+
+    def read(item: tuple[str, tuple[torch.Tensor, int]]) -> None:
+        key, (t, _) = item
+        out = torch.empty_like(t)
+        fd = os.open(path / key / "c.0", os.O_RDONLY)
+        os.readv(fd, [memoryview(out.view(torch.uint8).numpy())])
+        os.close(fd)
+
+    run_parallel(read, list(state.shards.items())[rank::world], 8)
+
+
 def torch_save(sd: dict, path: Path) -> None:
     with open(path, "wb") as f:
         torch.save(sd, f)
@@ -446,13 +481,17 @@ def run_small(b: Bench, args: argparse.Namespace) -> None:
     b.measure("small", "dcp", nbytes, dcp_path,
               lambda: dcp.save(dcp_sd(state, mesh), checkpoint_id=str(dcp_path)),
               lambda: dcp.load(dcp_sd(state, mesh, empty=True), checkpoint_id=str(dcp_path)))
+    files_path = b.root / "small-files"
+    b.measure("small", "files", nbytes, files_path,
+              lambda: files_save(state, files_path, b.rank, b.world),
+              lambda: files_load(state, files_path, b.rank, b.world))
     plain = {k: t for k, (t, _) in state.shards.items()}
     torch_path = b.root / "small-torch.pt"
     b.measure("small", "torch", nbytes, torch_path,
               lambda: torch_save(plain, torch_path),
               lambda: torch.load(torch_path, weights_only=True), solo=True)
     b.flush()
-    for p in (ss_path, dcp_path, torch_path):
+    for p in (ss_path, dcp_path, files_path, torch_path):
         b._clean(p)
 
 
@@ -690,6 +729,7 @@ def ratios(results: list[Result]) -> dict[str, float]:
     for op in ("save", "load"):
         for peer in ("dcp", "raw", "torch"):
             out |= ratio(f"large.{op}.vs_{peer}", ("large", "shardstore", op), ("large", peer, op))
+        for peer in ("dcp", "files", "torch"):
             out |= ratio(f"small.{op}.vs_{peer}", ("small", "shardstore", op), ("small", peer, op))
     # time of the 2->1 resharded load / time of a 1->1 load of the same tensors (one reader each)
     out |= ratio("reshard.load_time_vs_same_layout", ("reshard", "shardstore-1rank", "load"),

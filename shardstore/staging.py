@@ -1,4 +1,5 @@
-"""Host copies of the tensors a save writes: the blocking part of a save.
+"""Host staging between the device and storage: the copies a save writes from, and
+the pinned memory a load into device tensors reads into.
 
 A synchronous save writes CPU tensors straight from the caller's memory (``to_host``
 returns a view) and streams CUDA tensors through a bounded set of host buffers. An
@@ -11,11 +12,17 @@ the caller's stream, so a copy sees what the training step wrote, and never wait
 device-wide ``synchronize()`` that would also drain other streams. Each batch of copies
 is marked by an event (``HostSnapshot.mark``): the writer waits for that batch only,
 while the next batch is still being copied.
+
+Loads into CUDA tensors go the other way (``DeviceUploader``): chunks are read into a
+pinned slab, and while that slab's host-to-device copies run on a copy stream, the next
+wave is read into a second slab. Pinned memory stays within a configured bound, and the
+device's DMA engine and the disk work at the same time instead of one after the other.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -136,3 +143,119 @@ class HostSnapshot:
             self.buffers = [b for b in self.buffers if id(b) not in gone]
         if self.pool is not None:
             self.pool.give_back(buffers)
+
+
+# Views into a slab start at multiples of this: every dtype's alignment, and a cache line.
+_SLAB_ALIGN = 64
+DEFAULT_LOAD_STAGING_BYTES = 1 << 30
+
+
+def plan_waves(sizes: list[int], wave_bytes: int) -> list[list[int]]:
+    """Indices of ``sizes`` in order, grouped into waves of at most ``wave_bytes``
+    (aligned); a size above it is a wave of its own."""
+    waves: list[list[int]] = []
+    held = 0
+    for i, n in enumerate(sizes):
+        n = _aligned(n)
+        if not waves or held + n > wave_bytes:
+            waves.append([])
+            held = 0
+        waves[-1].append(i)
+        held += n
+    return waves
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _SLAB_ALIGN) * _SLAB_ALIGN
+
+
+HostRead = Callable[[list[tuple[int, torch.Tensor]]], None]
+
+
+class DeviceUploader:
+    """Fills device tensors from storage through pinned host memory, in waves.
+
+    A wave's reads land in one of two pinned slabs (each at most half the bound, and
+    no larger than the whole load); its host-to-device copies are queued on a copy
+    stream per device, and the next wave is read into the other slab meanwhile. A slab is reused only once the copies out of it have landed (an event
+    per wave, no device-wide ``synchronize()``).
+
+    Args:
+        max_bytes: pinned memory held at once: two slabs of half of it. A tensor larger
+            than half gets a pinned buffer of its own size for its wave.
+
+    The slabs live for one ``fill``: a trainer loads once, and pinned memory kept
+    after it would be taken from the host for the rest of the run.
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_LOAD_STAGING_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._slabs: list[torch.Tensor | None] = [None, None]
+        self._streams: dict[torch.device, Any] = {}
+
+    def fill(self, targets: list[torch.Tensor], read: HostRead) -> None:
+        """Fills each contiguous tensor of ``targets`` with what ``read`` puts in host
+        tensors of its shape and dtype (``read`` gets ``(index into targets, host
+        tensor)`` pairs, one wave at a time, and must fill them all before returning).
+
+        Returns once every copy has landed; work the caller queues on its streams
+        afterwards is ordered after them."""
+        if not targets:
+            return
+        for device in {t.device for t in targets if t.device.type == "cuda"}:
+            # the targets may still be in use by work queued on the caller's stream
+            self._stream(device).wait_stream(torch.cuda.current_stream(device))
+        try:
+            self._fill(targets, read)
+        finally:
+            self._slabs = [None, None]
+
+    def _fill(self, targets: list[torch.Tensor], read: HostRead) -> None:
+        in_flight: deque[_Marks] = deque()
+        half = self.max_bytes // 2
+        slab_bytes = min(half, sum(_aligned(t.nbytes) for t in targets))  # a small load pins little
+        try:
+            for n, wave in enumerate(plan_waves([t.nbytes for t in targets], half)):
+                if len(in_flight) == 2:  # the slab this wave reuses: its copies must have landed
+                    in_flight.popleft().synchronize()
+                hosts = self._views(n % 2, [targets[i] for i in wave], slab_bytes)
+                read(list(zip(wave, hosts)))
+                for i, host in zip(wave, hosts):
+                    self._copy(targets[i], host)
+                in_flight.append(_Marks([stream.record_event() for stream in self._streams.values()]))
+        finally:  # also after a failed read: no copy may still read a slab that is freed
+            for marks in in_flight:
+                marks.synchronize()
+        for device, stream in self._streams.items():
+            if any(t.device == device for t in targets):
+                torch.cuda.current_stream(device).wait_stream(stream)
+
+    def _stream(self, device: torch.device) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    def _copy(self, target: torch.Tensor, host: torch.Tensor) -> None:
+        if target.device.type == "cuda":
+            with torch.cuda.stream(self._stream(target.device)):
+                target.copy_(host, non_blocking=True)
+        else:
+            target.copy_(host)
+
+    def _views(self, slot: int, like: list[torch.Tensor], slab_bytes: int) -> list[torch.Tensor]:
+        """Host tensors shaped like ``like``, carved out of slab ``slot`` (of
+        ``slab_bytes``; a wave larger than that is one tensor, which gets a buffer of
+        its own)."""
+        need = sum(_aligned(t.nbytes) for t in like)
+        pin = any(t.device.type == "cuda" for t in like)
+        slab = self._slabs[slot]
+        if need > slab_bytes:
+            slab = torch.empty(need, dtype=torch.uint8, pin_memory=pin)
+        elif slab is None or slab.numel() < slab_bytes or slab.is_pinned() != pin:
+            slab = self._slabs[slot] = torch.empty(slab_bytes, dtype=torch.uint8, pin_memory=pin)
+        views, at = [], 0
+        for t in like:
+            views.append(slab[at : at + t.nbytes].view(t.dtype).view(t.shape))
+            at += _aligned(t.nbytes)
+        return views

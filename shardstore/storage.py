@@ -263,27 +263,28 @@ class LocalLocation(Location):
             os.close(fd)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
-        self._make_parents([rel])
         self._write_file(rel, data)
 
     def write_many(self, files: dict[str, bytes]) -> None:
-        # Directories first, in one thread: parallel mkdirs in one parent directory
-        # contend on its lock (4x slower than serial for 5,000 files here).
-        self._make_parents(list(files))
         run_parallel(lambda item: self._write_file(*item), list(files.items()))
 
-    def _make_parents(self, rels: list[str]) -> None:
-        for parent in sorted({self._path(rel).parent for rel in rels}):
-            try:
-                parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise StorageError(f"Cannot create directory {parent}: {exc}") from exc
-
     def _write_file(self, rel: str, data: bytes) -> None:
-        path = self._path(rel)
+        """Writes one file, making its directory when it is missing (each directory by
+        the thread that writes into it: 5,000 arrays' directories made first, in one
+        thread, left the writers idle meanwhile; 20% slower here)."""
+        path = os.path.join(self.root, rel)
         try:
-            with open(path, "wb") as f:
-                f.write(data)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise StorageError(f"Cannot write {path}: {exc}") from exc
 
@@ -513,12 +514,33 @@ def open_regular_file(root: Path, path: Path) -> int | None:
     return open_regular(path)
 
 
-def check_inside(root: Path, directory: Path) -> None:
+def check_inside(root: Path, directory: Path, real_root: str | None = None) -> None:
     """Raises StorageError if ``directory`` resolves outside ``root`` (a symbolic link
-    on the way would lead a read into another checkpoint)."""
-    real_root, real = os.path.realpath(root), os.path.realpath(directory)
+    on the way would lead a read into another checkpoint). ``real_root``: ``root``
+    resolved already."""
+    real_root, real = real_root or os.path.realpath(root), os.path.realpath(directory)
     if real != real_root and not real.startswith(real_root + os.sep):
         raise StorageError(f"{directory} leads outside {root} (to {real}): a symbolic link; refusing to read it")
+
+
+class DirectoryGuard:
+    """``check_inside`` for the directories below one root, each checked once (a
+    checkpoint of 5,000 small arrays reads 5,000 directories: resolving the root again
+    for each cost as much as reading the chunk)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._real_root: str | None = None
+        self._checked: set[str] = set()
+
+    def check(self, rel_dir: str) -> None:
+        """Checks ``root/rel_dir`` (``""``: the root itself needs no check)."""
+        if not rel_dir or rel_dir in self._checked:
+            return
+        if self._real_root is None:
+            self._real_root = os.path.realpath(self.root)
+        check_inside(self.root, os.path.join(self.root, rel_dir), self._real_root)
+        self._checked.add(rel_dir)  # set.add is atomic: reader threads share the guard
 
 
 def open_regular(path: Path) -> int | None:

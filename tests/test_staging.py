@@ -1,7 +1,8 @@
-"""Issue 15.2/15.3: host staging. Copies are held within a byte bound, in waves whose
+"""Issue 15.2-15.4: host staging. Copies are held within a byte bound, in waves whose
 writes overlap the copies of the next wave; pinned buffers are reused by exact size and
 what a pool keeps is bounded. CUDA itself is exercised by tests/test_gpu.py; here the
-same wave logic runs on the copies an async save makes of CPU tensors."""
+same wave logic runs on the copies an async save makes of CPU tensors, and on CPU
+targets routed through the path of a load into CUDA tensors."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import pytest
 import torch
 
 import shardstore.strategies.zarr as zarr_strategy
-from shardstore import ShardedTensor, load, save
-from shardstore.staging import HostBufferPool, HostSnapshot
+from shardstore import CheckpointingException, ShardedTensor, load, save
+from shardstore.staging import DeviceUploader, HostBufferPool, HostSnapshot, _Marks
 from shardstore.strategies.async_utils import AsyncCallsQueue
-from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 
 BLOCK = 64 * 1024  # bytes of each of the 12 tensors below
 
@@ -85,3 +86,62 @@ def test_a_sync_save_of_cpu_tensors_copies_nothing(tmp_path: Path, monkeypatch, 
     strategy = ZarrSaveShardedStrategy(**({} if bound is None else {"sync_staging_bytes": bound}))
     save(_state(), tmp_path / "ckpt", strategy)
     assert copies == []
+
+
+def _upload_state(fill: float | None = None) -> dict:
+    """Tensors of several sizes and dtypes: 12 blocks, one of 5 blocks (larger than
+    half the bound below), a bfloat16 one and a 0-d one."""
+    state = _state(fill)
+    big = torch.arange(5 * BLOCK // 4, dtype=torch.float32) if fill is None else torch.full((5 * BLOCK // 4,), fill)
+    state["big"] = ShardedTensor.from_rank_offsets("big", big)
+    half = torch.linspace(-3, 3, 1000).to(torch.bfloat16) if fill is None else torch.full((1000,), fill).bfloat16()
+    state["half"] = ShardedTensor.from_rank_offsets("half", half)
+    state["scalar"] = ShardedTensor.from_rank_offsets("scalar", torch.tensor(7.5 if fill is None else fill))
+    return state
+
+
+def test_loads_into_device_tensors_go_through_bounded_slabs_in_overlapping_waves(tmp_path: Path, monkeypatch) -> None:
+    """Issue 15.4, the logic of a load into CUDA tensors, run here on CPU targets routed
+    the same way: each wave is read into one of two slabs and copied out of it; a slab
+    is reused only after waiting for the copies out of it, and the next wave is read
+    before that wait (the overlap). Pinned bytes stay within the bound (a tensor larger
+    than half of it gets its own buffer), and the request's own tensors are filled."""
+    save(_upload_state(), tmp_path / "ckpt")
+    events: list[tuple[str, int]] = []
+    original_views, original_sync = DeviceUploader._views, _Marks.synchronize
+
+    def views(self, slot, like, slab_bytes):
+        hosts = original_views(self, slot, like, slab_bytes)
+        events.append(("read", sum(t.nbytes for t in like)))
+        return hosts
+
+    def synchronize(self):
+        events.append(("wait", 0))
+        original_sync(self)
+
+    monkeypatch.setattr(zarr_strategy, "_through_host", lambda target: True)
+    monkeypatch.setattr(DeviceUploader, "_views", views)
+    monkeypatch.setattr(_Marks, "synchronize", synchronize)
+    request = _upload_state(fill=0.0)
+    loaded = load(request, tmp_path / "ckpt", ZarrLoadShardedStrategy(load_staging_bytes=4 * BLOCK))
+
+    expected = _upload_state()
+    for key, t in expected.items():
+        assert torch.equal(loaded[key], t.data), key
+        assert loaded[key] is request[key].data, f"{key}: not filled in place"
+    reads = [n for kind, n in events if kind == "read"]
+    assert len(reads) >= 6 and max(n for n in reads if n != 5 * BLOCK) <= 2 * BLOCK, reads
+    first_wait = next(i for i, (kind, _) in enumerate(events) if kind == "wait")
+    assert [kind for kind, _ in events[:first_wait]] == ["read", "read"], "two waves in flight before a wait"
+    assert events[first_wait + 1][0] == "read", "a slab is reused right after its own copies landed"
+
+
+def test_a_failed_read_into_device_tensors_names_the_chunk_and_frees_the_slabs(tmp_path: Path, monkeypatch) -> None:
+    save(_upload_state(), tmp_path / "ckpt")
+    chunk = tmp_path / "ckpt" / "t7" / "c.0"
+    chunk.write_bytes(b"\0" * chunk.stat().st_size)
+    monkeypatch.setattr(zarr_strategy, "_through_host", lambda target: True)
+    strategy = ZarrLoadShardedStrategy(load_staging_bytes=4 * BLOCK)
+    with pytest.raises(CheckpointingException, match=r"chunk c\.0 of array 't7'.*crc32c"):
+        load(_upload_state(fill=0.0), tmp_path / "ckpt", strategy)
+    assert strategy._uploader._slabs == [None, None]

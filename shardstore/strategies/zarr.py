@@ -101,7 +101,13 @@ from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict, is_ma
 from shardstore.planner import RankReadPlan, RankSavePlan, plan_reads, plan_save
 from shardstore.progress import stage
 from shardstore.protocol import gather_and_plan
-from shardstore.staging import HostBufferPool, HostSnapshot, to_host
+from shardstore.staging import (
+    DEFAULT_LOAD_STAGING_BYTES,
+    DeviceUploader,
+    HostBufferPool,
+    HostSnapshot,
+    to_host,
+)
 from shardstore.storage import Location
 from shardstore.strategies.async_utils import AsyncRequest
 from shardstore.strategies.base import (
@@ -639,15 +645,17 @@ def plan_read(t: ShardedTensor, record: ArrayRecord, where: str) -> ReadOp:
 def load_tensors(
     tensors: list[ShardedTensor], location: Location, record: CommitRecord,
     io_concurrency: int = DEFAULT_IO_CONCURRENCY, allow_lossy_casts: bool = False,
+    uploader: DeviceUploader | None = None,
 ) -> list[torch.Tensor]:
     """Reads every tensor's region, all reads in flight at once; returns them in order.
 
     Chunks land straight in the result's memory where they can (``chunk_io``); each
     is checked against its own crc32c and the one the commit record binds. A request
-    whose ``data`` is a contiguous CPU tensor of the stored dtype and the region's shape
-    is read into that tensor, which is returned (as DCP loads in place): no second copy
-    of the rank's state in memory, and memory a trainer already touched. On a failed
-    load such a tensor may hold part of the checkpoint.
+    whose ``data`` is a contiguous tensor of the stored dtype and the region's shape
+    is filled in place and returned (as DCP loads): no second copy of the rank's state.
+    On the CPU the chunks are read into it; on a device they go through ``uploader``'s
+    pinned slabs, copied to the device while the next wave is read. On a failed load
+    such a tensor may hold part of the checkpoint.
     """
     where = f"checkpoint {location.describe()}"
     missing = sorted({t.key for t in tensors if t.key not in record.arrays})
@@ -658,22 +666,33 @@ def load_tensors(
         )
     reads = [plan_read(t, record.arrays[t.key], where) for t in tensors]
     store = chunk_store_for(location, io_concurrency)
-    arrays: list[np.ndarray] = []
+    arrays: list[np.ndarray | None] = []  # None: filled in place (the request's tensor is the result)
     jobs: list[ReadJob] = []
-    in_place: list[bool] = []
+    uploads: list[int] = []  # reads into device targets
     targets_seen: set[int] = set()  # tied tensors (one memory, two keys) get their own results
-    for r in reads:
+    for n, r in enumerate(reads):
         stored = record.arrays[r.tensor.key]
-        chunks = ArrayChunks.of(store, stored)
         target = _in_place_target(r, from_zarr_name(stored.dtype).torch_dtype, targets_seen)
-        out = np.empty(_region_shape(r.region), chunks.dtype) if target is None else target
-        jobs += read_region(chunks, r.region, out)
-        arrays.append(out)
-        in_place.append(target is not None)
+        arrays.append(None if target is not None else np.empty(_region_shape(r.region), from_zarr_name(stored.dtype).numpy_dtype))
+        if target is not None and _through_host(target):
+            uploads.append(n)
+            continue
+        out = arrays[-1] if target is None else tensor_to_numpy(target).reshape(_region_shape(r.region))
+        jobs += read_region(ArrayChunks.of(store, stored), r.region, out)
     run_reads(jobs, store.threads)
+
+    def read_wave(pairs: list[tuple[int, torch.Tensor]]) -> None:
+        wave_jobs: list[ReadJob] = []
+        for i, host in pairs:
+            r = reads[uploads[i]]
+            out = tensor_to_numpy(host).reshape(_region_shape(r.region))
+            wave_jobs += read_region(ArrayChunks.of(store, record.arrays[r.tensor.key]), r.region, out)
+        run_reads(wave_jobs, store.threads)
+
+    (uploader or DeviceUploader()).fill([reads[n].tensor.data for n in uploads], read_wave)
     results = []
-    for r, array, into_data in zip(reads, arrays, in_place):
-        if into_data:
+    for r, array in zip(reads, arrays):
+        if array is None:
             results.append(r.tensor.data)
             continue
         stored = record.arrays[r.tensor.key]
@@ -682,14 +701,19 @@ def load_tensors(
     return results
 
 
-def _in_place_target(read: ReadOp, stored_dtype: torch.dtype, taken: set[int]) -> np.ndarray | None:
-    """The request's own memory as the destination of its region (a numpy view), when
-    the read needs no conversion: a contiguous CPU tensor of the stored dtype whose
-    shape is the region's (no flattened range, padding or prepended-axis change), and
-    whose memory no earlier request of this load took (``taken``: data pointers;
-    updated)."""
+def _through_host(target: torch.Tensor) -> bool:
+    """Whether chunks reach ``target`` through host staging (device memory) rather
+    than being read into it."""
+    return target.device.type != "cpu"
+
+
+def _in_place_target(read: ReadOp, stored_dtype: torch.dtype, taken: set[int]) -> torch.Tensor | None:
+    """The request's own tensor as the destination of its region, when the read needs
+    no conversion: a contiguous tensor (any device) of the stored dtype whose shape is
+    the region's (no flattened range, padding or prepended-axis change), and whose
+    memory no earlier request of this load took (``taken``: data pointers; updated)."""
     t, data = read.tensor, read.tensor.data
-    if data is None or data.device.type != "cpu" or data.dtype != stored_dtype or not data.is_contiguous():
+    if data is None or data.dtype != stored_dtype or not data.is_contiguous():
         return None
     shape = _region_shape(read.region)
     if t.flattened_range is not None or tuple(shape[t.prepend_axis_num :]) != tuple(data.shape):
@@ -697,13 +721,13 @@ def _in_place_target(read: ReadOp, stored_dtype: torch.dtype, taken: set[int]) -
     if data.data_ptr() in taken:
         return None
     taken.add(data.data_ptr())
-    return tensor_to_numpy(data.detach()).reshape(shape)
+    return data.detach()
 
 
 def run_read_plan(
     tensors: list[ShardedTensor], location: Location, record: CommitRecord, plan: RankReadPlan, group: Group,
     io_concurrency: int = DEFAULT_IO_CONCURRENCY, allow_lossy_casts: bool = False,
-    local_error: BaseException | None = None,
+    local_error: BaseException | None = None, uploader: DeviceUploader | None = None,
 ) -> list[torch.Tensor]:
     """Collective: this rank's part of a load (``planner.plan_reads``): its reads, an
     agreement (a failed read, or ``local_error``, raises on every rank before any
@@ -712,7 +736,9 @@ def run_read_plan(
     error = local_error
     if error is None:
         try:
-            loaded = load_tensors([tensors[i] for i in plan.reads], location, record, io_concurrency, allow_lossy_casts)
+            loaded = load_tensors(
+                [tensors[i] for i in plan.reads], location, record, io_concurrency, allow_lossy_casts, uploader
+            )
             out = dict(zip(plan.reads, loaded))
         except Exception as exc:  # reported on every rank by agree(), before any exchange
             error = exc
@@ -751,16 +777,20 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         allow_lossy_casts: convert to the requested dtype even where that can change
             values (float32 -> int64, -> float16, -> bool). Off: such a load raises,
             naming the key; exact conversions (float16 -> float32, ...) always pass.
+        load_staging_bytes: the most pinned host memory a load into CUDA tensors holds
+            (two slabs of half of it, freed when the load returns).
     """
 
     def __init__(
         self, io_concurrency: int = DEFAULT_IO_CONCURRENCY, fully_parallel: bool = True,
         process_group: dist.ProcessGroup | None = None, allow_lossy_casts: bool = False,
+        load_staging_bytes: int = DEFAULT_LOAD_STAGING_BYTES,
     ) -> None:
         self.io_concurrency = io_concurrency
         self.fully_parallel = fully_parallel
         self.allow_lossy_casts = allow_lossy_casts
         self.process_group = process_group
+        self._uploader = DeviceUploader(load_staging_bytes)
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> StateDict:
         location = open_location(checkpoint_dir)
@@ -796,7 +826,8 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         same error, naming the checkpoint, key and chunk, on every rank."""
         tensors, _ = local_sharded_items(sharded_state_dict)
         results = iter(run_read_plan(
-            tensors, location, record, plan, group, self.io_concurrency, self.allow_lossy_casts, local_error
+            tensors, location, record, plan, group, self.io_concurrency, self.allow_lossy_casts, local_error,
+            self._uploader,
         ))
         return dict_list_map_inplace(
             lambda x: next(results) if isinstance(x, ShardedTensor) else x, sharded_state_dict

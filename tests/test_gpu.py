@@ -18,6 +18,7 @@ import torch
 
 from shardstore import ShardedTensor, load, save
 from shardstore.strategies.async_utils import AsyncCallsQueue
+from shardstore.strategies.zarr import ZarrLoadShardedStrategy
 from tests.dist import run_distributed
 
 _cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -64,14 +65,17 @@ def _check(loaded: dict, rank: int, world: int, device: str) -> None:
 def save_and_load(rank: int, world: int, ckpt: str, device: str) -> None:
     save(_state(rank, world, device, empty=False), ckpt)
     load_world = world  # the same ranks, another layout: the whole tensors on every rank
-    request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(16, 8, dtype=t.dtype, device=device),
-                                                    replica_id=rank)
-               for key, t in _state(rank, world, device, empty=True).items() if key != "flat"}
-    loaded = load(request, ckpt)
-    for dtype in DTYPES:
-        key = f"w_{str(dtype).split('.')[-1]}"
-        assert loaded[key].device.type == device
-        assert torch.equal(loaded[key].cpu().view(torch.uint8), _full(key, (16, 8), dtype).view(torch.uint8)), key
+    for staging_bytes in (None, 1024):  # default; 1 KiB: a wave per tensor, both pinned slabs reused
+        request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(16, 8, dtype=t.dtype, device=device),
+                                                        replica_id=rank)
+                   for key, t in _state(rank, world, device, empty=True).items() if key != "flat"}
+        strategy = ZarrLoadShardedStrategy(**({} if staging_bytes is None else {"load_staging_bytes": staging_bytes}))
+        loaded = load(request, ckpt, strategy)
+        for dtype in DTYPES:
+            key = f"w_{str(dtype).split('.')[-1]}"
+            assert loaded[key] is request[key].data, f"{key}: not filled in place"
+            assert loaded[key].device.type == device
+            assert torch.equal(loaded[key].cpu().view(torch.uint8), _full(key, (16, 8), dtype).view(torch.uint8)), key
     _check(load(_state(rank, load_world, device, empty=True), ckpt), rank, load_world, device)
 
 

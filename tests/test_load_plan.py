@@ -119,6 +119,8 @@ def _load_counting_collectives(rank: int, world: int, ckpt: str) -> dict:
     torch.manual_seed(0)
     for i in range(8):
         assert torch.equal(loaded[f"w{i}"], torch.randn(64, 8)), f"rank {rank} w{i}"
+        # read here or received from the rank that read it: either way in the request's memory
+        assert loaded[f"w{i}"] is request[f"w{i}"].data, f"rank {rank} w{i}: not filled in place"
     return calls
 
 
@@ -144,3 +146,21 @@ def test_a_strict_mismatch_on_one_rank_fails_every_rank(ckpt_dir: Path) -> None:
     run_distributed(_save_replicated, 2, str(ckpt_dir))
     messages = run_distributed(_load_with_one_rank_asking_for_a_missing_key, 3, str(ckpt_dir), timeout=60)
     assert all("Unexpected keys" in m and "'nope'" in m for m in messages), messages
+
+
+def _load_tied_replicas(rank: int, world: int, ckpt: str) -> None:
+    tied = torch.zeros(64, 8)
+    request = {key: ShardedTensor.from_rank_offsets(key, tied, replica_id=rank) for key in ("w0", "w1")}
+    loaded = load(request, ckpt)
+    torch.manual_seed(0)
+    w0, w1 = torch.randn(64, 8), torch.randn(64, 8)
+    assert torch.equal(loaded["w0"], w0) and torch.equal(loaded["w1"], w1), f"rank {rank}"
+    assert sum(loaded[k] is tied for k in ("w0", "w1")) == 1, "one of the two keys gets the tied memory"
+
+
+def test_tied_request_tensors_keep_their_own_values_when_blocks_are_exchanged(ckpt_dir: Path) -> None:
+    """One tensor requested under two keys on 2 ranks: each rank reads one key and
+    receives the other from its peer; the received block must not land in memory a read
+    already filled."""
+    run_distributed(_save_replicated, 2, str(ckpt_dir))
+    run_distributed(_load_tied_replicas, 2, str(ckpt_dir))

@@ -747,13 +747,26 @@ def run_read_plan(
         out[index] = out[source].clone().reshape(_result_shape(tensors[index]))
     sends = {peer: [out[i] for i in indices] for peer, indices in plan.sends}
     receives: dict[int, list[torch.Tensor]] = {}
+    taken = {x.data_ptr() for i, x in out.items() if x is tensors[i].data}  # filled in place already
     for peer, indices in plan.receives:
         for i in indices:
-            t = tensors[i]
-            out[i] = torch.empty(_result_shape(t), dtype=t.dtype, device=t.data.device if t.data is not None else "cpu")
-        receives[peer] = [out[i] for i in indices]
+            out[i] = _receive_target(tensors[i], taken)
+        receives[peer] = [out[i].detach() for i in indices]
     group.exchange(sends, receives)
     return [out[i] for i in range(len(tensors))]
+
+
+def _receive_target(t: ShardedTensor, taken: set[int]) -> torch.Tensor:
+    """Where a block another rank read for ``t`` lands: the request's own tensor when
+    it is contiguous and of the result's dtype and shape, and no other request of this
+    load took its memory (``taken``: data pointers; updated), as reads fill it; else a
+    new tensor on its device."""
+    data, shape = t.data, _result_shape(t)
+    if data is not None and data.is_contiguous() and data.dtype == t.dtype and tuple(data.shape) == shape:
+        if data.data_ptr() not in taken:
+            taken.add(data.data_ptr())
+            return data
+    return torch.empty(shape, dtype=t.dtype, device=data.device if data is not None else "cpu")
 
 
 def _result_shape(t: ShardedTensor) -> tuple[int, ...]:

@@ -709,12 +709,12 @@ def _through_host(target: torch.Tensor) -> bool:
 
 def _in_place_target(read: ReadOp, stored_dtype: torch.dtype, taken: set[int]) -> torch.Tensor | None:
     """The request's own tensor as the destination of its region, when the read needs
-    no conversion: a contiguous tensor (any device) of the stored dtype whose shape is
+    no conversion: a contiguous CPU or CUDA tensor of the stored dtype whose shape is
     the region's (no flattened range, padding or prepended-axis change), and whose
     memory no earlier request of this load took (``taken``: data pointers; updated)."""
     t, data = read.tensor, read.tensor.data
-    if data is None or data.dtype != stored_dtype or not data.is_contiguous():
-        return None
+    if data is None or data.device.type not in ("cpu", "cuda") or data.dtype != stored_dtype or not data.is_contiguous():
+        return None  # other devices (meta, ...) get the loaded tensor moved to them, as before
     shape = _region_shape(read.region)
     if t.flattened_range is not None or tuple(shape[t.prepend_axis_num :]) != tuple(data.shape):
         return None

@@ -707,21 +707,30 @@ def _through_host(target: torch.Tensor) -> bool:
     return target.device.type != "cpu"
 
 
+def _claim(data: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...], taken: set[int]) -> bool:
+    """Whether a request's ``data`` can be filled in place with a result of ``dtype``
+    and ``shape``: a contiguous CPU or CUDA tensor (other devices, meta..., get the
+    result moved to them) of exactly that dtype and shape, whose memory no other request
+    of this load took (``taken``: data pointers; updated when claimed). Tied tensors
+    (one memory, two keys) so get their own results."""
+    if (
+        data is None or data.device.type not in ("cpu", "cuda") or data.dtype != dtype
+        or not data.is_contiguous() or tuple(data.shape) != shape or data.data_ptr() in taken
+    ):
+        return False
+    taken.add(data.data_ptr())
+    return True
+
+
 def _in_place_target(read: ReadOp, stored_dtype: torch.dtype, taken: set[int]) -> torch.Tensor | None:
     """The request's own tensor as the destination of its region, when the read needs
-    no conversion: a contiguous CPU or CUDA tensor of the stored dtype whose shape is
-    the region's (no flattened range, padding or prepended-axis change), and whose
-    memory no earlier request of this load took (``taken``: data pointers; updated)."""
-    t, data = read.tensor, read.tensor.data
-    if data is None or data.device.type not in ("cpu", "cuda") or data.dtype != stored_dtype or not data.is_contiguous():
-        return None  # other devices (meta, ...) get the loaded tensor moved to them, as before
-    shape = _region_shape(read.region)
-    if t.flattened_range is not None or tuple(shape[t.prepend_axis_num :]) != tuple(data.shape):
+    no conversion (no flattened range, padding or prepended-axis change) and ``_claim``
+    gives it."""
+    t = read.tensor
+    shape = tuple(_region_shape(read.region)[t.prepend_axis_num :])
+    if t.flattened_range is not None or not _claim(t.data, stored_dtype, shape, taken):
         return None
-    if data.data_ptr() in taken:
-        return None
-    taken.add(data.data_ptr())
-    return data.detach()
+    return t.data.detach()
 
 
 def run_read_plan(
@@ -758,15 +767,11 @@ def run_read_plan(
 
 def _receive_target(t: ShardedTensor, taken: set[int]) -> torch.Tensor:
     """Where a block another rank read for ``t`` lands: the request's own tensor when
-    it is contiguous and of the result's dtype and shape, and no other request of this
-    load took its memory (``taken``: data pointers; updated), as reads fill it; else a
-    new tensor on its device."""
-    data, shape = t.data, _result_shape(t)
-    if data is not None and data.is_contiguous() and data.dtype == t.dtype and tuple(data.shape) == shape:
-        if data.data_ptr() not in taken:
-            taken.add(data.data_ptr())
-            return data
-    return torch.empty(shape, dtype=t.dtype, device=data.device if data is not None else "cpu")
+    ``_claim`` gives it, as reads fill it; else a new tensor on its device."""
+    shape = _result_shape(t)
+    if _claim(t.data, t.dtype, shape, taken):
+        return t.data
+    return torch.empty(shape, dtype=t.dtype, device=t.data.device if t.data is not None else "cpu")
 
 
 def _result_shape(t: ShardedTensor) -> tuple[int, ...]:

@@ -48,7 +48,7 @@ from shardstore.dtypes import from_zarr_name
 from shardstore.format import CHUNK_SEPARATOR, ArrayRecord, chunk_key
 from shardstore.layout import Region
 from shardstore.progress import tracked
-from shardstore.storage import DirectoryGuard, Location, open_regular, run_parallel
+from shardstore.storage import DirectoryGuard, Location, create_file, open_regular, run_parallel
 
 CRC_BYTES = 4
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -150,13 +150,7 @@ class FileChunkStore(ChunkStore):
         return self._prefix + rel
 
     def put(self, rel: str, buffers: list[memoryview]) -> None:
-        path = self._prefix + rel
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-        try:
-            fd = os.open(path, flags, 0o666)
-        except FileNotFoundError:  # first chunk of its directory
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(path, flags, 0o666)
+        fd = create_file(self._prefix + rel, os.O_NOFOLLOW)
         try:
             pending: list = buffers
             while pending:

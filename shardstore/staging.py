@@ -177,8 +177,9 @@ class DeviceUploader:
 
     A wave's reads land in one of two pinned slabs (each at most half the bound, and
     no larger than the whole load); its host-to-device copies are queued on a copy
-    stream per device, and the next wave is read into the other slab meanwhile. A slab is reused only once the copies out of it have landed (an event
-    per wave, no device-wide ``synchronize()``).
+    stream per device, and the next wave is read into the other slab meanwhile. A slab
+    is reused only once the copies out of it have landed (an event per wave, no
+    device-wide ``synchronize()``).
 
     Args:
         max_bytes: pinned memory held at once: two slabs of half of it. A tensor larger

@@ -672,12 +672,17 @@ def load_tensors(
     targets_seen: set[int] = set()  # tied tensors (one memory, two keys) get their own results
     for n, r in enumerate(reads):
         stored = record.arrays[r.tensor.key]
-        target = _in_place_target(r, from_zarr_name(stored.dtype).torch_dtype, targets_seen)
-        arrays.append(None if target is not None else np.empty(_region_shape(r.region), from_zarr_name(stored.dtype).numpy_dtype))
-        if target is not None and _through_host(target):
-            uploads.append(n)
-            continue
-        out = arrays[-1] if target is None else tensor_to_numpy(target).reshape(_region_shape(r.region))
+        dtype, shape = from_zarr_name(stored.dtype), _region_shape(r.region)
+        target = _in_place_target(r, dtype.torch_dtype, targets_seen)
+        if target is None:
+            out = np.empty(shape, dtype.numpy_dtype)
+            arrays.append(out)
+        else:
+            arrays.append(None)
+            if _through_host(target):
+                uploads.append(n)
+                continue
+            out = tensor_to_numpy(target).reshape(shape)
         jobs += read_region(ArrayChunks.of(store, stored), r.region, out)
     run_reads(jobs, store.threads)
 

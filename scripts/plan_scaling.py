@@ -12,11 +12,14 @@ optimizer's state, cut at uneven offsets), it measures:
   does the coordinator's work itself.
 * load, plan once: the same records as the requests of a load at the same layout; the
   coordinator checks integrity and plans the fully-parallel reads
-  (``validation.plan_load`` with ``planner.plan_reads``). Reported: coordinator CPU and
-  bytes a rank receives (before: every rank all-gathered the requests twice).
+  (``validation.plan_load`` with ``planner.plan_reads``). Every rank parses the commit
+  record the save would have written (a checksum per chunk) itself. Reported:
+  coordinator CPU, per-rank CPU (its records, the record parse, its plan), and bytes a
+  rank receives (before: every rank all-gathered the requests twice).
 
 Usage: ``python scripts/plan_scaling.py [--worlds 16 64 256 512 1024] [--tensors 1000 10000]
-[--max-records 3000000]``; combinations above ``--max-records`` records are skipped
+[--max-records 3000000]``. The garbage collector is paused during each measurement, as
+``save`` and ``load`` pause it (``core.gc_paused``). Combinations above ``--max-records`` records are skipped
 (they need several GB here), and the table says so.
 """
 
@@ -27,10 +30,13 @@ import gc
 import pickle
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from shardstore.core import gc_paused  # noqa: E402
+from shardstore.format import CommitRecord  # noqa: E402
 from shardstore.layout import GlobalLayout, ShardRecord  # noqa: E402
 from shardstore.planner import plan_reads, plan_save  # noqa: E402
 from shardstore.validation import StrictHandling, plan_load, validate_sharding_integrity  # noqa: E402
@@ -56,6 +62,17 @@ def rank_records(rank: int, world: int, tensors: int) -> list[ShardRecord]:
     return records
 
 
+def full_record(save_plans: list) -> CommitRecord:
+    """The commit record the save would write (every chunk's checksum bound; spread
+    over 32 bits, as real ones are, for a realistic size)."""
+    commit = save_plans[0].commit
+    arrays = {
+        k: replace(a, chunk_crcs=tuple((0x9E3779B1 * (i + 1)) % 2**32 for i in range(a.chunk_count)))
+        for k, a in commit.arrays.items()
+    }
+    return replace(commit, arrays=arrays, save_id="simulated")
+
+
 def measure(world: int, tensors: int) -> dict[str, float]:
     start = time.process_time()
     own = rank_records(0, world, tensors)
@@ -75,24 +92,36 @@ def measure(world: int, tensors: int) -> dict[str, float]:
     start = time.process_time()
     pickle.loads(pickled[world // 2])
     unpickle_cpu = time.process_time() - start
-    del layout, plans
+    rank_rx = len(pickled[world // 2])
+    record_json = full_record(plans).to_json()
+    del layout, plans, pickled
     gc.collect()
-    start = time.process_time()
+
+    start = time.process_time()  # the coordinator plans the reads
     load_plans = plan_load(GlobalLayout.from_gathered(gathered), set(), StrictHandling.ASSUME_OK_UNEXPECTED, True,
                            lambda layout: plan_reads(layout, fully_parallel=True))
     load_pickled = [pickle.dumps(p) for p in load_plans]
     load_cpu = time.process_time() - start
+    start = time.process_time()  # a rank reads the whole commit record, then its plan
+    CommitRecord.from_json(record_json, "simulated")
+    parse_cpu = time.process_time() - start
+    start = time.process_time()
+    pickle.loads(load_pickled[world // 2])
+    load_rank_cpu = time.process_time() - start
     del load_plans, gathered
     gc.collect()
     return {
-        "load_coordinator_s": load_cpu,
-        "load_rank_rx_mb": len(load_pickled[world // 2]) / 1e6,
         "coordinator_s": plan_cpu + pickle_cpu,
         "rank_s": records_cpu + unpickle_cpu,
-        "rank_rx_mb": len(pickled[world // 2]) / 1e6,
+        "rank_rx_mb": rank_rx / 1e6,
         "coordinator_rx_mb": own_bytes * world / 1e6,
         "before_rank_s": plan_cpu,  # every rank did the coordinator's planning
         "before_rank_rx_mb": own_bytes * world / 1e6,  # and received every rank's records
+        "load_coordinator_s": load_cpu,
+        "load_rank_s": records_cpu + parse_cpu + load_rank_cpu,
+        "load_rank_parse_s": parse_cpu,
+        "load_rank_rx_mb": len(load_pickled[world // 2]) / 1e6,
+        "record_mb": len(record_json) / 1e6,
     }
 
 
@@ -102,19 +131,32 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--max-records", type=int, default=3_000_000)
     args = parser.parse_args()
-    print("| tensors/rank | W | coordinator CPU s | per-rank CPU s | per-rank rx MB | coordinator rx MB "
-          "| before: per-rank CPU s | before: per-rank rx MB | load: coordinator CPU s | load: per-rank rx MB |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows: list[tuple[int, int, dict[str, float] | None]] = []
     for tensors in args.tensors:
         for world in args.worlds:
-            if world * tensors > args.max_records:
-                print(f"| {tensors} | {world} | skipped ({world * tensors:,} records > --max-records) | | | | | | | |")
-                continue
-            m = measure(world, tensors)
-            print(f"| {tensors} | {world} | {m['coordinator_s']:.2f} | {m['rank_s']:.3f} | {m['rank_rx_mb']:.2f} "
-                  f"| {m['coordinator_rx_mb']:.1f} | {m['before_rank_s']:.2f} | {m['before_rank_rx_mb']:.1f} "
-                  f"| {m['load_coordinator_s']:.2f} | {m['load_rank_rx_mb']:.4f} |",
-                  flush=True)
+            m = None if world * tensors > args.max_records else gc_paused(measure)(world, tensors)
+            rows.append((tensors, world, m))
+            print(f"measured {tensors} tensors/rank at W={world}", file=sys.stderr, flush=True)
+    print("Save:\n")
+    print("| tensors/rank | W | coordinator CPU s | per-rank CPU s | per-rank rx MB | coordinator rx MB "
+          "| before: per-rank CPU s | before: per-rank rx MB |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for tensors, world, m in rows:
+        if m is None:
+            print(f"| {tensors} | {world} | skipped ({world * tensors:,} records > --max-records) | | | | | |")
+            continue
+        print(f"| {tensors} | {world} | {m['coordinator_s']:.2f} | {m['rank_s']:.3f} | {m['rank_rx_mb']:.2f} "
+              f"| {m['coordinator_rx_mb']:.1f} | {m['before_rank_s']:.2f} | {m['before_rank_rx_mb']:.1f} |")
+    print("\nLoad:\n")
+    print("| tensors/rank | W | commit record MB | coordinator CPU s | per-rank CPU s | of which: record parse s "
+          "| per-rank rx MB |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for tensors, world, m in rows:
+        if m is None:
+            print(f"| {tensors} | {world} | skipped ({world * tensors:,} records > --max-records) | | | | |")
+            continue
+        print(f"| {tensors} | {world} | {m['record_mb']:.1f} | {m['load_coordinator_s']:.2f} "
+              f"| {m['load_rank_s']:.3f} | {m['load_rank_parse_s']:.3f} | {m['load_rank_rx_mb']:.4f} |")
 
 
 if __name__ == "__main__":

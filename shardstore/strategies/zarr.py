@@ -757,11 +757,12 @@ def run_read_plan(
         except Exception as exc:  # reported on every rank by agree(), before any exchange
             error = exc
     group.agree(error, f"Reading checkpoint {location.describe()}")
-    for index, source in plan.copies:  # one block asked for twice
-        out[index] = out[source].clone().reshape(_result_shape(tensors[index]))
+    taken = {x.data_ptr() for i, x in out.items() if x is tensors[i].data}  # filled in place already
+    for index, source in plan.copies:  # one block asked for twice: read once, copied
+        out[index] = _receive_target(tensors[index], taken)
+        out[index].copy_(out[source].reshape(out[index].shape))
     sends = {peer: [out[i] for i in indices] for peer, indices in plan.sends}
     receives: dict[int, list[torch.Tensor]] = {}
-    taken = {x.data_ptr() for i, x in out.items() if x is tensors[i].data}  # filled in place already
     for peer, indices in plan.receives:
         for i in indices:
             out[i] = _receive_target(tensors[i], taken)
@@ -771,7 +772,8 @@ def run_read_plan(
 
 
 def _receive_target(t: ShardedTensor, taken: set[int]) -> torch.Tensor:
-    """Where a block another rank read for ``t`` lands: the request's own tensor when
+    """Where a block read for another request lands for ``t`` (by another rank, or by
+    this one for the same block asked for twice): the request's own tensor when
     ``_claim`` gives it, as reads fill it; else a new tensor on its device."""
     shape = _result_shape(t)
     if _claim(t.data, t.dtype, shape, taken):

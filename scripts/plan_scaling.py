@@ -137,27 +137,30 @@ def main() -> None:
             m = None if world * tensors > args.max_records else gc_paused(measure)(world, tensors)
             rows.append((tensors, world, m))
             print(f"measured {tensors} tensors/rank at W={world}", file=sys.stderr, flush=True)
-    print("Save:\n")
-    print("| tensors/rank | W | coordinator CPU s | per-rank CPU s | per-rank rx MB | coordinator rx MB "
-          "| before: per-rank CPU s | before: per-rank rx MB |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for tensors, world, m in rows:
-        if m is None:
-            print(f"| {tensors} | {world} | skipped ({world * tensors:,} records > --max-records) | | | | | |")
-            continue
-        print(f"| {tensors} | {world} | {m['coordinator_s']:.2f} | {m['rank_s']:.3f} | {m['rank_rx_mb']:.2f} "
-              f"| {m['coordinator_rx_mb']:.1f} | {m['before_rank_s']:.2f} | {m['before_rank_rx_mb']:.1f} |")
-    print("\nLoad:\n")
-    print("| tensors/rank | W | commit record MB | coordinator CPU s | per-rank CPU s | of which: record parse s "
-          "| per-rank rx MB |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for tensors, world, m in rows:
-        if m is None:
-            print(f"| {tensors} | {world} | skipped ({world * tensors:,} records > --max-records) | | | | |")
-            continue
-        print(f"| {tensors} | {world} | {m['record_mb']:.1f} | {m['load_coordinator_s']:.2f} "
-              f"| {m['load_rank_s']:.3f} | {m['load_rank_parse_s']:.3f} | {m['load_rank_rx_mb']:.4f} |")
+    print_table("Save", rows, [
+        ("coordinator CPU s", "coordinator_s", ".2f"), ("per-rank CPU s", "rank_s", ".3f"),
+        ("per-rank rx MB", "rank_rx_mb", ".2f"), ("coordinator rx MB", "coordinator_rx_mb", ".1f"),
+        ("before: per-rank CPU s", "before_rank_s", ".2f"), ("before: per-rank rx MB", "before_rank_rx_mb", ".1f"),
+    ])
+    print_table("Load", rows, [
+        ("commit record MB", "record_mb", ".1f"), ("coordinator CPU s", "load_coordinator_s", ".2f"),
+        ("per-rank CPU s", "load_rank_s", ".3f"), ("of which: record parse s", "load_rank_parse_s", ".3f"),
+        ("per-rank rx MB", "load_rank_rx_mb", ".4f"),
+    ])
 
+
+def print_table(title: str, rows: list[tuple[int, int, dict[str, float] | None]],
+                columns: list[tuple[str, str, str]]) -> None:
+    """One markdown table: a row per (tensors, W), ``columns`` as (heading, key, format)."""
+    print(f"\n{title}:\n")
+    print("| tensors/rank | W | " + " | ".join(heading for heading, _, _ in columns) + " |")
+    print("|---:|---:|" + "---:|" * len(columns))
+    for tensors, world, m in rows:
+        if m is None:
+            cells = [f"skipped ({world * tensors:,} records > --max-records)"] + [""] * (len(columns) - 1)
+        else:
+            cells = [format(m[key], spec) for _, key, spec in columns]
+        print(f"| {tensors} | {world} | " + " | ".join(cells) + " |")
 
 if __name__ == "__main__":
     main()

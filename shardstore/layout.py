@@ -37,6 +37,11 @@ def region_at(offset: tuple[int, ...], extent: tuple[int, ...]) -> Region:
     return tuple(slice(o, o + e) for o, e in zip(offset, extent))
 
 
+def region_shape(region: Region) -> tuple[int, ...]:
+    """The extent of ``region`` along each axis."""
+    return tuple(s.stop - s.start for s in region)
+
+
 @dataclass(frozen=True)
 class ShardRecord:
     """Metadata of one ShardedTensor of one rank, as all ranks see it after the gather.

@@ -43,17 +43,15 @@ from shardstore.locations import open_location
 from shardstore.mapping import apply_factories, apply_factory_merges
 from shardstore.progress import stage
 from shardstore.protocol import gather_and_plan
+from shardstore.save_execution import StagedSave, finalize_save, write_staged
 from shardstore.serialization import load_preprocess
 from shardstore.storage import Location
 from shardstore.strategies.base import DelegatingLoadStrategy
 from shardstore.strategies.zarr import (
     SHARDSTORE_BACKEND,
     ZARR_VERSION,
-    StagedSave,
     ZarrLoadShardedStrategy,
     ZarrSaveShardedStrategy,
-    finalize_save,
-    write_staged,
 )
 from shardstore.utils import local_sharded_items
 
@@ -131,7 +129,7 @@ def write_and_report(staged: StagedSave, io_concurrency: int, io_threads: int) -
 
 def finalize_from_report(staged: StagedSave) -> None:
     """Megatron's finalization (collective, in the training process): this rank's
-    report, then shardstore's commit (``strategies.zarr.finalize_save``)."""
+    report, then shardstore's commit (``save_execution.finalize_save``)."""
     location, rel = staged.location, _report_file(staged.group.rank)
     error: BaseException | None = None
     try:

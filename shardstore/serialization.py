@@ -14,9 +14,10 @@ Save, in stages (each named function below; "collective" = every rank calls it):
                              staging area and write metadata.json there; every rank
                              learns the save id
     all ranks    common      coordinator writes common.pt; each rank its ShardedObjects
-    collective   sharded     the storage core (strategies.zarr): stage, write, gather
-                             the chunk checksums to the coordinator, which commits (the
-                             root zarr.json, written last) and publishes
+    collective   sharded     the storage core (``strategies.zarr``, its stages in
+                             ``save_execution``): stage, write, gather the chunk
+                             checksums to the coordinator, which commits (the root
+                             zarr.json, written last) and publishes
 
 A failure on any rank at any stage raises a CheckpointingException on every rank, the
 coordinator deletes what the save wrote, and whatever was committed at the target
@@ -32,7 +33,8 @@ Load, in stages::
                              checks access integrity and plans who reads what
                              (``validation.plan_load``); each rank receives only its part
     collective   read        each rank reads its part, agree, exchange of replicated
-                             blocks (the sharded strategy's ``load_with_plan``)
+                             blocks (the sharded strategy's ``load_with_plan``; ours:
+                             ``load_execution.run_read_plan``)
 
 Names and meaning follow Megatron-Core's ``dist_checkpointing.serialization``.
 """

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shardstore.chunk_io import WrittenChunk
+from shardstore.chunk_io import DEFAULT_IO_CONCURRENCY, WrittenChunk
 from shardstore.commit import begin_save
 from shardstore.core import CheckpointingConfig, CheckpointingException, save_config
 from shardstore.dtypes import tensor_to_numpy
@@ -40,18 +40,14 @@ from shardstore.integrity import file_checksums
 from shardstore.layout import region_at
 from shardstore.locations import open_location
 from shardstore.mapping import ShardedObject, ShardedTensor
+from shardstore.save_execution import WriteOp, bind_chunks, publish, write_ops
 from shardstore.storage import Location
 from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION, TorchCommonSaveStrategy
 from shardstore.strategies.zarr import (
-    DEFAULT_IO_CONCURRENCY,
     DEFAULT_MAX_CHUNK_BYTES,
     SHARDSTORE_BACKEND,
     ZARR_VERSION,
-    WriteOp,
-    bind_chunks,
-    publish,
     single_tensor_record,
-    write_ops,
 )
 
 

@@ -43,10 +43,10 @@ def _die() -> None:
 def _arm(point: str) -> None:
     """Makes this process kill itself at ``point`` of the next save."""
     import shardstore.chunk_io as chunk_io
-    import shardstore.strategies.zarr as zarr_strategy
+    import shardstore.save_execution as save_execution
 
     if point == "before data writes":
-        zarr_strategy.write_ops = lambda *a, **k: _die()
+        save_execution.write_ops = lambda *a, **k: _die()
     elif point == "during data writes":
         original = chunk_io.ChunkFile.write
 

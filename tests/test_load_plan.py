@@ -88,7 +88,7 @@ def _save_replicated(rank: int, world: int, ckpt: str) -> None:
 def _load_counting_collectives(rank: int, world: int, ckpt: str) -> dict:
     """Loads the 8 replicated tensors on every rank; counts the collectives and the
     tensors this rank read from storage."""
-    import shardstore.strategies.zarr as zarr_strategy
+    import shardstore.load_execution as load_execution
 
     calls: dict[str, int] = {"all_gather_object": 0, "gather_object": 0, "scatter_object": 0, "read": 0}
     originals = {name: getattr(Group, name) for name in ("all_gather_object", "gather_object", "scatter_object")}
@@ -99,7 +99,7 @@ def _load_counting_collectives(rank: int, world: int, ckpt: str) -> dict:
             return originals[name](self, *args, **kwargs)
         return wrapper
 
-    original_read = zarr_strategy.load_tensors
+    original_read = load_execution.load_tensors
 
     def counting_read(tensors, *args, **kwargs):
         calls["read"] += len(tensors)
@@ -107,7 +107,7 @@ def _load_counting_collectives(rank: int, world: int, ckpt: str) -> dict:
 
     for name in originals:
         setattr(Group, name, counting(name))
-    zarr_strategy.load_tensors = counting_read
+    load_execution.load_tensors = counting_read
     try:
         request = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.empty(64, 8), replica_id=rank)
                    for i in range(8)}
@@ -115,7 +115,7 @@ def _load_counting_collectives(rank: int, world: int, ckpt: str) -> dict:
     finally:
         for name, fn in originals.items():
             setattr(Group, name, fn)
-        zarr_strategy.load_tensors = original_read
+        load_execution.load_tensors = original_read
     torch.manual_seed(0)
     for i in range(8):
         assert torch.equal(loaded[f"w{i}"], torch.randn(64, 8)), f"rank {rank} w{i}"

@@ -269,7 +269,7 @@ def megatron_api_async_save(rank: int, world: int, ckpt: str, fail_rank: int | N
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    import shardstore.strategies.zarr as zarr_strategy
+    import shardstore.save_execution as save_execution
     from shardstore.megatron import ShardstoreSaveShardedStrategy
 
     torch.cuda.current_device = lambda: "cpu"
@@ -280,7 +280,7 @@ def megatron_api_async_save(rank: int, world: int, ckpt: str, fail_rank: int | N
     if rank == fail_rank:  # the background writer of this rank fails (after the fork)
         def failing_write(*args, **kwargs):
             raise OSError(28, "No space left on device")
-        zarr_strategy.run_writes = failing_write
+        save_execution.run_writes = failing_write
     sd = megatron_state_dict(rank, world, empty=False)
     request = dist_checkpointing.save(sd, ckpt, sharded_strategy=ShardstoreSaveShardedStrategy(),
                                       async_sharded_save=True)

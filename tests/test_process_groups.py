@@ -49,16 +49,16 @@ def _replicated(rank: int, empty: bool) -> dict:
 
 
 def load_counting_reads(rank: int, world: int, ckpt: str) -> int:
-    import shardstore.strategies.zarr as zarr_strategy
+    import shardstore.load_execution as load_execution
 
     read = []
-    original = zarr_strategy.load_tensors
+    original = load_execution.load_tensors
 
     def counting(tensors, *args, **kwargs):
         read.extend(t.key for t in tensors)
         return original(tensors, *args, **kwargs)
 
-    zarr_strategy.load_tensors = counting
+    load_execution.load_tensors = counting
     if rank == 0:
         save(_replicated(0, False), ckpt, process_group=dist.new_group([0]))
     else:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import shardstore.strategies.zarr as zarr_strategy
+import shardstore.load_execution as load_execution
+import shardstore.save_execution as save_execution
 from shardstore import CheckpointingException, ShardedTensor, load, save
 from shardstore.staging import DeviceUploader, HostBufferPool, HostSnapshot, _Marks
 from shardstore.strategies.async_utils import AsyncCallsQueue
@@ -43,7 +44,7 @@ def test_staged_copies_stay_within_the_bound_and_overlap_the_writes(tmp_path: Pa
     blocks copied and unwritten, and a wave is written only after the next one's copies
     were issued (the overlap)."""
     events: list[tuple[str, int]] = []
-    original_copy, original_write = HostSnapshot.copy, zarr_strategy.write_ops
+    original_copy, original_write = HostSnapshot.copy, save_execution.write_ops
 
     def copy(self, tensor):
         events.append(("copy", tensor.nbytes))
@@ -54,7 +55,7 @@ def test_staged_copies_stay_within_the_bound_and_overlap_the_writes(tmp_path: Pa
         return original_write(location, records, ops, *args, **kwargs)
 
     monkeypatch.setattr(HostSnapshot, "copy", copy)
-    monkeypatch.setattr(zarr_strategy, "write_ops", write_ops)
+    monkeypatch.setattr(save_execution, "write_ops", write_ops)
     queue = AsyncCallsQueue()
     state = _state()
     queue.schedule_async_request(save(state, tmp_path / "ckpt", ZarrSaveShardedStrategy(max_staging_bytes=4 * BLOCK),
@@ -119,7 +120,7 @@ def test_loads_into_device_tensors_go_through_bounded_slabs_in_overlapping_waves
         events.append(("wait", 0))
         original_sync(self)
 
-    monkeypatch.setattr(zarr_strategy, "_through_host", lambda target: True)
+    monkeypatch.setattr(load_execution, "_through_host", lambda target: True)
     monkeypatch.setattr(DeviceUploader, "_views", views)
     monkeypatch.setattr(_Marks, "synchronize", synchronize)
     request = _upload_state(fill=0.0)
@@ -140,7 +141,7 @@ def test_a_failed_read_into_device_tensors_names_the_chunk_and_frees_the_slabs(t
     save(_upload_state(), tmp_path / "ckpt")
     chunk = tmp_path / "ckpt" / "t7" / "c.0"
     chunk.write_bytes(b"\0" * chunk.stat().st_size)
-    monkeypatch.setattr(zarr_strategy, "_through_host", lambda target: True)
+    monkeypatch.setattr(load_execution, "_through_host", lambda target: True)
     strategy = ZarrLoadShardedStrategy(load_staging_bytes=4 * BLOCK)
     with pytest.raises(CheckpointingException, match=r"chunk c\.0 of array 't7'.*crc32c"):
         load(_upload_state(fill=0.0), tmp_path / "ckpt", strategy)

@@ -338,10 +338,10 @@ def test_format_1_and_2_checkpoints_still_load(ckpt_dir: Path, version: int) -> 
 
 
 def test_a_commit_missing_a_chunk_fails(ckpt_dir: Path, monkeypatch) -> None:
-    import shardstore.strategies.zarr as zarr_strategy
+    import shardstore.save_execution as save_execution
 
-    real = zarr_strategy.write_ops
-    monkeypatch.setattr(zarr_strategy, "write_ops", lambda *a, **k: real(*a, **k)[1:])  # one report lost
+    real = save_execution.write_ops
+    monkeypatch.setattr(save_execution, "write_ops", lambda *a, **k: real(*a, **k)[1:])  # one report lost
     with pytest.raises(CheckpointingException, match=r"(?s)Committing .*no rank wrote chunk"):
         _two_arrays(ckpt_dir)
     assert not ckpt_dir.exists()
@@ -758,13 +758,13 @@ def test_one_block_asked_for_twice_is_read_once_into_both_requests_tensors(tmp_p
     """Two requests for the same block (same key and region) in one state dict: the
     block is read from storage once, and each request's own tensor gets the values;
     one tensor given to both gets them once, the other key a new tensor."""
-    import shardstore.strategies.zarr as zarr_strategy
+    import shardstore.load_execution as load_execution
 
     values = torch.arange(12.0).reshape(3, 4)
     save({"w": ShardedTensor.from_rank_offsets("w", values)}, tmp_path / "ckpt")
     reads = []
-    original = zarr_strategy.load_tensors
-    monkeypatch.setattr(zarr_strategy, "load_tensors", lambda ts, *a, **k: reads.append(len(ts)) or original(ts, *a, **k))
+    original = load_execution.load_tensors
+    monkeypatch.setattr(load_execution, "load_tensors", lambda ts, *a, **k: reads.append(len(ts)) or original(ts, *a, **k))
     first, second = torch.zeros(3, 4), torch.zeros(3, 4)
     loaded = load({"a": ShardedTensor.from_rank_offsets("w", first),
                    "b": ShardedTensor.from_rank_offsets("w", second, replica_id=1)}, tmp_path / "ckpt")

@@ -25,6 +25,7 @@ import torch
 
 from shardstore.core import CheckpointingException
 from shardstore.format import COMMON_FILE
+from shardstore.pickles import deserialize_dict
 from shardstore.storage import StorageError, open_regular_file
 
 
@@ -92,11 +93,10 @@ class ForeignCheckpoint(ABC):
 
     def common_state(self) -> dict[str, Any]:
         """Megatron's ``common.pt`` (weights_only), or {} where there is none."""
-        if not (self.path / COMMON_FILE).exists():
+        data = self.read_file(COMMON_FILE, missing_ok=True, what="the common state")
+        if data is None:
             return {}
-        from shardstore.strategies.common import TorchCommonLoadStrategy
-
-        return TorchCommonLoadStrategy().load_common(str(self.path))
+        return deserialize_dict(data, str(self.path / COMMON_FILE), allow_unsafe_pickle=False)
 
     def read_file(
         self, rel: str, offset: int = 0, length: int | None = None, missing_ok: bool = False, what: str = "data"

@@ -79,6 +79,7 @@ from shardstore.mapping import (
     apply_factories,
     apply_factory_merges,
 )
+from shardstore.pickles import serialize
 from shardstore.planner import RankLoadPlan
 from shardstore.progress import operation, progress_shown, stage
 from shardstore.protocol import gather_and_plan
@@ -93,7 +94,6 @@ from shardstore.strategies.base import (
     StrategyAction,
     get_default_strategy,
 )
-from shardstore.strategies.common import serialize
 from shardstore.strategies.foreign import (
     ForeignLoadCommonStrategy,
     ForeignLoadShardedStrategy,

@@ -1,27 +1,20 @@
 """The non-sharded part of a checkpoint: ``common.pt`` and the ShardedObjects.
 
-Both are ``torch.save`` pickles. They are loaded with ``torch.load(weights_only=True)``
-so a crafted checkpoint cannot run code; the allow-list below adds what trainers
-commonly keep there (numpy arrays and RNG states, ``argparse.Namespace``). Anything
-else is refused with an error that says how to opt in:
+Both are ``torch.save`` pickles, read safely (``shardstore.pickles``); a crafted one
+that needs more is refused with an error that says how to opt in:
 ``TorchCommonLoadStrategy(allow_unsafe_pickle=True)`` for checkpoints you trust.
 """
 
 from __future__ import annotations
 
-import argparse
-import io
-import pickle
 from typing import Any
-
-import numpy as np
-import torch
 
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace, nested_values
 from shardstore.format import COMMON_FILE, object_path, read_commit_record
 from shardstore.locations import open_location
 from shardstore.mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
+from shardstore.pickles import deserialize, deserialize_dict, serialize
 from shardstore.storage import Location
 from shardstore.strategies.base import (
     CheckpointDir,
@@ -33,45 +26,6 @@ from shardstore.strategies.base import (
 
 COMMON_BACKEND = "torch"
 COMMON_VERSION = 1
-
-
-def _numpy_safe_globals() -> list[Any]:
-    """What unpickling numpy arrays, dtypes and scalars needs, and nothing that runs code."""
-    try:
-        from numpy._core.multiarray import _reconstruct, scalar
-    except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _reconstruct, scalar  # type: ignore[no-redef]
-    dtype_classes = {type(np.dtype(t)) for t in np.sctypeDict.values() if t is not np.object_}
-    return [_reconstruct, scalar, np.ndarray, np.dtype, *dtype_classes]
-
-
-SAFE_GLOBALS: list[Any] = [*_numpy_safe_globals(), argparse.Namespace]
-
-
-def serialize(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def deserialize(data: bytes, where: str, allow_unsafe_pickle: bool) -> Any:
-    """Unpickles ``data`` safely unless the caller opted in to arbitrary pickles."""
-    buffer = io.BytesIO(data)
-    try:
-        if allow_unsafe_pickle:
-            return torch.load(buffer, map_location="cpu", weights_only=False)
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(buffer, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if "weights_only" in str(exc) or "Unsupported global" in str(exc):
-            raise CheckpointingException(
-                f"{where} contains objects that a safe load refuses (loading them could run code): "
-                f"{str(exc).splitlines()[0]}. If you trust this checkpoint, load with "
-                "common_strategy=TorchCommonLoadStrategy(allow_unsafe_pickle=True)."
-            ) from exc
-        raise CheckpointingException(f"{where} is corrupt: {exc}") from exc
-    except (RuntimeError, EOFError, ValueError) as exc:
-        raise CheckpointingException(f"{where} is corrupt or truncated: {exc}") from exc
 
 
 class TorchCommonSaveStrategy(SaveCommonStrategy):
@@ -114,12 +68,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         data = location.read_bytes_or_none(COMMON_FILE)
         if data is None:
             raise CheckpointingException(f"Common state {location.describe(COMMON_FILE)} is missing")
-        state = deserialize(data, location.describe(COMMON_FILE), self.allow_unsafe_pickle)
-        if not isinstance(state, dict):
-            raise CheckpointingException(
-                f"{location.describe(COMMON_FILE)} holds a {type(state).__name__}, expected a dict"
-            )
-        return state
+        return deserialize_dict(data, location.describe(COMMON_FILE), self.allow_unsafe_pickle)
 
     def load_sharded_objects(
         self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir | Location

@@ -1,0 +1,11 @@
+"""Strategies: how a save or load reaches storage (``base``: the interfaces and the
+registry). Importing the package registers shardstore's own strategies as the defaults,
+so the registry in ``base`` never imports the modules that import it."""
+
+from shardstore.strategies.common import register_default_common_strategies
+from shardstore.strategies.foreign import register_default_foreign_strategies
+from shardstore.strategies.zarr import register_default_zarr_strategies
+
+register_default_zarr_strategies()
+register_default_common_strategies()
+register_default_foreign_strategies()

@@ -39,8 +39,9 @@ async_calls = AsyncCallsQueue()
 
 
 def get_default_strategy(action: StrategyAction, backend: str, version: int) -> Any:
-    """The default strategy registered for ``action``, ``backend`` and ``version``."""
-    _register_builtin_strategies()
+    """The default strategy registered for ``action``, ``backend`` and ``version``
+    (shardstore's own are registered when ``shardstore.strategies`` is imported, which
+    importing this module does first)."""
     try:
         return default_strategies[action.value][(backend, version)]
     except KeyError as exc:
@@ -59,24 +60,6 @@ def register_default_strategy(
 ) -> None:
     """Makes ``strategy`` the default for ``action``, ``backend`` and ``version``."""
     default_strategies[action.value][(backend, version)] = strategy
-
-
-_builtins_registered = False
-
-
-def _register_builtin_strategies() -> None:
-    """Registers shardstore's own strategies once (their modules import this one)."""
-    global _builtins_registered
-    if _builtins_registered:
-        return
-    _builtins_registered = True
-    from shardstore.strategies.common import register_default_common_strategies
-    from shardstore.strategies.foreign import register_default_foreign_strategies
-    from shardstore.strategies.zarr import register_default_zarr_strategies
-
-    register_default_zarr_strategies()
-    register_default_common_strategies()
-    register_default_foreign_strategies()
 
 
 class LoadStrategyBase(ABC):

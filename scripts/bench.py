@@ -311,20 +311,27 @@ class Bench:
         self._methods.append(Method(case, method, nbytes, path, save, load, check, solo))
 
     def flush(self) -> None:
-        """``reps`` rounds over the registered methods, interleaved and in a rotating
-        order, so that the disk's slow phases (seen here: the same write taking 0.7 s
-        or 3.4 s minutes apart) fall on every method alike. Each method: save, then
-        load with the page cache dropped."""
+        """``reps`` rounds over the registered methods, interleaved, so that the disk's
+        slow phases (seen here: the same write taking 0.7 s or 3.4 s minutes apart) fall
+        on every method alike. Each method: save, then load; both start with the page
+        cache dropped. What ran just before matters: at 2 ranks on the 2-core machine a
+        save right after a 2 GiB ``torch.load`` took 1.6-1.8 s instead of 0.5-0.7 s
+        (shardstore) and 0.6-1.5 s instead of 0.6-0.7 s (DCP), and dropping the cache
+        first removed the difference. So the order rotates and reverses every other
+        round: a plain rotation keeps each method's predecessor the same in every round,
+        and one method paid for the one-process ``torch`` case every time."""
         methods, self._methods = self._methods, []
         results = {}
         for m in methods:
             results[m] = (Result(m.case, m.name, "save", m.nbytes), Result(m.case, m.name, "load", m.nbytes))
         for rep in range(self.reps):
-            for m in methods[rep % len(methods):] + methods[: rep % len(methods)]:
+            order = methods[rep % len(methods):] + methods[: rep % len(methods)]
+            for m in order[::-1] if rep % 2 else order:
                 saved, loaded = results[m]
                 here = self.rank == 0 or not m.solo
                 if m.save is not None:
                     self._clean(m.path)
+                    self._drop([x.path for x in methods if x.path.exists()])
                     saved.samples.append(self._timed(m.save, participate=here))
                 if m.load is not None:
                     self._drop([m.path])

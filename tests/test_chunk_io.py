@@ -121,3 +121,49 @@ def test_scatter_read_of_many_rows_costs_about_a_plain_read(tmp_path) -> None:
         plain.append(time.perf_counter() - start)
     # the fastest of five runs of each: this machine's noise only ever adds time
     assert min(scatter) < 4 * min(plain) + 0.02, (scatter, plain)
+
+
+@pytest.mark.parametrize("path", ["direct", "partial chunk", "short strided runs"])
+def test_every_read_path_costs_about_a_plain_read_at_16384_rows(tmp_path, path: str) -> None:
+    """The other local read paths at a realistic row count: a whole chunk into a
+    contiguous destination (read straight into it), part of a chunk (read into a
+    one-chunk buffer, then copied), and whole chunks whose rows land as runs too short
+    for a scatter read (buffer and copy). Each stays within a small factor of reading
+    the chunk files into a buffer and copying what is needed with numpy."""
+    import time
+
+    rows, dtype = 16384, from_zarr_name("float32").numpy_dtype
+    cols = 2048
+    chunk, (r0, r1), (c0, c1) = {
+        "direct": ((rows, cols), (0, rows), (0, cols)),
+        "partial chunk": ((rows, cols), (100, rows - 100), (7, 1200)),
+        "short strided runs": ((rows, 128), (0, rows), (0, cols)),  # 512-byte runs per row and chunk
+    }[path]
+    value = np.random.default_rng(0).standard_normal((rows, cols)).astype(dtype)
+    chunks = ArrayChunks("x", FileChunkStore(tmp_path), (rows, cols), chunk, dtype)
+    run_writes(write_region(chunks, region_at((0, 0), (rows, cols)), value))
+    region = region_at((r0, c0), (r1 - r0, c1 - c0))
+    ours, plain = [], []
+    for _ in range(5):
+        out = np.empty((r1 - r0, c1 - c0), dtype)
+        jobs = read_region(chunks, region, out)
+        kinds = {
+            "direct" if j.direct else "partial chunk" if not j.piece.whole
+            else "short strided runs" if chunk_io._contiguous_runs(out[j.piece.in_region], out) is None
+            else "scatter"
+            for j in jobs
+        }
+        assert kinds == {path}, kinds
+        start = time.perf_counter()
+        run_reads(jobs, 1)
+        ours.append(time.perf_counter() - start)
+        assert np.array_equal(out, value[r0:r1, c0:c1])
+        buffer = np.empty(chunk, dtype)
+        start = time.perf_counter()
+        for j in range(cols // chunk[1]):
+            chunks.file((0, j)).read_into(buffer)
+            lo, hi = max(c0, j * chunk[1]), min(c1, (j + 1) * chunk[1])
+            out[:, lo - c0 : hi - c0] = buffer[r0:r1, lo - j * chunk[1] : hi - j * chunk[1]]
+        plain.append(time.perf_counter() - start)
+    # the fastest of five runs of each: this machine's noise only ever adds time
+    assert min(ours) < 4 * min(plain) + 0.02, (ours, plain)

@@ -123,6 +123,12 @@ HOSTILE_RECORDS: dict[str, Callable[[dict], None] | bytes] = {
     "objects not a list": _record_edit(["objects"], {"o": "shard"}),
     "file outside checkpoint": _record_edit(["files"], {"../../etc/passwd": "crc32c:00000000"}),
     "file checksum not a string": _record_edit(["files"], {"common.pt": 5}),
+    "chunk checksum as bool": _record_edit(["arrays", "w", "chunk_crc32c"], [True]),
+    "chunk checksum negative": _record_edit(["arrays", "w", "chunk_crc32c"], [-1]),
+    "chunk checksum above 32 bits": _record_edit(["arrays", "w", "chunk_crc32c"], [2**32]),
+    "chunk checksum as string": _record_edit(["arrays", "w", "chunk_crc32c"], ["0"]),
+    "chunk checksum as float": _record_edit(["arrays", "w", "chunk_crc32c"], [1.0]),
+    "chunk checksums missing": _record_edit(["arrays", "w", "chunk_crc32c"], []),
 }
 
 

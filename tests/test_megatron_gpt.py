@@ -102,12 +102,18 @@ def _step(gpt, ddp, optimizer, grad: float) -> None:
     assert success, "the optimizer step was skipped"
 
 
-def _sharded(gpt, optimizer, is_loading: bool) -> dict:
+def _sharded(gpt, optimizer, is_loading: bool, sharding: str) -> dict:
+    """The model's and the optimizer's sharded state dict. ``sharding``: the optimizer's
+    layout (Megatron 0.16's default, ``fully_sharded_model_space``, raises: it uses the
+    flattened ranges 0.16 dropped)."""
     model = gpt.sharded_state_dict()
-    return {"model": model, "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading)}
+    optimizer_state = optimizer.sharded_state_dict(
+        model, is_loading=is_loading, metadata={"distrib_optim_sharding_type": sharding}
+    )
+    return {"model": model, "optimizer": optimizer_state}
 
 
-def distributed_optimizer_round_trip(rank: int, world: int, ckpt: str, again: str) -> int:
+def distributed_optimizer_round_trip(rank: int, world: int, ckpt: str, again: str, sharding: str) -> int:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -115,15 +121,15 @@ def distributed_optimizer_round_trip(rank: int, world: int, ckpt: str, again: st
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     model_parallel_cuda_manual_seed(1234)
     gpt_a, ddp_a, optimizer_a = _trained(seed=1, grad=0.5)
-    save(_sharded(gpt_a, optimizer_a, is_loading=False), ckpt)
+    save(_sharded(gpt_a, optimizer_a, is_loading=False, sharding=sharding), ckpt)
 
     gpt_b, ddp_b, optimizer_b = _trained(seed=2, grad=-0.25)  # other weights and other moments
     assert not all(torch.equal(a, b) for a, b in zip(gpt_a.parameters(), gpt_b.parameters()))
-    loaded = load(_sharded(gpt_b, optimizer_b, is_loading=True), ckpt)
+    loaded = load(_sharded(gpt_b, optimizer_b, is_loading=True, sharding=sharding), ckpt)
     result = gpt_b.load_state_dict(loaded["model"], strict=False)
     assert not [k for k in result.missing_keys if not k.endswith("_extra_state")], result
     optimizer_b.load_state_dict(loaded["optimizer"])
-    save(_sharded(gpt_b, optimizer_b, is_loading=False), again)
+    save(_sharded(gpt_b, optimizer_b, is_loading=False, sharding=sharding), again)
 
     # training goes on identically from the loaded state: the same step, the same weights
     _step(gpt_a, ddp_a, optimizer_a, grad=0.125)
@@ -135,16 +141,18 @@ def distributed_optimizer_round_trip(rank: int, world: int, ckpt: str, again: st
 
 @pytest.mark.gpu
 @_cuda
-def test_gpt_model_with_distributed_optimizer_round_trips_on_cuda(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sharding", ["dp_reshardable", "fully_reshardable"])
+def test_gpt_model_with_distributed_optimizer_round_trips_on_cuda(tmp_path: Path, sharding: str) -> None:
     """Megatron-Core's GPTModel and DistributedOptimizer on CUDA (NCCL, world 1): the
-    model's and the optimizer's sharded state (fp32 main params and Adam moments, its
-    own fully-sharded model-space layout) saved, loaded into another model and optimizer,
+    model's and the optimizer's sharded state (fp32 main params and Adam moments, in
+    both of its reshardable layouts) saved, loaded into another model and optimizer,
     saved again bit-exact; a further step gives the same weights on both."""
     ckpt, again = str(tmp_path / "a"), str(tmp_path / "b")
-    (params,) = run_distributed(distributed_optimizer_round_trip, 1, ckpt, again, backend="nccl", timeout=300)
+    (params,) = run_distributed(distributed_optimizer_round_trip, 1, ckpt, again, sharding, backend="nccl",
+                                timeout=300)
     assert params > 10
     first, second = load_plain_tensors(ckpt), load_plain_tensors(again)
     arrays = sorted(k for k, v in first.items() if isinstance(v, torch.Tensor))
-    assert any("exp_avg_sq" in k for k in arrays) and any("decoder.layers" in k for k in arrays), arrays
+    assert any("exp_avg" in k for k in arrays) and any("decoder.layers" in k for k in arrays), arrays
     for key in arrays:
         assert torch.equal(first[key], second[key]), key

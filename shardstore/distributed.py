@@ -150,7 +150,7 @@ class Group:
             at = 0
             for t in tensors:
                 n = t.numel() * t.element_size()
-                t.reshape(-1).view(torch.uint8).copy_(buffer[at : at + n])
+                t.detach().reshape(-1).view(torch.uint8).copy_(buffer[at : at + n])  # also into a parameter
                 at += n
 
     def agree(self, error: BaseException | None, what: str) -> None:

@@ -201,7 +201,7 @@ def run_read_plan(
     taken = {x.data_ptr() for i, x in out.items() if x is tensors[i].data}  # filled in place already
     for index, source in plan.copies:  # one block asked for twice: read once, copied
         out[index] = _receive_target(tensors[index], taken)
-        out[index].copy_(out[source].reshape(out[index].shape))
+        out[index].detach().copy_(out[source].reshape(out[index].shape))  # detached: it may be a parameter
     sends = {peer: [out[i] for i in indices] for peer, indices in plan.sends}
     receives: dict[int, list[torch.Tensor]] = {}
     for peer, indices in plan.receives:

@@ -238,6 +238,9 @@ class DeviceUploader:
         return stream
 
     def _copy(self, target: torch.Tensor, host: torch.Tensor) -> None:
+        # detached: a model's parameters require grad, and autograd refuses in-place
+        # writes into them (the same memory is filled either way)
+        target = target.detach()
         if target.device.type == "cuda":
             with torch.cuda.stream(self._stream(target.device)):
                 target.copy_(host, non_blocking=True)

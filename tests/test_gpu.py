@@ -62,11 +62,18 @@ def _check(loaded: dict, rank: int, world: int, device: str) -> None:
             got.cpu().view(torch.uint8), want.data.view(torch.uint8)), key
 
 
+def _as_model_has_it(t: torch.Tensor) -> torch.Tensor:
+    """float32 as a model's parameter (requires grad: autograd refuses in-place writes
+    into it unless detached), other dtypes as plain tensors (buffers)."""
+    return torch.nn.Parameter(t) if t.dtype == torch.float32 else t
+
+
 def save_and_load(rank: int, world: int, ckpt: str, device: str) -> None:
     save(_state(rank, world, device, empty=False), ckpt)
     load_world = world  # the same ranks, another layout: the whole tensors on every rank
     for staging_bytes in (None, 1024):  # default; 1 KiB: a wave per tensor, both pinned slabs reused
-        request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(16, 8, dtype=t.dtype, device=device),
+        request = {key: ShardedTensor.from_rank_offsets(key, _as_model_has_it(torch.empty(16, 8, dtype=t.dtype,
+                                                                                          device=device)),
                                                         replica_id=rank)
                    for key, t in _state(rank, world, device, empty=True).items() if key != "flat"}
         strategy = ZarrLoadShardedStrategy(**({} if staging_bytes is None else {"load_staging_bytes": staging_bytes}))

@@ -137,6 +137,20 @@ def test_loads_into_device_tensors_go_through_bounded_slabs_in_overlapping_waves
     assert events[first_wait + 1][0] == "read", "a slab is reused right after its own copies landed"
 
 
+def test_loads_into_device_parameters_fill_them_in_place(tmp_path: Path, monkeypatch) -> None:
+    """A model's parameters require grad, and autograd refuses in-place copies into
+    them: the slabs' copies go into the same memory, detached."""
+    save(_upload_state(), tmp_path / "ckpt")
+    monkeypatch.setattr(load_execution, "_through_host", lambda target: True)
+    request = _upload_state(fill=0.0)
+    for key in ("big", "t3"):
+        request[key] = ShardedTensor.from_rank_offsets(key, torch.nn.Parameter(request[key].data))
+    loaded = load(request, tmp_path / "ckpt", ZarrLoadShardedStrategy(load_staging_bytes=4 * BLOCK))
+    for key, t in _upload_state().items():
+        assert loaded[key] is request[key].data and torch.equal(loaded[key], t.data), key
+    assert loaded["big"].requires_grad and isinstance(loaded["big"], torch.nn.Parameter)
+
+
 def test_a_failed_read_into_device_tensors_names_the_chunk_and_frees_the_slabs(tmp_path: Path, monkeypatch) -> None:
     save(_upload_state(), tmp_path / "ckpt")
     chunk = tmp_path / "ckpt" / "t7" / "c.0"

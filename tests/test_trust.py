@@ -754,10 +754,15 @@ def test_tied_request_tensors_each_get_their_own_values(tmp_path: Path) -> None:
     assert torch.equal(loaded["a"], torch.ones(3)) and torch.equal(loaded["b"], torch.full((3,), 2.0))
 
 
-def test_one_block_asked_for_twice_is_read_once_into_both_requests_tensors(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("kind", [torch.zeros, lambda *shape: torch.nn.Parameter(torch.zeros(*shape))],
+                         ids=["tensors", "parameters"])
+def test_one_block_asked_for_twice_is_read_once_into_both_requests_tensors(
+    tmp_path: Path, monkeypatch, kind
+) -> None:
     """Two requests for the same block (same key and region) in one state dict: the
-    block is read from storage once, and each request's own tensor gets the values;
-    one tensor given to both gets them once, the other key a new tensor."""
+    block is read from storage once, and each request's own tensor gets the values
+    (also a model's parameters, which require grad); one tensor given to both gets them
+    once, the other key a new tensor."""
     import shardstore.load_execution as load_execution
 
     values = torch.arange(12.0).reshape(3, 4)
@@ -765,13 +770,13 @@ def test_one_block_asked_for_twice_is_read_once_into_both_requests_tensors(tmp_p
     reads = []
     original = load_execution.load_tensors
     monkeypatch.setattr(load_execution, "load_tensors", lambda ts, *a, **k: reads.append(len(ts)) or original(ts, *a, **k))
-    first, second = torch.zeros(3, 4), torch.zeros(3, 4)
+    first, second = kind(3, 4), kind(3, 4)
     loaded = load({"a": ShardedTensor.from_rank_offsets("w", first),
                    "b": ShardedTensor.from_rank_offsets("w", second, replica_id=1)}, tmp_path / "ckpt")
     assert reads == [1], reads
     assert loaded["a"] is first and loaded["b"] is second
     assert torch.equal(first, values) and torch.equal(second, values)
-    tied = torch.zeros(3, 4)
+    tied = kind(3, 4)
     loaded = load({"a": ShardedTensor.from_rank_offsets("w", tied),
                    "b": ShardedTensor.from_rank_offsets("w", tied, replica_id=1)}, tmp_path / "ckpt")
     assert sum(loaded[k] is tied for k in "ab") == 1 and all(torch.equal(loaded[k], values) for k in "ab")

@@ -96,6 +96,31 @@ class _Marks:
             event.synchronize()
 
 
+class _CopyStreams:
+    """A copy stream per CUDA device, made on first use, shared by a save's snapshot
+    (device to host) and a load's uploader (host to device)."""
+
+    def __init__(self) -> None:
+        self.streams: dict[torch.device, Any] = {}
+
+    def get(self, device: torch.device) -> Any:
+        stream = self.streams.get(device)
+        if stream is None:
+            stream = self.streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    def after_caller(self, device: torch.device) -> Any:
+        """The device's copy stream, ordered after the work queued so far on the
+        caller's current stream (the step that wrote or still uses the tensors)."""
+        stream = self.get(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        return stream
+
+    def mark(self) -> _Marks:
+        """What to wait for until the copies queued so far on every stream landed."""
+        return _Marks([stream.record_event() for stream in self.streams.values()])
+
+
 class HostSnapshot:
     """Copies tensors to host memory that the caller can no longer change.
 
@@ -106,16 +131,12 @@ class HostSnapshot:
     def __init__(self, pool: HostBufferPool | None = None) -> None:
         self.pool = pool
         self.buffers: list[torch.Tensor] = []
-        self._streams: dict[torch.device, Any] = {}  # a copy stream per device
+        self._copies = _CopyStreams()
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
         if tensor.device.type == "cuda" and self.pool is not None:
-            stream = self._streams.get(tensor.device)
-            if stream is None:
-                stream = self._streams[tensor.device] = torch.cuda.Stream(device=tensor.device)
-            # ordered after what the caller queued on its stream (the step that wrote it)
-            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            stream = self._copies.after_caller(tensor.device)
             out = self.pool.take(tensor)
             with torch.cuda.stream(stream):
                 out.copy_(tensor, non_blocking=True)
@@ -126,7 +147,7 @@ class HostSnapshot:
 
     def mark(self) -> _Marks:
         """What to wait for (``.synchronize()``) until the copies issued so far landed."""
-        return _Marks([stream.record_event() for stream in self._streams.values()])
+        return self._copies.mark()
 
     def wait(self) -> None:
         """Blocks until every copy issued so far has landed."""
@@ -192,7 +213,7 @@ class DeviceUploader:
     def __init__(self, max_bytes: int = DEFAULT_LOAD_STAGING_BYTES) -> None:
         self.max_bytes = max_bytes
         self._slabs: list[torch.Tensor | None] = [None, None]
-        self._streams: dict[torch.device, Any] = {}
+        self._copies = _CopyStreams()
 
     def fill(self, targets: list[torch.Tensor], read: HostRead) -> None:
         """Fills each contiguous tensor of ``targets`` with what ``read`` puts in host
@@ -204,8 +225,7 @@ class DeviceUploader:
         if not targets:
             return
         for device in {t.device for t in targets if t.device.type == "cuda"}:
-            # the targets may still be in use by work queued on the caller's stream
-            self._stream(device).wait_stream(torch.cuda.current_stream(device))
+            self._copies.after_caller(device)  # the targets may still be in use there
         try:
             self._fill(targets, read)
         finally:
@@ -223,26 +243,20 @@ class DeviceUploader:
                 read(list(zip(wave, hosts)))
                 for i, host in zip(wave, hosts):
                     self._copy(targets[i], host)
-                in_flight.append(_Marks([stream.record_event() for stream in self._streams.values()]))
+                in_flight.append(self._copies.mark())
         finally:  # also after a failed read: no copy may still read a slab that is freed
             for marks in in_flight:
                 marks.synchronize()
-        for device, stream in self._streams.items():
+        for device, stream in self._copies.streams.items():
             if any(t.device == device for t in targets):
                 torch.cuda.current_stream(device).wait_stream(stream)
-
-    def _stream(self, device: torch.device) -> Any:
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
-        return stream
 
     def _copy(self, target: torch.Tensor, host: torch.Tensor) -> None:
         # detached: a model's parameters require grad, and autograd refuses in-place
         # writes into them (the same memory is filled either way)
         target = target.detach()
         if target.device.type == "cuda":
-            with torch.cuda.stream(self._stream(target.device)):
+            with torch.cuda.stream(self._copies.get(target.device)):
                 target.copy_(host, non_blocking=True)
         else:
             target.copy_(host)

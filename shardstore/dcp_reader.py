@@ -29,7 +29,6 @@ import io
 import math
 import os
 import pickle
-import stat
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
@@ -166,14 +165,7 @@ class DcpCheckpoint(ForeignCheckpoint):
 
     def _read_metadata(self) -> Any:
         file = self.path / DCP_METADATA
-        try:
-            size = os.lstat(file).st_size
-        except OSError as exc:
-            raise CheckpointingException(f"{self.path} is not a distributed checkpoint: cannot read {file}: {exc}") \
-                from exc
-        if size > MAX_METADATA_BYTES:  # checked before reading it
-            raise CheckpointingException(f"{file} is larger than {MAX_METADATA_BYTES} bytes")
-        data = self.read_file(DCP_METADATA, 0, size, what="the metadata")  # a regular file inside the checkpoint
+        data = self.read_bounded(DCP_METADATA, MAX_METADATA_BYTES, "the metadata")
         try:
             return MetadataUnpickler(io.BytesIO(data)).load()
         except Exception as exc:  # any malformed or hostile pickle
@@ -196,16 +188,12 @@ class DcpCheckpoint(ForeignCheckpoint):
 
     def _file_size(self, name: str) -> int:
         """The size of a data file (once per file), which bounds what may be read from it."""
-        sizes = self._sizes
-        if name not in sizes:
-            try:
-                info = os.lstat(self.path / name)
-            except OSError as exc:
-                raise CheckpointingException(f"{self.path}: cannot read the data file {name!r}: {exc}") from exc
-            if not stat.S_ISREG(info.st_mode):
-                raise CheckpointingException(f"{self.path}: refusing to read {name!r}: not a regular file")
-            sizes[name] = info.st_size
-        return sizes[name]
+        if name not in self._sizes:
+            size = self.file_size(name, "a data file")
+            if size is None:
+                raise CheckpointingException(f"{self.path}: the data file {name!r} is missing")
+            self._sizes[name] = size
+        return self._sizes[name]
 
     def read_chunk(self, tensor: DcpTensor, chunk: DcpChunk) -> torch.Tensor:
         """One saved chunk, checked against the metadata."""

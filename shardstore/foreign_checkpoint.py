@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -97,6 +98,34 @@ class ForeignCheckpoint(ABC):
         if data is None:
             return {}
         return deserialize_dict(data, str(self.path / COMMON_FILE), allow_unsafe_pickle=False)
+
+    def file_size(self, rel: str, what: str) -> int | None:
+        """The size of the regular file ``rel`` from ``lstat``, nothing opened or read:
+        what bounds a read before anything is allocated (a reader never trusts the
+        sizes its metadata claims). None where it is missing; a symbolic link,
+        directory or special file is refused. ``what``: for the error messages."""
+        try:
+            info = os.lstat(self.path / rel)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise CheckpointingException(f"{self.path}: cannot inspect {rel!r}, holding {what}: {exc}") from exc
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointingException(
+                f"{self.path}: refusing to read {what} from {rel!r}: not a regular file "
+                "(a symbolic link, directory or special file)"
+            )
+        return info.st_size
+
+    def read_bounded(self, rel: str, max_bytes: int, what: str) -> bytes:
+        """The whole file ``rel``, refused before it is read when it is missing or
+        larger than ``max_bytes`` (a metadata file: it is parsed whole)."""
+        size = self.file_size(rel, what)
+        if size is None:
+            raise CheckpointingException(f"{self.path}: {rel!r}, holding {what}, is missing")
+        if size > max_bytes:
+            raise CheckpointingException(f"{self.path / rel}, holding {what}, is larger than {max_bytes} bytes")
+        return self.read_file(rel, 0, size, what=what)
 
     def read_file(
         self, rel: str, offset: int = 0, length: int | None = None, missing_ok: bool = False, what: str = "data"

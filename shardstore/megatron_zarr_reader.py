@@ -26,7 +26,6 @@ import json
 import math
 import os
 import re
-import stat
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
@@ -115,10 +114,7 @@ class MegatronZarrCheckpoint(ForeignCheckpoint):
 
     def _array(self, key: str) -> ZarrV2Array:
         where = f"{self.path / key / ZARRAY}"
-        size = os.lstat(self.path / key / ZARRAY).st_size
-        if size > MAX_ZARRAY_BYTES:  # checked before reading it
-            raise CheckpointingException(f"{where} is larger than {MAX_ZARRAY_BYTES} bytes")
-        data = self.read_file(f"{key}/{ZARRAY}", 0, size, what=f"the metadata of {key!r}")
+        data = self.read_bounded(f"{key}/{ZARRAY}", MAX_ZARRAY_BYTES, f"the metadata of {key!r}")
         try:
             meta = json.loads(data)
         except ValueError as exc:
@@ -165,20 +161,7 @@ class MegatronZarrCheckpoint(ForeignCheckpoint):
         a ``.zarray`` claims."""
         for index in indices:
             rel = array.chunk_file(index)
-            try:
-                info = os.lstat(self.path / rel)
-            except FileNotFoundError:
-                self._check_chunk_size(array, rel, None)
-                continue
-            except OSError as exc:
-                raise CheckpointingException(f"{self.path}: cannot inspect chunk {rel!r} of {array.key!r}: {exc}") \
-                    from exc
-            if not stat.S_ISREG(info.st_mode):
-                raise CheckpointingException(
-                    f"{self.path}: refusing to read a chunk of {array.key!r} from {rel!r}: not a regular file "
-                    "(a symbolic link, directory or special file)"
-                )
-            self._check_chunk_size(array, rel, info.st_size)
+            self._check_chunk_size(array, rel, self.file_size(rel, f"a chunk of {array.key!r}"))
 
     def _check_chunk_size(self, array: ZarrV2Array, rel: str, size: int | None) -> None:
         """Raises unless the chunk file ``rel`` exists (``size`` not None) and holds

@@ -207,7 +207,7 @@ def run_read_plan(
     for peer, indices in plan.receives:
         for i in indices:
             out[i] = _receive_target(tensors[i], taken)
-        receives[peer] = [out[i].detach() for i in indices]
+        receives[peer] = [out[i] for i in indices]
     group.exchange(sends, receives)
     return [out[i] for i in range(len(tensors))]
 

@@ -167,8 +167,7 @@ def stage_save(
         error = exc
     group.agree(error, f"Staging tensors for checkpoint {location.describe()}")
 
-    mine = plan.shards
-    ops = [_block_op(s, host) for s in mine if s.flat_range is None and s.index not in written]
+    ops = [_block_op(s, host) for s in plan.shards if s.flat_range is None and s.index not in written]
     for w in plan.flat_direct:
         flat = tensor_to_numpy(host[w.index])[w.local_start : w.local_stop]
         ops.append(WriteOp(w.key, w.region, flat.reshape(region_shape(w.region))))

@@ -19,6 +19,7 @@ from shardstore.convert import DEFAULT_MEMORY_BYTES, read_arrays
 from shardstore.dict_utils import diff
 from shardstore.integrity import open_committed
 from shardstore.storage import Location
+from shardstore.strategies.foreign import reads_as_foreign
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def describe_checkpoint(checkpoint: str | os.PathLike | Location) -> CheckpointS
     format version and saving world size of a committed checkpoint."""
     from shardstore.serialization import load_common_state_dict
 
-    if _is_foreign(checkpoint):
+    if reads_as_foreign(checkpoint):
         return describe_foreign(checkpoint)
     location = open_committed(checkpoint)
     record = location.record
@@ -82,18 +83,6 @@ def describe_checkpoint(checkpoint: str | os.PathLike | Location) -> CheckpointS
         objects={k: o.shard_keys for k, o in sorted(record.objects.items())},
         common_keys=tuple(sorted(str(k) for k in common)),
     )
-
-
-def _is_foreign(checkpoint: str | os.PathLike | Location) -> bool:
-    """A local directory of another tool that ``strategies.foreign`` reads, without a
-    shardstore commit record."""
-    from shardstore.format import is_committed
-    from shardstore.locations import open_location
-    from shardstore.strategies.foreign import is_foreign_checkpoint
-
-    location = open_location(checkpoint)
-    path = location.local_path()
-    return path is not None and is_foreign_checkpoint(path) and not is_committed(location)
 
 
 def describe_foreign(checkpoint: str | os.PathLike | Location) -> CheckpointSummary:
@@ -184,7 +173,7 @@ def _whole_arrays(
     checkpoint: str | os.PathLike | Location, keys: list[str], memory_bytes: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(key, whole tensor)`` of ``keys``, sorted by key."""
-    if _is_foreign(checkpoint):
+    if reads_as_foreign(checkpoint):
         from shardstore.strategies.foreign import open_foreign
 
         source = open_foreign(checkpoint)

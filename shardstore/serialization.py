@@ -65,8 +65,8 @@ from shardstore.dict_utils import (
 )
 from shardstore.distributed import Group
 from shardstore.foreign import convert_foreign
-from shardstore.format import CommitRecord, checksum, is_committed
-from shardstore.integrity import ChecksummedLocation, open_committed
+from shardstore.format import CommitRecord, checksum
+from shardstore.integrity import open_committed
 from shardstore.layout import GlobalLayout
 from shardstore.locations import open_location
 from shardstore.mapping import (
@@ -97,7 +97,7 @@ from shardstore.strategies.base import (
 from shardstore.strategies.foreign import (
     ForeignLoadCommonStrategy,
     ForeignLoadShardedStrategy,
-    is_foreign_checkpoint,
+    reads_as_foreign,
 )
 from shardstore.utils import (
     extract_nonpersistent,
@@ -502,15 +502,7 @@ def open_checkpoint(checkpoint_dir: CheckpointDir) -> Location:
     against its commit record; or another tool's (PyTorch DCP, Megatron torch_dist or
     zarr), read by ``shardstore.strategies.foreign`` (no commit record, no checksums)."""
     location = open_location(checkpoint_dir)
-    return location if _is_foreign(location) else open_committed(location)
-
-
-def _is_foreign(location: Location) -> bool:
-    """Another tool's checkpoint that ``strategies.foreign`` reads (and no commit record)."""
-    if isinstance(location, ChecksummedLocation):
-        return False
-    path = location.local_path()
-    return path is not None and is_foreign_checkpoint(path) and not is_committed(location)
+    return location if reads_as_foreign(location) else open_committed(location)
 
 
 def verify_checkpoint_and_load_strategy(
@@ -521,7 +513,7 @@ def verify_checkpoint_and_load_strategy(
     """The load strategies for a checkpoint: defaults from its config, or the given ones
     after checking they can read it."""
     location = open_location(checkpoint_dir)
-    if _is_foreign(location):
+    if reads_as_foreign(location):
         return sharded_strategy or ForeignLoadShardedStrategy(), common_strategy or ForeignLoadCommonStrategy()
     config = maybe_load_config(location)
     if config is None:

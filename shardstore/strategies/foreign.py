@@ -25,9 +25,11 @@ from shardstore.dcp_reader import DCP_METADATA, DcpCheckpoint, is_dcp_checkpoint
 from shardstore.dict_utils import dict_list_map_inplace
 from shardstore.distributed import Group
 from shardstore.foreign_checkpoint import ForeignCheckpoint
-from shardstore.format import CommitRecord
+from shardstore.format import CommitRecord, is_committed
+from shardstore.integrity import ChecksummedLocation
 from shardstore.layout import block_shape, region_at
 from shardstore.loaded import place_loaded, postprocess_loaded
+from shardstore.locations import open_location
 from shardstore.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from shardstore.megatron_zarr_reader import BACKEND as MEGATRON_ZARR_BACKEND
 from shardstore.megatron_zarr_reader import MegatronZarrCheckpoint, is_megatron_zarr_checkpoint
@@ -65,6 +67,16 @@ def open_foreign(checkpoint_dir: CheckpointDir | Location) -> ForeignCheckpoint:
 def is_foreign_checkpoint(path: str | Path) -> bool:
     """A directory this module reads: DCP's ``.metadata``, or Megatron's zarr backend."""
     return is_dcp_checkpoint(path) or is_megatron_zarr_checkpoint(path)
+
+
+def reads_as_foreign(checkpoint: CheckpointDir) -> bool:
+    """Whether ``checkpoint`` is another tool's local checkpoint that this module reads,
+    as it is: no shardstore commit record (an opened committed one never is)."""
+    location = open_location(checkpoint)
+    if isinstance(location, ChecksummedLocation):
+        return False
+    path = location.local_path()
+    return path is not None and is_foreign_checkpoint(path) and not is_committed(location)
 
 
 def _open(path: Path) -> ForeignCheckpoint:

@@ -42,11 +42,13 @@ load then fails on the mismatch instead of returning a mix.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,7 +159,13 @@ class PendingCheckpoint(DelegatingLocation):
     def __init__(self, target: Location, staging: Location, intent: SaveIntent) -> None:
         super().__init__(staging)
         self.target, self.intent = target, intent
-        self._lock_fd: int | None = None
+        self._locks: list[int] = []  # descriptors holding the staging directory's flock
+        # A save dropped without commit, abandon or release (an AsyncRequest never
+        # scheduled, a caller's exception between the stages) still lets go of its
+        # descriptors and lock once collected: the next save into the same place can then
+        # remove its files, and the file system can be unmounted.
+        self._release_when_dropped = weakref.finalize(self, _release_dropped, staging, self._locks, target.describe())
+        self._release_when_dropped.atexit = False  # the process's end closes them anyway
 
     @property
     def in_place(self) -> bool:
@@ -186,12 +194,20 @@ class PendingCheckpoint(DelegatingLocation):
         finally:
             self.release()
 
+    def hold_staging_lock(self) -> None:
+        """Coordinator: takes the staging directory's ``flock`` for as long as the save
+        runs (``release`` lets it go), so that no other save removes it as a dead one's."""
+        staging = self.inner
+        assert isinstance(staging, LocalLocation)  # only local saves stage apart from the target
+        fd = staging.hold_lock()
+        if fd is not None:
+            self._locks.append(fd)
+
     def release(self) -> None:
-        """Every rank, once the save is over: closes what the save holds open."""
-        self.inner.end_writes()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        """Every rank, once the save is over: closes what the save holds open (its
+        durability descriptor, its staging lock). Safe to call again."""
+        if self._release_when_dropped.detach() is not None:
+            _close_descriptors(self.inner, self._locks)
 
     def _lost_race(self, current: str | None) -> CheckpointingException:
         return CheckpointingException(
@@ -231,6 +247,25 @@ class PendingCheckpoint(DelegatingLocation):
             _remove_dir(replaced.root)
 
 
+def _close_descriptors(staging: Location, locks: list[int]) -> None:
+    """Closes a save's durability descriptor (``begin_writes``) and its lock
+    descriptors, each once (``locks`` is emptied)."""
+    try:
+        staging.end_writes()
+    finally:
+        while locks:
+            os.close(locks.pop())
+
+
+def _release_dropped(staging: Location, locks: list[int], where: str) -> None:
+    logger.warning(
+        "A save into %s was dropped before it was committed or abandoned (an async save never finalized?); "
+        "closed its staging directory %s, which the next save into the same place removes",
+        where, staging.describe(),
+    )
+    _close_descriptors(staging, locks)
+
+
 def _remove_dir(path: Path | None) -> None:
     """Deletes a directory this save owns; a failure is logged, not raised: the save's
     outcome is already decided and the next save removes what is left."""
@@ -254,9 +289,6 @@ def begin_save(target: Location, overwrite: bool) -> PendingCheckpoint:
         remove_dead_saves(target)
         replaces = _check_target(target, overwrite)
         pending = PendingCheckpoint(target, _staging_for(target, save_id), SaveIntent(save_id, replaces))
-        pending.inner.prepare()
-        pending._lock_fd = pending.inner.hold_lock()
-        pending.inner.begin_writes()
     else:
         target.prepare()
         if not target.is_empty() and _marker_id(target) is not None and committed_save_id(target) is None:
@@ -267,8 +299,17 @@ def begin_save(target: Location, overwrite: bool) -> PendingCheckpoint:
             target.remove(COMMIT_RECORD)  # the documented window on object stores starts here
             target.remove_tree("")
         pending = PendingCheckpoint(target, target, SaveIntent(save_id, replaces))
+    with contextlib.ExitStack() as on_failure:
+        # A staging area that fails half-made (disk full while creating it or writing its
+        # marker) is removed and its descriptors and lock closed: without its marker no
+        # later save would ever recognise it as a dead save's.
+        on_failure.callback(pending.abandon)
+        if not pending.in_place:
+            pending.inner.prepare()
+            pending.hold_staging_lock()
         pending.inner.begin_writes()
-    _write_marker(pending.inner, save_id)
+        _write_marker(pending.inner, save_id)
+        on_failure.pop_all()
     return pending
 
 

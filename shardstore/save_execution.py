@@ -279,23 +279,31 @@ def finalize_save(staged: StagedSave, error: BaseException | None) -> None:
     if staged.snapshot is not None:
         staged.snapshot.release()
     local = RankFailure.from_exception(group.rank, error) if error is not None else staged.written
-    gathered = group.gather_object(local)
     what, failures = "Writing", []
-    if group.is_coordinator:
-        failures = [g for g in gathered if isinstance(g, RankFailure)]
-        if not failures:
-            try:
-                record = bind_chunks(staged.commit_record, gathered, location.describe())
-                publish(location, replace(record, files=file_checksums(location, record)))
-            except Exception as exc:  # told to every rank below
-                what, failures = "Committing", [RankFailure.from_exception(group.rank, exc)]
-    what, failures = group.broadcast_object((what, failures))
+    try:
+        gathered = group.gather_object(local)
+        if group.is_coordinator:
+            failures = [g for g in gathered if isinstance(g, RankFailure)]
+            if not failures:
+                try:
+                    record = bind_chunks(staged.commit_record, gathered, location.describe())
+                    publish(location, replace(record, files=file_checksums(location, record)))
+                except Exception as exc:  # told to every rank below
+                    what, failures = "Committing", [RankFailure.from_exception(group.rank, exc)]
+        what, failures = group.broadcast_object((what, failures))
+    finally:  # also when a rank was lost in the gather or broadcast: nothing stays open
+        end_save(location, abandon=bool(failures) and group.is_coordinator)
+    raise_failures(failures, f"{what} checkpoint {location.describe()}", cause=error)
+
+
+def end_save(location: Location, abandon: bool) -> None:
+    """Lets go of what a save holds (its descriptors and staging lock); ``abandon``
+    (coordinator, after a failure every rank knows of) also deletes what it wrote."""
     if isinstance(location, PendingCheckpoint):
-        if failures and group.is_coordinator:
+        if abandon:
             location.abandon()
         else:
             location.release()
-    raise_failures(failures, f"{what} checkpoint {location.describe()}", cause=error)
 
 
 def bind_chunks(record: CommitRecord, reports: list[list[WrittenChunk]], where: str) -> CommitRecord:
@@ -340,8 +348,7 @@ def finalizer(staged: StagedSave) -> Callable[[BaseException | None], None]:
         """Local, no agreement: releases the save's descriptors and lock, so the next
         save into the same place sees a dead save and removes its files (deleting them
         here could race with other ranks still writing)."""
-        if isinstance(staged.location, PendingCheckpoint):
-            staged.location.release()
+        end_save(staged.location, abandon=False)
 
     finalize.accepts_async_error = True  # type: ignore[attr-defined]
     finalize.checkpoint = staged.location.describe()  # type: ignore[attr-defined]

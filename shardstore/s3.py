@@ -31,12 +31,14 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardstore.storage import Location, StorageError
+from shardstore.storage import Location, NameLimits, StorageError
 
 logger = logging.getLogger(__name__)
 
 # S3 takes at most 5 GiB in one PUT, and TensorStore never uses multipart uploads.
 S3_MAX_OBJECT_BYTES = 5 * 2**30
+# S3's longest object key, in bytes of UTF-8 (the prefix included).
+S3_MAX_KEY_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,16 @@ class S3Location(Location):
 
     def describe(self, rel: str = "") -> str:
         return f"s3://{self._path(rel)}"
+
+    @property
+    def name_limits(self) -> NameLimits:
+        """No limit on one segment; a whole object key, prefix included, has at most
+        ``S3_MAX_KEY_BYTES``."""
+        used = len(self._key("x").encode()) - 1  # the prefix and its "/"
+        return NameLimits(
+            None, S3_MAX_KEY_BYTES - used,
+            f"S3's {S3_MAX_KEY_BYTES}-byte object keys, less {used} for the prefix {self.prefix!r}",
+        )
 
     # ------------------------------------------------------------------ s3fs
 

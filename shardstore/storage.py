@@ -33,6 +33,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +43,38 @@ logger = logging.getLogger(__name__)
 
 # Threads for batches of small-file writes; they release the GIL in write().
 SMALL_FILE_WRITERS = 8
+# Linux's NAME_MAX and PATH_MAX (the latter counts the terminating NUL), where the file
+# system does not say (pathconf).
+DEFAULT_NAME_MAX = 255
+DEFAULT_PATH_MAX = 4096
+# Bytes a save may add to the checkpoint's own path: it writes into a staging directory
+# next to it whose name is longer (``shardstore.commit``: ``.<name>.shardstore-save-<32
+# hex digits>``, 50 bytes more).
+SAVE_PATH_HEADROOM = 64
 
 
 class StorageError(CheckpointingException, OSError):
     """A storage operation failed; the message names the location and the object.
 
     A CheckpointingException (what callers catch) and an OSError (what it is)."""
+
+
+@dataclass(frozen=True)
+class NameLimits:
+    """The longest names a location stores, in bytes of UTF-8 (None: no limit): a save
+    checks its keys against them before it writes anything (``format.check_key``).
+
+    Attributes:
+        max_name_bytes: one ``/``-separated segment of a relative path (a file system's
+            NAME_MAX).
+        max_path_bytes: a whole relative path under the location (what PATH_MAX or an
+            object store's key limit leaves after the location's own path or prefix).
+        path_limit: what bounds ``max_path_bytes``, for error messages.
+    """
+
+    max_name_bytes: int | None = None
+    max_path_bytes: int | None = None
+    path_limit: str = ""
 
 
 class Location(ABC):
@@ -57,6 +84,11 @@ class Location(ABC):
     max_object_bytes: int | None = None
     # Writes must reach stable storage before make_durable returns (local disks).
     fsync: bool = False
+
+    @property
+    def name_limits(self) -> NameLimits:
+        """The longest names and relative paths this location stores (none known here)."""
+        return NameLimits()
 
     @abstractmethod
     def describe(self, rel: str = "") -> str:
@@ -160,6 +192,10 @@ class DelegatingLocation(Location):
     def fsync(self) -> bool:  # type: ignore[override]
         return self.inner.fsync
 
+    @property
+    def name_limits(self) -> NameLimits:
+        return self.inner.name_limits
+
     def describe(self, rel: str = "") -> str:
         return self.inner.describe(rel)
 
@@ -234,6 +270,20 @@ class LocalLocation(Location):
 
     def local_path(self, rel: str = "") -> Path:
         return self._path(rel)
+
+    @property
+    def name_limits(self) -> NameLimits:
+        """NAME_MAX and PATH_MAX of the file system that holds (or will hold) the
+        checkpoint, PATH_MAX less the path of the save's staging directory, which every
+        file of a save is written under."""
+        existing = next(p for p in (self.root, *self.root.parents) if p.exists())
+        used = len(os.fsencode(self.root)) + SAVE_PATH_HEADROOM + 1  # "/" before the relative path
+        path_max = _pathconf(existing, "PC_PATH_MAX", DEFAULT_PATH_MAX)
+        return NameLimits(
+            _pathconf(existing, "PC_NAME_MAX", DEFAULT_NAME_MAX),
+            path_max - 1 - used,
+            f"the file system's PATH_MAX of {path_max} bytes, less {used} for the checkpoint's staging directory",
+        )
 
     def read_bytes_or_none(self, rel: str, max_bytes: int | None = None) -> bytes | None:
         path = self._path(rel)
@@ -455,6 +505,15 @@ def run_parallel(fn: Any, items: list[Any], threads: int = SMALL_FILE_WRITERS) -
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+
+
+def _pathconf(path: Path, name: str, default: int) -> int:
+    """``pathconf(path, name)``, or ``default`` where the system does not say."""
+    try:
+        value = os.pathconf(path, name)
+    except (OSError, ValueError):
+        return default
+    return value if value > 0 else default
 
 
 def _rename_exchange(a: Path, b: Path) -> bool:

@@ -1,11 +1,19 @@
 """Issue 16.3: the checkpoint manager saves on schedule, keeps the last K and every
 M-th step, restarts from the latest committed step, and deletes only its own
 checkpoints, only after a newer one committed (sync and async, 1 and 2 ranks; S3 in
-test_s3.py)."""
+test_s3.py).
+
+Issue 23.2: it never loses a committed checkpoint: a damaged record is not a step,
+retention keeps the newest and the just-saved step, a step older than the newest is
+refused until an explicit ``rollback``, an interrupted deletion is finished, and
+resuming at the latest step is a no-op save (histories drawn at random:
+test_manager_history.py)."""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +21,14 @@ import torch
 import torch.distributed as dist
 
 from shardstore import CheckpointingException
-from shardstore.manager import CheckpointManager, CheckpointManagerOptions, steps_to_delete
+from shardstore.format import COMMIT_RECORD
+from shardstore.manager import (
+    DELETION_MARKER,
+    CheckpointManager,
+    CheckpointManagerOptions,
+    steps_to_delete,
+)
+from shardstore.storage import LocalLocation
 from tests.dist import run_distributed
 from tests.scenarios import global_tensor, grid_shard
 
@@ -75,17 +90,20 @@ def test_restart_finds_the_latest_committed_step_skipping_incomplete_ones(tmp_pa
     assert restarted.restore(_state(0, empty=True))["step"] == 2
 
 
-def test_retention_never_deletes_what_it_cannot_prove_is_a_shardstore_checkpoint(tmp_path: Path) -> None:
+def test_retention_never_deletes_what_it_cannot_prove_is_a_shardstore_checkpoint(tmp_path: Path, caplog) -> None:
     foreign = tmp_path / "iter_0000001"  # named like a step, but a zarr v3 group of another tool
     foreign.mkdir()
     (foreign / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}))
     (foreign / "data.bin").write_bytes(b"keep me")
     manager = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=1))
-    for step in (2, 3):
-        manager.save(step, _state(step))
+    with caplog.at_level(logging.WARNING, logger="shardstore.manager"):
+        for step in (2, 3):
+            manager.save(step, _state(step))
     assert (foreign / "data.bin").read_bytes() == b"keep me"
     assert not (tmp_path / "iter_0000002").exists()
-    assert len(manager.retention_errors) >= 1 and "iter_0000001" in manager.retention_errors[0]
+    # not a step at all (issue 23.2): never a deletion candidate, named in a WARNING
+    assert manager.all_steps() == [3] and manager.retention_errors == []
+    assert any("iter_0000001 is not counted as a checkpoint step" in r.getMessage() for r in caplog.records)
 
 
 def test_restore_without_any_checkpoint_says_so(tmp_path: Path) -> None:
@@ -117,3 +135,243 @@ def test_async_saves_at_two_ranks_commit_in_order_and_prune_after_commit(tmp_pat
         # never more than max_to_keep + the newest are on disk
         assert seen[0] == 0 and max(seen) <= 3
         assert final == [3, 4]
+
+
+# ------------------------------------------------------------- issue 23.2
+
+
+def _w(restored: dict) -> float:
+    """The value every element of a restored ``_state`` had at save (its step)."""
+    return float(restored["w"][0, 0] - global_tensor("w", (8, 4), torch.float32)[0, 0])
+
+
+def _record(root: Path, step: int) -> bytes:
+    return (root / f"iter_{step:07d}" / COMMIT_RECORD).read_bytes()
+
+
+def test_a_newer_damaged_commit_record_is_not_a_step_and_costs_no_good_checkpoint(tmp_path: Path) -> None:
+    damaged = {
+        "iter_0000050": b"{not json",
+        "iter_0000060": json.dumps({"attributes": []}).encode(),  # trips the record parser itself
+        "iter_0000070": json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode(),
+    }
+    for name, record in damaged.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / COMMIT_RECORD).write_bytes(record)
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=2))
+    for step in (1, 2, 3):
+        assert manager.save(step, _state(step))
+    assert manager.all_steps() == [2, 3] and manager.latest_step() == 3
+    assert _w(manager.restore(_state(0, empty=True))) == 3
+    for name, record in damaged.items():  # never counted, never deleted
+        assert (tmp_path / name / COMMIT_RECORD).read_bytes() == record
+
+
+@pytest.mark.parametrize(
+    ("committed", "protected", "expected"),
+    [
+        ([10, 20], [10], []),  # the step just saved, older than another manager's newer commit
+        ([5, 10, 20], [10], [5]),
+        ([10, 20], [], [10]),
+    ],
+)
+def test_retention_never_deletes_the_step_just_saved(committed, protected, expected) -> None:
+    assert steps_to_delete(committed, CheckpointManagerOptions(max_to_keep=1), protected=protected) == expected
+
+
+def test_a_step_committed_after_a_newer_one_is_kept_by_its_own_retention(tmp_path: Path) -> None:
+    options = CheckpointManagerOptions(max_to_keep=1)
+    background = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=1, async_save=True))
+    foreground = CheckpointManager(tmp_path, options)
+    assert background.save(10, _state(10))  # in flight
+    assert foreground.save(20, _state(20))
+    background.close()  # 10 commits now, after 20
+    assert foreground.all_steps() == [10, 20] and foreground.latest_step() == 20
+    assert _w(foreground.restore(_state(0, empty=True), 10)) == 10
+
+
+def _steps_100_150_160(root: Path) -> CheckpointManager:
+    manager = CheckpointManager(root, CheckpointManagerOptions(max_to_keep=3))
+    for step in (100, 150, 160):
+        manager.save(step, _state(step))
+    return manager
+
+
+def test_saving_a_step_older_than_the_newest_is_refused_and_deletes_nothing(tmp_path: Path) -> None:
+    manager = _steps_100_150_160(tmp_path)
+    assert _w(manager.restore(_state(0, empty=True), 100)) == 100
+    with pytest.raises(CheckpointingException, match=r"step 160 there is a newer committed.*rollback\(100\)"):
+        manager.save(110, _state(110))
+    assert manager.all_steps() == [100, 150, 160]
+    assert not (tmp_path / "iter_0000110").exists()
+
+
+def test_rollback_deletes_the_newer_steps_and_training_saves_onward(tmp_path: Path) -> None:
+    manager = _steps_100_150_160(tmp_path)
+    manager.restore(_state(0, empty=True), 100)
+    assert manager.rollback(100) == [160, 150]
+    assert manager.latest_step() == 100
+    assert manager.save(110, _state(110)) and manager.save(150, _state(1500))
+    assert manager.all_steps() == [100, 110, 150]
+    assert _w(manager.restore(_state(0, empty=True))) == 1500  # the new history's 150
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000100", "iter_0000110", "iter_0000150"]
+
+
+def test_rollback_to_a_step_that_is_not_committed_deletes_nothing(tmp_path: Path) -> None:
+    manager = _steps_100_150_160(tmp_path)
+    with pytest.raises(CheckpointingException, match=r"Cannot roll back to step 120.*Nothing was deleted"):
+        manager.rollback(120)
+    assert manager.all_steps() == [100, 150, 160]
+
+
+class _Crash(OSError):
+    """A deletion that stops where a killed process would have stopped."""
+
+
+def _crash_in_remove_tree(monkeypatch, after: int) -> None:
+    """LocalLocation.remove_tree raises on its call number ``after`` + 1 and after; only
+    the manager's deletions call it on local directories."""
+    calls = []
+    real = LocalLocation.remove_tree
+
+    def remove_tree(self, rel: str = "") -> None:
+        calls.append(rel)
+        if len(calls) > after:
+            raise _Crash(f"injected crash while removing {rel}")
+        real(self, rel)
+
+    monkeypatch.setattr(LocalLocation, "remove_tree", remove_tree)
+
+
+def test_an_interrupted_rollback_is_finished_by_calling_it_again(tmp_path: Path, monkeypatch) -> None:
+    manager = _steps_100_150_160(tmp_path)
+    with monkeypatch.context() as patch:
+        _crash_in_remove_tree(patch, after=0)
+        with pytest.raises(CheckpointingException, match=r"incomplete.*Call rollback\(100\) again"):
+            manager.rollback(100)
+    assert (tmp_path / "iter_0000160" / DELETION_MARKER).exists()  # half deleted, provably ours
+    assert manager.all_steps() == [100, 150]
+    assert manager.rollback(100) == [150]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000100"]
+
+
+def test_a_deletion_cut_short_is_finished_by_the_next_retention(tmp_path: Path, monkeypatch) -> None:
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=1))
+    manager.save(1, _state(1))
+    with monkeypatch.context() as patch:
+        _crash_in_remove_tree(patch, after=1)  # step 1: one entry removed, then the crash
+        assert manager.save(2, _state(2))  # the save succeeded; retention did not finish
+    assert len(manager.retention_errors) == 1 and "iter_0000001" in manager.retention_errors[0]
+    left = tmp_path / "iter_0000001"
+    assert DELETION_MARKER in {p.name for p in left.iterdir()} and not (left / COMMIT_RECORD).exists()
+    assert manager.all_steps() == [2]
+    restarted = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=1))
+    assert restarted.save(3, _state(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000003"]
+
+
+def test_a_crash_before_the_commit_record_goes_leaves_the_step_whole(tmp_path: Path, monkeypatch) -> None:
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=1))
+    manager.save(1, _state(1))
+    real = LocalLocation.remove
+
+    def remove(self, rel: str) -> None:
+        if rel == COMMIT_RECORD:
+            raise _Crash("injected crash before the commit record went")
+        real(self, rel)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LocalLocation, "remove", remove)
+        manager.save(2, _state(2))
+    assert (tmp_path / "iter_0000001" / DELETION_MARKER).exists()
+    assert manager.all_steps() == [1, 2]  # still a step, and loads
+    assert _w(manager.restore(_state(0, empty=True), 1)) == 1
+    manager.save(3, _state(3))
+    assert manager.all_steps() == [3] and sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000003"]
+
+
+def test_retention_deletes_only_directories_it_can_prove_are_its_own(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    root.mkdir()
+    foreign = {
+        "iter_0000000": {"notes.txt": b"a user's own folder"},
+        "iter_0000001": {".metadata": b"DCP", "__0_0.distcp": b"DCP data"},  # another tool's checkpoint
+        "iter_0000002": {"metadata.json": b"{}", "w/c.0": b"x"},  # no record, no marker of ours
+        "iter_0000003": {DELETION_MARKER: json.dumps({"step": 9, "save_id": "ab"}).encode()},  # not its step
+    }
+    for name, files in foreign.items():
+        for rel, data in files.items():
+            (root / name / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / name / rel).write_bytes(data)
+    elsewhere = tmp_path / "other-run"
+    CheckpointManager(elsewhere).save(4, _state(4))
+    (root / "iter_0000004").symlink_to(elsewhere / "iter_0000004")  # a step linked in from another run
+    manager = CheckpointManager(root, CheckpointManagerOptions(max_to_keep=1))
+    for step in (5, 6):
+        manager.save(step, _state(step))
+    for name, files in foreign.items():
+        assert {str(p.relative_to(root / name)) for p in (root / name).rglob("*") if p.is_file()} == set(files)
+    assert manager.retention_errors and "symbolic link" in manager.retention_errors[0]
+    assert CheckpointManager(elsewhere).latest_step() == 4  # not deleted through the link
+    assert manager.latest_step() == 6 and not (root / "iter_0000005").exists()
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_saving_a_committed_step_again_is_a_logged_no_op(tmp_path: Path, caplog, async_save: bool) -> None:
+    options = CheckpointManagerOptions(max_to_keep=2, async_save=async_save)
+    with CheckpointManager(tmp_path, options) as manager:
+        for step in (0, 1):
+            manager.save(step, _state(step))
+    record = _record(tmp_path, 1)
+    with CheckpointManager(tmp_path, options) as restarted, caplog.at_level(logging.INFO, logger="shardstore.manager"):
+        start = restarted.latest_step()
+        assert start == 1
+        assert restarted.save(start, _state(99)) is False
+        assert any("Not saving step 1" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+        assert restarted.save(2, _state(2))
+    assert _record(tmp_path, 1) == record and CheckpointManager(tmp_path).all_steps() == [1, 2]
+    assert _w(CheckpointManager(tmp_path).restore(_state(0, empty=True), 1)) == 1
+
+
+def _readme_manager_block() -> str:
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text[text.index("## Checkpoint manager") :]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+
+
+def test_the_readme_training_loop_restarts_where_it_stopped(tmp_path: Path) -> None:
+    from shardstore import ShardedTensor
+
+    block = _readme_manager_block().replace("/ckpt/", f"{tmp_path}/")
+    for total_steps in (2001, 3001):  # a run, then its restart from the latest step
+        namespace = {
+            "total_steps": total_steps,
+            "sharded_state_dict": {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))},
+        }
+        exec(compile(block, "README.md", "exec"), namespace)
+        assert namespace["manager"].latest_step() == total_steps - 1
+    assert CheckpointManager(tmp_path / "run1").all_steps() == [0, 1000, 2000, 3000]
+
+
+def _run_collective_decisions(rank: int, world: int, root: str) -> list:
+    options = CheckpointManagerOptions(max_to_keep=3)
+    outcomes = []
+    with CheckpointManager(root, options) as manager:
+        for step in (100, 150, 160):
+            manager.save(step, _state(step, rank, world))
+    with CheckpointManager(root, options) as restarted:  # a restart, on every rank
+        outcomes.append(restarted.save(160, _state(160, rank, world)))  # resume: no-op everywhere
+        try:
+            restarted.save(110, _state(110, rank, world))
+        except CheckpointingException as exc:
+            outcomes.append(str(exc).split(":")[0])
+        outcomes.append(restarted.rollback(100))
+        outcomes.append(restarted.save(110, _state(110, rank, world)))
+        dist.barrier()
+        outcomes.append(restarted.all_steps())
+    return outcomes
+
+
+def test_two_ranks_take_the_same_branch_on_resume_refusal_and_rollback(tmp_path: Path) -> None:
+    results = run_distributed(_run_collective_decisions, 2, str(tmp_path))
+    assert results[0] == results[1] == [False, "Not saving step 110 under " + str(tmp_path), [160, 150], True, [100, 110]]

@@ -29,7 +29,7 @@ import crc32c
 
 from shardstore.core import CONFIG_FNAME, CheckpointingException
 from shardstore.dtypes import from_zarr_name
-from shardstore.storage import LocalLocation, Location
+from shardstore.storage import LocalLocation, Location, NameLimits
 
 FORMAT_VERSION = 3
 # Versions this shardstore reads. Version 1 records carry no save id and no chunk
@@ -239,15 +239,32 @@ def group_metadata(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
 
 MAX_KEY_LENGTH = 1024
 MAX_SEGMENT_LENGTH = 255
+# Names no segment of a key being written may take: the metadata document of every Zarr
+# group and array; and, as the first segment, the checkpoint's own files (``__objects__``
+# is refused as ``__``-prefixed, the save machinery's names as ``.``-prefixed).
+RESERVED_NAMES = frozenset({ZARR_JSON})
+RESERVED_ROOT_NAMES = {CONFIG_FNAME: "backend metadata", COMMON_FILE: "common state"}
 
 
-def check_key(key: Any, where: str | None = None) -> None:
+def check_key(
+    key: Any, where: str | None = None, storage: NameLimits | None = None, files: tuple[str, ...] = ()
+) -> None:
     """Rejects keys that could escape the checkpoint or clash with the format.
 
     A key is a ``/``-separated path inside the checkpoint. Refused: non-strings, empty
     segments (so no leading, trailing or double ``/``), ``.`` and ``..``, segments
     starting with ``__`` (reserved for shardstore), backslashes, NUL and other control
     characters, and absurd lengths.
+
+    ``storage``: the key is about to be written there (a save), so it must also name
+    files that cannot collide with the format's own or fail to be created. Refused then:
+    ``zarr.json`` as any segment, ``metadata.json`` and ``common.pt`` as the first,
+    segments starting with ``.`` (the save machinery's marker and temporary files, other
+    tools' metadata such as DCP's ``.metadata``), segments over 255 bytes of UTF-8; and
+    ``files`` (the key's files, relative to the checkpoint) whose name or path is longer
+    than ``storage`` takes. Reading checks without ``storage``: what an older version
+    committed stays readable (on S3 nothing collides with ``common.pt/zarr.json``), and a
+    key read back only has to stay inside the checkpoint.
     """
     context = f" in {where}" if where else ""
 
@@ -262,7 +279,8 @@ def check_key(key: Any, where: str | None = None) -> None:
         fail("contains NUL or another control character")
     if "\\" in key:
         fail("contains a backslash")
-    for segment in key.split("/"):
+    segments = key.split("/")
+    for segment in segments:
         if segment == "":
             fail("has an empty path segment (leading, trailing or double '/')")
         if segment in (".", ".."):
@@ -271,6 +289,39 @@ def check_key(key: Any, where: str | None = None) -> None:
             fail("has a segment starting with '__' (reserved for shardstore)")
         if len(segment) > MAX_SEGMENT_LENGTH:
             fail(f"has a path segment longer than {MAX_SEGMENT_LENGTH} characters")
+    if storage is not None and (reason := _unstorable(key, segments, storage, files)):
+        fail(reason)
+
+
+def _unstorable(key: str, segments: list[str], storage: NameLimits, files: tuple[str, ...]) -> str | None:
+    """Why a key (already checked as safe) cannot be written to ``storage``, with what to
+    do about it; None if it can."""
+    try:
+        key.encode()
+    except UnicodeEncodeError:
+        return "is not valid Unicode text (it holds a lone surrogate); rename the key"
+    if segments[0] in RESERVED_ROOT_NAMES:
+        return (f"{segments[0]!r} is the name of the checkpoint's own file of the "
+                f"{RESERVED_ROOT_NAMES[segments[0]]}, which the key's files would collide with; rename the key")
+    for segment in segments:
+        if segment in RESERVED_NAMES:
+            return (f"{segment!r} is the name of the metadata document of every Zarr group and array, which "
+                    "the key's files would collide with; rename the key")
+        if segment.startswith("."):
+            return (f"has a segment starting with '.' ({segment!r}): such names are kept for the save's own "
+                    "marker and temporary files and for other tools' metadata; rename the key")
+        if (size := len(segment.encode())) > MAX_SEGMENT_LENGTH:
+            return (f"has a path segment of {size} bytes in UTF-8, longer than the {MAX_SEGMENT_LENGTH} bytes "
+                    "a name may have; shorten the key")
+    for rel in files:
+        if storage.max_path_bytes is not None and (size := len(rel.encode())) > storage.max_path_bytes:
+            return (f"its file {rel!r} would have a path of {size} bytes, more than the {storage.max_path_bytes} "
+                    f"left by {storage.path_limit}; shorten the key (or save to a shorter path)")
+        name = max(len(n.encode()) for n in rel.split("/"))
+        if storage.max_name_bytes is not None and name > storage.max_name_bytes:
+            return (f"its file {rel!r} would have a name of {name} bytes, longer than the "
+                    f"{storage.max_name_bytes} bytes a file name may have there; shorten the key")
+    return None
 
 
 def array_group_collisions(keys: list[str]) -> list[str]:

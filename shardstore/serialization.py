@@ -112,6 +112,7 @@ from shardstore.validation import (
     plan_load,
     reported_mismatches,
     validate_sharded_objects_handling,
+    validate_sharding_integrity,
 )
 
 logger = logging.getLogger(__name__)
@@ -245,9 +246,10 @@ def _preprocess_and_plan(
     preprocess_common: Callable[[StateDict], StateDict] | None = None,
 ) -> tuple[ShardedStateDict, StateDict, Any]:
     """Stages preprocess + plan (``shardstore.planner``): a local failure becomes an error
-    on every rank, and so do ranks that name different checkpoint directories and an
-    invalid global sharding. The ranks' common states are compared in the same gather
-    (digests only). Returns this rank's part of the strategy's plan."""
+    on every rank, and so do ranks that name different checkpoint directories, keys the
+    target cannot store (its ``name_limits``) and an invalid global sharding. The ranks'
+    common states are compared in the same gather (digests only). Returns this rank's
+    part of the strategy's plan."""
     error, sharded_part, common_part, digests = None, {}, {}, None
     tensors: list[ShardedTensor] = []
     objects: list[ShardedObject] = []
@@ -258,9 +260,14 @@ def _preprocess_and_plan(
             digests = common_state_digests(preprocess_common(common_part) if preprocess_common else common_part)
     except Exception as exc:  # reported on every rank by gather_and_plan
         error = exc
+
+    def planner(layout: GlobalLayout) -> list[Any]:  # on the coordinator, before anything is written
+        validate_sharding_integrity(layout, target.name_limits, target.describe())
+        return sharded_strategy.plan_save(layout)
+
     plan = gather_and_plan(
-        tensors, objects, group, sharded_strategy.plan_save, local_error=error, place=target.describe(),
-        common_digests=digests,
+        tensors, objects, group, planner, local_error=error, place=target.describe(), common_digests=digests,
+        validate=False,
     )
     return sharded_part, common_part, plan
 

@@ -11,7 +11,7 @@ import bisect
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from enum import Enum
 from typing import Any
@@ -21,7 +21,7 @@ import numpy as np
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import extract_matching_values, nested_values
 from shardstore.distributed import Group
-from shardstore.format import array_group_collisions, check_key
+from shardstore.format import ZARR_JSON, array_group_collisions, check_key, chunk_key, object_path
 from shardstore.layout import GlobalLayout, ObjectShardRecord, ShardRecord
 from shardstore.mapping import (
     CommonStateDict,
@@ -31,12 +31,16 @@ from shardstore.mapping import (
     ShardedTensor,
 )
 from shardstore.planner import RankLoadPlan
+from shardstore.storage import NameLimits
 
 logger = logging.getLogger(__name__)
 
 # Grid cells the exact coverage check may allocate; past it, a volume check is used.
 MAX_COVERAGE_CELLS = 16_000_000
 MAX_REPORTED_PROBLEMS = 10
+# What a save's keys are checked against where its storage is not known (a strategy
+# called directly): the format's own names and limits only.
+FORMAT_NAME_LIMITS = NameLimits()
 
 
 class StrictHandling(Enum):
@@ -114,13 +118,22 @@ def warn_common_state_mismatch(digests: list[dict[str, str] | None]) -> None:
         logger.warning("The common state differs from rank 0's (which is the one saved): %s", shown)
 
 
-def validate_sharding_integrity(layout: GlobalLayout) -> None:
-    """Every element of every global tensor is covered exactly once by main replicas,
-    shapes and dtypes agree across ranks, and ShardedObjects are complete.
+def validate_sharding_integrity(
+    layout: GlobalLayout, storage: NameLimits | None = FORMAT_NAME_LIMITS, where: str = ""
+) -> None:
+    """Every key can be stored, every element of every global tensor is covered exactly
+    once by main replicas, shapes and dtypes agree across ranks, and ShardedObjects are
+    complete.
+
+    ``storage``: where a save writes (its location's ``name_limits``; the default knows
+    only the format's own names and limits), so the keys are checked first
+    (``check_storable_keys``); None for a load's request, whose keys name what is stored.
 
     Raises:
         CheckpointingException: listing up to ten problems, each naming its key.
     """
+    if storage is not None:
+        check_storable_keys(layout, storage, where)
     problems: list[str] = [
         f"{key!r} names both a ShardedTensor and a ShardedObject" for key in sorted(set(layout.tensors) & set(layout.objects))
     ]
@@ -134,6 +147,48 @@ def validate_sharding_integrity(layout: GlobalLayout) -> None:
     if problems:
         shown = "\n  ".join(problems[:MAX_REPORTED_PROBLEMS])
         raise CheckpointingException(f"Invalid global sharding ({len(problems)} problem(s)):\n  {shown}")
+
+
+def check_storable_keys(layout: GlobalLayout, storage: NameLimits, where: str = "") -> None:
+    """The one check of a save's keys, on the coordinator before anything is written:
+    every ShardedTensor key, ShardedObject key and shard key, with the files each will
+    be written to, through ``format.check_key`` against ``storage``'s limits.
+
+    Raises:
+        CheckpointingException: naming the checkpoint (``where``), up to ten keys with
+            the ranks holding each, why it cannot be stored and what to do.
+    """
+    problems = []
+    for key, what, files, shards in _keys_and_files(layout):
+        try:
+            check_key(key, where, storage, files)
+        except CheckpointingException as exc:
+            ranks = ", ".join(map(str, sorted({s.rank for s in shards})))
+            problems.append(f"{exc} ({what}, held by rank(s) {ranks})")
+    if problems:
+        shown = "\n  ".join(problems[:MAX_REPORTED_PROBLEMS])
+        raise CheckpointingException(
+            f"{len(problems)} key(s) cannot be stored{f' in {where}' if where else ''}; nothing was written:\n  {shown}"
+        )
+
+
+def _keys_and_files(
+    layout: GlobalLayout,
+) -> Iterator[tuple[str, str, tuple[str, ...], list[ShardRecord] | list[ObjectShardRecord]]]:
+    """Every key a save writes, what it is, its longest files (relative to the
+    checkpoint) and the shards that hold it: an array's ``zarr.json`` and its last chunk
+    (an upper bound: the grid has at most as many chunks along an axis as the shape has
+    elements), a ShardedObject's key (its files are its shards') and each shard's file."""
+    for key, shards in layout.tensors.items():
+        last = tuple(max(n - 1, 0) for n in shards[0].global_shape)
+        yield key, "ShardedTensor", (f"{key}/{ZARR_JSON}", f"{key}/{chunk_key(last)}"), shards
+    for key, objects in layout.objects.items():
+        yield key, "ShardedObject", (), objects
+        by_shard: dict[str, list[ObjectShardRecord]] = defaultdict(list)
+        for s in objects:
+            by_shard[s.unique_key].append(s)
+        for unique_key, holders in by_shard.items():
+            yield unique_key, f"a shard of ShardedObject {key!r}", (object_path(unique_key),), holders
 
 
 def _tensor_problems(key: str, shards: list[ShardRecord]) -> list[str]:
@@ -282,7 +337,7 @@ def plan_load(
             maybe_report_missing_and_unexpected_keys(missing, set().union(*unexpected), True, where)
         layout = without_keys(layout, set().union(*unexpected))
     if validate_access_integrity:
-        validate_sharding_integrity(layout)
+        validate_sharding_integrity(layout, storage=None)
     reads = read_planner(layout)
     return [
         RankLoadPlan(rank, frozenset(missing), frozenset(unexpected[rank]), reads[rank])
@@ -363,6 +418,7 @@ __all__ = [
     "StrictHandling",
     "adjust_non_strict_load",
     "check_key",
+    "check_storable_keys",
     "maybe_report_missing_and_unexpected_keys",
     "parse_strict_flag",
     "plan_load",

@@ -1,0 +1,185 @@
+"""Every key check happens before the first byte is written (issue 23, item 6).
+
+Keys that name the format's own files (``zarr.json``, ``metadata.json``, ``common.pt``,
+``.``-prefixed names of the save machinery), and keys whose files would have names or
+paths too long for the target (a file system's NAME_MAX and PATH_MAX, S3's 1024-byte
+object keys), of ShardedTensors, ShardedObjects and their shards: the ``save`` call
+itself refuses them (an async save's too), on every rank, naming the checkpoint, the
+key, why and what to do, and nothing is written. Reading keeps accepting what older
+versions wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, save, verify
+from shardstore.format import check_key
+from shardstore.s3 import S3Location, S3Options
+from shardstore.storage import NameLimits
+from tests.dist import run_distributed
+from tests.s3_support import KEY, REGION, SECRET, MotoServer
+
+# A shard's file is __objects__/<key>/shard_<offset>_<shape>.pt: with 62 axes its name
+# is 4 * 62 + 5 = 253 bytes (allowed as a key segment), 256 with ".pt" (over NAME_MAX).
+SHARD_AXES = 62
+
+
+@dataclass(frozen=True)
+class BadKey:
+    """A key the save must refuse.
+
+    Attributes:
+        name: the test id.
+        key: the key of the tensor or object saved.
+        named: the key the error must name (a shard's unique key for ``shard``).
+        reason: a regular expression the error's reason must match.
+        kind: ``tensor``, ``object`` (the ShardedObject's key) or ``shard`` (its shard's file).
+    """
+
+    name: str
+    key: str
+    reason: str
+    kind: str = "tensor"
+
+    @property
+    def named(self) -> str:
+        return self.state_dict()["x"].unique_key if self.kind == "shard" else self.key
+
+    def state_dict(self) -> dict:
+        if self.kind == "tensor":
+            return {"x": ShardedTensor.from_rank_offsets(self.key, torch.ones(3), replica_id=0)}
+        axes = SHARD_AXES if self.kind == "shard" else 1
+        return {"x": ShardedObject(self.key, {"state": 1}, (1,) * axes, (0,) * axes)}
+
+
+BAD_KEYS = [
+    BadKey("commit record", "zarr.json", "metadata document of every Zarr group and array"),
+    BadKey("group metadata", "g/zarr.json", "metadata document of every Zarr group and array"),
+    BadKey("inside the commit record", "zarr.json/w", "metadata document of every Zarr group and array"),
+    BadKey("backend metadata", "metadata.json", "the checkpoint's own file"),
+    BadKey("common state", "common.pt", "the checkpoint's own file"),
+    BadKey("save marker", ".shardstore-save.json", "starting with '.'"),
+    BadKey("hidden segment", "a/.w", "starting with '.'"),
+    BadKey("segment over 255 bytes", "a/" + "é" * 200, "400 bytes"),
+    # 1,023 characters (the key-length bound), 4,047 bytes: over PATH_MAX with any directory
+    BadKey("path over PATH_MAX", "/".join(["\U0001f600" * 63] * 16), "PATH_MAX"),
+    BadKey("object key reserved", "common.pt", "the checkpoint's own file", kind="object"),
+    BadKey("object key hidden", "rng/.state", "starting with '.'", kind="object"),
+    BadKey("object key over 255 bytes", "rng/" + "é" * 130, "260 bytes", kind="object"),
+    BadKey("shard file over NAME_MAX", "rng", r"name of 256 bytes", kind="shard"),
+]
+
+
+def _refusal(sd: dict, ckpt: str, asynchronous: bool) -> str:
+    """The message of the save's refusal; fails the test if the save call accepted it
+    (running the accepted request, as a trainer would, to leave nothing running)."""
+    try:
+        request = save(sd, ckpt, async_sharded_save=asynchronous)
+    except CheckpointingException as exc:
+        return str(exc)
+    if request is not None:
+        with contextlib.suppress(CheckpointingException):
+            request.execute_sync()
+    raise AssertionError("the save call accepted the key")
+
+
+def _assert_nothing_written(parent: Path) -> None:
+    """No checkpoint directory with content, and no staging directory next to it."""
+    left = sorted(p.name for p in parent.iterdir())
+    assert left == [] or (left == ["ckpt"] and not any((parent / "ckpt").iterdir())), left
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("bad", BAD_KEYS, ids=[b.name for b in BAD_KEYS])
+def test_bad_key_is_refused_by_the_save_call_before_anything_is_written(
+    tmp_path: Path, bad: BadKey, asynchronous: bool
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    message = _refusal(bad.state_dict(), str(ckpt), asynchronous)
+    assert f"Invalid checkpoint key {bad.named!r}" in message, message
+    assert str(ckpt) in message, message
+    assert re.search(bad.reason, message), message
+    assert "rename the key" in message or "shorten the key" in message, message
+    _assert_nothing_written(tmp_path)
+
+
+def save_bad_key_on_rank_1(rank: int, world: int, ckpt: str, asynchronous: bool) -> str:
+    key = "zarr.json" if rank == 1 else "w"
+    sd = {"t": ShardedTensor.from_rank_offsets(key, torch.ones(2), replica_id=0)}
+    return _refusal(sd, ckpt, asynchronous)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_bad_key_on_one_rank_is_refused_on_every_rank(tmp_path: Path, asynchronous: bool) -> None:
+    messages = run_distributed(save_bad_key_on_rank_1, 2, str(tmp_path / "ckpt"), asynchronous, timeout=90)
+    for message in messages:
+        assert "Invalid checkpoint key 'zarr.json'" in message and "rank(s) 1" in message, message
+    _assert_nothing_written(tmp_path)
+
+
+# ------------------------------------------------------------------------------ S3
+
+BUCKET = "keys"
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    server = MotoServer().start()
+    server.create_bucket(BUCKET)
+    yield server.endpoint
+    server.stop()
+
+
+def test_key_over_the_s3_object_key_limit_is_refused_before_anything_is_written(s3_endpoint: str) -> None:
+    """Four 250-byte segments: every segment is a valid name, but ``<prefix>/<key>/zarr.json``
+    is longer than the 1,024 bytes an S3 object key may have."""
+    options = S3Options(endpoint_url=s3_endpoint, key=KEY, secret=SECRET, region=REGION)
+    url = f"s3://{BUCKET}/run/iter_0000100"
+    location = S3Location(url, options)
+    key = "/".join(["k" * 250] * 4)
+    sd = {"t": ShardedTensor.from_rank_offsets(key, torch.ones(2), replica_id=0)}
+    with pytest.raises(CheckpointingException) as refused:
+        save(sd, location)
+    message = str(refused.value)
+    assert f"Invalid checkpoint key {key!r} in {url}" in message and "1024" in message, message
+    assert "shorten the key" in message, message
+    assert location.fs.find(f"{BUCKET}/run") == [], "something was written"
+
+
+# ------------------------------------------------------------------ reading stays
+
+
+def test_reading_accepts_what_writing_refuses() -> None:
+    """Records written by older versions hold keys refused now (on S3, where no file
+    collides, ``common.pt`` or ``.w`` committed fine): reading checks only that a key
+    stays inside the checkpoint."""
+    for key in ("zarr.json/w", "common.pt", ".w", "a/" + "é" * 200):
+        check_key(key)
+        with pytest.raises(CheckpointingException, match="Invalid checkpoint key"):
+            check_key(key, "ckpt", storage=NameLimits())
+
+
+def test_checkpoint_holding_a_key_refused_now_still_loads(tmp_path: Path) -> None:
+    """A checkpoint an older version wrote with the key ``.w``: load and verify read it."""
+    ckpt = tmp_path / "ckpt"
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0), replica_id=0)}, ckpt)
+    shutil.move(ckpt / "w", ckpt / ".w")
+    root = json.loads((ckpt / "zarr.json").read_text())
+    record = root["attributes"]["shardstore"]
+    record["arrays"][".w"] = record["arrays"].pop("w")
+    consolidated = root["consolidated_metadata"]["metadata"]
+    consolidated[".w"] = consolidated.pop("w")
+    (ckpt / "zarr.json").write_text(json.dumps(root))
+    loaded = load({"w": ShardedTensor.from_rank_offsets(".w", torch.empty(4), replica_id=0)}, ckpt)
+    assert torch.equal(loaded["w"], torch.arange(4.0))
+    assert verify(ckpt).ok

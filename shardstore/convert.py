@@ -40,6 +40,7 @@ from shardstore.dtypes import from_zarr_name
 from shardstore.format import ArrayRecord
 from shardstore.integrity import open_committed
 from shardstore.mapping import ShardedTensor, StateDict
+from shardstore.pickles import load_torch_file
 from shardstore.storage import Location
 
 DEFAULT_MEMORY_BYTES = 2**30
@@ -150,14 +151,7 @@ def from_torch_file(
     from shardstore.serialization import save
 
     _refuse_process_group("converting a torch.save file")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as exc:
-        if "mmap" not in str(exc):  # the legacy (non-zip) format cannot be mapped
-            raise CheckpointingException(f"Cannot read {path} as a torch.save file: {exc}") from exc
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointingException(f"Cannot read {path} as a torch.save file: {exc}") from exc
+    state = load_torch_file(path, f"{path} (a torch.save file)")
     if not isinstance(state, dict):
         raise CheckpointingException(f"{path} holds a {type(state).__name__}, not a state dict")
     count = _shard_tensors(state, ())

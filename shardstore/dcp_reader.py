@@ -6,10 +6,10 @@ shape, dtype and saved chunks, and where each chunk's bytes are) and ``__<rank>_
 files holding, at those offsets, one ``torch.save`` archive per tensor chunk, or the raw
 bytes of a non-tensor item. Here:
 
-* ``.metadata`` is unpickled by ``MetadataUnpickler``, which admits only DCP's own
-  metadata classes, ``torch.Size``, dtypes and layouts, and refuses anything else, so a
-  hostile checkpoint cannot run code;
-* each chunk is read with ``torch.load(weights_only=True)`` from its byte range,
+* ``.metadata`` is unpickled by ``shardstore.pickles.load_restricted``, which admits
+  exactly DCP's own metadata classes, ``torch.Size``, dtypes, layouts and paths by
+  their full names, and refuses anything else, so a hostile checkpoint cannot run code;
+* each chunk is read with ``shardstore.pickles.load_torch`` (weights_only) from its byte range,
   checked to lie inside its file, and checked against the metadata's shape and dtype;
 * non-tensor items (Megatron's ShardedObjects, ``<key>/shard_<offset>_<shape>``, or a
   plain DCP's Python values) load with ``weights_only=True`` too.
@@ -25,10 +25,8 @@ DCP's storage transforms (compression extensions) are refused with an error that
 
 from __future__ import annotations
 
-import io
 import math
 import os
-import pickle
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
@@ -38,54 +36,10 @@ import torch
 
 from shardstore.core import CheckpointingException, maybe_load_config
 from shardstore.foreign_checkpoint import ForeignCheckpoint, ForeignTensor
+from shardstore.pickles import DCP_METADATA_GLOBALS, load_restricted, load_torch
 
 DCP_METADATA = ".metadata"
 MAX_METADATA_BYTES = 2**30
-
-_DCP_MODULES = (
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.planner",
-)
-_ALLOWED = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "slice"),
-    # StorageMeta.checkpoint_id, as the saving process named the directory
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-}
-
-
-class InertRecord:
-    """Stands in for a class of the saving library that the metadata pickles but the
-    reader does not need (Megatron-Core >= 0.12 keeps its ``MCoreSavePlan`` objects in
-    ``all_local_plans``): it takes the pickled attributes and has no behaviour."""
-
-
-# Classes replaced by InertRecord when unpickling (never imported).
-_INERT = {("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan")}
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` admitting only its metadata classes (dataclasses and
-    enums of ``torch.distributed.checkpoint``), ``torch.Size``, dtypes, layouts and paths;
-    Megatron-Core's save plans become ``InertRecord``."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _INERT:
-            return InertRecord
-        if module in _DCP_MODULES or (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
-
 
 @dataclass(frozen=True)
 class DcpChunk:
@@ -164,12 +118,8 @@ class DcpCheckpoint(ForeignCheckpoint):
             self.tensors[key] = DcpTensor(key, shape, entry.properties.dtype, chunks, stored)
 
     def _read_metadata(self) -> Any:
-        file = self.path / DCP_METADATA
         data = self.read_bounded(DCP_METADATA, MAX_METADATA_BYTES, "the metadata")
-        try:
-            return MetadataUnpickler(io.BytesIO(data)).load()
-        except Exception as exc:  # any malformed or hostile pickle
-            raise CheckpointingException(f"{file} is not valid PyTorch DCP metadata: {exc}") from exc
+        return load_restricted(data, DCP_METADATA_GLOBALS, str(self.path / DCP_METADATA), "PyTorch DCP metadata")
 
     def _place(self, places: dict, key: str, offset: tuple[int, ...] | None) -> tuple[str, int, int]:
         info = places.get((key, offset))
@@ -199,10 +149,7 @@ class DcpCheckpoint(ForeignCheckpoint):
         """One saved chunk, checked against the metadata."""
         data = self.read_file(chunk.file, chunk.offset, chunk.length, what=repr(tensor.key))
         where = f"{self.path / chunk.file} ({tensor.key!r} at {chunk.offsets})"
-        try:
-            value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise CheckpointingException(f"Cannot load the chunk {where}: {exc}") from exc
+        value = load_torch(data, f"the chunk {where}")
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != chunk.sizes or value.dtype != tensor.dtype:
             raise CheckpointingException(
                 f"Chunk {where} holds {type(value).__name__} {getattr(value, 'shape', '')} "
@@ -288,4 +235,4 @@ def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
     return (Path(path) / DCP_METADATA).is_file()
 
 
-__all__ = ["DcpCheckpoint", "DcpChunk", "DcpItem", "DcpTensor", "MetadataUnpickler", "is_dcp_checkpoint"]
+__all__ = ["DcpCheckpoint", "DcpChunk", "DcpItem", "DcpTensor", "is_dcp_checkpoint"]

@@ -5,14 +5,13 @@
 ``megatron_zarr_reader.MegatronZarrCheckpoint``: Megatron-Core's deprecated zarr
 backend) and that ``strategies.foreign`` (``load`` and the queries at any layout) and
 ``convert`` (import into shardstore's format) use. A reader never executes code from
-the checkpoint: pickled values load with ``weights_only=True``, and every file is
+the checkpoint: pickled values load through ``shardstore.pickles`` (exact allow-lists), and every file is
 opened as a regular file inside the checkpoint (no symbolic links out of it, no FIFOs
 or devices), its byte ranges checked against its size.
 """
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import stat
@@ -26,7 +25,7 @@ import torch
 
 from shardstore.core import CheckpointingException
 from shardstore.format import COMMON_FILE
-from shardstore.pickles import deserialize_dict
+from shardstore.pickles import deserialize_dict, load_torch
 from shardstore.storage import StorageError, open_regular_file
 
 
@@ -152,11 +151,8 @@ class ForeignCheckpoint(ABC):
             return f.read(stop - offset)
 
     def load_pickled(self, data: bytes, what: str) -> Any:
-        """A ``torch.save`` value from ``data``, loaded with ``weights_only=True``."""
-        try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as exc:  # a malformed or code-running pickle
-            raise CheckpointingException(f"Cannot load {what} of {self.path}: {exc}") from exc
+        """A ``torch.save`` value from ``data``, loaded safely (``shardstore.pickles``)."""
+        return load_torch(data, f"{what} of {self.path}")
 
 
 __all__ = ["ForeignCheckpoint", "ForeignTensor"]

@@ -253,11 +253,13 @@ def convert_command(source: str, destination: str, to: str | None, overwrite: bo
 @click.option("--memory", type=Size(), default="1GiB", show_default=True,
               help="Most array bytes held at once per checkpoint.")
 def diff_command(first: str, second: str, as_json: bool, memory: int) -> None:
-    """Compare two checkpoints: keys, shapes, dtypes, largest absolute difference.
+    """Compare everything two checkpoints load: arrays (keys, shapes, dtypes, values bit
+    for bit), sharded objects and the common state.
 
-    Exit status 0 when identical, 1 when they differ.
+    One line per difference, naming the array, the object shard or the common-state
+    path. Exit status 0 when identical, 1 when they differ.
     """
-    from shardstore.inspection import diff_checkpoints
+    from shardstore.inspection import ONLY_IN_FIRST, ONLY_IN_SECOND, diff_checkpoints
 
     with _reported_errors():
         result = diff_checkpoints(first, second, memory)
@@ -269,17 +271,13 @@ def diff_command(first: str, second: str, as_json: bool, memory: int) -> None:
         for key in result.only_in_second:
             click.echo(f"+ {key}  (only in {second})")
         for a in result.arrays:
-            changes = []
-            if a.shape[0] != a.shape[1]:
-                changes.append(f"shape {_dims(a.shape[0])} -> {_dims(a.shape[1])}")
-            if a.dtype[0] != a.dtype[1]:
-                changes.append(f"dtype {a.dtype[0]} -> {a.dtype[1]}")
-            if a.max_abs_diff:
-                changes.append(f"max |difference| {a.max_abs_diff:.6g}")
-            if changes:
-                click.echo(f"~ {a.key}  {', '.join(changes)}")
-        for key in result.common_differences:
-            click.echo(f"~ common state {key}")
+            if not a.identical:
+                click.echo(f"~ {a.key}  {a.describe()}")
+        names = {ONLY_IN_FIRST: ("-", f"(only in {first})"), ONLY_IN_SECOND: ("+", f"(only in {second})")}
+        for part, differences in (("object", result.object_differences), ("common state", result.common_differences)):
+            for d in differences:
+                sign, change = names.get(d.change, ("~", d.change))
+                click.echo(f"{sign} {part} {d.path}  {change}")
         click.echo("identical" if result.identical else "checkpoints differ")
     sys.exit(0 if result.identical else EXIT_FINDING)
 

@@ -1,4 +1,4 @@
-"""The on-disk format (version 3): array metadata, group nodes and the commit record.
+"""The on-disk format (version 4): array metadata, group nodes and the commit record.
 
 A checkpoint is one Zarr v3 group::
 
@@ -13,6 +13,16 @@ The root ``zarr.json`` carries ``attributes.shardstore`` (our record, read by
 ``load``) and Zarr consolidated metadata (read by zarr-python), so one read lists every
 array. Everything read back is validated here: a malformed record gives a
 ``CheckpointingException`` that names the checkpoint, never a crash or a huge allocation.
+
+The record binds every byte a reader uses: chunks are listed with their crc32c, the
+other files (``common.pt``, objects, ``metadata.json``) with theirs, and every array's
+and group's ``zarr.json`` and the consolidated metadata are derived from the record
+(``CommitRecord.node_documents``), so ``verify`` compares them with what is stored.
+From version 4 the record carries its own digest, ``record_digest``: the crc32c of the
+root ``zarr.json`` exactly as written, taken while the digest's own value read
+``crc32c:00000000`` (``seal_record``). Any change to that file, to the record or to the
+consolidated metadata, is found whenever the record is read, for one crc32c pass over
+its bytes.
 """
 
 from __future__ import annotations
@@ -31,12 +41,17 @@ from shardstore.core import CONFIG_FNAME, CheckpointingException
 from shardstore.dtypes import from_zarr_name
 from shardstore.storage import LocalLocation, Location, NameLimits
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # Versions this shardstore reads. Version 1 records carry no save id and no chunk
 # checksums: their chunks are checked by their own crc32c only. Versions 1 and 2 name
 # chunks ``c/1/0`` (a directory per axis but the last), version 3 ``c.1.0`` (files in
-# the array's directory: one directory per tensor instead of two or three).
-READABLE_FORMAT_VERSIONS = (1, 2, 3)
+# the array's directory: one directory per tensor instead of two or three). Version 4
+# adds the record's own digest (``record_digest``); earlier records have none.
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
+FIRST_SEALED_VERSION = 4
+RECORD_DIGEST = "record_digest"
+# The digest as it stands in the file while the digest is computed (see seal_record).
+UNSEALED_DIGEST = "crc32c:00000000"
 CHUNK_SEPARATOR = "."
 LEGACY_CHUNK_SEPARATOR = "/"
 ZARR_JSON = "zarr.json"
@@ -387,12 +402,36 @@ class CommitRecord:
         shard_keys = {k for o in self.objects.values() for k in o.shard_keys}
         return {CONFIG_FNAME, COMMON_FILE} | {object_path(k) for k in shard_keys}
 
+    def node_documents(self) -> dict[str, dict[str, Any]]:
+        """Every Zarr node's metadata document the record implies, by the relative path
+        of its ``zarr.json`` (the root's excepted): each array's and each group's. The
+        consolidated metadata holds the same documents by node path."""
+        documents: dict[str, dict[str, Any]] = {
+            f"{g}/{ZARR_JSON}": group_metadata() for g in parent_groups(list(self.arrays))
+        }
+        documents.update({f"{k}/{ZARR_JSON}": a.zarr_metadata() for k, a in self.arrays.items()})
+        return documents
+
+    def consolidated_metadata(self) -> dict[str, dict[str, Any]]:
+        """Zarr's consolidated metadata: every node's document by its path."""
+        suffix = len(ZARR_JSON) + 1
+        return {path[:-suffix]: document for path, document in sorted(self.node_documents().items())}
+
+    def vouched_paths(self) -> set[str]:
+        """Every file a committed checkpoint holds: the record, the files it lists, the
+        node documents and every chunk. Anything else was not written by its save."""
+        paths = {COMMIT_RECORD, *self.files, *self.node_documents()}
+        for key, array in self.arrays.items():
+            paths.update(f"{key}/{array.chunk_key(index)}" for index in array.chunk_indices())
+        return paths
+
     def to_root_metadata(self) -> dict[str, Any]:
-        """The root group's ``zarr.json``: our record plus Zarr consolidated metadata."""
-        consolidated: dict[str, Any] = {g: group_metadata() for g in parent_groups(list(self.arrays))}
-        consolidated.update({k: a.zarr_metadata() for k, a in self.arrays.items()})
+        """The root group's ``zarr.json``: our record plus Zarr consolidated metadata
+        (from version 4, with the digest still unsealed: see ``to_json``)."""
+        sealed = {RECORD_DIGEST: UNSEALED_DIGEST} if self.format_version >= FIRST_SEALED_VERSION else {}
         attributes = {
             "shardstore": {
+                **sealed,
                 "format_version": self.format_version,
                 "save_id": self.save_id,
                 "library_version": self.library_version,
@@ -407,12 +446,14 @@ class CommitRecord:
         root["consolidated_metadata"] = {
             "kind": "inline",
             "must_understand": False,
-            "metadata": dict(sorted(consolidated.items())),
+            "metadata": self.consolidated_metadata(),
         }
         return root
 
     def to_json(self) -> bytes:
-        return json.dumps(self.to_root_metadata(), separators=(",", ":")).encode()
+        """The root ``zarr.json`` as written, sealed from version 4."""
+        data = json.dumps(self.to_root_metadata(), separators=(",", ":")).encode()
+        return seal_record(data) if self.format_version >= FIRST_SEALED_VERSION else data
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> CommitRecord:
@@ -430,6 +471,11 @@ class CommitRecord:
             raise CheckpointingException(
                 f"{where}: checkpoint format version {version!r} is not supported "
                 f"(this shardstore reads versions {list(READABLE_FORMAT_VERSIONS)}); upgrade shardstore"
+            )
+        if version >= FIRST_SEALED_VERSION and (why := _seal_mismatch(data, record.get(RECORD_DIGEST))):
+            raise CheckpointingException(
+                f"{where}: the commit record is damaged or was edited ({why}); restore it from a copy, "
+                "or load an earlier checkpoint"
             )
         arrays_json = record.get("arrays")
         objects_json = record.get("objects", {})
@@ -471,6 +517,30 @@ class CommitRecord:
         if unexpected:
             raise CheckpointingException(f"{where}: the record lists unexpected files {unexpected[:5]}")
         return replace(result, files=dict(files))
+
+
+def _sealed_token(digest: str) -> bytes:
+    return json.dumps({RECORD_DIGEST: digest}, separators=(",", ":"))[1:-1].encode()
+
+
+def seal_record(data: bytes) -> bytes:
+    """The record ``data`` (its digest ``UNSEALED_DIGEST``, the first in the file) with
+    the digest set to the crc32c of ``data``."""
+    unsealed = _sealed_token(UNSEALED_DIGEST)
+    if data.count(unsealed) != 1:
+        raise AssertionError("a record to seal holds its unsealed digest exactly once")
+    return data.replace(unsealed, _sealed_token(checksum(data)), 1)
+
+
+def _seal_mismatch(data: bytes, digest: Any) -> str | None:
+    """Why the record ``data`` does not carry its own digest ``digest``, or None."""
+    if not isinstance(digest, str) or not digest.startswith("crc32c:") or len(digest) != len(UNSEALED_DIGEST):
+        return f"its {RECORD_DIGEST} {digest!r} is missing or malformed"
+    sealed = _sealed_token(digest)
+    if data.count(sealed) != 1:
+        return f"its {RECORD_DIGEST} does not stand once in the file as written"
+    actual = checksum(data.replace(sealed, _sealed_token(UNSEALED_DIGEST), 1))
+    return None if actual == digest else f"its bytes' digest is {actual}, the record says {digest}"
 
 
 def checksum(data: bytes) -> str:

@@ -5,26 +5,41 @@ reader. The other files (common state, sharded objects, ``metadata.json``) are
 checksummed in the commit record at commit time; a load reads them through
 ``ChecksummedLocation``, which refuses bytes that do not match.
 
-``verify(checkpoint_dir)`` reads everything a checkpoint vouches for (every chunk of
-every array, every listed file) and returns a report naming each missing or corrupt
-object, by array key and chunk.
+``verify(checkpoint_dir)`` reads everything a load or a plain reader (zarr-python,
+TensorStore) would read, and checks it against the commit record: every chunk of every
+array, every listed file, every array's and group's ``zarr.json`` and the consolidated
+metadata (which the record implies, ``CommitRecord.node_documents``), and the record's
+own digest. It also lists every file under the checkpoint and flags those the record
+does not list: a file added after the commit, e.g. a ``common.pt`` copied in from
+another checkpoint. It returns a report naming each finding by key and chunk or file.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from shardstore.chunk_io import ArrayChunks, ChunkStore, chunk_store_for
 from shardstore.core import CONFIG_FNAME, CheckpointingException
-from shardstore.format import COMMIT_RECORD, ArrayRecord, CommitRecord, checksum, read_commit_record
+from shardstore.format import (
+    COMMIT_RECORD,
+    MAX_RECORD_BYTES,
+    ArrayRecord,
+    CommitRecord,
+    checksum,
+    read_commit_record,
+)
 from shardstore.locations import open_location
 from shardstore.progress import Tick, operation, progress_shown, tracked
 from shardstore.storage import DelegatingLocation, Location
 
 VERIFY_REMOTE_THREADS = 16
+# Largest array or group zarr.json read by verify (ours are about 1 KiB).
+MAX_NODE_DOCUMENT_BYTES = 2**20
 
 
 def file_checksums(location: Location, record: CommitRecord) -> dict[str, str]:
@@ -162,6 +177,9 @@ def _verify(location: Location) -> VerifyReport:
             report.problems.append(Problem(rel, "file", "missing"))
         elif why := checksum_mismatch(data, expected):
             report.problems.append(Problem(rel, "file", why))
+    _verify_node_documents(location, record, report)
+    _verify_consolidated(location, record, report)
+    _flag_unlisted_files(location, record, report)
     try:
         store = chunk_store_for(location, VERIFY_REMOTE_THREADS)
     except CheckpointingException as exc:
@@ -172,6 +190,106 @@ def _verify(location: Location) -> VerifyReport:
             report.arrays_checked += 1
             _verify_array(store, array, report, tick)
     return report
+
+
+# Fields of a Zarr v3 node document that do not change the values a reader gets.
+_DESCRIPTIVE_FIELDS = frozenset({"dimension_names", "attributes"})
+# The separator each chunk key encoding uses when its configuration names none.
+_DEFAULT_SEPARATORS = {"default": "/", "v2": "."}
+
+
+def _as_read(document: Any) -> Any:
+    """What of a node document decides the values a reader gets: descriptive fields
+    dropped, the chunk key encoding's default separator spelled out."""
+    if not isinstance(document, dict):
+        return document
+    view = {k: v for k, v in document.items() if k not in _DESCRIPTIVE_FIELDS}
+    encoding = view.get("chunk_key_encoding")
+    if isinstance(encoding, dict) and encoding.get("name") in _DEFAULT_SEPARATORS:
+        separator = (encoding.get("configuration") or {}).get("separator", _DEFAULT_SEPARATORS[encoding["name"]])
+        view["chunk_key_encoding"] = {"name": encoding["name"], "configuration": {"separator": separator}}
+    return view
+
+
+def _document_problem(stored: Any, expected: dict[str, Any]) -> str | None:
+    """How a stored Zarr metadata document differs, in what a reader reads, from the
+    one the record implies."""
+    stored, expected = _as_read(stored), _as_read(expected)
+    if stored == expected:
+        return None
+    if not isinstance(stored, dict):
+        return f"it holds a {type(stored).__name__}, not a Zarr metadata document"
+    fields = sorted(k for k in stored.keys() | expected.keys() if stored.get(k) != expected.get(k))
+    shown = "; ".join(f"{k}: {stored.get(k)!r} where the record says {expected.get(k)!r}" for k in fields[:3])
+    return (
+        f"it differs from the commit record ({shown}), so zarr-python and TensorStore would read "
+        "other values than load returns; restore it from a copy or save the checkpoint again"
+    )
+
+
+def _read_document(location: Location, rel: str, bound: int) -> Any:
+    data = location.read_bytes_or_none(rel, max_bytes=bound)
+    if data is None:
+        raise CheckpointingException("missing")
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise CheckpointingException(f"not valid JSON: {exc}") from exc
+
+
+def _verify_node_documents(location: Location, record: CommitRecord, report: VerifyReport) -> None:
+    """Every array's and group's ``zarr.json``, as plain readers open them."""
+    for rel, expected in sorted(record.node_documents().items()):
+        report.files_checked += 1
+        try:
+            stored = _read_document(location, rel, MAX_NODE_DOCUMENT_BYTES)
+        except (CheckpointingException, OSError) as exc:
+            report.problems.append(Problem(rel, "metadata", str(exc)))
+            continue
+        if why := _document_problem(stored, expected):
+            report.problems.append(Problem(rel, "metadata", why))
+
+
+def _verify_consolidated(location: Location, record: CommitRecord, report: VerifyReport) -> None:
+    """The root's consolidated metadata, which zarr-python reads instead of the nodes'
+    own documents (a version 4 record's digest already covers it; older ones have none)."""
+    try:
+        root = _read_document(location, COMMIT_RECORD, MAX_RECORD_BYTES)
+    except (CheckpointingException, OSError) as exc:
+        report.problems.append(Problem(COMMIT_RECORD, "consolidated", str(exc)))
+        return
+    consolidated = root.get("consolidated_metadata") if isinstance(root, dict) else None
+    stored = consolidated.get("metadata") if isinstance(consolidated, dict) else None
+    if not isinstance(stored, dict):
+        report.problems.append(Problem(COMMIT_RECORD, "consolidated", "no consolidated metadata: zarr-python lists no arrays"))
+        return
+    expected = record.consolidated_metadata()
+    for node in sorted(stored.keys() | expected.keys()):
+        if node not in expected:
+            why = "a node the commit record does not list: plain readers would show it"
+        elif node not in stored:
+            why = "missing: zarr-python would not list this array or group"
+        else:
+            why = _document_problem(stored[node], expected[node])
+        if why:
+            report.problems.append(Problem(COMMIT_RECORD, f"consolidated {node}", why))
+
+
+def _flag_unlisted_files(location: Location, record: CommitRecord, report: VerifyReport) -> None:
+    """Files under the checkpoint that its save did not write. Megatron-Core's own save
+    writes ``metadata.json`` after the commit (it only names the backends), so an
+    unlisted one is expected."""
+    try:
+        found = location.list_files()
+    except OSError as exc:
+        report.problems.append(Problem("", "listing", f"cannot list the checkpoint's files: {exc}"))
+        return
+    for rel in sorted(set(found) - record.vouched_paths() - {CONFIG_FNAME}):
+        report.problems.append(Problem(
+            rel, "file",
+            "not listed by the commit record: its save did not write it (added after the commit?); "
+            "a plain reader or a later load may pick it up: remove it, or restore the checkpoint from a copy",
+        ))
 
 
 def _verify_array(store: ChunkStore, array: ArrayRecord, report: VerifyReport, tick: Tick | None) -> None:

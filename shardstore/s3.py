@@ -237,6 +237,15 @@ class S3Location(Location):
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)[:limit]
 
+    def list_files(self) -> list[str]:
+        self.fs.invalidate_cache()
+        root = self._path("").rstrip("/") + "/"
+        try:
+            found = self._call("list", "", self.fs.find, root)
+        except FileNotFoundError:
+            return []
+        return sorted(path[len(root):] for path in found if path.startswith(root))
+
     def remove(self, rel: str) -> None:
         try:
             self._call("remove", rel, self.fs.rm_file, self._path(rel))

@@ -144,6 +144,11 @@ class Location(ABC):
         """Up to ``limit`` (None: all) names directly under the location, sorted."""
 
     @abstractmethod
+    def list_files(self) -> list[str]:
+        """Every object under the location, by relative path, sorted (locally: every
+        entry that is not a directory, links and special files included, none followed)."""
+
+    @abstractmethod
     def child(self, name: str) -> Location:
         """The location of the directory ``name`` under this one (same storage options)."""
 
@@ -226,6 +231,9 @@ class DelegatingLocation(Location):
     def list_top(self, limit: int | None = 10) -> list[str]:
         return self.inner.list_top(limit)
 
+    def list_files(self) -> list[str]:
+        return self.inner.list_files()
+
     def child(self, name: str) -> Location:
         return self.inner.child(name)
 
@@ -249,6 +257,11 @@ class DelegatingLocation(Location):
 
     def tensorstore_context(self) -> dict[str, Any]:
         return self.inner.tensorstore_context()
+
+
+def _raise(error: OSError) -> None:
+    """``os.walk`` ignores errors unless told: a directory it cannot read is a failure."""
+    raise error
 
 
 class LocalLocation(Location):
@@ -364,6 +377,14 @@ class LocalLocation(Location):
             return sorted(os.listdir(self.root))[:limit]
         except FileNotFoundError:
             return []
+
+    def list_files(self) -> list[str]:
+        found = []
+        for directory, subdirectories, files in os.walk(self.root, onerror=_raise):  # never follows links
+            prefix = Path(directory).relative_to(self.root).as_posix()
+            links = [d for d in subdirectories if os.path.islink(os.path.join(directory, d))]
+            found.extend(name if prefix == "." else f"{prefix}/{name}" for name in (*files, *links))
+        return sorted(found)
 
     def child(self, name: str) -> LocalLocation:
         return LocalLocation(self._path(name), fsync=self.fsync)

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from shardstore import ShardedObject, ShardedTensor, load, load_plain_tensors, save
 from shardstore.cli import main, parse_size
+from shardstore.format import FORMAT_VERSION
 from tests.dist import run_distributed
 from tests.scenarios import assert_bits_equal, global_tensor, grid_shard
 
@@ -46,7 +47,7 @@ def run(*args: str) -> tuple[int, str, str]:
 def test_inspect_lists_arrays_objects_common_state_and_format(demo: Path) -> None:
     code, out, _ = run("inspect", str(demo))
     assert code == 0
-    assert "format 3" in out and "from 2 rank(s)" in out
+    assert f"format {FORMAT_VERSION}" in out and "from 2 rank(s)" in out
     assert "decoder/fc1" in out and "[8, 6]" in out and "float32" in out and "chunks [4, 6] x2" in out
     assert "embedding/word" in out and "bfloat16" in out
     assert "rng_state  2 shard(s)" in out
@@ -56,7 +57,7 @@ def test_inspect_lists_arrays_objects_common_state_and_format(demo: Path) -> Non
 def test_inspect_json_is_complete(demo: Path) -> None:
     code, out, _ = run("ls", "--json", str(demo))
     summary = json.loads(out)
-    assert code == 0 and summary["world_size"] == 2 and summary["format_version"] == 3
+    assert code == 0 and summary["world_size"] == 2 and summary["format_version"] == FORMAT_VERSION
     arrays = {a["key"]: a for a in summary["arrays"]}
     assert arrays["decoder/fc1"]["shape"] == [8, 6] and arrays["decoder/fc1"]["nbytes"] == 8 * 6 * 4
     assert arrays["decoder/scale"]["shape"] == []

@@ -4,7 +4,6 @@ commit records, code-running pickles, and a full disk."""
 from __future__ import annotations
 
 import errno
-import json
 import pickle
 import shutil
 import subprocess
@@ -27,6 +26,7 @@ from shardstore import (
 from shardstore.format import COMMON_FILE, checksum, is_committed
 from shardstore.storage import LocalLocation
 from tests.dist import run_distributed
+from tests.scenarios import rewrite_record
 
 HOSTILE_KEYS = [
     "../escape",
@@ -144,9 +144,7 @@ def test_crafted_commit_record_gives_a_clear_error(ckpt_dir: Path, name: str) ->
     if isinstance(edit, bytes):
         root_path.write_bytes(edit)
     else:
-        root = json.loads(root_path.read_bytes())
-        edit(root)
-        root_path.write_text(json.dumps(root))
+        rewrite_record(ckpt_dir, edit)
     start = time.monotonic()
     request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}
     with pytest.raises(CheckpointingException):
@@ -170,9 +168,7 @@ def test_code_running_pickle_in_common_state_is_refused(ckpt_dir: Path) -> None:
     payload = pickle.dumps({"step": _RunsCode()}, protocol=2)
     (ckpt_dir / COMMON_FILE).write_bytes(payload)
     # the attacker also fixes the checksum in the record: the pickle guard must still hold
-    root = json.loads((ckpt_dir / "zarr.json").read_bytes())
-    root["attributes"]["shardstore"]["files"][COMMON_FILE] = checksum(payload)
-    (ckpt_dir / "zarr.json").write_text(json.dumps(root))
+    rewrite_record(ckpt_dir, lambda root: root["attributes"]["shardstore"]["files"].update({COMMON_FILE: checksum(payload)}))
     with pytest.raises(CheckpointingException, match="allow_unsafe_pickle"):
         load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}, ckpt_dir)
 

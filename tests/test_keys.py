@@ -12,7 +12,6 @@ versions wrote.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import shutil
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from shardstore.s3 import S3Location, S3Options
 from shardstore.storage import NameLimits
 from tests.dist import run_distributed
 from tests.s3_support import KEY, REGION, SECRET, MotoServer
+from tests.scenarios import rewrite_record
 
 # A shard's file is __objects__/<key>/shard_<offset>_<shape>.pt: with 62 axes its name
 # is 4 * 62 + 5 = 253 bytes (allowed as a key segment), 256 with ".pt" (over NAME_MAX).
@@ -174,12 +174,15 @@ def test_checkpoint_holding_a_key_refused_now_still_loads(tmp_path: Path) -> Non
     ckpt = tmp_path / "ckpt"
     save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0), replica_id=0)}, ckpt)
     shutil.move(ckpt / "w", ckpt / ".w")
-    root = json.loads((ckpt / "zarr.json").read_text())
-    record = root["attributes"]["shardstore"]
-    record["arrays"][".w"] = record["arrays"].pop("w")
-    consolidated = root["consolidated_metadata"]["metadata"]
-    consolidated[".w"] = consolidated.pop("w")
-    (ckpt / "zarr.json").write_text(json.dumps(root))
+
+
+    def rename(root: dict) -> None:
+        record = root["attributes"]["shardstore"]
+        record["arrays"][".w"] = record["arrays"].pop("w")
+        consolidated = root["consolidated_metadata"]["metadata"]
+        consolidated[".w"] = consolidated.pop("w")
+
+    rewrite_record(ckpt, rename)
     loaded = load({"w": ShardedTensor.from_rank_offsets(".w", torch.empty(4), replica_id=0)}, ckpt)
     assert torch.equal(loaded["w"], torch.arange(4.0))
     assert verify(ckpt).ok

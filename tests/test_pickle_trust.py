@@ -326,9 +326,7 @@ TARGETS = [
     Target("shardstore common.pt", _our_checkpoint, _plant_common,
            lambda m: torch_variants({"step": 3}, m), ENTRY_POINTS, READS_COMMON),
     Target("shardstore object shard", _our_checkpoint, _plant_object,
-           lambda m: torch_variants({"seed": 7}, m), ENTRY_POINTS,
-           # diff does not compare objects yet (issue 23.3): it must not run them, and need not read them
-           READS_COMMON - {"load_common_state_dict", "diff_checkpoints", "shardstore diff"}),
+           lambda m: torch_variants({"seed": 7}, m), ENTRY_POINTS, READS_COMMON - {"load_common_state_dict"}),
     Target("DCP .metadata", _copy(DCP), lambda p, d: (p / ".metadata").write_bytes(d),
            _dcp_metadata_pickles, FOREIGN_ENTRY_POINTS, READS_DCP_METADATA),
     Target("DCP chunk", _copy(DCP), _plant_dcp_chunk,

@@ -24,7 +24,7 @@ from shardstore import (
 )
 from shardstore.strategies.zarr import ZarrLoadShardedStrategy
 from tests.dist import run_distributed
-from tests.scenarios import assert_bits_equal, global_tensor
+from tests.scenarios import assert_bits_equal, global_tensor, rewrite_record
 
 DTYPES = [
     torch.float16, torch.float32, torch.float64, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -313,23 +313,32 @@ def _as_legacy_layout(ckpt: Path) -> None:
             node["chunk_key_encoding"] = {"name": "default"}
             meta.write_text(json.dumps(node))
 
+    def legacy_consolidated(root: dict) -> None:  # and so does the root's copy of each
+        for node in root["consolidated_metadata"]["metadata"].values():
+            if node.get("node_type") == "array":
+                node["chunk_key_encoding"] = {"name": "default"}
+
+    rewrite_record(ckpt, legacy_consolidated)
+
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_format_1_and_2_checkpoints_still_load(ckpt_dir: Path, version: int) -> None:
     """Chunks in ``c/i/j`` directories (format 3 writes ``c.i.j``); format 1 without
     save id and chunk checksums."""
-    import json
 
     _two_arrays(ckpt_dir)
     _as_legacy_layout(ckpt_dir)
-    root = json.loads((ckpt_dir / "zarr.json").read_text())
-    record = root["attributes"]["shardstore"]
-    record["format_version"] = version
-    if version == 1:
-        del record["save_id"]
-        for array in record["arrays"].values():
-            del array["chunk_crc32c"]
-    (ckpt_dir / "zarr.json").write_text(json.dumps(root))
+
+    def as_version(root: dict) -> None:
+        record = root["attributes"]["shardstore"]
+        record["format_version"] = version
+        del record["record_digest"]
+        if version == 1:
+            del record["save_id"]
+            for array in record["arrays"].values():
+                del array["chunk_crc32c"]
+
+    rewrite_record(ckpt_dir, as_version)
     loaded = load(_request(), ckpt_dir)
     assert torch.equal(loaded["a"], torch.arange(8.0).reshape(4, 2))
     assert verify(ckpt_dir).ok
@@ -456,11 +465,8 @@ def test_hostile_files_are_refused_not_followed(tmp_path: Path, name: str) -> No
 
 
 def _edit_record(ckpt: Path, edit) -> None:
-    import json
 
-    root = json.loads((ckpt / "zarr.json").read_text())
-    edit(root["attributes"]["shardstore"])
-    (ckpt / "zarr.json").write_text(json.dumps(root))
+    rewrite_record(ckpt, lambda root: edit(root["attributes"]["shardstore"]))
 
 
 def _bomb(version: int):

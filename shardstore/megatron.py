@@ -82,13 +82,15 @@ class ShardstoreSaveShardedStrategy(_megatron_base.AsyncSaveShardedStrategy):
         self.base_strategy = ZarrSaveShardedStrategy(backend, version, **options)
 
     def _plan(self, sharded_state_dict: Any, checkpoint_dir: Any) -> tuple[Any, Location, Any]:
-        """Collective: the state dict in shardstore's objects, and this rank's plan."""
+        """Collective: the state dict in shardstore's objects, and this rank's plan; keys
+        the target cannot store are refused there, before any array is written (Megatron
+        has written its own ``common.pt`` and sharded objects by then)."""
         sharded_state_dict = convert_foreign(sharded_state_dict)
         apply_factories(sharded_state_dict)  # irregular shards, as flattened ranges
         location = open_location(checkpoint_dir)
         tensors, objects = local_sharded_items(sharded_state_dict)
         group = Group(self.base_strategy.process_group)
-        plan = gather_and_plan(tensors, objects, group, self.base_strategy.plan_save, place=location.describe())
+        plan = gather_and_plan(tensors, objects, group, self.base_strategy.plan_save, save_to=location)
         return sharded_state_dict, location, plan
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:

@@ -17,6 +17,7 @@ from shardstore.core import CheckpointingException
 from shardstore.distributed import Group, RankFailure, raise_failures
 from shardstore.layout import GlobalLayout
 from shardstore.mapping import ShardedObject, ShardedTensor
+from shardstore.storage import Location
 from shardstore.validation import (
     local_records,
     validate_sharding_integrity,
@@ -32,7 +33,7 @@ def gather_and_plan(
     local_error: BaseException | None = None,
     place: str | None = None,
     common_digests: dict[str, str] | None = None,
-    validate: bool = True,
+    save_to: Location | None = None,
 ) -> Any:
     """Collective, plan once: the shard records (metadata, never data) travel to the
     coordinator only, which runs ``planner`` on the global layout; rank r receives
@@ -41,13 +42,20 @@ def gather_and_plan(
 
     A rank whose own shards are invalid (bad key, unsupported dtype) or that passes a
     ``local_error`` from an earlier step fails every rank, with that rank's reason.
-    ``place``: the checkpoint this rank names; ranks that name different ones all fail
-    (one save must not be split over two directories). ``common_digests``: a digest of
-    each top-level entry of this rank's common state; where ranks differ, the
-    coordinator logs a warning naming the entries and ranks (only rank 0's is saved).
-    ``validate``: check the global sharding first (a save; a load's planner decides).
+    ``place``: the checkpoint this rank names (default: ``save_to``'s), named in key
+    errors; ranks that name different ones all fail (one save must not be split over
+    two directories). ``common_digests``: a digest of each top-level entry of this
+    rank's common state; where ranks differ, the coordinator logs a warning naming the
+    entries and ranks (only rank 0's is saved).
+    ``save_to``: where a save writes (None for a load, whose planner decides what to
+    check): the coordinator checks the global sharding, and every key against the
+    location's ``name_limits`` (``validation.validate_sharding_integrity``), before
+    planning. Every save path passes its target here, so that one check refuses a key
+    the target cannot store before the first byte is written.
     """
-    contribution = _contribution(sharded_tensors, sharded_objects, group.rank, local_error)
+    if place is None and save_to is not None:
+        place = save_to.describe()
+    contribution = _contribution(sharded_tensors, sharded_objects, group.rank, local_error, place)
     gathered = group.gather_object((place, contribution, common_digests))
     parts: list[Any] | None = None
     cause = local_error
@@ -56,8 +64,8 @@ def gather_and_plan(
             if common_digests is not None:
                 warn_common_state_mismatch([d for _, _, d in gathered])
             layout = _layout_of(gathered, local_error)
-            if validate:
-                validate_sharding_integrity(layout)
+            if save_to is not None:
+                validate_sharding_integrity(layout, save_to.name_limits, save_to.describe())
             parts = [(None, part) for part in planner(layout)]
         except Exception as exc:  # told to every rank by the scatter
             cause = exc
@@ -73,12 +81,12 @@ def gather_and_plan(
 
 def _contribution(
     sharded_tensors: list[ShardedTensor], sharded_objects: list[ShardedObject], rank: int,
-    local_error: BaseException | None,
+    local_error: BaseException | None, place: str | None,
 ) -> Any:
     """This rank's records, or its failure (from an earlier step, or invalid shards)."""
     if local_error is None:
         try:
-            return local_records(sharded_tensors, sharded_objects, rank)
+            return local_records(sharded_tensors, sharded_objects, rank, place)
         except Exception as exc:  # reported on every rank by the caller's collective
             local_error = exc
     return RankFailure.from_exception(rank, local_error)

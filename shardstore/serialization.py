@@ -112,7 +112,6 @@ from shardstore.validation import (
     plan_load,
     reported_mismatches,
     validate_sharded_objects_handling,
-    validate_sharding_integrity,
 )
 
 logger = logging.getLogger(__name__)
@@ -260,14 +259,9 @@ def _preprocess_and_plan(
             digests = common_state_digests(preprocess_common(common_part) if preprocess_common else common_part)
     except Exception as exc:  # reported on every rank by gather_and_plan
         error = exc
-
-    def planner(layout: GlobalLayout) -> list[Any]:  # on the coordinator, before anything is written
-        validate_sharding_integrity(layout, target.name_limits, target.describe())
-        return sharded_strategy.plan_save(layout)
-
     plan = gather_and_plan(
-        tensors, objects, group, planner, local_error=error, place=target.describe(), common_digests=digests,
-        validate=False,
+        tensors, objects, group, sharded_strategy.plan_save, local_error=error, common_digests=digests,
+        save_to=target,
     )
     return sharded_part, common_part, plan
 
@@ -452,7 +446,7 @@ def _load_opened(
         return plan_load(layout, saved_keys, strict, validate_access_integrity, sharded_strategy.plan_load, where)
 
     with stage("load: plan", where):
-        plan = gather_and_plan(tensors, objects, group, planner, local_error=error, place=where, validate=False)
+        plan = gather_and_plan(tensors, objects, group, planner, local_error=error, place=where)
     missing_keys, unexpected_keys = set(), set()
     try:  # a failure here is raised on every rank by the read stage's agreement
         sharded_state_dict = adjust_non_strict_load(sharded_state_dict, plan.unexpected)

@@ -38,8 +38,9 @@ logger = logging.getLogger(__name__)
 # Grid cells the exact coverage check may allocate; past it, a volume check is used.
 MAX_COVERAGE_CELLS = 16_000_000
 MAX_REPORTED_PROBLEMS = 10
-# What a save's keys are checked against where its storage is not known (a strategy
-# called directly): the format's own names and limits only.
+# What a layout's keys are checked against where no storage is named (a layout checked
+# on its own; every save passes its target's, ``protocol.gather_and_plan``): the
+# format's own names and limits only.
 FORMAT_NAME_LIMITS = NameLimits()
 
 
@@ -94,11 +95,12 @@ def parse_strict_flag(strict: str | StrictHandling) -> StrictHandling:
 
 
 def local_records(
-    sharded_tensors: list[ShardedTensor], sharded_objects: list[ShardedObject], rank: int
+    sharded_tensors: list[ShardedTensor], sharded_objects: list[ShardedObject], rank: int, where: str | None = None
 ) -> tuple[list[ShardRecord], list[ObjectShardRecord]]:
-    """This rank's contribution to the layout; raises on invalid keys or dtypes."""
+    """This rank's contribution to the layout; raises on invalid keys (naming the
+    checkpoint ``where``) or dtypes."""
     for item in (*sharded_tensors, *sharded_objects):
-        check_key(item.key)
+        check_key(item.key, where)
     tensors = [ShardRecord.from_sharded_tensor(t, rank, i) for i, t in enumerate(sharded_tensors)]
     objects = [ObjectShardRecord.from_sharded_object(o, rank) for o in sharded_objects]
     return tensors, objects

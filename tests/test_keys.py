@@ -32,6 +32,8 @@ from tests.scenarios import rewrite_record
 # A shard's file is __objects__/<key>/shard_<offset>_<shape>.pt: with 62 axes its name
 # is 4 * 62 + 5 = 253 bytes (allowed as a key segment), 256 with ".pt" (over NAME_MAX).
 SHARD_AXES = 62
+# 1,023 characters (the key-length bound), 4,047 bytes: over PATH_MAX with any directory
+PATH_MAX_KEY = "/".join(["\U0001f600" * 63] * 16)
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,7 @@ BAD_KEYS = [
     BadKey("save marker", ".shardstore-save.json", "starting with '.'"),
     BadKey("hidden segment", "a/.w", "starting with '.'"),
     BadKey("segment over 255 bytes", "a/" + "é" * 200, "400 bytes"),
-    # 1,023 characters (the key-length bound), 4,047 bytes: over PATH_MAX with any directory
-    BadKey("path over PATH_MAX", "/".join(["\U0001f600" * 63] * 16), "PATH_MAX"),
+    BadKey("path over PATH_MAX", PATH_MAX_KEY, "PATH_MAX"),
     BadKey("object key reserved", "common.pt", "the checkpoint's own file", kind="object"),
     BadKey("object key hidden", "rng/.state", "starting with '.'", kind="object"),
     BadKey("object key over 255 bytes", "rng/" + "é" * 130, "260 bytes", kind="object"),
@@ -125,6 +126,80 @@ def test_bad_key_on_one_rank_is_refused_on_every_rank(tmp_path: Path, asynchrono
     for message in messages:
         assert "Invalid checkpoint key 'zarr.json'" in message and "rank(s) 1" in message, message
     _assert_nothing_written(tmp_path)
+
+
+# --------------------------------------------- the other save paths check the target too
+# Each refuses, before it writes an array, a key whose files would be longer than the
+# local file system's PATH_MAX (or a shard file longer than its NAME_MAX): the format's
+# own limits alone let these through to fail at the write with raw errno text.
+
+
+def _assert_refused_as_too_long(message: str, ckpt: Path, key: str = PATH_MAX_KEY, limit: str = "PATH_MAX") -> None:
+    assert f"Invalid checkpoint key {key!r} in {ckpt}" in message, message
+    assert limit in message and "shorten the key" in message, message
+
+
+def _files_under(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+
+
+def _tensors_with_a_key_too_long(cls: type, rank: int = 0) -> dict:
+    """A key that fits, then one whose files do not (sorted after it: written first)."""
+    return {"w": cls.from_rank_offsets("w", torch.ones(4), replica_id=rank),
+            "long": cls.from_rank_offsets(PATH_MAX_KEY, torch.ones(2), replica_id=rank)}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
+def test_strategy_used_directly_refuses_a_key_too_long_for_the_target_before_writing(
+    tmp_path: Path, asynchronous: bool
+) -> None:
+    """``ZarrSaveShardedStrategy`` called without ``shardstore.save`` (an in-place save):
+    ``async_save`` refuses at the call, not in its request."""
+    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+
+    strategy, ckpt = ZarrSaveShardedStrategy(), tmp_path / "ckpt"
+    with pytest.raises(CheckpointingException) as refused:
+        if asynchronous:
+            strategy.async_save(_tensors_with_a_key_too_long(ShardedTensor), ckpt)
+        else:
+            strategy.save(_tensors_with_a_key_too_long(ShardedTensor), ckpt)
+    _assert_refused_as_too_long(str(refused.value), ckpt)
+    assert _files_under(tmp_path) == []
+
+
+def megatron_save_with_a_key_too_long(rank: int, world: int, ckpt: str, asynchronous: bool) -> str:
+    """Megatron's own ``dist_checkpointing.save`` with shardstore's plug-in; the refusal."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor as MegatronShardedTensor
+
+    from shardstore.megatron import ShardstoreSaveShardedStrategy
+
+    if rank == 0:
+        Path(ckpt).mkdir()  # Megatron's save expects the directory to exist
+    torch.distributed.barrier()
+    sd = {**_tensors_with_a_key_too_long(MegatronShardedTensor, rank), "iteration": 1}
+    try:
+        request = dist_checkpointing.save(sd, ckpt, sharded_strategy=ShardstoreSaveShardedStrategy(),
+                                          async_sharded_save=asynchronous)
+    except CheckpointingException as exc:
+        return str(exc)
+    if request is not None:  # run what was accepted, as a trainer would
+        with contextlib.suppress(Exception):
+            request.execute_sync()
+    return "the save call accepted the key"
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_megatron_plugin_refuses_a_key_too_long_for_the_target_before_writing_an_array(
+    tmp_path: Path, asynchronous: bool
+) -> None:
+    """Megatron writes its own ``common.pt`` before the plug-in runs; no array of ours
+    may be written, on any rank."""
+    pytest.importorskip("megatron.core.dist_checkpointing", reason="megatron-core not installed")
+    ckpt = tmp_path / "ckpt"
+    for message in run_distributed(megatron_save_with_a_key_too_long, 2, str(ckpt), asynchronous, timeout=120):
+        _assert_refused_as_too_long(message, ckpt)
+    assert set(_files_under(tmp_path)) <= {"ckpt/common.pt"}, _files_under(tmp_path)
 
 
 # ------------------------------------------------------------------------------ S3

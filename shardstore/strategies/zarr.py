@@ -219,9 +219,13 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         self._sync_buffers.clear()
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> AsyncRequest:
+        """Collective: plans once (``protocol.gather_and_plan``: the global sharding, and
+        every key against the target's name limits, are checked before anything is
+        written), then ``async_save_with_plan``."""
+        location = open_location(checkpoint_dir)
         tensors, objects = local_sharded_items(sharded_state_dict)
-        plan = gather_and_plan(tensors, objects, Group(self.process_group), self.plan_save)
-        return self.async_save_with_plan(sharded_state_dict, checkpoint_dir, plan)
+        plan = gather_and_plan(tensors, objects, Group(self.process_group), self.plan_save, save_to=location)
+        return self.async_save_with_plan(sharded_state_dict, location, plan)
 
     def plan_save(self, layout: GlobalLayout) -> list[RankSavePlan]:
         """Coordinator: every rank's part of the save (``shardstore.planner``)."""
@@ -315,7 +319,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         else:
             group = Group(process_group if process_group is not None else self.process_group)
         tensors, _ = local_sharded_items(sharded_state_dict)
-        plan = gather_and_plan(tensors, [], group, self.plan_load, place=location.describe(), validate=False)
+        plan = gather_and_plan(tensors, [], group, self.plan_load, place=location.describe())
         return self.load_with_plan(sharded_state_dict, location, record, plan, group)
 
     def plan_load(self, layout: GlobalLayout) -> list[RankReadPlan]:

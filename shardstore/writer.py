@@ -4,7 +4,10 @@ one array at a time, however large the checkpoint.
 The result is the same checkpoint a ``save`` at world size 1 writes: the same staging,
 commit record (every chunk's crc32c bound into it) and atomic publication
 (``shardstore.commit``); nothing is visible at the target until ``commit``, and a
-writer that fails or is abandoned leaves nothing that looks complete.
+writer that fails or is abandoned leaves nothing that looks complete. Keys go through
+the save's one check (``validation.check_storable_keys``, the target's name limits):
+an array's before any of its bytes, the sharded objects' before ``commit`` writes
+anything.
 
     with CheckpointWriter("/ckpt/imported") as writer:
         for key, tensor in source:
@@ -32,12 +35,11 @@ from shardstore.format import (
     CommitRecord,
     ObjectRecord,
     array_group_collisions,
-    check_key,
     group_metadata,
     parent_groups,
 )
 from shardstore.integrity import file_checksums
-from shardstore.layout import region_at
+from shardstore.layout import GlobalLayout, region_at
 from shardstore.locations import open_location
 from shardstore.mapping import ShardedObject, ShardedTensor
 from shardstore.save_execution import WriteOp, bind_chunks, publish, write_ops
@@ -49,6 +51,7 @@ from shardstore.strategies.zarr import (
     ZARR_VERSION,
     single_tensor_record,
 )
+from shardstore.validation import check_storable_keys, local_records
 
 
 class CheckpointWriter:
@@ -65,7 +68,8 @@ class CheckpointWriter:
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     ) -> None:
         self.max_chunk_bytes = max_chunk_bytes
-        self._pending = begin_save(open_location(checkpoint_dir), overwrite)
+        self._target = open_location(checkpoint_dir)
+        self._pending = begin_save(self._target, overwrite)
         self._arrays: dict[str, ArrayRecord] = {}
         self._written: list[WrittenChunk] = []
         self._done = False
@@ -81,10 +85,10 @@ class CheckpointWriter:
 
     def write_array(self, key: str, tensor: torch.Tensor) -> ArrayRecord:
         """Writes ``tensor`` (on CPU) whole as the array ``key``; returns its record."""
-        check_key(key, where=self.describe())
+        sharded = ShardedTensor.from_rank_offsets(key, tensor.detach().cpu())
+        self._check_storable([sharded], [])
         if key in self._arrays:
             raise CheckpointingException(f"Array {key!r} was already written to {self.describe()}")
-        sharded = ShardedTensor.from_rank_offsets(key, tensor.detach().cpu())
         record = single_tensor_record(sharded, self.max_chunk_bytes)
         value = tensor_to_numpy(sharded.data.contiguous()).reshape(record.shape)
         whole = region_at((0,) * len(record.shape), record.shape)
@@ -96,9 +100,10 @@ class CheckpointWriter:
     def commit(self, common_state: dict[str, Any] | None = None, objects: dict[str, Any] | None = None) -> None:
         """Writes the common state and sharded objects (by unique key, e.g.
         ``rng_state/shard_0_2``), then the commit record, and publishes the checkpoint."""
+        shards = [replace(ShardedObject.empty_from_unique_key(k), data=v) for k, v in (objects or {}).items()]
+        self._check_storable([], shards)
         if clashes := array_group_collisions([*self._arrays, *(objects or {})]):
             raise CheckpointingException(f"Cannot commit {self.describe()}: clashing keys {clashes[0]}")
-        shards = [replace(ShardedObject.empty_from_unique_key(k), data=v) for k, v in (objects or {}).items()]
         common = TorchCommonSaveStrategy()
         common.save_common(common_state or {}, self._pending)
         common.save_sharded_objects(shards, self._pending)
@@ -117,6 +122,13 @@ class CheckpointWriter:
         publish(self._pending, replace(record, files=file_checksums(self._pending, record)))
         self._pending.release()
         self._done = True
+
+    def _check_storable(self, tensors: list[ShardedTensor], objects: list[ShardedObject]) -> None:
+        """A save's key check (``validation.check_storable_keys``) on what is about to be
+        written, against the target's name limits (those of a save there: the files go
+        through the same staging directory)."""
+        layout = GlobalLayout.from_gathered([local_records(tensors, objects, 0, self.describe())])
+        check_storable_keys(layout, self._target.name_limits, self.describe())
 
     def abandon(self) -> None:
         """Deletes what this writer wrote; the target keeps what it held."""

@@ -202,6 +202,40 @@ def test_megatron_plugin_refuses_a_key_too_long_for_the_target_before_writing_an
     assert set(_files_under(tmp_path)) <= {"ckpt/common.pt"}, _files_under(tmp_path)
 
 
+def test_convert_refuses_a_key_too_long_for_the_target_before_writing(tmp_path: Path) -> None:
+    """``shardstore convert`` of a DCP checkpoint (``convert.from_foreign``, through
+    ``CheckpointWriter.write_array``): nothing is left at or next to the target."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardstore.convert import from_foreign
+
+    source, ckpt = tmp_path / "dcp", tmp_path / "out"
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"w": torch.ones(4), PATH_MAX_KEY: torch.ones(2)}, checkpoint_id=source)
+    with pytest.raises(CheckpointingException) as refused:
+        from_foreign(source, ckpt)
+    _assert_refused_as_too_long(str(refused.value), ckpt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]
+
+
+def test_writer_refuses_a_shard_file_too_long_for_the_target_before_committing(tmp_path: Path) -> None:
+    """``CheckpointWriter.commit``'s sharded objects: refused before the common state or
+    any shard is written."""
+    from shardstore.writer import CheckpointWriter
+
+    shard = ShardedObject("rng", {"state": 1}, (1,) * SHARD_AXES, (0,) * SHARD_AXES).unique_key
+    ckpt = tmp_path / "ckpt"
+    with CheckpointWriter(ckpt) as writer:
+        writer.write_array("w", torch.ones(4))
+        with pytest.raises(CheckpointingException) as refused:
+            writer.commit(common_state={"iteration": 1}, objects={shard: {"state": 1}})
+        staged = _files_under(tmp_path)  # the staging directory, before the writer abandons it
+        writer.abandon()
+    _assert_refused_as_too_long(str(refused.value), ckpt, shard, "name of 256 bytes")
+    assert not [f for f in staged if "common.pt" in f or "__objects__" in f], staged
+    assert list(tmp_path.iterdir()) == []
+
+
 # ------------------------------------------------------------------------------ S3
 
 BUCKET = "keys"

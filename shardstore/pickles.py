@@ -33,6 +33,7 @@ import copyreg
 import io
 import os
 import pickle
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -213,14 +214,32 @@ def _torch_load_errors(where: str, load: Callable[[], Any]) -> Any:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return load()
     except pickle.UnpicklingError as exc:
-        if "weights_only" in str(exc) or "Unsupported" in str(exc) or "global" in str(exc).lower():
+        text = str(exc)
+        if "weights_only" in text or "Weights only" in text or "Unsupported" in text:
+            refused = _REFUSED_GLOBAL.search(text)
+            what = f"{refused.group(1)}, which" if refused else "objects that"
+            admit = f"torch.serialization.add_safe_globals([{refused.group(1)}]) or " if refused else ""
             raise CheckpointingException(
-                f"{where} contains objects that a safe load refuses (loading them could run code): "
-                f"{str(exc).splitlines()[0]}. If you trust this checkpoint, load with {UNSAFE_OPT_IN}."
+                f"{where} holds {what} a safe load refuses (unpickling could run code): "
+                f"{_torch_reason(text)}. If you trust this checkpoint, admit it with {admit}load with "
+                f"{UNSAFE_OPT_IN}."
             ) from exc
         raise CheckpointingException(f"{where} is corrupt: {exc}") from exc
     except (RuntimeError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError) as exc:
         raise CheckpointingException(f"{where} is corrupt or truncated: {type(exc).__name__}: {exc}") from exc
+
+
+# How torch names what its weights_only machine refused.
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def _torch_reason(text: str) -> str:
+    """The line of a weights_only error that says what was refused (torch's message
+    starts with a generic, colour-coded paragraph)."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in text.splitlines()]
+    specific = [line for line in lines if "Unsupported" in line or "GLOBAL" in line or "unsupported" in line]
+    reason = (specific or [line for line in lines if line] or ["refused"])[0]
+    return reason.split(". Please")[0].rstrip(".")  # our message says what to do instead
 
 
 def load_torch(data: bytes, where: str) -> Any:

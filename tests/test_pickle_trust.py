@@ -420,3 +420,24 @@ def test_the_record_still_vouches_for_an_untouched_checkpoint(tmp_path: Path) ->
     _our_checkpoint(tmp_path / "c")
     assert shardstore.verify(tmp_path / "c").ok
     assert json.loads((tmp_path / "c" / COMMIT_RECORD).read_bytes())["attributes"]["shardstore"]["objects"]
+
+
+class _TrainerConfig:
+    """A user's own class in the common state: outside every allow-list."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+
+def test_a_users_class_is_refused_by_name_and_admitted_by_torchs_add_safe_globals(tmp_path: Path) -> None:
+    shardstore.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)), "config": _TrainerConfig(0.5)},
+                     tmp_path / "c")
+    with pytest.raises(CheckpointingException, match="_TrainerConfig.*allow_unsafe_pickle=True"):
+        shardstore.load_common_state_dict(tmp_path / "c")
+    torch.serialization.add_safe_globals([_TrainerConfig])
+    try:
+        assert shardstore.load_common_state_dict(tmp_path / "c")["config"].lr == 0.5
+    finally:
+        torch.serialization.clear_safe_globals()
+    with pytest.raises(CheckpointingException, match="_TrainerConfig"):
+        shardstore.load_common_state_dict(tmp_path / "c")

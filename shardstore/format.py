@@ -385,6 +385,10 @@ class CommitRecord:
             sharded objects and ``metadata.json``, by relative path.
         save_id: the save that committed it (``shardstore.commit``); a save that
             replaces a checkpoint checks this id before it publishes.
+        external_files: checksum of every file the caller of an in-place save wrote
+            into the checkpoint before the commit (Megatron-Core's own ``save`` writes
+            its sharded objects there itself), by relative path. shardstore never reads
+            them; ``verify`` checks them like its own.
     """
 
     arrays: dict[str, ArrayRecord]
@@ -395,6 +399,7 @@ class CommitRecord:
     created: float = field(default_factory=time.time)
     files: dict[str, str] = field(default_factory=dict)
     save_id: str = ""
+    external_files: dict[str, str] = field(default_factory=dict)
 
     def expected_files(self) -> set[str]:
         """The non-array files a record may vouch for: nothing else, and nothing outside
@@ -420,7 +425,7 @@ class CommitRecord:
     def vouched_paths(self) -> set[str]:
         """Every file a committed checkpoint holds: the record, the files it lists, the
         node documents and every chunk. Anything else was not written by its save."""
-        paths = {COMMIT_RECORD, *self.files, *self.node_documents()}
+        paths = {COMMIT_RECORD, *self.files, *self.external_files, *self.node_documents()}
         for key, array in self.arrays.items():
             paths.update(f"{key}/{array.chunk_key(index)}" for index in array.chunk_indices())
         return paths
@@ -440,6 +445,7 @@ class CommitRecord:
                 "arrays": {k: a.to_summary() for k, a in sorted(self.arrays.items())},
                 "objects": {k: list(o.shard_keys) for k, o in sorted(self.objects.items())},
                 "files": dict(sorted(self.files.items())),
+                **({"external_files": dict(sorted(self.external_files.items()))} if self.external_files else {}),
             }
         }
         root = group_metadata(attributes)
@@ -516,7 +522,12 @@ class CommitRecord:
         unexpected = sorted(set(files) - result.expected_files())
         if unexpected:
             raise CheckpointingException(f"{where}: the record lists unexpected files {unexpected[:5]}")
-        return replace(result, files=dict(files))
+        external = record.get("external_files", {})
+        if not isinstance(external, dict) or not all(isinstance(v, str) for v in external.values()):
+            raise CheckpointingException(f"{where}: 'external_files' must map paths to checksums")
+        for path in external:
+            check_key(path, where=where)
+        return replace(result, files=dict(files), external_files=dict(external))
 
 
 def _sealed_token(digest: str) -> bytes:

@@ -59,6 +59,14 @@ def file_checksums(location: Location, record: CommitRecord) -> dict[str, str]:
     return sums
 
 
+def caller_file_checksums(location: Location, record: CommitRecord) -> dict[str, str]:
+    """Checksums of the files an in-place save's caller wrote into the checkpoint
+    before the commit: every file there that the record does not vouch for yet
+    (Megatron-Core's own ``save`` writes its sharded objects before it calls ours)."""
+    theirs = sorted(set(location.list_files()) - record.vouched_paths())
+    return {rel: checksum(location.read_bytes(rel)) for rel in theirs}
+
+
 def checksum_mismatch(data: bytes, expected: str) -> str | None:
     """Why ``data`` does not match the checksum the commit record keeps for it, or None."""
     actual = checksum(data)
@@ -166,7 +174,7 @@ def _verify(location: Location) -> VerifyReport:
     except CheckpointingException as exc:
         report.problems.append(Problem(COMMIT_RECORD, "file", str(exc)))
         return report
-    for rel, expected in sorted(record.files.items()):
+    for rel, expected in sorted({**record.files, **record.external_files}.items()):
         report.files_checked += 1
         try:
             data = location.read_bytes_or_none(rel)

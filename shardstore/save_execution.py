@@ -52,7 +52,7 @@ from shardstore.format import (
     group_metadata,
     write_commit_record,
 )
-from shardstore.integrity import file_checksums
+from shardstore.integrity import caller_file_checksums, file_checksums
 from shardstore.layout import FlatChunk, Region, ShardRecord, region_shape
 from shardstore.mapping import ShardedTensor
 from shardstore.planner import RankSavePlan
@@ -287,7 +287,10 @@ def finalize_save(staged: StagedSave, error: BaseException | None) -> None:
             if not failures:
                 try:
                     record = bind_chunks(staged.commit_record, gathered, location.describe())
-                    publish(location, replace(record, files=file_checksums(location, record)))
+                    record = replace(record, files=file_checksums(location, record))
+                    if not isinstance(location, PendingCheckpoint):  # in place, into the caller's directory
+                        record = replace(record, external_files=caller_file_checksums(location, record))
+                    publish(location, record)
                 except Exception as exc:  # told to every rank below
                     what, failures = "Committing", [RankFailure.from_exception(group.rank, exc)]
         what, failures = group.broadcast_object((what, failures))

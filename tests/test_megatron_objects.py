@@ -247,8 +247,18 @@ def test_megatron_save_and_load_with_the_plugin(ckpt_dir: Path) -> None:
     run_distributed(megatron_api_load, 2, str(ckpt_dir))
     run_distributed(load_tensors_only, 1, str(ckpt_dir))  # shardstore.load reads it too
     from shardstore import verify
+    from shardstore.format import read_commit_record
+    from shardstore.storage import LocalLocation
 
     assert verify(ckpt_dir).ok
+    # Megatron's own save wrote its sharded objects before calling ours: the record lists them too
+    external = read_commit_record(LocalLocation(ckpt_dir)).external_files
+    assert external and all(path.endswith(".pt") for path in external), external
+    damaged = ckpt_dir / sorted(external)[0]
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    assert [p.key for p in verify(ckpt_dir).problems] == [sorted(external)[0]]
 
 
 def test_plugin_without_megatron_says_what_to_install(monkeypatch) -> None:

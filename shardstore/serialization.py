@@ -210,6 +210,12 @@ def save(
             else:
                 pending.release()
             raise
+        except BaseException:
+            # Another failure (a bug, an interrupt) may hit one rank while others still
+            # write: let go of the descriptors and the lock, delete nothing; the next save
+            # removes the staging directory, whose lock is then free.
+            pending.release()
+            raise
     return None
 
 

@@ -314,3 +314,30 @@ def test_every_rank_releases_a_save_that_failed_on_one(tmp_path: Path) -> None:
     for before, after, inside in run_distributed(_save_failing_on_rank_1, 2, str(directory)):
         assert inside == [] and after == before
     assert sorted(p.name for p in directory.iterdir()) == ["iter_0000007"]
+
+
+def test_a_save_interrupted_by_an_exception_of_its_own_releases_everything(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not a CheckpointingException (an interrupt, a bug in a strategy): every rank lets
+    go of its descriptors and lock, nothing is deleted under ranks that may still write,
+    and the next save removes the dead staging directory."""
+    from shardstore.strategies.common import TorchCommonSaveStrategy
+
+    target = tmp_path / "ckpt" / "iter_0000007"
+    target.parent.mkdir()
+    before = Held.now(tmp_path)
+
+    def interrupted(*_: Any, **__: Any) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TorchCommonSaveStrategy, "save_common", interrupted)
+        for _ in range(ATTEMPTS):
+            with pytest.raises(KeyboardInterrupt):
+                save(state(), target, overwrite=True)
+    gc.collect()
+    assert_released(before, tmp_path)
+    assert "was dropped before it was committed or abandoned" not in caplog.text  # released, not collected
+    assert_next_save_succeeds(target)
+    assert_released(before, tmp_path)

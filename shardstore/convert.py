@@ -320,13 +320,13 @@ def from_foreign(
     from shardstore.writer import CheckpointWriter
 
     source = open_foreign(path)
-    with CheckpointWriter(checkpoint, overwrite) as writer:
+    object_keys = list(ForeignLoadCommonStrategy().load_sharded_metadata(source.path))
+    planned = {key: torch.empty(t.shape, dtype=t.dtype, device="meta") for key, t in source.tensors.items()}
+    with CheckpointWriter(checkpoint, overwrite, planned_arrays=planned, planned_objects=object_keys) as writer:
         for key, tensor in source.iter_tensors():
             writer.write_array(key, tensor)
         common = ForeignLoadCommonStrategy().load_common(source.path)
-        objects = {key: read_sharded_object(source, key) for key in ForeignLoadCommonStrategy().load_sharded_metadata(
-            source.path)}
-        writer.commit(common, objects)
+        writer.commit(common, {key: read_sharded_object(source, key) for key in object_keys})
     return len(source.tensors)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -61,14 +62,24 @@ class CheckpointWriter:
         checkpoint_dir: the target (local path, ``s3://``, or a Location).
         overwrite: replace a committed checkpoint there (as ``save(overwrite=True)``).
         max_chunk_bytes: upper bound on one stored chunk, in bytes.
+        planned_arrays: what will be written, when known up front (key -> a tensor of
+            its shape and dtype, e.g. on the ``meta`` device), and
+        planned_objects: the unique keys of the sharded objects: their keys are checked
+            before anything is written, as ``save`` checks its keys.
     """
 
     def __init__(
         self, checkpoint_dir: str | os.PathLike | Location, overwrite: bool = False,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        planned_arrays: dict[str, torch.Tensor] | None = None, planned_objects: Iterable[str] = (),
     ) -> None:
         self.max_chunk_bytes = max_chunk_bytes
         self._target = open_location(checkpoint_dir)
+        _check_storable(
+            self._target, self._target.describe(),
+            [ShardedTensor.from_rank_offsets(key, tensor) for key, tensor in (planned_arrays or {}).items()],
+            [ShardedObject.empty_from_unique_key(key) for key in planned_objects],
+        )
         self._pending = begin_save(self._target, overwrite)
         self._arrays: dict[str, ArrayRecord] = {}
         self._written: list[WrittenChunk] = []
@@ -86,7 +97,7 @@ class CheckpointWriter:
     def write_array(self, key: str, tensor: torch.Tensor) -> ArrayRecord:
         """Writes ``tensor`` (on CPU) whole as the array ``key``; returns its record."""
         sharded = ShardedTensor.from_rank_offsets(key, tensor.detach().cpu())
-        self._check_storable([sharded], [])
+        _check_storable(self._target, self.describe(), [sharded], [])
         if key in self._arrays:
             raise CheckpointingException(f"Array {key!r} was already written to {self.describe()}")
         record = single_tensor_record(sharded, self.max_chunk_bytes)
@@ -101,7 +112,7 @@ class CheckpointWriter:
         """Writes the common state and sharded objects (by unique key, e.g.
         ``rng_state/shard_0_2``), then the commit record, and publishes the checkpoint."""
         shards = [replace(ShardedObject.empty_from_unique_key(k), data=v) for k, v in (objects or {}).items()]
-        self._check_storable([], shards)
+        _check_storable(self._target, self.describe(), [], shards)
         if clashes := array_group_collisions([*self._arrays, *(objects or {})]):
             raise CheckpointingException(f"Cannot commit {self.describe()}: clashing keys {clashes[0]}")
         common = TorchCommonSaveStrategy()
@@ -123,13 +134,6 @@ class CheckpointWriter:
         self._pending.release()
         self._done = True
 
-    def _check_storable(self, tensors: list[ShardedTensor], objects: list[ShardedObject]) -> None:
-        """A save's key check (``validation.check_storable_keys``) on what is about to be
-        written, against the target's name limits (those of a save there: the files go
-        through the same staging directory)."""
-        layout = GlobalLayout.from_gathered([local_records(tensors, objects, 0, self.describe())])
-        check_storable_keys(layout, self._target.name_limits, self.describe())
-
     def abandon(self) -> None:
         """Deletes what this writer wrote; the target keeps what it held."""
         if not self._done:
@@ -145,3 +149,11 @@ class CheckpointWriter:
         elif not self._done:
             self.abandon()
             raise CheckpointingException(f"CheckpointWriter for {self.describe()} closed without commit()")
+
+
+def _check_storable(target: Location, where: str, tensors: list[ShardedTensor], objects: list[ShardedObject]) -> None:
+    """A save's key check (``validation.check_storable_keys``) on what is about to be
+    written, against the target's name limits (those of a save there: the files go
+    through the same staging directory)."""
+    layout = GlobalLayout.from_gathered([local_records(tensors, objects, 0, where)])
+    check_storable_keys(layout, target.name_limits, where)

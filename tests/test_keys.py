@@ -295,3 +295,23 @@ def test_checkpoint_holding_a_key_refused_now_still_loads(tmp_path: Path) -> Non
     loaded = load({"w": ShardedTensor.from_rank_offsets(".w", torch.empty(4), replica_id=0)}, ckpt)
     assert torch.equal(loaded["w"], torch.arange(4.0))
     assert verify(ckpt).ok
+
+
+def test_convert_checks_every_key_before_it_begins_the_save(tmp_path: Path, monkeypatch) -> None:
+    """The bad key is the last array the conversion would reach: it is refused before
+    the first array (and before the staging directory) is written."""
+    import torch.distributed.checkpoint as dcp
+
+    import shardstore.writer
+    from shardstore.convert import from_foreign
+
+    source, ckpt = tmp_path / "dcp", tmp_path / "out"
+    last = "zz/zarr.json"  # the format's own name, reached last
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"a": torch.ones(4), last: torch.ones(2)}, checkpoint_id=source)
+    begun = []
+    monkeypatch.setattr(shardstore.writer, "begin_save", lambda *a, **k: begun.append(a) or pytest.fail("began"))
+    with pytest.raises(CheckpointingException) as refused:
+        from_foreign(source, ckpt)
+    assert f"Invalid checkpoint key {last!r} in {ckpt}" in str(refused.value)
+    assert begun == [] and sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]

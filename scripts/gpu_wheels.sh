@@ -2,10 +2,8 @@
 # Downloads, into .whl/ (git-ignored), the Python 3.12 x86-64 wheels that the GPU machine
 # lacks for the GPU tests (tests/test_gpu.py and tests/test_megatron_gpt.py, `pytest -m gpu`): it has torch, TensorStore,
 # numpy, ml_dtypes, fsspec, psutil, pytest, hypothesis, safetensors and xarray, but not
-# these (../shared/FACTS.md). There, before the tests:
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-#   python3 -m pytest -m gpu tests/test_gpu.py tests/test_megatron_gpt.py
-#   python3 scripts/bench.py --cases device --world 1 --gib 8
+# these (../shared/FACTS.md). There, `bash scripts/gpu_check.sh` installs them and runs every
+# GPU test and benchmark (carry .whl with the device tool).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark in one call, for whoever is lent the GPU machine. It runs
+# the `gpu`-marked tests, the device benchmark (CUDA tensors: save from and load into the
+# GPU against DCP, torch.save and the raw bound) and the 8-rank benchmark, and writes a
+# short report. Nothing to read first:
+#
+#   here, once:      scripts/gpu_wheels.sh        (fills .whl/ with what that machine lacks)
+#   device tool:     run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600)
+#
+# The report (gpu_report.md) and the benchmark JSON land in $OUT when it is set (the
+# device tool returns them), else in bench-results/. Each step has its own time limit so
+# that the whole run fits one 10-minute device call; a step that fails or times out is
+# reported and the next one still runs. Exit status: 0 when every step passed.
+#
+# Without CUDA (here, CI) it runs the same steps at tiny sizes, so the script itself stays
+# tested; the GPU tests then skip and the figures mean nothing.
+#
+#   GPU_CHECK_GIB    state size of the benchmarks, GiB (default 8 with CUDA, 0.05 without)
+#   GPU_CHECK_WORLD  ranks of the multi-rank benchmark (default 8 with CUDA, 2 without)
+#   GPU_CHECK_SMALL  4 KiB tensors of its small case (default 5000 with CUDA, 200 without)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-bench-results}"
+mkdir -p "$out"
+report="$out/gpu_report.md"
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "installing the carried wheels failed" >&2; exit 1; }
+  export PYTHONPATH="/tmp/site:$PWD"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+python="python3"
+[ -x .venv/bin/python ] && python=".venv/bin/python"
+export PYTHONUNBUFFERED=1
+
+if "$python" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+  cuda=1; gib="${GPU_CHECK_GIB:-8}"; world="${GPU_CHECK_WORLD:-8}"; small="${GPU_CHECK_SMALL:-5000}"
+else
+  cuda=0; gib="${GPU_CHECK_GIB:-0.05}"; world="${GPU_CHECK_WORLD:-2}"; small="${GPU_CHECK_SMALL:-200}"
+fi
+
+{
+  echo "# shardstore GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo
+  echo '```'
+  "$python" - <<'EOF'
+import platform, torch
+print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0), f"| {torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
+EOF
+  nproc | sed 's/^/cores /'
+  echo '```'
+  [ "$cuda" = 1 ] || echo "**No CUDA here: the GPU tests skip and the figures below are not GPU figures.**"
+} > "$report"
+
+failed=0
+step() {  # step NAME SECONDS COMMAND...: runs it with a time limit, logs to $out, adds a line
+  local name="$1" limit="$2"; shift 2
+  local log="$out/${name}.log" start=$SECONDS
+  echo "== $name (limit ${limit}s): $*"
+  timeout --signal=INT --kill-after=20 "$limit" "$@" > "$log" 2>&1
+  local rc=$?
+  local took=$((SECONDS - start))
+  local verdict="passed"
+  [ "$rc" -eq 0 ] || { verdict="FAILED (exit $rc$([ "$rc" -eq 124 ] && echo ', timed out'))"; failed=1; }
+  {
+    echo
+    echo "## $name: $verdict in ${took}s"
+    echo
+    echo '```'
+    grep -E "passed|failed|skipped|error|Error|x DCP|x raw|x torch|ratio|GB/s|blocked|^  [a-z]" "$log" | tail -n 25
+    echo '```'
+  } >> "$report"
+  tail -n 5 "$log"
+}
+
+step gpu_tests 200 "$python" -m pytest -q -m gpu -p no:cacheprovider tests
+step device_bench 170 "$python" scripts/bench.py --cases device --world 1 --gib "$gib" --reps 3 \
+  --json "$out/bench_device.json"
+step world${world}_bench 200 "$python" scripts/bench.py --world "$world" --gib "$gib" --small "$small" --reps 3 \
+  --cases large,reshard,small --json "$out/bench_world${world}.json"
+
+echo
+cat "$report"
+exit "$failed"

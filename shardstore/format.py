@@ -11,7 +11,16 @@ A checkpoint is one Zarr v3 group::
 
 The root ``zarr.json`` carries ``attributes.shardstore`` (our record, read by
 ``load``) and Zarr consolidated metadata (read by zarr-python), so one read lists every
-array. Everything read back is validated here: a malformed record gives a
+array. zarr-python parses every document of the consolidated metadata when it opens the
+group, and without shardstore it knows no bfloat16 or float8: one such array there made
+the whole checkpoint unreadable to it, float32 arrays included. So the consolidated
+``metadata`` lists the groups and the arrays of Zarr's core data types only; the arrays
+of extension data types are listed beside it, under ``EXTENSION_METADATA``, where plain
+zarr-python does not look and shardstore's zarr plug-in (``shardstore._zarr_autoload``)
+finds them. Each array's own ``zarr.json`` names its data type as TensorStore writes it
+(``"bfloat16"``), for every reader.
+
+Everything read back is validated here: a malformed record gives a
 ``CheckpointingException`` that names the checkpoint, never a crash or a huge allocation.
 
 The record binds every byte a reader uses: chunks are listed with their crc32c, the
@@ -37,6 +46,7 @@ from typing import Any
 
 import crc32c
 
+from shardstore._zarr_autoload import EXTENSION_METADATA
 from shardstore.core import CONFIG_FNAME, CheckpointingException
 from shardstore.dtypes import from_zarr_name
 from shardstore.storage import LocalLocation, Location, NameLimits
@@ -53,6 +63,13 @@ RECORD_DIGEST = "record_digest"
 # The digest as it stands in the file while the digest is computed (see seal_record).
 UNSEALED_DIGEST = "crc32c:00000000"
 CHUNK_SEPARATOR = "."
+# The data types of the Zarr v3 core specification: every Zarr implementation reads them.
+# shardstore's others (bfloat16, float8_e4m3fn, float8_e5m2) are extension data types
+# that zarr-python 3.1 only knows once shardstore is installed; TensorStore knows them.
+CORE_DATA_TYPES = frozenset({
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
+})
 LEGACY_CHUNK_SEPARATOR = "/"
 ZARR_JSON = "zarr.json"
 COMMIT_RECORD = ZARR_JSON
@@ -410,17 +427,27 @@ class CommitRecord:
     def node_documents(self) -> dict[str, dict[str, Any]]:
         """Every Zarr node's metadata document the record implies, by the relative path
         of its ``zarr.json`` (the root's excepted): each array's and each group's. The
-        consolidated metadata holds the same documents by node path."""
+        consolidated metadata holds the same documents by node path, split in two
+        (``consolidated_metadata``)."""
         documents: dict[str, dict[str, Any]] = {
             f"{g}/{ZARR_JSON}": group_metadata() for g in parent_groups(list(self.arrays))
         }
         documents.update({f"{k}/{ZARR_JSON}": a.zarr_metadata() for k, a in self.arrays.items()})
         return documents
 
-    def consolidated_metadata(self) -> dict[str, dict[str, Any]]:
-        """Zarr's consolidated metadata: every node's document by its path."""
+    def consolidated_metadata(self) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+        """Zarr's consolidated metadata, every node's document by its path, in two parts:
+        the groups and the arrays of core data types, which every zarr-python parses (its
+        ``metadata``), and the arrays of extension data types (``EXTENSION_METADATA``
+        beside it), which zarr-python without shardstore cannot parse and so must not
+        find where it parses everything at once."""
         suffix = len(ZARR_JSON) + 1
-        return {path[:-suffix]: document for path, document in sorted(self.node_documents().items())}
+        core: dict[str, dict[str, Any]] = {}
+        extension: dict[str, dict[str, Any]] = {}
+        for path, document in sorted(self.node_documents().items()):
+            is_extension = document["node_type"] == "array" and document["data_type"] not in CORE_DATA_TYPES
+            (extension if is_extension else core)[path[:-suffix]] = document
+        return core, extension
 
     def vouched_paths(self) -> set[str]:
         """Every file a committed checkpoint holds: the record, the files it lists, the
@@ -449,10 +476,12 @@ class CommitRecord:
             }
         }
         root = group_metadata(attributes)
+        core, extension = self.consolidated_metadata()
         root["consolidated_metadata"] = {
             "kind": "inline",
             "must_understand": False,
-            "metadata": self.consolidated_metadata(),
+            "metadata": core,
+            **({EXTENSION_METADATA: extension} if extension else {}),
         }
         return root
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from shardstore._zarr_autoload import EXTENSION_METADATA
 from shardstore.chunk_io import ArrayChunks, ChunkStore, chunk_store_for
 from shardstore.core import CONFIG_FNAME, CheckpointingException
 from shardstore.format import (
@@ -260,7 +261,13 @@ def _verify_node_documents(location: Location, record: CommitRecord, report: Ver
 
 def _verify_consolidated(location: Location, record: CommitRecord, report: VerifyReport) -> None:
     """The root's consolidated metadata, which zarr-python reads instead of the nodes'
-    own documents (a version 4 record's digest already covers it; older ones have none)."""
+    own documents (a version 4 record's digest already covers it; older ones have none).
+
+    Its ``metadata`` must list every group and every array of a core data type, and
+    ``EXTENSION_METADATA`` the arrays of extension data types (bfloat16, float8), each
+    with the document the record implies. Checkpoints saved before that split list the
+    latter in ``metadata`` too (zarr-python without shardstore could not open them at all);
+    such a listing is what their save wrote, so it is checked, not flagged."""
     try:
         root = _read_document(location, COMMIT_RECORD, MAX_RECORD_BYTES)
     except (CheckpointingException, OSError) as exc:
@@ -268,13 +275,25 @@ def _verify_consolidated(location: Location, record: CommitRecord, report: Verif
         return
     consolidated = root.get("consolidated_metadata") if isinstance(root, dict) else None
     stored = consolidated.get("metadata") if isinstance(consolidated, dict) else None
+    stored_extension = consolidated.get(EXTENSION_METADATA, {}) if isinstance(consolidated, dict) else None
     if not isinstance(stored, dict):
         report.problems.append(Problem(COMMIT_RECORD, "consolidated", "no consolidated metadata: zarr-python lists no arrays"))
         return
-    expected = record.consolidated_metadata()
-    for node in sorted(stored.keys() | expected.keys()):
-        if node not in expected:
+    if not isinstance(stored_extension, dict):
+        report.problems.append(Problem(COMMIT_RECORD, "consolidated", f"its {EXTENSION_METADATA} is not a JSON object"))
+        return
+    expected, expected_extension = record.consolidated_metadata()
+    every_node = stored.keys() | stored_extension.keys() | expected.keys() | expected_extension.keys()
+    for node in sorted(every_node):
+        if node in expected_extension:
+            found = [part[node] for part in (stored_extension, stored) if node in part]
+            problems = (_document_problem(document, expected_extension[node]) for document in found)
+            why = next(filter(None, problems), None) if found else (
+                "missing: zarr-python would not list this array, even with shardstore installed")
+        elif node not in expected:
             why = "a node the commit record does not list: plain readers would show it"
+        elif node in stored_extension:
+            why = "listed with the arrays of extension data types, which zarr-python with shardstore reads instead"
         elif node not in stored:
             why = "missing: zarr-python would not list this array or group"
         else:

@@ -11,6 +11,9 @@ zarr 3.1 collects ``zarr.data_type`` entry points but never loads them (its regi
 registry. ``shardstore/_zarr_autoload.py`` (run from a ``.pth`` file) therefore imports
 this module as soon as ``zarr.core.dtype`` is imported. Importing it registers the types
 below; the registration is idempotent, so a zarr that fixes its loader changes nothing.
+The same hook then lets zarr list a checkpoint's arrays of these types, which its
+consolidated metadata keeps apart so that zarr-python without shardstore still opens the
+rest (``shardstore.format``).
 
 This module is loaded by zarr itself, so it must stay light: numpy, ml_dtypes and zarr
 only (``shardstore/__init__`` imports its submodules lazily for the same reason).

@@ -221,6 +221,7 @@ class CheckpointManager:
         self.options = options or CheckpointManagerOptions()
         self.process_group = process_group
         self.retention_errors: list[str] = []
+        self._damaged_seen: set[tuple[int, str]] = set()
         self._queue = AsyncCallsQueue(process_group=process_group) if self.options.async_save else None
 
     # ------------------------------------------------------------------ finding steps
@@ -279,13 +280,19 @@ class CheckpointManager:
         return None
 
     def _warn_if_damaged(self, state: StepState) -> None:
-        if state.kind == "damaged":
-            logger.warning(
-                "%s is not counted as a checkpoint step: its commit record does not read (%s). Retention "
-                "leaves it alone; repair or delete it yourself.",
-                self.location(state.step).describe(),
-                state.reason,
-            )
+        """WARNING the first time this manager meets a damaged record (each save reads it
+        again: one line per save would bury the rest of the log), DEBUG after that."""
+        if state.kind != "damaged":
+            return
+        first = (state.step, state.reason) not in self._damaged_seen
+        self._damaged_seen.add((state.step, state.reason))
+        logger.log(
+            logging.WARNING if first else logging.DEBUG,
+            "%s is not counted as a checkpoint step: its commit record does not read (%s). Retention "
+            "leaves it alone; repair or delete it yourself.",
+            self.location(state.step).describe(),
+            state.reason,
+        )
 
     # ------------------------------------------------------------------ saving
 
@@ -337,7 +344,14 @@ class CheckpointManager:
             if state.kind == "committed" and not overwrite:
                 return True
             if state.kind == "deleting":
-                self._finish_deletion(step)
+                try:
+                    self._finish_deletion(step)
+                except (CheckpointingException, OSError) as exc:
+                    raise CheckpointingException(
+                        f"Cannot save step {step} into {self.location(step).describe()}: it holds a deletion of "
+                        f"an old checkpoint that was cut short, and finishing it failed ({exc}). Save again, or "
+                        "delete that directory yourself. Nothing was written."
+                    ) from exc
             # damaged or foreign: the save refuses it, saying what is there
         newer = self._newest_committed(named, above=step)
         if newer is not None:

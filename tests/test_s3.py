@@ -330,3 +330,54 @@ def test_checkpoint_manager_on_s3(server: MotoServer, url: str) -> None:
     assert root.list_top(None) == ["iter_0000002", "iter_0000003"]  # nothing left of steps 0 and 1
     restored = manager.restore({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))})
     assert restored["step"] == 3 and restored["w"].tolist() == [3.0] * 4
+
+
+def _manager_state(value: float) -> dict:
+    return {"w": ShardedTensor.from_rank_offsets("w", torch.full((4,), float(value)))}
+
+
+def test_checkpoint_manager_on_s3_never_loses_the_last_good_step(server: MotoServer, url: str, monkeypatch) -> None:
+    """Issue 23.2 on an object store: a damaged record and foreign prefixes named like
+    steps are neither counted nor deleted, a deletion cut short is finished by the next
+    retention, a resume is a no-op save, an older step waits for rollback."""
+    from shardstore.format import COMMIT_RECORD
+    from shardstore.manager import DELETION_MARKER, CheckpointManager, CheckpointManagerOptions
+
+    root = S3Location(url.rsplit("/", 1)[0], _options(server.endpoint))
+    root.child("iter_0000050").write_bytes(COMMIT_RECORD, b"{damaged")
+    root.child("iter_0000000").write_many({".metadata": b"DCP", "__0_0.distcp": b"DCP data"})
+    root.child("iter_0000099").write_bytes("notes.txt", b"a user's own files")
+    manager = CheckpointManager(root, CheckpointManagerOptions(max_to_keep=2))
+    for step in (1, 2):
+        assert manager.save(step, _manager_state(step))
+
+    real_remove_tree, calls = S3Location.remove_tree, []
+
+    def crashing_remove_tree(self: S3Location, rel: str = "") -> None:
+        calls.append(rel)
+        if rel and len(calls) > 1:  # the manager's deletion of step 1: one entry goes, then the crash
+            raise OSError("injected failure")
+        real_remove_tree(self, rel)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(S3Location, "remove_tree", crashing_remove_tree)
+        assert manager.save(3, _manager_state(3))
+    assert len(manager.retention_errors) == 1 and "iter_0000001" in manager.retention_errors[0]
+    left = root.child("iter_0000001")
+    assert left.exists(DELETION_MARKER) and not left.exists(COMMIT_RECORD)
+    assert manager.all_steps() == [2, 3] and manager.latest_step() == 3
+
+    restarted = CheckpointManager(root, CheckpointManagerOptions(max_to_keep=2))
+    assert restarted.save(3, _manager_state(99)) is False  # resuming at the latest step
+    assert restarted.save(4, _manager_state(4))
+    assert restarted.all_steps() == [3, 4]
+    assert root.list_top(None) == ["iter_0000000", "iter_0000003", "iter_0000004", "iter_0000050", "iter_0000099"]
+    assert root.child("iter_0000050").read_bytes(COMMIT_RECORD) == b"{damaged"
+    assert root.child("iter_0000000").list_top(None) == [".metadata", "__0_0.distcp"]
+
+    with pytest.raises(CheckpointingException, match=r"rollback\(3\)"):
+        restarted.save(3, _manager_state(3), overwrite=True)  # replacing an older step: refused too
+    assert restarted.rollback(3) == [4]
+    assert restarted.save(4, _manager_state(40))
+    restored = restarted.restore({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))})
+    assert restored["w"].tolist() == [40.0] * 4

@@ -11,7 +11,8 @@ What converts: ``ShardedTensor`` (every field; an irregular grid, which Megatron
 uses for distributed-optimizer buffers, is stored as a flattened range, see
 ``shardstore.irregular``), ``ShardedObject``, ``LocalNonpersistentObject``, and
 ``ShardedTensorFactory`` (its ``build_fn`` output is converted in turn, its
-``merge_fn`` receives the loaded tensors as Megatron's would).
+``merge_fn`` receives the loaded tensors as Megatron's would). PyTorch's DTensors
+convert here too (``shardstore.dtensor``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import dataclasses
 from typing import Any
 
 from shardstore.dict_utils import dict_list_map_inplace
+from shardstore.dtensor import with_dtensors_converted
 from shardstore.irregular import irregular_as_flat, is_irregular
 from shardstore.mapping import (
     LocalNonpersistentObject,
@@ -72,7 +74,9 @@ def convert_one(value: Any) -> Any:
 
 
 def convert_foreign(state_dict: Any) -> Any:
-    """Converts, in place, every Megatron mapping object in a nested state dict.
+    """Converts, in place, every Megatron mapping object in a nested state dict, after
+    DTensors became factories keyed by their fully qualified names
+    (``shardstore.dtensor``, which copies the containers that hold them instead).
 
     Returns the state dict (a bare mapping object is converted and returned)."""
-    return dict_list_map_inplace(convert_one, state_dict)
+    return dict_list_map_inplace(convert_one, with_dtensors_converted(state_dict))

@@ -45,7 +45,9 @@ cleanly. Pass ``overwrite=True`` (a keyword of ``shardstore.save``) to replace i
 any step at or below its latest step, so ``save`` silently skips it until training
 passes the latest step again; with ``force=True`` it saves the older step, refuses one
 that exists (``StepAlreadyExistsError``), and its retention (``LatestN`` over the steps
-in the order saved) then deletes committed steps *newer* than the one just saved.
+in the order saved, so the older step just saved counts as the newest) can then delete
+committed steps *newer* than it (orbax ``checkpoint_manager.py``: ``should_save``,
+``save``, ``_get_old_steps_to_remove``).
 Neither fits "never lose a committed checkpoint, and restart from the right one": a
 skipped save loses the progress after the rollback, and keeping the newer steps would
 make a restart resume from the abandoned history (``latest_step`` names the newest)

@@ -28,7 +28,7 @@ from shardstore.manager import (
     CheckpointManagerOptions,
     steps_to_delete,
 )
-from shardstore.storage import LocalLocation
+from shardstore.storage import LocalLocation, StorageError
 from tests.dist import run_distributed
 from tests.scenarios import global_tensor, grid_shard
 
@@ -165,6 +165,27 @@ def test_a_newer_damaged_commit_record_is_not_a_step_and_costs_no_good_checkpoin
     assert _w(manager.restore(_state(0, empty=True))) == 3
     for name, record in damaged.items():  # never counted, never deleted
         assert (tmp_path / name / COMMIT_RECORD).read_bytes() == record
+
+
+def test_an_unreadable_newer_record_makes_retention_keep_more_never_less(tmp_path: Path, monkeypatch) -> None:
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=2))
+    for step in (1, 2, 3):
+        manager.save(step, _state(step))
+    unreadable = tmp_path / "iter_0000003" / COMMIT_RECORD
+    real = LocalLocation.read_bytes_or_none
+
+    def read_bytes_or_none(self, rel: str, max_bytes: int | None = None) -> bytes | None:
+        if self.root / rel == unreadable:
+            raise StorageError(f"Cannot read {unreadable}: injected I/O error")
+        return real(self, rel, max_bytes)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LocalLocation, "read_bytes_or_none", read_bytes_or_none)
+        manager.save(4, _state(4))  # 3 cannot be proven newer than 2: 2 stays as one of the newest two
+        assert manager.all_steps() == [2, 4]
+    assert manager.all_steps() == [2, 3, 4] and manager.retention_errors == []
+    manager.save(5, _state(5))
+    assert manager.all_steps() == [4, 5]
 
 
 @pytest.mark.parametrize(

@@ -496,7 +496,8 @@ class CommitRecord:
             root = json.loads(data)
         except ValueError as exc:
             raise CheckpointingException(f"{where}: the commit record is not valid JSON: {exc}") from exc
-        record = root.get("attributes", {}).get("shardstore") if isinstance(root, dict) else None
+        attributes = root.get("attributes") if isinstance(root, dict) else None
+        record = attributes.get("shardstore") if isinstance(attributes, dict) else None
         if not isinstance(record, dict):
             raise CheckpointingException(
                 f"{where} is a Zarr group but not a shardstore checkpoint (no attributes.shardstore)"

@@ -103,6 +103,7 @@ HOSTILE_RECORDS: dict[str, Callable[[dict], None] | bytes] = {
     "not json": b"{not json",
     "json array": b"[1, 2, 3]",
     "not a shardstore record": b'{"zarr_format": 3, "node_type": "group", "attributes": {}}',
+    "attributes not an object": b'{"zarr_format": 3, "node_type": "group", "attributes": []}',
     "format version as string": _record_edit(["format_version"], "1"),
     "future format version": _record_edit(["format_version"], 99),
     "arrays is a list": _record_edit(["arrays"], []),

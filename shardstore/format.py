@@ -78,6 +78,9 @@ OBJECTS_DIR = "__objects__"
 # A save in progress (shardstore.commit): its marker file, naming its save id, and the
 # names of its staging directory and of a replaced checkpoint set aside, next to the target.
 SAVE_MARKER = ".shardstore-save.json"
+# Written into a checkpoint before the manager deletes it (``shardstore.manager``): proves
+# that a directory without a commit record is one of ours being deleted.
+DELETION_MARKER = ".shardstore-deleting.json"
 STAGING_TAG = ".shardstore-save-"
 REPLACED_TAG = ".shardstore-replaced-"
 

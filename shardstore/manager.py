@@ -87,7 +87,7 @@ import torch.distributed as dist
 
 from shardstore.core import CheckpointingException
 from shardstore.distributed import Group
-from shardstore.format import COMMIT_RECORD, MAX_RECORD_BYTES, CommitRecord
+from shardstore.format import COMMIT_RECORD, DELETION_MARKER, MAX_RECORD_BYTES, CommitRecord
 from shardstore.locations import open_location
 from shardstore.mapping import ShardedStateDict, StateDict
 from shardstore.storage import Location
@@ -95,9 +95,6 @@ from shardstore.strategies.async_utils import AsyncCallsQueue
 
 logger = logging.getLogger(__name__)
 
-# Written into a step before its deletion starts: proves that a directory without a
-# commit record is one of our checkpoints being deleted (see the module docstring).
-DELETION_MARKER = ".shardstore-deleting.json"
 MAX_MARKER_BYTES = 4096
 
 T = TypeVar("T")

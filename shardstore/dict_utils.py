@@ -66,9 +66,12 @@ def extract_matching_values(
 def diff(x1: Any, x2: Any, prefix: tuple = ()) -> tuple[list, list, list]:
     """Recursive comparison of two nested values, with Megatron-Core's semantics.
 
-    Dicts by key; lists and tuples by index; tensors and numpy arrays by value (equal
-    values of different dtypes are equal, as are tensors on different devices);
-    sharded objects (anything with ``replica_id``) by their data.
+    Dicts by key; sequences (lists, tuples, numpy arrays of one or more dimensions) by
+    index, an element missing on one side reported by its path, the highest index first
+    (Megatron-Core's current main); a list beside a tuple is one mismatch at its path
+    (Megatron asserts there); tensors by value (equal values of different dtypes are
+    equal, as are tensors on different devices); sharded objects (anything with
+    ``replica_id``) by their data.
 
     Returns:
         ``(only_left, only_right, mismatch)``: key paths present only in ``x1``, only in
@@ -78,13 +81,22 @@ def diff(x1: Any, x2: Any, prefix: tuple = ()) -> tuple[list, list, list]:
         return _diff_items(x1, x2, [k for k in x1 if k in x2], prefix,
                            [prefix + (k,) for k in x1.keys() - x2.keys()],
                            [prefix + (k,) for k in x2.keys() - x1.keys()])
-    if isinstance(x1, (list, tuple)) and isinstance(x2, (list, tuple)):
-        return _diff_items(x1, x2, range(min(len(x1), len(x2))), prefix,
-                           [prefix + (i,) for i in range(len(x2), len(x1))],
-                           [prefix + (i,) for i in range(len(x1), len(x2))])
+    if _is_sequence(x1) and _is_sequence(x2):
+        if type(x1) is not type(x2):
+            return [], [], [(prefix, type(x1), type(x2))]
+        if isinstance(x1, np.ndarray) and x1.shape == x2.shape and _equal_values(x1, x2):
+            return [], [], []  # equal arrays: no walk over their elements
+        shared = min(len(x1), len(x2))
+        return _diff_items(x1, x2, range(shared), prefix,
+                           [prefix + (i,) for i in reversed(range(shared, len(x1)))],
+                           [prefix + (i,) for i in reversed(range(shared, len(x2)))])
     if hasattr(x1, "replica_id") and hasattr(x2, "replica_id") and type(x1) is type(x2):
         return diff(x1.data, x2.data, prefix + (type(x1),))
     return [], [], [] if _equal_values(x1, x2) else [(prefix, type(x1), type(x2))]
+
+
+def _is_sequence(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) or (isinstance(x, np.ndarray) and x.ndim > 0)
 
 
 def _diff_items(x1: Any, x2: Any, keys: Iterable, prefix: tuple, only_left: list, only_right: list):

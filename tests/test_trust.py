@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -687,7 +688,30 @@ def test_dict_utils_diff_has_megatron_semantics() -> None:
              "o": ShardedObject("o", {"v": 1}, (1,), (0,)), "y": 2}
     assert diff(left, right) == ([("x",)], [("y",)], [])  # equal values in other dtypes are equal
     _, _, mismatch = diff({"t": [torch.zeros(2)], "n": np.zeros(3)}, {"t": [torch.ones(2)], "n": np.ones(3)})
-    assert [m[0] for m in mismatch] == [("t", 0), ("n",)]
+    assert [m[0] for m in mismatch] == [("t", 0), ("n", 0), ("n", 1), ("n", 2)]  # arrays are sequences
+
+
+@pytest.mark.parametrize("sequence", [list, tuple, np.array])
+@pytest.mark.parametrize("longer_on_left", [True, False])
+def test_dict_utils_diff_names_missing_sequence_elements_by_path(sequence, longer_on_left: bool) -> None:
+    from shardstore.dict_utils import diff
+
+    short, long = {"layers": [sequence([1])]}, {"layers": [sequence([1, 2, 3])]}
+    left, right = (long, short) if longer_on_left else (short, long)
+    only_left, only_right, mismatch = diff(left, right, prefix=("ckpt",))
+    missing = [("ckpt", "layers", 0, 2), ("ckpt", "layers", 0, 1)]  # highest index first
+    assert (only_left, only_right, mismatch) == ((missing, [], []) if longer_on_left else ([], missing, []))
+
+
+def test_dict_utils_diff_of_sequences_at_the_root_and_of_shared_elements() -> None:
+    from shardstore.dict_utils import diff
+
+    assert diff([1, 2], []) == ([(1,), (0,)], [], [])
+    assert diff([], [1, 2]) == ([], [(1,), (0,)], [])
+    assert diff([], []) == ([], [], [])
+    assert diff({"layers": [1, 2]}, {"layers": [1, 3]}) == ([], [], [(("layers", 1), int, int)])
+    assert diff({"a": [1]}, {"a": (1,)}) == ([], [], [(("a",), list, tuple)])
+    assert diff(np.array(3), np.array(3)) == ([], [], [])  # 0-d arrays are values
 
 
 def save_with_differing_common_state(rank: int, world: int, ckpt: str, drop_timer: bool) -> list[str]:

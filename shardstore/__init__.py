@@ -23,6 +23,8 @@ _EXPORTS = {
     "ShardedObject": "shardstore.mapping",
     "ShardedTensor": "shardstore.mapping",
     "ShardedTensorFactory": "shardstore.mapping",
+    "ShardstoreReader": "shardstore.dcp_storage",
+    "ShardstoreWriter": "shardstore.dcp_storage",
     "StrictHandling": "shardstore.validation",
     "load": "shardstore.serialization",
     "load_common_state_dict": "shardstore.serialization",

@@ -172,10 +172,16 @@ def stage_save(
         flat = tensor_to_numpy(host[w.index])[w.local_start : w.local_stop]
         ops.append(WriteOp(w.key, w.region, flat.reshape(region_shape(w.region))))
     ops += exchange_straddling_chunks(plan.straddling, host, records, group)
-    metadata_files = {f"{key}/{ZARR_JSON}": json.dumps(records[key].zarr_metadata()).encode()
-                      for key in plan.array_metadata}
-    metadata_files.update({f"{g}/{ZARR_JSON}": json.dumps(group_metadata()).encode() for g in plan.group_metadata})
-    return StagedSave(location, records, metadata_files, ops, plan.commit, group, snapshot, early_chunks)
+    return StagedSave(location, records, metadata_files(plan), ops, plan.commit, group, snapshot, early_chunks)
+
+
+def metadata_files(plan: RankSavePlan) -> dict[str, bytes]:
+    """The ``zarr.json`` files a rank writes: its arrays' (it holds their element 0) and,
+    on the coordinator, the groups' that keys with ``/`` make."""
+    files = {f"{key}/{ZARR_JSON}": json.dumps(plan.records[key].zarr_metadata()).encode()
+             for key in plan.array_metadata}
+    files.update({f"{g}/{ZARR_JSON}": json.dumps(group_metadata()).encode() for g in plan.group_metadata})
+    return files
 
 
 def exchange_straddling_chunks(

@@ -3,7 +3,8 @@
 Real ``fully_shard`` models with AdamW on gloo ranks (``tests.fsdp_models``): a 2-D FSDP x
 TP mesh at 4 ranks, resharded to 1-D FSDP at 2 ranks, to 1 rank and back to 4, each
 load bit-exact against the same state saved by DCP's own ``FileSystemWriter``, and the
-next training step from our checkpoint the same as from DCP's. The block arithmetic
+next training step from our checkpoint the same as from DCP's. The 4-rank state also goes
+through DCP's API onto our format (``shardstore.dcp_storage``) and loads resharded. The block arithmetic
 (uneven, empty and strided shards) is checked without ranks.
 """
 
@@ -21,6 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import shardstore
 from shardstore import CheckpointingException, ShardedTensor
+from shardstore.dcp_storage import ShardstoreReader, ShardstoreWriter
 from shardstore.dtensor import blocks_at
 from tests import fsdp_models as fm
 from tests.dist import run_distributed
@@ -120,6 +122,7 @@ def save_2d_at_4(rank: int, world: int, root: str) -> bytes:
     shardstore.save(state, f"{root}/ours-4")
     assert all(type(v).__name__ == "DTensor" for v in state["model"].values()), "save leaves the caller's dict"
     dcp.save(state, storage_writer=dcp.FileSystemWriter(f"{root}/dcp-4"))
+    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/dcp-api-4"))  # our format through DCP's API
     return fm.to_bytes(fm.full_values(state))
 
 
@@ -128,6 +131,10 @@ def reshard_to_2(rank: int, world: int, root: str, saved: bytes) -> None:
     import torch.distributed.checkpoint as dcp
 
     ours, dcps = _load_ours_and_dcps(world, None, f"{root}/ours-4", f"{root}/dcp-4")
+    through_dcp, optimizer = _fresh(world, None)  # DCP's planner reshards our format too
+    dcp.load(state := fm.state_dict(through_dcp, optimizer), storage_reader=ShardstoreReader(f"{root}/dcp-api-4"))
+    fm.apply(through_dcp, optimizer, state)
+    fm.assert_same(fm.full_values(fm.state_dict(through_dcp, optimizer)), fm.from_bytes(saved))
     shardstore.save(fm.state_dict(*ours), f"{root}/ours-2")
     dcp.save(fm.state_dict(*dcps), storage_writer=dcp.FileSystemWriter(f"{root}/dcp-2"))
     _same_state_and_next_step(ours, dcps, saved)
@@ -166,6 +173,7 @@ def test_fsdp_tp_at_4_ranks_loads_as_fsdp_at_2_bit_exact_with_dcp(tmp_path: Path
     saved = run_distributed(save_2d_at_4, 4, str(tmp_path))[0]
     run_distributed(reshard_to_2, 2, str(tmp_path), saved)
     _check_ours(tmp_path / "ours-4")
+    _check_ours(tmp_path / "dcp-api-4")
 
 
 @pytest.mark.slow

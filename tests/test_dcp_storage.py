@@ -1,0 +1,199 @@
+"""Issue 25.2: DCP's own API (``dcp.save``, ``dcp.async_save``, ``dcp.load``) on
+shardstore's format through ``shardstore.dcp_storage``.
+
+A real ``fully_shard`` model with AdamW at 2 gloo ranks is saved by ``dcp.save`` with our
+writer, by ``shardstore.save`` and by DCP's own ``FileSystemWriter``; each of ours loads
+both ways (DCP's reader, ``shardstore.load``), bit-exact against DCP's, also at another
+world size with DCP's planner resharding, and the next training step from ours is the
+one from DCP's. The hierarchies the two ways write are the same, verify, and open in
+TensorStore and zarr-python by fully qualified name. A failed or killed rank commits
+nothing and keeps the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardstore
+from shardstore import ShardedTensor
+from shardstore.dcp_storage import ShardstoreReader, ShardstoreWriter
+from tests import fsdp_models as fm
+from tests.dist import run_distributed
+
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+
+
+def _fresh(world: int) -> tuple:
+    model, optimizer = fm.build(world, seed=world + 11)
+    fm.train_step(model, optimizer, 99)
+    return model, optimizer
+
+
+def _loaded(world: int, load) -> tuple:
+    """A fresh model and optimizer with ``load(request)`` applied (it returns the
+    loaded state dict)."""
+    model, optimizer = _fresh(world)
+    fm.apply(model, optimizer, load(fm.state_dict(model, optimizer)))
+    return model, optimizer
+
+
+def _dcp_load(reader):
+    import torch.distributed.checkpoint as dcp
+
+    def load(request: dict) -> dict:
+        dcp.load(request, storage_reader=reader)
+        return request
+
+    return load
+
+
+def save_three_ways_and_load_each(rank: int, world: int, root: str) -> bytes:
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = fm.build(world)
+    fm.train_step(model, optimizer, 0)
+    state = fm.state_dict(model, optimizer)
+    saved = fm.full_values(state)
+    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/dcp-ours"))
+    shardstore.save(state, f"{root}/api")
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(f"{root}/dcp"))
+    # DCP's background save runs its collectives on a group of its own: the training
+    # step's run on the default one meanwhile (two threads on one gloo group would mix them)
+    background = dist.new_group(backend="gloo")
+    future = dcp.async_save(state, storage_writer=ShardstoreWriter(f"{root}/async"), process_group=background)
+    fm.train_step(model, optimizer, 1)  # while it writes: the async save holds the state it was given
+    future.result()
+
+    reference = _loaded(world, _dcp_load(dcp.FileSystemReader(f"{root}/dcp")))
+    fm.assert_same(fm.full_values(fm.state_dict(*reference)), saved)
+    ways = {
+        "dcp.save -> dcp.load": _dcp_load(ShardstoreReader(f"{root}/dcp-ours")),
+        "dcp.save -> shardstore.load": lambda request: shardstore.load(request, f"{root}/dcp-ours"),
+        "shardstore.save -> dcp.load": _dcp_load(ShardstoreReader(f"{root}/api")),
+        "dcp.async_save -> dcp.load": _dcp_load(ShardstoreReader(f"{root}/async")),
+    }
+    for way, load in ways.items():
+        ours = _loaded(world, load)
+        fm.assert_same(fm.full_values(fm.state_dict(*ours)), saved, way)
+    fm.train_step(*ours, 1)
+    fm.train_step(*reference, 1)
+    fm.assert_same(fm.full_values(fm.state_dict(*ours)), fm.full_values(fm.state_dict(*reference)), "next step")
+    return fm.to_bytes(saved)
+
+
+def load_at_one_rank(rank: int, world: int, root: str, saved: bytes) -> None:
+    for ckpt in ("dcp-ours", "api"):
+        model, optimizer = _loaded(world, _dcp_load(ShardstoreReader(f"{root}/{ckpt}")))
+        fm.assert_same(fm.full_values(fm.state_dict(model, optimizer)), fm.from_bytes(saved), ckpt)
+
+
+def _by_plain_readers(ckpt: Path, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """Array ``key`` as TensorStore and zarr-python read it, without shardstore."""
+    import tensorstore as ts
+    import zarr
+
+    by_ts = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{ckpt}/{key}/"}}).result()
+    return by_ts.read().result(), zarr.open_group(str(ckpt), mode="r")[key][...]
+
+
+def test_dcp_api_and_shardstore_api_write_one_format_that_loads_both_ways(tmp_path: Path) -> None:
+    saved = run_distributed(save_three_ways_and_load_each, 2, str(tmp_path))[0]
+    run_distributed(load_at_one_rank, 1, str(tmp_path), saved)
+    values = fm.from_bytes(saved)
+    ours, api = tmp_path / "dcp-ours", tmp_path / "api"
+    for ckpt in (ours, api, tmp_path / "async"):
+        report = shardstore.verify(ckpt)
+        assert report.ok and report.arrays_checked == 12, report
+    assert shardstore.load_tensors_metadata(ours).keys() == shardstore.load_tensors_metadata(api).keys()
+    fm.assert_same(shardstore.load_common_state_dict(ours), shardstore.load_common_state_dict(api))
+    record = json.loads((ours / "zarr.json").read_text())
+    assert record["attributes"]["shardstore"]["world_size"] == 2, record["attributes"]["shardstore"].keys()
+    for key, expected in (("model.0.weight", values["model"]["0.weight"]),
+                          ("optim.state.2.weight.exp_avg_sq", values["optim"]["state"]["2.weight"]["exp_avg_sq"])):
+        by_ts, by_zarr = _by_plain_readers(ours, key)
+        assert np.array_equal(by_ts, expected.numpy()) and np.array_equal(by_zarr, expected.numpy()), key
+
+
+# ----------------------------------------------------------------- failures
+
+
+def _state(world: int, value: float) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    return {"w": distribute_tensor(torch.full((6, 3), value), mesh, [Shard(0)]), "step": torch.tensor(value)}
+
+
+def _load_value(ckpt: str, world: int) -> float:
+    import torch.distributed.checkpoint as dcp
+
+    request = _state(world, -1.0)
+    dcp.load(request, storage_reader=ShardstoreReader(ckpt))
+    full = request["w"].full_tensor()
+    assert bool((full == full[0, 0]).all()) and float(request["step"]) == float(full[0, 0])
+    return float(full[0, 0])
+
+
+def failed_then_killed(rank: int, world: int, ckpt: str) -> str | None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    writer = ShardstoreWriter(ckpt, overwrite=True)
+    dcp.save(_state(world, 1.0), storage_writer=writer)
+    original = ShardstoreWriter._write_shards
+    if rank == 1:
+        def disk_full(*args, **kwargs):
+            raise OSError(28, "No space left on device (injected)")
+        ShardstoreWriter._write_shards = disk_full
+    with pytest.raises(CheckpointException, match="injected"):
+        dcp.save(_state(world, 2.0), storage_writer=writer)
+    assert _load_value(ckpt, world) == 1.0, "a failed save keeps the checkpoint it was to replace"
+    ShardstoreWriter._write_shards = original
+    dcp.save(_state(world, 3.0), storage_writer=writer)  # the same writer: the failed save is abandoned first
+    assert _load_value(ckpt, world) == 3.0
+    dist.barrier()
+
+    if rank == 1:
+        def killed(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        ShardstoreWriter._write_shards = killed
+    future = dcp.async_save(_state(world, 4.0), storage_writer=ShardstoreWriter(ckpt, overwrite=True),
+                            process_group=dist.new_group(backend="gloo"))
+    try:
+        future.result()
+    except Exception as exc:  # noqa: BLE001  (rank 0 sees whatever DCP raises for a lost peer)
+        return str(exc)
+    raise AssertionError("the async save committed without rank 1")
+
+
+def test_a_failed_or_killed_rank_commits_nothing_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    message = run_distributed(failed_then_killed, 2, str(ckpt), killed=(1,))[0]
+    assert message, message
+    assert torch.equal(shardstore.load_plain_tensors(ckpt)["w"], torch.full((6, 3), 3.0))
+    assert shardstore.load_common_state_dict(ckpt)["step"] == 3.0
+    shardstore.save({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2))}, ckpt, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"], "the dead saves' staging areas are removed"
+
+
+class Opaque:
+    """A value that ``torch.load(weights_only=True)`` refuses."""
+
+
+def test_non_tensor_values_that_need_code_to_load_are_refused_naming_them(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException, match=r"Cannot store 'extra' in the common state"):  # DCP wraps ours
+        dcp.save({"w": torch.ones(2), "extra": Opaque()}, storage_writer=ShardstoreWriter(tmp_path / "ckpt"))
+    assert list(tmp_path.iterdir()) == [], "nothing is left behind"

@@ -137,5 +137,27 @@ def is_exact_conversion(src: torch.dtype, dst: torch.dtype) -> bool:
     return d_info.min <= s_info.min and s_info.max <= d_info.max
 
 
+def cast_checked(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """``values`` converted to ``dtype``, and the index of the first value the conversion
+    changed (None: every value survived; NaN stays NaN).
+
+    Where the types guarantee it (``is_exact_conversion``) nothing is checked; else each
+    value is converted back and compared, so int64 0..2**24 goes to float32 and
+    float32 holding whole numbers to int64, while 0.5 to int64 or 1e6 to float16 is
+    found. Costs two conversions and a comparison, and only for a dtype pair that
+    differs.
+    """
+    converted = values.to(dtype)
+    if is_exact_conversion(values.dtype, dtype):
+        return converted, None
+    back = converted.to(values.dtype)
+    same = back == values
+    if values.is_floating_point() or values.is_complex():
+        same |= torch.isnan(back) & torch.isnan(values)
+    if bool(same.all()):
+        return converted, None
+    return converted, tuple(int(i) for i in (~same).nonzero()[0])
+
+
 def _mantissa_bits(info: torch.finfo) -> int:
     return round(-math.log2(info.eps))

@@ -1,6 +1,6 @@
 """What a load does to a region read from storage before handing it back: the shape
 check (or padding, ``allow_shape_mismatch``), the flattened range, the dtype (exact
-conversions only, unless lossy ones are allowed) and the device. Shared by shardstore's
+conversions of the values read only, unless lossy ones are allowed) and the device. Shared by shardstore's
 own format (``load_execution``) and the readers of other tools' checkpoints
 (``strategies.foreign``).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from shardstore.core import CheckpointingException
-from shardstore.dtypes import is_exact_conversion
+from shardstore.dtypes import cast_checked
 from shardstore.mapping import ShardedTensor
 
 
@@ -30,21 +30,30 @@ def postprocess_loaded(x: torch.Tensor, t: ShardedTensor, apply_flattened_range:
 def place_loaded(x: torch.Tensor, t: ShardedTensor, where: str, allow_lossy_casts: bool = False) -> torch.Tensor:
     """The loaded tensor in the requested dtype, on the device of ``t.data`` if given.
 
-    A conversion that could change values (float32 -> int64, float32 -> float16, any ->
-    bool) is refused unless ``allow_lossy_casts``: a trainer asking for the wrong dtype
-    must find out at the load, not from a diverging run.
+    Another dtype than the stored one is honoured when every value read converts
+    exactly (Megatron-Core's tests load int64 ``arange`` into float32, which its
+    backends cast silently), and refused, naming the key and the first value that would
+    change, when one does not (0.5 into int64, 1e6 into float16, 2 into bool), unless
+    ``allow_lossy_casts``: a trainer asking for the wrong dtype must find out at the
+    load, not from a diverging run.
     """
     if x.dtype != t.dtype:
-        if not allow_lossy_casts and not is_exact_conversion(x.dtype, t.dtype):
-            raise CheckpointingException(
-                f"{where}: tensor {t.key!r} is stored as {x.dtype}, the state dict asks for {t.dtype}, a "
-                "conversion that can change values. Request the stored dtype and convert it yourself, or "
-                "load with ZarrLoadShardedStrategy(allow_lossy_casts=True)"
-            )
-        x = x.to(t.dtype)
+        x = x.to(t.dtype) if allow_lossy_casts else _cast_exactly(x, t, where)
     if t.data is not None and t.data.device.type != "cpu":
         x = x.to(t.data.device, non_blocking=True)
     return x
+
+
+def _cast_exactly(x: torch.Tensor, t: ShardedTensor, where: str) -> torch.Tensor:
+    converted, changed = cast_checked(x, t.dtype)
+    if changed is None:
+        return converted
+    raise CheckpointingException(
+        f"{where}: tensor {t.key!r} is stored as {x.dtype}, the state dict asks for {t.dtype}, which would "
+        f"change its value {x[changed].item()!r} at index {list(changed)} of the requested part into "
+        f"{converted[changed].item()!r}. Request the stored dtype and convert it yourself, or load with "
+        "ZarrLoadShardedStrategy(allow_lossy_casts=True)"
+    )
 
 
 def flatten_range(sharded_tensor: ShardedTensor, x: torch.Tensor) -> torch.Tensor:

@@ -101,6 +101,34 @@ def test_exact_conversions_still_load(ckpt_dir: Path) -> None:
     assert loaded["i"].tolist() == [7, -9] and loaded["i"].dtype == torch.int64
 
 
+@pytest.mark.parametrize(("stored", "requested"), [
+    (torch.arange(12, dtype=torch.int64), torch.float32),  # what Megatron-Core's own tests do
+    (torch.tensor([1.0, -2.0, 3e9]), torch.int64),
+    (torch.tensor([0.5, -3.25, 1024.0]), torch.bfloat16),
+    (torch.tensor([0, 1, 1, 0]), torch.bool),
+    (torch.tensor([float("nan"), 1.0]), torch.float16),
+])
+def test_a_cast_whose_values_all_convert_exactly_loads(ckpt_dir: Path, stored: torch.Tensor,
+                                                       requested: torch.dtype) -> None:
+    save(_one("w", stored), ckpt_dir)
+    loaded = load(_one("w", torch.empty(stored.shape, dtype=requested)), ckpt_dir)["w"]
+    assert loaded.dtype == requested
+    assert torch.equal(loaded.to(stored.dtype), stored) or stored.isnan().any()
+
+
+@pytest.mark.parametrize(("stored", "requested", "value", "index"), [
+    (torch.arange(2**24 - 2, 2**24 + 2, dtype=torch.int64), torch.float32, "16777217", "[3]"),
+    (torch.tensor([[1.0, 2.0], [2.5, 4.0]]), torch.int64, "2.5", "[1, 0]"),
+    (torch.tensor([0, 1, 2]), torch.bool, "2", "[2]"),
+])
+def test_a_cast_that_changes_a_value_names_the_key_and_the_value(ckpt_dir: Path, stored: torch.Tensor,
+                                                                 requested: torch.dtype, value: str,
+                                                                 index: str) -> None:
+    save(_one("w", stored), ckpt_dir)
+    with pytest.raises(CheckpointingException, match=rf"'w'.*change its value {value} at index \{index}"):
+        load(_one("w", torch.empty(stored.shape, dtype=requested)), ckpt_dir)
+
+
 # ------------------------------------------------------- array / group clashes
 
 

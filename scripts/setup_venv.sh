@@ -6,7 +6,7 @@
 #   TORCH_SPEC   the torch requirement to install first (default: torch==2.13.0, which
 #                this machine has as a local CPU wheel; an unpinned torch would pull
 #                several GB of CUDA packages). E.g. TORCH_SPEC="torch>=2.4" elsewhere.
-#   PYTHON       the interpreter for the venv (default: python3, needs >= 3.10)
+#   PYTHON       the interpreter for the venv (default: python3, needs >= 3.11: zarr 3.1 does)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,8 +14,8 @@ venv="$repo_root/.venv"
 python="${PYTHON:-python3}"
 torch_spec="${TORCH_SPEC:-torch==2.13.0}"
 
-if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
-  echo "shardstore needs Python >= 3.10; $python is $("$python" --version 2>&1)" >&2
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "shardstore needs Python >= 3.11; $python is $("$python" --version 2>&1)" >&2
   exit 1
 fi
 

@@ -11,8 +11,10 @@ does, and every check it makes, ran); any other failure fails the test."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +31,19 @@ def _quick_start_blocks() -> tuple[str, str]:
     section = text[text.index("## Quick start"):]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     return blocks[0], blocks[1]  # save.py, load.py
+
+
+def _written_checkpoint(script: str) -> str:
+    """The directory a quick start script uses when ``CKPT`` is not set."""
+    match = re.search(r'os\.environ\.get\("CKPT", "([^"]+)"\)', script)
+    assert match, script
+    return match.group(1)
+
+
+def _in_test_directory(text: str, tmp_path: Path) -> str:
+    """``text`` with the README's checkpoint directories (``/tmp/ckpt/``, ``/ckpt/``) moved
+    into ``tmp_path``."""
+    return re.sub(r"(?<![\w/])(?:/tmp)?/ckpt/", f"{tmp_path}/ckpt/", text)
 
 
 def _run(script: Path, ranks: int, ckpt: Path) -> None:
@@ -66,14 +81,49 @@ def test_quick_start_runs_as_written(tmp_path: Path) -> None:
     _run(tmp_path / "save.py", 2, ckpt)
     _run(tmp_path / "load.py", 1, ckpt)
     _run(tmp_path / "load.py", 2, ckpt)
+    # the shardstore command's block reads the same checkpoint (its output there is another's)
+    for command in _cli_commands_on(_written_checkpoint(save_py)):
+        args = shlex.split(_in_test_directory(command, tmp_path))
+        assert args[0] == "shardstore", command
+        result = subprocess.run([str(Path(sys.executable).parent / "shardstore"), *args[1:]],
+                                capture_output=True, text=True, timeout=180)
+        assert result.returncode == 0, f"{command}:\n{result.stdout}\n{result.stderr}"
+        assert str(ckpt) in result.stdout, result.stdout
+
+
+def _blocks() -> list[str]:
+    return re.findall(r"```\w*\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def _cli_commands_on(checkpoint: str) -> list[str]:
+    """The README's ``shardstore inspect`` and ``verify`` command lines on ``checkpoint``."""
+    lines = (line for block in _blocks() for line in block.splitlines())
+    commands = [line[2:].split("#")[0].strip() for line in lines if line.startswith("$ shardstore ")]
+    return [c for c in commands if c.split()[1] in ("inspect", "verify") and c.split()[-1] == checkpoint]
+
+
+def test_every_block_names_the_checkpoint_the_quick_start_writes() -> None:
+    """The shardstore command's block and the plain readers' read what ``save.py`` wrote
+    (they named ``/ckpt/iter_0001000``, ``save.py`` wrote ``/tmp/ckpt/iter_0001000``)."""
+    save_py, load_py = _quick_start_blocks()
+    written = _written_checkpoint(save_py)
+    assert _written_checkpoint(load_py) == written
+    named = {path for block in _blocks() for path in re.findall(r"[^\s\"'(]*iter_0001000\b", block)}
+    # another tool's checkpoint and an S3 prefix, named as such; no other local copy
+    assert named - {written} <= {"/megatron/iter_0001000", "s3://my-bucket/run7/iter_0001000",
+                                 "s3://scratch/run1/iter_0001000"}, named
+    plain = next(block for block in _blocks() if block.startswith("import zarr"))
+    assert f'"{written}"' in plain and f'"{written}/decoder/fc1/"' in plain
+    assert {c.split()[1] for c in _cli_commands_on(written)} == {"inspect", "verify"}
 
 
 # ------------------------------------------------ the README's other Python blocks
 
 # Each runs as written, in one process (a gloo group of one, as Megatron's save needs),
 # after the quick start's save.py has defined what the fragments refer to
-# (``sharded_state_dict``, ``ckpt``, ``dist_checkpointing``); ``/ckpt/`` paths point
-# into the test's directory, and S3 goes to a local server.
+# (``sharded_state_dict``, ``ckpt``, ``dist_checkpointing``); ``/tmp/ckpt/`` (the quick
+# start's) and ``/ckpt/`` paths point into the test's directory, and S3 goes to a local
+# server.
 _FRAGMENT_CONTEXT = {
     "shardstore.megatron import": (
         "from pathlib import Path\n"
@@ -90,6 +140,7 @@ _FRAGMENT_CONTEXT = {
     "CheckpointManager(": "total_steps = 2001\n",
     "AsyncCallsQueue": "ckpt = ckpt + '-async'  # a new checkpoint\n",
     "s3://my-bucket": "",
+    "LocalS3Server": "",
     "import zarr": "",
 }
 _CHECKS = {  # what each fragment must leave behind
@@ -97,6 +148,7 @@ _CHECKS = {  # what each fragment must leave behind
     "CheckpointManager(": "assert manager.latest_step() == 2000, manager.latest_step()\n",
     "AsyncCallsQueue": "assert dist_checkpointing.load_tensors_metadata(ckpt)['decoder/fc1'].global_shape == (8, 4)\n",
     "s3://my-bucket": "",
+    "LocalS3Server": "assert os.environ['AWS_ENDPOINT_URL'] == server.endpoint\n",
     "import zarr": "assert weight.shape == (8, 4) and (arr.read().result() == weight).all()\n",
 }
 
@@ -114,9 +166,11 @@ def _fragments() -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("marker, block", _fragments(), ids=[m.split("(")[0].split()[-1] for m, _ in _fragments()])
 def test_readme_fragments_run_as_written(tmp_path: Path, marker: str, block: str) -> None:
+    if marker == "shardstore.megatron import" and importlib.util.find_spec("megatron") is None:
+        pytest.skip("megatron-core not installed (it needs torch>=2.6: scripts/oldest_torch.sh below that)")
     save_py, _ = _quick_start_blocks()
     ckpt = tmp_path / "ckpt" / "iter_0001000"
-    fragment = block.replace("/ckpt/", f"{tmp_path}/ckpt/")
+    fragment = _in_test_directory(block, tmp_path)
     script = (
         "import os\nimport torch.distributed as dist\n"
         f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"

@@ -14,7 +14,10 @@ Methods, on the same generated data:
 
 Cases: ``large`` (tensor-parallel shards, mixed bfloat16/float32), ``small`` (5,000
 replicated 4 KiB tensors), ``reshard`` (saved at 2 ranks, loaded at 1; baseline: the
-same tensors saved and loaded by one process) and ``async``
+same tensors saved and loaded by one process), ``dcp-api`` (the large state as DTensors
+through DCP's own ``dcp.save``/``dcp.load``: with ``shardstore.dcp_storage``'s writer and
+reader against DCP's ``FileSystemWriter``/``FileSystemReader``, and through
+``shardstore.save``/``load``) and ``async``
 (caller-blocked time of an async save vs ``clone()``; a matmul loop's throughput while
 the save runs in the background); ``device`` (not in the default set: tensors on
 ``--device``, CUDA on the GPU machine, at ``--world 1``: sync save, load into device
@@ -469,6 +472,48 @@ def run_reshard(b: Bench, state: State, ss_path: Path, dcp_path: Path, nbytes: i
     b._clean(same_path)
 
 
+def run_dcp_api(b: Bench, args: argparse.Namespace) -> None:
+    """DCP's own API on both formats: ``dcp.save`` / ``dcp.load`` of the large case's
+    state as DTensors, through ``shardstore.dcp_storage`` and through DCP's
+    ``FileSystemWriter`` / ``FileSystemReader`` (``sync_files=True``); and the same
+    DTensors through ``shardstore.save`` / ``load`` (``shardstore.dtensor``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardstore
+    from shardstore.dcp_storage import ShardstoreReader, ShardstoreWriter
+
+    state = build_large(int(args.gib * GiB), b.rank, b.world)
+    nbytes = state.local_bytes * b.world
+    if b.rank == 0:
+        print(f"dcp-api: {nbytes / GiB:.2f} GiB in {len(state.shards)} DTensors at {b.world} ranks", flush=True)
+    mesh = init_device_mesh("cpu", (b.world,))
+
+    def method(name: str, path: Path, save: Callable[[dict], None], load: Callable[[dict], None]) -> None:
+        target: dict = {}
+
+        def load_into() -> None:
+            target.clear()
+            target.update(dcp_sd(state, mesh, empty=True))
+            load(target)
+
+        def check() -> None:
+            for k, (t, _) in state.shards.items():
+                assert torch.equal(target[k].to_local().view(torch.uint8), t.view(torch.uint8)), (name, k)
+
+        b.measure("dcp-api", name, nbytes, path, lambda: save(dcp_sd(state, mesh)), load_into, check)
+
+    ours, theirs, api = b.root / "dcp-api-shardstore", b.root / "dcp-api-dcp", b.root / "dcp-api-dtensor"
+    method("shardstore", ours, lambda sd: dcp.save(sd, storage_writer=ShardstoreWriter(ours)),
+           lambda sd: dcp.load(sd, storage_reader=ShardstoreReader(ours)))
+    method("dcp", theirs, lambda sd: dcp.save(sd, storage_writer=dcp.FileSystemWriter(theirs)),
+           lambda sd: dcp.load(sd, storage_reader=dcp.FileSystemReader(theirs)))
+    method("ss-api", api, lambda sd: shardstore.save(sd, str(api)), lambda sd: shardstore.load(sd, str(api)))
+    b.flush()
+    for p in (ours, theirs, api):
+        b._clean(p)
+
+
 def run_small(b: Bench, args: argparse.Namespace) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -738,6 +783,10 @@ def ratios(results: list[Result]) -> dict[str, float]:
             out |= ratio(f"large.{op}.vs_{peer}", ("large", "shardstore", op), ("large", peer, op))
         for peer in ("dcp", "files", "torch"):
             out |= ratio(f"small.{op}.vs_{peer}", ("small", "shardstore", op), ("small", peer, op))
+        # dcp.save/load through shardstore.dcp_storage vs DCP's file system writer/reader,
+        # and shardstore.save/load of the same DTensors vs the same
+        out |= ratio(f"dcp-api.{op}.vs_dcp", ("dcp-api", "shardstore", op), ("dcp-api", "dcp", op))
+        out |= ratio(f"dcp-api.{op}.ss_api_vs_dcp", ("dcp-api", "ss-api", op), ("dcp-api", "dcp", op))
     # time of the 2->1 resharded load / time of a 1->1 load of the same tensors (one reader each)
     out |= ratio("reshard.load_time_vs_same_layout", ("reshard", "shardstore-1rank", "load"),
                  ("reshard", "shardstore", "load"))
@@ -785,6 +834,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, root: str
     b = Bench(rank, world, Path(root), args.reps)
     if "large" in args.cases:
         run_large(b, args)
+    if "dcp-api" in args.cases:
+        run_dcp_api(b, args)
     if "small" in args.cases:
         run_small(b, args)
     if "s3" in args.cases:
@@ -827,7 +878,7 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=5000, help="number of 4 KiB tensors")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--cases", default="large,reshard,small,async,s3")
+    parser.add_argument("--cases", default="large,reshard,dcp-api,small,async,s3")
     parser.add_argument("--s3-gib", type=float, default=0.25, help="size of the S3 case's state (all ranks)")
     parser.add_argument("--dir", default=None, help="where to write (default: the temp dir)")
     parser.add_argument("--json", default="bench.json")

@@ -109,9 +109,9 @@ from shardstore.commit import PendingCheckpoint, SaveIntent, begin_save, join_sa
 from shardstore.core import CheckpointingConfig, CheckpointingException, save_config
 from shardstore.distributed import Group
 from shardstore.dtypes import (
+    cast_checked,
     from_torch,
     from_zarr_name,
-    is_exact_conversion,
     numpy_to_tensor,
     tensor_to_numpy,
 )
@@ -425,8 +425,8 @@ class ShardstoreReader(StorageReader):
         checkpoint_id: the checkpoint (local path, ``s3://bucket/prefix`` or a Location);
             DCP's ``checkpoint_id=`` replaces it.
         io_concurrency: chunk reads in flight at once per rank.
-        allow_lossy_casts: convert to the requested dtype where that can change values
-            (float32 -> bfloat16, ...); off, such a load raises, naming the key.
+        allow_lossy_casts: convert to the requested dtype even where that changes values
+            (0.1 into bfloat16, ...); off, such a load raises, naming the key.
     """
 
     def __init__(
@@ -522,14 +522,16 @@ class ShardstoreReader(StorageReader):
         return future
 
     def _copy(self, item: ReadItem, target: torch.Tensor, source: torch.Tensor, where: str) -> None:
-        """``source`` into ``target``, converting only exactly unless lossy casts are
-        allowed (as ``shardstore.load``)."""
-        if source.dtype != target.dtype and not self.allow_lossy_casts and not is_exact_conversion(source.dtype, target.dtype):
-            raise CheckpointingException(
-                f"{where}: tensor {item.storage_index.fqn!r} is stored as {source.dtype}, the state dict asks for "
-                f"{target.dtype}, a conversion that can change values. Request the stored dtype, or pass "
-                "ShardstoreReader(allow_lossy_casts=True)"
-            )
+        """``source`` into ``target``; another dtype only where every value converts
+        exactly, unless lossy casts are allowed (as ``shardstore.load``)."""
+        if source.dtype != target.dtype and not self.allow_lossy_casts:
+            source, changed = cast_checked(source, target.dtype)
+            if changed is not None:
+                raise CheckpointingException(
+                    f"{where}: tensor {item.storage_index.fqn!r} is stored in another dtype than the state dict's "
+                    f"{target.dtype}, which would change its value at index {list(changed)} of the requested part. "
+                    "Request the stored dtype, or pass ShardstoreReader(allow_lossy_casts=True)"
+                )
         target.copy_(source.reshape(target.shape))
 
     @classmethod

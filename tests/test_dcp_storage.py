@@ -226,3 +226,26 @@ def test_dcp_api_writes_and_reads_our_format_on_s3() -> None:
         assert torch.equal(target, weight) and float(request["step"]) == 10.0 and request["lr"] == 0.5
     finally:
         server.stop()
+
+
+def test_reader_converts_dtypes_only_where_every_value_survives(tmp_path: Path) -> None:
+    """As ``shardstore.load``: whole numbers stored as float32 load into int64; 0.5 into
+    int64 is refused, naming the key, unless lossy casts are allowed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from shardstore.strategies.checkpointable import to_dcp_state_dict
+
+    def state(values: torch.Tensor) -> dict:
+        return to_dcp_state_dict({"x": ShardedTensor.from_rank_offsets("x", values)})
+
+    for name, values in (("whole", torch.tensor([1.0, 2.0])), ("half", torch.tensor([1.0, 0.5]))):
+        dcp.save(state(values), storage_writer=ShardstoreWriter(tmp_path / name))
+    request = state(torch.zeros(2, dtype=torch.int64))
+    dcp.load(request, storage_reader=ShardstoreReader(tmp_path / "whole"))
+    assert request["x"]._data.tolist() == [1, 2]
+    with pytest.raises(CheckpointException, match=r"'x' is stored in another dtype .* index \[1\]"):
+        dcp.load(state(torch.zeros(2, dtype=torch.int64)), storage_reader=ShardstoreReader(tmp_path / "half"))
+    request = state(torch.zeros(2, dtype=torch.int64))
+    dcp.load(request, storage_reader=ShardstoreReader(tmp_path / "half", allow_lossy_casts=True))
+    assert request["x"]._data.tolist() == [1, 0]

@@ -153,11 +153,18 @@ _CHECKS = {  # what each fragment must leave behind
 }
 
 
+def _fsdp_block() -> str:
+    text = README.read_text()
+    return re.findall(r"```python\n(.*?)```", text[text.index("## FSDP2, torchtitan"):], flags=re.S)[0]
+
+
 def _fragments() -> list[tuple[str, str]]:
     text = README.read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)[2:]  # past the quick start
     found = []
     for block in blocks:
+        if block == _fsdp_block():  # a script of its own, at two world sizes (below)
+            continue
         marker = next((m for m in _FRAGMENT_CONTEXT if m in block), None)
         assert marker, f"a README Python block that no test runs:\n{block}"
         found.append((marker, block))
@@ -206,3 +213,21 @@ def test_readme_fragments_run_as_written(tmp_path: Path, marker: str, block: str
     finally:
         if server is not None:
             server.stop()
+
+
+# ------------------------------------------------ the FSDP2 / DCP section's script
+
+
+def test_fsdp_section_saves_at_2_ranks_and_loads_at_1(tmp_path: Path) -> None:
+    """As the section says: ``torchrun --nproc-per-node 2 fsdp.py`` trains a step and
+    saves it; run again at 1 rank, the script loads it resharded and checks it."""
+    from shardstore import verify
+
+    (tmp_path / "fsdp.py").write_text(_finished(_fsdp_block()))
+    env = {**os.environ, "CKPT": str(tmp_path / "ckpt")}
+    for ranks in (2, 1):
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+                   "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(tmp_path / "fsdp.py")]
+        _check_finished(subprocess.run(command, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path),
+                        ranks, f"fsdp.py on {ranks} rank(s)")
+    assert verify(tmp_path / "ckpt" / "step-1").ok

@@ -381,3 +381,34 @@ def test_checkpoint_manager_on_s3_never_loses_the_last_good_step(server: MotoSer
     assert restarted.save(4, _manager_state(40))
     restored = restarted.restore({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))})
     assert restored["w"].tolist() == [40.0] * 4
+
+
+def test_checkpoint_manager_on_s3_keeps_the_best_and_the_newest_and_deletes_on_request(
+    server: MotoServer, url: str
+) -> None:
+    """Issue 27.2 on an object store, async: keep-best ranks by metrics stored in each
+    step, a restarted manager reads them back, ``delete`` goes through the marker and
+    refuses the newest step."""
+    from shardstore.manager import CheckpointManager, CheckpointManagerOptions
+
+    root = S3Location(url.rsplit("/", 1)[0], _options(server.endpoint))
+    options = CheckpointManagerOptions(
+        max_to_keep=1, keep_best=1, best_fn=lambda m: m["loss"], best_mode="min", async_save=True
+    )
+    with CheckpointManager(root, options) as manager:
+        for step, loss in {1: 1.0, 2: 3.0, 3: 2.0}.items():
+            assert manager.save(step, _manager_state(step), metrics={"loss": loss})
+    assert root.list_top(None) == ["iter_0000001", "iter_0000003"]  # the best, and the newest
+
+    restarted = CheckpointManager(root, options)
+    assert restarted.metrics(1) == {"loss": 1.0} and restarted.best_step() == 1
+    assert restarted.save(4, _manager_state(4), metrics={"loss": 5.0})
+    restarted.wait_until_finished()
+    assert restarted.all_steps() == [1, 4]
+    restarted.delete(1)
+    with pytest.raises(CheckpointingException, match="newest committed checkpoint and the only one"):
+        restarted.delete(4)
+    restarted.close()
+    assert root.list_top(None) == ["iter_0000004"]
+    restored = restarted.restore({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))})
+    assert restored["w"].tolist() == [4.0] * 4 and "shardstore_manager" not in restored

@@ -17,7 +17,10 @@ def extract_matching_values(
 ) -> tuple[dict | list, dict | list]:
     """Splits ``x`` into the leaves that match ``predicate`` and the rest.
 
-    Both results keep the nesting structure of ``x``; empty containers are dropped.
+    Both results keep the nesting structure of ``x``. An empty container stays on the
+    non-matching side (as in Megatron-Core): the common state keeps an optimizer's empty
+    ``state`` dict or ``save(content_metadata={})``; a container emptied by the split is
+    dropped.
 
     Args:
         x: a nested dict or list
@@ -39,7 +42,7 @@ def extract_matching_values(
                 m, n = extract_matching_values(v, predicate, return_lists_as_dicts)
                 if m:
                     matching[k] = m
-                if n:
+                if n or not v:
                     nonmatching[k] = n
             elif predicate(v):
                 matching[k] = v

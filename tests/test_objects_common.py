@@ -107,3 +107,16 @@ def test_common_state_with_arbitrary_objects_needs_explicit_opt_in(ckpt_dir: Pat
         load({}, ckpt_dir)
     loaded = load({}, ckpt_dir, common_strategy=TorchCommonLoadStrategy(allow_unsafe_pickle=True))
     assert isinstance(loaded["gadget"], Gadget)
+
+
+def test_empty_containers_in_the_common_state_survive_a_round_trip(ckpt_dir: Path) -> None:
+    """An optimizer's empty ``state``, an empty list, ``content_metadata={}``: kept, as
+    Megatron-Core keeps them (they were dropped by the split of the state dict)."""
+    from shardstore import load_common_state_dict, load_content_metadata
+
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)),
+             "optimizer": {"state": {}, "param_groups": [{"params": []}]}, "empty": []}
+    save(state, ckpt_dir, content_metadata={})
+    common = load_common_state_dict(ckpt_dir)
+    assert common["optimizer"] == {"state": {}, "param_groups": [{"params": []}]} and common["empty"] == []
+    assert load_content_metadata(ckpt_dir) == {}

@@ -602,7 +602,16 @@ def is_committed(location: Location) -> bool:
 
 
 def read_commit_record(location: Location) -> CommitRecord:
-    """The checkpoint's commit record; a clear error if the checkpoint is incomplete."""
+    """The checkpoint's commit record; without one, an error that says what is there
+    instead: nothing, an unfinished save, another tool's checkpoint, or no checkpoint at
+    all (a file, a Hugging Face model, any other directory), which no save finishes."""
+    local = location.local_path()
+    if local is not None and local.exists() and not local.is_dir():
+        raise CheckpointingException(
+            f"{location.describe()} is a file, not a checkpoint directory (one holding {COMMIT_RECORD}); "
+            f"to make a checkpoint of a torch.save or safetensors file: `shardstore convert {location.describe()} "
+            "<new directory>`"
+        )
     try:
         data = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_RECORD_BYTES)
     except OSError as exc:
@@ -629,6 +638,9 @@ def read_commit_record(location: Location) -> CommitRecord:
             raise CheckpointingException(
                 f"{location.describe()} is not a shardstore checkpoint: it is {foreign}. {how}"
             )
+        names = location.list_top(None)
+        if not _holds_save_files(location, names):
+            raise CheckpointingException(_not_a_checkpoint(location.describe(), names))
         raise CheckpointingException(
             f"Checkpoint at {location.describe()} is incomplete: it has no commit record "
             f"({COMMIT_RECORD}), so its save did not finish. Load an earlier checkpoint, "
@@ -640,6 +652,39 @@ def read_commit_record(location: Location) -> CommitRecord:
 MEGATRON_ZARR_KIND = "a Megatron-Core zarr checkpoint (Zarr v2 arrays)"
 
 
+def _holds_save_files(location: Location, names: list[str]) -> bool:
+    """Whether a directory without a commit record holds what a shardstore save writes
+    into it before that record (an in-place save: S3, Megatron's plug-in) or what the
+    manager leaves while deleting one; one holding none of it is no checkpoint at all."""
+    ours = {SAVE_MARKER, DELETION_MARKER, COMMON_FILE, OBJECTS_DIR}
+    return bool(ours.intersection(names)) or _sharded_backend(location) == "shardstore"
+
+
+def _not_a_checkpoint(where: str, names: list[str]) -> str:
+    """What a directory that is no checkpoint holds, and what to do with it."""
+    weights = [n for n in names if n.endswith(".safetensors")]
+    if weights or "config.json" in names:
+        kind = "a Hugging Face model directory" if "config.json" in names else "a directory of safetensors files"
+        listed = ", ".join([n for n in ("config.json",) if n in names] + weights[:2])
+        how = f"; `shardstore convert {where} <new directory>` imports its weights" if weights else ""
+        return f"{where} is {kind} ({listed}), not a shardstore checkpoint{how}"
+    found = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return (
+        f"{where} is not a shardstore checkpoint: it holds no commit record ({COMMIT_RECORD}) nor any file a "
+        f"save writes ({found}); name a checkpoint directory, one holding {COMMIT_RECORD}"
+    )
+
+
+def _sharded_backend(location: Location) -> str | None:
+    """The backend ``metadata.json`` names, or None (no such file, or not a config)."""
+    try:
+        config = json.loads(location.read_bytes_or_none(CONFIG_FNAME, max_bytes=2**20) or b"null")
+    except (ValueError, OSError):
+        return None
+    backend = config.get("sharded_backend") if isinstance(config, dict) else None
+    return backend if isinstance(backend, str) else None
+
+
 def foreign_checkpoint_kind(location: Location) -> str | None:
     """What another tool's checkpoint at ``location`` is, or None if it looks like none.
 
@@ -647,17 +692,13 @@ def foreign_checkpoint_kind(location: Location) -> str | None:
     DCP files plus ``.metadata``) or ``zarr`` (Zarr v2 arrays, ``<key>/.zarray``); plain
     PyTorch DCP writes ``.metadata`` alone.
     """
-    try:
-        config = json.loads(location.read_bytes_or_none(CONFIG_FNAME, max_bytes=2**20) or b"null")
-    except (ValueError, OSError):
-        config = None
-    backend = config.get("sharded_backend") if isinstance(config, dict) else None
+    backend = _sharded_backend(location)
     entries = location.list_top(20)
     # shardstore's own first checkpoints also named the backend "zarr", but they are a
     # Zarr v3 group (a root zarr.json); Megatron's are Zarr v2 arrays without one
     if backend == "zarr" and not location.exists(COMMIT_RECORD):
         return MEGATRON_ZARR_KIND
-    if isinstance(backend, str) and backend not in ("zarr", "shardstore"):
+    if backend is not None and backend not in ("zarr", "shardstore"):
         return f"a Megatron-Core {backend!r} checkpoint"
     if backend is None and ".metadata" in entries:
         return "a PyTorch DCP checkpoint"

@@ -65,8 +65,9 @@ def open_foreign(checkpoint_dir: CheckpointDir | Location) -> ForeignCheckpoint:
 
 
 def is_foreign_checkpoint(path: str | Path) -> bool:
-    """A directory this module reads: DCP's ``.metadata``, or Megatron's zarr backend."""
-    return is_dcp_checkpoint(path) or is_megatron_zarr_checkpoint(path)
+    """A directory this module reads: DCP's ``.metadata``, or Megatron's zarr backend
+    (a file is none: ``read_commit_record`` says what it is)."""
+    return Path(path).is_dir() and (is_dcp_checkpoint(path) or is_megatron_zarr_checkpoint(path))
 
 
 def reads_as_foreign(checkpoint: CheckpointDir) -> bool:

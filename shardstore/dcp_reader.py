@@ -78,7 +78,8 @@ class DcpItem:
 
 class DcpCheckpoint(ForeignCheckpoint):
     """A DCP (or Megatron torch_dist) checkpoint directory, opened for reading; ``kind``
-    is ``"torch_dist"`` (Megatron-Core) or ``"dcp"``."""
+    is ``"torch_dist"`` (Megatron-Core) or ``"dcp"``; ``saved_paths``: where each key was
+    in the state dict that was saved (``_saved_paths``)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -116,6 +117,7 @@ class DcpCheckpoint(ForeignCheckpoint):
             if shape != stored:
                 _check_reformulated(self.path, key, shape, stored)
             self.tensors[key] = DcpTensor(key, shape, entry.properties.dtype, chunks, stored)
+        self.saved_paths = _saved_paths(getattr(metadata, "planner_data", None), len(self.tensors) + len(self.items))
 
     def _read_metadata(self) -> Any:
         data = self.read_bounded(DCP_METADATA, MAX_METADATA_BYTES, "the metadata")
@@ -228,6 +230,25 @@ def _check_reformulated(path: Path, key: str, shape: tuple[int, ...], stored: tu
             f"{path}: {key!r} is stored with shape {stored}, which is not a reformulation of its original "
             f"shape {shape} (blocks per axis, then the block's volume)"
         )
+
+
+def _saved_paths(planner_data: Any, entries: int) -> dict[str, tuple[str | int, ...]]:
+    """Where each flattened key was in the state dict DCP was given: the dict keys and
+    list indices that DCP's default planner records (``planner_data``), by which
+    ``dcp_to_torch_save`` rebuilds the nesting. {} where the metadata records none, or
+    records something else (a custom planner's data); a list index is less than the
+    number of saved entries, so a hostile one cannot make a reader allocate more."""
+    if not isinstance(planner_data, dict):
+        return {}
+    paths: dict[str, tuple[str | int, ...]] = {}
+    for key, path in planner_data.items():
+        well_formed = isinstance(key, str) and isinstance(path, tuple) and len(path) > 0 and all(
+            isinstance(part, str) or (type(part) is int and 0 <= part < entries) for part in path
+        )
+        if not well_formed:
+            return {}
+        paths[key] = path
+    return paths
 
 
 def is_dcp_checkpoint(path: str | os.PathLike) -> bool:

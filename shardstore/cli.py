@@ -15,9 +15,9 @@ import logging
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
 import click
@@ -56,6 +56,10 @@ def _reported_errors() -> Iterator[None]:
     except (CheckpointingException, OSError) as exc:
         click.echo(f"shardstore: error: {exc}", err=True)
         sys.exit(EXIT_ERROR)
+
+
+def _echo_json(document: Any) -> None:
+    click.echo(json.dumps(document, indent=1))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -148,44 +152,51 @@ def verify_command(checkpoint: str) -> None:
 # --------------------------------------------------------------------------- convert
 
 FORMATS = ("shardstore", "torch", "safetensors")
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 
-def source_format(path: str) -> str:
-    """What SRC is: a shardstore checkpoint, safetensors, a torch.save file, or a PyTorch
-    DCP / Megatron-Core torch_dist or zarr checkpoint."""
-    from shardstore.format import foreign_checkpoint_kind, is_committed
-    from shardstore.locations import open_location
-    from shardstore.strategies.foreign import is_foreign_checkpoint
+def target_format(source_kind: str, destination: str, to: str | None) -> str:
+    """The format to write: ``--to``, else what DESTINATION's name says (``*.pt``,
+    ``*.pth``, ``*.bin``: torch), else a shardstore checkpoint (from another format).
+    A name that says another format than ``--to`` is refused, saying what to name it."""
+    from shardstore.convert import TORCH_SUFFIXES
 
-    if path.endswith(".safetensors"):
-        return "safetensors"
-    local = Path(path)
-    if not path.startswith("s3://") and local.is_file():
-        return "torch"
-    location = open_location(path)
-    if is_committed(location):
-        return "shardstore"
-    if (local / "model.safetensors.index.json").is_file() or (local / "model.safetensors").is_file():
-        return "safetensors"
-    if not path.startswith("s3://") and is_foreign_checkpoint(local):
-        return "foreign"
-    foreign = foreign_checkpoint_kind(location)
-    if foreign:
-        raise CheckpointingException(f"{path} is {foreign}; reading it is not supported yet")
-    raise CheckpointingException(
-        f"{path} is neither a shardstore checkpoint, a safetensors model nor a torch.save file"
-    )
+    named = "torch" if destination.endswith(TORCH_SUFFIXES) else None
+    named = "safetensors" if destination.endswith(".safetensors") else named  # a file: we write a directory
+    chosen = to or named
+    if chosen is None and source_kind == "shardstore":
+        raise CheckpointingException(
+            f"Say what to convert {destination} to: --to torch (a file named *.pt) or --to safetensors (a directory)"
+        )
+    chosen = chosen or "shardstore"
+    stem = re.sub(r"(\.pt|\.pth|\.bin|\.safetensors)?/*$", "", destination) or destination
+    if chosen == "torch" and named != "torch":
+        raise CheckpointingException(
+            f"--to torch writes one torch.save file, but {destination} is not named like one: name it {stem}.pt"
+        )
+    if chosen != "torch" and named is not None:
+        what = ("a safetensors model directory (model.safetensors, or shards with model.safetensors.index.json)"
+                if chosen == "safetensors" else "a shardstore checkpoint, a directory")
+        instead = f" (or --to torch to write {destination})" if named == "torch" else ""
+        raise CheckpointingException(
+            f"{destination} is named like a file, but the conversion writes {what}: name a directory, "
+            f"e.g. {stem}/{instead}"
+        )
+    return chosen
 
 
-def target_format(source: str, destination: str, to: str | None) -> str:
-    if to:
-        return to
-    if source != "shardstore":
-        return "shardstore"
-    if destination.endswith(_TORCH_SUFFIXES):
-        return "torch"
-    raise click.UsageError("Say what to convert to: --to torch or --to safetensors")
+def _check_destination(destination: str, target: str, overwrite: bool) -> None:
+    """Refuses what the writers of a file or directory do not do: S3, replacing."""
+    if target == "shardstore":
+        return
+    if destination.startswith("s3://"):
+        raise CheckpointingException(
+            f"{destination}: torch.save files and safetensors directories are written to local paths only"
+        )
+    if overwrite:
+        raise CheckpointingException(
+            f"--overwrite replaces a shardstore checkpoint; a conversion never replaces a {target} output: "
+            f"remove {destination} yourself or choose a new path"
+        )
 
 
 @main.command("convert")
@@ -197,50 +208,69 @@ def target_format(source: str, destination: str, to: str | None) -> str:
               help="Largest safetensors file.")
 @click.option("--memory", type=Size(), default="1GiB", show_default=True,
               help="Most array bytes held at once while reading a checkpoint.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 def convert_command(source: str, destination: str, to: str | None, overwrite: bool, max_shard_size: int,
-                    memory: int) -> None:
+                    memory: int, as_json: bool) -> None:
     """Convert SOURCE into DESTINATION.
 
     \b
-    shardstore checkpoint -> torch.save file (DESTINATION *.pt, or --to torch)
-    shardstore checkpoint -> safetensors directory (--to safetensors)
-    torch.save file or safetensors (file or model directory) -> shardstore checkpoint
-    PyTorch DCP or Megatron-Core torch_dist / zarr checkpoint -> shardstore checkpoint
-
-    A checkpoint written here is verified before the command succeeds.
+    SOURCE: a shardstore checkpoint, a PyTorch DCP or Megatron-Core torch_dist / zarr
+    checkpoint, a torch.save file, or safetensors (a file or a model directory).
+    DESTINATION, in the format --to names, or its name says:
+      a torch.save file: DESTINATION *.pt, *.pth or *.bin (or --to torch)
+      a safetensors model directory: --to safetensors (sharded by --max-shard-size)
+      a shardstore checkpoint (directory): the default from any other format
+    A checkpoint written here is verified before the command succeeds; a failed
+    conversion leaves nothing at DESTINATION.
     """
     from shardstore import convert
 
     with _reported_errors():
-        src = source_format(source)
+        src = convert.source_kind(source)
         dst = target_format(src, destination, to)
-        steps: dict[tuple[str, str], Callable[[], Any]] = {
-            ("shardstore", "torch"): lambda: convert.to_torch_file(source, destination),
-            ("shardstore", "safetensors"): lambda: convert.to_safetensors(
-                source, destination, max_shard_size, memory
-            ),
-            ("torch", "shardstore"): lambda: convert.from_torch_file(source, destination, overwrite),
-            ("safetensors", "shardstore"): lambda: convert.from_safetensors(source, destination, overwrite),
-            ("foreign", "shardstore"): lambda: convert.from_foreign(source, destination, overwrite),
-        }
-        if (src, dst) not in steps:
-            raise click.UsageError(f"Cannot convert {src} to {dst}")
-        result = steps[(src, dst)]()
-    if isinstance(result, convert.SafetensorsExport):
-        click.echo(f"wrote {result.tensors} tensors, {format_bytes(result.total_bytes)}, in {len(result.files)} file(s)")
-        if result.left_out:
-            click.echo(f"left out (not tensors; safetensors holds tensors only): {', '.join(result.left_out)}",
-                       err=True)
-    elif dst == "shardstore":
-        from shardstore.integrity import verify
-
-        report = verify(destination)
-        if not report.ok:
-            click.echo(str(report), err=True)
-            sys.exit(EXIT_FINDING)
-        click.echo(f"wrote {result} arrays to {destination}; verified {report.chunks_checked} chunks")
+        _check_destination(destination, dst, overwrite)
+        if src == dst and src != "safetensors":  # safetensors to safetensors: sharded anew
+            what = "a shardstore checkpoint" if src == "shardstore" else "a torch.save file"
+            raise CheckpointingException(f"{source} is {what} already; convert it into another format")
+        if dst == "torch":
+            result = convert.to_torch_file(source, destination, memory)
+        elif dst == "safetensors":
+            result = convert.to_safetensors(source, destination, max_shard_size, memory)
+        else:
+            imports = {"torch": convert.from_torch_file, "safetensors": convert.from_safetensors,
+                       "foreign": convert.from_foreign}
+            result = imports[src](source, destination, overwrite)
+    if dst == "shardstore":
+        _report_checkpoint(source, src, destination, result, as_json)
     else:
-        click.echo(f"wrote {destination}")
+        _report_export(source, src, destination, dst, result, as_json)
+
+
+def _report_export(source: str, src: str, destination: str, dst: str, result: Any, as_json: bool) -> None:
+    if as_json:
+        _echo_json({"source": source, "source_format": src, "destination": destination, "format": dst,
+                    **asdict(result)})
+        return
+    click.echo(f"wrote {result.tensors} tensors, {format_bytes(result.total_bytes)}, to {destination}"
+               + (f" in {len(result.files)} file(s)" if dst == "safetensors" else ""))
+    if result.left_out:
+        click.echo(f"left out (not tensors; safetensors holds tensors only): {', '.join(result.left_out)}", err=True)
+
+
+def _report_checkpoint(source: str, src: str, destination: str, arrays: int, as_json: bool) -> None:
+    """Verifies the checkpoint just written (exit status 1 if it is damaged)."""
+    from shardstore.integrity import verify
+
+    report = verify(destination)
+    if as_json:
+        _echo_json({"source": source, "source_format": src, "destination": destination, "format": "shardstore",
+                    "tensors": arrays, "verify": {**asdict(report), "ok": report.ok}})
+    elif report.ok:
+        click.echo(f"wrote {arrays} arrays to {destination}; verified {report.chunks_checked} chunks")
+    else:
+        click.echo(str(report), err=True)
+    if not report.ok:
+        sys.exit(EXIT_FINDING)
 
 
 # --------------------------------------------------------------------------- diff

@@ -1,23 +1,36 @@
-"""Conversions between a shardstore checkpoint and single-process formats, with
-bounded memory: a ``torch.save`` file, and Hugging Face style safetensors (one file, or
-shards with a ``model.safetensors.index.json``); and imports of PyTorch DCP and
-Megatron-Core torch_dist and zarr checkpoints (``from_foreign``, one tensor in memory at
-a time).
+"""Conversions between checkpoints and single-process formats, with bounded memory.
+
+Sources: a shardstore checkpoint; a PyTorch DCP, Megatron-Core torch_dist or zarr
+checkpoint (read without running its pickles, ``shardstore.strategies.foreign``); a
+``torch.save`` file; Hugging Face style safetensors (one file, or a model directory with
+``model.safetensors`` or shards and ``model.safetensors.index.json``). Targets: a
+shardstore checkpoint (``from_torch_file``, ``from_safetensors``, ``from_foreign``), one
+``torch.save`` file (``to_torch_file``) and a safetensors model directory
+(``to_safetensors``), from any source of another format (``open_export_source``).
 
 Reading a checkpoint here means whole global arrays, a batch at a time
 (``read_arrays``): at most ``memory_bytes`` of them are alive at once (an array larger
-than that alone). Writing one means a save at world size 1 from tensors that are
-memory-mapped from the source file, so neither direction holds the model in memory,
-except ``to_torch_file``, whose single pickle needs every tensor at once.
+than that alone); another tool's checkpoint, one tensor at a time. Writing a shardstore
+checkpoint means a save at world size 1 from tensors that are memory-mapped from the
+source file, so neither direction holds the model in memory, except ``to_torch_file``,
+whose single pickle needs every tensor at once.
 
 Keys: a tensor at ``sd["model"]["fc1"]`` of a ``torch.save`` file becomes the array
 ``model/fc1`` and comes back to the same place; the other values form the common
-state. Safetensors names (``model.layers.0.weight``) are array keys as they are; a
-safetensors file holds tensors only, so ``to_safetensors`` leaves the common state and
-sharded objects out and says which keys it left.
+state. A sharded object's shard sits in a ``torch.save`` file at its unique key
+(``sd["rng_state/shard_0_2"]``), as the Python object it is, and comes back as a
+sharded object. A plain DCP checkpoint's values go where they were in the state dict
+DCP saved (its planner's paths, as ``dcp_to_torch_save`` puts them). Safetensors names
+(``model.layers.0.weight``) are array keys as they are; a safetensors file holds
+tensors only, so ``to_safetensors`` leaves the other values out and says which.
 
-Conversions run in one process (the ``shardstore convert`` command); they refuse to run
-inside an initialized process group, where ``save`` would be collective.
+Nothing is left behind by a conversion that fails: a checkpoint is staged and
+published by its commit (``shardstore.commit``), a file is written under a temporary
+name beside its destination and renamed at the end, a safetensors directory is filled
+under a temporary name and renamed; files and directories get the modes ``open()`` and
+``mkdir()`` give (the umask applies). Conversions run in one process (the ``shardstore
+convert`` command); they refuse to run inside an initialized process group, where
+``save`` would be collective.
 """
 
 from __future__ import annotations
@@ -25,10 +38,15 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import secrets
+import shutil
+import stat
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, replace
+from operator import attrgetter, itemgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -37,9 +55,10 @@ import torch.distributed as dist
 from shardstore.core import CheckpointingException
 from shardstore.distributed import Group
 from shardstore.dtypes import from_zarr_name
-from shardstore.format import ArrayRecord
-from shardstore.integrity import open_committed
-from shardstore.mapping import ShardedTensor, StateDict
+from shardstore.format import read_commit_record
+from shardstore.integrity import ChecksummedLocation, open_committed
+from shardstore.locations import open_location
+from shardstore.mapping import ShardedObject, ShardedTensor, StateDict
 from shardstore.pickles import load_torch_file
 from shardstore.storage import Location
 
@@ -57,20 +76,27 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+T = TypeVar("T")
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+
+
 # --------------------------------------------------------------------------- reading
 
 
-def array_batches(arrays: list[ArrayRecord], memory_bytes: int) -> list[list[ArrayRecord]]:
-    """The arrays in order, cut into batches of at most ``memory_bytes`` (an array
-    larger than that is a batch of its own)."""
-    batches: list[list[ArrayRecord]] = []
+def array_batches(
+    arrays: Sequence[T], memory_bytes: int, nbytes: Callable[[T], int] = attrgetter("nbytes")
+) -> list[list[T]]:
+    """The arrays (records, tensors, anything ``nbytes`` sizes in bytes) in order, cut
+    into batches of at most ``memory_bytes`` (an array larger than that is a batch of
+    its own)."""
+    batches: list[list[T]] = []
     size = 0
     for array in arrays:
-        if not batches or size + array.nbytes > memory_bytes:
+        if not batches or size + nbytes(array) > memory_bytes:
             batches.append([])
             size = 0
         batches[-1].append(array)
-        size += array.nbytes
+        size += nbytes(array)
     return batches
 
 
@@ -105,79 +131,248 @@ def read_arrays(
             yield array.key, loaded.pop(array.key)
 
 
+def read_tensors(
+    checkpoint: str | os.PathLike | Location,
+    keys: list[str] | None = None,
+    memory_bytes: int = DEFAULT_MEMORY_BYTES,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``read_arrays`` of any checkpoint ``load`` reads: a shardstore checkpoint's
+    arrays a batch at a time, another tool's tensors (PyTorch DCP, Megatron-Core
+    torch_dist or zarr) one at a time; sorted by key. Not collective."""
+    from shardstore.strategies.foreign import open_foreign, reads_as_foreign
+
+    if not reads_as_foreign(checkpoint):
+        yield from read_arrays(checkpoint, keys, memory_bytes)
+        return
+    source = open_foreign(checkpoint)
+    for key in sorted(source.tensors if keys is None else keys):
+        if key not in source.tensors:
+            raise CheckpointingException(f"{source.path} has no tensor {key!r}")
+        yield key, source.read_tensor(key)
+
+
 def read_non_tensor_state(checkpoint: str | os.PathLike | Location) -> StateDict:
     """The common state, with every sharded object's shards added at their unique keys
-    (``rng_state/shard_0_2``)."""
-    from shardstore.serialization import load, load_sharded_metadata
+    (``rng_state/shard_0_2``), each the Python object it holds; of a shardstore
+    checkpoint or of another tool's (a plain DCP checkpoint's values at their flattened
+    keys, ``cfg.lr``)."""
+    from shardstore.serialization import load, load_sharded_metadata, open_checkpoint
 
     _refuse_process_group("reading a checkpoint's common state for conversion")
-    location = open_committed(checkpoint)
+    location = open_checkpoint(checkpoint)
     objects = {k: v for k, v in load_sharded_metadata(location).items() if not isinstance(v, ShardedTensor)}
     state = load(objects, location)
     return state
 
 
+# --------------------------------------------------------------------------- what an export reads
+
+
+@dataclass(frozen=True)
+class ExportSource:
+    """A source opened for ``to_torch_file`` and ``to_safetensors``, whatever its
+    format, so that each target is written by one function.
+
+    Attributes:
+        tensor_bytes: each tensor's key (an array key; a ``torch.save`` file's tensors by
+            their ``/``-joined path) -> its size in bytes, sorted by key.
+        read: ``read(keys, memory_bytes)`` yields ``(key, whole tensor)`` for ``keys``,
+            at most ``memory_bytes`` alive at once (a larger tensor alone).
+        other_values: everything else (common state, sharded object shards at their
+            unique keys), nested as a ``torch.save`` file of the source holds it.
+        place: where a tensor goes in that file: its dict keys and list indices.
+    """
+
+    tensor_bytes: dict[str, int]
+    read: Callable[[list[str], int], Iterator[tuple[str, torch.Tensor]]]
+    other_values: Callable[[], dict[Any, Any]]
+    place: Callable[[str], tuple[str | int, ...]]
+
+
+def source_kind(source: str | os.PathLike | Location) -> str:
+    """What a conversion's source is: ``"torch"`` (a ``torch.save`` file),
+    ``"safetensors"`` (a file, or a model directory with ``model.safetensors`` or an
+    index), ``"foreign"`` (PyTorch DCP, Megatron-Core torch_dist or zarr) or
+    ``"shardstore"``; anything else is refused by ``read_commit_record``, which says
+    what it is (nothing, an unfinished save, a file or directory of something else)."""
+    from shardstore.strategies.foreign import reads_as_foreign
+
+    if not isinstance(source, Location):
+        text = os.fspath(source)
+        local = None if text.startswith("s3://") else Path(text)
+        if text.endswith(".safetensors") and (local is None or local.is_file()):
+            return "safetensors"
+        if local is not None and local.is_file():
+            return "torch"
+        if local is not None and ((local / SAFETENSORS_INDEX).is_file() or (local / SAFETENSORS_SINGLE).is_file()):
+            return "safetensors"
+    location = open_location(source)
+    if reads_as_foreign(location):
+        return "foreign"
+    if not isinstance(location, ChecksummedLocation):
+        read_commit_record(location)
+    return "shardstore"
+
+
+def open_export_source(source: str | os.PathLike | Location) -> ExportSource:
+    """The source of an export, opened (see ``source_kind``)."""
+    kind = source_kind(source)
+    if kind == "torch":
+        return _torch_file_source(Path(source))  # type: ignore[arg-type]
+    if kind == "safetensors":
+        tensors = safetensors_tensors(source)  # type: ignore[arg-type]
+        return ExportSource(
+            {k: t.nbytes for k, t in sorted(tensors.items())},
+            lambda keys, _: ((k, tensors[k]) for k in keys), dict, lambda key: tuple(key.split("/")),
+        )
+    return _checkpoint_source(source)
+
+
+def _checkpoint_source(checkpoint: str | os.PathLike | Location) -> ExportSource:
+    """A shardstore checkpoint, or another tool's: arrays by key (``model/fc1`` goes to
+    ``sd["model"]["fc1"]``), except a plain DCP save's values, which go where they were
+    in the state dict DCP saved (its planner's paths), as ``dcp_to_torch_save`` puts them."""
+    from shardstore.dcp_reader import DcpCheckpoint
+    from shardstore.serialization import open_checkpoint
+    from shardstore.strategies.foreign import DCP_BACKEND, open_foreign
+
+    location = open_checkpoint(checkpoint)
+    saved_paths: dict[str, tuple[str | int, ...]] = {}
+    if isinstance(location, ChecksummedLocation):
+        sizes = {key: a.nbytes for key, a in location.record.arrays.items()}
+    else:
+        foreign = open_foreign(location)
+        sizes = {key: t.nbytes for key, t in foreign.tensors.items()}
+        if isinstance(foreign, DcpCheckpoint) and foreign.kind == DCP_BACKEND:
+            saved_paths = foreign.saved_paths
+
+    def other_values() -> dict[Any, Any]:
+        state: dict[Any, Any] = {}
+        for key, value in read_non_tensor_state(location).items():
+            _place(state, saved_paths.get(key, (key,)), value, key)
+        return state
+
+    return ExportSource(
+        dict(sorted(sizes.items())),
+        lambda keys, memory_bytes: read_tensors(location, keys, memory_bytes), other_values,
+        lambda key: saved_paths.get(key) or tuple(key.split("/")),
+    )
+
+
+def _torch_file_source(path: Path) -> ExportSource:
+    """A ``torch.save`` file: its tensors by their ``/``-joined paths (memory-mapped)."""
+    state = _load_state_dict_file(path)
+    tensors = _tensors_by_key(state, str(path))
+    return ExportSource(
+        {k: t.nbytes for k, (_, t) in sorted(tensors.items())},
+        lambda keys, _: ((k, tensors[k][1]) for k in keys), lambda: _without_tensors(state),
+        lambda key: tensors[key][0],
+    )
+
+
 # --------------------------------------------------------------------------- torch.save
 
 
-def to_torch_file(checkpoint: str | os.PathLike | Location, path: str | os.PathLike) -> None:
-    """Writes the checkpoint as one ``torch.save`` file: the common state, with each
-    array at its key's place (``model/fc1`` -> ``sd["model"]["fc1"]``) and each sharded
-    object shard at its unique key. Needs memory for the whole checkpoint (one pickle)."""
-    state = read_non_tensor_state(checkpoint)
-    for key, tensor in read_arrays(checkpoint):
-        _put(state, key.split("/"), tensor, key)
-    _write_new_file(Path(path), lambda p: torch.save(state, p))
-
-
-def _put(state: dict, parts: list[str], value: Any, key: str) -> None:
-    node = state
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise CheckpointingException(
-                f"Cannot place array {key!r}: the common state holds a non-dict value at {part!r}"
-            )
-    if parts[-1] in node:
-        raise CheckpointingException(f"Cannot place array {key!r}: the common state already holds that key")
-    node[parts[-1]] = value
+def to_torch_file(
+    source: str | os.PathLike | Location, path: str | os.PathLike, memory_bytes: int = DEFAULT_MEMORY_BYTES
+) -> Export:
+    """Writes a checkpoint (shardstore, PyTorch DCP, Megatron-Core torch_dist or zarr)
+    or a safetensors model as one new ``torch.save`` file: every value at its place
+    (``ExportSource.place``), each sharded object shard at its unique key as the Python
+    object it holds; a plain DCP checkpoint gives what ``dcp_to_torch_save`` gives.
+    Needs memory for the whole model (one pickle); nothing is written if it fails."""
+    if source_kind(source) == "torch":
+        raise CheckpointingException(f"{source} is a torch.save file already")
+    opened = open_export_source(source)
+    state = opened.other_values()
+    for key, tensor in opened.read(list(opened.tensor_bytes), memory_bytes):
+        _place(state, opened.place(key), tensor, key)
+    out = Path(path)
+    _write_new_file(out, lambda p: torch.save(state, p))
+    return Export((out.name,), len(opened.tensor_bytes), sum(opened.tensor_bytes.values()), ())
 
 
 def from_torch_file(
     path: str | os.PathLike, checkpoint: str | os.PathLike | Location, overwrite: bool = False
 ) -> int:
     """Saves a ``torch.save`` file (loaded with ``weights_only=True``, memory-mapped) as a
-    shardstore checkpoint; returns the number of arrays written."""
+    shardstore checkpoint: each tensor an array keyed by its path, each value at a
+    sharded object's unique key (how ``to_torch_file`` writes one) that sharded object,
+    the rest the common state. Returns the number of arrays written."""
     from shardstore.serialization import save
 
     _refuse_process_group("converting a torch.save file")
+    state = _load_state_dict_file(Path(path))
+    for key in [k for k in state if _is_object_shard_key(k)]:
+        state[key] = replace(ShardedObject.empty_from_unique_key(key), data=state[key])
+    tensors = _tensors_by_key(state, str(path))
+    for key, (where, tensor) in tensors.items():
+        _parent(state, where)[where[-1]] = ShardedTensor.from_rank_offsets(key, tensor)
+    save(state, checkpoint, overwrite=overwrite)
+    return len(tensors)
+
+
+def _load_state_dict_file(path: Path) -> dict[Any, Any]:
     state = load_torch_file(path, f"{path} (a torch.save file)")
     if not isinstance(state, dict):
         raise CheckpointingException(f"{path} holds a {type(state).__name__}, not a state dict")
-    count = _shard_tensors(state, ())
-    save(state, checkpoint, overwrite=overwrite)
-    return count
+    return state
 
 
-def _shard_tensors(node: dict | list, path: tuple[str, ...]) -> int:
-    """Replaces every tensor leaf by a whole-tensor ShardedTensor keyed by its path."""
-    count = 0
-    for k, v in list(node.items()) if isinstance(node, dict) else list(enumerate(node)):
-        here = (*path, str(k))
+def _is_object_shard_key(key: Any) -> bool:
+    """A top-level key of a ``torch.save`` file that names a sharded object's shard
+    (``rng_state/shard_0_2``): its value stays one object, whatever it holds."""
+    from shardstore.strategies.foreign import _is_object_shard
+
+    return isinstance(key, str) and _is_object_shard(key)
+
+
+def _tensors_by_key(state: dict[Any, Any], where: str) -> dict[str, tuple[tuple[Any, ...], torch.Tensor]]:
+    """Every tensor of a ``torch.save`` state dict (in dicts and lists, not in sharded
+    object shards), by its ``/``-joined path, with the path."""
+    found: dict[str, tuple[tuple[Any, ...], torch.Tensor]] = {}
+    for path, tensor in _tensor_leaves(state, ()):
+        key = "/".join(map(str, path))
+        if key in found:
+            raise CheckpointingException(f"{where}: two tensors have the key {key!r} (their paths joined by '/')")
+        found[key] = (path, tensor)
+    return found
+
+
+def _tensor_leaves(node: dict | list, path: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
+    for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+        if not path and _is_object_shard_key(k):
+            continue
         if isinstance(v, torch.Tensor):
-            node[k] = ShardedTensor.from_rank_offsets("/".join(here), v)
-            count += 1
+            yield (*path, k), v
         elif isinstance(v, (dict, list)):
-            count += _shard_tensors(v, here)
-    return count
+            yield from _tensor_leaves(v, (*path, k))
+
+
+def _without_tensors(node: dict | list, top: bool = True) -> dict | list:
+    """``node`` without its tensors (nor the dicts and lists that held only tensors),
+    sharded object shards kept whole: what a safetensors file cannot hold."""
+    kept = []
+    for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+        if not (top and _is_object_shard_key(k)):
+            if isinstance(v, torch.Tensor):
+                continue
+            if isinstance(v, (dict, list)) and v:
+                v = _without_tensors(v, top=False)
+                if not v:
+                    continue
+        kept.append((k, v))
+    return dict(kept) if isinstance(node, dict) else [v for _, v in kept]
 
 
 # --------------------------------------------------------------------------- safetensors
 
 
 @dataclass(frozen=True)
-class SafetensorsExport:
-    """What ``to_safetensors`` wrote: its files and the keys it could not write."""
+class Export:
+    """What ``to_torch_file`` or ``to_safetensors`` wrote: its files (names in the
+    output directory, or the file's name), its tensors and their bytes, and the keys of
+    the values it could not write (safetensors holds tensors only)."""
 
     files: tuple[str, ...]
     tensors: int
@@ -186,42 +381,61 @@ class SafetensorsExport:
 
 
 def to_safetensors(
-    checkpoint: str | os.PathLike | Location,
+    source: str | os.PathLike | Location,
     out_dir: str | os.PathLike,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
-) -> SafetensorsExport:
-    """Writes the arrays as Hugging Face style safetensors into a new (or empty)
-    ``out_dir``: ``model.safetensors``, or ``model-00001-of-0000N.safetensors`` shards
-    of at most ``max_shard_bytes`` with ``model.safetensors.index.json`` (written last).
-    At most one shard is in memory at once."""
-    from safetensors.torch import save_file
-
-    location = open_committed(checkpoint)
-    record = location.record
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointingException(f"{out} is not empty; convert into a new directory")
-    out.mkdir(parents=True, exist_ok=True)
-    arrays = [record.arrays[k] for k in sorted(record.arrays)]
-    shards = array_batches(arrays, max_shard_bytes)
+) -> Export:
+    """Writes the tensors of a checkpoint (shardstore, PyTorch DCP, Megatron-Core
+    torch_dist or zarr) or ``torch.save`` file as a new Hugging Face style safetensors
+    directory ``out_dir`` (or into an empty one): ``model.safetensors``, or
+    ``model-00001-of-0000N.safetensors`` shards of at most ``max_shard_bytes`` with
+    ``model.safetensors.index.json``. At most one shard is in memory at once. The
+    directory is filled under a temporary name and renamed at the end: a failure leaves
+    nothing."""
+    opened = open_export_source(source)
+    # read first: a source whose other values cannot be read fails before anything is written
+    left_out = tuple(sorted(_leaf_paths(opened.other_values())))
+    shards = array_batches(list(opened.tensor_bytes.items()), max_shard_bytes, itemgetter(1)) or [[]]
     names = (
         [SAFETENSORS_SINGLE]
-        if len(shards) <= 1
+        if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    weight_map = {}
-    for name, shard in zip(names, shards):
-        tensors = dict(read_arrays(location, [a.key for a in shard], memory_bytes))
-        _write_new_file(out / name, lambda p, t=tensors: save_file(t, p, metadata={"format": "pt"}))
-        del tensors
-        weight_map.update({a.key: name for a in shard})
-    total = sum(a.nbytes for a in arrays)
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        _write_new_file(out / SAFETENSORS_INDEX, lambda p: p.write_text(json.dumps(index, indent=2)))
-    left_out = tuple(sorted(_leaf_paths(read_non_tensor_state(location))))
-    return SafetensorsExport(tuple(names[: len(shards)]), len(arrays), total, left_out)
+    out = Path(out_dir)
+    with _new_directory(out) as staging:
+        for name, shard in zip(names, shards):
+            tensors = _standalone(dict(opened.read([key for key, _ in shard], memory_bytes)))
+            _write_new_file(staging / name, lambda p, t=tensors, n=name: _save_safetensors(t, p, out / n))
+            del tensors
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(opened.tensor_bytes.values())},
+                     "weight_map": {key: name for name, shard in zip(names, shards) for key, _ in shard}}
+            _write_new_file(staging / SAFETENSORS_INDEX, lambda p: p.write_text(json.dumps(index, indent=2)))
+    return Export(tuple(names), len(opened.tensor_bytes), sum(opened.tensor_bytes.values()), left_out)
+
+
+def _standalone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors as safetensors' writer takes them: contiguous, none sharing memory
+    with another (a ``torch.save`` file's tied weights and views do)."""
+    seen: set[int] = set()
+    out = {}
+    for key, tensor in tensors.items():
+        storage = tensor.untyped_storage().data_ptr()
+        if not tensor.is_contiguous() or storage in seen:
+            tensor = tensor.contiguous().clone()
+        seen.add(storage)
+        out[key] = tensor
+    return out
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, where: Path) -> None:
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except Exception as exc:  # the library's own errors (unsupported dtype, ...) name no file
+        raise CheckpointingException(f"Cannot write {where} as safetensors: {type(exc).__name__}: {exc}") from exc
 
 
 def _leaf_paths(state: Any, prefix: str = "") -> Iterator[str]:
@@ -283,6 +497,17 @@ def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def safetensors_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file or model directory, by name, memory-mapped."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        for name, tensor in map_safetensors(file).items():
+            if name in tensors:
+                raise CheckpointingException(f"Tensor {name!r} appears in two files of {path}")
+            tensors[name] = tensor
+    return tensors
+
+
 def from_safetensors(
     path: str | os.PathLike, checkpoint: str | os.PathLike | Location, overwrite: bool = False
 ) -> int:
@@ -291,12 +516,7 @@ def from_safetensors(
     from shardstore.serialization import save
 
     _refuse_process_group("converting safetensors")
-    state: dict[str, Any] = {}
-    for file in safetensors_files(path):
-        for name, tensor in map_safetensors(file).items():
-            if name in state:
-                raise CheckpointingException(f"Tensor {name!r} appears in two files of {path}")
-            state[name] = ShardedTensor.from_rank_offsets(name, tensor)
+    state = {name: ShardedTensor.from_rank_offsets(name, t) for name, t in safetensors_tensors(path).items()}
     save(state, checkpoint, overwrite=overwrite)
     return len(state)
 
@@ -341,15 +561,96 @@ def _refuse_process_group(what: str) -> None:
         )
 
 
+def _place(state: dict[Any, Any], path: tuple[Any, ...], value: Any, key: str) -> None:
+    """Puts ``value`` at ``path`` (dict keys, list indices) of ``state``, making the
+    dicts and lists on the way as ``dcp_to_torch_save`` does; refuses to replace a
+    value, or to go through one that is not the container the path needs."""
+    node: Any = state
+    for part, following in zip(path, path[1:]):
+        if _is_free(node, part, key):
+            node[part] = [] if isinstance(following, int) else {}
+        node = node[part]
+    if not _is_free(node, path[-1], key):
+        raise CheckpointingException(f"Cannot place {key!r}: another value is already at {list(path)}")
+    node[path[-1]] = value
+
+
+def _is_free(node: Any, part: Any, key: str) -> bool:
+    """Whether ``node`` holds nothing at ``part``: a dict (any key), or a list (an
+    index, up to which it is padded with None, as DCP pads it)."""
+    if isinstance(node, list) and isinstance(part, int):
+        node.extend([None] * (part + 1 - len(node)))
+        return node[part] is None
+    if not isinstance(node, dict):
+        raise CheckpointingException(
+            f"Cannot place {key!r}: a {type(node).__name__} is where its path needs a "
+            f"{'list' if isinstance(part, int) else 'dict'} (at {part!r})"
+        )
+    return part not in node
+
+
+def _parent(state: dict[Any, Any], path: tuple[Any, ...]) -> Any:
+    """The dict or list that holds the value at ``path``."""
+    node: Any = state
+    for part in path[:-1]:
+        node = node[part]
+    return node
+
+
 def _write_new_file(path: Path, write: Callable[[Path], Any]) -> None:
-    """Has ``write`` write a temporary file that is then renamed to ``path``, so a
-    failed conversion leaves no file that looks complete; refuses to replace a file."""
+    """Has ``write`` write a temporary file beside ``path`` that is then renamed to
+    ``path``, so a failed conversion leaves no file (nor the directories made for it);
+    refuses to replace a file. The file gets the mode ``open()`` gives a new file (0666
+    less the umask), whatever ``write`` does: safetensors' writer makes 0600 files."""
     if path.exists():
         raise CheckpointingException(f"{path} exists; choose a new output path")
-    temporary = path.with_name(f".{path.name}.partial")
+    made = _make_directories(path.parent)
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
     try:
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+        mode = stat.S_IMODE(os.fstat(descriptor).st_mode)
+        os.close(descriptor)
         write(temporary)
+        os.chmod(temporary, mode)
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
+        _remove_directories(made)
         raise
+
+
+@contextmanager
+def _new_directory(path: Path) -> Iterator[Path]:
+    """A directory filled under a temporary name beside ``path`` (the one yielded) and
+    renamed to ``path`` at the end, replacing an empty directory there; if anything
+    fails, removed, with the directories made for it."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise CheckpointingException(f"{path} exists and is not an empty directory; convert into a new directory")
+    made = _make_directories(path.parent)
+    staging = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
+    try:
+        staging.mkdir()  # the umask applies, as to any mkdir
+        yield staging
+        os.rename(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        _remove_directories(made)
+        raise
+
+
+def _make_directories(directory: Path) -> list[Path]:
+    """Makes ``directory`` and its missing parents; returns those it made, deepest first."""
+    missing = []
+    for candidate in (directory, *directory.parents):
+        if candidate.exists():
+            break
+        missing.append(candidate)
+    for candidate in reversed(missing):
+        candidate.mkdir(exist_ok=True)
+    return missing
+
+
+def _remove_directories(made: list[Path]) -> None:
+    for directory in made:
+        with suppress(OSError):  # not empty: someone else's files arrived meanwhile
+            directory.rmdir()

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardstore.convert import DEFAULT_MEMORY_BYTES, read_arrays
+from shardstore.convert import DEFAULT_MEMORY_BYTES, read_tensors
 from shardstore.dtypes import (
     BY_TORCH,
     from_torch,
@@ -225,7 +225,7 @@ def diff_checkpoints(
     }
     compared: dict[str, TensorComparison] = {}
     keys = sorted(comparable)
-    pairs = zip(_whole_arrays(first, keys, memory_bytes), _whole_arrays(second, keys, memory_bytes))
+    pairs = zip(read_tensors(first, keys, memory_bytes), read_tensors(second, keys, memory_bytes))
     for (key, x), (_, y) in pairs:
         compared[key] = compare_tensors(x, y, comparable[key])
     arrays = tuple(_array_difference(ra[k], rb[k], compared.get(k)) for k in shared)
@@ -256,20 +256,6 @@ def _common_dtype(first: str, second: str) -> torch.dtype | None:
     if is_exact_conversion(b, a):
         return a
     return None
-
-
-def _whole_arrays(
-    checkpoint: str | os.PathLike | Location, keys: list[str], memory_bytes: int
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(key, whole tensor)`` of ``keys``, sorted by key."""
-    if reads_as_foreign(checkpoint):
-        from shardstore.strategies.foreign import open_foreign
-
-        source = open_foreign(checkpoint)
-        for key in sorted(keys):
-            yield key, source.read_tensor(key)
-        return
-    yield from read_arrays(checkpoint, keys, memory_bytes)
 
 
 # ------------------------------------------------------------------ exact comparison

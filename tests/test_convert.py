@@ -1,0 +1,235 @@
+"""Issue 27.3: conversions that do what they say. A DCP (or Megatron torch_dist / zarr)
+checkpoint becomes a ``torch.save`` file in one command, ``.pt`` and safetensors convert
+both ways, a destination named for another format than ``--to`` is refused, outputs
+follow the umask, a failed conversion leaves nothing, and sharded objects keep their
+type through a ``.pt`` file."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+
+from shardstore import ShardedObject, ShardedTensor, load_sharded_metadata, save
+from shardstore.inspection import value_differences
+from tests.scenarios import assert_bits_equal, global_tensor
+from tests.test_cli import run
+
+LEGACY = Path(__file__).resolve().parent / "fixtures" / "legacy"
+FC1 = global_tensor("decoder/fc1", (8, 6), torch.float32)
+EMB = global_tensor("embedding/word", (16, 4), torch.bfloat16)
+RNG = torch.arange(200, 216, dtype=torch.uint8)  # what torch.get_rng_state() returns: uint8 bytes
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+def _checkpoint(path: Path) -> Path:
+    """A small shardstore checkpoint with sharded objects of three types."""
+    save({"model": {"fc1": ShardedTensor.from_rank_offsets("decoder/fc1", FC1),
+                    "emb": ShardedTensor.from_rank_offsets("embedding/word", EMB)},
+          "rng": ShardedObject("rng_state", RNG, (1,), (0,)),
+          "config": ShardedObject("config", {"lr": 0.1, "layers": [1, 2]}, (1,), (0,)),
+          "name": ShardedObject("run_name", "gpt-small", (1,), (0,)),
+          "iteration": 1000}, path)
+    return path
+
+
+def _dcp_checkpoint(path: Path) -> dict:
+    """A PyTorch DCP save (in this process) of nested dicts, a list and plain values."""
+    state = {"model": {"fc1.weight": FC1.clone(), "emb": EMB.clone()}, "step": torch.tensor(7),
+             "epoch": 3, "config": {"lr": 0.1, "name": "x"}, "schedule": [torch.ones(2), 5], "rng": RNG.clone()}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(state, checkpoint_id=path)
+    return state
+
+
+def _assert_same(actual: object, expected: object) -> None:
+    differences = list(value_differences(actual, expected))
+    assert not differences, differences
+
+
+def _entries(directory: Path) -> set[str]:
+    """Every path under ``directory``, hidden ones included."""
+    return {str(p.relative_to(directory)) for p in directory.rglob("*")}
+
+
+# ------------------------------------------------------------------ DCP and Megatron to .pt
+
+
+def test_a_dcp_checkpoint_becomes_what_dcp_to_torch_save_writes_in_one_command(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    saved = _dcp_checkpoint(tmp_path / "dcp")
+    code, out, err = run("convert", str(tmp_path / "dcp"), str(tmp_path / "model.pt"))
+    assert code == 0, err
+    assert "wrote 5 tensors" in out and (tmp_path / "model.pt").is_file()
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "reference.pt")
+    ours = _load(tmp_path / "model.pt")
+    _assert_same(ours, _load(tmp_path / "reference.pt"))
+    _assert_same(ours, saved)  # the state dict DCP was given, nesting and types included
+    assert ours["epoch"] == 3 and ours["schedule"][1] == 5 and ours["rng"].dtype == torch.uint8
+
+
+@pytest.mark.parametrize("fixture", ["megatron-0.16.1-torch_dist", "megatron-0.14.0-zarr"])
+def test_a_megatron_checkpoint_becomes_the_torch_file_of_its_conversion(tmp_path: Path, fixture: str) -> None:
+    code, _, err = run("convert", str(LEGACY / fixture), str(tmp_path / "direct.pt"), "--to", "torch")
+    assert code == 0, err
+    assert run("convert", str(LEGACY / fixture), str(tmp_path / "ckpt"))[0] == 0
+    assert run("convert", str(tmp_path / "ckpt"), str(tmp_path / "via.pt"))[0] == 0
+    direct = _load(tmp_path / "direct.pt")
+    _assert_same(direct, _load(tmp_path / "via.pt"))
+    assert direct["rng_state/shard_1_2"] == {"seed": 1235, "rank": 1}  # an object, not bytes
+    assert direct["decoder"]["fc1"].shape == (8, 6) and direct["iteration"] == 7
+
+
+# ------------------------------------------------------------------ .pt <-> safetensors
+
+
+def test_a_torch_file_becomes_sharded_safetensors_and_comes_back(tmp_path: Path) -> None:
+    embedding = torch.randn(10, 4)
+    torch.save({"model": {"embed.weight": embedding, "lm_head.weight": embedding,  # tied: one storage
+                          "norm": {"weight": torch.ones(4, dtype=torch.bfloat16)}},
+                "transposed": torch.arange(6.0).reshape(2, 3).t(),  # not contiguous
+                "step": 12, "args": {"lr": 0.5}}, tmp_path / "model.pt")
+    code, out, err = run("convert", str(tmp_path / "model.pt"), str(tmp_path / "hf"), "--to", "safetensors",
+                         "--max-shard-size", "100B")
+    assert code == 0, err
+    assert "left out" in err and "args/lr" in err and "step" in err
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == {"model/embed.weight", "model/lm_head.weight", "model/norm/weight",
+                                        "transposed"}
+    assert len(set(index["weight_map"].values())) > 1
+    assert index["metadata"]["total_size"] == 10 * 4 * 4 * 2 + 4 * 2 + 6 * 4
+    tensors = {}
+    for name in set(index["weight_map"].values()):
+        tensors.update(load_file(tmp_path / "hf" / name))
+    assert_bits_equal(tensors["model/lm_head.weight"], embedding)
+    assert_bits_equal(tensors["transposed"], torch.arange(6.0).reshape(2, 3).t().contiguous())
+
+    code, _, err = run("convert", str(tmp_path / "hf"), str(tmp_path / "back.pt"))
+    assert code == 0, err
+    back = _load(tmp_path / "back.pt")
+    assert_bits_equal(back["model"]["embed.weight"], embedding)
+    assert_bits_equal(back["model"]["norm"]["weight"], torch.ones(4, dtype=torch.bfloat16))
+
+
+def test_a_hugging_face_safetensors_file_becomes_a_flat_torch_file(tmp_path: Path) -> None:
+    weights = {"model.layers.0.mlp.weight": torch.randn(6, 3).bfloat16(), "lm_head.weight": torch.randn(5, 3)}
+    save_file(weights, tmp_path / "model.safetensors")
+    code, _, err = run("convert", str(tmp_path / "model.safetensors"), str(tmp_path / "model.pt"))
+    assert code == 0, err
+    back = _load(tmp_path / "model.pt")
+    assert set(back) == set(weights)
+    for name, tensor in weights.items():
+        assert_bits_equal(back[name], tensor, name)
+
+
+# ------------------------------------------------------------------ destinations
+
+
+@pytest.mark.parametrize(("destination", "to", "says"), [
+    ("out.pt", "shardstore", "name a directory, e.g. out/ (or --to torch to write"),
+    ("out", "torch", "name it out.pt"),
+    ("out/", "torch", "name it out.pt"),
+    ("x.pt", "safetensors", "name a directory, e.g. x/"),
+    ("model.safetensors", None, "name a directory, e.g. model/"),
+])
+def test_a_destination_named_for_another_format_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, destination: str, to: str | None, says: str
+) -> None:
+    _dcp_checkpoint(tmp_path / "dcp")
+    before = _entries(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run("convert", "dcp", destination, *(["--to", to] if to else []))
+    assert code == 2 and err.startswith("shardstore: error:") and says in err, err
+    assert err.count("\n") == 1
+    assert _entries(tmp_path) == before
+
+
+def test_outputs_get_the_modes_open_and_mkdir_give(tmp_path: Path) -> None:
+    source = _checkpoint(tmp_path / "ckpt")
+    previous = os.umask(0o027)
+    try:
+        with open(tmp_path / "reference", "w"):
+            pass
+        (tmp_path / "reference_dir").mkdir()
+        assert run("convert", str(source), str(tmp_path / "model.pt"))[0] == 0
+        assert run("convert", str(source), str(tmp_path / "out" / "hf"), "--to", "safetensors",
+                   "--max-shard-size", "100B")[0] == 0
+    finally:
+        os.umask(previous)
+    file_mode = stat.S_IMODE((tmp_path / "reference").stat().st_mode)
+    dir_mode = stat.S_IMODE((tmp_path / "reference_dir").stat().st_mode)
+    written = [tmp_path / "model.pt", *(tmp_path / "out" / "hf").iterdir()]
+    assert len(written) == 4  # the .pt, two shards, the index
+    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in written} == {p.name: oct(file_mode) for p in written}
+    for directory in (tmp_path / "out", tmp_path / "out" / "hf"):
+        assert oct(stat.S_IMODE(directory.stat().st_mode)) == oct(dir_mode), directory
+
+
+@pytest.fixture
+def damaged(tmp_path: Path) -> Path:
+    """A checkpoint whose second array (by key) has a corrupt chunk."""
+    path = _checkpoint(tmp_path / "damaged")
+    chunk = next((path / "embedding" / "word").glob("c.*"))
+    chunk.write_bytes(chunk.read_bytes()[:-1] + bytes([chunk.read_bytes()[-1] ^ 1]))
+    return path
+
+
+def test_a_failed_export_leaves_nothing_behind(tmp_path: Path, damaged: Path) -> None:
+    before = _entries(tmp_path)
+    for destination in (["new/hf", "--to", "safetensors", "--max-shard-size", "100B"], ["new/deeper/model.pt"],
+                        ["new/ckpt.pt", "--to", "torch"]):
+        code, _, err = run("convert", str(damaged), str(tmp_path / destination[0]), *destination[1:])
+        assert code == 2 and "embedding/word" in err, err
+        assert _entries(tmp_path) == before, destination
+
+
+def test_a_failed_export_into_an_existing_empty_directory_leaves_it_empty(tmp_path: Path, damaged: Path) -> None:
+    (tmp_path / "hf").mkdir()
+    code, _, _ = run("convert", str(damaged), str(tmp_path / "hf"), "--to", "safetensors", "--max-shard-size", "100B")
+    assert code == 2
+    assert list((tmp_path / "hf").iterdir()) == [] and not [p for p in tmp_path.iterdir() if ".partial" in p.name]
+
+
+# ------------------------------------------------------------------ objects keep their type
+
+
+def test_sharded_objects_stay_python_objects_in_a_torch_file_and_come_back_as_objects(tmp_path: Path) -> None:
+    source = _checkpoint(tmp_path / "ckpt")
+    assert run("convert", str(source), str(tmp_path / "model.pt"))[0] == 0
+    exported = _load(tmp_path / "model.pt")
+    assert exported["config/shard_0_1"] == {"lr": 0.1, "layers": [1, 2]}
+    assert exported["run_name/shard_0_1"] == "gpt-small"
+    assert_bits_equal(exported["rng_state/shard_0_1"], RNG)
+
+    code, _, err = run("convert", str(tmp_path / "model.pt"), str(tmp_path / "back"))
+    assert code == 0, err
+    metadata = load_sharded_metadata(tmp_path / "back")
+    assert isinstance(metadata["rng_state/shard_0_1"], ShardedObject)  # not a uint8 array
+    assert isinstance(metadata["config/shard_0_1"], ShardedObject)
+    assert run("diff", str(source), str(tmp_path / "back")) == (0, "identical\n", "")
+
+
+def test_object_shards_of_a_torch_file_are_left_out_of_safetensors(tmp_path: Path) -> None:
+    source = _checkpoint(tmp_path / "ckpt")
+    assert run("convert", str(source), str(tmp_path / "model.pt"))[0] == 0
+    code, _, err = run("convert", str(tmp_path / "model.pt"), str(tmp_path / "hf"), "--to", "safetensors")
+    assert code == 0 and "rng_state/shard_0_1" in err
+    assert set(load_file(tmp_path / "hf" / "model.safetensors")) == {"decoder/fc1", "embedding/word"}
+
+
+def test_dcp_saved_paths_are_taken_only_when_well_formed() -> None:
+    from shardstore.dcp_reader import _saved_paths
+
+    assert _saved_paths({"a.b": ("a", "b"), "l.0": ("l", 0)}, 2) == {"a.b": ("a", "b"), "l.0": ("l", 0)}
+    assert _saved_paths({"l.9": ("l", 10**12)}, 2) == {}  # a list index no checkpoint of 2 entries has
+    assert _saved_paths({"a": "a"}, 1) == {} and _saved_paths(None, 1) == {}

@@ -3,9 +3,11 @@
 Exit status: 0 success (``verify``: no damage; ``diff``: identical), 1 a finding
 (``verify``: damage; ``diff``: differences), 2 an error (no checkpoint there, an
 incomplete or foreign one, a bad argument), with one line on standard error that says
-what to do. Progress bars (standard error) show when it is a terminal (``--progress``
-/ ``--no-progress`` decide otherwise); ``-v`` logs each operation's duration and
-bytes, ``-vv`` each stage's.
+what to do, in the command's own words (``CLI_WORDS``: ``--overwrite``, not the
+library's ``overwrite=True``). Every command that reports takes ``--json`` (one JSON
+document on standard output). Progress bars (standard error) show when it is a terminal
+(``--progress`` / ``--no-progress`` decide otherwise); ``-v`` logs each operation's
+duration and bytes, ``-vv`` each stage's.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import click
@@ -48,14 +51,51 @@ class Size(click.ParamType):
         return value if isinstance(value, int) else parse_size(str(value))
 
 
+# The library's phrases that name its keyword arguments, and what a user of the command
+# does instead; most specific first.
+CLI_WORDS = (
+    ("save this one again (overwrite=True) or to a new directory",
+     "run the command again with --overwrite, or convert into a new directory"),
+    ("pass overwrite=True to replace it", "pass --overwrite to replace it"),
+    ("or save to a new directory", "or convert into a new directory"),
+    ("If you trust this checkpoint, admit it with", "If you trust this checkpoint, in Python admit it with"),
+    ("load with common_strategy=", "load with shardstore.load(..., common_strategy="),
+    ("(allow_unsafe_pickle=True).", "(allow_unsafe_pickle=True)); the shardstore command runs no code from a file."),
+)
+
+
+# How a collective stage reports a failure; the command runs one process, rank 0.
+_ONE_RANK_FAILED = re.compile(r"^[^\n]* failed on rank\(s\) 0:\n\s*rank 0: \w+: ")
+
+
+def in_cli_words(message: str) -> str:
+    """``message`` as one line, with the library's keyword arguments replaced by the
+    command's flags (or by what to do in Python where the command has none), and
+    without the rank a collective stage names (the command is one process)."""
+    message = _ONE_RANK_FAILED.sub("", message)
+    for library, cli in CLI_WORDS:
+        message = message.replace(library, cli)
+    return " ".join(line.strip() for line in message.splitlines())
+
+
 @contextmanager
 def _reported_errors() -> Iterator[None]:
-    """Turns the library's errors into one line on stderr and exit status 2."""
+    """Turns the library's errors into one line on stderr, in the command's words, and
+    exit status 2."""
     try:
         yield
     except (CheckpointingException, OSError) as exc:
-        click.echo(f"shardstore: error: {exc}", err=True)
+        click.echo(f"shardstore: error: {in_cli_words(str(exc))}", err=True)
         sys.exit(EXIT_ERROR)
+
+
+def package_version() -> str:
+    """The installed shardstore's version; "unknown" when run from a source tree that is
+    not installed. (``shardstore.format`` knows it too, but importing that loads torch.)"""
+    try:
+        return version("shardstore")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _echo_json(document: Any) -> None:
@@ -63,6 +103,7 @@ def _echo_json(document: Any) -> None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_version(), "--version", prog_name="shardstore", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", count=True, help="Log stages (-v) and details (-vv) to stderr.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bars on stderr (default: when stderr is a terminal).")
@@ -89,7 +130,7 @@ def inspect_command(checkpoint: str, as_json: bool) -> None:
     with _reported_errors():
         summary = describe_checkpoint(checkpoint)
     if as_json:
-        click.echo(json.dumps(summary.to_json(), indent=1))
+        _echo_json(summary.to_json())
         return
     click.echo(f"checkpoint {summary.checkpoint}")
     if summary.kind == "shardstore":
@@ -126,7 +167,8 @@ def _dims(shape: tuple[int, ...]) -> str:
 
 @main.command("verify")
 @click.argument("checkpoint")
-def verify_command(checkpoint: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+def verify_command(checkpoint: str, as_json: bool) -> None:
     """Read every chunk and file of CHECKPOINT and check its checksums.
 
     Exit status 1 and one line per problem (array and chunk) if anything is damaged.
@@ -139,6 +181,9 @@ def verify_command(checkpoint: str) -> None:
         location = open_location(checkpoint)
         read_commit_record(location)  # no checkpoint at all is an error, not a finding
         report = verify(location)
+    if as_json:
+        _echo_json({**asdict(report), "ok": report.ok})
+        sys.exit(0 if report.ok else EXIT_FINDING)
     for problem in report.problems:
         click.echo(f"{problem.key} [{problem.part}]: {problem.message}")
     click.echo(
@@ -294,7 +339,7 @@ def diff_command(first: str, second: str, as_json: bool, memory: int) -> None:
     with _reported_errors():
         result = diff_checkpoints(first, second, memory)
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=1))
+        _echo_json(result.to_json())
     else:
         for key in result.only_in_first:
             click.echo(f"- {key}  (only in {first})")

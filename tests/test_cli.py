@@ -205,3 +205,101 @@ def test_the_console_script_is_installed(demo: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "decoder/fc1" in result.stdout
     assert load({"w": ShardedTensor.from_rank_offsets("decoder/fc1", torch.empty(8, 6))}, demo)["w"].shape == (8, 6)
+
+
+# ------------------------------------------------------------------ issue 27.4: the command's own words
+
+
+def test_version_is_the_installed_package_version() -> None:
+    from importlib.metadata import version
+
+    assert run("--version") == (0, f"shardstore {version('shardstore')}\n", "")
+
+
+def test_verify_json_lists_every_problem(demo: Path, tmp_path: Path) -> None:
+    code, out, _ = run("verify", "--json", str(demo))
+    report = json.loads(out)
+    assert code == 0 and report["ok"] is True and report["problems"] == []
+    assert (report["arrays_checked"], report["chunks_checked"], report["checkpoint"]) == (3, 5, str(demo))
+    damaged = tmp_path / "damaged"
+    subprocess.run(["cp", "-r", str(demo), str(damaged)], check=True)
+    chunk = damaged / "decoder/fc1/c.1.0"
+    chunk.write_bytes(chunk.read_bytes()[:-1] + b"\0")
+    code, out, _ = run("verify", "--json", str(damaged))
+    report = json.loads(out)
+    assert code == 1 and report["ok"] is False
+    assert [(p["key"], p["part"]) for p in report["problems"]] == [("decoder/fc1", "c.1.0")]
+
+
+def test_convert_json_says_what_it_wrote(demo: Path, tmp_path: Path) -> None:
+    code, out, _ = run("convert", "--json", str(demo), str(tmp_path / "hf"), "--to", "safetensors")
+    export = json.loads(out)
+    assert code == 0 and (export["source_format"], export["format"]) == ("shardstore", "safetensors")
+    assert export["files"] == ["model.safetensors"] and export["tensors"] == 3 and export["total_bytes"] == 324
+    assert "iteration" in export["left_out"]
+    code, out, _ = run("convert", "--json", str(tmp_path / "hf"), str(tmp_path / "back"))
+    imported = json.loads(out)
+    assert code == 0 and imported["source_format"] == "safetensors" and imported["verify"]["ok"] is True
+
+
+def _not_a_checkpoint(tmp_path: Path, case: str) -> tuple[Path, str]:
+    """A path that is no checkpoint, and what the error must call it."""
+    if case == "file":
+        torch.save({"w": torch.ones(2)}, tmp_path / "model.pt")
+        return tmp_path / "model.pt", "is a file, not a checkpoint directory"
+    path = tmp_path / case
+    path.mkdir()
+    if case == "hugging_face":
+        (path / "config.json").write_text("{}")
+        from safetensors.torch import save_file
+
+        save_file({"w": torch.ones(2)}, path / "model.safetensors")
+        return path, "is a Hugging Face model directory (config.json, model.safetensors), not a shardstore checkpoint"
+    (path / "notes.txt").write_text("hello")
+    (path / "runs").mkdir()
+    return path, "is not a shardstore checkpoint: it holds no commit record (zarr.json) nor any file a save writes"
+
+
+@pytest.mark.parametrize("case", ["plain", "hugging_face", "file"])
+@pytest.mark.parametrize("command", ["inspect", "verify", "diff"])
+def test_what_is_not_a_checkpoint_is_called_what_it_is_once(
+    demo: Path, tmp_path: Path, command: str, case: str
+) -> None:
+    path, called = _not_a_checkpoint(tmp_path, case)
+    code, out, err = run(command, str(path), *([str(demo)] if command == "diff" else []))
+    assert code == 2 and out == ""
+    assert err.startswith("shardstore: error:") and err.count("\n") == 1, err
+    assert err.count(called) == 1, err
+    assert "incomplete" not in err and "save again" not in err and "Cannot read" not in err, err
+
+
+def test_convert_from_a_plain_folder_says_it_is_none_of_the_sources(tmp_path: Path) -> None:
+    path, called = _not_a_checkpoint(tmp_path, "plain")
+    code, _, err = run("convert", str(path), str(tmp_path / "out"))
+    assert code == 2 and called in err and "incomplete" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_errors_name_the_commands_flags_not_the_librarys_arguments(demo: Path, tmp_path: Path) -> None:
+    assert run("convert", str(demo), str(tmp_path / "model.pt"))[0] == 0
+    assert run("convert", str(tmp_path / "model.pt"), str(tmp_path / "ckpt"))[0] == 0
+    code, _, err = run("convert", str(tmp_path / "model.pt"), str(tmp_path / "ckpt"))
+    assert code == 2 and err.count("\n") == 1, err
+    assert "pass --overwrite to replace it" in err and "overwrite=True" not in err and "rank 0" not in err, err
+    assert run("convert", str(tmp_path / "model.pt"), str(tmp_path / "ckpt"), "--overwrite")[0] == 0
+
+
+class _TrainerConfig:
+    """A user's class in the common state: no allow-list admits it."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+
+def test_a_refused_pickle_says_what_to_do_in_python_since_the_command_runs_no_code(tmp_path: Path) -> None:
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)), "config": _TrainerConfig(0.5)}, tmp_path / "c")
+    code, _, err = run("inspect", str(tmp_path / "c"))
+    assert code == 2 and err.count("\n") == 1 and "_TrainerConfig" in err, err
+    assert "in Python admit it with torch.serialization.add_safe_globals" in err, err
+    assert "shardstore.load(..., common_strategy=TorchCommonLoadStrategy(allow_unsafe_pickle=True))" in err, err
+    assert err.rstrip().endswith("the shardstore command runs no code from a file."), err

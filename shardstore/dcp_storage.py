@@ -115,11 +115,11 @@ from shardstore.dtypes import (
     numpy_to_tensor,
     tensor_to_numpy,
 )
-from shardstore.format import CommitRecord
+from shardstore.format import COMMON_FILE, CommitRecord
 from shardstore.integrity import file_checksums
 from shardstore.layout import GlobalLayout, ShardRecord, region_at
 from shardstore.locations import open_location
-from shardstore.pickles import load_torch
+from shardstore.pickles import load_torch, serialize
 from shardstore.planner import RankSavePlan, plan_save
 from shardstore.save_execution import (
     StagedSave,
@@ -132,7 +132,7 @@ from shardstore.save_execution import (
 from shardstore.serialization import open_checkpoint, verify_checkpoint_and_load_strategy
 from shardstore.staging import to_host
 from shardstore.storage import Location
-from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION, TorchCommonSaveStrategy
+from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION
 from shardstore.strategies.zarr import DEFAULT_MAX_CHUNK_BYTES, SHARDSTORE_BACKEND, ZARR_VERSION
 from shardstore.validation import validate_sharding_integrity
 
@@ -339,9 +339,8 @@ class ShardstoreWriter(StorageWriter):
                     elif isinstance(result.storage_data, CommonValue):
                         common[result.storage_data.fqn] = _common_value(result.storage_data, where)
                 reports.append(chunks)
-            pending.begin_writes()  # so that make_durable reports write-back errors of common.pt
-            TorchCommonSaveStrategy().save_common(_nested(common, metadata.planner_data), pending)
-            pending.make_durable()
+            # durable by itself (an fsync of the file, not a second syncfs of the file system)
+            pending.write_atomic(COMMON_FILE, serialize(_nested(common, metadata.planner_data)))
             record = bind_chunks(commit, reports, where)
             publish(pending, replace(record, files=file_checksums(pending, record)))
         except BaseException as exc:

@@ -71,6 +71,8 @@ def maybe_load_config(checkpoint_dir: str | Location) -> CheckpointingConfig | N
     location = open_location(checkpoint_dir)
     try:
         data = location.read_bytes_or_none(CONFIG_FNAME, max_bytes=2**20)
+    except CheckpointingException:  # a StorageError already names the file
+        raise
     except OSError as exc:
         raise CheckpointingException(f"Cannot read {location.describe(CONFIG_FNAME)}: {exc}") from exc
     if data is None:

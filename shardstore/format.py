@@ -624,8 +624,11 @@ def read_commit_record(location: Location) -> CommitRecord:
                     f"No committed checkpoint at {location.describe()}: a save into it is incomplete "
                     f"(unfinished: {unfinished[:3]}); load an earlier checkpoint or save again"
                 )
+            if local is not None and not local.exists():  # Megatron-Core's words, which its users match
+                raise CheckpointingException(f"Checkpoint directory {location.describe()} does not exist")
             raise CheckpointingException(
-                f"No checkpoint at {location.describe()}: the checkpoint directory does not exist or is empty"
+                f"No checkpoint at {location.describe()}: the checkpoint directory is empty"
+                + ("" if local is not None else " (no object under this prefix)")
             )
         foreign = foreign_checkpoint_kind(location)
         if foreign:

@@ -19,8 +19,9 @@ name is looked up, never resolved: no import, no attribute walk (a dotted name s
 ``torch.distributed.checkpoint.metadata`` + ``os.system`` names nothing on the list),
 no module prefixes. The restricted machine also refuses what torch's refuses: calling
 (REDUCE, NEWOBJ, NEWOBJ_EX, OBJ, INST) anything not on the list, BUILD on anything but
-an instance of a listed class (so no class or module is ever modified), and persistent
-ids. EXT codes resolve through the same lookup.
+a new instance of a listed class that NEWOBJ made in this load (so no class, module or
+shared object such as an enum member is ever modified), and persistent ids. EXT codes
+resolve through the same lookup.
 
 Only ``allow_unsafe_pickle=True`` (``TorchCommonLoadStrategy``), for checkpoints the
 caller trusts, loads arbitrary pickles.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copyreg
+import enum
 import io
 import os
 import pickle
@@ -150,6 +152,9 @@ class RestrictedUnpickler(pickle._Unpickler):
         self._allowed = allowed
         self._callables = {id(obj) for obj in allowed.names.values() if callable(obj)}
         self._classes = allowed.classes
+        # what NEWOBJ made in this load, the only objects BUILD fills (kept alive, so no id is reused)
+        self._made: list[Any] = []
+        self._made_ids: set[int] = set()
 
     def find_class(self, module: str, name: str) -> Any:
         return self._allowed.lookup(module, name)
@@ -168,10 +173,16 @@ class RestrictedUnpickler(pickle._Unpickler):
     def _load_newobj(self) -> None:
         self._check_callable(self.stack[-2], "NEWOBJ")
         pickle._Unpickler.load_newobj(self)
+        self._made_here(self.stack[-1])
 
     def _load_newobj_ex(self) -> None:
         self._check_callable(self.stack[-3], "NEWOBJ_EX")
         pickle._Unpickler.load_newobj_ex(self)
+        self._made_here(self.stack[-1])
+
+    def _made_here(self, obj: Any) -> None:
+        self._made.append(obj)
+        self._made_ids.add(id(obj))
 
     def _instantiate(self, klass: Any, args: list[Any]) -> None:  # INST and OBJ
         self._check_callable(klass, "INST/OBJ")
@@ -186,10 +197,13 @@ class RestrictedUnpickler(pickle._Unpickler):
         self.append(self.find_class(*key))
 
     def _load_build(self) -> None:
+        """BUILD fills only an instance of a listed class that NEWOBJ made in this very
+        load: a class, a module, or an object a constructor may hand out shared (an
+        enum member, which ``WriteItemType(1)`` returns) is never changed."""
         target = self.stack[-2]
-        if type(target) not in self._classes:
+        if type(target) not in self._classes or id(target) not in self._made_ids or isinstance(target, enum.Enum):
             raise pickle.UnpicklingError(
-                f"refusing BUILD on {type(target).__name__}: only instances of listed classes may be filled"
+                f"refusing BUILD on {type(target).__name__}: only new instances of listed classes may be filled"
             )
         pickle._Unpickler.load_build(self)
 

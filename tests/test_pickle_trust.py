@@ -70,6 +70,16 @@ def _tuple(items: list[bytes]) -> bytes:
     return pickle.MARK + b"".join(items) + pickle.TUPLE
 
 
+def _int(value: int, protocol: int) -> bytes:
+    return pickle.INT + f"{value}\n".encode() if protocol == 0 else pickle.BININT + struct.pack("<i", value)
+
+
+def _dict_state(attribute: str, value: int, protocol: int) -> bytes:
+    """BUILD's state ``{attribute: value}``: set in the object's ``__dict__``."""
+    start = pickle.MARK + pickle.DICT if protocol == 0 else pickle.EMPTY_DICT
+    return start + _string(attribute, protocol) + _int(value, protocol) + pickle.SETITEM
+
+
 def _none_dict_state(attribute: str, protocol: int) -> bytes:
     """BUILD's state ``(None, {attribute: True})``: slot state, set with setattr."""
     slot = pickle.MARK + pickle.DICT if protocol == 0 else pickle.EMPTY_DICT
@@ -110,6 +120,12 @@ ATTACKS = [
            lambda m, p: _global("pathlib", "PurePosixPath", p) + _none_dict_state(PWNED, p) + pickle.BUILD),
     Attack("BUILD on torch's allowed OrderedDict class", 0,
            lambda m, p: _global("collections", "OrderedDict", p) + _none_dict_state(PWNED, p) + pickle.BUILD),
+    Attack("BUILD on a shared enum member a listed class returns (REDUCE)", 0,
+           lambda m, p: _global("torch.distributed.checkpoint.planner", "WriteItemType", p) + _tuple([_int(1, p)])
+           + pickle.REDUCE + _dict_state("_value_", 99, p) + pickle.BUILD),
+    Attack("BUILD on a shared enum member a listed class returns (NEWOBJ)", 2,
+           lambda m, p: _global("torch.distributed.checkpoint.planner", "WriteItemType", p) + _tuple([_int(1, p)])
+           + pickle.NEWOBJ + _dict_state("_value_", 99, p) + pickle.BUILD),
     Attack("INST", 0,
            lambda m, p: pickle.MARK + _string(f"touch {m}", p) + pickle.INST + b"posix\nsystem\n"),
     Attack("OBJ", 1,
@@ -205,9 +221,11 @@ def assert_nothing_happened(marker: Path, what: str) -> None:
     import collections
 
     import torch.distributed.checkpoint.metadata as dcp_metadata
+    from torch.distributed.checkpoint.planner import WriteItemType
 
     for target in (os, dcp_metadata.os, pathlib.PurePosixPath, collections.OrderedDict):
         assert not hasattr(target, PWNED), f"{what}: {target!r} was modified"
+    assert [m.value for m in WriteItemType] == [1, 2, 3], f"{what}: an enum member was modified"
 
 
 # ------------------------------------------------------------------ checkpoints and entry points

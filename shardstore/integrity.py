@@ -17,6 +17,7 @@ another checkpoint. It returns a report naming each finding by key and chunk or 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,15 +29,21 @@ from shardstore.chunk_io import ArrayChunks, ChunkStore, chunk_store_for
 from shardstore.core import CONFIG_FNAME, CheckpointingException
 from shardstore.format import (
     COMMIT_RECORD,
+    COMMON_FILE,
+    FIRST_SEALED_VERSION,
     MAX_RECORD_BYTES,
+    OBJECTS_DIR,
     ArrayRecord,
     CommitRecord,
+    check_key,
     checksum,
     read_commit_record,
 )
 from shardstore.locations import open_location
 from shardstore.progress import Tick, operation, progress_shown, tracked
 from shardstore.storage import DelegatingLocation, Location
+
+logger = logging.getLogger(__name__)
 
 VERIFY_REMOTE_THREADS = 16
 # Largest array or group zarr.json read by verify (ours are about 1 KiB).
@@ -64,8 +71,15 @@ def caller_file_checksums(location: Location, record: CommitRecord) -> dict[str,
     """Checksums of the files an in-place save's caller wrote into the checkpoint
     before the commit: every file there that the record does not vouch for yet
     (Megatron-Core's own ``save`` writes its sharded objects before it calls ours)."""
-    theirs = sorted(set(location.list_files()) - record.vouched_paths())
-    return {rel: checksum(location.read_bytes(rel)) for rel in theirs}
+    adopted = {}
+    for rel in sorted(set(location.list_files()) - record.vouched_paths()):
+        try:
+            check_key(rel, where=location.describe())  # what the record's reader accepts
+        except CheckpointingException as exc:
+            logger.warning("Not listing %s in the commit record (verify will flag it): %s", location.describe(rel), exc)
+            continue
+        adopted[rel] = checksum(location.read_bytes(rel))
+    return adopted
 
 
 def checksum_mismatch(data: bytes, expected: str) -> str | None:
@@ -305,18 +319,35 @@ def _verify_consolidated(location: Location, record: CommitRecord, report: Verif
 def _flag_unlisted_files(location: Location, record: CommitRecord, report: VerifyReport) -> None:
     """Files under the checkpoint that its save did not write. Megatron-Core's own save
     writes ``metadata.json`` after the commit (it only names the backends), so an
-    unlisted one is expected."""
+    unlisted one is expected. Records before format 4 did not list what the caller of an
+    in-place save wrote (Megatron's own object shards): there, only the files a load
+    reads and would refuse (``common.pt``, our object shards) are flagged."""
     try:
         found = location.list_files()
     except OSError as exc:
         report.problems.append(Problem("", "listing", f"cannot list the checkpoint's files: {exc}"))
         return
-    for rel in sorted(set(found) - record.vouched_paths() - {CONFIG_FNAME}):
+    unlisted = set(found) - record.vouched_paths() - {CONFIG_FNAME}
+    if record.format_version < FIRST_SEALED_VERSION:
+        unlisted = {rel for rel in unlisted if _read_by_a_loader(rel, record)}
+    for rel in sorted(unlisted):
         report.problems.append(Problem(
             rel, "file",
-            "not listed by the commit record: its save did not write it (added after the commit?); "
-            "a plain reader or a later load may pick it up: remove it, or restore the checkpoint from a copy",
+            "not listed by the commit record, so its save did not write it (added after the commit, or by "
+            "another program); a plain reader or a later load may pick it up. Find out what wrote it; if "
+            "nothing should have, move it out of the checkpoint or restore the checkpoint from a copy",
         ))
+
+
+def _read_by_a_loader(rel: str, record: CommitRecord) -> bool:
+    """Whether a load or a plain reader would pick ``rel`` up: the common state, an
+    object shard of ours, anything inside one of the record's arrays, a node document."""
+    return (
+        rel == COMMON_FILE
+        or rel.startswith(f"{OBJECTS_DIR}/")
+        or rel.rsplit("/", 1)[-1] == COMMIT_RECORD
+        or any(rel.startswith(f"{key}/") for key in record.arrays)
+    )
 
 
 def _verify_array(store: ChunkStore, array: ArrayRecord, report: VerifyReport, tick: Tick | None) -> None:

@@ -196,3 +196,42 @@ def test_on_s3_documents_and_unlisted_objects_are_flagged(s3: tuple[MotoServer, 
     assert sorted(problems) == ["layers/w/c.7.7 [file]", "layers/w/zarr.json [metadata]"], problems
     assert location.list_files() == sorted(location.list_files())
     assert {"zarr.json", "layers/w/c.0.0", "common.pt"} <= set(location.list_files())
+
+
+def test_a_format_3_record_flags_only_unlisted_files_a_load_would_read(saved: Path) -> None:
+    """Before format 4 the caller of an in-place save (Megatron's own save) wrote object
+    shards the record never listed: those are not flagged; a common.pt is."""
+    def as_version_3(root: dict) -> None:
+        record = root["attributes"]["shardstore"]
+        record["format_version"] = 3
+        del record[RECORD_DIGEST]
+
+    rewrite_record(saved, as_version_3)
+    (saved / "rng_state").mkdir()
+    (saved / "rng_state" / "shard_0_2.pt").write_bytes(b"megatron's own object shard")
+    assert verify(saved).ok
+    (saved / "__objects__" / "rng" / "shard_9_9.pt").write_bytes(b"not ours")
+    assert list(_problems(saved)) == ["__objects__/rng/shard_9_9.pt [file]"]
+
+
+def test_an_in_place_save_adopts_only_paths_its_record_can_hold(tmp_path: Path, caplog) -> None:
+    """The caller's files are listed when the record's reader accepts their paths; others
+    are left out with a warning, and the checkpoint stays loadable."""
+    from shardstore.core import CheckpointingConfig, save_config
+    from shardstore.strategies.common import TorchCommonSaveStrategy
+    from shardstore.strategies.zarr import SHARDSTORE_BACKEND, ZARR_VERSION, ZarrSaveShardedStrategy
+
+    target = tmp_path / "ckpt"
+    (target / "rng_state").mkdir(parents=True)
+    (target / "rng_state" / "shard_0_1.pt").write_bytes(b"the caller's shard")
+    (target / "__pycache__").mkdir()
+    (target / "__pycache__" / "x.pyc").write_bytes(b"stray")
+    # what Megatron's own save writes before it calls the strategy
+    save_config(CheckpointingConfig(SHARDSTORE_BACKEND, ZARR_VERSION, "torch", 1), str(target))
+    TorchCommonSaveStrategy().save_common({"iteration": 1}, str(target))
+    ZarrSaveShardedStrategy().save({"layers/w": ShardedTensor.from_rank_offsets("layers/w", W.clone())}, target)
+    record = read_commit_record(LocalLocation(target))
+    assert record.external_files == {"rng_state/shard_0_1.pt": record.external_files["rng_state/shard_0_1.pt"]}
+    assert "Not listing" in caplog.text and "__pycache__/x.pyc" in caplog.text
+    assert torch.equal(load(_request(), target)["layers/w"], W)
+    assert list(_problems(target)) == ["__pycache__/x.pyc [file]"]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
@@ -236,8 +237,9 @@ def _saved_paths(planner_data: Any, entries: int) -> dict[str, tuple[str | int, 
     """Where each flattened key was in the state dict DCP was given: the dict keys and
     list indices that DCP's default planner records (``planner_data``), by which
     ``dcp_to_torch_save`` rebuilds the nesting. {} where the metadata records none, or
-    records something else (a custom planner's data); a list index is less than the
-    number of saved entries, so a hostile one cannot make a reader allocate more."""
+    records something else (a custom planner's data). Each list's largest index is less
+    than the number of saved paths under that list, so rebuilding the nesting allocates
+    at most one slot per saved path and level, whatever a hostile file says."""
     if not isinstance(planner_data, dict):
         return {}
     paths: dict[str, tuple[str | int, ...]] = {}
@@ -248,7 +250,20 @@ def _saved_paths(planner_data: Any, entries: int) -> dict[str, tuple[str | int, 
         if not well_formed:
             return {}
         paths[key] = path
-    return paths
+    return paths if _lists_are_dense(paths.values()) else {}
+
+
+def _lists_are_dense(paths: Any) -> bool:
+    """Whether every list the paths index into has fewer slots than paths under it."""
+    under: Counter[tuple] = Counter()
+    largest: dict[tuple, int] = {}
+    for path in paths:
+        for depth, part in enumerate(path):
+            if type(part) is int:
+                prefix = path[:depth]
+                under[prefix] += 1
+                largest[prefix] = max(largest.get(prefix, 0), part)
+    return all(index < under[prefix] for prefix, index in largest.items())
 
 
 def is_dcp_checkpoint(path: str | os.PathLike) -> bool:

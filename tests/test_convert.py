@@ -233,3 +233,8 @@ def test_dcp_saved_paths_are_taken_only_when_well_formed() -> None:
     assert _saved_paths({"a.b": ("a", "b"), "l.0": ("l", 0)}, 2) == {"a.b": ("a", "b"), "l.0": ("l", 0)}
     assert _saved_paths({"l.9": ("l", 10**12)}, 2) == {}  # a list index no checkpoint of 2 entries has
     assert _saved_paths({"a": "a"}, 1) == {} and _saved_paths(None, 1) == {}
+    # each of N keys the last of its own N-slot list: N**2 slots from a metadata of N entries
+    n = 2000
+    assert _saved_paths({f"k{i}": (f"p{i}", n - 1) for i in range(n)}, n) == {}
+    dense = {"l.0.x": ("l", 0, "x"), "l.1.0": ("l", 1, 0), "l.1.1": ("l", 1, 1)}
+    assert _saved_paths(dense, 3) == dense

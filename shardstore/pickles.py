@@ -97,8 +97,6 @@ def _numpy_globals() -> list[Any]:
 # torch.save archives: added to torch's own weights_only list.
 COMMON_STATE_GLOBALS = AllowList.of([*_numpy_globals(), argparse.Namespace])
 
-# Kept for callers of the old name (torch.serialization.safe_globals takes the objects).
-SAFE_GLOBALS: list[Any] = list(COMMON_STATE_GLOBALS.names.values())
 
 
 class InertRecord:
@@ -225,7 +223,7 @@ def load_restricted(data: bytes, allowed: AllowList, where: str, what: str) -> A
 def _torch_load_errors(where: str, load: Callable[[], Any]) -> Any:
     """``load()`` (a weights_only ``torch.load``) with its failures named and explained."""
     try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
+        with torch.serialization.safe_globals(list(COMMON_STATE_GLOBALS.names.values())):
             return load()
     except pickle.UnpicklingError as exc:
         text = str(exc)

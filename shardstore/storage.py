@@ -289,8 +289,9 @@ class LocalLocation(Location):
         """NAME_MAX and PATH_MAX of the file system that holds (or will hold) the
         checkpoint, PATH_MAX less the path of the save's staging directory, which every
         file of a save is written under."""
-        existing = next(p for p in (self.root, *self.root.parents) if p.exists())
-        used = len(os.fsencode(self.root)) + SAVE_PATH_HEADROOM + 1  # "/" before the relative path
+        root = self.root.resolve()  # a save writes under the real path, links resolved
+        existing = next(p for p in (root, *root.parents) if p.exists())
+        used = len(os.fsencode(root)) + SAVE_PATH_HEADROOM + 1  # "/" before the relative path
         path_max = _pathconf(existing, "PC_PATH_MAX", DEFAULT_PATH_MAX)
         return NameLimits(
             _pathconf(existing, "PC_NAME_MAX", DEFAULT_NAME_MAX),

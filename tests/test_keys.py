@@ -315,3 +315,20 @@ def test_convert_checks_every_key_before_it_begins_the_save(tmp_path: Path, monk
         from_foreign(source, ckpt)
     assert f"Invalid checkpoint key {last!r} in {ckpt}" in str(refused.value)
     assert begun == [] and sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]
+
+
+def test_a_symlinked_target_is_measured_by_its_real_path(tmp_path: Path) -> None:
+    """The save writes under the resolved path: a key that fits behind the short link
+    but not behind the long real path is refused before anything is written, not met
+    with a raw ENAMETOOLONG."""
+    real = tmp_path
+    for _ in range(14):  # a real path of about 3,560 bytes
+        real = real / ("d" * 250)
+    real.mkdir(parents=True)
+    link = tmp_path / "short"
+    link.symlink_to(real)
+    key = "/".join(["k" * 200] * 4)  # ~800 bytes: fits behind the link, not behind the real path
+    with pytest.raises(CheckpointingException, match="PATH_MAX") as refused:
+        save({"w": ShardedTensor.from_rank_offsets(key, torch.ones(2))}, link / "ckpt")
+    assert "shorten the key" in str(refused.value)
+    assert not (real / "ckpt").exists() and [p.name for p in real.iterdir()] == []

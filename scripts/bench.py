@@ -15,7 +15,7 @@ Methods, on the same generated data:
 Cases: ``large`` (tensor-parallel shards, mixed bfloat16/float32), ``small`` (5,000
 replicated 4 KiB tensors), ``reshard`` (saved at 2 ranks, loaded at 1; baseline: the
 same tensors saved and loaded by one process), ``dcp-api`` (the large state as DTensors
-through DCP's own ``dcp.save``/``dcp.load``: with ``shardstore.dcp_storage``'s writer and
+through DCP's own ``dcp.save``/``dcp.load``: with ``shardstore.tools.dcp_storage``'s writer and
 reader against DCP's ``FileSystemWriter``/``FileSystemReader``, and through
 ``shardstore.save``/``load``) and ``async``
 (caller-blocked time of an async save vs ``clone()``; a matmul loop's throughput while
@@ -229,7 +229,7 @@ def files_save(state: State, path: Path, rank: int, world: int) -> None:
     """The small case's bound for a format of one Zarr array per key: this rank's share
     of the keys each as a directory with a 600-byte metadata file and a chunk file, made
     by 8 threads, then one ``sync``. No checksums, no record, no checks."""
-    from shardstore.storage import run_parallel
+    from shardstore.stores.base import run_parallel
 
     mine = list(state.shards.items())[rank::world]
     meta = b" " * 600
@@ -248,7 +248,7 @@ def files_save(state: State, path: Path, rank: int, world: int) -> None:
 
 def files_load(state: State, path: Path, rank: int, world: int) -> None:
     """Reads this rank's chunk files of ``files_save`` into new tensors, 8 threads."""
-    from shardstore.storage import run_parallel
+    from shardstore.stores.base import run_parallel
 
     def read(item: tuple[str, tuple[torch.Tensor, int]]) -> None:
         key, (t, _) = item
@@ -474,15 +474,15 @@ def run_reshard(b: Bench, state: State, ss_path: Path, dcp_path: Path, nbytes: i
 
 def run_dcp_api(b: Bench, args: argparse.Namespace) -> None:
     """DCP's own API on both formats: ``dcp.save`` / ``dcp.load`` of the large case's
-    state as DTensors, through ``shardstore.dcp_storage`` and through DCP's
+    state as DTensors, through ``shardstore.tools.dcp_storage`` and through DCP's
     ``FileSystemWriter`` / ``FileSystemReader`` (``sync_files=True``); and the same
-    DTensors through ``shardstore.save`` / ``load`` (``shardstore.dtensor``)."""
+    DTensors through ``shardstore.save`` / ``load`` (``shardstore.inputs.dtensors``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
 
     import shardstore
-    from shardstore.dcp_storage import ShardstoreReader, ShardstoreWriter
+    from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 
     state = build_large(int(args.gib * GiB), b.rank, b.world)
     nbytes = state.local_bytes * b.world
@@ -790,7 +790,7 @@ def ratios(results: list[Result]) -> dict[str, float]:
             out |= ratio(f"large.{op}.vs_{peer}", ("large", "shardstore", op), ("large", peer, op))
         for peer in ("dcp", "files", "torch"):
             out |= ratio(f"small.{op}.vs_{peer}", ("small", "shardstore", op), ("small", peer, op))
-        # dcp.save/load through shardstore.dcp_storage vs DCP's file system writer/reader,
+        # dcp.save/load through shardstore.tools.dcp_storage vs DCP's file system writer/reader,
         # and shardstore.save/load of the same DTensors vs the same
         out |= ratio(f"dcp-api.{op}.vs_dcp", ("dcp-api", "shardstore", op), ("dcp-api", "dcp", op))
         out |= ratio(f"dcp-api.{op}.ss_api_vs_dcp", ("dcp-api", "ss-api", op), ("dcp-api", "dcp", op))

@@ -36,9 +36,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shardstore.core import gc_paused  # noqa: E402
-from shardstore.format import CommitRecord  # noqa: E402
-from shardstore.layout import GlobalLayout, ShardRecord  # noqa: E402
-from shardstore.planner import plan_reads, plan_save  # noqa: E402
+from shardstore.format.records import CommitRecord  # noqa: E402
+from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
+from shardstore.planning.plans import plan_reads, plan_save  # noqa: E402
 from shardstore.validation import StrictHandling, plan_load, validate_sharding_integrity  # noqa: E402
 
 ROWS_PER_RANK = 64

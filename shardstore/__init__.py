@@ -15,16 +15,16 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "CheckpointManager": "shardstore.manager",
-    "CheckpointManagerOptions": "shardstore.manager",
+    "CheckpointManager": "shardstore.tools.manager",
+    "CheckpointManagerOptions": "shardstore.tools.manager",
     "CheckpointingException": "shardstore.core",
     "check_is_distributed_checkpoint": "shardstore.core",
     "LocalNonpersistentObject": "shardstore.mapping",
     "ShardedObject": "shardstore.mapping",
     "ShardedTensor": "shardstore.mapping",
     "ShardedTensorFactory": "shardstore.mapping",
-    "ShardstoreReader": "shardstore.dcp_storage",
-    "ShardstoreWriter": "shardstore.dcp_storage",
+    "ShardstoreReader": "shardstore.tools.dcp_storage",
+    "ShardstoreWriter": "shardstore.tools.dcp_storage",
     "StrictHandling": "shardstore.validation",
     "load": "shardstore.serialization",
     "load_common_state_dict": "shardstore.serialization",
@@ -34,8 +34,8 @@ _EXPORTS = {
     "load_tensors_metadata": "shardstore.serialization",
     "remove_sharded_tensors": "shardstore.serialization",
     "save": "shardstore.serialization",
-    "verify": "shardstore.integrity",
-    "VerifyReport": "shardstore.integrity",
+    "verify": "shardstore.format.integrity",
+    "VerifyReport": "shardstore.format.integrity",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -2,7 +2,7 @@
 
 Two things, each right after the zarr module it concerns has been executed:
 
-- ``zarr.core.dtype``: register bfloat16 and float8 (``shardstore.zarr_dtypes``). zarr 3.1
+- ``zarr.core.dtype``: register bfloat16 and float8 (``shardstore.format.zarr_dtypes``). zarr 3.1
   parses an array's ``data_type`` before it loads any entry point, and it never loads the
   ``zarr.data_type`` group at all, so the spec route (kept in ``pyproject.toml`` for zarr
   versions that honour it) is not enough.
@@ -30,7 +30,7 @@ from types import ModuleType
 from typing import Any
 
 # Where a checkpoint's consolidated metadata lists the arrays of extension data types
-# (shardstore.format writes it, beside zarr's ``metadata``).
+# (shardstore.format.records writes it, beside zarr's ``metadata``).
 EXTENSION_METADATA = "shardstore_extension_dtype_metadata"
 
 _DTYPES = "zarr.core.dtype"
@@ -41,7 +41,7 @@ _registered = False
 def _register_shardstore_dtypes(module: ModuleType | None = None) -> None:
     global _registered
     try:
-        import shardstore.zarr_dtypes  # noqa: F401  (registers on import)
+        import shardstore.format.zarr_dtypes  # noqa: F401  (registers on import)
     except ImportError as exc:
         # Never break `import zarr` for the whole environment; say why the types are missing.
         warnings.warn(

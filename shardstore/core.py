@@ -1,89 +1,33 @@
-"""The exception type of the API and the ``metadata.json`` record of a checkpoint.
+"""Megatron-Core's ``dist_checkpointing.core`` names: the exception type, the ``metadata.json``
+record (``shardstore.format.config``), and the garbage-collector pause a save and load run under.
 
-``metadata.json`` says which backends wrote the checkpoint (Megatron-Core's
-``CheckpointingConfig``). It is NOT the commit record: a checkpoint exists only once
-the root ``zarr.json`` has been written (see ``shardstore.commit``).
 """
 
 from __future__ import annotations
 
 import functools
 import gc
-import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
 from shardstore.errors import CheckpointingException
-from shardstore.locations import open_location
-from shardstore.storage import Location
+from shardstore.format.config import (
+    CONFIG_FNAME,
+    CheckpointingConfig,
+    check_is_distributed_checkpoint,
+    maybe_load_config,
+    save_config,
+)
 
-CONFIG_FNAME = "metadata.json"
-
-
-@dataclass(frozen=True)
-class CheckpointingConfig:
-    """Which save strategies (backend and version) wrote a checkpoint.
-
-    Attributes:
-        sharded_backend: backend of the sharded tensors (``"shardstore"``; ``"zarr"`` in
-            checkpoints of shardstore 0.1, and Megatron-Core's zarr backend's).
-        sharded_backend_version: format version of that backend.
-        common_backend: backend of the common state (``"torch"``).
-        common_backend_version: format version of that backend.
-    """
-
-    sharded_backend: str
-    sharded_backend_version: int = 1
-    common_backend: str = "torch"
-    common_backend_version: int = 1
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=1).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes, where: str = "metadata.json") -> CheckpointingConfig:
-        try:
-            record: Any = json.loads(data)
-            if not isinstance(record, dict):
-                raise TypeError(f"expected a JSON object, got {type(record).__name__}")
-            config = cls(**record)
-        except (ValueError, TypeError) as exc:
-            raise CheckpointingException(f"{where} is not a valid checkpoint config: {exc}") from exc
-        if not isinstance(config.sharded_backend, str) or not isinstance(
-            config.sharded_backend_version, int
-        ):
-            raise CheckpointingException(f"{where} has malformed backend fields: {record}")
-        return config
-
-
-def check_is_distributed_checkpoint(checkpoint_dir: str | Location) -> bool:
-    """True if ``checkpoint_dir`` holds a distributed checkpoint's ``metadata.json``.
-
-    Like Megatron-Core this looks for the config only; use
-    ``shardstore.commit.is_committed`` to know whether the save completed.
-    """
-    return maybe_load_config(checkpoint_dir) is not None
-
-
-def maybe_load_config(checkpoint_dir: str | Location) -> CheckpointingConfig | None:
-    """Returns the checkpoint's config, or None when there is no ``metadata.json``."""
-    location = open_location(checkpoint_dir)
-    try:
-        data = location.read_bytes_or_none(CONFIG_FNAME, max_bytes=2**20)
-    except CheckpointingException:  # a StorageError already names the file
-        raise
-    except OSError as exc:
-        raise CheckpointingException(f"Cannot read {location.describe(CONFIG_FNAME)}: {exc}") from exc
-    if data is None:
-        return None
-    return CheckpointingConfig.from_json(data, where=location.describe(CONFIG_FNAME))
-
-
-def save_config(config: CheckpointingConfig, checkpoint_dir: str | Location) -> None:
-    """Writes ``metadata.json`` (call on one rank only)."""
-    open_location(checkpoint_dir).write_bytes(CONFIG_FNAME, config.to_json())
-
+__all__ = [
+    "CONFIG_FNAME",
+    "CheckpointingConfig",
+    "CheckpointingException",
+    "check_is_distributed_checkpoint",
+    "gc_paused",
+    "maybe_load_config",
+    "save_config",
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")

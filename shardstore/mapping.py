@@ -20,8 +20,8 @@ from typing import Any, Union
 
 import torch
 
-from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace
+from shardstore.errors import CheckpointingException
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class ShardedTensor(ShardedBase):
                 f"local shape {self.local_shape} with {self.prepend_axis_num} prepended axes "
                 f"does not match the rank of global shape {self.global_shape}"
             )
-        if self.axis_fragmentations is not None:  # irregular grids: shardstore.irregular
+        if self.axis_fragmentations is not None:  # irregular grids: shardstore.inputs.irregular
             for off, sh in zip(self.global_offset[self.prepend_axis_num :], self.local_shape):
                 if sh != 0 and off % sh != 0:
                     fail(f"global offset {off} is not divisible by local shape {sh}")

@@ -2,14 +2,14 @@
 
 Save, in stages (each named function below; "collective" = every rank calls it)::
 
-    all ranks    preprocess  Megatron-Core objects converted (``shardstore.foreign``),
+    all ranks    preprocess  Megatron-Core objects converted (``shardstore.inputs.megatron_objects``),
                              factories built, non-persistent values dropped, the state
                              dict split into sharded part and common part
     collective   plan        shard metadata and the directory each rank names go to the
                              coordinator, which validates the global layout and plans
                              the save; each rank receives only its part
-                             (``shardstore.planner``)
-    coordinator  begin       ``shardstore.commit.begin_save``: refuse what is not ours to
+                             (``shardstore.planning.plans``)
+    coordinator  begin       ``shardstore.format.commit.begin_save``: refuse what is not ours to
                              replace, clear dead saves' leftovers, create this save's
                              staging area and write metadata.json there; every rank
                              learns the save id
@@ -49,7 +49,6 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
-from shardstore.commit import PendingCheckpoint, begin_save, join_save
 from shardstore.core import (
     CheckpointingConfig,
     CheckpointingException,
@@ -63,12 +62,11 @@ from shardstore.dict_utils import (
     merge,
     nested_values,
 )
-from shardstore.distributed import Group
-from shardstore.foreign import convert_foreign
-from shardstore.format import CommitRecord, checksum
-from shardstore.integrity import open_committed
-from shardstore.layout import GlobalLayout
-from shardstore.locations import open_location
+from shardstore.format.commit import PendingCheckpoint, begin_save, join_save
+from shardstore.format.integrity import open_committed
+from shardstore.format.pickles import serialize
+from shardstore.format.records import CommitRecord, checksum
+from shardstore.inputs.megatron_objects import convert_foreign
 from shardstore.mapping import (
     CommonStateDict,
     ShardedObject,
@@ -79,11 +77,13 @@ from shardstore.mapping import (
     apply_factories,
     apply_factory_merges,
 )
-from shardstore.pickles import serialize
-from shardstore.planner import RankLoadPlan
+from shardstore.planning.layout import GlobalLayout
+from shardstore.planning.plans import RankLoadPlan
 from shardstore.progress import operation, progress_shown, stage
-from shardstore.protocol import gather_and_plan
-from shardstore.storage import Location
+from shardstore.protocol.collectives import Group
+from shardstore.protocol.stages import gather_and_plan
+from shardstore.stores.base import Location
+from shardstore.stores.locations import open_location
 from shardstore.strategies.async_utils import AsyncRequest
 from shardstore.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -250,7 +250,7 @@ def _preprocess_and_plan(
     sharded_state_dict: ShardedStateDict, group: Group, target: Location, sharded_strategy: SaveShardedStrategy,
     preprocess_common: Callable[[StateDict], StateDict] | None = None,
 ) -> tuple[ShardedStateDict, StateDict, Any]:
-    """Stages preprocess + plan (``shardstore.planner``): a local failure becomes an error
+    """Stages preprocess + plan (``shardstore.planning.plans``): a local failure becomes an error
     on every rank, and so do ranks that name different checkpoint directories, keys the
     target cannot store (its ``name_limits``) and an invalid global sharding. The ranks'
     common states are compared in the same gather (digests only). Returns this rank's
@@ -293,7 +293,7 @@ def _begin_save(
     common_strategy: SaveCommonStrategy,
 ) -> PendingCheckpoint:
     """Coordinator checks the target and creates the save's staging area
-    (``shardstore.commit``); every rank gets the same pending checkpoint."""
+    (``shardstore.format.commit``); every rank gets the same pending checkpoint."""
     pending, error = None, None
     if group.is_coordinator:
         try:

@@ -20,9 +20,13 @@ import numpy as np
 
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import extract_matching_values, nested_values
-from shardstore.distributed import Group
-from shardstore.format import ZARR_JSON, array_group_collisions, check_key, chunk_key, object_path
-from shardstore.layout import GlobalLayout, ObjectShardRecord, ShardRecord
+from shardstore.format.records import (
+    ZARR_JSON,
+    array_group_collisions,
+    check_key,
+    chunk_key,
+    object_path,
+)
 from shardstore.mapping import (
     CommonStateDict,
     ShardedBase,
@@ -30,8 +34,10 @@ from shardstore.mapping import (
     ShardedStateDict,
     ShardedTensor,
 )
-from shardstore.planner import RankLoadPlan
-from shardstore.storage import NameLimits
+from shardstore.planning.layout import GlobalLayout, ObjectShardRecord, ShardRecord
+from shardstore.planning.plans import RankLoadPlan
+from shardstore.protocol.collectives import Group
+from shardstore.stores.base import NameLimits
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import torch
 
 from shardstore import ShardedTensor, load, save
 from shardstore.core import CheckpointingException
-from shardstore.format import is_committed, read_commit_record
-from shardstore.storage import LocalLocation
+from shardstore.format.records import is_committed, read_commit_record
+from shardstore.stores.base import LocalLocation
 from shardstore.strategies.async_utils import AsyncCallsQueue
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 from tests.dist import run_distributed
@@ -86,7 +86,7 @@ def test_two_saves_in_flight_finalize_in_order(tmp_path: Path) -> None:
 
 
 def failing_background_write(rank: int, world: int, ckpt: str) -> str:
-    from shardstore import chunk_io
+    from shardstore.format import chunks as chunk_io
 
     if rank == 1:
         def no_space(self, data):

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from shardstore import chunk_io
-from shardstore.chunk_io import (
+from shardstore.core import CheckpointingException
+from shardstore.format import chunks as chunk_io
+from shardstore.format.chunks import (
     ArrayChunks,
     FileChunkStore,
     read_region,
@@ -15,11 +16,10 @@ from shardstore.chunk_io import (
     run_writes,
     write_region,
 )
-from shardstore.core import CheckpointingException
-from shardstore.dtypes import from_zarr_name
-from shardstore.format import ArrayRecord
-from shardstore.layout import region_at
-from shardstore.storage import LocalLocation
+from shardstore.format.dtypes import from_zarr_name
+from shardstore.format.records import ArrayRecord
+from shardstore.planning.layout import region_at
+from shardstore.stores.base import LocalLocation
 from shardstore.strategies.zarr import array_spec, tensorstore_context
 
 # shape (10, 7) in chunks of (4, 7): the last chunk row is an edge chunk, padded on disk

@@ -13,8 +13,8 @@ import torch
 from click.testing import CliRunner
 
 from shardstore import ShardedObject, ShardedTensor, load, load_plain_tensors, save
-from shardstore.cli import main, parse_size
-from shardstore.format import FORMAT_VERSION
+from shardstore.format.records import FORMAT_VERSION
+from shardstore.tools.cli import main, parse_size
 from tests.dist import run_distributed
 from tests.scenarios import assert_bits_equal, global_tensor, grid_shard
 
@@ -144,8 +144,8 @@ def test_convert_a_hugging_face_safetensors_file(tmp_path: Path) -> None:
 
 
 def test_conversions_hold_a_bounded_number_of_bytes(demo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardstore.convert import read_arrays
     from shardstore.strategies.zarr import ZarrLoadShardedStrategy
+    from shardstore.tools.convert import read_arrays
 
     requested: list[int] = []
     original = ZarrLoadShardedStrategy.load_with_record

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from shardstore import ShardedObject, ShardedTensor, load_sharded_metadata, save
-from shardstore.inspection import value_differences
+from shardstore.tools.inspection import value_differences
 from tests.scenarios import assert_bits_equal, global_tensor
 from tests.test_cli import run
 
@@ -228,7 +228,7 @@ def test_object_shards_of_a_torch_file_are_left_out_of_safetensors(tmp_path: Pat
 
 
 def test_dcp_saved_paths_are_taken_only_when_well_formed() -> None:
-    from shardstore.dcp_reader import _saved_paths
+    from shardstore.other_formats.dcp import _saved_paths
 
     assert _saved_paths({"a.b": ("a", "b"), "l.0": ("l", 0)}, 2) == {"a.b": ("a", "b"), "l.0": ("l", 0)}
     assert _saved_paths({"l.9": ("l", 10**12)}, 2) == {}  # a list index no checkpoint of 2 entries has

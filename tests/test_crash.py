@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, save
-from shardstore.format import is_committed
-from shardstore.storage import LocalLocation
+from shardstore.format.records import is_committed
+from shardstore.stores.base import LocalLocation
 from tests.dist import run_distributed
 from tests.scenarios import assert_bits_equal, global_tensor
 
@@ -42,8 +42,8 @@ def _die() -> None:
 
 def _arm(point: str) -> None:
     """Makes this process kill itself at ``point`` of the next save."""
-    import shardstore.chunk_io as chunk_io
-    import shardstore.save_execution as save_execution
+    import shardstore.execution.save as save_execution
+    import shardstore.format.chunks as chunk_io
 
     if point == "before data writes":
         save_execution.write_ops = lambda *a, **k: _die()
@@ -64,7 +64,7 @@ def _arm(point: str) -> None:
 
         LocalLocation.make_durable = durable_then_die
     elif point == "just before commit":
-        import shardstore.commit as commit
+        import shardstore.format.commit as commit
 
         commit.PendingCheckpoint.commit = lambda *a, **k: _die()
     else:
@@ -136,8 +136,8 @@ def plain_save_overwrite(rank: int, world: int, ckpt: str) -> None:
 
 
 def test_data_is_made_durable_before_the_commit_record(ckpt_dir: Path, monkeypatch) -> None:
-    import shardstore.chunk_io as chunk_io
-    import shardstore.storage as storage
+    import shardstore.format.chunks as chunk_io
+    import shardstore.stores.base as storage
 
     events: list[str] = []
     real_syncfs, real_write_atomic = storage._syncfs, storage.LocalLocation.write_atomic
@@ -171,7 +171,7 @@ def test_files_follow_the_umask(ckpt_dir: Path) -> None:
 
 
 def test_fsync_can_be_turned_off(ckpt_dir: Path, monkeypatch) -> None:
-    import shardstore.storage as storage
+    import shardstore.stores.base as storage
 
     calls: list[Path] = []
     monkeypatch.setattr(storage, "_syncfs", calls.append)

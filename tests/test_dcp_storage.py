@@ -1,5 +1,5 @@
 """Issue 25.2: DCP's own API (``dcp.save``, ``dcp.async_save``, ``dcp.load``) on
-shardstore's format through ``shardstore.dcp_storage``.
+shardstore's format through ``shardstore.tools.dcp_storage``.
 
 A real ``fully_shard`` model with AdamW at 2 gloo ranks is saved by ``dcp.save`` with our
 writer, by ``shardstore.save`` and by DCP's own ``FileSystemWriter``; each of ours loads
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import shardstore
 from shardstore import ShardedTensor
-from shardstore.dcp_storage import ShardstoreReader, ShardstoreWriter
+from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 from tests import fsdp_models as fm
 from tests.dist import run_distributed
 
@@ -204,7 +204,7 @@ def test_dcp_api_writes_and_reads_our_format_on_s3() -> None:
     ShardedTensors through DCP's checkpointable protocol, so arrays are written."""
     import torch.distributed.checkpoint as dcp
 
-    from shardstore.s3 import S3Location, S3Options
+    from shardstore.stores.s3 import S3Location, S3Options
     from shardstore.strategies.checkpointable import to_dcp_state_dict
     from tests.s3_support import KEY, REGION, SECRET, MotoServer
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from shardstore import ShardedObject, ShardedTensor, save
-from shardstore.convert import from_foreign
-from shardstore.inspection import diff_checkpoints
+from shardstore.tools.convert import from_foreign
+from shardstore.tools.inspection import diff_checkpoints
 from tests.fixtures.legacy.make import DCP, MEGATRON
 from tests.scenarios import global_tensor
 from tests.test_cli import run

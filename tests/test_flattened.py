@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from shardstore import ShardedTensor, load, load_plain_tensors, save
-from shardstore.layout import ShardRecord, chunk_shape_for
-from shardstore.planner import plan_flat_writes
+from shardstore.planning.layout import ShardRecord, chunk_shape_for
+from shardstore.planning.plans import plan_flat_writes
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 from tests.dist import run_distributed
 from tests.scenarios import assert_bits_equal, global_tensor

@@ -23,8 +23,8 @@ from shardstore import (
     save,
     verify,
 )
-from shardstore.format import COMMON_FILE, checksum, is_committed
-from shardstore.storage import LocalLocation
+from shardstore.format.records import COMMON_FILE, checksum, is_committed
+from shardstore.stores.base import LocalLocation
 from tests.dist import run_distributed
 from tests.scenarios import rewrite_record
 
@@ -178,7 +178,7 @@ def test_code_running_pickle_in_common_state_is_refused(ckpt_dir: Path) -> None:
 
 
 def full_disk_on_rank_1(rank: int, world: int, ckpt: str) -> str:
-    from shardstore import chunk_io
+    from shardstore.format import chunks as chunk_io
 
     if rank == 1:
         def no_space(self, data):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, save, verify
-from shardstore.format import read_commit_record
-from shardstore.storage import LocalLocation
+from shardstore.format.records import read_commit_record
+from shardstore.stores.base import LocalLocation
 
 
 def _state(empty: bool = False) -> dict:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardstore import CheckpointingException, ShardedTensor, load, load_plain_tensors, save, verify
-from shardstore.irregular import contiguous_range
+from shardstore.inputs.irregular import contiguous_range
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 from tests.dist import run_distributed
 from tests.scenarios import assert_bits_equal, global_tensor

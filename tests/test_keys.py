@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, save, verify
-from shardstore.format import check_key
-from shardstore.s3 import S3Location, S3Options
-from shardstore.storage import NameLimits
+from shardstore.format.records import check_key
+from shardstore.stores.base import NameLimits
+from shardstore.stores.s3 import S3Location, S3Options
 from tests.dist import run_distributed
 from tests.s3_support import KEY, REGION, SECRET, MotoServer
 from tests.scenarios import rewrite_record
@@ -172,7 +172,7 @@ def megatron_save_with_a_key_too_long(rank: int, world: int, ckpt: str, asynchro
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor as MegatronShardedTensor
 
-    from shardstore.megatron import ShardstoreSaveShardedStrategy
+    from shardstore.tools.megatron_strategy import ShardstoreSaveShardedStrategy
 
     if rank == 0:
         Path(ckpt).mkdir()  # Megatron's save expects the directory to exist
@@ -207,7 +207,7 @@ def test_convert_refuses_a_key_too_long_for_the_target_before_writing(tmp_path: 
     ``CheckpointWriter.write_array``): nothing is left at or next to the target."""
     import torch.distributed.checkpoint as dcp
 
-    from shardstore.convert import from_foreign
+    from shardstore.tools.convert import from_foreign
 
     source, ckpt = tmp_path / "dcp", tmp_path / "out"
     with pytest.warns(UserWarning, match="single process"):
@@ -221,7 +221,7 @@ def test_convert_refuses_a_key_too_long_for_the_target_before_writing(tmp_path: 
 def test_writer_refuses_a_shard_file_too_long_for_the_target_before_committing(tmp_path: Path) -> None:
     """``CheckpointWriter.commit``'s sharded objects: refused before the common state or
     any shard is written."""
-    from shardstore.writer import CheckpointWriter
+    from shardstore.tools.array_writer import CheckpointWriter
 
     shard = ShardedObject("rng", {"state": 1}, (1,) * SHARD_AXES, (0,) * SHARD_AXES).unique_key
     ckpt = tmp_path / "ckpt"
@@ -302,15 +302,15 @@ def test_convert_checks_every_key_before_it_begins_the_save(tmp_path: Path, monk
     the first array (and before the staging directory) is written."""
     import torch.distributed.checkpoint as dcp
 
-    import shardstore.writer
-    from shardstore.convert import from_foreign
+    import shardstore.tools.array_writer
+    from shardstore.tools.convert import from_foreign
 
     source, ckpt = tmp_path / "dcp", tmp_path / "out"
     last = "zz/zarr.json"  # the format's own name, reached last
     with pytest.warns(UserWarning, match="single process"):
         dcp.save({"a": torch.ones(4), last: torch.ones(2)}, checkpoint_id=source)
     begun = []
-    monkeypatch.setattr(shardstore.writer, "begin_save", lambda *a, **k: begun.append(a) or pytest.fail("began"))
+    monkeypatch.setattr(shardstore.tools.array_writer, "begin_save", lambda *a, **k: begun.append(a) or pytest.fail("began"))
     with pytest.raises(CheckpointingException) as refused:
         from_foreign(source, ckpt)
     assert f"Invalid checkpoint key {last!r} in {ckpt}" in str(refused.value)

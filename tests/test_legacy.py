@@ -27,9 +27,9 @@ from shardstore import (
     load_tensors_metadata,
     verify,
 )
-from shardstore.cli import main
-from shardstore.convert import from_foreign
-from shardstore.dcp_reader import DcpCheckpoint
+from shardstore.other_formats.dcp import DcpCheckpoint
+from shardstore.tools.cli import main
+from shardstore.tools.convert import from_foreign
 from tests.dist import run_distributed
 from tests.fixtures.legacy.make import DCP, MEGATRON, expected
 from tests.fixtures.legacy.make_megatron014 import TORCH_DIST as MEGATRON_014_TORCH_DIST
@@ -302,7 +302,7 @@ def test_diff_compares_across_formats(tmp_path: Path) -> None:
     """The two readers agree: Megatron 0.14's zarr and torch_dist saves of the same state
     are identical to each other and to the zarr one's conversion; 0.16.1's lacks one
     tensor."""
-    from shardstore.inspection import diff_checkpoints
+    from shardstore.tools.inspection import diff_checkpoints
 
     from_foreign(MEGATRON_014_ZARR, tmp_path / "converted")
     assert diff_checkpoints(MEGATRON_014_ZARR, MEGATRON_014_TORCH_DIST).identical

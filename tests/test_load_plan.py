@@ -11,9 +11,9 @@ import torch
 
 from shardstore import ShardedTensor, load, save
 from shardstore.core import CheckpointingException
-from shardstore.distributed import Group
-from shardstore.layout import GlobalLayout, ShardRecord
-from shardstore.planner import plan_reads
+from shardstore.planning.layout import GlobalLayout, ShardRecord
+from shardstore.planning.plans import plan_reads
+from shardstore.protocol.collectives import Group
 from shardstore.validation import StrictHandling, plan_load
 from tests.dist import run_distributed
 
@@ -88,7 +88,7 @@ def _save_replicated(rank: int, world: int, ckpt: str) -> None:
 def _load_counting_collectives(rank: int, world: int, ckpt: str) -> dict:
     """Loads the 8 replicated tensors on every rank; counts the collectives and the
     tensors this rank read from storage."""
-    import shardstore.load_execution as load_execution
+    import shardstore.execution.load as load_execution
 
     calls: dict[str, int] = {"all_gather_object": 0, "gather_object": 0, "scatter_object": 0, "read": 0}
     originals = {name: getattr(Group, name) for name in ("all_gather_object", "gather_object", "scatter_object")}

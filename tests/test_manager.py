@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 
 from shardstore import CheckpointingException
-from shardstore.format import COMMIT_RECORD
-from shardstore.manager import (
+from shardstore.format.records import COMMIT_RECORD
+from shardstore.stores.base import LocalLocation, StorageError
+from shardstore.tools.manager import (
     DELETION_MARKER,
     CheckpointManager,
     CheckpointManagerOptions,
     steps_to_delete,
 )
-from shardstore.storage import LocalLocation, StorageError
 from tests.dist import run_distributed
 from tests.scenarios import global_tensor, grid_shard
 
@@ -96,7 +96,7 @@ def test_retention_never_deletes_what_it_cannot_prove_is_a_shardstore_checkpoint
     (foreign / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}))
     (foreign / "data.bin").write_bytes(b"keep me")
     manager = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=1))
-    with caplog.at_level(logging.WARNING, logger="shardstore.manager"):
+    with caplog.at_level(logging.WARNING, logger="shardstore.tools.manager"):
         for step in (2, 3):
             manager.save(step, _state(step))
     assert (foreign / "data.bin").read_bytes() == b"keep me"
@@ -344,7 +344,7 @@ def test_saving_a_committed_step_again_is_a_logged_no_op(tmp_path: Path, caplog,
         for step in (0, 1):
             manager.save(step, _state(step))
     record = _record(tmp_path, 1)
-    with CheckpointManager(tmp_path, options) as restarted, caplog.at_level(logging.INFO, logger="shardstore.manager"):
+    with CheckpointManager(tmp_path, options) as restarted, caplog.at_level(logging.INFO, logger="shardstore.tools.manager"):
         start = restarted.latest_step()
         assert start == 1
         assert restarted.save(start, _state(99)) is False

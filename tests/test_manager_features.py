@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from shardstore import CheckpointingException, load_common_state_dict
-from shardstore.format import COMMIT_RECORD
-from shardstore.manager import (
+from shardstore.format.records import COMMIT_RECORD
+from shardstore.stores.base import LocalLocation
+from shardstore.tools.manager import (
     DELETION_MARKER,
     MANAGER_STATE_KEY,
     CheckpointManager,
     CheckpointManagerOptions,
     steps_to_delete,
 )
-from shardstore.storage import LocalLocation
 from tests.dist import run_distributed
 from tests.scenarios import global_tensor, grid_shard
 
@@ -105,7 +105,7 @@ def test_unreadable_metrics_keep_a_step_and_missing_ones_leave_it_to_its_age(
 
     monkeypatch.setattr(shardstore.serialization, "load_common_state_dict", unreadable_step_3)
     restarted = CheckpointManager(tmp_path, options)
-    with caplog.at_level(logging.WARNING, logger="shardstore.manager"):
+    with caplog.at_level(logging.WARNING, logger="shardstore.tools.manager"):
         restarted.save(4, _state(4), metrics={"loss": 0.5})
     # 4 is the best and the newest; 3 might be better than 2 for all retention knows: kept
     assert restarted.all_steps() == [3, 4] and restarted.retention_errors == []
@@ -209,7 +209,7 @@ def test_sigterm_makes_the_next_save_save_and_close_puts_the_handler_back(
         # the handler only counted: no file, no log line, no decision yet
         assert list(tmp_path.iterdir()) == [] and caplog.records == []
     assert not manager.reached_preemption()
-    with caplog.at_level(logging.WARNING, logger="shardstore.manager"):
+    with caplog.at_level(logging.WARNING, logger="shardstore.tools.manager"):
         assert manager.save(2, _state(2))  # not a multiple of 100: saved for the signal
     assert manager.reached_preemption() and manager.all_steps() == [2]
     assert any("preemption signal" in r.getMessage() for r in caplog.records)

@@ -40,9 +40,9 @@ from hypothesis import event as statistic
 from hypothesis import strategies as st
 
 from shardstore import CheckpointingException, ShardedTensor
-from shardstore.format import COMMIT_RECORD, read_commit_record
-from shardstore.manager import DELETION_MARKER, CheckpointManager, CheckpointManagerOptions
-from shardstore.storage import LocalLocation
+from shardstore.format.records import COMMIT_RECORD, read_commit_record
+from shardstore.stores.base import LocalLocation
+from shardstore.tools.manager import DELETION_MARKER, CheckpointManager, CheckpointManagerOptions
 
 # Retention settings a history runs under (max_to_keep 1 makes the step just saved the
 # one at stake when another manager committed a newer step meanwhile).

@@ -134,7 +134,10 @@ def _irregular_buffer(rank: int, empty: bool) -> object:
 def megatron_api_irregular(rank: int, world: int, ckpt: str) -> None:
     from megatron.core import dist_checkpointing
 
-    from shardstore.megatron import ShardstoreLoadShardedStrategy, ShardstoreSaveShardedStrategy
+    from shardstore.tools.megatron_strategy import (
+        ShardstoreLoadShardedStrategy,
+        ShardstoreSaveShardedStrategy,
+    )
 
     if rank == 0:
         Path(ckpt).mkdir()
@@ -215,7 +218,7 @@ def test_irregular_grids_through_megatrons_own_save_and_load(ckpt_dir: Path) -> 
 def megatron_api_save(rank: int, world: int, ckpt: str) -> None:
     from megatron.core import dist_checkpointing
 
-    from shardstore.megatron import ShardstoreSaveShardedStrategy
+    from shardstore.tools.megatron_strategy import ShardstoreSaveShardedStrategy
 
     if rank == 0:
         Path(ckpt).mkdir()  # Megatron's save expects the directory to exist
@@ -227,7 +230,7 @@ def megatron_api_save(rank: int, world: int, ckpt: str) -> None:
 def megatron_api_load(rank: int, world: int, ckpt: str) -> None:
     from megatron.core import dist_checkpointing
 
-    from shardstore.megatron import ShardstoreLoadShardedStrategy
+    from shardstore.tools.megatron_strategy import ShardstoreLoadShardedStrategy
 
     sd = megatron_state_dict(rank, world, empty=True)
     loaded = dist_checkpointing.load(sd, ckpt, sharded_strategy=ShardstoreLoadShardedStrategy())
@@ -247,8 +250,8 @@ def test_megatron_save_and_load_with_the_plugin(ckpt_dir: Path) -> None:
     run_distributed(megatron_api_load, 2, str(ckpt_dir))
     run_distributed(load_tensors_only, 1, str(ckpt_dir))  # shardstore.load reads it too
     from shardstore import verify
-    from shardstore.format import read_commit_record
-    from shardstore.storage import LocalLocation
+    from shardstore.format.records import read_commit_record
+    from shardstore.stores.base import LocalLocation
 
     assert verify(ckpt_dir).ok
     # Megatron's own save wrote its sharded objects before calling ours: the record lists them too
@@ -266,10 +269,10 @@ def test_plugin_without_megatron_says_what_to_install(monkeypatch) -> None:
     import sys
 
     monkeypatch.setitem(sys.modules, "megatron.core.dist_checkpointing.strategies", None)
-    monkeypatch.delitem(sys.modules, "shardstore.megatron", raising=False)
+    monkeypatch.delitem(sys.modules, "shardstore.tools.megatron_strategy", raising=False)
     with pytest.raises(ImportError, match="needs megatron-core"):
-        importlib.import_module("shardstore.megatron")
-    monkeypatch.delitem(sys.modules, "shardstore.megatron", raising=False)
+        importlib.import_module("shardstore.tools.megatron_strategy")
+    monkeypatch.delitem(sys.modules, "shardstore.tools.megatron_strategy", raising=False)
 
 
 def megatron_api_async_save(rank: int, world: int, ckpt: str, fail_rank: int | None) -> str | None:
@@ -279,8 +282,8 @@ def megatron_api_async_save(rank: int, world: int, ckpt: str, fail_rank: int | N
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    import shardstore.save_execution as save_execution
-    from shardstore.megatron import ShardstoreSaveShardedStrategy
+    import shardstore.execution.save as save_execution
+    from shardstore.tools.megatron_strategy import ShardstoreSaveShardedStrategy
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None

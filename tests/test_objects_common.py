@@ -4,6 +4,7 @@ round-trip (issue 3, point 5)."""
 from __future__ import annotations
 
 import argparse
+import io
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +108,40 @@ def test_common_state_with_arbitrary_objects_needs_explicit_opt_in(ckpt_dir: Pat
         load({}, ckpt_dir)
     loaded = load({}, ckpt_dir, common_strategy=TorchCommonLoadStrategy(allow_unsafe_pickle=True))
     assert isinstance(loaded["gadget"], Gadget)
+
+
+def test_a_sharded_object_holding_bytesio_loads_after_the_documented_opt_in(ckpt_dir: Path) -> None:
+    """Megatron-Core's tests keep a ``torch.save``d state in a ShardedObject as an
+    ``io.BytesIO``: refused by the safe default, naming the key and both ways to admit it;
+    admitted by torch's own ``add_safe_globals``, or by ``allow_unsafe_pickle``."""
+    payload = io.BytesIO()
+    torch.save({"some": "dict"}, payload)
+    save({"blob": ShardedObject("sh_obj_A", payload, (1,), (0,))}, ckpt_dir)
+
+    def request() -> dict:
+        return {"other": ShardedObject("sh_obj_A", io.BytesIO(), (1,), (0,))}
+
+    with pytest.raises(CheckpointingException) as refused:
+        load(request(), ckpt_dir)
+    message = str(refused.value)
+    assert "ShardedObject 'sh_obj_A'" in message, message
+    assert "torch.serialization.add_safe_globals([io.BytesIO])" in message, message
+    assert "TorchCommonLoadStrategy(allow_unsafe_pickle=True)" in message, message
+
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.add_safe_globals([io.BytesIO])
+    try:
+        loaded = load(request(), ckpt_dir)["other"]
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+    assert isinstance(loaded, io.BytesIO) and loaded.getvalue() == payload.getvalue()
+    loaded.seek(0)
+    assert torch.load(loaded, weights_only=True) == {"some": "dict"}
+    trusted = load(request(), ckpt_dir, common_strategy=TorchCommonLoadStrategy(allow_unsafe_pickle=True))
+    assert trusted["other"].getvalue() == payload.getvalue()
+    with pytest.raises(CheckpointingException, match="io.BytesIO"):  # the opt-in did not outlive its scope
+        load(request(), ckpt_dir)
 
 
 def test_empty_containers_in_the_common_state_survive_a_round_trip(ckpt_dir: Path) -> None:

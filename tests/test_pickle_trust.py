@@ -34,11 +34,11 @@ from click.testing import CliRunner
 
 import shardstore
 from shardstore import CheckpointingException, ShardedObject, ShardedTensor
-from shardstore.cli import main
-from shardstore.convert import from_foreign, from_torch_file, to_torch_file
-from shardstore.format import COMMIT_RECORD, CommitRecord, checksum, object_path
-from shardstore.inspection import describe_checkpoint, diff_checkpoints
-from shardstore.pickles import DCP_METADATA_GLOBALS, load_restricted
+from shardstore.format.pickles import DCP_METADATA_GLOBALS, load_restricted
+from shardstore.format.records import COMMIT_RECORD, CommitRecord, checksum, object_path
+from shardstore.tools.cli import main
+from shardstore.tools.convert import from_foreign, from_torch_file, to_torch_file
+from shardstore.tools.inspection import describe_checkpoint, diff_checkpoints
 from tests.fixtures.legacy.make import DCP, MEGATRON
 from tests.fixtures.legacy.make_megatron014 import ZARR as MEGATRON_014_ZARR
 

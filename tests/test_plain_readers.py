@@ -24,9 +24,9 @@ import zarr
 
 from shardstore import ShardedObject, ShardedTensor, save, verify
 from shardstore._zarr_autoload import EXTENSION_METADATA
-from shardstore.dtypes import BY_ZARR_NAME, from_torch
-from shardstore.format import COMMIT_RECORD, CORE_DATA_TYPES
-from shardstore.zarr_dtypes import ML_DTYPES
+from shardstore.format.dtypes import BY_ZARR_NAME, from_torch
+from shardstore.format.records import COMMIT_RECORD, CORE_DATA_TYPES
+from shardstore.format.zarr_dtypes import ML_DTYPES
 from tests.plain_venv import plain_python
 from tests.scenarios import global_tensor, rewrite_record
 

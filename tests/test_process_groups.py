@@ -49,7 +49,7 @@ def _replicated(rank: int, empty: bool) -> dict:
 
 
 def load_counting_reads(rank: int, world: int, ckpt: str) -> int:
-    import shardstore.load_execution as load_execution
+    import shardstore.execution.load as load_execution
 
     read = []
     original = load_execution.load_tensors

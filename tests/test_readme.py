@@ -125,7 +125,7 @@ def test_every_block_names_the_checkpoint_the_quick_start_writes() -> None:
 # start's) and ``/ckpt/`` paths point into the test's directory, and S3 goes to a local
 # server.
 _FRAGMENT_CONTEXT = {
-    "shardstore.megatron import": (
+    "shardstore.tools.megatron_strategy import": (
         "from pathlib import Path\n"
         "from megatron.core import dist_checkpointing\n"
         "torch.cuda.synchronize = lambda *a, **k: None  # Megatron calls these; this torch has no CUDA\n"
@@ -144,7 +144,7 @@ _FRAGMENT_CONTEXT = {
     "import zarr": "",
 }
 _CHECKS = {  # what each fragment must leave behind
-    "shardstore.megatron import": "assert torch.equal(state['fc1'], fc1.chunk(world)[rank])\n",
+    "shardstore.tools.megatron_strategy import": "assert torch.equal(state['fc1'], fc1.chunk(world)[rank])\n",
     "CheckpointManager(": "assert manager.latest_step() == 2000, manager.latest_step()\n",
     "AsyncCallsQueue": "assert dist_checkpointing.load_tensors_metadata(ckpt)['decoder/fc1'].global_shape == (8, 4)\n",
     "s3://my-bucket": "",
@@ -173,7 +173,7 @@ def _fragments() -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("marker, block", _fragments(), ids=[m.split("(")[0].split()[-1] for m, _ in _fragments()])
 def test_readme_fragments_run_as_written(tmp_path: Path, marker: str, block: str) -> None:
-    if marker == "shardstore.megatron import" and importlib.util.find_spec("megatron") is None:
+    if marker == "shardstore.tools.megatron_strategy import" and importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core not installed (it needs torch>=2.6: scripts/oldest_torch.sh below that)")
     save_py, _ = _quick_start_blocks()
     ckpt = tmp_path / "ckpt" / "iter_0001000"
@@ -202,11 +202,11 @@ def test_readme_fragments_run_as_written(tmp_path: Path, marker: str, block: str
         _check_finished(result, 1, marker)
         if server is not None:
             from shardstore import load_tensors_metadata
-            from shardstore.s3 import S3Options
+            from shardstore.stores.s3 import S3Options
 
             os.environ.update({k: env[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
             options = S3Options(endpoint_url=server.endpoint, key=server.key, secret=server.secret)
-            from shardstore.s3 import S3Location
+            from shardstore.stores.s3 import S3Location
 
             meta = load_tensors_metadata(S3Location("s3://my-bucket/run7/iter_0001000", options=options))
             assert meta["decoder/fc1"].global_shape == (8, 4)

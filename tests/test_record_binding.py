@@ -19,9 +19,14 @@ import pytest
 import torch
 
 from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, save, verify
-from shardstore.format import COMMIT_RECORD, FORMAT_VERSION, RECORD_DIGEST, read_commit_record
-from shardstore.s3 import S3Location, S3Options
-from shardstore.storage import LocalLocation
+from shardstore.format.records import (
+    COMMIT_RECORD,
+    FORMAT_VERSION,
+    RECORD_DIGEST,
+    read_commit_record,
+)
+from shardstore.stores.base import LocalLocation
+from shardstore.stores.s3 import S3Location, S3Options
 from tests.s3_support import KEY, REGION, SECRET, MotoServer
 from tests.scenarios import rewrite_record
 

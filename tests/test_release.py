@@ -24,11 +24,10 @@ import pytest
 import torch
 
 from shardstore import ShardedObject, ShardedTensor, load, save
-from shardstore.chunk_io import FileChunkStore
-from shardstore.commit import PendingCheckpoint
 from shardstore.core import CheckpointingException
-from shardstore.distributed import Group
-from shardstore.format import (
+from shardstore.format.chunks import FileChunkStore
+from shardstore.format.commit import PendingCheckpoint
+from shardstore.format.records import (
     COMMIT_RECORD,
     COMMON_FILE,
     CONFIG_FNAME,
@@ -36,7 +35,8 @@ from shardstore.format import (
     SAVE_MARKER,
     STAGING_TAG,
 )
-from shardstore.storage import LocalLocation, StorageError
+from shardstore.protocol.collectives import Group
+from shardstore.stores.base import LocalLocation, StorageError
 from shardstore.strategies.async_utils import AsyncCallsQueue
 from tests.dist import run_distributed
 

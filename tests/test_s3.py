@@ -24,8 +24,8 @@ from shardstore import (
     save,
     verify,
 )
-from shardstore.format import is_committed
-from shardstore.s3 import S3Location, S3Options
+from shardstore.format.records import is_committed
+from shardstore.stores.s3 import S3Location, S3Options
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 from tests.dist import run_distributed
 from tests.s3_support import KEY, REGION, SECRET, Faults, FaultyProxy, MotoServer
@@ -320,7 +320,7 @@ def test_s3_without_s3fs_says_which_extra_to_install(monkeypatch) -> None:
 
 
 def test_checkpoint_manager_on_s3(server: MotoServer, url: str) -> None:
-    from shardstore.manager import CheckpointManager, CheckpointManagerOptions
+    from shardstore.tools.manager import CheckpointManager, CheckpointManagerOptions
 
     root = S3Location(url.rsplit("/", 1)[0], _options(server.endpoint))
     manager = CheckpointManager(root, CheckpointManagerOptions(max_to_keep=2))
@@ -340,8 +340,12 @@ def test_checkpoint_manager_on_s3_never_loses_the_last_good_step(server: MotoSer
     """Issue 23.2 on an object store: a damaged record and foreign prefixes named like
     steps are neither counted nor deleted, a deletion cut short is finished by the next
     retention, a resume is a no-op save, an older step waits for rollback."""
-    from shardstore.format import COMMIT_RECORD
-    from shardstore.manager import DELETION_MARKER, CheckpointManager, CheckpointManagerOptions
+    from shardstore.format.records import COMMIT_RECORD
+    from shardstore.tools.manager import (
+        DELETION_MARKER,
+        CheckpointManager,
+        CheckpointManagerOptions,
+    )
 
     root = S3Location(url.rsplit("/", 1)[0], _options(server.endpoint))
     root.child("iter_0000050").write_bytes(COMMIT_RECORD, b"{damaged")
@@ -389,7 +393,7 @@ def test_checkpoint_manager_on_s3_keeps_the_best_and_the_newest_and_deletes_on_r
     """Issue 27.2 on an object store, async: keep-best ranks by metrics stored in each
     step, a restarted manager reads them back, ``delete`` goes through the marker and
     refuses the newest step."""
-    from shardstore.manager import CheckpointManager, CheckpointManagerOptions
+    from shardstore.tools.manager import CheckpointManager, CheckpointManagerOptions
 
     root = S3Location(url.rsplit("/", 1)[0], _options(server.endpoint))
     options = CheckpointManagerOptions(

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import shardstore.load_execution as load_execution
-import shardstore.save_execution as save_execution
+import shardstore.execution.load as load_execution
+import shardstore.execution.save as save_execution
 from shardstore import CheckpointingException, ShardedTensor, load, save
-from shardstore.staging import DeviceUploader, HostBufferPool, HostSnapshot, _Marks
+from shardstore.execution.staging import DeviceUploader, HostBufferPool, HostSnapshot, _Marks
 from shardstore.strategies.async_utils import AsyncCallsQueue
 from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 

@@ -37,10 +37,10 @@ DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float8_
 EXAMPLES = 60 if os.environ.get("SHARDSTORE_SLOW") == "1" else 12
 FAIL_POINTS = [
     ("shardstore.serialization", "save_config"),
-    ("shardstore.chunk_io", "ChunkFile.write"),
-    ("shardstore.storage", "_syncfs"),
-    ("shardstore.storage", "LocalLocation.write_atomic"),
-    ("shardstore.storage", "LocalLocation.rename_to"),
+    ("shardstore.format.chunks", "ChunkFile.write"),
+    ("shardstore.stores.base", "_syncfs"),
+    ("shardstore.stores.base", "LocalLocation.write_atomic"),
+    ("shardstore.stores.base", "LocalLocation.rename_to"),
 ]
 
 
@@ -128,7 +128,7 @@ class History:
                 with pytest.raises(CheckpointingException):
                     self._save()
         elif kind == "crash":
-            import shardstore.commit as commit
+            import shardstore.format.commit as commit
 
             def die(pending, record):  # the process is gone: its lock is released, nothing cleaned
                 pending.release()

@@ -55,7 +55,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardstore.core import CheckpointingException
-from shardstore.distributed import Group
+from shardstore.protocol.collectives import Group
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from shardstore.mapping import ShardedStateDict, StateDict
 from shardstore.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
 if TYPE_CHECKING:
-    from shardstore.layout import GlobalLayout
+    from shardstore.planning.layout import GlobalLayout
 
 CheckpointDir = Union[str, Path]
 
@@ -131,8 +131,8 @@ class LoadShardedStrategy(LoadStrategyBase):
 
     def plan_load(self, layout: GlobalLayout) -> list[Any]:
         """Coordinator: every rank's read plan for the gathered requests (index = group
-        rank; ``shardstore.planner``). Default: each rank reads what it asked for."""
-        from shardstore.planner import plan_reads
+        rank; ``shardstore.planning.plans``). Default: each rank reads what it asked for."""
+        from shardstore.planning.plans import plan_reads
 
         return plan_reads(layout, fully_parallel=False)
 
@@ -222,7 +222,7 @@ class SaveShardedStrategy(SaveStrategyBase):
 
     def plan_save(self, layout: GlobalLayout) -> list[Any]:
         """Coordinator: every rank's part of the save of a validated layout (index =
-        group rank), which ``serialization.save`` scatters (``shardstore.planner``).
+        group rank), which ``serialization.save`` scatters (``shardstore.planning.plans``).
 
         This default hands every rank the whole layout."""
         return [layout] * layout.world_size

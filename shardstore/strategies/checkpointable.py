@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import nested_values
-from shardstore.layout import block_shape
 from shardstore.mapping import ShardedStateDict, ShardedTensor
+from shardstore.planning.layout import block_shape
 
 
 class CheckpointableShardedTensor(torch.Tensor):

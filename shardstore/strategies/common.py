@@ -1,6 +1,6 @@
 """The non-sharded part of a checkpoint: ``common.pt`` and the ShardedObjects.
 
-Both are ``torch.save`` pickles, read safely (``shardstore.pickles``); a crafted one
+Both are ``torch.save`` pickles, read safely (``shardstore.format.pickles``); a crafted one
 that needs more is refused with an error that says how to opt in:
 ``TorchCommonLoadStrategy(allow_unsafe_pickle=True)`` for checkpoints you trust.
 """
@@ -11,11 +11,11 @@ from typing import Any
 
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace, nested_values
-from shardstore.format import COMMON_FILE, object_path, read_commit_record
-from shardstore.locations import open_location
+from shardstore.format.pickles import deserialize, deserialize_dict, serialize
+from shardstore.format.records import COMMON_FILE, object_path, read_commit_record
 from shardstore.mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
-from shardstore.pickles import deserialize, deserialize_dict, serialize
-from shardstore.storage import Location
+from shardstore.stores.base import Location
+from shardstore.stores.locations import open_location
 from shardstore.strategies.base import (
     CheckpointDir,
     LoadCommonStrategy,
@@ -86,7 +86,10 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
                     f"{location.describe()} (expected {rel}); was it saved with the same "
                     "global_shape and offsets?"
                 )
-            return deserialize(data, location.describe(rel), self.allow_unsafe_pickle)
+            try:
+                return deserialize(data, location.describe(rel), self.allow_unsafe_pickle)
+            except CheckpointingException as exc:  # named by the key the caller asked for
+                raise CheckpointingException(f"ShardedObject {obj.key!r} (shard {obj.unique_key!r}): {exc}") from exc
 
         return dict_list_map_inplace(load_object, sharded_objects_state_dict)
 

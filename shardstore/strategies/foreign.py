@@ -1,6 +1,6 @@
 """Loading checkpoints other tools wrote directly, under any layout: PyTorch DCP,
-Megatron-Core's torch_dist (``shardstore.dcp_reader``) and Megatron-Core's deprecated
-zarr backend (``shardstore.megatron_zarr_reader``), read without running their pickles.
+Megatron-Core's torch_dist (``shardstore.other_formats.dcp``) and Megatron-Core's deprecated
+zarr backend (``shardstore.other_formats.megatron_zarr``), read without running their pickles.
 
 ``load``, ``load_tensors_metadata``, ``load_sharded_metadata`` and
 ``load_common_state_dict`` pick these strategies for a local directory without a
@@ -21,19 +21,22 @@ from typing import Any
 import torch
 
 from shardstore.core import CONFIG_FNAME, CheckpointingException
-from shardstore.dcp_reader import DCP_METADATA, DcpCheckpoint, is_dcp_checkpoint
 from shardstore.dict_utils import dict_list_map_inplace
-from shardstore.distributed import Group
-from shardstore.foreign_checkpoint import ForeignCheckpoint
-from shardstore.format import CommitRecord, is_committed
-from shardstore.integrity import ChecksummedLocation
-from shardstore.layout import block_shape, region_at
-from shardstore.loaded import place_loaded, postprocess_loaded
-from shardstore.locations import open_location
+from shardstore.execution.loaded import place_loaded, postprocess_loaded
+from shardstore.format.integrity import ChecksummedLocation
+from shardstore.format.records import CommitRecord, is_committed
 from shardstore.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from shardstore.megatron_zarr_reader import BACKEND as MEGATRON_ZARR_BACKEND
-from shardstore.megatron_zarr_reader import MegatronZarrCheckpoint, is_megatron_zarr_checkpoint
-from shardstore.storage import Location
+from shardstore.other_formats.base import ForeignCheckpoint
+from shardstore.other_formats.dcp import DCP_METADATA, DcpCheckpoint, is_dcp_checkpoint
+from shardstore.other_formats.megatron_zarr import BACKEND as MEGATRON_ZARR_BACKEND
+from shardstore.other_formats.megatron_zarr import (
+    MegatronZarrCheckpoint,
+    is_megatron_zarr_checkpoint,
+)
+from shardstore.planning.layout import block_shape, region_at
+from shardstore.protocol.collectives import Group
+from shardstore.stores.base import Location
+from shardstore.stores.locations import open_location
 from shardstore.strategies.base import (
     CheckpointDir,
     LoadShardedStrategy,
@@ -41,6 +44,7 @@ from shardstore.strategies.base import (
     register_default_strategy,
 )
 from shardstore.strategies.common import TorchCommonLoadStrategy
+from shardstore.strategies.zarr import whole_tensor_metadata
 
 TORCH_DIST_BACKEND = "torch_dist"
 DCP_BACKEND = "dcp"  # what a plain DCP checkpoint (no metadata.json) counts as
@@ -140,9 +144,12 @@ class ForeignLoadShardedStrategy(LoadShardedStrategy):
         return result
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
+        """Every tensor as a data-less ShardedTensor covering it whole; Megatron's
+        reformulated flattened ranges (torch_dist <= 0.14) as the flattened range of all
+        their elements, as Megatron-Core's own query gives them."""
         source = open_foreign(checkpoint_dir)
         return {
-            key: ShardedTensor.from_rank_offsets(key, torch.empty(t.shape, dtype=t.dtype, device="meta")).without_data()
+            key: whole_tensor_metadata(key, t.shape, t.dtype, flattened=_stored_reformulated(t))
             for key, t in source.tensors.items()
         }
 
@@ -198,6 +205,12 @@ class ForeignLoadCommonStrategy(TorchCommonLoadStrategy):
 
     def check_version_compatibility(self, loaded_version: int) -> None:
         pass
+
+
+def _stored_reformulated(tensor: Any) -> bool:
+    """A Megatron torch_dist tensor stored reformulated (one flat row per block)."""
+    stored = tuple(getattr(tensor, "stored_shape", ()) or ())
+    return bool(stored) and stored != tuple(tensor.shape)
 
 
 def read_sharded_object(source: ForeignCheckpoint, unique_key: str) -> Any:

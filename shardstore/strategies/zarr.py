@@ -1,9 +1,9 @@
 """The storage core's strategies: ShardedTensors as Zarr v3 arrays (one GLOBAL array per key).
 
 ``ZarrSaveShardedStrategy`` and ``ZarrLoadShardedStrategy`` plan once on the coordinator
-(``shardstore.protocol``, ``shardstore.planner``) and run each rank's part: a save's
-stages in ``shardstore.save_execution`` (stage, write, agree, commit), a load's in
-``shardstore.load_execution`` (read, agree, exchange). Load: one read of the commit
+(``shardstore.protocol.stages``, ``shardstore.planning.plans``) and run each rank's part: a save's
+stages in ``shardstore.execution.save`` (stage, write, agree, commit), a load's in
+``shardstore.execution.load`` (read, agree, exchange). Load: one read of the commit
 record gives every array's metadata; the coordinator plans who reads what
 (``plan_load``, ``planner.plan_reads``). With ``fully_parallel`` (default), replicated
 blocks are written by their replicas in turn (``layout.balance_writers``), and a block
@@ -30,11 +30,24 @@ import tensorstore as ts
 import torch
 import torch.distributed as dist
 
-from shardstore.chunk_io import DEFAULT_IO_CONCURRENCY
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace
-from shardstore.distributed import Group
-from shardstore.dtypes import (
+from shardstore.execution.load import plan_read, run_read_plan
+from shardstore.execution.loaded import (  # flatten_range, pad_to_expected_shape: Megatron-Core's names here
+    flatten_range,  # noqa: F401
+    pad_to_expected_shape,  # noqa: F401
+    place_loaded,
+    postprocess_loaded,
+)
+from shardstore.execution.save import Staging, finalizer, stage_save, write_staged
+from shardstore.execution.staging import (
+    DEFAULT_LOAD_STAGING_BYTES,
+    DeviceUploader,
+    HostBufferPool,
+    to_host,
+)
+from shardstore.format.chunks import DEFAULT_IO_CONCURRENCY
+from shardstore.format.dtypes import (
     from_torch,
     from_zarr_name,
     numpy_to_tensor,
@@ -42,14 +55,15 @@ from shardstore.dtypes import (
     tensor_to_numpy,
     torch_to_numpy_dtype_dict,  # noqa: F401  (seed API)
 )
-from shardstore.format import (
+from shardstore.format.records import (
     ZARR_JSON,
     ArrayRecord,
     CommitRecord,
     read_commit_record,
     write_commit_record,
 )
-from shardstore.layout import (
+from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from shardstore.planning.layout import (
     GlobalLayout,
     Region,
     ShardRecord,
@@ -57,26 +71,12 @@ from shardstore.layout import (
     chunk_shape_for,
     region_at,
 )
-from shardstore.load_execution import plan_read, run_read_plan
-from shardstore.loaded import (  # flatten_range, pad_to_expected_shape: Megatron-Core's names here
-    flatten_range,  # noqa: F401
-    pad_to_expected_shape,  # noqa: F401
-    place_loaded,
-    postprocess_loaded,
-)
-from shardstore.locations import open_location
-from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from shardstore.planner import RankReadPlan, RankSavePlan, plan_reads, plan_save
+from shardstore.planning.plans import RankReadPlan, RankSavePlan, plan_reads, plan_save
 from shardstore.progress import stage
-from shardstore.protocol import gather_and_plan
-from shardstore.save_execution import Staging, finalizer, stage_save, write_staged
-from shardstore.staging import (
-    DEFAULT_LOAD_STAGING_BYTES,
-    DeviceUploader,
-    HostBufferPool,
-    to_host,
-)
-from shardstore.storage import Location
+from shardstore.protocol.collectives import Group
+from shardstore.protocol.stages import gather_and_plan
+from shardstore.stores.base import Location
+from shardstore.stores.locations import open_location
 from shardstore.strategies.async_utils import AsyncRequest
 from shardstore.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -228,7 +228,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         return self.async_save_with_plan(sharded_state_dict, location, plan)
 
     def plan_save(self, layout: GlobalLayout) -> list[RankSavePlan]:
-        """Coordinator: every rank's part of the save (``shardstore.planner``)."""
+        """Coordinator: every rank's part of the save (``shardstore.planning.plans``)."""
         return plan_save(layout, self.max_chunk_bytes, self.fully_parallel)
 
     def async_save_with_plan(
@@ -382,10 +382,24 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
 
 
 def tensor_metadata(record: ArrayRecord) -> ShardedTensor:
-    """A data-less ShardedTensor covering the whole stored array (one shard)."""
+    """A data-less ShardedTensor covering the whole stored array (one shard); for an
+    array saved from flattened ranges, a flattened one (its whole range), as Megatron-Core
+    describes a flattened tensor: a load of it gives the 1-D tensor."""
     dtype = from_zarr_name(record.dtype).torch_dtype
-    meta = torch.empty(record.shape, dtype=dtype, device="meta")
-    return ShardedTensor.from_rank_offsets(record.key, meta).without_data()
+    return whole_tensor_metadata(record.key, record.shape, dtype, flattened=record.flattened_block is not None)
+
+
+def whole_tensor_metadata(
+    key: str, shape: tuple[int, ...], dtype: torch.dtype, flattened: bool = False
+) -> ShardedTensor:
+    """A data-less ShardedTensor covering a whole global tensor of ``shape``; with
+    ``flattened`` (and at least one axis), as the flattened range of all its elements."""
+    meta = torch.empty(shape, dtype=dtype, device="meta")
+    if flattened and meta.ndim > 0:
+        return ShardedTensor.from_rank_offsets_flat(
+            key, meta.flatten(), tuple(shape), flattened_range=slice(0, meta.numel())
+        ).without_data()
+    return ShardedTensor.from_rank_offsets(key, meta).without_data()
 
 
 def register_default_zarr_strategies() -> None:

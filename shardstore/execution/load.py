@@ -1,0 +1,229 @@
+"""A rank's part of a load, as its ``planner.RankReadPlan`` says: read, agree, exchange.
+
+Each rank reads its regions (only the chunks that overlap them, all reads in flight at
+once, each chunk checked against its own crc32c and the one the commit record binds),
+then every rank agrees that the reads succeeded, then the blocks that several ranks
+asked for travel from the rank that read them (``run_read_plan``). On a local disk
+chunks go straight into the result's memory (``shardstore.format.chunks``); a request's own
+contiguous tensor of the stored dtype and shape is filled in place, on the CPU directly
+and on a GPU through pinned slabs (``staging.DeviceUploader``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shardstore.errors import CheckpointingException
+from shardstore.execution.loaded import place_loaded, postprocess_loaded
+from shardstore.execution.staging import DeviceUploader
+from shardstore.format.chunks import (
+    DEFAULT_IO_CONCURRENCY,
+    ArrayChunks,
+    ReadJob,
+    chunk_store_for,
+    read_region,
+    run_reads,
+)
+from shardstore.format.dtypes import from_zarr_name, numpy_to_tensor, tensor_to_numpy
+from shardstore.format.records import ArrayRecord, CommitRecord
+from shardstore.mapping import ShardedTensor
+from shardstore.planning.layout import Region, block_shape, region_at, region_shape
+from shardstore.planning.plans import RankReadPlan
+from shardstore.protocol.collectives import Group
+from shardstore.stores.base import Location
+
+
+@dataclass
+class ReadOp:
+    """A region to read for one ShardedTensor and how to turn it into its tensor."""
+
+    tensor: ShardedTensor
+    region: Region
+    finish: Callable[[torch.Tensor], torch.Tensor]
+
+
+def plan_read(t: ShardedTensor, record: ArrayRecord, where: str) -> ReadOp:
+    """Which region of the stored array ``t`` needs, and the post-processing after it.
+
+    A flattened range reads only the rows of its block that it touches.
+    """
+    if record.shape != t.global_shape and not t.allow_shape_mismatch:
+        raise CheckpointingException(
+            f"{where}: tensor {t.key!r} is stored with global shape {record.shape}, the state "
+            f"dict expects {t.global_shape}; set allow_shape_mismatch=True to load it padded or truncated"
+        )
+    if len(record.shape) != len(t.global_shape):
+        raise CheckpointingException(
+            f"{where}: tensor {t.key!r} is stored with {len(record.shape)} dims, expected {len(t.global_shape)}"
+        )
+    extent = block_shape(t)
+    block = region_at(t.global_offset, extent)
+    fr = t.flattened_range
+    if fr is not None and record.shape == t.global_shape and len(extent) > 0:
+        axis = next((a for a, b in enumerate(extent) if b > 1), len(extent) - 1)
+        row = math.prod(extent[axis + 1 :])
+        first, last = fr.start // row, -(-fr.stop // row)
+        region = block[:axis] + (slice(block[axis].start + first, block[axis].start + last),) + block[axis + 1 :]
+        skip = fr.start - first * row
+
+        def finish_flat(x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(-1)[skip : skip + fr.stop - fr.start]
+
+        return ReadOp(t, region, finish_flat)
+    region = tuple(slice(min(s.start, n), min(s.stop, n)) for s, n in zip(block, record.shape))
+
+    def finish(x: torch.Tensor) -> torch.Tensor:
+        return postprocess_loaded(x.reshape(region_shape(region)[t.prepend_axis_num :]), t)
+
+    return ReadOp(t, region, finish)
+
+
+def load_tensors(
+    tensors: list[ShardedTensor], location: Location, record: CommitRecord,
+    io_concurrency: int = DEFAULT_IO_CONCURRENCY, allow_lossy_casts: bool = False,
+    uploader: DeviceUploader | None = None,
+) -> list[torch.Tensor]:
+    """Reads every tensor's region, all reads in flight at once; returns them in order.
+
+    Chunks land straight in the result's memory where they can (``chunk_io``); each
+    is checked against its own crc32c and the one the commit record binds. A request
+    whose ``data`` is a contiguous tensor of the stored dtype and the region's shape
+    is filled in place and returned (as DCP loads): no second copy of the rank's state.
+    On the CPU the chunks are read into it; on a device they go through ``uploader``'s
+    pinned slabs, copied to the device while the next wave is read. On a failed load
+    such a tensor may hold part of the checkpoint.
+    """
+    where = f"checkpoint {location.describe()}"
+    missing = sorted({t.key for t in tensors if t.key not in record.arrays})
+    if missing:
+        raise CheckpointingException(
+            f"{where} has no tensor(s) {missing}; pass strict='log_unexpected' (or another "
+            "StrictHandling) to skip keys that are not in the checkpoint"
+        )
+    reads = [plan_read(t, record.arrays[t.key], where) for t in tensors]
+    store = chunk_store_for(location, io_concurrency)
+    arrays: list[np.ndarray | None] = []  # None: filled in place (the request's tensor is the result)
+    jobs: list[ReadJob] = []
+    uploads: list[int] = []  # reads into device targets
+    targets_seen: set[int] = set()  # tied tensors (one memory, two keys) get their own results
+    for n, r in enumerate(reads):
+        stored = record.arrays[r.tensor.key]
+        dtype, shape = from_zarr_name(stored.dtype), region_shape(r.region)
+        target = _in_place_target(r, dtype.torch_dtype, targets_seen)
+        if target is None:
+            out = np.empty(shape, dtype.numpy_dtype)
+            arrays.append(out)
+        else:
+            arrays.append(None)
+            if _through_host(target):
+                uploads.append(n)
+                continue
+            out = tensor_to_numpy(target).reshape(shape)
+        jobs += read_region(ArrayChunks.of(store, stored), r.region, out)
+    run_reads(jobs, store.threads)
+
+    def read_wave(pairs: list[tuple[int, torch.Tensor]]) -> None:
+        wave_jobs: list[ReadJob] = []
+        for i, host in pairs:
+            r = reads[uploads[i]]
+            out = tensor_to_numpy(host).reshape(region_shape(r.region))
+            wave_jobs += read_region(ArrayChunks.of(store, record.arrays[r.tensor.key]), r.region, out)
+        run_reads(wave_jobs, store.threads)
+
+    (uploader or DeviceUploader()).fill([reads[n].tensor.data for n in uploads], read_wave)
+    results = []
+    for r, array in zip(reads, arrays):
+        if array is None:
+            results.append(r.tensor.data)
+            continue
+        stored = record.arrays[r.tensor.key]
+        x = numpy_to_tensor(array, from_zarr_name(stored.dtype).torch_dtype)
+        results.append(place_loaded(r.finish(x), r.tensor, where, allow_lossy_casts))
+    return results
+
+
+def _through_host(target: torch.Tensor) -> bool:
+    """Whether chunks reach ``target`` through host staging (device memory) rather
+    than being read into it."""
+    return target.device.type != "cpu"
+
+
+def _claim(data: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...], taken: set[int]) -> bool:
+    """Whether a request's ``data`` can be filled in place with a result of ``dtype``
+    and ``shape``: a contiguous CPU or CUDA tensor (other devices, meta..., get the
+    result moved to them) of exactly that dtype and shape, whose memory no other request
+    of this load took (``taken``: data pointers; updated when claimed). Tied tensors
+    (one memory, two keys) so get their own results."""
+    if (
+        data is None or data.device.type not in ("cpu", "cuda") or data.dtype != dtype
+        or not data.is_contiguous() or tuple(data.shape) != shape or data.data_ptr() in taken
+    ):
+        return False
+    taken.add(data.data_ptr())
+    return True
+
+
+def _in_place_target(read: ReadOp, stored_dtype: torch.dtype, taken: set[int]) -> torch.Tensor | None:
+    """The request's own tensor as the destination of its region, when the read needs
+    no conversion (no flattened range, padding or prepended-axis change) and ``_claim``
+    gives it."""
+    t = read.tensor
+    shape = tuple(region_shape(read.region)[t.prepend_axis_num :])
+    if t.flattened_range is not None or not _claim(t.data, stored_dtype, shape, taken):
+        return None
+    return t.data.detach()
+
+
+def run_read_plan(
+    tensors: list[ShardedTensor], location: Location, record: CommitRecord, plan: RankReadPlan, group: Group,
+    io_concurrency: int = DEFAULT_IO_CONCURRENCY, allow_lossy_casts: bool = False,
+    local_error: BaseException | None = None, uploader: DeviceUploader | None = None,
+) -> list[torch.Tensor]:
+    """Collective: this rank's part of a load (``planner.plan_reads``): its reads, an
+    agreement (a failed read, or ``local_error``, raises on every rank before any
+    exchange), then the exchange of blocks that other ranks read for it."""
+    out: dict[int, torch.Tensor] = {}
+    error = local_error
+    if error is None:
+        try:
+            loaded = load_tensors(
+                [tensors[i] for i in plan.reads], location, record, io_concurrency, allow_lossy_casts, uploader
+            )
+            out = dict(zip(plan.reads, loaded))
+        except Exception as exc:  # reported on every rank by agree(), before any exchange
+            error = exc
+    group.agree(error, f"Reading checkpoint {location.describe()}")
+    taken = {x.data_ptr() for i, x in out.items() if x is tensors[i].data}  # filled in place already
+    for index, source in plan.copies:  # one block asked for twice: read once, copied
+        out[index] = _receive_target(tensors[index], taken)
+        out[index].detach().copy_(out[source].reshape(out[index].shape))  # detached: it may be a parameter
+    sends = {peer: [out[i] for i in indices] for peer, indices in plan.sends}
+    receives: dict[int, list[torch.Tensor]] = {}
+    for peer, indices in plan.receives:
+        for i in indices:
+            out[i] = _receive_target(tensors[i], taken)
+        receives[peer] = [out[i] for i in indices]
+    group.exchange(sends, receives)
+    return [out[i] for i in range(len(tensors))]
+
+
+def _receive_target(t: ShardedTensor, taken: set[int]) -> torch.Tensor:
+    """Where a block read for another request lands for ``t`` (by another rank, or by
+    this one for the same block asked for twice): the request's own tensor when
+    ``_claim`` gives it, as reads fill it; else a new tensor on its device."""
+    shape = _result_shape(t)
+    if _claim(t.data, t.dtype, shape, taken):
+        return t.data
+    return torch.empty(shape, dtype=t.dtype, device=t.data.device if t.data is not None else "cpu")
+
+
+def _result_shape(t: ShardedTensor) -> tuple[int, ...]:
+    """The shape of the tensor a load returns for ``t``."""
+    if t.flattened_range is not None:
+        return (t.flattened_range.stop - t.flattened_range.start,)
+    return tuple(t.local_shape)

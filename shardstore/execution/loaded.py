@@ -1,0 +1,78 @@
+"""What a load does to a region read from storage before handing it back: the shape
+check (or padding, ``allow_shape_mismatch``), the flattened range, the dtype (exact
+conversions of the values read only, unless lossy ones are allowed) and the device. Shared by shardstore's
+own format (``load_execution``) and the readers of other tools' checkpoints
+(``strategies.foreign``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardstore.errors import CheckpointingException
+from shardstore.format.dtypes import cast_checked
+from shardstore.mapping import ShardedTensor
+
+
+def postprocess_loaded(x: torch.Tensor, t: ShardedTensor, apply_flattened_range: bool = True) -> torch.Tensor:
+    """Pads (allow_shape_mismatch) or checks the shape, then applies the flat range."""
+    if tuple(x.shape) != tuple(t.local_shape):
+        if not t.allow_shape_mismatch:
+            raise CheckpointingException(
+                f"Shape mismatch for {t.key!r}: loaded {tuple(x.shape)}, expected {tuple(t.local_shape)}"
+            )
+        x = pad_to_expected_shape(x, t)
+    if apply_flattened_range and t.flattened_range is not None:
+        x = flatten_range(t, x)
+    return x
+
+
+def place_loaded(x: torch.Tensor, t: ShardedTensor, where: str, allow_lossy_casts: bool = False) -> torch.Tensor:
+    """The loaded tensor in the requested dtype, on the device of ``t.data`` if given.
+
+    Another dtype than the stored one is honoured when every value read converts
+    exactly (Megatron-Core's tests load int64 ``arange`` into float32, which its
+    backends cast silently), and refused, naming the key and the first value that would
+    change, when one does not (0.5 into int64, 1e6 into float16, 2 into bool), unless
+    ``allow_lossy_casts``: a trainer asking for the wrong dtype must find out at the
+    load, not from a diverging run.
+    """
+    if x.dtype != t.dtype:
+        x = x.to(t.dtype) if allow_lossy_casts else _cast_exactly(x, t, where)
+    if t.data is not None and t.data.device.type != "cpu":
+        x = x.to(t.data.device, non_blocking=True)
+    return x
+
+
+def _cast_exactly(x: torch.Tensor, t: ShardedTensor, where: str) -> torch.Tensor:
+    converted, changed = cast_checked(x, t.dtype)
+    if changed is None:
+        return converted
+    raise CheckpointingException(
+        f"{where}: tensor {t.key!r} is stored as {x.dtype}, the state dict asks for {t.dtype}, which would "
+        f"change its value {x[changed].item()!r} at index {list(changed)} of the requested part into "
+        f"{converted[changed].item()!r}. Request the stored dtype and convert it yourself, or load with "
+        "ZarrLoadShardedStrategy(allow_lossy_casts=True)"
+    )
+
+
+def flatten_range(sharded_tensor: ShardedTensor, x: torch.Tensor) -> torch.Tensor:
+    """Applies ``sharded_tensor.flattened_range`` to ``x``."""
+    return x.flatten()[sharded_tensor.flattened_range]
+
+
+def pad_to_expected_shape(x: torch.Tensor, expected_sharded_ten: ShardedTensor) -> torch.Tensor:
+    """Zero-pads (or truncates) ``x`` to ``expected_sharded_ten.local_shape``.
+
+    Used with ``allow_shape_mismatch``: e.g. a vocabulary padded differently at load.
+    """
+    expected = tuple(expected_sharded_ten.local_shape)
+    if x.ndim != len(expected):
+        raise CheckpointingException(
+            f"{expected_sharded_ten.key!r}: cannot pad {tuple(x.shape)} to {expected}: different ranks"
+        )
+    x = x[tuple(slice(0, e) for e in expected)]
+    pad: list[int] = []
+    for have, want in reversed(list(zip(x.shape, expected))):
+        pad.extend((0, want - have))
+    return torch.nn.functional.pad(x, pad) if any(pad) else x

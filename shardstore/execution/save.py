@@ -1,0 +1,365 @@
+"""A rank's part of a save, as its ``planner.RankSavePlan`` says: stage, write, commit.
+
+The stages (``strategies.zarr.ZarrSaveShardedStrategy`` runs them)::
+
+    all ranks    stage     tensors -> host numpy views; CUDA tensors (and, for an async
+                           save, every tensor) copied into host buffers, in waves under
+                           a byte bound, each wave written while the next is copied
+                           (``shardstore.execution.staging``); the chunks of flattened tensors that
+                           straddle ranks are assembled by exchanging only the
+                           straddling pieces (collective)                 ``stage_save``
+    all ranks    write     array zarr.json files (owner of each array's first chunk) in
+                           one batch, then every chunk write in flight at once; then
+                           the written data is made durable             ``write_staged``
+    all ranks    agree     every rank reports success or its error (collective)
+    coordinator  commit    root zarr.json = commit record (with file checksums),
+                           written atomically, last                     ``finalize_save``
+
+``stage`` is the blocking part of an async save; ``write`` is the ``AsyncRequest``'s
+I/O; ``agree`` + ``commit`` are its finalization (``finalizer``). Chunks are written by
+``shardstore.format.chunks`` (local files, or a TensorStore kvstore elsewhere).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from shardstore.errors import CheckpointingException
+from shardstore.execution.staging import HostBufferPool, HostSnapshot, to_host
+from shardstore.format.chunks import (
+    DEFAULT_IO_CONCURRENCY,
+    DEFAULT_IO_THREADS,
+    ArrayChunks,
+    WrittenChunk,
+    chunk_store_for,
+    is_chunk_aligned,
+    run_writes,
+    write_region,
+)
+from shardstore.format.commit import PendingCheckpoint, new_save_id
+from shardstore.format.dtypes import from_zarr_name, tensor_to_numpy
+from shardstore.format.integrity import caller_file_checksums, file_checksums
+from shardstore.format.records import (
+    ZARR_JSON,
+    ArrayRecord,
+    CommitRecord,
+    group_metadata,
+    write_commit_record,
+)
+from shardstore.mapping import ShardedTensor
+from shardstore.planning.layout import FlatChunk, Region, ShardRecord, region_shape
+from shardstore.planning.plans import RankSavePlan
+from shardstore.progress import stage
+from shardstore.protocol.collectives import Group, RankFailure, raise_failures
+from shardstore.stores.base import Location
+
+
+@dataclass
+class WriteOp:
+    """One region of one array and the host bytes that go there."""
+
+    key: str
+    region: Region
+    value: np.ndarray
+
+
+@dataclass
+class StagedSave:
+    """A rank's part of a save, ready for I/O: nothing refers to the caller's tensors
+    except through ``ops`` (host views, or CUDA data already copied to host)."""
+
+    location: Location
+    records: dict[str, ArrayRecord]
+    metadata_files: dict[str, bytes]
+    ops: list[WriteOp]
+    commit_record: CommitRecord | None  # the coordinator's
+    group: Group
+    snapshot: HostSnapshot | None = None
+    written: list[WrittenChunk] = field(default_factory=list)
+
+
+@dataclass
+class Staging:
+    """How a save makes its host copies.
+
+    Attributes:
+        snapshot: copy even CPU tensors, so the caller may change them once ``save``
+            returns (async saves). Without it (sync saves) CPU tensors are written from
+            the caller's memory and only CUDA tensors are copied. CUDA tensors go through
+            ``pool``'s pinned buffers.
+        max_bytes: the most copied bytes held at once; above it the blocks are written
+            in waves, in the caller, each wave's writes overlapping the copies of the
+            next (two waves of at most half of it; flattened tensors are staged at once:
+            their chunks are assembled across ranks). None: no bound.
+        io_concurrency: for the writes of those waves.
+        io_threads: threads for the direct local writes of this save.
+    """
+
+    snapshot: bool = False
+    max_bytes: int | None = None
+    pool: HostBufferPool | None = None
+    io_concurrency: int = DEFAULT_IO_CONCURRENCY
+    io_threads: int = DEFAULT_IO_THREADS
+
+
+def _block_op(s: ShardRecord, host: list[torch.Tensor | None]) -> WriteOp:
+    return WriteOp(s.key, s.region, tensor_to_numpy(host[s.index]).reshape(s.block_shape))
+
+
+def stage_save(
+    tensors: list[ShardedTensor],
+    location: Location,
+    plan: RankSavePlan,
+    group: Group,
+    staging: Staging | None = None,
+) -> StagedSave:
+    """Collective: prepares this rank's writes of its ``plan`` (host copies,
+    straddling-chunk exchange)."""
+    staging = staging or Staging()
+    records = plan.records
+    host: list[torch.Tensor | None] = [None] * len(tensors)
+    written: set[int] = set()  # blocks already written in an earlier wave
+    early_chunks: list[WrittenChunk] = []  # what those waves wrote
+    snapshot = HostSnapshot(staging.pool)
+    error = None
+
+    def write_wave(wave: list[ShardRecord], copied: Any) -> None:
+        """Writes a wave once its copies landed; its buffers go back to the pool."""
+        copied.synchronize()
+        early_chunks.extend(write_ops(location, records, [_block_op(h, host) for h in wave], staging.io_concurrency))
+        snapshot.release([host[h.index] for h in wave])
+        for h in wave:
+            host[h.index] = None
+            written.add(h.index)
+
+    try:
+        waves: list[tuple[list[ShardRecord], Any, int]] = []  # closed waves, copies in flight
+        held: list[ShardRecord] = []  # the wave being copied
+        held_bytes = in_flight = 0
+        for s in sorted(plan.shards, key=lambda s: s.flat_range is not None):
+            data = tensors[s.index].data
+            if data is None:
+                raise CheckpointingException(f"ShardedTensor {s.key!r} has no data to save")
+            copy = staging.snapshot or data.device.type != "cpu"
+            if staging.max_bytes and copy and s.flat_range is None:
+                if held and held_bytes + s.nbytes > staging.max_bytes // 2:
+                    waves.append((held, snapshot.mark(), held_bytes))
+                    in_flight += held_bytes
+                    held, held_bytes = [], 0
+                # the newest waves' copies run while the oldest is written, within the bound
+                while waves and in_flight + held_bytes + s.nbytes > staging.max_bytes:
+                    wave, copied, nbytes = waves.pop(0)
+                    write_wave(wave, copied)
+                    in_flight -= nbytes
+            host[s.index] = snapshot.copy(data) if copy else to_host(data)
+            if copy:
+                held.append(s)
+                held_bytes += s.nbytes
+        snapshot.wait()
+    except Exception as exc:  # reported on every rank by agree()
+        error = exc
+    group.agree(error, f"Staging tensors for checkpoint {location.describe()}")
+
+    ops = [_block_op(s, host) for s in plan.shards if s.flat_range is None and s.index not in written]
+    for w in plan.flat_direct:
+        flat = tensor_to_numpy(host[w.index])[w.local_start : w.local_stop]
+        ops.append(WriteOp(w.key, w.region, flat.reshape(region_shape(w.region))))
+    ops += exchange_straddling_chunks(plan.straddling, host, records, group)
+    return StagedSave(location, records, metadata_files(plan), ops, plan.commit, group, snapshot, early_chunks)
+
+
+def metadata_files(plan: RankSavePlan) -> dict[str, bytes]:
+    """The ``zarr.json`` files a rank writes: its arrays' (it holds their element 0) and,
+    on the coordinator, the groups' that keys with ``/`` make."""
+    files = {f"{key}/{ZARR_JSON}": json.dumps(plan.records[key].zarr_metadata()).encode()
+             for key in plan.array_metadata}
+    files.update({f"{g}/{ZARR_JSON}": json.dumps(group_metadata()).encode() for g in plan.group_metadata})
+    return files
+
+
+def exchange_straddling_chunks(
+    straddling: tuple[tuple[int, FlatChunk], ...], host: list[torch.Tensor | None],
+    records: dict[str, ArrayRecord], group: Group,
+) -> list[WriteOp]:
+    """Among the ranks concerned: assembles the flat chunks this rank writes from its
+    neighbours' pieces.
+
+    Only the straddling pieces travel, as raw bytes, point to point; each chunk's tag
+    (from the plan, unique within the save) pairs its sends with its receives.
+    """
+    if not straddling:
+        return []
+    device = group.device
+    assembled: dict[int, tuple[FlatChunk, torch.Tensor]] = {}
+    ops: list[dist.P2POp] = []
+    received: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for tag, chunk in straddling:
+        itemsize = from_zarr_name(records[chunk.key].dtype).itemsize
+        if chunk.writer == group.rank:
+            buffer = torch.empty(chunk.volume * itemsize, dtype=torch.uint8)
+            assembled[tag] = (chunk, buffer)
+        for rank, index, lo, hi, at in chunk.pieces:
+            if chunk.writer == group.rank:
+                target = buffer[at * itemsize : (at + (hi - lo)) * itemsize]
+                if rank == group.rank:
+                    target.copy_(host[index][lo:hi].view(torch.uint8))
+                else:
+                    landing = target if device.type == "cpu" else torch.empty_like(target, device=device)
+                    ops.append(dist.P2POp(dist.irecv, landing, group.global_rank(rank), group.process_group, tag))
+                    if landing is not target:
+                        received.append((landing, target))
+            elif rank == group.rank:
+                piece = host[index][lo:hi].view(torch.uint8).to(device)
+                ops.append(dist.P2POp(dist.isend, piece, group.global_rank(chunk.writer), group.process_group, tag))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for landing, target in received:
+        target.copy_(landing)
+    result = []
+    for chunk, buffer in assembled.values():
+        dtype = from_zarr_name(records[chunk.key].dtype)
+        value = buffer.numpy().view(dtype.numpy_dtype).reshape(region_shape(chunk.region))
+        result.append(WriteOp(chunk.key, chunk.region, value))
+    return result
+
+
+def write_staged(
+    staged: StagedSave, io_concurrency: int = DEFAULT_IO_CONCURRENCY, io_threads: int = DEFAULT_IO_THREADS
+) -> None:
+    """This rank's I/O: metadata files, then every chunk write in flight, then durability.
+
+    What the writers report (each chunk's crc32c) is kept for the commit record.
+    """
+    where = staged.location.describe()
+    with stage("save: write", where) as timing:
+        staged.location.write_many(staged.metadata_files)
+        staged.written += write_ops(staged.location, staged.records, staged.ops, io_concurrency, io_threads)
+        timing.nbytes = sum(op.value.nbytes for op in staged.ops)
+    with stage("save: durable", where):
+        staged.location.make_durable()
+
+
+def write_ops(
+    location: Location, records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int,
+    io_threads: int = DEFAULT_IO_THREADS,
+) -> list[WrittenChunk]:
+    """Writes whole chunks of arrays (the plan gives every chunk one writer and one
+    write), all in flight at once; returns each chunk's crc32c."""
+    store = chunk_store_for(location, io_concurrency, io_threads)
+    jobs: list = []
+    for op in ops:
+        if not op.value.size:
+            continue
+        record = records[op.key]
+        if not is_chunk_aligned(op.region, record.shape, record.chunk_shape):
+            raise CheckpointingException(
+                f"Internal error: the write of {op.key!r} region {_describe_region(op.region)} is not aligned "
+                f"with its chunks {record.chunk_shape}; please report it"
+            )
+        jobs += write_region(ArrayChunks.of(store, record), op.region, op.value)
+    return run_writes(jobs, store.threads)
+
+
+def _describe_region(region: Region) -> str:
+    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in region) + "]"
+
+
+def finalize_save(staged: StagedSave, error: BaseException | None) -> None:
+    """Collective: the coordinator gathers every rank's outcome (its error, or the
+    crc32c of each chunk it wrote), binds the chunks into the commit record and commits
+    (``shardstore.format.commit``: a save that lost a race with another save fails here).
+
+    On any failure every rank raises the same error, no commit record is written, and
+    the coordinator deletes what the save wrote.
+    """
+    group, location = staged.group, staged.location
+    staged.ops = []  # the host copies are no longer needed
+    if staged.snapshot is not None:
+        staged.snapshot.release()
+    local = RankFailure.from_exception(group.rank, error) if error is not None else staged.written
+    what, failures = "Writing", []
+    try:
+        gathered = group.gather_object(local)
+        if group.is_coordinator:
+            failures = [g for g in gathered if isinstance(g, RankFailure)]
+            if not failures:
+                try:
+                    record = bind_chunks(staged.commit_record, gathered, location.describe())
+                    record = replace(record, files=file_checksums(location, record))
+                    if not isinstance(location, PendingCheckpoint):  # in place, into the caller's directory
+                        record = replace(record, external_files=caller_file_checksums(location, record))
+                    publish(location, record)
+                except Exception as exc:  # told to every rank below
+                    what, failures = "Committing", [RankFailure.from_exception(group.rank, exc)]
+        what, failures = group.broadcast_object((what, failures))
+    finally:  # also when a rank was lost in the gather or broadcast: nothing stays open
+        end_save(location, abandon=bool(failures) and group.is_coordinator)
+    raise_failures(failures, f"{what} checkpoint {location.describe()}", cause=error)
+
+
+def end_save(location: Location, abandon: bool) -> None:
+    """Lets go of what a save holds (its descriptors and staging lock); ``abandon``
+    (coordinator, after a failure every rank knows of) also deletes what it wrote."""
+    if isinstance(location, PendingCheckpoint):
+        if abandon:
+            location.abandon()
+        else:
+            location.release()
+
+
+def bind_chunks(record: CommitRecord, reports: list[list[WrittenChunk]], where: str) -> CommitRecord:
+    """The commit record with every chunk's crc32c as its writer reported it.
+
+    Raises:
+        CheckpointingException: a chunk nobody wrote, or one written twice.
+    """
+    crcs: dict[str, dict[tuple[int, ...], int]] = {key: {} for key in record.arrays}
+    for rank, chunks in enumerate(reports):
+        for key, index, crc in chunks:
+            if index in crcs[key]:
+                raise CheckpointingException(
+                    f"{where}: chunk {record.arrays[key].chunk_key(index)} of array {key!r} was written twice "
+                    f"(rank {rank} and another)"
+                )
+            crcs[key][index] = crc
+    arrays = {key: a.with_chunk_crcs(crcs[key], where) for key, a in record.arrays.items()}
+    return replace(record, arrays=arrays)
+
+
+def publish(location: Location, record: CommitRecord) -> None:
+    """Writes the commit record: through the save's ``PendingCheckpoint`` (staging
+    published by rename, races refused), or in place for a bare location (the seed's
+    strategy API called directly)."""
+    if isinstance(location, PendingCheckpoint):
+        location.commit(replace(record, save_id=location.intent.save_id))
+    else:
+        write_commit_record(location, replace(record, save_id=new_save_id()))
+
+
+def finalizer(staged: StagedSave) -> Callable[[BaseException | None], None]:
+    """The ``AsyncRequest`` finalization of ``staged``: ``finalize_save`` under the
+    ``save: commit`` stage, marked to take the background writer's error, with an
+    ``abort`` that only releases what the save holds."""
+
+    def finalize(error: BaseException | None = None) -> None:
+        with stage("save: commit", staged.location.describe()):
+            finalize_save(staged, error)
+
+    def abort() -> None:
+        """Local, no agreement: releases the save's descriptors and lock, so the next
+        save into the same place sees a dead save and removes its files (deleting them
+        here could race with other ranks still writing)."""
+        end_save(staged.location, abandon=False)
+
+    finalize.accepts_async_error = True  # type: ignore[attr-defined]
+    finalize.checkpoint = staged.location.describe()  # type: ignore[attr-defined]
+    finalize.abort = abort  # type: ignore[attr-defined]
+    return finalize

@@ -1,0 +1,464 @@
+"""Chunk I/O for shardstore's own chunk encoding, on local files or an object store.
+
+Every shardstore array stores each chunk as its raw little-endian bytes followed by a
+crc32c of them (Zarr v3 codecs ``bytes`` + ``crc32c``), one object per chunk at
+``<key>/c/<i>/<j>...``. For that encoding a chunk moves between storage and a tensor's
+memory without a decode step, so shardstore encodes and decodes chunks itself and only
+asks the storage for bytes (``ChunkStore``):
+
+- ``FileChunkStore`` (local file systems): ``writev(fd, [tensor slab, crc])`` straight
+  from the caller's memory; ``readv`` straight into the destination's slab.
+- ``KvChunkStore`` (object stores): TensorStore's kvstore driver (``s3``), one PUT or
+  GET per chunk, with TensorStore's retries.
+
+The writer of a chunk reports its crc32c; the commit record keeps it for every chunk
+(``format.ArrayRecord.chunk_crcs``), and every read checks the chunk against both its
+own trailing crc32c and the record's: a chunk swapped with another of the same array,
+of another array, or copied from another checkpoint fails the read, naming the chunk.
+
+Reads on local files never follow a symbolic link out of the checkpoint and never open
+anything but a regular file (a FIFO would block, a device would never end).
+
+Measured on this machine (512 MiB of float32, page cache dropped before loads): a
+TensorStore read of the same arrays took 0.67 s, the file path 0.30 s, because
+TensorStore decodes each chunk into a new buffer and then copies it into the result.
+Threads do the I/O; ``os.readv``/``os.writev`` and ``crc32c`` release the GIL. Chunks
+are bit-identical to TensorStore's (a test checks it), so readers cannot tell the
+difference.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import os
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import numpy as np
+
+from shardstore.errors import CheckpointingException
+from shardstore.format.dtypes import from_zarr_name
+from shardstore.format.records import CHUNK_SEPARATOR, ArrayRecord, chunk_key
+from shardstore.progress import tracked
+from shardstore.stores.base import DirectoryGuard, Location, create_file, open_regular, run_parallel
+
+# A box of a global array, one slice per axis (``planning.layout`` builds them).
+Region = tuple[slice, ...]
+CRC_BYTES = 4
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+# A strided destination is filled by a scatter read when its contiguous runs are at
+# least this long; shorter runs go through a one-chunk buffer and a copy.
+MIN_SCATTER_RUN = 4096
+# Threads doing chunk I/O per rank; more did not help on local disks (a cold load of
+# 5,000 small chunks on 2 cores: 0.9 s at 8 threads, 1.0-1.3 s at 32 and 64).
+DEFAULT_IO_THREADS = 8
+# TensorStore (object store) I/O operations in flight at once.
+DEFAULT_IO_CONCURRENCY = 64
+
+# The fast path writes native byte order as the ``little`` the metadata promises.
+NATIVE_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+
+
+@dataclass(frozen=True)
+class ChunkPiece:
+    """The part of one chunk that falls inside a region.
+
+    Attributes:
+        index: the chunk's grid index.
+        in_chunk: the part, relative to the chunk's origin.
+        in_region: the same part, relative to the region's origin.
+        Both end with ``...``: indexing with them always gives a view, also of a 0-d
+        array (``a[()]`` would give a detached scalar, and a read into it is lost).
+        whole: the part is the entire stored chunk (no edge padding, nothing outside).
+    """
+
+    index: tuple[int, ...]
+    in_chunk: tuple[Any, ...]
+    in_region: tuple[Any, ...]
+    whole: bool
+
+
+def chunk_pieces(region: Region, shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> Iterator[ChunkPiece]:
+    """The chunks a region of an array touches, and which part of each."""
+    ranges = [
+        range(s.start // c, -(-s.stop // c)) if s.stop > s.start else range(0)
+        for s, c in zip(region, chunk_shape)
+    ]
+    for index in itertools.product(*ranges):
+        in_chunk, in_region, whole = [], [], True
+        for i, s, c, n in zip(index, region, chunk_shape, shape):
+            lo, hi = max(s.start, i * c), min(s.stop, (i + 1) * c)
+            in_chunk.append(slice(lo - i * c, hi - i * c))
+            in_region.append(slice(lo - s.start, hi - s.start))
+            whole = whole and lo == i * c and hi == (i + 1) * c and hi <= n
+        yield ChunkPiece(tuple(index), (*in_chunk, ...), (*in_region, ...), whole)
+
+
+def is_chunk_aligned(region: Region, shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> bool:
+    """Every chunk the region touches is covered entirely (up to the array's edge)."""
+    return all(
+        s.start % c == 0 and (s.stop % c == 0 or s.stop == n)
+        for s, c, n in zip(region, chunk_shape, shape)
+    )
+
+
+def _bytes_view(a: np.ndarray) -> memoryview:
+    """A flat byte view of a C-contiguous array (any dtype, bfloat16 included)."""
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
+class ChunkStore(ABC):
+    """Where encoded chunks live; knows bytes and paths, nothing of arrays.
+
+    Attributes:
+        threads: how many chunk reads or writes to run at once on this storage.
+    """
+
+    threads: int = DEFAULT_IO_THREADS
+
+    @abstractmethod
+    def describe(self, rel: str) -> str:
+        """Where ``rel`` is, for error messages."""
+
+    @abstractmethod
+    def put(self, rel: str, buffers: list[memoryview]) -> None:
+        """Stores the concatenation of ``buffers`` at ``rel`` (no durability promise:
+        the location's ``make_durable`` flushes)."""
+
+    @abstractmethod
+    def get_into(self, rel: str, views: list[memoryview]) -> tuple[int, bytes] | None:
+        """Fills ``views`` in order from the object at ``rel``; returns the bytes that
+        landed in them and up to ``CRC_BYTES + 1`` bytes that follow, or None if the
+        object does not exist."""
+
+
+class FileChunkStore(ChunkStore):
+    """Chunks as files under a local directory."""
+
+    def __init__(self, root: Path, threads: int = DEFAULT_IO_THREADS) -> None:
+        self.root, self.threads = root, threads
+        # Paths as strings: pathlib's joins cost more than a 4 KiB chunk's I/O.
+        self._prefix = os.path.join(root, "")
+        self._guard = DirectoryGuard(root)
+
+    def describe(self, rel: str) -> str:
+        return self._prefix + rel
+
+    def put(self, rel: str, buffers: list[memoryview]) -> None:
+        fd = create_file(self._prefix + rel, os.O_NOFOLLOW)
+        try:
+            pending: list = buffers
+            while pending:
+                pending = _advance(pending, os.writev(fd, pending))
+        finally:
+            os.close(fd)
+
+    def get_into(self, rel: str, views: list[memoryview]) -> tuple[int, bytes] | None:
+        self._guard.check(rel.rpartition("/")[0])
+        fd = open_regular(self._prefix + rel)
+        if fd is None:
+            return None
+        try:
+            got, pending = 0, views
+            while pending and (n := os.readv(fd, pending[:IOV_MAX])):
+                got += n
+                pending = _advance(pending, n)
+            return got, os.read(fd, CRC_BYTES + 1)  # one byte more than expected detects a too-long file
+        finally:
+            os.close(fd)
+
+
+class KvChunkStore(ChunkStore):
+    """Chunks as objects of a TensorStore kvstore (S3 and other object stores)."""
+
+    def __init__(self, location: Location, threads: int) -> None:
+        import tensorstore as ts
+
+        self.location, self.threads = location, threads
+        try:
+            self.kv = ts.KvStore.open(
+                location.kvstore_spec(""), context=ts.Context(location.tensorstore_context())
+            ).result()
+        except Exception as exc:
+            raise CheckpointingException(f"Cannot open the object store of {location.describe()}: {exc}") from exc
+
+    def describe(self, rel: str) -> str:
+        return self.location.describe(rel)
+
+    def put(self, rel: str, buffers: list[memoryview]) -> None:
+        self.kv.write(rel, b"".join(buffers)).result()
+
+    def get_into(self, rel: str, views: list[memoryview]) -> tuple[int, bytes] | None:
+        result = self.kv.read(rel).result()
+        if result.state != "value":
+            return None
+        data = memoryview(result.value)
+        at = 0
+        for v in views:
+            n = min(len(v), len(data) - at)
+            v[:n] = data[at : at + n]
+            at += n
+            if n < len(v):
+                break
+        return at, bytes(data[at : at + CRC_BYTES + 1])
+
+
+def chunk_store_for(location: Location, io_concurrency: int, local_threads: int = DEFAULT_IO_THREADS) -> ChunkStore:
+    """The chunk store of a checkpoint location, with the number of chunk operations to
+    run at once: files where it is a local path (``local_threads`` threads, at most
+    ``io_concurrency``: more did not help on local disks), the TensorStore kvstore
+    otherwise (``io_concurrency`` requests in flight)."""
+    if not NATIVE_LITTLE_ENDIAN:
+        raise CheckpointingException("shardstore's chunk I/O needs a little-endian host")
+    root = location.local_path("")
+    if root is not None:
+        return FileChunkStore(root, min(io_concurrency, local_threads))
+    return KvChunkStore(location, io_concurrency)
+
+
+class ChunkFile:
+    """One encoded chunk of one array: raw bytes + crc32c.
+
+    Attributes:
+        expected_crc: the crc32c the commit record keeps for this chunk (None for
+            checkpoints of format version 1, which keep none).
+    """
+
+    def __init__(
+        self, store: ChunkStore, array_key: str, index: tuple[int, ...], chunk_key: str,
+        expected_crc: int | None = None,
+    ) -> None:
+        self.store, self.array_key, self.index, self.expected_crc = store, array_key, index, expected_crc
+        self.chunk_key = chunk_key
+        self.rel = f"{array_key}/{chunk_key}"
+
+    @property
+    def path(self) -> str:
+        return self.store.describe(self.rel)
+
+    def describe(self) -> str:
+        return f"chunk {self.chunk_key} of array {self.array_key!r} ({self.path})"
+
+    def write(self, data: np.ndarray) -> int:
+        """Writes a C-contiguous chunk with its crc32c; returns the crc32c.
+
+        No fsync here: the location's ``make_durable`` (one ``syncfs`` per rank) flushes
+        every chunk before the commit. An fsync per large chunk from the writer threads
+        was measured slower: with the ranks holding 4 GiB each besides the state (as
+        trainers do), 2 GiB at 2 ranks took 2.1-2.4 s against 1.4-1.7 s with the one
+        ``syncfs``, and 1.3-1.4 s for the plain-file bound."""
+        view = _bytes_view(data)
+        crc = crc32c.crc32c(view)
+        self.store.put(self.rel, [view, memoryview(crc.to_bytes(CRC_BYTES, "little"))])
+        return crc
+
+    def read_into(self, out: np.ndarray) -> None:
+        """Fills a C-contiguous ``out`` with the chunk; checks length and crc32c."""
+        self.read_into_views([_bytes_view(out)])
+
+    def read_into_views(self, views: list[memoryview]) -> None:
+        """Fills ``views`` in order with the chunk (a scatter read: the rows of a
+        strided destination need no bounce buffer); checks its length, its own crc32c
+        and the one the commit record keeps for it."""
+        got = self.store.get_into(self.rel, views)
+        if got is None:
+            raise CheckpointingException(f"Missing {self.describe()}: the checkpoint is damaged")
+        n, crc = got
+        expected = sum(len(v) for v in views)
+        if n != expected or len(crc) != CRC_BYTES:
+            raise CheckpointingException(
+                f"Corrupt {self.describe()}: {n + len(crc)} bytes, expected {expected + CRC_BYTES} "
+                "(truncated or overwritten)"
+            )
+        value = 0
+        for v in views:
+            value = crc32c.crc32c(v, value)
+        if value != int.from_bytes(crc, "little"):
+            raise CheckpointingException(f"Corrupt {self.describe()}: crc32c mismatch")
+        if self.expected_crc is not None and value != self.expected_crc:
+            raise CheckpointingException(
+                f"Wrong {self.describe()}: its crc32c {value:08x} is not the {self.expected_crc:08x} the commit "
+                "record keeps for it (a chunk moved, swapped or copied from another checkpoint)"
+            )
+
+
+def _advance(buffers: list, n: int) -> list:
+    """The part of ``buffers`` left after ``n`` bytes were transferred (one slice of
+    the list per call: a scatter read of 16,384 rows was quadratic when it dropped the
+    consumed buffers one at a time)."""
+    done = 0
+    while done < len(buffers) and n >= len(buffers[done]):
+        n -= len(buffers[done])
+        done += 1
+    rest = buffers[done:]
+    if rest and n:
+        rest[0] = memoryview(rest[0])[n:]
+    return rest
+
+
+@dataclass
+class ArrayChunks:
+    """Where one array's chunks live, how they are shaped, and their recorded crc32c
+    (C order over the chunk grid; None when the record keeps none)."""
+
+    key: str
+    store: ChunkStore
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    dtype: np.dtype
+    crcs: tuple[int, ...] | None = None
+    separator: str = CHUNK_SEPARATOR
+
+    @classmethod
+    def of(cls, store: ChunkStore, record: ArrayRecord) -> ArrayChunks:
+        """The chunks of the array ``record`` describes, with the checksums it binds."""
+        dtype = from_zarr_name(record.dtype).numpy_dtype
+        return cls(record.key, store, record.shape, record.chunk_shape, dtype, record.chunk_crcs,
+                   record.chunk_separator)
+
+    @functools.cached_property
+    def grid(self) -> tuple[int, ...]:
+        """Chunks along each axis."""
+        return tuple(-(-n // c) for n, c in zip(self.shape, self.chunk_shape))
+
+    def file(self, index: tuple[int, ...]) -> ChunkFile:
+        expected = None
+        if self.crcs is not None:
+            expected = self.crcs[int(np.ravel_multi_index(index, self.grid))] if self.grid else self.crcs[0]
+        return ChunkFile(self.store, self.key, index, chunk_key(index, self.separator), expected)
+
+
+def write_region(array: ArrayChunks, region: Region, value: np.ndarray) -> list[tuple[ChunkFile, np.ndarray]]:
+    """The chunk files and contiguous data that store ``value`` at ``region``.
+
+    ``region`` must be chunk-aligned (one writer per chunk); edge chunks are padded with
+    zeros (the fill value) to the full chunk shape, as Zarr stores them.
+    """
+    jobs = []
+    for piece in chunk_pieces(region, array.shape, array.chunk_shape):
+        slab = value[piece.in_region]
+        if not piece.whole:
+            full = np.zeros(array.chunk_shape, dtype=value.dtype)
+            full[piece.in_chunk] = slab
+            slab = full
+        elif not slab.flags.c_contiguous:
+            slab = np.ascontiguousarray(slab)
+        jobs.append((array.file(piece.index), slab))
+    return jobs
+
+
+@dataclass
+class ReadJob:
+    """One chunk to read into the part of ``out`` that it covers.
+
+    ``direct``: the piece is the whole chunk and its slab of ``out`` is contiguous, so
+    the file is read straight into ``out``; otherwise into a one-chunk buffer (allocated
+    when the job runs, so at most one per thread is alive) and copied from there.
+    """
+
+    file: ChunkFile
+    out: np.ndarray
+    piece: ChunkPiece
+    chunk_shape: tuple[int, ...]
+    direct: bool
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this job fills in ``out``."""
+        return self.out[self.piece.in_region].nbytes
+
+    def run(self) -> None:
+        target = self.out[self.piece.in_region]
+        runs = None if self.direct or not self.piece.whole else _contiguous_runs(target, self.out)
+        buffer = target if self.direct or runs else np.empty(self.chunk_shape, self.out.dtype)
+        try:
+            if runs:
+                self.file.read_into_views(runs)
+            else:
+                self.file.read_into(buffer)
+        except CheckpointingException:
+            raise
+        except Exception as exc:  # OSError locally; TensorStore's ValueError for S3
+            raise CheckpointingException(f"Reading {self.file.describe()} failed: {exc}") from exc
+        if buffer is not target:
+            target[...] = buffer[self.piece.in_chunk]
+
+
+def _contiguous_runs(target: np.ndarray, whole: np.ndarray) -> list[memoryview] | None:
+    """``target`` (a strided view into the C-contiguous array ``whole``) as its
+    contiguous runs in order, or None when they are too short to be worth it.
+
+    The runs are slices of one byte view of ``whole`` at offsets computed in bulk:
+    indexing ``target`` row by row cost about 10 us a row."""
+    partial = [a for a, (t, w) in enumerate(zip(target.shape, whole.shape)) if t != w]
+    if not partial:
+        return [_bytes_view(target)]
+    lead = target.shape[: partial[-1]]  # every axis after the last partial one is whole
+    count = math.prod(lead)
+    run = target.nbytes // max(1, count)
+    if run < MIN_SCATTER_RUN:
+        return None
+    offsets = np.array(target.ctypes.data - whole.ctypes.data, dtype=np.int64)
+    for size, stride in zip(lead, target.strides):
+        offsets = offsets[..., None] + np.arange(size, dtype=np.int64) * stride
+    flat = _bytes_view(whole)
+    return [flat[o : o + run] for o in offsets.reshape(-1).tolist()]
+
+
+def read_region(array: ArrayChunks, region: Region, out: np.ndarray) -> list[ReadJob]:
+    """Jobs that fill ``out`` (shaped like ``region``) from the array's chunks."""
+    return [
+        ReadJob(
+            array.file(piece.index), out, piece, array.chunk_shape,
+            direct=piece.whole and out[piece.in_region].flags.c_contiguous,
+        )
+        for piece in chunk_pieces(region, array.shape, array.chunk_shape)
+    ]
+
+
+WrittenChunk = tuple[str, tuple[int, ...], int]  # (array key, chunk index, crc32c)
+
+
+def run_writes(jobs: list[tuple[ChunkFile, np.ndarray]], threads: int | None = None) -> list[WrittenChunk]:
+    """Writes the chunks; returns what each writer reports for the commit record."""
+    written: list[WrittenChunk] = []
+    with tracked("write", (data.nbytes for _, data in jobs)) as tick:
+
+        def write(job: tuple[ChunkFile, np.ndarray]) -> None:
+            file, data = job
+            try:
+                crc = file.write(data)
+            except CheckpointingException:
+                raise
+            except Exception as exc:  # OSError locally; TensorStore's ValueError for S3
+                raise CheckpointingException(f"Writing {file.describe()} failed: {exc}") from exc
+            written.append((file.array_key, file.index, crc))  # list.append is atomic
+            if tick:
+                tick(data.nbytes)
+
+        run_parallel(write, jobs, threads or _threads_of(jobs))
+    return written
+
+
+def run_reads(jobs: list[ReadJob], threads: int | None = None) -> None:
+    """Runs the reads (each fills its part of its output array)."""
+    with tracked("read", (job.nbytes for job in jobs)) as tick:
+
+        def read_and_tick(job: ReadJob) -> None:
+            job.run()
+            tick(job.nbytes)
+
+        run_parallel(read_and_tick if tick else ReadJob.run, jobs, threads or _threads_of([(j.file, None) for j in jobs]))
+
+
+def _threads_of(jobs: list[tuple[ChunkFile, Any]]) -> int:
+    return max((job[0].store.threads for job in jobs), default=DEFAULT_IO_THREADS)

@@ -1,0 +1,366 @@
+"""How a save becomes a checkpoint, and what a save may delete.
+
+Rules (DESIGN.md, invariants):
+
+* A committed checkpoint stays loadable until its replacement commits.
+* Two saves into one place cannot both commit; the loser fails with a clear error.
+* shardstore deletes only what it can prove one of its own unfinished saves wrote.
+
+**Local file systems.** A save never writes into the directory it may replace. The
+coordinator creates a private staging directory next to the target,
+``<parent>/.<name>.shardstore-save-<save id>``, holding an ``flock`` on it while the
+save runs and a marker file (``.shardstore-save.json``) naming the save id. Every rank
+writes there; the commit record is written there last; then one rename publishes it:
+
+* target missing, or an empty directory: ``rename(2)`` (atomic);
+* target a committed shardstore checkpoint and ``overwrite=True``: ``renameat2`` with
+  ``RENAME_EXCHANGE`` swaps the directories atomically, then the old one is deleted.
+  Where the file system cannot exchange (some network file systems) the old one is
+  first renamed aside to ``.<name>.shardstore-replaced-<its save id>``: then, for the
+  microseconds between the two renames, the target path does not exist (both
+  checkpoints are complete on disk).
+
+Publishing is a compare-and-swap under an ``flock`` on the parent directory: the
+target must still hold the checkpoint the save saw when it began (same save id), or
+still nothing. Otherwise another save committed meanwhile, and this one fails.
+
+A staging directory whose marker matches its name and whose lock is free belongs to a
+save that died: the next save into the same target deletes it. Nothing else is ever
+deleted: a non-empty target without a commit record (another tool's checkpoint, an
+experiment folder, the leftovers of a shardstore older than this scheme) is refused
+with an error that names what is there.
+
+**Object stores (S3)** have no rename: a save writes in place. It writes its marker
+first; with ``overwrite=True`` the old commit record is deleted at the start, so from
+then until the new commit the prefix holds no loadable checkpoint (save each step to
+a new prefix to avoid that window). The commit checks that the marker is still its
+own and that no commit record appeared, then writes the commit record (one PUT, atomic)
+and removes the marker. Two saves that run into one prefix at the same time may
+overwrite each other's chunks; the commit record binds every chunk's checksum, so a
+load then fails on the mismatch instead of returning a mix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import uuid
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardstore.errors import CheckpointingException
+from shardstore.format.records import (
+    COMMIT_RECORD,
+    MAX_RECORD_BYTES,
+    REPLACED_TAG,
+    SAVE_MARKER,
+    STAGING_TAG,
+    CommitRecord,
+    foreign_checkpoint_kind,
+)
+from shardstore.stores.base import DelegatingLocation, LocalLocation, Location
+
+logger = logging.getLogger(__name__)
+
+
+def new_save_id() -> str:
+    """A fresh save id (32 hex digits): names the staging directory, the commit record's
+    ``save_id`` and the marker."""
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class SaveIntent:
+    """What the coordinator decided when the save began (sent to every rank).
+
+    Attributes:
+        save_id: this save's id, also in its commit record.
+        replaces: save id of the committed checkpoint this save will replace, or None
+            when the target held none.
+    """
+
+    save_id: str
+    replaces: str | None
+
+
+def committed_save_id(location: Location) -> str | None:
+    """The save id of the checkpoint committed at ``location``, or None if there is none.
+
+    Raises:
+        CheckpointingException: the root ``zarr.json`` is not a shardstore commit record
+            (a foreign Zarr group: never ours to replace).
+    """
+    data = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_RECORD_BYTES)
+    if data is None:
+        return None
+    return CommitRecord.from_json(data, where=location.describe(COMMIT_RECORD)).save_id
+
+
+def _refuse_foreign(target: Location) -> None:
+    found = ", ".join(target.list_top(5))
+    kind = foreign_checkpoint_kind(target)
+    if kind:
+        found = f"{kind}: {found}"
+    raise CheckpointingException(
+        f"{target.describe()} is not empty and holds no committed shardstore checkpoint (found {found}); "
+        "refusing to delete anything in it. If it is another tool's checkpoint, convert it (`shardstore "
+        "convert`); if it is an "
+        "interrupted save of an older shardstore, delete it yourself. Otherwise save to an empty or new directory."
+    )
+
+
+def _marker_id(location: Location) -> str | None:
+    data = location.read_bytes_or_none(SAVE_MARKER, max_bytes=4096)
+    if data is None:
+        return None
+    try:
+        value = json.loads(data).get("save_id")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _write_marker(location: Location, save_id: str) -> None:
+    location.write_bytes(SAVE_MARKER, json.dumps({"save_id": save_id}).encode())
+
+
+def _check_target(target: Location, overwrite: bool) -> str | None:
+    """The save id the new save will replace (None: nothing committed there)."""
+    if target.is_empty():
+        return None
+    try:
+        replaces = committed_save_id(target)
+    except CheckpointingException as exc:
+        raise CheckpointingException(f"Refusing to save into {target.describe()}: {exc}") from exc
+    if replaces is None:
+        _refuse_foreign(target)
+    if not overwrite:
+        raise CheckpointingException(
+            f"{target.describe()} already holds a committed checkpoint; pass overwrite=True to replace it "
+            "(the old one stays loadable until the new one commits), or save to a new directory"
+        )
+    return replaces
+
+
+# ------------------------------------------------------------------ pending saves
+
+
+class PendingCheckpoint(DelegatingLocation):
+    """Where one save writes: its staging area (``inner``) plus how it gets published.
+
+    Every rank builds one from the coordinator's ``SaveIntent``; only the coordinator
+    calls ``commit`` or ``abandon``.
+    """
+
+    def __init__(self, target: Location, staging: Location, intent: SaveIntent) -> None:
+        super().__init__(staging)
+        self.target, self.intent = target, intent
+        self._locks: list[int] = []  # descriptors holding the staging directory's flock
+        # A save dropped without commit, abandon or release (an AsyncRequest never
+        # scheduled, a caller's exception between the stages) still lets go of its
+        # descriptors and lock once collected: the next save into the same place can then
+        # remove its files, and the file system can be unmounted.
+        self._release_when_dropped = weakref.finalize(self, _release_dropped, staging, self._locks, target.describe())
+        self._release_when_dropped.atexit = False  # the process's end closes them anyway
+
+    @property
+    def in_place(self) -> bool:
+        return self.inner is self.target
+
+    def describe(self, rel: str = "") -> str:
+        # Errors name the checkpoint the user asked for, not the staging directory.
+        return self.target.describe(rel)
+
+    def commit(self, record: CommitRecord) -> None:
+        """Coordinator: writes the commit record and publishes the checkpoint."""
+        if self.in_place:
+            self._commit_in_place(record)
+        else:
+            self._commit_by_rename(record)
+        self.release()
+
+    def abandon(self) -> None:
+        """Coordinator, after a failed save: deletes what this save wrote."""
+        try:
+            if self.in_place:
+                if _marker_id(self.target) == self.intent.save_id and committed_save_id(self.target) is None:
+                    self.target.remove_tree("")
+            else:
+                _remove_dir(self.inner.local_path())
+        finally:
+            self.release()
+
+    def hold_staging_lock(self) -> None:
+        """Coordinator: takes the staging directory's ``flock`` for as long as the save
+        runs (``release`` lets it go), so that no other save removes it as a dead one's."""
+        staging = self.inner
+        assert isinstance(staging, LocalLocation)  # only local saves stage apart from the target
+        fd = staging.hold_lock()
+        if fd is not None:
+            self._locks.append(fd)
+
+    def release(self) -> None:
+        """Every rank, once the save is over: closes what the save holds open (its
+        durability descriptor, its staging lock). Safe to call again."""
+        if self._release_when_dropped.detach() is not None:
+            _close_descriptors(self.inner, self._locks)
+
+    def _lost_race(self, current: str | None) -> CheckpointingException:
+        return CheckpointingException(
+            f"Not committing the save into {self.target.describe()}: another save committed there while it "
+            f"ran (expected {self.intent.replaces or 'no checkpoint'}, found save {current}). The other "
+            "save's checkpoint is kept; save this one again (overwrite=True) or to a new directory."
+        )
+
+    def _commit_in_place(self, record: CommitRecord) -> None:
+        current = committed_save_id(self.target)
+        if current is not None or _marker_id(self.target) != self.intent.save_id:
+            raise self._lost_race(current or f"in progress ({_marker_id(self.target)})")
+        self.target.write_atomic(COMMIT_RECORD, record.to_json())
+        self.target.remove(SAVE_MARKER)
+
+    def _commit_by_rename(self, record: CommitRecord) -> None:
+        staging, target = self.inner, self.target
+        assert isinstance(staging, LocalLocation) and isinstance(target, LocalLocation)
+        staging.write_atomic(COMMIT_RECORD, record.to_json())
+        replaced: LocalLocation | None = None
+        with target.parent_locked():
+            empty = target.is_empty()
+            current = None if empty else committed_save_id(target)
+            if current != self.intent.replaces or (not empty and current is None):
+                raise self._lost_race(current or "a directory that is not a checkpoint")
+            if current is None:
+                staging.rename_to(target, exchange=False)
+            elif staging.rename_to(target, exchange=True):
+                replaced = staging  # the old checkpoint is now at the staging path
+            else:
+                replaced = target.sibling(f".{target.root.name}{REPLACED_TAG}{current}")
+                target.rename_to(replaced, exchange=False)
+                staging.rename_to(target, exchange=False)
+            target.fsync_parent()
+        target.remove(SAVE_MARKER)
+        if replaced is not None:
+            _remove_dir(replaced.root)
+
+
+def _close_descriptors(staging: Location, locks: list[int]) -> None:
+    """Closes a save's durability descriptor (``begin_writes``) and its lock
+    descriptors, each once (``locks`` is emptied)."""
+    try:
+        staging.end_writes()
+    finally:
+        while locks:
+            os.close(locks.pop())
+
+
+def _release_dropped(staging: Location, locks: list[int], where: str) -> None:
+    logger.warning(
+        "A save into %s was dropped before it was committed or abandoned (an async save never finalized?); "
+        "closed its staging directory %s, which the next save into the same place removes",
+        where, staging.describe(),
+    )
+    _close_descriptors(staging, locks)
+
+
+def _remove_dir(path: Path | None) -> None:
+    """Deletes a directory this save owns; a failure is logged, not raised: the save's
+    outcome is already decided and the next save removes what is left."""
+    if path is None:
+        return
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("Could not remove %s (the next save into the same place will): %s", path, exc)
+
+
+def begin_save(target: Location, overwrite: bool) -> PendingCheckpoint:
+    """Coordinator: checks the target, clears dead saves' leftovers, creates the
+    staging area with its marker. Raises a CheckpointingException instead of deleting
+    anything that is not provably ours."""
+    save_id = new_save_id()
+    if isinstance(target, LocalLocation):
+        target = _resolved(target)
+        remove_dead_saves(target)
+        replaces = _check_target(target, overwrite)
+        pending = PendingCheckpoint(target, _staging_for(target, save_id), SaveIntent(save_id, replaces))
+    else:
+        target.prepare()
+        if not target.is_empty() and _marker_id(target) is not None and committed_save_id(target) is None:
+            logger.warning("Removing the leftovers of an interrupted save at %s", target.describe())
+            target.remove_tree("")
+        replaces = _check_target(target, overwrite)
+        if replaces is not None:
+            target.remove(COMMIT_RECORD)  # the documented window on object stores starts here
+            target.remove_tree("")
+        pending = PendingCheckpoint(target, target, SaveIntent(save_id, replaces))
+    with contextlib.ExitStack() as on_failure:
+        # A staging area that fails half-made (disk full while creating it or writing its
+        # marker) is removed and its descriptors and lock closed: without its marker no
+        # later save would ever recognise it as a dead save's.
+        on_failure.callback(pending.abandon)
+        if not pending.in_place:
+            pending.inner.prepare()
+            pending.hold_staging_lock()
+        pending.inner.begin_writes()
+        _write_marker(pending.inner, save_id)
+        on_failure.pop_all()
+    return pending
+
+
+def join_save(target: Location, intent: SaveIntent) -> PendingCheckpoint:
+    """Every rank but the coordinator: the pending checkpoint the coordinator began."""
+    if isinstance(target, LocalLocation):
+        target = _resolved(target)
+        pending = PendingCheckpoint(target, _staging_for(target, intent.save_id), intent)
+    else:
+        pending = PendingCheckpoint(target, target, intent)
+    pending.inner.begin_writes()
+    return pending
+
+
+def _resolved(target: LocalLocation) -> LocalLocation:
+    """``target`` with symbolic links resolved: the staging directory must be a sibling
+    of the real directory, or the rename would replace the link instead."""
+    return LocalLocation(target.root.resolve(), fsync=target.fsync)
+
+
+def _staging_for(target: LocalLocation, save_id: str) -> LocalLocation:
+    return target.sibling(f".{target.root.name}{STAGING_TAG}{save_id}")
+
+
+def remove_dead_saves(target: LocalLocation) -> list[str]:
+    """Deletes the staging directories of saves into ``target`` that died, and old
+    checkpoints left aside by an interrupted replacement. Only what is provably ours:
+    a staging directory whose marker names the save id in its name and whose lock is
+    free; a replaced directory whose commit record carries the id in its name."""
+    removed = []
+    for name in target.siblings(f".{target.root.name}{STAGING_TAG}"):
+        save_id = name.rsplit(STAGING_TAG, 1)[1]
+        candidate = target.sibling(name)
+        if _marker_id(candidate) != save_id:
+            continue
+        fd = candidate.hold_lock()
+        if fd is None:
+            continue  # a save that is still running
+        try:
+            shutil.rmtree(candidate.root)
+        finally:
+            os.close(fd)
+        removed.append(name)
+    for name in target.siblings(f".{target.root.name}{REPLACED_TAG}"):
+        candidate = target.sibling(name)
+        try:
+            if committed_save_id(candidate) == name.rsplit(REPLACED_TAG, 1)[1]:
+                shutil.rmtree(candidate.root)
+                removed.append(name)
+        except CheckpointingException:
+            continue
+    if removed:
+        logger.warning("Removed the leftovers of interrupted saves next to %s: %s", target.describe(), removed)
+    return removed

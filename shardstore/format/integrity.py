@@ -1,0 +1,371 @@
+"""Verified bytes: checksums of non-array files, and a whole-checkpoint check.
+
+Array chunks carry their own crc32c (Zarr's ``crc32c`` codec), checked by every
+reader. The other files (common state, sharded objects, ``metadata.json``) are
+checksummed in the commit record at commit time; a load reads them through
+``ChecksummedLocation``, which refuses bytes that do not match.
+
+``verify(checkpoint_dir)`` reads everything a load or a plain reader (zarr-python,
+TensorStore) would read, and checks it against the commit record: every chunk of every
+array, every listed file, every array's and group's ``zarr.json`` and the consolidated
+metadata (which the record implies, ``CommitRecord.node_documents``), and the record's
+own digest. It also lists every file under the checkpoint and flags those the record
+does not list: a file added after the commit, e.g. a ``common.pt`` copied in from
+another checkpoint. It returns a report naming each finding by key and chunk or file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shardstore._zarr_autoload import EXTENSION_METADATA
+from shardstore.errors import CheckpointingException
+from shardstore.format.chunks import ArrayChunks, ChunkStore, chunk_store_for
+from shardstore.format.config import CONFIG_FNAME
+from shardstore.format.records import (
+    COMMIT_RECORD,
+    COMMON_FILE,
+    FIRST_SEALED_VERSION,
+    MAX_RECORD_BYTES,
+    OBJECTS_DIR,
+    ArrayRecord,
+    CommitRecord,
+    check_key,
+    checksum,
+    read_commit_record,
+)
+from shardstore.progress import Tick, operation, progress_shown, tracked
+from shardstore.stores.base import DelegatingLocation, Location
+from shardstore.stores.locations import open_location
+
+logger = logging.getLogger(__name__)
+
+VERIFY_REMOTE_THREADS = 16
+# Largest array or group zarr.json read by verify (ours are about 1 KiB).
+MAX_NODE_DOCUMENT_BYTES = 2**20
+
+
+def file_checksums(location: Location, record: CommitRecord) -> dict[str, str]:
+    """Checksums of the non-array files of a checkpoint about to be committed.
+
+    Read back from storage, so what is vouched for is what is there. Every object
+    shard must exist; ``common.pt`` and ``metadata.json`` are listed when present.
+    """
+    sums = {}
+    for rel in sorted(record.expected_files()):
+        data = location.read_bytes_or_none(rel)
+        if data is None:
+            if rel.endswith(".pt") and rel != "common.pt":
+                raise CheckpointingException(f"Sharded object file {location.describe(rel)} is missing at commit")
+            continue
+        sums[rel] = checksum(data)
+    return sums
+
+
+def caller_file_checksums(location: Location, record: CommitRecord) -> dict[str, str]:
+    """Checksums of the files an in-place save's caller wrote into the checkpoint
+    before the commit: every file there that the record does not vouch for yet
+    (Megatron-Core's own ``save`` writes its sharded objects before it calls ours)."""
+    adopted = {}
+    for rel in sorted(set(location.list_files()) - record.vouched_paths()):
+        try:
+            check_key(rel, where=location.describe())  # what the record's reader accepts
+        except CheckpointingException as exc:
+            logger.warning("Not listing %s in the commit record (verify will flag it): %s", location.describe(rel), exc)
+            continue
+        adopted[rel] = checksum(location.read_bytes(rel))
+    return adopted
+
+
+def checksum_mismatch(data: bytes, expected: str) -> str | None:
+    """Why ``data`` does not match the checksum the commit record keeps for it, or None."""
+    actual = checksum(data)
+    return None if actual == expected else f"its checksum {actual} differs from {expected} in the commit record"
+
+
+class ChecksummedLocation(DelegatingLocation):
+    """A committed checkpoint's location: every read of a file the commit record could
+    vouch for (common state, sharded objects, ``metadata.json``) is checked against
+    the record, and such a file the record does not list is refused."""
+
+    def __init__(self, inner: Location, record: CommitRecord) -> None:
+        super().__init__(inner)
+        self.record = record
+        self._vouchable = record.expected_files()
+
+    def read_bytes_or_none(self, rel: str, max_bytes: int | None = None) -> bytes | None:
+        data = self.inner.read_bytes_or_none(rel, max_bytes)
+        if data is None or rel not in self._vouchable:
+            return data
+        expected = self.record.files.get(rel)
+        if expected is None and rel == CONFIG_FNAME:
+            # Megatron-Core's own save (shardstore.tools.megatron_strategy) writes metadata.json after the
+            # commit. It only names the backends; the commit record stays the authority.
+            return data
+        if expected is None:
+            raise CheckpointingException(
+                f"{self.inner.describe(rel)} is not vouched for by the commit record of {self.inner.describe()} "
+                "(added after the commit?); refusing to read it"
+            )
+        if why := checksum_mismatch(data, expected):
+            raise CheckpointingException(
+                f"Corrupt file {self.inner.describe(rel)}: {why}; restore it or load an earlier checkpoint"
+            )
+        return data
+
+
+def open_committed(checkpoint: str | os.PathLike | Location) -> ChecksummedLocation:
+    """The committed checkpoint at ``checkpoint``, its reads checked against its record
+    (one already opened so is returned as it is: its record is not read again)."""
+    location = open_location(checkpoint)
+    if isinstance(location, ChecksummedLocation):
+        return location
+    return ChecksummedLocation(location, read_commit_record(location))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One missing or corrupt object: ``key`` is the array key (or file path), ``part``
+    the chunk key (``c.0.1``; ``c/0/1`` before format version 3) or ``"file"``."""
+
+    key: str
+    part: str
+    message: str
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` found."""
+
+    checkpoint: str
+    problems: list[Problem] = field(default_factory=list)
+    arrays_checked: int = 0
+    chunks_checked: int = 0
+    files_checked: int = 0
+    bytes_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def __str__(self) -> str:
+        head = (
+            f"checkpoint {self.checkpoint}: {self.arrays_checked} arrays, {self.chunks_checked} chunks, "
+            f"{self.files_checked} files checked; "
+        )
+        if self.ok:
+            return head + "no problems"
+        lines = [f"  {p.key} [{p.part}]: {p.message}" for p in self.problems]
+        return head + f"{len(self.problems)} problem(s):\n" + "\n".join(lines)
+
+    def raise_if_damaged(self) -> None:
+        if not self.ok:
+            raise CheckpointingException(str(self))
+
+
+def verify(checkpoint_dir: str | os.PathLike | Location, progress: bool = False) -> VerifyReport:
+    """Checks every chunk of every array and every checksummed file of a checkpoint.
+
+    Never raises for damage: the report lists it (``report.ok``, ``str(report)``,
+    ``report.raise_if_damaged()``). ``progress``: a progress bar of the bytes checked,
+    on standard error.
+    """
+    location = open_location(checkpoint_dir)
+    with progress_shown(progress), operation("verify", location.describe()) as timing:
+        report = _verify(location)
+        timing.nbytes = report.bytes_checked
+    return report
+
+
+def _verify(location: Location) -> VerifyReport:
+    report = VerifyReport(location.describe())
+    try:
+        record = read_commit_record(location)
+    except CheckpointingException as exc:
+        report.problems.append(Problem(COMMIT_RECORD, "file", str(exc)))
+        return report
+    for rel, expected in sorted({**record.files, **record.external_files}.items()):
+        report.files_checked += 1
+        try:
+            data = location.read_bytes_or_none(rel)
+        except CheckpointingException as exc:
+            report.problems.append(Problem(rel, "file", str(exc)))
+            continue
+        if data is None:
+            report.problems.append(Problem(rel, "file", "missing"))
+        elif why := checksum_mismatch(data, expected):
+            report.problems.append(Problem(rel, "file", why))
+    _verify_node_documents(location, record, report)
+    _verify_consolidated(location, record, report)
+    _flag_unlisted_files(location, record, report)
+    try:
+        store = chunk_store_for(location, VERIFY_REMOTE_THREADS)
+    except CheckpointingException as exc:
+        report.problems.append(Problem("", "store", str(exc)))
+        return report
+    with tracked("verify", (a.nbytes for a in record.arrays.values())) as tick:
+        for _, array in sorted(record.arrays.items()):
+            report.arrays_checked += 1
+            _verify_array(store, array, report, tick)
+    return report
+
+
+# Fields of a Zarr v3 node document that do not change the values a reader gets.
+_DESCRIPTIVE_FIELDS = frozenset({"dimension_names", "attributes"})
+# The separator each chunk key encoding uses when its configuration names none.
+_DEFAULT_SEPARATORS = {"default": "/", "v2": "."}
+
+
+def _as_read(document: Any) -> Any:
+    """What of a node document decides the values a reader gets: descriptive fields
+    dropped, the chunk key encoding's default separator spelled out."""
+    if not isinstance(document, dict):
+        return document
+    view = {k: v for k, v in document.items() if k not in _DESCRIPTIVE_FIELDS}
+    encoding = view.get("chunk_key_encoding")
+    if isinstance(encoding, dict) and encoding.get("name") in _DEFAULT_SEPARATORS:
+        separator = (encoding.get("configuration") or {}).get("separator", _DEFAULT_SEPARATORS[encoding["name"]])
+        view["chunk_key_encoding"] = {"name": encoding["name"], "configuration": {"separator": separator}}
+    return view
+
+
+def _document_problem(stored: Any, expected: dict[str, Any]) -> str | None:
+    """How a stored Zarr metadata document differs, in what a reader reads, from the
+    one the record implies."""
+    stored, expected = _as_read(stored), _as_read(expected)
+    if stored == expected:
+        return None
+    if not isinstance(stored, dict):
+        return f"it holds a {type(stored).__name__}, not a Zarr metadata document"
+    fields = sorted(k for k in stored.keys() | expected.keys() if stored.get(k) != expected.get(k))
+    shown = "; ".join(f"{k}: {stored.get(k)!r} where the record says {expected.get(k)!r}" for k in fields[:3])
+    return (
+        f"it differs from the commit record ({shown}), so zarr-python and TensorStore would read "
+        "other values than load returns; restore it from a copy or save the checkpoint again"
+    )
+
+
+def _read_document(location: Location, rel: str, bound: int) -> Any:
+    data = location.read_bytes_or_none(rel, max_bytes=bound)
+    if data is None:
+        raise CheckpointingException("missing")
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise CheckpointingException(f"not valid JSON: {exc}") from exc
+
+
+def _verify_node_documents(location: Location, record: CommitRecord, report: VerifyReport) -> None:
+    """Every array's and group's ``zarr.json``, as plain readers open them."""
+    for rel, expected in sorted(record.node_documents().items()):
+        report.files_checked += 1
+        try:
+            stored = _read_document(location, rel, MAX_NODE_DOCUMENT_BYTES)
+        except (CheckpointingException, OSError) as exc:
+            report.problems.append(Problem(rel, "metadata", str(exc)))
+            continue
+        if why := _document_problem(stored, expected):
+            report.problems.append(Problem(rel, "metadata", why))
+
+
+def _verify_consolidated(location: Location, record: CommitRecord, report: VerifyReport) -> None:
+    """The root's consolidated metadata, which zarr-python reads instead of the nodes'
+    own documents (a version 4 record's digest already covers it; older ones have none).
+
+    Its ``metadata`` must list every group and every array of a core data type, and
+    ``EXTENSION_METADATA`` the arrays of extension data types (bfloat16, float8), each
+    with the document the record implies. Checkpoints saved before that split list the
+    latter in ``metadata`` too (zarr-python without shardstore could not open them at all);
+    such a listing is what their save wrote, so it is checked, not flagged."""
+    try:
+        root = _read_document(location, COMMIT_RECORD, MAX_RECORD_BYTES)
+    except (CheckpointingException, OSError) as exc:
+        report.problems.append(Problem(COMMIT_RECORD, "consolidated", str(exc)))
+        return
+    consolidated = root.get("consolidated_metadata") if isinstance(root, dict) else None
+    stored = consolidated.get("metadata") if isinstance(consolidated, dict) else None
+    stored_extension = consolidated.get(EXTENSION_METADATA, {}) if isinstance(consolidated, dict) else None
+    if not isinstance(stored, dict):
+        report.problems.append(Problem(COMMIT_RECORD, "consolidated", "no consolidated metadata: zarr-python lists no arrays"))
+        return
+    if not isinstance(stored_extension, dict):
+        report.problems.append(Problem(COMMIT_RECORD, "consolidated", f"its {EXTENSION_METADATA} is not a JSON object"))
+        return
+    expected, expected_extension = record.consolidated_metadata()
+    every_node = stored.keys() | stored_extension.keys() | expected.keys() | expected_extension.keys()
+    for node in sorted(every_node):
+        if node in expected_extension:
+            found = [part[node] for part in (stored_extension, stored) if node in part]
+            problems = (_document_problem(document, expected_extension[node]) for document in found)
+            why = next(filter(None, problems), None) if found else (
+                "missing: zarr-python would not list this array, even with shardstore installed")
+        elif node not in expected:
+            why = "a node the commit record does not list: plain readers would show it"
+        elif node in stored_extension:
+            why = "listed with the arrays of extension data types, which zarr-python with shardstore reads instead"
+        elif node not in stored:
+            why = "missing: zarr-python would not list this array or group"
+        else:
+            why = _document_problem(stored[node], expected[node])
+        if why:
+            report.problems.append(Problem(COMMIT_RECORD, f"consolidated {node}", why))
+
+
+def _flag_unlisted_files(location: Location, record: CommitRecord, report: VerifyReport) -> None:
+    """Files under the checkpoint that its save did not write. Megatron-Core's own save
+    writes ``metadata.json`` after the commit (it only names the backends), so an
+    unlisted one is expected. Records before format 4 did not list what the caller of an
+    in-place save wrote (Megatron's own object shards): there, only the files a load
+    reads and would refuse (``common.pt``, our object shards) are flagged."""
+    try:
+        found = location.list_files()
+    except OSError as exc:
+        report.problems.append(Problem("", "listing", f"cannot list the checkpoint's files: {exc}"))
+        return
+    unlisted = set(found) - record.vouched_paths() - {CONFIG_FNAME}
+    if record.format_version < FIRST_SEALED_VERSION:
+        unlisted = {rel for rel in unlisted if _read_by_a_loader(rel, record)}
+    for rel in sorted(unlisted):
+        report.problems.append(Problem(
+            rel, "file",
+            "not listed by the commit record, so its save did not write it (added after the commit, or by "
+            "another program); a plain reader or a later load may pick it up. Find out what wrote it; if "
+            "nothing should have, move it out of the checkpoint or restore the checkpoint from a copy",
+        ))
+
+
+def _read_by_a_loader(rel: str, record: CommitRecord) -> bool:
+    """Whether a load or a plain reader would pick ``rel`` up: the common state, an
+    object shard of ours, anything inside one of the record's arrays, a node document."""
+    return (
+        rel == COMMON_FILE
+        or rel.startswith(f"{OBJECTS_DIR}/")
+        or rel.rsplit("/", 1)[-1] == COMMIT_RECORD
+        or any(rel.startswith(f"{key}/") for key in record.arrays)
+    )
+
+
+def _verify_array(store: ChunkStore, array: ArrayRecord, report: VerifyReport, tick: Tick | None) -> None:
+    chunks = ArrayChunks.of(store, array)
+    try:
+        buffer = np.empty(array.chunk_shape, chunks.dtype)
+    except MemoryError:
+        report.problems.append(Problem(array.key, "all", f"chunk shape {array.chunk_shape} too large to check here"))
+        return
+    for index in array.chunk_indices():
+        report.chunks_checked += 1
+        try:
+            chunks.file(index).read_into(buffer)
+        except Exception as exc:  # every failure is a finding, reported by chunk
+            report.problems.append(Problem(array.key, array.chunk_key(index), str(exc)))
+            continue
+        nbytes = array.chunk_nbytes(index)
+        report.bytes_checked += nbytes
+        if tick:
+            tick(nbytes)

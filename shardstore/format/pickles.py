@@ -1,0 +1,324 @@
+"""Every unpickling shardstore does, in one place, each admitting exact names only.
+
+Two kinds of pickle reach shardstore:
+
+* ``torch.save`` archives: our own ``common.pt`` and ShardedObject shards, Megatron's
+  ``common.pt`` and ShardedObjects, the tensor chunks and byte items of PyTorch DCP
+  ``.distcp`` files, and ``.pt`` files given to ``shardstore convert``. They are read by
+  ``load_torch`` / ``load_torch_file``: ``torch.load(weights_only=True)``, torch's own
+  restricted machine, with ``COMMON_STATE_GLOBALS`` added (numpy arrays, dtypes and
+  scalars, ``argparse.Namespace``: what trainers keep beside their tensors) through
+  ``torch.serialization.safe_globals``, which matches the exact ``module.qualname``
+  of each. A global added with torch's own ``add_safe_globals`` is admitted too.
+* raw pickles: PyTorch DCP's ``.metadata`` (also inside Megatron's torch_dist
+  checkpoints). torch's machine cannot read them (they use protocol 4's
+  STACK_GLOBAL), so ``RestrictedUnpickler`` does, admitting ``DCP_METADATA_GLOBALS``.
+
+An allow-list (``AllowList``) maps exact ``module.qualname`` strings to objects. A
+name is looked up, never resolved: no import, no attribute walk (a dotted name such as
+``torch.distributed.checkpoint.metadata`` + ``os.system`` names nothing on the list),
+no module prefixes. The restricted machine also refuses what torch's refuses: calling
+(REDUCE, NEWOBJ, NEWOBJ_EX, OBJ, INST) anything not on the list, BUILD on anything but
+a new instance of a listed class that NEWOBJ made in this load (so no class, module or
+shared object such as an enum member is ever modified), and persistent ids. EXT codes
+resolve through the same lookup.
+
+Only ``allow_unsafe_pickle=True`` (``TorchCommonLoadStrategy``), for checkpoints the
+caller trusts, loads arbitrary pickles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copyreg
+import enum
+import io
+import os
+import pickle
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+from shardstore.errors import CheckpointingException
+
+UNSAFE_OPT_IN = "common_strategy=TorchCommonLoadStrategy(allow_unsafe_pickle=True)"
+
+
+def qualified_name(obj: Any) -> str:
+    """``module.qualname`` of a class or function: the name a pickle refers to it by."""
+    return f"{obj.__module__}.{obj.__qualname__}"
+
+
+@dataclass(frozen=True)
+class AllowList:
+    """The globals one kind of pickle may name: exact ``module.qualname`` -> object.
+
+    ``classes`` are the types whose instances BUILD may fill (``__setstate__`` or their
+    ``__dict__``); everything else on the list may only be called or referred to.
+    """
+
+    names: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, objects: Iterable[Any], aliases: Mapping[str, Any] | None = None) -> AllowList:
+        """A list of ``objects`` under their own qualified names, plus ``aliases``
+        (a pickled name that loads as a stand-in object)."""
+        names = {qualified_name(obj): obj for obj in objects}
+        names.update(aliases or {})
+        return cls(names)
+
+    @property
+    def classes(self) -> frozenset[type]:
+        return frozenset(obj for obj in self.names.values() if isinstance(obj, type))
+
+    def lookup(self, module: str, name: str) -> Any:
+        try:
+            return self.names[f"{module}.{name}"]
+        except (KeyError, TypeError):
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name}: it is not on the allow-list") from None
+
+
+def _numpy_globals() -> list[Any]:
+    """What unpickling numpy arrays, dtypes and scalars needs, and nothing that runs code."""
+    try:
+        from numpy._core.multiarray import _reconstruct, scalar
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct, scalar  # type: ignore[no-redef]
+    dtype_classes = {type(np.dtype(t)) for t in np.sctypeDict.values() if t is not np.object_}
+    return [_reconstruct, scalar, np.ndarray, np.dtype, *sorted(dtype_classes, key=qualified_name)]
+
+
+# torch.save archives: added to torch's own weights_only list.
+COMMON_STATE_GLOBALS = AllowList.of([*_numpy_globals(), argparse.Namespace])
+
+
+
+class InertRecord:
+    """Stands in for a class of the saving library that DCP metadata pickles but no
+    reader needs (Megatron-Core >= 0.12 keeps its ``MCoreSavePlan`` objects in
+    ``all_local_plans``): it takes the pickled attributes and has no behaviour."""
+
+
+def _dcp_metadata_globals() -> AllowList:
+    """DCP's metadata classes, as its ``.metadata`` pickles them (torch 2.4 to 2.13),
+    and the few builtins they hold."""
+    from torch.distributed.checkpoint import filesystem, metadata, planner
+
+    dcp_classes = [
+        metadata.Metadata,
+        metadata.MetadataIndex,
+        metadata.StorageMeta,
+        metadata.TensorProperties,
+        metadata.TensorStorageMetadata,
+        metadata.BytesStorageMetadata,
+        metadata.ChunkStorageMetadata,
+        metadata._MEM_FORMAT_ENCODING,
+        planner.SavePlan,
+        planner.WriteItem,
+        planner.WriteItemType,
+        planner.TensorWriteData,
+        filesystem._StorageInfo,
+    ]
+    builtins = [OrderedDict, set, frozenset, slice, PosixPath, PurePosixPath, WindowsPath, PureWindowsPath, Path]
+    dtypes = {f"torch.{name}": value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+    layouts = {"torch.serialization._get_layout": torch.serialization._get_layout, "torch.Size": torch.Size}
+    inert = {"megatron.core.dist_checkpointing.strategies.torch.MCoreSavePlan": InertRecord}
+    return AllowList.of([*dcp_classes, *builtins], {**dtypes, **layouts, **inert})
+
+
+DCP_METADATA_GLOBALS = _dcp_metadata_globals()
+
+
+class RestrictedUnpickler(pickle._Unpickler):
+    """A pickle machine that admits the globals of one ``AllowList`` and nothing else.
+
+    Built on the pure-Python unpickler so that each opcode that can reach a callable,
+    or change an existing object, is checked here (the C one calls BUILD on any object
+    on its stack, including a class, whose attributes it would then overwrite).
+    """
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, file: BinaryIO, allowed: AllowList) -> None:
+        super().__init__(file)
+        self._allowed = allowed
+        self._callables = {id(obj) for obj in allowed.names.values() if callable(obj)}
+        self._classes = allowed.classes
+        # what NEWOBJ made in this load, the only objects BUILD fills (kept alive, so no id is reused)
+        self._made: list[Any] = []
+        self._made_ids: set[int] = set()
+
+    def find_class(self, module: str, name: str) -> Any:
+        return self._allowed.lookup(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("refusing a persistent id: this pickle may not refer to outside objects")
+
+    def _check_callable(self, func: Any, opcode: str) -> None:
+        if id(func) not in self._callables:
+            raise pickle.UnpicklingError(f"refusing {opcode} on {type(func).__name__}: not on the allow-list")
+
+    def _load_reduce(self) -> None:
+        self._check_callable(self.stack[-2], "REDUCE")
+        pickle._Unpickler.load_reduce(self)
+
+    def _load_newobj(self) -> None:
+        self._check_callable(self.stack[-2], "NEWOBJ")
+        pickle._Unpickler.load_newobj(self)
+        self._made_here(self.stack[-1])
+
+    def _load_newobj_ex(self) -> None:
+        self._check_callable(self.stack[-3], "NEWOBJ_EX")
+        pickle._Unpickler.load_newobj_ex(self)
+        self._made_here(self.stack[-1])
+
+    def _made_here(self, obj: Any) -> None:
+        self._made.append(obj)
+        self._made_ids.add(id(obj))
+
+    def _instantiate(self, klass: Any, args: list[Any]) -> None:  # INST and OBJ
+        self._check_callable(klass, "INST/OBJ")
+        pickle._Unpickler._instantiate(self, klass, args)
+
+    def get_extension(self, code: int) -> None:
+        """EXT1/2/4: the registry's name, looked up like any global (never the
+        process-wide ``copyreg._extension_cache``, which another unpickler may have filled)."""
+        key = copyreg._extension_registry.get(code)
+        if not key:
+            raise pickle.UnpicklingError(f"refusing the unregistered extension code {code}")
+        self.append(self.find_class(*key))
+
+    def _load_build(self) -> None:
+        """BUILD fills only an instance of a listed class that NEWOBJ made in this very
+        load: a class, a module, or an object a constructor may hand out shared (an
+        enum member, which ``WriteItemType(1)`` returns) is never changed."""
+        target = self.stack[-2]
+        if type(target) not in self._classes or id(target) not in self._made_ids or isinstance(target, enum.Enum):
+            raise pickle.UnpicklingError(
+                f"refusing BUILD on {type(target).__name__}: only new instances of listed classes may be filled"
+            )
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.REDUCE[0]] = _load_reduce
+    dispatch[pickle.NEWOBJ[0]] = _load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
+    dispatch[pickle.BUILD[0]] = _load_build
+
+
+def load_restricted(data: bytes, allowed: AllowList, where: str, what: str) -> Any:
+    """A raw pickle, admitting only ``allowed``; any refusal or damage is a
+    ``CheckpointingException`` naming ``where`` and saying it is not valid ``what``."""
+    try:
+        return RestrictedUnpickler(io.BytesIO(data), allowed).load()
+    except Exception as exc:  # a malformed or hostile pickle: every failure is the file's
+        raise CheckpointingException(f"{where} is not valid {what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _torch_load_errors(where: str, load: Callable[[], Any]) -> Any:
+    """``load()`` (a weights_only ``torch.load``) with its failures named and explained."""
+    try:
+        with torch.serialization.safe_globals(list(COMMON_STATE_GLOBALS.names.values())):
+            return load()
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        if "weights_only" in text or "Weights only" in text or "Unsupported" in text:
+            refused = _REFUSED_GLOBAL.search(text)
+            name = _public_name(refused.group(1)) if refused else ""
+            what = f"{name}, which" if refused else "objects that"
+            admit = f"torch.serialization.add_safe_globals([{name}]) or " if refused else ""
+            raise CheckpointingException(
+                f"{where} holds {what} a safe load refuses (unpickling could run code): "
+                f"{_torch_reason(text)}. If you trust this checkpoint, admit it with {admit}load with "
+                f"{UNSAFE_OPT_IN}."
+            ) from exc
+        raise CheckpointingException(f"{where} is corrupt: {exc}") from exc
+    except (RuntimeError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError) as exc:
+        raise CheckpointingException(f"{where} is corrupt or truncated: {type(exc).__name__}: {exc}") from exc
+
+
+# How torch names what its weights_only machine refused.
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+# Modules whose classes pickles name by their C implementation's module, and the module
+# a user imports them from (``_io.BytesIO`` is ``io.BytesIO``): the advice names what the
+# user can write. A plain string map: nothing named by a file is ever imported.
+_PUBLIC_MODULES = {"_io": "io"}
+
+
+def _public_name(qualified: str) -> str:
+    module, _, name = qualified.rpartition(".")
+    return f"{_PUBLIC_MODULES[module]}.{name}" if module in _PUBLIC_MODULES else qualified
+
+
+def _torch_reason(text: str) -> str:
+    """The line of a weights_only error that says what was refused (torch's message
+    starts with a generic, colour-coded paragraph)."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in text.splitlines()]
+    specific = [line for line in lines if "Unsupported" in line or "GLOBAL" in line or "unsupported" in line]
+    reason = (specific or [line for line in lines if line] or ["refused"])[0]
+    return reason.split(". Please")[0].rstrip(".")  # our message says what to do instead
+
+
+def load_torch(data: bytes, where: str) -> Any:
+    """A ``torch.save`` archive held in memory, loaded safely (see the module docstring)."""
+    return _torch_load_errors(where, lambda: torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+
+
+def load_torch_file(path: str | os.PathLike, where: str | None = None) -> Any:
+    """A ``torch.save`` file, memory-mapped where its format allows, loaded safely."""
+    where = where or str(path)
+
+    def load() -> Any:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):  # the legacy (non-zip) format cannot be mapped
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)
+
+    return _torch_load_errors(where, load)
+
+
+def serialize(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def deserialize(data: bytes, where: str, allow_unsafe_pickle: bool) -> Any:
+    """Unpickles ``data`` safely unless the caller opted in to arbitrary pickles."""
+    if not allow_unsafe_pickle:
+        return load_torch(data, where)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except Exception as exc:  # the caller trusts the file, but it may still be damaged
+        raise CheckpointingException(f"{where} is corrupt or truncated: {type(exc).__name__}: {exc}") from exc
+
+
+def deserialize_dict(data: bytes, where: str, allow_unsafe_pickle: bool) -> dict[str, Any]:
+    """``deserialize`` of a common state, which must be a dict."""
+    state = deserialize(data, where, allow_unsafe_pickle)
+    if not isinstance(state, dict):
+        raise CheckpointingException(f"{where} holds a {type(state).__name__}, expected a dict")
+    return state
+
+
+__all__ = [
+    "COMMON_STATE_GLOBALS",
+    "DCP_METADATA_GLOBALS",
+    "AllowList",
+    "InertRecord",
+    "RestrictedUnpickler",
+    "deserialize",
+    "deserialize_dict",
+    "load_restricted",
+    "load_torch",
+    "load_torch_file",
+    "serialize",
+]
+

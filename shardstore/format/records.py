@@ -1,0 +1,744 @@
+"""The on-disk format (version 4): array metadata, group nodes and the commit record.
+
+A checkpoint is one Zarr v3 group::
+
+    <checkpoint>/zarr.json        root group, written LAST: the commit record
+    <checkpoint>/metadata.json    backends that wrote it (shardstore.core)
+    <checkpoint>/common.pt        non-sharded state
+    <checkpoint>/<key>/zarr.json  one Zarr v3 array per ShardedTensor key (the GLOBAL tensor)
+    <checkpoint>/<key>/c.i.j      its chunks, crc32c on each (``c/i/j`` before version 3)
+    <checkpoint>/__objects__/...  ShardedObjects, one file per shard
+
+The root ``zarr.json`` carries ``attributes.shardstore`` (our record, read by
+``load``) and Zarr consolidated metadata (read by zarr-python), so one read lists every
+array. zarr-python parses every document of the consolidated metadata when it opens the
+group, and without shardstore it knows no bfloat16 or float8: one such array there made
+the whole checkpoint unreadable to it, float32 arrays included. So the consolidated
+``metadata`` lists the groups and the arrays of Zarr's core data types only; the arrays
+of extension data types are listed beside it, under ``EXTENSION_METADATA``, where plain
+zarr-python does not look and shardstore's zarr plug-in (``shardstore._zarr_autoload``)
+finds them. Each array's own ``zarr.json`` names its data type as TensorStore writes it
+(``"bfloat16"``), for every reader.
+
+Everything read back is validated here: a malformed record gives a
+``CheckpointingException`` that names the checkpoint, never a crash or a huge allocation.
+
+The record binds every byte a reader uses: chunks are listed with their crc32c, the
+other files (``common.pt``, objects, ``metadata.json``) with theirs, and every array's
+and group's ``zarr.json`` and the consolidated metadata are derived from the record
+(``CommitRecord.node_documents``), so ``verify`` compares them with what is stored.
+From version 4 the record carries its own digest, ``record_digest``: the crc32c of the
+root ``zarr.json`` exactly as written, taken while the digest's own value read
+``crc32c:00000000`` (``seal_record``). Any change to that file, to the record or to the
+consolidated metadata, is found whenever the record is read, for one crc32c pass over
+its bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import crc32c
+
+from shardstore._zarr_autoload import EXTENSION_METADATA
+from shardstore.errors import CheckpointingException
+from shardstore.format.config import CONFIG_FNAME
+from shardstore.format.dtypes import from_zarr_name
+from shardstore.stores.base import LocalLocation, Location, NameLimits
+
+FORMAT_VERSION = 4
+# Versions this shardstore reads. Version 1 records carry no save id and no chunk
+# checksums: their chunks are checked by their own crc32c only. Versions 1 and 2 name
+# chunks ``c/1/0`` (a directory per axis but the last), version 3 ``c.1.0`` (files in
+# the array's directory: one directory per tensor instead of two or three). Version 4
+# adds the record's own digest (``record_digest``); earlier records have none.
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
+FIRST_SEALED_VERSION = 4
+RECORD_DIGEST = "record_digest"
+# The digest as it stands in the file while the digest is computed (see seal_record).
+UNSEALED_DIGEST = "crc32c:00000000"
+CHUNK_SEPARATOR = "."
+# The data types of the Zarr v3 core specification: every Zarr implementation reads them.
+# shardstore's others (bfloat16, float8_e4m3fn, float8_e5m2) are extension data types
+# that zarr-python 3.1 only knows once shardstore is installed; TensorStore knows them.
+CORE_DATA_TYPES = frozenset({
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
+})
+LEGACY_CHUNK_SEPARATOR = "/"
+ZARR_JSON = "zarr.json"
+COMMIT_RECORD = ZARR_JSON
+COMMON_FILE = "common.pt"
+OBJECTS_DIR = "__objects__"
+# A save in progress (shardstore.format.commit): its marker file, naming its save id, and the
+# names of its staging directory and of a replaced checkpoint set aside, next to the target.
+SAVE_MARKER = ".shardstore-save.json"
+# Written into a checkpoint before the manager deletes it (``shardstore.tools.manager``): proves
+# that a directory without a commit record is one of ours being deleted.
+DELETION_MARKER = ".shardstore-deleting.json"
+STAGING_TAG = ".shardstore-save-"
+REPLACED_TAG = ".shardstore-replaced-"
+
+# Upper bounds that a record read back must respect (hostile-input guard).
+MAX_NDIM = 32
+MAX_ELEMENTS = 2**62
+MAX_CHUNK_BYTES = 2**34  # one chunk is read into memory whole; 16 GiB is far above any we write
+# Largest commit record read (a crc32c per chunk: about 11 bytes each in JSON).
+MAX_RECORD_BYTES = 2**30
+# Chunks of one array in a format-1 record, which lists no checksums to pay for them.
+MAX_UNBOUND_CHUNKS = 2**24
+
+
+def _library_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shardstore")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class ArrayRecord:
+    """One global array: what its ``zarr.json`` says, in shardstore's terms.
+
+    Attributes:
+        key: the ShardedTensor key, also the array's path in the group.
+        shape: global shape, in elements.
+        dtype: Zarr v3 data type name (``bfloat16``, ``float32``, ...).
+        chunk_shape: regular chunk grid, aligned with the sharding grid of the save.
+        chunk_crcs: crc32c of every chunk, in C order over the grid, as the chunk's
+            writer reported it at the save (None: not bound, format version 1).
+        chunk_separator: of the chunk keys (Zarr's default encoding): ``.`` since format
+            version 3, ``/`` before.
+        flattened_block: for an array saved from flattened ranges (the distributed
+            optimizer's ``from_rank_offsets_flat``), the shape of the N-D blocks those
+            ranges were cut from (1 on prepended axes); None for an array saved from
+            whole blocks or irregular cuts, and in records written before it was kept.
+            Only ``strategies.resharding`` and ``load_tensors_metadata`` read it: the
+            array itself is the global tensor either way.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunk_shape: tuple[int, ...]
+    chunk_crcs: tuple[int, ...] | None = None
+    chunk_separator: str = CHUNK_SEPARATOR
+    flattened_block: tuple[int, ...] | None = None
+
+    def chunk_key(self, index: tuple[int, ...]) -> str:
+        """The key of chunk ``index`` inside the array: ``c.1.0`` (``c`` for a 0-d array)."""
+        return chunk_key(index, self.chunk_separator)
+
+    @property
+    def chunk_count(self) -> int:
+        return math.prod(self.chunk_grid)
+
+    @property
+    def itemsize(self) -> int:
+        return from_zarr_name(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def chunk_grid(self) -> tuple[int, ...]:
+        """Chunks along each axis (the regular grid tiles the array, edge chunks padded)."""
+        return tuple(-(-n // c) for n, c in zip(self.shape, self.chunk_shape))
+
+    def chunk_nbytes(self, index: tuple[int, ...]) -> int:
+        """Bytes of the array inside chunk ``index`` (edge chunks hold less than a
+        whole chunk's worth)."""
+        extent = (min(c, n - i * c) for n, c, i in zip(self.shape, self.chunk_shape, index))
+        return math.prod(extent) * self.itemsize
+
+    def chunk_indices(self) -> Iterator[tuple[int, ...]]:
+        """Every chunk of the array: each is stored (none is left out as fill value)."""
+        return itertools.product(*(range(g) for g in self.chunk_grid))
+
+    def zarr_metadata(self) -> dict[str, Any]:
+        """The array's ``zarr.json`` document, as TensorStore would write it."""
+        itemsize = self.itemsize
+        bytes_codec: dict[str, Any] = {"name": "bytes"}
+        if itemsize > 1:
+            bytes_codec["configuration"] = {"endian": "little"}
+        return {
+            "zarr_format": 3,
+            "node_type": "array",
+            "shape": list(self.shape),
+            "data_type": self.dtype,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.chunk_shape)}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": self.chunk_separator}},
+            "fill_value": False if self.dtype == "bool" else (0 if _is_integer(self.dtype) else 0.0),
+            "codecs": [bytes_codec, {"name": "crc32c"}],
+            "dimension_names": self.dimension_names(),
+        }
+
+    def dimension_names(self) -> list[str]:
+        """One name per axis, unique to the array (``fc1.0``, ``fc1.1``): xarray needs
+        names to open a Zarr v3 array, and arrays of one group must not share a name
+        for axes of different sizes."""
+        base = self.key.rsplit("/", 1)[-1]
+        return [f"{base}.{axis}" for axis in range(len(self.shape))]
+
+    def to_summary(self) -> dict[str, Any]:
+        summary: dict[str, Any] = {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "chunk_shape": list(self.chunk_shape),
+            "chunk_grid": list(self.chunk_grid),
+        }
+        if self.flattened_block is not None:
+            summary["flattened_block"] = list(self.flattened_block)
+        if self.chunk_crcs is not None:
+            summary["chunk_crc32c"] = list(self.chunk_crcs)
+        return summary
+
+    def with_chunk_crcs(self, crcs: dict[tuple[int, ...], int], where: str) -> ArrayRecord:
+        """This record bound to the crc32c its writers reported for each chunk.
+
+        Raises:
+            CheckpointingException: a chunk no rank reported (missing).
+        """
+        missing = [index for index in self.chunk_indices() if index not in crcs]
+        if missing:
+            raise CheckpointingException(
+                f"{where}: no rank wrote chunk(s) {missing[:5]} of array {self.key!r}; not committing"
+            )
+        return replace(self, chunk_crcs=tuple(crcs[index] for index in self.chunk_indices()))
+
+    @classmethod
+    def from_summary(
+        cls, key: str, summary: Any, where: str, bound: bool = True, separator: str = CHUNK_SEPARATOR
+    ) -> ArrayRecord:
+        if not isinstance(summary, dict):
+            raise CheckpointingException(f"{where}: record of array {key!r} is not an object")
+        shape = _int_tuple(summary.get("shape"), f"{where}: shape of {key!r}", minimum=0)
+        chunk_shape = _int_tuple(summary.get("chunk_shape"), f"{where}: chunk shape of {key!r}", minimum=1)
+        if len(shape) != len(chunk_shape):
+            raise CheckpointingException(
+                f"{where}: array {key!r} has shape {shape} but chunk shape {chunk_shape}"
+            )
+        if math.prod(shape) > MAX_ELEMENTS:
+            raise CheckpointingException(f"{where}: array {key!r} has an absurd shape {shape}")
+        try:
+            from_zarr_name(summary.get("dtype"))
+        except TypeError as exc:
+            raise CheckpointingException(f"{where}: array {key!r}: {exc}") from exc
+        flattened_block = None
+        if summary.get("flattened_block") is not None:
+            flattened_block = _int_tuple(summary["flattened_block"], f"{where}: flattened block of {key!r}", minimum=0)
+            if len(flattened_block) != len(shape) or any(b > n for b, n in zip(flattened_block, shape)):
+                raise CheckpointingException(
+                    f"{where}: array {key!r} of shape {shape} names a flattened block {flattened_block} that does "
+                    "not fit it"
+                )
+        record = cls(key, shape, summary["dtype"], chunk_shape, chunk_separator=separator,
+                     flattened_block=flattened_block)
+        if list(record.chunk_grid) != summary.get("chunk_grid"):
+            raise CheckpointingException(
+                f"{where}: array {key!r}: chunk grid {summary.get('chunk_grid')!r} does not tile shape "
+                f"{shape} in chunks of {chunk_shape} (expected {list(record.chunk_grid)})"
+            )
+        if math.prod(chunk_shape) * record.itemsize > MAX_CHUNK_BYTES:
+            raise CheckpointingException(f"{where}: array {key!r} has an absurd chunk shape {chunk_shape}")
+        if not bound:
+            if record.chunk_count > MAX_UNBOUND_CHUNKS:
+                raise CheckpointingException(f"{where}: array {key!r} has an absurd chunk grid {record.chunk_grid}")
+            return record
+        # The record must list a crc32c for every chunk, so a grid of 2**31 chunks needs
+        # a record of gigabytes (refused by its size bound) before anything iterates it.
+        crcs = summary.get("chunk_crc32c")
+        if not isinstance(crcs, list) or len(crcs) != record.chunk_count:
+            raise CheckpointingException(
+                f"{where}: array {key!r} must list a crc32c for each of its {record.chunk_count} chunks"
+            )
+        # Checked in bulk (type set, min, max) rather than crc by crc: 2.5 instead of 4.3 us
+        # per array of 64 chunks, on every rank of every load (the record lists every chunk).
+        if crcs and (set(map(type, crcs)) != {int} or min(crcs) < 0 or max(crcs) >= 2**32):
+            raise CheckpointingException(f"{where}: array {key!r} has malformed chunk checksums")
+        return replace(record, chunk_crcs=tuple(crcs))
+
+
+def chunk_key(index: tuple[int, ...], separator: str = CHUNK_SEPARATOR) -> str:
+    """Zarr v3's default chunk key encoding: ``c.1.0`` (``c/1/0`` with the ``/`` separator
+    of formats 1 and 2; ``c`` for a 0-d array)."""
+    return separator.join(["c", *map(str, index)])
+
+
+def _is_integer(zarr_name: str) -> bool:
+    return zarr_name.startswith(("int", "uint"))
+
+
+def _int_tuple(value: Any, what: str, minimum: int) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_NDIM:
+        raise CheckpointingException(f"{what} must be a list of at most {MAX_NDIM} integers, got {value!r}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value):
+        raise CheckpointingException(f"{what} must hold integers >= {minimum}, got {value!r}")
+    return tuple(value)
+
+
+def group_metadata(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A group's ``zarr.json`` document."""
+    return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
+
+
+MAX_KEY_LENGTH = 1024
+MAX_SEGMENT_LENGTH = 255
+# Names no segment of a key being written may take: the metadata document of every Zarr
+# group and array; and, as the first segment, the checkpoint's own files (``__objects__``
+# is refused as ``__``-prefixed, the save machinery's names as ``.``-prefixed).
+RESERVED_NAMES = frozenset({ZARR_JSON})
+RESERVED_ROOT_NAMES = {CONFIG_FNAME: "backend metadata", COMMON_FILE: "common state"}
+
+
+def check_key(
+    key: Any, where: str | None = None, storage: NameLimits | None = None, files: tuple[str, ...] = ()
+) -> None:
+    """Rejects keys that could escape the checkpoint or clash with the format.
+
+    A key is a ``/``-separated path inside the checkpoint. Refused: non-strings, empty
+    segments (so no leading, trailing or double ``/``), ``.`` and ``..``, segments
+    starting with ``__`` (reserved for shardstore), backslashes, NUL and other control
+    characters, and absurd lengths.
+
+    ``storage``: the key is about to be written there (a save), so it must also name
+    files that cannot collide with the format's own or fail to be created. Refused then:
+    ``zarr.json`` as any segment, ``metadata.json`` and ``common.pt`` as the first,
+    segments starting with ``.`` (the save machinery's marker and temporary files, other
+    tools' metadata such as DCP's ``.metadata``), segments over 255 bytes of UTF-8; and
+    ``files`` (the key's files, relative to the checkpoint) whose name or path is longer
+    than ``storage`` takes. Reading checks without ``storage``: what an older version
+    committed stays readable (on S3 nothing collides with ``common.pt/zarr.json``), and a
+    key read back only has to stay inside the checkpoint.
+    """
+    context = f" in {where}" if where else ""
+
+    def fail(reason: str) -> None:
+        raise CheckpointingException(f"Invalid checkpoint key {key!r}{context}: {reason}")
+
+    if not isinstance(key, str):
+        fail("keys must be strings")
+    if len(key) > MAX_KEY_LENGTH:
+        fail(f"longer than {MAX_KEY_LENGTH} characters")
+    if any(ord(ch) < 32 for ch in key):
+        fail("contains NUL or another control character")
+    if "\\" in key:
+        fail("contains a backslash")
+    segments = key.split("/")
+    for segment in segments:
+        if segment == "":
+            fail("has an empty path segment (leading, trailing or double '/')")
+        if segment in (".", ".."):
+            fail(f"has a {segment!r} path segment")
+        if segment.startswith("__"):
+            fail("has a segment starting with '__' (reserved for shardstore)")
+        if len(segment) > MAX_SEGMENT_LENGTH:
+            fail(f"has a path segment longer than {MAX_SEGMENT_LENGTH} characters")
+    if storage is not None and (reason := _unstorable(key, segments, storage, files)):
+        fail(reason)
+
+
+def _unstorable(key: str, segments: list[str], storage: NameLimits, files: tuple[str, ...]) -> str | None:
+    """Why a key (already checked as safe) cannot be written to ``storage``, with what to
+    do about it; None if it can."""
+    try:
+        key.encode()
+    except UnicodeEncodeError:
+        return "is not valid Unicode text (it holds a lone surrogate); rename the key"
+    if segments[0] in RESERVED_ROOT_NAMES:
+        return (f"{segments[0]!r} is the name of the checkpoint's own file of the "
+                f"{RESERVED_ROOT_NAMES[segments[0]]}, which the key's files would collide with; rename the key")
+    for segment in segments:
+        if segment in RESERVED_NAMES:
+            return (f"{segment!r} is the name of the metadata document of every Zarr group and array, which "
+                    "the key's files would collide with; rename the key")
+        if segment.startswith("."):
+            return (f"has a segment starting with '.' ({segment!r}): such names are kept for the save's own "
+                    "marker and temporary files and for other tools' metadata; rename the key")
+        if (size := len(segment.encode())) > MAX_SEGMENT_LENGTH:
+            return (f"has a path segment of {size} bytes in UTF-8, longer than the {MAX_SEGMENT_LENGTH} bytes "
+                    "a name may have; shorten the key")
+    for rel in files:
+        if storage.max_path_bytes is not None and (size := len(rel.encode())) > storage.max_path_bytes:
+            return (f"its file {rel!r} would have a path of {size} bytes, more than the {storage.max_path_bytes} "
+                    f"left by {storage.path_limit}; shorten the key (or save to a shorter path)")
+        name = max(len(n.encode()) for n in rel.split("/"))
+        if storage.max_name_bytes is not None and name > storage.max_name_bytes:
+            return (f"its file {rel!r} would have a name of {name} bytes, longer than the "
+                    f"{storage.max_name_bytes} bytes a file name may have there; shorten the key")
+    return None
+
+
+def array_group_collisions(keys: list[str]) -> list[str]:
+    """Keys that cannot all live in one Zarr hierarchy: ``a`` and ``a/b`` would make
+    ``a`` both an array and the group holding ``b`` (the second save would write its
+    chunks inside the first's array). One message per clash, naming both keys."""
+    arrays = set(keys)
+    return [
+        f"{group!r} is both an array and the group of {key!r}"
+        for key in sorted(arrays)
+        for group in parent_groups([key])
+        if group in arrays
+    ]
+
+
+def parent_groups(keys: list[str]) -> list[str]:
+    """Every intermediate group path implied by ``/`` in the keys, parents first."""
+    groups = set()
+    for key in keys:
+        parts = key.split("/")
+        for i in range(1, len(parts)):
+            groups.add("/".join(parts[:i]))
+    return sorted(groups, key=lambda g: (g.count("/"), g))
+
+
+@dataclass(frozen=True)
+class ObjectRecord:
+    """Where a ShardedObject's shards are: its key and the unique keys of its shards."""
+
+    key: str
+    shard_keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """What the root ``zarr.json`` vouches for: a complete checkpoint.
+
+    Attributes:
+        arrays: every ShardedTensor key's array record.
+        objects: every ShardedObject key with its shards' unique keys.
+        world_size: ranks that saved it (informational).
+        format_version: shardstore format version.
+        library_version: shardstore version that wrote it.
+        created: UNIX time of the commit, in seconds.
+        files: checksum (``checksum()``) of every non-array file: the common state,
+            sharded objects and ``metadata.json``, by relative path.
+        save_id: the save that committed it (``shardstore.format.commit``); a save that
+            replaces a checkpoint checks this id before it publishes.
+        external_files: checksum of every file the caller of an in-place save wrote
+            into the checkpoint before the commit (Megatron-Core's own ``save`` writes
+            its sharded objects there itself), by relative path. shardstore never reads
+            them; ``verify`` checks them like its own.
+    """
+
+    arrays: dict[str, ArrayRecord]
+    objects: dict[str, ObjectRecord] = field(default_factory=dict)
+    world_size: int = 1
+    format_version: int = FORMAT_VERSION
+    library_version: str = field(default_factory=_library_version)
+    created: float = field(default_factory=time.time)
+    files: dict[str, str] = field(default_factory=dict)
+    save_id: str = ""
+    external_files: dict[str, str] = field(default_factory=dict)
+
+    def expected_files(self) -> set[str]:
+        """The non-array files a record may vouch for: nothing else, and nothing outside
+        the checkpoint."""
+        shard_keys = {k for o in self.objects.values() for k in o.shard_keys}
+        return {CONFIG_FNAME, COMMON_FILE} | {object_path(k) for k in shard_keys}
+
+    def node_documents(self) -> dict[str, dict[str, Any]]:
+        """Every Zarr node's metadata document the record implies, by the relative path
+        of its ``zarr.json`` (the root's excepted): each array's and each group's. The
+        consolidated metadata holds the same documents by node path, split in two
+        (``consolidated_metadata``)."""
+        documents: dict[str, dict[str, Any]] = {
+            f"{g}/{ZARR_JSON}": group_metadata() for g in parent_groups(list(self.arrays))
+        }
+        documents.update({f"{k}/{ZARR_JSON}": a.zarr_metadata() for k, a in self.arrays.items()})
+        return documents
+
+    def consolidated_metadata(self) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+        """Zarr's consolidated metadata, every node's document by its path, in two parts:
+        the groups and the arrays of core data types, which every zarr-python parses (its
+        ``metadata``), and the arrays of extension data types (``EXTENSION_METADATA``
+        beside it), which zarr-python without shardstore cannot parse and so must not
+        find where it parses everything at once."""
+        suffix = len(ZARR_JSON) + 1
+        core: dict[str, dict[str, Any]] = {}
+        extension: dict[str, dict[str, Any]] = {}
+        for path, document in sorted(self.node_documents().items()):
+            is_extension = document["node_type"] == "array" and document["data_type"] not in CORE_DATA_TYPES
+            (extension if is_extension else core)[path[:-suffix]] = document
+        return core, extension
+
+    def vouched_paths(self) -> set[str]:
+        """Every file a committed checkpoint holds: the record, the files it lists, the
+        node documents and every chunk. Anything else was not written by its save."""
+        paths = {COMMIT_RECORD, *self.files, *self.external_files, *self.node_documents()}
+        for key, array in self.arrays.items():
+            paths.update(f"{key}/{array.chunk_key(index)}" for index in array.chunk_indices())
+        return paths
+
+    def to_root_metadata(self) -> dict[str, Any]:
+        """The root group's ``zarr.json``: our record plus Zarr consolidated metadata
+        (from version 4, with the digest still unsealed: see ``to_json``)."""
+        sealed = {RECORD_DIGEST: UNSEALED_DIGEST} if self.format_version >= FIRST_SEALED_VERSION else {}
+        attributes = {
+            "shardstore": {
+                **sealed,
+                "format_version": self.format_version,
+                "save_id": self.save_id,
+                "library_version": self.library_version,
+                "created": self.created,
+                "world_size": self.world_size,
+                "arrays": {k: a.to_summary() for k, a in sorted(self.arrays.items())},
+                "objects": {k: list(o.shard_keys) for k, o in sorted(self.objects.items())},
+                "files": dict(sorted(self.files.items())),
+                **({"external_files": dict(sorted(self.external_files.items()))} if self.external_files else {}),
+            }
+        }
+        root = group_metadata(attributes)
+        core, extension = self.consolidated_metadata()
+        root["consolidated_metadata"] = {
+            "kind": "inline",
+            "must_understand": False,
+            "metadata": core,
+            **({EXTENSION_METADATA: extension} if extension else {}),
+        }
+        return root
+
+    def to_json(self) -> bytes:
+        """The root ``zarr.json`` as written, sealed from version 4."""
+        data = json.dumps(self.to_root_metadata(), separators=(",", ":")).encode()
+        return seal_record(data) if self.format_version >= FIRST_SEALED_VERSION else data
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> CommitRecord:
+        try:
+            root = json.loads(data)
+        except ValueError as exc:
+            raise CheckpointingException(f"{where}: the commit record is not valid JSON: {exc}") from exc
+        attributes = root.get("attributes") if isinstance(root, dict) else None
+        record = attributes.get("shardstore") if isinstance(attributes, dict) else None
+        if not isinstance(record, dict):
+            raise CheckpointingException(
+                f"{where} is a Zarr group but not a shardstore checkpoint (no attributes.shardstore)"
+            )
+        version = record.get("format_version")
+        if version not in READABLE_FORMAT_VERSIONS:
+            raise CheckpointingException(
+                f"{where}: checkpoint format version {version!r} is not supported "
+                f"(this shardstore reads versions {list(READABLE_FORMAT_VERSIONS)}); upgrade shardstore"
+            )
+        if version >= FIRST_SEALED_VERSION and (why := _seal_mismatch(data, record.get(RECORD_DIGEST))):
+            raise CheckpointingException(
+                f"{where}: the commit record is damaged or was edited ({why}); restore it from a copy, "
+                "or load an earlier checkpoint"
+            )
+        arrays_json = record.get("arrays")
+        objects_json = record.get("objects", {})
+        if not isinstance(arrays_json, dict) or not isinstance(objects_json, dict):
+            raise CheckpointingException(f"{where}: 'arrays' and 'objects' must be JSON objects")
+        arrays = {}
+        for key, summary in arrays_json.items():
+            check_key(key, where=where)
+            separator = CHUNK_SEPARATOR if version >= 3 else LEGACY_CHUNK_SEPARATOR
+            arrays[key] = ArrayRecord.from_summary(key, summary, where, bound=version >= 2, separator=separator)
+        if clashes := array_group_collisions(list(arrays)):
+            raise CheckpointingException(f"{where}: the record names clashing keys: {clashes[0]}")
+        objects = {}
+        for key, shard_keys in objects_json.items():
+            check_key(key, where=where)
+            if not isinstance(shard_keys, list) or not all(isinstance(s, str) for s in shard_keys):
+                raise CheckpointingException(f"{where}: shards of object {key!r} must be a list of strings")
+            for shard_key in shard_keys:
+                check_key(shard_key, where=where)
+            objects[key] = ObjectRecord(key, tuple(shard_keys))
+        world_size = record.get("world_size", 1)
+        created = record.get("created", 0.0)
+        save_id = record.get("save_id")
+        if version >= 2 and (not isinstance(save_id, str) or not save_id.isalnum() or len(save_id) > 64):
+            raise CheckpointingException(f"{where}: malformed save id {save_id!r}")
+        result = cls(
+            arrays=arrays,
+            objects=objects,
+            world_size=world_size if isinstance(world_size, int) else 1,
+            format_version=version,
+            library_version=str(record.get("library_version", "unknown")),
+            created=float(created) if isinstance(created, (int, float)) else 0.0,
+            save_id=save_id if version >= 2 else f"legacy{int(created) if isinstance(created, (int, float)) else 0}",
+        )
+        files = record.get("files", {})
+        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+            raise CheckpointingException(f"{where}: 'files' must map paths to checksums")
+        unexpected = sorted(set(files) - result.expected_files())
+        if unexpected:
+            raise CheckpointingException(f"{where}: the record lists unexpected files {unexpected[:5]}")
+        external = record.get("external_files", {})
+        if not isinstance(external, dict) or not all(isinstance(v, str) for v in external.values()):
+            raise CheckpointingException(f"{where}: 'external_files' must map paths to checksums")
+        for path in external:
+            check_key(path, where=where)
+        return replace(result, files=dict(files), external_files=dict(external))
+
+
+def _sealed_token(digest: str) -> bytes:
+    return json.dumps({RECORD_DIGEST: digest}, separators=(",", ":"))[1:-1].encode()
+
+
+def seal_record(data: bytes) -> bytes:
+    """The record ``data`` (its digest ``UNSEALED_DIGEST``, the first in the file) with
+    the digest set to the crc32c of ``data``."""
+    unsealed = _sealed_token(UNSEALED_DIGEST)
+    if data.count(unsealed) != 1:
+        raise AssertionError("a record to seal holds its unsealed digest exactly once")
+    return data.replace(unsealed, _sealed_token(checksum(data)), 1)
+
+
+def _seal_mismatch(data: bytes, digest: Any) -> str | None:
+    """Why the record ``data`` does not carry its own digest ``digest``, or None."""
+    if not isinstance(digest, str) or not digest.startswith("crc32c:") or len(digest) != len(UNSEALED_DIGEST):
+        return f"its {RECORD_DIGEST} {digest!r} is missing or malformed"
+    sealed = _sealed_token(digest)
+    if data.count(sealed) != 1:
+        return f"its {RECORD_DIGEST} does not stand once in the file as written"
+    actual = checksum(data.replace(sealed, _sealed_token(UNSEALED_DIGEST), 1))
+    return None if actual == digest else f"its bytes' digest is {actual}, the record says {digest}"
+
+
+def checksum(data: bytes) -> str:
+    """The checksum the commit record keeps for a non-array file."""
+    return f"crc32c:{crc32c.crc32c(data):08x}"
+
+
+def object_path(shard_key: str) -> str:
+    """Relative path of a ShardedObject shard's file."""
+    return f"{OBJECTS_DIR}/{shard_key}.pt"
+
+
+def is_committed(location: Location) -> bool:
+    return location.exists(COMMIT_RECORD)
+
+
+def read_commit_record(location: Location) -> CommitRecord:
+    """The checkpoint's commit record; without one, an error that says what is there
+    instead: nothing, an unfinished save, another tool's checkpoint, or no checkpoint at
+    all (a file, a Hugging Face model, any other directory), which no save finishes."""
+    local = location.local_path()
+    if local is not None and local.exists() and not local.is_dir():
+        raise CheckpointingException(
+            f"{location.describe()} is a file, not a checkpoint directory (one holding {COMMIT_RECORD}); "
+            f"to make a checkpoint of a torch.save or safetensors file: `shardstore convert {location.describe()} "
+            "<new directory>`"
+        )
+    try:
+        data = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_RECORD_BYTES)
+    except OSError as exc:
+        raise CheckpointingException(f"Cannot read the commit record of {location.describe()}: {exc}") from exc
+    if data is None:
+        if location.is_empty():
+            unfinished = unfinished_saves(location)
+            if unfinished:
+                raise CheckpointingException(
+                    f"No committed checkpoint at {location.describe()}: a save into it is incomplete "
+                    f"(unfinished: {unfinished[:3]}); load an earlier checkpoint or save again"
+                )
+            if local is not None and not local.exists():  # Megatron-Core's words, which its users match
+                raise CheckpointingException(f"Checkpoint directory {location.describe()} does not exist")
+            raise CheckpointingException(
+                f"No checkpoint at {location.describe()}: the checkpoint directory is empty"
+                + ("" if local is not None else " (no object under this prefix)")
+            )
+        foreign = foreign_checkpoint_kind(location)
+        if foreign:
+            how = (
+                "`load` and the metadata queries read it as it is; to verify it or keep it in shardstore's "
+                f"format, convert it: `shardstore convert {location.describe()} <new directory>`"
+                if location.exists(".metadata") or foreign == MEGATRON_ZARR_KIND
+                else "load it with the tool that wrote it (megatron.core.dist_checkpointing)"
+            )
+            raise CheckpointingException(
+                f"{location.describe()} is not a shardstore checkpoint: it is {foreign}. {how}"
+            )
+        names = location.list_top(None)
+        if not _holds_save_files(location, names):
+            raise CheckpointingException(_not_a_checkpoint(location.describe(), names))
+        raise CheckpointingException(
+            f"Checkpoint at {location.describe()} is incomplete: it has no commit record "
+            f"({COMMIT_RECORD}), so its save did not finish. Load an earlier checkpoint, "
+            "or save again into this directory."
+        )
+    return CommitRecord.from_json(data, where=location.describe(COMMIT_RECORD))
+
+
+MEGATRON_ZARR_KIND = "a Megatron-Core zarr checkpoint (Zarr v2 arrays)"
+
+
+def _holds_save_files(location: Location, names: list[str]) -> bool:
+    """Whether a directory without a commit record holds what a shardstore save writes
+    into it before that record (an in-place save: S3, Megatron's plug-in) or what the
+    manager leaves while deleting one; one holding none of it is no checkpoint at all."""
+    ours = {SAVE_MARKER, DELETION_MARKER, COMMON_FILE, OBJECTS_DIR}
+    return bool(ours.intersection(names)) or _sharded_backend(location) == "shardstore"
+
+
+def _not_a_checkpoint(where: str, names: list[str]) -> str:
+    """What a directory that is no checkpoint holds, and what to do with it."""
+    weights = [n for n in names if n.endswith(".safetensors")]
+    if weights or "config.json" in names:
+        kind = "a Hugging Face model directory" if "config.json" in names else "a directory of safetensors files"
+        listed = ", ".join([n for n in ("config.json",) if n in names] + weights[:2])
+        how = f"; `shardstore convert {where} <new directory>` imports its weights" if weights else ""
+        return f"{where} is {kind} ({listed}), not a shardstore checkpoint{how}"
+    found = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return (
+        f"{where} is not a shardstore checkpoint: it holds no commit record ({COMMIT_RECORD}) nor any file a "
+        f"save writes ({found}); name a checkpoint directory, one holding {COMMIT_RECORD}"
+    )
+
+
+def _sharded_backend(location: Location) -> str | None:
+    """The backend ``metadata.json`` names, or None (no such file, or not a config)."""
+    try:
+        config = json.loads(location.read_bytes_or_none(CONFIG_FNAME, max_bytes=2**20) or b"null")
+    except (ValueError, OSError):
+        return None
+    backend = config.get("sharded_backend") if isinstance(config, dict) else None
+    return backend if isinstance(backend, str) else None
+
+
+def foreign_checkpoint_kind(location: Location) -> str | None:
+    """What another tool's checkpoint at ``location`` is, or None if it looks like none.
+
+    Megatron-Core writes ``metadata.json`` naming its backend: ``torch_dist`` (PyTorch
+    DCP files plus ``.metadata``) or ``zarr`` (Zarr v2 arrays, ``<key>/.zarray``); plain
+    PyTorch DCP writes ``.metadata`` alone.
+    """
+    backend = _sharded_backend(location)
+    entries = location.list_top(20)
+    # shardstore's own first checkpoints also named the backend "zarr", but they are a
+    # Zarr v3 group (a root zarr.json); Megatron's are Zarr v2 arrays without one
+    if backend == "zarr" and not location.exists(COMMIT_RECORD):
+        return MEGATRON_ZARR_KIND
+    if backend is not None and backend not in ("zarr", "shardstore"):
+        return f"a Megatron-Core {backend!r} checkpoint"
+    if backend is None and ".metadata" in entries:
+        return "a PyTorch DCP checkpoint"
+    return None
+
+
+def unfinished_saves(location: Location) -> list[str]:
+    """Staging directories of saves into ``location`` that have not published (local
+    file systems; running or dead)."""
+    path = location.local_path()
+    if path is None:
+        return []
+    try:
+        return LocalLocation(path, fsync=False).siblings(f".{path.name}{STAGING_TAG}")
+    except OSError:  # an unreadable parent: only the error message loses this detail
+        return []
+
+
+def write_commit_record(location: Location, record: CommitRecord) -> None:
+    """Writes the root ``zarr.json`` atomically: from now on the checkpoint exists."""
+    location.write_atomic(COMMIT_RECORD, record.to_json())

@@ -1,0 +1,82 @@
+"""Megatron-Core's mapping objects as input: converted to shardstore's, once, at the API.
+
+Real Megatron model code (``GPTModel.sharded_state_dict()``, the distributed
+optimizer's) builds ``megatron.core.dist_checkpointing.mapping`` objects. ``save``,
+``load`` and the queries call ``convert_foreign`` first, so every layer below sees
+only shardstore's classes. Objects are recognised by their module and class name, so
+megatron-core is never imported (it stays optional) and any version with the same
+fields converts: 0.14 (flattened ranges) through 0.16.
+
+What converts: ``ShardedTensor`` (every field; an irregular grid, which Megatron 0.16
+uses for distributed-optimizer buffers, is stored as a flattened range, see
+``shardstore.inputs.irregular``), ``ShardedObject``, ``LocalNonpersistentObject``, and
+``ShardedTensorFactory`` (its ``build_fn`` output is converted in turn, its
+``merge_fn`` receives the loaded tensors as Megatron's would). PyTorch's DTensors
+convert here too (``shardstore.inputs.dtensors``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from shardstore.dict_utils import dict_list_map_inplace
+from shardstore.inputs.dtensors import with_dtensors_converted
+from shardstore.inputs.irregular import irregular_as_flat, is_irregular
+from shardstore.mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+
+FOREIGN_MODULES = ("megatron.core.dist_checkpointing",)
+
+
+def _is_foreign(value: Any, name: str) -> bool:
+    cls = type(value)
+    return cls.__name__ == name and cls.__module__.startswith(FOREIGN_MODULES)
+
+
+def _fields(value: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """The dataclass fields of ``value`` that shardstore's class also has."""
+    present = {f.name for f in dataclasses.fields(value)} if dataclasses.is_dataclass(value) else set(vars(value))
+    return {n: getattr(value, n) for n in names if n in present}
+
+
+_TENSOR_FIELDS = tuple(f.name for f in dataclasses.fields(ShardedTensor))
+_OBJECT_FIELDS = tuple(f.name for f in dataclasses.fields(ShardedObject))
+
+
+def convert_one(value: Any) -> Any:
+    """shardstore's equivalent of one Megatron mapping object (others unchanged); a
+    ShardedTensor on an irregular grid (ours or Megatron's) becomes the factory that
+    stores it as a flattened range (``shardstore.inputs.irregular``)."""
+    if _is_foreign(value, "ShardedTensor"):
+        value = ShardedTensor(**_fields(value, _TENSOR_FIELDS))
+    if isinstance(value, ShardedTensor) and is_irregular(value):
+        return irregular_as_flat(value)
+    if _is_foreign(value, "ShardedObject"):
+        return ShardedObject(**_fields(value, _OBJECT_FIELDS))
+    if _is_foreign(value, "LocalNonpersistentObject"):
+        return LocalNonpersistentObject(value.obj)
+    if _is_foreign(value, "ShardedTensorFactory"):
+        build = value.build_fn
+
+        def build_converted(*args: Any) -> Any:
+            return convert_foreign(build(*args))
+
+        return ShardedTensorFactory(
+            value.key, value.data, build_converted, value.merge_fn, value.replica_id,
+            getattr(value, "flattened_range", None),
+        )
+    return value
+
+
+def convert_foreign(state_dict: Any) -> Any:
+    """Converts, in place, every Megatron mapping object in a nested state dict, after
+    DTensors became factories keyed by their fully qualified names
+    (``shardstore.inputs.dtensors``, which copies the containers that hold them instead).
+
+    Returns the state dict (a bare mapping object is converted and returned)."""
+    return dict_list_map_inplace(convert_one, with_dtensors_converted(state_dict))

@@ -1,0 +1,158 @@
+"""What shardstore reads of a checkpoint another tool wrote, whatever its format.
+
+``ForeignCheckpoint`` is the interface the readers of other formats implement
+(``dcp_reader.DcpCheckpoint``: PyTorch DCP and Megatron-Core torch_dist;
+``megatron_zarr_reader.MegatronZarrCheckpoint``: Megatron-Core's deprecated zarr
+backend) and that ``strategies.foreign`` (``load`` and the queries at any layout) and
+``convert`` (import into shardstore's format) use. A reader never executes code from
+the checkpoint: pickled values load through ``shardstore.format.pickles`` (exact allow-lists), and every file is
+opened as a regular file inside the checkpoint (no symbolic links out of it, no FIFOs
+or devices), its byte ranges checked against its size.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardstore.errors import CheckpointingException
+from shardstore.format.pickles import deserialize_dict, load_torch
+from shardstore.format.records import COMMON_FILE
+from shardstore.stores.base import StorageError, open_regular_file
+
+
+@dataclass(frozen=True)
+class ForeignTensor:
+    """A tensor of a foreign checkpoint: its global shape and dtype; each reader's
+    subclass says how it is chunked."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        """The shape of every saved chunk, or () where they differ."""
+        return ()
+
+    @property
+    def chunk_count(self) -> int:
+        """How many chunks hold it."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how it is chunked")
+
+
+class ForeignCheckpoint(ABC):
+    """A checkpoint directory of another tool, opened for reading.
+
+    Attributes:
+        path: the directory.
+        kind: the checkpoint's backend name (``"torch_dist"``, ``"dcp"``, ``"zarr"``).
+        tensors: every tensor by key (``ForeignTensor`` or a subclass).
+        items: the keys of its non-tensor items (Megatron's ShardedObject shards by
+            their unique key, ``<key>/shard_<offset>_<shape>``, or a plain DCP's values).
+    """
+
+    path: Path
+    kind: str
+    tensors: dict[str, ForeignTensor]
+    items: dict[str, Any]
+
+    @abstractmethod
+    def read_region(self, key: str, region: tuple[slice, ...]) -> torch.Tensor:
+        """The part ``region`` of the global tensor ``key``; a part the checkpoint does
+        not hold is an error."""
+
+    @abstractmethod
+    def read_item(self, key: str) -> Any:
+        """A non-tensor item, loaded with ``weights_only=True``."""
+
+    def read_tensor(self, key: str) -> torch.Tensor:
+        """The whole global tensor ``key``."""
+        return self.read_region(key, tuple(slice(0, n) for n in self.tensors[key].shape))
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor, whole, one at a time (sorted by key)."""
+        for key in sorted(self.tensors):
+            yield key, self.read_tensor(key)
+
+    def common_state(self) -> dict[str, Any]:
+        """Megatron's ``common.pt`` (weights_only), or {} where there is none."""
+        data = self.read_file(COMMON_FILE, missing_ok=True, what="the common state")
+        if data is None:
+            return {}
+        return deserialize_dict(data, str(self.path / COMMON_FILE), allow_unsafe_pickle=False)
+
+    def file_size(self, rel: str, what: str) -> int | None:
+        """The size of the regular file ``rel`` from ``lstat``, nothing opened or read:
+        what bounds a read before anything is allocated (a reader never trusts the
+        sizes its metadata claims). None where it is missing; a symbolic link,
+        directory or special file is refused. ``what``: for the error messages."""
+        try:
+            info = os.lstat(self.path / rel)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise CheckpointingException(f"{self.path}: cannot inspect {rel!r}, holding {what}: {exc}") from exc
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointingException(
+                f"{self.path}: refusing to read {what} from {rel!r}: not a regular file "
+                "(a symbolic link, directory or special file)"
+            )
+        return info.st_size
+
+    def read_bounded(self, rel: str, max_bytes: int, what: str) -> bytes:
+        """The whole file ``rel``, refused before it is read when it is missing or
+        larger than ``max_bytes`` (a metadata file: it is parsed whole)."""
+        size = self.file_size(rel, what)
+        if size is None:
+            raise CheckpointingException(f"{self.path}: {rel!r}, holding {what}, is missing")
+        if size > max_bytes:
+            raise CheckpointingException(f"{self.path / rel}, holding {what}, is larger than {max_bytes} bytes")
+        return self.read_file(rel, 0, size, what=what)
+
+    def read_file(
+        self, rel: str, offset: int = 0, length: int | None = None, missing_ok: bool = False, what: str = "data"
+    ) -> bytes | None:
+        """Bytes ``[offset, offset + length)`` of the file ``rel`` (the rest of it when
+        ``length`` is None), read safely; None for a missing file when ``missing_ok``.
+        ``what``: what the bytes are, for the error messages (e.g. the tensor's key)."""
+        try:
+            fd = open_regular_file(self.path, self.path / rel)
+        except StorageError as exc:
+            raise CheckpointingException(f"{self.path}: refusing to read {what} from {rel!r}: {exc}") from exc
+        if fd is None:
+            if missing_ok:
+                return None
+            raise CheckpointingException(f"{self.path}: {rel!r}, holding {what}, is missing")
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            stop = size if length is None else offset + length
+            if offset < 0 or stop < offset or stop > size:
+                raise CheckpointingException(
+                    f"{self.path / rel}: {what} at bytes [{offset}, {stop}) lies outside the {size}-byte file"
+                )
+            f.seek(offset)
+            return f.read(stop - offset)
+
+    def load_pickled(self, data: bytes, what: str) -> Any:
+        """A ``torch.save`` value from ``data``, loaded safely (``shardstore.format.pickles``)."""
+        return load_torch(data, f"{what} of {self.path}")
+
+
+__all__ = ["ForeignCheckpoint", "ForeignTensor"]

@@ -1,0 +1,306 @@
+"""The global layout of a save or load and the chunk grid derived from it. Pure functions.
+
+Every rank contributes the metadata (never the data) of its shards; the coordinator
+alone holds the ``GlobalLayout`` and plans from it (``shardstore.protocol.stages``,
+``shardstore.planning.plans``):
+
+* the chunk grid of every array is aligned with the sharding grid (the chunk shape
+  divides every shard boundary), so every chunk lies inside one main-replica shard and
+  has exactly ONE writer; chunks are further split to stay under ``max_chunk_bytes``;
+* flattened ranges (distributed optimizer) use chunks that are contiguous in the
+  flattened block, so a rank writes the chunks inside its range directly, and the few
+  chunks that straddle a range boundary are assembled by the rank holding their first
+  element from pieces its neighbours send (``FlatChunk``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from itertools import product
+
+from shardstore.format.chunks import Region
+from shardstore.format.dtypes import from_torch, from_zarr_name
+from shardstore.mapping import ShardedObject, ShardedTensor, is_main_replica
+
+
+def block_shape(tensor: ShardedTensor) -> tuple[int, ...]:
+    """The extent of a ShardedTensor's block in the global tensor: its (non-flat) local
+    shape with a unit axis for every prepended axis."""
+    return (1,) * tensor.prepend_axis_num + tuple(tensor.local_shape)
+
+
+def region_at(offset: tuple[int, ...], extent: tuple[int, ...]) -> Region:
+    """The box of ``extent`` elements starting at ``offset``."""
+    return tuple(slice(o, o + e) for o, e in zip(offset, extent))
+
+
+def region_shape(region: Region) -> tuple[int, ...]:
+    """The extent of ``region`` along each axis."""
+    return tuple(s.stop - s.start for s in region)
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """Metadata of one ShardedTensor of one rank, as all ranks see it after the gather.
+
+    Attributes:
+        key: the global tensor's key.
+        rank: the rank holding it (in the save's process group).
+        index: its position in that rank's list of ShardedTensors.
+        dtype: Zarr v3 data type name (``"bfloat16"``, ``"float32"``, ...).
+        global_shape: shape of the global tensor.
+        offset: offset of the block in the global tensor, every axis.
+        block_shape: extent of the block, every axis (1 on prepended axes).
+        flat_range: ``(start, stop)`` within the flattened block, or None.
+        main: True for the main replica (the one that writes).
+        allow_shape_mismatch: see ShardedTensor.
+        irregular: on no regular grid (``axis_fragmentations=None``): an uneven DTensor
+            block, or an irregular shard given to the storage core as a flattened range
+            of the whole tensor (``shardstore.inputs.irregular``), which is no flattened
+            range the caller cut from a block.
+    """
+
+    key: str
+    rank: int
+    index: int
+    dtype: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    block_shape: tuple[int, ...]
+    flat_range: tuple[int, int] | None
+    main: bool
+    allow_shape_mismatch: bool = False
+    irregular: bool = False
+
+    @classmethod
+    def from_sharded_tensor(cls, tensor: ShardedTensor, rank: int, index: int) -> ShardRecord:
+        flat = tensor.flattened_range
+        return cls(
+            key=tensor.key,
+            rank=rank,
+            index=index,
+            dtype=from_torch(tensor.dtype).zarr_name,
+            global_shape=tuple(tensor.global_shape),
+            offset=tuple(tensor.global_offset),
+            block_shape=block_shape(tensor),
+            flat_range=None if flat is None else (flat.start, flat.stop),
+            main=is_main_replica(tensor.replica_id),
+            allow_shape_mismatch=tensor.allow_shape_mismatch,
+            irregular=tensor.axis_fragmentations is None,
+        )
+
+    @property
+    def region(self) -> Region:
+        return region_at(self.offset, self.block_shape)
+
+    @property
+    def block_volume(self) -> int:
+        return math.prod(self.block_shape)
+
+    @property
+    def block_id(self) -> tuple:
+        """What replicas of one block have in common."""
+        return (self.key, self.offset, self.block_shape, self.flat_range)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this shard holds (its flat range, or its whole block)."""
+        volume = self.block_volume if self.flat_range is None else self.flat_range[1] - self.flat_range[0]
+        return volume * from_zarr_name(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class ObjectShardRecord:
+    """Metadata of one ShardedObject of one rank."""
+
+    key: str
+    unique_key: str
+    rank: int
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    main: bool
+
+    @classmethod
+    def from_sharded_object(cls, obj: ShardedObject, rank: int) -> ObjectShardRecord:
+        return cls(
+            obj.key, obj.unique_key, rank, tuple(obj.global_shape), tuple(obj.global_offset),
+            is_main_replica(obj.replica_id),
+        )
+
+
+@dataclass(frozen=True)
+class GlobalLayout:
+    """Every rank's shards, grouped by key. Identical on every rank after the gather."""
+
+    tensors: dict[str, list[ShardRecord]]
+    objects: dict[str, list[ObjectShardRecord]]
+    world_size: int
+
+    @classmethod
+    def from_gathered(
+        cls, per_rank: list[tuple[list[ShardRecord], list[ObjectShardRecord]]]
+    ) -> GlobalLayout:
+        tensors: dict[str, list[ShardRecord]] = defaultdict(list)
+        objects: dict[str, list[ObjectShardRecord]] = defaultdict(list)
+        for rank_tensors, rank_objects in per_rank:
+            for t in rank_tensors:
+                tensors[t.key].append(t)
+            for o in rank_objects:
+                objects[o.key].append(o)
+        return cls(dict(tensors), dict(objects), len(per_rank))
+
+    def main_shards(self, key: str) -> list[ShardRecord]:
+        return [r for r in self.tensors[key] if r.main]
+
+    def main_nbytes(self) -> int:
+        """Bytes of tensor data the checkpoint holds (each main shard once)."""
+        total = 0
+        for shards in self.tensors.values():
+            elements = sum(r.block_volume if r.flat_range is None else r.flat_range[1] - r.flat_range[0]
+                           for r in shards if r.main)
+            total += elements * from_zarr_name(shards[0].dtype).itemsize  # one dtype per key (validated)
+        return total
+
+
+def balance_writers(layout: GlobalLayout) -> GlobalLayout:
+    """Fully-parallel save: each replicated block is written by one of its replicas,
+    chosen so that every rank writes about the same number of bytes.
+
+    Without this, every replicated tensor is written by its main replica (replica_id 0),
+    which in a TP x DP job is the same few ranks. Blocks with one holder count first;
+    then ``pick_balanced``. Replicas must hold equal data, as replication means.
+    """
+    replicas: dict[tuple, list[ShardRecord]] = defaultdict(list)
+    for shards in layout.tensors.values():
+        for s in shards:
+            replicas[s.block_id].append(s)
+    replicated = [g for g in replicas.values() if len(g) > 1 and any(s.main for s in g)]
+    if not replicated:  # every block has one holder: nothing to choose
+        return layout
+    load = [0] * layout.world_size
+    for s in (s for group in replicas.values() if len(group) == 1 for s in group if s.main):
+        load[s.rank] += s.nbytes
+    writers = {w.block_id: w for w in pick_balanced(replicated, load)}
+    tensors = {
+        key: [replace(s, main=writers[b] is s) if (b := s.block_id) in writers else s for s in shards]
+        for key, shards in layout.tensors.items()
+    }
+    return GlobalLayout(tensors, layout.objects, layout.world_size)
+
+
+def pick_balanced(groups: list[list[ShardRecord]], load: list[int]) -> list[ShardRecord]:
+    """One member of each group (in the groups' order), so that the ranks' byte counts
+    stay even: greedy, largest group first, to the member whose rank has the fewest
+    bytes so far (ties: lowest rank). ``load``: bytes each rank already has; updated.
+    A pure function of its input (the groups' order included)."""
+    chosen: dict[int, ShardRecord] = {}
+    order = sorted(range(len(groups)), key=lambda i: -groups[i][0].nbytes)  # stable: ties in the groups' order
+    for i in order:
+        member = min(groups[i], key=lambda s: (load[s.rank], s.rank))
+        load[member.rank] += member.nbytes
+        chosen[i] = member
+    return [chosen[i] for i in range(len(groups))]
+
+
+@dataclass(frozen=True)
+class FlatChunk:
+    """A chunk of a flattened tensor that straddles the ranges of several ranks.
+
+    Attributes:
+        key: array key.
+        region: the chunk's region in the global array.
+        writer: rank that assembles and writes it (holder of its first element).
+        pieces: ``(rank, index, local_start, local_stop, chunk_start)``: rank ``rank``
+            contributes ``data[local_start:local_stop]`` of its ShardedTensor number
+            ``index`` at flat position ``chunk_start`` of the chunk.
+    """
+
+    key: str
+    region: Region
+    writer: int
+    pieces: tuple[tuple[int, int, int, int, int], ...]
+
+    @property
+    def volume(self) -> int:
+        return math.prod(s.stop - s.start for s in self.region)
+
+
+@dataclass(frozen=True)
+class DirectFlatWrite:
+    """A chunk lying wholly in one rank's flat range: ``data[local_start:local_stop]`` of
+    that rank's ShardedTensor number ``index``."""
+
+    key: str
+    index: int
+    region: Region
+    local_start: int
+    local_stop: int
+    rank: int
+
+
+def chunk_shape_for(
+    main_shards: list[ShardRecord], global_shape: tuple[int, ...], itemsize: int, max_chunk_bytes: int
+) -> tuple[int, ...]:
+    """The chunk shape of an array: aligned with every shard boundary, bounded in bytes.
+
+    Along each axis the chunk size divides every shard start (their gcd), so no chunk
+    crosses a shard boundary. For flattened shards the chunk is also contiguous in the
+    flattened block. Then leading axes are split (by divisors, keeping alignment) until a
+    chunk holds at most ``max_chunk_bytes``.
+    """
+    ndim = len(global_shape)
+    chunk = []
+    for axis in range(ndim):
+        starts = {r.offset[axis] for r in main_shards if r.offset[axis] > 0}
+        size = math.gcd(*starts) if starts else global_shape[axis]
+        chunk.append(max(1, size))
+    if any(r.flat_range is not None for r in main_shards):
+        block = main_shards[0].block_shape
+        chunk = [min(c, b) if b > 0 else c for c, b in zip(chunk, block)]
+        partial = [a for a in range(ndim) if chunk[a] < block[a]]
+        if partial:
+            for a in range(partial[-1]):
+                chunk[a] = 1
+    return _bound_chunk(tuple(chunk), itemsize, max_chunk_bytes)
+
+
+def _bound_chunk(chunk: tuple[int, ...], itemsize: int, max_chunk_bytes: int) -> tuple[int, ...]:
+    """Shrinks leading axes by divisors until the chunk fits ``max_chunk_bytes``.
+
+    Splitting only the leading non-unit axis keeps a contiguous chunk contiguous.
+    """
+    out = list(chunk)
+    for axis in range(len(out)):
+        rest = math.prod(out[axis + 1 :]) * itemsize
+        if out[axis] * rest <= max_chunk_bytes:
+            break
+        out[axis] = _largest_divisor_at_most(out[axis], max(1, max_chunk_bytes // max(rest, 1)))
+        if rest <= max_chunk_bytes:
+            break
+    return tuple(out)
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    best = 1
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            for cand in (d, n // d):
+                if cand <= limit and cand > best:
+                    best = cand
+    return best
+
+
+def block_chunks(record: ShardRecord, chunk_shape: tuple[int, ...], global_shape: tuple[int, ...]):
+    """Yields ``(region, flat_start, flat_stop)`` of every chunk in a shard's block, in
+    flattened order. Requires a chunk shape that is contiguous within the block."""
+    ends = [min(o + b, g) for o, b, g in zip(record.offset, record.block_shape, global_shape)]
+    counts = [-(-(e - o) // c) for o, e, c in zip(record.offset, ends, chunk_shape)]
+    strides = [math.prod(record.block_shape[a + 1 :]) for a in range(len(chunk_shape))]
+    for idx in product(*(range(n) for n in counts)):
+        starts = [o + i * c for o, i, c in zip(record.offset, idx, chunk_shape)]
+        stops = [min(s + c, e) for s, c, e in zip(starts, chunk_shape, ends)]
+        flat_start = sum((s - o) * st for s, o, st in zip(starts, record.offset, strides))
+        volume = math.prod(e - s for s, e in zip(starts, stops))
+        yield tuple(slice(s, e) for s, e in zip(starts, stops)), flat_start, flat_start + volume

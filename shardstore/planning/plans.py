@@ -1,0 +1,288 @@
+"""Save and load plans: decided once, by the coordinator, from the gathered layout; each
+rank receives only its own part. Pure functions.
+
+Save protocol (``serialization.save``; "coordinator" is group rank 0)::
+
+    every rank   records     its shards' metadata (``validation.local_records``)
+    collective   gather      the records travel to the coordinator only
+    coordinator  validate    the global layout (``validation.validate_sharding_integrity``)
+    coordinator  plan        ``plan_save``: writers of replicated blocks (fully parallel),
+                             the chunk grid of every array, every rank's chunk writes,
+                             straddling-chunk exchanges and metadata files, the commit
+                             record to be
+    collective   scatter     rank r receives ``RankSavePlan`` r (or the error, on every rank)
+
+So a rank's work and the bytes it receives grow with its own shards, not with the
+world size; the coordinator's grow linearly with all records (``scripts/plan_scaling.py``
+measures both). Before this, every rank all-gathered and planned every rank's records.
+
+Load protocol (``serialization.load``)::
+
+    every rank   records     the regions it requests (``validation.local_records``)
+    collective   gather      to the coordinator only
+    coordinator  plan        ``validation.plan_load``: missing and unexpected keys
+                             (``StrictHandling``), the access-integrity check, and the
+                             strategy's read plan (``plan_reads``: which rank reads each
+                             requested block from storage, who sends it to whom)
+    collective   scatter     rank r receives ``RankLoadPlan`` r (or the error)
+    collective   read        its reads only; agree; exchange
+
+A plan names a rank's tensors by their index in its own list of ShardedTensors (the
+order of ``utils.local_sharded_items``), so it is applied to the same state dict
+whose records were gathered (for a load: after dropping the unexpected keys the plan
+names, which ``validation.plan_load`` renumbers for).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+from shardstore.format.dtypes import from_zarr_name
+from shardstore.format.records import ArrayRecord, CommitRecord, ObjectRecord, parent_groups
+from shardstore.planning.layout import (
+    DirectFlatWrite,
+    FlatChunk,
+    GlobalLayout,
+    ShardRecord,
+    balance_writers,
+    block_chunks,
+    chunk_shape_for,
+    pick_balanced,
+)
+
+
+@dataclass(frozen=True)
+class RankSavePlan:
+    """What one rank does in a save.
+
+    Attributes:
+        rank: the group rank it is for.
+        records: the arrays it writes chunks or metadata of, or sends pieces of.
+        shards: its main shards (after writer balancing): the blocks it writes, and its
+            flattened ranges.
+        flat_direct: chunks inside one of its flattened ranges, written directly.
+        straddling: ``(tag, chunk)`` of the chunks that straddle flattened ranges and
+            that it assembles (``chunk.writer``) or sends a piece of; the tag pairs the
+            sends and receives, and is unique within the save.
+        array_metadata: arrays whose ``zarr.json`` it writes (it holds element 0).
+        group_metadata: groups whose ``zarr.json`` it writes (the coordinator).
+        checkpoint_nbytes: tensor bytes of the whole checkpoint (for logging).
+        commit: the coordinator's: the commit record to bind chunk checksums into.
+    """
+
+    rank: int
+    records: dict[str, ArrayRecord]
+    shards: tuple[ShardRecord, ...]
+    flat_direct: tuple[DirectFlatWrite, ...]
+    straddling: tuple[tuple[int, FlatChunk], ...]
+    array_metadata: tuple[str, ...]
+    group_metadata: tuple[str, ...]
+    checkpoint_nbytes: int
+    commit: CommitRecord | None = None
+
+
+def array_records(layout: GlobalLayout, max_chunk_bytes: int) -> dict[str, ArrayRecord]:
+    """Every array's metadata: its chunk grid aligned with the sharding of its main shards."""
+    records = {}
+    for key, shards in layout.tensors.items():
+        first = shards[0]
+        itemsize = from_zarr_name(first.dtype).itemsize
+        main = [s for s in shards if s.main]
+        chunk = chunk_shape_for(main, first.global_shape, itemsize, max_chunk_bytes)
+        records[key] = ArrayRecord(key, first.global_shape, first.dtype, chunk, flattened_block=flattened_block(main))
+    return records
+
+
+def flattened_block(main_shards: list[ShardRecord]) -> tuple[int, ...] | None:
+    """The block shape that the caller's flattened ranges were cut from, when every main
+    shard is such a range of a block of that one shape (what the commit record keeps
+    for ``strategies.resharding``); else None (whole blocks, irregular cuts)."""
+    shapes = {s.block_shape for s in main_shards if s.flat_range is not None and not s.irregular}
+    if len(shapes) != 1 or any(s.flat_range is None or s.irregular for s in main_shards):
+        return None
+    return shapes.pop()
+
+
+def owns_first_chunk(shard: ShardRecord) -> bool:
+    """The main shard holding element 0 creates the array (writes its zarr.json)."""
+    return shard.main and not any(shard.offset) and (shard.flat_range is None or shard.flat_range[0] == 0)
+
+
+def plan_flat_writes(
+    key: str, main_shards: list[ShardRecord], chunk_shape: tuple[int, ...]
+) -> tuple[list[DirectFlatWrite], list[FlatChunk]]:
+    """Every rank's chunk writes of the flattened tensor ``key``: the chunks inside one
+    range (written directly by their holder, ``DirectFlatWrite.rank``) and the chunks
+    straddling ranges (assembled by exchange)."""
+    direct: list[DirectFlatWrite] = []
+    straddling: list[FlatChunk] = []
+    blocks: dict[tuple[int, ...], list[ShardRecord]] = defaultdict(list)
+    for r in main_shards:
+        blocks[r.offset].append(r)
+    for offset in sorted(blocks):
+        ranges = sorted(blocks[offset], key=lambda r: r.flat_range[0])
+        range_starts = [r.flat_range[0] for r in ranges]
+        for region, fs, fe in block_chunks(ranges[0], chunk_shape, ranges[0].global_shape):
+            first = bisect.bisect_right(range_starts, fs) - 1
+            holder = ranges[first]
+            if holder.flat_range[1] >= fe:
+                lo = fs - holder.flat_range[0]
+                direct.append(DirectFlatWrite(key, holder.index, region, lo, lo + fe - fs, holder.rank))
+                continue
+            pieces = []
+            for r in ranges[first:]:
+                lo, hi = max(fs, r.flat_range[0]), min(fe, r.flat_range[1])
+                if lo >= hi:
+                    if r.flat_range[0] >= fe:
+                        break
+                    continue
+                start = r.flat_range[0]
+                pieces.append((r.rank, r.index, lo - start, hi - start, lo - fs))
+            straddling.append(FlatChunk(key, region, holder.rank, tuple(pieces)))
+    return direct, straddling
+
+
+def plan_save(layout: GlobalLayout, max_chunk_bytes: int, fully_parallel: bool) -> list[RankSavePlan]:
+    """Every rank's part of the save of a validated layout (index = group rank)."""
+    if fully_parallel:
+        layout = balance_writers(layout)
+    records = array_records(layout, max_chunk_bytes)
+    world = layout.world_size
+    shards: list[list[ShardRecord]] = [[] for _ in range(world)]
+    direct: list[list[DirectFlatWrite]] = [[] for _ in range(world)]
+    straddling: list[list[tuple[int, FlatChunk]]] = [[] for _ in range(world)]
+    metadata: list[list[str]] = [[] for _ in range(world)]
+    touched: list[set[str]] = [set() for _ in range(world)]
+    tag = 0
+    for key, key_shards in sorted(layout.tensors.items()):
+        main = [s for s in key_shards if s.main]
+        for s in main:
+            shards[s.rank].append(s)
+            touched[s.rank].add(key)
+            if owns_first_chunk(s):
+                metadata[s.rank].append(key)
+        if not main or main[0].flat_range is None:
+            continue
+        key_direct, key_straddling = plan_flat_writes(key, main, records[key].chunk_shape)
+        for write in key_direct:
+            direct[write.rank].append(write)
+        for chunk in key_straddling:
+            straddling[chunk.writer].append((tag, chunk))
+            touched[chunk.writer].add(key)
+            for rank in sorted({piece[0] for piece in chunk.pieces} - {chunk.writer}):
+                # a contributor needs only its own pieces (a small tensor's one chunk
+                # may gather pieces from every rank)
+                own = tuple(piece for piece in chunk.pieces if piece[0] == rank)
+                straddling[rank].append((tag, replace(chunk, pieces=own)))
+                touched[rank].add(key)
+            tag += 1
+    commit = CommitRecord(
+        arrays=records,
+        objects={
+            key: ObjectRecord(key, tuple(sorted({o.unique_key for o in shards_ if o.main})))
+            for key, shards_ in layout.objects.items()
+        },
+        world_size=world,
+    )
+    nbytes = layout.main_nbytes()
+    return [
+        RankSavePlan(
+            rank=rank,
+            records={k: records[k] for k in sorted(touched[rank])},
+            shards=tuple(shards[rank]),
+            flat_direct=tuple(direct[rank]),
+            straddling=tuple(straddling[rank]),
+            array_metadata=tuple(metadata[rank]),
+            group_metadata=tuple(parent_groups(list(records))) if rank == 0 else (),
+            checkpoint_nbytes=nbytes,
+            commit=commit if rank == 0 else None,
+        )
+        for rank in range(world)
+    ]
+
+
+@dataclass(frozen=True)
+class RankReadPlan:
+    """What one rank reads in a load, and what it exchanges (indices are into its own
+    list of requested ShardedTensors).
+
+    Attributes:
+        rank: the group rank it is for.
+        reads: the tensors it reads from storage.
+        copies: ``(index, source)``: a block it asked for twice, filled from the copy it read.
+        sends: ``(peer, indices)``: tensors it read that ``peer`` asked for too, in order.
+        receives: ``(peer, indices)``: its tensors that ``peer`` reads and sends, in order.
+    """
+
+    rank: int
+    reads: tuple[int, ...]
+    copies: tuple[tuple[int, int], ...] = ()
+    sends: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    receives: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+
+@dataclass(frozen=True)
+class RankLoadPlan:
+    """One rank's part of a load: its key mismatches and its read plan.
+
+    Attributes:
+        missing: checkpoint keys that no rank requested (StrictHandling ``*_ALL`` only).
+        unexpected: keys this rank requested that the checkpoint lacks; dropped from its
+            request before reading when the strict mode says to skip them.
+        reads: the sharded strategy's plan for this rank (``RankReadPlan`` for ours).
+    """
+
+    rank: int
+    missing: frozenset[str]
+    unexpected: frozenset[str]
+    reads: object
+
+
+def plan_reads(layout: GlobalLayout, fully_parallel: bool) -> list[RankReadPlan]:
+    """Every rank's reads of a load (index = group rank).
+
+    Without ``fully_parallel`` each rank reads everything it asked for. With it, a block
+    that several ranks ask for (same region, flat range and dtype: replicas) is read
+    from storage by one of them, chosen to balance the bytes each rank reads
+    (``layout.pick_balanced``), and sent to the others; a rank that asked twice for one
+    block reads it once.
+    """
+    world = layout.world_size
+    if not fully_parallel:
+        own: list[list[int]] = [[] for _ in range(world)]
+        for shards in layout.tensors.values():
+            for s in shards:
+                own[s.rank].append(s.index)
+        return [RankReadPlan(rank, tuple(sorted(own[rank]))) for rank in range(world)]
+    requests: dict[tuple, list[ShardRecord]] = defaultdict(list)
+    for shards in layout.tensors.values():
+        for s in shards:
+            requests[(s.block_id, s.dtype)].append(s)
+    groups = list(requests.values())  # in the order of the gathered requests
+    readers = pick_balanced(groups, [0] * world)
+    reads: list[list[int]] = [[] for _ in range(world)]
+    copies: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    sends: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(world)]
+    receives: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(world)]
+    for group, reader in zip(groups, readers):
+        reads[reader.rank].append(reader.index)
+        for s in group:
+            if s is reader:
+                continue
+            if s.rank == reader.rank:
+                copies[s.rank].append((s.index, reader.index))
+            else:  # the same order on both sides: the groups' order
+                sends[reader.rank][s.rank].append(reader.index)
+                receives[s.rank][reader.rank].append(s.index)
+    return [
+        RankReadPlan(
+            rank,
+            tuple(sorted(reads[rank])),
+            tuple(copies[rank]),
+            tuple((peer, tuple(ix)) for peer, ix in sorted(sends[rank].items())),
+            tuple((peer, tuple(ix)) for peer, ix in sorted(receives[rank].items())),
+        )
+        for rank in range(world)
+    ]

@@ -1,0 +1,109 @@
+"""The collective stage every save and load starts with: gather, plan once, scatter.
+
+Every rank sends the metadata of its shards (never data) to the coordinator, which
+checks it, plans the whole operation with a pure planner (``shardstore.planning.plans``,
+``validation.plan_load``) and sends each rank only its own part. A failure anywhere,
+on any rank or in the plan, becomes the same CheckpointingException on every rank, and
+nothing is written or read. The stages after it (I/O, exchanges, commit) agree on
+failure through ``distributed.Group.agree``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from shardstore.errors import CheckpointingException
+from shardstore.mapping import ShardedObject, ShardedTensor
+from shardstore.planning.layout import GlobalLayout
+from shardstore.protocol.collectives import Group, RankFailure, raise_failures
+from shardstore.stores.base import Location
+from shardstore.validation import (
+    local_records,
+    validate_sharding_integrity,
+    warn_common_state_mismatch,
+)
+
+
+def gather_and_plan(
+    sharded_tensors: list[ShardedTensor],
+    sharded_objects: list[ShardedObject],
+    group: Group,
+    planner: Callable[[GlobalLayout], list[Any]],
+    local_error: BaseException | None = None,
+    place: str | None = None,
+    common_digests: dict[str, str] | None = None,
+    save_to: Location | None = None,
+) -> Any:
+    """Collective, plan once: the shard records (metadata, never data) travel to the
+    coordinator only, which runs ``planner`` on the global layout; rank r receives
+    ``planner(layout)[r]`` (``shardstore.planning.plans``). Any failure, on any rank, raises the
+    same CheckpointingException on every rank, before anything is written or read.
+
+    A rank whose own shards are invalid (bad key, unsupported dtype) or that passes a
+    ``local_error`` from an earlier step fails every rank, with that rank's reason.
+    ``place``: the checkpoint this rank names (default: ``save_to``'s), named in key
+    errors; ranks that name different ones all fail (one save must not be split over
+    two directories). ``common_digests``: a digest of each top-level entry of this
+    rank's common state; where ranks differ, the coordinator logs a warning naming the
+    entries and ranks (only rank 0's is saved).
+    ``save_to``: where a save writes (None for a load, whose planner decides what to
+    check): the coordinator checks the global sharding, and every key against the
+    location's ``name_limits`` (``validation.validate_sharding_integrity``), before
+    planning. Every save path passes its target here, so that one check refuses a key
+    the target cannot store before the first byte is written.
+    """
+    if place is None and save_to is not None:
+        place = save_to.describe()
+    contribution = _contribution(sharded_tensors, sharded_objects, group.rank, local_error, place)
+    gathered = group.gather_object((place, contribution, common_digests))
+    parts: list[Any] | None = None
+    cause = local_error
+    if group.is_coordinator:
+        try:
+            if common_digests is not None:
+                warn_common_state_mismatch([d for _, _, d in gathered])
+            layout = _layout_of(gathered, local_error)
+            if save_to is not None:
+                validate_sharding_integrity(layout, save_to.name_limits, save_to.describe())
+            parts = [(None, part) for part in planner(layout)]
+        except Exception as exc:  # told to every rank by the scatter
+            cause = exc
+            message = str(exc) if isinstance(exc, CheckpointingException) else (
+                f"Planning failed on the coordinator: {type(exc).__name__}: {exc}"
+            )
+            parts = [(message, None)] * group.world_size
+    error, part = group.scatter_object(parts)
+    if error is not None:
+        raise CheckpointingException(error) from cause
+    return part
+
+
+def _contribution(
+    sharded_tensors: list[ShardedTensor], sharded_objects: list[ShardedObject], rank: int,
+    local_error: BaseException | None, place: str | None,
+) -> Any:
+    """This rank's records, or its failure (from an earlier step, or invalid shards)."""
+    if local_error is None:
+        try:
+            return local_records(sharded_tensors, sharded_objects, rank, place)
+        except Exception as exc:  # reported on every rank by the caller's collective
+            local_error = exc
+    return RankFailure.from_exception(rank, local_error)
+
+
+def _layout_of(gathered: list[tuple[Any, Any, Any]], local_error: BaseException | None) -> GlobalLayout:
+    """The layout of every rank's ``(place, records, digests)``; raises when a rank
+    failed or the ranks name different checkpoints."""
+    failures = [c for _, c, _ in gathered if isinstance(c, RankFailure)]
+    raise_failures(failures, "Checking the state dict", cause=local_error)
+    places = sorted({p for p, _, _ in gathered}, key=str)
+    if len(places) > 1:
+        by_rank = ", ".join(f"rank {r}: {p}" for r, (p, _, _) in enumerate(gathered) if r < 8)
+        raise CheckpointingException(
+            f"The ranks name different checkpoint directories ({by_rank}); every rank of a save or load "
+            "must pass the same one. Nothing was written."
+        )
+    return GlobalLayout.from_gathered([c for _, c, _ in gathered])
+
+

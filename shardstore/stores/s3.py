@@ -1,0 +1,325 @@
+"""``s3://bucket/prefix`` checkpoint locations: S3, MinIO, Ceph, any S3-compatible store.
+
+Chunks go through TensorStore's ``s3`` kvstore (one PUT per chunk, many in flight);
+small files (``zarr.json`` documents, ``common.pt``, sharded objects, the commit
+record), listing and deletion go through s3fs.
+
+Settings come from the standard AWS environment unless given in code
+(``S3Options``): ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, ``AWS_REGION`` /
+``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
+``AWS_SESSION_TOKEN``, ``AWS_PROFILE``. TensorStore is told exactly where the
+credentials are (environment, profile, or a private credentials file for keys passed
+in code), so it does not walk the lookup chain and print its misses to stderr.
+
+Transient failures (HTTP 500/503, throttling, reset connections) are retried with
+exponential backoff and jitter by both libraries (TensorStore's
+``s3_request_retries``; botocore's ``standard`` retry mode for s3fs), up to
+``S3Options.max_retries``; then the error reaches the save, every rank raises and no
+commit record is written. A PUT is atomic on S3, so the commit record is one PUT,
+issued only after every rank confirmed its data written; durability needs no extra
+step once a PUT has returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+import tempfile
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardstore.stores.base import Location, NameLimits, StorageError
+
+logger = logging.getLogger(__name__)
+
+# S3 takes at most 5 GiB in one PUT, and TensorStore never uses multipart uploads.
+S3_MAX_OBJECT_BYTES = 5 * 2**30
+# S3's longest object key, in bytes of UTF-8 (the prefix included).
+S3_MAX_KEY_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class S3Options:
+    """How to reach the object store; every field defaults to the AWS environment.
+
+    Attributes:
+        endpoint_url: e.g. ``http://minio:9000``; None: AWS, or ``AWS_ENDPOINT_URL[_S3]``.
+        region: None: ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, else ``us-east-1``.
+        key, secret, token: explicit credentials (else environment or profile).
+        profile: a profile of the shared AWS config files.
+        max_retries: attempts after the first for a transient failure. With the
+            defaults a dead endpoint, refused connections or permanent 503s fail a save
+            or load within a minute (measured: see the README's S3 section); raise it
+            for stores that throttle for long.
+        initial_delay, max_delay: backoff bounds in seconds (jittered, exponential).
+        connect_timeout, read_timeout: seconds before one request is given up (then
+            retried).
+        request_concurrency: TensorStore requests in flight per process.
+        s3fs_kwargs: extra keyword arguments for ``s3fs.S3FileSystem``.
+    """
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    key: str | None = None
+    secret: str | None = None
+    token: str | None = None
+    profile: str | None = None
+    max_retries: int = 4
+    initial_delay: float = 0.05
+    max_delay: float = 2.0
+    connect_timeout: float = 10.0
+    read_timeout: float = 30.0
+    request_concurrency: int = 32
+    s3fs_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def resolved_endpoint(self) -> str | None:
+        return self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+    def resolved_region(self) -> str:
+        return self.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+
+    def resolved_profile(self) -> str | None:
+        return self.profile or os.environ.get("AWS_PROFILE")
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")``."""
+    if not url.startswith("s3://"):
+        raise StorageError(f"Not an s3:// URL: {url!r}")
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    if not bucket:
+        raise StorageError(f"No bucket in {url!r}; expected s3://bucket/prefix")
+    return bucket, prefix.strip("/")
+
+
+def _private_file(kind: str, lines: list[str]) -> str:
+    """A file only this user can read, holding ``lines``."""
+    fd, path = tempfile.mkstemp(prefix=f"shardstore-aws-{kind}-", suffix=".ini")
+    os.fchmod(fd, stat.S_IRUSR | stat.S_IWUSR)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def _remove_file(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class S3Location(Location):
+    """A checkpoint under ``s3://bucket/prefix``.
+
+    Args:
+        url: ``s3://bucket/prefix``.
+        options: endpoint, region, credentials, retries (default: the AWS environment).
+    """
+
+    max_object_bytes = S3_MAX_OBJECT_BYTES
+
+    def __init__(self, url: str, options: S3Options | None = None) -> None:
+        self.bucket, self.prefix = parse_s3_url(url)
+        self.options = options or S3Options()
+        self._fs = None
+        self._profile_files: tuple[str, str] | None = None
+
+    def __repr__(self) -> str:
+        return f"S3Location({self.describe()!r})"
+
+    # ------------------------------------------------------------------ paths
+
+    def _key(self, rel: str) -> str:
+        return "/".join(p for p in (self.prefix, rel) if p)
+
+    def _path(self, rel: str) -> str:
+        return f"{self.bucket}/{self._key(rel)}".rstrip("/")
+
+    def describe(self, rel: str = "") -> str:
+        return f"s3://{self._path(rel)}"
+
+    @property
+    def name_limits(self) -> NameLimits:
+        """No limit on one segment; a whole object key, prefix included, has at most
+        ``S3_MAX_KEY_BYTES``."""
+        used = len(self._key("x").encode()) - 1  # the prefix and its "/"
+        return NameLimits(
+            None, S3_MAX_KEY_BYTES - used,
+            f"S3's {S3_MAX_KEY_BYTES}-byte object keys, less {used} for the prefix {self.prefix!r}",
+        )
+
+    # ------------------------------------------------------------------ s3fs
+
+    @property
+    def fs(self) -> Any:
+        if self._fs is None:
+            try:
+                import s3fs
+            except ImportError as exc:
+                raise StorageError(
+                    f"{self.describe()}: s3:// locations need s3fs, which is not installed; "
+                    "pip install 'shardstore[s3]'"
+                ) from exc
+
+            o = self.options
+            kwargs: dict[str, Any] = {
+                "endpoint_url": o.resolved_endpoint(),
+                "client_kwargs": {"region_name": o.resolved_region()},
+                # botocore's standard mode: exponential backoff with jitter on 5xx,
+                # throttling and connection errors
+                "config_kwargs": {
+                    "retries": {"max_attempts": o.max_retries + 1, "mode": "standard"},
+                    "connect_timeout": o.connect_timeout,
+                    "read_timeout": o.read_timeout,
+                },
+                **o.s3fs_kwargs,
+            }
+            if o.key is not None:
+                kwargs.update(key=o.key, secret=o.secret, token=o.token)
+            elif o.resolved_profile():
+                kwargs["profile"] = o.resolved_profile()
+            self._fs = s3fs.S3FileSystem(**kwargs)
+            # botocore retries; s3fs's own loop around it (5 rounds by default) would
+            # multiply the attempts: 81 s to report a refused connection, measured.
+            self._fs.retries = 1
+        return self._fs
+
+    def _call(self, what: str, rel: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            raise StorageError(f"Cannot {what} {self.describe(rel)}: {exc}") from exc
+
+    def read_bytes_or_none(self, rel: str, max_bytes: int | None = None) -> bytes | None:
+        try:
+            if max_bytes is None:
+                return self._call("read", rel, self.fs.cat_file, self._path(rel))
+            data = self._call("read", rel, self.fs.cat_file, self._path(rel), start=0, end=max_bytes + 1)
+        except FileNotFoundError:
+            return None
+        if len(data) > max_bytes:
+            raise StorageError(f"{self.describe(rel)} holds more than the {max_bytes} bytes a record may have")
+        return data
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        self._call("write", rel, self.fs.pipe_file, self._path(rel), data)
+
+    def write_many(self, files: dict[str, bytes]) -> None:
+        if files:  # s3fs sends them concurrently
+            self._call("write", "", self.fs.pipe, {self._path(r): d for r, d in files.items()})
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        """One PUT: S3 makes an object visible whole or not at all."""
+        self.write_bytes(rel, data)
+
+    def exists(self, rel: str) -> bool:
+        self.fs.invalidate_cache()
+        return bool(self._call("check", rel, self.fs.exists, self._path(rel)))
+
+    def is_empty(self) -> bool:
+        self.fs.invalidate_cache()
+        try:
+            return not self._call("list", "", self.fs.ls, self._path(""), refresh=True)
+        except FileNotFoundError:
+            return True
+
+    def child(self, name: str) -> S3Location:
+        return S3Location(self.describe(name), self.options)
+
+    def list_top(self, limit: int | None = 10) -> list[str]:
+        self.fs.invalidate_cache()
+        try:
+            entries = self._call("list", "", self.fs.ls, self._path(""), refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)[:limit]
+
+    def list_files(self) -> list[str]:
+        self.fs.invalidate_cache()
+        root = self._path("").rstrip("/") + "/"
+        try:
+            found = self._call("list", "", self.fs.find, root)
+        except FileNotFoundError:
+            return []
+        return sorted(path[len(root):] for path in found if path.startswith(root))
+
+    def remove(self, rel: str) -> None:
+        try:
+            self._call("remove", rel, self.fs.rm_file, self._path(rel))
+        except FileNotFoundError:
+            pass
+
+    def remove_tree(self, rel: str = "") -> None:
+        self.fs.invalidate_cache()
+        try:
+            self._call("remove", rel, self.fs.rm, self._path(rel), recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache()
+
+    def prepare(self) -> None:
+        try:
+            self._call("find bucket of", "", self.fs.ls, self.bucket, refresh=True)
+        except FileNotFoundError:
+            raise StorageError(
+                f"Bucket {self.bucket!r} of {self.describe()} does not exist; create it first"
+            ) from None
+
+    def make_durable(self) -> None:
+        """Nothing to do: an object is durable once its PUT returned."""
+
+    # ------------------------------------------------------------------ TensorStore
+
+    def kvstore_spec(self, rel: str = "") -> dict[str, Any]:
+        key = self._key(rel)
+        spec: dict[str, Any] = {
+            "driver": "s3",
+            "bucket": self.bucket,
+            "path": key + "/" if key else "",
+            "aws_region": self.options.resolved_region(),
+            "aws_credentials": self._tensorstore_credentials(),
+        }
+        endpoint = self.options.resolved_endpoint()
+        if endpoint:
+            spec["endpoint"] = endpoint
+        return spec
+
+    def _tensorstore_credentials(self) -> dict[str, Any]:
+        o = self.options
+        if o.key is not None:
+            credentials, config = self._write_profile_files()
+            return {"type": "profile", "profile": "shardstore", "credentials_file": credentials, "config_file": config}
+        if o.resolved_profile():
+            return {"type": "profile", "profile": o.resolved_profile()}
+        if os.environ.get("AWS_ACCESS_KEY_ID"):
+            return {"type": "environment"}
+        return {"type": "default"}
+
+    def _write_profile_files(self) -> tuple[str, str]:
+        """Keys given in code, for TensorStore: a private profile, never the environment.
+        (Its profile provider needs a config file next to the credentials file.)"""
+        if self._profile_files is None:
+            o = self.options
+            credentials = ["[shardstore]", f"aws_access_key_id = {o.key}", f"aws_secret_access_key = {o.secret}"]
+            if o.token:
+                credentials.append(f"aws_session_token = {o.token}")
+            config = ["[profile shardstore]", f"region = {o.resolved_region()}"]
+            self._profile_files = (_private_file("credentials", credentials), _private_file("config", config))
+            for path in self._profile_files:
+                weakref.finalize(self, _remove_file, path)
+        return self._profile_files
+
+    def tensorstore_context(self) -> dict[str, Any]:
+        o = self.options
+        return {
+            "s3_request_retries": {
+                "max_retries": o.max_retries,
+                "initial_delay": f"{int(o.initial_delay * 1000)}ms",
+                "max_delay": f"{int(o.max_delay * 1000)}ms",
+            },
+            "s3_request_concurrency": {"limit": o.request_concurrency},
+        }
+

@@ -1,0 +1,361 @@
+"""The ``shardstore`` command: inspect, verify, convert and diff checkpoints.
+
+Exit status: 0 success (``verify``: no damage; ``diff``: identical), 1 a finding
+(``verify``: damage; ``diff``: differences), 2 an error (no checkpoint there, an
+incomplete or foreign one, a bad argument), with one line on standard error that says
+what to do, in the command's own words (``CLI_WORDS``: ``--overwrite``, not the
+library's ``overwrite=True``). Every command that reports takes ``--json`` (one JSON
+document on standard output). Progress bars (standard error) show when it is a terminal
+(``--progress`` / ``--no-progress`` decide otherwise); ``-v`` logs each operation's
+duration and bytes, ``-vv`` each stage's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import click
+
+from shardstore.core import CheckpointingException
+from shardstore.progress import format_bytes, progress_shown
+
+EXIT_FINDING = 1
+EXIT_ERROR = 2
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``5GB`` (10^9), ``1GiB`` (2^30), ``500MB``, ``4096``: a size in bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise click.BadParameter(f"{text!r} is not a size (e.g. 5GB, 1GiB, 4096)")
+    unit = (match.group(2) or "").lower().removesuffix("b")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+class Size(click.ParamType):
+    name = "size"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        return value if isinstance(value, int) else parse_size(str(value))
+
+
+# The library's phrases that name its keyword arguments, and what a user of the command
+# does instead; most specific first.
+CLI_WORDS = (
+    ("save this one again (overwrite=True) or to a new directory",
+     "run the command again with --overwrite, or convert into a new directory"),
+    ("pass overwrite=True to replace it", "pass --overwrite to replace it"),
+    ("or save to a new directory", "or convert into a new directory"),
+    ("If you trust this checkpoint, admit it with", "If you trust this checkpoint, in Python admit it with"),
+    ("load with common_strategy=", "load with shardstore.load(..., common_strategy="),
+    ("(allow_unsafe_pickle=True).", "(allow_unsafe_pickle=True)); the shardstore command runs no code from a file."),
+)
+
+
+# How a collective stage reports a failure; the command runs one process, rank 0.
+_ONE_RANK_FAILED = re.compile(r"^[^\n]* failed on rank\(s\) 0:\n\s*rank 0: \w+: ")
+
+
+def in_cli_words(message: str) -> str:
+    """``message`` as one line, with the library's keyword arguments replaced by the
+    command's flags (or by what to do in Python where the command has none), and
+    without the rank a collective stage names (the command is one process)."""
+    message = _ONE_RANK_FAILED.sub("", message)
+    for library, cli in CLI_WORDS:
+        message = message.replace(library, cli)
+    return " ".join(line.strip() for line in message.splitlines())
+
+
+@contextmanager
+def _reported_errors() -> Iterator[None]:
+    """Turns the library's errors into one line on stderr, in the command's words, and
+    exit status 2."""
+    try:
+        yield
+    except (CheckpointingException, OSError) as exc:
+        click.echo(f"shardstore: error: {in_cli_words(str(exc))}", err=True)
+        sys.exit(EXIT_ERROR)
+
+
+def package_version() -> str:
+    """The installed shardstore's version; "unknown" when run from a source tree that is
+    not installed. (``shardstore.format.records`` knows it too, but importing that loads torch.)"""
+    try:
+        return version("shardstore")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _echo_json(document: Any) -> None:
+    click.echo(json.dumps(document, indent=1))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_version(), "--version", prog_name="shardstore", message="%(prog)s %(version)s")
+@click.option("-v", "--verbose", count=True, help="Log stages (-v) and details (-vv) to stderr.")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress bars on stderr (default: when stderr is a terminal).")
+@click.pass_context
+def main(ctx: click.Context, verbose: int, progress: bool | None) -> None:
+    """Inspect, verify, convert and compare shardstore checkpoints (local paths or s3://)."""
+    if verbose:
+        logging.basicConfig(
+            level=logging.DEBUG if verbose > 1 else logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr
+        )
+    ctx.with_resource(progress_shown(sys.stderr.isatty() if progress is None else progress))
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+@main.command("inspect")
+@click.argument("checkpoint")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+def inspect_command(checkpoint: str, as_json: bool) -> None:
+    """What CHECKPOINT holds: arrays, sharded objects, common state, format."""
+    from shardstore.tools.inspection import describe_checkpoint
+
+    with _reported_errors():
+        summary = describe_checkpoint(checkpoint)
+    if as_json:
+        _echo_json(summary.to_json())
+        return
+    click.echo(f"checkpoint {summary.checkpoint}")
+    if summary.kind == "shardstore":
+        saved = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(summary.created))
+        click.echo(
+            f"  format {summary.format_version}, written by shardstore {summary.library_version} from "
+            f"{summary.world_size} rank(s), committed {saved}, save {summary.save_id}"
+        )
+    else:
+        click.echo(f"  written by another tool ({FOREIGN_KINDS.get(summary.kind, summary.kind)}), read as it is; "
+                   "no checksums to verify (`shardstore convert` it for those)")
+    click.echo(f"arrays: {len(summary.arrays)}, {format_bytes(summary.nbytes)}")
+    width = max((len(a.key) for a in summary.arrays), default=0)
+    for a in summary.arrays:
+        chunking = f"chunks {_dims(a.chunk_shape)} x{a.chunks}" if a.chunk_shape or not a.shape else f"{a.chunks} chunk(s)"
+        click.echo(f"  {a.key:<{width}}  {_dims(a.shape):<16} {a.dtype:<14} {chunking}  {format_bytes(a.nbytes)}")
+    click.echo(f"sharded objects: {len(summary.objects)}")
+    for key, shards in summary.objects.items():
+        click.echo(f"  {key}  {len(shards)} shard(s)")
+    click.echo(f"common state: {', '.join(summary.common_keys) or '(empty)'}")
+
+
+main.add_command(inspect_command, "ls")
+
+FOREIGN_KINDS = {"torch_dist": "Megatron-Core torch_dist", "dcp": "PyTorch DCP", "zarr": "Megatron-Core zarr"}
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+# --------------------------------------------------------------------------- verify
+
+
+@main.command("verify")
+@click.argument("checkpoint")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+def verify_command(checkpoint: str, as_json: bool) -> None:
+    """Read every chunk and file of CHECKPOINT and check its checksums.
+
+    Exit status 1 and one line per problem (array and chunk) if anything is damaged.
+    """
+    from shardstore.format.integrity import verify
+    from shardstore.format.records import read_commit_record
+    from shardstore.stores.locations import open_location
+
+    with _reported_errors():
+        location = open_location(checkpoint)
+        read_commit_record(location)  # no checkpoint at all is an error, not a finding
+        report = verify(location)
+    if as_json:
+        _echo_json({**asdict(report), "ok": report.ok})
+        sys.exit(0 if report.ok else EXIT_FINDING)
+    for problem in report.problems:
+        click.echo(f"{problem.key} [{problem.part}]: {problem.message}")
+    click.echo(
+        f"{report.checkpoint}: {report.arrays_checked} arrays, {report.chunks_checked} chunks, "
+        f"{report.files_checked} files, {format_bytes(report.bytes_checked)} checked; "
+        + ("no problems" if report.ok else f"{len(report.problems)} problem(s)")
+    )
+    sys.exit(0 if report.ok else EXIT_FINDING)
+
+
+# --------------------------------------------------------------------------- convert
+
+FORMATS = ("shardstore", "torch", "safetensors")
+
+
+def target_format(source_kind: str, destination: str, to: str | None) -> str:
+    """The format to write: ``--to``, else what DESTINATION's name says (``*.pt``,
+    ``*.pth``, ``*.bin``: torch), else a shardstore checkpoint (from another format).
+    A name that says another format than ``--to`` is refused, saying what to name it."""
+    from shardstore.tools.convert import TORCH_SUFFIXES
+
+    named = "torch" if destination.endswith(TORCH_SUFFIXES) else None
+    named = "safetensors" if destination.endswith(".safetensors") else named  # a file: we write a directory
+    chosen = to or named
+    if chosen is None and source_kind == "shardstore":
+        raise CheckpointingException(
+            f"Say what to convert {destination} to: --to torch (a file named *.pt) or --to safetensors (a directory)"
+        )
+    chosen = chosen or "shardstore"
+    stem = re.sub(r"(\.pt|\.pth|\.bin|\.safetensors)?/*$", "", destination) or destination
+    if chosen == "torch" and named != "torch":
+        raise CheckpointingException(
+            f"--to torch writes one torch.save file, but {destination} is not named like one: name it {stem}.pt"
+        )
+    if chosen != "torch" and named is not None:
+        what = ("a safetensors model directory (model.safetensors, or shards with model.safetensors.index.json)"
+                if chosen == "safetensors" else "a shardstore checkpoint, a directory")
+        instead = f" (or --to torch to write {destination})" if named == "torch" else ""
+        raise CheckpointingException(
+            f"{destination} is named like a file, but the conversion writes {what}: name a directory, "
+            f"e.g. {stem}/{instead}"
+        )
+    return chosen
+
+
+def _check_destination(destination: str, target: str, overwrite: bool) -> None:
+    """Refuses what the writers of a file or directory do not do: S3, replacing."""
+    if target == "shardstore":
+        return
+    if destination.startswith("s3://"):
+        raise CheckpointingException(
+            f"{destination}: torch.save files and safetensors directories are written to local paths only"
+        )
+    if overwrite:
+        raise CheckpointingException(
+            f"--overwrite replaces a shardstore checkpoint; a conversion never replaces a {target} output: "
+            f"remove {destination} yourself or choose a new path"
+        )
+
+
+@main.command("convert")
+@click.argument("source")
+@click.argument("destination")
+@click.option("--to", type=click.Choice(FORMATS), help="Target format (default: from the paths).")
+@click.option("--overwrite", is_flag=True, help="Replace a shardstore checkpoint at DESTINATION.")
+@click.option("--max-shard-size", type=Size(), default="5GB", show_default=True,
+              help="Largest safetensors file.")
+@click.option("--memory", type=Size(), default="1GiB", show_default=True,
+              help="Most array bytes held at once while reading a checkpoint.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+def convert_command(source: str, destination: str, to: str | None, overwrite: bool, max_shard_size: int,
+                    memory: int, as_json: bool) -> None:
+    """Convert SOURCE into DESTINATION.
+
+    \b
+    SOURCE: a shardstore checkpoint, a PyTorch DCP or Megatron-Core torch_dist / zarr
+    checkpoint, a torch.save file, or safetensors (a file or a model directory).
+    DESTINATION, in the format --to names, or its name says:
+      a torch.save file: DESTINATION *.pt, *.pth or *.bin (or --to torch)
+      a safetensors model directory: --to safetensors (sharded by --max-shard-size)
+      a shardstore checkpoint (directory): the default from any other format
+    A checkpoint written here is verified before the command succeeds; a failed
+    conversion leaves nothing at DESTINATION.
+    """
+    from shardstore.tools import convert
+
+    with _reported_errors():
+        src = convert.source_kind(source)
+        dst = target_format(src, destination, to)
+        _check_destination(destination, dst, overwrite)
+        if src == dst and src != "safetensors":  # safetensors to safetensors: sharded anew
+            what = "a shardstore checkpoint" if src == "shardstore" else "a torch.save file"
+            raise CheckpointingException(f"{source} is {what} already; convert it into another format")
+        if dst == "torch":
+            result = convert.to_torch_file(source, destination, memory)
+        elif dst == "safetensors":
+            result = convert.to_safetensors(source, destination, max_shard_size, memory)
+        else:
+            imports = {"torch": convert.from_torch_file, "safetensors": convert.from_safetensors,
+                       "foreign": convert.from_foreign}
+            result = imports[src](source, destination, overwrite)
+    if dst == "shardstore":
+        _report_checkpoint(source, src, destination, result, as_json)
+    else:
+        _report_export(source, src, destination, dst, result, as_json)
+
+
+def _report_export(source: str, src: str, destination: str, dst: str, result: Any, as_json: bool) -> None:
+    if as_json:
+        _echo_json({"source": source, "source_format": src, "destination": destination, "format": dst,
+                    **asdict(result)})
+        return
+    click.echo(f"wrote {result.tensors} tensors, {format_bytes(result.total_bytes)}, to {destination}"
+               + (f" in {len(result.files)} file(s)" if dst == "safetensors" else ""))
+    if result.left_out:
+        click.echo(f"left out (not tensors; safetensors holds tensors only): {', '.join(result.left_out)}", err=True)
+
+
+def _report_checkpoint(source: str, src: str, destination: str, arrays: int, as_json: bool) -> None:
+    """Verifies the checkpoint just written (exit status 1 if it is damaged)."""
+    from shardstore.format.integrity import verify
+
+    report = verify(destination)
+    if as_json:
+        _echo_json({"source": source, "source_format": src, "destination": destination, "format": "shardstore",
+                    "tensors": arrays, "verify": {**asdict(report), "ok": report.ok}})
+    elif report.ok:
+        click.echo(f"wrote {arrays} arrays to {destination}; verified {report.chunks_checked} chunks")
+    else:
+        click.echo(str(report), err=True)
+    if not report.ok:
+        sys.exit(EXIT_FINDING)
+
+
+# --------------------------------------------------------------------------- diff
+
+
+@main.command("diff")
+@click.argument("first")
+@click.argument("second")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@click.option("--memory", type=Size(), default="1GiB", show_default=True,
+              help="Most array bytes held at once per checkpoint.")
+def diff_command(first: str, second: str, as_json: bool, memory: int) -> None:
+    """Compare everything two checkpoints load: arrays (keys, shapes, dtypes, values bit
+    for bit), sharded objects and the common state.
+
+    One line per difference, naming the array, the object shard or the common-state
+    path. Exit status 0 when identical, 1 when they differ.
+    """
+    from shardstore.tools.inspection import ONLY_IN_FIRST, ONLY_IN_SECOND, diff_checkpoints
+
+    with _reported_errors():
+        result = diff_checkpoints(first, second, memory)
+    if as_json:
+        _echo_json(result.to_json())
+    else:
+        for key in result.only_in_first:
+            click.echo(f"- {key}  (only in {first})")
+        for key in result.only_in_second:
+            click.echo(f"+ {key}  (only in {second})")
+        for a in result.arrays:
+            if not a.identical:
+                click.echo(f"~ {a.key}  {a.describe()}")
+        names = {ONLY_IN_FIRST: ("-", f"(only in {first})"), ONLY_IN_SECOND: ("+", f"(only in {second})")}
+        for part, differences in (("object", result.object_differences), ("common state", result.common_differences)):
+            for d in differences:
+                sign, change = names.get(d.change, ("~", d.change))
+                click.echo(f"{sign} {part} {d.path}  {change}")
+        click.echo("identical" if result.identical else "checkpoints differ")
+    sys.exit(0 if result.identical else EXIT_FINDING)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,656 @@
+"""Conversions between checkpoints and single-process formats, with bounded memory.
+
+Sources: a shardstore checkpoint; a PyTorch DCP, Megatron-Core torch_dist or zarr
+checkpoint (read without running its pickles, ``shardstore.strategies.foreign``); a
+``torch.save`` file; Hugging Face style safetensors (one file, or a model directory with
+``model.safetensors`` or shards and ``model.safetensors.index.json``). Targets: a
+shardstore checkpoint (``from_torch_file``, ``from_safetensors``, ``from_foreign``), one
+``torch.save`` file (``to_torch_file``) and a safetensors model directory
+(``to_safetensors``), from any source of another format (``open_export_source``).
+
+Reading a checkpoint here means whole global arrays, a batch at a time
+(``read_arrays``): at most ``memory_bytes`` of them are alive at once (an array larger
+than that alone); another tool's checkpoint, one tensor at a time. Writing a shardstore
+checkpoint means a save at world size 1 from tensors that are memory-mapped from the
+source file, so neither direction holds the model in memory, except ``to_torch_file``,
+whose single pickle needs every tensor at once.
+
+Keys: a tensor at ``sd["model"]["fc1"]`` of a ``torch.save`` file becomes the array
+``model/fc1`` and comes back to the same place; the other values form the common
+state. A sharded object's shard sits in a ``torch.save`` file at its unique key
+(``sd["rng_state/shard_0_2"]``), as the Python object it is, and comes back as a
+sharded object. A plain DCP checkpoint's values go where they were in the state dict
+DCP saved (its planner's paths, as ``dcp_to_torch_save`` puts them). Safetensors names
+(``model.layers.0.weight``) are array keys as they are; a safetensors file holds
+tensors only, so ``to_safetensors`` leaves the other values out and says which.
+
+Nothing is left behind by a conversion that fails: a checkpoint is staged and
+published by its commit (``shardstore.format.commit``), a file is written under a temporary
+name beside its destination and renamed at the end, a safetensors directory is filled
+under a temporary name and renamed; files and directories get the modes ``open()`` and
+``mkdir()`` give (the umask applies). Conversions run in one process (the ``shardstore
+convert`` command); they refuse to run inside an initialized process group, where
+``save`` would be collective.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import shutil
+import stat
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, replace
+from operator import attrgetter, itemgetter
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from shardstore.core import CheckpointingException
+from shardstore.format.dtypes import from_zarr_name
+from shardstore.format.integrity import ChecksummedLocation, open_committed
+from shardstore.format.pickles import load_torch_file
+from shardstore.format.records import read_commit_record
+from shardstore.mapping import ShardedObject, ShardedTensor, StateDict
+from shardstore.protocol.collectives import Group
+from shardstore.stores.base import Location
+from shardstore.stores.locations import open_location
+
+DEFAULT_MEMORY_BYTES = 2**30
+DEFAULT_SHARD_BYTES = 5 * 10**9  # Hugging Face's default max_shard_size, "5GB"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+_MAX_SAFETENSORS_HEADER = 100 * 2**20  # the format's own limit
+
+# safetensors dtype names (the format's spec) and ours.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+T = TypeVar("T")
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def array_batches(
+    arrays: Sequence[T], memory_bytes: int, nbytes: Callable[[T], int] = attrgetter("nbytes")
+) -> list[list[T]]:
+    """The arrays (records, tensors, anything ``nbytes`` sizes in bytes) in order, cut
+    into batches of at most ``memory_bytes`` (an array larger than that is a batch of
+    its own)."""
+    batches: list[list[T]] = []
+    size = 0
+    for array in arrays:
+        if not batches or size + nbytes(array) > memory_bytes:
+            batches.append([])
+            size = 0
+        batches[-1].append(array)
+        size += nbytes(array)
+    return batches
+
+
+def read_arrays(
+    checkpoint: str | os.PathLike | Location,
+    keys: list[str] | None = None,
+    memory_bytes: int = DEFAULT_MEMORY_BYTES,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields ``(key, whole global tensor)`` for the checkpoint's arrays (or ``keys``),
+    sorted by key, reading a batch of at most ``memory_bytes`` at a time.
+
+    Not collective; the tensors of a batch are freed when the caller drops them.
+    """
+    from shardstore.strategies.zarr import ZarrLoadShardedStrategy
+
+    location = open_committed(checkpoint)
+    record = location.record
+    wanted = sorted(record.arrays) if keys is None else sorted(keys)
+    unknown = [k for k in wanted if k not in record.arrays]
+    if unknown:
+        raise CheckpointingException(f"Checkpoint {location.describe()} has no array {unknown[0]!r}")
+    strategy = ZarrLoadShardedStrategy()
+    for batch in array_batches([record.arrays[k] for k in wanted], memory_bytes):
+        request = {
+            a.key: ShardedTensor.from_rank_offsets(
+                a.key, torch.empty(a.shape, dtype=from_zarr_name(a.dtype).torch_dtype)
+            )
+            for a in batch
+        }
+        loaded = strategy.load_with_record(request, location, record, Group.local())
+        for array in batch:
+            yield array.key, loaded.pop(array.key)
+
+
+def read_tensors(
+    checkpoint: str | os.PathLike | Location,
+    keys: list[str] | None = None,
+    memory_bytes: int = DEFAULT_MEMORY_BYTES,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``read_arrays`` of any checkpoint ``load`` reads: a shardstore checkpoint's
+    arrays a batch at a time, another tool's tensors (PyTorch DCP, Megatron-Core
+    torch_dist or zarr) one at a time; sorted by key. Not collective."""
+    from shardstore.strategies.foreign import open_foreign, reads_as_foreign
+
+    if not reads_as_foreign(checkpoint):
+        yield from read_arrays(checkpoint, keys, memory_bytes)
+        return
+    source = open_foreign(checkpoint)
+    for key in sorted(source.tensors if keys is None else keys):
+        if key not in source.tensors:
+            raise CheckpointingException(f"{source.path} has no tensor {key!r}")
+        yield key, source.read_tensor(key)
+
+
+def read_non_tensor_state(checkpoint: str | os.PathLike | Location) -> StateDict:
+    """The common state, with every sharded object's shards added at their unique keys
+    (``rng_state/shard_0_2``), each the Python object it holds; of a shardstore
+    checkpoint or of another tool's (a plain DCP checkpoint's values at their flattened
+    keys, ``cfg.lr``)."""
+    from shardstore.serialization import load, load_sharded_metadata, open_checkpoint
+
+    _refuse_process_group("reading a checkpoint's common state for conversion")
+    location = open_checkpoint(checkpoint)
+    objects = {k: v for k, v in load_sharded_metadata(location).items() if not isinstance(v, ShardedTensor)}
+    state = load(objects, location)
+    return state
+
+
+# --------------------------------------------------------------------------- what an export reads
+
+
+@dataclass(frozen=True)
+class ExportSource:
+    """A source opened for ``to_torch_file`` and ``to_safetensors``, whatever its
+    format, so that each target is written by one function.
+
+    Attributes:
+        tensor_bytes: each tensor's key (an array key; a ``torch.save`` file's tensors by
+            their ``/``-joined path) -> its size in bytes, sorted by key.
+        read: ``read(keys, memory_bytes)`` yields ``(key, whole tensor)`` for ``keys``,
+            at most ``memory_bytes`` alive at once (a larger tensor alone).
+        other_values: everything else (common state, sharded object shards at their
+            unique keys), nested as a ``torch.save`` file of the source holds it.
+        place: where a tensor goes in that file: its dict keys and list indices.
+    """
+
+    tensor_bytes: dict[str, int]
+    read: Callable[[list[str], int], Iterator[tuple[str, torch.Tensor]]]
+    other_values: Callable[[], dict[Any, Any]]
+    place: Callable[[str], tuple[str | int, ...]]
+
+
+def source_kind(source: str | os.PathLike | Location) -> str:
+    """What a conversion's source is: ``"torch"`` (a ``torch.save`` file),
+    ``"safetensors"`` (a file, or a model directory with ``model.safetensors`` or an
+    index), ``"foreign"`` (PyTorch DCP, Megatron-Core torch_dist or zarr) or
+    ``"shardstore"``; anything else is refused by ``read_commit_record``, which says
+    what it is (nothing, an unfinished save, a file or directory of something else)."""
+    from shardstore.strategies.foreign import reads_as_foreign
+
+    if not isinstance(source, Location):
+        text = os.fspath(source)
+        local = None if text.startswith("s3://") else Path(text)
+        if text.endswith(".safetensors") and (local is None or local.is_file()):
+            return "safetensors"
+        if local is not None and local.is_file():
+            return "torch"
+        if local is not None and ((local / SAFETENSORS_INDEX).is_file() or (local / SAFETENSORS_SINGLE).is_file()):
+            return "safetensors"
+    location = open_location(source)
+    if reads_as_foreign(location):
+        return "foreign"
+    if not isinstance(location, ChecksummedLocation):
+        read_commit_record(location)
+    return "shardstore"
+
+
+def open_export_source(source: str | os.PathLike | Location) -> ExportSource:
+    """The source of an export, opened (see ``source_kind``)."""
+    kind = source_kind(source)
+    if kind == "torch":
+        return _torch_file_source(Path(source))  # type: ignore[arg-type]
+    if kind == "safetensors":
+        tensors = safetensors_tensors(source)  # type: ignore[arg-type]
+        return ExportSource(
+            {k: t.nbytes for k, t in sorted(tensors.items())},
+            lambda keys, _: ((k, tensors[k]) for k in keys), dict, lambda key: tuple(key.split("/")),
+        )
+    return _checkpoint_source(source)
+
+
+def _checkpoint_source(checkpoint: str | os.PathLike | Location) -> ExportSource:
+    """A shardstore checkpoint, or another tool's: arrays by key (``model/fc1`` goes to
+    ``sd["model"]["fc1"]``), except a plain DCP save's values, which go where they were
+    in the state dict DCP saved (its planner's paths), as ``dcp_to_torch_save`` puts them."""
+    from shardstore.other_formats.dcp import DcpCheckpoint
+    from shardstore.serialization import open_checkpoint
+    from shardstore.strategies.foreign import DCP_BACKEND, open_foreign
+
+    location = open_checkpoint(checkpoint)
+    saved_paths: dict[str, tuple[str | int, ...]] = {}
+    if isinstance(location, ChecksummedLocation):
+        sizes = {key: a.nbytes for key, a in location.record.arrays.items()}
+    else:
+        foreign = open_foreign(location)
+        sizes = {key: t.nbytes for key, t in foreign.tensors.items()}
+        if isinstance(foreign, DcpCheckpoint) and foreign.kind == DCP_BACKEND:
+            saved_paths = foreign.saved_paths
+
+    def other_values() -> dict[Any, Any]:
+        state: dict[Any, Any] = {}
+        for key, value in read_non_tensor_state(location).items():
+            _place(state, saved_paths.get(key, (key,)), value, key)
+        return state
+
+    return ExportSource(
+        dict(sorted(sizes.items())),
+        lambda keys, memory_bytes: read_tensors(location, keys, memory_bytes), other_values,
+        lambda key: saved_paths.get(key) or tuple(key.split("/")),
+    )
+
+
+def _torch_file_source(path: Path) -> ExportSource:
+    """A ``torch.save`` file: its tensors by their ``/``-joined paths (memory-mapped)."""
+    state = _load_state_dict_file(path)
+    tensors = _tensors_by_key(state, str(path))
+    return ExportSource(
+        {k: t.nbytes for k, (_, t) in sorted(tensors.items())},
+        lambda keys, _: ((k, tensors[k][1]) for k in keys), lambda: _without_tensors(state),
+        lambda key: tensors[key][0],
+    )
+
+
+# --------------------------------------------------------------------------- torch.save
+
+
+def to_torch_file(
+    source: str | os.PathLike | Location, path: str | os.PathLike, memory_bytes: int = DEFAULT_MEMORY_BYTES
+) -> Export:
+    """Writes a checkpoint (shardstore, PyTorch DCP, Megatron-Core torch_dist or zarr)
+    or a safetensors model as one new ``torch.save`` file: every value at its place
+    (``ExportSource.place``), each sharded object shard at its unique key as the Python
+    object it holds; a plain DCP checkpoint gives what ``dcp_to_torch_save`` gives.
+    Needs memory for the whole model (one pickle); nothing is written if it fails."""
+    if source_kind(source) == "torch":
+        raise CheckpointingException(f"{source} is a torch.save file already")
+    opened = open_export_source(source)
+    state = opened.other_values()
+    for key, tensor in opened.read(list(opened.tensor_bytes), memory_bytes):
+        _place(state, opened.place(key), tensor, key)
+    out = Path(path)
+    _write_new_file(out, lambda p: torch.save(state, p))
+    return Export((out.name,), len(opened.tensor_bytes), sum(opened.tensor_bytes.values()), ())
+
+
+def from_torch_file(
+    path: str | os.PathLike, checkpoint: str | os.PathLike | Location, overwrite: bool = False
+) -> int:
+    """Saves a ``torch.save`` file (loaded with ``weights_only=True``, memory-mapped) as a
+    shardstore checkpoint: each tensor an array keyed by its path, each value at a
+    sharded object's unique key (how ``to_torch_file`` writes one) that sharded object,
+    the rest the common state. Returns the number of arrays written."""
+    from shardstore.serialization import save
+
+    _refuse_process_group("converting a torch.save file")
+    state = _load_state_dict_file(Path(path))
+    for key in [k for k in state if _is_object_shard_key(k)]:
+        state[key] = replace(ShardedObject.empty_from_unique_key(key), data=state[key])
+    tensors = _tensors_by_key(state, str(path))
+    for key, (where, tensor) in tensors.items():
+        _parent(state, where)[where[-1]] = ShardedTensor.from_rank_offsets(key, tensor)
+    save(state, checkpoint, overwrite=overwrite)
+    return len(tensors)
+
+
+def _load_state_dict_file(path: Path) -> dict[Any, Any]:
+    state = load_torch_file(path, f"{path} (a torch.save file)")
+    if not isinstance(state, dict):
+        raise CheckpointingException(f"{path} holds a {type(state).__name__}, not a state dict")
+    return state
+
+
+def _is_object_shard_key(key: Any) -> bool:
+    """A top-level key of a ``torch.save`` file that names a sharded object's shard
+    (``rng_state/shard_0_2``): its value stays one object, whatever it holds."""
+    from shardstore.strategies.foreign import _is_object_shard
+
+    return isinstance(key, str) and _is_object_shard(key)
+
+
+def _tensors_by_key(state: dict[Any, Any], where: str) -> dict[str, tuple[tuple[Any, ...], torch.Tensor]]:
+    """Every tensor of a ``torch.save`` state dict (in dicts and lists, not in sharded
+    object shards), by its ``/``-joined path, with the path."""
+    found: dict[str, tuple[tuple[Any, ...], torch.Tensor]] = {}
+    for path, tensor in _tensor_leaves(state, ()):
+        key = "/".join(map(str, path))
+        if key in found:
+            raise CheckpointingException(f"{where}: two tensors have the key {key!r} (their paths joined by '/')")
+        found[key] = (path, tensor)
+    return found
+
+
+def _tensor_leaves(node: dict | list, path: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
+    for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+        if not path and _is_object_shard_key(k):
+            continue
+        if isinstance(v, torch.Tensor):
+            yield (*path, k), v
+        elif isinstance(v, (dict, list)):
+            yield from _tensor_leaves(v, (*path, k))
+
+
+def _without_tensors(node: dict | list, top: bool = True) -> dict | list:
+    """``node`` without its tensors (nor the dicts and lists that held only tensors),
+    sharded object shards kept whole: what a safetensors file cannot hold."""
+    kept = []
+    for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+        if not (top and _is_object_shard_key(k)):
+            if isinstance(v, torch.Tensor):
+                continue
+            if isinstance(v, (dict, list)) and v:
+                v = _without_tensors(v, top=False)
+                if not v:
+                    continue
+        kept.append((k, v))
+    return dict(kept) if isinstance(node, dict) else [v for _, v in kept]
+
+
+# --------------------------------------------------------------------------- safetensors
+
+
+@dataclass(frozen=True)
+class Export:
+    """What ``to_torch_file`` or ``to_safetensors`` wrote: its files (names in the
+    output directory, or the file's name), its tensors and their bytes, and the keys of
+    the values it could not write (safetensors holds tensors only)."""
+
+    files: tuple[str, ...]
+    tensors: int
+    total_bytes: int
+    left_out: tuple[str, ...]
+
+
+def to_safetensors(
+    source: str | os.PathLike | Location,
+    out_dir: str | os.PathLike,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    memory_bytes: int = DEFAULT_MEMORY_BYTES,
+) -> Export:
+    """Writes the tensors of a checkpoint (shardstore, PyTorch DCP, Megatron-Core
+    torch_dist or zarr) or ``torch.save`` file as a new Hugging Face style safetensors
+    directory ``out_dir`` (or into an empty one): ``model.safetensors``, or
+    ``model-00001-of-0000N.safetensors`` shards of at most ``max_shard_bytes`` with
+    ``model.safetensors.index.json``. At most one shard is in memory at once. The
+    directory is filled under a temporary name and renamed at the end: a failure leaves
+    nothing."""
+    opened = open_export_source(source)
+    # read first: a source whose other values cannot be read fails before anything is written
+    left_out = tuple(sorted(_leaf_paths(opened.other_values())))
+    shards = array_batches(list(opened.tensor_bytes.items()), max_shard_bytes, itemgetter(1)) or [[]]
+    names = (
+        [SAFETENSORS_SINGLE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    out = Path(out_dir)
+    with _new_directory(out) as staging:
+        for name, shard in zip(names, shards):
+            tensors = _standalone(dict(opened.read([key for key, _ in shard], memory_bytes)))
+            _write_new_file(staging / name, lambda p, t=tensors, n=name: _save_safetensors(t, p, out / n))
+            del tensors
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(opened.tensor_bytes.values())},
+                     "weight_map": {key: name for name, shard in zip(names, shards) for key, _ in shard}}
+            _write_new_file(staging / SAFETENSORS_INDEX, lambda p: p.write_text(json.dumps(index, indent=2)))
+    return Export(tuple(names), len(opened.tensor_bytes), sum(opened.tensor_bytes.values()), left_out)
+
+
+def _standalone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors as safetensors' writer takes them: contiguous, none sharing memory
+    with another (a ``torch.save`` file's tied weights and views do)."""
+    seen: set[int] = set()
+    out = {}
+    for key, tensor in tensors.items():
+        storage = tensor.untyped_storage().data_ptr()
+        if not tensor.is_contiguous() or storage in seen:
+            tensor = tensor.contiguous().clone()
+        seen.add(storage)
+        out[key] = tensor
+    return out
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, where: Path) -> None:
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except Exception as exc:  # the library's own errors (unsupported dtype, ...) name no file
+        raise CheckpointingException(f"Cannot write {where} as safetensors: {type(exc).__name__}: {exc}") from exc
+
+
+def _leaf_paths(state: Any, prefix: str = "") -> Iterator[str]:
+    if isinstance(state, dict) and state:
+        for k, v in state.items():
+            yield from _leaf_paths(v, f"{prefix}/{k}" if prefix else str(k))
+    elif prefix:
+        yield prefix
+
+
+def safetensors_files(path: str | os.PathLike) -> list[Path]:
+    """The files of a safetensors model: ``path`` itself, or the shards its directory's
+    index names, or the directory's single ``model.safetensors``."""
+    root = Path(path)
+    if root.is_file():
+        return [root]
+    index = root / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointingException(f"{index} is not a safetensors index: {exc}") from exc
+        names = sorted(set(weight_map.values()))
+        if any("/" in n or n.startswith(".") for n in names):
+            raise CheckpointingException(f"{index} names files outside its directory")
+        return [root / n for n in names]
+    if (root / SAFETENSORS_SINGLE).is_file():
+        return [root / SAFETENSORS_SINGLE]
+    raise CheckpointingException(f"{root} holds no safetensors model ({SAFETENSORS_INDEX} or {SAFETENSORS_SINGLE})")
+
+
+def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file, memory-mapped (nothing is read until used).
+
+    The safetensors library's readers copy each tensor into memory; this maps the file,
+    whose layout the format fixes: an 8-byte little-endian header size, a JSON header
+    naming each tensor's dtype, shape and byte offsets, then the data."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= _MAX_SAFETENSORS_HEADER:
+                raise ValueError(f"header size {size} out of range")
+            header = json.loads(f.read(size))
+        data = np.memmap(path, dtype=np.uint8, mode="c", offset=8 + size) if path.stat().st_size > 8 + size else None
+        tensors = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+            shape = [int(n) for n in info["shape"]]
+            start, stop = (int(o) for o in info["data_offsets"])
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if stop - start != nbytes or start < 0 or (nbytes and (data is None or stop > data.size)):
+                raise ValueError(f"tensor {name!r} has inconsistent offsets {start}:{stop}")
+            raw = torch.from_numpy(data[start:stop]) if nbytes else torch.empty(0, dtype=torch.uint8)
+            tensors[name] = raw.view(dtype).reshape(shape)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointingException(f"Cannot read {path} as a safetensors file: {exc}") from exc
+    return tensors
+
+
+def safetensors_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file or model directory, by name, memory-mapped."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        for name, tensor in map_safetensors(file).items():
+            if name in tensors:
+                raise CheckpointingException(f"Tensor {name!r} appears in two files of {path}")
+            tensors[name] = tensor
+    return tensors
+
+
+def from_safetensors(
+    path: str | os.PathLike, checkpoint: str | os.PathLike | Location, overwrite: bool = False
+) -> int:
+    """Saves a safetensors file or model directory as a shardstore checkpoint (one array
+    per tensor name); returns the number of arrays written."""
+    from shardstore.serialization import save
+
+    _refuse_process_group("converting safetensors")
+    state = {name: ShardedTensor.from_rank_offsets(name, t) for name, t in safetensors_tensors(path).items()}
+    save(state, checkpoint, overwrite=overwrite)
+    return len(state)
+
+
+# --------------------------------------------------------------------------- DCP, Megatron torch_dist and zarr
+
+
+def from_foreign(
+    path: str | os.PathLike, checkpoint: str | os.PathLike | Location, overwrite: bool = False
+) -> int:
+    """Imports a PyTorch DCP checkpoint, or a Megatron-Core torch_dist or zarr one (read
+    without running its pickles, ``shardstore.strategies.foreign``): every tensor becomes
+    the array of its key, whole, written one at a time; Megatron's ShardedObjects
+    (``<key>/shard_<offset>_<shape>``) stay sharded objects; Megatron's ``common.pt``
+    and a plain DCP's other values form the common state. Returns the number of arrays."""
+    from shardstore.strategies.foreign import (
+        ForeignLoadCommonStrategy,
+        open_foreign,
+        read_sharded_object,
+    )
+    from shardstore.tools.array_writer import CheckpointWriter
+
+    source = open_foreign(path)
+    object_keys = list(ForeignLoadCommonStrategy().load_sharded_metadata(source.path))
+    planned = {key: torch.empty(t.shape, dtype=t.dtype, device="meta") for key, t in source.tensors.items()}
+    with CheckpointWriter(checkpoint, overwrite, planned_arrays=planned, planned_objects=object_keys) as writer:
+        for key, tensor in source.iter_tensors():
+            writer.write_array(key, tensor)
+        common = ForeignLoadCommonStrategy().load_common(source.path)
+        writer.commit(common, {key: read_sharded_object(source, key) for key in object_keys})
+    return len(source.tensors)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _refuse_process_group(what: str) -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise CheckpointingException(
+            f"{what} runs in one process, but a process group of {dist.get_world_size()} ranks is initialized; "
+            "run it in a separate process (the `shardstore convert` command)"
+        )
+
+
+def _place(state: dict[Any, Any], path: tuple[Any, ...], value: Any, key: str) -> None:
+    """Puts ``value`` at ``path`` (dict keys, list indices) of ``state``, making the
+    dicts and lists on the way as ``dcp_to_torch_save`` does; refuses to replace a
+    value, or to go through one that is not the container the path needs."""
+    node: Any = state
+    for part, following in zip(path, path[1:]):
+        if _is_free(node, part, key):
+            node[part] = [] if isinstance(following, int) else {}
+        node = node[part]
+    if not _is_free(node, path[-1], key):
+        raise CheckpointingException(f"Cannot place {key!r}: another value is already at {list(path)}")
+    node[path[-1]] = value
+
+
+def _is_free(node: Any, part: Any, key: str) -> bool:
+    """Whether ``node`` holds nothing at ``part``: a dict (any key), or a list (an
+    index, up to which it is padded with None, as DCP pads it)."""
+    if isinstance(node, list) and isinstance(part, int):
+        node.extend([None] * (part + 1 - len(node)))
+        return node[part] is None
+    if not isinstance(node, dict):
+        raise CheckpointingException(
+            f"Cannot place {key!r}: a {type(node).__name__} is where its path needs a "
+            f"{'list' if isinstance(part, int) else 'dict'} (at {part!r})"
+        )
+    return part not in node
+
+
+def _parent(state: dict[Any, Any], path: tuple[Any, ...]) -> Any:
+    """The dict or list that holds the value at ``path``."""
+    node: Any = state
+    for part in path[:-1]:
+        node = node[part]
+    return node
+
+
+def _write_new_file(path: Path, write: Callable[[Path], Any]) -> None:
+    """Has ``write`` write a temporary file beside ``path`` that is then renamed to
+    ``path``, so a failed conversion leaves no file (nor the directories made for it);
+    refuses to replace a file. The file gets the mode ``open()`` gives a new file (0666
+    less the umask), whatever ``write`` does: safetensors' writer makes 0600 files."""
+    if path.exists():
+        raise CheckpointingException(f"{path} exists; choose a new output path")
+    made = _make_directories(path.parent)
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
+    try:
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+        mode = stat.S_IMODE(os.fstat(descriptor).st_mode)
+        os.close(descriptor)
+        write(temporary)
+        os.chmod(temporary, mode)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        _remove_directories(made)
+        raise
+
+
+@contextmanager
+def _new_directory(path: Path) -> Iterator[Path]:
+    """A directory filled under a temporary name beside ``path`` (the one yielded) and
+    renamed to ``path`` at the end, replacing an empty directory there; if anything
+    fails, removed, with the directories made for it."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise CheckpointingException(f"{path} exists and is not an empty directory; convert into a new directory")
+    made = _make_directories(path.parent)
+    staging = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
+    try:
+        staging.mkdir()  # the umask applies, as to any mkdir
+        yield staging
+        os.rename(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        _remove_directories(made)
+        raise
+
+
+def _make_directories(directory: Path) -> list[Path]:
+    """Makes ``directory`` and its missing parents; returns those it made, deepest first."""
+    missing = []
+    for candidate in (directory, *directory.parents):
+        if candidate.exists():
+            break
+        missing.append(candidate)
+    for candidate in reversed(missing):
+        candidate.mkdir(exist_ok=True)
+    return missing
+
+
+def _remove_directories(made: list[Path]) -> None:
+    for directory in made:
+        with suppress(OSError):  # not empty: someone else's files arrived meanwhile
+            directory.rmdir()

@@ -1,0 +1,574 @@
+"""PyTorch DCP's own API on shardstore's format: a ``StorageWriter`` and ``StorageReader``.
+
+``dcp.save(state_dict, storage_writer=ShardstoreWriter(path))``, ``dcp.async_save(...)``
+and ``dcp.load(state_dict, storage_reader=ShardstoreReader(path))`` read and write the
+same Zarr v3 hierarchy as ``shardstore.save`` (local paths and ``s3://``): DCP's planners
+decide what each rank writes and reads (deduplication of replicas, resharding), and
+this module stores it as shardstore does. A checkpoint written either way loads the
+other way and is checked by ``shardstore verify``.
+
+What goes where (the same as ``shardstore.save`` of the same state dict, see
+``shardstore.inputs.dtensors``):
+
+* every sharded item (a DTensor: DCP's ``WriteItemType.SHARD``) is a chunk of one
+  global array named by its fully qualified name (``model.layers.0.weight``), written by
+  the rank DCP's plan gives it, with each chunk's crc32c bound into the commit record;
+* everything else (plain tensors such as the optimizer's ``step``, Python values such
+  as param groups) is the common state, ``common.pt``, nested as the caller's dict was
+  (DCP's flattening mappings), loaded with ``weights_only`` like every common state.
+
+Save (the calls DCP makes, in order; ``StorageWriter``'s protocol)::
+
+    0) all ranks    reset(checkpoint_id)        only when dcp.save gets a checkpoint_id
+    1) all ranks    set_up_storage_writer()     the coordinator lets go of an earlier
+                                                save that never finished
+    2) all ranks    prepare_local_plan()        unchanged
+    3) coordinator  prepare_global_plan()       the sharded items of every rank become
+                                                shard records; the global layout is
+                                                validated (keys against the target's
+                                                name limits, coverage, dtypes) and
+                                                planned (``planner.plan_save``: chunk
+                                                grids aligned with the shards, one writer
+                                                per chunk); the save begins
+                                                (``commit.begin_save``: staging area,
+                                                metadata.json); each rank's plan carries
+                                                its part and the save's intent
+    4) all ranks    write_data()                array metadata and chunks from the
+                                                tensors' memory (``save_execution``),
+                                                durable; the WriteResults carry the chunk
+                                                checksums and the common values
+    5) coordinator  finish()                    common.pt, then the commit record (every
+                                                chunk's crc32c, every file's checksum),
+                                                published atomically (``commit``)
+
+A failure on any rank fails ``dcp.save`` on every rank (DCP's own agreement) and no
+commit record is written: what the target held before stays loadable. DCP calls no
+``finish`` after a failed write, so the coordinator abandons that save's staging area
+at the next save with the same writer; the next save into the same place removes it
+otherwise.
+
+Load (``StorageReader``'s protocol)::
+
+    0) all ranks    reset(checkpoint_id)        only when dcp.load gets a checkpoint_id
+    1) all ranks    read_metadata()             the commit record (its digest checked)
+                                                and common.pt, as DCP Metadata: one
+                                                chunk per array (so DCP asks for each
+                                                requested region once), the common
+                                                values by fully qualified name
+    2) all ranks    set_up_storage_reader()
+    3) all ranks    prepare_local_plan()        unchanged
+    4) coordinator  prepare_global_plan()       unchanged
+    5) all ranks    read_data()                 every region read at once from the
+                                                chunks it touches, each checked against
+                                                its crc32c and the record's, straight
+                                                into the destination tensor where it is a
+                                                contiguous CPU tensor of the stored dtype
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from shardstore.core import CheckpointingConfig, CheckpointingException, save_config
+from shardstore.execution.save import (
+    StagedSave,
+    WriteOp,
+    bind_chunks,
+    metadata_files,
+    publish,
+    write_staged,
+)
+from shardstore.execution.staging import to_host
+from shardstore.format.chunks import (
+    DEFAULT_IO_CONCURRENCY,
+    ArrayChunks,
+    WrittenChunk,
+    chunk_store_for,
+    read_region,
+    run_reads,
+)
+from shardstore.format.commit import PendingCheckpoint, SaveIntent, begin_save, join_save
+from shardstore.format.dtypes import (
+    cast_checked,
+    from_torch,
+    from_zarr_name,
+    numpy_to_tensor,
+    tensor_to_numpy,
+)
+from shardstore.format.integrity import file_checksums
+from shardstore.format.pickles import load_torch, serialize
+from shardstore.format.records import COMMON_FILE, CommitRecord
+from shardstore.planning.layout import GlobalLayout, ShardRecord, region_at
+from shardstore.planning.plans import RankSavePlan, plan_save
+from shardstore.protocol.collectives import Group
+from shardstore.serialization import open_checkpoint, verify_checkpoint_and_load_strategy
+from shardstore.stores.base import Location
+from shardstore.stores.locations import open_location
+from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION
+from shardstore.strategies.zarr import DEFAULT_MAX_CHUNK_BYTES, SHARDSTORE_BACKEND, ZARR_VERSION
+from shardstore.validation import validate_sharding_integrity
+
+logger = logging.getLogger(__name__)
+
+CheckpointId = str | os.PathLike | Location
+
+
+# --------------------------------------------------------------------------- save
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """What the coordinator's plan gives one rank (``SavePlan.storage_data``).
+
+    Attributes:
+        intent: the save this rank writes into (its staging area).
+        plan: its part of shardstore's save plan.
+        items: the sharded write items it writes, in the order ``plan`` numbers them.
+    """
+
+    intent: SaveIntent
+    plan: RankSavePlan
+    items: tuple[MetadataIndex, ...]
+
+
+@dataclass(frozen=True)
+class WrittenChunks:
+    """A rank's report to the coordinator (on one WriteResult): every chunk it wrote."""
+
+    chunks: tuple[WrittenChunk, ...]
+
+
+@dataclass(frozen=True)
+class CommonValue:
+    """A value of the common state, on its way to the coordinator (on its WriteResult):
+    a tensor, or the bytes DCP's planner serialized a Python value to."""
+
+    fqn: str
+    value: torch.Tensor | bytes
+
+
+def _is_sharded(item: WriteItem) -> bool:
+    return item.type == WriteItemType.SHARD
+
+
+def shard_record(item: WriteItem, rank: int, index: int) -> ShardRecord:
+    """A sharded write item as shardstore's record of a shard (every one a main
+    replica: DCP's plan already gave each replicated block to one rank)."""
+    data = item.tensor_data
+    return ShardRecord(
+        key=item.index.fqn, rank=rank, index=index, dtype=from_torch(data.properties.dtype).zarr_name,
+        global_shape=tuple(data.size), offset=tuple(data.chunk.offsets), block_shape=tuple(data.chunk.sizes),
+        flat_range=None, main=True,
+    )
+
+
+def global_layout(plans: list[SavePlan]) -> tuple[GlobalLayout, list[tuple[MetadataIndex, ...]]]:
+    """Every rank's sharded items as one layout, and each rank's items in the order its
+    records number them. Empty shards (uneven sharding) hold nothing and are left out;
+    an array with no elements at all keeps one empty block, so it is still recorded."""
+    per_rank: list[tuple[list[ShardRecord], list]] = []
+    orders: list[tuple[MetadataIndex, ...]] = []
+    empty_arrays: set[str] = set()
+    for rank, plan in enumerate(plans):
+        records: list[ShardRecord] = []
+        order: list[MetadataIndex] = []
+        for item in filter(_is_sharded, plan.items):
+            record = shard_record(item, rank, len(records))
+            if record.block_volume == 0:
+                if math.prod(record.global_shape) != 0 or record.key in empty_arrays:
+                    continue
+                empty_arrays.add(record.key)
+                record = replace(record, offset=(0,) * len(record.global_shape), block_shape=record.global_shape)
+            records.append(record)
+            order.append(item.index)
+        per_rank.append((records, []))
+        orders.append(tuple(order))
+    return GlobalLayout.from_gathered(per_rank), orders
+
+
+class ShardstoreWriter(StorageWriter):
+    """DCP ``StorageWriter`` that writes a shardstore checkpoint (see the module
+    docstring for the order of DCP's calls and what each does).
+
+    Args:
+        checkpoint_id: where to save (local path, ``s3://bucket/prefix`` or a Location);
+            DCP's ``checkpoint_id=`` replaces it.
+        overwrite: replace a committed checkpoint there (atomically on local disks, as
+            ``shardstore.save(overwrite=True)``); off, saving onto one is refused.
+        max_chunk_bytes: upper bound on one stored chunk, in bytes.
+        io_concurrency: chunk writes in flight at once per rank.
+    """
+
+    def __init__(
+        self, checkpoint_id: CheckpointId | None = None, *, overwrite: bool = False,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+    ) -> None:
+        super().__init__()
+        self.checkpoint_id = checkpoint_id
+        self.overwrite = overwrite
+        self.max_chunk_bytes = max_chunk_bytes
+        self.io_concurrency = io_concurrency
+        self.is_coordinator = False
+        self._pending: PendingCheckpoint | None = None  # the coordinator's, from plan to finish
+        self._commit: CommitRecord | None = None
+
+    def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
+        if checkpoint_id is not None:
+            self.checkpoint_id = checkpoint_id
+
+    def _target(self) -> Location:
+        if self.checkpoint_id is None:
+            raise CheckpointingException("ShardstoreWriter has no checkpoint path: pass one, or checkpoint_id= to dcp.save")
+        return open_location(self.checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """All ranks. The coordinator abandons a save of this writer that DCP never
+        finished (a rank failed in an earlier ``dcp.save``): every rank is past it now."""
+        self.is_coordinator = is_coordinator
+        if self._pending is not None:
+            logger.warning("Abandoning the unfinished save into %s", self._pending.describe())
+            self._pending.abandon()
+            self._pending = None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator: validates and plans the global layout, then begins the save."""
+        target = self._target()
+        where = target.describe()
+        if not all(plan.usable for plan in plans):
+            raise CheckpointingException(
+                f"Saving {where}: DCP's plan caching is not supported by ShardstoreWriter (each save plans its "
+                "chunks and staging area anew); use DefaultSavePlanner(enable_plan_caching=False)"
+            )
+        layout, orders = global_layout(plans)
+        validate_sharding_integrity(layout, target.name_limits, where)
+        rank_plans = plan_save(layout, self.max_chunk_bytes, fully_parallel=False)
+        pending = begin_save(target, self.overwrite)
+        try:
+            save_config(CheckpointingConfig(SHARDSTORE_BACKEND, ZARR_VERSION, COMMON_BACKEND, COMMON_VERSION), pending)
+        except BaseException:
+            pending.abandon()
+            raise
+        self._pending, self._commit = pending, rank_plans[0].commit
+        return [
+            replace(plan, storage_data=RankPart(pending.intent, rank_plan, order))
+            for plan, rank_plan, order in zip(plans, rank_plans, orders)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """All ranks: this rank's arrays' metadata and chunks, durable; the results
+        carry the chunks' checksums and this rank's common values to the coordinator."""
+        part = plan.storage_data
+        if not isinstance(part, RankPart):
+            raise CheckpointingException("ShardstoreWriter.write_data got a plan its prepare_global_plan did not make")
+        pending = self._pending if self.is_coordinator else join_save(self._target(), part.intent)
+        if pending is None:
+            raise CheckpointingException("ShardstoreWriter.write_data on the coordinator without a save in progress")
+        try:
+            written = self._write_shards(part, plan, planner, pending)
+            results = [_result(item, planner, written) for item in plan.items]
+        except CheckpointingException:
+            raise
+        except Exception as exc:
+            raise CheckpointingException(f"Writing checkpoint {pending.describe()} failed: {exc}") from exc
+        finally:
+            if not self.is_coordinator:
+                pending.release()
+        if results and written.chunks:  # the chunks travel on the first result
+            results[0] = replace(results[0], storage_data=written)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _write_shards(self, part: RankPart, plan: SavePlan, planner: SavePlanner, location: Location) -> WrittenChunks:
+        by_index = {item.index: item for item in plan.items}
+        tensors = [to_host(planner.resolve_data(by_index[index]).detach()) for index in part.items]
+        ops = [
+            WriteOp(s.key, s.region, tensor_to_numpy(tensors[s.index]).reshape(s.block_shape))
+            for s in part.plan.shards
+        ]
+        staged = StagedSave(location, part.plan.records, metadata_files(part.plan), ops, None, Group.local())
+        write_staged(staged, self.io_concurrency)
+        return WrittenChunks(tuple(staged.written))
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: writes common.pt and commits; on failure nothing is committed
+        and the save's files are deleted."""
+        pending, commit = self._pending, self._commit
+        self._pending = self._commit = None
+        if pending is None or commit is None:
+            raise CheckpointingException("ShardstoreWriter.finish without a save in progress (is this the coordinator?)")
+        where = pending.describe()
+        try:
+            reports, common = [], {}
+            for rank_results in results:
+                chunks: list[WrittenChunk] = []
+                for result in rank_results:
+                    if isinstance(result.storage_data, WrittenChunks):
+                        chunks += result.storage_data.chunks
+                    elif isinstance(result.storage_data, CommonValue):
+                        common[result.storage_data.fqn] = _common_value(result.storage_data, where)
+                reports.append(chunks)
+            # durable by itself (an fsync of the file, not a second syncfs of the file system)
+            pending.write_atomic(COMMON_FILE, serialize(_nested(common, metadata.planner_data)))
+            record = bind_chunks(commit, reports, where)
+            publish(pending, replace(record, files=file_checksums(pending, record)))
+        except BaseException as exc:
+            pending.abandon()
+            if isinstance(exc, Exception) and not isinstance(exc, CheckpointingException):
+                raise CheckpointingException(f"Committing checkpoint {where} failed: {exc}") from exc
+            raise
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:
+        try:
+            open_location(checkpoint_id)
+        except Exception:  # noqa: BLE001  (any reason: not a place we can write)
+            return False
+        return True
+
+
+def _result(item: WriteItem, planner: SavePlanner, written: WrittenChunks) -> WriteResult:
+    """The WriteResult of one item: a sharded item's bytes were written; a common value
+    travels in it."""
+    if _is_sharded(item):
+        return WriteResult(index=item.index, size_in_bytes=item.tensor_storage_size() or 0, storage_data=None)
+    data = planner.resolve_data(item)
+    if isinstance(data, torch.Tensor):
+        value: torch.Tensor | bytes = to_host(data.detach()).clone()  # a view would carry its whole storage
+        size = value.nbytes
+    else:
+        value = data.getvalue()
+        size = len(value)
+    return WriteResult(index=item.index, size_in_bytes=size, storage_data=CommonValue(item.index.fqn, value))
+
+
+def _common_value(value: CommonValue, where: str) -> Any:
+    """A common value as common.pt stores it: DCP serialized Python values with
+    ``torch.save``; they are read back as every common state is (``weights_only``)."""
+    if isinstance(value.value, torch.Tensor):
+        return value.value
+    try:
+        return load_torch(value.value, f"{where} ({value.fqn})")
+    except CheckpointingException as exc:
+        raise CheckpointingException(
+            f"Cannot store {value.fqn!r} in the common state: every load reads it with weights_only=True, "
+            f"which this value does not pass. Store plain Python values, tensors and numpy arrays, or keep it "
+            f"out of the checkpoint. {exc}"
+        ) from exc
+
+
+def _nested(common: dict[str, Any], mappings: Any) -> dict[str, Any]:
+    """The common values nested as the caller's state dict was (DCP's flattening
+    mappings: fully qualified name -> path), or flat when DCP did not flatten."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    if not isinstance(mappings, dict):
+        return dict(common)
+    order = {fqn: i for i, fqn in enumerate(mappings)}  # the caller's order, not the ranks'
+    nested: dict[str, Any] = {}
+    for fqn in sorted(common, key=lambda name: order.get(name, len(order))):
+        set_element(nested, mappings.get(fqn, (fqn,)), common[fqn])
+    return nested
+
+
+# --------------------------------------------------------------------------- load
+
+
+@dataclass
+class _OpenCheckpoint:
+    """What ``read_metadata`` found: the checkpoint, its commit record and its common
+    values by fully qualified name."""
+
+    location: Location
+    record: CommitRecord
+    common: dict[str, Any]
+    arrays: dict[str, ArrayChunks] = field(default_factory=dict)
+
+
+class ShardstoreReader(StorageReader):
+    """DCP ``StorageReader`` that reads a shardstore checkpoint (see the module
+    docstring for the order of DCP's calls and what each does).
+
+    Args:
+        checkpoint_id: the checkpoint (local path, ``s3://bucket/prefix`` or a Location);
+            DCP's ``checkpoint_id=`` replaces it.
+        io_concurrency: chunk reads in flight at once per rank.
+        allow_lossy_casts: convert to the requested dtype even where that changes values
+            (0.1 into bfloat16, ...); off, such a load raises, naming the key.
+    """
+
+    def __init__(
+        self, checkpoint_id: CheckpointId | None = None, *, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+        allow_lossy_casts: bool = False,
+    ) -> None:
+        super().__init__()
+        self.checkpoint_id = checkpoint_id
+        self.io_concurrency = io_concurrency
+        self.allow_lossy_casts = allow_lossy_casts
+        self._open: _OpenCheckpoint | None = None
+
+    def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
+        if checkpoint_id is not None:
+            self.checkpoint_id = checkpoint_id
+        self._open = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """All ranks: the commit record and common.pt as DCP's Metadata."""
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        if self.checkpoint_id is None:
+            raise CheckpointingException("ShardstoreReader has no checkpoint path: pass one, or checkpoint_id= to dcp.load")
+        location = open_checkpoint(self.checkpoint_id)
+        record = getattr(location, "record", None)
+        if record is None:
+            raise CheckpointingException(
+                f"{location.describe()} is not a shardstore checkpoint (another tool's format); read it with that "
+                "tool's reader (DCP's FileSystemReader), or convert it (`shardstore convert`)"
+            )
+        _, common_strategy = verify_checkpoint_and_load_strategy(location)
+        common, _ = flatten_state_dict(common_strategy.load_common(location))
+        self._open = _OpenCheckpoint(location, record, common)
+        described: dict[str, Any] = {key: _array_metadata(array.shape, array.dtype) for key, array in record.arrays.items()}
+        for key, value in common.items():
+            if key in described:
+                raise CheckpointingException(
+                    f"{location.describe()}: {key!r} names both an array and a value of the common state"
+                )
+            described[key] = (
+                _tensor_metadata(tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor)
+                else BytesStorageMetadata()
+            )
+        return Metadata(state_dict_metadata=described)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """All ranks: every item of this rank's plan; array regions all read at once."""
+        opened = self._open
+        if opened is None:
+            raise CheckpointingException("ShardstoreReader.read_data before read_metadata")
+        where = f"checkpoint {opened.location.describe()}"
+        store = chunk_store_for(opened.location, self.io_concurrency)
+        jobs, deferred = [], []
+        for item in plan.items:
+            key = item.storage_index.fqn
+            try:
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, _as_bytes(opened.common[key]))
+                    continue
+                target = planner.resolve_tensor(item).detach()
+                if key in opened.common:
+                    self._copy(item, target, _narrow(opened.common[key], _region_of(item), item.lengths), where)
+                    planner.commit_tensor(item, target)
+                    continue
+                if key not in opened.arrays:
+                    opened.arrays[key] = ArrayChunks.of(store, opened.record.arrays[key])
+                array = opened.arrays[key]
+                stored = from_zarr_name(opened.record.arrays[key].dtype)
+                direct = target.device.type == "cpu" and target.dtype == stored.torch_dtype and target.is_contiguous()
+                out = tensor_to_numpy(target) if direct else np.empty(tuple(item.lengths), stored.numpy_dtype)
+                jobs += read_region(array, region_at(_region_of(item), tuple(item.lengths)), out.reshape(tuple(item.lengths)))
+                deferred.append((item, target, None if direct else out, stored.torch_dtype))
+            except CheckpointingException:
+                raise
+            except Exception as exc:
+                raise CheckpointingException(f"{where}: reading {key!r} failed: {exc}") from exc
+        run_reads(jobs, store.threads)
+        for item, target, out, dtype in deferred:
+            if out is not None:
+                self._copy(item, target, numpy_to_tensor(out, dtype), where)
+            planner.commit_tensor(item, target)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _copy(self, item: ReadItem, target: torch.Tensor, source: torch.Tensor, where: str) -> None:
+        """``source`` into ``target``; another dtype only where every value converts
+        exactly, unless lossy casts are allowed (as ``shardstore.load``)."""
+        if source.dtype != target.dtype and not self.allow_lossy_casts:
+            source, changed = cast_checked(source, target.dtype)
+            if changed is not None:
+                raise CheckpointingException(
+                    f"{where}: tensor {item.storage_index.fqn!r} is stored in another dtype than the state dict's "
+                    f"{target.dtype}, which would change its value at index {list(changed)} of the requested part. "
+                    "Request the stored dtype, or pass ShardstoreReader(allow_lossy_casts=True)"
+                )
+        target.copy_(source.reshape(target.shape))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:
+        try:
+            return getattr(open_checkpoint(checkpoint_id), "record", None) is not None
+        except Exception:  # noqa: BLE001  (any reason: not a checkpoint we can read)
+            return False
+
+
+def _tensor_metadata(shape: tuple[int, ...], dtype: torch.dtype) -> TensorStorageMetadata:
+    """One chunk covering the whole tensor: DCP then asks for each requested region
+    once, and shardstore reads the chunks it touches."""
+    return TensorStorageMetadata(
+        properties=TensorProperties(dtype=dtype),
+        size=torch.Size(shape),
+        chunks=[ChunkStorageMetadata(offsets=torch.Size((0,) * len(shape)), sizes=torch.Size(shape))],
+    )
+
+
+def _array_metadata(shape: tuple[int, ...], zarr_dtype: str) -> TensorStorageMetadata:
+    return _tensor_metadata(shape, from_zarr_name(zarr_dtype).torch_dtype)
+
+
+def _region_of(item: ReadItem) -> tuple[int, ...]:
+    """Where a read item's box starts in the stored tensor (its chunk's offset plus the
+    offset inside it)."""
+    chunk = item.storage_index.offset or (0,) * len(item.storage_offsets)
+    return tuple(c + o for c, o in zip(chunk, item.storage_offsets))
+
+
+def _narrow(tensor: torch.Tensor, offsets: tuple[int, ...], lengths: Any) -> torch.Tensor:
+    return tensor if tensor.ndim == 0 else tensor[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+
+
+def _as_bytes(value: Any) -> io.BytesIO:
+    """A common value as DCP's ``load_bytes`` takes it (a ``torch.save`` stream)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return buffer

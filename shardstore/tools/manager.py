@@ -1,0 +1,1045 @@
+"""A checkpoint manager for a training loop: save every N steps or every T seconds or
+when the job is preempted (SIGTERM), keep the last K, every M-th and the best N by a
+metric, restart from the latest *committed* step (Orbax's ``CheckpointManager`` is the
+model). The rule above all others: it never loses the last good checkpoint.
+
+Each step is a checkpoint directory under one root, named ``iter_0001000`` (Megatron-LM's
+naming) by default: ``step_prefix`` followed by the step, zero-padded to ``step_digits``
+digits (``step_digits=None``: not padded; ``step_prefix=""``: the bare number, Orbax's
+default). Orbax appends an underscore to its ``step_prefix``; here the prefix is taken as
+written, so Orbax's ``step_prefix="step", step_format_fixed_length=4`` is
+``step_prefix="step_", step_digits=4``. What counts as a step:
+
+* **A step is a directory with a commit record that reads and checks** (the check of
+  ``shardstore.format.records.read_commit_record``: ``CommitRecord.from_json``). A save that
+  died midway (its staging directory, see ``shardstore.format.commit``) is not one; neither is
+  a directory whose record is damaged (not JSON, not a shardstore record, unreadable):
+  it is never counted, so it can neither be restarted from nor push a good step out of
+  the newest ``max_to_keep``. Retention logs it at WARNING and leaves it alone. Names
+  must be exactly ``step_name(step)``; other names are not steps.
+
+**Retention** runs on the coordinator after each commit. It deletes the committed
+steps beyond the newest ``max_to_keep`` that are not multiples of ``keep_period`` nor
+among the ``keep_best`` best (below), and never the newest committed step nor the step
+just saved (which is not the newest when another manager committed a newer step
+meanwhile). It never touches a directory it
+cannot prove is one of its own checkpoints: foreign directories (a user's folder, a
+DCP or Megatron checkpoint named like a step), damaged records and saves in progress
+stay. Because a damaged or unreadable record is not counted, an unreadable *newer*
+directory makes retention keep more, never less: ``max_to_keep`` readable steps
+always remain besides it.
+
+**Keep-best.** ``save(step, state, metrics={"loss": 1.7})`` stores the metrics (a flat
+mapping of names to numbers, the coordinator's) in the step itself, in its common state
+under the reserved key ``shardstore_manager`` (``{"metrics": {...}}``), so a restarted
+manager ranks the old steps as the one that saved them. With ``best_fn`` (metrics ->
+number, higher is better unless ``best_mode="min"``) and ``keep_best=N``, retention
+also keeps the N best committed steps. Unlike Orbax, where ``best_fn`` turns
+``max_to_keep`` into "keep the N best" and the newest steps go when they are not among
+them (``_get_default_preservation_policy``: ``BestN`` replaces ``LatestN``), both hold
+here: the newest ``max_to_keep`` *and* the best ``keep_best``. A step saved without
+metrics is ranked nowhere and goes by the other rules; a step whose metrics cannot be
+read (an unreadable or refused common state, a ``best_fn`` that fails on them) may be
+among the best, so it is kept (WARNING once); Orbax's
+``keep_checkpoints_without_metrics=True`` keeps both kinds. Ties go to the newer step;
+a NaN score ranks last. The metrics live in the common state, not in a file of their
+own or in the commit record, because the common state is what every save already
+writes: atomically with the step (it exists once the record commits), bound to it (the
+record keeps its checksum, and the record is sealed), read by every shardstore version.
+A record field would be read for free with the record, but the record is built by the
+planner and written by the commit, beyond the manager's reach (``shardstore.save`` takes
+no extra record content); a file of its own would need the same hook, and a record that
+lists a file older versions do not know is refused by them. ``restore`` removes the key again; a plain
+``shardstore.load`` shows it. Reading a step's metrics costs its record, its
+``metadata.json`` and its ``common.pt`` once per manager (cached by save id).
+
+**Deletion** of a step goes in an order that a crash at any point leaves recoverable:
+(1) a marker ``.shardstore-deleting.json`` naming the step and its record's save id is
+written into the step (durably), (2) the commit record goes (from here on it is not a
+step), (3) everything but the marker, (4) the marker, (5) the empty directory. A
+directory with that marker and no commit record is an interrupted deletion, provably
+ours: the next retention (or ``rollback``, or a save of that step) finishes it. A
+directory without a record and without our marker is never deleted (an interrupted
+deletion by a shardstore older than the marker cannot be told from someone else's
+directory: delete it yourself). A crash between (4) and (5) can leave an empty
+directory, which a later save of that step replaces. A failed deletion is logged
+(WARNING) and kept in ``retention_errors``: it must not kill a training job whose save
+succeeded.
+
+**Resuming** at the latest step is a no-op: ``save(step)`` for a step that is already
+committed writes nothing and returns False (INFO log), sync and async, so the loop
+``start = latest_step(); restore; for step in range(start, ...): save(step)`` restarts
+cleanly. Pass ``overwrite=True`` (a keyword of ``shardstore.save``) to replace it.
+
+**When to save.** ``save(step, ...)`` writes when the step is due: a multiple of
+``save_interval_steps`` (None: never by steps), or ``save_interval_secs`` seconds have
+passed since this manager's last save (or its creation), or a preemption signal
+arrived (``save_on_preemption``), or ``force=True``. Time and signals are not the same on
+every rank, so with either option set every ``save`` and ``should_save`` call is a
+collective (one all-reduce of two integers): the coordinator's clock decides the
+interval, and a signal on *any* rank counts, so every rank takes the same branch. The
+interval counts from this manager's start, not from the newest checkpoint's commit as
+Orbax's ``ContinuousCheckpointingPolicy`` does: after a restart the work at risk is what
+was trained since the restore.
+
+**Preemption** (``save_on_preemption=True``, opt-in): the manager installs a handler for
+``preemption_signals`` (SIGTERM) when it is created, in the main thread, and puts the
+previous handlers back at ``close``. The handler only counts the signal (no I/O, no
+logging, no lock: it runs between two bytecodes of whatever the main thread was doing)
+and does not call the previous handler (SIGTERM's default would end the process before
+the save). The next ``save`` agrees on it across ranks and saves that step whatever the
+intervals say; it first commits an async save in flight, and an async preemption save
+is waited for, so the step is committed when ``save`` returns. ``reached_preemption()``
+then stays True on every rank: the trainer stops (``close``, exit). Orbax's
+``reached_preemption(step)`` asks JAX's preemption sync point; here it reports what the
+last agreement found, with no collective of its own.
+
+**delete(step)** (collective) deletes one committed step through the deletion above.
+It refuses the newest committed step (the one a restart resumes from; also the only
+one) unless ``force=True``: dropping the newest loses the latest progress, which the
+manager never does on its own; ``rollback`` is the way to make an older step the
+newest. A step that is not committed is refused (Orbax: FileNotFoundError), except an
+interrupted deletion of ours, which it finishes. **reload()** forgets what the manager
+remembers (the metrics it read, the damaged records it warned about); the steps
+themselves are listed from storage at every call, also without it, so steps that
+another process saved or deleted are always seen.
+
+**Rollback** is explicit. Orbax's ``CheckpointManager.should_save`` returns False for
+any step at or below its latest step, so ``save`` silently skips it until training
+passes the latest step again; with ``force=True`` it saves the older step, refuses one
+that exists (``StepAlreadyExistsError``), and its retention (``LatestN`` over the steps
+in the order saved, so the older step just saved counts as the newest) can then delete
+committed steps *newer* than it (orbax ``checkpoint_manager.py``: ``should_save``,
+``save``, ``_get_old_steps_to_remove``).
+Neither fits "never lose a committed checkpoint, and restart from the right one": a
+skipped save loses the progress after the rollback, and keeping the newer steps would
+make a restart resume from the abandoned history (``latest_step`` names the newest)
+while ``save`` of those step numbers later would find the old ones. So here:
+
+* ``save(step)`` older than the newest committed step raises a CheckpointingException
+  before anything is written (every rank, sync and async), naming the newer step and
+  ``rollback``; nothing is deleted.
+* ``rollback(step)`` (collective) makes the committed ``step`` the newest: it deletes
+  every committed step after it, newest first, through the deletion above, and
+  returns them. Training then saves onward from ``step``. It is not atomic: if it is
+  interrupted, ``latest_step`` may still name a newer step; call it again (it finishes
+  what it began). Damaged or foreign directories after ``step`` stay (WARNING).
+
+Collective like ``save``: every rank of the group calls ``save``, ``restore``,
+``rollback``, ``delete``, ``wait_until_finished`` and ``close`` with the same steps (and
+``should_save`` when time or preemption decide). Whether a due
+``save`` writes (new step), is a no-op (committed) or is refused (older than the
+newest) is decided on the coordinator and broadcast, so the ranks never disagree.
+Retention runs on the coordinator after the commit without a barrier, so another rank
+may still list a step that is being deleted. Finding steps reads commit records: each
+``latest_step`` reads the newest records until one checks; ``all_steps`` reads every
+step's; retention reads the newest ``max_to_keep`` and those it may delete (one GET each
+on object stores), not the ``keep_period`` steps older than those (with ``keep_best``:
+every step's record, and each step's metrics once per manager).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import numbers
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from shardstore.core import CheckpointingException
+from shardstore.format.records import COMMIT_RECORD, DELETION_MARKER, MAX_RECORD_BYTES, CommitRecord
+from shardstore.mapping import ShardedStateDict, StateDict
+from shardstore.protocol.collectives import Group, _peer_failures
+from shardstore.stores.base import Location
+from shardstore.stores.locations import open_location
+from shardstore.strategies.async_utils import AsyncCallsQueue
+
+logger = logging.getLogger(__name__)
+
+MAX_MARKER_BYTES = 4096
+# The common state's key under which the manager keeps what it stores in a step (its
+# metrics); reserved: a state dict that holds it is refused.
+MANAGER_STATE_KEY = "shardstore_manager"
+
+T = TypeVar("T")
+Metrics = Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class CheckpointManagerOptions:
+    """When to save and what to keep.
+
+    Attributes:
+        save_interval_steps: ``save`` writes steps divisible by it (None: no step is due
+            by its number; ``force=True``: any).
+        max_to_keep: keep the newest K committed steps (None: keep all).
+        keep_period: also keep every step divisible by it, forever (None: none).
+        step_prefix: a step's directory is ``step_prefix`` + the step in ``step_digits``
+            digits, zero-padded (taken as written: no separator is added).
+        step_digits: see ``step_prefix``; None: the step's digits, not padded.
+        async_save: ``save`` returns once the state is staged in host memory; the
+            writes run in the background and commit at the next ``save``,
+            ``wait_until_finished``, ``rollback``, ``delete`` or ``close``.
+        save_interval_secs: also save when this many seconds (of the coordinator's
+            clock) have passed since this manager's last save or its start (None: off).
+        save_on_preemption: install a handler for ``preemption_signals`` that makes
+            the next ``save`` save, whatever the intervals say (module docstring).
+        preemption_signals: the signals that mean preemption (SIGTERM: Kubernetes,
+            SLURM at its time limit, torchrun's agent passing its own on).
+        best_fn: scores a step's metrics (those given to ``save``); None: no ranking.
+        best_mode: ``"max"``: a higher score is better; ``"min"``: lower (a loss).
+        keep_best: also keep the N best committed steps by ``best_fn`` (needs
+            ``max_to_keep``: the newest steps are kept besides the best).
+    """
+
+    save_interval_steps: int | None = 1
+    max_to_keep: int | None = None
+    keep_period: int | None = None
+    step_prefix: str = "iter_"
+    step_digits: int | None = 7
+    async_save: bool = False
+    save_interval_secs: float | None = None
+    save_on_preemption: bool = False
+    preemption_signals: tuple[int, ...] = (signal.SIGTERM,)
+    best_fn: Callable[[Metrics], float] | None = None
+    best_mode: Literal["max", "min"] = "max"
+    keep_best: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.save_interval_steps is not None and self.save_interval_steps < 1:
+            raise ValueError(f"save_interval_steps must be >= 1 or None, got {self.save_interval_steps}")
+        if self.max_to_keep is not None and self.max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1 or None, got {self.max_to_keep}")
+        if self.keep_period is not None and self.keep_period < 1:
+            raise ValueError(f"keep_period must be >= 1 or None, got {self.keep_period}")
+        if "/" in self.step_prefix or self.step_prefix.startswith("."):
+            raise ValueError(f"step_prefix must be a plain name, got {self.step_prefix!r}")
+        if self.step_digits is not None and self.step_digits < 1:
+            raise ValueError(f"step_digits must be >= 1 or None, got {self.step_digits}")
+        if self.save_interval_secs is not None and not self.save_interval_secs > 0:
+            raise ValueError(f"save_interval_secs must be > 0 or None, got {self.save_interval_secs}")
+        if self.save_on_preemption and not self.preemption_signals:
+            raise ValueError("save_on_preemption needs at least one signal in preemption_signals")
+        if self.best_mode not in ("max", "min"):
+            raise ValueError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}")
+        if self.keep_best is not None:
+            if self.keep_best < 1:
+                raise ValueError(f"keep_best must be >= 1 or None, got {self.keep_best}")
+            if self.best_fn is None:
+                raise ValueError("keep_best needs best_fn, which scores a step's metrics")
+            if self.max_to_keep is None:
+                raise ValueError(
+                    "keep_best needs max_to_keep (the newest steps kept besides the best): without it every "
+                    "step is kept and keep_best changes nothing"
+                )
+
+    def step_name(self, step: int) -> str:
+        digits = f"{step}" if self.step_digits is None else f"{step:0{self.step_digits}d}"
+        return f"{self.step_prefix}{digits}"
+
+    def parse_step(self, name: str) -> int | None:
+        """The step a directory name stands for, or None for any other name. Only the
+        name ``step_name`` gives (``iter_00000100`` is not step 100 when ``step_digits``
+        is 7): the manager reads and deletes a step at ``step_name(step)``, so a name it
+        would not write is not one of its steps."""
+        digits = name[len(self.step_prefix) :] if name.startswith(self.step_prefix) else ""
+        if not (digits.isdigit() and digits.isascii()):
+            return None
+        step = int(digits)
+        return step if self.step_name(step) == name else None
+
+    def is_kept_forever(self, step: int) -> bool:
+        """Whether ``keep_period`` keeps ``step`` whatever is newer."""
+        return self.keep_period is not None and step % self.keep_period == 0
+
+    @property
+    def decides_collectively(self) -> bool:
+        """Whether a save's due-ness depends on something that differs between ranks
+        (a clock, a signal), so that ranks must agree on it at every call."""
+        return self.save_interval_secs is not None or self.save_on_preemption
+
+
+def ranked_steps(scores: Mapping[int, float | None], best_mode: Literal["max", "min"]) -> list[int]:
+    """The steps of ``scores`` (step -> ``best_fn`` score; None: saved without metrics,
+    not ranked), best first: by score as ``best_mode`` says, ties to the newer step,
+    NaN last."""
+
+    def rank(step: int) -> tuple[bool, float, int]:
+        score = scores[step]
+        assert score is not None
+        if math.isnan(score):
+            return (False, 0.0, step)
+        return (True, score if best_mode == "max" else -score, step)
+
+    return sorted((s for s, score in scores.items() if score is not None), key=rank, reverse=True)
+
+
+def steps_to_delete(
+    committed: Iterable[int],
+    options: CheckpointManagerOptions,
+    protected: Iterable[int] = (),
+    scores: Mapping[int, float | None] | None = None,
+) -> list[int]:
+    """The committed steps retention removes, ascending: all but the newest
+    ``max_to_keep``, the multiples of ``keep_period`` and (with ``keep_best``) the best
+    by ``scores``; never the newest step and never a ``protected`` one (the step just
+    saved, which another manager's newer commit may have pushed out of the newest
+    ``max_to_keep``). With ``keep_best``, a committed step missing from ``scores`` (its
+    metrics could not be read: it may be among the best) is kept."""
+    ordered = sorted(set(committed))
+    if options.max_to_keep is None or not ordered:
+        return []
+    kept = set(ordered[-options.max_to_keep :]) | {ordered[-1]} | set(protected)
+    if options.keep_best is not None:
+        known = scores or {}
+        best = ranked_steps(known, options.best_mode)[: options.keep_best]
+        kept |= set(best) | {s for s in ordered if s not in known}
+    return [s for s in ordered if s not in kept and not options.is_kept_forever(s)]
+
+
+@dataclass(frozen=True)
+class StepState:
+    """What a directory named like a step holds.
+
+    Attributes:
+        step: the step its name stands for.
+        kind: ``committed`` (its commit record reads and checks: a step),
+            ``deleting`` (no commit record, our deletion marker: a deletion to finish),
+            ``damaged`` (a commit record that does not read or check: not a step, left
+            alone) or ``other`` (no commit record and no marker of ours: a save in
+            progress, a foreign directory; left alone).
+        save_id: committed: its record's save id; deleting: the marker's.
+        reason: damaged: why the record does not count.
+    """
+
+    step: int
+    kind: Literal["committed", "deleting", "damaged", "other"]
+    save_id: str = ""
+    reason: str = ""
+
+
+class CheckpointManager:
+    """Saves, finds and prunes the checkpoints of one training run under ``root``.
+
+    Args:
+        root: directory (local path, ``s3://bucket/prefix`` or a Location) holding one
+            checkpoint per step.
+        options: when to save and what to keep.
+        process_group: the ranks that save together (default: the world).
+        clock: seconds, for ``save_interval_secs`` (default ``time.monotonic``: a
+            wall clock set back or forward must not skip or force a save); tests
+            inject their own.
+
+    Example::
+
+        manager = CheckpointManager("/ckpt/run1", CheckpointManagerOptions(
+            save_interval_steps=1000, max_to_keep=3, keep_period=10000, async_save=True,
+            save_on_preemption=True, best_fn=lambda m: m["loss"], best_mode="min", keep_best=2))
+        start = manager.latest_step()
+        if start is not None:
+            state = manager.restore(sharded_state_dict(model), start)
+        for step in range(start or 0, steps):
+            loss = ...
+            manager.save(step, sharded_state_dict(model), metrics={"loss": loss})  # a no-op unless due and new
+            if manager.reached_preemption():
+                break
+        manager.close()
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike | Location,
+        options: CheckpointManagerOptions | None = None,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.root = open_location(root)
+        self.options = options or CheckpointManagerOptions()
+        self.process_group = process_group
+        self.retention_errors: list[str] = []
+        self._damaged_seen: set[tuple[int, str]] = set()
+        self._metrics_cache: dict[tuple[int, str], dict[str, float] | None] = {}
+        self._unreadable_metrics_seen: set[tuple[int, str]] = set()
+        self._clock = clock
+        self._last_save_time = clock()
+        self._signals_received = 0  # written by the signal handler only
+        self._signals_acted_on = 0
+        self._preempted = False
+        self._previous_handlers: dict[int, Any] = {}
+        self._queue = AsyncCallsQueue(process_group=process_group) if self.options.async_save else None
+        if self.options.save_on_preemption:
+            self._install_preemption_handlers()
+
+    # ------------------------------------------------------------------ finding steps
+
+    def location(self, step: int) -> Location:
+        """Where ``step`` is (or would be) saved."""
+        return self.root.child(self.options.step_name(step))
+
+    def all_steps(self) -> list[int]:
+        """The committed steps (commit record reads and checks), ascending. Incomplete
+        saves, damaged records (WARNING) and other directories are left out. Reads every
+        step's commit record."""
+        return sorted(self._committed_states())
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None: newer directories whose record is
+        damaged (WARNING) or missing are skipped. Reads the newest records until one
+        checks."""
+        return self._newest_committed(self._named_steps())
+
+    def step_state(self, step: int) -> StepState:
+        """What the directory of ``step`` holds (``StepState``); reads its commit record
+        (the check of ``shardstore.format.records.read_commit_record``) and, without one, our
+        deletion marker. Never raises for what it finds: an unreadable record is
+        ``damaged``."""
+        location = self.location(step)
+        try:
+            data = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_RECORD_BYTES)
+            if data is None:
+                marker = _marker_save_id(location, step)
+                return StepState(step, "other") if marker is None else StepState(step, "deleting", save_id=marker)
+            record = CommitRecord.from_json(data, where=location.describe(COMMIT_RECORD))
+        except Exception as exc:  # a record crafted to trip the parser is damaged too
+            return StepState(step, "damaged", reason=f"{type(exc).__name__}: {exc}")
+        return StepState(step, "committed", save_id=record.save_id)
+
+    def metrics(self, step: int) -> dict[str, float] | None:
+        """The metrics saved with the committed ``step`` (``save(metrics=...)``), or None
+        if it was saved without. Read from the step's common state (cached by save id).
+
+        Raises:
+            CheckpointingException: ``step`` is not committed, or its common state
+                cannot be read.
+        """
+        state = self.step_state(step)
+        if state.kind != "committed":
+            raise CheckpointingException(
+                f"No metrics for step {step} under {self.root.describe()}: it is not a committed checkpoint "
+                f"({state.reason or state.kind}). Committed steps: {self.all_steps()}."
+            )
+        return self._read_metrics(state)
+
+    def best_step(self) -> int | None:
+        """The committed step whose metrics ``best_fn`` scores best (ties: the newer), or
+        None when no step has metrics it can score; without ``best_fn``, the latest step.
+        Reads every step's record and (once per manager) its metrics."""
+        if self.options.best_fn is None:
+            return self.latest_step()
+        ranked = ranked_steps(self._scores(self._committed_states()), self.options.best_mode)
+        return ranked[0] if ranked else None
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``save(step, ...)`` would save now: ``step`` is a multiple of
+        ``save_interval_steps``, or ``save_interval_secs`` have passed, or a preemption
+        signal arrived. Collective when time or signals decide (module docstring): every
+        rank calls it, and every rank gets the same answer. Says nothing about whether
+        the step is already committed (then ``save`` is a no-op)."""
+        due, _, _ = self._due(step, force=False)
+        return due
+
+    def reached_preemption(self) -> bool:
+        """True once a ``save`` or ``should_save`` found that a preemption signal reached
+        a rank (``save_on_preemption``); the same on every rank, since it comes from
+        their agreement. No collective of its own: the trainer checks it after ``save``
+        and stops."""
+        return self._preempted
+
+    def reload(self) -> None:
+        """Forgets what this manager remembers of the root: the metrics it read and the
+        damaged records and unreadable metrics it warned about (they are warned about
+        again). The steps are read from storage at every call anyway."""
+        self._metrics_cache.clear()
+        self._unreadable_metrics_seen.clear()
+        self._damaged_seen.clear()
+
+    def _named_steps(self) -> list[int]:
+        """Steps that have a directory named for them (committed or not), ascending."""
+        steps = (self.options.parse_step(name) for name in self.root.list_top(limit=None))
+        return sorted(s for s in steps if s is not None)
+
+    def _committed_states(self) -> dict[int, StepState]:
+        states = [self.step_state(step) for step in self._named_steps()]
+        for state in states:
+            self._warn_if_damaged(state)
+        return {s.step: s for s in states if s.kind == "committed"}
+
+    def _newest_committed(self, named: list[int], above: int | None = None) -> int | None:
+        for step in reversed(named):
+            if above is not None and step <= above:
+                return None
+            state = self.step_state(step)
+            if state.kind == "committed":
+                return step
+            self._warn_if_damaged(state)
+        return None
+
+    def _warn_if_damaged(self, state: StepState) -> None:
+        """WARNING the first time this manager meets a damaged record (each save reads it
+        again: one line per save would bury the rest of the log), DEBUG after that."""
+        if state.kind != "damaged":
+            return
+        first = (state.step, state.reason) not in self._damaged_seen
+        self._damaged_seen.add((state.step, state.reason))
+        logger.log(
+            logging.WARNING if first else logging.DEBUG,
+            "%s is not counted as a checkpoint step: its commit record does not read (%s). Retention "
+            "leaves it alone; repair or delete it yourself.",
+            self.location(state.step).describe(),
+            state.reason,
+        )
+
+    # ------------------------------------------------------------------ metrics
+
+    def _read_metrics(self, state: StepState) -> dict[str, float] | None:
+        """The metrics in the committed step ``state``'s common state (None: saved
+        without), read through its commit record, so they are the bytes it vouches for;
+        raises if they cannot be read. Cached by (step, save id): a replaced step has a
+        new save id, so the cache never answers for another save."""
+        from shardstore.format.integrity import open_committed
+        from shardstore.serialization import load_common_state_dict
+
+        key = (state.step, state.save_id)
+        if key in self._metrics_cache:
+            return self._metrics_cache[key]
+        location = open_committed(self.location(state.step))
+        if location.record.save_id != state.save_id:
+            raise CheckpointingException(f"{location.describe()} was replaced while its metrics were read")
+        common = load_common_state_dict(location)
+        entry = common.get(MANAGER_STATE_KEY) if isinstance(common, dict) else None
+        metrics = entry.get("metrics") if isinstance(entry, dict) else None
+        if metrics is not None:
+            metrics = _checked_metrics(metrics, f"step {state.step} at {location.describe()}")
+        self._metrics_cache[key] = metrics
+        return metrics
+
+    def _scores(self, committed: Mapping[int, StepState]) -> dict[int, float | None]:
+        """``best_fn`` of each committed step's metrics (None: saved without metrics). A
+        step whose metrics cannot be read or scored is left out (WARNING once): it may
+        be among the best, so retention keeps it."""
+        best_fn = self.options.best_fn
+        assert best_fn is not None
+        scores: dict[int, float | None] = {}
+        for step, state in committed.items():
+            try:
+                metrics = self._read_metrics(state)
+                scores[step] = None if metrics is None else _score(best_fn, metrics)
+            except Exception as exc:  # kept, never deleted for what could not be read
+                key = (step, state.save_id)
+                first = key not in self._unreadable_metrics_seen
+                self._unreadable_metrics_seen.add(key)
+                logger.log(
+                    logging.WARNING if first else logging.DEBUG,
+                    "Cannot rank checkpoint step %d at %s by its metrics (%s: %s); retention keeps it",
+                    step,
+                    self.location(step).describe(),
+                    type(exc).__name__,
+                    exc,
+                )
+        return scores
+
+    # ------------------------------------------------------------------ saving
+
+    def save(
+        self,
+        step: int,
+        sharded_state_dict: ShardedStateDict,
+        *,
+        metrics: Metrics | None = None,
+        force: bool = False,
+        **save_kwargs: Any,
+    ) -> bool:
+        """Saves ``step`` when it is due (``should_save``) or ``force``; returns whether it
+        saved. Collective.
+
+        An async save first commits the previous one (one in flight at a time). A step
+        that is already committed is not saved again (returns False, INFO log: resuming
+        at the latest step), unless ``overwrite=True``. A step older than the newest
+        committed one is refused (CheckpointingException, nothing written): call
+        ``rollback`` first. A save due to a preemption signal is committed when ``save``
+        returns, also an async one. Extra keyword arguments go to ``shardstore.save``.
+
+        Args:
+            metrics: numbers to keep with the step (``{"loss": 1.7}``), for ``best_fn``
+                and ``metrics(step)``; the coordinator's are saved. With ``best_fn``,
+                they must be scorable: a ``best_fn`` that fails on them refuses the save.
+        """
+        if MANAGER_STATE_KEY in sharded_state_dict:
+            raise CheckpointingException(
+                f"Not saving step {step} under {self.root.describe()}: the state dict holds the key "
+                f"{MANAGER_STATE_KEY!r}, which the manager keeps for its metrics; rename that entry"
+            )
+        if step < 0:
+            raise CheckpointingException(
+                f"Not saving step {step} under {self.root.describe()}: steps are numbers from 0 on"
+            )
+        due, preempted, signals = self._due(step, force)
+        if not due:
+            return False
+        from shardstore.serialization import save
+
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=True)  # the check below sees it
+        overwrite = bool(save_kwargs.get("overwrite", False))
+        committed, checked = self._on_coordinator(lambda: self._prepare_save(step, overwrite, metrics))
+        self._last_save_time = self._clock()
+        if preempted:
+            self._signals_acted_on = signals
+        if committed:
+            logger.info(
+                "Not saving step %d: %s already holds it committed (resuming at this step); "
+                "pass overwrite=True to replace it",
+                step,
+                self.location(step).describe(),
+            )
+            return False
+        if checked is not None:
+            sharded_state_dict = {**sharded_state_dict, MANAGER_STATE_KEY: {"metrics": checked}}
+        target = self.location(step)
+        retention = functools.partial(self._apply_retention, step)
+        if self._queue is None:
+            save(sharded_state_dict, target, process_group=self.process_group, **save_kwargs)
+            retention()
+            return True
+        request = save(
+            sharded_state_dict, target, async_sharded_save=True, process_group=self.process_group, **save_kwargs
+        )
+        request.add_finalize_fn(retention)
+        self._queue.schedule_async_request(request)
+        if preempted:  # the job may be killed any moment now: commit before returning
+            self._queue.maybe_finalize_async_calls(blocking=True)
+        return True
+
+    def _due(self, step: int, force: bool) -> tuple[bool, bool, int]:
+        """(due, preempted, signals counted here when it was decided). Without time or
+        signals: the step's number decides, on each rank alike. With them: one
+        all-reduce, in which the coordinator says whether ``save_interval_secs`` have
+        passed and every rank whether a signal arrived since the last save it counted."""
+        options = self.options
+        by_step = force or (options.save_interval_steps is not None and step % options.save_interval_steps == 0)
+        if not options.decides_collectively:
+            return by_step, False, 0
+        signals = self._signals_received  # read once: a signal from here on counts next time
+        group = Group(self.process_group)
+        by_time = (
+            group.is_coordinator
+            and options.save_interval_secs is not None
+            and self._clock() - self._last_save_time >= options.save_interval_secs
+        )
+        by_time, preempted = _any_rank(group, (by_time, signals > self._signals_acted_on))
+        if preempted and not self._preempted:
+            logger.warning(
+                "A preemption signal reached a rank: saving step %d now under %s%s",
+                step,
+                self.root.describe(),
+                " and waiting for its commit" if self._queue is not None else "",
+            )
+        self._preempted = self._preempted or preempted
+        return by_step or by_time or preempted, preempted, signals
+
+    def _prepare_save(self, step: int, overwrite: bool, metrics: Metrics | None) -> tuple[bool, dict | None]:
+        """Coordinator, before a save: (whether ``step`` is committed already, the
+        metrics to store, checked). Raises what refuses the save."""
+        checked = None
+        if metrics is not None:
+            checked = _checked_metrics(metrics, f"the metrics given to save({step})")
+            if self.options.best_fn is not None:
+                try:
+                    _score(self.options.best_fn, checked)
+                except Exception as exc:
+                    raise CheckpointingException(
+                        f"Not saving step {step} under {self.root.describe()}: best_fn cannot score its metrics "
+                        f"{checked} ({type(exc).__name__}: {exc}); pass the metrics best_fn reads. Nothing was "
+                        "written."
+                    ) from exc
+        elif self.options.best_fn is not None:
+            logger.info("Saving step %d without metrics: best_fn does not rank it", step)
+        return self._is_committed_or_refused(step, overwrite), checked
+
+    def _is_committed_or_refused(self, step: int, overwrite: bool) -> bool:
+        """Coordinator, before a save: True if ``step`` is committed (nothing to save);
+        raises if a newer step is committed; finishes an interrupted deletion of ours in
+        the step's directory so that the save can go there."""
+        named = self._named_steps()
+        if step in named:
+            state = self.step_state(step)
+            if state.kind == "committed" and not overwrite:
+                return True
+            if state.kind == "deleting":
+                try:
+                    self._finish_deletion(step)
+                except (CheckpointingException, OSError) as exc:
+                    raise CheckpointingException(
+                        f"Cannot save step {step} into {self.location(step).describe()}: it holds a deletion of "
+                        f"an old checkpoint that was cut short, and finishing it failed ({exc}). Save again, or "
+                        "delete that directory yourself. Nothing was written."
+                    ) from exc
+            # damaged or foreign: the save refuses it, saying what is there
+        newer = self._newest_committed(named, above=step)
+        if newer is not None:
+            below = self._newest_committed([s for s in named if s <= step])
+            how = (
+                f"call manager.rollback({below}) first (it deletes the committed steps after {below}), "
+                if below is not None
+                else "delete the newer steps first, "
+            )
+            raise CheckpointingException(
+                f"Not saving step {step} under {self.root.describe()}: step {newer} there is a newer committed "
+                f"checkpoint, and a restart resumes from the newest committed step, so this save would mix two "
+                f"training histories. To continue training from an older step, {how}or save this run under "
+                "another root. Nothing was written or deleted."
+            )
+        return False
+
+    def wait_until_finished(self) -> None:
+        """Blocks until every async save has committed (collective)."""
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=True)
+
+    def close(self) -> None:
+        """Commits the async saves still in flight, stops the background worker and puts
+        back the signal handlers that ``save_on_preemption`` replaced."""
+        try:
+            if self._queue is not None:
+                self._queue.close()
+        finally:
+            self._restore_preemption_handlers()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ preemption
+
+    def _install_preemption_handlers(self) -> None:
+        try:
+            for signum in self.options.preemption_signals:
+                self._previous_handlers[signum] = signal.signal(signum, self._on_preemption_signal)
+        except ValueError as exc:  # signal.signal works in the main thread only
+            self._restore_preemption_handlers()
+            raise CheckpointingException(
+                f"save_on_preemption: cannot install a handler for {self.options.preemption_signals} ({exc}); "
+                "create the CheckpointManager in the main thread"
+            ) from exc
+
+    def _on_preemption_signal(self, signum: int, frame: Any) -> None:
+        """The signal handler: counts, nothing else (no I/O, no logging, no lock; the
+        next ``save`` acts on it)."""
+        self._signals_received += 1
+
+    def _restore_preemption_handlers(self) -> None:
+        while self._previous_handlers:
+            signum, previous = self._previous_handlers.popitem()
+            if signal.getsignal(signum) != self._on_preemption_signal:
+                logger.warning(
+                    "Not restoring the handler of signal %d: it was replaced after the manager installed its own",
+                    signum,
+                )
+                continue
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+
+    # ------------------------------------------------------------------ rollback and delete
+
+    def rollback(self, step: int) -> list[int]:
+        """Makes the committed ``step`` the newest step by deleting every committed step
+        after it, newest first; returns those steps, descending. Collective: every rank
+        calls it (after async saves in flight commit); the coordinator deletes.
+
+        Use it to continue training from an older step (restore ``step``, ``rollback``,
+        save onward): ``save`` refuses a step older than the newest committed one. Not
+        atomic: if it is interrupted, call it again. Directories after ``step`` that are
+        not committed shardstore steps are left alone (WARNING), except interrupted
+        deletions of ours, which it finishes.
+
+        Raises:
+            CheckpointingException: ``step`` is not a committed step (nothing deleted),
+                or a deletion failed (call it again).
+        """
+        self.wait_until_finished()
+        return self._on_coordinator(lambda: self._rollback(step))
+
+    def _rollback(self, step: int) -> list[int]:
+        named = self._named_steps()
+        target = self.step_state(step) if step in named else StepState(step, "other")
+        if target.kind != "committed":
+            reason = target.reason or "no commit record"
+            raise CheckpointingException(
+                f"Cannot roll back to step {step} under {self.root.describe()}: it is not a committed checkpoint "
+                f"({reason}). Committed steps: {self.all_steps()}. Nothing was deleted."
+            )
+        deleted = []
+        for newer in reversed([s for s in named if s > step]):
+            state = self.step_state(newer)
+            try:
+                if state.kind == "committed":
+                    self._delete(state)
+                    deleted.append(newer)
+                elif state.kind == "deleting":
+                    self._finish_deletion(newer)
+                elif state.kind == "damaged":
+                    self._warn_if_damaged(state)
+                else:
+                    logger.warning(
+                        "Rollback to step %d leaves %s alone: it holds no shardstore checkpoint",
+                        step,
+                        self.location(newer).describe(),
+                    )
+            except (CheckpointingException, OSError) as exc:
+                raise CheckpointingException(
+                    f"Rollback to step {step} under {self.root.describe()} is incomplete: could not delete step "
+                    f"{newer} ({exc}); deleted so far: {deleted}. Call rollback({step}) again."
+                ) from exc
+        logger.info("Rolled back %s to step %d: deleted steps %s", self.root.describe(), step, deleted)
+        return deleted
+
+    def delete(self, step: int, *, force: bool = False) -> None:
+        """Deletes the committed ``step`` (marker first, as retention does). Collective:
+        every rank calls it (after async saves in flight commit); the coordinator deletes.
+
+        The newest committed step (the one a restart resumes from, and the only one when
+        there is one) is refused unless ``force=True``; ``rollback`` makes an older step
+        the newest. An interrupted deletion of ``step`` (ours) is finished. If the
+        deletion fails midway, the step is no longer committed; call ``delete`` again.
+
+        Raises:
+            CheckpointingException: ``step`` is not committed or is the newest (nothing
+                deleted), or the deletion failed.
+        """
+        self.wait_until_finished()
+        self._on_coordinator(lambda: self._delete_step(step, force))
+
+    def _delete_step(self, step: int, force: bool) -> None:
+        named = self._named_steps()
+        state = self.step_state(step) if step in named else StepState(step, "other")
+        where = f"step {step} under {self.root.describe()}"
+        if state.kind not in ("committed", "deleting"):
+            raise CheckpointingException(
+                f"Cannot delete {where}: it is not a committed checkpoint ({state.reason or 'no commit record'}); "
+                f"committed steps: {self.all_steps()}. Nothing was deleted."
+            )
+        newest = self._newest_committed(named) == step
+        if newest and not force:
+            only = " and the only one" if self._newest_committed([s for s in named if s < step]) is None else ""
+            raise CheckpointingException(
+                f"Not deleting {where}: it is the newest committed checkpoint{only}, the one a restart resumes "
+                "from. Pass force=True to delete it anyway, or call rollback(<older step>) to go back to an older "
+                "one. Nothing was deleted."
+            )
+        try:
+            if state.kind == "deleting":
+                self._finish_deletion(step)  # an interrupted deletion of ours: finished
+            else:
+                self._delete(state)
+        except OSError as exc:
+            raise CheckpointingException(
+                f"Deleting {where} failed ({exc}); it is no longer a committed step. Call delete({step}) again "
+                "to finish it."
+            ) from exc
+        if newest:
+            logger.warning("Deleted the newest committed checkpoint, %s (force=True)", where)
+
+    # ------------------------------------------------------------------ retention
+
+    def _apply_retention(self, just_saved: int) -> None:
+        """Coordinator, after the commit of ``just_saved``: finishes interrupted
+        deletions and deletes the steps retention no longer keeps. Failures are logged
+        and listed in ``retention_errors``, never raised: the save succeeded."""
+        if not Group(self.process_group).is_coordinator:
+            return
+        try:
+            unfinished, doomed = self._retention_plan(just_saved)
+        except (CheckpointingException, OSError) as exc:
+            self._retention_failed(f"Retention under {self.root.describe()} skipped: cannot list its steps: {exc}")
+            return
+        for step in unfinished:
+            self._retain_safely(step, "finish the interrupted deletion of", lambda s=step: self._finish_deletion(s))
+        for state in doomed:
+            self._retain_safely(state.step, "delete old checkpoint", lambda s=state: self._delete(s))
+
+    def _retention_plan(self, just_saved: int) -> tuple[list[int], list[StepState]]:
+        """(interrupted deletions to finish, committed steps to delete). Walks the steps
+        newest first: the records of the newest ``max_to_keep`` and of the steps that
+        may go are read; ``keep_period`` steps older than those are kept whatever they
+        hold, so only a missing record is looked for there (an interrupted deletion),
+        unless ``keep_best`` ranks every step (then every record and, once per manager,
+        every step's metrics are read)."""
+        options = self.options
+        unfinished: list[int] = []
+        committed: dict[int, StepState] = {}
+        for step in reversed(self._named_steps()):
+            newest_found = options.max_to_keep is not None and len(committed) >= options.max_to_keep
+            kept_unread = options.max_to_keep is None or (
+                newest_found and options.is_kept_forever(step) and options.keep_best is None
+            )
+            if step != just_saved and kept_unread and self.location(step).exists(COMMIT_RECORD):
+                continue
+            state = self.step_state(step)
+            if state.kind == "committed":
+                committed[step] = state
+            elif state.kind == "deleting":
+                unfinished.append(step)
+            else:
+                self._warn_if_damaged(state)
+        scores = self._scores(committed) if options.keep_best is not None and options.max_to_keep is not None else None
+        doomed = steps_to_delete(committed, options, protected=(just_saved,), scores=scores)
+        return unfinished, [committed[s] for s in doomed]
+
+    def _retain_safely(self, step: int, what: str, action: Callable[[], None]) -> None:
+        try:
+            action()
+        except (CheckpointingException, OSError) as exc:
+            self._retention_failed(f"Could not {what} step {step} at {self.location(step).describe()}: {exc}")
+
+    def _retention_failed(self, message: str) -> None:
+        logger.warning("%s", message)
+        self.retention_errors.append(message)
+
+    # ------------------------------------------------------------------ deleting
+
+    def _delete(self, state: StepState) -> None:
+        """Deletes the committed step ``state`` (read just before) in the order the
+        module docstring gives."""
+        location = self.location(state.step)
+        _refuse_links(location)
+        marker = json.dumps({"step": state.step, "save_id": state.save_id}).encode()
+        location.write_atomic(DELETION_MARKER, marker)  # durable before the record goes
+        current = self.step_state(state.step)
+        if current.kind != "committed" or current.save_id != state.save_id:  # replaced meanwhile: not ours to delete
+            location.remove(DELETION_MARKER)
+            raise CheckpointingException(
+                f"{location.describe()} changed while retention read it (save {state.save_id} -> "
+                f"{current.save_id or current.kind}); left as it is"
+            )
+        location.remove(COMMIT_RECORD)  # from here on it is no longer a step
+        self._finish_deletion(state.step)
+        logger.info("Deleted checkpoint step %d at %s", state.step, location.describe())
+
+    def _finish_deletion(self, step: int) -> None:
+        """Removes a step whose deletion began (our marker, no commit record): the
+        marker goes last, so a crash here leaves it provably ours still."""
+        location = self.location(step)
+        _refuse_links(location)
+        if location.exists(COMMIT_RECORD) or _marker_save_id(location, step) is None:
+            raise CheckpointingException(f"{location.describe()} is not a deletion of ours to finish; left as it is")
+        for name in location.list_top(limit=None):
+            if name != DELETION_MARKER:
+                location.remove_tree(name)
+        location.remove(DELETION_MARKER)
+        path = location.local_path()
+        if path is not None:  # object stores have no directories: nothing is left there
+            try:
+                path.rmdir()  # only if empty: whatever appeared meanwhile is not ours
+            except FileNotFoundError:
+                pass
+        logger.debug("Finished deleting checkpoint step %d at %s", step, location.describe())
+
+    # ------------------------------------------------------------------ restoring
+
+    def restore(self, sharded_state_dict: ShardedStateDict, step: int | None = None, **load_kwargs: Any) -> StateDict:
+        """Loads ``step`` (default: ``latest_step()``) into the layout ``sharded_state_dict``
+        describes. Extra keyword arguments go to ``shardstore.load``."""
+        from shardstore.serialization import load
+
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointingException(f"No committed checkpoint under {self.root.describe()} to restore")
+        state = load(sharded_state_dict, self.location(step), process_group=self.process_group, **load_kwargs)
+        if isinstance(state, dict):
+            state.pop(MANAGER_STATE_KEY, None)  # the manager's own, not the trainer's
+        return state
+
+    # ------------------------------------------------------------------ collectives
+
+    def _on_coordinator(self, work: Callable[[], T]) -> T:
+        """Collective: runs ``work`` on the coordinator and gives every rank its result,
+        or the same CheckpointingException, so that all ranks take the same branch."""
+        group = Group(self.process_group)
+        result: Any = None
+        error: BaseException | None = None
+        if group.is_coordinator:
+            try:
+                result = work()
+            except Exception as exc:  # sent to the other ranks, then raised here
+                error = exc
+        outcome = group.broadcast_object((result, None if error is None else f"{error}"))
+        if error is not None:
+            raise error
+        if outcome[1] is not None:
+            raise CheckpointingException(outcome[1])
+        return outcome[0]
+
+
+def _any_rank(group: Group, flags: tuple[bool, bool]) -> tuple[bool, bool]:
+    """Collective: each flag True on some rank (one all-reduce, on the group's device,
+    so NCCL groups work too)."""
+    if group.world_size == 1:
+        return flags
+    tensor = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=group.device)
+    with _peer_failures("save decision"):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group.process_group)
+    first, second = (bool(v) for v in tensor.tolist())
+    return first, second
+
+
+def _checked_metrics(metrics: Any, what: str) -> dict[str, float]:
+    """``metrics`` as the flat ``{name: float}`` the manager stores: plain numbers only,
+    so that they pickle into the common state and read back through the restricted
+    unpickler of any shardstore; one-element tensors (a loss) become their value."""
+    if not isinstance(metrics, Mapping):
+        raise CheckpointingException(f"{what}: metrics must be a mapping of names to numbers, got {type(metrics).__name__}")
+    checked = {}
+    for name, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(name, str) or not isinstance(value, numbers.Real):
+            raise CheckpointingException(
+                f"{what}: metrics must map names (str) to numbers; {name!r} maps to {type(value).__name__}"
+            )
+        checked[name] = float(value)
+    return checked
+
+
+def _score(best_fn: Callable[[Metrics], float], metrics: Metrics) -> float:
+    """``best_fn(metrics)`` as a float; raises if it fails or gives no number."""
+    score = best_fn(metrics)
+    if isinstance(score, torch.Tensor) and score.numel() == 1:
+        score = score.item()
+    if not isinstance(score, numbers.Real):
+        raise TypeError(f"best_fn returned {type(score).__name__}, not a number")
+    return float(score)
+
+
+def _marker_save_id(location: Location, step: int) -> str | None:
+    """The save id in our deletion marker for ``step`` at ``location``; None when there
+    is no marker, or one that is not ours (a file of that name we did not write)."""
+    data = location.read_bytes_or_none(DELETION_MARKER, max_bytes=MAX_MARKER_BYTES)
+    if data is None:
+        return None
+    try:
+        marker = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(marker, dict) or marker.get("step") != step or not isinstance(marker.get("save_id"), str):
+        return None
+    return marker["save_id"]
+
+
+def _refuse_links(location: Location) -> None:
+    """Deleting through a symbolic link would delete what it points to, which may be
+    another run's checkpoint: a linked step is never deleted."""
+    path = location.local_path()
+    if path is not None and path.is_symlink():
+        raise CheckpointingException(f"{path} is a symbolic link; retention does not delete through links")

@@ -1,0 +1,170 @@
+"""shardstore as a strategy of Megatron-Core's own ``dist_checkpointing.save``/``load``.
+
+A Megatron-LM user changes two lines::
+
+    from shardstore.tools.megatron_strategy import ShardstoreLoadShardedStrategy, ShardstoreSaveShardedStrategy
+    dist_checkpointing.save(sharded_state_dict, ckpt_dir, sharded_strategy=ShardstoreSaveShardedStrategy())
+    dist_checkpointing.load(sharded_state_dict, ckpt_dir, sharded_strategy=ShardstoreLoadShardedStrategy())
+
+Megatron's ``save`` refuses strategies that are not instances of its own base classes,
+so these subclass them and delegate to shardstore's storage core. Megatron keeps its
+part of the flow: it writes ``common.pt`` and the sharded objects with its own common
+strategy before the sharded save, and ``metadata.json`` (backend ``"shardstore"``)
+after it. The tensors become shardstore's Zarr v3 arrays with a commit record; since
+Megatron writes into the directory itself, the save is in place (no staging directory
+and no atomic replacement: those need ``shardstore.save``). ``shardstore.load`` and
+the queries read such a checkpoint too.
+
+Megatron's async path works too (``async_sharded_save=True`` with its
+``AsyncCallsQueue``): see ``ShardstoreSaveShardedStrategy``.
+
+Importing this module needs megatron-core; shardstore itself never imports it.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from typing import Any
+
+try:
+    from megatron.core.dist_checkpointing.strategies import async_utils as _megatron_async
+    from megatron.core.dist_checkpointing.strategies import base as _megatron_base
+except ImportError as exc:  # pragma: no cover - exercised where megatron-core is absent
+    raise ImportError(
+        "shardstore.tools.megatron_strategy plugs shardstore into megatron.core.dist_checkpointing and needs megatron-core "
+        "(pip install megatron-core); shardstore.save/load work without it"
+    ) from exc
+
+from shardstore.core import CheckpointingException
+from shardstore.execution.save import StagedSave, finalize_save, write_staged
+from shardstore.inputs.megatron_objects import convert_foreign
+from shardstore.mapping import apply_factories, apply_factory_merges
+from shardstore.progress import stage
+from shardstore.protocol.collectives import Group
+from shardstore.protocol.stages import gather_and_plan
+from shardstore.serialization import load_preprocess
+from shardstore.stores.base import Location
+from shardstore.stores.locations import open_location
+from shardstore.strategies.base import DelegatingLoadStrategy
+from shardstore.strategies.zarr import (
+    SHARDSTORE_BACKEND,
+    ZARR_VERSION,
+    ZarrLoadShardedStrategy,
+    ZarrSaveShardedStrategy,
+)
+from shardstore.utils import local_sharded_items
+
+# Where a background writer leaves its outcome for the finalization (one file per rank).
+WRITE_REPORT_PREFIX = ".shardstore-written-"
+
+
+class ShardstoreSaveShardedStrategy(_megatron_base.AsyncSaveShardedStrategy):
+    """Megatron-Core save strategy writing shardstore's format, synchronously or through
+    Megatron's async path (``save(..., async_sharded_save=True)`` and its
+    ``AsyncCallsQueue``).
+
+    Megatron runs an async request's ``async_fn`` in another process (forked by its
+    default caller), so what the writers report for the commit record (each chunk's
+    crc32c) cannot come back in memory: the background writer leaves it in a small file,
+    ``.shardstore-written-<rank>.json``, which the finalization (in the training
+    process, on every rank) reads, removes and commits with. A background write that
+    failed, or left no report, fails the finalization on every rank, with no commit
+    record.
+
+    Args:
+        options: ``ZarrSaveShardedStrategy``'s (``max_chunk_bytes``, ``fully_parallel``,
+            ``process_group``, ``max_staging_bytes``, ...).
+    """
+
+    def __init__(self, backend: str = SHARDSTORE_BACKEND, version: int = ZARR_VERSION, **options: Any) -> None:
+        super().__init__(backend, version)
+        self.base_strategy = ZarrSaveShardedStrategy(backend, version, **options)
+
+    def _plan(self, sharded_state_dict: Any, checkpoint_dir: Any) -> tuple[Any, Location, Any]:
+        """Collective: the state dict in shardstore's objects, and this rank's plan; keys
+        the target cannot store are refused there, before any array is written (Megatron
+        has written its own ``common.pt`` and sharded objects by then)."""
+        sharded_state_dict = convert_foreign(sharded_state_dict)
+        apply_factories(sharded_state_dict)  # irregular shards, as flattened ranges
+        location = open_location(checkpoint_dir)
+        tensors, objects = local_sharded_items(sharded_state_dict)
+        group = Group(self.base_strategy.process_group)
+        plan = gather_and_plan(tensors, objects, group, self.base_strategy.plan_save, save_to=location)
+        return sharded_state_dict, location, plan
+
+    def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+        """Collective: validates the global layout and writes the tensors, committing
+        them with shardstore's commit record (in place)."""
+        self.base_strategy.save_with_plan(*self._plan(sharded_state_dict, checkpoint_dir))
+
+    def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
+        """Collective: plans and snapshots the tensors to host memory (the part the
+        caller waits for); returns Megatron's AsyncRequest, whose ``async_fn`` writes
+        and whose finalization commits."""
+        ours = self.base_strategy.async_save_with_plan(*self._plan(sharded_state_dict, checkpoint_dir))
+        staged, io_concurrency, io_threads = ours.async_fn_args
+        return _megatron_async.AsyncRequest(
+            async_fn=write_and_report,
+            async_fn_args=(staged, io_concurrency, io_threads),
+            finalize_fns=[partial(finalize_from_report, staged)],
+        )
+
+
+def _report_file(rank: int) -> str:
+    return f"{WRITE_REPORT_PREFIX}{rank}.json"
+
+
+def write_and_report(staged: StagedSave, io_concurrency: int, io_threads: int) -> None:
+    """Megatron's ``async_fn`` (run in another process): this rank's writes, then its
+    outcome, the chunks' crc32c or the error, in the rank's report file."""
+    error: BaseException | None = None
+    try:
+        write_staged(staged, io_concurrency, io_threads)
+        outcome: dict[str, Any] = {"written": [[key, list(index), crc] for key, index, crc in staged.written]}
+    except Exception as exc:  # reported through the file, then re-raised for Megatron's caller
+        outcome, error = {"error": f"{type(exc).__name__}: {exc}"}, exc
+    staged.location.write_atomic(_report_file(staged.group.rank), json.dumps(outcome).encode())
+    if error is not None:
+        raise error
+
+
+def finalize_from_report(staged: StagedSave) -> None:
+    """Megatron's finalization (collective, in the training process): this rank's
+    report, then shardstore's commit (``save_execution.finalize_save``)."""
+    location, rel = staged.location, _report_file(staged.group.rank)
+    error: BaseException | None = None
+    try:
+        data = location.read_bytes_or_none(rel)
+        if data is None:
+            raise CheckpointingException(
+                f"The background write of rank {staged.group.rank} into {location.describe()} left no report "
+                f"({rel}): it did not finish"
+            )
+        location.remove(rel)
+        outcome = json.loads(data)
+        if "error" in outcome:
+            raise CheckpointingException(f"The background write failed: {outcome['error']}")
+        staged.written = [(key, tuple(index), crc) for key, index, crc in outcome["written"]]
+    except Exception as exc:  # reported on every rank by finalize_save
+        error = exc
+    with stage("save: commit", location.describe()):
+        finalize_save(staged, error)
+
+
+class ShardstoreLoadShardedStrategy(DelegatingLoadStrategy, _megatron_base.LoadShardedStrategy):
+    """Megatron-Core load strategy reading shardstore's format (any layout).
+
+    Args:
+        options: ``ZarrLoadShardedStrategy``'s (``fully_parallel``, ``allow_lossy_casts``, ...).
+    """
+
+    def __init__(self, **options: Any) -> None:
+        self.base_strategy = ZarrLoadShardedStrategy(**options)
+
+    def load(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
+        sharded_state_dict, _, factories = load_preprocess(convert_foreign(sharded_state_dict))
+        return apply_factory_merges(self.base_strategy.load(sharded_state_dict, checkpoint_dir), factories)
+
+
+__all__ = ["ShardstoreLoadShardedStrategy", "ShardstoreSaveShardedStrategy"]

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Union
 
@@ -579,6 +580,11 @@ def load_tensors_metadata(
 ) -> CommonStateDict:
     """Every tensor's global shape and dtype, from the commit record alone.
 
+    A tensor saved from flattened ranges (the distributed optimizer's) is described as
+    Megatron-Core describes it: a flattened ShardedTensor whose range is all of its
+    elements (``local_shape`` and ``global_shape`` the N-D shape), which loads as the
+    1-D tensor.
+
     Returns:
         ``{key: ShardedTensor without data covering the whole tensor}``
     """
@@ -607,11 +613,15 @@ def load_sharded_metadata(
 
 
 def load_plain_tensors(checkpoint_dir: CheckpointDir) -> StateDict:
-    """Every tensor of the checkpoint, whole, as plain tensors.
+    """Every tensor of the checkpoint, whole, as plain tensors, each in its N-D global
+    shape (also one saved from flattened ranges, which Megatron-Core returns 1-D).
 
     Not collective: any one process may call it, also one rank of a running job.
     """
-    sharded_state_dict = load_tensors_metadata(checkpoint_dir)
+    sharded_state_dict = {
+        key: replace(t, flattened_range=None) if t.flattened_range is not None else t
+        for key, t in load_tensors_metadata(checkpoint_dir).items()
+    }
     return _load(sharded_state_dict, checkpoint_dir, None, None, False, StrictHandling.ASSUME_OK_UNEXPECTED,
                  Group.local())
 

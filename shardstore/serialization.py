@@ -65,8 +65,7 @@ from shardstore.dict_utils import (
 )
 from shardstore.format.commit import PendingCheckpoint, begin_save, join_save
 from shardstore.format.integrity import open_committed
-from shardstore.format.pickles import serialize
-from shardstore.format.records import CommitRecord, checksum
+from shardstore.format.records import CommitRecord
 from shardstore.inputs.megatron_objects import convert_foreign
 from shardstore.mapping import (
     CommonStateDict,
@@ -109,6 +108,7 @@ from shardstore.utils import (
 from shardstore.validation import (
     StrictHandling,
     adjust_non_strict_load,
+    common_state_digests,
     parse_strict_flag,
     plan_load,
     reported_mismatches,
@@ -256,34 +256,22 @@ def _preprocess_and_plan(
     target cannot store (its ``name_limits``) and an invalid global sharding. The ranks'
     common states are compared in the same gather (digests only). Returns this rank's
     part of the strategy's plan."""
-    error, sharded_part, common_part, digests = None, {}, {}, None
+    error, sharded_part, common_part, digests, compared = None, {}, {}, None, None
     tensors: list[ShardedTensor] = []
     objects: list[ShardedObject] = []
     try:
         sharded_part, common_part = save_preprocess(sharded_state_dict)
         tensors, objects = local_sharded_items(sharded_part)
         if group.world_size > 1:
-            digests = common_state_digests(preprocess_common(common_part) if preprocess_common else common_part)
+            compared = preprocess_common(common_part) if preprocess_common else common_part
+            digests = common_state_digests(compared)
     except Exception as exc:  # reported on every rank by gather_and_plan
         error = exc
     plan = gather_and_plan(
         tensors, objects, group, sharded_strategy.plan_save, local_error=error, common_digests=digests,
-        save_to=target,
+        save_to=target, common_state=compared,
     )
     return sharded_part, common_part, plan
-
-
-def common_state_digests(common_state_dict: StateDict) -> dict[str, str]:
-    """A checksum of each top-level entry of the common state, as ``common.pt`` would
-    store it (entries that cannot be serialized get their repr's)."""
-    digests = {}
-    for key, value in common_state_dict.items():
-        try:
-            data = serialize(value)
-        except Exception:  # noqa: BLE001  (compared, not saved: a repr is good enough)
-            data = repr(value).encode()
-        digests[str(key)] = checksum(data)
-    return digests
 
 
 def _begin_save(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import pickle
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -19,11 +20,13 @@ from typing import Any
 import numpy as np
 
 from shardstore.core import CheckpointingException
-from shardstore.dict_utils import extract_matching_values, nested_values
+from shardstore.dict_utils import diff, extract_matching_values, nested_values
+from shardstore.format.pickles import serialize
 from shardstore.format.records import (
     ZARR_JSON,
     array_group_collisions,
     check_key,
+    checksum,
     chunk_key,
     object_path,
 )
@@ -112,34 +115,104 @@ def local_records(
     return tensors, objects
 
 
-def warn_common_state_mismatch(digests: list[dict[str, str] | None]) -> None:
-    """Logs (WARNING) the common-state entries in which ranks differ from rank 0, as
-    Megatron-Core's consistency check does: only rank 0's common state is saved."""
+def ranks_with_differing_common_state(digests: list[dict[str, str] | None]) -> list[int]:
+    """The ranks whose common-state digests (a checksum per top-level entry, one dict
+    per rank, on the coordinator) differ from rank 0's: the only ones whose common
+    state ``check_common_state_consistency`` then compares in full."""
     reference = digests[0] or {}
-    differing: dict[str, list[int]] = defaultdict(list)
-    for rank, theirs in enumerate(digests[1:], start=1):
-        for key in sorted(set(reference) | set(theirs or {})):
-            if reference.get(key) != (theirs or {}).get(key):
-                differing[key].append(rank)
-    if differing:
-        shown = "; ".join(f"{key!r} on rank(s) {ranks[:8]}" for key, ranks in list(differing.items())[:10])
-        logger.warning("The common state differs from rank 0's (which is the one saved): %s", shown)
+    return [rank for rank, theirs in enumerate(digests[1:], start=1) if (theirs or {}) != reference]
+
+
+def check_common_state_consistency(
+    common_state_dict: CommonStateDict | None, differing: list[int], group: Group
+) -> None:
+    """Collective: Megatron-Core's common-state consistency check, for the ranks whose
+    digests differed from rank 0's (``ranks_with_differing_common_state``; every rank
+    passes the same list). Only rank 0's common state is saved.
+
+    Rank 0's common state goes to those ranks only; each diffs it with its own
+    (``dict_utils.diff``) and, where they differ, logs Megatron-Core's (>= 0.14) warning
+    "Rank <r> common state dict differs from rank 0 common state dict. Keys only on
+    rank 0: [...], Keys only on <r>: [...], Mismatched keys: [...]". The coordinator
+    then logs the differences of all ranks in Megatron's earlier format: "There is
+    difference in the common state dict in different ranks. The differences are
+    {rank: (only_left, only_right, mismatch)}". Digests that differ where ``diff``
+    finds the values equal (equal tensors of different dtypes) log nothing. Nothing
+    here fails the save: a value that cannot be compared is reported as differing.
+    """
+    if not differing or group.world_size == 1:
+        return
+    payload = _travelling(common_state_dict) if group.is_coordinator else None
+    received = group.scatter_object([payload if r in differing else None for r in range(group.world_size)])
+    report = None
+    if group.rank in differing and received is not None:
+        reference, by_repr = received
+        mine = _comparable(common_state_dict or {}, by_repr)
+        try:
+            only_left, only_right, mismatch = diff(reference, mine)
+        except Exception:  # noqa: BLE001  (a warning, never a failed save)
+            only_left, only_right, mismatch = [], [], [((), type(reference), type(mine))]
+        if only_left or only_right or mismatch:
+            logger.warning(
+                f"Rank {group.rank} common state dict differs from rank 0 common state dict. "
+                f"Keys only on rank 0: {only_left}, Keys only on {group.rank}: {only_right}, "
+                f"Mismatched keys: {mismatch}"
+            )
+            report = (only_left, only_right, mismatch)
+    reports = group.gather_object(report)
+    differences = {rank: r for rank, r in enumerate(reports) if r is not None}
+    if differences:
+        logger.warning(
+            f"There is difference in the common state dict in different ranks. The differences are {differences}"
+        )
+
+
+def _travelling(common_state_dict: CommonStateDict | None) -> tuple[Any, bool]:
+    """Rank 0's common state as it can travel: itself, or (when it cannot be pickled)
+    each top-level entry's repr, with the flag saying so."""
+    state = common_state_dict or {}
+    try:
+        pickle.dumps(state)
+    except Exception:  # noqa: BLE001  (compared, not saved: a repr is good enough)
+        return _comparable(state, True), True
+    return state, False
+
+
+def _comparable(state: CommonStateDict, by_repr: bool) -> Any:
+    return {key: repr(value) for key, value in state.items()} if by_repr else state
 
 
 def validate_sharding_integrity(
-    layout: GlobalLayout, storage: NameLimits | None = FORMAT_NAME_LIMITS, where: str = ""
+    layout: GlobalLayout | list[list[ShardedBase]],
+    storage: NameLimits | None = FORMAT_NAME_LIMITS,
+    where: str = "",
+    *,
+    common_state_dict: CommonStateDict | None = None,
 ) -> None:
     """Every key can be stored, every element of every global tensor is covered exactly
     once by main replicas, shapes and dtypes agree across ranks, and ShardedObjects are
     complete.
 
+    ``layout``: the gathered layout (shardstore's save and load check it on the
+    coordinator), or Megatron-Core's global metadata, every rank's data-less
+    ShardedTensors and ShardedObjects (``determine_global_metadata(...)[1]``), which
+    every rank passes and rank 0 alone checks, as in Megatron-Core.
     ``storage``: where a save writes (its location's ``name_limits``; the default knows
     only the format's own names and limits), so the keys are checked first
     (``check_storable_keys``); None for a load's request, whose keys name what is stored.
+    ``common_state_dict``: Megatron-Core's keyword: every rank passes its common state,
+    and the ranks whose common state differs from rank 0's are warned about
+    (``validate_common_state_dict``; collective).
 
     Raises:
         CheckpointingException: listing up to ten problems, each naming its key.
     """
+    if common_state_dict is not None:
+        validate_common_state_dict(common_state_dict, Group())
+    if not isinstance(layout, GlobalLayout):
+        if Group().rank != 0:
+            return
+        layout = _layout_of_global_metadata(layout)
     if storage is not None:
         check_storable_keys(layout, storage, where)
     problems: list[str] = [
@@ -155,6 +228,42 @@ def validate_sharding_integrity(
     if problems:
         shown = "\n  ".join(problems[:MAX_REPORTED_PROBLEMS])
         raise CheckpointingException(f"Invalid global sharding ({len(problems)} problem(s)):\n  {shown}")
+
+
+def _layout_of_global_metadata(global_metadata: list[list[ShardedBase]]) -> GlobalLayout:
+    """The layout of Megatron-Core's global metadata (one list of sharded items per rank)."""
+    per_rank = []
+    for rank, items in enumerate(global_metadata):
+        tensors = [x for x in items if isinstance(x, ShardedTensor)]
+        objects = [x for x in items if isinstance(x, ShardedObject)]
+        per_rank.append(local_records(tensors, objects, rank))
+    return GlobalLayout.from_gathered(per_rank)
+
+
+def common_state_digests(common_state_dict: CommonStateDict) -> dict[str, str]:
+    """A checksum of each top-level entry of the common state, as ``common.pt`` would
+    store it (entries that cannot be serialized get their repr's)."""
+    digests = {}
+    for key, value in common_state_dict.items():
+        try:
+            data = serialize(value)
+        except Exception:  # noqa: BLE001  (compared, not saved: a repr is good enough)
+            data = repr(value).encode()
+        digests[str(key)] = checksum(data)
+    return digests
+
+
+def validate_common_state_dict(common_state_dict: CommonStateDict, group: Group) -> None:
+    """Collective: warns where a rank's common state differs from rank 0's (which is the
+    one saved), as Megatron-Core's check does. The digests of every rank's entries go to
+    the coordinator; only where they differ are the states compared in full
+    (``check_common_state_consistency``). ``save`` does the same inside its plan
+    stage, at no extra collective when nothing differs."""
+    if group.world_size == 1:
+        return
+    digests = group.gather_object(common_state_digests(common_state_dict))
+    differing = group.broadcast_object(ranks_with_differing_common_state(digests) if group.is_coordinator else None)
+    check_common_state_consistency(common_state_dict, differing, group)
 
 
 def check_storable_keys(layout: GlobalLayout, storage: NameLimits, where: str = "") -> None:
@@ -430,6 +539,7 @@ __all__ = [
     "maybe_report_missing_and_unexpected_keys",
     "parse_strict_flag",
     "plan_load",
+    "validate_common_state_dict",
     "validate_sharded_objects_handling",
     "validate_sharding_integrity",
 ]

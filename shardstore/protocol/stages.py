@@ -19,9 +19,10 @@ from shardstore.planning.layout import GlobalLayout
 from shardstore.protocol.collectives import Group, RankFailure, raise_failures
 from shardstore.stores.base import Location
 from shardstore.validation import (
+    check_common_state_consistency,
     local_records,
+    ranks_with_differing_common_state,
     validate_sharding_integrity,
-    warn_common_state_mismatch,
 )
 
 
@@ -34,6 +35,7 @@ def gather_and_plan(
     place: str | None = None,
     common_digests: dict[str, str] | None = None,
     save_to: Location | None = None,
+    common_state: dict[str, Any] | None = None,
 ) -> Any:
     """Collective, plan once: the shard records (metadata, never data) travel to the
     coordinator only, which runs ``planner`` on the global layout; rank r receives
@@ -45,8 +47,11 @@ def gather_and_plan(
     ``place``: the checkpoint this rank names (default: ``save_to``'s), named in key
     errors; ranks that name different ones all fail (one save must not be split over
     two directories). ``common_digests``: a digest of each top-level entry of this
-    rank's common state; where ranks differ, the coordinator logs a warning naming the
-    entries and ranks (only rank 0's is saved).
+    rank's common state (``common_state``, as compared); the coordinator names the ranks
+    whose digests differ from its own in every rank's part of the scatter, and only
+    then do those ranks compare their common state with rank 0's in full and warn
+    (``validation.check_common_state_consistency``, Megatron-Core's messages; only rank
+    0's common state is saved). When nothing differs this costs no collective.
     ``save_to``: where a save writes (None for a load, whose planner decides what to
     check): the coordinator checks the global sharding, and every key against the
     location's ``name_limits`` (``validation.validate_sharding_integrity``), before
@@ -61,21 +66,24 @@ def gather_and_plan(
     cause = local_error
     if group.is_coordinator:
         try:
-            if common_digests is not None:
-                warn_common_state_mismatch([d for _, _, d in gathered])
             layout = _layout_of(gathered, local_error)
             if save_to is not None:
                 validate_sharding_integrity(layout, save_to.name_limits, save_to.describe())
-            parts = [(None, part) for part in planner(layout)]
+            differing = []
+            if common_digests is not None:
+                differing = ranks_with_differing_common_state([d for _, _, d in gathered])
+            parts = [(None, part, differing) for part in planner(layout)]
         except Exception as exc:  # told to every rank by the scatter
             cause = exc
             message = str(exc) if isinstance(exc, CheckpointingException) else (
                 f"Planning failed on the coordinator: {type(exc).__name__}: {exc}"
             )
-            parts = [(message, None)] * group.world_size
-    error, part = group.scatter_object(parts)
+            parts = [(message, None, [])] * group.world_size
+    error, part, differing = group.scatter_object(parts)
     if error is not None:
         raise CheckpointingException(error) from cause
+    if differing:  # the same list on every rank: all of them take part
+        check_common_state_consistency(common_state, differing, group)
     return part
 
 

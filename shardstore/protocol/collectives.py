@@ -113,6 +113,14 @@ class Group:
             dist.broadcast_object_list(box, src=self.global_rank(src), group=self.process_group)
         return box[0]
 
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
+        """Collective, in place: group rank ``src``'s ``tensor`` lands in every rank's
+        ``tensor`` (same shape and dtype on every rank, contiguous, on ``device``)."""
+        if self.world_size == 1:
+            return
+        with _peer_failures("broadcast"):
+            dist.broadcast(tensor, src=self.global_rank(src), group=self.process_group)
+
     def min_over_ranks(self, value: int, what: str) -> int:
         """Collective: the smallest ``value`` of all ranks (on the group's device, so
         NCCL groups work too)."""

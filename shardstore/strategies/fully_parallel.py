@@ -1,21 +1,63 @@
-"""Megatron-Core's fully-parallel strategy wrappers, for code that builds them.
+"""Megatron-Core's fully-parallel strategy wrappers, with Megatron's knobs.
 
 megatron.training wraps its strategies::
 
     strategy = FullyParallelSaveStrategyWrapper(strategy, mpu.get_data_parallel_group(...))
 
-shardstore's own strategies are fully parallel already, and over the whole save group
-rather than one data-parallel group: replicated blocks are written by their replicas
-in turn, balanced by bytes (``layout.balance_writers``), and read once per replica
-group on load. So the wrappers switch that on for the wrapped shardstore strategy and
-otherwise delegate; ``parallelization_group``, ``do_cache_distribution`` and
-``exchange_algo`` are accepted and have nothing left to decide.
+Around any other strategy (Megatron's own, a test's recording mock) they do what
+Megatron's do:
+
+- save: ``apply_saving_parallelization`` gathers shard metadata over
+  ``parallelization_group`` (one all-gather, no data), balances the replicated shards
+  by bytes (``exchange_utils.distribute_shards_to_ranks``, Megatron's greedy rule, so
+  the same rank saves the same key), and sets ``replica_id`` to 0 on the one rank
+  that saves each shard and 1 elsewhere; the wrapped strategy then saves main replicas.
+- load: the same distribution over every shard the group holds; the wrapped
+  strategy's ``load`` sees only this rank's part, and the shards reach the other ranks
+  that hold them by ``exchange_algo`` (``exchange_utils.EXCHANGE_ALGOS``). A
+  ShardedObject is loaded by its main replica and gathered over the load's ranks.
+- ``do_cache_distribution=True``: the distribution of the first call is reused, with
+  no collective. The caller promises the same state dict structure on every call; a
+  rank whose shards (ids, shapes, dtypes) differ from the cached call raises
+  ``CheckpointingException`` instead of silently saving nothing for new shards (as
+  Megatron's does). Only that rank knows, so ranks whose structure did not change go
+  on into the wrapped strategy; build a new wrapper after changing the model.
+
+Around shardstore's own strategies (those with a ``fully_parallel`` switch) they turn
+that switch on and delegate: those plans already balance replicated writes by bytes and
+read each replicated block once, over the whole save group rather than one
+data-parallel group, in the plan the save or load makes anyway, so
+``parallelization_group``, ``do_cache_distribution`` and ``exchange_algo`` have nothing
+left to decide there.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from shardstore.dict_utils import dict_list_map_outplace, nested_values
+from shardstore.errors import CheckpointingException
+from shardstore.exchange_utils import (
+    EXCHANGE_ALGOS,
+    ShardDistribution,
+    determine_main_replica_uniform_distribution,
+    exchange_by_distribution,
+    exchange_loaded_objects_gather_object,
+)
+from shardstore.mapping import (
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    StateDict,
+    is_main_replica,
+)
+from shardstore.protocol.collectives import Group
 from shardstore.strategies.async_utils import AsyncRequest
 from shardstore.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -24,42 +66,159 @@ from shardstore.strategies.base import (
     LoadShardedStrategy,
     SaveShardedStrategy,
 )
+from shardstore.utils import _sharded_object_id, _sharded_tensor_shard_id, _ShardId
+
+logger = logging.getLogger(__name__)
+
+# What a cached distribution depends on: each local shard's id, shape and dtype.
+_Structure = frozenset[tuple[_ShardId, tuple[int, ...], torch.dtype]]
+
+
+def _is_shardstores_own(strategy: Any) -> bool:
+    """shardstore's strategies plan fully parallel loads and saves themselves."""
+    return hasattr(strategy, "fully_parallel")
 
 
 def _fully_parallel(strategy: Any) -> Any:
-    if hasattr(strategy, "fully_parallel"):
+    if _is_shardstores_own(strategy):
         strategy.fully_parallel = True
     return strategy
 
 
+def _local_tensors(sharded_state_dict: ShardedStateDict) -> list[ShardedTensor]:
+    return [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]
+
+
+def _structure(sharded_state_dict: ShardedStateDict) -> _Structure:
+    return frozenset((_sharded_tensor_shard_id(t), t.local_shape, t.dtype) for t in _local_tensors(sharded_state_dict))
+
+
+class _DistributionCache:
+    """One wrapper's distribution and the local structure it was computed for."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.distribution: ShardDistribution | None = None
+        self.structure: _Structure | None = None
+
+    def get_or_compute(
+        self, sharded_state_dict: ShardedStateDict, compute: Callable[[], ShardDistribution | None], what: str
+    ) -> ShardDistribution | None:
+        """The cached distribution when enabled and present (no collective), else
+        ``compute()`` (collective), kept when enabled."""
+        if not self.enabled or self.structure is None:
+            distribution = compute()
+            if self.enabled:
+                self.distribution, self.structure = distribution, _structure(sharded_state_dict)
+            return distribution
+        self._check_unchanged(_structure(sharded_state_dict), what)
+        logger.debug("%s: cached distribution", what)
+        return self.distribution
+
+    def _check_unchanged(self, now: _Structure, what: str) -> None:
+        if now == self.structure:
+            return
+        new = sorted({s[0] for s in now - self.structure}, key=str)
+        gone = sorted({s[0] for s in self.structure - now}, key=str)
+        raise CheckpointingException(
+            f"{what} with do_cache_distribution=True: this rank's sharded state dict changed since the "
+            f"distribution was cached (new or reshaped shards {new[:5]}, gone {gone[:5]}), so the cached "
+            "distribution would leave shards unsaved or unloaded. Build a new wrapper after changing the "
+            "state dict's structure, or pass do_cache_distribution=False."
+        )
+
+
+def distribute_main_replicas_with_precomputed_distribution(
+    sharded_state_dict: ShardedStateDict,
+    parallelization_group: dist.ProcessGroup | None,
+    precomputed_distribution: ShardDistribution | None,
+) -> None:
+    """Sets ``replica_id`` of each local ShardedTensor to 0 where this rank is the
+    shard's main rank in ``precomputed_distribution`` and to 1 elsewhere, so a strategy
+    that saves (or loads) main replicas does exactly this rank's share. Nothing to do in
+    a group of one rank.
+
+    Raises:
+        ValueError: ``precomputed_distribution`` is None for a group of several ranks.
+    """
+    group = Group(parallelization_group)
+    if group.world_size <= 1:
+        return
+    if precomputed_distribution is None:
+        raise ValueError("precomputed_distribution must not be None for a parallelization group of several ranks")
+    main_rank = precomputed_distribution.main_rank_for_shard
+    in_group = precomputed_distribution.shards_in_this_group
+    for sh_ten in _local_tensors(sharded_state_dict):
+        shard_id = _sharded_tensor_shard_id(sh_ten)
+        sh_ten.replica_id = 0 if shard_id in in_group and main_rank[shard_id] == group.rank else 1
+
+
 class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
-    """Delegates to ``strategy`` with its fully-parallel save on (see the module docstring)."""
+    """Spreads the save of replicated shards over ``parallelization_group`` (see the
+    module docstring).
+
+    Args:
+        strategy: the strategy that writes.
+        parallelization_group: ranks that share the work (None: the world); it should
+            cover the replication pattern (usually the data-parallel group).
+        do_cache_distribution: reuse the first call's distribution, with no collective,
+            on the promise that the state dict's structure never changes.
+    """
 
     def __init__(
-        self, strategy: SaveShardedStrategy, parallelization_group: Any = None, do_cache_distribution: bool = False
+        self, strategy: SaveShardedStrategy, parallelization_group: dist.ProcessGroup | None = None,
+        do_cache_distribution: bool = False,
     ) -> None:
         super().__init__(strategy.backend, strategy.version)
         self.base_strategy = _fully_parallel(strategy)
         self.parallelization_group = parallelization_group
         self.do_cache_distribution = do_cache_distribution
+        self._cache = _DistributionCache(do_cache_distribution)
 
-    def async_save(self, sharded_state_dict: Any, checkpoint_dir: CheckpointDir) -> AsyncRequest:
+    @property
+    def cached_distribution(self) -> ShardDistribution | None:
+        """The cached save distribution (None before the first save or without the cache)."""
+        return self._cache.distribution
+
+    def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> None:
+        """Collective on ``parallelization_group`` unless cached: decides who saves each
+        shard and sets the replica ids accordingly (in place)."""
+        distribution = self._cache.get_or_compute(
+            sharded_state_dict,
+            lambda: determine_main_replica_uniform_distribution(sharded_state_dict, self.parallelization_group),
+            "Fully parallel save",
+        )
+        distribute_main_replicas_with_precomputed_distribution(
+            sharded_state_dict, self.parallelization_group, distribution
+        )
+
+    def _prepare(self, sharded_state_dict: ShardedStateDict) -> None:
+        if not _is_shardstores_own(self.base_strategy):
+            self.apply_saving_parallelization(sharded_state_dict)
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> AsyncRequest:
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
-            raise TypeError(f"{self.base_strategy} cannot save asynchronously")
+            raise CheckpointingException(f"{self.base_strategy} cannot save asynchronously: not an async strategy")
+        self._prepare(sharded_state_dict)
         return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir)
 
     def plan_save(self, layout: Any) -> list[Any]:
         return self.base_strategy.plan_save(layout)
 
-    def async_save_with_plan(self, sharded_state_dict: Any, checkpoint_dir: CheckpointDir, plan: Any,
+    def async_save_with_plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: Any,
                              process_group: Any = None) -> AsyncRequest:
+        if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
+            raise CheckpointingException(f"{self.base_strategy} cannot save asynchronously: not an async strategy")
+        self._prepare(sharded_state_dict)
         return self.base_strategy.async_save_with_plan(sharded_state_dict, checkpoint_dir, plan, process_group)
 
-    def save(self, sharded_state_dict: Any, checkpoint_dir: CheckpointDir) -> None:
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
+        self._prepare(sharded_state_dict)
         self.base_strategy.save(sharded_state_dict, checkpoint_dir)
 
-    def save_with_plan(self, sharded_state_dict: Any, checkpoint_dir: CheckpointDir, plan: Any,
+    def save_with_plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: Any,
                        process_group: Any = None) -> None:
+        self._prepare(sharded_state_dict)
         self.base_strategy.save_with_plan(sharded_state_dict, checkpoint_dir, plan, process_group)
 
     @property
@@ -67,24 +226,160 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         return self.base_strategy.can_handle_sharded_objects
 
 
+def _split_by_main_replica(items: list[Any], shard_id: Callable[[Any], _ShardId]) -> tuple[dict, dict]:
+    """(items this rank loads, items other ranks load), by shard id."""
+    to_load, others = {}, {}
+    for item in items:
+        (to_load if is_main_replica(item.replica_id) else others)[shard_id(item)] = item
+    return to_load, others
+
+
+def _check_loaded(requested: dict[_ShardId, ShardedTensor], loaded: dict[_ShardId, Any], strategy: Any) -> None:
+    """The wrapped strategy returned a tensor of the requested dtype and size for each
+    shard: other ranks receive it into tensors of exactly that size."""
+    for shard_id, request in requested.items():
+        tensor = loaded.get(shard_id)
+        f_range = request.flattened_range
+        numel = math.prod(request.local_shape) if f_range is None else f_range.stop - f_range.start
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != request.dtype or tensor.numel() != numel:
+            got = "nothing" if tensor is None else (
+                f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            )
+            raise CheckpointingException(
+                f"{strategy} returned {got} for {request.key!r} at offset {request.global_offset}, requested "
+                f"{request.local_shape} {request.dtype}: a fully parallel load hands each shard to the other "
+                "ranks that hold it, so the wrapped strategy must return exactly what was requested"
+            )
+
+
 class FullyParallelLoadStrategyWrapper(DelegatingLoadStrategy, LoadShardedStrategy):
-    """Delegates to ``strategy`` with its fully-parallel load on (see the module docstring)."""
+    """Loads each shard once in ``parallelization_group`` and exchanges it (see the
+    module docstring). Metadata queries and compatibility checks are the wrapped
+    strategy's.
+
+    Args:
+        strategy: the strategy that reads.
+        parallelization_group: ranks that share the reads (None: the world).
+        do_cache_distribution: reuse the first call's distribution, with no collective.
+        exchange_algo: how loaded shards reach the others (``EXCHANGE_ALGOS``).
+    """
 
     def __init__(
-        self, strategy: LoadShardedStrategy, parallelization_group: Any = None, do_cache_distribution: bool = False,
-        exchange_algo: str = "broadcast",
+        self, strategy: LoadShardedStrategy, parallelization_group: dist.ProcessGroup | None = None,
+        do_cache_distribution: bool = False, exchange_algo: str = "broadcast",
     ) -> None:
+        if exchange_algo not in EXCHANGE_ALGOS:
+            raise ValueError(f"Unknown exchange_algo {exchange_algo!r}; choose one of {EXCHANGE_ALGOS}")
         self.base_strategy = _fully_parallel(strategy)
         self.parallelization_group = parallelization_group
         self.do_cache_distribution = do_cache_distribution
         self.exchange_algo = exchange_algo
+        self._cache = _DistributionCache(do_cache_distribution)
 
-    def load_with_record(self, sharded_state_dict: Any, location: Any, record: Any, process_group: Any = None) -> Any:
-        return self.base_strategy.load_with_record(sharded_state_dict, location, record, process_group)
+    @property
+    def cached_distribution(self) -> ShardDistribution | None:
+        """The cached load distribution (None before the first load or without the cache)."""
+        return self._cache.distribution
 
-    def load(self, sharded_state_dict: Any, checkpoint_dir: CheckpointDir) -> Any:
-        return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
+    def apply_loading_parallelization(self, sharded_state_dict: ShardedStateDict) -> ShardDistribution | None:
+        """Collective on ``parallelization_group`` unless cached: decides who loads each
+        shard (every shard the group holds) and sets the replica ids accordingly."""
+        distribution = self._cache.get_or_compute(
+            sharded_state_dict,
+            lambda: determine_main_replica_uniform_distribution(
+                sharded_state_dict, self.parallelization_group, ignore_groups=True
+            ),
+            "Fully parallel load",
+        )
+        distribute_main_replicas_with_precomputed_distribution(
+            sharded_state_dict, self.parallelization_group, distribution
+        )
+        return distribution
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> StateDict:
+        if _is_shardstores_own(self.base_strategy):
+            return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
+        return self._load_distributed(
+            sharded_state_dict, lambda part: self.base_strategy.load(part, checkpoint_dir), Group(), str(checkpoint_dir)
+        )
+
+    def load_with_record(self, sharded_state_dict: ShardedStateDict, location: Any, record: Any,
+                         process_group: Any = None) -> StateDict:
+        if _is_shardstores_own(self.base_strategy):
+            return self.base_strategy.load_with_record(sharded_state_dict, location, record, process_group)
+        group = process_group if isinstance(process_group, Group) else Group(process_group)
+        return self._load_distributed(
+            sharded_state_dict, lambda part: self.base_strategy.load_with_record(part, location, record, group),
+            group, location.describe(),
+        )
+
+    def load_with_plan(self, sharded_state_dict: ShardedStateDict, location: Any, record: Any, plan: Any,
+                       group: Any, local_error: BaseException | None = None) -> StateDict:
+        if _is_shardstores_own(self.base_strategy):
+            return self.base_strategy.load_with_plan(sharded_state_dict, location, record, plan, group, local_error)
+        group.agree(local_error, f"Loading checkpoint {location.describe()}")
+        return self.load_with_record(sharded_state_dict, location, record, group)
+
+    def _load_distributed(
+        self, sharded_state_dict: ShardedStateDict, base_load: Callable[[dict], dict], load_group: Group, where: str
+    ) -> StateDict:
+        """Collective on ``load_group`` (every rank of this load) and the
+        parallelization group: distribute, load this rank's part, agree that every rank's
+        part loaded, exchange tensors in the parallelization group and objects in
+        ``load_group``, put everything in place of its request."""
+        if Group(self.parallelization_group).world_size <= 1:
+            return base_load(sharded_state_dict)
+        error, loaded, distribution = None, {}, None
+        tensors_to_load: dict[_ShardId, ShardedTensor] = {}
+        tensors_elsewhere: dict[_ShardId, ShardedTensor] = {}
+        objects_to_load: dict[_ShardId, ShardedObject] = {}
+        try:  # a changed structure under the cache, or a failed read, is raised on every rank
+            distribution = self.apply_loading_parallelization(sharded_state_dict)
+            values = list(nested_values(sharded_state_dict))
+            tensors_to_load, tensors_elsewhere = _split_by_main_replica(
+                [v for v in values if isinstance(v, ShardedTensor)], _sharded_tensor_shard_id
+            )
+            objects_to_load, _ = _split_by_main_replica(
+                [v for v in values if isinstance(v, ShardedObject)], _sharded_object_id
+            )
+            loaded = base_load({**tensors_to_load, **objects_to_load})
+            _check_loaded(tensors_to_load, loaded, self.base_strategy)
+        except Exception as exc:  # raised on every rank by agree(), before any exchange
+            error = exc
+        load_group.agree(error, f"Fully parallel load of checkpoint {where}")
+        tensors = exchange_by_distribution(
+            {k: loaded[k] for k in tensors_to_load}, tensors_elsewhere, distribution,
+            self.parallelization_group, self.exchange_algo,
+        )
+        objects = exchange_loaded_objects_gather_object(
+            {k: loaded[k] for k in objects_to_load}, load_group.process_group
+        )
+        return dict_list_map_outplace(lambda x: _loaded_value(x, tensors, objects, where), sharded_state_dict)
 
     @property
     def can_handle_sharded_objects(self) -> bool:
         return self.base_strategy.can_handle_sharded_objects
+
+
+def _loaded_value(x: Any, tensors: dict[_ShardId, Any], objects: dict[_ShardId, Any], where: str) -> Any:
+    """The loaded value in place of a request (other values stay as they are)."""
+    if isinstance(x, ShardedTensor):
+        found, shard_id = tensors, _sharded_tensor_shard_id(x)
+    elif isinstance(x, ShardedObject):
+        found, shard_id = objects, _sharded_object_id(x)
+    else:
+        return x
+    if shard_id not in found:
+        raise CheckpointingException(
+            f"Fully parallel load of checkpoint {where}: no rank loaded {x.key!r} (shard {shard_id}); a "
+            "ShardedObject is loaded by its main replica, so exactly one rank must hold it with replica_id 0"
+        )
+    return found[shard_id]
+
+
+__all__ = [
+    "FullyParallelLoadStrategyWrapper",
+    "FullyParallelSaveStrategyWrapper",
+    "_sharded_tensor_shard_id",
+    "distribute_main_replicas_with_precomputed_distribution",
+]

@@ -1,0 +1,309 @@
+"""Megatron-Core's distribution helpers (``dist_checkpointing.exchange_utils``): which
+rank of a parallelization group saves or loads each shard, and how the shards one rank
+loaded reach the other ranks that hold them.
+
+Used by the fully-parallel wrappers (``strategies.fully_parallel``) around strategies
+that are not shardstore's own; shardstore's own strategies balance and exchange inside
+their plans. The distribution is Megatron's greedy balance, rank for rank, because
+Megatron's users and tests rely on which rank saves which key. Every collective goes
+through ``protocol.collectives.Group``; ``parallelization_group=None`` is the world.
+
+Which functions are collective on the group: ``determine_main_replica_uniform_distribution``
+(one all-gather of shard metadata, never data), ``exchange_by_distribution`` and
+``exchange_loaded_objects_gather_object``. ``distribute_shards_to_ranks`` is pure.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from shardstore.dict_utils import nested_values
+from shardstore.errors import CheckpointingException
+from shardstore.mapping import ShardedStateDict, ShardedTensor, is_main_replica
+from shardstore.protocol.collectives import Group
+from shardstore.utils import _sharded_tensor_shard_id, _ShardId
+
+logger = logging.getLogger(__name__)
+
+# 'broadcast': one broadcast per shard that more than one rank holds (Megatron's
+# default). 'gather_rounds' and 'gather_object': one point-to-point exchange in which
+# each loading rank sends a shard only to the ranks that hold it, packed one buffer per
+# pair of ranks; both names give the same tensors as Megatron's algorithms of that name.
+EXCHANGE_ALGOS = ("broadcast", "gather_rounds", "gather_object")
+
+T = TypeVar("T")
+
+
+class ShardDistribution(NamedTuple):
+    """Who does the work for each shard, valid for one parallelization group (which it
+    does not name). Identical on every rank of the group: every rank computes it from
+    the same gathered metadata.
+
+    Fields:
+        main_rank_for_shard: group rank that saves (or loads) each shard.
+        shards_in_this_group: shards this group is responsible for.
+        shard_to_metadata: a data-less ShardedTensor for each shard (shape, dtype).
+        all_ranks_for_shard: group ranks whose state dict holds each shard.
+    """
+
+    main_rank_for_shard: dict[_ShardId, int]
+    shards_in_this_group: set[_ShardId]
+    shard_to_metadata: dict[_ShardId, ShardedTensor]
+    all_ranks_for_shard: dict[_ShardId, list[int]]
+
+
+def _shard_size(sh_ten: ShardedTensor) -> int:
+    """Bytes of the shard's local shape (the whole local shape even for a flattened
+    range, as Megatron counts it, so both balance the same way)."""
+    return math.prod(sh_ten.local_shape) * sh_ten.dtype.itemsize
+
+
+def distribute_shards_to_ranks(
+    shard_to_ranks: dict[T, list[int]],
+    shard_to_size: dict[T, int],
+    num_ranks: int,
+    cross_parallelization_group_loads: set[T] | frozenset[T] = frozenset(),
+) -> dict[T, int]:
+    """Assigns each shard to one of the ranks that hold it, balancing bytes greedily.
+
+    Shards are taken in this order: those with a main replica in the group before the
+    cross-group loads (so a load reads where the save wrote), then fewest holders first
+    (they have the least choice), then larger first, then by shard id (so every rank
+    computes the same result). Each goes to the holder with the fewest bytes assigned
+    so far, the lowest rank on a tie. Pure: no collective.
+
+    Args:
+        shard_to_ranks: which ranks hold each shard.
+        shard_to_size: bytes of each shard.
+        num_ranks: ranks in the group.
+        cross_parallelization_group_loads: shards whose main replica is in another
+            group (load only).
+
+    Returns:
+        The rank assigned to each shard.
+    """
+    assigned_bytes = [0] * num_ranks
+    assignment: dict[T, int] = {}
+
+    def order(item: tuple[T, list[int]]) -> tuple:
+        shard_id, ranks = item
+        return (shard_id in cross_parallelization_group_loads, len(ranks), -shard_to_size[shard_id], shard_id)
+
+    for shard_id, ranks in sorted(shard_to_ranks.items(), key=order):
+        rank = min(ranks, key=lambda r: (assigned_bytes[r], r))
+        assignment[shard_id] = rank
+        assigned_bytes[rank] += shard_to_size[shard_id]
+    logger.debug("distribute_shards_to_ranks: bytes per rank %s", assigned_bytes)
+    return assignment
+
+
+def build_shard_distribution(all_shards: list[list[ShardedTensor]], ignore_groups: bool) -> ShardDistribution:
+    """The distribution of already gathered shard metadata (``all_shards[r]``: group rank
+    r's ShardedTensors). Pure, so it can be checked without processes.
+
+    ``ignore_groups=False`` (save): only shards with a main replica in the group.
+    ``True`` (load): every shard some rank of the group holds; those without a main
+    replica here are assigned last."""
+    shard_to_ranks: dict[_ShardId, list[int]] = defaultdict(list)
+    shard_to_size: dict[_ShardId, int] = {}
+    shard_to_metadata: dict[_ShardId, ShardedTensor] = {}
+    with_main: set[_ShardId] = set()
+    for rank, rank_shards in enumerate(all_shards):
+        for sh_ten in rank_shards:
+            shard_id = _sharded_tensor_shard_id(sh_ten)
+            shard_to_ranks[shard_id].append(rank)
+            if shard_id not in shard_to_metadata:
+                shard_to_metadata[shard_id] = sh_ten
+                shard_to_size[shard_id] = _shard_size(sh_ten)
+            if is_main_replica(sh_ten.replica_id):
+                with_main.add(shard_id)
+    in_group = set(shard_to_ranks) if ignore_groups else with_main
+    holders = {k: v for k, v in shard_to_ranks.items() if k in in_group}
+    main_rank = distribute_shards_to_ranks(holders, shard_to_size, len(all_shards), in_group - with_main)
+    return ShardDistribution(main_rank, in_group, shard_to_metadata, holders)
+
+
+def determine_main_replica_uniform_distribution(
+    sharded_state_dict: ShardedStateDict,
+    parallelization_group: dist.ProcessGroup | None,
+    ignore_groups: bool = False,
+) -> ShardDistribution | None:
+    """Collective on ``parallelization_group``: gathers every rank's shard metadata (no
+    data) and computes the balanced distribution (``build_shard_distribution``), the same
+    on every rank. None for a group of one rank (nothing to distribute).
+
+    Megatron's ``pg_cache_path``/``pg_cache_create`` (a pickled distribution on disk) are
+    not offered: loading a pickle from disk runs code, which shardstore never does."""
+    group = Group(parallelization_group)
+    if group.world_size <= 1:
+        return None
+    local = [t.without_data() for t in nested_values(sharded_state_dict) if isinstance(t, ShardedTensor)]
+    return build_shard_distribution(group.all_gather_object(local), ignore_groups)
+
+
+def _get_empty_tensor_for_exchange(
+    shard_id: _ShardId,
+    needed_shards: dict[_ShardId, ShardedTensor],
+    unneeded_shards: dict[_ShardId, ShardedTensor],
+    loaded_tensors: dict[_ShardId, torch.Tensor],
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.device | None]:
+    """The tensor a rank that did not load ``shard_id`` receives it into, on ``device``
+    (the group's: CUDA for NCCL), and where the request wanted it.
+
+    A shard this rank holds (in ``needed_shards``) lands in the request's own tensor when
+    that is contiguous and on ``device``, else in a new one; it is recorded in
+    ``loaded_tensors``. A shard this rank does not hold (metadata from
+    ``unneeded_shards``) gets a scratch tensor, dropped after the exchange (device None).
+    One tensor at a time, so a load never holds more than one scratch shard."""
+    request = needed_shards.get(shard_id)
+    if request is None:
+        meta = unneeded_shards[shard_id]
+        scratch = torch.empty(meta.local_shape, dtype=meta.dtype, device=device)
+        if meta.flattened_range is not None:
+            scratch = scratch.flatten()[meta.flattened_range.start : meta.flattened_range.stop]
+        return scratch, None
+    request.init_data(device)
+    data = request.data
+    if data.device == torch.device(device) and data.is_contiguous():
+        tensor = data
+    else:
+        tensor = torch.empty(data.shape, dtype=data.dtype, device=device)
+    loaded_tensors[shard_id] = tensor
+    return tensor, data.device
+
+
+def _shared_shards(distribution: ShardDistribution) -> Iterator[tuple[_ShardId, int, list[int]]]:
+    """(shard id, loading rank, holders) of each shard that another rank holds too, in
+    the distribution's order (the same on every rank, so collectives pair up). A shard
+    only its loader holds needs no exchange."""
+    for shard_id, src in distribution.main_rank_for_shard.items():
+        holders = distribution.all_ranks_for_shard[shard_id]
+        if holders != [src]:
+            yield shard_id, src, holders
+
+
+def _sendable(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor.detach().to(device).contiguous()
+
+
+def _exchange_by_broadcasts(
+    result: dict[_ShardId, torch.Tensor], unloaded_shards: dict[_ShardId, ShardedTensor],
+    distribution: ShardDistribution, group: Group,
+) -> None:
+    """One broadcast per shared shard, from its loader to the whole group."""
+    for shard_id, src, _ in _shared_shards(distribution):
+        if src == group.rank:
+            group.broadcast_tensor(_sendable(result[shard_id], group.device), src)
+            continue
+        tensor, wanted_on = _get_empty_tensor_for_exchange(
+            shard_id, unloaded_shards, distribution.shard_to_metadata, result, group.device
+        )
+        group.broadcast_tensor(tensor, src)
+        if wanted_on is not None:
+            result[shard_id] = tensor.to(wanted_on)
+
+
+def _exchange_point_to_point(
+    result: dict[_ShardId, torch.Tensor], unloaded_shards: dict[_ShardId, ShardedTensor],
+    distribution: ShardDistribution, group: Group,
+) -> None:
+    """Each shared shard goes from its loader to the ranks that hold it and to no other,
+    all in one batched exchange (one packed buffer per pair of ranks)."""
+    sends: dict[int, list[torch.Tensor]] = defaultdict(list)
+    receives: dict[int, list[torch.Tensor]] = defaultdict(list)
+    landed: list[tuple[_ShardId, torch.Tensor, torch.device]] = []
+    for shard_id, src, holders in _shared_shards(distribution):
+        if src == group.rank:
+            tensor = _sendable(result[shard_id], group.device)
+            for peer in holders:
+                if peer != src:
+                    sends[peer].append(tensor)
+        elif group.rank in holders:
+            tensor, wanted_on = _get_empty_tensor_for_exchange(
+                shard_id, unloaded_shards, distribution.shard_to_metadata, result, group.device
+            )
+            receives[src].append(tensor)
+            landed.append((shard_id, tensor, wanted_on))
+    group.exchange(dict(sends), dict(receives))
+    for shard_id, tensor, wanted_on in landed:
+        result[shard_id] = tensor.to(wanted_on)
+
+
+def exchange_by_distribution(
+    loaded_tensors: dict[_ShardId, torch.Tensor],
+    unloaded_shards: dict[_ShardId, ShardedTensor],
+    shard_distribution: ShardDistribution | None,
+    parallelization_group: dist.ProcessGroup | None = None,
+    exchange_algo: str = "broadcast",
+) -> dict[_ShardId, torch.Tensor]:
+    """Collective on ``parallelization_group``: every rank ends with every shard its
+    state dict holds.
+
+    Args:
+        loaded_tensors: the shards this rank loaded (it is their main rank in
+            ``shard_distribution``), each with the shape and dtype of its metadata.
+        unloaded_shards: the ShardedTensors this rank holds but others load.
+        shard_distribution: ``determine_main_replica_uniform_distribution``'s result
+            for this group (with ``ignore_groups=True``).
+        parallelization_group: the group; None is the world.
+        exchange_algo: one of ``EXCHANGE_ALGOS`` (see there).
+
+    Returns:
+        ``loaded_tensors`` and the received shards, by shard id.
+    """
+    if exchange_algo not in EXCHANGE_ALGOS:
+        raise ValueError(f"Unknown exchange_algo {exchange_algo!r}; choose one of {EXCHANGE_ALGOS}")
+    if shard_distribution is None:
+        raise CheckpointingException(
+            "exchange_by_distribution needs the distribution determine_main_replica_uniform_distribution "
+            "computed for this group (it is None only for a group of one rank, which needs no exchange)"
+        )
+    result = dict(loaded_tensors)
+    exchange = _exchange_by_broadcasts if exchange_algo == "broadcast" else _exchange_point_to_point
+    with torch.no_grad():
+        exchange(result, unloaded_shards, shard_distribution, Group(parallelization_group))
+    return result
+
+
+def exchange_loaded_objects_gather_object(
+    loaded_objects: dict[_ShardId, Any], parallelization_group: dist.ProcessGroup | None = None
+) -> dict[_ShardId, Any]:
+    """Collective: every rank's loaded objects on every rank of the group (the world by
+    default, as in Megatron: an object's main replica may be outside a data-parallel
+    group).
+
+    Raises:
+        CheckpointingException: when two ranks loaded the same object (both held it as
+            the main replica: set replica_id to 0 on exactly one).
+    """
+    per_rank = Group(parallelization_group).all_gather_object(loaded_objects)
+    merged: dict[_ShardId, Any] = {}
+    duplicated = []
+    for rank_objects in per_rank:
+        duplicated.extend(k for k in rank_objects if k in merged)
+        merged.update(rank_objects)
+    if duplicated:
+        raise CheckpointingException(
+            f"Sharded objects loaded by more than one rank: {sorted(duplicated, key=str)[:5]}; exactly one "
+            "rank must hold each object as its main replica (replica_id 0)"
+        )
+    return merged
+
+
+__all__ = [
+    "EXCHANGE_ALGOS",
+    "ShardDistribution",
+    "build_shard_distribution",
+    "determine_main_replica_uniform_distribution",
+    "distribute_shards_to_ranks",
+    "exchange_by_distribution",
+    "exchange_loaded_objects_gather_object",
+]

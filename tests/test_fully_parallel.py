@@ -1,0 +1,447 @@
+"""Megatron-Core's fully-parallel wrappers and distribution helpers (issue 26.3): who
+saves and loads which shard (Megatron's greedy balance), the cached distribution, the
+exchanges a load makes, and real round trips through shardstore."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardstore import ShardedObject, ShardedTensor, load, save
+from shardstore.dict_utils import dict_list_map_outplace, nested_values
+from shardstore.errors import CheckpointingException
+from shardstore.exchange_utils import build_shard_distribution, distribute_shards_to_ranks
+from shardstore.mapping import is_main_replica
+from shardstore.protocol.collectives import Group
+from shardstore.strategies.base import LoadShardedStrategy, SaveShardedStrategy
+from shardstore.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from tests.dist import run_distributed
+from tests.scenarios import assert_bits_equal, global_tensor
+
+# ---------------------------------------------------------------- helpers
+
+
+class RecordingSave(SaveShardedStrategy):
+    """Saves nothing; records the (key, offset) of each main replica it was given."""
+
+    def __init__(self) -> None:
+        super().__init__("mock", 1)
+        self.saved: list[tuple[str, tuple[int, ...]]] = []
+
+    def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+        self.saved = [(t.key, t.global_offset) for t in nested_values(sharded_state_dict)
+                      if is_main_replica(t.replica_id)]
+
+
+def stored_block(t: ShardedTensor) -> torch.Tensor:
+    """What a checkpoint holds for ``t``: its block of a random global tensor."""
+    full = global_tensor(t.key, t.global_shape, t.dtype)
+    return full[tuple(slice(o, o + n) for o, n in zip(t.global_offset, t.local_shape))].clone()
+
+
+class RecordingLoad(LoadShardedStrategy):
+    """Loads each requested shard from ``stored_block`` and each object as ``('value',
+    key)``; records the keys it loaded."""
+
+    def __init__(self) -> None:
+        self.loaded: list[tuple[str, tuple[int, ...]]] = []
+
+    def load(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
+        def read(x: Any) -> Any:
+            self.loaded.append((x.key, x.global_offset))
+            return stored_block(x) if isinstance(x, ShardedTensor) else ("value", x.key)
+
+        return dict_list_map_outplace(read, sharded_state_dict)
+
+    def load_tensors_metadata(self, checkpoint_dir: Any) -> Any:
+        return {}
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        pass
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        pass
+
+
+COUNTED = ("all_gather_object", "gather_object", "scatter_object_list", "broadcast_object_list", "broadcast",
+           "all_reduce", "all_gather", "barrier", "batch_isend_irecv")
+
+
+@contextmanager
+def counting_collectives() -> Iterator[Counter]:
+    """Counts calls of torch.distributed's collectives (in this process) by name."""
+    counts: Counter = Counter()
+    originals = {name: getattr(dist, name) for name in COUNTED}
+
+    def counted(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in COUNTED:
+        setattr(dist, name, counted(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def megatron_pattern(rank: int, world: int, tp: int = 2, empty: bool = False) -> dict:
+    """The replication pattern of Megatron's own fully-parallel test: two TP-sharded
+    tensors replicated over data parallel, one tensor sharded over all ranks, three
+    replicated on every rank (sizes 100, 1000, 100). Ranks r, r+1 (< tp) form a TP
+    group; the data-parallel rank is r // tp."""
+    tp_rank, dp_rank = rank % tp, rank // tp
+
+    def st(key: str, n: int, *offsets: tuple[int, int, int], replica_id: int = 0) -> ShardedTensor:
+        data = torch.empty(n) if empty else torch.ones(n)
+        return ShardedTensor.from_rank_offsets(key, data, *offsets, replica_id=replica_id)
+
+    return {
+        "sd_key_tp_repl1": st("key_TP_repl1", 10, (0, tp_rank, tp), replica_id=dp_rank),
+        "sd_key_tp_repl2": st("key_TP_repl2", 10, (0, tp_rank, tp), replica_id=dp_rank),
+        "sd_keyB": st("keyB", 20, (0, rank, world)),
+        "sd_keyE_no_C": st("keyC", 100, replica_id=rank),
+        "sd_keyX_no_D": st("keyD", 1000, replica_id=rank),
+        "sd_keyC_no_E": st("keyE", 100, replica_id=rank),
+    }
+
+
+def key_to_ranks(main_rank_for_shard: dict) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for shard_id, rank in main_rank_for_shard.items():
+        out.setdefault(shard_id[0], []).append(rank)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def dp_groups(world: int, tp: int) -> list[list[int]]:
+    return [list(range(t, world, tp)) for t in range(tp)]
+
+
+def tensors_of(sd: dict) -> list[ShardedTensor]:
+    return [v for v in nested_values(sd) if isinstance(v, ShardedTensor)]
+
+
+# ---------------------------------------------------------------- the distribution (pure)
+
+
+def test_distribution_balances_bytes_greedily_in_megatrons_order() -> None:
+    holders = {"only_on_0": [0], "small_on_two": [1, 2], "big_everywhere": [0, 1, 2], "tie_a": [0, 1, 2],
+               "tie_b": [0, 1, 2]}
+    sizes = {"only_on_0": 5, "small_on_two": 1, "big_everywhere": 100, "tie_a": 10, "tie_b": 10}
+    # only_on_0 (1 holder) -> 0 [5,0,0]; small_on_two (2) -> 1 [5,1,0]; then 3 holders by
+    # size: big_everywhere -> 2 [5,1,100]; tie_a (id before tie_b) -> 1 [5,11,100]; tie_b -> 0
+    assert distribute_shards_to_ranks(holders, sizes, 3) == {
+        "only_on_0": 0, "small_on_two": 1, "big_everywhere": 2, "tie_a": 1, "tie_b": 0,
+    }
+    # a cross-group load goes last whatever its coverage
+    assert distribute_shards_to_ranks(holders, sizes, 3, {"only_on_0"})["only_on_0"] == 0
+    assert list(distribute_shards_to_ranks(holders, sizes, 3, {"small_on_two"}))[-1] == "small_on_two"
+
+
+@pytest.mark.parametrize("variant", ["world", "dp_of_tp0", "dp_of_tp1", "load_dp_of_tp1"])
+def test_megatrons_8_rank_pattern_is_distributed_as_megatron_expects(variant: str) -> None:
+    world, tp = 8, 2
+    per_rank = [tensors_of(megatron_pattern(r, world, tp)) for r in range(world)]
+    # Megatron's own test's expectations (test_save_distribution, test_load_distribution)
+    expected = {
+        "world": {"keyB": list(range(8)), "key_TP_repl1": [0, 1], "key_TP_repl2": [2, 3], "keyD": [4],
+                  "keyC": [5], "keyE": [6]},
+        "dp_of_tp0": {"keyB": [0, 1, 2, 3], "keyD": [0], "keyC": [1], "keyE": [2], "key_TP_repl1": [3],
+                      "key_TP_repl2": [3]},
+        "dp_of_tp1": {"keyB": [0, 1, 2, 3], "key_TP_repl1": [0], "key_TP_repl2": [1]},
+        "load_dp_of_tp1": {"keyB": [0, 1, 2, 3], "key_TP_repl1": [0], "key_TP_repl2": [1], "keyD": [2],
+                           "keyC": [3], "keyE": [0]},
+    }[variant]
+    ranks = list(range(world)) if variant == "world" else dp_groups(world, tp)[0 if variant == "dp_of_tp0" else 1]
+    distribution = build_shard_distribution([per_rank[r] for r in ranks], ignore_groups=variant.startswith("load"))
+    assert key_to_ranks(distribution.main_rank_for_shard) == expected
+
+
+def test_cross_group_loads_do_not_disturb_where_the_save_wrote() -> None:
+    """Megatron's cross-DP case: 8 ranks, TP 2; each name lives on (tp, dp) positions,
+    the first holding the main replica. A load reads what its own DP group saved, and
+    only shards saved in the other group are read across (assigned last)."""
+    world, tp = 8, 2
+    placement = {"a": [(0, 0)], "b": [(t, d) for t in range(2) for d in range(4)], "c": [(0, d) for d in range(3)],
+                 "d": [(1, 0), (0, 0), (1, 3)], "e": [(1, 0), (1, 2)], "f": [(1, 0), (0, 0), (1, 2)], "g": [(1, 3)]}
+
+    def state(rank: int) -> list[ShardedTensor]:
+        pos = (rank % tp, rank // tp)
+        return [ShardedTensor.from_rank_offsets(name, torch.ones(1), replica_id=int(pos != where[0]))
+                for name, where in placement.items() if pos in where]
+
+    saver, loader = {}, {}
+    for group in dp_groups(world, tp):
+        shards = [state(r) for r in group]
+        for shard_id, r in build_shard_distribution(shards, ignore_groups=False).main_rank_for_shard.items():
+            saver[shard_id[0]] = group[r]
+        for shard_id, r in build_shard_distribution(shards, ignore_groups=True).main_rank_for_shard.items():
+            loader.setdefault(shard_id[0], []).append(group[r])
+    assert saver == {"a": 0, "b": 4, "c": 2, "d": 1, "e": 5, "f": 1, "g": 7}
+    cross = {(name, r) for name, ranks in loader.items() for r in ranks if r != saver[name]}
+    assert cross == {("d", 0), ("f", 0), ("b", 3)}
+
+
+# ---------------------------------------------------------------- save (4 ranks)
+
+
+def save_with_wrapper(rank: int, world: int, along_dp: bool) -> tuple[set, dict]:
+    groups = [dist.new_group(g) for g in dp_groups(world, 2)]  # every rank creates every group
+    group = groups[rank % 2] if along_dp else None
+    sd = megatron_pattern(rank, world)
+    mock = RecordingSave()
+    FullyParallelSaveStrategyWrapper(mock, group).save(sd, "unused")
+    return set(mock.saved), {t.key: t.replica_id for t in tensors_of(sd)}
+
+
+@pytest.mark.parametrize("along_dp", [False, True])
+def test_each_shard_is_saved_by_the_rank_megatrons_distribution_names(along_dp: bool) -> None:
+    saved = run_distributed(save_with_wrapper, 4, along_dp)
+    keys = [{k for k, _ in s} for s, _ in saved]
+    if along_dp:  # DP groups [0, 2] and [1, 3]; keyC/D/E have their main replica on rank 0 only
+        assert keys == [{"keyB", "keyD"}, {"keyB", "key_TP_repl1"},
+                        {"keyB", "keyC", "keyE", "key_TP_repl1", "key_TP_repl2"}, {"keyB", "key_TP_repl2"}]
+    else:
+        assert keys == [{"keyB", "key_TP_repl1", "keyD"}, {"keyB", "key_TP_repl1", "keyC"},
+                        {"keyB", "key_TP_repl2", "keyE"}, {"keyB", "key_TP_repl2"}]
+    every_save = [shard for s, _ in saved for shard in s]
+    assert len(every_save) == len(set(every_save)) == 4 + 2 + 2 + 3  # each shard once: 4 keyB, 2+2 TP, C D E
+    for (s, replica_ids) in saved:
+        assert {k for k, r in replica_ids.items() if r == 0} == {k for k, _ in s}
+
+
+def save_twice_counting(rank: int, world: int, cache: bool) -> tuple[dict, set, set]:
+    mock = RecordingSave()
+    wrapper = FullyParallelSaveStrategyWrapper(mock, do_cache_distribution=cache)
+    wrapper.save(megatron_pattern(rank, world), "unused")
+    first = set(mock.saved)
+    with counting_collectives() as counts:
+        wrapper.save(megatron_pattern(rank, world), "unused")
+    return dict(counts), first, set(mock.saved)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_cached_distribution_saves_again_without_a_collective(cache: bool) -> None:
+    results = run_distributed(save_twice_counting, 2, cache)
+    for counts, first, second in results:
+        assert second == first
+        assert counts == ({} if cache else {"all_gather_object": 1}), counts
+
+
+def save_changed_structure(rank: int, world: int) -> str:
+    wrapper = FullyParallelSaveStrategyWrapper(RecordingSave(), do_cache_distribution=True)
+    wrapper.save(megatron_pattern(rank, world), "unused")
+    grown = megatron_pattern(rank, world)
+    grown["new"] = ShardedTensor.from_rank_offsets("new_layer", torch.ones(3), replica_id=rank)
+    with pytest.raises(CheckpointingException) as info:
+        wrapper.save(grown, "unused")
+    return str(info.value)
+
+
+def test_a_changed_structure_under_the_cache_is_refused_not_lost() -> None:
+    """Megatron's wrapper would save 'new_layer' on no rank (replica_id 1 everywhere)."""
+    for message in run_distributed(save_changed_structure, 2):
+        assert "new_layer" in message and "do_cache_distribution=False" in message, message
+
+
+# ---------------------------------------------------------------- load
+
+
+def load_with_wrapper(rank: int, world: int, along_dp: bool, algo: str) -> list:
+    groups = [dist.new_group(g) for g in dp_groups(world, 2)]
+    group = groups[rank % 2] if along_dp else None
+    request = megatron_pattern(rank, world, empty=True)
+    expected = {k: stored_block(t) for k, t in request.items()}
+    mock = RecordingLoad()
+    loaded = FullyParallelLoadStrategyWrapper(mock, group, exchange_algo=algo).load(request, "unused")
+    assert loaded.keys() == request.keys()
+    for k, tensor in loaded.items():
+        assert_bits_equal(tensor, expected[k], k)
+    return mock.loaded
+
+
+@pytest.mark.parametrize("algo", ["broadcast", "gather_rounds", "gather_object"])
+@pytest.mark.parametrize("along_dp", [False, True])
+def test_each_shard_is_loaded_once_in_the_group_and_every_rank_gets_it(along_dp: bool, algo: str) -> None:
+    loaded = run_distributed(load_with_wrapper, 4, along_dp, algo)
+    groups = dp_groups(4, 2) if along_dp else [list(range(4))]
+    for group in groups:
+        in_group = [shard for r in group for shard in loaded[r]]
+        assert len(in_group) == len(set(in_group)), in_group  # nothing read twice in a group
+        held = {(t.key, t.global_offset) for r in group for t in tensors_of(megatron_pattern(r, 4))}
+        assert set(in_group) == held  # and everything the group holds read once
+    if not along_dp:  # Megatron's load distribution over the world equals its save distribution
+        assert [{k for k, _ in s} for s in loaded] == [
+            {"keyB", "key_TP_repl1", "keyD"}, {"keyB", "key_TP_repl1", "keyC"},
+            {"keyB", "key_TP_repl2", "keyE"}, {"keyB", "key_TP_repl2"}]
+
+
+def load_counting_broadcasts(rank: int, world: int) -> list[int]:
+    def replicated(key: str) -> ShardedTensor:
+        return ShardedTensor.from_rank_offsets(key, torch.empty(4), replica_id=rank)
+
+    unique = ShardedTensor.from_rank_offsets("unique", torch.empty(4), (0, rank, world))
+    cases = [{"needed_by_all": replicated("needed_by_all")},
+             {"needed_by_all_A": replicated("needed_by_all_A"), "needed_by_all_B": replicated("needed_by_all_B")},
+             {"needed_by_all": replicated("needed_by_all"), "unique": unique}]
+    counts = []
+    original = Group.broadcast_tensor
+    calls = []
+
+    def counting(self: Group, tensor: torch.Tensor, src: int) -> None:
+        calls.append(src)
+        original(self, tensor, src)
+
+    Group.broadcast_tensor = counting
+    try:
+        for request in cases:
+            calls.clear()
+            expected = {k: stored_block(t) for k, t in request.items()}
+            wrapper = FullyParallelLoadStrategyWrapper(RecordingLoad(), None, True, "broadcast")
+            loaded = wrapper.load(request, "unused")
+            for k, tensor in loaded.items():
+                assert_bits_equal(tensor, expected[k], k)
+            counts.append(len(calls))
+    finally:
+        Group.broadcast_tensor = original
+    return counts
+
+
+def test_broadcast_exchange_broadcasts_only_shards_another_rank_needs() -> None:
+    for counts in run_distributed(load_counting_broadcasts, 2):
+        assert counts == [1, 2, 1]  # 'unique' is held by its loader alone: never broadcast
+
+
+def load_objects(rank: int, world: int) -> tuple[list, dict]:
+    request = {f"Obj_{i}": ShardedObject(f"Obj_{i}", None, (1,), (0,), replica_id=abs(rank - i))
+               for i in range(world)}
+    mock = RecordingLoad()
+    loaded = FullyParallelLoadStrategyWrapper(mock).load(request, "unused")
+    return mock.loaded, loaded
+
+
+def test_sharded_objects_are_loaded_by_their_main_replica_and_exchanged() -> None:
+    for rank, (read, loaded) in enumerate(run_distributed(load_objects, 4)):
+        assert read == [(f"Obj_{rank}", (0,))]
+        assert loaded == {f"Obj_{i}": ("value", f"Obj_{i}") for i in range(4)}
+
+
+def load_twice_with_cache(rank: int, world: int) -> tuple[dict, str]:
+    wrapper = FullyParallelLoadStrategyWrapper(RecordingLoad(), do_cache_distribution=True)
+    wrapper.load(megatron_pattern(rank, world, empty=True), "unused")
+    request = megatron_pattern(rank, world, empty=True)
+    with counting_collectives() as counts:
+        loaded = wrapper.load(request, "unused")
+    for k, t in request.items():
+        assert_bits_equal(loaded[k], stored_block(t), k)
+    grown = megatron_pattern(rank, world, empty=True)
+    if rank == 1:  # one rank changes: every rank raises, none waits in an exchange
+        grown["new"] = ShardedTensor.from_rank_offsets("new_layer", torch.empty(3), replica_id=rank)
+    with pytest.raises(CheckpointingException) as info:
+        wrapper.load(grown, "unused")
+    return dict(counts), str(info.value)
+
+
+def test_a_cached_load_distribution_skips_the_metadata_gather() -> None:
+    for counts, message in run_distributed(load_twice_with_cache, 2):
+        assert "all_gather_object" in counts and counts["all_gather_object"] == 2, counts  # agree + objects only
+        assert "rank(s) 1" in message and "new_layer" in message, message
+
+
+# ---------------------------------------------------------------- through shardstore.save / load
+
+
+def round_trip_through_shardstore(rank: int, world: int, root: str) -> None:
+    from shardstore.serialization import (
+        get_default_load_sharded_strategy,
+        get_default_save_sharded_strategy,
+    )
+
+    group = dist.new_group(list(range(world)))
+
+    def state(empty: bool) -> dict:
+        sd = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3) if empty else stored_block(
+            ShardedTensor.from_rank_offsets("w", torch.empty(4, 3), (0, rank, world))), (0, rank, world))}
+        for i in range(3):
+            t = ShardedTensor.from_rank_offsets(f"norm{i}", torch.empty(5 + i), replica_id=rank)
+            sd[f"norm{i}"] = t if empty else ShardedTensor.from_rank_offsets(
+                f"norm{i}", stored_block(t), replica_id=rank)
+        return sd
+
+    saver = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), group, do_cache_distribution=True)
+    for step in range(2):
+        save(state(False), f"{root}/step{step}", saver)
+    loader = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(f"{root}/step1"), group,
+                                              exchange_algo="gather_rounds")
+    request = state(True)
+    expected = {k: stored_block(t) for k, t in request.items()}
+    loaded = load(request, f"{root}/step1", loader)
+    for k in expected:
+        assert_bits_equal(loaded[k], expected[k], k)
+
+
+def test_wrappers_around_shardstores_strategies_round_trip(tmp_path: Path) -> None:
+    run_distributed(round_trip_through_shardstore, 2, str(tmp_path))
+
+
+class ZarrReadingElsewhere(LoadShardedStrategy):
+    """A strategy that is not shardstore's own (no fully_parallel switch) but reads a real
+    shardstore checkpoint, one rank alone, recording what it read."""
+
+    def __init__(self) -> None:
+        from shardstore.strategies.zarr import ZarrLoadShardedStrategy
+
+        self.reader = ZarrLoadShardedStrategy(fully_parallel=False)
+        self.read: list[str] = []
+
+    def load(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
+        raise AssertionError("serialization.load gives the commit record: load_with_record is called")
+
+    def load_with_record(self, sharded_state_dict: Any, location: Any, record: Any, process_group: Any = None) -> Any:
+        self.read.extend(t.key for t in nested_values(sharded_state_dict))
+        return self.reader.load_with_record(sharded_state_dict, location, record, Group.local())
+
+    def load_tensors_metadata(self, checkpoint_dir: Any) -> Any:
+        return self.reader.load_tensors_metadata(checkpoint_dir)
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        self.reader.check_backend_compatibility(loaded_backend)
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        self.reader.check_version_compatibility(loaded_version)
+
+
+def load_real_checkpoint_with_wrapped_reader(rank: int, world: int, ckpt: str) -> list[str]:
+    def state(empty: bool) -> dict:
+        sd = {}
+        for i in range(4):
+            meta = ShardedTensor.from_rank_offsets(f"norm{i}", torch.empty(6 + i), replica_id=rank)
+            sd[f"n{i}"] = meta if empty else ShardedTensor.from_rank_offsets(
+                f"norm{i}", stored_block(meta), replica_id=rank)
+        return sd
+
+    save(state(False), ckpt)
+    strategy = ZarrReadingElsewhere()
+    loaded = load(state(True), ckpt, FullyParallelLoadStrategyWrapper(strategy))
+    for i in range(4):
+        assert_bits_equal(loaded[f"n{i}"], stored_block(state(True)[f"n{i}"]), f"n{i}")
+    return strategy.read
+
+
+def test_a_wrapped_foreign_strategy_reads_each_replicated_tensor_once(ckpt_dir: Path) -> None:
+    reads = run_distributed(load_real_checkpoint_with_wrapped_reader, 2, str(ckpt_dir))
+    assert sorted(reads[0] + reads[1]) == ["norm0", "norm1", "norm2", "norm3"], reads
+    assert len(reads[0]) == len(reads[1]) == 2, reads

@@ -11,8 +11,9 @@ Save, in stages (each named function below; "collective" = every rank calls it):
                              (``shardstore.planning.plans``)
     coordinator  begin       ``shardstore.format.commit.begin_save``: refuse what is not ours to
                              replace, clear dead saves' leftovers, create this save's
-                             staging area and write metadata.json there; every rank
-                             learns the save id
+                             staging area and write metadata.json there, once the plan
+                             is made; every rank learns the save id with its part of
+                             the plan (the same scatter)
     all ranks    common      coordinator writes common.pt; each rank its ShardedObjects
     collective   sharded     the storage core (``strategies.zarr``, its stages in
                              ``save_execution``): stage, write, gather the chunk
@@ -80,7 +81,7 @@ from shardstore.mapping import (
 from shardstore.planning.layout import GlobalLayout
 from shardstore.planning.plans import RankLoadPlan
 from shardstore.progress import operation, progress_shown, stage
-from shardstore.protocol.collectives import Group
+from shardstore.protocol.collectives import Group, RankFailure, StageFailed, failure_message
 from shardstore.protocol.stages import gather_and_plan
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
@@ -186,12 +187,11 @@ def save(
     where = target.describe()
     with progress_shown(progress and group.is_coordinator), operation("save", where) as timing:
         with stage("save: plan", where):
-            sharded_part, common_part, plan = _preprocess_and_plan(
-                sharded_state_dict, group, target, sharded_strategy, preprocess_common_before_consistancy_check
+            sharded_part, common_part, plan, pending = _preprocess_and_plan(
+                sharded_state_dict, group, target, sharded_strategy, common_strategy, overwrite,
+                preprocess_common_before_consistancy_check,
             )
         timing.nbytes = getattr(plan, "checkpoint_nbytes", 0)
-        with stage("save: begin", where):
-            pending = _begin_save(target, group, overwrite, sharded_strategy, common_strategy)
         try:
             if not sharded_strategy.can_handle_sharded_objects:
                 validate_sharded_objects_handling(sharded_strategy, common_strategy)
@@ -249,13 +249,15 @@ def _is_empty_flat_tensor(x: Any) -> bool:
 
 def _preprocess_and_plan(
     sharded_state_dict: ShardedStateDict, group: Group, target: Location, sharded_strategy: SaveShardedStrategy,
-    preprocess_common: Callable[[StateDict], StateDict] | None = None,
-) -> tuple[ShardedStateDict, StateDict, Any]:
-    """Stages preprocess + plan (``shardstore.planning.plans``): a local failure becomes an error
-    on every rank, and so do ranks that name different checkpoint directories, keys the
-    target cannot store (its ``name_limits``) and an invalid global sharding. The ranks'
-    common states are compared in the same gather (digests only). Returns this rank's
-    part of the strategy's plan."""
+    common_strategy: SaveCommonStrategy, overwrite: bool, preprocess_common: Callable[[StateDict], StateDict] | None,
+) -> tuple[ShardedStateDict, StateDict, Any, PendingCheckpoint]:
+    """Stages preprocess + plan + begin, in one round trip (``protocol.stages.gather_and_plan``):
+    a local failure becomes an error on every rank, and so do ranks that name different
+    checkpoint directories, keys the target cannot store (its ``name_limits``) and an
+    invalid global sharding. The ranks' common states are compared in the same gather
+    (digests only). Once the plan is made, the coordinator begins the save
+    (``_begin_save``) and every rank receives the save's intent with its part of the
+    plan. Returns this rank's part of the strategy's plan and the pending checkpoint."""
     error, sharded_part, common_part, digests, compared = None, {}, {}, None, None
     tensors: list[ShardedTensor] = []
     objects: list[ShardedObject] = []
@@ -267,42 +269,43 @@ def _preprocess_and_plan(
             digests = common_state_digests(compared)
     except Exception as exc:  # reported on every rank by gather_and_plan
         error = exc
-    plan = gather_and_plan(
-        tensors, objects, group, sharded_strategy.plan_save, local_error=error, common_digests=digests,
-        save_to=target, common_state=compared,
-    )
-    return sharded_part, common_part, plan
+    begun: list[PendingCheckpoint] = []  # the coordinator's, once the plan is made
+
+    def plan_and_begin(layout: GlobalLayout) -> list[tuple[Any, Any]]:
+        parts = sharded_strategy.plan_save(layout)
+        begun.append(_begin_save(target, overwrite, sharded_strategy, common_strategy))
+        return [(begun[0].intent, part) for part in parts]
+
+    try:
+        intent, plan = gather_and_plan(
+            tensors, objects, group, plan_and_begin, local_error=error, common_digests=digests,
+            save_to=target, common_state=compared,
+        )
+    except BaseException:  # no rank joined the save: nothing of it can be in use
+        if begun:
+            begun[0].abandon()
+        raise
+    return sharded_part, common_part, plan, begun[0] if begun else join_save(target, intent)
 
 
 def _begin_save(
-    target: Location,
-    group: Group,
-    overwrite: bool,
-    sharded_strategy: SaveShardedStrategy,
-    common_strategy: SaveCommonStrategy,
+    target: Location, overwrite: bool, sharded_strategy: SaveShardedStrategy, common_strategy: SaveCommonStrategy,
 ) -> PendingCheckpoint:
-    """Coordinator checks the target and creates the save's staging area
-    (``shardstore.format.commit``); every rank gets the same pending checkpoint."""
-    pending, error = None, None
-    if group.is_coordinator:
-        try:
-            pending = begin_save(target, overwrite)
-            save_config(
-                CheckpointingConfig(
-                    sharded_strategy.backend,
-                    sharded_strategy.version,
-                    common_strategy.backend,
-                    common_strategy.version,
-                ),
-                pending,
-            )
-        except Exception as exc:  # told to every rank by decide()
-            error = exc
-            if pending is not None:
-                pending.abandon()
-    group.decide(error, f"Preparing checkpoint directory {target.describe()}")
-    intent = group.broadcast_object(pending.intent if pending is not None else None)
-    return pending if pending is not None else join_save(target, intent)
+    """Coordinator: checks the target and creates the save's staging area with its
+    ``metadata.json`` (``shardstore.format.commit``)."""
+    pending = None
+    try:
+        pending = begin_save(target, overwrite)
+        config = CheckpointingConfig(
+            sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
+        )
+        save_config(config, pending)
+    except Exception as exc:  # told to every rank by the plan's scatter
+        if pending is not None:
+            pending.abandon()
+        failure = RankFailure.from_exception(0, exc)
+        raise StageFailed(failure_message([failure], f"Preparing checkpoint directory {target.describe()}")) from exc
+    return pending
 
 
 def _save_common(

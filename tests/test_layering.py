@@ -122,8 +122,8 @@ def test_no_layer_imports_a_layer_above_it() -> None:
 COLLECTIVES = {"all_gather_object", "gather_object", "scatter_object_list", "broadcast_object_list", "all_reduce",
                "barrier", "batch_isend_irecv", "broadcast", "all_gather", "scatter", "gather", "isend", "irecv",
                "P2POp", "send", "recv", "reduce"}
-# Collectives still called outside the protocol package (issue 24.4 moves them in).
-KNOWN_COLLECTIVE_CALLERS = {"execution/save.py", "tools/manager.py"}
+# Collectives called outside the protocol package: none (issue 24.4 moved them in).
+KNOWN_COLLECTIVE_CALLERS: set[str] = set()
 
 
 def _is_torch_distributed(node: ast.expr) -> bool:

@@ -35,6 +35,7 @@ from shardstore.mapping import ShardedTensor
 from shardstore.planning.layout import Region, block_shape, region_at, region_shape
 from shardstore.planning.plans import RankReadPlan
 from shardstore.protocol.collectives import Group
+from shardstore.protocol.stage import Transfers, run_stage
 from shardstore.stores.base import Location
 
 
@@ -184,32 +185,38 @@ def run_read_plan(
     io_concurrency: int = DEFAULT_IO_CONCURRENCY, allow_lossy_casts: bool = False,
     local_error: BaseException | None = None, uploader: DeviceUploader | None = None,
 ) -> list[torch.Tensor]:
-    """Collective: this rank's part of a load (``planner.plan_reads``): its reads, an
-    agreement (a failed read, or ``local_error``, raises on every rank before any
-    exchange), then the exchange of blocks that other ranks read for it."""
-    out: dict[int, torch.Tensor] = {}
-    error = local_error
-    if error is None:
-        try:
-            loaded = load_tensors(
-                [tensors[i] for i in plan.reads], location, record, io_concurrency, allow_lossy_casts, uploader
-            )
-            out = dict(zip(plan.reads, loaded))
-        except Exception as exc:  # reported on every rank by agree(), before any exchange
-            error = exc
-    group.agree(error, f"Reading checkpoint {location.describe()}")
+    """Collective (one stage, ``protocol.stage.run_stage``): this rank's part of a load
+    (``planner.plan_reads``): its reads, agreed by every rank (a failed read, or
+    ``local_error``, raises on every rank before any exchange), then the exchange of
+    blocks that other ranks read for it."""
+
+    def read() -> dict[int, torch.Tensor]:
+        loaded = load_tensors(
+            [tensors[i] for i in plan.reads], location, record, io_concurrency, allow_lossy_casts, uploader
+        )
+        return dict(zip(plan.reads, loaded))
+
+    out: dict[int, torch.Tensor] = run_stage(
+        group, f"Reading checkpoint {location.describe()}", read,
+        transfers=lambda read_out: replica_transfers(tensors, plan, read_out), local_error=local_error,
+    )
+    return [out[i] for i in range(len(tensors))]
+
+
+def replica_transfers(tensors: list[ShardedTensor], plan: RankReadPlan, out: dict[int, torch.Tensor]) -> Transfers:
+    """Places the blocks this rank read for two of its requests (``plan.copies``) and
+    the targets of those other ranks read for it (added to ``out``, filled by the
+    transfers); returns the transfers."""
     taken = {x.data_ptr() for i, x in out.items() if x is tensors[i].data}  # filled in place already
     for index, source in plan.copies:  # one block asked for twice: read once, copied
         out[index] = _receive_target(tensors[index], taken)
         out[index].detach().copy_(out[source].reshape(out[index].shape))  # detached: it may be a parameter
-    sends = {peer: [out[i] for i in indices] for peer, indices in plan.sends}
-    receives: dict[int, list[torch.Tensor]] = {}
+    transfers = Transfers(sends={peer: [out[i] for i in indices] for peer, indices in plan.sends})
     for peer, indices in plan.receives:
         for i in indices:
             out[i] = _receive_target(tensors[i], taken)
-        receives[peer] = [out[i] for i in indices]
-    group.exchange(sends, receives)
-    return [out[i] for i in range(len(tensors))]
+        transfers.receives[peer] = [out[i] for i in indices]
+    return transfers
 
 
 def _receive_target(t: ShardedTensor, taken: set[int]) -> torch.Tensor:

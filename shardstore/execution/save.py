@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from shardstore.errors import CheckpointingException
 from shardstore.execution.staging import HostBufferPool, HostSnapshot, to_host
@@ -57,7 +56,8 @@ from shardstore.mapping import ShardedTensor
 from shardstore.planning.layout import FlatChunk, Region, ShardRecord, region_shape
 from shardstore.planning.plans import RankSavePlan
 from shardstore.progress import stage
-from shardstore.protocol.collectives import Group, RankFailure, raise_failures
+from shardstore.protocol.collectives import Group, RankFailure, StageFailed, failure_message
+from shardstore.protocol.stage import Transfers, run_stage
 from shardstore.stores.base import Location
 
 
@@ -119,60 +119,77 @@ def stage_save(
     plan: RankSavePlan,
     group: Group,
     staging: Staging | None = None,
+    local_error: BaseException | None = None,
 ) -> StagedSave:
-    """Collective: prepares this rank's writes of its ``plan`` (host copies,
-    straddling-chunk exchange)."""
+    """Collective (one stage, ``protocol.stage.run_stage``): this rank's host copies,
+    agreed by every rank (``local_error``: an earlier local failure, e.g. of the common
+    state, reported here too), then the exchange of the chunks that straddle ranks."""
     staging = staging or Staging()
-    records = plan.records
     host: list[torch.Tensor | None] = [None] * len(tensors)
     written: set[int] = set()  # blocks already written in an earlier wave
     early_chunks: list[WrittenChunk] = []  # what those waves wrote
     snapshot = HostSnapshot(staging.pool)
-    error = None
+    assembled: list[tuple[FlatChunk, torch.Tensor]] = []
+
+    def straddles(_: Any) -> Transfers:
+        transfers, chunks = straddling_transfers(plan.straddling, host, plan.records, group.rank)
+        assembled.extend(chunks)
+        return transfers
+
+    run_stage(
+        group, f"Staging tensors for checkpoint {location.describe()}",
+        lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks),
+        transfers=straddles, local_error=local_error,
+    )
+    ops = [_block_op(s, host) for s in plan.shards if s.flat_range is None and s.index not in written]
+    for w in plan.flat_direct:
+        flat = tensor_to_numpy(host[w.index])[w.local_start : w.local_stop]
+        ops.append(WriteOp(w.key, w.region, flat.reshape(region_shape(w.region))))
+    ops += [_assembled_op(chunk, buffer, plan.records) for chunk, buffer in assembled]
+    return StagedSave(location, plan.records, metadata_files(plan), ops, plan.commit, group, snapshot, early_chunks)
+
+
+def copy_to_host(
+    tensors: list[ShardedTensor], location: Location, plan: RankSavePlan, staging: Staging,
+    host: list[torch.Tensor | None], snapshot: HostSnapshot, written: set[int], early_chunks: list[WrittenChunk],
+) -> None:
+    """Fills ``host`` with each planned shard's host tensor (a copy where ``staging``
+    says so); above ``staging.max_bytes`` whole waves are written early (``written``,
+    ``early_chunks``), each while the next is copied."""
 
     def write_wave(wave: list[ShardRecord], copied: Any) -> None:
         """Writes a wave once its copies landed; its buffers go back to the pool."""
         copied.synchronize()
-        early_chunks.extend(write_ops(location, records, [_block_op(h, host) for h in wave], staging.io_concurrency))
+        ops = [_block_op(h, host) for h in wave]
+        early_chunks.extend(write_ops(location, plan.records, ops, staging.io_concurrency))
         snapshot.release([host[h.index] for h in wave])
         for h in wave:
             host[h.index] = None
             written.add(h.index)
 
-    try:
-        waves: list[tuple[list[ShardRecord], Any, int]] = []  # closed waves, copies in flight
-        held: list[ShardRecord] = []  # the wave being copied
-        held_bytes = in_flight = 0
-        for s in sorted(plan.shards, key=lambda s: s.flat_range is not None):
-            data = tensors[s.index].data
-            if data is None:
-                raise CheckpointingException(f"ShardedTensor {s.key!r} has no data to save")
-            copy = staging.snapshot or data.device.type != "cpu"
-            if staging.max_bytes and copy and s.flat_range is None:
-                if held and held_bytes + s.nbytes > staging.max_bytes // 2:
-                    waves.append((held, snapshot.mark(), held_bytes))
-                    in_flight += held_bytes
-                    held, held_bytes = [], 0
-                # the newest waves' copies run while the oldest is written, within the bound
-                while waves and in_flight + held_bytes + s.nbytes > staging.max_bytes:
-                    wave, copied, nbytes = waves.pop(0)
-                    write_wave(wave, copied)
-                    in_flight -= nbytes
-            host[s.index] = snapshot.copy(data) if copy else to_host(data)
-            if copy:
-                held.append(s)
-                held_bytes += s.nbytes
-        snapshot.wait()
-    except Exception as exc:  # reported on every rank by agree()
-        error = exc
-    group.agree(error, f"Staging tensors for checkpoint {location.describe()}")
-
-    ops = [_block_op(s, host) for s in plan.shards if s.flat_range is None and s.index not in written]
-    for w in plan.flat_direct:
-        flat = tensor_to_numpy(host[w.index])[w.local_start : w.local_stop]
-        ops.append(WriteOp(w.key, w.region, flat.reshape(region_shape(w.region))))
-    ops += exchange_straddling_chunks(plan.straddling, host, records, group)
-    return StagedSave(location, records, metadata_files(plan), ops, plan.commit, group, snapshot, early_chunks)
+    waves: list[tuple[list[ShardRecord], Any, int]] = []  # closed waves, copies in flight
+    held: list[ShardRecord] = []  # the wave being copied
+    held_bytes = in_flight = 0
+    for s in sorted(plan.shards, key=lambda s: s.flat_range is not None):
+        data = tensors[s.index].data
+        if data is None:
+            raise CheckpointingException(f"ShardedTensor {s.key!r} has no data to save")
+        copy = staging.snapshot or data.device.type != "cpu"
+        if staging.max_bytes and copy and s.flat_range is None:
+            if held and held_bytes + s.nbytes > staging.max_bytes // 2:
+                waves.append((held, snapshot.mark(), held_bytes))
+                in_flight += held_bytes
+                held, held_bytes = [], 0
+            # the newest waves' copies run while the oldest is written, within the bound
+            while waves and in_flight + held_bytes + s.nbytes > staging.max_bytes:
+                wave, copied, nbytes = waves.pop(0)
+                write_wave(wave, copied)
+                in_flight -= nbytes
+        host[s.index] = snapshot.copy(data) if copy else to_host(data)
+        if copy:
+            held.append(s)
+            held_bytes += s.nbytes
+    snapshot.wait()
 
 
 def metadata_files(plan: RankSavePlan) -> dict[str, bytes]:
@@ -184,51 +201,40 @@ def metadata_files(plan: RankSavePlan) -> dict[str, bytes]:
     return files
 
 
-def exchange_straddling_chunks(
+def straddling_transfers(
     straddling: tuple[tuple[int, FlatChunk], ...], host: list[torch.Tensor | None],
-    records: dict[str, ArrayRecord], group: Group,
-) -> list[WriteOp]:
-    """Among the ranks concerned: assembles the flat chunks this rank writes from its
-    neighbours' pieces.
+    records: dict[str, ArrayRecord], rank: int,
+) -> tuple[Transfers, list[tuple[FlatChunk, torch.Tensor]]]:
+    """The transfers that assemble the flat chunks this rank writes from its
+    neighbours' pieces, and those chunks' byte buffers (filled once the transfers ran).
 
-    Only the straddling pieces travel, as raw bytes, point to point; each chunk's tag
-    (from the plan, unique within the save) pairs its sends with its receives.
+    Only the straddling pieces travel, as raw bytes. Both sides list a pair's pieces in
+    the same order: chunks by their tag (from the plan, unique within the save), then
+    each chunk's pieces in order.
     """
-    if not straddling:
-        return []
-    device = group.device
-    assembled: dict[int, tuple[FlatChunk, torch.Tensor]] = {}
-    ops: list[dist.P2POp] = []
-    received: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for tag, chunk in straddling:
+    transfers = Transfers()
+    assembled: list[tuple[FlatChunk, torch.Tensor]] = []
+    for _, chunk in sorted(straddling, key=lambda tagged: tagged[0]):
         itemsize = from_zarr_name(records[chunk.key].dtype).itemsize
-        if chunk.writer == group.rank:
+        buffer = None
+        if chunk.writer == rank:
             buffer = torch.empty(chunk.volume * itemsize, dtype=torch.uint8)
-            assembled[tag] = (chunk, buffer)
-        for rank, index, lo, hi, at in chunk.pieces:
-            if chunk.writer == group.rank:
+            assembled.append((chunk, buffer))
+        for piece_rank, index, lo, hi, at in chunk.pieces:
+            if buffer is not None:
                 target = buffer[at * itemsize : (at + (hi - lo)) * itemsize]
-                if rank == group.rank:
+                if piece_rank == rank:
                     target.copy_(host[index][lo:hi].view(torch.uint8))
                 else:
-                    landing = target if device.type == "cpu" else torch.empty_like(target, device=device)
-                    ops.append(dist.P2POp(dist.irecv, landing, group.global_rank(rank), group.process_group, tag))
-                    if landing is not target:
-                        received.append((landing, target))
-            elif rank == group.rank:
-                piece = host[index][lo:hi].view(torch.uint8).to(device)
-                ops.append(dist.P2POp(dist.isend, piece, group.global_rank(chunk.writer), group.process_group, tag))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    for landing, target in received:
-        target.copy_(landing)
-    result = []
-    for chunk, buffer in assembled.values():
-        dtype = from_zarr_name(records[chunk.key].dtype)
-        value = buffer.numpy().view(dtype.numpy_dtype).reshape(region_shape(chunk.region))
-        result.append(WriteOp(chunk.key, chunk.region, value))
-    return result
+                    transfers.receives.setdefault(piece_rank, []).append(target)
+            elif piece_rank == rank:
+                transfers.sends.setdefault(chunk.writer, []).append(host[index][lo:hi].view(torch.uint8))
+    return transfers, assembled
+
+
+def _assembled_op(chunk: FlatChunk, buffer: torch.Tensor, records: dict[str, ArrayRecord]) -> WriteOp:
+    dtype = from_zarr_name(records[chunk.key].dtype)
+    return WriteOp(chunk.key, chunk.region, buffer.numpy().view(dtype.numpy_dtype).reshape(region_shape(chunk.region)))
 
 
 def write_staged(
@@ -273,9 +279,10 @@ def _describe_region(region: Region) -> str:
 
 
 def finalize_save(staged: StagedSave, error: BaseException | None) -> None:
-    """Collective: the coordinator gathers every rank's outcome (its error, or the
-    crc32c of each chunk it wrote), binds the chunks into the commit record and commits
-    (``shardstore.format.commit``: a save that lost a race with another save fails here).
+    """Collective (one stage, ``protocol.stage.run_stage``): every rank's outcome (its
+    error, or the crc32c of each chunk it wrote) goes to the coordinator, which binds
+    the chunks into the commit record and commits (``shardstore.format.commit``: a save
+    that lost a race with another save fails here); the outcome is broadcast.
 
     On any failure every rank raises the same error, no commit record is written, and
     the coordinator deletes what the save wrote.
@@ -284,25 +291,35 @@ def finalize_save(staged: StagedSave, error: BaseException | None) -> None:
     staged.ops = []  # the host copies are no longer needed
     if staged.snapshot is not None:
         staged.snapshot.release()
-    local = RankFailure.from_exception(group.rank, error) if error is not None else staged.written
-    what, failures = "Writing", []
     try:
-        gathered = group.gather_object(local)
-        if group.is_coordinator:
-            failures = [g for g in gathered if isinstance(g, RankFailure)]
-            if not failures:
-                try:
-                    record = bind_chunks(staged.commit_record, gathered, location.describe())
-                    record = replace(record, files=file_checksums(location, record))
-                    if not isinstance(location, PendingCheckpoint):  # in place, into the caller's directory
-                        record = replace(record, external_files=caller_file_checksums(location, record))
-                    publish(location, record)
-                except Exception as exc:  # told to every rank below
-                    what, failures = "Committing", [RankFailure.from_exception(group.rank, exc)]
-        what, failures = group.broadcast_object((what, failures))
-    finally:  # also when a rank was lost in the gather or broadcast: nothing stays open
-        end_save(location, abandon=bool(failures) and group.is_coordinator)
-    raise_failures(failures, f"{what} checkpoint {location.describe()}", cause=error)
+        run_stage(
+            group, f"Writing checkpoint {location.describe()}", lambda: staged.written,
+            reduce=lambda reports: commit(staged, reports), local_error=error,
+        )
+    except StageFailed:  # every rank knows: nobody writes any more
+        end_save(location, abandon=group.is_coordinator)
+        raise
+    except BaseException:  # e.g. a rank lost: let go, delete nothing
+        end_save(location, abandon=False)
+        raise
+    end_save(location, abandon=False)
+
+
+def commit(staged: StagedSave, reports: list[list[WrittenChunk]]) -> None:
+    """Coordinator: the commit record, with every chunk's crc32c and every file's
+    checksum, published."""
+    location = staged.location
+    try:
+        record = bind_chunks(staged.commit_record, reports, location.describe())
+        record = replace(record, files=file_checksums(location, record))
+        if not isinstance(location, PendingCheckpoint):  # in place, into the caller's directory
+            record = replace(record, external_files=caller_file_checksums(location, record))
+        publish(location, record)
+    except Exception as exc:  # told to every rank by the stage
+        raise StageFailed(
+            failure_message([RankFailure.from_exception(staged.group.rank, exc)], f"Committing checkpoint "
+                            f"{location.describe()}")
+        ) from exc
 
 
 def end_save(location: Location, abandon: bool) -> None:

@@ -12,7 +12,7 @@ for NCCL, CPU otherwise); nothing here calls a CUDA-only function unconditionall
 from __future__ import annotations
 
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -121,15 +121,18 @@ class Group:
         with _peer_failures("broadcast"):
             dist.broadcast(tensor, src=self.global_rank(src), group=self.process_group)
 
-    def min_over_ranks(self, value: int, what: str) -> int:
-        """Collective: the smallest ``value`` of all ranks (on the group's device, so
-        NCCL groups work too)."""
+    def reduce_over_ranks(self, values: Sequence[int], op: str, what: str) -> list[int]:
+        """Collective: the elementwise ``op`` (``"min"`` or ``"max"``) of every rank's
+        ``values`` (small integers, one all-reduce on the group's device, so NCCL groups
+        work too); e.g. how many async saves finished everywhere, or whether any rank
+        asks for a save (``max`` of flags)."""
         if self.world_size == 1:
-            return value
-        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+            return list(values)
+        tensor = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        reduce_op = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
         with _peer_failures(what):
-            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.process_group)
-        return int(tensor.item())
+            dist.all_reduce(tensor, op=reduce_op, group=self.process_group)
+        return [int(v) for v in tensor.tolist()]
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -171,12 +174,6 @@ class Group:
         failures = [f for f in self.all_gather_object(local) if f is not None]
         raise_failures(failures, what, cause=error)
 
-    def decide(self, error: BaseException | None, what: str, src: int = 0) -> None:
-        """Collective: rank ``src`` tells every rank whether its step ``what`` failed."""
-        local = None if error is None else RankFailure.from_exception(self.rank, error)
-        failure = self.broadcast_object(local, src=src)
-        raise_failures([failure] if failure else [], what, cause=error)
-
 
 @contextmanager
 def _peer_failures(what: str) -> Iterator[None]:
@@ -191,9 +188,20 @@ def _peer_failures(what: str) -> Iterator[None]:
         ) from exc
 
 
-def raise_failures(failures: list[RankFailure], what: str, cause: BaseException | None) -> None:
-    if not failures:
-        return
+class StageFailed(CheckpointingException):
+    """A failure every rank of a collective stage knows of: each raises it with the same
+    message, naming the failing ranks (so a caller may act on it, e.g. the coordinator
+    deletes what the save wrote, without racing a rank that is still at work)."""
+
+
+def failure_message(failures: list[RankFailure], what: str) -> str:
+    """What every rank says when ``failures`` ended the step ``what``."""
     ranks = ", ".join(str(f.rank) for f in failures)
     lines = "\n".join(f"  rank {f.rank}: {f.message}" for f in failures)
-    raise CheckpointingException(f"{what} failed on rank(s) {ranks}:\n{lines}") from cause
+    return f"{what} failed on rank(s) {ranks}:\n{lines}"
+
+
+def raise_failures(failures: list[RankFailure], what: str, cause: BaseException | None) -> None:
+    """Raises ``StageFailed`` naming ``failures`` (when there are any)."""
+    if failures:
+        raise StageFailed(failure_message(failures, what)) from cause

@@ -4,8 +4,8 @@ Every rank sends the metadata of its shards (never data) to the coordinator, whi
 checks it, plans the whole operation with a pure planner (``shardstore.planning.plans``,
 ``validation.plan_load``) and sends each rank only its own part. A failure anywhere,
 on any rank or in the plan, becomes the same CheckpointingException on every rank, and
-nothing is written or read. The stages after it (I/O, exchanges, commit) agree on
-failure through ``distributed.Group.agree``.
+nothing is written or read. It runs, as every stage after it (I/O, exchanges, commit)
+does, through ``protocol.stage.run_stage``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 from shardstore.errors import CheckpointingException
 from shardstore.mapping import ShardedObject, ShardedTensor
 from shardstore.planning.layout import GlobalLayout
-from shardstore.protocol.collectives import Group, RankFailure, raise_failures
+from shardstore.protocol.collectives import Group
+from shardstore.protocol.stage import Deliver, run_stage
 from shardstore.stores.base import Location
 from shardstore.validation import (
     check_common_state_consistency,
@@ -60,51 +61,29 @@ def gather_and_plan(
     """
     if place is None and save_to is not None:
         place = save_to.describe()
-    contribution = _contribution(sharded_tensors, sharded_objects, group.rank, local_error, place)
-    gathered = group.gather_object((place, contribution, common_digests))
-    parts: list[Any] | None = None
-    cause = local_error
-    if group.is_coordinator:
-        try:
-            layout = _layout_of(gathered, local_error)
-            if save_to is not None:
-                validate_sharding_integrity(layout, save_to.name_limits, save_to.describe())
-            differing = []
-            if common_digests is not None:
-                differing = ranks_with_differing_common_state([d for _, _, d in gathered])
-            parts = [(None, part, differing) for part in planner(layout)]
-        except Exception as exc:  # told to every rank by the scatter
-            cause = exc
-            message = str(exc) if isinstance(exc, CheckpointingException) else (
-                f"Planning failed on the coordinator: {type(exc).__name__}: {exc}"
-            )
-            parts = [(message, None, [])] * group.world_size
-    error, part, differing = group.scatter_object(parts)
-    if error is not None:
-        raise CheckpointingException(error) from cause
+
+    def plan(gathered: list[tuple[str | None, Any, dict[str, str] | None]]) -> list[tuple[Any, list[int]]]:
+        layout = _layout_of(gathered)
+        if save_to is not None:
+            validate_sharding_integrity(layout, save_to.name_limits, save_to.describe())
+        differing = []
+        if common_digests is not None:
+            differing = ranks_with_differing_common_state([d for _, _, d in gathered])
+        return [(part, differing) for part in planner(layout)]
+
+    part, differing = run_stage(
+        group, "Checking the state dict",
+        lambda: (place, local_records(sharded_tensors, sharded_objects, group.rank, place), common_digests),
+        reduce=plan, deliver=Deliver.SCATTER, local_error=local_error,
+    )
     if differing:  # the same list on every rank: all of them take part
         check_common_state_consistency(common_state, differing, group)
     return part
 
 
-def _contribution(
-    sharded_tensors: list[ShardedTensor], sharded_objects: list[ShardedObject], rank: int,
-    local_error: BaseException | None, place: str | None,
-) -> Any:
-    """This rank's records, or its failure (from an earlier step, or invalid shards)."""
-    if local_error is None:
-        try:
-            return local_records(sharded_tensors, sharded_objects, rank, place)
-        except Exception as exc:  # reported on every rank by the caller's collective
-            local_error = exc
-    return RankFailure.from_exception(rank, local_error)
-
-
-def _layout_of(gathered: list[tuple[Any, Any, Any]], local_error: BaseException | None) -> GlobalLayout:
-    """The layout of every rank's ``(place, records, digests)``; raises when a rank
-    failed or the ranks name different checkpoints."""
-    failures = [c for _, c, _ in gathered if isinstance(c, RankFailure)]
-    raise_failures(failures, "Checking the state dict", cause=local_error)
+def _layout_of(gathered: list[tuple[str | None, Any, Any]]) -> GlobalLayout:
+    """The layout of every rank's ``(place, records, digests)``; raises when the ranks
+    name different checkpoints."""
     places = sorted({p for p, _, _ in gathered}, key=str)
     if len(places) > 1:
         by_rank = ", ".join(f"rank {r}: {p}" for r, (p, _, _) in enumerate(gathered) if r < 8)
@@ -113,5 +92,3 @@ def _layout_of(gathered: list[tuple[Any, Any, Any]], local_error: BaseException 
             "must pass the same one. Nothing was written."
         )
     return GlobalLayout.from_gathered([c for _, c, _ in gathered])
-
-

@@ -191,7 +191,7 @@ class AsyncCallsQueue:
         if no_dist or not dist.is_initialized():
             return done
         try:
-            return Group(self.process_group).min_over_ranks(done, "async finalization")
+            return Group(self.process_group).reduce_over_ranks([done], "min", "async finalization")[0]
         except CheckpointingException as exc:
             pending = [getattr(fn, "checkpoint", "?") for _, r, _ in self._pending for fn in r.finalize_fns]
             raise CheckpointingException(

@@ -158,7 +158,7 @@ import torch.distributed as dist
 from shardstore.core import CheckpointingException
 from shardstore.format.records import COMMIT_RECORD, DELETION_MARKER, MAX_RECORD_BYTES, CommitRecord
 from shardstore.mapping import ShardedStateDict, StateDict
-from shardstore.protocol.collectives import Group, _peer_failures
+from shardstore.protocol.collectives import Group
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 from shardstore.strategies.async_utils import AsyncCallsQueue
@@ -983,15 +983,9 @@ class CheckpointManager:
 
 
 def _any_rank(group: Group, flags: tuple[bool, bool]) -> tuple[bool, bool]:
-    """Collective: each flag True on some rank (one all-reduce, on the group's device,
-    so NCCL groups work too)."""
-    if group.world_size == 1:
-        return flags
-    tensor = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=group.device)
-    with _peer_failures("save decision"):
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group.process_group)
-    first, second = (bool(v) for v in tensor.tolist())
-    return first, second
+    """Collective: each flag True on some rank (one all-reduce of the flags' maximum)."""
+    first, second = group.reduce_over_ranks([int(f) for f in flags], "max", "save decision")
+    return bool(first), bool(second)
 
 
 def _checked_metrics(metrics: Any, what: str) -> dict[str, float]:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from shardstore import ShardedObject, ShardedTensor, save
-from shardstore.tools.convert import from_foreign
+from shardstore.tools.convert import from_other_format
 from shardstore.tools.inspection import diff_checkpoints
 from tests.fixtures.legacy.make import DCP, MEGATRON
 from tests.scenarios import global_tensor
@@ -86,7 +86,7 @@ def test_a_checkpoint_is_identical_to_itself(reference: Path) -> None:
 @pytest.mark.parametrize("source", [DCP, MEGATRON], ids=["dcp", "megatron-torch_dist"])
 def test_another_tools_checkpoint_is_identical_to_its_conversion(tmp_path: Path, source: Path) -> None:
     """Its arrays, objects and common state, read as it is, equal the converted copy's."""
-    from_foreign(source, tmp_path / "converted")
+    from_other_format(source, tmp_path / "converted")
     assert diff(source, tmp_path / "converted") == (0, ["identical"])
 
 

@@ -203,17 +203,17 @@ def test_megatron_plugin_refuses_a_key_too_long_for_the_target_before_writing_an
 
 
 def test_convert_refuses_a_key_too_long_for_the_target_before_writing(tmp_path: Path) -> None:
-    """``shardstore convert`` of a DCP checkpoint (``convert.from_foreign``, through
+    """``shardstore convert`` of a DCP checkpoint (``convert.from_other_format``, through
     ``CheckpointWriter.write_array``): nothing is left at or next to the target."""
     import torch.distributed.checkpoint as dcp
 
-    from shardstore.tools.convert import from_foreign
+    from shardstore.tools.convert import from_other_format
 
     source, ckpt = tmp_path / "dcp", tmp_path / "out"
     with pytest.warns(UserWarning, match="single process"):
         dcp.save({"w": torch.ones(4), PATH_MAX_KEY: torch.ones(2)}, checkpoint_id=source)
     with pytest.raises(CheckpointingException) as refused:
-        from_foreign(source, ckpt)
+        from_other_format(source, ckpt)
     _assert_refused_as_too_long(str(refused.value), ckpt)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]
 
@@ -303,7 +303,7 @@ def test_convert_checks_every_key_before_it_begins_the_save(tmp_path: Path, monk
     import torch.distributed.checkpoint as dcp
 
     import shardstore.tools.array_writer
-    from shardstore.tools.convert import from_foreign
+    from shardstore.tools.convert import from_other_format
 
     source, ckpt = tmp_path / "dcp", tmp_path / "out"
     last = "zz/zarr.json"  # the format's own name, reached last
@@ -312,7 +312,7 @@ def test_convert_checks_every_key_before_it_begins_the_save(tmp_path: Path, monk
     begun = []
     monkeypatch.setattr(shardstore.tools.array_writer, "begin_save", lambda *a, **k: begun.append(a) or pytest.fail("began"))
     with pytest.raises(CheckpointingException) as refused:
-        from_foreign(source, ckpt)
+        from_other_format(source, ckpt)
     assert f"Invalid checkpoint key {last!r} in {ckpt}" in str(refused.value)
     assert begun == [] and sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]
 

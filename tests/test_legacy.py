@@ -29,7 +29,7 @@ from shardstore import (
 )
 from shardstore.other_formats.dcp import DcpCheckpoint
 from shardstore.tools.cli import main
-from shardstore.tools.convert import from_foreign
+from shardstore.tools.convert import from_other_format
 from tests.dist import run_distributed
 from tests.fixtures.legacy.make import DCP, MEGATRON, expected
 from tests.fixtures.legacy.make_megatron014 import TORCH_DIST as MEGATRON_014_TORCH_DIST
@@ -38,7 +38,7 @@ from tests.scenarios import assert_bits_equal
 
 
 def test_megatron_torch_dist_converts_bit_exact(tmp_path: Path) -> None:
-    assert from_foreign(MEGATRON, tmp_path / "ckpt") == 3
+    assert from_other_format(MEGATRON, tmp_path / "ckpt") == 3
     assert verify(tmp_path / "ckpt").ok
     plain = load_plain_tensors(tmp_path / "ckpt")
     for key in ("decoder/fc1", "embedding/word", "optimizer/exp_avg"):
@@ -65,7 +65,7 @@ def _load_resharded(rank: int, world: int, ckpt: str) -> None:
 
 
 def test_converted_megatron_checkpoint_loads_at_another_layout(tmp_path: Path) -> None:
-    from_foreign(MEGATRON, tmp_path / "ckpt")
+    from_other_format(MEGATRON, tmp_path / "ckpt")
     run_distributed(_load_resharded, 2, str(tmp_path / "ckpt"))
 
 
@@ -73,7 +73,7 @@ def test_plain_dcp_converts_with_its_flattened_names(tmp_path: Path) -> None:
     source = DcpCheckpoint(DCP)
     assert source.kind == "dcp"
     assert len(source.tensors["model.fc1"].chunks) == 2  # the DTensor's two shards
-    from_foreign(DCP, tmp_path / "ckpt")
+    from_other_format(DCP, tmp_path / "ckpt")
     plain = load_plain_tensors(tmp_path / "ckpt")
     assert_bits_equal(plain["model.fc1"], expected()["decoder/fc1"])
     assert_bits_equal(plain["model.emb"], expected()["embedding/word"])
@@ -101,7 +101,7 @@ def test_hostile_metadata_is_refused_without_running_it(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     (source / ".metadata").write_bytes(pickle.dumps({"x": _RunsCode(str(marker))}))
     with pytest.raises(CheckpointingException, match="refusing to load posix.system"):
-        from_foreign(source, tmp_path / "ckpt")
+        from_other_format(source, tmp_path / "ckpt")
     assert not marker.exists()
     assert not (tmp_path / "ckpt").exists()
 
@@ -112,7 +112,7 @@ def test_a_truncated_data_file_names_the_file_and_key(tmp_path: Path) -> None:
     data = source / "__1_0.distcp"
     data.write_bytes(data.read_bytes()[:100])
     with pytest.raises(CheckpointingException, match="__1_0.distcp.*lies outside"):
-        from_foreign(source, tmp_path / "ckpt")
+        from_other_format(source, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()  # nothing that looks complete
 
 
@@ -304,7 +304,7 @@ def test_diff_compares_across_formats(tmp_path: Path) -> None:
     tensor."""
     from shardstore.tools.inspection import diff_checkpoints
 
-    from_foreign(MEGATRON_014_ZARR, tmp_path / "converted")
+    from_other_format(MEGATRON_014_ZARR, tmp_path / "converted")
     assert diff_checkpoints(MEGATRON_014_ZARR, MEGATRON_014_TORCH_DIST).identical
     assert diff_checkpoints(MEGATRON_014_TORCH_DIST, tmp_path / "converted").identical
     result = CliRunner().invoke(main, ["--no-progress", "diff", str(MEGATRON_014_ZARR), str(MEGATRON)])

@@ -37,7 +37,7 @@ from shardstore import CheckpointingException, ShardedObject, ShardedTensor
 from shardstore.format.pickles import DCP_METADATA_GLOBALS, load_restricted
 from shardstore.format.records import COMMIT_RECORD, CommitRecord, checksum, object_path
 from shardstore.tools.cli import main
-from shardstore.tools.convert import from_foreign, from_torch_file, to_torch_file
+from shardstore.tools.convert import from_other_format, from_torch_file, to_torch_file
 from shardstore.tools.inspection import describe_checkpoint, diff_checkpoints
 from tests.fixtures.legacy.make import DCP, MEGATRON
 from tests.fixtures.legacy.make_megatron014 import ZARR as MEGATRON_014_ZARR
@@ -263,7 +263,7 @@ ENTRY_POINTS: dict[str, Callable[[Path, Path], None]] = {
 }
 FOREIGN_ENTRY_POINTS = {
     **{k: v for k, v in ENTRY_POINTS.items() if "to_torch" not in k and "--to" not in k},
-    "convert.from_foreign": lambda p, t: from_foreign(p, t / "converted"),
+    "convert.from_other_format": lambda p, t: from_other_format(p, t / "converted"),
     "shardstore convert": lambda p, t: _cli("convert", str(p), str(t / "converted")),
     "shardstore convert --to torch": lambda p, t: _cli("convert", str(p), str(t / "out.pt"), "--to", "torch"),
 }
@@ -340,7 +340,7 @@ READS_COMMON = frozenset({"load", "load_common_state_dict", "diff_checkpoints", 
                           "convert.to_torch_file", "shardstore convert --to torch",
                           "shardstore convert --to safetensors"})
 READS_DCP_METADATA = frozenset(FOREIGN_ENTRY_POINTS) - {"verify", "shardstore verify"}
-CONVERTS_FOREIGN = frozenset({"load", "convert.from_foreign", "shardstore convert", "shardstore convert --to torch"})
+CONVERTS_OTHER_FORMATS = frozenset({"load", "convert.from_other_format", "shardstore convert", "shardstore convert --to torch"})
 
 TARGETS = [
     Target("shardstore common.pt", _our_checkpoint, _plant_common,
@@ -351,21 +351,21 @@ TARGETS = [
            _dcp_metadata_pickles, FOREIGN_ENTRY_POINTS, READS_DCP_METADATA),
     Target("DCP chunk", _copy(DCP), _plant_dcp_chunk,
            lambda m: torch_variants(torch.zeros(4, 6), m), FOREIGN_ENTRY_POINTS,
-           CONVERTS_FOREIGN | {"load_plain_tensors"}),
+           CONVERTS_OTHER_FORMATS | {"load_plain_tensors"}),
     Target("Megatron torch_dist .metadata", _copy(MEGATRON), lambda p, d: (p / ".metadata").write_bytes(d),
            lambda m: variants(lambda protocol: pickle.dumps(pickle.loads((MEGATRON / ".metadata").read_bytes()),
                                                             protocol=protocol), m),
            FOREIGN_ENTRY_POINTS, READS_DCP_METADATA),
     Target("Megatron torch_dist common.pt", _copy(MEGATRON), lambda p, d: (p / "common.pt").write_bytes(d),
            lambda m: torch_variants({"iteration": 7}, m), FOREIGN_ENTRY_POINTS,
-           CONVERTS_FOREIGN | {"load_common_state_dict"}),
+           CONVERTS_OTHER_FORMATS | {"load_common_state_dict"}),
     Target("Megatron zarr common.pt", _copy(MEGATRON_014_ZARR), lambda p, d: (p / "common.pt").write_bytes(d),
            lambda m: torch_variants({"iteration": 7}, m), FOREIGN_ENTRY_POINTS,
-           CONVERTS_FOREIGN | {"load_common_state_dict"}),
+           CONVERTS_OTHER_FORMATS | {"load_common_state_dict"}),
     Target("Megatron zarr object shard", _copy(MEGATRON_014_ZARR),
            lambda p, d: (p / "rng_state" / "shard_0_2.pt").write_bytes(d),
            lambda m: torch_variants({"seed": 1234}, m), FOREIGN_ENTRY_POINTS,
-           CONVERTS_FOREIGN),
+           CONVERTS_OTHER_FORMATS),
 ]
 
 

@@ -60,7 +60,7 @@ from shardstore.format.records import (
     SAVE_MARKER,
     STAGING_TAG,
     CommitRecord,
-    foreign_checkpoint_kind,
+    other_checkpoint_kind,
 )
 from shardstore.stores.base import DelegatingLocation, LocalLocation, Location
 
@@ -102,9 +102,9 @@ def committed_save_id(location: Location) -> str | None:
 
 def _refuse_foreign(target: Location) -> None:
     found = ", ".join(target.list_top(5))
-    kind = foreign_checkpoint_kind(target)
-    if kind:
-        found = f"{kind}: {found}"
+    other = other_checkpoint_kind(target)
+    if other:
+        found = f"{other[0]}: {found}"
     raise CheckpointingException(
         f"{target.describe()} is not empty and holds no committed shardstore checkpoint (found {found}); "
         "refusing to delete anything in it. If it is another tool's checkpoint, convert it (`shardstore "

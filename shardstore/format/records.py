@@ -40,7 +40,7 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -649,16 +649,17 @@ def read_commit_record(location: Location) -> CommitRecord:
                 f"No checkpoint at {location.describe()}: the checkpoint directory is empty"
                 + ("" if local is not None else " (no object under this prefix)")
             )
-        foreign = foreign_checkpoint_kind(location)
-        if foreign:
+        other = other_checkpoint_kind(location)
+        if other:
+            title, readable = other
             how = (
                 "`load` and the metadata queries read it as it is; to verify it or keep it in shardstore's "
                 f"format, convert it: `shardstore convert {location.describe()} <new directory>`"
-                if location.exists(".metadata") or foreign == MEGATRON_ZARR_KIND
+                if readable
                 else "load it with the tool that wrote it (megatron.core.dist_checkpointing)"
             )
             raise CheckpointingException(
-                f"{location.describe()} is not a shardstore checkpoint: it is {foreign}. {how}"
+                f"{location.describe()} is not a shardstore checkpoint: it is {title}. {how}"
             )
         names = location.list_top(None)
         if not _holds_save_files(location, names):
@@ -671,15 +672,12 @@ def read_commit_record(location: Location) -> CommitRecord:
     return CommitRecord.from_json(data, where=location.describe(COMMIT_RECORD))
 
 
-MEGATRON_ZARR_KIND = "a Megatron-Core zarr checkpoint (Zarr v2 arrays)"
-
-
 def _holds_save_files(location: Location, names: list[str]) -> bool:
     """Whether a directory without a commit record holds what a shardstore save writes
     into it before that record (an in-place save: S3, Megatron's plug-in) or what the
     manager leaves while deleting one; one holding none of it is no checkpoint at all."""
     ours = {SAVE_MARKER, DELETION_MARKER, COMMON_FILE, OBJECTS_DIR}
-    return bool(ours.intersection(names)) or _sharded_backend(location) == "shardstore"
+    return bool(ours.intersection(names)) or sharded_backend(location) == "shardstore"
 
 
 def _not_a_checkpoint(where: str, names: list[str]) -> str:
@@ -697,8 +695,9 @@ def _not_a_checkpoint(where: str, names: list[str]) -> str:
     )
 
 
-def _sharded_backend(location: Location) -> str | None:
-    """The backend ``metadata.json`` names, or None (no such file, or not a config)."""
+def sharded_backend(location: Location) -> str | None:
+    """The backend ``metadata.json`` names, or None (no such file, or not a config): a
+    lenient look, for telling what a directory holds, never an error."""
     try:
         config = json.loads(location.read_bytes_or_none(CONFIG_FNAME, max_bytes=2**20) or b"null")
     except (ValueError, OSError):
@@ -707,23 +706,39 @@ def _sharded_backend(location: Location) -> str | None:
     return backend if isinstance(backend, str) else None
 
 
-def foreign_checkpoint_kind(location: Location) -> str | None:
-    """What another tool's checkpoint at ``location`` is, or None if it looks like none.
+def _no_registry(location: Location) -> str | None:
+    return None
 
-    Megatron-Core writes ``metadata.json`` naming its backend: ``torch_dist`` (PyTorch
-    DCP files plus ``.metadata``) or ``zarr`` (Zarr v2 arrays, ``<key>/.zarray``); plain
-    PyTorch DCP writes ``.metadata`` alone.
+
+# How this layer names another tool's checkpoint: the registry of other formats
+# (``shardstore.other_formats.registry``) lies a layer above, so it hands its lookup down
+# when it is imported, which ``shardstore.strategies`` (every load and save) and the command do.
+_title_of_other_format: Callable[[Location], str | None] = _no_registry
+
+
+def name_other_formats_with(title_of: Callable[[Location], str | None]) -> None:
+    """Installs the registry's lookup: ``title_of(location)`` is the title of the
+    registered format whose checkpoint ``location`` holds, or None."""
+    global _title_of_other_format
+    _title_of_other_format = title_of
+
+
+def other_checkpoint_kind(location: Location) -> tuple[str, bool] | None:
+    """What another tool's checkpoint at ``location`` is, and whether shardstore reads
+    it; None if it looks like none (also a directory with a commit record).
+
+    A format in the registry is read (``shardstore.other_formats``); besides those,
+    Megatron-Core names any other backend it wrote in ``metadata.json`` (``torch``, a
+    ``torch_dist`` save without DCP's ``.metadata``), which only Megatron-Core reads.
     """
-    backend = _sharded_backend(location)
-    entries = location.list_top(20)
+    title = _title_of_other_format(location)
+    if title:
+        return title, True
+    backend = sharded_backend(location)
     # shardstore's own first checkpoints also named the backend "zarr", but they are a
-    # Zarr v3 group (a root zarr.json); Megatron's are Zarr v2 arrays without one
-    if backend == "zarr" and not location.exists(COMMIT_RECORD):
-        return MEGATRON_ZARR_KIND
+    # Zarr v3 group (a root zarr.json); Megatron's are detected by the registry
     if backend is not None and backend not in ("zarr", "shardstore"):
-        return f"a Megatron-Core {backend!r} checkpoint"
-    if backend is None and ".metadata" in entries:
-        return "a PyTorch DCP checkpoint"
+        return f"a Megatron-Core {backend!r} checkpoint", False
     return None
 
 

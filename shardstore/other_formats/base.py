@@ -1,10 +1,11 @@
 """What shardstore reads of a checkpoint another tool wrote, whatever its format.
 
 ``ForeignCheckpoint`` is the interface the readers of other formats implement
-(``dcp_reader.DcpCheckpoint``: PyTorch DCP and Megatron-Core torch_dist;
-``megatron_zarr_reader.MegatronZarrCheckpoint``: Megatron-Core's deprecated zarr
-backend) and that ``strategies.foreign`` (``load`` and the queries at any layout) and
-``convert`` (import into shardstore's format) use. A reader never executes code from
+(``dcp.DcpCheckpoint``: PyTorch DCP and Megatron-Core torch_dist;
+``megatron_zarr.MegatronZarrCheckpoint``: Megatron-Core's deprecated zarr backend) and
+that ``strategies.other_formats`` (``load`` and the queries at any layout), inspection and
+``convert`` use. ``OtherFormat`` is what a reader registers (``registry``): how to tell its
+checkpoints from everything else and how to open one. A reader never executes code from
 the checkpoint: pickled values load through ``shardstore.format.pickles`` (exact allow-lists), and every file is
 opened as a regular file inside the checkpoint (no symbolic links out of it, no FIFOs
 or devices), its byte ranges checked against its size.
@@ -16,9 +17,10 @@ import math
 import os
 import stat
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -26,7 +28,7 @@ import torch
 from shardstore.errors import CheckpointingException
 from shardstore.format.pickles import deserialize_dict, load_torch
 from shardstore.format.records import COMMON_FILE
-from shardstore.stores.base import StorageError, open_regular_file
+from shardstore.stores.base import Location, StorageError, open_regular_file
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,9 @@ class ForeignTensor:
 
     @property
     def chunk_count(self) -> int:
-        """How many chunks hold it."""
-        raise NotImplementedError(f"{type(self).__name__} does not say how it is chunked")
+        """How many chunks hold it: one (the tensor whole) unless a chunked format's
+        subclass says otherwise."""
+        return 1
 
 
 class ForeignCheckpoint(ABC):
@@ -66,12 +69,17 @@ class ForeignCheckpoint(ABC):
         tensors: every tensor by key (``ForeignTensor`` or a subclass).
         items: the keys of its non-tensor items (Megatron's ShardedObject shards by
             their unique key, ``<key>/shard_<offset>_<shape>``, or a plain DCP's values).
+        saved_paths: where a key's value was in the state dict the tool saved (dict keys
+            and list indices), for a format whose keys are flattened paths (plain DCP's
+            ``a.b.0``): an export to one ``torch.save`` file puts it back there. Empty
+            where a key is its own place (an array key, ``/`` nesting its dicts).
     """
 
     path: Path
     kind: str
     tensors: dict[str, ForeignTensor]
     items: dict[str, Any]
+    saved_paths: Mapping[str, tuple[str | int, ...]] = MappingProxyType({})
 
     @abstractmethod
     def read_region(self, key: str, region: tuple[slice, ...]) -> torch.Tensor:
@@ -81,6 +89,11 @@ class ForeignCheckpoint(ABC):
     @abstractmethod
     def read_item(self, key: str) -> Any:
         """A non-tensor item, loaded with ``weights_only=True``."""
+
+    def read_object_shard(self, unique_key: str) -> Any:
+        """A ShardedObject shard's value, as the tool's own load returns it (a reader
+        whose tool wraps it, as Megatron's torch_dist does, unwraps it)."""
+        return self.read_item(unique_key)
 
     def read_tensor(self, key: str) -> torch.Tensor:
         """The whole global tensor ``key``."""
@@ -155,4 +168,29 @@ class ForeignCheckpoint(ABC):
         return load_torch(data, f"{what} of {self.path}")
 
 
-__all__ = ["ForeignCheckpoint", "ForeignTensor"]
+@dataclass(frozen=True)
+class OtherFormat:
+    """A format of another tool's checkpoints, as the registry lists it (``registry``).
+
+    Attributes:
+        name: what the format is called in data: its checkpoints' ``ForeignCheckpoint.kind``,
+            inspection's ``kind`` and the command's ``source_format`` (``"torch_dist"``).
+        title: what messages call one of its checkpoints (``"a PyTorch DCP checkpoint"``).
+        detect: whether a location holds one of its checkpoints; cheap (at most a small
+            metadata file read, by name, through the location: local or S3) and never
+            unpickling, because every load and every error about a directory without a
+            commit record asks each format in turn.
+        open: the reader, given the local directory: parses the metadata and refuses what
+            it cannot read safely.
+        metadata_file: the file that says what the checkpoint holds; an opened checkpoint
+            is read again when this file changes (one load opens it several times).
+    """
+
+    name: str
+    title: str
+    detect: Callable[[Location], bool]
+    open: Callable[[Path], ForeignCheckpoint]
+    metadata_file: str
+
+
+__all__ = ["ForeignCheckpoint", "ForeignTensor", "OtherFormat"]

@@ -38,10 +38,13 @@ import torch
 from shardstore.errors import CheckpointingException
 from shardstore.format.config import maybe_load_config
 from shardstore.format.pickles import DCP_METADATA_GLOBALS, load_restricted, load_torch
-from shardstore.other_formats.base import ForeignCheckpoint, ForeignTensor
+from shardstore.format.records import sharded_backend
+from shardstore.other_formats.base import ForeignCheckpoint, ForeignTensor, OtherFormat
+from shardstore.stores.base import Location
 
 DCP_METADATA = ".metadata"
 MAX_METADATA_BYTES = 2**30
+TORCH_DIST = "torch_dist"  # Megatron-Core's name of the backend, in its metadata.json
 
 @dataclass(frozen=True)
 class DcpChunk:
@@ -88,7 +91,7 @@ class DcpCheckpoint(ForeignCheckpoint):
         self._sizes: dict[str, int] = {}  # data file -> size in bytes
         metadata = self._read_metadata()
         config = maybe_load_config(str(self.path))
-        self.kind = "torch_dist" if config is not None and config.sharded_backend == "torch_dist" else "dcp"
+        self.kind = TORCH_DIST if config is not None and config.sharded_backend == TORCH_DIST else "dcp"
         original_shapes = {
             key: tuple(value["nd_reformulated_orig_global_shape"])
             for key, value in (getattr(metadata, "mcore_data", None) or {}).items()
@@ -119,7 +122,8 @@ class DcpCheckpoint(ForeignCheckpoint):
             if shape != stored:
                 _check_reformulated(self.path, key, shape, stored)
             self.tensors[key] = DcpTensor(key, shape, entry.properties.dtype, chunks, stored)
-        self.saved_paths = _saved_paths(getattr(metadata, "planner_data", None), len(self.tensors) + len(self.items))
+        if self.kind == "dcp":  # Megatron's keys are its own names, nested by "/" as in shardstore
+            self.saved_paths = _saved_paths(getattr(metadata, "planner_data", None), len(self.tensors) + len(self.items))
 
     def _read_metadata(self) -> Any:
         data = self.read_bounded(DCP_METADATA, MAX_METADATA_BYTES, "the metadata")
@@ -218,6 +222,14 @@ class DcpCheckpoint(ForeignCheckpoint):
         item = self.items[key]
         return self.load_pickled(self.read_file(item.file, item.offset, item.length, what=repr(key)), f"item {key!r}")
 
+    def read_object_shard(self, unique_key: str) -> Any:
+        """Megatron's torch_dist saves the list of the rank's copies of a ShardedObject
+        shard (one), which is unwrapped."""
+        value = self.read_item(unique_key)
+        if self.kind == TORCH_DIST and isinstance(value, list) and len(value) == 1:
+            return value[0]
+        return value
+
 
 def _check_reformulated(path: Path, key: str, shape: tuple[int, ...], stored: tuple[int, ...]) -> None:
     """A reformulated tensor's stored shape must be (blocks per axis..., block volume)."""
@@ -267,9 +279,20 @@ def _lists_are_dense(paths: Any) -> bool:
     return all(index < under[prefix] for prefix, index in largest.items())
 
 
-def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
-    """A directory with DCP's ``.metadata`` (plain DCP, or Megatron's torch_dist)."""
-    return (Path(path) / DCP_METADATA).is_file()
+def _holds_torch_dist(location: Location) -> bool:
+    """Megatron-Core's torch_dist: its ``metadata.json`` names the backend, DCP's files hold the data."""
+    return sharded_backend(location) == TORCH_DIST and location.exists(DCP_METADATA)
 
 
-__all__ = ["DcpCheckpoint", "DcpChunk", "DcpItem", "DcpTensor", "is_dcp_checkpoint"]
+def _holds_plain_dcp(location: Location) -> bool:
+    """DCP's ``.metadata``, and no ``metadata.json`` saying the directory is a torch_dist
+    checkpoint or one of shardstore's saves."""
+    return location.exists(DCP_METADATA) and sharded_backend(location) not in (TORCH_DIST, "shardstore")
+
+
+TORCH_DIST_FORMAT = OtherFormat(
+    TORCH_DIST, "a Megatron-Core 'torch_dist' checkpoint", _holds_torch_dist, DcpCheckpoint, DCP_METADATA
+)
+DCP_FORMAT = OtherFormat("dcp", "a PyTorch DCP checkpoint", _holds_plain_dcp, DcpCheckpoint, DCP_METADATA)
+
+__all__ = ["DCP_FORMAT", "TORCH_DIST_FORMAT", "DcpCheckpoint", "DcpChunk", "DcpItem", "DcpTensor"]

@@ -36,7 +36,9 @@ import torch
 from shardstore.errors import CheckpointingException
 from shardstore.format.config import CONFIG_FNAME, maybe_load_config
 from shardstore.format.dtypes import from_torch, numpy_to_tensor
-from shardstore.other_formats.base import ForeignCheckpoint, ForeignTensor
+from shardstore.format.records import COMMIT_RECORD, sharded_backend
+from shardstore.other_formats.base import ForeignCheckpoint, ForeignTensor, OtherFormat
+from shardstore.stores.base import Location
 
 ZARRAY = ".zarray"
 BACKEND = "zarr"
@@ -199,10 +201,15 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return from_torch(dtype).numpy_dtype
 
 
-def is_megatron_zarr_checkpoint(path: str | os.PathLike) -> bool:
-    """A directory whose ``metadata.json`` names Megatron-Core's ``zarr`` backend."""
-    config = maybe_load_config(str(path))
-    return config is not None and config.sharded_backend == BACKEND
+def _holds_megatron_zarr(location: Location) -> bool:
+    """``metadata.json`` names the ``zarr`` backend, and no root ``zarr.json``: shardstore's
+    own first checkpoints named their backend ``zarr`` too, but are a Zarr v3 group."""
+    return sharded_backend(location) == BACKEND and not location.exists(COMMIT_RECORD)
 
 
-__all__ = ["MegatronZarrCheckpoint", "ZarrV2Array", "is_megatron_zarr_checkpoint"]
+MEGATRON_ZARR_FORMAT = OtherFormat(
+    BACKEND, "a Megatron-Core zarr checkpoint (Zarr v2 arrays)", _holds_megatron_zarr, MegatronZarrCheckpoint,
+    CONFIG_FNAME,
+)
+
+__all__ = ["MEGATRON_ZARR_FORMAT", "MegatronZarrCheckpoint", "ZarrV2Array"]

@@ -3,9 +3,9 @@ registry). Importing the package registers shardstore's own strategies as the de
 so the registry in ``base`` never imports the modules that import it."""
 
 from shardstore.strategies.common import register_default_common_strategies
-from shardstore.strategies.foreign import register_default_foreign_strategies
+from shardstore.strategies.other_formats import register_default_other_format_strategies
 from shardstore.strategies.zarr import register_default_zarr_strategies
 
 register_default_zarr_strategies()
 register_default_common_strategies()
-register_default_foreign_strategies()
+register_default_other_format_strategies()

@@ -55,7 +55,7 @@ from shardstore.mapping import (
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 from shardstore.strategies.base import CheckpointDir
-from shardstore.strategies.foreign import open_foreign, reads_as_foreign
+from shardstore.strategies.other_formats import open_other_format, reads_as_other_format
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +138,8 @@ def get_reformulation_metadata(
 
 def _saved_formulations(location: Location) -> dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]]:
     """``{key: (global shape, reformulated shape or None)}`` of every tensor stored."""
-    if reads_as_foreign(location):
-        tensors = open_foreign(location).tensors
+    if reads_as_other_format(location):
+        tensors = open_other_format(location).tensors
         return {
             key: (tuple(t.shape), _stored_reformulation(t))
             for key, t in tensors.items()

@@ -2,7 +2,7 @@
 module (``dist_checkpointing.strategies.torch``), so that code runs on shardstore.
 
 shardstore writes no torch_dist checkpoints (its format is ``strategies.zarr``'s) and
-reads Megatron's through ``strategies.foreign``; the reformulation API lives in
+reads Megatron's through ``strategies.other_formats``; the reformulation API lives in
 ``strategies.resharding``.
 """
 

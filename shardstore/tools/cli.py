@@ -2,7 +2,7 @@
 
 Exit status: 0 success (``verify``: no damage; ``diff``: identical), 1 a finding
 (``verify``: damage; ``diff``: differences), 2 an error (no checkpoint there, an
-incomplete or foreign one, a bad argument), with one line on standard error that says
+incomplete one or another tool's, a bad argument), with one line on standard error that says
 what to do, in the command's own words (``CLI_WORDS``: ``--overwrite``, not the
 library's ``overwrite=True``). Every command that reports takes ``--json`` (one JSON
 document on standard output). Progress bars (standard error) show when it is a terminal
@@ -140,7 +140,9 @@ def inspect_command(checkpoint: str, as_json: bool) -> None:
             f"{summary.world_size} rank(s), committed {saved}, save {summary.save_id}"
         )
     else:
-        click.echo(f"  written by another tool ({FOREIGN_KINDS.get(summary.kind, summary.kind)}), read as it is; "
+        from shardstore.other_formats.registry import named
+
+        click.echo(f"  written by another tool: {named(summary.kind).title}, read as it is; "
                    "no checksums to verify (`shardstore convert` it for those)")
     click.echo(f"arrays: {len(summary.arrays)}, {format_bytes(summary.nbytes)}")
     width = max((len(a.key) for a in summary.arrays), default=0)
@@ -154,9 +156,6 @@ def inspect_command(checkpoint: str, as_json: bool) -> None:
 
 
 main.add_command(inspect_command, "ls")
-
-FOREIGN_KINDS = {"torch_dist": "Megatron-Core torch_dist", "dcp": "PyTorch DCP", "zarr": "Megatron-Core zarr"}
-
 
 def _dims(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
@@ -175,6 +174,7 @@ def verify_command(checkpoint: str, as_json: bool) -> None:
     """
     from shardstore.format.integrity import verify
     from shardstore.format.records import read_commit_record
+    from shardstore.other_formats import registry  # noqa: F401  (read_commit_record's errors name its formats)
     from shardstore.stores.locations import open_location
 
     with _reported_errors():
@@ -282,9 +282,8 @@ def convert_command(source: str, destination: str, to: str | None, overwrite: bo
         elif dst == "safetensors":
             result = convert.to_safetensors(source, destination, max_shard_size, memory)
         else:
-            imports = {"torch": convert.from_torch_file, "safetensors": convert.from_safetensors,
-                       "foreign": convert.from_foreign}
-            result = imports[src](source, destination, overwrite)
+            imports = {"torch": convert.from_torch_file, "safetensors": convert.from_safetensors}
+            result = imports.get(src, convert.from_other_format)(source, destination, overwrite)
     if dst == "shardstore":
         _report_checkpoint(source, src, destination, result, as_json)
     else:

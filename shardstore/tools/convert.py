@@ -1,10 +1,11 @@
 """Conversions between checkpoints and single-process formats, with bounded memory.
 
-Sources: a shardstore checkpoint; a PyTorch DCP, Megatron-Core torch_dist or zarr
-checkpoint (read without running its pickles, ``shardstore.strategies.foreign``); a
-``torch.save`` file; Hugging Face style safetensors (one file, or a model directory with
-``model.safetensors`` or shards and ``model.safetensors.index.json``). Targets: a
-shardstore checkpoint (``from_torch_file``, ``from_safetensors``, ``from_foreign``), one
+Sources: a shardstore checkpoint; another tool's checkpoint of any format in
+``shardstore.other_formats.registry`` (PyTorch DCP, Megatron-Core torch_dist or zarr, read
+without running its pickles); a ``torch.save`` file; Hugging Face style safetensors (one
+file, or a model directory with ``model.safetensors`` or shards and
+``model.safetensors.index.json``). Targets: a shardstore checkpoint (``from_torch_file``,
+``from_safetensors``, ``from_other_format``), one
 ``torch.save`` file (``to_torch_file``) and a safetensors model directory
 (``to_safetensors``), from any source of another format (``open_export_source``).
 
@@ -41,7 +42,7 @@ import os
 import secrets
 import shutil
 import stat
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from operator import attrgetter, itemgetter
@@ -137,14 +138,14 @@ def read_tensors(
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``read_arrays`` of any checkpoint ``load`` reads: a shardstore checkpoint's
-    arrays a batch at a time, another tool's tensors (PyTorch DCP, Megatron-Core
-    torch_dist or zarr) one at a time; sorted by key. Not collective."""
-    from shardstore.strategies.foreign import open_foreign, reads_as_foreign
+    arrays a batch at a time, another tool's tensors (a registered other format) one at
+    a time; sorted by key. Not collective."""
+    from shardstore.strategies.other_formats import open_other_format, reads_as_other_format
 
-    if not reads_as_foreign(checkpoint):
+    if not reads_as_other_format(checkpoint):
         yield from read_arrays(checkpoint, keys, memory_bytes)
         return
-    source = open_foreign(checkpoint)
+    source = open_other_format(checkpoint)
     for key in sorted(source.tensors if keys is None else keys):
         if key not in source.tensors:
             raise CheckpointingException(f"{source.path} has no tensor {key!r}")
@@ -192,10 +193,11 @@ class ExportSource:
 def source_kind(source: str | os.PathLike | Location) -> str:
     """What a conversion's source is: ``"torch"`` (a ``torch.save`` file),
     ``"safetensors"`` (a file, or a model directory with ``model.safetensors`` or an
-    index), ``"foreign"`` (PyTorch DCP, Megatron-Core torch_dist or zarr) or
-    ``"shardstore"``; anything else is refused by ``read_commit_record``, which says
-    what it is (nothing, an unfinished save, a file or directory of something else)."""
-    from shardstore.strategies.foreign import reads_as_foreign
+    index), the name of another tool's format in ``shardstore.other_formats.registry``
+    (``"dcp"``, ``"torch_dist"``, ``"zarr"``) or ``"shardstore"``; anything else is
+    refused by ``read_commit_record``, which says what it is (nothing, an unfinished
+    save, a file or directory of something else)."""
+    from shardstore.strategies.other_formats import other_format_of
 
     if not isinstance(source, Location):
         text = os.fspath(source)
@@ -207,8 +209,9 @@ def source_kind(source: str | os.PathLike | Location) -> str:
         if local is not None and ((local / SAFETENSORS_INDEX).is_file() or (local / SAFETENSORS_SINGLE).is_file()):
             return "safetensors"
     location = open_location(source)
-    if reads_as_foreign(location):
-        return "foreign"
+    other_format = other_format_of(location)
+    if other_format is not None:
+        return other_format.name
     if not isinstance(location, ChecksummedLocation):
         read_commit_record(location)
     return "shardstore"
@@ -232,19 +235,17 @@ def _checkpoint_source(checkpoint: str | os.PathLike | Location) -> ExportSource
     """A shardstore checkpoint, or another tool's: arrays by key (``model/fc1`` goes to
     ``sd["model"]["fc1"]``), except a plain DCP save's values, which go where they were
     in the state dict DCP saved (its planner's paths), as ``dcp_to_torch_save`` puts them."""
-    from shardstore.other_formats.dcp import DcpCheckpoint
     from shardstore.serialization import open_checkpoint
-    from shardstore.strategies.foreign import DCP_BACKEND, open_foreign
+    from shardstore.strategies.other_formats import open_other_format
 
     location = open_checkpoint(checkpoint)
-    saved_paths: dict[str, tuple[str | int, ...]] = {}
+    saved_paths: Mapping[str, tuple[str | int, ...]] = {}
     if isinstance(location, ChecksummedLocation):
         sizes = {key: a.nbytes for key, a in location.record.arrays.items()}
     else:
-        foreign = open_foreign(location)
-        sizes = {key: t.nbytes for key, t in foreign.tensors.items()}
-        if isinstance(foreign, DcpCheckpoint) and foreign.kind == DCP_BACKEND:
-            saved_paths = foreign.saved_paths
+        other = open_other_format(location)
+        sizes = {key: t.nbytes for key, t in other.tensors.items()}
+        saved_paths = other.saved_paths
 
     def other_values() -> dict[Any, Any]:
         state: dict[Any, Any] = {}
@@ -322,7 +323,7 @@ def _load_state_dict_file(path: Path) -> dict[Any, Any]:
 def _is_object_shard_key(key: Any) -> bool:
     """A top-level key of a ``torch.save`` file that names a sharded object's shard
     (``rng_state/shard_0_2``): its value stays one object, whatever it holds."""
-    from shardstore.strategies.foreign import _is_object_shard
+    from shardstore.strategies.other_formats import _is_object_shard
 
     return isinstance(key, str) and _is_object_shard(key)
 
@@ -521,32 +522,29 @@ def from_safetensors(
     return len(state)
 
 
-# --------------------------------------------------------------------------- DCP, Megatron torch_dist and zarr
+# --------------------------------------------------------------------------- other tools' formats
 
 
-def from_foreign(
+def from_other_format(
     path: str | os.PathLike, checkpoint: str | os.PathLike | Location, overwrite: bool = False
 ) -> int:
-    """Imports a PyTorch DCP checkpoint, or a Megatron-Core torch_dist or zarr one (read
-    without running its pickles, ``shardstore.strategies.foreign``): every tensor becomes
-    the array of its key, whole, written one at a time; Megatron's ShardedObjects
-    (``<key>/shard_<offset>_<shape>``) stay sharded objects; Megatron's ``common.pt``
-    and a plain DCP's other values form the common state. Returns the number of arrays."""
-    from shardstore.strategies.foreign import (
-        ForeignLoadCommonStrategy,
-        open_foreign,
-        read_sharded_object,
-    )
+    """Imports another tool's checkpoint, of any format in
+    ``shardstore.other_formats.registry`` (PyTorch DCP, Megatron-Core torch_dist or zarr;
+    read without running its pickles): every tensor becomes the array of its key, whole,
+    written one at a time; Megatron's ShardedObjects (``<key>/shard_<offset>_<shape>``)
+    stay sharded objects; Megatron's ``common.pt`` and a plain DCP's other values form
+    the common state. Returns the number of arrays."""
+    from shardstore.strategies.other_formats import OtherFormatLoadCommonStrategy, open_other_format
     from shardstore.tools.array_writer import CheckpointWriter
 
-    source = open_foreign(path)
-    object_keys = list(ForeignLoadCommonStrategy().load_sharded_metadata(source.path))
+    source = open_other_format(path)
+    object_keys = list(OtherFormatLoadCommonStrategy().load_sharded_metadata(source.path))
     planned = {key: torch.empty(t.shape, dtype=t.dtype, device="meta") for key, t in source.tensors.items()}
     with CheckpointWriter(checkpoint, overwrite, planned_arrays=planned, planned_objects=object_keys) as writer:
         for key, tensor in source.iter_tensors():
             writer.write_array(key, tensor)
-        common = ForeignLoadCommonStrategy().load_common(source.path)
-        writer.commit(common, {key: read_sharded_object(source, key) for key in object_keys})
+        common = OtherFormatLoadCommonStrategy().load_common(source.path)
+        writer.commit(common, {key: source.read_object_shard(key) for key in object_keys})
     return len(source.tensors)
 
 

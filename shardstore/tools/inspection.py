@@ -29,7 +29,7 @@ from shardstore.format.integrity import open_committed
 from shardstore.mapping import ShardedObject
 from shardstore.stores.base import Location
 from shardstore.strategies.base import LoadCommonStrategy
-from shardstore.strategies.foreign import reads_as_foreign
+from shardstore.strategies.other_formats import open_other_format, reads_as_other_format
 from shardstore.tools.convert import DEFAULT_MEMORY_BYTES, read_tensors
 
 
@@ -46,9 +46,10 @@ class ArraySummary:
 @dataclass(frozen=True)
 class CheckpointSummary:
     """What a checkpoint holds: a committed shardstore checkpoint, from its commit
-    record and common state; another tool's (``kind`` names it: ``torch_dist``, ``dcp``,
-    ``zarr``), from its own metadata, where the commit-record fields are empty (0, "")
-    and an array's ``chunk_shape`` is empty when its saved chunks differ in shape."""
+    record and common state; another tool's (``kind``: its format's name in
+    ``shardstore.other_formats.registry``, e.g. ``torch_dist``), from its own metadata,
+    where the commit-record fields are empty (0, "") and an array's ``chunk_shape`` is
+    empty when its saved chunks differ in shape."""
 
     checkpoint: str
     format_version: int
@@ -74,8 +75,8 @@ def describe_checkpoint(checkpoint: str | os.PathLike | Location) -> CheckpointS
     format version and saving world size of a committed checkpoint."""
     from shardstore.serialization import load_common_state_dict
 
-    if reads_as_foreign(checkpoint):
-        return describe_foreign(checkpoint)
+    if reads_as_other_format(checkpoint):
+        return describe_other_format(checkpoint)
     location = open_committed(checkpoint)
     record = location.record
     arrays = tuple(
@@ -96,12 +97,10 @@ def describe_checkpoint(checkpoint: str | os.PathLike | Location) -> CheckpointS
     )
 
 
-def describe_foreign(checkpoint: str | os.PathLike | Location) -> CheckpointSummary:
-    """What another tool's checkpoint (PyTorch DCP, Megatron-Core torch_dist or zarr)
+def describe_other_format(checkpoint: str | os.PathLike | Location) -> CheckpointSummary:
+    """What another tool's checkpoint (a format in ``shardstore.other_formats.registry``)
     holds, read as ``load`` reads it (no code from it runs)."""
-    from shardstore.strategies.foreign import open_foreign
-
-    source = open_foreign(checkpoint)
+    source = open_other_format(checkpoint)
     arrays = tuple(
         ArraySummary(key, t.shape, from_torch(t.dtype).zarr_name, t.chunk_shape, t.chunk_count, t.nbytes)
         for key, t in sorted(source.tensors.items())
@@ -213,7 +212,7 @@ def diff_checkpoints(
     common state (``ValueDifference``: keys on one side only, changed values, tensors
     bit for bit). Reads the arrays a batch at a time (``memory_bytes`` per checkpoint;
     another tool's checkpoint, one tensor at a time) and one object shard of each at a
-    time. Either may be another tool's checkpoint (``describe_foreign``), e.g. to check
+    time. Either may be another tool's checkpoint (``describe_other_format``), e.g. to check
     a conversion against its source. Not collective."""
     ra = {a.key: a for a in describe_checkpoint(first).arrays}
     rb = {a.key: a for a in describe_checkpoint(second).arrays}

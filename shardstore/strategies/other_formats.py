@@ -1,15 +1,14 @@
-"""Loading checkpoints other tools wrote directly, under any layout: PyTorch DCP,
-Megatron-Core's torch_dist (``shardstore.other_formats.dcp``) and Megatron-Core's deprecated
-zarr backend (``shardstore.other_formats.megatron_zarr``), read without running their pickles.
+"""Loading checkpoints other tools wrote directly, under any layout: every format in
+``shardstore.other_formats.registry`` (PyTorch DCP, Megatron-Core's torch_dist and its
+deprecated zarr backend), read without running their pickles.
 
 ``load``, ``load_tensors_metadata``, ``load_sharded_metadata`` and
 ``load_common_state_dict`` pick these strategies for a local directory without a
-shardstore commit record that holds DCP's ``.metadata`` (Megatron's torch_dist, or
-plain DCP) or whose ``metadata.json`` names Megatron's ``zarr`` backend. Each requested
-region is assembled from the saved chunks that overlap it, so a load at another world
-size, with another tensor-parallel split or irregular cut, works as on shardstore's own
-format. These formats keep no checksums: what the files hold is what loads (convert
-the checkpoint, ``shardstore convert``, to have every chunk checked from then on).
+shardstore commit record that a registered format detects. Each requested region is
+assembled from the saved chunks that overlap it, so a load at another world size, with
+another tensor-parallel split or irregular cut, works as on shardstore's own format.
+These formats keep no checksums: what the files hold is what loads (convert the
+checkpoint, ``shardstore convert``, to have every chunk checked from then on).
 """
 
 from __future__ import annotations
@@ -20,19 +19,14 @@ from typing import Any
 
 import torch
 
-from shardstore.core import CONFIG_FNAME, CheckpointingException
+from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace
 from shardstore.execution.loaded import place_loaded, postprocess_loaded
 from shardstore.format.integrity import ChecksummedLocation
 from shardstore.format.records import CommitRecord, is_committed
 from shardstore.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from shardstore.other_formats.base import ForeignCheckpoint
-from shardstore.other_formats.dcp import DCP_METADATA, DcpCheckpoint, is_dcp_checkpoint
-from shardstore.other_formats.megatron_zarr import BACKEND as MEGATRON_ZARR_BACKEND
-from shardstore.other_formats.megatron_zarr import (
-    MegatronZarrCheckpoint,
-    is_megatron_zarr_checkpoint,
-)
+from shardstore.other_formats import registry
+from shardstore.other_formats.base import ForeignCheckpoint, OtherFormat
 from shardstore.planning.layout import block_shape, region_at
 from shardstore.protocol.collectives import Group
 from shardstore.stores.base import Location
@@ -46,52 +40,55 @@ from shardstore.strategies.base import (
 from shardstore.strategies.common import TorchCommonLoadStrategy
 from shardstore.strategies.zarr import whole_tensor_metadata
 
-TORCH_DIST_BACKEND = "torch_dist"
-DCP_BACKEND = "dcp"  # what a plain DCP checkpoint (no metadata.json) counts as
+TORCH_DIST_BACKEND = "torch_dist"  # Megatron-Core's backend name, whose default load strategy is ours
 
 
-def open_foreign(checkpoint_dir: CheckpointDir | Location) -> ForeignCheckpoint:
-    """The opened checkpoint (DCP / torch_dist, or Megatron zarr). One load asks for it
-    several times (keys, common state, objects, tensors); it is read once for as long
-    as its metadata file stays the same."""
-    path = checkpoint_dir.local_path() if isinstance(checkpoint_dir, Location) else checkpoint_dir
+def open_other_format(checkpoint_dir: CheckpointDir | Location) -> ForeignCheckpoint:
+    """The opened checkpoint of another tool. One load asks for it several times (keys,
+    common state, objects, tensors); it is read once for as long as its format's
+    metadata file stays the same."""
+    location = open_location(checkpoint_dir)
+    path = location.local_path()
     if path is None:
         raise CheckpointingException(
-            f"{checkpoint_dir.describe()}: checkpoints of other tools are read from local paths only"
+            f"{location.describe()}: checkpoints of other tools are read from local paths only"
         )
     path = Path(path).resolve()
-    marker = path / (DCP_METADATA if is_dcp_checkpoint(path) else CONFIG_FNAME)
+    other_format = registry.detect(location)
+    if other_format is None:
+        raise CheckpointingException(
+            f"{location.describe()} is no checkpoint of another tool that shardstore reads "
+            f"({', '.join(f.title for f in registry.FORMATS)})"
+        )
     try:
-        stat = marker.stat()
+        stat = (path / other_format.metadata_file).stat()
     except OSError:
-        return _open(path)  # which says what is missing
-    return _opened(path, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        return other_format.open(path)  # which says what is missing
+    return _opened(other_format, path, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
-def is_foreign_checkpoint(path: str | Path) -> bool:
-    """A directory this module reads: DCP's ``.metadata``, or Megatron's zarr backend
-    (a file is none: ``read_commit_record`` says what it is)."""
-    return Path(path).is_dir() and (is_dcp_checkpoint(path) or is_megatron_zarr_checkpoint(path))
-
-
-def reads_as_foreign(checkpoint: CheckpointDir) -> bool:
-    """Whether ``checkpoint`` is another tool's local checkpoint that this module reads,
-    as it is: no shardstore commit record (an opened committed one never is)."""
+def other_format_of(checkpoint: CheckpointDir) -> OtherFormat | None:
+    """The registered format of another tool's local checkpoint that this module reads,
+    as it is: no shardstore commit record (an opened committed one never is); None for
+    anything else (a file, S3, a shardstore checkpoint or a directory of neither)."""
     location = open_location(checkpoint)
     if isinstance(location, ChecksummedLocation):
-        return False
+        return None
     path = location.local_path()
-    return path is not None and is_foreign_checkpoint(path) and not is_committed(location)
+    if path is None or not path.is_dir() or is_committed(location):
+        return None
+    return registry.detect(location)
 
 
-def _open(path: Path) -> ForeignCheckpoint:
-    return MegatronZarrCheckpoint(path) if is_megatron_zarr_checkpoint(path) else DcpCheckpoint(path)
+def reads_as_other_format(checkpoint: CheckpointDir) -> bool:
+    """Whether ``checkpoint`` is another tool's local checkpoint that this module reads."""
+    return other_format_of(checkpoint) is not None
 
 
 @functools.lru_cache(maxsize=8)
-def _opened(path: Path, inode: int, size: int, mtime_ns: int) -> ForeignCheckpoint:
+def _opened(other_format: OtherFormat, path: Path, inode: int, size: int, mtime_ns: int) -> ForeignCheckpoint:
     del inode, size, mtime_ns  # the cache key: a rewritten metadata file is read again
-    return _open(path)
+    return other_format.open(path)
 
 
 def read_requested(source: ForeignCheckpoint, t: ShardedTensor) -> torch.Tensor:
@@ -111,11 +108,11 @@ def read_requested(source: ForeignCheckpoint, t: ShardedTensor) -> torch.Tensor:
     return place_loaded(x, t, str(source.path))
 
 
-class ForeignLoadShardedStrategy(LoadShardedStrategy):
-    """Loads ShardedTensors from a DCP / torch_dist / Megatron zarr checkpoint, under any layout."""
+class OtherFormatLoadShardedStrategy(LoadShardedStrategy):
+    """Loads ShardedTensors from another tool's checkpoint (a registered format), under any layout."""
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> StateDict:
-        source = open_foreign(checkpoint_dir)
+        source = open_other_format(checkpoint_dir)
         return dict_list_map_inplace(
             lambda x: read_requested(source, x) if isinstance(x, ShardedTensor) else x, sharded_state_dict
         )
@@ -147,7 +144,7 @@ class ForeignLoadShardedStrategy(LoadShardedStrategy):
         """Every tensor as a data-less ShardedTensor covering it whole; Megatron's
         reformulated flattened ranges (torch_dist <= 0.14) as the flattened range of all
         their elements, as Megatron-Core's own query gives them."""
-        source = open_foreign(checkpoint_dir)
+        source = open_other_format(checkpoint_dir)
         return {
             key: whole_tensor_metadata(key, t.shape, t.dtype, flattened=_stored_reformulated(t))
             for key, t in source.tensors.items()
@@ -157,10 +154,9 @@ class ForeignLoadShardedStrategy(LoadShardedStrategy):
         return self.load_tensors_metadata(checkpoint_dir)
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
-        if loaded_backend not in (TORCH_DIST_BACKEND, DCP_BACKEND, MEGATRON_ZARR_BACKEND):
-            raise CheckpointingException(
-                f"{self} reads torch_dist, DCP and Megatron zarr checkpoints, not {loaded_backend!r}"
-            )
+        names = [f.name for f in registry.FORMATS]
+        if loaded_backend not in names:
+            raise CheckpointingException(f"{self} reads {', '.join(names)} checkpoints, not {loaded_backend!r}")
 
     def check_version_compatibility(self, loaded_version: int) -> None:
         pass  # the metadata describes itself
@@ -169,13 +165,13 @@ class ForeignLoadShardedStrategy(LoadShardedStrategy):
         return self.__class__.__name__
 
 
-class ForeignLoadCommonStrategy(TorchCommonLoadStrategy):
+class OtherFormatLoadCommonStrategy(TorchCommonLoadStrategy):
     """The common state (Megatron's ``common.pt``, plus a plain DCP's non-tensor values)
     and Megatron's ShardedObjects (``<key>/shard_<offset>_<shape>``: DCP items, or
     ``.pt`` files of its zarr backend)."""
 
     def load_common(self, checkpoint_dir: CheckpointDir | Location) -> StateDict:
-        source = open_foreign(checkpoint_dir)
+        source = open_other_format(checkpoint_dir)
         state = source.common_state()
         for key in sorted(source.items):
             if not _is_object_shard(key):
@@ -185,19 +181,19 @@ class ForeignLoadCommonStrategy(TorchCommonLoadStrategy):
     def load_sharded_objects(
         self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir | Location
     ) -> StateDict:
-        source = open_foreign(checkpoint_dir)
+        source = open_other_format(checkpoint_dir)
 
         def load_object(obj: Any) -> Any:
             if not isinstance(obj, ShardedObject):
                 return obj
             if obj.unique_key not in source.items:
                 raise CheckpointingException(f"{source.path} has no sharded object shard {obj.unique_key!r}")
-            return read_sharded_object(source, obj.unique_key)
+            return source.read_object_shard(obj.unique_key)
 
         return dict_list_map_inplace(load_object, sharded_objects_state_dict)
 
     def load_sharded_metadata(self, checkpoint_dir: CheckpointDir | Location) -> ShardedStateDict:
-        source = open_foreign(checkpoint_dir)
+        source = open_other_format(checkpoint_dir)
         return {k: ShardedObject.empty_from_unique_key(k) for k in source.items if _is_object_shard(k)}
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
@@ -213,15 +209,6 @@ def _stored_reformulated(tensor: Any) -> bool:
     return bool(stored) and stored != tuple(tensor.shape)
 
 
-def read_sharded_object(source: ForeignCheckpoint, unique_key: str) -> Any:
-    """A ShardedObject shard's value; Megatron's torch_dist saves the list of the rank's
-    copies of the shard (one), which is unwrapped."""
-    value = source.read_item(unique_key)
-    if source.kind == TORCH_DIST_BACKEND and isinstance(value, list) and len(value) == 1:
-        return value[0]
-    return value
-
-
 def _is_object_shard(key: str) -> bool:
     try:
         ShardedObject.empty_from_unique_key(key)
@@ -230,6 +217,6 @@ def _is_object_shard(key: str) -> bool:
     return True
 
 
-def register_default_foreign_strategies() -> None:
-    """Registers the foreign load strategy as the default for Megatron's ``torch_dist``."""
-    register_default_strategy(StrategyAction.LOAD_SHARDED, TORCH_DIST_BACKEND, 1, ForeignLoadShardedStrategy())
+def register_default_other_format_strategies() -> None:
+    """Registers the load strategy of other formats as the default for Megatron's ``torch_dist``."""
+    register_default_strategy(StrategyAction.LOAD_SHARDED, TORCH_DIST_BACKEND, 1, OtherFormatLoadShardedStrategy())

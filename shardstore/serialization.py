@@ -14,7 +14,8 @@ Save, in stages (each named function below; "collective" = every rank calls it):
                              staging area and write metadata.json there, once the plan
                              is made; every rank learns the save id with its part of
                              the plan (the same scatter)
-    all ranks    common      coordinator writes common.pt; each rank its ShardedObjects
+    all ranks    common      coordinator writes common.pt; each rank its ShardedObjects (a
+                             failure is told to every rank by the staging stage)
     collective   sharded     the storage core (``strategies.zarr``, its stages in
                              ``save_execution``): stage, write, gather the chunk
                              checksums to the coordinator, which commits (the root
@@ -95,10 +96,10 @@ from shardstore.strategies.base import (
     StrategyAction,
     get_default_strategy,
 )
-from shardstore.strategies.other_formats import (
-    OtherFormatLoadCommonStrategy,
-    OtherFormatLoadShardedStrategy,
-    reads_as_other_format,
+from shardstore.strategies.foreign import (
+    ForeignLoadCommonStrategy,
+    ForeignLoadShardedStrategy,
+    reads_as_foreign,
 )
 from shardstore.utils import (
     extract_nonpersistent,
@@ -201,10 +202,10 @@ def save(
             else:
                 objects_part = {}
             with stage("save: common", where):
-                _save_common(pending, group, common_strategy, common_part, objects_part)
+                error = _save_common(pending, group, common_strategy, common_part, objects_part)
             if async_sharded_save:
-                return sharded_strategy.async_save_with_plan(sharded_part, pending, plan, process_group)
-            sharded_strategy.save_with_plan(sharded_part, pending, plan, process_group)
+                return sharded_strategy.async_save_with_plan(sharded_part, pending, plan, process_group, error)
+            sharded_strategy.save_with_plan(sharded_part, pending, plan, process_group, error)
         except CheckpointingException:  # raised on every rank: no rank writes any more
             if group.is_coordinator:
                 pending.abandon()
@@ -314,17 +315,22 @@ def _save_common(
     common_strategy: SaveCommonStrategy,
     common_part: StateDict,
     objects_part: ShardedStateDict,
-) -> None:
-    """Stage common: coordinator writes the common state; every rank its objects."""
-    error = None
+) -> CheckpointingException | None:
+    """Stage common: coordinator writes the common state; every rank its objects.
+    Returns this rank's failure, which the sharded save's first stage (its staging)
+    reports on every rank: no collective of its own."""
     try:
         if group.is_coordinator:
             common_strategy.save_common(common_part, location)
         if objects_part:
             common_strategy.save_sharded_objects(objects_part, location)
-    except Exception as exc:  # reported on every rank by agree()
-        error = exc
-    group.agree(error, f"Saving the common state and sharded objects to {location.describe()}")
+    except Exception as exc:  # reported on every rank by the sharded save's staging
+        error = CheckpointingException(
+            f"Saving the common state and sharded objects to {location.describe()}: {type(exc).__name__}: {exc}"
+        )
+        error.__cause__ = exc
+        return error
+    return None
 
 
 def get_default_save_sharded_strategy(backend: str = "zarr", version: int = 1) -> SaveShardedStrategy:
@@ -499,9 +505,9 @@ def _saved_keys(
 def open_checkpoint(checkpoint_dir: CheckpointDir) -> Location:
     """The checkpoint to read: a committed shardstore checkpoint, its reads checked
     against its commit record; or another tool's (PyTorch DCP, Megatron torch_dist or
-    zarr), read by ``shardstore.strategies.other_formats`` (no commit record, no checksums)."""
+    zarr), read by ``shardstore.strategies.foreign`` (no commit record, no checksums)."""
     location = open_location(checkpoint_dir)
-    return location if reads_as_other_format(location) else open_committed(location)
+    return location if reads_as_foreign(location) else open_committed(location)
 
 
 def verify_checkpoint_and_load_strategy(
@@ -512,8 +518,8 @@ def verify_checkpoint_and_load_strategy(
     """The load strategies for a checkpoint: defaults from its config, or the given ones
     after checking they can read it."""
     location = open_location(checkpoint_dir)
-    if reads_as_other_format(location):
-        return sharded_strategy or OtherFormatLoadShardedStrategy(), common_strategy or OtherFormatLoadCommonStrategy()
+    if reads_as_foreign(location):
+        return sharded_strategy or ForeignLoadShardedStrategy(), common_strategy or ForeignLoadCommonStrategy()
     config = maybe_load_config(location)
     if config is None:
         raise CheckpointingException(f"{location.describe()} is not a distributed checkpoint (no metadata.json)")

@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING, Any, Union
 
 from shardstore.core import CheckpointingException
 from shardstore.mapping import ShardedStateDict, StateDict
+from shardstore.protocol.collectives import Group
+from shardstore.protocol.stage import run_stage
+from shardstore.stores.locations import open_location
 from shardstore.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
 if TYPE_CHECKING:
@@ -229,13 +232,16 @@ class SaveShardedStrategy(SaveStrategyBase):
 
     def save_with_plan(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: Any,
-        process_group: Any = None,
+        process_group: Any = None, local_error: BaseException | None = None,
     ) -> None:
         """Like ``save``, with this rank's part of ``plan_save`` (the global sharding is
         already validated), on ``serialization.save``'s process group when given one.
+        ``local_error``: this rank's failure in the step before (the common state),
+        which every rank must learn of before the sharded save (collective).
 
         Strategies that need no plan inherit this and ignore it.
         """
+        agree_before_save(process_group, checkpoint_dir, local_error)
         self.save(sharded_state_dict, checkpoint_dir)
 
 
@@ -254,9 +260,11 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
 
     def async_save_with_plan(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: Any,
-        process_group: Any = None,
+        process_group: Any = None, local_error: BaseException | None = None,
     ) -> AsyncRequest:
-        """Like ``async_save``, with this rank's part of ``plan_save``."""
+        """Like ``async_save``, with this rank's part of ``plan_save`` (``local_error``:
+        as in ``save_with_plan``)."""
+        agree_before_save(process_group, checkpoint_dir, local_error)
         return self.async_save(sharded_state_dict, checkpoint_dir)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
@@ -265,9 +273,17 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
 
     def save_with_plan(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: Any,
-        process_group: Any = None,
+        process_group: Any = None, local_error: BaseException | None = None,
     ) -> None:
-        self.async_save_with_plan(sharded_state_dict, checkpoint_dir, plan, process_group).execute_sync()
+        self.async_save_with_plan(sharded_state_dict, checkpoint_dir, plan, process_group, local_error).execute_sync()
+
+
+def agree_before_save(process_group: Any, checkpoint_dir: CheckpointDir, local_error: BaseException | None) -> None:
+    """Collective (``protocol.stage.run_stage``, agreement only): a strategy that runs no
+    stage of ours raises every rank's earlier failure before it saves. shardstore's own
+    strategy carries it in its staging stage instead, at no extra collective."""
+    where = open_location(checkpoint_dir).describe()
+    run_stage(Group(process_group), f"Preparing the sharded save into {where}", lambda: None, local_error=local_error)
 
 
 __all__ = [

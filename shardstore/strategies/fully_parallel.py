@@ -206,20 +206,21 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         return self.base_strategy.plan_save(layout)
 
     def async_save_with_plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: Any,
-                             process_group: Any = None) -> AsyncRequest:
+                             process_group: Any = None, local_error: BaseException | None = None) -> AsyncRequest:
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
             raise CheckpointingException(f"{self.base_strategy} cannot save asynchronously: not an async strategy")
         self._prepare(sharded_state_dict)
-        return self.base_strategy.async_save_with_plan(sharded_state_dict, checkpoint_dir, plan, process_group)
+        return self.base_strategy.async_save_with_plan(sharded_state_dict, checkpoint_dir, plan, process_group,
+                                                       local_error)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
         self._prepare(sharded_state_dict)
         self.base_strategy.save(sharded_state_dict, checkpoint_dir)
 
     def save_with_plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: Any,
-                       process_group: Any = None) -> None:
+                       process_group: Any = None, local_error: BaseException | None = None) -> None:
         self._prepare(sharded_state_dict)
-        self.base_strategy.save_with_plan(sharded_state_dict, checkpoint_dir, plan, process_group)
+        self.base_strategy.save_with_plan(sharded_state_dict, checkpoint_dir, plan, process_group, local_error)
 
     @property
     def can_handle_sharded_objects(self) -> bool:

@@ -233,26 +233,28 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def async_save_with_plan(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: RankSavePlan,
-        process_group: dist.ProcessGroup | None = None,
+        process_group: dist.ProcessGroup | None = None, local_error: BaseException | None = None,
     ) -> AsyncRequest:
         """Snapshots the tensors to host memory (the blocking part) and returns the
-        request whose ``async_fn`` writes them and whose finalization commits."""
+        request whose ``async_fn`` writes them and whose finalization commits.
+        ``local_error``: this rank's failure in the step before, agreed in the staging
+        stage (``save_execution.stage_save``)."""
         staging = Staging(True, self.max_staging_bytes, self._buffers, self.io_concurrency, self.background_io_threads)
-        return self._request(sharded_state_dict, checkpoint_dir, plan, staging, process_group)
+        return self._request(sharded_state_dict, checkpoint_dir, plan, staging, process_group, local_error)
 
     def save_with_plan(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: RankSavePlan,
-        process_group: dist.ProcessGroup | None = None,
+        process_group: dist.ProcessGroup | None = None, local_error: BaseException | None = None,
     ) -> None:
         """Synchronous: writes CPU tensors straight from their memory; CUDA tensors
         stream through pinned buffers, at most ``sync_staging_bytes`` at once, their
         copies overlapping the writes."""
         staging = Staging(False, self.sync_staging_bytes, self._sync_buffers, self.io_concurrency)
-        self._request(sharded_state_dict, checkpoint_dir, plan, staging, process_group).execute_sync()
+        self._request(sharded_state_dict, checkpoint_dir, plan, staging, process_group, local_error).execute_sync()
 
     def _request(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: RankSavePlan,
-        staging: Staging, process_group: dist.ProcessGroup | None,
+        staging: Staging, process_group: dist.ProcessGroup | None, local_error: BaseException | None = None,
     ) -> AsyncRequest:
         tensors, _ = local_sharded_items(sharded_state_dict)
         group = Group(process_group if process_group is not None else self.process_group)
@@ -264,7 +266,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
                 f"{location.describe()}; use a smaller bound"
             )
         with stage("save: stage", location.describe()):
-            staged = stage_save(tensors, location, plan, group, staging)
+            staged = stage_save(tensors, location, plan, group, staging, local_error)
         return AsyncRequest(
             async_fn=write_staged,
             async_fn_args=(staged, self.io_concurrency, staging.io_threads),

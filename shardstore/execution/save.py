@@ -23,7 +23,6 @@ I/O; ``agree`` + ``commit`` are its finalization (``finalizer``). Chunks are wri
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -361,22 +360,30 @@ def publish(location: Location, record: CommitRecord) -> None:
         write_commit_record(location, replace(record, save_id=new_save_id()))
 
 
-def finalizer(staged: StagedSave) -> Callable[[BaseException | None], None]:
-    """The ``AsyncRequest`` finalization of ``staged``: ``finalize_save`` under the
-    ``save: commit`` stage, marked to take the background writer's error, with an
-    ``abort`` that only releases what the save holds."""
+@dataclass(frozen=True)
+class SaveFinalization:
+    """The ``AsyncRequest`` finalization of a staged save (``strategies.async_utils.
+    Finalization``): ``finalize(error)`` commits under the ``save: commit`` stage, given
+    the background writer's error; ``abort()`` only releases what the save holds."""
 
-    def finalize(error: BaseException | None = None) -> None:
-        with stage("save: commit", staged.location.describe()):
-            finalize_save(staged, error)
+    staged: StagedSave
 
-    def abort() -> None:
+    @property
+    def checkpoint(self) -> str:
+        return self.staged.location.describe()
+
+    def finalize(self, error: BaseException | None) -> None:
+        """Collective: ``finalize_save``."""
+        with stage("save: commit", self.checkpoint):
+            finalize_save(self.staged, error)
+
+    def abort(self) -> None:
         """Local, no agreement: releases the save's descriptors and lock, so the next
         save into the same place sees a dead save and removes its files (deleting them
         here could race with other ranks still writing)."""
-        end_save(staged.location, abandon=False)
+        end_save(self.staged.location, abandon=False)
 
-    finalize.accepts_async_error = True  # type: ignore[attr-defined]
-    finalize.checkpoint = staged.location.describe()  # type: ignore[attr-defined]
-    finalize.abort = abort  # type: ignore[attr-defined]
-    return finalize
+
+def finalizer(staged: StagedSave) -> SaveFinalization:
+    """The ``AsyncRequest`` finalization of ``staged``."""
+    return SaveFinalization(staged)

@@ -50,7 +50,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch.distributed as dist
 
@@ -65,6 +65,22 @@ logger = logging.getLogger(__name__)
 IO_PRIORITIES = ("idle", "low", "normal")
 DEFAULT_IO_PRIORITY = "low"
 LOW_PRIORITY_NICE = 10
+
+
+@runtime_checkable
+class Finalization(Protocol):
+    """A typed finalize step of an ``AsyncRequest`` (shardstore's own saves:
+    ``execution.save.SaveFinalization``): it is given the background I/O's error, so it
+    can tell every rank (collective), and it can be dropped locally. A plain callable,
+    as Megatron-Core's requests hold, is called without arguments, only on success."""
+
+    checkpoint: str  # what it commits, named in errors
+
+    def finalize(self, error: BaseException | None) -> None:
+        """Collective: commits, or raises the same error on every rank."""
+
+    def abort(self) -> None:
+        """Local: lets go of what the save holds, commits nothing."""
 
 
 @dataclass(frozen=True)
@@ -84,13 +100,13 @@ class AsyncRequest:
 
     async_fn: Callable[..., Any] | None
     async_fn_args: tuple = ()
-    finalize_fns: list[Callable[[], Any]] = field(default_factory=list)
+    finalize_fns: list[Finalization | Callable[[], Any]] = field(default_factory=list)
     async_fn_kwargs: dict[str, Any] = field(default_factory=dict)
     preload_fn: Callable[[], Any] | None = None
     is_frozen: bool = False
     call_idx: int = 0
 
-    def add_finalize_fn(self, fn: Callable[[], Any]) -> None:
+    def add_finalize_fn(self, fn: Finalization | Callable[[], Any]) -> None:
         """Appends a finalize function (not allowed once frozen)."""
         if self.is_frozen:
             raise RuntimeError("Cannot add finalize functions to a frozen AsyncRequest")
@@ -193,7 +209,8 @@ class AsyncCallsQueue:
         try:
             return Group(self.process_group).reduce_over_ranks([done], "min", "async finalization")[0]
         except CheckpointingException as exc:
-            pending = [getattr(fn, "checkpoint", "?") for _, r, _ in self._pending for fn in r.finalize_fns]
+            pending = [fn.checkpoint if isinstance(fn, Finalization) else "?"
+                       for _, r, _ in self._pending for fn in r.finalize_fns]
             raise CheckpointingException(
                 f"Async checkpoint save(s) of {sorted(set(pending))} not committed: {exc}"
             ) from exc
@@ -210,9 +227,8 @@ class AsyncCallsQueue:
                 for _, request, future in self._pending:
                     future.exception()
                     for fn in request.finalize_fns:  # local: closes what the save holds open
-                        abort_fn = getattr(fn, "abort", None)
-                        if abort_fn is not None:
-                            abort_fn()
+                        if isinstance(fn, Finalization):
+                            fn.abort()
                 self._pending.clear()
             else:
                 self.maybe_finalize_async_calls(blocking=True)
@@ -250,10 +266,10 @@ def _run_io(request: AsyncRequest) -> None:
         raise
 
 
-def _call_finalize(fn: Callable[..., Any], error: BaseException | None) -> None:
-    """Finalize functions that take the background error get it; others only run on success."""
-    if getattr(fn, "accepts_async_error", False):
-        fn(error)
+def _call_finalize(fn: Finalization | Callable[[], Any], error: BaseException | None) -> None:
+    """A ``Finalization`` gets the background error; a plain callable only runs on success."""
+    if isinstance(fn, Finalization):
+        fn.finalize(error)
     elif error is None:
         fn()
     else:

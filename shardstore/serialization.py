@@ -96,10 +96,10 @@ from shardstore.strategies.base import (
     StrategyAction,
     get_default_strategy,
 )
-from shardstore.strategies.foreign import (
-    ForeignLoadCommonStrategy,
-    ForeignLoadShardedStrategy,
-    reads_as_foreign,
+from shardstore.strategies.other_formats import (
+    OtherFormatLoadCommonStrategy,
+    OtherFormatLoadShardedStrategy,
+    reads_as_other_format,
 )
 from shardstore.utils import (
     extract_nonpersistent,
@@ -505,9 +505,9 @@ def _saved_keys(
 def open_checkpoint(checkpoint_dir: CheckpointDir) -> Location:
     """The checkpoint to read: a committed shardstore checkpoint, its reads checked
     against its commit record; or another tool's (PyTorch DCP, Megatron torch_dist or
-    zarr), read by ``shardstore.strategies.foreign`` (no commit record, no checksums)."""
+    zarr), read by ``shardstore.strategies.other_formats`` (no commit record, no checksums)."""
     location = open_location(checkpoint_dir)
-    return location if reads_as_foreign(location) else open_committed(location)
+    return location if reads_as_other_format(location) else open_committed(location)
 
 
 def verify_checkpoint_and_load_strategy(
@@ -518,8 +518,8 @@ def verify_checkpoint_and_load_strategy(
     """The load strategies for a checkpoint: defaults from its config, or the given ones
     after checking they can read it."""
     location = open_location(checkpoint_dir)
-    if reads_as_foreign(location):
-        return sharded_strategy or ForeignLoadShardedStrategy(), common_strategy or ForeignLoadCommonStrategy()
+    if reads_as_other_format(location):
+        return sharded_strategy or OtherFormatLoadShardedStrategy(), common_strategy or OtherFormatLoadCommonStrategy()
     config = maybe_load_config(location)
     if config is None:
         raise CheckpointingException(f"{location.describe()} is not a distributed checkpoint (no metadata.json)")

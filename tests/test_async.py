@@ -15,7 +15,7 @@ import torch
 from shardstore import ShardedTensor, load, save
 from shardstore.core import CheckpointingException
 from shardstore.format.records import is_committed, read_commit_record
-from shardstore.stores.base import LocalLocation
+from shardstore.stores.locations import open_location
 from shardstore.strategies.async_utils import AsyncCallsQueue
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 from tests.dist import run_distributed
@@ -47,7 +47,7 @@ def save_then_clobber(rank: int, world: int, ckpt: str, cap: int | None) -> list
     for t in sd.values():  # the trainer moves on and changes its tensors at once
         t.data.fill_(-7)
     queue.schedule_async_request(request)
-    assert not is_committed(LocalLocation(ckpt)) or cap is not None
+    assert not is_committed(open_location(ckpt)) or cap is not None
     done: list[int] = []
     deadline = time.monotonic() + 60
     while queue.get_num_unfinalized_calls():
@@ -73,7 +73,7 @@ def two_saves_in_flight(rank: int, world: int, first: str, second: str) -> list[
         queue.schedule_async_request(save(_sd(rank, world), ckpt, async_sharded_save=True))
     assert queue.get_num_unfinalized_calls() == 2
     order = queue.maybe_finalize_async_calls(blocking=True)
-    assert is_committed(LocalLocation(first)) and is_committed(LocalLocation(second))
+    assert is_committed(open_location(first)) and is_committed(open_location(second))
     queue.close()
     return order
 
@@ -102,7 +102,7 @@ def failing_background_write(rank: int, world: int, ckpt: str) -> str:
         raise AssertionError("finalize did not raise")
     finally:
         queue.close(abort=True)
-    assert not is_committed(LocalLocation(ckpt))
+    assert not is_committed(open_location(ckpt))
     return message
 
 
@@ -111,7 +111,7 @@ def test_background_failure_surfaces_at_finalize_on_every_rank(ckpt_dir: Path) -
     for m in messages:
         assert "rank 1" in m and "No space left on device" in m, m
     with pytest.raises(CheckpointingException, match="incomplete|No checkpoint|does not exist"):
-        read_commit_record(LocalLocation(ckpt_dir))
+        read_commit_record(open_location(ckpt_dir))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread CPU priority is Linux only")

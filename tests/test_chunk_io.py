@@ -19,7 +19,7 @@ from shardstore.format.chunks import (
 from shardstore.format.dtypes import from_zarr_name
 from shardstore.format.records import ArrayRecord
 from shardstore.planning.layout import region_at
-from shardstore.stores.base import LocalLocation
+from shardstore.stores.locations import open_location
 from shardstore.strategies.zarr import array_spec, tensorstore_context
 
 # shape (10, 7) in chunks of (4, 7): the last chunk row is an edge chunk, padded on disk
@@ -39,7 +39,7 @@ def _chunks(tmp_path, name: str) -> ArrayChunks:
 def test_direct_chunks_are_byte_identical_to_tensorstore(tmp_path) -> None:
     value = _value()
     run_writes(write_region(_chunks(tmp_path, "ours"), region_at((0, 0), (10, 7)), value))
-    theirs = LocalLocation(tmp_path / "theirs")
+    theirs = open_location(tmp_path / "theirs")
     spec = array_spec(theirs, RECORD, for_write=True)
     store = ts.open(spec, create=True, context=tensorstore_context(theirs)).result()
     store.write(value).result()

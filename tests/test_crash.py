@@ -18,7 +18,8 @@ import torch
 
 from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, save
 from shardstore.format.records import is_committed
-from shardstore.stores.base import LocalLocation
+from shardstore.stores.local import LocalStore
+from shardstore.stores.locations import open_location
 from tests.dist import run_distributed
 from tests.scenarios import assert_bits_equal, global_tensor
 
@@ -56,13 +57,13 @@ def _arm(point: str) -> None:
 
         chunk_io.ChunkFile.write = write_one_then_die
     elif point == "after data writes":
-        original_durable = LocalLocation.make_durable
+        original_durable = LocalStore.make_durable
 
         def durable_then_die(self):
             original_durable(self)
             _die()
 
-        LocalLocation.make_durable = durable_then_die
+        LocalStore.make_durable = durable_then_die
     elif point == "just before commit":
         import shardstore.format.commit as commit
 
@@ -110,7 +111,7 @@ def test_killed_rank_leaves_no_committed_checkpoint(tmp_path: Path, point: str, 
     assert "rank" in message.lower() or "lost contact" in message.lower(), message
     assert seconds < SURVIVOR_DEADLINE, f"survivor took {seconds:.1f}s to fail"
 
-    assert not is_committed(LocalLocation(ckpt))
+    assert not is_committed(open_location(ckpt))
     with pytest.raises(CheckpointingException, match="incomplete|No checkpoint|does not exist"):
         load(_sd(0, 1, empty=True), ckpt)
     run_distributed(check_load, 2, str(previous))  # the earlier checkpoint is untouched
@@ -137,20 +138,20 @@ def plain_save_overwrite(rank: int, world: int, ckpt: str) -> None:
 
 def test_data_is_made_durable_before_the_commit_record(ckpt_dir: Path, monkeypatch) -> None:
     import shardstore.format.chunks as chunk_io
-    import shardstore.stores.base as storage
+    import shardstore.stores.local as storage
 
     events: list[str] = []
-    real_syncfs, real_write_atomic = storage._syncfs, storage.LocalLocation.write_atomic
-    real_begin, real_write = storage.LocalLocation.begin_writes, chunk_io.ChunkFile.write
+    real_syncfs, real_write_atomic = storage._syncfs, storage.LocalStore.put_atomic
+    real_begin, real_write = storage.LocalStore.begin_writes, chunk_io.ChunkFile.write
 
     def begin(self):
         real_begin(self)
         events.append(f"opened fd {self._sync_fd}")
 
-    monkeypatch.setattr(storage.LocalLocation, "begin_writes", begin)
+    monkeypatch.setattr(storage.LocalStore, "begin_writes", begin)
     monkeypatch.setattr(chunk_io.ChunkFile, "write", lambda self, data: (events.append("chunk"), real_write(self, data))[1])
     monkeypatch.setattr(storage, "_syncfs", lambda fd, path: (events.append(f"syncfs fd {fd}"), real_syncfs(fd, path)))
-    monkeypatch.setattr(storage.LocalLocation, "write_atomic",
+    monkeypatch.setattr(storage.LocalStore, "put_atomic",
                         lambda self, rel, data: (events.append(f"atomic {rel}"), real_write_atomic(self, rel, data)))
     save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, ckpt_dir)
     opened = next(e for e in events if e.startswith("opened fd"))
@@ -171,12 +172,12 @@ def test_files_follow_the_umask(ckpt_dir: Path) -> None:
 
 
 def test_fsync_can_be_turned_off(ckpt_dir: Path, monkeypatch) -> None:
-    import shardstore.stores.base as storage
+    import shardstore.stores.local as storage
 
     calls: list[Path] = []
     monkeypatch.setattr(storage, "_syncfs", calls.append)
     monkeypatch.setattr(storage.os, "fsync", lambda fd: calls.append(fd))
-    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, LocalLocation(ckpt_dir, fsync=False))
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, open_location(ckpt_dir, fsync=False))
     assert calls == []
-    assert is_committed(LocalLocation(ckpt_dir))
+    assert is_committed(open_location(ckpt_dir))
 

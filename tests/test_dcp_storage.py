@@ -204,14 +204,15 @@ def test_dcp_api_writes_and_reads_our_format_on_s3() -> None:
     ShardedTensors through DCP's checkpointable protocol, so arrays are written."""
     import torch.distributed.checkpoint as dcp
 
-    from shardstore.stores.s3 import S3Location, S3Options
+    from shardstore.stores.locations import open_location
+    from shardstore.stores.s3 import S3Options
     from shardstore.strategies.checkpointable import to_dcp_state_dict
     from tests.s3_support import KEY, REGION, SECRET, MotoServer
 
     server = MotoServer().start()
     try:
         server.create_bucket("dcp")
-        location = S3Location("s3://dcp/run/step-10", S3Options(endpoint_url=server.endpoint, key=KEY, secret=SECRET,
+        location = open_location("s3://dcp/run/step-10", options=S3Options(endpoint_url=server.endpoint, key=KEY, secret=SECRET,
                                                                  region=REGION))
         weight = torch.arange(24, dtype=torch.bfloat16).reshape(6, 4)
         state = {**to_dcp_state_dict({"w": ShardedTensor.from_rank_offsets("model.w", weight.clone())}),

@@ -24,7 +24,7 @@ from shardstore import (
     verify,
 )
 from shardstore.format.records import COMMON_FILE, checksum, is_committed
-from shardstore.stores.base import LocalLocation
+from shardstore.stores.locations import open_location
 from tests.dist import run_distributed
 from tests.scenarios import rewrite_record
 
@@ -194,7 +194,7 @@ def full_disk_on_rank_1(rank: int, world: int, ckpt: str) -> str:
 def test_enospc_from_a_write_fails_every_rank_without_commit(ckpt_dir: Path) -> None:
     for message in run_distributed(full_disk_on_rank_1, 2, str(ckpt_dir)):
         assert "No space left on device" in message and "rank(s) 1" in message, message
-    assert not is_committed(LocalLocation(ckpt_dir))
+    assert not is_committed(open_location(ckpt_dir))
 
 
 @pytest.fixture
@@ -213,4 +213,4 @@ def test_real_full_disk_fails_without_commit(tiny_tmpfs: Path) -> None:
     ckpt = tiny_tmpfs / "ckpt"
     with pytest.raises(CheckpointingException, match="No space left on device"):
         save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(1024, 1024))}, ckpt)  # 4 MiB > 1 MiB
-    assert not is_committed(LocalLocation(ckpt))
+    assert not is_committed(open_location(ckpt))

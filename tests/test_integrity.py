@@ -12,7 +12,7 @@ import torch
 
 from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, save, verify
 from shardstore.format.records import read_commit_record
-from shardstore.stores.base import LocalLocation
+from shardstore.stores.locations import open_location
 
 
 def _state(empty: bool = False) -> dict:
@@ -46,7 +46,7 @@ def test_clean_checkpoint_verifies(ckpt_dir: Path) -> None:
     report = verify(ckpt_dir)
     assert report.ok, str(report)
     assert (report.arrays_checked, report.chunks_checked) == (2, 2)
-    assert set(read_commit_record(LocalLocation(ckpt_dir)).files) == {
+    assert set(read_commit_record(open_location(ckpt_dir)).files) == {
         "metadata.json", "common.pt", "__objects__/rng/shard_0_1.pt"
     }
     # the three listed files, and the zarr.json of each array (2) and group (enc) that plain readers open

@@ -24,7 +24,8 @@ import torch
 from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, save, verify
 from shardstore.format.records import check_key
 from shardstore.stores.base import NameLimits
-from shardstore.stores.s3 import S3Location, S3Options
+from shardstore.stores.locations import open_location
+from shardstore.stores.s3 import S3Options
 from tests.dist import run_distributed
 from tests.s3_support import KEY, REGION, SECRET, MotoServer
 from tests.scenarios import rewrite_record
@@ -254,7 +255,7 @@ def test_key_over_the_s3_object_key_limit_is_refused_before_anything_is_written(
     is longer than the 1,024 bytes an S3 object key may have."""
     options = S3Options(endpoint_url=s3_endpoint, key=KEY, secret=SECRET, region=REGION)
     url = f"s3://{BUCKET}/run/iter_0000100"
-    location = S3Location(url, options)
+    location = open_location(url, options=options)
     key = "/".join(["k" * 250] * 4)
     sd = {"t": ShardedTensor.from_rank_offsets(key, torch.ones(2), replica_id=0)}
     with pytest.raises(CheckpointingException) as refused:
@@ -262,7 +263,7 @@ def test_key_over_the_s3_object_key_limit_is_refused_before_anything_is_written(
     message = str(refused.value)
     assert f"Invalid checkpoint key {key!r} in {url}" in message and "1024" in message, message
     assert "shorten the key" in message, message
-    assert location.fs.find(f"{BUCKET}/run") == [], "something was written"
+    assert location.store.fs.find(f"{BUCKET}/run") == [], "something was written"
 
 
 # ------------------------------------------------------------------ reading stays

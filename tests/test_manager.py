@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from shardstore import CheckpointingException
 from shardstore.format.records import COMMIT_RECORD
-from shardstore.stores.base import LocalLocation, StorageError
+from shardstore.stores.base import StorageError
+from shardstore.stores.local import LocalStore
 from shardstore.tools.manager import (
     DELETION_MARKER,
     CheckpointManager,
@@ -172,7 +173,7 @@ def test_an_unreadable_newer_record_makes_retention_keep_more_never_less(tmp_pat
     for step in (1, 2, 3):
         manager.save(step, _state(step))
     unreadable = tmp_path / "iter_0000003" / COMMIT_RECORD
-    real = LocalLocation.read_bytes_or_none
+    real = LocalStore.get
 
     def read_bytes_or_none(self, rel: str, max_bytes: int | None = None) -> bytes | None:
         if self.root / rel == unreadable:
@@ -180,7 +181,7 @@ def test_an_unreadable_newer_record_makes_retention_keep_more_never_less(tmp_pat
         return real(self, rel, max_bytes)
 
     with monkeypatch.context() as patch:
-        patch.setattr(LocalLocation, "read_bytes_or_none", read_bytes_or_none)
+        patch.setattr(LocalStore, "get", read_bytes_or_none)
         manager.save(4, _state(4))  # 3 cannot be proven newer than 2: 2 stays as one of the newest two
         assert manager.all_steps() == [2, 4]
     assert manager.all_steps() == [2, 3, 4] and manager.retention_errors == []
@@ -250,10 +251,10 @@ class _Crash(OSError):
 
 
 def _crash_in_remove_tree(monkeypatch, after: int) -> None:
-    """LocalLocation.remove_tree raises on its call number ``after`` + 1 and after; only
+    """LocalStore.delete_prefix raises on its call number ``after`` + 1 and after; only
     the manager's deletions call it on local directories."""
     calls = []
-    real = LocalLocation.remove_tree
+    real = LocalStore.delete_prefix
 
     def remove_tree(self, rel: str = "") -> None:
         calls.append(rel)
@@ -261,7 +262,7 @@ def _crash_in_remove_tree(monkeypatch, after: int) -> None:
             raise _Crash(f"injected crash while removing {rel}")
         real(self, rel)
 
-    monkeypatch.setattr(LocalLocation, "remove_tree", remove_tree)
+    monkeypatch.setattr(LocalStore, "delete_prefix", remove_tree)
 
 
 def test_an_interrupted_rollback_is_finished_by_calling_it_again(tmp_path: Path, monkeypatch) -> None:
@@ -294,7 +295,7 @@ def test_a_deletion_cut_short_is_finished_by_the_next_retention(tmp_path: Path, 
 def test_a_crash_before_the_commit_record_goes_leaves_the_step_whole(tmp_path: Path, monkeypatch) -> None:
     manager = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=1))
     manager.save(1, _state(1))
-    real = LocalLocation.remove
+    real = LocalStore.delete
 
     def remove(self, rel: str) -> None:
         if rel == COMMIT_RECORD:
@@ -302,7 +303,7 @@ def test_a_crash_before_the_commit_record_goes_leaves_the_step_whole(tmp_path: P
         real(self, rel)
 
     with monkeypatch.context() as patch:
-        patch.setattr(LocalLocation, "remove", remove)
+        patch.setattr(LocalStore, "delete", remove)
         manager.save(2, _state(2))
     assert (tmp_path / "iter_0000001" / DELETION_MARKER).exists()
     assert manager.all_steps() == [1, 2]  # still a step, and loads

@@ -17,7 +17,7 @@ import torch
 
 from shardstore import CheckpointingException, load_common_state_dict
 from shardstore.format.records import COMMIT_RECORD
-from shardstore.stores.base import LocalLocation
+from shardstore.stores.local import LocalStore
 from shardstore.tools.manager import (
     DELETION_MARKER,
     MANAGER_STATE_KEY,
@@ -262,7 +262,7 @@ def test_delete_goes_marker_first_and_an_interrupted_one_is_finished_by_calling_
         raise OSError(f"injected crash while removing {rel}")
 
     with monkeypatch.context() as patch:
-        patch.setattr(LocalLocation, "remove_tree", crash)
+        patch.setattr(LocalStore, "delete_prefix", crash)
         with pytest.raises(CheckpointingException, match=r"Call delete\(1\) again"):
             manager.delete(1)
     left = tmp_path / "iter_0000001"

@@ -41,7 +41,8 @@ from hypothesis import strategies as st
 
 from shardstore import CheckpointingException, ShardedTensor
 from shardstore.format.records import COMMIT_RECORD, read_commit_record
-from shardstore.stores.base import LocalLocation
+from shardstore.stores.local import LocalStore
+from shardstore.stores.locations import open_location
 from shardstore.tools.manager import DELETION_MARKER, CheckpointManager, CheckpointManagerOptions
 
 # Retention settings a history runs under (max_to_keep 1 makes the step just saved the
@@ -143,7 +144,7 @@ class StorageFailed(OSError):
 
 class Faults:
     """Crashes the manager's deletions: only retention and rollback remove a step's
-    entries (``LocalLocation.remove_tree``) or a commit record (``LocalLocation.remove``)
+    entries (``LocalStore.delete_prefix``) or a commit record (``LocalStore.delete``)
     on local directories; a save never does."""
 
     def __init__(self) -> None:
@@ -152,22 +153,22 @@ class Faults:
         self.fired = False
 
     def install(self, patch: pytest.MonkeyPatch) -> None:
-        remove_tree, remove = LocalLocation.remove_tree, LocalLocation.remove
+        remove_tree, remove = LocalStore.delete_prefix, LocalStore.delete
 
-        def crashing_remove_tree(location: LocalLocation, rel: str = "") -> None:
+        def crashing_remove_tree(location: LocalStore, rel: str = "") -> None:
             if self.crash is not None and not self.crash.at_record:
                 self.calls += 1
                 if self.calls > self.crash.after:
                     self._fire(rel)
             remove_tree(location, rel)
 
-        def crashing_remove(location: LocalLocation, rel: str) -> None:
+        def crashing_remove(location: LocalStore, rel: str) -> None:
             if self.crash is not None and self.crash.at_record and rel == COMMIT_RECORD:
                 self._fire(rel)
             remove(location, rel)
 
-        patch.setattr(LocalLocation, "remove_tree", crashing_remove_tree)
-        patch.setattr(LocalLocation, "remove", crashing_remove)
+        patch.setattr(LocalStore, "delete_prefix", crashing_remove_tree)
+        patch.setattr(LocalStore, "delete", crashing_remove)
 
     def arm(self, crash: Crash | None) -> None:
         self.crash, self.calls, self.fired = crash, 0, False
@@ -205,7 +206,7 @@ class History:
         self.managers = self._start()
 
     def _start(self) -> list[CheckpointManager]:
-        location = LocalLocation(self.root, fsync=False)
+        location = open_location(self.root, fsync=False)
         self.reported = 0  # retention errors the managers have reported so far
         return [CheckpointManager(location, self.options),
                 CheckpointManager(location, replace(self.options, async_save=True))]
@@ -233,7 +234,7 @@ class History:
             if step is None:
                 continue
             try:
-                found[step] = read_commit_record(LocalLocation(path, fsync=False)).save_id
+                found[step] = read_commit_record(open_location(path, fsync=False)).save_id
             except Exception:  # damaged, foreign or half deleted: not a step (some junk trips the parser)
                 continue
         return found

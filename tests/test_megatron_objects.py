@@ -251,11 +251,11 @@ def test_megatron_save_and_load_with_the_plugin(ckpt_dir: Path) -> None:
     run_distributed(load_tensors_only, 1, str(ckpt_dir))  # shardstore.load reads it too
     from shardstore import verify
     from shardstore.format.records import read_commit_record
-    from shardstore.stores.base import LocalLocation
+    from shardstore.stores.locations import open_location
 
     assert verify(ckpt_dir).ok
     # Megatron's own save wrote its sharded objects before calling ours: the record lists them too
-    external = read_commit_record(LocalLocation(ckpt_dir)).external_files
+    external = read_commit_record(open_location(ckpt_dir)).external_files
     assert external and all(path.endswith(".pt") for path in external), external
     damaged = ckpt_dir / sorted(external)[0]
     data = bytearray(damaged.read_bytes())

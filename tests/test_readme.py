@@ -206,9 +206,9 @@ def test_readme_fragments_run_as_written(tmp_path: Path, marker: str, block: str
 
             os.environ.update({k: env[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
             options = S3Options(endpoint_url=server.endpoint, key=server.key, secret=server.secret)
-            from shardstore.stores.s3 import S3Location
+            from shardstore.stores.locations import open_location
 
-            meta = load_tensors_metadata(S3Location("s3://my-bucket/run7/iter_0001000", options=options))
+            meta = load_tensors_metadata(open_location("s3://my-bucket/run7/iter_0001000", options=options))
             assert meta["decoder/fc1"].global_shape == (8, 4)
     finally:
         if server is not None:

@@ -25,8 +25,9 @@ from shardstore.format.records import (
     RECORD_DIGEST,
     read_commit_record,
 )
-from shardstore.stores.base import LocalLocation
-from shardstore.stores.s3 import S3Location, S3Options
+from shardstore.stores.base import Location
+from shardstore.stores.locations import open_location
+from shardstore.stores.s3 import S3Options
 from tests.s3_support import KEY, REGION, SECRET, MotoServer
 from tests.scenarios import rewrite_record
 
@@ -51,7 +52,7 @@ def saved(tmp_path: Path) -> Path:
     return tmp_path / "ckpt"
 
 
-def _problems(checkpoint: Path | S3Location) -> dict[str, str]:
+def _problems(checkpoint: Path | Location) -> dict[str, str]:
     report = verify(checkpoint)
     return {f"{p.key} [{p.part}]": p.message for p in report.problems}
 
@@ -119,7 +120,7 @@ def test_a_record_changed_so_that_it_still_parses_is_refused_everywhere(saved: P
     with pytest.raises(CheckpointingException, match="commit record is damaged or was edited"):
         load(_request(), saved)
     with pytest.raises(CheckpointingException, match="commit record is damaged"):
-        read_commit_record(LocalLocation(saved))
+        read_commit_record(open_location(saved))
     assert not verify(saved).ok
 
 
@@ -190,7 +191,7 @@ def s3() -> Iterator[tuple[MotoServer, S3Options]]:
 
 def test_on_s3_documents_and_unlisted_objects_are_flagged(s3: tuple[MotoServer, S3Options]) -> None:
     _, options = s3
-    location = S3Location("s3://binding/run/iter_0000001", options)
+    location = open_location("s3://binding/run/iter_0000001", options=options)
     save(_state(), location)
     assert verify(location).ok
     node = json.loads(location.read_bytes("layers/w/zarr.json"))
@@ -235,7 +236,7 @@ def test_an_in_place_save_adopts_only_paths_its_record_can_hold(tmp_path: Path, 
     save_config(CheckpointingConfig(SHARDSTORE_BACKEND, ZARR_VERSION, "torch", 1), str(target))
     TorchCommonSaveStrategy().save_common({"iteration": 1}, str(target))
     ZarrSaveShardedStrategy().save({"layers/w": ShardedTensor.from_rank_offsets("layers/w", W.clone())}, target)
-    record = read_commit_record(LocalLocation(target))
+    record = read_commit_record(open_location(target))
     assert record.external_files == {"rng_state/shard_0_1.pt": record.external_files["rng_state/shard_0_1.pt"]}
     assert "Not listing" in caplog.text and "__pycache__/x.pyc" in caplog.text
     assert torch.equal(load(_request(), target)["layers/w"], W)

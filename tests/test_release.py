@@ -36,7 +36,8 @@ from shardstore.format.records import (
     STAGING_TAG,
 )
 from shardstore.protocol.collectives import Group
-from shardstore.stores.base import LocalLocation, StorageError
+from shardstore.stores.base import StorageError
+from shardstore.stores.local import LocalStore
 from shardstore.strategies.async_utils import AsyncCallsQueue
 from tests.dist import run_distributed
 
@@ -126,46 +127,46 @@ class Failure:
 
 def _writes_of(predicate: Callable[[str], bool]) -> Callable[[pytest.MonkeyPatch], None]:
     """Disk full on the small-file writes whose relative path ``predicate`` accepts."""
-    original = LocalLocation.write_bytes
+    original = LocalStore.put
 
-    def write_bytes(self: LocalLocation, rel: str, data: bytes) -> None:
+    def write_bytes(self: LocalStore, rel: str, data: bytes) -> None:
         if predicate(rel):
             raise StorageError(f"Cannot write {self.describe(rel)}: {os.strerror(errno.ENOSPC)}")
         original(self, rel, data)
 
-    return lambda mp: mp.setattr(LocalLocation, "write_bytes", write_bytes)
+    return lambda mp: mp.setattr(LocalStore, "put", write_bytes)
 
 
 def _staging_mkdir_fails(mp: pytest.MonkeyPatch) -> None:
-    original = LocalLocation.prepare
+    original = LocalStore.prepare
 
-    def prepare(self: LocalLocation) -> None:
+    def prepare(self: LocalStore) -> None:
         if STAGING_TAG in self.root.name:
             raise StorageError(f"Cannot create checkpoint directory {self.root}: {os.strerror(errno.ENOSPC)}")
         original(self)
 
-    mp.setattr(LocalLocation, "prepare", prepare)
+    mp.setattr(LocalStore, "prepare", prepare)
 
 
 def _syncfs_fails(mp: pytest.MonkeyPatch) -> None:
-    original = LocalLocation.make_durable
+    original = LocalStore.make_durable
 
-    def make_durable(self: LocalLocation) -> None:
+    def make_durable(self: LocalStore) -> None:
         original(self)  # closes the descriptor it synced through, as a real failing syncfs does
         raise StorageError(f"syncfs failed on {self.root}: {os.strerror(errno.EIO)}")
 
-    mp.setattr(LocalLocation, "make_durable", make_durable)
+    mp.setattr(LocalStore, "make_durable", make_durable)
 
 
 def _commit_record_fails(mp: pytest.MonkeyPatch) -> None:
-    original = LocalLocation.write_atomic
+    original = LocalStore.put_atomic
 
-    def write_atomic(self: LocalLocation, rel: str, data: bytes) -> None:
+    def write_atomic(self: LocalStore, rel: str, data: bytes) -> None:
         if rel == COMMIT_RECORD:
             disk_full()
         original(self, rel, data)
 
-    mp.setattr(LocalLocation, "write_atomic", write_atomic)
+    mp.setattr(LocalStore, "put_atomic", write_atomic)
 
 
 def _async_save(target: Path, close: Callable[[AsyncCallsQueue], None]) -> None:

@@ -25,7 +25,8 @@ from shardstore import (
     verify,
 )
 from shardstore.format.records import is_committed
-from shardstore.stores.s3 import S3Location, S3Options
+from shardstore.stores.locations import open_location
+from shardstore.stores.s3 import S3Options, S3Store
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 from tests.dist import run_distributed
 from tests.s3_support import KEY, REGION, SECRET, Faults, FaultyProxy, MotoServer
@@ -81,12 +82,12 @@ def save_s3(rank: int, world: int, url: str, options: S3Options) -> None:
     sd["flat"] = _flat(rank, world, empty=False)
     sd["rng"] = ShardedObject("rng", torch.tensor([rank, 42]), (world,), (rank,))
     sd["iteration"] = 100
-    save(sd, S3Location(url, options))
+    save(sd, open_location(url, options=options))
 
 
 def load_s3(rank: int, world: int, url: str, options: S3Options, axes: tuple[int, ...]) -> None:
     request = _sd(rank, world, axes, empty=True)
-    loaded = load(request, S3Location(url, options))
+    loaded = load(request, open_location(url, options=options))
     for name, (shape, dtype) in TENSORS.items():
         assert_bits_equal(loaded[name], global_tensor(name, shape, dtype)[request[name].global_slice()], name)
     assert_bits_equal(loaded["norm"], global_tensor("norm", (7,), torch.float32))
@@ -95,7 +96,7 @@ def load_s3(rank: int, world: int, url: str, options: S3Options, axes: tuple[int
 
 def load_flat_and_objects(rank: int, world: int, url: str, options: S3Options) -> None:
     loaded = load({"flat": _flat(rank, world, True), "rng": ShardedObject("rng", None, (world,), (rank,))},
-                  S3Location(url, options))
+                  open_location(url, options=options))
     assert_bits_equal(loaded["flat"], _flat(rank, world, False).data)
     assert loaded["rng"].tolist() == [rank, 42]
 
@@ -103,7 +104,7 @@ def load_flat_and_objects(rank: int, world: int, url: str, options: S3Options) -
 def test_save_and_resharded_load_on_s3(server: MotoServer, url: str) -> None:
     options = _options(server.endpoint)
     run_distributed(save_s3, 2, url, options)
-    location = S3Location(url, options)
+    location = open_location(url, options=options)
     assert is_committed(location)
     run_distributed(load_s3, 1, url, options, ())
     run_distributed(load_s3, 4, url, options, (1,))
@@ -121,7 +122,7 @@ def test_save_and_resharded_load_on_s3(server: MotoServer, url: str) -> None:
 
 
 def test_overwrite_protection_and_cleanup_of_an_interrupted_save(server: MotoServer, url: str) -> None:
-    location = S3Location(url, _options(server.endpoint))
+    location = open_location(url, options=_options(server.endpoint))
     sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}
     save(sd, location)
     with pytest.raises(CheckpointingException, match="overwrite=True"):
@@ -147,13 +148,13 @@ def test_save_survives_injected_503s_and_dropped_connections(server: MotoServer,
     finally:
         proxy.stop()
     assert proxy.counts["503"] > 5 and proxy.counts["dropped"] > 0, proxy.counts
-    assert verify(S3Location(url, _options(server.endpoint))).ok
+    assert verify(open_location(url, options=_options(server.endpoint))).ok
 
 
 def save_expecting_failure(rank: int, world: int, url: str, options: S3Options) -> tuple[str, float]:
     start = time.monotonic()
     try:
-        save(_sd(rank, world, (0,), empty=False), S3Location(url, options))
+        save(_sd(rank, world, (0,), empty=False), open_location(url, options=options))
     except CheckpointingException as exc:
         return str(exc), time.monotonic() - start
     raise AssertionError("save to a failing store succeeded")
@@ -169,7 +170,7 @@ def test_permanent_failure_raises_on_every_rank_without_commit(server: MotoServe
         proxy.stop()
     for message, seconds in results:
         assert "s3://" in message and seconds < 60, (message, seconds)
-    assert not is_committed(S3Location(url, _options(server.endpoint)))
+    assert not is_committed(open_location(url, options=_options(server.endpoint)))
 
 
 PLAIN_S3_READER = r"""
@@ -225,7 +226,7 @@ def test_chunk_bound_above_the_s3_object_limit_is_refused(server: MotoServer, ur
     from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 
     with pytest.raises(CheckpointingException, match="object limit"):
-        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, S3Location(url, _options(server.endpoint)),
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, open_location(url, options=_options(server.endpoint)),
              ZarrSaveShardedStrategy(max_chunk_bytes=6 * 2**30))
 
 
@@ -235,7 +236,7 @@ def async_save_s3(rank: int, world: int, url: str, options: S3Options) -> list[i
     sd = _sd(rank, world, (0,), empty=False)
     sd["iteration"] = 100
     queue = AsyncCallsQueue()
-    queue.schedule_async_request(save(sd, S3Location(url, options), async_sharded_save=True))
+    queue.schedule_async_request(save(sd, open_location(url, options=options), async_sharded_save=True))
     for t in (v for v in sd.values() if isinstance(v, ShardedTensor)):  # changed right away: the checkpoint keeps the values at the call
         t.data.fill_(0)
     done = queue.maybe_finalize_async_calls(blocking=True)
@@ -255,13 +256,13 @@ def test_async_save_to_s3(server: MotoServer, url: str) -> None:
 def save_scalars_s3(rank: int, world: int, url: str, options: S3Options) -> None:
     from tests.test_trust import _scalars
 
-    save(_scalars(empty=False, replica=rank), S3Location(url, options))
+    save(_scalars(empty=False, replica=rank), open_location(url, options=options))
 
 
 def load_scalars_s3(rank: int, world: int, url: str, options: S3Options) -> None:
     from tests.test_trust import DTYPES, _scalar, _scalar_key, _scalars
 
-    loaded = load(_scalars(empty=True, replica=rank), S3Location(url, options))
+    loaded = load(_scalars(empty=True, replica=rank), open_location(url, options=options))
     for d in DTYPES:
         assert_bits_equal(loaded[_scalar_key(d)], _scalar(d), _scalar_key(d))
 
@@ -273,13 +274,13 @@ def test_zero_dim_tensors_on_s3(server: MotoServer, url: str) -> None:
     options = _options(server.endpoint)
     run_distributed(save_scalars_s3, 2, url, options)
     run_distributed(load_scalars_s3, 1, url, options)
-    plain = load_plain_tensors(S3Location(url, options))
+    plain = load_plain_tensors(open_location(url, options=options))
     for d in DTYPES:
         assert_bits_equal(plain[_scalar_key(d)], _scalar(d), _scalar_key(d))
 
 
 def test_moved_chunk_on_s3_fails_load_and_verify(server: MotoServer, url: str) -> None:
-    location = S3Location(url, _options(server.endpoint))
+    location = open_location(url, options=_options(server.endpoint))
     save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0).reshape(4, 2))}, location,
          sharded_strategy=ZarrSaveShardedStrategy(max_chunk_bytes=8))
     location.write_bytes("w/c.0.0", location.read_bytes("w/c.3.0"))
@@ -292,7 +293,7 @@ def test_moved_chunk_on_s3_fails_load_and_verify(server: MotoServer, url: str) -
 def test_default_options_fail_within_a_minute(server: MotoServer, url: str, failure: str) -> None:
     from shardstore.testing import free_port
 
-    location = S3Location(url, _options(server.endpoint))
+    location = open_location(url, options=_options(server.endpoint))
     save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, location)
     proxy = None
     if failure == "connection refused":
@@ -303,7 +304,7 @@ def test_default_options_fail_within_a_minute(server: MotoServer, url: str, fail
     start = time.monotonic()
     try:
         with pytest.raises(CheckpointingException, match=r"s3://checkpoints/.*(zarr\.json|w/)"):
-            load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, S3Location(url, _options(endpoint)))
+            load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, open_location(url, options=_options(endpoint)))
     finally:
         if proxy is not None:
             proxy.stop()
@@ -322,7 +323,7 @@ def test_s3_without_s3fs_says_which_extra_to_install(monkeypatch) -> None:
 def test_checkpoint_manager_on_s3(server: MotoServer, url: str) -> None:
     from shardstore.tools.manager import CheckpointManager, CheckpointManagerOptions
 
-    root = S3Location(url.rsplit("/", 1)[0], _options(server.endpoint))
+    root = open_location(url.rsplit("/", 1)[0], options=_options(server.endpoint))
     manager = CheckpointManager(root, CheckpointManagerOptions(max_to_keep=2))
     for step in range(4):
         manager.save(step, {"w": ShardedTensor.from_rank_offsets("w", torch.full((4,), float(step))), "step": step})
@@ -347,7 +348,7 @@ def test_checkpoint_manager_on_s3_never_loses_the_last_good_step(server: MotoSer
         CheckpointManagerOptions,
     )
 
-    root = S3Location(url.rsplit("/", 1)[0], _options(server.endpoint))
+    root = open_location(url.rsplit("/", 1)[0], options=_options(server.endpoint))
     root.child("iter_0000050").write_bytes(COMMIT_RECORD, b"{damaged")
     root.child("iter_0000000").write_many({".metadata": b"DCP", "__0_0.distcp": b"DCP data"})
     root.child("iter_0000099").write_bytes("notes.txt", b"a user's own files")
@@ -355,16 +356,16 @@ def test_checkpoint_manager_on_s3_never_loses_the_last_good_step(server: MotoSer
     for step in (1, 2):
         assert manager.save(step, _manager_state(step))
 
-    real_remove_tree, calls = S3Location.remove_tree, []
+    real_remove_tree, calls = S3Store.delete_prefix, []
 
-    def crashing_remove_tree(self: S3Location, rel: str = "") -> None:
+    def crashing_remove_tree(self: S3Store, rel: str = "") -> None:
         calls.append(rel)
         if rel and len(calls) > 1:  # the manager's deletion of step 1: one entry goes, then the crash
             raise OSError("injected failure")
         real_remove_tree(self, rel)
 
     with monkeypatch.context() as patch:
-        patch.setattr(S3Location, "remove_tree", crashing_remove_tree)
+        patch.setattr(S3Store, "delete_prefix", crashing_remove_tree)
         assert manager.save(3, _manager_state(3))
     assert len(manager.retention_errors) == 1 and "iter_0000001" in manager.retention_errors[0]
     left = root.child("iter_0000001")
@@ -395,7 +396,7 @@ def test_checkpoint_manager_on_s3_keeps_the_best_and_the_newest_and_deletes_on_r
     refuses the newest step."""
     from shardstore.tools.manager import CheckpointManager, CheckpointManagerOptions
 
-    root = S3Location(url.rsplit("/", 1)[0], _options(server.endpoint))
+    root = open_location(url.rsplit("/", 1)[0], options=_options(server.endpoint))
     options = CheckpointManagerOptions(
         max_to_keep=1, keep_best=1, best_fn=lambda m: m["loss"], best_mode="min", async_save=True
     )

@@ -214,9 +214,9 @@ ENOSPC_POINTS = {  # each phase of a save: (module, attribute that fails)
     "metadata.json": ("shardstore.serialization", "save_config"),
     "common.pt": ("shardstore.strategies.common", "TorchCommonSaveStrategy.save_common"),
     "chunk write": ("shardstore.format.chunks", "ChunkFile.write"),
-    "syncfs": ("shardstore.stores.base", "_syncfs"),
-    "commit record": ("shardstore.stores.base", "LocalLocation.write_atomic"),
-    "rename": ("shardstore.stores.base", "LocalLocation.rename_to"),
+    "syncfs": ("shardstore.stores.local", "_syncfs"),
+    "commit record": ("shardstore.stores.local", "LocalStore.put_atomic"),
+    "rename": ("shardstore.stores.local", "LocalStore.rename_to"),
 }
 
 

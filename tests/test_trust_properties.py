@@ -38,9 +38,9 @@ EXAMPLES = 60 if os.environ.get("SHARDSTORE_SLOW") == "1" else 12
 FAIL_POINTS = [
     ("shardstore.serialization", "save_config"),
     ("shardstore.format.chunks", "ChunkFile.write"),
-    ("shardstore.stores.base", "_syncfs"),
-    ("shardstore.stores.base", "LocalLocation.write_atomic"),
-    ("shardstore.stores.base", "LocalLocation.rename_to"),
+    ("shardstore.stores.local", "_syncfs"),
+    ("shardstore.stores.local", "LocalStore.put_atomic"),
+    ("shardstore.stores.local", "LocalStore.rename_to"),
 ]
 
 

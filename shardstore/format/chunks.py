@@ -10,6 +10,10 @@ asks the storage for bytes (``ChunkStore``):
   from the caller's memory; ``readv`` straight into the destination's slab.
 - ``KvChunkStore`` (object stores): TensorStore's kvstore driver (``s3``), one PUT or
   GET per chunk, with TensorStore's retries.
+- ``StoreChunkStore`` (stores TensorStore cannot reach, e.g. fsspec's ``memory://``):
+  the store's own ``get``/``put``.
+
+Which one a location gets, its store says as data (``stores.base.ChunkAccess``).
 
 The writer of a chunk reports its crc32c; the commit record keeps it for every chunk
 (``format.ArrayRecord.chunk_crcs``), and every read checks the chunk against both its
@@ -47,7 +51,8 @@ from shardstore.errors import CheckpointingException
 from shardstore.format.dtypes import from_zarr_name
 from shardstore.format.records import CHUNK_SEPARATOR, ArrayRecord, chunk_key
 from shardstore.progress import tracked
-from shardstore.stores.base import DirectoryGuard, Location, create_file, open_regular, run_parallel
+from shardstore.stores.base import Location, Store, run_parallel
+from shardstore.stores.local import DirectoryGuard, create_file, open_regular
 
 # A box of a global array, one slice per axis (``planning.layout`` builds them).
 Region = tuple[slice, ...]
@@ -184,10 +189,9 @@ class KvChunkStore(ChunkStore):
         import tensorstore as ts
 
         self.location, self.threads = location, threads
+        access = location.store.chunk_access()
         try:
-            self.kv = ts.KvStore.open(
-                location.kvstore_spec(""), context=ts.Context(location.tensorstore_context())
-            ).result()
+            self.kv = ts.KvStore.open(dict(access.kvstore or {}), context=ts.Context(dict(access.context))).result()
         except Exception as exc:
             raise CheckpointingException(f"Cannot open the object store of {location.describe()}: {exc}") from exc
 
@@ -199,30 +203,53 @@ class KvChunkStore(ChunkStore):
 
     def get_into(self, rel: str, views: list[memoryview]) -> tuple[int, bytes] | None:
         result = self.kv.read(rel).result()
-        if result.state != "value":
-            return None
-        data = memoryview(result.value)
-        at = 0
-        for v in views:
-            n = min(len(v), len(data) - at)
-            v[:n] = data[at : at + n]
-            at += n
-            if n < len(v):
-                break
-        return at, bytes(data[at : at + CRC_BYTES + 1])
+        return _fill(views, memoryview(result.value)) if result.state == "value" else None
+
+
+class StoreChunkStore(ChunkStore):
+    """Chunks as objects of the store itself, for stores TensorStore cannot reach."""
+
+    def __init__(self, store: Store, threads: int) -> None:
+        self.store, self.threads = store, threads
+
+    def describe(self, rel: str) -> str:
+        return self.store.describe(rel)
+
+    def put(self, rel: str, buffers: list[memoryview]) -> None:
+        self.store.put(rel, b"".join(buffers))
+
+    def get_into(self, rel: str, views: list[memoryview]) -> tuple[int, bytes] | None:
+        data = self.store.get(rel)
+        return None if data is None else _fill(views, memoryview(data))
+
+
+def _fill(views: list[memoryview], data: memoryview) -> tuple[int, bytes]:
+    """Copies ``data`` into ``views`` in order; returns the bytes copied and up to
+    ``CRC_BYTES + 1`` bytes that follow (``ChunkStore.get_into``)."""
+    at = 0
+    for v in views:
+        n = min(len(v), len(data) - at)
+        v[:n] = data[at : at + n]
+        at += n
+        if n < len(v):
+            break
+    return at, bytes(data[at : at + CRC_BYTES + 1])
 
 
 def chunk_store_for(location: Location, io_concurrency: int, local_threads: int = DEFAULT_IO_THREADS) -> ChunkStore:
     """The chunk store of a checkpoint location, with the number of chunk operations to
-    run at once: files where it is a local path (``local_threads`` threads, at most
-    ``io_concurrency``: more did not help on local disks), the TensorStore kvstore
-    otherwise (``io_concurrency`` requests in flight)."""
+    run at once, as its store's ``chunk_access`` says: files under a local directory
+    (``local_threads`` threads, at most ``io_concurrency``: more did not help on local
+    disks), else a TensorStore kvstore (``io_concurrency`` requests in flight), else the
+    store's own get/put (``local_threads`` threads)."""
     if not NATIVE_LITTLE_ENDIAN:
         raise CheckpointingException("shardstore's chunk I/O needs a little-endian host")
-    root = location.local_path("")
-    if root is not None:
-        return FileChunkStore(root, min(io_concurrency, local_threads))
-    return KvChunkStore(location, io_concurrency)
+    access = location.store.chunk_access()
+    if access.local_root is not None:
+        return FileChunkStore(access.local_root, min(io_concurrency, local_threads))
+    if access.kvstore is not None:
+        return KvChunkStore(location, io_concurrency)
+    return StoreChunkStore(location.store, min(io_concurrency, local_threads))
 
 
 class ChunkFile:

@@ -46,11 +46,9 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import uuid
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.records import (
@@ -62,7 +60,7 @@ from shardstore.format.records import (
     CommitRecord,
     other_checkpoint_kind,
 )
-from shardstore.stores.base import DelegatingLocation, LocalLocation, Location
+from shardstore.stores.base import DirectoryPublishing, Location
 
 logger = logging.getLogger(__name__)
 
@@ -149,16 +147,17 @@ def _check_target(target: Location, overwrite: bool) -> str | None:
 # ------------------------------------------------------------------ pending saves
 
 
-class PendingCheckpoint(DelegatingLocation):
-    """Where one save writes: its staging area (``inner``) plus how it gets published.
+class PendingCheckpoint(Location):
+    """Where one save writes: its staging area (``inner``, whose store it shares) plus how
+    it gets published.
 
     Every rank builds one from the coordinator's ``SaveIntent``; only the coordinator
     calls ``commit`` or ``abandon``.
     """
 
     def __init__(self, target: Location, staging: Location, intent: SaveIntent) -> None:
-        super().__init__(staging)
-        self.target, self.intent = target, intent
+        super().__init__(staging.store)
+        self.inner, self.target, self.intent = staging, target, intent
         self._locks: list[int] = []  # descriptors holding the staging directory's flock
         # A save dropped without commit, abandon or release (an AsyncRequest never
         # scheduled, a caller's exception between the stages) still lets go of its
@@ -190,15 +189,15 @@ class PendingCheckpoint(DelegatingLocation):
                 if _marker_id(self.target) == self.intent.save_id and committed_save_id(self.target) is None:
                     self.target.remove_tree("")
             else:
-                _remove_dir(self.inner.local_path())
+                _remove_dir(self.inner.store.publishing())
         finally:
             self.release()
 
     def hold_staging_lock(self) -> None:
         """Coordinator: takes the staging directory's ``flock`` for as long as the save
         runs (``release`` lets it go), so that no other save removes it as a dead one's."""
-        staging = self.inner
-        assert isinstance(staging, LocalLocation)  # only local saves stage apart from the target
+        staging = self.inner.store.publishing()
+        assert staging is not None  # only stores that publish by rename stage apart from the target
         fd = staging.hold_lock()
         if fd is not None:
             self._locks.append(fd)
@@ -224,13 +223,13 @@ class PendingCheckpoint(DelegatingLocation):
         self.target.remove(SAVE_MARKER)
 
     def _commit_by_rename(self, record: CommitRecord) -> None:
-        staging, target = self.inner, self.target
-        assert isinstance(staging, LocalLocation) and isinstance(target, LocalLocation)
-        staging.write_atomic(COMMIT_RECORD, record.to_json())
-        replaced: LocalLocation | None = None
+        staging, target = self.inner.store.publishing(), self.target.store.publishing()
+        assert staging is not None and target is not None  # begin_save staged apart only for these
+        self.inner.write_atomic(COMMIT_RECORD, record.to_json())
+        replaced: DirectoryPublishing | None = None
         with target.parent_locked():
-            empty = target.is_empty()
-            current = None if empty else committed_save_id(target)
+            empty = self.target.is_empty()
+            current = None if empty else committed_save_id(self.target)
             if current != self.intent.replaces or (not empty and current is None):
                 raise self._lost_race(current or "a directory that is not a checkpoint")
             if current is None:
@@ -238,13 +237,12 @@ class PendingCheckpoint(DelegatingLocation):
             elif staging.rename_to(target, exchange=True):
                 replaced = staging  # the old checkpoint is now at the staging path
             else:
-                replaced = target.sibling(f".{target.root.name}{REPLACED_TAG}{current}")
+                replaced = target.sibling(f".{target.name}{REPLACED_TAG}{current}")
                 target.rename_to(replaced, exchange=False)
                 staging.rename_to(target, exchange=False)
             target.fsync_parent()
-        target.remove(SAVE_MARKER)
-        if replaced is not None:
-            _remove_dir(replaced.root)
+        self.target.remove(SAVE_MARKER)
+        _remove_dir(replaced)
 
 
 def _close_descriptors(staging: Location, locks: list[int]) -> None:
@@ -266,17 +264,17 @@ def _release_dropped(staging: Location, locks: list[int], where: str) -> None:
     _close_descriptors(staging, locks)
 
 
-def _remove_dir(path: Path | None) -> None:
+def _remove_dir(directory: DirectoryPublishing | None) -> None:
     """Deletes a directory this save owns; a failure is logged, not raised: the save's
     outcome is already decided and the next save removes what is left."""
-    if path is None:
+    if directory is None:
         return
     try:
-        shutil.rmtree(path)
+        directory.remove_directory()
     except FileNotFoundError:
         pass
     except OSError as exc:
-        logger.warning("Could not remove %s (the next save into the same place will): %s", path, exc)
+        logger.warning("Could not remove %s (the next save into the same place will): %s", directory.describe(), exc)
 
 
 def begin_save(target: Location, overwrite: bool) -> PendingCheckpoint:
@@ -284,11 +282,13 @@ def begin_save(target: Location, overwrite: bool) -> PendingCheckpoint:
     staging area with its marker. Raises a CheckpointingException instead of deleting
     anything that is not provably ours."""
     save_id = new_save_id()
-    if isinstance(target, LocalLocation):
-        target = _resolved(target)
-        remove_dead_saves(target)
+    directory = target.store.publishing()
+    if directory is not None:
+        directory = directory.resolved()
+        target = Location(directory)
+        remove_dead_saves(directory)
         replaces = _check_target(target, overwrite)
-        pending = PendingCheckpoint(target, _staging_for(target, save_id), SaveIntent(save_id, replaces))
+        pending = PendingCheckpoint(target, _staging_for(directory, save_id), SaveIntent(save_id, replaces))
     else:
         target.prepare()
         if not target.is_empty() and _marker_id(target) is not None and committed_save_id(target) is None:
@@ -315,49 +315,45 @@ def begin_save(target: Location, overwrite: bool) -> PendingCheckpoint:
 
 def join_save(target: Location, intent: SaveIntent) -> PendingCheckpoint:
     """Every rank but the coordinator: the pending checkpoint the coordinator began."""
-    if isinstance(target, LocalLocation):
-        target = _resolved(target)
-        pending = PendingCheckpoint(target, _staging_for(target, intent.save_id), intent)
+    directory = target.store.publishing()
+    if directory is not None:
+        directory = directory.resolved()
+        pending = PendingCheckpoint(Location(directory), _staging_for(directory, intent.save_id), intent)
     else:
         pending = PendingCheckpoint(target, target, intent)
     pending.inner.begin_writes()
     return pending
 
 
-def _resolved(target: LocalLocation) -> LocalLocation:
-    """``target`` with symbolic links resolved: the staging directory must be a sibling
-    of the real directory, or the rename would replace the link instead."""
-    return LocalLocation(target.root.resolve(), fsync=target.fsync)
+def _staging_for(target: DirectoryPublishing, save_id: str) -> Location:
+    """The staging directory of the save ``save_id`` into ``target`` (links resolved)."""
+    return Location(target.sibling(f".{target.name}{STAGING_TAG}{save_id}"))
 
 
-def _staging_for(target: LocalLocation, save_id: str) -> LocalLocation:
-    return target.sibling(f".{target.root.name}{STAGING_TAG}{save_id}")
-
-
-def remove_dead_saves(target: LocalLocation) -> list[str]:
+def remove_dead_saves(target: DirectoryPublishing) -> list[str]:
     """Deletes the staging directories of saves into ``target`` that died, and old
     checkpoints left aside by an interrupted replacement. Only what is provably ours:
     a staging directory whose marker names the save id in its name and whose lock is
     free; a replaced directory whose commit record carries the id in its name."""
     removed = []
-    for name in target.siblings(f".{target.root.name}{STAGING_TAG}"):
+    for name in target.siblings(f".{target.name}{STAGING_TAG}"):
         save_id = name.rsplit(STAGING_TAG, 1)[1]
         candidate = target.sibling(name)
-        if _marker_id(candidate) != save_id:
+        if _marker_id(Location(candidate)) != save_id:
             continue
         fd = candidate.hold_lock()
         if fd is None:
             continue  # a save that is still running
         try:
-            shutil.rmtree(candidate.root)
+            candidate.remove_directory()
         finally:
             os.close(fd)
         removed.append(name)
-    for name in target.siblings(f".{target.root.name}{REPLACED_TAG}"):
+    for name in target.siblings(f".{target.name}{REPLACED_TAG}"):
         candidate = target.sibling(name)
         try:
-            if committed_save_id(candidate) == name.rsplit(REPLACED_TAG, 1)[1]:
-                shutil.rmtree(candidate.root)
+            if committed_save_id(Location(candidate)) == name.rsplit(REPLACED_TAG, 1)[1]:
+                candidate.remove_directory()
                 removed.append(name)
         except CheckpointingException:
             continue

@@ -41,7 +41,7 @@ from shardstore.format.records import (
     read_commit_record,
 )
 from shardstore.progress import Tick, operation, progress_shown, tracked
-from shardstore.stores.base import DelegatingLocation, Location
+from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 
 logger = logging.getLogger(__name__)
@@ -89,14 +89,15 @@ def checksum_mismatch(data: bytes, expected: str) -> str | None:
     return None if actual == expected else f"its checksum {actual} differs from {expected} in the commit record"
 
 
-class ChecksummedLocation(DelegatingLocation):
+class ChecksummedLocation(Location):
     """A committed checkpoint's location: every read of a file the commit record could
     vouch for (common state, sharded objects, ``metadata.json``) is checked against
-    the record, and such a file the record does not list is refused."""
+    the record, and such a file the record does not list is refused. It shares
+    ``inner``'s store and changes only reads."""
 
     def __init__(self, inner: Location, record: CommitRecord) -> None:
-        super().__init__(inner)
-        self.record = record
+        super().__init__(inner.store)
+        self.inner, self.record = inner, record
         self._vouchable = record.expected_files()
 
     def read_bytes_or_none(self, rel: str, max_bytes: int | None = None) -> bytes | None:

@@ -50,7 +50,7 @@ from shardstore._zarr_autoload import EXTENSION_METADATA
 from shardstore.errors import CheckpointingException
 from shardstore.format.config import CONFIG_FNAME
 from shardstore.format.dtypes import from_zarr_name
-from shardstore.stores.base import LocalLocation, Location, NameLimits
+from shardstore.stores.base import Location, NameLimits
 
 FORMAT_VERSION = 4
 # Versions this shardstore reads. Version 1 records carry no save id and no chunk
@@ -743,13 +743,13 @@ def other_checkpoint_kind(location: Location) -> tuple[str, bool] | None:
 
 
 def unfinished_saves(location: Location) -> list[str]:
-    """Staging directories of saves into ``location`` that have not published (local
-    file systems; running or dead)."""
-    path = location.local_path()
-    if path is None:
+    """Staging directories of saves into ``location`` that have not published (stores
+    that publish by rename; running or dead)."""
+    directory = location.store.publishing()
+    if directory is None:
         return []
     try:
-        return LocalLocation(path, fsync=False).siblings(f".{path.name}{STAGING_TAG}")
+        return directory.siblings(f".{directory.name}{STAGING_TAG}")
     except OSError:  # an unreadable parent: only the error message loses this detail
         return []
 

@@ -28,7 +28,8 @@ import torch
 from shardstore.errors import CheckpointingException
 from shardstore.format.pickles import deserialize_dict, load_torch
 from shardstore.format.records import COMMON_FILE
-from shardstore.stores.base import Location, StorageError, open_regular_file
+from shardstore.stores.base import Location, StorageError
+from shardstore.stores.local import open_regular_file
 
 
 @dataclass(frozen=True)

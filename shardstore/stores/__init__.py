@@ -1,4 +1,8 @@
-"""Stores: where bytes go. The ``Location`` interface (``base``), one module per backend (local disk in ``base``, ``s3``), and the one place that maps a path or URL to its backend (``locations``).
+"""Stores: where bytes go. ``base`` is the store interface (bytes by key, capability flags,
+chunk access as data) and the ``Location`` callers hold, and ``DirectoryPublishing``, the
+small interface of stores that publish a save by rename; one module per backend (``local``,
+``s3``, ``memory``); ``locations`` the registry of URL schemes, the one place that knows
+every backend.
 
 May import: ``shardstore.errors`` only. Nothing here knows about arrays, records or ranks.
 """

@@ -1,34 +1,55 @@
-"""Which Location a checkpoint path names: a local directory or ``s3://bucket/prefix``.
+"""Which store a checkpoint path names: the registry of URL schemes.
 
-The one place that knows every kind of location (``storage.LocalLocation``,
-``s3.S3Location``), so that neither of those modules needs the other.
+A backend registers its scheme here, once, with the factory that builds its store from
+the URL and the caller's options; a path without a scheme is a local directory. This is
+the one module that knows every backend, so that no backend module needs another.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
-from shardstore.stores.base import LocalLocation, Location, StorageError
-from shardstore.stores.s3 import S3Location
+from shardstore.stores.base import Location, StorageError, Store
+from shardstore.stores.local import LocalStore
+from shardstore.stores.memory import MemoryStore
+from shardstore.stores.s3 import S3Store
+
+StoreFactory = Callable[..., Store]
+
+# scheme (the text before "://") -> factory(url, **options)
+BACKENDS: dict[str, StoreFactory] = {
+    "s3": S3Store,
+    "memory": MemoryStore,
+}
+
+
+def open_store(target: str | os.PathLike, **options: Any) -> Store:
+    """The store a path or URL names.
+
+    Args:
+        target: a local path, or ``<scheme>://...`` for a registered scheme
+            (``s3://bucket/prefix``, ``memory://name/prefix``)
+        options: passed to the store (``fsync=False`` for local paths,
+            ``options=S3Options(...)`` for S3)
+    """
+    text = os.fspath(target)
+    if "://" not in text:
+        return LocalStore(text, **options)
+    scheme = text.split("://", 1)[0]
+    factory = BACKENDS.get(scheme)
+    if factory is None:
+        known = ", ".join(f"{s}://" for s in sorted(BACKENDS))
+        raise StorageError(
+            f"Unsupported checkpoint location scheme {scheme!r} in {text!r}: use a local path or one of {known}"
+        )
+    return factory(text, **options)
 
 
 def open_location(target: str | os.PathLike | Location, **options: Any) -> Location:
-    """The Location for a checkpoint directory given as a path, URL or Location.
-
-    Args:
-        target: a local path, ``s3://bucket/prefix``, or a Location (returned as is)
-        options: passed to the Location (``fsync=False`` for local paths,
-            ``options=S3Options(...)`` for S3)
-    """
+    """The Location for a checkpoint directory given as a path, URL or Location
+    (returned as it is)."""
     if isinstance(target, Location):
         return target
-    text = os.fspath(target)
-    if text.startswith("s3://"):
-        return S3Location(text, **options)
-    if "://" in text:
-        scheme = text.split("://", 1)[0]
-        raise StorageError(
-            f"Unsupported checkpoint location scheme {scheme!r} in {text!r}: use a local path or s3://bucket/prefix"
-        )
-    return LocalLocation(text, **options)
+    return Location(open_store(target, **options))

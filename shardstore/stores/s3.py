@@ -31,7 +31,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardstore.stores.base import Location, NameLimits, StorageError
+from shardstore.stores.base import Capabilities, ChunkAccess, NameLimits, StorageError, Store
 
 logger = logging.getLogger(__name__)
 
@@ -109,15 +109,16 @@ def _remove_file(path: str) -> None:
         os.unlink(path)
 
 
-class S3Location(Location):
-    """A checkpoint under ``s3://bucket/prefix``.
+class S3Store(Store):
+    """A checkpoint under ``s3://bucket/prefix`` (``stores.locations.open_location`` makes
+    one from the URL and ``options=S3Options(...)``).
 
     Args:
         url: ``s3://bucket/prefix``.
         options: endpoint, region, credentials, retries (default: the AWS environment).
     """
 
-    max_object_bytes = S3_MAX_OBJECT_BYTES
+    capabilities = Capabilities(max_object_bytes=S3_MAX_OBJECT_BYTES)
 
     def __init__(self, url: str, options: S3Options | None = None) -> None:
         self.bucket, self.prefix = parse_s3_url(url)
@@ -126,7 +127,7 @@ class S3Location(Location):
         self._profile_files: tuple[str, str] | None = None
 
     def __repr__(self) -> str:
-        return f"S3Location({self.describe()!r})"
+        return f"S3Store({self.describe()!r})"
 
     # ------------------------------------------------------------------ paths
 
@@ -136,8 +137,8 @@ class S3Location(Location):
     def _path(self, rel: str) -> str:
         return f"{self.bucket}/{self._key(rel)}".rstrip("/")
 
-    def describe(self, rel: str = "") -> str:
-        return f"s3://{self._path(rel)}"
+    def describe(self, key: str = "") -> str:
+        return f"s3://{self._path(key)}"
 
     @property
     def name_limits(self) -> NameLimits:
@@ -193,69 +194,63 @@ class S3Location(Location):
         except Exception as exc:
             raise StorageError(f"Cannot {what} {self.describe(rel)}: {exc}") from exc
 
-    def read_bytes_or_none(self, rel: str, max_bytes: int | None = None) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         try:
             if max_bytes is None:
-                return self._call("read", rel, self.fs.cat_file, self._path(rel))
-            data = self._call("read", rel, self.fs.cat_file, self._path(rel), start=0, end=max_bytes + 1)
+                return self._call("read", key, self.fs.cat_file, self._path(key))
+            data = self._call("read", key, self.fs.cat_file, self._path(key), start=0, end=max_bytes + 1)
         except FileNotFoundError:
             return None
         if len(data) > max_bytes:
-            raise StorageError(f"{self.describe(rel)} holds more than the {max_bytes} bytes a record may have")
+            raise StorageError(f"{self.describe(key)} holds more than the {max_bytes} bytes a record may have")
         return data
 
-    def write_bytes(self, rel: str, data: bytes) -> None:
-        self._call("write", rel, self.fs.pipe_file, self._path(rel), data)
+    def put(self, key: str, data: bytes) -> None:
+        self._call("write", key, self.fs.pipe_file, self._path(key), data)
 
-    def write_many(self, files: dict[str, bytes]) -> None:
-        if files:  # s3fs sends them concurrently
-            self._call("write", "", self.fs.pipe, {self._path(r): d for r, d in files.items()})
+    def put_many(self, objects: dict[str, bytes]) -> None:
+        if objects:  # s3fs sends them concurrently
+            self._call("write", "", self.fs.pipe, {self._path(k): d for k, d in objects.items()})
 
-    def write_atomic(self, rel: str, data: bytes) -> None:
+    def put_atomic(self, key: str, data: bytes) -> None:
         """One PUT: S3 makes an object visible whole or not at all."""
-        self.write_bytes(rel, data)
+        self.put(key, data)
 
-    def exists(self, rel: str) -> bool:
+    def exists(self, key: str) -> bool:
         self.fs.invalidate_cache()
-        return bool(self._call("check", rel, self.fs.exists, self._path(rel)))
+        return bool(self._call("check", key, self.fs.exists, self._path(key)))
 
-    def is_empty(self) -> bool:
-        self.fs.invalidate_cache()
-        try:
-            return not self._call("list", "", self.fs.ls, self._path(""), refresh=True)
-        except FileNotFoundError:
-            return True
+    def child(self, name: str) -> S3Store:
+        return S3Store(self.describe(name), self.options)
 
-    def child(self, name: str) -> S3Location:
-        return S3Location(self.describe(name), self.options)
-
-    def list_top(self, limit: int | None = 10) -> list[str]:
+    def list_dir(self, prefix: str = "") -> list[str]:
         self.fs.invalidate_cache()
         try:
-            entries = self._call("list", "", self.fs.ls, self._path(""), refresh=True)
+            entries = self._call("list", prefix, self.fs.ls, self._path(prefix), refresh=True)
         except FileNotFoundError:
             return []
-        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)[:limit]
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
-    def list_files(self) -> list[str]:
+    def list(self, prefix: str = "") -> list[str]:
         self.fs.invalidate_cache()
         root = self._path("").rstrip("/") + "/"
+        top = self._path(prefix).rstrip("/") + "/"
         try:
-            found = self._call("list", "", self.fs.find, root)
+            found = self._call("list", prefix, self.fs.find, top)
         except FileNotFoundError:
             return []
-        return sorted(path[len(root):] for path in found if path.startswith(root))
+        return sorted(path[len(root):] for path in found if path.startswith(top))
 
-    def remove(self, rel: str) -> None:
+    def delete(self, key: str) -> None:
         try:
-            self._call("remove", rel, self.fs.rm_file, self._path(rel))
+            self._call("remove", key, self.fs.rm_file, self._path(key))
         except FileNotFoundError:
             pass
 
-    def remove_tree(self, rel: str = "") -> None:
+    def delete_prefix(self, prefix: str = "") -> None:
         self.fs.invalidate_cache()
         try:
-            self._call("remove", rel, self.fs.rm, self._path(rel), recursive=True)
+            self._call("remove", prefix, self.fs.rm, self._path(prefix), recursive=True)
         except FileNotFoundError:
             pass
         self.fs.invalidate_cache()
@@ -273,12 +268,15 @@ class S3Location(Location):
 
     # ------------------------------------------------------------------ TensorStore
 
-    def kvstore_spec(self, rel: str = "") -> dict[str, Any]:
-        key = self._key(rel)
+    def chunk_access(self) -> ChunkAccess:
+        """TensorStore's ``s3`` kvstore: one PUT or GET per chunk, many in flight."""
+        return ChunkAccess(kvstore=self._kvstore_spec(), context=self._tensorstore_context())
+
+    def _kvstore_spec(self) -> dict[str, Any]:
         spec: dict[str, Any] = {
             "driver": "s3",
             "bucket": self.bucket,
-            "path": key + "/" if key else "",
+            "path": self.prefix + "/" if self.prefix else "",
             "aws_region": self.options.resolved_region(),
             "aws_credentials": self._tensorstore_credentials(),
         }
@@ -312,7 +310,7 @@ class S3Location(Location):
                 weakref.finalize(self, _remove_file, path)
         return self._profile_files
 
-    def tensorstore_context(self) -> dict[str, Any]:
+    def _tensorstore_context(self) -> dict[str, Any]:
         o = self.options
         return {
             "s3_request_retries": {

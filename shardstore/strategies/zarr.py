@@ -75,7 +75,7 @@ from shardstore.planning.plans import RankReadPlan, RankSavePlan, plan_reads, pl
 from shardstore.progress import stage
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.stages import gather_and_plan
-from shardstore.stores.base import Location
+from shardstore.stores.base import Location, kvstore_spec
 from shardstore.stores.locations import open_location
 from shardstore.strategies.async_utils import AsyncRequest
 from shardstore.strategies.base import (
@@ -114,7 +114,7 @@ def tensorstore_context(location: Location, io_concurrency: int = DEFAULT_IO_CON
             "cache_pool": {"total_bytes_limit": 0},
             "data_copy_concurrency": {"limit": max(1, os.cpu_count() or 1)},
             "file_io_concurrency": {"limit": io_concurrency},
-            **location.tensorstore_context(),
+            **location.store.chunk_access().context,
         }
     )
 
@@ -127,7 +127,7 @@ def array_spec(location: Location, record: ArrayRecord, for_write: bool) -> dict
     """
     spec: dict[str, Any] = {
         "driver": "zarr3",
-        "kvstore": location.kvstore_spec(record.key),
+        "kvstore": kvstore_spec(location, record.key),
         "metadata": record.zarr_metadata(),
     }
     if for_write:
@@ -259,7 +259,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         tensors, _ = local_sharded_items(sharded_state_dict)
         group = Group(process_group if process_group is not None else self.process_group)
         location = open_location(checkpoint_dir)
-        limit = location.max_object_bytes
+        limit = location.capabilities.max_object_bytes
         if limit is not None and self.max_chunk_bytes > limit:
             raise CheckpointingException(
                 f"max_chunk_bytes={self.max_chunk_bytes} exceeds the {limit}-byte object limit of "
@@ -476,7 +476,7 @@ def _save_to_existing_array(sharded_tensor: ShardedTensor, arr: ts.TensorStore |
 def _open_zarr_array_verbose(path: str | Path, mode: str, **open_kwargs: Any) -> ts.TensorStore:
     """Opens the array stored at ``path`` (reads its ``zarr.json``), with a clear error."""
     location = open_location(Path(path).parent)
-    spec = {"driver": "zarr3", "kvstore": location.kvstore_spec(Path(path).name)}
+    spec = {"driver": "zarr3", "kvstore": kvstore_spec(location, Path(path).name)}
     options = {"read": True, "write": mode != "r", **open_kwargs}
     try:
         return ts.open(spec, open=True, **options).result()

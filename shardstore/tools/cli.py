@@ -233,7 +233,9 @@ def _check_destination(destination: str, target: str, overwrite: bool) -> None:
     """Refuses what the writers of a file or directory do not do: S3, replacing."""
     if target == "shardstore":
         return
-    if destination.startswith("s3://"):
+    from shardstore.stores.locations import open_location
+
+    if not open_location(destination).capabilities.is_local_filesystem:
         raise CheckpointingException(
             f"{destination}: torch.save files and safetensors directories are written to local paths only"
         )

@@ -201,7 +201,7 @@ def source_kind(source: str | os.PathLike | Location) -> str:
 
     if not isinstance(source, Location):
         text = os.fspath(source)
-        local = None if text.startswith("s3://") else Path(text)
+        local = open_location(text).local_path()
         if text.endswith(".safetensors") and (local is None or local.is_file()):
             return "safetensors"
         if local is not None and local.is_file():

@@ -1,57 +1,44 @@
-"""Checks on keys, on the global sharding, and on load mismatches (``StrictHandling``).
-
-The global checks run on the coordinator over the gathered layout
-(``protocol.gather_and_plan``), which sends every rank either its part of the plan or the same
-error, before anything is written or read.
+"""Megatron-Core's ``dist_checkpointing.validation`` names: the global sharding check
+(``validate_sharding_integrity``; the checks themselves are ``planning.checks``), the
+common-state check (``protocol.common_state``), and load mismatches (``StrictHandling``,
+the load's plan).
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
-import math
-import pickle
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from enum import Enum
 from typing import Any
 
-import numpy as np
-
 from shardstore.core import CheckpointingException
-from shardstore.dict_utils import diff, extract_matching_values, nested_values
-from shardstore.format.pickles import serialize
+from shardstore.dict_utils import extract_matching_values, nested_values
 from shardstore.format.records import (
-    ZARR_JSON,
-    array_group_collisions,
     check_key,
-    checksum,
-    chunk_key,
-    object_path,
 )
 from shardstore.mapping import (
     CommonStateDict,
     ShardedBase,
-    ShardedObject,
     ShardedStateDict,
-    ShardedTensor,
 )
-from shardstore.planning.layout import GlobalLayout, ObjectShardRecord, ShardRecord
+from shardstore.planning.checks import (
+    FORMAT_NAME_LIMITS,
+    check_layout,
+    layout_of_global_metadata,
+    ranks_with_differing_common_state,
+)
+from shardstore.planning.layout import GlobalLayout, ShardRecord
 from shardstore.planning.plans import RankLoadPlan
 from shardstore.protocol.collectives import Group
+from shardstore.protocol.common_state import (
+    check_common_state_consistency,
+    common_state_digests,
+)
 from shardstore.stores.base import NameLimits
 
 logger = logging.getLogger(__name__)
-
-# Grid cells the exact coverage check may allocate; past it, a volume check is used.
-MAX_COVERAGE_CELLS = 16_000_000
-MAX_REPORTED_PROBLEMS = 10
-# What a layout's keys are checked against where no storage is named (a layout checked
-# on its own; every save passes its target's, ``protocol.gather_and_plan``): the
-# format's own names and limits only.
-FORMAT_NAME_LIMITS = NameLimits()
-
 
 class StrictHandling(Enum):
     """How ``load`` handles keys that do not match between the request and the checkpoint.
@@ -103,85 +90,6 @@ def parse_strict_flag(strict: str | StrictHandling) -> StrictHandling:
         raise ValueError(f"Invalid strict flag {strict!r}; choose one of: {choices}") from exc
 
 
-def local_records(
-    sharded_tensors: list[ShardedTensor], sharded_objects: list[ShardedObject], rank: int, where: str | None = None
-) -> tuple[list[ShardRecord], list[ObjectShardRecord]]:
-    """This rank's contribution to the layout; raises on invalid keys (naming the
-    checkpoint ``where``) or dtypes."""
-    for item in (*sharded_tensors, *sharded_objects):
-        check_key(item.key, where)
-    tensors = [ShardRecord.from_sharded_tensor(t, rank, i) for i, t in enumerate(sharded_tensors)]
-    objects = [ObjectShardRecord.from_sharded_object(o, rank) for o in sharded_objects]
-    return tensors, objects
-
-
-def ranks_with_differing_common_state(digests: list[dict[str, str] | None]) -> list[int]:
-    """The ranks whose common-state digests (a checksum per top-level entry, one dict
-    per rank, on the coordinator) differ from rank 0's: the only ones whose common
-    state ``check_common_state_consistency`` then compares in full."""
-    reference = digests[0] or {}
-    return [rank for rank, theirs in enumerate(digests[1:], start=1) if (theirs or {}) != reference]
-
-
-def check_common_state_consistency(
-    common_state_dict: CommonStateDict | None, differing: list[int], group: Group
-) -> None:
-    """Collective: Megatron-Core's common-state consistency check, for the ranks whose
-    digests differed from rank 0's (``ranks_with_differing_common_state``; every rank
-    passes the same list). Only rank 0's common state is saved.
-
-    Rank 0's common state goes to those ranks only; each diffs it with its own
-    (``dict_utils.diff``) and, where they differ, logs Megatron-Core's (>= 0.14) warning
-    "Rank <r> common state dict differs from rank 0 common state dict. Keys only on
-    rank 0: [...], Keys only on <r>: [...], Mismatched keys: [...]". The coordinator
-    then logs the differences of all ranks in Megatron's earlier format: "There is
-    difference in the common state dict in different ranks. The differences are
-    {rank: (only_left, only_right, mismatch)}". Digests that differ where ``diff``
-    finds the values equal (equal tensors of different dtypes) log nothing. Nothing
-    here fails the save: a value that cannot be compared is reported as differing.
-    """
-    if not differing or group.world_size == 1:
-        return
-    payload = _travelling(common_state_dict) if group.is_coordinator else None
-    received = group.scatter_object([payload if r in differing else None for r in range(group.world_size)])
-    report = None
-    if group.rank in differing and received is not None:
-        reference, by_repr = received
-        mine = _comparable(common_state_dict or {}, by_repr)
-        try:
-            only_left, only_right, mismatch = diff(reference, mine)
-        except Exception:  # noqa: BLE001  (a warning, never a failed save)
-            only_left, only_right, mismatch = [], [], [((), type(reference), type(mine))]
-        if only_left or only_right or mismatch:
-            logger.warning(
-                f"Rank {group.rank} common state dict differs from rank 0 common state dict. "
-                f"Keys only on rank 0: {only_left}, Keys only on {group.rank}: {only_right}, "
-                f"Mismatched keys: {mismatch}"
-            )
-            report = (only_left, only_right, mismatch)
-    reports = group.gather_object(report)
-    differences = {rank: r for rank, r in enumerate(reports) if r is not None}
-    if differences:
-        logger.warning(
-            f"There is difference in the common state dict in different ranks. The differences are {differences}"
-        )
-
-
-def _travelling(common_state_dict: CommonStateDict | None) -> tuple[Any, bool]:
-    """Rank 0's common state as it can travel: itself, or (when it cannot be pickled)
-    each top-level entry's repr, with the flag saying so."""
-    state = common_state_dict or {}
-    try:
-        pickle.dumps(state)
-    except Exception:  # noqa: BLE001  (compared, not saved: a repr is good enough)
-        return _comparable(state, True), True
-    return state, False
-
-
-def _comparable(state: CommonStateDict, by_repr: bool) -> Any:
-    return {key: repr(value) for key, value in state.items()} if by_repr else state
-
-
 def validate_sharding_integrity(
     layout: GlobalLayout | list[list[ShardedBase]],
     storage: NameLimits | None = FORMAT_NAME_LIMITS,
@@ -212,45 +120,8 @@ def validate_sharding_integrity(
     if not isinstance(layout, GlobalLayout):
         if Group().rank != 0:
             return
-        layout = _layout_of_global_metadata(layout)
-    if storage is not None:
-        check_storable_keys(layout, storage, where)
-    problems: list[str] = [
-        f"{key!r} names both a ShardedTensor and a ShardedObject" for key in sorted(set(layout.tensors) & set(layout.objects))
-    ]
-    problems += array_group_collisions([*layout.tensors, *layout.objects])
-    for key, shards in sorted(layout.tensors.items()):
-        problems += _tensor_problems(key, shards)
-        if len(problems) >= MAX_REPORTED_PROBLEMS:
-            break
-    for key, shards in sorted(layout.objects.items()):
-        problems += _object_problems(key, shards)
-    if problems:
-        shown = "\n  ".join(problems[:MAX_REPORTED_PROBLEMS])
-        raise CheckpointingException(f"Invalid global sharding ({len(problems)} problem(s)):\n  {shown}")
-
-
-def _layout_of_global_metadata(global_metadata: list[list[ShardedBase]]) -> GlobalLayout:
-    """The layout of Megatron-Core's global metadata (one list of sharded items per rank)."""
-    per_rank = []
-    for rank, items in enumerate(global_metadata):
-        tensors = [x for x in items if isinstance(x, ShardedTensor)]
-        objects = [x for x in items if isinstance(x, ShardedObject)]
-        per_rank.append(local_records(tensors, objects, rank))
-    return GlobalLayout.from_gathered(per_rank)
-
-
-def common_state_digests(common_state_dict: CommonStateDict) -> dict[str, str]:
-    """A checksum of each top-level entry of the common state, as ``common.pt`` would
-    store it (entries that cannot be serialized get their repr's)."""
-    digests = {}
-    for key, value in common_state_dict.items():
-        try:
-            data = serialize(value)
-        except Exception:  # noqa: BLE001  (compared, not saved: a repr is good enough)
-            data = repr(value).encode()
-        digests[str(key)] = checksum(data)
-    return digests
+        layout = layout_of_global_metadata(layout)
+    check_layout(layout, storage, where)
 
 
 def validate_common_state_dict(common_state_dict: CommonStateDict, group: Group) -> None:
@@ -264,142 +135,6 @@ def validate_common_state_dict(common_state_dict: CommonStateDict, group: Group)
     digests = group.gather_object(common_state_digests(common_state_dict))
     differing = group.broadcast_object(ranks_with_differing_common_state(digests) if group.is_coordinator else None)
     check_common_state_consistency(common_state_dict, differing, group)
-
-
-def check_storable_keys(layout: GlobalLayout, storage: NameLimits, where: str = "") -> None:
-    """The one check of a save's keys, on the coordinator before anything is written:
-    every ShardedTensor key, ShardedObject key and shard key, with the files each will
-    be written to, through ``format.check_key`` against ``storage``'s limits.
-
-    Raises:
-        CheckpointingException: naming the checkpoint (``where``), up to ten keys with
-            the ranks holding each, why it cannot be stored and what to do.
-    """
-    problems = []
-    for key, what, files, shards in _keys_and_files(layout):
-        try:
-            check_key(key, where, storage, files)
-        except CheckpointingException as exc:
-            ranks = ", ".join(map(str, sorted({s.rank for s in shards})))
-            problems.append(f"{exc} ({what}, held by rank(s) {ranks})")
-    if problems:
-        shown = "\n  ".join(problems[:MAX_REPORTED_PROBLEMS])
-        raise CheckpointingException(
-            f"{len(problems)} key(s) cannot be stored{f' in {where}' if where else ''}; nothing was written:\n  {shown}"
-        )
-
-
-def _keys_and_files(
-    layout: GlobalLayout,
-) -> Iterator[tuple[str, str, tuple[str, ...], list[ShardRecord] | list[ObjectShardRecord]]]:
-    """Every key a save writes, what it is, its longest files (relative to the
-    checkpoint) and the shards that hold it: an array's ``zarr.json`` and its last chunk
-    (an upper bound: the grid has at most as many chunks along an axis as the shape has
-    elements), a ShardedObject's key (its files are its shards') and each shard's file."""
-    for key, shards in layout.tensors.items():
-        last = tuple(max(n - 1, 0) for n in shards[0].global_shape)
-        yield key, "ShardedTensor", (f"{key}/{ZARR_JSON}", f"{key}/{chunk_key(last)}"), shards
-    for key, objects in layout.objects.items():
-        yield key, "ShardedObject", (), objects
-        by_shard: dict[str, list[ObjectShardRecord]] = defaultdict(list)
-        for s in objects:
-            by_shard[s.unique_key].append(s)
-        for unique_key, holders in by_shard.items():
-            yield unique_key, f"a shard of ShardedObject {key!r}", (object_path(unique_key),), holders
-
-
-def _tensor_problems(key: str, shards: list[ShardRecord]) -> list[str]:
-    first = shards[0]
-    for s in shards[1:]:
-        if s.global_shape != first.global_shape:
-            return [
-                f"{key!r}: inconsistent global shape: rank {first.rank} has {first.global_shape}, "
-                f"rank {s.rank} has {s.global_shape}"
-            ]
-        if s.dtype != first.dtype:
-            return [f"{key!r}: inconsistent dtype: rank {first.rank} has {first.dtype}, rank {s.rank} has {s.dtype}"]
-    main = [s for s in shards if s.main]
-    if not main:
-        return [f"{key!r}: no rank holds a main replica (replica_id 0), so nobody would write it"]
-    for s in main:
-        if any(o < 0 or o + b > g for o, b, g in zip(s.offset, s.block_shape, s.global_shape)):
-            return [f"{key!r}: rank {s.rank}'s shard at offset {s.offset} with shape {s.block_shape} "
-                    f"lies outside the global shape {s.global_shape}"]
-    flat = [s.flat_range is not None for s in main]
-    if any(flat) and not all(flat):
-        return [f"{key!r}: some main replicas are flattened and some are not"]
-    if all(flat):
-        problems = _flat_problems(key, main)
-        if problems:
-            return problems
-        main = list({s.offset: s for s in main}.values())
-    return _coverage_problems(key, main, first.global_shape)
-
-
-def _flat_problems(key: str, main: list[ShardRecord]) -> list[str]:
-    blocks: dict[tuple[int, ...], list[ShardRecord]] = defaultdict(list)
-    for s in main:
-        blocks[s.offset].append(s)
-    for offset, ranges in blocks.items():
-        if len({r.block_shape for r in ranges}) > 1:
-            return [f"{key!r}: flattened shards of block {offset} disagree on the block shape"]
-        position, volume = 0, ranges[0].block_volume
-        for r in sorted(ranges, key=lambda r: r.flat_range):
-            start, stop = r.flat_range
-            if start > position:
-                return [f"{key!r}: block at {offset}: flat elements [{position}, {start}) are not covered"]
-            if start < position:
-                return [f"{key!r}: block at {offset}: flat ranges overlap at element {start} (rank {r.rank})"]
-            position = stop
-        if position != volume:
-            return [f"{key!r}: block at {offset}: flat elements [{position}, {volume}) are not covered"]
-    return []
-
-
-def _coverage_problems(key: str, main: list[ShardRecord], global_shape: tuple[int, ...]) -> list[str]:
-    if math.prod(global_shape) == 0:
-        return []
-    if len(main) == 1 and main[0].block_shape == global_shape:  # the common whole-tensor case, no grid to count
-        return []
-    volume = sum(s.block_volume for s in main)
-    bounds = [
-        sorted({0, g} | {s.offset[a] for s in main} | {s.offset[a] + s.block_shape[a] for s in main})
-        for a, g in enumerate(global_shape)
-    ]
-    cells = math.prod(len(b) - 1 for b in bounds)
-    if cells > MAX_COVERAGE_CELLS:
-        # Too irregular to count cell by cell: fall back to the total volume.
-        if volume != math.prod(global_shape):
-            return [f"{key!r}: main replicas cover {volume} elements, the global shape has {math.prod(global_shape)}"]
-        return []
-    counts = np.zeros([len(b) - 1 for b in bounds], dtype=np.int32)
-    for s in main:
-        index = tuple(
-            slice(bisect.bisect_left(b, o), bisect.bisect_left(b, o + e))
-            for b, o, e in zip(bounds, s.offset, s.block_shape)
-        )
-        counts[index] += 1
-    problems = []
-    for bad, what in ((counts == 0, "is not covered by any main replica (gap)"),
-                      (counts > 1, "is covered by more than one main replica (overlap)")):
-        if bad.any():
-            cell = tuple(int(i) for i in np.argwhere(bad)[0])
-            start = tuple(b[i] for b, i in zip(bounds, cell))
-            problems.append(f"{key!r}: the region starting at {start} {what}")
-    return problems
-
-
-def _object_problems(key: str, shards: list[ObjectShardRecord]) -> list[str]:
-    shapes = {s.global_shape for s in shards}
-    if len(shapes) > 1:
-        return [f"ShardedObject {key!r}: inconsistent global shapes {sorted(shapes)}"]
-    main_keys = [s.unique_key for s in shards if s.main]
-    if len(main_keys) != len(set(main_keys)):
-        return [f"ShardedObject {key!r}: a shard has more than one main replica"]
-    expected = math.prod(shards[0].global_shape)
-    if len(main_keys) != expected:
-        return [f"ShardedObject {key!r}: {expected - len(main_keys)} of {expected} shards have no main replica"]
-    return []
 
 
 def determine_global_metadata(
@@ -535,7 +270,6 @@ __all__ = [
     "StrictHandling",
     "adjust_non_strict_load",
     "check_key",
-    "check_storable_keys",
     "maybe_report_missing_and_unexpected_keys",
     "parse_strict_flag",
     "plan_load",

@@ -33,11 +33,7 @@ TOP_LEVEL_ELSEWHERE = {"_zarr_autoload": "format"}
 ORDER = ["base", "stores", "format", "planning", "protocol", "execution", "other_formats", "api", "tools"]
 # What is known to break the drawing today, each with its reason; the test fails when one is
 # mended (so the list shrinks) or a new one appears.
-KNOWN_EXCEPTIONS: set[tuple[str, str]] = {
-    # the pure global checks live in the API module validation.py beside Megatron's names;
-    # they belong in planning (issue 24.1, next step)
-    ("shardstore.protocol.stages", "shardstore.validation"),
-}
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 
 
 def layer_of(module: str) -> str:

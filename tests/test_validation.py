@@ -35,6 +35,12 @@ def _bad_state_dict(rank: int, world: int, kind: str) -> dict:
     if kind == "bad_key":  # only rank 1 holds an invalid key
         key = "w" if rank == 0 else "../escape"
         return {"w": ShardedTensor.from_rank_offsets(key, full[:4].clone(), (0, rank, 2))}
+    if kind == "flat_gap":  # two flat ranges of one (8, 5) block leave element 20 uncovered
+        flat = full.flatten()
+        part = slice(0, 20) if rank == 0 else slice(21, 40)
+        return {"w": ShardedTensor.from_rank_offsets_flat("w", flat[part].clone(), (8, 5), flattened_range=part)}
+    if kind == "objects_missing":  # 3 object shards declared, 2 ranks hold one each
+        return {"o": ShardedObject("o", {"rank": rank}, (3,), (rank,))}
     raise ValueError(kind)
 
 
@@ -56,6 +62,19 @@ def test_invalid_sharding_fails_on_every_rank_before_writing(ckpt_dir: Path, kin
     for error in errors:
         assert message in error, error
     assert not ckpt_dir.exists() or not any(ckpt_dir.iterdir()), "nothing may be written"
+
+
+@pytest.mark.parametrize(
+    "kind, phrase",
+    [("overlap", "Invalid access pattern for 'w'"), ("gap", "Invalid access pattern for 'w'"),
+     ("flat_gap", "Flattened ranges dont cover the whole shard ShardedTensor(key='w'"),
+     ("objects_missing", "Invalid access pattern: 1 ShardedObject are missing")],
+)
+def test_sharding_errors_start_with_megatrons_words(ckpt_dir: Path, kind: str, phrase: str) -> None:
+    """Megatron-Core's users and tests look for its phrases (issue 26.4); ours add where."""
+    errors = run_distributed(save_invalid, 2, str(ckpt_dir), kind)
+    for error in errors:
+        assert phrase in error, error
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ rank receives only its own part. Pure functions.
 
 Save protocol (``serialization.save``; "coordinator" is group rank 0)::
 
-    every rank   records     its shards' metadata (``validation.local_records``)
+    every rank   records     its shards' metadata (``planning.checks.local_records``)
     collective   gather      the records travel to the coordinator only
     coordinator  validate    the global layout (``validation.validate_sharding_integrity``)
     coordinator  plan        ``plan_save``: writers of replicated blocks (fully parallel),
@@ -18,7 +18,7 @@ measures both). Before this, every rank all-gathered and planned every rank's re
 
 Load protocol (``serialization.load``)::
 
-    every rank   records     the regions it requests (``validation.local_records``)
+    every rank   records     the regions it requests (``planning.checks.local_records``)
     collective   gather      to the coordinator only
     coordinator  plan        ``validation.plan_load``: missing and unexpected keys
                              (``StrictHandling``), the access-integrity check, and the

@@ -15,16 +15,16 @@ from typing import Any
 
 from shardstore.errors import CheckpointingException
 from shardstore.mapping import ShardedObject, ShardedTensor
-from shardstore.planning.layout import GlobalLayout
-from shardstore.protocol.collectives import Group
-from shardstore.protocol.stage import Deliver, run_stage
-from shardstore.stores.base import Location
-from shardstore.validation import (
-    check_common_state_consistency,
+from shardstore.planning.checks import (
+    check_layout,
     local_records,
     ranks_with_differing_common_state,
-    validate_sharding_integrity,
 )
+from shardstore.planning.layout import GlobalLayout
+from shardstore.protocol.collectives import Group
+from shardstore.protocol.common_state import check_common_state_consistency
+from shardstore.protocol.stage import Deliver, run_stage
+from shardstore.stores.base import Location
 
 
 def gather_and_plan(
@@ -51,11 +51,11 @@ def gather_and_plan(
     rank's common state (``common_state``, as compared); the coordinator names the ranks
     whose digests differ from its own in every rank's part of the scatter, and only
     then do those ranks compare their common state with rank 0's in full and warn
-    (``validation.check_common_state_consistency``, Megatron-Core's messages; only rank
+    (``protocol.common_state.check_common_state_consistency``, Megatron-Core's messages; only rank
     0's common state is saved). When nothing differs this costs no collective.
     ``save_to``: where a save writes (None for a load, whose planner decides what to
     check): the coordinator checks the global sharding, and every key against the
-    location's ``name_limits`` (``validation.validate_sharding_integrity``), before
+    location's ``name_limits`` (``planning.checks.check_layout``), before
     planning. Every save path passes its target here, so that one check refuses a key
     the target cannot store before the first byte is written.
     """
@@ -65,7 +65,7 @@ def gather_and_plan(
     def plan(gathered: list[tuple[str | None, Any, dict[str, str] | None]]) -> list[tuple[Any, list[int]]]:
         layout = _layout_of(gathered)
         if save_to is not None:
-            validate_sharding_integrity(layout, save_to.name_limits, save_to.describe())
+            check_layout(layout, save_to.name_limits, save_to.describe())
         differing = []
         if common_digests is not None:
             differing = ranks_with_differing_common_state([d for _, _, d in gathered])

@@ -5,7 +5,7 @@ The result is the same checkpoint a ``save`` at world size 1 writes: the same st
 commit record (every chunk's crc32c bound into it) and atomic publication
 (``shardstore.format.commit``); nothing is visible at the target until ``commit``, and a
 writer that fails or is abandoned leaves nothing that looks complete. Keys go through
-the save's one check (``validation.check_storable_keys``, the target's name limits):
+the save's one check (``planning.checks.check_storable_keys``, the target's name limits):
 an array's before any of its bytes, the sharded objects' before ``commit`` writes
 anything.
 
@@ -42,6 +42,7 @@ from shardstore.format.records import (
     parent_groups,
 )
 from shardstore.mapping import ShardedObject, ShardedTensor
+from shardstore.planning.checks import check_storable_keys, local_records
 from shardstore.planning.layout import GlobalLayout, region_at
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
@@ -52,7 +53,6 @@ from shardstore.strategies.zarr import (
     ZARR_VERSION,
     single_tensor_record,
 )
-from shardstore.validation import check_storable_keys, local_records
 
 
 class CheckpointWriter:
@@ -152,7 +152,7 @@ class CheckpointWriter:
 
 
 def _check_storable(target: Location, where: str, tensors: list[ShardedTensor], objects: list[ShardedObject]) -> None:
-    """A save's key check (``validation.check_storable_keys``) on what is about to be
+    """A save's key check (``planning.checks.check_storable_keys``) on what is about to be
     written, against the target's name limits (those of a save there: the files go
     through the same staging directory)."""
     layout = GlobalLayout.from_gathered([local_records(tensors, objects, 0, where)])

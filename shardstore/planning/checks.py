@@ -1,0 +1,237 @@
+"""The global checks on a gathered layout, pure: what every key, tensor and object of a
+save or load must satisfy before anything is written or read.
+
+The coordinator runs them over every rank's shard records (``protocol.stages.gather_and_plan``),
+which then sends every rank either its part of the plan or the same error.
+``shardstore.validation`` gives them Megatron-Core's names.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+
+import numpy as np
+
+from shardstore.errors import CheckpointingException
+from shardstore.format.records import (
+    ZARR_JSON,
+    array_group_collisions,
+    check_key,
+    chunk_key,
+    object_path,
+)
+from shardstore.mapping import ShardedBase, ShardedObject, ShardedTensor
+from shardstore.planning.layout import GlobalLayout, ObjectShardRecord, ShardRecord
+from shardstore.stores.base import NameLimits
+
+# Grid cells the exact coverage check may allocate; past it, a volume check is used.
+MAX_COVERAGE_CELLS = 16_000_000
+MAX_REPORTED_PROBLEMS = 10
+# What a layout's keys are checked against where no storage is named (a layout checked
+# on its own; every save passes its target's, ``protocol.gather_and_plan``): the
+# format's own names and limits only.
+FORMAT_NAME_LIMITS = NameLimits()
+
+
+def local_records(
+    sharded_tensors: list[ShardedTensor], sharded_objects: list[ShardedObject], rank: int, where: str | None = None
+) -> tuple[list[ShardRecord], list[ObjectShardRecord]]:
+    """This rank's contribution to the layout; raises on invalid keys (naming the
+    checkpoint ``where``) or dtypes."""
+    for item in (*sharded_tensors, *sharded_objects):
+        check_key(item.key, where)
+    tensors = [ShardRecord.from_sharded_tensor(t, rank, i) for i, t in enumerate(sharded_tensors)]
+    objects = [ObjectShardRecord.from_sharded_object(o, rank) for o in sharded_objects]
+    return tensors, objects
+
+
+def ranks_with_differing_common_state(digests: list[dict[str, str] | None]) -> list[int]:
+    """The ranks whose common-state digests (a checksum per top-level entry, one dict
+    per rank, on the coordinator) differ from rank 0's: the only ones whose common
+    state ``check_common_state_consistency`` then compares in full."""
+    reference = digests[0] or {}
+    return [rank for rank, theirs in enumerate(digests[1:], start=1) if (theirs or {}) != reference]
+
+
+def check_layout(layout: GlobalLayout, storage: NameLimits | None = FORMAT_NAME_LIMITS, where: str = "") -> None:
+    """The global checks on a gathered layout, run by the coordinator before anything is
+    written or read (``validation.validate_sharding_integrity`` is Megatron's name for
+    it): every key can be stored in ``storage`` (None: a load's request, whose keys name
+    what is stored), every element of every global tensor is covered exactly once by
+    main replicas, shapes and dtypes agree across ranks, ShardedObjects are complete.
+
+    Raises:
+        CheckpointingException: listing up to ten problems, each naming its key.
+    """
+    if storage is not None:
+        check_storable_keys(layout, storage, where)
+    problems: list[str] = [
+        f"{key!r} names both a ShardedTensor and a ShardedObject" for key in sorted(set(layout.tensors) & set(layout.objects))
+    ]
+    problems += array_group_collisions([*layout.tensors, *layout.objects])
+    for key, shards in sorted(layout.tensors.items()):
+        problems += _tensor_problems(key, shards)
+        if len(problems) >= MAX_REPORTED_PROBLEMS:
+            break
+    for key, shards in sorted(layout.objects.items()):
+        problems += _object_problems(key, shards)
+    if problems:
+        shown = "\n  ".join(problems[:MAX_REPORTED_PROBLEMS])
+        raise CheckpointingException(f"Invalid global sharding ({len(problems)} problem(s)):\n  {shown}")
+
+
+def layout_of_global_metadata(global_metadata: list[list[ShardedBase]]) -> GlobalLayout:
+    """The layout of Megatron-Core's global metadata (one list of sharded items per rank)."""
+    per_rank = []
+    for rank, items in enumerate(global_metadata):
+        tensors = [x for x in items if isinstance(x, ShardedTensor)]
+        objects = [x for x in items if isinstance(x, ShardedObject)]
+        per_rank.append(local_records(tensors, objects, rank))
+    return GlobalLayout.from_gathered(per_rank)
+
+
+def check_storable_keys(layout: GlobalLayout, storage: NameLimits, where: str = "") -> None:
+    """The one check of a save's keys, on the coordinator before anything is written:
+    every ShardedTensor key, ShardedObject key and shard key, with the files each will
+    be written to, through ``format.check_key`` against ``storage``'s limits.
+
+    Raises:
+        CheckpointingException: naming the checkpoint (``where``), up to ten keys with
+            the ranks holding each, why it cannot be stored and what to do.
+    """
+    problems = []
+    for key, what, files, shards in _keys_and_files(layout):
+        try:
+            check_key(key, where, storage, files)
+        except CheckpointingException as exc:
+            ranks = ", ".join(map(str, sorted({s.rank for s in shards})))
+            problems.append(f"{exc} ({what}, held by rank(s) {ranks})")
+    if problems:
+        shown = "\n  ".join(problems[:MAX_REPORTED_PROBLEMS])
+        raise CheckpointingException(
+            f"{len(problems)} key(s) cannot be stored{f' in {where}' if where else ''}; nothing was written:\n  {shown}"
+        )
+
+
+def _keys_and_files(
+    layout: GlobalLayout,
+) -> Iterator[tuple[str, str, tuple[str, ...], list[ShardRecord] | list[ObjectShardRecord]]]:
+    """Every key a save writes, what it is, its longest files (relative to the
+    checkpoint) and the shards that hold it: an array's ``zarr.json`` and its last chunk
+    (an upper bound: the grid has at most as many chunks along an axis as the shape has
+    elements), a ShardedObject's key (its files are its shards') and each shard's file."""
+    for key, shards in layout.tensors.items():
+        last = tuple(max(n - 1, 0) for n in shards[0].global_shape)
+        yield key, "ShardedTensor", (f"{key}/{ZARR_JSON}", f"{key}/{chunk_key(last)}"), shards
+    for key, objects in layout.objects.items():
+        yield key, "ShardedObject", (), objects
+        by_shard: dict[str, list[ObjectShardRecord]] = defaultdict(list)
+        for s in objects:
+            by_shard[s.unique_key].append(s)
+        for unique_key, holders in by_shard.items():
+            yield unique_key, f"a shard of ShardedObject {key!r}", (object_path(unique_key),), holders
+
+
+def _tensor_problems(key: str, shards: list[ShardRecord]) -> list[str]:
+    first = shards[0]
+    for s in shards[1:]:
+        if s.global_shape != first.global_shape:
+            return [
+                f"{key!r}: inconsistent global shape: rank {first.rank} has {first.global_shape}, "
+                f"rank {s.rank} has {s.global_shape}"
+            ]
+        if s.dtype != first.dtype:
+            return [f"{key!r}: inconsistent dtype: rank {first.rank} has {first.dtype}, rank {s.rank} has {s.dtype}"]
+    main = [s for s in shards if s.main]
+    if not main:
+        return [f"{key!r}: no rank holds a main replica (replica_id 0), so nobody would write it"]
+    for s in main:
+        if any(o < 0 or o + b > g for o, b, g in zip(s.offset, s.block_shape, s.global_shape)):
+            return [f"{key!r}: rank {s.rank}'s shard at offset {s.offset} with shape {s.block_shape} "
+                    f"lies outside the global shape {s.global_shape}"]
+    flat = [s.flat_range is not None for s in main]
+    if any(flat) and not all(flat):
+        return [f"{key!r}: some main replicas are flattened and some are not"]
+    if all(flat):
+        problems = _flat_problems(key, main)
+        if problems:
+            return problems
+        main = list({s.offset: s for s in main}.values())
+    return _coverage_problems(key, main, first.global_shape)
+
+
+def _flat_problems(key: str, main: list[ShardRecord]) -> list[str]:
+    """Each block's flattened main ranges tile it exactly; the message starts with
+    Megatron-Core's words, which its users and tests look for."""
+    blocks: dict[tuple[int, ...], list[ShardRecord]] = defaultdict(list)
+    for s in main:
+        blocks[s.offset].append(s)
+    for offset, ranges in blocks.items():
+        if len({r.block_shape for r in ranges}) > 1:
+            return [f"{key!r}: flattened shards of block {offset} disagree on the block shape"]
+        position, volume = 0, ranges[0].block_volume
+        shard = f"Flattened ranges dont cover the whole shard ShardedTensor(key={key!r}, block at {offset}) of size {volume}"
+        for r in sorted(ranges, key=lambda r: r.flat_range):
+            start, stop = r.flat_range
+            if start > position:
+                return [f"{shard}: flat elements [{position}, {start}) are not covered"]
+            if start < position:
+                return [f"{shard}: flat ranges overlap at element {start} (rank {r.rank})"]
+            position = stop
+        if position != volume:
+            return [f"{shard}: flat elements [{position}, {volume}) are not covered"]
+    return []
+
+
+def _coverage_problems(key: str, main: list[ShardRecord], global_shape: tuple[int, ...]) -> list[str]:
+    if math.prod(global_shape) == 0:
+        return []
+    if len(main) == 1 and main[0].block_shape == global_shape:  # the common whole-tensor case, no grid to count
+        return []
+    volume = sum(s.block_volume for s in main)
+    bounds = [
+        sorted({0, g} | {s.offset[a] for s in main} | {s.offset[a] + s.block_shape[a] for s in main})
+        for a, g in enumerate(global_shape)
+    ]
+    cells = math.prod(len(b) - 1 for b in bounds)
+    if cells > MAX_COVERAGE_CELLS:
+        # Too irregular to count cell by cell: fall back to the total volume.
+        if volume != math.prod(global_shape):
+            return [f"Invalid access pattern for {key!r}: main replicas cover {volume} elements, "
+                    f"the global shape has {math.prod(global_shape)}"]
+        return []
+    counts = np.zeros([len(b) - 1 for b in bounds], dtype=np.int32)
+    for s in main:
+        index = tuple(
+            slice(bisect.bisect_left(b, o), bisect.bisect_left(b, o + e))
+            for b, o, e in zip(bounds, s.offset, s.block_shape)
+        )
+        counts[index] += 1
+    problems = []
+    for bad, what in ((counts == 0, "is not covered by any main replica (gap)"),
+                      (counts > 1, "is covered by more than one main replica (overlap)")):
+        if bad.any():
+            cell = tuple(int(i) for i in np.argwhere(bad)[0])
+            start = tuple(b[i] for b, i in zip(bounds, cell))
+            problems.append(f"Invalid access pattern for {key!r}: the region starting at {start} {what}")
+    return problems
+
+
+def _object_problems(key: str, shards: list[ObjectShardRecord]) -> list[str]:
+    shapes = {s.global_shape for s in shards}
+    if len(shapes) > 1:
+        return [f"ShardedObject {key!r}: inconsistent global shapes {sorted(shapes)}"]
+    main_keys = [s.unique_key for s in shards if s.main]
+    if len(main_keys) != len(set(main_keys)):
+        return [f"ShardedObject {key!r}: a shard has more than one main replica"]
+    expected = math.prod(shards[0].global_shape)
+    if len(main_keys) != expected:
+        missing = expected - len(main_keys)
+        return [f"Invalid access pattern: {missing} ShardedObject are missing. ShardedObject {key!r}: "
+                f"{missing} of {expected} shards have no main replica"]
+    return []
+
+

@@ -83,6 +83,7 @@ from shardstore.planning.layout import GlobalLayout
 from shardstore.planning.plans import RankLoadPlan
 from shardstore.progress import operation, progress_shown, stage
 from shardstore.protocol.collectives import Group, RankFailure, StageFailed, failure_message
+from shardstore.protocol.plan_cache import gather_and_plan_cached
 from shardstore.protocol.stages import gather_and_plan
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
@@ -258,7 +259,9 @@ def _preprocess_and_plan(
     invalid global sharding. The ranks' common states are compared in the same gather
     (digests only). Once the plan is made, the coordinator begins the save
     (``_begin_save``) and every rank receives the save's intent with its part of the
-    plan. Returns this rank's part of the strategy's plan and the pending checkpoint."""
+    plan. A strategy with a ``plan_cache`` reuses its last plan while every rank's
+    structure is unchanged (``protocol.plan_cache``). Returns this rank's part of the
+    strategy's plan and the pending checkpoint."""
     error, sharded_part, common_part, digests, compared = None, {}, {}, None, None
     tensors: list[ShardedTensor] = []
     objects: list[ShardedObject] = []
@@ -272,15 +275,14 @@ def _preprocess_and_plan(
         error = exc
     begun: list[PendingCheckpoint] = []  # the coordinator's, once the plan is made
 
-    def plan_and_begin(layout: GlobalLayout) -> list[tuple[Any, Any]]:
-        parts = sharded_strategy.plan_save(layout)
+    def begin() -> Any:  # on the coordinator, once the plan is made or reused
         begun.append(_begin_save(target, overwrite, sharded_strategy, common_strategy))
-        return [(begun[0].intent, part) for part in parts]
+        return begun[0].intent
 
-    try:
-        intent, plan = gather_and_plan(
-            tensors, objects, group, plan_and_begin, local_error=error, common_digests=digests,
-            save_to=target, common_state=compared,
+    try:  # the strategy's cached plan, if it keeps one (``protocol.plan_cache``)
+        intent, plan = gather_and_plan_cached(
+            getattr(sharded_strategy, "plan_cache", None), tensors, objects, group, sharded_strategy.plan_save,
+            anew=begin, local_error=error, common_digests=digests, save_to=target, common_state=compared,
         )
     except BaseException:  # no rank joined the save: nothing of it can be in use
         if begun:

@@ -116,6 +116,29 @@ def check_storable_keys(layout: GlobalLayout, storage: NameLimits, where: str = 
         )
 
 
+def name_lengths_needed(layout: GlobalLayout) -> NameLimits:
+    """The tightest limits ``check_storable_keys`` passes the layout under: the longest
+    file name and file path its keys' files have, in bytes of UTF-8 (what ``check_key``
+    compares with a storage's limits; its other refusals do not depend on them). A plan
+    made for one target stays valid for another whose limits ``admits_names`` these."""
+    name = path = 0
+    for _, _, files, _ in _keys_and_files(layout):
+        for rel in files:
+            path = max(path, len(rel.encode()))
+            name = max(name, *(len(n.encode()) for n in rel.split("/")))
+    return NameLimits(name, path, "the layout's longest file name and path")
+
+
+def admits_names(storage: NameLimits, needed: NameLimits) -> bool:
+    """Whether ``storage`` stores names and paths as long as ``needed``
+    (``name_lengths_needed``)."""
+    return all(
+        limit is None or (need is not None and need <= limit)
+        for limit, need in ((storage.max_name_bytes, needed.max_name_bytes),
+                            (storage.max_path_bytes, needed.max_path_bytes))
+    )
+
+
 def _keys_and_files(
     layout: GlobalLayout,
 ) -> Iterator[tuple[str, str, tuple[str, ...], list[ShardRecord] | list[ObjectShardRecord]]]:

@@ -27,8 +27,12 @@ Around shardstore's own strategies (those with a ``fully_parallel`` switch) they
 that switch on and delegate: those plans already balance replicated writes by bytes and
 read each replicated block once, over the whole save group rather than one
 data-parallel group, in the plan the save or load makes anyway, so
-``parallelization_group``, ``do_cache_distribution`` and ``exchange_algo`` have nothing
-left to decide there.
+``parallelization_group`` and ``exchange_algo`` have nothing left to decide there.
+``do_cache_distribution=True`` on the save wrapper turns on the strategy's cached plan
+(``ZarrSaveShardedStrategy.cache_plan``, ``protocol.plan_cache``): a save whose
+structure is unchanged on every rank reuses the last plan, and one whose structure
+changed on any rank plans in full, so nothing is left unsaved. On the load wrapper it
+changes nothing there: every load plans.
 """
 
 from __future__ import annotations
@@ -161,8 +165,10 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         strategy: the strategy that writes.
         parallelization_group: ranks that share the work (None: the world); it should
             cover the replication pattern (usually the data-parallel group).
-        do_cache_distribution: reuse the first call's distribution, with no collective,
-            on the promise that the state dict's structure never changes.
+        do_cache_distribution: around another strategy, reuse the first call's
+            distribution, with no collective, on the promise that the state dict's
+            structure never changes; around shardstore's own, reuse its last plan while
+            every rank's structure is unchanged (checked in the plan's round trip).
     """
 
     def __init__(
@@ -174,6 +180,13 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         self.parallelization_group = parallelization_group
         self.do_cache_distribution = do_cache_distribution
         self._cache = _DistributionCache(do_cache_distribution)
+        if do_cache_distribution and _is_shardstores_own(strategy) and hasattr(strategy, "cache_plan"):
+            strategy.cache_plan = True
+
+    @property
+    def plan_cache(self) -> Any:
+        """The wrapped strategy's cached plan (``protocol.plan_cache``), if it keeps one."""
+        return getattr(self.base_strategy, "plan_cache", None)
 
     @property
     def cached_distribution(self) -> ShardDistribution | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -252,3 +252,157 @@ def map_reduce(
     for x in xs:
         groups[key_fn(x)].append(value_fn(x))
     return {k: reduce_fn(v) for k, v in groups.items()}
+
+
+class Leaf(NamedTuple):
+    """One leaf of a nested state dict, as ``flatten`` finds it.
+
+    Attributes:
+        path: the dict keys and list indices from the root to the leaf.
+        value: the leaf (after ``flatten``'s ``visit``), or the container itself for an
+            empty container (``empty``).
+        containers: the containers on the way, the root first (``len(path)`` of them):
+            ``nest`` rebuilds the same kinds of container from them.
+        empty: True for an empty dict or list of the state dict (a leaf of its own: it
+            stays in the common state, as ``extract_matching_values`` keeps it).
+    """
+
+    path: tuple
+    value: Any
+    containers: tuple
+    empty: bool = False
+
+
+def flatten(x: dict | list, visit: Callable[[tuple, Any, bool], Any] | None = None) -> list[Leaf]:
+    """Every leaf of ``x`` (and every empty dict or list in it), in traversal order, in
+    one walk: the flat list that the stages of a save or load share instead of walking
+    the state dict again.
+
+    Args:
+        x: a nested dict or list (not modified).
+        visit: ``visit(path, leaf, expandable)`` returns the leaf's value: the leaf, or
+            its replacement. Where ``expandable`` (a leaf of ``x`` itself) and the
+            replacement is a dict or list (a factory's build), that container is walked
+            in the leaf's place, its leaves visited with ``expandable`` False.
+    """
+    leaves: list[Leaf] = []
+
+    def walk(node: dict | list, path: tuple, containers: tuple, expandable: bool) -> None:
+        containers = (*containers, node)
+        for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+            here = (*path, k)
+            if visit is not None and not isinstance(v, (dict, list)):
+                replaced = visit(here, v, expandable)
+                if expandable and replaced is not v and isinstance(replaced, (dict, list)):
+                    expanded = replaced
+                    if expanded:
+                        walk(expanded, here, containers, False)
+                    else:
+                        leaves.append(Leaf(here, expanded, containers, True))
+                    continue
+                v = replaced
+            if not isinstance(v, (dict, list)):
+                leaves.append(Leaf(here, v, containers))
+            elif v:
+                walk(v, here, containers, expandable)
+            else:
+                leaves.append(Leaf(here, v, containers, True))
+
+    if not isinstance(x, (dict, list)):
+        raise ValueError(f"Unexpected top-level object type: {type(x).__name__}")
+    walk(x, (), (), True)
+    return leaves
+
+
+def nest(
+    leaves: Iterable[Leaf], values: Iterable[Any] | None = None, into: dict | list | None = None,
+    root: dict | list | None = None,
+) -> tuple[dict | list, list[tuple[dict | list, Any]]]:
+    """Builds the nested structure that holds ``leaves`` (a loop over them, not a walk).
+
+    The result is what ``extract_matching_values`` returns for those leaves: the same
+    kinds of container on the way to each, lists holding only the selected elements
+    (in order), a container only where a leaf or an empty container lies under it.
+
+    Args:
+        leaves: from ``flatten``, in traversal order.
+        values: the value to place for each leaf (default: ``leaf.value``; an empty
+            container's leaf gets a new empty container of its kind).
+        into: merge into this state dict instead of a new one, as ``merge(into, built)``
+            would: dicts by key, a list element-wise when the lists are of equal length,
+            a value already present is an error.
+        root: the flattened state dict (its kind is the result's when ``into`` is None
+            and there are no leaves); default: a dict.
+
+    Returns:
+        ``(structure, slots)``: each leaf's place as ``(container, key or index)``.
+    """
+    if into is None:
+        into = [] if isinstance(root, list) else {}
+    children: dict[tuple[int, Any], Any] = {}
+    placed: dict[int, tuple[list, int, tuple]] = {}  # lists of ``into``: (list, elements placed, path)
+    slots: list[tuple[dict | list, Any]] = []
+    values = iter(values) if values is not None else None
+    for leaf in leaves:
+        value = next(values) if values is not None else leaf.value
+        if values is None and leaf.empty:
+            value = {} if isinstance(value, dict) else []
+        parent, depth = into, len(leaf.path)
+        for level in range(depth):
+            key = leaf.path[level]
+            if level == depth - 1:
+                slots.append(_place(parent, key, value, children, placed, leaf.path))
+                break
+            node = children.get((id(parent), key))
+            if node is None:
+                kind = dict if isinstance(leaf.containers[level + 1], dict) else list
+                parent, _ = _place(parent, key, kind(), children, placed, leaf.path[:level + 1], container=True)
+            else:
+                parent = node
+    for target, count, path in placed.values():
+        if count != len(target):
+            raise ValueError(
+                f"Cannot merge two lists with different lengths ({len(target)} and {count}, "
+                f"encountered at key {path})"
+            )
+    return into, slots
+
+
+def _place(
+    parent: dict | list, key: Any, value: Any, children: dict, placed: dict, path: tuple, container: bool = False,
+) -> tuple[Any, Any]:
+    """Puts ``value`` under ``key`` of ``parent`` (a new container when ``container``),
+    merging with what ``parent`` already holds there as ``merge`` does. Returns the
+    container now under ``key`` when ``container``, else the slot ``(parent, key)``."""
+    if isinstance(parent, list) and id(parent) in placed:  # a list already in ``into``: element-wise
+        target, count, at = placed[id(parent)]
+        placed[id(parent)] = (target, count + 1, at)
+        index = count
+        if index >= len(parent):
+            raise ValueError(
+                f"Cannot merge two lists with different lengths ({len(parent)} and more, encountered at key {at})"
+            )
+        existing, present = parent[index], True
+    elif isinstance(parent, list):
+        parent.append(value)
+        index = len(parent) - 1
+        existing, present = None, False
+    else:
+        index = key
+        present = key in parent
+        existing = parent.get(key) if present else None
+    if not present:
+        if not isinstance(parent, list):
+            parent[index] = value
+        if container:
+            children[(id(parent), key)] = value
+            return value, None
+        return parent, index
+    if container and isinstance(existing, type(value)) and isinstance(existing, (dict, list)):
+        children[(id(parent), key)] = existing
+        if isinstance(existing, list):
+            placed[id(existing)] = (existing, 0, path)
+        return existing, None
+    raise ValueError(
+        f"Duplicate non-dict and non-list values encountered: `{existing}` and `{value}` (at key {path})"
+    )

@@ -59,25 +59,20 @@ from shardstore.core import (
     maybe_load_config,
     save_config,
 )
-from shardstore.dict_utils import (
-    dict_list_map_inplace,
-    extract_matching_values,
-    merge,
-    nested_values,
-)
+from shardstore.dict_utils import Leaf, flatten, merge, nest
 from shardstore.format.commit import PendingCheckpoint, begin_save, join_save
 from shardstore.format.integrity import open_committed
 from shardstore.format.records import CommitRecord
-from shardstore.inputs.megatron_objects import convert_foreign
+from shardstore.inputs.megatron_objects import convert_leaf
 from shardstore.mapping import (
     CommonStateDict,
+    LocalNonpersistentObject,
+    ShardedBase,
     ShardedObject,
     ShardedStateDict,
     ShardedTensor,
     ShardedTensorFactory,
     StateDict,
-    apply_factories,
-    apply_factory_merges,
 )
 from shardstore.planning.layout import GlobalLayout
 from shardstore.planning.plans import RankLoadPlan
@@ -102,15 +97,9 @@ from shardstore.strategies.other_formats import (
     OtherFormatLoadShardedStrategy,
     reads_as_other_format,
 )
-from shardstore.utils import (
-    extract_nonpersistent,
-    extract_sharded_base,
-    local_sharded_items,
-    sharded_values_in_common,
-)
+from shardstore.utils import holds_sharded_class, sharded_values_in_common
 from shardstore.validation import (
     StrictHandling,
-    adjust_non_strict_load,
     common_state_digests,
     parse_strict_flag,
     plan_load,
@@ -176,7 +165,6 @@ def save(
     """
     group = Group(process_group)
     target = open_location(checkpoint_dir)
-    sharded_state_dict = convert_foreign(sharded_state_dict)
     if content_metadata is not None:
         sharded_state_dict[CONTENT_METADATA_KEY] = content_metadata
     if sharded_strategy is None:
@@ -189,7 +177,7 @@ def save(
     where = target.describe()
     with progress_shown(progress and group.is_coordinator), operation("save", where) as timing:
         with stage("save: plan", where):
-            sharded_part, common_part, plan, pending = _preprocess_and_plan(
+            sharded_part, common_part, objects_part, plan, pending = _preprocess_and_plan(
                 sharded_state_dict, group, target, sharded_strategy, common_strategy, overwrite,
                 preprocess_common_before_consistancy_check,
             )
@@ -197,11 +185,6 @@ def save(
         try:
             if not sharded_strategy.can_handle_sharded_objects:
                 validate_sharded_objects_handling(sharded_strategy, common_strategy)
-                objects_part, sharded_part = extract_matching_values(
-                    sharded_part, lambda v: isinstance(v, ShardedObject)
-                )
-            else:
-                objects_part = {}
             with stage("save: common", where):
                 error = _save_common(pending, group, common_strategy, common_part, objects_part)
             if async_sharded_save:
@@ -225,23 +208,65 @@ def save(
 def save_preprocess(
     sharded_state_dict: ShardedStateDict,
 ) -> tuple[ShardedStateDict, StateDict]:
-    """Builds factories, drops non-persistent values, splits off the common state.
+    """Converts other libraries' objects, builds factories, drops non-persistent values,
+    splits off the common state (one walk of the state dict, ``_SaveSplit``).
 
     Returns:
         ``(sharded part, common state)``
     """
-    apply_factories(sharded_state_dict)
-    _, sharded_state_dict = extract_nonpersistent(sharded_state_dict)
-    sharded_part, common_state_dict = extract_sharded_base(sharded_state_dict)
-    _, sharded_part = extract_matching_values(sharded_part, _is_empty_flat_tensor)
-    foreign = sharded_values_in_common(common_state_dict)
-    if foreign:
-        raise CheckpointingException(
-            f"The state dict holds sharded objects that shardstore does not handle, at {foreign[:5]}: they "
-            "would be pickled whole into common.pt. Use shardstore's ShardedTensor/ShardedObject (or convert "
-            "Megatron-Core's objects first); plain values belong in the common state."
-        )
-    return sharded_part, common_state_dict
+    split = _SaveSplit(sharded_state_dict, separate_objects=False)
+    return split.sharded_part, split.common_part
+
+
+class _SaveSplit:
+    """A state dict to save, walked once (``dict_utils.flatten``): DTensors and
+    Megatron-Core's objects converted (``inputs``), factories built, non-persistent
+    values dropped, and each leaf sorted into the sharded part (without flat ranges of
+    length 0), the ShardedObjects (``separate_objects``: for a common strategy that
+    saves them) and the common state, each rebuilt from the flat list (``dict_utils.nest``,
+    with ``extract_matching_values``' meaning: an empty container stays in the common
+    state, one emptied by the split is dropped).
+
+    Attributes:
+        sharded_part, objects_part, common_part: the nested parts.
+        tensors, objects: the ShardedTensors and ShardedObjects in the sharded part's
+            traversal order (``utils.local_sharded_items``'s, which plans index).
+
+    Raises:
+        CheckpointingException: a sharded object of another library in the common state.
+    """
+
+    def __init__(self, sharded_state_dict: ShardedStateDict, separate_objects: bool) -> None:
+        foreign: list[tuple] = []
+        leaves = flatten(sharded_state_dict, _request_visitor(foreign_in_common=foreign))
+        sharded: list[Leaf] = []
+        object_leaves: list[Leaf] = []
+        common: list[Leaf] = []
+        self.tensors: list[ShardedTensor] = []
+        self.objects: list[ShardedObject] = []
+        for leaf in leaves:
+            value = leaf.value
+            if leaf.empty or not isinstance(value, (ShardedBase, LocalNonpersistentObject)):
+                common.append(leaf)
+            elif isinstance(value, ShardedTensor):
+                if not _is_empty_flat_tensor(value):
+                    self.tensors.append(value)
+                    sharded.append(leaf)
+            elif isinstance(value, ShardedObject):
+                self.objects.append(value)
+                (object_leaves if separate_objects else sharded).append(leaf)
+            elif isinstance(value, ShardedBase):
+                sharded.append(leaf)
+        self.common_part, _ = nest(common, root=sharded_state_dict)
+        if foreign:
+            found = sharded_values_in_common(self.common_part)
+            raise CheckpointingException(
+                f"The state dict holds sharded objects that shardstore does not handle, at {found[:5]}: they "
+                "would be pickled whole into common.pt. Use shardstore's ShardedTensor/ShardedObject (or convert "
+                "Megatron-Core's objects first); plain values belong in the common state."
+            )
+        self.sharded_part, _ = nest(sharded, root=sharded_state_dict)
+        self.objects_part = nest(object_leaves, root=sharded_state_dict)[0] if object_leaves else {}
 
 
 def _is_empty_flat_tensor(x: Any) -> bool:
@@ -249,10 +274,34 @@ def _is_empty_flat_tensor(x: Any) -> bool:
     return isinstance(x, ShardedTensor) and x.flattened_range is not None and x.data is not None and x.data.numel() == 0
 
 
+def _request_visitor(
+    foreign_in_common: list[tuple] | None = None, factories: list[tuple[tuple, ShardedTensorFactory]] | None = None,
+) -> Callable[[tuple, Any, bool], Any]:
+    """``flatten``'s visit for a save's or a load's state dict: each leaf converted
+    (``inputs.megatron_objects.convert_leaf``), each factory built (and, with
+    ``factories``, remembered with its path for the load's merges); with
+    ``foreign_in_common``, the paths of plain values that are (or hold, in a tuple)
+    another library's sharded objects (``utils.holds_sharded_class``)."""
+
+    def visit(path: tuple, value: Any, expandable: bool) -> Any:
+        if expandable:
+            value = convert_leaf(path, value)
+            if isinstance(value, ShardedTensorFactory):
+                if factories is not None:
+                    factories.append((path, value))
+                return value.build()
+        if (foreign_in_common is not None and not isinstance(value, (ShardedBase, LocalNonpersistentObject))
+                and holds_sharded_class(value)):
+            foreign_in_common.append(path)
+        return value
+
+    return visit
+
+
 def _preprocess_and_plan(
     sharded_state_dict: ShardedStateDict, group: Group, target: Location, sharded_strategy: SaveShardedStrategy,
     common_strategy: SaveCommonStrategy, overwrite: bool, preprocess_common: Callable[[StateDict], StateDict] | None,
-) -> tuple[ShardedStateDict, StateDict, Any, PendingCheckpoint]:
+) -> tuple[ShardedStateDict, StateDict, ShardedStateDict, Any, PendingCheckpoint]:
     """Stages preprocess + plan + begin, in one round trip (``protocol.stages.gather_and_plan``):
     a local failure becomes an error on every rank, and so do ranks that name different
     checkpoint directories, keys the target cannot store (its ``name_limits``) and an
@@ -262,12 +311,13 @@ def _preprocess_and_plan(
     plan. A strategy with a ``plan_cache`` reuses its last plan while every rank's
     structure is unchanged (``protocol.plan_cache``). Returns this rank's part of the
     strategy's plan and the pending checkpoint."""
-    error, sharded_part, common_part, digests, compared = None, {}, {}, None, None
+    error, sharded_part, common_part, objects_part, digests, compared = None, {}, {}, {}, None, None
     tensors: list[ShardedTensor] = []
     objects: list[ShardedObject] = []
     try:
-        sharded_part, common_part = save_preprocess(sharded_state_dict)
-        tensors, objects = local_sharded_items(sharded_part)
+        split = _SaveSplit(sharded_state_dict, separate_objects=not sharded_strategy.can_handle_sharded_objects)
+        sharded_part, common_part, objects_part = split.sharded_part, split.common_part, split.objects_part
+        tensors, objects = split.tensors, split.objects
         if group.world_size > 1:
             compared = preprocess_common(common_part) if preprocess_common else common_part
             digests = common_state_digests(compared)
@@ -288,7 +338,7 @@ def _preprocess_and_plan(
         if begun:
             begun[0].abandon()
         raise
-    return sharded_part, common_part, plan, begun[0] if begun else join_save(target, intent)
+    return sharded_part, common_part, objects_part, plan, begun[0] if begun else join_save(target, intent)
 
 
 def _begin_save(
@@ -406,12 +456,8 @@ def _load(
     with operation("load", target.describe()) as timing:
         with stage("load: record", target.describe()):
             location = open_checkpoint(target)
-        result = _load_opened(
+        result, timing.nbytes = _load_opened(
             sharded_state_dict, location, sharded_strategy, common_strategy, validate_access_integrity, strict, group
-        )
-        timing.nbytes = sum(
-            t.nbytes for t in nested_values(result[0] if isinstance(result, tuple) else result)
-            if isinstance(t, torch.Tensor)
         )
     return result
 
@@ -424,9 +470,13 @@ def _load_opened(
     validate_access_integrity: bool,
     strict: str | StrictHandling,
     group: Group,
-) -> StateDict | tuple[StateDict, set[str], set[str]]:
-    """``_load`` on an opened checkpoint (``open_checkpoint``)."""
-    sharded_state_dict = convert_foreign(sharded_state_dict)
+) -> tuple[StateDict | tuple[StateDict, set[str], set[str]], int]:
+    """``_load`` on an opened checkpoint (``open_checkpoint``); also returns the bytes of
+    the tensors the sharded strategy loaded.
+
+    The request is walked once (``_LoadRequest``); the parts handed to the strategies
+    and the result (the common state with the loaded values put in, then the factories'
+    merges) are built from its flat list of leaves."""
     record = getattr(location, "record", None)  # None: another tool's checkpoint
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
         location, sharded_strategy, common_strategy
@@ -435,15 +485,13 @@ def _load_opened(
     where = location.describe()
     # A failure on one rank must reach every rank (never leave them waiting in the
     # next collective): the plan stage and the read stage each carry local failures.
-    error, common_state_dict, factories = None, {}, {}
+    error, common_state_dict, request = None, {}, None
     tensors: list[ShardedTensor] = []
     objects: list[ShardedObject] = []
     try:
         common_state_dict = common_strategy.load_common(location)
-        sharded_state_dict, nonpersistent_state_dict, factories = load_preprocess(sharded_state_dict)
-        merge(common_state_dict, nonpersistent_state_dict)
-        sharded_state_dict, _ = extract_sharded_base(sharded_state_dict)
-        tensors, objects = local_sharded_items(sharded_state_dict)
+        request = _LoadRequest(sharded_state_dict)
+        tensors, objects = request.tensors(), request.objects()
     except Exception as exc:  # reported on every rank by gather_and_plan
         error = exc
 
@@ -454,43 +502,157 @@ def _load_opened(
     with stage("load: plan", where):
         plan = gather_and_plan(tensors, objects, group, planner, local_error=error, place=where)
     missing_keys, unexpected_keys = set(), set()
+    sharded_part: ShardedStateDict = {}
     try:  # a failure here is raised on every rank by the read stage's agreement
-        sharded_state_dict = adjust_non_strict_load(sharded_state_dict, plan.unexpected)
+        request.drop_keys(plan.unexpected)
         missing_keys, unexpected_keys = reported_mismatches(strict, plan, where)
         if not sharded_strategy.can_handle_sharded_objects:
             validate_sharded_objects_handling(sharded_strategy, common_strategy)
-            objects_part, sharded_state_dict = extract_matching_values(
-                sharded_state_dict, lambda v: isinstance(v, ShardedObject)
-            )
-            merge(common_state_dict, common_strategy.load_sharded_objects(objects_part, location))
+            request.load_objects_apart(lambda part: common_strategy.load_sharded_objects(part, location))
+        sharded_part = request.sharded_part()
     except Exception as exc:
         error = exc
     with stage("load: read", where):
-        loaded = sharded_strategy.load_with_plan(sharded_state_dict, location, record, plan.reads, group, error)
-    merge(common_state_dict, loaded)
-    apply_factory_merges(common_state_dict, factories)
-
+        loaded = sharded_strategy.load_with_plan(sharded_part, location, record, plan.reads, group, error)
+    result, nbytes = request.result(common_state_dict, loaded)
     if StrictHandling.requires_returning_mismatch_keys(strict):
-        return common_state_dict, missing_keys, unexpected_keys
-    return common_state_dict
+        return (result, missing_keys, unexpected_keys), nbytes
+    return result, nbytes
+
+
+class _LoadRequest:
+    """A load's request, walked once (``dict_utils.flatten``): DTensors and Megatron-Core's
+    objects converted, factories built (remembered with their paths for their merges),
+    non-persistent values unwrapped; the request's plain values are dropped (the
+    common state comes from the checkpoint).
+
+    Its sharded leaves go to the strategies as nested parts (``dict_utils.nest``, as
+    ``extract_matching_values`` builds them); ``result`` puts what they loaded into the
+    common state in one loop over the leaves (``nest(into=...)``, with ``merge``'s
+    meaning) and applies the factories' merges, each at its path
+    (``mapping.apply_factory_merges``' meaning)."""
+
+    def __init__(self, sharded_state_dict: ShardedStateDict) -> None:
+        self.factories: list[tuple[tuple, ShardedTensorFactory]] = []
+        self.root = sharded_state_dict
+        # the leaves the result holds, in request order: non-persistent and sharded ones
+        self.leaves = [
+            leaf for leaf in flatten(sharded_state_dict, _request_visitor(factories=self.factories))
+            if not leaf.empty and isinstance(leaf.value, (ShardedBase, LocalNonpersistentObject))
+        ]
+        self.loaded: dict[int, Any] = {}  # by leaf index: what a strategy loaded
+        self.returned: list[StateDict] = []  # what a strategy returned that is not the part it was given
+        self._apart: set[int] = set()  # leaves loaded by the common strategy
+
+    def tensors(self) -> list[ShardedTensor]:
+        return [leaf.value for leaf in self.leaves if isinstance(leaf.value, ShardedTensor)]
+
+    def objects(self) -> list[ShardedObject]:
+        return [leaf.value for leaf in self.leaves if isinstance(leaf.value, ShardedObject)]
+
+    def drop_keys(self, keys: set[str] | frozenset[str]) -> None:
+        """Drops the sharded leaves whose key the checkpoint lacks (non-strict loads,
+        ``validation.adjust_non_strict_load``'s meaning)."""
+        if keys:
+            self.leaves = [
+                leaf for leaf in self.leaves if not (isinstance(leaf.value, ShardedBase) and leaf.value.key in keys)
+            ]
+
+    def load_objects_apart(self, load_objects: Callable[[ShardedStateDict], StateDict]) -> None:
+        """The ShardedObjects, loaded by the common strategy (``load_objects``)."""
+        indices = [i for i, leaf in enumerate(self.leaves) if isinstance(leaf.value, ShardedObject)]
+        if indices:
+            self._apart = set(indices)
+            self._load_part(indices, load_objects)
+
+    def sharded_part(self) -> ShardedStateDict:
+        """What the sharded strategy loads (every sharded leaf not loaded apart); what
+        it returns is handed to ``read``."""
+        indices = [
+            i for i, leaf in enumerate(self.leaves) if isinstance(leaf.value, ShardedBase) and i not in self._apart
+        ]
+        part, slots = nest([self.leaves[i] for i in indices], root=self.root)
+        self._pending = (part, indices, slots)
+        return part
+
+    def _load_part(self, indices: list[int], load: Callable[[ShardedStateDict], StateDict]) -> None:
+        part, slots = nest([self.leaves[i] for i in indices], root=self.root)
+        self._collect(load(part), part, indices, slots)
+
+    def _collect(self, loaded: StateDict, part: ShardedStateDict, indices: list[int], slots: list) -> None:
+        if loaded is part:  # filled in place (as ours are): each value is in its slot
+            for i, (container, key) in zip(indices, slots):
+                self.loaded[i] = container[key]
+        else:  # merged as Megatron-Core merges it
+            self.returned.append(loaded)
+            for i in indices:
+                self.loaded[i] = None
+
+    def result(self, common_state_dict: StateDict, loaded: StateDict) -> tuple[StateDict, int]:
+        """The common state with every loaded value in place and the factories merged;
+        and the bytes of the loaded tensors."""
+        part, indices, slots = self._pending
+        self._collect(loaded, part, indices, slots)
+        placed, values = [], []
+        for i, leaf in enumerate(self.leaves):
+            if isinstance(leaf.value, LocalNonpersistentObject):
+                placed.append(leaf)
+                values.append(leaf.value.unwrap())
+            elif i in self.loaded and (self.loaded[i] is not None or not self.returned):
+                placed.append(leaf)
+                values.append(self.loaded[i])
+        nest(placed, values, into=common_state_dict)
+        for returned in self.returned:
+            merge(common_state_dict, returned)
+        nbytes = sum(v.nbytes for v in values if isinstance(v, torch.Tensor))
+        for path, factory in self.factories:
+            _merge_factory_at(common_state_dict, path, factory)
+        return common_state_dict, nbytes
+
+
+def _merge_factory_at(state_dict: StateDict, path: tuple, factory: ShardedTensorFactory) -> None:
+    """Replaces the value at ``path`` (the factory's place in the request, list indices
+    included) by the factory's merge of it, as ``mapping.apply_factory_merges`` does."""
+    node = state_dict
+    for depth, key in enumerate(path):
+        where = "/".join(map(str, path[:depth])) or "<root>"
+        if isinstance(node, dict):
+            if key not in node:
+                raise ValueError(f"Factory merge at {where}: key {key!r} missing from the loaded state dict")
+        elif isinstance(node, list):
+            if not isinstance(key, int) or not 0 <= key < len(node):
+                raise ValueError(f"Factory merge at {where}: invalid list index {key!r}")
+        else:
+            raise ValueError(f"Factory merge at {where}: cannot merge {type(node).__name__} with dict")
+        if depth == len(path) - 1:
+            node[key] = factory.merge_fn(node[key])
+        else:
+            node = node[key]
 
 
 def load_preprocess(
     sharded_state_dict: ShardedStateDict,
 ) -> tuple[ShardedStateDict, StateDict, ShardedStateDict]:
-    """Builds factories (remembering them for the merge) and unwraps non-persistent values.
+    """Converts other libraries' objects, builds factories (remembering them for the
+    merge) and unwraps non-persistent values, in one walk of the state dict.
 
     Returns:
-        ``(sharded state dict, non-persistent values, factories)``
+        ``(sharded state dict, non-persistent values, factories)``: the factories as
+        ``mapping.apply_factory_merges`` takes them (lists as ``{index: factory}``).
     """
-    # lists as {index: factory}: the merge puts each back at its index (Megatron-Core does the same)
-    factories, _ = extract_matching_values(
-        sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
-    )
-    apply_factories(sharded_state_dict)
-    nonpersistent, sharded_state_dict = extract_nonpersistent(sharded_state_dict)
-    dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
-    return sharded_state_dict, nonpersistent, factories
+    factories: list[tuple[tuple, ShardedTensorFactory]] = []
+    leaves = flatten(sharded_state_dict, _request_visitor(factories=factories))
+    kept = [leaf for leaf in leaves if not isinstance(leaf.value, LocalNonpersistentObject)]
+    nonpersistent = [leaf for leaf in leaves if isinstance(leaf.value, LocalNonpersistentObject)]
+    sharded, _ = nest(kept, root=sharded_state_dict)
+    unwrapped, _ = nest(nonpersistent, [leaf.value.unwrap() for leaf in nonpersistent], root=sharded_state_dict)
+    by_path: dict = {}
+    for path, factory in factories:  # lists as dicts: each factory at its index
+        node = by_path
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = factory
+    return sharded, unwrapped, by_path
 
 
 def _saved_keys(

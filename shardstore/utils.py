@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -89,6 +90,27 @@ def local_sharded_items(sharded_state_dict: ShardedStateDict) -> tuple[list[Shar
     )
 
 
+def sharded_tensor_slots(
+    sharded_state_dict: ShardedStateDict,
+) -> tuple[list[ShardedTensor], list[tuple[dict | list, Any]]]:
+    """The ShardedTensors of a sharded state dict in ``local_sharded_items``' order, each
+    with its place ``(container, key or index)``, in one walk: a strategy puts what it
+    loaded there (``container[key] = tensor``) without walking again."""
+    tensors: list[ShardedTensor] = []
+    slots: list[tuple[dict | list, Any]] = []
+
+    def walk(node: dict | list) -> None:
+        for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+            if isinstance(v, (dict, list)):
+                walk(v)
+            elif isinstance(v, ShardedTensor):
+                tensors.append(v)
+                slots.append((node, k))
+
+    walk(sharded_state_dict)
+    return tensors, slots
+
+
 def extract_sharded_base(
     sharded_state_dict: ShardedStateDict,
 ) -> tuple[ShardedStateDict, StateDict]:
@@ -112,6 +134,19 @@ SHARDED_CLASS_NAMES = frozenset(
 )
 
 
+@functools.cache
+def _is_sharded_class(cls: type) -> bool:
+    return not {c.__name__ for c in cls.__mro__}.isdisjoint(SHARDED_CLASS_NAMES)
+
+
+def holds_sharded_class(value: Any) -> bool:
+    """Whether a plain leaf of a state dict is (or, a tuple, holds) a sharded mapping
+    object of any library: what ``sharded_values_in_common`` finds, for one leaf."""
+    if isinstance(value, (list, tuple)):
+        return bool(sharded_values_in_common(value))
+    return _is_sharded_class(type(value))
+
+
 def sharded_values_in_common(common_state_dict: Any, path: str = "") -> list[str]:
     """Key paths of values in the common state that are sharded mapping objects of any
     library (``SHARDED_CLASS_NAMES``, anywhere in their class hierarchy)."""
@@ -119,8 +154,7 @@ def sharded_values_in_common(common_state_dict: Any, path: str = "") -> list[str
         return [p for k, v in common_state_dict.items() for p in sharded_values_in_common(v, f"{path}/{k}")]
     if isinstance(common_state_dict, (list, tuple)):
         return [p for i, v in enumerate(common_state_dict) for p in sharded_values_in_common(v, f"{path}[{i}]")]
-    names = {cls.__name__ for cls in type(common_state_dict).__mro__}
-    if names & SHARDED_CLASS_NAMES:
+    if _is_sharded_class(type(common_state_dict)):
         return [f"{path or '/'} ({type(common_state_dict).__module__}.{type(common_state_dict).__name__})"]
     return []
 

@@ -21,7 +21,7 @@ import dataclasses
 from typing import Any
 
 from shardstore.dict_utils import dict_list_map_inplace
-from shardstore.inputs.dtensors import with_dtensors_converted
+from shardstore.inputs.dtensors import dtensor_factory, fqn, is_dtensor, with_dtensors_converted
 from shardstore.inputs.irregular import irregular_as_flat, is_irregular
 from shardstore.mapping import (
     LocalNonpersistentObject,
@@ -80,3 +80,13 @@ def convert_foreign(state_dict: Any) -> Any:
 
     Returns the state dict (a bare mapping object is converted and returned)."""
     return dict_list_map_inplace(convert_one, with_dtensors_converted(state_dict))
+
+
+def convert_leaf(path: tuple[Any, ...], value: Any) -> Any:
+    """What ``convert_foreign`` makes of the leaf at ``path`` of a state dict: a DTensor
+    becomes its factory, keyed by its fully qualified name; a Megatron mapping object
+    becomes shardstore's (``convert_one``). For a walk that visits each leaf once
+    (``dict_utils.flatten``)."""
+    if is_dtensor(value):
+        return dtensor_factory(fqn(path), value)
+    return convert_one(value)

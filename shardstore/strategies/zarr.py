@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from shardstore.core import CheckpointingException
-from shardstore.dict_utils import dict_list_map_inplace
 from shardstore.execution.load import plan_read, run_read_plan
 from shardstore.execution.loaded import (  # flatten_range, pad_to_expected_shape: Megatron-Core's names here
     flatten_range,  # noqa: F401
@@ -86,7 +85,7 @@ from shardstore.strategies.base import (
     StrategyAction,
     register_default_strategy,
 )
-from shardstore.utils import local_sharded_items
+from shardstore.utils import local_sharded_items, sharded_tensor_slots
 
 logger = logging.getLogger(__name__)
 
@@ -367,14 +366,14 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         """Collective: reads this rank's part (``run_read_plan``) and puts the tensors in
         place of the request's ShardedTensors. A read that fails on one rank raises the
         same error, naming the checkpoint, key and chunk, on every rank."""
-        tensors, _ = local_sharded_items(sharded_state_dict)
-        results = iter(run_read_plan(
+        tensors, slots = sharded_tensor_slots(sharded_state_dict)
+        results = run_read_plan(
             tensors, location, record, plan, group, self.io_concurrency, self.allow_lossy_casts, local_error,
             self._uploader,
-        ))
-        return dict_list_map_inplace(
-            lambda x: next(results) if isinstance(x, ShardedTensor) else x, sharded_state_dict
         )
+        for (container, key), tensor in zip(slots, results):
+            container[key] = tensor
+        return sharded_state_dict
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
         record = read_commit_record(open_location(checkpoint_dir))

@@ -348,11 +348,12 @@ def _begin_save(
     ``metadata.json`` (``shardstore.format.commit``)."""
     pending = None
     try:
-        pending = begin_save(target, overwrite)
-        config = CheckpointingConfig(
-            sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
-        )
-        save_config(config, pending)
+        with stage("save: begin", target.describe()):
+            pending = begin_save(target, overwrite)
+            config = CheckpointingConfig(
+                sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
+            )
+            save_config(config, pending)
     except Exception as exc:  # told to every rank by the plan's scatter
         if pending is not None:
             pending.abandon()

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardstore.stores.base import Capabilities, ChunkAccess, StorageError, Store
+from shardstore.stores.base import Capabilities, ChunkAccess, StorageError
+from shardstore.stores.fsspec_base import FsspecStore
 
 SCHEME = "memory://"
 
 
-class MemoryStore(Store):
+class MemoryStore(FsspecStore):
     """A checkpoint under ``memory://prefix``.
 
     Args:
@@ -39,7 +40,11 @@ class MemoryStore(Store):
             raise StorageError(
                 f"{url}: memory:// locations need fsspec, which is not installed; pip install 'shardstore[memory]'"
             ) from exc
-        self.fs = MemoryFileSystem()
+        self._fs = MemoryFileSystem()
+
+    @property
+    def fs(self) -> Any:
+        return self._fs
 
     def __repr__(self) -> str:
         return f"MemoryStore({self.describe()!r})"
@@ -49,59 +54,6 @@ class MemoryStore(Store):
 
     def describe(self, key: str = "") -> str:
         return f"{SCHEME}{self._path(key)[1:]}"
-
-    def _call(self, what: str, key: str, fn: Any, *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except FileNotFoundError:
-            raise
-        except Exception as exc:
-            raise StorageError(f"Cannot {what} {self.describe(key)}: {exc}") from exc
-
-    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
-        try:
-            data = self._call("read", key, self.fs.cat_file, self._path(key))
-        except FileNotFoundError:
-            return None
-        if max_bytes is not None and len(data) > max_bytes:
-            raise StorageError(f"{self.describe(key)} holds {len(data)} bytes, more than the {max_bytes} a record may have")
-        return data
-
-    def put(self, key: str, data: bytes) -> None:
-        self._call("write", key, self.fs.pipe_file, self._path(key), bytes(data))
-
-    def put_atomic(self, key: str, data: bytes) -> None:
-        """The value is buffered whole and stored with one dictionary assignment."""
-        self.put(key, data)
-
-    def exists(self, key: str) -> bool:
-        return bool(self._call("check", key, self.fs.exists, self._path(key)))
-
-    def list_dir(self, prefix: str = "") -> list[str]:
-        try:
-            entries = self._call("list", prefix, self.fs.ls, self._path(prefix), False)
-        except FileNotFoundError:
-            return []
-        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
-
-    def list(self, prefix: str = "") -> list[str]:
-        root, top = self._path("") + "/", self._path(prefix) + "/"
-        found = self._call("list", prefix, self.fs.find, top)
-        return sorted(path[len(root):] for path in found if path.startswith(top))
-
-    def delete(self, key: str) -> None:
-        try:
-            self._call("remove", key, self.fs.rm_file, self._path(key))
-        except FileNotFoundError:
-            pass
-
-    def delete_prefix(self, prefix: str = "") -> None:
-        top = self._path(prefix)
-        if self.fs.isfile(top):
-            self.delete(prefix)
-            return
-        for key in self.list(prefix):
-            self.delete(key)
 
     def child(self, name: str) -> MemoryStore:
         return MemoryStore(self.describe(name))

@@ -31,7 +31,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardstore.stores.base import Capabilities, ChunkAccess, NameLimits, StorageError, Store
+from shardstore.stores.base import Capabilities, ChunkAccess, NameLimits, StorageError
+from shardstore.stores.fsspec_base import FsspecStore
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def _remove_file(path: str) -> None:
         os.unlink(path)
 
 
-class S3Store(Store):
+class S3Store(FsspecStore):
     """A checkpoint under ``s3://bucket/prefix`` (``stores.locations.open_location`` makes
     one from the URL and ``options=S3Options(...)``).
 
@@ -186,74 +187,15 @@ class S3Store(Store):
             self._fs.retries = 1
         return self._fs
 
-    def _call(self, what: str, rel: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except FileNotFoundError:
-            raise
-        except Exception as exc:
-            raise StorageError(f"Cannot {what} {self.describe(rel)}: {exc}") from exc
-
-    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
-        try:
-            if max_bytes is None:
-                return self._call("read", key, self.fs.cat_file, self._path(key))
-            data = self._call("read", key, self.fs.cat_file, self._path(key), start=0, end=max_bytes + 1)
-        except FileNotFoundError:
-            return None
-        if len(data) > max_bytes:
-            raise StorageError(f"{self.describe(key)} holds more than the {max_bytes} bytes a record may have")
-        return data
-
-    def put(self, key: str, data: bytes) -> None:
-        self._call("write", key, self.fs.pipe_file, self._path(key), data)
+    def _refresh(self) -> None:
+        self.fs.invalidate_cache()
 
     def put_many(self, objects: dict[str, bytes]) -> None:
         if objects:  # s3fs sends them concurrently
             self._call("write", "", self.fs.pipe, {self._path(k): d for k, d in objects.items()})
 
-    def put_atomic(self, key: str, data: bytes) -> None:
-        """One PUT: S3 makes an object visible whole or not at all."""
-        self.put(key, data)
-
-    def exists(self, key: str) -> bool:
-        self.fs.invalidate_cache()
-        return bool(self._call("check", key, self.fs.exists, self._path(key)))
-
     def child(self, name: str) -> S3Store:
         return S3Store(self.describe(name), self.options)
-
-    def list_dir(self, prefix: str = "") -> list[str]:
-        self.fs.invalidate_cache()
-        try:
-            entries = self._call("list", prefix, self.fs.ls, self._path(prefix), refresh=True)
-        except FileNotFoundError:
-            return []
-        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
-
-    def list(self, prefix: str = "") -> list[str]:
-        self.fs.invalidate_cache()
-        root = self._path("").rstrip("/") + "/"
-        top = self._path(prefix).rstrip("/") + "/"
-        try:
-            found = self._call("list", prefix, self.fs.find, top)
-        except FileNotFoundError:
-            return []
-        return sorted(path[len(root):] for path in found if path.startswith(top))
-
-    def delete(self, key: str) -> None:
-        try:
-            self._call("remove", key, self.fs.rm_file, self._path(key))
-        except FileNotFoundError:
-            pass
-
-    def delete_prefix(self, prefix: str = "") -> None:
-        self.fs.invalidate_cache()
-        try:
-            self._call("remove", prefix, self.fs.rm, self._path(prefix), recursive=True)
-        except FileNotFoundError:
-            pass
-        self.fs.invalidate_cache()
 
     def prepare(self) -> None:
         try:

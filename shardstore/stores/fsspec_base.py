@@ -1,0 +1,95 @@
+"""The bytes-by-key operations of a ``Store`` on an fsspec file system, shared by the
+backends that reach their bytes through fsspec (``s3``, ``memory``).
+
+A backend subclass says where its file system is (``fs``), how a key becomes a path on
+it (``_path``) and how it describes a key; listing, reading with a size cap, writing
+and deleting are the same fsspec calls for all of them. ``_refresh`` lets a backend
+whose file system caches listings (s3fs) drop them before a call that must see the
+store as it is now.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any
+
+from shardstore.stores.base import StorageError, Store
+
+
+class FsspecStore(Store):
+    """A ``Store`` whose bytes live on an fsspec file system."""
+
+    @property
+    @abstractmethod
+    def fs(self) -> Any:
+        """The fsspec file system (made on first use where that is costly)."""
+
+    @abstractmethod
+    def _path(self, key: str) -> str:
+        """The file system's path of ``key``."""
+
+    def _refresh(self) -> None:
+        """Drops cached listings before a call that must see the store as it is now."""
+
+    def _call(self, what: str, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Runs an fsspec call; a failure other than a missing file names the object."""
+        try:
+            return fn(*args, **kwargs)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            raise StorageError(f"Cannot {what} {self.describe(key)}: {exc}") from exc
+
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        try:
+            if max_bytes is None:
+                return self._call("read", key, self.fs.cat_file, self._path(key))
+            data = self._call("read", key, self.fs.cat_file, self._path(key), start=0, end=max_bytes + 1)
+        except FileNotFoundError:
+            return None
+        if len(data) > max_bytes:
+            raise StorageError(f"{self.describe(key)} holds more than the {max_bytes} bytes a record may have")
+        return data
+
+    def put(self, key: str, data: bytes) -> None:
+        self._call("write", key, self.fs.pipe_file, self._path(key), bytes(data))
+
+    def put_atomic(self, key: str, data: bytes) -> None:
+        """One object write: the backends here make an object visible whole or not at all."""
+        self.put(key, data)
+
+    def exists(self, key: str) -> bool:
+        self._refresh()
+        return bool(self._call("check", key, self.fs.exists, self._path(key)))
+
+    def list_dir(self, prefix: str = "") -> list[str]:
+        self._refresh()
+        try:
+            entries = self._call("list", prefix, self.fs.ls, self._path(prefix), detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def list(self, prefix: str = "") -> list[str]:
+        self._refresh()
+        root = self._path("").rstrip("/") + "/"
+        top = self._path(prefix).rstrip("/") + "/"
+        try:
+            found = self._call("list", prefix, self.fs.find, top)
+        except FileNotFoundError:
+            return []
+        return sorted(path[len(root):] for path in found if path.startswith(top))
+
+    def delete(self, key: str) -> None:
+        try:
+            self._call("remove", key, self.fs.rm_file, self._path(key))
+        except FileNotFoundError:
+            pass
+
+    def delete_prefix(self, prefix: str = "") -> None:
+        self._refresh()
+        try:
+            self._call("remove", prefix, self.fs.rm, self._path(prefix), recursive=True)
+        except FileNotFoundError:
+            pass
+        self._refresh()

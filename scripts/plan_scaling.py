@@ -16,9 +16,17 @@ optimizer's state, cut at uneven offsets), it measures:
   record the save would have written (a checksum per chunk) itself. Reported:
   coordinator CPU, per-rank CPU (its records, the record parse, its plan), and bytes a
   rank receives (before: every rank all-gathered the requests twice).
+* ``--cached``: the save's plan stage reusing a cached plan (``protocol.plan_cache``):
+  a rank builds its records and compares them (and its rank, the world size, the
+  planner's settings) with those of its cached part, then sends only the plan's id;
+  the coordinator unpickles W such queries, checks that every id is the same and that
+  the target stores the plan's names, and pickles W replies. Reported next to the
+  full plan stage: coordinator CPU (here including the unpickling of the W gathered
+  record lists, which the save table leaves out) and per-rank CPU, and the bytes the
+  coordinator receives.
 
 Usage: ``python scripts/plan_scaling.py [--worlds 16 64 256 512 1024] [--tensors 1000 10000]
-[--max-records 3000000]``. The garbage collector is paused during each measurement, as
+[--max-records 3000000] [--cached]``. The garbage collector is paused during each measurement, as
 ``save`` and ``load`` pause it (``core.gc_paused``). Combinations above ``--max-records`` records are skipped
 (they need several GB here), and the table says so.
 """
@@ -37,8 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shardstore.core import gc_paused  # noqa: E402
 from shardstore.format.records import CommitRecord  # noqa: E402
+from shardstore.planning.checks import admits_names, name_lengths_needed  # noqa: E402
 from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
 from shardstore.planning.plans import plan_reads, plan_save  # noqa: E402
+from shardstore.protocol.plan_cache import _CachedPlanQuery  # noqa: E402
+from shardstore.stores.base import NameLimits  # noqa: E402
 from shardstore.validation import StrictHandling, plan_load, validate_sharding_integrity  # noqa: E402
 
 ROWS_PER_RANK = 64
@@ -71,6 +82,53 @@ def full_record(save_plans: list) -> CommitRecord:
         for k, a in commit.arrays.items()
     }
     return replace(commit, arrays=arrays, save_id="simulated")
+
+
+def measure_cached(world: int, tensors: int) -> dict[str, float]:
+    """The plan stage of a save with the full plan and with a cached one (``--cached``)."""
+    settings = (64 * 2**20, True)
+    own = rank_records(world // 2, world, tensors)
+    cached_key = pickle.loads(pickle.dumps((world // 2, world, settings, tuple(own), ())))  # equal, not identical
+    gathered = [pickle.dumps(("/ckpt", (rank_records(r, world, tensors), []), None)) for r in range(world)]
+    gc.collect()
+
+    start = time.process_time()  # the full stage: the coordinator unpickles, checks, plans, pickles the parts
+    layout = GlobalLayout.from_gathered([pickle.loads(g)[1] for g in gathered])
+    validate_sharding_integrity(layout)
+    plans = plan_save(layout, *settings)
+    needed = name_lengths_needed(layout)
+    pickled = [pickle.dumps(("plan-id", None, p)) for p in plans]
+    full_coordinator = time.process_time() - start
+    start = time.process_time()  # a rank: its records, pickled, and its part unpickled
+    records = rank_records(world // 2, world, tensors)
+    pickle.dumps(("/ckpt", (records, []), None))
+    pickle.loads(pickled[world // 2])
+    full_rank = time.process_time() - start
+    del layout, plans, pickled
+    gc.collect()
+
+    start = time.process_time()  # a rank, cached: its records compared, a query sent, the reply read
+    records = rank_records(world // 2, world, tensors)
+    same = (world // 2, world, settings, tuple(records), ()) == cached_key
+    query = pickle.dumps(_CachedPlanQuery("/ckpt", "plan-id" if same else None, None))
+    reply = pickle.dumps((True, "intent", []))
+    pickle.loads(reply)
+    cached_rank = time.process_time() - start
+    assert same
+    queries = [query] * world
+    start = time.process_time()  # the coordinator, cached: W queries, one decision, W replies
+    received = [pickle.loads(q) for q in queries]
+    reuse = len({q.plan_id for q in received}) == 1 and admits_names(NameLimits(255, 4000), needed)
+    replies = [pickle.dumps((reuse, "intent", [])) for _ in range(world)]
+    cached_coordinator = time.process_time() - start
+    del replies, gathered
+    gc.collect()
+    return {
+        "full_coordinator_s": full_coordinator, "full_rank_s": full_rank,
+        "full_coordinator_rx_mb": len(pickle.dumps(("/ckpt", (own, []), None))) * world / 1e6,
+        "cached_coordinator_s": cached_coordinator, "cached_rank_s": cached_rank,
+        "cached_coordinator_rx_mb": len(query) * world / 1e6,
+    }
 
 
 def measure(world: int, tensors: int) -> dict[str, float]:
@@ -130,7 +188,23 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[16, 64, 256, 512, 1024])
     parser.add_argument("--tensors", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--max-records", type=int, default=3_000_000)
+    parser.add_argument("--cached", action="store_true", help="only the save's plan stage, full and cached")
     args = parser.parse_args()
+    if args.cached:
+        cached_rows = []
+        for tensors in args.tensors:
+            for world in args.worlds:
+                m = None if world * tensors > args.max_records else gc_paused(measure_cached)(world, tensors)
+                cached_rows.append((tensors, world, m))
+                print(f"measured {tensors} tensors/rank at W={world}", file=sys.stderr, flush=True)
+        print_table("Save, plan stage: full and cached", cached_rows, [
+            ("full: coordinator CPU s", "full_coordinator_s", ".2f"), ("full: per-rank CPU s", "full_rank_s", ".3f"),
+            ("full: coordinator rx MB", "full_coordinator_rx_mb", ".1f"),
+            ("cached: coordinator CPU s", "cached_coordinator_s", ".4f"),
+            ("cached: per-rank CPU s", "cached_rank_s", ".3f"),
+            ("cached: coordinator rx MB", "cached_coordinator_rx_mb", ".3f"),
+        ])
+        return
     rows: list[tuple[int, int, dict[str, float] | None]] = []
     for tensors in args.tensors:
         for world in args.worlds:

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from shardstore import ShardedTensor, load, load_tensors_metadata, save
 from shardstore.errors import CheckpointingException
 from shardstore.other_formats import registry
-from shardstore.other_formats.base import ForeignCheckpoint, ForeignTensor, OtherFormat
+from shardstore.other_formats.base import OtherCheckpoint, OtherFormat, OtherTensor
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 from shardstore.strategies.other_formats import reads_as_other_format
@@ -90,7 +90,7 @@ def test_a_name_is_registered_once() -> None:
 # --------------------------------------------------------------- a new reader is one module
 
 
-class ToyCheckpoint(ForeignCheckpoint):
+class ToyCheckpoint(OtherCheckpoint):
     """A format of another tool, all of it: ``toy.json`` holds each tensor's values."""
 
     FILE = "toy.json"
@@ -98,7 +98,7 @@ class ToyCheckpoint(ForeignCheckpoint):
     def __init__(self, path: Path) -> None:
         self.path, self.kind, self.items = path, "toy", {}
         self.values = json.loads(self.read_bounded(self.FILE, 2**20, "the toy metadata"))
-        self.tensors = {k: ForeignTensor(k, (len(v),), torch.float32) for k, v in self.values.items()}
+        self.tensors = {k: OtherTensor(k, (len(v),), torch.float32) for k, v in self.values.items()}
 
     @staticmethod
     def holds(location: Location) -> bool:

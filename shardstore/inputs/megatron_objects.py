@@ -2,7 +2,7 @@
 
 Real Megatron model code (``GPTModel.sharded_state_dict()``, the distributed
 optimizer's) builds ``megatron.core.dist_checkpointing.mapping`` objects. ``save``,
-``load`` and the queries call ``convert_foreign`` first, so every layer below sees
+``load`` and the queries call ``convert_megatron_objects`` first, so every layer below sees
 only shardstore's classes. Objects are recognised by their module and class name, so
 megatron-core is never imported (it stays optional) and any version with the same
 fields converts: 0.14 (flattened ranges) through 0.16.
@@ -30,12 +30,12 @@ from shardstore.mapping import (
     ShardedTensorFactory,
 )
 
-FOREIGN_MODULES = ("megatron.core.dist_checkpointing",)
+MEGATRON_MODULES = ("megatron.core.dist_checkpointing",)
 
 
-def _is_foreign(value: Any, name: str) -> bool:
+def _is_megatron(value: Any, name: str) -> bool:
     cls = type(value)
-    return cls.__name__ == name and cls.__module__.startswith(FOREIGN_MODULES)
+    return cls.__name__ == name and cls.__module__.startswith(MEGATRON_MODULES)
 
 
 def _fields(value: Any, names: tuple[str, ...]) -> dict[str, Any]:
@@ -52,19 +52,19 @@ def convert_one(value: Any) -> Any:
     """shardstore's equivalent of one Megatron mapping object (others unchanged); a
     ShardedTensor on an irregular grid (ours or Megatron's) becomes the factory that
     stores it as a flattened range (``shardstore.inputs.irregular``)."""
-    if _is_foreign(value, "ShardedTensor"):
+    if _is_megatron(value, "ShardedTensor"):
         value = ShardedTensor(**_fields(value, _TENSOR_FIELDS))
     if isinstance(value, ShardedTensor) and is_irregular(value):
         return irregular_as_flat(value)
-    if _is_foreign(value, "ShardedObject"):
+    if _is_megatron(value, "ShardedObject"):
         return ShardedObject(**_fields(value, _OBJECT_FIELDS))
-    if _is_foreign(value, "LocalNonpersistentObject"):
+    if _is_megatron(value, "LocalNonpersistentObject"):
         return LocalNonpersistentObject(value.obj)
-    if _is_foreign(value, "ShardedTensorFactory"):
+    if _is_megatron(value, "ShardedTensorFactory"):
         build = value.build_fn
 
         def build_converted(*args: Any) -> Any:
-            return convert_foreign(build(*args))
+            return convert_megatron_objects(build(*args))
 
         return ShardedTensorFactory(
             value.key, value.data, build_converted, value.merge_fn, value.replica_id,
@@ -73,7 +73,7 @@ def convert_one(value: Any) -> Any:
     return value
 
 
-def convert_foreign(state_dict: Any) -> Any:
+def convert_megatron_objects(state_dict: Any) -> Any:
     """Converts, in place, every Megatron mapping object in a nested state dict, after
     DTensors became factories keyed by their fully qualified names
     (``shardstore.inputs.dtensors``, which copies the containers that hold them instead).
@@ -83,7 +83,7 @@ def convert_foreign(state_dict: Any) -> Any:
 
 
 def convert_leaf(path: tuple[Any, ...], value: Any) -> Any:
-    """What ``convert_foreign`` makes of the leaf at ``path`` of a state dict: a DTensor
+    """What ``convert_megatron_objects`` makes of the leaf at ``path`` of a state dict: a DTensor
     becomes its factory, keyed by its fully qualified name; a Megatron mapping object
     becomes shardstore's (``convert_one``). For a walk that visits each leaf once
     (``dict_utils.flatten``)."""

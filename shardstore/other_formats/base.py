@@ -1,6 +1,6 @@
 """What shardstore reads of a checkpoint another tool wrote, whatever its format.
 
-``ForeignCheckpoint`` is the interface the readers of other formats implement
+``OtherCheckpoint`` is the interface the readers of other formats implement
 (``dcp.DcpCheckpoint``: PyTorch DCP and Megatron-Core torch_dist;
 ``megatron_zarr.MegatronZarrCheckpoint``: Megatron-Core's deprecated zarr backend) and
 that ``strategies.other_formats`` (``load`` and the queries at any layout), inspection and
@@ -33,8 +33,8 @@ from shardstore.stores.local import open_regular_file
 
 
 @dataclass(frozen=True)
-class ForeignTensor:
-    """A tensor of a foreign checkpoint: its global shape and dtype; each reader's
+class OtherTensor:
+    """A tensor of another tool's checkpoint: its global shape and dtype; each reader's
     subclass says how it is chunked."""
 
     key: str
@@ -61,13 +61,13 @@ class ForeignTensor:
         return 1
 
 
-class ForeignCheckpoint(ABC):
+class OtherCheckpoint(ABC):
     """A checkpoint directory of another tool, opened for reading.
 
     Attributes:
         path: the directory.
         kind: the checkpoint's backend name (``"torch_dist"``, ``"dcp"``, ``"zarr"``).
-        tensors: every tensor by key (``ForeignTensor`` or a subclass).
+        tensors: every tensor by key (``OtherTensor`` or a subclass).
         items: the keys of its non-tensor items (Megatron's ShardedObject shards by
             their unique key, ``<key>/shard_<offset>_<shape>``, or a plain DCP's values).
         saved_paths: where a key's value was in the state dict the tool saved (dict keys
@@ -78,7 +78,7 @@ class ForeignCheckpoint(ABC):
 
     path: Path
     kind: str
-    tensors: dict[str, ForeignTensor]
+    tensors: dict[str, OtherTensor]
     items: dict[str, Any]
     saved_paths: Mapping[str, tuple[str | int, ...]] = MappingProxyType({})
 
@@ -174,7 +174,7 @@ class OtherFormat:
     """A format of another tool's checkpoints, as the registry lists it (``registry``).
 
     Attributes:
-        name: what the format is called in data: its checkpoints' ``ForeignCheckpoint.kind``,
+        name: what the format is called in data: its checkpoints' ``OtherCheckpoint.kind``,
             inspection's ``kind`` and the command's ``source_format`` (``"torch_dist"``).
         title: what messages call one of its checkpoints (``"a PyTorch DCP checkpoint"``).
         detect: whether a location holds one of its checkpoints; cheap (at most a small
@@ -190,8 +190,8 @@ class OtherFormat:
     name: str
     title: str
     detect: Callable[[Location], bool]
-    open: Callable[[Path], ForeignCheckpoint]
+    open: Callable[[Path], OtherCheckpoint]
     metadata_file: str
 
 
-__all__ = ["ForeignCheckpoint", "ForeignTensor", "OtherFormat"]
+__all__ = ["OtherCheckpoint", "OtherTensor", "OtherFormat"]

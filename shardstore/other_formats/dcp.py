@@ -39,7 +39,7 @@ from shardstore.errors import CheckpointingException
 from shardstore.format.config import maybe_load_config
 from shardstore.format.pickles import DCP_METADATA_GLOBALS, load_restricted, load_torch
 from shardstore.format.records import sharded_backend
-from shardstore.other_formats.base import ForeignCheckpoint, ForeignTensor, OtherFormat
+from shardstore.other_formats.base import OtherCheckpoint, OtherFormat, OtherTensor
 from shardstore.stores.base import Location
 
 DCP_METADATA = ".metadata"
@@ -58,7 +58,7 @@ class DcpChunk:
 
 
 @dataclass(frozen=True)
-class DcpTensor(ForeignTensor):
+class DcpTensor(OtherTensor):
     """A tensor as DCP stored it. ``shape`` is its global shape; for Megatron's
     reformulated flattened ranges, ``stored_shape`` is the shape of the stored
     block-rows tensor (else equal to ``shape``)."""
@@ -81,7 +81,7 @@ class DcpItem:
     length: int
 
 
-class DcpCheckpoint(ForeignCheckpoint):
+class DcpCheckpoint(OtherCheckpoint):
     """A DCP (or Megatron torch_dist) checkpoint directory, opened for reading; ``kind``
     is ``"torch_dist"`` (Megatron-Core) or ``"dcp"``; ``saved_paths``: where each key was
     in the state dict that was saved (``_saved_paths``)."""

@@ -14,7 +14,7 @@ What Megatron wrote (``megatron/core/dist_checkpointing/strategies/zarr.py``, te
   ``<key>.sync/`` directory of empty lock files beside them (skipped here);
 * ShardedObjects as ``<key>/shard_<offset>_<shape>.pt`` (``torch.save``).
 
-Records are read through a size bound, every file through ``ForeignCheckpoint.read_file``,
+Records are read through a size bound, every file through ``OtherCheckpoint.read_file``,
 and a chunk file must hold exactly its chunk's bytes. Compressors, filters, Fortran
 order, big-endian and object dtypes are refused with a clear error (Megatron never
 wrote them).
@@ -37,7 +37,7 @@ from shardstore.errors import CheckpointingException
 from shardstore.format.config import CONFIG_FNAME, maybe_load_config
 from shardstore.format.dtypes import from_torch, numpy_to_tensor
 from shardstore.format.records import COMMIT_RECORD, sharded_backend
-from shardstore.other_formats.base import ForeignCheckpoint, ForeignTensor, OtherFormat
+from shardstore.other_formats.base import OtherCheckpoint, OtherFormat, OtherTensor
 from shardstore.stores.base import Location
 
 ZARRAY = ".zarray"
@@ -57,7 +57,7 @@ _DTYPES = {
 
 
 @dataclass(frozen=True)
-class ZarrV2Array(ForeignTensor):
+class ZarrV2Array(OtherTensor):
     """One array: its chunk grid and where its chunk files are."""
 
     chunks: tuple[int, ...] = ()
@@ -80,7 +80,7 @@ class ZarrV2Array(ForeignTensor):
         return f"{self.key}/{self.separator.join(map(str, index)) if index else '0'}"
 
 
-class MegatronZarrCheckpoint(ForeignCheckpoint):
+class MegatronZarrCheckpoint(OtherCheckpoint):
     """A Megatron-Core ``zarr`` checkpoint directory, opened for reading."""
 
     def __init__(self, path: str | os.PathLike) -> None:

@@ -26,7 +26,7 @@ from shardstore.format.integrity import ChecksummedLocation
 from shardstore.format.records import CommitRecord, is_committed
 from shardstore.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from shardstore.other_formats import registry
-from shardstore.other_formats.base import ForeignCheckpoint, OtherFormat
+from shardstore.other_formats.base import OtherCheckpoint, OtherFormat
 from shardstore.planning.layout import block_shape, region_at
 from shardstore.protocol.collectives import Group
 from shardstore.stores.base import Location
@@ -43,7 +43,7 @@ from shardstore.strategies.zarr import whole_tensor_metadata
 TORCH_DIST_BACKEND = "torch_dist"  # Megatron-Core's backend name, whose default load strategy is ours
 
 
-def open_other_format(checkpoint_dir: CheckpointDir | Location) -> ForeignCheckpoint:
+def open_other_format(checkpoint_dir: CheckpointDir | Location) -> OtherCheckpoint:
     """The opened checkpoint of another tool. One load asks for it several times (keys,
     common state, objects, tensors); it is read once for as long as its format's
     metadata file stays the same."""
@@ -86,12 +86,12 @@ def reads_as_other_format(checkpoint: CheckpointDir) -> bool:
 
 
 @functools.lru_cache(maxsize=8)
-def _opened(other_format: OtherFormat, path: Path, inode: int, size: int, mtime_ns: int) -> ForeignCheckpoint:
+def _opened(other_format: OtherFormat, path: Path, inode: int, size: int, mtime_ns: int) -> OtherCheckpoint:
     del inode, size, mtime_ns  # the cache key: a rewritten metadata file is read again
     return other_format.open(path)
 
 
-def read_requested(source: ForeignCheckpoint, t: ShardedTensor) -> torch.Tensor:
+def read_requested(source: OtherCheckpoint, t: ShardedTensor) -> torch.Tensor:
     """The part of the saved tensor that ``t`` asks for, shaped and typed as ``t``."""
     saved = source.tensors.get(t.key)
     if saved is None:

@@ -38,7 +38,7 @@ except ImportError as exc:  # pragma: no cover - exercised where megatron-core i
 
 from shardstore.core import CheckpointingException
 from shardstore.execution.save import StagedSave, finalize_save, write_staged
-from shardstore.inputs.megatron_objects import convert_foreign
+from shardstore.inputs.megatron_objects import convert_megatron_objects
 from shardstore.mapping import apply_factories, apply_factory_merges
 from shardstore.progress import stage
 from shardstore.protocol.collectives import Group
@@ -85,7 +85,7 @@ class ShardstoreSaveShardedStrategy(_megatron_base.AsyncSaveShardedStrategy):
         """Collective: the state dict in shardstore's objects, and this rank's plan; keys
         the target cannot store are refused there, before any array is written (Megatron
         has written its own ``common.pt`` and sharded objects by then)."""
-        sharded_state_dict = convert_foreign(sharded_state_dict)
+        sharded_state_dict = convert_megatron_objects(sharded_state_dict)
         apply_factories(sharded_state_dict)  # irregular shards, as flattened ranges
         location = open_location(checkpoint_dir)
         tensors, objects = local_sharded_items(sharded_state_dict)
@@ -163,7 +163,7 @@ class ShardstoreLoadShardedStrategy(DelegatingLoadStrategy, _megatron_base.LoadS
         self.base_strategy = ZarrLoadShardedStrategy(**options)
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
-        sharded_state_dict, _, factories = load_preprocess(convert_foreign(sharded_state_dict))
+        sharded_state_dict, _, factories = load_preprocess(convert_megatron_objects(sharded_state_dict))
         return apply_factory_merges(self.base_strategy.load(sharded_state_dict, checkpoint_dir), factories)
 
 

@@ -234,11 +234,12 @@ def save_twice_counting(rank: int, world: int, cache: bool) -> tuple[dict, set, 
 
 
 @pytest.mark.parametrize("cache", [False, True])
-def test_a_cached_distribution_saves_again_without_a_collective(cache: bool) -> None:
+def test_a_cached_distribution_saves_again_without_the_metadata_gather(cache: bool) -> None:
     results = run_distributed(save_twice_counting, 2, cache)
     for counts, first, second in results:
         assert second == first
-        assert counts == ({} if cache else {"all_gather_object": 1}), counts
+        # cached: no distribution, one agreement that no rank's structure changed
+        assert counts == {"all_gather_object": 1}, counts
 
 
 def save_changed_structure(rank: int, world: int) -> str:
@@ -255,6 +256,24 @@ def test_a_changed_structure_under_the_cache_is_refused_not_lost() -> None:
     """Megatron's wrapper would save 'new_layer' on no rank (replica_id 1 everywhere)."""
     for message in run_distributed(save_changed_structure, 2):
         assert "new_layer" in message and "do_cache_distribution=False" in message, message
+
+
+def save_changed_on_one_rank(rank: int, world: int) -> str:
+    wrapper = FullyParallelSaveStrategyWrapper(RecordingSave(), do_cache_distribution=True)
+    wrapper.save(megatron_pattern(rank, world), "unused")
+    grown = megatron_pattern(rank, world)
+    if rank == 1:
+        grown["new"] = ShardedTensor.from_rank_offsets("new_layer", torch.ones(3), replica_id=rank)
+    with pytest.raises(CheckpointingException) as info:
+        wrapper.save(grown, "unused")
+    return str(info.value)
+
+
+def test_a_structure_changed_on_one_rank_fails_every_rank_not_a_hang() -> None:
+    """Only rank 1 sees its change; rank 0 must not wait in the wrapped strategy
+    (found by review: it waited until the process group timed out)."""
+    for message in run_distributed(save_changed_on_one_rank, 2):
+        assert "rank 1" in message and "new_layer" in message, message
 
 
 # ---------------------------------------------------------------- load

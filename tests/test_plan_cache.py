@@ -365,12 +365,16 @@ def test_a_failure_under_the_cache_fails_every_rank_and_keeps_the_plan(tmp_path:
     assert not (tmp_path / "failed").exists()
 
 
-def test_the_wrapper_turns_on_the_cache_of_shardstores_strategy() -> None:
-    strategy = ZarrSaveShardedStrategy()
-    assert strategy.plan_cache is None
+def test_the_wrapper_turns_on_the_cache_of_a_copy_of_shardstores_strategy() -> None:
+    """A copy: Megatron wraps the process-wide default strategy, which later unwrapped
+    saves use too (found by review: the wrapper switched the default's cache on)."""
+    strategy = ZarrSaveShardedStrategy(fully_parallel=False)
     wrapper = FullyParallelSaveStrategyWrapper(strategy, do_cache_distribution=True)
-    assert strategy.cache_plan and wrapper.plan_cache is strategy.plan_cache
+    assert wrapper.plan_cache is not None and wrapper.base_strategy.fully_parallel
+    assert strategy.plan_cache is None and not strategy.cache_plan and not strategy.fully_parallel
     assert FullyParallelSaveStrategyWrapper(ZarrSaveShardedStrategy()).plan_cache is None
+    cached = ZarrSaveShardedStrategy(cache_plan=True)
+    assert FullyParallelSaveStrategyWrapper(cached).plan_cache not in (None, cached.plan_cache)
 
 
 def test_a_single_process_reuses_its_plan(tmp_path: Path) -> None:
@@ -381,3 +385,6 @@ def test_a_single_process_reuses_its_plan(tmp_path: Path) -> None:
     assert (strategy.plan_cache.planned, strategy.plan_cache.reused) == (1, 1)
     assert torch.equal(load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, tmp_path / "2")["w"],
                        torch.full((4,), 2.0))
+    # each record carries its own commit time, not the reused plan's (found by review)
+    first, second = (read_commit_record(open_location(tmp_path / s)) for s in ("1", "2"))
+    assert second.created > first.created and second.save_id != first.save_id

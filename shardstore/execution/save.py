@@ -23,6 +23,7 @@ I/O; ``agree`` + ``commit`` are its finalization (``finalizer``). Chunks are wri
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -353,11 +354,13 @@ def bind_chunks(record: CommitRecord, reports: list[list[WrittenChunk]], where: 
 def publish(location: Location, record: CommitRecord) -> None:
     """Writes the commit record: through the save's ``PendingCheckpoint`` (staging
     published by rename, races refused), or in place for a bare location (the seed's
-    strategy API called directly)."""
+    strategy API called directly). The record is stamped with the time of its commit here,
+    not when its plan was made: a cached plan is reused by later saves (found by review:
+    every save under ``cache_plan`` recorded the first one's time)."""
     if isinstance(location, PendingCheckpoint):
-        location.commit(replace(record, save_id=location.intent.save_id))
+        location.commit(replace(record, save_id=location.intent.save_id, created=time.time()))
     else:
-        write_commit_record(location, replace(record, save_id=new_save_id()))
+        write_commit_record(location, replace(record, save_id=new_save_id(), created=time.time()))
 
 
 @dataclass(frozen=True)

@@ -219,7 +219,9 @@ class StoreChunkStore(ChunkStore):
         self.store.put(rel, b"".join(buffers))
 
     def get_into(self, rel: str, views: list[memoryview]) -> tuple[int, bytes] | None:
-        data = self.store.get(rel)
+        """Reads at most what ``_fill`` needs (the views, the checksum and one byte more
+        to tell a longer object), never an object of unchecked size."""
+        data = self.store.get(rel, max_bytes=sum(v.nbytes for v in views) + CRC_BYTES + 1)
         return None if data is None else _fill(views, memoryview(data))
 
 

@@ -48,7 +48,7 @@ class FsspecStore(Store):
         except FileNotFoundError:
             return None
         if len(data) > max_bytes:
-            raise StorageError(f"{self.describe(key)} holds more than the {max_bytes} bytes a record may have")
+            raise StorageError(f"{self.describe(key)} holds more than the {max_bytes} bytes expected there")
         return data
 
     def put(self, key: str, data: bytes) -> None:

@@ -124,7 +124,7 @@ class LocalStore(DirectoryPublishing):
             with os.fdopen(fd, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
                 if max_bytes is not None and size > max_bytes:
-                    raise StorageError(f"{path} holds {size} bytes, more than the {max_bytes} a record may have")
+                    raise StorageError(f"{path} holds {size} bytes, more than the {max_bytes} expected there")
                 data = f.read(size + 1)  # one more: a file that grows while read is refused
         except OSError as exc:
             raise StorageError(f"Cannot read {path}: {exc}") from exc

@@ -17,14 +17,17 @@ Megatron's do:
   that hold them by ``exchange_algo`` (``exchange_utils.EXCHANGE_ALGOS``). A
   ShardedObject is loaded by its main replica and gathered over the load's ranks.
 - ``do_cache_distribution=True``: the distribution of the first call is reused, with
-  no collective. The caller promises the same state dict structure on every call; a
-  rank whose shards (ids, shapes, dtypes) differ from the cached call raises
-  ``CheckpointingException`` instead of silently saving nothing for new shards (as
-  Megatron's does). Only that rank knows, so ranks whose structure did not change go
-  on into the wrapped strategy; build a new wrapper after changing the model.
+  no metadata gather. The caller promises the same state dict structure on every call;
+  a rank whose shards (ids, shapes, dtypes) differ from the cached call fails the save
+  on every rank (``CheckpointingException`` naming it and its shards) instead of
+  silently saving nothing for new shards (as Megatron's does): only that rank sees the
+  change, so the save agrees on it first (one small all-gather on ``save``; none on
+  ``save_with_plan``, where the wrapped strategy's agreement carries it). Build a new
+  wrapper after changing the model.
 
-Around shardstore's own strategies (those with a ``fully_parallel`` switch) they turn
-that switch on and delegate: those plans already balance replicated writes by bytes and
+Around shardstore's own strategies (``ZarrSaveShardedStrategy``,
+``ZarrLoadShardedStrategy``) they wrap a copy with its fully-parallel plans on and
+delegate: those plans already balance replicated writes by bytes and
 read each replicated block once, over the whole save group rather than one
 data-parallel group, in the plan the save or load makes anyway, so
 ``parallelization_group`` and ``exchange_algo`` have nothing left to decide there.
@@ -37,6 +40,7 @@ changes nothing there: every load plans.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Callable
@@ -62,6 +66,7 @@ from shardstore.mapping import (
     is_main_replica,
 )
 from shardstore.protocol.collectives import Group
+from shardstore.protocol.plan_cache import PlanCache
 from shardstore.strategies.async_utils import AsyncRequest
 from shardstore.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -69,7 +74,9 @@ from shardstore.strategies.base import (
     DelegatingLoadStrategy,
     LoadShardedStrategy,
     SaveShardedStrategy,
+    agree_before_save,
 )
+from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from shardstore.utils import _sharded_object_id, _sharded_tensor_shard_id, _ShardId
 
 logger = logging.getLogger(__name__)
@@ -80,13 +87,23 @@ _Structure = frozenset[tuple[_ShardId, tuple[int, ...], torch.dtype]]
 
 def _is_shardstores_own(strategy: Any) -> bool:
     """shardstore's strategies plan fully parallel loads and saves themselves."""
-    return hasattr(strategy, "fully_parallel")
+    return isinstance(strategy, (ZarrSaveShardedStrategy, ZarrLoadShardedStrategy))
 
 
-def _fully_parallel(strategy: Any) -> Any:
-    if _is_shardstores_own(strategy):
-        strategy.fully_parallel = True
-    return strategy
+def _fully_parallel(strategy: Any, cache_plan: bool = False) -> Any:
+    """shardstore's own ``strategy`` as a copy with its fully-parallel plans on (and, for
+    a save, a cached plan of its own when ``cache_plan``); any other as it is. A copy,
+    because Megatron wraps the process-wide default strategy
+    (``get_default_save_sharded_strategy()``), which later unwrapped saves use too."""
+    if not _is_shardstores_own(strategy):
+        return strategy
+    own = copy.copy(strategy)
+    own.fully_parallel = True
+    if isinstance(own, ZarrSaveShardedStrategy):
+        keep = own.cache_plan or cache_plan
+        own.cache_plan = False  # never share the original's cached plan
+        own.cache_plan = keep
+    return own
 
 
 def _local_tensors(sharded_state_dict: ShardedStateDict) -> list[ShardedTensor]:
@@ -108,7 +125,7 @@ class _DistributionCache:
     def get_or_compute(
         self, sharded_state_dict: ShardedStateDict, compute: Callable[[], ShardDistribution | None], what: str
     ) -> ShardDistribution | None:
-        """The cached distribution when enabled and present (no collective), else
+        """The cached distribution when enabled and present (no gather), else
         ``compute()`` (collective), kept when enabled."""
         if not self.enabled or self.structure is None:
             distribution = compute()
@@ -166,7 +183,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         parallelization_group: ranks that share the work (None: the world); it should
             cover the replication pattern (usually the data-parallel group).
         do_cache_distribution: around another strategy, reuse the first call's
-            distribution, with no collective, on the promise that the state dict's
+            distribution, with no metadata gather, on the promise that the state dict's
             structure never changes; around shardstore's own, reuse its last plan while
             every rank's structure is unchanged (checked in the plan's round trip).
     """
@@ -176,17 +193,15 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         do_cache_distribution: bool = False,
     ) -> None:
         super().__init__(strategy.backend, strategy.version)
-        self.base_strategy = _fully_parallel(strategy)
+        self.base_strategy = _fully_parallel(strategy, cache_plan=do_cache_distribution)
         self.parallelization_group = parallelization_group
         self.do_cache_distribution = do_cache_distribution
         self._cache = _DistributionCache(do_cache_distribution)
-        if do_cache_distribution and _is_shardstores_own(strategy) and hasattr(strategy, "cache_plan"):
-            strategy.cache_plan = True
 
     @property
-    def plan_cache(self) -> Any:
+    def plan_cache(self) -> PlanCache | None:
         """The wrapped strategy's cached plan (``protocol.plan_cache``), if it keeps one."""
-        return getattr(self.base_strategy, "plan_cache", None)
+        return self.base_strategy.plan_cache if _is_shardstores_own(self.base_strategy) else None
 
     @property
     def cached_distribution(self) -> ShardDistribution | None:
@@ -205,14 +220,35 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
             sharded_state_dict, self.parallelization_group, distribution
         )
 
-    def _prepare(self, sharded_state_dict: ShardedStateDict) -> None:
-        if not _is_shardstores_own(self.base_strategy):
+    def _prepare(self, sharded_state_dict: ShardedStateDict, local_error: BaseException | None = None
+                 ) -> BaseException | None:
+        """Distributes the save around another strategy; returns this rank's failure (a
+        structure changed under the cache is seen by this rank only) instead of raising
+        it, so that every rank learns of it before any saves (``_agreed``)."""
+        if _is_shardstores_own(self.base_strategy):
+            return local_error
+        try:
             self.apply_saving_parallelization(sharded_state_dict)
+        except CheckpointingException as exc:
+            return local_error or exc
+        return local_error
+
+    def _agreed(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
+        """``_prepare`` for ``save``/``async_save``, which no plan stage of ours precedes.
+        With the cache on, a rank whose structure changed would otherwise raise alone
+        while the others wait in the wrapped strategy's collectives: one agreement
+        (``strategies.base.agree_before_save``, a small all-gather) makes every rank
+        raise. Without the cache the distribution's own all-gather is symmetric."""
+        error = self._prepare(sharded_state_dict)
+        if self._cache.enabled and not _is_shardstores_own(self.base_strategy):
+            agree_before_save(None, checkpoint_dir, error)
+        elif error is not None:
+            raise error
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> AsyncRequest:
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
             raise CheckpointingException(f"{self.base_strategy} cannot save asynchronously: not an async strategy")
-        self._prepare(sharded_state_dict)
+        self._agreed(sharded_state_dict, checkpoint_dir)
         return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir)
 
     def plan_save(self, layout: Any) -> list[Any]:
@@ -222,17 +258,17 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
                              process_group: Any = None, local_error: BaseException | None = None) -> AsyncRequest:
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
             raise CheckpointingException(f"{self.base_strategy} cannot save asynchronously: not an async strategy")
-        self._prepare(sharded_state_dict)
+        local_error = self._prepare(sharded_state_dict, local_error)  # agreed by the wrapped strategy
         return self.base_strategy.async_save_with_plan(sharded_state_dict, checkpoint_dir, plan, process_group,
                                                        local_error)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
-        self._prepare(sharded_state_dict)
+        self._agreed(sharded_state_dict, checkpoint_dir)
         self.base_strategy.save(sharded_state_dict, checkpoint_dir)
 
     def save_with_plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: Any,
                        process_group: Any = None, local_error: BaseException | None = None) -> None:
-        self._prepare(sharded_state_dict)
+        local_error = self._prepare(sharded_state_dict, local_error)  # agreed by the wrapped strategy
         self.base_strategy.save_with_plan(sharded_state_dict, checkpoint_dir, plan, process_group, local_error)
 
     @property
@@ -274,7 +310,7 @@ class FullyParallelLoadStrategyWrapper(DelegatingLoadStrategy, LoadShardedStrate
     Args:
         strategy: the strategy that reads.
         parallelization_group: ranks that share the reads (None: the world).
-        do_cache_distribution: reuse the first call's distribution, with no collective.
+        do_cache_distribution: reuse the first call's distribution, with no metadata gather.
         exchange_algo: how loaded shards reach the others (``EXCHANGE_ALGOS``).
     """
 

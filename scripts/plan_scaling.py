@@ -5,14 +5,14 @@ axis 0, as tensor parallelism does; one key in ten flattened as a distributed
 optimizer's state, cut at uneven offsets), it measures:
 
 * plan once (now): the coordinator gathers W x T records, validates and plans
-  (``planner.plan_save``) and pickles each rank's part; a rank builds its own records
+  (``planning.plans.plan_save``) and pickles each rank's part; a rank builds its own records
   and unpickles its part. Reported: coordinator CPU, per-rank CPU, bytes a rank
   receives, bytes the coordinator receives.
 * every rank plans (before): each rank receives every rank's records (all-gather) and
   does the coordinator's work itself.
 * load, plan once: the same records as the requests of a load at the same layout; the
   coordinator checks integrity and plans the fully-parallel reads
-  (``validation.plan_load`` with ``planner.plan_reads``). Every rank parses the commit
+  (``validation.plan_load`` with ``planning.plans.plan_reads``). Every rank parses the commit
   record the save would have written (a checksum per chunk) itself. Reported:
   coordinator CPU, per-rank CPU (its records, the record parse, its plan), and bytes a
   rank receives (before: every rank all-gathered the requests twice).

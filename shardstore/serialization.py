@@ -17,7 +17,7 @@ Save, in stages (each named function below; "collective" = every rank calls it):
     all ranks    common      coordinator writes common.pt; each rank its ShardedObjects (a
                              failure is told to every rank by the staging stage)
     collective   sharded     the storage core (``strategies.zarr``, its stages in
-                             ``save_execution``): stage, write, gather the chunk
+                             ``execution.save``): stage, write, gather the chunk
                              checksums to the coordinator, which commits (the root
                              zarr.json, written last) and publishes
 
@@ -36,7 +36,7 @@ Load, in stages::
                              (``validation.plan_load``); each rank receives only its part
     collective   read        each rank reads its part, agree, exchange of replicated
                              blocks (the sharded strategy's ``load_with_plan``; ours:
-                             ``load_execution.run_read_plan``)
+                             ``execution.load.run_read_plan``)
 
 Names and meaning follow Megatron-Core's ``dist_checkpointing.serialization``.
 """
@@ -79,7 +79,7 @@ from shardstore.planning.plans import RankLoadPlan
 from shardstore.progress import operation, progress_shown, stage
 from shardstore.protocol.collectives import Group, RankFailure, StageFailed, failure_message
 from shardstore.protocol.plan_cache import gather_and_plan_cached
-from shardstore.protocol.stages import gather_and_plan
+from shardstore.protocol.plan_stage import gather_and_plan
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 from shardstore.strategies.async_utils import AsyncRequest
@@ -302,7 +302,7 @@ def _preprocess_and_plan(
     sharded_state_dict: ShardedStateDict, group: Group, target: Location, sharded_strategy: SaveShardedStrategy,
     common_strategy: SaveCommonStrategy, overwrite: bool, preprocess_common: Callable[[StateDict], StateDict] | None,
 ) -> tuple[ShardedStateDict, StateDict, ShardedStateDict, Any, PendingCheckpoint]:
-    """Stages preprocess + plan + begin, in one round trip (``protocol.stages.gather_and_plan``):
+    """Stages preprocess + plan + begin, in one round trip (``protocol.plan_stage.gather_and_plan``):
     a local failure becomes an error on every rank, and so do ranks that name different
     checkpoint directories, keys the target cannot store (its ``name_limits``) and an
     invalid global sharding. The ranks' common states are compared in the same gather

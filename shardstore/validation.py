@@ -144,7 +144,7 @@ def determine_global_metadata(
     without data, and every rank's, by rank.
 
     For callers of that API; shardstore's own save and load gather compact records to
-    the coordinator instead (``protocol.gather_and_plan``).
+    the coordinator instead (``protocol.plan_stage.gather_and_plan``).
     """
     local = [item.without_data() for item in nested_values(sharded_state_dict) if isinstance(item, ShardedBase)]
     return local, Group(process_group).all_gather_object(local)
@@ -174,7 +174,7 @@ def plan_load(
     every rank's keys); checkpoint keys no rank requested ("missing") are found for the
     ``*_ALL`` modes. Then checks that the main replicas of the requests cover every
     requested tensor exactly once (``validate_access_integrity``), and lets the sharded
-    strategy plan the reads (``read_planner``, e.g. ``planner.plan_reads``).
+    strategy plan the reads (``read_planner``, e.g. ``planning.plans.plan_reads``).
     """
     unexpected: list[set[str]] = [set() for _ in range(layout.world_size)]
     missing: set[str] = set()

@@ -58,7 +58,7 @@ def test_a_rank_whose_common_state_differs_is_warned_about_in_megatrons_words(tm
 
 
 def save_counting_full_comparisons(rank: int, world: int, ckpt: str, commons: list[dict]) -> tuple[list[str], int]:
-    import shardstore.protocol.stages as stages
+    import shardstore.protocol.plan_stage as stages
 
     records = _collect_warnings()
     calls = []

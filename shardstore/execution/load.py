@@ -1,4 +1,4 @@
-"""A rank's part of a load, as its ``planner.RankReadPlan`` says: read, agree, exchange.
+"""A rank's part of a load, as its ``planning.plans.RankReadPlan`` says: read, agree, exchange.
 
 Each rank reads its regions (only the chunks that overlap them, all reads in flight at
 once, each chunk checked against its own crc32c and the one the commit record binds),
@@ -186,7 +186,7 @@ def run_read_plan(
     local_error: BaseException | None = None, uploader: DeviceUploader | None = None,
 ) -> list[torch.Tensor]:
     """Collective (one stage, ``protocol.stage.run_stage``): this rank's part of a load
-    (``planner.plan_reads``): its reads, agreed by every rank (a failed read, or
+    (``planning.plans.plan_reads``): its reads, agreed by every rank (a failed read, or
     ``local_error``, raises on every rank before any exchange), then the exchange of
     blocks that other ranks read for it."""
 

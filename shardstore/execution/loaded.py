@@ -1,7 +1,7 @@
 """What a load does to a region read from storage before handing it back: the shape
 check (or padding, ``allow_shape_mismatch``), the flattened range, the dtype (exact
 conversions of the values read only, unless lossy ones are allowed) and the device. Shared by shardstore's
-own format (``load_execution``) and the readers of other tools' checkpoints
+own format (``execution.load``) and the readers of other tools' checkpoints
 (``strategies.other_formats``).
 """
 

@@ -1,4 +1,4 @@
-"""A rank's part of a save, as its ``planner.RankSavePlan`` says: stage, write, commit.
+"""A rank's part of a save, as its ``planning.plans.RankSavePlan`` says: stage, write, commit.
 
 The stages (``strategies.zarr.ZarrSaveShardedStrategy`` runs them)::
 

@@ -1,7 +1,7 @@
 """The global checks on a gathered layout, pure: what every key, tensor and object of a
 save or load must satisfy before anything is written or read.
 
-The coordinator runs them over every rank's shard records (``protocol.stages.gather_and_plan``),
+The coordinator runs them over every rank's shard records (``protocol.plan_stage.gather_and_plan``),
 which then sends every rank either its part of the plan or the same error.
 ``shardstore.validation`` gives them Megatron-Core's names.
 """
@@ -31,7 +31,7 @@ from shardstore.stores.base import NameLimits
 MAX_COVERAGE_CELLS = 16_000_000
 MAX_REPORTED_PROBLEMS = 10
 # What a layout's keys are checked against where no storage is named (a layout checked
-# on its own; every save passes its target's, ``protocol.gather_and_plan``): the
+# on its own; every save passes its target's, ``protocol.plan_stage.gather_and_plan``): the
 # format's own names and limits only.
 FORMAT_NAME_LIMITS = NameLimits()
 

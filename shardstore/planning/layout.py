@@ -1,7 +1,7 @@
 """The global layout of a save or load and the chunk grid derived from it. Pure functions.
 
 Every rank contributes the metadata (never the data) of its shards; the coordinator
-alone holds the ``GlobalLayout`` and plans from it (``shardstore.protocol.stages``,
+alone holds the ``GlobalLayout`` and plans from it (``shardstore.protocol.plan_stage``,
 ``shardstore.planning.plans``):
 
 * the chunk grid of every array is aligned with the sharding grid (the chunk shape

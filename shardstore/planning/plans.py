@@ -246,7 +246,7 @@ def plan_reads(layout: GlobalLayout, fully_parallel: bool) -> list[RankReadPlan]
     Without ``fully_parallel`` each rank reads everything it asked for. With it, a block
     that several ranks ask for (same region, flat range and dtype: replicas) is read
     from storage by one of them, chosen to balance the bytes each rank reads
-    (``layout.pick_balanced``), and sent to the others; a rank that asked twice for one
+    (``planning.layout.pick_balanced``), and sent to the others; a rank that asked twice for one
     block reads it once.
     """
     world = layout.world_size

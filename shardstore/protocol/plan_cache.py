@@ -3,7 +3,7 @@
 Megatron-Core's ``FullyParallelSaveStrategyWrapper(do_cache_distribution=True)`` (and
 PyTorch DCP's cached save plans) skip the metadata exchange when the state dict's
 structure is the same as last time. shardstore's own save plans in one round trip
-(``protocol.stages.gather_and_plan``: every rank's shard records to the coordinator,
+(``protocol.plan_stage.gather_and_plan``: every rank's shard records to the coordinator,
 validated, planned, each rank's part scattered); with a ``PlanCache`` it becomes::
 
     every rank    key        its shard records as gather_and_plan would send them
@@ -52,7 +52,7 @@ from shardstore.planning.checks import (
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.common_state import check_common_state_consistency
 from shardstore.protocol.stage import Deliver, run_stage
-from shardstore.protocol.stages import gather_and_plan
+from shardstore.protocol.plan_stage import gather_and_plan
 from shardstore.stores.base import Location, NameLimits
 
 logger = logging.getLogger(__name__)

@@ -1,12 +1,12 @@
 """The storage core's strategies: ShardedTensors as Zarr v3 arrays (one GLOBAL array per key).
 
 ``ZarrSaveShardedStrategy`` and ``ZarrLoadShardedStrategy`` plan once on the coordinator
-(``shardstore.protocol.stages``, ``shardstore.planning.plans``) and run each rank's part: a save's
+(``shardstore.protocol.plan_stage``, ``shardstore.planning.plans``) and run each rank's part: a save's
 stages in ``shardstore.execution.save`` (stage, write, agree, commit), a load's in
 ``shardstore.execution.load`` (read, agree, exchange). Load: one read of the commit
 record gives every array's metadata; the coordinator plans who reads what
-(``plan_load``, ``planner.plan_reads``). With ``fully_parallel`` (default), replicated
-blocks are written by their replicas in turn (``layout.balance_writers``), and a block
+(``plan_load``, ``planning.plans.plan_reads``). With ``fully_parallel`` (default), replicated
+blocks are written by their replicas in turn (``planning.layout.balance_writers``), and a block
 that several ranks request is read by one and sent to the others.
 
 The module functions named after Megatron-Core's zarr strategy (``_create_zarr_array``,
@@ -74,7 +74,7 @@ from shardstore.planning.plans import RankReadPlan, RankSavePlan, plan_reads, pl
 from shardstore.progress import stage
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_cache import PlanCache, gather_and_plan_cached
-from shardstore.protocol.stages import gather_and_plan
+from shardstore.protocol.plan_stage import gather_and_plan
 from shardstore.stores.base import Location, kvstore_spec
 from shardstore.stores.locations import open_location
 from shardstore.strategies.async_utils import AsyncRequest
@@ -173,7 +173,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
             ``chunk_io.DEFAULT_IO_THREADS`` threads on the direct local path.
         process_group: group of the ranks that save together (default: the world).
         fully_parallel: spread the writing of replicated tensors over their replicas,
-            balanced by bytes (``layout.balance_writers``), instead of leaving it all to
+            balanced by bytes (``planning.layout.balance_writers``), instead of leaving it all to
             replica 0. Replicas must then hold equal data. Costs nothing without
             replicas; on by default.
         max_staging_bytes: async saves only: the most host memory one rank's snapshot
@@ -248,7 +248,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         self._sync_buffers.clear()
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> AsyncRequest:
-        """Collective: plans once (``protocol.gather_and_plan``: the global sharding, and
+        """Collective: plans once (``protocol.plan_stage.gather_and_plan``: the global sharding, and
         every key against the target's name limits, are checked before anything is
         written), then ``async_save_with_plan``."""
         location = open_location(checkpoint_dir)
@@ -269,7 +269,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         """Snapshots the tensors to host memory (the blocking part) and returns the
         request whose ``async_fn`` writes them and whose finalization commits.
         ``local_error``: this rank's failure in the step before, agreed in the staging
-        stage (``save_execution.stage_save``)."""
+        stage (``execution.save.stage_save``)."""
         staging = Staging(True, self.max_staging_bytes, self._buffers, self.io_concurrency, self.background_io_threads)
         return self._request(sharded_state_dict, checkpoint_dir, plan, staging, process_group, local_error)
 
@@ -311,7 +311,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
     Args:
         io_concurrency: TensorStore I/O operations in flight at once.
         fully_parallel: blocks requested by several ranks (replicas) are read once and
-            exchanged over the process group (``planner.plan_reads``, ``run_read_plan``).
+            exchanged over the process group (``planning.plans.plan_reads``, ``run_read_plan``).
             Collective: every rank of the group must call ``load``. On by default; the
             plan is made once either way (one gather and one scatter of the request
             metadata).
@@ -356,7 +356,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         return self.load_with_plan(sharded_state_dict, location, record, plan, group)
 
     def plan_load(self, layout: GlobalLayout) -> list[RankReadPlan]:
-        """Coordinator: who reads which requested block (``planner.plan_reads``)."""
+        """Coordinator: who reads which requested block (``planning.plans.plan_reads``)."""
         return plan_reads(layout, self.fully_parallel)
 
     def load_with_plan(

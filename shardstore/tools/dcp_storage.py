@@ -27,14 +27,14 @@ Save (the calls DCP makes, in order; ``StorageWriter``'s protocol)::
                                                 shard records; the global layout is
                                                 validated (keys against the target's
                                                 name limits, coverage, dtypes) and
-                                                planned (``planner.plan_save``: chunk
+                                                planned (``planning.plans.plan_save``: chunk
                                                 grids aligned with the shards, one writer
                                                 per chunk); the save begins
                                                 (``commit.begin_save``: staging area,
                                                 metadata.json); each rank's plan carries
                                                 its part and the save's intent
     4) all ranks    write_data()                array metadata and chunks from the
-                                                tensors' memory (``save_execution``),
+                                                tensors' memory (``execution.save``),
                                                 durable; the WriteResults carry the chunk
                                                 checksums and the common values
     5) coordinator  finish()                    common.pt, then the commit record (every

@@ -42,7 +42,7 @@ from shardstore.inputs.megatron_objects import convert_megatron_objects
 from shardstore.mapping import apply_factories, apply_factory_merges
 from shardstore.progress import stage
 from shardstore.protocol.collectives import Group
-from shardstore.protocol.stages import gather_and_plan
+from shardstore.protocol.plan_stage import gather_and_plan
 from shardstore.serialization import load_preprocess
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
@@ -131,7 +131,7 @@ def write_and_report(staged: StagedSave, io_concurrency: int, io_threads: int) -
 
 def finalize_from_report(staged: StagedSave) -> None:
     """Megatron's finalization (collective, in the training process): this rank's
-    report, then shardstore's commit (``save_execution.finalize_save``)."""
+    report, then shardstore's commit (``execution.save.finalize_save``)."""
     location, rel = staged.location, _report_file(staged.group.rank)
     error: BaseException | None = None
     try:

@@ -51,8 +51,8 @@ from shardstore.planning.checks import (
 )
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.common_state import check_common_state_consistency
+from shardstore.protocol.plan_stage import check_same_place, gather_and_plan
 from shardstore.protocol.stage import Deliver, run_stage
-from shardstore.protocol.plan_stage import gather_and_plan
 from shardstore.stores.base import Location, NameLimits
 
 logger = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ def _reuse(
                 "The ranks disagree on the plan cache (some reuse a cached plan, some plan in full): every rank "
                 "must use the same strategy settings, cache_plan or do_cache_distribution included"
             )
-        _check_same_place([q.place for q in queries])
+        check_same_place([q.place for q in queries])
         ids = {q.plan_id for q in queries}
         if len(ids) != 1 or None in ids:
             changed = [r for r, q in enumerate(queries) if q.plan_id is None]
@@ -214,11 +214,3 @@ def _reuse(
     return (fresh, cache._part) if anew is not None else cache._part
 
 
-def _check_same_place(places: list[str | None]) -> None:
-    """Raises when the ranks name different checkpoints (as ``gather_and_plan`` does)."""
-    if len(set(places)) > 1:
-        by_rank = ", ".join(f"rank {r}: {p}" for r, p in enumerate(places) if r < 8)
-        raise CheckpointingException(
-            f"The ranks name different checkpoint directories ({by_rank}); every rank of a save or load "
-            "must pass the same one. Nothing was written."
-        )

@@ -84,11 +84,16 @@ def gather_and_plan(
 def _layout_of(gathered: list[tuple[str | None, Any, Any]]) -> GlobalLayout:
     """The layout of every rank's ``(place, records, digests)``; raises when the ranks
     name different checkpoints."""
-    places = sorted({p for p, _, _ in gathered}, key=str)
-    if len(places) > 1:
-        by_rank = ", ".join(f"rank {r}: {p}" for r, (p, _, _) in enumerate(gathered) if r < 8)
+    check_same_place([p for p, _, _ in gathered])
+    return GlobalLayout.from_gathered([c for _, c, _ in gathered])
+
+
+def check_same_place(places: list[str | None]) -> None:
+    """Raises when the ranks (one place per rank) name different checkpoints: one save
+    or load must not be split over two directories."""
+    if len(set(places)) > 1:
+        by_rank = ", ".join(f"rank {r}: {p}" for r, p in enumerate(places) if r < 8)
         raise CheckpointingException(
             f"The ranks name different checkpoint directories ({by_rank}); every rank of a save or load "
             "must pass the same one. Nothing was written."
         )
-    return GlobalLayout.from_gathered([c for _, c, _ in gathered])

@@ -38,6 +38,7 @@ import gc
 import pickle
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -183,6 +184,19 @@ def measure(world: int, tensors: int) -> dict[str, float]:
     }
 
 
+def measured_rows(
+    args: argparse.Namespace, measure_one: Callable[[int, int], dict[str, float]]
+) -> list[tuple[int, int, dict[str, float] | None]]:
+    """``measure_one(world, tensors)`` for every size asked for (None past ``--max-records``)."""
+    rows: list[tuple[int, int, dict[str, float] | None]] = []
+    for tensors in args.tensors:
+        for world in args.worlds:
+            m = None if world * tensors > args.max_records else gc_paused(measure_one)(world, tensors)
+            rows.append((tensors, world, m))
+            print(f"measured {tensors} tensors/rank at W={world}", file=sys.stderr, flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", type=int, nargs="+", default=[16, 64, 256, 512, 1024])
@@ -191,13 +205,7 @@ def main() -> None:
     parser.add_argument("--cached", action="store_true", help="only the save's plan stage, full and cached")
     args = parser.parse_args()
     if args.cached:
-        cached_rows = []
-        for tensors in args.tensors:
-            for world in args.worlds:
-                m = None if world * tensors > args.max_records else gc_paused(measure_cached)(world, tensors)
-                cached_rows.append((tensors, world, m))
-                print(f"measured {tensors} tensors/rank at W={world}", file=sys.stderr, flush=True)
-        print_table("Save, plan stage: full and cached", cached_rows, [
+        print_table("Save, plan stage: full and cached", measured_rows(args, measure_cached), [
             ("full: coordinator CPU s", "full_coordinator_s", ".2f"), ("full: per-rank CPU s", "full_rank_s", ".3f"),
             ("full: coordinator rx MB", "full_coordinator_rx_mb", ".1f"),
             ("cached: coordinator CPU s", "cached_coordinator_s", ".4f"),
@@ -205,12 +213,7 @@ def main() -> None:
             ("cached: coordinator rx MB", "cached_coordinator_rx_mb", ".3f"),
         ])
         return
-    rows: list[tuple[int, int, dict[str, float] | None]] = []
-    for tensors in args.tensors:
-        for world in args.worlds:
-            m = None if world * tensors > args.max_records else gc_paused(measure)(world, tensors)
-            rows.append((tensors, world, m))
-            print(f"measured {tensors} tensors/rank at W={world}", file=sys.stderr, flush=True)
+    rows = measured_rows(args, measure)
     print_table("Save", rows, [
         ("coordinator CPU s", "coordinator_s", ".2f"), ("per-rank CPU s", "rank_s", ".3f"),
         ("per-rank rx MB", "rank_rx_mb", ".2f"), ("coordinator rx MB", "coordinator_rx_mb", ".1f"),

@@ -331,7 +331,7 @@ def _preprocess_and_plan(
 
     try:  # the strategy's cached plan, if it keeps one (``protocol.plan_cache``)
         intent, plan = gather_and_plan_cached(
-            getattr(sharded_strategy, "plan_cache", None), tensors, objects, group, sharded_strategy.plan_save,
+            sharded_strategy.plan_cache, tensors, objects, group, sharded_strategy.plan_save,
             anew=begin, local_error=error, common_digests=digests, save_to=target, common_state=compared,
         )
     except BaseException:  # no rank joined the save: nothing of it can be in use

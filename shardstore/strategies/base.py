@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Union
 from shardstore.core import CheckpointingException
 from shardstore.mapping import ShardedStateDict, StateDict
 from shardstore.protocol.collectives import Group
+from shardstore.protocol.plan_cache import PlanCache
 from shardstore.protocol.stage import run_stage
 from shardstore.stores.locations import open_location
 from shardstore.strategies.async_utils import AsyncCallsQueue, AsyncRequest
@@ -222,6 +223,12 @@ class SaveShardedStrategy(SaveStrategyBase):
     @abstractmethod
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
         """Saves the sharded part of the state dict (collective)."""
+
+    @property
+    def plan_cache(self) -> PlanCache | None:
+        """The plan this strategy reuses while every rank's structure is unchanged
+        (``protocol.plan_cache``); None: every save plans."""
+        return None
 
     def plan_save(self, layout: GlobalLayout) -> list[Any]:
         """Coordinator: every rank's part of the save of a validated layout (index =

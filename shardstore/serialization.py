@@ -131,6 +131,7 @@ def save(
     overwrite: bool = False,
     process_group: dist.ProcessGroup | None = None,
     progress: bool = False,
+    reuse_from: CheckpointDir | None = None,
 ) -> AsyncRequest | None:
     """Saves a sharded state dict; every rank of the group calls it with its own shards.
 
@@ -156,6 +157,12 @@ def save(
         process_group: ranks that save together (default: the whole world).
         progress: show a progress bar of the coordinator's writes on standard error
             (``shardstore.progress``; an async save's background writes show none).
+        reuse_from: an earlier committed checkpoint (same kind of storage) whose
+            chunks this save shares instead of writing them again where their bytes did
+            not change (an incremental save, ``shardstore.format.reuse``): a hard link
+            or clone locally, a server-side copy on S3. The new checkpoint stands alone.
+            A checkpoint that cannot be reused from (missing, older, another tool's) is
+            logged and ignored. Every rank passes the same.
 
     Returns:
         None, or the AsyncRequest when ``async_sharded_save``.
@@ -165,6 +172,7 @@ def save(
     """
     group = Group(process_group)
     target = open_location(checkpoint_dir)
+    source = open_location(reuse_from) if reuse_from is not None else None
     if content_metadata is not None:
         sharded_state_dict[CONTENT_METADATA_KEY] = content_metadata
     if sharded_strategy is None:
@@ -179,7 +187,7 @@ def save(
         with stage("save: plan", where):
             sharded_part, common_part, objects_part, plan, pending = _preprocess_and_plan(
                 sharded_state_dict, group, target, sharded_strategy, common_strategy, overwrite,
-                preprocess_common_before_consistancy_check,
+                preprocess_common_before_consistancy_check, source,
             )
         timing.nbytes = getattr(plan, "checkpoint_nbytes", 0)
         try:
@@ -301,6 +309,7 @@ def _request_visitor(
 def _preprocess_and_plan(
     sharded_state_dict: ShardedStateDict, group: Group, target: Location, sharded_strategy: SaveShardedStrategy,
     common_strategy: SaveCommonStrategy, overwrite: bool, preprocess_common: Callable[[StateDict], StateDict] | None,
+    reuse_from: Location | None = None,
 ) -> tuple[ShardedStateDict, StateDict, ShardedStateDict, Any, PendingCheckpoint]:
     """Stages preprocess + plan + begin, in one round trip (``protocol.plan_stage.gather_and_plan``):
     a local failure becomes an error on every rank, and so do ranks that name different
@@ -326,7 +335,7 @@ def _preprocess_and_plan(
     begun: list[PendingCheckpoint] = []  # the coordinator's, once the plan is made
 
     def begin() -> Any:  # on the coordinator, once the plan is made or reused
-        begun.append(_begin_save(target, overwrite, sharded_strategy, common_strategy))
+        begun.append(_begin_save(target, overwrite, sharded_strategy, common_strategy, reuse_from))
         return begun[0].intent
 
     try:  # the strategy's cached plan, if it keeps one (``protocol.plan_cache``)
@@ -338,18 +347,20 @@ def _preprocess_and_plan(
         if begun:
             begun[0].abandon()
         raise
-    return sharded_part, common_part, objects_part, plan, begun[0] if begun else join_save(target, intent)
+    pending = begun[0] if begun else join_save(target, intent, reuse_from)
+    return sharded_part, common_part, objects_part, plan, pending
 
 
 def _begin_save(
     target: Location, overwrite: bool, sharded_strategy: SaveShardedStrategy, common_strategy: SaveCommonStrategy,
+    reuse_from: Location | None = None,
 ) -> PendingCheckpoint:
     """Coordinator: checks the target and creates the save's staging area with its
     ``metadata.json`` (``shardstore.format.commit``)."""
     pending = None
     try:
         with stage("save: begin", target.describe()):
-            pending = begin_save(target, overwrite)
+            pending = begin_save(target, overwrite, reuse_from)
             config = CheckpointingConfig(
                 sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
             )

@@ -49,6 +49,7 @@ from shardstore.format.records import (
     ZARR_JSON,
     ArrayRecord,
     CommitRecord,
+    ReusedChunks,
     group_metadata,
     write_commit_record,
 )
@@ -258,8 +259,10 @@ def write_ops(
     io_threads: int = DEFAULT_IO_THREADS,
 ) -> list[WrittenChunk]:
     """Writes whole chunks of arrays (the plan gives every chunk one writer and one
-    write), all in flight at once; returns each chunk's crc32c."""
+    write), all in flight at once, or shares those unchanged since the checkpoint the
+    save reuses from (``format.reuse``); returns what each writer reports."""
     store = chunk_store_for(location, io_concurrency, io_threads)
+    reuse = location.chunk_reuse(store, records) if isinstance(location, PendingCheckpoint) else None
     jobs: list = []
     for op in ops:
         if not op.value.size:
@@ -271,7 +274,7 @@ def write_ops(
                 f"with its chunks {record.chunk_shape}; please report it"
             )
         jobs += write_region(ArrayChunks.of(store, record), op.region, op.value)
-    return run_writes(jobs, store.threads)
+    return run_writes(jobs, store.threads, reuse.sharer(store) if reuse is not None else None)
 
 
 def _describe_region(region: Region) -> str:
@@ -311,7 +314,7 @@ def commit(staged: StagedSave, reports: list[list[WrittenChunk]]) -> None:
     location = staged.location
     try:
         record = bind_chunks(staged.commit_record, reports, location.describe())
-        record = replace(record, files=file_checksums(location, record))
+        record = replace(record, files=file_checksums(location, record), reused_from=reused_from(location, reports))
         if not isinstance(location, PendingCheckpoint):  # in place, into the caller's directory
             record = replace(record, external_files=caller_file_checksums(location, record))
         publish(location, record)
@@ -333,22 +336,35 @@ def end_save(location: Location, abandon: bool) -> None:
 
 
 def bind_chunks(record: CommitRecord, reports: list[list[WrittenChunk]], where: str) -> CommitRecord:
-    """The commit record with every chunk's crc32c as its writer reported it.
+    """The commit record with every chunk's crc32c and content digest as its writer
+    reported it.
 
     Raises:
         CheckpointingException: a chunk nobody wrote, or one written twice.
     """
     crcs: dict[str, dict[tuple[int, ...], int]] = {key: {} for key in record.arrays}
+    digests: dict[str, dict[tuple[int, ...], str]] = {key: {} for key in record.arrays}
     for rank, chunks in enumerate(reports):
-        for key, index, crc in chunks:
-            if index in crcs[key]:
+        for chunk in chunks:
+            if chunk.index in crcs[chunk.key]:
                 raise CheckpointingException(
-                    f"{where}: chunk {record.arrays[key].chunk_key(index)} of array {key!r} was written twice "
-                    f"(rank {rank} and another)"
+                    f"{where}: chunk {record.arrays[chunk.key].chunk_key(chunk.index)} of array {chunk.key!r} was "
+                    f"written twice (rank {rank} and another)"
                 )
-            crcs[key][index] = crc
-    arrays = {key: a.with_chunk_crcs(crcs[key], where) for key, a in record.arrays.items()}
+            crcs[chunk.key][chunk.index] = chunk.crc
+            digests[chunk.key][chunk.index] = chunk.digest
+    arrays = {key: a.with_chunk_crcs(crcs[key], where, digests[key]) for key, a in record.arrays.items()}
     return replace(record, arrays=arrays)
+
+
+def reused_from(location: Location, reports: list[list[WrittenChunk]]) -> ReusedChunks | None:
+    """What the save shared with the checkpoint it reused from, for the commit record
+    (None when it shared nothing)."""
+    shared = [chunk.shared for chunks in reports for chunk in chunks if chunk.shared]
+    if not shared or not isinstance(location, PendingCheckpoint) or location.reuse_source is None:
+        return None
+    assert location.intent.reuses is not None
+    return ReusedChunks(location.reuse_source.describe(), location.intent.reuses, len(shared), sum(shared))
 
 
 def publish(location: Location, record: CommitRecord) -> None:

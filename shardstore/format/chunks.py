@@ -15,8 +15,11 @@ asks the storage for bytes (``ChunkStore``):
 
 Which one a location gets, its store says as data (``stores.base.ChunkAccess``).
 
-The writer of a chunk reports its crc32c; the commit record keeps it for every chunk
-(``format.ArrayRecord.chunk_crcs``), and every read checks the chunk against both its
+The writer of a chunk reports its crc32c and a 128-bit content digest (XXH3-128, as fast
+as crc32c here: 12.9 GB/s each on one core); the commit record keeps both for every chunk
+(``format.ArrayRecord.chunk_crcs``, ``chunk_digests``). The digest lets a later save
+share a chunk whose bytes did not change instead of writing it again
+(``format.reuse``); the crc32c is what every read checks. Every read checks the chunk against both its
 own trailing crc32c and the record's: a chunk swapped with another of the same array,
 of another array, or copied from another checkpoint fails the read, naming the chunk.
 
@@ -39,20 +42,21 @@ import math
 import os
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import crc32c
 import numpy as np
+import xxhash
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.dtypes import from_zarr_name
 from shardstore.format.records import CHUNK_SEPARATOR, ArrayRecord, chunk_key
 from shardstore.progress import tracked
 from shardstore.stores.base import Location, Store, run_parallel
-from shardstore.stores.local import DirectoryGuard, create_file, open_regular
+from shardstore.stores.local import DirectoryGuard, create_new_file, open_regular, share_file
 
 # A box of a global array, one slice per axis (``planning.layout`` builds them).
 Region = tuple[slice, ...]
@@ -145,6 +149,14 @@ class ChunkStore(ABC):
         landed in them and up to ``CRC_BYTES + 1`` bytes that follow, or None if the
         object does not exist."""
 
+    def share_from(self, source: ChunkStore, rel: str, nbytes: int) -> bool:
+        """Makes the object at ``rel`` hold what ``source`` holds at ``rel`` (``nbytes``
+        long) without moving its bytes through this process, where the storage can: a
+        clone or hard link on a local file system, a server-side copy on an object store.
+        False where it cannot (other storage, the source object gone): the caller then
+        writes the bytes. Never changes the source object."""
+        return False
+
 
 class FileChunkStore(ChunkStore):
     """Chunks as files under a local directory."""
@@ -159,7 +171,7 @@ class FileChunkStore(ChunkStore):
         return self._prefix + rel
 
     def put(self, rel: str, buffers: list[memoryview]) -> None:
-        fd = create_file(self._prefix + rel, os.O_NOFOLLOW)
+        fd = create_new_file(self._prefix + rel)
         try:
             pending: list = buffers
             while pending:
@@ -180,6 +192,18 @@ class FileChunkStore(ChunkStore):
             return got, os.read(fd, CRC_BYTES + 1)  # one byte more than expected detects a too-long file
         finally:
             os.close(fd)
+
+    def share_from(self, source: ChunkStore, rel: str, nbytes: int) -> bool:
+        """A clone (copy-on-write, where the file system has it) or else a hard link of
+        the source's file: only of a regular file of the expected size inside the
+        source's directory (no symbolic link is followed)."""
+        if not isinstance(source, FileChunkStore):
+            return False
+        source._guard.check(rel.rpartition("/")[0])
+        try:
+            return share_file(source._prefix + rel, self._prefix + rel, nbytes)
+        except FileNotFoundError:  # the source chunk is gone (deleted meanwhile)
+            return False
 
 
 class KvChunkStore(ChunkStore):
@@ -205,6 +229,10 @@ class KvChunkStore(ChunkStore):
         result = self.kv.read(rel).result()
         return _fill(views, memoryview(result.value)) if result.state == "value" else None
 
+    def share_from(self, source: ChunkStore, rel: str, nbytes: int) -> bool:
+        """A server-side copy (the store's ``copy_from``), no bytes through this process."""
+        return isinstance(source, KvChunkStore) and self.location.store.copy_from(source.location.store, rel)
+
 
 class StoreChunkStore(ChunkStore):
     """Chunks as objects of the store itself, for stores TensorStore cannot reach."""
@@ -223,6 +251,10 @@ class StoreChunkStore(ChunkStore):
         to tell a longer object), never an object of unchecked size."""
         data = self.store.get(rel, max_bytes=sum(v.nbytes for v in views) + CRC_BYTES + 1)
         return None if data is None else _fill(views, memoryview(data))
+
+    def share_from(self, source: ChunkStore, rel: str, nbytes: int) -> bool:
+        """The store's own copy (``copy_from``), where it has one."""
+        return isinstance(source, StoreChunkStore) and self.store.copy_from(source.store, rel)
 
 
 def _fill(views: list[memoryview], data: memoryview) -> tuple[int, bytes]:
@@ -285,7 +317,10 @@ class ChunkFile:
         was measured slower: with the ranks holding 4 GiB each besides the state (as
         trainers do), 2 GiB at 2 ranks took 2.1-2.4 s against 1.4-1.7 s with the one
         ``syncfs``, and 1.3-1.4 s for the plain-file bound."""
-        view = _bytes_view(data)
+        return self.write_view(_bytes_view(data))
+
+    def write_view(self, view: memoryview) -> int:
+        """``write`` of the chunk's bytes as a flat byte view."""
         crc = crc32c.crc32c(view)
         self.store.put(self.rel, [view, memoryview(crc.to_bytes(CRC_BYTES, "little"))])
         return crc
@@ -454,23 +489,57 @@ def read_region(array: ArrayChunks, region: Region, out: np.ndarray) -> list[Rea
     ]
 
 
-WrittenChunk = tuple[str, tuple[int, ...], int]  # (array key, chunk index, crc32c)
+class WrittenChunk(NamedTuple):
+    """What the writer of one chunk reports for the commit record.
+
+    Attributes:
+        key: the array's key.
+        index: the chunk's grid index.
+        crc: crc32c of its bytes.
+        digest: XXH3-128 of its bytes, 32 hex digits (``chunk_digest``).
+        shared: stored bytes shared with an earlier checkpoint instead of written
+            (``format.reuse``), 0 for a chunk written.
+    """
+
+    key: str
+    index: tuple[int, ...]
+    crc: int
+    digest: str
+    shared: int = 0
 
 
-def run_writes(jobs: list[tuple[ChunkFile, np.ndarray]], threads: int | None = None) -> list[WrittenChunk]:
-    """Writes the chunks; returns what each writer reports for the commit record."""
+def chunk_digest(view: memoryview) -> str:
+    """The content digest of a chunk's bytes: XXH3-128 as 32 hex digits (releases the
+    GIL, like crc32c). 128 bits, unlike crc32c, are not forged by changing four bytes."""
+    return xxhash.xxh3_128_hexdigest(view)
+
+
+# Shares a chunk with an earlier checkpoint instead of writing it (``format.reuse``):
+# given the chunk's file, its bytes and their digest, the report, or None to write it.
+ShareChunk = Callable[["ChunkFile", memoryview, str], "WrittenChunk | None"]
+
+
+def run_writes(
+    jobs: list[tuple[ChunkFile, np.ndarray]], threads: int | None = None, share: ShareChunk | None = None,
+) -> list[WrittenChunk]:
+    """Writes the chunks (or shares those ``share`` finds unchanged in an earlier
+    checkpoint); returns what each writer reports for the commit record."""
     written: list[WrittenChunk] = []
     with tracked("write", (data.nbytes for _, data in jobs)) as tick:
 
         def write(job: tuple[ChunkFile, np.ndarray]) -> None:
             file, data = job
             try:
-                crc = file.write(data)
+                view = _bytes_view(data)
+                digest = chunk_digest(view)
+                report = share(file, view, digest) if share is not None else None
+                if report is None:
+                    report = WrittenChunk(file.array_key, file.index, file.write_view(view), digest)
             except CheckpointingException:
                 raise
             except Exception as exc:  # OSError locally; TensorStore's ValueError for S3
                 raise CheckpointingException(f"Writing {file.describe()} failed: {exc}") from exc
-            written.append((file.array_key, file.index, crc))  # list.append is atomic
+            written.append(report)  # list.append is atomic
             if tick:
                 tick(data.nbytes)
 

@@ -46,20 +46,24 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import uuid
 import weakref
 from dataclasses import dataclass
 
 from shardstore.errors import CheckpointingException
+from shardstore.format.chunks import ChunkStore, chunk_store_for
 from shardstore.format.records import (
     COMMIT_RECORD,
     MAX_RECORD_BYTES,
     REPLACED_TAG,
     SAVE_MARKER,
     STAGING_TAG,
+    ArrayRecord,
     CommitRecord,
     other_checkpoint_kind,
 )
+from shardstore.format.reuse import ChunkReuse, reuse_save_id
 from shardstore.stores.base import DirectoryPublishing, Location
 
 logger = logging.getLogger(__name__)
@@ -79,10 +83,13 @@ class SaveIntent:
         save_id: this save's id, also in its commit record.
         replaces: save id of the committed checkpoint this save will replace, or None
             when the target held none.
+        reuses: save id of the earlier checkpoint whose unchanged chunks this save
+            shares (``format.reuse``), or None.
     """
 
     save_id: str
     replaces: str | None
+    reuses: str | None = None
 
 
 def committed_save_id(location: Location) -> str | None:
@@ -165,10 +172,26 @@ class PendingCheckpoint(Location):
         # remove its files, and the file system can be unmounted.
         self._release_when_dropped = weakref.finalize(self, _release_dropped, staging, self._locks, target.describe())
         self._release_when_dropped.atexit = False  # the process's end closes them anyway
+        self.reuse_source: Location | None = None  # where ``intent.reuses`` was committed
+        self._reuse: dict[str, ChunkReuse | None] = {}
+        self._reuse_lock = threading.Lock()
 
     @property
     def in_place(self) -> bool:
         return self.inner is self.target
+
+    def chunk_reuse(self, target_store: ChunkStore, records: dict[str, ArrayRecord]) -> ChunkReuse | None:
+        """This rank's reuse of the earlier checkpoint the save shares unchanged chunks
+        with (``format.reuse``), opened once per save; None without one."""
+        if self.intent.reuses is None or self.reuse_source is None:
+            return None
+        with self._reuse_lock:
+            if "opened" not in self._reuse:
+                source_store = chunk_store_for(self.reuse_source, target_store.threads, target_store.threads)
+                self._reuse["opened"] = ChunkReuse.open(
+                    self.reuse_source, self.intent.reuses, source_store, target_store, records
+                )
+            return self._reuse["opened"]
 
     def describe(self, rel: str = "") -> str:
         # Errors name the checkpoint the user asked for, not the staging directory.
@@ -277,10 +300,12 @@ def _remove_dir(directory: DirectoryPublishing | None) -> None:
         logger.warning("Could not remove %s (the next save into the same place will): %s", directory.describe(), exc)
 
 
-def begin_save(target: Location, overwrite: bool) -> PendingCheckpoint:
+def begin_save(target: Location, overwrite: bool, reuse_from: Location | None = None) -> PendingCheckpoint:
     """Coordinator: checks the target, clears dead saves' leftovers, creates the
     staging area with its marker. Raises a CheckpointingException instead of deleting
-    anything that is not provably ours."""
+    anything that is not provably ours. ``reuse_from``: an earlier checkpoint whose
+    unchanged chunks the save may share (``format.reuse``; checked here, before an
+    in-place save on an object store removes anything)."""
     save_id = new_save_id()
     directory = target.store.publishing()
     if directory is not None:
@@ -288,17 +313,20 @@ def begin_save(target: Location, overwrite: bool) -> PendingCheckpoint:
         target = Location(directory)
         remove_dead_saves(directory)
         replaces = _check_target(target, overwrite)
-        pending = PendingCheckpoint(target, _staging_for(directory, save_id), SaveIntent(save_id, replaces))
+        reuses = reuse_save_id(reuse_from, target, in_place=False) if reuse_from is not None else None
+        pending = PendingCheckpoint(target, _staging_for(directory, save_id), SaveIntent(save_id, replaces, reuses))
     else:
         target.prepare()
         if not target.is_empty() and _marker_id(target) is not None and committed_save_id(target) is None:
             logger.warning("Removing the leftovers of an interrupted save at %s", target.describe())
             target.remove_tree("")
         replaces = _check_target(target, overwrite)
+        reuses = reuse_save_id(reuse_from, target, in_place=True) if reuse_from is not None else None
         if replaces is not None:
             target.remove(COMMIT_RECORD)  # the documented window on object stores starts here
             target.remove_tree("")
-        pending = PendingCheckpoint(target, target, SaveIntent(save_id, replaces))
+        pending = PendingCheckpoint(target, target, SaveIntent(save_id, replaces, reuses))
+    pending.reuse_source = reuse_from
     with contextlib.ExitStack() as on_failure:
         # A staging area that fails half-made (disk full while creating it or writing its
         # marker) is removed and its descriptors and lock closed: without its marker no
@@ -313,14 +341,16 @@ def begin_save(target: Location, overwrite: bool) -> PendingCheckpoint:
     return pending
 
 
-def join_save(target: Location, intent: SaveIntent) -> PendingCheckpoint:
-    """Every rank but the coordinator: the pending checkpoint the coordinator began."""
+def join_save(target: Location, intent: SaveIntent, reuse_from: Location | None = None) -> PendingCheckpoint:
+    """Every rank but the coordinator: the pending checkpoint the coordinator began
+    (``reuse_from``: the same earlier checkpoint the coordinator was given)."""
     directory = target.store.publishing()
     if directory is not None:
         directory = directory.resolved()
         pending = PendingCheckpoint(Location(directory), _staging_for(directory, intent.save_id), intent)
     else:
         pending = PendingCheckpoint(target, target, intent)
+    pending.reuse_source = reuse_from
     pending.inner.begin_writes()
     return pending
 

@@ -64,6 +64,10 @@ RECORD_DIGEST = "record_digest"
 # The digest as it stands in the file while the digest is computed (see seal_record).
 UNSEALED_DIGEST = "crc32c:00000000"
 CHUNK_SEPARATOR = "."
+# Each chunk's 128-bit content digest in an array's record (``format.reuse``).
+CHUNK_DIGESTS = "chunk_xxh3_128"
+DIGEST_HEX_DIGITS = 32
+HEX_DIGITS = frozenset("0123456789abcdef")
 # The data types of the Zarr v3 core specification: every Zarr implementation reads them.
 # shardstore's others (bfloat16, float8_e4m3fn, float8_e5m2) are extension data types
 # that zarr-python 3.1 only knows once shardstore is installed; TensorStore knows them.
@@ -115,6 +119,11 @@ class ArrayRecord:
         chunk_shape: regular chunk grid, aligned with the sharding grid of the save.
         chunk_crcs: crc32c of every chunk, in C order over the grid, as the chunk's
             writer reported it at the save (None: not bound, format version 1).
+        chunk_digests: a 128-bit content digest (XXH3-128, 32 hex digits) of every
+            chunk's bytes, in the order of ``chunk_crcs``, as its writer reported it
+            (None in records written before digests were kept). A later save reuses a
+            chunk only when its new bytes have the same digest (``format.reuse``):
+            crc32c alone never decides that two chunks are equal.
         chunk_separator: of the chunk keys (Zarr's default encoding): ``.`` since format
             version 3, ``/`` before.
         flattened_block: for an array saved from flattened ranges (the distributed
@@ -132,6 +141,7 @@ class ArrayRecord:
     chunk_crcs: tuple[int, ...] | None = None
     chunk_separator: str = CHUNK_SEPARATOR
     flattened_block: tuple[int, ...] | None = None
+    chunk_digests: tuple[str, ...] | None = None
 
     def chunk_key(self, index: tuple[int, ...]) -> str:
         """The key of chunk ``index`` inside the array: ``c.1.0`` (``c`` for a 0-d array)."""
@@ -200,10 +210,23 @@ class ArrayRecord:
             summary["flattened_block"] = list(self.flattened_block)
         if self.chunk_crcs is not None:
             summary["chunk_crc32c"] = list(self.chunk_crcs)
+        if self.chunk_digests is not None:
+            summary[CHUNK_DIGESTS] = list(self.chunk_digests)
         return summary
 
-    def with_chunk_crcs(self, crcs: dict[tuple[int, ...], int], where: str) -> ArrayRecord:
-        """This record bound to the crc32c its writers reported for each chunk.
+    def chunk_ordinal(self, index: tuple[int, ...]) -> int:
+        """The position of chunk ``index`` in ``chunk_crcs`` and ``chunk_digests`` (C
+        order over the grid)."""
+        ordinal = 0
+        for i, n in zip(index, self.chunk_grid):
+            ordinal = ordinal * n + i
+        return ordinal
+
+    def with_chunk_crcs(
+        self, crcs: dict[tuple[int, ...], int], where: str, digests: dict[tuple[int, ...], str] | None = None
+    ) -> ArrayRecord:
+        """This record bound to the crc32c (and content digest, where every chunk has
+        one) its writers reported for each chunk.
 
         Raises:
             CheckpointingException: a chunk no rank reported (missing).
@@ -213,7 +236,11 @@ class ArrayRecord:
             raise CheckpointingException(
                 f"{where}: no rank wrote chunk(s) {missing[:5]} of array {self.key!r}; not committing"
             )
-        return replace(self, chunk_crcs=tuple(crcs[index] for index in self.chunk_indices()))
+        indices = list(self.chunk_indices())
+        bound_digests = None
+        if digests is not None and all(index in digests for index in indices):
+            bound_digests = tuple(digests[index] for index in indices)
+        return replace(self, chunk_crcs=tuple(crcs[index] for index in indices), chunk_digests=bound_digests)
 
     @classmethod
     def from_summary(
@@ -265,7 +292,25 @@ class ArrayRecord:
         # per array of 64 chunks, on every rank of every load (the record lists every chunk).
         if crcs and (set(map(type, crcs)) != {int} or min(crcs) < 0 or max(crcs) >= 2**32):
             raise CheckpointingException(f"{where}: array {key!r} has malformed chunk checksums")
-        return replace(record, chunk_crcs=tuple(crcs))
+        return replace(record, chunk_crcs=tuple(crcs), chunk_digests=_chunk_digests(summary, record, where))
+
+
+def _chunk_digests(summary: dict[str, Any], record: ArrayRecord, where: str) -> tuple[str, ...] | None:
+    """The record's chunk digests (optional: records written before they were kept have
+    none), checked in bulk: one per chunk, each 32 lower-case hex digits."""
+    digests = summary.get(CHUNK_DIGESTS)
+    if digests is None:
+        return None
+    if (
+        not isinstance(digests, list) or len(digests) != record.chunk_count
+        or any(not isinstance(d, str) or len(d) != DIGEST_HEX_DIGITS for d in digests)
+        or not set("".join(digests)) <= HEX_DIGITS
+    ):
+        raise CheckpointingException(
+            f"{where}: array {record.key!r} must list a {DIGEST_HEX_DIGITS}-digit hex digest for each of its "
+            f"{record.chunk_count} chunks"
+        )
+    return tuple(digests)
 
 
 def chunk_key(index: tuple[int, ...], separator: str = CHUNK_SEPARATOR) -> str:
@@ -410,6 +455,39 @@ class ObjectRecord:
 
 
 @dataclass(frozen=True)
+class ReusedChunks:
+    """What a checkpoint shares with the earlier one its save reused from
+    (``format.reuse``): informational, for ``inspect`` and the logs. The chunks are
+    listed in the record like any other; the checkpoint stands alone.
+
+    Attributes:
+        checkpoint: where the earlier checkpoint was, as its save saw it.
+        save_id: the earlier checkpoint's save id.
+        chunks: how many chunks were shared instead of written.
+        nbytes: their stored bytes (each chunk's data and its crc32c).
+    """
+
+    checkpoint: str
+    save_id: str
+    chunks: int
+    nbytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint, "save_id": self.save_id, "chunks": self.chunks, "bytes": self.nbytes}
+
+    @classmethod
+    def from_json(cls, value: Any, where: str) -> ReusedChunks | None:
+        if value is None:
+            return None
+        fields = (value.get("checkpoint"), value.get("save_id"), value.get("chunks"), value.get("bytes")) if (
+            isinstance(value, dict)) else None
+        if (fields is None or not isinstance(fields[0], str) or not isinstance(fields[1], str)
+                or not all(isinstance(n, int) and n >= 0 for n in fields[2:])):
+            raise CheckpointingException(f"{where}: malformed 'reused_from' in the commit record")
+        return cls(*fields)
+
+
+@dataclass(frozen=True)
 class CommitRecord:
     """What the root ``zarr.json`` vouches for: a complete checkpoint.
 
@@ -428,6 +506,8 @@ class CommitRecord:
             into the checkpoint before the commit (Megatron-Core's own ``save`` writes
             its sharded objects there itself), by relative path. shardstore never reads
             them; ``verify`` checks them like its own.
+        reused_from: the earlier checkpoint whose chunks this save shared (hard links,
+            clones or server-side copies) instead of writing them again, or None.
     """
 
     arrays: dict[str, ArrayRecord]
@@ -439,6 +519,7 @@ class CommitRecord:
     files: dict[str, str] = field(default_factory=dict)
     save_id: str = ""
     external_files: dict[str, str] = field(default_factory=dict)
+    reused_from: ReusedChunks | None = None
 
     def expected_files(self) -> set[str]:
         """The non-array files a record may vouch for: nothing else, and nothing outside
@@ -495,6 +576,7 @@ class CommitRecord:
                 "objects": {k: list(o.shard_keys) for k, o in sorted(self.objects.items())},
                 "files": dict(sorted(self.files.items())),
                 **({"external_files": dict(sorted(self.external_files.items()))} if self.external_files else {}),
+                **({"reused_from": self.reused_from.to_json()} if self.reused_from else {}),
             }
         }
         root = group_metadata(attributes)
@@ -579,7 +661,8 @@ class CommitRecord:
             raise CheckpointingException(f"{where}: 'external_files' must map paths to checksums")
         for path in external:
             check_key(path, where=where)
-        return replace(result, files=dict(files), external_files=dict(external))
+        reused_from = ReusedChunks.from_json(record.get("reused_from"), where)
+        return replace(result, files=dict(files), external_files=dict(external), reused_from=reused_from)
 
 
 def _sealed_token(digest: str) -> bytes:

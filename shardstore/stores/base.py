@@ -161,6 +161,14 @@ class Store(ABC):
     def chunk_access(self) -> ChunkAccess:
         """How chunk I/O reaches this store's bytes."""
 
+    def copy_from(self, source: Store, key: str) -> bool:
+        """Copies the object ``key`` of ``source`` to ``key`` here without moving its
+        bytes through this process (a server-side copy), where both stores are on the
+        same storage service. False where this store cannot (the caller then writes
+        the bytes itself) or the source object does not exist. Never changes the
+        source."""
+        return False
+
     def put_many(self, objects: dict[str, bytes]) -> None:
         """Stores many small objects concurrently."""
         run_parallel(lambda item: self.put(*item), list(objects.items()))

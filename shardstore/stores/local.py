@@ -389,6 +389,80 @@ def create_file(path: str, flags: int = 0) -> int:
         return os.open(path, flags, 0o666)
 
 
+def create_new_file(path: str) -> int:
+    """``create_file`` of a file no other path shares: a file already at ``path`` is
+    unlinked first instead of truncated, so that a chunk hard-linked into another
+    checkpoint (``format.reuse``) is never changed through this path. Links are not
+    followed."""
+    flags = os.O_NOFOLLOW | os.O_EXCL
+    try:
+        return create_file(path, flags)
+    except FileExistsError:
+        os.unlink(path)
+        return create_file(path, flags)
+
+
+# ioctl(FICLONE): a copy-on-write clone of a whole file (Btrfs, XFS, bcachefs, ...).
+FICLONE = 0x40049409
+# errnos that say the file system (or this pair of paths) cannot clone or link at all
+_CANNOT_SHARE = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.EPERM, errno.EMLINK,
+                 errno.ENOSYS, errno.EBADF}
+_clone_unsupported: set[int] = set()  # st_dev of file systems where a clone failed
+
+
+def share_file(source: str, target: str, nbytes: int) -> bool:
+    """Makes ``target`` (new) hold the content of the regular file ``source`` without
+    copying bytes: a copy-on-write clone where the file system has one (the two files
+    are then independent), else a hard link (one file under two names: an edit in place
+    through either path changes both; shardstore itself never writes into an existing
+    file, see ``create_new_file``). False, with nothing left at ``target``, where neither
+    is possible or ``source`` is not a regular file of ``nbytes`` bytes.
+
+    Raises:
+        FileNotFoundError: ``source`` does not exist.
+    """
+    info = os.lstat(source)
+    if not stat.S_ISREG(info.st_mode) or info.st_size != nbytes:
+        return False
+    if info.st_dev not in _clone_unsupported and _clone(source, target):
+        return True
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except FileNotFoundError:
+        if not os.path.exists(os.path.dirname(target)):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            return share_file(source, target, nbytes)
+        raise
+    except OSError as exc:
+        if exc.errno in _CANNOT_SHARE:
+            return False
+        raise
+    return True
+
+
+def _clone(source: str, target: str) -> bool:
+    """A FICLONE of ``source`` into a new ``target``; False (nothing left at ``target``,
+    and the file system remembered) where the file system cannot clone."""
+    fd_in = open_regular(Path(source))
+    if fd_in is None:
+        raise FileNotFoundError(errno.ENOENT, "No such file", source)
+    try:
+        fd_out = create_new_file(target)
+        try:
+            fcntl.ioctl(fd_out, FICLONE, fd_in)
+            return True
+        except OSError as exc:
+            if exc.errno not in _CANNOT_SHARE:
+                raise
+            _clone_unsupported.add(os.fstat(fd_in).st_dev)
+        finally:
+            os.close(fd_out)
+        os.unlink(target)
+        return False
+    finally:
+        os.close(fd_in)
+
+
 def check_inside(root: Path, directory: Path, real_root: str | None = None) -> None:
     """Raises StorageError if ``directory`` resolves outside ``root`` (a symbolic link
     on the way would lead a read into another checkpoint). ``real_root``: ``root``

@@ -37,7 +37,7 @@ except ImportError as exc:  # pragma: no cover - exercised where megatron-core i
     ) from exc
 
 from shardstore.core import CheckpointingException
-from shardstore.execution.save import StagedSave, finalize_save, write_staged
+from shardstore.execution.save import StagedSave, WrittenChunk, finalize_save, write_staged
 from shardstore.inputs.megatron_objects import convert_megatron_objects
 from shardstore.mapping import apply_factories, apply_factory_merges
 from shardstore.progress import stage
@@ -121,7 +121,7 @@ def write_and_report(staged: StagedSave, io_concurrency: int, io_threads: int) -
     error: BaseException | None = None
     try:
         write_staged(staged, io_concurrency, io_threads)
-        outcome: dict[str, Any] = {"written": [[key, list(index), crc] for key, index, crc in staged.written]}
+        outcome: dict[str, Any] = {"written": [[c.key, list(c.index), *c[2:]] for c in staged.written]}
     except Exception as exc:  # reported through the file, then re-raised for Megatron's caller
         outcome, error = {"error": f"{type(exc).__name__}: {exc}"}, exc
     staged.location.write_atomic(_report_file(staged.group.rank), json.dumps(outcome).encode())
@@ -145,7 +145,7 @@ def finalize_from_report(staged: StagedSave) -> None:
         outcome = json.loads(data)
         if "error" in outcome:
             raise CheckpointingException(f"The background write failed: {outcome['error']}")
-        staged.written = [(key, tuple(index), crc) for key, index, crc in outcome["written"]]
+        staged.written = [WrittenChunk(key, tuple(index), *rest) for key, index, *rest in outcome["written"]]
     except Exception as exc:  # reported on every rank by finalize_save
         error = exc
     with stage("save: commit", location.describe()):

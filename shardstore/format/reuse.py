@@ -1,0 +1,151 @@
+"""Incremental saves: a chunk whose bytes did not change since an earlier checkpoint is
+shared with it, not written again.
+
+Fine-tuning, LoRA and RL loops save the same frozen bytes at every step. A save given an
+earlier committed checkpoint to reuse from (``shardstore.save(..., reuse_from=...)``;
+the checkpoint manager passes its newest step) shares each chunk whose new bytes equal
+that checkpoint's chunk of the same array at the same grid index:
+
+- **Equal** means the same content digest (XXH3-128 of the chunk's bytes, recorded for
+  every chunk at write time, ``format.chunks.chunk_digest``) *and* the same crc32c, for
+  an array stored the same way (shape, data type, chunk shape, chunk key encoding; the
+  codecs are fixed by the format). crc32c alone never decides it: different bytes with
+  the same crc32c take four forged bytes.
+- **Shared** means a copy-on-write clone or else a hard link on a local file system
+  (``stores.local.share_file``), a server-side copy on an object store
+  (``Store.copy_from``). Where neither is possible the chunk is written as usual.
+- **Every checkpoint stands alone.** A shared chunk is listed in the new commit record
+  with its crc32c and digest like any other; deleting the earlier checkpoint leaves the
+  new one whole (a hard link keeps the file; a copy is a copy). The earlier checkpoint's
+  files are never written: shardstore creates every chunk file anew
+  (``stores.local.create_new_file``), never truncating one in place.
+
+Who decides what: the coordinator, when the save begins (``reuse_save_id``), checks that
+the source is a committed shardstore checkpoint that the save does not overwrite in
+place, and sends its save id in the save's intent. Each rank then opens the source
+itself (``ChunkReuse.open``, no collective), checks that it still holds that save, and
+shares chunk by chunk as it writes. A source that cannot be used (missing, another
+tool's, older records without digests, another kind of store, replaced meanwhile) is
+logged once and the save writes everything: never an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import crc32c
+
+from shardstore.errors import CheckpointingException
+from shardstore.format.chunks import CRC_BYTES, ChunkFile, ChunkStore, ShareChunk, WrittenChunk
+from shardstore.format.records import COMMIT_RECORD, ArrayRecord, CommitRecord, read_commit_record
+from shardstore.stores.base import Location
+
+logger = logging.getLogger(__name__)
+
+
+def reuse_save_id(source: Location, target: Location, in_place: bool) -> str | None:
+    """Coordinator, when a save into ``target`` begins: the save id of the committed
+    checkpoint at ``source`` that the save may share chunks with, or None (logged) where
+    it may not."""
+    why = None
+    if in_place and source.describe() == target.describe():
+        why = "the save replaces it in place (an object store has no staging area)"
+    elif not source.exists(COMMIT_RECORD):
+        why = "it holds no committed shardstore checkpoint"
+    if why is None:
+        try:
+            return read_commit_record(source).save_id
+        except CheckpointingException as exc:
+            why = f"it cannot be read ({exc})"
+    logger.info("Not reusing chunks from %s for the save into %s: %s", source.describe(), target.describe(), why)
+    return None
+
+
+@dataclass(frozen=True)
+class ReusableArray:
+    """An array of the source stored exactly as the new one is, with the crc32c and
+    digest of each of its chunks."""
+
+    record: ArrayRecord
+
+    def matches(self, index: tuple[int, ...], crc_of: bytes | memoryview, digest: str) -> int | None:
+        """The chunk's crc32c when its recorded digest is ``digest`` and its recorded
+        crc32c that of ``crc_of`` (computed only once the digest matched), else None."""
+        ordinal = self.record.chunk_ordinal(index)
+        assert self.record.chunk_digests is not None and self.record.chunk_crcs is not None
+        if self.record.chunk_digests[ordinal] != digest:
+            return None
+        crc = crc32c.crc32c(crc_of)
+        return crc if crc == self.record.chunk_crcs[ordinal] else None
+
+
+def _reusable(source: ArrayRecord | None, new: ArrayRecord) -> ReusableArray | None:
+    if source is None or source.chunk_digests is None or source.chunk_crcs is None:
+        return None
+    same = (source.shape, source.dtype, source.chunk_shape, source.chunk_separator) == (
+        new.shape, new.dtype, new.chunk_shape, new.chunk_separator)
+    return ReusableArray(source) if same else None
+
+
+class ChunkReuse:
+    """One rank's use of the source checkpoint during one save."""
+
+    def __init__(self, source: Location, store: ChunkStore, arrays: dict[str, ReusableArray]) -> None:
+        self.source, self.store, self.arrays = source, store, arrays
+        self._failed = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(
+        cls, source: Location, save_id: str, source_store: ChunkStore, target_store: ChunkStore,
+        records: dict[str, ArrayRecord],
+    ) -> ChunkReuse | None:
+        """This rank's reuse of the checkpoint at ``source`` (committed by ``save_id``)
+        for a save of the arrays ``records`` into ``target_store``; None (logged) where
+        it cannot help."""
+        why = None
+        if type(source_store) is not type(target_store):
+            why = "it is on another kind of storage"
+        else:
+            try:
+                record: CommitRecord | None = read_commit_record(source)
+            except CheckpointingException as exc:
+                record, why = None, f"it cannot be read ({exc})"
+            if record is not None and record.save_id != save_id:
+                why = f"another save ({record.save_id}) replaced it since this save began"
+            elif record is not None:
+                arrays = {key: r for key, new in records.items() if (r := _reusable(record.arrays.get(key), new))}
+                if arrays:
+                    return cls(source, source_store, arrays)
+                why = "none of its arrays is stored as this save's are, with chunk digests"
+        logger.info("Not reusing chunks from %s: %s", source.describe(), why)
+        return None
+
+    def sharer(self, target: ChunkStore) -> ShareChunk:
+        """The ``format.chunks.run_writes`` hook that shares unchanged chunks into
+        ``target``."""
+
+        def share(file: ChunkFile, view: memoryview, digest: str) -> WrittenChunk | None:
+            array = self.arrays.get(file.array_key)
+            crc = array.matches(file.index, view, digest) if array is not None else None
+            if crc is None:
+                return None
+            nbytes = len(view) + CRC_BYTES
+            if not target.share_from(self.store, file.rel, nbytes):
+                self._note_failure(file)
+                return None
+            return WrittenChunk(file.array_key, file.index, crc, digest, shared=nbytes)
+
+        return share
+
+    def _note_failure(self, file: ChunkFile) -> None:
+        with self._lock:
+            self._failed += 1
+            first = self._failed == 1
+        if first:  # once per save and rank
+            logger.info(
+                "Could not share %s with %s (the file system cannot link or clone it, or it is gone); writing it, "
+                "and any other such chunk, instead", file.describe(), self.source.describe(),
+            )

@@ -41,6 +41,7 @@ class FaultyProxy:
     def __init__(self, target_port: int, faults: Faults) -> None:
         self.target_port, self.faults = target_port, faults
         self.counts = {"forwarded": 0, "503": 0, "dropped": 0}
+        self.bytes_received = 0  # request bodies from the clients (what they uploaded)
         self._lock = threading.Lock()
         self._random = random.Random(faults.seed)
         proxy = self
@@ -53,6 +54,8 @@ class FaultyProxy:
 
             def _handle(self) -> None:
                 body = self._read_body()
+                with proxy._lock:
+                    proxy.bytes_received += len(body)
                 fate = proxy._fate()
                 if fate == "503":
                     payload = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"

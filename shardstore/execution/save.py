@@ -23,6 +23,7 @@ I/O; ``agree`` + ``commit`` are its finalization (``finalizer``). Chunks are wri
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -60,6 +61,8 @@ from shardstore.progress import stage
 from shardstore.protocol.collectives import Group, RankFailure, StageFailed, failure_message
 from shardstore.protocol.stage import Transfers, run_stage
 from shardstore.stores.base import Location
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -318,6 +321,12 @@ def commit(staged: StagedSave, reports: list[list[WrittenChunk]]) -> None:
         if not isinstance(location, PendingCheckpoint):  # in place, into the caller's directory
             record = replace(record, external_files=caller_file_checksums(location, record))
         publish(location, record)
+        if record.reused_from is not None:
+            logger.info(
+                "save %s: %d chunk(s), %d bytes, unchanged since %s: shared, not written again",
+                location.describe(), record.reused_from.chunks, record.reused_from.nbytes,
+                record.reused_from.checkpoint,
+            )
     except Exception as exc:  # told to every rank by the stage
         raise StageFailed(
             failure_message([RankFailure.from_exception(staged.group.rank, exc)], f"Committing checkpoint "

@@ -139,6 +139,13 @@ def inspect_command(checkpoint: str, as_json: bool) -> None:
             f"  format {summary.format_version}, written by shardstore {summary.library_version} from "
             f"{summary.world_size} rank(s), committed {saved}, save {summary.save_id}"
         )
+        if summary.reused_from:
+            shared = summary.reused_from
+            click.echo(
+                f"  reuses {shared['chunks']} chunk(s), {format_bytes(shared['bytes'])}, unchanged since "
+                f"{shared['checkpoint']} (save {shared['save_id']}): shared, not written again; the checkpoint "
+                "stands alone"
+            )
     else:
         from shardstore.other_formats.registry import named
 

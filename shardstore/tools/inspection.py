@@ -61,6 +61,7 @@ class CheckpointSummary:
     objects: dict[str, tuple[str, ...]]
     common_keys: tuple[str, ...]
     kind: str = "shardstore"
+    reused_from: dict[str, Any] | None = None  # ReusedChunks.to_json(): what the save shared
 
     @property
     def nbytes(self) -> int:
@@ -94,6 +95,7 @@ def describe_checkpoint(checkpoint: str | os.PathLike | Location) -> CheckpointS
         arrays=arrays,
         objects={k: o.shard_keys for k, o in sorted(record.objects.items())},
         common_keys=tuple(sorted(str(k) for k in common)),
+        reused_from=record.reused_from.to_json() if record.reused_from else None,
     )
 
 

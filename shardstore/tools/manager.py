@@ -199,6 +199,11 @@ class CheckpointManagerOptions:
         best_mode: ``"max"``: a higher score is better; ``"min"``: lower (a loss).
         keep_best: also keep the N best committed steps by ``best_fn`` (needs
             ``max_to_keep``: the newest steps are kept besides the best).
+        reuse_unchanged: an incremental save: each step shares the chunks whose bytes
+            did not change with the newest committed step before it (hard links or
+            clones locally, server-side copies on S3; ``shardstore.format.reuse``)
+            instead of writing them again. Every step still stands alone: retention
+            may delete any of them. Off: every step writes every byte.
     """
 
     save_interval_steps: int | None = 1
@@ -213,6 +218,7 @@ class CheckpointManagerOptions:
     best_fn: Callable[[Metrics], float] | None = None
     best_mode: Literal["max", "min"] = "max"
     keep_best: int | None = None
+    reuse_unchanged: bool = True
 
     def __post_init__(self) -> None:
         if self.save_interval_steps is not None and self.save_interval_steps < 1:
@@ -591,7 +597,7 @@ class CheckpointManager:
         if self._queue is not None:
             self._queue.maybe_finalize_async_calls(blocking=True)  # the check below sees it
         overwrite = bool(save_kwargs.get("overwrite", False))
-        committed, checked = self._on_coordinator(lambda: self._prepare_save(step, overwrite, metrics))
+        committed, checked, reuse_step = self._on_coordinator(lambda: self._prepare_save(step, overwrite, metrics))
         self._last_save_time = self._clock()
         if preempted:
             self._signals_acted_on = signals
@@ -606,6 +612,8 @@ class CheckpointManager:
         if checked is not None:
             sharded_state_dict = {**sharded_state_dict, MANAGER_STATE_KEY: {"metrics": checked}}
         target = self.location(step)
+        if reuse_step is not None and self.options.reuse_unchanged:
+            save_kwargs.setdefault("reuse_from", self.location(reuse_step))
         retention = functools.partial(self._apply_retention, step)
         if self._queue is None:
             save(sharded_state_dict, target, process_group=self.process_group, **save_kwargs)
@@ -647,9 +655,12 @@ class CheckpointManager:
         self._preempted = self._preempted or preempted
         return by_step or by_time or preempted, preempted, signals
 
-    def _prepare_save(self, step: int, overwrite: bool, metrics: Metrics | None) -> tuple[bool, dict | None]:
+    def _prepare_save(
+        self, step: int, overwrite: bool, metrics: Metrics | None
+    ) -> tuple[bool, dict | None, int | None]:
         """Coordinator, before a save: (whether ``step`` is committed already, the
-        metrics to store, checked). Raises what refuses the save."""
+        metrics to store, checked, the newest committed step up to ``step`` to reuse
+        unchanged chunks from). Raises what refuses the save."""
         checked = None
         if metrics is not None:
             checked = _checked_metrics(metrics, f"the metrics given to save({step})")
@@ -664,7 +675,11 @@ class CheckpointManager:
                     ) from exc
         elif self.options.best_fn is not None:
             logger.info("Saving step %d without metrics: best_fn does not rank it", step)
-        return self._is_committed_or_refused(step, overwrite), checked
+        committed = self._is_committed_or_refused(step, overwrite)
+        reuse_step = None
+        if self.options.reuse_unchanged and not committed:
+            reuse_step = self._newest_committed([s for s in self._named_steps() if s <= step])
+        return committed, checked, reuse_step
 
     def _is_committed_or_refused(self, step: int, overwrite: bool) -> bool:
         """Coordinator, before a save: True if ``step`` is committed (nothing to save);

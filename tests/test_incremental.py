@@ -1,0 +1,345 @@
+"""Incremental checkpoints (issue 32): a save given an earlier checkpoint shares the
+chunks whose bytes did not change instead of writing them again, and every checkpoint
+still stands alone."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import pytest
+import torch
+
+from shardstore import CheckpointingException, ShardedTensor, load, save, verify
+from shardstore.format.records import is_committed, read_commit_record
+from shardstore.stores.locations import open_location
+from shardstore.stores.s3 import S3Options
+from shardstore.tools.manager import CheckpointManager, CheckpointManagerOptions
+from tests.dist import run_distributed
+from tests.s3_support import KEY, REGION, SECRET, Faults, FaultyProxy, MotoServer
+from tests.scenarios import assert_bits_equal, global_tensor
+
+BASE, ADAPTER = (256, 64), (8, 64)  # float32: 64 KiB of frozen base, 2 KiB trained
+
+
+def _state(step: int, empty: bool = False) -> dict:
+    """A frozen base (the same at every step) and a small adapter that changes."""
+    base = global_tensor("base", BASE, torch.float32)
+    adapter = global_tensor("adapter", ADAPTER, torch.float32) + step
+    return {
+        "base": ShardedTensor.from_rank_offsets("base", torch.empty_like(base) if empty else base),
+        "adapter": ShardedTensor.from_rank_offsets("adapter", torch.empty_like(adapter) if empty else adapter),
+        "step": step,
+    }
+
+
+def _check(ckpt: Path | str, step: int) -> None:
+    loaded = load(_state(step, empty=True), ckpt)
+    assert_bits_equal(loaded["base"], global_tensor("base", BASE, torch.float32), "base")
+    assert_bits_equal(loaded["adapter"], global_tensor("adapter", ADAPTER, torch.float32) + step, "adapter")
+    assert loaded["step"] == step
+
+
+def _file_digests(ckpt: Path) -> dict[str, str]:
+    return {str(p.relative_to(ckpt)): hashlib.sha256(p.read_bytes()).hexdigest() for p in ckpt.rglob("*") if p.is_file()}
+
+
+def _new_bytes(ckpt: Path) -> int:
+    """Bytes of the files only this checkpoint holds (hard links shared with another
+    checkpoint have a link count above 1)."""
+    return sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file() and p.stat().st_nlink == 1)
+
+
+def test_an_unchanged_chunk_is_shared_and_a_changed_one_written(tmp_path: Path) -> None:
+    save(_state(1), tmp_path / "s1")
+    before = _file_digests(tmp_path / "s1")
+    save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
+
+    record = read_commit_record(open_location(tmp_path / "s2"))
+    assert record.reused_from is not None
+    assert record.reused_from.chunks == 1
+    assert record.reused_from.nbytes == 256 * 64 * 4 + 4  # the base chunk and its crc32c
+    assert record.reused_from.save_id == read_commit_record(open_location(tmp_path / "s1")).save_id
+    assert _new_bytes(tmp_path / "s2") < 8 * 64 * 4 + 16 * 1024  # the adapter and small files
+    assert _file_digests(tmp_path / "s1") == before, "the earlier checkpoint's files changed"
+    _check(tmp_path / "s2", 2)
+    _check(tmp_path / "s1", 1)
+    assert verify(tmp_path / "s2").ok
+
+
+def test_the_new_checkpoint_stands_alone_once_the_old_is_deleted(tmp_path: Path) -> None:
+    save(_state(1), tmp_path / "s1")
+    save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
+    shutil.rmtree(tmp_path / "s1")
+    _check(tmp_path / "s2", 2)
+    report = verify(tmp_path / "s2")
+    assert report.ok, report
+
+
+def test_every_chunk_keeps_a_128_bit_digest_in_the_record(tmp_path: Path) -> None:
+    save(_state(1), tmp_path / "s1")
+    arrays = json.loads((tmp_path / "s1" / "zarr.json").read_bytes())["attributes"]["shardstore"]["arrays"]
+    for key, summary in arrays.items():
+        assert len(summary["chunk_xxh3_128"]) == len(summary["chunk_crc32c"]), key
+        assert all(len(d) == 32 for d in summary["chunk_xxh3_128"]), key
+
+
+def _same_crc32c_other_bytes(data: bytes) -> bytes:
+    """``data`` with some bits of its last 16 bytes flipped so that its crc32c stays the
+    same: crc32c is affine in the bits, so flips whose effects cancel (a dependent set
+    among 128 single-bit flips, found by Gaussian elimination over GF(2)) forge it."""
+    zero = crc32c.crc32c(bytes(len(data)))
+
+    def effect(i: int) -> int:
+        flipped = bytearray(len(data))
+        flipped[i // 8] ^= 1 << (i % 8)
+        return crc32c.crc32c(bytes(flipped)) ^ zero
+
+    start = (len(data) - 16) * 8
+    basis: dict[int, tuple[int, int]] = {}  # pivot bit -> (effect, set of flips as a bit mask)
+    for i in range(start, start + 128):
+        value, flips = effect(i), 1 << (i - start)
+        while value:
+            pivot = value.bit_length() - 1
+            if pivot not in basis:
+                basis[pivot] = (value, flips)
+                break
+            value, flips = value ^ basis[pivot][0], flips ^ basis[pivot][1]
+        else:  # these flips change nothing in the crc32c
+            out = bytearray(data)
+            for bit in range(128):
+                if flips >> bit & 1:
+                    out[(start + bit) // 8] ^= 1 << ((start + bit) % 8)
+            return bytes(out)
+    raise AssertionError("no dependent set of flips found")
+
+
+def test_a_chunk_with_the_same_crc32c_but_other_bytes_is_written_not_shared(tmp_path: Path) -> None:
+    original = global_tensor("base", BASE, torch.float32)
+    forged_bytes = _same_crc32c_other_bytes(original.numpy().tobytes())
+    forged = torch.from_numpy(np.frombuffer(forged_bytes, dtype=np.float32).reshape(BASE).copy())
+    assert crc32c.crc32c(forged.numpy().tobytes()) == crc32c.crc32c(original.numpy().tobytes())
+    assert not torch.equal(forged, original)
+
+    save({"base": ShardedTensor.from_rank_offsets("base", original)}, tmp_path / "s1")
+    save({"base": ShardedTensor.from_rank_offsets("base", forged)}, tmp_path / "s2", reuse_from=tmp_path / "s1")
+
+    assert read_commit_record(open_location(tmp_path / "s2")).reused_from is None
+    loaded = load({"base": ShardedTensor.from_rank_offsets("base", torch.empty(BASE))}, tmp_path / "s2")
+    assert_bits_equal(loaded["base"], forged, "base")
+
+
+def test_an_array_stored_another_way_is_not_reused(tmp_path: Path) -> None:
+    base = global_tensor("base", BASE, torch.float32)
+    save({"base": ShardedTensor.from_rank_offsets("base", base)}, tmp_path / "s1")
+    as_other_shape = base.reshape(64, 256)
+    save({"base": ShardedTensor.from_rank_offsets("base", as_other_shape)}, tmp_path / "s2", reuse_from=tmp_path / "s1")
+    assert read_commit_record(open_location(tmp_path / "s2")).reused_from is None
+    loaded = load({"base": ShardedTensor.from_rank_offsets("base", torch.empty(64, 256))}, tmp_path / "s2")
+    assert_bits_equal(loaded["base"], as_other_shape, "base")
+
+
+@pytest.mark.parametrize("source", ["missing", "not a checkpoint", "uncommitted", "older record"])
+def test_a_source_that_cannot_be_reused_from_is_logged_not_an_error(tmp_path: Path, caplog, source: str) -> None:
+    origin = tmp_path / "origin"
+    if source == "not a checkpoint":
+        origin.mkdir()
+        (origin / "model.bin").write_bytes(b"weights of another tool")
+    elif source == "uncommitted":
+        save(_state(1), origin)
+        (origin / "zarr.json").unlink()
+    elif source == "older record":  # written before digests were kept
+        save(_state(1), origin)
+        root = json.loads((origin / "zarr.json").read_bytes())
+        for summary in root["attributes"]["shardstore"]["arrays"].values():
+            del summary["chunk_xxh3_128"]
+        from shardstore.format.records import RECORD_DIGEST, UNSEALED_DIGEST, seal_record
+
+        root["attributes"]["shardstore"][RECORD_DIGEST] = UNSEALED_DIGEST
+        (origin / "zarr.json").write_bytes(seal_record(json.dumps(root, separators=(",", ":")).encode()))
+    with caplog.at_level(logging.INFO, logger="shardstore"):
+        save(_state(2), tmp_path / "s2", reuse_from=origin)
+    assert "Not reusing chunks from" in caplog.text
+    assert read_commit_record(open_location(tmp_path / "s2")).reused_from is None
+    _check(tmp_path / "s2", 2)
+
+
+def test_overwriting_the_checkpoint_it_reuses_from_keeps_the_shared_chunks(tmp_path: Path) -> None:
+    save(_state(1), tmp_path / "ckpt")
+    save(_state(2), tmp_path / "ckpt", reuse_from=tmp_path / "ckpt", overwrite=True)
+    assert read_commit_record(open_location(tmp_path / "ckpt")).reused_from is not None
+    _check(tmp_path / "ckpt", 2)
+    assert verify(tmp_path / "ckpt").ok
+
+
+def test_a_later_save_never_writes_through_a_shared_file(tmp_path: Path) -> None:
+    """A chunk file hard-linked into two checkpoints is replaced, not truncated, by any
+    later write of shardstore's: the other checkpoint keeps its bytes."""
+    save(_state(1), tmp_path / "s1")
+    save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
+    before = _file_digests(tmp_path / "s1")
+    changed = _state(3)
+    changed["base"] = ShardedTensor.from_rank_offsets("base", global_tensor("base", BASE, torch.float32) * 2)
+    save(changed, tmp_path / "s2", overwrite=True)
+    assert _file_digests(tmp_path / "s1") == before
+    _check(tmp_path / "s1", 1)
+
+
+def test_inspect_says_what_a_checkpoint_reuses(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from shardstore.tools.cli import main
+
+    save(_state(1), tmp_path / "s1")
+    save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path / "s2")])
+    assert result.exit_code == 0, result.output
+    assert "reuses 1 chunk" in result.output
+    assert str(tmp_path / "s1") in result.output
+
+
+# ---------------------------------------------------------------- the manager
+
+
+def test_the_manager_reuses_from_its_newest_step_by_default(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=1))
+    for step in range(3):
+        assert manager.save(step, _state(step))
+    manager.close()
+    assert manager.all_steps() == [2]  # retention deleted the steps the last one shared with
+    record = read_commit_record(manager.location(2))
+    assert record.reused_from is not None and record.reused_from.chunks == 1
+    _check(manager.location(2).local_path(), 2)
+    assert verify(manager.location(2)).ok
+
+
+def test_the_manager_can_be_told_not_to_reuse(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(reuse_unchanged=False))
+    for step in range(2):
+        manager.save(step, _state(step))
+    manager.close()
+    assert read_commit_record(manager.location(1)).reused_from is None
+
+
+# ---------------------------------------------------------------- two ranks, crashes
+
+
+def _ranked_state(rank: int, world: int, step: int, empty: bool = False) -> dict:
+    base = global_tensor("base", BASE, torch.float32).chunk(world)[rank]
+    adapter = (global_tensor("adapter", ADAPTER, torch.float32) + step).chunk(world)[rank]
+    return {
+        "base": ShardedTensor.from_rank_offsets("base", torch.empty_like(base) if empty else base.clone(),
+                                                (0, rank, world)),
+        "adapter": ShardedTensor.from_rank_offsets("adapter", torch.empty_like(adapter) if empty else adapter.clone(),
+                                                   (0, rank, world)),
+    }
+
+
+def save_ranked(rank: int, world: int, ckpt: str, step: int, reuse_from: str | None) -> int:
+    save(_ranked_state(rank, world, step), ckpt, reuse_from=reuse_from)
+    return 0
+
+
+def check_ranked(rank: int, world: int, ckpt: str, step: int) -> None:
+    loaded = load(_ranked_state(rank, world, step, empty=True), ckpt)
+    expected = _ranked_state(rank, world, step)
+    for key in ("base", "adapter"):
+        assert_bits_equal(loaded[key], expected[key].data, key)
+
+
+def test_two_ranks_each_share_their_own_unchanged_chunks(tmp_path: Path) -> None:
+    run_distributed(save_ranked, 2, str(tmp_path / "s1"), 1, None)
+    run_distributed(save_ranked, 2, str(tmp_path / "s2"), 2, str(tmp_path / "s1"))
+    record = read_commit_record(open_location(tmp_path / "s2"))
+    assert record.reused_from is not None and record.reused_from.chunks == 2  # each rank's half of the base
+    shutil.rmtree(tmp_path / "s1")
+    run_distributed(check_ranked, 2, str(tmp_path / "s2"), 2)
+
+
+def save_ranked_with_a_crash(rank: int, world: int, ckpt: str, reuse_from: str, point: str) -> str:
+    if rank == 1:
+        import shardstore.format.chunks as chunk_io
+
+        if point == "while sharing":
+            original = chunk_io.FileChunkStore.share_from
+
+            def share_then_die(self, *args, **kwargs):
+                original(self, *args, **kwargs)
+                os.kill(os.getpid(), 9)
+
+            chunk_io.FileChunkStore.share_from = share_then_die
+        elif point == "after sharing":
+            def die_on_write(self, data):
+                os.kill(os.getpid(), 9)
+
+            chunk_io.ChunkFile.write = die_on_write
+    try:
+        save(_ranked_state(rank, world, 2), ckpt, reuse_from=reuse_from)
+    except CheckpointingException as exc:
+        return str(exc)
+    raise AssertionError("the surviving rank's save returned normally")
+
+
+@pytest.mark.parametrize("point", ["while sharing", "after sharing"])
+def test_a_crash_in_a_reusing_save_leaves_both_steps_as_they_were(tmp_path: Path, point: str) -> None:
+    s1, s2 = tmp_path / "s1", tmp_path / "s2"
+    run_distributed(save_ranked, 2, str(s1), 1, None)
+    before = _file_digests(s1)
+    run_distributed(save_ranked_with_a_crash, 2, str(s2), str(s1), point, killed=(1,))
+    assert _file_digests(s1) == before
+    assert not is_committed(open_location(s2))
+    run_distributed(check_ranked, 2, str(s1), 1)
+    run_distributed(save_ranked, 2, str(s2), 2, str(s1))  # the next save clears the dead one's
+    run_distributed(check_ranked, 2, str(s2), 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s1", "s2"]
+
+
+# ---------------------------------------------------------------- object stores
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[tuple[MotoServer, FaultyProxy]]:
+    moto = MotoServer().start()
+    moto.create_bucket("incremental")
+    proxy = FaultyProxy(moto.port, Faults()).start()
+    yield moto, proxy
+    proxy.stop()
+    moto.stop()
+
+
+def test_s3_shares_by_server_side_copy_and_uploads_only_what_changed(s3) -> None:
+    _, proxy = s3
+    options = S3Options(endpoint_url=proxy.endpoint, key=KEY, secret=SECRET, region=REGION)
+    first, second = (open_location(f"s3://incremental/run/step{i}", options=options) for i in (1, 2))
+    save(_state(1), first)
+    uploaded = proxy.bytes_received
+    save(_state(2), second, reuse_from=first)
+    step2_upload = proxy.bytes_received - uploaded
+    record = read_commit_record(second)
+    assert record.reused_from is not None and record.reused_from.chunks == 1
+    assert step2_upload < 256 * 64 * 4 / 2, f"step 2 uploaded {step2_upload} bytes"  # the base is not sent
+    first.remove_tree("")
+    _check(second, 2)
+    assert verify(second).ok
+
+
+def test_memory_store_shares_by_copy(tmp_path: Path) -> None:
+    first, second = "memory://incremental/step1", "memory://incremental/step2"
+    save(_state(1), first)
+    save(_state(2), second, reuse_from=first)
+    assert read_commit_record(open_location(second)).reused_from is not None
+    _check(second, 2)
+
+
+def test_a_source_on_another_kind_of_storage_is_not_reused(tmp_path: Path) -> None:
+    save(_state(1), tmp_path / "s1")
+    save(_state(2), "memory://incremental-other/step2", reuse_from=tmp_path / "s1")
+    assert read_commit_record(open_location("memory://incremental-other/step2")).reused_from is None
+    _check("memory://incremental-other/step2", 2)

@@ -277,6 +277,7 @@ class Bench:
         self.rank, self.world, self.root, self.reps = rank, world, root, reps
         self.results: list[Result] = []
         self.cache_method = "none"
+        self.extra: dict[str, float] = {}  # figures beside the timings (rank 0's)
         self.solo = dist.new_group([0])
         self._methods: list[Method] = []
 
@@ -591,6 +592,90 @@ def run_s3(b: Bench, args: argparse.Namespace) -> None:
     b.flush()
 
 
+INCR_ADAPTER = (1024, 768)  # float32, 3 MiB: the trained part of the incremental case
+
+
+def incremental_state(b: Bench, base: State, step: int) -> State:
+    """The frozen ``base`` plus a small adapter whose values depend on ``step``."""
+    adapter = make_global("adapter", torch.float32, INCR_ADAPTER) + step
+    shards = dict(base.shards) | {"adapter": (local_shard(adapter, 0, b.rank, b.world), 0)}
+    return State(shards, dict(base.shapes) | {"adapter": INCR_ADAPTER})
+
+
+def bytes_only_here(path: Path) -> int:
+    """Bytes of the files under ``path`` that no other path shares (a file hard-linked
+    from another checkpoint has more than one link): what a save added to the disk."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.stat().st_nlink == 1)
+
+
+def s3_bytes_written() -> int:
+    """Bytes this process's TensorStore sent to S3 in chunk writes (its own metric)."""
+    import tensorstore as ts
+
+    metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/s3/bytes_written")
+    return sum(int(v.get("value", 0)) for m in metrics for v in m.get("values", []))
+
+
+def run_incremental(b: Bench, args: argparse.Namespace) -> None:
+    """Step 2 of a run whose base is frozen and whose small adapter trained: a full save
+    against a save that reuses step 1's unchanged chunks (``reuse_from``), interleaved, on
+    the local disk and, when the s3 case's server runs, on S3. Reports seconds (medians),
+    the bytes each adds to the disk or uploads, and the digest's throughput beside
+    crc32c's."""
+    import crc32c
+    import xxhash
+
+    import shardstore
+
+    base = build_large(int(args.incr_gib * GiB), b.rank, b.world)
+    step1, step2 = incremental_state(b, base, 1), incremental_state(b, base, 2)
+    nbytes = full_bytes(step2)
+    changed = INCR_ADAPTER[0] * INCR_ADAPTER[1] * 4
+    if b.rank == 0:
+        print(f"incremental: {nbytes / GiB:.2f} GiB, of which {changed / 2**20:.1f} MiB change per step, "
+              f"{b.world} ranks", flush=True)
+    first = b.root / "incr-step1"
+    shardstore.save(shardstore_sd(step1, b.rank, b.world), str(first))
+    full, incr = b.root / "incr-full", b.root / "incr-reuse"
+    b.measure("incr", "full", nbytes, full, lambda: shardstore.save(shardstore_sd(step2, b.rank, b.world), str(full)),
+              None)
+    b.measure("incr", "reuse", nbytes, incr,
+              lambda: shardstore.save(shardstore_sd(step2, b.rank, b.world), str(incr), reuse_from=str(first)), None)
+    b.flush()
+    extra: dict[str, float] = {}
+    if b.rank == 0:
+        added_full, added_incr = bytes_only_here(full), bytes_only_here(incr)
+        extra |= {"incr.local.added_bytes_full": added_full, "incr.local.added_bytes_reuse": added_incr,
+                  "incr.local.added_vs_changed": round(added_incr / changed, 3)}
+    if "s3" in args.cases:
+        url = f"s3://{S3_BUCKET}/incremental"
+        shardstore.save(shardstore_sd(step1, b.rank, b.world), f"{url}/step1", overwrite=True)
+        uploads = []
+        for reuse in (None, f"{url}/step1"):
+            dist.barrier()
+            before = s3_bytes_written()
+            shardstore.save(shardstore_sd(step2, b.rank, b.world), f"{url}/step2-{'reuse' if reuse else 'full'}",
+                            overwrite=True, reuse_from=reuse)
+            sent = [0] * b.world
+            dist.all_gather_object(sent, s3_bytes_written() - before)
+            uploads.append(sum(sent))
+        extra |= {"incr.s3.uploaded_bytes_full": uploads[0], "incr.s3.uploaded_bytes_reuse": uploads[1]}
+    if b.rank == 0:
+        block = torch.randint(0, 255, (256 * 2**20,), dtype=torch.uint8).numpy()
+        for name, fn in (("xxh3_128", xxhash.xxh3_128_digest), ("crc32c", crc32c.crc32c)):
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                fn(block)
+                times.append(time.perf_counter() - start)
+            extra[f"digest.{name}_gbps"] = round(block.nbytes / statistics.median(times) / 1e9, 2)
+        for key, value in extra.items():
+            print(f"  {key}: {value}", flush=True)
+    b.extra |= extra
+    for p in (first, full, incr):
+        b._clean(p)
+
+
 STAGING_CAP_MIB = 256
 
 
@@ -802,6 +887,8 @@ def ratios(results: list[Result]) -> dict[str, float]:
     out |= ratio("reshard.load.vs_dcp", ("reshard", "shardstore", "load"), ("reshard", "dcp", "load"))
     out |= ratio("s3.save.vs_s3fs_plain", ("s3", "shardstore", "save"), ("s3", "s3fs-plain", "save"))
     out |= ratio("s3.load.vs_s3fs_plain", ("s3", "shardstore", "load"), ("s3", "s3fs-plain", "load"))
+    # time of step 2 saved reusing step 1's unchanged chunks / time of a full save of it
+    out |= ratio("incr.save.time_reuse_vs_full", ("incr", "reuse", "save"), ("incr", "full", "save"), invert=True)
     out |= ratio("async.blocked_time_vs_clone", ("async", "clone", "blocked"), ("async", "shardstore", "blocked"))
     out |= ratio("async.loop_rate_vs_alone", ("async", "matmul-loop", "during-save"), ("async", "matmul-loop", "alone"))
     for device in ("cuda", "cpu"):  # the device case
@@ -849,8 +936,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, root: str
         run_s3(b, args)
     if "device" in args.cases:
         run_device(b, args)
+    if "incr" in args.cases:
+        run_incremental(b, args)
     if rank == 0:
-        table = ratios(b.results)
+        table = ratios(b.results) | b.extra
         extra = {"world": world, "reps": args.reps, "cache": b.cache_method, "ratios": table}
         report = markdown(b.results, extra)
         print("\n" + report)
@@ -885,7 +974,8 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=5000, help="number of 4 KiB tensors")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--cases", default="large,reshard,dcp-api,small,async,s3")
+    parser.add_argument("--cases", default="large,reshard,dcp-api,small,async,s3,incr")
+    parser.add_argument("--incr-gib", type=float, default=0.25, help="size of the incremental case's frozen base")
     parser.add_argument("--s3-gib", type=float, default=0.25, help="size of the S3 case's state (all ranks)")
     parser.add_argument("--dir", default=None, help="where to write (default: the temp dir)")
     parser.add_argument("--json", default="bench.json")

@@ -142,6 +142,7 @@ _FRAGMENT_CONTEXT = {
     "s3://my-bucket": "",
     "LocalS3Server": "",
     "import zarr": "",
+    "reuse_from=": "",
 }
 _CHECKS = {  # what each fragment must leave behind
     "shardstore.tools.megatron_strategy import": "assert torch.equal(state['fc1'], fc1.chunk(world)[rank])\n",
@@ -150,6 +151,14 @@ _CHECKS = {  # what each fragment must leave behind
     "s3://my-bucket": "",
     "LocalS3Server": "assert os.environ['AWS_ENDPOINT_URL'] == server.endpoint\n",
     "import zarr": "assert weight.shape == (8, 4) and (arr.read().result() == weight).all()\n",
+    "reuse_from=": (
+        "from shardstore.format.records import read_commit_record\n"
+        "from shardstore.stores.locations import open_location\n"
+        "shared = read_commit_record(open_location(f'{root}/step2')).reused_from\n"
+        "assert shared is not None and shared.chunks == 1, shared  # the base, not written again\n"
+        "loaded = load(state(), f'{root}/step2')\n"
+        "assert torch.equal(loaded['adapter'], torch.ones(8, 64)) and torch.equal(loaded['base'], base)\n"
+    ),
 }
 
 

@@ -343,3 +343,26 @@ def test_a_source_on_another_kind_of_storage_is_not_reused(tmp_path: Path) -> No
     save(_state(2), "memory://incremental-other/step2", reuse_from=tmp_path / "s1")
     assert read_commit_record(open_location("memory://incremental-other/step2")).reused_from is None
     _check("memory://incremental-other/step2", 2)
+
+
+def test_verify_finds_a_chunk_edited_with_its_crc32c_forged(tmp_path: Path) -> None:
+    """A chunk changed on disk so that its crc32c still matches (the record's too) passes
+    a load's checks; ``verify`` compares its 128-bit digest and names it."""
+    save(_state(1), tmp_path / "s1")
+    chunk = tmp_path / "s1" / "base" / "c.0.0"
+    stored = chunk.read_bytes()
+    chunk.write_bytes(_same_crc32c_other_bytes(stored[:-4]) + stored[-4:])
+    report = verify(tmp_path / "s1")
+    assert not report.ok
+    assert [(p.key, p.part) for p in report.problems] == [("base", "c.0.0")], report.problems
+    assert "128-bit digest" in report.problems[0].message
+
+
+def test_an_async_save_of_the_manager_reuses_too(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(async_save=True))
+    for step in range(2):
+        manager.save(step, _state(step))
+    manager.close()
+    record = read_commit_record(manager.location(1))
+    assert record.reused_from is not None and record.reused_from.chunks == 1
+    _check(manager.location(1).local_path(), 1)

@@ -26,7 +26,7 @@ import numpy as np
 
 from shardstore._zarr_autoload import EXTENSION_METADATA
 from shardstore.errors import CheckpointingException
-from shardstore.format.chunks import ArrayChunks, ChunkStore, chunk_store_for
+from shardstore.format.chunks import ArrayChunks, ChunkStore, chunk_digest, chunk_store_for
 from shardstore.format.config import CONFIG_FNAME
 from shardstore.format.records import (
     COMMIT_RECORD,
@@ -365,6 +365,16 @@ def _verify_array(store: ChunkStore, array: ArrayRecord, report: VerifyReport, t
             chunks.file(index).read_into(buffer)
         except Exception as exc:  # every failure is a finding, reported by chunk
             report.problems.append(Problem(array.key, array.chunk_key(index), str(exc)))
+            continue
+        if array.chunk_digests is not None and (
+            chunk_digest(memoryview(buffer.reshape(-1).view(np.uint8))) != array.chunk_digests[array.chunk_ordinal(index)]
+        ):
+            report.problems.append(Problem(
+                array.key, array.chunk_key(index),
+                "its bytes match their crc32c but not the 128-bit digest the commit record keeps: the chunk was "
+                "changed after the commit and its crc32c kept (forged) or recomputed; restore the checkpoint from "
+                "a copy, or load an earlier one",
+            ))
             continue
         nbytes = array.chunk_nbytes(index)
         report.bytes_checked += nbytes

@@ -152,7 +152,7 @@ def cast_checked(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor
     Where the types guarantee it (``is_exact_conversion``) nothing is checked. Else the
     values are checked against the converted ones, ``_CHECK_BLOCK`` elements at a time
     (vectorised numpy, on the host), so the check's scratch memory stays a few MiB
-    whatever the tensor's size. The test is range first, then value (``_unchanged``):
+    whatever the tensor's size (the converted tensor is the result itself). The test is range first, then value (``_unchanged``):
     a round trip alone (convert, convert back, compare) misses wrap-around, which every
     signed/unsigned pair round-trips (uint8 200 -> int8 -56 -> uint8 200), and a
     conversion of a value out of the target's range is undefined in C.
@@ -172,9 +172,9 @@ def cast_checked(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor
     return converted, None
 
 
-# Elements ``cast_checked`` checks at a time: its float64 copies and masks of one block
-# are a few MiB.
-_CHECK_BLOCK = 1 << 20
+# Elements ``cast_checked`` checks at a time: the float64 copies and masks of one block
+# are at most about 7 MiB (three 2 MiB arrays and a few masks), as fast as larger blocks.
+_CHECK_BLOCK = 1 << 18
 
 
 def _host_numpy(values: torch.Tensor) -> np.ndarray:

@@ -33,7 +33,8 @@ def place_loaded(x: torch.Tensor, t: ShardedTensor, where: str, allow_lossy_cast
     Another dtype than the stored one is honoured when every value read converts
     exactly (Megatron-Core's tests load int64 ``arange`` into float32, which its
     backends cast silently), and refused, naming the key and the first value that would
-    change, when one does not (0.5 into int64, 1e6 into float16, 2 into bool), unless
+    change, when one does not (0.5 into int64, 1e6 into float16, 2 into bool, uint8 200
+    into int8; ``format.dtypes.cast_checked``), unless
     ``allow_lossy_casts``: a trainer asking for the wrong dtype must find out at the
     load, not from a diverging run.
     """

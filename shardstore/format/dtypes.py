@@ -139,24 +139,88 @@ def is_exact_conversion(src: torch.dtype, dst: torch.dtype) -> bool:
 
 def cast_checked(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tuple[int, ...] | None]:
     """``values`` converted to ``dtype``, and the index of the first value the conversion
-    changed (None: every value survived; NaN stays NaN).
+    changed (None: every value converts to the same number).
 
-    Where the types guarantee it (``is_exact_conversion``) nothing is checked; else each
-    value is converted back and compared, so int64 0..2**24 goes to float32 and
-    float32 holding whole numbers to int64, while 0.5 to int64 or 1e6 to float16 is
-    found. Costs two conversions and a comparison, and only for a dtype pair that
-    differs.
+    "The same number" is the mathematical value: 200 (uint8) is not -56 (int8), 2**53 + 1
+    (int64) is not 2**53 (float64), 0.5 is not 0, 1 + 2j is not 1, 2 is not True. Where
+    both sides are no number, NaN stays NaN (its payload may change); infinities must
+    stay infinite. -0.0 converted to an integer or bool is 0 (False): the same number,
+    so it passes, and only the sign of the zero is lost. A complex value converts to a
+    real type only when its imaginary part is exactly zero, and only its real part is
+    converted (the imaginary part is not silently dropped, it is checked).
+
+    Where the types guarantee it (``is_exact_conversion``) nothing is checked. Else the
+    values are checked against the converted ones, ``_CHECK_BLOCK`` elements at a time
+    (vectorised numpy, on the host), so the check's scratch memory stays a few MiB
+    whatever the tensor's size (the converted tensor is the result itself). The test is range first, then value (``_unchanged``):
+    a round trip alone (convert, convert back, compare) misses wrap-around, which every
+    signed/unsigned pair round-trips (uint8 200 -> int8 -56 -> uint8 200), and a
+    conversion of a value out of the target's range is undefined in C.
     """
-    converted = values.to(dtype)
+    if values.is_complex() and not dtype.is_complex:
+        converted = values.real.to(dtype)  # the imaginary part is checked, not dropped with a warning
+    else:
+        converted = values.to(dtype)
     if is_exact_conversion(values.dtype, dtype):
         return converted, None
-    back = converted.to(values.dtype)
-    same = back == values
-    if values.is_floating_point() or values.is_complex():
-        same |= torch.isnan(back) & torch.isnan(values)
-    if bool(same.all()):
-        return converted, None
-    return converted, tuple(int(i) for i in (~same).nonzero()[0])
+    flat_values, flat_converted = values.reshape(-1), converted.reshape(-1)
+    for start in range(0, flat_values.numel(), _CHECK_BLOCK):
+        block = slice(start, start + _CHECK_BLOCK)
+        changed = np.flatnonzero(~_unchanged(_host_numpy(flat_values[block]), _host_numpy(flat_converted[block])))
+        if changed.size:
+            return converted, tuple(int(i) for i in np.unravel_index(start + int(changed[0]), tuple(values.shape)))
+    return converted, None
+
+
+# Elements ``cast_checked`` checks at a time: the float64 copies and masks of one block
+# are at most about 7 MiB (three 2 MiB arrays and a few masks), as fast as larger blocks.
+_CHECK_BLOCK = 1 << 18
+
+
+def _host_numpy(values: torch.Tensor) -> np.ndarray:
+    return tensor_to_numpy(values.cpu())
+
+
+def _is_integral(dtype: np.dtype) -> bool:
+    """bool or an integer type (numpy kinds ``b``, ``i``, ``u``); the others shardstore
+    supports are real floats (ml_dtypes' ones included, kind ``V``) or complex."""
+    return dtype.kind in "biu"
+
+
+def _integral_range(dtype: np.dtype) -> tuple[int, int]:
+    return (0, 1) if dtype.kind == "b" else (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max))
+
+
+def _unchanged(values: np.ndarray, converted: np.ndarray) -> np.ndarray:
+    """Which elements of ``converted`` hold the same number as ``values`` (see
+    ``cast_checked``), both of one block. Every comparison is exact: real floats are
+    compared as float64, which holds every value of every real float type; integers are
+    compared in their own type, against bounds that lie in its range."""
+    if values.dtype.kind == "c":
+        if converted.dtype.kind == "c":
+            return _unchanged(values.real, converted.real) & _unchanged(values.imag, converted.imag)
+        return _unchanged(values.real, converted) & (values.imag == 0)
+    if converted.dtype.kind == "c":
+        return _unchanged(values, converted.real)  # the imaginary part of a converted real is 0
+    if _is_integral(converted.dtype):
+        low, high = _integral_range(converted.dtype)
+        if not _is_integral(values.dtype):  # a whole number in range: NaN and infinities fail each test
+            as_float = values.astype(np.float64)
+            return (as_float >= low) & (as_float < high + 1) & (np.trunc(as_float) == as_float)
+        source_low, source_high = _integral_range(values.dtype)
+        ok = np.ones(values.shape, dtype=bool)
+        if source_low < low:  # then low lies in the source's range, and so does high below
+            ok &= values >= low
+        if source_high > high:
+            ok &= values <= high
+        return ok
+    got = converted.astype(np.float64)
+    if _is_integral(values.dtype):  # back to the integer type, where the float lies in its range
+        low, high = _integral_range(values.dtype)
+        in_range = (got >= low) & (got < high + 1)
+        return in_range & (np.where(in_range, got, 0).astype(values.dtype) == values)
+    expected = values.astype(np.float64)
+    return (got == expected) | (np.isnan(got) & np.isnan(expected))
 
 
 def _mantissa_bits(info: torch.finfo) -> int:

@@ -39,6 +39,7 @@ from shardstore.format.records import (
     check_key,
     checksum,
     read_commit_record,
+    zero_fill_value,
 )
 from shardstore.progress import Tick, operation, progress_shown, tracked
 from shardstore.stores.base import Location
@@ -221,14 +222,21 @@ def _verify(location: Location) -> VerifyReport:
 _DESCRIPTIVE_FIELDS = frozenset({"dimension_names", "attributes"})
 # The separator each chunk key encoding uses when its configuration names none.
 _DEFAULT_SEPARATORS = {"default": "/", "v2": "."}
+# The fill value complex arrays had before it was spelled ``[0.0, 0.0]``.
+_LEGACY_COMPLEX_FILL = 0.0
 
 
 def _as_read(document: Any) -> Any:
     """What of a node document decides the values a reader gets: descriptive fields
-    dropped, the chunk key encoding's default separator spelled out."""
+    dropped, the chunk key encoding's default separator spelled out, and the fill value
+    ``0.0`` that earlier saves wrote for complex arrays read as the zero it meant
+    (``records.zero_fill_value``): what those saves wrote is checked, not flagged."""
     if not isinstance(document, dict):
         return document
     view = {k: v for k, v in document.items() if k not in _DESCRIPTIVE_FIELDS}
+    fill = view.get("fill_value")
+    if str(view.get("data_type")).startswith("complex") and isinstance(fill, float) and fill == _LEGACY_COMPLEX_FILL:
+        view["fill_value"] = zero_fill_value(view["data_type"])
     encoding = view.get("chunk_key_encoding")
     if isinstance(encoding, dict) and encoding.get("name") in _DEFAULT_SEPARATORS:
         separator = (encoding.get("configuration") or {}).get("separator", _DEFAULT_SEPARATORS[encoding["name"]])

@@ -187,7 +187,7 @@ class ArrayRecord:
             "data_type": self.dtype,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.chunk_shape)}},
             "chunk_key_encoding": {"name": "default", "configuration": {"separator": self.chunk_separator}},
-            "fill_value": False if self.dtype == "bool" else (0 if _is_integer(self.dtype) else 0.0),
+            "fill_value": zero_fill_value(self.dtype),
             "codecs": [bytes_codec, {"name": "crc32c"}],
             "dimension_names": self.dimension_names(),
         }
@@ -319,8 +319,21 @@ def chunk_key(index: tuple[int, ...], separator: str = CHUNK_SEPARATOR) -> str:
     return separator.join(["c", *map(str, index)])
 
 
-def _is_integer(zarr_name: str) -> bool:
-    return zarr_name.startswith(("int", "uint"))
+def zero_fill_value(zarr_name: str) -> bool | int | float | list[float]:
+    """Zero as the Zarr v3 spec spells a fill value of the data type: ``false`` for
+    bool, ``0`` for integers, ``0.0`` for real floats and ``[0.0, 0.0]`` (real part,
+    imaginary part) for complex types. Every chunk is stored, so no reader ever fills
+    with it, but every reader parses it. Earlier saves wrote ``0.0`` for complex types
+    too, which TensorStore refuses for that array and zarr-python for the whole group;
+    such checkpoints keep their format version: ``load`` never reads the fill value,
+    and ``verify`` reads that ``0.0`` as the zero it means (``integrity._as_read``)."""
+    if zarr_name == "bool":
+        return False
+    if zarr_name.startswith(("int", "uint")):
+        return 0
+    if zarr_name.startswith("complex"):
+        return [0.0, 0.0]
+    return 0.0
 
 
 def _int_tuple(value: Any, what: str, minimum: int) -> tuple[int, ...]:

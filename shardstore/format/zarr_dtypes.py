@@ -21,6 +21,7 @@ only (``shardstore/__init__`` imports its submodules lazily for the same reason)
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeGuard
 
@@ -89,11 +90,26 @@ class _MLFloatMixin:
         return self._scalar_type(0)
 
     def from_json_scalar(self, data: Any, *, zarr_format: Literal[2, 3]) -> Any:
+        if isinstance(data, str) and data.startswith("0x"):
+            return self._from_hex(data)
         if check_json_float_v3(data):
             return self._cast_scalar_unchecked(float_from_json_v3(data))
         if check_json_floatish_str(data):
             return self._cast_scalar_unchecked(float(data))
         raise TypeError(f"Invalid {self._zarr_v3_name} fill value: {data!r}")
+
+    def _from_hex(self, data: str) -> Any:
+        """A fill value given as its bits, ``0x`` and the big-endian bytes in hex (Zarr v3
+        float fill values, as TensorStore reads them): two digits per byte of this type.
+        zarr's own decoder sizes the bits by the digits, so it read bfloat16 ``0x3f80``
+        (1.0) as the float16 bits 1.875, and refused float8's two digits."""
+        size = np.dtype(self._scalar_type).itemsize
+        digits = data[2:]
+        if not re.fullmatch(f"[0-9a-fA-F]{{{2 * size}}}", digits):
+            raise TypeError(
+                f"Invalid {self._zarr_v3_name} fill value: {data!r}; a hex fill value is '0x' and {2 * size} hex digits"
+            )
+        return np.array(int(digits, 16), dtype=f"u{size}").view(self._scalar_type)[()]
 
     def to_json_scalar(self, data: object, *, zarr_format: Literal[2, 3]) -> Any:
         return float_to_json_v3(float(self.cast_scalar(data)))

@@ -6,6 +6,12 @@ it (``_path``) and how it describes a key; listing, reading with a size cap, wri
 and deleting are the same fsspec calls for all of them. ``_refresh`` lets a backend
 whose file system caches listings (s3fs) drop them before a call that must see the
 store as it is now.
+
+Keys and prefixes are literal. fsspec's ``rm``, ``glob`` and ``expand_path`` expand glob
+characters (``*``, ``?``, ``[...]``): ``rm("bkt/run[1]", recursive=True)`` deletes
+``bkt/run1``. So nothing here passes a path to them: a listing is ``find``/``ls`` of
+one literal path (neither expands, on s3fs or memory) filtered by that path, and a
+deletion deletes the exact keys listed (``_delete_keys``).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import Any
 
-from shardstore.stores.base import StorageError, Store
+from shardstore.stores.base import StorageError, Store, run_parallel
 
 
 class FsspecStore(Store):
@@ -99,9 +105,15 @@ class FsspecStore(Store):
             pass
 
     def delete_prefix(self, prefix: str = "") -> None:
+        """Deletes the exact keys ``list(prefix)`` names, and ``prefix`` itself where it
+        names an object (never ``fs.rm``, which would expand glob characters)."""
+        keys = self.list(prefix)
+        if prefix:
+            keys.append(prefix)
+        self._delete_keys(keys)
         self._refresh()
-        try:
-            self._call("remove", prefix, self.fs.rm, self._path(prefix), recursive=True)
-        except FileNotFoundError:
-            pass
-        self._refresh()
+
+    def _delete_keys(self, keys: list[str]) -> None:
+        """Deletes these exact keys (missing ones are no error); one call per key here, a
+        backend with a batch delete overrides it."""
+        run_parallel(self.delete, keys)

@@ -31,7 +31,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardstore.stores.base import Capabilities, ChunkAccess, NameLimits, StorageError
+from shardstore.stores.base import Capabilities, ChunkAccess, NameLimits, StorageError, run_parallel
 from shardstore.stores.fsspec_base import FsspecStore
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,12 @@ logger = logging.getLogger(__name__)
 S3_MAX_OBJECT_BYTES = 5 * 2**30
 # S3's longest object key, in bytes of UTF-8 (the prefix included).
 S3_MAX_KEY_BYTES = 1024
+# Keys one DeleteObjects request takes at most.
+S3_DELETE_BATCH = 1000
+# s3fs cuts a path at this text and reads the rest as an object version, whatever the
+# file system's settings (``S3FileSystem.split_path``): a key holding it would name
+# another object, so such keys and prefixes are refused.
+VERSION_SUFFIX = "?versionId="
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,17 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     bucket, _, prefix = url[len("s3://"):].partition("/")
     if not bucket:
         raise StorageError(f"No bucket in {url!r}; expected s3://bucket/prefix")
+    _refuse_version_suffix(url, url)
     return bucket, prefix.strip("/")
+
+
+def _refuse_version_suffix(path: str, where: str) -> None:
+    """Refuses a path that s3fs would read as a versioned object (``VERSION_SUFFIX``)."""
+    if VERSION_SUFFIX in path:
+        raise StorageError(
+            f"{where}: S3 paths holding {VERSION_SUFFIX!r} name an object version to s3fs, so this one would "
+            "reach another object; rename the key or prefix"
+        )
 
 
 def _private_file(kind: str, lines: list[str]) -> str:
@@ -133,13 +149,19 @@ class S3Store(FsspecStore):
     # ------------------------------------------------------------------ paths
 
     def _key(self, rel: str) -> str:
+        """The object key of ``rel`` (refused where s3fs would not take it literally)."""
+        key = self._literal_key(rel)
+        _refuse_version_suffix(key, self.describe(rel))
+        return key
+
+    def _literal_key(self, rel: str) -> str:
         return "/".join(p for p in (self.prefix, rel) if p)
 
     def _path(self, rel: str) -> str:
         return f"{self.bucket}/{self._key(rel)}".rstrip("/")
 
     def describe(self, key: str = "") -> str:
-        return f"s3://{self._path(key)}"
+        return f"s3://{self.bucket}/{self._literal_key(key)}".rstrip("/")
 
     @property
     def name_limits(self) -> NameLimits:
@@ -193,6 +215,22 @@ class S3Store(FsspecStore):
     def put_many(self, objects: dict[str, bytes]) -> None:
         if objects:  # s3fs sends them concurrently
             self._call("write", "", self.fs.pipe, {self._path(k): d for k, d in objects.items()})
+
+    def _delete_keys(self, keys: list[str]) -> None:
+        """DeleteObjects requests of up to ``S3_DELETE_BATCH`` exact keys (s3fs's
+        ``rm`` would expand glob characters, and its batch delete ignores the errors the
+        server reports per key)."""
+        batches = [keys[i:i + S3_DELETE_BATCH] for i in range(0, len(keys), S3_DELETE_BATCH)]
+        run_parallel(self._delete_batch, batches)
+
+    def _delete_batch(self, keys: list[str]) -> None:
+        objects = [{"Key": self._key(k)} for k in keys]
+        reply = self._call("remove", keys[0], self.fs.call_s3, "delete_objects", Bucket=self.bucket,
+                           Delete={"Objects": objects, "Quiet": True})
+        errors = reply.get("Errors") or []
+        if errors:
+            failed = ", ".join(f"{e.get('Key')} ({e.get('Code')}: {e.get('Message')})" for e in errors[:5])
+            raise StorageError(f"Cannot remove {len(errors)} objects under {self.describe()}: {failed}")
 
     def child(self, name: str) -> S3Store:
         return S3Store(self.describe(name), self.options)

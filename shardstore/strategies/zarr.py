@@ -58,6 +58,7 @@ from shardstore.format.records import (
     ZARR_JSON,
     ArrayRecord,
     CommitRecord,
+    parent_groups,
     read_commit_record,
     write_commit_record,
 )
@@ -387,6 +388,8 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
 
         The commit record is rewritten first, so a crash midway leaves a consistent
         checkpoint with some unreferenced files, never a record naming missing arrays.
+        Groups left without arrays go too (their ``zarr.json``, which the new record no
+        longer vouches for, and their directories once empty), innermost first.
         """
         location = open_location(checkpoint_dir)
         record = read_commit_record(location)
@@ -395,6 +398,10 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         write_commit_record(location, replace(record, arrays=kept))
         for key in removed:
             location.remove_tree(key)
+        for group in sorted(set(parent_groups(removed)) - set(parent_groups(list(kept))), reverse=True):
+            location.remove(f"{group}/{ZARR_JSON}")
+            if not location.child(group).list_files():
+                location.remove_tree(group)  # an empty directory on a file system
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         if loaded_backend not in READABLE_BACKENDS:

@@ -60,7 +60,7 @@ from shardstore.core import (
     save_config,
 )
 from shardstore.dict_utils import Leaf, flatten, merge, nest
-from shardstore.format.commit import PendingCheckpoint, begin_save, join_save
+from shardstore.format.commit import PendingCheckpoint, begin_save, check_shared, join_save
 from shardstore.format.integrity import open_committed
 from shardstore.format.records import CommitRecord
 from shardstore.inputs.megatron_objects import convert_leaf
@@ -324,6 +324,7 @@ def _preprocess_and_plan(
     tensors: list[ShardedTensor] = []
     objects: list[ShardedObject] = []
     try:
+        check_shared(target, group.world_size)  # memory:// holds single-process saves only
         split = _SaveSplit(sharded_state_dict, separate_objects=not sharded_strategy.can_handle_sharded_objects)
         sharded_part, common_part, objects_part = split.sharded_part, split.common_part, split.objects_part
         tensors, objects = split.tensors, split.objects

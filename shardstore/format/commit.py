@@ -38,6 +38,11 @@ own and that no commit record appeared, then writes the commit record (one PUT, 
 and removes the marker. Two saves that run into one prefix at the same time may
 overwrite each other's chunks; the commit record binds every chunk's checksum, so a
 load then fails on the mismatch instead of returning a mix.
+
+**Stores private to a process (``memory://``)** take saves from one rank only
+(``check_shared``, on every rank before anything is written), and a save claims its
+prefix from begin to release (``Store.claim_for_save``): a concurrent save into it
+fails at its begin, before it removes or writes anything.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import os
 import threading
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shardstore.errors import CheckpointingException
@@ -90,6 +96,26 @@ class SaveIntent:
     save_id: str
     replaces: str | None
     reuses: str | None = None
+
+
+def check_shared(target: Location, world_size: int) -> None:
+    """Refuses a save by ``world_size`` ranks into a store that processes do not share
+    (``Capabilities.shared_across_processes``): each rank would write into its own
+    process's copy, and the coordinator would commit a checkpoint that lacks the other
+    ranks' chunks. Every rank calls it before the save writes anything (the save
+    reports a failure on any rank to all of them); any writer of a multi-rank save
+    (``serialization.save``, DCP's storage writer) should.
+
+    Raises:
+        CheckpointingException: ``world_size`` > 1 and the store is private to its process.
+    """
+    if world_size > 1 and not target.capabilities.shared_across_processes:
+        raise CheckpointingException(
+            f"Cannot save {target.describe()} from {world_size} ranks: that store lives inside one process, "
+            "so each rank would write its part into its own copy and no complete checkpoint would exist. "
+            "Save to a path on a file system every rank sees, or to s3://bucket/prefix; keep memory:// for "
+            "single-process saves."
+        )
 
 
 def committed_save_id(location: Location) -> str | None:
@@ -166,11 +192,14 @@ class PendingCheckpoint(Location):
         super().__init__(staging.store)
         self.inner, self.target, self.intent = staging, target, intent
         self._locks: list[int] = []  # descriptors holding the staging directory's flock
+        self._releases: list[Callable[[], None]] = []  # claims on the target (``Store.claim_for_save``)
         # A save dropped without commit, abandon or release (an AsyncRequest never
         # scheduled, a caller's exception between the stages) still lets go of its
         # descriptors and lock once collected: the next save into the same place can then
         # remove its files, and the file system can be unmounted.
-        self._release_when_dropped = weakref.finalize(self, _release_dropped, staging, self._locks, target.describe())
+        self._release_when_dropped = weakref.finalize(
+            self, _release_dropped, staging, self._locks, self._releases, target.describe()
+        )
         self._release_when_dropped.atexit = False  # the process's end closes them anyway
         self.reuse_source: Location | None = None  # where ``intent.reuses`` was committed
         self._reuse: dict[str, ChunkReuse | None] = {}
@@ -225,11 +254,16 @@ class PendingCheckpoint(Location):
         if fd is not None:
             self._locks.append(fd)
 
+    def hold_until_released(self, release: Callable[[], None]) -> None:
+        """``release`` is called once the save is over (with ``release``)."""
+        self._releases.append(release)
+
     def release(self) -> None:
         """Every rank, once the save is over: closes what the save holds open (its
-        durability descriptor, its staging lock). Safe to call again."""
+        durability descriptor, its staging lock) and lets go of its claim on the target.
+        Safe to call again."""
         if self._release_when_dropped.detach() is not None:
-            _close_descriptors(self.inner, self._locks)
+            _close_descriptors(self.inner, self._locks, self._releases)
 
     def _lost_race(self, current: str | None) -> CheckpointingException:
         return CheckpointingException(
@@ -268,23 +302,28 @@ class PendingCheckpoint(Location):
         _remove_dir(replaced)
 
 
-def _close_descriptors(staging: Location, locks: list[int]) -> None:
+def _close_descriptors(staging: Location, locks: list[int], releases: list[Callable[[], None]]) -> None:
     """Closes a save's durability descriptor (``begin_writes``) and its lock
-    descriptors, each once (``locks`` is emptied)."""
+    descriptors, then lets go of its claims, each once (``locks`` and ``releases`` are
+    emptied)."""
     try:
         staging.end_writes()
     finally:
-        while locks:
-            os.close(locks.pop())
+        try:
+            while locks:
+                os.close(locks.pop())
+        finally:
+            while releases:
+                releases.pop()()
 
 
-def _release_dropped(staging: Location, locks: list[int], where: str) -> None:
+def _release_dropped(staging: Location, locks: list[int], releases: list[Callable[[], None]], where: str) -> None:
     logger.warning(
         "A save into %s was dropped before it was committed or abandoned (an async save never finalized?); "
         "closed its staging directory %s, which the next save into the same place removes",
         where, staging.describe(),
     )
-    _close_descriptors(staging, locks)
+    _close_descriptors(staging, locks, releases)
 
 
 def _remove_dir(directory: DirectoryPublishing | None) -> None:
@@ -305,8 +344,21 @@ def begin_save(target: Location, overwrite: bool, reuse_from: Location | None = 
     staging area with its marker. Raises a CheckpointingException instead of deleting
     anything that is not provably ours. ``reuse_from``: an earlier checkpoint whose
     unchanged chunks the save may share (``format.reuse``; checked here, before an
-    in-place save on an object store removes anything)."""
+    in-place save on an object store removes anything). The target's store is claimed
+    for the save first (``Store.claim_for_save``), until the save is released."""
     save_id = new_save_id()
+    release_claim = target.store.claim_for_save(save_id)
+    try:
+        pending = _begin_claimed(target, overwrite, save_id, reuse_from)
+    except BaseException:
+        release_claim()
+        raise
+    pending.hold_until_released(release_claim)
+    return pending
+
+
+def _begin_claimed(target: Location, overwrite: bool, save_id: str, reuse_from: Location | None) -> PendingCheckpoint:
+    """``begin_save`` once the target is claimed."""
     directory = target.store.publishing()
     if directory is not None:
         directory = directory.resolved()

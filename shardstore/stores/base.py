@@ -70,12 +70,18 @@ class Capabilities:
             save stages apart from its target and publishes by rename.
         supports_fsync: writes are durable only after ``make_durable``.
         max_object_bytes: the largest object one put stores (None: no limit).
+        shared_across_processes: every process that opens the same location sees the
+            same objects (a file system, an object store), so the ranks of a save can
+            write one checkpoint together. A store private to its process (``memory``)
+            takes single-process saves only (``format.commit.check_shared``). A backend
+            opts in: one that does not say is taken as private.
     """
 
     is_local_filesystem: bool = False
     supports_rename: bool = False
     supports_fsync: bool = False
     max_object_bytes: int | None = None
+    shared_across_processes: bool = False
 
 
 @dataclass(frozen=True)
@@ -178,6 +184,17 @@ class Store(ABC):
         """The longest names and keys this store takes (none known here)."""
         return NameLimits()
 
+    def claim_for_save(self, save_id: str) -> Callable[[], None]:
+        """Claims this store's root for the save ``save_id`` of this process until the
+        returned function is called; raises StorageError while another save holds it (or
+        a root inside it, or one it is inside).
+
+        Only a store whose saves nothing else keeps apart needs a claim (``memory``: two
+        threads saving into one prefix would each remove the other's files). Elsewhere
+        saves stay apart by their markers, staging locks and the commit's
+        compare-and-swap (``format.commit``), so nothing is claimed by default."""
+        return _nothing_to_release
+
     def prepare(self) -> None:
         """Makes the store ready to receive objects (creates its directory, checks that
         its bucket exists). Nothing to do by default."""
@@ -208,6 +225,10 @@ class Store(ABC):
         ``capabilities.supports_rename``), else None: saves are then published in
         place, commit record last."""
         return None
+
+
+def _nothing_to_release() -> None:
+    return None
 
 
 class DirectoryPublishing(Store):

@@ -77,7 +77,9 @@ class LocalStore(DirectoryPublishing):
     def __init__(self, path: str | os.PathLike, fsync: bool = True) -> None:
         self.root = Path(path).absolute()
         self.fsync = fsync
-        self.capabilities = Capabilities(is_local_filesystem=True, supports_rename=True, supports_fsync=fsync)
+        self.capabilities = Capabilities(
+            is_local_filesystem=True, supports_rename=True, supports_fsync=fsync, shared_across_processes=True
+        )
         self._sync_fd: int | None = None
 
     def __repr__(self) -> str:

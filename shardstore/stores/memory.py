@@ -9,16 +9,30 @@ TensorStore cannot see fsspec's memory, so chunks go through this store's own
 the whole value in one dictionary assignment, so readers see an object whole or not at
 all, and it is durable for as long as the process lives; there is no rename, so a save
 is published in place, commit record last, as on S3.
+
+Another process never sees these objects (``Capabilities.shared_across_processes`` is
+False): a save with several ranks is refused before it writes (``format.commit.check_shared``).
+Within the process, threads that save into one prefix at once would each remove and
+overwrite the other's files, so a save claims its prefix (``claim_for_save``) for as
+long as it runs: a second save into it, or into a prefix inside it or around it, fails
+at once and the first one commits alone.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from shardstore.stores.base import Capabilities, ChunkAccess, StorageError
 from shardstore.stores.fsspec_base import FsspecStore
 
 SCHEME = "memory://"
+
+# Prefixes (file system paths) claimed by running saves of this process -> their save
+# ids; one table, like fsspec's one memory file system.
+_claims: dict[str, str] = {}
+_claims_lock = threading.Lock()
 
 
 class MemoryStore(FsspecStore):
@@ -28,7 +42,7 @@ class MemoryStore(FsspecStore):
         url: ``memory://some/prefix`` (the prefix must not be empty).
     """
 
-    capabilities = Capabilities()
+    capabilities = Capabilities(shared_across_processes=False)
 
     def __init__(self, url: str) -> None:
         if not url.startswith(SCHEME) or not url[len(SCHEME):].strip("/"):
@@ -60,3 +74,22 @@ class MemoryStore(FsspecStore):
 
     def chunk_access(self) -> ChunkAccess:
         return ChunkAccess()
+
+    def claim_for_save(self, save_id: str) -> Callable[[], None]:
+        root = self._path("")
+        with _claims_lock:
+            held = next((p for p in _claims if p == root or p.startswith(root + "/") or root.startswith(p + "/")), None)
+            if held is not None:
+                raise StorageError(
+                    f"Cannot save into {self.describe()}: save {_claims[held]} into {SCHEME}{held[1:]} is still "
+                    "running in this process, and saves into one memory:// prefix (or prefixes inside one another) "
+                    "run one at a time; wait for it to finish, or save to another prefix"
+                )
+            _claims[root] = save_id
+
+        def release() -> None:
+            with _claims_lock:
+                if _claims.get(root) == save_id:
+                    del _claims[root]
+
+        return release

@@ -135,7 +135,7 @@ class S3Store(FsspecStore):
         options: endpoint, region, credentials, retries (default: the AWS environment).
     """
 
-    capabilities = Capabilities(max_object_bytes=S3_MAX_OBJECT_BYTES)
+    capabilities = Capabilities(max_object_bytes=S3_MAX_OBJECT_BYTES, shared_across_processes=True)
 
     def __init__(self, url: str, options: S3Options | None = None) -> None:
         self.bucket, self.prefix = parse_s3_url(url)

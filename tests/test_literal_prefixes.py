@@ -115,3 +115,15 @@ def test_removing_every_tensor_of_a_group_removes_the_group(root: str) -> None:
     remove_sharded_tensors(where, "g1/")
     assert [f for f in open_store(where).list() if f.startswith("g1/")] == []
     _loads(where, 6.0, ("g2/c", "g10/d"))
+
+
+def test_s3_reports_the_keys_a_batch_delete_could_not_remove(s3_server, monkeypatch) -> None:
+    from shardstore.stores.s3 import S3Options
+
+    options = S3Options(endpoint_url=s3_server.endpoint, key=s3_server.key, secret=s3_server.secret)
+    store = open_store(f"s3://{BUCKET}/{uuid.uuid4().hex}", options=options)
+    store.put("a/x", b"x")
+    denied = {"Errors": [{"Key": store._key("a/x"), "Code": "AccessDenied", "Message": "Access Denied"}]}
+    monkeypatch.setattr(store.fs, "call_s3", lambda *args, **kwargs: denied)
+    with pytest.raises(StorageError, match=r"Cannot remove 1 objects .*a/x \(AccessDenied"):
+        store.delete_prefix("a")

@@ -67,6 +67,7 @@ from shardstore.mapping import (
 )
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_cache import PlanCache
+from shardstore.protocol.stage import run_stage
 from shardstore.strategies.async_utils import AsyncRequest
 from shardstore.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -367,7 +368,7 @@ class FullyParallelLoadStrategyWrapper(DelegatingLoadStrategy, LoadShardedStrate
                        group: Any, local_error: BaseException | None = None) -> StateDict:
         if _is_shardstores_own(self.base_strategy):
             return self.base_strategy.load_with_plan(sharded_state_dict, location, record, plan, group, local_error)
-        group.agree(local_error, f"Loading checkpoint {location.describe()}")
+        run_stage(group, f"Loading checkpoint {location.describe()}", lambda: None, local_error=local_error)
         return self.load_with_record(sharded_state_dict, location, record, group)
 
     def _load_distributed(
@@ -394,9 +395,9 @@ class FullyParallelLoadStrategyWrapper(DelegatingLoadStrategy, LoadShardedStrate
             )
             loaded = base_load({**tensors_to_load, **objects_to_load})
             _check_loaded(tensors_to_load, loaded, self.base_strategy)
-        except Exception as exc:  # raised on every rank by agree(), before any exchange
+        except Exception as exc:  # raised on every rank by run_stage, before any exchange
             error = exc
-        load_group.agree(error, f"Fully parallel load of checkpoint {where}")
+        run_stage(load_group, f"Fully parallel load of checkpoint {where}", lambda: None, local_error=error)
         tensors = exchange_by_distribution(
             {k: loaded[k] for k in tensors_to_load}, tensors_elsewhere, distribution,
             self.parallelization_group, self.exchange_algo,

@@ -7,6 +7,13 @@ from a plain script.
 
 Tensors that travel through a collective live on the device the backend needs (CUDA
 for NCCL, CPU otherwise); nothing here calls a CUDA-only function unconditionally.
+
+A save and a load call these only through ``protocol.stage.run_stage``, which makes a
+failure on any rank the same error on every rank (a bare collective leaves the peers of
+a rank that gave up waiting until the process group times out). Outside a save and a
+load: Megatron's ``exchange_utils`` helpers (the fully-parallel wrappers around other
+libraries' strategies), the async queue's and the checkpoint manager's small
+agreements.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -104,20 +104,25 @@ def distribute_shards_to_ranks(
     return assignment
 
 
-def build_shard_distribution(all_shards: list[list[ShardedTensor]], ignore_groups: bool) -> ShardDistribution:
+def build_shard_distribution(
+    all_shards: list[list[ShardedTensor]], ignore_groups: bool,
+    shard_id_of: Callable[[ShardedTensor], _ShardId] = _sharded_tensor_shard_id,
+) -> ShardDistribution:
     """The distribution of already gathered shard metadata (``all_shards[r]``: group rank
     r's ShardedTensors). Pure, so it can be checked without processes.
 
     ``ignore_groups=False`` (save): only shards with a main replica in the group.
     ``True`` (load): every shard some rank of the group holds; those without a main
-    replica here are assigned last."""
+    replica here are assigned last. ``shard_id_of``: what makes two ranks' shards one
+    (Megatron's key, offset and flattened range by default; the load wrapper adds the
+    local shape and dtype, as it hands the loaded tensor itself to the other holders)."""
     shard_to_ranks: dict[_ShardId, list[int]] = defaultdict(list)
     shard_to_size: dict[_ShardId, int] = {}
     shard_to_metadata: dict[_ShardId, ShardedTensor] = {}
     with_main: set[_ShardId] = set()
     for rank, rank_shards in enumerate(all_shards):
         for sh_ten in rank_shards:
-            shard_id = _sharded_tensor_shard_id(sh_ten)
+            shard_id = shard_id_of(sh_ten)
             shard_to_ranks[shard_id].append(rank)
             if shard_id not in shard_to_metadata:
                 shard_to_metadata[shard_id] = sh_ten
@@ -134,10 +139,12 @@ def determine_main_replica_uniform_distribution(
     sharded_state_dict: ShardedStateDict,
     parallelization_group: dist.ProcessGroup | None,
     ignore_groups: bool = False,
+    shard_id_of: Callable[[ShardedTensor], _ShardId] = _sharded_tensor_shard_id,
 ) -> ShardDistribution | None:
     """Collective on ``parallelization_group``: gathers every rank's shard metadata (no
-    data) and computes the balanced distribution (``build_shard_distribution``), the same
-    on every rank. None for a group of one rank (nothing to distribute).
+    data) and computes the balanced distribution (``build_shard_distribution``, shards
+    identified by ``shard_id_of``), the same on every rank. None for a group of one rank
+    (nothing to distribute).
 
     Megatron's ``pg_cache_path``/``pg_cache_create`` (a pickled distribution on disk) are
     not offered: loading a pickle from disk runs code, which shardstore never does."""
@@ -145,7 +152,7 @@ def determine_main_replica_uniform_distribution(
     if group.world_size <= 1:
         return None
     local = [t.without_data() for t in nested_values(sharded_state_dict) if isinstance(t, ShardedTensor)]
-    return build_shard_distribution(group.all_gather_object(local), ignore_groups)
+    return build_shard_distribution(group.all_gather_object(local), ignore_groups, shard_id_of)
 
 
 def _get_empty_tensor_for_exchange(

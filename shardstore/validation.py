@@ -36,6 +36,7 @@ from shardstore.protocol.common_state import (
     check_common_state_consistency,
     common_state_digests,
 )
+from shardstore.protocol.stage import Deliver, run_stage
 from shardstore.stores.base import NameLimits
 
 logger = logging.getLogger(__name__)
@@ -129,11 +130,15 @@ def validate_common_state_dict(common_state_dict: CommonStateDict, group: Group)
     one saved), as Megatron-Core's check does. The digests of every rank's entries go to
     the coordinator; only where they differ are the states compared in full
     (``check_common_state_consistency``). ``save`` does the same inside its plan
-    stage, at no extra collective when nothing differs."""
+    stage, at no extra collective when nothing differs. Every collective runs through
+    ``protocol.stage.run_stage``: a failure on any rank raises the same
+    CheckpointingException on every rank."""
     if group.world_size == 1:
         return
-    digests = group.gather_object(common_state_digests(common_state_dict))
-    differing = group.broadcast_object(ranks_with_differing_common_state(digests) if group.is_coordinator else None)
+    differing = run_stage(
+        group, "Checking that the ranks' common states agree", lambda: common_state_digests(common_state_dict),
+        reduce=ranks_with_differing_common_state, deliver=Deliver.BROADCAST,
+    )
     check_common_state_consistency(common_state_dict, differing, group)
 
 
@@ -144,10 +149,21 @@ def determine_global_metadata(
     without data, and every rank's, by rank.
 
     For callers of that API; shardstore's own save and load gather compact records to
-    the coordinator instead (``protocol.plan_stage.gather_and_plan``).
+    the coordinator instead (``protocol.plan_stage.gather_and_plan``). One stage
+    (``protocol.stage.run_stage``: gathered to the coordinator, broadcast), so a failure
+    on any rank raises the same CheckpointingException on every rank.
     """
-    local = [item.without_data() for item in nested_values(sharded_state_dict) if isinstance(item, ShardedBase)]
-    return local, Group(process_group).all_gather_object(local)
+    local: list[ShardedBase] = []
+
+    def without_data() -> list[ShardedBase]:
+        local.extend(item.without_data() for item in nested_values(sharded_state_dict) if isinstance(item, ShardedBase))
+        return local
+
+    everyone = run_stage(
+        Group(process_group), "Gathering every rank's sharded tensors and objects (determine_global_metadata)",
+        without_data, reduce=lambda gathered: gathered, deliver=Deliver.BROADCAST,
+    )
+    return local, everyone
 
 
 def validate_sharded_objects_handling(sharded_strategy: Any, common_strategy: Any) -> None:

@@ -7,6 +7,13 @@ from a plain script.
 
 Tensors that travel through a collective live on the device the backend needs (CUDA
 for NCCL, CPU otherwise); nothing here calls a CUDA-only function unconditionally.
+
+A save and a load call these only through ``protocol.stage.run_stage``, which makes a
+failure on any rank the same error on every rank (a bare collective leaves the peers of
+a rank that gave up waiting until the process group times out). Outside a save and a
+load: Megatron's ``exchange_utils`` helpers (the fully-parallel wrappers around other
+libraries' strategies), the async queue's and the checkpoint manager's small
+agreements.
 """
 
 from __future__ import annotations
@@ -164,16 +171,6 @@ class Group:
                 t.detach().reshape(-1).view(torch.uint8).copy_(buffer[at : at + n])  # also into a parameter
                 at += n
 
-    def agree(self, error: BaseException | None, what: str) -> None:
-        """Collective: raises the same CheckpointingException on every rank if any rank failed.
-
-        Every rank calls it with the exception it caught during ``what`` (or None). This is
-        how a failure on one rank becomes a clear error on all ranks instead of a hang.
-        """
-        local = None if error is None else RankFailure.from_exception(self.rank, error)
-        failures = [f for f in self.all_gather_object(local) if f is not None]
-        raise_failures(failures, what, cause=error)
-
 
 @contextmanager
 def _peer_failures(what: str) -> Iterator[None]:
@@ -199,9 +196,3 @@ def failure_message(failures: list[RankFailure], what: str) -> str:
     ranks = ", ".join(str(f.rank) for f in failures)
     lines = "\n".join(f"  rank {f.rank}: {f.message}" for f in failures)
     return f"{what} failed on rank(s) {ranks}:\n{lines}"
-
-
-def raise_failures(failures: list[RankFailure], what: str, cause: BaseException | None) -> None:
-    """Raises ``StageFailed`` naming ``failures`` (when there are any)."""
-    if failures:
-        raise StageFailed(failure_message(failures, what)) from cause

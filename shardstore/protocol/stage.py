@@ -12,15 +12,26 @@ A stage, in order (PyTorch DCP's ``_DistWrapper`` plays the same part)::
                              gave up
     ranks named   transfer   only when every rank succeeded: the point-to-point byte
                              transfers the stage's result calls for (the straddling
-                             chunks of a save, the replicated blocks of a load)
+                             chunks of a save, the replicated blocks of a load),
+                             planned with the work, so a failure in planning them is
+                             agreed as well
 
 Collectives: a stage without a reduction agrees with one all-gather of failures; with a
 reduction, the gather and the scatter or broadcast carry the failures as well, so
 agreement costs nothing more. Transfers add one batch of point-to-point messages.
+
+Every collective of a save and a load goes through here, Megatron-Core's direct
+collective APIs (``validation.validate_common_state_dict``,
+``determine_global_metadata``) and the common-state check included: a failure on any
+rank just before any of them raises the same error on every rank within seconds, never
+a wait for the process group's timeout (``tests/test_stage_failures.py`` finds every
+collective call site of a save and a load and fails each in turn). An agreement alone
+is ``run_stage(group, what, lambda: None, local_error=error)``.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -69,8 +80,9 @@ def run_stage(
             rank) -> one part per rank (``Deliver.SCATTER``) or one result
             (``Deliver.BROADCAST``). None: ``work()``'s result stays on its rank and
             only failures travel.
-        transfers: this rank's result -> its point-to-point transfers, run once every
-            rank is known to have succeeded.
+        transfers: this rank's result -> its point-to-point transfers (stages without
+            ``reduce`` only); planned as part of the work, so a failure there is agreed
+            as well, and run once every rank is known to have succeeded.
 
     Returns:
         This rank's part of the reduction, the broadcast result, or (without
@@ -80,20 +92,33 @@ def run_stage(
         StageFailed: on every rank, when any rank's work or the reduction failed;
             CheckpointingException when a peer is lost during a collective.
     """
-    result, error = None, local_error
+    if transfers is not None and reduce is not None:
+        raise ValueError("run_stage: a stage with a reduction has no transfers (plan them in the next stage)")
+    result, planned, error = None, None, local_error
     if error is None:
         try:
             result = work()
+            if transfers is not None:  # planned before the agreement: a failure here is agreed too
+                planned = transfers(result)
         except Exception as exc:  # told to every rank by this stage's agreement
             error = exc
     if reduce is None:
-        group.agree(error, what)
+        _agree(group, error, what)
     else:
         result = _reduce_on_coordinator(group, what, result, error, reduce, deliver)
-    if transfers is not None:
-        planned = transfers(result)
+    if planned is not None:
         group.exchange(planned.sends, planned.receives)
     return result
+
+
+def _agree(group: Group, error: BaseException | None, what: str) -> None:
+    """Collective (one all-gather of failures): raises the same ``StageFailed`` on every
+    rank when any rank failed, so a failure on one rank is a clear error on all of them
+    instead of a hang."""
+    local = None if error is None else RankFailure.from_exception(group.rank, error)
+    failures = [f for f in group.all_gather_object(local) if f is not None]
+    if failures:
+        raise StageFailed(failure_message(failures, what)) from error
 
 
 def _reduce_on_coordinator(
@@ -101,35 +126,68 @@ def _reduce_on_coordinator(
     deliver: Deliver,
 ) -> Any:
     """Gather -> reduce -> scatter or broadcast, each message carrying either the
-    result or the one failure message every rank raises."""
-    gathered = group.gather_object(RankFailure.from_exception(group.rank, error) if error is not None else result)
-    outcome: tuple[str | None, Any] = (None, None)
-    cause = error
+    result or the one failure message every rank raises. Messages are pickled here,
+    before the collective (``_pack``), so a result that cannot be pickled is a failure
+    every rank learns of, not a rank that never joins the collective."""
+    mine = RankFailure.from_exception(group.rank, error) if error is not None else result
+    gathered = [_unpack(group, g) for g in group.gather_object(_pack_result(group, mine))]
+    delivery, cause = None, error
     if group.is_coordinator:
-        failures = [g for g in gathered if isinstance(g, RankFailure)]
-        if failures:
-            outcome = (failure_message(failures, what), None)
-        else:
-            try:
-                outcome = (None, reduce(gathered))
-            except Exception as exc:  # told to every rank by the delivery
-                cause = exc
-                outcome = (_coordinator_failure(what, exc), None)
+        delivery, coordinator_error = _delivery(group, what, gathered, reduce, deliver)
+        cause = cause or coordinator_error
     if deliver is Deliver.SCATTER:
-        message, mine = group.scatter_object(_parts(outcome, group.world_size) if group.is_coordinator else None)
+        message, part = _unpack(group, group.scatter_object(delivery))
     else:
-        message, mine = group.broadcast_object(outcome)
+        message, part = _unpack(group, group.broadcast_object(delivery))
     if message is not None:
         raise StageFailed(message) from cause
-    return mine
+    return part
 
 
-def _parts(outcome: tuple[str | None, Any], world_size: int) -> list[tuple[str | None, Any]]:
-    """What the coordinator scatters: rank r's part, or the failure to every rank."""
-    message, reduced = outcome
-    if message is not None:
-        return [(message, None)] * world_size
-    return [(None, part) for part in reduced]
+def _delivery(
+    group: Group, what: str, gathered: list[Any], reduce: Callable[[list[Any]], Any], deliver: Deliver
+) -> tuple[Any, Exception | None]:
+    """Coordinator: what it sends (one packed ``(failure message, part)`` per rank to
+    scatter, or one packed ``(failure message, result)`` to broadcast), and the
+    reduction's own failure, if any."""
+    failures = [g for g in gathered if isinstance(g, RankFailure)]
+    if failures:
+        return _failure_delivery(group, failure_message(failures, what), deliver), None
+    try:
+        reduced = reduce(gathered)
+        if deliver is Deliver.BROADCAST:
+            return _pack(group, (None, reduced)), None
+        parts = list(reduced)
+        if len(parts) != group.world_size:
+            raise ValueError(f"the reduction made {len(parts)} parts for {group.world_size} ranks")
+        return [_pack(group, (None, part)) for part in parts], None
+    except Exception as exc:  # told to every rank by the delivery
+        return _failure_delivery(group, _coordinator_failure(what, exc), deliver), exc
+
+
+def _failure_delivery(group: Group, message: str, deliver: Deliver) -> Any:
+    packed = _pack(group, (message, None))
+    return [packed] * group.world_size if deliver is Deliver.SCATTER else packed
+
+
+def _pack(group: Group, obj: Any) -> Any:
+    """``obj`` as it travels: pickled by us (so a failure to pickle raises before the
+    collective, where the stage can still tell every rank), as is for a single rank."""
+    return obj if group.world_size == 1 else pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _pack_result(group: Group, obj: Any) -> Any:
+    """``_pack``; a result that cannot be pickled travels as this rank's failure."""
+    try:
+        return _pack(group, obj)
+    except Exception as exc:  # noqa: BLE001  (told to every rank by the coordinator)
+        return _pack(group, RankFailure.from_exception(group.rank, exc))
+
+
+def _unpack(group: Group, message: Any) -> Any:
+    """What ``_pack`` packed (a peer of the same job pickled it, as ``torch.distributed``'s
+    object collectives do)."""
+    return message if group.world_size == 1 else pickle.loads(message)  # noqa: S301
 
 
 def _coordinator_failure(what: str, exc: Exception) -> str:

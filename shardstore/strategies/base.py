@@ -147,7 +147,7 @@ class LoadShardedStrategy(LoadStrategyBase):
         """Collective: ``load_with_record`` with this rank's part of ``plan_load``.
         ``local_error``: this rank failed before the read; every rank raises it instead
         of reading. Default: the error is agreed, then ``load_with_record``."""
-        group.agree(local_error, f"Loading checkpoint {location.describe()}")
+        run_stage(group, f"Loading checkpoint {location.describe()}", lambda: None, local_error=local_error)
         return self.load_with_record(sharded_state_dict, location, record, group)
 
     @abstractmethod

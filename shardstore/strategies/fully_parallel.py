@@ -67,6 +67,7 @@ from shardstore.mapping import (
 )
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_cache import PlanCache
+from shardstore.protocol.stage import run_stage
 from shardstore.strategies.async_utils import AsyncRequest
 from shardstore.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -149,10 +150,21 @@ class _DistributionCache:
         )
 
 
+def _exchanged_shard_id(sh_ten: ShardedTensor) -> _ShardId:
+    """What makes two ranks' requests one shard for a fully parallel load around another
+    strategy: Megatron's id (key, global offset, flattened range) and the local shape
+    and dtype, since the loader's tensor itself reaches the other holders. Two requests
+    at the same offset with different local shapes (the same flattened range of
+    different blocks, or blocks of different sizes on an irregular grid) are different
+    bytes: each is loaded for itself, never received into a tensor of another size."""
+    return (*_sharded_tensor_shard_id(sh_ten), tuple(sh_ten.local_shape), str(sh_ten.dtype))
+
+
 def distribute_main_replicas_with_precomputed_distribution(
     sharded_state_dict: ShardedStateDict,
     parallelization_group: dist.ProcessGroup | None,
     precomputed_distribution: ShardDistribution | None,
+    shard_id_of: Callable[[ShardedTensor], _ShardId] = _sharded_tensor_shard_id,
 ) -> None:
     """Sets ``replica_id`` of each local ShardedTensor to 0 where this rank is the
     shard's main rank in ``precomputed_distribution`` and to 1 elsewhere, so a strategy
@@ -170,7 +182,7 @@ def distribute_main_replicas_with_precomputed_distribution(
     main_rank = precomputed_distribution.main_rank_for_shard
     in_group = precomputed_distribution.shards_in_this_group
     for sh_ten in _local_tensors(sharded_state_dict):
-        shard_id = _sharded_tensor_shard_id(sh_ten)
+        shard_id = shard_id_of(sh_ten)
         sh_ten.replica_id = 0 if shard_id in in_group and main_rank[shard_id] == group.rank else 1
 
 
@@ -337,12 +349,12 @@ class FullyParallelLoadStrategyWrapper(DelegatingLoadStrategy, LoadShardedStrate
         distribution = self._cache.get_or_compute(
             sharded_state_dict,
             lambda: determine_main_replica_uniform_distribution(
-                sharded_state_dict, self.parallelization_group, ignore_groups=True
+                sharded_state_dict, self.parallelization_group, ignore_groups=True, shard_id_of=_exchanged_shard_id
             ),
             "Fully parallel load",
         )
         distribute_main_replicas_with_precomputed_distribution(
-            sharded_state_dict, self.parallelization_group, distribution
+            sharded_state_dict, self.parallelization_group, distribution, _exchanged_shard_id
         )
         return distribution
 
@@ -367,7 +379,7 @@ class FullyParallelLoadStrategyWrapper(DelegatingLoadStrategy, LoadShardedStrate
                        group: Any, local_error: BaseException | None = None) -> StateDict:
         if _is_shardstores_own(self.base_strategy):
             return self.base_strategy.load_with_plan(sharded_state_dict, location, record, plan, group, local_error)
-        group.agree(local_error, f"Loading checkpoint {location.describe()}")
+        run_stage(group, f"Loading checkpoint {location.describe()}", lambda: None, local_error=local_error)
         return self.load_with_record(sharded_state_dict, location, record, group)
 
     def _load_distributed(
@@ -387,16 +399,16 @@ class FullyParallelLoadStrategyWrapper(DelegatingLoadStrategy, LoadShardedStrate
             distribution = self.apply_loading_parallelization(sharded_state_dict)
             values = list(nested_values(sharded_state_dict))
             tensors_to_load, tensors_elsewhere = _split_by_main_replica(
-                [v for v in values if isinstance(v, ShardedTensor)], _sharded_tensor_shard_id
+                [v for v in values if isinstance(v, ShardedTensor)], _exchanged_shard_id
             )
             objects_to_load, _ = _split_by_main_replica(
                 [v for v in values if isinstance(v, ShardedObject)], _sharded_object_id
             )
             loaded = base_load({**tensors_to_load, **objects_to_load})
             _check_loaded(tensors_to_load, loaded, self.base_strategy)
-        except Exception as exc:  # raised on every rank by agree(), before any exchange
+        except Exception as exc:  # raised on every rank by run_stage, before any exchange
             error = exc
-        load_group.agree(error, f"Fully parallel load of checkpoint {where}")
+        run_stage(load_group, f"Fully parallel load of checkpoint {where}", lambda: None, local_error=error)
         tensors = exchange_by_distribution(
             {k: loaded[k] for k in tensors_to_load}, tensors_elsewhere, distribution,
             self.parallelization_group, self.exchange_algo,
@@ -414,7 +426,7 @@ class FullyParallelLoadStrategyWrapper(DelegatingLoadStrategy, LoadShardedStrate
 def _loaded_value(x: Any, tensors: dict[_ShardId, Any], objects: dict[_ShardId, Any], where: str) -> Any:
     """The loaded value in place of a request (other values stay as they are)."""
     if isinstance(x, ShardedTensor):
-        found, shard_id = tensors, _sharded_tensor_shard_id(x)
+        found, shard_id = tensors, _exchanged_shard_id(x)
     elif isinstance(x, ShardedObject):
         found, shard_id = objects, _sharded_object_id(x)
     else:

@@ -29,6 +29,7 @@ from shardstore.other_formats import registry
 from shardstore.other_formats.base import OtherCheckpoint, OtherFormat
 from shardstore.planning.layout import block_shape, region_at
 from shardstore.protocol.collectives import Group
+from shardstore.protocol.stage import run_stage
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 from shardstore.strategies.base import (
@@ -131,14 +132,10 @@ class OtherFormatLoadShardedStrategy(LoadShardedStrategy):
     ) -> StateDict:
         """Collective: each rank reads what it asked for; a failure on any rank (or
         ``local_error``) raises on every rank."""
-        result, error = sharded_state_dict, local_error
-        if error is None:
-            try:
-                result = self.load(sharded_state_dict, location)
-            except Exception as exc:  # reported on every rank by agree()
-                error = exc
-        group.agree(error, f"Reading checkpoint {location.describe()}")
-        return result
+        return run_stage(
+            group, f"Reading checkpoint {location.describe()}", lambda: self.load(sharded_state_dict, location),
+            local_error=local_error,
+        )
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
         """Every tensor as a data-less ShardedTensor covering it whole; Megatron's

@@ -238,3 +238,19 @@ def test_enospc_from_the_writer_names_the_file_and_leaves_nothing(tmp_path: Path
     monkeypatch.setattr(convert_layout, "open", lambda path, mode: _FullAfter(open(path, mode), 4096), raising=False)
     code, _, err = run("convert", str(source), str(target))
     _assert_full_disk_reported(target, code, err)
+
+
+def test_a_safetensors_layout_naming_a_missing_array_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    save(_nested_state(), tmp_path / "ckpt")
+    _convert(tmp_path / "ckpt", "safetensors", tmp_path / "hf")
+    file = tmp_path / "hf" / "model.safetensors"
+    layout = convert_layout.read_safetensors_layout(file)
+    tensors = load_file(file)
+    del tensors["model/w"]
+    file.unlink()
+    save_file(tensors, file, metadata={"format": "pt", **convert_layout.safetensors_metadata(layout)})
+    code, _, err = run("convert", str(tmp_path / "hf"), str(tmp_path / "back"))
+    assert code != 0 and "'model/w'" in err and str(tmp_path / "hf") in err, err
+    assert not (tmp_path / "back").exists()

@@ -22,8 +22,11 @@ state. A sharded object's shard sits in a ``torch.save`` file at its unique key
 (``sd["rng_state/shard_0_2"]``), as the Python object it is, and comes back as a
 sharded object. A plain DCP checkpoint's values go where they were in the state dict
 DCP saved (its planner's paths, as ``dcp_to_torch_save`` puts them). Safetensors names
-(``model.layers.0.weight``) are array keys as they are; a safetensors file holds
-tensors only, so ``to_safetensors`` leaves the other values out and says which.
+(``model.layers.0.weight``) are array keys as they are. An export records which of its
+tensors were arrays, under which key, and which were values of the common state
+(``convert_layout``): a ``.pt`` file in an archive entry, safetensors in its metadata,
+with the common state as JSON; an import of such a file gives the checkpoint back as it
+was. Sharded objects and values JSON cannot hold are left out of safetensors, and named.
 
 Nothing is left behind by a conversion that fails: a checkpoint is staged and
 published by its commit (``shardstore.format.commit``), a file is written under a temporary
@@ -168,8 +171,8 @@ def read_tensors(
 def read_non_tensor_state(checkpoint: str | os.PathLike | Location) -> StateDict:
     """The common state, with every sharded object's shards added at their unique keys
     (``rng_state/shard_0_2``), each the Python object it holds; of a shardstore
-    checkpoint or of another tool's (a plain DCP checkpoint's values at their flattened
-    keys, ``cfg.lr``)."""
+    checkpoint or of another tool's (a plain DCP checkpoint's values nested where they
+    were in the state dict it saved)."""
     from shardstore.serialization import load, load_sharded_metadata, open_checkpoint
 
     _refuse_process_group("reading a checkpoint's common state for conversion")
@@ -250,17 +253,20 @@ def _safetensors_source(path: str | os.PathLike) -> ExportSource:
     """A safetensors model: its tensors by name (memory-mapped), and, where a shardstore
     export wrote its layout, the common state and each array's place back."""
     tensors = safetensors_tensors(path)
-    layout = read_safetensors_layout(safetensors_files(path)[0])
-    if layout is None or layout.common is None:
-        common: dict[Any, Any] = {}
-        places: Mapping[str, tuple[str | int, ...]] = {}
-    else:
-        common, places = decode_common(layout.common, tensors, str(path)), layout.arrays
-    arrays = {k: t for k, t in tensors.items() if layout is None or k not in set(common_tensor_names(layout.common))}
+    layout = read_safetensors_layout(safetensors_files(path)[0]) or Layout()
+    in_common = set(common_tensor_names(layout.common)) if layout.common is not None else set()
+    missing = [key for key in layout.arrays if key not in tensors or key in in_common]
+    if missing:
+        raise CheckpointingException(
+            f"{path}: its shardstore layout names the array {missing[0]!r}, which the files do not hold as one; "
+            "convert it again from the checkpoint"
+        )
+    arrays = {k: t for k, t in tensors.items() if k not in in_common}
     return ExportSource(
         {k: t.nbytes for k, t in sorted(arrays.items())},
-        lambda keys, _: ((k, arrays[k]) for k in keys), lambda: common,
-        lambda key: places.get(key) or tuple(key.split("/")),
+        lambda keys, _: ((k, arrays[k]) for k in keys),
+        lambda: {} if layout.common is None else decode_common(layout.common, tensors, str(path)),
+        lambda key: layout.arrays.get(key) or tuple(key.split("/")),
     )
 
 

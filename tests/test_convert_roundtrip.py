@@ -24,6 +24,7 @@ import shardstore
 from shardstore import CheckpointingException, ShardedTensor, load_common_state_dict, save
 from shardstore.tools import convert_layout
 from shardstore.tools.convert import from_torch_file, to_torch_file
+from shardstore.tools.dcp_storage import ShardstoreReader
 from shardstore.tools.manager import CheckpointManager
 from tests import fsdp_models as fm
 from tests.dist import run_distributed
@@ -47,9 +48,12 @@ def save_sources(rank: int, world: int, root: str) -> bytes:
     return fm.to_bytes(fm.full_values(state))
 
 
-def load_and_step(rank: int, world: int, converted: str, original: str, saved: bytes) -> None:
-    """The converted checkpoint loads into a fresh model and optimizer bit-exact, and
-    the next step from it is the next step from the original."""
+def load_and_step(rank: int, world: int, converted: str, original: str, saved: bytes, through_dcp: bool = True) -> None:
+    """The converted checkpoint loads into a fresh model and optimizer bit-exact (by
+    ``shardstore.load`` and by ``dcp.load``), and the next step from it is the next step
+    from the original."""
+    import torch.distributed.checkpoint as dcp
+
     states = []
     for path in (converted, original):
         model, optimizer = fm.build(world, seed=11)
@@ -57,6 +61,11 @@ def load_and_step(rank: int, world: int, converted: str, original: str, saved: b
         fm.apply(model, optimizer, shardstore.load(fm.state_dict(model, optimizer), path))
         states.append((model, optimizer))
     fm.assert_same(fm.full_values(fm.state_dict(*states[0])), fm.from_bytes(saved))
+    if through_dcp:  # and through DCP's API on our format, where the issue saw it fail
+        model, optimizer = fm.build(world, seed=12)
+        dcp.load(state := fm.state_dict(model, optimizer), storage_reader=ShardstoreReader(converted))
+        fm.apply(model, optimizer, state)
+        fm.assert_same(fm.full_values(fm.state_dict(model, optimizer)), fm.from_bytes(saved))
     for model, optimizer in states:
         fm.train_step(model, optimizer, 2)
     fm.assert_same(fm.full_values(fm.state_dict(*states[0])), fm.full_values(fm.state_dict(*states[1])))
@@ -115,7 +124,7 @@ def test_a_dcp_checkpoint_loads_directly_as_shardstore_keeps_the_state(sources: 
     """``shardstore.load`` of DCP's own save: ``step`` and the param groups where the
     request has them (they were flat keys and an array before)."""
     original, dcp_dir, saved = sources
-    run_distributed(load_and_step, 2, str(dcp_dir), str(original), saved)
+    run_distributed(load_and_step, 2, str(dcp_dir), str(original), saved, False)
 
 
 # ------------------------------------------------------------------ int keys, lists, tuples

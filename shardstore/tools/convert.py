@@ -207,9 +207,9 @@ class ExportSource:
     place: Callable[[str], tuple[str | int, ...]]
     objects: Callable[[], tuple[str, ...]] = tuple
 
-    def layout(self, common: Any = None) -> Layout:
-        """The layout that lets a file of this source's values convert back exactly."""
-        return Layout({key: self.place(key) for key in self.tensor_bytes}, self.objects(), common)
+    def places(self) -> dict[str, tuple[str | int, ...]]:
+        """Each tensor's place, for the layout that lets an export convert back exactly."""
+        return {key: self.place(key) for key in self.tensor_bytes}
 
 
 def source_kind(source: str | os.PathLike | Location) -> str:
@@ -362,7 +362,8 @@ def to_torch_file(
     for key, tensor in opened.read(list(opened.tensor_bytes), memory_bytes):
         place_value(state, opened.place(key), tensor, key)
     out = Path(path)
-    _write_new_file(out, lambda p: save_torch_file(state, p, out, opened.layout()))
+    layout = Layout(opened.places(), opened.objects())
+    _write_new_file(out, lambda p: save_torch_file(state, p, out, layout))
     return Export((out.name,), len(opened.tensor_bytes), sum(opened.tensor_bytes.values()), ())
 
 
@@ -493,7 +494,7 @@ def to_safetensors(
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     out = Path(out_dir)
-    metadata = {"format": "pt", **safetensors_metadata(opened.layout(common))}
+    metadata = {"format": "pt", **safetensors_metadata(Layout(opened.places(), common=common))}
     with _new_directory(out) as staging:
         for name, shard in zip(names, shards):
             read = dict(opened.read([key for key, _ in shard if key not in common_tensors], memory_bytes))

@@ -44,6 +44,7 @@ SAFETENSORS_KEY = "shardstore_layout"
 FORMAT = "shardstore-layout"
 VERSION = 1
 MAX_LAYOUT_BYTES = 64 * 2**20
+MAX_DEPTH = 200  # nesting of an encoded common state: far deeper than any state dict, well inside Python's stack
 
 Place = tuple[str | int, ...]
 
@@ -79,13 +80,13 @@ class Layout:
                 if not isinstance(key, str) or key in arrays or not _is_place(place):
                     raise ValueError(f"array entry {key!r} at {place!r} is malformed or repeated")
                 arrays[key] = tuple(place)
+            if not isinstance(data["objects"], list) or not all(isinstance(k, str) for k in data["objects"]):
+                raise ValueError("its object keys are not a list of strings")
             objects = tuple(data["objects"])
-            if not all(isinstance(k, str) for k in objects):
-                raise ValueError("object keys are not strings")
             common = data.get("common")
             if common is not None:
                 _check_encoded(common)
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
             raise CheckpointingException(
                 f"{where}: its shardstore layout is malformed ({exc}); convert it again from the checkpoint"
             ) from exc
@@ -113,7 +114,10 @@ def encode_common(state: Mapping[Any, Any]) -> tuple[Any, dict[str, torch.Tensor
         name = "/".join(map(str, path))
         if isinstance(value, torch.Tensor):
             if name in tensors:
-                raise CheckpointingException(f"Two tensors of the common state have the name {name!r}")
+                raise CheckpointingException(
+                    f"Two tensors of the common state have the name {name!r} (an int and a str key that read the "
+                    "same); convert to a torch.save file, which keeps both"
+                )
             tensors[name] = value
             return {"tensor": name}
         if type(value) is dict and all(isinstance(k, str) or type(k) is int for k in value):
@@ -175,7 +179,7 @@ def common_tensor_names(encoded: Any) -> Iterator[str]:
 
 def _check_encoded(node: Any, depth: int = 0) -> None:
     """Refuses an encoding ``decode_common`` could not read (a hostile or damaged layout)."""
-    if depth > 1000 or not isinstance(node, dict) or len(node) != 1:
+    if depth > MAX_DEPTH or not isinstance(node, dict) or len(node) != 1:
         raise ValueError("its common state is not an encoded value")
     (tag, payload), = node.items()
     if tag == "tensor" and isinstance(payload, str):

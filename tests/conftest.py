@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,3 +16,17 @@ if str(REPO_ROOT) not in sys.path:
 def ckpt_dir(tmp_path: Path) -> Path:
     """A fresh directory path for one checkpoint (not created)."""
     return tmp_path / "ckpt"
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path):
+    """A 1 MiB tmpfs: a real full disk (ENOSPC); skipped where mounting is not allowed,
+    where each test's fault-injected twin covers ENOSPC."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); the fault-injected test covers ENOSPC")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import pickle
 import shutil
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -195,18 +194,6 @@ def test_enospc_from_a_write_fails_every_rank_without_commit(ckpt_dir: Path) -> 
     for message in run_distributed(full_disk_on_rank_1, 2, str(ckpt_dir)):
         assert "No space left on device" in message and "rank(s) 1" in message, message
     assert not is_committed(open_location(ckpt_dir))
-
-
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path):
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); the fault-injected test covers ENOSPC")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_real_full_disk_fails_without_commit(tiny_tmpfs: Path) -> None:

@@ -194,4 +194,35 @@ class OtherFormat:
     metadata_file: str
 
 
-__all__ = ["OtherCheckpoint", "OtherTensor", "OtherFormat"]
+
+def place_value(state: dict[Any, Any], path: tuple[Any, ...], value: Any, key: str) -> None:
+    """Puts ``value`` at ``path`` (dict keys, list indices) of ``state``, making the
+    dicts and lists on the way as ``dcp_to_torch_save`` does; refuses to replace a
+    value, or to go through one that is not the container the path needs. How a plain
+    DCP checkpoint's flattened values go back where they were in the state dict it saved
+    (``OtherCheckpoint.saved_paths``), and how a conversion places every value."""
+    node: Any = state
+    for part, following in zip(path, path[1:]):
+        if _is_free(node, part, key):
+            node[part] = [] if isinstance(following, int) else {}
+        node = node[part]
+    if not _is_free(node, path[-1], key):
+        raise CheckpointingException(f"Cannot place {key!r}: another value is already at {list(path)}")
+    node[path[-1]] = value
+
+
+def _is_free(node: Any, part: Any, key: str) -> bool:
+    """Whether ``node`` holds nothing at ``part``: a dict (any key), or a list (an
+    index, up to which it is padded with None, as DCP pads it)."""
+    if isinstance(node, list) and isinstance(part, int):
+        node.extend([None] * (part + 1 - len(node)))
+        return node[part] is None
+    if not isinstance(node, dict):
+        raise CheckpointingException(
+            f"Cannot place {key!r}: a {type(node).__name__} is where its path needs a "
+            f"{'list' if isinstance(part, int) else 'dict'} (at {part!r})"
+        )
+    return part not in node
+
+
+__all__ = ["OtherCheckpoint", "OtherTensor", "OtherFormat", "place_value"]

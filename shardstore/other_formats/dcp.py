@@ -13,6 +13,9 @@ bytes of a non-tensor item. Here:
   checked to lie inside its file, and checked against the metadata's shape and dtype;
 * non-tensor items (Megatron's ShardedObjects, ``<key>/shard_<offset>_<shape>``, or a
   plain DCP's Python values) load with ``weights_only=True`` too.
+* a plain DCP save's 0-dim tensors (AdamW's ``step``) are items too, not tensors: they
+  were plain tensors of the state dict, which shardstore keeps in the common state, so
+  that an import or a load gives them where a shardstore save of the same state has them.
 
 * Megatron-Core <= 0.14 stored flattened ranges (the distributed optimizer's)
   "reformulated": a tensor of shape ``G`` cut into blocks ``b`` becomes a
@@ -99,6 +102,7 @@ class DcpCheckpoint(OtherCheckpoint):
         }
         self.tensors: dict[str, DcpTensor] = {}
         self.items: dict[str, DcpItem] = {}
+        self._scalars: dict[str, DcpTensor] = {}  # 0-dim tensors of a plain DCP save: common state
         places: dict[tuple[str, tuple[int, ...] | None], Any] = {}
         for index, info in metadata.storage_data.items():
             if getattr(info, "transform_descriptors", None):
@@ -121,7 +125,13 @@ class DcpCheckpoint(OtherCheckpoint):
             shape = original_shapes.get(key, stored)
             if shape != stored:
                 _check_reformulated(self.path, key, shape, stored)
-            self.tensors[key] = DcpTensor(key, shape, entry.properties.dtype, chunks, stored)
+            tensor = DcpTensor(key, shape, entry.properties.dtype, chunks, stored)
+            if self.kind == "dcp" and stored == () and len(chunks) == 1:
+                # a plain tensor of the state dict, as shardstore keeps it (AdamW's step)
+                self._scalars[key] = tensor
+                self.items[key] = DcpItem(key, chunks[0].file, chunks[0].offset, chunks[0].length)
+            else:
+                self.tensors[key] = tensor
         if self.kind == "dcp":  # Megatron's keys are its own names, nested by "/" as in shardstore
             self.saved_paths = _saved_paths(getattr(metadata, "planner_data", None), len(self.tensors) + len(self.items))
 
@@ -218,7 +228,10 @@ class DcpCheckpoint(OtherCheckpoint):
         return out
 
     def read_item(self, key: str) -> Any:
-        """A non-tensor item, loaded with ``weights_only=True``."""
+        """A non-tensor item, loaded with ``weights_only=True``, or a plain DCP save's
+        0-dim tensor (checked against its metadata)."""
+        if key in self._scalars:
+            return self._read_stored(self._scalars[key], ())
         item = self.items[key]
         return self.load_pickled(self.read_file(item.file, item.offset, item.length, what=repr(key)), f"item {key!r}")
 

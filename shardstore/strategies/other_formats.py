@@ -26,7 +26,7 @@ from shardstore.format.integrity import ChecksummedLocation
 from shardstore.format.records import CommitRecord, is_committed
 from shardstore.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from shardstore.other_formats import registry
-from shardstore.other_formats.base import OtherCheckpoint, OtherFormat
+from shardstore.other_formats.base import OtherCheckpoint, OtherFormat, place_value
 from shardstore.planning.layout import block_shape, region_at
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.stage import run_stage
@@ -168,11 +168,14 @@ class OtherFormatLoadCommonStrategy(TorchCommonLoadStrategy):
     ``.pt`` files of its zarr backend)."""
 
     def load_common(self, checkpoint_dir: CheckpointDir | Location) -> StateDict:
+        """Megatron's ``common.pt``; a plain DCP's values nested where they were in the
+        state dict it saved (its planner's paths: ``optim/param_groups/0/lr``), as a
+        shardstore save of that state dict keeps them."""
         source = open_other_format(checkpoint_dir)
         state = source.common_state()
         for key in sorted(source.items):
             if not _is_object_shard(key):
-                state[key] = source.read_item(key)
+                place_value(state, source.saved_paths.get(key, (key,)), source.read_item(key), key)
         return state
 
     def load_sharded_objects(

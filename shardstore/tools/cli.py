@@ -307,7 +307,7 @@ def _report_export(source: str, src: str, destination: str, dst: str, result: An
     click.echo(f"wrote {result.tensors} tensors, {format_bytes(result.total_bytes)}, to {destination}"
                + (f" in {len(result.files)} file(s)" if dst == "safetensors" else ""))
     if result.left_out:
-        click.echo(f"left out (not tensors; safetensors holds tensors only): {', '.join(result.left_out)}", err=True)
+        click.echo(f"left out (safetensors holds tensors and JSON values, not sharded objects nor other Python objects): {', '.join(result.left_out)}", err=True)
 
 
 def _report_checkpoint(source: str, src: str, destination: str, arrays: int, as_json: bool) -> None:

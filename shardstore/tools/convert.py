@@ -22,8 +22,11 @@ state. A sharded object's shard sits in a ``torch.save`` file at its unique key
 (``sd["rng_state/shard_0_2"]``), as the Python object it is, and comes back as a
 sharded object. A plain DCP checkpoint's values go where they were in the state dict
 DCP saved (its planner's paths, as ``dcp_to_torch_save`` puts them). Safetensors names
-(``model.layers.0.weight``) are array keys as they are; a safetensors file holds
-tensors only, so ``to_safetensors`` leaves the other values out and says which.
+(``model.layers.0.weight``) are array keys as they are. An export records which of its
+tensors were arrays, under which key, and which were values of the common state
+(``convert_layout``): a ``.pt`` file in an archive entry, safetensors in its metadata,
+with the common state as JSON; an import of such a file gives the checkpoint back as it
+was. Sharded objects and values JSON cannot hold are left out of safetensors, and named.
 
 Nothing is left behind by a conversion that fails: a checkpoint is staged and
 published by its commit (``shardstore.format.commit``), a file is written under a temporary
@@ -59,9 +62,22 @@ from shardstore.format.integrity import ChecksummedLocation, open_committed
 from shardstore.format.pickles import load_torch_file
 from shardstore.format.records import read_commit_record
 from shardstore.mapping import ShardedObject, ShardedTensor, StateDict
+from shardstore.other_formats.base import place_value
 from shardstore.protocol.collectives import Group
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
+from shardstore.tools.convert_layout import (
+    Layout,
+    common_tensor_names,
+    decode_common,
+    encode_common,
+    read_safetensors_layout,
+    read_torch_layout,
+    safetensors_metadata,
+    save_torch_file,
+    value_at,
+    without_places,
+)
 
 DEFAULT_MEMORY_BYTES = 2**30
 DEFAULT_SHARD_BYTES = 5 * 10**9  # Hugging Face's default max_shard_size, "5GB"
@@ -155,8 +171,8 @@ def read_tensors(
 def read_non_tensor_state(checkpoint: str | os.PathLike | Location) -> StateDict:
     """The common state, with every sharded object's shards added at their unique keys
     (``rng_state/shard_0_2``), each the Python object it holds; of a shardstore
-    checkpoint or of another tool's (a plain DCP checkpoint's values at their flattened
-    keys, ``cfg.lr``)."""
+    checkpoint or of another tool's (a plain DCP checkpoint's values nested where they
+    were in the state dict it saved)."""
     from shardstore.serialization import load, load_sharded_metadata, open_checkpoint
 
     _refuse_process_group("reading a checkpoint's common state for conversion")
@@ -182,12 +198,18 @@ class ExportSource:
         other_values: everything else (common state, sharded object shards at their
             unique keys), nested as a ``torch.save`` file of the source holds it.
         place: where a tensor goes in that file: its dict keys and list indices.
+        objects: the top-level keys of ``other_values`` that are sharded object shards.
     """
 
     tensor_bytes: dict[str, int]
     read: Callable[[list[str], int], Iterator[tuple[str, torch.Tensor]]]
     other_values: Callable[[], dict[Any, Any]]
     place: Callable[[str], tuple[str | int, ...]]
+    objects: Callable[[], tuple[str, ...]] = tuple
+
+    def places(self) -> dict[str, tuple[str | int, ...]]:
+        """Each tensor's place, for the layout that lets an export convert back exactly."""
+        return {key: self.place(key) for key in self.tensor_bytes}
 
 
 def source_kind(source: str | os.PathLike | Location) -> str:
@@ -223,12 +245,29 @@ def open_export_source(source: str | os.PathLike | Location) -> ExportSource:
     if kind == "torch":
         return _torch_file_source(Path(source))  # type: ignore[arg-type]
     if kind == "safetensors":
-        tensors = safetensors_tensors(source)  # type: ignore[arg-type]
-        return ExportSource(
-            {k: t.nbytes for k, t in sorted(tensors.items())},
-            lambda keys, _: ((k, tensors[k]) for k in keys), dict, lambda key: tuple(key.split("/")),
-        )
+        return _safetensors_source(source)  # type: ignore[arg-type]
     return _checkpoint_source(source)
+
+
+def _safetensors_source(path: str | os.PathLike) -> ExportSource:
+    """A safetensors model: its tensors by name (memory-mapped), and, where a shardstore
+    export wrote its layout, the common state and each array's place back."""
+    tensors = safetensors_tensors(path)
+    layout = read_safetensors_layout(safetensors_files(path)[0]) or Layout()
+    in_common = set(common_tensor_names(layout.common)) if layout.common is not None else set()
+    missing = [key for key in layout.arrays if key not in tensors or key in in_common]
+    if missing:
+        raise CheckpointingException(
+            f"{path}: its shardstore layout names the array {missing[0]!r}, which the files do not hold as one; "
+            "convert it again from the checkpoint"
+        )
+    arrays = {k: t for k, t in tensors.items() if k not in in_common}
+    return ExportSource(
+        {k: t.nbytes for k, t in sorted(arrays.items())},
+        lambda keys, _: ((k, arrays[k]) for k in keys),
+        lambda: {} if layout.common is None else decode_common(layout.common, tensors, str(path)),
+        lambda key: layout.arrays.get(key) or tuple(key.split("/")),
+    )
 
 
 def _checkpoint_source(checkpoint: str | os.PathLike | Location) -> ExportSource:
@@ -250,25 +289,59 @@ def _checkpoint_source(checkpoint: str | os.PathLike | Location) -> ExportSource
     def other_values() -> dict[Any, Any]:
         state: dict[Any, Any] = {}
         for key, value in read_non_tensor_state(location).items():
-            _place(state, saved_paths.get(key, (key,)), value, key)
+            place_value(state, saved_paths.get(key, (key,)), value, key)
         return state
+
+    def objects() -> tuple[str, ...]:
+        from shardstore.serialization import load_sharded_metadata
+
+        return tuple(k for k, v in load_sharded_metadata(location).items() if isinstance(v, ShardedObject))
 
     return ExportSource(
         dict(sorted(sizes.items())),
         lambda keys, memory_bytes: read_tensors(location, keys, memory_bytes), other_values,
-        lambda key: saved_paths.get(key) or tuple(key.split("/")),
+        lambda key: saved_paths.get(key) or tuple(key.split("/")), objects,
     )
 
 
 def _torch_file_source(path: Path) -> ExportSource:
-    """A ``torch.save`` file: its tensors by their ``/``-joined paths (memory-mapped)."""
+    """A ``torch.save`` file: its tensors by their ``/``-joined paths (memory-mapped),
+    or, where a shardstore export wrote its layout, its arrays by their keys."""
     state = _load_state_dict_file(path)
-    tensors = _tensors_by_key(state, str(path))
+    layout = read_torch_layout(path)
+    if layout is None:
+        tensors = _tensors_by_key(state, str(path))
+        objects = tuple(k for k in state if _is_object_shard_key(k))
+        return ExportSource(
+            {k: t.nbytes for k, (_, t) in sorted(tensors.items())},
+            lambda keys, _: ((k, tensors[k][1]) for k in keys), lambda: _without_tensors(state),
+            lambda key: tensors[key][0], lambda: objects,
+        )
+    tensors = _layout_arrays(state, layout, path)
     return ExportSource(
         {k: t.nbytes for k, (_, t) in sorted(tensors.items())},
-        lambda keys, _: ((k, tensors[k][1]) for k in keys), lambda: _without_tensors(state),
-        lambda key: tensors[key][0],
+        lambda keys, _: ((k, tensors[k][1]) for k in keys), lambda: without_places(state, set(layout.arrays.values())),
+        lambda key: tensors[key][0], lambda: layout.objects,
     )
+
+
+def _layout_arrays(
+    state: dict[Any, Any], layout: Layout, path: Path
+) -> dict[str, tuple[tuple[str | int, ...], torch.Tensor]]:
+    """The arrays a ``torch.save`` file's layout names, by key, with their places."""
+    found = {}
+    for key, place in layout.arrays.items():
+        value = value_at(state, place, str(path))
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointingException(
+                f"{path}: its shardstore layout names array {key!r} at {list(place)}, which holds a "
+                f"{type(value).__name__}; convert the file again from its checkpoint"
+            )
+        found[key] = (place, value)
+    missing = [k for k in layout.objects if k not in state]
+    if missing:
+        raise CheckpointingException(f"{path}: its shardstore layout names object shard {missing[0]!r}, not in the file")
+    return found
 
 
 # --------------------------------------------------------------------------- torch.save
@@ -287,9 +360,10 @@ def to_torch_file(
     opened = open_export_source(source)
     state = opened.other_values()
     for key, tensor in opened.read(list(opened.tensor_bytes), memory_bytes):
-        _place(state, opened.place(key), tensor, key)
+        place_value(state, opened.place(key), tensor, key)
     out = Path(path)
-    _write_new_file(out, lambda p: torch.save(state, p))
+    layout = Layout(opened.places(), opened.objects())
+    _write_new_file(out, lambda p: save_torch_file(state, p, out, layout))
     return Export((out.name,), len(opened.tensor_bytes), sum(opened.tensor_bytes.values()), ())
 
 
@@ -304,9 +378,14 @@ def from_torch_file(
 
     _refuse_process_group("converting a torch.save file")
     state = _load_state_dict_file(Path(path))
-    for key in [k for k in state if _is_object_shard_key(k)]:
+    layout = read_torch_layout(Path(path))
+    if layout is None:
+        tensors = _tensors_by_key(state, str(path))
+        objects: Sequence[str] = [k for k in state if _is_object_shard_key(k)]
+    else:  # written by to_torch_file: each value goes back where it was, arrays and common state
+        tensors, objects = _layout_arrays(state, layout, Path(path)), layout.objects
+    for key in objects:
         state[key] = replace(ShardedObject.empty_from_unique_key(key), data=state[key])
-    tensors = _tensors_by_key(state, str(path))
     for key, (where, tensor) in tensors.items():
         _parent(state, where)[where[-1]] = ShardedTensor.from_rank_offsets(key, tensor)
     save(state, checkpoint, overwrite=overwrite)
@@ -392,28 +471,43 @@ def to_safetensors(
     directory ``out_dir`` (or into an empty one): ``model.safetensors``, or
     ``model-00001-of-0000N.safetensors`` shards of at most ``max_shard_bytes`` with
     ``model.safetensors.index.json``. At most one shard is in memory at once. The
-    directory is filled under a temporary name and renamed at the end: a failure leaves
-    nothing."""
+    common state goes into the first file's metadata with the checkpoint's layout
+    (``convert_layout``), its tensors into the files by their paths; sharded objects and
+    values that JSON cannot hold are left out, and named. The directory is filled under
+    a temporary name and renamed at the end: a failure leaves nothing."""
     opened = open_export_source(source)
     # read first: a source whose other values cannot be read fails before anything is written
-    left_out = tuple(sorted(_leaf_paths(opened.other_values())))
-    shards = array_batches(list(opened.tensor_bytes.items()), max_shard_bytes, itemgetter(1)) or [[]]
+    other = opened.other_values()
+    objects = opened.objects()
+    common, common_tensors, left = encode_common({k: v for k, v in other.items() if k not in objects})
+    left_out = tuple(sorted([*objects, *left]))
+    clash = sorted(set(common_tensors) & set(opened.tensor_bytes))
+    if clash:
+        raise CheckpointingException(
+            f"{source}: the common state's tensor {clash[0]!r} has the name of an array; safetensors needs one name each"
+        )
+    sizes = {**opened.tensor_bytes, **{name: t.nbytes for name, t in common_tensors.items()}}
+    shards = array_batches(list(sizes.items()), max_shard_bytes, itemgetter(1)) or [[]]
     names = (
         [SAFETENSORS_SINGLE]
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     out = Path(out_dir)
+    metadata = {"format": "pt", **safetensors_metadata(Layout(opened.places(), common=common))}
     with _new_directory(out) as staging:
         for name, shard in zip(names, shards):
-            tensors = _standalone(dict(opened.read([key for key, _ in shard], memory_bytes)))
-            _write_new_file(staging / name, lambda p, t=tensors, n=name: _save_safetensors(t, p, out / n))
+            read = dict(opened.read([key for key, _ in shard if key not in common_tensors], memory_bytes))
+            tensors = _standalone({key: read[key] if key in read else common_tensors[key] for key, _ in shard})
+            del read
+            _write_new_file(staging / name, lambda p, t=tensors, n=name, m=metadata: _save_safetensors(t, p, out / n, m))
             del tensors
+            metadata = {"format": "pt"}  # the layout is in the first file
         if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(opened.tensor_bytes.values())},
+            index = {"metadata": {"total_size": sum(sizes.values())},
                      "weight_map": {key: name for name, shard in zip(names, shards) for key, _ in shard}}
             _write_new_file(staging / SAFETENSORS_INDEX, lambda p: p.write_text(json.dumps(index, indent=2)))
-    return Export(tuple(names), len(opened.tensor_bytes), sum(opened.tensor_bytes.values()), left_out)
+    return Export(tuple(names), len(sizes), sum(sizes.values()), left_out)
 
 
 def _standalone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -430,21 +524,13 @@ def _standalone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, where: Path) -> None:
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, where: Path, metadata: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
     try:
-        save_file(tensors, path, metadata={"format": "pt"})
+        save_file(tensors, path, metadata=metadata)
     except Exception as exc:  # the library's own errors (unsupported dtype, ...) name no file
         raise CheckpointingException(f"Cannot write {where} as safetensors: {type(exc).__name__}: {exc}") from exc
-
-
-def _leaf_paths(state: Any, prefix: str = "") -> Iterator[str]:
-    if isinstance(state, dict) and state:
-        for k, v in state.items():
-            yield from _leaf_paths(v, f"{prefix}/{k}" if prefix else str(k))
-    elif prefix:
-        yield prefix
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:
@@ -513,13 +599,17 @@ def from_safetensors(
     path: str | os.PathLike, checkpoint: str | os.PathLike | Location, overwrite: bool = False
 ) -> int:
     """Saves a safetensors file or model directory as a shardstore checkpoint (one array
-    per tensor name); returns the number of arrays written."""
+    per tensor name; where a shardstore export wrote its layout, the common state and
+    the arrays as they were); returns the number of arrays written."""
     from shardstore.serialization import save
 
     _refuse_process_group("converting safetensors")
-    state = {name: ShardedTensor.from_rank_offsets(name, t) for name, t in safetensors_tensors(path).items()}
+    opened = _safetensors_source(path)
+    state = opened.other_values()
+    for key, tensor in opened.read(list(opened.tensor_bytes), 0):
+        place_value(state, (key,), ShardedTensor.from_rank_offsets(key, tensor), key)  # its key says where it goes
     save(state, checkpoint, overwrite=overwrite)
-    return len(state)
+    return len(opened.tensor_bytes)
 
 
 # --------------------------------------------------------------------------- other tools' formats
@@ -557,34 +647,6 @@ def _refuse_process_group(what: str) -> None:
             f"{what} runs in one process, but a process group of {dist.get_world_size()} ranks is initialized; "
             "run it in a separate process (the `shardstore convert` command)"
         )
-
-
-def _place(state: dict[Any, Any], path: tuple[Any, ...], value: Any, key: str) -> None:
-    """Puts ``value`` at ``path`` (dict keys, list indices) of ``state``, making the
-    dicts and lists on the way as ``dcp_to_torch_save`` does; refuses to replace a
-    value, or to go through one that is not the container the path needs."""
-    node: Any = state
-    for part, following in zip(path, path[1:]):
-        if _is_free(node, part, key):
-            node[part] = [] if isinstance(following, int) else {}
-        node = node[part]
-    if not _is_free(node, path[-1], key):
-        raise CheckpointingException(f"Cannot place {key!r}: another value is already at {list(path)}")
-    node[path[-1]] = value
-
-
-def _is_free(node: Any, part: Any, key: str) -> bool:
-    """Whether ``node`` holds nothing at ``part``: a dict (any key), or a list (an
-    index, up to which it is padded with None, as DCP pads it)."""
-    if isinstance(node, list) and isinstance(part, int):
-        node.extend([None] * (part + 1 - len(node)))
-        return node[part] is None
-    if not isinstance(node, dict):
-        raise CheckpointingException(
-            f"Cannot place {key!r}: a {type(node).__name__} is where its path needs a "
-            f"{'list' if isinstance(part, int) else 'dict'} (at {part!r})"
-        )
-    return part not in node
 
 
 def _parent(state: dict[Any, Any], path: tuple[Any, ...]) -> Any:

@@ -1,0 +1,336 @@
+"""What a conversion keeps of a checkpoint's structure in a file of another format, so
+that converting back gives the same checkpoint (``shardstore diff`` finds nothing).
+
+A ``torch.save`` file or a safetensors model holds tensors and values, but not which
+tensor was an array of the checkpoint (and under which key) and which was a value of
+its common state (AdamW's 0-dim ``step``); a safetensors file holds no values at all.
+A ``Layout`` says it:
+
+* ``arrays``: each array's key and its place in the file's state dict (dict keys and
+  list indices, ints kept as ints: ``optim/state/0/exp_avg`` may sit at
+  ``("optim", "state", 0, "exp_avg")``); every other tensor of the file belongs to the
+  common state where it is;
+* ``objects``: the top-level entries that are sharded object shards (their unique keys);
+* ``common`` (safetensors only): the common state, encoded as tagged JSON: dicts (str or
+  int keys), lists, tuples, str, int, float, bool, None, and tensors by the name they
+  have in the safetensors files. A value of another type is left out, and the export
+  says which.
+
+A ``torch.save`` file carries it as the archive entry ``shardstore_layout.json`` beside
+``data.pkl`` (``torch.load`` ignores it); a safetensors model in the ``__metadata__`` of
+its first file, under ``shardstore_layout``. Files without one convert as before: every
+tensor an array keyed by its ``/``-joined path.
+
+A layout is read as untrusted input: its size is bounded, its JSON parsed without
+objects of other types, and each place checked against the file it describes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardstore.core import CheckpointingException
+
+TORCH_ENTRY = "shardstore_layout.json"
+SAFETENSORS_KEY = "shardstore_layout"
+FORMAT = "shardstore-layout"
+VERSION = 1
+MAX_LAYOUT_BYTES = 64 * 2**20
+MAX_DEPTH = 200  # nesting of an encoded common state: far deeper than any state dict, well inside Python's stack
+
+Place = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which values of an exported file are the checkpoint's arrays (by key, at their
+    place), which top-level entries are its sharded object shards, and (safetensors
+    only) its common state encoded by ``encode_common``."""
+
+    arrays: Mapping[str, Place] = field(default_factory=dict)
+    objects: tuple[str, ...] = ()
+    common: Any = None
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": FORMAT, "version": VERSION,
+            "arrays": [[key, list(place)] for key, place in self.arrays.items()],
+            "objects": list(self.objects), "common": self.common,
+        })
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str) -> Layout:
+        """The layout ``text`` holds; anything malformed is refused naming ``where``."""
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict) or data.get("format") != FORMAT:
+                raise ValueError("not a shardstore layout")
+            if data.get("version") != VERSION:
+                raise ValueError(f"version {data.get('version')!r}; this shardstore reads version {VERSION}")
+            arrays: dict[str, Place] = {}
+            for key, place in data["arrays"]:
+                if not isinstance(key, str) or key in arrays or not _is_place(place):
+                    raise ValueError(f"array entry {key!r} at {place!r} is malformed or repeated")
+                arrays[key] = tuple(place)
+            if not isinstance(data["objects"], list) or not all(isinstance(k, str) for k in data["objects"]):
+                raise ValueError("its object keys are not a list of strings")
+            objects = tuple(data["objects"])
+            common = data.get("common")
+            if common is not None:
+                _check_encoded(common)
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            raise CheckpointingException(
+                f"{where}: its shardstore layout is malformed ({exc}); convert it again from the checkpoint"
+            ) from exc
+        return cls(arrays, objects, common)
+
+
+def _is_place(place: Any) -> bool:
+    return isinstance(place, list) and len(place) > 0 and all(
+        isinstance(p, str) or (type(p) is int and p >= 0) for p in place
+    )
+
+
+# --------------------------------------------------------------------------- common state as JSON
+
+
+def encode_common(state: Mapping[Any, Any]) -> tuple[Any, dict[str, torch.Tensor], list[str]]:
+    """``state`` as tagged JSON, with its tensors named by their ``/``-joined paths:
+    returns the encoding, the tensors by name, and the paths of the values left out
+    (of a type JSON does not hold)."""
+    tensors: dict[str, torch.Tensor] = {}
+    left_out: list[str] = []
+
+    def encode(value: Any, path: tuple[Any, ...]) -> Any:
+        """The encoding of ``value``, or None where it is left out (its path noted)."""
+        name = "/".join(map(str, path))
+        if isinstance(value, torch.Tensor):
+            if name in tensors:
+                raise CheckpointingException(
+                    f"Two tensors of the common state have the name {name!r} (an int and a str key that read the "
+                    "same); convert to a torch.save file, which keeps both"
+                )
+            tensors[name] = value
+            return {"tensor": name}
+        if type(value) is dict and all(isinstance(k, str) or type(k) is int for k in value):
+            entries = [[k, encode(v, (*path, k))] for k, v in value.items()]
+            return {"dict": [[k, v] for k, v in entries if v is not None]}
+        if type(value) in (list, tuple):
+            noted = len(left_out)
+            items = [encode(v, (*path, i)) for i, v in enumerate(value)]
+            if any(v is None for v in items):  # its indices would shift: all of it is left out
+                del left_out[noted:]
+                left_out.append(name)
+                for v in items:
+                    for tensor_name in common_tensor_names(v) if v is not None else ():
+                        del tensors[tensor_name]
+                return None
+            return {type(value).__name__: items}
+        if value is None or type(value) in (str, int, float, bool):
+            return {"value": value}
+        left_out.append(name)
+        return None
+
+    return encode(dict(state), ()), tensors, left_out
+
+
+def decode_common(encoded: Any, tensors: Mapping[str, torch.Tensor], where: str) -> dict[Any, Any]:
+    """The common state ``encode_common`` encoded, its tensors taken from ``tensors``."""
+
+    def decode(node: Any) -> Any:
+        (tag, payload), = node.items()
+        if tag == "tensor":
+            if payload not in tensors:
+                raise CheckpointingException(f"{where}: its layout names a tensor {payload!r} that it does not hold")
+            return tensors[payload]
+        if tag == "dict":
+            return {k: decode(v) for k, v in payload if v is not None}
+        if tag in ("list", "tuple"):
+            items = [decode(v) for v in payload]
+            return items if tag == "list" else tuple(items)
+        return payload
+
+    state = decode(encoded)
+    if not isinstance(state, dict):
+        raise CheckpointingException(f"{where}: its layout's common state is not a dict")
+    return state
+
+
+def common_tensor_names(encoded: Any) -> Iterator[str]:
+    """The names of the tensors an encoded common state refers to."""
+    (tag, payload), = encoded.items()
+    if tag == "tensor":
+        yield payload
+    elif tag == "dict":
+        for _, v in payload:
+            yield from common_tensor_names(v)
+    elif tag in ("list", "tuple"):
+        for v in payload:
+            yield from common_tensor_names(v)
+
+
+def _check_encoded(node: Any, depth: int = 0) -> None:
+    """Refuses an encoding ``decode_common`` could not read (a hostile or damaged layout)."""
+    if depth > MAX_DEPTH or not isinstance(node, dict) or len(node) != 1:
+        raise ValueError("its common state is not an encoded value")
+    (tag, payload), = node.items()
+    if tag == "tensor" and isinstance(payload, str):
+        return
+    if tag == "value" and (payload is None or isinstance(payload, (str, int, float, bool))):
+        return
+    if tag == "dict" and isinstance(payload, list):
+        for entry in payload:
+            if not (isinstance(entry, list) and len(entry) == 2 and (isinstance(entry[0], str) or type(entry[0]) is int)):
+                raise ValueError(f"a dict entry {entry!r} is malformed")
+            _check_encoded(entry[1], depth + 1)
+        return
+    if tag in ("list", "tuple") and isinstance(payload, list):
+        for v in payload:
+            _check_encoded(v, depth + 1)
+        return
+    raise ValueError(f"an encoded value has the tag {tag!r} with a {type(payload).__name__}")
+
+
+# --------------------------------------------------------------------------- places in a state dict
+
+
+def value_at(state: Any, place: Place, where: str) -> Any:
+    """The value at ``place`` (dict keys, list indices) of a loaded state dict; refused
+    naming ``where`` when the state dict has nothing there."""
+    node = state
+    for part in place:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise CheckpointingException(
+                f"{where}: its shardstore layout places an array at {list(place)}, where the file holds nothing; "
+                "convert the file again from its checkpoint"
+            ) from exc
+    return node
+
+
+def without_places(node: Any, places: set[Place], path: Place = ()) -> Any:
+    """A copy of the containers of ``node`` without the values at ``places`` (the
+    arrays): a dict loses the entry, and one that held only arrays goes too; a list
+    keeps None in their slots, so that the other values keep their indices."""
+    if type(node) is dict:
+        kept = {}
+        for k, v in node.items():
+            if (*path, k) in places:
+                continue
+            value = without_places(v, places, (*path, k))
+            if not (isinstance(v, (dict, list)) and v and not value):
+                kept[k] = value
+        return kept
+    if type(node) is list:
+        return [None if (*path, i) in places else without_places(v, places, (*path, i)) for i, v in enumerate(node)]
+    return node
+
+
+# --------------------------------------------------------------------------- where files carry it
+
+
+def write_torch_layout(path: Path, layout: Layout) -> None:
+    """Adds the layout to the ``torch.save`` archive ``path``, beside its ``data.pkl``."""
+    with zipfile.ZipFile(path, "a") as archive:
+        archive.writestr(f"{_archive_folder(archive, path)}/{TORCH_ENTRY}", layout.to_json())
+
+
+def read_torch_layout(path: Path) -> Layout | None:
+    """The layout a ``torch.save`` file carries; None where it carries none (written by
+    another tool, or in the legacy non-zip format)."""
+    if not zipfile.is_zipfile(path):
+        return None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            name = f"{_archive_folder(archive, path)}/{TORCH_ENTRY}"
+            try:
+                info = archive.getinfo(name)
+            except KeyError:
+                return None
+            if info.file_size > MAX_LAYOUT_BYTES:
+                raise CheckpointingException(f"{path}: its layout entry is larger than {MAX_LAYOUT_BYTES} bytes")
+            text = archive.read(info)
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise CheckpointingException(f"Cannot read {path} as a torch.save archive: {exc}") from exc
+    return Layout.from_json(text, str(path))
+
+
+def _archive_folder(archive: zipfile.ZipFile, path: Path) -> str:
+    """The folder of a ``torch.save`` archive's records (the one holding ``data.pkl``)."""
+    folders = {name.rsplit("/", 1)[0] for name in archive.namelist() if name.endswith("/data.pkl")}
+    if len(folders) != 1:
+        raise CheckpointingException(f"{path} is not a torch.save archive (no single data.pkl)")
+    return folders.pop()
+
+
+def safetensors_metadata(layout: Layout) -> dict[str, str]:
+    """The ``__metadata__`` entry that carries ``layout`` in a safetensors file."""
+    return {SAFETENSORS_KEY: layout.to_json()}
+
+
+def read_safetensors_layout(path: str | os.PathLike) -> Layout | None:
+    """The layout a safetensors file's ``__metadata__`` carries; None where there is none."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(os.fspath(path), "pt") as f:
+            metadata = f.metadata() or {}
+    except Exception as exc:  # the library's own errors name no file
+        raise CheckpointingException(f"Cannot read {path} as a safetensors file: {type(exc).__name__}: {exc}") from exc
+    text = metadata.get(SAFETENSORS_KEY)
+    return None if text is None else Layout.from_json(text, str(path))
+
+
+# --------------------------------------------------------------------------- failures while writing
+
+
+class ErrorKeepingWriter:
+    """A file for ``torch.save`` that keeps the ``OSError`` of a failed write: torch's
+    archive writer reports it only as ``unexpected pos ...``, naming neither the file
+    nor the cause (a full disk)."""
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def save_torch_file(state: Any, path: Path, target: Path, layout: Layout | None) -> None:
+    """``torch.save(state)`` into ``path`` (with ``layout``), flushed to the disk; a
+    failure raises naming ``target`` and the cause (``No space left on device``)."""
+    try:
+        with open(path, "wb") as file:
+            writer = ErrorKeepingWriter(file)
+            try:
+                torch.save(state, writer)
+            except RuntimeError as exc:
+                if writer.error is None:
+                    raise
+                raise writer.error from exc
+        if layout is not None:
+            write_torch_layout(path, layout)
+        with open(path, "rb") as file:
+            os.fsync(file.fileno())
+    except OSError as exc:
+        raise CheckpointingException(
+            f"Cannot write {target} (a torch.save file): {exc.strerror or exc}; nothing was left there"
+        ) from exc
+

@@ -1,0 +1,265 @@
+"""Issue 33.6 and 33.7: conversions that lose nothing and fail cleanly.
+
+A real FSDP2 + AdamW state (2 gloo ranks), saved by the checkpoint manager and by
+PyTorch DCP, goes through every conversion path (shardstore, ``torch.save``, safetensors,
+DCP, in chains) and comes back as the same checkpoint (``shardstore diff`` finds
+nothing) that loads into the same model and optimizer and takes the same next step.
+AdamW's 0-dim ``step`` stays a value of the common state, int keys stay ints, tuples
+stay tuples. A full disk while writing a ``.pt`` says which file and why, and leaves
+nothing there.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardstore
+from shardstore import CheckpointingException, ShardedTensor, load_common_state_dict, save
+from shardstore.tools import convert_layout
+from shardstore.tools.convert import from_torch_file, to_torch_file
+from shardstore.tools.dcp_storage import ShardstoreReader
+from shardstore.tools.manager import CheckpointManager
+from tests import fsdp_models as fm
+from tests.dist import run_distributed
+from tests.test_cli import run
+
+# ------------------------------------------------------------------ a real FSDP2 + AdamW state
+
+
+def save_sources(rank: int, world: int, root: str) -> bytes:
+    """Two AdamW steps of FSDP2 at ``world`` ranks, saved by the manager and by DCP."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = fm.build(world)
+    fm.train_step(model, optimizer, 0)
+    fm.train_step(model, optimizer, 1)
+    state = fm.state_dict(model, optimizer)
+    manager = CheckpointManager(f"{root}/run")
+    assert manager.save(2, state, force=True)
+    manager.close()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(f"{root}/dcp"))
+    return fm.to_bytes(fm.full_values(state))
+
+
+def load_and_step(rank: int, world: int, converted: str, original: str, saved: bytes, through_dcp: bool = True) -> None:
+    """The converted checkpoint loads into a fresh model and optimizer bit-exact (by
+    ``shardstore.load`` and by ``dcp.load``), and the next step from it is the next step
+    from the original."""
+    import torch.distributed.checkpoint as dcp
+
+    states = []
+    for path in (converted, original):
+        model, optimizer = fm.build(world, seed=11)
+        fm.train_step(model, optimizer, 99)  # other weights and optimizer state than the saved ones
+        fm.apply(model, optimizer, shardstore.load(fm.state_dict(model, optimizer), path))
+        states.append((model, optimizer))
+    fm.assert_same(fm.full_values(fm.state_dict(*states[0])), fm.from_bytes(saved))
+    if through_dcp:  # and through DCP's API on our format, where the issue saw it fail
+        model, optimizer = fm.build(world, seed=12)
+        dcp.load(state := fm.state_dict(model, optimizer), storage_reader=ShardstoreReader(converted))
+        fm.apply(model, optimizer, state)
+        fm.assert_same(fm.full_values(fm.state_dict(model, optimizer)), fm.from_bytes(saved))
+    for model, optimizer in states:
+        fm.train_step(model, optimizer, 2)
+    fm.assert_same(fm.full_values(fm.state_dict(*states[0])), fm.full_values(fm.state_dict(*states[1])))
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, bytes]:
+    root = tmp_path_factory.mktemp("sources")
+    saved = run_distributed(save_sources, 2, str(root))[0]
+    (step,) = [p for p in (root / "run").iterdir() if p.name.startswith("iter_")]
+    return step, root / "dcp", saved
+
+
+def _convert(source: Path, kind: str, out: Path) -> Path:
+    """``source`` converted by the command (DCP: by ``torch_save_to_dcp`` of a ``.pt``)."""
+    if kind == "dcp":
+        from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+
+        torch_save_to_dcp(source, out)
+        return out
+    destination = out.with_suffix(".pt") if kind == "torch" else out
+    code, _, err = run("convert", str(source), str(destination), *(["--to", kind] if kind != "torch" else []))
+    assert code == 0, err
+    assert "left out" not in err  # nothing of an FSDP2 + AdamW state is lost on the way
+    return destination
+
+
+CHAINS = {
+    "shardstore > pt > shardstore": ("shardstore", ["torch", "shardstore"]),
+    "shardstore > safetensors > shardstore": ("shardstore", ["safetensors", "shardstore"]),
+    "shardstore > pt > safetensors > shardstore": ("shardstore", ["torch", "safetensors", "shardstore"]),
+    "shardstore > safetensors > pt > shardstore": ("shardstore", ["safetensors", "torch", "shardstore"]),
+    "shardstore > pt > dcp > shardstore": ("shardstore", ["torch", "dcp", "shardstore"]),
+    "dcp > shardstore": ("dcp", ["shardstore"]),
+    "dcp > pt > shardstore": ("dcp", ["torch", "shardstore"]),
+    "dcp > safetensors > shardstore": ("dcp", ["safetensors", "shardstore"]),
+}
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+def test_an_fsdp2_adamw_checkpoint_converts_back_to_itself_and_loads(
+    chain: str, sources: tuple[Path, Path, bytes], tmp_path: Path
+) -> None:
+    original, dcp_dir, saved = sources
+    start, kinds = CHAINS[chain]
+    current = original if start == "shardstore" else dcp_dir
+    for i, kind in enumerate(kinds):
+        current = _convert(current, kind, tmp_path / f"{i}-{kind}")
+    assert run("diff", str(original), str(current)) == (0, "identical\n", "")
+    common = load_common_state_dict(current)
+    assert common["optim"]["state"]["0.weight"]["step"].item() == 2.0  # a value, not an array
+    run_distributed(load_and_step, 2, str(current), str(original), saved)
+
+
+def test_a_dcp_checkpoint_loads_directly_as_shardstore_keeps_the_state(sources: tuple[Path, Path, bytes]) -> None:
+    """``shardstore.load`` of DCP's own save: ``step`` and the param groups where the
+    request has them (they were flat keys and an array before)."""
+    original, dcp_dir, saved = sources
+    run_distributed(load_and_step, 2, str(dcp_dir), str(original), saved, False)
+
+
+# ------------------------------------------------------------------ int keys, lists, tuples
+
+
+def _nested_state() -> dict:
+    """A plain optimizer state dict (int keys), arrays named by '/' paths that differ
+    from their places, tensors and values in lists, tuples."""
+    w = torch.arange(12.0).reshape(3, 4)
+    return {
+        "model": {"w": ShardedTensor.from_rank_offsets("model/w", w)},
+        "optim": {
+            "state": {0: {"step": torch.tensor(3.0), "exp_avg": ShardedTensor.from_rank_offsets("optim/state/0/exp_avg", w * 2)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0], "foreach": None, "fused": False}],
+        },
+        "schedule": [torch.ones(2), 5, "cosine", None],
+        "0": {"shadow": 1},  # a str key beside an int one
+    }
+
+
+@pytest.mark.parametrize("kind", ["torch", "safetensors"])
+def test_int_keys_lists_and_tuples_come_back_as_they_were(kind: str, tmp_path: Path) -> None:
+    save(_nested_state(), tmp_path / "ckpt")
+    exported = _convert(tmp_path / "ckpt", kind, tmp_path / "exported")
+    back = _convert(exported, "shardstore", tmp_path / "back")
+    assert run("diff", str(tmp_path / "ckpt"), str(back)) == (0, "identical\n", "")
+    common = load_common_state_dict(back)
+    assert list(common["optim"]["state"]) == [0] and isinstance(common["optim"]["state"][0]["step"], torch.Tensor)
+    assert common["optim"]["param_groups"][0]["betas"] == (0.9, 0.95)
+    assert common["schedule"][1:] == [5, "cosine", None] and common["0"] == {"shadow": 1}
+    assert sorted(shardstore.load_tensors_metadata(back)) == ["model/w", "optim/state/0/exp_avg"]
+
+
+def test_a_torch_file_keeps_its_layout_where_torch_load_does_not_see_it(tmp_path: Path) -> None:
+    save(_nested_state(), tmp_path / "ckpt")
+    to_torch_file(tmp_path / "ckpt", tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert "shardstore_layout.json" not in loaded and loaded["optim"]["state"][0]["step"].item() == 3.0
+    layout = convert_layout.read_torch_layout(tmp_path / "model.pt")
+    assert layout is not None and layout.arrays["optim/state/0/exp_avg"] == ("optim", "state", "0", "exp_avg")
+
+
+def _with_layout_entry(path: Path, text: str) -> None:
+    with zipfile.ZipFile(path) as archive:
+        entries = {name: archive.read(name) for name in archive.namelist()}
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in entries.items():
+            archive.writestr(name, text if name.endswith(convert_layout.TORCH_ENTRY) else data)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "layout is malformed"),
+    (json.dumps({"format": "shardstore-layout", "version": 1, "objects": [], "common": None,
+                 "arrays": [["model/w", ["model", "nowhere"]]]}), "where the file holds nothing"),
+    (json.dumps({"format": "shardstore-layout", "version": 1, "objects": [], "common": None,
+                 "arrays": [["model/w", ["schedule", 1]]]}), "which holds a int"),
+    (json.dumps({"format": "shardstore-layout", "version": 9, "objects": [], "arrays": []}), "version 9"),
+])
+def test_a_damaged_layout_is_refused_naming_the_file(tmp_path: Path, text: str, message: str) -> None:
+    save(_nested_state(), tmp_path / "ckpt")
+    to_torch_file(tmp_path / "ckpt", tmp_path / "model.pt")
+    _with_layout_entry(tmp_path / "model.pt", text)
+    with pytest.raises(CheckpointingException, match=message) as raised:
+        from_torch_file(tmp_path / "model.pt", tmp_path / "back")
+    assert str(tmp_path / "model.pt") in str(raised.value)
+    assert not (tmp_path / "back").exists()
+
+
+# ------------------------------------------------------------------ a full disk (33.7)
+
+
+def _big_checkpoint(path: Path) -> Path:
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(1024, 1024))}, path)  # 4 MiB
+    return path
+
+
+def _assert_full_disk_reported(target: Path, code: int, err: str) -> None:
+    assert code != 0
+    assert str(target) in err and "No space left on device" in err, err
+    assert "inline_container" not in err and "unexpected pos" not in err, err
+    assert os.listdir(target.parent) == []  # no file, no temporary
+
+
+def test_a_full_disk_while_writing_a_torch_file_names_the_file_and_leaves_nothing(
+    tmp_path: Path, tiny_tmpfs: Path
+) -> None:
+    source = _big_checkpoint(tmp_path / "ckpt")
+    target = tiny_tmpfs / "model.pt"
+    code, _, err = run("convert", str(source), str(target))
+    _assert_full_disk_reported(target, code, err)
+
+
+class _FullAfter:
+    """A file whose writes fail with ENOSPC after ``room`` bytes, as a full disk does."""
+
+    def __init__(self, file, room: int) -> None:
+        self.file, self.room = file, room
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+
+def test_enospc_from_the_writer_names_the_file_and_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    """The same without a tmpfs: the file's writes fail as a full disk's do."""
+    source = _big_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "out").mkdir()
+    target = tmp_path / "out" / "model.pt"
+    monkeypatch.setattr(convert_layout, "open", lambda path, mode: _FullAfter(open(path, mode), 4096), raising=False)
+    code, _, err = run("convert", str(source), str(target))
+    _assert_full_disk_reported(target, code, err)
+
+
+def test_a_safetensors_layout_naming_a_missing_array_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    save(_nested_state(), tmp_path / "ckpt")
+    _convert(tmp_path / "ckpt", "safetensors", tmp_path / "hf")
+    file = tmp_path / "hf" / "model.safetensors"
+    layout = convert_layout.read_safetensors_layout(file)
+    tensors = load_file(file)
+    del tensors["model/w"]
+    file.unlink()
+    save_file(tensors, file, metadata={"format": "pt", **convert_layout.safetensors_metadata(layout)})
+    code, _, err = run("convert", str(tmp_path / "hf"), str(tmp_path / "back"))
+    assert code != 0 and "'model/w'" in err and str(tmp_path / "hf") in err, err
+    assert not (tmp_path / "back").exists()

@@ -314,6 +314,41 @@ def flatten(x: dict | list, visit: Callable[[tuple, Any, bool], Any] | None = No
     return leaves
 
 
+def with_list_places(kept: list[Leaf], leaves: list[Leaf]) -> list[Leaf]:
+    """``kept`` (a selection of ``leaves``, in their order) with a ``None`` leaf for every
+    element of a list that holds something kept but nothing kept under that element:
+    ``nest`` of the result keeps each list's length and every element at its index.
+
+    Without it a list mixing sharded and plain values (``[DTensor, 3, "x"]``) keeps
+    ``[3, "x"]`` in the common state, and a load cannot tell where the loaded tensor
+    goes back; with it the common state holds ``[None, 3, "x"]`` (as DCP's does) and
+    ``nest(..., into=common)`` fills the ``None`` at the tensor's own index."""
+    holding: set[tuple[int, Any]] = set()  # (id of a list, index) with a kept leaf under it
+    for leaf in kept:
+        for level, container in enumerate(leaf.containers):
+            if isinstance(container, list):
+                holding.add((id(container), leaf.path[level]))
+    lists = {list_id for list_id, _ in holding}
+    kept_ids = {id(leaf) for leaf in kept}
+    if not any(id(c) in lists for leaf in leaves if id(leaf) not in kept_ids for c in leaf.containers):
+        return kept
+    result: list[Leaf] = []
+    held: set[tuple[int, Any]] = set()
+    for leaf in leaves:
+        if id(leaf) in kept_ids:
+            result.append(leaf)
+            continue
+        for level, container in enumerate(leaf.containers):
+            if not isinstance(container, list) or (id(container), leaf.path[level]) in holding:
+                continue
+            place = (id(container), leaf.path[level])
+            if id(container) in lists and place not in held:
+                held.add(place)
+                result.append(Leaf(leaf.path[:level + 1], None, leaf.containers[:level + 1]))
+            break
+    return result
+
+
 def nest(
     leaves: Iterable[Leaf], values: Iterable[Any] | None = None, into: dict | list | None = None,
     root: dict | list | None = None,

@@ -59,11 +59,12 @@ from shardstore.core import (
     maybe_load_config,
     save_config,
 )
-from shardstore.dict_utils import Leaf, flatten, merge, nest
+from shardstore.dict_utils import Leaf, flatten, merge, nest, with_list_places
 from shardstore.format.commit import PendingCheckpoint, begin_save, join_save
 from shardstore.format.integrity import open_committed
 from shardstore.format.records import CommitRecord
 from shardstore.inputs.megatron_objects import convert_leaf
+from shardstore.inputs.plain_tensors import whole_tensor_requests
 from shardstore.mapping import (
     CommonStateDict,
     LocalNonpersistentObject,
@@ -265,7 +266,7 @@ class _SaveSplit:
                 (object_leaves if separate_objects else sharded).append(leaf)
             elif isinstance(value, ShardedBase):
                 sharded.append(leaf)
-        self.common_part, _ = nest(common, root=sharded_state_dict)
+        self.common_part, _ = nest(with_list_places(common, leaves), root=sharded_state_dict)
         if foreign:
             found = sharded_values_in_common(self.common_part)
             raise CheckpointingException(
@@ -502,7 +503,9 @@ def _load_opened(
     objects: list[ShardedObject] = []
     try:
         common_state_dict = common_strategy.load_common(location)
-        request = _LoadRequest(sharded_state_dict)
+        # a plain tensor saved as an array (by the DCP writer) is read into the tensor itself
+        requested = whole_tensor_requests(sharded_state_dict, record.arrays if record else {}, group.is_coordinator)
+        request = _LoadRequest(requested)
         tensors, objects = request.tensors(), request.objects()
     except Exception as exc:  # reported on every rank by gather_and_plan
         error = exc

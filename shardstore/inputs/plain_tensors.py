@@ -15,7 +15,8 @@ chunk file, a record entry and a TensorStore open (0.3-0.6 ms each, FACTS.md), w
 ``common.pt`` holds thousands of small tensors for 0.16 s in total. Below 1 KiB (an
 optimizer's ``step``, a LayerNorm bias of 256 float32 values) nothing is gained by an
 array: checksums of whole files still cover ``common.pt``, and no reader wants a scalar
-as an array. ``min_array_bytes=0`` writes every non-empty tensor as an array.
+as an array. ``min_array_bytes=0`` writes every non-empty tensor of at least one dimension as an
+array.
 
 Tensors that describe their own place in a global tensor (torch >= 2.14's
 ``torch.distributed.checkpoint.CheckpointableTensor`` protocol: ``global_shape``,
@@ -58,10 +59,11 @@ def is_plain_tensor(value: Any) -> bool:
     return CHECKPOINTABLE_TENSOR is None or not isinstance(value, CHECKPOINTABLE_TENSOR)
 
 
-def stored_as_array(nbytes: int, min_array_bytes: int) -> bool:
-    """Whether a plain tensor of ``nbytes`` bytes becomes an array (else it stays in the
-    common state): every non-empty one at or above the threshold."""
-    return nbytes > 0 and nbytes >= min_array_bytes
+def stored_as_array(shape: tuple[int, ...], nbytes: int, min_array_bytes: int) -> bool:
+    """Whether a plain tensor of ``shape`` and ``nbytes`` bytes becomes an array (else it
+    stays in the common state): every non-empty one of at least one dimension at or
+    above the threshold (a scalar, such as an optimizer's ``step``, is a value)."""
+    return len(shape) > 0 and nbytes > 0 and nbytes >= min_array_bytes
 
 
 @dataclass(frozen=True)

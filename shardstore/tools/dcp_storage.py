@@ -292,7 +292,7 @@ class ShardstoreWriter(StorageWriter):
         rank: it depends on the item alone)."""
         return (
             item.type == WriteItemType.TENSOR and item.tensor_data.properties.dtype in BY_TORCH
-            and stored_as_array(item.tensor_storage_size() or 0, self.min_array_bytes)
+            and stored_as_array(tuple(item.tensor_data.size), item.tensor_storage_size() or 0, self.min_array_bytes)
         )
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

@@ -115,8 +115,12 @@ def test_plain_tensors_are_arrays_that_other_readers_open(tmp_path: Path) -> Non
     _load_in_place_and_compare(ckpt, saved, seed=5)
 
 
-def save_replicated_at_two_ranks(rank: int, world: int, root: str) -> list[str]:
+def save_replicated_at_two_ranks(rank: int, world: int, root: str) -> dict[str, list[str]]:
+    """Saved twice: with DCP's default planner, and with one whose deduplication gives
+    every replicated item to rank 0 (the writer still spreads the arrays, so rank 1
+    writes tensors its own plan does not hold)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
 
     written: list[str] = []
     original = ShardstoreWriter._write_shards
@@ -127,21 +131,27 @@ def save_replicated_at_two_ranks(rank: int, world: int, root: str) -> list[str]:
 
     ShardstoreWriter._write_shards = recording
     state = _state(*_model_and_optimizer(0))  # the same on both ranks, as DDP keeps it
-    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/ckpt"))
+    by_planner = {}
+    for name, planner in (("default", None), ("lowest rank", DefaultSavePlanner(dedup_save_to_lowest_rank=True))):
+        written.clear()
+        dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/{name}"), planner=planner)
+        by_planner[name] = list(written)
+        _load_in_place_and_compare(f"{root}/{name}", fm.full_values(state), seed=rank + 5)
     ShardstoreWriter._write_shards = original
-    _load_in_place_and_compare(f"{root}/ckpt", fm.full_values(state), seed=rank + 5)
-    return written
+    return by_planner
 
 
 def test_replicated_plain_tensors_are_written_once_balanced_over_the_ranks(tmp_path: Path) -> None:
-    by_rank = run_distributed(save_replicated_at_two_ranks, 2, str(tmp_path))
+    results = run_distributed(save_replicated_at_two_ranks, 2, str(tmp_path))
     state = _state(*_model_and_optimizer(0))
     sizes = {key: t.nbytes for key, t in _tensors(state).items()}
-    written = [key for keys in by_rank for key in keys]
-    assert sorted(written) == sorted(_expected_arrays(state)), "every array once, by one rank"
-    loads = [sum(sizes[key] for key in keys) for keys in by_rank]
-    assert abs(loads[0] - loads[1]) <= max(sizes[key] for key in written), loads
-    assert shardstore.verify(tmp_path / "ckpt").ok
+    for name in ("default", "lowest rank"):
+        by_rank = [result[name] for result in results]
+        written = [key for keys in by_rank for key in keys]
+        assert sorted(written) == sorted(_expected_arrays(state)), f"{name}: every array once, by one rank"
+        loads = [sum(sizes[key] for key in keys) for keys in by_rank]
+        assert abs(loads[0] - loads[1]) <= max(sizes[key] for key in written), (name, loads)
+        assert shardstore.verify(tmp_path / name).ok
 
 
 def test_the_threshold_decides_between_an_array_and_the_common_state(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from shardstore.dict_utils import nested_values
 from shardstore.inputs.dtensors import fqn, is_dtensor
 from shardstore.mapping import ShardedTensor
 
@@ -116,9 +117,11 @@ def whole_tensor_requests(state_dict: Any, arrays: Mapping[str, Any], main: bool
     request is the main replica (one rank's, for the load's coverage check).
 
     Containers on the way are copied (the caller's state dict keeps its tensors); a
-    state dict without such a tensor is returned as it is."""
-    if not arrays:
+    state dict without such a tensor is returned as it is. A key the request already
+    asks for by a ShardedTensor is left to that request."""
+    if not arrays or not isinstance(state_dict, (dict, list)):
         return state_dict
+    requested = {value.key for value in nested_values(state_dict) if isinstance(value, ShardedTensor)}
 
     def convert(value: Any, path: tuple) -> tuple[Any, bool]:
         if isinstance(value, dict):
@@ -130,10 +133,8 @@ def whole_tensor_requests(state_dict: Any, arrays: Mapping[str, Any], main: bool
             changed = any(c for _, c in elements)
             return ([v for v, _ in elements] if changed else value), changed
         key = fqn(path)
-        if key in arrays and is_plain_tensor(value):
+        if key in arrays and key not in requested and is_plain_tensor(value):
             return ShardedTensor.from_rank_offsets(key, value, replica_id=0 if main else 1), True
         return value, False
 
-    if not isinstance(state_dict, (dict, list)):
-        return state_dict
     return convert(state_dict, ())[0]

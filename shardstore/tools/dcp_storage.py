@@ -13,30 +13,42 @@ What goes where (the same as ``shardstore.save`` of the same state dict, see
 * every sharded item (a DTensor: DCP's ``WriteItemType.SHARD``) is a chunk of one
   global array named by its fully qualified name (``model.layers.0.weight``), written by
   the rank DCP's plan gives it, with each chunk's crc32c bound into the commit record;
-* everything else (plain tensors such as the optimizer's ``step``, Python values such
+* every plain tensor (DCP's replicated ``WriteItemType.TENSOR``: a DDP or one-process
+  model's parameters, Adam's moments) of at least ``min_array_bytes`` is an array of its
+  own, its one block written by one of the ranks that hold it, balanced by bytes
+  (``shardstore.inputs.plain_tensors``);
+* everything else (smaller tensors such as the optimizer's ``step``, Python values such
   as param groups) is the common state, ``common.pt``, nested as the caller's dict was
-  (DCP's flattening mappings), loaded with ``weights_only`` like every common state.
+  (DCP's flattening mappings; a list keeps its length, ``None`` where an array is),
+  loaded with ``weights_only`` like every common state.
 
 Save (the calls DCP makes, in order; ``StorageWriter``'s protocol)::
 
     0) all ranks    reset(checkpoint_id)        only when dcp.save gets a checkpoint_id
     1) all ranks    set_up_storage_writer()     the coordinator lets go of an earlier
                                                 save that never finished
-    2) all ranks    prepare_local_plan()        unchanged
-    3) coordinator  prepare_global_plan()       the sharded items of every rank become
-                                                shard records; the global layout is
+    2) all ranks    prepare_local_plan()        names the plain tensors this rank holds
+                                                that become arrays
+    3) coordinator  prepare_global_plan()       the sharded items of every rank, and
+                                                each plain array (one writer among its
+                                                holders), become shard records; the
+                                                global layout is
                                                 validated (keys against the target's
                                                 name limits, coverage, dtypes) and
                                                 planned (``planning.plans.plan_save``: chunk
                                                 grids aligned with the shards, one writer
                                                 per chunk); the save begins
                                                 (``commit.begin_save``: staging area,
-                                                metadata.json); each rank's plan carries
+                                                metadata.json, the checkpoint to reuse
+                                                from); each rank's plan carries
                                                 its part and the save's intent
     4) all ranks    write_data()                array metadata and chunks from the
-                                                tensors' memory (``execution.save``),
-                                                durable; the WriteResults carry the chunk
-                                                checksums and the common values
+                                                tensors' memory (``execution.save``; an
+                                                unchanged chunk of ``reuse_from`` is
+                                                shared, not written), durable; the
+                                                WriteResults carry the chunk checksums
+                                                (on the first, beside its own value) and
+                                                the common values
     5) coordinator  finish()                    common.pt, then the commit record (every
                                                 chunk's crc32c, every file's checksum),
                                                 published atomically (``commit``)
@@ -54,7 +66,8 @@ Load (``StorageReader``'s protocol)::
                                                 and common.pt, as DCP Metadata: one
                                                 chunk per array (so DCP asks for each
                                                 requested region once), the common
-                                                values by fully qualified name
+                                                values by fully qualified name (by DCP's
+                                                flattening and by each leaf's name)
     2) all ranks    set_up_storage_reader()
     3) all ranks    prepare_local_plan()        unchanged
     4) coordinator  prepare_global_plan()       unchanged
@@ -63,6 +76,7 @@ Load (``StorageReader``'s protocol)::
                                                 its crc32c and the record's, straight
                                                 into the destination tensor where it is a
                                                 contiguous CPU tensor of the stored dtype
+                                                (a plain tensor is filled in place)
 """
 
 from __future__ import annotations

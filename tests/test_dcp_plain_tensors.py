@@ -215,3 +215,24 @@ def test_reuse_from_shares_what_did_not_change(tmp_path: Path) -> None:
     shutil.rmtree(tmp_path / "step1")
     assert shardstore.verify(tmp_path / "step2").ok
     _load_in_place_and_compare(tmp_path / "step2", saved, seed=5)
+
+
+def test_a_planner_that_drops_the_writers_plan_data_loses_no_tensor(tmp_path: Path) -> None:
+    """A custom planner may rebuild the plans without what ``prepare_local_plan`` put in
+    them: the plain tensors left in the plans are still arrays, none is dropped."""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class Rebuilding(DefaultSavePlanner):
+        def create_global_plan(self, all_plans):
+            plans, metadata = super().create_global_plan(all_plans)
+            return [dataclasses.replace(plan, storage_data=None) for plan in plans], metadata
+
+    state = {"w": torch.arange(512.0), "b": torch.ones(3)}
+    dcp.save(state, storage_writer=ShardstoreWriter(tmp_path / "ckpt"), planner=Rebuilding())
+    assert set(shardstore.load_tensors_metadata(tmp_path / "ckpt")) == {"w"}
+    request = {"w": torch.zeros(512), "b": torch.zeros(3)}
+    dcp.load(request, storage_reader=ShardstoreReader(tmp_path / "ckpt"))
+    fm.assert_same(request, state)

@@ -85,6 +85,7 @@ import io
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -331,7 +332,7 @@ class ShardstoreWriter(StorageWriter):
                 f"Saving {where}: DCP's plan caching is not supported by ShardstoreWriter (each save plans its "
                 "chunks and staging area anew); use DefaultSavePlanner(enable_plan_caching=False)"
             )
-        layout, orders = global_layout(plans, _plain_array_writers(plans))
+        layout, orders = global_layout(plans, _plain_array_writers(plans, self._as_array))
         validate_sharding_integrity(layout, target.name_limits, where)
         rank_plans = plan_save(layout, self.max_chunk_bytes, fully_parallel=False)
         pending = begin_save(target, self.overwrite, self._reuse_source())
@@ -429,10 +430,16 @@ class ShardstoreWriter(StorageWriter):
         return True
 
 
-def _plain_array_writers(plans: list[SavePlan]) -> list[list[WriteItem]]:
+def _plain_array_writers(plans: list[SavePlan], as_array: Callable[[WriteItem], bool]) -> list[list[WriteItem]]:
     """Per rank, the plain tensors it writes as arrays: each by one of the ranks that
-    hold it, balanced by bytes (``plain_tensors.assign_writers``)."""
-    held = [plan.storage_data.items if isinstance(plan.storage_data, HeldPlainTensors) else () for plan in plans]
+    hold it, balanced by bytes (``plain_tensors.assign_writers``). A rank holds those its
+    local plan named and those left in its plan (also where a planner dropped what
+    ``prepare_local_plan`` named: every array item of every plan is written)."""
+    held = []
+    for plan in plans:
+        named = plan.storage_data.items if isinstance(plan.storage_data, HeldPlainTensors) else ()
+        by_index = {item.index: item for item in (*named, *filter(as_array, plan.items))}
+        held.append(tuple(by_index.values()))
     writers = assign_writers(
         [[HeldTensor(item.index.fqn, item.tensor_storage_size() or 0) for item in items] for items in held],
         [sum(item.tensor_storage_size() or 0 for item in plan.items if _is_sharded(item)) for plan in plans],

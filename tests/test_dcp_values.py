@@ -118,3 +118,22 @@ def test_common_state_keeps_each_list_element_at_its_index(tmp_path: Path) -> No
     assert shardstore.load_common_state_dict(tmp_path / "a") == {"lst": [None, 3, "x"]}
     loaded = shardstore.load({"lst": [ShardedTensor.from_rank_offsets("t", torch.zeros(2)), 0, ""]}, tmp_path / "a")
     assert loaded["lst"][1:] == [3, "x"] and torch.equal(loaded["lst"][0], torch.ones(2))
+
+
+def test_nested_lists_and_dicts_keep_their_places(tmp_path: Path) -> None:
+    """An element with nothing but sharded values inside (a dict, a list) holds its
+    place too; a load request in the same shape gets everything back where it was."""
+    from shardstore import ShardedTensor
+
+    def state(fill: float) -> dict:
+        def st(key: str) -> ShardedTensor:
+            return ShardedTensor.from_rank_offsets(key, torch.full((2,), fill))
+
+        return {"lst": [[st("a"), 3], st("b"), {"w": st("c")}, {"w": st("d"), "n": 4}, "z"]}
+
+    shardstore.save(state(1.0), tmp_path / "ckpt")
+    assert shardstore.load_common_state_dict(tmp_path / "ckpt") == {"lst": [[None, 3], None, None, {"n": 4}, "z"]}
+    loaded = shardstore.load(state(0.0), tmp_path / "ckpt")["lst"]
+    assert loaded[0][1] == 3 and loaded[3]["n"] == 4 and loaded[4] == "z", loaded
+    for tensor in (loaded[0][0], loaded[1], loaded[2]["w"], loaded[3]["w"]):
+        assert torch.equal(tensor, torch.ones(2)), loaded

@@ -27,13 +27,12 @@ protocol where torch has it, else None (torch 2.13 has not).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from shardstore.dict_utils import nested_values
 from shardstore.inputs.dtensors import fqn, is_dtensor
 from shardstore.mapping import ShardedTensor
 
@@ -110,31 +109,19 @@ def assign_writers(held: Sequence[Sequence[HeldTensor]], sharded_bytes: Sequence
     return writers
 
 
-def whole_tensor_requests(state_dict: Any, arrays: Mapping[str, Any], main: bool) -> Any:
-    """``state_dict`` with every plain tensor whose fully qualified name is an array of
-    the checkpoint (``arrays``, by key) replaced by a request for that whole array, read
-    into the tensor itself (in place, as ``dcp.load`` fills it). ``main``: this rank's
-    request is the main replica (one rank's, for the load's coverage check).
+def whole_array_requests(arrays: Mapping[str, Any], main: bool) -> Callable[[tuple, Any], Any]:
+    """A load request's leaf converter (``convert(path, value)``, in the request's one
+    walk): a plain tensor whose fully qualified name is an array of the checkpoint
+    (``arrays``, by key) becomes a request for that whole array, read into the tensor
+    itself (in place, as ``dcp.load`` fills it); any other value is returned as it is.
+    ``main``: this rank's requests are the main replica (one rank's, for the load's
+    coverage check)."""
 
-    Containers on the way are copied (the caller's state dict keeps its tensors); a
-    state dict without such a tensor is returned as it is. A key the request already
-    asks for by a ShardedTensor is left to that request."""
-    if not arrays or not isinstance(state_dict, (dict, list)):
-        return state_dict
-    requested = {value.key for value in nested_values(state_dict) if isinstance(value, ShardedTensor)}
+    def convert(path: tuple, value: Any) -> Any:
+        if arrays and is_plain_tensor(value):
+            key = fqn(path)
+            if key in arrays:
+                return ShardedTensor.from_rank_offsets(key, value, replica_id=0 if main else 1)
+        return value
 
-    def convert(value: Any, path: tuple) -> tuple[Any, bool]:
-        if isinstance(value, dict):
-            items = {k: convert(v, (*path, k)) for k, v in value.items()}
-            changed = any(c for _, c in items.values())
-            return ({k: v for k, (v, _) in items.items()} if changed else value), changed
-        if isinstance(value, list):
-            elements = [convert(v, (*path, i)) for i, v in enumerate(value)]
-            changed = any(c for _, c in elements)
-            return ([v for v, _ in elements] if changed else value), changed
-        key = fqn(path)
-        if key in arrays and key not in requested and is_plain_tensor(value):
-            return ShardedTensor.from_rank_offsets(key, value, replica_id=0 if main else 1), True
-        return value, False
-
-    return convert(state_dict, ())[0]
+    return convert

@@ -118,7 +118,7 @@ def test_plain_tensors_are_arrays_that_other_readers_open(tmp_path: Path) -> Non
 def save_replicated_at_two_ranks(rank: int, world: int, root: str) -> dict[str, list[str]]:
     """Saved twice: with DCP's default planner, and with one whose deduplication gives
     every replicated item to rank 0 (the writer still spreads the arrays, so rank 1
-    writes tensors its own plan does not hold)."""
+    writes tensors its own plan does not hold); then by ``dcp.async_save``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner
 
@@ -138,6 +138,10 @@ def save_replicated_at_two_ranks(rank: int, world: int, root: str) -> dict[str, 
         by_planner[name] = list(written)
         _load_in_place_and_compare(f"{root}/{name}", fm.full_values(state), seed=rank + 5)
     ShardstoreWriter._write_shards = original
+    background = torch.distributed.new_group(backend="gloo")
+    future = dcp.async_save(state, storage_writer=ShardstoreWriter(f"{root}/async"), process_group=background)
+    future.result()
+    _load_in_place_and_compare(f"{root}/async", fm.full_values(state), seed=rank + 5)
     return by_planner
 
 

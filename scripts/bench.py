@@ -17,7 +17,9 @@ replicated 4 KiB tensors), ``reshard`` (saved at 2 ranks, loaded at 1; baseline:
 same tensors saved and loaded by one process), ``dcp-api`` (the large state as DTensors
 through DCP's own ``dcp.save``/``dcp.load``: with ``shardstore.tools.dcp_storage``'s writer and
 reader against DCP's ``FileSystemWriter``/``FileSystemReader``, and through
-``shardstore.save``/``load``) and ``async``
+``shardstore.save``/``load``), ``dcp-plain`` (a plain model plus Adam, replicated on every
+rank as DDP holds it, through ``dcp.save``/``dcp.load`` with ``ShardstoreWriter``/``Reader``
+against DCP's ``FileSystemWriter``/``Reader``; ``--plain-gib``) and ``async``
 (caller-blocked time of an async save vs ``clone()``; a matmul loop's throughput while
 the save runs in the background); ``device`` (not in the default set: tensors on
 ``--device``, CUDA on the GPU machine, at ``--world 1``: sync save, load into device
@@ -27,7 +29,8 @@ targets, async blocked time against a pinned device-to-host copy, against DCP,
 Every timed load starts with the page cache dropped (``/proc/sys/vm/drop_caches`` when
 writable, else ``posix_fadvise(DONTNEED)`` on the checkpoint's files; the report says
 which). Peak RSS is the kernel's high-water mark (reset through ``clear_refs``) minus
-the RSS before the operation, maximum over ranks. Times are medians over ``--reps``.
+the RSS before the operation, maximum over ranks. Times are medians over ``--reps``
+(each line also gives the fastest and slowest repetition).
 """
 
 from __future__ import annotations
@@ -347,8 +350,9 @@ class Bench:
             if self.rank == 0:
                 for r in (saved, loaded):
                     if r.samples:
-                        print(f"  {r.case:8} {r.method:11} {r.op}: {r.seconds:7.3f} s  {r.gbps:6.2f} GB/s  "
-                              f"+{r.extra_rss / 2**20:7.1f} MiB RSS", flush=True)
+                        low, high = min(x.seconds for x in r.samples), max(x.seconds for x in r.samples)
+                        print(f"  {r.case:8} {r.method:11} {r.op}: {r.seconds:7.3f} s ({low:.3f}-{high:.3f})  "
+                              f"{r.gbps:6.2f} GB/s  +{r.extra_rss / 2**20:7.1f} MiB RSS", flush=True)
 
 
 @dataclass(eq=False)
@@ -519,6 +523,73 @@ def run_dcp_api(b: Bench, args: argparse.Namespace) -> None:
     method("ss-api", api, lambda sd: shardstore.save(sd, str(api)), lambda sd: shardstore.load(sd, str(api)))
     b.flush()
     for p in (ours, theirs, api):
+        b._clean(p)
+
+
+def plain_model_state(total_bytes: int) -> dict:
+    """A plain (non-DTensor) model and its Adam state after one step, as DDP or a
+    one-process fine-tuning script holds it on every rank: ``Linear(2048, 2048)``
+    layers (16 MiB weights, 8 KiB biases) whose weights and moments make up about
+    ``total_bytes``; the same on every rank (seeded)."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers = max(1, round(total_bytes / (3 * 2048 * 2048 * 4)))
+    model = nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(layers)))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 2048)).sum().backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+
+def run_dcp_plain(b: Bench, args: argparse.Namespace) -> None:
+    """``dcp.save`` / ``dcp.load`` of a plain model plus Adam (issue 31.3), every tensor
+    replicated on every rank: ``ShardstoreWriter`` (tensors >= 1 KiB as arrays, each
+    written by one rank) against DCP's ``FileSystemWriter`` (``sync_files=True``),
+    interleaved. Loads fill a state of the same structure in place."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
+
+    state = plain_model_state(int(args.plain_gib * GiB))
+    tensors = [t for group in (state["model"], *state["optim"]["state"].values()) for t in group.values()]
+    nbytes = sum(t.nbytes for t in tensors)
+    if b.rank == 0:
+        print(f"dcp-plain: {nbytes / 2**20:.0f} MiB in {len(tensors)} plain tensors, replicated on {b.world} ranks",
+              flush=True)
+
+    def empty_like(value):
+        if isinstance(value, dict):
+            return {k: empty_like(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [empty_like(v) for v in value]
+        return torch.zeros_like(value) if isinstance(value, torch.Tensor) else value
+
+    def method(name: str, path: Path, writer: Callable[[], object], reader: Callable[[], object]) -> None:
+        dcp.save({"warm-up": torch.zeros(4)}, storage_writer=writer())  # first-call costs, untimed
+        dcp.load({"warm-up": torch.zeros(4)}, storage_reader=reader())
+        b._clean(path)
+        target: dict = {}
+
+        def load_into() -> None:
+            target.clear()
+            target.update(empty_like(state))
+            dcp.load(target, storage_reader=reader())
+
+        def check() -> None:
+            for key, tensor in state["model"].items():
+                assert torch.equal(target["model"][key], tensor), (name, key)
+            for index, moments in state["optim"]["state"].items():
+                for key, tensor in moments.items():
+                    assert torch.equal(target["optim"]["state"][index][key], tensor), (name, index, key)
+
+        b.measure("dcp-plain", name, nbytes, path, lambda: dcp.save(state, storage_writer=writer()), load_into, check)
+
+    ours, theirs = b.root / "dcp-plain-shardstore", b.root / "dcp-plain-dcp"
+    method("shardstore", ours, lambda: ShardstoreWriter(ours), lambda: ShardstoreReader(ours))
+    method("dcp", theirs, lambda: dcp.FileSystemWriter(theirs), lambda: dcp.FileSystemReader(theirs))
+    b.flush()
+    for p in (ours, theirs):
         b._clean(p)
 
 
@@ -879,6 +950,7 @@ def ratios(results: list[Result]) -> dict[str, float]:
         # and shardstore.save/load of the same DTensors vs the same
         out |= ratio(f"dcp-api.{op}.vs_dcp", ("dcp-api", "shardstore", op), ("dcp-api", "dcp", op))
         out |= ratio(f"dcp-api.{op}.ss_api_vs_dcp", ("dcp-api", "ss-api", op), ("dcp-api", "dcp", op))
+        out |= ratio(f"dcp-plain.{op}.vs_dcp", ("dcp-plain", "shardstore", op), ("dcp-plain", "dcp", op))
     # time of the 2->1 resharded load / time of a 1->1 load of the same tensors (one reader each)
     out |= ratio("reshard.load_time_vs_same_layout", ("reshard", "shardstore-1rank", "load"),
                  ("reshard", "shardstore", "load"))
@@ -930,6 +1002,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, root: str
         run_large(b, args)
     if "dcp-api" in args.cases:
         run_dcp_api(b, args)
+    if "dcp-plain" in args.cases:
+        run_dcp_plain(b, args)
     if "small" in args.cases:
         run_small(b, args)
     if "s3" in args.cases:
@@ -974,7 +1048,8 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=5000, help="number of 4 KiB tensors")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--cases", default="large,reshard,dcp-api,small,async,s3,incr")
+    parser.add_argument("--cases", default="large,reshard,dcp-api,dcp-plain,small,async,s3,incr")
+    parser.add_argument("--plain-gib", type=float, default=0.5, help="size of the dcp-plain case's model + Adam")
     parser.add_argument("--incr-gib", type=float, default=0.25, help="size of the incremental case's frozen base")
     parser.add_argument("--s3-gib", type=float, default=0.25, help="size of the S3 case's state (all ranks)")
     parser.add_argument("--dir", default=None, help="where to write (default: the temp dir)")

@@ -314,6 +314,41 @@ def flatten(x: dict | list, visit: Callable[[tuple, Any, bool], Any] | None = No
     return leaves
 
 
+def with_list_places(kept: list[Leaf], leaves: list[Leaf]) -> list[Leaf]:
+    """``kept`` (a selection of ``leaves``, in their order) with a ``None`` leaf for every
+    element of a list that holds something kept but nothing kept under that element:
+    ``nest`` of the result keeps each list's length and every element at its index.
+
+    Without it a list mixing sharded and plain values (``[DTensor, 3, "x"]``) keeps
+    ``[3, "x"]`` in the common state, and a load cannot tell where the loaded tensor
+    goes back; with it the common state holds ``[None, 3, "x"]`` (as DCP's does) and
+    ``nest(..., into=common)`` fills the ``None`` at the tensor's own index."""
+    holding: set[tuple[int, Any]] = set()  # (id of a list, index) with a kept leaf under it
+    for leaf in kept:
+        for level, container in enumerate(leaf.containers):
+            if isinstance(container, list):
+                holding.add((id(container), leaf.path[level]))
+    lists = {list_id for list_id, _ in holding}
+    kept_ids = {id(leaf) for leaf in kept}
+    if not any(id(c) in lists for leaf in leaves if id(leaf) not in kept_ids for c in leaf.containers):
+        return kept
+    result: list[Leaf] = []
+    held: set[tuple[int, Any]] = set()
+    for leaf in leaves:
+        if id(leaf) in kept_ids:
+            result.append(leaf)
+            continue
+        for level, container in enumerate(leaf.containers):
+            if not isinstance(container, list) or (id(container), leaf.path[level]) in holding:
+                continue
+            place = (id(container), leaf.path[level])
+            if id(container) in lists and place not in held:
+                held.add(place)
+                result.append(Leaf(leaf.path[:level + 1], None, leaf.containers[:level + 1]))
+            break
+    return result
+
+
 def nest(
     leaves: Iterable[Leaf], values: Iterable[Any] | None = None, into: dict | list | None = None,
     root: dict | list | None = None,
@@ -330,7 +365,10 @@ def nest(
             container's leaf gets a new empty container of its kind).
         into: merge into this state dict instead of a new one, as ``merge(into, built)``
             would: dicts by key, a list element-wise when the lists are of equal length,
-            a value already present is an error.
+            a value already present is an error. A list of ``into`` as long as the
+            leaves' own list holds every element in its place (a common state that keeps
+            ``None`` where a sharded value was, as DCP's does): a leaf goes to its own
+            index, filling a ``None`` there.
         root: the flattened state dict (its kind is the result's when ``into`` is None
             and there are no leaves); default: a dict.
 
@@ -351,16 +389,19 @@ def nest(
         for level in range(depth):
             key = leaf.path[level]
             if level == depth - 1:
-                slots.append(_place(parent, key, value, children, placed, leaf.path))
+                slots.append(_place(parent, key, value, children, placed, leaf.path, source=leaf.containers[level]))
                 break
             node = children.get((id(parent), key))
             if node is None:
                 kind = dict if isinstance(leaf.containers[level + 1], dict) else list
-                parent, _ = _place(parent, key, kind(), children, placed, leaf.path[:level + 1], container=True)
+                parent, _ = _place(
+                    parent, key, kind(), children, placed, leaf.path[:level + 1], container=True,
+                    source=leaf.containers[level],
+                )
             else:
                 parent = node
     for target, count, path in placed.values():
-        if count != len(target):
+        if count is not None and count != len(target):
             raise ValueError(
                 f"Cannot merge two lists with different lengths ({len(target)} and {count}, "
                 f"encountered at key {path})"
@@ -368,13 +409,28 @@ def nest(
     return into, slots
 
 
+def _holds_list_of_length(container: dict | list, key: Any, length: int) -> bool:
+    """Whether ``container[key]`` is a list of ``length`` elements."""
+    try:
+        value = container[key]
+    except (KeyError, IndexError, TypeError):
+        return False
+    return isinstance(value, list) and len(value) == length
+
+
 def _place(
     parent: dict | list, key: Any, value: Any, children: dict, placed: dict, path: tuple, container: bool = False,
+    source: Any = None,
 ) -> tuple[Any, Any]:
     """Puts ``value`` under ``key`` of ``parent`` (a new container when ``container``),
     merging with what ``parent`` already holds there as ``merge`` does. Returns the
-    container now under ``key`` when ``container``, else the slot ``(parent, key)``."""
-    if isinstance(parent, list) and id(parent) in placed:  # a list already in ``into``: element-wise
+    container now under ``key`` when ``container``, else the slot ``(parent, key)``.
+    ``source``: the container of the flattened state dict that holds ``key``."""
+    if isinstance(parent, list) and id(parent) in placed and placed[id(parent)][1] is None:  # in place
+        index, existing, present = key, parent[key], parent[key] is not None
+        if not present:
+            parent[index] = value
+    elif isinstance(parent, list) and id(parent) in placed:  # a list already in ``into``: element-wise
         target, count, at = placed[id(parent)]
         placed[id(parent)] = (target, count + 1, at)
         index = count
@@ -401,7 +457,8 @@ def _place(
     if container and isinstance(existing, type(value)) and isinstance(existing, (dict, list)):
         children[(id(parent), key)] = existing
         if isinstance(existing, list):
-            placed[id(existing)] = (existing, 0, path)
+            positional = isinstance(source, (dict, list)) and _holds_list_of_length(source, key, len(existing))
+            placed[id(existing)] = (existing, None if positional else 0, path)
         return existing, None
     raise ValueError(
         f"Duplicate non-dict and non-list values encountered: `{existing}` and `{value}` (at key {path})"

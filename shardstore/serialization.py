@@ -59,11 +59,12 @@ from shardstore.core import (
     maybe_load_config,
     save_config,
 )
-from shardstore.dict_utils import Leaf, flatten, merge, nest
+from shardstore.dict_utils import Leaf, flatten, merge, nest, with_list_places
 from shardstore.format.commit import PendingCheckpoint, begin_save, check_shared, join_save
 from shardstore.format.integrity import open_committed
 from shardstore.format.records import CommitRecord
 from shardstore.inputs.megatron_objects import convert_leaf
+from shardstore.inputs.plain_tensors import whole_array_requests
 from shardstore.mapping import (
     CommonStateDict,
     LocalNonpersistentObject,
@@ -265,7 +266,7 @@ class _SaveSplit:
                 (object_leaves if separate_objects else sharded).append(leaf)
             elif isinstance(value, ShardedBase):
                 sharded.append(leaf)
-        self.common_part, _ = nest(common, root=sharded_state_dict)
+        self.common_part, _ = nest(with_list_places(common, leaves), root=sharded_state_dict)
         if foreign:
             found = sharded_values_in_common(self.common_part)
             raise CheckpointingException(
@@ -284,16 +285,20 @@ def _is_empty_flat_tensor(x: Any) -> bool:
 
 def _request_visitor(
     foreign_in_common: list[tuple] | None = None, factories: list[tuple[tuple, ShardedTensorFactory]] | None = None,
+    plain: Callable[[tuple, Any], Any] | None = None,
 ) -> Callable[[tuple, Any, bool], Any]:
     """``flatten``'s visit for a save's or a load's state dict: each leaf converted
-    (``inputs.megatron_objects.convert_leaf``), each factory built (and, with
-    ``factories``, remembered with its path for the load's merges); with
-    ``foreign_in_common``, the paths of plain values that are (or hold, in a tuple)
-    another library's sharded objects (``utils.holds_sharded_class``)."""
+    (``inputs.megatron_objects.convert_leaf``, then ``plain``: a load's requests for
+    plain tensors stored as arrays, ``inputs.plain_tensors.whole_array_requests``), each
+    factory built (and, with ``factories``, remembered with its path for the load's
+    merges); with ``foreign_in_common``, the paths of plain values that are (or hold, in
+    a tuple) another library's sharded objects (``utils.holds_sharded_class``)."""
 
     def visit(path: tuple, value: Any, expandable: bool) -> Any:
         if expandable:
             value = convert_leaf(path, value)
+            if plain is not None:
+                value = plain(path, value)
             if isinstance(value, ShardedTensorFactory):
                 if factories is not None:
                     factories.append((path, value))
@@ -503,7 +508,9 @@ def _load_opened(
     objects: list[ShardedObject] = []
     try:
         common_state_dict = common_strategy.load_common(location)
-        request = _LoadRequest(sharded_state_dict)
+        # a plain tensor saved as an array (by the DCP writer) is read into the tensor itself
+        request = _LoadRequest(sharded_state_dict, whole_array_requests(record.arrays, group.is_coordinator)
+                               if record is not None else None)
         tensors, objects = request.tensors(), request.objects()
     except Exception as exc:  # reported on every rank by gather_and_plan
         error = exc
@@ -543,14 +550,15 @@ class _LoadRequest:
     ``extract_matching_values`` builds them); ``result`` puts what they loaded into the
     common state in one loop over the leaves (``nest(into=...)``, with ``merge``'s
     meaning) and applies the factories' merges, each at its path
-    (``mapping.apply_factory_merges``' meaning)."""
+    (``mapping.apply_factory_merges``' meaning). ``plain``: the converter of plain
+    tensors stored as arrays (``inputs.plain_tensors.whole_array_requests``)."""
 
-    def __init__(self, sharded_state_dict: ShardedStateDict) -> None:
+    def __init__(self, sharded_state_dict: ShardedStateDict, plain: Callable[[tuple, Any], Any] | None = None) -> None:
         self.factories: list[tuple[tuple, ShardedTensorFactory]] = []
         self.root = sharded_state_dict
         # the leaves the result holds, in request order: non-persistent and sharded ones
         self.leaves = [
-            leaf for leaf in flatten(sharded_state_dict, _request_visitor(factories=self.factories))
+            leaf for leaf in flatten(sharded_state_dict, _request_visitor(factories=self.factories, plain=plain))
             if not leaf.empty and isinstance(leaf.value, (ShardedBase, LocalNonpersistentObject))
         ]
         self.loaded: dict[int, Any] = {}  # by leaf index: what a strategy loaded

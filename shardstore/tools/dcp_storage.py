@@ -13,30 +13,42 @@ What goes where (the same as ``shardstore.save`` of the same state dict, see
 * every sharded item (a DTensor: DCP's ``WriteItemType.SHARD``) is a chunk of one
   global array named by its fully qualified name (``model.layers.0.weight``), written by
   the rank DCP's plan gives it, with each chunk's crc32c bound into the commit record;
-* everything else (plain tensors such as the optimizer's ``step``, Python values such
+* every plain tensor (DCP's replicated ``WriteItemType.TENSOR``: a DDP or one-process
+  model's parameters, Adam's moments) of at least ``min_array_bytes`` is an array of its
+  own, its one block written by one of the ranks that hold it, balanced by bytes
+  (``shardstore.inputs.plain_tensors``);
+* everything else (smaller tensors such as the optimizer's ``step``, Python values such
   as param groups) is the common state, ``common.pt``, nested as the caller's dict was
-  (DCP's flattening mappings), loaded with ``weights_only`` like every common state.
+  (DCP's flattening mappings; a list keeps its length, ``None`` where an array is),
+  loaded with ``weights_only`` like every common state.
 
 Save (the calls DCP makes, in order; ``StorageWriter``'s protocol)::
 
     0) all ranks    reset(checkpoint_id)        only when dcp.save gets a checkpoint_id
     1) all ranks    set_up_storage_writer()     the coordinator lets go of an earlier
                                                 save that never finished
-    2) all ranks    prepare_local_plan()        unchanged
-    3) coordinator  prepare_global_plan()       the sharded items of every rank become
-                                                shard records; the global layout is
+    2) all ranks    prepare_local_plan()        names the plain tensors this rank holds
+                                                that become arrays
+    3) coordinator  prepare_global_plan()       the sharded items of every rank, and
+                                                each plain array (one writer among its
+                                                holders), become shard records; the
+                                                global layout is
                                                 validated (keys against the target's
                                                 name limits, coverage, dtypes) and
                                                 planned (``planning.plans.plan_save``: chunk
                                                 grids aligned with the shards, one writer
                                                 per chunk); the save begins
                                                 (``commit.begin_save``: staging area,
-                                                metadata.json); each rank's plan carries
+                                                metadata.json, the checkpoint to reuse
+                                                from); each rank's plan carries
                                                 its part and the save's intent
     4) all ranks    write_data()                array metadata and chunks from the
-                                                tensors' memory (``execution.save``),
-                                                durable; the WriteResults carry the chunk
-                                                checksums and the common values
+                                                tensors' memory (``execution.save``; an
+                                                unchanged chunk of ``reuse_from`` is
+                                                shared, not written), durable; the
+                                                WriteResults carry the chunk checksums
+                                                (on the first, beside its own value) and
+                                                the common values
     5) coordinator  finish()                    common.pt, then the commit record (every
                                                 chunk's crc32c, every file's checksum),
                                                 published atomically (``commit``)
@@ -54,7 +66,8 @@ Load (``StorageReader``'s protocol)::
                                                 and common.pt, as DCP Metadata: one
                                                 chunk per array (so DCP asks for each
                                                 requested region once), the common
-                                                values by fully qualified name
+                                                values by fully qualified name (by DCP's
+                                                flattening and by each leaf's name)
     2) all ranks    set_up_storage_reader()
     3) all ranks    prepare_local_plan()        unchanged
     4) coordinator  prepare_global_plan()       unchanged
@@ -63,6 +76,7 @@ Load (``StorageReader``'s protocol)::
                                                 its crc32c and the record's, straight
                                                 into the destination tensor where it is a
                                                 contiguous CPU tensor of the stored dtype
+                                                (a plain tensor is filled in place)
 """
 
 from __future__ import annotations
@@ -71,6 +85,7 @@ import io
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -80,7 +95,6 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -98,12 +112,14 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from shardstore.core import CheckpointingConfig, CheckpointingException, save_config
+from shardstore.dict_utils import flatten
 from shardstore.execution.save import (
     StagedSave,
     WriteOp,
     bind_chunks,
     metadata_files,
     publish,
+    reused_from,
     write_staged,
 )
 from shardstore.execution.staging import to_host
@@ -117,6 +133,7 @@ from shardstore.format.chunks import (
 )
 from shardstore.format.commit import PendingCheckpoint, SaveIntent, begin_save, join_save
 from shardstore.format.dtypes import (
+    BY_TORCH,
     cast_checked,
     from_torch,
     from_zarr_name,
@@ -126,6 +143,13 @@ from shardstore.format.dtypes import (
 from shardstore.format.integrity import file_checksums
 from shardstore.format.pickles import load_torch, serialize
 from shardstore.format.records import COMMON_FILE, CommitRecord
+from shardstore.inputs.dtensors import fqn
+from shardstore.inputs.plain_tensors import (
+    DEFAULT_MIN_ARRAY_BYTES,
+    HeldTensor,
+    assign_writers,
+    stored_as_array,
+)
 from shardstore.planning.layout import GlobalLayout, ShardRecord, region_at
 from shardstore.planning.plans import RankSavePlan, plan_save
 from shardstore.protocol.collectives import Group
@@ -156,14 +180,7 @@ class RankPart:
 
     intent: SaveIntent
     plan: RankSavePlan
-    items: tuple[MetadataIndex, ...]
-
-
-@dataclass(frozen=True)
-class WrittenChunks:
-    """A rank's report to the coordinator (on one WriteResult): every chunk it wrote."""
-
-    chunks: tuple[WrittenChunk, ...]
+    items: tuple[WriteItem, ...]
 
 
 @dataclass(frozen=True)
@@ -173,6 +190,25 @@ class CommonValue:
 
     fqn: str
     value: torch.Tensor | bytes
+
+
+@dataclass(frozen=True)
+class HeldPlainTensors:
+    """What a rank's local plan tells the coordinator (``SavePlan.storage_data``): the
+    plain tensors it holds that become arrays, each of which it could write (DCP's
+    deduplication keeps a replicated item in one plan only)."""
+
+    items: tuple[WriteItem, ...]
+
+
+@dataclass(frozen=True)
+class WrittenChunks:
+    """A rank's report to the coordinator (on its first WriteResult): every chunk it
+    wrote, and the common value that result carries (DCP gives one storage_data per
+    result: neither may replace the other)."""
+
+    chunks: tuple[WrittenChunk, ...]
+    common: CommonValue | None = None
 
 
 def _is_sharded(item: WriteItem) -> bool:
@@ -190,17 +226,21 @@ def shard_record(item: WriteItem, rank: int, index: int) -> ShardRecord:
     )
 
 
-def global_layout(plans: list[SavePlan]) -> tuple[GlobalLayout, list[tuple[MetadataIndex, ...]]]:
-    """Every rank's sharded items as one layout, and each rank's items in the order its
-    records number them. Empty shards (uneven sharding) hold nothing and are left out;
-    an array with no elements at all keeps one empty block, so it is still recorded."""
+def global_layout(
+    plans: list[SavePlan], plain_arrays: list[list[WriteItem]] | None = None,
+) -> tuple[GlobalLayout, list[tuple[WriteItem, ...]]]:
+    """Every rank's sharded items and the plain tensors it writes as arrays
+    (``plain_arrays``, per rank: each a block that is the whole array) as one layout, and
+    each rank's items in the order its records number them. Empty shards (uneven
+    sharding) hold nothing and are left out; an array with no elements at all keeps one
+    empty block, so it is still recorded."""
     per_rank: list[tuple[list[ShardRecord], list]] = []
-    orders: list[tuple[MetadataIndex, ...]] = []
+    orders: list[tuple[WriteItem, ...]] = []
     empty_arrays: set[str] = set()
     for rank, plan in enumerate(plans):
         records: list[ShardRecord] = []
-        order: list[MetadataIndex] = []
-        for item in filter(_is_sharded, plan.items):
+        order: list[WriteItem] = []
+        for item in [*filter(_is_sharded, plan.items), *(plain_arrays[rank] if plain_arrays else ())]:
             record = shard_record(item, rank, len(records))
             if record.block_volume == 0:
                 if math.prod(record.global_shape) != 0 or record.key in empty_arrays:
@@ -208,7 +248,7 @@ def global_layout(plans: list[SavePlan]) -> tuple[GlobalLayout, list[tuple[Metad
                 empty_arrays.add(record.key)
                 record = replace(record, offset=(0,) * len(record.global_shape), block_shape=record.global_shape)
             records.append(record)
-            order.append(item.index)
+            order.append(item)
         per_rank.append((records, []))
         orders.append(tuple(order))
     return GlobalLayout.from_gathered(per_rank), orders
@@ -225,17 +265,27 @@ class ShardstoreWriter(StorageWriter):
             ``shardstore.save(overwrite=True)``); off, saving onto one is refused.
         max_chunk_bytes: upper bound on one stored chunk, in bytes.
         io_concurrency: chunk writes in flight at once per rank.
+        min_array_bytes: a plain tensor (not a DTensor) of at least this many bytes is
+            written as an array of its own, by one of the ranks that hold it; smaller
+            ones stay in ``common.pt`` (``shardstore.inputs.plain_tensors`` says why).
+        reuse_from: an earlier committed checkpoint whose chunks that did not change
+            this save shares instead of writing them again (as ``shardstore.save``'s
+            ``reuse_from``, ``shardstore.format.reuse``); one that cannot be reused
+            from is logged and written in full.
     """
 
     def __init__(
         self, checkpoint_id: CheckpointId | None = None, *, overwrite: bool = False,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+        min_array_bytes: int = DEFAULT_MIN_ARRAY_BYTES, reuse_from: CheckpointId | None = None,
     ) -> None:
         super().__init__()
         self.checkpoint_id = checkpoint_id
         self.overwrite = overwrite
         self.max_chunk_bytes = max_chunk_bytes
         self.io_concurrency = io_concurrency
+        self.min_array_bytes = min_array_bytes
+        self.reuse_from = reuse_from
         self.is_coordinator = False
         self._pending: PendingCheckpoint | None = None  # the coordinator's, from plan to finish
         self._commit: CommitRecord | None = None
@@ -249,6 +299,17 @@ class ShardstoreWriter(StorageWriter):
             raise CheckpointingException("ShardstoreWriter has no checkpoint path: pass one, or checkpoint_id= to dcp.save")
         return open_location(self.checkpoint_id)
 
+    def _reuse_source(self) -> Location | None:
+        return open_location(self.reuse_from) if self.reuse_from is not None else None
+
+    def _as_array(self, item: WriteItem) -> bool:
+        """A plain tensor's item that is written as an array (the same answer on every
+        rank: it depends on the item alone)."""
+        return (
+            item.type == WriteItemType.TENSOR and item.tensor_data.properties.dtype in BY_TORCH
+            and stored_as_array(tuple(item.tensor_data.size), item.tensor_storage_size() or 0, self.min_array_bytes)
+        )
+
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """All ranks. The coordinator abandons a save of this writer that DCP never
         finished (a rank failed in an earlier ``dcp.save``): every rank is past it now."""
@@ -259,7 +320,8 @@ class ShardstoreWriter(StorageWriter):
             self._pending = None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        """All ranks: names the plain tensors this rank holds that become arrays."""
+        return replace(plan, storage_data=HeldPlainTensors(tuple(filter(self._as_array, plan.items))))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: validates and plans the global layout, then begins the save."""
@@ -270,10 +332,10 @@ class ShardstoreWriter(StorageWriter):
                 f"Saving {where}: DCP's plan caching is not supported by ShardstoreWriter (each save plans its "
                 "chunks and staging area anew); use DefaultSavePlanner(enable_plan_caching=False)"
             )
-        layout, orders = global_layout(plans)
+        layout, orders = global_layout(plans, _plain_array_writers(plans, self._as_array))
         validate_sharding_integrity(layout, target.name_limits, where)
         rank_plans = plan_save(layout, self.max_chunk_bytes, fully_parallel=False)
-        pending = begin_save(target, self.overwrite)
+        pending = begin_save(target, self.overwrite, self._reuse_source())
         try:
             save_config(CheckpointingConfig(SHARDSTORE_BACKEND, ZARR_VERSION, COMMON_BACKEND, COMMON_VERSION), pending)
         except BaseException:
@@ -291,12 +353,17 @@ class ShardstoreWriter(StorageWriter):
         part = plan.storage_data
         if not isinstance(part, RankPart):
             raise CheckpointingException("ShardstoreWriter.write_data got a plan its prepare_global_plan did not make")
-        pending = self._pending if self.is_coordinator else join_save(self._target(), part.intent)
+        pending = (
+            self._pending if self.is_coordinator else join_save(self._target(), part.intent, self._reuse_source())
+        )
         if pending is None:
             raise CheckpointingException("ShardstoreWriter.write_data on the coordinator without a save in progress")
         try:
-            written = self._write_shards(part, plan, planner, pending)
-            results = [_result(item, planner, written) for item in plan.items]
+            written = self._write_shards(part, planner, pending)
+            results = [_result(item, planner, self._as_array(item)) for item in plan.items]
+            in_plan = {item.index for item in plan.items}
+            # a plain array DCP's deduplication gave another rank: its result travels from here
+            results += [_result(item, planner, True) for item in part.items if item.index not in in_plan]
         except CheckpointingException:
             raise
         except Exception as exc:
@@ -304,15 +371,14 @@ class ShardstoreWriter(StorageWriter):
         finally:
             if not self.is_coordinator:
                 pending.release()
-        if results and written.chunks:  # the chunks travel on the first result
-            results[0] = replace(results[0], storage_data=written)
+        if results and written.chunks:  # the chunks travel on the first result, beside its own value
+            results[0] = replace(results[0], storage_data=replace(written, common=results[0].storage_data))
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
-    def _write_shards(self, part: RankPart, plan: SavePlan, planner: SavePlanner, location: Location) -> WrittenChunks:
-        by_index = {item.index: item for item in plan.items}
-        tensors = [to_host(planner.resolve_data(by_index[index]).detach()) for index in part.items]
+    def _write_shards(self, part: RankPart, planner: SavePlanner, location: Location) -> WrittenChunks:
+        tensors = [to_host(planner.resolve_data(item).detach()) for item in part.items]
         ops = [
             WriteOp(s.key, s.region, tensor_to_numpy(tensors[s.index]).reshape(s.block_shape))
             for s in part.plan.shards
@@ -334,15 +400,21 @@ class ShardstoreWriter(StorageWriter):
             for rank_results in results:
                 chunks: list[WrittenChunk] = []
                 for result in rank_results:
-                    if isinstance(result.storage_data, WrittenChunks):
-                        chunks += result.storage_data.chunks
-                    elif isinstance(result.storage_data, CommonValue):
-                        common[result.storage_data.fqn] = _common_value(result.storage_data, where)
+                    data = result.storage_data
+                    if isinstance(data, WrittenChunks):
+                        chunks += data.chunks
+                        data = data.common
+                    if isinstance(data, CommonValue):
+                        common[data.fqn] = _common_value(data, where)
                 reports.append(chunks)
             # durable by itself (an fsync of the file, not a second syncfs of the file system)
             pending.write_atomic(COMMON_FILE, serialize(_nested(common, metadata.planner_data)))
             record = bind_chunks(commit, reports, where)
-            publish(pending, replace(record, files=file_checksums(pending, record)))
+            record = replace(record, files=file_checksums(pending, record), reused_from=reused_from(pending, reports))
+            publish(pending, record)
+            if record.reused_from is not None:
+                logger.info("save %s: %d chunk(s), %d bytes, unchanged since %s: shared, not written again", where,
+                            record.reused_from.chunks, record.reused_from.nbytes, record.reused_from.checkpoint)
         except BaseException as exc:
             pending.abandon()
             if isinstance(exc, Exception) and not isinstance(exc, CheckpointingException):
@@ -358,10 +430,27 @@ class ShardstoreWriter(StorageWriter):
         return True
 
 
-def _result(item: WriteItem, planner: SavePlanner, written: WrittenChunks) -> WriteResult:
-    """The WriteResult of one item: a sharded item's bytes were written; a common value
-    travels in it."""
-    if _is_sharded(item):
+def _plain_array_writers(plans: list[SavePlan], as_array: Callable[[WriteItem], bool]) -> list[list[WriteItem]]:
+    """Per rank, the plain tensors it writes as arrays: each by one of the ranks that
+    hold it, balanced by bytes (``plain_tensors.assign_writers``). A rank holds those its
+    local plan named and those left in its plan (also where a planner dropped what
+    ``prepare_local_plan`` named: every array item of every plan is written)."""
+    held = []
+    for plan in plans:
+        named = plan.storage_data.items if isinstance(plan.storage_data, HeldPlainTensors) else ()
+        by_index = {item.index: item for item in (*named, *filter(as_array, plan.items))}
+        held.append(tuple(by_index.values()))
+    writers = assign_writers(
+        [[HeldTensor(item.index.fqn, item.tensor_storage_size() or 0) for item in items] for items in held],
+        [sum(item.tensor_storage_size() or 0 for item in plan.items if _is_sharded(item)) for plan in plans],
+    )
+    return [[item for item in items if writers[item.index.fqn] == rank] for rank, items in enumerate(held)]
+
+
+def _result(item: WriteItem, planner: SavePlanner, as_array: bool) -> WriteResult:
+    """The WriteResult of one item: a sharded item's or a plain array's bytes were
+    written (by this rank or the one the plan chose); a common value travels in it."""
+    if _is_sharded(item) or as_array:
         return WriteResult(index=item.index, size_in_bytes=item.tensor_storage_size() or 0, storage_data=None)
     data = planner.resolve_data(item)
     if isinstance(data, torch.Tensor):
@@ -390,16 +479,35 @@ def _common_value(value: CommonValue, where: str) -> Any:
 
 def _nested(common: dict[str, Any], mappings: Any) -> dict[str, Any]:
     """The common values nested as the caller's state dict was (DCP's flattening
-    mappings: fully qualified name -> path), or flat when DCP did not flatten."""
+    mappings: fully qualified name -> path), or flat when DCP did not flatten. A list
+    keeps every element in its place and its length: ``None`` where an array is (so a
+    load puts the array back at its index, ``dict_utils.nest``)."""
     from torch.distributed.checkpoint._traverse import set_element
 
     if not isinstance(mappings, dict):
         return dict(common)
-    order = {fqn: i for i, fqn in enumerate(mappings)}  # the caller's order, not the ranks'
+    order = {name: i for i, name in enumerate(mappings)}  # the caller's order, not the ranks'
     nested: dict[str, Any] = {}
-    for fqn in sorted(common, key=lambda name: order.get(name, len(order))):
-        set_element(nested, mappings.get(fqn, (fqn,)), common[fqn])
+    for name in sorted(common, key=lambda name: order.get(name, len(order))):
+        set_element(nested, mappings.get(name, (name,)), common[name])
+    for name, path in mappings.items():
+        if name not in common:
+            _hold_place(nested, path)
     return nested
+
+
+def _hold_place(nested: dict[str, Any], path: tuple) -> None:
+    """Extends the list of ``nested`` on ``path`` with ``None`` up to the element on
+    ``path`` where it is shorter (an array at the end of a list keeps the list's length)."""
+    node: Any = nested
+    for key in path:
+        if isinstance(node, list):
+            if key >= len(node):
+                node.extend([None] * (key + 1 - len(node)))
+                return
+        elif not isinstance(node, dict) or key not in node:
+            return
+        node = node[key]
 
 
 # --------------------------------------------------------------------------- load
@@ -445,8 +553,6 @@ class ShardstoreReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """All ranks: the commit record and common.pt as DCP's Metadata."""
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
         if self.checkpoint_id is None:
             raise CheckpointingException("ShardstoreReader has no checkpoint path: pass one, or checkpoint_id= to dcp.load")
         location = open_checkpoint(self.checkpoint_id)
@@ -457,7 +563,10 @@ class ShardstoreReader(StorageReader):
                 "tool's reader (DCP's FileSystemReader), or convert it (`shardstore convert`)"
             )
         _, common_strategy = verify_checkpoint_and_load_strategy(location)
-        common, _ = flatten_state_dict(common_strategy.load_common(location))
+        common = {
+            key: value for key, value in _flat_common(common_strategy.load_common(location)).items()
+            if not (value is None and key in record.arrays)  # an array's place in a list (``_nested``)
+        }
         self._open = _OpenCheckpoint(location, record, common)
         described: dict[str, Any] = {key: _array_metadata(array.shape, array.dtype) for key, array in record.arrays.items()}
         for key, value in common.items():
@@ -539,6 +648,19 @@ class ShardstoreReader(StorageReader):
             return getattr(open_checkpoint(checkpoint_id), "record", None) is not None
         except Exception:  # noqa: BLE001  (any reason: not a checkpoint we can read)
             return False
+
+
+def _flat_common(common: dict[str, Any]) -> dict[str, Any]:
+    """The common values by every name a request may give them: DCP's flattening (a
+    list of plain values is one value, a list holding a tensor or a container is
+    walked) and every leaf's own name (a list that held a DTensor when saved is walked
+    by the request's flattening, whatever the common state holds of it now)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(common)
+    for leaf in flatten(common):
+        flat.setdefault(fqn(leaf.path), leaf.value)
+    return flat
 
 
 def _tensor_metadata(shape: tuple[int, ...], dtype: torch.dtype) -> TensorStorageMetadata:

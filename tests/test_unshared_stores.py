@@ -43,6 +43,27 @@ def test_a_multi_rank_save_to_memory_is_refused_before_it_writes() -> None:
         assert empty  # nothing was written, on any rank
 
 
+def _dcp_save_to_memory_on_every_rank(rank: int, world: int, url: str) -> tuple[str, bool]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from shardstore.tools.dcp_storage import ShardstoreWriter
+
+    try:
+        dcp.save({"w": torch.full((64, 64), float(rank))}, storage_writer=ShardstoreWriter(url))
+    except CheckpointException as exc:  # DCP's wrapper of every rank's failure (a BaseException)
+        return str(exc), open_location(url).is_empty()
+    return "", open_location(url).is_empty()
+
+
+def test_a_multi_rank_dcp_save_to_memory_is_refused_before_it_writes() -> None:
+    url = f"memory://unshared/{uuid.uuid4().hex}"
+    outcomes = run_distributed(_dcp_save_to_memory_on_every_rank, 2, url)
+    for message, empty in outcomes:
+        assert "2 ranks" in message and "keep memory://" in message, message
+        assert empty
+
+
 def test_check_shared_refuses_only_several_ranks_on_a_private_store(tmp_path) -> None:
     memory = open_location(f"memory://unshared/{uuid.uuid4().hex}")
     check_shared(memory, 1)

@@ -131,7 +131,13 @@ from shardstore.format.chunks import (
     read_region,
     run_reads,
 )
-from shardstore.format.commit import PendingCheckpoint, SaveIntent, begin_save, join_save
+from shardstore.format.commit import (
+    PendingCheckpoint,
+    SaveIntent,
+    begin_save,
+    check_shared,
+    join_save,
+)
 from shardstore.format.dtypes import (
     BY_TORCH,
     cast_checked,
@@ -327,6 +333,7 @@ class ShardstoreWriter(StorageWriter):
         """Coordinator: validates and plans the global layout, then begins the save."""
         target = self._target()
         where = target.describe()
+        check_shared(target, len(plans))  # DCP's gather hands this error to every rank
         if not all(plan.usable for plan in plans):
             raise CheckpointingException(
                 f"Saving {where}: DCP's plan caching is not supported by ShardstoreWriter (each save plans its "

@@ -57,10 +57,9 @@ from shardstore.core import (
     CheckpointingException,
     gc_paused,
     maybe_load_config,
-    save_config,
 )
 from shardstore.dict_utils import Leaf, flatten, merge, nest
-from shardstore.format.commit import PendingCheckpoint, begin_save, join_save
+from shardstore.execution.pipeline import SavePipeline
 from shardstore.format.integrity import open_committed
 from shardstore.format.records import CommitRecord
 from shardstore.inputs.megatron_objects import convert_leaf
@@ -77,8 +76,7 @@ from shardstore.mapping import (
 from shardstore.planning.layout import GlobalLayout
 from shardstore.planning.plans import RankLoadPlan
 from shardstore.progress import operation, progress_shown, stage
-from shardstore.protocol.collectives import Group, RankFailure, StageFailed, failure_message
-from shardstore.protocol.plan_cache import gather_and_plan_cached
+from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_stage import gather_and_plan
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
@@ -171,8 +169,6 @@ def save(
         CheckpointingException: on every rank, for invalid input or a failed write.
     """
     group = Group(process_group)
-    target = open_location(checkpoint_dir)
-    source = open_location(reuse_from) if reuse_from is not None else None
     if content_metadata is not None:
         sharded_state_dict[CONTENT_METADATA_KEY] = content_metadata
     if sharded_strategy is None:
@@ -181,34 +177,37 @@ def save(
         common_strategy = get_default_save_common_strategy()
     if async_sharded_save and not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
         raise CheckpointingException(f"Cannot save asynchronously with {sharded_strategy}: not an async strategy")
+    config = CheckpointingConfig(
+        sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
+    )
+    pipeline = SavePipeline.open(checkpoint_dir, group, overwrite=overwrite, reuse_from=reuse_from, config=config)
 
-    where = target.describe()
+    where = pipeline.describe()
     with progress_shown(progress and group.is_coordinator), operation("save", where) as timing:
         with stage("save: plan", where):
-            sharded_part, common_part, objects_part, plan, pending = _preprocess_and_plan(
-                sharded_state_dict, group, target, sharded_strategy, common_strategy, overwrite,
-                preprocess_common_before_consistancy_check, source,
+            sharded_part, common_part, objects_part, plan = _preprocess_and_plan(
+                sharded_state_dict, pipeline, sharded_strategy, preprocess_common_before_consistancy_check
             )
         timing.nbytes = getattr(plan, "checkpoint_nbytes", 0)
         try:
             if not sharded_strategy.can_handle_sharded_objects:
                 validate_sharded_objects_handling(sharded_strategy, common_strategy)
             with stage("save: common", where):
-                error = _save_common(pending, group, common_strategy, common_part, objects_part)
+                error = _save_common(pipeline.pending, group, common_strategy, common_part, objects_part)
             if async_sharded_save:
-                return sharded_strategy.async_save_with_plan(sharded_part, pending, plan, process_group, error)
-            sharded_strategy.save_with_plan(sharded_part, pending, plan, process_group, error)
+                return sharded_strategy.async_save_into(sharded_part, pipeline, plan, error)
+            sharded_strategy.save_into(sharded_part, pipeline, plan, error)
         except CheckpointingException:  # raised on every rank: no rank writes any more
             if group.is_coordinator:
-                pending.abandon()
+                pipeline.abandon()
             else:
-                pending.release()
+                pipeline.release()
             raise
         except BaseException:
             # Another failure (a bug, an interrupt) may hit one rank while others still
             # write: let go of the descriptors and the lock, delete nothing; the next save
             # removes the staging directory, whose lock is then free.
-            pending.release()
+            pipeline.release()
             raise
     return None
 
@@ -307,19 +306,17 @@ def _request_visitor(
 
 
 def _preprocess_and_plan(
-    sharded_state_dict: ShardedStateDict, group: Group, target: Location, sharded_strategy: SaveShardedStrategy,
-    common_strategy: SaveCommonStrategy, overwrite: bool, preprocess_common: Callable[[StateDict], StateDict] | None,
-    reuse_from: Location | None = None,
-) -> tuple[ShardedStateDict, StateDict, ShardedStateDict, Any, PendingCheckpoint]:
-    """Stages preprocess + plan + begin, in one round trip (``protocol.plan_stage.gather_and_plan``):
-    a local failure becomes an error on every rank, and so do ranks that name different
+    sharded_state_dict: ShardedStateDict, pipeline: SavePipeline, sharded_strategy: SaveShardedStrategy,
+    preprocess_common: Callable[[StateDict], StateDict] | None,
+) -> tuple[ShardedStateDict, StateDict, ShardedStateDict, Any]:
+    """Stages preprocess + plan + begin, in one round trip (``SavePipeline.plan``): a
+    local failure becomes an error on every rank, and so do ranks that name different
     checkpoint directories, keys the target cannot store (its ``name_limits``) and an
     invalid global sharding. The ranks' common states are compared in the same gather
-    (digests only). Once the plan is made, the coordinator begins the save
-    (``_begin_save``) and every rank receives the save's intent with its part of the
-    plan. A strategy with a ``plan_cache`` reuses its last plan while every rank's
-    structure is unchanged (``protocol.plan_cache``). Returns this rank's part of the
-    strategy's plan and the pending checkpoint."""
+    (digests only). Once the plan is made, the coordinator begins the save and every
+    rank joins it with its part of the plan. A strategy with a ``plan_cache`` reuses its
+    last plan while every rank's structure is unchanged (``protocol.plan_cache``).
+    Returns the parts of the state dict and this rank's part of the strategy's plan."""
     error, sharded_part, common_part, objects_part, digests, compared = None, {}, {}, {}, None, None
     tensors: list[ShardedTensor] = []
     objects: list[ShardedObject] = []
@@ -327,50 +324,16 @@ def _preprocess_and_plan(
         split = _SaveSplit(sharded_state_dict, separate_objects=not sharded_strategy.can_handle_sharded_objects)
         sharded_part, common_part, objects_part = split.sharded_part, split.common_part, split.objects_part
         tensors, objects = split.tensors, split.objects
-        if group.world_size > 1:
+        if pipeline.group.world_size > 1:
             compared = preprocess_common(common_part) if preprocess_common else common_part
             digests = common_state_digests(compared)
-    except Exception as exc:  # reported on every rank by gather_and_plan
+    except Exception as exc:  # reported on every rank by the plan stage
         error = exc
-    begun: list[PendingCheckpoint] = []  # the coordinator's, once the plan is made
-
-    def begin() -> Any:  # on the coordinator, once the plan is made or reused
-        begun.append(_begin_save(target, overwrite, sharded_strategy, common_strategy, reuse_from))
-        return begun[0].intent
-
-    try:  # the strategy's cached plan, if it keeps one (``protocol.plan_cache``)
-        intent, plan = gather_and_plan_cached(
-            sharded_strategy.plan_cache, tensors, objects, group, sharded_strategy.plan_save,
-            anew=begin, local_error=error, common_digests=digests, save_to=target, common_state=compared,
-        )
-    except BaseException:  # no rank joined the save: nothing of it can be in use
-        if begun:
-            begun[0].abandon()
-        raise
-    pending = begun[0] if begun else join_save(target, intent, reuse_from)
-    return sharded_part, common_part, objects_part, plan, pending
-
-
-def _begin_save(
-    target: Location, overwrite: bool, sharded_strategy: SaveShardedStrategy, common_strategy: SaveCommonStrategy,
-    reuse_from: Location | None = None,
-) -> PendingCheckpoint:
-    """Coordinator: checks the target and creates the save's staging area with its
-    ``metadata.json`` (``shardstore.format.commit``)."""
-    pending = None
-    try:
-        with stage("save: begin", target.describe()):
-            pending = begin_save(target, overwrite, reuse_from)
-            config = CheckpointingConfig(
-                sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
-            )
-            save_config(config, pending)
-    except Exception as exc:  # told to every rank by the plan's scatter
-        if pending is not None:
-            pending.abandon()
-        failure = RankFailure.from_exception(0, exc)
-        raise StageFailed(failure_message([failure], f"Preparing checkpoint directory {target.describe()}")) from exc
-    return pending
+    plan = pipeline.plan(
+        tensors, objects, sharded_strategy.plan_save, plan_cache=sharded_strategy.plan_cache, local_error=error,
+        common_digests=digests, common_state=compared,
+    )
+    return sharded_part, common_part, objects_part, plan
 
 
 def _save_common(

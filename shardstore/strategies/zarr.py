@@ -46,6 +46,7 @@ from shardstore.execution.staging import (
     to_host,
 )
 from shardstore.format.chunks import DEFAULT_IO_CONCURRENCY
+from shardstore.format.commit import adopt_save
 from shardstore.format.dtypes import (
     from_torch,
     from_zarr_name,
@@ -289,7 +290,8 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
     ) -> AsyncRequest:
         tensors, _ = local_sharded_items(sharded_state_dict)
         group = Group(process_group if process_group is not None else self.process_group)
-        location = open_location(checkpoint_dir)
+        # the pipeline's own pending save, or a directory the caller made (Megatron-Core's save)
+        location = adopt_save(open_location(checkpoint_dir))
         limit = location.capabilities.max_object_bytes
         if limit is not None and self.max_chunk_bytes > limit:
             raise CheckpointingException(

@@ -44,9 +44,12 @@ the strategies adopt a bare directory handed to them (``format.commit.adopt_save
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from shardstore.errors import CheckpointingException
 from shardstore.execution.save import WriteOp, commit_save, write_ops
@@ -61,8 +64,10 @@ from shardstore.format.commit import (
     publisher_for,
 )
 from shardstore.format.config import CheckpointingConfig, save_config
-from shardstore.format.records import ArrayRecord, CommitRecord
+from shardstore.format.records import ZARR_JSON, ArrayRecord, CommitRecord
 from shardstore.mapping import ShardedObject, ShardedTensor
+from shardstore.planning.checks import check_storable_keys, local_records
+from shardstore.planning.layout import GlobalLayout, region_at
 from shardstore.progress import stage
 from shardstore.protocol.collectives import Group, RankFailure, StageFailed, failure_message
 from shardstore.protocol.plan_cache import PlanCache, gather_and_plan_cached
@@ -99,9 +104,10 @@ class SavePipeline:
     ) -> SavePipeline:
         """A save into ``checkpoint_dir`` (path, URL or Location), staged and published by
         the rules of ``format.commit``; ``reuse_from``: an earlier committed checkpoint
-        whose unchanged chunks it shares; ``config``: written as ``metadata.json``."""
+        whose unchanged chunks it shares; ``config``: written as ``metadata.json``;
+        ``group``: default, this process alone (no collectives)."""
         source = open_location(reuse_from) if reuse_from is not None else None
-        return cls(open_location(checkpoint_dir), group or Group(), overwrite=overwrite, reuse_from=source,
+        return cls(open_location(checkpoint_dir), group or Group.local(), overwrite=overwrite, reuse_from=source,
                    config=config)
 
     @classmethod
@@ -110,7 +116,7 @@ class SavePipeline:
         (Megatron-Core's ``save``): joined at once, published in place, nothing there
         ever deleted (``format.commit.adopt_save``)."""
         pending = adopt_save(open_location(checkpoint_dir))
-        return cls(pending.target, group or Group(), pending=pending)
+        return cls(pending.target, group or Group.local(), pending=pending)
 
     def describe(self, rel: str = "") -> str:
         return self.target.describe(rel)
@@ -129,22 +135,28 @@ class SavePipeline:
     # ------------------------------------------------------------------ steps
 
     def begin(self) -> SaveIntent:
-        """Coordinator: begins the save (``format.commit.begin_save``) and writes its
-        ``metadata.json``; a failure is raised as a ``StageFailed`` for the plan's
-        scatter to tell every rank, after deleting what it created."""
-        pending = None
-        try:
-            with stage("save: begin", self.describe()):
-                pending = begin_save(self.target, self.overwrite, self.reuse_from)
+        """Coordinator: begins the save (``format.commit.begin_save``: refuses what is not
+        ours to replace, creates the staging area) and writes its ``metadata.json``; on
+        failure deletes what it created and raises."""
+        with stage("save: begin", self.describe()):
+            pending = begin_save(self.target, self.overwrite, self.reuse_from)
+            try:
                 if self.config is not None:
                     save_config(self.config, pending)
-        except Exception as exc:  # told to every rank by the plan's scatter
-            if pending is not None:
+            except BaseException:
                 pending.abandon()
-            failure = RankFailure.from_exception(0, exc)
-            raise StageFailed(failure_message([failure], f"Preparing checkpoint directory {self.describe()}")) from exc
+                raise
         self._pending = pending
         return pending.intent
+
+    def _begin_for_every_rank(self) -> SaveIntent:
+        """``begin`` inside the plan stage: a failure becomes a ``StageFailed`` that the
+        plan's scatter tells every rank."""
+        try:
+            return self.begin()
+        except Exception as exc:  # told to every rank by the plan's scatter
+            failure = RankFailure.from_exception(0, exc)
+            raise StageFailed(failure_message([failure], f"Preparing checkpoint directory {self.describe()}")) from exc
 
     def join(self, intent: SaveIntent) -> PendingCheckpoint:
         """Every rank: the pending checkpoint of the save the coordinator began (its own
@@ -164,7 +176,8 @@ class SavePipeline:
         ``local_error`` fail every rank before anything is written."""
         try:
             intent, plan = gather_and_plan_cached(
-                plan_cache, tensors, objects, self.group, planner, anew=self.begin, local_error=local_error,
+                plan_cache, tensors, objects, self.group, planner, anew=self._begin_for_every_rank,
+                local_error=local_error,
                 common_digests=common_digests, save_to=self.target, common_state=common_state,
             )
         except BaseException:  # no rank joined the save: nothing of it can be in use
@@ -173,6 +186,21 @@ class SavePipeline:
             raise
         self.join(intent)
         return plan
+
+    def check_storable(self, tensors: list[ShardedTensor], objects: list[ShardedObject]) -> None:
+        """A save's key check (``planning.checks.check_storable_keys``, the target's name
+        limits) on what one process is about to write, before any of it is written
+        (the collective ``plan`` checks every rank's keys itself)."""
+        where = self.describe()
+        layout = GlobalLayout.from_gathered([local_records(tensors, objects, self.group.rank, where)])
+        check_storable_keys(layout, self.target.name_limits, where)
+
+    def write_array(self, record: ArrayRecord, value: np.ndarray) -> list[WrittenChunk]:
+        """One process: the whole array ``record`` (its ``zarr.json``, then every chunk)
+        from ``value`` (host memory, the array's shape)."""
+        self.pending.write_bytes(f"{record.key}/{ZARR_JSON}", json.dumps(record.zarr_metadata()).encode())
+        whole = region_at((0,) * len(record.shape), record.shape)
+        return self.write_arrays({record.key: record}, [WriteOp(record.key, whole, value)])
 
     def write_arrays(
         self, records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int = DEFAULT_IO_CONCURRENCY,

@@ -56,11 +56,9 @@ from shardstore.core import (
     CheckpointingConfig,
     CheckpointingException,
     gc_paused,
-    maybe_load_config,
 )
 from shardstore.dict_utils import Leaf, flatten, merge, nest
 from shardstore.execution.pipeline import SavePipeline
-from shardstore.format.integrity import open_committed
 from shardstore.format.records import CommitRecord
 from shardstore.inputs.megatron_objects import convert_leaf
 from shardstore.mapping import (
@@ -73,6 +71,7 @@ from shardstore.mapping import (
     ShardedTensorFactory,
     StateDict,
 )
+from shardstore.opened import OpenedCheckpoint, open_read
 from shardstore.planning.layout import GlobalLayout
 from shardstore.planning.plans import RankLoadPlan
 from shardstore.progress import operation, progress_shown, stage
@@ -93,7 +92,6 @@ from shardstore.strategies.base import (
 from shardstore.strategies.other_formats import (
     OtherFormatLoadCommonStrategy,
     OtherFormatLoadShardedStrategy,
-    reads_as_other_format,
 )
 from shardstore.utils import holds_sharded_class, sharded_values_in_common
 from shardstore.validation import (
@@ -427,34 +425,34 @@ def _load(
     group: Group,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """``load`` on ``group`` (``Group.local()``: this process alone, no collectives)."""
-    target = open_location(checkpoint_dir)
+    target = checkpoint_dir if isinstance(checkpoint_dir, OpenedCheckpoint) else open_location(checkpoint_dir)
     with operation("load", target.describe()) as timing:
         with stage("load: record", target.describe()):
-            location = open_checkpoint(target)
+            opened = open_read(target)
         result, timing.nbytes = _load_opened(
-            sharded_state_dict, location, sharded_strategy, common_strategy, validate_access_integrity, strict, group
+            sharded_state_dict, opened, sharded_strategy, common_strategy, validate_access_integrity, strict, group
         )
     return result
 
 
 def _load_opened(
     sharded_state_dict: ShardedStateDict,
-    location: Location,
+    opened: OpenedCheckpoint,
     sharded_strategy: LoadShardedStrategy | None,
     common_strategy: LoadCommonStrategy | None,
     validate_access_integrity: bool,
     strict: str | StrictHandling,
     group: Group,
 ) -> tuple[StateDict | tuple[StateDict, set[str], set[str]], int]:
-    """``_load`` on an opened checkpoint (``open_checkpoint``); also returns the bytes of
+    """``_load`` on an opened checkpoint (``opened.open_read``); also returns the bytes of
     the tensors the sharded strategy loaded.
 
     The request is walked once (``_LoadRequest``); the parts handed to the strategies
     and the result (the common state with the loaded values put in, then the factories'
     merges) are built from its flat list of leaves."""
-    record = getattr(location, "record", None)  # None: another tool's checkpoint
+    location, record = opened.location, opened.record  # record None: another tool's checkpoint
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
-        location, sharded_strategy, common_strategy
+        opened, sharded_strategy, common_strategy
     )
     strict = parse_strict_flag(strict)
     where = location.describe()
@@ -642,26 +640,25 @@ def _saved_keys(
 
 
 def open_checkpoint(checkpoint_dir: CheckpointDir) -> Location:
-    """The checkpoint to read: a committed shardstore checkpoint, its reads checked
-    against its commit record; or another tool's (PyTorch DCP, Megatron torch_dist or
-    zarr), read by ``shardstore.strategies.other_formats`` (no commit record, no checksums)."""
-    location = open_location(checkpoint_dir)
-    return location if reads_as_other_format(location) else open_committed(location)
+    """The location to read a checkpoint through (``opened.open_read(...).location``): a
+    committed shardstore checkpoint's reads checked against its commit record; another
+    tool's read as it is. Prefer ``open_read``, which keeps the record in hand."""
+    return open_read(checkpoint_dir).location
 
 
 def verify_checkpoint_and_load_strategy(
-    checkpoint_dir: CheckpointDir,
+    checkpoint_dir: CheckpointDir | OpenedCheckpoint,
     sharded_strategy: LoadShardedStrategy | None = None,
     common_strategy: LoadCommonStrategy | None = None,
 ) -> tuple[LoadShardedStrategy, LoadCommonStrategy]:
     """The load strategies for a checkpoint: defaults from its config, or the given ones
     after checking they can read it."""
-    location = open_location(checkpoint_dir)
-    if reads_as_other_format(location):
+    opened = open_read(checkpoint_dir)
+    if opened.other_format is not None:
         return sharded_strategy or OtherFormatLoadShardedStrategy(), common_strategy or OtherFormatLoadCommonStrategy()
-    config = maybe_load_config(location)
+    config = opened.config()
     if config is None:
-        raise CheckpointingException(f"{location.describe()} is not a distributed checkpoint (no metadata.json)")
+        raise CheckpointingException(f"{opened.describe()} is not a distributed checkpoint (no metadata.json)")
     sharded_strategy = _resolve_load_strategy(
         sharded_strategy, StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
     )
@@ -690,9 +687,9 @@ def load_common_state_dict(
     checkpoint_dir: CheckpointDir, common_strategy: LoadCommonStrategy | None = None
 ) -> StateDict:
     """The common (non-sharded) state of a committed checkpoint."""
-    location = open_checkpoint(checkpoint_dir)
-    _, common_strategy = verify_checkpoint_and_load_strategy(location, None, common_strategy)
-    return common_strategy.load_common(location)
+    opened = open_read(checkpoint_dir)
+    _, common_strategy = verify_checkpoint_and_load_strategy(opened, None, common_strategy)
+    return common_strategy.load_common(opened.location)
 
 
 def load_content_metadata(
@@ -724,9 +721,9 @@ def load_tensors_metadata(
     Returns:
         ``{key: ShardedTensor without data covering the whole tensor}``
     """
-    location = open_checkpoint(checkpoint_dir)
-    sharded_strategy, _ = verify_checkpoint_and_load_strategy(location, sharded_strategy)
-    return sharded_strategy.load_tensors_metadata(location)
+    opened = open_read(checkpoint_dir)
+    sharded_strategy, _ = verify_checkpoint_and_load_strategy(opened, sharded_strategy)
+    return sharded_strategy.load_tensors_metadata(opened.location)
 
 
 def load_sharded_metadata(
@@ -740,11 +737,11 @@ def load_sharded_metadata(
         ``{sharded key: ShardedTensor or ShardedObject}`` (tensors by key, object shards
         by their unique key).
     """
-    location = open_checkpoint(checkpoint_dir)
-    sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(location, sharded_strategy, common_strategy)
-    metadata = sharded_strategy.load_sharded_metadata(location)
+    opened = open_read(checkpoint_dir)
+    sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(opened, sharded_strategy, common_strategy)
+    metadata = sharded_strategy.load_sharded_metadata(opened.location)
     if not sharded_strategy.can_handle_sharded_objects:
-        metadata.update(common_strategy.load_sharded_metadata(location))
+        metadata.update(common_strategy.load_sharded_metadata(opened.location))
     return metadata
 
 
@@ -754,18 +751,19 @@ def load_plain_tensors(checkpoint_dir: CheckpointDir) -> StateDict:
 
     Not collective: any one process may call it, also one rank of a running job.
     """
+    opened = open_read(checkpoint_dir)
     sharded_state_dict = {
         key: replace(t, flattened_range=None) if t.flattened_range is not None else t
-        for key, t in load_tensors_metadata(checkpoint_dir).items()
+        for key, t in load_tensors_metadata(opened).items()
     }
-    return _load(sharded_state_dict, checkpoint_dir, None, None, False, StrictHandling.ASSUME_OK_UNEXPECTED,
-                 Group.local())
+    return _load(sharded_state_dict, opened, None, None, False, StrictHandling.ASSUME_OK_UNEXPECTED, Group.local())
 
 
 def remove_sharded_tensors(checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
     """Removes every tensor whose key starts with ``key_prefix`` (call on one process)."""
-    sharded_strategy = get_default_load_sharded_strategy(checkpoint_dir)
-    sharded_strategy.remove_sharded_tensors(open_location(checkpoint_dir), key_prefix)
+    opened = open_read(checkpoint_dir)
+    sharded_strategy = get_default_load_sharded_strategy(opened)
+    sharded_strategy.remove_sharded_tensors(opened.location, key_prefix)
 
 
 __all__ = [

@@ -124,10 +124,8 @@ class ChecksummedLocation(Location):
 
 def open_committed(checkpoint: str | os.PathLike | Location) -> ChecksummedLocation:
     """The committed checkpoint at ``checkpoint``, its reads checked against its record
-    (one already opened so is returned as it is: its record is not read again)."""
+    (``shardstore.opened.open_read`` opens a checkpoint once, with its record in hand)."""
     location = open_location(checkpoint)
-    if isinstance(location, ChecksummedLocation):
-        return location
     return ChecksummedLocation(location, read_commit_record(location))
 
 

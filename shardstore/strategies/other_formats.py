@@ -22,7 +22,6 @@ import torch
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace
 from shardstore.execution.loaded import place_loaded, postprocess_loaded
-from shardstore.format.integrity import ChecksummedLocation
 from shardstore.format.records import CommitRecord, is_committed
 from shardstore.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from shardstore.other_formats import registry
@@ -70,10 +69,9 @@ def open_other_format(checkpoint_dir: CheckpointDir | Location) -> OtherCheckpoi
 def other_format_of(checkpoint: CheckpointDir) -> OtherFormat | None:
     """The registered format of another tool's local checkpoint that this module reads,
     as it is: no shardstore commit record (an opened committed one never is); None for
-    anything else (a file, S3, a shardstore checkpoint or a directory of neither)."""
+    anything else (a file, S3, a shardstore checkpoint or a directory of neither).
+    ``opened.open_read`` asks once per checkpoint and keeps the answer."""
     location = open_location(checkpoint)
-    if isinstance(location, ChecksummedLocation):
-        return None
     path = location.local_path()
     if path is None or not path.is_dir() or is_committed(location):
         return None

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from shardstore.errors import CheckpointingException
 from shardstore.format.config import CheckpointingConfig, maybe_load_config
 from shardstore.format.integrity import ChecksummedLocation
-from shardstore.format.records import CommitRecord, read_commit_record
+from shardstore.format.records import CommitRecord, is_committed, read_commit_record
+from shardstore.other_formats import registry
 from shardstore.other_formats.base import OtherFormat
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
-from shardstore.strategies.other_formats import other_format_of
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,16 @@ class OpenedCheckpoint:
         return maybe_load_config(self.location) if self.record is not None else None
 
 
+def other_format_of(location: Location) -> OtherFormat | None:
+    """The registered format of another tool's local checkpoint at ``location`` that
+    shardstore reads, as it is: no shardstore commit record; None for anything else (a
+    file, S3, a shardstore checkpoint or a directory of neither)."""
+    path = location.local_path()
+    if path is None or not path.is_dir() or is_committed(location):
+        return None
+    return registry.detect(location)
+
+
 def open_read(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -> OpenedCheckpoint:
     """The checkpoint at ``checkpoint``, opened once (one already opened is returned as
     it is).
@@ -94,4 +104,4 @@ def open_read(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -> Op
     return OpenedCheckpoint(ChecksummedLocation(location, record), record)
 
 
-__all__ = ["OpenedCheckpoint", "open_read"]
+__all__ = ["OpenedCheckpoint", "open_read", "other_format_of"]

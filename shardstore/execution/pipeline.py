@@ -113,8 +113,10 @@ class SavePipeline:
     @classmethod
     def into_callers_directory(cls, checkpoint_dir: Target, group: Group | None = None) -> SavePipeline:
         """A save into a directory the caller created and already wrote into
-        (Megatron-Core's ``save``): joined at once, published in place, nothing there
-        ever deleted (``format.commit.adopt_save``)."""
+        (Megatron-Core's ``save``, the seed's strategy API called directly): joined at
+        once, published in place, nothing there ever deleted. Handed the pending
+        checkpoint of a save this process began or joined (the strategies' API passes it
+        down as a Location), it is that save's (``format.commit.adopt_save``)."""
         pending = adopt_save(open_location(checkpoint_dir))
         return cls(pending.target, group or Group.local(), pending=pending)
 
@@ -174,11 +176,16 @@ class SavePipeline:
         the save begun on the coordinator once the plan is made and joined on every rank.
         Keys the target cannot store, an invalid global sharding and any rank's
         ``local_error`` fail every rank before anything is written."""
+        if self.begun:  # a caller's directory: nothing to begin
+            return gather_and_plan_cached(
+                plan_cache, tensors, objects, self.group, planner, local_error=local_error,
+                common_digests=common_digests, save_to=self.target, common_state=common_state,
+            )
         try:
             intent, plan = gather_and_plan_cached(
                 plan_cache, tensors, objects, self.group, planner, anew=self._begin_for_every_rank,
-                local_error=local_error,
-                common_digests=common_digests, save_to=self.target, common_state=common_state,
+                local_error=local_error, common_digests=common_digests, save_to=self.target,
+                common_state=common_state,
             )
         except BaseException:  # no rank joined the save: nothing of it can be in use
             if self._pending is not None:

@@ -122,13 +122,6 @@ class ChecksummedLocation(Location):
         return data
 
 
-def open_committed(checkpoint: str | os.PathLike | Location) -> ChecksummedLocation:
-    """The committed checkpoint at ``checkpoint``, its reads checked against its record
-    (``shardstore.opened.open_read`` opens a checkpoint once, with its record in hand)."""
-    location = open_location(checkpoint)
-    return ChecksummedLocation(location, read_commit_record(location))
-
-
 @dataclass(frozen=True)
 class Problem:
     """One missing or corrupt object: ``key`` is the array key (or file path), ``part``

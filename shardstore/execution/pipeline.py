@@ -37,9 +37,30 @@ every rank's written chunks gathered to the coordinator) reaches ``commit_save``
 ``SavePipeline.commit`` is for doors that gathered the reports themselves (DCP's
 ``finish``) or write from one process (``tools.array_writer``).
 
-Phase B of issue 31 puts ``tools.dcp_storage`` and ``tools.megatron_strategy`` on it;
-until then they call the parts below it (``format.commit``, ``execution.save``), and
-the strategies adopt a bare directory handed to them (``format.commit.adopt_save``).
+The doors, as adapters (phase B of issue 31 moves the last two here; until then they
+call the parts below, which keep working)::
+
+    shardstore.save          SavePipeline.open -> plan (begins, joins) -> the strategy's
+                             save_into / async_save_into (strategies.base; ours stages and
+                             writes into ``pipeline.pending``; finalize_save -> commit_save)
+    ZarrSaveShardedStrategy  save_with_plan / async_save_with_plan / async_save (the seed's
+      seed signatures        signatures, a path): into_callers_directory, then save_into
+    CheckpointWriter         open -> check_storable -> begin -> write_array ... -> commit
+    DCP ShardstoreWriter     prepare_global_plan (coordinator): open, plan the layout DCP
+                             gathered, begin(); ship the intent in each rank's plan.
+                             write_data (all ranks): open + join(intent) off the
+                             coordinator, write_arrays (after the plan's metadata files),
+                             pending.make_durable(), release() off the coordinator.
+                             finish (coordinator): common.pt into ``pending``, then
+                             commit(commit_record, reports); abandon() on failure.
+    Megatron plug-in         _plan: into_callers_directory(checkpoint_dir, group), then
+                             plan(tensors, objects, base_strategy.plan_save); save:
+                             base_strategy.save_into(sd, pipeline, plan); async_save:
+                             base_strategy.async_save_into(...) (its finalization commits
+                             through finalize_save -> commit_save)
+
+Reads open once with ``shardstore.opened.open_read`` (its ``require_record()`` replaces
+asking a location for ``record``).
 """
 
 from __future__ import annotations

@@ -56,12 +56,9 @@ from shardstore.core import (
     CheckpointingConfig,
     CheckpointingException,
     gc_paused,
-    maybe_load_config,
-    save_config,
 )
 from shardstore.dict_utils import Leaf, flatten, merge, nest, with_list_places
-from shardstore.format.commit import PendingCheckpoint, begin_save, check_shared, join_save
-from shardstore.format.integrity import open_committed
+from shardstore.execution.pipeline import SavePipeline
 from shardstore.format.records import CommitRecord
 from shardstore.inputs.megatron_objects import convert_leaf
 from shardstore.inputs.plain_tensors import whole_array_requests
@@ -75,11 +72,11 @@ from shardstore.mapping import (
     ShardedTensorFactory,
     StateDict,
 )
+from shardstore.opened import OpenedCheckpoint, open_read
 from shardstore.planning.layout import GlobalLayout
 from shardstore.planning.plans import RankLoadPlan
 from shardstore.progress import operation, progress_shown, stage
-from shardstore.protocol.collectives import Group, RankFailure, StageFailed, failure_message
-from shardstore.protocol.plan_cache import gather_and_plan_cached
+from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_stage import gather_and_plan
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
@@ -96,7 +93,6 @@ from shardstore.strategies.base import (
 from shardstore.strategies.other_formats import (
     OtherFormatLoadCommonStrategy,
     OtherFormatLoadShardedStrategy,
-    reads_as_other_format,
 )
 from shardstore.utils import holds_sharded_class, sharded_values_in_common
 from shardstore.validation import (
@@ -172,8 +168,6 @@ def save(
         CheckpointingException: on every rank, for invalid input or a failed write.
     """
     group = Group(process_group)
-    target = open_location(checkpoint_dir)
-    source = open_location(reuse_from) if reuse_from is not None else None
     if content_metadata is not None:
         sharded_state_dict[CONTENT_METADATA_KEY] = content_metadata
     if sharded_strategy is None:
@@ -182,34 +176,37 @@ def save(
         common_strategy = get_default_save_common_strategy()
     if async_sharded_save and not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
         raise CheckpointingException(f"Cannot save asynchronously with {sharded_strategy}: not an async strategy")
+    config = CheckpointingConfig(
+        sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
+    )
+    pipeline = SavePipeline.open(checkpoint_dir, group, overwrite=overwrite, reuse_from=reuse_from, config=config)
 
-    where = target.describe()
+    where = pipeline.describe()
     with progress_shown(progress and group.is_coordinator), operation("save", where) as timing:
         with stage("save: plan", where):
-            sharded_part, common_part, objects_part, plan, pending = _preprocess_and_plan(
-                sharded_state_dict, group, target, sharded_strategy, common_strategy, overwrite,
-                preprocess_common_before_consistancy_check, source,
+            sharded_part, common_part, objects_part, plan = _preprocess_and_plan(
+                sharded_state_dict, pipeline, sharded_strategy, preprocess_common_before_consistancy_check
             )
         timing.nbytes = getattr(plan, "checkpoint_nbytes", 0)
         try:
             if not sharded_strategy.can_handle_sharded_objects:
                 validate_sharded_objects_handling(sharded_strategy, common_strategy)
             with stage("save: common", where):
-                error = _save_common(pending, group, common_strategy, common_part, objects_part)
+                error = _save_common(pipeline.pending, group, common_strategy, common_part, objects_part)
             if async_sharded_save:
-                return sharded_strategy.async_save_with_plan(sharded_part, pending, plan, process_group, error)
-            sharded_strategy.save_with_plan(sharded_part, pending, plan, process_group, error)
+                return sharded_strategy.async_save_into(sharded_part, pipeline, plan, error)
+            sharded_strategy.save_into(sharded_part, pipeline, plan, error)
         except CheckpointingException:  # raised on every rank: no rank writes any more
             if group.is_coordinator:
-                pending.abandon()
+                pipeline.abandon()
             else:
-                pending.release()
+                pipeline.release()
             raise
         except BaseException:
             # Another failure (a bug, an interrupt) may hit one rank while others still
             # write: let go of the descriptors and the lock, delete nothing; the next save
             # removes the staging directory, whose lock is then free.
-            pending.release()
+            pipeline.release()
             raise
     return None
 
@@ -312,71 +309,34 @@ def _request_visitor(
 
 
 def _preprocess_and_plan(
-    sharded_state_dict: ShardedStateDict, group: Group, target: Location, sharded_strategy: SaveShardedStrategy,
-    common_strategy: SaveCommonStrategy, overwrite: bool, preprocess_common: Callable[[StateDict], StateDict] | None,
-    reuse_from: Location | None = None,
-) -> tuple[ShardedStateDict, StateDict, ShardedStateDict, Any, PendingCheckpoint]:
-    """Stages preprocess + plan + begin, in one round trip (``protocol.plan_stage.gather_and_plan``):
-    a local failure becomes an error on every rank, and so do ranks that name different
+    sharded_state_dict: ShardedStateDict, pipeline: SavePipeline, sharded_strategy: SaveShardedStrategy,
+    preprocess_common: Callable[[StateDict], StateDict] | None,
+) -> tuple[ShardedStateDict, StateDict, ShardedStateDict, Any]:
+    """Stages preprocess + plan + begin, in one round trip (``SavePipeline.plan``): a
+    local failure becomes an error on every rank, and so do ranks that name different
     checkpoint directories, keys the target cannot store (its ``name_limits``) and an
     invalid global sharding. The ranks' common states are compared in the same gather
-    (digests only). Once the plan is made, the coordinator begins the save
-    (``_begin_save``) and every rank receives the save's intent with its part of the
-    plan. A strategy with a ``plan_cache`` reuses its last plan while every rank's
-    structure is unchanged (``protocol.plan_cache``). Returns this rank's part of the
-    strategy's plan and the pending checkpoint."""
+    (digests only). Once the plan is made, the coordinator begins the save and every
+    rank joins it with its part of the plan. A strategy with a ``plan_cache`` reuses its
+    last plan while every rank's structure is unchanged (``protocol.plan_cache``).
+    Returns the parts of the state dict and this rank's part of the strategy's plan."""
     error, sharded_part, common_part, objects_part, digests, compared = None, {}, {}, {}, None, None
     tensors: list[ShardedTensor] = []
     objects: list[ShardedObject] = []
     try:
-        check_shared(target, group.world_size)  # memory:// holds single-process saves only
         split = _SaveSplit(sharded_state_dict, separate_objects=not sharded_strategy.can_handle_sharded_objects)
         sharded_part, common_part, objects_part = split.sharded_part, split.common_part, split.objects_part
         tensors, objects = split.tensors, split.objects
-        if group.world_size > 1:
+        if pipeline.group.world_size > 1:
             compared = preprocess_common(common_part) if preprocess_common else common_part
             digests = common_state_digests(compared)
-    except Exception as exc:  # reported on every rank by gather_and_plan
+    except Exception as exc:  # reported on every rank by the plan stage
         error = exc
-    begun: list[PendingCheckpoint] = []  # the coordinator's, once the plan is made
-
-    def begin() -> Any:  # on the coordinator, once the plan is made or reused
-        begun.append(_begin_save(target, overwrite, sharded_strategy, common_strategy, reuse_from))
-        return begun[0].intent
-
-    try:  # the strategy's cached plan, if it keeps one (``protocol.plan_cache``)
-        intent, plan = gather_and_plan_cached(
-            sharded_strategy.plan_cache, tensors, objects, group, sharded_strategy.plan_save,
-            anew=begin, local_error=error, common_digests=digests, save_to=target, common_state=compared,
-        )
-    except BaseException:  # no rank joined the save: nothing of it can be in use
-        if begun:
-            begun[0].abandon()
-        raise
-    pending = begun[0] if begun else join_save(target, intent, reuse_from)
-    return sharded_part, common_part, objects_part, plan, pending
-
-
-def _begin_save(
-    target: Location, overwrite: bool, sharded_strategy: SaveShardedStrategy, common_strategy: SaveCommonStrategy,
-    reuse_from: Location | None = None,
-) -> PendingCheckpoint:
-    """Coordinator: checks the target and creates the save's staging area with its
-    ``metadata.json`` (``shardstore.format.commit``)."""
-    pending = None
-    try:
-        with stage("save: begin", target.describe()):
-            pending = begin_save(target, overwrite, reuse_from)
-            config = CheckpointingConfig(
-                sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
-            )
-            save_config(config, pending)
-    except Exception as exc:  # told to every rank by the plan's scatter
-        if pending is not None:
-            pending.abandon()
-        failure = RankFailure.from_exception(0, exc)
-        raise StageFailed(failure_message([failure], f"Preparing checkpoint directory {target.describe()}")) from exc
-    return pending
+    plan = pipeline.plan(
+        tensors, objects, sharded_strategy.plan_save, plan_cache=sharded_strategy.plan_cache, local_error=error,
+        common_digests=digests, common_state=compared,
+    )
+    return sharded_part, common_part, objects_part, plan
 
 
 def _save_common(
@@ -470,34 +430,34 @@ def _load(
     group: Group,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """``load`` on ``group`` (``Group.local()``: this process alone, no collectives)."""
-    target = open_location(checkpoint_dir)
+    target = checkpoint_dir if isinstance(checkpoint_dir, OpenedCheckpoint) else open_location(checkpoint_dir)
     with operation("load", target.describe()) as timing:
         with stage("load: record", target.describe()):
-            location = open_checkpoint(target)
+            opened = open_read(target)
         result, timing.nbytes = _load_opened(
-            sharded_state_dict, location, sharded_strategy, common_strategy, validate_access_integrity, strict, group
+            sharded_state_dict, opened, sharded_strategy, common_strategy, validate_access_integrity, strict, group
         )
     return result
 
 
 def _load_opened(
     sharded_state_dict: ShardedStateDict,
-    location: Location,
+    opened: OpenedCheckpoint,
     sharded_strategy: LoadShardedStrategy | None,
     common_strategy: LoadCommonStrategy | None,
     validate_access_integrity: bool,
     strict: str | StrictHandling,
     group: Group,
 ) -> tuple[StateDict | tuple[StateDict, set[str], set[str]], int]:
-    """``_load`` on an opened checkpoint (``open_checkpoint``); also returns the bytes of
+    """``_load`` on an opened checkpoint (``opened.open_read``); also returns the bytes of
     the tensors the sharded strategy loaded.
 
     The request is walked once (``_LoadRequest``); the parts handed to the strategies
     and the result (the common state with the loaded values put in, then the factories'
     merges) are built from its flat list of leaves."""
-    record = getattr(location, "record", None)  # None: another tool's checkpoint
+    location, record = opened.location, opened.record  # record None: another tool's checkpoint
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
-        location, sharded_strategy, common_strategy
+        opened, sharded_strategy, common_strategy
     )
     strict = parse_strict_flag(strict)
     where = location.describe()
@@ -688,26 +648,25 @@ def _saved_keys(
 
 
 def open_checkpoint(checkpoint_dir: CheckpointDir) -> Location:
-    """The checkpoint to read: a committed shardstore checkpoint, its reads checked
-    against its commit record; or another tool's (PyTorch DCP, Megatron torch_dist or
-    zarr), read by ``shardstore.strategies.other_formats`` (no commit record, no checksums)."""
-    location = open_location(checkpoint_dir)
-    return location if reads_as_other_format(location) else open_committed(location)
+    """The location to read a checkpoint through (``opened.open_read(...).location``): a
+    committed shardstore checkpoint's reads checked against its commit record; another
+    tool's read as it is. Prefer ``open_read``, which keeps the record in hand."""
+    return open_read(checkpoint_dir).location
 
 
 def verify_checkpoint_and_load_strategy(
-    checkpoint_dir: CheckpointDir,
+    checkpoint_dir: CheckpointDir | OpenedCheckpoint,
     sharded_strategy: LoadShardedStrategy | None = None,
     common_strategy: LoadCommonStrategy | None = None,
 ) -> tuple[LoadShardedStrategy, LoadCommonStrategy]:
     """The load strategies for a checkpoint: defaults from its config, or the given ones
     after checking they can read it."""
-    location = open_location(checkpoint_dir)
-    if reads_as_other_format(location):
+    opened = open_read(checkpoint_dir)
+    if opened.other_format is not None:
         return sharded_strategy or OtherFormatLoadShardedStrategy(), common_strategy or OtherFormatLoadCommonStrategy()
-    config = maybe_load_config(location)
+    config = opened.config()
     if config is None:
-        raise CheckpointingException(f"{location.describe()} is not a distributed checkpoint (no metadata.json)")
+        raise CheckpointingException(f"{opened.describe()} is not a distributed checkpoint (no metadata.json)")
     sharded_strategy = _resolve_load_strategy(
         sharded_strategy, StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
     )
@@ -736,9 +695,9 @@ def load_common_state_dict(
     checkpoint_dir: CheckpointDir, common_strategy: LoadCommonStrategy | None = None
 ) -> StateDict:
     """The common (non-sharded) state of a committed checkpoint."""
-    location = open_checkpoint(checkpoint_dir)
-    _, common_strategy = verify_checkpoint_and_load_strategy(location, None, common_strategy)
-    return common_strategy.load_common(location)
+    opened = open_read(checkpoint_dir)
+    _, common_strategy = verify_checkpoint_and_load_strategy(opened, None, common_strategy)
+    return common_strategy.load_common(opened.location)
 
 
 def load_content_metadata(
@@ -770,9 +729,9 @@ def load_tensors_metadata(
     Returns:
         ``{key: ShardedTensor without data covering the whole tensor}``
     """
-    location = open_checkpoint(checkpoint_dir)
-    sharded_strategy, _ = verify_checkpoint_and_load_strategy(location, sharded_strategy)
-    return sharded_strategy.load_tensors_metadata(location)
+    opened = open_read(checkpoint_dir)
+    sharded_strategy, _ = verify_checkpoint_and_load_strategy(opened, sharded_strategy)
+    return sharded_strategy.load_tensors_metadata(opened.location)
 
 
 def load_sharded_metadata(
@@ -786,11 +745,11 @@ def load_sharded_metadata(
         ``{sharded key: ShardedTensor or ShardedObject}`` (tensors by key, object shards
         by their unique key).
     """
-    location = open_checkpoint(checkpoint_dir)
-    sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(location, sharded_strategy, common_strategy)
-    metadata = sharded_strategy.load_sharded_metadata(location)
+    opened = open_read(checkpoint_dir)
+    sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(opened, sharded_strategy, common_strategy)
+    metadata = sharded_strategy.load_sharded_metadata(opened.location)
     if not sharded_strategy.can_handle_sharded_objects:
-        metadata.update(common_strategy.load_sharded_metadata(location))
+        metadata.update(common_strategy.load_sharded_metadata(opened.location))
     return metadata
 
 
@@ -800,18 +759,19 @@ def load_plain_tensors(checkpoint_dir: CheckpointDir) -> StateDict:
 
     Not collective: any one process may call it, also one rank of a running job.
     """
+    opened = open_read(checkpoint_dir)
     sharded_state_dict = {
         key: replace(t, flattened_range=None) if t.flattened_range is not None else t
-        for key, t in load_tensors_metadata(checkpoint_dir).items()
+        for key, t in load_tensors_metadata(opened).items()
     }
-    return _load(sharded_state_dict, checkpoint_dir, None, None, False, StrictHandling.ASSUME_OK_UNEXPECTED,
-                 Group.local())
+    return _load(sharded_state_dict, opened, None, None, False, StrictHandling.ASSUME_OK_UNEXPECTED, Group.local())
 
 
 def remove_sharded_tensors(checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
     """Removes every tensor whose key starts with ``key_prefix`` (call on one process)."""
-    sharded_strategy = get_default_load_sharded_strategy(checkpoint_dir)
-    sharded_strategy.remove_sharded_tensors(open_location(checkpoint_dir), key_prefix)
+    opened = open_read(checkpoint_dir)
+    sharded_strategy = get_default_load_sharded_strategy(opened)
+    sharded_strategy.remove_sharded_tensors(opened.location, key_prefix)
 
 
 __all__ = [

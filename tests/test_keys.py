@@ -303,7 +303,7 @@ def test_convert_checks_every_key_before_it_begins_the_save(tmp_path: Path, monk
     the first array (and before the staging directory) is written."""
     import torch.distributed.checkpoint as dcp
 
-    import shardstore.tools.array_writer
+    import shardstore.execution.pipeline
     from shardstore.tools.convert import from_other_format
 
     source, ckpt = tmp_path / "dcp", tmp_path / "out"
@@ -311,7 +311,7 @@ def test_convert_checks_every_key_before_it_begins_the_save(tmp_path: Path, monk
     with pytest.warns(UserWarning, match="single process"):
         dcp.save({"a": torch.ones(4), last: torch.ones(2)}, checkpoint_id=source)
     begun = []
-    monkeypatch.setattr(shardstore.tools.array_writer, "begin_save", lambda *a, **k: begun.append(a) or pytest.fail("began"))
+    monkeypatch.setattr(shardstore.execution.pipeline, "begin_save", lambda *a, **k: begun.append(a) or pytest.fail("began"))
     with pytest.raises(CheckpointingException) as refused:
         from_other_format(source, ckpt)
     assert f"Invalid checkpoint key {last!r} in {ckpt}" in str(refused.value)

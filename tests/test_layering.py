@@ -25,7 +25,7 @@ from pathlib import Path
 import shardstore
 
 ROOT = Path(shardstore.__file__).parent
-API_MODULES = {"serialization", "core", "validation", "utils", "testing", "exchange_utils", "__init__"}
+API_MODULES = {"serialization", "opened", "core", "validation", "utils", "testing", "exchange_utils", "__init__"}
 BASE_MODULES = {"errors", "progress", "mapping", "dict_utils"}
 # Top-level modules that belong to a lower layer: the zarr start-up hook must be importable as
 # shardstore._zarr_autoload (a .pth file names it) but is the format's.

@@ -105,7 +105,7 @@ def test_threads_saving_into_one_memory_prefix_commit_one_at_a_time() -> None:
 def test_a_failed_save_lets_go_of_its_memory_prefix(monkeypatch) -> None:
     url = f"memory://unshared/{uuid.uuid4().hex}"
     strategy = ZarrSaveShardedStrategy()
-    monkeypatch.setattr(type(strategy), "save_with_plan", lambda *a, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr(type(strategy), "save_into", lambda *a, **k: (_ for _ in ()).throw(
         CheckpointingException("injected failure")))
     with pytest.raises(CheckpointingException, match="injected failure"):
         save(_state(1.0), url, strategy)

@@ -13,7 +13,8 @@ The stages (``strategies.zarr.ZarrSaveShardedStrategy`` runs them)::
                            the written data is made durable             ``write_staged``
     all ranks    agree     every rank reports success or its error (collective)
     coordinator  commit    root zarr.json = commit record (with file checksums),
-                           written atomically, last                     ``finalize_save``
+                           written atomically, last                     ``finalize_save``,
+                                                                        ``commit_save``
 
 ``stage`` is the blocking part of an async save; ``write`` is the ``AsyncRequest``'s
 I/O; ``agree`` + ``commit`` are its finalization (``finalizer``). Chunks are written by
@@ -43,7 +44,7 @@ from shardstore.format.chunks import (
     run_writes,
     write_region,
 )
-from shardstore.format.commit import PendingCheckpoint, new_save_id
+from shardstore.format.commit import PendingCheckpoint, Publisher
 from shardstore.format.dtypes import from_zarr_name, tensor_to_numpy
 from shardstore.format.integrity import caller_file_checksums, file_checksums
 from shardstore.format.records import (
@@ -52,7 +53,6 @@ from shardstore.format.records import (
     CommitRecord,
     ReusedChunks,
     group_metadata,
-    write_commit_record,
 )
 from shardstore.mapping import ShardedTensor
 from shardstore.planning.layout import FlatChunk, Region, ShardRecord, region_shape
@@ -60,7 +60,6 @@ from shardstore.planning.plans import RankSavePlan
 from shardstore.progress import stage
 from shardstore.protocol.collectives import Group, RankFailure, StageFailed, failure_message
 from shardstore.protocol.stage import Transfers, run_stage
-from shardstore.stores.base import Location
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +78,7 @@ class StagedSave:
     """A rank's part of a save, ready for I/O: nothing refers to the caller's tensors
     except through ``ops`` (host views, or CUDA data already copied to host)."""
 
-    location: Location
+    location: PendingCheckpoint
     records: dict[str, ArrayRecord]
     metadata_files: dict[str, bytes]
     ops: list[WriteOp]
@@ -119,7 +118,7 @@ def _block_op(s: ShardRecord, host: list[torch.Tensor | None]) -> WriteOp:
 
 def stage_save(
     tensors: list[ShardedTensor],
-    location: Location,
+    location: PendingCheckpoint,
     plan: RankSavePlan,
     group: Group,
     staging: Staging | None = None,
@@ -154,7 +153,7 @@ def stage_save(
 
 
 def copy_to_host(
-    tensors: list[ShardedTensor], location: Location, plan: RankSavePlan, staging: Staging,
+    tensors: list[ShardedTensor], location: PendingCheckpoint, plan: RankSavePlan, staging: Staging,
     host: list[torch.Tensor | None], snapshot: HostSnapshot, written: set[int], early_chunks: list[WrittenChunk],
 ) -> None:
     """Fills ``host`` with each planned shard's host tensor (a copy where ``staging``
@@ -258,14 +257,14 @@ def write_staged(
 
 
 def write_ops(
-    location: Location, records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int,
+    location: PendingCheckpoint, records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int,
     io_threads: int = DEFAULT_IO_THREADS,
 ) -> list[WrittenChunk]:
     """Writes whole chunks of arrays (the plan gives every chunk one writer and one
     write), all in flight at once, or shares those unchanged since the checkpoint the
     save reuses from (``format.reuse``); returns what each writer reports."""
     store = chunk_store_for(location, io_concurrency, io_threads)
-    reuse = location.chunk_reuse(store, records) if isinstance(location, PendingCheckpoint) else None
+    reuse = location.chunk_reuse(store, records)
     jobs: list = []
     for op in ops:
         if not op.value.size:
@@ -312,21 +311,13 @@ def finalize_save(staged: StagedSave, error: BaseException | None) -> None:
 
 
 def commit(staged: StagedSave, reports: list[list[WrittenChunk]]) -> None:
-    """Coordinator: the commit record, with every chunk's crc32c and every file's
-    checksum, published."""
+    """Coordinator, the reduce of the commit stage: ``commit_save``, its failure told to
+    every rank."""
     location = staged.location
     try:
-        record = bind_chunks(staged.commit_record, reports, location.describe())
-        record = replace(record, files=file_checksums(location, record), reused_from=reused_from(location, reports))
-        if not isinstance(location, PendingCheckpoint):  # in place, into the caller's directory
-            record = replace(record, external_files=caller_file_checksums(location, record))
-        publish(location, record)
-        if record.reused_from is not None:
-            logger.info(
-                "save %s: %d chunk(s), %d bytes, unchanged since %s: shared, not written again",
-                location.describe(), record.reused_from.chunks, record.reused_from.nbytes,
-                record.reused_from.checkpoint,
-            )
+        if staged.commit_record is None:
+            raise CheckpointingException(f"Internal error: committing {location.describe()} off the coordinator")
+        commit_save(location, staged.commit_record, reports)
     except Exception as exc:  # told to every rank by the stage
         raise StageFailed(
             failure_message([RankFailure.from_exception(staged.group.rank, exc)], f"Committing checkpoint "
@@ -334,14 +325,40 @@ def commit(staged: StagedSave, reports: list[list[WrittenChunk]]) -> None:
         ) from exc
 
 
-def end_save(location: Location, abandon: bool) -> None:
+def commit_save(pending: PendingCheckpoint, record: CommitRecord, reports: list[list[WrittenChunk]]) -> CommitRecord:
+    """Coordinator: THE commit of a save, whoever composed it (``execution.pipeline``).
+
+    The one place that binds what the writers reported into the commit record (every
+    chunk's crc32c and XXH3-128 digest, ``bind_chunks``; the chunks shared with the
+    checkpoint reused from, ``reused_from``), adds every file's checksum (and, into a
+    caller's directory, the caller's own files as external ones), and publishes
+    (``pending.commit``, by its ``Publisher``). Returns the record committed.
+
+    Raises:
+        CheckpointingException: a chunk nobody wrote or one written twice, a file that
+            cannot be read back, or a lost race with another save (nothing is published).
+    """
+    record = bind_chunks(record, reports, pending.describe())
+    record = replace(record, files=file_checksums(pending, record), reused_from=reused_from(pending, reports))
+    if pending.publisher is Publisher.CALLERS_DIRECTORY:
+        record = replace(record, external_files=caller_file_checksums(pending, record))
+    record = replace(record, save_id=pending.intent.save_id, created=time.time())
+    pending.commit(record)
+    if record.reused_from is not None:
+        logger.info(
+            "save %s: %d chunk(s), %d bytes, unchanged since %s: shared, not written again",
+            pending.describe(), record.reused_from.chunks, record.reused_from.nbytes, record.reused_from.checkpoint,
+        )
+    return record
+
+
+def end_save(location: PendingCheckpoint, abandon: bool) -> None:
     """Lets go of what a save holds (its descriptors and staging lock); ``abandon``
     (coordinator, after a failure every rank knows of) also deletes what it wrote."""
-    if isinstance(location, PendingCheckpoint):
-        if abandon:
-            location.abandon()
-        else:
-            location.release()
+    if abandon:
+        location.abandon()
+    else:
+        location.release()
 
 
 def bind_chunks(record: CommitRecord, reports: list[list[WrittenChunk]], where: str) -> CommitRecord:
@@ -366,26 +383,21 @@ def bind_chunks(record: CommitRecord, reports: list[list[WrittenChunk]], where: 
     return replace(record, arrays=arrays)
 
 
-def reused_from(location: Location, reports: list[list[WrittenChunk]]) -> ReusedChunks | None:
+def reused_from(location: PendingCheckpoint, reports: list[list[WrittenChunk]]) -> ReusedChunks | None:
     """What the save shared with the checkpoint it reused from, for the commit record
     (None when it shared nothing)."""
     shared = [chunk.shared for chunks in reports for chunk in chunks if chunk.shared]
-    if not shared or not isinstance(location, PendingCheckpoint) or location.reuse_source is None:
+    if not shared or location.reuse_source is None:
         return None
     assert location.intent.reuses is not None
     return ReusedChunks(location.reuse_source.describe(), location.intent.reuses, len(shared), sum(shared))
 
 
-def publish(location: Location, record: CommitRecord) -> None:
-    """Writes the commit record: through the save's ``PendingCheckpoint`` (staging
-    published by rename, races refused), or in place for a bare location (the seed's
-    strategy API called directly). The record is stamped with the time of its commit here,
-    not when its plan was made: a cached plan is reused by later saves (found by review:
-    every save under ``cache_plan`` recorded the first one's time)."""
-    if isinstance(location, PendingCheckpoint):
-        location.commit(replace(record, save_id=location.intent.save_id, created=time.time()))
-    else:
-        write_commit_record(location, replace(record, save_id=new_save_id(), created=time.time()))
+def publish(location: PendingCheckpoint, record: CommitRecord) -> None:
+    """Publishes a record whose chunks are already bound (``tools.dcp_storage`` until it
+    commits through ``commit_save``): stamped with the save's id and the time of its
+    commit here, not when its plan was made (a cached plan is reused by later saves)."""
+    location.commit(replace(record, save_id=location.intent.save_id, created=time.time()))
 
 
 @dataclass(frozen=True)

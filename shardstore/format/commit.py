@@ -43,6 +43,15 @@ load then fails on the mismatch instead of returning a mix.
 (``check_shared``, on every rank before anything is written), and a save claims its
 prefix from begin to release (``Store.claim_for_save``): a concurrent save into it
 fails at its begin, before it removes or writes anything.
+
+**A directory the caller made** (Megatron-Core's own ``save`` creates the directory and
+writes its ``common.pt`` before our strategy runs): ``adopt_save`` writes into it in
+place; the commit writes the commit record last and lists the caller's files as
+external. Nothing there is ever deleted (it is not provably ours).
+
+How a save is published is a ``Publisher``, chosen once from the store's capabilities
+(``publisher_for``) and held by the ``PendingCheckpoint``; nothing asks a location for
+its class.
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.chunks import ChunkStore, chunk_store_for
@@ -68,11 +78,35 @@ from shardstore.format.records import (
     ArrayRecord,
     CommitRecord,
     other_checkpoint_kind,
+    write_commit_record,
 )
 from shardstore.format.reuse import ChunkReuse, reuse_save_id
-from shardstore.stores.base import DirectoryPublishing, Location
+from shardstore.stores.base import Capabilities, DirectoryPublishing, Location
 
 logger = logging.getLogger(__name__)
+
+
+class Publisher(Enum):
+    """How a save becomes visible (the module docstring gives each one's rules).
+
+    RENAME: a private staging directory next to the target, published by one rename
+        (or an atomic exchange with the checkpoint it replaces); local file systems.
+    IN_PLACE: written at the target itself, marker first, commit record last (one
+        atomic PUT); object stores.
+    CALLERS_DIRECTORY: a directory the caller created and already wrote into
+        (Megatron-Core's ``save``): written in place, commit record last, the caller's
+        files listed as external; an abandoned save deletes nothing there.
+    """
+
+    RENAME = "rename"
+    IN_PLACE = "in_place"
+    CALLERS_DIRECTORY = "callers_directory"
+
+
+def publisher_for(capabilities: Capabilities) -> Publisher:
+    """The publisher of a save into a store with ``capabilities``: by rename where whole
+    directories move atomically, else in place."""
+    return Publisher.RENAME if capabilities.supports_rename else Publisher.IN_PLACE
 
 
 def new_save_id() -> str:
@@ -185,12 +219,13 @@ class PendingCheckpoint(Location):
     it gets published.
 
     Every rank builds one from the coordinator's ``SaveIntent``; only the coordinator
-    calls ``commit`` or ``abandon``.
+    calls ``commit`` or ``abandon``. ``publisher`` says how ``commit`` publishes.
     """
 
-    def __init__(self, target: Location, staging: Location, intent: SaveIntent) -> None:
+    def __init__(self, target: Location, staging: Location, intent: SaveIntent, publisher: Publisher) -> None:
         super().__init__(staging.store)
-        self.inner, self.target, self.intent = staging, target, intent
+        self.inner, self.target, self.intent, self.publisher = staging, target, intent, publisher
+        _OPEN_SAVES.add(self)
         self._locks: list[int] = []  # descriptors holding the staging directory's flock
         self._releases: list[Callable[[], None]] = []  # claims on the target (``Store.claim_for_save``)
         # A save dropped without commit, abandon or release (an AsyncRequest never
@@ -201,13 +236,18 @@ class PendingCheckpoint(Location):
             self, _release_dropped, staging, self._locks, self._releases, target.describe()
         )
         self._release_when_dropped.atexit = False  # the process's end closes them anyway
+        if publisher is Publisher.CALLERS_DIRECTORY:
+            # nothing held open in the caller's directory, nothing of ours to clean up there
+            # (and a background writer forked by the caller drops its copy unreleased)
+            self._release_when_dropped.detach()
         self.reuse_source: Location | None = None  # where ``intent.reuses`` was committed
         self._reuse: dict[str, ChunkReuse | None] = {}
         self._reuse_lock = threading.Lock()
 
     @property
     def in_place(self) -> bool:
-        return self.inner is self.target
+        """Written at the target itself (no staging directory)."""
+        return self.publisher is not Publisher.RENAME
 
     def chunk_reuse(self, target_store: ChunkStore, records: dict[str, ArrayRecord]) -> ChunkReuse | None:
         """This rank's reuse of the earlier checkpoint the save shares unchanged chunks
@@ -228,16 +268,20 @@ class PendingCheckpoint(Location):
 
     def commit(self, record: CommitRecord) -> None:
         """Coordinator: writes the commit record and publishes the checkpoint."""
-        if self.in_place:
+        if self.publisher is Publisher.RENAME:
+            self._commit_by_rename(record)
+        elif self.publisher is Publisher.IN_PLACE:
             self._commit_in_place(record)
         else:
-            self._commit_by_rename(record)
+            write_commit_record(self.target, record)
         self.release()
 
     def abandon(self) -> None:
         """Coordinator, after a failed save: deletes what this save wrote."""
         try:
-            if self.in_place:
+            if self.publisher is Publisher.CALLERS_DIRECTORY:
+                pass  # the caller's directory: nothing in it is provably ours
+            elif self.in_place:
                 if _marker_id(self.target) == self.intent.save_id and committed_save_id(self.target) is None:
                     self.target.remove_tree("")
             else:
@@ -359,14 +403,15 @@ def begin_save(target: Location, overwrite: bool, reuse_from: Location | None = 
 
 def _begin_claimed(target: Location, overwrite: bool, save_id: str, reuse_from: Location | None) -> PendingCheckpoint:
     """``begin_save`` once the target is claimed."""
-    directory = target.store.publishing()
-    if directory is not None:
-        directory = directory.resolved()
+    if publisher_for(target.capabilities) is Publisher.RENAME:
+        directory = _directory(target).resolved()
         target = Location(directory)
         remove_dead_saves(directory)
         replaces = _check_target(target, overwrite)
         reuses = reuse_save_id(reuse_from, target, in_place=False) if reuse_from is not None else None
-        pending = PendingCheckpoint(target, _staging_for(directory, save_id), SaveIntent(save_id, replaces, reuses))
+        pending = PendingCheckpoint(
+            target, _staging_for(directory, save_id), SaveIntent(save_id, replaces, reuses), Publisher.RENAME
+        )
     else:
         target.prepare()
         if not target.is_empty() and _marker_id(target) is not None and committed_save_id(target) is None:
@@ -377,7 +422,7 @@ def _begin_claimed(target: Location, overwrite: bool, save_id: str, reuse_from: 
         if replaces is not None:
             target.remove(COMMIT_RECORD)  # the documented window on object stores starts here
             target.remove_tree("")
-        pending = PendingCheckpoint(target, target, SaveIntent(save_id, replaces, reuses))
+        pending = PendingCheckpoint(target, target, SaveIntent(save_id, replaces, reuses), Publisher.IN_PLACE)
     pending.reuse_source = reuse_from
     with contextlib.ExitStack() as on_failure:
         # A staging area that fails half-made (disk full while creating it or writing its
@@ -396,15 +441,42 @@ def _begin_claimed(target: Location, overwrite: bool, save_id: str, reuse_from: 
 def join_save(target: Location, intent: SaveIntent, reuse_from: Location | None = None) -> PendingCheckpoint:
     """Every rank but the coordinator: the pending checkpoint the coordinator began
     (``reuse_from``: the same earlier checkpoint the coordinator was given)."""
-    directory = target.store.publishing()
-    if directory is not None:
-        directory = directory.resolved()
-        pending = PendingCheckpoint(Location(directory), _staging_for(directory, intent.save_id), intent)
+    if publisher_for(target.capabilities) is Publisher.RENAME:
+        directory = _directory(target).resolved()
+        pending = PendingCheckpoint(
+            Location(directory), _staging_for(directory, intent.save_id), intent, Publisher.RENAME
+        )
     else:
-        pending = PendingCheckpoint(target, target, intent)
+        pending = PendingCheckpoint(target, target, intent, Publisher.IN_PLACE)
     pending.reuse_source = reuse_from
     pending.inner.begin_writes()
     return pending
+
+
+def _directory(target: Location) -> DirectoryPublishing:
+    """``target``'s store as a directory that publishes by rename (its capabilities said so)."""
+    directory = target.store.publishing()
+    if directory is None:
+        raise CheckpointingException(
+            f"Internal error: {target.describe()} claims supports_rename but cannot publish by rename; please report it"
+        )
+    return directory
+
+
+# The saves this process began or joined and has not dropped: ``adopt_save`` tells the
+# pipeline's own pending checkpoint (handed down the strategies' API as a Location) from
+# a caller's directory by membership, never by class.
+_OPEN_SAVES: weakref.WeakSet[PendingCheckpoint] = weakref.WeakSet()
+
+
+def adopt_save(location: Location) -> PendingCheckpoint:
+    """The save that writes into ``location``: the pending checkpoint itself when this
+    process began or joined it (``begin_save``, ``join_save``), else ``location`` as a
+    directory the caller made (``Publisher.CALLERS_DIRECTORY``: Megatron-Core's ``save``
+    and the seed's strategy API called directly), with a fresh save id."""
+    if location in _OPEN_SAVES:
+        return location  # type: ignore[return-value]  # a member is a PendingCheckpoint
+    return PendingCheckpoint(location, location, SaveIntent(new_save_id(), None), Publisher.CALLERS_DIRECTORY)
 
 
 def _staging_for(target: DirectoryPublishing, save_id: str) -> Location:

@@ -122,15 +122,6 @@ class ChecksummedLocation(Location):
         return data
 
 
-def open_committed(checkpoint: str | os.PathLike | Location) -> ChecksummedLocation:
-    """The committed checkpoint at ``checkpoint``, its reads checked against its record
-    (one already opened so is returned as it is: its record is not read again)."""
-    location = open_location(checkpoint)
-    if isinstance(location, ChecksummedLocation):
-        return location
-    return ChecksummedLocation(location, read_commit_record(location))
-
-
 @dataclass(frozen=True)
 class Problem:
     """One missing or corrupt object: ``key`` is the array key (or file path), ``part``

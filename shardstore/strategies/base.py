@@ -23,6 +23,7 @@ from shardstore.stores.locations import open_location
 from shardstore.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
 if TYPE_CHECKING:
+    from shardstore.execution.pipeline import SavePipeline
     from shardstore.planning.layout import GlobalLayout
 
 CheckpointDir = Union[str, Path]
@@ -252,6 +253,17 @@ class SaveShardedStrategy(SaveStrategyBase):
         self.save(sharded_state_dict, checkpoint_dir)
 
 
+    def save_into(
+        self, sharded_state_dict: ShardedStateDict, pipeline: SavePipeline, plan: Any,
+        local_error: BaseException | None = None,
+    ) -> None:
+        """Collective: writes this rank's part of ``plan`` into the save ``pipeline`` has
+        begun and joined (``execution.pipeline``), committing through it. ``serialization.
+        save`` calls this; the default hands the pipeline's pending checkpoint to
+        ``save_with_plan`` (the seed's signature), which a strategy overrides."""
+        self.save_with_plan(sharded_state_dict, pipeline.pending, plan, pipeline.group.process_group, local_error)
+
+
 class AsyncSaveShardedStrategy(SaveShardedStrategy):
     """Save strategy that can return its I/O as an ``AsyncRequest``."""
 
@@ -273,6 +285,15 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
         as in ``save_with_plan``)."""
         agree_before_save(process_group, checkpoint_dir, local_error)
         return self.async_save(sharded_state_dict, checkpoint_dir)
+
+    def async_save_into(
+        self, sharded_state_dict: ShardedStateDict, pipeline: SavePipeline, plan: Any,
+        local_error: BaseException | None = None,
+    ) -> AsyncRequest:
+        """Like ``save_into``, returning the request whose finalization commits."""
+        return self.async_save_with_plan(
+            sharded_state_dict, pipeline.pending, plan, pipeline.group.process_group, local_error
+        )
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
         """Every async strategy can be used synchronously."""

@@ -12,8 +12,9 @@ from typing import Any
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace, nested_values
 from shardstore.format.pickles import deserialize, deserialize_dict, serialize
-from shardstore.format.records import COMMON_FILE, object_path, read_commit_record
+from shardstore.format.records import COMMON_FILE, object_path
 from shardstore.mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
+from shardstore.opened import open_read
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 from shardstore.strategies.base import (
@@ -95,7 +96,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
 
     def load_sharded_metadata(self, checkpoint_dir: CheckpointDir | Location) -> ShardedStateDict:
         """Data-less ShardedObjects of the checkpoint, keyed by their unique key."""
-        record = read_commit_record(open_location(checkpoint_dir))
+        record = open_read(checkpoint_dir).require_record()
         return {
             shard_key: ShardedObject.empty_from_unique_key(shard_key)
             for obj in record.objects.values()

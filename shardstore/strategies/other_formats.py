@@ -22,9 +22,9 @@ import torch
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace
 from shardstore.execution.loaded import place_loaded, postprocess_loaded
-from shardstore.format.integrity import ChecksummedLocation
-from shardstore.format.records import CommitRecord, is_committed
+from shardstore.format.records import CommitRecord
 from shardstore.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from shardstore.opened import other_format_of
 from shardstore.other_formats import registry
 from shardstore.other_formats.base import OtherCheckpoint, OtherFormat, place_value
 from shardstore.planning.layout import block_shape, region_at
@@ -68,22 +68,10 @@ def open_other_format(checkpoint_dir: CheckpointDir | Location) -> OtherCheckpoi
     return _opened(other_format, path, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
-def other_format_of(checkpoint: CheckpointDir) -> OtherFormat | None:
-    """The registered format of another tool's local checkpoint that this module reads,
-    as it is: no shardstore commit record (an opened committed one never is); None for
-    anything else (a file, S3, a shardstore checkpoint or a directory of neither)."""
-    location = open_location(checkpoint)
-    if isinstance(location, ChecksummedLocation):
-        return None
-    path = location.local_path()
-    if path is None or not path.is_dir() or is_committed(location):
-        return None
-    return registry.detect(location)
-
-
 def reads_as_other_format(checkpoint: CheckpointDir) -> bool:
-    """Whether ``checkpoint`` is another tool's local checkpoint that this module reads."""
-    return other_format_of(checkpoint) is not None
+    """Whether ``checkpoint`` is another tool's local checkpoint that this module reads
+    (``opened.other_format_of``; ``opened.open_read`` asks once and keeps the answer)."""
+    return other_format_of(open_location(checkpoint)) is not None
 
 
 @functools.lru_cache(maxsize=8)

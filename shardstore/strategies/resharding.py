@@ -42,7 +42,6 @@ import torch
 
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
-from shardstore.format.integrity import open_committed
 from shardstore.format.records import ArrayRecord
 from shardstore.mapping import (
     ShardedStateDict,
@@ -52,10 +51,10 @@ from shardstore.mapping import (
     apply_factories,
     apply_factory_merges,
 )
+from shardstore.opened import OpenedCheckpoint, open_read
 from shardstore.stores.base import Location
-from shardstore.stores.locations import open_location
 from shardstore.strategies.base import CheckpointDir
-from shardstore.strategies.other_formats import open_other_format, reads_as_other_format
+from shardstore.strategies.other_formats import open_other_format
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +110,9 @@ def get_reformulation_metadata(
             hold (a 1-D one is skipped with a warning, as Megatron-Core does for its
             legacy 1-D format).
     """
-    location = open_location(checkpoint_dir)
-    saved = _saved_formulations(location)
+    opened = open_read(checkpoint_dir)
+    location = opened.location
+    saved = _saved_formulations(opened)
     metadata: dict[str, TensorReformulationMetadata] = {}
     for sh_ten in nested_values(sharded_state_dict):
         if not is_nd_flattened_tensor(sh_ten):
@@ -136,15 +136,15 @@ def get_reformulation_metadata(
     return metadata
 
 
-def _saved_formulations(location: Location) -> dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]]:
+def _saved_formulations(opened: OpenedCheckpoint) -> dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]]:
     """``{key: (global shape, reformulated shape or None)}`` of every tensor stored."""
-    if reads_as_other_format(location):
-        tensors = open_other_format(location).tensors
+    if opened.other_format is not None:
+        tensors = open_other_format(opened.location).tensors
         return {
             key: (tuple(t.shape), _stored_reformulation(t))
             for key, t in tensors.items()
         }
-    record = open_committed(location).record
+    record = opened.require_record()
     return {key: (tuple(a.shape), _record_reformulation(a)) for key, a in record.arrays.items()}
 
 

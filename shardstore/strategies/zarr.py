@@ -38,6 +38,7 @@ from shardstore.execution.loaded import (  # flatten_range, pad_to_expected_shap
     place_loaded,
     postprocess_loaded,
 )
+from shardstore.execution.pipeline import SavePipeline
 from shardstore.execution.save import Staging, finalizer, stage_save, write_staged
 from shardstore.execution.staging import (
     DEFAULT_LOAD_STAGING_BYTES,
@@ -63,6 +64,7 @@ from shardstore.format.records import (
     write_commit_record,
 )
 from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from shardstore.opened import open_read
 from shardstore.planning.layout import (
     GlobalLayout,
     Region,
@@ -74,7 +76,7 @@ from shardstore.planning.layout import (
 from shardstore.planning.plans import RankReadPlan, RankSavePlan, plan_reads, plan_save
 from shardstore.progress import stage
 from shardstore.protocol.collectives import Group
-from shardstore.protocol.plan_cache import PlanCache, gather_and_plan_cached
+from shardstore.protocol.plan_cache import PlanCache
 from shardstore.protocol.plan_stage import gather_and_plan
 from shardstore.stores.base import Location, kvstore_spec
 from shardstore.stores.locations import open_location
@@ -251,13 +253,12 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> AsyncRequest:
         """Collective: plans once (``protocol.plan_stage.gather_and_plan``: the global sharding, and
         every key against the target's name limits, are checked before anything is
-        written), then ``async_save_with_plan``."""
-        location = open_location(checkpoint_dir)
+        written), then ``async_save_into`` the directory as the caller made it
+        (``SavePipeline.into_callers_directory``)."""
+        pipeline = SavePipeline.into_callers_directory(checkpoint_dir, Group(self.process_group))
         tensors, objects = local_sharded_items(sharded_state_dict)
-        plan = gather_and_plan_cached(
-            self.plan_cache, tensors, objects, Group(self.process_group), self.plan_save, save_to=location
-        )
-        return self.async_save_with_plan(sharded_state_dict, location, plan)
+        plan = pipeline.plan(tensors, objects, self.plan_save, plan_cache=self.plan_cache)
+        return self.async_save_into(sharded_state_dict, pipeline, plan)
 
     def plan_save(self, layout: GlobalLayout) -> list[RankSavePlan]:
         """Coordinator: every rank's part of the save (``shardstore.planning.plans``)."""
@@ -267,30 +268,49 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: RankSavePlan,
         process_group: dist.ProcessGroup | None = None, local_error: BaseException | None = None,
     ) -> AsyncRequest:
-        """Snapshots the tensors to host memory (the blocking part) and returns the
-        request whose ``async_fn`` writes them and whose finalization commits.
-        ``local_error``: this rank's failure in the step before, agreed in the staging
-        stage (``execution.save.stage_save``)."""
-        staging = Staging(True, self.max_staging_bytes, self._buffers, self.io_concurrency, self.background_io_threads)
-        return self._request(sharded_state_dict, checkpoint_dir, plan, staging, process_group, local_error)
+        """``async_save_into`` a directory the caller made (the seed's signature, as
+        Megatron-Core's ``save`` calls it): ``SavePipeline.into_callers_directory``."""
+        pipeline = SavePipeline.into_callers_directory(checkpoint_dir, self._group(process_group))
+        return self.async_save_into(sharded_state_dict, pipeline, plan, local_error)
 
     def save_with_plan(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: RankSavePlan,
         process_group: dist.ProcessGroup | None = None, local_error: BaseException | None = None,
     ) -> None:
+        """``save_into`` a directory the caller made (as ``async_save_with_plan``)."""
+        pipeline = SavePipeline.into_callers_directory(checkpoint_dir, self._group(process_group))
+        self.save_into(sharded_state_dict, pipeline, plan, local_error)
+
+    def async_save_into(
+        self, sharded_state_dict: ShardedStateDict, pipeline: SavePipeline, plan: RankSavePlan,
+        local_error: BaseException | None = None,
+    ) -> AsyncRequest:
+        """Snapshots the tensors to host memory (the blocking part) and returns the
+        request whose ``async_fn`` writes them into ``pipeline``'s save and whose
+        finalization commits. ``local_error``: this rank's failure in the step before,
+        agreed in the staging stage (``execution.save.stage_save``)."""
+        staging = Staging(True, self.max_staging_bytes, self._buffers, self.io_concurrency, self.background_io_threads)
+        return self._request(sharded_state_dict, pipeline, plan, staging, local_error)
+
+    def save_into(
+        self, sharded_state_dict: ShardedStateDict, pipeline: SavePipeline, plan: RankSavePlan,
+        local_error: BaseException | None = None,
+    ) -> None:
         """Synchronous: writes CPU tensors straight from their memory; CUDA tensors
         stream through pinned buffers, at most ``sync_staging_bytes`` at once, their
         copies overlapping the writes."""
         staging = Staging(False, self.sync_staging_bytes, self._sync_buffers, self.io_concurrency)
-        self._request(sharded_state_dict, checkpoint_dir, plan, staging, process_group, local_error).execute_sync()
+        self._request(sharded_state_dict, pipeline, plan, staging, local_error).execute_sync()
+
+    def _group(self, process_group: dist.ProcessGroup | None) -> Group:
+        return Group(process_group if process_group is not None else self.process_group)
 
     def _request(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: RankSavePlan,
-        staging: Staging, process_group: dist.ProcessGroup | None, local_error: BaseException | None = None,
+        self, sharded_state_dict: ShardedStateDict, pipeline: SavePipeline, plan: RankSavePlan, staging: Staging,
+        local_error: BaseException | None = None,
     ) -> AsyncRequest:
         tensors, _ = local_sharded_items(sharded_state_dict)
-        group = Group(process_group if process_group is not None else self.process_group)
-        location = open_location(checkpoint_dir)
+        location = pipeline.pending
         limit = location.capabilities.max_object_bytes
         if limit is not None and self.max_chunk_bytes > limit:
             raise CheckpointingException(
@@ -298,7 +318,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
                 f"{location.describe()}; use a smaller bound"
             )
         with stage("save: stage", location.describe()):
-            staged = stage_save(tensors, location, plan, group, staging, local_error)
+            staged = stage_save(tensors, location, plan, pipeline.group, staging, local_error)
         return AsyncRequest(
             async_fn=write_staged,
             async_fn_args=(staged, self.io_concurrency, staging.io_threads),
@@ -336,9 +356,8 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         self._uploader = DeviceUploader(load_staging_bytes)
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> StateDict:
-        location = open_location(checkpoint_dir)
-        record = read_commit_record(location)
-        return self.load_with_record(sharded_state_dict, location, record)
+        opened = open_read(checkpoint_dir)
+        return self.load_with_record(sharded_state_dict, opened.location, opened.require_record())
 
     def load_with_record(
         self, sharded_state_dict: ShardedStateDict, location: Location, record: CommitRecord,
@@ -377,7 +396,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         return sharded_state_dict
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
-        record = read_commit_record(open_location(checkpoint_dir))
+        record = open_read(checkpoint_dir).require_record()
         return {key: tensor_metadata(a) for key, a in record.arrays.items()}
 
     def load_sharded_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
@@ -391,8 +410,8 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         Groups left without arrays go too (their ``zarr.json``, which the new record no
         longer vouches for, and their directories once empty), innermost first.
         """
-        location = open_location(checkpoint_dir)
-        record = read_commit_record(location)
+        opened = open_read(checkpoint_dir)
+        location, record = opened.location, opened.require_record()
         removed = [k for k in record.arrays if k.startswith(key_prefix)]
         kept = {k: a for k, a in record.arrays.items() if k not in removed}
         write_commit_record(location, replace(record, arrays=kept))

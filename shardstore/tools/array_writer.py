@@ -26,12 +26,9 @@ from typing import Any
 
 import torch
 
-from shardstore.core import CheckpointingConfig, CheckpointingException, save_config
-from shardstore.execution.save import WriteOp, bind_chunks, publish, write_ops
-from shardstore.format.chunks import DEFAULT_IO_CONCURRENCY, WrittenChunk
-from shardstore.format.commit import begin_save
+from shardstore.core import CheckpointingConfig, CheckpointingException
+from shardstore.execution.pipeline import SavePipeline
 from shardstore.format.dtypes import tensor_to_numpy
-from shardstore.format.integrity import file_checksums
 from shardstore.format.records import (
     ZARR_JSON,
     ArrayRecord,
@@ -42,10 +39,7 @@ from shardstore.format.records import (
     parent_groups,
 )
 from shardstore.mapping import ShardedObject, ShardedTensor
-from shardstore.planning.checks import check_storable_keys, local_records
-from shardstore.planning.layout import GlobalLayout, region_at
 from shardstore.stores.base import Location
-from shardstore.stores.locations import open_location
 from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION, TorchCommonSaveStrategy
 from shardstore.strategies.zarr import (
     DEFAULT_MAX_CHUNK_BYTES,
@@ -74,37 +68,27 @@ class CheckpointWriter:
         planned_arrays: dict[str, torch.Tensor] | None = None, planned_objects: Iterable[str] = (),
     ) -> None:
         self.max_chunk_bytes = max_chunk_bytes
-        self._target = open_location(checkpoint_dir)
-        _check_storable(
-            self._target, self._target.describe(),
+        config = CheckpointingConfig(SHARDSTORE_BACKEND, ZARR_VERSION, COMMON_BACKEND, COMMON_VERSION)
+        self._save = SavePipeline.open(checkpoint_dir, overwrite=overwrite, config=config)
+        self._save.check_storable(
             [ShardedTensor.from_rank_offsets(key, tensor) for key, tensor in (planned_arrays or {}).items()],
             [ShardedObject.empty_from_unique_key(key) for key in planned_objects],
         )
-        self._pending = begin_save(self._target, overwrite)
+        self._save.begin()
         self._arrays: dict[str, ArrayRecord] = {}
-        self._written: list[WrittenChunk] = []
         self._done = False
-        try:
-            save_config(CheckpointingConfig(SHARDSTORE_BACKEND, ZARR_VERSION, COMMON_BACKEND, COMMON_VERSION),
-                        self._pending)
-        except BaseException:
-            self.abandon()
-            raise
 
     def describe(self) -> str:
-        return self._pending.describe()
+        return self._save.describe()
 
     def write_array(self, key: str, tensor: torch.Tensor) -> ArrayRecord:
         """Writes ``tensor`` (on CPU) whole as the array ``key``; returns its record."""
         sharded = ShardedTensor.from_rank_offsets(key, tensor.detach().cpu())
-        _check_storable(self._target, self.describe(), [sharded], [])
+        self._save.check_storable([sharded], [])
         if key in self._arrays:
             raise CheckpointingException(f"Array {key!r} was already written to {self.describe()}")
         record = single_tensor_record(sharded, self.max_chunk_bytes)
-        value = tensor_to_numpy(sharded.data.contiguous()).reshape(record.shape)
-        whole = region_at((0,) * len(record.shape), record.shape)
-        self._pending.write_bytes(f"{key}/{ZARR_JSON}", json.dumps(record.zarr_metadata()).encode())
-        self._written += write_ops(self._pending, {key: record}, [WriteOp(key, whole, value)], DEFAULT_IO_CONCURRENCY)
+        self._save.write_array(record, tensor_to_numpy(sharded.data.contiguous()).reshape(record.shape))
         self._arrays[key] = record
         return record
 
@@ -112,15 +96,16 @@ class CheckpointWriter:
         """Writes the common state and sharded objects (by unique key, e.g.
         ``rng_state/shard_0_2``), then the commit record, and publishes the checkpoint."""
         shards = [replace(ShardedObject.empty_from_unique_key(k), data=v) for k, v in (objects or {}).items()]
-        _check_storable(self._target, self.describe(), [], shards)
+        self._save.check_storable([], shards)
         if clashes := array_group_collisions([*self._arrays, *(objects or {})]):
             raise CheckpointingException(f"Cannot commit {self.describe()}: clashing keys {clashes[0]}")
         common = TorchCommonSaveStrategy()
-        common.save_common(common_state or {}, self._pending)
-        common.save_sharded_objects(shards, self._pending)
-        self._pending.write_many({f"{g}/{ZARR_JSON}": json.dumps(group_metadata()).encode()
-                                  for g in parent_groups(list(self._arrays))})
-        self._pending.make_durable()
+        pending = self._save.pending
+        common.save_common(common_state or {}, pending)
+        common.save_sharded_objects(shards, pending)
+        pending.write_many({f"{g}/{ZARR_JSON}": json.dumps(group_metadata()).encode()
+                            for g in parent_groups(list(self._arrays))})
+        pending.make_durable()
         by_key: dict[str, list[str]] = {}
         for s in shards:
             by_key.setdefault(s.key, []).append(s.unique_key)
@@ -129,16 +114,14 @@ class CheckpointWriter:
             objects={k: ObjectRecord(k, tuple(sorted(v))) for k, v in by_key.items()},
             world_size=1,
         )
-        record = bind_chunks(record, [self._written], self.describe())
-        publish(self._pending, replace(record, files=file_checksums(self._pending, record)))
-        self._pending.release()
+        self._save.commit(record)
         self._done = True
 
     def abandon(self) -> None:
         """Deletes what this writer wrote; the target keeps what it held."""
         if not self._done:
             self._done = True
-            self._pending.abandon()
+            self._save.abandon()
 
     def __enter__(self) -> CheckpointWriter:
         return self
@@ -150,10 +133,3 @@ class CheckpointWriter:
             self.abandon()
             raise CheckpointingException(f"CheckpointWriter for {self.describe()} closed without commit()")
 
-
-def _check_storable(target: Location, where: str, tensors: list[ShardedTensor], objects: list[ShardedObject]) -> None:
-    """A save's key check (``planning.checks.check_storable_keys``) on what is about to be
-    written, against the target's name limits (those of a save there: the files go
-    through the same staging directory)."""
-    layout = GlobalLayout.from_gathered([local_records(tensors, objects, 0, where)])
-    check_storable_keys(layout, target.name_limits, where)

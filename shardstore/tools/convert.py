@@ -58,10 +58,9 @@ import torch.distributed as dist
 
 from shardstore.core import CheckpointingException
 from shardstore.format.dtypes import from_zarr_name
-from shardstore.format.integrity import ChecksummedLocation, open_committed
 from shardstore.format.pickles import load_torch_file
-from shardstore.format.records import read_commit_record
 from shardstore.mapping import ShardedObject, ShardedTensor, StateDict
+from shardstore.opened import open_read
 from shardstore.other_formats.base import place_value
 from shardstore.protocol.collectives import Group
 from shardstore.stores.base import Location
@@ -129,8 +128,8 @@ def read_arrays(
     """
     from shardstore.strategies.zarr import ZarrLoadShardedStrategy
 
-    location = open_committed(checkpoint)
-    record = location.record
+    opened = open_read(checkpoint)
+    location, record = opened.location, opened.require_record()
     wanted = sorted(record.arrays) if keys is None else sorted(keys)
     unknown = [k for k in wanted if k not in record.arrays]
     if unknown:
@@ -156,12 +155,13 @@ def read_tensors(
     """``read_arrays`` of any checkpoint ``load`` reads: a shardstore checkpoint's
     arrays a batch at a time, another tool's tensors (a registered other format) one at
     a time; sorted by key. Not collective."""
-    from shardstore.strategies.other_formats import open_other_format, reads_as_other_format
+    from shardstore.strategies.other_formats import open_other_format
 
-    if not reads_as_other_format(checkpoint):
-        yield from read_arrays(checkpoint, keys, memory_bytes)
+    opened = open_read(checkpoint)
+    if opened.other_format is None:
+        yield from read_arrays(opened, keys, memory_bytes)
         return
-    source = open_other_format(checkpoint)
+    source = open_other_format(opened.location)
     for key in sorted(source.tensors if keys is None else keys):
         if key not in source.tensors:
             raise CheckpointingException(f"{source.path} has no tensor {key!r}")
@@ -173,12 +173,12 @@ def read_non_tensor_state(checkpoint: str | os.PathLike | Location) -> StateDict
     (``rng_state/shard_0_2``), each the Python object it holds; of a shardstore
     checkpoint or of another tool's (a plain DCP checkpoint's values nested where they
     were in the state dict it saved)."""
-    from shardstore.serialization import load, load_sharded_metadata, open_checkpoint
+    from shardstore.serialization import load, load_sharded_metadata
 
     _refuse_process_group("reading a checkpoint's common state for conversion")
-    location = open_checkpoint(checkpoint)
-    objects = {k: v for k, v in load_sharded_metadata(location).items() if not isinstance(v, ShardedTensor)}
-    state = load(objects, location)
+    opened = open_read(checkpoint)
+    objects = {k: v for k, v in load_sharded_metadata(opened).items() if not isinstance(v, ShardedTensor)}
+    state = load(objects, opened)
     return state
 
 
@@ -219,9 +219,7 @@ def source_kind(source: str | os.PathLike | Location) -> str:
     (``"dcp"``, ``"torch_dist"``, ``"zarr"``) or ``"shardstore"``; anything else is
     refused by ``read_commit_record``, which says what it is (nothing, an unfinished
     save, a file or directory of something else)."""
-    from shardstore.strategies.other_formats import other_format_of
-
-    if not isinstance(source, Location):
+    if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
         local = open_location(text).local_path()
         if text.endswith(".safetensors") and (local is None or local.is_file()):
@@ -230,13 +228,8 @@ def source_kind(source: str | os.PathLike | Location) -> str:
             return "torch"
         if local is not None and ((local / SAFETENSORS_INDEX).is_file() or (local / SAFETENSORS_SINGLE).is_file()):
             return "safetensors"
-    location = open_location(source)
-    other_format = other_format_of(location)
-    if other_format is not None:
-        return other_format.name
-    if not isinstance(location, ChecksummedLocation):
-        read_commit_record(location)
-    return "shardstore"
+    opened = open_read(source)
+    return opened.other_format.name if opened.other_format is not None else "shardstore"
 
 
 def open_export_source(source: str | os.PathLike | Location) -> ExportSource:
@@ -274,32 +267,31 @@ def _checkpoint_source(checkpoint: str | os.PathLike | Location) -> ExportSource
     """A shardstore checkpoint, or another tool's: arrays by key (``model/fc1`` goes to
     ``sd["model"]["fc1"]``), except a plain DCP save's values, which go where they were
     in the state dict DCP saved (its planner's paths), as ``dcp_to_torch_save`` puts them."""
-    from shardstore.serialization import open_checkpoint
     from shardstore.strategies.other_formats import open_other_format
 
-    location = open_checkpoint(checkpoint)
+    opened = open_read(checkpoint)
     saved_paths: Mapping[str, tuple[str | int, ...]] = {}
-    if isinstance(location, ChecksummedLocation):
-        sizes = {key: a.nbytes for key, a in location.record.arrays.items()}
+    if opened.record is not None:
+        sizes = {key: a.nbytes for key, a in opened.record.arrays.items()}
     else:
-        other = open_other_format(location)
+        other = open_other_format(opened.location)
         sizes = {key: t.nbytes for key, t in other.tensors.items()}
         saved_paths = other.saved_paths
 
     def other_values() -> dict[Any, Any]:
         state: dict[Any, Any] = {}
-        for key, value in read_non_tensor_state(location).items():
+        for key, value in read_non_tensor_state(opened).items():
             place_value(state, saved_paths.get(key, (key,)), value, key)
         return state
 
     def objects() -> tuple[str, ...]:
         from shardstore.serialization import load_sharded_metadata
 
-        return tuple(k for k, v in load_sharded_metadata(location).items() if isinstance(v, ShardedObject))
+        return tuple(k for k, v in load_sharded_metadata(opened).items() if isinstance(v, ShardedObject))
 
     return ExportSource(
         dict(sorted(sizes.items())),
-        lambda keys, memory_bytes: read_tensors(location, keys, memory_bytes), other_values,
+        lambda keys, memory_bytes: read_tensors(opened, keys, memory_bytes), other_values,
         lambda key: saved_paths.get(key) or tuple(key.split("/")), objects,
     )
 

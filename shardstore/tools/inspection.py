@@ -25,11 +25,11 @@ from shardstore.format.dtypes import (
     is_exact_conversion,
     tensor_to_numpy,
 )
-from shardstore.format.integrity import open_committed
 from shardstore.mapping import ShardedObject
+from shardstore.opened import open_read
 from shardstore.stores.base import Location
 from shardstore.strategies.base import LoadCommonStrategy
-from shardstore.strategies.other_formats import open_other_format, reads_as_other_format
+from shardstore.strategies.other_formats import open_other_format
 from shardstore.tools.convert import DEFAULT_MEMORY_BYTES, read_tensors
 
 
@@ -76,15 +76,15 @@ def describe_checkpoint(checkpoint: str | os.PathLike | Location) -> CheckpointS
     format version and saving world size of a committed checkpoint."""
     from shardstore.serialization import load_common_state_dict
 
-    if reads_as_other_format(checkpoint):
-        return describe_other_format(checkpoint)
-    location = open_committed(checkpoint)
-    record = location.record
+    opened = open_read(checkpoint)
+    if opened.other_format is not None:
+        return describe_other_format(opened.location)
+    location, record = opened.location, opened.require_record()
     arrays = tuple(
         ArraySummary(a.key, a.shape, a.dtype, a.chunk_shape, a.chunk_count, a.nbytes)
         for _, a in sorted(record.arrays.items())
     )
-    common = load_common_state_dict(location)
+    common = load_common_state_dict(opened)
     return CheckpointSummary(
         checkpoint=location.describe(),
         format_version=record.format_version,
@@ -433,10 +433,11 @@ class _NonArrayParts:
 
     @classmethod
     def of(cls, checkpoint: str | os.PathLike | Location) -> _NonArrayParts:
-        from shardstore.serialization import open_checkpoint, verify_checkpoint_and_load_strategy
+        from shardstore.serialization import verify_checkpoint_and_load_strategy
 
-        location = open_checkpoint(checkpoint)
-        _, strategy = verify_checkpoint_and_load_strategy(location)
+        opened = open_read(checkpoint)
+        _, strategy = verify_checkpoint_and_load_strategy(opened)
+        location = opened.location
         return cls(location, strategy, strategy.load_common(location), strategy.load_sharded_metadata(location))
 
     def read(self, unique_key: str) -> Any:

@@ -512,20 +512,20 @@ class CheckpointManager:
         without), read through its commit record, so they are the bytes it vouches for;
         raises if they cannot be read. Cached by (step, save id): a replaced step has a
         new save id, so the cache never answers for another save."""
-        from shardstore.format.integrity import open_committed
+        from shardstore.opened import open_read
         from shardstore.serialization import load_common_state_dict
 
         key = (state.step, state.save_id)
         if key in self._metrics_cache:
             return self._metrics_cache[key]
-        location = open_committed(self.location(state.step))
-        if location.record.save_id != state.save_id:
-            raise CheckpointingException(f"{location.describe()} was replaced while its metrics were read")
-        common = load_common_state_dict(location)
+        opened = open_read(self.location(state.step))
+        if opened.require_record().save_id != state.save_id:
+            raise CheckpointingException(f"{opened.describe()} was replaced while its metrics were read")
+        common = load_common_state_dict(opened)
         entry = common.get(MANAGER_STATE_KEY) if isinstance(common, dict) else None
         metrics = entry.get("metrics") if isinstance(entry, dict) else None
         if metrics is not None:
-            metrics = _checked_metrics(metrics, f"step {state.step} at {location.describe()}")
+            metrics = _checked_metrics(metrics, f"step {state.step} at {opened.describe()}")
         self._metrics_cache[key] = metrics
         return metrics
 

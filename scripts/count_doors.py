@@ -1,0 +1,64 @@
+"""Counts of issue 31.1 (how many doors compose the save protocol themselves).
+
+* ``open_location(`` calls outside its definition;
+* import lines in ``shardstore/tools/`` from ``execution``, ``planning``, ``protocol`` or
+  ``format.commit``;
+* probes of location subclasses: ``getattr(<location>, "record", ...)`` and
+  ``isinstance(<x>, <Location or a subclass>)`` (outside ``stores/``, which knows its own classes).
+
+Run from the repository root: ``python scripts/count_doors.py`` prints each count with the
+two files under rewrite elsewhere (``--exclude``, default ``tools/dcp_storage.py`` and
+``tools/megatron_strategy.py``) left out, and with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "shardstore"
+EXCLUDED = ("tools/dcp_storage.py", "tools/megatron_strategy.py")
+LOCATION_CLASSES = ("Location", "ChecksummedLocation", "PendingCheckpoint", "LocalStore", "S3Store", "MemoryStore",
+                    "FsspecStore", "DirectoryPublishing")
+OPEN_CALL = re.compile(r"\bopen_location\(")
+TOOL_IMPORT = re.compile(r"^\s*from shardstore\.(execution|planning|protocol|format\.commit)\b")
+PROBE = re.compile(
+    r"getattr\([^,]+,\s*[\"']record[\"']|isinstance\([^,]+,\s*\(?(" + "|".join(LOCATION_CLASSES) + r")\b"
+)
+
+
+def counts(excluded: tuple[str, ...]) -> dict[str, int]:
+    found = {"open_location calls": 0, "tools imports of lower layers": 0, "location subclass probes": 0}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in excluded:
+            continue
+        for line in path.read_text().splitlines():
+            if OPEN_CALL.search(line) and "def open_location" not in line:
+                found["open_location calls"] += 1
+            if rel.startswith("tools/") and TOOL_IMPORT.match(line):
+                found["tools imports of lower layers"] += 1
+            if PROBE.search(line) and not rel.startswith("stores/"):
+                found["location subclass probes"] += 1
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--verbose", action="store_true", help="list every hit")
+    args = parser.parse_args()
+    for label, excluded in (("excluding " + ", ".join(EXCLUDED), EXCLUDED), ("all files", ())):
+        print(f"{label}: " + "; ".join(f"{k} {v}" for k, v in counts(excluded).items()))
+    if args.verbose:
+        for path in sorted(ROOT.rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if (OPEN_CALL.search(line) and "def open_location" not in line) or (
+                        rel.startswith("tools/") and TOOL_IMPORT.match(line)) or (
+                        PROBE.search(line) and not rel.startswith("stores/")):
+                    print(f"  {rel}:{n}: {line.strip()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""One save, composed once: ``SavePipeline`` owns its target, group, publisher and steps.
+
+Every door that writes a shardstore checkpoint (``shardstore.save``, the array writer
+of conversions, the DCP writer, the Megatron-Core plug-in) opens ONE pipeline at its API
+boundary and calls its steps, in this order (who calls each)::
+
+    all ranks    SavePipeline.open(checkpoint_dir, group, overwrite=, reuse_from=, config=)
+                 the one place a save's target (and the checkpoint it reuses from)
+                 is opened; the publisher follows from the target's capabilities
+                 (``format.commit.publisher_for``: rename locally, in place on S3)
+             or  SavePipeline.into_callers_directory(checkpoint_dir, group)
+                 a directory the caller created and wrote into (Megatron-Core's own
+                 ``save``): no staging, no begin; published in place, the caller's
+                 files listed as external (``Publisher.CALLERS_DIRECTORY``)
+    collective   plan(tensors, objects, planner, ...) -> this rank's plan
+                 gathers the shard records, validates and plans on the coordinator
+                 (``protocol.plan_stage``/``plan_cache``), which then ``begin``s; every
+                 rank ``join``s with the intent it receives with its part of the plan
+    coordinator  begin() -> SaveIntent   (called by ``plan``; a door that plans
+                 itself, as DCP's ``prepare_global_plan``, calls it directly)
+                 refuses what is not ours to replace, clears dead saves, creates the
+                 staging area and its marker, writes ``metadata.json``
+    all ranks    join(intent) -> PendingCheckpoint   (the coordinator's own pending)
+    all ranks    write_arrays(records, ops) -> list[WrittenChunk]
+                 whole chunks into ``pending`` (shared with the checkpoint reused
+                 from where unchanged); or the strategies' staged writes
+                 (``execution.save.stage_save``/``write_staged``) into ``pending``
+    coordinator  commit(record, reports) -> CommitRecord
+                 ``execution.save.commit_save``: the ONLY place that binds the chunks'
+                 crc32c and XXH3-128 digests and the reused chunks into the commit record
+                 and publishes (by the pending checkpoint's ``Publisher``)
+    on failure   abandon() (coordinator, once every rank knows) or release() (a rank
+                 that lets go without deleting anything)
+
+A save that runs its commit as a collective stage (``execution.save.finalize_save``:
+every rank's written chunks gathered to the coordinator) reaches ``commit_save`` too;
+``SavePipeline.commit`` is for doors that gathered the reports themselves (DCP's
+``finish``) or write from one process (``tools.array_writer``).
+
+The doors, as adapters (phase B of issue 31 moves the last two here; until then they
+call the parts below, which keep working)::
+
+    shardstore.save          SavePipeline.open -> plan (begins, joins) -> the strategy's
+                             save_into / async_save_into (strategies.base; ours stages and
+                             writes into ``pipeline.pending``; finalize_save -> commit_save)
+    ZarrSaveShardedStrategy  save_with_plan / async_save_with_plan / async_save (the seed's
+      seed signatures        signatures, a path): into_callers_directory, then save_into
+    CheckpointWriter         open -> check_storable -> begin -> write_array ... -> commit
+    DCP ShardstoreWriter     prepare_global_plan (coordinator): open, plan the layout DCP
+                             gathered, begin(); ship the intent in each rank's plan.
+                             write_data (all ranks): open + join(intent) off the
+                             coordinator, write_arrays (after the plan's metadata files),
+                             pending.make_durable(), release() off the coordinator.
+                             finish (coordinator): common.pt into ``pending``, then
+                             commit(commit_record, reports); abandon() on failure.
+    Megatron plug-in         _plan: into_callers_directory(checkpoint_dir, group), then
+                             plan(tensors, objects, base_strategy.plan_save); save:
+                             base_strategy.save_into(sd, pipeline, plan); async_save:
+                             base_strategy.async_save_into(...) (its finalization commits
+                             through finalize_save -> commit_save)
+
+Reads open once with ``shardstore.opened.open_read`` (its ``require_record()`` replaces
+asking a location for ``record``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from shardstore.errors import CheckpointingException
+from shardstore.execution.save import WriteOp, commit_save, write_ops
+from shardstore.format.chunks import DEFAULT_IO_CONCURRENCY, WrittenChunk
+from shardstore.format.commit import (
+    PendingCheckpoint,
+    Publisher,
+    SaveIntent,
+    adopt_save,
+    begin_save,
+    check_shared,
+    join_save,
+    publisher_for,
+)
+from shardstore.format.config import CheckpointingConfig, save_config
+from shardstore.format.records import ZARR_JSON, ArrayRecord, CommitRecord
+from shardstore.mapping import ShardedObject, ShardedTensor
+from shardstore.planning.checks import check_storable_keys, local_records
+from shardstore.planning.layout import GlobalLayout, region_at
+from shardstore.progress import stage
+from shardstore.protocol.collectives import Group, RankFailure, StageFailed, failure_message
+from shardstore.protocol.plan_cache import PlanCache, gather_and_plan_cached
+from shardstore.stores.base import Location
+from shardstore.stores.locations import open_location
+
+Target = str | os.PathLike | Location
+
+
+class SavePipeline:
+    """One save of one checkpoint (module docstring: the steps and who calls them).
+
+    Attributes:
+        target: where the checkpoint is published (opened once, here).
+        group: the ranks that save together.
+        publisher: how it is published, chosen from the target's capabilities.
+        written: the chunks this rank wrote through ``write_arrays``.
+    """
+
+    def __init__(
+        self, target: Location, group: Group, *, overwrite: bool = False, reuse_from: Location | None = None,
+        config: CheckpointingConfig | None = None, pending: PendingCheckpoint | None = None,
+    ) -> None:
+        self.target, self.group, self.overwrite = target, group, overwrite
+        self.reuse_from, self.config = reuse_from, config
+        self._pending = pending
+        self.publisher: Publisher = pending.publisher if pending is not None else publisher_for(target.capabilities)
+        self.written: list[WrittenChunk] = []
+
+    @classmethod
+    def open(
+        cls, checkpoint_dir: Target, group: Group | None = None, *, overwrite: bool = False,
+        reuse_from: Target | None = None, config: CheckpointingConfig | None = None,
+    ) -> SavePipeline:
+        """A save into ``checkpoint_dir`` (path, URL or Location), staged and published by
+        the rules of ``format.commit``; ``reuse_from``: an earlier committed checkpoint
+        whose unchanged chunks it shares; ``config``: written as ``metadata.json``;
+        ``group``: default, this process alone (no collectives)."""
+        source = open_location(reuse_from) if reuse_from is not None else None
+        return cls(open_location(checkpoint_dir), group or Group.local(), overwrite=overwrite, reuse_from=source,
+                   config=config)
+
+    @classmethod
+    def into_callers_directory(cls, checkpoint_dir: Target, group: Group | None = None) -> SavePipeline:
+        """A save into a directory the caller created and already wrote into
+        (Megatron-Core's ``save``, the seed's strategy API called directly): joined at
+        once, published in place, nothing there ever deleted. Handed the pending
+        checkpoint of a save this process began or joined (the strategies' API passes it
+        down as a Location), it is that save's (``format.commit.adopt_save``)."""
+        pending = adopt_save(open_location(checkpoint_dir))
+        return cls(pending.target, group or Group.local(), pending=pending)
+
+    def describe(self, rel: str = "") -> str:
+        return self.target.describe(rel)
+
+    @property
+    def pending(self) -> PendingCheckpoint:
+        """Where this rank writes (after ``begin`` or ``join``)."""
+        if self._pending is None:
+            raise CheckpointingException(f"Internal error: the save into {self.describe()} was not begun or joined")
+        return self._pending
+
+    @property
+    def begun(self) -> bool:
+        return self._pending is not None
+
+    # ------------------------------------------------------------------ steps
+
+    def begin(self) -> SaveIntent:
+        """Coordinator: begins the save (``format.commit.begin_save``: refuses what is not
+        ours to replace, creates the staging area) and writes its ``metadata.json``; on
+        failure deletes what it created and raises."""
+        with stage("save: begin", self.describe()):
+            pending = begin_save(self.target, self.overwrite, self.reuse_from)
+            try:
+                if self.config is not None:
+                    save_config(self.config, pending)
+            except BaseException:
+                pending.abandon()
+                raise
+        self._pending = pending
+        return pending.intent
+
+    def _begin_for_every_rank(self) -> SaveIntent:
+        """``begin`` inside the plan stage: a failure becomes a ``StageFailed`` that the
+        plan's scatter tells every rank."""
+        try:
+            return self.begin()
+        except Exception as exc:  # told to every rank by the plan's scatter
+            failure = RankFailure.from_exception(0, exc)
+            raise StageFailed(failure_message([failure], f"Preparing checkpoint directory {self.describe()}")) from exc
+
+    def join(self, intent: SaveIntent) -> PendingCheckpoint:
+        """Every rank: the pending checkpoint of the save the coordinator began (its own
+        on the coordinator)."""
+        if self._pending is None:
+            self._pending = join_save(self.target, intent, self.reuse_from)
+        return self._pending
+
+    def plan(
+        self, tensors: list[ShardedTensor], objects: list[ShardedObject], planner: Callable[[Any], list[Any]], *,
+        plan_cache: PlanCache | None = None, local_error: BaseException | None = None,
+        common_digests: dict[str, str] | None = None, common_state: dict[str, Any] | None = None,
+    ) -> Any:
+        """Collective: this rank's part of ``planner``'s plan (``protocol.plan_cache``),
+        the save begun on the coordinator once the plan is made and joined on every rank.
+        Keys the target cannot store, an invalid global sharding and any rank's
+        ``local_error`` fail every rank before anything is written, and so does a store
+        the ranks cannot share (``format.commit.check_shared``: ``memory://``)."""
+        if local_error is None:
+            try:
+                check_shared(self.target, self.group.world_size)
+            except CheckpointingException as exc:  # reported on every rank by the plan stage
+                local_error = exc
+        if self.begun:  # a caller's directory: nothing to begin
+            return gather_and_plan_cached(
+                plan_cache, tensors, objects, self.group, planner, local_error=local_error,
+                common_digests=common_digests, save_to=self.target, common_state=common_state,
+            )
+        try:
+            intent, plan = gather_and_plan_cached(
+                plan_cache, tensors, objects, self.group, planner, anew=self._begin_for_every_rank,
+                local_error=local_error, common_digests=common_digests, save_to=self.target,
+                common_state=common_state,
+            )
+        except BaseException:  # no rank joined the save: nothing of it can be in use
+            if self._pending is not None:
+                self._pending.abandon()
+            raise
+        self.join(intent)
+        return plan
+
+    def check_storable(self, tensors: list[ShardedTensor], objects: list[ShardedObject]) -> None:
+        """A save's key check (``planning.checks.check_storable_keys``, the target's name
+        limits) on what one process is about to write, before any of it is written
+        (the collective ``plan`` checks every rank's keys itself)."""
+        where = self.describe()
+        layout = GlobalLayout.from_gathered([local_records(tensors, objects, self.group.rank, where)])
+        check_storable_keys(layout, self.target.name_limits, where)
+
+    def write_array(self, record: ArrayRecord, value: np.ndarray) -> list[WrittenChunk]:
+        """One process: the whole array ``record`` (its ``zarr.json``, then every chunk)
+        from ``value`` (host memory, the array's shape)."""
+        self.pending.write_bytes(f"{record.key}/{ZARR_JSON}", json.dumps(record.zarr_metadata()).encode())
+        whole = region_at((0,) * len(record.shape), record.shape)
+        return self.write_arrays({record.key: record}, [WriteOp(record.key, whole, value)])
+
+    def write_arrays(
+        self, records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+    ) -> list[WrittenChunk]:
+        """This rank's whole-chunk writes into the save (``execution.save.write_ops``);
+        what the writers report is kept in ``written`` for the commit."""
+        chunks = write_ops(self.pending, records, ops, io_concurrency)
+        self.written += chunks
+        return chunks
+
+    def commit(self, record: CommitRecord, reports: list[list[WrittenChunk]] | None = None) -> CommitRecord:
+        """Coordinator: ``execution.save.commit_save`` with every rank's reports (default:
+        this rank's ``written``, a save from one process); returns the committed record."""
+        return commit_save(self.pending, record, [self.written] if reports is None else reports)
+
+    def abandon(self) -> None:
+        """Coordinator, after a failure every rank knows of: deletes what the save wrote
+        (nothing in a caller's directory)."""
+        if self._pending is not None:
+            self._pending.abandon()
+
+    def release(self) -> None:
+        """Lets go of what the save holds, deleting nothing (safe to call again)."""
+        if self._pending is not None:
+            self._pending.release()
+

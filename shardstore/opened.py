@@ -1,0 +1,107 @@
+"""One read entry: ``open_read`` opens a checkpoint once, for every door that reads one.
+
+A checkpoint to read is either
+
+* a committed shardstore checkpoint: its commit record read first (an unfinished save
+  is refused here, before anything else), every later read of a file the record
+  vouches for checked against it (``format.integrity.ChecksummedLocation``), its
+  ``metadata.json`` (the backends) in hand; or
+* another tool's checkpoint (PyTorch DCP, Megatron-Core torch_dist or zarr), detected
+  once by the registry (``other_formats``), read without a commit record.
+
+``shardstore.load`` and the metadata queries, inspection, conversion and the DCP reader
+take the ``OpenedCheckpoint`` instead of asking a location what it is::
+
+    opened = open_read("/ckpt/step_100")        # path, URL, Location or OpenedCheckpoint
+    record = opened.require_record()            # a shardstore checkpoint's record, or a
+                                                # CheckpointingException naming the other tool
+    opened.location.read_bytes("common.pt")     # checked against the record
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from shardstore.errors import CheckpointingException
+from shardstore.format.config import CheckpointingConfig, maybe_load_config
+from shardstore.format.integrity import ChecksummedLocation
+from shardstore.format.records import CommitRecord, is_committed, read_commit_record
+from shardstore.other_formats import registry
+from shardstore.other_formats.base import OtherFormat
+from shardstore.stores.base import Location
+from shardstore.stores.locations import open_location
+
+
+@dataclass(frozen=True)
+class OpenedCheckpoint:
+    """A checkpoint opened for reading (module docstring).
+
+    Attributes:
+        location: where its files are read; for a shardstore checkpoint, reads checked
+            against its commit record.
+        record: the commit record; None for another tool's checkpoint.
+        other_format: the other tool's format; None for a shardstore checkpoint.
+    """
+
+    location: Location
+    record: CommitRecord | None
+    other_format: OtherFormat | None = None
+
+    def describe(self, rel: str = "") -> str:
+        return self.location.describe(rel)
+
+    @property
+    def is_shardstore(self) -> bool:
+        return self.record is not None
+
+    def require_record(self) -> CommitRecord:
+        """The commit record of a shardstore checkpoint.
+
+        Raises:
+            CheckpointingException: another tool's checkpoint (named), which has none.
+        """
+        if self.record is None:
+            kind = self.other_format.title if self.other_format is not None else "another tool's checkpoint"
+            raise CheckpointingException(
+                f"{self.describe()} is {kind}, not a shardstore checkpoint: it has no commit record. Load it with "
+                "shardstore.load, or convert it first (`shardstore convert`)"
+            )
+        return self.record
+
+    def config(self) -> CheckpointingConfig | None:
+        """Its ``metadata.json`` (the backends that wrote it), read through the checked
+        location; None where there is none."""
+        return maybe_load_config(self.location) if self.record is not None else None
+
+
+def other_format_of(location: Location) -> OtherFormat | None:
+    """The registered format of another tool's local checkpoint at ``location`` that
+    shardstore reads, as it is: no shardstore commit record; None for anything else (a
+    file, S3, a shardstore checkpoint or a directory of neither)."""
+    path = location.local_path()
+    if path is None or not path.is_dir() or is_committed(location):
+        return None
+    return registry.detect(location)
+
+
+def open_read(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -> OpenedCheckpoint:
+    """The checkpoint at ``checkpoint``, opened once (one already opened is returned as
+    it is).
+
+    Raises:
+        CheckpointingException: neither a committed shardstore checkpoint nor another
+            tool's that shardstore reads (the message says what is there: nothing, an
+            unfinished save, something else).
+    """
+    if isinstance(checkpoint, OpenedCheckpoint):
+        return checkpoint
+    location = open_location(checkpoint)
+    other = other_format_of(location)
+    if other is not None:
+        return OpenedCheckpoint(location, None, other)
+    record = read_commit_record(location)
+    return OpenedCheckpoint(ChecksummedLocation(location, record), record)
+
+
+__all__ = ["OpenedCheckpoint", "open_read", "other_format_of"]

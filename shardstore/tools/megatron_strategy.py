@@ -23,8 +23,6 @@ Importing this module needs megatron-core; shardstore itself never imports it.
 
 from __future__ import annotations
 
-import json
-from functools import partial
 from typing import Any
 
 try:
@@ -36,17 +34,15 @@ except ImportError as exc:  # pragma: no cover - exercised where megatron-core i
         "(pip install megatron-core); shardstore.save/load work without it"
     ) from exc
 
-from shardstore.core import CheckpointingException
-from shardstore.execution.save import StagedSave, WrittenChunk, finalize_save, write_staged
 from shardstore.inputs.megatron_objects import convert_megatron_objects
 from shardstore.mapping import apply_factories, apply_factory_merges
-from shardstore.progress import stage
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_stage import gather_and_plan
 from shardstore.serialization import load_preprocess
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 from shardstore.strategies.base import DelegatingLoadStrategy
+from shardstore.strategies.forked_writes import for_another_process
 from shardstore.strategies.zarr import (
     SHARDSTORE_BACKEND,
     ZARR_VERSION,
@@ -55,22 +51,14 @@ from shardstore.strategies.zarr import (
 )
 from shardstore.utils import local_sharded_items
 
-# Where a background writer leaves its outcome for the finalization (one file per rank).
-WRITE_REPORT_PREFIX = ".shardstore-written-"
-
 
 class ShardstoreSaveShardedStrategy(_megatron_base.AsyncSaveShardedStrategy):
     """Megatron-Core save strategy writing shardstore's format, synchronously or through
     Megatron's async path (``save(..., async_sharded_save=True)`` and its
     ``AsyncCallsQueue``).
 
-    Megatron runs an async request's ``async_fn`` in another process (forked by its
-    default caller), so what the writers report for the commit record (each chunk's
-    crc32c) cannot come back in memory: the background writer leaves it in a small file,
-    ``.shardstore-written-<rank>.json``, which the finalization (in the training
-    process, on every rank) reads, removes and commits with. A background write that
-    failed, or left no report, fails the finalization on every rank, with no commit
-    record.
+    Megatron runs an async request's ``async_fn`` in another process, so the writes
+    report to the finalization through a file (``strategies.forked_writes``).
 
     Args:
         options: ``ZarrSaveShardedStrategy``'s (``max_chunk_bytes``, ``fully_parallel``,
@@ -103,53 +91,7 @@ class ShardstoreSaveShardedStrategy(_megatron_base.AsyncSaveShardedStrategy):
         caller waits for); returns Megatron's AsyncRequest, whose ``async_fn`` writes
         and whose finalization commits."""
         ours = self.base_strategy.async_save_with_plan(*self._plan(sharded_state_dict, checkpoint_dir))
-        staged, io_concurrency, io_threads = ours.async_fn_args
-        return _megatron_async.AsyncRequest(
-            async_fn=write_and_report,
-            async_fn_args=(staged, io_concurrency, io_threads),
-            finalize_fns=[partial(finalize_from_report, staged)],
-        )
-
-
-def _report_file(rank: int) -> str:
-    return f"{WRITE_REPORT_PREFIX}{rank}.json"
-
-
-def write_and_report(staged: StagedSave, io_concurrency: int, io_threads: int) -> None:
-    """Megatron's ``async_fn`` (run in another process): this rank's writes, then its
-    outcome, the chunks' crc32c or the error, in the rank's report file."""
-    error: BaseException | None = None
-    try:
-        write_staged(staged, io_concurrency, io_threads)
-        outcome: dict[str, Any] = {"written": [[c.key, list(c.index), *c[2:]] for c in staged.written]}
-    except Exception as exc:  # reported through the file, then re-raised for Megatron's caller
-        outcome, error = {"error": f"{type(exc).__name__}: {exc}"}, exc
-    staged.location.write_atomic(_report_file(staged.group.rank), json.dumps(outcome).encode())
-    if error is not None:
-        raise error
-
-
-def finalize_from_report(staged: StagedSave) -> None:
-    """Megatron's finalization (collective, in the training process): this rank's
-    report, then shardstore's commit (``execution.save.finalize_save``)."""
-    location, rel = staged.location, _report_file(staged.group.rank)
-    error: BaseException | None = None
-    try:
-        data = location.read_bytes_or_none(rel)
-        if data is None:
-            raise CheckpointingException(
-                f"The background write of rank {staged.group.rank} into {location.describe()} left no report "
-                f"({rel}): it did not finish"
-            )
-        location.remove(rel)
-        outcome = json.loads(data)
-        if "error" in outcome:
-            raise CheckpointingException(f"The background write failed: {outcome['error']}")
-        staged.written = [WrittenChunk(key, tuple(index), *rest) for key, index, *rest in outcome["written"]]
-    except Exception as exc:  # reported on every rank by finalize_save
-        error = exc
-    with stage("save: commit", location.describe()):
-        finalize_save(staged, error)
+        return for_another_process(ours, _megatron_async.AsyncRequest)
 
 
 class ShardstoreLoadShardedStrategy(DelegatingLoadStrategy, _megatron_base.LoadShardedStrategy):

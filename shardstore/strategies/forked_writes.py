@@ -1,0 +1,89 @@
+"""An async save whose writes run in another process: Megatron-Core's ``AsyncCallsQueue``.
+
+shardstore's own ``AsyncCallsQueue`` runs a request's ``async_fn`` in a thread, so the
+chunks it wrote (their crc32c and digests, which the commit record binds) come back in
+memory. Megatron's queue forks a writer process (or hands the request to a persistent
+one, or to nvidia-resiliency-ext's), so they cannot: here each rank's background writer
+leaves its outcome in a small file, ``.shardstore-written-<rank>.json`` in the pending
+checkpoint, which the finalization (in the training process, on every rank) reads,
+removes and commits with. A background write that failed, or left no report, fails the
+finalization on every rank, with no commit record.
+
+Used by both ways into Megatron: ``shardstore.megatron.install()`` (the module-level
+entry points) and the strategy plug-in (``tools.megatron_strategy``). Needs no
+megatron-core: the request class is the caller's.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from typing import Any
+
+from shardstore.errors import CheckpointingException
+from shardstore.execution.save import StagedSave, WrittenChunk, finalize_save, write_staged
+from shardstore.progress import stage
+from shardstore.strategies.async_utils import AsyncRequest
+
+# Where a background writer leaves its outcome for the finalization (one file per rank).
+WRITE_REPORT_PREFIX = ".shardstore-written-"
+
+
+def for_another_process(request: AsyncRequest, request_cls: Any) -> Any:
+    """Our async save ``request`` (``ZarrSaveShardedStrategy.async_save_into``'s) as a
+    ``request_cls`` (Megatron's or nvidia-resiliency-ext's ``AsyncRequest``) whose
+    ``async_fn`` may run in another process."""
+    if request.async_fn is not write_staged:
+        raise CheckpointingException(
+            f"Internal error: cannot hand the async request {request.async_fn!r} to another process; please report it"
+        )
+    staged, io_concurrency, io_threads = request.async_fn_args
+    return request_cls(
+        async_fn=write_and_report,
+        async_fn_args=(staged, io_concurrency, io_threads),
+        finalize_fns=[partial(finalize_from_report, staged)],
+    )
+
+
+def _report_file(rank: int) -> str:
+    return f"{WRITE_REPORT_PREFIX}{rank}.json"
+
+
+def write_and_report(staged: StagedSave, io_concurrency: int, io_threads: int) -> None:
+    """The ``async_fn`` (run in another process): this rank's writes, then its outcome,
+    the chunks' checksums or the error, in the rank's report file."""
+    error: BaseException | None = None
+    try:
+        write_staged(staged, io_concurrency, io_threads)
+        outcome: dict[str, Any] = {"written": [[c.key, list(c.index), *c[2:]] for c in staged.written]}
+    except Exception as exc:  # reported through the file, then re-raised for the queue
+        outcome, error = {"error": f"{type(exc).__name__}: {exc}"}, exc
+    staged.location.write_atomic(_report_file(staged.group.rank), json.dumps(outcome).encode())
+    if error is not None:
+        raise error
+
+
+def finalize_from_report(staged: StagedSave) -> None:
+    """The finalization (collective, in the training process): this rank's report, then
+    shardstore's commit (``execution.save.finalize_save``)."""
+    location, rel = staged.location, _report_file(staged.group.rank)
+    error: BaseException | None = None
+    try:
+        data = location.read_bytes_or_none(rel)
+        if data is None:
+            raise CheckpointingException(
+                f"The background write of rank {staged.group.rank} into {location.describe()} left no report "
+                f"({rel}): it did not finish"
+            )
+        location.remove(rel)
+        outcome = json.loads(data)
+        if "error" in outcome:
+            raise CheckpointingException(f"The background write failed: {outcome['error']}")
+        staged.written = [WrittenChunk(key, tuple(index), *rest) for key, index, *rest in outcome["written"]]
+    except Exception as exc:  # reported on every rank by finalize_save
+        error = exc
+    with stage("save: commit", location.describe()):
+        finalize_save(staged, error)
+
+
+__all__ = ["WRITE_REPORT_PREFIX", "finalize_from_report", "for_another_process", "write_and_report"]

@@ -137,6 +137,10 @@ _FRAGMENT_CONTEXT = {
         "sharded_state_dict = {'fc1': MegatronShardedTensor.from_rank_offsets(\n"
         "    'decoder/fc1', fc1.chunk(world)[rank].clone(), (0, rank, world))}\n"
     ),
+    "shardstore.megatron.install()": (
+        "from megatron.core import dist_checkpointing as megatron_dist_checkpointing\n"
+        "from megatron.core.dist_checkpointing import ShardedTensor as MegatronShardedTensor\n"
+    ),
     "CheckpointManager(": "total_steps = 2001\n",
     "AsyncCallsQueue": "ckpt = ckpt + '-async'  # a new checkpoint\n",
     "s3://my-bucket": "",
@@ -146,6 +150,18 @@ _FRAGMENT_CONTEXT = {
 }
 _CHECKS = {  # what each fragment must leave behind
     "shardstore.tools.megatron_strategy import": "assert torch.equal(state['fc1'], fc1.chunk(world)[rank])\n",
+    "shardstore.megatron.install()": (  # Megatron-LM's calls, by module attribute, with 0.19's keywords
+        "megatron_sd = {'fc1': MegatronShardedTensor.from_rank_offsets(\n"
+        "    'decoder/fc1', fc1.chunk(world)[rank].clone(), (0, rank, world))}\n"
+        "megatron_ckpt = ckpt + '-installed'\n"
+        "megatron_dist_checkpointing.save(megatron_sd, megatron_ckpt, None, verify_integrity=True,\n"
+        "                                 content_metadata={'layout': 'tp'})\n"
+        "assert dist_checkpointing.verify(megatron_ckpt).ok\n"
+        "assert megatron_dist_checkpointing.load_content_metadata(megatron_ckpt) == {'layout': 'tp'}\n"
+        "state = megatron_dist_checkpointing.load(megatron_sd, megatron_ckpt, None, verify_integrity=True)\n"
+        "assert torch.equal(state['fc1'], fc1.chunk(world)[rank])\n"
+        "shardstore.megatron.uninstall()\n"
+    ),
     "CheckpointManager(": "assert manager.latest_step() == 2000, manager.latest_step()\n",
     "AsyncCallsQueue": "assert dist_checkpointing.load_tensors_metadata(ckpt)['decoder/fc1'].global_shape == (8, 4)\n",
     "s3://my-bucket": "",
@@ -182,7 +198,8 @@ def _fragments() -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("marker, block", _fragments(), ids=[m.split("(")[0].split()[-1] for m, _ in _fragments()])
 def test_readme_fragments_run_as_written(tmp_path: Path, marker: str, block: str) -> None:
-    if marker == "shardstore.tools.megatron_strategy import" and importlib.util.find_spec("megatron") is None:
+    megatron_markers = ("shardstore.tools.megatron_strategy import", "shardstore.megatron.install()")
+    if marker in megatron_markers and importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core not installed (it needs torch>=2.6: scripts/oldest_torch.sh below that)")
     save_py, _ = _quick_start_blocks()
     ckpt = tmp_path / "ckpt" / "iter_0001000"

@@ -1,0 +1,512 @@
+"""shardstore behind Megatron-Core's own ``dist_checkpointing`` entry points, any version.
+
+From Megatron-Core 0.17 on, ``dist_checkpointing.save`` replaces every sharded strategy
+that is not its own torch_dist one, silently, and 0.19 removed the strategy base
+classes, so a strategy plug-in (``shardstore.tools.megatron_strategy``) reaches only
+Megatron-Core <= 0.16. Megatron-LM's training loop calls the module's functions by
+attribute (``dist_checkpointing.save(...)``, ``dist_checkpointing.load(...)``, ...), so
+one call before training makes every current Megatron-LM write and read shardstore
+checkpoints::
+
+    import shardstore.megatron
+    shardstore.megatron.install()       # e.g. at the top of pretrain_gpt.py
+
+``install`` replaces these module attributes of ``megatron.core.dist_checkpointing`` (and
+the same names in its ``serialization`` and ``core`` modules, where they exist):
+``ENTRY_POINTS``. What they do then:
+
+- ``save`` writes a shardstore checkpoint through ``shardstore.save`` (staged and
+  published atomically; a committed checkpoint at the same path is replaced, as
+  Megatron's save overwrites). Megatron's strategy objects are honoured as far as they
+  mean something to shardstore (``strategy_for_save``): its ``TorchDistSaveShardedStrategy``
+  becomes shardstore's default strategy, a ``FullyParallelSaveStrategyWrapper`` turns on
+  shardstore's fully-parallel plan (over the whole save group) and, with
+  ``do_cache_distribution``, its cached plan. ``async_sharded_save=True`` returns the
+  ``AsyncRequest`` class of Megatron's (or nvidia-resiliency-ext's, by
+  ``async_strategy``) queue, whose writer may run in another process
+  (``strategies.forked_writes``). ``verify_integrity`` needs nothing more: every chunk's
+  crc32c and XXH3-128 digest are recorded at write time (stronger than Megatron's
+  file-level SHA-256 manifest, which is not written). ``reuse_from`` (not Megatron's)
+  makes the save incremental; by default the newest older committed ``iter_*`` sibling
+  of a local checkpoint directory is reused from (``install(reuse_previous=False)``
+  turns it off).
+- ``load`` and the queries read a shardstore checkpoint through shardstore (Megatron's
+  load strategies become shardstore's; ``verify_integrity=True`` verifies every chunk
+  and file of the checkpoint on the coordinator before loading), and anything else
+  (Megatron's own torch_dist checkpoints, a missing directory) through the Megatron
+  function that was installed before, unchanged.
+- ``check_is_distributed_checkpoint`` is true for a committed shardstore checkpoint and
+  for whatever Megatron's says.
+
+``uninstall`` puts the original functions back. Code that bound a name before
+``install`` (``from megatron.core.dist_checkpointing import save``) keeps Megatron's:
+install first. Run here with megatron-core 0.16.1; the call sites and keywords of
+0.17.0 to 0.19.0 were read (README).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import re
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardstore.errors import CheckpointingException
+from shardstore.format.integrity import verify
+from shardstore.format.records import is_committed
+from shardstore.protocol.collectives import Group
+from shardstore.protocol.stage import run_stage
+from shardstore.serialization import (
+    load as _shardstore_load,
+)
+from shardstore.serialization import (
+    load_common_state_dict,
+    load_content_metadata,
+    load_plain_tensors,
+    load_sharded_metadata,
+    load_tensors_metadata,
+    remove_sharded_tensors,
+)
+from shardstore.serialization import (
+    save as _shardstore_save,
+)
+from shardstore.stores.locations import open_location
+from shardstore.strategies.forked_writes import for_another_process
+from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
+from shardstore.validation import StrictHandling
+
+logger = logging.getLogger(__name__)
+
+# The functions ``install`` replaces, by their names in Megatron-Core.
+ENTRY_POINTS = (
+    "save",
+    "load",
+    "load_common_state_dict",
+    "load_tensors_metadata",
+    "load_sharded_metadata",
+    "load_plain_tensors",
+    "load_content_metadata",
+    "remove_sharded_tensors",
+    "check_is_distributed_checkpoint",
+)
+# Where Megatron-Core binds them: the package re-exports serialization's and core's.
+_MODULES = (
+    "megatron.core.dist_checkpointing",
+    "megatron.core.dist_checkpointing.serialization",
+    "megatron.core.dist_checkpointing.core",
+)
+# A Megatron-LM checkpoint directory: ``<save>/iter_0001000``.
+_ITERATION_DIR = re.compile(r"iter_(\d+)")
+
+
+@dataclass(frozen=True)
+class _Installation:
+    """What ``install`` replaced (``(module, name) -> the function there before``) and
+    how the installed functions behave."""
+
+    originals: dict[tuple[str, str], Any]
+    reuse_previous: bool
+
+
+_lock = threading.Lock()
+_installation: _Installation | None = None
+_logged: set[str] = set()
+# Megatron's strategy object -> ours, kept while Megatron-LM keeps its object (it
+# caches the save strategy across saves: a cached plan must survive between them).
+_save_strategies: weakref.WeakKeyDictionary[Any, ZarrSaveShardedStrategy] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.info(message)
+
+
+# ------------------------------------------------------------------ install / uninstall
+
+
+def install(*, reuse_previous: bool = True) -> None:
+    """Makes ``megatron.core.dist_checkpointing``'s entry points (``ENTRY_POINTS``) save
+    and load shardstore checkpoints (module docstring). Idempotent: a second call only
+    changes ``reuse_previous``.
+
+    Args:
+        reuse_previous: a save into a local ``.../iter_<N>`` directory that names no
+            ``reuse_from`` shares unchanged chunks with the newest older committed
+            ``iter_<M>`` beside it (an incremental save; each checkpoint stands alone).
+
+    Raises:
+        ImportError: megatron-core is not installed.
+    """
+    global _installation
+    modules = _megatron_modules()
+    with _lock:
+        if _installation is not None:
+            _installation = _Installation(_installation.originals, reuse_previous)
+            return
+        originals = {
+            (module.__name__, name): getattr(module, name)
+            for module in modules
+            for name in ENTRY_POINTS
+            if hasattr(module, name)
+        }
+        _installation = _Installation(originals, reuse_previous)
+        for (module_name, name), _ in originals.items():
+            setattr(importlib.import_module(module_name), name, _REPLACEMENTS[name])
+    logger.info("shardstore installed behind %s", ", ".join(m.__name__ for m in modules))
+
+
+def uninstall() -> None:
+    """Puts Megatron-Core's own functions back where ``install`` replaced them (an
+    attribute someone else replaced since is left as it is, with a warning). Does
+    nothing when not installed."""
+    global _installation
+    with _lock:
+        if _installation is None:
+            return
+        for (module_name, name), original in _installation.originals.items():
+            module = importlib.import_module(module_name)
+            if getattr(module, name) is _REPLACEMENTS[name]:
+                setattr(module, name, original)
+            else:
+                logger.warning(
+                    "%s.%s was replaced by someone else since install(); left as it is",
+                    module_name,
+                    name,
+                )
+        _installation = None
+
+
+def is_installed() -> bool:
+    """Whether ``install`` is in effect."""
+    return _installation is not None
+
+
+def _megatron_modules() -> list[Any]:
+    try:
+        return [importlib.import_module(name) for name in _MODULES if _importable(name)]
+    except ImportError as exc:
+        raise ImportError(
+            "shardstore.megatron.install() puts shardstore behind megatron.core.dist_checkpointing and needs "
+            "megatron-core (pip install megatron-core); shardstore.save/load work without it"
+        ) from exc
+
+
+def _importable(name: str) -> bool:
+    """Whether module ``name`` exists; the package itself must (ImportError otherwise)."""
+    if name == _MODULES[0]:
+        return True
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError:
+        return False
+    return True
+
+
+def _original(name: str) -> Any:
+    """Megatron's own ``name`` as ``install`` found it (on the package, or where the
+    package does not re-export it, in ``serialization`` or ``core``)."""
+    installation = _installation
+    if installation is None:
+        raise CheckpointingException(
+            f"shardstore.megatron.{name} was called while not installed; call shardstore.megatron.install() first"
+        )
+    for module_name in _MODULES:
+        if (module_name, name) in installation.originals:
+            return installation.originals[(module_name, name)]
+    raise CheckpointingException(f"This megatron-core has no dist_checkpointing.{name} to fall back on")
+
+
+# ------------------------------------------------------------------ strategies
+
+
+def strategy_for_save(strategy: Any) -> ZarrSaveShardedStrategy:
+    """shardstore's save strategy for what Megatron's code passed as ``sharded_strategy``:
+    ours as it is (also inside the plug-in or a fully-parallel wrapper), Megatron's
+    fully-parallel wrapper as our fully-parallel plan (its ``do_cache_distribution`` as
+    our cached plan), anything else (Megatron's torch_dist strategy, a ``(backend,
+    version)`` tuple, None) as our default; one object per Megatron strategy object, so
+    that a cached plan carries over between saves."""
+    if isinstance(strategy, ZarrSaveShardedStrategy):
+        return strategy
+    if strategy is None or isinstance(strategy, tuple):
+        return ZarrSaveShardedStrategy()
+    try:
+        return _save_strategies[strategy]
+    except (KeyError, TypeError):
+        pass
+    inner = getattr(strategy, "base_strategy", None)
+    if isinstance(inner, ZarrSaveShardedStrategy):  # the plug-in strategy
+        ours = inner
+    else:
+        ours = ZarrSaveShardedStrategy()
+        if hasattr(strategy, "parallelization_group"):  # FullyParallelSaveStrategyWrapper
+            ours.cache_plan = bool(getattr(strategy, "do_cache_distribution", False))
+        if not isinstance(inner, ZarrSaveShardedStrategy):
+            _log_once(
+                f"Megatron's {type(strategy).__name__} is saved with shardstore's strategy (fully parallel over the "
+                "save group; its own options do not apply)"
+            )
+    try:
+        _save_strategies[strategy] = ours
+    except TypeError:  # not weakly referenceable: a new one each time
+        pass
+    return ours
+
+
+def _strategy_for_load(strategy: Any) -> ZarrLoadShardedStrategy | None:
+    """shardstore's load strategy for Megatron's ``sharded_strategy``: ours as it is, or
+    None (shardstore's default from the checkpoint's config: fully parallel)."""
+    for candidate in (strategy, getattr(strategy, "base_strategy", None)):
+        if isinstance(candidate, ZarrLoadShardedStrategy):
+            return candidate
+    if strategy is not None and not isinstance(strategy, tuple):
+        _log_once(
+            f"Megatron's {type(strategy).__name__} loads with shardstore's strategy (fully parallel)"
+        )
+    return None
+
+
+# ------------------------------------------------------------------ the entry points
+
+
+def _is_ours(checkpoint_dir: Any) -> bool:
+    """Whether ``checkpoint_dir`` holds a committed shardstore checkpoint."""
+    try:
+        return is_committed(open_location(checkpoint_dir))
+    except CheckpointingException:
+        return False
+
+
+def save(
+    sharded_state_dict: Any,
+    checkpoint_dir: Any,
+    sharded_strategy: Any = None,
+    common_strategy: Any = None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Any = None,
+    content_metadata: dict | None = None,
+    async_strategy: str | None = "nvrx",
+    verify_integrity: bool = False,
+    *,
+    reuse_from: Any = None,
+    process_group: Any = None,
+) -> Any:
+    """Megatron-Core's ``dist_checkpointing.save`` (0.14 to 0.19 keywords), writing a
+    shardstore checkpoint (module docstring). Megatron 0.19 dropped ``common_strategy``:
+    its callers pass everything after ``sharded_strategy`` by keyword, as Megatron-LM
+    does.
+
+    Returns:
+        None, or with ``async_sharded_save`` the request for Megatron's queue.
+    """
+    if isinstance(common_strategy, bool):
+        raise TypeError(
+            "shardstore.megatron.save: pass validate_access_integrity and the arguments after sharded_strategy by "
+            "keyword (Megatron-Core 0.19 dropped common_strategy, which shifted them)"
+        )
+    if verify_integrity:
+        _log_once(
+            "verify_integrity: shardstore records every chunk's crc32c and XXH3-128 digest at write time; "
+            "load(verify_integrity=True) and `shardstore verify` check them"
+        )
+    if reuse_from is None and _installation is not None and _installation.reuse_previous:
+        reuse_from = previous_checkpoint(checkpoint_dir)
+    strategy = strategy_for_save(sharded_strategy)
+    request = _shardstore_save(
+        sharded_state_dict,
+        checkpoint_dir,
+        strategy,
+        None,
+        validate_access_integrity,
+        async_sharded_save,
+        preprocess_common_before_consistancy_check,
+        content_metadata,
+        overwrite=True,
+        process_group=process_group,
+        reuse_from=reuse_from,
+    )
+    if request is None:
+        return None
+    return for_another_process(request, _megatron_request_class(async_strategy))
+
+
+def _megatron_request_class(async_strategy: str | None) -> Any:
+    """The ``AsyncRequest`` class of the queue Megatron schedules the save on: by
+    ``async_strategy`` where Megatron has ``get_async_strategy`` (0.17 on), else the one
+    of ``strategies.async_utils``."""
+    torch_strategies = importlib.import_module("megatron.core.dist_checkpointing.strategies.torch")
+    get_async_strategy = getattr(torch_strategies, "get_async_strategy", None)
+    if get_async_strategy is not None:
+        return get_async_strategy(async_strategy or "nvrx")[1]["AsyncRequest"]
+    return importlib.import_module(
+        "megatron.core.dist_checkpointing.strategies.async_utils"
+    ).AsyncRequest
+
+
+def previous_checkpoint(checkpoint_dir: Any) -> Path | None:
+    """The newest committed shardstore checkpoint ``<parent>/iter_<M>`` older than a
+    local ``<parent>/iter_<N>`` (Megatron-LM's layout), or None. Each rank looks for
+    itself: ranks that disagree (a file system in flux) only lose the reuse
+    (``format.reuse``), never data."""
+    if not isinstance(checkpoint_dir, (str, Path)) or "://" in str(checkpoint_dir):
+        return None
+    path = Path(checkpoint_dir)
+    match = _ITERATION_DIR.fullmatch(path.name)
+    if match is None or not path.parent.is_dir():
+        return None
+    current = int(match.group(1))
+    older = []
+    for sibling in path.parent.iterdir():
+        found = _ITERATION_DIR.fullmatch(sibling.name)
+        if found is not None and int(found.group(1)) < current:
+            older.append((int(found.group(1)), sibling))
+    for _, sibling in sorted(older, reverse=True)[:3]:  # a few: retention may have removed the rest
+        if _is_ours(sibling):
+            return sibling
+    return None
+
+
+def load(
+    sharded_state_dict: Any,
+    checkpoint_dir: Any,
+    sharded_strategy: Any = None,
+    common_strategy: Any = None,
+    validate_access_integrity: bool = True,
+    strict: Any = None,
+    verify_integrity: bool = False,
+    *,
+    process_group: Any = None,
+) -> Any:
+    """Megatron-Core's ``dist_checkpointing.load`` (0.14 to 0.19 keywords): a shardstore
+    checkpoint through shardstore, anything else through Megatron's own ``load``.
+    ``strict``: a ``StrictHandling`` of either library or its string value (default:
+    assume_ok_unexpected, as Megatron's)."""
+    if isinstance(common_strategy, bool):
+        raise TypeError(
+            "shardstore.megatron.load: pass validate_access_integrity and the arguments after sharded_strategy by "
+            "keyword (Megatron-Core 0.19 dropped common_strategy, which shifted them)"
+        )
+    if not _is_ours(checkpoint_dir):
+        return _call_original(
+            "load",
+            sharded_state_dict,
+            checkpoint_dir,
+            sharded_strategy,
+            common_strategy=common_strategy,
+            validate_access_integrity=validate_access_integrity,
+            strict=strict,
+            verify_integrity=verify_integrity,
+            process_group=process_group,
+        )
+    group = Group(process_group)
+    if verify_integrity:
+        run_stage(
+            group,
+            f"Verifying checkpoint {checkpoint_dir}",
+            lambda: _verify_on_coordinator(checkpoint_dir, group),
+        )
+    return _shardstore_load(
+        sharded_state_dict,
+        checkpoint_dir,
+        _strategy_for_load(sharded_strategy),
+        None,
+        validate_access_integrity,
+        StrictHandling.ASSUME_OK_UNEXPECTED if strict is None else getattr(strict, "value", strict),
+        process_group=process_group,
+    )
+
+
+def _verify_on_coordinator(checkpoint_dir: Any, group: Group) -> None:
+    if group.is_coordinator:
+        verify(checkpoint_dir).raise_if_damaged()
+
+
+def _call_original(name: str, *args: Any, **kwargs: Any) -> Any:
+    """Megatron's own ``name`` with the keywords its version takes: one left at its
+    default is dropped where that version lacks it; one given is refused, naming it."""
+    original = _original(name)
+    accepted = inspect.signature(original).parameters
+    defaults = inspect.signature(globals()[name]).parameters
+    refused = [key for key, value in kwargs.items() if key not in accepted and value is not defaults[key].default]
+    if refused:
+        raise TypeError(
+            f"{args[1]!r} is not a shardstore checkpoint, so Megatron-Core's own {name} reads it, and this "
+            f"version's takes no {', '.join(refused)}: leave it out or upgrade megatron-core"
+        )
+    return original(*args, **{key: value for key, value in kwargs.items() if key in accepted})
+
+
+def _dispatching(name: str, ours: Any) -> Any:
+    """The entry point ``name``: ``ours`` for a shardstore checkpoint (Megatron's load
+    strategies, which name no shardstore option, left out), Megatron's own for anything
+    else; the checkpoint is the first argument."""
+
+    def entry_point(checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _is_ours(checkpoint_dir):
+            return _original(name)(checkpoint_dir, *args, **kwargs)
+        args = tuple(_strategy_for_load(a) if _is_strategy(a) else a for a in args)
+        kwargs = {k: _strategy_for_load(v) if _is_strategy(v) else v for k, v in kwargs.items()}
+        return ours(checkpoint_dir, *args, **kwargs)
+
+    entry_point.__name__ = entry_point.__qualname__ = name
+    entry_point.__doc__ = (
+        f"Megatron-Core's ``dist_checkpointing.{name}``: a shardstore checkpoint through "
+        f"``shardstore.{name}``, anything else through Megatron's own."
+    )
+    return entry_point
+
+
+def _is_strategy(value: Any) -> bool:
+    """Whether ``value`` is a strategy object of Megatron's (or ours): it names a backend."""
+    return hasattr(value, "backend") or hasattr(value, "base_strategy")
+
+
+def load_content_metadata_entry(
+    checkpoint_dir: Any = None, *, preloaded_state_dict: Any = None
+) -> dict | None:
+    """Megatron-Core's ``load_content_metadata``: from a loaded common state (either
+    tool's), or from a shardstore checkpoint, else through Megatron's own."""
+    if preloaded_state_dict is not None or _is_ours(checkpoint_dir):
+        return load_content_metadata(checkpoint_dir, preloaded_state_dict=preloaded_state_dict)
+    return _original("load_content_metadata")(
+        checkpoint_dir, preloaded_state_dict=preloaded_state_dict
+    )
+
+
+def check_is_distributed_checkpoint(checkpoint_dir: Any) -> bool:
+    """Megatron-Core's ``check_is_distributed_checkpoint``: a committed shardstore
+    checkpoint, or what Megatron's own says."""
+    return _is_ours(checkpoint_dir) or bool(
+        _original("check_is_distributed_checkpoint")(checkpoint_dir)
+    )
+
+
+_REPLACEMENTS: dict[str, Any] = {
+    "save": save,
+    "load": load,
+    "load_common_state_dict": _dispatching("load_common_state_dict", load_common_state_dict),
+    "load_tensors_metadata": _dispatching("load_tensors_metadata", load_tensors_metadata),
+    "load_sharded_metadata": _dispatching("load_sharded_metadata", load_sharded_metadata),
+    "load_plain_tensors": _dispatching("load_plain_tensors", load_plain_tensors),
+    "load_content_metadata": load_content_metadata_entry,
+    "remove_sharded_tensors": _dispatching("remove_sharded_tensors", remove_sharded_tensors),
+    "check_is_distributed_checkpoint": check_is_distributed_checkpoint,
+}
+
+__all__ = [
+    "ENTRY_POINTS",
+    "install",
+    "is_installed",
+    "previous_checkpoint",
+    "strategy_for_save",
+    "uninstall",
+]

@@ -1,0 +1,268 @@
+"""Issue 31.2: ``shardstore.megatron.install()`` puts shardstore behind Megatron-Core's own
+``dist_checkpointing`` module functions, the way Megatron-LM's training loop calls them.
+
+Megatron-Core 0.17 on replaces any foreign save strategy with its torch_dist one, and
+0.19 has no strategy bases to subclass: the module attributes are the door every
+version keeps. The calls below copy ``megatron/training/checkpointing.py`` of
+core_v0.19.0 (``dist_checkpointing.save(state_dict, name, strategy, async_sharded_save=,
+validate_access_integrity=, preprocess_common_before_consistancy_check=,
+content_metadata=, async_strategy=, verify_integrity=)``, then ``load_common_state_dict``,
+``check_is_distributed_checkpoint``, ``load(..., strict=, verify_integrity=)`` and
+``load_content_metadata``) with 0.16.1 installed: keywords 0.16.1's own ``save`` does
+not take, so the call succeeding shows it reached shardstore's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core.dist_checkpointing.strategies.fully_parallel", reason="megatron-core not installed")
+
+import shardstore.megatron as shardstore_megatron  # noqa: E402
+from shardstore import CheckpointingException, load_plain_tensors, verify  # noqa: E402
+from shardstore.format.records import read_commit_record  # noqa: E402
+from shardstore.stores.locations import open_location  # noqa: E402
+from tests.dist import run_distributed  # noqa: E402
+from tests.scenarios import assert_bits_equal  # noqa: E402
+from tests.test_megatron_objects import FC1, LAYERS, QKV, megatron_state_dict  # noqa: E402
+
+CONTENT = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False}
+
+
+def _strategies(fully_parallel: bool):
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        TorchDistLoadShardedStrategy,
+        TorchDistSaveShardedStrategy,
+    )
+
+    save_strategy, load_strategy = TorchDistSaveShardedStrategy("torch_dist", 1), TorchDistLoadShardedStrategy()
+    if fully_parallel:
+        group = torch.distributed.group.WORLD
+        save_strategy = FullyParallelSaveStrategyWrapper(save_strategy, group, True)
+        load_strategy = FullyParallelLoadStrategyWrapper(load_strategy, group)
+    return save_strategy, load_strategy
+
+
+def _training_loop_save(ckpt: str, save_strategy, async_save: bool = False):
+    """Megatron-LM's save_checkpoint: rank 0 creates the directory, then every rank calls
+    ``dist_checkpointing.save`` by module attribute with 0.19's keywords."""
+    from megatron.core import dist_checkpointing
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if rank == 0:
+        Path(ckpt).mkdir(parents=True, exist_ok=True)  # ensure_directory_exists
+    torch.distributed.barrier()
+    return dist_checkpointing.save(
+        megatron_state_dict(rank, world, empty=False), ckpt, save_strategy,
+        async_sharded_save=async_save, validate_access_integrity=True,
+        preprocess_common_before_consistancy_check=lambda common: {k: v for k, v in common.items() if k != "rng"},
+        content_metadata=dict(CONTENT), async_strategy="mcore", verify_integrity=True,
+    )
+
+
+def _training_loop_load(ckpt: str, load_strategy, verify_integrity: bool = True) -> None:
+    """Megatron-LM's _load_base_checkpoint and load_checkpoint, by module attribute."""
+    from megatron.core import dist_checkpointing
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    assert dist_checkpointing.check_is_distributed_checkpoint(ckpt)
+    common = dist_checkpointing.load_common_state_dict(ckpt)
+    assert common["iteration"] == 100, common
+    assert dist_checkpointing.load_content_metadata(preloaded_state_dict=common) == CONTENT
+    assert dist_checkpointing.load_content_metadata(ckpt) == CONTENT
+    loaded = dist_checkpointing.load(
+        megatron_state_dict(rank, world, empty=True), ckpt, load_strategy,
+        validate_access_integrity=True, strict="assume_ok_unexpected", verify_integrity=verify_integrity,
+    )
+    for layer in range(LAYERS):
+        assert_bits_equal(loaded["model"]["layers"][f"{layer}.fc1"], FC1[layer].chunk(world, 0)[rank], "fc1")
+    assert_bits_equal(loaded["model"]["qkv"], QKV.chunk(world, 0)[rank], "qkv")
+    assert loaded["rng"] == {"rank": rank} and loaded["iteration"] == 100
+
+
+def training_loop(rank: int, world: int, ckpt: str, fully_parallel: bool) -> None:
+    shardstore_megatron.install()
+    save_strategy, load_strategy = _strategies(fully_parallel)
+    assert _training_loop_save(ckpt, save_strategy) is None
+    _training_loop_load(ckpt, load_strategy)
+    shardstore_megatron.uninstall()
+
+
+@pytest.mark.parametrize("fully_parallel", [False, True], ids=["torch_dist", "fully_parallel"])
+def test_megatron_lm_training_loop_calls_write_and_read_shardstore(tmp_path: Path, fully_parallel: bool) -> None:
+    ckpt = tmp_path / "iter_0000100"
+    run_distributed(training_loop, 2, str(ckpt), fully_parallel)
+    assert json.loads((ckpt / "metadata.json").read_text())["sharded_backend"] == "shardstore"
+    assert verify(ckpt).ok and (ckpt / "decoder/layers/fc1/zarr.json").exists()
+    assert_bits_equal(load_plain_tensors(ckpt)["decoder/layers/fc1"], FC1)
+
+
+def load_only(rank: int, world: int, ckpt: str, verify_integrity: bool) -> None:
+    shardstore_megatron.install()
+    _training_loop_load(ckpt, _strategies(False)[1], verify_integrity)
+
+
+def async_training_loop(rank: int, world: int, ckpt: str) -> None:
+    """Megatron-LM's async save: the request goes to Megatron's own AsyncCallsQueue (a
+    forked writer), finalize functions added by the training loop run after the commit.
+    Megatron's queue puts a tensor on ``torch.cuda.current_device()``: on a CPU torch
+    that is a stand-in, "cpu"."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    shardstore_megatron.install()
+    request = _training_loop_save(ckpt, _strategies(True)[0], async_save=True)
+    finalized = []
+    request.add_finalize_fn(lambda: finalized.append(verify(ckpt).ok))  # iter_finalize_fn
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    assert finalized == [True], finalized
+    _training_loop_load(ckpt, _strategies(True)[1])
+
+
+def test_megatron_async_save_through_the_module_functions(tmp_path: Path) -> None:
+    ckpt = tmp_path / "iter_0000100"
+    run_distributed(async_training_loop, 2, str(ckpt), timeout=240)
+    assert verify(ckpt).ok and not list(ckpt.glob(".shardstore-written-*"))
+
+
+def megatron_own_save(rank: int, world: int, ckpt: str) -> None:
+    """Megatron's torch_dist save, before any install (its CUDA synchronisation is a
+    no-op, its current device "cpu", on a CPU torch)."""
+    from megatron.core import dist_checkpointing
+
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    if rank == 0:
+        Path(ckpt).mkdir()
+    torch.distributed.barrier()
+    dist_checkpointing.save(megatron_state_dict(rank, world, empty=False), ckpt,
+                            content_metadata=dict(CONTENT))
+
+
+def test_megatrons_own_torch_dist_checkpoints_still_load(tmp_path: Path) -> None:
+    """A torch_dist checkpoint from before the switch loads through the installed
+    functions (Megatron's own code underneath), as does a new shardstore one beside it."""
+    ckpt = tmp_path / "iter_0000050"
+    run_distributed(megatron_own_save, 2, str(ckpt))
+    assert json.loads((ckpt / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    run_distributed(load_only, 2, str(ckpt), False)
+    errors = run_distributed(refused_keyword, 1, str(ckpt))
+    assert "this version's takes no verify_integrity" in errors[0], errors
+
+
+def refused_keyword(rank: int, world: int, ckpt: str) -> str:
+    """A keyword the installed Megatron-Core lacks, asked of a checkpoint only it reads."""
+    from megatron.core import dist_checkpointing
+
+    shardstore_megatron.install()
+    try:
+        dist_checkpointing.load(megatron_state_dict(rank, world, empty=True), ckpt, verify_integrity=True)
+    except TypeError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def incremental(rank: int, world: int, root: str) -> None:
+    shardstore_megatron.install()
+    for step in (100, 200):
+        _training_loop_save(f"{root}/iter_{step:07d}", _strategies(False)[0])
+
+
+def test_a_training_loop_save_reuses_the_previous_iteration(tmp_path: Path) -> None:
+    """Issue 32.3 through Megatron's door: iter_0000200 shares every unchanged chunk with
+    iter_0000100 (hard links) and stands alone once iter_0000100 is deleted."""
+    import shutil
+
+    run_distributed(incremental, 2, str(tmp_path))
+    first, second = tmp_path / "iter_0000100", tmp_path / "iter_0000200"
+    reused = read_commit_record(open_location(second)).reused_from
+    assert reused and reused.save_id == read_commit_record(open_location(first)).save_id and reused.chunks, reused
+    chunk = next(p for p in (second / "decoder/layers/fc1").rglob("*") if p.is_file() and p.name != "zarr.json")
+    assert chunk.stat().st_nlink == 2, chunk
+    shutil.rmtree(first)
+    assert verify(second).ok
+    assert_bits_equal(load_plain_tensors(second)["decoder/layers/fc1"], FC1)
+
+
+def test_previous_checkpoint_is_the_newest_older_committed_iteration(tmp_path: Path) -> None:
+    from shardstore import ShardedTensor, save
+
+    for name in ("iter_0000030", "iter_0000040", "iter_0000050", "other"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "iter_0000030" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')  # not ours
+    assert shardstore_megatron.previous_checkpoint(tmp_path / "iter_0000040") is None
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, tmp_path / "iter_0000010")
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, tmp_path / "iter_0000060")
+    assert shardstore_megatron.previous_checkpoint(tmp_path / "iter_0000040") == tmp_path / "iter_0000010"
+    assert shardstore_megatron.previous_checkpoint(tmp_path / "latest") is None
+    assert shardstore_megatron.previous_checkpoint("s3://bucket/iter_0000040") is None
+
+
+def damaged_load(rank: int, world: int, ckpt: str) -> str:
+    from megatron.core import dist_checkpointing
+
+    shardstore_megatron.install()
+    try:
+        dist_checkpointing.load(megatron_state_dict(rank, world, empty=True), ckpt, None, verify_integrity=True)
+    except CheckpointingException as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_verify_integrity_on_load_checks_every_chunk_on_every_rank(tmp_path: Path) -> None:
+    ckpt = tmp_path / "iter_0000100"
+    run_distributed(training_loop, 2, str(ckpt), False)
+    chunk = next(p for p in (ckpt / "decoder/final_norm").rglob("*") if p.is_file() and p.name != "zarr.json")
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    errors = run_distributed(damaged_load, 2, str(ckpt))
+    assert all("Verifying checkpoint" in e and "decoder/final_norm" in e for e in errors), errors
+
+
+def test_install_is_idempotent_and_uninstall_restores_megatrons_functions() -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import core, serialization
+
+    modules = (dist_checkpointing, serialization, core)
+    before = {(m, name): getattr(m, name) for m in modules for name in shardstore_megatron.ENTRY_POINTS
+              if hasattr(m, name)}
+    assert {name for _, name in before} == set(shardstore_megatron.ENTRY_POINTS)
+    shardstore_megatron.install()
+    try:
+        shardstore_megatron.install()  # twice: the originals stay the originals
+        assert shardstore_megatron.is_installed()
+        assert dist_checkpointing.save is shardstore_megatron.save is serialization.save
+        assert core.check_is_distributed_checkpoint is shardstore_megatron.check_is_distributed_checkpoint
+        assert all(getattr(m, name) is not original for (m, name), original in before.items())
+        assert serialization.load_sharded_metadata.__name__ == "load_sharded_metadata"
+    finally:
+        shardstore_megatron.uninstall()
+    shardstore_megatron.uninstall()
+    assert not shardstore_megatron.is_installed()
+    assert {(m, name): getattr(m, name) for m, name in before} == before
+
+
+def test_an_empty_directory_is_not_a_distributed_checkpoint(tmp_path: Path) -> None:
+    """Megatron's message, as before (Megatron's test_load_error_msg)."""
+    from megatron.core import dist_checkpointing
+
+    shardstore_megatron.install()
+    try:
+        assert not dist_checkpointing.check_is_distributed_checkpoint(tmp_path)
+        with pytest.raises(Exception, match="is not a distributed checkpoint"):
+            dist_checkpointing.load_common_state_dict(str(tmp_path))
+    finally:
+        shardstore_megatron.uninstall()

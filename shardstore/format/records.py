@@ -741,9 +741,10 @@ def read_commit_record(location: Location) -> CommitRecord:
                 )
             if local is not None and not local.exists():  # Megatron-Core's words, which its users match
                 raise CheckpointingException(f"Checkpoint directory {location.describe()} does not exist")
-            raise CheckpointingException(
-                f"No checkpoint at {location.describe()}: the checkpoint directory is empty"
+            raise CheckpointingException(  # "is not a distributed checkpoint": Megatron-Core's words too
+                f"{location.describe()} is not a distributed checkpoint: the checkpoint directory is empty"
                 + ("" if local is not None else " (no object under this prefix)")
+                + "; save into it first, or name the directory of a committed checkpoint"
             )
         other = other_checkpoint_kind(location)
         if other:

@@ -1,13 +1,53 @@
-"""The name Megatron-Core's optimizer-resharding code imports from its torch_dist strategy
-module (``dist_checkpointing.strategies.torch``), so that code runs on shardstore.
+"""The names code written for Megatron-Core imports from its torch_dist strategy module
+(``dist_checkpointing.strategies.torch``), so that such code runs on shardstore.
 
 shardstore writes no torch_dist checkpoints (its format is ``strategies.zarr``'s) and
-reads Megatron's through ``strategies.other_formats``; the reformulation API lives in
+reads Megatron's through ``strategies.other_formats``. ``TorchDistSaveShardedStrategy``
+and ``TorchDistLoadShardedStrategy`` are therefore names for shardstore's own strategies
+that take Megatron's arguments (``TorchDistSaveShardedStrategy("torch_dist", 1,
+thread_count=2, separation_hint="prefix")``): the options that shape torch_dist's files
+(thread count, file separation, cached DCP metadata) have no meaning for shardstore's
+and are logged once, not applied. The reformulation API lives in
 ``strategies.resharding``.
 """
 
 from __future__ import annotations
 
-from shardstore.strategies.resharding import get_reformulation_metadata
+import logging
+from typing import Any
 
-__all__ = ["get_reformulation_metadata"]
+from shardstore.strategies.resharding import get_reformulation_metadata
+from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
+
+logger = logging.getLogger(__name__)
+_logged: set[str] = set()
+
+
+def _ignored(cls: str, options: dict[str, Any]) -> None:
+    """Logs once per class and option set that torch_dist's options do not apply."""
+    given = sorted(options)
+    message = f"{cls}: shardstore's format ignores torch_dist's {', '.join(given)}"
+    if given and message not in _logged:
+        _logged.add(message)
+        logger.info(message)
+
+
+class TorchDistSaveShardedStrategy(ZarrSaveShardedStrategy):
+    """shardstore's save strategy under Megatron-Core's torch_dist name (module
+    docstring). ``backend`` and ``version`` are accepted as Megatron's callers pass
+    them (``"torch_dist", 1``) and are shardstore's in the checkpoint."""
+
+    def __init__(self, backend: str = "torch_dist", version: int = 1, **torch_dist_options: Any) -> None:
+        super().__init__()
+        _ignored(type(self).__name__, torch_dist_options)
+
+
+class TorchDistLoadShardedStrategy(ZarrLoadShardedStrategy):
+    """shardstore's load strategy under Megatron-Core's torch_dist name (module docstring)."""
+
+    def __init__(self, **torch_dist_options: Any) -> None:
+        super().__init__()
+        _ignored(type(self).__name__, torch_dist_options)
+
+
+__all__ = ["TorchDistLoadShardedStrategy", "TorchDistSaveShardedStrategy", "get_reformulation_metadata"]

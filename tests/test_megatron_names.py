@@ -1,0 +1,41 @@
+"""Issue 31.4: what Megatron-Core's own unit tests ask of the names and messages (they
+run against shardstore with megatron-core's modules swapped for ours)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardstore import CheckpointingException, ShardedTensor, load, load_tensors_metadata, remove_sharded_tensors, save
+from shardstore.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
+
+
+def test_an_empty_directory_is_not_a_distributed_checkpoint(tmp_path: Path) -> None:
+    """Megatron's test_load_error_msg: its words for a missing and an empty directory."""
+    request = {"some_key": ShardedTensor.from_rank_offsets("keyA", torch.rand(10))}
+    with pytest.raises(CheckpointingException, match=f"directory {tmp_path / 'missing'} does not exist"):
+        load(request, tmp_path / "missing")
+    with pytest.raises(CheckpointingException, match="is not a distributed checkpoint") as error:
+        load(request, tmp_path)
+    assert str(tmp_path) in str(error.value) and "empty" in str(error.value)
+
+
+def test_torch_dist_strategy_names_are_shardstores_strategies(tmp_path: Path, caplog) -> None:
+    """Megatron's test_remove_sharded_tensors builds ``TorchDistSaveShardedStrategy("torch_dist",
+    1, separation_hint=...)``: the name saves shardstore's format (the option, which
+    shapes torch_dist's files, is logged as not applied) and its load twin reads it."""
+    state = {
+        "a": ShardedTensor.from_rank_offsets("keyA", torch.ones(2, 4)),
+        "p": ShardedTensor.from_rank_offsets("prefix_key_to_remove", torch.ones(3, 5, 7)),
+    }
+    with caplog.at_level(logging.INFO, logger="shardstore.strategies.torch"):
+        save(state, tmp_path / "ckpt", TorchDistSaveShardedStrategy("torch_dist", 1, separation_hint="prefix"))
+    assert "separation_hint" in caplog.text
+    remove_sharded_tensors(tmp_path / "ckpt", key_prefix="prefix")
+    assert sorted(load_tensors_metadata(tmp_path / "ckpt")) == ["keyA"]
+    request = {"a": ShardedTensor.from_rank_offsets("keyA", torch.zeros(2, 4))}
+    loaded = load(request, tmp_path / "ckpt", TorchDistLoadShardedStrategy())
+    assert torch.equal(loaded["a"], torch.ones(2, 4))

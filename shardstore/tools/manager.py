@@ -82,15 +82,20 @@ interval counts from this manager's start, not from the newest checkpoint's comm
 Orbax's ``ContinuousCheckpointingPolicy`` does: after a restart the work at risk is what
 was trained since the restore.
 
-**Preemption** (``save_on_preemption=True``, opt-in): the manager installs a handler for
-``preemption_signals`` (SIGTERM) when it is created, in the main thread, and puts the
-previous handlers back at ``close``. The handler only counts the signal (no I/O, no
-logging, no lock: it runs between two bytecodes of whatever the main thread was doing)
-and does not call the previous handler (SIGTERM's default would end the process before
-the save). The next ``save`` agrees on it across ranks and saves that step whatever the
-intervals say; it first commits an async save in flight, and an async preemption save
-is waited for, so the step is committed when ``save`` returns. ``reached_preemption()``
-then stays True on every rank: the trainer stops (``close``, exit). Orbax's
+**Preemption** (``save_on_preemption=True``, opt-in): the manager, created in the main
+thread (CheckpointingException otherwise), listens for ``preemption_signals`` (SIGTERM)
+through one process-wide handler (``shardstore.tools.preemption``): every manager that
+listens sees each signal, and a handler that was installed before them (a framework's,
+the user's) is called after them; the signal's *default* action (SIGTERM ends the
+process) is held back while a manager listens, since it would end the process before
+the save. ``close`` stops listening; the last manager to close, in any order, puts the
+previous handler back exactly, unless someone installed their own over it meanwhile
+(theirs stays). The manager's part of the handler only counts the signal (no I/O, no
+logging, no lock: it runs between two bytecodes of whatever the main thread was doing).
+The next ``save`` agrees on it across ranks and saves that step whatever the intervals
+say; it first commits an async save in flight, and an async preemption save is waited
+for, so the step is committed when ``save`` returns. ``reached_preemption()`` then
+stays True on every rank: the trainer stops (``close``, exit). Orbax's
 ``reached_preemption(step)`` asks JAX's preemption sync point; here it reports what the
 last agreement found, with no collective of its own.
 
@@ -162,6 +167,7 @@ from shardstore.protocol.collectives import Group
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 from shardstore.strategies.async_utils import AsyncCallsQueue
+from shardstore.tools.preemption import Listener, listen
 
 logger = logging.getLogger(__name__)
 
@@ -191,8 +197,9 @@ class CheckpointManagerOptions:
             ``wait_until_finished``, ``rollback``, ``delete`` or ``close``.
         save_interval_secs: also save when this many seconds (of the coordinator's
             clock) have passed since this manager's last save or its start (None: off).
-        save_on_preemption: install a handler for ``preemption_signals`` that makes
-            the next ``save`` save, whatever the intervals say (module docstring).
+        save_on_preemption: listen for ``preemption_signals`` (one handler shared by
+            every manager of the process, the one there before called too) so that the
+            next ``save`` saves, whatever the intervals say (module docstring).
         preemption_signals: the signals that mean preemption (SIGTERM: Kubernetes,
             SLURM at its time limit, torchrun's agent passing its own on).
         best_fn: scores a step's metrics (those given to ``save``); None: no ranking.
@@ -381,10 +388,14 @@ class CheckpointManager:
         self._signals_received = 0  # written by the signal handler only
         self._signals_acted_on = 0
         self._preempted = False
-        self._previous_handlers: dict[int, Any] = {}
         self._queue = AsyncCallsQueue(process_group=process_group) if self.options.async_save else None
+        self._preemption: Listener | None = None
         if self.options.save_on_preemption:
-            self._install_preemption_handlers()
+            try:  # main thread only; every manager sees the signal, and the handler before them too
+                self._preemption = listen(self.options.preemption_signals, self._on_preemption_signal)
+            except CheckpointingException:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ finding steps
 
@@ -728,7 +739,8 @@ class CheckpointManager:
             if self._queue is not None:
                 self._queue.close()
         finally:
-            self._restore_preemption_handlers()
+            if self._preemption is not None:
+                self._preemption.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -738,32 +750,10 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ preemption
 
-    def _install_preemption_handlers(self) -> None:
-        try:
-            for signum in self.options.preemption_signals:
-                self._previous_handlers[signum] = signal.signal(signum, self._on_preemption_signal)
-        except ValueError as exc:  # signal.signal works in the main thread only
-            self._restore_preemption_handlers()
-            raise CheckpointingException(
-                f"save_on_preemption: cannot install a handler for {self.options.preemption_signals} ({exc}); "
-                "create the CheckpointManager in the main thread"
-            ) from exc
-
-    def _on_preemption_signal(self, signum: int, frame: Any) -> None:
-        """The signal handler: counts, nothing else (no I/O, no logging, no lock; the
-        next ``save`` acts on it)."""
+    def _on_preemption_signal(self, signum: int) -> None:
+        """Called by the process-wide handler (``shardstore.tools.preemption``): counts,
+        nothing else (no I/O, no logging, no lock; the next ``save`` acts on it)."""
         self._signals_received += 1
-
-    def _restore_preemption_handlers(self) -> None:
-        while self._previous_handlers:
-            signum, previous = self._previous_handlers.popitem()
-            if signal.getsignal(signum) != self._on_preemption_signal:
-                logger.warning(
-                    "Not restoring the handler of signal %d: it was replaced after the manager installed its own",
-                    signum,
-                )
-                continue
-            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
 
     # ------------------------------------------------------------------ rollback and delete
 

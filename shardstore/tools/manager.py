@@ -66,10 +66,25 @@ directory, which a later save of that step replaces. A failed deletion is logged
 (WARNING) and kept in ``retention_errors``: it must not kill a training job whose save
 succeeded.
 
-**Resuming** at the latest step is a no-op: ``save(step)`` for a step that is already
-committed writes nothing and returns False (INFO log), sync and async, so the loop
-``start = latest_step(); restore; for step in range(start, ...): save(step)`` restarts
-cleanly. Pass ``overwrite=True`` (a keyword of ``shardstore.save``) to replace it.
+**Resuming.** ``save(step)`` stores the state *after* training step ``step`` (Orbax's
+convention), so a restart restores the newest committed step and trains the one after
+it: ``resume`` does both, restoring the newest committed step and returning the next
+step to train (0 when nothing is committed), so the obvious loop
+``start, restored = manager.resume(state); for step in range(start, n): train; save(step)``
+trains every step exactly once across restarts. Resuming *at* ``latest_step()`` instead
+(the loop this module documented before) trains the restored step a second time.
+
+``save(step)`` of a step that is already committed writes nothing and returns False
+(sync and async, decided on the coordinator, so every rank agrees); ``overwrite=True``
+(a keyword of ``shardstore.save``) replaces it. When this manager saved that step
+itself (a final ``save(step, force=True)`` after the loop saved it) that is expected
+and logged at INFO. Otherwise it is logged at WARNING: the step was committed before
+this manager started or by another manager, which is what a loop that trains the
+restored step again does (so is ``save`` of a step at or before the one ``restore`` or
+``resume`` loaded, warned about even when the step is not due). It is not an error:
+nothing on disk is wrong (the committed step is kept, not replaced by a state trained
+one step further), a loop written to the earlier documentation must not fail at every
+restart, and the cost is one step trained twice; the warning names the fix.
 
 **When to save.** ``save(step, ...)`` writes when the step is due: a multiple of
 ``save_interval_steps`` (None: never by steps), or ``save_interval_secs`` seconds have
@@ -130,7 +145,7 @@ while ``save`` of those step numbers later would find the old ones. So here:
   interrupted, ``latest_step`` may still name a newer step; call it again (it finishes
   what it began). Damaged or foreign directories after ``step`` stay (WARNING).
 
-Collective like ``save``: every rank of the group calls ``save``, ``restore``,
+Collective like ``save``: every rank of the group calls ``save``, ``resume``, ``restore``,
 ``rollback``, ``delete``, ``wait_until_finished`` and ``close`` with the same steps (and
 ``should_save`` when time or preemption decide). Whether a due
 ``save`` writes (new step), is a no-op (committed) or is refused (older than the
@@ -155,7 +170,7 @@ import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -319,6 +334,21 @@ def steps_to_delete(
     return [s for s in ordered if s not in kept and not options.is_kept_forever(s)]
 
 
+class Resumed(NamedTuple):
+    """What ``CheckpointManager.resume`` found.
+
+    Attributes:
+        next_step: the step to train next: the newest committed step + 1 (0: none).
+        state: what ``restore`` returned for the newest committed step (None: nothing
+            was committed, a fresh start). The request's tensors of the stored dtype and
+            shape were loaded in place; plain values and ShardedObjects (an iteration
+            count, RNG states) are here only.
+    """
+
+    next_step: int
+    state: StateDict | None
+
+
 @dataclass(frozen=True)
 class StepState:
     """What a directory named like a step holds.
@@ -357,12 +387,11 @@ class CheckpointManager:
         manager = CheckpointManager("/ckpt/run1", CheckpointManagerOptions(
             save_interval_steps=1000, max_to_keep=3, keep_period=10000, async_save=True,
             save_on_preemption=True, best_fn=lambda m: m["loss"], best_mode="min", keep_best=2))
-        start = manager.latest_step()
-        if start is not None:
-            state = manager.restore(sharded_state_dict(model), start)
-        for step in range(start or 0, steps):
-            loss = ...
-            manager.save(step, sharded_state_dict(model), metrics={"loss": loss})  # a no-op unless due and new
+        state = sharded_state_dict(model)
+        start, restored = manager.resume(state)  # the step after the newest committed one (0: none)
+        for step in range(start, steps):
+            loss = ...  # train step `step`
+            manager.save(step, state, metrics={"loss": loss})  # writes when due
             if manager.reached_preemption():
                 break
         manager.close()
@@ -388,6 +417,9 @@ class CheckpointManager:
         self._signals_received = 0  # written by the signal handler only
         self._signals_acted_on = 0
         self._preempted = False
+        self._restored_step: int | None = None  # the step restore or resume loaded last
+        self._warned_resaving_restored = False
+        self._saved_steps: set[int] = set()  # the steps this manager saved (committed or in flight)
         self._queue = AsyncCallsQueue(process_group=process_group) if self.options.async_save else None
         self._preemption: Listener | None = None
         if self.options.save_on_preemption:
@@ -580,8 +612,8 @@ class CheckpointManager:
         saved. Collective.
 
         An async save first commits the previous one (one in flight at a time). A step
-        that is already committed is not saved again (returns False, INFO log: resuming
-        at the latest step), unless ``overwrite=True``. A step older than the newest
+        that is already committed is not saved again (returns False; WARNING unless this
+        manager saved it: module docstring, Resuming), unless ``overwrite=True``. A step older than the newest
         committed one is refused (CheckpointingException, nothing written): call
         ``rollback`` first. A save due to a preemption signal is committed when ``save``
         returns, also an async one. Extra keyword arguments go to ``shardstore.save``.
@@ -600,6 +632,9 @@ class CheckpointManager:
             raise CheckpointingException(
                 f"Not saving step {step} under {self.root.describe()}: steps are numbers from 0 on"
             )
+        overwrite = bool(save_kwargs.get("overwrite", False))
+        if not overwrite and self._restored_step is not None and step <= self._restored_step:
+            self._warn_resaving_restored(step)
         due, preempted, signals = self._due(step, force)
         if not due:
             return False
@@ -607,19 +642,14 @@ class CheckpointManager:
 
         if self._queue is not None:
             self._queue.maybe_finalize_async_calls(blocking=True)  # the check below sees it
-        overwrite = bool(save_kwargs.get("overwrite", False))
         committed, checked, reuse_step = self._on_coordinator(lambda: self._prepare_save(step, overwrite, metrics))
         self._last_save_time = self._clock()
         if preempted:
             self._signals_acted_on = signals
         if committed:
-            logger.info(
-                "Not saving step %d: %s already holds it committed (resuming at this step); "
-                "pass overwrite=True to replace it",
-                step,
-                self.location(step).describe(),
-            )
+            self._log_not_saving_committed(step)
             return False
+        self._saved_steps.add(step)
         if checked is not None:
             sharded_state_dict = {**sharded_state_dict, MANAGER_STATE_KEY: {"metrics": checked}}
         target = self.location(step)
@@ -727,6 +757,41 @@ class CheckpointManager:
             )
         return False
 
+    def _warn_resaving_restored(self, step: int) -> None:
+        """WARNING (once per manager) for a save of a step at or before the one restored:
+        the state in memory has been trained past it (module docstring: Resuming)."""
+        if self._warned_resaving_restored:
+            return
+        self._warned_resaving_restored = True
+        logger.warning(
+            "Saving step %d after restoring step %d from %s: the restored state is the state after step %d, so "
+            "training step %d again trains it twice. Start the loop at the step after the restored one: "
+            "`start, restored = manager.resume(state)`; `for step in range(start, ...)`",
+            step,
+            self._restored_step,
+            self.root.describe(),
+            self._restored_step,
+            step,
+        )
+
+    def _log_not_saving_committed(self, step: int) -> None:
+        """``save`` of a committed step writes nothing: expected when this manager saved it
+        (INFO), a sign of a loop that trains a restored step again otherwise (WARNING,
+        unless ``_warn_resaving_restored`` said so already)."""
+        where = self.location(step).describe()
+        if step in self._saved_steps:
+            logger.info("Not saving step %d again: this manager committed it to %s", step, where)
+            return
+        already_warned = self._restored_step is not None and step <= self._restored_step
+        logger.log(
+            logging.DEBUG if already_warned else logging.WARNING,
+            "Not saving step %d: %s already holds it committed, saved before this manager started or by another "
+            "manager; nothing was written. If this run restored that step and trained it again, start the loop "
+            "at the step after it (`start, restored = manager.resume(state)`). Pass overwrite=True to replace it.",
+            step,
+            where,
+        )
+
     def wait_until_finished(self) -> None:
         """Blocks until every async save has committed (collective)."""
         if self._queue is not None:
@@ -773,7 +838,9 @@ class CheckpointManager:
                 or a deletion failed (call it again).
         """
         self.wait_until_finished()
-        return self._on_coordinator(lambda: self._rollback(step))
+        deleted = self._on_coordinator(lambda: self._rollback(step))
+        self._saved_steps.difference_update(deleted)
+        return deleted
 
     def _rollback(self, step: int) -> list[int]:
         named = self._named_steps()
@@ -824,6 +891,7 @@ class CheckpointManager:
         """
         self.wait_until_finished()
         self._on_coordinator(lambda: self._delete_step(step, force))
+        self._saved_steps.discard(step)
 
     def _delete_step(self, step: int, force: bool) -> None:
         named = self._named_steps()
@@ -952,18 +1020,47 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ restoring
 
+    def resume(self, sharded_state_dict: ShardedStateDict, **load_kwargs: Any) -> Resumed:
+        """Restores the newest committed step into ``sharded_state_dict`` and returns the
+        step to train next with what was loaded (``Resumed``): ``(latest + 1, state)``, or
+        ``(0, None)`` when nothing is committed. Collective: every rank calls it; the
+        coordinator picks the step, so every rank loads the same one (async saves in
+        flight commit first). Extra keyword arguments go to ``shardstore.load``.
+
+        ``save(step)`` stores the state after training step ``step``, so::
+
+            start, restored = manager.resume(state)
+            for step in range(start, total_steps):
+                ...  # train step `step`
+                manager.save(step, state)
+
+        trains every step once, however often the run restarts.
+        """
+        self.wait_until_finished()
+        step = self._on_coordinator(self.latest_step)
+        if step is None:
+            logger.info("No committed checkpoint under %s: starting at step 0", self.root.describe())
+            return Resumed(0, None)
+        state = self.restore(sharded_state_dict, step, **load_kwargs)
+        logger.info("Resumed from step %d under %s: training continues at step %d", step, self.root.describe(), step + 1)
+        return Resumed(step + 1, state)
+
     def restore(self, sharded_state_dict: ShardedStateDict, step: int | None = None, **load_kwargs: Any) -> StateDict:
-        """Loads ``step`` (default: ``latest_step()``) into the layout ``sharded_state_dict``
-        describes. Extra keyword arguments go to ``shardstore.load``."""
+        """Loads ``step`` (default: ``latest_step()``, picked on the coordinator so that
+        every rank loads the same step) into the layout ``sharded_state_dict`` describes.
+        Collective. Extra keyword arguments go to ``shardstore.load``. To continue
+        training, ``resume`` says which step comes next."""
         from shardstore.serialization import load
 
         if step is None:
-            step = self.latest_step()
+            step = self._on_coordinator(self.latest_step)
             if step is None:
                 raise CheckpointingException(f"No committed checkpoint under {self.root.describe()} to restore")
         state = load(sharded_state_dict, self.location(step), process_group=self.process_group, **load_kwargs)
         if isinstance(state, dict):
             state.pop(MANAGER_STATE_KEY, None)  # the manager's own, not the trainer's
+        self._restored_step = step
+        self._warned_resaving_restored = False
         return state
 
     # ------------------------------------------------------------------ collectives

@@ -611,9 +611,11 @@ class CheckpointManager:
         """Saves ``step`` when it is due (``should_save``) or ``force``; returns whether it
         saved. Collective.
 
-        An async save first commits the previous one (one in flight at a time). A step
-        that is already committed is not saved again (returns False; WARNING unless this
-        manager saved it: module docstring, Resuming), unless ``overwrite=True``. A step older than the newest
+        ``step`` is the state after training step ``step``: a restarted loop continues
+        at the step after the restored one (``resume``). An async save first commits
+        the previous one (one in flight at a time). A step that is already committed is
+        not saved again (returns False; WARNING unless this manager saved it: module
+        docstring, Resuming), unless ``overwrite=True``. A step older than the newest
         committed one is refused (CheckpointingException, nothing written): call
         ``rollback`` first. A save due to a preemption signal is committed when ``save``
         returns, also an async one. Extra keyword arguments go to ``shardstore.save``.
@@ -1042,7 +1044,9 @@ class CheckpointManager:
             logger.info("No committed checkpoint under %s: starting at step 0", self.root.describe())
             return Resumed(0, None)
         state = self.restore(sharded_state_dict, step, **load_kwargs)
-        logger.info("Resumed from step %d under %s: training continues at step %d", step, self.root.describe(), step + 1)
+        logger.info(
+            "Resumed from step %d under %s: training continues at step %d", step, self.root.describe(), step + 1
+        )
         return Resumed(step + 1, state)
 
     def restore(self, sharded_state_dict: ShardedStateDict, step: int | None = None, **load_kwargs: Any) -> StateDict:

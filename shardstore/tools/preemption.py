@@ -155,7 +155,7 @@ def _dispatcher_for(signum: int) -> _Dispatcher:
     dispatcher = _installed.get(signum)
     if dispatcher is not None and dispatcher.is_installed():
         return dispatcher
-    if dispatcher is not None:
+    if dispatcher is not None and dispatcher.listeners:
         logger.warning(
             "Signal %d's handler was replaced (by %r) after shardstore installed its preemption handler: the "
             "checkpoint managers created before see the signal only if that handler calls the one it replaced",

@@ -137,6 +137,34 @@ def test_closing_the_last_manager_in_another_thread_keeps_sigterm_working(
     assert again.all_steps() == [] and signal.getsignal(signal.SIGTERM) is user_handler
 
 
+def test_listeners_closed_from_many_threads_at_once_leave_one_consistent_handler(
+    user_handler,
+) -> None:
+    from shardstore.tools.preemption import listen
+
+    counts = [0] * 9
+
+    def counter(i: int):
+        def count(signum: int) -> None:
+            counts[i] += 1
+
+        return count
+
+    listeners = [listen([signal.SIGTERM], counter(i)) for i in range(9)]
+    threads = [threading.Thread(target=listener.close) for listener in listeners[1:]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    installed = signal.getsignal(signal.SIGTERM)
+    assert isinstance(installed, _Dispatcher) and installed.listeners == (listeners[0],)
+    _sigterm()
+    assert counts == [1] + [0] * 8 and user_handler.calls == [signal.SIGTERM]
+    listeners[0].close()
+    listeners[0].close()  # idempotent
+    assert signal.getsignal(signal.SIGTERM) is user_handler
+
+
 # ------------------------------------------------ in a child process: SIGTERM's default
 
 TWO_MANAGERS = """

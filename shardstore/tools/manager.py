@@ -335,7 +335,8 @@ def steps_to_delete(
 
 
 class Resumed(NamedTuple):
-    """What ``CheckpointManager.resume`` found.
+    """What ``CheckpointManager.resume`` found (a tuple, so that
+    ``start, restored = manager.resume(state)`` unpacks it).
 
     Attributes:
         next_step: the step to train next: the newest committed step + 1 (0: none).

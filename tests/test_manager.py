@@ -6,8 +6,13 @@ test_s3.py).
 Issue 23.2: it never loses a committed checkpoint: a damaged record is not a step,
 retention keeps the newest and the just-saved step, a step older than the newest is
 refused until an explicit ``rollback``, an interrupted deletion is finished, and
-resuming at the latest step is a no-op save (histories drawn at random:
-test_manager_history.py)."""
+saving a committed step again writes nothing (histories drawn at random:
+test_manager_history.py).
+
+Issue 33.8: ``resume`` restores the newest committed step and returns the step after it,
+so the README's loop trains each step once across restarts (killed in the middle:
+tests/test_readme.py); saving a committed step this manager did not save, or one at or
+before the restored step, warns."""
 
 from __future__ import annotations
 
@@ -339,7 +344,9 @@ def test_retention_deletes_only_directories_it_can_prove_are_its_own(tmp_path: P
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_saving_a_committed_step_again_is_a_logged_no_op(tmp_path: Path, caplog, async_save: bool) -> None:
+def test_saving_a_step_committed_before_the_manager_started_writes_nothing_and_warns(
+    tmp_path: Path, caplog, async_save: bool
+) -> None:
     options = CheckpointManagerOptions(max_to_keep=2, async_save=async_save)
     with CheckpointManager(tmp_path, options) as manager:
         for step in (0, 1):
@@ -348,11 +355,46 @@ def test_saving_a_committed_step_again_is_a_logged_no_op(tmp_path: Path, caplog,
     with CheckpointManager(tmp_path, options) as restarted, caplog.at_level(logging.INFO, logger="shardstore.tools.manager"):
         start = restarted.latest_step()
         assert start == 1
-        assert restarted.save(start, _state(99)) is False
-        assert any("Not saving step 1" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+        assert restarted.save(start, _state(99)) is False  # the loop before issue 33.8: resuming at the latest step
+        warned = [r for r in caplog.records if "Not saving step 1" in r.getMessage()]
+        assert len(warned) == 1 and warned[0].levelno == logging.WARNING, caplog.records
+        assert "manager.resume" in warned[0].getMessage()
         assert restarted.save(2, _state(2))
+        caplog.clear()
+        assert restarted.save(2, _state(2), force=True) is False  # its own save again (after the loop): expected
+        assert [r.levelno for r in caplog.records if "Not saving step 2" in r.getMessage()] == [logging.INFO]
     assert _record(tmp_path, 1) == record and CheckpointManager(tmp_path).all_steps() == [1, 2]
     assert _w(CheckpointManager(tmp_path).restore(_state(0, empty=True), 1)) == 1
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_resume_restores_the_newest_committed_step_and_continues_after_it(tmp_path: Path, async_save: bool) -> None:
+    options = CheckpointManagerOptions(save_interval_steps=2, async_save=async_save)
+    with CheckpointManager(tmp_path, options) as fresh:
+        assert fresh.resume(_state(0, empty=True)) == (0, None)  # nothing committed: start at 0
+        for step in range(5):
+            fresh.save(step, _state(step))
+    (tmp_path / "iter_0000006").mkdir()  # a save that died before its commit: not resumed from
+    with CheckpointManager(tmp_path, options) as restarted:
+        request = _state(0, empty=True)
+        start, restored = restarted.resume(request)
+        assert start == 5 and restored is not None  # 4 is the newest committed step: train 5 next
+        assert _w(restored) == 4 and restored["step"] == 4
+        assert restored["w"] is request["w"].data  # loaded in place
+
+
+def test_a_save_at_or_before_the_restored_step_warns_even_when_not_due(tmp_path: Path, caplog) -> None:
+    """A preemption save commits a step off the interval; a loop that resumes at it saves
+    it again when it is not due: the warning must not depend on the save being due."""
+    options = CheckpointManagerOptions(save_interval_steps=100)
+    CheckpointManager(tmp_path, options).save(7, _state(7), force=True)  # e.g. saved on SIGTERM
+    manager = CheckpointManager(tmp_path, options)
+    manager.restore(_state(0, empty=True))
+    with caplog.at_level(logging.WARNING, logger="shardstore.tools.manager"):
+        assert manager.save(7, _state(7)) is False  # trains 7 twice: not due, nothing written
+        assert manager.save(8, _state(8)) is False
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "after restoring step 7" in warned[0] and "manager.resume" in warned[0], warned
 
 
 def _readme_manager_block() -> str:
@@ -362,16 +404,13 @@ def _readme_manager_block() -> str:
 
 
 def test_the_readme_training_loop_restarts_where_it_stopped(tmp_path: Path) -> None:
-    from shardstore import ShardedTensor
-
     block = _readme_manager_block().replace("/ckpt/", f"{tmp_path}/")
-    for total_steps in (2001, 3001):  # a run, then its restart from the latest step
-        namespace = {
-            "total_steps": total_steps,
-            "sharded_state_dict": {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))},
-        }
+    for total_steps in (2001, 3001):  # a run, then its restart after the latest step
+        namespace = {"total_steps": total_steps, "rank": 0}
         exec(compile(block, "README.md", "exec"), namespace)
         assert namespace["manager"].latest_step() == total_steps - 1
+        assert namespace["weight"].tolist() == [total_steps] * 4  # each step trained once
+        assert namespace["state"]["steps_trained"] == total_steps
     assert CheckpointManager(tmp_path / "run1").all_steps() == [0, 1000, 2000, 3000]
 
 

@@ -66,10 +66,25 @@ directory, which a later save of that step replaces. A failed deletion is logged
 (WARNING) and kept in ``retention_errors``: it must not kill a training job whose save
 succeeded.
 
-**Resuming** at the latest step is a no-op: ``save(step)`` for a step that is already
-committed writes nothing and returns False (INFO log), sync and async, so the loop
-``start = latest_step(); restore; for step in range(start, ...): save(step)`` restarts
-cleanly. Pass ``overwrite=True`` (a keyword of ``shardstore.save``) to replace it.
+**Resuming.** ``save(step)`` stores the state *after* training step ``step`` (Orbax's
+convention), so a restart restores the newest committed step and trains the one after
+it: ``resume`` does both, restoring the newest committed step and returning the next
+step to train (0 when nothing is committed), so the obvious loop
+``start, restored = manager.resume(state); for step in range(start, n): train; save(step)``
+trains every step exactly once across restarts. Resuming *at* ``latest_step()`` instead
+(the loop this module documented before) trains the restored step a second time.
+
+``save(step)`` of a step that is already committed writes nothing and returns False
+(sync and async, decided on the coordinator, so every rank agrees); ``overwrite=True``
+(a keyword of ``shardstore.save``) replaces it. When this manager saved that step
+itself (a final ``save(step, force=True)`` after the loop saved it) that is expected
+and logged at INFO. Otherwise it is logged at WARNING: the step was committed before
+this manager started or by another manager, which is what a loop that trains the
+restored step again does (so is ``save`` of a step at or before the one ``restore`` or
+``resume`` loaded, warned about even when the step is not due). It is not an error:
+nothing on disk is wrong (the committed step is kept, not replaced by a state trained
+one step further), a loop written to the earlier documentation must not fail at every
+restart, and the cost is one step trained twice; the warning names the fix.
 
 **When to save.** ``save(step, ...)`` writes when the step is due: a multiple of
 ``save_interval_steps`` (None: never by steps), or ``save_interval_secs`` seconds have
@@ -82,15 +97,20 @@ interval counts from this manager's start, not from the newest checkpoint's comm
 Orbax's ``ContinuousCheckpointingPolicy`` does: after a restart the work at risk is what
 was trained since the restore.
 
-**Preemption** (``save_on_preemption=True``, opt-in): the manager installs a handler for
-``preemption_signals`` (SIGTERM) when it is created, in the main thread, and puts the
-previous handlers back at ``close``. The handler only counts the signal (no I/O, no
-logging, no lock: it runs between two bytecodes of whatever the main thread was doing)
-and does not call the previous handler (SIGTERM's default would end the process before
-the save). The next ``save`` agrees on it across ranks and saves that step whatever the
-intervals say; it first commits an async save in flight, and an async preemption save
-is waited for, so the step is committed when ``save`` returns. ``reached_preemption()``
-then stays True on every rank: the trainer stops (``close``, exit). Orbax's
+**Preemption** (``save_on_preemption=True``, opt-in): the manager, created in the main
+thread (CheckpointingException otherwise), listens for ``preemption_signals`` (SIGTERM)
+through one process-wide handler (``shardstore.tools.preemption``): every manager that
+listens sees each signal, and a handler that was installed before them (a framework's,
+the user's) is called after them; the signal's *default* action (SIGTERM ends the
+process) is held back while a manager listens, since it would end the process before
+the save. ``close`` stops listening; the last manager to close, in any order, puts the
+previous handler back exactly, unless someone installed their own over it meanwhile
+(theirs stays). The manager's part of the handler only counts the signal (no I/O, no
+logging, no lock: it runs between two bytecodes of whatever the main thread was doing).
+The next ``save`` agrees on it across ranks and saves that step whatever the intervals
+say; it first commits an async save in flight, and an async preemption save is waited
+for, so the step is committed when ``save`` returns. ``reached_preemption()`` then
+stays True on every rank: the trainer stops (``close``, exit). Orbax's
 ``reached_preemption(step)`` asks JAX's preemption sync point; here it reports what the
 last agreement found, with no collective of its own.
 
@@ -125,7 +145,7 @@ while ``save`` of those step numbers later would find the old ones. So here:
   interrupted, ``latest_step`` may still name a newer step; call it again (it finishes
   what it began). Damaged or foreign directories after ``step`` stay (WARNING).
 
-Collective like ``save``: every rank of the group calls ``save``, ``restore``,
+Collective like ``save``: every rank of the group calls ``save``, ``resume``, ``restore``,
 ``rollback``, ``delete``, ``wait_until_finished`` and ``close`` with the same steps (and
 ``should_save`` when time or preemption decide). Whether a due
 ``save`` writes (new step), is a no-op (committed) or is refused (older than the
@@ -150,7 +170,7 @@ import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -162,6 +182,7 @@ from shardstore.protocol.collectives import Group
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 from shardstore.strategies.async_utils import AsyncCallsQueue
+from shardstore.tools.preemption import Listener, listen
 
 logger = logging.getLogger(__name__)
 
@@ -191,8 +212,9 @@ class CheckpointManagerOptions:
             ``wait_until_finished``, ``rollback``, ``delete`` or ``close``.
         save_interval_secs: also save when this many seconds (of the coordinator's
             clock) have passed since this manager's last save or its start (None: off).
-        save_on_preemption: install a handler for ``preemption_signals`` that makes
-            the next ``save`` save, whatever the intervals say (module docstring).
+        save_on_preemption: listen for ``preemption_signals`` (one handler shared by
+            every manager of the process, the one there before called too) so that the
+            next ``save`` saves, whatever the intervals say (module docstring).
         preemption_signals: the signals that mean preemption (SIGTERM: Kubernetes,
             SLURM at its time limit, torchrun's agent passing its own on).
         best_fn: scores a step's metrics (those given to ``save``); None: no ranking.
@@ -312,6 +334,22 @@ def steps_to_delete(
     return [s for s in ordered if s not in kept and not options.is_kept_forever(s)]
 
 
+class Resumed(NamedTuple):
+    """What ``CheckpointManager.resume`` found (a tuple, so that
+    ``start, restored = manager.resume(state)`` unpacks it).
+
+    Attributes:
+        next_step: the step to train next: the newest committed step + 1 (0: none).
+        state: what ``restore`` returned for the newest committed step (None: nothing
+            was committed, a fresh start). The request's tensors of the stored dtype and
+            shape were loaded in place; plain values and ShardedObjects (an iteration
+            count, RNG states) are here only.
+    """
+
+    next_step: int
+    state: StateDict | None
+
+
 @dataclass(frozen=True)
 class StepState:
     """What a directory named like a step holds.
@@ -350,12 +388,11 @@ class CheckpointManager:
         manager = CheckpointManager("/ckpt/run1", CheckpointManagerOptions(
             save_interval_steps=1000, max_to_keep=3, keep_period=10000, async_save=True,
             save_on_preemption=True, best_fn=lambda m: m["loss"], best_mode="min", keep_best=2))
-        start = manager.latest_step()
-        if start is not None:
-            state = manager.restore(sharded_state_dict(model), start)
-        for step in range(start or 0, steps):
-            loss = ...
-            manager.save(step, sharded_state_dict(model), metrics={"loss": loss})  # a no-op unless due and new
+        state = sharded_state_dict(model)
+        start, restored = manager.resume(state)  # the step after the newest committed one (0: none)
+        for step in range(start, steps):
+            loss = ...  # train step `step`
+            manager.save(step, state, metrics={"loss": loss})  # writes when due
             if manager.reached_preemption():
                 break
         manager.close()
@@ -381,10 +418,17 @@ class CheckpointManager:
         self._signals_received = 0  # written by the signal handler only
         self._signals_acted_on = 0
         self._preempted = False
-        self._previous_handlers: dict[int, Any] = {}
+        self._restored_step: int | None = None  # the step restore or resume loaded last
+        self._warned_resaving_restored = False
+        self._saved_steps: set[int] = set()  # the steps this manager saved (committed or in flight)
         self._queue = AsyncCallsQueue(process_group=process_group) if self.options.async_save else None
+        self._preemption: Listener | None = None
         if self.options.save_on_preemption:
-            self._install_preemption_handlers()
+            try:  # main thread only; every manager sees the signal, and the handler before them too
+                self._preemption = listen(self.options.preemption_signals, self._on_preemption_signal)
+            except CheckpointingException:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ finding steps
 
@@ -568,9 +612,11 @@ class CheckpointManager:
         """Saves ``step`` when it is due (``should_save``) or ``force``; returns whether it
         saved. Collective.
 
-        An async save first commits the previous one (one in flight at a time). A step
-        that is already committed is not saved again (returns False, INFO log: resuming
-        at the latest step), unless ``overwrite=True``. A step older than the newest
+        ``step`` is the state after training step ``step``: a restarted loop continues
+        at the step after the restored one (``resume``). An async save first commits
+        the previous one (one in flight at a time). A step that is already committed is
+        not saved again (returns False; WARNING unless this manager saved it: module
+        docstring, Resuming), unless ``overwrite=True``. A step older than the newest
         committed one is refused (CheckpointingException, nothing written): call
         ``rollback`` first. A save due to a preemption signal is committed when ``save``
         returns, also an async one. Extra keyword arguments go to ``shardstore.save``.
@@ -589,6 +635,9 @@ class CheckpointManager:
             raise CheckpointingException(
                 f"Not saving step {step} under {self.root.describe()}: steps are numbers from 0 on"
             )
+        overwrite = bool(save_kwargs.get("overwrite", False))
+        if not overwrite and self._restored_step is not None and step <= self._restored_step:
+            self._warn_resaving_restored(step)
         due, preempted, signals = self._due(step, force)
         if not due:
             return False
@@ -596,19 +645,14 @@ class CheckpointManager:
 
         if self._queue is not None:
             self._queue.maybe_finalize_async_calls(blocking=True)  # the check below sees it
-        overwrite = bool(save_kwargs.get("overwrite", False))
         committed, checked, reuse_step = self._on_coordinator(lambda: self._prepare_save(step, overwrite, metrics))
         self._last_save_time = self._clock()
         if preempted:
             self._signals_acted_on = signals
         if committed:
-            logger.info(
-                "Not saving step %d: %s already holds it committed (resuming at this step); "
-                "pass overwrite=True to replace it",
-                step,
-                self.location(step).describe(),
-            )
+            self._log_not_saving_committed(step)
             return False
+        self._saved_steps.add(step)
         if checked is not None:
             sharded_state_dict = {**sharded_state_dict, MANAGER_STATE_KEY: {"metrics": checked}}
         target = self.location(step)
@@ -716,6 +760,41 @@ class CheckpointManager:
             )
         return False
 
+    def _warn_resaving_restored(self, step: int) -> None:
+        """WARNING (once per manager) for a save of a step at or before the one restored:
+        the state in memory has been trained past it (module docstring: Resuming)."""
+        if self._warned_resaving_restored:
+            return
+        self._warned_resaving_restored = True
+        logger.warning(
+            "Saving step %d after restoring step %d from %s: the restored state is the state after step %d, so "
+            "training step %d again trains it twice. Start the loop at the step after the restored one: "
+            "`start, restored = manager.resume(state)`; `for step in range(start, ...)`",
+            step,
+            self._restored_step,
+            self.root.describe(),
+            self._restored_step,
+            step,
+        )
+
+    def _log_not_saving_committed(self, step: int) -> None:
+        """``save`` of a committed step writes nothing: expected when this manager saved it
+        (INFO), a sign of a loop that trains a restored step again otherwise (WARNING,
+        unless ``_warn_resaving_restored`` said so already)."""
+        where = self.location(step).describe()
+        if step in self._saved_steps:
+            logger.info("Not saving step %d again: this manager committed it to %s", step, where)
+            return
+        already_warned = self._restored_step is not None and step <= self._restored_step
+        logger.log(
+            logging.DEBUG if already_warned else logging.WARNING,
+            "Not saving step %d: %s already holds it committed, saved before this manager started or by another "
+            "manager; nothing was written. If this run restored that step and trained it again, start the loop "
+            "at the step after it (`start, restored = manager.resume(state)`). Pass overwrite=True to replace it.",
+            step,
+            where,
+        )
+
     def wait_until_finished(self) -> None:
         """Blocks until every async save has committed (collective)."""
         if self._queue is not None:
@@ -728,7 +807,8 @@ class CheckpointManager:
             if self._queue is not None:
                 self._queue.close()
         finally:
-            self._restore_preemption_handlers()
+            if self._preemption is not None:
+                self._preemption.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -738,32 +818,10 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ preemption
 
-    def _install_preemption_handlers(self) -> None:
-        try:
-            for signum in self.options.preemption_signals:
-                self._previous_handlers[signum] = signal.signal(signum, self._on_preemption_signal)
-        except ValueError as exc:  # signal.signal works in the main thread only
-            self._restore_preemption_handlers()
-            raise CheckpointingException(
-                f"save_on_preemption: cannot install a handler for {self.options.preemption_signals} ({exc}); "
-                "create the CheckpointManager in the main thread"
-            ) from exc
-
-    def _on_preemption_signal(self, signum: int, frame: Any) -> None:
-        """The signal handler: counts, nothing else (no I/O, no logging, no lock; the
-        next ``save`` acts on it)."""
+    def _on_preemption_signal(self, signum: int) -> None:
+        """Called by the process-wide handler (``shardstore.tools.preemption``): counts,
+        nothing else (no I/O, no logging, no lock; the next ``save`` acts on it)."""
         self._signals_received += 1
-
-    def _restore_preemption_handlers(self) -> None:
-        while self._previous_handlers:
-            signum, previous = self._previous_handlers.popitem()
-            if signal.getsignal(signum) != self._on_preemption_signal:
-                logger.warning(
-                    "Not restoring the handler of signal %d: it was replaced after the manager installed its own",
-                    signum,
-                )
-                continue
-            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
 
     # ------------------------------------------------------------------ rollback and delete
 
@@ -783,7 +841,9 @@ class CheckpointManager:
                 or a deletion failed (call it again).
         """
         self.wait_until_finished()
-        return self._on_coordinator(lambda: self._rollback(step))
+        deleted = self._on_coordinator(lambda: self._rollback(step))
+        self._saved_steps.difference_update(deleted)
+        return deleted
 
     def _rollback(self, step: int) -> list[int]:
         named = self._named_steps()
@@ -834,6 +894,7 @@ class CheckpointManager:
         """
         self.wait_until_finished()
         self._on_coordinator(lambda: self._delete_step(step, force))
+        self._saved_steps.discard(step)
 
     def _delete_step(self, step: int, force: bool) -> None:
         named = self._named_steps()
@@ -962,18 +1023,49 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ restoring
 
+    def resume(self, sharded_state_dict: ShardedStateDict, **load_kwargs: Any) -> Resumed:
+        """Restores the newest committed step into ``sharded_state_dict`` and returns the
+        step to train next with what was loaded (``Resumed``): ``(latest + 1, state)``, or
+        ``(0, None)`` when nothing is committed. Collective: every rank calls it; the
+        coordinator picks the step, so every rank loads the same one (async saves in
+        flight commit first). Extra keyword arguments go to ``shardstore.load``.
+
+        ``save(step)`` stores the state after training step ``step``, so::
+
+            start, restored = manager.resume(state)
+            for step in range(start, total_steps):
+                ...  # train step `step`
+                manager.save(step, state)
+
+        trains every step once, however often the run restarts.
+        """
+        self.wait_until_finished()
+        step = self._on_coordinator(self.latest_step)
+        if step is None:
+            logger.info("No committed checkpoint under %s: starting at step 0", self.root.describe())
+            return Resumed(0, None)
+        state = self.restore(sharded_state_dict, step, **load_kwargs)
+        logger.info(
+            "Resumed from step %d under %s: training continues at step %d", step, self.root.describe(), step + 1
+        )
+        return Resumed(step + 1, state)
+
     def restore(self, sharded_state_dict: ShardedStateDict, step: int | None = None, **load_kwargs: Any) -> StateDict:
-        """Loads ``step`` (default: ``latest_step()``) into the layout ``sharded_state_dict``
-        describes. Extra keyword arguments go to ``shardstore.load``."""
+        """Loads ``step`` (default: ``latest_step()``, picked on the coordinator so that
+        every rank loads the same step) into the layout ``sharded_state_dict`` describes.
+        Collective. Extra keyword arguments go to ``shardstore.load``. To continue
+        training, ``resume`` says which step comes next."""
         from shardstore.serialization import load
 
         if step is None:
-            step = self.latest_step()
+            step = self._on_coordinator(self.latest_step)
             if step is None:
                 raise CheckpointingException(f"No committed checkpoint under {self.root.describe()} to restore")
         state = load(sharded_state_dict, self.location(step), process_group=self.process_group, **load_kwargs)
         if isinstance(state, dict):
             state.pop(MANAGER_STATE_KEY, None)  # the manager's own, not the trainer's
+        self._restored_step = step
+        self._warned_resaving_restored = False
         return state
 
     # ------------------------------------------------------------------ collectives

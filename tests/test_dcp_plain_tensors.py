@@ -182,15 +182,50 @@ def test_writers_are_the_holders_balanced_by_bytes() -> None:
     assert assign_writers([[HeldTensor("x", 8)], [HeldTensor("x", 8)]], [0, 0]) == {"x": 0}, "ties: lowest rank"
 
 
+def _checkpointable(local: torch.Tensor, global_shape: tuple, global_offsets: tuple, local_offsets: tuple,
+                    local_sizes: tuple) -> torch.Tensor:
+    """A plain tensor carrying torch 2.14's CheckpointableTensor fields."""
+    local.global_shape, local.global_offsets = global_shape, global_offsets
+    local.local_offsets, local.local_sizes = local_offsets, local_sizes
+    return local
+
+
+def _two_shards_in_one_buffer(fill: torch.Tensor) -> torch.Tensor:
+    """One local (6, 4) buffer holding two shards of a (6, 4) global tensor, swapped:
+    local rows 0-2 are global rows 3-5 and local rows 3-5 global rows 0-2."""
+    return _checkpointable(fill, (6, 4), ((3, 0), (0, 0)), ((0, 0), (3, 0)), ((3, 4), (3, 4)))
+
+
 @pytest.mark.skipif(CHECKPOINTABLE_TENSOR is None, reason="torch < 2.14 has no CheckpointableTensor protocol")
-def test_checkpointable_tensors_are_shards_of_their_global_array(tmp_path: Path) -> None:  # pragma: no cover
+def test_checkpointable_tensors_are_shards_of_their_global_array(tmp_path: Path) -> None:
+    """Run with torch 2.14.1 (the protocol's first release): the shards land at their
+    global offsets, plain zarr readers see the global array, and ``dcp.load`` fills a
+    checkpointable tensor of the same description in place."""
     import torch.distributed.checkpoint as dcp
 
-    local = torch.arange(12.0).reshape(3, 4)
-    local.global_shape, local.global_offsets = (6, 4), ((3, 0),)
-    local.local_offsets, local.local_sizes = ((0, 0),), ((3, 4),)
-    dcp.save({"w": local}, storage_writer=ShardstoreWriter(tmp_path / "ckpt"))
+    local = torch.arange(24.0).reshape(6, 4)
+    dcp.save({"w": _two_shards_in_one_buffer(local.clone())}, storage_writer=ShardstoreWriter(tmp_path / "ckpt"))
     assert shardstore.load_tensors_metadata(tmp_path / "ckpt")["w"].global_shape == (6, 4)
+    expected = torch.cat([local[3:], local[:3]])
+    assert torch.equal(shardstore.load_plain_tensors(tmp_path / "ckpt")["w"], expected)
+    request = {"w": _two_shards_in_one_buffer(torch.zeros(6, 4))}
+    dcp.load(request, storage_reader=ShardstoreReader(tmp_path / "ckpt"))
+    assert torch.equal(request["w"], local)
+
+
+def save_checkpointable_halves(rank: int, world: int, ckpt: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    half = torch.arange(12.0).reshape(3, 4) + 12 * rank
+    dcp.save({"w": _checkpointable(half, (6, 4), ((3 * rank, 0),), ((0, 0),), ((3, 4),))},
+             storage_writer=ShardstoreWriter(ckpt))
+
+
+@pytest.mark.skipif(CHECKPOINTABLE_TENSOR is None, reason="torch < 2.14 has no CheckpointableTensor protocol")
+def test_checkpointable_tensors_of_two_ranks_form_one_array(tmp_path: Path) -> None:
+    run_distributed(save_checkpointable_halves, 2, str(tmp_path / "ckpt"))
+    assert torch.equal(shardstore.load_plain_tensors(tmp_path / "ckpt")["w"], torch.arange(24.0).reshape(6, 4))
+    assert shardstore.verify(tmp_path / "ckpt").ok
 
 
 def test_reuse_from_shares_what_did_not_change(tmp_path: Path) -> None:

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstore import CheckpointingException, ShardedTensor, load, load_tensors_metadata, remove_sharded_tensors, save
+from shardstore import (
+    CheckpointingException,
+    ShardedTensor,
+    load,
+    load_tensors_metadata,
+    remove_sharded_tensors,
+    save,
+)
 from shardstore.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 
 

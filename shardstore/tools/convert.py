@@ -77,11 +77,15 @@ from shardstore.tools.convert_layout import (
     value_at,
     without_places,
 )
+from shardstore.tools.model_files import (
+    SAFETENSORS_INDEX,
+    SAFETENSORS_SINGLE,
+    open_model_file,
+    safetensors_files,
+)
 
 DEFAULT_MEMORY_BYTES = 2**30
 DEFAULT_SHARD_BYTES = 5 * 10**9  # Hugging Face's default max_shard_size, "5GB"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_SINGLE = "model.safetensors"
 _MAX_SAFETENSORS_HEADER = 100 * 2**20  # the format's own limit
 
 # safetensors dtype names (the format's spec) and ours.
@@ -226,7 +230,7 @@ def source_kind(source: str | os.PathLike | Location) -> str:
             return "safetensors"
         if local is not None and local.is_file():
             return "torch"
-        if local is not None and ((local / SAFETENSORS_INDEX).is_file() or (local / SAFETENSORS_SINGLE).is_file()):
+        if local is not None and any(os.path.lexists(local / n) for n in (SAFETENSORS_INDEX, SAFETENSORS_SINGLE)):
             return "safetensors"
     opened = open_read(source)
     return opened.other_format.name if opened.other_format is not None else "shardstore"
@@ -525,27 +529,6 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, where: Path,
         raise CheckpointingException(f"Cannot write {where} as safetensors: {type(exc).__name__}: {exc}") from exc
 
 
-def safetensors_files(path: str | os.PathLike) -> list[Path]:
-    """The files of a safetensors model: ``path`` itself, or the shards its directory's
-    index names, or the directory's single ``model.safetensors``."""
-    root = Path(path)
-    if root.is_file():
-        return [root]
-    index = root / SAFETENSORS_INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointingException(f"{index} is not a safetensors index: {exc}") from exc
-        names = sorted(set(weight_map.values()))
-        if any("/" in n or n.startswith(".") for n in names):
-            raise CheckpointingException(f"{index} names files outside its directory")
-        return [root / n for n in names]
-    if (root / SAFETENSORS_SINGLE).is_file():
-        return [root / SAFETENSORS_SINGLE]
-    raise CheckpointingException(f"{root} holds no safetensors model ({SAFETENSORS_INDEX} or {SAFETENSORS_SINGLE})")
-
-
 def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of one safetensors file, memory-mapped (nothing is read until used).
 
@@ -553,12 +536,15 @@ def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
     whose layout the format fixes: an 8-byte little-endian header size, a JSON header
     naming each tensor's dtype, shape and byte offsets, then the data."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_model_file(path), "rb") as f:  # a regular file, never a FIFO
             size = int.from_bytes(f.read(8), "little")
             if not 0 < size <= _MAX_SAFETENSORS_HEADER:
                 raise ValueError(f"header size {size} out of range")
             header = json.loads(f.read(size))
-        data = np.memmap(path, dtype=np.uint8, mode="c", offset=8 + size) if path.stat().st_size > 8 + size else None
+            if not isinstance(header, dict):
+                raise ValueError("its header is not a JSON object")
+            has_data = os.fstat(f.fileno()).st_size > 8 + size
+            data = np.memmap(f, dtype=np.uint8, mode="c", offset=8 + size) if has_data else None
         tensors = {}
         for name, info in header.items():
             if name == "__metadata__":

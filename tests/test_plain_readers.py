@@ -96,6 +96,7 @@ out["zarr_warnings"] = [str(w.message) for w in caught]
 out["zarr_arrays"] = {k: [str(a.dtype), np.asarray(a[...]).tobytes().hex()]
                       for k, a in sorted(members.items()) if isinstance(a, zarr.Array)}
 out["zarr_groups"] = sorted(k for k, a in members.items() if isinstance(a, zarr.Group))
+out["zarr_root_attrs"] = {k: v for k, v in group.attrs.asdict().items() if k != "shardstore"}
 out["zarr_getitem"] = {k: error(lambda k=k: group[k][...]) for k in sys.argv[2:]}
 out["zarr_open_array"] = {k: error(lambda k=k: zarr.open_array(f"{root}/{k}", mode="r")) for k in sys.argv[2:]}
 
@@ -156,6 +157,21 @@ def test_each_extension_array_is_missing_alone_and_says_its_data_type(plain: dic
     for key in EXTENSION:
         assert plain["zarr_getitem"][key] == f"KeyError: \"'{key}' not found in consolidated metadata.\""
         assert plain["zarr_open_array"][key] == f"ValueError: No Zarr data type found that matches '{_dtype(key)}'"
+
+
+def test_the_root_group_tells_a_plain_reader_what_the_missing_arrays_are_and_what_opens_them(plain: dict) -> None:
+    """Issue 33.4: zarr's KeyError names nothing a user can act on (and a file format cannot
+    change it); the root group's ``readers`` attribute, which plain zarr-python reads,
+    names every array it cannot open, its data type, and what reads it."""
+    readers = plain["zarr_root_attrs"]["readers"]
+    assert readers["arrays_needing_shardstore_or_tensorstore"] == {key: _dtype(key) for key in EXTENSION}
+    for words in ("not found in consolidated metadata", "pip install shardstore", "tensorstore.open"):
+        assert words in readers["note"], words
+
+
+def test_a_checkpoint_of_core_types_only_has_no_readers_note(tmp_path: Path) -> None:
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, tmp_path / "ckpt")
+    assert "readers" not in json.loads((tmp_path / "ckpt" / "zarr.json").read_text())["attributes"]
 
 
 def test_xarray_opens_groups_and_the_tree_with_every_core_array(plain: dict) -> None:

@@ -344,6 +344,27 @@ def _int_tuple(value: Any, what: str, minimum: int) -> tuple[int, ...]:
     return tuple(value)
 
 
+# The root group's attribute that tells a plain zarr-python user (shardstore not installed)
+# which arrays it cannot open and what opens them (issue 33.4): its ``KeyError: "'model/emb'
+# not found in consolidated metadata."`` names neither.
+READERS_ATTRIBUTE = "readers"
+
+
+def readers_note(extension: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What ``zarr.open_group(ckpt).attrs["readers"]`` says: the arrays of extension data
+    types (bfloat16, float8) by key and type, and what reads them."""
+    return {
+        "note": (
+            "The arrays listed here use data types that zarr-python reads only once they are registered: "
+            "zarr-python reports them as not found in consolidated metadata, or as 'No Zarr data type found'. "
+            "With shardstore installed (pip install shardstore) zarr.open_group lists and reads them; "
+            "TensorStore reads them as they are: tensorstore.open({'driver': 'zarr3', 'kvstore': "
+            "{'driver': 'file', 'path': '<checkpoint>/<key>/'}}), ml_dtypes giving the numpy type."
+        ),
+        "arrays_needing_shardstore_or_tensorstore": {key: doc["data_type"] for key, doc in sorted(extension.items())},
+    }
+
+
 def group_metadata(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
     """A group's ``zarr.json`` document."""
     return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
@@ -592,8 +613,10 @@ class CommitRecord:
                 **({"reused_from": self.reused_from.to_json()} if self.reused_from else {}),
             }
         }
-        root = group_metadata(attributes)
         core, extension = self.consolidated_metadata()
+        if extension:
+            attributes[READERS_ATTRIBUTE] = readers_note(extension)
+        root = group_metadata(attributes)
         root["consolidated_metadata"] = {
             "kind": "inline",
             "must_understand": False,

@@ -285,33 +285,39 @@ def flatten(x: dict | list, visit: Callable[[tuple, Any, bool], Any] | None = No
             replacement is a dict or list (a factory's build), that container is walked
             in the leaf's place, its leaves visited with ``expandable`` False.
     """
-    leaves: list[Leaf] = []
-
-    def walk(node: dict | list, path: tuple, containers: tuple, expandable: bool) -> None:
-        containers = (*containers, node)
-        for k, v in node.items() if isinstance(node, dict) else enumerate(node):
-            here = (*path, k)
-            if visit is not None and not isinstance(v, (dict, list)):
-                replaced = visit(here, v, expandable)
-                if expandable and replaced is not v and isinstance(replaced, (dict, list)):
-                    expanded = replaced
-                    if expanded:
-                        walk(expanded, here, containers, False)
-                    else:
-                        leaves.append(Leaf(here, expanded, containers, True))
-                    continue
-                v = replaced
-            if not isinstance(v, (dict, list)):
-                leaves.append(Leaf(here, v, containers))
-            elif v:
-                walk(v, here, containers, expandable)
-            else:
-                leaves.append(Leaf(here, v, containers, True))
-
     if not isinstance(x, (dict, list)):
         raise ValueError(f"Unexpected top-level object type: {type(x).__name__}")
-    walk(x, (), (), True)
+    leaves: list[Leaf] = []
+    _walk(x, (), (), True, visit, leaves)
     return leaves
+
+
+def _walk(
+    node: dict | list, path: tuple, containers: tuple, expandable: bool,
+    visit: Callable[[tuple, Any, bool], Any] | None, leaves: list[Leaf],
+) -> None:
+    """``flatten``'s walk, appending to ``leaves``. A module-level function, not a closure
+    that calls itself: such a closure is a reference cycle (function -> cell -> function)
+    that keeps ``leaves``, hence every tensor of the state dict, alive until the cyclic
+    collector runs, which a load pauses (issue 33.2: memory bounds did not hold)."""
+    containers = (*containers, node)
+    for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+        here = (*path, k)
+        if visit is not None and not isinstance(v, (dict, list)):
+            replaced = visit(here, v, expandable)
+            if expandable and replaced is not v and isinstance(replaced, (dict, list)):
+                if replaced:
+                    _walk(replaced, here, containers, False, visit, leaves)
+                else:
+                    leaves.append(Leaf(here, replaced, containers, True))
+                continue
+            v = replaced
+        if not isinstance(v, (dict, list)):
+            leaves.append(Leaf(here, v, containers))
+        elif v:
+            _walk(v, here, containers, expandable, visit, leaves)
+        else:
+            leaves.append(Leaf(here, v, containers, True))
 
 
 def with_list_places(kept: list[Leaf], leaves: list[Leaf]) -> list[Leaf]:

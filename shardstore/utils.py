@@ -90,24 +90,36 @@ def local_sharded_items(sharded_state_dict: ShardedStateDict) -> tuple[list[Shar
     )
 
 
+def _items(node: dict | list) -> Iterator[tuple[Any, Any]]:
+    return iter(node.items()) if isinstance(node, dict) else enumerate(node)
+
+
 def sharded_tensor_slots(
     sharded_state_dict: ShardedStateDict,
 ) -> tuple[list[ShardedTensor], list[tuple[dict | list, Any]]]:
     """The ShardedTensors of a sharded state dict in ``local_sharded_items``' order, each
     with its place ``(container, key or index)``, in one walk: a strategy puts what it
-    loaded there (``container[key] = tensor``) without walking again."""
+    loaded there (``container[key] = tensor``) without walking again.
+
+    An explicit stack, not a recursive closure: a closure that calls itself is a
+    reference cycle (function -> cell -> function) holding the lists, hence every tensor
+    of the state dict, until the cyclic garbage collector happens to run, which a load
+    pauses and few allocations trigger (issue 33.2: a conversion's batches stayed alive
+    and its memory bound did not hold)."""
     tensors: list[ShardedTensor] = []
     slots: list[tuple[dict | list, Any]] = []
-
-    def walk(node: dict | list) -> None:
-        for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+    stack = [(sharded_state_dict, _items(sharded_state_dict))]
+    while stack:
+        node, items = stack[-1]
+        for k, v in items:  # resumed where it left off when a child is done: depth first, in order
             if isinstance(v, (dict, list)):
-                walk(v)
-            elif isinstance(v, ShardedTensor):
+                stack.append((v, _items(v)))
+                break
+            if isinstance(v, ShardedTensor):
                 tensors.append(v)
                 slots.append((node, k))
-
-    walk(sharded_state_dict)
+        else:
+            stack.pop()
     return tensors, slots
 
 

@@ -94,6 +94,7 @@ _SAFETENSORS_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+_SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
 
 
 T = TypeVar("T")
@@ -190,13 +191,34 @@ def read_non_tensor_state(checkpoint: str | os.PathLike | Location) -> StateDict
 
 
 @dataclass(frozen=True)
+class TensorSpec:
+    """A source tensor's dtype and shape, known before its bytes are read (a streamed
+    safetensors file's header comes first)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorSpec:
+        return cls(tensor.dtype, tuple(tensor.shape))
+
+
+@dataclass(frozen=True)
 class ExportSource:
     """A source opened for ``to_torch_file`` and ``to_safetensors``, whatever its
     format, so that each target is written by one function.
 
     Attributes:
-        tensor_bytes: each tensor's key (an array key; a ``torch.save`` file's tensors by
-            their ``/``-joined path) -> its size in bytes, sorted by key.
+        tensors: each tensor's key (an array key; a ``torch.save`` file's tensors by
+            their ``/``-joined path) -> its dtype and shape, sorted by key.
         read: ``read(keys, memory_bytes)`` yields ``(key, whole tensor)`` for ``keys``,
             at most ``memory_bytes`` alive at once (a larger tensor alone).
         other_values: everything else (common state, sharded object shards at their
@@ -205,11 +227,16 @@ class ExportSource:
         objects: the top-level keys of ``other_values`` that are sharded object shards.
     """
 
-    tensor_bytes: dict[str, int]
+    tensors: dict[str, TensorSpec]
     read: Callable[[list[str], int], Iterator[tuple[str, torch.Tensor]]]
     other_values: Callable[[], dict[Any, Any]]
     place: Callable[[str], tuple[str | int, ...]]
     objects: Callable[[], tuple[str, ...]] = tuple
+
+    @property
+    def tensor_bytes(self) -> dict[str, int]:
+        """Each tensor's size in bytes, by key."""
+        return {key: spec.nbytes for key, spec in self.tensors.items()}
 
     def places(self) -> dict[str, tuple[str | int, ...]]:
         """Each tensor's place, for the layout that lets an export convert back exactly."""
@@ -260,7 +287,7 @@ def _safetensors_source(path: str | os.PathLike) -> ExportSource:
         )
     arrays = {k: t for k, t in tensors.items() if k not in in_common}
     return ExportSource(
-        {k: t.nbytes for k, t in sorted(arrays.items())},
+        {k: TensorSpec.of(t) for k, t in sorted(arrays.items())},
         lambda keys, _: ((k, arrays[k]) for k in keys),
         lambda: {} if layout.common is None else decode_common(layout.common, tensors, str(path)),
         lambda key: layout.arrays.get(key) or tuple(key.split("/")),
@@ -276,10 +303,12 @@ def _checkpoint_source(checkpoint: str | os.PathLike | Location) -> ExportSource
     opened = open_read(checkpoint)
     saved_paths: Mapping[str, tuple[str | int, ...]] = {}
     if opened.record is not None:
-        sizes = {key: a.nbytes for key, a in opened.record.arrays.items()}
+        specs = {
+            key: TensorSpec(from_zarr_name(a.dtype).torch_dtype, a.shape) for key, a in opened.record.arrays.items()
+        }
     else:
         other = open_other_format(opened.location)
-        sizes = {key: t.nbytes for key, t in other.tensors.items()}
+        specs = {key: TensorSpec(t.dtype, t.shape) for key, t in other.tensors.items()}
         saved_paths = other.saved_paths
 
     def other_values() -> dict[Any, Any]:
@@ -294,7 +323,7 @@ def _checkpoint_source(checkpoint: str | os.PathLike | Location) -> ExportSource
         return tuple(k for k, v in load_sharded_metadata(opened).items() if isinstance(v, ShardedObject))
 
     return ExportSource(
-        dict(sorted(sizes.items())),
+        dict(sorted(specs.items())),
         lambda keys, memory_bytes: read_tensors(opened, keys, memory_bytes), other_values,
         lambda key: saved_paths.get(key) or tuple(key.split("/")), objects,
     )
@@ -309,13 +338,13 @@ def _torch_file_source(path: Path) -> ExportSource:
         tensors = _tensors_by_key(state, str(path))
         objects = tuple(k for k in state if _is_object_shard_key(k))
         return ExportSource(
-            {k: t.nbytes for k, (_, t) in sorted(tensors.items())},
+            {k: TensorSpec.of(t) for k, (_, t) in sorted(tensors.items())},
             lambda keys, _: ((k, tensors[k][1]) for k in keys), lambda: _without_tensors(state),
             lambda key: tensors[key][0], lambda: objects,
         )
     tensors = _layout_arrays(state, layout, path)
     return ExportSource(
-        {k: t.nbytes for k, (_, t) in sorted(tensors.items())},
+        {k: TensorSpec.of(t) for k, (_, t) in sorted(tensors.items())},
         lambda keys, _: ((k, tensors[k][1]) for k in keys), lambda: without_places(state, set(layout.arrays.values())),
         lambda key: tensors[key][0], lambda: layout.objects,
     )
@@ -482,7 +511,8 @@ def to_safetensors(
         raise CheckpointingException(
             f"{source}: the common state's tensor {clash[0]!r} has the name of an array; safetensors needs one name each"
         )
-    sizes = {**opened.tensor_bytes, **{name: t.nbytes for name, t in common_tensors.items()}}
+    specs = {**opened.tensors, **{name: TensorSpec.of(t) for name, t in common_tensors.items()}}
+    sizes = {key: spec.nbytes for key, spec in specs.items()}
     shards = array_batches(list(sizes.items()), max_shard_bytes, itemgetter(1)) or [[]]
     names = (
         [SAFETENSORS_SINGLE]
@@ -493,11 +523,18 @@ def to_safetensors(
     metadata = {"format": "pt", **safetensors_metadata(Layout(opened.places(), common=common))}
     with _new_directory(out) as staging:
         for name, shard in zip(names, shards):
-            read = dict(opened.read([key for key, _ in shard if key not in common_tensors], memory_bytes))
-            tensors = _standalone({key: read[key] if key in read else common_tensors[key] for key, _ in shard})
-            del read
-            _write_new_file(staging / name, lambda p, t=tensors, n=name, m=metadata: _save_safetensors(t, p, out / n, m))
-            del tensors
+            keys = [key for key, _ in shard]
+
+            def tensors(keys: list[str] = keys) -> Iterator[tuple[str, torch.Tensor]]:
+                yield from ((key, common_tensors[key]) for key in keys if key in common_tensors)
+                yield from opened.read([key for key in keys if key not in common_tensors], memory_bytes)
+
+            _write_new_file(
+                staging / name,
+                lambda p, k=keys, t=tensors, n=name, m=metadata: write_safetensors(
+                    p, out / n, {key: specs[key] for key in k}, t(), m
+                ),
+            )
             metadata = {"format": "pt"}  # the layout is in the first file
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(sizes.values())},
@@ -506,27 +543,54 @@ def to_safetensors(
     return Export(tuple(names), len(sizes), sum(sizes.values()), left_out)
 
 
-def _standalone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors as safetensors' writer takes them: contiguous, none sharing memory
-    with another (a ``torch.save`` file's tied weights and views do)."""
-    seen: set[int] = set()
-    out = {}
-    for key, tensor in tensors.items():
-        storage = tensor.untyped_storage().data_ptr()
-        if not tensor.is_contiguous() or storage in seen:
-            tensor = tensor.contiguous().clone()
-        seen.add(storage)
-        out[key] = tensor
-    return out
+def write_safetensors(
+    path: Path, where: Path, specs: dict[str, TensorSpec], tensors: Iterator[tuple[str, torch.Tensor]],
+    metadata: dict[str, str],
+) -> None:
+    """Writes one safetensors file at ``path`` (``where``: its name in errors) from
+    ``tensors``, streamed: the header (from ``specs``, every tensor's dtype and shape,
+    which ``tensors`` must yield, in any order) first, then each tensor's bytes at its
+    offset as it comes, so no more of the model is in memory than ``tensors`` holds
+    (the safetensors library's writer takes them all at once).
 
-
-def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, where: Path, metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
+    The data are laid out as the library lays them out: by item size, largest first,
+    then by name, so that every tensor starts at a multiple of its item size and a
+    memory-mapped reader can view it in place; the header is padded with spaces to 8
+    bytes, as the format allows."""
+    order = sorted(specs, key=lambda key: (-specs[key].itemsize, key))
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for key in order:
+        spec = specs[key]
+        name = _SAFETENSORS_NAMES.get(spec.dtype)
+        if name is None:
+            raise CheckpointingException(
+                f"Cannot write {where} as safetensors: tensor {key!r} is {spec.dtype}, which safetensors cannot hold"
+            )
+        header[key] = {"dtype": name, "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    start = 8 + len(encoded)
+    pending = dict(specs)
     try:
-        save_file(tensors, path, metadata=metadata)
-    except Exception as exc:  # the library's own errors (unsupported dtype, ...) name no file
-        raise CheckpointingException(f"Cannot write {where} as safetensors: {type(exc).__name__}: {exc}") from exc
+        with open(path, "wb") as f:
+            f.write(len(encoded).to_bytes(8, "little") + encoded)
+            for key, tensor in tensors:
+                spec = pending.pop(key, None)
+                if spec != TensorSpec.of(tensor):
+                    raise CheckpointingException(
+                        f"Cannot write {where}: the source gave tensor {key!r} as {TensorSpec.of(tensor)}, "
+                        f"where its metadata said {spec}; is it being changed? Convert it again"
+                    )
+                f.seek(start + header[key]["data_offsets"][0])
+                f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                del tensor
+            f.truncate(start + offset)
+    except OSError as exc:
+        raise CheckpointingException(f"Cannot write {where} as safetensors: {exc.strerror or exc}") from exc
+    if pending:
+        raise CheckpointingException(f"Cannot write {where}: the source gave no tensor {sorted(pending)[0]!r}")
 
 
 def map_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -108,60 +108,62 @@ def encode_common(state: Mapping[Any, Any]) -> tuple[Any, dict[str, torch.Tensor
     (of a type JSON does not hold)."""
     tensors: dict[str, torch.Tensor] = {}
     left_out: list[str] = []
+    return _encode(dict(state), (), tensors, left_out), tensors, left_out
 
-    def encode(value: Any, path: tuple[Any, ...]) -> Any:
-        """The encoding of ``value``, or None where it is left out (its path noted)."""
-        name = "/".join(map(str, path))
-        if isinstance(value, torch.Tensor):
-            if name in tensors:
-                raise CheckpointingException(
-                    f"Two tensors of the common state have the name {name!r} (an int and a str key that read the "
-                    "same); convert to a torch.save file, which keeps both"
-                )
-            tensors[name] = value
-            return {"tensor": name}
-        if type(value) is dict and all(isinstance(k, str) or type(k) is int for k in value):
-            entries = [[k, encode(v, (*path, k))] for k, v in value.items()]
-            return {"dict": [[k, v] for k, v in entries if v is not None]}
-        if type(value) in (list, tuple):
-            noted = len(left_out)
-            items = [encode(v, (*path, i)) for i, v in enumerate(value)]
-            if any(v is None for v in items):  # its indices would shift: all of it is left out
-                del left_out[noted:]
-                left_out.append(name)
-                for v in items:
-                    for tensor_name in common_tensor_names(v) if v is not None else ():
-                        del tensors[tensor_name]
-                return None
-            return {type(value).__name__: items}
-        if value is None or type(value) in (str, int, float, bool):
-            return {"value": value}
-        left_out.append(name)
-        return None
 
-    return encode(dict(state), ()), tensors, left_out
+def _encode(value: Any, path: tuple[Any, ...], tensors: dict[str, torch.Tensor], left_out: list[str]) -> Any:
+    """The encoding of ``value``, or None where it is left out (its path noted in
+    ``left_out``; its tensors named in ``tensors``). Module-level, not a closure calling
+    itself: that would be a reference cycle holding the tensors (``dict_utils._walk``)."""
+    name = "/".join(map(str, path))
+    if isinstance(value, torch.Tensor):
+        if name in tensors:
+            raise CheckpointingException(
+                f"Two tensors of the common state have the name {name!r} (an int and a str key that read the "
+                "same); convert to a torch.save file, which keeps both"
+            )
+        tensors[name] = value
+        return {"tensor": name}
+    if type(value) is dict and all(isinstance(k, str) or type(k) is int for k in value):
+        entries = [[k, _encode(v, (*path, k), tensors, left_out)] for k, v in value.items()]
+        return {"dict": [[k, v] for k, v in entries if v is not None]}
+    if type(value) in (list, tuple):
+        noted = len(left_out)
+        items = [_encode(v, (*path, i), tensors, left_out) for i, v in enumerate(value)]
+        if any(v is None for v in items):  # its indices would shift: all of it is left out
+            del left_out[noted:]
+            left_out.append(name)
+            for v in items:
+                for tensor_name in common_tensor_names(v) if v is not None else ():
+                    del tensors[tensor_name]
+            return None
+        return {type(value).__name__: items}
+    if value is None or type(value) in (str, int, float, bool):
+        return {"value": value}
+    left_out.append(name)
+    return None
 
 
 def decode_common(encoded: Any, tensors: Mapping[str, torch.Tensor], where: str) -> dict[Any, Any]:
     """The common state ``encode_common`` encoded, its tensors taken from ``tensors``."""
-
-    def decode(node: Any) -> Any:
-        (tag, payload), = node.items()
-        if tag == "tensor":
-            if payload not in tensors:
-                raise CheckpointingException(f"{where}: its layout names a tensor {payload!r} that it does not hold")
-            return tensors[payload]
-        if tag == "dict":
-            return {k: decode(v) for k, v in payload if v is not None}
-        if tag in ("list", "tuple"):
-            items = [decode(v) for v in payload]
-            return items if tag == "list" else tuple(items)
-        return payload
-
-    state = decode(encoded)
+    state = _decode(encoded, tensors, where)
     if not isinstance(state, dict):
         raise CheckpointingException(f"{where}: its layout's common state is not a dict")
     return state
+
+
+def _decode(node: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
+    (tag, payload), = node.items()
+    if tag == "tensor":
+        if payload not in tensors:
+            raise CheckpointingException(f"{where}: its layout names a tensor {payload!r} that it does not hold")
+        return tensors[payload]
+    if tag == "dict":
+        return {k: _decode(v, tensors, where) for k, v in payload if v is not None}
+    if tag in ("list", "tuple"):
+        items = [_decode(v, tensors, where) for v in payload]
+        return items if tag == "list" else tuple(items)
+    return payload
 
 
 def common_tensor_names(encoded: Any) -> Iterator[str]:

@@ -24,7 +24,8 @@ boundary and calls its steps, in this order (who calls each)::
     all ranks    write_arrays(records, ops) -> list[WrittenChunk]
                  whole chunks into ``pending`` (shared with the checkpoint reused
                  from where unchanged); or the strategies' staged writes
-                 (``execution.save.stage_save``/``write_staged``) into ``pending``
+                 (``execution.save.stage_save``/``write_staged``) into ``pending``;
+                 or write_plan(plan, blocks): a rank's part of a plan it was handed
     coordinator  commit(record, reports) -> CommitRecord
                  ``execution.save.commit_save``: the ONLY place that binds the chunks'
                  crc32c and XXH3-128 digests and the reused chunks into the commit record
@@ -37,8 +38,7 @@ every rank's written chunks gathered to the coordinator) reaches ``commit_save``
 ``SavePipeline.commit`` is for doors that gathered the reports themselves (DCP's
 ``finish``) or write from one process (``tools.array_writer``).
 
-The doors, as adapters (phase B of issue 31 moves the last two here; until then they
-call the parts below, which keep working)::
+The doors, as adapters over it (issue 31.1)::
 
     shardstore.save          SavePipeline.open -> plan (begins, joins) -> the strategy's
                              save_into / async_save_into (strategies.base; ours stages and
@@ -46,18 +46,19 @@ call the parts below, which keep working)::
     ZarrSaveShardedStrategy  save_with_plan / async_save_with_plan / async_save (the seed's
       seed signatures        signatures, a path): into_callers_directory, then save_into
     CheckpointWriter         open -> check_storable -> begin -> write_array ... -> commit
-    DCP ShardstoreWriter     prepare_global_plan (coordinator): open, plan the layout DCP
-                             gathered, begin(); ship the intent in each rank's plan.
-                             write_data (all ranks): open + join(intent) off the
-                             coordinator, write_arrays (after the plan's metadata files),
-                             pending.make_durable(), release() off the coordinator.
+    DCP ShardstoreWriter     prepare_global_plan (coordinator): open, plan_layout (the checks,
+                             the plan of the layout DCP gathered, begin); the intent travels
+                             in each rank's plan. write_data (all ranks): open + join(intent)
+                             off the coordinator, write_plan, release() off the coordinator.
                              finish (coordinator): common.pt into ``pending``, then
                              commit(commit_record, reports); abandon() on failure.
     Megatron plug-in         _plan: into_callers_directory(checkpoint_dir, group), then
                              plan(tensors, objects, base_strategy.plan_save); save:
                              base_strategy.save_into(sd, pipeline, plan); async_save:
-                             base_strategy.async_save_into(...) (its finalization commits
+                             base_strategy.async_save_into(...) as Megatron's request
+                             (``strategies.forked_writes``: its finalization commits
                              through finalize_save -> commit_save)
+    shardstore.megatron      Megatron-Core's module functions: shardstore.save / load
 
 Reads open once with ``shardstore.opened.open_read`` (its ``require_record()`` replaces
 asking a location for ``record``).
@@ -73,7 +74,7 @@ from typing import Any
 import numpy as np
 
 from shardstore.errors import CheckpointingException
-from shardstore.execution.save import WriteOp, commit_save, write_ops
+from shardstore.execution.save import WriteOp, commit_save, metadata_files, write_ops
 from shardstore.format.chunks import DEFAULT_IO_CONCURRENCY, WrittenChunk
 from shardstore.format.commit import (
     PendingCheckpoint,
@@ -88,7 +89,7 @@ from shardstore.format.commit import (
 from shardstore.format.config import CheckpointingConfig, save_config
 from shardstore.format.records import ZARR_JSON, ArrayRecord, CommitRecord
 from shardstore.mapping import ShardedObject, ShardedTensor
-from shardstore.planning.checks import check_storable_keys, local_records
+from shardstore.planning.checks import check_layout, check_storable_keys, local_records
 from shardstore.planning.layout import GlobalLayout, region_at
 from shardstore.progress import stage
 from shardstore.protocol.collectives import Group, RankFailure, StageFailed, failure_message
@@ -221,6 +222,31 @@ class SavePipeline:
             raise
         self.join(intent)
         return plan
+
+    def plan_layout(
+        self, layout: GlobalLayout, planner: Callable[[GlobalLayout], list[Any]], world_size: int
+    ) -> tuple[SaveIntent, list[Any]]:
+        """Coordinator of a door whose framework gathers the ranks' shards itself (DCP's
+        ``prepare_global_plan``): the checks ``plan`` makes (a store the ranks cannot
+        share, keys the target cannot store, the global sharding), ``planner``'s plan
+        of ``layout``, then ``begin``. Returns the save's intent, which every rank
+        ``join``s, and each rank's plan; raises before anything is written."""
+        check_shared(self.target, world_size)
+        check_layout(layout, self.target.name_limits, self.describe())
+        plans = planner(layout)
+        return self.begin(), plans
+
+    def write_plan(self, plan: Any, blocks: list[np.ndarray], io_concurrency: int = DEFAULT_IO_CONCURRENCY) -> list[
+            WrittenChunk]:
+        """This rank's part of a save plan (``planning.plans.RankSavePlan``) from its
+        blocks in host memory (``blocks[i]``: the block the plan's shards number ``i``):
+        the arrays' ``zarr.json`` files, every chunk, then durability, before the rank
+        reports what it wrote."""
+        ops = [WriteOp(s.key, s.region, blocks[s.index].reshape(s.block_shape)) for s in plan.shards]
+        self.pending.write_many(metadata_files(plan))
+        written = self.write_arrays(plan.records, ops, io_concurrency)
+        self.pending.make_durable()
+        return written
 
     def check_storable(self, tensors: list[ShardedTensor], objects: list[ShardedObject]) -> None:
         """A save's key check (``planning.checks.check_storable_keys``, the target's name

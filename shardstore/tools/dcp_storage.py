@@ -111,17 +111,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from shardstore.core import CheckpointingConfig, CheckpointingException, save_config
+from shardstore.core import CheckpointingConfig, CheckpointingException
 from shardstore.dict_utils import flatten
-from shardstore.execution.save import (
-    StagedSave,
-    WriteOp,
-    bind_chunks,
-    metadata_files,
-    publish,
-    reused_from,
-    write_staged,
-)
+from shardstore.execution.pipeline import SavePipeline
 from shardstore.execution.staging import to_host
 from shardstore.format.chunks import (
     DEFAULT_IO_CONCURRENCY,
@@ -131,13 +123,7 @@ from shardstore.format.chunks import (
     read_region,
     run_reads,
 )
-from shardstore.format.commit import (
-    PendingCheckpoint,
-    SaveIntent,
-    begin_save,
-    check_shared,
-    join_save,
-)
+from shardstore.format.commit import SaveIntent
 from shardstore.format.dtypes import (
     BY_TORCH,
     cast_checked,
@@ -146,7 +132,6 @@ from shardstore.format.dtypes import (
     numpy_to_tensor,
     tensor_to_numpy,
 )
-from shardstore.format.integrity import file_checksums
 from shardstore.format.pickles import load_torch, serialize
 from shardstore.format.records import COMMON_FILE, CommitRecord
 from shardstore.inputs.dtensors import fqn
@@ -156,19 +141,25 @@ from shardstore.inputs.plain_tensors import (
     assign_writers,
     stored_as_array,
 )
+from shardstore.opened import open_read
 from shardstore.planning.layout import GlobalLayout, ShardRecord, region_at
-from shardstore.planning.plans import RankSavePlan, plan_save
-from shardstore.protocol.collectives import Group
-from shardstore.serialization import open_checkpoint, verify_checkpoint_and_load_strategy
+from shardstore.planning.plans import RankSavePlan
+from shardstore.serialization import verify_checkpoint_and_load_strategy
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION
-from shardstore.strategies.zarr import DEFAULT_MAX_CHUNK_BYTES, SHARDSTORE_BACKEND, ZARR_VERSION
-from shardstore.validation import validate_sharding_integrity
+from shardstore.strategies.zarr import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    SHARDSTORE_BACKEND,
+    ZARR_VERSION,
+    ZarrSaveShardedStrategy,
+)
 
 logger = logging.getLogger(__name__)
 
 CheckpointId = str | os.PathLike | Location
+# What a DCP save writes as ``metadata.json``: shardstore's arrays, torch's common state.
+CONFIG = CheckpointingConfig(SHARDSTORE_BACKEND, ZARR_VERSION, COMMON_BACKEND, COMMON_VERSION)
 
 
 # --------------------------------------------------------------------------- save
@@ -293,20 +284,20 @@ class ShardstoreWriter(StorageWriter):
         self.min_array_bytes = min_array_bytes
         self.reuse_from = reuse_from
         self.is_coordinator = False
-        self._pending: PendingCheckpoint | None = None  # the coordinator's, from plan to finish
+        self._save: SavePipeline | None = None  # the coordinator's, from plan to finish
         self._commit: CommitRecord | None = None
 
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         if checkpoint_id is not None:
             self.checkpoint_id = checkpoint_id
 
-    def _target(self) -> Location:
+    def _open_save(self) -> SavePipeline:
+        """This rank's view of the save (``execution.pipeline``): the one place the
+        target and the checkpoint reused from are opened. DCP's ranks talk only through
+        its plans and results, so the pipeline's group is this process alone."""
         if self.checkpoint_id is None:
             raise CheckpointingException("ShardstoreWriter has no checkpoint path: pass one, or checkpoint_id= to dcp.save")
-        return open_location(self.checkpoint_id)
-
-    def _reuse_source(self) -> Location | None:
-        return open_location(self.reuse_from) if self.reuse_from is not None else None
+        return SavePipeline.open(self.checkpoint_id, overwrite=self.overwrite, reuse_from=self.reuse_from, config=CONFIG)
 
     def _as_array(self, item: WriteItem) -> bool:
         """A plain tensor's item that is written as an array (the same answer on every
@@ -320,37 +311,32 @@ class ShardstoreWriter(StorageWriter):
         """All ranks. The coordinator abandons a save of this writer that DCP never
         finished (a rank failed in an earlier ``dcp.save``): every rank is past it now."""
         self.is_coordinator = is_coordinator
-        if self._pending is not None:
-            logger.warning("Abandoning the unfinished save into %s", self._pending.describe())
-            self._pending.abandon()
-            self._pending = None
+        if self._save is not None:
+            logger.warning("Abandoning the unfinished save into %s", self._save.describe())
+            self._save.abandon()
+            self._save = None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """All ranks: names the plain tensors this rank holds that become arrays."""
         return replace(plan, storage_data=HeldPlainTensors(tuple(filter(self._as_array, plan.items))))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator: validates and plans the global layout, then begins the save."""
-        target = self._target()
-        where = target.describe()
-        check_shared(target, len(plans))  # DCP's gather hands this error to every rank
+        """Coordinator: validates and plans the global layout, then begins the save
+        (``SavePipeline.begin``: the staging area and ``metadata.json``); each rank's plan
+        carries the save's intent, which it joins in ``write_data``."""
+        save = self._open_save()
         if not all(plan.usable for plan in plans):
             raise CheckpointingException(
-                f"Saving {where}: DCP's plan caching is not supported by ShardstoreWriter (each save plans its "
-                "chunks and staging area anew); use DefaultSavePlanner(enable_plan_caching=False)"
+                f"Saving {save.describe()}: DCP's plan caching is not supported by ShardstoreWriter (each save plans "
+                "its chunks and staging area anew); use DefaultSavePlanner(enable_plan_caching=False)"
             )
         layout, orders = global_layout(plans, _plain_array_writers(plans, self._as_array))
-        validate_sharding_integrity(layout, target.name_limits, where)
-        rank_plans = plan_save(layout, self.max_chunk_bytes, fully_parallel=False)
-        pending = begin_save(target, self.overwrite, self._reuse_source())
-        try:
-            save_config(CheckpointingConfig(SHARDSTORE_BACKEND, ZARR_VERSION, COMMON_BACKEND, COMMON_VERSION), pending)
-        except BaseException:
-            pending.abandon()
-            raise
-        self._pending, self._commit = pending, rank_plans[0].commit
+        # DCP's gather hands any error here to every rank
+        planner = ZarrSaveShardedStrategy(max_chunk_bytes=self.max_chunk_bytes, fully_parallel=False).plan_save
+        intent, rank_plans = save.plan_layout(layout, planner, len(plans))
+        self._save, self._commit = save, rank_plans[0].commit
         return [
-            replace(plan, storage_data=RankPart(pending.intent, rank_plan, order))
+            replace(plan, storage_data=RankPart(intent, rank_plan, order))
             for plan, rank_plan, order in zip(plans, rank_plans, orders)
         ]
 
@@ -360,13 +346,12 @@ class ShardstoreWriter(StorageWriter):
         part = plan.storage_data
         if not isinstance(part, RankPart):
             raise CheckpointingException("ShardstoreWriter.write_data got a plan its prepare_global_plan did not make")
-        pending = (
-            self._pending if self.is_coordinator else join_save(self._target(), part.intent, self._reuse_source())
-        )
-        if pending is None:
+        save = self._save if self.is_coordinator else self._open_save()
+        if save is None:
             raise CheckpointingException("ShardstoreWriter.write_data on the coordinator without a save in progress")
+        save.join(part.intent)
         try:
-            written = self._write_shards(part, planner, pending)
+            written = self._write_shards(part, planner, save)
             results = [_result(item, planner, self._as_array(item)) for item in plan.items]
             in_plan = {item.index for item in plan.items}
             # a plain array DCP's deduplication gave another rank: its result travels from here
@@ -374,34 +359,29 @@ class ShardstoreWriter(StorageWriter):
         except CheckpointingException:
             raise
         except Exception as exc:
-            raise CheckpointingException(f"Writing checkpoint {pending.describe()} failed: {exc}") from exc
+            raise CheckpointingException(f"Writing checkpoint {save.describe()} failed: {exc}") from exc
         finally:
             if not self.is_coordinator:
-                pending.release()
+                save.release()
         if results and written.chunks:  # the chunks travel on the first result, beside its own value
             results[0] = replace(results[0], storage_data=replace(written, common=results[0].storage_data))
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
-    def _write_shards(self, part: RankPart, planner: SavePlanner, location: Location) -> WrittenChunks:
-        tensors = [to_host(planner.resolve_data(item).detach()) for item in part.items]
-        ops = [
-            WriteOp(s.key, s.region, tensor_to_numpy(tensors[s.index]).reshape(s.block_shape))
-            for s in part.plan.shards
-        ]
-        staged = StagedSave(location, part.plan.records, metadata_files(part.plan), ops, None, Group.local())
-        write_staged(staged, self.io_concurrency)
-        return WrittenChunks(tuple(staged.written))
+    def _write_shards(self, part: RankPart, planner: SavePlanner, save: SavePipeline) -> WrittenChunks:
+        """This rank's arrays' ``zarr.json`` files and chunks, durable before it reports."""
+        blocks = [tensor_to_numpy(to_host(planner.resolve_data(item).detach())) for item in part.items]
+        return WrittenChunks(tuple(save.write_plan(part.plan, blocks, self.io_concurrency)))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: writes common.pt and commits; on failure nothing is committed
         and the save's files are deleted."""
-        pending, commit = self._pending, self._commit
-        self._pending = self._commit = None
-        if pending is None or commit is None:
+        save, commit = self._save, self._commit
+        self._save = self._commit = None
+        if save is None or commit is None:
             raise CheckpointingException("ShardstoreWriter.finish without a save in progress (is this the coordinator?)")
-        where = pending.describe()
+        where = save.describe()
         try:
             reports, common = [], {}
             for rank_results in results:
@@ -415,15 +395,10 @@ class ShardstoreWriter(StorageWriter):
                         common[data.fqn] = _common_value(data, where)
                 reports.append(chunks)
             # durable by itself (an fsync of the file, not a second syncfs of the file system)
-            pending.write_atomic(COMMON_FILE, serialize(_nested(common, metadata.planner_data)))
-            record = bind_chunks(commit, reports, where)
-            record = replace(record, files=file_checksums(pending, record), reused_from=reused_from(pending, reports))
-            publish(pending, record)
-            if record.reused_from is not None:
-                logger.info("save %s: %d chunk(s), %d bytes, unchanged since %s: shared, not written again", where,
-                            record.reused_from.chunks, record.reused_from.nbytes, record.reused_from.checkpoint)
+            save.pending.write_atomic(COMMON_FILE, serialize(_nested(common, metadata.planner_data)))
+            save.commit(commit, reports)
         except BaseException as exc:
-            pending.abandon()
+            save.abandon()
             if isinstance(exc, Exception) and not isinstance(exc, CheckpointingException):
                 raise CheckpointingException(f"Committing checkpoint {where} failed: {exc}") from exc
             raise
@@ -562,14 +537,15 @@ class ShardstoreReader(StorageReader):
         """All ranks: the commit record and common.pt as DCP's Metadata."""
         if self.checkpoint_id is None:
             raise CheckpointingException("ShardstoreReader has no checkpoint path: pass one, or checkpoint_id= to dcp.load")
-        location = open_checkpoint(self.checkpoint_id)
-        record = getattr(location, "record", None)
-        if record is None:
+        opened = open_read(self.checkpoint_id)
+        location = opened.location
+        if not opened.is_shardstore:
             raise CheckpointingException(
                 f"{location.describe()} is not a shardstore checkpoint (another tool's format); read it with that "
                 "tool's reader (DCP's FileSystemReader), or convert it (`shardstore convert`)"
             )
-        _, common_strategy = verify_checkpoint_and_load_strategy(location)
+        record = opened.require_record()
+        _, common_strategy = verify_checkpoint_and_load_strategy(opened)
         common = {
             key: value for key, value in _flat_common(common_strategy.load_common(location)).items()
             if not (value is None and key in record.arrays)  # an array's place in a list (``_nested``)
@@ -652,7 +628,7 @@ class ShardstoreReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:
         try:
-            return getattr(open_checkpoint(checkpoint_id), "record", None) is not None
+            return open_read(checkpoint_id).is_shardstore
         except Exception:  # noqa: BLE001  (any reason: not a checkpoint we can read)
             return False
 

@@ -34,13 +34,11 @@ except ImportError as exc:  # pragma: no cover - exercised where megatron-core i
         "(pip install megatron-core); shardstore.save/load work without it"
     ) from exc
 
+from shardstore.execution.pipeline import SavePipeline
 from shardstore.inputs.megatron_objects import convert_megatron_objects
 from shardstore.mapping import apply_factories, apply_factory_merges
 from shardstore.protocol.collectives import Group
-from shardstore.protocol.plan_stage import gather_and_plan
 from shardstore.serialization import load_preprocess
-from shardstore.stores.base import Location
-from shardstore.stores.locations import open_location
 from shardstore.strategies.base import DelegatingLoadStrategy
 from shardstore.strategies.forked_writes import for_another_process
 from shardstore.strategies.zarr import (
@@ -69,28 +67,29 @@ class ShardstoreSaveShardedStrategy(_megatron_base.AsyncSaveShardedStrategy):
         super().__init__(backend, version)
         self.base_strategy = ZarrSaveShardedStrategy(backend, version, **options)
 
-    def _plan(self, sharded_state_dict: Any, checkpoint_dir: Any) -> tuple[Any, Location, Any]:
-        """Collective: the state dict in shardstore's objects, and this rank's plan; keys
-        the target cannot store are refused there, before any array is written (Megatron
-        has written its own ``common.pt`` and sharded objects by then)."""
+    def _plan(self, sharded_state_dict: Any, checkpoint_dir: Any) -> tuple[Any, SavePipeline, Any]:
+        """Collective: the state dict in shardstore's objects, the save into Megatron's
+        directory (``SavePipeline.into_callers_directory``: Megatron made it and wrote
+        its ``common.pt`` and sharded objects there) and this rank's plan; keys the target
+        cannot store are refused there, before any array is written."""
         sharded_state_dict = convert_megatron_objects(sharded_state_dict)
         apply_factories(sharded_state_dict)  # irregular shards, as flattened ranges
-        location = open_location(checkpoint_dir)
+        base = self.base_strategy
+        pipeline = SavePipeline.into_callers_directory(checkpoint_dir, Group(base.process_group))
         tensors, objects = local_sharded_items(sharded_state_dict)
-        group = Group(self.base_strategy.process_group)
-        plan = gather_and_plan(tensors, objects, group, self.base_strategy.plan_save, save_to=location)
-        return sharded_state_dict, location, plan
+        plan = pipeline.plan(tensors, objects, base.plan_save, plan_cache=base.plan_cache)
+        return sharded_state_dict, pipeline, plan
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
         """Collective: validates the global layout and writes the tensors, committing
         them with shardstore's commit record (in place)."""
-        self.base_strategy.save_with_plan(*self._plan(sharded_state_dict, checkpoint_dir))
+        self.base_strategy.save_into(*self._plan(sharded_state_dict, checkpoint_dir))
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
         """Collective: plans and snapshots the tensors to host memory (the part the
         caller waits for); returns Megatron's AsyncRequest, whose ``async_fn`` writes
         and whose finalization commits."""
-        ours = self.base_strategy.async_save_with_plan(*self._plan(sharded_state_dict, checkpoint_dir))
+        ours = self.base_strategy.async_save_into(*self._plan(sharded_state_dict, checkpoint_dir))
         return for_another_process(ours, _megatron_async.AsyncRequest)
 
 

@@ -225,3 +225,19 @@ def _unchanged(values: np.ndarray, converted: np.ndarray) -> np.ndarray:
 
 def _mantissa_bits(info: torch.finfo) -> int:
     return round(-math.log2(info.eps))
+
+
+class ShapedTensorSize:
+    """Mixin for a description of a tensor by its ``shape`` and torch ``dtype`` (fields
+    of the class using it): its bytes, before any of them is read."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize

@@ -13,7 +13,6 @@ or devices), its byte ranges checked against its size.
 
 from __future__ import annotations
 
-import math
 import os
 import stat
 from abc import ABC, abstractmethod
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from shardstore.errors import CheckpointingException
+from shardstore.format.dtypes import ShapedTensorSize
 from shardstore.format.pickles import deserialize_dict, load_torch
 from shardstore.format.records import COMMON_FILE
 from shardstore.stores.base import Location, StorageError
@@ -33,21 +33,13 @@ from shardstore.stores.local import open_regular_file
 
 
 @dataclass(frozen=True)
-class OtherTensor:
+class OtherTensor(ShapedTensorSize):
     """A tensor of another tool's checkpoint: its global shape and dtype; each reader's
     subclass says how it is chunked."""
 
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-
-    @property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.itemsize
 
     @property
     def chunk_shape(self) -> tuple[int, ...]:

@@ -40,7 +40,6 @@ convert`` command); they refuse to run inside an initialized process group, wher
 from __future__ import annotations
 
 import json
-import math
 import os
 import secrets
 import shutil
@@ -57,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from shardstore.core import CheckpointingException
-from shardstore.format.dtypes import from_zarr_name
+from shardstore.format.dtypes import ShapedTensorSize, from_zarr_name
 from shardstore.format.pickles import load_torch_file
 from shardstore.mapping import ShardedObject, ShardedTensor, StateDict
 from shardstore.opened import open_read
@@ -191,20 +190,12 @@ def read_non_tensor_state(checkpoint: str | os.PathLike | Location) -> StateDict
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(ShapedTensorSize):
     """A source tensor's dtype and shape, known before its bytes are read (a streamed
     safetensors file's header comes first)."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
-
-    @property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.itemsize
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorSpec:
@@ -616,7 +607,7 @@ def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
             dtype = _SAFETENSORS_DTYPES[info["dtype"]]
             shape = [int(n) for n in info["shape"]]
             start, stop = (int(o) for o in info["data_offsets"])
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = TensorSpec(dtype, tuple(shape)).nbytes
             if stop - start != nbytes or start < 0 or (nbytes and (data is None or stop > data.size)):
                 raise ValueError(f"tensor {name!r} has inconsistent offsets {start}:{stop}")
             raw = torch.from_numpy(data[start:stop]) if nbytes else torch.empty(0, dtype=torch.uint8)

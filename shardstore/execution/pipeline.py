@@ -69,12 +69,15 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from shardstore.errors import CheckpointingException
 from shardstore.execution.save import WriteOp, commit_save, metadata_files, write_ops
+from shardstore.execution.staging import to_host
 from shardstore.format.chunks import DEFAULT_IO_CONCURRENCY, WrittenChunk
 from shardstore.format.commit import (
     PendingCheckpoint,
@@ -87,10 +90,12 @@ from shardstore.format.commit import (
     publisher_for,
 )
 from shardstore.format.config import CheckpointingConfig, save_config
+from shardstore.format.dtypes import tensor_to_numpy
 from shardstore.format.records import ZARR_JSON, ArrayRecord, CommitRecord
 from shardstore.mapping import ShardedObject, ShardedTensor
 from shardstore.planning.checks import check_layout, check_storable_keys, local_records
 from shardstore.planning.layout import GlobalLayout, region_at
+from shardstore.planning.plans import RankSavePlan
 from shardstore.progress import stage
 from shardstore.protocol.collectives import Group, RankFailure, StageFailed, failure_message
 from shardstore.protocol.plan_cache import PlanCache, gather_and_plan_cached
@@ -98,6 +103,26 @@ from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 
 Target = str | os.PathLike | Location
+
+
+@dataclass(frozen=True)
+class RankSave:
+    """One rank's part of a save planned by ``SavePipeline.plan_layout``, which a door
+    whose framework carries the plans (DCP's ``SavePlan``) hands to that rank.
+
+    Attributes:
+        intent: the save the rank joins (``SavePipeline.join``).
+        plan: what the rank writes (``SavePipeline.write_plan``); on the coordinator,
+            also the commit record it commits (``plan.commit``).
+    """
+
+    intent: SaveIntent
+    plan: RankSavePlan
+
+
+def _host_array(tensor: torch.Tensor) -> np.ndarray:
+    """A block's values in host memory (a view of a contiguous CPU tensor)."""
+    return tensor_to_numpy(to_host(tensor))
 
 
 class SavePipeline:
@@ -224,25 +249,27 @@ class SavePipeline:
         return plan
 
     def plan_layout(
-        self, layout: GlobalLayout, planner: Callable[[GlobalLayout], list[Any]], world_size: int
-    ) -> tuple[SaveIntent, list[Any]]:
+        self, layout: GlobalLayout, planner: Callable[[GlobalLayout], list[RankSavePlan]], world_size: int
+    ) -> list[RankSave]:
         """Coordinator of a door whose framework gathers the ranks' shards itself (DCP's
         ``prepare_global_plan``): the checks ``plan`` makes (a store the ranks cannot
         share, keys the target cannot store, the global sharding), ``planner``'s plan
-        of ``layout``, then ``begin``. Returns the save's intent, which every rank
-        ``join``s, and each rank's plan; raises before anything is written."""
+        of ``layout``, then ``begin``. Returns each rank's part (the save's intent, which
+        every rank ``join``s, and its plan); raises before anything is written."""
         check_shared(self.target, world_size)
         check_layout(layout, self.target.name_limits, self.describe())
         plans = planner(layout)
-        return self.begin(), plans
+        intent = self.begin()
+        return [RankSave(intent, plan) for plan in plans]
 
-    def write_plan(self, plan: Any, blocks: list[np.ndarray], io_concurrency: int = DEFAULT_IO_CONCURRENCY) -> list[
-            WrittenChunk]:
-        """This rank's part of a save plan (``planning.plans.RankSavePlan``) from its
-        blocks in host memory (``blocks[i]``: the block the plan's shards number ``i``):
-        the arrays' ``zarr.json`` files, every chunk, then durability, before the rank
-        reports what it wrote."""
-        ops = [WriteOp(s.key, s.region, blocks[s.index].reshape(s.block_shape)) for s in plan.shards]
+    def write_plan(
+        self, plan: RankSavePlan, blocks: list[torch.Tensor], io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+    ) -> list[WrittenChunk]:
+        """This rank's part of a save plan from its blocks (``blocks[i]``: the tensor,
+        on any device, of the block the plan's shards number ``i``): the arrays'
+        ``zarr.json`` files, every chunk, then durability, before the rank reports what
+        it wrote."""
+        ops = [WriteOp(s.key, s.region, _host_array(blocks[s.index]).reshape(s.block_shape)) for s in plan.shards]
         self.pending.write_many(metadata_files(plan))
         written = self.write_arrays(plan.records, ops, io_concurrency)
         self.pending.make_durable()

@@ -254,11 +254,24 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         """Collective: plans once (``protocol.plan_stage.gather_and_plan``: the global sharding, and
         every key against the target's name limits, are checked before anything is
         written), then ``async_save_into`` the directory as the caller made it
-        (``SavePipeline.into_callers_directory``)."""
-        pipeline = SavePipeline.into_callers_directory(checkpoint_dir, Group(self.process_group))
+        (``into_callers_directory``)."""
+        pipeline = self.into_callers_directory(checkpoint_dir)
+        return self.async_save_into(sharded_state_dict, pipeline, self.plan_into(sharded_state_dict, pipeline))
+
+    def into_callers_directory(
+        self, checkpoint_dir: CheckpointDir, process_group: dist.ProcessGroup | None = None
+    ) -> SavePipeline:
+        """The save into a directory the caller made and wrote into (the seed's
+        signatures; Megatron-Core's ``save``), on ``process_group`` or else this
+        strategy's (``SavePipeline.into_callers_directory``)."""
+        return SavePipeline.into_callers_directory(checkpoint_dir, self._group(process_group))
+
+    def plan_into(self, sharded_state_dict: ShardedStateDict, pipeline: SavePipeline) -> RankSavePlan:
+        """Collective: this rank's part of the plan of saving ``sharded_state_dict``
+        through ``pipeline`` (``SavePipeline.plan`` with ``plan_save`` and this strategy's
+        plan cache), the save begun and joined."""
         tensors, objects = local_sharded_items(sharded_state_dict)
-        plan = pipeline.plan(tensors, objects, self.plan_save, plan_cache=self.plan_cache)
-        return self.async_save_into(sharded_state_dict, pipeline, plan)
+        return pipeline.plan(tensors, objects, self.plan_save, plan_cache=self.plan_cache)
 
     def plan_save(self, layout: GlobalLayout) -> list[RankSavePlan]:
         """Coordinator: every rank's part of the save (``shardstore.planning.plans``)."""
@@ -269,8 +282,8 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         process_group: dist.ProcessGroup | None = None, local_error: BaseException | None = None,
     ) -> AsyncRequest:
         """``async_save_into`` a directory the caller made (the seed's signature, as
-        Megatron-Core's ``save`` calls it): ``SavePipeline.into_callers_directory``."""
-        pipeline = SavePipeline.into_callers_directory(checkpoint_dir, self._group(process_group))
+        Megatron-Core's ``save`` calls it): ``into_callers_directory``."""
+        pipeline = self.into_callers_directory(checkpoint_dir, process_group)
         return self.async_save_into(sharded_state_dict, pipeline, plan, local_error)
 
     def save_with_plan(
@@ -278,8 +291,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         process_group: dist.ProcessGroup | None = None, local_error: BaseException | None = None,
     ) -> None:
         """``save_into`` a directory the caller made (as ``async_save_with_plan``)."""
-        pipeline = SavePipeline.into_callers_directory(checkpoint_dir, self._group(process_group))
-        self.save_into(sharded_state_dict, pipeline, plan, local_error)
+        self.save_into(sharded_state_dict, self.into_callers_directory(checkpoint_dir, process_group), plan, local_error)
 
     def async_save_into(
         self, sharded_state_dict: ShardedStateDict, pipeline: SavePipeline, plan: RankSavePlan,

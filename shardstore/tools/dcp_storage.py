@@ -113,8 +113,7 @@ from torch.futures import Future
 
 from shardstore.core import CheckpointingConfig, CheckpointingException
 from shardstore.dict_utils import flatten
-from shardstore.execution.pipeline import SavePipeline
-from shardstore.execution.staging import to_host
+from shardstore.execution.pipeline import RankSave, SavePipeline
 from shardstore.format.chunks import (
     DEFAULT_IO_CONCURRENCY,
     ArrayChunks,
@@ -123,7 +122,6 @@ from shardstore.format.chunks import (
     read_region,
     run_reads,
 )
-from shardstore.format.commit import SaveIntent
 from shardstore.format.dtypes import (
     BY_TORCH,
     cast_checked,
@@ -143,7 +141,6 @@ from shardstore.inputs.plain_tensors import (
 )
 from shardstore.opened import open_read
 from shardstore.planning.layout import GlobalLayout, ShardRecord, region_at
-from shardstore.planning.plans import RankSavePlan
 from shardstore.serialization import verify_checkpoint_and_load_strategy
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
@@ -170,13 +167,11 @@ class RankPart:
     """What the coordinator's plan gives one rank (``SavePlan.storage_data``).
 
     Attributes:
-        intent: the save this rank writes into (its staging area).
-        plan: its part of shardstore's save plan.
-        items: the sharded write items it writes, in the order ``plan`` numbers them.
+        save: the save this rank joins and its part of shardstore's save plan.
+        items: the sharded write items it writes, in the order ``save.plan`` numbers them.
     """
 
-    intent: SaveIntent
-    plan: RankSavePlan
+    save: RankSave
     items: tuple[WriteItem, ...]
 
 
@@ -333,11 +328,10 @@ class ShardstoreWriter(StorageWriter):
         layout, orders = global_layout(plans, _plain_array_writers(plans, self._as_array))
         # DCP's gather hands any error here to every rank
         planner = ZarrSaveShardedStrategy(max_chunk_bytes=self.max_chunk_bytes, fully_parallel=False).plan_save
-        intent, rank_plans = save.plan_layout(layout, planner, len(plans))
-        self._save, self._commit = save, rank_plans[0].commit
+        parts = save.plan_layout(layout, planner, len(plans))
+        self._save, self._commit = save, parts[0].plan.commit
         return [
-            replace(plan, storage_data=RankPart(intent, rank_plan, order))
-            for plan, rank_plan, order in zip(plans, rank_plans, orders)
+            replace(plan, storage_data=RankPart(part, order)) for plan, part, order in zip(plans, parts, orders)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -349,7 +343,7 @@ class ShardstoreWriter(StorageWriter):
         save = self._save if self.is_coordinator else self._open_save()
         if save is None:
             raise CheckpointingException("ShardstoreWriter.write_data on the coordinator without a save in progress")
-        save.join(part.intent)
+        save.join(part.save.intent)
         try:
             written = self._write_shards(part, planner, save)
             results = [_result(item, planner, self._as_array(item)) for item in plan.items]
@@ -371,8 +365,8 @@ class ShardstoreWriter(StorageWriter):
 
     def _write_shards(self, part: RankPart, planner: SavePlanner, save: SavePipeline) -> WrittenChunks:
         """This rank's arrays' ``zarr.json`` files and chunks, durable before it reports."""
-        blocks = [tensor_to_numpy(to_host(planner.resolve_data(item).detach())) for item in part.items]
-        return WrittenChunks(tuple(save.write_plan(part.plan, blocks, self.io_concurrency)))
+        blocks = [planner.resolve_data(item) for item in part.items]
+        return WrittenChunks(tuple(save.write_plan(part.save.plan, blocks, self.io_concurrency)))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: writes common.pt and commits; on failure nothing is committed
@@ -436,7 +430,8 @@ def _result(item: WriteItem, planner: SavePlanner, as_array: bool) -> WriteResul
         return WriteResult(index=item.index, size_in_bytes=item.tensor_storage_size() or 0, storage_data=None)
     data = planner.resolve_data(item)
     if isinstance(data, torch.Tensor):
-        value: torch.Tensor | bytes = to_host(data.detach()).clone()  # a view would carry its whole storage
+        # a copy in host memory: a view would carry its whole storage
+        value: torch.Tensor | bytes = data.detach().cpu().clone(memory_format=torch.contiguous_format)
         size = value.nbytes
     else:
         value = data.getvalue()

@@ -60,7 +60,6 @@ from shardstore.format.records import (
     ArrayRecord,
     CommitRecord,
     parent_groups,
-    read_commit_record,
     write_commit_record,
 )
 from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
@@ -518,10 +517,10 @@ def _create_or_open_zarr_arrays(
     The arrays created here must exist before others open them (a barrier in between
     when several ranks take part).
     """
-    arrays: list[ts.TensorStore | None] = [
-        _create_zarr_array(t, checkpoint_dir) if _should_create_array(t) else None for t in sharded_tensors
-    ]
     location = open_location(checkpoint_dir)
+    arrays: list[ts.TensorStore | None] = [
+        _create_zarr_array(t, location) if _should_create_array(t) else None for t in sharded_tensors
+    ]
     for i, t in enumerate(sharded_tensors):
         if arrays[i] is None and is_main_replica(t.replica_id):
             arrays[i] = _open_zarr_array_verbose(location.describe(t.key), "r+")
@@ -593,11 +592,10 @@ def load_zarr_based_sharded_metadata(
         checkpoint_dir: checkpoint root
         get_shape_dtype_fn: returns ``(shape, numpy dtype)`` for an array's path
     """
-    location = open_location(checkpoint_dir)
-    record = read_commit_record(location)
+    opened = open_read(checkpoint_dir)
     sharded = {}
-    for key in record.arrays:
-        shape, dtype = get_shape_dtype_fn(location.describe(key))
+    for key in opened.require_record().arrays:
+        shape, dtype = get_shape_dtype_fn(opened.describe(key))
         meta = torch.empty(tuple(shape), dtype=_torch_dtype_of(np.dtype(dtype)), device="meta")
         sharded[key] = ShardedTensor.from_rank_offsets(key, meta).without_data()
     return sharded

@@ -44,16 +44,19 @@ The doors, as adapters over it (issue 31.1)::
                              save_into / async_save_into (strategies.base; ours stages and
                              writes into ``pipeline.pending``; finalize_save -> commit_save)
     ZarrSaveShardedStrategy  save_with_plan / async_save_with_plan / async_save (the seed's
-      seed signatures        signatures, a path): into_callers_directory, then save_into
+      seed signatures        signatures, a path): its into_callers_directory (this class's
+                             on its process group), plan_into (plan with its plan_save and
+                             plan cache), then save_into / async_save_into
     CheckpointWriter         open -> check_storable -> begin -> write_array ... -> commit
-    DCP ShardstoreWriter     prepare_global_plan (coordinator): open, plan_layout (the checks,
-                             the plan of the layout DCP gathered, begin); the intent travels
-                             in each rank's plan. write_data (all ranks): open + join(intent)
+    DCP ShardstoreWriter     prepare_global_plan (coordinator): open, plan_gathered (the
+                             shards DCP gathered, as ShardedTensors without data: the checks,
+                             the plan, begin); each rank's RankSave (intent and plan) travels
+                             in its SavePlan. write_data (all ranks): open + join(intent)
                              off the coordinator, write_plan, release() off the coordinator.
                              finish (coordinator): common.pt into ``pending``, then
                              commit(commit_record, reports); abandon() on failure.
-    Megatron plug-in         _plan: into_callers_directory(checkpoint_dir, group), then
-                             plan(tensors, objects, base_strategy.plan_save); save:
+    Megatron plug-in         _plan: base_strategy.into_callers_directory(checkpoint_dir) and
+                             base_strategy.plan_into(sd, pipeline), as the seed signatures; save:
                              base_strategy.save_into(sd, pipeline, plan); async_save:
                              base_strategy.async_save_into(...) as Megatron's request
                              (``strategies.forked_writes``: its finalization commits
@@ -107,7 +110,7 @@ Target = str | os.PathLike | Location
 
 @dataclass(frozen=True)
 class RankSave:
-    """One rank's part of a save planned by ``SavePipeline.plan_layout``, which a door
+    """One rank's part of a save planned by ``SavePipeline.plan_gathered``, which a door
     whose framework carries the plans (DCP's ``SavePlan``) hands to that rank.
 
     Attributes:
@@ -248,16 +251,19 @@ class SavePipeline:
         self.join(intent)
         return plan
 
-    def plan_layout(
-        self, layout: GlobalLayout, planner: Callable[[GlobalLayout], list[RankSavePlan]], world_size: int
+    def plan_gathered(
+        self, tensors: list[list[ShardedTensor]], planner: Callable[[GlobalLayout], list[RankSavePlan]],
     ) -> list[RankSave]:
         """Coordinator of a door whose framework gathers the ranks' shards itself (DCP's
-        ``prepare_global_plan``): the checks ``plan`` makes (a store the ranks cannot
-        share, keys the target cannot store, the global sharding), ``planner``'s plan
-        of ``layout``, then ``begin``. Returns each rank's part (the save's intent, which
-        every rank ``join``s, and its plan); raises before anything is written."""
-        check_shared(self.target, world_size)
-        check_layout(layout, self.target.name_limits, self.describe())
+        ``prepare_global_plan``), given every rank's ``tensors`` (``tensors[rank]``, data
+        not needed): the checks ``plan`` makes (a store the ranks cannot share, keys the
+        target cannot store, the global sharding), ``planner``'s plan of their layout,
+        then ``begin``. Returns each rank's part (the save's intent, which every rank
+        ``join``s, and its plan); raises before anything is written."""
+        where = self.describe()
+        check_shared(self.target, len(tensors))
+        layout = GlobalLayout.from_gathered([local_records(ts, [], rank, where) for rank, ts in enumerate(tensors)])
+        check_layout(layout, self.target.name_limits, where)
         plans = planner(layout)
         intent = self.begin()
         return [RankSave(intent, plan) for plan in plans]

@@ -132,3 +132,42 @@ def test_open_read_opens_once_and_tells_ours_from_another_tools(tmp_path: Path) 
         theirs.require_record()
     with pytest.raises(CheckpointingException):
         open_read(tmp_path / "nothing")
+
+
+def test_a_callers_directory_is_opened_by_one_function() -> None:
+    """The seed's signatures (save_with_plan, async_save_with_plan, async_save) and the
+    Megatron plug-in reach ``SavePipeline.into_callers_directory`` through
+    ``ZarrSaveShardedStrategy.into_callers_directory`` only, and plan through its
+    ``plan_into``: one composition, not one per door."""
+    direct: list[str] = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("into_callers_directory", "plan")
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "SavePipeline"):
+                direct.append(path.relative_to(ROOT).as_posix())
+    assert direct == ["strategies/zarr.py"]
+
+
+def test_the_zarr_modules_seed_functions_round_trip_and_read_through_open_read(tmp_path: Path, monkeypatch) -> None:
+    from shardstore.strategies import zarr as zarr_module
+
+    ckpt = tmp_path / "seed"
+    ckpt.mkdir()
+    tensors = [ShardedTensor.from_rank_offsets(key, torch.arange(12.0).reshape(4, 3) + i)
+               for i, key in enumerate(("a", "b/c"))]
+    for tensor, array in zip(tensors, zarr_module._create_or_open_zarr_arrays(tensors, ckpt)):
+        zarr_module._save_to_existing_array(tensor, array)
+    for tensor in tensors:
+        loaded = zarr_module._load_from_array(ShardedTensor.from_rank_offsets(tensor.key, torch.empty(4, 3)), ckpt)
+        assert torch.equal(loaded, tensor.data)
+
+    save(_state(3.0), tmp_path / "ours")
+    reads = []
+    monkeypatch.setattr(zarr_module, "open_read", lambda c: reads.append(c) or open_read(c))
+    metadata = zarr_module.load_zarr_based_sharded_metadata(tmp_path / "ours", lambda path: ((4, 3), "float32"))
+    assert reads == [tmp_path / "ours"] and set(metadata) == {"w"} and metadata["w"].global_shape == (4, 3)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "dcp")
+    with pytest.raises(CheckpointingException, match="not a shardstore checkpoint"):
+        zarr_module.load_zarr_based_sharded_metadata(tmp_path / "dcp", lambda path: ((2,), "float32"))

@@ -18,11 +18,11 @@ from click.testing import CliRunner
 
 from shardstore import ShardedTensor, load, load_tensors_metadata, save
 from shardstore.errors import CheckpointingException
+from shardstore.opened import other_format_of
 from shardstore.other_formats import registry
 from shardstore.other_formats.base import OtherCheckpoint, OtherFormat, OtherTensor
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
-from shardstore.strategies.other_formats import reads_as_other_format
 from shardstore.tools.cli import main
 from tests.fixtures.legacy.make_megatron014 import TORCH_DIST as MEGATRON_014_TORCH_DIST
 from tests.fixtures.legacy.make_megatron014 import ZARR as MEGATRON_014_ZARR
@@ -116,7 +116,7 @@ def toy(tmp_path: Path) -> Iterator[Path]:
     path = tmp_path / "toy"
     path.mkdir()
     (path / ToyCheckpoint.FILE).write_text(json.dumps({"layer/w": [1.5, 2.5, 3.5, 4.5]}))
-    assert not reads_as_other_format(path)  # unknown until registered
+    assert other_format_of(open_location(path)) is None  # unknown until registered
     entry = registry.register(OtherFormat("toy", "a toy checkpoint", ToyCheckpoint.holds, ToyCheckpoint,
                                           ToyCheckpoint.FILE))
     yield path

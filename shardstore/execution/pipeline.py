@@ -44,16 +44,19 @@ The doors, as adapters over it (issue 31.1)::
                              save_into / async_save_into (strategies.base; ours stages and
                              writes into ``pipeline.pending``; finalize_save -> commit_save)
     ZarrSaveShardedStrategy  save_with_plan / async_save_with_plan / async_save (the seed's
-      seed signatures        signatures, a path): into_callers_directory, then save_into
+      seed signatures        signatures, a path): its into_callers_directory (this class's
+                             on its process group), plan_into (plan with its plan_save and
+                             plan cache), then save_into / async_save_into
     CheckpointWriter         open -> check_storable -> begin -> write_array ... -> commit
-    DCP ShardstoreWriter     prepare_global_plan (coordinator): open, plan_layout (the checks,
-                             the plan of the layout DCP gathered, begin); the intent travels
-                             in each rank's plan. write_data (all ranks): open + join(intent)
+    DCP ShardstoreWriter     prepare_global_plan (coordinator): open, plan_gathered (the
+                             shards DCP gathered, as ShardedTensors without data: the checks,
+                             the plan, begin); each rank's RankSave (intent and plan) travels
+                             in its SavePlan. write_data (all ranks): open + join(intent)
                              off the coordinator, write_plan, release() off the coordinator.
                              finish (coordinator): common.pt into ``pending``, then
                              commit(commit_record, reports); abandon() on failure.
-    Megatron plug-in         _plan: into_callers_directory(checkpoint_dir, group), then
-                             plan(tensors, objects, base_strategy.plan_save); save:
+    Megatron plug-in         _plan: base_strategy.into_callers_directory(checkpoint_dir) and
+                             base_strategy.plan_into(sd, pipeline), as the seed signatures; save:
                              base_strategy.save_into(sd, pipeline, plan); async_save:
                              base_strategy.async_save_into(...) as Megatron's request
                              (``strategies.forked_writes``: its finalization commits
@@ -69,12 +72,15 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from shardstore.errors import CheckpointingException
 from shardstore.execution.save import WriteOp, commit_save, metadata_files, write_ops
+from shardstore.execution.staging import to_host
 from shardstore.format.chunks import DEFAULT_IO_CONCURRENCY, WrittenChunk
 from shardstore.format.commit import (
     PendingCheckpoint,
@@ -87,10 +93,12 @@ from shardstore.format.commit import (
     publisher_for,
 )
 from shardstore.format.config import CheckpointingConfig, save_config
+from shardstore.format.dtypes import tensor_to_numpy
 from shardstore.format.records import ZARR_JSON, ArrayRecord, CommitRecord
 from shardstore.mapping import ShardedObject, ShardedTensor
 from shardstore.planning.checks import check_layout, check_storable_keys, local_records
 from shardstore.planning.layout import GlobalLayout, region_at
+from shardstore.planning.plans import RankSavePlan
 from shardstore.progress import stage
 from shardstore.protocol.collectives import Group, RankFailure, StageFailed, failure_message
 from shardstore.protocol.plan_cache import PlanCache, gather_and_plan_cached
@@ -98,6 +106,26 @@ from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 
 Target = str | os.PathLike | Location
+
+
+@dataclass(frozen=True)
+class RankSave:
+    """One rank's part of a save planned by ``SavePipeline.plan_gathered``, which a door
+    whose framework carries the plans (DCP's ``SavePlan``) hands to that rank.
+
+    Attributes:
+        intent: the save the rank joins (``SavePipeline.join``).
+        plan: what the rank writes (``SavePipeline.write_plan``); on the coordinator,
+            also the commit record it commits (``plan.commit``).
+    """
+
+    intent: SaveIntent
+    plan: RankSavePlan
+
+
+def _host_array(tensor: torch.Tensor) -> np.ndarray:
+    """A block's values in host memory (a view of a contiguous CPU tensor)."""
+    return tensor_to_numpy(to_host(tensor))
 
 
 class SavePipeline:
@@ -223,26 +251,31 @@ class SavePipeline:
         self.join(intent)
         return plan
 
-    def plan_layout(
-        self, layout: GlobalLayout, planner: Callable[[GlobalLayout], list[Any]], world_size: int
-    ) -> tuple[SaveIntent, list[Any]]:
+    def plan_gathered(
+        self, tensors: list[list[ShardedTensor]], planner: Callable[[GlobalLayout], list[RankSavePlan]],
+    ) -> list[RankSave]:
         """Coordinator of a door whose framework gathers the ranks' shards itself (DCP's
-        ``prepare_global_plan``): the checks ``plan`` makes (a store the ranks cannot
-        share, keys the target cannot store, the global sharding), ``planner``'s plan
-        of ``layout``, then ``begin``. Returns the save's intent, which every rank
-        ``join``s, and each rank's plan; raises before anything is written."""
-        check_shared(self.target, world_size)
-        check_layout(layout, self.target.name_limits, self.describe())
+        ``prepare_global_plan``), given every rank's ``tensors`` (``tensors[rank]``, data
+        not needed): the checks ``plan`` makes (a store the ranks cannot share, keys the
+        target cannot store, the global sharding), ``planner``'s plan of their layout,
+        then ``begin``. Returns each rank's part (the save's intent, which every rank
+        ``join``s, and its plan); raises before anything is written."""
+        where = self.describe()
+        check_shared(self.target, len(tensors))
+        layout = GlobalLayout.from_gathered([local_records(ts, [], rank, where) for rank, ts in enumerate(tensors)])
+        check_layout(layout, self.target.name_limits, where)
         plans = planner(layout)
-        return self.begin(), plans
+        intent = self.begin()
+        return [RankSave(intent, plan) for plan in plans]
 
-    def write_plan(self, plan: Any, blocks: list[np.ndarray], io_concurrency: int = DEFAULT_IO_CONCURRENCY) -> list[
-            WrittenChunk]:
-        """This rank's part of a save plan (``planning.plans.RankSavePlan``) from its
-        blocks in host memory (``blocks[i]``: the block the plan's shards number ``i``):
-        the arrays' ``zarr.json`` files, every chunk, then durability, before the rank
-        reports what it wrote."""
-        ops = [WriteOp(s.key, s.region, blocks[s.index].reshape(s.block_shape)) for s in plan.shards]
+    def write_plan(
+        self, plan: RankSavePlan, blocks: list[torch.Tensor], io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+    ) -> list[WrittenChunk]:
+        """This rank's part of a save plan from its blocks (``blocks[i]``: the tensor,
+        on any device, of the block the plan's shards number ``i``): the arrays'
+        ``zarr.json`` files, every chunk, then durability, before the rank reports what
+        it wrote."""
+        ops = [WriteOp(s.key, s.region, _host_array(blocks[s.index]).reshape(s.block_shape)) for s in plan.shards]
         self.pending.write_many(metadata_files(plan))
         written = self.write_arrays(plan.records, ops, io_concurrency)
         self.pending.make_durable()

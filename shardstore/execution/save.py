@@ -393,13 +393,6 @@ def reused_from(location: PendingCheckpoint, reports: list[list[WrittenChunk]]) 
     return ReusedChunks(location.reuse_source.describe(), location.intent.reuses, len(shared), sum(shared))
 
 
-def publish(location: PendingCheckpoint, record: CommitRecord) -> None:
-    """Publishes a record whose chunks are already bound (``tools.dcp_storage`` until it
-    commits through ``commit_save``): stamped with the save's id and the time of its
-    commit here, not when its plan was made (a cached plan is reused by later saves)."""
-    location.commit(replace(record, save_id=location.intent.save_id, created=time.time()))
-
-
 @dataclass(frozen=True)
 class SaveFinalization:
     """The ``AsyncRequest`` finalization of a staged save (``strategies.async_utils.

@@ -24,7 +24,6 @@ from shardstore.dict_utils import dict_list_map_inplace
 from shardstore.execution.loaded import place_loaded, postprocess_loaded
 from shardstore.format.records import CommitRecord
 from shardstore.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from shardstore.opened import other_format_of
 from shardstore.other_formats import registry
 from shardstore.other_formats.base import OtherCheckpoint, OtherFormat, place_value
 from shardstore.planning.layout import block_shape, region_at
@@ -66,12 +65,6 @@ def open_other_format(checkpoint_dir: CheckpointDir | Location) -> OtherCheckpoi
     except OSError:
         return other_format.open(path)  # which says what is missing
     return _opened(other_format, path, stat.st_ino, stat.st_size, stat.st_mtime_ns)
-
-
-def reads_as_other_format(checkpoint: CheckpointDir) -> bool:
-    """Whether ``checkpoint`` is another tool's local checkpoint that this module reads
-    (``opened.other_format_of``; ``opened.open_read`` asks once and keeps the answer)."""
-    return other_format_of(open_location(checkpoint)) is not None
 
 
 @functools.lru_cache(maxsize=8)

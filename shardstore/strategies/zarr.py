@@ -60,7 +60,6 @@ from shardstore.format.records import (
     ArrayRecord,
     CommitRecord,
     parent_groups,
-    read_commit_record,
     write_commit_record,
 )
 from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
@@ -254,11 +253,24 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         """Collective: plans once (``protocol.plan_stage.gather_and_plan``: the global sharding, and
         every key against the target's name limits, are checked before anything is
         written), then ``async_save_into`` the directory as the caller made it
-        (``SavePipeline.into_callers_directory``)."""
-        pipeline = SavePipeline.into_callers_directory(checkpoint_dir, Group(self.process_group))
+        (``into_callers_directory``)."""
+        pipeline = self.into_callers_directory(checkpoint_dir)
+        return self.async_save_into(sharded_state_dict, pipeline, self.plan_into(sharded_state_dict, pipeline))
+
+    def into_callers_directory(
+        self, checkpoint_dir: CheckpointDir, process_group: dist.ProcessGroup | None = None
+    ) -> SavePipeline:
+        """The save into a directory the caller made and wrote into (the seed's
+        signatures; Megatron-Core's ``save``), on ``process_group`` or else this
+        strategy's (``SavePipeline.into_callers_directory``)."""
+        return SavePipeline.into_callers_directory(checkpoint_dir, self._group(process_group))
+
+    def plan_into(self, sharded_state_dict: ShardedStateDict, pipeline: SavePipeline) -> RankSavePlan:
+        """Collective: this rank's part of the plan of saving ``sharded_state_dict``
+        through ``pipeline`` (``SavePipeline.plan`` with ``plan_save`` and this strategy's
+        plan cache), the save begun and joined."""
         tensors, objects = local_sharded_items(sharded_state_dict)
-        plan = pipeline.plan(tensors, objects, self.plan_save, plan_cache=self.plan_cache)
-        return self.async_save_into(sharded_state_dict, pipeline, plan)
+        return pipeline.plan(tensors, objects, self.plan_save, plan_cache=self.plan_cache)
 
     def plan_save(self, layout: GlobalLayout) -> list[RankSavePlan]:
         """Coordinator: every rank's part of the save (``shardstore.planning.plans``)."""
@@ -269,8 +281,8 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         process_group: dist.ProcessGroup | None = None, local_error: BaseException | None = None,
     ) -> AsyncRequest:
         """``async_save_into`` a directory the caller made (the seed's signature, as
-        Megatron-Core's ``save`` calls it): ``SavePipeline.into_callers_directory``."""
-        pipeline = SavePipeline.into_callers_directory(checkpoint_dir, self._group(process_group))
+        Megatron-Core's ``save`` calls it): ``into_callers_directory``."""
+        pipeline = self.into_callers_directory(checkpoint_dir, process_group)
         return self.async_save_into(sharded_state_dict, pipeline, plan, local_error)
 
     def save_with_plan(
@@ -278,8 +290,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         process_group: dist.ProcessGroup | None = None, local_error: BaseException | None = None,
     ) -> None:
         """``save_into`` a directory the caller made (as ``async_save_with_plan``)."""
-        pipeline = SavePipeline.into_callers_directory(checkpoint_dir, self._group(process_group))
-        self.save_into(sharded_state_dict, pipeline, plan, local_error)
+        self.save_into(sharded_state_dict, self.into_callers_directory(checkpoint_dir, process_group), plan, local_error)
 
     def async_save_into(
         self, sharded_state_dict: ShardedStateDict, pipeline: SavePipeline, plan: RankSavePlan,
@@ -506,10 +517,10 @@ def _create_or_open_zarr_arrays(
     The arrays created here must exist before others open them (a barrier in between
     when several ranks take part).
     """
-    arrays: list[ts.TensorStore | None] = [
-        _create_zarr_array(t, checkpoint_dir) if _should_create_array(t) else None for t in sharded_tensors
-    ]
     location = open_location(checkpoint_dir)
+    arrays: list[ts.TensorStore | None] = [
+        _create_zarr_array(t, location) if _should_create_array(t) else None for t in sharded_tensors
+    ]
     for i, t in enumerate(sharded_tensors):
         if arrays[i] is None and is_main_replica(t.replica_id):
             arrays[i] = _open_zarr_array_verbose(location.describe(t.key), "r+")
@@ -581,11 +592,10 @@ def load_zarr_based_sharded_metadata(
         checkpoint_dir: checkpoint root
         get_shape_dtype_fn: returns ``(shape, numpy dtype)`` for an array's path
     """
-    location = open_location(checkpoint_dir)
-    record = read_commit_record(location)
+    opened = open_read(checkpoint_dir)
     sharded = {}
-    for key in record.arrays:
-        shape, dtype = get_shape_dtype_fn(location.describe(key))
+    for key in opened.require_record().arrays:
+        shape, dtype = get_shape_dtype_fn(opened.describe(key))
         meta = torch.empty(tuple(shape), dtype=_torch_dtype_of(np.dtype(dtype)), device="meta")
         sharded[key] = ShardedTensor.from_rank_offsets(key, meta).without_data()
     return sharded

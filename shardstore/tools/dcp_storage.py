@@ -31,19 +31,20 @@ Save (the calls DCP makes, in order; ``StorageWriter``'s protocol)::
                                                 that become arrays
     3) coordinator  prepare_global_plan()       the sharded items of every rank, and
                                                 each plain array (one writer among its
-                                                holders), become shard records; the
-                                                global layout is
-                                                validated (keys against the target's
-                                                name limits, coverage, dtypes) and
-                                                planned (``planning.plans.plan_save``: chunk
-                                                grids aligned with the shards, one writer
-                                                per chunk); the save begins
-                                                (``commit.begin_save``: staging area,
+                                                holders), become shard descriptions
+                                                (ShardedTensors without data), which the
+                                                save pipeline (``SavePipeline.
+                                                plan_gathered``) validates (keys against
+                                                the target's name limits, coverage,
+                                                dtypes) and plans (chunk grids aligned
+                                                with the shards, one writer per chunk);
+                                                the save begins (staging area,
                                                 metadata.json, the checkpoint to reuse
-                                                from); each rank's plan carries
-                                                its part and the save's intent
-    4) all ranks    write_data()                array metadata and chunks from the
-                                                tensors' memory (``execution.save``; an
+                                                from); each rank's plan carries its part
+                                                and the save's intent
+    4) all ranks    write_data()                joins the save; array metadata and chunks
+                                                from the tensors' memory
+                                                (``SavePipeline.write_plan``; an
                                                 unchanged chunk of ``reuse_from`` is
                                                 shared, not written), durable; the
                                                 WriteResults carry the chunk checksums
@@ -51,7 +52,8 @@ Save (the calls DCP makes, in order; ``StorageWriter``'s protocol)::
                                                 the common values
     5) coordinator  finish()                    common.pt, then the commit record (every
                                                 chunk's crc32c, every file's checksum),
-                                                published atomically (``commit``)
+                                                published atomically (``SavePipeline.
+                                                commit``)
 
 A failure on any rank fails ``dcp.save`` on every rank (DCP's own agreement) and no
 commit record is written: what the target held before stays loadable. DCP calls no
@@ -113,8 +115,7 @@ from torch.futures import Future
 
 from shardstore.core import CheckpointingConfig, CheckpointingException
 from shardstore.dict_utils import flatten
-from shardstore.execution.pipeline import SavePipeline
-from shardstore.execution.staging import to_host
+from shardstore.execution.pipeline import RankSave, SavePipeline
 from shardstore.format.chunks import (
     DEFAULT_IO_CONCURRENCY,
     ArrayChunks,
@@ -123,11 +124,9 @@ from shardstore.format.chunks import (
     read_region,
     run_reads,
 )
-from shardstore.format.commit import SaveIntent
 from shardstore.format.dtypes import (
     BY_TORCH,
     cast_checked,
-    from_torch,
     from_zarr_name,
     numpy_to_tensor,
     tensor_to_numpy,
@@ -141,9 +140,8 @@ from shardstore.inputs.plain_tensors import (
     assign_writers,
     stored_as_array,
 )
+from shardstore.mapping import ShardedTensor
 from shardstore.opened import open_read
-from shardstore.planning.layout import GlobalLayout, ShardRecord, region_at
-from shardstore.planning.plans import RankSavePlan
 from shardstore.serialization import verify_checkpoint_and_load_strategy
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
@@ -170,13 +168,11 @@ class RankPart:
     """What the coordinator's plan gives one rank (``SavePlan.storage_data``).
 
     Attributes:
-        intent: the save this rank writes into (its staging area).
-        plan: its part of shardstore's save plan.
-        items: the sharded write items it writes, in the order ``plan`` numbers them.
+        save: the save this rank joins and its part of shardstore's save plan.
+        items: the sharded write items it writes, in the order ``save.plan`` numbers them.
     """
 
-    intent: SaveIntent
-    plan: RankSavePlan
+    save: RankSave
     items: tuple[WriteItem, ...]
 
 
@@ -212,43 +208,44 @@ def _is_sharded(item: WriteItem) -> bool:
     return item.type == WriteItemType.SHARD
 
 
-def shard_record(item: WriteItem, rank: int, index: int) -> ShardRecord:
-    """A sharded write item as shardstore's record of a shard (every one a main
-    replica: DCP's plan already gave each replicated block to one rank)."""
+def shard_description(item: WriteItem) -> ShardedTensor:
+    """A sharded write item as shardstore's description of a shard, without its data
+    (as ``inputs.dtensors`` describes a DTensor's block): on no regular grid (DCP's
+    blocks may be uneven), a main replica (DCP's plan already gave each replicated block
+    to one rank)."""
     data = item.tensor_data
-    return ShardRecord(
-        key=item.index.fqn, rank=rank, index=index, dtype=from_torch(data.properties.dtype).zarr_name,
-        global_shape=tuple(data.size), offset=tuple(data.chunk.offsets), block_shape=tuple(data.chunk.sizes),
-        flat_range=None, main=True,
+    return ShardedTensor(
+        item.index.fqn, None, data.properties.dtype, tuple(data.chunk.sizes), tuple(data.size),
+        tuple(data.chunk.offsets), None,
     )
 
 
-def global_layout(
+def gathered_shards(
     plans: list[SavePlan], plain_arrays: list[list[WriteItem]] | None = None,
-) -> tuple[GlobalLayout, list[tuple[WriteItem, ...]]]:
+) -> tuple[list[list[ShardedTensor]], list[tuple[WriteItem, ...]]]:
     """Every rank's sharded items and the plain tensors it writes as arrays
-    (``plain_arrays``, per rank: each a block that is the whole array) as one layout, and
-    each rank's items in the order its records number them. Empty shards (uneven
-    sharding) hold nothing and are left out; an array with no elements at all keeps one
-    empty block, so it is still recorded."""
-    per_rank: list[tuple[list[ShardRecord], list]] = []
+    (``plain_arrays``, per rank: each a block that is the whole array) as shardstore's
+    shard descriptions (``SavePipeline.plan_gathered`` plans them), and each rank's items
+    in the same order. Empty shards (uneven sharding) hold nothing and are left out; an
+    array with no elements at all keeps one empty block, so it is still recorded."""
+    per_rank: list[list[ShardedTensor]] = []
     orders: list[tuple[WriteItem, ...]] = []
     empty_arrays: set[str] = set()
     for rank, plan in enumerate(plans):
-        records: list[ShardRecord] = []
+        shards: list[ShardedTensor] = []
         order: list[WriteItem] = []
         for item in [*filter(_is_sharded, plan.items), *(plain_arrays[rank] if plain_arrays else ())]:
-            record = shard_record(item, rank, len(records))
-            if record.block_volume == 0:
-                if math.prod(record.global_shape) != 0 or record.key in empty_arrays:
+            shard = shard_description(item)
+            if math.prod(shard.local_shape) == 0:
+                if math.prod(shard.global_shape) != 0 or shard.key in empty_arrays:
                     continue
-                empty_arrays.add(record.key)
-                record = replace(record, offset=(0,) * len(record.global_shape), block_shape=record.global_shape)
-            records.append(record)
+                empty_arrays.add(shard.key)
+                shard = replace(shard, global_offset=(0,) * len(shard.global_shape), local_shape=shard.global_shape)
+            shards.append(shard)
             order.append(item)
-        per_rank.append((records, []))
+        per_rank.append(shards)
         orders.append(tuple(order))
-    return GlobalLayout.from_gathered(per_rank), orders
+    return per_rank, orders
 
 
 class ShardstoreWriter(StorageWriter):
@@ -330,14 +327,13 @@ class ShardstoreWriter(StorageWriter):
                 f"Saving {save.describe()}: DCP's plan caching is not supported by ShardstoreWriter (each save plans "
                 "its chunks and staging area anew); use DefaultSavePlanner(enable_plan_caching=False)"
             )
-        layout, orders = global_layout(plans, _plain_array_writers(plans, self._as_array))
+        shards, orders = gathered_shards(plans, _plain_array_writers(plans, self._as_array))
         # DCP's gather hands any error here to every rank
         planner = ZarrSaveShardedStrategy(max_chunk_bytes=self.max_chunk_bytes, fully_parallel=False).plan_save
-        intent, rank_plans = save.plan_layout(layout, planner, len(plans))
-        self._save, self._commit = save, rank_plans[0].commit
+        parts = save.plan_gathered(shards, planner)
+        self._save, self._commit = save, parts[0].plan.commit
         return [
-            replace(plan, storage_data=RankPart(intent, rank_plan, order))
-            for plan, rank_plan, order in zip(plans, rank_plans, orders)
+            replace(plan, storage_data=RankPart(part, order)) for plan, part, order in zip(plans, parts, orders)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -349,7 +345,7 @@ class ShardstoreWriter(StorageWriter):
         save = self._save if self.is_coordinator else self._open_save()
         if save is None:
             raise CheckpointingException("ShardstoreWriter.write_data on the coordinator without a save in progress")
-        save.join(part.intent)
+        save.join(part.save.intent)
         try:
             written = self._write_shards(part, planner, save)
             results = [_result(item, planner, self._as_array(item)) for item in plan.items]
@@ -371,8 +367,8 @@ class ShardstoreWriter(StorageWriter):
 
     def _write_shards(self, part: RankPart, planner: SavePlanner, save: SavePipeline) -> WrittenChunks:
         """This rank's arrays' ``zarr.json`` files and chunks, durable before it reports."""
-        blocks = [tensor_to_numpy(to_host(planner.resolve_data(item).detach())) for item in part.items]
-        return WrittenChunks(tuple(save.write_plan(part.plan, blocks, self.io_concurrency)))
+        blocks = [planner.resolve_data(item) for item in part.items]
+        return WrittenChunks(tuple(save.write_plan(part.save.plan, blocks, self.io_concurrency)))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: writes common.pt and commits; on failure nothing is committed
@@ -436,7 +432,8 @@ def _result(item: WriteItem, planner: SavePlanner, as_array: bool) -> WriteResul
         return WriteResult(index=item.index, size_in_bytes=item.tensor_storage_size() or 0, storage_data=None)
     data = planner.resolve_data(item)
     if isinstance(data, torch.Tensor):
-        value: torch.Tensor | bytes = to_host(data.detach()).clone()  # a view would carry its whole storage
+        # a copy in host memory: a view would carry its whole storage
+        value: torch.Tensor | bytes = data.detach().cpu().clone(memory_format=torch.contiguous_format)
         size = value.nbytes
     else:
         value = data.getvalue()
@@ -588,7 +585,7 @@ class ShardstoreReader(StorageReader):
                     continue
                 target = planner.resolve_tensor(item).detach()
                 if key in opened.common:
-                    self._copy(item, target, _narrow(opened.common[key], _region_of(item), item.lengths), where)
+                    self._copy(item, target, _narrow(opened.common[key], _box(item)), where)
                     planner.commit_tensor(item, target)
                     continue
                 if key not in opened.arrays:
@@ -597,7 +594,7 @@ class ShardstoreReader(StorageReader):
                 stored = from_zarr_name(opened.record.arrays[key].dtype)
                 direct = target.device.type == "cpu" and target.dtype == stored.torch_dtype and target.is_contiguous()
                 out = tensor_to_numpy(target) if direct else np.empty(tuple(item.lengths), stored.numpy_dtype)
-                jobs += read_region(array, region_at(_region_of(item), tuple(item.lengths)), out.reshape(tuple(item.lengths)))
+                jobs += read_region(array, _box(item), out.reshape(tuple(item.lengths)))
                 deferred.append((item, target, None if direct else out, stored.torch_dtype))
             except CheckpointingException:
                 raise
@@ -660,15 +657,15 @@ def _array_metadata(shape: tuple[int, ...], zarr_dtype: str) -> TensorStorageMet
     return _tensor_metadata(shape, from_zarr_name(zarr_dtype).torch_dtype)
 
 
-def _region_of(item: ReadItem) -> tuple[int, ...]:
-    """Where a read item's box starts in the stored tensor (its chunk's offset plus the
-    offset inside it)."""
+def _box(item: ReadItem) -> tuple[slice, ...]:
+    """A read item's box in the stored tensor: from its chunk's offset plus the offset
+    inside it, its lengths along every axis."""
     chunk = item.storage_index.offset or (0,) * len(item.storage_offsets)
-    return tuple(c + o for c, o in zip(chunk, item.storage_offsets))
+    return tuple(slice(c + o, c + o + n) for c, o, n in zip(chunk, item.storage_offsets, item.lengths))
 
 
-def _narrow(tensor: torch.Tensor, offsets: tuple[int, ...], lengths: Any) -> torch.Tensor:
-    return tensor if tensor.ndim == 0 else tensor[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+def _narrow(tensor: torch.Tensor, box: tuple[slice, ...]) -> torch.Tensor:
+    return tensor if tensor.ndim == 0 else tensor[box]
 
 
 def _as_bytes(value: Any) -> io.BytesIO:

@@ -34,10 +34,8 @@ except ImportError as exc:  # pragma: no cover - exercised where megatron-core i
         "(pip install megatron-core); shardstore.save/load work without it"
     ) from exc
 
-from shardstore.execution.pipeline import SavePipeline
 from shardstore.inputs.megatron_objects import convert_megatron_objects
 from shardstore.mapping import apply_factories, apply_factory_merges
-from shardstore.protocol.collectives import Group
 from shardstore.serialization import load_preprocess
 from shardstore.strategies.base import DelegatingLoadStrategy
 from shardstore.strategies.forked_writes import for_another_process
@@ -47,7 +45,6 @@ from shardstore.strategies.zarr import (
     ZarrLoadShardedStrategy,
     ZarrSaveShardedStrategy,
 )
-from shardstore.utils import local_sharded_items
 
 
 class ShardstoreSaveShardedStrategy(_megatron_base.AsyncSaveShardedStrategy):
@@ -67,18 +64,16 @@ class ShardstoreSaveShardedStrategy(_megatron_base.AsyncSaveShardedStrategy):
         super().__init__(backend, version)
         self.base_strategy = ZarrSaveShardedStrategy(backend, version, **options)
 
-    def _plan(self, sharded_state_dict: Any, checkpoint_dir: Any) -> tuple[Any, SavePipeline, Any]:
+    def _plan(self, sharded_state_dict: Any, checkpoint_dir: Any) -> tuple[Any, Any, Any]:
         """Collective: the state dict in shardstore's objects, the save into Megatron's
-        directory (``SavePipeline.into_callers_directory``: Megatron made it and wrote
-        its ``common.pt`` and sharded objects there) and this rank's plan; keys the target
-        cannot store are refused there, before any array is written."""
+        directory (``ZarrSaveShardedStrategy.into_callers_directory``: Megatron made it
+        and wrote its ``common.pt`` and sharded objects there) and this rank's plan
+        (``plan_into``); keys the target cannot store are refused there, before any array
+        is written."""
         sharded_state_dict = convert_megatron_objects(sharded_state_dict)
         apply_factories(sharded_state_dict)  # irregular shards, as flattened ranges
-        base = self.base_strategy
-        pipeline = SavePipeline.into_callers_directory(checkpoint_dir, Group(base.process_group))
-        tensors, objects = local_sharded_items(sharded_state_dict)
-        plan = pipeline.plan(tensors, objects, base.plan_save, plan_cache=base.plan_cache)
-        return sharded_state_dict, pipeline, plan
+        pipeline = self.base_strategy.into_callers_directory(checkpoint_dir)
+        return sharded_state_dict, pipeline, self.base_strategy.plan_into(sharded_state_dict, pipeline)
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
         """Collective: validates the global layout and writes the tensors, committing

@@ -417,3 +417,19 @@ def test_checkpoint_manager_on_s3_keeps_the_best_and_the_newest_and_deletes_on_r
     assert root.list_top(None) == ["iter_0000004"]
     restored = restarted.restore({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))})
     assert restored["w"].tolist() == [4.0] * 4 and "shardstore_manager" not in restored
+
+
+def test_the_zarr_modules_seed_functions_open_arrays_on_s3(server: MotoServer, url: str, monkeypatch) -> None:
+    """Megatron's seed functions of the zarr strategy (``_load_from_array``,
+    ``_open_zarr_array_verbose``) on an S3 checkpoint: a path split by ``pathlib`` turned
+    ``s3://bucket`` into ``s3:/bucket``."""
+    from shardstore.strategies import zarr as zarr_module
+
+    for name, value in {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": KEY,
+                        "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_REGION": REGION}.items():
+        monkeypatch.setenv(name, value)
+    save({"w": ShardedTensor.from_rank_offsets("layers/w", torch.arange(6.0).reshape(2, 3))}, url)
+    loaded = zarr_module._load_from_array(ShardedTensor.from_rank_offsets("layers/w", torch.empty(2, 3)), url)
+    assert loaded.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    array = zarr_module._open_zarr_array_verbose(f"{url}/layers/w", "r")
+    assert tuple(array.shape) == (2, 3)

@@ -523,7 +523,7 @@ def _create_or_open_zarr_arrays(
     ]
     for i, t in enumerate(sharded_tensors):
         if arrays[i] is None and is_main_replica(t.replica_id):
-            arrays[i] = _open_zarr_array_verbose(location.describe(t.key), "r+")
+            arrays[i] = _open_array(location, t.key, "r+")
     return arrays
 
 
@@ -542,20 +542,30 @@ def _save_to_existing_array(sharded_tensor: ShardedTensor, arr: ts.TensorStore |
 
 
 def _open_zarr_array_verbose(path: str | Path, mode: str, **open_kwargs: Any) -> ts.TensorStore:
-    """Opens the array stored at ``path`` (reads its ``zarr.json``), with a clear error."""
-    location = open_location(Path(path).parent)
-    spec = {"driver": "zarr3", "kvstore": kvstore_spec(location, Path(path).name)}
+    """Opens the array stored at ``path`` (a local path or a URL such as
+    ``s3://bucket/ckpt/key``; reads its ``zarr.json``), with a clear error."""
+    parent, _, name = os.fspath(path).rstrip("/").rpartition("/")
+    return _open_array(open_location(parent or "."), name, mode, **open_kwargs)
+
+
+def _open_array(location: Location, key: str, mode: str, **open_kwargs: Any) -> ts.TensorStore:
+    """Opens the array ``key`` of ``location`` (reads its ``zarr.json``), with a clear
+    error. Internal callers hold the location already: no path is split again (which
+    ``Path`` would do wrongly for a URL: ``s3://`` becomes ``s3:/``)."""
+    spec = {"driver": "zarr3", "kvstore": kvstore_spec(location, key)}
     options = {"read": True, "write": mode != "r", **open_kwargs}
     try:
         return ts.open(spec, open=True, **options).result()
     except Exception as exc:
-        raise CheckpointingException(f"Cannot open Zarr array at {path} (mode {mode!r}): {exc}") from exc
+        raise CheckpointingException(
+            f"Cannot open Zarr array at {location.describe(key)} (mode {mode!r}): {exc}"
+        ) from exc
 
 
 def _load_from_array(sharded_tensor: ShardedTensor, checkpoint_dir: CheckpointDir | Location) -> torch.Tensor:
     """Loads one tensor from its array (reads the array's own ``zarr.json``)."""
     location = open_location(checkpoint_dir)
-    arr = _open_zarr_array_verbose(location.describe(sharded_tensor.key), "r")
+    arr = _open_array(location, sharded_tensor.key, "r")
     stored = ArrayRecord(
         sharded_tensor.key, tuple(arr.shape), str(arr.dtype.name), tuple(arr.chunk_layout.read_chunk.shape)
     )

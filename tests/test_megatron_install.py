@@ -266,3 +266,22 @@ def test_an_empty_directory_is_not_a_distributed_checkpoint(tmp_path: Path) -> N
             dist_checkpointing.load_common_state_dict(str(tmp_path))
     finally:
         shardstore_megatron.uninstall()
+
+
+def test_a_directory_holding_another_tools_files_is_not_overwritten(tmp_path: Path) -> None:
+    """Megatron's save overwrites whatever is there; through install() an interrupted
+    torch_dist save's files are not ours to delete: the save fails, naming them."""
+    from megatron.core import dist_checkpointing
+
+    from shardstore import ShardedTensor
+
+    ckpt = tmp_path / "iter_0000100"
+    ckpt.mkdir()
+    (ckpt / "__0_0.distcp").write_bytes(b"torch_dist leftovers")
+    shardstore_megatron.install()
+    try:
+        with pytest.raises(CheckpointingException, match="__0_0.distcp"):
+            dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, str(ckpt))
+    finally:
+        shardstore_megatron.uninstall()
+    assert (ckpt / "__0_0.distcp").read_bytes() == b"torch_dist leftovers"

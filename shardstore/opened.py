@@ -104,4 +104,18 @@ def open_read(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -> Op
     return OpenedCheckpoint(ChecksummedLocation(location, record), record)
 
 
-__all__ = ["OpenedCheckpoint", "open_read", "other_format_of"]
+def read_location(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -> Location:
+    """Where a reader with the seed's signature (a strategy's ``load_common``,
+    ``load_sharded_objects``, the zarr module's ``_load_from_array``) reads ``checkpoint``.
+
+    A load hands such a reader the location it opened (checked against the record
+    already) and it is used as it is. A path or URL, as a direct caller of the seed's API
+    passes, is opened here by ``open_read``: a committed checkpoint's files are then
+    checked against its record on that route too (read unchecked, a flipped bit in
+    ``common.pt`` came back as a wrong integer), and an unfinished save is refused."""
+    if isinstance(checkpoint, (str, os.PathLike, OpenedCheckpoint)):
+        return open_read(checkpoint).location
+    return checkpoint
+
+
+__all__ = ["OpenedCheckpoint", "open_read", "other_format_of", "read_location"]

@@ -23,6 +23,7 @@ from shardstore import (
     save,
     verify,
 )
+from shardstore.format.records import object_path
 from shardstore.strategies.zarr import ZarrLoadShardedStrategy
 from tests.dist import run_distributed
 from tests.scenarios import assert_bits_equal, global_tensor, rewrite_record
@@ -403,6 +404,38 @@ def test_queries_refuse_files_the_record_does_not_vouch_for(tmp_path: Path) -> N
     for query in (load_common_state_dict, load_sharded_metadata, load_plain_tensors):
         with pytest.raises(CheckpointingException, match="Corrupt file .*metadata.json"):
             query(ckpt)
+
+
+def test_the_seed_readers_given_a_path_check_the_record(tmp_path: Path) -> None:
+    """The strategies' own readers, called with a path as Megatron's API allows, read
+    through the same checks as ``load``: before, a flipped bit in ``common.pt`` came back
+    as a wrong integer (12345 -> 12344), and a corrupt chunk read by the zarr module's
+    ``_load_from_array`` (which also reads Megatron's bare array directories) raised
+    TensorStore's bare ``ValueError``."""
+    from shardstore.strategies.common import TorchCommonLoadStrategy
+    from shardstore.strategies.zarr import _load_from_array
+
+    ckpt = tmp_path / "ckpt"
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8)), "step": 12345,
+          "rng": ShardedObject("rng", 777, (1,), (0,))}, ckpt)
+    strategy = TorchCommonLoadStrategy()
+    rng = lambda: {"rng": ShardedObject("rng", None, (1,), (0,))}  # noqa: E731
+    assert strategy.load_common(ckpt)["step"] == 12345 and strategy.load_sharded_objects(rng(), ckpt)["rng"] == 777
+    for rel, value in (("common.pt", 12345), (object_path(ShardedObject("rng", None, (1,), (0,)).unique_key), 777)):
+        data = bytearray((ckpt / rel).read_bytes())
+        data[data.index(value.to_bytes(2, "little"))] ^= 1
+        (ckpt / rel).write_bytes(bytes(data))
+    with pytest.raises(CheckpointingException, match="Corrupt file .*common.pt"):
+        strategy.load_common(str(ckpt))
+    with pytest.raises(CheckpointingException, match="Corrupt file .*rng"):
+        strategy.load_sharded_objects(rng(), ckpt)
+    chunk = ckpt / "w/c.0"
+    chunk.write_bytes(chunk.read_bytes()[:8] + bytes([chunk.read_bytes()[8] ^ 1]) + chunk.read_bytes()[9:])
+    with pytest.raises(CheckpointingException, match=r"Reading 'w' from checkpoint .*ckpt failed: .*shardstore verify"):
+        _load_from_array(ShardedTensor.from_rank_offsets("w", torch.empty(8, dtype=torch.int64)), ckpt)
+    (ckpt / "zarr.json").unlink()  # the commit record: an unfinished save is refused, not read
+    with pytest.raises(CheckpointingException, match=str(ckpt)):
+        strategy.load_common(ckpt)
 
 
 # ------------------------------- a read error on one rank reaches all (7)

@@ -14,7 +14,7 @@ from shardstore.dict_utils import dict_list_map_inplace, nested_values
 from shardstore.format.pickles import deserialize, deserialize_dict, serialize
 from shardstore.format.records import COMMON_FILE, object_path
 from shardstore.mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
-from shardstore.opened import open_read
+from shardstore.opened import open_read, read_location
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 from shardstore.strategies.base import (
@@ -65,7 +65,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         self.allow_unsafe_pickle = allow_unsafe_pickle
 
     def load_common(self, checkpoint_dir: CheckpointDir | Location) -> StateDict:
-        location = open_location(checkpoint_dir)
+        location = read_location(checkpoint_dir)
         data = location.read_bytes_or_none(COMMON_FILE)
         if data is None:
             raise CheckpointingException(f"Common state {location.describe(COMMON_FILE)} is missing")
@@ -74,7 +74,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
     def load_sharded_objects(
         self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir | Location
     ) -> StateDict:
-        location = open_location(checkpoint_dir)
+        location = read_location(checkpoint_dir)
 
         def load_object(obj: Any) -> Any:
             if not isinstance(obj, ShardedObject):

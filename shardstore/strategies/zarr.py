@@ -563,14 +563,22 @@ def _open_array(location: Location, key: str, mode: str, **open_kwargs: Any) -> 
 
 
 def _load_from_array(sharded_tensor: ShardedTensor, checkpoint_dir: CheckpointDir | Location) -> torch.Tensor:
-    """Loads one tensor from its array (reads the array's own ``zarr.json``)."""
+    """Loads one tensor from its array (reads the array's own ``zarr.json``). Megatron's
+    zarr functions write arrays into a bare directory, with no commit record: read as it
+    is (each chunk's crc32c, a codec of the array, is checked by TensorStore)."""
     location = open_location(checkpoint_dir)
     arr = _open_array(location, sharded_tensor.key, "r")
     stored = ArrayRecord(
         sharded_tensor.key, tuple(arr.shape), str(arr.dtype.name), tuple(arr.chunk_layout.read_chunk.shape)
     )
     op = plan_read(sharded_tensor, stored, f"checkpoint {location.describe()}")
-    array = arr[_ts_index(op.region)].read().result()
+    try:
+        array = arr[_ts_index(op.region)].read().result()
+    except Exception as exc:  # TensorStore's DATA_LOSS (a chunk's crc32c), a missing chunk file, I/O
+        raise CheckpointingException(
+            f"Reading {sharded_tensor.key!r} from checkpoint {location.describe()} failed: {exc}; "
+            f"`shardstore verify {location.describe()}` lists every damaged chunk"
+        ) from exc
     return place_loaded(op.finish(numpy_to_tensor(array, from_zarr_name(stored.dtype).torch_dtype)), sharded_tensor,
                         f"checkpoint {location.describe()}")
 

@@ -12,8 +12,12 @@ after phase A: 28, 12, 2; after phase B (the DCP writer and reader and the Megat
 plug-in on ``SavePipeline``/``open_read``): 26, 10, 0; with one caller's-directory
 composition (``ZarrSaveShardedStrategy.into_callers_directory``/``plan_into``), the DCP
 writer speaking only the pipeline's vocabulary (``plan_gathered``, ``RankSave``) and dead
-openings removed: 24, 4, 0. Of those 24, eleven are the seed's path-taking functions
-(``format.config``, ``strategies.common``, ``strategies.zarr``, ``strategies.base``).
+openings removed: 24, 4, 0; with the common-state readers opening a path through
+``opened.read_location`` (checked against the record): 22, 4, 0. Of those 22, four are
+the intended entries (``SavePipeline.open`` x2, ``into_callers_directory``, ``open_read``)
+and the rest convert a path to a location inside public functions whose signatures are
+Megatron-Core's or the CLI's (``format.config``, ``strategies.common``,
+``strategies.zarr``, ``strategies.base``, ``integrity.verify``, the CLI, the manager).
 """
 
 from __future__ import annotations

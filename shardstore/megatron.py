@@ -431,18 +431,21 @@ def _verify_on_coordinator(checkpoint_dir: Any, group: Group) -> None:
 
 
 def _call_original(name: str, *args: Any, **kwargs: Any) -> Any:
-    """Megatron's own ``name`` with the keywords its version takes: one left at its
-    default is dropped where that version lacks it; one given is refused, naming it."""
+    """Megatron's own ``name`` with the keywords the caller gave: one left at our
+    default is not passed (Megatron's own default applies: ``strict=None`` means
+    Megatron's default, which its ``load`` would refuse as a value); one given that
+    this version lacks is refused, naming it."""
     original = _original(name)
     accepted = inspect.signature(original).parameters
     defaults = inspect.signature(globals()[name]).parameters
-    refused = [key for key, value in kwargs.items() if key not in accepted and value is not defaults[key].default]
+    given = {key: value for key, value in kwargs.items() if value is not defaults[key].default}
+    refused = [key for key in given if key not in accepted]
     if refused:
         raise TypeError(
             f"{args[1]!r} is not a shardstore checkpoint, so Megatron-Core's own {name} reads it, and this "
             f"version's takes no {', '.join(refused)}: leave it out or upgrade megatron-core"
         )
-    return original(*args, **{key: value for key, value in kwargs.items() if key in accepted})
+    return original(*args, **given)
 
 
 def _dispatching(name: str, ours: Any) -> Any:
@@ -465,9 +468,18 @@ def _dispatching(name: str, ours: Any) -> Any:
     return entry_point
 
 
+_STRATEGY_MODULES = ("megatron.core.dist_checkpointing.strategies", "shardstore.strategies", "shardstore.tools")
+
+
 def _is_strategy(value: Any) -> bool:
-    """Whether ``value`` is a strategy object of Megatron's (or ours): it names a backend."""
-    return hasattr(value, "backend") or hasattr(value, "base_strategy")
+    """Whether ``value`` is a strategy object of Megatron's (or ours): a class of theirs
+    or ours is among its bases (Megatron's load strategies name no backend, and 0.19 has
+    no common base class), or it names a backend or wraps a strategy."""
+    return (
+        any(cls.__module__.startswith(_STRATEGY_MODULES) for cls in type(value).__mro__)
+        or hasattr(value, "backend")
+        or hasattr(value, "base_strategy")
+    )
 
 
 def load_content_metadata_entry(

@@ -162,6 +162,37 @@ def test_megatrons_own_torch_dist_checkpoints_still_load(tmp_path: Path) -> None
     assert "this version's takes no verify_integrity" in errors[0], errors
 
 
+def megatron_defaults_on_both_formats(rank: int, world: int, ckpt: str, ours: str) -> None:
+    """What Megatron's own code calls with its defaults: ``load`` without ``strict`` and
+    ``load_plain_tensors`` of a torch_dist checkpoint (Megatron's own underneath: a
+    ``strict=None`` passed down was refused by its ``load``), and the metadata queries
+    of a shardstore checkpoint given Megatron's own load strategies (which name no
+    backend: handed to shardstore, they met a location and raised a bare TypeError)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    shardstore_megatron.install()
+    try:
+        loaded = dist_checkpointing.load(megatron_state_dict(rank, world, empty=True), ckpt)
+        assert_bits_equal(loaded["model"]["layers"]["1.fc1"], FC1[1].chunk(world, 0)[rank])
+        assert_bits_equal(dist_checkpointing.load_plain_tensors(ckpt)["decoder/layers/fc1"], FC1)
+        dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))}, ours)
+        for metadata in (dist_checkpointing.load_tensors_metadata(ours, TorchDistLoadShardedStrategy()),
+                         serialization.load_sharded_metadata(ours, None, TorchCommonLoadStrategy())):
+            assert metadata["w"].global_shape == (8,), metadata
+    finally:
+        shardstore_megatron.uninstall()
+
+
+def test_megatrons_own_defaults_and_strategies_pass_through(tmp_path: Path) -> None:
+    ckpt = tmp_path / "iter_0000050"
+    run_distributed(megatron_own_save, 1, str(ckpt))
+    run_distributed(megatron_defaults_on_both_formats, 1, str(ckpt), str(tmp_path / "iter_0000060"))
+
+
 def refused_keyword(rank: int, world: int, ckpt: str) -> str:
     """A keyword the installed Megatron-Core lacks, asked of a checkpoint only it reads."""
     from megatron.core import dist_checkpointing

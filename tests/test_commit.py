@@ -89,6 +89,60 @@ def test_refuses_to_clear_a_directory_that_is_not_a_checkpoint(ckpt_dir: Path) -
     assert (ckpt_dir / "thesis.tex").read_text() == "precious"
 
 
+def _async_save_while_another_program_writes(ckpt: Path, theirs: dict[str, str]) -> None:
+    """An async save into an empty directory; before it commits, another program writes
+    ``theirs`` there (as ModelOpt does into Megatron-LM's iteration directory)."""
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
+    ckpt.mkdir()
+    request = save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0)), "step": 7}, ckpt,
+                   async_sharded_save=True)
+    for rel, text in theirs.items():
+        (ckpt / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ckpt / rel).write_text(text)
+    queue = AsyncCallsQueue()
+    try:
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()
+
+
+def test_files_another_program_writes_during_a_save_are_kept_beside_it(ckpt_dir: Path) -> None:
+    """Before, the commit saw a directory that was no longer empty and gave up: the
+    checkpoint was lost ("another save committed there")."""
+    from shardstore import verify
+
+    theirs = {"modelopt_run_config.yaml": "a: 1", "modelopt_state/state.pt": "x"}
+    _async_save_while_another_program_writes(ckpt_dir, theirs)
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(8))}, ckpt_dir)
+    assert torch.equal(loaded["w"], torch.arange(8.0)) and loaded["step"] == 7
+    assert all((ckpt_dir / rel).read_text() == text for rel, text in theirs.items())
+    assert sorted(p.key for p in verify(ckpt_dir).problems) == sorted(theirs)  # not vouched for by the record
+    assert [p.name for p in ckpt_dir.parent.iterdir()] == [ckpt_dir.name]  # no staging left
+
+
+def test_a_name_another_program_took_during_a_save_fails_it_and_changes_nothing(ckpt_dir: Path) -> None:
+    with pytest.raises(CheckpointingException, match="another program wrote common.pt there while it ran"):
+        _async_save_while_another_program_writes(ckpt_dir, {"common.pt": "theirs"})
+    assert [p.name for p in ckpt_dir.iterdir()] == ["common.pt"] and (ckpt_dir / "common.pt").read_text() == "theirs"
+    assert [p.name for p in ckpt_dir.parent.iterdir()] == [ckpt_dir.name]
+
+
+def test_replacing_a_checkpoint_never_deletes_files_its_save_did_not_write(ckpt_dir: Path) -> None:
+    """Before, ``overwrite=True`` replaced the whole directory, another program's files
+    (ModelOpt's beside Megatron's checkpoint) with it."""
+    _save_small(ckpt_dir)
+    (ckpt_dir / "modelopt_run_config.yaml").write_text("a: 1")
+    with pytest.raises(CheckpointingException, match=r"also holds files its save did not write \(modelopt_run"):
+        save({"y": ShardedTensor.from_rank_offsets("y", torch.ones(1))}, ckpt_dir, overwrite=True)
+    assert (ckpt_dir / "modelopt_run_config.yaml").read_text() == "a: 1"
+    assert set(load_sharded_metadata(ckpt_dir)) == {"enc/w", "enc/b", "x"}  # the old checkpoint, whole
+    (ckpt_dir / "modelopt_run_config.yaml").unlink()
+    save({"y": ShardedTensor.from_rank_offsets("y", torch.ones(1))}, ckpt_dir, overwrite=True)
+    assert set(load_sharded_metadata(ckpt_dir)) == {"y"}
+
+
 def test_remove_sharded_tensors_updates_the_commit_record(ckpt_dir: Path) -> None:
     _save_small(ckpt_dir)
     remove_sharded_tensors(ckpt_dir, "enc/")

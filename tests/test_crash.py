@@ -181,3 +181,43 @@ def test_fsync_can_be_turned_off(ckpt_dir: Path, monkeypatch) -> None:
     assert calls == []
     assert is_committed(open_location(ckpt_dir))
 
+
+
+def async_save_beside_another_programs_file_then_die(rank: int, world: int, ckpt: str) -> None:
+    """An async save into an empty directory, another program's file written there
+    before it commits; the coordinator dies while it moves its entries in beside that
+    file, before the commit record (``PendingCheckpoint._publish_beside``)."""
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
+    original = LocalStore.move_entries_into
+
+    def move_then_die(self, target, names):
+        if names == ["zarr.json"]:
+            _die()  # everything but the commit record is in place
+        original(self, target, names)
+
+    LocalStore.move_entries_into = move_then_die
+    request = save(_sd(rank, world), ckpt, async_sharded_save=True)
+    Path(ckpt, "modelopt_run_config.yaml").write_text("theirs")
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True)
+    raise AssertionError("the save committed")
+
+
+def test_killed_while_publishing_beside_another_programs_files(tmp_path: Path) -> None:
+    """No commit record, nothing of the other program's touched, and no later save
+    deletes what is there: it names the files instead (the moved entries are no longer
+    provably ours). The dead save's staging directory is cleared as usual."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    run_distributed(async_save_beside_another_programs_file_then_die, 1, str(ckpt), killed=(0,))
+    assert not is_committed(open_location(ckpt))
+    assert (ckpt / "modelopt_run_config.yaml").read_text() == "theirs"
+    with pytest.raises(CheckpointingException, match="incomplete|not a distributed checkpoint"):
+        load(_sd(0, 1, empty=True), ckpt)
+    before = sorted(p.relative_to(ckpt) for p in ckpt.rglob("*"))
+    with pytest.raises(CheckpointingException, match="holds no committed shardstore checkpoint.*modelopt_run_config"):
+        save(_sd(0, 1), ckpt, overwrite=True)
+    assert sorted(p.relative_to(ckpt) for p in ckpt.rglob("*")) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"], "dead save's staging not cleared"

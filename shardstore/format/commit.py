@@ -159,10 +159,15 @@ def committed_save_id(location: Location) -> str | None:
         CheckpointingException: the root ``zarr.json`` is not a shardstore commit record
             (a foreign Zarr group: never ours to replace).
     """
+    record = _committed_record(location)
+    return record.save_id if record is not None else None
+
+
+def _committed_record(location: Location) -> CommitRecord | None:
     data = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_RECORD_BYTES)
     if data is None:
         return None
-    return CommitRecord.from_json(data, where=location.describe(COMMIT_RECORD)).save_id
+    return CommitRecord.from_json(data, where=location.describe(COMMIT_RECORD))
 
 
 def _refuse_foreign(target: Location) -> None:
@@ -198,17 +203,24 @@ def _check_target(target: Location, overwrite: bool) -> str | None:
     if target.is_empty():
         return None
     try:
-        replaces = committed_save_id(target)
+        record = _committed_record(target)
     except CheckpointingException as exc:
         raise CheckpointingException(f"Refusing to save into {target.describe()}: {exc}") from exc
-    if replaces is None:
+    if record is None:
         _refuse_foreign(target)
     if not overwrite:
         raise CheckpointingException(
             f"{target.describe()} already holds a committed checkpoint; pass overwrite=True to replace it "
             "(the old one stays loadable until the new one commits), or save to a new directory"
         )
-    return replaces
+    others = record.unlisted(target.list_files())
+    if others:
+        raise CheckpointingException(
+            f"Refusing to replace the checkpoint at {target.describe()}: it also holds files its save did not "
+            f"write ({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}), which replacing it would "
+            "delete. Move them out (or delete them if you know they are not needed), or save to a new directory"
+        )
+    return record.save_id
 
 
 # ------------------------------------------------------------------ pending saves
@@ -331,8 +343,11 @@ class PendingCheckpoint(Location):
         with target.parent_locked():
             empty = self.target.is_empty()
             current = None if empty else committed_save_id(self.target)
-            if current != self.intent.replaces or (not empty and current is None):
+            if current != self.intent.replaces:
                 raise self._lost_race(current or "a directory that is not a checkpoint")
+            if current is None and not empty:
+                self._publish_beside(staging, target)
+                return
             if current is None:
                 staging.rename_to(target, exchange=False)
             elif staging.rename_to(target, exchange=True):
@@ -344,6 +359,33 @@ class PendingCheckpoint(Location):
             target.fsync_parent()
         self.target.remove(SAVE_MARKER)
         _remove_dir(replaced)
+
+    def _publish_beside(self, staging: DirectoryPublishing, target: DirectoryPublishing) -> None:
+        """The target, empty when the save began, holds files another program put there
+        while the save ran (Megatron-LM writes ModelOpt's state into the iteration's
+        directory right after ``dist_checkpointing.save`` returns, while an async save
+        still writes): they are kept, not ours to move or delete, and the save's entries
+        are moved in beside them, the commit record last (until then the directory is no
+        checkpoint). A name both hold fails the save, naming it; a crash part way leaves
+        a directory that later saves refuse to touch (``_refuse_foreign`` names what is
+        there). ``verify`` lists the other program's files: the commit record does not
+        vouch for them."""
+        theirs = set(self.target.list_top(None))
+        ours = [name for name in self.inner.list_top(None) if name not in (COMMIT_RECORD, SAVE_MARKER)]
+        clash = sorted(theirs & {*ours, COMMIT_RECORD, SAVE_MARKER})
+        if clash:
+            raise CheckpointingException(
+                f"Not committing the save into {self.target.describe()}: another program wrote "
+                f"{', '.join(clash[:5])} there while it ran. Nothing there was changed; save again to an empty "
+                "or new directory"
+            )
+        logger.warning(
+            "%s received %s from another program while the save ran; they are kept beside the checkpoint "
+            "(its commit record does not vouch for them)", self.target.describe(), ", ".join(sorted(theirs)[:5]),
+        )
+        staging.move_entries_into(target, ours)
+        staging.move_entries_into(target, [COMMIT_RECORD])
+        _remove_dir(staging)
 
 
 def _close_descriptors(staging: Location, locks: list[int], releases: list[Callable[[], None]]) -> None:

@@ -30,10 +30,7 @@ from shardstore.format.chunks import ArrayChunks, ChunkStore, chunk_digest, chun
 from shardstore.format.config import CONFIG_FNAME
 from shardstore.format.records import (
     COMMIT_RECORD,
-    COMMON_FILE,
-    FIRST_SEALED_VERSION,
     MAX_RECORD_BYTES,
-    OBJECTS_DIR,
     ArrayRecord,
     CommitRecord,
     check_key,
@@ -318,37 +315,19 @@ def _verify_consolidated(location: Location, record: CommitRecord, report: Verif
 
 
 def _flag_unlisted_files(location: Location, record: CommitRecord, report: VerifyReport) -> None:
-    """Files under the checkpoint that its save did not write. Megatron-Core's own save
-    writes ``metadata.json`` after the commit (it only names the backends), so an
-    unlisted one is expected. Records before format 4 did not list what the caller of an
-    in-place save wrote (Megatron's own object shards): there, only the files a load
-    reads and would refuse (``common.pt``, our object shards) are flagged."""
+    """Files under the checkpoint that its save did not write (``CommitRecord.unlisted``)."""
     try:
         found = location.list_files()
     except OSError as exc:
         report.problems.append(Problem("", "listing", f"cannot list the checkpoint's files: {exc}"))
         return
-    unlisted = set(found) - record.vouched_paths() - {CONFIG_FNAME}
-    if record.format_version < FIRST_SEALED_VERSION:
-        unlisted = {rel for rel in unlisted if _read_by_a_loader(rel, record)}
-    for rel in sorted(unlisted):
+    for rel in record.unlisted(found):
         report.problems.append(Problem(
             rel, "file",
             "not listed by the commit record, so its save did not write it (added after the commit, or by "
             "another program); a plain reader or a later load may pick it up. Find out what wrote it; if "
             "nothing should have, move it out of the checkpoint or restore the checkpoint from a copy",
         ))
-
-
-def _read_by_a_loader(rel: str, record: CommitRecord) -> bool:
-    """Whether a load or a plain reader would pick ``rel`` up: the common state, an
-    object shard of ours, anything inside one of the record's arrays, a node document."""
-    return (
-        rel == COMMON_FILE
-        or rel.startswith(f"{OBJECTS_DIR}/")
-        or rel.rsplit("/", 1)[-1] == COMMIT_RECORD
-        or any(rel.startswith(f"{key}/") for key in record.arrays)
-    )
 
 
 def _verify_array(store: ChunkStore, array: ArrayRecord, report: VerifyReport, tick: Tick | None) -> None:

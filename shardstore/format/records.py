@@ -594,6 +594,28 @@ class CommitRecord:
             paths.update(f"{key}/{array.chunk_key(index)}" for index in array.chunk_indices())
         return paths
 
+    def unlisted(self, found: list[str]) -> list[str]:
+        """The paths among ``found`` (every file under the checkpoint) that its save did
+        not write, sorted: another program's, or added after the commit. Megatron-Core's
+        own save writes ``metadata.json`` after the commit (it only names the backends),
+        so that one is expected. Before format 4 the record did not list what the caller
+        of an in-place save wrote: there, only files a loader or plain reader would pick
+        up are counted (``reads_as_part``)."""
+        unlisted = set(found) - self.vouched_paths() - {CONFIG_FNAME}
+        if self.format_version < FIRST_SEALED_VERSION:
+            unlisted = {rel for rel in unlisted if self.reads_as_part(rel)}
+        return sorted(unlisted)
+
+    def reads_as_part(self, rel: str) -> bool:
+        """Whether a load or a plain reader would pick ``rel`` up: the common state, an
+        object shard of ours, anything inside one of the record's arrays, a node document."""
+        return (
+            rel == COMMON_FILE
+            or rel.startswith(f"{OBJECTS_DIR}/")
+            or rel.rsplit("/", 1)[-1] == COMMIT_RECORD
+            or any(rel.startswith(f"{key}/") for key in self.arrays)
+        )
+
     def to_root_metadata(self) -> dict[str, Any]:
         """The root group's ``zarr.json``: our record plus Zarr consolidated metadata
         (from version 4, with the digest still unsealed: see ``to_json``)."""

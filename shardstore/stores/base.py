@@ -262,6 +262,12 @@ class DirectoryPublishing(Store):
         """
 
     @abstractmethod
+    def move_entries_into(self, target: DirectoryPublishing, names: list[str]) -> None:
+        """Moves this directory's entries ``names`` into ``target`` under the same names,
+        one rename each, never replacing an entry ``target`` has (a ``StorageError``
+        names it), then makes both directories' entries durable."""
+
+    @abstractmethod
     def parent_locked(self) -> AbstractContextManager[None]:
         """Holds an exclusive lock on the parent directory while publishing into it."""
 

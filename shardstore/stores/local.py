@@ -239,6 +239,18 @@ class LocalStore(DirectoryPublishing):
             raise StorageError(f"Cannot move {self.root} to {destination}: {exc}") from exc
         return False
 
+    def move_entries_into(self, target: DirectoryPublishing, names: list[str]) -> None:
+        destination = target.local_path()
+        assert destination is not None  # publishing renames within one file system
+        for name in names:
+            try:
+                _rename_no_replace(self.root / name, destination / name)
+            except OSError as exc:
+                raise StorageError(f"Cannot move {self.root / name} to {destination / name}: {exc}") from exc
+        if self.fsync:
+            _fsync_directory(destination)
+            _fsync_directory(self.root)
+
     @contextlib.contextmanager
     def parent_locked(self) -> Iterator[None]:
         """An exclusive ``flock`` on the parent directory: shardstore processes
@@ -317,6 +329,7 @@ class LocalStore(DirectoryPublishing):
 
 
 _RENAME_EXCHANGE = 2
+_RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
 
 
@@ -340,6 +353,23 @@ def _rename_exchange(a: Path, b: Path) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), str(a))
+
+
+def _rename_no_replace(source: Path, destination: Path) -> None:
+    """``rename(2)`` that never replaces ``destination``: ``renameat2`` with
+    ``RENAME_NOREPLACE``; where the C library or file system lacks it, a check just
+    before the rename (the caller holds the parent's lock against shardstore's own
+    publishers)."""
+    renameat2 = getattr(_libc, "renameat2", None)
+    if renameat2 is not None:
+        if renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(destination), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), str(destination))
+    if os.path.lexists(destination):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(destination))
+    os.rename(source, destination)
 
 
 def _fsync_directory(path: Path) -> None:

@@ -50,3 +50,58 @@ def test_closing_a_queue_with_abort_aborts_typed_steps_only() -> None:
     queue.schedule_async_request(AsyncRequest(async_fn=None, finalize_fns=[step, lambda: plain_calls.append(1)]))
     queue.close(abort=True)
     assert step.calls == [("abort",)] and plain_calls == []
+
+
+def _run_in_spawned_process(request: AsyncRequest) -> int:
+    """What Megatron's persistent checkpoint worker does with a request: pickles it
+    into a spawned process, which runs its ``async_fn``; the exit status."""
+    import multiprocessing
+
+    process = multiprocessing.get_context("spawn").Process(target=request.async_fn, args=request.async_fn_args)
+    process.start()
+    process.join(timeout=120)
+    return process.exitcode
+
+
+def test_a_save_written_by_a_spawned_process_commits_and_reuses(tmp_path) -> None:
+    """Megatron's persistent worker (``AsyncCallsQueue(persistent=True)``) pickles the
+    request: the pending save held a lock and a descriptor, so the worker dropped it and
+    the queue waited forever. The spawned writer shares the unchanged chunk with the
+    checkpoint it reuses from (a hard link), and the finalization commits here."""
+    import torch
+
+    from shardstore import ShardedTensor, load, save, verify
+    from shardstore.strategies.forked_writes import for_another_process
+
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(4096.0)), "step": 2}
+    save(state, tmp_path / "step1")
+    request = for_another_process(
+        save(state, tmp_path / "step2", async_sharded_save=True, reuse_from=tmp_path / "step1"), AsyncRequest
+    )
+    assert _run_in_spawned_process(request) == 0
+    for finalize in request.finalize_fns:
+        finalize()
+    assert verify(tmp_path / "step2").ok and load(state, tmp_path / "step2")["step"] == 2
+    assert (tmp_path / "step2/w/c.0").stat().st_ino == (tmp_path / "step1/w/c.0").stat().st_ino
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step1", "step2"]
+
+
+def test_a_spawned_writers_failure_is_raised_by_the_finalization_not_by_the_worker(tmp_path) -> None:
+    """An exception would end Megatron's persistent worker loop (and hang its queue):
+    the writer reports it, exits normally, and the finalization raises it."""
+    import torch
+
+    from shardstore import ShardedTensor, save
+    from shardstore.strategies.forked_writes import for_another_process
+
+    request = for_another_process(
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(8))}, tmp_path / "ckpt", async_sharded_save=True),
+        AsyncRequest,
+    )
+    (staging,) = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt")]
+    (staging / "w").write_text("in the way of the array's directory")
+    assert _run_in_spawned_process(request) == 0
+    with pytest.raises(CheckpointingException, match=r"(?s)background write failed.*w/zarr.json"):
+        for finalize in request.finalize_fns:
+            finalize()
+    assert not (tmp_path / "ckpt").exists()

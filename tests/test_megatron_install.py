@@ -137,6 +137,38 @@ def test_megatron_async_save_through_the_module_functions(tmp_path: Path) -> Non
     assert verify(ckpt).ok and not list(ckpt.glob(".shardstore-written-*"))
 
 
+def persistent_worker_loop(rank: int, world: int, root: str) -> None:
+    """Megatron-LM with ``--use-persistent-ckpt-worker``: one spawned worker per rank
+    takes every async request, pickled. Before, shardstore's request could not be
+    pickled: the worker dropped it and the queue waited forever."""
+    import os
+
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    stand_in = str(Path(__file__).parent / "fixtures" / "cuda_stand_in")
+    os.environ["PYTHONPATH"] = os.pathsep.join([stand_in, os.environ.get("PYTHONPATH", "")])
+    shardstore_megatron.install()
+    queue = AsyncCallsQueue(persistent=True)
+    try:
+        for step in (100, 200):
+            request = _training_loop_save(f"{root}/iter_{step:07d}", _strategies(False)[0], async_save=True)
+            queue.schedule_async_request(request)
+            queue.maybe_finalize_async_calls(blocking=True)
+            assert verify(f"{root}/iter_{step:07d}").ok
+            _training_loop_load(f"{root}/iter_{step:07d}", _strategies(False)[1])
+    finally:
+        queue.close()
+
+
+def test_megatrons_persistent_checkpoint_worker_writes_and_reuses(tmp_path: Path) -> None:
+    run_distributed(persistent_worker_loop, 2, str(tmp_path), timeout=240)
+    reused = read_commit_record(open_location(tmp_path / "iter_0000200")).reused_from
+    first = read_commit_record(open_location(tmp_path / "iter_0000100"))
+    assert reused and reused.save_id == first.save_id and reused.chunks, reused  # written by the worker
+
+
 def megatron_own_save(rank: int, world: int, ckpt: str) -> None:
     """Megatron's torch_dist save, before any install (its CUDA synchronisation is a
     no-op, its current device "cpu", on a CPU torch)."""

@@ -256,6 +256,23 @@ class PendingCheckpoint(Location):
         self._reuse: dict[str, ChunkReuse | None] = {}
         self._reuse_lock = threading.Lock()
 
+    def __getstate__(self) -> dict:
+        """What a writer in another process needs (a spawned one: Megatron's persistent
+        checkpoint worker pickles the request): where to write and how it is published.
+        The staging lock, the claim on the target and the reuse opened here stay with
+        this process, which commits or abandons; the other process opens its own reuse."""
+        state = dict(self.__dict__)
+        for name in ("_locks", "_releases", "_release_when_dropped", "_reuse", "_reuse_lock"):
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._locks, self._releases = [], []
+        self._release_when_dropped = weakref.finalize(self, lambda: None)
+        self._release_when_dropped.detach()  # nothing held here: release() is a no-op
+        self._reuse, self._reuse_lock = {}, threading.Lock()
+
     @property
     def in_place(self) -> bool:
         """Written at the target itself (no staging directory)."""

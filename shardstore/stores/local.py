@@ -85,6 +85,17 @@ class LocalStore(DirectoryPublishing):
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
 
+    def __getstate__(self) -> dict:
+        # A descriptor means nothing in another process (a spawned writer, as Megatron's
+        # persistent checkpoint worker): that process opens its own before it writes.
+        return {**self.__dict__, "_sync_fd": None, "_was_writing": self._sync_fd is not None}
+
+    def __setstate__(self, state: dict) -> None:
+        was_writing = state.pop("_was_writing", False)
+        self.__dict__.update(state)
+        if was_writing:
+            self.begin_writes()
+
     def _path(self, rel: str) -> Path:
         return self.root / rel if rel else self.root
 

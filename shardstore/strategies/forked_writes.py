@@ -2,8 +2,9 @@
 
 shardstore's own ``AsyncCallsQueue`` runs a request's ``async_fn`` in a thread, so the
 chunks it wrote (their crc32c and digests, which the commit record binds) come back in
-memory. Megatron's queue forks a writer process (or hands the request to a persistent
-one, or to nvidia-resiliency-ext's), so they cannot: here each rank's background writer
+memory. Megatron's queue forks a writer process (or hands the request, pickled, to a
+persistent spawned one: ``PendingCheckpoint`` and ``LocalStore`` pickle what such a
+process needs; or to nvidia-resiliency-ext's), so they cannot: here each rank's background writer
 leaves its outcome in a small file, ``.shardstore-written-<rank>.json`` in the pending
 checkpoint, which the finalization (in the training process, on every rank) reads,
 removes and commits with. A background write that failed, or left no report, fails the
@@ -17,6 +18,7 @@ megatron-core: the request class is the caller's.
 from __future__ import annotations
 
 import json
+import logging
 from functools import partial
 from typing import Any
 
@@ -24,6 +26,8 @@ from shardstore.errors import CheckpointingException
 from shardstore.execution.save import StagedSave, WrittenChunk, finalize_save, write_staged
 from shardstore.progress import stage
 from shardstore.strategies.async_utils import AsyncRequest
+
+logger = logging.getLogger(__name__)
 
 # Where a background writer leaves its outcome for the finalization (one file per rank).
 WRITE_REPORT_PREFIX = ".shardstore-written-"
@@ -51,16 +55,21 @@ def _report_file(rank: int) -> str:
 
 def write_and_report(staged: StagedSave, io_concurrency: int, io_threads: int) -> None:
     """The ``async_fn`` (run in another process): this rank's writes, then its outcome,
-    the chunks' checksums or the error, in the rank's report file."""
-    error: BaseException | None = None
+    the chunks' checksums or the error, in the rank's report file.
+
+    A failed write is logged here and raised by the finalization on every rank (from
+    the report), not raised here: Megatron's persistent worker runs every request in
+    one loop that an exception would end, and its queue would then wait forever for
+    this request and every later one; its forked writer ignores the exit status
+    anyway."""
     try:
         write_staged(staged, io_concurrency, io_threads)
         outcome: dict[str, Any] = {"written": [[c.key, list(c.index), *c[2:]] for c in staged.written]}
-    except Exception as exc:  # reported through the file, then re-raised for the queue
-        outcome, error = {"error": f"{type(exc).__name__}: {exc}"}, exc
+    except Exception as exc:  # the finalization raises it, on every rank
+        logger.error("The background write into %s failed", staged.location.describe(), exc_info=True)
+        outcome = {"error": f"{type(exc).__name__}: {exc}"}
+        staged.location.end_writes()
     staged.location.write_atomic(_report_file(staged.group.rank), json.dumps(outcome).encode())
-    if error is not None:
-        raise error
 
 
 def finalize_from_report(staged: StagedSave) -> None:

@@ -333,6 +333,7 @@ def save(
         overwrite=True,
         process_group=process_group,
         reuse_from=reuse_from,
+        shared_directory=True,  # Megatron-LM's iteration directory: ModelOpt writes its state there too
     )
     if request is None:
         return None

@@ -129,6 +129,7 @@ def save(
     process_group: dist.ProcessGroup | None = None,
     progress: bool = False,
     reuse_from: CheckpointDir | None = None,
+    shared_directory: bool = False,
 ) -> AsyncRequest | None:
     """Saves a sharded state dict; every rank of the group calls it with its own shards.
 
@@ -160,6 +161,12 @@ def save(
             or clone locally, a server-side copy on S3. The new checkpoint stands alone.
             A checkpoint that cannot be reused from (missing, older, another tool's) is
             logged and ignored. Every rank passes the same.
+        shared_directory: other programs may write their own files into
+            ``checkpoint_dir`` while the save runs (an async save especially; e.g.
+            Megatron-LM's ModelOpt state beside the model's checkpoint): their files are
+            kept and the checkpoint is published beside them (``verify`` lists them, as
+            the commit record does not vouch for them). By default such a write makes
+            the save fail at its commit, as a concurrent save into the same place would.
 
     Returns:
         None, or the AsyncRequest when ``async_sharded_save``.
@@ -179,7 +186,8 @@ def save(
     config = CheckpointingConfig(
         sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
     )
-    pipeline = SavePipeline.open(checkpoint_dir, group, overwrite=overwrite, reuse_from=reuse_from, config=config)
+    pipeline = SavePipeline.open(checkpoint_dir, group, overwrite=overwrite, reuse_from=reuse_from, config=config,
+                                 shared_directory=shared_directory)
 
     where = pipeline.describe()
     with progress_shown(progress and group.is_coordinator), operation("save", where) as timing:

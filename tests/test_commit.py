@@ -89,14 +89,15 @@ def test_refuses_to_clear_a_directory_that_is_not_a_checkpoint(ckpt_dir: Path) -
     assert (ckpt_dir / "thesis.tex").read_text() == "precious"
 
 
-def _async_save_while_another_program_writes(ckpt: Path, theirs: dict[str, str]) -> None:
-    """An async save into an empty directory; before it commits, another program writes
-    ``theirs`` there (as ModelOpt does into Megatron-LM's iteration directory)."""
+def _async_save_while_another_program_writes(ckpt: Path, theirs: dict[str, str], shared: bool = True) -> None:
+    """An async save into an empty directory (``shared_directory=shared``); before it
+    commits, another program writes ``theirs`` there (as ModelOpt does into Megatron-LM's
+    iteration directory)."""
     from shardstore.strategies.async_utils import AsyncCallsQueue
 
     ckpt.mkdir()
     request = save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0)), "step": 7}, ckpt,
-                   async_sharded_save=True)
+                   async_sharded_save=True, shared_directory=shared)
     for rel, text in theirs.items():
         (ckpt / rel).parent.mkdir(parents=True, exist_ok=True)
         (ckpt / rel).write_text(text)
@@ -120,6 +121,14 @@ def test_files_another_program_writes_during_a_save_are_kept_beside_it(ckpt_dir:
     assert all((ckpt_dir / rel).read_text() == text for rel, text in theirs.items())
     assert sorted(p.key for p in verify(ckpt_dir).problems) == sorted(theirs)  # not vouched for by the record
     assert [p.name for p in ckpt_dir.parent.iterdir()] == [ckpt_dir.name]  # no staging left
+
+
+def test_without_shared_directory_another_programs_write_makes_the_save_lose(ckpt_dir: Path) -> None:
+    """The default: a directory that is not ours is never published into."""
+    with pytest.raises(CheckpointingException, match="another save committed there.*not a checkpoint"):
+        _async_save_while_another_program_writes(ckpt_dir, {"__0_0.distcp": "DCP's"}, shared=False)
+    assert [p.name for p in ckpt_dir.iterdir()] == ["__0_0.distcp"]
+    assert [p.name for p in ckpt_dir.parent.iterdir()] == [ckpt_dir.name]
 
 
 def test_a_name_another_program_took_during_a_save_fails_it_and_changes_nothing(ckpt_dir: Path) -> None:

@@ -197,7 +197,7 @@ def async_save_beside_another_programs_file_then_die(rank: int, world: int, ckpt
         original(self, target, names)
 
     LocalStore.move_entries_into = move_then_die
-    request = save(_sd(rank, world), ckpt, async_sharded_save=True)
+    request = save(_sd(rank, world), ckpt, async_sharded_save=True, shared_directory=True)
     Path(ckpt, "modelopt_run_config.yaml").write_text("theirs")
     queue = AsyncCallsQueue()
     queue.schedule_async_request(request)

@@ -141,8 +141,10 @@ class SavePipeline:
     def __init__(
         self, target: Location, group: Group, *, overwrite: bool = False, reuse_from: Location | None = None,
         config: CheckpointingConfig | None = None, pending: PendingCheckpoint | None = None,
+        shared_directory: bool = False,
     ) -> None:
         self.target, self.group, self.overwrite = target, group, overwrite
+        self.shared_directory = shared_directory
         self.reuse_from, self.config = reuse_from, config
         self._pending = pending
         self.publisher: Publisher = pending.publisher if pending is not None else publisher_for(target.capabilities)
@@ -151,15 +153,17 @@ class SavePipeline:
     @classmethod
     def open(
         cls, checkpoint_dir: Target, group: Group | None = None, *, overwrite: bool = False,
-        reuse_from: Target | None = None, config: CheckpointingConfig | None = None,
+        reuse_from: Target | None = None, config: CheckpointingConfig | None = None, shared_directory: bool = False,
     ) -> SavePipeline:
         """A save into ``checkpoint_dir`` (path, URL or Location), staged and published by
         the rules of ``format.commit``; ``reuse_from``: an earlier committed checkpoint
         whose unchanged chunks it shares; ``config``: written as ``metadata.json``;
-        ``group``: default, this process alone (no collectives)."""
+        ``shared_directory``: other programs may write into the target while the save
+        runs (``format.commit.begin_save``); ``group``: default, this process alone (no
+        collectives)."""
         source = open_location(reuse_from) if reuse_from is not None else None
         return cls(open_location(checkpoint_dir), group or Group.local(), overwrite=overwrite, reuse_from=source,
-                   config=config)
+                   config=config, shared_directory=shared_directory)
 
     @classmethod
     def into_callers_directory(cls, checkpoint_dir: Target, group: Group | None = None) -> SavePipeline:
@@ -192,7 +196,7 @@ class SavePipeline:
         ours to replace, creates the staging area) and writes its ``metadata.json``; on
         failure deletes what it created and raises."""
         with stage("save: begin", self.describe()):
-            pending = begin_save(self.target, self.overwrite, self.reuse_from)
+            pending = begin_save(self.target, self.overwrite, self.reuse_from, self.shared_directory)
             try:
                 if self.config is not None:
                     save_config(self.config, pending)

@@ -253,6 +253,9 @@ class PendingCheckpoint(Location):
             # (and a background writer forked by the caller drops its copy unreleased)
             self._release_when_dropped.detach()
         self.reuse_source: Location | None = None  # where ``intent.reuses`` was committed
+        # Other programs may write into the target while the save runs (``begin_save``'s
+        # ``shared_directory``): their files are kept and the save published beside them.
+        self.shares_directory = False
         self._reuse: dict[str, ChunkReuse | None] = {}
         self._reuse_lock = threading.Lock()
 
@@ -360,7 +363,7 @@ class PendingCheckpoint(Location):
         with target.parent_locked():
             empty = self.target.is_empty()
             current = None if empty else committed_save_id(self.target)
-            if current != self.intent.replaces:
+            if current != self.intent.replaces or (not empty and current is None and not self.shares_directory):
                 raise self._lost_race(current or "a directory that is not a checkpoint")
             if current is None and not empty:
                 self._publish_beside(staging, target)
@@ -378,10 +381,11 @@ class PendingCheckpoint(Location):
         _remove_dir(replaced)
 
     def _publish_beside(self, staging: DirectoryPublishing, target: DirectoryPublishing) -> None:
-        """The target, empty when the save began, holds files another program put there
-        while the save ran (Megatron-LM writes ModelOpt's state into the iteration's
-        directory right after ``dist_checkpointing.save`` returns, while an async save
-        still writes): they are kept, not ours to move or delete, and the save's entries
+        """The target, empty when the save began and shared with other programs
+        (``begin_save``'s ``shared_directory``), holds files one of them put there while
+        the save ran (Megatron-LM writes ModelOpt's state into the iteration's directory
+        right after ``dist_checkpointing.save`` returns, while an async save still
+        writes): they are kept, not ours to move or delete, and the save's entries
         are moved in beside them, the commit record last (until then the directory is no
         checkpoint). A name both hold fails the save, naming it; a crash part way leaves
         a directory that later saves refuse to touch (``_refuse_foreign`` names what is
@@ -442,13 +446,18 @@ def _remove_dir(directory: DirectoryPublishing | None) -> None:
         logger.warning("Could not remove %s (the next save into the same place will): %s", directory.describe(), exc)
 
 
-def begin_save(target: Location, overwrite: bool, reuse_from: Location | None = None) -> PendingCheckpoint:
+def begin_save(
+    target: Location, overwrite: bool, reuse_from: Location | None = None, shared_directory: bool = False
+) -> PendingCheckpoint:
     """Coordinator: checks the target, clears dead saves' leftovers, creates the
     staging area with its marker. Raises a CheckpointingException instead of deleting
     anything that is not provably ours. ``reuse_from``: an earlier checkpoint whose
     unchanged chunks the save may share (``format.reuse``; checked here, before an
-    in-place save on an object store removes anything). The target's store is claimed
-    for the save first (``Store.claim_for_save``), until the save is released."""
+    in-place save on an object store removes anything). ``shared_directory``: other
+    programs may write into the target while the save runs (their files are kept, the
+    checkpoint published beside them: ``PendingCheckpoint._publish_beside``); otherwise
+    such a write makes the save lose, as a concurrent save would. The target's store is
+    claimed for the save first (``Store.claim_for_save``), until the save is released."""
     save_id = new_save_id()
     release_claim = target.store.claim_for_save(save_id)
     try:
@@ -457,6 +466,7 @@ def begin_save(target: Location, overwrite: bool, reuse_from: Location | None = 
         release_claim()
         raise
     pending.hold_until_released(release_claim)
+    pending.shares_directory = shared_directory
     return pending
 
 

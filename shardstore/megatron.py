@@ -46,6 +46,7 @@ install first. Run here with megatron-core 0.16.1; the call sites and keywords o
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -274,6 +275,39 @@ def _strategy_for_load(strategy: Any) -> ZarrLoadShardedStrategy | None:
     return None
 
 
+# ------------------------------------------------------------------ errors in Megatron's terms
+
+
+@functools.lru_cache(maxsize=1)
+def _megatrons_exception() -> type[Exception] | None:
+    """shardstore's CheckpointingException that is also Megatron-Core's own (Megatron-LM
+    code catches ``megatron.core.dist_checkpointing.core.CheckpointingException``; a
+    class's bases cannot be changed to it, as the layouts differ); None without
+    megatron-core."""
+    try:
+        theirs = importlib.import_module("megatron.core.dist_checkpointing.core").CheckpointingException
+    except ImportError:
+        return None
+    return type("CheckpointingException", (CheckpointingException, theirs), {"__module__": __name__})
+
+
+def _in_megatrons_terms(entry_point: Any) -> Any:
+    """``entry_point``, whose shardstore errors are raised as ``_megatrons_exception()``
+    (the same message; the original chained): caught by either library's ``except``."""
+
+    @functools.wraps(entry_point)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return entry_point(*args, **kwargs)
+        except CheckpointingException as exc:
+            megatrons = _megatrons_exception()
+            if megatrons is None or isinstance(exc, megatrons):
+                raise
+            raise megatrons(*exc.args) from exc
+
+    return wrapper
+
+
 # ------------------------------------------------------------------ the entry points
 
 
@@ -285,6 +319,7 @@ def _is_ours(checkpoint_dir: Any) -> bool:
         return False
 
 
+@_in_megatrons_terms
 def save(
     sharded_state_dict: Any,
     checkpoint_dir: Any,
@@ -376,6 +411,7 @@ def previous_checkpoint(checkpoint_dir: Any) -> Path | None:
     return None
 
 
+@_in_megatrons_terms
 def load(
     sharded_state_dict: Any,
     checkpoint_dir: Any,
@@ -461,6 +497,7 @@ def _dispatching(name: str, ours: Any) -> Any:
         kwargs = {k: _strategy_for_load(v) if _is_strategy(v) else v for k, v in kwargs.items()}
         return ours(checkpoint_dir, *args, **kwargs)
 
+    entry_point = _in_megatrons_terms(entry_point)
     entry_point.__name__ = entry_point.__qualname__ = name
     entry_point.__doc__ = (
         f"Megatron-Core's ``dist_checkpointing.{name}``: a shardstore checkpoint through "
@@ -483,6 +520,7 @@ def _is_strategy(value: Any) -> bool:
     )
 
 
+@_in_megatrons_terms
 def load_content_metadata_entry(
     checkpoint_dir: Any = None, *, preloaded_state_dict: Any = None
 ) -> dict | None:
@@ -495,6 +533,7 @@ def load_content_metadata_entry(
     )
 
 
+@_in_megatrons_terms
 def check_is_distributed_checkpoint(checkpoint_dir: Any) -> bool:
     """Megatron-Core's ``check_is_distributed_checkpoint``: a committed shardstore
     checkpoint, or what Megatron's own says."""

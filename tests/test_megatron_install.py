@@ -162,6 +162,30 @@ def persistent_worker_loop(rank: int, world: int, root: str) -> None:
         queue.close()
 
 
+def test_shardstores_errors_are_megatrons_too(tmp_path: Path) -> None:
+    """Megatron-LM code (and Megatron's own tests: test_load_error_msg,
+    test_tensor_shape_mismatch) catch Megatron's CheckpointingException: through the
+    installed functions shardstore's errors are both libraries' (before, neither
+    ``except`` of Megatron's caught them)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException as MegatronsException
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    ckpt = str(tmp_path / "iter_0000001")
+    shardstore_megatron.install()
+    try:
+        dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 4))}, ckpt)
+        with pytest.raises(MegatronsException, match="global shape") as raised:
+            dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 3))}, ckpt)
+        assert isinstance(raised.value, CheckpointingException)  # shardstore's too
+        with pytest.raises(MegatronsException, match="different_key"):
+            dist_checkpointing.load_tensors_metadata(ckpt)["w"]  # a query works
+            dist_checkpointing.load({"different_key": ShardedTensor.from_rank_offsets("different_key", torch.ones(1))},
+                                    ckpt, strict="raise_all")
+    finally:
+        shardstore_megatron.uninstall()
+
+
 def test_megatrons_persistent_checkpoint_worker_writes_and_reuses(tmp_path: Path) -> None:
     run_distributed(persistent_worker_loop, 2, str(tmp_path), timeout=240)
     reused = read_commit_record(open_location(tmp_path / "iter_0000200")).reused_from

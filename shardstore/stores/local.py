@@ -353,17 +353,23 @@ def _pathconf(path: Path, name: str, default: int) -> int:
     return value if value > 0 else default
 
 
-def _rename_exchange(a: Path, b: Path) -> bool:
-    """Atomically swaps two paths; False where the C library or file system cannot."""
+def _renameat2(source: Path, destination: Path, flags: int) -> bool:
+    """``renameat2(2)`` with ``flags``; False where the C library or file system lacks
+    it (nothing was moved), an OSError for any other failure."""
     renameat2 = getattr(_libc, "renameat2", None)
     if renameat2 is None:
         return False
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    if renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(destination), flags) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
-    raise OSError(err, os.strerror(err), str(a))
+    raise OSError(err, os.strerror(err), str(source))
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Atomically swaps two paths; False where the C library or file system cannot."""
+    return _renameat2(a, b, _RENAME_EXCHANGE)
 
 
 def _rename_no_replace(source: Path, destination: Path) -> None:
@@ -371,13 +377,8 @@ def _rename_no_replace(source: Path, destination: Path) -> None:
     ``RENAME_NOREPLACE``; where the C library or file system lacks it, a check just
     before the rename (the caller holds the parent's lock against shardstore's own
     publishers)."""
-    renameat2 = getattr(_libc, "renameat2", None)
-    if renameat2 is not None:
-        if renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(destination), _RENAME_NOREPLACE) == 0:
-            return
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise OSError(err, os.strerror(err), str(destination))
+    if _renameat2(source, destination, _RENAME_NOREPLACE):
+        return
     if os.path.lexists(destination):
         raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(destination))
     os.rename(source, destination)

@@ -319,6 +319,16 @@ def _is_ours(checkpoint_dir: Any) -> bool:
         return False
 
 
+def _refuse_shifted_arguments(entry_point: str, common_strategy: Any) -> None:
+    """Megatron-Core 0.19 dropped ``common_strategy`` from ``save``/``load``, so a bool in
+    its place is ``validate_access_integrity`` passed by position for another version."""
+    if isinstance(common_strategy, bool):
+        raise TypeError(
+            f"shardstore.megatron.{entry_point}: pass validate_access_integrity and the arguments after "
+            "sharded_strategy by keyword (Megatron-Core 0.19 dropped common_strategy, which shifted them)"
+        )
+
+
 @_in_megatrons_terms
 def save(
     sharded_state_dict: Any,
@@ -343,11 +353,7 @@ def save(
     Returns:
         None, or with ``async_sharded_save`` the request for Megatron's queue.
     """
-    if isinstance(common_strategy, bool):
-        raise TypeError(
-            "shardstore.megatron.save: pass validate_access_integrity and the arguments after sharded_strategy by "
-            "keyword (Megatron-Core 0.19 dropped common_strategy, which shifted them)"
-        )
+    _refuse_shifted_arguments("save", common_strategy)
     if verify_integrity:
         _log_once(
             "verify_integrity: shardstore records every chunk's crc32c and XXH3-128 digest at write time; "
@@ -427,11 +433,7 @@ def load(
     checkpoint through shardstore, anything else through Megatron's own ``load``.
     ``strict``: a ``StrictHandling`` of either library or its string value (default:
     assume_ok_unexpected, as Megatron's)."""
-    if isinstance(common_strategy, bool):
-        raise TypeError(
-            "shardstore.megatron.load: pass validate_access_integrity and the arguments after sharded_strategy by "
-            "keyword (Megatron-Core 0.19 dropped common_strategy, which shifted them)"
-        )
+    _refuse_shifted_arguments("load", common_strategy)
     if not _is_ours(checkpoint_dir):
         return _call_original(
             "load",

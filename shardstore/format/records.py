@@ -600,13 +600,13 @@ class CommitRecord:
         own save writes ``metadata.json`` after the commit (it only names the backends),
         so that one is expected. Before format 4 the record did not list what the caller
         of an in-place save wrote: there, only files a loader or plain reader would pick
-        up are counted (``reads_as_part``)."""
+        up are counted (``_reads_as_part``)."""
         unlisted = set(found) - self.vouched_paths() - {CONFIG_FNAME}
         if self.format_version < FIRST_SEALED_VERSION:
-            unlisted = {rel for rel in unlisted if self.reads_as_part(rel)}
+            unlisted = {rel for rel in unlisted if self._reads_as_part(rel)}
         return sorted(unlisted)
 
-    def reads_as_part(self, rel: str) -> bool:
+    def _reads_as_part(self, rel: str) -> bool:
         """Whether a load or a plain reader would pick ``rel`` up: the common state, an
         object shard of ours, anything inside one of the record's arrays, a node document."""
         return (

@@ -60,6 +60,7 @@ from typing import Any
 from shardstore.errors import CheckpointingException
 from shardstore.format.integrity import verify
 from shardstore.format.records import is_committed
+from shardstore.progress import log_once
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.stage import run_stage
 from shardstore.serialization import (
@@ -116,18 +117,11 @@ class _Installation:
 
 _lock = threading.Lock()
 _installation: _Installation | None = None
-_logged: set[str] = set()
 # Megatron's strategy object -> ours, kept while Megatron-LM keeps its object (it
 # caches the save strategy across saves: a cached plan must survive between them).
 _save_strategies: weakref.WeakKeyDictionary[Any, ZarrSaveShardedStrategy] = (
     weakref.WeakKeyDictionary()
 )
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        logger.info(message)
 
 
 # ------------------------------------------------------------------ install / uninstall
@@ -251,9 +245,10 @@ def strategy_for_save(strategy: Any) -> ZarrSaveShardedStrategy:
         if hasattr(strategy, "parallelization_group"):  # FullyParallelSaveStrategyWrapper
             ours.cache_plan = bool(getattr(strategy, "do_cache_distribution", False))
         if not isinstance(inner, ZarrSaveShardedStrategy):
-            _log_once(
+            log_once(
+                logger,
                 f"Megatron's {type(strategy).__name__} is saved with shardstore's strategy (fully parallel over the "
-                "save group; its own options do not apply)"
+                "save group; its own options do not apply)",
             )
     try:
         _save_strategies[strategy] = ours
@@ -269,9 +264,7 @@ def _strategy_for_load(strategy: Any) -> ZarrLoadShardedStrategy | None:
         if isinstance(candidate, ZarrLoadShardedStrategy):
             return candidate
     if strategy is not None and not isinstance(strategy, tuple):
-        _log_once(
-            f"Megatron's {type(strategy).__name__} loads with shardstore's strategy (fully parallel)"
-        )
+        log_once(logger, f"Megatron's {type(strategy).__name__} loads with shardstore's strategy (fully parallel)")
     return None
 
 
@@ -355,9 +348,10 @@ def save(
     """
     _refuse_shifted_arguments("save", common_strategy)
     if verify_integrity:
-        _log_once(
+        log_once(
+            logger,
             "verify_integrity: shardstore records every chunk's crc32c and XXH3-128 digest at write time; "
-            "load(verify_integrity=True) and `shardstore verify` check them"
+            "load(verify_integrity=True) and `shardstore verify` check them",
         )
     if reuse_from is None and _installation is not None and _installation.reuse_previous:
         reuse_from = previous_checkpoint(checkpoint_dir)

@@ -2,8 +2,9 @@
 ``shardstore`` logger, and a progress bar on the coordinator when asked for.
 
 Logging (``logging.getLogger("shardstore")``): each whole operation logs one INFO line
-with its duration, bytes and rate (a save: the checkpoint's bytes; a load: the bytes
-this rank loaded; a verify: the bytes it read); each of its stages (plan, begin, common, stage,
+on the coordinator (DEBUG on the other ranks) with its duration, bytes and rate (a save:
+the checkpoint's bytes; a load: the bytes that rank loaded; a verify: the bytes it
+read); each of its stages (plan, begin, common, stage,
 write, durable, commit; record, read) logs a DEBUG line with the same fields, like
 Megatron-Core's debug timers. Nothing is printed unless the application configures
 logging.
@@ -105,9 +106,28 @@ def stage(name: str, where: str, level: int = logging.DEBUG) -> Iterator[StageTi
     logger.log(level, "%s", timing.line())
 
 
-def operation(name: str, where: str) -> AbstractContextManager[StageTiming]:
-    """A whole save, load or verify: logged at INFO."""
-    return stage(name, where, logging.INFO)
+def operation(name: str, where: str, *, coordinator: bool = True) -> AbstractContextManager[StageTiming]:
+    """A whole save, load or verify: logged at INFO by the group's coordinator, at DEBUG
+    by every other rank (a job of thousands of ranks logs one line per save, not one per
+    rank)."""
+    return stage(name, where, logging.INFO if coordinator else logging.DEBUG)
+
+
+_LOGGED_ONCE: set[tuple[str, str]] = set()
+
+
+def log_once(log: logging.Logger, message: str) -> None:
+    """Logs ``message`` the first time this process sees it: at INFO on rank 0 of the
+    default process group (or a process outside any group), at DEBUG on the others, so
+    that a notice about a choice made the same way on every rank (Megatron's strategy
+    options that do not apply) appears once per job."""
+    if (log.name, message) in _LOGGED_ONCE:
+        return
+    _LOGGED_ONCE.add((log.name, message))
+    import torch.distributed as dist
+
+    first_rank = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    log.log(logging.INFO if first_rank else logging.DEBUG, "%s", message)
 
 
 def format_bytes(nbytes: int) -> str:

@@ -190,7 +190,7 @@ def save(
                                  shared_directory=shared_directory)
 
     where = pipeline.describe()
-    with progress_shown(progress and group.is_coordinator), operation("save", where) as timing:
+    with progress_shown(progress and group.is_coordinator), operation("save", where, coordinator=group.is_coordinator) as timing:
         with stage("save: plan", where):
             sharded_part, common_part, objects_part, plan = _preprocess_and_plan(
                 sharded_state_dict, pipeline, sharded_strategy, preprocess_common_before_consistancy_check
@@ -439,7 +439,7 @@ def _load(
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """``load`` on ``group`` (``Group.local()``: this process alone, no collectives)."""
     target = checkpoint_dir if isinstance(checkpoint_dir, OpenedCheckpoint) else open_location(checkpoint_dir)
-    with operation("load", target.describe()) as timing:
+    with operation("load", target.describe(), coordinator=group.is_coordinator) as timing:
         with stage("load: record", target.describe()):
             opened = open_read(target)
         result, timing.nbytes = _load_opened(

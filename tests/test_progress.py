@@ -73,3 +73,45 @@ def test_progress_shows_on_the_coordinator_only(tmp_path: Path) -> None:
     assert coordinator.count("write:") == 1
     assert "/256k" in coordinator  # rank 0's half of the 512 KiB
     assert other == ""
+
+
+class _Collected(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _info_lines_of_save_and_load(rank: int, world: int, path: str) -> list[str]:
+    collected = _Collected()
+    log = logging.getLogger("shardstore")
+    log.addHandler(collected)
+    log.setLevel(logging.DEBUG)
+    try:
+        data = torch.ones(8, 4)
+        sd = {"w": ShardedTensor.from_rank_offsets("w", data, (0, rank, world))}
+        save(sd, path)
+        load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(8, 4), (0, rank, world))}, path)
+        for _ in range(2):
+            progress_module.log_once(log, "a notice every rank reaches")
+    finally:
+        log.removeHandler(collected)
+    return [f"{logging.getLevelName(r.levelno)} {r.getMessage()}" for r in collected.records if r.name == "shardstore"]
+
+
+def test_each_save_and_load_is_logged_at_info_once_per_job_not_once_per_rank(tmp_path: Path) -> None:
+    """A job of N ranks logs one INFO line per save and per load (the coordinator's); the
+    other ranks log the same line at DEBUG. A notice logged once per process (``log_once``)
+    is INFO on rank 0 only."""
+    coordinator, other = run_distributed(_info_lines_of_save_and_load, 2, str(tmp_path / "ckpt"))
+    assert [line.split(":")[0] for line in coordinator if line.startswith(("INFO save ", "INFO load "))] == [
+        f"INFO save {tmp_path / 'ckpt'}", f"INFO load {tmp_path / 'ckpt'}"
+    ]
+    assert not [line for line in other if line.startswith("INFO")]
+    assert [line.split(":")[0] for line in other if line.startswith(("DEBUG save ", "DEBUG load "))] == [
+        f"DEBUG save {tmp_path / 'ckpt'}", f"DEBUG load {tmp_path / 'ckpt'}"
+    ]
+    assert [line for line in coordinator if "notice" in line] == ["INFO a notice every rank reaches"]
+    assert [line for line in other if "notice" in line] == ["DEBUG a notice every rank reaches"]

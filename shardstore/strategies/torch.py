@@ -16,20 +16,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from shardstore.progress import log_once
 from shardstore.strategies.resharding import get_reformulation_metadata
 from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 
 logger = logging.getLogger(__name__)
-_logged: set[str] = set()
 
 
 def _ignored(cls: str, options: dict[str, Any]) -> None:
     """Logs once per class and option set that torch_dist's options do not apply."""
     given = sorted(options)
     message = f"{cls}: shardstore's format ignores torch_dist's {', '.join(given)}"
-    if given and message not in _logged:
-        _logged.add(message)
-        logger.info(message)
+    if given:
+        log_once(logger, message)
 
 
 class TorchDistSaveShardedStrategy(ZarrSaveShardedStrategy):

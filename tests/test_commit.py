@@ -119,8 +119,18 @@ def test_files_another_program_writes_during_a_save_are_kept_beside_it(ckpt_dir:
     loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(8))}, ckpt_dir)
     assert torch.equal(loaded["w"], torch.arange(8.0)) and loaded["step"] == 7
     assert all((ckpt_dir / rel).read_text() == text for rel, text in theirs.items())
-    assert sorted(p.key for p in verify(ckpt_dir).problems) == sorted(theirs)  # not vouched for by the record
     assert [p.name for p in ckpt_dir.parent.iterdir()] == [ckpt_dir.name]  # no staging left
+    # The record names them as another program's: verify passes and lists them apart (before, each was a
+    # problem, and Megatron-LM's load(verify_integrity=True) refused every checkpoint with ModelOpt's state).
+    report = verify(ckpt_dir)
+    assert report.ok and sorted(report.not_ours) == sorted(theirs)
+    assert "2 file(s) of another program beside it, not checked" in str(report)
+    (ckpt_dir / "later.txt").write_text("added after the commit")
+    (ckpt_dir / "modelopt_state" / "later.pt").write_text("theirs, later")
+    assert [p.key for p in verify(ckpt_dir).problems] == ["later.txt"]
+    with pytest.raises(CheckpointingException, match="also holds files its save did not write"):
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8))}, ckpt_dir, overwrite=True)
+    assert (ckpt_dir / "modelopt_state" / "state.pt").read_text() == "x"
 
 
 def test_without_shared_directory_another_programs_write_makes_the_save_lose(ckpt_dir: Path) -> None:

@@ -137,6 +137,44 @@ def test_megatron_async_save_through_the_module_functions(tmp_path: Path) -> Non
     assert verify(ckpt).ok and not list(ckpt.glob(".shardstore-written-*"))
 
 
+def modelopt_training_loop(rank: int, world: int, ckpt: str) -> None:
+    """Megatron-LM with ModelOpt: the async save of the model is still in flight when
+    ModelOpt's ``save_sharded_modelopt_state`` writes ``modelopt_run_config.yaml`` and
+    saves ``modelopt_state/`` (itself a ``dist_checkpointing.save``) into the same
+    iteration directory. Megatron-LM then loads with ``verify_integrity``."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    shardstore_megatron.install()
+    request = _training_loop_save(ckpt, _strategies(False)[0], async_save=True)
+    if rank == 0:
+        Path(ckpt, "modelopt_run_config.yaml").write_text("nvidia_modelopt_version: 0.0\n")
+        Path(ckpt, "modelopt_state").mkdir()
+    torch.distributed.barrier()
+    modelopt_state = {"modelopt_version": "0.0", "extra": ShardedObject("extra", {"r": rank}, (world,), (rank,))}
+    dist_checkpointing.save(modelopt_state, f"{ckpt}/modelopt_state")
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    _training_loop_load(ckpt, _strategies(False)[1], verify_integrity=True)
+    assert dist_checkpointing.load_common_state_dict(f"{ckpt}/modelopt_state")["modelopt_version"] == "0.0"
+
+
+def test_megatron_lm_with_modelopt_state_loads_with_verify_integrity(tmp_path: Path) -> None:
+    """Before, ``verify`` counted ModelOpt's files as damage (the record does not vouch
+    for them) and every such checkpoint was refused by ``load(verify_integrity=True)``."""
+    ckpt = tmp_path / "iter_0000100"
+    run_distributed(modelopt_training_loop, 2, str(ckpt), timeout=240)
+    report = verify(ckpt)
+    assert report.ok, str(report)
+    assert {rel.split("/")[0] for rel in report.not_ours} == {"modelopt_run_config.yaml", "modelopt_state"}
+    assert verify(ckpt / "modelopt_state").ok
+
+
 def persistent_worker_loop(rank: int, world: int, root: str) -> None:
     """Megatron-LM with ``--use-persistent-ckpt-worker``: one spawned worker per rank
     takes every async request, pickled. Before, shardstore's request could not be

@@ -241,3 +241,19 @@ def test_an_in_place_save_adopts_only_paths_its_record_can_hold(tmp_path: Path, 
     assert "Not listing" in caplog.text and "__pycache__/x.pyc" in caplog.text
     assert torch.equal(load(_request(), target)["layers/w"], W)
     assert list(_problems(target)) == ["__pycache__/x.pyc [file]"]
+
+
+@pytest.mark.parametrize(
+    "beside, words",
+    [(["layers"], "names its own entries"), (["__objects__"], "names its own entries"),
+     (["a/b"], "top-level names"), ("modelopt_state", "top-level names"), (["../up"], "")],
+)
+def test_a_record_that_names_its_own_entries_as_another_programs_is_refused(
+    saved: Path, beside: object, words: str
+) -> None:
+    """``beside`` (the entries another program put into a shared directory before the
+    commit) keeps ``verify`` from flagging files under them: a record naming the save's
+    own arrays or objects there would hide a file added into one."""
+    rewrite_record(saved, lambda root: root["attributes"]["shardstore"].update(beside=beside))
+    with pytest.raises(CheckpointingException, match=words):
+        read_commit_record(open_location(saved))

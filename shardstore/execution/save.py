@@ -343,7 +343,7 @@ def commit_save(pending: PendingCheckpoint, record: CommitRecord, reports: list[
     if pending.publisher is Publisher.CALLERS_DIRECTORY:
         record = replace(record, external_files=caller_file_checksums(pending, record))
     record = replace(record, save_id=pending.intent.save_id, created=time.time())
-    pending.commit(record)
+    record = pending.commit(record)
     if record.reused_from is not None:
         logger.info(
             "save %s: %d chunk(s), %d bytes, unchanged since %s: shared, not written again",

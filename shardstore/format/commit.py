@@ -64,7 +64,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from shardstore.errors import CheckpointingException
@@ -298,15 +298,18 @@ class PendingCheckpoint(Location):
         # Errors name the checkpoint the user asked for, not the staging directory.
         return self.target.describe(rel)
 
-    def commit(self, record: CommitRecord) -> None:
-        """Coordinator: writes the commit record and publishes the checkpoint."""
+    def commit(self, record: CommitRecord) -> CommitRecord:
+        """Coordinator: writes the commit record and publishes the checkpoint. Returns
+        the record as published (published beside another program's files, it names
+        them: ``CommitRecord.beside``)."""
         if self.publisher is Publisher.RENAME:
-            self._commit_by_rename(record)
+            record = self._commit_by_rename(record)
         elif self.publisher is Publisher.IN_PLACE:
             self._commit_in_place(record)
         else:
             write_commit_record(self.target, record)
         self.release()
+        return record
 
     def abandon(self) -> None:
         """Coordinator, after a failed save: deletes what this save wrote."""
@@ -355,7 +358,7 @@ class PendingCheckpoint(Location):
         self.target.write_atomic(COMMIT_RECORD, record.to_json())
         self.target.remove(SAVE_MARKER)
 
-    def _commit_by_rename(self, record: CommitRecord) -> None:
+    def _commit_by_rename(self, record: CommitRecord) -> CommitRecord:
         staging, target = self.inner.store.publishing(), self.target.store.publishing()
         assert staging is not None and target is not None  # begin_save staged apart only for these
         self.inner.write_atomic(COMMIT_RECORD, record.to_json())
@@ -366,8 +369,7 @@ class PendingCheckpoint(Location):
             if current != self.intent.replaces or (not empty and current is None and not self.shares_directory):
                 raise self._lost_race(current or "a directory that is not a checkpoint")
             if current is None and not empty:
-                self._publish_beside(staging, target)
-                return
+                return self._publish_beside(staging, target, record)
             if current is None:
                 staging.rename_to(target, exchange=False)
             elif staging.rename_to(target, exchange=True):
@@ -379,8 +381,11 @@ class PendingCheckpoint(Location):
             target.fsync_parent()
         self.target.remove(SAVE_MARKER)
         _remove_dir(replaced)
+        return record
 
-    def _publish_beside(self, staging: DirectoryPublishing, target: DirectoryPublishing) -> None:
+    def _publish_beside(
+        self, staging: DirectoryPublishing, target: DirectoryPublishing, record: CommitRecord
+    ) -> CommitRecord:
         """The target, empty when the save began and shared with other programs
         (``begin_save``'s ``shared_directory``), holds files one of them put there while
         the save ran (Megatron-LM writes ModelOpt's state into the iteration's directory
@@ -389,8 +394,9 @@ class PendingCheckpoint(Location):
         are moved in beside them, the commit record last (until then the directory is no
         checkpoint). A name both hold fails the save, naming it; a crash part way leaves
         a directory that later saves refuse to touch (``_refuse_foreign`` names what is
-        there). ``verify`` lists the other program's files: the commit record does not
-        vouch for them."""
+        there). The commit record is written again naming their top-level entries
+        (``CommitRecord.beside``): it does not vouch for them, and ``verify`` names them
+        as another program's, not as damage. Returns that record."""
         theirs = set(self.target.list_top(None))
         ours = [name for name in self.inner.list_top(None) if name not in (COMMIT_RECORD, SAVE_MARKER)]
         clash = sorted(theirs & {*ours, COMMIT_RECORD, SAVE_MARKER})
@@ -404,9 +410,12 @@ class PendingCheckpoint(Location):
             "%s received %s from another program while the save ran; they are kept beside the checkpoint "
             "(its commit record does not vouch for them)", self.target.describe(), ", ".join(sorted(theirs)[:5]),
         )
+        record = replace(record, beside=tuple(sorted(theirs)))
+        self.inner.write_atomic(COMMIT_RECORD, record.to_json())
         staging.move_entries_into(target, ours)
         staging.move_entries_into(target, [COMMIT_RECORD])
         _remove_dir(staging)
+        return record
 
 
 def _close_descriptors(staging: Location, locks: list[int], releases: list[Callable[[], None]]) -> None:

@@ -131,7 +131,9 @@ class Problem:
 
 @dataclass
 class VerifyReport:
-    """What ``verify`` found."""
+    """What ``verify`` found. ``not_ours``: files under entries another program put into
+    the checkpoint's shared directory before its commit (``CommitRecord.beside``, such as
+    ModelOpt's state in a Megatron-LM iteration): not checked, and no problem."""
 
     checkpoint: str
     problems: list[Problem] = field(default_factory=list)
@@ -139,6 +141,7 @@ class VerifyReport:
     chunks_checked: int = 0
     files_checked: int = 0
     bytes_checked: int = 0
+    not_ours: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -148,6 +151,7 @@ class VerifyReport:
         head = (
             f"checkpoint {self.checkpoint}: {self.arrays_checked} arrays, {self.chunks_checked} chunks, "
             f"{self.files_checked} files checked; "
+            + (f"{len(self.not_ours)} file(s) of another program beside it, not checked; " if self.not_ours else "")
         )
         if self.ok:
             return head + "no problems"
@@ -315,13 +319,18 @@ def _verify_consolidated(location: Location, record: CommitRecord, report: Verif
 
 
 def _flag_unlisted_files(location: Location, record: CommitRecord, report: VerifyReport) -> None:
-    """Files under the checkpoint that its save did not write (``CommitRecord.unlisted``)."""
+    """Files under the checkpoint that its save did not write (``CommitRecord.unlisted``):
+    problems, except those under an entry another program had put into a shared
+    directory before the commit (``CommitRecord.beside``), which are listed apart."""
     try:
         found = location.list_files()
     except OSError as exc:
         report.problems.append(Problem("", "listing", f"cannot list the checkpoint's files: {exc}"))
         return
     for rel in record.unlisted(found):
+        if record.is_beside(rel):
+            report.not_ours.append(rel)
+            continue
         report.problems.append(Problem(
             rel, "file",
             "not listed by the commit record, so its save did not write it (added after the commit, or by "

@@ -542,6 +542,12 @@ class CommitRecord:
             them; ``verify`` checks them like its own.
         reused_from: the earlier checkpoint whose chunks this save shared (hard links,
             clones or server-side copies) instead of writing them again, or None.
+        beside: the top-level names another program had put into the checkpoint's
+            directory when a save into a shared directory was published beside them
+            (``format.commit``: ModelOpt's ``modelopt_state/`` in a Megatron-LM
+            iteration). The save did not write them and the record does not vouch for
+            them; ``verify`` names them as another program's instead of as damage, and
+            a replacing save still refuses to delete them.
     """
 
     arrays: dict[str, ArrayRecord]
@@ -554,6 +560,12 @@ class CommitRecord:
     save_id: str = ""
     external_files: dict[str, str] = field(default_factory=dict)
     reused_from: ReusedChunks | None = None
+    beside: tuple[str, ...] = ()
+
+    def is_beside(self, rel: str) -> bool:
+        """Whether ``rel`` lies under one of the names another program put beside the
+        checkpoint (``beside``)."""
+        return rel.split("/", 1)[0] in self.beside
 
     def expected_files(self) -> set[str]:
         """The non-array files a record may vouch for: nothing else, and nothing outside
@@ -633,6 +645,7 @@ class CommitRecord:
                 "files": dict(sorted(self.files.items())),
                 **({"external_files": dict(sorted(self.external_files.items()))} if self.external_files else {}),
                 **({"reused_from": self.reused_from.to_json()} if self.reused_from else {}),
+                **({"beside": sorted(self.beside)} if self.beside else {}),
             }
         }
         core, extension = self.consolidated_metadata()
@@ -720,7 +733,17 @@ class CommitRecord:
         for path in external:
             check_key(path, where=where)
         reused_from = ReusedChunks.from_json(record.get("reused_from"), where)
-        return replace(result, files=dict(files), external_files=dict(external), reused_from=reused_from)
+        beside = record.get("beside", [])
+        if not isinstance(beside, list) or not all(isinstance(n, str) and "/" not in n for n in beside):
+            raise CheckpointingException(f"{where}: 'beside' must be a list of top-level names")
+        own = {rel.split("/", 1)[0] for rel in (*arrays, *files, *external, COMMIT_RECORD, CONFIG_FNAME, OBJECTS_DIR)}
+        if clashes := sorted(set(beside) & own):
+            raise CheckpointingException(f"{where}: the record names its own entries {clashes[:5]} as another program's")
+        for name in beside:
+            check_key(name, where=where)
+        return replace(
+            result, files=dict(files), external_files=dict(external), reused_from=reused_from, beside=tuple(beside)
+        )
 
 
 def _sealed_token(digest: str) -> bytes:

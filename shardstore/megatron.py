@@ -372,7 +372,7 @@ def save(
     )
     if request is None:
         return None
-    return for_another_process(request, _megatron_request_class(async_strategy))
+    return for_another_process(request, _megatron_request_class(async_strategy), finalize_wrapper=_in_megatrons_terms)
 
 
 def _megatron_request_class(async_strategy: str | None) -> Any:

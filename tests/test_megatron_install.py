@@ -224,6 +224,38 @@ def test_shardstores_errors_are_megatrons_too(tmp_path: Path) -> None:
         shardstore_megatron.uninstall()
 
 
+def failing_async_save(rank: int, world: int, ckpt: str) -> None:
+    from megatron.core.dist_checkpointing.core import CheckpointingException as MegatronsException
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    import shardstore.strategies.forked_writes as forked_writes
+
+    def disk_full(*args, **kwargs) -> None:
+        raise OSError(28, "No space left on device")
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    shardstore_megatron.install()
+    request = _training_loop_save(ckpt, _strategies(False)[0], async_save=True)
+    forked_writes.write_staged = disk_full  # the forked writer inherits it
+    queue = AsyncCallsQueue()
+    try:
+        queue.schedule_async_request(request)
+        with pytest.raises(MegatronsException, match="background write of rank .* into .*iter_0000100 failed: OSError.*No space left") as raised:
+            queue.maybe_finalize_async_calls(blocking=True)
+        assert isinstance(raised.value, CheckpointingException)
+    finally:
+        queue.close()
+
+
+def test_an_async_saves_background_failure_is_megatrons_exception_too(tmp_path: Path) -> None:
+    """Raised by Megatron's queue at finalization: before, shardstore's class only, which
+    Megatron-LM's ``except CheckpointingException`` did not catch."""
+    ckpt = tmp_path / "iter_0000100"
+    run_distributed(failing_async_save, 2, str(ckpt), timeout=240)
+    assert not (ckpt / "zarr.json").exists()
+
+
 def test_megatrons_persistent_checkpoint_worker_writes_and_reuses(tmp_path: Path) -> None:
     run_distributed(persistent_worker_loop, 2, str(tmp_path), timeout=240)
     reused = read_commit_record(open_location(tmp_path / "iter_0000200")).reused_from

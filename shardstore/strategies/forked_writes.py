@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -33,10 +34,17 @@ logger = logging.getLogger(__name__)
 WRITE_REPORT_PREFIX = ".shardstore-written-"
 
 
-def for_another_process(request: AsyncRequest, request_cls: Any) -> Any:
+def _same(fn: Callable[[], None]) -> Callable[[], None]:
+    return fn
+
+
+def for_another_process(
+    request: AsyncRequest, request_cls: Any, finalize_wrapper: Callable[[Callable[[], None]], Callable[[], None]] = _same
+) -> Any:
     """Our async save ``request`` (``ZarrSaveShardedStrategy.async_save_into``'s) as a
     ``request_cls`` (Megatron's or nvidia-resiliency-ext's ``AsyncRequest``) whose
-    ``async_fn`` may run in another process."""
+    ``async_fn`` may run in another process; its finalization wrapped in
+    ``finalize_wrapper`` (the Megatron door raises its errors in Megatron's terms)."""
     if request.async_fn is not write_staged:
         raise CheckpointingException(
             f"Internal error: cannot hand the async request {request.async_fn!r} to another process; please report it"
@@ -45,7 +53,7 @@ def for_another_process(request: AsyncRequest, request_cls: Any) -> Any:
     return request_cls(
         async_fn=write_and_report,
         async_fn_args=(staged, io_concurrency, io_threads),
-        finalize_fns=[partial(finalize_from_report, staged)],
+        finalize_fns=[finalize_wrapper(partial(finalize_from_report, staged))],
     )
 
 
@@ -87,7 +95,10 @@ def finalize_from_report(staged: StagedSave) -> None:
         location.remove(rel)
         outcome = json.loads(data)
         if "error" in outcome:
-            raise CheckpointingException(f"The background write failed: {outcome['error']}")
+            raise CheckpointingException(
+                f"The background write of rank {staged.group.rank} into {location.describe()} failed: "
+                f"{outcome['error']}; nothing was committed"
+            )
         staged.written = [WrittenChunk(key, tuple(index), *rest) for key, index, *rest in outcome["written"]]
     except Exception as exc:  # reported on every rank by finalize_save
         error = exc

@@ -60,7 +60,7 @@ from typing import Any
 from shardstore.errors import CheckpointingException
 from shardstore.format.integrity import verify
 from shardstore.format.records import is_committed
-from shardstore.progress import log_once
+from shardstore.progress import log_once, operations_logged_at
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.stage import run_stage
 from shardstore.serialization import (
@@ -286,12 +286,15 @@ def _megatrons_exception() -> type[Exception] | None:
 
 def _in_megatrons_terms(entry_point: Any) -> Any:
     """``entry_point``, whose shardstore errors are raised as ``_megatrons_exception()``
-    (the same message; the original chained): caught by either library's ``except``."""
+    (the same message; the original chained): caught by either library's ``except``; and
+    whose save and load lines are logged at DEBUG, as Megatron's own strategies log
+    theirs (Megatron-LM prints its own line per checkpoint)."""
 
     @functools.wraps(entry_point)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return entry_point(*args, **kwargs)
+            with operations_logged_at(logging.DEBUG):
+                return entry_point(*args, **kwargs)
         except CheckpointingException as exc:
             megatrons = _megatrons_exception()
             if megatrons is None or isinstance(exc, megatrons):

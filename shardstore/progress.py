@@ -106,11 +106,26 @@ def stage(name: str, where: str, level: int = logging.DEBUG) -> Iterator[StageTi
     logger.log(level, "%s", timing.line())
 
 
+_OPERATION_LEVEL: ContextVar[int] = ContextVar("shardstore_operation_level", default=logging.INFO)
+
+
+@contextmanager
+def operations_logged_at(level: int) -> Iterator[None]:
+    """Whole operations started by this thread inside the block log at ``level`` on the
+    coordinator: the Megatron door logs them at DEBUG, as Megatron-Core's own strategies
+    log their timings (Megatron-LM prints its own line per checkpoint)."""
+    token = _OPERATION_LEVEL.set(level)
+    try:
+        yield
+    finally:
+        _OPERATION_LEVEL.reset(token)
+
+
 def operation(name: str, where: str, *, coordinator: bool = True) -> AbstractContextManager[StageTiming]:
-    """A whole save, load or verify: logged at INFO by the group's coordinator, at DEBUG
-    by every other rank (a job of thousands of ranks logs one line per save, not one per
-    rank)."""
-    return stage(name, where, logging.INFO if coordinator else logging.DEBUG)
+    """A whole save, load or verify: logged at INFO by the group's coordinator
+    (``operations_logged_at`` changes that), at DEBUG by every other rank (a job of
+    thousands of ranks logs one line per save, not one per rank)."""
+    return stage(name, where, _OPERATION_LEVEL.get() if coordinator else logging.DEBUG)
 
 
 _LOGGED_ONCE: set[tuple[str, str]] = set()

@@ -442,3 +442,34 @@ def test_a_directory_holding_another_tools_files_is_not_overwritten(tmp_path: Pa
     finally:
         shardstore_megatron.uninstall()
     assert (ckpt / "__0_0.distcp").read_bytes() == b"torch_dist leftovers"
+
+
+def test_through_megatron_save_and_load_log_at_debug_as_megatrons_own_strategies(tmp_path: Path, caplog) -> None:
+    """Megatron-LM prints its own line per checkpoint, and Megatron's tests
+    (test_exact_load_handling) assert that a load logs nothing at INFO; shardstore's own
+    API keeps its INFO line."""
+    import logging
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from shardstore import load, save
+
+    ckpt = str(tmp_path / "iter_0000001")
+    shardstore_megatron.install()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="shardstore"):
+            dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 4))}, ckpt)
+            dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(2, 4))}, ckpt)
+    finally:
+        shardstore_megatron.uninstall()
+    lines = [(r.levelno, r.getMessage().split(":")[0]) for r in caplog.records if r.name == "shardstore"]
+    assert (logging.DEBUG, f"save {ckpt}") in lines and (logging.DEBUG, f"load {ckpt}") in lines
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO and r.name == "shardstore"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="shardstore"):
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 4))}, tmp_path / "direct")
+        load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(2, 4))}, tmp_path / "direct")
+    assert [r.getMessage().split(":")[0] for r in caplog.records if r.name == "shardstore"] == [
+        f"save {tmp_path / 'direct'}", f"load {tmp_path / 'direct'}"
+    ]

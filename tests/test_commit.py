@@ -162,6 +162,30 @@ def test_replacing_a_checkpoint_never_deletes_files_its_save_did_not_write(ckpt_
     assert set(load_sharded_metadata(ckpt_dir)) == {"y"}
 
 
+def test_a_file_another_program_adds_while_a_replacing_save_runs_is_not_deleted_with_the_old_checkpoint(
+    ckpt_dir: Path,
+) -> None:
+    """Before, only the files present when the replacing save began were checked: one
+    added while it ran went with the old checkpoint."""
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
+    _save_small(ckpt_dir)
+    request = save({"y": ShardedTensor.from_rank_offsets("y", torch.ones(1))}, ckpt_dir, overwrite=True,
+                   async_sharded_save=True)
+    (ckpt_dir / "modelopt_run_config.yaml").write_text("a: 1")
+    queue = AsyncCallsQueue()
+    try:
+        queue.schedule_async_request(request)
+        with pytest.raises(CheckpointingException, match="another program wrote modelopt_run_config.yaml into the "
+                                                          "checkpoint it replaces"):
+            queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()
+    assert (ckpt_dir / "modelopt_run_config.yaml").read_text() == "a: 1"
+    assert set(load_sharded_metadata(ckpt_dir)) == {"enc/w", "enc/b", "x"}  # the old checkpoint, whole
+    assert [p.name for p in ckpt_dir.parent.iterdir()] == [ckpt_dir.name]  # the new save's staging is gone
+
+
 def test_remove_sharded_tensors_updates_the_commit_record(ckpt_dir: Path) -> None:
     _save_small(ckpt_dir)
     remove_sharded_tensors(ckpt_dir, "enc/")

@@ -370,6 +370,8 @@ class PendingCheckpoint(Location):
                 raise self._lost_race(current or "a directory that is not a checkpoint")
             if current is None and not empty:
                 return self._publish_beside(staging, target, record)
+            if current is not None:
+                self._refuse_added_entries()
             if current is None:
                 staging.rename_to(target, exchange=False)
             elif staging.rename_to(target, exchange=True):
@@ -382,6 +384,22 @@ class PendingCheckpoint(Location):
         self.target.remove(SAVE_MARKER)
         _remove_dir(replaced)
         return record
+
+    def _refuse_added_entries(self) -> None:
+        """Before the checkpoint this save replaces goes (under the parent's lock): a
+        top-level entry its save did not write, added since this save began checked it
+        (``_check_target``), is another program's, which replacing would delete: the save
+        loses instead, changing nothing. One directory read; a file added deeper, inside
+        one of its arrays, is not looked for here."""
+        old = _committed_record(self.target)
+        assert old is not None  # the caller found it committed
+        added = sorted(set(self.target.list_top(None)) - old.own_top_names())
+        if added:
+            raise CheckpointingException(
+                f"Not committing the save into {self.target.describe()}: another program wrote "
+                f"{', '.join(added[:5])} into the checkpoint it replaces while it ran, which replacing it would "
+                "delete. Nothing there was changed; move them out, or save to a new directory"
+            )
 
     def _publish_beside(
         self, staging: DirectoryPublishing, target: DirectoryPublishing, record: CommitRecord

@@ -562,6 +562,12 @@ class CommitRecord:
     reused_from: ReusedChunks | None = None
     beside: tuple[str, ...] = ()
 
+    def own_top_names(self) -> set[str]:
+        """The top-level names its save wrote or may have written (without listing every
+        chunk, as ``vouched_paths`` does)."""
+        paths = (*self.arrays, *self.files, *self.external_files, COMMIT_RECORD, CONFIG_FNAME, OBJECTS_DIR)
+        return {rel.split("/", 1)[0] for rel in paths}
+
     def is_beside(self, rel: str) -> bool:
         """Whether ``rel`` lies under one of the names another program put beside the
         checkpoint (``beside``)."""
@@ -736,7 +742,7 @@ class CommitRecord:
         beside = record.get("beside", [])
         if not isinstance(beside, list) or not all(isinstance(n, str) and "/" not in n for n in beside):
             raise CheckpointingException(f"{where}: 'beside' must be a list of top-level names")
-        own = {rel.split("/", 1)[0] for rel in (*arrays, *files, *external, COMMIT_RECORD, CONFIG_FNAME, OBJECTS_DIR)}
+        own = replace(result, files=dict(files), external_files=dict(external)).own_top_names()
         if clashes := sorted(set(beside) & own):
             raise CheckpointingException(f"{where}: the record names its own entries {clashes[:5]} as another program's")
         for name in beside:

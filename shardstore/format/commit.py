@@ -365,13 +365,14 @@ class PendingCheckpoint(Location):
         replaced: DirectoryPublishing | None = None
         with target.parent_locked():
             empty = self.target.is_empty()
-            current = None if empty else committed_save_id(self.target)
+            old = None if empty else _committed_record(self.target)
+            current = old.save_id if old is not None else None
             if current != self.intent.replaces or (not empty and current is None and not self.shares_directory):
                 raise self._lost_race(current or "a directory that is not a checkpoint")
             if current is None and not empty:
                 return self._publish_beside(staging, target, record)
-            if current is not None:
-                self._refuse_added_entries()
+            if old is not None:
+                self._refuse_added_entries(old)
             if current is None:
                 staging.rename_to(target, exchange=False)
             elif staging.rename_to(target, exchange=True):
@@ -385,14 +386,12 @@ class PendingCheckpoint(Location):
         _remove_dir(replaced)
         return record
 
-    def _refuse_added_entries(self) -> None:
+    def _refuse_added_entries(self, old: CommitRecord) -> None:
         """Before the checkpoint this save replaces goes (under the parent's lock): a
         top-level entry its save did not write, added since this save began checked it
         (``_check_target``), is another program's, which replacing would delete: the save
         loses instead, changing nothing. One directory read; a file added deeper, inside
-        one of its arrays, is not looked for here."""
-        old = _committed_record(self.target)
-        assert old is not None  # the caller found it committed
+        one of its arrays, is not looked for here. ``old``: its commit record."""
         added = sorted(set(self.target.list_top(None)) - old.own_top_names())
         if added:
             raise CheckpointingException(

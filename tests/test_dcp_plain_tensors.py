@@ -172,6 +172,43 @@ def test_the_threshold_decides_between_an_array_and_the_common_state(tmp_path: P
     fm.assert_same(request, state)
 
 
+def save_divergent_replicas(rank: int, world: int, root: str) -> str:
+    """Both ranks hold "w", as float32 (1 KiB: an array) on rank 0 and int8 (256 B: the
+    common state) on rank 1, as per-rank state saved under one name would be."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    w = torch.ones(16, 16, dtype=torch.float32 if rank == 0 else torch.int8)
+    with pytest.raises(CheckpointException, match=r"ranks hold 'w' with different shapes or dtypes \(rank\(s\) \[0\]: "
+                       r"torch.float32 \[16, 16\]; rank\(s\) \[1\]: torch.int8"):  # DCP wraps ours
+        dcp.save({"w": w, "other": torch.full((32, 32), 7.0)}, storage_writer=ShardstoreWriter(root))
+    return "refused"
+
+
+def test_a_tensor_ranks_hold_with_different_dtypes_is_refused_not_committed_unloadable(tmp_path: Path) -> None:
+    """Before, the save committed and every later load failed ("'w' names both an array
+    and a value of the common state"), while verify found nothing wrong."""
+    assert run_distributed(save_divergent_replicas, 2, str(tmp_path / "ckpt")) == ["refused", "refused"]
+    assert not (tmp_path / "ckpt" / "zarr.json").exists()
+
+
+def test_conjugate_and_negative_views_are_saved_and_loaded_by_value(tmp_path: Path) -> None:
+    """A view whose conjugate or negative bit is set has no memory holding its values:
+    before, both the save and a load into such a view failed in numpy()."""
+    import torch.distributed.checkpoint as dcp
+
+    c = torch.complex(torch.randn(32, 32), torch.randn(32, 32))
+    state = {"conj": c.conj(), "neg": c._neg_view()}
+    dcp.save(state, storage_writer=ShardstoreWriter(tmp_path / "ckpt"))
+    assert set(shardstore.load_tensors_metadata(tmp_path / "ckpt")) == {"conj", "neg"}
+    plain = {"conj": torch.zeros(32, 32, dtype=torch.complex64), "neg": torch.zeros(32, 32, dtype=torch.complex64)}
+    dcp.load(plain, storage_reader=ShardstoreReader(tmp_path / "ckpt"))
+    assert torch.equal(plain["conj"], c.conj().resolve_conj()) and torch.equal(plain["neg"], -c)
+    into_views = {"conj": torch.zeros(32, 32, dtype=torch.complex64).conj(), "neg": torch.zeros(32, 32, dtype=torch.complex64)}
+    dcp.load(into_views, storage_reader=ShardstoreReader(tmp_path / "ckpt"))
+    assert into_views["conj"].is_conj() and torch.equal(into_views["conj"].resolve_conj(), c.conj().resolve_conj())
+
+
 def test_writers_are_the_holders_balanced_by_bytes() -> None:
     held = [[HeldTensor("a", 100), HeldTensor("b", 60), HeldTensor("c", 50)],
             [HeldTensor("a", 100), HeldTensor("b", 60), HeldTensor("c", 50), HeldTensor("d", 10)],

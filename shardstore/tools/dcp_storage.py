@@ -189,9 +189,11 @@ class CommonValue:
 class HeldPlainTensors:
     """What a rank's local plan tells the coordinator (``SavePlan.storage_data``): the
     plain tensors it holds that become arrays, each of which it could write (DCP's
-    deduplication keeps a replicated item in one plan only)."""
+    deduplication keeps a replicated item in one plan only), and the name, shape and
+    dtype of every plain tensor it holds (``_refuse_divergent_replicas``)."""
 
     items: tuple[WriteItem, ...]
+    plain: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,15 @@ class WrittenChunks:
 
 def _is_sharded(item: WriteItem) -> bool:
     return item.type == WriteItemType.SHARD
+
+
+def _is_plain(item: WriteItem) -> bool:
+    return item.type == WriteItemType.TENSOR
+
+
+def _plain_kind(item: WriteItem) -> tuple[str, tuple[int, ...], torch.dtype]:
+    """A plain tensor's name, shape and dtype."""
+    return item.index.fqn, tuple(item.tensor_data.size), item.tensor_data.properties.dtype
 
 
 def shard_description(item: WriteItem) -> ShardedTensor:
@@ -300,7 +311,7 @@ class ShardstoreWriter(StorageWriter):
         """A plain tensor's item that is written as an array (the same answer on every
         rank: it depends on the item alone)."""
         return (
-            item.type == WriteItemType.TENSOR and item.tensor_data.properties.dtype in BY_TORCH
+            _is_plain(item) and item.tensor_data.properties.dtype in BY_TORCH
             and stored_as_array(tuple(item.tensor_data.size), item.tensor_storage_size() or 0, self.min_array_bytes)
         )
 
@@ -315,7 +326,8 @@ class ShardstoreWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """All ranks: names the plain tensors this rank holds that become arrays."""
-        return replace(plan, storage_data=HeldPlainTensors(tuple(filter(self._as_array, plan.items))))
+        plain = tuple(map(_plain_kind, filter(_is_plain, plan.items)))
+        return replace(plan, storage_data=HeldPlainTensors(tuple(filter(self._as_array, plan.items)), plain))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: validates and plans the global layout, then begins the save
@@ -327,6 +339,7 @@ class ShardstoreWriter(StorageWriter):
                 f"Saving {save.describe()}: DCP's plan caching is not supported by ShardstoreWriter (each save plans "
                 "its chunks and staging area anew); use DefaultSavePlanner(enable_plan_caching=False)"
             )
+        _refuse_divergent_replicas(plans, save.describe())
         shards, orders = gathered_shards(plans, _plain_array_writers(plans, self._as_array))
         # DCP's gather hands any error here to every rank
         planner = ZarrSaveShardedStrategy(max_chunk_bytes=self.max_chunk_bytes, fully_parallel=False).plan_save
@@ -367,7 +380,7 @@ class ShardstoreWriter(StorageWriter):
 
     def _write_shards(self, part: RankPart, planner: SavePlanner, save: SavePipeline) -> WrittenChunks:
         """This rank's arrays' ``zarr.json`` files and chunks, durable before it reports."""
-        blocks = [planner.resolve_data(item) for item in part.items]
+        blocks = [_materialized(planner.resolve_data(item)) for item in part.items]
         return WrittenChunks(tuple(save.write_plan(part.save.plan, blocks, self.io_concurrency)))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -408,6 +421,29 @@ class ShardstoreWriter(StorageWriter):
         return True
 
 
+def _refuse_divergent_replicas(plans: list[SavePlan], where: str) -> None:
+    """Refuses a plain tensor that ranks hold under one name with different shapes or
+    dtypes. DCP keeps one rank's copy of a replicated value; here one rank's copy could
+    become an array while another's, below the threshold, went to the common state, and
+    the checkpoint committed would then fail every load, or which copy is kept would
+    depend on the order of the ranks. Each rank's plain tensors before DCP's
+    deduplication are in its ``HeldPlainTensors``; where a planner dropped that, what
+    deduplication left in its items."""
+    seen: dict[str, dict[tuple, list[int]]] = {}
+    for rank, plan in enumerate(plans):
+        held = plan.storage_data.plain if isinstance(plan.storage_data, HeldPlainTensors) else ()
+        left = map(_plain_kind, filter(_is_plain, plan.items))
+        for name, size, dtype in sorted({*held, *left}, key=str):
+            seen.setdefault(name, {}).setdefault((size, dtype), []).append(rank)
+    for name, kinds in seen.items():
+        if len(kinds) > 1:
+            holders = "; ".join(f"rank(s) {ranks}: {dtype} {list(size)}" for (size, dtype), ranks in kinds.items())
+            raise CheckpointingException(
+                f"Saving {where}: ranks hold {name!r} with different shapes or dtypes ({holders}). DCP keeps one copy "
+                "of a replicated tensor: save each rank's own tensor under a name of its own"
+            )
+
+
 def _plain_array_writers(plans: list[SavePlan], as_array: Callable[[WriteItem], bool]) -> list[list[WriteItem]]:
     """Per rank, the plain tensors it writes as arrays: each by one of the ranks that
     hold it, balanced by bytes (``plain_tensors.assign_writers``). A rank holds those its
@@ -423,6 +459,15 @@ def _plain_array_writers(plans: list[SavePlan], as_array: Callable[[WriteItem], 
         [sum(item.tensor_storage_size() or 0 for item in plan.items if _is_sharded(item)) for plan in plans],
     )
     return [[item for item in items if writers[item.index.fqn] == rank] for rank, items in enumerate(held)]
+
+
+def _materialized(data: Any) -> Any:
+    """A tensor whose memory holds its values: a conjugate or negative view
+    (``tensor.conj()``, ``_neg_view``) only flags them, and its memory cannot be written
+    as they are."""
+    if isinstance(data, torch.Tensor):
+        return data.resolve_conj().resolve_neg()
+    return data
 
 
 def _result(item: WriteItem, planner: SavePlanner, as_array: bool) -> WriteResult:
@@ -592,7 +637,10 @@ class ShardstoreReader(StorageReader):
                     opened.arrays[key] = ArrayChunks.of(store, opened.record.arrays[key])
                 array = opened.arrays[key]
                 stored = from_zarr_name(opened.record.arrays[key].dtype)
-                direct = target.device.type == "cpu" and target.dtype == stored.torch_dtype and target.is_contiguous()
+                direct = (
+                    target.device.type == "cpu" and target.dtype == stored.torch_dtype and target.is_contiguous()
+                    and not target.is_conj() and not target.is_neg()  # flags over memory: read, then copy_
+                )
                 out = tensor_to_numpy(target) if direct else np.empty(tuple(item.lengths), stored.numpy_dtype)
                 jobs += read_region(array, _box(item), out.reshape(tuple(item.lengths)))
                 deferred.append((item, target, None if direct else out, stored.torch_dtype))

@@ -133,6 +133,21 @@ def test_files_another_program_writes_during_a_save_are_kept_beside_it(ckpt_dir:
     assert (ckpt_dir / "modelopt_state" / "state.pt").read_text() == "x"
 
 
+def test_a_name_beside_that_the_record_cannot_carry_is_left_out_and_the_checkpoint_loads(ckpt_dir: Path) -> None:
+    """Before, ``__pycache__`` (reserved: a leading ``__``) or ``__objects__`` went into
+    the record's ``beside``, which every later read then refused: the save committed a
+    checkpoint nothing could load or replace."""
+    from shardstore import verify
+
+    theirs = {"__pycache__/x.pyc": "b", "__objects__/x": "c", "modelopt_run_config.yaml": "a: 1"}
+    _async_save_while_another_program_writes(ckpt_dir, theirs)
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(8))}, ckpt_dir)
+    assert torch.equal(loaded["w"], torch.arange(8.0))
+    report = verify(ckpt_dir)
+    assert report.not_ours == ["modelopt_run_config.yaml"]
+    assert sorted(p.key for p in report.problems) == ["__objects__/x", "__pycache__/x.pyc"]
+
+
 def test_without_shared_directory_another_programs_write_makes_the_save_lose(ckpt_dir: Path) -> None:
     """The default: a directory that is not ours is never published into."""
     with pytest.raises(CheckpointingException, match="another save committed there.*not a checkpoint"):
@@ -184,6 +199,16 @@ def test_a_file_another_program_adds_while_a_replacing_save_runs_is_not_deleted_
     assert (ckpt_dir / "modelopt_run_config.yaml").read_text() == "a: 1"
     assert set(load_sharded_metadata(ckpt_dir)) == {"enc/w", "enc/b", "x"}  # the old checkpoint, whole
     assert [p.name for p in ckpt_dir.parent.iterdir()] == [ckpt_dir.name]  # the new save's staging is gone
+
+
+def test_what_the_replaced_checkpoint_held_when_the_save_began_does_not_fail_its_commit(ckpt_dir: Path) -> None:
+    """An empty directory (no file, so no unlisted one) passes the check at the start;
+    before, the commit-time check compared with the record only and failed the save
+    after every chunk was written."""
+    _save_small(ckpt_dir)
+    (ckpt_dir / "empty_dir").mkdir()
+    save({"y": ShardedTensor.from_rank_offsets("y", torch.ones(1))}, ckpt_dir, overwrite=True)
+    assert set(load_sharded_metadata(ckpt_dir)) == {"y"}
 
 
 def test_remove_sharded_tensors_updates_the_commit_record(ckpt_dir: Path) -> None:

@@ -245,15 +245,17 @@ def test_an_in_place_save_adopts_only_paths_its_record_can_hold(tmp_path: Path, 
 
 @pytest.mark.parametrize(
     "beside, words",
-    [(["layers"], "names its own entries"), (["__objects__"], "names its own entries"),
-     (["a/b"], "top-level names"), ("modelopt_state", "top-level names"), ([".."], "'..' path segment")],
+    [(["layers"], "one of the checkpoint's own entries"), (["__objects__"], "one of the checkpoint's own entries"),
+     (["common.pt"], "one of the checkpoint's own entries"), (["metadata.json"], "one of the checkpoint's own"),
+     (["a/b"], "not a top-level name"), ("modelopt_state", "top-level names"), ([".."], "'..' path segment")],
 )
 def test_a_record_that_names_its_own_entries_as_another_programs_is_refused(
     saved: Path, beside: object, words: str
 ) -> None:
     """``beside`` (the entries another program put into a shared directory before the
     commit) keeps ``verify`` from flagging files under them: a record naming the save's
-    own arrays or objects there would hide a file added into one."""
+    own arrays or objects, or the format's names (``common.pt``: one copied in would pass
+    verify while every load refused it), would hide a file added there."""
     rewrite_record(saved, lambda root: root["attributes"]["shardstore"].update(beside=beside))
     with pytest.raises(CheckpointingException, match=words):
         read_commit_record(open_location(saved))

@@ -256,6 +256,8 @@ class PendingCheckpoint(Location):
         # Other programs may write into the target while the save runs (``begin_save``'s
         # ``shared_directory``): their files are kept and the save published beside them.
         self.shares_directory = False
+        # The top-level names of the checkpoint this save replaces, when it began (``_check_target``).
+        self.tops_at_begin: frozenset[str] = frozenset()
         self._reuse: dict[str, ChunkReuse | None] = {}
         self._reuse_lock = threading.Lock()
 
@@ -392,7 +394,7 @@ class PendingCheckpoint(Location):
         (``_check_target``), is another program's, which replacing would delete: the save
         loses instead, changing nothing. One directory read; a file added deeper, inside
         one of its arrays, is not looked for here. ``old``: its commit record."""
-        added = sorted(set(self.target.list_top(None)) - old.own_top_names())
+        added = sorted(set(self.target.list_top(None)) - old.own_top_names() - self.tops_at_begin)
         if added:
             raise CheckpointingException(
                 f"Not committing the save into {self.target.describe()}: another program wrote "
@@ -413,7 +415,9 @@ class PendingCheckpoint(Location):
         a directory that later saves refuse to touch (``_refuse_foreign`` names what is
         there). The commit record is written again naming their top-level entries
         (``CommitRecord.beside``): it does not vouch for them, and ``verify`` names them
-        as another program's, not as damage. Returns that record."""
+        as another program's, not as damage; a name the record cannot carry (one of the
+        format's own, an invalid key) is left out, and ``verify`` flags what lies under
+        it. Returns that record."""
         theirs = set(self.target.list_top(None))
         ours = [name for name in self.inner.list_top(None) if name not in (COMMIT_RECORD, SAVE_MARKER)]
         clash = sorted(theirs & {*ours, COMMIT_RECORD, SAVE_MARKER})
@@ -427,7 +431,7 @@ class PendingCheckpoint(Location):
             "%s received %s from another program while the save ran; they are kept beside the checkpoint "
             "(its commit record does not vouch for them)", self.target.describe(), ", ".join(sorted(theirs)[:5]),
         )
-        record = replace(record, beside=tuple(sorted(theirs)))
+        record = replace(record, beside=tuple(sorted(n for n in theirs if record.refuses_beside(n) is None)))
         self.inner.write_atomic(COMMIT_RECORD, record.to_json())
         staging.move_entries_into(target, ours)
         staging.move_entries_into(target, [COMMIT_RECORD])
@@ -507,6 +511,8 @@ def _begin_claimed(target: Location, overwrite: bool, save_id: str, reuse_from: 
         pending = PendingCheckpoint(
             target, _staging_for(directory, save_id), SaveIntent(save_id, replaces, reuses), Publisher.RENAME
         )
+        if replaces is not None:
+            pending.tops_at_begin = frozenset(target.list_top(None))
     else:
         target.prepare()
         if not target.is_empty() and _marker_id(target) is not None and committed_save_id(target) is None:

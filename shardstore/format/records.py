@@ -564,9 +564,24 @@ class CommitRecord:
 
     def own_top_names(self) -> set[str]:
         """The top-level names its save wrote or may have written (without listing every
-        chunk, as ``vouched_paths`` does)."""
-        paths = (*self.arrays, *self.files, *self.external_files, COMMIT_RECORD, CONFIG_FNAME, OBJECTS_DIR)
+        chunk, as ``vouched_paths`` does), the format's reserved names whether written or
+        not."""
+        paths = (*self.arrays, *self.files, *self.external_files, COMMIT_RECORD, OBJECTS_DIR, *RESERVED_ROOT_NAMES)
         return {rel.split("/", 1)[0] for rel in paths}
+
+    def refuses_beside(self, name: str) -> str | None:
+        """Why ``name`` cannot be one of the entries another program put beside this
+        checkpoint (``beside``), or None: a path, a name of the format's or of this
+        save's own (files under it would escape ``verify``), or an invalid key."""
+        if "/" in name:
+            return f"{name!r} is not a top-level name"
+        if name in self.own_top_names() or name.startswith(".shardstore"):
+            return f"{name!r} is one of the checkpoint's own entries"
+        try:
+            check_key(name)
+        except CheckpointingException as exc:
+            return str(exc)
+        return None
 
     def is_beside(self, rel: str) -> bool:
         """Whether ``rel`` lies under one of the names another program put beside the
@@ -739,17 +754,14 @@ class CommitRecord:
         for path in external:
             check_key(path, where=where)
         reused_from = ReusedChunks.from_json(record.get("reused_from"), where)
+        result = replace(result, files=dict(files), external_files=dict(external), reused_from=reused_from)
         beside = record.get("beside", [])
-        if not isinstance(beside, list) or not all(isinstance(n, str) and "/" not in n for n in beside):
+        if not isinstance(beside, list) or not all(isinstance(n, str) for n in beside):
             raise CheckpointingException(f"{where}: 'beside' must be a list of top-level names")
-        own = replace(result, files=dict(files), external_files=dict(external)).own_top_names()
-        if clashes := sorted(set(beside) & own):
-            raise CheckpointingException(f"{where}: the record names its own entries {clashes[:5]} as another program's")
         for name in beside:
-            check_key(name, where=where)
-        return replace(
-            result, files=dict(files), external_files=dict(external), reused_from=reused_from, beside=tuple(beside)
-        )
+            if why := result.refuses_beside(name):
+                raise CheckpointingException(f"{where}: the record names {name!r} as another program's entry: {why}")
+        return replace(result, beside=tuple(beside))
 
 
 def _sealed_token(digest: str) -> bytes:

@@ -137,11 +137,12 @@ def test_megatron_async_save_through_the_module_functions(tmp_path: Path) -> Non
     assert verify(ckpt).ok and not list(ckpt.glob(".shardstore-written-*"))
 
 
-def modelopt_training_loop(rank: int, world: int, ckpt: str) -> None:
-    """Megatron-LM with ModelOpt: the async save of the model is still in flight when
-    ModelOpt's ``save_sharded_modelopt_state`` writes ``modelopt_run_config.yaml`` and
-    saves ``modelopt_state/`` (itself a ``dist_checkpointing.save``) into the same
-    iteration directory. Megatron-LM then loads with ``verify_integrity``."""
+def modelopt_training_loop(rank: int, world: int, ckpt: str, async_save: bool) -> None:
+    """Megatron-LM with ModelOpt: once ``dist_checkpointing.save`` returns (an async
+    save still in flight, a synchronous one committed), ModelOpt's
+    ``save_sharded_modelopt_state`` writes ``modelopt_run_config.yaml`` and saves
+    ``modelopt_state/`` (itself a ``dist_checkpointing.save``) into the same iteration
+    directory. Megatron-LM then loads with ``verify_integrity``."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -149,30 +150,60 @@ def modelopt_training_loop(rank: int, world: int, ckpt: str) -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
     shardstore_megatron.install()
-    request = _training_loop_save(ckpt, _strategies(False)[0], async_save=True)
+    request = _training_loop_save(ckpt, _strategies(False)[0], async_save=async_save)
     if rank == 0:
         Path(ckpt, "modelopt_run_config.yaml").write_text("nvidia_modelopt_version: 0.0\n")
         Path(ckpt, "modelopt_state").mkdir()
     torch.distributed.barrier()
     modelopt_state = {"modelopt_version": "0.0", "extra": ShardedObject("extra", {"r": rank}, (world,), (rank,))}
     dist_checkpointing.save(modelopt_state, f"{ckpt}/modelopt_state")
-    queue = AsyncCallsQueue()
-    queue.schedule_async_request(request)
-    queue.maybe_finalize_async_calls(blocking=True)
-    queue.close()
+    if async_save:
+        queue = AsyncCallsQueue()
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+        queue.close()
     _training_loop_load(ckpt, _strategies(False)[1], verify_integrity=True)
     assert dist_checkpointing.load_common_state_dict(f"{ckpt}/modelopt_state")["modelopt_version"] == "0.0"
 
 
-def test_megatron_lm_with_modelopt_state_loads_with_verify_integrity(tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_megatron_lm_with_modelopt_state_loads_with_verify_integrity(tmp_path: Path, async_save: bool) -> None:
     """Before, ``verify`` counted ModelOpt's files as damage (the record does not vouch
-    for them) and every such checkpoint was refused by ``load(verify_integrity=True)``."""
+    for them) and every such checkpoint was refused by ``load(verify_integrity=True)``.
+    Written while an async save runs, the record names them (``beside``); written after a
+    synchronous save committed, ``verify`` lists them, and a load, which never reads
+    them, is not refused for them."""
     ckpt = tmp_path / "iter_0000100"
-    run_distributed(modelopt_training_loop, 2, str(ckpt), timeout=240)
+    run_distributed(modelopt_training_loop, 2, str(ckpt), async_save, timeout=240)
     report = verify(ckpt)
-    assert report.ok, str(report)
-    assert {rel.split("/")[0] for rel in report.not_ours} == {"modelopt_run_config.yaml", "modelopt_state"}
+    theirs = report.not_ours if async_save else report.unlisted
+    assert {rel.split("/")[0] for rel in theirs} == {"modelopt_run_config.yaml", "modelopt_state"}
+    assert report.ok == async_save, str(report)
     assert verify(ckpt / "modelopt_state").ok
+
+
+def test_megatrons_verify_integrity_still_refuses_a_damaged_chunk_beside_other_programs_files(tmp_path: Path) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    ckpt = tmp_path / "iter_0000001"
+    shardstore_megatron.install()
+    try:
+        dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(64, 64))}, str(ckpt))
+        (ckpt / "modelopt_run_config.yaml").write_text("a: 1")
+        request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(64, 64))}
+        loaded = dist_checkpointing.load(request, str(ckpt), verify_integrity=True)
+        assert torch.equal(loaded["w"], torch.ones(64, 64))
+        chunk = next(p for p in (ckpt / "w").rglob("*") if p.is_file() and p.name != "zarr.json")
+        data = bytearray(chunk.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        chunk.write_bytes(bytes(data))
+        request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(64, 64))}
+        with pytest.raises(CheckpointingException, match=r"(?s)Verifying checkpoint.*1 problem\(s\):\n  w \[c") as raised:
+            dist_checkpointing.load(request, str(ckpt), verify_integrity=True)
+        assert "modelopt_run_config.yaml" not in str(raised.value)
+    finally:
+        shardstore_megatron.uninstall()
 
 
 def persistent_worker_loop(rank: int, world: int, root: str) -> None:

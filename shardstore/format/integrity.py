@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -142,6 +142,7 @@ class VerifyReport:
     files_checked: int = 0
     bytes_checked: int = 0
     not_ours: list[str] = field(default_factory=list)
+    unlisted: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -158,9 +159,18 @@ class VerifyReport:
         lines = [f"  {p.key} [{p.part}]: {p.message}" for p in self.problems]
         return head + f"{len(self.problems)} problem(s):\n" + "\n".join(lines)
 
-    def raise_if_damaged(self) -> None:
-        if not self.ok:
-            raise CheckpointingException(str(self))
+    def raise_if_damaged(self, *, for_a_load: bool = False) -> None:
+        """Raises the report's problems. ``for_a_load``: only those that change what a
+        load returns. A file the commit record does not list (``unlisted``: added after
+        the commit, such as ModelOpt's state that Megatron-LM writes into an iteration
+        after a synchronous save) is never read by a load, which reads chunks and files
+        by the record, so it does not count there."""
+        report = self
+        if for_a_load:
+            added = set(self.unlisted)
+            report = replace(self, problems=[p for p in self.problems if not (p.part == "file" and p.key in added)])
+        if not report.ok:
+            raise CheckpointingException(str(report))
 
 
 def verify(checkpoint_dir: str | os.PathLike | Location, progress: bool = False) -> VerifyReport:
@@ -331,6 +341,7 @@ def _flag_unlisted_files(location: Location, record: CommitRecord, report: Verif
         if record.is_beside(rel):
             report.not_ours.append(rel)
             continue
+        report.unlisted.append(rel)
         report.problems.append(Problem(
             rel, "file",
             "not listed by the commit record, so its save did not write it (added after the commit, or by "

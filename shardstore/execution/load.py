@@ -29,7 +29,12 @@ from shardstore.format.chunks import (
     read_region,
     run_reads,
 )
-from shardstore.format.dtypes import from_zarr_name, numpy_to_tensor, tensor_to_numpy
+from shardstore.format.dtypes import (
+    from_zarr_name,
+    holds_its_values,
+    numpy_to_tensor,
+    tensor_to_numpy,
+)
 from shardstore.format.records import ArrayRecord, CommitRecord
 from shardstore.mapping import ShardedTensor
 from shardstore.planning.layout import Region, block_shape, region_at, region_shape
@@ -156,13 +161,14 @@ def _through_host(target: torch.Tensor) -> bool:
 
 def _claim(data: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...], taken: set[int]) -> bool:
     """Whether a request's ``data`` can be filled in place with a result of ``dtype``
-    and ``shape``: a contiguous CPU or CUDA tensor (other devices, meta..., get the
-    result moved to them) of exactly that dtype and shape, whose memory no other request
+    and ``shape``: a CPU or CUDA tensor (other devices, meta..., get the result moved
+    to them) of exactly that dtype and shape, whose memory holds its values
+    (``holds_its_values``: contiguous, no conjugate or negative view) and no other request
     of this load took (``taken``: data pointers; updated when claimed). Tied tensors
     (one memory, two keys) so get their own results."""
     if (
         data is None or data.device.type not in ("cpu", "cuda") or data.dtype != dtype
-        or not data.is_contiguous() or tuple(data.shape) != shape or data.data_ptr() in taken
+        or not holds_its_values(data) or tuple(data.shape) != shape or data.data_ptr() in taken
     ):
         return False
     taken.add(data.data_ptr())

@@ -27,13 +27,16 @@ from typing import Any
 
 import torch
 
+from shardstore.format.dtypes import holds_its_values
+
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor in contiguous CPU memory: a view when it already is, else one copy."""
+    """The tensor's values in CPU memory that holds them (``holds_its_values``): a view
+    when it already does, else one copy."""
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.to("cpu")
-    return tensor.contiguous()
+    return tensor if holds_its_values(tensor) else tensor.resolve_conj().resolve_neg().contiguous()
 
 
 class HostBufferPool:

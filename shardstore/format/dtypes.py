@@ -87,6 +87,13 @@ def from_zarr_name(name: object) -> DType:
         ) from None
 
 
+def holds_its_values(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory holds its values in order, so that ``tensor_to_numpy``
+    is a view of them: contiguous, and no conjugate or negative view (``tensor.conj()``,
+    ``_neg_view``: flags over memory holding other values, which numpy refuses)."""
+    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+
+
 def tensor_to_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor's memory (no copy, exact bits)."""
     dtype = from_torch(tensor.dtype)

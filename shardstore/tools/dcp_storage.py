@@ -128,6 +128,7 @@ from shardstore.format.dtypes import (
     BY_TORCH,
     cast_checked,
     from_zarr_name,
+    holds_its_values,
     numpy_to_tensor,
     tensor_to_numpy,
 )
@@ -380,7 +381,7 @@ class ShardstoreWriter(StorageWriter):
 
     def _write_shards(self, part: RankPart, planner: SavePlanner, save: SavePipeline) -> WrittenChunks:
         """This rank's arrays' ``zarr.json`` files and chunks, durable before it reports."""
-        blocks = [_materialized(planner.resolve_data(item)) for item in part.items]
+        blocks = [planner.resolve_data(item) for item in part.items]
         return WrittenChunks(tuple(save.write_plan(part.save.plan, blocks, self.io_concurrency)))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -459,15 +460,6 @@ def _plain_array_writers(plans: list[SavePlan], as_array: Callable[[WriteItem], 
         [sum(item.tensor_storage_size() or 0 for item in plan.items if _is_sharded(item)) for plan in plans],
     )
     return [[item for item in items if writers[item.index.fqn] == rank] for rank, items in enumerate(held)]
-
-
-def _materialized(data: Any) -> Any:
-    """A tensor whose memory holds its values: a conjugate or negative view
-    (``tensor.conj()``, ``_neg_view``) only flags them, and its memory cannot be written
-    as they are."""
-    if isinstance(data, torch.Tensor):
-        return data.resolve_conj().resolve_neg()
-    return data
 
 
 def _result(item: WriteItem, planner: SavePlanner, as_array: bool) -> WriteResult:
@@ -637,10 +629,7 @@ class ShardstoreReader(StorageReader):
                     opened.arrays[key] = ArrayChunks.of(store, opened.record.arrays[key])
                 array = opened.arrays[key]
                 stored = from_zarr_name(opened.record.arrays[key].dtype)
-                direct = (
-                    target.device.type == "cpu" and target.dtype == stored.torch_dtype and target.is_contiguous()
-                    and not target.is_conj() and not target.is_neg()  # flags over memory: read, then copy_
-                )
+                direct = target.device.type == "cpu" and target.dtype == stored.torch_dtype and holds_its_values(target)
                 out = tensor_to_numpy(target) if direct else np.empty(tuple(item.lengths), stored.numpy_dtype)
                 jobs += read_region(array, _box(item), out.reshape(tuple(item.lengths)))
                 deferred.append((item, target, None if direct else out, stored.torch_dtype))

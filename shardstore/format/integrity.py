@@ -145,14 +145,18 @@ class VerifyReport:
     unlisted: list[str] = field(default_factory=list)
 
     @property
+    def not_ours_note(self) -> str:
+        """The summary's words on ``not_ours`` (empty when there is none)."""
+        return f"{len(self.not_ours)} file(s) of another program beside it, not checked; " if self.not_ours else ""
+
+    @property
     def ok(self) -> bool:
         return not self.problems
 
     def __str__(self) -> str:
         head = (
             f"checkpoint {self.checkpoint}: {self.arrays_checked} arrays, {self.chunks_checked} chunks, "
-            f"{self.files_checked} files checked; "
-            + (f"{len(self.not_ours)} file(s) of another program beside it, not checked; " if self.not_ours else "")
+            f"{self.files_checked} files checked; {self.not_ours_note}"
         )
         if self.ok:
             return head + "no problems"

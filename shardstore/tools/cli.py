@@ -195,8 +195,7 @@ def verify_command(checkpoint: str, as_json: bool) -> None:
         click.echo(f"{problem.key} [{problem.part}]: {problem.message}")
     click.echo(
         f"{report.checkpoint}: {report.arrays_checked} arrays, {report.chunks_checked} chunks, "
-        f"{report.files_checked} files, {format_bytes(report.bytes_checked)} checked; "
-        + (f"{len(report.not_ours)} file(s) of another program beside it, not checked; " if report.not_ours else "")
+        f"{report.files_checked} files, {format_bytes(report.bytes_checked)} checked; {report.not_ours_note}"
         + ("no problems" if report.ok else f"{len(report.problems)} problem(s)")
     )
     sys.exit(0 if report.ok else EXIT_FINDING)

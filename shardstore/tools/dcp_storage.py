@@ -434,7 +434,7 @@ def _refuse_divergent_replicas(plans: list[SavePlan], where: str) -> None:
     for rank, plan in enumerate(plans):
         held = plan.storage_data.plain if isinstance(plan.storage_data, HeldPlainTensors) else ()
         left = map(_plain_kind, filter(_is_plain, plan.items))
-        for name, size, dtype in sorted({*held, *left}, key=str):
+        for name, size, dtype in {*held, *left}:
             seen.setdefault(name, {}).setdefault((size, dtype), []).append(rank)
     for name, kinds in seen.items():
         if len(kinds) > 1:

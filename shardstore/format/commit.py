@@ -394,7 +394,7 @@ class PendingCheckpoint(Location):
         (``_check_target``), is another program's, which replacing would delete: the save
         loses instead, changing nothing. One directory read; a file added deeper, inside
         one of its arrays, is not looked for here. ``old``: its commit record."""
-        added = sorted(set(self.target.list_top(None)) - old.own_top_names() - self.tops_at_begin)
+        added = sorted(set(self.target.list_top(None)) - old.own_top_names - self.tops_at_begin)
         if added:
             raise CheckpointingException(
                 f"Not committing the save into {self.target.describe()}: another program wrote "

@@ -36,6 +36,7 @@ its bytes.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -562,12 +563,14 @@ class CommitRecord:
     reused_from: ReusedChunks | None = None
     beside: tuple[str, ...] = ()
 
-    def own_top_names(self) -> set[str]:
+    @functools.cached_property
+    def own_top_names(self) -> frozenset[str]:
         """The top-level names its save wrote or may have written (without listing every
         chunk, as ``vouched_paths`` does), the format's reserved names whether written or
-        not."""
+        not. Computed once: ``refuses_beside`` asks for every name another program put
+        beside, against every array's."""
         paths = (*self.arrays, *self.files, *self.external_files, COMMIT_RECORD, OBJECTS_DIR, *RESERVED_ROOT_NAMES)
-        return {rel.split("/", 1)[0] for rel in paths}
+        return frozenset(rel.split("/", 1)[0] for rel in paths)
 
     def refuses_beside(self, name: str) -> str | None:
         """Why ``name`` cannot be one of the entries another program put beside this
@@ -575,7 +578,7 @@ class CommitRecord:
         save's own (files under it would escape ``verify``), or an invalid key."""
         if "/" in name:
             return f"{name!r} is not a top-level name"
-        if name in self.own_top_names() or name.startswith(".shardstore"):
+        if name in self.own_top_names or name.startswith(".shardstore"):
             return f"{name!r} is one of the checkpoint's own entries"
         try:
             check_key(name)

@@ -13,11 +13,13 @@ plug-in on ``SavePipeline``/``open_read``): 26, 10, 0; with one caller's-directo
 composition (``ZarrSaveShardedStrategy.into_callers_directory``/``plan_into``), the DCP
 writer speaking only the pipeline's vocabulary (``plan_gathered``, ``RankSave``) and dead
 openings removed: 24, 4, 0; with the common-state readers opening a path through
-``opened.read_location`` (checked against the record): 22, 4, 0. Of those 22, four are
-the intended entries (``SavePipeline.open`` x2, ``into_callers_directory``, ``open_read``)
-and the rest convert a path to a location inside public functions whose signatures are
-Megatron-Core's or the CLI's (``format.config``, ``strategies.common``,
-``strategies.zarr``, ``strategies.base``, ``integrity.verify``, the CLI, the manager).
+``opened.read_location`` (checked against the record): 22, 4, 0; with every other door
+reaching a caller's place through ``opened.bare_location`` (as it is) or
+``opened.write_location`` (the seed's writers; a committed checkpoint refused): 7, 4, 0.
+The 7: the save pipeline's entries (``SavePipeline.open`` x2, ``into_callers_directory``),
+``open_read`` and ``bare_location`` in ``opened``, and ``maybe_load_config`` and
+``verify`` in the format layer, whose seed signatures take a path
+(tests/test_entries.py pins the counts).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
@@ -16,8 +17,10 @@ from shardstore.format.config import (
     CheckpointingConfig,
     check_is_distributed_checkpoint,
     maybe_load_config,
-    save_config,
+    write_config,
 )
+from shardstore.opened import write_location
+from shardstore.stores.base import Location
 
 __all__ = [
     "CONFIG_FNAME",
@@ -31,6 +34,13 @@ __all__ = [
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+def save_config(config: CheckpointingConfig, checkpoint_dir: str | os.PathLike | Location) -> None:
+    """Megatron-Core's ``save_config``: writes ``metadata.json`` into ``checkpoint_dir``
+    (call on one rank only). A committed shardstore checkpoint there is refused
+    (``opened.write_location``): its commit record vouches for the file it has."""
+    write_config(config, write_location(checkpoint_dir))
 
 
 def gc_paused(fn: Callable[P, R]) -> Callable[P, R]:

@@ -60,6 +60,7 @@ from typing import Any
 from shardstore.errors import CheckpointingException
 from shardstore.format.integrity import verify
 from shardstore.format.records import is_committed
+from shardstore.opened import bare_location
 from shardstore.progress import log_once, operations_logged_at
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.stage import run_stage
@@ -77,7 +78,6 @@ from shardstore.serialization import (
 from shardstore.serialization import (
     save as _shardstore_save,
 )
-from shardstore.stores.locations import open_location
 from shardstore.strategies.forked_writes import for_another_process
 from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from shardstore.validation import StrictHandling
@@ -310,7 +310,7 @@ def _in_megatrons_terms(entry_point: Any) -> Any:
 def _is_ours(checkpoint_dir: Any) -> bool:
     """Whether ``checkpoint_dir`` holds a committed shardstore checkpoint."""
     try:
-        return is_committed(open_location(checkpoint_dir))
+        return is_committed(bare_location(checkpoint_dir))
     except CheckpointingException:
         return False
 

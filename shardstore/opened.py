@@ -1,4 +1,18 @@
-"""One read entry: ``open_read`` opens a checkpoint once, for every door that reads one.
+"""The api's entries to a place a caller names, each saying how far it is trusted.
+
+* ``open_read``: a checkpoint to read, opened once for every door that reads one (below);
+* ``bare_location``: a place taken as it is, no commit record asked for: a directory of
+  the seed's own functions (Megatron's zarr module functions, ``maybe_load_config``), a
+  checkpoint ``verify`` examines in whatever state it is, a root of checkpoints, a
+  destination whose kind is asked;
+* ``write_location``: where a writer with the seed's signature (``save_common``,
+  ``save_sharded_objects``, ``_create_zarr_array``, ``save_config``) writes a file into a
+  caller's directory; a committed shardstore checkpoint there is refused, since a file
+  changed under its commit record is damage.
+
+A save is opened by ``execution.pipeline.SavePipeline`` (staged, published by the
+commit rules); nothing above this module turns a path into a location itself
+(``scripts/count_doors.py``).
 
 A checkpoint to read is either
 
@@ -26,7 +40,7 @@ from dataclasses import dataclass
 from shardstore.errors import CheckpointingException
 from shardstore.format.config import CheckpointingConfig, maybe_load_config
 from shardstore.format.integrity import ChecksummedLocation
-from shardstore.format.records import CommitRecord, is_committed, read_commit_record
+from shardstore.format.records import COMMIT_RECORD, CommitRecord, is_committed, read_commit_record
 from shardstore.other_formats import registry
 from shardstore.other_formats.base import OtherFormat
 from shardstore.stores.base import Location
@@ -104,6 +118,37 @@ def open_read(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -> Op
     return OpenedCheckpoint(ChecksummedLocation(location, record), record)
 
 
+def bare_location(place: str | os.PathLike | Location | OpenedCheckpoint) -> Location:
+    """The place a caller names, as it is (module docstring): nothing is read; a Location
+    is returned as it is, an opened checkpoint's location too."""
+    if isinstance(place, OpenedCheckpoint):
+        return place.location
+    return open_location(place)
+
+
+def write_location(checkpoint_dir: str | os.PathLike | Location) -> Location:
+    """Where a writer with the seed's signature writes into ``checkpoint_dir``.
+
+    A save hands such a writer the pending checkpoint it opened (a Location), used as it
+    is. A path or URL, as a direct caller of the seed's API passes, names a directory of
+    Megatron's own protocol, outside shardstore's commit: it is refused where it holds a
+    committed shardstore checkpoint, whose files its commit record vouches for.
+
+    Raises:
+        CheckpointingException: a committed shardstore checkpoint is there.
+    """
+    if not isinstance(checkpoint_dir, (str, os.PathLike)):
+        return checkpoint_dir
+    location = bare_location(checkpoint_dir)
+    if is_committed(location):
+        raise CheckpointingException(
+            f"{location.describe()} holds a committed shardstore checkpoint ({COMMIT_RECORD} is there): a file "
+            "written into it now would be damage under its commit record. Write into an empty directory, or save "
+            "with shardstore.save(..., overwrite=True) to replace the checkpoint"
+        )
+    return location
+
+
 def read_location(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -> Location:
     """Where a reader with the seed's signature (a strategy's ``load_common``,
     ``load_sharded_objects``, the zarr module's ``_load_from_array``) reads ``checkpoint``.
@@ -118,4 +163,4 @@ def read_location(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -
     return checkpoint
 
 
-__all__ = ["OpenedCheckpoint", "open_read", "other_format_of", "read_location"]
+__all__ = ["OpenedCheckpoint", "bare_location", "open_read", "other_format_of", "read_location", "write_location"]

@@ -72,14 +72,13 @@ from shardstore.mapping import (
     ShardedTensorFactory,
     StateDict,
 )
-from shardstore.opened import OpenedCheckpoint, open_read
+from shardstore.opened import OpenedCheckpoint, bare_location, open_read
 from shardstore.planning.layout import GlobalLayout
 from shardstore.planning.plans import RankLoadPlan
 from shardstore.progress import operation, progress_shown, stage
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_stage import gather_and_plan
 from shardstore.stores.base import Location
-from shardstore.stores.locations import open_location
 from shardstore.strategies.async_utils import AsyncRequest
 from shardstore.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -438,7 +437,7 @@ def _load(
     group: Group,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """``load`` on ``group`` (``Group.local()``: this process alone, no collectives)."""
-    target = checkpoint_dir if isinstance(checkpoint_dir, OpenedCheckpoint) else open_location(checkpoint_dir)
+    target = checkpoint_dir if isinstance(checkpoint_dir, OpenedCheckpoint) else bare_location(checkpoint_dir)
     with operation("load", target.describe(), coordinator=group.is_coordinator) as timing:
         with stage("load: record", target.describe()):
             opened = open_read(target)

@@ -171,3 +171,50 @@ def test_the_zarr_modules_seed_functions_round_trip_and_read_through_open_read(t
         dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "dcp")
     with pytest.raises(CheckpointingException, match="not a shardstore checkpoint"):
         zarr_module.load_zarr_based_sharded_metadata(tmp_path / "dcp", lambda path: ((2,), "float32"))
+
+
+def test_the_seeds_writers_refuse_a_committed_checkpoint_given_by_path(tmp_path: Path) -> None:
+    """Megatron's protocol writes files into a caller's directory outside our commit; given
+    the path of a committed checkpoint, each writer refuses (``opened.write_location``)
+    instead of changing a file its record vouches for, and the checkpoint stays whole."""
+    from shardstore import verify
+    from shardstore.core import CheckpointingConfig, save_config
+    from shardstore.mapping import ShardedObject
+    from shardstore.strategies import zarr as zarr_module
+    from shardstore.strategies.common import TorchCommonSaveStrategy
+
+    ckpt = tmp_path / "ours"
+    save({**_state(1.0), "step": 1}, ckpt)
+    before = {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+    common = TorchCommonSaveStrategy()
+    tensor = ShardedTensor.from_rank_offsets("w2", torch.ones(2))
+    writers = {
+        "save_common": lambda: common.save_common({"step": 2}, ckpt),
+        "save_sharded_objects": lambda: common.save_sharded_objects({"o": ShardedObject("o", 1, (1,), (0,))}, ckpt),
+        "_create_or_open_zarr_arrays": lambda: zarr_module._create_or_open_zarr_arrays([tensor], str(ckpt)),
+        "_create_zarr_array": lambda: zarr_module._create_zarr_array(tensor, ckpt),
+        "save_config": lambda: save_config(CheckpointingConfig("zarr", 1, "torch", 1), ckpt),
+    }
+    for name, write in writers.items():
+        try:
+            write()
+        except CheckpointingException as exc:
+            assert str(ckpt) in str(exc) and "committed shardstore checkpoint" in str(exc), name
+        else:
+            pytest.fail(f"{name} wrote into a committed checkpoint")
+    assert {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before
+    assert verify(ckpt).ok
+
+
+def test_only_the_entries_turn_a_path_into_a_location() -> None:
+    """Issue 31.1: ``open_location`` is called by the save pipeline's entries, the read
+    entries of ``opened`` and two format functions whose seed signatures take a path
+    (``maybe_load_config``, ``verify``); every other module goes through them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("count_doors", ROOT.parent / "scripts" / "count_doors.py")
+    count_doors = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(count_doors)
+    assert count_doors.counts() == {
+        "open_location calls": 7, "tools imports of lower layers": 4, "location subclass probes": 0,
+    }

@@ -36,7 +36,7 @@ from tests.scenarios import assert_bits_equal, global_tensor
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float8_e5m2]
 EXAMPLES = 60 if os.environ.get("SHARDSTORE_SLOW") == "1" else 12
 FAIL_POINTS = [
-    ("shardstore.execution.pipeline", "save_config"),  # the save pipeline begins the save
+    ("shardstore.execution.pipeline", "write_config"),  # the save pipeline begins the save
     ("shardstore.format.chunks", "ChunkFile.write"),
     ("shardstore.stores.local", "_syncfs"),
     ("shardstore.stores.local", "LocalStore.put_atomic"),

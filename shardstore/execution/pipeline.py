@@ -92,7 +92,7 @@ from shardstore.format.commit import (
     join_save,
     publisher_for,
 )
-from shardstore.format.config import CheckpointingConfig, save_config
+from shardstore.format.config import CheckpointingConfig, write_config
 from shardstore.format.dtypes import tensor_to_numpy
 from shardstore.format.records import ZARR_JSON, ArrayRecord, CommitRecord
 from shardstore.mapping import ShardedObject, ShardedTensor
@@ -199,7 +199,7 @@ class SavePipeline:
             pending = begin_save(self.target, self.overwrite, self.reuse_from, self.shared_directory)
             try:
                 if self.config is not None:
-                    save_config(self.config, pending)
+                    write_config(self.config, pending)
             except BaseException:
                 pending.abandon()
                 raise

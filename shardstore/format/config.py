@@ -78,6 +78,7 @@ def maybe_load_config(checkpoint_dir: str | Location) -> CheckpointingConfig | N
     return CheckpointingConfig.from_json(data, where=location.describe(CONFIG_FNAME))
 
 
-def save_config(config: CheckpointingConfig, checkpoint_dir: str | Location) -> None:
-    """Writes ``metadata.json`` (call on one rank only)."""
-    open_location(checkpoint_dir).write_bytes(CONFIG_FNAME, config.to_json())
+def write_config(config: CheckpointingConfig, location: Location) -> None:
+    """Writes ``metadata.json`` (call on one rank only). Megatron-Core's ``save_config``,
+    which takes a path, is ``shardstore.core.save_config``."""
+    location.write_bytes(CONFIG_FNAME, config.to_json())

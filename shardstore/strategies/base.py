@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Union
 
 from shardstore.core import CheckpointingException
 from shardstore.mapping import ShardedStateDict, StateDict
+from shardstore.opened import bare_location
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_cache import PlanCache
 from shardstore.protocol.stage import run_stage
-from shardstore.stores.locations import open_location
 from shardstore.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
 if TYPE_CHECKING:
@@ -310,7 +310,7 @@ def agree_before_save(process_group: Any, checkpoint_dir: CheckpointDir, local_e
     """Collective (``protocol.stage.run_stage``, agreement only): a strategy that runs no
     stage of ours raises every rank's earlier failure before it saves. shardstore's own
     strategy carries it in its staging stage instead, at no extra collective."""
-    where = open_location(checkpoint_dir).describe()
+    where = bare_location(checkpoint_dir).describe()
     run_stage(Group(process_group), f"Preparing the sharded save into {where}", lambda: None, local_error=local_error)
 
 

@@ -14,9 +14,8 @@ from shardstore.dict_utils import dict_list_map_inplace, nested_values
 from shardstore.format.pickles import deserialize, deserialize_dict, serialize
 from shardstore.format.records import COMMON_FILE, object_path
 from shardstore.mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
-from shardstore.opened import open_read, read_location
+from shardstore.opened import open_read, read_location, write_location
 from shardstore.stores.base import Location
-from shardstore.stores.locations import open_location
 from shardstore.strategies.base import (
     CheckpointDir,
     LoadCommonStrategy,
@@ -36,7 +35,7 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
         super().__init__(backend, version)
 
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: CheckpointDir | Location) -> None:
-        open_location(checkpoint_dir).write_bytes(COMMON_FILE, serialize(common_state_dict))
+        write_location(checkpoint_dir).write_bytes(COMMON_FILE, serialize(common_state_dict))
 
     def save_sharded_objects(
         self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir | Location
@@ -47,7 +46,7 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
             for obj in nested_values(sharded_objects_state_dict)
             if isinstance(obj, ShardedObject) and is_main_replica(obj.replica_id)
         }
-        open_location(checkpoint_dir).write_many(files)
+        write_location(checkpoint_dir).write_many(files)
 
     @property
     def can_handle_sharded_objects(self) -> bool:

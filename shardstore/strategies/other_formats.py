@@ -24,13 +24,13 @@ from shardstore.dict_utils import dict_list_map_inplace
 from shardstore.execution.loaded import place_loaded, postprocess_loaded
 from shardstore.format.records import CommitRecord
 from shardstore.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from shardstore.opened import bare_location
 from shardstore.other_formats import registry
 from shardstore.other_formats.base import OtherCheckpoint, OtherFormat, place_value
 from shardstore.planning.layout import block_shape, region_at
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.stage import run_stage
 from shardstore.stores.base import Location
-from shardstore.stores.locations import open_location
 from shardstore.strategies.base import (
     CheckpointDir,
     LoadShardedStrategy,
@@ -47,7 +47,7 @@ def open_other_format(checkpoint_dir: CheckpointDir | Location) -> OtherCheckpoi
     """The opened checkpoint of another tool. One load asks for it several times (keys,
     common state, objects, tensors); it is read once for as long as its format's
     metadata file stays the same."""
-    location = open_location(checkpoint_dir)
+    location = bare_location(checkpoint_dir)
     path = location.local_path()
     if path is None:
         raise CheckpointingException(

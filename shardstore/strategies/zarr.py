@@ -63,7 +63,7 @@ from shardstore.format.records import (
     write_commit_record,
 )
 from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from shardstore.opened import open_read
+from shardstore.opened import bare_location, open_read, write_location
 from shardstore.planning.layout import (
     GlobalLayout,
     Region,
@@ -78,7 +78,6 @@ from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_cache import PlanCache
 from shardstore.protocol.plan_stage import gather_and_plan
 from shardstore.stores.base import Location, kvstore_spec
-from shardstore.stores.locations import open_location
 from shardstore.strategies.async_utils import AsyncRequest
 from shardstore.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -502,7 +501,7 @@ def _should_create_array(ten: ShardedTensor) -> bool:
 
 def _create_zarr_array(sharded_tensor: ShardedTensor, checkpoint_dir: CheckpointDir | Location) -> ts.TensorStore:
     """Creates the array of ``sharded_tensor``'s key (writes its ``zarr.json``)."""
-    location = open_location(checkpoint_dir)
+    location = write_location(checkpoint_dir)
     record = single_tensor_record(sharded_tensor)
     location.write_bytes(f"{record.key}/{ZARR_JSON}", json.dumps(record.zarr_metadata()).encode())
     return open_arrays(location, [record], tensorstore_context(location), for_write=True)[record.key]
@@ -517,7 +516,7 @@ def _create_or_open_zarr_arrays(
     The arrays created here must exist before others open them (a barrier in between
     when several ranks take part).
     """
-    location = open_location(checkpoint_dir)
+    location = write_location(checkpoint_dir)
     arrays: list[ts.TensorStore | None] = [
         _create_zarr_array(t, location) if _should_create_array(t) else None for t in sharded_tensors
     ]
@@ -545,7 +544,7 @@ def _open_zarr_array_verbose(path: str | Path, mode: str, **open_kwargs: Any) ->
     """Opens the array stored at ``path`` (a local path or a URL such as
     ``s3://bucket/ckpt/key``; reads its ``zarr.json``), with a clear error."""
     parent, _, name = os.fspath(path).rstrip("/").rpartition("/")
-    return _open_array(open_location(parent or "."), name, mode, **open_kwargs)
+    return _open_array(bare_location(parent or "."), name, mode, **open_kwargs)
 
 
 def _open_array(location: Location, key: str, mode: str, **open_kwargs: Any) -> ts.TensorStore:
@@ -566,7 +565,7 @@ def _load_from_array(sharded_tensor: ShardedTensor, checkpoint_dir: CheckpointDi
     """Loads one tensor from its array (reads the array's own ``zarr.json``). Megatron's
     zarr functions write arrays into a bare directory, with no commit record: read as it
     is (each chunk's crc32c, a codec of the array, is checked by TensorStore)."""
-    location = open_location(checkpoint_dir)
+    location = bare_location(checkpoint_dir)
     arr = _open_array(location, sharded_tensor.key, "r")
     stored = ArrayRecord(
         sharded_tensor.key, tuple(arr.shape), str(arr.dtype.name), tuple(arr.chunk_layout.read_chunk.shape)

@@ -181,11 +181,11 @@ def verify_command(checkpoint: str, as_json: bool) -> None:
     """
     from shardstore.format.integrity import verify
     from shardstore.format.records import read_commit_record
+    from shardstore.opened import bare_location
     from shardstore.other_formats import registry  # noqa: F401  (read_commit_record's errors name its formats)
-    from shardstore.stores.locations import open_location
 
     with _reported_errors():
-        location = open_location(checkpoint)
+        location = bare_location(checkpoint)
         read_commit_record(location)  # no checkpoint at all is an error, not a finding
         report = verify(location)
     if as_json:
@@ -240,9 +240,9 @@ def _check_destination(destination: str, target: str, overwrite: bool) -> None:
     """Refuses what the writers of a file or directory do not do: S3, replacing."""
     if target == "shardstore":
         return
-    from shardstore.stores.locations import open_location
+    from shardstore.opened import bare_location
 
-    if not open_location(destination).capabilities.is_local_filesystem:
+    if not bare_location(destination).capabilities.is_local_filesystem:
         raise CheckpointingException(
             f"{destination}: torch.save files and safetensors directories are written to local paths only"
         )

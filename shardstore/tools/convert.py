@@ -59,11 +59,10 @@ from shardstore.core import CheckpointingException
 from shardstore.format.dtypes import ShapedTensorSize, from_zarr_name
 from shardstore.format.pickles import load_torch_file
 from shardstore.mapping import ShardedObject, ShardedTensor, StateDict
-from shardstore.opened import open_read
+from shardstore.opened import bare_location, open_read
 from shardstore.other_formats.base import place_value
 from shardstore.protocol.collectives import Group
 from shardstore.stores.base import Location
-from shardstore.stores.locations import open_location
 from shardstore.tools.convert_layout import (
     Layout,
     common_tensor_names,
@@ -243,7 +242,7 @@ def source_kind(source: str | os.PathLike | Location) -> str:
     save, a file or directory of something else)."""
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
-        local = open_location(text).local_path()
+        local = bare_location(text).local_path()
         if text.endswith(".safetensors") and (local is None or local.is_file()):
             return "safetensors"
         if local is not None and local.is_file():

@@ -142,10 +142,9 @@ from shardstore.inputs.plain_tensors import (
     stored_as_array,
 )
 from shardstore.mapping import ShardedTensor
-from shardstore.opened import open_read
+from shardstore.opened import bare_location, open_read
 from shardstore.serialization import verify_checkpoint_and_load_strategy
 from shardstore.stores.base import Location
-from shardstore.stores.locations import open_location
 from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION
 from shardstore.strategies.zarr import (
     DEFAULT_MAX_CHUNK_BYTES,
@@ -416,7 +415,7 @@ class ShardstoreWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:
         try:
-            open_location(checkpoint_id)
+            bare_location(checkpoint_id)
         except Exception:  # noqa: BLE001  (any reason: not a place we can write)
             return False
         return True

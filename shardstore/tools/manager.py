@@ -178,9 +178,9 @@ import torch.distributed as dist
 from shardstore.core import CheckpointingException
 from shardstore.format.records import COMMIT_RECORD, DELETION_MARKER, MAX_RECORD_BYTES, CommitRecord
 from shardstore.mapping import ShardedStateDict, StateDict
+from shardstore.opened import bare_location
 from shardstore.protocol.collectives import Group
 from shardstore.stores.base import Location
-from shardstore.stores.locations import open_location
 from shardstore.strategies.async_utils import AsyncCallsQueue
 from shardstore.tools.preemption import Listener, listen
 
@@ -406,7 +406,7 @@ class CheckpointManager:
         process_group: dist.ProcessGroup | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.root = open_location(root)
+        self.root = bare_location(root)
         self.options = options or CheckpointManagerOptions()
         self.process_group = process_group
         self.retention_errors: list[str] = []

@@ -17,9 +17,10 @@ openings removed: 24, 4, 0; with the common-state readers opening a path through
 reaching a caller's place through ``opened.bare_location`` (as it is) or
 ``opened.write_location`` (the seed's writers; a committed checkpoint refused): 7, 4, 0.
 The 7: the save pipeline's entries (``SavePipeline.open`` x2, ``into_callers_directory``),
-``open_read`` and ``bare_location`` in ``opened``, and ``maybe_load_config`` and
-``verify`` in the format layer, whose seed signatures take a path
-(tests/test_entries.py pins the counts).
+``open_read`` and ``bare_location`` in ``opened``, and ``maybe_load_config`` (Megatron's
+name) and ``verify``, public functions of the format layer that take a path. The count
+says which entry each call uses, not how many conversions run (tests/test_entries.py
+pins the counts).
 """
 
 from __future__ import annotations

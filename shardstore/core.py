@@ -19,7 +19,6 @@ from shardstore.format.config import (
     maybe_load_config,
     write_config,
 )
-from shardstore.opened import write_location
 from shardstore.stores.base import Location
 
 __all__ = [
@@ -38,9 +37,13 @@ R = TypeVar("R")
 
 def save_config(config: CheckpointingConfig, checkpoint_dir: str | os.PathLike | Location) -> None:
     """Megatron-Core's ``save_config``: writes ``metadata.json`` into ``checkpoint_dir``
-    (call on one rank only). A committed shardstore checkpoint there is refused
-    (``opened.write_location``): its commit record vouches for the file it has."""
-    write_config(config, write_location(checkpoint_dir))
+    (call on one rank only). Into a committed shardstore checkpoint only where its record
+    does not list one (``opened.write_location``): Megatron-Core's own save writes it after
+    the commit."""
+    # imported here: the read entries import torch's DCP, which shardstore.core's many importers need not
+    from shardstore.opened import write_location
+
+    write_config(config, write_location(checkpoint_dir, writes_config=True))
 
 
 def gc_paused(fn: Callable[P, R]) -> Callable[P, R]:

@@ -6,9 +6,10 @@
   checkpoint ``verify`` examines in whatever state it is, a root of checkpoints, a
   destination whose kind is asked;
 * ``write_location``: where a writer with the seed's signature (``save_common``,
-  ``save_sharded_objects``, ``_create_zarr_array``, ``save_config``) writes a file into a
-  caller's directory; a committed shardstore checkpoint there is refused, since a file
-  changed under its commit record is damage.
+  ``save_sharded_objects``, ``_create_zarr_array``, ``_create_or_open_zarr_arrays``,
+  ``save_config``) writes a file into a caller's directory; a committed shardstore
+  checkpoint there is refused (but for a ``metadata.json`` its record does not list),
+  since a file changed or added under its commit record is damage.
 
 A save is opened by ``execution.pipeline.SavePipeline`` (staged, published by the
 commit rules); nothing above this module turns a path into a location itself
@@ -38,7 +39,7 @@ import os
 from dataclasses import dataclass
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.config import CheckpointingConfig, maybe_load_config
+from shardstore.format.config import CONFIG_FNAME, CheckpointingConfig, maybe_load_config
 from shardstore.format.integrity import ChecksummedLocation
 from shardstore.format.records import COMMIT_RECORD, CommitRecord, is_committed, read_commit_record
 from shardstore.other_formats import registry
@@ -126,27 +127,31 @@ def bare_location(place: str | os.PathLike | Location | OpenedCheckpoint) -> Loc
     return open_location(place)
 
 
-def write_location(checkpoint_dir: str | os.PathLike | Location) -> Location:
-    """Where a writer with the seed's signature writes into ``checkpoint_dir``.
+def write_location(checkpoint_dir: str | os.PathLike | Location, *, writes_config: bool = False) -> Location:
+    """Where a writer with the seed's signature writes into ``checkpoint_dir``: the
+    directory of Megatron's own protocol a direct caller names, or the pending checkpoint
+    of a save that hands it down.
 
-    A save hands such a writer the pending checkpoint it opened (a Location), used as it
-    is. A path or URL, as a direct caller of the seed's API passes, names a directory of
-    Megatron's own protocol, outside shardstore's commit: it is refused where it holds a
-    committed shardstore checkpoint, whose files its commit record vouches for.
+    Refused where a committed shardstore checkpoint is there: its commit record vouches
+    for every file it holds, and a file added after the commit is damage ``verify``
+    reports. The one exception, ``writes_config``: ``metadata.json`` where the record does
+    not list it, which Megatron-Core's own save writes after the commit
+    (``CommitRecord.unlisted``).
 
     Raises:
         CheckpointingException: a committed shardstore checkpoint is there.
     """
-    if not isinstance(checkpoint_dir, (str, os.PathLike)):
-        return checkpoint_dir
     location = bare_location(checkpoint_dir)
-    if is_committed(location):
-        raise CheckpointingException(
-            f"{location.describe()} holds a committed shardstore checkpoint ({COMMIT_RECORD} is there): a file "
-            "written into it now would be damage under its commit record. Write into an empty directory, or save "
-            "with shardstore.save(..., overwrite=True) to replace the checkpoint"
-        )
-    return location
+    if not is_committed(location):
+        return location
+    if writes_config and CONFIG_FNAME not in read_commit_record(location).files:
+        return location
+    what = CONFIG_FNAME if writes_config else "a file"
+    raise CheckpointingException(
+        f"{location.describe()} holds a committed shardstore checkpoint ({COMMIT_RECORD} is there): {what} written "
+        "into it now would be damage under its commit record. Write into an empty directory, or save with "
+        "shardstore.save(..., overwrite=True) to replace the checkpoint"
+    )
 
 
 def read_location(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -> Location:

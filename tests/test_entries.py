@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from shardstore.format.commit import (
     publisher_for,
 )
 from shardstore.format.records import read_commit_record
-from shardstore.opened import open_read
+from shardstore.opened import bare_location, open_read
 from shardstore.stores.locations import open_location
 from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from shardstore.tools.array_writer import CheckpointWriter
@@ -195,6 +196,7 @@ def test_the_seeds_writers_refuse_a_committed_checkpoint_given_by_path(tmp_path:
         "_create_zarr_array": lambda: zarr_module._create_zarr_array(tensor, ckpt),
         "save_config": lambda: save_config(CheckpointingConfig("zarr", 1, "torch", 1), ckpt),
     }
+    writers["save_common into its Location"] = lambda: common.save_common({"step": 2}, bare_location(ckpt))
     for name, write in writers.items():
         try:
             write()
@@ -204,6 +206,26 @@ def test_the_seeds_writers_refuse_a_committed_checkpoint_given_by_path(tmp_path:
             pytest.fail(f"{name} wrote into a committed checkpoint")
     assert {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before
     assert verify(ckpt).ok
+
+
+def test_the_seeds_writers_in_megatrons_order_write_metadata_after_the_commit(tmp_path: Path) -> None:
+    """Megatron-Core's own order through the seed's API: the common state, the sharded
+    save (committed in place), then ``metadata.json``, which the format admits after the
+    commit where the record does not list it."""
+    from shardstore import load, verify
+    from shardstore.core import CheckpointingConfig, save_config
+    from shardstore.strategies.common import TorchCommonSaveStrategy
+    from shardstore.strategies.zarr import SHARDSTORE_BACKEND, ZARR_VERSION
+
+    ckpt = tmp_path / "megatron_order"
+    ckpt.mkdir()
+    TorchCommonSaveStrategy().save_common({"step": 7}, ckpt)
+    ZarrSaveShardedStrategy().save(_state(2.0), ckpt)
+    save_config(CheckpointingConfig(SHARDSTORE_BACKEND, ZARR_VERSION, "torch", 1), ckpt)
+    assert json.loads((ckpt / "metadata.json").read_text())["sharded_backend"] == SHARDSTORE_BACKEND
+    assert verify(ckpt).ok
+    loaded = load({**_state(0.0), "step": None}, ckpt)
+    assert torch.equal(loaded["w"], torch.full((4, 3), 2.0)) and loaded["step"] == 7
 
 
 def test_only_the_entries_turn_a_path_into_a_location() -> None:

@@ -501,7 +501,11 @@ def _should_create_array(ten: ShardedTensor) -> bool:
 
 def _create_zarr_array(sharded_tensor: ShardedTensor, checkpoint_dir: CheckpointDir | Location) -> ts.TensorStore:
     """Creates the array of ``sharded_tensor``'s key (writes its ``zarr.json``)."""
-    location = write_location(checkpoint_dir)
+    return _create_array_in(write_location(checkpoint_dir), sharded_tensor)
+
+
+def _create_array_in(location: Location, sharded_tensor: ShardedTensor) -> ts.TensorStore:
+    """``_create_zarr_array`` into a location ``write_location`` gave."""
     record = single_tensor_record(sharded_tensor)
     location.write_bytes(f"{record.key}/{ZARR_JSON}", json.dumps(record.zarr_metadata()).encode())
     return open_arrays(location, [record], tensorstore_context(location), for_write=True)[record.key]
@@ -518,7 +522,7 @@ def _create_or_open_zarr_arrays(
     """
     location = write_location(checkpoint_dir)
     arrays: list[ts.TensorStore | None] = [
-        _create_zarr_array(t, location) if _should_create_array(t) else None for t in sharded_tensors
+        _create_array_in(location, t) if _should_create_array(t) else None for t in sharded_tensors
     ]
     for i, t in enumerate(sharded_tensors):
         if arrays[i] is None and is_main_replica(t.replica_id):

@@ -151,3 +151,23 @@ def test_the_hugging_face_cache_layout_with_its_links_imports(tmp_path: Path) ->
     (snapshot / "model-00001-of-00002.safetensors").symlink_to(Path("../../../models--other--model/blobs/stolen"))
     error = _import_within(snapshot, tmp_path / "again")
     assert isinstance(error, CheckpointingException) and "leads outside" in str(error), error
+
+
+def test_an_index_naming_a_tensor_no_file_holds_is_refused(tmp_path: Path) -> None:
+    """Issue 41.5: the index promises ``lost``; converting without it would be a silent
+    partial import."""
+    model = _model(tmp_path / "model")
+    _index(model, {"weight_map": {"w": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors",
+                                  "lost": "model-00002-of-00002.safetensors"}})
+    error = _import_within(model, tmp_path / "ckpt")
+    assert isinstance(error, CheckpointingException), error
+    assert "'lost'" in str(error) and SAFETENSORS_INDEX in str(error) and "no file" in str(error), error
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_an_index_naming_the_wrong_file_for_a_tensor_is_refused(tmp_path: Path) -> None:
+    model = _model(tmp_path / "model")
+    _index(model, {"weight_map": {"w": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors"}})
+    error = _import_within(model, tmp_path / "ckpt")
+    assert isinstance(error, CheckpointingException), error
+    assert "'b'" in str(error) and "it is in model-00002-of-00002.safetensors" in str(error), error

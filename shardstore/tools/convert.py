@@ -78,8 +78,9 @@ from shardstore.tools.convert_layout import (
 from shardstore.tools.model_files import (
     SAFETENSORS_INDEX,
     SAFETENSORS_SINGLE,
+    SafetensorsModel,
     open_model_file,
-    safetensors_files,
+    safetensors_model,
 )
 
 DEFAULT_MEMORY_BYTES = 2**30
@@ -266,8 +267,9 @@ def open_export_source(source: str | os.PathLike | Location) -> ExportSource:
 def _safetensors_source(path: str | os.PathLike) -> ExportSource:
     """A safetensors model: its tensors by name (memory-mapped), and, where a shardstore
     export wrote its layout, the common state and each array's place back."""
-    tensors = safetensors_tensors(path)
-    layout = read_safetensors_layout(safetensors_files(path)[0]) or Layout()
+    model = safetensors_model(path)
+    tensors = safetensors_tensors(model, path)
+    layout = read_safetensors_layout(model.files[0]) or Layout()
     in_common = set(common_tensor_names(layout.common)) if layout.common is not None else set()
     missing = [key for key in layout.arrays if key not in tensors or key in in_common]
     if missing:
@@ -616,11 +618,14 @@ def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def safetensors_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file or model directory, by name, memory-mapped."""
+def safetensors_tensors(model: SafetensorsModel, path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors ``model`` (opened from ``path``, its name in
+    errors), by name, memory-mapped; each tensor its index names must be there."""
+    held = {file: map_safetensors(file) for file in model.files}
+    model.refuse_unheld(held)
     tensors: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(path):
-        for name, tensor in map_safetensors(file).items():
+    for file_tensors in held.values():
+        for name, tensor in file_tensors.items():
             if name in tensors:
                 raise CheckpointingException(f"Tensor {name!r} appears in two files of {path}")
             tensors[name] = tensor

@@ -14,12 +14,18 @@ blocking (``stores.local.open_regular``: ``O_NOFOLLOW | O_NONBLOCK``, then ``fst
 must say regular file), after its real path was checked to lie inside the directory
 (or the cached repository). The index is read through the same size bound as a
 checkpoint's records.
+
+An index is also a promise about what the files hold: every tensor its ``weight_map``
+names must be in the file it names (``SafetensorsModel.refuse_unheld``), so that an
+import never drops a tensor the model needs without a word (issue 41.5).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +39,45 @@ SAFETENSORS_SINGLE = "model.safetensors"
 MAX_INDEX_BYTES = 64 * 2**20
 
 
-def safetensors_files(path: str | os.PathLike) -> list[Path]:
-    """The files of a safetensors model, each its real path, checked (module docstring):
-    ``path`` itself when it is a file, or the shards its directory's index names, or
-    the directory's single ``model.safetensors``.
+@dataclass(frozen=True)
+class SafetensorsModel:
+    """The files of a safetensors model and, where an index names them, which file holds
+    each tensor.
+
+    Attributes:
+        files: each file's real path, checked (module docstring), sorted by name.
+        index: the index file, None for a single file.
+        weight_map: tensor name -> the real path of the file the index says holds it;
+            empty without an index.
+    """
+
+    files: tuple[Path, ...]
+    index: Path | None = None
+    weight_map: Mapping[str, Path] = field(default_factory=dict)
+
+    def refuse_unheld(self, held: Mapping[Path, Collection[str]]) -> None:
+        """Refuses a model whose index names a tensor that the file it names does not hold.
+
+        Args:
+            held: each of ``files`` -> the tensor names its header lists.
+
+        Raises:
+            CheckpointingException: naming the first such tensor, its file and the index.
+        """
+        for name, file in sorted(self.weight_map.items()):
+            if name not in held.get(file, ()):
+                holders = sorted(f.name for f, names in held.items() if name in names)
+                found = f"; it is in {holders[0]}" if holders else "; no file of the model holds it"
+                raise CheckpointingException(
+                    f"{self.index}: weight_map names tensor {name!r} in {file.name}, which does not hold it{found}. "
+                    "Importing would lose that tensor; download the model again or fix its index"
+                )
+
+
+def safetensors_model(path: str | os.PathLike) -> SafetensorsModel:
+    """The files of the safetensors model at ``path``: ``path`` itself when it is a file,
+    or the shards its directory's index names, or the directory's single
+    ``model.safetensors``.
 
     Raises:
         CheckpointingException: naming the file (and the index key) that is not a
@@ -44,18 +85,21 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
     """
     root = Path(path)
     if root.is_file():
-        return [Path(os.path.realpath(root))]
+        return SafetensorsModel((Path(os.path.realpath(root)),))
     index = root / SAFETENSORS_INDEX
     if os.path.lexists(index):
-        names = _shard_names(index, _read_index(index, root))
-        return [_checked(root, name, f"{index} (weight_map)") for name in names]
+        weight_map = _weight_map(index, _read_index(index, root))
+        files = {name: _checked(root, name, f"{index} (weight_map)") for name in sorted(set(weight_map.values()))}
+        return SafetensorsModel(
+            tuple(files.values()), index, {tensor: files[name] for tensor, name in weight_map.items()}
+        )
     if os.path.lexists(root / SAFETENSORS_SINGLE):
-        return [_checked(root, SAFETENSORS_SINGLE, str(root))]
+        return SafetensorsModel((_checked(root, SAFETENSORS_SINGLE, str(root)),))
     raise CheckpointingException(f"{root} holds no safetensors model ({SAFETENSORS_INDEX} or {SAFETENSORS_SINGLE})")
 
 
 def open_model_file(path: Path) -> int:
-    """A read-only descriptor of ``path`` (one of ``safetensors_files``), still a regular
+    """A read-only descriptor of ``path`` (one of ``SafetensorsModel.files``), still a regular
     file (it could have been swapped for a FIFO since it was listed)."""
     try:
         fd = open_regular(path)
@@ -84,9 +128,9 @@ def _read_index(index: Path, root: Path) -> dict[str, Any]:
     return value
 
 
-def _shard_names(index: Path, value: dict[str, Any]) -> list[str]:
-    """The distinct file names of the index's ``weight_map`` (tensor name -> file name),
-    each a plain name in the model directory."""
+def _weight_map(index: Path, value: dict[str, Any]) -> dict[str, str]:
+    """The index's ``weight_map`` (tensor name -> file name), each file a plain name in
+    the model directory."""
     weight_map = value.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointingException(
@@ -99,7 +143,7 @@ def _shard_names(index: Path, value: dict[str, Any]) -> list[str]:
                 f"{index}: weight_map[{key!r}] is {name!r}, not the name of a file in the model directory "
                 "(no '/', no leading '.'); the index is damaged or not meant for this directory"
             )
-    return sorted(set(weight_map.values()))
+    return weight_map
 
 
 def _plain_name(name: str) -> bool:
@@ -130,4 +174,11 @@ def _allowed_root(root: Path) -> Path:
     return absolute
 
 
-__all__ = ["MAX_INDEX_BYTES", "SAFETENSORS_INDEX", "SAFETENSORS_SINGLE", "open_model_file", "safetensors_files"]
+__all__ = [
+    "MAX_INDEX_BYTES",
+    "SAFETENSORS_INDEX",
+    "SAFETENSORS_SINGLE",
+    "SafetensorsModel",
+    "open_model_file",
+    "safetensors_model",
+]

@@ -123,6 +123,53 @@ def test_dcp_api_and_shardstore_api_write_one_format_that_loads_both_ways(tmp_pa
         assert np.array_equal(by_ts, expected.numpy()) and np.array_equal(by_zarr, expected.numpy()), key
 
 
+# ----------------------------------------------------------------- names
+
+
+# Three pairs of names that differ only by '.' versus '/', one pair per way a value is
+# stored (sharded array, plain array, common state), each with a value of its own.
+_DOT_AND_SLASH = {"model.w": 1.0, "model/w": 2.0, "optim.m": 3.0, "optim/m": 4.0, "step.n": 5.0, "step/n": 6.0}
+
+
+def _dot_and_slash_state(world: int, sign: float) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    values = {key: sign * value for key, value in _DOT_AND_SLASH.items()}
+    return {
+        **{key: distribute_tensor(torch.full((8, 4), values[key]), mesh, [Shard(0)]) for key in ("model.w", "model/w")},
+        **{key: torch.full((64, 64), values[key]) for key in ("optim.m", "optim/m")},
+        **{key: torch.tensor(values[key]) for key in ("step.n", "step/n")},
+    }
+
+
+def save_and_load_dot_and_slash_names(rank: int, world: int, ckpt: str) -> dict[str, list[float]]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    dcp.save(_dot_and_slash_state(world, 1.0), storage_writer=ShardstoreWriter(ckpt, min_array_bytes=1024))
+    loaded = {}
+    for way, load in (("dcp.load", _dcp_load(ShardstoreReader(ckpt))),
+                      ("shardstore.load", lambda request: shardstore.load(request, ckpt))):
+        for key, value in load(_dot_and_slash_state(world, -1.0)).items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            loaded[f"{way} {key}"] = sorted(set(full.flatten().tolist()))
+    return loaded
+
+
+def test_names_differing_only_by_dot_or_slash_keep_their_own_values_through_dcp(tmp_path: Path) -> None:
+    """Issue 41.7a: a name's '.' is part of the array's name and its '/' a group, so
+    ``model.w`` and ``model/w`` are two arrays; neither overwrites the other."""
+    ckpt = tmp_path / "ckpt"
+    expected = {f"{way} {key}": [value] for way in ("dcp.load", "shardstore.load")
+                for key, value in _DOT_AND_SLASH.items()}
+    for loaded in run_distributed(save_and_load_dot_and_slash_names, 2, str(ckpt)):
+        assert loaded == expected, loaded
+    assert {"model.w", "model/w", "optim.m", "optim/m"} <= shardstore.load_tensors_metadata(ckpt).keys()
+    assert shardstore.verify(ckpt).ok
+
+
 # ----------------------------------------------------------------- failures
 
 

@@ -366,3 +366,21 @@ def test_an_async_save_of_the_manager_reuses_too(tmp_path: Path) -> None:
     record = read_commit_record(manager.location(1))
     assert record.reused_from is not None and record.reused_from.chunks == 1
     _check(manager.location(1).local_path(), 1)
+
+
+def test_s3_an_object_overwritten_after_its_commit_is_not_copied(s3, caplog) -> None:
+    """The copy's ETag (the MD5 S3 computes of what it stored) must be the MD5 of the
+    bytes being saved; an object changed since its commit fails that and is uploaded."""
+    _, proxy = s3
+    options = S3Options(endpoint_url=proxy.endpoint, key=KEY, secret=SECRET, region=REGION)
+    first, second = (open_location(f"s3://incremental/overwritten/step{i}", options=options) for i in (1, 2))
+    save(_state(1), first)
+    stored = first.read_bytes("base/c.0.0")
+    other = (np.frombuffer(stored[:-4], dtype=np.uint32) ^ 1).tobytes()
+    first.write_bytes("base/c.0.0", other + crc32c.crc32c(other).to_bytes(4, "little"))
+    with caplog.at_level(logging.INFO, logger="shardstore"):
+        save(_state(2), second, reuse_from=first)
+    assert read_commit_record(second).reused_from is None
+    assert "is not their MD5" in caplog.text
+    _check(second, 2)
+    assert verify(second).ok

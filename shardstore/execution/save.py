@@ -276,7 +276,11 @@ def write_ops(
                 f"with its chunks {record.chunk_shape}; please report it"
             )
         jobs += write_region(ArrayChunks.of(store, record), op.region, op.value)
-    return run_writes(jobs, store.threads, reuse.sharer(store) if reuse is not None else None)
+    if reuse is None:
+        return run_writes(jobs, store.threads)
+    written = run_writes(jobs, store.threads, reuse.sharer(store))
+    reuse.log_tally()
+    return written
 
 
 def _describe_region(region: Region) -> str:

@@ -37,12 +37,14 @@ difference.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import math
 import os
+import re
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -125,6 +127,80 @@ def _bytes_view(a: np.ndarray) -> memoryview:
     return memoryview(a.reshape(-1).view(np.uint8))
 
 
+@dataclass(frozen=True)
+class HeldChunk:
+    """One chunk's bytes as the trainer handed them over (computed from its memory),
+    with their crc32c and XXH3-128 digest: what a chunk shared with an earlier
+    checkpoint must be proven to hold before the commit record binds it
+    (``format.reuse``).
+
+    Attributes:
+        data: the chunk's raw bytes.
+        crc: crc32c of ``data`` (the stored object is ``data`` then these 4 bytes).
+        digest: XXH3-128 of ``data`` as 32 hex digits (``chunk_digest``).
+    """
+
+    data: memoryview
+    crc: int
+    digest: str
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored object: the data and its crc32c."""
+        return len(self.data) + CRC_BYTES
+
+    def md5_hex(self) -> str:
+        """MD5 of the stored object's bytes (what S3 reports as a single-part object's
+        ETag); computed on each call, since only object stores need it."""
+        md5 = hashlib.md5(self.data, usedforsecurity=False)
+        md5.update(self.crc.to_bytes(CRC_BYTES, "little"))
+        return md5.hexdigest()
+
+    def holds(self, blocks: Iterable[memoryview]) -> bool:
+        """Whether a stored object read as ``blocks`` (in order, possibly cut anywhere)
+        is exactly this chunk: its length, the 128-bit digest of its data and its
+        trailing crc32c. Stops reading once the object is longer than it should be."""
+        hasher, size, at, tail = xxhash.xxh3_128(), len(self.data), 0, bytearray()
+        for block in blocks:
+            head = max(0, min(len(block), size - at))
+            hasher.update(block[:head])
+            tail += block[head:]
+            at += len(block)
+            if len(tail) > CRC_BYTES:
+                return False
+        return (at == self.nbytes and hasher.hexdigest() == self.digest
+                and bytes(tail) == self.crc.to_bytes(CRC_BYTES, "little"))
+
+    def check(self, blocks: Iterable[memoryview], source: str) -> None:
+        """Raises ChunkMismatch, naming ``source``, unless ``holds(blocks)``."""
+        if not self.holds(blocks):
+            raise ChunkMismatch(
+                f"{source} does not hold the bytes being saved (its length, 128-bit digest or crc32c differs: "
+                "changed, replaced or damaged since its commit)"
+            )
+
+
+class ChunkMismatch(CheckpointingException):
+    """A chunk shared from an earlier checkpoint does not hold the bytes being saved
+    (``ChunkStore.share_from``): the caller writes them instead."""
+
+
+# An ETag that can be an MD5 (a multipart upload's has a "-<parts>" suffix).
+_MD5_HEX = re.compile(r"[0-9a-f]{32}")
+# Bytes read at a time when a shared file is read back to check it.
+CHECK_READ_BYTES = 4 * 2**20
+
+
+def _file_blocks(fd: int, limit: int) -> Iterator[memoryview]:
+    """The bytes of ``fd`` from its start in blocks, at most ``limit`` in all; each
+    block is valid until the next one is read."""
+    buffer = memoryview(bytearray(min(limit, CHECK_READ_BYTES)))
+    at = 0
+    while at < limit and (n := os.preadv(fd, [buffer[: min(len(buffer), limit - at)]], at)):
+        yield buffer[:n]
+        at += n
+
+
 class ChunkStore(ABC):
     """Where encoded chunks live; knows bytes and paths, nothing of arrays.
 
@@ -149,12 +225,24 @@ class ChunkStore(ABC):
         landed in them and up to ``CRC_BYTES + 1`` bytes that follow, or None if the
         object does not exist."""
 
-    def share_from(self, source: ChunkStore, rel: str, nbytes: int) -> bool:
-        """Makes the object at ``rel`` hold what ``source`` holds at ``rel`` (``nbytes``
-        long) without moving its bytes through this process, where the storage can: a
-        clone or hard link on a local file system, a server-side copy on an object store.
-        False where it cannot (other storage, the source object gone): the caller then
-        writes the bytes. Never changes the source object."""
+    def share_from(self, source: ChunkStore, rel: str, held: HeldChunk) -> bool:
+        """Makes the object at ``rel`` hold ``held``'s bytes by sharing what ``source``
+        holds at ``rel``, without sending them through this process where the storage
+        can: a clone or hard link on a local file system, a server-side copy on an
+        object store.
+
+        True only once the new object is proven to hold exactly ``held``'s bytes and
+        their crc32c, checked against what the object holds now (``HeldChunk.holds``,
+        or an ETag the store computed from the copy's bytes), never against a record's
+        word. False where the storage cannot share it (another kind of storage, no
+        links across devices, the source gone, an ETag that says nothing of the
+        bytes). Either way the caller then writes the bytes, which replaces whatever
+        the attempt left at ``rel``. Never changes the
+        source object.
+
+        Raises:
+            ChunkMismatch: the shared object does not hold ``held``'s bytes.
+            Errors of either storage propagate; the caller decides."""
         return False
 
 
@@ -193,17 +281,28 @@ class FileChunkStore(ChunkStore):
         finally:
             os.close(fd)
 
-    def share_from(self, source: ChunkStore, rel: str, nbytes: int) -> bool:
+    def share_from(self, source: ChunkStore, rel: str, held: HeldChunk) -> bool:
         """A clone (copy-on-write, where the file system has it) or else a hard link of
-        the source's file: only of a regular file of the expected size inside the
-        source's directory (no symbolic link is followed)."""
+        the source's file (only a regular file of the expected size inside the source's
+        directory; no symbolic link is followed), then the new file read back whole and
+        compared with ``held``. A hard link shares the inode, so the bytes read are the
+        source's bytes as they are now, not as its record says they were."""
         if not isinstance(source, FileChunkStore):
             return False
         source._guard.check(rel.rpartition("/")[0])
         try:
-            return share_file(source._prefix + rel, self._prefix + rel, nbytes)
+            if not share_file(source._prefix + rel, self._prefix + rel, held.nbytes):
+                return False
         except FileNotFoundError:  # the source chunk is gone (deleted meanwhile)
             return False
+        fd = open_regular(self._prefix + rel)
+        if fd is None:
+            return False
+        try:
+            held.check(_file_blocks(fd, held.nbytes + 1), source.describe(rel))
+        finally:
+            os.close(fd)
+        return True
 
 
 class KvChunkStore(ChunkStore):
@@ -229,9 +328,26 @@ class KvChunkStore(ChunkStore):
         result = self.kv.read(rel).result()
         return _fill(views, memoryview(result.value)) if result.state == "value" else None
 
-    def share_from(self, source: ChunkStore, rel: str, nbytes: int) -> bool:
-        """A server-side copy (the store's ``copy_from``), no bytes through this process."""
-        return isinstance(source, KvChunkStore) and self.location.store.copy_from(source.location.store, rel)
+    def share_from(self, source: ChunkStore, rel: str, held: HeldChunk) -> bool:
+        """A server-side copy (the store's ``copy_from``), no bytes through this process,
+        proven by the copy's ETag: S3 computes it as the MD5 of the bytes it stores (for
+        objects written by one PUT, as TensorStore writes chunks, without SSE-KMS or
+        SSE-C), so an ETag equal to the MD5 of ``held``'s bytes names exactly them.
+        Where the store reports another kind of ETag (encryption, a multipart upload) or
+        none, nothing is proven without downloading the copy, which costs what writing
+        it does: False, and the caller writes. An ETag of 32 hex digits that is not
+        their MD5 (other bytes, or encryption) raises ChunkMismatch."""
+        if not isinstance(source, KvChunkStore):
+            return False
+        copied = self.location.store.copy_from(source.location.store, rel)
+        if copied is None or copied.etag is None or not _MD5_HEX.fullmatch(copied.etag):
+            return False  # a multipart ETag ("...-3") or none: it says nothing of the bytes
+        if copied.etag != held.md5_hex():
+            raise ChunkMismatch(
+                f"{source.describe(rel)} does not hold the bytes being saved (its copy's ETag {copied.etag} is not "
+                "their MD5: changed or replaced since its commit, or stored with encryption or in parts)"
+            )
+        return True
 
 
 class StoreChunkStore(ChunkStore):
@@ -252,9 +368,16 @@ class StoreChunkStore(ChunkStore):
         data = self.store.get(rel, max_bytes=sum(v.nbytes for v in views) + CRC_BYTES + 1)
         return None if data is None else _fill(views, memoryview(data))
 
-    def share_from(self, source: ChunkStore, rel: str, nbytes: int) -> bool:
-        """The store's own copy (``copy_from``), where it has one."""
-        return isinstance(source, StoreChunkStore) and self.store.copy_from(source.store, rel)
+    def share_from(self, source: ChunkStore, rel: str, held: HeldChunk) -> bool:
+        """The store's own copy (``copy_from``), where it has one, read back and
+        compared with ``held`` (these stores are in memory or otherwise cheap to read)."""
+        if not isinstance(source, StoreChunkStore) or self.store.copy_from(source.store, rel) is None:
+            return False
+        data = self.store.get(rel, max_bytes=held.nbytes + 1)
+        if data is None:
+            return False
+        held.check([memoryview(data)], source.describe(rel))
+        return True
 
 
 def _fill(views: list[memoryview], data: memoryview) -> tuple[int, bytes]:

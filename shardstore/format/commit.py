@@ -290,10 +290,7 @@ class PendingCheckpoint(Location):
             return None
         with self._reuse_lock:
             if "opened" not in self._reuse:
-                source_store = chunk_store_for(self.reuse_source, target_store.threads, target_store.threads)
-                self._reuse["opened"] = ChunkReuse.open(
-                    self.reuse_source, self.intent.reuses, source_store, target_store, records
-                )
+                self._reuse["opened"] = _open_reuse(self.reuse_source, self.intent.reuses, target_store, records)
             return self._reuse["opened"]
 
     def describe(self, rel: str = "") -> str:
@@ -474,6 +471,19 @@ def _remove_dir(directory: DirectoryPublishing | None) -> None:
         pass
     except OSError as exc:
         logger.warning("Could not remove %s (the next save into the same place will): %s", directory.describe(), exc)
+
+
+def _open_reuse(
+    source: Location, save_id: str, target_store: ChunkStore, records: dict[str, ArrayRecord]
+) -> ChunkReuse | None:
+    """``ChunkReuse.open`` of ``source``, whose storage may not even open: then None
+    (logged), and the save writes every chunk."""
+    try:
+        source_store = chunk_store_for(source, target_store.threads, target_store.threads)
+    except Exception as exc:
+        logger.info("Not reusing chunks from %s: its storage cannot be opened (%s)", source.describe(), exc)
+        return None
+    return ChunkReuse.open(source, save_id, source_store, target_store, records)
 
 
 def begin_save(

@@ -33,12 +33,19 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import crc32c
 
-from shardstore.errors import CheckpointingException
-from shardstore.format.chunks import CRC_BYTES, ChunkFile, ChunkStore, ShareChunk, WrittenChunk
+from shardstore.format.chunks import (
+    ChunkFile,
+    ChunkMismatch,
+    ChunkStore,
+    HeldChunk,
+    ShareChunk,
+    WrittenChunk,
+)
 from shardstore.format.records import COMMIT_RECORD, ArrayRecord, CommitRecord, read_commit_record
 from shardstore.stores.base import Location
 
@@ -49,15 +56,14 @@ def reuse_save_id(source: Location, target: Location, in_place: bool) -> str | N
     """Coordinator, when a save into ``target`` begins: the save id of the committed
     checkpoint at ``source`` that the save may share chunks with, or None (logged) where
     it may not."""
-    why = None
     if in_place and source.describe() == target.describe():
         why = "the save replaces it in place (an object store has no staging area)"
-    elif not source.exists(COMMIT_RECORD):
-        why = "it holds no committed shardstore checkpoint"
-    if why is None:
+    else:
         try:
-            return read_commit_record(source).save_id
-        except CheckpointingException as exc:
+            if source.exists(COMMIT_RECORD):
+                return read_commit_record(source).save_id
+            why = "it holds no committed shardstore checkpoint"
+        except Exception as exc:  # unreadable, no permission, damaged: the save writes everything
             why = f"it cannot be read ({exc})"
     logger.info("Not reusing chunks from %s for the save into %s: %s", source.describe(), target.describe(), why)
     return None
@@ -89,12 +95,30 @@ def _reusable(source: ArrayRecord | None, new: ArrayRecord) -> ReusableArray | N
     return ReusableArray(source) if same else None
 
 
+@dataclass
+class ReuseTally:
+    """What one rank's sharing did during one save (``ChunkReuse``), for its log line.
+
+    Attributes:
+        shared: chunks shared and proven.
+        shared_bytes: their stored bytes.
+        written: chunks the record called unchanged that were written instead.
+        seconds: time spent sharing and proving, summed over the I/O threads.
+    """
+
+    shared: int = 0
+    shared_bytes: int = 0
+    written: int = 0
+    seconds: float = 0.0
+
+
 class ChunkReuse:
     """One rank's use of the source checkpoint during one save."""
 
     def __init__(self, source: Location, store: ChunkStore, arrays: dict[str, ReusableArray]) -> None:
         self.source, self.store, self.arrays = source, store, arrays
-        self._failed = 0
+        self.tally = ReuseTally()
+        self._logged: set[str] = set()
         self._lock = threading.Lock()
 
     @classmethod
@@ -104,14 +128,15 @@ class ChunkReuse:
     ) -> ChunkReuse | None:
         """This rank's reuse of the checkpoint at ``source`` (committed by ``save_id``)
         for a save of the arrays ``records`` into ``target_store``; None (logged) where
-        it cannot help."""
+        it cannot help. Never raises for the source's sake: a source that cannot be
+        read is one that cannot help."""
         why = None
         if type(source_store) is not type(target_store):
             why = "it is on another kind of storage"
         else:
             try:
                 record: CommitRecord | None = read_commit_record(source)
-            except CheckpointingException as exc:
+            except Exception as exc:  # damaged, unreadable, gone: the save writes everything
                 record, why = None, f"it cannot be read ({exc})"
             if record is not None and record.save_id != save_id:
                 why = f"another save ({record.save_id}) replaced it since this save began"
@@ -125,27 +150,65 @@ class ChunkReuse:
 
     def sharer(self, target: ChunkStore) -> ShareChunk:
         """The ``format.chunks.run_writes`` hook that shares unchanged chunks into
-        ``target``."""
+        ``target``: a chunk is reported shared only once ``target`` proved it holds the
+        bytes being saved (``ChunkStore.share_from``); anything else, an error of the
+        source's storage included, leaves it to be written."""
 
         def share(file: ChunkFile, view: memoryview, digest: str) -> WrittenChunk | None:
             array = self.arrays.get(file.array_key)
             crc = array.matches(file.index, view, digest) if array is not None else None
             if crc is None:
                 return None
-            nbytes = len(view) + CRC_BYTES
-            if not target.share_from(self.store, file.rel, nbytes):
-                self._note_failure(file)
+            held = HeldChunk(view, crc, digest)
+            start = time.perf_counter()
+            try:
+                shared = target.share_from(self.store, file.rel, held)
+                failure = None if shared else "cannot share"
+            except Exception as exc:  # the source cannot serve this chunk; writing it is the fallback
+                failure = "damaged" if isinstance(exc, ChunkMismatch) else "unusable"
+                self._note(failure, file, exc)
+            else:
+                if failure:
+                    self._note(failure, file, None)
+            self._count(failure is None, held.nbytes, time.perf_counter() - start)
+            if failure:
                 return None
-            return WrittenChunk(file.array_key, file.index, crc, digest, shared=nbytes)
+            return WrittenChunk(file.array_key, file.index, crc, digest, shared=held.nbytes)
 
         return share
 
-    def _note_failure(self, file: ChunkFile) -> None:
+    def _count(self, shared: bool, nbytes: int, seconds: float) -> None:
         with self._lock:
-            self._failed += 1
-            first = self._failed == 1
-        if first:  # once per save and rank
-            logger.info(
-                "Could not share %s with %s (the file system cannot link or clone it, or it is gone); writing it, "
-                "and any other such chunk, instead", file.describe(), self.source.describe(),
-            )
+            self.tally.seconds += seconds
+            if shared:
+                self.tally.shared += 1
+                self.tally.shared_bytes += nbytes
+            else:
+                self.tally.written += 1
+
+    def _note(self, failure: str, file: ChunkFile, exc: Exception | None) -> None:
+        """Logs the first failure of each kind, once per save and rank; the chunk and
+        every later one like it are written instead."""
+        with self._lock:
+            if failure in self._logged:
+                return
+            self._logged.add(failure)
+        where = f"{file.describe()} from {self.source.describe()}"
+        if failure == "cannot share":
+            logger.info("Could not share %s (the storage cannot link, clone or copy it, or it is gone); writing it, "
+                        "and any other such chunk, instead", where)
+        elif failure == "damaged":
+            logger.warning("Not sharing %s: %s. Writing it, and any other such chunk, instead; run `shardstore verify "
+                           "%s` to see what else it lost", where, exc, self.source.describe())
+        else:
+            logger.warning("Could not share %s: %s: %s. Writing it, and any other such chunk, instead", where,
+                           type(exc).__name__, exc)
+
+    def log_tally(self) -> None:
+        """Logs what this rank's sharing did (DEBUG)."""
+        t = self.tally
+        logger.debug(
+            "save: shared %d chunk(s), %d bytes, from %s, each proven against the bytes being saved; %d written "
+            "instead; %.3f s sharing and proving (summed over threads)",
+            t.shared, t.shared_bytes, self.source.describe(), t.written, t.seconds,
+        )

@@ -42,6 +42,20 @@ class StorageError(CheckpointingException, OSError):
 
 
 @dataclass(frozen=True)
+class CopiedObject:
+    """What a server-side copy made (``Store.copy_from``), as the store reported it.
+
+    Attributes:
+        etag: the new object's entity tag, without quotes, or None where the store
+            reports none. On S3 the ETag of an object written by one PUT without
+            SSE-KMS or SSE-C is the MD5 of its bytes; otherwise it names the object but
+            says nothing of its bytes.
+    """
+
+    etag: str | None = None
+
+
+@dataclass(frozen=True)
 class NameLimits:
     """The longest names a location stores, in bytes of UTF-8 (None: no limit): a save
     checks its keys against them before it writes anything (``format.check_key``).
@@ -167,13 +181,14 @@ class Store(ABC):
     def chunk_access(self) -> ChunkAccess:
         """How chunk I/O reaches this store's bytes."""
 
-    def copy_from(self, source: Store, key: str) -> bool:
+    def copy_from(self, source: Store, key: str) -> CopiedObject | None:
         """Copies the object ``key`` of ``source`` to ``key`` here without moving its
         bytes through this process (a server-side copy), where both stores are on the
-        same storage service. False where this store cannot (the caller then writes
-        the bytes itself) or the source object does not exist. Never changes the
-        source."""
-        return False
+        same storage service; returns what the store says of the copy. None where this
+        store cannot (the caller then writes the bytes itself) or the source object does
+        not exist. Never changes the source. The copy holds whatever the source holds
+        at that moment: a caller that needs particular bytes checks the result."""
+        return None
 
     def put_many(self, objects: dict[str, bytes]) -> None:
         """Stores many small objects concurrently."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import Any
 
-from shardstore.stores.base import StorageError, Store, run_parallel
+from shardstore.stores.base import CopiedObject, StorageError, Store, run_parallel
 
 
 class FsspecStore(Store):
@@ -60,17 +60,16 @@ class FsspecStore(Store):
     def put(self, key: str, data: bytes) -> None:
         self._call("write", key, self.fs.pipe_file, self._path(key), bytes(data))
 
-    def copy_from(self, source: Store, key: str) -> bool:
-        """fsspec's ``cp_file`` of one literal path (on S3 a CopyObject, or a multipart
-        copy above 5 GiB: no bytes through this process), between stores on one file
-        system object (same endpoint and credentials)."""
+    def copy_from(self, source: Store, key: str) -> CopiedObject | None:
+        """fsspec's ``cp_file`` of one literal path, between stores on one file system
+        object (same endpoint and credentials); it reports no ETag."""
         if not isinstance(source, FsspecStore) or source.fs is not self.fs:
-            return False
+            return None
         try:
             self._call("copy to", key, self.fs.cp_file, source._path(key), self._path(key))
         except FileNotFoundError:
-            return False
-        return True
+            return None
+        return CopiedObject()
 
     def put_atomic(self, key: str, data: bytes) -> None:
         """One object write: the backends here make an object visible whole or not at all."""

@@ -31,7 +31,15 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardstore.stores.base import Capabilities, ChunkAccess, NameLimits, StorageError, run_parallel
+from shardstore.stores.base import (
+    Capabilities,
+    ChunkAccess,
+    CopiedObject,
+    NameLimits,
+    StorageError,
+    Store,
+    run_parallel,
+)
 from shardstore.stores.fsspec_base import FsspecStore
 
 logger = logging.getLogger(__name__)
@@ -234,6 +242,23 @@ class S3Store(FsspecStore):
 
     def child(self, name: str) -> S3Store:
         return S3Store(self.describe(name), self.options)
+
+    def copy_from(self, source: Store, key: str) -> CopiedObject | None:
+        """One CopyObject request (no bytes through this process) between stores on one
+        s3fs file system (same endpoint and credentials); returns the ETag S3 gives the
+        copy. Objects above 5 GiB, which CopyObject refuses, are never shardstore's
+        chunks (TensorStore writes each with one PUT)."""
+        if not isinstance(source, S3Store) or source.fs is not self.fs:
+            return None
+        copy_source = {"Bucket": source.bucket, "Key": source._key(key)}
+        try:
+            reply = self._call("copy to", key, self.fs.call_s3, "copy_object", Bucket=self.bucket,
+                               Key=self._key(key), CopySource=copy_source)
+        except FileNotFoundError:
+            return None
+        self.fs.invalidate_cache(self._path(key))
+        etag = (reply.get("CopyObjectResult") or {}).get("ETag")
+        return CopiedObject(etag.strip('"') if isinstance(etag, str) else None)
 
     def prepare(self) -> None:
         try:

@@ -1,0 +1,188 @@
+"""Shared bytes are proven, not trusted (issue 41): a chunk an incremental save shares
+with an earlier checkpoint is checked against the bytes the trainer handed over before
+the commit binds it; a base that cannot serve a chunk costs that chunk a write, never
+the save."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import pytest
+import torch
+
+from shardstore import ShardedTensor, load, save, verify
+from shardstore.format.records import read_commit_record
+from shardstore.stores.locations import open_location
+from shardstore.tools.manager import CheckpointManager
+from tests.scenarios import assert_bits_equal, global_tensor
+from tests.test_incremental import BASE, _check, _same_crc32c_other_bytes, _state
+
+CHUNK = Path("base") / "c.0.0"
+
+
+def _flip_a_byte(path: Path, at: int = 100) -> None:
+    """Bit rot in place: the file keeps its inode (and so every hard link to it)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def _replace_with_other_bytes(path: Path) -> None:
+    """What a save replacing the checkpoint does to a chunk: a new file (a new inode)
+    with other values and a valid crc32c."""
+    data = (np.frombuffer(path.read_bytes()[:-4], dtype=np.uint32) ^ 1).tobytes()
+    path.unlink()
+    path.write_bytes(data + crc32c.crc32c(data).to_bytes(4, "little"))
+
+
+def _shares_inode(a: Path, b: Path) -> bool:
+    return os.stat(a).st_ino == os.stat(b).st_ino
+
+
+def _reused_chunks(ckpt: Path) -> int:
+    reused = read_commit_record(open_location(ckpt)).reused_from
+    return 0 if reused is None else reused.chunks
+
+
+def test_an_unchanged_chunk_is_still_shared_once_proven(tmp_path: Path) -> None:
+    save(_state(1), tmp_path / "s1")
+    save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
+    assert _reused_chunks(tmp_path / "s2") == 1
+    assert _shares_inode(tmp_path / "s1" / CHUNK, tmp_path / "s2" / CHUNK)
+
+
+def test_a_rotted_chunk_of_the_base_is_written_not_shared(tmp_path: Path, caplog) -> None:
+    save(_state(1), tmp_path / "s1")
+    _flip_a_byte(tmp_path / "s1" / CHUNK)
+    with caplog.at_level(logging.INFO, logger="shardstore"):
+        save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
+    assert not _shares_inode(tmp_path / "s1" / CHUNK, tmp_path / "s2" / CHUNK)
+    assert _reused_chunks(tmp_path / "s2") == 0
+    _check(tmp_path / "s2", 2)
+    assert verify(tmp_path / "s2").ok
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "does not hold the bytes being saved" in warnings[0].getMessage()
+    assert f"shardstore verify {tmp_path / 's1'}" in warnings[0].getMessage()
+
+
+def test_a_base_chunk_edited_with_its_crc32c_forged_is_written_not_shared(tmp_path: Path) -> None:
+    """The crc32c (the file's own and the record's) still match: only a 128-bit digest
+    of what the file holds now tells."""
+    save(_state(1), tmp_path / "s1")
+    chunk = tmp_path / "s1" / CHUNK
+    stored = chunk.read_bytes()
+    with open(chunk, "r+b") as f:  # in place, as rot or another tool would
+        f.write(_same_crc32c_other_bytes(stored[:-4]))
+    save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
+    assert _reused_chunks(tmp_path / "s2") == 0
+    _check(tmp_path / "s2", 2)
+
+
+def test_a_base_replaced_while_the_save_runs_is_not_shared(tmp_path: Path, monkeypatch) -> None:
+    """Another job replaces step 1 after this save checked its save id and before it
+    shares the chunks: the new files are not the trainer's bytes."""
+    import shardstore.format.chunks as chunk_io
+
+    save(_state(1), tmp_path / "s1")
+    original = chunk_io.FileChunkStore.share_from
+
+    def replaced_first(self, source, rel, held):
+        if (tmp_path / "s1" / CHUNK).stat().st_nlink == 1:  # not yet replaced or linked
+            _replace_with_other_bytes(tmp_path / "s1" / CHUNK)
+        return original(self, source, rel, held)
+
+    monkeypatch.setattr(chunk_io.FileChunkStore, "share_from", replaced_first)
+    save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
+    assert _reused_chunks(tmp_path / "s2") == 0
+    _check(tmp_path / "s2", 2)
+
+
+def test_a_base_whose_array_directory_is_a_symbolic_link_is_skipped(tmp_path: Path, caplog) -> None:
+    """A large frozen array moved to another disk and linked back: the save writes it."""
+    save(_state(1), tmp_path / "s1")
+    moved = tmp_path / "other-disk" / "base"
+    moved.parent.mkdir()
+    shutil.move(tmp_path / "s1" / "base", moved)
+    (tmp_path / "s1" / "base").symlink_to(moved)
+    with caplog.at_level(logging.INFO, logger="shardstore"):
+        save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
+    _check(tmp_path / "s2", 2)
+    assert not (tmp_path / "s2" / "base").is_symlink()
+    assert "symbolic link" in caplog.text
+
+
+def test_an_error_of_the_base_storage_costs_a_write_not_the_save(tmp_path: Path, monkeypatch, caplog) -> None:
+    import shardstore.format.chunks as chunk_io
+
+    def failing(source: str, target: str, nbytes: int) -> bool:
+        raise OSError(errno.EIO, "Input/output error", source)
+
+    save(_state(1), tmp_path / "s1")
+    monkeypatch.setattr(chunk_io, "share_file", failing)
+    with caplog.at_level(logging.INFO, logger="shardstore"):
+        save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
+    _check(tmp_path / "s2", 2)
+    assert "Input/output error" in caplog.text
+
+
+def test_a_base_whose_record_cannot_be_read_is_skipped(tmp_path: Path, monkeypatch) -> None:
+    import shardstore.format.reuse as reuse
+
+    def unreadable(location):
+        raise PermissionError(errno.EACCES, "Permission denied", location.describe())
+
+    save(_state(1), tmp_path / "s1")
+    monkeypatch.setattr(reuse, "read_commit_record", unreadable)
+    save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
+    _check(tmp_path / "s2", 2)
+
+
+def test_under_the_manager_a_rotted_step_costs_only_itself(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, _state(1))
+    manager.wait_until_finished()
+    _flip_a_byte(manager.location(1).local_path() / CHUNK)
+    for step in (2, 3):
+        manager.save(step, _state(step))
+    manager.close()
+    for step in (2, 3):
+        _check(manager.location(step).local_path(), step)
+        assert verify(manager.location(step)).ok
+    # step 3 shares the chunk step 2 wrote anew
+    assert _shares_inode(manager.location(2).local_path() / CHUNK, manager.location(3).local_path() / CHUNK)
+
+
+def test_a_large_chunk_is_proven_across_read_blocks(tmp_path: Path, monkeypatch) -> None:
+    """The check reads a shared file in blocks; a chunk longer than one block is hashed
+    across them and still shared."""
+    import shardstore.format.chunks as chunk_io
+
+    monkeypatch.setattr(chunk_io, "CHECK_READ_BYTES", 4096)
+    base = global_tensor("base", BASE, torch.float32)
+    for name in ("s1", "s2"):
+        save({"base": ShardedTensor.from_rank_offsets("base", base)}, tmp_path / name,
+             reuse_from=tmp_path / "s1" if name == "s2" else None)
+    assert _reused_chunks(tmp_path / "s2") == 1
+    loaded = load({"base": ShardedTensor.from_rank_offsets("base", torch.empty(BASE))}, tmp_path / "s2")
+    assert_bits_equal(loaded["base"], base, "base")
+
+
+@pytest.mark.parametrize("stored", ["longer", "shorter", "trailer"])
+def test_the_proof_refuses_a_file_of_the_wrong_length_or_trailer(stored: str) -> None:
+    from shardstore.format.chunks import HeldChunk, chunk_digest
+
+    data = memoryview(bytes(range(256)) * 64)
+    crc = crc32c.crc32c(data)
+    held = HeldChunk(data, crc, chunk_digest(data))
+    good = bytes(data) + crc.to_bytes(4, "little")
+    assert held.holds([memoryview(good[:1000]), memoryview(good[1000:])])
+    bad = {"longer": good + b"\0", "shorter": good[:-1], "trailer": good[:-1] + bytes([good[-1] ^ 1])}[stored]
+    assert not held.holds([memoryview(bad)])

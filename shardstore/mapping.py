@@ -109,13 +109,7 @@ class ShardedTensor(ShardedBase):
         if self.data is not None:
             if self.data.dtype != self.dtype:
                 fail(f"data dtype {self.data.dtype} does not match declared dtype {self.dtype}")
-            expected = (
-                self.local_shape
-                if self.flattened_range is None
-                else (self.flattened_range.stop - self.flattened_range.start,)
-            )
-            if tuple(self.data.shape) != tuple(expected):
-                fail(f"data shape {tuple(self.data.shape)} does not match expected {expected}")
+            self.check_held_shape()
         if len(self.global_shape) != len(self.global_offset):
             fail(f"global shape {self.global_shape} and offset {self.global_offset} differ in length")
         if len(self.local_shape) + self.prepend_axis_num != len(self.global_shape):
@@ -133,6 +127,33 @@ class ShardedTensor(ShardedBase):
                 fail(f"flattened_range must have step 1, got {fr}")
             if not (0 <= fr.start <= fr.stop <= math.prod(self.local_shape)):
                 fail(f"flattened_range {fr} is outside the local shape {self.local_shape}")
+
+    @property
+    def held_dtype(self) -> torch.dtype:
+        """The dtype a save stores: ``data``'s as it is now, else the declared ``dtype``.
+
+        A trainer may swap the wrapped parameter's ``.data`` for another dtype after this
+        ShardedTensor was made (``p.data = p.data.to(torch.bfloat16)``); a save stores
+        what the tensor holds, and a cached plan of the old dtype is not reused."""
+        return self.data.dtype if self.data is not None else self.dtype
+
+    def check_held_shape(self) -> None:
+        """Raises a CheckpointingException naming the key when ``data``'s shape is not the
+        one this ShardedTensor declares (``local_shape``, or the flattened range's length):
+        unlike a dtype, a shape changed since this ShardedTensor was made leaves its
+        place in the global tensor unknown."""
+        if self.data is None:
+            return
+        expected = (
+            self.local_shape
+            if self.flattened_range is None
+            else (self.flattened_range.stop - self.flattened_range.start,)
+        )
+        if tuple(self.data.shape) != tuple(expected):
+            raise CheckpointingException(
+                f"ShardedTensor {self.key!r}: data shape {tuple(self.data.shape)} does not match expected {expected}; "
+                "make the ShardedTensor from the tensor as it is now (a tensor's shape cannot change under it)"
+            )
 
     @property
     def has_regular_grid(self) -> bool:

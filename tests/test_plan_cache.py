@@ -288,6 +288,37 @@ def failure_under_cache(rank: int, world: int, root: str) -> tuple[str, tuple[in
     return message, (strategy.plan_cache.planned, strategy.plan_cache.reused)
 
 
+def save_after_swapping_the_dtype(rank: int, world: int, root: str) -> dict:
+    """Saves a state dict kept across steps (its ShardedTensors wrap the parameters),
+    swaps each parameter's ``.data`` to bfloat16 and saves again under the cached plan;
+    what the second checkpoint gives back and what the cache did."""
+    strategy = ZarrSaveShardedStrategy(max_chunk_bytes=CHUNK_BYTES, cache_plan=True)
+    rows = 2 * world
+    split = torch.nn.Parameter(torch.arange(2.0 * COLS).reshape(2, COLS) / 3 + rank)
+    volume = rows * COLS
+    cuts = [0] + [r * (volume // world) + r % 2 for r in range(1, world)] + [volume]  # uneven: chunks straddle
+    cut = slice(cuts[rank], cuts[rank + 1])
+    flat = torch.nn.Parameter(torch.arange(float(volume))[cut] / 7)
+    kept = {
+        "split": ShardedTensor.from_rank_offsets("split", split, (0, rank, world)),
+        "flat": ShardedTensor.from_rank_offsets_flat("flat", flat, (rows, COLS), flattened_range=cut),
+    }
+    save(kept, f"{root}/float32", sharded_strategy=strategy)
+    for parameter in (split, flat):
+        parameter.data = parameter.data.to(torch.bfloat16)
+    save(kept, f"{root}/bfloat16", sharded_strategy=strategy)
+    request = {
+        "split": ShardedTensor.from_rank_offsets("split", torch.zeros(2, COLS, dtype=torch.bfloat16), (0, rank, world)),
+        "flat": ShardedTensor.from_rank_offsets_flat(
+            "flat", torch.zeros(cut.stop - cut.start, dtype=torch.bfloat16), (rows, COLS), flattened_range=cut),
+    }
+    out = load(request, f"{root}/bfloat16")
+    return {
+        "exact": [torch.equal(out["split"], split.data), torch.equal(out["flat"], flat.data)],
+        "cache": (strategy.plan_cache.planned, strategy.plan_cache.reused),
+    }
+
+
 # --------------------------------------------------------------------------- tests
 
 
@@ -388,3 +419,13 @@ def test_a_single_process_reuses_its_plan(tmp_path: Path) -> None:
     # each record carries its own commit time, not the reused plan's (found by review)
     first, second = (read_commit_record(open_location(tmp_path / s)) for s in ("1", "2"))
     assert second.created > first.created and second.save_id != first.save_id
+
+
+def test_a_dtype_swapped_under_the_cached_plan_is_saved_as_held(tmp_path: Path) -> None:
+    """Issue 41.7b: ``p.data = p.data.to(torch.bfloat16)`` under a kept ShardedTensor
+    (whose declared dtype is still float32) plans anew and saves bfloat16, exactly."""
+    for result in run_distributed(save_after_swapping_the_dtype, 2, str(tmp_path)):
+        assert result == {"exact": [True, True], "cache": (2, 0)}, result
+    arrays = read_commit_record(open_location(tmp_path / "bfloat16")).arrays
+    assert {key: arrays[key].dtype for key in ("split", "flat")} == {"split": "bfloat16", "flat": "bfloat16"}
+    assert verify(tmp_path / "bfloat16").ok

@@ -76,12 +76,19 @@ class ShardRecord:
 
     @classmethod
     def from_sharded_tensor(cls, tensor: ShardedTensor, rank: int, index: int) -> ShardRecord:
+        """The record of ``tensor`` as it holds its data now (``ShardedTensor.held_dtype``):
+        the record's dtype is the one the save writes.
+
+        Raises:
+            CheckpointingException: its data's shape is no longer the declared one.
+        """
+        tensor.check_held_shape()
         flat = tensor.flattened_range
         return cls(
             key=tensor.key,
             rank=rank,
             index=index,
-            dtype=from_torch(tensor.dtype).zarr_name,
+            dtype=from_torch(tensor.held_dtype).zarr_name,
             global_shape=tuple(tensor.global_shape),
             offset=tuple(tensor.global_offset),
             block_shape=block_shape(tensor),

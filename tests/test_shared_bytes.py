@@ -186,3 +186,47 @@ def test_the_proof_refuses_a_file_of_the_wrong_length_or_trailer(stored: str) ->
     assert held.holds([memoryview(good[:1000]), memoryview(good[1000:])])
     bad = {"longer": good + b"\0", "shorter": good[:-1], "trailer": good[:-1] + bytes([good[-1] ^ 1])}[stored]
     assert not held.holds([memoryview(bad)])
+
+
+def test_the_manager_stops_choosing_a_base_whose_save_failed(tmp_path: Path, monkeypatch, caplog) -> None:
+    import shardstore.format.reuse as reuse
+
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, _state(1))
+    original = reuse.ChunkReuse.sharer
+    monkeypatch.setattr(reuse.ChunkReuse, "sharer", lambda self, target: (_ for _ in ()).throw(RuntimeError("bug")))
+    with caplog.at_level(logging.WARNING, logger="shardstore"), pytest.raises(Exception, match="bug"):
+        manager.save(2, _state(2))
+    assert "do not share chunks with step 1" in caplog.text
+    monkeypatch.setattr(reuse.ChunkReuse, "sharer", original)
+    manager.save(3, _state(3))
+    manager.close()
+    assert read_commit_record(manager.location(3)).reused_from is None
+    _check(manager.location(3).local_path(), 3)
+
+
+def test_the_manager_verify_names_every_step_sharing_a_damaged_file(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path)
+    for step in (1, 2, 3):
+        manager.save(step, _state(step))
+    manager.close()
+    assert manager.verify().ok
+    _flip_a_byte(manager.location(1).local_path() / CHUNK)  # one inode, linked by all three steps
+    report = manager.verify()
+    assert not report.ok
+    names = tuple(manager.options.step_name(s) for s in (1, 2, 3))
+    assert [(d.key, d.part, d.checkpoints) for d in report.damage] == [("base", "c.0.0", names)]
+    assert "one file shared by 3 checkpoints" in str(report)
+
+
+def test_verify_of_a_root_keeps_unshared_damage_apart(tmp_path: Path) -> None:
+    from shardstore.tools.root_verify import verify_root
+
+    save(_state(1), tmp_path / "a")
+    save(_state(2), tmp_path / "b")  # no reuse: nothing shared
+    (tmp_path / "notes").mkdir()
+    for name in ("a", "b"):
+        _flip_a_byte(tmp_path / name / CHUNK)
+    report = verify_root(tmp_path)
+    assert sorted(report.reports) == ["a", "b"]
+    assert sorted(d.checkpoints for d in report.damage) == [("a",), ("b",)]

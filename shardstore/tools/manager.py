@@ -160,6 +160,7 @@ every step's record, and each step's metrics once per manager).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -168,7 +169,7 @@ import numbers
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, TypeVar
 
@@ -183,6 +184,7 @@ from shardstore.protocol.collectives import Group
 from shardstore.stores.base import Location
 from shardstore.strategies.async_utils import AsyncCallsQueue
 from shardstore.tools.preemption import Listener, listen
+from shardstore.tools.root_verify import RootVerifyReport, verify_checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -421,6 +423,7 @@ class CheckpointManager:
         self._restored_step: int | None = None  # the step restore or resume loaded last
         self._warned_resaving_restored = False
         self._saved_steps: set[int] = set()  # the steps this manager saved (committed or in flight)
+        self._failed_bases: set[int] = set()  # steps whose reuse a failed save had (not chosen again)
         self._queue = AsyncCallsQueue(process_group=process_group) if self.options.async_save else None
         self._preemption: Listener | None = None
         if self.options.save_on_preemption:
@@ -463,6 +466,14 @@ class CheckpointManager:
         except Exception as exc:  # a record crafted to trip the parser is damaged too
             return StepState(step, "damaged", reason=f"{type(exc).__name__}: {exc}")
         return StepState(step, "committed", save_id=record.save_id)
+
+    def verify(self, progress: bool = False) -> RootVerifyReport:
+        """``shardstore.verify`` of every committed step, with each damaged file listed
+        once with every step that shares it (incremental saves hard-link unchanged
+        chunks: ``tools.root_verify``). Never raises for damage. Not collective: call it
+        on one rank."""
+        steps = {self.options.step_name(step): self.location(step) for step in self.all_steps()}
+        return verify_checkpoints(self.root.describe(), steps, progress)
 
     def metrics(self, step: int) -> dict[str, float] | None:
         """The metrics saved with the committed ``step`` (``save(metrics=...)``), or None
@@ -656,16 +667,19 @@ class CheckpointManager:
         if checked is not None:
             sharded_state_dict = {**sharded_state_dict, MANAGER_STATE_KEY: {"metrics": checked}}
         target = self.location(step)
-        if reuse_step is not None and self.options.reuse_unchanged:
-            save_kwargs.setdefault("reuse_from", self.location(reuse_step))
+        chosen_base = None
+        if reuse_step is not None and self.options.reuse_unchanged and "reuse_from" not in save_kwargs:
+            chosen_base = reuse_step
+            save_kwargs["reuse_from"] = self.location(reuse_step)
         retention = functools.partial(self._apply_retention, step)
+        with self._base_failures_noted(chosen_base, step):
+            request = save(
+                sharded_state_dict, target, async_sharded_save=self._queue is not None,
+                process_group=self.process_group, **save_kwargs,
+            )
         if self._queue is None:
-            save(sharded_state_dict, target, process_group=self.process_group, **save_kwargs)
             retention()
             return True
-        request = save(
-            sharded_state_dict, target, async_sharded_save=True, process_group=self.process_group, **save_kwargs
-        )
         request.add_finalize_fn(retention)
         self._queue.schedule_async_request(request)
         if preempted:  # the job may be killed any moment now: commit before returning
@@ -722,8 +736,26 @@ class CheckpointManager:
         committed = self._is_committed_or_refused(step, overwrite)
         reuse_step = None
         if self.options.reuse_unchanged and not committed:
-            reuse_step = self._newest_committed([s for s in self._named_steps() if s <= step])
+            bases = [s for s in self._named_steps() if s <= step and s not in self._failed_bases]
+            reuse_step = self._newest_committed(bases)
         return committed, checked, reuse_step
+
+    @contextlib.contextmanager
+    def _base_failures_noted(self, base: int | None, step: int) -> Iterator[None]:
+        """A save that reused from ``base`` (the manager's choice) and failed (a
+        synchronous save, or the start of an async one) makes the manager stop choosing
+        ``base``: whatever failed, the next save does not depend on it again. (A base that cannot serve a chunk costs that chunk a write, not the
+        save, ``format.reuse``; this is the belt to those braces.)"""
+        try:
+            yield
+        except Exception:
+            if base is not None and base not in self._failed_bases:
+                self._failed_bases.add(base)
+                logger.warning(
+                    "The save of step %d, which shared unchanged chunks with step %d, failed: later saves under %s "
+                    "do not share chunks with step %d", step, base, self.root.describe(), base,
+                )
+            raise
 
     def _is_committed_or_refused(self, step: int, overwrite: bool) -> bool:
         """Coordinator, before a save: True if ``step`` is committed (nothing to save);

@@ -1,0 +1,114 @@
+"""``verify`` of every checkpoint under one root (a checkpoint manager's directory, a
+Megatron-LM run's ``iter_*`` directories), naming the files that several of them share.
+
+Incremental saves (``format.reuse``) share an unchanged chunk between checkpoints: on a
+local file system as one file under several names (a hard link), so one damaged file is
+damage in every checkpoint that links it. A verify of one checkpoint cannot say that; this
+one groups the damaged files of all checkpoints under the root by the file they are (device
+and inode) and lists, for each, every checkpoint that holds it. On object stores and after
+a copy-on-write clone, checkpoints share no object: each damaged file is its own.
+"""
+
+from __future__ import annotations
+
+__all__ = ["RootVerifyReport", "SharedDamage", "checkpoints_under", "verify_root", "verify_checkpoints"]
+
+import os
+from dataclasses import dataclass, field
+
+from shardstore.format.integrity import Problem, VerifyReport, verify
+from shardstore.format.records import COMMIT_RECORD
+from shardstore.opened import bare_location
+from shardstore.stores.base import Location
+
+
+@dataclass(frozen=True)
+class SharedDamage:
+    """One damaged file and every checkpoint under the root that holds it.
+
+    Attributes:
+        key: the array key (or file path) as ``Problem.key``.
+        part: the chunk key, or ``"file"``.
+        message: the problem, as the first checkpoint's verify put it.
+        checkpoints: the names (under the root) of the checkpoints that hold this very
+            file, in name order; one name where nothing shares it.
+    """
+
+    key: str
+    part: str
+    message: str
+    checkpoints: tuple[str, ...]
+
+
+@dataclass
+class RootVerifyReport:
+    """What ``verify_root`` found: each checkpoint's own report, and the damaged files
+    grouped by the file they are."""
+
+    root: str
+    reports: dict[str, VerifyReport] = field(default_factory=dict)
+    damage: list[SharedDamage] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.reports.values())
+
+    def __str__(self) -> str:
+        head = f"{self.root}: {len(self.reports)} checkpoint(s) checked; "
+        if self.ok:
+            return head + "no problems"
+        lines = [
+            f"  {d.key} [{d.part}] in {', '.join(d.checkpoints)}"
+            + (f" (one file shared by {len(d.checkpoints)} checkpoints)" if len(d.checkpoints) > 1 else "")
+            + f": {d.message}"
+            for d in self.damage
+        ]
+        return head + f"{len(self.damage)} damaged file(s):\n" + "\n".join(lines)
+
+
+def checkpoints_under(root: Location) -> dict[str, Location]:
+    """The entries directly under ``root`` that hold a commit record, by name (a damaged
+    record counts: its verify says what is wrong)."""
+    found = {}
+    for name in root.list_top(limit=None):
+        child = root.child(name)
+        if child.exists(COMMIT_RECORD):
+            found[name] = child
+    return found
+
+
+def verify_root(root: str | os.PathLike | Location, progress: bool = False) -> RootVerifyReport:
+    """Verifies every checkpoint directly under ``root`` (``checkpoints_under``). Never
+    raises for damage: the report lists it, each damaged file once with every
+    checkpoint that shares it."""
+    location = bare_location(root)
+    return verify_checkpoints(location.describe(), checkpoints_under(location), progress)
+
+
+def verify_checkpoints(root: str, checkpoints: dict[str, Location], progress: bool = False) -> RootVerifyReport:
+    """``verify`` of each of ``checkpoints`` (by name), their damage grouped by file."""
+    report = RootVerifyReport(root, {name: verify(loc, progress) for name, loc in sorted(checkpoints.items())})
+    groups: dict[object, list[tuple[str, Problem]]] = {}
+    for name, single in report.reports.items():
+        for problem in single.problems:
+            groups.setdefault(_file_identity(checkpoints[name], name, problem), []).append((name, problem))
+    for found in groups.values():
+        first = found[0][1]
+        names = tuple(sorted({name for name, _ in found}))
+        report.damage.append(SharedDamage(first.key, first.part, first.message, names))
+    return report
+
+
+def _file_identity(checkpoint: Location, name: str, problem: Problem) -> object:
+    """What tells two checkpoints' damaged files apart: the file itself (device and
+    inode) where it is a local file that exists, else the checkpoint and the part."""
+    rel = problem.key if problem.part == "file" else f"{problem.key}/{problem.part}"
+    own = (name, problem.key, problem.part)
+    path = checkpoint.local_path(rel)
+    if path is None:
+        return own
+    try:
+        info = os.lstat(path)
+    except OSError:  # missing or unreadable: nothing to share, this checkpoint's own problem
+        return own
+    return (info.st_dev, info.st_ino)

@@ -11,6 +11,7 @@ distributed-optimizer state saved as flattened ranges of the blocks of one TP x 
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from itertools import product
 from pathlib import Path
@@ -32,7 +33,7 @@ from shardstore.strategies.resharding import (
 )
 from tests.dist import run_distributed
 from tests.fixtures.legacy.make_megatron014 import TORCH_DIST as MEGATRON_014_TORCH_DIST
-from tests.scenarios import assert_bits_equal, global_tensor
+from tests.scenarios import assert_bits_equal, global_tensor, rewrite_record
 
 SHAPE = (8, 5, 40)  # TP splits axis 0, PP axis 2, as in Megatron's own resharding tests
 FLAT, UNFLAT = "optimizer/exp_avg", "model/weight"
@@ -271,3 +272,17 @@ def test_megatrons_import_path_of_get_reformulation_metadata() -> None:
     from shardstore.strategies.torch import get_reformulation_metadata as from_torch_module
 
     assert from_torch_module is get_reformulation_metadata
+
+
+def test_a_forged_flattened_block_is_refused_in_seconds(tmp_path: Path) -> None:
+    """Issue 41.7c: a block of one element on a 1024 x 1024 array would make a load's
+    reformulation build a request per element (a million: minutes); the record is
+    refused as it is read, since no save writes a block smaller than its chunks."""
+    n = 1024
+    request = {"x": ShardedTensor.from_rank_offsets_flat("x", torch.zeros(n * n), (n, n), flattened_range=slice(0, n * n))}
+    save(request, tmp_path)
+    rewrite_record(tmp_path, lambda doc: doc["attributes"]["shardstore"]["arrays"]["x"].update(flattened_block=[1, 1]))
+    started = time.monotonic()
+    with pytest.raises(CheckpointingException, match=r"'x' names a flattened block \(1, 1\) smaller than its chunks"):
+        get_reformulation_metadata(request, tmp_path)
+    assert time.monotonic() - started < 5

@@ -261,14 +261,7 @@ class ArrayRecord:
             from_zarr_name(summary.get("dtype"))
         except TypeError as exc:
             raise CheckpointingException(f"{where}: array {key!r}: {exc}") from exc
-        flattened_block = None
-        if summary.get("flattened_block") is not None:
-            flattened_block = _int_tuple(summary["flattened_block"], f"{where}: flattened block of {key!r}", minimum=0)
-            if len(flattened_block) != len(shape) or any(b > n for b, n in zip(flattened_block, shape)):
-                raise CheckpointingException(
-                    f"{where}: array {key!r} of shape {shape} names a flattened block {flattened_block} that does "
-                    "not fit it"
-                )
+        flattened_block = _flattened_block(summary, key, shape, chunk_shape, bound, where)
         record = cls(key, shape, summary["dtype"], chunk_shape, chunk_separator=separator,
                      flattened_block=flattened_block)
         if list(record.chunk_grid) != summary.get("chunk_grid"):
@@ -294,6 +287,42 @@ class ArrayRecord:
         if crcs and (set(map(type, crcs)) != {int} or min(crcs) < 0 or max(crcs) >= 2**32):
             raise CheckpointingException(f"{where}: array {key!r} has malformed chunk checksums")
         return replace(record, chunk_crcs=tuple(crcs), chunk_digests=_chunk_digests(summary, record, where))
+
+
+def _flattened_block(
+    summary: dict[str, Any], key: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...], bound: bool, where: str
+) -> tuple[int, ...] | None:
+    """The record's ``flattened_block``, checked so that the blocks it cuts the array
+    into are no more than its chunks: a save's chunks never cross the blocks its
+    flattened ranges were cut from, so each block holds whole chunks (at least as large
+    along every axis, or empty). ``strategies.resharding`` makes one request per saved
+    block a load's block overlaps; bounded by the chunks, which a bound record lists
+    one by one, that work costs no more than the record's size.
+
+    Raises:
+        CheckpointingException: naming the array: a block that does not fit the shape,
+            is smaller than a chunk, or stands in a version 1 record (unbound: its chunks
+            are not listed, and no shardstore wrote a flattened block into one).
+    """
+    value = summary.get("flattened_block")
+    if value is None:
+        return None
+    block = _int_tuple(value, f"{where}: flattened block of {key!r}", minimum=0)
+    if len(block) != len(shape) or any(b > n for b, n in zip(block, shape)):
+        raise CheckpointingException(
+            f"{where}: array {key!r} of shape {shape} names a flattened block {block} that does not fit it"
+        )
+    if not bound:
+        raise CheckpointingException(
+            f"{where}: array {key!r} names a flattened block in a version 1 record, which no shardstore wrote; "
+            "the commit record was edited or damaged"
+        )
+    if any(0 < b < c for b, c in zip(block, chunk_shape)):
+        raise CheckpointingException(
+            f"{where}: array {key!r} names a flattened block {block} smaller than its chunks {chunk_shape}, which "
+            "no save writes; the commit record was edited or damaged"
+        )
+    return block
 
 
 def _chunk_digests(summary: dict[str, Any], record: ArrayRecord, where: str) -> tuple[str, ...] | None:

@@ -342,3 +342,36 @@ def test_megatrons_own_queries_refuse_a_shardstore_checkpoint(tmp_path: Path) ->
     for query in (dist_checkpointing.load_tensors_metadata, dist_checkpointing.load_common_state_dict):
         with pytest.raises(Exception, match="shardstore"):
             query(str(tmp_path / "ckpt"))
+
+
+def megatron_api_save_again(rank: int, world: int, ckpt: str) -> str:
+    """Megatron's own save with the plug-in into a directory that holds a committed
+    checkpoint: returns what this rank raised."""
+    from megatron.core import dist_checkpointing
+
+    from shardstore.tools.megatron_strategy import ShardstoreSaveShardedStrategy
+
+    sd = megatron_state_dict(rank, world, empty=False)
+    sd["iteration"] = 200
+    try:
+        dist_checkpointing.save(sd, ckpt, sharded_strategy=ShardstoreSaveShardedStrategy())
+    except Exception as exc:  # noqa: BLE001  (every rank must refuse)
+        return f"{type(exc).__name__}: {exc}"
+    raise AssertionError("the save into a committed checkpoint returned normally")
+
+
+def test_the_plugin_refuses_to_rewrite_a_committed_checkpoint_in_place(ckpt_dir: Path) -> None:
+    """Issue 41.4: Megatron-Core's save rewrites the directory in place, common.pt first,
+    so a crash midway would lose both checkpoints; it is refused on every rank before
+    anything is written, and the old checkpoint stays whole."""
+    import hashlib
+
+    from shardstore import verify
+
+    run_distributed(megatron_api_save, 2, str(ckpt_dir))
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in ckpt_dir.rglob("*") if p.is_file()}
+    errors = run_distributed(megatron_api_save_again, 2, str(ckpt_dir))
+    assert all("holds a committed shardstore checkpoint" in e and "Nothing was written" in e for e in errors), errors
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in ckpt_dir.rglob("*") if p.is_file()} == before
+    assert verify(ckpt_dir).ok
+    run_distributed(megatron_api_load, 2, str(ckpt_dir))

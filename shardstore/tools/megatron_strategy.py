@@ -18,24 +18,37 @@ the queries read such a checkpoint too.
 Megatron's async path works too (``async_sharded_save=True`` with its
 ``AsyncCallsQueue``): see ``ShardstoreSaveShardedStrategy``.
 
+A directory that already holds a committed shardstore checkpoint is refused before
+anything is written, on every rank: Megatron's ``save`` would rewrite it in place,
+``common.pt`` first, and a crash or a full disk midway would leave neither the old nor
+the new checkpoint. Megatron writes ``common.pt`` before it calls the sharded strategy,
+so the check runs in its common strategy (``TorchCommonSaveStrategy.save_common``,
+guarded once a save strategy of ours exists). To replace a checkpoint, save through
+``shardstore.megatron.install()`` or ``shardstore.save(..., overwrite=True)``, which
+replace it atomically.
+
 Importing this module needs megatron-core; shardstore itself never imports it.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 try:
     from megatron.core.dist_checkpointing.strategies import async_utils as _megatron_async
     from megatron.core.dist_checkpointing.strategies import base as _megatron_base
+    from megatron.core.dist_checkpointing.strategies import common as _megatron_common
 except ImportError as exc:  # pragma: no cover - exercised where megatron-core is absent
     raise ImportError(
         "shardstore.tools.megatron_strategy plugs shardstore into megatron.core.dist_checkpointing and needs megatron-core "
         "(pip install megatron-core); shardstore.save/load work without it"
     ) from exc
 
+from shardstore.errors import CheckpointingException
 from shardstore.inputs.megatron_objects import convert_megatron_objects
 from shardstore.mapping import apply_factories, apply_factory_merges
+from shardstore.opened import write_location
 from shardstore.serialization import load_preprocess
 from shardstore.strategies.base import DelegatingLoadStrategy
 from shardstore.strategies.forked_writes import for_another_process
@@ -63,6 +76,7 @@ class ShardstoreSaveShardedStrategy(_megatron_base.AsyncSaveShardedStrategy):
     def __init__(self, backend: str = SHARDSTORE_BACKEND, version: int = ZARR_VERSION, **options: Any) -> None:
         super().__init__(backend, version)
         self.base_strategy = ZarrSaveShardedStrategy(backend, version, **options)
+        _guard_common_save()
 
     def _plan(self, sharded_state_dict: Any, checkpoint_dir: Any) -> tuple[Any, Any, Any]:
         """Collective: the state dict in shardstore's objects, the save into Megatron's
@@ -86,6 +100,32 @@ class ShardstoreSaveShardedStrategy(_megatron_base.AsyncSaveShardedStrategy):
         and whose finalization commits."""
         ours = self.base_strategy.async_save_into(*self._plan(sharded_state_dict, checkpoint_dir))
         return for_another_process(ours, _megatron_async.AsyncRequest)
+
+
+def _guard_common_save() -> None:
+    """Makes Megatron's ``TorchCommonSaveStrategy.save_common`` (the first thing its
+    ``save`` writes, on rank 0) refuse, on every rank, a directory that holds a committed
+    shardstore checkpoint (module docstring). Idempotent; no other behaviour changes."""
+    strategy = _megatron_common.TorchCommonSaveStrategy
+    original = strategy.save_common
+    if getattr(original, "_shardstore_guarded", False):
+        return
+
+    @functools.wraps(original)
+    def save_common(self: Any, common_state_dict: Any, checkpoint_dir: Any) -> Any:
+        try:
+            write_location(checkpoint_dir)
+        except CheckpointingException as exc:
+            raise CheckpointingException(
+                f"Not saving into {checkpoint_dir}: it holds a committed shardstore checkpoint, which Megatron-Core's "
+                "save would rewrite in place (common.pt first), so a crash or a full disk midway would lose both the "
+                "old and the new checkpoint. Nothing was written. Save into a new directory, or replace it "
+                "atomically through shardstore.megatron.install() or shardstore.save(..., overwrite=True)"
+            ) from exc
+        return original(self, common_state_dict, checkpoint_dir)
+
+    save_common._shardstore_guarded = True  # type: ignore[attr-defined]
+    strategy.save_common = save_common
 
 
 class ShardstoreLoadShardedStrategy(DelegatingLoadStrategy, _megatron_base.LoadShardedStrategy):

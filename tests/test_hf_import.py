@@ -171,3 +171,53 @@ def test_an_index_naming_the_wrong_file_for_a_tensor_is_refused(tmp_path: Path) 
     error = _import_within(model, tmp_path / "ckpt")
     assert isinstance(error, CheckpointingException), error
     assert "'b'" in str(error) and "it is in model-00002-of-00002.safetensors" in str(error), error
+
+
+def _raw_safetensors(path: Path, header: dict, data: bytes) -> Path:
+    encoded = json.dumps(header).encode()
+    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + data)
+    return path
+
+
+def _f32(shape: list, offsets: list) -> dict:
+    return {"dtype": "F32", "shape": shape, "data_offsets": offsets}
+
+
+@pytest.mark.parametrize("header, data", [
+    pytest.param({"a": _f32([-1, -2], [0, 8])}, bytes(8), id="negative-dimensions"),
+    pytest.param({"a": _f32([2**40, 2**40, 0], [0, 0])}, b"", id="overflowing-dimensions"),
+    pytest.param({"a": _f32([2**64], [0, 8])}, bytes(8), id="dimension-past-64-bits"),
+    pytest.param({"a": _f32([True], [0, 4])}, bytes(4), id="boolean-dimension"),
+    pytest.param({"a": _f32([2], [0, 8]), "b": _f32([2], [4, 12])}, bytes(12), id="overlapping-offsets"),
+    pytest.param({"a": _f32([2], [0, 8]), "b": _f32([2], [0, 8])}, bytes(8), id="aliased-offsets"),
+    pytest.param({"a": _f32([1], [0, 4]), "b": _f32([1], [8, 12])}, bytes(12), id="gap-between-tensors"),
+    pytest.param({"a": _f32([4], [0, 16])}, bytes(8), id="offsets-past-the-end"),
+    pytest.param({"a": _f32([3], [0, 8])}, bytes(12), id="size-not-dtype-times-shape"),
+    pytest.param({"a": _f32([1], [0, 4, 5])}, bytes(4), id="three-offsets"),
+    pytest.param({"__metadata__": {"x": 1}, "a": _f32([1], [0, 4])}, bytes(4), id="metadata-not-strings"),
+    pytest.param({"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, bytes(4), id="dtype-not-a-name"),
+])
+def test_a_header_the_safetensors_library_refuses_is_refused_naming_the_file(
+    tmp_path: Path, header: dict, data: bytes
+) -> None:
+    """Issue 41.7d: the import's own memory-mapping reader checks what the library checks."""
+    from safetensors import SafetensorError, safe_open
+
+    path = _raw_safetensors(tmp_path / "forged.safetensors", header, data)
+    with pytest.raises(SafetensorError), safe_open(str(path), "pt") as f:  # the library refuses it
+        [f.get_tensor(name) for name in f.keys()]
+    error = _import_within(path, tmp_path / "ckpt")
+    assert isinstance(error, CheckpointingException), error
+    assert "forged.safetensors" in str(error), error
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_header_the_library_accepts_imports(tmp_path: Path) -> None:
+    """The checks refuse nothing the format allows: tensors in any order in the header,
+    an unaligned offset, a zero-sized tensor, extra fields."""
+    header = {"b": {"dtype": "F32", "shape": [1], "data_offsets": [1, 5], "note": "kept"},
+              "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, "z": _f32([0, 3], [5, 5])}
+    path = _raw_safetensors(tmp_path / "odd.safetensors", header, bytes([7]) + torch.tensor([2.5]).numpy().tobytes())
+    assert _import_within(path, tmp_path / "ckpt") is None
+    loaded = load_plain_tensors(tmp_path / "ckpt")
+    assert loaded["a"].tolist() == [7] and loaded["b"].tolist() == [2.5] and loaded["z"].shape == (0, 3)

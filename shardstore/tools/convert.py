@@ -590,32 +590,100 @@ def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
     The safetensors library's readers copy each tensor into memory; this maps the file,
     whose layout the format fixes: an 8-byte little-endian header size, a JSON header
-    naming each tensor's dtype, shape and byte offsets, then the data."""
+    naming each tensor's dtype, shape and byte offsets, then the data. The header is
+    checked as the library checks it (``safetensors_entries``) before any view is made.
+
+    Raises:
+        CheckpointingException: naming the file and what is wrong with it.
+    """
     try:
         with os.fdopen(open_model_file(path), "rb") as f:  # a regular file, never a FIFO
             size = int.from_bytes(f.read(8), "little")
             if not 0 < size <= _MAX_SAFETENSORS_HEADER:
                 raise ValueError(f"header size {size} out of range")
             header = json.loads(f.read(size))
-            if not isinstance(header, dict):
-                raise ValueError("its header is not a JSON object")
-            has_data = os.fstat(f.fileno()).st_size > 8 + size
-            data = np.memmap(f, dtype=np.uint8, mode="c", offset=8 + size) if has_data else None
-        tensors = {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = _SAFETENSORS_DTYPES[info["dtype"]]
-            shape = [int(n) for n in info["shape"]]
-            start, stop = (int(o) for o in info["data_offsets"])
-            nbytes = TensorSpec(dtype, tuple(shape)).nbytes
-            if stop - start != nbytes or start < 0 or (nbytes and (data is None or stop > data.size)):
-                raise ValueError(f"tensor {name!r} has inconsistent offsets {start}:{stop}")
-            raw = torch.from_numpy(data[start:stop]) if nbytes else torch.empty(0, dtype=torch.uint8)
-            tensors[name] = raw.view(dtype).reshape(shape)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+            data_bytes = max(0, os.fstat(f.fileno()).st_size - 8 - size)
+            entries = safetensors_entries(header, data_bytes)
+            data = np.memmap(f, dtype=np.uint8, mode="c", offset=8 + size) if data_bytes else None
+    except (OSError, ValueError) as exc:
         raise CheckpointingException(f"Cannot read {path} as a safetensors file: {exc}") from exc
+    tensors = {}
+    for name, spec, start, stop in entries:
+        raw = torch.from_numpy(data[start:stop]) if data is not None and stop > start else torch.empty(0, dtype=torch.uint8)
+        tensors[name] = raw.view(spec.dtype).reshape(spec.shape)
     return tensors
+
+
+# The format's integers are unsigned 64-bit; torch's sizes are signed.
+_MAX_SAFETENSORS_INT = 2**64 - 1
+_MAX_TORCH_DIMENSION = 2**63 - 1
+
+
+def safetensors_entries(header: Any, data_bytes: int) -> list[tuple[str, TensorSpec, int, int]]:
+    """Each tensor of a safetensors header as ``(name, spec, start, stop)`` (byte offsets
+    into the data), checked as the safetensors library checks a header before it reads
+    one: ``__metadata__`` maps strings to strings; every tensor names a known dtype, a
+    shape of non-negative integers whose element count (multiplied in order) and byte
+    size stay within 64 bits, and exactly two offsets; sorted by offset, the tensors
+    cover the ``data_bytes`` bytes of data exactly, each its own (no gap, no overlap,
+    nothing past the end), each ``dtype size x element count`` bytes long.
+
+    Raises:
+        ValueError: saying which tensor and what is wrong (the caller names the file).
+    """
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise ValueError("its __metadata__ is not an object of strings")
+    entries = sorted(
+        (_safetensors_entry(name, info) for name, info in header.items() if name != "__metadata__"),
+        key=lambda entry: (entry[2], entry[3]),
+    )
+    end = 0
+    for name, spec, start, stop in entries:
+        if start != end or stop < start:
+            raise ValueError(
+                f"tensor {name!r} has offsets {start}:{stop}, where the previous tensor ends at {end} "
+                "(tensors must follow one another without gaps or overlaps)"
+            )
+        if stop - start != spec.nbytes:
+            raise ValueError(f"tensor {name!r} of {spec.dtype} {list(spec.shape)} needs {spec.nbytes} bytes, not "
+                             f"the {stop - start} of its offsets {start}:{stop}")
+        end = stop
+    if end != data_bytes:
+        raise ValueError(f"its tensors cover {end} bytes of data, but the file holds {data_bytes}")
+    return entries
+
+
+def _safetensors_entry(name: str, info: Any) -> tuple[str, TensorSpec, int, int]:
+    """One tensor of a header, its fields checked (``safetensors_entries``)."""
+    if not isinstance(info, dict):
+        raise ValueError(f"tensor {name!r} is described by {type(info).__name__}, not an object")
+    named = info.get("dtype")
+    dtype = _SAFETENSORS_DTYPES.get(named) if isinstance(named, str) else None
+    if dtype is None:
+        raise ValueError(f"tensor {name!r} has dtype {named!r}, which shardstore cannot read "
+                         f"(it reads {sorted(_SAFETENSORS_DTYPES)})")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not _unsigned_ints(shape, _MAX_TORCH_DIMENSION):
+        raise ValueError(f"tensor {name!r} has shape {shape!r}, not a list of non-negative integers")
+    if not _unsigned_ints(offsets, _MAX_SAFETENSORS_INT) or len(offsets) != 2:
+        raise ValueError(f"tensor {name!r} has data_offsets {offsets!r}, not two non-negative integers")
+    spec = TensorSpec(dtype, tuple(shape))
+    elements = 1
+    for dimension in (*shape, spec.itemsize):  # in the library's order: it stops at the first overflow
+        elements *= dimension
+        if elements > _MAX_SAFETENSORS_INT:
+            raise ValueError(f"tensor {name!r} has shape {shape}, whose byte size overflows 64 bits")
+    return name, spec, offsets[0], offsets[1]
+
+
+def _unsigned_ints(value: Any, limit: int) -> bool:
+    """``value`` is a list of integers (not booleans) from 0 to ``limit``."""
+    return isinstance(value, list) and all(type(n) is int and 0 <= n <= limit for n in value)
 
 
 def safetensors_tensors(model: SafetensorsModel, path: str | os.PathLike) -> dict[str, torch.Tensor]:

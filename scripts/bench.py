@@ -36,7 +36,9 @@ the RSS before the operation, maximum over ranks. Times are medians over ``--rep
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -313,9 +315,11 @@ class Bench:
         self, case: str, method: str, nbytes: int, path: Path,
         save: Callable[[], None] | None, load: Callable[[], None] | None,
         check: Callable[[], None] | None = None, solo: bool = False,
+        before_save: Callable[[], None] | None = None,
     ) -> None:
-        """Registers a method; ``flush`` measures all registered methods together."""
-        self._methods.append(Method(case, method, nbytes, path, save, load, check, solo))
+        """Registers a method; ``flush`` measures all registered methods together.
+        ``before_save``: runs untimed before each save, after the page cache is dropped."""
+        self._methods.append(Method(case, method, nbytes, path, save, load, check, solo, before_save))
 
     def flush(self) -> None:
         """``reps`` rounds over the registered methods, interleaved, so that the disk's
@@ -339,6 +343,8 @@ class Bench:
                 if m.save is not None:
                     self._clean(m.path)
                     self._drop([x.path for x in methods if x.path.exists()])
+                    if m.before_save is not None and here:
+                        m.before_save()
                     saved.samples.append(self._timed(m.save, participate=here))
                 if m.load is not None:
                     self._drop([m.path])
@@ -365,6 +371,7 @@ class Method:
     load: Callable[[], None] | None
     check: Callable[[], None] | None
     solo: bool
+    before_save: Callable[[], None] | None = None  # untimed, after the page cache is dropped
 
 
 def run_large(b: Bench, args: argparse.Namespace) -> None:
@@ -687,17 +694,62 @@ def s3_bytes_written() -> int:
     return sum(int(v.get("value", 0)) for m in metrics for v in m.get("values", []))
 
 
+class ReuseTallies(logging.Handler):
+    """Collects the tally each reusing save logs (``format.reuse.ChunkReuse.log_tally``):
+    chunks shared and the seconds spent sharing and proving them, summed over threads."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.seconds: list[float] = []
+        self.shared: list[int] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("save: shared"):
+            self.shared.append(int(record.args[0]))
+            self.seconds.append(float(record.args[-1]))
+
+
+def read_files(path: Path) -> None:
+    """Reads every file under ``path`` once (into the page cache)."""
+    for p in path.rglob("*"):
+        if p.is_file():
+            with open(p, "rb", buffering=0) as f:
+                while f.read(4 * 2**20):
+                    pass
+
+
+def check_only_seconds(path: Path) -> tuple[float, int]:
+    """The check alone, as a reusing save does it for each shared file: read it back and
+    hash it (XXH3-128), one thread, starting cold; returns seconds and bytes."""
+    import xxhash
+
+    shared = [p for p in path.rglob("*") if p.is_file() and p.stat().st_nlink > 1]
+    drop_page_cache(shared)
+    start, nbytes = time.perf_counter(), 0
+    for p in shared:
+        hasher = xxhash.xxh3_128()
+        with open(p, "rb", buffering=0) as f:
+            while block := f.read(4 * 2**20):
+                hasher.update(block)
+                nbytes += len(block)
+    return time.perf_counter() - start, nbytes
+
+
 def run_incremental(b: Bench, args: argparse.Namespace) -> None:
     """Step 2 of a run whose base is frozen and whose small adapter trained: a full save
     against a save that reuses step 1's unchanged chunks (``reuse_from``), interleaved, on
     the local disk and, when the s3 case's server runs, on S3. Reports seconds (medians),
-    the bytes each adds to the disk or uploads, and the digest's throughput beside
-    crc32c's."""
+    the bytes each adds to the disk or uploads, what proving the shared chunks cost (the
+    saves' own tally, and the check alone: a cold read-back and XXH3-128 locally, the MD5
+    of the shared bytes for S3) and the digest's throughput beside crc32c's."""
     import crc32c
     import xxhash
 
     import shardstore
 
+    tallies = ReuseTallies()
+    logging.getLogger("shardstore.format.reuse").addHandler(tallies)
+    logging.getLogger("shardstore.format.reuse").setLevel(logging.DEBUG)
     base = build_large(int(args.incr_gib * GiB), b.rank, b.world)
     step1, step2 = incremental_state(b, base, 1), incremental_state(b, base, 2)
     nbytes = full_bytes(step2)
@@ -712,28 +764,25 @@ def run_incremental(b: Bench, args: argparse.Namespace) -> None:
               None)
     b.measure("incr", "reuse", nbytes, incr,
               lambda: shardstore.save(shardstore_sd(step2, b.rank, b.world), str(incr), reuse_from=str(first)), None)
+    warm = b.root / "incr-reuse-warm"  # the base still in the page cache, as after a recent save
+    b.measure("incr", "reuse-warm", nbytes, warm,
+              lambda: shardstore.save(shardstore_sd(step2, b.rank, b.world), str(warm), reuse_from=str(first)), None,
+              before_save=lambda: read_files(first))
     b.flush()
     extra: dict[str, float] = {}
     if b.rank == 0:
         added_full, added_incr = bytes_only_here(full), bytes_only_here(incr)
+        check_s, checked = check_only_seconds(incr)
         extra |= {"incr.local.added_bytes_full": added_full, "incr.local.added_bytes_reuse": added_incr,
-                  "incr.local.added_vs_changed": round(added_incr / changed, 3)}
+                  "incr.local.added_vs_changed": round(added_incr / changed, 3),
+                  "incr.local.share_and_prove_s_per_save": round(statistics.median(tallies.seconds or [0.0]), 3),
+                  "incr.local.check_only_cold_s": round(check_s, 3), "incr.local.check_only_bytes": checked}
     if "s3" in args.cases:
-        url = f"s3://{S3_BUCKET}/incremental"
-        shardstore.save(shardstore_sd(step1, b.rank, b.world), f"{url}/step1", overwrite=True)
-        uploads = []
-        for reuse in (None, f"{url}/step1"):
-            dist.barrier()
-            before = s3_bytes_written()
-            shardstore.save(shardstore_sd(step2, b.rank, b.world), f"{url}/step2-{'reuse' if reuse else 'full'}",
-                            overwrite=True, reuse_from=reuse)
-            sent = [0] * b.world
-            dist.all_gather_object(sent, s3_bytes_written() - before)
-            uploads.append(sum(sent))
-        extra |= {"incr.s3.uploaded_bytes_full": uploads[0], "incr.s3.uploaded_bytes_reuse": uploads[1]}
+        extra |= run_incremental_s3(b, args, step1, step2, tallies)
     if b.rank == 0:
         block = torch.randint(0, 255, (256 * 2**20,), dtype=torch.uint8).numpy()
-        for name, fn in (("xxh3_128", xxhash.xxh3_128_digest), ("crc32c", crc32c.crc32c)):
+        for name, fn in (("xxh3_128", xxhash.xxh3_128_digest), ("crc32c", crc32c.crc32c),
+                         ("md5", lambda data: hashlib.md5(data, usedforsecurity=False).digest())):
             times = []
             for _ in range(5):
                 start = time.perf_counter()
@@ -743,8 +792,58 @@ def run_incremental(b: Bench, args: argparse.Namespace) -> None:
         for key, value in extra.items():
             print(f"  {key}: {value}", flush=True)
     b.extra |= extra
-    for p in (first, full, incr):
+    for p in (first, full, incr, warm):
         b._clean(p)
+
+
+def run_incremental_s3(b: Bench, args: argparse.Namespace, step1: State, step2: State,
+                       tallies: ReuseTallies) -> dict[str, float]:
+    """The incremental case on S3: full and reusing saves of step 2, interleaved (the
+    order alternates every repetition), each into a new prefix; seconds (medians),
+    bytes uploaded, and what proving the copies cost."""
+    import shardstore
+
+    url = f"s3://{S3_BUCKET}/incremental-{os.getpid() if b.rank == 0 else 0}"
+    url = dist_broadcast_str(url)
+    shardstore.save(shardstore_sd(step1, b.rank, b.world), f"{url}/step1")
+    seconds: dict[str, list[float]] = {"full": [], "reuse": []}
+    uploads: dict[str, int] = {}
+    tallies.seconds.clear()
+    for rep in range(b.reps):
+        for name in ("full", "reuse") if rep % 2 == 0 else ("reuse", "full"):
+            reuse = f"{url}/step1" if name == "reuse" else None
+            target = f"{url}/step2-{name}-{rep}"
+            dist.barrier()
+            before = s3_bytes_written()
+            sample = b._timed(lambda target=target, reuse=reuse: shardstore.save(
+                shardstore_sd(step2, b.rank, b.world), target, reuse_from=reuse))
+            seconds[name].append(sample.seconds)
+            sent = [0] * b.world
+            dist.all_gather_object(sent, s3_bytes_written() - before)
+            uploads[name] = sum(sent)
+    shared = sum(t.nbytes for t, _ in step2.shards.values()) - INCR_ADAPTER[0] * INCR_ADAPTER[1] * 4 // b.world
+    md5 = torch.cat([t.reshape(-1).view(torch.uint8) for t, _ in step2.shards.values()]).numpy()[:max(shared, 0)]
+    start = time.perf_counter()
+    hashlib.md5(md5, usedforsecurity=False).digest()
+    md5_s = time.perf_counter() - start
+    full_s, reuse_s = statistics.median(seconds["full"]), statistics.median(seconds["reuse"])
+    if b.rank == 0:
+        print(f"  incr     s3 full  save: {full_s:7.3f} s ({min(seconds['full']):.3f}-{max(seconds['full']):.3f})",
+              flush=True)
+        print(f"  incr     s3 reuse save: {reuse_s:7.3f} s ({min(seconds['reuse']):.3f}-{max(seconds['reuse']):.3f})",
+              flush=True)
+    return {"incr.s3.uploaded_bytes_full": uploads["full"], "incr.s3.uploaded_bytes_reuse": uploads["reuse"],
+            "incr.s3.save_s_full": round(full_s, 3), "incr.s3.save_s_reuse": round(reuse_s, 3),
+            "incr.s3.reuse_vs_full": round(reuse_s / full_s, 3),
+            "incr.s3.share_and_prove_s_per_save": round(statistics.median(tallies.seconds or [0.0]), 3),
+            "incr.s3.check_only_md5_s_rank0": round(md5_s, 3)}
+
+
+def dist_broadcast_str(value: str) -> str:
+    """Rank 0's ``value`` on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 STAGING_CAP_MIB = 256
@@ -961,6 +1060,8 @@ def ratios(results: list[Result]) -> dict[str, float]:
     out |= ratio("s3.load.vs_s3fs_plain", ("s3", "shardstore", "load"), ("s3", "s3fs-plain", "load"))
     # time of step 2 saved reusing step 1's unchanged chunks / time of a full save of it
     out |= ratio("incr.save.time_reuse_vs_full", ("incr", "reuse", "save"), ("incr", "full", "save"), invert=True)
+    out |= ratio("incr.save.time_reuse_warm_vs_full", ("incr", "reuse-warm", "save"), ("incr", "full", "save"),
+                 invert=True)
     out |= ratio("async.blocked_time_vs_clone", ("async", "clone", "blocked"), ("async", "shardstore", "blocked"))
     out |= ratio("async.loop_rate_vs_alone", ("async", "matmul-loop", "during-save"), ("async", "matmul-loop", "alone"))
     for device in ("cuda", "cpu"):  # the device case

@@ -4,6 +4,7 @@ status 0 (fine), 1 (a finding) and 2 (an error that says what to do)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from click.testing import CliRunner
 
 from shardstore import ShardedObject, ShardedTensor, load, load_plain_tensors, save
 from shardstore.format.records import FORMAT_VERSION
-from shardstore.tools.cli import main, parse_size
+from shardstore.tools.cli import EXIT_CLOSED_OUTPUT, main, parse_size
 from tests.dist import run_distributed
 from tests.scenarios import assert_bits_equal, global_tensor, grid_shard
 
@@ -303,3 +304,65 @@ def test_a_refused_pickle_says_what_to_do_in_python_since_the_command_runs_no_co
     assert "in Python admit it with torch.serialization.add_safe_globals" in err, err
     assert "shardstore.load(..., common_strategy=TorchCommonLoadStrategy(allow_unsafe_pickle=True))" in err, err
     assert err.rstrip().endswith("the shardstore command runs no code from a file."), err
+
+
+# ------------------------------------------------------------------ issue 41.7e: --json failures, closed output
+
+
+SCRIPT = str(Path(sys.executable).with_name("shardstore"))
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "diff", "convert"])
+def test_a_failure_under_json_prints_a_json_error_object(tmp_path: Path, command: str) -> None:
+    missing = str(tmp_path / "missing")
+    second = [str(tmp_path / "out")] if command in ("diff", "convert") else []
+    result = subprocess.run([SCRIPT, command, "--json", missing, *second], capture_output=True, text=True, timeout=120)
+    document = json.loads(result.stdout)
+    assert result.returncode == 2 and document["exit_status"] == 2, result
+    assert missing in document["error"] and "Traceback" not in result.stderr, result
+
+
+def test_a_usage_error_under_json_prints_a_json_error_object() -> None:
+    result = subprocess.run([SCRIPT, "verify", "--json"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result
+    assert json.loads(result.stdout) == {"error": "Missing argument 'CHECKPOINT'.", "exit_status": 2}
+
+
+def test_help_under_json_is_help_not_an_error() -> None:
+    result = subprocess.run([SCRIPT, "inspect", "--help", "--json"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("Usage: shardstore inspect"), result
+
+
+@pytest.mark.parametrize("args", [
+    ["--help"], ["--version"], ["inspect", "--help"], ["inspect", "{demo}"], ["ls", "--json", "{demo}"],
+    ["verify", "{demo}"], ["verify", "--json", "{demo}"], ["diff", "{demo}", "{demo}"],
+    ["diff", "--json", "{demo}", "{demo}"], ["convert", "--json", "{demo}", "{out}"],
+])
+def test_every_command_exits_quietly_and_not_zero_when_its_output_is_closed(
+    demo: Path, tmp_path: Path, args: list[str]
+) -> None:
+    command = [SCRIPT, "--no-progress", *(a.format(demo=demo, out=tmp_path / "out.pt") for a in args)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # no reader left: the command's first write fails
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == EXIT_CLOSED_OUTPUT and err == b"", (process.returncode, err.decode())
+
+
+@pytest.fixture(scope="module")
+def many_arrays(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint whose ``inspect --json`` is far larger than a pipe's 64 KiB."""
+    path = tmp_path_factory.mktemp("cli") / "many"
+    save({f"layer{i}/w": ShardedTensor.from_rank_offsets(f"layer{i}/w", torch.zeros(1)) for i in range(1500)}, path)
+    return path
+
+
+@pytest.mark.parametrize("unbuffered", ["1", ""])
+def test_output_cut_short_by_its_reader_is_not_reported_as_success(many_arrays: Path, unbuffered: str) -> None:
+    """``shardstore inspect --json CKPT | head -1``: under PYTHONUNBUFFERED Python's text
+    layer dropped the rest of a short write and the command exited 0."""
+    process = subprocess.Popen([SCRIPT, "inspect", "--json", str(many_arrays)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": unbuffered})
+    first = process.stdout.readline()
+    process.stdout.close()
+    _, err = process.communicate(timeout=120)
+    assert first == b"{\n" and process.returncode == EXIT_CLOSED_OUTPUT and err == b"", (process.returncode, err)

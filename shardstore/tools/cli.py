@@ -4,24 +4,31 @@ Exit status: 0 success (``verify``: no damage; ``diff``: identical), 1 a finding
 (``verify``: damage; ``diff``: differences), 2 an error (no checkpoint there, an
 incomplete one or another tool's, a bad argument), with one line on standard error that says
 what to do, in the command's own words (``CLI_WORDS``: ``--overwrite``, not the
-library's ``overwrite=True``). Every command that reports takes ``--json`` (one JSON
-document on standard output). Progress bars (standard error) show when it is a terminal
+library's ``overwrite=True``), and 141 (``EXIT_CLOSED_OUTPUT``, as for a program that
+SIGPIPE ended) when standard output is closed before the output is written whole
+(``shardstore inspect CKPT | head -1``), without a word. Every command that reports takes
+``--json``: one JSON document on standard output, also on failure
+(``{"error": "...", "exit_status": 2}``; an unexpected error's traceback still goes to
+standard error). Progress bars (standard error) show when it is a terminal
 (``--progress`` / ``--no-progress`` decide otherwise); ``-v`` logs each operation's
 duration and bytes, ``-vv`` each stage's.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -30,6 +37,7 @@ from shardstore.progress import format_bytes, progress_shown
 
 EXIT_FINDING = 1
 EXIT_ERROR = 2
+EXIT_CLOSED_OUTPUT = 128 + signal.SIGPIPE
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -78,15 +86,91 @@ def in_cli_words(message: str) -> str:
     return " ".join(line.strip() for line in message.splitlines())
 
 
+class CommandError(click.ClickException):
+    """An error the command reports in one line on stderr (and, with ``--json``, as a
+    JSON document on stdout: ``ShardstoreGroup.invoke``), with exit status 2."""
+
+    exit_code = EXIT_ERROR
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"shardstore: error: {self.format_message()}", err=True)
+
+
 @contextmanager
 def _reported_errors() -> Iterator[None]:
-    """Turns the library's errors into one line on stderr, in the command's words, and
-    exit status 2."""
+    """Turns the library's errors into a ``CommandError`` in the command's words. Nothing
+    in such a block writes to stdout, so a ``BrokenPipeError`` there is the storage's."""
     try:
         yield
     except (CheckpointingException, OSError) as exc:
-        click.echo(f"shardstore: error: {in_cli_words(str(exc))}", err=True)
-        sys.exit(EXIT_ERROR)
+        raise CommandError(in_cli_words(str(exc))) from exc
+
+
+class ShardstoreGroup(click.Group):
+    """The ``shardstore`` command group: every command's failure is a JSON document
+    when it was asked for ``--json``, and a closed standard output ends it quietly with
+    ``EXIT_CLOSED_OUTPUT`` (module docstring)."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        _retry_short_writes_to_stdout()
+        return super().main(*args, **kwargs)
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        with _quiet_when_output_closes():  # --help and --version write here
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        as_json = "--json" in ctx.args  # the subcommand's arguments, not parsed yet
+        with _quiet_when_output_closes():
+            try:
+                return super().invoke(ctx)
+            except click.ClickException as exc:  # ours and click's usage errors
+                if as_json:
+                    _echo_json({"error": exc.format_message(), "exit_status": exc.exit_code})
+                raise
+            except (BrokenPipeError, click.exceptions.Exit, click.Abort):  # no failure, or not one to print
+                raise
+            except Exception as exc:  # a bug: the traceback follows on stderr
+                if as_json:
+                    _echo_json({"error": f"unexpected {type(exc).__name__}: {exc}", "exit_status": 1})
+                raise
+
+
+@contextmanager
+def _quiet_when_output_closes() -> Iterator[None]:
+    """Exits with ``EXIT_CLOSED_OUTPUT`` and no message when writing stdout finds its
+    reader gone (``| head``), before click's own handler (exit status 1, a finding's)."""
+    try:
+        yield
+    except BrokenPipeError:
+        _exit_as_closed_output()
+
+
+def _retry_short_writes_to_stdout() -> None:
+    """Python run unbuffered (``PYTHONUNBUFFERED``, ``-u``) writes stdout through a raw
+    file whose text layer ignores a short write: when the reader closes the pipe in the
+    middle of one, the rest of the output is dropped and the command exits 0. A buffered
+    writer (over the same descriptor, which it does not close) writes the rest or raises
+    ``BrokenPipeError``; ``click.echo`` flushes each line it writes anyway."""
+    if isinstance(getattr(sys.stdout, "buffer", None), io.RawIOBase):
+        sys.stdout = open(  # noqa: SIM115  (stdout for the rest of the process)
+            sys.stdout.fileno(), "w", encoding=sys.stdout.encoding, errors=sys.stdout.errors, closefd=False
+        )
+
+
+def _exit_as_closed_output() -> NoReturn:
+    """Exits with ``EXIT_CLOSED_OUTPUT``, stdout pointed at ``/dev/null`` first so that
+    flushing what is left of the output at exit raises nothing (Python's own advice for
+    SIGPIPE)."""
+    try:
+        descriptor = sys.stdout.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):  # an in-memory stream (click's test runner)
+        descriptor = None
+    if descriptor is not None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, descriptor)
+        os.close(devnull)
+    sys.exit(EXIT_CLOSED_OUTPUT)
 
 
 def package_version() -> str:
@@ -102,7 +186,7 @@ def _echo_json(document: Any) -> None:
     click.echo(json.dumps(document, indent=1))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=ShardstoreGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_version(), "--version", prog_name="shardstore", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", count=True, help="Log stages (-v) and details (-vv) to stderr.")
 @click.option("--progress/--no-progress", default=None,

@@ -261,17 +261,29 @@ def _dims(shape: tuple[int, ...]) -> str:
 def verify_command(checkpoint: str, as_json: bool) -> None:
     """Read every chunk and file of CHECKPOINT and check its checksums.
 
+    CHECKPOINT may also be a root holding checkpoints (a checkpoint manager's directory,
+    a run's iter_* directories): each is verified, and a damaged file that several of
+    them share (incremental saves hard-link unchanged chunks) is named once, with every
+    checkpoint that holds it.
+
     Exit status 1 and one line per problem (array and chunk) if anything is damaged.
     """
     from shardstore.format.integrity import verify
-    from shardstore.format.records import read_commit_record
+    from shardstore.format.records import COMMIT_RECORD, read_commit_record
     from shardstore.opened import bare_location
     from shardstore.other_formats import registry  # noqa: F401  (read_commit_record's errors name its formats)
+    from shardstore.tools.root_verify import checkpoints_under, verify_checkpoints
 
     with _reported_errors():
         location = bare_location(checkpoint)
-        read_commit_record(location)  # no checkpoint at all is an error, not a finding
-        report = verify(location)
+        found = {} if location.exists(COMMIT_RECORD) else checkpoints_under(location)
+        if found:
+            root_report = verify_checkpoints(location.describe(), found)
+        else:
+            read_commit_record(location)  # no checkpoint at all is an error, not a finding
+            report = verify(location)
+    if found:
+        _report_root(root_report, as_json)
     if as_json:
         _echo_json({**asdict(report), "ok": report.ok})
         sys.exit(0 if report.ok else EXIT_FINDING)
@@ -282,6 +294,18 @@ def verify_command(checkpoint: str, as_json: bool) -> None:
         f"{report.files_checked} files, {format_bytes(report.bytes_checked)} checked; {report.not_ours_note}"
         + ("no problems" if report.ok else f"{len(report.problems)} problem(s)")
     )
+    sys.exit(0 if report.ok else EXIT_FINDING)
+
+
+def _report_root(report: Any, as_json: bool) -> NoReturn:
+    """Prints a ``tools.root_verify.RootVerifyReport`` and exits (1 when damaged)."""
+    if as_json:
+        _echo_json({"root": report.root, "ok": report.ok, "damage": [asdict(d) for d in report.damage],
+                    "checkpoints": {name: {**asdict(r), "ok": r.ok} for name, r in report.reports.items()}})
+    else:
+        for name, single in report.reports.items():
+            click.echo(f"{name}: {'no problems' if single.ok else f'{len(single.problems)} problem(s)'}")
+        click.echo(str(report))
     sys.exit(0 if report.ok else EXIT_FINDING)
 
 

@@ -406,6 +406,38 @@ def test_a_training_loop_save_reuses_the_previous_iteration(tmp_path: Path) -> N
     assert_bits_equal(load_plain_tensors(second)["decoder/layers/fc1"], FC1)
 
 
+def incremental_after_rot(rank: int, world: int, root: str) -> None:
+    """iter_100 saved, one byte of one of its chunks flipped in place (bit rot: the inode
+    stays), then iter_200 and iter_300 saved with install()'s default reuse."""
+    shardstore_megatron.install()
+    _training_loop_save(f"{root}/iter_{100:07d}", _strategies(False)[0])
+    if rank == 0:
+        fc1 = Path(root) / "iter_0000100" / "decoder/layers/fc1"
+        chunk = next(p for p in sorted(fc1.rglob("*")) if p.is_file() and p.name != "zarr.json")
+        with open(chunk, "r+b") as f:
+            f.seek(3)
+            byte = f.read(1)
+            f.seek(3)
+            f.write(bytes([byte[0] ^ 0x10]))
+    torch.distributed.barrier()
+    for step in (200, 300):
+        _training_loop_save(f"{root}/iter_{step:07d}", _strategies(False)[0])
+
+
+def test_a_rotted_iteration_costs_only_itself_under_the_default_reuse(tmp_path: Path) -> None:
+    """Issue 41.1 through Megatron's door: after iter_100 rotted, iter_200 and iter_300
+    are exact (the rotted chunk is written, not linked) and verify names iter_100 alone."""
+    from shardstore.tools.root_verify import verify_root
+
+    run_distributed(incremental_after_rot, 2, str(tmp_path))
+    for step in (200, 300):
+        ckpt = tmp_path / f"iter_{step:07d}"
+        assert verify(ckpt).ok, step
+        assert_bits_equal(load_plain_tensors(ckpt)["decoder/layers/fc1"], FC1)
+    damage = verify_root(tmp_path).damage
+    assert [d.checkpoints for d in damage] == [("iter_0000100",)], damage
+
+
 def test_previous_checkpoint_is_the_newest_older_committed_iteration(tmp_path: Path) -> None:
     from shardstore import ShardedTensor, save
 

@@ -157,3 +157,33 @@ def load_unexpected_on_rank1(rank: int, world: int, ckpt: str) -> list[str]:
 def test_unexpected_keys_are_detected_on_every_rank_without_a_gather(ckpt_dir: Path) -> None:
     run_distributed(save_two_keys, 2, str(ckpt_dir))
     assert run_distributed(load_unexpected_on_rank1, 2, str(ckpt_dir)) == [[], ["nope"]]
+
+
+def test_a_chunk_divisor_is_found_in_milliseconds_for_any_length() -> None:
+    """Issue 41.7: the chunk search scanned every candidate up to sqrt(n), minutes for a
+    crafted 2**62; it finds the same divisors as the full scan, within bounded trials."""
+    import math
+    import time
+
+    from shardstore.planning.layout import _largest_divisor_at_most
+
+    def full_scan(n: int, limit: int) -> int:
+        return max(d for k in range(1, math.isqrt(n) + 1) if n % k == 0 for d in (k, n // k) if d <= limit)
+
+    for n in (1, 2, 12, 97, 360, 4096 * 3, 50257, 65536 * 7):
+        for limit in (1, 5, 64, 1000, 10**6):
+            assert _largest_divisor_at_most(n, limit) == full_scan(n, limit), (n, limit)
+    start = time.perf_counter()
+    assert _largest_divisor_at_most(2**62, 2**20) == 2**20
+    assert _largest_divisor_at_most(2**61 - 1, 2**24) == 1  # a prime: no divisor below the limit
+    assert time.perf_counter() - start < 1.0
+
+
+def test_an_empty_array_no_reader_could_address_is_refused_naming_it(tmp_path) -> None:
+    import torch
+
+    from shardstore import CheckpointingException, ShardedTensor, save
+
+    huge = torch.empty((0, 2**62))
+    with pytest.raises(CheckpointingException, match="'w': global shape .* no reader can address"):
+        save({"w": ShardedTensor.from_rank_offsets("w", huge)}, tmp_path / "c")

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from shardstore.errors import CheckpointingException
+from shardstore.format.dtypes import from_zarr_name
 from shardstore.format.records import (
     ZARR_JSON,
     array_group_collisions,
@@ -168,6 +169,9 @@ def _tensor_problems(key: str, shards: list[ShardRecord]) -> list[str]:
             ]
         if s.dtype != first.dtype:
             return [f"{key!r}: inconsistent dtype: rank {first.rank} has {first.dtype}, rank {s.rank} has {s.dtype}"]
+    too_big = _too_big_to_address(key, first)
+    if too_big:
+        return [too_big]
     main = [s for s in shards if s.main]
     if not main:
         return [f"{key!r}: no rank holds a main replica (replica_id 0), so nobody would write it"]
@@ -184,6 +188,18 @@ def _tensor_problems(key: str, shards: list[ShardRecord]) -> list[str]:
             return problems
         main = list({s.offset: s for s in main}.values())
     return _coverage_problems(key, main, first.global_shape)
+
+
+def _too_big_to_address(key: str, shard: ShardRecord) -> str | None:
+    """Why the array cannot be held in memory by any reader, or None: numpy (and so
+    every reader) refuses an array whose extents, an empty axis counted as 1, times its
+    item size exceed the largest ``intp``, even when it holds no element (a crafted
+    ``[0, 2**62]``)."""
+    itemsize = from_zarr_name(shard.dtype).numpy_dtype.itemsize
+    if math.prod(max(n, 1) for n in shard.global_shape) * itemsize <= np.iinfo(np.intp).max:
+        return None
+    return (f"{key!r}: global shape {shard.global_shape} of {shard.dtype} spans more than "
+            f"{np.iinfo(np.intp).max} bytes, which no reader can address; save it with a smaller shape")
 
 
 def _flat_problems(key: str, main: list[ShardRecord]) -> list[str]:

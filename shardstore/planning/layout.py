@@ -289,14 +289,31 @@ def _bound_chunk(chunk: tuple[int, ...], itemsize: int, max_chunk_bytes: int) ->
     return tuple(out)
 
 
+# Candidates each search of ``_largest_divisor_at_most`` tries before it settles: a
+# length with no divisor nearby (a crafted 2**62 elements, a large prime) must cost
+# milliseconds, not the minutes a scan up to its square root takes.
+MAX_DIVISOR_TRIALS = 1 << 16
+
+
 def _largest_divisor_at_most(n: int, limit: int) -> int:
-    best = 1
-    for d in range(1, math.isqrt(n) + 1):
+    """The largest divisor of ``n`` that is at most ``limit``, or a smaller one (at
+    least 1) when ``MAX_DIVISOR_TRIALS`` candidates on each side find none.
+
+    A divisor above sqrt(n) is ``n // d`` for the smallest ``d >= n / limit`` dividing
+    ``n``, and beats any below; else one below is found scanning down from
+    ``min(limit, sqrt(n))``."""
+    if n <= limit:
+        return n
+    root = math.isqrt(n)
+    first = -(-n // limit)
+    for d in range(first, min(root, first + MAX_DIVISOR_TRIALS) + 1):
         if n % d == 0:
-            for cand in (d, n // d):
-                if cand <= limit and cand > best:
-                    best = cand
-    return best
+            return n // d
+    top = min(limit, root)
+    for d in range(top, max(1, top - MAX_DIVISOR_TRIALS), -1):
+        if n % d == 0:
+            return d
+    return 1
 
 
 def block_chunks(record: ShardRecord, chunk_shape: tuple[int, ...], global_shape: tuple[int, ...]):

@@ -276,9 +276,10 @@ def test_dcp_api_writes_and_reads_our_format_on_s3() -> None:
         server.stop()
 
 
-def test_reader_converts_dtypes_only_where_every_value_survives(tmp_path: Path) -> None:
-    """As ``shardstore.load``: whole numbers stored as float32 load into int64; 0.5 into
-    int64 is refused, naming the key, unless lossy casts are allowed."""
+def test_strict_reader_converts_dtypes_only_where_every_value_survives(tmp_path: Path) -> None:
+    """``allow_lossy_casts=False``, as ``shardstore.load``: whole numbers stored as
+    float32 load into int64; 0.5 into int64 is refused, naming the key; the default
+    casts, as DCP's own reader (``test_dcp_metadata``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -290,10 +291,11 @@ def test_reader_converts_dtypes_only_where_every_value_survives(tmp_path: Path) 
     for name, values in (("whole", torch.tensor([1.0, 2.0])), ("half", torch.tensor([1.0, 0.5]))):
         dcp.save(state(values), storage_writer=ShardstoreWriter(tmp_path / name))
     request = state(torch.zeros(2, dtype=torch.int64))
-    dcp.load(request, storage_reader=ShardstoreReader(tmp_path / "whole"))
+    dcp.load(request, storage_reader=ShardstoreReader(tmp_path / "whole", allow_lossy_casts=False))
     assert request["x"]._data.tolist() == [1, 2]
     with pytest.raises(CheckpointException, match=r"'x' is stored in another dtype .* index \[1\]"):
-        dcp.load(state(torch.zeros(2, dtype=torch.int64)), storage_reader=ShardstoreReader(tmp_path / "half"))
+        dcp.load(state(torch.zeros(2, dtype=torch.int64)),
+                 storage_reader=ShardstoreReader(tmp_path / "half", allow_lossy_casts=False))
     request = state(torch.zeros(2, dtype=torch.int64))
-    dcp.load(request, storage_reader=ShardstoreReader(tmp_path / "half", allow_lossy_casts=True))
+    dcp.load(request, storage_reader=ShardstoreReader(tmp_path / "half"))
     assert request["x"]._data.tolist() == [1, 0]

@@ -41,7 +41,8 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -551,6 +552,93 @@ class ReusedChunks:
         return cls(*fields)
 
 
+StatePath = tuple[str | int, ...]
+
+
+def state_paths(planner_data: Any, entries: int) -> dict[str, StatePath] | None:
+    """Where each flattened key of a DCP save was in the state dict DCP was given (the
+    dict keys and list indices its default planner records as ``planner_data``, by which
+    ``dcp_to_torch_save`` rebuilds the nesting), checked; None where ``planner_data`` is
+    not such a mapping. Each list index is below ``entries`` and below the number of
+    paths under that list, so rebuilding the nesting allocates at most one slot per path
+    and level, whatever a hostile file says."""
+    if not isinstance(planner_data, dict):
+        return None
+    paths: dict[str, StatePath] = {}
+    for key, path in planner_data.items():
+        well_formed = isinstance(key, str) and isinstance(path, tuple) and len(path) > 0 and all(
+            isinstance(part, str) or (type(part) is int and 0 <= part < entries) for part in path
+        )
+        if not well_formed:
+            return None
+        paths[key] = path
+    return paths if _lists_are_dense(paths.values()) else None
+
+
+def _lists_are_dense(paths: Iterable[StatePath]) -> bool:
+    """Whether every list the paths index into has fewer slots than paths under it."""
+    under: Counter[tuple] = Counter()
+    largest: dict[tuple, int] = {}
+    for path in paths:
+        for depth, part in enumerate(path):
+            if type(part) is int:
+                prefix = path[:depth]
+                under[prefix] += 1
+                largest[prefix] = max(largest.get(prefix, 0), part)
+    return all(index < under[prefix] for prefix, index in largest.items())
+
+
+@dataclass(frozen=True)
+class DcpMetadata:
+    """What a save through PyTorch DCP's API (``tools.dcp_storage.ShardstoreWriter``)
+    recorded of DCP's own metadata, for ``ShardstoreReader.read_metadata`` to give back:
+    sealed in the commit record like the rest of it. Checkpoints saved before it existed,
+    and every ``shardstore.save``, have none.
+
+    Attributes:
+        paths: DCP's ``Metadata.planner_data`` (each saved name -> its dict keys and list
+            indices in the caller's state dict), with the list slots DCP's flattening
+            dropped (empty dicts) added; None where the planner recorded no such mapping.
+        checkpoint_id, save_id, modules: DCP's ``StorageMeta`` of the save, the
+            checkpoint id as text.
+    """
+
+    paths: dict[str, StatePath] | None
+    checkpoint_id: str | None = None
+    save_id: str | None = None
+    modules: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        paths = None if self.paths is None else {key: list(path) for key, path in self.paths.items()}
+        return {"planner_paths": paths, "checkpoint_id": self.checkpoint_id, "save_id": self.save_id,
+                "modules": list(self.modules)}
+
+    @classmethod
+    def from_json(cls, value: Any, where: str) -> DcpMetadata | None:
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise CheckpointingException(f"{where}: malformed 'dcp' in the commit record")
+        modules = value.get("modules", [])
+        paths = _paths_from_json(value.get("planner_paths"), where)
+        texts = (value.get("checkpoint_id"), value.get("save_id"))
+        if not all(t is None or isinstance(t, str) for t in texts) or not (
+                isinstance(modules, list) and all(isinstance(m, str) for m in modules)):
+            raise CheckpointingException(f"{where}: malformed DCP storage metadata in the commit record")
+        return cls(paths, *texts, tuple(modules))
+
+
+def _paths_from_json(raw: Any, where: str) -> dict[str, StatePath] | None:
+    """``DcpMetadata.paths`` as JSON holds them (lists), checked by ``state_paths``."""
+    if raw is None:
+        return None
+    lists = isinstance(raw, dict) and all(isinstance(path, list) for path in raw.values())
+    paths = state_paths({key: tuple(path) for key, path in raw.items()}, len(raw)) if lists else None
+    if paths is None:
+        raise CheckpointingException(f"{where}: malformed DCP planner paths in the commit record")
+    return paths
+
+
 @dataclass(frozen=True)
 class CommitRecord:
     """What the root ``zarr.json`` vouches for: a complete checkpoint.
@@ -578,6 +666,7 @@ class CommitRecord:
             iteration). The save did not write them and the record does not vouch for
             them; ``verify`` names them as another program's instead of as damage, and
             a replacing save still refuses to delete them.
+        dcp: what a save through DCP's API recorded of DCP's metadata, or None.
     """
 
     arrays: dict[str, ArrayRecord]
@@ -591,6 +680,7 @@ class CommitRecord:
     external_files: dict[str, str] = field(default_factory=dict)
     reused_from: ReusedChunks | None = None
     beside: tuple[str, ...] = ()
+    dcp: DcpMetadata | None = None
 
     @functools.cached_property
     def own_top_names(self) -> frozenset[str]:
@@ -699,6 +789,7 @@ class CommitRecord:
                 **({"external_files": dict(sorted(self.external_files.items()))} if self.external_files else {}),
                 **({"reused_from": self.reused_from.to_json()} if self.reused_from else {}),
                 **({"beside": sorted(self.beside)} if self.beside else {}),
+                **({"dcp": self.dcp.to_json()} if self.dcp else {}),
             }
         }
         core, extension = self.consolidated_metadata()
@@ -786,7 +877,8 @@ class CommitRecord:
         for path in external:
             check_key(path, where=where)
         reused_from = ReusedChunks.from_json(record.get("reused_from"), where)
-        result = replace(result, files=dict(files), external_files=dict(external), reused_from=reused_from)
+        dcp = DcpMetadata.from_json(record.get("dcp"), where)
+        result = replace(result, files=dict(files), external_files=dict(external), reused_from=reused_from, dcp=dcp)
         beside = record.get("beside", [])
         if not isinstance(beside, list) or not all(isinstance(n, str) for n in beside):
             raise CheckpointingException(f"{where}: 'beside' must be a list of top-level names")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections import Counter
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
@@ -41,7 +40,7 @@ import torch
 from shardstore.errors import CheckpointingException
 from shardstore.format.config import maybe_load_config
 from shardstore.format.pickles import DCP_METADATA_GLOBALS, load_restricted, load_torch
-from shardstore.format.records import sharded_backend
+from shardstore.format.records import sharded_backend, state_paths
 from shardstore.other_formats.base import OtherCheckpoint, OtherFormat, OtherTensor
 from shardstore.stores.base import Location
 
@@ -260,36 +259,10 @@ def _check_reformulated(path: Path, key: str, shape: tuple[int, ...], stored: tu
 
 
 def _saved_paths(planner_data: Any, entries: int) -> dict[str, tuple[str | int, ...]]:
-    """Where each flattened key was in the state dict DCP was given: the dict keys and
-    list indices that DCP's default planner records (``planner_data``), by which
-    ``dcp_to_torch_save`` rebuilds the nesting. {} where the metadata records none, or
-    records something else (a custom planner's data). Each list's largest index is less
-    than the number of saved paths under that list, so rebuilding the nesting allocates
-    at most one slot per saved path and level, whatever a hostile file says."""
-    if not isinstance(planner_data, dict):
-        return {}
-    paths: dict[str, tuple[str | int, ...]] = {}
-    for key, path in planner_data.items():
-        well_formed = isinstance(key, str) and isinstance(path, tuple) and len(path) > 0 and all(
-            isinstance(part, str) or (type(part) is int and 0 <= part < entries) for part in path
-        )
-        if not well_formed:
-            return {}
-        paths[key] = path
-    return paths if _lists_are_dense(paths.values()) else {}
-
-
-def _lists_are_dense(paths: Any) -> bool:
-    """Whether every list the paths index into has fewer slots than paths under it."""
-    under: Counter[tuple] = Counter()
-    largest: dict[tuple, int] = {}
-    for path in paths:
-        for depth, part in enumerate(path):
-            if type(part) is int:
-                prefix = path[:depth]
-                under[prefix] += 1
-                largest[prefix] = max(largest.get(prefix, 0), part)
-    return all(index < under[prefix] for prefix, index in largest.items())
+    """Where each flattened key was in the state dict DCP was given
+    (``records.state_paths``), by which ``dcp_to_torch_save`` rebuilds the nesting; {}
+    where the metadata records none, or records something else (a custom planner's data)."""
+    return state_paths(planner_data, entries) or {}
 
 
 def _holds_torch_dist(location: Location) -> bool:

@@ -20,8 +20,9 @@ Keys: a tensor at ``sd["model"]["fc1"]`` of a ``torch.save`` file becomes the ar
 ``model/fc1`` and comes back to the same place; the other values form the common
 state. A sharded object's shard sits in a ``torch.save`` file at its unique key
 (``sd["rng_state/shard_0_2"]``), as the Python object it is, and comes back as a
-sharded object. A plain DCP checkpoint's values go where they were in the state dict
-DCP saved (its planner's paths, as ``dcp_to_torch_save`` puts them). Safetensors names
+sharded object. A plain DCP checkpoint's values, and those of a save through
+``ShardstoreWriter``, go where they were in the state dict DCP saved (its planner's
+paths, as ``dcp_to_torch_save`` puts them). Safetensors names
 (``model.layers.0.weight``) are array keys as they are. An export records which of its
 tensors were arrays, under which key, and which were values of the common state
 (``convert_layout``): a ``.pt`` file in an archive entry, safetensors in its metadata,
@@ -288,8 +289,10 @@ def _safetensors_source(path: str | os.PathLike) -> ExportSource:
 
 def _checkpoint_source(checkpoint: str | os.PathLike | Location) -> ExportSource:
     """A shardstore checkpoint, or another tool's: arrays by key (``model/fc1`` goes to
-    ``sd["model"]["fc1"]``), except a plain DCP save's values, which go where they were
-    in the state dict DCP saved (its planner's paths), as ``dcp_to_torch_save`` puts them."""
+    ``sd["model"]["fc1"]``), except the values of a save through DCP's API (a plain DCP
+    save, or one through ``ShardstoreWriter`` whose record keeps DCP's planner paths),
+    which go where they were in the state dict DCP saved, as ``dcp_to_torch_save`` puts
+    them."""
     from shardstore.strategies.other_formats import open_other_format
 
     opened = open_read(checkpoint)
@@ -298,6 +301,8 @@ def _checkpoint_source(checkpoint: str | os.PathLike | Location) -> ExportSource
         specs = {
             key: TensorSpec(from_zarr_name(a.dtype).torch_dtype, a.shape) for key, a in opened.record.arrays.items()
         }
+        if opened.record.dcp is not None and opened.record.dcp.paths is not None:
+            saved_paths = opened.record.dcp.paths
     else:
         other = open_other_format(opened.location)
         specs = {key: TensorSpec(t.dtype, t.shape) for key, t in other.tensors.items()}

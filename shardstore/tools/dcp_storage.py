@@ -51,7 +51,8 @@ Save (the calls DCP makes, in order; ``StorageWriter``'s protocol)::
                                                 (on the first, beside its own value) and
                                                 the common values
     5) coordinator  finish()                    common.pt, then the commit record (every
-                                                chunk's crc32c, every file's checksum),
+                                                chunk's crc32c, every file's checksum,
+                                                DCP's planner data and storage ids),
                                                 published atomically (``SavePipeline.
                                                 commit``)
 
@@ -68,8 +69,11 @@ Load (``StorageReader``'s protocol)::
                                                 and common.pt, as DCP Metadata: one
                                                 chunk per array (so DCP asks for each
                                                 requested region once), the common
-                                                values by fully qualified name (by DCP's
-                                                flattening and by each leaf's name)
+                                                values by the names DCP saved them under,
+                                                DCP's planner data and storage ids as its
+                                                own writer records them (a checkpoint
+                                                without them: by DCP's flattening and by
+                                                each leaf's name, nothing else)
     2) all ranks    set_up_storage_reader()
     3) all ranks    prepare_local_plan()        unchanged
     4) coordinator  prepare_global_plan()       unchanged
@@ -87,6 +91,7 @@ import io
 import logging
 import math
 import os
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -97,6 +102,7 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -133,7 +139,7 @@ from shardstore.format.dtypes import (
     tensor_to_numpy,
 )
 from shardstore.format.pickles import load_torch, serialize
-from shardstore.format.records import COMMON_FILE, CommitRecord
+from shardstore.format.records import COMMON_FILE, CommitRecord, DcpMetadata, StatePath, state_paths
 from shardstore.inputs.dtensors import fqn
 from shardstore.inputs.plain_tensors import (
     DEFAULT_MIN_ARRAY_BYTES,
@@ -292,12 +298,21 @@ class ShardstoreWriter(StorageWriter):
         self.min_array_bytes = min_array_bytes
         self.reuse_from = reuse_from
         self.is_coordinator = False
+        self.save_id = _new_id()
         self._save: SavePipeline | None = None  # the coordinator's, from plan to finish
         self._commit: CommitRecord | None = None
 
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
+        """A new save: its checkpoint id (when given) and a new DCP save id."""
         if checkpoint_id is not None:
             self.checkpoint_id = checkpoint_id
+        self.save_id = _new_id()
+
+    def storage_meta(self) -> StorageMeta:
+        """DCP's ids of this save, as ``FileSystemWriter`` gives them (a save id of its
+        own per ``reset``, not shardstore's record's): handed to the planner, and
+        recorded at the commit for ``ShardstoreReader.read_metadata``."""
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
     def _open_save(self) -> SavePipeline:
         """This rank's view of the save (``execution.pipeline``): the one place the
@@ -384,8 +399,9 @@ class ShardstoreWriter(StorageWriter):
         return WrittenChunks(tuple(save.write_plan(part.save.plan, blocks, self.io_concurrency)))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: writes common.pt and commits; on failure nothing is committed
-        and the save's files are deleted."""
+        """Coordinator: writes common.pt and commits, DCP's metadata (its planner's
+        paths, the storage ids) sealed in the commit record; on failure nothing is
+        committed and the save's files are deleted."""
         save, commit = self._save, self._commit
         self._save = self._commit = None
         if save is None or commit is None:
@@ -403,14 +419,33 @@ class ShardstoreWriter(StorageWriter):
                     if isinstance(data, CommonValue):
                         common[data.fqn] = _common_value(data, where)
                 reports.append(chunks)
+            recorded = self._dcp_metadata(metadata, where)
+            if recorded.paths is not None:
+                # a fresh dict per slot: one object pickled at two places loads as one, shared
+                common.update({name: {} for name in recorded.paths.keys() - metadata.planner_data.keys()})
+            mappings = metadata.planner_data if recorded.paths is None else recorded.paths
             # durable by itself (an fsync of the file, not a second syncfs of the file system)
-            save.pending.write_atomic(COMMON_FILE, serialize(_nested(common, metadata.planner_data)))
-            save.commit(commit, reports)
+            save.pending.write_atomic(COMMON_FILE, serialize(_nested(common, mappings)))
+            save.commit(replace(commit, dcp=recorded), reports)
         except BaseException as exc:
             save.abandon()
             if isinstance(exc, Exception) and not isinstance(exc, CheckpointingException):
                 raise CheckpointingException(f"Committing checkpoint {where} failed: {exc}") from exc
             raise
+
+    def _dcp_metadata(self, metadata: Metadata, where: str) -> DcpMetadata:
+        """What the commit record keeps of DCP's metadata: its planner's paths with
+        the list slots its flattening dropped (``_with_dropped_slots``), and this save's
+        ``storage_meta``."""
+        paths = _with_dropped_slots(metadata.planner_data)
+        if paths is None and metadata.planner_data is not None:
+            # a custom planner's own data: DCP's writer pickles it; a JSON record cannot
+            logger.warning(
+                "Saving %s: the planner's planner_data is not DCP's flattening mapping of a state dict, so it is not "
+                "kept; a load without a state dict (dcp_to_torch_save's planner) gives the saved names flat", where,
+            )
+        ids = self.storage_meta()
+        return DcpMetadata(paths, _id_text(ids.checkpoint_id), ids.save_id, tuple(ids.modules))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:
@@ -525,6 +560,41 @@ def _hold_place(nested: dict[str, Any], path: tuple) -> None:
         node = node[key]
 
 
+def _new_id() -> str:
+    """A DCP save or load id, as DCP's own storage layer makes them."""
+    return str(uuid.uuid4())
+
+
+def _id_text(checkpoint_id: CheckpointId | None) -> str | None:
+    """A checkpoint id as the commit record keeps it (text)."""
+    if checkpoint_id is None or isinstance(checkpoint_id, Location):
+        return None if checkpoint_id is None else checkpoint_id.describe()
+    return os.fsdecode(checkpoint_id)
+
+
+def _with_dropped_slots(planner_data: Any) -> dict[str, StatePath] | None:
+    """DCP's planner paths (each saved name -> its dict keys and list indices) with a
+    path for every list slot below a saved index that holds no saved path, named as DCP
+    names paths; None where ``planner_data`` is no such mapping. DCP's flattening walks
+    every element of a list it does not save whole and drops only dicts that hold
+    nothing but empty dicts, so each such slot held one: it is saved as ``{}``, and a
+    load that asks for the slot (DCP's load planner turns the caller's ``{}`` there into
+    ``None`` and asks for it) gets ``{}`` back. None also where such a slot's name is a
+    saved name already (``{"l": [{}, t], "l.0": 1}``: DCP cannot load that state either)."""
+    if not isinstance(planner_data, dict) or not all(isinstance(path, tuple) for path in planner_data.values()):
+        return None
+    held: dict[tuple, set[int]] = {}
+    for path in planner_data.values():
+        for depth, part in enumerate(path):
+            if type(part) is int:
+                held.setdefault(path[:depth], set()).add(part)
+    paths = dict(planner_data)
+    for prefix, indices in held.items():
+        for slot in set(range(max(indices))) - indices:
+            paths.setdefault(".".join(map(str, (*prefix, slot))), (*prefix, slot))
+    return state_paths(paths, len(paths))
+
+
 # --------------------------------------------------------------------------- load
 
 
@@ -548,26 +618,36 @@ class ShardstoreReader(StorageReader):
             DCP's ``checkpoint_id=`` replaces it.
         io_concurrency: chunk reads in flight at once per rank.
         allow_lossy_casts: convert to the requested dtype even where that changes values
-            (0.1 into bfloat16, ...); off, such a load raises, naming the key.
+            (0.1 into bfloat16, ...), as DCP's own ``FileSystemReader`` does (on by
+            default, as there); off, such a load raises, naming the key.
+            ``shardstore.load`` refuses such casts unless asked.
     """
 
     def __init__(
         self, checkpoint_id: CheckpointId | None = None, *, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
-        allow_lossy_casts: bool = False,
+        allow_lossy_casts: bool = True,
     ) -> None:
         super().__init__()
         self.checkpoint_id = checkpoint_id
         self.io_concurrency = io_concurrency
         self.allow_lossy_casts = allow_lossy_casts
+        self.load_id = _new_id()
         self._open: _OpenCheckpoint | None = None
 
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
+        """A new load: its checkpoint id (when given) and a new DCP load id."""
         if checkpoint_id is not None:
             self.checkpoint_id = checkpoint_id
+        self.load_id = _new_id()
         self._open = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """All ranks: the commit record and common.pt as DCP's Metadata."""
+        """All ranks: the commit record and common.pt as DCP's Metadata. A save through
+        ``ShardstoreWriter`` gives DCP's names, planner data and storage ids back, as
+        DCP's own writer recorded them (``DcpMetadata``); any other checkpoint, and one
+        saved through ``ShardstoreWriter`` before they were recorded, gives its arrays'
+        keys and its common values by every name a request may give them
+        (``_flat_common``), no planner data, and only this load's id."""
         if self.checkpoint_id is None:
             raise CheckpointingException("ShardstoreReader has no checkpoint path: pass one, or checkpoint_id= to dcp.load")
         opened = open_read(self.checkpoint_id)
@@ -579,10 +659,15 @@ class ShardstoreReader(StorageReader):
             )
         record = opened.require_record()
         _, common_strategy = verify_checkpoint_and_load_strategy(opened)
-        common = {
-            key: value for key, value in _flat_common(common_strategy.load_common(location)).items()
-            if not (value is None and key in record.arrays)  # an array's place in a list (``_nested``)
-        }
+        stored = common_strategy.load_common(location)
+        paths = record.dcp.paths if record.dcp is not None else None
+        if paths is None:
+            common = {
+                key: value for key, value in _flat_common(stored).items()
+                if not (value is None and key in record.arrays)  # an array's place in a list (``_nested``)
+            }
+        else:
+            common = _values_at_paths(stored, paths, record, location.describe())
         self._open = _OpenCheckpoint(location, record, common)
         described: dict[str, Any] = {key: _array_metadata(array.shape, array.dtype) for key, array in record.arrays.items()}
         for key, value in common.items():
@@ -594,7 +679,16 @@ class ShardstoreReader(StorageReader):
                 _tensor_metadata(tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor)
                 else BytesStorageMetadata()
             )
-        return Metadata(state_dict_metadata=described)
+        return Metadata(
+            state_dict_metadata=described, planner_data=None if paths is None else dict(paths),
+            storage_meta=self._storage_meta(record.dcp),
+        )
+
+    def _storage_meta(self, recorded: DcpMetadata | None) -> StorageMeta:
+        """DCP's ids: the save's as recorded, and this load's (``FileSystemReader``'s)."""
+        if recorded is None:
+            return StorageMeta(load_id=self.load_id)
+        return StorageMeta(recorded.checkpoint_id, recorded.save_id, self.load_id, list(recorded.modules))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -677,6 +771,32 @@ def _flat_common(common: dict[str, Any]) -> dict[str, Any]:
     for leaf in flatten(common):
         flat.setdefault(fqn(leaf.path), leaf.value)
     return flat
+
+
+def _values_at_paths(
+    common: dict[str, Any], paths: dict[str, StatePath], record: CommitRecord, where: str,
+) -> dict[str, Any]:
+    """The common values by the names DCP saved them under: each at its path in
+    common.pt (``_nested`` put it there); a name that is an array has none.
+
+    Raises:
+        CheckpointingException: a name that is neither (the checkpoint is damaged).
+    """
+    values: dict[str, Any] = {}
+    for name, path in paths.items():
+        if name in record.arrays:
+            continue
+        node: Any = common
+        for part in path:
+            held = part in node if isinstance(node, dict) else isinstance(node, list) and type(part) is int and part < len(node)
+            if not held:
+                raise CheckpointingException(
+                    f"{where}: {name!r}, saved through DCP, is neither an array nor in the common state at "
+                    f"{list(path)}; the checkpoint is damaged: load an earlier one"
+                )
+            node = node[part]
+        values[name] = node
+    return values
 
 
 def _tensor_metadata(shape: tuple[int, ...], dtype: torch.dtype) -> TensorStorageMetadata:

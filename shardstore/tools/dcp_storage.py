@@ -566,10 +566,13 @@ def _new_id() -> str:
 
 
 def _id_text(checkpoint_id: CheckpointId | None) -> str | None:
-    """A checkpoint id as the commit record keeps it (text)."""
-    if checkpoint_id is None or isinstance(checkpoint_id, Location):
-        return None if checkpoint_id is None else checkpoint_id.describe()
-    return os.fsdecode(checkpoint_id)
+    """A checkpoint id as the commit record keeps it (text): a path as given, a
+    Location by its address."""
+    if checkpoint_id is None:
+        return None
+    if isinstance(checkpoint_id, (str, os.PathLike)):
+        return os.fsdecode(checkpoint_id)
+    return checkpoint_id.describe()
 
 
 def _with_dropped_slots(planner_data: Any) -> dict[str, StatePath] | None:

@@ -29,6 +29,9 @@ from dataclasses import dataclass
 logger = logging.getLogger("shardstore")
 
 _SHOWN: ContextVar[bool] = ContextVar("shardstore_progress_shown", default=False)
+# The innermost stage this thread is in ("save: commit", "load"), for errors that must
+# say which operation failed (``current_operation``).
+_CURRENT_STAGE: ContextVar[str | None] = ContextVar("shardstore_current_stage", default=None)
 
 Tick = Callable[[int], None]
 # Below this, an operation is over before a bar would say anything.
@@ -96,14 +99,24 @@ def stage(name: str, where: str, level: int = logging.DEBUG) -> Iterator[StageTi
     logs at DEBUG only, since its error reaches the caller anyway."""
     timing = StageTiming(name, where)
     start = time.perf_counter()
+    token = _CURRENT_STAGE.set(name)
     try:
         yield timing
     except BaseException:
         timing.seconds = time.perf_counter() - start
         logger.debug("%s (failed)", timing.line())
         raise
+    finally:
+        _CURRENT_STAGE.reset(token)
     timing.seconds = time.perf_counter() - start
     logger.log(level, "%s", timing.line())
+
+
+def current_operation() -> str | None:
+    """The operation ("save", "load", "verify", ...) whose stage this thread is in, from
+    the stage's name ("save: commit" -> "save"); None outside any stage."""
+    name = _CURRENT_STAGE.get()
+    return None if name is None else name.split(":", 1)[0].strip()
 
 
 _OPERATION_LEVEL: ContextVar[int] = ContextVar("shardstore_operation_level", default=logging.INFO)

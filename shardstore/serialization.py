@@ -209,11 +209,8 @@ def save(
             else:
                 pipeline.release()
             raise
-        except BaseException:
-            # Another failure (a bug, an interrupt) may hit one rank while others still
-            # write: let go of the descriptors and the lock, delete nothing; the next save
-            # removes the staging directory, whose lock is then free.
-            pipeline.release()
+        except BaseException as exc:  # a bug or an interrupt, maybe on this rank alone
+            pipeline.unwind(exc)
             raise
     return None
 

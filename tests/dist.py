@@ -37,7 +37,8 @@ def _context() -> mp.context.BaseContext:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, backend: str = "gloo"
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, backend: str = "gloo",
+    pg_timeout: float = 60,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
@@ -47,7 +48,7 @@ def _worker(
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=60),
+            timeout=timedelta(seconds=pg_timeout),
         )
         value = fn(rank, world_size, *args)
         results.put((rank, True, value))
@@ -60,20 +61,20 @@ def _worker(
 
 def run_distributed(
     fn: Callable, world_size: int, *args: Any, timeout: float = 120, killed: tuple[int, ...] = (),
-    backend: str = "gloo",
+    backend: str = "gloo", pg_timeout: float = 60,
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns the
     per-rank return values (must be picklable). ``fn`` must be a module-level function.
 
     ``killed``: ranks expected to die by SIGKILL (their value is None); the test fails
     if they exit any other way. ``backend``: ``"gloo"``, or ``"nccl"`` (each rank on its
-    own GPU).
+    own GPU). ``pg_timeout``: the process group's timeout, in seconds.
     """
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, backend))
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, backend, pg_timeout))
         for r in range(world_size)
     ]
     for p in procs:

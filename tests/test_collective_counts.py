@@ -3,9 +3,10 @@
 A **collective** is one call, made by shardstore, of a ``torch.distributed`` function
 that talks to other ranks (``COUNTED_COLLECTIVES``: the object collectives, tensor
 collectives, barriers and one batch of point-to-point transfers; ``isend``/``irecv``
-are not wrapped, as ``P2POp`` checks their identity). Calls torch makes
-inside such a function (``all_gather_object`` runs two ``all_gather``s) are part of
-it, not counted again: what is counted is the round trips shardstore asks for.
+are not wrapped, as ``P2POp`` checks their identity). Calls made inside such a
+function (``all_gather_object`` runs two ``all_gather``s, and so do ``Group``'s own
+object collectives, ``GROUP_OBJECT_COLLECTIVES``, which wait within a budget) are part
+of it, not counted again: what is counted is the round trips shardstore asks for.
 
 A **walk** is one outermost call of a function that visits every leaf of the nested
 container it is given (``WALKERS``: the walkers of ``shardstore.dict_utils``, the
@@ -42,6 +43,7 @@ COUNTED_COLLECTIVES = (
     "all_gather_object", "gather_object", "scatter_object_list", "broadcast_object_list", "all_reduce",
     "all_gather", "gather", "scatter", "broadcast", "reduce", "barrier", "batch_isend_irecv", "send", "recv",
 )
+GROUP_OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "scatter_object", "broadcast_object")
 WALKERS = {
     "shardstore.dict_utils": (
         "extract_matching_values", "nested_values", "nested_items_iter", "dict_map", "dict_map_with_key",
@@ -71,11 +73,17 @@ class Counts:
         self.collectives: Counter[str] = Counter()
         self.walks: Counter[str] = Counter()
         self._depth = 0
+        self._collective_depth = 0
 
     def count_collective(self, name: str, fn: Callable) -> Callable:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            self.collectives[name] += 1
-            return fn(*args, **kwargs)
+            if self._collective_depth == 0:
+                self.collectives[name] += 1
+            self._collective_depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._collective_depth -= 1
 
         return counted
 
@@ -108,6 +116,10 @@ def counting() -> Iterator[Counts]:
 
     for name in COUNTED_COLLECTIVES:
         patch(dist, name, counts.count_collective(name, getattr(dist, name)))
+    from shardstore.protocol.collectives import Group
+
+    for name in GROUP_OBJECT_COLLECTIVES:
+        patch(Group, name, counts.count_collective(name, getattr(Group, name)))
     walkers = {getattr(sys.modules[m], n): n for m, names in WALKERS.items() for n in names}
     for module in [m for k, m in list(sys.modules.items()) if k.startswith("shardstore") and m is not None]:
         for attr, value in list(vars(module).items()):

@@ -100,8 +100,9 @@ from shardstore.planning.checks import check_layout, check_storable_keys, local_
 from shardstore.planning.layout import GlobalLayout, region_at
 from shardstore.planning.plans import RankSavePlan
 from shardstore.progress import stage
-from shardstore.protocol.collectives import Group, RankFailure, StageFailed, failure_message
+from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_cache import PlanCache, gather_and_plan_cached
+from shardstore.protocol.stage import every_rank_stopped, raise_stage_failure
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 
@@ -212,8 +213,7 @@ class SavePipeline:
         try:
             return self.begin()
         except Exception as exc:  # told to every rank by the plan's scatter
-            failure = RankFailure.from_exception(0, exc)
-            raise StageFailed(failure_message([failure], f"Preparing checkpoint directory {self.describe()}")) from exc
+            raise_stage_failure(self.group, f"Preparing checkpoint directory {self.describe()}", exc)
 
     def join(self, intent: SaveIntent) -> PendingCheckpoint:
         """Every rank: the pending checkpoint of the save the coordinator began (its own
@@ -324,4 +324,15 @@ class SavePipeline:
         """Lets go of what the save holds, deleting nothing (safe to call again)."""
         if self._pending is not None:
             self._pending.release()
+
+    def unwind(self, error: BaseException) -> None:
+        """Every rank, when ``error`` (any exception, an interrupt included) unwinds the
+        save: the coordinator deletes what the save staged when no rank can still be
+        writing into it (``protocol.stage.every_rank_stopped``); otherwise every rank
+        only lets go, deleting nothing, and the next save into the same place removes
+        the staging directory once its lock is free. The caller re-raises ``error``."""
+        if self.group.is_coordinator and every_rank_stopped(self.group, error):
+            self.abandon()
+        else:
+            self.release()
 

@@ -58,8 +58,8 @@ from shardstore.mapping import ShardedTensor
 from shardstore.planning.layout import FlatChunk, Region, ShardRecord, region_shape
 from shardstore.planning.plans import RankSavePlan
 from shardstore.progress import stage
-from shardstore.protocol.collectives import Group, RankFailure, StageFailed, failure_message
-from shardstore.protocol.stage import Transfers, run_stage
+from shardstore.protocol.collectives import Group
+from shardstore.protocol.stage import Transfers, every_rank_stopped, raise_stage_failure, run_stage
 
 logger = logging.getLogger(__name__)
 
@@ -305,11 +305,8 @@ def finalize_save(staged: StagedSave, error: BaseException | None) -> None:
             group, f"Writing checkpoint {location.describe()}", lambda: staged.written,
             reduce=lambda reports: commit(staged, reports), local_error=error,
         )
-    except StageFailed:  # every rank knows: nobody writes any more
-        end_save(location, abandon=group.is_coordinator)
-        raise
-    except BaseException:  # e.g. a rank lost: let go, delete nothing
-        end_save(location, abandon=False)
+    except BaseException as exc:  # a rank lost, or still at work: let go, delete nothing
+        end_save(location, abandon=group.is_coordinator and every_rank_stopped(group, exc))
         raise
     end_save(location, abandon=False)
 
@@ -323,10 +320,7 @@ def commit(staged: StagedSave, reports: list[list[WrittenChunk]]) -> None:
             raise CheckpointingException(f"Internal error: committing {location.describe()} off the coordinator")
         commit_save(location, staged.commit_record, reports)
     except Exception as exc:  # told to every rank by the stage
-        raise StageFailed(
-            failure_message([RankFailure.from_exception(staged.group.rank, exc)], f"Committing checkpoint "
-                            f"{location.describe()}")
-        ) from exc
+        raise_stage_failure(staged.group, f"Committing checkpoint {location.describe()}", exc)
 
 
 def commit_save(pending: PendingCheckpoint, record: CommitRecord, reports: list[list[WrittenChunk]]) -> CommitRecord:

@@ -14,20 +14,34 @@ a rank that gave up waiting until the process group times out). Outside a save a
 load: Megatron's ``exchange_utils`` helpers (the fully-parallel wrappers around other
 libraries' strategies), the async queue's and the checkpoint manager's small
 agreements.
+
+How long a rank waits for its peers is bounded by ONE budget per stage, not per call:
+the process group's own timeout (``dist.init_process_group(timeout=...)``) covers all
+the waiting of one stage together (``WaitBudget``; a call outside a stage has a budget
+of its own). A peer lost for good (dead, or unanswering past the budget) marks the
+process group lost: every later collective on it raises at once, so callers that agree
+on an earlier failure cannot stack one timeout after another. A peer killed on a host
+whose kernel closes its connections is seen at once by the backend.
 """
 
 from __future__ import annotations
 
+import pickle
+import time
 import traceback
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from shardstore.errors import CheckpointingException
+from shardstore.progress import current_operation
+
+# Byte order and width of the length that precedes each pickled message.
+_LENGTH_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -44,12 +58,42 @@ class RankFailure:
         return cls(rank, f"{type(exc).__name__}: {exc}", details)
 
 
+class PeerLost(CheckpointingException):
+    """A collective that lost a peer: it died, was killed, or did not answer within the
+    wait budget. The process group is unusable from then on (``Group`` raises this
+    again, at once, for every later collective on it)."""
+
+
+@dataclass
+class WaitBudget:
+    """How long one rank may still wait for its peers, over every collective of one
+    stage together (seconds; only time spent inside collectives counts, not the rank's
+    own work between them)."""
+
+    seconds: float
+    spent: float = field(default=0.0)
+
+    def remaining(self) -> float:
+        """Seconds left (0 when spent)."""
+        return max(0.0, self.seconds - self.spent)
+
+
+# The process groups that lost a peer (``PeerLost``), and what their first loss said.
+# Keyed by the group object (None: the default group, as of when it was lost).
+_LOST: dict[Any, str] = {}
+
+
 class Group:
-    """A view of a process group (or of a single process when none is initialized)."""
+    """A view of a process group (or of a single process when none is initialized).
+
+    Every collective waits for its peers at most ``budget``'s remaining seconds (a
+    budget of one process-group timeout per call when none is given) and raises
+    ``PeerLost`` when a peer is lost."""
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         self.active = dist.is_available() and dist.is_initialized()
         self.process_group = process_group
+        self.budget: WaitBudget | None = None
         if self.active:
             self.rank = dist.get_rank(process_group)
             self.world_size = dist.get_world_size(process_group)
@@ -62,7 +106,30 @@ class Group:
         rank may make, such as ``load_plain_tensors``)."""
         group = cls.__new__(cls)
         group.active, group.process_group, group.rank, group.world_size = False, None, 0, 1
+        group.budget = None
         return group
+
+    def budgeted(self, budget: WaitBudget) -> Group:
+        """This group, its collectives sharing ``budget`` (one stage's)."""
+        view = Group.__new__(Group)
+        view.__dict__.update(self.__dict__)
+        view.budget = budget
+        return view
+
+    def new_budget(self) -> WaitBudget:
+        """One stage's budget: the process group's timeout."""
+        return WaitBudget(self.timeout_seconds())
+
+    def timeout_seconds(self) -> float:
+        """The process group's timeout (what its creator set), in seconds."""
+        if not self.active:
+            return 0.0
+        pg = self.process_group or dist.distributed_c10d._get_default_group()
+        try:
+            timeout = pg._get_backend(self.device).options._timeout
+        except (AttributeError, RuntimeError):  # a backend without options: torch's default
+            timeout = dist.distributed_c10d._get_default_timeout(dist.get_backend(self.process_group))
+        return timeout.total_seconds()
 
     @property
     def is_coordinator(self) -> bool:
@@ -82,51 +149,62 @@ class Group:
         return dist.get_global_rank(self.process_group, group_rank)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable) on every rank, by group rank."""
         if self.world_size == 1:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        with _peer_failures("all-gather"):
-            dist.all_gather_object(out, obj, group=self.process_group)
-        return out
+        payload = self._encode(obj)
+        sizes = self._all_sizes(payload, "all-gather")
+        gathered = [torch.empty(max(sizes), dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
+        padded = self._padded(payload, max(sizes))
+        self._wait("all-gather", dist.all_gather(gathered, padded, group=self.process_group, async_op=True))
+        return [_decode(g) for g in gathered]
 
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` on the coordinator (an empty list elsewhere): what only
         the coordinator needs travels only to it."""
         if self.world_size == 1:
             return [obj]
-        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
-        with _peer_failures("gather"):
-            dist.gather_object(obj, out, dst=self.global_rank(0), group=self.process_group)
-        return out or []
+        payload = self._encode(obj)
+        sizes = self._all_sizes(payload, "gather")
+        out = ([torch.empty(max(sizes), dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
+               if self.is_coordinator else None)
+        work = dist.gather(self._padded(payload, max(sizes)), out, dst=self.global_rank(0),
+                           group=self.process_group, async_op=True)
+        self._wait("gather", work)
+        return [_decode(g) for g in out] if out is not None else []
 
     def scatter_object(self, objs: list[Any] | None) -> Any:
         """The coordinator's ``objs[r]`` on group rank ``r`` (``objs`` is read on the
         coordinator only): each rank receives its own part, not everyone's."""
         if self.world_size == 1:
             return objs[0]
-        out: list[Any] = [None]
-        with _peer_failures("scatter"):
-            dist.scatter_object_list(
-                out, objs if self.is_coordinator else None, src=self.global_rank(0), group=self.process_group
-            )
-        return out[0]
+        payloads = [self._encode(o) for o in objs] if self.is_coordinator and objs is not None else []
+        size = self._broadcast_size(max((p.numel() for p in payloads), default=0), "scatter")
+        out = torch.empty(size, dtype=torch.uint8, device=self.device)
+        parts = [self._padded(p, size) for p in payloads] if self.is_coordinator else None
+        work = dist.scatter(out, parts, src=self.global_rank(0), group=self.process_group, async_op=True)
+        self._wait("scatter", work)
+        return _decode(out)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """``obj`` from group rank ``src`` on every rank."""
         if self.world_size == 1:
             return obj
-        box = [obj]
-        with _peer_failures("broadcast"):
-            dist.broadcast_object_list(box, src=self.global_rank(src), group=self.process_group)
-        return box[0]
+        payload = self._encode(obj) if self.rank == src else None
+        size = self._broadcast_size(payload.numel() if payload is not None else 0, "broadcast", src)
+        box = payload if payload is not None else torch.empty(size, dtype=torch.uint8, device=self.device)
+        self._wait("broadcast", dist.broadcast(box, src=self.global_rank(src), group=self.process_group,
+                                               async_op=True))
+        return _decode(box)
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
         """Collective, in place: group rank ``src``'s ``tensor`` lands in every rank's
         ``tensor`` (same shape and dtype on every rank, contiguous, on ``device``)."""
         if self.world_size == 1:
             return
-        with _peer_failures("broadcast"):
-            dist.broadcast(tensor, src=self.global_rank(src), group=self.process_group)
+        _raise_if_lost(self.process_group)
+        self._wait("broadcast", dist.broadcast(tensor, src=self.global_rank(src), group=self.process_group,
+                                               async_op=True))
 
     def reduce_over_ranks(self, values: Sequence[int], op: str, what: str) -> list[int]:
         """Collective: the elementwise ``op`` (``"min"`` or ``"max"``) of every rank's
@@ -137,14 +215,59 @@ class Group:
             return list(values)
         tensor = torch.tensor(list(values), dtype=torch.int64, device=self.device)
         reduce_op = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
-        with _peer_failures(what):
-            dist.all_reduce(tensor, op=reduce_op, group=self.process_group)
+        _raise_if_lost(self.process_group)
+        self._wait(what, dist.all_reduce(tensor, op=reduce_op, group=self.process_group, async_op=True))
         return [int(v) for v in tensor.tolist()]
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            with _peer_failures("barrier"):
-                dist.barrier(group=self.process_group)
+            _raise_if_lost(self.process_group)
+            self._wait("barrier", dist.barrier(group=self.process_group, async_op=True))
+
+    # ------------------------------------------------------------ waiting, bounded
+
+    def _wait(self, what: str, work: Any) -> None:
+        """Waits for ``work`` (an async collective) within the budget; a lost peer or an
+        exhausted budget raises ``PeerLost`` and marks the process group lost."""
+        budget = self.budget or self.new_budget()
+        start = time.monotonic()
+        try:
+            if budget.remaining() <= 0:  # a wait of 0 would be no timeout at all to c10d
+                raise RuntimeError("no time left to wait")
+            work.wait(timeout=timedelta(seconds=budget.remaining()))
+        except (RuntimeError, ConnectionError) as exc:  # DistBackendError is a RuntimeError
+            raise _lose(self.process_group, what, budget, exc) from exc
+        finally:
+            budget.spent += time.monotonic() - start
+
+    def _all_sizes(self, payload: torch.Tensor, what: str) -> list[int]:
+        """Every rank's message size (bytes), by group rank."""
+        _raise_if_lost(self.process_group)
+        mine = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
+        sizes = [torch.empty(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)]
+        self._wait(what, dist.all_gather(sizes, mine, group=self.process_group, async_op=True))
+        return [int(s.item()) for s in sizes]
+
+    def _broadcast_size(self, size: int, what: str, src: int = 0) -> int:
+        """Group rank ``src``'s ``size`` (bytes) on every rank."""
+        _raise_if_lost(self.process_group)
+        box = torch.tensor([size], dtype=torch.int64, device=self.device)
+        self._wait(what, dist.broadcast(box, src=self.global_rank(src), group=self.process_group, async_op=True))
+        return int(box.item())
+
+    def _encode(self, obj: Any) -> torch.Tensor:
+        """``obj`` pickled, after its length, as bytes on the group's device."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        framed = len(data).to_bytes(_LENGTH_BYTES, "little") + data
+        return torch.frombuffer(bytearray(framed), dtype=torch.uint8).to(self.device)
+
+    def _padded(self, payload: torch.Tensor, size: int) -> torch.Tensor:
+        """``payload`` extended to ``size`` bytes (collectives move equal sizes)."""
+        if payload.numel() == size:
+            return payload
+        padded = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        padded[: payload.numel()] = payload
+        return padded
 
     def exchange(self, sends: dict[int, list[torch.Tensor]], receives: dict[int, list[torch.Tensor]]) -> None:
         """Collective among the ranks named: ``sends[peer]`` (this rank's tensors for
@@ -161,9 +284,9 @@ class Group:
             landed.append((buffer, tensors))
         if not ops:
             return
-        with _peer_failures("exchange"):
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        _raise_if_lost(self.process_group)
+        for work in dist.batch_isend_irecv(ops):
+            self._wait("exchange", work)
         for buffer, tensors in landed:
             at = 0
             for t in tensors:
@@ -172,17 +295,45 @@ class Group:
                 at += n
 
 
-@contextmanager
-def _peer_failures(what: str) -> Iterator[None]:
-    """A collective that fails because a peer died or timed out (the backend's
-    connection error or timeout) becomes a CheckpointingException that says so."""
-    try:
-        yield
-    except (RuntimeError, ConnectionError) as exc:  # DistBackendError is a RuntimeError
-        raise CheckpointingException(
-            f"Lost contact with the other ranks during a checkpoint {what}: a rank died, was "
-            f"killed or timed out ({exc}). The checkpoint being saved is not committed."
-        ) from exc
+def _decode(message: torch.Tensor) -> Any:
+    """What ``Group._encode`` framed (a peer of the same job pickled it, as
+    ``torch.distributed``'s object collectives do)."""
+    data = message.cpu().numpy().tobytes()
+    length = int.from_bytes(data[:_LENGTH_BYTES], "little")
+    return pickle.loads(data[_LENGTH_BYTES : _LENGTH_BYTES + length])  # noqa: S301
+
+
+def _group_key(process_group: Any) -> Any:
+    """The key of ``process_group`` in ``_LOST`` (the default group's object for None,
+    so a new default group after ``destroy_process_group`` starts afresh)."""
+    if process_group is not None:
+        return process_group
+    return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+
+
+def _raise_if_lost(process_group: Any) -> None:
+    """Raises ``PeerLost`` at once when ``process_group`` already lost a peer."""
+    message = _LOST.get(_group_key(process_group))
+    if message is not None:
+        raise PeerLost(f"{message} (an earlier collective of this process group lost it; it cannot be used again)")
+
+
+def _lose(process_group: Any, what: str, budget: WaitBudget, exc: BaseException) -> PeerLost:
+    """The ``PeerLost`` of a collective ``what`` that failed with ``exc``, the process
+    group marked lost. The message names the operation (save or load) it was part of,
+    and what that means for the checkpoint."""
+    if isinstance(exc, PeerLost):
+        return exc
+    operation = current_operation()
+    during = f"a checkpoint {operation}" if operation else "a checkpoint operation"
+    consequence = {"save": " The checkpoint being saved is not committed.",
+                   "load": " The load failed: nothing was loaded."}.get(operation or "", "")
+    message = (
+        f"Lost contact with the other ranks during {during} ({what}): a rank died, was killed or did not answer "
+        f"within {budget.seconds:.0f} s, the process group's timeout ({exc}).{consequence}"
+    )
+    _LOST.setdefault(_group_key(process_group), message)
+    return PeerLost(message)
 
 
 class StageFailed(CheckpointingException):

@@ -27,6 +27,15 @@ rank just before any of them raises the same error on every rank within seconds,
 a wait for the process group's timeout (``tests/test_stage_failures.py`` finds every
 collective call site of a save and a load and fails each in turn). An agreement alone
 is ``run_stage(group, what, lambda: None, local_error=error)``.
+
+Waiting: all of a stage's collectives share one wait budget, the process group's
+timeout (``collectives.WaitBudget``): a rank waits for its peers at most that long per
+stage in all, however many collectives the stage has. A lost peer raises
+``collectives.PeerLost`` (not a ``StageFailed``: the peers may not know).
+
+One rank (world size 1, or no process group): there is nobody to tell, so a failure is
+raised as it is, a ``CheckpointingException`` unchanged, anything else as a
+``StageFailed`` naming the stage (not "rank 0").
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -89,11 +98,13 @@ def run_stage(
         ``reduce``) this rank's ``work()`` result.
 
     Raises:
-        StageFailed: on every rank, when any rank's work or the reduction failed;
-            CheckpointingException when a peer is lost during a collective.
+        StageFailed: on every rank, when any rank's work or the reduction failed (one
+            rank: its CheckpointingException as it is); PeerLost when a peer is lost
+            during a collective or does not answer within the stage's wait budget.
     """
     if transfers is not None and reduce is not None:
         raise ValueError("run_stage: a stage with a reduction has no transfers (plan them in the next stage)")
+    group = group.budgeted(group.new_budget())  # one budget for every wait of the stage
     result, planned, error = None, None, local_error
     if error is None:
         try:
@@ -115,10 +126,33 @@ def _agree(group: Group, error: BaseException | None, what: str) -> None:
     """Collective (one all-gather of failures): raises the same ``StageFailed`` on every
     rank when any rank failed, so a failure on one rank is a clear error on all of them
     instead of a hang."""
+    if group.world_size == 1:
+        if error is not None:
+            raise_stage_failure(group, what, error)
+        return
     local = None if error is None else RankFailure.from_exception(group.rank, error)
     failures = [f for f in group.all_gather_object(local) if f is not None]
     if failures:
         raise StageFailed(failure_message(failures, what)) from error
+
+
+def every_rank_stopped(group: Group, error: BaseException) -> bool:
+    """Whether no rank of ``group`` can still be working on the stage ``error`` ended:
+    every rank raised the same ``StageFailed``, or this process is the only rank (any
+    exception, an interrupt included, once it unwound the rank's own writes)."""
+    return group.world_size == 1 or isinstance(error, StageFailed)
+
+
+def raise_stage_failure(group: Group, what: str, error: BaseException) -> NoReturn:
+    """Raises what ``error`` of this rank's own step ``what`` becomes for the stage
+    (a reduction that fails raises it, for every rank to hear): a ``StageFailed``
+    naming this rank; with one rank, a CheckpointingException as it is (its own words
+    name the checkpoint and key), anything else as a ``StageFailed`` naming the step."""
+    if group.world_size > 1:
+        raise StageFailed(failure_message([RankFailure.from_exception(group.rank, error)], what)) from error
+    if isinstance(error, CheckpointingException):
+        raise error
+    raise StageFailed(f"{what} failed: {type(error).__name__}: {error}") from error
 
 
 def _reduce_on_coordinator(
@@ -129,6 +163,8 @@ def _reduce_on_coordinator(
     result or the one failure message every rank raises. Messages are pickled here,
     before the collective (``_pack``), so a result that cannot be pickled is a failure
     every rank learns of, not a rank that never joins the collective."""
+    if group.world_size == 1:
+        return _reduce_alone(group, what, result, error, reduce, deliver)
     mine = RankFailure.from_exception(group.rank, error) if error is not None else result
     gathered = [_unpack(group, g) for g in group.gather_object(_pack_result(group, mine))]
     delivery, cause = None, error
@@ -142,6 +178,21 @@ def _reduce_on_coordinator(
     if message is not None:
         raise StageFailed(message) from cause
     return part
+
+
+def _reduce_alone(
+    group: Group, what: str, result: Any, error: BaseException | None, reduce: Callable[[list[Any]], Any],
+    deliver: Deliver,
+) -> Any:
+    """``_reduce_on_coordinator`` for a single rank: the reduction of its own result,
+    or its failure (``raise_stage_failure``)."""
+    if error is not None:
+        raise_stage_failure(group, what, error)
+    try:
+        reduced = reduce([result])
+    except Exception as exc:  # noqa: BLE001  (raised as it is, or named, below)
+        raise_stage_failure(group, what, exc)
+    return list(reduced)[0] if deliver is Deliver.SCATTER else reduced
 
 
 def _delivery(

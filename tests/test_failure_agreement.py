@@ -1,0 +1,189 @@
+"""Failures told straight (issue 41, items 6 and 8).
+
+A rank SIGKILLed during an async save's finalization or commit, or during a load's
+reads, makes every survivor raise within 60 s while both cores are busy with other
+work, naming the operation that failed; a peer that stops answering without its
+connections closing (a forked child holds them) costs at most one process-group
+timeout per operation, never one per collective. One process raises its own error
+unwrapped; an interrupt that unwinds a save removes what the save staged.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardstore import CheckpointingException, ShardedTensor, load, save
+from tests.dist import run_distributed
+
+SURVIVOR_DEADLINE_S = 60.0
+BUSY_LOOP_S = 120  # each load generator ends by itself after this, if not killed first
+SHORT_PG_TIMEOUT_S = 8.0
+
+
+@contextmanager
+def busy_cores(count: int = 2) -> Iterator[None]:
+    """``count`` processes spinning on the CPU for the block (bounded in time, killed
+    at its end)."""
+    spin = f"import time\nend = time.monotonic() + {BUSY_LOOP_S}\nwhile time.monotonic() < end: pass"
+    loops = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
+def _state(rank: int, world: int, empty: bool = False) -> dict:
+    full = torch.arange(256 * 16, dtype=torch.float32).reshape(256, 16)
+    part = full.chunk(world)[rank]
+    return {"w": ShardedTensor.from_rank_offsets("w", torch.empty_like(part) if empty else part.clone(), (0, rank, world))}
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_unseen() -> None:
+    """Dies while a forked child keeps every connection open (as Megatron-Core's forked
+    async writer does), so the peers see no closed connection: only silence."""
+    if os.fork() == 0:
+        time.sleep(4 * SHORT_PG_TIMEOUT_S)
+        os._exit(0)
+    _die()
+
+
+def _arm(point: str, die: str) -> None:
+    """Makes this process die (``die``: "seen" or "unseen") at ``point``."""
+    import shardstore.execution.load as load_execution
+    import shardstore.execution.save as save_execution
+
+    end = _die if die == "seen" else _die_unseen
+    if point == "finalization":
+        save_execution.finalize_save = lambda *a, **k: end()
+    elif point == "commit":
+        save_execution.commit_save = lambda *a, **k: end()
+    elif point == "reads":
+        load_execution.load_tensors = lambda *a, **k: end()
+    else:
+        raise ValueError(point)
+
+
+def saved(rank: int, world: int, ckpt: str) -> None:
+    save(_state(rank, world), ckpt)
+
+
+def operation_with_a_death(rank: int, world: int, ckpt: str, point: str, victim: int, die: str) -> tuple[str, float]:
+    """Runs the operation ``point`` belongs to, the victim dying there; returns the
+    survivor's error and how long it took to raise it (seconds)."""
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
+    if rank == victim:
+        _arm(point, die)
+    start = time.monotonic()
+    try:
+        if point == "reads":
+            load(_state(rank, world, empty=True), ckpt)
+        else:
+            queue = AsyncCallsQueue()
+            queue.schedule_async_request(save(_state(rank, world), ckpt, async_sharded_save=True, overwrite=True))
+            start = time.monotonic()
+            queue.maybe_finalize_async_calls(blocking=True)
+    except CheckpointingException as exc:
+        return str(exc), time.monotonic() - start
+    raise AssertionError("the survivor's operation returned normally")
+
+
+KILL_POINTS = [("finalization", 1), ("commit", 0), ("reads", 1), ("reads", 0)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("point, victim", KILL_POINTS)
+def test_a_killed_rank_fails_the_survivor_within_60_s_on_busy_cores(tmp_path: Path, point: str, victim: int) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(saved, 2, ckpt)
+    with busy_cores():
+        results = run_distributed(operation_with_a_death, 2, ckpt, point, victim, "seen", killed=(victim,))
+    message, seconds = results[1 - victim]
+    assert seconds < SURVIVOR_DEADLINE_S, f"the survivor took {seconds:.1f} s to raise: {message}"
+    operation = "load" if point == "reads" else "save"
+    assert f"checkpoint {operation}" in message, message
+    if operation == "load":
+        assert "being saved" not in message and "load failed" in message.lower(), message
+
+
+def unseen_death_then_an_agreement(rank: int, world: int, ckpt: str) -> tuple[str, float, str, float]:
+    """The peer dies unseen during the load's reads; the survivor's load raises, then it
+    runs one more agreement on the same group (as a caller that tells its peers of an
+    earlier failure does): returns both errors and their times (seconds)."""
+    from shardstore.protocol.collectives import Group
+    from shardstore.protocol.stage import run_stage
+
+    if rank == 1:
+        _arm("reads", "unseen")
+    start = time.monotonic()
+    try:
+        load(_state(rank, world, empty=True), ckpt)
+        raise AssertionError("the survivor's load returned normally")
+    except CheckpointingException as exc:
+        first, first_s = str(exc), time.monotonic() - start
+    start = time.monotonic()
+    try:
+        run_stage(Group(), "Telling the peers", lambda: None, local_error=RuntimeError(first))
+        raise AssertionError("the agreement returned normally")
+    except CheckpointingException as exc:
+        return first, first_s, str(exc), time.monotonic() - start
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_lost_unseen_costs_one_timeout_per_operation_not_one_per_collective(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(saved, 2, ckpt)
+    with busy_cores():
+        results = run_distributed(
+            unseen_death_then_an_agreement, 2, ckpt, killed=(1,), pg_timeout=SHORT_PG_TIMEOUT_S
+        )
+    first, first_s, second, second_s = results[0]
+    assert first_s < SHORT_PG_TIMEOUT_S + 5, f"the load waited {first_s:.1f} s: {first}"
+    assert "checkpoint load" in first and "did not answer" in first, first
+    assert second_s < 1.0, f"the next agreement waited {second_s:.1f} s again: {second}"
+    assert "cannot be used again" in second, second
+
+
+def test_one_process_raises_its_own_error_unwrapped(ckpt_dir: Path) -> None:
+    save(_state(0, 1), ckpt_dir)
+    request = {"missing": ShardedTensor.from_rank_offsets("missing", torch.empty(4))}
+    with pytest.raises(CheckpointingException) as caught:
+        load(request, ckpt_dir)
+    assert "failed on rank" not in str(caught.value) and "missing" in str(caught.value), caught.value
+    assert not isinstance(caught.value.__cause__, CheckpointingException), caught.value.__cause__
+
+
+def test_an_interrupted_save_removes_what_it_staged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardstore.format.chunks as chunk_io
+
+    ckpt = tmp_path / "ckpt"
+    save(_state(0, 1), ckpt)
+    original = chunk_io.ChunkFile.write
+
+    def write_then_interrupt(self: chunk_io.ChunkFile, data: object) -> int:
+        original(self, data)
+        raise KeyboardInterrupt  # Ctrl-C with a chunk of the new save on disk
+
+    monkeypatch.setattr(chunk_io.ChunkFile, "write", write_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        save(_state(0, 1), ckpt, overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"], "the interrupted save's staging directory was left"
+    monkeypatch.undo()
+    loaded = load(_state(0, 1, empty=True), ckpt)  # the checkpoint it would have replaced is intact
+    assert torch.equal(loaded["w"], _state(0, 1)["w"].data)

@@ -72,15 +72,11 @@ CLI_WORDS = (
 )
 
 
-# How a collective stage reports a failure; the command runs one process, rank 0.
-_ONE_RANK_FAILED = re.compile(r"^[^\n]* failed on rank\(s\) 0:\n\s*rank 0: \w+: ")
-
-
 def in_cli_words(message: str) -> str:
     """``message`` as one line, with the library's keyword arguments replaced by the
-    command's flags (or by what to do in Python where the command has none), and
-    without the rank a collective stage names (the command is one process)."""
-    message = _ONE_RANK_FAILED.sub("", message)
+    command's flags (or by what to do in Python where the command has none). The
+    command is one process, whose errors the stages raise as they are
+    (``protocol.stage``), with no rank to name."""
     for library, cli in CLI_WORDS:
         message = message.replace(library, cli)
     return " ".join(line.strip() for line in message.splitlines())

@@ -401,7 +401,8 @@ def load(
         sharded_state_dict: the request; its ShardedTensors say which region of each
             global tensor this rank needs.
         checkpoint_dir: a committed checkpoint.
-        sharded_strategy, common_strategy: default: chosen from the checkpoint's config.
+        sharded_strategy: default: chosen from the checkpoint's config.
+        common_strategy: default: chosen from the checkpoint's config.
         validate_access_integrity: check (collectively) that the requests of all ranks'
             main replicas cover every requested tensor exactly once.
         strict: how to handle keys that do not match the checkpoint (StrictHandling).

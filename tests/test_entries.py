@@ -15,8 +15,10 @@ import shardstore.execution.pipeline as pipeline_module
 from shardstore import CheckpointingException, ShardedTensor, save
 from shardstore.execution.pipeline import SavePipeline
 from shardstore.format.commit import (
+    ByRename,
+    InPlace,
+    IntoCallersDirectory,
     PendingCheckpoint,
-    Publisher,
     adopt_save,
     begin_save,
     publisher_for,
@@ -93,24 +95,24 @@ def test_a_save_opens_its_target_once_and_its_reuse_source_once(tmp_path: Path, 
 
 def test_the_publisher_comes_from_the_store_and_is_held_by_the_save(tmp_path: Path) -> None:
     local, memory = open_location(tmp_path / "ckpt"), open_location("memory://entries/ckpt")
-    assert publisher_for(local.capabilities) is Publisher.RENAME
-    assert publisher_for(memory.capabilities) is Publisher.IN_PLACE
+    assert isinstance(publisher_for(local.capabilities), ByRename)
+    assert isinstance(publisher_for(memory.capabilities), InPlace)
     pending = begin_save(memory, overwrite=False)
     try:
-        assert pending.publisher is Publisher.IN_PLACE and adopt_save(pending) is pending
+        assert isinstance(pending.publisher, InPlace) and adopt_save(pending) is pending
     finally:
         pending.abandon()
-    assert SavePipeline.open(tmp_path / "ckpt").publisher is Publisher.RENAME
+    assert isinstance(SavePipeline.open(tmp_path / "ckpt").publisher, ByRename)
 
 
 def test_a_callers_directory_is_committed_in_place_and_never_deleted(tmp_path: Path) -> None:
     """Megatron-Core's save makes the directory and writes its common.pt first; the seed's
-    strategy API called on it adopts the directory (Publisher.CALLERS_DIRECTORY)."""
+    strategy API called on it adopts the directory (IntoCallersDirectory)."""
     ckpt = tmp_path / "megatron"
     ckpt.mkdir()
     (ckpt / "common.pt").write_bytes(b"the caller's")
     adopted = SavePipeline.into_callers_directory(ckpt)
-    assert adopted.publisher is Publisher.CALLERS_DIRECTORY
+    assert isinstance(adopted.publisher, IntoCallersDirectory)
     adopted.abandon()
     assert (ckpt / "common.pt").read_bytes() == b"the caller's"
     ZarrSaveShardedStrategy().save(_state(2.0), ckpt)

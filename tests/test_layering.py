@@ -141,6 +141,26 @@ def test_only_the_protocol_calls_torch_distributed_collectives() -> None:
     assert set(callers) == KNOWN_COLLECTIVE_CALLERS, callers
 
 
+def test_no_code_asks_which_publisher_a_save_has() -> None:
+    """Issue 43.2: each way of publishing is a ``format.commit.Publisher`` subclass that
+    owns its rules; no module compares a publisher with ``is``/``==`` or probes its
+    class with ``isinstance`` (an empty exception list)."""
+    asking: list[str] = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(_names_a_publisher(n) for n in (node.left, *node.comparators)):
+                asking.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance"
+                  and any(_names_a_publisher(a) for a in node.args)):
+                asking.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert asking == []
+
+
+def _names_a_publisher(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "publisher") or (
+        isinstance(node, ast.Name) and node.id in {"publisher", "Publisher", "ByRename", "InPlace", "IntoCallersDirectory"})
+
+
 def test_the_readme_layout_table_names_every_package() -> None:
     readme = (ROOT.parent / "README.md").read_text().split("## Layout of the code", 1)[1].split("\n## ", 1)[0]
     design = (ROOT / "DESIGN.md").read_text()

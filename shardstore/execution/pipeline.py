@@ -11,7 +11,7 @@ boundary and calls its steps, in this order (who calls each)::
              or  SavePipeline.into_callers_directory(checkpoint_dir, group)
                  a directory the caller created and wrote into (Megatron-Core's own
                  ``save``): no staging, no begin; published in place, the caller's
-                 files listed as external (``Publisher.CALLERS_DIRECTORY``)
+                 files listed as external (``format.commit.IntoCallersDirectory``)
     collective   plan(tensors, objects, planner, ...) -> this rank's plan
                  gathers the shard records, validates and plans on the coordinator
                  (``protocol.plan_stage``/``plan_cache``), which then ``begin``s; every

@@ -44,7 +44,7 @@ from shardstore.format.chunks import (
     run_writes,
     write_region,
 )
-from shardstore.format.commit import PendingCheckpoint, Publisher
+from shardstore.format.commit import PendingCheckpoint
 from shardstore.format.dtypes import from_zarr_name, tensor_to_numpy
 from shardstore.format.integrity import caller_file_checksums, file_checksums
 from shardstore.format.records import (
@@ -338,7 +338,7 @@ def commit_save(pending: PendingCheckpoint, record: CommitRecord, reports: list[
     """
     record = bind_chunks(record, reports, pending.describe())
     record = replace(record, files=file_checksums(pending, record), reused_from=reused_from(pending, reports))
-    if pending.publisher is Publisher.CALLERS_DIRECTORY:
+    if pending.publisher.binds_callers_files:
         record = replace(record, external_files=caller_file_checksums(pending, record))
     record = replace(record, save_id=pending.intent.save_id, created=time.time())
     record = pending.commit(record)

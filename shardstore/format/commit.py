@@ -49,9 +49,11 @@ writes its ``common.pt`` before our strategy runs): ``adopt_save`` writes into i
 place; the commit writes the commit record last and lists the caller's files as
 external. Nothing there is ever deleted (it is not provably ours).
 
-How a save is published is a ``Publisher``, chosen once from the store's capabilities
-(``publisher_for``) and held by the ``PendingCheckpoint``; nothing asks a location for
-its class.
+How a save is published is a ``Publisher``, one class per way above (``ByRename``,
+``InPlace``, ``IntoCallersDirectory``), each owning its rules: how the save begins and
+is joined, where its writers write, what its commit and abandon do. One is chosen once
+from the store's capabilities (``publisher_for``) and held by the ``PendingCheckpoint``;
+nothing asks a location or a publisher which class it is.
 """
 
 from __future__ import annotations
@@ -63,9 +65,10 @@ import os
 import threading
 import uuid
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from enum import Enum
+from typing import ClassVar
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.chunks import ChunkStore, chunk_store_for
@@ -84,29 +87,6 @@ from shardstore.format.reuse import ChunkReuse, reuse_save_id
 from shardstore.stores.base import Capabilities, DirectoryPublishing, Location
 
 logger = logging.getLogger(__name__)
-
-
-class Publisher(Enum):
-    """How a save becomes visible (the module docstring gives each one's rules).
-
-    RENAME: a private staging directory next to the target, published by one rename
-        (or an atomic exchange with the checkpoint it replaces); local file systems.
-    IN_PLACE: written at the target itself, marker first, commit record last (one
-        atomic PUT); object stores.
-    CALLERS_DIRECTORY: a directory the caller created and already wrote into
-        (Megatron-Core's ``save``): written in place, commit record last, the caller's
-        files listed as external; an abandoned save deletes nothing there.
-    """
-
-    RENAME = "rename"
-    IN_PLACE = "in_place"
-    CALLERS_DIRECTORY = "callers_directory"
-
-
-def publisher_for(capabilities: Capabilities) -> Publisher:
-    """The publisher of a save into a store with ``capabilities``: by rename where whole
-    directories move atomically, else in place."""
-    return Publisher.RENAME if capabilities.supports_rename else Publisher.IN_PLACE
 
 
 def new_save_id() -> str:
@@ -248,9 +228,7 @@ class PendingCheckpoint(Location):
             self, _release_dropped, staging, self._locks, self._releases, target.describe()
         )
         self._release_when_dropped.atexit = False  # the process's end closes them anyway
-        if publisher is Publisher.CALLERS_DIRECTORY:
-            # nothing held open in the caller's directory, nothing of ours to clean up there
-            # (and a background writer forked by the caller drops its copy unreleased)
+        if not publisher.holds_resources:
             self._release_when_dropped.detach()
         self.reuse_source: Location | None = None  # where ``intent.reuses`` was committed
         # Other programs may write into the target while the save runs (``begin_save``'s
@@ -281,7 +259,7 @@ class PendingCheckpoint(Location):
     @property
     def in_place(self) -> bool:
         """Written at the target itself (no staging directory)."""
-        return self.publisher is not Publisher.RENAME
+        return self.publisher.in_place
 
     def chunk_reuse(self, target_store: ChunkStore, records: dict[str, ArrayRecord]) -> ChunkReuse | None:
         """This rank's reuse of the earlier checkpoint the save shares unchanged chunks
@@ -298,28 +276,18 @@ class PendingCheckpoint(Location):
         return self.target.describe(rel)
 
     def commit(self, record: CommitRecord) -> CommitRecord:
-        """Coordinator: writes the commit record and publishes the checkpoint. Returns
-        the record as published (published beside another program's files, it names
-        them: ``CommitRecord.beside``)."""
-        if self.publisher is Publisher.RENAME:
-            record = self._commit_by_rename(record)
-        elif self.publisher is Publisher.IN_PLACE:
-            self._commit_in_place(record)
-        else:
-            write_commit_record(self.target, record)
+        """Coordinator: writes the commit record and publishes the checkpoint (by its
+        ``publisher``). Returns the record as published (published beside another
+        program's files, it names them: ``CommitRecord.beside``)."""
+        record = self.publisher.commit(self, record)
         self.release()
         return record
 
     def abandon(self) -> None:
-        """Coordinator, after a failed save: deletes what this save wrote."""
+        """Coordinator, after a failed save: deletes what this save wrote (what its
+        ``publisher`` can prove is this save's)."""
         try:
-            if self.publisher is Publisher.CALLERS_DIRECTORY:
-                pass  # the caller's directory: nothing in it is provably ours
-            elif self.in_place:
-                if _marker_id(self.target) == self.intent.save_id and committed_save_id(self.target) is None:
-                    self.target.remove_tree("")
-            else:
-                _remove_dir(self.inner.store.publishing())
+            self.publisher.abandon(self)
         finally:
             self.release()
 
@@ -342,99 +310,6 @@ class PendingCheckpoint(Location):
         Safe to call again."""
         if self._release_when_dropped.detach() is not None:
             _close_descriptors(self.inner, self._locks, self._releases)
-
-    def _lost_race(self, current: str | None) -> CheckpointingException:
-        return CheckpointingException(
-            f"Not committing the save into {self.target.describe()}: another save committed there while it "
-            f"ran (expected {self.intent.replaces or 'no checkpoint'}, found save {current}). The other "
-            "save's checkpoint is kept; save this one again (overwrite=True) or to a new directory."
-        )
-
-    def _commit_in_place(self, record: CommitRecord) -> None:
-        current = committed_save_id(self.target)
-        if current is not None or _marker_id(self.target) != self.intent.save_id:
-            raise self._lost_race(current or f"in progress ({_marker_id(self.target)})")
-        self.target.write_atomic(COMMIT_RECORD, record.to_json())
-        self.target.remove(SAVE_MARKER)
-
-    def _commit_by_rename(self, record: CommitRecord) -> CommitRecord:
-        staging, target = self.inner.store.publishing(), self.target.store.publishing()
-        assert staging is not None and target is not None  # begin_save staged apart only for these
-        self.inner.write_atomic(COMMIT_RECORD, record.to_json())
-        replaced: DirectoryPublishing | None = None
-        with target.parent_locked():
-            empty = self.target.is_empty()
-            old = None if empty else _committed_record(self.target)
-            current = old.save_id if old is not None else None
-            if current != self.intent.replaces or (not empty and current is None and not self.shares_directory):
-                raise self._lost_race(current or "a directory that is not a checkpoint")
-            if current is None and not empty:
-                return self._publish_beside(staging, target, record)
-            if old is not None:
-                self._refuse_added_entries(old)
-            if current is None:
-                staging.rename_to(target, exchange=False)
-            elif staging.rename_to(target, exchange=True):
-                replaced = staging  # the old checkpoint is now at the staging path
-            else:
-                replaced = target.sibling(f".{target.name}{REPLACED_TAG}{current}")
-                target.rename_to(replaced, exchange=False)
-                staging.rename_to(target, exchange=False)
-            target.fsync_parent()
-        self.target.remove(SAVE_MARKER)
-        _remove_dir(replaced)
-        return record
-
-    def _refuse_added_entries(self, old: CommitRecord) -> None:
-        """Before the checkpoint this save replaces goes (under the parent's lock): a
-        top-level entry its save did not write, added since this save began checked it
-        (``_check_target``), is another program's, which replacing would delete: the save
-        loses instead, changing nothing. One directory read; a file added deeper, inside
-        one of its arrays, is not looked for here. ``old``: its commit record."""
-        added = sorted(set(self.target.list_top(None)) - old.own_top_names - self.tops_at_begin)
-        if added:
-            raise CheckpointingException(
-                f"Not committing the save into {self.target.describe()}: another program wrote "
-                f"{', '.join(added[:5])} into the checkpoint it replaces while it ran, which replacing it would "
-                "delete. Nothing there was changed; move them out, or save to a new directory"
-            )
-
-    def _publish_beside(
-        self, staging: DirectoryPublishing, target: DirectoryPublishing, record: CommitRecord
-    ) -> CommitRecord:
-        """The target, empty when the save began and shared with other programs
-        (``begin_save``'s ``shared_directory``), holds files one of them put there while
-        the save ran (Megatron-LM writes ModelOpt's state into the iteration's directory
-        right after ``dist_checkpointing.save`` returns, while an async save still
-        writes): they are kept, not ours to move or delete, and the save's entries
-        are moved in beside them, the commit record last (until then the directory is no
-        checkpoint). A name both hold fails the save, naming it; a crash part way leaves
-        a directory that later saves refuse to touch (``_refuse_foreign`` names what is
-        there). The commit record is written again naming their top-level entries
-        (``CommitRecord.beside``): it does not vouch for them, and ``verify`` names them
-        as another program's, not as damage; a name the record cannot carry (one of the
-        format's own, an invalid key) is left out, and ``verify`` flags what lies under
-        it. Returns that record."""
-        theirs = set(self.target.list_top(None))
-        ours = [name for name in self.inner.list_top(None) if name not in (COMMIT_RECORD, SAVE_MARKER)]
-        clash = sorted(theirs & {*ours, COMMIT_RECORD, SAVE_MARKER})
-        if clash:
-            raise CheckpointingException(
-                f"Not committing the save into {self.target.describe()}: another program wrote "
-                f"{', '.join(clash[:5])} there while it ran. Nothing there was changed; save again to an empty "
-                "or new directory"
-            )
-        logger.warning(
-            "%s received %s from another program while the save ran; they are kept beside the checkpoint "
-            "(its commit record does not vouch for them)", self.target.describe(), ", ".join(sorted(theirs)[:5]),
-        )
-        record = replace(record, beside=tuple(sorted(n for n in theirs if record.refuses_beside(n) is None)))
-        self.inner.write_atomic(COMMIT_RECORD, record.to_json())
-        staging.move_entries_into(target, ours)
-        staging.move_entries_into(target, [COMMIT_RECORD])
-        _remove_dir(staging)
-        return record
-
 
 def _close_descriptors(staging: Location, locks: list[int], releases: list[Callable[[], None]]) -> None:
     """Closes a save's durability descriptor (``begin_writes``) and its lock
@@ -471,6 +346,234 @@ def _remove_dir(directory: DirectoryPublishing | None) -> None:
         pass
     except OSError as exc:
         logger.warning("Could not remove %s (the next save into the same place will): %s", directory.describe(), exc)
+
+
+# ------------------------------------------------------------------ publishers
+
+
+class Publisher(ABC):
+    """How a save becomes visible: each way of publishing is a subclass that owns its
+    rules (the module docstring gives them): how the coordinator begins the save and how
+    every other rank joins it, what is prepared before the writes, what its commit and
+    abandon do. A ``PendingCheckpoint`` holds the one its save uses; nothing asks which.
+
+    Attributes:
+        in_place: the save is written at the target itself (no staging directory).
+        holds_resources: the save holds descriptors, locks or claims to let go of when it
+            is dropped without a release.
+        binds_callers_files: the files the caller wrote into the target before the
+            commit are bound by the commit record as external ones.
+    """
+
+    in_place: ClassVar[bool] = True
+    holds_resources: ClassVar[bool] = True
+    binds_callers_files: ClassVar[bool] = False
+
+    def begin(self, target: Location, overwrite: bool, save_id: str, reuse_from: Location | None) -> PendingCheckpoint:
+        """Coordinator, the target claimed: checks the target, clears what dead saves left
+        and returns the pending checkpoint (nothing written yet). Deletes nothing that is
+        not provably ours."""
+        raise CheckpointingException(
+            f"Internal error: a save into {target.describe()} cannot begin with {type(self).__name__}; please report it"
+        )
+
+    def join(self, target: Location, intent: SaveIntent) -> PendingCheckpoint:
+        """Every rank but the coordinator: the pending checkpoint the coordinator began."""
+        raise CheckpointingException(
+            f"Internal error: a save into {target.describe()} cannot be joined with {type(self).__name__}; please "
+            "report it"
+        )
+
+    def prepare_writes(self, save: PendingCheckpoint) -> None:
+        """Coordinator, before the marker is written: makes the place the writers write
+        into (nothing to do where that is the target)."""
+        return None
+
+    @abstractmethod
+    def commit(self, save: PendingCheckpoint, record: CommitRecord) -> CommitRecord:
+        """Coordinator: writes ``record`` and publishes; returns the record published.
+
+        Raises:
+            CheckpointingException: another save committed meanwhile (nothing published).
+        """
+
+    @abstractmethod
+    def abandon(self, save: PendingCheckpoint) -> None:
+        """Coordinator, after a failed save: deletes what ``save`` provably wrote."""
+
+
+class ByRename(Publisher):
+    """A private staging directory next to the target, published by one rename (or an
+    atomic exchange with the checkpoint it replaces): local and shared POSIX file
+    systems."""
+
+    in_place = False
+
+    def begin(self, target: Location, overwrite: bool, save_id: str, reuse_from: Location | None) -> PendingCheckpoint:
+        directory = _directory(target).resolved()
+        target = Location(directory)
+        remove_dead_saves(directory)
+        replaces = _check_target(target, overwrite)
+        reuses = reuse_save_id(reuse_from, target, in_place=False) if reuse_from is not None else None
+        pending = PendingCheckpoint(target, _staging_for(directory, save_id), SaveIntent(save_id, replaces, reuses), self)
+        if replaces is not None:
+            pending.tops_at_begin = frozenset(target.list_top(None))
+        return pending
+
+    def join(self, target: Location, intent: SaveIntent) -> PendingCheckpoint:
+        directory = _directory(target).resolved()
+        return PendingCheckpoint(Location(directory), _staging_for(directory, intent.save_id), intent, self)
+
+    def prepare_writes(self, save: PendingCheckpoint) -> None:
+        save.inner.prepare()
+        save.hold_staging_lock()
+
+    def abandon(self, save: PendingCheckpoint) -> None:
+        _remove_dir(save.inner.store.publishing())
+
+    def commit(self, save: PendingCheckpoint, record: CommitRecord) -> CommitRecord:
+        staging, target = save.inner.store.publishing(), save.target.store.publishing()
+        assert staging is not None and target is not None  # begin staged apart only for these
+        save.inner.write_atomic(COMMIT_RECORD, record.to_json())
+        replaced: DirectoryPublishing | None = None
+        with target.parent_locked():
+            empty = save.target.is_empty()
+            old = None if empty else _committed_record(save.target)
+            current = old.save_id if old is not None else None
+            if current != save.intent.replaces or (not empty and current is None and not save.shares_directory):
+                raise _lost_race(save, current or "a directory that is not a checkpoint")
+            if current is None and not empty:
+                return self._publish_beside(save, staging, target, record)
+            if old is not None:
+                self._refuse_added_entries(save, old)
+            if current is None:
+                staging.rename_to(target, exchange=False)
+            elif staging.rename_to(target, exchange=True):
+                replaced = staging  # the old checkpoint is now at the staging path
+            else:
+                replaced = target.sibling(f".{target.name}{REPLACED_TAG}{current}")
+                target.rename_to(replaced, exchange=False)
+                staging.rename_to(target, exchange=False)
+            target.fsync_parent()
+        save.target.remove(SAVE_MARKER)
+        _remove_dir(replaced)
+        return record
+
+    @staticmethod
+    def _refuse_added_entries(save: PendingCheckpoint, old: CommitRecord) -> None:
+        """Before the checkpoint this save replaces goes (under the parent's lock): a
+        top-level entry its save did not write, added since this save began checked it
+        (``_check_target``), is another program's, which replacing would delete: the save
+        loses instead, changing nothing. One directory read; a file added deeper, inside
+        one of its arrays, is not looked for here. ``old``: its commit record."""
+        added = sorted(set(save.target.list_top(None)) - old.own_top_names - save.tops_at_begin)
+        if added:
+            raise CheckpointingException(
+                f"Not committing the save into {save.target.describe()}: another program wrote "
+                f"{', '.join(added[:5])} into the checkpoint it replaces while it ran, which replacing it would "
+                "delete. Nothing there was changed; move them out, or save to a new directory"
+            )
+
+    @staticmethod
+    def _publish_beside(
+        save: PendingCheckpoint, staging: DirectoryPublishing, target: DirectoryPublishing, record: CommitRecord
+    ) -> CommitRecord:
+        """The target, empty when the save began and shared with other programs
+        (``begin_save``'s ``shared_directory``), holds files one of them put there while
+        the save ran (Megatron-LM writes ModelOpt's state into the iteration's directory
+        right after ``dist_checkpointing.save`` returns, while an async save still
+        writes): they are kept, not ours to move or delete, and the save's entries
+        are moved in beside them, the commit record last (until then the directory is no
+        checkpoint). A name both hold fails the save, naming it; a crash part way leaves
+        a directory that later saves refuse to touch (``_refuse_foreign`` names what is
+        there). The commit record is written again naming their top-level entries
+        (``CommitRecord.beside``): it does not vouch for them, and ``verify`` names them
+        as another program's, not as damage; a name the record cannot carry (one of the
+        format's own, an invalid key) is left out, and ``verify`` flags what lies under
+        it. Returns that record."""
+        theirs = set(save.target.list_top(None))
+        ours = [name for name in save.inner.list_top(None) if name not in (COMMIT_RECORD, SAVE_MARKER)]
+        clash = sorted(theirs & {*ours, COMMIT_RECORD, SAVE_MARKER})
+        if clash:
+            raise CheckpointingException(
+                f"Not committing the save into {save.target.describe()}: another program wrote "
+                f"{', '.join(clash[:5])} there while it ran. Nothing there was changed; save again to an empty "
+                "or new directory"
+            )
+        logger.warning(
+            "%s received %s from another program while the save ran; they are kept beside the checkpoint "
+            "(its commit record does not vouch for them)", save.target.describe(), ", ".join(sorted(theirs)[:5]),
+        )
+        record = replace(record, beside=tuple(sorted(n for n in theirs if record.refuses_beside(n) is None)))
+        save.inner.write_atomic(COMMIT_RECORD, record.to_json())
+        staging.move_entries_into(target, ours)
+        staging.move_entries_into(target, [COMMIT_RECORD])
+        _remove_dir(staging)
+        return record
+
+
+class InPlace(Publisher):
+    """Written at the target itself, marker first, commit record last (one atomic PUT):
+    object stores and any store that cannot rename a directory."""
+
+    def begin(self, target: Location, overwrite: bool, save_id: str, reuse_from: Location | None) -> PendingCheckpoint:
+        target.prepare()
+        if not target.is_empty() and _marker_id(target) is not None and committed_save_id(target) is None:
+            logger.warning("Removing the leftovers of an interrupted save at %s", target.describe())
+            target.remove_tree("")
+        replaces = _check_target(target, overwrite)
+        reuses = reuse_save_id(reuse_from, target, in_place=True) if reuse_from is not None else None
+        if replaces is not None:
+            target.remove(COMMIT_RECORD)  # the documented window on object stores starts here
+            target.remove_tree("")
+        return PendingCheckpoint(target, target, SaveIntent(save_id, replaces, reuses), self)
+
+    def join(self, target: Location, intent: SaveIntent) -> PendingCheckpoint:
+        return PendingCheckpoint(target, target, intent, self)
+
+    def commit(self, save: PendingCheckpoint, record: CommitRecord) -> CommitRecord:
+        current = committed_save_id(save.target)
+        if current is not None or _marker_id(save.target) != save.intent.save_id:
+            raise _lost_race(save, current or f"in progress ({_marker_id(save.target)})")
+        save.target.write_atomic(COMMIT_RECORD, record.to_json())
+        save.target.remove(SAVE_MARKER)
+        return record
+
+    def abandon(self, save: PendingCheckpoint) -> None:
+        if _marker_id(save.target) == save.intent.save_id and committed_save_id(save.target) is None:
+            save.target.remove_tree("")
+
+
+class IntoCallersDirectory(Publisher):
+    """A directory the caller created and already wrote into (Megatron-Core's ``save``):
+    written in place, the commit record last, the caller's files bound as external ones.
+    Nothing there is provably ours, so an abandoned save deletes nothing, and nothing is
+    held open there (a background writer forked by the caller drops its copy
+    unreleased). Such a save is adopted (``adopt_save``), never begun or joined."""
+
+    holds_resources = False
+    binds_callers_files = True
+
+    def commit(self, save: PendingCheckpoint, record: CommitRecord) -> CommitRecord:
+        write_commit_record(save.target, record)
+        return record
+
+    def abandon(self, save: PendingCheckpoint) -> None:
+        return None  # the caller's directory: nothing in it is provably ours
+
+
+def publisher_for(capabilities: Capabilities) -> Publisher:
+    """The publisher of a save into a store with ``capabilities``: by rename where whole
+    directories move atomically, else in place."""
+    return ByRename() if capabilities.supports_rename else InPlace()
+
+
+def _lost_race(save: PendingCheckpoint, current: str | None) -> CheckpointingException:
+    return CheckpointingException(
+        f"Not committing the save into {save.target.describe()}: another save committed there while it "
+        f"ran (expected {save.intent.replaces or 'no checkpoint'}, found save {current}). The other "
+        "save's checkpoint is kept; save this one again (overwrite=True) or to a new directory."
+    )
 
 
 def _open_reuse(
@@ -512,37 +615,15 @@ def begin_save(
 
 def _begin_claimed(target: Location, overwrite: bool, save_id: str, reuse_from: Location | None) -> PendingCheckpoint:
     """``begin_save`` once the target is claimed."""
-    if publisher_for(target.capabilities) is Publisher.RENAME:
-        directory = _directory(target).resolved()
-        target = Location(directory)
-        remove_dead_saves(directory)
-        replaces = _check_target(target, overwrite)
-        reuses = reuse_save_id(reuse_from, target, in_place=False) if reuse_from is not None else None
-        pending = PendingCheckpoint(
-            target, _staging_for(directory, save_id), SaveIntent(save_id, replaces, reuses), Publisher.RENAME
-        )
-        if replaces is not None:
-            pending.tops_at_begin = frozenset(target.list_top(None))
-    else:
-        target.prepare()
-        if not target.is_empty() and _marker_id(target) is not None and committed_save_id(target) is None:
-            logger.warning("Removing the leftovers of an interrupted save at %s", target.describe())
-            target.remove_tree("")
-        replaces = _check_target(target, overwrite)
-        reuses = reuse_save_id(reuse_from, target, in_place=True) if reuse_from is not None else None
-        if replaces is not None:
-            target.remove(COMMIT_RECORD)  # the documented window on object stores starts here
-            target.remove_tree("")
-        pending = PendingCheckpoint(target, target, SaveIntent(save_id, replaces, reuses), Publisher.IN_PLACE)
+    publisher = publisher_for(target.capabilities)
+    pending = publisher.begin(target, overwrite, save_id, reuse_from)
     pending.reuse_source = reuse_from
     with contextlib.ExitStack() as on_failure:
         # A staging area that fails half-made (disk full while creating it or writing its
         # marker) is removed and its descriptors and lock closed: without its marker no
         # later save would ever recognise it as a dead save's.
         on_failure.callback(pending.abandon)
-        if not pending.in_place:
-            pending.inner.prepare()
-            pending.hold_staging_lock()
+        publisher.prepare_writes(pending)
         pending.inner.begin_writes()
         _write_marker(pending.inner, save_id)
         on_failure.pop_all()
@@ -552,13 +633,7 @@ def _begin_claimed(target: Location, overwrite: bool, save_id: str, reuse_from: 
 def join_save(target: Location, intent: SaveIntent, reuse_from: Location | None = None) -> PendingCheckpoint:
     """Every rank but the coordinator: the pending checkpoint the coordinator began
     (``reuse_from``: the same earlier checkpoint the coordinator was given)."""
-    if publisher_for(target.capabilities) is Publisher.RENAME:
-        directory = _directory(target).resolved()
-        pending = PendingCheckpoint(
-            Location(directory), _staging_for(directory, intent.save_id), intent, Publisher.RENAME
-        )
-    else:
-        pending = PendingCheckpoint(target, target, intent, Publisher.IN_PLACE)
+    pending = publisher_for(target.capabilities).join(target, intent)
     pending.reuse_source = reuse_from
     pending.inner.begin_writes()
     return pending
@@ -583,11 +658,11 @@ _OPEN_SAVES: weakref.WeakSet[PendingCheckpoint] = weakref.WeakSet()
 def adopt_save(location: Location) -> PendingCheckpoint:
     """The save that writes into ``location``: the pending checkpoint itself when this
     process began or joined it (``begin_save``, ``join_save``), else ``location`` as a
-    directory the caller made (``Publisher.CALLERS_DIRECTORY``: Megatron-Core's ``save``
-    and the seed's strategy API called directly), with a fresh save id."""
+    directory the caller made (``IntoCallersDirectory``: Megatron-Core's ``save`` and the
+    seed's strategy API called directly), with a fresh save id."""
     if location in _OPEN_SAVES:
         return location  # type: ignore[return-value]  # a member is a PendingCheckpoint
-    return PendingCheckpoint(location, location, SaveIntent(new_save_id(), None), Publisher.CALLERS_DIRECTORY)
+    return PendingCheckpoint(location, location, SaveIntent(new_save_id(), None), IntoCallersDirectory())
 
 
 def _staging_for(target: DirectoryPublishing, save_id: str) -> Location:

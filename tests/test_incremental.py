@@ -384,3 +384,32 @@ def test_s3_an_object_overwritten_after_its_commit_is_not_copied(s3, caplog) -> 
     assert "is not their MD5" in caplog.text
     _check(second, 2)
     assert verify(second).ok
+
+
+def test_s3_copies_whose_etag_is_no_md5_are_tried_once_per_save(s3, monkeypatch) -> None:
+    """An encrypted (SSE-KMS, SSE-C) or multipart object's ETag proves nothing of its
+    bytes: after the first such copy the save writes every other chunk without copying."""
+    from shardstore.stores.base import CopiedObject
+    from shardstore.stores.s3 import S3Store, _encrypted_by_key
+
+    assert _encrypted_by_key({"ServerSideEncryption": "aws:kms"}) and _encrypted_by_key({"SSECustomerAlgorithm": "AES256"})
+    assert not _encrypted_by_key({"ServerSideEncryption": "AES256"})
+    _, proxy = s3
+    options = S3Options(endpoint_url=proxy.endpoint, key=KEY, secret=SECRET, region=REGION)
+    first, second = (open_location(f"s3://incremental/kms/step{i}", options=options) for i in (1, 2))
+    frozen = {f"frozen{i}": ShardedTensor.from_rank_offsets(f"frozen{i}", global_tensor(f"f{i}", BASE, torch.float32))
+              for i in range(3)}
+    save(frozen, first)
+    copies = []
+
+    def encrypted_copy(self, source, key):
+        copies.append(key)
+        return CopiedObject()
+
+    monkeypatch.setattr(S3Store, "copy_from", encrypted_copy)
+    save(frozen, second, reuse_from=first)
+    assert len(copies) == 1, copies
+    assert read_commit_record(second).reused_from is None
+    loaded = load({k: ShardedTensor.from_rank_offsets(k, torch.empty(BASE)) for k in frozen}, second)
+    for i in range(3):
+        assert_bits_equal(loaded[f"frozen{i}"], global_tensor(f"f{i}", BASE, torch.float32), f"frozen{i}")

@@ -200,8 +200,11 @@ def test_the_manager_stops_choosing_a_base_whose_save_failed(tmp_path: Path, mon
     assert "do not share chunks with step 1" in caplog.text
     monkeypatch.setattr(reuse.ChunkReuse, "sharer", original)
     manager.save(3, _state(3))
+    assert read_commit_record(manager.location(3)).reused_from is None  # neither step 1 nor an older one
+    manager.save(4, _state(4))
     manager.close()
-    assert read_commit_record(manager.location(3)).reused_from is None
+    assert read_commit_record(manager.location(4)).reused_from.save_id == read_commit_record(
+        manager.location(3)).save_id  # a newer committed step serves again
     _check(manager.location(3).local_path(), 3)
 
 
@@ -251,3 +254,35 @@ def test_the_cli_verifies_a_root_and_names_the_steps_sharing_a_damaged_file(tmp_
     document = json.loads(subprocess.run([*command, "--json"], capture_output=True, text=True).stdout)
     assert document["ok"] is False and document["damage"][0]["checkpoints"] == names
     assert sorted(document["checkpoints"]) == names
+
+
+def test_a_base_chunk_of_the_wrong_size_is_reported_as_damage(tmp_path: Path, caplog) -> None:
+    save(_state(1), tmp_path / "s1")
+    chunk = tmp_path / "s1" / CHUNK
+    os.truncate(chunk, chunk.stat().st_size - 1)
+    with caplog.at_level(logging.INFO, logger="shardstore"):
+        save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
+    _check(tmp_path / "s2", 2)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "not the" in warnings[0] and "shardstore verify" in warnings[0], warnings
+    assert ".shardstore-save-" not in warnings[0]  # names the checkpoints, not the staging directory
+
+
+def test_the_manager_verify_covers_a_step_whose_record_is_damaged(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path)
+    for step in (1, 2):
+        manager.save(step, _state(step))
+    manager.close()
+    (manager.location(2).local_path() / "zarr.json").write_bytes(b"{not json")
+    report = manager.verify()
+    assert not report.ok and manager.options.step_name(2) in report.reports
+
+
+def test_the_megatron_guard_lets_a_scheme_shardstore_cannot_open_through(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core.dist_checkpointing.strategies.common", reason="megatron-core not installed")
+    from shardstore.tools.megatron_strategy import _holds_a_committed_checkpoint
+
+    assert not _holds_a_committed_checkpoint("msc://profile/ckpt/iter_0000001")
+    assert not _holds_a_committed_checkpoint(tmp_path / "empty")
+    save(_state(1), tmp_path / "s1")
+    assert _holds_a_committed_checkpoint(tmp_path / "s1")

@@ -43,6 +43,7 @@ import math
 import os
 import re
 import sys
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -68,7 +69,6 @@ IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 # A strided destination is filled by a scatter read when its contiguous runs are at
 # least this long; shorter runs go through a one-chunk buffer and a copy.
 MIN_SCATTER_RUN = 4096
-T = TypeVar("T")
 # Threads doing chunk I/O per rank; more did not help on local disks (a cold load of
 # 5,000 small chunks on 2 cores: 0.9 s at 8 threads, 1.0-1.3 s at 32 and 64).
 DEFAULT_IO_THREADS = 8
@@ -293,6 +293,9 @@ class FileChunkStore(ChunkStore):
             return False
         source._guard.check(rel.rpartition("/")[0])
         try:
+            size = os.lstat(source._prefix + rel).st_size
+            if size != held.nbytes:
+                raise ChunkMismatch(f"{source.describe(rel)} holds {size} bytes, not the {held.nbytes} being saved")
             if not share_file(source._prefix + rel, self._prefix + rel, held.nbytes):
                 return False
         except FileNotFoundError:  # the source chunk is gone (deleted meanwhile)
@@ -314,6 +317,8 @@ class KvChunkStore(ChunkStore):
         import tensorstore as ts
 
         self.location, self.threads = location, threads
+        self._etags_say_nothing = False  # a copy's ETag was no MD5 (``share_from``)
+        self._etags_probed, self._probe_lock = False, threading.Lock()
         access = location.store.chunk_access()
         try:
             self.kv = ts.KvStore.open(dict(access.kvstore or {}), context=ts.Context(dict(access.context))).result()
@@ -341,13 +346,30 @@ class KvChunkStore(ChunkStore):
         their MD5 (other bytes, or encryption) raises ChunkMismatch."""
         if not isinstance(source, KvChunkStore):
             return False
+        if not self._etags_probed:  # the first copy tells what this store's ETags are; the others wait
+            with self._probe_lock:
+                if not self._etags_probed:
+                    try:
+                        return self._copy_proven(source, rel, held)
+                    finally:
+                        self._etags_probed = True
+        return not self._etags_say_nothing and self._copy_proven(source, rel, held)
+
+    def _copy_proven(self, source: KvChunkStore, rel: str, held: HeldChunk) -> bool:
+        """``share_from``'s copy and its proof."""
         copied, md5 = _while_hashing(held, lambda: self.location.store.copy_from(source.location.store, rel))
-        if copied is None or copied.etag is None or not _MD5_HEX.fullmatch(copied.etag):
-            return False  # a multipart ETag ("...-3") or none: it says nothing of the bytes
-        if copied.etag != md5:
+        etag = copied.etag.lower() if copied is not None and copied.etag is not None else None
+        if copied is None:
+            return False
+        if etag is None or not _MD5_HEX.fullmatch(etag):
+            # a multipart ETag ("...-3"), an encrypted object's, or none: no later copy of
+            # this save can be proven either, so none is tried (each would cost a request)
+            self._etags_say_nothing = True
+            return False
+        if etag != md5:
             raise ChunkMismatch(
-                f"{source.describe(rel)} does not hold the bytes being saved (its copy's ETag {copied.etag} is not "
-                "their MD5: changed or replaced since its commit, or stored with encryption or in parts)"
+                f"{source.describe(rel)} does not hold the bytes being saved (its copy's ETag {etag} is not their "
+                "MD5: changed or replaced since its commit)"
             )
         return True
 
@@ -382,6 +404,7 @@ class StoreChunkStore(ChunkStore):
         return True
 
 
+T = TypeVar("T")
 # A chunk at least this large has its MD5 computed on a thread of its own while the copy
 # request is in flight (hashlib releases the GIL); a smaller one inline, where a thread
 # would cost more than it hides.

@@ -95,6 +95,12 @@ def _reusable(source: ArrayRecord | None, new: ArrayRecord) -> ReusableArray | N
     return ReusableArray(source) if same else None
 
 
+# Why a chunk the record called unchanged was written instead (``ChunkReuse._note``).
+CANNOT_SHARE = "the storage cannot share it"
+DAMAGED = "the earlier checkpoint's chunk does not hold the bytes being saved"
+FAILED = "sharing it failed"
+
+
 @dataclass
 class ReuseTally:
     """What one rank's sharing did during one save (``ChunkReuse``), for its log line.
@@ -163,9 +169,9 @@ class ChunkReuse:
             start = time.perf_counter()
             try:
                 shared = target.share_from(self.store, file.rel, held)
-                failure = None if shared else "cannot share"
+                failure = None if shared else CANNOT_SHARE
             except Exception as exc:  # the source cannot serve this chunk; writing it is the fallback
-                failure = "damaged" if isinstance(exc, ChunkMismatch) else "unusable"
+                failure = DAMAGED if isinstance(exc, ChunkMismatch) else FAILED
                 self._note(failure, file, exc)
             else:
                 if failure:
@@ -193,20 +199,22 @@ class ChunkReuse:
             if failure in self._logged:
                 return
             self._logged.add(failure)
-        where = f"{file.describe()} from {self.source.describe()}"
-        if failure == "cannot share":
-            logger.info("Could not share %s (the storage cannot link, clone or copy it, or it is gone); writing it, "
-                        "and any other such chunk, instead", where)
-        elif failure == "damaged":
+        where = f"chunk {file.chunk_key} of array {file.array_key!r} from {self.source.describe()}"
+        if failure == CANNOT_SHARE:
+            logger.info("Could not share %s (the storage cannot link, clone or copy it provably, or it is gone); "
+                        "writing it, and any other such chunk, instead", where)
+        elif failure == DAMAGED:
             logger.warning("Not sharing %s: %s. Writing it, and any other such chunk, instead; run `shardstore verify "
                            "%s` to see what else it lost", where, exc, self.source.describe())
         else:
-            logger.warning("Could not share %s: %s: %s. Writing it, and any other such chunk, instead", where,
-                           type(exc).__name__, exc)
+            logger.warning("Could not share %s: %s: %s (of the earlier checkpoint's storage or of this save's). "
+                           "Writing it, and any other such chunk, instead", where, type(exc).__name__, exc)
 
     def log_tally(self) -> None:
-        """Logs what this rank's sharing did (DEBUG)."""
-        t = self.tally
+        """Logs (DEBUG) what this rank's sharing did since the last call (one wave of
+        writes) and starts counting anew."""
+        with self._lock:
+            t, self.tally = self.tally, ReuseTally()
         logger.debug(
             "save: shared %d chunk(s), %d bytes, from %s, each proven against the bytes being saved; %d written "
             "instead; %.3f s sharing and proving (summed over threads)",

@@ -296,8 +296,9 @@ MAX_DIVISOR_TRIALS = 1 << 16
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
-    """The largest divisor of ``n`` that is at most ``limit``, or a smaller one (at
-    least 1) when ``MAX_DIVISOR_TRIALS`` candidates on each side find none.
+    """The largest divisor of ``n`` that is at most ``limit``; when ``MAX_DIVISOR_TRIALS``
+    candidates on each side find none (only for lengths of about 2**32 and more), the
+    largest power of two that divides it within the limit.
 
     A divisor above sqrt(n) is ``n // d`` for the smallest ``d >= n / limit`` dividing
     ``n``, and beats any below; else one below is found scanning down from
@@ -313,7 +314,16 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
     for d in range(top, max(1, top - MAX_DIVISOR_TRIALS), -1):
         if n % d == 0:
             return d
-    return 1
+    return _largest_power_of_two_dividing(n, limit)
+
+
+def _largest_power_of_two_dividing(n: int, limit: int) -> int:
+    """The largest power of two that divides ``n`` and is at most ``limit`` (1 for odd
+    ``n``): what ``_largest_divisor_at_most`` settles for when its trials find nothing."""
+    power = n & -n
+    while power > limit:
+        power >>= 1
+    return power
 
 
 def block_chunks(record: ShardRecord, chunk_shape: tuple[int, ...], global_shape: tuple[int, ...]):

@@ -67,7 +67,7 @@ class S3Options:
         profile: a profile of the shared AWS config files.
         max_retries: attempts after the first for a transient failure. With the
             defaults a dead endpoint, refused connections or permanent 503s fail a save
-            or load within a minute (measured: see the README's S3 section); raise it
+            or load within a minute (measured: see docs/guide/object-stores.md); raise it
             for stores that throttle for long.
         initial_delay, max_delay: backoff bounds in seconds (jittered, exponential).
         connect_timeout, read_timeout: seconds before one request is given up (then
@@ -127,6 +127,12 @@ def _private_file(kind: str, lines: list[str]) -> str:
     with os.fdopen(fd, "w") as f:
         f.write("\n".join(lines) + "\n")
     return path
+
+
+def _encrypted_by_key(reply: dict[str, Any]) -> bool:
+    """Whether an S3 reply describes an object encrypted with SSE-KMS (or DSSE-KMS) or a
+    customer key, whose ETag is not the MD5 of its bytes."""
+    return str(reply.get("ServerSideEncryption", "")).startswith("aws:kms") or bool(reply.get("SSECustomerAlgorithm"))
 
 
 def _remove_file(path: str) -> None:
@@ -258,7 +264,9 @@ class S3Store(FsspecStore):
             return None
         self.fs.invalidate_cache(self._path(key))
         etag = (reply.get("CopyObjectResult") or {}).get("ETag")
-        return CopiedObject(etag.strip('"') if isinstance(etag, str) else None)
+        if not isinstance(etag, str) or _encrypted_by_key(reply):
+            return CopiedObject()  # an object encrypted with SSE-KMS or SSE-C: its ETag is no MD5
+        return CopiedObject(etag.strip('"'))
 
     def prepare(self) -> None:
         try:

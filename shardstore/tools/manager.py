@@ -468,12 +468,15 @@ class CheckpointManager:
         return StepState(step, "committed", save_id=record.save_id)
 
     def verify(self, progress: bool = False) -> RootVerifyReport:
-        """``shardstore.verify`` of every committed step, with each damaged file listed
-        once with every step that shares it (incremental saves hard-link unchanged
-        chunks: ``tools.root_verify``). Never raises for damage. Not collective: call it
-        on one rank."""
-        steps = {self.options.step_name(step): self.location(step) for step in self.all_steps()}
-        return verify_checkpoints(self.root.describe(), steps, progress)
+        """``shardstore.verify`` of every step that has a commit record, a damaged one
+        included (``all_steps`` leaves those out), with each damaged file listed once
+        with every step that shares it (incremental saves hard-link unchanged chunks:
+        ``tools.root_verify``). Never raises for damage. Not collective: call it on one
+        rank."""
+        steps = {self.options.step_name(step): self.location(step) for step in self._named_steps()}
+        return verify_checkpoints(
+            self.root.describe(), {name: loc for name, loc in steps.items() if loc.exists(COMMIT_RECORD)}, progress
+        )
 
     def metrics(self, step: int) -> dict[str, float] | None:
         """The metrics saved with the committed ``step`` (``save(metrics=...)``), or None
@@ -736,16 +739,19 @@ class CheckpointManager:
         committed = self._is_committed_or_refused(step, overwrite)
         reuse_step = None
         if self.options.reuse_unchanged and not committed:
-            bases = [s for s in self._named_steps() if s <= step and s not in self._failed_bases]
-            reuse_step = self._newest_committed(bases)
+            reuse_step = self._newest_committed([s for s in self._named_steps() if s <= step])
+            if reuse_step in self._failed_bases:
+                reuse_step = None  # not an older step instead: it would share less
         return committed, checked, reuse_step
 
     @contextlib.contextmanager
     def _base_failures_noted(self, base: int | None, step: int) -> Iterator[None]:
         """A save that reused from ``base`` (the manager's choice) and failed (a
         synchronous save, or the start of an async one) makes the manager stop choosing
-        ``base``: whatever failed, the next save does not depend on it again. (A base that cannot serve a chunk costs that chunk a write, not the
-        save, ``format.reuse``; this is the belt to those braces.)"""
+        ``base``: whatever failed, later saves share nothing with it (nor with an older
+        step instead, which would share less); a newer committed step serves again. A
+        base that cannot serve a chunk costs that chunk a write, not the save
+        (``format.reuse``); this covers whatever that does not."""
         try:
             yield
         except Exception:

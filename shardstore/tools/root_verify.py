@@ -14,12 +14,16 @@ from __future__ import annotations
 __all__ = ["RootVerifyReport", "SharedDamage", "checkpoints_under", "verify_root", "verify_checkpoints"]
 
 import os
+import re
 from dataclasses import dataclass, field
 
 from shardstore.format.integrity import Problem, VerifyReport, verify
 from shardstore.format.records import COMMIT_RECORD
 from shardstore.opened import bare_location
 from shardstore.stores.base import Location
+
+# A chunk's key within its array (``ArrayRecord.chunk_key``: ``c.0.1``, ``c/0/1``, ``c``).
+_CHUNK_KEY = re.compile(r"c([./]\d+)*")
 
 
 @dataclass(frozen=True)
@@ -101,9 +105,15 @@ def verify_checkpoints(root: str, checkpoints: dict[str, Location], progress: bo
 
 def _file_identity(checkpoint: Location, name: str, problem: Problem) -> object:
     """What tells two checkpoints' damaged files apart: the file itself (device and
-    inode) where it is a local file that exists, else the checkpoint and the part."""
-    rel = problem.key if problem.part == "file" else f"{problem.key}/{problem.part}"
+    inode) where the problem names a local file that exists (a file, an array's
+    ``zarr.json`` or a chunk), else the checkpoint and the part."""
     own = (name, problem.key, problem.part)
+    if problem.part in ("file", "metadata"):
+        rel = problem.key
+    elif _CHUNK_KEY.fullmatch(problem.part):
+        rel = f"{problem.key}/{problem.part}"
+    else:  # the whole store, its listing, the consolidated metadata: no one file
+        return own
     path = checkpoint.local_path(rel)
     if path is None:
         return own

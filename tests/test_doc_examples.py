@@ -1,6 +1,7 @@
-"""Issue 16.6: the README's Python runs as written: the quick start's ``save.py`` on 2
-ranks under torchrun and ``load.py`` on 1 rank and on 2 (so at another world size); the
-other blocks in one process each.
+"""Every Python example in README.md and docs/**/*.md runs (issues 16.6, 43): the quick
+start's ``save.py`` on 2 ranks under torchrun and ``load.py`` on 1 rank and on 2 (so at
+another world size); the DCP page's ``fsdp.py`` at 2 ranks, then 1; the other blocks in
+one process each, after the quick start's ``save.py`` (what they say they continue).
 
 torch 2.13's gloo backend can abort a process at interpreter exit ("terminate called
 without an active exception", pytorch/pytorch#190489: its worker threads outlive the
@@ -26,14 +27,32 @@ import pytest
 
 from shardstore.testing import free_port
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+# Every page whose examples run here: the README and the documentation site's pages.
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+GUIDE = ROOT / "docs" / "guide"
+
+
+def _page_name(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
+def _python_blocks(page: Path, after: str = "") -> list[str]:
+    text = page.read_text()
+    return re.findall(r"```python\n(.*?)```", text[text.index(after):] if after else text, flags=re.S)
 
 
 def _quick_start_blocks() -> tuple[str, str]:
-    text = README.read_text()
-    section = text[text.index("## Quick start"):]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    blocks = _python_blocks(README, "## Quick start")
     return blocks[0], blocks[1]  # save.py, load.py
+
+
+def test_the_guide_shows_the_readmes_quick_start() -> None:
+    """The guide's first checkpoint is the README's quick start, word for word (run once,
+    below, at 2 ranks and 1)."""
+    guide = _python_blocks(GUIDE / "saving-and-loading.md", "## A first checkpoint")
+    assert tuple(guide[:2]) == _quick_start_blocks()
 
 
 def _written_checkpoint(script: str) -> str:
@@ -95,11 +114,12 @@ def test_quick_start_runs_as_written(tmp_path: Path) -> None:
 
 
 def _blocks() -> list[str]:
-    return re.findall(r"```\w*\n(.*?)```", README.read_text(), flags=re.S)
+    """Every fenced block of every page."""
+    return [block for page in PAGES for block in re.findall(r"```\w*\n(.*?)```", page.read_text(), flags=re.S)]
 
 
 def _cli_commands_on(checkpoint: str) -> list[str]:
-    """The README's ``shardstore inspect`` and ``verify`` command lines on ``checkpoint``."""
+    """The pages' ``shardstore inspect`` and ``verify`` command lines on ``checkpoint``."""
     lines = (line for block in _blocks() for line in block.splitlines())
     commands = [line[2:].split("#")[0].strip() for line in lines if line.startswith("$ shardstore ")]
     return [c for c in commands if c.split()[1] in ("inspect", "verify") and c.split()[-1] == checkpoint]
@@ -120,7 +140,7 @@ def test_every_block_names_the_checkpoint_the_quick_start_writes() -> None:
     assert {c.split()[1] for c in _cli_commands_on(written)} == {"inspect", "verify"}
 
 
-# ------------------------------------------------ the README's other Python blocks
+# ------------------------------------------------ the pages' other Python blocks
 
 # Each runs as written, in one process (a gloo group of one, as Megatron's save needs),
 # after the quick start's save.py has defined what the fragments refer to
@@ -150,6 +170,7 @@ _FRAGMENT_CONTEXT = {
     "LocalS3Server": "",
     "import zarr": "",
     "reuse_from=": "",
+    "rows = torch.empty(8 // world, 4)": "",
 }
 _CHECKS = {  # what each fragment must leave behind
     "shardstore.tools.megatron_strategy import": "assert torch.equal(state['fc1'], fc1.chunk(world)[rank])\n",
@@ -181,29 +202,38 @@ _CHECKS = {  # what each fragment must leave behind
         "loaded = load(state(), f'{root}/step2')\n"
         "assert torch.equal(loaded['adapter'], torch.ones(8, 64)) and torch.equal(loaded['base'], base)\n"
     ),
+    "rows = torch.empty(8 // world, 4)": (  # the request's own tensor, filled with this rank's rows
+        "assert state['fc1'] is rows and torch.equal(rows, fc1.chunk(world)[rank])\n"
+    ),
 }
 
 
 def _fsdp_block() -> str:
-    text = README.read_text()
-    return re.findall(r"```python\n(.*?)```", text[text.index("## FSDP2, torchtitan"):], flags=re.S)[0]
+    return _python_blocks(GUIDE / "dcp-fsdp2.md", "## A complete script")[0]
 
 
-def _fragments() -> list[tuple[str, str]]:
-    text = README.read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)[2:]  # past the quick start
+def _fragments() -> list[tuple[str, str, str]]:
+    """(page, marker, block) for every Python block of every page but the scripts the
+    tests above and below run whole (the quick start's and ``fsdp.py``)."""
+    scripts = {*_quick_start_blocks(), _fsdp_block()}
     found = []
-    for block in blocks:
-        if block == _fsdp_block():  # a script of its own, at two world sizes (below)
-            continue
-        marker = next((m for m in _FRAGMENT_CONTEXT if m in block), None)
-        assert marker, f"a README Python block that no test runs:\n{block}"
-        found.append((marker, block))
+    for page in PAGES:
+        for block in _python_blocks(page):
+            if block in scripts:
+                continue
+            marker = next((m for m in _FRAGMENT_CONTEXT if m in block), None)
+            assert marker, f"a Python block of {_page_name(page)} that no test runs:\n{block}"
+            found.append((_page_name(page), marker, block))
     return found
 
 
+def test_every_python_block_runs_somewhere() -> None:
+    """Each page's Python is a script run whole or a fragment with a marker (above)."""
+    assert len(_fragments()) >= 9
+
+
 def _fragment_script(tmp_path: Path, context: str, block: str, check: str) -> str:
-    """A README fragment as a script of one process: a gloo group of one, the quick
+    """A page's fragment as a script of one process: a gloo group of one, the quick
     start's save.py before it (what the fragment refers to), ``context``, the fragment
     with its checkpoint directories in ``tmp_path``, then ``check`` and the marker."""
     save_py, _ = _quick_start_blocks()
@@ -216,8 +246,12 @@ def _fragment_script(tmp_path: Path, context: str, block: str, check: str) -> st
     )
 
 
-@pytest.mark.parametrize("marker, block", _fragments(), ids=[m.split("(")[0].split()[-1] for m, _ in _fragments()])
-def test_readme_fragments_run_as_written(tmp_path: Path, marker: str, block: str) -> None:
+def _fragment_id(page: str, marker: str) -> str:
+    return f"{Path(page).stem}:{marker.split('(')[0].split()[-1]}"
+
+
+@pytest.mark.parametrize("page, marker, block", _fragments(), ids=[_fragment_id(p, m) for p, m, _ in _fragments()])
+def test_page_fragments_run_as_written(tmp_path: Path, page: str, marker: str, block: str) -> None:
     megatron_markers = ("shardstore.tools.megatron_strategy import", "shardstore.megatron.install()")
     if marker in megatron_markers and importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core not installed (it needs torch>=2.6: scripts/oldest_torch.sh below that)")
@@ -235,7 +269,7 @@ def test_readme_fragments_run_as_written(tmp_path: Path, marker: str, block: str
     try:
         result = subprocess.run([sys.executable, str(tmp_path / "fragment.py")], env=env, capture_output=True,
                                 text=True, timeout=180, cwd=tmp_path)
-        _check_finished(result, 1, marker)
+        _check_finished(result, 1, f"{page}: {marker}")
         if server is not None:
             from shardstore import load_tensors_metadata
             from shardstore.stores.s3 import S3Options
@@ -251,11 +285,11 @@ def test_readme_fragments_run_as_written(tmp_path: Path, marker: str, block: str
             server.stop()
 
 
-# ------------------------------------------------ the FSDP2 / DCP section's script
+# ------------------------------------------------ the DCP page's script
 
 
 def test_fsdp_section_saves_at_2_ranks_and_loads_at_1(tmp_path: Path) -> None:
-    """As the section says: ``torchrun --nproc-per-node 2 fsdp.py`` trains a step and
+    """As docs/guide/dcp-fsdp2.md says: ``torchrun --nproc-per-node 2 fsdp.py`` trains a step and
     saves it; run again at 1 rank, the script loads it resharded and checks it."""
     from shardstore import verify
 
@@ -271,7 +305,7 @@ def test_fsdp_section_saves_at_2_ranks_and_loads_at_1(tmp_path: Path) -> None:
 
 # ------------------------------------------------ the manager's loop, killed and restarted
 
-# Issue 33.8: run as written, the loop trains every step once however it is stopped. The
+# Issue 33.8: run as written (docs/guide/manager.md), the loop trains every step once however it is stopped. The
 # first run stops at step 2200 (2000's async save still in flight: lost, 1000 is the newest
 # committed step) by a crash (the process exits at once after that step's save) or at step
 # 1500 by SIGTERM (its preemption save commits, the loop ends); the second run finishes.
@@ -291,8 +325,7 @@ CheckpointManager.save = _save_then_interrupt
 
 
 def _manager_block() -> str:
-    text = README.read_text()
-    return re.findall(r"```python\n(.*?)```", text[text.index("## Checkpoint manager"):], flags=re.S)[0]
+    return _python_blocks(GUIDE / "manager.md", "## The loop")[0]
 
 
 @pytest.mark.parametrize(("how", "stop_at", "resumed_from"), [("crash", 2200, 1000), ("sigterm", 1500, 1500)])

@@ -10,8 +10,8 @@ saving a committed step again writes nothing (histories drawn at random:
 test_manager_history.py).
 
 Issue 33.8: ``resume`` restores the newest committed step and returns the step after it,
-so the README's loop trains each step once across restarts (killed in the middle:
-tests/test_readme.py); saving a committed step this manager did not save, or one at or
+so the guide's loop (docs/guide/manager.md) trains each step once across restarts (killed in the middle:
+tests/test_doc_examples.py); saving a committed step this manager did not save, or one at or
 before the restored step, warns."""
 
 from __future__ import annotations
@@ -397,17 +397,20 @@ def test_a_save_at_or_before_the_restored_step_warns_even_when_not_due(tmp_path:
     assert len(warned) == 1 and "after restoring step 7" in warned[0] and "manager.resume" in warned[0], warned
 
 
-def _readme_manager_block() -> str:
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = text[text.index("## Checkpoint manager") :]
+MANAGER_PAGE = Path(__file__).resolve().parent.parent / "docs" / "guide" / "manager.md"
+
+
+def _guide_manager_block() -> str:
+    text = MANAGER_PAGE.read_text()
+    section = text[text.index("## The loop") :]
     return re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
 
 
-def test_the_readme_training_loop_restarts_where_it_stopped(tmp_path: Path) -> None:
-    block = _readme_manager_block().replace("/ckpt/", f"{tmp_path}/")
+def test_the_guides_training_loop_restarts_where_it_stopped(tmp_path: Path) -> None:
+    block = _guide_manager_block().replace("/ckpt/", f"{tmp_path}/")
     for total_steps in (2001, 3001):  # a run, then its restart after the latest step
         namespace = {"total_steps": total_steps, "rank": 0}
-        exec(compile(block, "README.md", "exec"), namespace)
+        exec(compile(block, str(MANAGER_PAGE), "exec"), namespace)
         assert namespace["manager"].latest_step() == total_steps - 1
         assert namespace["weight"].tolist() == [total_steps] * 4  # each step trained once
         assert namespace["state"]["steps_trained"] == total_steps

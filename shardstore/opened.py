@@ -20,7 +20,9 @@ A checkpoint to read is either
 * a committed shardstore checkpoint: its commit record read first (an unfinished save
   is refused here, before anything else), every later read of a file the record
   vouches for checked against it (``format.integrity.ChecksummedLocation``), its
-  ``metadata.json`` (the backends) in hand; or
+  ``metadata.json`` (the backends) in hand; refused where another tool's checkpoint
+  lies in the same directory (DCP's ``FileSystemWriter`` saved over it): which of the
+  two the path means is ambiguous (``refuse_ambiguous``); or
 * another tool's checkpoint (PyTorch DCP, Megatron-Core torch_dist or zarr), detected
   once by the registry (``other_formats``), read without a commit record.
 
@@ -41,7 +43,13 @@ from dataclasses import dataclass
 from shardstore.errors import CheckpointingException
 from shardstore.format.config import CONFIG_FNAME, CheckpointingConfig, maybe_load_config
 from shardstore.format.integrity import ChecksummedLocation
-from shardstore.format.records import COMMIT_RECORD, CommitRecord, is_committed, read_commit_record
+from shardstore.format.records import (
+    COMMIT_RECORD,
+    CommitRecord,
+    is_committed,
+    other_checkpoint_beside,
+    read_commit_record,
+)
 from shardstore.other_formats import registry
 from shardstore.other_formats.base import OtherFormat
 from shardstore.stores.base import Location
@@ -116,7 +124,33 @@ def open_read(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -> Op
     if other is not None:
         return OpenedCheckpoint(location, None, other)
     record = read_commit_record(location)
+    refuse_ambiguous(location, record)
     return OpenedCheckpoint(ChecksummedLocation(location, record), record)
+
+
+def refuse_ambiguous(location: Location, record: CommitRecord) -> None:
+    """Refuses the directory of the shardstore checkpoint ``record`` commits when it also
+    holds another tool's checkpoint (``records.other_checkpoint_beside``: DCP's
+    ``.metadata`` and ``*.distcp``, typically written later by DCP's own writer saving
+    into the same path): returning the shardstore checkpoint's values would silently
+    ignore what was saved last.
+
+    Raises:
+        CheckpointingException: naming both checkpoints' files and what to do.
+    """
+    other = other_checkpoint_beside(location, record)
+    if other is None:
+        return
+    where = location.describe()
+    ours = ", ".join(name for name in location.list_top(None) if name in record.own_top_names)
+    raise CheckpointingException(
+        f"{where} holds two checkpoints, so which one it means is ambiguous: a shardstore checkpoint (save "
+        f"{record.save_id or 'of an older version'}: {ours}) and {other.title} ({other.listed()}), which its commit "
+        "record does not list (another tool, such as DCP's FileSystemWriter, saved into the same directory). "
+        f"Refusing to load either. Move one of the two into a directory of its own: {other.listed()} to load the "
+        "shardstore checkpoint here, or the shardstore checkpoint's entries to leave the other alone (DCP's "
+        "FileSystemReader reads it where it is)"
+    )
 
 
 def bare_location(place: str | os.PathLike | Location | OpenedCheckpoint) -> Location:
@@ -168,4 +202,7 @@ def read_location(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -
     return checkpoint
 
 
-__all__ = ["OpenedCheckpoint", "bare_location", "open_read", "other_format_of", "read_location", "write_location"]
+__all__ = [
+    "OpenedCheckpoint", "bare_location", "open_read", "other_format_of", "read_location", "refuse_ambiguous",
+    "write_location",
+]

@@ -28,7 +28,12 @@ A staging directory whose marker matches its name and whose lock is free belongs
 save that died: the next save into the same target deletes it. Nothing else is ever
 deleted: a non-empty target without a commit record (another tool's checkpoint, an
 experiment folder, the leftovers of a shardstore older than this scheme) is refused
-with an error that names what is there.
+with an error that names what is there. A save into a **shared directory**
+(``SaveOptions.shared_directory``: DCP's door, Megatron-LM's iteration) is published
+beside the other programs' files there instead, by moving its entries in, the commit
+record last; still refused there: another tool's checkpoint (named with its files: two
+checkpoints in one directory are ambiguous, ``records.other_checkpoint_beside``) and
+entries under the format's own names.
 
 **Object stores (S3)** have no rename: a save writes in place. It writes its marker
 first; with ``overwrite=True`` the old commit record is deleted at the start, so from
@@ -80,6 +85,7 @@ from shardstore.format.records import (
     STAGING_TAG,
     ArrayRecord,
     CommitRecord,
+    other_checkpoint_files,
     other_checkpoint_kind,
     write_commit_record,
 )
@@ -93,6 +99,27 @@ def new_save_id() -> str:
     """A fresh save id (32 hex digits): names the staging directory, the commit record's
     ``save_id`` and the marker."""
     return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How a save may treat its target, decided once by its caller (``begin_save``).
+
+    Attributes:
+        overwrite: a committed shardstore checkpoint there may be replaced (never
+            another tool's checkpoint, never other programs' files).
+        reuse_from: an earlier checkpoint whose unchanged chunks the save may share
+            (``format.reuse``), or None.
+        shared_directory: other programs keep files in the target: the save is
+            published beside those there when it begins and those written while it
+            runs, deleting none of them (by rename only; in place, a non-empty target
+            is refused all the same). Otherwise the target must be empty or hold the
+            checkpoint it replaces, and a file written there meanwhile makes the save lose.
+    """
+
+    overwrite: bool = False
+    reuse_from: Location | None = None
+    shared_directory: bool = False
 
 
 @dataclass(frozen=True)
@@ -151,6 +178,7 @@ def _committed_record(location: Location) -> CommitRecord | None:
 
 
 def _refuse_foreign(target: Location) -> None:
+    """Refuses a non-empty target that holds no committed checkpoint, naming what is there."""
     found = ", ".join(target.list_top(5))
     other = other_checkpoint_kind(target)
     if other:
@@ -178,8 +206,48 @@ def _write_marker(location: Location, save_id: str) -> None:
     location.write_bytes(SAVE_MARKER, json.dumps({"save_id": save_id}).encode())
 
 
-def _check_target(target: Location, overwrite: bool) -> str | None:
-    """The save id the new save will replace (None: nothing committed there)."""
+def _refuse_other_checkpoint(target: Location, overwrite: bool) -> None:
+    """Refuses a target that holds another tool's checkpoint (``records.other_checkpoint_files``:
+    DCP's ``.metadata`` and ``*.distcp``, Megatron-Core's torch_dist), naming every file of
+    it, ``overwrite`` or not: shardstore never deletes it (nothing there is provably
+    ours, and no store replaces some files of a directory atomically), and publishing
+    beside it would make a directory of two checkpoints that loads refuse as ambiguous."""
+    found = other_checkpoint_files(target)
+    if found is None:
+        return
+    where = target.describe()
+    raise CheckpointingException(
+        f"{where} holds no committed shardstore checkpoint but {found.title} ({found.listed()}); shardstore never "
+        f"deletes another tool's checkpoint{', overwrite=True included' if overwrite else ''}, and a checkpoint "
+        "saved beside it would make the directory ambiguous. To replace it, delete those files yourself, then "
+        f"save again; to keep it, save to a new directory; to make a shardstore checkpoint of it, `shardstore "
+        f"convert {where} NEW_DIR`"
+    )
+
+
+def _refuse_format_names(target: Location) -> None:
+    """Refuses a shared directory holding entries under names the checkpoint's format
+    keeps for itself (``CommitRecord.refuses_beside``: ``metadata.json``, ``common.pt``,
+    ``__objects__``, ``.shardstore*``, a reserved ``__`` name): the checkpoint's own would
+    collide with them, or its record could not name them as another program's. Such
+    entries are the leftovers of a save that died while it published beside other
+    files, or another program's: not provably ours, so never deleted."""
+    taken = [name for name in target.list_top(None) if CommitRecord(arrays={}).refuses_beside(name)]
+    if taken:
+        raise CheckpointingException(
+            f"Refusing to save into {target.describe()}: it holds {', '.join(taken[:5])}, names a shardstore "
+            "checkpoint keeps for its own entries (the leftovers of an interrupted save, or another program's "
+            "files), which are not provably ours to delete. Move them out (or delete them if you know they are "
+            "not needed), or save to a new directory"
+        )
+
+
+def _check_target(target: Location, overwrite: bool, shared_directory: bool = False) -> str | None:
+    """The save id the new save will replace (None: nothing committed there). Refused:
+    another tool's checkpoint (``_refuse_other_checkpoint``); any other non-empty
+    directory without a commit record unless ``shared_directory`` (then still what
+    ``_refuse_format_names`` refuses); a committed checkpoint without ``overwrite``, or
+    beside files its save did not write (a replacement by rename would delete them)."""
     if target.is_empty():
         return None
     try:
@@ -187,7 +255,11 @@ def _check_target(target: Location, overwrite: bool) -> str | None:
     except CheckpointingException as exc:
         raise CheckpointingException(f"Refusing to save into {target.describe()}: {exc}") from exc
     if record is None:
-        _refuse_foreign(target)
+        _refuse_other_checkpoint(target, overwrite)
+        if not shared_directory or other_checkpoint_kind(target):
+            _refuse_foreign(target)
+        _refuse_format_names(target)
+        return None
     if not overwrite:
         raise CheckpointingException(
             f"{target.describe()} already holds a committed checkpoint; pass overwrite=True to replace it "
@@ -198,7 +270,8 @@ def _check_target(target: Location, overwrite: bool) -> str | None:
         raise CheckpointingException(
             f"Refusing to replace the checkpoint at {target.describe()}: it also holds files its save did not "
             f"write ({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}), which replacing it would "
-            "delete. Move them out (or delete them if you know they are not needed), or save to a new directory"
+            "delete. Move them out (or delete them if you know they are not needed), or save each checkpoint to "
+            "a new directory of its own"
         )
     return record.save_id
 
@@ -234,7 +307,8 @@ class PendingCheckpoint(Location):
         # Other programs may write into the target while the save runs (``begin_save``'s
         # ``shared_directory``): their files are kept and the save published beside them.
         self.shares_directory = False
-        # The top-level names of the checkpoint this save replaces, when it began (``_check_target``).
+        # The top-level names the target held when the save began (``_check_target``): the
+        # checkpoint it replaces, or other programs' files in a shared directory.
         self.tops_at_begin: frozenset[str] = frozenset()
         self._reuse: dict[str, ChunkReuse | None] = {}
         self._reuse_lock = threading.Lock()
@@ -369,10 +443,10 @@ class Publisher(ABC):
     holds_resources: ClassVar[bool] = True
     binds_callers_files: ClassVar[bool] = False
 
-    def begin(self, target: Location, overwrite: bool, save_id: str, reuse_from: Location | None) -> PendingCheckpoint:
-        """Coordinator, the target claimed: checks the target, clears what dead saves left
-        and returns the pending checkpoint (nothing written yet). Deletes nothing that is
-        not provably ours."""
+    def begin(self, target: Location, options: SaveOptions, save_id: str) -> PendingCheckpoint:
+        """Coordinator, the target claimed: checks the target against ``options``, clears
+        what dead saves left and returns the pending checkpoint (nothing written yet).
+        Deletes nothing that is not provably ours."""
         raise CheckpointingException(
             f"Internal error: a save into {target.describe()} cannot begin with {type(self).__name__}; please report it"
         )
@@ -409,15 +483,15 @@ class ByRename(Publisher):
 
     in_place = False
 
-    def begin(self, target: Location, overwrite: bool, save_id: str, reuse_from: Location | None) -> PendingCheckpoint:
+    def begin(self, target: Location, options: SaveOptions, save_id: str) -> PendingCheckpoint:
         directory = _directory(target).resolved()
         target = Location(directory)
         remove_dead_saves(directory)
-        replaces = _check_target(target, overwrite)
-        reuses = reuse_save_id(reuse_from, target, in_place=False) if reuse_from is not None else None
+        replaces = _check_target(target, options.overwrite, options.shared_directory)
+        source = options.reuse_from
+        reuses = reuse_save_id(source, target, in_place=False) if source is not None else None
         pending = PendingCheckpoint(target, _staging_for(directory, save_id), SaveIntent(save_id, replaces, reuses), self)
-        if replaces is not None:
-            pending.tops_at_begin = frozenset(target.list_top(None))
+        pending.tops_at_begin = frozenset(target.list_top(None))
         return pending
 
     def join(self, target: Location, intent: SaveIntent) -> PendingCheckpoint:
@@ -478,32 +552,36 @@ class ByRename(Publisher):
     def _publish_beside(
         save: PendingCheckpoint, staging: DirectoryPublishing, target: DirectoryPublishing, record: CommitRecord
     ) -> CommitRecord:
-        """The target, empty when the save began and shared with other programs
-        (``begin_save``'s ``shared_directory``), holds files one of them put there while
-        the save ran (Megatron-LM writes ModelOpt's state into the iteration's directory
-        right after ``dist_checkpointing.save`` returns, while an async save still
-        writes): they are kept, not ours to move or delete, and the save's entries
-        are moved in beside them, the commit record last (until then the directory is no
-        checkpoint). A name both hold fails the save, naming it; a crash part way leaves
+        """The target, shared with other programs (``SaveOptions.shared_directory``),
+        holds files they put there before the save began (a job's log, the ``model.pt``
+        ``torch_save_to_dcp`` converts) or while it ran (Megatron-LM writes ModelOpt's
+        state into the iteration's directory right after ``dist_checkpointing.save``
+        returns, while an async save still writes): they are kept, not ours to move or
+        delete, and the save's entries are moved in beside them, the commit record last
+        (until then the directory is no checkpoint). A name both hold, or another tool's
+        checkpoint written there meanwhile (``_refuse_other_checkpoint``), fails the
+        save, naming it; a crash part way leaves
         a directory that later saves refuse to touch (``_refuse_foreign`` names what is
         there). The commit record is written again naming their top-level entries
         (``CommitRecord.beside``): it does not vouch for them, and ``verify`` names them
         as another program's, not as damage; a name the record cannot carry (one of the
         format's own, an invalid key) is left out, and ``verify`` flags what lies under
         it. Returns that record."""
+        try:
+            _refuse_other_checkpoint(save.target, overwrite=False)
+        except CheckpointingException as exc:
+            raise CheckpointingException(f"Not committing the save (it was written there while it ran): {exc}") from exc
         theirs = set(save.target.list_top(None))
         ours = [name for name in save.inner.list_top(None) if name not in (COMMIT_RECORD, SAVE_MARKER)]
         clash = sorted(theirs & {*ours, COMMIT_RECORD, SAVE_MARKER})
         if clash:
-            raise CheckpointingException(
-                f"Not committing the save into {save.target.describe()}: another program wrote "
-                f"{', '.join(clash[:5])} there while it ran. Nothing there was changed; save again to an empty "
-                "or new directory"
+            raise _taken_names(save, clash)
+        added = sorted(theirs - save.tops_at_begin)
+        if added:
+            logger.warning(
+                "%s received %s from another program while the save ran; they are kept beside the checkpoint "
+                "(its commit record does not vouch for them)", save.target.describe(), ", ".join(added[:5]),
             )
-        logger.warning(
-            "%s received %s from another program while the save ran; they are kept beside the checkpoint "
-            "(its commit record does not vouch for them)", save.target.describe(), ", ".join(sorted(theirs)[:5]),
-        )
         record = replace(record, beside=tuple(sorted(n for n in theirs if record.refuses_beside(n) is None)))
         save.inner.write_atomic(COMMIT_RECORD, record.to_json())
         staging.move_entries_into(target, ours)
@@ -512,17 +590,35 @@ class ByRename(Publisher):
         return record
 
 
+def _taken_names(save: PendingCheckpoint, clash: list[str]) -> CheckpointingException:
+    """The error of a save into a shared directory whose entries' names ``clash`` with
+    what another program put there, before the save began or while it ran."""
+    names, where = ", ".join(clash[:5]), save.target.describe()
+    if set(clash) <= save.tops_at_begin:
+        return CheckpointingException(
+            f"Not committing the save into {where}: it already held {names}, which the checkpoint's own entries "
+            "would replace. Nothing there was changed; rename those keys of the state dict, move the files out, "
+            "or save to a new directory"
+        )
+    return CheckpointingException(
+        f"Not committing the save into {where}: another program wrote {names} there while it ran. Nothing there "
+        "was changed; save again to an empty or new directory"
+    )
+
+
 class InPlace(Publisher):
     """Written at the target itself, marker first, commit record last (one atomic PUT):
     object stores and any store that cannot rename a directory."""
 
-    def begin(self, target: Location, overwrite: bool, save_id: str, reuse_from: Location | None) -> PendingCheckpoint:
+    def begin(self, target: Location, options: SaveOptions, save_id: str) -> PendingCheckpoint:
         target.prepare()
         if not target.is_empty() and _marker_id(target) is not None and committed_save_id(target) is None:
             logger.warning("Removing the leftovers of an interrupted save at %s", target.describe())
             target.remove_tree("")
-        replaces = _check_target(target, overwrite)
-        reuses = reuse_save_id(reuse_from, target, in_place=True) if reuse_from is not None else None
+        # Not beside other files, shared or not: an abandoned save in place could not tell its objects from theirs.
+        replaces = _check_target(target, options.overwrite)
+        source = options.reuse_from
+        reuses = reuse_save_id(source, target, in_place=True) if source is not None else None
         if replaces is not None:
             target.remove(COMMIT_RECORD)  # the documented window on object stores starts here
             target.remove_tree("")
@@ -597,14 +693,17 @@ def begin_save(
     anything that is not provably ours. ``reuse_from``: an earlier checkpoint whose
     unchanged chunks the save may share (``format.reuse``; checked here, before an
     in-place save on an object store removes anything). ``shared_directory``: other
-    programs may write into the target while the save runs (their files are kept, the
-    checkpoint published beside them: ``PendingCheckpoint._publish_beside``); otherwise
-    such a write makes the save lose, as a concurrent save would. The target's store is
+    programs keep files in the target, there already or written while the save runs
+    (kept, the checkpoint published beside them: ``ByRename._publish_beside``;
+    ``SaveOptions``); otherwise a non-empty target without a commit record is refused,
+    and a write into it meanwhile makes the save lose, as a concurrent save would. The
+    target's store is
     claimed for the save first (``Store.claim_for_save``), until the save is released."""
     save_id = new_save_id()
+    options = SaveOptions(overwrite, reuse_from, shared_directory)
     release_claim = target.store.claim_for_save(save_id)
     try:
-        pending = _begin_claimed(target, overwrite, save_id, reuse_from)
+        pending = _begin_claimed(target, options, save_id)
     except BaseException:
         release_claim()
         raise
@@ -613,11 +712,11 @@ def begin_save(
     return pending
 
 
-def _begin_claimed(target: Location, overwrite: bool, save_id: str, reuse_from: Location | None) -> PendingCheckpoint:
+def _begin_claimed(target: Location, options: SaveOptions, save_id: str) -> PendingCheckpoint:
     """``begin_save`` once the target is claimed."""
     publisher = publisher_for(target.capabilities)
-    pending = publisher.begin(target, overwrite, save_id, reuse_from)
-    pending.reuse_source = reuse_from
+    pending = publisher.begin(target, options, save_id)
+    pending.reuse_source = options.reuse_from
     with contextlib.ExitStack() as on_failure:
         # A staging area that fails half-made (disk full while creating it or writing its
         # marker) is removed and its descriptors and lock closed: without its marker no

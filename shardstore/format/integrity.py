@@ -35,6 +35,7 @@ from shardstore.format.records import (
     CommitRecord,
     check_key,
     checksum,
+    other_checkpoint_beside,
     read_commit_record,
     zero_fill_value,
 )
@@ -335,23 +336,33 @@ def _verify_consolidated(location: Location, record: CommitRecord, report: Verif
 def _flag_unlisted_files(location: Location, record: CommitRecord, report: VerifyReport) -> None:
     """Files under the checkpoint that its save did not write (``CommitRecord.unlisted``):
     problems, except those under an entry another program had put into a shared
-    directory before the commit (``CommitRecord.beside``), which are listed apart."""
+    directory before the commit (``CommitRecord.beside``), which are listed apart. The
+    files of another tool's checkpoint in the same directory (``other_checkpoint_beside``)
+    are named as such: loads refuse the directory as ambiguous."""
     try:
         found = location.list_files()
     except OSError as exc:
         report.problems.append(Problem("", "listing", f"cannot list the checkpoint's files: {exc}"))
         return
+    other = other_checkpoint_beside(location, record)
     for rel in record.unlisted(found):
-        if record.is_beside(rel):
+        if other is not None and rel.split("/", 1)[0] in other.names:
+            report.unlisted.append(rel)
+            report.problems.append(Problem(rel, "file", (
+                f"a file of {other.title} ({other.listed()}) that another tool saved into this checkpoint's "
+                "directory, which the commit record does not list; loads refuse the directory as ambiguous. Move "
+                "one of the two checkpoints into a directory of its own"
+            )))
+        elif record.is_beside(rel):
             report.not_ours.append(rel)
-            continue
-        report.unlisted.append(rel)
-        report.problems.append(Problem(
-            rel, "file",
-            "not listed by the commit record, so its save did not write it (added after the commit, or by "
-            "another program); a plain reader or a later load may pick it up. Find out what wrote it; if "
-            "nothing should have, move it out of the checkpoint or restore the checkpoint from a copy",
-        ))
+        else:
+            report.unlisted.append(rel)
+            report.problems.append(Problem(
+                rel, "file",
+                "not listed by the commit record, so its save did not write it (added after the commit, or by "
+                "another program); a plain reader or a later load may pick it up. Find out what wrote it; if "
+                "nothing should have, move it out of the checkpoint or restore the checkpoint from a copy",
+            ))
 
 
 def _verify_array(store: ChunkStore, array: ArrayRecord, report: VerifyReport, tick: Tick | None) -> None:

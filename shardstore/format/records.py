@@ -1013,21 +1013,65 @@ def sharded_backend(location: Location) -> str | None:
     return backend if isinstance(backend, str) else None
 
 
-def _no_registry(location: Location) -> str | None:
+@dataclass(frozen=True)
+class OtherCheckpointFiles:
+    """Another tool's checkpoint found in a directory, among whatever else is there.
+
+    Attributes:
+        title: what messages call it (``"a PyTorch DCP checkpoint"``).
+        names: its top-level entries there, sorted (DCP's ``.metadata`` and ``*.distcp``).
+    """
+
+    title: str
+    names: tuple[str, ...]
+
+    def listed(self, limit: int = 8) -> str:
+        """Its entries for a message: the first ``limit``, then how many more."""
+        shown = ", ".join(self.names[:limit])
+        return shown + (f" and {len(self.names) - limit} more" if len(self.names) > limit else "")
+
+
+def _no_registry(location: Location) -> None:
     return None
 
 
 # How this layer names another tool's checkpoint: the registry of other formats
-# (``shardstore.other_formats.registry``) lies a layer above, so it hands its lookup down
+# (``shardstore.other_formats.registry``) lies a layer above, so it hands its lookups down
 # when it is imported, which ``shardstore.strategies`` (every load and save) and the command do.
 _title_of_other_format: Callable[[Location], str | None] = _no_registry
+_files_of_other_format: Callable[[Location], OtherCheckpointFiles | None] = _no_registry
 
 
-def name_other_formats_with(title_of: Callable[[Location], str | None]) -> None:
-    """Installs the registry's lookup: ``title_of(location)`` is the title of the
-    registered format whose checkpoint ``location`` holds, or None."""
-    global _title_of_other_format
-    _title_of_other_format = title_of
+def name_other_formats_with(
+    title_of: Callable[[Location], str | None], files_of: Callable[[Location], OtherCheckpointFiles | None],
+) -> None:
+    """Installs the registry's lookups: ``title_of(location)`` is the title of the
+    registered format whose checkpoint ``location`` holds, or None; ``files_of(location)``
+    the checkpoint of a registered format whose files lie there among others
+    (``other_checkpoint_files``), or None."""
+    global _title_of_other_format, _files_of_other_format
+    _title_of_other_format, _files_of_other_format = title_of, files_of
+
+
+def other_checkpoint_files(location: Location) -> OtherCheckpointFiles | None:
+    """Another tool's checkpoint (a registered format's, ``shardstore.other_formats``)
+    whose files lie at ``location``, whatever else is there: other programs' files, or a
+    shardstore checkpoint the tool saved over (DCP's ``FileSystemWriter`` into the same
+    directory). None where there is none. What a save refuses to delete and a load
+    refuses to choose between (``other_checkpoint_beside``)."""
+    return _files_of_other_format(location)
+
+
+def other_checkpoint_beside(location: Location, record: CommitRecord) -> OtherCheckpointFiles | None:
+    """Another tool's checkpoint whose files lie in the directory of the shardstore
+    checkpoint ``record`` commits at ``location``, without the entries that are the
+    record's own; None where there is none. Such a directory holds two checkpoints, and
+    which one its path means is ambiguous."""
+    found = other_checkpoint_files(location)
+    if found is None:
+        return None
+    theirs = tuple(name for name in found.names if name not in record.own_top_names)
+    return replace(found, names=theirs) if theirs else None
 
 
 def other_checkpoint_kind(location: Location) -> tuple[str, bool] | None:

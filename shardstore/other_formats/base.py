@@ -177,6 +177,11 @@ class OtherFormat:
             it cannot read safely.
         metadata_file: the file that says what the checkpoint holds; an opened checkpoint
             is read again when this file changes (one load opens it several times).
+        files: the top-level entries of its checkpoint at a location that holds its
+            ``metadata_file``, told from other files there (a job's log, a shardstore
+            checkpoint it was saved over) by their names alone; None where a checkpoint
+            of the format is its whole directory. What a save names instead of deleting
+            and a load names as ambiguous (``records.other_checkpoint_files``).
     """
 
     name: str
@@ -184,6 +189,7 @@ class OtherFormat:
     detect: Callable[[Location], bool]
     open: Callable[[Path], OtherCheckpoint]
     metadata_file: str
+    files: Callable[[Location], list[str]] | None = None
 
 
 

@@ -38,15 +38,17 @@ from typing import Any
 import torch
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.config import maybe_load_config
+from shardstore.format.config import CONFIG_FNAME, maybe_load_config
 from shardstore.format.pickles import DCP_METADATA_GLOBALS, load_restricted, load_torch
-from shardstore.format.records import sharded_backend, state_paths
+from shardstore.format.records import COMMON_FILE, sharded_backend, state_paths
 from shardstore.other_formats.base import OtherCheckpoint, OtherFormat, OtherTensor
 from shardstore.stores.base import Location
 
 DCP_METADATA = ".metadata"
 MAX_METADATA_BYTES = 2**30
 TORCH_DIST = "torch_dist"  # Megatron-Core's name of the backend, in its metadata.json
+DISTCP_SUFFIX = ".distcp"  # the data files of DCP's FileSystemWriter
+MEGATRON_FILES = (CONFIG_FNAME, COMMON_FILE)  # what Megatron-Core's save adds to DCP's files
 
 @dataclass(frozen=True)
 class DcpChunk:
@@ -276,9 +278,22 @@ def _holds_plain_dcp(location: Location) -> bool:
     return location.exists(DCP_METADATA) and sharded_backend(location) not in (TORCH_DIST, "shardstore")
 
 
+def _dcp_files(location: Location) -> list[str]:
+    """A DCP checkpoint's own entries: ``.metadata`` and the ``*.distcp`` files its
+    ``FileSystemWriter`` writes beside it (each rank's ``__<rank>_<n>.distcp``)."""
+    return sorted(name for name in location.list_top(None) if name == DCP_METADATA or name.endswith(DISTCP_SUFFIX))
+
+
+def _torch_dist_files(location: Location) -> list[str]:
+    """A torch_dist checkpoint's own entries: DCP's, and Megatron-Core's ``metadata.json``
+    and ``common.pt``."""
+    return sorted({*_dcp_files(location), *(name for name in MEGATRON_FILES if location.exists(name))})
+
+
 TORCH_DIST_FORMAT = OtherFormat(
-    TORCH_DIST, "a Megatron-Core 'torch_dist' checkpoint", _holds_torch_dist, DcpCheckpoint, DCP_METADATA
+    TORCH_DIST, "a Megatron-Core 'torch_dist' checkpoint", _holds_torch_dist, DcpCheckpoint, DCP_METADATA,
+    _torch_dist_files,
 )
-DCP_FORMAT = OtherFormat("dcp", "a PyTorch DCP checkpoint", _holds_plain_dcp, DcpCheckpoint, DCP_METADATA)
+DCP_FORMAT = OtherFormat("dcp", "a PyTorch DCP checkpoint", _holds_plain_dcp, DcpCheckpoint, DCP_METADATA, _dcp_files)
 
 __all__ = ["DCP_FORMAT", "TORCH_DIST_FORMAT", "DcpCheckpoint", "DcpChunk", "DcpItem", "DcpTensor"]

@@ -15,7 +15,7 @@ wins (Megatron's torch_dist before the plain DCP it is made of).
 from __future__ import annotations
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.records import name_other_formats_with
+from shardstore.format.records import OtherCheckpointFiles, name_other_formats_with
 from shardstore.other_formats.base import OtherFormat
 from shardstore.other_formats.dcp import DCP_FORMAT, TORCH_DIST_FORMAT
 from shardstore.other_formats.megatron_zarr import MEGATRON_ZARR_FORMAT
@@ -55,6 +55,20 @@ def _title_of(location: Location) -> str | None:
     return found.title if found else None
 
 
-name_other_formats_with(_title_of)
+def files_found(location: Location) -> OtherCheckpointFiles | None:
+    """The checkpoint of a registered format whose files lie at ``location`` among
+    others (``records.other_checkpoint_files``): the formats that name their files
+    (``OtherFormat.files``) whose metadata file is there, the one that detects the
+    directory first (else the last of them, the most general: plain DCP rather than
+    Megatron's torch_dist made of it); None where there is none."""
+    present = [f for f in FORMATS if f.files is not None and location.exists(f.metadata_file)]
+    if not present:
+        return None
+    found = next((f for f in present if f.detect(location)), present[-1])
+    assert found.files is not None  # only formats that name their files are present
+    return OtherCheckpointFiles(found.title, tuple(found.files(location)))
 
-__all__ = ["FORMATS", "detect", "named", "register"]
+
+name_other_formats_with(_title_of, files_found)
+
+__all__ = ["FORMATS", "detect", "files_found", "named", "register"]

@@ -271,9 +271,14 @@ class ShardstoreWriter(StorageWriter):
 
     Args:
         checkpoint_id: where to save (local path, ``s3://bucket/prefix`` or a Location);
-            DCP's ``checkpoint_id=`` replaces it.
-        overwrite: replace a committed checkpoint there (atomically on local disks, as
-            ``shardstore.save(overwrite=True)``); off, saving onto one is refused.
+            DCP's ``checkpoint_id=`` replaces it. A local directory may hold other
+            programs' files (a job's log, the ``model.pt`` that ``torch_save_to_dcp``
+            converts): the checkpoint is published beside them and none is deleted. One
+            that holds another tool's checkpoint (DCP's ``.metadata`` and ``*.distcp``) is
+            refused, naming its files, ``overwrite`` or not.
+        overwrite: replace a committed shardstore checkpoint there (atomically on local
+            disks, as ``shardstore.save(overwrite=True)``; refused where files its save
+            did not write lie beside it); off, saving onto one is refused.
         max_chunk_bytes: upper bound on one stored chunk, in bytes.
         io_concurrency: chunk writes in flight at once per rank.
         min_array_bytes: a plain tensor (not a DTensor) of at least this many bytes is
@@ -317,10 +322,15 @@ class ShardstoreWriter(StorageWriter):
     def _open_save(self) -> SavePipeline:
         """This rank's view of the save (``execution.pipeline``): the one place the
         target and the checkpoint reused from are opened. DCP's ranks talk only through
-        its plans and results, so the pipeline's group is this process alone."""
+        its plans and results, so the pipeline's group is this process alone. The target
+        is a shared directory, as ``FileSystemWriter`` takes one: the checkpoint is
+        published beside the files other programs keep there (``format.commit.SaveOptions``)."""
         if self.checkpoint_id is None:
             raise CheckpointingException("ShardstoreWriter has no checkpoint path: pass one, or checkpoint_id= to dcp.save")
-        return SavePipeline.open(self.checkpoint_id, overwrite=self.overwrite, reuse_from=self.reuse_from, config=CONFIG)
+        return SavePipeline.open(
+            self.checkpoint_id, overwrite=self.overwrite, reuse_from=self.reuse_from, config=CONFIG,
+            shared_directory=True,
+        )
 
     def _as_array(self, item: WriteItem) -> bool:
         """A plain tensor's item that is written as an array (the same answer on every

@@ -52,6 +52,7 @@ from shardstore.format.records import (
 )
 from shardstore.other_formats import registry
 from shardstore.other_formats.base import OtherFormat
+from shardstore.protocol.collectives import Group
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 
@@ -188,6 +189,23 @@ def write_location(checkpoint_dir: str | os.PathLike | Location, *, writes_confi
     )
 
 
+def holds_committed_checkpoint(checkpoint_dir: str | os.PathLike | Location) -> bool:
+    """Collective over the default process group (every rank calls it): whether
+    ``checkpoint_dir`` holds a committed shardstore checkpoint, as the coordinator sees
+    it, so that ranks whose views of a shared file system differ for a moment still
+    decide alike and none is left waiting in a later collective. A place shardstore
+    cannot open (another scheme, such as Megatron's ``msc://``) holds none of ours."""
+    group = Group()
+    answer = False
+    if group.is_coordinator:
+        try:
+            location = bare_location(checkpoint_dir)
+        except CheckpointingException:
+            location = None
+        answer = location is not None and is_committed(location)
+    return bool(group.broadcast_object(answer))
+
+
 def read_location(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -> Location:
     """Where a reader with the seed's signature (a strategy's ``load_common``,
     ``load_sharded_objects``, the zarr module's ``_load_from_array``) reads ``checkpoint``.
@@ -203,6 +221,6 @@ def read_location(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -
 
 
 __all__ = [
-    "OpenedCheckpoint", "bare_location", "open_read", "other_format_of", "read_location", "refuse_ambiguous",
-    "write_location",
+    "OpenedCheckpoint", "bare_location", "holds_committed_checkpoint", "open_read", "other_format_of",
+    "read_location", "refuse_ambiguous", "write_location",
 ]

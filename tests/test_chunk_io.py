@@ -10,7 +10,6 @@ from shardstore.core import CheckpointingException
 from shardstore.format import chunks as chunk_io
 from shardstore.format.chunks import (
     ArrayChunks,
-    FileChunkStore,
     read_region,
     run_reads,
     run_writes,
@@ -19,6 +18,7 @@ from shardstore.format.chunks import (
 from shardstore.format.dtypes import from_zarr_name
 from shardstore.format.records import ArrayRecord
 from shardstore.planning.layout import region_at
+from shardstore.stores.local import FileChunkStore
 from shardstore.stores.locations import open_location
 from shardstore.strategies.zarr import array_spec, tensorstore_context
 

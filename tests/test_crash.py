@@ -186,7 +186,7 @@ def test_fsync_can_be_turned_off(ckpt_dir: Path, monkeypatch) -> None:
 def async_save_beside_another_programs_file_then_die(rank: int, world: int, ckpt: str) -> None:
     """An async save into an empty directory, another program's file written there
     before it commits; the coordinator dies while it moves its entries in beside that
-    file, before the commit record (``PendingCheckpoint._publish_beside``)."""
+    file, before the commit record (``ByRename._publish_beside``)."""
     from shardstore.strategies.async_utils import AsyncCallsQueue
 
     original = LocalStore.move_entries_into

@@ -268,13 +268,15 @@ def save_ranked_with_a_crash(rank: int, world: int, ckpt: str, reuse_from: str, 
         import shardstore.format.chunks as chunk_io
 
         if point == "while sharing":
-            original = chunk_io.FileChunkStore.share_from
+            import shardstore.stores.local as local_io
+
+            original = local_io.FileChunkStore.share_from
 
             def share_then_die(self, *args, **kwargs):
                 original(self, *args, **kwargs)
                 os.kill(os.getpid(), 9)
 
-            chunk_io.FileChunkStore.share_from = share_then_die
+            local_io.FileChunkStore.share_from = share_then_die
         elif point == "after sharing":
             def die_on_write(self, data):
                 os.kill(os.getpid(), 9)

@@ -141,6 +141,23 @@ def test_only_the_protocol_calls_torch_distributed_collectives() -> None:
     assert set(callers) == KNOWN_COLLECTIVE_CALLERS, callers
 
 
+# The modules of one storage backend each; the format layer reaches storage only through
+# the store interface (``stores.base``) and the factory that opens a location by its URL.
+BACKEND_MODULES = {"local", "s3", "memory", "fsspec_base", "kv_chunks"}
+
+
+def test_the_format_imports_no_backend_module() -> None:
+    """Issue 43.3: ``format`` knows the store interface, never a backend (an empty
+    exception list)."""
+    graph = _imports()
+    assert {f"shardstore.stores.{m}" for m in BACKEND_MODULES} <= set(graph)
+    reaching = sorted(
+        f"{module} -> {dep}" for module, deps in graph.items() if layer_of(module) == "format"
+        for dep in deps if dep.startswith("shardstore.stores.") and dep.rsplit(".", 1)[1] in BACKEND_MODULES
+    )
+    assert reaching == []
+
+
 def test_no_code_asks_which_publisher_a_save_has() -> None:
     """Issue 43.2: each way of publishing is a ``format.commit.Publisher`` subclass that
     owns its rules; no module compares a publisher with ``is``/``==`` or probes its

@@ -25,8 +25,7 @@ import torch
 
 from shardstore import ShardedObject, ShardedTensor, load, save
 from shardstore.core import CheckpointingException
-from shardstore.format.chunks import FileChunkStore
-from shardstore.format.commit import PendingCheckpoint
+from shardstore.format.commit import ByRename
 from shardstore.format.records import (
     COMMIT_RECORD,
     COMMON_FILE,
@@ -37,7 +36,7 @@ from shardstore.format.records import (
 )
 from shardstore.protocol.collectives import Group
 from shardstore.stores.base import StorageError
-from shardstore.stores.local import LocalStore
+from shardstore.stores.local import FileChunkStore, LocalStore
 from shardstore.strategies.async_utils import AsyncCallsQueue
 from tests.dist import run_distributed
 
@@ -225,7 +224,7 @@ FAILURES = {
     "chunk write fails": Failure(lambda mp: mp.setattr(FileChunkStore, "put", disk_full)),
     "syncfs fails": Failure(_syncfs_fails),
     "commit record cannot be written": Failure(_commit_record_fails),
-    "commit refused": Failure(lambda mp: mp.setattr(PendingCheckpoint, "_commit_by_rename", disk_full)),
+    "commit refused": Failure(lambda mp: mp.setattr(ByRename, "commit", disk_full)),
     "async save, its write fails": Failure(
         lambda mp: mp.setattr(FileChunkStore, "put", disk_full), lambda target: _async_save(target, AsyncCallsQueue.close)
     ),

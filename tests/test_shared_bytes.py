@@ -89,17 +89,17 @@ def test_a_base_chunk_edited_with_its_crc32c_forged_is_written_not_shared(tmp_pa
 def test_a_base_replaced_while_the_save_runs_is_not_shared(tmp_path: Path, monkeypatch) -> None:
     """Another job replaces step 1 after this save checked its save id and before it
     shares the chunks: the new files are not the trainer's bytes."""
-    import shardstore.format.chunks as chunk_io
+    import shardstore.stores.local as local_io
 
     save(_state(1), tmp_path / "s1")
-    original = chunk_io.FileChunkStore.share_from
+    original = local_io.FileChunkStore.share_from
 
     def replaced_first(self, source, rel, held):
         if (tmp_path / "s1" / CHUNK).stat().st_nlink == 1:  # not yet replaced or linked
             _replace_with_other_bytes(tmp_path / "s1" / CHUNK)
         return original(self, source, rel, held)
 
-    monkeypatch.setattr(chunk_io.FileChunkStore, "share_from", replaced_first)
+    monkeypatch.setattr(local_io.FileChunkStore, "share_from", replaced_first)
     save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
     assert _reused_chunks(tmp_path / "s2") == 0
     _check(tmp_path / "s2", 2)
@@ -120,13 +120,13 @@ def test_a_base_whose_array_directory_is_a_symbolic_link_is_skipped(tmp_path: Pa
 
 
 def test_an_error_of_the_base_storage_costs_a_write_not_the_save(tmp_path: Path, monkeypatch, caplog) -> None:
-    import shardstore.format.chunks as chunk_io
+    import shardstore.stores.local as local_io
 
     def failing(source: str, target: str, nbytes: int) -> bool:
         raise OSError(errno.EIO, "Input/output error", source)
 
     save(_state(1), tmp_path / "s1")
-    monkeypatch.setattr(chunk_io, "share_file", failing)
+    monkeypatch.setattr(local_io, "share_file", failing)
     with caplog.at_level(logging.INFO, logger="shardstore"):
         save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
     _check(tmp_path / "s2", 2)
@@ -163,9 +163,9 @@ def test_under_the_manager_a_rotted_step_costs_only_itself(tmp_path: Path) -> No
 def test_a_large_chunk_is_proven_across_read_blocks(tmp_path: Path, monkeypatch) -> None:
     """The check reads a shared file in blocks; a chunk longer than one block is hashed
     across them and still shared."""
-    import shardstore.format.chunks as chunk_io
+    import shardstore.stores.local as local_io
 
-    monkeypatch.setattr(chunk_io, "CHECK_READ_BYTES", 4096)
+    monkeypatch.setattr(local_io, "CHECK_READ_BYTES", 4096)
     base = global_tensor("base", BASE, torch.float32)
     for name in ("s1", "s2"):
         save({"base": ShardedTensor.from_rank_offsets("base", base)}, tmp_path / name,
@@ -280,7 +280,7 @@ def test_the_manager_verify_covers_a_step_whose_record_is_damaged(tmp_path: Path
 
 def test_the_megatron_guard_lets_a_scheme_shardstore_cannot_open_through(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core.dist_checkpointing.strategies.common", reason="megatron-core not installed")
-    from shardstore.tools.megatron_strategy import _holds_a_committed_checkpoint
+    from shardstore.opened import holds_committed_checkpoint as _holds_a_committed_checkpoint
 
     assert not _holds_a_committed_checkpoint("msc://profile/ckpt/iter_0000001")
     assert not _holds_a_committed_checkpoint(tmp_path / "empty")

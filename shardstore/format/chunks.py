@@ -1,19 +1,14 @@
-"""Chunk I/O for shardstore's own chunk encoding, on local files or an object store.
+"""shardstore's own chunk encoding, over whatever storage the location has.
 
 Every shardstore array stores each chunk as its raw little-endian bytes followed by a
 crc32c of them (Zarr v3 codecs ``bytes`` + ``crc32c``), one object per chunk at
 ``<key>/c/<i>/<j>...``. For that encoding a chunk moves between storage and a tensor's
-memory without a decode step, so shardstore encodes and decodes chunks itself and only
-asks the storage for bytes (``ChunkStore``):
-
-- ``FileChunkStore`` (local file systems): ``writev(fd, [tensor slab, crc])`` straight
-  from the caller's memory; ``readv`` straight into the destination's slab.
-- ``KvChunkStore`` (object stores): TensorStore's kvstore driver (``s3``), one PUT or
-  GET per chunk, with TensorStore's retries.
-- ``StoreChunkStore`` (stores TensorStore cannot reach, e.g. fsspec's ``memory://``):
-  the store's own ``get``/``put``.
-
-Which one a location gets, its store says as data (``stores.base.ChunkAccess``).
+memory without a decode step, so shardstore encodes and decodes chunks itself and asks
+the storage only for bytes: its store's ``ChunkStore`` (``Store.chunk_store``;
+``stores.base`` says what each backend provides: ``writev``/``readv`` straight between
+the tensor's memory and local files, TensorStore's kvstore on object stores, the store's
+own get/put elsewhere). This module knows arrays, regions, checksums and digests; the
+stores know bytes and paths.
 
 The writer of a chunk reports its crc32c and a 128-bit content digest (XXH3-128, as fast
 as crc32c here: 12.9 GB/s each on one core); the commit record keeps both for every chunk
@@ -24,7 +19,8 @@ own trailing crc32c and the record's: a chunk swapped with another of the same a
 of another array, or copied from another checkpoint fails the read, naming the chunk.
 
 Reads on local files never follow a symbolic link out of the checkpoint and never open
-anything but a regular file (a FIFO would block, a device would never end).
+anything but a regular file (a FIFO would block, a device would never end):
+``stores.local.FileChunkStore``.
 
 Measured on this machine (512 MiB of float32, page cache dropped before loads): a
 TensorStore read of the same arrays took 0.67 s, the file path 0.30 s, because
@@ -40,16 +36,10 @@ import functools
 import hashlib
 import itertools
 import math
-import os
-import re
 import sys
-import threading
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import crc32c
 import numpy as np
@@ -59,19 +49,20 @@ from shardstore.errors import CheckpointingException
 from shardstore.format.dtypes import from_zarr_name
 from shardstore.format.records import CHUNK_SEPARATOR, ArrayRecord, chunk_key
 from shardstore.progress import tracked
-from shardstore.stores.base import Location, Store, run_parallel
-from shardstore.stores.local import DirectoryGuard, create_new_file, open_regular, share_file
+from shardstore.stores.base import (
+    DEFAULT_IO_THREADS,
+    ChunkMismatch,
+    ChunkStore,
+    Location,
+    run_parallel,
+)
 
 # A box of a global array, one slice per axis (``planning.layout`` builds them).
 Region = tuple[slice, ...]
 CRC_BYTES = 4
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 # A strided destination is filled by a scatter read when its contiguous runs are at
 # least this long; shorter runs go through a one-chunk buffer and a copy.
 MIN_SCATTER_RUN = 4096
-# Threads doing chunk I/O per rank; more did not help on local disks (a cold load of
-# 5,000 small chunks on 2 cores: 0.9 s at 8 threads, 1.0-1.3 s at 32 and 64).
-DEFAULT_IO_THREADS = 8
 # TensorStore (object store) I/O operations in flight at once.
 DEFAULT_IO_CONCURRENCY = 64
 
@@ -182,272 +173,14 @@ class HeldChunk:
             )
 
 
-class ChunkMismatch(CheckpointingException):
-    """A chunk shared from an earlier checkpoint does not hold the bytes being saved
-    (``ChunkStore.share_from``): the caller writes them instead."""
-
-
-# An ETag that can be an MD5 (a multipart upload's has a "-<parts>" suffix).
-_MD5_HEX = re.compile(r"[0-9a-f]{32}")
-# Bytes read at a time when a shared file is read back to check it.
-CHECK_READ_BYTES = 4 * 2**20
-
-
-def _file_blocks(fd: int, limit: int) -> Iterator[memoryview]:
-    """The bytes of ``fd`` from its start in blocks, at most ``limit`` in all; each
-    block is valid until the next one is read."""
-    buffer = memoryview(bytearray(min(limit, CHECK_READ_BYTES)))
-    at = 0
-    while at < limit and (n := os.preadv(fd, [buffer[: min(len(buffer), limit - at)]], at)):
-        yield buffer[:n]
-        at += n
-
-
-class ChunkStore(ABC):
-    """Where encoded chunks live; knows bytes and paths, nothing of arrays.
-
-    Attributes:
-        threads: how many chunk reads or writes to run at once on this storage.
-    """
-
-    threads: int = DEFAULT_IO_THREADS
-
-    @abstractmethod
-    def describe(self, rel: str) -> str:
-        """Where ``rel`` is, for error messages."""
-
-    @abstractmethod
-    def put(self, rel: str, buffers: list[memoryview]) -> None:
-        """Stores the concatenation of ``buffers`` at ``rel`` (no durability promise:
-        the location's ``make_durable`` flushes)."""
-
-    @abstractmethod
-    def get_into(self, rel: str, views: list[memoryview]) -> tuple[int, bytes] | None:
-        """Fills ``views`` in order from the object at ``rel``; returns the bytes that
-        landed in them and up to ``CRC_BYTES + 1`` bytes that follow, or None if the
-        object does not exist."""
-
-    def share_from(self, source: ChunkStore, rel: str, held: HeldChunk) -> bool:
-        """Makes the object at ``rel`` hold ``held``'s bytes by sharing what ``source``
-        holds at ``rel``, without sending them through this process where the storage
-        can: a clone or hard link on a local file system, a server-side copy on an
-        object store.
-
-        True only once the new object is proven to hold exactly ``held``'s bytes and
-        their crc32c, checked against what the object holds now (``HeldChunk.holds``,
-        or an ETag the store computed from the copy's bytes), never against a record's
-        word. False where the storage cannot share it (another kind of storage, no
-        links across devices, the source gone, an ETag that says nothing of the
-        bytes). Either way the caller then writes the bytes, which replaces whatever
-        the attempt left at ``rel``. Never changes the
-        source object.
-
-        Raises:
-            ChunkMismatch: the shared object does not hold ``held``'s bytes.
-            Errors of either storage propagate; the caller decides."""
-        return False
-
-
-class FileChunkStore(ChunkStore):
-    """Chunks as files under a local directory."""
-
-    def __init__(self, root: Path, threads: int = DEFAULT_IO_THREADS) -> None:
-        self.root, self.threads = root, threads
-        # Paths as strings: pathlib's joins cost more than a 4 KiB chunk's I/O.
-        self._prefix = os.path.join(root, "")
-        self._guard = DirectoryGuard(root)
-
-    def describe(self, rel: str) -> str:
-        return self._prefix + rel
-
-    def put(self, rel: str, buffers: list[memoryview]) -> None:
-        fd = create_new_file(self._prefix + rel)
-        try:
-            pending: list = buffers
-            while pending:
-                pending = _advance(pending, os.writev(fd, pending))
-        finally:
-            os.close(fd)
-
-    def get_into(self, rel: str, views: list[memoryview]) -> tuple[int, bytes] | None:
-        self._guard.check(rel.rpartition("/")[0])
-        fd = open_regular(self._prefix + rel)
-        if fd is None:
-            return None
-        try:
-            got, pending = 0, views
-            while pending and (n := os.readv(fd, pending[:IOV_MAX])):
-                got += n
-                pending = _advance(pending, n)
-            return got, os.read(fd, CRC_BYTES + 1)  # one byte more than expected detects a too-long file
-        finally:
-            os.close(fd)
-
-    def share_from(self, source: ChunkStore, rel: str, held: HeldChunk) -> bool:
-        """A clone (copy-on-write, where the file system has it) or else a hard link of
-        the source's file (only a regular file of the expected size inside the source's
-        directory; no symbolic link is followed), then the new file read back whole and
-        compared with ``held``. A hard link shares the inode, so the bytes read are the
-        source's bytes as they are now, not as its record says they were."""
-        if not isinstance(source, FileChunkStore):
-            return False
-        source._guard.check(rel.rpartition("/")[0])
-        try:
-            size = os.lstat(source._prefix + rel).st_size
-            if size != held.nbytes:
-                raise ChunkMismatch(f"{source.describe(rel)} holds {size} bytes, not the {held.nbytes} being saved")
-            if not share_file(source._prefix + rel, self._prefix + rel, held.nbytes):
-                return False
-        except FileNotFoundError:  # the source chunk is gone (deleted meanwhile)
-            return False
-        fd = open_regular(self._prefix + rel)
-        if fd is None:
-            return False
-        try:
-            held.check(_file_blocks(fd, held.nbytes + 1), source.describe(rel))
-        finally:
-            os.close(fd)
-        return True
-
-
-class KvChunkStore(ChunkStore):
-    """Chunks as objects of a TensorStore kvstore (S3 and other object stores)."""
-
-    def __init__(self, location: Location, threads: int) -> None:
-        import tensorstore as ts
-
-        self.location, self.threads = location, threads
-        self._etags_say_nothing = False  # a copy's ETag was no MD5 (``share_from``)
-        self._etags_probed, self._probe_lock = False, threading.Lock()
-        access = location.store.chunk_access()
-        try:
-            self.kv = ts.KvStore.open(dict(access.kvstore or {}), context=ts.Context(dict(access.context))).result()
-        except Exception as exc:
-            raise CheckpointingException(f"Cannot open the object store of {location.describe()}: {exc}") from exc
-
-    def describe(self, rel: str) -> str:
-        return self.location.describe(rel)
-
-    def put(self, rel: str, buffers: list[memoryview]) -> None:
-        self.kv.write(rel, b"".join(buffers)).result()
-
-    def get_into(self, rel: str, views: list[memoryview]) -> tuple[int, bytes] | None:
-        result = self.kv.read(rel).result()
-        return _fill(views, memoryview(result.value)) if result.state == "value" else None
-
-    def share_from(self, source: ChunkStore, rel: str, held: HeldChunk) -> bool:
-        """A server-side copy (the store's ``copy_from``), no bytes through this process,
-        proven by the copy's ETag: S3 computes it as the MD5 of the bytes it stores (for
-        objects written by one PUT, as TensorStore writes chunks, without SSE-KMS or
-        SSE-C), so an ETag equal to the MD5 of ``held``'s bytes names exactly them.
-        Where the store reports another kind of ETag (encryption, a multipart upload) or
-        none, nothing is proven without downloading the copy, which costs what writing
-        it does: False, and the caller writes. An ETag of 32 hex digits that is not
-        their MD5 (other bytes, or encryption) raises ChunkMismatch."""
-        if not isinstance(source, KvChunkStore):
-            return False
-        if not self._etags_probed:  # the first copy tells what this store's ETags are; the others wait
-            with self._probe_lock:
-                if not self._etags_probed:
-                    try:
-                        return self._copy_proven(source, rel, held)
-                    finally:
-                        self._etags_probed = True
-        return not self._etags_say_nothing and self._copy_proven(source, rel, held)
-
-    def _copy_proven(self, source: KvChunkStore, rel: str, held: HeldChunk) -> bool:
-        """``share_from``'s copy and its proof."""
-        copied, md5 = _while_hashing(held, lambda: self.location.store.copy_from(source.location.store, rel))
-        etag = copied.etag.lower() if copied is not None and copied.etag is not None else None
-        if copied is None:
-            return False
-        if etag is None or not _MD5_HEX.fullmatch(etag):
-            # a multipart ETag ("...-3"), an encrypted object's, or none: no later copy of
-            # this save can be proven either, so none is tried (each would cost a request)
-            self._etags_say_nothing = True
-            return False
-        if etag != md5:
-            raise ChunkMismatch(
-                f"{source.describe(rel)} does not hold the bytes being saved (its copy's ETag {etag} is not their "
-                "MD5: changed or replaced since its commit)"
-            )
-        return True
-
-
-class StoreChunkStore(ChunkStore):
-    """Chunks as objects of the store itself, for stores TensorStore cannot reach."""
-
-    def __init__(self, store: Store, threads: int) -> None:
-        self.store, self.threads = store, threads
-
-    def describe(self, rel: str) -> str:
-        return self.store.describe(rel)
-
-    def put(self, rel: str, buffers: list[memoryview]) -> None:
-        self.store.put(rel, b"".join(buffers))
-
-    def get_into(self, rel: str, views: list[memoryview]) -> tuple[int, bytes] | None:
-        """Reads at most what ``_fill`` needs (the views, the checksum and one byte more
-        to tell a longer object), never an object of unchecked size."""
-        data = self.store.get(rel, max_bytes=sum(v.nbytes for v in views) + CRC_BYTES + 1)
-        return None if data is None else _fill(views, memoryview(data))
-
-    def share_from(self, source: ChunkStore, rel: str, held: HeldChunk) -> bool:
-        """The store's own copy (``copy_from``), where it has one, read back and
-        compared with ``held`` (these stores are in memory or otherwise cheap to read)."""
-        if not isinstance(source, StoreChunkStore) or self.store.copy_from(source.store, rel) is None:
-            return False
-        data = self.store.get(rel, max_bytes=held.nbytes + 1)
-        if data is None:
-            return False
-        held.check([memoryview(data)], source.describe(rel))
-        return True
-
-
-T = TypeVar("T")
-# A chunk at least this large has its MD5 computed on a thread of its own while the copy
-# request is in flight (hashlib releases the GIL); a smaller one inline, where a thread
-# would cost more than it hides.
-MD5_BESIDE_BYTES = 2**20
-
-
-def _while_hashing(held: HeldChunk, request: Callable[[], T]) -> tuple[T, str]:
-    """``request()``'s result and ``held.md5_hex()``, the digest computed while the
-    request waits on the network where the chunk is large enough for that to pay."""
-    if held.nbytes < MD5_BESIDE_BYTES:
-        return request(), held.md5_hex()
-    with ThreadPoolExecutor(1) as beside:
-        md5 = beside.submit(held.md5_hex)
-        return request(), md5.result()
-
-
-def _fill(views: list[memoryview], data: memoryview) -> tuple[int, bytes]:
-    """Copies ``data`` into ``views`` in order; returns the bytes copied and up to
-    ``CRC_BYTES + 1`` bytes that follow (``ChunkStore.get_into``)."""
-    at = 0
-    for v in views:
-        n = min(len(v), len(data) - at)
-        v[:n] = data[at : at + n]
-        at += n
-        if n < len(v):
-            break
-    return at, bytes(data[at : at + CRC_BYTES + 1])
-
-
 def chunk_store_for(location: Location, io_concurrency: int, local_threads: int = DEFAULT_IO_THREADS) -> ChunkStore:
-    """The chunk store of a checkpoint location, with the number of chunk operations to
-    run at once, as its store's ``chunk_access`` says: files under a local directory
-    (``local_threads`` threads, at most ``io_concurrency``: more did not help on local
-    disks), else a TensorStore kvstore (``io_concurrency`` requests in flight), else the
-    store's own get/put (``local_threads`` threads)."""
+    """The chunk store of a checkpoint location, as its store makes it
+    (``Store.chunk_store``: files under a local directory with ``local_threads``
+    threads, at most ``io_concurrency``; an object store with ``io_concurrency``
+    requests in flight; else the store's own get/put)."""
     if not NATIVE_LITTLE_ENDIAN:
         raise CheckpointingException("shardstore's chunk I/O needs a little-endian host")
-    access = location.store.chunk_access()
-    if access.local_root is not None:
-        return FileChunkStore(access.local_root, min(io_concurrency, local_threads))
-    if access.kvstore is not None:
-        return KvChunkStore(location, io_concurrency)
-    return StoreChunkStore(location.store, min(io_concurrency, local_threads))
+    return location.store.chunk_store(io_concurrency, local_threads)
 
 
 class ChunkFile:
@@ -494,7 +227,7 @@ class ChunkFile:
         """Fills ``views`` in order with the chunk (a scatter read: the rows of a
         strided destination need no bounce buffer); checks its length, its own crc32c
         and the one the commit record keeps for it."""
-        got = self.store.get_into(self.rel, views)
+        got = self.store.get_into(self.rel, views, CRC_BYTES + 1)
         if got is None:
             raise CheckpointingException(f"Missing {self.describe()}: the checkpoint is damaged")
         n, crc = got
@@ -514,20 +247,6 @@ class ChunkFile:
                 f"Wrong {self.describe()}: its crc32c {value:08x} is not the {self.expected_crc:08x} the commit "
                 "record keeps for it (a chunk moved, swapped or copied from another checkpoint)"
             )
-
-
-def _advance(buffers: list, n: int) -> list:
-    """The part of ``buffers`` left after ``n`` bytes were transferred (one slice of
-    the list per call: a scatter read of 16,384 rows was quadratic when it dropped the
-    consumed buffers one at a time)."""
-    done = 0
-    while done < len(buffers) and n >= len(buffers[done]):
-        n -= len(buffers[done])
-        done += 1
-    rest = buffers[done:]
-    if rest and n:
-        rest[0] = memoryview(rest[0])[n:]
-    return rest
 
 
 @dataclass

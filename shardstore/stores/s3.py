@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardstore.stores.base import (
+    DEFAULT_IO_THREADS,
     Capabilities,
     ChunkAccess,
     CopiedObject,
@@ -41,6 +42,7 @@ from shardstore.stores.base import (
     run_parallel,
 )
 from shardstore.stores.fsspec_base import FsspecStore
+from shardstore.stores.kv_chunks import KvChunkStore
 
 logger = logging.getLogger(__name__)
 
@@ -284,6 +286,10 @@ class S3Store(FsspecStore):
     def chunk_access(self) -> ChunkAccess:
         """TensorStore's ``s3`` kvstore: one PUT or GET per chunk, many in flight."""
         return ChunkAccess(kvstore=self._kvstore_spec(), context=self._tensorstore_context())
+
+    def chunk_store(self, io_concurrency: int, local_threads: int = DEFAULT_IO_THREADS) -> KvChunkStore:
+        """Chunks through TensorStore's ``s3`` kvstore, ``io_concurrency`` requests in flight."""
+        return KvChunkStore(self, io_concurrency)
 
     def _kvstore_spec(self) -> dict[str, Any]:
         spec: dict[str, Any] = {

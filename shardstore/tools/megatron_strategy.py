@@ -46,11 +46,9 @@ except ImportError as exc:  # pragma: no cover - exercised where megatron-core i
     ) from exc
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.records import is_committed
 from shardstore.inputs.megatron_objects import convert_megatron_objects
 from shardstore.mapping import apply_factories, apply_factory_merges
-from shardstore.opened import bare_location
-from shardstore.protocol.collectives import Group
+from shardstore.opened import holds_committed_checkpoint
 from shardstore.serialization import load_preprocess
 from shardstore.strategies.base import DelegatingLoadStrategy
 from shardstore.strategies.forked_writes import for_another_process
@@ -116,7 +114,7 @@ def _guard_common_save() -> None:
 
     @functools.wraps(original)
     def save_common(self: Any, common_state_dict: Any, checkpoint_dir: Any) -> Any:
-        if _holds_a_committed_checkpoint(checkpoint_dir):
+        if holds_committed_checkpoint(checkpoint_dir):
             raise CheckpointingException(
                 f"Not saving into {checkpoint_dir}: it holds a committed shardstore checkpoint, which Megatron-Core's "
                 "save would rewrite in place (common.pt first), so a crash or a full disk midway would lose both the "
@@ -127,23 +125,6 @@ def _guard_common_save() -> None:
 
     save_common._shardstore_guarded = True  # type: ignore[attr-defined]
     strategy.save_common = save_common
-
-
-def _holds_a_committed_checkpoint(checkpoint_dir: Any) -> bool:
-    """Collective over the default group: whether ``checkpoint_dir`` holds a committed
-    shardstore checkpoint, as rank 0 sees it (ranks whose views of a shared file system
-    differ for a moment still decide alike, so none is left waiting in a collective). A
-    place shardstore cannot open (another scheme, such as Megatron's ``msc://``) holds
-    none of ours."""
-    group = Group()
-    answer = False
-    if group.is_coordinator:
-        try:
-            location = bare_location(checkpoint_dir)
-        except CheckpointingException:
-            location = None
-        answer = location is not None and is_committed(location)
-    return bool(group.broadcast_object(answer))
 
 
 class ShardstoreLoadShardedStrategy(DelegatingLoadStrategy, _megatron_base.LoadShardedStrategy):

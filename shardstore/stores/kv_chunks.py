@@ -1,0 +1,102 @@
+"""Chunks as objects of a TensorStore kvstore: one PUT or GET per chunk, many in flight,
+with TensorStore's retries (S3 and other object stores). Sharing a chunk with an
+earlier checkpoint is a server-side copy, proven by the copy's ETag."""
+
+from __future__ import annotations
+
+__all__ = ["MD5_BESIDE_BYTES", "KvChunkStore"]
+
+import re
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from shardstore.errors import CheckpointingException
+from shardstore.stores.base import ChunkMismatch, ChunkStore, ExpectedBytes, Store, fill_views
+
+# An ETag that can be an MD5 (a multipart upload's has a "-<parts>" suffix).
+_MD5_HEX = re.compile(r"[0-9a-f]{32}")
+
+
+class KvChunkStore(ChunkStore):
+    """Chunks as objects of a TensorStore kvstore (S3 and other object stores)."""
+
+    def __init__(self, store: Store, threads: int) -> None:
+        import tensorstore as ts
+
+        self.store, self.threads = store, threads
+        self._etags_say_nothing = False  # a copy's ETag was no MD5 (``share_from``)
+        self._etags_probed, self._probe_lock = False, threading.Lock()
+        access = store.chunk_access()
+        try:
+            self.kv = ts.KvStore.open(dict(access.kvstore or {}), context=ts.Context(dict(access.context))).result()
+        except Exception as exc:
+            raise CheckpointingException(f"Cannot open the object store of {store.describe()}: {exc}") from exc
+
+    def describe(self, rel: str) -> str:
+        return self.store.describe(rel)
+
+    def put(self, rel: str, buffers: list[memoryview]) -> None:
+        self.kv.write(rel, b"".join(buffers)).result()
+
+    def get_into(self, rel: str, views: list[memoryview], tail: int) -> tuple[int, bytes] | None:
+        result = self.kv.read(rel).result()
+        return fill_views(views, memoryview(result.value), tail) if result.state == "value" else None
+
+    def share_from(self, source: ChunkStore, rel: str, held: ExpectedBytes) -> bool:
+        """A server-side copy (the store's ``copy_from``), no bytes through this process,
+        proven by the copy's ETag: S3 computes it as the MD5 of the bytes it stores (for
+        objects written by one PUT, as TensorStore writes chunks, without SSE-KMS or
+        SSE-C), so an ETag equal to the MD5 of ``held``'s bytes names exactly them.
+        Where the store reports another kind of ETag (encryption, a multipart upload) or
+        none, nothing is proven without downloading the copy, which costs what writing
+        it does: False, and the caller writes. An ETag of 32 hex digits that is not
+        their MD5 (other bytes, or encryption) raises ChunkMismatch."""
+        if not isinstance(source, KvChunkStore):
+            return False
+        if not self._etags_probed:  # the first copy tells what this store's ETags are; the others wait
+            with self._probe_lock:
+                if not self._etags_probed:
+                    try:
+                        return self._copy_proven(source, rel, held)
+                    finally:
+                        self._etags_probed = True
+        return not self._etags_say_nothing and self._copy_proven(source, rel, held)
+
+    def _copy_proven(self, source: KvChunkStore, rel: str, held: ExpectedBytes) -> bool:
+        """``share_from``'s copy and its proof."""
+        copied, md5 = _while_hashing(held, lambda: self.store.copy_from(source.store, rel))
+        etag = copied.etag.lower() if copied is not None and copied.etag is not None else None
+        if copied is None:
+            return False
+        if etag is None or not _MD5_HEX.fullmatch(etag):
+            # a multipart ETag ("...-3"), an encrypted object's, or none: no later copy of
+            # this save can be proven either, so none is tried (each would cost a request)
+            self._etags_say_nothing = True
+            return False
+        if etag != md5:
+            raise ChunkMismatch(
+                f"{source.describe(rel)} does not hold the bytes being saved (its copy's ETag {etag} is not their "
+                "MD5: changed or replaced since its commit)"
+            )
+        return True
+
+
+T = TypeVar("T")
+# A chunk at least this large has its MD5 computed on a thread of its own while the copy
+# request is in flight (hashlib releases the GIL); a smaller one inline, where a thread
+# would cost more than it hides.
+MD5_BESIDE_BYTES = 2**20
+
+
+def _while_hashing(held: ExpectedBytes, request: Callable[[], T]) -> tuple[T, str]:
+    """``request()``'s result and ``held.md5_hex()``, the digest computed while the
+    request waits on the network where the chunk is large enough for that to pay."""
+    if held.nbytes < MD5_BESIDE_BYTES:
+        return request(), held.md5_hex()
+    with ThreadPoolExecutor(1) as beside:
+        md5 = beside.submit(held.md5_hex)
+        return request(), md5.result()
+
+

@@ -12,6 +12,20 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 
+@pytest.fixture(scope="session")
+def moto_server():
+    """The test run's one S3 server (moto on 127.0.0.1, a free port, the tests'
+    credentials: ``tests.s3_support``), stopped when the run ends. Each module makes a
+    bucket of its own on it (``create_bucket``), so modules never see each other's
+    objects."""
+    pytest.importorskip("moto")
+    from tests.s3_support import MotoServer
+
+    server = MotoServer().start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def ckpt_dir(tmp_path: Path) -> Path:
     """A fresh directory path for one checkpoint (not created)."""

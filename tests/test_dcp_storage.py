@@ -246,7 +246,7 @@ def test_non_tensor_values_that_need_code_to_load_are_refused_naming_them(tmp_pa
     assert list(tmp_path.iterdir()) == [], "nothing is left behind"
 
 
-def test_dcp_api_writes_and_reads_our_format_on_s3() -> None:
+def test_dcp_api_writes_and_reads_our_format_on_s3(moto_server) -> None:
     """One process (DCP without a process group); the sharded items are shardstore
     ShardedTensors through DCP's checkpointable protocol, so arrays are written."""
     import torch.distributed.checkpoint as dcp
@@ -254,26 +254,23 @@ def test_dcp_api_writes_and_reads_our_format_on_s3() -> None:
     from shardstore.stores.locations import open_location
     from shardstore.stores.s3 import S3Options
     from shardstore.strategies.checkpointable import to_dcp_state_dict
-    from tests.s3_support import KEY, REGION, SECRET, MotoServer
+    from tests.s3_support import KEY, REGION, SECRET
 
-    server = MotoServer().start()
-    try:
-        server.create_bucket("dcp")
-        location = open_location("s3://dcp/run/step-10", options=S3Options(endpoint_url=server.endpoint, key=KEY, secret=SECRET,
-                                                                 region=REGION))
-        weight = torch.arange(24, dtype=torch.bfloat16).reshape(6, 4)
-        state = {**to_dcp_state_dict({"w": ShardedTensor.from_rank_offsets("model.w", weight.clone())}),
-                 "step": torch.tensor(10.0), "lr": 0.5}
-        dcp.save(state, storage_writer=ShardstoreWriter(location))
-        assert shardstore.verify(location).ok
-        assert torch.equal(shardstore.load_plain_tensors(location)["model.w"], weight)
-        request = {**to_dcp_state_dict({"w": ShardedTensor.from_rank_offsets("model.w", torch.zeros(6, 4, dtype=torch.bfloat16))}),
-                   "step": torch.tensor(0.0), "lr": 0.0}
-        target = request["model.w"]._data
-        dcp.load(request, storage_reader=ShardstoreReader(location))
-        assert torch.equal(target, weight) and float(request["step"]) == 10.0 and request["lr"] == 0.5
-    finally:
-        server.stop()
+    server = moto_server
+    server.create_bucket("dcp")
+    options = S3Options(endpoint_url=server.endpoint, key=KEY, secret=SECRET, region=REGION)
+    location = open_location("s3://dcp/run/step-10", options=options)
+    weight = torch.arange(24, dtype=torch.bfloat16).reshape(6, 4)
+    state = {**to_dcp_state_dict({"w": ShardedTensor.from_rank_offsets("model.w", weight.clone())}),
+             "step": torch.tensor(10.0), "lr": 0.5}
+    dcp.save(state, storage_writer=ShardstoreWriter(location))
+    assert shardstore.verify(location).ok
+    assert torch.equal(shardstore.load_plain_tensors(location)["model.w"], weight)
+    request = {**to_dcp_state_dict({"w": ShardedTensor.from_rank_offsets("model.w", torch.zeros(6, 4, dtype=torch.bfloat16))}),
+               "step": torch.tensor(0.0), "lr": 0.0}
+    target = request["model.w"]._data
+    dcp.load(request, storage_reader=ShardstoreReader(location))
+    assert torch.equal(target, weight) and float(request["step"]) == 10.0 and request["lr"] == 0.5
 
 
 def test_strict_reader_converts_dtypes_only_where_every_value_survives(tmp_path: Path) -> None:

@@ -307,13 +307,11 @@ def test_a_crash_in_a_reusing_save_leaves_both_steps_as_they_were(tmp_path: Path
 
 
 @pytest.fixture(scope="module")
-def s3() -> Iterator[tuple[MotoServer, FaultyProxy]]:
-    moto = MotoServer().start()
-    moto.create_bucket("incremental")
-    proxy = FaultyProxy(moto.port, Faults()).start()
-    yield moto, proxy
+def s3(moto_server: MotoServer) -> Iterator[tuple[MotoServer, FaultyProxy]]:
+    moto_server.create_bucket("incremental")
+    proxy = FaultyProxy(moto_server.port, Faults()).start()
+    yield moto_server, proxy
     proxy.stop()
-    moto.stop()
 
 
 def test_s3_shares_by_server_side_copy_and_uploads_only_what_changed(s3) -> None:

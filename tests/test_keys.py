@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import re
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -243,11 +242,9 @@ BUCKET = "keys"
 
 
 @pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    server = MotoServer().start()
-    server.create_bucket(BUCKET)
-    yield server.endpoint
-    server.stop()
+def s3_endpoint(moto_server: MotoServer) -> str:
+    moto_server.create_bucket(BUCKET)
+    return moto_server.endpoint
 
 
 def test_key_over_the_s3_object_key_limit_is_refused_before_anything_is_written(s3_endpoint: str) -> None:

@@ -9,7 +9,6 @@ recursive=True)`` deletes ``bkt/run1``. A save with ``overwrite=True`` into ``ru
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,14 +24,9 @@ NEIGHBOURS = [("run[1]", "run1"), ("run?", "runA"), ("run*", "run_x")]
 
 
 @pytest.fixture(scope="module")
-def s3_server() -> Iterator[object]:
-    pytest.importorskip("moto")
-    from tests.s3_support import MotoServer
-
-    server = MotoServer().start()
-    server.create_bucket(BUCKET)
-    yield server
-    server.stop()
+def s3_server(moto_server: object) -> object:
+    moto_server.create_bucket(BUCKET)
+    return moto_server
 
 
 @pytest.fixture(params=BACKENDS)

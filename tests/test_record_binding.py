@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -182,11 +181,9 @@ def test_a_symbolic_link_inside_the_checkpoint_is_flagged_not_followed(saved: Pa
 
 
 @pytest.fixture(scope="module")
-def s3() -> Iterator[tuple[MotoServer, S3Options]]:
-    server = MotoServer().start()
-    server.create_bucket("binding")
-    yield server, S3Options(endpoint_url=server.endpoint, key=KEY, secret=SECRET, region=REGION)
-    server.stop()
+def s3(moto_server: MotoServer) -> tuple[MotoServer, S3Options]:
+    moto_server.create_bucket("binding")
+    return moto_server, S3Options(endpoint_url=moto_server.endpoint, key=KEY, secret=SECRET, region=REGION)
 
 
 def test_on_s3_documents_and_unlisted_objects_are_flagged(s3: tuple[MotoServer, S3Options]) -> None:

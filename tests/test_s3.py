@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -36,11 +35,9 @@ BUCKET = "checkpoints"
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[MotoServer]:
-    moto = MotoServer().start()
-    moto.create_bucket(BUCKET)
-    yield moto
-    moto.stop()
+def server(moto_server: MotoServer) -> MotoServer:
+    moto_server.create_bucket(BUCKET)
+    return moto_server
 
 
 def _options(endpoint: str, **kw) -> S3Options:

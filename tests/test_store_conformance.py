@@ -11,7 +11,6 @@ import errno
 import os
 import threading
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -40,14 +39,9 @@ ALLOWED_KEYS = [
 
 
 @pytest.fixture(scope="module")
-def s3_server() -> Iterator[object]:
-    pytest.importorskip("moto")
-    from tests.s3_support import MotoServer
-
-    server = MotoServer().start()
-    server.create_bucket(BUCKET)
-    yield server
-    server.stop()
+def s3_server(moto_server: object) -> object:
+    moto_server.create_bucket(BUCKET)
+    return moto_server
 
 
 def make_store(kind: str, request: pytest.FixtureRequest, tmp_path) -> Store:

@@ -34,7 +34,6 @@ from shardstore.format.records import (
     SAVE_MARKER,
     STAGING_TAG,
 )
-from shardstore.protocol.collectives import Group
 from shardstore.stores.base import StorageError
 from shardstore.stores.local import FileChunkStore, LocalStore
 from shardstore.strategies.async_utils import AsyncCallsQueue
@@ -189,15 +188,18 @@ def _async_save_dropped(target: Path) -> None:
 
 
 def _rank_lost_during_commit(target: Path) -> None:
-    """The async commit's gather fails as it does when a rank died (only the commit's:
-    the save itself went through)."""
+    """The async commit's collective fails as it does when a rank died (only the
+    commit's: the save itself went through). One process makes no collective, so the
+    stage's reduction on the coordinator raises what a lost peer raises."""
+    from shardstore.protocol import stage
+    from shardstore.protocol.collectives import PeerLost
 
-    def gather_object(self: Group, obj: Any) -> list[Any]:
-        raise CheckpointingException("Lost contact with the other ranks during a checkpoint gather")
+    def lost(*args: Any, **kwargs: Any) -> Any:
+        raise PeerLost("Lost contact with the other ranks during a checkpoint gather")
 
     def close(queue: AsyncCallsQueue) -> None:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(Group, "gather_object", gather_object)
+            mp.setattr(stage, "_reduce_on_coordinator", lost)
             queue.close()
 
     _async_save(target, close)

@@ -40,8 +40,9 @@ the same names in its ``serialization`` and ``core`` modules, where they exist):
 
 ``uninstall`` puts the original functions back. Code that bound a name before
 ``install`` (``from megatron.core.dist_checkpointing import save``) keeps Megatron's:
-install first. Run here with megatron-core 0.16.1; the call sites and keywords of
-0.17.0 to 0.19.0 were read (docs/guide/megatron.md, "Which versions").
+install first. Run here with megatron-core 0.16.1 (CI) and 0.17.1, 0.18.2 and 0.19.0
+(``scripts/megatron_versions.sh``); Megatron-LM's training loop of those versions was
+read (docs/guide/megatron.md, "Which versions").
 """
 
 from __future__ import annotations

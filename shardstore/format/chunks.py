@@ -142,11 +142,16 @@ class HeldChunk:
         """Bytes of the stored object: the data and its crc32c."""
         return len(self.data) + CRC_BYTES
 
+    @property
+    def trailer(self) -> bytes:
+        """The stored object's last bytes: the crc32c, little-endian."""
+        return self.crc.to_bytes(CRC_BYTES, "little")
+
     def md5_hex(self) -> str:
         """MD5 of the stored object's bytes (what S3 reports as a single-part object's
         ETag); computed on each call, since only object stores need it."""
         md5 = hashlib.md5(self.data, usedforsecurity=False)
-        md5.update(self.crc.to_bytes(CRC_BYTES, "little"))
+        md5.update(self.trailer)
         return md5.hexdigest()
 
     def holds(self, blocks: Iterable[memoryview]) -> bool:
@@ -162,7 +167,7 @@ class HeldChunk:
             if len(tail) > CRC_BYTES:
                 return False
         return (at == self.nbytes and hasher.hexdigest() == self.digest
-                and bytes(tail) == self.crc.to_bytes(CRC_BYTES, "little"))
+                and bytes(tail) == self.trailer)
 
     def check(self, blocks: Iterable[memoryview], source: str) -> None:
         """Raises ChunkMismatch, naming ``source``, unless ``holds(blocks)``."""

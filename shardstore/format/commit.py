@@ -330,11 +330,6 @@ class PendingCheckpoint(Location):
         self._release_when_dropped.detach()  # nothing held here: release() is a no-op
         self._reuse, self._reuse_lock = {}, threading.Lock()
 
-    @property
-    def in_place(self) -> bool:
-        """Written at the target itself (no staging directory)."""
-        return self.publisher.in_place
-
     def chunk_reuse(self, target_store: ChunkStore, records: dict[str, ArrayRecord]) -> ChunkReuse | None:
         """This rank's reuse of the earlier checkpoint the save shares unchanged chunks
         with (``format.reuse``), opened once per save; None without one."""
@@ -432,14 +427,12 @@ class Publisher(ABC):
     abandon do. A ``PendingCheckpoint`` holds the one its save uses; nothing asks which.
 
     Attributes:
-        in_place: the save is written at the target itself (no staging directory).
         holds_resources: the save holds descriptors, locks or claims to let go of when it
             is dropped without a release.
         binds_callers_files: the files the caller wrote into the target before the
             commit are bound by the commit record as external ones.
     """
 
-    in_place: ClassVar[bool] = True
     holds_resources: ClassVar[bool] = True
     binds_callers_files: ClassVar[bool] = False
 
@@ -481,7 +474,6 @@ class ByRename(Publisher):
     atomic exchange with the checkpoint it replaces): local and shared POSIX file
     systems."""
 
-    in_place = False
 
     def begin(self, target: Location, options: SaveOptions, save_id: str) -> PendingCheckpoint:
         directory = _directory(target).resolved()

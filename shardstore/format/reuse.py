@@ -167,15 +167,13 @@ class ChunkReuse:
                 return None
             held = HeldChunk(view, crc, digest)
             start = time.perf_counter()
+            error: Exception | None = None
             try:
-                shared = target.share_from(self.store, file.rel, held)
-                failure = None if shared else CANNOT_SHARE
+                failure = None if target.share_from(self.store, file.rel, held) else CANNOT_SHARE
             except Exception as exc:  # the source cannot serve this chunk; writing it is the fallback
-                failure = DAMAGED if isinstance(exc, ChunkMismatch) else FAILED
-                self._note(failure, file, exc)
-            else:
-                if failure:
-                    self._note(failure, file, None)
+                failure, error = (DAMAGED if isinstance(exc, ChunkMismatch) else FAILED), exc
+            if failure:
+                self._note(failure, file, error)
             self._count(failure is None, held.nbytes, time.perf_counter() - start)
             if failure:
                 return None

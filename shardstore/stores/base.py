@@ -452,7 +452,6 @@ def run_parallel(fn: Callable[[Any], None], items: Iterable[Any] | list[Any], th
 # (``StoreChunkStore``).
 
 
-
 class ExpectedBytes(Protocol):
     """The bytes a shared object must hold (``ChunkStore.share_from``), as the writer
     holds them in memory."""
@@ -474,7 +473,6 @@ class ExpectedBytes(Protocol):
 class ChunkMismatch(CheckpointingException):
     """An object shared from an earlier checkpoint does not hold the bytes being saved
     (``ChunkStore.share_from``): the caller writes them instead."""
-
 
 
 class ChunkStore(ABC):
@@ -514,8 +512,7 @@ class ChunkStore(ABC):
         word. False where the storage cannot share it (another kind of storage, no
         links across devices, the source gone, an ETag that says nothing of the
         bytes). Either way the caller then writes the bytes, which replaces whatever
-        the attempt left at ``rel``. Never changes the
-        source object.
+        the attempt left at ``rel``. Never changes the source object.
 
         Raises:
             ChunkMismatch: the shared object does not hold ``held``'s bytes.
@@ -551,7 +548,6 @@ class StoreChunkStore(ChunkStore):
             return False
         held.check([memoryview(data)], source.describe(rel))
         return True
-
 
 
 def fill_views(views: list[memoryview], data: memoryview, tail: int) -> tuple[int, bytes]:

@@ -67,9 +67,9 @@ class KvChunkStore(ChunkStore):
     def _copy_proven(self, source: KvChunkStore, rel: str, held: ExpectedBytes) -> bool:
         """``share_from``'s copy and its proof."""
         copied, md5 = _while_hashing(held, lambda: self.store.copy_from(source.store, rel))
-        etag = copied.etag.lower() if copied is not None and copied.etag is not None else None
         if copied is None:
             return False
+        etag = copied.etag.lower() if copied.etag is not None else None
         if etag is None or not _MD5_HEX.fullmatch(etag):
             # a multipart ETag ("...-3"), an encrypted object's, or none: no later copy of
             # this save can be proven either, so none is tried (each would cost a request)
@@ -98,5 +98,3 @@ def _while_hashing(held: ExpectedBytes, request: Callable[[], T]) -> tuple[T, st
     with ThreadPoolExecutor(1) as beside:
         md5 = beside.submit(held.md5_hex)
         return request(), md5.result()
-
-

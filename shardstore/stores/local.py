@@ -470,14 +470,16 @@ def share_file(source: str, target: str, nbytes: int) -> bool:
     are then independent), else a hard link (one file under two names: an edit in place
     through either path changes both; shardstore itself never writes into an existing
     file, see ``create_new_file``). False, with nothing left at ``target``, where neither
-    is possible or ``source`` is not a regular file of ``nbytes`` bytes.
+    is possible.
 
     Raises:
         FileNotFoundError: ``source`` does not exist.
+        ChunkMismatch: ``source`` is not a regular file of ``nbytes`` bytes.
     """
     info = os.lstat(source)
     if not stat.S_ISREG(info.st_mode) or info.st_size != nbytes:
-        return False
+        kind = f"{info.st_size} bytes" if stat.S_ISREG(info.st_mode) else "no regular file"
+        raise ChunkMismatch(f"{source} holds {kind}, not the {nbytes} bytes being saved")
     if info.st_dev not in _clone_unsupported and _clone(source, target):
         return True
     try:
@@ -624,9 +626,6 @@ class FileChunkStore(ChunkStore):
             return False
         source._guard.check(rel.rpartition("/")[0])
         try:
-            size = os.lstat(source._prefix + rel).st_size
-            if size != held.nbytes:
-                raise ChunkMismatch(f"{source.describe(rel)} holds {size} bytes, not the {held.nbytes} being saved")
             if not share_file(source._prefix + rel, self._prefix + rel, held.nbytes):
                 return False
         except FileNotFoundError:  # the source chunk is gone (deleted meanwhile)

@@ -18,6 +18,7 @@ _EXPORTS = {
     "CheckpointManager": "shardstore.tools.manager",
     "CheckpointManagerOptions": "shardstore.tools.manager",
     "CheckpointingException": "shardstore.core",
+    "SaveOptions": "shardstore.core",
     "check_is_distributed_checkpoint": "shardstore.core",
     "LocalNonpersistentObject": "shardstore.mapping",
     "ShardedObject": "shardstore.mapping",

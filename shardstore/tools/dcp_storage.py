@@ -119,7 +119,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from shardstore.core import CheckpointingConfig, CheckpointingException
+from shardstore.core import CheckpointingConfig, CheckpointingException, SaveOptions
 from shardstore.dict_utils import flatten
 from shardstore.execution.pipeline import RankSave, SavePipeline
 from shardstore.format.chunks import (
@@ -327,10 +327,8 @@ class ShardstoreWriter(StorageWriter):
         published beside the files other programs keep there (``format.commit.SaveOptions``)."""
         if self.checkpoint_id is None:
             raise CheckpointingException("ShardstoreWriter has no checkpoint path: pass one, or checkpoint_id= to dcp.save")
-        return SavePipeline.open(
-            self.checkpoint_id, overwrite=self.overwrite, reuse_from=self.reuse_from, config=CONFIG,
-            shared_directory=True,
-        )
+        options = SaveOptions(overwrite=self.overwrite, reuse_from=self.reuse_from, shared_directory=True)
+        return SavePipeline.open(self.checkpoint_id, options=options, config=CONFIG)
 
     def _as_array(self, item: WriteItem) -> bool:
         """A plain tensor's item that is written as an array (the same answer on every
@@ -435,7 +433,7 @@ class ShardstoreWriter(StorageWriter):
                 common.update({name: {} for name in recorded.paths.keys() - metadata.planner_data.keys()})
             mappings = metadata.planner_data if recorded.paths is None else recorded.paths
             # durable by itself (an fsync of the file, not a second syncfs of the file system)
-            save.pending.write_atomic(COMMON_FILE, serialize(_nested(common, mappings)))
+            save.location.write_atomic(COMMON_FILE, serialize(_nested(common, mappings)))
             save.commit(replace(commit, dcp=recorded), reports)
         except BaseException as exc:
             save.abandon()

@@ -17,6 +17,8 @@ anything.
 
 from __future__ import annotations
 
+__all__ = ["CheckpointWriter"]
+
 import json
 import os
 from collections.abc import Iterable

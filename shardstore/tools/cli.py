@@ -16,6 +16,8 @@ duration and bytes, ``-vv`` each stage's.
 
 from __future__ import annotations
 
+__all__ = ["EXIT_CLOSED_OUTPUT", "EXIT_ERROR", "EXIT_FINDING", "main", "parse_size"]
+
 import io
 import json
 import logging

@@ -27,6 +27,11 @@ objects of other types, and each place checked against the file it describes.
 
 from __future__ import annotations
 
+__all__ = [
+    "Layout", "common_tensor_names", "decode_common", "encode_common", "read_safetensors_layout",
+    "read_torch_layout", "safetensors_metadata", "save_torch_file", "value_at", "without_places",
+]
+
 import json
 import os
 import zipfile

@@ -8,8 +8,8 @@ test file has to say it; a module that needs it anyway declares
 ``pytestmark = pytest.mark.integration``. ``pytest -m "not integration"`` is then the
 quick loop of fast in-process tests; the default suite runs both.
 
-The marker is kept true at run time: an unmarked test that starts a process fails,
-naming what it started (``_in_process_only``).
+The marker is kept true at run time: an unmarked test that starts a process or the S3
+server fails, naming what it started (``_in_process_only``).
 """
 
 from __future__ import annotations
@@ -219,8 +219,9 @@ def _in_process_only(item: pytest.Item) -> Iterator[None]:
     finally:
         _WATCH.watching = False
     if _WATCH.started:
+        started, more = "; ".join(_WATCH.started[:3]), len(_WATCH.started) - 3
         pytest.fail(
-            f"{item.nodeid} is not marked integration but started {'; '.join(_WATCH.started)}. "
+            f"{item.nodeid} is not marked integration but started {started}{f' and {more} more' if more > 0 else ''}. "
             "Start processes through tests.dist.run_distributed or subprocess (collection then marks "
             "the test), or mark it with @pytest.mark.integration (tests/README.md).", pytrace=False)
 

@@ -251,38 +251,33 @@ def _fragment_id(page: str, marker: str) -> str:
 
 
 @pytest.mark.parametrize("page, marker, block", _fragments(), ids=[_fragment_id(p, m) for p, m, _ in _fragments()])
-def test_page_fragments_run_as_written(tmp_path: Path, page: str, marker: str, block: str) -> None:
+def test_page_fragments_run_as_written(
+    tmp_path: Path, page: str, marker: str, block: str, request: pytest.FixtureRequest
+) -> None:
     megatron_markers = ("shardstore.tools.megatron_strategy import", "shardstore.megatron.install()")
     if marker in megatron_markers and importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core not installed (it needs torch>=2.6: scripts/oldest_torch.sh below that)")
     ckpt = tmp_path / "ckpt" / "iter_0001000"
     (tmp_path / "fragment.py").write_text(_fragment_script(tmp_path, _FRAGMENT_CONTEXT[marker], block, _CHECKS[marker]))
     env = {**os.environ, "CKPT": str(ckpt)}
-    server = None
-    if marker.startswith("s3://"):
-        from shardstore.testing import LocalS3Server
-
-        server = LocalS3Server().start()
+    server = request.getfixturevalue("moto_server") if marker.startswith("s3://") else None  # the run's one
+    if server is not None:
         server.create_bucket("my-bucket")
         env.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID=server.key,
                    AWS_SECRET_ACCESS_KEY=server.secret, AWS_REGION=server.region)
-    try:
-        result = subprocess.run([sys.executable, str(tmp_path / "fragment.py")], env=env, capture_output=True,
-                                text=True, timeout=180, cwd=tmp_path)
-        _check_finished(result, 1, f"{page}: {marker}")
-        if server is not None:
-            from shardstore import load_tensors_metadata
-            from shardstore.stores.s3 import S3Options
+    result = subprocess.run([sys.executable, str(tmp_path / "fragment.py")], env=env, capture_output=True,
+                            text=True, timeout=180, cwd=tmp_path)
+    _check_finished(result, 1, f"{page}: {marker}")
+    if server is not None:
+        from shardstore import load_tensors_metadata
+        from shardstore.stores.s3 import S3Options
 
-            os.environ.update({k: env[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
-            options = S3Options(endpoint_url=server.endpoint, key=server.key, secret=server.secret)
-            from shardstore.stores.locations import open_location
+        os.environ.update({k: env[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
+        options = S3Options(endpoint_url=server.endpoint, key=server.key, secret=server.secret)
+        from shardstore.stores.locations import open_location
 
-            meta = load_tensors_metadata(open_location("s3://my-bucket/run7/iter_0001000", options=options))
-            assert meta["decoder/fc1"].global_shape == (8, 4)
-    finally:
-        if server is not None:
-            server.stop()
+        meta = load_tensors_metadata(open_location("s3://my-bucket/run7/iter_0001000", options=options))
+        assert meta["decoder/fc1"].global_shape == (8, 4)
 
 
 # ------------------------------------------------ the DCP page's script

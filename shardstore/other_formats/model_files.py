@@ -22,6 +22,15 @@ import never drops a tensor the model needs without a word (issue 41.5).
 
 from __future__ import annotations
 
+__all__ = [
+    "MAX_INDEX_BYTES",
+    "SAFETENSORS_INDEX",
+    "SAFETENSORS_SINGLE",
+    "SafetensorsModel",
+    "open_model_file",
+    "safetensors_model",
+]
+
 import json
 import os
 from collections.abc import Collection, Mapping
@@ -172,13 +181,3 @@ def _allowed_root(root: Path) -> Path:
     if snapshots.name == "snapshots" and repo.name.startswith(("models--", "datasets--")):
         return repo
     return absolute
-
-
-__all__ = [
-    "MAX_INDEX_BYTES",
-    "SAFETENSORS_INDEX",
-    "SAFETENSORS_SINGLE",
-    "SafetensorsModel",
-    "open_model_file",
-    "safetensors_model",
-]

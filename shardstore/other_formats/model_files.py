@@ -1,5 +1,5 @@
 """The files of a safetensors model (a Hugging Face model directory), opened as safely as
-a checkpoint's (issue 34.6).
+a checkpoint's (``safetensors`` reads a model through them).
 
 A model directory is downloaded or shared: its ``model.safetensors.index.json`` names
 the shard files, and whoever wrote it chooses those names. Imports therefore open only
@@ -17,7 +17,7 @@ checkpoint's records.
 
 An index is also a promise about what the files hold: every tensor its ``weight_map``
 names must be in the file it names (``SafetensorsModel.refuse_unheld``), so that an
-import never drops a tensor the model needs without a word (issue 41.5).
+import never drops a tensor the model needs without a word.
 """
 
 from __future__ import annotations

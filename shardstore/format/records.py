@@ -932,10 +932,11 @@ def read_commit_record(location: Location) -> CommitRecord:
     all (a file, a Hugging Face model, any other directory), which no save finishes."""
     local = location.local_path()
     if local is not None and local.exists() and not local.is_dir():
+        files = _title_of_model_files(location)
         raise CheckpointingException(
-            f"{location.describe()} is a file, not a checkpoint directory (one holding {COMMIT_RECORD}); "
-            f"to make a checkpoint of a torch.save or safetensors file: `shardstore convert {location.describe()} "
-            "<new directory>`"
+            f"{location.describe()} is a file, not a checkpoint directory (one holding {COMMIT_RECORD})"
+            + (f"; to make a checkpoint of {files}: `shardstore convert {location.describe()} <new directory>`"
+               if files else "")
         )
     try:
         data = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_RECORD_BYTES)
@@ -970,7 +971,7 @@ def read_commit_record(location: Location) -> CommitRecord:
             )
         names = location.list_top(None)
         if not _holds_save_files(location, names):
-            raise CheckpointingException(_not_a_checkpoint(location.describe(), names))
+            raise CheckpointingException(_not_a_checkpoint(location.describe(), names, _title_of_model_files(location)))
         raise CheckpointingException(
             f"Checkpoint at {location.describe()} is incomplete: it has no commit record "
             f"({COMMIT_RECORD}), so its save did not finish. Load an earlier checkpoint, "
@@ -987,13 +988,14 @@ def _holds_save_files(location: Location, names: list[str]) -> bool:
     return bool(ours.intersection(names)) or sharded_backend(location) == "shardstore"
 
 
-def _not_a_checkpoint(where: str, names: list[str]) -> str:
-    """What a directory that is no checkpoint holds, and what to do with it."""
+def _not_a_checkpoint(where: str, names: list[str], model_files: str | None) -> str:
+    """What a directory that is no checkpoint holds, and what to do with it;
+    ``model_files``: the title of the registered format of model files it holds, if any."""
     weights = [n for n in names if n.endswith(".safetensors")]
     if weights or "config.json" in names:
         kind = "a Hugging Face model directory" if "config.json" in names else "a directory of safetensors files"
         listed = ", ".join([n for n in ("config.json",) if n in names] + weights[:2])
-        how = f"; `shardstore convert {where} <new directory>` imports its weights" if weights else ""
+        how = f"; `shardstore convert {where} <new directory>` imports its weights" if model_files else ""
         return f"{where} is {kind} ({listed}), not a shardstore checkpoint{how}"
     found = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
     return (
@@ -1040,17 +1042,21 @@ def _no_registry(location: Location) -> None:
 # when it is imported, which ``shardstore.strategies`` (every load and save) and the command do.
 _title_of_other_format: Callable[[Location], str | None] = _no_registry
 _files_of_other_format: Callable[[Location], OtherCheckpointFiles | None] = _no_registry
+_title_of_model_files: Callable[[Location], str | None] = _no_registry
 
 
 def name_other_formats_with(
     title_of: Callable[[Location], str | None], files_of: Callable[[Location], OtherCheckpointFiles | None],
+    title_of_files: Callable[[Location], str | None] = _no_registry,
 ) -> None:
     """Installs the registry's lookups: ``title_of(location)`` is the title of the
     registered format whose checkpoint ``location`` holds, or None; ``files_of(location)``
     the checkpoint of a registered format whose files lie there among others
-    (``other_checkpoint_files``), or None."""
-    global _title_of_other_format, _files_of_other_format
-    _title_of_other_format, _files_of_other_format = title_of, files_of
+    (``other_checkpoint_files``), or None; ``title_of_files(location)`` the title of the
+    registered format of model files (``torch.save``, safetensors) at ``location``, which
+    ``shardstore convert`` imports, or None."""
+    global _title_of_other_format, _files_of_other_format, _title_of_model_files
+    _title_of_other_format, _files_of_other_format, _title_of_model_files = title_of, files_of, title_of_files
 
 
 def other_checkpoint_files(location: Location) -> OtherCheckpointFiles | None:

@@ -397,8 +397,7 @@ def convert_command(source: str, destination: str, to: str | None, overwrite: bo
         elif dst == "safetensors":
             result = convert.to_safetensors(source, destination, max_shard_size, memory)
         else:
-            imports = {"torch": convert.from_torch_file, "safetensors": convert.from_safetensors}
-            result = imports.get(src, convert.from_other_format)(source, destination, overwrite)
+            result = convert.import_checkpoint(source, destination, overwrite)
     if dst == "shardstore":
         _report_checkpoint(source, src, destination, result, as_json)
     else:

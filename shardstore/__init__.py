@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointManagerOptions",
     "CheckpointingException",
     "LocalNonpersistentObject",
+    "SaveOptions",
     "ShardedObject",
     "ShardedTensor",
     "ShardedTensorFactory",

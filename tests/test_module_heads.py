@@ -42,11 +42,6 @@ NOT_YET = {
     "shardstore/inputs/plain_tensors.py",
     "shardstore/megatron.py",
     "shardstore/opened.py",
-    "shardstore/other_formats/__init__.py",
-    "shardstore/other_formats/base.py",
-    "shardstore/other_formats/dcp.py",
-    "shardstore/other_formats/megatron_zarr.py",
-    "shardstore/other_formats/registry.py",
     "shardstore/planning/__init__.py",
     "shardstore/planning/checks.py",
     "shardstore/planning/layout.py",
@@ -66,16 +61,12 @@ NOT_YET = {
     "shardstore/strategies/common.py",
     "shardstore/strategies/forked_writes.py",
     "shardstore/strategies/fully_parallel.py",
-    "shardstore/strategies/other_formats.py",
     "shardstore/strategies/resharding.py",
     "shardstore/strategies/torch.py",
     "shardstore/strategies/zarr.py",
-    "shardstore/testing.py",
-    "shardstore/tools/convert.py",
     "shardstore/tools/dcp_storage.py",
     "shardstore/tools/manager.py",
     "shardstore/tools/megatron_strategy.py",
-    "shardstore/tools/model_files.py",
 }
 
 

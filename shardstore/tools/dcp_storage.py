@@ -278,7 +278,8 @@ class ShardstoreWriter(StorageWriter):
             refused, naming its files, ``overwrite`` or not.
         overwrite: replace a committed shardstore checkpoint there (atomically on local
             disks, as ``shardstore.save(overwrite=True)``; refused where files its save
-            did not write lie beside it); off, saving onto one is refused.
+            did not write lie beside it); on by default, as DCP's ``FileSystemWriter``
+            has it; off, saving onto one is refused.
         max_chunk_bytes: upper bound on one stored chunk, in bytes.
         io_concurrency: chunk writes in flight at once per rank.
         min_array_bytes: a plain tensor (not a DTensor) of at least this many bytes is
@@ -291,7 +292,7 @@ class ShardstoreWriter(StorageWriter):
     """
 
     def __init__(
-        self, checkpoint_id: CheckpointId | None = None, *, overwrite: bool = False,
+        self, checkpoint_id: CheckpointId | None = None, *, overwrite: bool = True,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
         min_array_bytes: int = DEFAULT_MIN_ARRAY_BYTES, reuse_from: CheckpointId | None = None,
     ) -> None:

@@ -1,10 +1,9 @@
 """Chunk codecs: how one chunk of an array is laid out in its stored object.
 
-A ``ChunkCodec`` is the whole Zarr v3 codec chain of an array, seen as one step between
-a chunk's decoded bytes (C order, little-endian) and the object stored at its chunk key
-(zarr-python splits the chain into ``ArrayBytesCodec`` and ``BytesBytesCodec`` steps;
-shardstore needs the chain as a unit, because its fast path moves bytes straight
-between a tensor's memory and the storage). A codec says:
+A ``ChunkCodec`` is an array's whole Zarr v3 codec chain as one step between a chunk's
+decoded bytes (C order, little-endian) and the object at its chunk key (zarr-python
+chains ``ArrayBytesCodec`` and ``BytesBytesCodec`` steps; shardstore takes the chain as a
+unit, so that bytes move straight between a tensor's memory and the storage). It says:
 
 - ``zarr_codecs``: its ``codecs`` entry of the array's ``zarr.json``;
 - ``recognize``: whether an existing array's ``codecs`` are its own (a classmethod);
@@ -16,8 +15,7 @@ between a tensor's memory and the storage). A codec says:
 - ``held``: what an object shared from an earlier checkpoint must hold
   (``stores.base.ExpectedBytes``, ``format.reuse``), with that crc32c.
 
-The 128-bit digest of each chunk (``format.chunks.chunk_digest``) is taken over its
-decoded bytes by the caller: it names content, whatever the codec.
+The caller takes each chunk's 128-bit digest over its decoded bytes, whatever the codec.
 
 ``CODECS`` lists the codecs by name; ``codec_for`` picks the one that recognizes an
 array's ``codecs`` (from the commit record, or a ``zarr.json``) and refuses, naming the
@@ -39,8 +37,8 @@ Adding a codec is one module with a ``ChunkCodec`` subclass and a ``register`` c
   checks each inner chunk and the index. Reading part of a shard (inner-chunk
   granularity) would add one method, whose default is today's whole-chunk read.
 
-A record that names a codec other than ``BYTES_CRC32C`` needs a new format version, so
-that older readers refuse it by its version rather than misread its chunks.
+A record naming a codec other than ``BYTES_CRC32C`` needs a new format version (older
+readers then refuse it by its version instead of misreading its chunks).
 """
 
 from __future__ import annotations

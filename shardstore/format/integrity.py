@@ -16,6 +16,18 @@ another checkpoint. It returns a report naming each finding by key and chunk or 
 
 from __future__ import annotations
 
+__all__ = [
+    "ChecksummedLocation",
+    "MAX_NODE_DOCUMENT_BYTES",
+    "Problem",
+    "VERIFY_REMOTE_THREADS",
+    "VerifyReport",
+    "caller_file_checksums",
+    "checksum_mismatch",
+    "file_checksums",
+    "verify",
+]
+
 import json
 import logging
 import os

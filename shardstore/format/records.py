@@ -36,6 +36,65 @@ its bytes.
 
 from __future__ import annotations
 
+__all__ = [
+    "ArrayRecord",
+    "CHUNK_DIGESTS",
+    "CHUNK_SEPARATOR",
+    "COMMIT_RECORD",
+    "COMMON_FILE",
+    "CORE_DATA_TYPES",
+    "CommitRecord",
+    "DELETION_MARKER",
+    "DIGEST_HEX_DIGITS",
+    "DcpMetadata",
+    "FIRST_SEALED_VERSION",
+    "FORMAT_VERSION",
+    "HEX_DIGITS",
+    "LEGACY_CHUNK_SEPARATOR",
+    "MAX_CHUNK_BYTES",
+    "MAX_ELEMENTS",
+    "MAX_KEY_LENGTH",
+    "MAX_NDIM",
+    "MAX_RECORD_BYTES",
+    "MAX_SEGMENT_LENGTH",
+    "MAX_UNBOUND_CHUNKS",
+    "OBJECTS_DIR",
+    "ObjectRecord",
+    "OtherCheckpointFiles",
+    "READABLE_FORMAT_VERSIONS",
+    "READERS_ATTRIBUTE",
+    "RECORD_DIGEST",
+    "REPLACED_TAG",
+    "RESERVED_NAMES",
+    "RESERVED_ROOT_NAMES",
+    "ReusedChunks",
+    "SAVE_MARKER",
+    "STAGING_TAG",
+    "StatePath",
+    "UNSEALED_DIGEST",
+    "ZARR_JSON",
+    "array_group_collisions",
+    "check_key",
+    "checksum",
+    "chunk_key",
+    "group_metadata",
+    "is_committed",
+    "name_other_formats_with",
+    "object_path",
+    "other_checkpoint_beside",
+    "other_checkpoint_files",
+    "other_checkpoint_kind",
+    "parent_groups",
+    "read_commit_record",
+    "readers_note",
+    "seal_record",
+    "sharded_backend",
+    "state_paths",
+    "unfinished_saves",
+    "write_commit_record",
+    "zero_fill_value",
+]
+
 import functools
 import itertools
 import json
@@ -50,6 +109,7 @@ import crc32c
 
 from shardstore._zarr_autoload import EXTENSION_METADATA
 from shardstore.errors import CheckpointingException
+from shardstore.format.codecs import BYTES_CRC32C, ChunkCodec, codec_for
 from shardstore.format.config import CONFIG_FNAME
 from shardstore.format.dtypes import from_zarr_name
 from shardstore.stores.base import Location, NameLimits
@@ -134,6 +194,8 @@ class ArrayRecord:
             whole blocks or irregular cuts, and in records written before it was kept.
             Only ``strategies.resharding`` and ``load_tensors_metadata`` read it: the
             array itself is the global tensor either way.
+        codec: how each chunk is stored (``format.codecs``); the record names its
+            ``codecs`` only when they are not ``BYTES_CRC32C``, every array's so far.
     """
 
     key: str
@@ -144,6 +206,7 @@ class ArrayRecord:
     chunk_separator: str = CHUNK_SEPARATOR
     flattened_block: tuple[int, ...] | None = None
     chunk_digests: tuple[str, ...] | None = None
+    codec: ChunkCodec = BYTES_CRC32C
 
     def chunk_key(self, index: tuple[int, ...]) -> str:
         """The key of chunk ``index`` inside the array: ``c.1.0`` (``c`` for a 0-d array)."""
@@ -178,10 +241,6 @@ class ArrayRecord:
 
     def zarr_metadata(self) -> dict[str, Any]:
         """The array's ``zarr.json`` document, as TensorStore would write it."""
-        itemsize = self.itemsize
-        bytes_codec: dict[str, Any] = {"name": "bytes"}
-        if itemsize > 1:
-            bytes_codec["configuration"] = {"endian": "little"}
         return {
             "zarr_format": 3,
             "node_type": "array",
@@ -190,7 +249,7 @@ class ArrayRecord:
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.chunk_shape)}},
             "chunk_key_encoding": {"name": "default", "configuration": {"separator": self.chunk_separator}},
             "fill_value": zero_fill_value(self.dtype),
-            "codecs": [bytes_codec, {"name": "crc32c"}],
+            "codecs": self.codec.zarr_codecs(self.itemsize),
             "dimension_names": self.dimension_names(),
         }
 
@@ -210,6 +269,8 @@ class ArrayRecord:
         }
         if self.flattened_block is not None:
             summary["flattened_block"] = list(self.flattened_block)
+        if self.codec != BYTES_CRC32C:
+            summary["codecs"] = self.codec.zarr_codecs(self.itemsize)
         if self.chunk_crcs is not None:
             summary["chunk_crc32c"] = list(self.chunk_crcs)
         if self.chunk_digests is not None:
@@ -263,8 +324,11 @@ class ArrayRecord:
         except TypeError as exc:
             raise CheckpointingException(f"{where}: array {key!r}: {exc}") from exc
         flattened_block = _flattened_block(summary, key, shape, chunk_shape, bound, where)
+        codec = BYTES_CRC32C
+        if "codecs" in summary:
+            codec = codec_for(summary["codecs"], from_zarr_name(summary["dtype"]).itemsize, where, key)
         record = cls(key, shape, summary["dtype"], chunk_shape, chunk_separator=separator,
-                     flattened_block=flattened_block)
+                     flattened_block=flattened_block, codec=codec)
         if list(record.chunk_grid) != summary.get("chunk_grid"):
             raise CheckpointingException(
                 f"{where}: array {key!r}: chunk grid {summary.get('chunk_grid')!r} does not tile shape "

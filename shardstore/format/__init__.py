@@ -7,3 +7,5 @@ May import: ``shardstore.stores``, ``shardstore.errors``, ``shardstore.progress`
 """
 
 __all__: list[str] = []
+
+import shardstore.format.sharding  # noqa: E402,F401  registers sharding_indexed

@@ -46,7 +46,6 @@ NOT_YET = {
     "shardstore/strategies/torch.py",
     "shardstore/strategies/zarr.py",
     "shardstore/tools/dcp_storage.py",
-    "shardstore/tools/manager.py",
     "shardstore/tools/megatron_strategy.py",
 }
 

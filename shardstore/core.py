@@ -1,9 +1,17 @@
-"""Megatron-Core's ``dist_checkpointing.core`` names: the exception type, the ``metadata.json``
-record (``shardstore.format.config``), and the garbage-collector pause a save and load run under.
+"""Megatron-Core's ``dist_checkpointing.core`` names: the exception type, the
+``metadata.json`` record (``shardstore.format.config``, re-exported here on purpose), and
+the garbage-collector pause a save and load run under (``gc_paused``).
 
+``save_config`` writes ``metadata.json`` into a checkpoint directory (one rank only);
+into a committed shardstore checkpoint only where its record does not list one.
 """
 
 from __future__ import annotations
+
+__all__ = [
+    "CONFIG_FNAME", "CheckpointingConfig", "CheckpointingException", "SaveOptions",
+    "check_is_distributed_checkpoint", "gc_paused", "maybe_load_config", "save_config",
+]
 
 import functools
 import gc
@@ -21,17 +29,6 @@ from shardstore.format.config import (
     write_config,
 )
 from shardstore.stores.base import Location
-
-__all__ = [
-    "SaveOptions",
-    "CONFIG_FNAME",
-    "CheckpointingConfig",
-    "CheckpointingException",
-    "check_is_distributed_checkpoint",
-    "gc_paused",
-    "maybe_load_config",
-    "save_config",
-]
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -37,6 +37,11 @@ take the ``OpenedCheckpoint`` instead of asking a location what it is::
 
 from __future__ import annotations
 
+__all__ = [
+    "OpenedCheckpoint", "bare_location", "holds_committed_checkpoint", "open_read",
+    "other_format_of", "read_location", "refuse_ambiguous", "write_location",
+]
+
 import os
 from dataclasses import dataclass
 
@@ -218,9 +223,3 @@ def read_location(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -
     if isinstance(checkpoint, (str, os.PathLike, OpenedCheckpoint)):
         return open_read(checkpoint).location
     return checkpoint
-
-
-__all__ = [
-    "OpenedCheckpoint", "bare_location", "holds_committed_checkpoint", "open_read", "other_format_of",
-    "read_location", "refuse_ambiguous", "write_location",
-]

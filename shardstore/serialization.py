@@ -1,4 +1,5 @@
-"""``save`` / ``load`` and the metadata queries: the API a trainer calls.
+"""``save`` / ``load`` and the metadata queries: the API a trainer calls, under the names
+and meaning of Megatron-Core's ``dist_checkpointing.serialization``.
 
 Save, in stages (each named function below; "collective" = every rank calls it)::
 
@@ -37,11 +38,17 @@ Load, in stages::
     collective   read        each rank reads its part, agree, exchange of replicated
                              blocks (the sharded strategy's ``load_with_plan``; ours:
                              ``execution.load.run_read_plan``)
-
-Names and meaning follow Megatron-Core's ``dist_checkpointing.serialization``.
 """
 
 from __future__ import annotations
+
+__all__ = [
+    "get_default_load_sharded_strategy", "get_default_save_common_strategy",
+    "get_default_save_sharded_strategy", "load", "load_common_state_dict",
+    "load_content_metadata", "load_plain_tensors", "load_preprocess", "load_sharded_metadata",
+    "load_tensors_metadata", "remove_sharded_tensors", "save",
+    "verify_checkpoint_and_load_strategy",
+]
 
 import logging
 from collections.abc import Callable
@@ -794,18 +801,3 @@ def remove_sharded_tensors(checkpoint_dir: CheckpointDir, key_prefix: str) -> No
     opened = open_read(checkpoint_dir)
     sharded_strategy = get_default_load_sharded_strategy(opened)
     sharded_strategy.remove_sharded_tensors(opened.location, key_prefix)
-
-
-__all__ = [
-    "get_default_load_sharded_strategy",
-    "get_default_save_common_strategy",
-    "get_default_save_sharded_strategy",
-    "load",
-    "load_common_state_dict",
-    "load_content_metadata",
-    "load_plain_tensors",
-    "load_sharded_metadata",
-    "load_tensors_metadata",
-    "remove_sharded_tensors",
-    "save",
-]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import shardstore
+import shardstore.stores.local  # noqa: F401  (at collection: its import runs ldconfig, a process)
 
 PACKAGE = Path(shardstore.__file__).parent
 REPO = PACKAGE.parent
@@ -23,45 +24,11 @@ MAX_DOCSTRING_LINES = 45
 
 # Modules owned by refactors in flight when this test was written; the lead empties this.
 NOT_YET = {
-    "shardstore/core.py",
     "shardstore/execution/__init__.py",
-    "shardstore/execution/load.py",
-    "shardstore/execution/loaded.py",
-    "shardstore/execution/pipeline.py",
-    "shardstore/execution/save.py",
-    "shardstore/execution/staging.py",
-    "shardstore/format/commit.py",
-    "shardstore/inputs/__init__.py",
-    "shardstore/inputs/dtensors.py",
-    "shardstore/inputs/irregular.py",
-    "shardstore/inputs/megatron_objects.py",
-    "shardstore/inputs/plain_tensors.py",
     "shardstore/megatron.py",
-    "shardstore/opened.py",
     "shardstore/planning/__init__.py",
-    "shardstore/planning/checks.py",
-    "shardstore/planning/layout.py",
-    "shardstore/planning/plans.py",
     "shardstore/protocol/__init__.py",
-    "shardstore/protocol/collectives.py",
-    "shardstore/protocol/common_state.py",
-    "shardstore/protocol/plan_cache.py",
-    "shardstore/protocol/plan_stage.py",
-    "shardstore/protocol/stage.py",
-    "shardstore/serialization.py",
-    "shardstore/stores/locations.py",
-    "shardstore/strategies/__init__.py",
-    "shardstore/strategies/async_utils.py",
-    "shardstore/strategies/base.py",
-    "shardstore/strategies/checkpointable.py",
-    "shardstore/strategies/common.py",
-    "shardstore/strategies/forked_writes.py",
-    "shardstore/strategies/fully_parallel.py",
-    "shardstore/strategies/resharding.py",
-    "shardstore/strategies/torch.py",
-    "shardstore/strategies/zarr.py",
     "shardstore/tools/dcp_storage.py",
-    "shardstore/tools/manager.py",
     "shardstore/tools/megatron_strategy.py",
 }
 

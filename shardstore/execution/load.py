@@ -11,6 +11,8 @@ and on a GPU through pinned slabs (``staging.DeviceUploader``).
 
 from __future__ import annotations
 
+__all__ = ["ReadOp", "load_tensors", "plan_read", "run_read_plan"]
+
 import math
 from collections.abc import Callable
 from dataclasses import dataclass

@@ -7,6 +7,8 @@ own format (``execution.load``) and the readers of other tools' checkpoints
 
 from __future__ import annotations
 
+__all__ = ["flatten_range", "pad_to_expected_shape", "place_loaded", "postprocess_loaded"]
+
 import torch
 
 from shardstore.errors import CheckpointingException

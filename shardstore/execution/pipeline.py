@@ -2,77 +2,21 @@
 
 Every door that writes a shardstore checkpoint (``shardstore.save``, the array writer
 of conversions, the DCP writer, the Megatron-Core plug-in) opens ONE pipeline at its API
-boundary and calls its steps, in this order (who calls each)::
-
-    all ranks    SavePipeline.open(checkpoint_dir, group, options, config=)
-                 the one place a save's target (and ``options.reuse_from``, the
-                 checkpoint it reuses from) is opened; ``options`` (``SaveOptions``:
-                 overwrite, reuse, shared directory) come whole from the door; the
-                 publisher follows from the target's capabilities
-                 (``format.commit.publisher_for``: rename locally, in place on S3)
-             or  SavePipeline.into_callers_directory(checkpoint_dir, group)
-                 a directory the caller created and wrote into (Megatron-Core's own
-                 ``save``): no staging, no begin; published in place, the caller's
-                 files listed as external (``format.commit.IntoCallersDirectory``)
-    collective   plan(tensors, objects, planner, ...) -> this rank's plan
-                 gathers the shard records, validates and plans on the coordinator
-                 (``protocol.plan_stage``/``plan_cache``), which then ``begin``s; every
-                 rank ``join``s with the intent it receives with its part of the plan
-    coordinator  begin() -> SaveIntent   (called by ``plan``; a door that plans
-                 itself, as DCP's ``prepare_global_plan``, calls it directly)
-                 refuses what is not ours to replace, clears dead saves, creates the
-                 staging area and its marker, writes ``metadata.json``
-    all ranks    join(intent) -> PendingCheckpoint   (the coordinator's own pending)
-    all ranks    write_arrays(records, ops) -> list[WrittenChunk]
-                 whole chunks into ``location`` (shared with the checkpoint reused
-                 from where unchanged); or stage(tensors, plan, staging) then
-                 write_staged() (the strategies; an async save's I/O) and finalize(error)
-                 (its collective commit); or write_plan(plan, blocks): a rank's part of
-                 a plan it was handed
-    coordinator  commit(record, reports) -> CommitRecord
-                 ``execution.save.commit_save``: the ONLY place that binds the chunks'
-                 crc32c and XXH3-128 digests and the reused chunks into the commit record
-                 and publishes (by the pending checkpoint's ``Publisher``)
-    on failure   abandon() (coordinator, once every rank knows) or release() (a rank
-                 that lets go without deleting anything)
-
-A save that runs its commit as a collective stage (``finalize``, through
-``execution.save.finalize_save``: every rank's written chunks gathered to the
-coordinator) reaches ``commit_save`` too;
-``SavePipeline.commit`` is for doors that gathered the reports themselves (DCP's
-``finish``) or write from one process (``tools.array_writer``).
-
-The doors, as adapters over it (issue 31.1)::
-
-    shardstore.save          SavePipeline.open -> plan (begins, joins) -> the strategy's
-                             save_into / async_save_into (strategies.base; ours stages
-                             the tensors ``plan`` was given, writes into
-                             ``pipeline.location``; finalize -> commit_save)
-    ZarrSaveShardedStrategy  save_with_plan / async_save_with_plan / async_save (the seed's
-      seed signatures        signatures, a path): its into_callers_directory (this class's
-                             on its process group), plan_into (plan with its plan_save and
-                             plan cache), then save_into / async_save_into
-    CheckpointWriter         open -> check_storable -> begin -> write_array ... -> commit
-    DCP ShardstoreWriter     prepare_global_plan (coordinator): open, plan_gathered (the
-                             shards DCP gathered, as ShardedTensors without data: the checks,
-                             the plan, begin); each rank's RankSave (intent and plan) travels
-                             in its SavePlan. write_data (all ranks): open + join(intent)
-                             off the coordinator, write_plan, release() off the coordinator.
-                             finish (coordinator): common.pt into ``location``, then
-                             commit(commit_record, reports); abandon() on failure.
-    Megatron plug-in         _plan: base_strategy.into_callers_directory(checkpoint_dir) and
-                             base_strategy.plan_into(sd, pipeline), as the seed signatures; save:
-                             base_strategy.save_into(sd, pipeline, plan); async_save:
-                             base_strategy.async_save_into(...) as Megatron's request
-                             (``strategies.forked_writes``: its finalization commits
-                             through finalize -> commit_save)
-    shardstore.megatron      Megatron-Core's module functions: shardstore.save / load
+boundary and calls its steps in this order: ``open`` (all ranks; the one place a save's
+target is opened), ``plan`` (collective: the coordinator validates, plans and ``begin``s,
+every rank ``join``s), the writes (all ranks), then ``commit`` (coordinator), which goes
+through ``execution.save.commit_save``, the ONLY place that binds the chunks' digests into
+the commit record and publishes. On failure, ``abandon`` (coordinator, once every rank
+knows) or ``release``. ``SavePipeline``'s docstring lists each step and who calls it, and
+how each door maps onto them.
 
 Reads open once with ``shardstore.opened.open_read`` (its ``require_record()`` replaces
 asking a location for ``record``).
 """
 
 from __future__ import annotations
+
+__all__ = ["RankSave", "SaveFinalization", "SavePipeline"]
 
 import json
 import os
@@ -145,10 +89,77 @@ def _host_array(tensor: torch.Tensor) -> np.ndarray:
 
 
 class SavePipeline:
-    """One save of one checkpoint (module docstring: the steps and who calls them): the
-    one object that holds a save's state on a rank. What the save may do is fixed when
-    it is opened (``options``); what it decided when it began is its ``pending``
-    checkpoint's; what this rank staged and wrote is kept here until the commit.
+    """One save of one checkpoint: the one object that holds a save's state on a rank.
+    What the save may do is fixed when it is opened (``options``); what it decided when
+    it began is its ``pending`` checkpoint's; what this rank staged and wrote is kept here
+    until the commit.
+
+    Its steps, in order (who calls each)::
+
+        all ranks    SavePipeline.open(checkpoint_dir, group, options, config=)
+                     the one place a save's target (and ``options.reuse_from``, the
+                     checkpoint it reuses from) is opened; ``options`` (``SaveOptions``:
+                     overwrite, reuse, shared directory) come whole from the door; the
+                     publisher follows from the target's capabilities
+                     (``format.commit.publisher_for``: rename locally, in place on S3)
+                 or  SavePipeline.into_callers_directory(checkpoint_dir, group)
+                     a directory the caller created and wrote into (Megatron-Core's own
+                     ``save``): no staging, no begin; published in place, the caller's
+                     files listed as external (``format.commit.IntoCallersDirectory``)
+        collective   plan(tensors, objects, planner, ...) -> this rank's plan
+                     gathers the shard records, validates and plans on the coordinator
+                     (``protocol.plan_stage``/``plan_cache``), which then ``begin``s; every
+                     rank ``join``s with the intent it receives with its part of the plan
+        coordinator  begin() -> SaveIntent   (called by ``plan``; a door that plans
+                     itself, as DCP's ``prepare_global_plan``, calls it directly)
+                     refuses what is not ours to replace, clears dead saves, creates the
+                     staging area and its marker, writes ``metadata.json``
+        all ranks    join(intent) -> PendingCheckpoint   (the coordinator's own pending)
+        all ranks    write_arrays(records, ops) -> list[WrittenChunk]
+                     whole chunks into ``location`` (shared with the checkpoint reused
+                     from where unchanged); or stage(tensors, plan, staging) then
+                     write_staged() (the strategies; an async save's I/O) and finalize(error)
+                     (its collective commit); or write_plan(plan, blocks): a rank's part of
+                     a plan it was handed
+        coordinator  commit(record, reports) -> CommitRecord
+                     ``execution.save.commit_save``: the ONLY place that binds the chunks'
+                     crc32c and XXH3-128 digests and the reused chunks into the commit record
+                     and publishes (by the pending checkpoint's ``Publisher``)
+        on failure   abandon() (coordinator, once every rank knows) or release() (a rank
+                     that lets go without deleting anything)
+
+    A save that runs its commit as a collective stage (``finalize``, through
+    ``execution.save.finalize_save``: every rank's written chunks gathered to the
+    coordinator) reaches ``commit_save`` too;
+    ``SavePipeline.commit`` is for doors that gathered the reports themselves (DCP's
+    ``finish``) or write from one process (``tools.array_writer``).
+
+    The doors, as adapters over it::
+
+        shardstore.save          SavePipeline.open -> plan (begins, joins) -> the strategy's
+                                 save_into / async_save_into (strategies.base; ours stages
+                                 the tensors ``plan`` was given, writes into
+                                 ``pipeline.location``; finalize -> commit_save)
+        ZarrSaveShardedStrategy  save_with_plan / async_save_with_plan / async_save (the seed's
+          seed signatures        signatures, a path): its into_callers_directory (this class's
+                                 on its process group), plan_into (plan with its plan_save and
+                                 plan cache), then save_into / async_save_into
+        CheckpointWriter         open -> check_storable -> begin -> write_array ... -> commit
+        DCP ShardstoreWriter     prepare_global_plan (coordinator): open, plan_gathered (the
+                                 shards DCP gathered, as ShardedTensors without data: the checks,
+                                 the plan, begin); each rank's RankSave (intent and plan) travels
+                                 in its SavePlan. write_data (all ranks): open + join(intent)
+                                 off the coordinator, write_plan, release() off the coordinator.
+                                 finish (coordinator): common.pt into ``location``, then
+                                 commit(commit_record, reports); abandon() on failure.
+        Megatron plug-in         _plan: base_strategy.into_callers_directory(checkpoint_dir)
+                                 and base_strategy.plan_into(sd, pipeline), as the seed
+                                 signatures; save: base_strategy.save_into(sd, pipeline,
+                                 plan); async_save:
+                                 base_strategy.async_save_into(...) as Megatron's request
+                                 (``strategies.forked_writes``: its finalization commits
+                                 through finalize -> commit_save)
+        shardstore.megatron      Megatron-Core's module functions: shardstore.save / load
 
     Attributes:
         target: where the checkpoint is published (opened once, here).

@@ -24,6 +24,11 @@ runs them in that order and holds what they stage and write. Chunks are written 
 
 from __future__ import annotations
 
+__all__ = [
+    "StagedWrites", "Staging", "WriteOp", "commit_save", "finalize_save", "metadata_files",
+    "stage_save", "write_ops",
+]
+
 import json
 import logging
 import time

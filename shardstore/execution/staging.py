@@ -21,6 +21,10 @@ device's DMA engine and the disk work at the same time instead of one after the 
 
 from __future__ import annotations
 
+__all__ = [
+    "DEFAULT_LOAD_STAGING_BYTES", "DeviceUploader", "HostBufferPool", "HostSnapshot", "to_host",
+]
+
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from typing import Any

@@ -2,66 +2,48 @@
 
 Rules (DESIGN.md, invariants):
 
-* A committed checkpoint stays loadable until its replacement commits.
+* A committed checkpoint stays loadable until its replacement commits (object stores,
+  which cannot rename, have a window with ``overwrite=True``: ``InPlace``).
 * Two saves into one place cannot both commit; the loser fails with a clear error.
-* shardstore deletes only what it can prove one of its own unfinished saves wrote.
+* shardstore deletes only what it can prove one of its own unfinished saves wrote. A
+  non-empty target without a commit record (another tool's checkpoint, an experiment
+  folder, the leftovers of a shardstore older than this scheme) is refused with an
+  error that names what is there.
 
-**Local file systems.** A save never writes into the directory it may replace. The
-coordinator creates a private staging directory next to the target,
-``<parent>/.<name>.shardstore-save-<save id>``, holding an ``flock`` on it while the
-save runs and a marker file (``.shardstore-save.json``) naming the save id. Every rank
-writes there; the commit record is written there last; then one rename publishes it:
+How a save is published is a ``Publisher``, one class per way, each owning its rules
+(its docstring states them): how the save begins and is joined, where its writers
+write, what its commit and abandon do.
 
-* target missing, or an empty directory: ``rename(2)`` (atomic);
-* target a committed shardstore checkpoint and ``overwrite=True``: ``renameat2`` with
-  ``RENAME_EXCHANGE`` swaps the directories atomically, then the old one is deleted.
-  Where the file system cannot exchange (some network file systems) the old one is
-  first renamed aside to ``.<name>.shardstore-replaced-<its save id>``: then, for the
-  microseconds between the two renames, the target path does not exist (both
-  checkpoints are complete on disk).
+* ``ByRename`` (local and shared POSIX file systems): a private staging directory next
+  to the target, published by one rename or atomic exchange, a compare-and-swap under
+  an ``flock``; into a **shared directory** (``SaveOptions.shared_directory``: DCP's
+  door, Megatron-LM's iteration) by moving its entries in beside the other files.
+* ``InPlace`` (object stores): written at the target, marker first, commit record last.
+* ``IntoCallersDirectory`` (a directory Megatron-Core's own ``save`` made and wrote
+  into, ``adopt_save``): written in place, the caller's files listed as external,
+  nothing there ever deleted.
 
-Publishing is a compare-and-swap under an ``flock`` on the parent directory: the
-target must still hold the checkpoint the save saw when it began (same save id), or
-still nothing. Otherwise another save committed meanwhile, and this one fails.
-
-A staging directory whose marker matches its name and whose lock is free belongs to a
-save that died: the next save into the same target deletes it. Nothing else is ever
-deleted: a non-empty target without a commit record (another tool's checkpoint, an
-experiment folder, the leftovers of a shardstore older than this scheme) is refused
-with an error that names what is there. A save into a **shared directory**
-(``SaveOptions.shared_directory``: DCP's door, Megatron-LM's iteration) is published
-beside the other programs' files there instead, by moving its entries in, the commit
-record last; still refused there: another tool's checkpoint (named with its files: two
-checkpoints in one directory are ambiguous, ``records.other_checkpoint_beside``) and
-entries under the format's own names.
-
-**Object stores (S3)** have no rename: a save writes in place. It writes its marker
-first; with ``overwrite=True`` the old commit record is deleted at the start, so from
-then until the new commit the prefix holds no loadable checkpoint (save each step to
-a new prefix to avoid that window). The commit checks that the marker is still its
-own and that no commit record appeared, then writes the commit record (one PUT, atomic)
-and removes the marker. Two saves that run into one prefix at the same time may
-overwrite each other's chunks; the commit record binds every chunk's checksum, so a
-load then fails on the mismatch instead of returning a mix.
+One is chosen once from the store's capabilities (``publisher_for``) and held by the
+``PendingCheckpoint``; nothing asks a location or a publisher which class it is.
 
 **Stores private to a process (``memory://``)** take saves from one rank only
 (``check_shared``, on every rank before anything is written), and a save claims its
 prefix from begin to release (``Store.claim_for_save``): a concurrent save into it
 fails at its begin, before it removes or writes anything.
 
-**A directory the caller made** (Megatron-Core's own ``save`` creates the directory and
-writes its ``common.pt`` before our strategy runs): ``adopt_save`` writes into it in
-place; the commit writes the commit record last and lists the caller's files as
-external. Nothing there is ever deleted (it is not provably ours).
-
-How a save is published is a ``Publisher``, one class per way above (``ByRename``,
-``InPlace``, ``IntoCallersDirectory``), each owning its rules: how the save begins and
-is joined, where its writers write, what its commit and abandon do. One is chosen once
-from the store's capabilities (``publisher_for``) and held by the ``PendingCheckpoint``;
-nothing asks a location or a publisher which class it is.
+Entry points: ``begin_save`` (coordinator), ``join_save`` (every other rank),
+``adopt_save``, then the ``PendingCheckpoint``'s ``commit`` or ``abandon``
+(coordinator). The on-disk rules are in docs/format.md ("Publishing a save"), what
+they promise in docs/guide/guarantees.md.
 """
 
 from __future__ import annotations
+
+__all__ = [
+    "ByRename", "InPlace", "IntoCallersDirectory", "PendingCheckpoint", "Publisher",
+    "SaveIntent", "SaveLocation", "SaveOptions", "adopt_save", "begin_save", "check_shared",
+    "join_save", "publisher_for",
+]
 
 import contextlib
 import json
@@ -458,7 +440,7 @@ def _remove_dir(directory: DirectoryPublishing | None) -> None:
 
 class Publisher(ABC):
     """How a save becomes visible: each way of publishing is a subclass that owns its
-    rules (the module docstring gives them): how the coordinator begins the save and how
+    rules (its docstring gives them): how the coordinator begins the save and how
     every other rank joins it, what is prepared before the writes, what its commit and
     abandon do. A ``PendingCheckpoint`` holds the one its save uses; nothing asks which.
 
@@ -509,7 +491,34 @@ class Publisher(ABC):
 class ByRename(Publisher):
     """A private staging directory next to the target, published by one rename (or an
     atomic exchange with the checkpoint it replaces): local and shared POSIX file
-    systems."""
+    systems.
+
+    A save never writes into the directory it may replace. The coordinator creates
+    ``<parent>/.<name>.shardstore-save-<save id>``, holding an ``flock`` on it while the
+    save runs and a marker file (``.shardstore-save.json``) naming the save id. Every
+    rank writes there; the commit record is written there last; then one rename
+    publishes it:
+
+    * target missing, or an empty directory: ``rename(2)`` (atomic);
+    * target a committed shardstore checkpoint and ``overwrite=True``: ``renameat2``
+      with ``RENAME_EXCHANGE`` swaps the directories atomically, then the old one is
+      deleted. Where the file system cannot exchange (some network file systems) the old
+      one is first renamed aside to ``.<name>.shardstore-replaced-<its save id>``: then,
+      for the microseconds between the two renames, the target path does not exist
+      (both checkpoints are complete on disk).
+
+    Publishing is a compare-and-swap under an ``flock`` on the parent directory: the
+    target must still hold the checkpoint the save saw when it began (same save id), or
+    still nothing; otherwise another save committed meanwhile, and this one fails. A
+    staging directory whose marker matches its name and whose lock is free belongs to a
+    save that died: the next save into the same target deletes it (``remove_dead_saves``).
+
+    A save into a shared directory (``SaveOptions.shared_directory``) is published
+    beside the other programs' files instead, by moving its entries in, the commit
+    record last; still refused there: another tool's checkpoint (named with its files:
+    two checkpoints in one directory are ambiguous, ``records.other_checkpoint_beside``)
+    and entries under the format's own names.
+    """
 
 
     def begin(self, target: Location, options: SaveOptions, save_id: str) -> PendingCheckpoint:
@@ -637,7 +646,16 @@ def _taken_names(save: PendingCheckpoint, clash: list[str]) -> CheckpointingExce
 
 class InPlace(Publisher):
     """Written at the target itself, marker first, commit record last (one atomic PUT):
-    object stores and any store that cannot rename a directory."""
+    object stores and any store that cannot rename a directory.
+
+    With ``overwrite=True`` the old commit record is deleted at the start, so from then
+    until the new commit the prefix holds no loadable checkpoint (save each step to a
+    new prefix to avoid that window). The commit checks that the marker is still its own
+    and that no commit record appeared, then writes the commit record and removes the
+    marker. Two saves that run into one prefix at the same time may overwrite each
+    other's chunks; the commit record binds every chunk's checksum, so a load then fails
+    on the mismatch instead of returning a mix.
+    """
 
     def begin(self, target: Location, options: SaveOptions, save_id: str) -> PendingCheckpoint:
         target.prepare()

@@ -35,6 +35,8 @@ of ``state_dict`` in place and leaves the dict usable, as ``dcp.load`` does.
 
 from __future__ import annotations
 
+__all__ = ["Block", "blocks_at", "dtensor_factory", "fqn", "is_dtensor", "with_dtensors_converted"]
+
 import itertools
 import logging
 import sys

@@ -19,6 +19,8 @@ order (cut irregularly along an inner axis) is refused, naming the key.
 
 from __future__ import annotations
 
+__all__ = ["contiguous_range", "irregular_as_flat", "is_irregular"]
+
 import math
 
 import torch

@@ -17,6 +17,8 @@ convert here too (``shardstore.inputs.dtensors``).
 
 from __future__ import annotations
 
+__all__ = ["convert_leaf", "convert_megatron_objects"]
+
 import dataclasses
 from typing import Any
 

@@ -11,12 +11,12 @@ name, written by ONE of the ranks that hold it (``assign_writers``: the largest 
 each to the holder with the fewest bytes to write so far, the sharded bytes included).
 
 Why a threshold (``DEFAULT_MIN_ARRAY_BYTES`` = 1 KiB): an array costs a metadata file, a
-chunk file, a record entry and a TensorStore open (0.3-0.6 ms each, FACTS.md), while
-``common.pt`` holds thousands of small tensors for 0.16 s in total. Below 1 KiB (an
+chunk file, a record entry and a TensorStore open, while ``common.pt`` holds thousands
+of small tensors cheaply (docs/measurements/small-tensors.md). Below 1 KiB (an
 optimizer's ``step``, a LayerNorm bias of 256 float32 values) nothing is gained by an
 array: checksums of whole files still cover ``common.pt``, and no reader wants a scalar
-as an array. ``min_array_bytes=0`` writes every non-empty tensor of at least one dimension as an
-array.
+as an array. ``min_array_bytes=0`` writes every non-empty tensor of at least one
+dimension as an array.
 
 Tensors that describe their own place in a global tensor (torch >= 2.14's
 ``torch.distributed.checkpoint.CheckpointableTensor`` protocol: ``global_shape``,
@@ -26,6 +26,11 @@ protocol where torch has it, else None (torch 2.13 has not).
 """
 
 from __future__ import annotations
+
+__all__ = [
+    "CHECKPOINTABLE_TENSOR", "DEFAULT_MIN_ARRAY_BYTES", "HeldTensor", "assign_writers",
+    "stored_as_array", "whole_array_requests",
+]
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass

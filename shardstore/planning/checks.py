@@ -8,6 +8,12 @@ which then sends every rank either its part of the plan or the same error.
 
 from __future__ import annotations
 
+__all__ = [
+    "FORMAT_NAME_LIMITS", "admits_names", "check_layout", "check_storable_keys",
+    "layout_of_global_metadata", "local_records", "name_lengths_needed",
+    "ranks_with_differing_common_state",
+]
+
 import bisect
 import math
 from collections import defaultdict
@@ -272,5 +278,3 @@ def _object_problems(key: str, shards: list[ObjectShardRecord]) -> list[str]:
         return [f"Invalid access pattern: {missing} ShardedObject are missing. ShardedObject {key!r}: "
                 f"{missing} of {expected} shards have no main replica"]
     return []
-
-

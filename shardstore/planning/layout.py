@@ -15,6 +15,12 @@ alone holds the ``GlobalLayout`` and plans from it (``shardstore.protocol.plan_s
 
 from __future__ import annotations
 
+__all__ = [
+    "DirectFlatWrite", "FlatChunk", "GlobalLayout", "ObjectShardRecord", "ShardRecord",
+    "balance_writers", "block_chunks", "block_shape", "chunk_shape_for", "pick_balanced",
+    "region_at", "region_shape",
+]
+
 import math
 from collections import defaultdict
 from dataclasses import dataclass, replace

@@ -14,7 +14,7 @@ Save protocol (``serialization.save``; "coordinator" is group rank 0)::
 
 So a rank's work and the bytes it receives grow with its own shards, not with the
 world size; the coordinator's grow linearly with all records (``scripts/plan_scaling.py``
-measures both). Before this, every rank all-gathered and planned every rank's records.
+measures both).
 
 Load protocol (``serialization.load``)::
 
@@ -34,6 +34,11 @@ names, which ``validation.plan_load`` renumbers for).
 """
 
 from __future__ import annotations
+
+__all__ = [
+    "RankLoadPlan", "RankReadPlan", "RankSavePlan", "plan_flat_writes", "plan_reads",
+    "plan_save",
+]
 
 import bisect
 from collections import defaultdict

@@ -26,6 +26,8 @@ whose kernel closes its connections is seen at once by the backend.
 
 from __future__ import annotations
 
+__all__ = ["Group", "PeerLost", "RankFailure", "StageFailed", "WaitBudget", "failure_message"]
+
 import pickle
 import time
 import traceback

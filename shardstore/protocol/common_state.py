@@ -10,6 +10,8 @@ to them, their differences gathered to it).
 
 from __future__ import annotations
 
+__all__ = ["check_common_state_consistency", "common_state_digests"]
+
 import logging
 import pickle
 from typing import Any

@@ -35,6 +35,8 @@ succeeded on every rank, and reuse needs every rank's vote.
 
 from __future__ import annotations
 
+__all__ = ["PlanCache", "gather_and_plan_cached"]
+
 import logging
 import uuid
 from collections.abc import Callable, Hashable
@@ -212,5 +214,3 @@ def _reuse(
         check_common_state_consistency(common_state, differing, group)
     cache.reused += 1
     return (fresh, cache._part) if anew is not None else cache._part
-
-

@@ -10,6 +10,8 @@ does, through ``protocol.stage.run_stage``.
 
 from __future__ import annotations
 
+__all__ = ["check_same_place", "gather_and_plan"]
+
 from collections.abc import Callable
 from typing import Any
 

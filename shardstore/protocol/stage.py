@@ -40,6 +40,8 @@ raised as it is, a ``CheckpointingException`` unchanged, anything else as a
 
 from __future__ import annotations
 
+__all__ = ["Deliver", "Transfers", "every_rank_stopped", "raise_stage_failure", "run_stage"]
+
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field

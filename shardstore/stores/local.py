@@ -23,7 +23,6 @@ __all__ = ["FileChunkStore", "LocalStore", "check_inside", "open_regular", "open
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import fcntl
 import logging
@@ -404,7 +403,9 @@ def _fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+# The C library's symbols as the interpreter links them (renameat2, syncfs): ``CDLL(None)``
+# looks them up in the running process, without ``find_library``, which runs ``ldconfig``.
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _syncfs(fd: int, path: Path) -> None:

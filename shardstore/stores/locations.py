@@ -7,6 +7,8 @@ the one module that knows every backend, so that no backend module needs another
 
 from __future__ import annotations
 
+__all__ = ["BACKENDS", "StoreFactory", "open_location", "open_store"]
+
 import os
 from collections.abc import Callable
 from typing import Any

@@ -1,6 +1,9 @@
 """Strategies: how a save or load reaches storage (``base``: the interfaces and the
 registry). Importing the package registers shardstore's own strategies as the defaults,
-so the registry in ``base`` never imports the modules that import it."""
+so the registry in ``base`` never imports the modules that import it.
+"""
+
+__all__: list[str] = []
 
 from shardstore.strategies.common import register_default_common_strategies
 from shardstore.strategies.other_formats import register_default_other_format_strategies

@@ -9,26 +9,19 @@ Background I/O runs on one worker thread per queue, requests in scheduling order
 A thread, not a process: shardstore's I/O (``chunk_io``: ``os.writev`` and ``crc32c``;
 TensorStore for object storage) releases the GIL, and a worker process would need the
 staged host buffers in shared memory and a pickled copy of the plan for every save,
-without saving any CPU: the cost of a background save is the kernel copying the bytes
-into the page cache plus the crc32c, about 0.6 CPU-seconds per GiB here, wherever it
-runs. Measured (2 ranks on 2 cores, each running a matmul loop on one thread, 1 GiB
-per rank): a thread doing plain writes next to a loop with a free core cost the loop
-1-3%; with both cores busy the loop ran at 0.5-0.6x while the save ran, with one I/O
-thread (``ZarrSaveShardedStrategy(background_io_threads=1)``, the default; 8 threads:
-0.14-0.54x). The I/O thread therefore runs at a lower CPU priority, nice 10 by
-default (``AsyncCallsQueue(io_priority="low")``).
+without saving any CPU (the kernel's copy into the page cache and the crc32c cost the
+same wherever they run). One I/O thread by default
+(``ZarrSaveShardedStrategy(background_io_threads=1)``): every extra runnable thread
+takes a share of a core from the training loop.
 
-Why not lower still. A thread at Linux SCHED_IDLE (``"idle"``) yields the most CPU, but
-when the cores are saturated it can be preempted while it holds the GIL and then wait
-for the CPU for a long time, and the training thread waits for the GIL with it.
-``scripts/async_gap.py`` (a Python-heavy loop, every core kept busy by spinning
-processes, 256 MiB async save, medians of 3, 2 cores) measured the loop's worst step
-gap and its rate during the save: normal priority 30-33 ms and 0.73-0.75x (save
-2.0-2.3 s); nice 10 36 ms and 0.95x (save 6.0 s); nice 19 34 ms and 1.04x (save 29 s);
-SCHED_IDLE 241-285 ms and 0.96-0.98x (save 97-153 s). Nice 10 keeps the worst gap
-within 1.2x of normal priority's and leaves the loop 95% of its rate. A trainer whose
-host CPUs idle while its GPUs compute sees the save run at full speed either way; pass
+The I/O thread runs at a lower CPU priority, nice 10 by default
+(``AsyncCallsQueue(io_priority="low")``): on saturated cores it leaves the training
+loop most of its rate, with a worst step gap close to normal priority's. ``"idle"``
+(Linux SCHED_IDLE) yields more CPU, but when the cores are saturated the thread can be
+preempted while it holds the GIL, and the training thread waits with it. Pass
 ``io_priority="normal"`` when the save's duration matters more than the loop's rate.
+The figures: docs/measurements/performance.md ("Asynchronous saves and the training
+loop").
 
 The blocking part of a save is done before the request exists: host snapshot of the
 tensors plus the metadata exchange.
@@ -41,6 +34,8 @@ CheckpointingException naming the checkpoints left uncommitted.
 """
 
 from __future__ import annotations
+
+__all__ = ["AsyncCallsQueue", "AsyncRequest", "Finalization", "IO_PRIORITIES"]
 
 import logging
 import os

@@ -8,6 +8,14 @@ by action, backend and version, and never touches bytes itself.
 
 from __future__ import annotations
 
+__all__ = [
+    "AsyncCallsQueue", "AsyncRequest", "AsyncSaveShardedStrategy", "CheckpointDir",
+    "DelegatingLoadStrategy", "LoadCommonStrategy", "LoadShardedStrategy", "LoadStrategyBase",
+    "SaveCommonStrategy", "SaveShardedStrategy", "SaveStrategyBase", "StrategyAction",
+    "agree_before_save", "async_calls", "default_strategies", "get_default_strategy",
+    "register_default_strategy",
+]
+
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from enum import Enum
@@ -312,21 +320,3 @@ def agree_before_save(process_group: Any, checkpoint_dir: CheckpointDir, local_e
     strategy carries it in its staging stage instead, at no extra collective."""
     where = bare_location(checkpoint_dir).describe()
     run_stage(Group(process_group), f"Preparing the sharded save into {where}", lambda: None, local_error=local_error)
-
-
-__all__ = [
-    "AsyncCallsQueue",
-    "AsyncRequest",
-    "AsyncSaveShardedStrategy",
-    "LoadCommonStrategy",
-    "LoadShardedStrategy",
-    "LoadStrategyBase",
-    "SaveCommonStrategy",
-    "SaveShardedStrategy",
-    "SaveStrategyBase",
-    "StrategyAction",
-    "async_calls",
-    "default_strategies",
-    "get_default_strategy",
-    "register_default_strategy",
-]

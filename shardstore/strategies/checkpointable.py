@@ -13,6 +13,8 @@ view with the prepended axes), so DCP reads straight into it on load.
 
 from __future__ import annotations
 
+__all__ = ["CheckpointableShardedTensor", "LocalShardsContainer", "to_dcp_state_dict"]
+
 from typing import Any
 
 import torch

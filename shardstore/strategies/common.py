@@ -7,6 +7,11 @@ that needs more is refused with an error that says how to opt in:
 
 from __future__ import annotations
 
+__all__ = [
+    "COMMON_BACKEND", "COMMON_VERSION", "TorchCommonLoadStrategy", "TorchCommonSaveStrategy",
+    "register_default_common_strategies",
+]
+
 from typing import Any
 
 from shardstore.core import CheckpointingException

@@ -17,6 +17,11 @@ megatron-core: the request class is the caller's.
 
 from __future__ import annotations
 
+__all__ = [
+    "WRITE_REPORT_PREFIX", "finalize_from_report", "for_another_process", "write_and_report",
+    "write_staged",
+]
+
 import json
 import logging
 from collections.abc import Callable
@@ -109,6 +114,3 @@ def finalize_from_report(pipeline: SavePipeline) -> None:
     except Exception as exc:  # reported on every rank by the finalization
         error = exc
     pipeline.finalization().finalize(error)
-
-
-__all__ = ["WRITE_REPORT_PREFIX", "finalize_from_report", "for_another_process", "write_and_report"]

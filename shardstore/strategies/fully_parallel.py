@@ -40,6 +40,11 @@ changes nothing there: every load plans.
 
 from __future__ import annotations
 
+__all__ = [
+    "FullyParallelLoadStrategyWrapper", "FullyParallelSaveStrategyWrapper",
+    "_sharded_tensor_shard_id", "distribute_main_replicas_with_precomputed_distribution",
+]
+
 import copy
 import logging
 import math
@@ -437,11 +442,3 @@ def _loaded_value(x: Any, tensors: dict[_ShardId, Any], objects: dict[_ShardId, 
             "ShardedObject is loaded by its main replica, so exactly one rank must hold it with replica_id 0"
         )
     return found[shard_id]
-
-
-__all__ = [
-    "FullyParallelLoadStrategyWrapper",
-    "FullyParallelSaveStrategyWrapper",
-    "_sharded_tensor_shard_id",
-    "distribute_main_replicas_with_precomputed_distribution",
-]

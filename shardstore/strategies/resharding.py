@@ -31,6 +31,13 @@ What a checkpoint says about a flattened tensor (``get_reformulation_metadata``)
 
 from __future__ import annotations
 
+__all__ = [
+    "ReformulationRestoreMetadata", "TensorReformulationMetadata",
+    "apply_nd_flattened_tensors_reformulation", "get_reformulation_metadata",
+    "is_nd_flattened_tensor", "nd_flattened_tensor_reformulated_global_shape",
+    "reformulate_single_nd_flattened_tensor", "restore_nd_flattened_tensors_formulation",
+]
+
 import logging
 import math
 import warnings
@@ -291,15 +298,3 @@ def reformulate_single_nd_flattened_tensor(
         return block.flatten()[request.flattened_range]
 
     return ShardedTensorFactory(sh_ten.key, sh_ten.data, build, merge, sh_ten.replica_id, sh_ten.flattened_range)
-
-
-__all__ = [
-    "ReformulationRestoreMetadata",
-    "TensorReformulationMetadata",
-    "apply_nd_flattened_tensors_reformulation",
-    "get_reformulation_metadata",
-    "is_nd_flattened_tensor",
-    "nd_flattened_tensor_reformulated_global_shape",
-    "reformulate_single_nd_flattened_tensor",
-    "restore_nd_flattened_tensors_formulation",
-]

@@ -13,6 +13,11 @@ and are logged once, not applied. The reformulation API lives in
 
 from __future__ import annotations
 
+__all__ = [
+    "TorchDistLoadShardedStrategy", "TorchDistSaveShardedStrategy",
+    "get_reformulation_metadata",
+]
+
 import logging
 from typing import Any
 
@@ -47,6 +52,3 @@ class TorchDistLoadShardedStrategy(ZarrLoadShardedStrategy):
     def __init__(self, **torch_dist_options: Any) -> None:
         super().__init__()
         _ignored(type(self).__name__, torch_dist_options)
-
-
-__all__ = ["TorchDistLoadShardedStrategy", "TorchDistSaveShardedStrategy", "get_reformulation_metadata"]

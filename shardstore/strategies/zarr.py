@@ -17,6 +17,16 @@ TensorStore (``array_spec``: arrays opened from the record without reading any
 
 from __future__ import annotations
 
+__all__ = [
+    "DEFAULT_MAX_CHUNK_BYTES", "SHARDSTORE_BACKEND", "ZARR_VERSION", "ZarrLoadShardedStrategy",
+    "ZarrSaveShardedStrategy", "_create_or_open_zarr_arrays", "_create_zarr_array",
+    "_load_from_array", "_open_zarr_array_verbose", "_save_to_existing_array",
+    "_should_create_array", "array_spec", "flatten_range", "load_zarr_based_sharded_metadata",
+    "numpy_to_torch_dtype_dict", "pad_to_expected_shape", "postprocess_numpy_array",
+    "register_default_zarr_strategies", "single_tensor_record", "tensorstore_context",
+    "torch_to_numpy_dtype_dict", "whole_tensor_metadata",
+]
+
 import json
 import logging
 import os

@@ -3,162 +3,38 @@ when the job is preempted (SIGTERM), keep the last K, every M-th and the best N 
 metric, restart from the latest *committed* step (Orbax's ``CheckpointManager`` is the
 model). The rule above all others: it never loses the last good checkpoint.
 
-Each step is a checkpoint directory under one root, named ``iter_0001000`` (Megatron-LM's
-naming) by default: ``step_prefix`` followed by the step, zero-padded to ``step_digits``
-digits (``step_digits=None``: not padded; ``step_prefix=""``: the bare number, Orbax's
-default). Orbax appends an underscore to its ``step_prefix``; here the prefix is taken as
-written, so Orbax's ``step_prefix="step", step_format_fixed_length=4`` is
-``step_prefix="step_", step_digits=4``. What counts as a step:
+Entry points: ``CheckpointManager`` and its ``CheckpointManagerOptions``. The class
+docstring holds the contract of each operation (what counts as a step, retention and
+keep-best, deletion, resuming, when to save, preemption, rollback, what is collective
+and what each call reads); docs/guide/manager.md shows the loop and where it differs
+from Orbax's manager. In short:
 
-* **A step is a directory with a commit record that reads and checks** (the check of
-  ``shardstore.format.records.read_commit_record``: ``CommitRecord.from_json``). A save that
-  died midway (its staging directory, see ``shardstore.format.commit``) is not one; neither is
-  a directory whose record is damaged (not JSON, not a shardstore record, unreadable):
-  it is never counted, so it can neither be restarted from nor push a good step out of
-  the newest ``max_to_keep``. Retention logs it at WARNING and leaves it alone. Names
-  must be exactly ``step_name(step)``; other names are not steps.
-
-**Retention** runs on the coordinator after each commit. It deletes the committed
-steps beyond the newest ``max_to_keep`` that are not multiples of ``keep_period`` nor
-among the ``keep_best`` best (below), and never the newest committed step nor the step
-just saved (which is not the newest when another manager committed a newer step
-meanwhile). It never touches a directory it
-cannot prove is one of its own checkpoints: foreign directories (a user's folder, a
-DCP or Megatron checkpoint named like a step), damaged records and saves in progress
-stay. Because a damaged or unreadable record is not counted, an unreadable *newer*
-directory makes retention keep more, never less: ``max_to_keep`` readable steps
-always remain besides it.
-
-**Keep-best.** ``save(step, state, metrics={"loss": 1.7})`` stores the metrics (a flat
-mapping of names to numbers, the coordinator's) in the step itself, in its common state
-under the reserved key ``shardstore_manager`` (``{"metrics": {...}}``), so a restarted
-manager ranks the old steps as the one that saved them. With ``best_fn`` (metrics ->
-number, higher is better unless ``best_mode="min"``) and ``keep_best=N``, retention
-also keeps the N best committed steps. Unlike Orbax, where ``best_fn`` turns
-``max_to_keep`` into "keep the N best" and the newest steps go when they are not among
-them (``_get_default_preservation_policy``: ``BestN`` replaces ``LatestN``), both hold
-here: the newest ``max_to_keep`` *and* the best ``keep_best``. A step saved without
-metrics is ranked nowhere and goes by the other rules; a step whose metrics cannot be
-read (an unreadable or refused common state, a ``best_fn`` that fails on them) may be
-among the best, so it is kept (WARNING once); Orbax's
-``keep_checkpoints_without_metrics=True`` keeps both kinds. Ties go to the newer step;
-a NaN score ranks last. The metrics live in the common state, not in a file of their
-own or in the commit record, because the common state is what every save already
-writes: atomically with the step (it exists once the record commits), bound to it (the
-record keeps its checksum, and the record is sealed), read by every shardstore version.
-A record field would be read for free with the record, but the record is built by the
-planner and written by the commit, beyond the manager's reach (``shardstore.save`` takes
-no extra record content); a file of its own would need the same hook, and a record that
-lists a file older versions do not know is refused by them. ``restore`` removes the key again; a plain
-``shardstore.load`` shows it. Reading a step's metrics costs its record, its
-``metadata.json`` and its ``common.pt`` once per manager (cached by save id).
-
-**Deletion** of a step goes in an order that a crash at any point leaves recoverable:
-(1) a marker ``.shardstore-deleting.json`` naming the step and its record's save id is
-written into the step (durably), (2) the commit record goes (from here on it is not a
-step), (3) everything but the marker, (4) the marker, (5) the empty directory. A
-directory with that marker and no commit record is an interrupted deletion, provably
-ours: the next retention (or ``rollback``, or a save of that step) finishes it. A
-directory without a record and without our marker is never deleted (an interrupted
-deletion by a shardstore older than the marker cannot be told from someone else's
-directory: delete it yourself). A crash between (4) and (5) can leave an empty
-directory, which a later save of that step replaces. A failed deletion is logged
-(WARNING) and kept in ``retention_errors``: it must not kill a training job whose save
-succeeded.
-
-**Resuming.** ``save(step)`` stores the state *after* training step ``step`` (Orbax's
-convention), so a restart restores the newest committed step and trains the one after
-it: ``resume`` does both, restoring the newest committed step and returning the next
-step to train (0 when nothing is committed), so the obvious loop
-``start, restored = manager.resume(state); for step in range(start, n): train; save(step)``
-trains every step exactly once across restarts. Resuming *at* ``latest_step()`` instead
-(the loop this module documented before) trains the restored step a second time.
-
-``save(step)`` of a step that is already committed writes nothing and returns False
-(sync and async, decided on the coordinator, so every rank agrees); ``overwrite=True``
-(a keyword of ``shardstore.save``) replaces it. When this manager saved that step
-itself (a final ``save(step, force=True)`` after the loop saved it) that is expected
-and logged at INFO. Otherwise it is logged at WARNING: the step was committed before
-this manager started or by another manager, which is what a loop that trains the
-restored step again does (so is ``save`` of a step at or before the one ``restore`` or
-``resume`` loaded, warned about even when the step is not due). It is not an error:
-nothing on disk is wrong (the committed step is kept, not replaced by a state trained
-one step further), a loop written to the earlier documentation must not fail at every
-restart, and the cost is one step trained twice; the warning names the fix.
-
-**When to save.** ``save(step, ...)`` writes when the step is due: a multiple of
-``save_interval_steps`` (None: never by steps), or ``save_interval_secs`` seconds have
-passed since this manager's last save (or its creation), or a preemption signal
-arrived (``save_on_preemption``), or ``force=True``. Time and signals are not the same on
-every rank, so with either option set every ``save`` and ``should_save`` call is a
-collective (one all-reduce of two integers): the coordinator's clock decides the
-interval, and a signal on *any* rank counts, so every rank takes the same branch. The
-interval counts from this manager's start, not from the newest checkpoint's commit as
-Orbax's ``ContinuousCheckpointingPolicy`` does: after a restart the work at risk is what
-was trained since the restore.
-
-**Preemption** (``save_on_preemption=True``, opt-in): the manager, created in the main
-thread (CheckpointingException otherwise), listens for ``preemption_signals`` (SIGTERM)
-through one process-wide handler (``shardstore.tools.preemption``): every manager that
-listens sees each signal, and a handler that was installed before them (a framework's,
-the user's) is called after them; the signal's *default* action (SIGTERM ends the
-process) is held back while a manager listens, since it would end the process before
-the save. ``close`` stops listening; the last manager to close, in any order, puts the
-previous handler back exactly, unless someone installed their own over it meanwhile
-(theirs stays). The manager's part of the handler only counts the signal (no I/O, no
-logging, no lock: it runs between two bytecodes of whatever the main thread was doing).
-The next ``save`` agrees on it across ranks and saves that step whatever the intervals
-say; it first commits an async save in flight, and an async preemption save is waited
-for, so the step is committed when ``save`` returns. ``reached_preemption()`` then
-stays True on every rank: the trainer stops (``close``, exit). Orbax's
-``reached_preemption(step)`` asks JAX's preemption sync point; here it reports what the
-last agreement found, with no collective of its own.
-
-**delete(step)** (collective) deletes one committed step through the deletion above.
-It refuses the newest committed step (the one a restart resumes from; also the only
-one) unless ``force=True``: dropping the newest loses the latest progress, which the
-manager never does on its own; ``rollback`` is the way to make an older step the
-newest. A step that is not committed is refused (Orbax: FileNotFoundError), except an
-interrupted deletion of ours, which it finishes. **reload()** forgets what the manager
-remembers (the metrics it read, the damaged records it warned about); the steps
-themselves are listed from storage at every call, also without it, so steps that
-another process saved or deleted are always seen.
-
-**Rollback** is explicit. Orbax's ``CheckpointManager.should_save`` returns False for
-any step at or below its latest step, so ``save`` silently skips it until training
-passes the latest step again; with ``force=True`` it saves the older step, refuses one
-that exists (``StepAlreadyExistsError``), and its retention (``LatestN`` over the steps
-in the order saved, so the older step just saved counts as the newest) can then delete
-committed steps *newer* than it (orbax ``checkpoint_manager.py``: ``should_save``,
-``save``, ``_get_old_steps_to_remove``).
-Neither fits "never lose a committed checkpoint, and restart from the right one": a
-skipped save loses the progress after the rollback, and keeping the newer steps would
-make a restart resume from the abandoned history (``latest_step`` names the newest)
-while ``save`` of those step numbers later would find the old ones. So here:
-
-* ``save(step)`` older than the newest committed step raises a CheckpointingException
-  before anything is written (every rank, sync and async), naming the newer step and
-  ``rollback``; nothing is deleted.
-* ``rollback(step)`` (collective) makes the committed ``step`` the newest: it deletes
-  every committed step after it, newest first, through the deletion above, and
-  returns them. Training then saves onward from ``step``. It is not atomic: if it is
-  interrupted, ``latest_step`` may still name a newer step; call it again (it finishes
-  what it began). Damaged or foreign directories after ``step`` stay (WARNING).
-
-Collective like ``save``: every rank of the group calls ``save``, ``resume``, ``restore``,
-``rollback``, ``delete``, ``wait_until_finished`` and ``close`` with the same steps (and
-``should_save`` when time or preemption decide). Whether a due
-``save`` writes (new step), is a no-op (committed) or is refused (older than the
-newest) is decided on the coordinator and broadcast, so the ranks never disagree.
-Retention runs on the coordinator after the commit without a barrier, so another rank
-may still list a step that is being deleted. Finding steps reads commit records: each
-``latest_step`` reads the newest records until one checks; ``all_steps`` reads every
-step's; retention reads the newest ``max_to_keep`` and those it may delete (one GET each
-on object stores), not the ``keep_period`` steps older than those (with ``keep_best``:
-every step's record, and each step's metrics once per manager).
+* **A step** is a directory under the root named ``step_name(step)`` (``iter_0001000``,
+  Megatron-LM's naming, by default) whose commit record reads and checks. A save that
+  died midway, a damaged record and a foreign directory are not steps: never restarted
+  from, never counted by retention, never deleted.
+* **Retention** runs on the coordinator after each commit: it keeps the newest
+  ``max_to_keep``, the multiples of ``keep_period`` and the ``keep_best`` best by
+  ``best_fn`` (the metrics travel in the step's own common state), never the newest
+  committed step nor the step just saved. A deletion goes in an order that a crash at
+  any point leaves recoverable (a marker of ours first, the commit record next).
+* **Resuming:** ``save(step)`` stores the state *after* training step ``step``;
+  ``resume`` restores the newest committed step and returns the step to train next.
+  A step already committed is not saved again (False, WARNING unless expected).
+* **Rollback** is explicit: ``save`` of a step older than the newest committed one is
+  refused; ``rollback(step)`` deletes the newer steps first.
+* **Collective:** every rank calls ``save``, ``resume``, ``restore``, ``rollback``,
+  ``delete``, ``wait_until_finished`` and ``close`` with the same steps (and
+  ``should_save`` when time or preemption decide); what a call does is decided on the
+  coordinator and broadcast, so the ranks never disagree.
 """
 
 from __future__ import annotations
+
+__all__ = [
+    "CheckpointManager", "CheckpointManagerOptions", "MANAGER_STATE_KEY", "Resumed",
+    "StepState", "ranked_steps", "steps_to_delete",
+]
 
 import contextlib
 import functools
@@ -216,7 +92,7 @@ class CheckpointManagerOptions:
             clock) have passed since this manager's last save or its start (None: off).
         save_on_preemption: listen for ``preemption_signals`` (one handler shared by
             every manager of the process, the one there before called too) so that the
-            next ``save`` saves, whatever the intervals say (module docstring).
+            next ``save`` saves, whatever the intervals say (``CheckpointManager``).
         preemption_signals: the signals that mean preemption (SIGTERM: Kubernetes,
             SLURM at its time limit, torchrun's agent passing its own on).
         best_fn: scores a step's metrics (those given to ``save``); None: no ranking.
@@ -376,6 +252,146 @@ class StepState:
 class CheckpointManager:
     """Saves, finds and prunes the checkpoints of one training run under ``root``.
 
+    **Steps.** Each step is a checkpoint directory under ``root``, named
+    ``options.step_name(step)``: ``step_prefix`` followed by the step, zero-padded to
+    ``step_digits`` digits (``iter_0001000``, Megatron-LM's naming, by default;
+    ``step_digits=None``: not padded; ``step_prefix=""``: the bare number, Orbax's
+    default). Orbax appends an underscore to its ``step_prefix``; here the prefix is
+    taken as written, so Orbax's ``step_prefix="step", step_format_fixed_length=4`` is
+    ``step_prefix="step_", step_digits=4``. A step is a directory with a commit record
+    that reads and checks (``shardstore.format.records.read_commit_record``'s check). A
+    save that died midway (its staging directory: ``shardstore.format.commit``) is not
+    one; neither is a directory whose record is damaged (not JSON, not a shardstore
+    record, unreadable): it is never counted, so it can neither be restarted from nor
+    push a good step out of the newest ``max_to_keep``. Retention logs it at WARNING and
+    leaves it alone. Other names are not steps.
+
+    **Retention** runs on the coordinator after each commit. It deletes the committed
+    steps beyond the newest ``max_to_keep`` that are not multiples of ``keep_period`` nor
+    among the ``keep_best`` best (below), and never the newest committed step nor the
+    step just saved (which is not the newest when another manager committed a newer step
+    meanwhile). It never touches a directory it cannot prove is one of its own
+    checkpoints: foreign directories (a user's folder, a DCP or Megatron checkpoint
+    named like a step), damaged records and saves in progress stay. Because a damaged
+    or unreadable record is not counted, an unreadable *newer* directory makes retention
+    keep more, never less: ``max_to_keep`` readable steps always remain besides it.
+
+    **Keep-best.** ``save(step, state, metrics={"loss": 1.7})`` stores the metrics (a
+    flat mapping of names to numbers, the coordinator's) in the step itself, in its
+    common state under the reserved key ``shardstore_manager`` (``{"metrics": {...}}``),
+    so a restarted manager ranks the old steps as the one that saved them. With
+    ``best_fn`` (metrics -> number, higher is better unless ``best_mode="min"``) and
+    ``keep_best=N``, retention also keeps the N best committed steps. Unlike Orbax, where
+    ``best_fn`` turns ``max_to_keep`` into "keep the N best" and the newest steps go when
+    they are not among them (``_get_default_preservation_policy``: ``BestN`` replaces
+    ``LatestN``), both hold here: the newest ``max_to_keep`` *and* the best
+    ``keep_best``. A step saved without metrics is ranked nowhere and goes by the other
+    rules; a step whose metrics cannot be read (an unreadable or refused common state, a
+    ``best_fn`` that fails on them) may be among the best, so it is kept (WARNING once);
+    Orbax's ``keep_checkpoints_without_metrics=True`` keeps both kinds.
+    Ties go to the newer step; a NaN score ranks last. The metrics live in the common
+    state because that is what every save already writes: atomically with the step,
+    bound to it by its sealed record, read by every shardstore version (a record field
+    or a file of their own would need a hook into the commit that ``shardstore.save``
+    does not offer, and older versions refuse a record listing a file they do not
+    know). ``restore`` removes the key again; a plain ``shardstore.load`` shows it.
+
+    **Deletion** of a step goes in an order that a crash at any point leaves
+    recoverable: (1) a marker ``.shardstore-deleting.json`` naming the step and its
+    record's save id is written into the step (durably), (2) the commit record goes
+    (from here on it is not a step), (3) everything but the marker, (4) the marker, (5)
+    the empty directory. A directory with that marker and no commit record is an
+    interrupted deletion, provably ours: the next retention (or ``rollback``, or a save
+    of that step) finishes it. A directory without a record and without our marker is
+    never deleted (an interrupted deletion by a shardstore older than the marker cannot
+    be told from someone else's directory: delete it yourself). A crash between (4) and
+    (5) can leave an empty directory, which a later save of that step replaces. A failed
+    deletion is logged (WARNING) and kept in ``retention_errors``: it must not kill a
+    training job whose save succeeded.
+
+    **Resuming.** ``save(step)`` stores the state *after* training step ``step`` (Orbax's
+    convention), so a restart restores the newest committed step and trains the one
+    after it: ``resume`` does both, so the loop
+    ``start, restored = manager.resume(state); for step in range(start, n): train; save(step)``
+    trains every step exactly once across restarts. Resuming *at* ``latest_step()``
+    instead trains the restored step a second time.
+
+    ``save(step)`` of a step that is already committed writes nothing and returns False
+    (sync and async, decided on the coordinator, so every rank agrees);
+    ``overwrite=True`` (a keyword of ``shardstore.save``) replaces it. When this manager
+    saved that step itself (a final ``save(step, force=True)`` after the loop saved it)
+    that is expected and logged at INFO. Otherwise it is logged at WARNING: the step was
+    committed before this manager started or by another manager, which is what a loop
+    that trains the restored step again does (so is ``save`` of a step at or before the
+    one ``restore`` or ``resume`` loaded, warned about even when the step is not due). It
+    is not an error: nothing on disk is wrong (the committed step is kept, not replaced
+    by a state trained one step further), such a loop must not fail at every restart,
+    and the cost is one step trained twice; the warning names the fix.
+
+    **When to save.** ``save(step, ...)`` writes when the step is due: a multiple of
+    ``save_interval_steps`` (None: never by steps), or ``save_interval_secs`` seconds
+    have passed since this manager's last save (or its creation), or a preemption signal
+    arrived (``save_on_preemption``), or ``force=True``. Time and signals are not the
+    same on every rank, so with either option set every ``save`` and ``should_save``
+    call is a collective (one all-reduce of two integers): the coordinator's clock
+    decides the interval, and a signal on *any* rank counts, so every rank takes the
+    same branch. The interval counts from this manager's start, not from the newest
+    checkpoint's commit as Orbax's ``ContinuousCheckpointingPolicy`` does: after a
+    restart the work at risk is what was trained since the restore.
+
+    **Preemption** (``save_on_preemption=True``, opt-in): the manager, created in the
+    main thread (CheckpointingException otherwise), listens for ``preemption_signals``
+    (SIGTERM) through one process-wide handler (``shardstore.tools.preemption``): every
+    manager that listens sees each signal, and a handler that was installed before them
+    (a framework's, the user's) is called after them; the signal's *default* action
+    (SIGTERM ends the process) is held back while a manager listens, since it would end
+    the process before the save. ``close`` stops listening; the last manager to close,
+    in any order, puts the previous handler back exactly, unless someone installed their
+    own over it meanwhile (theirs stays). The manager's part of the handler only counts
+    the signal (no I/O, no logging, no lock: it runs between two bytecodes of whatever
+    the main thread was doing). The next ``save`` agrees on it across ranks and saves
+    that step whatever the intervals say; it first commits an async save in flight, and
+    an async preemption save is waited for, so the step is committed when ``save``
+    returns. ``reached_preemption()`` then stays True on every rank: the trainer stops
+    (``close``, exit). Orbax's ``reached_preemption(step)`` asks JAX's preemption sync
+    point; here it reports what the last agreement found, with no collective of its own.
+
+    **delete(step)** (collective) deletes one committed step through the deletion above.
+    It refuses the newest committed step (the one a restart resumes from; also the only
+    one) unless ``force=True``: dropping the newest loses the latest progress, which the
+    manager never does on its own; ``rollback`` is the way to make an older step the
+    newest. A step that is not committed is refused (Orbax: FileNotFoundError), except
+    an interrupted deletion of ours, which it finishes. **reload()** forgets what the
+    manager remembers (the metrics it read, the damaged records it warned about); the
+    steps themselves are listed from storage at every call, also without it, so steps
+    that another process saved or deleted are always seen.
+
+    **Rollback** is explicit (``rollback``'s docstring says why Orbax's way does not fit):
+
+    * ``save(step)`` older than the newest committed step raises a CheckpointingException
+      before anything is written (every rank, sync and async), naming the newer step and
+      ``rollback``; nothing is deleted.
+    * ``rollback(step)`` (collective) makes the committed ``step`` the newest: it deletes
+      every committed step after it, newest first, through the deletion above, and
+      returns them. Training then saves onward from ``step``. It is not atomic: if it is
+      interrupted, ``latest_step`` may still name a newer step; call it again (it
+      finishes what it began). Damaged or foreign directories after ``step`` stay
+      (WARNING).
+
+    **Collective** like ``save``: every rank of the group calls ``save``, ``resume``,
+    ``restore``, ``rollback``, ``delete``, ``wait_until_finished`` and ``close`` with the
+    same steps (and ``should_save`` when time or preemption decide). Whether a due
+    ``save`` writes (new step), is a no-op (committed) or is refused (older than the
+    newest) is decided on the coordinator and broadcast, so the ranks never disagree.
+    Retention runs on the coordinator after the commit without a barrier, so another
+    rank may still list a step that is being deleted. Finding steps reads commit
+    records: each ``latest_step`` reads the newest records until one checks;
+    ``all_steps`` reads every step's; retention reads the newest ``max_to_keep`` and
+    those it may delete (one GET each on object stores), not the ``keep_period`` steps
+    older than those (with ``keep_best``: every step's record, and each step's metrics
+    once per manager). Reading a step's metrics costs its record, its ``metadata.json``
+    and its ``common.pt`` once per manager (cached by save id).
+
     Args:
         root: directory (local path, ``s3://bucket/prefix`` or a Location) holding one
             checkpoint per step.
@@ -506,7 +522,7 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether ``save(step, ...)`` would save now: ``step`` is a multiple of
         ``save_interval_steps``, or ``save_interval_secs`` have passed, or a preemption
-        signal arrived. Collective when time or signals decide (module docstring): every
+        signal arrived. Collective when time or signals decide (class docstring): every
         rank calls it, and every rank gets the same answer. Says nothing about whether
         the step is already committed (then ``save`` is a no-op)."""
         due, _, _ = self._due(step, force=False)
@@ -629,7 +645,7 @@ class CheckpointManager:
         ``step`` is the state after training step ``step``: a restarted loop continues
         at the step after the restored one (``resume``). An async save first commits
         the previous one (one in flight at a time). A step that is already committed is
-        not saved again (returns False; WARNING unless this manager saved it: module
+        not saved again (returns False; WARNING unless this manager saved it: class
         docstring, Resuming), unless ``overwrite=True``. A step older than the newest
         committed one is refused (CheckpointingException, nothing written): call
         ``rollback`` first. A save due to a preemption signal is committed when ``save``
@@ -800,7 +816,7 @@ class CheckpointManager:
 
     def _warn_resaving_restored(self, step: int) -> None:
         """WARNING (once per manager) for a save of a step at or before the one restored:
-        the state in memory has been trained past it (module docstring: Resuming)."""
+        the state in memory has been trained past it (class docstring: Resuming)."""
         if self._warned_resaving_restored:
             return
         self._warned_resaving_restored = True
@@ -873,6 +889,19 @@ class CheckpointManager:
         atomic: if it is interrupted, call it again. Directories after ``step`` that are
         not committed shardstore steps are left alone (WARNING), except interrupted
         deletions of ours, which it finishes.
+
+        Why not Orbax's way: its ``CheckpointManager.should_save`` returns False for any
+        step at or below its latest step, so ``save`` silently skips it until training
+        passes the latest step again; with ``force=True`` it saves the older step,
+        refuses one that exists (``StepAlreadyExistsError``), and its retention
+        (``LatestN`` over the steps in the order saved, so the older step just saved
+        counts as the newest) can then delete committed steps *newer* than it (orbax
+        ``checkpoint_manager.py``: ``should_save``, ``save``, ``_get_old_steps_to_remove``).
+        Neither fits "never lose a committed checkpoint, and restart from the right
+        one": a skipped save loses the progress after the rollback, and keeping the newer
+        steps would make a restart resume from the abandoned history (``latest_step``
+        names the newest) while ``save`` of those step numbers later would find the old
+        ones.
 
         Raises:
             CheckpointingException: ``step`` is not a committed step (nothing deleted),
@@ -1024,7 +1053,7 @@ class CheckpointManager:
 
     def _delete(self, state: StepState) -> None:
         """Deletes the committed step ``state`` (read just before) in the order the
-        module docstring gives."""
+        class docstring gives (Deletion)."""
         location = self.location(state.step)
         _refuse_links(location)
         marker = json.dumps({"step": state.step, "save_id": state.save_id}).encode()

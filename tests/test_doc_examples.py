@@ -220,6 +220,11 @@ FRAGMENTS = (
         "loaded = load(state(), f'{root}/step2')\n"
         "assert torch.equal(loaded['adapter'], torch.ones(8, 64)) and torch.equal(loaded['base'], base)\n"
     )),
+    Fragment('storage_writer=ShardstoreWriter(f"{root}/dcp")', check=(
+        "arrays = shardstore.load_tensors_metadata(f'{root}/dcp')\n"
+        "assert {'model.0.weight', 'optim.state.0.weight.exp_avg'} <= set(arrays), sorted(arrays)\n"
+        "assert torch.equal(new_model[0].weight, model[0].weight)  # loaded by the second way too\n"
+    )),
     Fragment("rows = torch.empty(8 // world, 4)", reads_the_quick_start=True, ranks=4, check=(
         # the request's own tensor, filled with this rank's rows of save.py's fc1
         "torch.manual_seed(0)\n"

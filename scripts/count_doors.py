@@ -16,7 +16,9 @@ openings removed: 24, 4, 0; with the common-state readers opening a path through
 ``opened.read_location`` (checked against the record): 22, 4, 0; with every other door
 reaching a caller's place through ``opened.bare_location`` (as it is) or
 ``opened.write_location`` (the seed's writers; a committed checkpoint refused): 7, 4, 0.
-The 7: the save pipeline's entries (``SavePipeline.open`` x2, ``into_callers_directory``),
+With the save's options one object (issue 43.1: ``SaveOptions.opened`` takes the opener):
+6, 4, 0. The 6: the save pipeline's entries (``SavePipeline.open`` with the reuse source
+through ``SaveOptions.opened``, ``into_callers_directory``),
 ``open_read`` and ``bare_location`` in ``opened``, and ``maybe_load_config`` (Megatron's
 name) and ``verify``, public functions of the format layer that take a path. The count
 says which entry each call uses, not how many conversions run (tests/test_entries.py

@@ -11,13 +11,40 @@ importantly, keeps the start-up hook that teaches zarr our data types
 
 from __future__ import annotations
 
+__all__ = [
+    "CheckpointManager",
+    "CheckpointManagerOptions",
+    "CheckpointingException",
+    "LocalNonpersistentObject",
+    "SaveOptions",
+    "ShardedObject",
+    "ShardedTensor",
+    "ShardedTensorFactory",
+    "ShardstoreReader",
+    "ShardstoreWriter",
+    "StrictHandling",
+    "VerifyReport",
+    "check_is_distributed_checkpoint",
+    "load",
+    "load_common_state_dict",
+    "load_content_metadata",
+    "load_plain_tensors",
+    "load_sharded_metadata",
+    "load_tensors_metadata",
+    "remove_sharded_tensors",
+    "save",
+    "verify",
+]
+
 from importlib import import_module
 from typing import Any
 
+# Where each name of ``__all__`` lives; imported on first access.
 _EXPORTS = {
     "CheckpointManager": "shardstore.tools.manager",
     "CheckpointManagerOptions": "shardstore.tools.manager",
     "CheckpointingException": "shardstore.core",
+    "SaveOptions": "shardstore.core",
     "check_is_distributed_checkpoint": "shardstore.core",
     "LocalNonpersistentObject": "shardstore.mapping",
     "ShardedObject": "shardstore.mapping",
@@ -37,8 +64,6 @@ _EXPORTS = {
     "verify": "shardstore.format.integrity",
     "VerifyReport": "shardstore.format.integrity",
 }
-
-__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

@@ -8,8 +8,8 @@ Two things, each right after the zarr module it concerns has been executed:
   versions that honour it) is not enough.
 - ``zarr.core.group``: list the arrays of those types in a checkpoint's consolidated
   metadata. shardstore keeps them out of the consolidated ``metadata`` (zarr-python
-  without shardstore parses all of it when it opens a group, and one bfloat16 array there
-  made every array of the checkpoint unreachable to it) and lists them beside it, under
+  without shardstore parses all of it when it opens a group, and a type it does not know
+  would make the whole group unreadable to it) and lists them beside it, under
   ``EXTENSION_METADATA``; once the types are registered, zarr's own parser reads that part
   as if it stood in ``metadata``, so ``zarr.open_group(ckpt)["a/bf16"]`` works.
 
@@ -21,6 +21,8 @@ is lazy). A process that never imports zarr pays for one meta-path lookup per im
 """
 
 from __future__ import annotations
+
+__all__ = ["EXTENSION_METADATA", "install"]
 
 import importlib.abc
 import sys

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 from shardstore.errors import CheckpointingException
+from shardstore.format.commit import SaveOptions
 from shardstore.format.config import (
     CONFIG_FNAME,
     CheckpointingConfig,
@@ -22,6 +23,7 @@ from shardstore.format.config import (
 from shardstore.stores.base import Location
 
 __all__ = [
+    "SaveOptions",
     "CONFIG_FNAME",
     "CheckpointingConfig",
     "CheckpointingException",

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+__all__ = [
+    "Leaf", "diff", "dict_list_map_inplace", "dict_list_map_outplace", "dict_map",
+    "dict_map_with_key", "extract_matching_values", "flatten", "inspect_types", "map_reduce",
+    "merge", "nest", "nested_items_iter", "nested_values", "with_list_places",
+]
+
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, TypeVar

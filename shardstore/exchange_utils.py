@@ -15,6 +15,12 @@ Which functions are collective on the group: ``determine_main_replica_uniform_di
 
 from __future__ import annotations
 
+__all__ = [
+    "EXCHANGE_ALGOS", "ShardDistribution", "build_shard_distribution",
+    "determine_main_replica_uniform_distribution", "distribute_shards_to_ranks",
+    "exchange_by_distribution", "exchange_loaded_objects_gather_object",
+]
+
 import logging
 import math
 from collections import defaultdict
@@ -303,14 +309,3 @@ def exchange_loaded_objects_gather_object(
             "rank must hold each object as its main replica (replica_id 0)"
         )
     return merged
-
-
-__all__ = [
-    "EXCHANGE_ALGOS",
-    "ShardDistribution",
-    "build_shard_distribution",
-    "determine_main_replica_uniform_distribution",
-    "distribute_shards_to_ranks",
-    "exchange_by_distribution",
-    "exchange_loaded_objects_gather_object",
-]

@@ -10,6 +10,12 @@ Names and semantics follow Megatron-Core's ``dist_checkpointing.mapping``.
 
 from __future__ import annotations
 
+__all__ = [
+    "CommonStateDict", "FactoryBuildFn", "FactoryMergeFn", "LocalNonpersistentObject", "ReplicaId",
+    "ShardedBase", "ShardedObject", "ShardedStateDict", "ShardedTensor", "ShardedTensorFactory",
+    "StateDict", "apply_factories", "apply_factory_merges", "is_main_replica",
+]
+
 import logging
 import math
 from abc import ABC, abstractmethod

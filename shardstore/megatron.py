@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardstore.core import SaveOptions
 from shardstore.errors import CheckpointingException
 from shardstore.format.integrity import verify
 from shardstore.format.records import is_committed
@@ -369,10 +370,9 @@ def save(
         async_sharded_save,
         preprocess_common_before_consistancy_check,
         content_metadata,
-        overwrite=True,
         process_group=process_group,
-        reuse_from=reuse_from,
-        shared_directory=True,  # Megatron-LM's iteration directory: ModelOpt writes its state there too
+        # Megatron-LM's iteration directory is shared: ModelOpt writes its state there too
+        options=SaveOptions(overwrite=True, reuse_from=reuse_from, shared_directory=True),
     )
     if request is None:
         return None

@@ -106,7 +106,7 @@ def other_format_of(location: Location) -> OtherFormat | None:
     path = location.local_path()
     if path is None or not path.is_dir() or is_committed(location):
         return None
-    return registry.detect(location)
+    return registry.detect(location, OtherFormat)
 
 
 def open_read(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -> OpenedCheckpoint:

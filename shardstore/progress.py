@@ -17,6 +17,11 @@ save's background I/O shows none: it runs after ``save`` returned.
 
 from __future__ import annotations
 
+__all__ = [
+    "StageTiming", "Tick", "current_operation", "format_bytes", "log_once", "operation",
+    "operations_logged_at", "progress_shown", "stage", "tracked",
+]
+
 import logging
 import sys
 import threading

@@ -59,6 +59,7 @@ from shardstore.core import (
 )
 from shardstore.dict_utils import Leaf, flatten, merge, nest, with_list_places
 from shardstore.execution.pipeline import SavePipeline
+from shardstore.format.commit import SaveOptions
 from shardstore.format.records import CommitRecord
 from shardstore.inputs.megatron_objects import convert_leaf
 from shardstore.inputs.plain_tensors import whole_array_requests
@@ -129,6 +130,7 @@ def save(
     progress: bool = False,
     reuse_from: CheckpointDir | None = None,
     shared_directory: bool = False,
+    options: SaveOptions | None = None,
 ) -> AsyncRequest | None:
     """Saves a sharded state dict; every rank of the group calls it with its own shards.
 
@@ -166,6 +168,8 @@ def save(
             kept and the checkpoint is published beside them (``verify`` lists them, as
             the commit record does not vouch for them). By default such a write makes
             the save fail at its commit, as a concurrent save into the same place would.
+        options: the three above as one ``SaveOptions`` (how doors built on ``save``
+            pass them); given, the three keywords must keep their defaults.
 
     Returns:
         None, or the AsyncRequest when ``async_sharded_save``.
@@ -185,8 +189,9 @@ def save(
     config = CheckpointingConfig(
         sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
     )
-    pipeline = SavePipeline.open(checkpoint_dir, group, overwrite=overwrite, reuse_from=reuse_from, config=config,
-                                 shared_directory=shared_directory)
+    pipeline = SavePipeline.open(
+        checkpoint_dir, group, _save_options(options, SaveOptions(overwrite, reuse_from, shared_directory)), config=config
+    )
 
     where = pipeline.describe()
     with progress_shown(progress and group.is_coordinator), operation("save", where, coordinator=group.is_coordinator) as timing:
@@ -199,7 +204,7 @@ def save(
             if not sharded_strategy.can_handle_sharded_objects:
                 validate_sharded_objects_handling(sharded_strategy, common_strategy)
             with stage("save: common", where):
-                error = _save_common(pipeline.pending, group, common_strategy, common_part, objects_part)
+                error = _save_common(pipeline.location, group, common_strategy, common_part, objects_part)
             if async_sharded_save:
                 return sharded_strategy.async_save_into(sharded_part, pipeline, plan, error)
             sharded_strategy.save_into(sharded_part, pipeline, plan, error)
@@ -213,6 +218,18 @@ def save(
             pipeline.unwind(exc)
             raise
     return None
+
+
+def _save_options(options: SaveOptions | None, keywords: SaveOptions) -> SaveOptions:
+    """``save``'s options: ``options`` when given (its keywords then at their defaults),
+    else the keywords'."""
+    if options is None:
+        return keywords
+    if keywords != SaveOptions():
+        raise CheckpointingException(
+            f"save() was given options={options} and also {keywords}: pass one or the other"
+        )
+    return options
 
 
 def save_preprocess(

@@ -1,16 +1,58 @@
-"""Helpers for trying shardstore without infrastructure: a local S3 server.
+"""Helpers for testing shardstore and its backends: a local S3 server, and the store
+conformance suite every backend passes.
 
-``LocalS3Server`` runs moto's S3 server (a real HTTP server, not a mock of boto
-calls) on 127.0.0.1 on a free port. It needs ``moto[server]`` (in shardstore's
-``test`` extra). The demo, the benchmark and the test suite use it.
+``LocalS3Server`` runs moto's S3 server (a real HTTP server, not a mock of boto calls)
+on 127.0.0.1 on a free port. It needs ``moto[server]`` (in shardstore's ``test``
+extra). The demo, the benchmark and the test suite use it.
+
+``StoreTests`` is what every ``shardstore.stores.base.Store`` must do, as
+``zarr.testing.store.StoreTests`` is for zarr's stores: bytes by key, listing and
+prefixes, atomic puts under a concurrent reader, capabilities, and a save published
+commit record last. A backend proves itself by subclassing it in a pytest module::
+
+    class TestMyStore(StoreTests):
+        store_type = MyStore
+
+        @pytest.fixture
+        def store(self, tmp_path) -> MyStore:
+            made = MyStore(...)  # fresh and empty: each test gets its own
+            made.prepare()
+            return made
+
+The class is not collected itself (its name does not start with ``Test``). Importing
+this module needs neither pytest nor moto; the tests import pytest when they run.
 """
 
 from __future__ import annotations
 
+__all__ = ["LocalS3Server", "StoreTests", "free_port"]
+
 import logging
 import os
 import socket
-from typing import Any
+import threading
+from types import ModuleType
+from typing import Any, ClassVar
+
+import torch
+
+from shardstore.format.integrity import verify
+from shardstore.format.records import COMMIT_RECORD, is_committed, read_commit_record
+from shardstore.mapping import ShardedTensor
+from shardstore.serialization import load, save
+from shardstore.stores.base import Location, StorageError, Store
+from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+
+# Characters a checkpoint key may hold (``format.records.check_key`` refuses only control
+# characters, backslashes, empty segments, "." and ".."), and names of our own files.
+ALLOWED_KEYS = [
+    "zarr.json",
+    "model/layer.0/weight/c.0.1",
+    "optim/exp_avg-sq_v2/zarr.json",
+    "names with spaces/and+plus=equals,comma;semi@at~tilde",
+    "unicode/grüße-ß-δ-日本",
+    "__objects__/shard.0.pt",
+]
 
 
 def free_port() -> int:
@@ -59,3 +101,217 @@ class LocalS3Server:
         """Points the standard AWS variables of this process (and its children) here."""
         os.environ.update(AWS_ENDPOINT_URL=self.endpoint, AWS_ACCESS_KEY_ID=self.key,
                           AWS_SECRET_ACCESS_KEY=self.secret, AWS_REGION=self.region)
+
+
+def _pytest() -> ModuleType:
+    """pytest, imported when a test runs, so that importing this module needs none."""
+    import pytest
+
+    return pytest
+
+
+def _fill(store: Store) -> None:
+    for key in ["a/x", "a/y/z", "ab/x", "a.json", "b"]:
+        store.put(key, key.encode())
+
+
+def _small_chunks() -> ZarrSaveShardedStrategy:
+    return ZarrSaveShardedStrategy(max_chunk_bytes=4096)
+
+
+def _state(fill: float = 1.0) -> dict:
+    # 64 chunks of 4 KiB: chunk I/O, not only small files, goes through the store
+    return {"w": ShardedTensor.from_rank_offsets("w", torch.full((64, 1024), fill)),
+            "b": ShardedTensor.from_rank_offsets("b", torch.arange(10, dtype=torch.float64))}
+
+
+class StoreTests:
+    """The conformance suite of ``Store``; subclass it once per backend (module docstring).
+
+    A subclass gives ``store_type`` (the ``Store`` subclass under test) and a pytest
+    fixture ``store`` returning a fresh, empty store of that type on which ``prepare()``
+    has been called. Every test here then runs on it.
+    """
+
+    store_type: ClassVar[type[Store]]
+
+    def pytest_generate_tests(self, metafunc: Any) -> None:
+        """Runs the key round trip once per allowed key (pytest calls this hook on a
+        test class; a decorator would need pytest at import)."""
+        if "key" in metafunc.fixturenames:
+            metafunc.parametrize("key", ALLOWED_KEYS)
+
+    def test_the_store_is_fresh_and_of_its_declared_type(self, store: Store) -> None:
+        assert isinstance(store, self.store_type), f"{type(store).__name__} is not a {self.store_type.__name__}"
+        assert store.list() == [], f"the store fixture gave a store holding {store.list()[:5]}"
+
+    # -------------------------------------------------------------- bytes by key
+
+    def test_get_returns_what_put_stored(self, store: Store) -> None:
+        store.put("a/b", b"value")
+        assert store.get("a/b") == b"value"
+
+    def test_put_replaces_the_whole_object(self, store: Store) -> None:
+        store.put("k", b"a longer first value")
+        store.put("k", b"short")
+        assert store.get("k") == b"short"
+
+    def test_missing_key_reads_as_none_and_does_not_exist(self, store: Store) -> None:
+        assert store.get("missing/key") is None
+        assert not store.exists("missing/key")
+        store.put("present", b"")
+        assert store.exists("present") and store.get("present") == b""
+
+    def test_get_refuses_an_object_over_its_size_cap(self, store: Store) -> None:
+        store.put("record", b"x" * 100)
+        assert store.get("record", max_bytes=100) == b"x" * 100
+        with _pytest().raises(StorageError, match="100|more than"):
+            store.get("record", max_bytes=99)
+
+    def test_keys_with_every_allowed_character_round_trip(self, store: Store, key: str) -> None:
+        store.put(key, key.encode())
+        assert store.get(key) == key.encode()
+        assert store.exists(key)
+        assert store.list() == [key]
+
+    def test_put_many_stores_every_object(self, store: Store) -> None:
+        objects = {f"objects/{i}.pt": bytes([i]) * i for i in range(20)}
+        store.put_many(objects)
+        assert store.list("objects") == sorted(objects)
+        assert all(store.get(k) == v for k, v in objects.items())
+
+    def test_delete_removes_one_key_and_ignores_a_missing_one(self, store: Store) -> None:
+        store.put("a", b"1")
+        store.put("b", b"2")
+        store.delete("a")
+        store.delete("never/there")
+        assert store.get("a") is None and store.get("b") == b"2"
+        assert store.list() == ["b"]
+
+    # -------------------------------------------------------------- listing and prefixes
+
+    def test_list_is_every_key_sorted_and_relative(self, store: Store) -> None:
+        _fill(store)
+        assert store.list() == ["a.json", "a/x", "a/y/z", "ab/x", "b"]
+
+    def test_list_under_a_prefix_is_that_directory_only(self, store: Store) -> None:
+        _fill(store)
+        assert store.list("a") == ["a/x", "a/y/z"]
+        assert store.list("nothing") == []
+
+    def test_list_dir_names_what_is_directly_under(self, store: Store) -> None:
+        _fill(store)
+        assert store.list_dir() == ["a", "a.json", "ab", "b"]
+        assert store.list_dir("a") == ["x", "y"]
+        assert store.list_dir("nothing") == []
+
+    def test_delete_prefix_removes_only_under_its_prefix(self, store: Store) -> None:
+        _fill(store)
+        store.delete_prefix("a")
+        assert store.list() == ["a.json", "ab/x", "b"]
+        store.delete_prefix("never/there")
+        assert store.list() == ["a.json", "ab/x", "b"]
+
+    def test_delete_prefix_of_the_root_empties_the_store(self, store: Store) -> None:
+        _fill(store)
+        store.delete_prefix("")
+        assert store.list() == [] and store.list_dir() == []
+
+    def test_list_after_delete_no_longer_names_the_key(self, store: Store) -> None:
+        _fill(store)
+        store.delete("a/y/z")
+        assert store.list() == ["a.json", "a/x", "ab/x", "b"]
+        assert not store.exists("a/y/z")
+
+    def test_child_is_the_directory_under_this_store(self, store: Store) -> None:
+        store.child("step1").put("zarr.json", b"{}")
+        assert store.list() == ["step1/zarr.json"]
+        assert store.child("step1").describe("zarr.json") == store.describe("step1/zarr.json")
+
+    # -------------------------------------------------------------- atomicity
+
+    def test_a_reader_never_sees_part_of_an_atomic_put(self, store: Store) -> None:
+        old, new = b"o" * 2**20, b"n" * 2**20
+        store.put_atomic("record", old)
+        seen: set[bytes | None] = set()
+        done = threading.Event()
+
+        def read() -> None:
+            while not done.is_set():
+                seen.add(store.get("record"))
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            for i in range(10):
+                store.put_atomic("record", new if i % 2 == 0 else old)
+        finally:
+            done.set()
+            reader.join()
+        assert seen <= {old, new} and seen
+        assert store.list() == ["record"]  # no temporary object is left behind
+
+    # -------------------------------------------------------------- capabilities
+
+    def test_capabilities_agree_with_what_the_store_offers(self, store: Store) -> None:
+        caps, access = store.capabilities, store.chunk_access()
+        assert caps.is_local_filesystem == (store.local_path() is not None)
+        assert caps.supports_rename == (store.publishing() is not None)
+        assert (access.local_root is not None) <= caps.is_local_filesystem
+
+    # -------------------------------------------------------------- publishing a save
+
+    def test_save_and_load_round_trip(self, store: Store) -> None:
+        location = Location(store)
+        save(_state(), location, _small_chunks())
+        loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(64, 1024)),
+                       "b": ShardedTensor.from_rank_offsets("b", torch.empty(10, dtype=torch.float64))}, location)
+        assert torch.equal(loaded["w"], torch.ones(64, 1024))
+        assert torch.equal(loaded["b"], torch.arange(10, dtype=torch.float64))
+        assert len(read_commit_record(location).arrays["w"].chunk_crcs or ()) == 64
+
+    def test_save_writes_the_commit_record_last_and_publishes_a_complete_checkpoint(
+        self, store: Store, monkeypatch: Any
+    ) -> None:
+        written: list[str] = []
+        inside = threading.local()  # a put that another logged put makes is not logged again
+        kind = type(store)
+
+        def logged_by(real, keys_of):
+            def logged(self, *args):
+                outermost = not getattr(inside, "depth", 0)
+                inside.depth = getattr(inside, "depth", 0) + 1
+                try:
+                    real(self, *args)
+                finally:
+                    inside.depth -= 1
+                if outermost:
+                    written.extend(keys_of(*args))
+
+            return logged
+
+        for name in ("put", "put_atomic"):
+            monkeypatch.setattr(kind, name, logged_by(getattr(kind, name), lambda key, data: [key]))
+        monkeypatch.setattr(kind, "put_many", logged_by(kind.put_many, lambda objects: list(objects)))
+        location = Location(store)
+        save(_state(), location, _small_chunks())
+        assert written[-1] == COMMIT_RECORD and written.count(COMMIT_RECORD) == 1
+        assert is_committed(location) and verify(location).ok
+
+    def test_a_save_that_fails_before_its_commit_publishes_nothing(self, store: Store, monkeypatch: Any) -> None:
+        def refuse(self, key: str, data: bytes) -> None:
+            raise StorageError(f"injected failure writing {key}")
+
+        monkeypatch.setattr(type(store), "put_atomic", refuse)
+        location = Location(store)
+        with _pytest().raises(Exception, match="injected failure"):
+            save(_state(), location, _small_chunks())
+        monkeypatch.undo()
+        assert not is_committed(location)
+
+    def test_overwrite_replaces_a_published_checkpoint_whole(self, store: Store) -> None:
+        location = Location(store)
+        save(_state(1.0), location, _small_chunks())
+        save(_state(2.0), location, _small_chunks(), overwrite=True)
+        loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(64, 1024))}, location)
+        assert torch.equal(loaded["w"], torch.full((64, 1024), 2.0)) and verify(location).ok

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+__all__ = [
+    "add_prefix_for_sharding", "apply_prefix_mapping", "debug_msg", "debug_time",
+    "extract_nonpersistent", "extract_sharded_base", "extract_sharded_tensors",
+    "extract_sharded_tensors_and_factories", "extract_sharded_tensors_or_nonpersistent",
+    "fallback_logger", "force_all_tensors_to_non_fp8", "holds_sharded_class", "local_sharded_items",
+    "logger_stack", "replace_prefix_for_sharding", "sharded_tensor_slots",
+    "sharded_values_in_common", "zip_strict",
+]
+
 import functools
 import logging
 import time

@@ -6,6 +6,13 @@ the load's plan).
 
 from __future__ import annotations
 
+__all__ = [
+    "StrictHandling", "adjust_non_strict_load", "determine_global_metadata",
+    "maybe_report_missing_and_unexpected_keys", "parse_strict_flag", "plan_load",
+    "reported_mismatches", "validate_common_state_dict", "validate_sharded_objects_handling",
+    "validate_sharding_integrity",
+]
+
 import logging
 from collections import defaultdict
 from collections.abc import Callable
@@ -15,9 +22,6 @@ from typing import Any
 
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import extract_matching_values, nested_values
-from shardstore.format.records import (
-    check_key,
-)
 from shardstore.mapping import (
     CommonStateDict,
     ShardedBase,
@@ -279,17 +283,3 @@ def reported_mismatches(
     if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
         maybe_report_missing_and_unexpected_keys(missing, unexpected, False, where)
     return missing, unexpected
-
-
-__all__ = [
-    "CommonStateDict",
-    "StrictHandling",
-    "adjust_non_strict_load",
-    "check_key",
-    "maybe_report_missing_and_unexpected_keys",
-    "parse_strict_flag",
-    "plan_load",
-    "validate_common_state_dict",
-    "validate_sharded_objects_handling",
-    "validate_sharding_integrity",
-]

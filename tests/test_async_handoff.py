@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from shardstore import CheckpointingException
-from shardstore.execution.save import SaveFinalization
+from shardstore.execution.pipeline import SaveFinalization
 from shardstore.strategies.async_utils import AsyncCallsQueue, AsyncRequest, Finalization
 
 
@@ -28,8 +28,8 @@ class Recorded:
 
 
 def test_shardstores_finalization_is_typed_and_a_plain_callable_is_not() -> None:
-    staged = SimpleNamespace(location=SimpleNamespace(describe=lambda: "/ckpt/a"))
-    assert isinstance(SaveFinalization(staged), Finalization)
+    pipeline = SimpleNamespace(describe=lambda: "/ckpt/a")
+    assert isinstance(SaveFinalization(pipeline), Finalization)
     assert isinstance(Recorded(), Finalization)
     assert not isinstance(lambda: None, Finalization)
 

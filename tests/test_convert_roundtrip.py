@@ -22,7 +22,7 @@ import torch
 
 import shardstore
 from shardstore import CheckpointingException, ShardedTensor, load_common_state_dict, save
-from shardstore.tools import convert_layout
+from shardstore.other_formats import layout as convert_layout
 from shardstore.tools.convert import from_torch_file, to_torch_file
 from shardstore.tools.dcp_storage import ShardstoreReader
 from shardstore.tools.manager import CheckpointManager

@@ -147,6 +147,19 @@ def test_replacing_a_checkpoint_beside_other_files_is_refused_naming_them(ckpt_d
     assert shardstore.load_common_state_dict(ckpt_dir)["w"].tolist() == [1.0] * 4
 
 
+def test_saving_again_into_the_same_directory_replaces_as_dcps_default_does(ckpt_dir: Path) -> None:
+    """DCP's FileSystemWriter overwrites by default; ShardstoreWriter too, atomically:
+    the first checkpoint stays whole until the second commits. overwrite=False refuses."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(4)}, storage_writer=ShardstoreWriter(ckpt_dir), no_dist=True)
+    dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=ShardstoreWriter(ckpt_dir), no_dist=True)
+    assert shardstore.load_common_state_dict(ckpt_dir)["w"].tolist() == [2.0] * 4
+    with pytest.raises(CheckpointException, match="already holds a committed checkpoint; pass overwrite=True"):
+        dcp.save({"w": torch.zeros(4)}, storage_writer=ShardstoreWriter(ckpt_dir, overwrite=False), no_dist=True)
+    assert shardstore.load_common_state_dict(ckpt_dir)["w"].tolist() == [2.0] * 4
+
+
 # ------------------------------------------------------------------ (b) another tool's checkpoint
 
 

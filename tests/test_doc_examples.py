@@ -278,7 +278,9 @@ def _fragment_id(page: str, fragment: Fragment) -> str:
 
 
 @pytest.mark.parametrize("page, fragment, block", _fragments(), ids=[_fragment_id(p, f) for p, f, _ in _fragments()])
-def test_page_blocks_run_as_written(tmp_path: Path, page: str, fragment: Fragment, block: str) -> None:
+def test_page_blocks_run_as_written(
+    tmp_path: Path, page: str, fragment: Fragment, block: str, request: pytest.FixtureRequest
+) -> None:
     if fragment.megatron_job and importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core not installed (it needs torch>=2.6: scripts/oldest_torch.sh below that)")
     ckpt = tmp_path / "ckpt" / "iter_0001000"
@@ -289,19 +291,12 @@ def test_page_blocks_run_as_written(tmp_path: Path, page: str, fragment: Fragmen
         if fragment.megatron_job else ("", "")
     (tmp_path / "block.py").write_text(_fragment_script(tmp_path, block, fragment.check + after, before))
     env = {**os.environ, "CKPT": str(ckpt)}
-    server = None
     if fragment.s3:
-        from shardstore.testing import LocalS3Server
-
-        server = LocalS3Server().start()
+        server = request.getfixturevalue("moto_server")  # the run's one
         server.create_bucket("my-bucket")
         env.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID=server.key,
                    AWS_SECRET_ACCESS_KEY=server.secret, AWS_REGION=server.region)
-    try:
-        _run(tmp_path / "block.py", fragment.ranks, ckpt, env=env, what=f"{page}: {fragment.marker}")
-    finally:
-        if server is not None:
-            server.stop()
+    _run(tmp_path / "block.py", fragment.ranks, ckpt, env=env, what=f"{page}: {fragment.marker}")
 
 
 # ------------------------------------------------ the DCP page's script

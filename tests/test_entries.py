@@ -19,6 +19,7 @@ from shardstore.format.commit import (
     InPlace,
     IntoCallersDirectory,
     PendingCheckpoint,
+    SaveOptions,
     adopt_save,
     begin_save,
     publisher_for,
@@ -93,13 +94,50 @@ def test_a_save_opens_its_target_once_and_its_reuse_source_once(tmp_path: Path, 
     assert read_commit_record(open_location(tmp_path / "next")).reused_from is not None  # issue 32 kept
 
 
+def test_a_save_walks_the_state_dict_once_and_sets_nothing_on_its_pending_save(tmp_path: Path, monkeypatch) -> None:
+    """Issue 43.1: the split walks the state dict; the strategy writes the tensors the
+    pipeline planned (no second walk, no relinking by position across walks); the pending
+    save's facts are all given at construction."""
+    import shardstore.serialization as serialization
+    import shardstore.strategies.zarr as zarr_strategy
+
+    walks, sets = [], []
+    real_flatten, real_items = serialization.flatten, zarr_strategy.local_sharded_items
+    monkeypatch.setattr(serialization, "flatten", lambda *a, **k: walks.append("split") or real_flatten(*a, **k))
+    monkeypatch.setattr(zarr_strategy, "local_sharded_items",
+                        lambda *a, **k: walks.append("strategy") or real_items(*a, **k))
+    real_setattr = PendingCheckpoint.__setattr__
+
+    def recording_setattr(self, name, value):
+        if "location" in self.__dict__:  # constructed: its last public fact is set
+            sets.append(name)
+        real_setattr(self, name, value)
+
+    monkeypatch.setattr(PendingCheckpoint, "__setattr__", recording_setattr)
+    save(_state(), tmp_path / "sync")
+    save(_state(), tmp_path / "async", async_sharded_save=True).execute_sync()
+    save(_state(2.0), tmp_path / "next", reuse_from=tmp_path / "sync", shared_directory=True)
+    assert walks == ["split"] * 3
+    assert [name for name in sets if not name.startswith("_")] == []
+    assert torch.equal(ZarrLoadShardedStrategy().load(_state(0.0), tmp_path / "next")["w"], torch.full((4, 3), 2.0))
+
+
+def test_save_takes_its_options_as_one_object_or_as_keywords_not_both(tmp_path: Path) -> None:
+    options = shardstore.SaveOptions(overwrite=True)
+    save(_state(), tmp_path / "ckpt")
+    save(_state(3.0), tmp_path / "ckpt", options=options)
+    assert torch.equal(ZarrLoadShardedStrategy().load(_state(0.0), tmp_path / "ckpt")["w"], torch.full((4, 3), 3.0))
+    with pytest.raises(CheckpointingException, match="pass one or the other"):
+        save(_state(), tmp_path / "ckpt", options=options, shared_directory=True)
+
+
 def test_the_publisher_comes_from_the_store_and_is_held_by_the_save(tmp_path: Path) -> None:
     local, memory = open_location(tmp_path / "ckpt"), open_location("memory://entries/ckpt")
     assert isinstance(publisher_for(local.capabilities), ByRename)
     assert isinstance(publisher_for(memory.capabilities), InPlace)
-    pending = begin_save(memory, overwrite=False)
+    pending = begin_save(memory, SaveOptions())
     try:
-        assert isinstance(pending.publisher, InPlace) and adopt_save(pending) is pending
+        assert isinstance(pending.publisher, InPlace) and adopt_save(pending.location) is pending
     finally:
         pending.abandon()
     assert isinstance(SavePipeline.open(tmp_path / "ckpt").publisher, ByRename)
@@ -240,5 +278,5 @@ def test_only_the_entries_turn_a_path_into_a_location() -> None:
     count_doors = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(count_doors)
     assert count_doors.counts() == {
-        "open_location calls": 7, "tools imports of lower layers": 4, "location subclass probes": 0,
+        "open_location calls": 6, "tools imports of lower layers": 4, "location subclass probes": 0,
     }

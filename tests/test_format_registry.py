@@ -1,8 +1,10 @@
-"""One registry of other tools' checkpoint formats (issue 24.3): every registered
-format tells its own checkpoints from everything else, cheaply, and a format registered
-from outside (one class here, one ``register`` call) is read by ``load``, named by the
-errors about a directory without a commit record, and taken by the command's
-``inspect`` and ``convert``, with no other change anywhere."""
+"""One registry of other tools' formats, checkpoint directories and model files alike:
+every registered format tells its own checkpoints or files from everything else,
+cheaply; a checkpoint format registered from outside (one class here, one ``register``
+call) is read by ``load``, named by the errors about a directory without a commit
+record, and taken by the command's ``inspect`` and ``convert``; a model-file format
+registered so is found by the lookup ``convert`` and the command use, and converted,
+with no other change anywhere."""
 
 from __future__ import annotations
 
@@ -20,14 +22,22 @@ from shardstore import ShardedTensor, load, load_tensors_metadata, save
 from shardstore.errors import CheckpointingException
 from shardstore.opened import other_format_of
 from shardstore.other_formats import registry
-from shardstore.other_formats.base import OtherCheckpoint, OtherFormat, OtherTensor
+from shardstore.other_formats.base import (
+    ExportSource,
+    FileFormat,
+    Format,
+    OtherCheckpoint,
+    OtherFormat,
+    OtherTensor,
+    TensorSpec,
+)
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 from shardstore.tools.cli import main
 from tests.fixtures.legacy.make_megatron014 import TORCH_DIST as MEGATRON_014_TORCH_DIST
 from tests.fixtures.legacy.make_megatron014 import ZARR as MEGATRON_014_ZARR
 
-BUILT_IN = ("torch_dist", "zarr", "dcp")
+BUILT_IN = ("torch_dist", "zarr", "dcp", "safetensors", "torch")
 
 
 def _dcp_checkpoint(path: Path) -> Path:
@@ -53,9 +63,35 @@ def _samples(tmp_path: Path) -> dict[str, Path]:
         "torch_dist": MEGATRON_014_TORCH_DIST,
         "zarr": MEGATRON_014_ZARR,
         "dcp": _dcp_checkpoint(tmp_path / "dcp"),
+        "safetensors": _safetensors_model(tmp_path / "hf"),
         "shardstore": _shardstore_checkpoint(tmp_path / "ours"),
         "empty directory": empty,
         "other directory": folder,
+        "other file": folder / "notes.txt",
+    }
+
+
+def _safetensors_model(path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    save_file({"w": torch.ones(2)}, path / "model.safetensors")
+    return path
+
+
+def _file_samples(tmp_path: Path) -> dict[str, list[Path]]:
+    """Model files of each built-in file format (by its name), however they are named."""
+    tmp_path.mkdir(exist_ok=True)
+    torch.save({"w": torch.ones(2)}, tmp_path / "model.pt")
+    torch.save({"w": torch.ones(2)}, tmp_path / "model.ckpt")  # no suffix of its own: its contents say
+    torch.save({"w": torch.ones(2)}, tmp_path / "legacy", _use_new_zipfile_serialization=False)
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, tmp_path / "w.safetensors")
+    return {
+        "torch": [tmp_path / "model.pt", tmp_path / "model.ckpt", tmp_path / "legacy"],
+        "safetensors": [tmp_path / "w.safetensors", _safetensors_model(tmp_path / "hf")],
     }
 
 
@@ -66,16 +102,33 @@ def test_every_registered_format_has_a_sample_here() -> None:
 
 @pytest.mark.parametrize("name", BUILT_IN)
 def test_each_format_detects_its_own_checkpoints_and_no_others(tmp_path: Path, name: str) -> None:
-    other_format = registry.named(name)
+    found = registry.named(name)
     for sample, path in _samples(tmp_path).items():
-        assert other_format.detect(open_location(path)) == (sample == name), (name, sample)
+        assert found.detect(open_location(path)) == (sample == name), (name, sample)
+    for sample, paths in _file_samples(tmp_path / "files").items():
+        for path in paths:
+            assert found.detect(open_location(path)) == (sample == name), (name, path)
+
+
+def test_the_lookup_names_each_kind_of_format_once(tmp_path: Path) -> None:
+    """``load`` asks for checkpoint formats, ``convert`` for file formats first: a
+    Hugging Face model is one of the latter, never a checkpoint ``load`` reads."""
+    files = _file_samples(tmp_path)
+    for name, paths in files.items():
+        for path in paths:
+            assert registry.detect(open_location(path), FileFormat) is registry.named(name), path
+            assert registry.detect(open_location(path), OtherFormat) is None, path
+    assert other_format_of(open_location(files["safetensors"][1])) is None
+    dcp_path = _dcp_checkpoint(tmp_path / "dcp")
+    assert registry.detect(open_location(dcp_path), Format) is registry.named("dcp")
+    assert registry.detect(open_location(dcp_path), FileFormat) is None
 
 
 def test_detection_reads_no_pickle(tmp_path: Path) -> None:
     """A ``.metadata`` that is no pickle at all is still DCP's by its name; what it holds
     is the reader's to refuse, when it is opened."""
     (tmp_path / ".metadata").write_bytes(b"\x80\x05 not a pickle")
-    assert registry.detect(open_location(tmp_path)) is registry.named("dcp")
+    assert registry.detect(open_location(tmp_path), OtherFormat) is registry.named("dcp")
     with pytest.raises(CheckpointingException, match="not valid PyTorch DCP metadata"):
         load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(2))}, tmp_path)
 
@@ -149,13 +202,77 @@ def test_the_command_inspects_a_registered_format(toy: Path) -> None:
     assert code == 0 and json.loads(out)["kind"] == "toy"
 
 
-def test_the_command_converts_a_registered_format(toy: Path, tmp_path: Path) -> None:
-    code, out, err = _run("convert", "--json", str(toy), str(tmp_path / "converted"))
+def _command_converts(source: Path, tmp_path: Path, name: str, values: list[float]) -> None:
+    """The command converts ``source``, of the format ``name``, into a verified
+    checkpoint and into a ``.pt`` file, both holding ``values`` as ``layer/w``."""
+    code, out, err = _run("convert", "--json", str(source), str(tmp_path / "converted"))
     assert code == 0, err
     report = json.loads(out)
-    assert report["source_format"] == "toy" and report["verify"]["ok"] is True
-    loaded = load({"w": ShardedTensor.from_rank_offsets("layer/w", torch.empty(4))}, tmp_path / "converted")
-    assert loaded["w"].tolist() == [1.5, 2.5, 3.5, 4.5]
-    code, _, err = _run("convert", str(toy), str(tmp_path / "model.pt"))
+    assert report["source_format"] == name and report["verify"]["ok"] is True
+    request = {"w": ShardedTensor.from_rank_offsets("layer/w", torch.empty(len(values)))}
+    assert load(request, tmp_path / "converted")["w"].tolist() == values
+    code, _, err = _run("convert", str(source), str(tmp_path / "model.pt"))
     assert code == 0, err
-    assert torch.load(tmp_path / "model.pt", weights_only=True)["layer"]["w"].tolist() == [1.5, 2.5, 3.5, 4.5]
+    assert torch.load(tmp_path / "model.pt", weights_only=True)["layer"]["w"].tolist() == values
+
+
+def test_the_command_converts_a_registered_format(toy: Path, tmp_path: Path) -> None:
+    _command_converts(toy, tmp_path, "toy", [1.5, 2.5, 3.5, 4.5])
+
+
+# --------------------------------------------------------------- a new file format is one module
+
+
+TOY_SUFFIX = ".toyw"
+
+
+def _toy_holds(location: Location) -> bool:
+    local = location.local_path()
+    return local is not None and local.is_file() and local.name.endswith(TOY_SUFFIX)
+
+
+def _toy_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A model-file format of another tool, all of it: JSON of each tensor's values."""
+    return {k: torch.tensor(v, dtype=torch.float32) for k, v in json.loads(path.read_text()).items()}
+
+
+def _toy_open(path: Path) -> ExportSource:
+    tensors = _toy_tensors(path)
+    return ExportSource(
+        {k: TensorSpec.of(t) for k, t in sorted(tensors.items())},
+        lambda keys, _: ((k, tensors[k]) for k in keys), dict, lambda key: tuple(key.split("/")),
+    )
+
+
+def _toy_state(path: Path) -> dict[str, Any]:
+    return {k: ShardedTensor.from_rank_offsets(k, t) for k, t in _toy_tensors(path).items()}
+
+
+@pytest.fixture
+def toy_file(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / f"weights{TOY_SUFFIX}"
+    path.write_text(json.dumps({"layer/w": [1.5, 2.5], "layer/b": [0.5]}))
+    assert registry.detect(open_location(path), FileFormat) is None  # unknown until registered
+    entry = registry.register(FileFormat("toyw", "a toy weights file", _toy_holds, _toy_open, _toy_state, (TOY_SUFFIX,)))
+    yield path
+    registry.FORMATS.remove(entry)
+
+
+def test_a_registered_file_format_is_found_by_the_lookup_convert_uses(toy_file: Path) -> None:
+    from shardstore.tools.convert import source_kind
+
+    assert registry.detect(open_location(toy_file), FileFormat) is registry.named("toyw")
+    assert registry.detect(open_location(toy_file), OtherFormat) is None  # load does not read it
+    assert source_kind(toy_file) == "toyw"
+
+
+def test_the_command_converts_a_registered_file_format(toy_file: Path, tmp_path: Path) -> None:
+    _command_converts(toy_file, tmp_path, "toyw", [1.5, 2.5])
+
+
+def test_a_file_of_no_registered_format_is_named_as_such(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("a user's own notes")
+    code, _, err = _run("convert", str(tmp_path / "notes.txt"), str(tmp_path / "out"))
+    assert code == 2 and "is a file of no format shardstore converts" in err, err
+    assert "a torch.save file (*.pt, *.pth, *.bin)" in err and "a safetensors model (*.safetensors)" in err, err
+    assert not (tmp_path / "out").exists()

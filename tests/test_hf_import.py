@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from shardstore import CheckpointingException, load_plain_tensors
 from shardstore.tools.convert import from_safetensors
-from shardstore.tools.model_files import SAFETENSORS_INDEX
+from shardstore.other_formats.model_files import SAFETENSORS_INDEX
 from tests.test_cli import run
 
 WEIGHT, BIAS = torch.arange(12.0).reshape(3, 4), torch.ones(4)
@@ -123,7 +123,7 @@ def test_an_index_naming_a_missing_file_says_which(tmp_path: Path) -> None:
 
 
 def test_a_huge_index_is_refused_without_reading_it_whole(tmp_path: Path, monkeypatch) -> None:
-    from shardstore.tools import model_files
+    from shardstore.other_formats import model_files
 
     monkeypatch.setattr(model_files, "MAX_INDEX_BYTES", 64)
     error = _import_within(_model(tmp_path / "model"), tmp_path / "ckpt")

@@ -3,6 +3,7 @@ named by array key and chunk (or by file)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -76,3 +77,19 @@ def test_verify_of_an_incomplete_checkpoint_reports_it(ckpt_dir: Path) -> None:
     assert not report.ok and "incomplete" in str(report)
     with pytest.raises(CheckpointingException, match="incomplete"):
         report.raise_if_damaged()
+
+
+@pytest.mark.parametrize(("codecs", "found"), [
+    ([{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c", "configuration": {}}], False),
+    ([{"name": "bytes", "configuration": {"endian": "big"}}, {"name": "crc32c"}], True),
+])
+def test_verify_reads_an_arrays_codecs_as_the_codec_they_name(ckpt_dir: Path, codecs: list, found: bool) -> None:
+    """Another spelling of the same codecs is no finding; other codecs are, since plain
+    readers would decode the chunks otherwise than load does."""
+    save(_state(), ckpt_dir)
+    path = ckpt_dir / "enc" / "w" / "zarr.json"
+    document = json.loads(path.read_bytes())
+    path.write_text(json.dumps({**document, "codecs": codecs}))
+    report = verify(ckpt_dir)
+    assert report.ok is not found, str(report)
+    assert found == any(p.key == "enc/w/zarr.json" and "codecs" in p.message for p in report.problems), str(report)

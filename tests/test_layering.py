@@ -185,3 +185,14 @@ def test_the_code_layout_page_names_every_package() -> None:
     for package in packages:
         assert f"  {package}/" in layout, f"docs/code-layout.md lacks {package}/"
         assert f"`{package}`" in design, f"shardstore/DESIGN.md does not describe {package}"
+
+
+def test_chunk_io_leaves_the_stored_layout_to_the_codecs() -> None:
+    """Issue 43.3: ``format/chunks.py`` moves chunks; how one is laid out and checked
+    (the crc32c trailer) is its codec's (``format/codecs.py``): chunks.py imports no
+    crc32c and packs or unpacks no integer into bytes."""
+    tree = ast.parse((ROOT / "format" / "chunks.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    packing = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in {"to_bytes", "from_bytes"}]
+    assert "crc32c" not in imported and packing == []

@@ -17,7 +17,7 @@ from shardstore import ShardedTensor, load, remove_sharded_tensors, save, verify
 from shardstore.stores.base import StorageError
 from shardstore.stores.locations import open_store
 
-BACKENDS = ["local", "s3", "memory"]
+BACKENDS = ["local", pytest.param("s3", marks=pytest.mark.integration), "memory"]  # s3: the session's server
 BUCKET = "literal"
 # (the checkpoint saved with glob characters, the one its pattern would match)
 NEIGHBOURS = [("run[1]", "run1"), ("run?", "runA"), ("run*", "run_x")]

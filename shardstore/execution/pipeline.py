@@ -4,9 +4,11 @@ Every door that writes a shardstore checkpoint (``shardstore.save``, the array w
 of conversions, the DCP writer, the Megatron-Core plug-in) opens ONE pipeline at its API
 boundary and calls its steps, in this order (who calls each)::
 
-    all ranks    SavePipeline.open(checkpoint_dir, group, overwrite=, reuse_from=, config=)
-                 the one place a save's target (and the checkpoint it reuses from)
-                 is opened; the publisher follows from the target's capabilities
+    all ranks    SavePipeline.open(checkpoint_dir, group, options, config=)
+                 the one place a save's target (and ``options.reuse_from``, the
+                 checkpoint it reuses from) is opened; ``options`` (``SaveOptions``:
+                 overwrite, reuse, shared directory) come whole from the door; the
+                 publisher follows from the target's capabilities
                  (``format.commit.publisher_for``: rename locally, in place on S3)
              or  SavePipeline.into_callers_directory(checkpoint_dir, group)
                  a directory the caller created and wrote into (Megatron-Core's own
@@ -22,10 +24,11 @@ boundary and calls its steps, in this order (who calls each)::
                  staging area and its marker, writes ``metadata.json``
     all ranks    join(intent) -> PendingCheckpoint   (the coordinator's own pending)
     all ranks    write_arrays(records, ops) -> list[WrittenChunk]
-                 whole chunks into ``pending`` (shared with the checkpoint reused
-                 from where unchanged); or the strategies' staged writes
-                 (``execution.save.stage_save``/``write_staged``) into ``pending``;
-                 or write_plan(plan, blocks): a rank's part of a plan it was handed
+                 whole chunks into ``location`` (shared with the checkpoint reused
+                 from where unchanged); or stage(tensors, plan, staging) then
+                 write_staged() (the strategies; an async save's I/O) and finalize(error)
+                 (its collective commit); or write_plan(plan, blocks): a rank's part of
+                 a plan it was handed
     coordinator  commit(record, reports) -> CommitRecord
                  ``execution.save.commit_save``: the ONLY place that binds the chunks'
                  crc32c and XXH3-128 digests and the reused chunks into the commit record
@@ -33,16 +36,18 @@ boundary and calls its steps, in this order (who calls each)::
     on failure   abandon() (coordinator, once every rank knows) or release() (a rank
                  that lets go without deleting anything)
 
-A save that runs its commit as a collective stage (``execution.save.finalize_save``:
-every rank's written chunks gathered to the coordinator) reaches ``commit_save`` too;
+A save that runs its commit as a collective stage (``finalize``, through
+``execution.save.finalize_save``: every rank's written chunks gathered to the
+coordinator) reaches ``commit_save`` too;
 ``SavePipeline.commit`` is for doors that gathered the reports themselves (DCP's
 ``finish``) or write from one process (``tools.array_writer``).
 
 The doors, as adapters over it (issue 31.1)::
 
     shardstore.save          SavePipeline.open -> plan (begins, joins) -> the strategy's
-                             save_into / async_save_into (strategies.base; ours stages and
-                             writes into ``pipeline.pending``; finalize_save -> commit_save)
+                             save_into / async_save_into (strategies.base; ours stages
+                             the tensors ``plan`` was given, writes into
+                             ``pipeline.location``; finalize -> commit_save)
     ZarrSaveShardedStrategy  save_with_plan / async_save_with_plan / async_save (the seed's
       seed signatures        signatures, a path): its into_callers_directory (this class's
                              on its process group), plan_into (plan with its plan_save and
@@ -53,14 +58,14 @@ The doors, as adapters over it (issue 31.1)::
                              the plan, begin); each rank's RankSave (intent and plan) travels
                              in its SavePlan. write_data (all ranks): open + join(intent)
                              off the coordinator, write_plan, release() off the coordinator.
-                             finish (coordinator): common.pt into ``pending``, then
+                             finish (coordinator): common.pt into ``location``, then
                              commit(commit_record, reports); abandon() on failure.
     Megatron plug-in         _plan: base_strategy.into_callers_directory(checkpoint_dir) and
                              base_strategy.plan_into(sd, pipeline), as the seed signatures; save:
                              base_strategy.save_into(sd, pipeline, plan); async_save:
                              base_strategy.async_save_into(...) as Megatron's request
                              (``strategies.forked_writes``: its finalization commits
-                             through finalize_save -> commit_save)
+                             through finalize -> commit_save)
     shardstore.megatron      Megatron-Core's module functions: shardstore.save / load
 
 Reads open once with ``shardstore.opened.open_read`` (its ``require_record()`` replaces
@@ -79,13 +84,23 @@ import numpy as np
 import torch
 
 from shardstore.errors import CheckpointingException
-from shardstore.execution.save import WriteOp, commit_save, metadata_files, write_ops
+from shardstore.execution.save import (
+    StagedWrites,
+    Staging,
+    WriteOp,
+    commit_save,
+    finalize_save,
+    metadata_files,
+    stage_save,
+    write_ops,
+)
 from shardstore.execution.staging import to_host
-from shardstore.format.chunks import DEFAULT_IO_CONCURRENCY, WrittenChunk
+from shardstore.format.chunks import DEFAULT_IO_CONCURRENCY, DEFAULT_IO_THREADS, WrittenChunk
 from shardstore.format.commit import (
     PendingCheckpoint,
     Publisher,
     SaveIntent,
+    SaveOptions,
     adopt_save,
     begin_save,
     check_shared,
@@ -130,51 +145,61 @@ def _host_array(tensor: torch.Tensor) -> np.ndarray:
 
 
 class SavePipeline:
-    """One save of one checkpoint (module docstring: the steps and who calls them).
+    """One save of one checkpoint (module docstring: the steps and who calls them): the
+    one object that holds a save's state on a rank. What the save may do is fixed when
+    it is opened (``options``); what it decided when it began is its ``pending``
+    checkpoint's; what this rank staged and wrote is kept here until the commit.
 
     Attributes:
         target: where the checkpoint is published (opened once, here).
         group: the ranks that save together.
+        options: how the save may treat its target (``format.commit.SaveOptions``,
+            ``reuse_from`` opened).
         publisher: how it is published, chosen from the target's capabilities.
-        written: the chunks this rank wrote through ``write_arrays``.
+        written: the chunks this rank wrote (what its writers reported).
     """
 
     def __init__(
-        self, target: Location, group: Group, *, overwrite: bool = False, reuse_from: Location | None = None,
+        self, target: Location, group: Group, options: SaveOptions | None = None,
         config: CheckpointingConfig | None = None, pending: PendingCheckpoint | None = None,
-        shared_directory: bool = False,
     ) -> None:
-        self.target, self.group, self.overwrite = target, group, overwrite
-        self.shared_directory = shared_directory
-        self.reuse_from, self.config = reuse_from, config
+        self.target, self.group, self.config = target, group, config
+        self.options = options or SaveOptions()
         self._pending = pending
         self.publisher: Publisher = pending.publisher if pending is not None else publisher_for(target.capabilities)
         self.written: list[WrittenChunk] = []
+        self._planned: list[ShardedTensor] | None = None  # the tensors ``plan`` was given, in its order
+        self._staged: StagedWrites | None = None
+        self._commit_record: CommitRecord | None = None  # the coordinator's, from its plan
+
+    def __getstate__(self) -> dict:
+        """What a writer in another process needs (Megatron's persistent worker pickles
+        the request): the staged host copies, not the caller's tensors."""
+        return {**self.__dict__, "_planned": None}
 
     @classmethod
     def open(
-        cls, checkpoint_dir: Target, group: Group | None = None, *, overwrite: bool = False,
-        reuse_from: Target | None = None, config: CheckpointingConfig | None = None, shared_directory: bool = False,
+        cls, checkpoint_dir: Target, group: Group | None = None, options: SaveOptions | None = None, *,
+        config: CheckpointingConfig | None = None,
     ) -> SavePipeline:
         """A save into ``checkpoint_dir`` (path, URL or Location), staged and published by
-        the rules of ``format.commit``; ``reuse_from``: an earlier committed checkpoint
-        whose unchanged chunks it shares; ``config``: written as ``metadata.json``;
-        ``shared_directory``: other programs may write into the target while the save
-        runs (``format.commit.begin_save``); ``group``: default, this process alone (no
-        collectives)."""
-        source = open_location(reuse_from) if reuse_from is not None else None
-        return cls(open_location(checkpoint_dir), group or Group.local(), overwrite=overwrite, reuse_from=source,
-                   config=config, shared_directory=shared_directory)
+        the rules of ``format.commit``, as ``options`` allow (``options.reuse_from``, an
+        earlier committed checkpoint whose unchanged chunks it shares, is opened here);
+        ``config``: written as ``metadata.json``; ``group``: default, this process alone
+        (no collectives)."""
+        opened = (options or SaveOptions()).opened(open_location)
+        return cls(open_location(checkpoint_dir), group or Group.local(), opened, config)
 
     @classmethod
     def into_callers_directory(cls, checkpoint_dir: Target, group: Group | None = None) -> SavePipeline:
         """A save into a directory the caller created and already wrote into
         (Megatron-Core's ``save``, the seed's strategy API called directly): joined at
-        once, published in place, nothing there ever deleted. Handed the pending
-        checkpoint of a save this process began or joined (the strategies' API passes it
-        down as a Location), it is that save's (``format.commit.adopt_save``)."""
+        once, published in place, nothing there ever deleted. Handed the location of a
+        save this process began or joined (the strategies' API passes
+        ``SavePipeline.location`` down as a checkpoint directory), it is that save's
+        (``format.commit.adopt_save``)."""
         pending = adopt_save(open_location(checkpoint_dir))
-        return cls(pending.target, group or Group.local(), pending=pending)
+        return cls(pending.target, group or Group.local(), pending.options, pending=pending)
 
     def describe(self, rel: str = "") -> str:
         return self.target.describe(rel)
@@ -187,8 +212,20 @@ class SavePipeline:
         return self._pending
 
     @property
+    def location(self) -> Location:
+        """Where this rank writes (``PendingCheckpoint.location``; after ``begin`` or ``join``)."""
+        return self.pending.location
+
+    @property
     def begun(self) -> bool:
         return self._pending is not None
+
+    @property
+    def planned_tensors(self) -> list[ShardedTensor] | None:
+        """The ShardedTensors ``plan`` was given, which this rank's part of the plan
+        numbers (``ShardRecord.index``); None when this pipeline did not plan (a plan
+        handed in from elsewhere, the seed's ``save_with_plan``)."""
+        return self._planned
 
     # ------------------------------------------------------------------ steps
 
@@ -197,10 +234,10 @@ class SavePipeline:
         ours to replace, creates the staging area) and writes its ``metadata.json``; on
         failure deletes what it created and raises."""
         with stage("save: begin", self.describe()):
-            pending = begin_save(self.target, self.overwrite, self.reuse_from, self.shared_directory)
+            pending = begin_save(self.target, self.options)
             try:
                 if self.config is not None:
-                    write_config(self.config, pending)
+                    write_config(self.config, pending.location)
             except BaseException:
                 pending.abandon()
                 raise
@@ -219,7 +256,7 @@ class SavePipeline:
         """Every rank: the pending checkpoint of the save the coordinator began (its own
         on the coordinator)."""
         if self._pending is None:
-            self._pending = join_save(self.target, intent, self.reuse_from)
+            self._pending = join_save(self.target, intent, self.options)
         return self._pending
 
     def plan(
@@ -231,7 +268,10 @@ class SavePipeline:
         the save begun on the coordinator once the plan is made and joined on every rank.
         Keys the target cannot store, an invalid global sharding and any rank's
         ``local_error`` fail every rank before anything is written, and so does a store
-        the ranks cannot share (``format.commit.check_shared``: ``memory://``)."""
+        the ranks cannot share (``format.commit.check_shared``: ``memory://``). The
+        pipeline keeps ``tensors`` (``planned_tensors``): the state dict is not walked
+        again to write them."""
+        self._planned = tensors
         if local_error is None:
             try:
                 check_shared(self.target, self.group.world_size)
@@ -280,10 +320,60 @@ class SavePipeline:
         ``zarr.json`` files, every chunk, then durability, before the rank reports what
         it wrote."""
         ops = [WriteOp(s.key, s.region, _host_array(blocks[s.index]).reshape(s.block_shape)) for s in plan.shards]
-        self.pending.write_many(metadata_files(plan))
-        written = self.write_arrays(plan.records, ops, io_concurrency)
-        self.pending.make_durable()
+        return self._write(metadata_files(plan), plan.records, ops, io_concurrency)
+
+    def stage(
+        self, tensors: list[ShardedTensor], plan: RankSavePlan, staging: Staging,
+        local_error: BaseException | None = None,
+    ) -> None:
+        """Collective: this rank's host copies of ``tensors`` for its part of ``plan``
+        (``execution.save.stage_save``), kept for ``write_staged``; an async save's
+        blocking part."""
+        with stage("save: stage", self.describe()):
+            staged = stage_save(tensors, self.pending, plan, self.group, staging, local_error)
+        self._staged, self._commit_record = staged, plan.commit
+        self.written += staged.written_early
+
+    def write_staged(self, io_concurrency: int = DEFAULT_IO_CONCURRENCY, io_threads: int = DEFAULT_IO_THREADS) -> None:
+        """This rank's I/O of what ``stage`` staged (an async save's ``async_fn``):
+        metadata files, every chunk write in flight, then durability."""
+        staged = self._require_staged()
+        self._write(staged.metadata_files, staged.records, staged.ops, io_concurrency, io_threads)
+
+    def _write(
+        self, files: dict[str, bytes], records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int,
+        io_threads: int = DEFAULT_IO_THREADS,
+    ) -> list[WrittenChunk]:
+        where = self.describe()
+        with stage("save: write", where) as timing:
+            self.location.write_many(files)
+            written = self.write_arrays(records, ops, io_concurrency, io_threads)
+            timing.nbytes = sum(op.value.nbytes for op in ops)
+        with stage("save: durable", where):
+            self.location.make_durable()
         return written
+
+    def reported_by_writer(self, written: list[WrittenChunk]) -> None:
+        """What a writer in another process wrote for this rank (``strategies.
+        forked_writes``), in place of what this process wrote itself."""
+        self.written = list(written)
+
+    def finalize(self, error: BaseException | None) -> None:
+        """Collective: the commit of a staged save (``execution.save.finalize_save``),
+        given this rank's ``error`` from the writes; the host copies are let go first."""
+        staged, self._staged = self._require_staged(), None
+        if staged.snapshot is not None:
+            staged.snapshot.release()
+        finalize_save(self.pending, self.group, self._commit_record, self.written, error)
+
+    def finalization(self) -> SaveFinalization:
+        """The ``AsyncRequest`` finalization of the staged save."""
+        return SaveFinalization(self)
+
+    def _require_staged(self) -> StagedWrites:
+        if self._staged is None:
+            raise CheckpointingException(f"Internal error: the save into {self.describe()} was not staged")
+        return self._staged
 
     def check_storable(self, tensors: list[ShardedTensor], objects: list[ShardedObject]) -> None:
         """A save's key check (``planning.checks.check_storable_keys``, the target's name
@@ -296,16 +386,17 @@ class SavePipeline:
     def write_array(self, record: ArrayRecord, value: np.ndarray) -> list[WrittenChunk]:
         """One process: the whole array ``record`` (its ``zarr.json``, then every chunk)
         from ``value`` (host memory, the array's shape)."""
-        self.pending.write_bytes(f"{record.key}/{ZARR_JSON}", json.dumps(record.zarr_metadata()).encode())
+        self.location.write_bytes(f"{record.key}/{ZARR_JSON}", json.dumps(record.zarr_metadata()).encode())
         whole = region_at((0,) * len(record.shape), record.shape)
         return self.write_arrays({record.key: record}, [WriteOp(record.key, whole, value)])
 
     def write_arrays(
         self, records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+        io_threads: int = DEFAULT_IO_THREADS,
     ) -> list[WrittenChunk]:
         """This rank's whole-chunk writes into the save (``execution.save.write_ops``);
         what the writers report is kept in ``written`` for the commit."""
-        chunks = write_ops(self.pending, records, ops, io_concurrency)
+        chunks = write_ops(self.pending, records, ops, io_concurrency, io_threads)
         self.written += chunks
         return chunks
 
@@ -335,4 +426,28 @@ class SavePipeline:
             self.abandon()
         else:
             self.release()
+
+
+@dataclass(frozen=True)
+class SaveFinalization:
+    """The ``AsyncRequest`` finalization of a staged save (``strategies.async_utils.
+    Finalization``): ``finalize(error)`` commits under the ``save: commit`` stage, given
+    the background writer's error; ``abort()`` only releases what the save holds."""
+
+    pipeline: SavePipeline
+
+    @property
+    def checkpoint(self) -> str:
+        return self.pipeline.describe()
+
+    def finalize(self, error: BaseException | None) -> None:
+        """Collective: ``SavePipeline.finalize``."""
+        with stage("save: commit", self.checkpoint):
+            self.pipeline.finalize(error)
+
+    def abort(self) -> None:
+        """Local, no agreement: releases the save's descriptors and lock, so the next
+        save into the same place sees a dead save and removes its files (deleting them
+        here could race with other ranks still writing)."""
+        self.pipeline.release()
 

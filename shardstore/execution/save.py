@@ -10,14 +10,15 @@ The stages (``strategies.zarr.ZarrSaveShardedStrategy`` runs them)::
                            straddling pieces (collective)                 ``stage_save``
     all ranks    write     array zarr.json files (owner of each array's first chunk) in
                            one batch, then every chunk write in flight at once; then
-                           the written data is made durable             ``write_staged``
+                           the written data is made durable     ``SavePipeline.write_staged``
     all ranks    agree     every rank reports success or its error (collective)
     coordinator  commit    root zarr.json = commit record (with file checksums),
                            written atomically, last                     ``finalize_save``,
                                                                         ``commit_save``
 
 ``stage`` is the blocking part of an async save; ``write`` is the ``AsyncRequest``'s
-I/O; ``agree`` + ``commit`` are its finalization (``finalizer``). Chunks are written by
+I/O; ``agree`` + ``commit`` are its finalization. ``execution.pipeline.SavePipeline``
+runs them in that order and holds what they stage and write. Chunks are written by
 ``shardstore.format.chunks`` (local files, or a TensorStore kvstore elsewhere).
 """
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,6 @@ from shardstore.format.records import (
 from shardstore.mapping import ShardedTensor
 from shardstore.planning.layout import FlatChunk, Region, ShardRecord, region_shape
 from shardstore.planning.plans import RankSavePlan
-from shardstore.progress import stage
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.stage import Transfers, every_rank_stopped, raise_stage_failure, run_stage
 
@@ -73,19 +73,25 @@ class WriteOp:
     value: np.ndarray
 
 
-@dataclass
-class StagedSave:
-    """A rank's part of a save, ready for I/O: nothing refers to the caller's tensors
-    except through ``ops`` (host views, or CUDA data already copied to host)."""
+@dataclass(frozen=True)
+class StagedWrites:
+    """A rank's part of a save, ready for I/O (``stage_save``): nothing refers to the
+    caller's tensors except through ``ops`` (host views, or CUDA data already copied
+    to host). ``SavePipeline`` holds it from its ``stage`` to its ``finalize``.
 
-    location: PendingCheckpoint
+    Attributes:
+        records: the arrays this rank writes chunks of.
+        metadata_files: the ``zarr.json`` files this rank writes.
+        ops: the whole-chunk writes left to do.
+        snapshot: the host copies ``ops`` point into, released after the writes.
+        written_early: chunks already written while staging (waves under a byte bound).
+    """
+
     records: dict[str, ArrayRecord]
     metadata_files: dict[str, bytes]
     ops: list[WriteOp]
-    commit_record: CommitRecord | None  # the coordinator's
-    group: Group
     snapshot: HostSnapshot | None = None
-    written: list[WrittenChunk] = field(default_factory=list)
+    written_early: tuple[WrittenChunk, ...] = ()
 
 
 @dataclass
@@ -116,6 +122,21 @@ def _block_op(s: ShardRecord, host: list[torch.Tensor | None]) -> WriteOp:
     return WriteOp(s.key, s.region, tensor_to_numpy(host[s.index]).reshape(s.block_shape))
 
 
+def _planned_tensor(tensors: list[ShardedTensor], s: ShardRecord, where: str) -> torch.Tensor:
+    """The data of the tensor the plan's shard ``s`` numbers, checked to be the one the
+    plan was made from (same key): a plan is bound to the list it was made from."""
+    tensor = tensors[s.index] if s.index < len(tensors) else None
+    if tensor is None or tensor.key != s.key:
+        found = "nothing" if tensor is None else repr(tensor.key)
+        raise CheckpointingException(
+            f"Internal error: the save plan of {where} numbers {s.key!r} as tensor {s.index}, which is {found}: "
+            "the plan was made from another state dict; please report it"
+        )
+    if tensor.data is None:
+        raise CheckpointingException(f"ShardedTensor {s.key!r} has no data to save")
+    return tensor.data
+
+
 def stage_save(
     tensors: list[ShardedTensor],
     location: PendingCheckpoint,
@@ -123,7 +144,7 @@ def stage_save(
     group: Group,
     staging: Staging | None = None,
     local_error: BaseException | None = None,
-) -> StagedSave:
+) -> StagedWrites:
     """Collective (one stage, ``protocol.stage.run_stage``): this rank's host copies,
     agreed by every rank (``local_error``: an earlier local failure, e.g. of the common
     state, reported here too), then the exchange of the chunks that straddle ranks."""
@@ -149,7 +170,7 @@ def stage_save(
         flat = tensor_to_numpy(host[w.index])[w.local_start : w.local_stop]
         ops.append(WriteOp(w.key, w.region, flat.reshape(region_shape(w.region))))
     ops += [_assembled_op(chunk, buffer, plan.records) for chunk, buffer in assembled]
-    return StagedSave(location, plan.records, metadata_files(plan), ops, plan.commit, group, snapshot, early_chunks)
+    return StagedWrites(plan.records, metadata_files(plan), ops, snapshot, tuple(early_chunks))
 
 
 def copy_to_host(
@@ -174,9 +195,7 @@ def copy_to_host(
     held: list[ShardRecord] = []  # the wave being copied
     held_bytes = in_flight = 0
     for s in sorted(plan.shards, key=lambda s: s.flat_range is not None):
-        data = tensors[s.index].data
-        if data is None:
-            raise CheckpointingException(f"ShardedTensor {s.key!r} has no data to save")
+        data = _planned_tensor(tensors, s, location.describe())
         copy = staging.snapshot or data.device.type != "cpu"
         if staging.max_bytes and copy and s.flat_range is None:
             if held and held_bytes + s.nbytes > staging.max_bytes // 2:
@@ -240,31 +259,15 @@ def _assembled_op(chunk: FlatChunk, buffer: torch.Tensor, records: dict[str, Arr
     return WriteOp(chunk.key, chunk.region, buffer.numpy().view(dtype.numpy_dtype).reshape(region_shape(chunk.region)))
 
 
-def write_staged(
-    staged: StagedSave, io_concurrency: int = DEFAULT_IO_CONCURRENCY, io_threads: int = DEFAULT_IO_THREADS
-) -> None:
-    """This rank's I/O: metadata files, then every chunk write in flight, then durability.
-
-    What the writers report (each chunk's crc32c) is kept for the commit record.
-    """
-    where = staged.location.describe()
-    with stage("save: write", where) as timing:
-        staged.location.write_many(staged.metadata_files)
-        staged.written += write_ops(staged.location, staged.records, staged.ops, io_concurrency, io_threads)
-        timing.nbytes = sum(op.value.nbytes for op in staged.ops)
-    with stage("save: durable", where):
-        staged.location.make_durable()
-
-
 def write_ops(
-    location: PendingCheckpoint, records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int,
+    pending: PendingCheckpoint, records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int,
     io_threads: int = DEFAULT_IO_THREADS,
 ) -> list[WrittenChunk]:
     """Writes whole chunks of arrays (the plan gives every chunk one writer and one
     write), all in flight at once, or shares those unchanged since the checkpoint the
     save reuses from (``format.reuse``); returns what each writer reports."""
-    store = chunk_store_for(location, io_concurrency, io_threads)
-    reuse = location.chunk_reuse(store, records)
+    store = chunk_store_for(pending.location, io_concurrency, io_threads)
+    reuse = pending.chunk_reuse(store, records)
     jobs: list = []
     for op in ops:
         if not op.value.size:
@@ -287,40 +290,40 @@ def _describe_region(region: Region) -> str:
     return "[" + ", ".join(f"{s.start}:{s.stop}" for s in region) + "]"
 
 
-def finalize_save(staged: StagedSave, error: BaseException | None) -> None:
+def finalize_save(
+    pending: PendingCheckpoint, group: Group, record: CommitRecord | None, written: list[WrittenChunk],
+    error: BaseException | None,
+) -> None:
     """Collective (one stage, ``protocol.stage.run_stage``): every rank's outcome (its
-    error, or the crc32c of each chunk it wrote) goes to the coordinator, which binds
-    the chunks into the commit record and commits (``shardstore.format.commit``: a save
-    that lost a race with another save fails here); the outcome is broadcast.
+    error, or the chunks it ``written``) goes to the coordinator, which binds the chunks
+    into its commit ``record`` and commits (``shardstore.format.commit``: a save that
+    lost a race with another save fails here); the outcome is broadcast.
 
     On any failure every rank raises the same error, no commit record is written, and
     the coordinator deletes what the save wrote.
     """
-    group, location = staged.group, staged.location
-    staged.ops = []  # the host copies are no longer needed
-    if staged.snapshot is not None:
-        staged.snapshot.release()
     try:
         run_stage(
-            group, f"Writing checkpoint {location.describe()}", lambda: staged.written,
-            reduce=lambda reports: commit(staged, reports), local_error=error,
+            group, f"Writing checkpoint {pending.describe()}", lambda: written,
+            reduce=lambda reports: _commit_stage(pending, group, record, reports), local_error=error,
         )
     except BaseException as exc:  # a rank lost, or still at work: let go, delete nothing
-        end_save(location, abandon=group.is_coordinator and every_rank_stopped(group, exc))
+        end_save(pending, abandon=group.is_coordinator and every_rank_stopped(group, exc))
         raise
-    end_save(location, abandon=False)
+    end_save(pending, abandon=False)
 
 
-def commit(staged: StagedSave, reports: list[list[WrittenChunk]]) -> None:
+def _commit_stage(
+    pending: PendingCheckpoint, group: Group, record: CommitRecord | None, reports: list[list[WrittenChunk]]
+) -> None:
     """Coordinator, the reduce of the commit stage: ``commit_save``, its failure told to
     every rank."""
-    location = staged.location
     try:
-        if staged.commit_record is None:
-            raise CheckpointingException(f"Internal error: committing {location.describe()} off the coordinator")
-        commit_save(location, staged.commit_record, reports)
+        if record is None:
+            raise CheckpointingException(f"Internal error: committing {pending.describe()} off the coordinator")
+        commit_save(pending, record, reports)
     except Exception as exc:  # told to every rank by the stage
-        raise_stage_failure(staged.group, f"Committing checkpoint {location.describe()}", exc)
+        raise_stage_failure(group, f"Committing checkpoint {pending.describe()}", exc)
 
 
 def commit_save(pending: PendingCheckpoint, record: CommitRecord, reports: list[list[WrittenChunk]]) -> CommitRecord:
@@ -337,9 +340,9 @@ def commit_save(pending: PendingCheckpoint, record: CommitRecord, reports: list[
             cannot be read back, or a lost race with another save (nothing is published).
     """
     record = bind_chunks(record, reports, pending.describe())
-    record = replace(record, files=file_checksums(pending, record), reused_from=reused_from(pending, reports))
+    record = replace(record, files=file_checksums(pending.location, record), reused_from=reused_from(pending, reports))
     if pending.publisher.binds_callers_files:
-        record = replace(record, external_files=caller_file_checksums(pending, record))
+        record = replace(record, external_files=caller_file_checksums(pending.location, record))
     record = replace(record, save_id=pending.intent.save_id, created=time.time())
     record = pending.commit(record)
     if record.reused_from is not None:
@@ -385,36 +388,8 @@ def reused_from(location: PendingCheckpoint, reports: list[list[WrittenChunk]]) 
     """What the save shared with the checkpoint it reused from, for the commit record
     (None when it shared nothing)."""
     shared = [chunk.shared for chunks in reports for chunk in chunks if chunk.shared]
-    if not shared or location.reuse_source is None:
+    source = location.options.reuse_from
+    if not shared or source is None:
         return None
     assert location.intent.reuses is not None
-    return ReusedChunks(location.reuse_source.describe(), location.intent.reuses, len(shared), sum(shared))
-
-
-@dataclass(frozen=True)
-class SaveFinalization:
-    """The ``AsyncRequest`` finalization of a staged save (``strategies.async_utils.
-    Finalization``): ``finalize(error)`` commits under the ``save: commit`` stage, given
-    the background writer's error; ``abort()`` only releases what the save holds."""
-
-    staged: StagedSave
-
-    @property
-    def checkpoint(self) -> str:
-        return self.staged.location.describe()
-
-    def finalize(self, error: BaseException | None) -> None:
-        """Collective: ``finalize_save``."""
-        with stage("save: commit", self.checkpoint):
-            finalize_save(self.staged, error)
-
-    def abort(self) -> None:
-        """Local, no agreement: releases the save's descriptors and lock, so the next
-        save into the same place sees a dead save and removes its files (deleting them
-        here could race with other ranks still writing)."""
-        end_save(self.staged.location, abandon=False)
-
-
-def finalizer(staged: StagedSave) -> SaveFinalization:
-    """The ``AsyncRequest`` finalization of ``staged``."""
-    return SaveFinalization(staged)
+    return ReusedChunks(source.describe(), location.intent.reuses, len(shared), sum(shared))

@@ -1,22 +1,23 @@
-"""shardstore's own chunk encoding, over whatever storage the location has.
+"""Chunk I/O: which chunks a region touches, and moving them between storage and memory.
 
-Every shardstore array stores each chunk as its raw little-endian bytes followed by a
-crc32c of them (Zarr v3 codecs ``bytes`` + ``crc32c``), one object per chunk at
-``<key>/c/<i>/<j>...``. For that encoding a chunk moves between storage and a tensor's
-memory without a decode step, so shardstore encodes and decodes chunks itself and asks
-the storage only for bytes: its store's ``ChunkStore`` (``Store.chunk_store``;
-``stores.base`` says what each backend provides: ``writev``/``readv`` straight between
-the tensor's memory and local files, TensorStore's kvstore on object stores, the store's
-own get/put elsewhere). This module knows arrays, regions, checksums and digests; the
-stores know bytes and paths.
+A chunk is stored as one object at ``<key>/c.<i>.<j>...``, laid out by the array's codec
+(``format.codecs``: ``encode`` gives the pieces written, ``read_into`` fills the reader's
+views and checks the object's own checksums; today every array is ``[bytes, crc32c]``,
+raw little-endian bytes then their crc32c). This module knows arrays, regions and the
+commit record's checksums; the codec knows the layout of one object; the stores know
+bytes and paths: a location's ``ChunkStore`` (``Store.chunk_store``; ``stores.base``
+says what each backend provides: ``writev``/``readv`` straight between the tensor's
+memory and local files, TensorStore's kvstore on object stores, the store's own get/put
+elsewhere).
 
-The writer of a chunk reports its crc32c and a 128-bit content digest (XXH3-128, as fast
-as crc32c here: 12.9 GB/s each on one core); the commit record keeps both for every chunk
-(``format.ArrayRecord.chunk_crcs``, ``chunk_digests``). The digest lets a later save
-share a chunk whose bytes did not change instead of writing it again
-(``format.reuse``); the crc32c is what every read checks. Every read checks the chunk against both its
-own trailing crc32c and the record's: a chunk swapped with another of the same array,
-of another array, or copied from another checkpoint fails the read, naming the chunk.
+The writer of a chunk reports the crc32c its codec gives and a 128-bit content digest of
+its decoded bytes (XXH3-128, as fast as crc32c here: 12.9 GB/s each on one core); the
+commit record keeps both for every chunk (``format.ArrayRecord.chunk_crcs``,
+``chunk_digests``). The digest lets a later save share a chunk whose bytes did not
+change instead of writing it again (``format.reuse``). Every read checks the chunk
+against its own checksums (the codec) and the crc32c the record keeps for it (here): a
+chunk swapped with another of the same array, of another array, or copied from another
+checkpoint fails the read, naming the chunk.
 
 Reads on local files never follow a symbolic link out of the checkpoint and never open
 anything but a regular file (a FIFO would block, a device would never end):
@@ -25,27 +26,50 @@ anything but a regular file (a FIFO would block, a device would never end):
 Measured on this machine (512 MiB of float32, page cache dropped before loads): a
 TensorStore read of the same arrays took 0.67 s, the file path 0.30 s, because
 TensorStore decodes each chunk into a new buffer and then copies it into the result.
-Threads do the I/O; ``os.readv``/``os.writev`` and ``crc32c`` release the GIL. Chunks
+Threads do the I/O; ``os.readv``/``os.writev``, crc32c and XXH3 release the GIL. Chunks
 are bit-identical to TensorStore's (a test checks it), so readers cannot tell the
 difference.
 """
 
 from __future__ import annotations
 
+__all__ = [
+    "DEFAULT_IO_CONCURRENCY",
+    "DEFAULT_IO_THREADS",
+    "MIN_SCATTER_RUN",
+    "ArrayChunks",
+    "ChunkFile",
+    "ChunkMismatch",
+    "ChunkPiece",
+    "ChunkStore",
+    "HeldChunk",
+    "ReadJob",
+    "Region",
+    "ShareChunk",
+    "WrittenChunk",
+    "chunk_digest",
+    "chunk_pieces",
+    "chunk_store_for",
+    "is_chunk_aligned",
+    "read_region",
+    "run_reads",
+    "run_writes",
+    "write_region",
+]
+
 import functools
-import hashlib
 import itertools
 import math
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import crc32c
 import numpy as np
 import xxhash
 
 from shardstore.errors import CheckpointingException
+from shardstore.format.codecs import BYTES_CRC32C, ChunkCodec, HeldChunk
 from shardstore.format.dtypes import from_zarr_name
 from shardstore.format.records import CHUNK_SEPARATOR, ArrayRecord, chunk_key
 from shardstore.progress import tracked
@@ -59,7 +83,6 @@ from shardstore.stores.base import (
 
 # A box of a global array, one slice per axis (``planning.layout`` builds them).
 Region = tuple[slice, ...]
-CRC_BYTES = 4
 # A strided destination is filled by a scatter read when its contiguous runs are at
 # least this long; shorter runs go through a one-chunk buffer and a copy.
 MIN_SCATTER_RUN = 4096
@@ -68,8 +91,6 @@ DEFAULT_IO_CONCURRENCY = 64
 
 # The fast path writes native byte order as the ``little`` the metadata promises.
 NATIVE_LITTLE_ENDIAN = sys.byteorder == "little"
-
-
 
 
 @dataclass(frozen=True)
@@ -120,64 +141,6 @@ def _bytes_view(a: np.ndarray) -> memoryview:
     return memoryview(a.reshape(-1).view(np.uint8))
 
 
-@dataclass(frozen=True)
-class HeldChunk:
-    """One chunk's bytes as the trainer handed them over (computed from its memory),
-    with their crc32c and XXH3-128 digest: what a chunk shared with an earlier
-    checkpoint must be proven to hold before the commit record binds it
-    (``format.reuse``).
-
-    Attributes:
-        data: the chunk's raw bytes.
-        crc: crc32c of ``data`` (the stored object is ``data`` then these 4 bytes).
-        digest: XXH3-128 of ``data`` as 32 hex digits (``chunk_digest``).
-    """
-
-    data: memoryview
-    crc: int
-    digest: str
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the stored object: the data and its crc32c."""
-        return len(self.data) + CRC_BYTES
-
-    @property
-    def trailer(self) -> bytes:
-        """The stored object's last bytes: the crc32c, little-endian."""
-        return self.crc.to_bytes(CRC_BYTES, "little")
-
-    def md5_hex(self) -> str:
-        """MD5 of the stored object's bytes (what S3 reports as a single-part object's
-        ETag); computed on each call, since only object stores need it."""
-        md5 = hashlib.md5(self.data, usedforsecurity=False)
-        md5.update(self.trailer)
-        return md5.hexdigest()
-
-    def holds(self, blocks: Iterable[memoryview]) -> bool:
-        """Whether a stored object read as ``blocks`` (in order, possibly cut anywhere)
-        is exactly this chunk: its length, the 128-bit digest of its data and its
-        trailing crc32c. Stops reading once the object is longer than it should be."""
-        hasher, size, at, tail = xxhash.xxh3_128(), len(self.data), 0, bytearray()
-        for block in blocks:
-            head = max(0, min(len(block), size - at))
-            hasher.update(block[:head])
-            tail += block[head:]
-            at += len(block)
-            if len(tail) > CRC_BYTES:
-                return False
-        return (at == self.nbytes and hasher.hexdigest() == self.digest
-                and bytes(tail) == self.trailer)
-
-    def check(self, blocks: Iterable[memoryview], source: str) -> None:
-        """Raises ChunkMismatch, naming ``source``, unless ``holds(blocks)``."""
-        if not self.holds(blocks):
-            raise ChunkMismatch(
-                f"{source} does not hold the bytes being saved (its length, 128-bit digest or crc32c differs: "
-                "changed, replaced or damaged since its commit)"
-            )
-
-
 def chunk_store_for(location: Location, io_concurrency: int, local_threads: int = DEFAULT_IO_THREADS) -> ChunkStore:
     """The chunk store of a checkpoint location, as its store makes it
     (``Store.chunk_store``: files under a local directory with ``local_threads``
@@ -189,19 +152,20 @@ def chunk_store_for(location: Location, io_concurrency: int, local_threads: int 
 
 
 class ChunkFile:
-    """One encoded chunk of one array: raw bytes + crc32c.
+    """One stored chunk of one array, laid out by the array's codec.
 
     Attributes:
         expected_crc: the crc32c the commit record keeps for this chunk (None for
             checkpoints of format version 1, which keep none).
+        codec: how the chunk is stored (``format.codecs``).
     """
 
     def __init__(
         self, store: ChunkStore, array_key: str, index: tuple[int, ...], chunk_key: str,
-        expected_crc: int | None = None,
+        expected_crc: int | None = None, codec: ChunkCodec = BYTES_CRC32C,
     ) -> None:
         self.store, self.array_key, self.index, self.expected_crc = store, array_key, index, expected_crc
-        self.chunk_key = chunk_key
+        self.chunk_key, self.codec = chunk_key, codec
         self.rel = f"{array_key}/{chunk_key}"
 
     @property
@@ -212,52 +176,38 @@ class ChunkFile:
         return f"chunk {self.chunk_key} of array {self.array_key!r} ({self.path})"
 
     def write(self, data: np.ndarray) -> int:
-        """Writes a C-contiguous chunk with its crc32c; returns the crc32c.
+        """Writes a C-contiguous chunk as its codec lays it out; returns the crc32c the
+        codec reports for the commit record.
 
         No fsync here: the location's ``make_durable`` (one ``syncfs`` per rank) flushes
         every chunk before the commit. An fsync per large chunk from the writer threads
         was measured slower: with the ranks holding 4 GiB each besides the state (as
         trainers do), 2 GiB at 2 ranks took 2.1-2.4 s against 1.4-1.7 s with the one
         ``syncfs``, and 1.3-1.4 s for the plain-file bound."""
-        view = _bytes_view(data)
-        crc = crc32c.crc32c(view)
-        self.store.put(self.rel, [view, memoryview(crc.to_bytes(CRC_BYTES, "little"))])
-        return crc
+        encoded = self.codec.encode(_bytes_view(data))
+        self.store.put(self.rel, list(encoded.pieces))
+        return encoded.crc
 
     def read_into(self, out: np.ndarray) -> None:
-        """Fills a C-contiguous ``out`` with the chunk; checks length and crc32c."""
+        """Fills a C-contiguous ``out`` with the chunk (``read_into_views``)."""
         self.read_into_views([_bytes_view(out)])
 
     def read_into_views(self, views: list[memoryview]) -> None:
         """Fills ``views`` in order with the chunk (a scatter read: the rows of a
-        strided destination need no bounce buffer); checks its length, its own crc32c
-        and the one the commit record keeps for it."""
-        got = self.store.get_into(self.rel, views, CRC_BYTES + 1)
-        if got is None:
-            raise CheckpointingException(f"Missing {self.describe()}: the checkpoint is damaged")
-        n, crc = got
-        expected = sum(len(v) for v in views)
-        if n != expected or len(crc) != CRC_BYTES:
+        strided destination need no bounce buffer); its codec checks the object, and
+        the crc32c it reports must be the one the commit record keeps for the chunk."""
+        crc = self.codec.read_into(self, views)
+        if self.expected_crc is not None and crc != self.expected_crc:
             raise CheckpointingException(
-                f"Corrupt {self.describe()}: {n + len(crc)} bytes, expected {expected + CRC_BYTES} "
-                "(truncated or overwritten)"
-            )
-        value = 0
-        for v in views:
-            value = crc32c.crc32c(v, value)
-        if value != int.from_bytes(crc, "little"):
-            raise CheckpointingException(f"Corrupt {self.describe()}: crc32c mismatch")
-        if self.expected_crc is not None and value != self.expected_crc:
-            raise CheckpointingException(
-                f"Wrong {self.describe()}: its crc32c {value:08x} is not the {self.expected_crc:08x} the commit "
+                f"Wrong {self.describe()}: its crc32c {crc:08x} is not the {self.expected_crc:08x} the commit "
                 "record keeps for it (a chunk moved, swapped or copied from another checkpoint)"
             )
 
 
 @dataclass
 class ArrayChunks:
-    """Where one array's chunks live, how they are shaped, and their recorded crc32c
-    (C order over the chunk grid; None when the record keeps none)."""
+    """Where one array's chunks live, how they are shaped and stored (``codec``), and
+    their recorded crc32c (C order over the chunk grid; None when the record keeps none)."""
 
     key: str
     store: ChunkStore
@@ -266,13 +216,14 @@ class ArrayChunks:
     dtype: np.dtype
     crcs: tuple[int, ...] | None = None
     separator: str = CHUNK_SEPARATOR
+    codec: ChunkCodec = BYTES_CRC32C
 
     @classmethod
     def of(cls, store: ChunkStore, record: ArrayRecord) -> ArrayChunks:
         """The chunks of the array ``record`` describes, with the checksums it binds."""
         dtype = from_zarr_name(record.dtype).numpy_dtype
         return cls(record.key, store, record.shape, record.chunk_shape, dtype, record.chunk_crcs,
-                   record.chunk_separator)
+                   record.chunk_separator, record.codec)
 
     @functools.cached_property
     def grid(self) -> tuple[int, ...]:
@@ -283,7 +234,7 @@ class ArrayChunks:
         expected = None
         if self.crcs is not None:
             expected = self.crcs[int(np.ravel_multi_index(index, self.grid))] if self.grid else self.crcs[0]
-        return ChunkFile(self.store, self.key, index, chunk_key(index, self.separator), expected)
+        return ChunkFile(self.store, self.key, index, chunk_key(index, self.separator), expected, self.codec)
 
 
 def write_region(array: ArrayChunks, region: Region, value: np.ndarray) -> list[tuple[ChunkFile, np.ndarray]]:

@@ -73,7 +73,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.chunks import ChunkStore, chunk_store_for
@@ -103,13 +103,16 @@ def new_save_id() -> str:
 
 @dataclass(frozen=True)
 class SaveOptions:
-    """How a save may treat its target, decided once by its caller (``begin_save``).
+    """How a save may treat its target: decided once by the door a save comes through
+    (``shardstore.save``'s keywords, the DCP writer, ``shardstore.megatron.install``, the
+    manager) and handed whole to the start of the save (``SavePipeline.open``).
 
     Attributes:
         overwrite: a committed shardstore checkpoint there may be replaced (never
             another tool's checkpoint, never other programs' files).
         reuse_from: an earlier checkpoint whose unchanged chunks the save may share
-            (``format.reuse``), or None.
+            (``format.reuse``), or None: a path, URL or Location as the caller names it;
+            ``SavePipeline.open`` opens it once, so a begun save holds a Location.
         shared_directory: other programs keep files in the target: the save is
             published beside those there when it begins and those written while it
             runs, deleting none of them (by rename only; in place, a non-empty target
@@ -118,8 +121,13 @@ class SaveOptions:
     """
 
     overwrite: bool = False
-    reuse_from: Location | None = None
+    reuse_from: Any = None
     shared_directory: bool = False
+
+    def opened(self, opener: Callable[[Any], Location]) -> SaveOptions:
+        """These options with ``reuse_from`` opened by ``opener`` (the one place a
+        save opens it: ``SavePipeline.open``)."""
+        return self if self.reuse_from is None else replace(self, reuse_from=opener(self.reuse_from))
 
 
 @dataclass(frozen=True)
@@ -279,18 +287,49 @@ def _check_target(target: Location, overwrite: bool, shared_directory: bool = Fa
 # ------------------------------------------------------------------ pending saves
 
 
-class PendingCheckpoint(Location):
-    """Where one save writes: its staging area (``inner``, whose store it shares) plus how
-    it gets published.
+class SaveLocation(Location):
+    """Where a save's writers write (its staging directory, or the target itself when the
+    save writes in place), naming itself as the checkpoint the save publishes: errors
+    name the checkpoint the user asked for, not the staging directory."""
+
+    def __init__(self, writes_into: Location, target: Location) -> None:
+        super().__init__(writes_into.store)
+        self.target = target
+
+    def describe(self, rel: str = "") -> str:
+        return self.target.describe(rel)
+
+
+class PendingCheckpoint:
+    """One save on its way to being published: what the coordinator decided when it
+    began (``intent``, ``options``, ``tops_at_begin``), how it gets published
+    (``publisher``), where its writers write (``location``) and what it holds open
+    (its staging lock, its claim on the target). Every fact is given at construction.
 
     Every rank builds one from the coordinator's ``SaveIntent``; only the coordinator
-    calls ``commit`` or ``abandon``. ``publisher`` says how ``commit`` publishes.
+    calls ``commit`` or ``abandon``.
+
+    Attributes:
+        target: where the checkpoint is published.
+        location: where this rank writes (``SaveLocation``).
+        intent: the coordinator's decision, the same on every rank.
+        publisher: how ``commit`` publishes.
+        options: the save's options (``options.reuse_from`` opened: where
+            ``intent.reuses`` was committed).
+        tops_at_begin: the top-level names the target held when the save began (the
+            checkpoint it replaces, or other programs' files in a shared directory);
+            known on the coordinator only.
     """
 
-    def __init__(self, target: Location, staging: Location, intent: SaveIntent, publisher: Publisher) -> None:
-        super().__init__(staging.store)
-        self.inner, self.target, self.intent, self.publisher = staging, target, intent, publisher
-        _OPEN_SAVES.add(self)
+    def __init__(
+        self, target: Location, writes_into: Location, intent: SaveIntent, publisher: Publisher,
+        options: SaveOptions | None = None, tops_at_begin: frozenset[str] = frozenset(),
+    ) -> None:
+        self.target, self.intent, self.publisher = target, intent, publisher
+        self.options = options or SaveOptions()
+        self.tops_at_begin = tops_at_begin
+        self.location = SaveLocation(writes_into, target)
+        _OPEN_SAVES[id(self.location)] = self
         self._locks: list[int] = []  # descriptors holding the staging directory's flock
         self._releases: list[Callable[[], None]] = []  # claims on the target (``Store.claim_for_save``)
         # A save dropped without commit, abandon or release (an AsyncRequest never
@@ -298,20 +337,16 @@ class PendingCheckpoint(Location):
         # descriptors and lock once collected: the next save into the same place can then
         # remove its files, and the file system can be unmounted.
         self._release_when_dropped = weakref.finalize(
-            self, _release_dropped, staging, self._locks, self._releases, target.describe()
+            self, _release_dropped, self.location, self._locks, self._releases, target.describe()
         )
         self._release_when_dropped.atexit = False  # the process's end closes them anyway
         if not publisher.holds_resources:
             self._release_when_dropped.detach()
-        self.reuse_source: Location | None = None  # where ``intent.reuses`` was committed
-        # Other programs may write into the target while the save runs (``begin_save``'s
-        # ``shared_directory``): their files are kept and the save published beside them.
-        self.shares_directory = False
-        # The top-level names the target held when the save began (``_check_target``): the
-        # checkpoint it replaces, or other programs' files in a shared directory.
-        self.tops_at_begin: frozenset[str] = frozenset()
         self._reuse: dict[str, ChunkReuse | None] = {}
         self._reuse_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"PendingCheckpoint({self.target.describe()!r}, save {self.intent.save_id})"
 
     def __getstate__(self) -> dict:
         """What a writer in another process needs (a spawned one: Megatron's persistent
@@ -330,19 +365,20 @@ class PendingCheckpoint(Location):
         self._release_when_dropped.detach()  # nothing held here: release() is a no-op
         self._reuse, self._reuse_lock = {}, threading.Lock()
 
+    def describe(self, rel: str = "") -> str:
+        """The checkpoint this save publishes (``rel`` inside it), for messages."""
+        return self.target.describe(rel)
+
     def chunk_reuse(self, target_store: ChunkStore, records: dict[str, ArrayRecord]) -> ChunkReuse | None:
         """This rank's reuse of the earlier checkpoint the save shares unchanged chunks
         with (``format.reuse``), opened once per save; None without one."""
-        if self.intent.reuses is None or self.reuse_source is None:
+        source = self.options.reuse_from
+        if self.intent.reuses is None or source is None:
             return None
         with self._reuse_lock:
             if "opened" not in self._reuse:
-                self._reuse["opened"] = _open_reuse(self.reuse_source, self.intent.reuses, target_store, records)
+                self._reuse["opened"] = _open_reuse(source, self.intent.reuses, target_store, records)
             return self._reuse["opened"]
-
-    def describe(self, rel: str = "") -> str:
-        # Errors name the checkpoint the user asked for, not the staging directory.
-        return self.target.describe(rel)
 
     def commit(self, record: CommitRecord) -> CommitRecord:
         """Coordinator: writes the commit record and publishes the checkpoint (by its
@@ -363,7 +399,7 @@ class PendingCheckpoint(Location):
     def hold_staging_lock(self) -> None:
         """Coordinator: takes the staging directory's ``flock`` for as long as the save
         runs (``release`` lets it go), so that no other save removes it as a dead one's."""
-        staging = self.inner.store.publishing()
+        staging = self.location.store.publishing()
         assert staging is not None  # only stores that publish by rename stage apart from the target
         fd = staging.hold_lock()
         if fd is not None:
@@ -378,7 +414,7 @@ class PendingCheckpoint(Location):
         durability descriptor, its staging lock) and lets go of its claim on the target.
         Safe to call again."""
         if self._release_when_dropped.detach() is not None:
-            _close_descriptors(self.inner, self._locks, self._releases)
+            _close_descriptors(self.location, self._locks, self._releases)
 
 def _close_descriptors(staging: Location, locks: list[int], releases: list[Callable[[], None]]) -> None:
     """Closes a save's durability descriptor (``begin_writes``) and its lock
@@ -444,8 +480,9 @@ class Publisher(ABC):
             f"Internal error: a save into {target.describe()} cannot begin with {type(self).__name__}; please report it"
         )
 
-    def join(self, target: Location, intent: SaveIntent) -> PendingCheckpoint:
-        """Every rank but the coordinator: the pending checkpoint the coordinator began."""
+    def join(self, target: Location, intent: SaveIntent, options: SaveOptions) -> PendingCheckpoint:
+        """Every rank but the coordinator: the pending checkpoint the coordinator began
+        (``options``: the same the coordinator was given)."""
         raise CheckpointingException(
             f"Internal error: a save into {target.describe()} cannot be joined with {type(self).__name__}; please "
             "report it"
@@ -482,31 +519,31 @@ class ByRename(Publisher):
         replaces = _check_target(target, options.overwrite, options.shared_directory)
         source = options.reuse_from
         reuses = reuse_save_id(source, target, in_place=False) if source is not None else None
-        pending = PendingCheckpoint(target, _staging_for(directory, save_id), SaveIntent(save_id, replaces, reuses), self)
-        pending.tops_at_begin = frozenset(target.list_top(None))
-        return pending
+        intent = SaveIntent(save_id, replaces, reuses)
+        tops = frozenset(target.list_top(None))
+        return PendingCheckpoint(target, _staging_for(directory, save_id), intent, self, options, tops)
 
-    def join(self, target: Location, intent: SaveIntent) -> PendingCheckpoint:
+    def join(self, target: Location, intent: SaveIntent, options: SaveOptions) -> PendingCheckpoint:
         directory = _directory(target).resolved()
-        return PendingCheckpoint(Location(directory), _staging_for(directory, intent.save_id), intent, self)
+        return PendingCheckpoint(Location(directory), _staging_for(directory, intent.save_id), intent, self, options)
 
     def prepare_writes(self, save: PendingCheckpoint) -> None:
-        save.inner.prepare()
+        save.location.prepare()
         save.hold_staging_lock()
 
     def abandon(self, save: PendingCheckpoint) -> None:
-        _remove_dir(save.inner.store.publishing())
+        _remove_dir(save.location.store.publishing())
 
     def commit(self, save: PendingCheckpoint, record: CommitRecord) -> CommitRecord:
-        staging, target = save.inner.store.publishing(), save.target.store.publishing()
+        staging, target = save.location.store.publishing(), save.target.store.publishing()
         assert staging is not None and target is not None  # begin staged apart only for these
-        save.inner.write_atomic(COMMIT_RECORD, record.to_json())
+        save.location.write_atomic(COMMIT_RECORD, record.to_json())
         replaced: DirectoryPublishing | None = None
         with target.parent_locked():
             empty = save.target.is_empty()
             old = None if empty else _committed_record(save.target)
             current = old.save_id if old is not None else None
-            if current != save.intent.replaces or (not empty and current is None and not save.shares_directory):
+            if current != save.intent.replaces or (not empty and current is None and not save.options.shared_directory):
                 raise _lost_race(save, current or "a directory that is not a checkpoint")
             if current is None and not empty:
                 return self._publish_beside(save, staging, target, record)
@@ -564,7 +601,7 @@ class ByRename(Publisher):
         except CheckpointingException as exc:
             raise CheckpointingException(f"Not committing the save (it was written there while it ran): {exc}") from exc
         theirs = set(save.target.list_top(None))
-        ours = [name for name in save.inner.list_top(None) if name not in (COMMIT_RECORD, SAVE_MARKER)]
+        ours = [name for name in save.location.list_top(None) if name not in (COMMIT_RECORD, SAVE_MARKER)]
         clash = sorted(theirs & {*ours, COMMIT_RECORD, SAVE_MARKER})
         if clash:
             raise _taken_names(save, clash)
@@ -575,7 +612,7 @@ class ByRename(Publisher):
                 "(its commit record does not vouch for them)", save.target.describe(), ", ".join(added[:5]),
             )
         record = replace(record, beside=tuple(sorted(n for n in theirs if record.refuses_beside(n) is None)))
-        save.inner.write_atomic(COMMIT_RECORD, record.to_json())
+        save.location.write_atomic(COMMIT_RECORD, record.to_json())
         staging.move_entries_into(target, ours)
         staging.move_entries_into(target, [COMMIT_RECORD])
         _remove_dir(staging)
@@ -614,10 +651,10 @@ class InPlace(Publisher):
         if replaces is not None:
             target.remove(COMMIT_RECORD)  # the documented window on object stores starts here
             target.remove_tree("")
-        return PendingCheckpoint(target, target, SaveIntent(save_id, replaces, reuses), self)
+        return PendingCheckpoint(target, target, SaveIntent(save_id, replaces, reuses), self, options)
 
-    def join(self, target: Location, intent: SaveIntent) -> PendingCheckpoint:
-        return PendingCheckpoint(target, target, intent, self)
+    def join(self, target: Location, intent: SaveIntent, options: SaveOptions) -> PendingCheckpoint:
+        return PendingCheckpoint(target, target, intent, self, options)
 
     def commit(self, save: PendingCheckpoint, record: CommitRecord) -> CommitRecord:
         current = committed_save_id(save.target)
@@ -677,22 +714,16 @@ def _open_reuse(
     return ChunkReuse.open(source, save_id, source_store, target_store, records)
 
 
-def begin_save(
-    target: Location, overwrite: bool, reuse_from: Location | None = None, shared_directory: bool = False
-) -> PendingCheckpoint:
-    """Coordinator: checks the target, clears dead saves' leftovers, creates the
-    staging area with its marker. Raises a CheckpointingException instead of deleting
-    anything that is not provably ours. ``reuse_from``: an earlier checkpoint whose
-    unchanged chunks the save may share (``format.reuse``; checked here, before an
-    in-place save on an object store removes anything). ``shared_directory``: other
-    programs keep files in the target, there already or written while the save runs
-    (kept, the checkpoint published beside them: ``ByRename._publish_beside``;
-    ``SaveOptions``); otherwise a non-empty target without a commit record is refused,
-    and a write into it meanwhile makes the save lose, as a concurrent save would. The
-    target's store is
-    claimed for the save first (``Store.claim_for_save``), until the save is released."""
+def begin_save(target: Location, options: SaveOptions) -> PendingCheckpoint:
+    """Coordinator: checks the target against ``options``, clears dead saves' leftovers,
+    creates the staging area with its marker. Raises a CheckpointingException instead of
+    deleting anything that is not provably ours. ``options.reuse_from`` (opened) is
+    checked here, before an in-place save on an object store removes anything;
+    ``options.shared_directory``: other programs' files there, already or written while
+    the save runs, are kept and the checkpoint published beside them
+    (``ByRename._publish_beside``). The target's store is claimed for the save first
+    (``Store.claim_for_save``), until the save is released."""
     save_id = new_save_id()
-    options = SaveOptions(overwrite, reuse_from, shared_directory)
     release_claim = target.store.claim_for_save(save_id)
     try:
         pending = _begin_claimed(target, options, save_id)
@@ -700,7 +731,6 @@ def begin_save(
         release_claim()
         raise
     pending.hold_until_released(release_claim)
-    pending.shares_directory = shared_directory
     return pending
 
 
@@ -708,25 +738,23 @@ def _begin_claimed(target: Location, options: SaveOptions, save_id: str) -> Pend
     """``begin_save`` once the target is claimed."""
     publisher = publisher_for(target.capabilities)
     pending = publisher.begin(target, options, save_id)
-    pending.reuse_source = options.reuse_from
     with contextlib.ExitStack() as on_failure:
         # A staging area that fails half-made (disk full while creating it or writing its
         # marker) is removed and its descriptors and lock closed: without its marker no
         # later save would ever recognise it as a dead save's.
         on_failure.callback(pending.abandon)
         publisher.prepare_writes(pending)
-        pending.inner.begin_writes()
-        _write_marker(pending.inner, save_id)
+        pending.location.begin_writes()
+        _write_marker(pending.location, save_id)
         on_failure.pop_all()
     return pending
 
 
-def join_save(target: Location, intent: SaveIntent, reuse_from: Location | None = None) -> PendingCheckpoint:
+def join_save(target: Location, intent: SaveIntent, options: SaveOptions) -> PendingCheckpoint:
     """Every rank but the coordinator: the pending checkpoint the coordinator began
-    (``reuse_from``: the same earlier checkpoint the coordinator was given)."""
-    pending = publisher_for(target.capabilities).join(target, intent)
-    pending.reuse_source = reuse_from
-    pending.inner.begin_writes()
+    (``options``: the same the coordinator was given, opened)."""
+    pending = publisher_for(target.capabilities).join(target, intent, options)
+    pending.location.begin_writes()
     return pending
 
 
@@ -740,19 +768,22 @@ def _directory(target: Location) -> DirectoryPublishing:
     return directory
 
 
-# The saves this process began or joined and has not dropped: ``adopt_save`` tells the
-# pipeline's own pending checkpoint (handed down the strategies' API as a Location) from
-# a caller's directory by membership, never by class.
-_OPEN_SAVES: weakref.WeakSet[PendingCheckpoint] = weakref.WeakSet()
+# The saves this process began or joined and has not dropped, by the id of the location
+# their writers write into: ``adopt_save`` tells a pending save's location (handed down
+# the strategies' API as a checkpoint directory) from a caller's directory by
+# membership, never by class.
+_OPEN_SAVES: weakref.WeakValueDictionary[int, PendingCheckpoint] = weakref.WeakValueDictionary()
 
 
 def adopt_save(location: Location) -> PendingCheckpoint:
-    """The save that writes into ``location``: the pending checkpoint itself when this
-    process began or joined it (``begin_save``, ``join_save``), else ``location`` as a
+    """The save that writes into ``location``: the pending checkpoint whose
+    ``location`` it is when this process began or joined that save (``begin_save``,
+    ``join_save``), else ``location`` as a
     directory the caller made (``IntoCallersDirectory``: Megatron-Core's ``save`` and the
     seed's strategy API called directly), with a fresh save id."""
-    if location in _OPEN_SAVES:
-        return location  # type: ignore[return-value]  # a member is a PendingCheckpoint
+    found = _OPEN_SAVES.get(id(location))
+    if found is not None and found.location is location:
+        return found
     return PendingCheckpoint(location, location, SaveIntent(new_save_id(), None), IntoCallersDirectory())
 
 

@@ -8,6 +8,11 @@ the root ``zarr.json`` has been written (see ``shardstore.format.commit``).
 
 from __future__ import annotations
 
+__all__ = [
+    "CONFIG_FNAME", "CheckpointingConfig", "check_is_distributed_checkpoint", "maybe_load_config",
+    "write_config",
+]
+
 import json
 from dataclasses import asdict, dataclass
 from typing import Any

@@ -7,6 +7,12 @@ through float32, so saving and loading are exact and copy-free.
 
 from __future__ import annotations
 
+__all__ = [
+    "BY_TORCH", "BY_ZARR_NAME", "DType", "ShapedTensorSize", "UnsupportedDTypeError",
+    "cast_checked", "from_torch", "from_zarr_name", "holds_its_values", "is_exact_conversion",
+    "numpy_to_tensor", "numpy_to_torch_dtype_dict", "tensor_to_numpy", "torch_to_numpy_dtype_dict",
+]
+
 import math
 from dataclasses import dataclass
 

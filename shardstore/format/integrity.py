@@ -16,6 +16,18 @@ another checkpoint. It returns a report naming each finding by key and chunk or 
 
 from __future__ import annotations
 
+__all__ = [
+    "ChecksummedLocation",
+    "MAX_NODE_DOCUMENT_BYTES",
+    "Problem",
+    "VERIFY_REMOTE_THREADS",
+    "VerifyReport",
+    "caller_file_checksums",
+    "checksum_mismatch",
+    "file_checksums",
+    "verify",
+]
+
 import json
 import logging
 import os
@@ -27,7 +39,9 @@ import numpy as np
 from shardstore._zarr_autoload import EXTENSION_METADATA
 from shardstore.errors import CheckpointingException
 from shardstore.format.chunks import ArrayChunks, ChunkStore, chunk_digest, chunk_store_for
+from shardstore.format.codecs import recognized
 from shardstore.format.config import CONFIG_FNAME
+from shardstore.format.dtypes import BY_ZARR_NAME
 from shardstore.format.records import (
     COMMIT_RECORD,
     MAX_RECORD_BYTES,
@@ -235,12 +249,17 @@ _LEGACY_COMPLEX_FILL = 0.0
 
 def _as_read(document: Any) -> Any:
     """What of a node document decides the values a reader gets: descriptive fields
-    dropped, the chunk key encoding's default separator spelled out, and the fill value
-    ``0.0`` that earlier saves wrote for complex arrays read as the zero it meant
-    (``records.zero_fill_value``): what those saves wrote is checked, not flagged."""
+    dropped, the chunk key encoding's default separator spelled out, the codecs as the
+    chunk codec that recognizes them (``format.codecs``: another spelling of the same
+    layout is no finding), and the fill value ``0.0`` that earlier saves wrote for
+    complex arrays read as the zero it meant (``records.zero_fill_value``): what those
+    saves wrote is checked, not flagged."""
     if not isinstance(document, dict):
         return document
     view = {k: v for k, v in document.items() if k not in _DESCRIPTIVE_FIELDS}
+    dtype = view.get("data_type")
+    if "codecs" in view and isinstance(dtype, str) and dtype in BY_ZARR_NAME:
+        view["codecs"] = recognized(view["codecs"], BY_ZARR_NAME[dtype].itemsize) or view["codecs"]
     fill = view.get("fill_value")
     if str(view.get("data_type")).startswith("complex") and isinstance(fill, float) and fill == _LEGACY_COMPLEX_FILL:
         view["fill_value"] = zero_fill_value(view["data_type"])

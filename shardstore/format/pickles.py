@@ -29,6 +29,12 @@ caller trusts, loads arbitrary pickles.
 
 from __future__ import annotations
 
+__all__ = [
+    "COMMON_STATE_GLOBALS", "DCP_METADATA_GLOBALS", "AllowList", "InertRecord",
+    "RestrictedUnpickler", "deserialize", "deserialize_dict", "load_restricted", "load_torch",
+    "load_torch_file", "serialize",
+]
+
 import argparse
 import copyreg
 import enum
@@ -306,19 +312,3 @@ def deserialize_dict(data: bytes, where: str, allow_unsafe_pickle: bool) -> dict
     if not isinstance(state, dict):
         raise CheckpointingException(f"{where} holds a {type(state).__name__}, expected a dict")
     return state
-
-
-__all__ = [
-    "COMMON_STATE_GLOBALS",
-    "DCP_METADATA_GLOBALS",
-    "AllowList",
-    "InertRecord",
-    "RestrictedUnpickler",
-    "deserialize",
-    "deserialize_dict",
-    "load_restricted",
-    "load_torch",
-    "load_torch_file",
-    "serialize",
-]
-

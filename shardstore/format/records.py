@@ -36,6 +36,65 @@ its bytes.
 
 from __future__ import annotations
 
+__all__ = [
+    "ArrayRecord",
+    "CHUNK_DIGESTS",
+    "CHUNK_SEPARATOR",
+    "COMMIT_RECORD",
+    "COMMON_FILE",
+    "CORE_DATA_TYPES",
+    "CommitRecord",
+    "DELETION_MARKER",
+    "DIGEST_HEX_DIGITS",
+    "DcpMetadata",
+    "FIRST_SEALED_VERSION",
+    "FORMAT_VERSION",
+    "HEX_DIGITS",
+    "LEGACY_CHUNK_SEPARATOR",
+    "MAX_CHUNK_BYTES",
+    "MAX_ELEMENTS",
+    "MAX_KEY_LENGTH",
+    "MAX_NDIM",
+    "MAX_RECORD_BYTES",
+    "MAX_SEGMENT_LENGTH",
+    "MAX_UNBOUND_CHUNKS",
+    "OBJECTS_DIR",
+    "ObjectRecord",
+    "OtherCheckpointFiles",
+    "READABLE_FORMAT_VERSIONS",
+    "READERS_ATTRIBUTE",
+    "RECORD_DIGEST",
+    "REPLACED_TAG",
+    "RESERVED_NAMES",
+    "RESERVED_ROOT_NAMES",
+    "ReusedChunks",
+    "SAVE_MARKER",
+    "STAGING_TAG",
+    "StatePath",
+    "UNSEALED_DIGEST",
+    "ZARR_JSON",
+    "array_group_collisions",
+    "check_key",
+    "checksum",
+    "chunk_key",
+    "group_metadata",
+    "is_committed",
+    "name_other_formats_with",
+    "object_path",
+    "other_checkpoint_beside",
+    "other_checkpoint_files",
+    "other_checkpoint_kind",
+    "parent_groups",
+    "read_commit_record",
+    "readers_note",
+    "seal_record",
+    "sharded_backend",
+    "state_paths",
+    "unfinished_saves",
+    "write_commit_record",
+    "zero_fill_value",
+]
+
 import functools
 import itertools
 import json
@@ -50,6 +109,7 @@ import crc32c
 
 from shardstore._zarr_autoload import EXTENSION_METADATA
 from shardstore.errors import CheckpointingException
+from shardstore.format.codecs import BYTES_CRC32C, ChunkCodec, codec_for
 from shardstore.format.config import CONFIG_FNAME
 from shardstore.format.dtypes import from_zarr_name
 from shardstore.stores.base import Location, NameLimits
@@ -134,6 +194,8 @@ class ArrayRecord:
             whole blocks or irregular cuts, and in records written before it was kept.
             Only ``strategies.resharding`` and ``load_tensors_metadata`` read it: the
             array itself is the global tensor either way.
+        codec: how each chunk is stored (``format.codecs``); the record names its
+            ``codecs`` only when they are not ``BYTES_CRC32C``, every array's so far.
     """
 
     key: str
@@ -144,6 +206,7 @@ class ArrayRecord:
     chunk_separator: str = CHUNK_SEPARATOR
     flattened_block: tuple[int, ...] | None = None
     chunk_digests: tuple[str, ...] | None = None
+    codec: ChunkCodec = BYTES_CRC32C
 
     def chunk_key(self, index: tuple[int, ...]) -> str:
         """The key of chunk ``index`` inside the array: ``c.1.0`` (``c`` for a 0-d array)."""
@@ -178,10 +241,6 @@ class ArrayRecord:
 
     def zarr_metadata(self) -> dict[str, Any]:
         """The array's ``zarr.json`` document, as TensorStore would write it."""
-        itemsize = self.itemsize
-        bytes_codec: dict[str, Any] = {"name": "bytes"}
-        if itemsize > 1:
-            bytes_codec["configuration"] = {"endian": "little"}
         return {
             "zarr_format": 3,
             "node_type": "array",
@@ -190,7 +249,7 @@ class ArrayRecord:
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.chunk_shape)}},
             "chunk_key_encoding": {"name": "default", "configuration": {"separator": self.chunk_separator}},
             "fill_value": zero_fill_value(self.dtype),
-            "codecs": [bytes_codec, {"name": "crc32c"}],
+            "codecs": self.codec.zarr_codecs(self.itemsize),
             "dimension_names": self.dimension_names(),
         }
 
@@ -210,6 +269,8 @@ class ArrayRecord:
         }
         if self.flattened_block is not None:
             summary["flattened_block"] = list(self.flattened_block)
+        if self.codec != BYTES_CRC32C:
+            summary["codecs"] = self.codec.zarr_codecs(self.itemsize)
         if self.chunk_crcs is not None:
             summary["chunk_crc32c"] = list(self.chunk_crcs)
         if self.chunk_digests is not None:
@@ -263,8 +324,11 @@ class ArrayRecord:
         except TypeError as exc:
             raise CheckpointingException(f"{where}: array {key!r}: {exc}") from exc
         flattened_block = _flattened_block(summary, key, shape, chunk_shape, bound, where)
+        codec = BYTES_CRC32C
+        if "codecs" in summary:
+            codec = codec_for(summary["codecs"], from_zarr_name(summary["dtype"]).itemsize, where, key)
         record = cls(key, shape, summary["dtype"], chunk_shape, chunk_separator=separator,
-                     flattened_block=flattened_block)
+                     flattened_block=flattened_block, codec=codec)
         if list(record.chunk_grid) != summary.get("chunk_grid"):
             raise CheckpointingException(
                 f"{where}: array {key!r}: chunk grid {summary.get('chunk_grid')!r} does not tile shape "
@@ -932,10 +996,11 @@ def read_commit_record(location: Location) -> CommitRecord:
     all (a file, a Hugging Face model, any other directory), which no save finishes."""
     local = location.local_path()
     if local is not None and local.exists() and not local.is_dir():
+        files = _title_of_model_files(location)
         raise CheckpointingException(
-            f"{location.describe()} is a file, not a checkpoint directory (one holding {COMMIT_RECORD}); "
-            f"to make a checkpoint of a torch.save or safetensors file: `shardstore convert {location.describe()} "
-            "<new directory>`"
+            f"{location.describe()} is a file, not a checkpoint directory (one holding {COMMIT_RECORD})"
+            + (f"; to make a checkpoint of {files}: `shardstore convert {location.describe()} <new directory>`"
+               if files else "")
         )
     try:
         data = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_RECORD_BYTES)
@@ -970,7 +1035,7 @@ def read_commit_record(location: Location) -> CommitRecord:
             )
         names = location.list_top(None)
         if not _holds_save_files(location, names):
-            raise CheckpointingException(_not_a_checkpoint(location.describe(), names))
+            raise CheckpointingException(_not_a_checkpoint(location.describe(), names, _title_of_model_files(location)))
         raise CheckpointingException(
             f"Checkpoint at {location.describe()} is incomplete: it has no commit record "
             f"({COMMIT_RECORD}), so its save did not finish. Load an earlier checkpoint, "
@@ -987,13 +1052,14 @@ def _holds_save_files(location: Location, names: list[str]) -> bool:
     return bool(ours.intersection(names)) or sharded_backend(location) == "shardstore"
 
 
-def _not_a_checkpoint(where: str, names: list[str]) -> str:
-    """What a directory that is no checkpoint holds, and what to do with it."""
+def _not_a_checkpoint(where: str, names: list[str], model_files: str | None) -> str:
+    """What a directory that is no checkpoint holds, and what to do with it;
+    ``model_files``: the title of the registered format of model files it holds, if any."""
     weights = [n for n in names if n.endswith(".safetensors")]
     if weights or "config.json" in names:
         kind = "a Hugging Face model directory" if "config.json" in names else "a directory of safetensors files"
         listed = ", ".join([n for n in ("config.json",) if n in names] + weights[:2])
-        how = f"; `shardstore convert {where} <new directory>` imports its weights" if weights else ""
+        how = f"; `shardstore convert {where} <new directory>` imports its weights" if model_files else ""
         return f"{where} is {kind} ({listed}), not a shardstore checkpoint{how}"
     found = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
     return (
@@ -1040,17 +1106,21 @@ def _no_registry(location: Location) -> None:
 # when it is imported, which ``shardstore.strategies`` (every load and save) and the command do.
 _title_of_other_format: Callable[[Location], str | None] = _no_registry
 _files_of_other_format: Callable[[Location], OtherCheckpointFiles | None] = _no_registry
+_title_of_model_files: Callable[[Location], str | None] = _no_registry
 
 
 def name_other_formats_with(
     title_of: Callable[[Location], str | None], files_of: Callable[[Location], OtherCheckpointFiles | None],
+    title_of_files: Callable[[Location], str | None] = _no_registry,
 ) -> None:
     """Installs the registry's lookups: ``title_of(location)`` is the title of the
     registered format whose checkpoint ``location`` holds, or None; ``files_of(location)``
     the checkpoint of a registered format whose files lie there among others
-    (``other_checkpoint_files``), or None."""
-    global _title_of_other_format, _files_of_other_format
-    _title_of_other_format, _files_of_other_format = title_of, files_of
+    (``other_checkpoint_files``), or None; ``title_of_files(location)`` the title of the
+    registered format of model files (``torch.save``, safetensors) at ``location``, which
+    ``shardstore convert`` imports, or None."""
+    global _title_of_other_format, _files_of_other_format, _title_of_model_files
+    _title_of_other_format, _files_of_other_format, _title_of_model_files = title_of, files_of, title_of_files
 
 
 def other_checkpoint_files(location: Location) -> OtherCheckpointFiles | None:

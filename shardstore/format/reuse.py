@@ -7,10 +7,10 @@ the checkpoint manager passes its newest step) shares each chunk whose new bytes
 that checkpoint's chunk of the same array at the same grid index:
 
 - **Equal** means the same content digest (XXH3-128 of the chunk's bytes, recorded for
-  every chunk at write time, ``format.chunks.chunk_digest``) *and* the same crc32c, for
-  an array stored the same way (shape, data type, chunk shape, chunk key encoding; the
-  codecs are fixed by the format). crc32c alone never decides it: different bytes with
-  the same crc32c take four forged bytes.
+  every chunk at write time, ``format.chunks.chunk_digest``) *and* the same crc32c (as
+  the array's codec reports it, ``ChunkCodec.held``), for an array stored the same way
+  (shape, data type, chunk shape, chunk key encoding, codec). crc32c alone never
+  decides it: different bytes with the same crc32c take four forged bytes.
 - **Shared** means a copy-on-write clone or else a hard link on a local file system
   (``stores.local.share_file``), a server-side copy on an object store
   (``Store.copy_from``). Where neither is possible the chunk is written as usual.
@@ -31,21 +31,21 @@ logged once and the save writes everything: never an error.
 
 from __future__ import annotations
 
+__all__ = ["ChunkReuse", "ReusableArray", "ReuseTally", "reuse_save_id"]
+
 import logging
 import threading
 import time
 from dataclasses import dataclass
 
-import crc32c
-
 from shardstore.format.chunks import (
     ChunkFile,
     ChunkMismatch,
     ChunkStore,
-    HeldChunk,
     ShareChunk,
     WrittenChunk,
 )
+from shardstore.format.codecs import HeldBytes
 from shardstore.format.records import COMMIT_RECORD, ArrayRecord, CommitRecord, read_commit_record
 from shardstore.stores.base import Location
 
@@ -76,22 +76,23 @@ class ReusableArray:
 
     record: ArrayRecord
 
-    def matches(self, index: tuple[int, ...], crc_of: bytes | memoryview, digest: str) -> int | None:
-        """The chunk's crc32c when its recorded digest is ``digest`` and its recorded
-        crc32c that of ``crc_of`` (computed only once the digest matched), else None."""
+    def matches(self, index: tuple[int, ...], data: memoryview, digest: str) -> HeldBytes | None:
+        """What a shared object for chunk ``index`` must hold (``ChunkCodec.held``),
+        when the recorded digest is ``digest`` and the recorded crc32c the one the codec
+        reports for ``data`` (encoded only once the digest matched), else None."""
         ordinal = self.record.chunk_ordinal(index)
         assert self.record.chunk_digests is not None and self.record.chunk_crcs is not None
         if self.record.chunk_digests[ordinal] != digest:
             return None
-        crc = crc32c.crc32c(crc_of)
-        return crc if crc == self.record.chunk_crcs[ordinal] else None
+        held = self.record.codec.held(data, digest)
+        return held if held.crc == self.record.chunk_crcs[ordinal] else None
 
 
 def _reusable(source: ArrayRecord | None, new: ArrayRecord) -> ReusableArray | None:
     if source is None or source.chunk_digests is None or source.chunk_crcs is None:
         return None
-    same = (source.shape, source.dtype, source.chunk_shape, source.chunk_separator) == (
-        new.shape, new.dtype, new.chunk_shape, new.chunk_separator)
+    same = (source.shape, source.dtype, source.chunk_shape, source.chunk_separator, source.codec) == (
+        new.shape, new.dtype, new.chunk_shape, new.chunk_separator, new.codec)
     return ReusableArray(source) if same else None
 
 
@@ -162,10 +163,9 @@ class ChunkReuse:
 
         def share(file: ChunkFile, view: memoryview, digest: str) -> WrittenChunk | None:
             array = self.arrays.get(file.array_key)
-            crc = array.matches(file.index, view, digest) if array is not None else None
-            if crc is None:
+            held = array.matches(file.index, view, digest) if array is not None else None
+            if held is None:
                 return None
-            held = HeldChunk(view, crc, digest)
             start = time.perf_counter()
             error: Exception | None = None
             try:
@@ -177,7 +177,7 @@ class ChunkReuse:
             self._count(failure is None, held.nbytes, time.perf_counter() - start)
             if failure:
                 return None
-            return WrittenChunk(file.array_key, file.index, crc, digest, shared=held.nbytes)
+            return WrittenChunk(file.array_key, file.index, held.crc, digest, shared=held.nbytes)
 
         return share
 

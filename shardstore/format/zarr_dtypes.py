@@ -21,6 +21,8 @@ only (``shardstore/__init__`` imports its submodules lazily for the same reason)
 
 from __future__ import annotations
 
+__all__ = ["BFloat16", "Float8E4M3FN", "Float8E5M2", "ML_DTYPES"]
+
 import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeGuard
@@ -162,5 +164,3 @@ ML_DTYPES: tuple[type[ZDType], ...] = (BFloat16, Float8E4M3FN, Float8E5M2)
 
 for _zdtype in ML_DTYPES:
     data_type_registry.register(_zdtype._zarr_v3_name, _zdtype)
-
-__all__ = ["BFloat16", "Float8E4M3FN", "Float8E5M2", "ML_DTYPES"]

@@ -1,17 +1,38 @@
-"""What shardstore reads of a checkpoint another tool wrote, whatever its format.
+"""What shardstore reads of a file or checkpoint another tool wrote, whatever its format.
 
-``OtherCheckpoint`` is the interface the readers of other formats implement
-(``dcp.DcpCheckpoint``: PyTorch DCP and Megatron-Core torch_dist;
-``megatron_zarr.MegatronZarrCheckpoint``: Megatron-Core's deprecated zarr backend) and
-that ``strategies.other_formats`` (``load`` and the queries at any layout), inspection and
-``convert`` use. ``OtherFormat`` is what a reader registers (``registry``): how to tell its
-checkpoints from everything else and how to open one. A reader never executes code from
-the checkpoint: pickled values load through ``shardstore.format.pickles`` (exact allow-lists), and every file is
-opened as a regular file inside the checkpoint (no symbolic links out of it, no FIFOs
-or devices), its byte ranges checked against its size.
+Every format registers a ``Format`` (``registry``): its name, its title and ``detect``,
+how to tell its files from everything else. There are two kinds, one subtype each:
+
+* ``OtherFormat``: a checkpoint directory that ``load`` reads as it is, at any layout
+  (PyTorch DCP, Megatron-Core torch_dist and zarr). Its reader implements
+  ``OtherCheckpoint``, which ``strategies.other_formats`` (``load`` and the queries),
+  inspection and ``convert`` use.
+* ``FileFormat``: model files that shardstore converts from and to, but does not
+  ``load`` (a ``torch.save`` file, safetensors). Its reader opens them as an
+  ``ExportSource``: every tensor's ``TensorSpec`` known before its bytes are read, the
+  tensors a batch at a time, the other values, and where each tensor goes in a
+  ``torch.save`` state dict; and gives the state dict a shardstore save of them is given
+  (``FileFormat.state_to_save``).
+
+A reader never executes code from what it reads: pickled values load through
+``shardstore.format.pickles`` (exact allow-lists), and every file is opened as a
+regular file inside the checkpoint or model (no symbolic links out of it, no FIFOs or
+devices), its byte ranges checked against its size.
 """
 
 from __future__ import annotations
+
+__all__ = [
+    "ExportSource",
+    "FileFormat",
+    "Format",
+    "OtherCheckpoint",
+    "OtherFormat",
+    "OtherTensor",
+    "TensorSpec",
+    "is_object_shard_key",
+    "place_value",
+]
 
 import os
 import stat
@@ -28,6 +49,7 @@ from shardstore.errors import CheckpointingException
 from shardstore.format.dtypes import ShapedTensorSize
 from shardstore.format.pickles import deserialize_dict, load_torch
 from shardstore.format.records import COMMON_FILE
+from shardstore.mapping import ShardedObject, StateDict
 from shardstore.stores.base import Location, StorageError
 from shardstore.stores.local import open_regular_file
 
@@ -162,19 +184,33 @@ class OtherCheckpoint(ABC):
 
 
 @dataclass(frozen=True)
-class OtherFormat:
-    """A format of another tool's checkpoints, as the registry lists it (``registry``).
+class Format:
+    """A format of another tool's files, as the registry lists it (``registry``); each
+    kind of format is a subtype (``OtherFormat``, ``FileFormat``).
 
     Attributes:
-        name: what the format is called in data: its checkpoints' ``OtherCheckpoint.kind``,
-            inspection's ``kind`` and the command's ``source_format`` (``"torch_dist"``).
-        title: what messages call one of its checkpoints (``"a PyTorch DCP checkpoint"``).
-        detect: whether a location holds one of its checkpoints; cheap (at most a small
-            metadata file read, by name, through the location: local or S3) and never
-            unpickling, because every load and every error about a directory without a
-            commit record asks each format in turn.
+        name: what the format is called in data: inspection's ``kind`` and the command's
+            ``source_format`` (``"torch_dist"``, ``"safetensors"``).
+        title: what messages call one of its checkpoints or files
+            (``"a PyTorch DCP checkpoint"``).
+        detect: whether a location holds one of its checkpoints or files; cheap (at most
+            a small metadata file read, by name, through the location: local or S3) and
+            never unpickling, because every load, every conversion and every error about
+            a directory without a commit record asks each format in turn.
+    """
+
+    name: str
+    title: str
+    detect: Callable[[Location], bool]
+
+
+@dataclass(frozen=True)
+class OtherFormat(Format):
+    """A format of checkpoint directories that ``load`` reads as they are.
+
+    Attributes:
         open: the reader, given the local directory: parses the metadata and refuses what
-            it cannot read safely.
+            it cannot read safely. Its checkpoints' ``OtherCheckpoint.kind`` is ``name``.
         metadata_file: the file that says what the checkpoint holds; an opened checkpoint
             is read again when this file changes (one load opens it several times).
         files: the top-level entries of its checkpoint at a location that holds its
@@ -184,13 +220,75 @@ class OtherFormat:
             and a load names as ambiguous (``records.other_checkpoint_files``).
     """
 
-    name: str
-    title: str
-    detect: Callable[[Location], bool]
     open: Callable[[Path], OtherCheckpoint]
     metadata_file: str
     files: Callable[[Location], list[str]] | None = None
 
+
+@dataclass(frozen=True)
+class TensorSpec(ShapedTensorSize):
+    """A source tensor's dtype and shape, known before its bytes are read (a streamed
+    safetensors file's header comes first)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorSpec:
+        return cls(tensor.dtype, tuple(tensor.shape))
+
+
+@dataclass(frozen=True)
+class ExportSource:
+    """A source opened for an export (``tools.convert``: a ``torch.save`` file, a
+    safetensors model), whatever its format, so that each target is written by one
+    function.
+
+    Attributes:
+        tensors: each tensor's key (an array key; a ``torch.save`` file's tensors by
+            their ``/``-joined path) -> its dtype and shape, sorted by key.
+        read: ``read(keys, memory_bytes)`` yields ``(key, whole tensor)`` for ``keys``,
+            at most ``memory_bytes`` alive at once (a larger tensor alone).
+        other_values: everything else (common state, sharded object shards at their
+            unique keys), nested as a ``torch.save`` file of the source holds it.
+        place: where a tensor goes in that file: its dict keys and list indices.
+        objects: the top-level keys of ``other_values`` that are sharded object shards.
+    """
+
+    tensors: dict[str, TensorSpec]
+    read: Callable[[list[str], int], Iterator[tuple[str, torch.Tensor]]]
+    other_values: Callable[[], dict[Any, Any]]
+    place: Callable[[str], tuple[str | int, ...]]
+    objects: Callable[[], tuple[str, ...]] = tuple
+
+    @property
+    def tensor_bytes(self) -> dict[str, int]:
+        """Each tensor's size in bytes, by key."""
+        return {key: spec.nbytes for key, spec in self.tensors.items()}
+
+    def places(self) -> dict[str, tuple[str | int, ...]]:
+        """Each tensor's place, for the layout that lets an export convert back exactly."""
+        return {key: self.place(key) for key in self.tensor_bytes}
+
+
+@dataclass(frozen=True)
+class FileFormat(Format):
+    """A format of model files (one file, or a directory of them, as a Hugging Face
+    model) that shardstore converts from, and ``load`` does not read.
+
+    Attributes:
+        open: the reader, given the local path: its tensors memory-mapped, nothing
+            unpickled that could run code.
+        state_to_save: the state dict a shardstore save of the files at the local path
+            is given: each array a ``ShardedTensor`` (memory-mapped) at its place, each
+            sharded object shard a ``ShardedObject``, the rest the common state.
+        suffixes: how the name of one of its files ends (``".pt"``); a conversion's
+            destination named so is written in this format.
+    """
+
+    open: Callable[[Path], ExportSource]
+    state_to_save: Callable[[Path], StateDict]
+    suffixes: tuple[str, ...] = ()
 
 
 def place_value(state: dict[Any, Any], path: tuple[Any, ...], value: Any, key: str) -> None:
@@ -223,4 +321,14 @@ def _is_free(node: Any, part: Any, key: str) -> bool:
     return part not in node
 
 
-__all__ = ["OtherCheckpoint", "OtherTensor", "OtherFormat", "place_value"]
+def is_object_shard_key(key: Any) -> bool:
+    """Whether ``key`` is a sharded object shard's unique key (``rng_state/shard_0_2``):
+    Megatron's items in its checkpoints, and a top-level entry of a ``torch.save`` file
+    whose value stays one object, whatever it holds."""
+    if not isinstance(key, str):
+        return False
+    try:
+        ShardedObject.empty_from_unique_key(key)
+    except CheckpointingException:
+        return False
+    return True

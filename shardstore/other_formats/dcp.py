@@ -28,6 +28,8 @@ DCP's storage transforms (compression extensions) are refused with an error that
 
 from __future__ import annotations
 
+__all__ = ["DCP_FORMAT", "TORCH_DIST_FORMAT", "DcpCheckpoint", "DcpChunk", "DcpItem", "DcpTensor"]
+
 import math
 import os
 from dataclasses import dataclass
@@ -295,5 +297,3 @@ TORCH_DIST_FORMAT = OtherFormat(
     _torch_dist_files,
 )
 DCP_FORMAT = OtherFormat("dcp", "a PyTorch DCP checkpoint", _holds_plain_dcp, DcpCheckpoint, DCP_METADATA, _dcp_files)
-
-__all__ = ["DCP_FORMAT", "TORCH_DIST_FORMAT", "DcpCheckpoint", "DcpChunk", "DcpItem", "DcpTensor"]

@@ -22,6 +22,8 @@ wrote them).
 
 from __future__ import annotations
 
+__all__ = ["MEGATRON_ZARR_FORMAT", "MegatronZarrCheckpoint", "ZarrV2Array"]
+
 import json
 import math
 import os
@@ -211,5 +213,3 @@ MEGATRON_ZARR_FORMAT = OtherFormat(
     BACKEND, "a Megatron-Core zarr checkpoint (Zarr v2 arrays)", _holds_megatron_zarr, MegatronZarrCheckpoint,
     CONFIG_FNAME,
 )
-
-__all__ = ["MEGATRON_ZARR_FORMAT", "MegatronZarrCheckpoint", "ZarrV2Array"]

@@ -1,58 +1,84 @@
-"""The one list of other tools' checkpoint formats that shardstore reads, and the one
-place that tells which of them a location holds.
+"""The one list of other tools' formats that shardstore reads, and the one place that
+tells which of them a path holds.
 
-``load`` and the metadata queries (``strategies.other_formats``), inspection, the
-``shardstore`` command and ``convert`` all ask ``detect``; the errors about a directory
-without a commit record (``format.records.other_checkpoint_kind``) name what it finds.
-A reader is one module under ``other_formats`` that defines an ``OtherFormat``
-(``base``), listed once in ``FORMATS`` below; a format added at run time (a plug-in, a
-test) calls ``register``.
+Two kinds of format stand in ``FORMATS`` (``base``): checkpoint directories that ``load``
+reads as they are (``OtherFormat``: DCP, Megatron-Core torch_dist and zarr), and model
+files that shardstore converts from and to (``FileFormat``: safetensors, ``torch.save``).
+Every door asks ``detect``, naming the kind it can use: ``load`` and the metadata
+queries (``opened``, ``strategies.other_formats``) and inspection ask for an
+``OtherFormat``; ``convert`` and the command's ``convert`` ask for a ``FileFormat``
+first, then open the path as a checkpoint; the errors about a directory without a
+commit record (``format.records``, below this layer: what a directory or file is
+instead) are handed this module's lookups of both kinds when it is imported.
 
-Order matters where two formats could claim one directory: the first that detects it
-wins (Megatron's torch_dist before the plain DCP it is made of).
+A format is one module under ``other_formats`` that defines its entry, listed once in
+``FORMATS`` below; a format added at run time (a plug-in, a test) calls ``register``.
+Order matters where two formats could claim one path: the first that detects it wins
+(Megatron's torch_dist before the plain DCP it is made of).
 """
 
 from __future__ import annotations
 
+__all__ = ["FORMATS", "detect", "files_found", "formats", "named", "register"]
+
+from typing import TypeVar
+
 from shardstore.errors import CheckpointingException
 from shardstore.format.records import OtherCheckpointFiles, name_other_formats_with
-from shardstore.other_formats.base import OtherFormat
+from shardstore.other_formats.base import FileFormat, Format, OtherFormat
 from shardstore.other_formats.dcp import DCP_FORMAT, TORCH_DIST_FORMAT
 from shardstore.other_formats.megatron_zarr import MEGATRON_ZARR_FORMAT
+from shardstore.other_formats.safetensors import SAFETENSORS_FORMAT
+from shardstore.other_formats.torch_file import TORCH_FILE_FORMAT
 from shardstore.stores.base import Location
 
-FORMATS: list[OtherFormat] = [TORCH_DIST_FORMAT, MEGATRON_ZARR_FORMAT, DCP_FORMAT]
+FORMATS: list[Format] = [
+    TORCH_DIST_FORMAT, MEGATRON_ZARR_FORMAT, DCP_FORMAT, SAFETENSORS_FORMAT, TORCH_FILE_FORMAT,
+]
+
+F = TypeVar("F", bound=Format)
 
 
-def register(other_format: OtherFormat) -> OtherFormat:
+def register(new_format: Format) -> Format:
     """Adds a format after the built-in ones; its name must be new (it is what
     ``named`` and a checkpoint's ``kind`` go by)."""
-    if any(f.name == other_format.name for f in FORMATS):
+    if any(f.name == new_format.name for f in FORMATS):
         raise CheckpointingException(
-            f"A reader of the format {other_format.name!r} is registered already; give the new one another name"
+            f"A reader of the format {new_format.name!r} is registered already; give the new one another name"
         )
-    FORMATS.append(other_format)
-    return other_format
+    FORMATS.append(new_format)
+    return new_format
 
 
-def detect(location: Location) -> OtherFormat | None:
-    """The first registered format whose checkpoint ``location`` holds, or None."""
-    return next((f for f in FORMATS if f.detect(location)), None)
+def formats(kind: type[F]) -> list[F]:
+    """The registered formats of the kind ``kind`` (``OtherFormat``, ``FileFormat``),
+    in the order they are tried."""
+    return [f for f in FORMATS if isinstance(f, kind)]
 
 
-def named(name: str) -> OtherFormat:
+def detect(location: Location, kind: type[F]) -> F | None:
+    """The first registered format of the kind ``kind`` whose checkpoint or files
+    ``location`` holds, or None."""
+    return next((f for f in formats(kind) if f.detect(location)), None)
+
+
+def named(name: str) -> Format:
     """The registered format called ``name``."""
-    for other_format in FORMATS:
-        if other_format.name == name:
-            return other_format
+    for found in FORMATS:
+        if found.name == name:
+            return found
     raise CheckpointingException(
         f"No reader of the format {name!r} is registered (known: {', '.join(f.name for f in FORMATS)})"
     )
 
 
-def _title_of(location: Location) -> str | None:
-    found = detect(location)
+def _title_of(location: Location, kind: type[Format] = OtherFormat) -> str | None:
+    found = detect(location, kind)
     return found.title if found else None
+
+
+def _title_of_files(location: Location) -> str | None:
+    return _title_of(location, FileFormat)
 
 
 def files_found(location: Location) -> OtherCheckpointFiles | None:
@@ -61,7 +87,7 @@ def files_found(location: Location) -> OtherCheckpointFiles | None:
     (``OtherFormat.files``) whose metadata file is there, the one that detects the
     directory first (else the last of them, the most general: plain DCP rather than
     Megatron's torch_dist made of it); None where there is none."""
-    present = [f for f in FORMATS if f.files is not None and location.exists(f.metadata_file)]
+    present = [f for f in formats(OtherFormat) if f.files is not None and location.exists(f.metadata_file)]
     if not present:
         return None
     found = next((f for f in present if f.detect(location)), present[-1])
@@ -69,6 +95,4 @@ def files_found(location: Location) -> OtherCheckpointFiles | None:
     return OtherCheckpointFiles(found.title, tuple(found.files(location)))
 
 
-name_other_formats_with(_title_of, files_found)
-
-__all__ = ["FORMATS", "detect", "files_found", "named", "register"]
+name_other_formats_with(_title_of, files_found, _title_of_files)

@@ -7,3 +7,5 @@ backend.
 
 May import: ``shardstore.errors`` only. Nothing here knows about arrays, records or ranks.
 """
+
+__all__: list[str] = []

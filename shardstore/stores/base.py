@@ -21,6 +21,12 @@ shares the store, so it overrides only what it changes and forwards nothing by h
 
 from __future__ import annotations
 
+__all__ = [
+    "DEFAULT_IO_THREADS", "Capabilities", "ChunkAccess", "ChunkMismatch", "ChunkStore",
+    "CopiedObject", "DirectoryPublishing", "ExpectedBytes", "Location", "NameLimits",
+    "StorageError", "Store", "fill_views", "kvstore_spec", "run_parallel",
+]
+
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor

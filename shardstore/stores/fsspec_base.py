@@ -16,6 +16,8 @@ deletion deletes the exact keys listed (``_delete_keys``).
 
 from __future__ import annotations
 
+__all__ = ["FsspecStore"]
+
 from abc import abstractmethod
 from typing import Any
 

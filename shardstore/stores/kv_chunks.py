@@ -4,7 +4,7 @@ earlier checkpoint is a server-side copy, proven by the copy's ETag."""
 
 from __future__ import annotations
 
-__all__ = ["MD5_BESIDE_BYTES", "KvChunkStore"]
+__all__ = ["KvChunkStore"]
 
 import re
 import threading

@@ -19,6 +19,8 @@ Publishing (``stores.base.DirectoryPublishing``): renames, atomic exchanges
 
 from __future__ import annotations
 
+__all__ = ["FileChunkStore", "LocalStore", "check_inside", "open_regular", "open_regular_file"]
+
 import contextlib
 import ctypes
 import ctypes.util

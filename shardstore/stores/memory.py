@@ -20,6 +20,8 @@ at once and the first one commits alone.
 
 from __future__ import annotations
 
+__all__ = ["MemoryStore"]
+
 import threading
 from collections.abc import Callable
 from typing import Any

@@ -22,6 +22,8 @@ step once a PUT has returned.
 
 from __future__ import annotations
 
+__all__ = ["S3Options", "S3Store"]
+
 import contextlib
 import logging
 import os

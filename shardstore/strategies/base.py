@@ -259,9 +259,9 @@ class SaveShardedStrategy(SaveStrategyBase):
     ) -> None:
         """Collective: writes this rank's part of ``plan`` into the save ``pipeline`` has
         begun and joined (``execution.pipeline``), committing through it. ``serialization.
-        save`` calls this; the default hands the pipeline's pending checkpoint to
+        save`` calls this; the default hands the location the pipeline writes into to
         ``save_with_plan`` (the seed's signature), which a strategy overrides."""
-        self.save_with_plan(sharded_state_dict, pipeline.pending, plan, pipeline.group.process_group, local_error)
+        self.save_with_plan(sharded_state_dict, pipeline.location, plan, pipeline.group.process_group, local_error)
 
 
 class AsyncSaveShardedStrategy(SaveShardedStrategy):
@@ -292,7 +292,7 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
     ) -> AsyncRequest:
         """Like ``save_into``, returning the request whose finalization commits."""
         return self.async_save_with_plan(
-            sharded_state_dict, pipeline.pending, plan, pipeline.group.process_group, local_error
+            sharded_state_dict, pipeline.location, plan, pipeline.group.process_group, local_error
         )
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:

@@ -3,7 +3,7 @@
 shardstore's own ``AsyncCallsQueue`` runs a request's ``async_fn`` in a thread, so the
 chunks it wrote (their crc32c and digests, which the commit record binds) come back in
 memory. Megatron's queue forks a writer process (or hands the request, pickled, to a
-persistent spawned one: ``PendingCheckpoint`` and ``LocalStore`` pickle what such a
+persistent spawned one: ``SavePipeline``, ``PendingCheckpoint`` and ``LocalStore`` pickle what such a
 process needs; or to nvidia-resiliency-ext's), so they cannot: here each rank's background writer
 leaves its outcome in a small file, ``.shardstore-written-<rank>.json`` in the pending
 checkpoint, which the finalization (in the training process, on every rank) reads,
@@ -24,14 +24,17 @@ from functools import partial
 from typing import Any
 
 from shardstore.errors import CheckpointingException
-from shardstore.execution.save import StagedSave, WrittenChunk, finalize_save, write_staged
-from shardstore.progress import stage
+from shardstore.execution.pipeline import SavePipeline
+from shardstore.format.chunks import WrittenChunk
 from shardstore.strategies.async_utils import AsyncRequest
 
 logger = logging.getLogger(__name__)
 
 # Where a background writer leaves its outcome for the finalization (one file per rank).
 WRITE_REPORT_PREFIX = ".shardstore-written-"
+# The I/O of a staged save, as our ``AsyncRequest`` names it (a module name, so a test
+# can make the forked writer's fail).
+write_staged = SavePipeline.write_staged
 
 
 def _same(fn: Callable[[], None]) -> Callable[[], None]:
@@ -49,11 +52,11 @@ def for_another_process(
         raise CheckpointingException(
             f"Internal error: cannot hand the async request {request.async_fn!r} to another process; please report it"
         )
-    staged, io_concurrency, io_threads = request.async_fn_args
+    pipeline, io_concurrency, io_threads = request.async_fn_args
     return request_cls(
         async_fn=write_and_report,
-        async_fn_args=(staged, io_concurrency, io_threads),
-        finalize_fns=[finalize_wrapper(partial(finalize_from_report, staged))],
+        async_fn_args=(pipeline, io_concurrency, io_threads),
+        finalize_fns=[finalize_wrapper(partial(finalize_from_report, pipeline))],
     )
 
 
@@ -61,7 +64,7 @@ def _report_file(rank: int) -> str:
     return f"{WRITE_REPORT_PREFIX}{rank}.json"
 
 
-def write_and_report(staged: StagedSave, io_concurrency: int, io_threads: int) -> None:
+def write_and_report(pipeline: SavePipeline, io_concurrency: int, io_threads: int) -> None:
     """The ``async_fn`` (run in another process): this rank's writes, then its outcome,
     the chunks' checksums or the error, in the rank's report file.
 
@@ -71,39 +74,41 @@ def write_and_report(staged: StagedSave, io_concurrency: int, io_threads: int) -
     this request and every later one; its forked writer ignores the exit status
     anyway."""
     try:
-        write_staged(staged, io_concurrency, io_threads)
-        outcome: dict[str, Any] = {"written": [[c.key, list(c.index), *c[2:]] for c in staged.written]}
+        write_staged(pipeline, io_concurrency, io_threads)
+        outcome: dict[str, Any] = {"written": [[c.key, list(c.index), *c[2:]] for c in pipeline.written]}
     except Exception as exc:  # the finalization raises it, on every rank
-        logger.error("The background write into %s failed", staged.location.describe(), exc_info=True)
+        logger.error("The background write into %s failed", pipeline.describe(), exc_info=True)
         outcome = {"error": f"{type(exc).__name__}: {exc}"}
-        staged.location.end_writes()
-    staged.location.write_atomic(_report_file(staged.group.rank), json.dumps(outcome).encode())
+        pipeline.location.end_writes()
+    pipeline.location.write_atomic(_report_file(pipeline.group.rank), json.dumps(outcome).encode())
 
 
-def finalize_from_report(staged: StagedSave) -> None:
+def finalize_from_report(pipeline: SavePipeline) -> None:
     """The finalization (collective, in the training process): this rank's report, then
-    shardstore's commit (``execution.save.finalize_save``)."""
-    location, rel = staged.location, _report_file(staged.group.rank)
+    shardstore's commit (``SavePipeline.finalize``)."""
+    location, rank = pipeline.location, pipeline.group.rank
+    rel = _report_file(rank)
     error: BaseException | None = None
     try:
         data = location.read_bytes_or_none(rel)
         if data is None:
             raise CheckpointingException(
-                f"The background write of rank {staged.group.rank} into {location.describe()} left no report "
+                f"The background write of rank {rank} into {location.describe()} left no report "
                 f"({rel}): it did not finish"
             )
         location.remove(rel)
         outcome = json.loads(data)
         if "error" in outcome:
             raise CheckpointingException(
-                f"The background write of rank {staged.group.rank} into {location.describe()} failed: "
+                f"The background write of rank {rank} into {location.describe()} failed: "
                 f"{outcome['error']}; nothing was committed"
             )
-        staged.written = [WrittenChunk(key, tuple(index), *rest) for key, index, *rest in outcome["written"]]
-    except Exception as exc:  # reported on every rank by finalize_save
+        pipeline.reported_by_writer(
+            [WrittenChunk(key, tuple(index), *rest) for key, index, *rest in outcome["written"]]
+        )
+    except Exception as exc:  # reported on every rank by the finalization
         error = exc
-    with stage("save: commit", location.describe()):
-        finalize_save(staged, error)
+    pipeline.finalization().finalize(error)
 
 
 __all__ = ["WRITE_REPORT_PREFIX", "finalize_from_report", "for_another_process", "write_and_report"]

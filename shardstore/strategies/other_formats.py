@@ -13,6 +13,14 @@ checkpoint, ``shardstore convert``, to have every chunk checked from then on).
 
 from __future__ import annotations
 
+__all__ = [
+    "OtherFormatLoadCommonStrategy",
+    "OtherFormatLoadShardedStrategy",
+    "open_other_format",
+    "read_requested",
+    "register_default_other_format_strategies",
+]
+
 import functools
 from pathlib import Path
 from typing import Any
@@ -26,7 +34,7 @@ from shardstore.format.records import CommitRecord
 from shardstore.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from shardstore.opened import bare_location
 from shardstore.other_formats import registry
-from shardstore.other_formats.base import OtherCheckpoint, OtherFormat, place_value
+from shardstore.other_formats.base import OtherCheckpoint, OtherFormat, is_object_shard_key, place_value
 from shardstore.planning.layout import block_shape, region_at
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.stage import run_stage
@@ -54,11 +62,11 @@ def open_other_format(checkpoint_dir: CheckpointDir | Location) -> OtherCheckpoi
             f"{location.describe()}: checkpoints of other tools are read from local paths only"
         )
     path = Path(path).resolve()
-    other_format = registry.detect(location)
+    other_format = registry.detect(location, OtherFormat)
     if other_format is None:
         raise CheckpointingException(
             f"{location.describe()} is no checkpoint of another tool that shardstore reads "
-            f"({', '.join(f.title for f in registry.FORMATS)})"
+            f"({', '.join(f.title for f in registry.formats(OtherFormat))})"
         )
     try:
         stat = (path / other_format.metadata_file).stat()
@@ -132,7 +140,7 @@ class OtherFormatLoadShardedStrategy(LoadShardedStrategy):
         return self.load_tensors_metadata(checkpoint_dir)
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
-        names = [f.name for f in registry.FORMATS]
+        names = [f.name for f in registry.formats(OtherFormat)]
         if loaded_backend not in names:
             raise CheckpointingException(f"{self} reads {', '.join(names)} checkpoints, not {loaded_backend!r}")
 
@@ -155,7 +163,7 @@ class OtherFormatLoadCommonStrategy(TorchCommonLoadStrategy):
         source = open_other_format(checkpoint_dir)
         state = source.common_state()
         for key in sorted(source.items):
-            if not _is_object_shard(key):
+            if not is_object_shard_key(key):
                 place_value(state, source.saved_paths.get(key, (key,)), source.read_item(key), key)
         return state
 
@@ -175,7 +183,7 @@ class OtherFormatLoadCommonStrategy(TorchCommonLoadStrategy):
 
     def load_sharded_metadata(self, checkpoint_dir: CheckpointDir | Location) -> ShardedStateDict:
         source = open_other_format(checkpoint_dir)
-        return {k: ShardedObject.empty_from_unique_key(k) for k in source.items if _is_object_shard(k)}
+        return {k: ShardedObject.empty_from_unique_key(k) for k in source.items if is_object_shard_key(k)}
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         pass  # Megatron's "torch" common backend, or none (plain DCP)
@@ -188,14 +196,6 @@ def _stored_reformulated(tensor: Any) -> bool:
     """A Megatron torch_dist tensor stored reformulated (one flat row per block)."""
     stored = tuple(getattr(tensor, "stored_shape", ()) or ())
     return bool(stored) and stored != tuple(tensor.shape)
-
-
-def _is_object_shard(key: str) -> bool:
-    try:
-        ShardedObject.empty_from_unique_key(key)
-    except CheckpointingException:
-        return False
-    return True
 
 
 def register_default_other_format_strategies() -> None:

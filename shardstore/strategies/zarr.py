@@ -39,7 +39,7 @@ from shardstore.execution.loaded import (  # flatten_range, pad_to_expected_shap
     postprocess_loaded,
 )
 from shardstore.execution.pipeline import SavePipeline
-from shardstore.execution.save import Staging, finalizer, stage_save, write_staged
+from shardstore.execution.save import Staging
 from shardstore.execution.staging import (
     DEFAULT_LOAD_STAGING_BYTES,
     DeviceUploader,
@@ -73,7 +73,6 @@ from shardstore.planning.layout import (
     region_at,
 )
 from shardstore.planning.plans import RankReadPlan, RankSavePlan, plan_reads, plan_save
-from shardstore.progress import stage
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_cache import PlanCache
 from shardstore.protocol.plan_stage import gather_and_plan
@@ -319,20 +318,20 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         self, sharded_state_dict: ShardedStateDict, pipeline: SavePipeline, plan: RankSavePlan, staging: Staging,
         local_error: BaseException | None = None,
     ) -> AsyncRequest:
-        tensors, _ = local_sharded_items(sharded_state_dict)
-        location = pipeline.pending
-        limit = location.capabilities.max_object_bytes
+        tensors = pipeline.planned_tensors
+        if tensors is None:  # a plan made elsewhere (the seed's save_with_plan): its tensors, in its order
+            tensors, _ = local_sharded_items(sharded_state_dict)
+        limit = pipeline.target.capabilities.max_object_bytes
         if limit is not None and self.max_chunk_bytes > limit:
             raise CheckpointingException(
                 f"max_chunk_bytes={self.max_chunk_bytes} exceeds the {limit}-byte object limit of "
-                f"{location.describe()}; use a smaller bound"
+                f"{pipeline.describe()}; use a smaller bound"
             )
-        with stage("save: stage", location.describe()):
-            staged = stage_save(tensors, location, plan, pipeline.group, staging, local_error)
+        pipeline.stage(tensors, plan, staging, local_error)
         return AsyncRequest(
-            async_fn=write_staged,
-            async_fn_args=(staged, self.io_concurrency, staging.io_threads),
-            finalize_fns=[finalizer(staged)],
+            async_fn=SavePipeline.write_staged,
+            async_fn_args=(pipeline, self.io_concurrency, staging.io_threads),
+            finalize_fns=[pipeline.finalization()],
         )
 
 

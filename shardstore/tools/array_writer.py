@@ -17,6 +17,8 @@ anything.
 
 from __future__ import annotations
 
+__all__ = ["CheckpointWriter"]
+
 import json
 import os
 from collections.abc import Iterable
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from shardstore.core import CheckpointingConfig, CheckpointingException
+from shardstore.core import CheckpointingConfig, CheckpointingException, SaveOptions
 from shardstore.execution.pipeline import SavePipeline
 from shardstore.format.dtypes import tensor_to_numpy
 from shardstore.format.records import (
@@ -69,7 +71,7 @@ class CheckpointWriter:
     ) -> None:
         self.max_chunk_bytes = max_chunk_bytes
         config = CheckpointingConfig(SHARDSTORE_BACKEND, ZARR_VERSION, COMMON_BACKEND, COMMON_VERSION)
-        self._save = SavePipeline.open(checkpoint_dir, overwrite=overwrite, config=config)
+        self._save = SavePipeline.open(checkpoint_dir, options=SaveOptions(overwrite=overwrite), config=config)
         self._save.check_storable(
             [ShardedTensor.from_rank_offsets(key, tensor) for key, tensor in (planned_arrays or {}).items()],
             [ShardedObject.empty_from_unique_key(key) for key in planned_objects],
@@ -100,12 +102,12 @@ class CheckpointWriter:
         if clashes := array_group_collisions([*self._arrays, *(objects or {})]):
             raise CheckpointingException(f"Cannot commit {self.describe()}: clashing keys {clashes[0]}")
         common = TorchCommonSaveStrategy()
-        pending = self._save.pending
-        common.save_common(common_state or {}, pending)
-        common.save_sharded_objects(shards, pending)
-        pending.write_many({f"{g}/{ZARR_JSON}": json.dumps(group_metadata()).encode()
+        location = self._save.location
+        common.save_common(common_state or {}, location)
+        common.save_sharded_objects(shards, location)
+        location.write_many({f"{g}/{ZARR_JSON}": json.dumps(group_metadata()).encode()
                             for g in parent_groups(list(self._arrays))})
-        pending.make_durable()
+        location.make_durable()
         by_key: dict[str, list[str]] = {}
         for s in shards:
             by_key.setdefault(s.key, []).append(s.unique_key)

@@ -16,6 +16,8 @@ duration and bytes, ``-vv`` each stage's.
 
 from __future__ import annotations
 
+__all__ = ["EXIT_CLOSED_OUTPUT", "EXIT_ERROR", "EXIT_FINDING", "main", "parse_size"]
+
 import io
 import json
 import logging
@@ -395,8 +397,7 @@ def convert_command(source: str, destination: str, to: str | None, overwrite: bo
         elif dst == "safetensors":
             result = convert.to_safetensors(source, destination, max_shard_size, memory)
         else:
-            imports = {"torch": convert.from_torch_file, "safetensors": convert.from_safetensors}
-            result = imports.get(src, convert.from_other_format)(source, destination, overwrite)
+            result = convert.import_checkpoint(source, destination, overwrite)
     if dst == "shardstore":
         _report_checkpoint(source, src, destination, result, as_json)
     else:

@@ -1,13 +1,13 @@
-"""Conversions between checkpoints and single-process formats, with bounded memory.
+"""Conversions between checkpoints and model files, with bounded memory.
 
-Sources: a shardstore checkpoint; another tool's checkpoint of any format in
-``shardstore.other_formats.registry`` (PyTorch DCP, Megatron-Core torch_dist or zarr, read
-without running its pickles); a ``torch.save`` file; Hugging Face style safetensors (one
-file, or a model directory with ``model.safetensors`` or shards and
-``model.safetensors.index.json``). Targets: a shardstore checkpoint (``from_torch_file``,
-``from_safetensors``, ``from_other_format``), one
-``torch.save`` file (``to_torch_file``) and a safetensors model directory
-(``to_safetensors``), from any source of another format (``open_export_source``).
+Sources: a shardstore checkpoint, or anything of a format in
+``shardstore.other_formats.registry``: another tool's checkpoint (PyTorch DCP,
+Megatron-Core torch_dist or zarr, read without running its pickles) or model files (a
+``torch.save`` file; Hugging Face style safetensors, one file or a model directory).
+What a source is, the registry says once (``source_kind``). Targets: a shardstore
+checkpoint (``import_checkpoint``), one ``torch.save`` file (``to_torch_file``) and a
+safetensors model directory (``to_safetensors``), from any source of another format
+(``open_export_source``).
 
 Reading a checkpoint here means whole global arrays, a batch at a time
 (``read_arrays``): at most ``memory_bytes`` of them are alive at once (an array larger
@@ -16,18 +16,14 @@ checkpoint means a save at world size 1 from tensors that are memory-mapped from
 source file, so neither direction holds the model in memory, except ``to_torch_file``,
 whose single pickle needs every tensor at once.
 
-Keys: a tensor at ``sd["model"]["fc1"]`` of a ``torch.save`` file becomes the array
-``model/fc1`` and comes back to the same place; the other values form the common
-state. A sharded object's shard sits in a ``torch.save`` file at its unique key
-(``sd["rng_state/shard_0_2"]``), as the Python object it is, and comes back as a
-sharded object. A plain DCP checkpoint's values, and those of a save through
-``ShardstoreWriter``, go where they were in the state dict DCP saved (its planner's
-paths, as ``dcp_to_torch_save`` puts them). Safetensors names
-(``model.layers.0.weight``) are array keys as they are. An export records which of its
-tensors were arrays, under which key, and which were values of the common state
-(``convert_layout``): a ``.pt`` file in an archive entry, safetensors in its metadata,
-with the common state as JSON; an import of such a file gives the checkpoint back as it
-was. Sharded objects and values JSON cannot hold are left out of safetensors, and named.
+Keys: a tensor at ``sd["model"]["fc1"]`` of a ``torch.save`` file is the array
+``model/fc1`` and comes back to the same place; a sharded object's shard sits at its
+unique key (``sd["rng_state/shard_0_2"]``); a plain DCP checkpoint's values go where
+they were in the state dict DCP saved; safetensors names are array keys as they are
+(each file format's module says how it reads its files). An export records which of
+its tensors were arrays and which values of the common state
+(``other_formats.layout``), so that an import gives the checkpoint back as it was.
+Sharded objects and values JSON cannot hold are left out of safetensors, and named.
 
 Nothing is left behind by a conversion that fails: a checkpoint is staged and
 published by its commit (``shardstore.format.commit``), a file is written under a temporary
@@ -40,6 +36,27 @@ convert`` command); they refuse to run inside an initialized process group, wher
 
 from __future__ import annotations
 
+__all__ = [
+    "DEFAULT_MEMORY_BYTES",
+    "DEFAULT_SHARD_BYTES",
+    "TORCH_SUFFIXES",
+    "Export",
+    "ExportSource",
+    "TensorSpec",
+    "array_batches",
+    "from_other_format",
+    "from_safetensors",
+    "from_torch_file",
+    "import_checkpoint",
+    "open_export_source",
+    "read_arrays",
+    "read_non_tensor_state",
+    "read_tensors",
+    "source_kind",
+    "to_safetensors",
+    "to_torch_file",
+]
+
 import json
 import os
 import secrets
@@ -47,58 +64,37 @@ import shutil
 import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from shardstore.core import CheckpointingException
-from shardstore.format.dtypes import ShapedTensorSize, from_zarr_name
-from shardstore.format.pickles import load_torch_file
+from shardstore.dict_utils import nested_values
+from shardstore.format.dtypes import from_zarr_name
 from shardstore.mapping import ShardedObject, ShardedTensor, StateDict
 from shardstore.opened import bare_location, open_read
-from shardstore.other_formats.base import place_value
-from shardstore.protocol.collectives import Group
-from shardstore.stores.base import Location
-from shardstore.tools.convert_layout import (
+from shardstore.other_formats import registry
+from shardstore.other_formats.base import ExportSource, FileFormat, TensorSpec, place_value
+from shardstore.other_formats.layout import (
     Layout,
-    common_tensor_names,
-    decode_common,
     encode_common,
-    read_safetensors_layout,
-    read_torch_layout,
     safetensors_metadata,
     save_torch_file,
-    value_at,
-    without_places,
 )
-from shardstore.tools.model_files import (
-    SAFETENSORS_INDEX,
-    SAFETENSORS_SINGLE,
-    SafetensorsModel,
-    open_model_file,
-    safetensors_model,
-)
+from shardstore.other_formats.model_files import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
+from shardstore.other_formats.safetensors import SAFETENSORS_FORMAT, write_safetensors
+from shardstore.other_formats.torch_file import TORCH_FILE_FORMAT, TORCH_SUFFIXES
+from shardstore.protocol.collectives import Group
+from shardstore.stores.base import Location
 
 DEFAULT_MEMORY_BYTES = 2**30
 DEFAULT_SHARD_BYTES = 5 * 10**9  # Hugging Face's default max_shard_size, "5GB"
-_MAX_SAFETENSORS_HEADER = 100 * 2**20  # the format's own limit
-
-# safetensors dtype names (the format's spec) and ours.
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-_SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
-
 
 T = TypeVar("T")
-TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 
 # --------------------------------------------------------------------------- reading
@@ -190,101 +186,56 @@ def read_non_tensor_state(checkpoint: str | os.PathLike | Location) -> StateDict
 # --------------------------------------------------------------------------- what an export reads
 
 
-@dataclass(frozen=True)
-class TensorSpec(ShapedTensorSize):
-    """A source tensor's dtype and shape, known before its bytes are read (a streamed
-    safetensors file's header comes first)."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> TensorSpec:
-        return cls(tensor.dtype, tuple(tensor.shape))
-
-
-@dataclass(frozen=True)
-class ExportSource:
-    """A source opened for ``to_torch_file`` and ``to_safetensors``, whatever its
-    format, so that each target is written by one function.
-
-    Attributes:
-        tensors: each tensor's key (an array key; a ``torch.save`` file's tensors by
-            their ``/``-joined path) -> its dtype and shape, sorted by key.
-        read: ``read(keys, memory_bytes)`` yields ``(key, whole tensor)`` for ``keys``,
-            at most ``memory_bytes`` alive at once (a larger tensor alone).
-        other_values: everything else (common state, sharded object shards at their
-            unique keys), nested as a ``torch.save`` file of the source holds it.
-        place: where a tensor goes in that file: its dict keys and list indices.
-        objects: the top-level keys of ``other_values`` that are sharded object shards.
-    """
-
-    tensors: dict[str, TensorSpec]
-    read: Callable[[list[str], int], Iterator[tuple[str, torch.Tensor]]]
-    other_values: Callable[[], dict[Any, Any]]
-    place: Callable[[str], tuple[str | int, ...]]
-    objects: Callable[[], tuple[str, ...]] = tuple
-
-    @property
-    def tensor_bytes(self) -> dict[str, int]:
-        """Each tensor's size in bytes, by key."""
-        return {key: spec.nbytes for key, spec in self.tensors.items()}
-
-    def places(self) -> dict[str, tuple[str | int, ...]]:
-        """Each tensor's place, for the layout that lets an export convert back exactly."""
-        return {key: self.place(key) for key in self.tensor_bytes}
-
-
 def source_kind(source: str | os.PathLike | Location) -> str:
-    """What a conversion's source is: ``"torch"`` (a ``torch.save`` file),
-    ``"safetensors"`` (a file, or a model directory with ``model.safetensors`` or an
-    index), the name of another tool's format in ``shardstore.other_formats.registry``
-    (``"dcp"``, ``"torch_dist"``, ``"zarr"``) or ``"shardstore"``; anything else is
-    refused by ``read_commit_record``, which says what it is (nothing, an unfinished
-    save, a file or directory of something else)."""
-    if isinstance(source, (str, os.PathLike)):
-        text = os.fspath(source)
-        local = bare_location(text).local_path()
-        if text.endswith(".safetensors") and (local is None or local.is_file()):
-            return "safetensors"
-        if local is not None and local.is_file():
-            return "torch"
-        if local is not None and any(os.path.lexists(local / n) for n in (SAFETENSORS_INDEX, SAFETENSORS_SINGLE)):
-            return "safetensors"
+    """What a conversion's source is: the name of its format in
+    ``shardstore.other_formats.registry`` (model files: ``"torch"``, ``"safetensors"``;
+    another tool's checkpoint: ``"dcp"``, ``"torch_dist"``, ``"zarr"``) or
+    ``"shardstore"``; anything else is refused, saying what it is (nothing, an
+    unfinished save, a file or directory of something else)."""
+    files = _file_format(source)
+    if files is not None:
+        return files.name
     opened = open_read(source)
     return opened.other_format.name if opened.other_format is not None else "shardstore"
 
 
 def open_export_source(source: str | os.PathLike | Location) -> ExportSource:
     """The source of an export, opened (see ``source_kind``)."""
-    kind = source_kind(source)
-    if kind == "torch":
-        return _torch_file_source(Path(source))  # type: ignore[arg-type]
-    if kind == "safetensors":
-        return _safetensors_source(source)  # type: ignore[arg-type]
+    files = _file_format(source)
+    if files is not None:
+        return files.open(_local_path(source, files))
     return _checkpoint_source(source)
 
 
-def _safetensors_source(path: str | os.PathLike) -> ExportSource:
-    """A safetensors model: its tensors by name (memory-mapped), and, where a shardstore
-    export wrote its layout, the common state and each array's place back."""
-    model = safetensors_model(path)
-    tensors = safetensors_tensors(model, path)
-    layout = read_safetensors_layout(model.files[0]) or Layout()
-    in_common = set(common_tensor_names(layout.common)) if layout.common is not None else set()
-    missing = [key for key in layout.arrays if key not in tensors or key in in_common]
-    if missing:
-        raise CheckpointingException(
-            f"{path}: its shardstore layout names the array {missing[0]!r}, which the files do not hold as one; "
-            "convert it again from the checkpoint"
+def _file_format(source: str | os.PathLike | Location) -> FileFormat | None:
+    """The registered format of the model files at ``source``, or None (a checkpoint, or
+    nothing). A local file of no registered format is refused here: naming a file, the
+    caller meant model files, not a checkpoint directory."""
+    location = bare_location(source)
+    found = registry.detect(location, FileFormat)
+    local = location.local_path()
+    if found is None and local is not None and local.is_file():
+        known = "; ".join(
+            f"{f.title} ({', '.join('*' + suffix for suffix in f.suffixes) or 'by its contents'})"
+            for f in registry.formats(FileFormat)
         )
-    arrays = {k: t for k, t in tensors.items() if k not in in_common}
-    return ExportSource(
-        {k: TensorSpec.of(t) for k, t in sorted(arrays.items())},
-        lambda keys, _: ((k, arrays[k]) for k in keys),
-        lambda: {} if layout.common is None else decode_common(layout.common, tensors, str(path)),
-        lambda key: layout.arrays.get(key) or tuple(key.split("/")),
-    )
+        raise CheckpointingException(
+            f"{location.describe()} is a file of no format shardstore converts (it converts {known}), "
+            "nor a checkpoint directory"
+        )
+    return found
+
+
+def _local_path(source: str | os.PathLike | Location, files: FileFormat) -> Path:
+    """The local path of model files at ``source``; they are read from local paths only."""
+    location = bare_location(source)
+    local = location.local_path()
+    if local is None:
+        raise CheckpointingException(
+            f"{location.describe()} is {files.title}, which shardstore reads from local paths only; "
+            "copy it to a local disk first"
+        )
+    return local
 
 
 def _checkpoint_source(checkpoint: str | os.PathLike | Location) -> ExportSource:
@@ -326,46 +277,6 @@ def _checkpoint_source(checkpoint: str | os.PathLike | Location) -> ExportSource
     )
 
 
-def _torch_file_source(path: Path) -> ExportSource:
-    """A ``torch.save`` file: its tensors by their ``/``-joined paths (memory-mapped),
-    or, where a shardstore export wrote its layout, its arrays by their keys."""
-    state = _load_state_dict_file(path)
-    layout = read_torch_layout(path)
-    if layout is None:
-        tensors = _tensors_by_key(state, str(path))
-        objects = tuple(k for k in state if _is_object_shard_key(k))
-        return ExportSource(
-            {k: TensorSpec.of(t) for k, (_, t) in sorted(tensors.items())},
-            lambda keys, _: ((k, tensors[k][1]) for k in keys), lambda: _without_tensors(state),
-            lambda key: tensors[key][0], lambda: objects,
-        )
-    tensors = _layout_arrays(state, layout, path)
-    return ExportSource(
-        {k: TensorSpec.of(t) for k, (_, t) in sorted(tensors.items())},
-        lambda keys, _: ((k, tensors[k][1]) for k in keys), lambda: without_places(state, set(layout.arrays.values())),
-        lambda key: tensors[key][0], lambda: layout.objects,
-    )
-
-
-def _layout_arrays(
-    state: dict[Any, Any], layout: Layout, path: Path
-) -> dict[str, tuple[tuple[str | int, ...], torch.Tensor]]:
-    """The arrays a ``torch.save`` file's layout names, by key, with their places."""
-    found = {}
-    for key, place in layout.arrays.items():
-        value = value_at(state, place, str(path))
-        if not isinstance(value, torch.Tensor):
-            raise CheckpointingException(
-                f"{path}: its shardstore layout names array {key!r} at {list(place)}, which holds a "
-                f"{type(value).__name__}; convert the file again from its checkpoint"
-            )
-        found[key] = (place, value)
-    missing = [k for k in layout.objects if k not in state]
-    if missing:
-        raise CheckpointingException(f"{path}: its shardstore layout names object shard {missing[0]!r}, not in the file")
-    return found
-
-
 # --------------------------------------------------------------------------- torch.save
 
 
@@ -393,78 +304,9 @@ def from_torch_file(
     path: str | os.PathLike, checkpoint: str | os.PathLike | Location, overwrite: bool = False
 ) -> int:
     """Saves a ``torch.save`` file (loaded with ``weights_only=True``, memory-mapped) as a
-    shardstore checkpoint: each tensor an array keyed by its path, each value at a
-    sharded object's unique key (how ``to_torch_file`` writes one) that sharded object,
-    the rest the common state. Returns the number of arrays written."""
-    from shardstore.serialization import save
-
-    _refuse_process_group("converting a torch.save file")
-    state = _load_state_dict_file(Path(path))
-    layout = read_torch_layout(Path(path))
-    if layout is None:
-        tensors = _tensors_by_key(state, str(path))
-        objects: Sequence[str] = [k for k in state if _is_object_shard_key(k)]
-    else:  # written by to_torch_file: each value goes back where it was, arrays and common state
-        tensors, objects = _layout_arrays(state, layout, Path(path)), layout.objects
-    for key in objects:
-        state[key] = replace(ShardedObject.empty_from_unique_key(key), data=state[key])
-    for key, (where, tensor) in tensors.items():
-        _parent(state, where)[where[-1]] = ShardedTensor.from_rank_offsets(key, tensor)
-    save(state, checkpoint, overwrite=overwrite)
-    return len(tensors)
-
-
-def _load_state_dict_file(path: Path) -> dict[Any, Any]:
-    state = load_torch_file(path, f"{path} (a torch.save file)")
-    if not isinstance(state, dict):
-        raise CheckpointingException(f"{path} holds a {type(state).__name__}, not a state dict")
-    return state
-
-
-def _is_object_shard_key(key: Any) -> bool:
-    """A top-level key of a ``torch.save`` file that names a sharded object's shard
-    (``rng_state/shard_0_2``): its value stays one object, whatever it holds."""
-    from shardstore.strategies.other_formats import _is_object_shard
-
-    return isinstance(key, str) and _is_object_shard(key)
-
-
-def _tensors_by_key(state: dict[Any, Any], where: str) -> dict[str, tuple[tuple[Any, ...], torch.Tensor]]:
-    """Every tensor of a ``torch.save`` state dict (in dicts and lists, not in sharded
-    object shards), by its ``/``-joined path, with the path."""
-    found: dict[str, tuple[tuple[Any, ...], torch.Tensor]] = {}
-    for path, tensor in _tensor_leaves(state, ()):
-        key = "/".join(map(str, path))
-        if key in found:
-            raise CheckpointingException(f"{where}: two tensors have the key {key!r} (their paths joined by '/')")
-        found[key] = (path, tensor)
-    return found
-
-
-def _tensor_leaves(node: dict | list, path: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
-    for k, v in node.items() if isinstance(node, dict) else enumerate(node):
-        if not path and _is_object_shard_key(k):
-            continue
-        if isinstance(v, torch.Tensor):
-            yield (*path, k), v
-        elif isinstance(v, (dict, list)):
-            yield from _tensor_leaves(v, (*path, k))
-
-
-def _without_tensors(node: dict | list, top: bool = True) -> dict | list:
-    """``node`` without its tensors (nor the dicts and lists that held only tensors),
-    sharded object shards kept whole: what a safetensors file cannot hold."""
-    kept = []
-    for k, v in node.items() if isinstance(node, dict) else enumerate(node):
-        if not (top and _is_object_shard_key(k)):
-            if isinstance(v, torch.Tensor):
-                continue
-            if isinstance(v, (dict, list)) and v:
-                v = _without_tensors(v, top=False)
-                if not v:
-                    continue
-        kept.append((k, v))
-    return dict(kept) if isinstance(node, dict) else [v for _, v in kept]
+    shardstore checkpoint (``other_formats.torch_file.state_to_save``); returns the
+    number of arrays written."""
+    return _import_files(TORCH_FILE_FORMAT, Path(path), checkpoint, overwrite)
 
 
 # --------------------------------------------------------------------------- safetensors
@@ -540,186 +382,41 @@ def to_safetensors(
     return Export(tuple(names), len(sizes), sum(sizes.values()), left_out)
 
 
-def write_safetensors(
-    path: Path, where: Path, specs: dict[str, TensorSpec], tensors: Iterator[tuple[str, torch.Tensor]],
-    metadata: dict[str, str],
-) -> None:
-    """Writes one safetensors file at ``path`` (``where``: its name in errors) from
-    ``tensors``, streamed: the header (from ``specs``, every tensor's dtype and shape,
-    which ``tensors`` must yield, in any order) first, then each tensor's bytes at its
-    offset as it comes, so no more of the model is in memory than ``tensors`` holds
-    (the safetensors library's writer takes them all at once).
-
-    The data are laid out as the library lays them out: by item size, largest first,
-    then by name, so that every tensor starts at a multiple of its item size and a
-    memory-mapped reader can view it in place; the header is padded with spaces to 8
-    bytes, as the format allows."""
-    order = sorted(specs, key=lambda key: (-specs[key].itemsize, key))
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for key in order:
-        spec = specs[key]
-        name = _SAFETENSORS_NAMES.get(spec.dtype)
-        if name is None:
-            raise CheckpointingException(
-                f"Cannot write {where} as safetensors: tensor {key!r} is {spec.dtype}, which safetensors cannot hold"
-            )
-        header[key] = {"dtype": name, "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes]}
-        offset += spec.nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    start = 8 + len(encoded)
-    pending = dict(specs)
-    try:
-        with open(path, "wb") as f:
-            f.write(len(encoded).to_bytes(8, "little") + encoded)
-            for key, tensor in tensors:
-                spec = pending.pop(key, None)
-                if spec != TensorSpec.of(tensor):
-                    raise CheckpointingException(
-                        f"Cannot write {where}: the source gave tensor {key!r} as {TensorSpec.of(tensor)}, "
-                        f"where its metadata said {spec}; is it being changed? Convert it again"
-                    )
-                f.seek(start + header[key]["data_offsets"][0])
-                f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-                del tensor
-            f.truncate(start + offset)
-    except OSError as exc:
-        raise CheckpointingException(f"Cannot write {where} as safetensors: {exc.strerror or exc}") from exc
-    if pending:
-        raise CheckpointingException(f"Cannot write {where}: the source gave no tensor {sorted(pending)[0]!r}")
-
-
-def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors file, memory-mapped (nothing is read until used).
-
-    The safetensors library's readers copy each tensor into memory; this maps the file,
-    whose layout the format fixes: an 8-byte little-endian header size, a JSON header
-    naming each tensor's dtype, shape and byte offsets, then the data. The header is
-    checked as the library checks it (``safetensors_entries``) before any view is made.
-
-    Raises:
-        CheckpointingException: naming the file and what is wrong with it.
-    """
-    try:
-        with os.fdopen(open_model_file(path), "rb") as f:  # a regular file, never a FIFO
-            size = int.from_bytes(f.read(8), "little")
-            if not 0 < size <= _MAX_SAFETENSORS_HEADER:
-                raise ValueError(f"header size {size} out of range")
-            header = json.loads(f.read(size))
-            data_bytes = max(0, os.fstat(f.fileno()).st_size - 8 - size)
-            entries = safetensors_entries(header, data_bytes)
-            data = np.memmap(f, dtype=np.uint8, mode="c", offset=8 + size) if data_bytes else None
-    except (OSError, ValueError) as exc:
-        raise CheckpointingException(f"Cannot read {path} as a safetensors file: {exc}") from exc
-    tensors = {}
-    for name, spec, start, stop in entries:
-        raw = torch.from_numpy(data[start:stop]) if data is not None and stop > start else torch.empty(0, dtype=torch.uint8)
-        tensors[name] = raw.view(spec.dtype).reshape(spec.shape)
-    return tensors
-
-
-# The format's integers are unsigned 64-bit; torch's sizes are signed.
-_MAX_SAFETENSORS_INT = 2**64 - 1
-_MAX_TORCH_DIMENSION = 2**63 - 1
-
-
-def safetensors_entries(header: Any, data_bytes: int) -> list[tuple[str, TensorSpec, int, int]]:
-    """Each tensor of a safetensors header as ``(name, spec, start, stop)`` (byte offsets
-    into the data), checked as the safetensors library checks a header before it reads
-    one: ``__metadata__`` maps strings to strings; every tensor names a known dtype, a
-    shape of non-negative integers whose element count (multiplied in order) and byte
-    size stay within 64 bits, and exactly two offsets; sorted by offset, the tensors
-    cover the ``data_bytes`` bytes of data exactly, each its own (no gap, no overlap,
-    nothing past the end), each ``dtype size x element count`` bytes long.
-
-    Raises:
-        ValueError: saying which tensor and what is wrong (the caller names the file).
-    """
-    if not isinstance(header, dict):
-        raise ValueError("its header is not a JSON object")
-    metadata = header.get("__metadata__")
-    if metadata is not None and not (
-        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
-    ):
-        raise ValueError("its __metadata__ is not an object of strings")
-    entries = sorted(
-        (_safetensors_entry(name, info) for name, info in header.items() if name != "__metadata__"),
-        key=lambda entry: (entry[2], entry[3]),
-    )
-    end = 0
-    for name, spec, start, stop in entries:
-        if start != end or stop < start:
-            raise ValueError(
-                f"tensor {name!r} has offsets {start}:{stop}, where the previous tensor ends at {end} "
-                "(tensors must follow one another without gaps or overlaps)"
-            )
-        if stop - start != spec.nbytes:
-            raise ValueError(f"tensor {name!r} of {spec.dtype} {list(spec.shape)} needs {spec.nbytes} bytes, not "
-                             f"the {stop - start} of its offsets {start}:{stop}")
-        end = stop
-    if end != data_bytes:
-        raise ValueError(f"its tensors cover {end} bytes of data, but the file holds {data_bytes}")
-    return entries
-
-
-def _safetensors_entry(name: str, info: Any) -> tuple[str, TensorSpec, int, int]:
-    """One tensor of a header, its fields checked (``safetensors_entries``)."""
-    if not isinstance(info, dict):
-        raise ValueError(f"tensor {name!r} is described by {type(info).__name__}, not an object")
-    named = info.get("dtype")
-    dtype = _SAFETENSORS_DTYPES.get(named) if isinstance(named, str) else None
-    if dtype is None:
-        raise ValueError(f"tensor {name!r} has dtype {named!r}, which shardstore cannot read "
-                         f"(it reads {sorted(_SAFETENSORS_DTYPES)})")
-    shape, offsets = info.get("shape"), info.get("data_offsets")
-    if not _unsigned_ints(shape, _MAX_TORCH_DIMENSION):
-        raise ValueError(f"tensor {name!r} has shape {shape!r}, not a list of non-negative integers")
-    if not _unsigned_ints(offsets, _MAX_SAFETENSORS_INT) or len(offsets) != 2:
-        raise ValueError(f"tensor {name!r} has data_offsets {offsets!r}, not two non-negative integers")
-    spec = TensorSpec(dtype, tuple(shape))
-    elements = 1
-    for dimension in (*shape, spec.itemsize):  # in the library's order: it stops at the first overflow
-        elements *= dimension
-        if elements > _MAX_SAFETENSORS_INT:
-            raise ValueError(f"tensor {name!r} has shape {shape}, whose byte size overflows 64 bits")
-    return name, spec, offsets[0], offsets[1]
-
-
-def _unsigned_ints(value: Any, limit: int) -> bool:
-    """``value`` is a list of integers (not booleans) from 0 to ``limit``."""
-    return isinstance(value, list) and all(type(n) is int and 0 <= n <= limit for n in value)
-
-
-def safetensors_tensors(model: SafetensorsModel, path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors ``model`` (opened from ``path``, its name in
-    errors), by name, memory-mapped; each tensor its index names must be there."""
-    held = {file: map_safetensors(file) for file in model.files}
-    model.refuse_unheld(held)
-    tensors: dict[str, torch.Tensor] = {}
-    for file_tensors in held.values():
-        for name, tensor in file_tensors.items():
-            if name in tensors:
-                raise CheckpointingException(f"Tensor {name!r} appears in two files of {path}")
-            tensors[name] = tensor
-    return tensors
-
-
 def from_safetensors(
     path: str | os.PathLike, checkpoint: str | os.PathLike | Location, overwrite: bool = False
 ) -> int:
     """Saves a safetensors file or model directory as a shardstore checkpoint (one array
     per tensor name; where a shardstore export wrote its layout, the common state and
     the arrays as they were); returns the number of arrays written."""
+    return _import_files(SAFETENSORS_FORMAT, Path(path), checkpoint, overwrite)
+
+
+# --------------------------------------------------------------------------- into a checkpoint
+
+
+def import_checkpoint(
+    source: str | os.PathLike | Location, checkpoint: str | os.PathLike | Location, overwrite: bool = False
+) -> int:
+    """Saves ``source``, of any format in ``shardstore.other_formats.registry`` (model
+    files, or another tool's checkpoint), as a shardstore checkpoint; returns the number
+    of arrays written."""
+    files = _file_format(source)
+    if files is not None:
+        return _import_files(files, _local_path(source, files), checkpoint, overwrite)
+    return from_other_format(source, checkpoint, overwrite)
+
+
+def _import_files(
+    files: FileFormat, path: Path, checkpoint: str | os.PathLike | Location, overwrite: bool
+) -> int:
+    """Saves the model files at ``path``, of the format ``files``, as a checkpoint;
+    returns the number of arrays written."""
     from shardstore.serialization import save
 
-    _refuse_process_group("converting safetensors")
-    opened = _safetensors_source(path)
-    state = opened.other_values()
-    for key, tensor in opened.read(list(opened.tensor_bytes), 0):
-        place_value(state, (key,), ShardedTensor.from_rank_offsets(key, tensor), key)  # its key says where it goes
+    _refuse_process_group(f"converting {files.title}")
+    state = files.state_to_save(path)
     save(state, checkpoint, overwrite=overwrite)
-    return len(opened.tensor_bytes)
+    return sum(isinstance(value, ShardedTensor) for value in nested_values(state))
 
 
 # --------------------------------------------------------------------------- other tools' formats
@@ -757,14 +454,6 @@ def _refuse_process_group(what: str) -> None:
             f"{what} runs in one process, but a process group of {dist.get_world_size()} ranks is initialized; "
             "run it in a separate process (the `shardstore convert` command)"
         )
-
-
-def _parent(state: dict[Any, Any], path: tuple[Any, ...]) -> Any:
-    """The dict or list that holds the value at ``path``."""
-    node: Any = state
-    for part in path[:-1]:
-        node = node[part]
-    return node
 
 
 def _write_new_file(path: Path, write: Callable[[Path], Any]) -> None:

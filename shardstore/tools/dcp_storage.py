@@ -119,7 +119,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from shardstore.core import CheckpointingConfig, CheckpointingException
+from shardstore.core import CheckpointingConfig, CheckpointingException, SaveOptions
 from shardstore.dict_utils import flatten
 from shardstore.execution.pipeline import RankSave, SavePipeline
 from shardstore.format.chunks import (
@@ -278,7 +278,8 @@ class ShardstoreWriter(StorageWriter):
             refused, naming its files, ``overwrite`` or not.
         overwrite: replace a committed shardstore checkpoint there (atomically on local
             disks, as ``shardstore.save(overwrite=True)``; refused where files its save
-            did not write lie beside it); off, saving onto one is refused.
+            did not write lie beside it); on by default, as DCP's ``FileSystemWriter``
+            has it; off, saving onto one is refused.
         max_chunk_bytes: upper bound on one stored chunk, in bytes.
         io_concurrency: chunk writes in flight at once per rank.
         min_array_bytes: a plain tensor (not a DTensor) of at least this many bytes is
@@ -291,7 +292,7 @@ class ShardstoreWriter(StorageWriter):
     """
 
     def __init__(
-        self, checkpoint_id: CheckpointId | None = None, *, overwrite: bool = False,
+        self, checkpoint_id: CheckpointId | None = None, *, overwrite: bool = True,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
         min_array_bytes: int = DEFAULT_MIN_ARRAY_BYTES, reuse_from: CheckpointId | None = None,
     ) -> None:
@@ -327,10 +328,8 @@ class ShardstoreWriter(StorageWriter):
         published beside the files other programs keep there (``format.commit.SaveOptions``)."""
         if self.checkpoint_id is None:
             raise CheckpointingException("ShardstoreWriter has no checkpoint path: pass one, or checkpoint_id= to dcp.save")
-        return SavePipeline.open(
-            self.checkpoint_id, overwrite=self.overwrite, reuse_from=self.reuse_from, config=CONFIG,
-            shared_directory=True,
-        )
+        options = SaveOptions(overwrite=self.overwrite, reuse_from=self.reuse_from, shared_directory=True)
+        return SavePipeline.open(self.checkpoint_id, options=options, config=CONFIG)
 
     def _as_array(self, item: WriteItem) -> bool:
         """A plain tensor's item that is written as an array (the same answer on every
@@ -435,7 +434,7 @@ class ShardstoreWriter(StorageWriter):
                 common.update({name: {} for name in recorded.paths.keys() - metadata.planner_data.keys()})
             mappings = metadata.planner_data if recorded.paths is None else recorded.paths
             # durable by itself (an fsync of the file, not a second syncfs of the file system)
-            save.pending.write_atomic(COMMON_FILE, serialize(_nested(common, mappings)))
+            save.location.write_atomic(COMMON_FILE, serialize(_nested(common, mappings)))
             save.commit(replace(commit, dcp=recorded), reports)
         except BaseException as exc:
             save.abandon()

@@ -7,6 +7,12 @@ command prints; neither is collective.
 
 from __future__ import annotations
 
+__all__ = [
+    "ONLY_IN_FIRST", "ONLY_IN_SECOND", "ArrayDifference", "ArraySummary", "CheckpointDiff",
+    "CheckpointSummary", "ValueDifference", "describe_checkpoint", "diff_checkpoints",
+    "value_differences",
+]
+
 import argparse
 import math
 import os

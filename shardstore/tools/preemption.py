@@ -1,10 +1,9 @@
 """One process-wide handler per preemption signal, shared by every listener (each
-``CheckpointManager`` with ``save_on_preemption``), issue 34.7.
+``CheckpointManager`` with ``save_on_preemption``).
 
-Why one shared handler: a signal has one handler per process. When each manager
-installed its own, SIGTERM reached only the last one created (the others' preemption
-saves were lost), and closing them in creation order put a closed manager's handler
-back, so SIGTERM was swallowed and the process kept running. Here:
+A signal has one handler per process, so listeners never install their own: every
+listener of a signal hears it, in any number and closed in any order, and whatever
+handler was there before keeps working. Entry points: ``listen`` and ``Listener.close``.
 
 * ``listen(signals, callback)`` (main thread only: ``signal.signal`` works nowhere
   else; CheckpointingException otherwise): the first listener of a signal installs a
@@ -35,6 +34,8 @@ arrive while the main thread holds it): it reads its listeners as one tuple, whi
 """
 
 from __future__ import annotations
+
+__all__ = ["Listener", "listen"]
 
 import logging
 import signal

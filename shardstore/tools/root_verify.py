@@ -11,7 +11,9 @@ a copy-on-write clone, checkpoints share no object: each damaged file is its own
 
 from __future__ import annotations
 
-__all__ = ["RootVerifyReport", "SharedDamage", "checkpoints_under", "verify_root", "verify_checkpoints"]
+__all__ = [
+    "RootVerifyReport", "SharedDamage", "checkpoints_under", "verify_checkpoints", "verify_root",
+]
 
 import os
 import re

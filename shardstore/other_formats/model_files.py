@@ -1,5 +1,5 @@
 """The files of a safetensors model (a Hugging Face model directory), opened as safely as
-a checkpoint's (issue 34.6).
+a checkpoint's (``safetensors`` reads a model through them).
 
 A model directory is downloaded or shared: its ``model.safetensors.index.json`` names
 the shard files, and whoever wrote it chooses those names. Imports therefore open only
@@ -17,10 +17,19 @@ checkpoint's records.
 
 An index is also a promise about what the files hold: every tensor its ``weight_map``
 names must be in the file it names (``SafetensorsModel.refuse_unheld``), so that an
-import never drops a tensor the model needs without a word (issue 41.5).
+import never drops a tensor the model needs without a word.
 """
 
 from __future__ import annotations
+
+__all__ = [
+    "MAX_INDEX_BYTES",
+    "SAFETENSORS_INDEX",
+    "SAFETENSORS_SINGLE",
+    "SafetensorsModel",
+    "open_model_file",
+    "safetensors_model",
+]
 
 import json
 import os
@@ -172,13 +181,3 @@ def _allowed_root(root: Path) -> Path:
     if snapshots.name == "snapshots" and repo.name.startswith(("models--", "datasets--")):
         return repo
     return absolute
-
-
-__all__ = [
-    "MAX_INDEX_BYTES",
-    "SAFETENSORS_INDEX",
-    "SAFETENSORS_SINGLE",
-    "SafetensorsModel",
-    "open_model_file",
-    "safetensors_model",
-]

@@ -27,6 +27,22 @@ objects of other types, and each place checked against the file it describes.
 
 from __future__ import annotations
 
+__all__ = [
+    "Layout",
+    "Place",
+    "TORCH_ENTRY",
+    "common_tensor_names",
+    "decode_common",
+    "encode_common",
+    "read_safetensors_layout",
+    "read_torch_layout",
+    "safetensors_metadata",
+    "save_torch_file",
+    "value_at",
+    "without_places",
+    "write_torch_layout",
+]
+
 import json
 import os
 import zipfile
@@ -37,7 +53,7 @@ from typing import Any
 
 import torch
 
-from shardstore.core import CheckpointingException
+from shardstore.errors import CheckpointingException
 
 TORCH_ENTRY = "shardstore_layout.json"
 SAFETENSORS_KEY = "shardstore_layout"

@@ -1,0 +1,420 @@
+"""Zarr v3 ``sharding_indexed``: one stored object (a shard) holds many inner chunks.
+
+Layout (the spec's, as zarr-python and TensorStore write it with these codecs): the
+stored inner chunks one after another, each its raw little-endian bytes then their
+crc32c (``[bytes, crc32c]``), then the index: one ``(offset, nbytes)`` pair of uint64
+little-endian per inner chunk in C order over the shard's inner grid (``2**64-1`` twice:
+empty, read as the fill value, zero), then the index's own crc32c (``index_codecs``
+``[bytes, crc32c]``, ``index_location`` ``end``).
+
+- ``encode_shard``: the pieces of a shard (views of the inner chunks' memory, their
+  crc32c trailers, the index: one ``writev``, no copy of tensor bytes) and what the
+  commit record keeps: per inner chunk its crc32c and 128-bit digest (``InnerRecord``,
+  what an incremental save compares), per shard the index's crc32c and ``crc``, the
+  crc32c of every trailer (the inner chunks' then the index's: binds every inner chunk
+  and the index cheaply; a crc32c of the whole object is not what zarr checks).
+- ``read_inner``: reads the index (one suffix request) and then only the inner chunks
+  asked for (one range per run of adjacent ones) from a ``ByteRanges``; checks the
+  index's crc32c, its entries and every inner chunk's crc32c; names the shard and the
+  inner chunk in each error.
+- ``ShardingIndexed``: the same as a ``format.codecs.ChunkCodec`` (registered here). Its
+  decoded bytes are the inner chunks' bytes in inner-grid order, which is the shard's C
+  order when inner chunks split the first axis only (ranks' row slices: the planned
+  case); ``read_into`` reads the whole object once and checks it with ``read_inner``.
+
+Wiring it in (a later change, with a new format version):
+- which arrays: those whose plain chunks (the save's sharding grid) are below a
+  threshold (``SaveOptions``, about 16 MiB); the shard is the array's chunk (a block of
+  whole inner chunks along the first axis, up to about 64 MiB), the inner chunk the
+  ranks' slice. Other arrays keep ``BYTES_CRC32C``; older checkpoints load unchanged.
+- who writes: the planner assigns each shard one writer (the rank holding most of its
+  bytes, then balanced by bytes over ranks); the other holders send their inner chunks
+  to it over the process group in the write stage; one writer per file, no locks.
+- the record: per array the codec, per shard ``crc`` (``chunk_crcs``) and per inner
+  chunk crc32c and digest (flat, C order over the array's inner grid), so ``verify``
+  checks every inner chunk and a later save reuses a shard whose inner digests all
+  match, and a load reads only the inner chunks its target overlaps (``read_inner``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EMPTY",
+    "INDEX_ENTRY_BYTES",
+    "ByteRanges",
+    "EncodedShard",
+    "HeldShard",
+    "InnerRecord",
+    "ShardIndex",
+    "ShardingIndexed",
+    "WholeObject",
+    "encode_shard",
+    "read_inner",
+]
+
+import hashlib
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import crc32c
+import numpy as np
+import xxhash
+
+from shardstore.errors import CheckpointingException
+from shardstore.format.codecs import (
+    BYTES_CRC32C,
+    CRC_BYTES,
+    BytesCrc32c,
+    ChunkCodec,
+    ChunkSource,
+    EncodedChunk,
+    register,
+)
+from shardstore.stores.base import ChunkMismatch
+
+EMPTY = 2**64 - 1
+INDEX_ENTRY_BYTES = 16
+_INDEX_DTYPE = np.dtype("<u8")
+
+
+@dataclass(frozen=True)
+class InnerRecord:
+    """What shardstore keeps of one stored inner chunk: ``crc`` (crc32c of its raw bytes,
+    its stored trailer) and ``digest`` (XXH3-128 of its raw bytes, 32 hex digits)."""
+
+    crc: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """A shard's index: ``(offset, nbytes)`` of each inner chunk's stored bytes (raw
+    bytes and trailer), None for an empty one, in C order over the inner grid."""
+
+    entries: tuple[tuple[int, int] | None, ...]
+
+    @staticmethod
+    def nbytes(count: int) -> int:
+        """Stored bytes of the index of ``count`` inner chunks, its crc32c included."""
+        return count * INDEX_ENTRY_BYTES + CRC_BYTES
+
+    def encode(self) -> bytes:
+        """The index as stored: the uint64 pairs then their crc32c."""
+        pairs = np.array([e if e is not None else (EMPTY, EMPTY) for e in self.entries], dtype=_INDEX_DTYPE)
+        raw = pairs.tobytes()
+        return raw + crc32c.crc32c(raw).to_bytes(CRC_BYTES, "little")
+
+    @classmethod
+    def decode(cls, stored: bytes, count: int, data_end: int | None, where: str) -> ShardIndex:
+        """Parses and checks a stored index of ``count`` entries, whose inner chunks lie
+        before ``data_end`` (None: unknown).
+
+        Raises:
+            CheckpointingException: naming ``where``: wrong length, crc32c mismatch, an
+                entry half empty or reaching past the inner chunks' bytes."""
+        if len(stored) != cls.nbytes(count):
+            raise CheckpointingException(
+                f"Corrupt {where}: shard index of {len(stored)} bytes, expected {cls.nbytes(count)} (truncated shard)"
+            )
+        raw, trailer = stored[:-CRC_BYTES], stored[-CRC_BYTES:]
+        if crc32c.crc32c(raw) != int.from_bytes(trailer, "little"):
+            raise CheckpointingException(f"Corrupt {where}: shard index crc32c mismatch")
+        entries: list[tuple[int, int] | None] = []
+        for i, (offset, size) in enumerate(np.frombuffer(raw, dtype=_INDEX_DTYPE).reshape(count, 2).tolist()):
+            if offset == EMPTY and size == EMPTY:
+                entries.append(None)
+            elif EMPTY in (offset, size) or (data_end is not None and offset + size > data_end):
+                raise CheckpointingException(
+                    f"Corrupt {where}: shard index entry of inner chunk {i} is ({offset}, {size}), "
+                    f"outside the shard's {data_end} bytes of inner chunks"
+                )
+            else:
+                entries.append((offset, size))
+        return cls(tuple(entries))
+
+
+@dataclass(frozen=True)
+class EncodedShard:
+    """A shard as stored, and what the commit record keeps of it.
+
+    Attributes:
+        pieces: the object's bytes in order (inner chunks' views, trailers, the index).
+        inner: per inner chunk its ``InnerRecord``, None where empty.
+        index_crc: crc32c of the index (its stored trailer).
+        crc: crc32c of every stored trailer, the inner chunks' in order then the index's.
+    """
+
+    pieces: tuple[memoryview, ...]
+    inner: tuple[InnerRecord | None, ...]
+    index_crc: int
+    crc: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.pieces)
+
+
+def encode_shard(inner: Sequence[memoryview | None]) -> EncodedShard:
+    """The shard holding ``inner`` (raw little-endian bytes of each inner chunk in C
+    order over the inner grid, None for an empty one), without copying them."""
+    pieces: list[memoryview] = []
+    records: list[InnerRecord | None] = []
+    entries: list[tuple[int, int] | None] = []
+    offset = 0
+    for data in inner:
+        if data is None:
+            records.append(None)
+            entries.append(None)
+            continue
+        crc = crc32c.crc32c(data)
+        records.append(InnerRecord(crc, xxhash.xxh3_128_hexdigest(data)))
+        pieces += [data, _trailer(crc)]
+        entries.append((offset, len(data) + CRC_BYTES))
+        offset += len(data) + CRC_BYTES
+    index = ShardIndex(tuple(entries)).encode()
+    index_crc = int.from_bytes(index[-CRC_BYTES:], "little")
+    pieces.append(memoryview(index))
+    crc = _shard_crc((None if r is None else r.crc for r in records), index_crc)
+    return EncodedShard(tuple(pieces), tuple(records), index_crc, crc)
+
+
+def _trailer(crc: int) -> memoryview:
+    return memoryview(crc.to_bytes(CRC_BYTES, "little"))
+
+
+def _shard_crc(inner: Iterable[int | None], index_crc: int) -> int:
+    """``EncodedShard.crc`` from the inner chunks' crc32c (None: empty) and the index's."""
+    trailers = b"".join(crc.to_bytes(CRC_BYTES, "little") for crc in inner if crc is not None)
+    return crc32c.crc32c(trailers + index_crc.to_bytes(CRC_BYTES, "little"))
+
+
+class ByteRanges(Protocol):
+    """A stored shard read by byte ranges (a file's ``preadv``, an HTTP ``Range``)."""
+
+    def describe(self) -> str:
+        """The shard, its array and its path, for error messages."""
+
+    def read_suffix(self, n: int) -> tuple[bytes, int] | None:
+        """The object's last ``n`` bytes (fewer if it is shorter) and its length, or
+        None when it does not exist."""
+
+    def read_range_into(self, offset: int, views: list[memoryview]) -> int:
+        """Fills ``views`` in order from ``offset``; returns the bytes that landed."""
+
+
+def read_inner(source: ByteRanges, count: int, wanted: Mapping[int, memoryview]) -> dict[int, int | None]:
+    """Fills ``wanted[i]`` (raw bytes of inner chunk ``i`` of ``count``) from the shard,
+    reading its index and only those inner chunks; an empty one reads as zeros.
+    Returns each wanted inner chunk's crc32c (None: empty).
+
+    Raises:
+        CheckpointingException: naming ``source.describe()`` and the inner chunk: the
+            shard is missing, or its index or an inner chunk is truncated or corrupt."""
+    where = source.describe()
+    found = source.read_suffix(ShardIndex.nbytes(count))
+    if found is None:
+        raise CheckpointingException(f"Missing {where}: the checkpoint is damaged")
+    stored, size = found
+    index = ShardIndex.decode(stored, count, size - ShardIndex.nbytes(count), where)
+    crcs: dict[int, int | None] = {}
+    for run in _runs(index, sorted(wanted)):
+        trailers = [bytearray(CRC_BYTES) for _ in run]
+        views = [v for i, t in zip(run, trailers) for v in (wanted[i], memoryview(t))]
+        for i in run:
+            _check_size(index, i, len(wanted[i]), where)
+        start = index.entries[run[0]][0]  # type: ignore[index]
+        if source.read_range_into(start, views) != sum(len(v) for v in views):
+            raise CheckpointingException(f"Corrupt {where}: inner chunk {run[0]} truncated")
+        for i, trailer in zip(run, trailers):
+            crcs[i] = _checked_crc(wanted[i], trailer, i, where)
+    for i in wanted.keys() - crcs.keys():
+        wanted[i][:] = bytes(len(wanted[i]))
+        crcs[i] = None
+    return crcs
+
+
+def _runs(index: ShardIndex, wanted: list[int]) -> list[list[int]]:
+    """The stored wanted inner chunks grouped into runs of adjacent byte ranges."""
+    runs: list[list[int]] = []
+    end = -1
+    for i in wanted:
+        entry = index.entries[i]
+        if entry is None:
+            continue
+        if runs and entry[0] == end:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+        end = entry[0] + entry[1]
+    return runs
+
+
+def _check_size(index: ShardIndex, i: int, raw: int, where: str) -> None:
+    entry = index.entries[i]
+    if entry is not None and entry[1] != raw + CRC_BYTES:
+        raise CheckpointingException(
+            f"Corrupt {where}: inner chunk {i} is stored in {entry[1]} bytes, expected {raw + CRC_BYTES}"
+        )
+
+
+def _checked_crc(data: memoryview, trailer: bytearray, i: int, where: str) -> int:
+    crc = crc32c.crc32c(data)
+    if crc != int.from_bytes(trailer, "little"):
+        raise CheckpointingException(f"Corrupt {where}: inner chunk {i} crc32c mismatch")
+    return crc
+
+
+@dataclass(frozen=True)
+class WholeObject:
+    """``ByteRanges`` over a shard read whole, once, through a ``ChunkSource`` (what
+    every ``ChunkStore`` can do): at most ``max_bytes``, the largest the shard can be."""
+
+    chunk: ChunkSource
+    data: memoryview
+
+    @classmethod
+    def read(cls, chunk: ChunkSource, max_bytes: int) -> WholeObject | None:
+        buffer = bytearray(max_bytes + 1)
+        got = chunk.store.get_into(chunk.rel, [memoryview(buffer)], 0)
+        return None if got is None else cls(chunk, memoryview(buffer)[: got[0]])
+
+    def describe(self) -> str:
+        return self.chunk.describe()
+
+    def read_suffix(self, n: int) -> tuple[bytes, int]:
+        return bytes(self.data[max(0, len(self.data) - n):]), len(self.data)
+
+    def read_range_into(self, offset: int, views: list[memoryview]) -> int:
+        at = offset
+        for v in views:
+            n = max(0, min(len(v), len(self.data) - at))
+            v[:n] = self.data[at : at + n]
+            at += n
+        return at - offset
+
+
+@dataclass(frozen=True)
+class HeldShard:
+    """What an object shared for a shard must hold: exactly its encoded ``pieces``
+    (compared byte by byte), with the shard's ``crc``."""
+
+    pieces: tuple[memoryview, ...]
+    crc: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.pieces)
+
+    def md5_hex(self) -> str:
+        md5 = hashlib.md5(usedforsecurity=False)
+        for piece in self.pieces:
+            md5.update(piece)
+        return md5.hexdigest()
+
+    def holds(self, blocks: Iterable[memoryview]) -> bool:
+        """Whether the object read as ``blocks`` (cut anywhere) is exactly ``pieces``;
+        compares in place, without joining either side."""
+        pieces, piece = (memoryview(p).cast("B") for p in self.pieces), memoryview(b"")
+        for block in (memoryview(b).cast("B") for b in blocks):
+            while len(block):
+                if not len(piece) and not len(piece := next(pieces, memoryview(b""))):
+                    return False  # the object is longer
+                n = min(len(block), len(piece))
+                if block[:n] != piece[:n]:
+                    return False
+                block, piece = block[n:], piece[n:]
+        return not len(piece) and all(not len(p) for p in pieces)
+
+    def check(self, blocks: Iterable[memoryview], source: str) -> None:
+        if not self.holds(blocks):
+            raise ChunkMismatch(f"{source} does not hold the shard being saved (changed, replaced or damaged)")
+
+
+@dataclass(frozen=True)
+class ShardingIndexed(ChunkCodec):
+    """``sharding_indexed`` with inner chunks of ``chunk_shape`` elements of ``itemsize``
+    bytes, inner and index codecs ``[bytes, crc32c]``, index at the end. The crc32c it
+    reports is ``EncodedShard.crc``."""
+
+    name: ClassVar[str] = "sharding_indexed"
+    chunk_shape: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def inner_nbytes(self) -> int:
+        return math.prod(self.chunk_shape) * self.itemsize
+
+    def zarr_codecs(self, itemsize: int) -> list[dict[str, Any]]:
+        configuration = {
+            "chunk_shape": list(self.chunk_shape),
+            "codecs": BYTES_CRC32C.zarr_codecs(itemsize),
+            "index_codecs": BYTES_CRC32C.zarr_codecs(_INDEX_DTYPE.itemsize),
+            "index_location": "end",
+        }
+        return [{"name": self.name, "configuration": configuration}]
+
+    @classmethod
+    def recognize(cls, codecs: Sequence[Any], itemsize: int) -> ShardingIndexed | None:
+        """Accepts one ``sharding_indexed`` whose inner codecs and index codecs are
+        ``[bytes, crc32c]`` and whose index is at the end (the default)."""
+        if not isinstance(codecs, Sequence) or len(codecs) != 1 or not isinstance(codecs[0], dict):
+            return None
+        if codecs[0].get("name") != cls.name or not isinstance(config := codecs[0].get("configuration"), dict):
+            return None
+        shape = config.get("chunk_shape")
+        if (
+            set(config) - {"chunk_shape", "codecs", "index_codecs", "index_location"}
+            or config.get("index_location", "end") != "end"
+            or BytesCrc32c.recognize(config.get("codecs"), itemsize) is None
+            or BytesCrc32c.recognize(config.get("index_codecs"), _INDEX_DTYPE.itemsize) is None
+            or not isinstance(shape, list)
+            or not all(isinstance(n, int) and n > 0 for n in shape)
+        ):
+            return None
+        return cls(tuple(shape), itemsize)
+
+    def _count(self, nbytes: int, where: str) -> int:
+        if nbytes % self.inner_nbytes:
+            raise CheckpointingException(
+                f"{where}: {nbytes} bytes are not whole inner chunks of {self.inner_nbytes} bytes ({self.chunk_shape})"
+            )
+        return nbytes // self.inner_nbytes
+
+    def _split(self, data: memoryview) -> list[memoryview | None]:
+        step = self.inner_nbytes
+        return [data[at : at + step] for at in range(0, self._count(len(data), "a shard") * step, step)]
+
+    def encode(self, data: memoryview) -> EncodedChunk:
+        shard = encode_shard(self._split(data))
+        return EncodedChunk(shard.pieces, shard.crc)
+
+    def read_into(self, chunk: ChunkSource, views: list[memoryview]) -> int:
+        """Reads the whole shard once (``WholeObject``) and checks it with
+        ``read_inner``; an inner chunk split over several ``views`` is read into a
+        buffer first."""
+        count = self._count(sum(len(v) for v in views), chunk.describe())
+        whole = WholeObject.read(chunk, count * (self.inner_nbytes + CRC_BYTES) + ShardIndex.nbytes(count))
+        if whole is None:
+            raise CheckpointingException(f"Missing {chunk.describe()}: the checkpoint is damaged")
+        buffer = bytearray(count * self.inner_nbytes)
+        inner = self._split(memoryview(buffer))
+        crcs = read_inner(whole, count, dict(enumerate(inner)))  # type: ignore[arg-type]
+        _scatter(memoryview(buffer), views)
+        index = whole.read_suffix(ShardIndex.nbytes(count))[0]
+        return _shard_crc((crcs[i] for i in range(count)), int.from_bytes(index[-CRC_BYTES:], "little"))
+
+    def held(self, data: memoryview, digest: str) -> HeldShard:
+        encoded = self.encode(data)
+        return HeldShard(encoded.pieces, encoded.crc)
+
+
+def _scatter(data: memoryview, views: list[memoryview]) -> None:
+    at = 0
+    for v in views:
+        v[:] = data[at : at + len(v)]
+        at += len(v)
+
+
+register(ShardingIndexed)

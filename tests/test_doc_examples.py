@@ -1,7 +1,9 @@
-"""Every Python example in README.md and docs/**/*.md runs (issues 16.6, 43): the quick
-start's ``save.py`` on 2 ranks under torchrun and ``load.py`` on 1 rank and on 2 (so at
-another world size); the DCP page's ``fsdp.py`` at 2 ranks, then 1; the other blocks in
-one process each, after the quick start's ``save.py`` (what they say they continue).
+"""Every Python example in README.md and docs/**/*.md runs as written (issues 16.6, 43):
+the quick start's ``save.py`` on 2 ranks under torchrun and ``load.py`` on 1 rank and on
+2 (so at another world size); the DCP page's ``fsdp.py`` at 2 ranks, then 1; every other
+block alone, in a process of its own, with nothing before it but what its page says
+surrounds it (the quick start's checkpoint on disk, a Megatron job's process group, AWS
+settings), so a name the block uses and does not define fails here.
 
 torch 2.13's gloo backend can abort a process at interpreter exit ("terminate called
 without an active exception", pytorch/pytorch#190489: its worker threads outlive the
@@ -21,6 +23,7 @@ import re
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -68,15 +71,17 @@ def _in_test_directory(text: str, tmp_path: Path) -> str:
     return re.sub(r"(?<![\w/])(?:/tmp)?/ckpt/", f"{tmp_path}/ckpt/", text)
 
 
-def _run(script: Path, ranks: int, ckpt: Path) -> None:
-    env = {**os.environ, "CKPT": str(ckpt)}
+def _run(script: Path, ranks: int, ckpt: Path, env: dict[str, str] | None = None, what: str = "") -> None:
+    """``script`` on ``ranks`` processes (one: plain python; more: torchrun) in its directory,
+    with ``CKPT`` set to ``ckpt``; every process must print the marker."""
+    env = {**(env or os.environ), "CKPT": str(ckpt)}
     if ranks == 1:
         command = [sys.executable, str(script)]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                    "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script)]
-    _check_finished(subprocess.run(command, env=env, capture_output=True, text=True, timeout=180), ranks,
-                    f"{script.name} on {ranks} rank(s)")
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180, cwd=script.parent)
+    _check_finished(result, ranks, f"{what or script.name} on {ranks} rank(s)")
 
 
 DONE = "shardstore-readme-test: done"
@@ -142,78 +147,98 @@ def test_every_block_names_the_checkpoint_the_quick_start_writes() -> None:
 
 # ------------------------------------------------ the pages' other Python blocks
 
-# Each runs as written, in one process (a gloo group of one, as Megatron's save needs),
-# after the quick start's save.py has defined what the fragments refer to
-# (``sharded_state_dict``, ``ckpt``, ``dist_checkpointing``); ``/tmp/ckpt/`` (the quick
-# start's) and ``/ckpt/`` paths point into the test's directory, and S3 goes to a local
-# server.
-_FRAGMENT_CONTEXT = {
-    "shardstore.tools.megatron_strategy import": (
-        "from pathlib import Path\n"
-        "from megatron.core import dist_checkpointing\n"
-        "torch.cuda.synchronize = lambda *a, **k: None  # Megatron calls these; this torch has no CUDA\n"
-        "torch.cuda.current_device = lambda: 'cpu'\n"
-        "ckpt_dir = ckpt + '-megatron'\n"
-        "Path(ckpt_dir).mkdir()\n"
-        "from megatron.core.dist_checkpointing import ShardedTensor as MegatronShardedTensor\n"
-        "# what Megatron's model code builds: its own objects\n"
-        "sharded_state_dict = {'fc1': MegatronShardedTensor.from_rank_offsets(\n"
-        "    'decoder/fc1', fc1.chunk(world)[rank].clone(), (0, rank, world))}\n"
-    ),
-    "shardstore.megatron.install()": (
-        "from megatron.core import dist_checkpointing as megatron_dist_checkpointing\n"
-        "from megatron.core.dist_checkpointing import ShardedTensor as MegatronShardedTensor\n"
-    ),
-    "CheckpointManager(": "total_steps = 2001\n",
-    "AsyncCallsQueue": "ckpt = ckpt + '-async'  # a new checkpoint\n",
-    "s3://my-bucket": "",
-    "LocalS3Server": "",
-    "import zarr": "",
-    "reuse_from=": "",
-    "rows = torch.empty(8 // world, 4)": "",
-}
-_CHECKS = {  # what each fragment must leave behind
-    "shardstore.tools.megatron_strategy import": "assert torch.equal(state['fc1'], fc1.chunk(world)[rank])\n",
-    "shardstore.megatron.install()": (  # Megatron-LM's calls, by module attribute, with 0.19's keywords
-        "megatron_sd = {'fc1': MegatronShardedTensor.from_rank_offsets(\n"
-        "    'decoder/fc1', fc1.chunk(world)[rank].clone(), (0, rank, world))}\n"
-        "megatron_ckpt = ckpt + '-installed'\n"
-        "megatron_dist_checkpointing.save(megatron_sd, megatron_ckpt, None, verify_integrity=True,\n"
-        "                                 content_metadata={'layout': 'tp'})\n"
-        "assert dist_checkpointing.verify(megatron_ckpt).ok\n"
-        "assert megatron_dist_checkpointing.load_content_metadata(megatron_ckpt) == {'layout': 'tp'}\n"
-        "state = megatron_dist_checkpointing.load(megatron_sd, megatron_ckpt, None, verify_integrity=True)\n"
+# Each runs as written, alone, in a process of its own: nothing is put before it but what
+# its page says surrounds it (a Megatron job: a gloo group of one; with no CUDA in this
+# torch, Megatron's calls to torch.cuda are stubbed). ``/tmp/ckpt/`` and ``/ckpt/`` paths
+# point into the test's directory; the AWS settings, to a local S3 server.
+_MEGATRON_JOB = (
+    "import torch\nimport torch.distributed as dist\n"
+    "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=0, world_size=1)\n"
+    "torch.cuda.synchronize = lambda *a, **k: None  # Megatron calls these; this torch has no CUDA\n"
+    "torch.cuda.current_device = lambda: 'cpu'\n"
+)
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """How the test runs the block that holds ``marker``: as written, then ``check`` (what
+    it must leave behind) in the same process."""
+
+    marker: str
+    check: str
+    # run after the quick start's save.py (at 2 ranks), whose checkpoint it reads: its page says so
+    reads_the_quick_start: bool = False
+    ranks: int = 1  # > 1: under torchrun
+    megatron_job: bool = False  # run inside _MEGATRON_JOB (megatron-core needed)
+    s3: bool = False  # the AWS settings name a local S3 server with the bucket "my-bucket"
+
+
+FRAGMENTS = (
+    Fragment("shardstore.tools.megatron_strategy import", megatron_job=True, check=(
         "assert torch.equal(state['fc1'], fc1.chunk(world)[rank])\n"
+        "from shardstore import verify\nassert verify(ckpt_dir).ok\n"
+    )),
+    Fragment("shardstore.megatron.install()", megatron_job=True, check=(
+        # Megatron-LM's calls, by module attribute, with 0.19's keywords
+        "import tempfile\n"
+        "from megatron.core import dist_checkpointing\n"
+        "from megatron.core.dist_checkpointing import ShardedTensor\n"
+        "from shardstore import verify\n"
+        "fc1 = torch.arange(32.0).reshape(8, 4)\n"
+        "megatron_sd = {'fc1': ShardedTensor.from_rank_offsets('decoder/fc1', fc1.clone())}\n"
+        "ckpt = tempfile.mkdtemp() + '/iter_0000001'\n"
+        "dist_checkpointing.save(megatron_sd, ckpt, None, verify_integrity=True, content_metadata={'layout': 'tp'})\n"
+        "assert verify(ckpt).ok\n"
+        "assert dist_checkpointing.load_content_metadata(ckpt) == {'layout': 'tp'}\n"
+        "state = dist_checkpointing.load(megatron_sd, ckpt, None, verify_integrity=True)\n"
+        "assert torch.equal(state['fc1'], fc1)\n"
         "shardstore.megatron.uninstall()\n"
-    ),
-    "CheckpointManager(": (
+    )),
+    Fragment("CheckpointManager(", check=(
         "assert manager.latest_step() == 2000, manager.latest_step()\n"
-        "assert torch.equal(weight, torch.full((4,), 2001.0)) and state['steps_trained'] == 2001, state\n"
-    ),
-    "AsyncCallsQueue": "assert dist_checkpointing.load_tensors_metadata(ckpt)['decoder/fc1'].global_shape == (8, 4)\n",
-    "s3://my-bucket": "",
-    "LocalS3Server": "assert os.environ['AWS_ENDPOINT_URL'] == server.endpoint\n",
-    "import zarr": "assert weight.shape == (8, 4) and (arr.read().result() == weight).all()\n",
-    "reuse_from=": (
+        "assert torch.equal(weight, torch.full((4,), float(total_steps))) and state['steps_trained'] == total_steps\n"
+    )),
+    Fragment("AsyncCallsQueue", check=(
+        "state = dist_checkpointing.load({'fc1': ShardedTensor.from_rank_offsets('decoder/fc1', torch.empty(8, 4))},\n"
+        "                                f'{root}/iter_0000003')\n"
+        "assert torch.equal(state['fc1'], torch.full((8, 4), 3.0)), state  # step 3's snapshot\n"
+    )),
+    Fragment("s3://my-bucket", s3=True, check=(
+        "meta = dist_checkpointing.load_tensors_metadata('s3://my-bucket/run7/iter_0001000')\n"
+        "assert meta['decoder/fc1'].global_shape == (8, 4)\n"
+    )),
+    Fragment("LocalS3Server", check="import os\nassert os.environ['AWS_ENDPOINT_URL'] == server.endpoint\n"),
+    Fragment("import zarr", reads_the_quick_start=True, check=(
+        "import torch\ntorch.manual_seed(0)\n"
+        "assert (weight == torch.randn(8, 4).numpy()).all() and (arr.read().result() == weight).all()\n"
+    )),
+    Fragment("reuse_from=", check=(
         "from shardstore.format.records import read_commit_record\n"
         "from shardstore.stores.locations import open_location\n"
         "shared = read_commit_record(open_location(f'{root}/step2')).reused_from\n"
         "assert shared is not None and shared.chunks == 1, shared  # the base, not written again\n"
         "loaded = load(state(), f'{root}/step2')\n"
         "assert torch.equal(loaded['adapter'], torch.ones(8, 64)) and torch.equal(loaded['base'], base)\n"
-    ),
-    "rows = torch.empty(8 // world, 4)": (  # the request's own tensor, filled with this rank's rows
-        "assert state['fc1'] is rows and torch.equal(rows, fc1.chunk(world)[rank])\n"
-    ),
-}
+    )),
+    Fragment('storage_writer=ShardstoreWriter(f"{root}/dcp")', check=(
+        "arrays = shardstore.load_tensors_metadata(f'{root}/dcp')\n"
+        "assert {'model.0.weight', 'optim.state.0.weight.exp_avg'} <= set(arrays), sorted(arrays)\n"
+        "assert torch.equal(new_model[0].weight, model[0].weight)  # loaded by the second way too\n"
+    )),
+    Fragment("rows = torch.empty(8 // world, 4)", reads_the_quick_start=True, ranks=4, check=(
+        # the request's own tensor, filled with this rank's rows of save.py's fc1
+        "torch.manual_seed(0)\n"
+        "assert state['fc1'] is rows and torch.equal(rows, torch.randn(8, 4).chunk(world)[rank])\n"
+    )),
+)
 
 
 def _fsdp_block() -> str:
     return _python_blocks(GUIDE / "dcp-fsdp2.md", "## A complete script")[0]
 
 
-def _fragments() -> list[tuple[str, str, str]]:
-    """(page, marker, block) for every Python block of every page but the scripts the
+def _fragments() -> list[tuple[str, Fragment, str]]:
+    """(page, fragment, block) for every Python block of every page but the scripts the
     tests above and below run whole (the quick start's and ``fsdp.py``)."""
     scripts = {*_quick_start_blocks(), _fsdp_block()}
     found = []
@@ -221,63 +246,57 @@ def _fragments() -> list[tuple[str, str, str]]:
         for block in _python_blocks(page):
             if block in scripts:
                 continue
-            marker = next((m for m in _FRAGMENT_CONTEXT if m in block), None)
-            assert marker, f"a Python block of {_page_name(page)} that no test runs:\n{block}"
-            found.append((_page_name(page), marker, block))
+            fragment = next((f for f in FRAGMENTS if f.marker in block), None)
+            assert fragment, f"a Python block of {_page_name(page)} that no test runs:\n{block}"
+            found.append((_page_name(page), fragment, block))
     return found
 
 
 def test_every_python_block_runs_somewhere() -> None:
-    """Each page's Python is a script run whole or a fragment with a marker (above)."""
-    assert len(_fragments()) >= 9
+    """Each page's Python is a script run whole or a fragment (above), each fragment once."""
+    markers = [fragment.marker for _, fragment, _ in _fragments()]
+    assert sorted(markers) == sorted(f.marker for f in FRAGMENTS), markers
 
 
-def _fragment_script(tmp_path: Path, context: str, block: str, check: str) -> str:
-    """A page's fragment as a script of one process: a gloo group of one, the quick
-    start's save.py before it (what the fragment refers to), ``context``, the fragment
+def test_a_block_that_reads_the_quick_starts_checkpoint_says_so() -> None:
+    """What a block needs beyond itself, its page says just before it."""
+    for page, fragment, block in _fragments():
+        if fragment.reads_the_quick_start:
+            text = (ROOT / page).read_text()
+            before = text[:text.index(block)][-600:]
+            assert "quick start" in before or "quick\nstart" in before, f"{page}: {fragment.marker}"
+
+
+def _fragment_script(tmp_path: Path, block: str, check: str, before: str = "") -> str:
+    """A page's block as a script: ``before`` (what its page says surrounds it), the block
     with its checkpoint directories in ``tmp_path``, then ``check`` and the marker."""
-    save_py, _ = _quick_start_blocks()
-    return _finished(
-        "import os\nimport torch.distributed as dist\n"
-        f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
-        + save_py.replace("if dist.is_initialized():\n    dist.destroy_process_group()", "")
-        + context + _in_test_directory(block, tmp_path) + check
-        + "dist.destroy_process_group()\n"
-    )
+    return _finished(before + _in_test_directory(block, tmp_path) + check)
 
 
-def _fragment_id(page: str, marker: str) -> str:
-    return f"{Path(page).stem}:{marker.split('(')[0].split()[-1]}"
+def _fragment_id(page: str, fragment: Fragment) -> str:
+    return f"{Path(page).stem}:{fragment.marker.split('(')[0].split()[-1]}"
 
 
-@pytest.mark.parametrize("page, marker, block", _fragments(), ids=[_fragment_id(p, m) for p, m, _ in _fragments()])
-def test_page_fragments_run_as_written(
-    tmp_path: Path, page: str, marker: str, block: str, request: pytest.FixtureRequest
+@pytest.mark.parametrize("page, fragment, block", _fragments(), ids=[_fragment_id(p, f) for p, f, _ in _fragments()])
+def test_page_blocks_run_as_written(
+    tmp_path: Path, page: str, fragment: Fragment, block: str, request: pytest.FixtureRequest
 ) -> None:
-    megatron_markers = ("shardstore.tools.megatron_strategy import", "shardstore.megatron.install()")
-    if marker in megatron_markers and importlib.util.find_spec("megatron") is None:
+    if fragment.megatron_job and importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core not installed (it needs torch>=2.6: scripts/oldest_torch.sh below that)")
     ckpt = tmp_path / "ckpt" / "iter_0001000"
-    (tmp_path / "fragment.py").write_text(_fragment_script(tmp_path, _FRAGMENT_CONTEXT[marker], block, _CHECKS[marker]))
+    if fragment.reads_the_quick_start:
+        (tmp_path / "save.py").write_text(_finished(_quick_start_blocks()[0]))
+        _run(tmp_path / "save.py", 2, ckpt)
+    before, after = (_MEGATRON_JOB.format(port=free_port()), "dist.destroy_process_group()\n") \
+        if fragment.megatron_job else ("", "")
+    (tmp_path / "block.py").write_text(_fragment_script(tmp_path, block, fragment.check + after, before))
     env = {**os.environ, "CKPT": str(ckpt)}
-    server = request.getfixturevalue("moto_server") if marker.startswith("s3://") else None  # the run's one
-    if server is not None:
+    if fragment.s3:
+        server = request.getfixturevalue("moto_server")  # the run's one
         server.create_bucket("my-bucket")
         env.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID=server.key,
                    AWS_SECRET_ACCESS_KEY=server.secret, AWS_REGION=server.region)
-    result = subprocess.run([sys.executable, str(tmp_path / "fragment.py")], env=env, capture_output=True,
-                            text=True, timeout=180, cwd=tmp_path)
-    _check_finished(result, 1, f"{page}: {marker}")
-    if server is not None:
-        from shardstore import load_tensors_metadata
-        from shardstore.stores.s3 import S3Options
-
-        os.environ.update({k: env[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
-        options = S3Options(endpoint_url=server.endpoint, key=server.key, secret=server.secret)
-        from shardstore.stores.locations import open_location
-
-        meta = load_tensors_metadata(open_location("s3://my-bucket/run7/iter_0001000", options=options))
-        assert meta["decoder/fc1"].global_shape == (8, 4)
+    _run(tmp_path / "block.py", fragment.ranks, ckpt, env=env, what=f"{page}: {fragment.marker}")
 
 
 # ------------------------------------------------ the DCP page's script
@@ -305,6 +324,7 @@ def test_fsdp_section_saves_at_2_ranks_and_loads_at_1(tmp_path: Path) -> None:
 # committed step) by a crash (the process exits at once after that step's save) or at step
 # 1500 by SIGTERM (its preemption save commits, the loop ends); the second run finishes.
 _INTERRUPTIONS = """
+import os
 import signal
 from shardstore.tools.manager import CheckpointManager
 _save = CheckpointManager.save
@@ -323,13 +343,21 @@ def _manager_block() -> str:
     return _python_blocks(GUIDE / "manager.md", "## The loop")[0]
 
 
+def _total_steps(block: str) -> int:
+    """The run's length the manager's block sets."""
+    match = re.search(r"^total_steps = (\d+)", block, flags=re.M)
+    assert match, block
+    return int(match.group(1))
+
+
 @pytest.mark.parametrize(("how", "stop_at", "resumed_from"), [("crash", 2200, 1000), ("sigterm", 1500, 1500)])
 def test_the_manager_loop_trains_each_step_once_across_a_restart(
     tmp_path: Path, how: str, stop_at: int, resumed_from: int
 ) -> None:
     from shardstore import CheckpointManager
 
-    total_steps = 2500
+    total_steps = _total_steps(_manager_block())
+    assert stop_at < total_steps
     check = (
         "print('steps trained', int(weight[0]), state['steps_trained'], flush=True)\n"
         f"assert torch.equal(weight, torch.full((4,), {total_steps}.0)), weight\n"
@@ -338,9 +366,9 @@ def test_the_manager_loop_trains_each_step_once_across_a_restart(
     env = {**os.environ, "CKPT": str(tmp_path / "ckpt" / "iter_0001000")}
     results = []
     for run, interruption in enumerate((f"HOW, STOP_AT = {how!r}, {stop_at}\n", "HOW, STOP_AT = None, None\n")):
-        context = f"total_steps = {total_steps}\n" + interruption + _INTERRUPTIONS
         script = tmp_path / f"run{run}.py"
-        script.write_text(_fragment_script(tmp_path, context, _manager_block(), check if run else ""))
+        script.write_text(_fragment_script(tmp_path, _manager_block(), check if run else "",
+                                           before=interruption + _INTERRUPTIONS))
         results.append(subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                                       timeout=300, cwd=tmp_path))
         if run == 0:

@@ -165,7 +165,7 @@ def test_the_root_group_tells_a_plain_reader_what_the_missing_arrays_are_and_wha
     names every array it cannot open, its data type, and what reads it."""
     readers = plain["zarr_root_attrs"]["readers"]
     assert readers["arrays_needing_shardstore_or_tensorstore"] == {key: _dtype(key) for key in EXTENSION}
-    for words in ("not found in consolidated metadata", "pip install shardstore", "tensorstore.open"):
+    for words in ("not found in consolidated metadata", "pip install . in a clone", "tensorstore.open"):
         assert words in readers["note"], words
 
 

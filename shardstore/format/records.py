@@ -452,7 +452,7 @@ def readers_note(extension: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "note": (
             "The arrays listed here use data types that zarr-python reads only once they are registered: "
             "zarr-python reports them as not found in consolidated metadata, or as 'No Zarr data type found'. "
-            "With shardstore installed (pip install shardstore) zarr.open_group lists and reads them; "
+            "With shardstore installed (not on a package index: pip install . in a clone of its repository) zarr.open_group lists and reads them; "
             "TensorStore reads them as they are: tensorstore.open({'driver': 'zarr3', 'kvstore': "
             "{'driver': 'file', 'path': '<checkpoint>/<key>/'}}), ml_dtypes giving the numpy type."
         ),

@@ -1,6 +1,6 @@
 """shardstore: distributed PyTorch checkpoints as one Zarr v3 hierarchy.
 
-The API follows Megatron-Core's ``dist_checkpointing``: switch by changing the import::
+The API follows Megatron-Core's ``dist_checkpointing``: switch by changing the import:
 
     from shardstore import ShardedTensor, save, load
 

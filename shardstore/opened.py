@@ -27,7 +27,7 @@ A checkpoint to read is either
   once by the registry (``other_formats``), read without a commit record.
 
 ``shardstore.load`` and the metadata queries, inspection, conversion and the DCP reader
-take the ``OpenedCheckpoint`` instead of asking a location what it is::
+take the ``OpenedCheckpoint`` instead of asking a location what it is:
 
     opened = open_read("/ckpt/step_100")        # path, URL, Location or OpenedCheckpoint
     record = opened.require_record()            # a shardstore checkpoint's record, or a

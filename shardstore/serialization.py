@@ -1,7 +1,7 @@
 """``save`` / ``load`` and the metadata queries: the API a trainer calls, under the names
 and meaning of Megatron-Core's ``dist_checkpointing.serialization``.
 
-Save, in stages (each named function below; "collective" = every rank calls it)::
+Save, in stages (each named function below; "collective" = every rank calls it):
 
     all ranks    preprocess  Megatron-Core objects converted (``shardstore.inputs.megatron_objects``),
                              factories built, non-persistent values dropped, the state
@@ -26,7 +26,7 @@ A failure on any rank at any stage raises a CheckpointingException on every rank
 coordinator deletes what the save wrote, and whatever was committed at the target
 before stays.
 
-Load, in stages::
+Load, in stages:
 
     all ranks    record      the commit record is read first, so an incomplete checkpoint
                              is refused before anything else happens; every file is read

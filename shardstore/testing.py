@@ -8,7 +8,7 @@ extra). The demo, the benchmark and the test suite use it.
 ``StoreTests`` is what every ``shardstore.stores.base.Store`` must do, as
 ``zarr.testing.store.StoreTests`` is for zarr's stores: bytes by key, listing and
 prefixes, atomic puts under a concurrent reader, capabilities, and a save published
-commit record last. A backend proves itself by subclassing it in a pytest module::
+commit record last. A backend proves itself by subclassing it in a pytest module:
 
     class TestMyStore(StoreTests):
         store_type = MyStore

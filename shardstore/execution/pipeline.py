@@ -94,7 +94,7 @@ class SavePipeline:
     it began is its ``pending`` checkpoint's; what this rank staged and wrote is kept here
     until the commit.
 
-    Its steps, in order (who calls each)::
+    Its steps, in order (who calls each):
 
         all ranks    SavePipeline.open(checkpoint_dir, group, options, config=)
                      the one place a save's target (and ``options.reuse_from``, the
@@ -134,7 +134,7 @@ class SavePipeline:
     ``SavePipeline.commit`` is for doors that gathered the reports themselves (DCP's
     ``finish``) or write from one process (``tools.array_writer``).
 
-    The doors, as adapters over it::
+    The doors, as adapters over it:
 
         shardstore.save          SavePipeline.open -> plan (begins, joins) -> the strategy's
                                  save_into / async_save_into (strategies.base; ours stages

@@ -1,6 +1,6 @@
 """The on-disk format (version 4): array metadata, group nodes and the commit record.
 
-A checkpoint is one Zarr v3 group::
+A checkpoint is one Zarr v3 group:
 
     <checkpoint>/zarr.json        root group, written LAST: the commit record
     <checkpoint>/metadata.json    backends that wrote it (shardstore.core)

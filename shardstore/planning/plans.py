@@ -1,7 +1,7 @@
 """Save and load plans: decided once, by the coordinator, from the gathered layout; each
 rank receives only its own part. Pure functions.
 
-Save protocol (``serialization.save``; "coordinator" is group rank 0)::
+Save protocol (``serialization.save``; "coordinator" is group rank 0):
 
     every rank   records     its shards' metadata (``planning.checks.local_records``)
     collective   gather      the records travel to the coordinator only
@@ -16,7 +16,7 @@ So a rank's work and the bytes it receives grow with its own shards, not with th
 world size; the coordinator's grow linearly with all records (``scripts/plan_scaling.py``
 measures both).
 
-Load protocol (``serialization.load``)::
+Load protocol (``serialization.load``):
 
     every rank   records     the regions it requests (``planning.checks.local_records``)
     collective   gather      to the coordinator only

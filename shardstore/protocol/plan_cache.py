@@ -4,7 +4,7 @@ Megatron-Core's ``FullyParallelSaveStrategyWrapper(do_cache_distribution=True)``
 PyTorch DCP's cached save plans) skip the metadata exchange when the state dict's
 structure is the same as last time. shardstore's own save plans in one round trip
 (``protocol.plan_stage.gather_and_plan``: every rank's shard records to the coordinator,
-validated, planned, each rank's part scattered); with a ``PlanCache`` it becomes::
+validated, planned, each rank's part scattered); with a ``PlanCache`` it becomes:
 
     every rank    key        its shard records as gather_and_plan would send them
                              (``local_records``), its rank and the world size and the

@@ -1,6 +1,6 @@
 """The one helper every collective stage of a save and a load runs through: ``run_stage``.
 
-A stage, in order (PyTorch DCP's ``_DistWrapper`` plays the same part)::
+A stage, in order (PyTorch DCP's ``_DistWrapper`` plays the same part):
 
     every rank    work       its local step (records, host copies, reads, writes' outcome)
     coordinator   reduce     every rank's result, gathered to it alone: plans, commits

@@ -1,6 +1,6 @@
 """Megatron-Core's fully-parallel strategy wrappers, with Megatron's knobs.
 
-megatron.training wraps its strategies::
+megatron.training wraps its strategies:
 
     strategy = FullyParallelSaveStrategyWrapper(strategy, mpu.get_data_parallel_group(...))
 

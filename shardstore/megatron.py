@@ -60,12 +60,10 @@ from typing import Any
 
 from shardstore.core import SaveOptions
 from shardstore.errors import CheckpointingException
-from shardstore.format.integrity import verify
-from shardstore.format.records import is_committed
+from shardstore.format import is_committed, verify
 from shardstore.opened import bare_location
 from shardstore.progress import log_once, operations_logged_at
-from shardstore.protocol.collectives import Group
-from shardstore.protocol.stage import run_stage
+from shardstore.protocol import Group, run_stage
 from shardstore.serialization import (
     load as _shardstore_load,
 )

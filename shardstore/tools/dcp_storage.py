@@ -121,25 +121,28 @@ from torch.futures import Future
 
 from shardstore.core import CheckpointingConfig, CheckpointingException, SaveOptions
 from shardstore.dict_utils import flatten
-from shardstore.execution.pipeline import RankSave, SavePipeline
-from shardstore.format.chunks import (
+from shardstore.execution import RankSave, SavePipeline
+from shardstore.format import (
+    BY_TORCH,
+    COMMON_FILE,
     DEFAULT_IO_CONCURRENCY,
     ArrayChunks,
+    CommitRecord,
+    DcpMetadata,
+    StatePath,
     WrittenChunk,
-    chunk_store_for,
-    read_region,
-    run_reads,
-)
-from shardstore.format.dtypes import (
-    BY_TORCH,
     cast_checked,
+    chunk_store_for,
     from_zarr_name,
     holds_its_values,
+    load_torch,
     numpy_to_tensor,
+    read_region,
+    run_reads,
+    serialize,
+    state_paths,
     tensor_to_numpy,
 )
-from shardstore.format.pickles import load_torch, serialize
-from shardstore.format.records import COMMON_FILE, CommitRecord, DcpMetadata, StatePath, state_paths
 from shardstore.inputs.dtensors import fqn
 from shardstore.inputs.plain_tensors import (
     DEFAULT_MIN_ARRAY_BYTES,
@@ -150,7 +153,7 @@ from shardstore.inputs.plain_tensors import (
 from shardstore.mapping import ShardedTensor
 from shardstore.opened import bare_location, open_read
 from shardstore.serialization import verify_checkpoint_and_load_strategy
-from shardstore.stores.base import Location
+from shardstore.stores import Location
 from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION
 from shardstore.strategies.zarr import (
     DEFAULT_MAX_CHUNK_BYTES,

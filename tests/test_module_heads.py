@@ -39,7 +39,6 @@ NOT_YET = {
     "shardstore/inputs/irregular.py",
     "shardstore/inputs/megatron_objects.py",
     "shardstore/inputs/plain_tensors.py",
-    "shardstore/megatron.py",
     "shardstore/opened.py",
     "shardstore/planning/checks.py",
     "shardstore/planning/layout.py",
@@ -61,9 +60,7 @@ NOT_YET = {
     "shardstore/strategies/resharding.py",
     "shardstore/strategies/torch.py",
     "shardstore/strategies/zarr.py",
-    "shardstore/tools/dcp_storage.py",
     "shardstore/tools/manager.py",
-    "shardstore/tools/megatron_strategy.py",
 }
 
 

@@ -15,21 +15,12 @@ checkpoints::
 the same names in its ``serialization`` and ``core`` modules, where they exist):
 ``ENTRY_POINTS``. What they do then:
 
-- ``save`` writes a shardstore checkpoint through ``shardstore.save`` (staged and
-  published atomically; a committed checkpoint at the same path is replaced, as
-  Megatron's save overwrites). Megatron's strategy objects are honoured as far as they
-  mean something to shardstore (``strategy_for_save``): its ``TorchDistSaveShardedStrategy``
-  becomes shardstore's default strategy, a ``FullyParallelSaveStrategyWrapper`` turns on
-  shardstore's fully-parallel plan (over the whole save group) and, with
-  ``do_cache_distribution``, its cached plan. ``async_sharded_save=True`` returns the
-  ``AsyncRequest`` class of Megatron's (or nvidia-resiliency-ext's, by
-  ``async_strategy``) queue, whose writer may run in another process
-  (``strategies.forked_writes``). ``verify_integrity`` needs nothing more: every chunk's
-  crc32c and XXH3-128 digest are recorded at write time (stronger than Megatron's
-  file-level SHA-256 manifest, which is not written). ``reuse_from`` (not Megatron's)
-  makes the save incremental; by default the newest older committed ``iter_*`` sibling
-  of a local checkpoint directory is reused from (``install(reuse_previous=False)``
-  turns it off).
+- ``save`` writes a shardstore checkpoint through ``shardstore.save``, staged and
+  published atomically (a committed checkpoint at the same path is replaced, as
+  Megatron's save overwrites); Megatron's strategy objects count as far as they mean
+  something to shardstore (``strategy_for_save``), ``async_sharded_save=True`` returns
+  the request of Megatron's queue, and a save into ``.../iter_<N>`` reuses unchanged
+  chunks of the newest older one (``save`` says each).
 - ``load`` and the queries read a shardstore checkpoint through shardstore (Megatron's
   load strategies become shardstore's; ``verify_integrity=True`` verifies every chunk
   and file of the checkpoint on the coordinator before loading), and anything else
@@ -40,12 +31,24 @@ the same names in its ``serialization`` and ``core`` modules, where they exist):
 
 ``uninstall`` puts the original functions back. Code that bound a name before
 ``install`` (``from megatron.core.dist_checkpointing import save``) keeps Megatron's:
-install first. Run here with megatron-core 0.16.1 (CI) and 0.17.1, 0.18.2 and 0.19.0
-(``scripts/megatron_versions.sh``); Megatron-LM's training loop of those versions was
-read (docs/guide/megatron.md, "Which versions").
+install first. The Megatron-Core versions this runs with, and how Megatron-LM's
+training loop calls these functions: docs/guide/megatron.md, "Which versions".
 """
 
 from __future__ import annotations
+
+__all__ = [
+    "ENTRY_POINTS",
+    "check_is_distributed_checkpoint",
+    "install",
+    "is_installed",
+    "load",
+    "load_content_metadata_entry",
+    "previous_checkpoint",
+    "save",
+    "strategy_for_save",
+    "uninstall",
+]
 
 import functools
 import importlib
@@ -60,12 +63,10 @@ from typing import Any
 
 from shardstore.core import SaveOptions
 from shardstore.errors import CheckpointingException
-from shardstore.format.integrity import verify
-from shardstore.format.records import is_committed
+from shardstore.format import is_committed, verify
 from shardstore.opened import bare_location
 from shardstore.progress import log_once, operations_logged_at
-from shardstore.protocol.collectives import Group
-from shardstore.protocol.stage import run_stage
+from shardstore.protocol import Group, run_stage
 from shardstore.serialization import (
     load as _shardstore_load,
 )
@@ -344,9 +345,23 @@ def save(
     process_group: Any = None,
 ) -> Any:
     """Megatron-Core's ``dist_checkpointing.save`` (0.14 to 0.19 keywords), writing a
-    shardstore checkpoint (module docstring). Megatron 0.19 dropped ``common_strategy``:
-    its callers pass everything after ``sharded_strategy`` by keyword, as Megatron-LM
-    does.
+    shardstore checkpoint through ``shardstore.save`` (staged and published atomically;
+    a committed checkpoint at the same path is replaced, as Megatron's save overwrites).
+    Megatron 0.19 dropped ``common_strategy``: its callers pass everything after
+    ``sharded_strategy`` by keyword, as Megatron-LM does.
+
+    Megatron's ``TorchDistSaveShardedStrategy`` becomes shardstore's default strategy, a
+    ``FullyParallelSaveStrategyWrapper`` shardstore's fully-parallel plan (over the whole
+    save group) and, with ``do_cache_distribution``, its cached plan
+    (``strategy_for_save``). ``async_sharded_save=True`` returns the ``AsyncRequest``
+    class of Megatron's (or nvidia-resiliency-ext's, by ``async_strategy``) queue, whose
+    writer may run in another process (``strategies.forked_writes``).
+    ``verify_integrity`` needs nothing more: every chunk's crc32c and XXH3-128 digest are
+    recorded at write time (stronger than Megatron's file-level SHA-256 manifest, which
+    is not written). ``reuse_from`` (not Megatron's) makes the save incremental; by
+    default the newest older committed ``iter_*`` sibling of a local checkpoint
+    directory is reused from (``previous_checkpoint``; ``install(reuse_previous=False)``
+    turns it off).
 
     Returns:
         None, or with ``async_sharded_save`` the request for Megatron's queue.
@@ -562,12 +577,3 @@ _REPLACEMENTS: dict[str, Any] = {
     "remove_sharded_tensors": _dispatching("remove_sharded_tensors", remove_sharded_tensors),
     "check_is_distributed_checkpoint": check_is_distributed_checkpoint,
 }
-
-__all__ = [
-    "ENTRY_POINTS",
-    "install",
-    "is_installed",
-    "previous_checkpoint",
-    "strategy_for_save",
-    "uninstall",
-]

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from shardstore import CheckpointingException, load_plain_tensors
-from shardstore.tools.convert import from_safetensors
 from shardstore.other_formats.model_files import SAFETENSORS_INDEX
+from shardstore.tools.convert import from_safetensors
 from tests.test_cli import run
 
 WEIGHT, BIAS = torch.arange(12.0).reshape(3, 4), torch.ones(4)

@@ -12,7 +12,7 @@ The drawing, top to bottom (a layer may import the layers below it, never above)
     format          records, chunks, commit, integrity, dtypes, pickles (and the zarr
                     start-up hook _zarr_autoload, top-level because a .pth file names it)
     stores          where bytes go: the Location interface and one module per backend
-    base            errors, progress, mapping, dict_utils: importable by all
+    base            errors, progress, mapping, dict_utils, lazy_exports: importable by all
 
 No module imports one that imports it back (also not inside a function).
 """
@@ -20,13 +20,18 @@ No module imports one that imports it back (also not inside a function).
 from __future__ import annotations
 
 import ast
+import importlib
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import shardstore
 
 ROOT = Path(shardstore.__file__).parent
 API_MODULES = {"serialization", "opened", "core", "validation", "utils", "testing", "exchange_utils", "__init__"}
-BASE_MODULES = {"errors", "progress", "mapping", "dict_utils"}
+BASE_MODULES = {"errors", "progress", "mapping", "dict_utils", "lazy_exports"}
 # Top-level modules that belong to another layer: the zarr start-up hook must be importable as
 # shardstore._zarr_autoload (a .pth file names it) but is the format's; shardstore.megatron (the
 # public name of the Megatron entry points, issue 31.2) is a plug-in like those in tools.
@@ -156,6 +161,80 @@ def test_the_format_imports_no_backend_module() -> None:
         for dep in deps if dep.startswith("shardstore.stores.") and dep.rsplit(".", 1)[1] in BACKEND_MODULES
     )
     assert reaching == []
+
+
+# The packages below the api whose ``__init__`` is their entry for the doors.
+ENTRY_PACKAGES = ("stores", "format", "planning", "protocol", "execution", "other_formats")
+
+
+def _imported_names() -> dict[str, list[tuple[str, str, int]]]:
+    """``{door module: [(imported module, name or "", line)]}`` over the tools layer,
+    every import (inside functions too)."""
+    found: dict[str, list[tuple[str, str, int]]] = {}
+    for path in ROOT.rglob("*.py"):
+        name = ".".join(("shardstore", *path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__")
+        if layer_of(name) != "tools":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shardstore"):
+                found.setdefault(name, []).extend((node.module, a.name, node.lineno) for a in node.names)
+            elif isinstance(node, ast.Import):
+                found.setdefault(name, []).extend(
+                    (a.name, "", node.lineno) for a in node.names if a.name.startswith("shardstore"))
+    return found
+
+
+def test_the_doors_reach_lower_layers_only_through_their_packages() -> None:
+    """Issue 43.3: a door (the tools layer) imports from a layer below the api only that
+    layer's package (``from shardstore.format import CommitRecord``), a name its
+    ``__all__`` offers, never one of its modules (``shardstore.format.records``); or it
+    imports from an api or base module. An empty exception list."""
+    found = _imported_names()
+    assert {"shardstore.megatron", "shardstore.tools.dcp_storage"} <= set(found)
+    reaching = []
+    for door, imports in sorted(found.items()):
+        for module, name, line in imports:
+            layer = layer_of(module)
+            if layer in {"api", "tools", "base"}:
+                continue
+            package = importlib.import_module(f"shardstore.{layer}")
+            if module != package.__name__ or name not in package.__all__:
+                reaching.append(f"{door}:{line} imports {name or module} from {module}")
+    assert reaching == []
+    used = {module for imports in found.values() for module, _, _ in imports}
+    assert {f"shardstore.{p}" for p in ENTRY_PACKAGES if p != "planning"} <= used  # the rule has teeth
+
+
+@pytest.mark.parametrize("package", ENTRY_PACKAGES)
+def test_an_entry_package_offers_exactly_its_all(package: str) -> None:
+    """An entry package offers the names of its ``__all__`` and nothing else (resolving
+    each is tests/test_module_heads.py's); none is one of its modules, which importing
+    would put in the name's place."""
+    module = importlib.import_module(f"shardstore.{package}")
+    modules = {p.stem for p in (ROOT / package).glob("*.py")}
+    assert not set(module.__all__) & modules
+    assert set(dir(module)) - set(vars(module)) == set(module.__all__)
+    with pytest.raises(AttributeError, match=f"'shardstore.{package}' has no attribute 'not_offered'"):
+        module.not_offered  # noqa: B018
+
+
+def test_an_offered_name_is_its_modules_object() -> None:
+    import shardstore.stores
+    import shardstore.stores.base
+
+    assert shardstore.stores.Location is shardstore.stores.base.Location
+    assert "Location" not in vars(shardstore.stores)  # looked up in its module at each use
+
+
+def test_importing_an_entry_package_imports_none_of_its_modules() -> None:
+    """The packages import their names lazily: the zarr start-up hook imports
+    ``shardstore.format``, and must not pull torch in with it."""
+    packages = [f"shardstore.{p}" for p in ENTRY_PACKAGES]
+    code = f"import sys, {', '.join(packages)}; print(sorted(sys.modules))"
+    loaded = ast.literal_eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                             check=True).stdout)
+    assert set(packages) <= set(loaded)
+    assert [m for m in loaded if m == "torch" or m.startswith(tuple(f"{p}." for p in packages))] == []
 
 
 def test_no_code_asks_which_publisher_a_save_has() -> None:

@@ -2,9 +2,7 @@
 4 and 6): a module docstring of at most ``MAX_DOCSTRING_LINES`` lines, then (after
 ``from __future__`` only) a literal ``__all__`` whose every name the module has.
 
-Modules still being reshaped on other branches are in ``NOT_YET``; the lead empties it
-as they land. A module listed there that already complies (or no longer exists) fails,
-so the list only shrinks.
+Every module, with no exception list.
 """
 
 from __future__ import annotations
@@ -21,16 +19,6 @@ import shardstore.stores.local  # noqa: F401  (at collection: its import runs ld
 PACKAGE = Path(shardstore.__file__).parent
 REPO = PACKAGE.parent
 MAX_DOCSTRING_LINES = 45
-
-# Modules owned by refactors in flight when this test was written; the lead empties this.
-NOT_YET = {
-    "shardstore/execution/__init__.py",
-    "shardstore/megatron.py",
-    "shardstore/planning/__init__.py",
-    "shardstore/protocol/__init__.py",
-    "shardstore/tools/dcp_storage.py",
-    "shardstore/tools/megatron_strategy.py",
-}
 
 
 def _all_modules() -> list[str]:
@@ -72,25 +60,17 @@ def head_problems(file: Path) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("path", [p for p in _all_modules() if p not in NOT_YET])
+@pytest.mark.parametrize("path", _all_modules())
 def test_module_starts_with_its_contract_and_all(path: str) -> None:
     problems = head_problems(REPO / path)
     assert not problems, f"{path}: {'; '.join(problems)}"
-
-
-@pytest.mark.parametrize("path", sorted(NOT_YET))
-def test_not_yet_lists_only_modules_that_still_fail(path: str) -> None:
-    assert (REPO / path).exists(), f"{path} no longer exists: remove it from NOT_YET"
-    assert head_problems(REPO / path), f"{path} now starts with its contract and __all__: remove it from NOT_YET"
 
 
 @pytest.mark.parametrize("path", _all_modules())
 def test_every_name_in_all_exists(path: str) -> None:
     module = importlib.import_module(_module_name(path))
     names = getattr(module, "__all__", None)
-    if names is None:
-        assert path in NOT_YET, f"{path} has no __all__"
-        return
+    assert names is not None, f"{path} has no __all__"
     assert len(names) == len(set(names)), f"{path}: __all__ lists a name twice"
     missing = [name for name in names if not hasattr(module, name)]
     assert not missing, f"{path}: __all__ names {missing}, which the module does not have"

@@ -4,8 +4,66 @@ checksums and ``verify`` (``integrity``), data types (``dtypes``, ``zarr_dtypes`
 the one place that unpickles (``pickles``).
 
 May import: ``shardstore.stores``, ``shardstore.errors``, ``shardstore.progress``.
+
+The package is the format's entry for the doors (``shardstore.tools``,
+``shardstore.megatron``): they import from ``shardstore.format`` only the names of
+``__all__`` (``tests/test_layering.py``), never one of its modules. Each name is imported
+from its module on first use (``shardstore.lazy_exports``), so importing the package, as
+the zarr start-up hook does for ``zarr_dtypes``, imports nothing else. The doors take
+these names from here rather than from the api layer because no api module offers them,
+or (``verify``, ``VerifyReport``, which the package root re-exports for users) because
+the doors use them beside names that only the format offers (``Problem``).
 """
 
-__all__: list[str] = []
+from __future__ import annotations
 
-import shardstore.format.sharding  # noqa: E402,F401  registers sharding_indexed
+__all__ = [
+    "ArrayChunks",
+    "ArrayRecord",
+    "BY_TORCH",
+    "COMMIT_RECORD",
+    "COMMON_FILE",
+    "CommitRecord",
+    "DEFAULT_IO_CONCURRENCY",
+    "DELETION_MARKER",
+    "DcpMetadata",
+    "MAX_RECORD_BYTES",
+    "ObjectRecord",
+    "Problem",
+    "StatePath",
+    "VerifyReport",
+    "WrittenChunk",
+    "ZARR_JSON",
+    "array_group_collisions",
+    "cast_checked",
+    "chunk_store_for",
+    "from_torch",
+    "from_zarr_name",
+    "group_metadata",
+    "holds_its_values",
+    "is_committed",
+    "is_exact_conversion",
+    "load_torch",
+    "numpy_to_tensor",
+    "parent_groups",
+    "read_commit_record",
+    "read_region",
+    "run_reads",
+    "serialize",
+    "state_paths",
+    "tensor_to_numpy",
+    "verify",
+]
+
+from shardstore.lazy_exports import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "chunks": ("ArrayChunks", "DEFAULT_IO_CONCURRENCY", "WrittenChunk", "chunk_store_for", "read_region", "run_reads"),
+    "dtypes": ("BY_TORCH", "cast_checked", "from_torch", "from_zarr_name", "holds_its_values", "is_exact_conversion",
+               "numpy_to_tensor", "tensor_to_numpy"),
+    "integrity": ("Problem", "VerifyReport", "verify"),
+    "pickles": ("load_torch", "serialize"),
+    "records": ("ArrayRecord", "COMMIT_RECORD", "COMMON_FILE", "CommitRecord", "DELETION_MARKER", "DcpMetadata",
+                "MAX_RECORD_BYTES", "ObjectRecord", "StatePath", "ZARR_JSON", "array_group_collisions",
+                "group_metadata", "is_committed", "parent_groups", "read_commit_record", "state_paths"),
+})

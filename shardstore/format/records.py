@@ -107,6 +107,7 @@ from typing import Any
 
 import crc32c
 
+import shardstore.format.sharding  # noqa: F401  registers the sharding_indexed codec
 from shardstore._zarr_autoload import EXTENSION_METADATA
 from shardstore.errors import CheckpointingException
 from shardstore.format.codecs import BYTES_CRC32C, ChunkCodec, codec_for

@@ -10,6 +10,41 @@ backend (``megatron_zarr``). Model files that shardstore converts from and to
 into either keeps of a checkpoint's structure.
 
 May import: ``shardstore.format``, ``shardstore.stores`` and the base modules.
+
+The package is the entry for the doors (``shardstore.tools``): they import from
+``shardstore.other_formats`` only the names of ``__all__`` (``tests/test_layering.py``),
+each imported from its module on first use (``shardstore.lazy_exports``).
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+__all__ = [
+    "ExportSource",
+    "FileFormat",
+    "Layout",
+    "SAFETENSORS_FORMAT",
+    "SAFETENSORS_INDEX",
+    "SAFETENSORS_SINGLE",
+    "TORCH_FILE_FORMAT",
+    "TORCH_SUFFIXES",
+    "TensorSpec",
+    "detect",
+    "encode_common",
+    "formats",
+    "named",
+    "place_value",
+    "safetensors_metadata",
+    "save_torch_file",
+    "write_safetensors",
+]
+
+from shardstore.lazy_exports import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "base": ("ExportSource", "FileFormat", "TensorSpec", "place_value"),
+    "layout": ("Layout", "encode_common", "safetensors_metadata", "save_torch_file"),
+    "model_files": ("SAFETENSORS_INDEX", "SAFETENSORS_SINGLE"),
+    "registry": ("detect", "formats", "named"),
+    "safetensors": ("SAFETENSORS_FORMAT", "write_safetensors"),
+    "torch_file": ("TORCH_FILE_FORMAT", "TORCH_SUFFIXES"),
+})

@@ -5,4 +5,19 @@ agree on failure, then point-to-point transfers); ``plan_stage`` is the plan sta
 ``collectives`` the process-group wrapper, the only code that calls ``torch.distributed``.
 
 May import: ``shardstore.planning`` and the layers below it.
+
+The package is the protocol's entry for the doors (``shardstore.tools``,
+``shardstore.megatron``): they import from ``shardstore.protocol`` only the names of
+``__all__`` (``tests/test_layering.py``), each imported from its module on first use
+(``shardstore.lazy_exports``). No api module offers them: ``Group`` is the process group
+a door hands to the api's calls, and ``run_stage`` the stage a door that must agree
+across ranks runs (Megatron's ``verify_integrity`` load).
 """
+
+from __future__ import annotations
+
+__all__ = ["Group", "run_stage"]
+
+from shardstore.lazy_exports import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {"collectives": ("Group",), "stage": ("run_stage",)})

@@ -6,6 +6,19 @@ file system); ``locations`` the registry of URL schemes, the one place that know
 backend.
 
 May import: ``shardstore.errors`` only. Nothing here knows about arrays, records or ranks.
+
+The package is the stores' entry for the doors (``shardstore.tools``,
+``shardstore.megatron``): they import from ``shardstore.stores`` only the names of
+``__all__`` (``tests/test_layering.py``), each imported from its module on first use
+(``shardstore.lazy_exports``). A door holds a ``Location`` that the api opened for it
+(``shardstore.opened``); it never opens one by URL itself, so ``open_location`` is not
+offered here.
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+__all__ = ["Location"]
+
+from shardstore.lazy_exports import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {"base": ("Location",)})

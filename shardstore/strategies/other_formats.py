@@ -34,7 +34,12 @@ from shardstore.format.records import CommitRecord
 from shardstore.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from shardstore.opened import bare_location
 from shardstore.other_formats import registry
-from shardstore.other_formats.base import OtherCheckpoint, OtherFormat, is_object_shard_key, place_value
+from shardstore.other_formats.base import (
+    OtherCheckpoint,
+    OtherFormat,
+    is_object_shard_key,
+    place_value,
+)
 from shardstore.planning.layout import block_shape, region_at
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.stage import run_stage

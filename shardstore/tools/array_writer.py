@@ -29,9 +29,8 @@ from typing import Any
 import torch
 
 from shardstore.core import CheckpointingConfig, CheckpointingException, SaveOptions
-from shardstore.execution.pipeline import SavePipeline
-from shardstore.format.dtypes import tensor_to_numpy
-from shardstore.format.records import (
+from shardstore.execution import SavePipeline
+from shardstore.format import (
     ZARR_JSON,
     ArrayRecord,
     CommitRecord,
@@ -39,9 +38,10 @@ from shardstore.format.records import (
     array_group_collisions,
     group_metadata,
     parent_groups,
+    tensor_to_numpy,
 )
 from shardstore.mapping import ShardedObject, ShardedTensor
-from shardstore.stores.base import Location
+from shardstore.stores import Location
 from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION, TorchCommonSaveStrategy
 from shardstore.strategies.zarr import (
     DEFAULT_MAX_CHUNK_BYTES,

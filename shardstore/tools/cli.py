@@ -229,7 +229,7 @@ def inspect_command(checkpoint: str, as_json: bool) -> None:
                 "stands alone"
             )
     else:
-        from shardstore.other_formats.registry import named
+        from shardstore.other_formats import named
 
         click.echo(f"  written by another tool: {named(summary.kind).title}, read as it is; "
                    "no checksums to verify (`shardstore convert` it for those)")
@@ -266,10 +266,9 @@ def verify_command(checkpoint: str, as_json: bool) -> None:
 
     Exit status 1 and one line per problem (array and chunk) if anything is damaged.
     """
-    from shardstore.format.integrity import verify
-    from shardstore.format.records import COMMIT_RECORD, read_commit_record
+    from shardstore.format import COMMIT_RECORD, read_commit_record, verify
     from shardstore.opened import bare_location
-    from shardstore.other_formats import registry  # noqa: F401  (read_commit_record's errors name its formats)
+    from shardstore.other_formats import detect  # noqa: F401  (importing the registry lets read_commit_record's errors name other formats)
     from shardstore.tools.root_verify import checkpoints_under, verify_checkpoints
 
     with _reported_errors():
@@ -417,7 +416,7 @@ def _report_export(source: str, src: str, destination: str, dst: str, result: An
 
 def _report_checkpoint(source: str, src: str, destination: str, arrays: int, as_json: bool) -> None:
     """Verifies the checkpoint just written (exit status 1 if it is damaged)."""
-    from shardstore.format.integrity import verify
+    from shardstore.format import verify
 
     report = verify(destination)
     if as_json:

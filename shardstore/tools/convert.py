@@ -74,22 +74,29 @@ import torch.distributed as dist
 
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import nested_values
-from shardstore.format.dtypes import from_zarr_name
+from shardstore.format import from_zarr_name
 from shardstore.mapping import ShardedObject, ShardedTensor, StateDict
 from shardstore.opened import bare_location, open_read
-from shardstore.other_formats import registry
-from shardstore.other_formats.base import ExportSource, FileFormat, TensorSpec, place_value
-from shardstore.other_formats.layout import (
+from shardstore.other_formats import (
+    SAFETENSORS_FORMAT,
+    SAFETENSORS_INDEX,
+    SAFETENSORS_SINGLE,
+    TORCH_FILE_FORMAT,
+    TORCH_SUFFIXES,
+    ExportSource,
+    FileFormat,
     Layout,
+    TensorSpec,
+    detect,
     encode_common,
+    formats,
+    place_value,
     safetensors_metadata,
     save_torch_file,
+    write_safetensors,
 )
-from shardstore.other_formats.model_files import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
-from shardstore.other_formats.safetensors import SAFETENSORS_FORMAT, write_safetensors
-from shardstore.other_formats.torch_file import TORCH_FILE_FORMAT, TORCH_SUFFIXES
-from shardstore.protocol.collectives import Group
-from shardstore.stores.base import Location
+from shardstore.protocol import Group
+from shardstore.stores import Location
 
 DEFAULT_MEMORY_BYTES = 2**30
 DEFAULT_SHARD_BYTES = 5 * 10**9  # Hugging Face's default max_shard_size, "5GB"
@@ -212,12 +219,12 @@ def _file_format(source: str | os.PathLike | Location) -> FileFormat | None:
     nothing). A local file of no registered format is refused here: naming a file, the
     caller meant model files, not a checkpoint directory."""
     location = bare_location(source)
-    found = registry.detect(location, FileFormat)
+    found = detect(location, FileFormat)
     local = location.local_path()
     if found is None and local is not None and local.is_file():
         known = "; ".join(
             f"{f.title} ({', '.join('*' + suffix for suffix in f.suffixes) or 'by its contents'})"
-            for f in registry.formats(FileFormat)
+            for f in formats(FileFormat)
         )
         raise CheckpointingException(
             f"{location.describe()} is a file of no format shardstore converts (it converts {known}), "

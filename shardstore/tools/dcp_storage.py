@@ -22,70 +22,13 @@ What goes where (the same as ``shardstore.save`` of the same state dict, see
   (DCP's flattening mappings; a list keeps its length, ``None`` where an array is),
   loaded with ``weights_only`` like every common state.
 
-Save (the calls DCP makes, in order; ``StorageWriter``'s protocol)::
-
-    0) all ranks    reset(checkpoint_id)        only when dcp.save gets a checkpoint_id
-    1) all ranks    set_up_storage_writer()     the coordinator lets go of an earlier
-                                                save that never finished
-    2) all ranks    prepare_local_plan()        names the plain tensors this rank holds
-                                                that become arrays
-    3) coordinator  prepare_global_plan()       the sharded items of every rank, and
-                                                each plain array (one writer among its
-                                                holders), become shard descriptions
-                                                (ShardedTensors without data), which the
-                                                save pipeline (``SavePipeline.
-                                                plan_gathered``) validates (keys against
-                                                the target's name limits, coverage,
-                                                dtypes) and plans (chunk grids aligned
-                                                with the shards, one writer per chunk);
-                                                the save begins (staging area,
-                                                metadata.json, the checkpoint to reuse
-                                                from); each rank's plan carries its part
-                                                and the save's intent
-    4) all ranks    write_data()                joins the save; array metadata and chunks
-                                                from the tensors' memory
-                                                (``SavePipeline.write_plan``; an
-                                                unchanged chunk of ``reuse_from`` is
-                                                shared, not written), durable; the
-                                                WriteResults carry the chunk checksums
-                                                (on the first, beside its own value) and
-                                                the common values
-    5) coordinator  finish()                    common.pt, then the commit record (every
-                                                chunk's crc32c, every file's checksum,
-                                                DCP's planner data and storage ids),
-                                                published atomically (``SavePipeline.
-                                                commit``)
-
-A failure on any rank fails ``dcp.save`` on every rank (DCP's own agreement) and no
-commit record is written: what the target held before stays loadable. DCP calls no
-``finish`` after a failed write, so the coordinator abandons that save's staging area
-at the next save with the same writer; the next save into the same place removes it
-otherwise.
-
-Load (``StorageReader``'s protocol)::
-
-    0) all ranks    reset(checkpoint_id)        only when dcp.load gets a checkpoint_id
-    1) all ranks    read_metadata()             the commit record (its digest checked)
-                                                and common.pt, as DCP Metadata: one
-                                                chunk per array (so DCP asks for each
-                                                requested region once), the common
-                                                values by the names DCP saved them under,
-                                                DCP's planner data and storage ids as its
-                                                own writer records them (a checkpoint
-                                                without them: by DCP's flattening and by
-                                                each leaf's name, nothing else)
-    2) all ranks    set_up_storage_reader()
-    3) all ranks    prepare_local_plan()        unchanged
-    4) coordinator  prepare_global_plan()       unchanged
-    5) all ranks    read_data()                 every region read at once from the
-                                                chunks it touches, each checked against
-                                                its crc32c and the record's, straight
-                                                into the destination tensor where it is a
-                                                contiguous CPU tensor of the stored dtype
-                                                (a plain tensor is filled in place)
+``ShardstoreWriter`` lists the calls DCP makes in a save and what each does, and what a
+failure leaves; ``ShardstoreReader`` those of a load.
 """
 
 from __future__ import annotations
+
+__all__ = ["ShardstoreReader", "ShardstoreWriter"]
 
 import io
 import logging
@@ -121,25 +64,28 @@ from torch.futures import Future
 
 from shardstore.core import CheckpointingConfig, CheckpointingException, SaveOptions
 from shardstore.dict_utils import flatten
-from shardstore.execution.pipeline import RankSave, SavePipeline
-from shardstore.format.chunks import (
+from shardstore.execution import RankSave, SavePipeline
+from shardstore.format import (
+    BY_TORCH,
+    COMMON_FILE,
     DEFAULT_IO_CONCURRENCY,
     ArrayChunks,
+    CommitRecord,
+    DcpMetadata,
+    StatePath,
     WrittenChunk,
-    chunk_store_for,
-    read_region,
-    run_reads,
-)
-from shardstore.format.dtypes import (
-    BY_TORCH,
     cast_checked,
+    chunk_store_for,
     from_zarr_name,
     holds_its_values,
+    load_torch,
     numpy_to_tensor,
+    read_region,
+    run_reads,
+    serialize,
+    state_paths,
     tensor_to_numpy,
 )
-from shardstore.format.pickles import load_torch, serialize
-from shardstore.format.records import COMMON_FILE, CommitRecord, DcpMetadata, StatePath, state_paths
 from shardstore.inputs.dtensors import fqn
 from shardstore.inputs.plain_tensors import (
     DEFAULT_MIN_ARRAY_BYTES,
@@ -150,7 +96,7 @@ from shardstore.inputs.plain_tensors import (
 from shardstore.mapping import ShardedTensor
 from shardstore.opened import bare_location, open_read
 from shardstore.serialization import verify_checkpoint_and_load_strategy
-from shardstore.stores.base import Location
+from shardstore.stores import Location
 from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION
 from shardstore.strategies.zarr import (
     DEFAULT_MAX_CHUNK_BYTES,
@@ -266,8 +212,48 @@ def gathered_shards(
 
 
 class ShardstoreWriter(StorageWriter):
-    """DCP ``StorageWriter`` that writes a shardstore checkpoint (see the module
-    docstring for the order of DCP's calls and what each does).
+    """DCP ``StorageWriter`` that writes a shardstore checkpoint (the module docstring
+    says what goes where).
+
+    Save (the calls DCP makes, in order; ``StorageWriter``'s protocol)::
+
+        0) all ranks    reset(checkpoint_id)        only when dcp.save gets a checkpoint_id
+        1) all ranks    set_up_storage_writer()     the coordinator lets go of an earlier
+                                                    save that never finished
+        2) all ranks    prepare_local_plan()        names the plain tensors this rank holds
+                                                    that become arrays
+        3) coordinator  prepare_global_plan()       the sharded items of every rank, and
+                                                    each plain array (one writer among its
+                                                    holders), become shard descriptions
+                                                    (ShardedTensors without data), which the
+                                                    save pipeline (``SavePipeline.
+                                                    plan_gathered``) validates (keys against
+                                                    the target's name limits, coverage,
+                                                    dtypes) and plans (chunk grids aligned
+                                                    with the shards, one writer per chunk);
+                                                    the save begins (staging area,
+                                                    metadata.json, the checkpoint to reuse
+                                                    from); each rank's plan carries its part
+                                                    and the save's intent
+        4) all ranks    write_data()                joins the save; array metadata and chunks
+                                                    from the tensors' memory
+                                                    (``SavePipeline.write_plan``; an
+                                                    unchanged chunk of ``reuse_from`` is
+                                                    shared, not written), durable; the
+                                                    WriteResults carry the chunk checksums
+                                                    (on the first, beside its own value) and
+                                                    the common values
+        5) coordinator  finish()                    common.pt, then the commit record (every
+                                                    chunk's crc32c, every file's checksum,
+                                                    DCP's planner data and storage ids),
+                                                    published atomically (``SavePipeline.
+                                                    commit``)
+
+    A failure on any rank fails ``dcp.save`` on every rank (DCP's own agreement) and no
+    commit record is written: what the target held before stays loadable. DCP calls no
+    ``finish`` after a failed write, so the coordinator abandons that save's staging area
+    at the next save with the same writer; the next save into the same place removes it
+    otherwise.
 
     Args:
         checkpoint_id: where to save (local path, ``s3://bucket/prefix`` or a Location);
@@ -622,8 +608,30 @@ class _OpenCheckpoint:
 
 
 class ShardstoreReader(StorageReader):
-    """DCP ``StorageReader`` that reads a shardstore checkpoint (see the module
-    docstring for the order of DCP's calls and what each does).
+    """DCP ``StorageReader`` that reads a shardstore checkpoint (the module docstring
+    says what goes where).
+
+    Load (``StorageReader``'s protocol)::
+
+        0) all ranks    reset(checkpoint_id)        only when dcp.load gets a checkpoint_id
+        1) all ranks    read_metadata()             the commit record (its digest checked)
+                                                    and common.pt, as DCP Metadata: one
+                                                    chunk per array (so DCP asks for each
+                                                    requested region once), the common
+                                                    values by the names DCP saved them under,
+                                                    DCP's planner data and storage ids as its
+                                                    own writer records them (a checkpoint
+                                                    without them: by DCP's flattening and by
+                                                    each leaf's name, nothing else)
+        2) all ranks    set_up_storage_reader()
+        3) all ranks    prepare_local_plan()        unchanged
+        4) coordinator  prepare_global_plan()       unchanged
+        5) all ranks    read_data()                 every region read at once from the
+                                                    chunks it touches, each checked against
+                                                    its crc32c and the record's, straight
+                                                    into the destination tensor where it is a
+                                                    contiguous CPU tensor of the stored dtype
+                                                    (a plain tensor is filled in place)
 
     Args:
         checkpoint_id: the checkpoint (local path, ``s3://bucket/prefix`` or a Location);

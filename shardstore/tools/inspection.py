@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardstore.format.dtypes import (
+from shardstore.format import (
     BY_TORCH,
     from_torch,
     from_zarr_name,
@@ -33,7 +33,7 @@ from shardstore.format.dtypes import (
 )
 from shardstore.mapping import ShardedObject
 from shardstore.opened import open_read
-from shardstore.stores.base import Location
+from shardstore.stores import Location
 from shardstore.strategies.base import LoadCommonStrategy
 from shardstore.strategies.other_formats import open_other_format
 from shardstore.tools.convert import DEFAULT_MEMORY_BYTES, read_tensors

@@ -53,11 +53,11 @@ import torch
 import torch.distributed as dist
 
 from shardstore.core import CheckpointingException
-from shardstore.format.records import COMMIT_RECORD, DELETION_MARKER, MAX_RECORD_BYTES, CommitRecord
+from shardstore.format import COMMIT_RECORD, DELETION_MARKER, MAX_RECORD_BYTES, CommitRecord
 from shardstore.mapping import ShardedStateDict, StateDict
 from shardstore.opened import bare_location
-from shardstore.protocol.collectives import Group
-from shardstore.stores.base import Location
+from shardstore.protocol import Group
+from shardstore.stores import Location
 from shardstore.strategies.async_utils import AsyncCallsQueue
 from shardstore.tools.preemption import Listener, listen
 from shardstore.tools.root_verify import RootVerifyReport, verify_checkpoints

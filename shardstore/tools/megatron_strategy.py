@@ -32,6 +32,8 @@ Importing this module needs megatron-core; shardstore itself never imports it.
 
 from __future__ import annotations
 
+__all__ = ["ShardstoreLoadShardedStrategy", "ShardstoreSaveShardedStrategy"]
+
 import functools
 from typing import Any
 
@@ -141,5 +143,3 @@ class ShardstoreLoadShardedStrategy(DelegatingLoadStrategy, _megatron_base.LoadS
         sharded_state_dict, _, factories = load_preprocess(convert_megatron_objects(sharded_state_dict))
         return apply_factory_merges(self.base_strategy.load(sharded_state_dict, checkpoint_dir), factories)
 
-
-__all__ = ["ShardstoreLoadShardedStrategy", "ShardstoreSaveShardedStrategy"]

@@ -19,10 +19,9 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from shardstore.format.integrity import Problem, VerifyReport, verify
-from shardstore.format.records import COMMIT_RECORD
+from shardstore.format import COMMIT_RECORD, Problem, VerifyReport, verify
 from shardstore.opened import bare_location
-from shardstore.stores.base import Location
+from shardstore.stores import Location
 
 # A chunk's key within its array (``ArrayRecord.chunk_key``: ``c.0.1``, ``c/0/1``, ``c``).
 _CHUNK_KEY = re.compile(r"c([./]\d+)*")

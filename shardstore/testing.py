@@ -7,8 +7,9 @@ extra). The demo, the benchmark and the test suite use it.
 
 ``StoreTests`` is what every ``shardstore.stores.base.Store`` must do, as
 ``zarr.testing.store.StoreTests`` is for zarr's stores: bytes by key, listing and
-prefixes, atomic puts under a concurrent reader, capabilities, and a save published
-commit record last. A backend proves itself by subclassing it in a pytest module:
+prefixes, atomic puts under a concurrent reader, capabilities, byte ranges of chunks
+(``ChunkStore.get_range_into``, ``get_suffix``), and a save published commit record
+last. A backend proves itself by subclassing it in a pytest module:
 
     class TestMyStore(StoreTests):
         store_type = MyStore
@@ -40,7 +41,7 @@ from shardstore.format.integrity import verify
 from shardstore.format.records import COMMIT_RECORD, is_committed, read_commit_record
 from shardstore.mapping import ShardedTensor
 from shardstore.serialization import load, save
-from shardstore.stores.base import Location, StorageError, Store
+from shardstore.stores.base import ChunkStore, Location, StorageError, Store
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 
 # Characters a checkpoint key may hold (``format.records.check_key`` refuses only control
@@ -125,6 +126,14 @@ def _state(fill: float = 1.0) -> dict:
             "b": ShardedTensor.from_rank_offsets("b", torch.arange(10, dtype=torch.float64))}
 
 
+def _ranges_of(store: Store) -> tuple[ChunkStore, bytes]:
+    """The store's chunk I/O, holding ``k/obj``: 1,000 bytes, each its offset mod 251."""
+    data = bytes(i % 251 for i in range(1000))
+    chunks = store.chunk_store(io_concurrency=4)
+    chunks.put("k/obj", [memoryview(data[:300]), memoryview(data[300:])])
+    return chunks, data
+
+
 class StoreTests:
     """The conformance suite of ``Store``; subclass it once per backend (module docstring).
 
@@ -187,6 +196,42 @@ class StoreTests:
         store.delete("never/there")
         assert store.get("a") is None and store.get("b") == b"2"
         assert store.list() == ["b"]
+
+    def test_size_is_the_objects_length_and_none_when_missing(self, store: Store) -> None:
+        store.put("a/b", b"x" * 300)
+        assert store.size("a/b") == 300 and store.size("a/missing") is None
+
+    # -------------------------------------------------------------- byte ranges of chunks
+
+    def test_a_chunk_range_reads_any_span_of_the_object(self, store: Store) -> None:
+        chunks, data = _ranges_of(store)
+        for offset, lengths in [(0, [len(data)]), (0, [100, 1, 899]), (37, [10, 400]), (999, [1]), (500, [500])]:
+            views = [memoryview(bytearray(n)) for n in lengths]
+            chunks.get_range_into("k/obj", offset, views)
+            assert b"".join(views) == data[offset : offset + sum(lengths)], (offset, lengths)
+
+    def test_a_chunk_suffix_is_the_last_bytes_and_the_size(self, store: Store) -> None:
+        chunks, data = _ranges_of(store)
+        assert chunks.get_suffix("k/obj", 20) == (data[-20:], len(data))
+        assert chunks.get_suffix("k/obj", len(data)) == (data, len(data))
+        assert chunks.get_suffix("k/obj", 5000) == (data, len(data))  # longer than the object: all of it
+        assert chunks.get_suffix("k/obj", 0) == (b"", len(data))
+        assert chunks.get_suffix("k/missing", 20) is None
+
+    def test_a_chunk_range_past_the_end_is_refused_naming_the_object(self, store: Store) -> None:
+        chunks, data = _ranges_of(store)
+        for offset, n in [(990, 11), (1000, 1), (5000, 4)]:
+            with _pytest().raises(StorageError, match=r"k/obj"):
+                chunks.get_range_into("k/obj", offset, [memoryview(bytearray(n))])
+        with _pytest().raises(StorageError, match=r"k/missing"):
+            chunks.get_range_into("k/missing", 0, [memoryview(bytearray(4))])
+
+    def test_an_empty_chunk_range_reads_nothing(self, store: Store) -> None:
+        chunks, _ = _ranges_of(store)
+        views = [memoryview(bytearray(0)), memoryview(bytearray(0))]
+        chunks.get_range_into("k/obj", 1000, views)
+        chunks.get_range_into("k/obj", 0, [])
+        assert [v.nbytes for v in views] == [0, 0]
 
     # -------------------------------------------------------------- listing and prefixes
 

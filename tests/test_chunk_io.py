@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import tensorstore as ts
@@ -167,3 +169,38 @@ def test_every_read_path_costs_about_a_plain_read_at_16384_rows(tmp_path, path: 
         plain.append(time.perf_counter() - start)
     # the fastest of five runs of each: this machine's noise only ever adds time
     assert min(ours) < 4 * min(plain) + 0.02, (ours, plain)
+
+
+def test_more_pieces_than_one_writev_takes_are_written_and_read_in_order(tmp_path) -> None:
+    """3,000 views (a shard of many inner chunks, each with its trailer) are more than
+    IOV_MAX (1,024): the write and both reads split them over several calls."""
+    from shardstore.stores.local import IOV_MAX
+
+    pieces = [bytes([i % 256]) * (1 + i % 7) for i in range(3000)]
+    assert len(pieces) > IOV_MAX
+    store = FileChunkStore(tmp_path)
+    store.put("w/c.0", [memoryview(p) for p in pieces])
+    assert (tmp_path / "w" / "c.0").read_bytes() == b"".join(pieces)
+    into = [memoryview(bytearray(len(p))) for p in pieces]
+    assert store.get_into("w/c.0", into, 4) == (sum(map(len, pieces)), b"")
+    assert [bytes(v) for v in into] == pieces
+    ranged = [memoryview(bytearray(len(p))) for p in pieces[1:]]
+    store.get_range_into("w/c.0", len(pieces[0]), ranged)
+    assert [bytes(v) for v in ranged] == pieces[1:]
+
+
+def test_a_short_writev_is_resumed_where_it_stopped(tmp_path, monkeypatch) -> None:
+    """writev may write fewer bytes than asked (a signal, a full pipe of a network file
+    system): the rest follows, in order."""
+    real = os.writev
+    calls = []
+
+    def short(fd, buffers):
+        calls.append(len(buffers))
+        return real(fd, [memoryview(buffers[0])[: max(1, len(buffers[0]) // 2)]])
+
+    monkeypatch.setattr(os, "writev", short)
+    pieces = [bytes([i]) * 10 for i in range(5)]
+    FileChunkStore(tmp_path).put("c", [memoryview(p) for p in pieces])
+    monkeypatch.undo()
+    assert (tmp_path / "c").read_bytes() == b"".join(pieces) and len(calls) > len(pieces)

@@ -23,6 +23,7 @@ from shardstore.format.codecs import BYTES_CRC32C, CODECS, CRC_BYTES, codec_for
 from shardstore.format.records import ArrayRecord
 from shardstore.format.sharding import (
     EMPTY,
+    ChunkRanges,
     ShardIndex,
     ShardingIndexed,
     encode_shard,
@@ -251,3 +252,48 @@ def test_the_chunk_codec_interface_writes_reads_and_holds_a_shard(tmp_path: Path
     (tmp_path / chunk.rel).unlink()
     with pytest.raises(CheckpointingException, match=r"Missing chunk c\.0\.0 of array 'w'"):
         codec.read_into(chunk, [memoryview(out.reshape(-1).view(np.uint8))])
+
+
+class CountingFiles(FileChunkStore):
+    """A ``FileChunkStore`` that counts the bytes its ranged reads return."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.reads: list[tuple[str, int]] = []
+
+    def get_suffix(self, rel: str, nbytes: int) -> tuple[bytes, int] | None:
+        found = super().get_suffix(rel, nbytes)
+        self.reads.append(("suffix", 0 if found is None else len(found[0])))
+        return found
+
+    def get_range_into(self, rel: str, offset: int, views: list[memoryview]) -> None:
+        super().get_range_into(rel, offset, views)
+        self.reads.append(("range", sum(len(v) for v in views)))
+
+
+def test_a_chunk_store_reads_two_inner_chunks_of_a_shard_by_range(tmp_path: Path) -> None:
+    values = np.arange(96, dtype=np.float32).reshape(SHAPE)
+    _write_array(tmp_path / "w", values, "float32")
+    store = CountingFiles(tmp_path / "w")
+    out = np.zeros((2, *INNER), np.float32)
+    wanted = {1: memoryview(out[0].reshape(-1).view(np.uint8)), 3: memoryview(out[1].reshape(-1).view(np.uint8))}
+    crcs = read_inner(ChunkRanges(_Chunk(store, "c.1.0")), 4, wanted)
+    assert np.array_equal(out[0], values[10:12]) and np.array_equal(out[1], values[14:16])
+    assert crcs == {1: crc32c.crc32c(values[10:12].tobytes()), 3: crc32c.crc32c(values[14:16].tobytes())}
+    inner = 48 + CRC_BYTES
+    assert store.reads == [("suffix", ShardIndex.nbytes(4)), ("range", inner), ("range", inner)]
+    assert sum(n for _, n in store.reads) == 2 * inner + ShardIndex.nbytes(4) < (tmp_path / "w" / "c.1.0").stat().st_size
+
+
+def test_a_range_past_a_shards_end_names_the_shard(tmp_path: Path) -> None:
+    """The index's entries are checked against the shard's size first
+    (``test_an_index_entry_past_the_inner_chunks_is_refused``); a shard cut between
+    its index read and its range read fails like this."""
+    values = np.arange(96, dtype=np.float32).reshape(SHAPE)
+    _write_array(tmp_path / "w", values, "float32")
+    source = ChunkRanges(_Chunk(FileChunkStore(tmp_path / "w")))
+    with pytest.raises(CheckpointingException, match=r"chunk c\.0\.0 of array 'w'.*276 bytes.*past its end"):
+        source.read_range_into(200, [memoryview(bytearray(52)), memoryview(bytearray(52))])
+    (tmp_path / "w" / "c.0.0").unlink()
+    with pytest.raises(CheckpointingException, match=r"Missing chunk c\.0\.0 of array 'w'"):
+        read_inner(source, 4, {0: memoryview(bytearray(48))})

@@ -14,7 +14,8 @@ empty, read as the fill value, zero), then the index's own crc32c (``index_codec
   crc32c of every trailer (the inner chunks' then the index's: binds every inner chunk
   and the index cheaply; a crc32c of the whole object is not what zarr checks).
 - ``read_inner``: reads the index (one suffix request) and then only the inner chunks
-  asked for (one range per run of adjacent ones) from a ``ByteRanges``; checks the
+  asked for (one range per run of adjacent ones) from a ``ByteRanges`` (``ChunkRanges``:
+  a ``ChunkStore``'s ranged reads; ``WholeObject``: one read of it all); checks the
   index's crc32c, its entries and every inner chunk's crc32c; names the shard and the
   inner chunk in each error.
 - ``ShardingIndexed``: the same as a ``format.codecs.ChunkCodec`` (registered here). Its
@@ -42,6 +43,7 @@ __all__ = [
     "EMPTY",
     "INDEX_ENTRY_BYTES",
     "ByteRanges",
+    "ChunkRanges",
     "EncodedShard",
     "HeldShard",
     "InnerRecord",
@@ -72,7 +74,7 @@ from shardstore.format.codecs import (
     EncodedChunk,
     register,
 )
-from shardstore.stores.base import ChunkMismatch
+from shardstore.stores.base import ChunkMismatch, StorageError
 
 EMPTY = 2**64 - 1
 INDEX_ENTRY_BYTES = 16
@@ -293,6 +295,32 @@ class WholeObject:
             v[:n] = self.data[at : at + n]
             at += n
         return at - offset
+
+
+@dataclass(frozen=True)
+class ChunkRanges:
+    """``ByteRanges`` over a stored shard through its ``ChunkStore``'s ranged reads
+    (``get_suffix``, ``get_range_into``): only the index and the inner chunks asked for
+    are read. A storage error (a range past the object's end: a truncated shard) is
+    raised naming the shard."""
+
+    chunk: ChunkSource
+
+    def describe(self) -> str:
+        return self.chunk.describe()
+
+    def read_suffix(self, n: int) -> tuple[bytes, int] | None:
+        try:
+            return self.chunk.store.get_suffix(self.chunk.rel, n)
+        except StorageError as exc:
+            raise CheckpointingException(f"Cannot read the index of {self.describe()}: {exc}") from exc
+
+    def read_range_into(self, offset: int, views: list[memoryview]) -> int:
+        try:
+            self.chunk.store.get_range_into(self.chunk.rel, offset, views)
+        except StorageError as exc:
+            raise CheckpointingException(f"Cannot read {self.describe()}: {exc}") from exc
+        return sum(len(v) for v in views)
 
 
 @dataclass(frozen=True)

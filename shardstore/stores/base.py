@@ -24,7 +24,7 @@ from __future__ import annotations
 __all__ = [
     "DEFAULT_IO_THREADS", "Capabilities", "ChunkAccess", "ChunkMismatch", "ChunkStore",
     "CopiedObject", "DirectoryPublishing", "ExpectedBytes", "Location", "NameLimits",
-    "StorageError", "Store", "fill_views", "kvstore_spec", "run_parallel",
+    "StorageError", "Store", "check_range", "fill_views", "kvstore_spec", "run_parallel",
 ]
 
 from abc import ABC, abstractmethod
@@ -149,6 +149,12 @@ class Store(ABC):
         read through a bound, so a hostile one cannot make the reader allocate without
         limit.
         """
+
+    def size(self, key: str) -> int | None:
+        """The object's size in bytes, or None if it does not exist; by default by
+        reading it (a backend with a cheaper way, such as a HEAD request, says so)."""
+        data = self.get(key)
+        return None if data is None else len(data)
 
     @abstractmethod
     def put(self, key: str, data: bytes) -> None:
@@ -449,7 +455,9 @@ def run_parallel(fn: Callable[[Any], None], items: Iterable[Any] | list[Any], th
 # Bytes by key, moved without copies where the storage allows, for shardstore's chunk
 # encoding (``format.chunks``). A ``ChunkStore`` knows bytes and paths, nothing of arrays
 # or checksums: ``put`` the concatenation of buffers, ``get_into`` the caller's buffers
-# (with the few bytes after them, the encoding's trailer), and ``share_from`` an earlier
+# (with the few bytes after them, the encoding's trailer) or a byte range of the object
+# into them (``get_range_into``, and ``get_suffix``: a sharded read's index), and
+# ``share_from`` an earlier
 # checkpoint's object where the storage can share it, proven against the bytes the caller
 # expects (``ExpectedBytes``, which ``format.chunks.HeldChunk`` implements). Each store
 # makes its own (``Store.chunk_store``): files on a local disk
@@ -506,6 +514,20 @@ class ChunkStore(ABC):
         trailer, and one byte more to tell a longer object), or None if the object does
         not exist."""
 
+    @abstractmethod
+    def get_range_into(self, rel: str, offset: int, views: list[memoryview]) -> None:
+        """Fills ``views`` in order with the object's bytes ``[offset, offset + total)``
+        (``total``: the views' bytes); a range of no bytes reads nothing.
+
+        Raises:
+            StorageError: naming the object: it does not exist, or the range reaches
+                past its end."""
+
+    @abstractmethod
+    def get_suffix(self, rel: str, nbytes: int) -> tuple[bytes, int] | None:
+        """The object's last ``nbytes`` bytes (all of it where it is shorter) and its
+        size, or None if it does not exist (a sharded read's index and where it ends)."""
+
     def share_from(self, source: ChunkStore, rel: str, held: ExpectedBytes) -> bool:
         """Makes the object at ``rel`` hold ``held``'s bytes by sharing what ``source``
         holds at ``rel``, without sending them through this process where the storage
@@ -544,6 +566,20 @@ class StoreChunkStore(ChunkStore):
         data = self.store.get(rel, max_bytes=sum(v.nbytes for v in views) + tail)
         return None if data is None else fill_views(views, memoryview(data), tail)
 
+    def get_range_into(self, rel: str, offset: int, views: list[memoryview]) -> None:
+        """Reads the whole object and copies the range out of it: these stores (memory)
+        hold their objects in this process, so a range costs no transfer."""
+        if not (total := sum(v.nbytes for v in views)):
+            return
+        data = self.store.get(rel)
+        check_range(self.describe(rel), offset, total, None if data is None else len(data))
+        fill_views(views, memoryview(data)[offset:], 0)  # type: ignore[index]
+
+    def get_suffix(self, rel: str, nbytes: int) -> tuple[bytes, int] | None:
+        """Reads the whole object (as ``get_range_into``)."""
+        data = self.store.get(rel)
+        return None if data is None else (data[max(0, len(data) - nbytes):], len(data))
+
     def share_from(self, source: ChunkStore, rel: str, held: ExpectedBytes) -> bool:
         """The store's own copy (``copy_from``), where it has one, read back and
         compared with ``held`` (these stores are in memory or otherwise cheap to read)."""
@@ -569,3 +605,15 @@ def fill_views(views: list[memoryview], data: memoryview, tail: int) -> tuple[in
     return at, bytes(data[at : at + tail])
 
 
+
+
+def check_range(where: str, offset: int, nbytes: int, size: int | None) -> None:
+    """Raises StorageError, naming ``where``, unless an object of ``size`` bytes (None:
+    missing) holds ``[offset, offset + nbytes)`` (``ChunkStore.get_range_into``)."""
+    if size is None:
+        raise StorageError(f"{where} does not exist: cannot read its bytes [{offset}, {offset + nbytes})")
+    if offset < 0 or offset + nbytes > size:
+        raise StorageError(
+            f"{where} holds {size} bytes: the range [{offset}, {offset + nbytes}) reaches past its end "
+            "(a truncated or replaced object)"
+        )

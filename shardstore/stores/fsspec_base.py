@@ -59,6 +59,14 @@ class FsspecStore(Store):
             raise StorageError(f"{self.describe(key)} holds more than the {max_bytes} bytes expected there")
         return data
 
+    def size(self, key: str) -> int | None:
+        """One ``info`` of the object, never from a cached listing (a HEAD on S3)."""
+        try:
+            info = self._call("look up", key, self.fs.info, self._path(key), refresh=True)
+        except FileNotFoundError:
+            return None
+        return int(info["size"]) if info.get("type") == "file" else None
+
     def put(self, key: str, data: bytes) -> None:
         self._call("write", key, self.fs.pipe_file, self._path(key), bytes(data))
 

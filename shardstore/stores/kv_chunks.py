@@ -13,7 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from shardstore.errors import CheckpointingException
-from shardstore.stores.base import ChunkMismatch, ChunkStore, ExpectedBytes, Store, fill_views
+from shardstore.stores.base import (
+    ChunkMismatch,
+    ChunkStore,
+    ExpectedBytes,
+    StorageError,
+    Store,
+    check_range,
+    fill_views,
+)
 
 # An ETag that can be an MD5 (a multipart upload's has a "-<parts>" suffix).
 _MD5_HEX = re.compile(r"[0-9a-f]{32}")
@@ -43,6 +51,42 @@ class KvChunkStore(ChunkStore):
     def get_into(self, rel: str, views: list[memoryview], tail: int) -> tuple[int, bytes] | None:
         result = self.kv.read(rel).result()
         return fill_views(views, memoryview(result.value), tail) if result.state == "value" else None
+
+    def get_range_into(self, rel: str, offset: int, views: list[memoryview]) -> None:
+        """One ranged GET (TensorStore's ``byte_range``) of exactly the views' bytes."""
+        if not (total := sum(v.nbytes for v in views)):
+            return
+        if offset < 0:
+            check_range(self.describe(rel), offset, total, 0)
+        try:
+            result = self.kv.read(rel, byte_range=slice(offset, offset + total)).result()
+        except ValueError as exc:  # TensorStore's OUT_OF_RANGE: the object is shorter
+            raise StorageError(f"Cannot read bytes [{offset}, {offset + total}) of {self.describe(rel)}: {exc}") from exc
+        size = None if result.state != "value" else offset + len(result.value)
+        check_range(self.describe(rel), offset, total, size)
+        fill_views(views, memoryview(result.value), 0)
+
+    def get_suffix(self, rel: str, nbytes: int) -> tuple[bytes, int] | None:
+        """A suffix GET and the object's size (the store's ``size``: a HEAD on S3, which
+        TensorStore does not report) at once; where the object is shorter than
+        ``nbytes``, the suffix GET fails and one GET of the whole object follows. An
+        object replaced between the two requests can pair one version's bytes with the
+        other's size: the reader checks the bytes (a shard index's crc32c)."""
+        suffix = self.kv.read(rel, byte_range=slice(-nbytes, None)) if nbytes else None
+        size = self.store.size(rel)
+        if size is None:
+            return None
+        if suffix is None:
+            return b"", size
+        if size < nbytes:
+            suffix = self.kv.read(rel)
+        try:
+            result = suffix.result()
+        except ValueError as exc:  # replaced by a shorter object since the HEAD
+            raise StorageError(f"Cannot read the last {nbytes} bytes of {self.describe(rel)}: {exc}") from exc
+        if result.state != "value":
+            return None
+        return result.value, size
 
     def share_from(self, source: ChunkStore, rel: str, held: ExpectedBytes) -> bool:
         """A server-side copy (the store's ``copy_from``), no bytes through this process,

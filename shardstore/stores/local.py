@@ -43,6 +43,7 @@ from shardstore.stores.base import (
     ExpectedBytes,
     NameLimits,
     StorageError,
+    check_range,
     run_parallel,
 )
 
@@ -155,6 +156,20 @@ class LocalStore(DirectoryPublishing):
         if len(data) != size:
             raise StorageError(f"{path} changed size while it was read ({size} -> {len(data)}+ bytes)")
         return data
+
+    def size(self, key: str) -> int | None:
+        """The regular file's size, under ``get``'s rules (no link followed)."""
+        path = self._path(key)
+        try:
+            fd = open_regular_file(self.root, path)
+        except OSError as exc:
+            raise StorageError(f"Cannot read {path}: {exc}") from exc
+        if fd is None:
+            return None
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def begin_writes(self) -> None:
         if self.fsync and self._sync_fd is None:
@@ -597,27 +612,57 @@ class FileChunkStore(ChunkStore):
         return self._prefix + rel
 
     def put(self, rel: str, buffers: list[memoryview]) -> None:
+        """One ``writev`` per ``IOV_MAX`` buffers (a shard of many inner chunks has more
+        pieces than one call takes), in order, each short write resumed."""
         fd = create_new_file(self._prefix + rel)
         try:
             pending: list = buffers
             while pending:
-                pending = _advance(pending, os.writev(fd, pending))
+                pending = _advance(pending, os.writev(fd, pending[:IOV_MAX]))
         finally:
             os.close(fd)
 
     def get_into(self, rel: str, views: list[memoryview], tail: int) -> tuple[int, bytes] | None:
-        self._guard.check(rel.rpartition("/")[0])
-        fd = open_regular(self._prefix + rel)
+        fd = self._open(rel)
         if fd is None:
             return None
         try:
-            got, pending = 0, views
-            while pending and (n := os.readv(fd, pending[:IOV_MAX])):
-                got += n
-                pending = _advance(pending, n)
-            return got, os.read(fd, tail)
+            got = _read_at(fd, views, 0)
+            return got, os.pread(fd, tail, got)
         finally:
             os.close(fd)
+
+    def get_range_into(self, rel: str, offset: int, views: list[memoryview]) -> None:
+        """``preadv`` straight into ``views``, after the same checks as ``get_into``."""
+        if not (total := sum(v.nbytes for v in views)):
+            return
+        fd = self._open(rel)
+        try:
+            check_range(self.describe(rel), offset, total, None if fd is None else os.fstat(fd).st_size)
+            got = _read_at(fd, views, offset)  # type: ignore[arg-type]
+        finally:
+            if fd is not None:
+                os.close(fd)
+        check_range(self.describe(rel), offset, total, offset + got)  # it shrank while read
+
+    def get_suffix(self, rel: str, nbytes: int) -> tuple[bytes, int] | None:
+        fd = self._open(rel)
+        if fd is None:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            start = max(0, size - nbytes)
+            data = os.pread(fd, size - start, start)
+        finally:
+            os.close(fd)
+        check_range(self.describe(rel), start, size - start, start + len(data))
+        return data, size
+
+    def _open(self, rel: str) -> int | None:
+        """A read-only descriptor of the regular file ``rel`` (None: missing); no link
+        is followed, nor a directory on the way that leads outside the root."""
+        self._guard.check(rel.rpartition("/")[0])
+        return open_regular(self._prefix + rel)
 
     def share_from(self, source: ChunkStore, rel: str, held: ExpectedBytes) -> bool:
         """A clone (copy-on-write, where the file system has it) or else a hard link of
@@ -641,6 +686,16 @@ class FileChunkStore(ChunkStore):
         finally:
             os.close(fd)
         return True
+
+
+def _read_at(fd: int, views: list[memoryview], offset: int) -> int:
+    """``preadv`` of ``views`` from ``offset``, ``IOV_MAX`` views per call, until they
+    are full or the file ends; returns the bytes read."""
+    got, pending = 0, views
+    while pending and (n := os.preadv(fd, pending[:IOV_MAX], offset + got)):
+        got += n
+        pending = _advance(pending, n)
+    return got
 
 
 def _advance(buffers: list, n: int) -> list:

@@ -43,12 +43,11 @@ def _die() -> None:
 
 def _arm(point: str) -> None:
     """Makes this process kill itself at ``point`` of the next save."""
-    import shardstore.execution.pipeline as pipeline
     import shardstore.execution.save as save_execution
     import shardstore.format.chunks as chunk_io
 
     if point == "before data writes":
-        save_execution.write_ops = pipeline.write_ops = lambda *a, **k: _die()
+        save_execution.write_ops = lambda *a, **k: _die()
     elif point == "during data writes":
         original = chunk_io.ChunkFile.write
 

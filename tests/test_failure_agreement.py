@@ -66,12 +66,11 @@ def _die_unseen() -> None:
 def _arm(point: str, die: str) -> None:
     """Makes this process die (``die``: "seen" or "unseen") at ``point``."""
     import shardstore.execution.load as load_execution
-    import shardstore.execution.pipeline as pipeline
     import shardstore.execution.save as save_execution
 
     end = _die if die == "seen" else _die_unseen
     if point == "finalization":
-        pipeline.finalize_save = lambda *a, **k: end()
+        save_execution.finalize_save = lambda *a, **k: end()
     elif point == "commit":
         save_execution.commit_save = lambda *a, **k: end()
     elif point == "reads":

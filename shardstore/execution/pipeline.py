@@ -28,15 +28,16 @@ import numpy as np
 import torch
 
 from shardstore.errors import CheckpointingException
+
+# The rank-level steps are called through their module (``rank_save.write_ops``, ...), so
+# a test that replaces one there (a crash before the writes, a lost report) reaches this
+# pipeline too.
+from shardstore.execution import save as rank_save
 from shardstore.execution.save import (
     StagedWrites,
     Staging,
     WriteOp,
-    commit_save,
-    finalize_save,
     metadata_files,
-    stage_save,
-    write_ops,
 )
 from shardstore.execution.staging import to_host
 from shardstore.format.chunks import DEFAULT_IO_CONCURRENCY, DEFAULT_IO_THREADS, WrittenChunk
@@ -341,7 +342,7 @@ class SavePipeline:
         (``execution.save.stage_save``), kept for ``write_staged``; an async save's
         blocking part."""
         with stage("save: stage", self.describe()):
-            staged = stage_save(tensors, self.pending, plan, self.group, staging, local_error)
+            staged = rank_save.stage_save(tensors, self.pending, plan, self.group, staging, local_error)
         self._staged, self._commit_record = staged, plan.commit
         self.written += staged.written_early
 
@@ -375,7 +376,7 @@ class SavePipeline:
         staged, self._staged = self._require_staged(), None
         if staged.snapshot is not None:
             staged.snapshot.release()
-        finalize_save(self.pending, self.group, self._commit_record, self.written, error)
+        rank_save.finalize_save(self.pending, self.group, self._commit_record, self.written, error)
 
     def finalization(self) -> SaveFinalization:
         """The ``AsyncRequest`` finalization of the staged save."""
@@ -407,14 +408,14 @@ class SavePipeline:
     ) -> list[WrittenChunk]:
         """This rank's whole-chunk writes into the save (``execution.save.write_ops``);
         what the writers report is kept in ``written`` for the commit."""
-        chunks = write_ops(self.pending, records, ops, io_concurrency, io_threads)
+        chunks = rank_save.write_ops(self.pending, records, ops, io_concurrency, io_threads)
         self.written += chunks
         return chunks
 
     def commit(self, record: CommitRecord, reports: list[list[WrittenChunk]] | None = None) -> CommitRecord:
         """Coordinator: ``execution.save.commit_save`` with every rank's reports (default:
         this rank's ``written``, a save from one process); returns the committed record."""
-        return commit_save(self.pending, record, [self.written] if reports is None else reports)
+        return rank_save.commit_save(self.pending, record, [self.written] if reports is None else reports)
 
     def abandon(self) -> None:
         """Coordinator, after a failure every rank knows of: deletes what the save wrote

@@ -370,21 +370,26 @@ def target_save_requests(nbytes: int, arrays: int, ranks: int, shard_bytes: int)
 # --- S3 requests ---------------------------------------------------------------------
 
 S3_METHODS = ("PUT", "GET", "HEAD", "LIST", "DELETE", "POST")
-S3_TERMS = ("chunks", "arrays", "ranks", "once")
+# What each fitted coefficient counts requests per.
+S3_TERMS = ("chunk", "array", "rank", "operation")
+
+
+def fitted_requests(coefficients: dict[str, tuple[float, ...]], terms: tuple[int, ...]) -> dict[str, int]:
+    """Requests of each method for ``terms`` (chunks, arrays, ranks, 1)."""
+    return {m: round(sum(c * t for c, t in zip(coef, terms))) for m, coef in coefficients.items()}
 
 
 @dataclass(frozen=True)
 class S3Costs:
     """Requests of each method per chunk written or read, per array, per rank and per
-    operation, fitted to real saves and loads on a local S3 server."""
+    operation (``S3_TERMS``), fitted to real saves and loads on a local S3 server."""
 
     save: dict[str, tuple[float, ...]]
     load: dict[str, tuple[float, ...]]
     check: str
 
     def requests(self, op: str, chunks: int, arrays: int, ranks: int) -> dict[str, int]:
-        terms = (chunks, arrays, ranks, 1)
-        return {m: round(sum(c * t for c, t in zip(coef, terms))) for m, coef in getattr(self, op).items()}
+        return fitted_requests(getattr(self, op), (chunks, arrays, ranks, 1))
 
 
 def _s3_state(rank: int, world: int, arrays: int, rows: int) -> dict:
@@ -438,43 +443,55 @@ def _recorded(server, run: Callable[[], None], path: Path) -> dict[str, int]:
 def calibrate_s3(workdir: Path) -> S3Costs:
     """Saves and loads on a local S3 server (moto, 127.0.0.1) at tiny layouts
     ``(ranks, arrays, rows per rank, max chunk bytes)``; a least-squares fit of requests
-    per chunk, array, rank and operation, checked on one more layout."""
+    per chunk, array, rank and operation (``fit_costs``), checked on one more layout."""
     import os
 
-    import numpy as np
     import torch.multiprocessing as mp
 
     from shardstore.testing import LocalS3Server, free_port
 
     record = workdir / "moto-recording.jsonl"
+    saved_environment = dict(os.environ)
     os.environ["MOTO_RECORDER_FILEPATH"] = str(record)
     fits = [(1, 2, 4, 1 << 20), (1, 4, 4, 1 << 20), (1, 2, 8, 32), (2, 2, 4, 1 << 20), (2, 3, 8, 64)]
     check = (2, 5, 8, 32)
     rows_of: dict[str, list] = {"save": [], "load": []}
-    with LocalS3Server() as server:
-        server.create_bucket("simulate")
-        server.export_environment()
-        for n, (world, arrays, rows, chunk) in enumerate([*fits, check]):
-            url = f"s3://simulate/c{n}"
-            chunks = world * arrays * -(-rows * 16 // chunk)  # 4 float32 columns: 16 bytes a row
-            for op in ("save", "load"):
-                args = (world, free_port(), op, url, arrays, rows, chunk)
-                run = functools.partial(_s3_worker, 0, *args) if world == 1 else functools.partial(
-                    mp.spawn, _s3_worker, args=args, nprocs=world, join=True)
-                rows_of[op].append(((chunks, arrays, world, 1), _recorded(server, run, record)))
+    try:
+        with LocalS3Server() as server:
+            server.create_bucket("simulate")
+            server.export_environment()
+            for n, (world, arrays, rows, chunk) in enumerate([*fits, check]):
+                url = f"s3://simulate/c{n}"
+                chunks = world * arrays * -(-rows * 16 // chunk)  # 4 float32 columns: 16 bytes a row
+                for op in ("save", "load"):
+                    args = (world, free_port(), op, url, arrays, rows, chunk)
+                    run = functools.partial(_s3_worker, 0, *args) if world == 1 else functools.partial(
+                        mp.spawn, _s3_worker, args=args, nprocs=world, join=True)
+                    rows_of[op].append(((chunks, arrays, world, 1), _recorded(server, run, record)))
+    finally:  # the server and its endpoint are gone
+        os.environ.clear()
+        os.environ.update(saved_environment)
+    return fit_costs(rows_of, f"check layout {check}")
+
+
+def fit_costs(rows_of: dict[str, list[tuple[tuple[int, ...], dict[str, int]]]], check: str) -> S3Costs:
+    """Least squares of each method's requests over ``(chunks, arrays, ranks, 1)``, on
+    every row but the last of each operation; the last is predicted as a check."""
+    import numpy as np
+
     costs, checks = {}, []
     for op, rows in rows_of.items():
         terms = np.array([t for t, _ in rows[:-1]], dtype=float)
         coefs = {}
-        for method in S3_METHODS:
-            counts = np.array([c[method] for _, c in rows[:-1]], dtype=float)
+        for method in [m for m in S3_METHODS if any(m in c for _, c in rows)]:
+            counts = np.array([c.get(method, 0) for _, c in rows[:-1]], dtype=float)
             fit = np.linalg.lstsq(terms, counts, rcond=None)[0]
             coefs[method] = tuple(round(float(x), 3) + 0.0 for x in fit)  # + 0.0: no "-0.0"
         costs[op] = coefs
         (chunks, arrays, world, _), measured = rows[-1]
-        predicted = S3Costs(coefs, coefs, "").requests("save", chunks, arrays, world)
+        predicted = fitted_requests(coefs, (chunks, arrays, world, 1))
         checks.append(f"{op}: measured {sum(measured.values())}, fitted {sum(predicted.values())}")
-    return S3Costs(costs["save"], costs["load"], f"check layout {check}: " + "; ".join(checks))
+    return S3Costs(costs["save"], costs["load"], f"{check}: " + "; ".join(checks))
 
 
 # --- one layout ----------------------------------------------------------------------
@@ -864,7 +881,7 @@ def print_report(figures: list[Figures], s3: S3Costs | None, shard_bytes: int) -
         if f.extrapolation_check:
             print(f"\nCheck of the extrapolation: {f.extrapolation_check}")
     if s3 is not None:
-        print("\nS3 requests fitted per (chunk, array, rank, operation):")
+        print(f"\nS3 requests fitted per ({', '.join(S3_TERMS)}):")
         for op in ("save", "load"):
             print(f"  {op}: " + "; ".join(f"{m} {c}" for m, c in getattr(s3, op).items() if any(c)))
         print(f"  {s3.check}")

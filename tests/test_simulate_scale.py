@@ -57,13 +57,48 @@ def test_distributed_optimizer_layout_plans_and_exchanges(quick: dict) -> None:
     assert f["files"] == f["chunks"] + f["arrays"] + 3
 
 
-def test_full_layouts_have_the_issue_shapes() -> None:
-    """Llama-70B with AdamW is about 2,200 arrays (the step is common state); the Megatron
-    layout is TP 8 x PP 8 x DP 16."""
+@pytest.fixture(scope="module")
+def simulate_scale():
+    """The script as a module."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import simulate_scale
     finally:
         sys.path.remove(str(SCRIPT.parent))
+    return simulate_scale
+
+
+def test_full_layouts_have_the_issue_shapes(simulate_scale) -> None:
+    """Llama-70B with AdamW is about 2,200 arrays (the step is common state); the Megatron
+    layout is TP 8 x PP 8 x DP 16."""
     assert len(simulate_scale.FsdpLlama(512).arrays()) == 2169
     assert simulate_scale.MegatronGpt().world == 1024
+
+
+def test_s3_fit_recovers_requests_per_chunk_array_rank(simulate_scale) -> None:
+    """The fit of the S3 calibration finds each method's requests per chunk, array, rank
+    and operation, and says whether it predicts the held-out layout."""
+    def counts(chunks: int, arrays: int, ranks: int) -> dict[str, int]:
+        return {"PUT": chunks + arrays + 4, "GET": 3 * ranks + 1}
+
+    layouts = [(2, 2, 1), (4, 4, 1), (8, 2, 1), (4, 2, 2), (12, 3, 2), (20, 5, 2)]
+    rows = [((c, a, r, 1), counts(c, a, r)) for c, a, r in layouts]
+    costs = simulate_scale.fit_costs({"save": rows, "load": rows}, "check")
+    assert costs.save["PUT"] == (1.0, 1.0, 0.0, 4.0)
+    assert costs.save["GET"] == (0.0, 0.0, 3.0, 1.0)
+    assert costs.requests("load", 1000, 10, 100) == {"PUT": 1014, "GET": 301}
+    assert "save: measured 36, fitted 36" in costs.check  # 29 PUTs, 7 GETs
+
+
+def test_sharded_projection_groups_small_chunks(simulate_scale) -> None:
+    """The sharding model groups runs of small chunks along the first axis into shards
+    of at most the shard size, and lists one checksum per shard in its record."""
+    from shardstore.format.records import ArrayRecord, CommitRecord
+
+    small = ArrayRecord("small", (1024, 8), "float32", (4, 8))  # 256 chunks of 128 bytes
+    large = ArrayRecord("large", (64, 1024), "float32", (2, 1024))  # chunks of 8 KiB > a shard
+    model = simulate_scale.ShardedFiles(1024)
+    assert model.shard_shape(small) == (32, 8)
+    assert model.data_files({"small": small, "large": large}) == 32 + 32
+    record = model.record(CommitRecord(arrays={"small": small}))
+    assert len(record.arrays["small"].chunk_crcs) == 32

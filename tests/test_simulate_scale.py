@@ -91,8 +91,8 @@ def test_s3_fit_recovers_requests_per_chunk_array_rank(simulate_scale) -> None:
 
 
 def test_sharded_projection_groups_small_chunks(simulate_scale) -> None:
-    """The sharding model groups runs of small chunks along the first axis into shards
-    of at most the shard size, and lists one checksum per shard in its record."""
+    """The sharding model groups runs of chunks below its threshold along the first axis
+    into shards of at most the shard size, and lists one checksum per shard in its record."""
     from shardstore.format.records import ArrayRecord, CommitRecord
 
     small = ArrayRecord("small", (1024, 8), "float32", (4, 8))  # 256 chunks of 128 bytes
@@ -102,3 +102,4 @@ def test_sharded_projection_groups_small_chunks(simulate_scale) -> None:
     assert model.data_files({"small": small, "large": large}) == 32 + 32
     record = model.record(CommitRecord(arrays={"small": small}))
     assert len(record.arrays["small"].chunk_crcs) == 32
+    assert simulate_scale.ShardedFiles(1024, small_chunk_bytes=128).data_files({"small": small}) == 256

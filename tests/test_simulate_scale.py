@@ -1,0 +1,105 @@
+"""scripts/simulate_scale.py (issue 44 item 2): its quick run plans every layout with the
+real planner, and today's file count is the format's own arithmetic, exactly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "simulate_scale.py"
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], dict]:
+    """The figures of ``--quick``, by (layout, ranks)."""
+    out = tmp_path_factory.mktemp("simulate") / "figures.json"
+    subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)], check=True, cwd=ROOT,
+                   capture_output=True, text=True, timeout=300)
+    return {(f["layout"], f["ranks"]): f for f in json.loads(out.read_text())}
+
+
+@pytest.mark.parametrize("ranks", [8, 32])
+def test_today_a_file_per_chunk_of_every_rank(quick: dict, ranks: int) -> None:
+    """FSDP2 shards every array over all ranks, each shard one chunk: arrays x ranks
+    chunk files, a zarr.json per array, the record, metadata.json and common.pt."""
+    f = quick[("FSDP2 Llama-tiny", ranks)]
+    arrays = (2 * 9 + 3) * 3  # 2 layers of 9 parameters, embedding, norm, head; each with 2 moments
+    assert f["arrays"] == arrays
+    assert f["chunks"] == arrays * ranks
+    assert f["files"] == arrays * ranks + arrays + 3
+    assert f["directories"] == arrays + 1
+
+
+def test_issue_target_beside_today(quick: dict) -> None:
+    """The target is checkpoint bytes / 64 MiB + 2 x arrays + ranks; today's files grow
+    with the ranks, the target's barely."""
+    small, large = quick[("FSDP2 Llama-tiny", 8)], quick[("FSDP2 Llama-tiny", 32)]
+    for f in (small, large):
+        assert f["target_files"] == -(-f["checkpoint_bytes"] // (64 * MiB)) + 2 * f["arrays"] + f["ranks"]
+    assert large["files"] - small["files"] == small["arrays"] * 24
+    assert large["target_files"] - small["target_files"] == 24
+
+
+def test_distributed_optimizer_layout_plans_and_exchanges(quick: dict) -> None:
+    """The Megatron layout passes the real global checks (every element covered once),
+    its flattened fragments straddle chunks, and its DP replicas share their reads."""
+    f = quick[("Megatron GPT-tiny", 8)]
+    assert f["arrays"] == (12 + 3) * 4  # 12 layer parameters, embedding, final norm x2; params + 3 states
+    assert f["straddle_bytes"] > 0
+    assert f["load_exchange_bytes"] > 0
+    assert f["record_bytes"] > 0 and f["record_parse_s"] >= 0
+    assert f["files"] == f["chunks"] + f["arrays"] + 3
+
+
+@pytest.fixture(scope="module")
+def simulate_scale():
+    """The script as a module."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import simulate_scale
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return simulate_scale
+
+
+def test_full_layouts_have_the_issue_shapes(simulate_scale) -> None:
+    """Llama-70B with AdamW is about 2,200 arrays (the step is common state); the Megatron
+    layout is TP 8 x PP 8 x DP 16."""
+    assert len(simulate_scale.FsdpLlama(512).arrays()) == 2169
+    assert simulate_scale.MegatronGpt().world == 1024
+
+
+def test_s3_fit_recovers_requests_per_chunk_array_rank(simulate_scale) -> None:
+    """The fit of the S3 calibration finds each method's requests per chunk, array, rank
+    and operation, and says whether it predicts the held-out layout."""
+    def counts(chunks: int, arrays: int, ranks: int) -> dict[str, int]:
+        return {"PUT": chunks + arrays + 4, "GET": 3 * ranks + 1}
+
+    layouts = [(2, 2, 1), (4, 4, 1), (8, 2, 1), (4, 2, 2), (12, 3, 2), (20, 5, 2)]
+    rows = [((c, a, r, 1), counts(c, a, r)) for c, a, r in layouts]
+    costs = simulate_scale.fit_costs({"save": rows, "load": rows}, "check")
+    assert costs.save["PUT"] == (1.0, 1.0, 0.0, 4.0)
+    assert costs.save["GET"] == (0.0, 0.0, 3.0, 1.0)
+    assert costs.requests("load", 1000, 10, 100) == {"PUT": 1014, "GET": 301}
+    assert "save: measured 36, fitted 36" in costs.check  # 29 PUTs, 7 GETs
+
+
+def test_sharded_projection_groups_small_chunks(simulate_scale) -> None:
+    """The sharding model groups runs of chunks below its threshold along the first axis
+    into shards of at most the shard size, and lists one checksum per shard in its record."""
+    from shardstore.format.records import ArrayRecord, CommitRecord
+
+    small = ArrayRecord("small", (1024, 8), "float32", (4, 8))  # 256 chunks of 128 bytes
+    large = ArrayRecord("large", (64, 1024), "float32", (2, 1024))  # chunks of 8 KiB > a shard
+    model = simulate_scale.ShardedFiles(1024)
+    assert model.shard_shape(small) == (32, 8)
+    assert model.data_files({"small": small, "large": large}) == 32 + 32
+    record = model.record(CommitRecord(arrays={"small": small}))
+    assert len(record.arrays["small"].chunk_crcs) == 32
+    assert simulate_scale.ShardedFiles(1024, small_chunk_bytes=128).data_files({"small": small}) == 256

@@ -407,10 +407,12 @@ def _guide_manager_block() -> str:
 
 
 def test_the_guides_training_loop_restarts_where_it_stopped(tmp_path: Path) -> None:
-    block = _guide_manager_block().replace("/ckpt/", f"{tmp_path}/")
+    block = _guide_manager_block().replace("/tmp/ckpt/", f"{tmp_path}/")
+    assert "total_steps = 2500" in block
     for total_steps in (2001, 3001):  # a run, then its restart after the latest step
-        namespace = {"total_steps": total_steps, "rank": 0}
-        exec(compile(block, str(MANAGER_PAGE), "exec"), namespace)
+        namespace: dict = {}
+        run = block.replace("total_steps = 2500", f"total_steps = {total_steps}")
+        exec(compile(run, str(MANAGER_PAGE), "exec"), namespace)
         assert namespace["manager"].latest_step() == total_steps - 1
         assert namespace["weight"].tolist() == [total_steps] * 4  # each step trained once
         assert namespace["state"]["steps_trained"] == total_steps

@@ -170,12 +170,18 @@ def stage_save(
         lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks),
         transfers=straddles, local_error=local_error,
     )
-    ops = [_block_op(s, host) for s in plan.shards if s.flat_range is None and s.index not in written]
+    ops = [_block_op(s, host) for s in plan.shards if _written_whole(s, plan) and s.index not in written]
     for w in plan.flat_direct:
         flat = tensor_to_numpy(host[w.index])[w.local_start : w.local_stop]
         ops.append(WriteOp(w.key, w.region, flat.reshape(region_shape(w.region))))
     ops += [_assembled_op(chunk, buffer, plan.records) for chunk, buffer in assembled]
     return StagedWrites(plan.records, metadata_files(plan), ops, snapshot, tuple(early_chunks))
+
+
+def _written_whole(s: ShardRecord, plan: RankSavePlan) -> bool:
+    """The block ``s`` is written as its own chunks (not a flattened range, not gathered
+    into a shard with other ranks' blocks: ``RankSavePlan.gathered``)."""
+    return s.flat_range is None and s.key not in plan.gathered
 
 
 def copy_to_host(
@@ -199,10 +205,10 @@ def copy_to_host(
     waves: list[tuple[list[ShardRecord], Any, int]] = []  # closed waves, copies in flight
     held: list[ShardRecord] = []  # the wave being copied
     held_bytes = in_flight = 0
-    for s in sorted(plan.shards, key=lambda s: s.flat_range is not None):
+    for s in sorted(plan.shards, key=lambda s: not _written_whole(s, plan)):
         data = _planned_tensor(tensors, s, location.describe())
         copy = staging.snapshot or data.device.type != "cpu"
-        if staging.max_bytes and copy and s.flat_range is None:
+        if staging.max_bytes and copy and _written_whole(s, plan):
             if held and held_bytes + s.nbytes > staging.max_bytes // 2:
                 waves.append((held, snapshot.mark(), held_bytes))
                 in_flight += held_bytes
@@ -251,11 +257,11 @@ def straddling_transfers(
             if buffer is not None:
                 target = buffer[at * itemsize : (at + (hi - lo)) * itemsize]
                 if piece_rank == rank:
-                    target.copy_(host[index][lo:hi].view(torch.uint8))
+                    target.copy_(host[index].reshape(-1)[lo:hi].view(torch.uint8))
                 else:
                     transfers.receives.setdefault(piece_rank, []).append(target)
             elif piece_rank == rank:
-                transfers.sends.setdefault(chunk.writer, []).append(host[index][lo:hi].view(torch.uint8))
+                transfers.sends.setdefault(chunk.writer, []).append(host[index].reshape(-1)[lo:hi].view(torch.uint8))
     return transfers, assembled
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "ObjectRecord",
     "OtherCheckpointFiles",
     "READABLE_FORMAT_VERSIONS",
+    "SHARDED_FORMAT_VERSION",
     "READERS_ATTRIBUTE",
     "RECORD_DIGEST",
     "REPLACED_TAG",
@@ -121,7 +122,11 @@ FORMAT_VERSION = 4
 # chunks ``c/1/0`` (a directory per axis but the last), version 3 ``c.1.0`` (files in
 # the array's directory: one directory per tensor instead of two or three). Version 4
 # adds the record's own digest (``record_digest``); earlier records have none.
-READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5)
+# Version 5: version 4 with arrays stored in shards (``format.sharding``; the array's
+# ``codecs`` in the record). A record with no sharded array stays version 4, so older
+# shardstores read it; they refuse a version 5 record by its version.
+SHARDED_FORMAT_VERSION = 5
 FIRST_SEALED_VERSION = 4
 RECORD_DIGEST = "record_digest"
 # The digest as it stands in the file while the digest is computed (see seal_record).

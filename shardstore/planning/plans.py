@@ -41,11 +41,21 @@ __all__ = [
 ]
 
 import bisect
+import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
+from shardstore.format.codecs import BYTES_CRC32C
 from shardstore.format.dtypes import from_zarr_name
-from shardstore.format.records import ArrayRecord, CommitRecord, ObjectRecord, parent_groups
+from shardstore.format.records import (
+    FORMAT_VERSION,
+    SHARDED_FORMAT_VERSION,
+    ArrayRecord,
+    CommitRecord,
+    ObjectRecord,
+    parent_groups,
+)
+from shardstore.format.sharding import ShardingIndexed
 from shardstore.planning.layout import (
     DirectFlatWrite,
     FlatChunk,
@@ -72,6 +82,8 @@ class RankSavePlan:
             that it assembles (``chunk.writer``) or sends a piece of; the tag pairs the
             sends and receives, and is unique within the save.
         array_metadata: arrays whose ``zarr.json`` it writes (it holds element 0).
+        gathered: arrays stored in shards whose blocks are gathered to each shard's
+            writer (``straddling``), not written block by block.
         group_metadata: groups whose ``zarr.json`` it writes (the coordinator).
         checkpoint_nbytes: tensor bytes of the whole checkpoint (for logging).
         commit: the coordinator's: the commit record to bind chunk checksums into.
@@ -86,18 +98,74 @@ class RankSavePlan:
     group_metadata: tuple[str, ...]
     checkpoint_nbytes: int
     commit: CommitRecord | None = None
+    gathered: frozenset[str] = frozenset()
 
 
-def array_records(layout: GlobalLayout, max_chunk_bytes: int) -> dict[str, ArrayRecord]:
-    """Every array's metadata: its chunk grid aligned with the sharding of its main shards."""
+def array_records(
+    layout: GlobalLayout, max_chunk_bytes: int, shard_bytes: int | None = None
+) -> dict[str, ArrayRecord]:
+    """Every array's metadata: its chunk grid aligned with the sharding of its main
+    shards; with ``shard_bytes``, an array of small blocks split along its first axis is
+    stored in shards of about that many bytes (``sharded_record``)."""
     records = {}
     for key, shards in layout.tensors.items():
         first = shards[0]
         itemsize = from_zarr_name(first.dtype).itemsize
         main = [s for s in shards if s.main]
         chunk = chunk_shape_for(main, first.global_shape, itemsize, max_chunk_bytes)
-        records[key] = ArrayRecord(key, first.global_shape, first.dtype, chunk, flattened_block=flattened_block(main))
+        record = ArrayRecord(key, first.global_shape, first.dtype, chunk, flattened_block=flattened_block(main))
+        records[key] = sharded_record(record, main, shard_bytes) if shard_bytes else record
     return records
+
+
+def sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: int) -> ArrayRecord:
+    """``record`` stored in shards (Zarr v3 ``sharding_indexed``, ``format.sharding``)
+    when its blocks are small: every main block is one whole chunk (its rows of the
+    array, every other axis whole: FSDP2's ``Shard(0)``, a layer-stacked array split by
+    pipeline stage), at least two fit in ``shard_bytes``, and the array has more than
+    one. A shard then holds as many blocks' rows as fit (its inner chunks are the
+    blocks), so the files of the array no longer multiply with the ranks. Otherwise
+    ``record`` as it is."""
+    shape, chunk = record.shape, record.chunk_shape
+    if not shape or chunk[1:] != shape[1:] or any(s.flat_range is not None or s.irregular for s in main):
+        return record
+    rows = chunk[0]
+    blocks = [s for s in main if s.block_shape[0] > 0]
+    full = all(
+        s.block_shape[1:] == shape[1:] and s.offset[0] % rows == 0
+        and (s.block_shape[0] == rows or (s.block_shape[0] < rows and s.offset[0] + s.block_shape[0] == shape[0]))
+        for s in blocks
+    )
+    chunk_nbytes = rows * math.prod(shape[1:]) * record.itemsize
+    per_shard = shard_bytes // max(chunk_nbytes, 1)
+    count = -(-shape[0] // rows)
+    if not full or not blocks or per_shard < 2 or count < 2:
+        return record
+    inner = min(per_shard, count)
+    codec = ShardingIndexed(chunk, record.itemsize)
+    return replace(record, chunk_shape=(rows * inner, *chunk[1:]), codec=codec)
+
+
+def plan_gathered_writes(key: str, record: ArrayRecord, main: list[ShardRecord], load: list[int]) -> list[FlatChunk]:
+    """The shards of the sharded array ``key`` (``sharded_record``), each assembled from
+    its blocks' ranks by one writer: the one of them with the fewest bytes to write so
+    far (``load``, updated), so shard writing spreads over the ranks. A block's rows are
+    contiguous in C order, so each is one piece of the shard's bytes."""
+    shard_rows, row = record.chunk_shape[0], math.prod(record.shape[1:])
+    by_shard: dict[int, list[ShardRecord]] = defaultdict(list)
+    for s in main:
+        if s.block_shape[0] > 0:
+            by_shard[s.offset[0] // shard_rows].append(s)
+    chunks = []
+    for index in sorted(by_shard):
+        start = index * shard_rows
+        blocks = sorted(by_shard[index], key=lambda s: s.offset[0])
+        pieces = tuple((s.rank, s.index, 0, s.block_shape[0] * row, (s.offset[0] - start) * row) for s in blocks)
+        writer = min({s.rank for s in blocks}, key=lambda r: (load[r], r))
+        region = (slice(start, min(start + shard_rows, record.shape[0])), *(slice(0, n) for n in record.shape[1:]))
+        load[writer] += sum(s.nbytes for s in blocks)
+        chunks.append(FlatChunk(key, region, writer, pieces))
+    return chunks
 
 
 def flattened_block(main_shards: list[ShardRecord]) -> tuple[int, ...] | None:
@@ -149,12 +217,18 @@ def plan_flat_writes(
     return direct, straddling
 
 
-def plan_save(layout: GlobalLayout, max_chunk_bytes: int, fully_parallel: bool) -> list[RankSavePlan]:
-    """Every rank's part of the save of a validated layout (index = group rank)."""
+def plan_save(
+    layout: GlobalLayout, max_chunk_bytes: int, fully_parallel: bool, shard_bytes: int | None = None
+) -> list[RankSavePlan]:
+    """Every rank's part of the save of a validated layout (index = group rank);
+    ``shard_bytes``: store arrays of small blocks in shards of about that size
+    (``sharded_record``), each gathered to one writer."""
     if fully_parallel:
         layout = balance_writers(layout)
-    records = array_records(layout, max_chunk_bytes)
+    records = array_records(layout, max_chunk_bytes, shard_bytes)
     world = layout.world_size
+    load = [0] * world  # bytes each rank writes of gathered shards
+    gathered: list[set[str]] = [set() for _ in range(world)]
     shards: list[list[ShardRecord]] = [[] for _ in range(world)]
     direct: list[list[DirectFlatWrite]] = [[] for _ in range(world)]
     straddling: list[list[tuple[int, FlatChunk]]] = [[] for _ in range(world)]
@@ -168,19 +242,28 @@ def plan_save(layout: GlobalLayout, max_chunk_bytes: int, fully_parallel: bool) 
             touched[s.rank].add(key)
             if owns_first_chunk(s):
                 metadata[s.rank].append(key)
-        if not main or main[0].flat_range is None:
+        sharded = records[key].codec != BYTES_CRC32C
+        if not main or (main[0].flat_range is None and not sharded):
             continue
-        key_direct, key_straddling = plan_flat_writes(key, main, records[key].chunk_shape)
+        if sharded:
+            key_direct, key_straddling = [], plan_gathered_writes(key, records[key], main, load)
+            for rank in {s.rank for s in main} | {c.writer for c in key_straddling}:
+                gathered[rank].add(key)
+        else:
+            key_direct, key_straddling = plan_flat_writes(key, main, records[key].chunk_shape)
         for write in key_direct:
             direct[write.rank].append(write)
         for chunk in key_straddling:
             straddling[chunk.writer].append((tag, chunk))
             touched[chunk.writer].add(key)
-            for rank in sorted({piece[0] for piece in chunk.pieces} - {chunk.writer}):
-                # a contributor needs only its own pieces (a small tensor's one chunk
-                # may gather pieces from every rank)
-                own = tuple(piece for piece in chunk.pieces if piece[0] == rank)
-                straddling[rank].append((tag, replace(chunk, pieces=own)))
+            # a contributor needs only its own pieces (a small tensor's one chunk, or a
+            # shard, may gather pieces from every rank): grouped once, not per rank
+            by_rank: dict[int, list] = defaultdict(list)
+            for piece in chunk.pieces:
+                if piece[0] != chunk.writer:
+                    by_rank[piece[0]].append(piece)
+            for rank in sorted(by_rank):
+                straddling[rank].append((tag, FlatChunk(key, chunk.region, chunk.writer, tuple(by_rank[rank]))))
                 touched[rank].add(key)
             tag += 1
     commit = CommitRecord(
@@ -190,6 +273,7 @@ def plan_save(layout: GlobalLayout, max_chunk_bytes: int, fully_parallel: bool) 
             for key, shards_ in layout.objects.items()
         },
         world_size=world,
+        format_version=SHARDED_FORMAT_VERSION if any(g for g in gathered) else FORMAT_VERSION,
     )
     nbytes = layout.main_nbytes()
     return [
@@ -203,6 +287,7 @@ def plan_save(layout: GlobalLayout, max_chunk_bytes: int, fully_parallel: bool) 
             group_metadata=tuple(parent_groups(list(records))) if rank == 0 else (),
             checkpoint_nbytes=nbytes,
             commit=commit if rank == 0 else None,
+            gathered=frozenset(gathered[rank]),
         )
         for rank in range(world)
     ]

@@ -202,6 +202,14 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
             coordinator neither validates nor plans (``protocol.plan_cache``). What
             belongs to each save (its id, staging area, commit record) is made anew.
             ``FullyParallelSaveStrategyWrapper(do_cache_distribution=True)`` turns it on.
+        shard_bytes: store an array whose blocks are small and split along its first
+            axis (FSDP2's ``Shard(0)``, layer-stacked arrays split by pipeline stage) in
+            Zarr v3 ``sharding_indexed`` shards of about this many bytes, each holding
+            many ranks' blocks as inner chunks and written by one rank they are
+            gathered to (``planning.plans.sharded_record``): the array's files no
+            longer multiply with the ranks. None (the default): every block is a chunk
+            file of its own. Such a checkpoint is format version 5; a load reads whole
+            shards.
     """
 
     def __init__(
@@ -216,11 +224,15 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         background_io_threads: int = 1,
         sync_staging_bytes: int = DEFAULT_SYNC_STAGING_BYTES,
         cache_plan: bool = False,
+        shard_bytes: int | None = None,
     ) -> None:
         super().__init__(backend, version)
         if max_chunk_bytes < 1:
             raise ValueError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
         self.max_chunk_bytes = max_chunk_bytes
+        if shard_bytes is not None and shard_bytes < 1:
+            raise ValueError(f"shard_bytes must be positive or None, got {shard_bytes}")
+        self.shard_bytes = shard_bytes
         self.io_concurrency = io_concurrency
         self.process_group = process_group
         self.fully_parallel = fully_parallel
@@ -249,7 +261,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         """The cached plan (None without ``cache_plan``), keyed also by the settings
         the plan depends on, as they are now."""
         if self._plan_cache is not None:
-            self._plan_cache.settings = (self.max_chunk_bytes, self.fully_parallel)
+            self._plan_cache.settings = (self.max_chunk_bytes, self.fully_parallel, self.shard_bytes)
         return self._plan_cache
 
     def release_buffers(self) -> None:
@@ -282,7 +294,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def plan_save(self, layout: GlobalLayout) -> list[RankSavePlan]:
         """Coordinator: every rank's part of the save (``shardstore.planning.plans``)."""
-        return plan_save(layout, self.max_chunk_bytes, self.fully_parallel)
+        return plan_save(layout, self.max_chunk_bytes, self.fully_parallel, self.shard_bytes)
 
     def async_save_with_plan(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: RankSavePlan,

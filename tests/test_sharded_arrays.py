@@ -1,0 +1,128 @@
+"""Arrays stored in shards (issue 44.1): ``ZarrSaveShardedStrategy(shard_bytes=...)``
+gathers small first-axis blocks of several ranks into one ``sharding_indexed`` shard,
+written by one rank; loads, plain readers, ``verify`` and incremental saves read it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import shardstore
+from shardstore import ShardedTensor, load, save
+from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+from tests.dist import run_distributed
+
+ROWS, COLS, ARRAYS = 48, 5, 3
+BLOCK_BYTES = lambda world: ROWS // world * COLS * 4  # noqa: E731
+
+
+def _global(i: int) -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) * (i + 1)
+
+
+def _state(rank: int, world: int, empty: bool = False) -> dict:
+    out = {}
+    for i in range(ARRAYS):
+        block = _global(i).chunk(world)[rank].clone()
+        out[f"w{i}"] = ShardedTensor.from_rank_offsets(f"w{i}", torch.zeros_like(block) if empty else block,
+                                                       (0, rank, world))
+    return out
+
+
+def _strategy(world: int, blocks_per_shard: int) -> ZarrSaveShardedStrategy:
+    return ZarrSaveShardedStrategy(shard_bytes=blocks_per_shard * BLOCK_BYTES(world))
+
+
+def saved_and_loaded(rank: int, world: int, ckpt: str, per_shard: int) -> None:
+    save(_state(rank, world), ckpt, _strategy(world, per_shard))
+    loaded = load(_state(rank, world, empty=True), ckpt)
+    for i in range(ARRAYS):
+        assert torch.equal(loaded[f"w{i}"], _global(i).chunk(world)[rank]), (rank, i)
+
+
+def loaded_at_another_layout(rank: int, world: int, ckpt: str) -> None:
+    loaded = load(_state(rank, world, empty=True), ckpt)
+    for i in range(ARRAYS):
+        assert torch.equal(loaded[f"w{i}"], _global(i).chunk(world)[rank]), (rank, i)
+
+
+def _chunk_files(ckpt: Path, key: str) -> list[str]:
+    return sorted(name for name in os.listdir(ckpt / key) if name != "zarr.json")
+
+
+def test_four_ranks_blocks_go_into_two_shards_that_every_reader_reads(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_distributed(saved_and_loaded, 4, str(ckpt), 2)
+    assert _chunk_files(ckpt, "w0") == ["c.0.0", "c.1.0"]  # 4 blocks, 2 per shard
+    meta = json.loads((ckpt / "w0" / "zarr.json").read_text())
+    assert meta["chunk_grid"]["configuration"]["chunk_shape"] == [ROWS // 2, COLS]
+    assert meta["codecs"][0]["name"] == "sharding_indexed"
+    assert meta["codecs"][0]["configuration"]["chunk_shape"] == [ROWS // 4, COLS]
+    assert json.loads((ckpt / "zarr.json").read_text())["attributes"]["shardstore"]["format_version"] == 5
+    import tensorstore as ts
+    import zarr
+
+    for i in range(ARRAYS):
+        expected = _global(i).numpy()
+        assert np.array_equal(zarr.open_array(str(ckpt / f"w{i}"), mode="r")[:], expected)
+        opened = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(ckpt / f"w{i}")}}).result()
+        assert np.array_equal(opened.read().result(), expected)
+    assert shardstore.verify(ckpt).ok
+    run_distributed(loaded_at_another_layout, 3, str(ckpt))  # 4 -> 3 ranks
+
+
+def test_a_flipped_byte_in_a_shard_fails_the_load_and_verify(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_distributed(saved_and_loaded, 2, str(ckpt), 2)
+    assert _chunk_files(ckpt, "w1") == ["c.0.0"]
+    shard = ckpt / "w1" / "c.0.0"
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 1
+    shard.write_bytes(bytes(data))
+    assert not shardstore.verify(ckpt).ok
+    with pytest.raises(shardstore.CheckpointingException, match="w1"):
+        load(_state(0, 1, empty=True), ckpt)
+
+
+def test_without_shard_bytes_every_block_is_a_chunk_and_the_format_is_unchanged(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    save(_state(0, 1), ckpt)
+    assert _chunk_files(ckpt, "w0") == ["c.0.0"]
+    assert json.loads((ckpt / "zarr.json").read_text())["attributes"]["shardstore"]["format_version"] == 4
+
+
+def test_an_array_of_large_blocks_stays_unsharded(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_distributed(saved_and_loaded, 2, str(ckpt), 1)  # one block per shard: no shards
+    assert _chunk_files(ckpt, "w0") == ["c.0.0", "c.1.0"]
+    assert "sharding" not in (ckpt / "w0" / "zarr.json").read_text()
+
+
+def saved_async_then_reused(rank: int, world: int, root: str) -> tuple[int, int]:
+    strategy = _strategy(world, 2)
+    state = _state(rank, world)
+    state["b"] = ShardedTensor.from_rank_offsets(
+        "b", torch.arange(ROWS, dtype=torch.bfloat16).reshape(ROWS, 1).chunk(world)[rank].clone(), (0, rank, world))
+    save(state, f"{root}/1", strategy, async_sharded_save=True).execute_sync()
+    state["w0"].data.add_(1)  # one array changes; w1, w2 and b do not
+    save(state, f"{root}/2", strategy, reuse_from=f"{root}/1")
+    loaded = load({**_state(rank, world, empty=True), "b": ShardedTensor.from_rank_offsets(
+        "b", torch.zeros(ROWS // world, 1, dtype=torch.bfloat16), (0, rank, world))}, f"{root}/2")
+    assert torch.equal(loaded["w0"], _global(0).chunk(world)[rank] + 1)
+    assert torch.equal(loaded["w2"], _global(2).chunk(world)[rank])
+    assert torch.equal(loaded["b"], state["b"].data)
+    return os.stat(f"{root}/2/w0/c.0.0").st_ino, os.stat(f"{root}/2/w1/c.0.0").st_ino
+
+
+def test_an_async_save_and_an_incremental_save_share_unchanged_shards(tmp_path: Path) -> None:
+    (w0, w1), _ = run_distributed(saved_async_then_reused, 2, str(tmp_path))
+    assert os.stat(tmp_path / "1" / "w1" / "c.0.0").st_ino == w1  # unchanged shard: linked, proven
+    assert os.stat(tmp_path / "1" / "w0" / "c.0.0").st_ino != w0  # changed shard: written
+    record = json.loads((tmp_path / "2" / "zarr.json").read_text())["attributes"]["shardstore"]
+    assert record["reused_from"]["chunks"] == 3  # w1, w2 and b: one shard each
+    assert shardstore.verify(tmp_path / "2").ok

@@ -225,6 +225,10 @@ FRAGMENTS = (
         "assert {'model.0.weight', 'optim.state.0.weight.exp_avg'} <= set(arrays), sorted(arrays)\n"
         "assert torch.equal(new_model[0].weight, model[0].weight)  # loaded by the second way too\n"
     )),
+    Fragment("ZarrSaveShardedStrategy(shard_bytes=", check=(
+        "import os\n"  # each array's 4 chunks of 1 KiB are one shard file
+        "assert all(sorted(os.listdir(f'{ckpt}/{k}')) == ['c.0.0', 'zarr.json'] for k in state), os.listdir(ckpt)\n"
+    )),
     Fragment("rows = torch.empty(8 // world, 4)", reads_the_quick_start=True, ranks=4, check=(
         # the request's own tensor, filled with this rank's rows of save.py's fc1
         "torch.manual_seed(0)\n"

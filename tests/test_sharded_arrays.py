@@ -126,3 +126,43 @@ def test_an_async_save_and_an_incremental_save_share_unchanged_shards(tmp_path: 
     record = json.loads((tmp_path / "2" / "zarr.json").read_text())["attributes"]["shardstore"]
     assert record["reused_from"]["chunks"] == 3  # w1, w2 and b: one shard each
     assert shardstore.verify(tmp_path / "2").ok
+
+
+def test_one_rank_whose_block_is_many_chunks_writes_them_as_shards(tmp_path: Path) -> None:
+    """A block of several chunks (max_chunk_bytes below the block) is cut into shards
+    too, a shard boundary falling inside a block."""
+    ckpt = tmp_path / "ckpt"
+    state = {"w": ShardedTensor.from_rank_offsets("w", _global(0).clone())}
+    save(state, ckpt, ZarrSaveShardedStrategy(shard_bytes=3 * 4 * COLS * 4, max_chunk_bytes=4 * COLS * 4))
+    assert len(_chunk_files(ckpt, "w")) == 4  # 12 chunks of 4 rows, 3 to a shard
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS))}, ckpt)
+    assert torch.equal(loaded["w"], _global(0))
+    import zarr
+
+    assert np.array_equal(zarr.open_array(str(ckpt / "w"), mode="r")[:], _global(0).numpy())
+
+
+def uneven_dtensors_saved(rank: int, world: int, ckpt: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    weight = torch.arange(50 * 3, dtype=torch.float32).reshape(50, 3)  # 13 + 13 + 13 + 11 rows
+    state = {"w": distribute_tensor(weight, mesh, [Shard(0)])}
+    save(state, ckpt, ZarrSaveShardedStrategy(shard_bytes=2 * 13 * 3 * 4))
+    target = {"w": distribute_tensor(torch.zeros(50, 3), mesh, [Shard(0)])}
+    load(target, ckpt)
+    assert torch.equal(target["w"].full_tensor(), weight)
+
+
+def test_fsdp_uneven_first_axis_dtensors_are_sharded(tmp_path: Path) -> None:
+    """FSDP2's Shard(0) of a length the ranks do not divide (torch.chunk: the last block
+    shorter) is still whole chunks of rows: sharded."""
+    ckpt = tmp_path / "ckpt"
+    run_distributed(uneven_dtensors_saved, 4, str(ckpt))
+    assert _chunk_files(ckpt, "w") == ["c.0.0", "c.1.0"]
+    import zarr
+
+    expected = np.arange(50 * 3, dtype=np.float32).reshape(50, 3)
+    assert np.array_equal(zarr.open_array(str(ckpt / "w"), mode="r")[:], expected)
+    assert shardstore.verify(ckpt).ok

@@ -103,3 +103,18 @@ def test_sharded_projection_groups_small_chunks(simulate_scale) -> None:
     record = model.record(CommitRecord(arrays={"small": small}))
     assert len(record.arrays["small"].chunk_crcs) == 32
     assert simulate_scale.ShardedFiles(1024, small_chunk_bytes=128).data_files({"small": small}) == 256
+
+
+def test_sharded_plan_counts_shard_fsdp_arrays_into_one_file_each() -> None:
+    """scripts/sharded_plan_counts.py with the real planner: FSDP2's tiny layout at 8
+    ranks, 63 arrays of one small block per rank, goes from 504 data files to 63."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "sharded_plan_counts.py"
+    spec = importlib.util.spec_from_file_location("sharded_plan_counts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.sim.layouts(quick=True)[0]
+    plain, sharded = module.counts(model, None), module.counts(model, 64 << 20)
+    assert (plain["data_files"], sharded["data_files"], sharded["sharded"]) == (504, 63, 63)
+    assert sharded["writers"] == model.world and plain["moved"] == 0 < sharded["moved"]

@@ -120,51 +120,51 @@ def array_records(
 
 def sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: int) -> ArrayRecord:
     """``record`` stored in shards (Zarr v3 ``sharding_indexed``, ``format.sharding``)
-    when its blocks are small: every main block is one whole chunk (its rows of the
-    array, every other axis whole: FSDP2's ``Shard(0)``, a layer-stacked array split by
-    pipeline stage), at least two fit in ``shard_bytes``, and the array has more than
-    one. A shard then holds as many blocks' rows as fit (its inner chunks are the
-    blocks), so the files of the array no longer multiply with the ranks. Otherwise
-    ``record`` as it is."""
+    when its chunks are small: every main block is whole chunks of its rows of the array
+    (every other axis whole: FSDP2's ``Shard(0)``, a layer-stacked array split by
+    pipeline stage), at least two chunks fit in ``shard_bytes``, and the array has more
+    than one. A shard then holds as many chunks' rows as fit (its inner chunks), so the
+    files of the array no longer multiply with the ranks. Otherwise ``record`` as it is."""
     shape, chunk = record.shape, record.chunk_shape
-    if not shape or chunk[1:] != shape[1:] or any(s.flat_range is not None or s.irregular for s in main):
+    if not shape or chunk[1:] != shape[1:] or any(s.flat_range is not None for s in main):
         return record
     rows = chunk[0]
     blocks = [s for s in main if s.block_shape[0] > 0]
-    full = all(
+    aligned = all(
         s.block_shape[1:] == shape[1:] and s.offset[0] % rows == 0
-        and (s.block_shape[0] == rows or (s.block_shape[0] < rows and s.offset[0] + s.block_shape[0] == shape[0]))
+        and (s.block_shape[0] % rows == 0 or s.offset[0] + s.block_shape[0] == shape[0])
         for s in blocks
     )
-    chunk_nbytes = rows * math.prod(shape[1:]) * record.itemsize
-    per_shard = shard_bytes // max(chunk_nbytes, 1)
+    per_shard = shard_bytes // max(rows * math.prod(shape[1:]) * record.itemsize, 1)
     count = -(-shape[0] // rows)
-    if not full or not blocks or per_shard < 2 or count < 2:
+    if not aligned or not blocks or per_shard < 2 or count < 2:
         return record
-    inner = min(per_shard, count)
     codec = ShardingIndexed(chunk, record.itemsize)
-    return replace(record, chunk_shape=(rows * inner, *chunk[1:]), codec=codec)
+    return replace(record, chunk_shape=(rows * min(per_shard, count), *chunk[1:]), codec=codec)
 
 
 def plan_gathered_writes(key: str, record: ArrayRecord, main: list[ShardRecord], load: list[int]) -> list[FlatChunk]:
     """The shards of the sharded array ``key`` (``sharded_record``), each assembled from
-    its blocks' ranks by one writer: the one of them with the fewest bytes to write so
-    far (``load``, updated), so shard writing spreads over the ranks. A block's rows are
-    contiguous in C order, so each is one piece of the shard's bytes."""
-    shard_rows, row = record.chunk_shape[0], math.prod(record.shape[1:])
-    by_shard: dict[int, list[ShardRecord]] = defaultdict(list)
-    for s in main:
-        if s.block_shape[0] > 0:
-            by_shard[s.offset[0] // shard_rows].append(s)
-    chunks = []
-    for index in sorted(by_shard):
-        start = index * shard_rows
-        blocks = sorted(by_shard[index], key=lambda s: s.offset[0])
-        pieces = tuple((s.rank, s.index, 0, s.block_shape[0] * row, (s.offset[0] - start) * row) for s in blocks)
-        writer = min({s.rank for s in blocks}, key=lambda r: (load[r], r))
-        region = (slice(start, min(start + shard_rows, record.shape[0])), *(slice(0, n) for n in record.shape[1:]))
-        load[writer] += sum(s.nbytes for s in blocks)
-        chunks.append(FlatChunk(key, region, writer, pieces))
+    the rows of the blocks it covers by one writer: the holder of one of them with the
+    fewest bytes to write so far (``load``, updated), so shard writing spreads over the
+    ranks. Rows are contiguous in C order, so each block's part of a shard is one piece."""
+    shard_rows, total, row = record.chunk_shape[0], record.shape[0], math.prod(record.shape[1:])
+    blocks = sorted((s for s in main if s.block_shape[0] > 0), key=lambda s: s.offset[0])
+    chunks, first = [], 0
+    for start in range(0, total, shard_rows):
+        stop = min(start + shard_rows, total)
+        while first < len(blocks) and blocks[first].offset[0] + blocks[first].block_shape[0] <= start:
+            first += 1
+        pieces = []
+        for s in blocks[first:]:
+            lo, hi = max(start, s.offset[0]), min(stop, s.offset[0] + s.block_shape[0])
+            if s.offset[0] >= stop:
+                break
+            pieces.append((s.rank, s.index, (lo - s.offset[0]) * row, (hi - s.offset[0]) * row, (lo - start) * row))
+        writer = min({p[0] for p in pieces}, key=lambda r: (load[r], r))
+        load[writer] += (stop - start) * row * record.itemsize
+        region = (slice(start, stop), *(slice(0, n) for n in record.shape[1:]))
+        chunks.append(FlatChunk(key, region, writer, tuple(pieces)))
     return chunks
 
 

@@ -1,0 +1,81 @@
+"""Files of a checkpoint planned with and without sharded arrays (issue 44.1).
+
+Plans saves of ``scripts/simulate_scale.py``'s layouts (sampled at a few layers) with the
+real planner (``planning.plans.plan_save``), once with every block a chunk file and once
+with ``shard_bytes`` (``ZarrSaveShardedStrategy(shard_bytes=...)``), writing nothing, and
+prints per layout: checkpoint bytes, arrays, arrays sharded, data files, the issue's
+target (bytes / shard size + 2 x arrays + ranks: data files plus ``zarr.json`` files
+plus per-rank files), bytes the gather moves between ranks, how many ranks write and the
+most one writes, and the coordinator's planning seconds.
+
+Usage: ``python scripts/sharded_plan_counts.py [--shard-mib 64] [--quick]``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["counts", "main"]
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import simulate_scale as sim  # noqa: E402
+
+from shardstore.format.codecs import BYTES_CRC32C  # noqa: E402
+from shardstore.planning.layout import GlobalLayout  # noqa: E402
+from shardstore.planning.plans import plan_save  # noqa: E402
+from shardstore.strategies.zarr import DEFAULT_MAX_CHUNK_BYTES  # noqa: E402
+
+MiB = 1 << 20
+
+
+def counts(model: sim.Model, shard_bytes: int | None) -> dict[str, float]:
+    """One plan of ``model``'s save: the figures the module docstring lists."""
+    layout = GlobalLayout.from_gathered([(model.rank_records(r), []) for r in range(model.world)])
+    start = time.perf_counter()
+    plans = plan_save(layout, DEFAULT_MAX_CHUNK_BYTES, True, shard_bytes)
+    seconds = time.perf_counter() - start
+    arrays = plans[0].commit.arrays
+    written = [0] * model.world
+    moved = 0
+    for plan in plans:
+        for _, chunk in plan.straddling:
+            if chunk.writer == plan.rank:
+                itemsize = arrays[chunk.key].itemsize
+                written[plan.rank] += sum(hi - lo for _, _, lo, hi, _ in chunk.pieces) * itemsize
+                moved += sum(hi - lo for rank, _, lo, hi, _ in chunk.pieces if rank != plan.rank) * itemsize
+    nbytes = plans[0].checkpoint_nbytes
+    return {
+        "bytes": nbytes, "arrays": len(arrays),
+        "sharded": sum(1 for a in arrays.values() if a.codec != BYTES_CRC32C),
+        "data_files": sum(a.chunk_count for a in arrays.values()),
+        "target": -(-nbytes // (shard_bytes or 64 * MiB)) + 2 * len(arrays) + model.world,
+        "moved": moved, "writers": sum(1 for w in written if w), "max_written": max(written), "plan_s": seconds,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shard-mib", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="small worlds, seconds")
+    args = parser.parse_args()
+    models = sim.layouts(args.quick)
+    print("| layout | ranks | layers | shards | bytes | arrays | sharded | data files | target | moved | "
+          "writers | most written | plan s |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for model in models:
+        layers = 16 if isinstance(model, sim.MegatronGpt) else 4 if model.world <= 512 else 2
+        sampled = model if args.quick else model.with_layers(layers)
+        for shard_bytes in (None, args.shard_mib * MiB):
+            c = counts(sampled, shard_bytes)
+            print(f"| {sampled.name} | {sampled.world} | {sampled.layers} | {f'{args.shard_mib} MiB' if shard_bytes else 'none'} "
+                  f"| {c['bytes'] / 1e9:.1f} GB | {c['arrays']} | {c['sharded']} | {c['data_files']:,} | {c['target']:,} "
+                  f"| {c['moved'] / 1e9:.1f} GB | {c['writers']} | {c['max_written'] / 1e6:.0f} MB | {c['plan_s']:.2f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

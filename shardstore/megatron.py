@@ -63,10 +63,9 @@ from typing import Any
 
 from shardstore.core import SaveOptions
 from shardstore.errors import CheckpointingException
-from shardstore.format import is_committed, verify
+from shardstore.format import is_committed
 from shardstore.opened import bare_location
 from shardstore.progress import log_once, operations_logged_at
-from shardstore.protocol import Group, run_stage
 from shardstore.serialization import (
     load as _shardstore_load,
 )
@@ -77,6 +76,7 @@ from shardstore.serialization import (
     load_sharded_metadata,
     load_tensors_metadata,
     remove_sharded_tensors,
+    verify_before_load,
 )
 from shardstore.serialization import (
     save as _shardstore_save,
@@ -459,13 +459,8 @@ def load(
             verify_integrity=verify_integrity,
             process_group=process_group,
         )
-    group = Group(process_group)
     if verify_integrity:
-        run_stage(
-            group,
-            f"Verifying checkpoint {checkpoint_dir}",
-            lambda: _verify_on_coordinator(checkpoint_dir, group),
-        )
+        verify_before_load(checkpoint_dir, process_group)
     return _shardstore_load(
         sharded_state_dict,
         checkpoint_dir,
@@ -475,20 +470,6 @@ def load(
         StrictHandling.ASSUME_OK_UNEXPECTED if strict is None else getattr(strict, "value", strict),
         process_group=process_group,
     )
-
-
-def _verify_on_coordinator(checkpoint_dir: Any, group: Group) -> None:
-    """Megatron's ``verify_integrity``: everything the load reads. Files the commit record
-    does not list (Megatron-LM writes ModelOpt's state into the iteration after a
-    synchronous save) are logged, not refused: the load never reads them."""
-    if group.is_coordinator:
-        report = verify(checkpoint_dir)
-        if report.unlisted:
-            logger.warning(
-                "%s holds %d file(s) its save did not write (%s); the load does not read them. `shardstore verify` "
-                "lists them", checkpoint_dir, len(report.unlisted), ", ".join(report.unlisted[:3]),
-            )
-        report.raise_if_damaged(for_a_load=True)
 
 
 def _call_original(name: str, *args: Any, **kwargs: Any) -> Any:

@@ -47,7 +47,7 @@ __all__ = [
     "get_default_save_sharded_strategy", "load", "load_common_state_dict",
     "load_content_metadata", "load_plain_tensors", "load_preprocess", "load_sharded_metadata",
     "load_tensors_metadata", "remove_sharded_tensors", "save",
-    "verify_checkpoint_and_load_strategy",
+    "verify_before_load", "verify_checkpoint_and_load_strategy",
 ]
 
 import logging
@@ -67,6 +67,7 @@ from shardstore.core import (
 from shardstore.dict_utils import Leaf, flatten, merge, nest, with_list_places
 from shardstore.execution.pipeline import SavePipeline
 from shardstore.format.commit import SaveOptions
+from shardstore.format.integrity import verify
 from shardstore.format.records import CommitRecord
 from shardstore.inputs.megatron_objects import convert_leaf
 from shardstore.inputs.plain_tensors import whole_array_requests
@@ -86,6 +87,7 @@ from shardstore.planning.plans import RankLoadPlan
 from shardstore.progress import operation, progress_shown, stage
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_stage import gather_and_plan
+from shardstore.protocol.stage import run_stage
 from shardstore.stores.base import Location
 from shardstore.strategies.async_utils import AsyncRequest
 from shardstore.strategies.base import (
@@ -402,6 +404,32 @@ def get_default_save_common_strategy(backend: str = "torch", version: int = 1) -
 
 
 # --------------------------------------------------------------------------- load
+
+
+def verify_before_load(checkpoint_dir: CheckpointDir, process_group: dist.ProcessGroup | None = None) -> None:
+    """Collective: the coordinator verifies everything a load of ``checkpoint_dir`` reads
+    (``format.integrity.verify``) and every rank raises its failure (Megatron-Core's
+    ``load(verify_integrity=True)``). Files the commit record does not list (Megatron-LM
+    writes ModelOpt's state into the iteration after a synchronous save) are logged,
+    not refused: the load never reads them.
+
+    Raises:
+        CheckpointingException: on every rank, naming the damage.
+    """
+    group = Group(process_group)
+
+    def on_coordinator() -> None:
+        if not group.is_coordinator:
+            return
+        report = verify(checkpoint_dir)
+        if report.unlisted:
+            logger.warning(
+                "%s holds %d file(s) its save did not write (%s); the load does not read them. `shardstore verify` "
+                "lists them", checkpoint_dir, len(report.unlisted), ", ".join(report.unlisted[:3]),
+            )
+        report.raise_if_damaged(for_a_load=True)
+
+    run_stage(group, f"Verifying checkpoint {checkpoint_dir}", on_coordinator)
 
 
 @gc_paused

@@ -192,3 +192,46 @@ def test_on_s3_shards_save_load_and_are_shared_by_server_side_copy(moto_server) 
     loaded = load(empty, second)
     assert torch.equal(loaded["w0"], state["w0"].data) and torch.equal(loaded["w1"], _global(1))
     assert shardstore.verify(second).ok
+
+
+def loaded_counting_bytes(rank: int, world: int, ckpt: str) -> int:
+    """Loads this rank's rows at ``world`` ranks; returns the bytes its chunk reads
+    returned (every way a FileChunkStore reads)."""
+    from shardstore.stores.local import FileChunkStore
+
+    read = [0]
+    real_into, real_range, real_suffix = FileChunkStore.get_into, FileChunkStore.get_range_into, FileChunkStore.get_suffix
+
+    def get_into(self, rel, views, tail):
+        got = real_into(self, rel, views, tail)
+        read[0] += 0 if got is None else got[0] + len(got[1])
+        return got
+
+    def get_range_into(self, rel, offset, views):
+        real_range(self, rel, offset, views)
+        read[0] += sum(len(v) for v in views)
+
+    def get_suffix(self, rel, nbytes):
+        got = real_suffix(self, rel, nbytes)
+        read[0] += 0 if got is None else len(got[0])
+        return got
+
+    FileChunkStore.get_into, FileChunkStore.get_range_into, FileChunkStore.get_suffix = (
+        get_into, get_range_into, get_suffix)
+    loaded_at_another_layout(rank, world, ckpt)
+    return read[0]
+
+
+def test_a_load_at_another_layout_reads_only_the_inner_chunks_it_needs(tmp_path: Path) -> None:
+    """Issue 44.4: saved by 4 ranks into one shard per array, loaded by 3: each rank's
+    rows cover two of the four inner chunks, and it reads those, the crc table and the
+    index (checked against the record's crc of the whole shard), not the whole shard."""
+    ckpt = tmp_path / "ckpt"
+    run_distributed(saved_and_loaded, 4, str(ckpt), 4)
+    assert _chunk_files(ckpt, "w0") == ["c.0.0"]
+    shard = (ckpt / "w0" / "c.0.0").stat().st_size
+    read = run_distributed(loaded_counting_bytes, 3, str(ckpt), timeout=240)
+    inner = ROWS // 4 * COLS * 4 + 4
+    assert shard == 4 * inner + 4 * 4 + 4 * 16 + 4  # inner chunks, crc table, index
+    for got in read:
+        assert got == ARRAYS * (2 * inner + 4 * 4 + 4 * 16 + 4), (got, shard)  # 2 of 4 inner chunks + table + index

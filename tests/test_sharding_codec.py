@@ -167,8 +167,10 @@ def test_empty_inner_chunks_read_as_zeros_everywhere(tmp_path: Path) -> None:
     by_zarr, by_ts = _read_plain(tmp_path / "w")
     assert np.array_equal(by_zarr, expected) and np.array_equal(by_ts, expected)
     out = np.full(SHARD, 7, np.float32)
-    crcs = read_inner(FileRanges(tmp_path / "w" / "c.0.0"), 4, dict(enumerate(_inner_views(out))))
-    assert crcs[1] is None and all(crcs[i] is not None for i in (0, 2, 3))
+    shard = read_inner(FileRanges(tmp_path / "w" / "c.0.0"), 4, dict(enumerate(_inner_views(out))))
+    stored = [expected[:8][2 * i : 2 * i + 2].tobytes() for i in (0, 2, 3)]  # inner chunk 1 is empty
+    index = (tmp_path / "w" / "c.0.0").read_bytes()[-4:]
+    assert shard == crc32c.crc32c(b"".join(crc32c.crc32c(b).to_bytes(4, "little") for b in stored) + index)
     assert np.array_equal(out, expected[:8])
 
 
@@ -178,16 +180,16 @@ def test_a_partial_read_reads_only_the_index_and_the_inner_chunks_it_needs(tmp_p
     source = FileRanges(tmp_path / "w" / "c.1.0")
     out = np.zeros((3, *INNER), np.float32)
     wanted = {1: memoryview(out[0].reshape(-1).view(np.uint8)), 2: memoryview(out[1].reshape(-1).view(np.uint8))}
-    crcs = read_inner(source, 4, wanted)
+    shard = read_inner(source, 4, wanted)
     assert np.array_equal(out[0], values[10:12]) and np.array_equal(out[1], values[12:14])
     inner = 48 + CRC_BYTES
-    # the index (a suffix), then inner chunks 1 and 2 as one range: nothing else
-    assert source.requests == [(4 * inner, ShardIndex.nbytes(4)), (inner, 2 * inner)]
-    assert source.bytes_read == 2 * inner + ShardIndex.nbytes(4) < (tmp_path / "w" / "c.1.0").stat().st_size
-    assert crcs == {1: crc32c.crc32c(values[10:12].tobytes()), 2: crc32c.crc32c(values[12:14].tobytes())}
+    # the crc table and the index (one suffix), then inner chunks 1 and 2 as one range: nothing else
+    assert source.requests == [(4 * inner, ShardIndex.suffix_nbytes(4)), (inner, 2 * inner)]
+    assert source.bytes_read == 2 * inner + ShardIndex.suffix_nbytes(4) < (tmp_path / "w" / "c.1.0").stat().st_size
+    assert shard == encode_shard(_inner_views(values[8:16])).crc  # binds the inner chunks not read too
     source.requests.clear()
     read_inner(source, 4, {0: wanted[1], 3: wanted[2]})  # not adjacent: two ranges
-    assert [n for _, n in source.requests] == [ShardIndex.nbytes(4), inner, inner]
+    assert [n for _, n in source.requests] == [ShardIndex.suffix_nbytes(4), inner, inner]
 
 
 @pytest.mark.parametrize(("where", "message"), [
@@ -214,10 +216,11 @@ def test_an_index_entry_past_the_inner_chunks_is_refused(tmp_path: Path) -> None
     _write_array(tmp_path / "w", values, "float32")
     path = tmp_path / "w" / "c.0.0"
     entries = [(0, 52), (52, 52), (104, 52), (156, 60)]
-    path.write_bytes(path.read_bytes()[: 4 * 52] + ShardIndex(tuple(entries)).encode())
+    table = path.read_bytes()[4 * 52 : 4 * 52 + 16]
+    path.write_bytes(path.read_bytes()[: 4 * 52] + table + ShardIndex(tuple(entries)).encode())
     with pytest.raises(CheckpointingException, match=r"inner chunk 3 is \(156, 60\), outside"):
         read_inner(FileRanges(path), 4, {0: memoryview(bytearray(48))})
-    path.write_bytes(path.read_bytes()[: 4 * 52] + ShardIndex(tuple(entries[:3]) + ((156, 48),)).encode())
+    path.write_bytes(path.read_bytes()[: 4 * 52] + table + ShardIndex(tuple(entries[:3]) + ((156, 48),)).encode())
     with pytest.raises(CheckpointingException, match="inner chunk 3 is stored in 48 bytes, expected 52"):
         read_inner(FileRanges(path), 4, {3: memoryview(bytearray(48))})
 
@@ -277,12 +280,13 @@ def test_a_chunk_store_reads_two_inner_chunks_of_a_shard_by_range(tmp_path: Path
     store = CountingFiles(tmp_path / "w")
     out = np.zeros((2, *INNER), np.float32)
     wanted = {1: memoryview(out[0].reshape(-1).view(np.uint8)), 3: memoryview(out[1].reshape(-1).view(np.uint8))}
-    crcs = read_inner(ChunkRanges(_Chunk(store, "c.1.0")), 4, wanted)
+    shard = read_inner(ChunkRanges(_Chunk(store, "c.1.0")), 4, wanted)
     assert np.array_equal(out[0], values[10:12]) and np.array_equal(out[1], values[14:16])
-    assert crcs == {1: crc32c.crc32c(values[10:12].tobytes()), 3: crc32c.crc32c(values[14:16].tobytes())}
+    assert shard == encode_shard(_inner_views(values[8:16])).crc
     inner = 48 + CRC_BYTES
-    assert store.reads == [("suffix", ShardIndex.nbytes(4)), ("range", inner), ("range", inner)]
-    assert sum(n for _, n in store.reads) == 2 * inner + ShardIndex.nbytes(4) < (tmp_path / "w" / "c.1.0").stat().st_size
+    suffix = ShardIndex.suffix_nbytes(4)
+    assert store.reads == [("suffix", suffix), ("range", inner), ("range", inner)]
+    assert sum(n for _, n in store.reads) == 2 * inner + suffix < (tmp_path / "w" / "c.1.0").stat().st_size
 
 
 def test_a_range_past_a_shards_end_names_the_shard(tmp_path: Path) -> None:
@@ -292,8 +296,20 @@ def test_a_range_past_a_shards_end_names_the_shard(tmp_path: Path) -> None:
     values = np.arange(96, dtype=np.float32).reshape(SHAPE)
     _write_array(tmp_path / "w", values, "float32")
     source = ChunkRanges(_Chunk(FileChunkStore(tmp_path / "w")))
-    with pytest.raises(CheckpointingException, match=r"chunk c\.0\.0 of array 'w'.*276 bytes.*past its end"):
+    with pytest.raises(CheckpointingException, match=r"chunk c\.0\.0 of array 'w'.*292 bytes.*past its end"):
         source.read_range_into(200, [memoryview(bytearray(52)), memoryview(bytearray(52))])
     (tmp_path / "w" / "c.0.0").unlink()
     with pytest.raises(CheckpointingException, match=r"Missing chunk c\.0\.0 of array 'w'"):
         read_inner(source, 4, {0: memoryview(bytearray(48))})
+
+
+def test_a_shard_whose_inner_chunks_split_another_axis_is_refused_not_misread() -> None:
+    """A review found that a spec-valid shard with inner chunks (4, 3) in a (4, 6) shard
+    read back with its rows interleaved (every crc32c matched): the codec lays out only
+    first-axis inner grids, and a record naming another is refused when it is parsed."""
+    codec = ShardingIndexed((4, 3), 4)
+    with pytest.raises(CheckpointingException, match=r"array 'w' is stored in shards of \(4, 6\) with inner chunks"):
+        codec.check_chunk_shape((4, 6), "ckpt", "w")
+    ShardingIndexed((2, 6), 4).check_chunk_shape((4, 6), "ckpt", "w")  # rows of whole width: fine
+    with pytest.raises(CheckpointingException, match="split the first axis alone"):
+        ShardingIndexed((3, 6), 4).check_chunk_shape((4, 6), "ckpt", "w")  # not whole inner chunks

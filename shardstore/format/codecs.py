@@ -134,6 +134,25 @@ class ChunkCodec(ABC):
         """What an object shared for a chunk of decoded bytes ``data`` (of 128-bit
         digest ``digest``) must hold, with the crc32c the record keeps for it."""
 
+    def check_chunk_shape(self, chunk_shape: tuple[int, ...], where: str, key: str) -> None:
+        """Refuses (CheckpointingException naming ``where`` and ``key``) an array of
+        chunks of ``chunk_shape`` that this codec cannot lay out; every shape by default."""
+        return None
+
+    def read_span_into(self, chunk: ChunkSource, start: int, views: list[memoryview], total: int) -> int:
+        """Fills ``views`` in order with the decoded bytes ``[start, start + their
+        length)`` of a chunk of ``total`` decoded bytes; returns what ``read_into``
+        returns, checked as it checks. This default reads the whole chunk; a codec that
+        can read part of its object (``format.sharding``: the inner chunks covering the
+        span) reads less."""
+        buffer = memoryview(bytearray(total))
+        crc = self.read_into(chunk, [buffer])
+        at = start
+        for v in views:
+            v[:] = buffer[at : at + len(v)]
+            at += len(v)
+        return crc
+
 
 class HeldBytes(ExpectedBytes, Protocol):
     """``stores.base.ExpectedBytes`` with the crc32c its chunk's codec reports."""

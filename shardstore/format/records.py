@@ -333,6 +333,7 @@ class ArrayRecord:
         codec = BYTES_CRC32C
         if "codecs" in summary:
             codec = codec_for(summary["codecs"], from_zarr_name(summary["dtype"]).itemsize, where, key)
+            codec.check_chunk_shape(chunk_shape, where, key)
         record = cls(key, shape, summary["dtype"], chunk_shape, chunk_separator=separator,
                      flattened_block=flattened_block, codec=codec)
         if list(record.chunk_grid) != summary.get("chunk_grid"):

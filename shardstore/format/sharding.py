@@ -1,40 +1,34 @@
 """Zarr v3 ``sharding_indexed``: one stored object (a shard) holds many inner chunks.
 
-Layout (the spec's, as zarr-python and TensorStore write it with these codecs): the
-stored inner chunks one after another, each its raw little-endian bytes then their
-crc32c (``[bytes, crc32c]``), then the index: one ``(offset, nbytes)`` pair of uint64
-little-endian per inner chunk in C order over the shard's inner grid (``2**64-1`` twice:
-empty, read as the fill value, zero), then the index's own crc32c (``index_codecs``
-``[bytes, crc32c]``, ``index_location`` ``end``).
+Layout (the spec's, as zarr-python and TensorStore read it): the stored inner chunks
+one after another, each its raw little-endian bytes then their crc32c (``[bytes,
+crc32c]``); then a crc table, every inner chunk's crc32c as little-endian uint32 (0 for
+an empty one), which the index does not point at and Zarr readers skip; then the index:
+one ``(offset, nbytes)`` pair of uint64 little-endian per inner chunk in C order over
+the inner grid (``2**64-1`` twice: empty, read as zero), then the index's crc32c
+(``index_codecs`` ``[bytes, crc32c]``, ``index_location`` ``end``).
 
 - ``encode_shard``: the pieces of a shard (views of the inner chunks' memory, their
-  crc32c trailers, the index: one ``writev``, no copy of tensor bytes) and what the
-  commit record keeps: per inner chunk its crc32c and 128-bit digest (``InnerRecord``,
-  what an incremental save compares), per shard the index's crc32c and ``crc``, the
-  crc32c of every trailer (the inner chunks' then the index's: binds every inner chunk
-  and the index cheaply; a crc32c of the whole object is not what zarr checks).
-- ``read_inner``: reads the index (one suffix request) and then only the inner chunks
-  asked for (one range per run of adjacent ones) from a ``ByteRanges`` (``ChunkRanges``:
-  a ``ChunkStore``'s ranged reads; ``WholeObject``: one read of it all); checks the
-  index's crc32c, its entries and every inner chunk's crc32c; names the shard and the
-  inner chunk in each error.
+  trailers, the table, the index: one ``writev``, no copy of tensor bytes) and its
+  ``crc``: the crc32c of the non-empty inner chunks' crc32c then the index's, which the
+  commit record keeps per shard (``chunk_crcs``; the digest it keeps is the XXH3-128 of
+  the shard's decoded bytes, as for any chunk).
+- ``read_inner``: reads the table and the index (one suffix request), then only the
+  inner chunks asked for (one range per run of adjacent ones) from a ``ByteRanges``
+  (``ChunkRanges``: a ``ChunkStore``'s ranged reads; ``WholeObject``: one read of it
+  all); checks the index's crc32c, its entries and every inner chunk read against its
+  trailer and the table; returns the shard's ``crc`` from the table and the index,
+  which the caller compares with the record's, so the inner chunks it did not read are
+  bound too. Errors name the shard and the inner chunk.
 - ``ShardingIndexed``: the same as a ``format.codecs.ChunkCodec`` (registered here). Its
-  decoded bytes are the inner chunks' bytes in inner-grid order, which is the shard's C
-  order when inner chunks split the first axis only (ranks' row slices: the planned
-  case); ``read_into`` reads the whole object once and checks it with ``read_inner``.
+  inner chunks split the first axis only (``check_chunk_shape``: a shard whose inner
+  grid splits another axis is refused, never misread): its decoded bytes are the inner
+  chunks' bytes back to back. ``read_into`` reads the whole object once;
+  ``read_span_into`` reads the inner chunks that cover a span of rows.
 
-Wiring it in (a later change, with a new format version):
-- which arrays: those whose plain chunks (the save's sharding grid) are below a
-  threshold (``SaveOptions``, about 16 MiB); the shard is the array's chunk (a block of
-  whole inner chunks along the first axis, up to about 64 MiB), the inner chunk the
-  ranks' slice. Other arrays keep ``BYTES_CRC32C``; older checkpoints load unchanged.
-- who writes: the planner assigns each shard one writer (the rank holding most of its
-  bytes, then balanced by bytes over ranks); the other holders send their inner chunks
-  to it over the process group in the write stage; one writer per file, no locks.
-- the record: per array the codec, per shard ``crc`` (``chunk_crcs``) and per inner
-  chunk crc32c and digest (flat, C order over the array's inner grid), so ``verify``
-  checks every inner chunk and a later save reuses a shard whose inner digests all
-  match, and a load reads only the inner chunks its target overlaps (``read_inner``).
+The planner (``planning.plans.sharded_record``) shards arrays of small first-axis blocks
+when asked (``ZarrSaveShardedStrategy(shard_bytes=...)``), each shard gathered to one
+writer; such a record is format version 5.
 """
 
 from __future__ import annotations
@@ -102,6 +96,12 @@ class ShardIndex:
         """Stored bytes of the index of ``count`` inner chunks, its crc32c included."""
         return count * INDEX_ENTRY_BYTES + CRC_BYTES
 
+    @staticmethod
+    def suffix_nbytes(count: int) -> int:
+        """Stored bytes after the inner chunks: the crc table (``encode_shard``) and
+        the index."""
+        return count * CRC_BYTES + ShardIndex.nbytes(count)
+
     def encode(self) -> bytes:
         """The index as stored: the uint64 pairs then their crc32c."""
         pairs = np.array([e if e is not None else (EMPTY, EMPTY) for e in self.entries], dtype=_INDEX_DTYPE)
@@ -160,7 +160,12 @@ class EncodedShard:
 
 def encode_shard(inner: Sequence[memoryview | None]) -> EncodedShard:
     """The shard holding ``inner`` (raw little-endian bytes of each inner chunk in C
-    order over the inner grid, None for an empty one), without copying them."""
+    order over the inner grid, None for an empty one), without copying them: the inner
+    chunks (each its bytes and their crc32c), then a crc table (every inner chunk's
+    crc32c, little-endian uint32, 0 for an empty one; bytes the index does not point
+    at, which Zarr readers skip), then the index. A reader of part of the shard reads
+    the table and the index in one request and checks them against the record's
+    ``crc`` before it reads the inner chunks it needs."""
     pieces: list[memoryview] = []
     records: list[InnerRecord | None] = []
     entries: list[tuple[int, int] | None] = []
@@ -177,7 +182,8 @@ def encode_shard(inner: Sequence[memoryview | None]) -> EncodedShard:
         offset += len(data) + CRC_BYTES
     index = ShardIndex(tuple(entries)).encode()
     index_crc = int.from_bytes(index[-CRC_BYTES:], "little")
-    pieces.append(memoryview(index))
+    table = np.array([0 if r is None else r.crc for r in records], dtype="<u4").tobytes()
+    pieces += [memoryview(table), memoryview(index)]
     crc = _shard_crc((None if r is None else r.crc for r in records), index_crc)
     return EncodedShard(tuple(pieces), tuple(records), index_crc, crc)
 
@@ -206,20 +212,29 @@ class ByteRanges(Protocol):
         """Fills ``views`` in order from ``offset``; returns the bytes that landed."""
 
 
-def read_inner(source: ByteRanges, count: int, wanted: Mapping[int, memoryview]) -> dict[int, int | None]:
+def read_inner(source: ByteRanges, count: int, wanted: Mapping[int, memoryview]) -> int:
     """Fills ``wanted[i]`` (raw bytes of inner chunk ``i`` of ``count``) from the shard,
-    reading its index and only those inner chunks; an empty one reads as zeros.
-    Returns each wanted inner chunk's crc32c (None: empty).
+    reading its crc table and index (one request) and only those inner chunks; an
+    empty one reads as zeros. Every inner chunk read must match its own trailer and the
+    table. Returns the shard's crc32c (``EncodedShard.crc``) from the table and the
+    index, which binds every inner chunk, read or not: the caller compares it with the
+    record's.
 
     Raises:
         CheckpointingException: naming ``source.describe()`` and the inner chunk: the
-            shard is missing, or its index or an inner chunk is truncated or corrupt."""
+            shard is missing, or its table, index or an inner chunk is truncated or
+            corrupt."""
     where = source.describe()
-    found = source.read_suffix(ShardIndex.nbytes(count))
+    suffix = ShardIndex.suffix_nbytes(count)
+    found = source.read_suffix(suffix)
     if found is None:
         raise CheckpointingException(f"Missing {where}: the checkpoint is damaged")
     stored, size = found
-    index = ShardIndex.decode(stored, count, size - ShardIndex.nbytes(count), where)
+    if len(stored) != suffix:
+        raise CheckpointingException(f"Corrupt {where}: {size} bytes, too short for {count} inner chunks' index")
+    table = np.frombuffer(stored[: count * CRC_BYTES], dtype="<u4").tolist()
+    index = ShardIndex.decode(stored[count * CRC_BYTES :], count, size - suffix, where)
+    index_crc = int.from_bytes(stored[-CRC_BYTES:], "little")
     crcs: dict[int, int | None] = {}
     for run in _runs(index, sorted(wanted)):
         trailers = [bytearray(CRC_BYTES) for _ in run]
@@ -231,10 +246,11 @@ def read_inner(source: ByteRanges, count: int, wanted: Mapping[int, memoryview])
             raise CheckpointingException(f"Corrupt {where}: inner chunk {run[0]} truncated")
         for i, trailer in zip(run, trailers):
             crcs[i] = _checked_crc(wanted[i], trailer, i, where)
+            if crcs[i] != table[i]:
+                raise CheckpointingException(f"Corrupt {where}: inner chunk {i} is not the one its crc table names")
     for i in wanted.keys() - crcs.keys():
         wanted[i][:] = bytes(len(wanted[i]))
-        crcs[i] = None
-    return crcs
+    return _shard_crc((None if entry is None else table[i] for i, entry in enumerate(index.entries)), index_crc)
 
 
 def _runs(index: ShardIndex, wanted: list[int]) -> list[list[int]]:
@@ -403,6 +419,18 @@ class ShardingIndexed(ChunkCodec):
             return None
         return cls(tuple(shape), itemsize)
 
+    def check_chunk_shape(self, chunk_shape: tuple[int, ...], where: str, key: str) -> None:
+        """A shard of ``chunk_shape`` must be whole inner chunks that split its first axis
+        only (``inner[1:] == chunk_shape[1:]``): the layout this codec reads. Another
+        inner grid is refused, never misread."""
+        inner = self.chunk_shape
+        if len(inner) != len(chunk_shape) or chunk_shape[0] % inner[0] or tuple(inner[1:]) != tuple(chunk_shape[1:]):
+            raise CheckpointingException(
+                f"{where}: array {key!r} is stored in shards of {tuple(chunk_shape)} with inner chunks {inner}; "
+                "this shardstore reads only shards whose inner chunks split the first axis alone. Read it with "
+                "zarr-python or TensorStore, or convert it"
+            )
+
     def _count(self, nbytes: int, where: str) -> int:
         if nbytes % self.inner_nbytes:
             raise CheckpointingException(
@@ -423,15 +451,28 @@ class ShardingIndexed(ChunkCodec):
         ``read_inner``; an inner chunk split over several ``views`` is read into a
         buffer first."""
         count = self._count(sum(len(v) for v in views), chunk.describe())
-        whole = WholeObject.read(chunk, count * (self.inner_nbytes + CRC_BYTES) + ShardIndex.nbytes(count))
+        whole = WholeObject.read(chunk, count * (self.inner_nbytes + CRC_BYTES) + ShardIndex.suffix_nbytes(count))
         if whole is None:
             raise CheckpointingException(f"Missing {chunk.describe()}: the checkpoint is damaged")
         buffer = bytearray(count * self.inner_nbytes)
         inner = self._split(memoryview(buffer))
-        crcs = read_inner(whole, count, dict(enumerate(inner)))  # type: ignore[arg-type]
+        crc = read_inner(whole, count, dict(enumerate(inner)))  # type: ignore[arg-type]
         _scatter(memoryview(buffer), views)
-        index = whole.read_suffix(ShardIndex.nbytes(count))[0]
-        return _shard_crc((crcs[i] for i in range(count)), int.from_bytes(index[-CRC_BYTES:], "little"))
+        return crc
+
+    def read_span_into(self, chunk: ChunkSource, start: int, views: list[memoryview], total: int) -> int:
+        """Reads only the inner chunks that cover the span (``ChunkRanges``: the crc
+        table and index in one request, then those inner chunks), checked against the
+        shard's crc the caller compares with the record's."""
+        count = self._count(total, chunk.describe())
+        stop = start + sum(len(v) for v in views)
+        first, last = start // self.inner_nbytes, -(-stop // self.inner_nbytes)
+        buffer = memoryview(bytearray((last - first) * self.inner_nbytes))
+        step = self.inner_nbytes
+        wanted = {first + k: buffer[k * step : (k + 1) * step] for k in range(last - first)}
+        crc = read_inner(ChunkRanges(chunk), count, wanted)
+        _scatter(buffer[start - first * step :], views)
+        return crc
 
     def held(self, data: memoryview, digest: str) -> HeldShard:
         encoded = self.encode(data)

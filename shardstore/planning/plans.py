@@ -45,6 +45,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
+from shardstore.errors import CheckpointingException
 from shardstore.format.codecs import BYTES_CRC32C
 from shardstore.format.dtypes import from_zarr_name
 from shardstore.format.records import (
@@ -161,6 +162,11 @@ def plan_gathered_writes(key: str, record: ArrayRecord, main: list[ShardRecord],
             if s.offset[0] >= stop:
                 break
             pieces.append((s.rank, s.index, (lo - s.offset[0]) * row, (hi - s.offset[0]) * row, (lo - start) * row))
+        if not pieces:
+            raise CheckpointingException(
+                f"Internal error: no rank holds rows {start}:{stop} of {key!r}, whose layout was validated; "
+                "please report it"
+            )
         writer = min({p[0] for p in pieces}, key=lambda r: (load[r], r))
         load[writer] += (stop - start) * row * record.itemsize
         region = (slice(start, stop), *(slice(0, n) for n in record.shape[1:]))

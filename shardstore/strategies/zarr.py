@@ -344,11 +344,11 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         if tensors is None:  # a plan made elsewhere (the seed's save_with_plan): its tensors, in its order
             tensors, _ = local_sharded_items(sharded_state_dict)
         limit = pipeline.target.capabilities.max_object_bytes
-        if limit is not None and self.max_chunk_bytes > limit:
-            raise CheckpointingException(
-                f"max_chunk_bytes={self.max_chunk_bytes} exceeds the {limit}-byte object limit of "
-                f"{pipeline.describe()}; use a smaller bound"
-            )
+        for name, bound in (("max_chunk_bytes", self.max_chunk_bytes), ("shard_bytes", self.shard_bytes)):
+            if limit is not None and bound is not None and bound > limit:
+                raise CheckpointingException(
+                    f"{name}={bound} exceeds the {limit}-byte object limit of {pipeline.describe()}; use a smaller bound"
+                )
         pipeline.stage(tensors, plan, staging, local_error)
         return AsyncRequest(
             async_fn=SavePipeline.write_staged,

@@ -235,3 +235,31 @@ def test_a_load_at_another_layout_reads_only_the_inner_chunks_it_needs(tmp_path:
     assert shard == 4 * inner + 4 * 4 + 4 * 16 + 4  # inner chunks, crc table, index
     for got in read:
         assert got == ARRAYS * (2 * inner + 4 * 4 + 4 * 16 + 4), (got, shard)  # 2 of 4 inner chunks + table + index
+
+
+def test_on_s3_a_sharded_save_makes_a_request_per_shard_not_per_chunk(moto_server) -> None:
+    """Issue 44.3's count: requests per save about arrays + shards + 2 x ranks + a few,
+    counted at a proxy in front of the local S3 server; the same save unsharded makes
+    one more PUT per chunk."""
+    from shardstore.stores.locations import open_location
+    from shardstore.stores.s3 import S3Options
+    from tests.s3_support import KEY, REGION, SECRET, Faults, FaultyProxy
+
+    moto_server.create_bucket("sharded-requests")
+    proxy = FaultyProxy(moto_server.port, Faults()).start()
+    try:
+        options = S3Options(endpoint_url=proxy.endpoint, key=KEY, secret=SECRET, region=REGION)
+        state = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", _global(i).clone()) for i in range(ARRAYS)}
+        made = {}
+        for name, shard_bytes in (("plain", None), ("sharded", 6 * 4 * COLS * 4)):
+            before = proxy.counts["forwarded"]
+            strategy = ZarrSaveShardedStrategy(shard_bytes=shard_bytes, max_chunk_bytes=4 * COLS * 4)
+            save(state, open_location(f"s3://sharded-requests/{name}", options=options), strategy)
+            made[name] = proxy.counts["forwarded"] - before
+    finally:
+        proxy.stop()
+    chunks, shards = ARRAYS * ROWS // 4, ARRAYS * 2  # 12 chunks per array, 6 to a shard
+    assert made["plain"] - made["sharded"] == chunks - shards, made
+    # arrays (zarr.json) + shards + a save's fixed requests (marker, record, common
+    # state, metadata.json, the checks of the target: 18 measured here at one rank)
+    assert made["sharded"] <= ARRAYS + shards + 18, made

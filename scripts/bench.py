@@ -633,6 +633,56 @@ def run_small(b: Bench, args: argparse.Namespace) -> None:
         b._clean(p)
 
 
+def build_fsdp(count: int, rows: int, rank: int, world: int) -> State:
+    """``count`` fp32 arrays of ``rows`` x 256, each split along its first axis over the
+    ranks (FSDP2's ``Shard(0)``): small blocks, one per rank per array."""
+    shards, shapes = {}, {}
+    for i in range(count):
+        shape = (rows, 256)
+        shards[f"p{i}"] = (local_shard(make_global(f"p{i}", torch.float32, shape), 0, rank, world), 0)
+        shapes[f"p{i}"] = shape
+    return State(shards, shapes)
+
+
+def run_fsdp(b: Bench, args: argparse.Namespace) -> None:
+    """Issue 44.1: FSDP-shaped state of many small first-axis blocks, saved with every
+    block a chunk file and with the blocks gathered into 64 MiB shards, against DCP and
+    the raw files, in one interleaved run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardstore
+    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+
+    state = build_fsdp(args.fsdp_arrays, 64 * b.world, b.rank, b.world)
+    nbytes = full_bytes(state)
+    if b.rank == 0:
+        print(f"fsdp: {args.fsdp_arrays} arrays of {64 * b.world} x 256 fp32, Shard(0) over {b.world} ranks, "
+              f"{nbytes / 2**20:.0f} MiB", flush=True)
+    for method, strategy in (("shardstore", None), ("shardstore-sharded", ZarrSaveShardedStrategy(shard_bytes=64 << 20))):
+        path = b.root / f"fsdp-{method}"
+        b.measure("fsdp", method, nbytes, path,
+                  lambda path=path, strategy=strategy: shardstore.save(
+                      shardstore_sd(state, b.rank, b.world), str(path), strategy),
+                  lambda path=path: shardstore.load(shardstore_sd(state, b.rank, b.world, empty=True), str(path)))
+    mesh = init_device_mesh("cpu", (b.world,))
+    dcp_path = b.root / "fsdp-dcp"
+    b.measure("fsdp", "dcp", nbytes, dcp_path,
+              lambda: dcp.save(dcp_sd(state, mesh), checkpoint_id=str(dcp_path)),
+              lambda: dcp.load(dcp_sd(state, mesh, empty=True), checkpoint_id=str(dcp_path)))
+    files_path = b.root / "fsdp-files"
+    b.measure("fsdp", "files", nbytes, files_path,
+              lambda: files_save(state, files_path, b.rank, b.world),
+              lambda: files_load(state, files_path, b.rank, b.world))
+    b.flush()
+    if b.rank == 0:
+        for method in ("shardstore", "shardstore-sharded", "dcp", "files"):
+            path = b.root / f"fsdp-{method}"
+            b.extra[f"fsdp {method} files"] = sum(len(f) for _, _, f in os.walk(path)) if path.exists() else 0
+    for p in (b.root / "fsdp-shardstore", b.root / "fsdp-shardstore-sharded", dcp_path, files_path):
+        b._clean(p)
+
+
 def run_s3(b: Bench, args: argparse.Namespace) -> None:
     """shardstore save/load on S3 vs the same bytes as plain objects through s3fs (one
     object per tensor shard, all of a rank's objects in flight at once), against the
@@ -1107,6 +1157,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, root: str
         run_dcp_plain(b, args)
     if "small" in args.cases:
         run_small(b, args)
+    if "fsdp" in args.cases:
+        run_fsdp(b, args)
     if "s3" in args.cases:
         run_s3(b, args)
     if "device" in args.cases:
@@ -1147,6 +1199,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=2.0, help="size of the large state (all ranks)")
     parser.add_argument("--small", type=int, default=5000, help="number of 4 KiB tensors")
+    parser.add_argument("--fsdp-arrays", type=int, default=1000, help="arrays of the fsdp case (64 KiB per rank each)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--cases", default="large,reshard,dcp-api,dcp-plain,small,async,s3,incr")

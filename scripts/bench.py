@@ -600,9 +600,24 @@ def run_dcp_plain(b: Bench, args: argparse.Namespace) -> None:
         b._clean(p)
 
 
-def run_small(b: Bench, args: argparse.Namespace) -> None:
+def measure_dcp_and_files(b: Bench, case: str, state: State, nbytes: int) -> tuple[Path, Path]:
+    """Registers the peers of a case: DCP (DTensors of the same shards) and the raw
+    files (one per shard); returns their paths."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (b.world,))
+    dcp_path, files_path = b.root / f"{case}-dcp", b.root / f"{case}-files"
+    b.measure(case, "dcp", nbytes, dcp_path,
+              lambda: dcp.save(dcp_sd(state, mesh), checkpoint_id=str(dcp_path)),
+              lambda: dcp.load(dcp_sd(state, mesh, empty=True), checkpoint_id=str(dcp_path)))
+    b.measure(case, "files", nbytes, files_path,
+              lambda: files_save(state, files_path, b.rank, b.world),
+              lambda: files_load(state, files_path, b.rank, b.world))
+    return dcp_path, files_path
+
+
+def run_small(b: Bench, args: argparse.Namespace) -> None:
 
     import shardstore
 
@@ -614,15 +629,7 @@ def run_small(b: Bench, args: argparse.Namespace) -> None:
     b.measure("small", "shardstore", nbytes, ss_path,
               lambda: shardstore.save(shardstore_sd(state, b.rank, b.world), str(ss_path)),
               lambda: shardstore.load(shardstore_sd(state, b.rank, b.world, empty=True), str(ss_path)))
-    mesh = init_device_mesh("cpu", (b.world,))
-    dcp_path = b.root / "small-dcp"
-    b.measure("small", "dcp", nbytes, dcp_path,
-              lambda: dcp.save(dcp_sd(state, mesh), checkpoint_id=str(dcp_path)),
-              lambda: dcp.load(dcp_sd(state, mesh, empty=True), checkpoint_id=str(dcp_path)))
-    files_path = b.root / "small-files"
-    b.measure("small", "files", nbytes, files_path,
-              lambda: files_save(state, files_path, b.rank, b.world),
-              lambda: files_load(state, files_path, b.rank, b.world))
+    dcp_path, files_path = measure_dcp_and_files(b, "small", state, nbytes)
     plain = {k: t for k, (t, _) in state.shards.items()}
     torch_path = b.root / "small-torch.pt"
     b.measure("small", "torch", nbytes, torch_path,
@@ -648,8 +655,6 @@ def run_fsdp(b: Bench, args: argparse.Namespace) -> None:
     """Issue 44.1: FSDP-shaped state of many small first-axis blocks, saved with every
     block a chunk file and with the blocks gathered into 64 MiB shards, against DCP and
     the raw files, in one interleaved run."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
 
     import shardstore
     from shardstore.strategies.zarr import ZarrSaveShardedStrategy
@@ -665,15 +670,7 @@ def run_fsdp(b: Bench, args: argparse.Namespace) -> None:
                   lambda path=path, strategy=strategy: shardstore.save(
                       shardstore_sd(state, b.rank, b.world), str(path), strategy),
                   lambda path=path: shardstore.load(shardstore_sd(state, b.rank, b.world, empty=True), str(path)))
-    mesh = init_device_mesh("cpu", (b.world,))
-    dcp_path = b.root / "fsdp-dcp"
-    b.measure("fsdp", "dcp", nbytes, dcp_path,
-              lambda: dcp.save(dcp_sd(state, mesh), checkpoint_id=str(dcp_path)),
-              lambda: dcp.load(dcp_sd(state, mesh, empty=True), checkpoint_id=str(dcp_path)))
-    files_path = b.root / "fsdp-files"
-    b.measure("fsdp", "files", nbytes, files_path,
-              lambda: files_save(state, files_path, b.rank, b.world),
-              lambda: files_load(state, files_path, b.rank, b.world))
+    dcp_path, files_path = measure_dcp_and_files(b, "fsdp", state, nbytes)
     b.flush()
     if b.rank == 0:
         for method in ("shardstore", "shardstore-sharded", "dcp", "files"):

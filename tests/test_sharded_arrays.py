@@ -263,3 +263,50 @@ def test_on_s3_a_sharded_save_makes_a_request_per_shard_not_per_chunk(moto_serve
     # arrays (zarr.json) + shards + a save's fixed requests (marker, record, common
     # state, metadata.json, the checks of the target: 18 measured here at one rank)
     assert made["sharded"] <= ARRAYS + shards + 18, made
+
+
+BIG_ROWS, BIG_COLS = 192, 1024  # 48 rows of 4 KiB per rank at 4 ranks, 64 at 3
+
+
+def _big(world: int, rank: int, empty: bool = False) -> dict:
+    full = torch.arange(BIG_ROWS * BIG_COLS, dtype=torch.float32).reshape(BIG_ROWS, BIG_COLS)
+    block = full.chunk(world)[rank]
+    return {"big": ShardedTensor.from_rank_offsets(
+        "big", torch.zeros_like(block) if empty else block.clone(), (0, rank, world))}
+
+
+def big_saved(rank: int, world: int, ckpt: str) -> None:
+    save(_big(world, rank), ckpt, ZarrSaveShardedStrategy(shard_bytes=64 << 20))
+
+
+def big_loaded_counting_bytes(rank: int, world: int, ckpt: str) -> tuple[int, int]:
+    from shardstore.stores.local import FileChunkStore
+
+    read = [0]
+    real_range, real_suffix = FileChunkStore.get_range_into, FileChunkStore.get_suffix
+
+    def get_range_into(self, rel, offset, views):
+        real_range(self, rel, offset, views)
+        read[0] += sum(len(v) for v in views)
+
+    def get_suffix(self, rel, nbytes):
+        got = real_suffix(self, rel, nbytes)
+        read[0] += 0 if got is None else len(got[0])
+        return got
+
+    FileChunkStore.get_range_into, FileChunkStore.get_suffix = get_range_into, get_suffix
+    loaded = load(_big(world, rank, empty=True), ckpt)
+    full = torch.arange(BIG_ROWS * BIG_COLS, dtype=torch.float32).reshape(BIG_ROWS, BIG_COLS)
+    assert torch.equal(loaded["big"], full.chunk(world)[rank])
+    return read[0], loaded["big"].nbytes
+
+
+def test_a_reshard_load_reads_at_most_a_quarter_more_than_it_needs(tmp_path: Path) -> None:
+    """Issue 44.4: inner chunks are an eighth of a block (at least 16 KiB), so a load
+    at 3 ranks of a 4-rank save reads at most 1.25x the bytes it asks for."""
+    ckpt = tmp_path / "ckpt"
+    run_distributed(big_saved, 4, str(ckpt))
+    meta = json.loads((ckpt / "big" / "zarr.json").read_text())
+    assert meta["codecs"][0]["configuration"]["chunk_shape"] == [6, BIG_COLS]  # 48-row blocks in 8 parts
+    for read, needed in run_distributed(big_loaded_counting_bytes, 3, str(ckpt), timeout=240):
+        assert needed < read <= 1.25 * needed, (read, needed)

@@ -205,11 +205,12 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         shard_bytes: store an array whose blocks are small and split along its first
             axis (FSDP2's ``Shard(0)``, layer-stacked arrays split by pipeline stage) in
             Zarr v3 ``sharding_indexed`` shards of about this many bytes, each holding
-            many ranks' blocks as inner chunks and written by one rank they are
-            gathered to (``planning.plans.sharded_record``): the array's files no
-            longer multiply with the ranks. None (the default): every block is a chunk
-            file of its own. Such a checkpoint is format version 5; a load reads whole
-            shards.
+            many ranks' blocks as inner chunks (an eighth of a block each, at least
+            16 KiB) and written by one rank they are gathered to
+            (``planning.plans.sharded_record``): the array's files no longer multiply
+            with the ranks. None (the default): every block is a chunk file of its
+            own. Such a checkpoint is format version 5; a load reads only the inner
+            chunks it needs.
     """
 
     def __init__(

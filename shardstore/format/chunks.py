@@ -288,7 +288,7 @@ class ReadJob:
     def run(self) -> None:
         target = self.out[self.piece.in_region]
         runs = None if self.direct or not self.piece.whole else _contiguous_runs(target, self.out)
-        span = None if self.direct or runs else self._rows()
+        span = None if self.direct or runs or not self.file.codec.reads_spans else self._rows()
         buffer = target if self.direct or runs else np.empty(
             self.chunk_shape if span is None else (span.stop - span.start, *self.chunk_shape[1:]), self.out.dtype)
         try:

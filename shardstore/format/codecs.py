@@ -104,6 +104,9 @@ class ChunkCodec(ABC):
     ``format.records.ArrayRecord``)."""
 
     name: ClassVar[str]
+    # ``read_span_into`` reads less than the whole object (else a reader of part of a
+    # chunk reads it whole into its own buffer, one copy fewer than the span read).
+    reads_spans: ClassVar[bool] = False
 
     @abstractmethod
     def zarr_codecs(self, itemsize: int) -> list[dict[str, Any]]:

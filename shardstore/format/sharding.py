@@ -383,6 +383,7 @@ class ShardingIndexed(ChunkCodec):
     reports is ``EncodedShard.crc``."""
 
     name: ClassVar[str] = "sharding_indexed"
+    reads_spans: ClassVar[bool] = True
     chunk_shape: tuple[int, ...]
     itemsize: int
 

@@ -187,3 +187,86 @@ def test_an_interrupted_save_removes_what_it_staged(tmp_path: Path, monkeypatch:
     monkeypatch.undo()
     loaded = load(_state(0, 1, empty=True), ckpt)  # the checkpoint it would have replaced is intact
     assert torch.equal(loaded["w"], _state(0, 1)["w"].data)
+
+
+def interrupted_while_writing(rank: int, world: int, ckpt: str, interrupted: tuple[int, ...]) -> str | list[str]:
+    """A save over ``ckpt``, Ctrl-C'd on the ranks ``interrupted`` once they wrote a
+    chunk. Returns, on rank 0, what the checkpoint's directory holds after the unwind;
+    elsewhere, what the save raised."""
+    import shardstore.format.chunks as chunk_io
+
+    if rank in interrupted:
+        original = chunk_io.ChunkFile.write
+
+        def write_then_interrupt(self: chunk_io.ChunkFile, data: object) -> int:
+            original(self, data)
+            raise KeyboardInterrupt
+
+        chunk_io.ChunkFile.write = write_then_interrupt
+    try:
+        save(_state(rank, world), ckpt, overwrite=True)
+    except KeyboardInterrupt:
+        return sorted(os.listdir(Path(ckpt).parent)) if rank == 0 else "KeyboardInterrupt"
+    except CheckpointingException as exc:
+        return type(exc).__name__
+    return "saved"
+
+
+@pytest.mark.parametrize("interrupted", [(0, 1), (0,)], ids=["every-rank", "coordinator-only"])
+def test_an_interrupt_on_several_ranks_removes_what_the_save_staged(tmp_path: Path, interrupted: tuple[int, ...]) -> None:
+    """Ctrl-C reaches every rank (a terminal's process group), or only the coordinator
+    while its peer has written its part and waits in the commit stage: either way no
+    rank can still write, and the coordinator removes the staging directory at once."""
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(saved, 2, ckpt)
+    start = time.monotonic()
+    left, peer = run_distributed(interrupted_while_writing, 2, ckpt, interrupted, pg_timeout=SHORT_PG_TIMEOUT_S)
+    assert left == ["ckpt"], f"the interrupted save left {left}"
+    assert peer == ("KeyboardInterrupt" if 1 in interrupted else "PeerLost"), peer
+    assert time.monotonic() - start < 60
+    assert [torch.equal(t, _state(r, 2)["w"].data) for r, t in enumerate(run_distributed(loaded_w, 2, ckpt))] == [True] * 2
+
+
+def loaded_w(rank: int, world: int, ckpt: str) -> torch.Tensor:
+    return load(_state(rank, world, empty=True), ckpt)["w"]
+
+
+def interrupted_beside_a_slow_writer(rank: int, world: int, ckpt: str) -> str | list[str]:
+    """Rank 0 Ctrl-C'd at its first chunk while rank 1 is still writing (its writes
+    take 3 s, the coordinator waits 0.5 s): rank 0 returns what the directory holds."""
+    import shardstore.execution.pipeline as pipeline
+    import shardstore.format.chunks as chunk_io
+
+    original = chunk_io.ChunkFile.write
+    pipeline.UNWIND_WAIT_S = 0.5
+
+    def write_slowly_or_interrupt(self: chunk_io.ChunkFile, data: object) -> int:
+        if rank == 0:
+            raise KeyboardInterrupt
+        time.sleep(3)
+        return original(self, data)
+
+    chunk_io.ChunkFile.write = write_slowly_or_interrupt
+    try:
+        save(_state(rank, world), ckpt, overwrite=True)
+    except KeyboardInterrupt:
+        return sorted(os.listdir(Path(ckpt).parent))
+    except CheckpointingException as exc:
+        return type(exc).__name__
+    return "saved"
+
+
+def test_an_interrupt_never_removes_what_a_peer_still_writes(tmp_path: Path) -> None:
+    """The coordinator, interrupted while its peer still writes, leaves the staging
+    directory (the next save into the same place removes it)."""
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(saved, 2, ckpt)
+    left, peer = run_distributed(interrupted_beside_a_slow_writer, 2, ckpt, pg_timeout=SHORT_PG_TIMEOUT_S)
+    assert len(left) == 2 and left[1] == "ckpt" and left[0].startswith(".ckpt.shardstore-save-"), left
+    assert peer == "PeerLost", peer
+    run_distributed(saved_again, 2, ckpt)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def saved_again(rank: int, world: int, ckpt: str) -> None:
+    save(_state(rank, world), ckpt, overwrite=True)

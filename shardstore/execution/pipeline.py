@@ -63,10 +63,16 @@ from shardstore.progress import stage
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_cache import PlanCache, gather_and_plan_cached
 from shardstore.protocol.stage import every_rank_stopped, raise_stage_failure
+from shardstore.protocol.stopped_writers import StoppedWriters
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 
 Target = str | os.PathLike | Location
+
+# How long a coordinator unwinding an interrupted save waits for every rank to say it
+# stopped writing (``protocol.stopped_writers``) before it leaves the staged files to the
+# next save into the same place instead of deleting them (seconds).
+UNWIND_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -183,6 +189,7 @@ class SavePipeline:
         self._planned: list[ShardedTensor] | None = None  # the tensors ``plan`` was given, in its order
         self._staged: StagedWrites | None = None
         self._commit_record: CommitRecord | None = None  # the coordinator's, from its plan
+        self._stopped_writers: StoppedWriters | None = None
 
     def __getstate__(self) -> dict:
         """What a writer in another process needs (Megatron's persistent worker pickles
@@ -350,7 +357,10 @@ class SavePipeline:
         """This rank's I/O of what ``stage`` staged (an async save's ``async_fn``):
         metadata files, every chunk write in flight, then durability."""
         staged = self._require_staged()
-        self._write(staged.metadata_files, staged.records, staged.ops, io_concurrency, io_threads)
+        try:
+            self._write(staged.metadata_files, staged.records, staged.ops, io_concurrency, io_threads)
+        finally:
+            self._writers().mark()
 
     def _write(
         self, files: dict[str, bytes], records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int,
@@ -376,7 +386,11 @@ class SavePipeline:
         staged, self._staged = self._require_staged(), None
         if staged.snapshot is not None:
             staged.snapshot.release()
-        rank_save.finalize_save(self.pending, self.group, self._commit_record, self.written, error)
+        try:
+            rank_save.finalize_save(self.pending, self.group, self._commit_record, self.written, error)
+        finally:
+            if self.group.is_coordinator:
+                self._writers().forget()
 
     def finalization(self) -> SaveFinalization:
         """The ``AsyncRequest`` finalization of the staged save."""
@@ -430,14 +444,39 @@ class SavePipeline:
 
     def unwind(self, error: BaseException) -> None:
         """Every rank, when ``error`` (any exception, an interrupt included) unwinds the
-        save: the coordinator deletes what the save staged when no rank can still be
-        writing into it (``protocol.stage.every_rank_stopped``); otherwise every rank
-        only lets go, deleting nothing, and the next save into the same place removes
-        the staging directory once its lock is free. The caller re-raises ``error``."""
-        if self.group.is_coordinator and every_rank_stopped(self.group, error):
-            self.abandon()
-        else:
-            self.release()
+        save. The coordinator deletes what the save staged when no rank can still be
+        writing into it: every rank raised the same failure
+        (``protocol.stage.every_rank_stopped``), or, before the commit stage began, every
+        rank said it stopped writing within ``UNWIND_WAIT_S`` seconds
+        (``protocol.stopped_writers``: a Ctrl-C that reached every rank, or one rank
+        interrupted while the others had written their part). Otherwise every rank only
+        lets go, deleting nothing, and the next save into the same place removes the
+        staging directory once its lock is free. The caller re-raises ``error``."""
+        if self._pending is None:  # not begun or joined: nothing staged
+            return
+        writers = self._writers()
+        writers.mark()
+        try:
+            if self.group.is_coordinator and self._no_rank_writes(error, writers):
+                self.abandon()
+            else:
+                self.release()
+        finally:
+            if self.group.is_coordinator:
+                writers.forget()
+
+    def _no_rank_writes(self, error: BaseException, writers: StoppedWriters) -> bool:
+        """Coordinator: whether no rank can still write into the save ``error`` unwinds
+        (the commit stage not begun: once it has, the checkpoint may be published)."""
+        if every_rank_stopped(self.group, error):
+            return True
+        return self._staged is not None and writers.everyone(UNWIND_WAIT_S)
+
+    def _writers(self) -> StoppedWriters:
+        """The count of this save's ranks that stopped writing into it."""
+        if self._stopped_writers is None:
+            self._stopped_writers = StoppedWriters(self.group, self.pending.intent.save_id)
+        return self._stopped_writers
 
 
 @dataclass(frozen=True)

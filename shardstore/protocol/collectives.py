@@ -133,6 +133,15 @@ class Group:
             timeout = dist.distributed_c10d._get_default_timeout(dist.get_backend(self.process_group))
         return timeout.total_seconds()
 
+    def key_value_store(self) -> dist.Store | None:
+        """The store the process group was created with (``init_process_group``'s
+        rendezvous), for what ranks must tell each other outside any collective
+        (``protocol.stopped_writers``); None when this process has no process group
+        (one rank, or a writer process a save was handed to)."""
+        if not (self.active and dist.is_initialized()):
+            return None
+        return dist.distributed_c10d._get_default_store()
+
     @property
     def is_coordinator(self) -> bool:
         """True on the rank that writes the commit record and other single files."""

@@ -24,7 +24,9 @@ against DCP's ``FileSystemWriter``/``Reader``; ``--plain-gib``) and ``async``
 the save runs in the background); ``device`` (not in the default set: tensors on
 ``--device``, CUDA on the GPU machine, at ``--world 1``: sync save, load into device
 targets, async blocked time against a pinned device-to-host copy, against DCP,
-``torch.save`` and the raw bound; ``--cases device --world 1 --gib 8``).
+``torch.save`` and the raw bound; ``--cases device --world 1 --gib 8``); ``reshard-fsdp`` (not in the default set: FSDP2-shaped
+state saved by all ranks but one and loaded by all, against DCP, with the bytes each load
+reads; ``--cases reshard-fsdp --world 3``).
 
 Every timed load starts with the page cache dropped (``/proc/sys/vm/drop_caches`` when
 writable, else ``posix_fadvise(DONTNEED)`` on the checkpoint's files; the report says
@@ -682,6 +684,86 @@ def run_fsdp(b: Bench, args: argparse.Namespace) -> None:
         b._clean(p)
 
 
+def io_read_chars() -> int:
+    """Bytes this process has read through system calls so far (``/proc/self/io``'s
+    ``rchar``: every thread, cached or not)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def run_reshard_fsdp(b: Bench, args: argparse.Namespace) -> None:
+    """Issue 44.4: FSDP2-shaped state saved by ranks 0..W-2 and loaded by all W ranks
+    (2 -> 3 at ``--world 3``), against DCP in the same interleaved run: shardstore with
+    every block a chunk, shardstore with 64 MiB shards (inner chunks finer than a block),
+    and DCP. Besides the time, each load's bytes read (``rchar`` across the load,
+    records included) over the bytes the rank asked for, the maximum over ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    import shardstore
+    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+
+    saving = b.world - 1
+    rows = 64 * saving * b.world
+    saver = build_fsdp(args.fsdp_arrays, rows, b.rank, saving) if b.rank < saving else None
+    loader = build_fsdp(args.fsdp_arrays, rows, b.rank, b.world)
+    nbytes = full_bytes(loader)
+    save_group = dist.new_group(list(range(saving)))
+    save_mesh, load_mesh = DeviceMesh("cpu", list(range(saving))), init_device_mesh("cpu", (b.world,))
+    if b.rank == 0:
+        print(f"reshard-fsdp: {args.fsdp_arrays} arrays of {rows} x 256 fp32, Shard(0), saved by {saving} "
+              f"ranks, loaded by {b.world}; {nbytes / 2**20:.0f} MiB", flush=True)
+    read_ratio: dict[str, list[float]] = {}
+
+    def counted(method: str, load: Callable[[], dict]) -> Callable[[], None]:
+        def run() -> None:
+            before = io_read_chars()
+            loaded = load()
+            read_ratio.setdefault(method, []).append((io_read_chars() - before) / loader.local_bytes)
+            for key, (want, _) in loader.shards.items():
+                got = loaded[key]
+                got = got.to_local() if hasattr(got, "to_local") else got
+                assert torch.equal(got, want), (method, key)
+        return run
+
+    def only_savers(save: Callable[[], None]) -> Callable[[], None]:
+        return lambda: save() if saver is not None else None
+
+    paths = []
+    for method, strategy in (("shardstore", None), ("shardstore-sharded", ZarrSaveShardedStrategy(shard_bytes=64 << 20))):
+        path = b.root / f"reshard-fsdp-{method}"
+        paths.append(path)
+        b.measure("reshard-fsdp", method, nbytes, path,
+                  only_savers(lambda path=path, strategy=strategy: shardstore.save(
+                      shardstore_sd(saver, b.rank, saving), str(path), strategy, process_group=save_group)),
+                  counted(method, lambda path=path: shardstore.load(
+                      shardstore_sd(loader, b.rank, b.world, empty=True), str(path))))
+    dcp_path = b.root / "reshard-fsdp-dcp"
+    paths.append(dcp_path)
+
+    def dcp_load() -> dict:
+        target = dcp_sd(loader, load_mesh, empty=True)
+        dcp.load(target, checkpoint_id=str(dcp_path))
+        return target
+
+    b.measure("reshard-fsdp", "dcp", nbytes, dcp_path,
+              only_savers(lambda: dcp.save(dcp_sd(saver, save_mesh), checkpoint_id=str(dcp_path),
+                                           process_group=save_group)),
+              counted("dcp", dcp_load))
+    b.flush()
+    every = [None] * b.world
+    dist.all_gather_object(every, read_ratio)
+    if b.rank == 0:
+        for method in read_ratio:
+            worst = [max(r[method][i] for r in every) for i in range(len(read_ratio[method]))]
+            b.extra[f"reshard-fsdp {method} bytes read / needed (max over ranks, median)"] = round(
+                statistics.median(worst), 3)
+            print(f"  reshard-fsdp {method}: read {statistics.median(worst):.2f}x the bytes needed "
+                  f"(max over ranks; reps {', '.join(f'{w:.2f}' for w in worst)})", flush=True)
+    for p in paths:
+        b._clean(p)
+
+
 def measure_fsdp_on_s3(b: Bench, state: State, nbytes: int) -> None:
     """The fsdp case on the local S3 server (``--cases fsdp,s3``), interleaved with the
     local methods: shardstore with and without shards against DCP over fsspec (torch's
@@ -1129,6 +1211,9 @@ def ratios(results: list[Result]) -> dict[str, float]:
     # the same against the large case's 2-rank load (twice the readers)
     out |= ratio("reshard.load_time_vs_2rank_load", ("large", "shardstore", "load"), ("reshard", "shardstore", "load"))
     out |= ratio("reshard.load.vs_dcp", ("reshard", "shardstore", "load"), ("reshard", "dcp", "load"))
+    for method in ("shardstore", "shardstore-sharded"):
+        out |= ratio(f"reshard-fsdp.{method}.load.vs_dcp", ("reshard-fsdp", method, "load"),
+                     ("reshard-fsdp", "dcp", "load"))
     out |= ratio("s3.save.vs_s3fs_plain", ("s3", "shardstore", "save"), ("s3", "s3fs-plain", "save"))
     out |= ratio("s3.load.vs_s3fs_plain", ("s3", "shardstore", "load"), ("s3", "s3fs-plain", "load"))
     # time of step 2 saved reusing step 1's unchanged chunks / time of a full save of it
@@ -1182,6 +1267,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, root: str
         run_small(b, args)
     if "fsdp" in args.cases:
         run_fsdp(b, args)
+    if "reshard-fsdp" in args.cases:
+        run_reshard_fsdp(b, args)
     if "s3" in args.cases:
         run_s3(b, args)
     if "device" in args.cases:

@@ -270,3 +270,22 @@ def test_an_interrupt_never_removes_what_a_peer_still_writes(tmp_path: Path) -> 
 
 def saved_again(rank: int, world: int, ckpt: str) -> None:
     save(_state(rank, world), ckpt, overwrite=True)
+
+
+def store_seen_by_a_fork(rank: int, world: int) -> tuple[bool, int]:
+    """Whether this rank sees the process group's store, and the exit status of a
+    forked child that asks the same (0: it sees none)."""
+    from shardstore.protocol.collectives import Group
+
+    group = Group()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if group.key_value_store() is None else 1)
+    _, status = os.waitpid(pid, 0)
+    return group.key_value_store() is not None, os.waitstatus_to_exitcode(status)
+
+
+def test_a_forked_writer_never_uses_the_training_process_store_connection() -> None:
+    """Megatron's forked writer shares the parent's socket to the store: marking from
+    there would interleave with the parent's requests, so a fork sees no store."""
+    assert run_distributed(store_seen_by_a_fork, 2) == [(True, 0), (True, 0)]

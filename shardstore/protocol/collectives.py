@@ -28,6 +28,7 @@ from __future__ import annotations
 
 __all__ = ["Group", "PeerLost", "RankFailure", "StageFailed", "WaitBudget", "failure_message"]
 
+import os
 import pickle
 import time
 import traceback
@@ -96,6 +97,7 @@ class Group:
         self.active = dist.is_available() and dist.is_initialized()
         self.process_group = process_group
         self.budget: WaitBudget | None = None
+        self.pid = os.getpid()  # the process whose process group this is (not a fork of it)
         if self.active:
             self.rank = dist.get_rank(process_group)
             self.world_size = dist.get_world_size(process_group)
@@ -109,6 +111,7 @@ class Group:
         group = cls.__new__(cls)
         group.active, group.process_group, group.rank, group.world_size = False, None, 0, 1
         group.budget = None
+        group.pid = os.getpid()
         return group
 
     def budgeted(self, budget: WaitBudget) -> Group:
@@ -137,8 +140,9 @@ class Group:
         """The store the process group was created with (``init_process_group``'s
         rendezvous), for what ranks must tell each other outside any collective
         (``protocol.stopped_writers``); None when this process has no process group
-        (one rank, or a writer process a save was handed to)."""
-        if not (self.active and dist.is_initialized()):
+        (one rank, or a writer process a save was handed to: spawned, or forked, whose
+        copy of the store's connection is the training process's)."""
+        if not (self.active and dist.is_initialized()) or os.getpid() != self.pid:
             return None
         return dist.distributed_c10d._get_default_store()
 

@@ -19,13 +19,20 @@ from __future__ import annotations
 __all__ = ["FsspecStore"]
 
 from abc import abstractmethod
-from typing import Any
+from typing import Any, ClassVar
 
 from shardstore.stores.base import CopiedObject, StorageError, Store, run_parallel
 
 
 class FsspecStore(Store):
-    """A ``Store`` whose bytes live on an fsspec file system."""
+    """A ``Store`` whose bytes live on an fsspec file system.
+
+    Attributes:
+        whole_read_options: keyword arguments of the file system's ``cat_file`` for a
+            whole object (a backend's way to read one in a single request).
+    """
+
+    whole_read_options: ClassVar[dict[str, Any]] = {}
 
     @property
     @abstractmethod
@@ -51,7 +58,7 @@ class FsspecStore(Store):
     def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         try:
             if max_bytes is None:
-                return self._call("read", key, self.fs.cat_file, self._path(key))
+                return self._call("read", key, self.fs.cat_file, self._path(key), **self.whole_read_options)
             data = self._call("read", key, self.fs.cat_file, self._path(key), start=0, end=max_bytes + 1)
         except FileNotFoundError:
             return None
@@ -92,10 +99,14 @@ class FsspecStore(Store):
     def list_dir(self, prefix: str = "") -> list[str]:
         self._refresh()
         try:
-            entries = self._call("list", prefix, self.fs.ls, self._path(prefix), detail=False, refresh=True)
+            entries = self._call("list", prefix, self._entries, self._path(prefix))
         except FileNotFoundError:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def _entries(self, path: str) -> list[str]:
+        """The paths of the files and directories directly under ``path``."""
+        return self.fs.ls(path, detail=False, refresh=True)
 
     def list(self, prefix: str = "") -> list[str]:
         self._refresh()

@@ -19,20 +19,13 @@ from __future__ import annotations
 __all__ = ["FsspecStore"]
 
 from abc import abstractmethod
-from typing import Any, ClassVar
+from typing import Any
 
 from shardstore.stores.base import CopiedObject, StorageError, Store, run_parallel
 
 
 class FsspecStore(Store):
-    """A ``Store`` whose bytes live on an fsspec file system.
-
-    Attributes:
-        whole_read_options: keyword arguments of the file system's ``cat_file`` for a
-            whole object (a backend's way to read one in a single request).
-    """
-
-    whole_read_options: ClassVar[dict[str, Any]] = {}
+    """A ``Store`` whose bytes live on an fsspec file system."""
 
     @property
     @abstractmethod
@@ -58,7 +51,7 @@ class FsspecStore(Store):
     def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         try:
             if max_bytes is None:
-                return self._call("read", key, self.fs.cat_file, self._path(key), **self.whole_read_options)
+                return self._call("read", key, self.fs.cat_file, self._path(key))
             data = self._call("read", key, self.fs.cat_file, self._path(key), start=0, end=max_bytes + 1)
         except FileNotFoundError:
             return None

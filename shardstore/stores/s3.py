@@ -32,7 +32,7 @@ import stat
 import tempfile
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from shardstore.stores.base import (
     DEFAULT_IO_THREADS,
@@ -160,9 +160,6 @@ class S3Store(FsspecStore):
     """
 
     capabilities = Capabilities(max_object_bytes=S3_MAX_OBJECT_BYTES, shared_across_processes=True)
-    # One GET per small file: s3fs would first send a HEAD to choose between one GET and
-    # concurrent ranged GETs (only worth it above its 50 MiB block size).
-    whole_read_options: ClassVar[dict[str, Any]] = {"max_concurrency": 1}
 
     def __init__(self, url: str, options: S3Options | None = None) -> None:
         self.bucket, self.prefix = parse_s3_url(url)
@@ -251,6 +248,18 @@ class S3Store(FsspecStore):
         parent as well where nothing is under ``path``."""
         return [entry["name"] for entry in self._run(self.fs._lsdir, path, refresh=True)]
 
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        """One GET (a ranged one under ``max_bytes``). s3fs's ``cat_file`` of a whole
+        object sends a HEAD first, to choose between one GET and concurrent ranged GETs
+        (worth it above its 50 MiB blocks, which no small file reaches)."""
+        if max_bytes is not None:
+            return super().get(key, max_bytes)
+        try:
+            data, _ = self._call("read", key, self._run, self._get_object, key)
+        except FileNotFoundError:
+            return None
+        return data
+
     def size(self, key: str) -> int | None:
         """One HEAD request (s3fs's ``info`` lists the prefix after a 404)."""
         try:
@@ -279,20 +288,22 @@ class S3Store(FsspecStore):
         data = self.get(key)
         return None if data is None else (_last(data, nbytes), len(data))
 
+    async def _get_object(self, key: str, **kwargs: Any) -> tuple[bytes, dict[str, Any]]:
+        """One GetObject request (``kwargs``: its ``Range``): the bytes and the reply."""
+        reply = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=self._key(key), **kwargs)
+        try:
+            return await reply["Body"].read(), reply
+        finally:
+            reply["Body"].close()
+
     async def _suffix(self, key: str, nbytes: int) -> tuple[bytes, int] | None:
         """``get_suffix``'s GET; None where S3 refuses the range (an empty object)."""
         try:
-            reply = await self.fs._call_s3(
-                "get_object", Bucket=self.bucket, Key=self._key(key), Range=f"bytes=-{nbytes}"
-            )
+            data, reply = await self._get_object(key, Range=f"bytes=-{nbytes}")
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # s3fs's InvalidRange (AWS answers 416 for an empty object)
                 return None
             raise
-        try:
-            data = await reply["Body"].read()
-        finally:
-            reply["Body"].close()
         content_range = reply.get("ContentRange")  # "bytes 90-99/100"; absent where all of it came
         size = int(content_range.rsplit("/", 1)[1]) if content_range else len(data)
         return _last(data, nbytes), size

@@ -1,8 +1,10 @@
 """``s3://bucket/prefix`` checkpoint locations: S3, MinIO, Ceph, any S3-compatible store.
 
-Chunks go through TensorStore's ``s3`` kvstore (one PUT per chunk, many in flight);
-small files (``zarr.json`` documents, ``common.pt``, sharded objects, the commit
-record), listing and deletion go through s3fs.
+Chunks, and a save's many ``zarr.json`` documents, go through TensorStore's ``s3``
+kvstore (one PUT per object, many in flight); other small files (``common.pt``, sharded
+objects, the commit record), listing and deletion go through s3fs, one request each
+(``get``, ``size``, ``exists``, ``list_dir`` and ``prepare`` avoid the extra HEADs and
+listings s3fs's own calls send; a shard index's suffix GET names the size).
 
 Settings come from the standard AWS environment unless given in code
 (``S3Options``): ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, ``AWS_REGION`` /

@@ -786,6 +786,29 @@ def measure_fsdp_on_s3(b: Bench, state: State, nbytes: int) -> None:
     b.measure("fsdp", "dcp-fsspec-s3", nbytes, b.root / "unused-dcp-fsspec",
               lambda: dcp.save(dcp_sd(state, mesh), storage_writer=FsspecWriter(url)),
               lambda: dcp.load(dcp_sd(state, mesh, empty=True), storage_reader=FsspecReader(url)))
+    run_s3_torchconnector(b, state, nbytes, mesh)
+
+
+def run_s3_torchconnector(b: Bench, state: State, nbytes: int, mesh) -> None:
+    """s3torchconnector's DCP writer and reader (AWS's CRT client: multipart uploads,
+    ranged GETs) on the same local S3 server, where it is installed (``pip install
+    "s3torchconnector[dcp]"``, never a dependency of shardstore); its client finds the
+    server through ``AWS_ENDPOINT_URL``, as the other methods do."""
+    try:
+        import torch.distributed.checkpoint as dcp
+        from s3torchconnector import S3ClientConfig
+        from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+    except ImportError as exc:
+        if b.rank == 0:
+            print(f"fsdp: s3torchconnector's DCP writer not measured ({exc})", flush=True)
+        return
+    region = os.environ.get("AWS_REGION", "us-east-1")
+    config = S3ClientConfig(force_path_style=True)  # a local server: the bucket in the path, not the host
+    url = f"s3://{S3_BUCKET}/fsdp/dcp-s3torchconnector"
+    b.measure("fsdp", "dcp-s3tc-s3", nbytes, b.root / "unused-dcp-s3tc",
+              lambda: dcp.save(dcp_sd(state, mesh), storage_writer=S3StorageWriter(region, url, s3client_config=config)),
+              lambda: dcp.load(dcp_sd(state, mesh, empty=True),
+                               storage_reader=S3StorageReader(region, url, s3client_config=config)))
 
 
 def run_s3(b: Bench, args: argparse.Namespace) -> None:

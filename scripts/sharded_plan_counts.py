@@ -8,14 +8,22 @@ target (bytes / shard size + 2 x arrays + ranks: data files plus ``zarr.json`` f
 plus per-rank files), bytes the gather moves between ranks, how many ranks write and the
 most one writes, and the coordinator's planning seconds.
 
-Usage: ``python scripts/sharded_plan_counts.py [--shard-mib 64] [--quick]``.
+``--record`` also builds the commit record of each sharded save at full size (issue
+44.2): the sampled plan's record, bound with a report per written shard as the writers
+send them (``simulate_scale.commit_stage``), copied under every layer's keys
+(``simulate_scale.full_size_record``), then written and parsed as a load parses it
+(``CommitRecord.to_json`` / ``from_json``, the garbage collector paused); prints its
+size and the median CPU seconds of ``--parses`` parses.
+
+Usage: ``python scripts/sharded_plan_counts.py [--shard-mib 64] [--quick] [--record]``.
 """
 
 from __future__ import annotations
 
-__all__ = ["counts", "main"]
+__all__ = ["counts", "main", "sharded_record"]
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import simulate_scale as sim  # noqa: E402
 
+from shardstore.core import gc_paused  # noqa: E402
 from shardstore.format.codecs import BYTES_CRC32C  # noqa: E402
+from shardstore.format.records import CommitRecord  # noqa: E402
 from shardstore.planning.layout import GlobalLayout  # noqa: E402
 from shardstore.planning.plans import plan_save  # noqa: E402
 from shardstore.strategies.zarr import DEFAULT_MAX_CHUNK_BYTES  # noqa: E402
@@ -57,12 +67,53 @@ def counts(model: sim.Model, shard_bytes: int | None) -> dict[str, float]:
     }
 
 
+def sharded_record(sampled: sim.Model, model: sim.Model, shard_bytes: int, parses: int) -> dict[str, float]:
+    """The commit record of ``model``'s sharded save, built from ``sampled``'s plan (the
+    same world, fewer layers) at ``model``'s layer count: its bytes, its shards, and the
+    median and range of ``parses`` parses' CPU seconds."""
+    layout = GlobalLayout.from_gathered([(sampled.rank_records(r), []) for r in range(sampled.world)])
+    plans = plan_save(layout, DEFAULT_MAX_CHUNK_BYTES, True, shard_bytes)
+    bound, _, _ = sim.commit_stage(plans)
+    del plans, layout
+    record = sim.full_size_record(bound, sampled.layers, model.layers, model.world) or bound
+    data = record.to_json()
+    seconds = []
+    for _ in range(parses):
+        start = time.process_time()
+        gc_paused(CommitRecord.from_json)(data, sim.PLACE)
+        seconds.append(time.process_time() - start)
+    return {"layers": model.layers if record is not bound else sampled.layers, "arrays": len(record.arrays),
+            "chunks": sum(a.chunk_count for a in record.arrays.values()), "bytes": len(data),
+            "parse_s": statistics.median(seconds), "parse_min_s": min(seconds), "parse_max_s": max(seconds)}
+
+
+def print_records(models: list[sim.Model], shard_bytes: int, quick: bool, parses: int) -> None:
+    """``sharded_record`` of each FSDP2 layout (Megatron's layer-stacked keys do not name
+    their layer, so its record cannot be copied to full size from a sample)."""
+    print("\n| layout | ranks | layers | arrays | shards in the record | record | parse (median, min-max) |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for model in models:
+        if isinstance(model, sim.MegatronGpt):
+            continue
+        sampled = model if quick else model.with_layers(2)
+        r = sharded_record(sampled, model, shard_bytes, parses)
+        print(f"| {model.name} | {model.world} | {r['layers']} | {r['arrays']:,} | {r['chunks']:,} "
+              f"| {r['bytes'] / 1e6:.2f} MB | {r['parse_s']:.3f} s ({r['parse_min_s']:.3f}-{r['parse_max_s']:.3f}) |",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shard-mib", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="small worlds, seconds")
+    parser.add_argument("--record", action="store_true", help="also the full-size sharded commit records")
+    parser.add_argument("--records-only", action="store_true", help="only the full-size sharded commit records")
+    parser.add_argument("--parses", type=int, default=5, help="parses of each record timed")
     args = parser.parse_args()
     models = sim.layouts(args.quick)
+    if args.records_only:
+        print_records(models, args.shard_mib * MiB, args.quick, args.parses)
+        return
     print("| layout | ranks | layers | shards | bytes | arrays | sharded | data files | target | moved | "
           "writers | most written | plan s |")
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -75,6 +126,8 @@ def main() -> None:
                   f"| {c['bytes'] / 1e9:.1f} GB | {c['arrays']} | {c['sharded']} | {c['data_files']:,} | {c['target']:,} "
                   f"| {c['moved'] / 1e9:.1f} GB | {c['writers']} | {c['max_written'] / 1e6:.0f} MB | {c['plan_s']:.2f} |",
                   flush=True)
+    if args.record:
+        print_records(models, args.shard_mib * MiB, args.quick, args.parses)
 
 
 if __name__ == "__main__":

@@ -514,15 +514,15 @@ def _chunk_index(region, chunk_shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def written_chunks(plan: RankSavePlan, arrays: dict[str, ArrayRecord], rng: random.Random) -> list[WrittenChunk]:
     """What rank ``plan.rank`` reports at the commit: every chunk it writes (its whole
-    blocks, its direct flat chunks, the straddling chunks it assembles), with a random
-    crc32c and digest as real ones are spread."""
+    blocks, its direct flat chunks, the straddling chunks and the shards it assembles),
+    with a random crc32c and digest as real ones are spread."""
     out = []
 
     def report(key: str, index: tuple[int, ...]) -> None:
         out.append(WrittenChunk(key, index, rng.getrandbits(32), f"{rng.getrandbits(128):032x}"))
 
     for s in plan.shards:
-        if s.flat_range is not None:
+        if s.flat_range is not None or s.key in plan.gathered:  # a block of a shard: its writer reports
             continue
         c = arrays[s.key].chunk_shape
         ends = [min(o + b, g) for o, b, g in zip(s.offset, s.block_shape, s.global_shape)]

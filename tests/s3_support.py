@@ -42,6 +42,7 @@ class FaultyProxy:
         self.target_port, self.faults = target_port, faults
         self.counts = {"forwarded": 0, "503": 0, "dropped": 0}
         self.bytes_received = 0  # request bodies from the clients (what they uploaded)
+        self.seen: list[tuple[str, str]] = []  # (method, path) of every request, in order of arrival
         self._lock = threading.Lock()
         self._random = random.Random(faults.seed)
         proxy = self
@@ -56,6 +57,7 @@ class FaultyProxy:
                 body = self._read_body()
                 with proxy._lock:
                     proxy.bytes_received += len(body)
+                    proxy.seen.append((self.command, self.path))
                 fate = proxy._fate()
                 if fate == "503":
                     payload = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
@@ -95,7 +97,9 @@ class FaultyProxy:
                 for k, v in response.getheaders():
                     if k.lower() not in ("transfer-encoding", "content-length", "connection"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # a HEAD's answer has no body but the object's length
+                self.send_header("Content-Length", response.getheader("Content-Length", "0")
+                                 if self.command == "HEAD" else str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

@@ -87,7 +87,10 @@ def files_found(location: Location) -> OtherCheckpointFiles | None:
     (``OtherFormat.files``) whose metadata file is there, the one that detects the
     directory first (else the last of them, the most general: plain DCP rather than
     Megatron's torch_dist made of it); None where there is none."""
-    present = [f for f in formats(OtherFormat) if f.files is not None and location.exists(f.metadata_file)]
+    named = [f for f in formats(OtherFormat) if f.files is not None]
+    # formats share metadata files (DCP's and torch_dist's .metadata): each looked up once
+    there = {name: location.exists(name) for name in dict.fromkeys(f.metadata_file for f in named)}
+    present = [f for f in named if there[f.metadata_file]]
     if not present:
         return None
     found = next((f for f in present if f.detect(location)), present[-1])

@@ -92,10 +92,14 @@ class FsspecStore(Store):
     def list_dir(self, prefix: str = "") -> list[str]:
         self._refresh()
         try:
-            entries = self._call("list", prefix, self.fs.ls, self._path(prefix), detail=False, refresh=True)
+            entries = self._call("list", prefix, self._entries, self._path(prefix))
         except FileNotFoundError:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def _entries(self, path: str) -> list[str]:
+        """The paths of the files and directories directly under ``path``."""
+        return self.fs.ls(path, detail=False, refresh=True)
 
     def list(self, prefix: str = "") -> list[str]:
         self._refresh()

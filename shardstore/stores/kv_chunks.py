@@ -48,6 +48,19 @@ class KvChunkStore(ChunkStore):
     def put(self, rel: str, buffers: list[memoryview]) -> None:
         self.kv.write(rel, b"".join(buffers)).result()
 
+    def put_all(self, objects: dict[str, bytes]) -> None:
+        """Writes every object with all requests in flight at once (up to the kvstore's
+        request concurrency), then waits for them.
+
+        Raises:
+            StorageError: naming the first object whose write failed."""
+        pending = {rel: self.kv.write(rel, data) for rel, data in objects.items()}
+        for rel, write in pending.items():
+            try:
+                write.result()
+            except Exception as exc:
+                raise StorageError(f"Cannot write {self.describe(rel)}: {exc}") from exc
+
     def get_into(self, rel: str, views: list[memoryview], tail: int) -> tuple[int, bytes] | None:
         result = self.kv.read(rel).result()
         return fill_views(views, memoryview(result.value), tail) if result.state == "value" else None

@@ -1,8 +1,10 @@
 """``s3://bucket/prefix`` checkpoint locations: S3, MinIO, Ceph, any S3-compatible store.
 
-Chunks go through TensorStore's ``s3`` kvstore (one PUT per chunk, many in flight);
-small files (``zarr.json`` documents, ``common.pt``, sharded objects, the commit
-record), listing and deletion go through s3fs.
+Chunks, and a save's many ``zarr.json`` documents, go through TensorStore's ``s3``
+kvstore (one PUT per object, many in flight); other small files (``common.pt``, sharded
+objects, the commit record), listing and deletion go through s3fs, one request each
+(``get``, ``size``, ``exists``, ``list_dir`` and ``prepare`` avoid the extra HEADs and
+listings s3fs's own calls send; a shard index's suffix GET names the size).
 
 Settings come from the standard AWS environment unless given in code
 (``S3Options``): ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, ``AWS_REGION`` /
@@ -25,6 +27,7 @@ from __future__ import annotations
 __all__ = ["S3Options", "S3Store"]
 
 import contextlib
+import errno
 import logging
 import os
 import stat
@@ -139,6 +142,11 @@ def _encrypted_by_key(reply: dict[str, Any]) -> bool:
     return str(reply.get("ServerSideEncryption", "")).startswith("aws:kms") or bool(reply.get("SSECustomerAlgorithm"))
 
 
+def _last(data: bytes, nbytes: int) -> bytes:
+    """The last ``nbytes`` of ``data`` (all of it where it is shorter)."""
+    return data[max(0, len(data) - nbytes):]
+
+
 def _remove_file(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -230,9 +238,86 @@ class S3Store(FsspecStore):
     def _refresh(self) -> None:
         self.fs.invalidate_cache()
 
+    def _run(self, coroutine_function: Any, *args: Any, **kwargs: Any) -> Any:
+        """Runs one of s3fs's coroutines (requests s3fs's own methods do not make alone)
+        on its event loop, from this thread."""
+        from fsspec.asyn import sync  # s3fs brings fsspec
+
+        return sync(self.fs.loop, coroutine_function, *args, **kwargs)
+
+    def _entries(self, path: str) -> list[str]:
+        """One listing of ``path/`` (a page per 1,000 names); s3fs's ``ls`` lists the
+        parent as well where nothing is under ``path``."""
+        return [entry["name"] for entry in self._run(self.fs._lsdir, path, refresh=True)]
+
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        """One GET (a ranged one under ``max_bytes``). s3fs's ``cat_file`` of a whole
+        object sends a HEAD first, to choose between one GET and concurrent ranged GETs
+        (worth it above its 50 MiB blocks, which no small file reaches)."""
+        if max_bytes is not None:
+            return super().get(key, max_bytes)
+        try:
+            data, _ = self._call("read", key, self._run, self._get_object, key)
+        except FileNotFoundError:
+            return None
+        return data
+
+    def size(self, key: str) -> int | None:
+        """One HEAD request (s3fs's ``info`` lists the prefix after a 404)."""
+        try:
+            reply = self._call("look up", key, self.fs.call_s3, "head_object", Bucket=self.bucket, Key=self._key(key))
+        except FileNotFoundError:
+            return None
+        return int(reply["ContentLength"])
+
+    def exists(self, key: str) -> bool:
+        """One HEAD request: whether ``key`` names an object (S3 has no directories)."""
+        return self.size(key) is not None
+
+    def get_suffix(self, key: str, nbytes: int) -> tuple[bytes, int] | None:
+        """The object's last ``nbytes`` bytes (all of it where it is shorter) and its
+        size, or None if it does not exist: one suffix GET, whose ``Content-Range``
+        names the size (S3 answers a suffix longer than the object with all of it)."""
+        if nbytes <= 0:
+            size = self.size(key)
+            return None if size is None else (b"", size)
+        try:
+            found = self._call("read the end of", key, self._run, self._suffix, key, nbytes)
+        except FileNotFoundError:
+            return None
+        if found is not None:
+            return found
+        data = self.get(key)
+        return None if data is None else (_last(data, nbytes), len(data))
+
+    async def _get_object(self, key: str, **kwargs: Any) -> tuple[bytes, dict[str, Any]]:
+        """One GetObject request (``kwargs``: its ``Range``): the bytes and the reply."""
+        reply = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=self._key(key), **kwargs)
+        try:
+            return await reply["Body"].read(), reply
+        finally:
+            reply["Body"].close()
+
+    async def _suffix(self, key: str, nbytes: int) -> tuple[bytes, int] | None:
+        """``get_suffix``'s GET; None where S3 refuses the range (an empty object)."""
+        try:
+            data, reply = await self._get_object(key, Range=f"bytes=-{nbytes}")
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # s3fs's InvalidRange (AWS answers 416 for an empty object)
+                return None
+            raise
+        content_range = reply.get("ContentRange")  # "bytes 90-99/100"; absent where all of it came
+        size = int(content_range.rsplit("/", 1)[1]) if content_range else len(data)
+        return _last(data, nbytes), size
+
     def put_many(self, objects: dict[str, bytes]) -> None:
-        if objects:  # s3fs sends them concurrently
-            self._call("write", "", self.fs.pipe, {self._path(k): d for k, d in objects.items()})
+        """All in flight at once through TensorStore's kvstore (a save's ``zarr.json``
+        documents, one per array): its requests cost a tenth of the CPU of s3fs's, whose
+        connection pool holds 10."""
+        for key in objects:
+            self._key(key)  # refused here as everywhere else
+        if objects:
+            S3ChunkStore(self, self.options.request_concurrency).put_all(objects)
 
     def _delete_keys(self, keys: list[str]) -> None:
         """DeleteObjects requests of up to ``S3_DELETE_BATCH`` exact keys (s3fs's
@@ -273,8 +358,8 @@ class S3Store(FsspecStore):
         return CopiedObject(etag.strip('"'))
 
     def prepare(self) -> None:
-        try:
-            self._call("find bucket of", "", self.fs.ls, self.bucket, refresh=True)
+        try:  # one HEAD (a listing of the bucket would page through all of its top level)
+            self._call("find bucket of", "", self.fs.call_s3, "head_bucket", Bucket=self.bucket)
         except FileNotFoundError:
             raise StorageError(
                 f"Bucket {self.bucket!r} of {self.describe()} does not exist; create it first"
@@ -291,7 +376,7 @@ class S3Store(FsspecStore):
 
     def chunk_store(self, io_concurrency: int, local_threads: int = DEFAULT_IO_THREADS) -> KvChunkStore:
         """Chunks through TensorStore's ``s3`` kvstore, ``io_concurrency`` requests in flight."""
-        return KvChunkStore(self, io_concurrency)
+        return S3ChunkStore(self, io_concurrency)
 
     def _kvstore_spec(self) -> dict[str, Any]:
         spec: dict[str, Any] = {
@@ -342,3 +427,12 @@ class S3Store(FsspecStore):
             "s3_request_concurrency": {"limit": o.request_concurrency},
         }
 
+
+class S3ChunkStore(KvChunkStore):
+    """``KvChunkStore`` on S3, whose suffix reads (a sharded read's index) are one GET
+    each (``S3Store.get_suffix``): TensorStore does not report an object's size."""
+
+    store: S3Store
+
+    def get_suffix(self, rel: str, nbytes: int) -> tuple[bytes, int] | None:
+        return self.store.get_suffix(rel, nbytes)

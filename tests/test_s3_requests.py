@@ -1,0 +1,117 @@
+"""Issue 44.3's request budget on S3, counted at a proxy in front of the local S3 server
+while two ranks save and load: a save makes at most arrays + data objects + 2 x ranks +
+a few requests, a load one GET per data object each rank reads + 4 x ranks + a few,
+and a read of part of a shard one suffix GET for its index (no HEAD) and one ranged GET.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from shardstore import ShardedTensor, load, save
+from shardstore.stores.locations import open_location
+from shardstore.stores.s3 import S3Options
+from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+from tests.dist import run_distributed
+from tests.s3_support import KEY, REGION, SECRET, Faults, FaultyProxy, MotoServer
+
+BUCKET = "request-budget"
+WORLD, ARRAYS, ROWS, COLS = 2, 12, 256, 256  # FSDP2-like: each array split along its rows
+# The issue's "a few": with 2 x ranks, room for the 13 requests measured that grow with
+# neither arrays nor ranks (the bucket's HEAD, two listings of the target, the save
+# marker's PUT, GET and DELETE, metadata.json and common.pt and their reads for the
+# record's checksums, the check for a committed record, and the record itself).
+SAVE_A_FEW = 9
+# A load's requests per rank beside its data: the commit record, metadata.json,
+# common.pt, and the look for another tool's checkpoint in the same prefix.
+LOAD_PER_RANK = 4
+
+
+def _global(i: int) -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + i
+
+
+def _state(parts: int, part: int, empty: bool = False) -> dict[str, ShardedTensor]:
+    out = {}
+    for i in range(ARRAYS):
+        block = _global(i).chunk(parts)[part].clone()
+        out[f"p{i}"] = ShardedTensor.from_rank_offsets(
+            f"p{i}", torch.zeros_like(block) if empty else block, (0, part, parts))
+    return out
+
+
+def _location(url: str, endpoint: str):
+    return open_location(url, options=S3Options(endpoint_url=endpoint, key=KEY, secret=SECRET, region=REGION))
+
+
+def saved(rank: int, world: int, url: str, endpoint: str, shard_bytes: int | None) -> None:
+    save(_state(world, rank), _location(url, endpoint), ZarrSaveShardedStrategy(shard_bytes=shard_bytes))
+
+
+def loaded(rank: int, world: int, url: str, endpoint: str, parts: int) -> None:
+    """Loads this rank's part of ``parts`` (parts beyond the ranks are read by nobody)."""
+    got = load(_state(parts, rank, empty=True), _location(url, endpoint), validate_access_integrity=False)
+    for key, expected in _state(parts, rank).items():
+        assert torch.equal(got[key], expected.data), key
+
+
+@pytest.fixture(scope="module")
+def proxy(moto_server: MotoServer) -> Iterator[FaultyProxy]:
+    moto_server.create_bucket(BUCKET)
+    proxy = FaultyProxy(moto_server.port, Faults()).start()
+    yield proxy
+    proxy.stop()
+
+
+def _requests(proxy: FaultyProxy, fn, *args) -> list[tuple[str, str]]:
+    """The (method, path) of each request ``fn`` makes on ``WORLD`` ranks."""
+    before = len(proxy.seen)
+    run_distributed(fn, WORLD, *args, timeout=240)
+    return proxy.seen[before:]
+
+
+@pytest.mark.parametrize(("shard_bytes", "objects"), [(None, ARRAYS * WORLD), (64 << 20, ARRAYS)],
+                         ids=["a-chunk-per-rank", "a-shard-per-array"])
+def test_a_two_rank_save_and_load_stay_within_the_request_budget(proxy, shard_bytes, objects) -> None:
+    url = f"s3://{BUCKET}/{objects}/ckpt"
+    made = _requests(proxy, saved, url, proxy.endpoint, shard_bytes)
+    methods = Counter(method for method, _ in made)
+    assert len(made) <= ARRAYS + objects + 2 * WORLD + SAVE_A_FEW, methods  # arrays' zarr.json + data
+    puts = [path for method, path in made if method == "PUT"]
+    assert len(puts) == len(set(puts)), "an object was written twice"
+    assert methods["HEAD"] <= 2, made  # the bucket, and whether a record is there
+
+    made = _requests(proxy, loaded, url, proxy.endpoint, WORLD)
+    methods = Counter(method for method, _ in made)
+    # every rank reads each of its chunks, or each shard it needs half of, whole: one GET
+    assert len(made) <= ARRAYS * WORLD + LOAD_PER_RANK * WORLD, methods
+    assert methods["HEAD"] <= WORLD, made  # another tool's metadata file, looked for once a rank
+
+
+def test_a_read_of_part_of_a_shard_is_an_index_get_and_a_ranged_get(proxy) -> None:
+    """Two ranks each load a quarter of every array from one shard per array: per shard
+    and rank one suffix GET for the index (its Content-Range gives the shard's size, so
+    no HEAD) and one ranged GET of the inner chunks wanted."""
+    url = f"s3://{BUCKET}/quarters/ckpt"
+    _requests(proxy, saved, url, proxy.endpoint, 64 << 20)
+    made = _requests(proxy, loaded, url, proxy.endpoint, 2 * WORLD)
+    data = Counter(method for method, path in made if "/ckpt/p" in path)
+    assert data == {"GET": 2 * ARRAYS * WORLD}, made
+
+
+def test_a_suffix_read_is_one_request_that_names_the_size(proxy) -> None:
+    from shardstore.stores.s3 import S3ChunkStore
+
+    location = _location(f"s3://{BUCKET}/suffix", proxy.endpoint)
+    location.write_bytes("obj", bytes(range(200)))
+    chunks = location.store.chunk_store(4)
+    assert isinstance(chunks, S3ChunkStore)
+    for nbytes, expected in ((20, bytes(range(180, 200))), (500, bytes(range(200)))):
+        before = len(proxy.seen)
+        assert chunks.get_suffix("obj", nbytes) == (expected, 200)
+        assert [method for method, _ in proxy.seen[before:]] == ["GET"]
+    assert chunks.get_suffix("missing", 20) is None

@@ -180,10 +180,11 @@ class ChunkFile:
         codec reports for the commit record.
 
         No fsync here: the location's ``make_durable`` (one ``syncfs`` per rank) flushes
-        every chunk before the commit. An fsync per large chunk from the writer threads
-        was measured slower: with the ranks holding 4 GiB each besides the state (as
-        trainers do), 2 GiB at 2 ranks took 2.1-2.4 s against 1.4-1.7 s with the one
-        ``syncfs``, and 1.3-1.4 s for the plain-file bound."""
+        every chunk before the commit; a local store starts a large chunk's write-back
+        as it is written (``stores.local.start_writeback``). An fsync per large chunk
+        from the writer threads was measured slower: with the ranks holding 4 GiB each
+        besides the state (as trainers do), 2 GiB at 2 ranks took 2.1-2.4 s against
+        1.4-1.7 s with the one ``syncfs``, and 1.3-1.4 s for the plain-file bound."""
         encoded = self.codec.encode(_bytes_view(data))
         self.store.put(self.rel, list(encoded.pieces))
         return encoded.crc

@@ -1,9 +1,12 @@
 """Local and shared POSIX file systems: a checkpoint is a directory, each key a file.
 
-Durability: small files are written without a per-file fsync; ``make_durable`` then
-flushes the whole file system once (``syncfs``), through a descriptor ``begin_writes``
-opened before the first write, which covers every chunk file and every directory entry
-in one system call instead of one per file. ``put_atomic`` (the commit record) writes a
+Durability: files are written without a per-file fsync; ``make_durable`` then flushes
+the whole file system once (``syncfs``), through a descriptor ``begin_writes`` opened
+before the first write, which covers every chunk file and every directory entry in one
+system call instead of one per file. A chunk file of ``EARLY_WRITEBACK_BYTES`` or more
+starts its write-back as soon as it is written (``start_writeback``), so the disk works
+while the next chunks are written and that ``syncfs`` finds most pages clean; it
+changes when bytes reach the disk, not what is durable before the commit. ``put_atomic`` (the commit record) writes a
 temporary file, fsyncs it, renames it over the key and fsyncs the directory, so it
 appears whole and only after everything it vouches for; a write that fails midway
 leaves the old content.
@@ -19,7 +22,9 @@ Publishing (``stores.base.DirectoryPublishing``): renames, atomic exchanges
 
 from __future__ import annotations
 
-__all__ = ["FileChunkStore", "LocalStore", "check_inside", "open_regular", "open_regular_file"]
+__all__ = [
+    "FileChunkStore", "LocalStore", "check_inside", "open_regular", "open_regular_file", "start_writeback",
+]
 
 import contextlib
 import ctypes
@@ -435,6 +440,32 @@ def _syncfs(fd: int, path: Path) -> None:
         raise StorageError(err, f"syncfs failed on {path}: {os.strerror(err)}")
 
 
+# sync_file_range(2)'s flag that starts write-back of a file's dirty pages without
+# waiting for it.
+_SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range = getattr(_libc, "sync_file_range", None)
+if _sync_file_range is not None:
+    _sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+# errnos that say the file system or kernel has no sync_file_range: nothing started,
+# ``make_durable`` flushes the file as it would have anyway.
+_NO_SYNC_FILE_RANGE = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ESPIPE}
+
+
+def start_writeback(fd: int) -> None:
+    """Starts writing ``fd``'s dirty pages to the disk and returns without waiting
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``; Linux). A hint, not a durability
+    promise: ``make_durable``'s ``syncfs`` still flushes the data, the inodes and the
+    directory entries. Nothing happens where the C library or file system lacks it.
+
+    Raises:
+        OSError: the kernel refused the write-back (an I/O error)."""
+    if _sync_file_range is None or _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) == 0:
+        return
+    err = ctypes.get_errno()
+    if err not in _NO_SYNC_FILE_RANGE:
+        raise OSError(err, os.strerror(err))
+
+
 def open_regular_file(root: Path, path: Path) -> int | None:
     """A read-only descriptor of ``path``, a regular file inside ``root``; None if it
     does not exist.
@@ -585,6 +616,15 @@ def open_regular(path: Path) -> int | None:
 # ------------------------------------------------------------------ chunk I/O
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+# Chunk files at least this large start their write-back as soon as they are written
+# (``FileChunkStore.put``); smaller ones are left to ``make_durable``'s one ``syncfs``,
+# which writes many small files in fewer, larger requests.
+EARLY_WRITEBACK_BYTES = 1 << 20
+# The most bytes one ``preadv`` of a chunk asks for. The kernel's readahead runs ahead
+# of a stream of such reads, while one read of a whole chunk file waits for each
+# readahead window in turn: cold reads of eight 32 MiB files by eight threads took
+# 131 ms (121-141) in 1 MiB reads against 152 ms (145-187) in whole-file reads.
+READ_BLOCK_BYTES = 1 << 20
 # Bytes read at a time when a shared file is read back to check it.
 CHECK_READ_BYTES = 4 * 2**20
 
@@ -613,12 +653,17 @@ class FileChunkStore(ChunkStore):
 
     def put(self, rel: str, buffers: list[memoryview]) -> None:
         """One ``writev`` per ``IOV_MAX`` buffers (a shard of many inner chunks has more
-        pieces than one call takes), in order, each short write resumed."""
+        pieces than one call takes), in order, each short write resumed; a file of at
+        least ``EARLY_WRITEBACK_BYTES`` then starts its write-back (``start_writeback``),
+        so that the disk works while the next chunks are written and the location's
+        ``make_durable`` finds most pages clean."""
         fd = create_new_file(self._prefix + rel)
         try:
             pending: list = buffers
             while pending:
                 pending = _advance(pending, os.writev(fd, pending[:IOV_MAX]))
+            if sum(len(b) for b in buffers) >= EARLY_WRITEBACK_BYTES:
+                start_writeback(fd)
         finally:
             os.close(fd)
 
@@ -689,13 +734,26 @@ class FileChunkStore(ChunkStore):
 
 
 def _read_at(fd: int, views: list[memoryview], offset: int) -> int:
-    """``preadv`` of ``views`` from ``offset``, ``IOV_MAX`` views per call, until they
-    are full or the file ends; returns the bytes read."""
+    """``preadv`` of ``views`` from ``offset``, at most ``IOV_MAX`` views and
+    ``READ_BLOCK_BYTES`` per call, until they are full or the file ends; returns the
+    bytes read."""
     got, pending = 0, views
-    while pending and (n := os.preadv(fd, pending[:IOV_MAX], offset + got)):
+    while pending and (n := os.preadv(fd, _head(pending, READ_BLOCK_BYTES), offset + got)):
         got += n
         pending = _advance(pending, n)
     return got
+
+
+def _head(buffers: list, limit: int) -> list:
+    """The first ``IOV_MAX`` of ``buffers``, cut after ``limit`` bytes."""
+    head, total = buffers[:IOV_MAX], 0
+    for i, b in enumerate(head):
+        total += len(b)
+        if total >= limit:
+            head = head[: i + 1]
+            head[i] = memoryview(b)[: len(b) - (total - limit)]
+            break
+    return head
 
 
 def _advance(buffers: list, n: int) -> list:

@@ -1,0 +1,113 @@
+"""The local data path at the disk's floor: large chunks start their write-back as they
+are written, reads go in bounded blocks, and neither changes what is durable or checked."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from shardstore.core import CheckpointingException
+from shardstore.format.chunks import ArrayChunks, read_region, run_reads, run_writes, write_region
+from shardstore.stores import local
+from shardstore.stores.local import FileChunkStore, start_writeback
+
+# float32 chunks of 1 MiB (256 x 1024) and of 4 KiB (1 x 1024)
+BIG, SMALL = (256, 1024), (1, 1024)
+
+
+def _array(tmp_path, chunk_shape: tuple[int, int], rows: int = 512) -> tuple[ArrayChunks, np.ndarray]:
+    value = np.random.default_rng(0).standard_normal((rows, 1024)).astype(np.float32)
+    array = ArrayChunks("w", FileChunkStore(tmp_path), value.shape, chunk_shape, value.dtype)
+    return array, value
+
+
+def _write(array: ArrayChunks, value: np.ndarray) -> tuple[int, ...]:
+    region = tuple(slice(0, n) for n in value.shape)
+    written = run_writes(write_region(array, region, value))
+    return tuple(c.crc for c in sorted(written, key=lambda c: c.index))
+
+
+def test_chunk_files_of_a_mebibyte_or_more_start_their_write_back(tmp_path, monkeypatch) -> None:
+    started: list[int] = []
+    monkeypatch.setattr(local, "start_writeback", lambda fd: started.append(os.fstat(fd).st_size))
+    big, value = _array(tmp_path / "big", BIG)
+    _write(big, value)
+    small, value = _array(tmp_path / "small", SMALL, rows=4)
+    _write(small, value)
+    assert started == [2**20 + 4, 2**20 + 4]  # the two big chunks (data + crc32c), no small one
+
+
+def test_start_writeback_returns_at_once_and_changes_no_byte(tmp_path) -> None:
+    path = tmp_path / "f"
+    data = os.urandom(3 * 2**20)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        os.write(fd, data)
+        start_writeback(fd)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == data
+
+
+def test_start_writeback_of_a_pipe_does_nothing(tmp_path) -> None:
+    """A descriptor sync_file_range refuses as unsupported (ESPIPE) is left to syncfs."""
+    read_end, write_end = os.pipe()
+    try:
+        start_writeback(write_end)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_a_failed_write_back_is_raised(monkeypatch) -> None:
+    """An I/O error from the kernel is not taken for "unsupported"."""
+    monkeypatch.setattr(local, "_sync_file_range", lambda *args: -1)
+    monkeypatch.setattr(local.ctypes, "get_errno", lambda: local.errno.EIO)
+    with pytest.raises(OSError, match="Input/output error"):
+        start_writeback(0)
+
+
+def test_chunks_are_read_in_blocks_of_at_most_read_block_bytes(tmp_path, monkeypatch) -> None:
+    array, value = _array(tmp_path, BIG)
+    array.crcs = _write(array, value)
+    sizes: list[int] = []
+    real_preadv = os.preadv
+
+    def counting_preadv(fd: int, views: list, offset: int) -> int:
+        sizes.append(sum(len(v) for v in views))
+        return real_preadv(fd, views, offset)
+
+    monkeypatch.setattr(local, "READ_BLOCK_BYTES", 300_000)
+    monkeypatch.setattr(local.os, "preadv", counting_preadv)
+    out = np.empty_like(value)
+    run_reads(read_region(array, tuple(slice(0, n) for n in value.shape), out), threads=1)
+    assert np.array_equal(out.view(np.uint32), value.view(np.uint32))
+    assert max(sizes) == 300_000 and sum(sizes) == value.nbytes  # the trailers come by pread
+
+
+def test_a_byte_flipped_in_the_middle_of_a_block_read_chunk_is_refused(tmp_path, monkeypatch) -> None:
+    array, value = _array(tmp_path, BIG)
+    array.crcs = _write(array, value)
+    path = tmp_path / "w" / "c.1.0"
+    raw = bytearray(path.read_bytes())
+    raw[700_001] ^= 1
+    path.write_bytes(bytes(raw))
+    monkeypatch.setattr(local, "READ_BLOCK_BYTES", 300_000)
+    with pytest.raises(CheckpointingException, match="crc32c mismatch"):
+        run_reads(read_region(array, tuple(slice(0, n) for n in value.shape), np.empty_like(value)))
+
+
+@pytest.mark.parametrize("limit", [1, 5, 6, 7, 100])
+def test_head_cuts_the_views_after_the_limit(limit: int) -> None:
+    views = [memoryview(bytearray(n)) for n in (3, 3, 4)]
+    head = local._head(views, limit)
+    assert sum(len(v) for v in head) == min(limit, 10)
+    assert [len(v) for v in head[:-1]] == [len(v) for v in views[: len(head) - 1]]  # whole views before the cut
+    assert len(views[0]) == 3  # the caller's list is not cut
+
+
+def test_head_takes_at_most_iov_max_views() -> None:
+    views = [memoryview(bytearray(1)) for _ in range(local.IOV_MAX + 5)]
+    assert len(local._head(views, 2**30)) == local.IOV_MAX

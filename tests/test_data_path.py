@@ -11,6 +11,7 @@ import pytest
 from shardstore.core import CheckpointingException
 from shardstore.format.chunks import ArrayChunks, read_region, run_reads, run_writes, write_region
 from shardstore.stores import local
+from shardstore.stores.base import fold_landed
 from shardstore.stores.local import FileChunkStore, start_writeback
 
 # float32 chunks of 1 MiB (256 x 1024) and of 4 KiB (1 x 1024)
@@ -111,3 +112,22 @@ def test_head_cuts_the_views_after_the_limit(limit: int) -> None:
 def test_head_takes_at_most_iov_max_views() -> None:
     views = [memoryview(bytearray(1)) for _ in range(local.IOV_MAX + 5)]
     assert len(local._head(views, 2**30)) == local.IOV_MAX
+
+
+def test_a_folded_read_hands_over_every_byte_in_order_block_by_block(tmp_path, monkeypatch) -> None:
+    data = os.urandom(2**20 + 4)
+    (tmp_path / "c").write_bytes(data)
+    monkeypatch.setattr(local, "READ_BLOCK_BYTES", 300_000)
+    views = [memoryview(bytearray(700_000)), memoryview(bytearray(2**20 - 700_000))]
+    blocks: list[bytes] = []
+    got = FileChunkStore(tmp_path).get_into_folded("c", views, 5, lambda b: blocks.append(bytes(b)))
+    assert got == (2**20, data[2**20:])
+    assert b"".join(blocks) == data[: 2**20] == b"".join(bytes(v) for v in views)
+    assert max(map(len, blocks)) <= 300_000
+
+
+def test_fold_landed_stops_where_the_bytes_stop() -> None:
+    views = [memoryview(b"abc"), memoryview(b"defg"), memoryview(b"hi")]
+    blocks: list[bytes] = []
+    fold_landed(views, 5, lambda b: blocks.append(bytes(b)))
+    assert blocks == [b"abc", b"de"]

@@ -257,7 +257,13 @@ class BytesCrc32c(ChunkCodec):
         return EncodedChunk((data, _crc_trailer(crc)), crc)
 
     def read_into(self, chunk: ChunkSource, views: list[memoryview]) -> int:
-        got = chunk.store.get_into(chunk.rel, views, CRC_BYTES + 1)
+        crc = 0
+
+        def fold(block: memoryview) -> None:  # the crc32c of each block as it lands
+            nonlocal crc
+            crc = crc32c.crc32c(block, crc)
+
+        got = chunk.store.get_into_folded(chunk.rel, views, CRC_BYTES + 1, fold)
         if got is None:
             raise CheckpointingException(f"Missing {chunk.describe()}: the checkpoint is damaged")
         n, trailer = got
@@ -267,9 +273,6 @@ class BytesCrc32c(ChunkCodec):
                 f"Corrupt {chunk.describe()}: {n + len(trailer)} bytes, expected {expected + CRC_BYTES} "
                 "(truncated or overwritten)"
             )
-        crc = 0
-        for v in views:
-            crc = crc32c.crc32c(v, crc)
         if crc != int.from_bytes(trailer, "little"):
             raise CheckpointingException(f"Corrupt {chunk.describe()}: crc32c mismatch")
         return crc

@@ -1,17 +1,28 @@
-"""The local data path at the disk's floor: large chunks start their write-back as they
-are written, reads go in bounded blocks, and neither changes what is durable or checked."""
+"""The local data path at the disk's floor: a chunk is hashed and written block by block
+while in cache, large chunks start their write-back as they are written, reads go in
+bounded blocks checksummed as they land, and none of it changes what is durable or
+checked."""
 
 from __future__ import annotations
 
 import os
 
+import crc32c
 import numpy as np
 import pytest
 
 from shardstore.core import CheckpointingException
-from shardstore.format.chunks import ArrayChunks, read_region, run_reads, run_writes, write_region
+from shardstore.format.chunks import (
+    ArrayChunks,
+    chunk_digest,
+    read_region,
+    run_reads,
+    run_writes,
+    write_region,
+)
+from shardstore.format.codecs import BYTES_CRC32C
 from shardstore.stores import local
-from shardstore.stores.base import fold_landed
+from shardstore.stores.base import STREAM_BLOCK_BYTES, fold_landed
 from shardstore.stores.local import FileChunkStore, start_writeback
 
 # float32 chunks of 1 MiB (256 x 1024) and of 4 KiB (1 x 1024)
@@ -131,3 +142,38 @@ def test_fold_landed_stops_where_the_bytes_stop() -> None:
     blocks: list[bytes] = []
     fold_landed(views, 5, lambda b: blocks.append(bytes(b)))
     assert blocks == [b"abc", b"de"]
+
+
+@pytest.mark.parametrize("nbytes", [0, 5, STREAM_BLOCK_BYTES, 2 * STREAM_BLOCK_BYTES + 3])
+def test_a_streamed_chunk_is_its_encoded_chunk(nbytes: int) -> None:
+    data = memoryview(os.urandom(nbytes))
+    folded: list[bytes] = []
+    streamed = BYTES_CRC32C.encode_stream(data, lambda b: folded.append(bytes(b)), STREAM_BLOCK_BYTES)
+    assert streamed.crc is None  # nothing taken yet
+    pieces = [bytes(p) for p in streamed.pieces]
+    encoded = BYTES_CRC32C.encode(data)
+    assert b"".join(pieces) == b"".join(bytes(p) for p in encoded.pieces)
+    assert streamed.crc == encoded.crc == crc32c.crc32c(data)
+    assert b"".join(folded) == bytes(data) and all(len(b) <= STREAM_BLOCK_BYTES for b in folded)
+
+
+def test_a_written_chunk_reports_the_digest_and_crc32c_of_its_bytes(tmp_path) -> None:
+    array, value = _array(tmp_path, BIG)
+    written = run_writes(write_region(array, (slice(0, 512), slice(0, 1024)), value))
+    for chunk in written:
+        data = memoryview(value[chunk.index[0] * 256 : (chunk.index[0] + 1) * 256].reshape(-1).view(np.uint8))
+        assert (chunk.crc, chunk.digest) == (crc32c.crc32c(data), chunk_digest(data))
+
+
+def test_put_stream_writes_each_block_before_taking_the_next(tmp_path) -> None:
+    path, block = tmp_path / "c", memoryview(bytes(STREAM_BLOCK_BYTES))
+    sizes: list[int] = []
+
+    def pieces():
+        for _ in range(3):
+            sizes.append(path.stat().st_size)
+            yield block
+
+    FileChunkStore(tmp_path).put_stream("c", pieces())
+    assert sizes == [0, STREAM_BLOCK_BYTES, 2 * STREAM_BLOCK_BYTES]
+    assert path.stat().st_size == 3 * STREAM_BLOCK_BYTES

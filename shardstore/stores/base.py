@@ -22,7 +22,7 @@ shares the store, so it overrides only what it changes and forwards nothing by h
 from __future__ import annotations
 
 __all__ = [
-    "DEFAULT_IO_THREADS", "Capabilities", "ChunkAccess", "ChunkMismatch", "ChunkStore",
+    "DEFAULT_IO_THREADS", "STREAM_BLOCK_BYTES", "Capabilities", "ChunkAccess", "ChunkMismatch", "ChunkStore",
     "CopiedObject", "DirectoryPublishing", "ExpectedBytes", "Location", "NameLimits",
     "StorageError", "Store", "check_range", "fill_views", "fold_landed", "kvstore_spec", "run_parallel",
 ]
@@ -39,6 +39,9 @@ from shardstore.errors import CheckpointingException
 
 # Threads for batches of small-object writes; they release the GIL in write().
 SMALL_FILE_WRITERS = 8
+# Bytes in which a chunk is checksummed and written when its store writes as it goes
+# (``ChunkStore.put_stream``): each block is hashed and copied out while in cache.
+STREAM_BLOCK_BYTES = 1 << 20
 # Threads doing chunk I/O per rank; more did not help on local disks (a cold load of
 # 5,000 small chunks on 2 cores: 0.9 s at 8 threads, 1.0-1.3 s at 32 and 64).
 DEFAULT_IO_THREADS = 8
@@ -506,6 +509,13 @@ class ChunkStore(ABC):
     def put(self, rel: str, buffers: list[memoryview]) -> None:
         """Stores the concatenation of ``buffers`` at ``rel`` (no durability promise:
         the location's ``make_durable`` flushes)."""
+
+    def put_stream(self, rel: str, pieces: Iterable[memoryview]) -> None:
+        """``put`` of pieces made while they are taken (``format.codecs.
+        ChunkCodec.encode_stream``). A store that writes as it goes takes each piece
+        just before writing it (``stores.local.FileChunkStore``); this default takes
+        them all, then puts them."""
+        self.put(rel, list(pieces))
 
     @abstractmethod
     def get_into(self, rel: str, views: list[memoryview], tail: int) -> tuple[int, bytes] | None:

@@ -35,11 +35,12 @@ import os
 import shutil
 import stat
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from shardstore.stores.base import (
     DEFAULT_IO_THREADS,
+    STREAM_BLOCK_BYTES,
     Capabilities,
     ChunkAccess,
     ChunkMismatch,
@@ -653,17 +654,27 @@ class FileChunkStore(ChunkStore):
         return self._prefix + rel
 
     def put(self, rel: str, buffers: list[memoryview]) -> None:
-        """One ``writev`` per ``IOV_MAX`` buffers (a shard of many inner chunks has more
-        pieces than one call takes), in order, each short write resumed; a file of at
-        least ``EARLY_WRITEBACK_BYTES`` then starts its write-back (``start_writeback``),
-        so that the disk works while the next chunks are written and the location's
-        ``make_durable`` finds most pages clean."""
+        self.put_stream(rel, buffers)
+
+    def put_stream(self, rel: str, pieces: Iterable[memoryview]) -> None:
+        """Takes the pieces in order and writes them as they come: one ``writev``
+        once they add up to ``STREAM_BLOCK_BYTES`` or ``IOV_MAX`` pieces (a shard of
+        many inner chunks has more than one call takes), each short write resumed. A
+        file of at least ``EARLY_WRITEBACK_BYTES`` then starts its write-back
+        (``start_writeback``), so that the disk works while the next chunks are
+        written and the location's ``make_durable`` finds most pages clean."""
         fd = create_new_file(self._prefix + rel)
         try:
-            pending: list = buffers
-            while pending:
-                pending = _advance(pending, os.writev(fd, pending[:IOV_MAX]))
-            if sum(len(b) for b in buffers) >= EARLY_WRITEBACK_BYTES:
+            batch: list[memoryview] = []
+            size = written = 0
+            for piece in pieces:
+                batch.append(piece)
+                size += len(piece)
+                if size >= STREAM_BLOCK_BYTES or len(batch) == IOV_MAX:
+                    _write_all(fd, batch)
+                    batch, written, size = [], written + size, 0
+            _write_all(fd, batch)
+            if written + size >= EARLY_WRITEBACK_BYTES:
                 start_writeback(fd)
         finally:
             os.close(fd)
@@ -746,6 +757,13 @@ class FileChunkStore(ChunkStore):
         finally:
             os.close(fd)
         return True
+
+
+def _write_all(fd: int, buffers: list[memoryview]) -> None:
+    """``writev`` of ``buffers`` (at most ``IOV_MAX``) until all is written."""
+    pending: list = buffers
+    while pending:
+        pending = _advance(pending, os.writev(fd, pending))
 
 
 def _read_at(fd: int, views: list[memoryview], offset: int, fold: Callable[[memoryview], None] | None = None) -> int:

@@ -165,7 +165,7 @@ def test_a_written_chunk_reports_the_digest_and_crc32c_of_its_bytes(tmp_path) ->
         assert (chunk.crc, chunk.digest) == (crc32c.crc32c(data), chunk_digest(data))
 
 
-def test_put_stream_writes_each_block_before_taking_the_next(tmp_path) -> None:
+def test_a_chunk_file_is_written_block_by_block_as_the_blocks_are_made(tmp_path) -> None:
     path, block = tmp_path / "c", memoryview(bytes(STREAM_BLOCK_BYTES))
     sizes: list[int] = []
 
@@ -174,6 +174,6 @@ def test_put_stream_writes_each_block_before_taking_the_next(tmp_path) -> None:
             sizes.append(path.stat().st_size)
             yield block
 
-    FileChunkStore(tmp_path).put_stream("c", pieces())
+    FileChunkStore(tmp_path).put("c", pieces())
     assert sizes == [0, STREAM_BLOCK_BYTES, 2 * STREAM_BLOCK_BYTES]
     assert path.stat().st_size == 3 * STREAM_BLOCK_BYTES

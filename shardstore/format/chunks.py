@@ -42,6 +42,7 @@ __all__ = [
     "ChunkMismatch",
     "ChunkPiece",
     "ChunkStore",
+    "ChunkSums",
     "HeldChunk",
     "ReadJob",
     "Region",
@@ -176,11 +177,12 @@ class ChunkFile:
     def describe(self) -> str:
         return f"chunk {self.chunk_key} of array {self.array_key!r} ({self.path})"
 
-    def write(self, data: np.ndarray, fold: Callable[[memoryview], None] | None = None) -> int:
+    def write(self, data: np.ndarray) -> ChunkSums:
         """Writes a C-contiguous chunk as its codec lays it out; returns the crc32c the
-        codec reports for the commit record. ``fold`` (the caller's digest) is handed
-        every byte of the chunk in order, block by block where the codec streams
-        (``ChunkCodec.encode_stream``), just before the block is written.
+        codec reports for the commit record and the chunk's digest (``chunk_digest``),
+        both taken block by block as the chunk is written, where the codec streams
+        (``ChunkCodec.encode_stream``): each block is hashed twice and copied out while
+        it is in cache.
 
         No fsync here: the location's ``make_durable`` (one ``syncfs`` per rank) flushes
         every chunk before the commit; a local store starts a large chunk's write-back
@@ -188,10 +190,11 @@ class ChunkFile:
         from the writer threads was measured slower: with the ranks holding 4 GiB each
         besides the state (as trainers do), 2 GiB at 2 ranks took 2.1-2.4 s against
         1.4-1.7 s with the one ``syncfs``, and 1.3-1.4 s for the plain-file bound."""
-        streamed = self.codec.encode_stream(_bytes_view(data), fold or _ignore, STREAM_BLOCK_BYTES)
-        self.store.put_stream(self.rel, streamed.pieces)
+        hasher = xxhash.xxh3_128()
+        streamed = self.codec.encode_stream(_bytes_view(data), hasher.update, STREAM_BLOCK_BYTES)
+        self.store.put(self.rel, streamed.pieces)
         assert streamed.crc is not None  # known once every piece was taken
-        return streamed.crc
+        return ChunkSums(streamed.crc, hasher.hexdigest())
 
     def read_into(self, out: np.ndarray) -> None:
         """Fills a C-contiguous ``out`` with the chunk (``read_into_views``)."""
@@ -353,6 +356,18 @@ def read_region(array: ArrayChunks, region: Region, out: np.ndarray) -> list[Rea
     ]
 
 
+class ChunkSums(NamedTuple):
+    """The checksums of one chunk written (``ChunkFile.write``).
+
+    Attributes:
+        crc: the crc32c its codec reports for the commit record.
+        digest: XXH3-128 of its bytes, 32 hex digits (``chunk_digest``).
+    """
+
+    crc: int
+    digest: str
+
+
 class WrittenChunk(NamedTuple):
     """What the writer of one chunk reports for the commit record.
 
@@ -409,20 +424,13 @@ def run_writes(
 
 def _write_or_share(file: ChunkFile, data: np.ndarray, share: ShareChunk | None) -> WrittenChunk:
     """Writes a chunk, or shares it where ``share`` finds it unchanged (its digest,
-    taken first, decides). Without ``share`` the digest is taken as the chunk is
-    written, each block hashed twice and written while in cache (``ChunkFile.write``)."""
-    if share is None:
-        hasher = xxhash.xxh3_128()
-        crc = file.write(data, hasher.update)
-        return WrittenChunk(file.array_key, file.index, crc, hasher.hexdigest())
-    view = _bytes_view(data)
-    digest = chunk_digest(view)
-    report = share(file, view, digest)
-    return report if report is not None else WrittenChunk(file.array_key, file.index, file.write(data), digest)
-
-
-def _ignore(_: memoryview) -> None:
-    """A fold that keeps nothing."""
+    taken first, decides)."""
+    if share is not None:
+        view = _bytes_view(data)
+        report = share(file, view, chunk_digest(view))
+        if report is not None:
+            return report
+    return WrittenChunk(file.array_key, file.index, *file.write(data))
 
 
 def run_reads(jobs: list[ReadJob], threads: int | None = None) -> None:

@@ -40,7 +40,7 @@ from shardstore.errors import CheckpointingException
 # Threads for batches of small-object writes; they release the GIL in write().
 SMALL_FILE_WRITERS = 8
 # Bytes in which a chunk is checksummed and written when its store writes as it goes
-# (``ChunkStore.put_stream``): each block is hashed and copied out while in cache.
+# (``ChunkStore.put``): each block is hashed and copied out while in cache.
 STREAM_BLOCK_BYTES = 1 << 20
 # Threads doing chunk I/O per rank; more did not help on local disks (a cold load of
 # 5,000 small chunks on 2 cores: 0.9 s at 8 threads, 1.0-1.3 s at 32 and 64).
@@ -506,16 +506,12 @@ class ChunkStore(ABC):
         """Where ``rel`` is, for error messages."""
 
     @abstractmethod
-    def put(self, rel: str, buffers: list[memoryview]) -> None:
+    def put(self, rel: str, buffers: Iterable[memoryview]) -> None:
         """Stores the concatenation of ``buffers`` at ``rel`` (no durability promise:
-        the location's ``make_durable`` flushes)."""
-
-    def put_stream(self, rel: str, pieces: Iterable[memoryview]) -> None:
-        """``put`` of pieces made while they are taken (``format.codecs.
-        ChunkCodec.encode_stream``). A store that writes as it goes takes each piece
-        just before writing it (``stores.local.FileChunkStore``); this default takes
-        them all, then puts them."""
-        self.put(rel, list(pieces))
+        the location's ``make_durable`` flushes). ``buffers`` may be made while they
+        are taken (``format.codecs.ChunkCodec.encode_stream``): a store that writes as
+        it goes takes each just before writing it (``stores.local.FileChunkStore``),
+        others take them all first."""
 
     @abstractmethod
     def get_into(self, rel: str, views: list[memoryview], tail: int) -> tuple[int, bytes] | None:
@@ -580,7 +576,7 @@ class StoreChunkStore(ChunkStore):
     def describe(self, rel: str) -> str:
         return self.store.describe(rel)
 
-    def put(self, rel: str, buffers: list[memoryview]) -> None:
+    def put(self, rel: str, buffers: Iterable[memoryview]) -> None:
         self.store.put(rel, b"".join(buffers))
 
     def get_into(self, rel: str, views: list[memoryview], tail: int) -> tuple[int, bytes] | None:

@@ -653,10 +653,7 @@ class FileChunkStore(ChunkStore):
     def describe(self, rel: str) -> str:
         return self._prefix + rel
 
-    def put(self, rel: str, buffers: list[memoryview]) -> None:
-        self.put_stream(rel, buffers)
-
-    def put_stream(self, rel: str, pieces: Iterable[memoryview]) -> None:
+    def put(self, rel: str, buffers: Iterable[memoryview]) -> None:
         """Takes the pieces in order and writes them as they come: one ``writev``
         once they add up to ``STREAM_BLOCK_BYTES`` or ``IOV_MAX`` pieces (a shard of
         many inner chunks has more than one call takes), each short write resumed. A
@@ -667,7 +664,7 @@ class FileChunkStore(ChunkStore):
         try:
             batch: list[memoryview] = []
             size = written = 0
-            for piece in pieces:
+            for piece in buffers:
                 batch.append(piece)
                 size += len(piece)
                 if size >= STREAM_BLOCK_BYTES or len(batch) == IOV_MAX:

@@ -13,8 +13,10 @@ elsewhere).
 The writer of a chunk reports the crc32c its codec gives and a 128-bit content digest of
 its decoded bytes (XXH3-128, as fast as crc32c here: 12.9 GB/s each on one core); the
 commit record keeps both for every chunk (``format.ArrayRecord.chunk_crcs``,
-``chunk_digests``). The digest lets a later save share a chunk whose bytes did not
-change instead of writing it again (``format.reuse``). Every read checks the chunk
+``chunk_digests``), both taken block by block as the chunk is written, each block
+hashed twice and copied out while in cache (``ChunkFile.write``); a read takes its
+crc32c of each block as it lands. The digest lets a later save share a chunk whose
+bytes did not change instead of writing it again (``format.reuse``). Every read checks the chunk
 against its own checksums (the codec) and the crc32c the record keeps for it (here): a
 chunk swapped with another of the same array, of another array, or copied from another
 checkpoint fails the read, naming the chunk.

@@ -445,12 +445,21 @@ def _syncfs(fd: int, path: Path) -> None:
 # sync_file_range(2)'s flag that starts write-back of a file's dirty pages without
 # waiting for it.
 _SYNC_FILE_RANGE_WRITE = 2
-_sync_file_range = getattr(_libc, "sync_file_range", None)
-if _sync_file_range is not None:
-    _sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 # errnos that say the file system or kernel has no sync_file_range: nothing started,
 # ``make_durable`` flushes the file as it would have anyway.
 _NO_SYNC_FILE_RANGE = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ESPIPE}
+
+
+def _sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> int | None:
+    """``sync_file_range(2)`` through the C library (its result), or None where the C
+    library has none. Looked up on each call, as ``_syncfs`` does: a ctypes function is
+    not hashable, and what indexes a module's callables (tests/test_collective_counts.py)
+    needs them to be."""
+    function = getattr(_libc, "sync_file_range", None)
+    if function is None:
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    return function(fd, offset, nbytes, flags)
 
 
 def start_writeback(fd: int) -> None:
@@ -461,7 +470,7 @@ def start_writeback(fd: int) -> None:
 
     Raises:
         OSError: the kernel refused the write-back (an I/O error)."""
-    if _sync_file_range is None or _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) == 0:
+    if _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) in (None, 0):
         return
     err = ctypes.get_errno()
     if err not in _NO_SYNC_FILE_RANGE:

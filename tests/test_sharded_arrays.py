@@ -196,14 +196,21 @@ def test_on_s3_shards_save_load_and_are_shared_by_server_side_copy(moto_server) 
 
 def _count_chunk_reads() -> list[int]:
     """In this (spawned) process, counts the bytes every way a FileChunkStore reads
-    returns (whole objects, ranges, suffixes); returns the one-element counter."""
+    returns (whole objects, checksummed as they land or not, ranges, suffixes);
+    returns the one-element counter."""
     from shardstore.stores.local import FileChunkStore
 
     read = [0]
     real_into, real_range, real_suffix = FileChunkStore.get_into, FileChunkStore.get_range_into, FileChunkStore.get_suffix
+    real_folded = FileChunkStore.get_into_folded
 
     def get_into(self, rel, views, tail):
         got = real_into(self, rel, views, tail)
+        read[0] += 0 if got is None else got[0] + len(got[1])
+        return got
+
+    def get_into_folded(self, rel, views, tail, fold):
+        got = real_folded(self, rel, views, tail, fold)
         read[0] += 0 if got is None else got[0] + len(got[1])
         return got
 
@@ -218,6 +225,7 @@ def _count_chunk_reads() -> list[int]:
 
     FileChunkStore.get_into, FileChunkStore.get_range_into, FileChunkStore.get_suffix = (
         get_into, get_range_into, get_suffix)
+    FileChunkStore.get_into_folded = get_into_folded
     return read
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "EncodedChunk",
     "HeldBytes",
     "HeldChunk",
+    "StreamedChunk",
     "codec_for",
     "recognized",
     "register",
@@ -60,7 +61,7 @@ __all__ = [
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -98,6 +99,21 @@ class EncodedChunk:
     crc: int
 
 
+@dataclass
+class StreamedChunk:
+    """A chunk's stored object as pieces made while they are written
+    (``ChunkCodec.encode_stream``).
+
+    Attributes:
+        pieces: the object's bytes, in order.
+        crc: the crc32c the commit record keeps for the chunk; known once every piece
+            was taken (None before).
+    """
+
+    pieces: Iterator[memoryview]
+    crc: int | None = None
+
+
 class ChunkCodec(ABC):
     """How one chunk of an array is stored: the module docstring says what each method
     owes its callers. Instances are immutable and compare by value (they are part of
@@ -122,6 +138,16 @@ class ChunkCodec(ABC):
     @abstractmethod
     def encode(self, data: memoryview) -> EncodedChunk:
         """The stored object of a chunk whose decoded bytes are ``data``."""
+
+    def encode_stream(self, data: memoryview, fold: Callable[[memoryview], None], block_bytes: int) -> StreamedChunk:
+        """``encode`` as pieces made while they are taken: ``fold`` (the caller's
+        digest) sees every byte of ``data`` once, in order, and a codec that can
+        (``BytesCrc32c``) hands it each block of at most ``block_bytes`` as it takes
+        its own checksum of it and just before the block is written, so all three
+        passes find it in cache. This default folds the whole chunk, then encodes it."""
+        fold(data)
+        encoded = self.encode(data)
+        return StreamedChunk(iter(encoded.pieces), encoded.crc)
 
     @abstractmethod
     def read_into(self, chunk: ChunkSource, views: list[memoryview]) -> int:
@@ -256,8 +282,32 @@ class BytesCrc32c(ChunkCodec):
         crc = crc32c.crc32c(data)
         return EncodedChunk((data, _crc_trailer(crc)), crc)
 
+    def encode_stream(self, data: memoryview, fold: Callable[[memoryview], None], block_bytes: int) -> StreamedChunk:
+        """The data block by block (its crc32c and ``fold`` taken of each just before
+        it is written), then the trailer."""
+        streamed = StreamedChunk(iter(()))
+
+        def pieces() -> Iterator[memoryview]:
+            crc = 0
+            for at in range(0, len(data), block_bytes):
+                block = data[at : at + block_bytes]
+                crc = crc32c.crc32c(block, crc)
+                fold(block)
+                yield block
+            streamed.crc = crc
+            yield _crc_trailer(crc)
+
+        streamed.pieces = pieces()
+        return streamed
+
     def read_into(self, chunk: ChunkSource, views: list[memoryview]) -> int:
-        got = chunk.store.get_into(chunk.rel, views, CRC_BYTES + 1)
+        crc = 0
+
+        def fold(block: memoryview) -> None:  # the crc32c of each block as it lands
+            nonlocal crc
+            crc = crc32c.crc32c(block, crc)
+
+        got = chunk.store.get_into_folded(chunk.rel, views, CRC_BYTES + 1, fold)
         if got is None:
             raise CheckpointingException(f"Missing {chunk.describe()}: the checkpoint is damaged")
         n, trailer = got
@@ -267,9 +317,6 @@ class BytesCrc32c(ChunkCodec):
                 f"Corrupt {chunk.describe()}: {n + len(trailer)} bytes, expected {expected + CRC_BYTES} "
                 "(truncated or overwritten)"
             )
-        crc = 0
-        for v in views:
-            crc = crc32c.crc32c(v, crc)
         if crc != int.from_bytes(trailer, "little"):
             raise CheckpointingException(f"Corrupt {chunk.describe()}: crc32c mismatch")
         return crc

@@ -1,9 +1,12 @@
 """Local and shared POSIX file systems: a checkpoint is a directory, each key a file.
 
-Durability: small files are written without a per-file fsync; ``make_durable`` then
-flushes the whole file system once (``syncfs``), through a descriptor ``begin_writes``
-opened before the first write, which covers every chunk file and every directory entry
-in one system call instead of one per file. ``put_atomic`` (the commit record) writes a
+Durability: files are written without a per-file fsync; ``make_durable`` then flushes
+the whole file system once (``syncfs``), through a descriptor ``begin_writes`` opened
+before the first write, which covers every chunk file and every directory entry in one
+system call instead of one per file. A chunk file of ``EARLY_WRITEBACK_BYTES`` or more
+starts its write-back as soon as it is written (``start_writeback``), so the disk works
+while the next chunks are written and that ``syncfs`` finds most pages clean; it
+changes when bytes reach the disk, not what is durable before the commit. ``put_atomic`` (the commit record) writes a
 temporary file, fsyncs it, renames it over the key and fsyncs the directory, so it
 appears whole and only after everything it vouches for; a write that fails midway
 leaves the old content.
@@ -19,7 +22,9 @@ Publishing (``stores.base.DirectoryPublishing``): renames, atomic exchanges
 
 from __future__ import annotations
 
-__all__ = ["FileChunkStore", "LocalStore", "check_inside", "open_regular", "open_regular_file"]
+__all__ = [
+    "FileChunkStore", "LocalStore", "check_inside", "open_regular", "open_regular_file", "start_writeback",
+]
 
 import contextlib
 import ctypes
@@ -30,11 +35,12 @@ import os
 import shutil
 import stat
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from shardstore.stores.base import (
     DEFAULT_IO_THREADS,
+    STREAM_BLOCK_BYTES,
     Capabilities,
     ChunkAccess,
     ChunkMismatch,
@@ -44,6 +50,7 @@ from shardstore.stores.base import (
     NameLimits,
     StorageError,
     check_range,
+    fold_landed,
     run_parallel,
 )
 
@@ -435,6 +442,41 @@ def _syncfs(fd: int, path: Path) -> None:
         raise StorageError(err, f"syncfs failed on {path}: {os.strerror(err)}")
 
 
+# sync_file_range(2)'s flag that starts write-back of a file's dirty pages without
+# waiting for it.
+_SYNC_FILE_RANGE_WRITE = 2
+# errnos that say the file system or kernel has no sync_file_range: nothing started,
+# ``make_durable`` flushes the file as it would have anyway.
+_NO_SYNC_FILE_RANGE = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ESPIPE}
+
+
+def _sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> int | None:
+    """``sync_file_range(2)`` through the C library (its result), or None where the C
+    library has none. Looked up on each call, as ``_syncfs`` does: a ctypes function is
+    not hashable, and what indexes a module's callables (tests/test_collective_counts.py)
+    needs them to be."""
+    function = getattr(_libc, "sync_file_range", None)
+    if function is None:
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    return function(fd, offset, nbytes, flags)
+
+
+def start_writeback(fd: int) -> None:
+    """Starts writing ``fd``'s dirty pages to the disk and returns without waiting
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``; Linux). A hint, not a durability
+    promise: ``make_durable``'s ``syncfs`` still flushes the data, the inodes and the
+    directory entries. Nothing happens where the C library or file system lacks it.
+
+    Raises:
+        OSError: the kernel refused the write-back (an I/O error)."""
+    if _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) in (None, 0):
+        return
+    err = ctypes.get_errno()
+    if err not in _NO_SYNC_FILE_RANGE:
+        raise OSError(err, os.strerror(err))
+
+
 def open_regular_file(root: Path, path: Path) -> int | None:
     """A read-only descriptor of ``path``, a regular file inside ``root``; None if it
     does not exist.
@@ -585,6 +627,15 @@ def open_regular(path: Path) -> int | None:
 # ------------------------------------------------------------------ chunk I/O
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+# Chunk files at least this large start their write-back as soon as they are written
+# (``FileChunkStore.put``); smaller ones are left to ``make_durable``'s one ``syncfs``,
+# which writes many small files in fewer, larger requests.
+EARLY_WRITEBACK_BYTES = 1 << 20
+# The most bytes one ``preadv`` of a chunk asks for. The kernel's readahead runs ahead
+# of a stream of such reads, while one read of a whole chunk file waits for each
+# readahead window in turn: cold reads of eight 32 MiB files by eight threads took
+# 131 ms (121-141) in 1 MiB reads against 152 ms (145-187) in whole-file reads.
+READ_BLOCK_BYTES = 1 << 20
 # Bytes read at a time when a shared file is read back to check it.
 CHECK_READ_BYTES = 4 * 2**20
 
@@ -611,23 +662,49 @@ class FileChunkStore(ChunkStore):
     def describe(self, rel: str) -> str:
         return self._prefix + rel
 
-    def put(self, rel: str, buffers: list[memoryview]) -> None:
-        """One ``writev`` per ``IOV_MAX`` buffers (a shard of many inner chunks has more
-        pieces than one call takes), in order, each short write resumed."""
+    def put(self, rel: str, buffers: Iterable[memoryview]) -> None:
+        """Takes the pieces in order and writes them as they come: one ``writev``
+        once they add up to ``STREAM_BLOCK_BYTES`` or ``IOV_MAX`` pieces (a shard of
+        many inner chunks has more than one call takes), each short write resumed. A
+        file of at least ``EARLY_WRITEBACK_BYTES`` then starts its write-back
+        (``start_writeback``), so that the disk works while the next chunks are
+        written and the location's ``make_durable`` finds most pages clean."""
         fd = create_new_file(self._prefix + rel)
         try:
-            pending: list = buffers
-            while pending:
-                pending = _advance(pending, os.writev(fd, pending[:IOV_MAX]))
+            batch: list[memoryview] = []
+            size = written = 0
+            for piece in buffers:
+                batch.append(piece)
+                size += len(piece)
+                if size >= STREAM_BLOCK_BYTES or len(batch) == IOV_MAX:
+                    _write_all(fd, batch)
+                    batch, written, size = [], written + size, 0
+            _write_all(fd, batch)
+            if written + size >= EARLY_WRITEBACK_BYTES:
+                start_writeback(fd)
         finally:
             os.close(fd)
 
     def get_into(self, rel: str, views: list[memoryview], tail: int) -> tuple[int, bytes] | None:
+        return self._get_into(rel, views, tail, None)
+
+    def get_into_folded(
+        self, rel: str, views: list[memoryview], tail: int, fold: Callable[[memoryview], None],
+    ) -> tuple[int, bytes] | None:
+        """``fold`` runs after each ``preadv`` block on the bytes it landed, while they
+        are in cache: eight threads of two ranks reading 32 MiB chunks evict a chunk
+        from the 32 MiB L3 before a crc32c pass after the read reaches it (the load's
+        CPU time went from 69 to 58 ms per 256 MiB rank)."""
+        return self._get_into(rel, views, tail, fold)
+
+    def _get_into(
+        self, rel: str, views: list[memoryview], tail: int, fold: Callable[[memoryview], None] | None,
+    ) -> tuple[int, bytes] | None:
         fd = self._open(rel)
         if fd is None:
             return None
         try:
-            got = _read_at(fd, views, 0)
+            got = _read_at(fd, views, 0, fold)
             return got, os.pread(fd, tail, got)
         finally:
             os.close(fd)
@@ -688,14 +765,36 @@ class FileChunkStore(ChunkStore):
         return True
 
 
-def _read_at(fd: int, views: list[memoryview], offset: int) -> int:
-    """``preadv`` of ``views`` from ``offset``, ``IOV_MAX`` views per call, until they
-    are full or the file ends; returns the bytes read."""
+def _write_all(fd: int, buffers: list[memoryview]) -> None:
+    """``writev`` of ``buffers`` (at most ``IOV_MAX``) until all is written."""
+    pending: list = buffers
+    while pending:
+        pending = _advance(pending, os.writev(fd, pending))
+
+
+def _read_at(fd: int, views: list[memoryview], offset: int, fold: Callable[[memoryview], None] | None = None) -> int:
+    """``preadv`` of ``views`` from ``offset``, at most ``IOV_MAX`` views and
+    ``READ_BLOCK_BYTES`` per call, until they are full or the file ends; returns the
+    bytes read. ``fold``: called with the bytes of each call, in order, as they land."""
     got, pending = 0, views
-    while pending and (n := os.preadv(fd, pending[:IOV_MAX], offset + got)):
+    while pending and (n := os.preadv(fd, _head(pending, READ_BLOCK_BYTES), offset + got)):
         got += n
+        if fold is not None:
+            fold_landed(pending, n, fold)
         pending = _advance(pending, n)
     return got
+
+
+def _head(buffers: list, limit: int) -> list:
+    """The first ``IOV_MAX`` of ``buffers``, cut after ``limit`` bytes."""
+    head, total = buffers[:IOV_MAX], 0
+    for i, b in enumerate(head):
+        total += len(b)
+        if total >= limit:
+            head = head[: i + 1]
+            head[i] = memoryview(b)[: len(b) - (total - limit)]
+            break
+    return head
 
 
 def _advance(buffers: list, n: int) -> list:

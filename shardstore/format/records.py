@@ -100,6 +100,7 @@ import functools
 import itertools
 import json
 import math
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -488,6 +489,9 @@ MAX_SEGMENT_LENGTH = 255
 # is refused as ``__``-prefixed, the save machinery's names as ``.``-prefixed).
 RESERVED_NAMES = frozenset({ZARR_JSON})
 RESERVED_ROOT_NAMES = {CONFIG_FNAME: "backend metadata", COMMON_FILE: "common state"}
+# One search instead of a generator over the key's characters: a third of ``check_key``'s
+# time, which every save and load spends on every key.
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x1f]")
 
 
 def check_key(
@@ -519,7 +523,7 @@ def check_key(
         fail("keys must be strings")
     if len(key) > MAX_KEY_LENGTH:
         fail(f"longer than {MAX_KEY_LENGTH} characters")
-    if any(ord(ch) < 32 for ch in key):
+    if _CONTROL_CHARACTER.search(key):
         fail("contains NUL or another control character")
     if "\\" in key:
         fail("contains a backslash")

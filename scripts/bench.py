@@ -24,9 +24,12 @@ against DCP's ``FileSystemWriter``/``Reader``; ``--plain-gib``) and ``async``
 the save runs in the background); ``device`` (not in the default set: tensors on
 ``--device``, CUDA on the GPU machine, at ``--world 1``: sync save, load into device
 targets, async blocked time against a pinned device-to-host copy, against DCP,
-``torch.save`` and the raw bound; ``--cases device --world 1 --gib 8``); ``reshard-fsdp`` (not in the default set: FSDP2-shaped
-state saved by all ranks but one and loaded by all, against DCP, with the bytes each load
-reads; ``--cases reshard-fsdp --world 3``).
+``torch.save`` and the raw bound; ``--cases device --world 1 --gib 8``); ``tiny`` (not
+in the default set: 10,000 float32 tensors of 1-64 KiB saved by one process against
+``torch.save`` and the per-array layout's floor; ``--cases tiny --world 1``);
+``reshard-fsdp`` (not in the default set: FSDP2-shaped state saved by all ranks but one
+and loaded by all, against DCP, with the bytes each load reads; ``--cases reshard-fsdp
+--world 3``).
 
 Every timed load starts with the page cache dropped (``/proc/sys/vm/drop_caches`` when
 writable, else ``posix_fadvise(DONTNEED)`` on the checkpoint's files; the report says
@@ -650,6 +653,83 @@ def run_small(b: Bench, args: argparse.Namespace) -> None:
         b._clean(p)
 
 
+def build_tiny(count: int) -> State:
+    """``count`` float32 tensors of 1-64 KiB (256-16,384 elements, uniform), held whole."""
+    gen = torch.Generator().manual_seed(3)
+    sizes = torch.randint(256, 16385, (count,), generator=gen).tolist()
+    shards = {f"tiny{i}": (torch.randn(n, generator=gen), -1) for i, n in enumerate(sizes)}
+    return State(shards, {k: tuple(t.shape) for k, (t, _) in shards.items()})
+
+
+def files_dirs_first_save(state: State, path: Path) -> None:
+    """``files_save`` with the directories made first by one thread (as
+    ``LocalStore.put_many`` makes them), the files then written by 8 threads, one
+    ``sync``: the layout's floor where ``mkdir``s do not contend for their parent."""
+    from shardstore.stores.base import run_parallel
+
+    os.makedirs(path, exist_ok=True)
+    for key in state.shards:
+        os.mkdir(path / key)
+    meta = b" " * 600
+
+    def write(item: tuple[str, tuple[torch.Tensor, int]]) -> None:
+        key, (t, _) = item
+        for name, data in (("zarr.json", meta), ("c.0", memoryview(t.view(torch.uint8).numpy()))):
+            fd = os.open(path / key / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            os.write(fd, data)
+            os.close(fd)
+
+    run_parallel(write, list(state.shards.items()), 8)
+    os.sync()
+
+
+def run_tiny(b: Bench, args: argparse.Namespace) -> None:
+    """Issue 44.6: ``--tiny`` float32 tensors of 1-64 KiB saved and loaded by one process
+    (``--world 1``) as ``ShardedTensor``s, against ``torch.save``/``torch.load`` of the
+    same dict and the per-array layout's floor (``files``: each key a directory with a
+    metadata file and a chunk file, 8 threads, one ``sync``; ``files-dirs-first``: the
+    directories made first by one thread), interleaved."""
+    import shardstore
+
+    if b.world != 1:
+        if b.rank == 0:
+            print("tiny: skipped (a one-process case: run it with --world 1)", flush=True)
+        return
+    state = build_tiny(args.tiny)
+    nbytes = full_bytes(state)
+    print(f"tiny: {args.tiny} float32 tensors of 1-64 KiB, {nbytes / 2**20:.0f} MiB, one process", flush=True)
+    plain = {k: t for k, (t, _) in state.shards.items()}
+    ss_path, torch_path = b.root / "tiny-shardstore", b.root / "tiny-torch.pt"
+    warm = State(dict(list(state.shards.items())[:2]), state.shapes)  # imports on first use: untimed
+    shardstore.save(shardstore_sd(warm, 0, 1), str(ss_path))
+    shardstore.load(shardstore_sd(warm, 0, 1, empty=True), str(ss_path))
+    b._clean(ss_path)
+    files_path, first_path = b.root / "tiny-files", b.root / "tiny-files-dirs-first"
+
+    loaded: dict[str, dict] = {}  # the latest load of each method, checked untimed
+
+    def check(method: str) -> Callable[[], None]:
+        def compare() -> None:
+            bad = [k for k, t in plain.items() if not torch.equal(loaded[method][k], t)]
+            if bad:
+                raise AssertionError(f"tiny: {method} loaded {len(bad)} tensors wrong, e.g. {bad[0]!r}")
+        return compare
+
+    b.measure("tiny", "shardstore", nbytes, ss_path,
+              lambda: shardstore.save(shardstore_sd(state, 0, 1), str(ss_path)),
+              lambda: loaded.update(shardstore=shardstore.load(shardstore_sd(state, 0, 1, empty=True), str(ss_path))),
+              check("shardstore"))
+    b.measure("tiny", "torch", nbytes, torch_path, lambda: torch_save(plain, torch_path),
+              lambda: loaded.update(torch=torch.load(torch_path, weights_only=True)), check("torch"))
+    b.measure("tiny", "files", nbytes, files_path, lambda: files_save(state, files_path, 0, 1),
+              lambda: files_load(state, files_path, 0, 1))
+    b.measure("tiny", "files-dirs-first", nbytes, first_path, lambda: files_dirs_first_save(state, first_path),
+              lambda: files_load(state, first_path, 0, 1))
+    b.flush()
+    for p in (ss_path, torch_path, files_path, first_path):
+        b._clean(p)
+
+
 def build_fsdp(count: int, rows: int, rank: int, world: int) -> State:
     """``count`` fp32 arrays of ``rows`` x 256, each split along its first axis over the
     ranks (FSDP2's ``Shard(0)``): small blocks, one per rank per array."""
@@ -1231,6 +1311,8 @@ def ratios(results: list[Result]) -> dict[str, float]:
             out |= ratio(f"large.{op}.vs_{peer}", ("large", "shardstore", op), ("large", peer, op))
         for peer in ("dcp", "files", "torch"):
             out |= ratio(f"small.{op}.vs_{peer}", ("small", "shardstore", op), ("small", peer, op))
+        for peer in ("torch", "files", "files-dirs-first"):
+            out |= ratio(f"tiny.{op}.vs_{peer}", ("tiny", "shardstore", op), ("tiny", peer, op))
         # dcp.save/load through shardstore.tools.dcp_storage vs DCP's file system writer/reader,
         # and shardstore.save/load of the same DTensors vs the same
         out |= ratio(f"dcp-api.{op}.vs_dcp", ("dcp-api", "shardstore", op), ("dcp-api", "dcp", op))
@@ -1300,6 +1382,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, root: str
         run_fsdp(b, args)
     if "reshard-fsdp" in args.cases:
         run_reshard_fsdp(b, args)
+    if "tiny" in args.cases:
+        run_tiny(b, args)
     if "s3" in args.cases:
         run_s3(b, args)
     if "device" in args.cases:
@@ -1340,6 +1424,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=2.0, help="size of the large state (all ranks)")
     parser.add_argument("--small", type=int, default=5000, help="number of 4 KiB tensors")
+    parser.add_argument("--tiny", type=int, default=10000, help="number of 1-64 KiB tensors (tiny case)")
     parser.add_argument("--fsdp-arrays", type=int, default=1000, help="arrays of the fsdp case (64 KiB per rank each)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--world", type=int, default=2)

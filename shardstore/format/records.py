@@ -100,6 +100,7 @@ import functools
 import itertools
 import json
 import math
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -233,7 +234,7 @@ class ArrayRecord:
     @property
     def chunk_grid(self) -> tuple[int, ...]:
         """Chunks along each axis (the regular grid tiles the array, edge chunks padded)."""
-        return tuple(-(-n // c) for n, c in zip(self.shape, self.chunk_shape))
+        return _chunk_grid(self.shape, self.chunk_shape)
 
     def chunk_nbytes(self, index: tuple[int, ...]) -> int:
         """Bytes of the array inside chunk ``index`` (edge chunks hold less than a
@@ -300,12 +301,12 @@ class ArrayRecord:
         Raises:
             CheckpointingException: a chunk no rank reported (missing).
         """
-        missing = [index for index in self.chunk_indices() if index not in crcs]
+        indices = list(self.chunk_indices())
+        missing = [index for index in indices if index not in crcs]
         if missing:
             raise CheckpointingException(
                 f"{where}: no rank wrote chunk(s) {missing[:5]} of array {self.key!r}; not committing"
             )
-        indices = list(self.chunk_indices())
         bound_digests = None
         if digests is not None and all(index in digests for index in indices):
             bound_digests = tuple(digests[index] for index in indices)
@@ -326,39 +327,48 @@ class ArrayRecord:
         if math.prod(shape) > MAX_ELEMENTS:
             raise CheckpointingException(f"{where}: array {key!r} has an absurd shape {shape}")
         try:
-            from_zarr_name(summary.get("dtype"))
+            itemsize = from_zarr_name(summary.get("dtype")).itemsize
         except TypeError as exc:
             raise CheckpointingException(f"{where}: array {key!r}: {exc}") from exc
         flattened_block = _flattened_block(summary, key, shape, chunk_shape, bound, where)
         codec = BYTES_CRC32C
         if "codecs" in summary:
-            codec = codec_for(summary["codecs"], from_zarr_name(summary["dtype"]).itemsize, where, key)
+            codec = codec_for(summary["codecs"], itemsize, where, key)
             codec.check_chunk_shape(chunk_shape, where, key)
-        record = cls(key, shape, summary["dtype"], chunk_shape, chunk_separator=separator,
-                     flattened_block=flattened_block, codec=codec)
-        if list(record.chunk_grid) != summary.get("chunk_grid"):
+        grid = list(_chunk_grid(shape, chunk_shape))
+        if grid != summary.get("chunk_grid"):
             raise CheckpointingException(
                 f"{where}: array {key!r}: chunk grid {summary.get('chunk_grid')!r} does not tile shape "
-                f"{shape} in chunks of {chunk_shape} (expected {list(record.chunk_grid)})"
+                f"{shape} in chunks of {chunk_shape} (expected {grid})"
             )
-        if math.prod(chunk_shape) * record.itemsize > MAX_CHUNK_BYTES:
+        if math.prod(chunk_shape) * itemsize > MAX_CHUNK_BYTES:
             raise CheckpointingException(f"{where}: array {key!r} has an absurd chunk shape {chunk_shape}")
+        chunk_count = math.prod(grid)
         if not bound:
-            if record.chunk_count > MAX_UNBOUND_CHUNKS:
-                raise CheckpointingException(f"{where}: array {key!r} has an absurd chunk grid {record.chunk_grid}")
-            return record
+            if chunk_count > MAX_UNBOUND_CHUNKS:
+                raise CheckpointingException(f"{where}: array {key!r} has an absurd chunk grid {tuple(grid)}")
+            return cls(key, shape, summary["dtype"], chunk_shape, chunk_separator=separator,
+                       flattened_block=flattened_block, codec=codec)
         # The record must list a crc32c for every chunk, so a grid of 2**31 chunks needs
         # a record of gigabytes (refused by its size bound) before anything iterates it.
         crcs = summary.get("chunk_crc32c")
-        if not isinstance(crcs, list) or len(crcs) != record.chunk_count:
+        if not isinstance(crcs, list) or len(crcs) != chunk_count:
             raise CheckpointingException(
-                f"{where}: array {key!r} must list a crc32c for each of its {record.chunk_count} chunks"
+                f"{where}: array {key!r} must list a crc32c for each of its {chunk_count} chunks"
             )
         # Checked in bulk (type set, min, max) rather than crc by crc: 2.5 instead of 4.3 us
         # per array of 64 chunks, on every rank of every load (the record lists every chunk).
         if crcs and (set(map(type, crcs)) != {int} or min(crcs) < 0 or max(crcs) >= 2**32):
             raise CheckpointingException(f"{where}: array {key!r} has malformed chunk checksums")
-        return replace(record, chunk_crcs=tuple(crcs), chunk_digests=_chunk_digests(summary, record, where))
+        # One construction (no ``replace``): 10,000 small arrays parse in about half the time.
+        return cls(key, shape, summary["dtype"], chunk_shape, chunk_crcs=tuple(crcs), chunk_separator=separator,
+                   flattened_block=flattened_block, chunk_digests=_chunk_digests(summary, key, chunk_count, where),
+                   codec=codec)
+
+
+def _chunk_grid(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Chunks along each axis of a regular grid of ``chunk_shape`` over ``shape``."""
+    return tuple(-(-n // c) for n, c in zip(shape, chunk_shape))
 
 
 def _flattened_block(
@@ -397,20 +407,20 @@ def _flattened_block(
     return block
 
 
-def _chunk_digests(summary: dict[str, Any], record: ArrayRecord, where: str) -> tuple[str, ...] | None:
+def _chunk_digests(summary: dict[str, Any], key: str, chunk_count: int, where: str) -> tuple[str, ...] | None:
     """The record's chunk digests (optional: records written before they were kept have
     none), checked in bulk: one per chunk, each 32 lower-case hex digits."""
     digests = summary.get(CHUNK_DIGESTS)
     if digests is None:
         return None
     if (
-        not isinstance(digests, list) or len(digests) != record.chunk_count
+        not isinstance(digests, list) or len(digests) != chunk_count
         or any(not isinstance(d, str) or len(d) != DIGEST_HEX_DIGITS for d in digests)
         or not set("".join(digests)) <= HEX_DIGITS
     ):
         raise CheckpointingException(
-            f"{where}: array {record.key!r} must list a {DIGEST_HEX_DIGITS}-digit hex digest for each of its "
-            f"{record.chunk_count} chunks"
+            f"{where}: array {key!r} must list a {DIGEST_HEX_DIGITS}-digit hex digest for each of its "
+            f"{chunk_count} chunks"
         )
     return tuple(digests)
 
@@ -479,6 +489,9 @@ MAX_SEGMENT_LENGTH = 255
 # is refused as ``__``-prefixed, the save machinery's names as ``.``-prefixed).
 RESERVED_NAMES = frozenset({ZARR_JSON})
 RESERVED_ROOT_NAMES = {CONFIG_FNAME: "backend metadata", COMMON_FILE: "common state"}
+# One search instead of a generator over the key's characters: a third of ``check_key``'s
+# time, which every save and load spends on every key.
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x1f]")
 
 
 def check_key(
@@ -510,7 +523,7 @@ def check_key(
         fail("keys must be strings")
     if len(key) > MAX_KEY_LENGTH:
         fail(f"longer than {MAX_KEY_LENGTH} characters")
-    if any(ord(ch) < 32 for ch in key):
+    if _CONTROL_CHARACTER.search(key):
         fail("contains NUL or another control character")
     if "\\" in key:
         fail("contains a backslash")

@@ -196,16 +196,21 @@ def _tensor_problems(key: str, shards: list[ShardRecord]) -> list[str]:
     return _coverage_problems(key, main, first.global_shape)
 
 
+# The largest array numpy (and so every reader) addresses, in bytes: one ``np.iinfo`` per
+# array cost 1 us of a 10,000-array plan's 10 us per array.
+_MAX_ADDRESSABLE_BYTES = int(np.iinfo(np.intp).max)
+
+
 def _too_big_to_address(key: str, shard: ShardRecord) -> str | None:
     """Why the array cannot be held in memory by any reader, or None: numpy (and so
     every reader) refuses an array whose extents, an empty axis counted as 1, times its
     item size exceed the largest ``intp``, even when it holds no element (a crafted
     ``[0, 2**62]``)."""
     itemsize = from_zarr_name(shard.dtype).numpy_dtype.itemsize
-    if math.prod(max(n, 1) for n in shard.global_shape) * itemsize <= np.iinfo(np.intp).max:
+    if math.prod(max(n, 1) for n in shard.global_shape) * itemsize <= _MAX_ADDRESSABLE_BYTES:
         return None
     return (f"{key!r}: global shape {shard.global_shape} of {shard.dtype} spans more than "
-            f"{np.iinfo(np.intp).max} bytes, which no reader can address; save it with a smaller shape")
+            f"{_MAX_ADDRESSABLE_BYTES} bytes, which no reader can address; save it with a smaller shape")
 
 
 def _flat_problems(key: str, main: list[ShardRecord]) -> list[str]:

@@ -189,11 +189,23 @@ class LocalStore(DirectoryPublishing):
             os.close(fd)
 
     def put_many(self, objects: dict[str, bytes]) -> None:
+        """Makes the files' directories in one serial pass (parents first), then writes
+        the files on threads: ``mkdir``s in one parent take its lock in turn, and threads
+        racing for it made 10,000 arrays' directories about twice as slow as one thread."""
+        for directory in sorted({os.path.dirname(key) for key in objects} - {""}):
+            path = os.path.join(self.root, directory)
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                pass
+            except FileNotFoundError:  # a parent outside ``objects``' own directories
+                os.makedirs(path, exist_ok=True)
+            except OSError as exc:
+                raise StorageError(f"Cannot create the directory {path}: {exc}") from exc
         run_parallel(lambda item: self.put(*item), list(objects.items()))
 
     def put(self, key: str, data: bytes) -> None:
-        """Writes one file; ``create_file`` makes its directory (a serial pass of
-        ``mkdir``s before the parallel writes measured no faster on a 5,000-array save)."""
+        """Writes one file; ``create_file`` makes its directory when it is missing."""
         path = os.path.join(self.root, key)
         try:
             fd = create_file(path)

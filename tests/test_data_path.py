@@ -177,3 +177,23 @@ def test_a_chunk_file_is_written_block_by_block_as_the_blocks_are_made(tmp_path)
     FileChunkStore(tmp_path).put("c", pieces())
     assert sizes == [0, STREAM_BLOCK_BYTES, 2 * STREAM_BLOCK_BYTES]
     assert path.stat().st_size == 3 * STREAM_BLOCK_BYTES
+
+
+def test_the_directory_guard_resolves_links_at_any_depth(tmp_path: Path) -> None:
+    """The guard lstat()s one component per directory; a link anywhere on the way is
+    still resolved in full and refused where it leads outside (one inside is allowed)."""
+    from shardstore.stores.base import StorageError
+    from shardstore.stores.local import DirectoryGuard
+
+    root, outside = tmp_path / "ckpt", tmp_path / "outside"
+    (root / "model" / "layer" / "w").mkdir(parents=True)
+    (outside / "layer" / "w").mkdir(parents=True)
+    (root / "elsewhere").symlink_to(outside)
+    (root / "alias").symlink_to(root / "model")
+    guard = DirectoryGuard(root)
+    guard.check("model/layer/w")
+    guard.check("alias/layer/w")  # a link that stays inside
+    with pytest.raises(StorageError, match="symbolic link"):
+        guard.check("elsewhere/layer/w")
+    with pytest.raises(StorageError, match="symbolic link"):
+        guard.check("model/../elsewhere/layer")

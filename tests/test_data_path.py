@@ -6,6 +6,7 @@ checked."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import crc32c
 import numpy as np

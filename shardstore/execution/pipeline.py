@@ -20,6 +20,8 @@ __all__ = ["RankSave", "SaveFinalization", "SavePipeline"]
 
 import json
 import os
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +75,9 @@ Target = str | os.PathLike | Location
 # stopped writing (``protocol.stopped_writers``) before it leaves the staged files to the
 # next save into the same place instead of deleting them (seconds).
 UNWIND_WAIT_S = 10.0
+# Each pending save's count of the ranks that stopped writing (``SavePipeline._writers``).
+_STOPPED_WRITERS: weakref.WeakKeyDictionary[PendingCheckpoint, StoppedWriters] = weakref.WeakKeyDictionary()
+_STOPPED_WRITERS_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -189,7 +194,6 @@ class SavePipeline:
         self._planned: list[ShardedTensor] | None = None  # the tensors ``plan`` was given, in its order
         self._staged: StagedWrites | None = None
         self._commit_record: CommitRecord | None = None  # the coordinator's, from its plan
-        self._stopped_writers: StoppedWriters | None = None
 
     def __getstate__(self) -> dict:
         """What a writer in another process needs (Megatron's persistent worker pickles
@@ -455,13 +459,12 @@ class SavePipeline:
         if self._pending is None:  # not begun or joined: nothing staged
             return
         writers = self._writers()
-        writers.mark()
         try:
+            writers.mark()
             if self.group.is_coordinator and self._no_rank_writes(error, writers):
                 self.abandon()
-            else:
-                self.release()
-        finally:
+        finally:  # also when a second interrupt ends the wait: nothing stays held
+            self.release()
             if self.group.is_coordinator:
                 writers.forget()
 
@@ -473,10 +476,15 @@ class SavePipeline:
         return self._staged is not None and writers.everyone(UNWIND_WAIT_S)
 
     def _writers(self) -> StoppedWriters:
-        """The count of this save's ranks that stopped writing into it."""
-        if self._stopped_writers is None:
-            self._stopped_writers = StoppedWriters(self.group, self.pending.intent.save_id)
-        return self._stopped_writers
+        """The count of this save's ranks that stopped writing into it: one per pending
+        checkpoint, so that a rank counts itself once however many pipelines hold the
+        save (a strategy handed ``location`` adopts it in a pipeline of its own)."""
+        pending = self.pending
+        with _STOPPED_WRITERS_LOCK:
+            found = _STOPPED_WRITERS.get(pending)
+            if found is None:
+                found = _STOPPED_WRITERS[pending] = StoppedWriters(self.group, pending.intent.save_id)
+        return found
 
 
 @dataclass(frozen=True)

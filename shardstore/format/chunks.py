@@ -195,7 +195,10 @@ class ChunkFile:
         hasher = xxhash.xxh3_128()
         streamed = self.codec.encode_stream(_bytes_view(data), hasher.update, STREAM_BLOCK_BYTES)
         self.store.put(self.rel, streamed.pieces)
-        assert streamed.crc is not None  # known once every piece was taken
+        if streamed.crc is None:  # known once the store took every piece
+            raise CheckpointingException(
+                f"Internal error: the store wrote {self.describe()} without taking all of its pieces; please report it"
+            )
         return ChunkSums(streamed.crc, hasher.hexdigest())
 
     def read_into(self, out: np.ndarray) -> None:

@@ -432,7 +432,7 @@ def kvstore_spec(location: Location, rel: str = "") -> dict[str, Any]:
 def run_parallel(fn: Callable[[Any], None], items: Iterable[Any] | list[Any], threads: int = SMALL_FILE_WRITERS) -> None:
     """``fn`` over ``items`` on up to ``threads`` threads; the first error is raised
     (after the others have finished, so nothing runs on behind the caller's back; an
-    interrupt, or any error, first cancels the batches not yet begun).
+    interrupt first cancels the batches not yet begun).
 
     Items go to the threads in batches (about four per thread): one future per item
     cost more than writing a 4 KiB file.
@@ -454,6 +454,8 @@ def run_parallel(fn: Callable[[Any], None], items: Iterable[Any] | list[Any], th
         try:
             for future in futures:
                 future.result()
+        except Exception:  # every batch is still attempted (a clean-up deletes all it can)
+            raise
         except BaseException:  # an interrupt stops the batches not yet begun
             pool.shutdown(wait=True, cancel_futures=True)
             raise

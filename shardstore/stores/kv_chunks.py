@@ -6,6 +6,7 @@ from __future__ import annotations
 
 __all__ = ["KvChunkStore"]
 
+import logging
 import re
 import threading
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from shardstore.stores.base import (
 
 # An ETag that can be an MD5 (a multipart upload's has a "-<parts>" suffix).
 _MD5_HEX = re.compile(r"[0-9a-f]{32}")
+
+logger = logging.getLogger(__name__)
 
 
 class KvChunkStore(ChunkStore):
@@ -52,14 +55,29 @@ class KvChunkStore(ChunkStore):
         """Writes every object with all requests in flight at once (up to the kvstore's
         request concurrency), then waits for them.
 
+        Every write has ended before this returns or raises (an interrupt included), so
+        a clean-up after a failure never races a write still in flight.
+
         Raises:
             StorageError: naming the first object whose write failed."""
         pending = {rel: self.kv.write(rel, data) for rel, data in objects.items()}
-        for rel, write in pending.items():
-            try:
-                write.result()
-            except Exception as exc:
-                raise StorageError(f"Cannot write {self.describe(rel)}: {exc}") from exc
+        failed: tuple[str, Exception] | None = None
+        try:
+            for rel, write in pending.items():
+                try:
+                    write.result()
+                except Exception as exc:
+                    failed = failed or (rel, exc)
+        except BaseException:  # an interrupt: let the requests in flight end first
+            for rel, write in pending.items():
+                try:
+                    write.result()
+                except Exception as exc:  # the interrupt is what the caller hears; this is logged
+                    logger.warning("Writing %s failed while an interrupt unwound the save: %s", self.describe(rel), exc)
+            raise
+        if failed is not None:
+            rel, exc = failed
+            raise StorageError(f"Cannot write {self.describe(rel)}: {exc}") from exc
 
     def get_into(self, rel: str, views: list[memoryview], tail: int) -> tuple[int, bytes] | None:
         result = self.kv.read(rel).result()

@@ -504,9 +504,9 @@ def open_regular_file(root: Path, path: Path) -> int | None:
 
 def create_file(path: str, flags: int = 0) -> int:
     """A descriptor of ``path``, created or truncated for writing (mode 0666 less the
-    umask), with its directory made when it is missing: the first file written into a
-    directory makes it, so no pass of ``mkdir``s runs before the writes. ``flags``: more
-    ``os.O_*`` flags."""
+    umask), with its directory made when it is missing (chunk files; ``put_many`` makes
+    the directories of many small files in one pass first). ``flags``: more ``os.O_*``
+    flags."""
     flags |= os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     try:
         return os.open(path, flags, 0o666)
@@ -620,10 +620,10 @@ class DirectoryGuard:
             return
         parent, _, name = rel_dir.rpartition("/")
         self.check(parent)
-        path = os.path.join(self.root, rel_dir)
+        path = f"{self.root}/{rel_dir}"  # as the reads join it (``FileChunkStore``), never os.path.join
         try:
             plain = name not in ("", ".", "..") and not stat.S_ISLNK(os.lstat(path).st_mode)
-        except FileNotFoundError:  # nothing there to lead anywhere: the read says what is missing
+        except (FileNotFoundError, NotADirectoryError):  # nothing there to lead anywhere: the read says so
             return
         if not plain:
             if self._real_root is None:

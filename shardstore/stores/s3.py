@@ -287,8 +287,12 @@ class S3Store(FsspecStore):
             return None
         if found is not None:
             return found
-        data = self.get(key)
-        return None if data is None else (_last(data, nbytes), len(data))
+        size = self.size(key)  # the range was refused: an empty object, or missing since
+        if size is None or size == 0:
+            return None if size is None else (b"", 0)
+        raise StorageError(
+            f"{self.describe(key)}: the server refused a read of its last {nbytes} bytes although it holds {size}"
+        )
 
     async def _get_object(self, key: str, **kwargs: Any) -> tuple[bytes, dict[str, Any]]:
         """One GetObject request (``kwargs``: its ``Range``): the bytes and the reply."""
@@ -299,16 +303,32 @@ class S3Store(FsspecStore):
             reply["Body"].close()
 
     async def _suffix(self, key: str, nbytes: int) -> tuple[bytes, int] | None:
-        """``get_suffix``'s GET; None where S3 refuses the range (an empty object)."""
+        """``get_suffix``'s GET; None where S3 refuses the range (AWS answers 416 for an
+        empty object; s3fs says EINVAL for that and other refusals, which ``get_suffix``
+        tells apart by the object's size). A reply longer than ``nbytes`` (a server that
+        ignores ``Range``) is refused before its body is read."""
         try:
-            data, reply = await self._get_object(key, Range=f"bytes=-{nbytes}")
+            reply = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=self._key(key),
+                                            Range=f"bytes=-{nbytes}")
         except OSError as exc:
-            if exc.errno == errno.EINVAL:  # s3fs's InvalidRange (AWS answers 416 for an empty object)
+            if exc.errno == errno.EINVAL:
                 return None
             raise
-        content_range = reply.get("ContentRange")  # "bytes 90-99/100"; absent where all of it came
-        size = int(content_range.rsplit("/", 1)[1]) if content_range else len(data)
-        return _last(data, nbytes), size
+        try:
+            length = int(reply.get("ContentLength", 0))
+            if length > nbytes:
+                raise StorageError(
+                    f"{self.describe(key)}: a read of its last {nbytes} bytes was answered with {length} "
+                    "bytes; the server ignores byte ranges, which sharded reads need"
+                )
+            data = await reply["Body"].read()
+        finally:
+            reply["Body"].close()
+        content_range = str(reply.get("ContentRange") or "")  # "bytes 90-99/100"; absent where all of it came
+        total = content_range.rpartition("/")[2]
+        if content_range and not total.isdigit():
+            raise StorageError(f"{self.describe(key)}: a suffix read named no size ({content_range!r})")
+        return _last(data, nbytes), int(total) if content_range else len(data)
 
     def put_many(self, objects: dict[str, bytes]) -> None:
         """All in flight at once through TensorStore's kvstore (a save's ``zarr.json``

@@ -311,3 +311,14 @@ def test_a_reshard_load_reads_at_most_a_quarter_more_than_it_needs(tmp_path: Pat
     assert meta["codecs"][0]["configuration"]["chunk_shape"] == [6, BIG_COLS]  # 48-row blocks in 8 parts
     for read, needed in run_distributed(big_loaded_counting_bytes, 3, str(ckpt), timeout=240):
         assert needed < read <= 1.25 * needed, (read, needed)
+
+
+def test_a_rank_that_needs_half_of_each_shard_reads_half_locally(tmp_path: Path) -> None:
+    """Saved and loaded by 2 ranks: each needs half of every shard, and on a local
+    disk (where a ranged read costs no more than a whole one) reads that half plus the
+    index, not the whole shard (on S3, where a request costs about 8 MiB of transfer,
+    a shard this small is read whole: tests/test_s3_requests.py)."""
+    ckpt = tmp_path / "ckpt"
+    run_distributed(big_saved, 2, str(ckpt))
+    for read, needed in run_distributed(big_loaded_counting_bytes, 2, str(ckpt), timeout=240):
+        assert needed < read <= 1.25 * needed, (read, needed)

@@ -464,12 +464,15 @@ class ShardingIndexed(ChunkCodec):
     def read_span_into(self, chunk: ChunkSource, start: int, views: list[memoryview], total: int) -> int:
         """Reads only the inner chunks that cover the span (``ChunkRanges``: the crc
         table and index in one request, then those inner chunks), checked against the
-        shard's crc the caller compares with the record's; a span of half the shard or
-        more is read whole (one request, where ranged reads take two, three on S3)."""
+        shard's crc the caller compares with the record's. The shard is read whole (one
+        request, where ranged reads take two) when that adds at most a quarter of the
+        bytes needed (issue 44.4's bound) or at most what one more request costs on its
+        storage (``ChunkStore.request_bytes``: nothing locally, 8 MiB on S3)."""
         count = self._count(total, chunk.describe())
         stop = start + sum(len(v) for v in views)
         first, last = start // self.inner_nbytes, -(-stop // self.inner_nbytes)
-        if 2 * (last - first) >= count:  # half the shard or more: one read of it all, not two or three
+        needed, extra = (last - first) * self.inner_nbytes, (count - last + first) * self.inner_nbytes
+        if extra <= max(needed // 4, chunk.store.request_bytes):
             return super().read_span_into(chunk, start, views, total)
         buffer = memoryview(bytearray((last - first) * self.inner_nbytes))
         step = self.inner_nbytes

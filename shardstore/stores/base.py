@@ -505,9 +505,13 @@ class ChunkStore(ABC):
 
     Attributes:
         threads: how many chunk reads or writes to run at once on this storage.
+        request_bytes: about how many bytes one more request costs as much as, here: a
+            read of part of a sharded object reads it whole when that adds no more
+            (``format.sharding``; a local file's ranged read costs nothing more).
     """
 
     threads: int = DEFAULT_IO_THREADS
+    request_bytes: int = 0
 
     @abstractmethod
     def describe(self, rel: str) -> str:
@@ -577,6 +581,8 @@ class ChunkStore(ABC):
 
 class StoreChunkStore(ChunkStore):
     """Chunks as objects of the store itself, for stores TensorStore cannot reach."""
+
+    request_bytes = 2**62  # a range is read as the whole object (``get_range_into``)
 
     def __init__(self, store: Store, threads: int) -> None:
         self.store, self.threads = store, threads

@@ -142,11 +142,6 @@ def _encrypted_by_key(reply: dict[str, Any]) -> bool:
     return str(reply.get("ServerSideEncryption", "")).startswith("aws:kms") or bool(reply.get("SSECustomerAlgorithm"))
 
 
-def _last(data: bytes, nbytes: int) -> bytes:
-    """The last ``nbytes`` of ``data`` (all of it where it is shorter)."""
-    return data[max(0, len(data) - nbytes):]
-
-
 def _remove_file(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -294,10 +289,18 @@ class S3Store(FsspecStore):
             f"{self.describe(key)}: the server refused a read of its last {nbytes} bytes although it holds {size}"
         )
 
-    async def _get_object(self, key: str, **kwargs: Any) -> tuple[bytes, dict[str, Any]]:
-        """One GetObject request (``kwargs``: its ``Range``): the bytes and the reply."""
+    async def _get_object(self, key: str, max_bytes: int | None = None, **kwargs: Any) -> tuple[bytes, dict[str, Any]]:
+        """One GetObject request (``kwargs``: its ``Range``): the bytes and the reply. A
+        reply longer than ``max_bytes`` (a server that ignores ``Range``) is refused
+        before its body is read."""
         reply = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=self._key(key), **kwargs)
         try:
+            length = int(reply.get("ContentLength", 0))
+            if max_bytes is not None and length > max_bytes:
+                raise StorageError(
+                    f"{self.describe(key)}: a read of at most {max_bytes} bytes was answered with {length} "
+                    "bytes; the server ignores byte ranges, which sharded reads need"
+                )
             return await reply["Body"].read(), reply
         finally:
             reply["Body"].close()
@@ -305,30 +308,18 @@ class S3Store(FsspecStore):
     async def _suffix(self, key: str, nbytes: int) -> tuple[bytes, int] | None:
         """``get_suffix``'s GET; None where S3 refuses the range (AWS answers 416 for an
         empty object; s3fs says EINVAL for that and other refusals, which ``get_suffix``
-        tells apart by the object's size). A reply longer than ``nbytes`` (a server that
-        ignores ``Range``) is refused before its body is read."""
+        tells apart by the object's size)."""
         try:
-            reply = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=self._key(key),
-                                            Range=f"bytes=-{nbytes}")
+            data, reply = await self._get_object(key, max_bytes=nbytes, Range=f"bytes=-{nbytes}")
         except OSError as exc:
             if exc.errno == errno.EINVAL:
                 return None
             raise
-        try:
-            length = int(reply.get("ContentLength", 0))
-            if length > nbytes:
-                raise StorageError(
-                    f"{self.describe(key)}: a read of its last {nbytes} bytes was answered with {length} "
-                    "bytes; the server ignores byte ranges, which sharded reads need"
-                )
-            data = await reply["Body"].read()
-        finally:
-            reply["Body"].close()
         content_range = str(reply.get("ContentRange") or "")  # "bytes 90-99/100"; absent where all of it came
         total = content_range.rpartition("/")[2]
         if content_range and not total.isdigit():
             raise StorageError(f"{self.describe(key)}: a suffix read named no size ({content_range!r})")
-        return _last(data, nbytes), int(total) if content_range else len(data)
+        return data, int(total) if content_range else len(data)
 
     def put_many(self, objects: dict[str, bytes]) -> None:
         """All in flight at once through TensorStore's kvstore (a save's ``zarr.json``

@@ -179,12 +179,13 @@ class ChunkFile:
     def describe(self) -> str:
         return f"chunk {self.chunk_key} of array {self.array_key!r} ({self.path})"
 
-    def write(self, data: np.ndarray) -> ChunkSums:
+    def write(self, data: np.ndarray, digest: str | None = None) -> ChunkSums:
         """Writes a C-contiguous chunk as its codec lays it out; returns the crc32c the
         codec reports for the commit record and the chunk's digest (``chunk_digest``),
         both taken block by block as the chunk is written, where the codec streams
         (``ChunkCodec.encode_stream``): each block is hashed twice and copied out while
-        it is in cache.
+        it is in cache. ``digest``: the chunk's digest where the caller took it already
+        (a reusing save's check, ``run_writes``), which is then not taken again.
 
         No fsync here: the location's ``make_durable`` (one ``syncfs`` per rank) flushes
         every chunk before the commit; a local store starts a large chunk's write-back
@@ -192,14 +193,15 @@ class ChunkFile:
         from the writer threads was measured slower: with the ranks holding 4 GiB each
         besides the state (as trainers do), 2 GiB at 2 ranks took 2.1-2.4 s against
         1.4-1.7 s with the one ``syncfs``, and 1.3-1.4 s for the plain-file bound."""
-        hasher = xxhash.xxh3_128()
-        streamed = self.codec.encode_stream(_bytes_view(data), hasher.update, STREAM_BLOCK_BYTES)
+        hasher = xxhash.xxh3_128() if digest is None else None
+        fold = hasher.update if hasher is not None else _taken_already
+        streamed = self.codec.encode_stream(_bytes_view(data), fold, STREAM_BLOCK_BYTES)
         self.store.put(self.rel, streamed.pieces)
         if streamed.crc is None:  # known once the store took every piece
             raise CheckpointingException(
                 f"Internal error: the store wrote {self.describe()} without taking all of its pieces; please report it"
             )
-        return ChunkSums(streamed.crc, hasher.hexdigest())
+        return ChunkSums(streamed.crc, hasher.hexdigest() if hasher is not None else digest)
 
     def read_into(self, out: np.ndarray) -> None:
         """Fills a C-contiguous ``out`` with the chunk (``read_into_views``)."""
@@ -429,13 +431,19 @@ def run_writes(
 
 def _write_or_share(file: ChunkFile, data: np.ndarray, share: ShareChunk | None) -> WrittenChunk:
     """Writes a chunk, or shares it where ``share`` finds it unchanged (its digest,
-    taken first, decides)."""
-    if share is not None:
-        view = _bytes_view(data)
-        report = share(file, view, chunk_digest(view))
-        if report is not None:
-            return report
-    return WrittenChunk(file.array_key, file.index, *file.write(data))
+    taken first, decides; a chunk written then is not hashed a second time)."""
+    if share is None:
+        return WrittenChunk(file.array_key, file.index, *file.write(data))
+    view = _bytes_view(data)
+    digest = chunk_digest(view)
+    report = share(file, view, digest)
+    if report is not None:
+        return report
+    return WrittenChunk(file.array_key, file.index, *file.write(data, digest))
+
+
+def _taken_already(block: memoryview) -> None:
+    """The fold of a chunk whose digest its writer was handed (``ChunkFile.write``)."""
 
 
 def run_reads(jobs: list[ReadJob], threads: int | None = None) -> None:

@@ -24,7 +24,7 @@ from shardstore.stores.s3 import S3Options
 from shardstore.tools.manager import CheckpointManager, CheckpointManagerOptions
 from tests.dist import run_distributed
 from tests.s3_support import KEY, REGION, SECRET, Faults, FaultyProxy, MotoServer
-from tests.scenarios import assert_bits_equal, global_tensor
+from tests.scenarios import assert_bits_equal, global_tensor, rewrite_record
 
 BASE, ADAPTER = (256, 64), (8, 64)  # float32: 64 KiB of frozen base, 2 KiB trained
 
@@ -328,6 +328,52 @@ def test_s3_shares_by_server_side_copy_and_uploads_only_what_changed(s3) -> None
     first.remove_tree("")
     _check(second, 2)
     assert verify(second).ok
+
+
+def test_s3_copies_are_proven_by_the_recorded_etag_without_hashing(s3, monkeypatch) -> None:
+    """A save to S3 records each chunk object's ETag (the MD5 S3 computed of the bytes
+    it stored); a later save proves its copy by that ETag and hashes no byte, through a
+    chain of steps (a shared chunk's ETag is its copy's)."""
+    from shardstore.format.codecs import HeldChunk
+
+    _, proxy = s3
+    options = S3Options(endpoint_url=proxy.endpoint, key=KEY, secret=SECRET, region=REGION)
+    steps = [open_location(f"s3://incremental/etags/step{i}", options=options) for i in (1, 2, 3)]
+    save(_state(1), steps[0])
+    stored = steps[0].read_bytes("base/c.0.0")
+    base = read_commit_record(steps[0]).arrays["base"]
+    assert base.chunk_etags == (hashlib.md5(stored).hexdigest(),)
+
+    def no_md5(self) -> str:
+        raise AssertionError("the copy was proven by hashing the bytes, not by the recorded ETag")
+
+    monkeypatch.setattr(HeldChunk, "md5_hex", no_md5)
+    for step, (source, target) in enumerate(zip(steps, steps[1:]), start=2):
+        save(_state(step), target, reuse_from=source)
+        record = read_commit_record(target)
+        assert record.reused_from is not None and record.reused_from.chunks == 1, step
+        assert record.arrays["base"].chunk_etags == base.chunk_etags, step
+        _check(target, step)
+    assert verify(steps[2]).ok
+
+
+def test_local_records_keep_no_etags(tmp_path: Path) -> None:
+    save(_state(1), tmp_path / "s1")
+    assert all(a.chunk_etags is None for a in read_commit_record(open_location(tmp_path / "s1")).arrays.values())
+    summary = json.loads((tmp_path / "s1" / "zarr.json").read_text())
+    assert "chunk_etags" not in json.dumps(summary)
+
+
+@pytest.mark.parametrize("etags", [["x" * 129], ["a", "b"], "abc", [7]])
+def test_a_record_with_malformed_etags_is_refused(tmp_path: Path, etags) -> None:
+    save(_state(1), tmp_path / "s1")
+
+    def edit(root: dict) -> None:
+        root["attributes"]["shardstore"]["arrays"]["base"]["chunk_etags"] = etags
+
+    rewrite_record(tmp_path / "s1", edit)
+    with pytest.raises(CheckpointingException, match="must list an ETag .* for each of its 1 chunks"):
+        read_commit_record(open_location(tmp_path / "s1"))
 
 
 def test_memory_store_shares_by_copy(tmp_path: Path) -> None:

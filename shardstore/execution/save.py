@@ -375,13 +375,14 @@ def end_save(location: PendingCheckpoint, abandon: bool) -> None:
 
 def bind_chunks(record: CommitRecord, reports: list[list[WrittenChunk]], where: str) -> CommitRecord:
     """The commit record with every chunk's crc32c and content digest as its writer
-    reported it.
+    reported it (and its ETag, where the store gave one).
 
     Raises:
         CheckpointingException: a chunk nobody wrote, or one written twice.
     """
     crcs: dict[str, dict[tuple[int, ...], int]] = {key: {} for key in record.arrays}
     digests: dict[str, dict[tuple[int, ...], str]] = {key: {} for key in record.arrays}
+    etags: dict[str, dict[tuple[int, ...], str]] = {key: {} for key in record.arrays}
     for rank, chunks in enumerate(reports):
         for chunk in chunks:
             if chunk.index in crcs[chunk.key]:
@@ -391,7 +392,9 @@ def bind_chunks(record: CommitRecord, reports: list[list[WrittenChunk]], where: 
                 )
             crcs[chunk.key][chunk.index] = chunk.crc
             digests[chunk.key][chunk.index] = chunk.digest
-    arrays = {key: a.with_chunk_crcs(crcs[key], where, digests[key]) for key, a in record.arrays.items()}
+            if chunk.etag is not None:
+                etags[chunk.key][chunk.index] = chunk.etag
+    arrays = {key: a.with_chunk_crcs(crcs[key], where, digests[key], etags[key]) for key, a in record.arrays.items()}
     return replace(record, arrays=arrays)
 
 

@@ -196,12 +196,12 @@ class ChunkFile:
         hasher = xxhash.xxh3_128() if digest is None else None
         fold = hasher.update if hasher is not None else _taken_already
         streamed = self.codec.encode_stream(_bytes_view(data), fold, STREAM_BLOCK_BYTES)
-        self.store.put(self.rel, streamed.pieces)
+        etag = self.store.put(self.rel, streamed.pieces)
         if streamed.crc is None:  # known once the store took every piece
             raise CheckpointingException(
                 f"Internal error: the store wrote {self.describe()} without taking all of its pieces; please report it"
             )
-        return ChunkSums(streamed.crc, hasher.hexdigest() if hasher is not None else digest)
+        return ChunkSums(streamed.crc, hasher.hexdigest() if hasher is not None else digest, etag)
 
     def read_into(self, out: np.ndarray) -> None:
         """Fills a C-contiguous ``out`` with the chunk (``read_into_views``)."""
@@ -369,10 +369,12 @@ class ChunkSums(NamedTuple):
     Attributes:
         crc: the crc32c its codec reports for the commit record.
         digest: XXH3-128 of its bytes, 32 hex digits (``chunk_digest``).
+        etag: the ETag its store gave the object (``ChunkStore.put``), or None.
     """
 
     crc: int
     digest: str
+    etag: str | None = None
 
 
 class WrittenChunk(NamedTuple):
@@ -385,6 +387,9 @@ class WrittenChunk(NamedTuple):
         digest: XXH3-128 of its bytes, 32 hex digits (``chunk_digest``).
         shared: stored bytes shared with an earlier checkpoint instead of written
             (``format.reuse``), 0 for a chunk written.
+        etag: the ETag the store gave the object (object stores), or None: the
+            commit record keeps it, so a later save can prove a copy of the object
+            without hashing the bytes (``stores.kv_chunks.KvChunkStore.share_from``).
     """
 
     key: str
@@ -392,6 +397,7 @@ class WrittenChunk(NamedTuple):
     crc: int
     digest: str
     shared: int = 0
+    etag: str | None = None
 
 
 def chunk_digest(view: memoryview) -> str:
@@ -433,13 +439,17 @@ def _write_or_share(file: ChunkFile, data: np.ndarray, share: ShareChunk | None)
     """Writes a chunk, or shares it where ``share`` finds it unchanged (its digest,
     taken first, decides; a chunk written then is not hashed a second time)."""
     if share is None:
-        return WrittenChunk(file.array_key, file.index, *file.write(data))
+        return _written(file, file.write(data))
     view = _bytes_view(data)
     digest = chunk_digest(view)
     report = share(file, view, digest)
     if report is not None:
         return report
-    return WrittenChunk(file.array_key, file.index, *file.write(data, digest))
+    return _written(file, file.write(data, digest))
+
+
+def _written(file: ChunkFile, sums: ChunkSums) -> WrittenChunk:
+    return WrittenChunk(file.array_key, file.index, sums.crc, sums.digest, etag=sums.etag)
 
 
 def _taken_already(block: memoryview) -> None:

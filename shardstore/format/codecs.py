@@ -199,11 +199,14 @@ class HeldChunk:
         data: the chunk's raw bytes.
         crc: crc32c of ``data`` (the stored object is ``data`` then these 4 bytes).
         digest: XXH3-128 of ``data`` as 32 hex digits (``format.chunks.chunk_digest``).
+        source_etag: the ETag the earlier checkpoint's record bound to the object
+            being shared (``stores.base.ExpectedBytes.source_etag``), or None.
     """
 
     data: memoryview
     crc: int
     digest: str
+    source_etag: str | None = None
 
     @property
     def nbytes(self) -> int:

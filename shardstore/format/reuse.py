@@ -36,7 +36,7 @@ __all__ = ["ChunkReuse", "ReusableArray", "ReuseTally", "reuse_save_id"]
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardstore.format.chunks import (
     ChunkFile,
@@ -85,7 +85,10 @@ class ReusableArray:
         if self.record.chunk_digests[ordinal] != digest:
             return None
         held = self.record.codec.held(data, digest)
-        return held if held.crc == self.record.chunk_crcs[ordinal] else None
+        if held.crc != self.record.chunk_crcs[ordinal]:
+            return None
+        etag = self.record.chunk_etags[ordinal] if self.record.chunk_etags is not None else None
+        return replace(held, source_etag=etag) if etag is not None else held
 
 
 def _reusable(source: ArrayRecord | None, new: ArrayRecord) -> ReusableArray | None:
@@ -168,16 +171,18 @@ class ChunkReuse:
                 return None
             start = time.perf_counter()
             error: Exception | None = None
+            shared = None
             try:
-                failure = None if target.share_from(self.store, file.rel, held) else CANNOT_SHARE
+                shared = target.share_from(self.store, file.rel, held)
+                failure = None if shared is not None else CANNOT_SHARE
             except Exception as exc:  # the source cannot serve this chunk; writing it is the fallback
                 failure, error = (DAMAGED if isinstance(exc, ChunkMismatch) else FAILED), exc
             if failure:
                 self._note(failure, file, error)
             self._count(failure is None, held.nbytes, time.perf_counter() - start)
-            if failure:
+            if shared is None or failure:
                 return None
-            return WrittenChunk(file.array_key, file.index, held.crc, digest, shared=held.nbytes)
+            return WrittenChunk(file.array_key, file.index, held.crc, digest, shared=held.nbytes, etag=shared.etag)
 
         return share
 

@@ -342,10 +342,12 @@ class ChunkRanges:
 @dataclass(frozen=True)
 class HeldShard:
     """What an object shared for a shard must hold: exactly its encoded ``pieces``
-    (compared byte by byte), with the shard's ``crc``."""
+    (compared byte by byte), with the shard's ``crc``; ``source_etag`` as
+    ``stores.base.ExpectedBytes`` says."""
 
     pieces: tuple[memoryview, ...]
     crc: int
+    source_etag: str | None = None
 
     @property
     def nbytes(self) -> int:

@@ -55,7 +55,8 @@ class StorageError(CheckpointingException, OSError):
 
 @dataclass(frozen=True)
 class CopiedObject:
-    """What a server-side copy made (``Store.copy_from``), as the store reported it.
+    """What a server-side copy made (``Store.copy_from``), or a chunk shared with an
+    earlier checkpoint (``ChunkStore.share_from``), as the store reported it.
 
     Attributes:
         etag: the new object's entity tag, without quotes, or None where the store
@@ -494,6 +495,12 @@ class ExpectedBytes(Protocol):
     def md5_hex(self) -> str:
         """The MD5 of the bytes (what S3 reports as a single-part object's ETag)."""
 
+    @property
+    def source_etag(self) -> str | None:
+        """The ETag the earlier checkpoint's commit record bound to the object being
+        shared: what its store reported when the object was written with these bytes
+        (``ChunkStore.put``); None where the record keeps none."""
+
 
 class ChunkMismatch(CheckpointingException):
     """An object shared from an earlier checkpoint does not hold the bytes being saved
@@ -518,9 +525,10 @@ class ChunkStore(ABC):
         """Where ``rel`` is, for error messages."""
 
     @abstractmethod
-    def put(self, rel: str, buffers: Iterable[memoryview]) -> None:
+    def put(self, rel: str, buffers: Iterable[memoryview]) -> str | None:
         """Stores the concatenation of ``buffers`` at ``rel`` (no durability promise:
-        the location's ``make_durable`` flushes). ``buffers`` may be made while they
+        the location's ``make_durable`` flushes); returns the object's ETag, without
+        quotes, where the store reports one (object stores), else None. ``buffers`` may be made while they
         are taken (``format.codecs.ChunkCodec.encode_stream``): a store that writes as
         it goes takes each just before writing it (``stores.local.FileChunkStore``),
         others take them all first."""
@@ -559,24 +567,25 @@ class ChunkStore(ABC):
         """The object's last ``nbytes`` bytes (all of it where it is shorter) and its
         size, or None if it does not exist (a sharded read's index and where it ends)."""
 
-    def share_from(self, source: ChunkStore, rel: str, held: ExpectedBytes) -> bool:
+    def share_from(self, source: ChunkStore, rel: str, held: ExpectedBytes) -> CopiedObject | None:
         """Makes the object at ``rel`` hold ``held``'s bytes by sharing what ``source``
         holds at ``rel``, without sending them through this process where the storage
         can: a clone or hard link on a local file system, a server-side copy on an
         object store.
 
-        True only once the new object is proven to hold exactly ``held``'s bytes and
-        their trailer, checked against what the object holds now (``ExpectedBytes.holds``,
-        or an ETag the store computed from the copy's bytes), never against a record's
-        word. False where the storage cannot share it (another kind of storage, no
-        links across devices, the source gone, an ETag that says nothing of the
-        bytes). Either way the caller then writes the bytes, which replaces whatever
-        the attempt left at ``rel``. Never changes the source object.
+        The new object (with its ETag where the store reports one) only once it is
+        proven to hold exactly ``held``'s bytes and their trailer, checked against what
+        the object holds now (``ExpectedBytes.holds``, or an ETag the store computed
+        from the copy's bytes), never against a record's word alone. None where the
+        storage cannot share it (another kind of storage, no links across devices, the
+        source gone, an ETag that says nothing of the bytes). Either way the caller then
+        writes the bytes, which replaces whatever the attempt left at ``rel``. Never
+        changes the source object.
 
         Raises:
             ChunkMismatch: the shared object does not hold ``held``'s bytes.
             Errors of either storage propagate; the caller decides."""
-        return False
+        return None
 
 
 class StoreChunkStore(ChunkStore):
@@ -590,8 +599,9 @@ class StoreChunkStore(ChunkStore):
     def describe(self, rel: str) -> str:
         return self.store.describe(rel)
 
-    def put(self, rel: str, buffers: Iterable[memoryview]) -> None:
+    def put(self, rel: str, buffers: Iterable[memoryview]) -> str | None:
         self.store.put(rel, b"".join(buffers))
+        return None
 
     def get_into(self, rel: str, views: list[memoryview], tail: int) -> tuple[int, bytes] | None:
         """Reads at most what ``fill_views`` needs (the views and ``tail``), never an
@@ -613,16 +623,16 @@ class StoreChunkStore(ChunkStore):
         data = self.store.get(rel)
         return None if data is None else (data[max(0, len(data) - nbytes):], len(data))
 
-    def share_from(self, source: ChunkStore, rel: str, held: ExpectedBytes) -> bool:
+    def share_from(self, source: ChunkStore, rel: str, held: ExpectedBytes) -> CopiedObject | None:
         """The store's own copy (``copy_from``), where it has one, read back and
         compared with ``held`` (these stores are in memory or otherwise cheap to read)."""
         if not isinstance(source, StoreChunkStore) or self.store.copy_from(source.store, rel) is None:
-            return False
+            return None
         data = self.store.get(rel, max_bytes=held.nbytes + 1)
         if data is None:
-            return False
+            return None
         held.check([memoryview(data)], source.describe(rel))
-        return True
+        return CopiedObject()
 
 
 def fill_views(views: list[memoryview], data: memoryview, tail: int) -> tuple[int, bytes]:

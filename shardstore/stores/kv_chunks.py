@@ -17,6 +17,7 @@ from shardstore.errors import CheckpointingException
 from shardstore.stores.base import (
     ChunkMismatch,
     ChunkStore,
+    CopiedObject,
     ExpectedBytes,
     StorageError,
     Store,
@@ -26,6 +27,8 @@ from shardstore.stores.base import (
 
 # An ETag that can be an MD5 (a multipart upload's has a "-<parts>" suffix).
 _MD5_HEX = re.compile(r"[0-9a-f]{32}")
+# TensorStore's storage generation of an S3 object: a tag byte, then the quoted ETag.
+_GENERATION_ETAG = re.compile(rb'"([^"]{1,128})"')
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +55,11 @@ class KvChunkStore(ChunkStore):
     def describe(self, rel: str) -> str:
         return self.store.describe(rel)
 
-    def put(self, rel: str, buffers: list[memoryview]) -> None:
-        self.kv.write(rel, b"".join(buffers)).result()
+    def put(self, rel: str, buffers: list[memoryview]) -> str | None:
+        """One PUT; returns the ETag the store gave the object (TensorStore's storage
+        generation of an S3 object is its quoted ETag), None where it names none."""
+        written = self.kv.write(rel, b"".join(buffers)).result()
+        return _etag_of(written.generation)
 
     def put_all(self, objects: dict[str, bytes]) -> None:
         """Writes every object with all requests in flight at once (up to the kvstore's
@@ -123,17 +129,25 @@ class KvChunkStore(ChunkStore):
             return None
         return result.value, size
 
-    def share_from(self, source: ChunkStore, rel: str, held: ExpectedBytes) -> bool:
+    def share_from(self, source: ChunkStore, rel: str, held: ExpectedBytes) -> CopiedObject | None:
         """A server-side copy (the store's ``copy_from``), no bytes through this process,
-        proven by the copy's ETag: S3 computes it as the MD5 of the bytes it stores (for
-        objects written by one PUT, as TensorStore writes chunks, without SSE-KMS or
-        SSE-C), so an ETag equal to the MD5 of ``held``'s bytes names exactly them.
-        Where the store reports another kind of ETag (encryption, a multipart upload) or
-        none, nothing is proven without downloading the copy, which costs what writing
-        it does: False, and the caller writes. An ETag of 32 hex digits that is not
-        their MD5 (other bytes, or encryption) raises ChunkMismatch."""
+        proven by the copy's ETag. S3 computes the ETag of an object written by one PUT
+        (as TensorStore writes chunks, its payload signed with its SHA-256), without
+        SSE-KMS or SSE-C, as the MD5 of the bytes it stores. So the copy holds
+        ``held``'s bytes when its ETag is an MD5 and equals either
+
+        - the ETag the earlier checkpoint's record bound to the object
+          (``held.source_etag``): what S3 reported when it stored the bytes whose digest
+          the record keeps, which ``held``'s bytes have; no byte is hashed here; or
+        - the MD5 of ``held``'s bytes, computed here (records without ETags, or an
+          object rewritten since with the same bytes).
+
+        Where the store reports another kind of ETag (encryption, a multipart upload)
+        or none, nothing is proven without downloading the copy, which costs what
+        writing it does: None, and the caller writes. An MD5 ETag that is neither (other
+        bytes, or encryption) raises ChunkMismatch."""
         if not isinstance(source, KvChunkStore):
-            return False
+            return None
         if not self._etags_probed:  # the first copy tells what this store's ETags are; the others wait
             with self._probe_lock:
                 if not self._etags_probed:
@@ -141,25 +155,31 @@ class KvChunkStore(ChunkStore):
                         return self._copy_proven(source, rel, held)
                     finally:
                         self._etags_probed = True
-        return not self._etags_say_nothing and self._copy_proven(source, rel, held)
+        return None if self._etags_say_nothing else self._copy_proven(source, rel, held)
 
-    def _copy_proven(self, source: KvChunkStore, rel: str, held: ExpectedBytes) -> bool:
+    def _copy_proven(self, source: KvChunkStore, rel: str, held: ExpectedBytes) -> CopiedObject | None:
         """``share_from``'s copy and its proof."""
-        copied, md5 = _while_hashing(held, lambda: self.store.copy_from(source.store, rel))
+        recorded = held.source_etag if held.source_etag and _MD5_HEX.fullmatch(held.source_etag) else None
+        if recorded is not None:
+            copied, md5 = self.store.copy_from(source.store, rel), None
+        else:
+            copied, md5 = _while_hashing(held, lambda: self.store.copy_from(source.store, rel))
         if copied is None:
-            return False
+            return None
         etag = copied.etag.lower() if copied.etag is not None else None
         if etag is None or not _MD5_HEX.fullmatch(etag):
             # a multipart ETag ("...-3"), an encrypted object's, or none: no later copy of
             # this save can be proven either, so none is tried (each would cost a request)
             self._etags_say_nothing = True
-            return False
-        if etag != md5:
+            return None
+        if etag == recorded:
+            return CopiedObject(etag)
+        if etag != (md5 or held.md5_hex()):
             raise ChunkMismatch(
                 f"{source.describe(rel)} does not hold the bytes being saved (its copy's ETag {etag} is not their "
                 "MD5: changed or replaced since its commit)"
             )
-        return True
+        return CopiedObject(etag)
 
 
 T = TypeVar("T")
@@ -177,3 +197,10 @@ def _while_hashing(held: ExpectedBytes, request: Callable[[], T]) -> tuple[T, st
     with ThreadPoolExecutor(1) as beside:
         md5 = beside.submit(held.md5_hex)
         return request(), md5.result()
+
+
+def _etag_of(generation: bytes) -> str | None:
+    """The ETag, unquoted and lower-case, in a TensorStore storage generation of an S3
+    object (``b'\\x00"<etag>"'``); None for any other generation."""
+    found = _GENERATION_ETAG.search(generation)
+    return found.group(1).decode("ascii", "replace").lower() if found else None

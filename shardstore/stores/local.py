@@ -45,6 +45,7 @@ from shardstore.stores.base import (
     ChunkAccess,
     ChunkMismatch,
     ChunkStore,
+    CopiedObject,
     DirectoryPublishing,
     ExpectedBytes,
     NameLimits,
@@ -765,28 +766,28 @@ class FileChunkStore(ChunkStore):
         self._guard.check(rel.rpartition("/")[0])
         return open_regular(self._prefix + rel)
 
-    def share_from(self, source: ChunkStore, rel: str, held: ExpectedBytes) -> bool:
+    def share_from(self, source: ChunkStore, rel: str, held: ExpectedBytes) -> CopiedObject | None:
         """A clone (copy-on-write, where the file system has it) or else a hard link of
         the source's file (only a regular file of the expected size inside the source's
         directory; no symbolic link is followed), then the new file read back whole and
         compared with ``held``. A hard link shares the inode, so the bytes read are the
         source's bytes as they are now, not as its record says they were."""
         if not isinstance(source, FileChunkStore):
-            return False
+            return None
         source._guard.check(rel.rpartition("/")[0])
         try:
             if not share_file(source._prefix + rel, self._prefix + rel, held.nbytes):
-                return False
+                return None
         except FileNotFoundError:  # the source chunk is gone (deleted meanwhile)
-            return False
+            return None
         fd = open_regular(self._prefix + rel)
         if fd is None:
-            return False
+            return None
         try:
             held.check(_file_blocks(fd, held.nbytes + 1), source.describe(rel))
         finally:
             os.close(fd)
-        return True
+        return CopiedObject()
 
 
 def _write_all(fd: int, buffers: list[memoryview]) -> None:

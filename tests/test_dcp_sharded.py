@@ -1,0 +1,130 @@
+"""``ShardstoreWriter(shard_bytes=...)``: FSDP2's ``Shard(0)`` arrays saved through
+``dcp.save`` as Zarr v3 shards, each gathered to one writer over the process group.
+
+Real gloo ranks: fewer files than the same save without it, the same arrays as
+``shardstore.save`` with ``ZarrSaveShardedStrategy(shard_bytes=...)``, bit-exact loads
+through ``ShardstoreReader`` and ``shardstore.load`` at another world size, plain zarr and
+TensorStore, ``verify``; and clear errors, on every rank, where the exchange cannot work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardstore
+from shardstore.core import CheckpointingException
+from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
+from tests import fsdp_models as fm
+from tests.dist import run_distributed
+
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+
+SHARD_BYTES = 1 << 20
+ROWS, COLS, LAYERS = 48, 64, 6  # per layer, beside fm's model: blocks of 16-24 rows, 4-6 KiB
+
+
+def _state(world: int, seed: int) -> tuple:
+    """fm's FSDP2 model and AdamW after a step, and ``LAYERS`` more ``Shard(0)``
+    DTensors (one in bfloat16), as a trainer's state dict."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model, optimizer = fm.build(world, seed=seed)
+    fm.train_step(model, optimizer, 0)
+    state = fm.state_dict(model, optimizer)
+    mesh = init_device_mesh("cpu", (world,))
+    generator = torch.Generator().manual_seed(seed)
+    state["extra"] = {
+        f"layer{i}": distribute_tensor(
+            torch.randn(ROWS, COLS, generator=generator).to(torch.bfloat16 if i == 0 else torch.float32), mesh, [Shard(0)]
+        )
+        for i in range(LAYERS)
+    }
+    return model, optimizer, state
+
+
+def _request(world: int) -> tuple:
+    """A state dict of other values to load into, at ``world`` ranks."""
+    model, optimizer, state = _state(world, seed=world + 7)
+    for tensor in state["extra"].values():
+        tensor.to_local().zero_()
+    return model, optimizer, state
+
+
+def save_each_way(rank: int, world: int, root: str) -> bytes:
+    import torch.distributed.checkpoint as dcp
+
+    _, _, state = _state(world, seed=0)
+    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/sharded", shard_bytes=SHARD_BYTES))
+    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/unsharded"))
+    shardstore.save(state, f"{root}/api", ZarrSaveShardedStrategy(shard_bytes=SHARD_BYTES))
+    return fm.to_bytes(fm.full_values(state))
+
+
+def load_each_way(rank: int, world: int, ckpt: str, saved: bytes) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    expected = fm.from_bytes(saved)
+    model, optimizer, request = _request(world)
+    dcp.load(request, storage_reader=ShardstoreReader(ckpt))
+    fm.apply(model, optimizer, request)
+    fm.assert_same(fm.full_values(request), expected, "dcp.load")
+    _, _, request = _request(world)
+    loaded = shardstore.load(request, ckpt)
+    fm.assert_same(fm.full_values(loaded), expected, "shardstore.load")
+
+
+def _files(ckpt: Path) -> int:
+    return sum(len(files) for _, _, files in os.walk(ckpt))
+
+
+def _sharded_arrays(ckpt: Path) -> dict[str, dict]:
+    """Each array's ``zarr.json`` whose codec is ``sharding_indexed``."""
+    arrays = {}
+    for meta in ckpt.glob("*/zarr.json"):
+        doc = json.loads(meta.read_text())
+        if doc.get("node_type") == "array" and doc["codecs"][0]["name"] == "sharding_indexed":
+            arrays[meta.parent.name] = doc
+    return arrays
+
+
+@pytest.mark.parametrize("world, other", [(2, 3), (3, 2)])
+def test_dcp_save_with_shard_bytes_writes_fewer_files_that_load_bit_exact_at_another_world_size(
+    tmp_path: Path, world: int, other: int,
+) -> None:
+    saved = run_distributed(save_each_way, world, str(tmp_path))[0]
+    sharded, unsharded, api = tmp_path / "sharded", tmp_path / "unsharded", tmp_path / "api"
+    arrays = _sharded_arrays(sharded)
+    # every Shard(0) array: fm's weights, biases and their AdamW moments, and the extras
+    assert {f"extra.layer{i}" for i in range(LAYERS)} <= arrays.keys() and len(arrays) >= 12 + LAYERS, sorted(arrays)
+    assert arrays == _sharded_arrays(api), "not the arrays shardstore.save with the strategy stores"
+    # one shard per array where there was a chunk per rank
+    assert _files(sharded) <= _files(unsharded) - (world - 1) * len(arrays), (_files(sharded), _files(unsharded))
+    for ckpt in (sharded, unsharded):
+        report = shardstore.verify(ckpt)
+        assert report.ok, report
+    run_distributed(load_each_way, other, str(sharded), saved)
+
+    import tensorstore as ts
+    import zarr
+
+    values = fm.from_bytes(saved)
+    for key, expected in (("extra.layer0", values["extra"]["layer0"]), ("extra.layer3", values["extra"]["layer3"]),
+                          ("model.0.weight", values["model"]["0.weight"])):
+        by_ts = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{sharded}/{key}/"}}).result()
+        by_zarr = zarr.open_group(str(sharded), mode="r")[key][...]
+        wanted = expected.view(torch.int16).numpy() if expected.dtype == torch.bfloat16 else expected.numpy()
+        for got in (by_ts.read().result(), by_zarr):
+            got = np.asarray(got)
+            got = got.view(np.int16) if expected.dtype == torch.bfloat16 else got
+            assert np.array_equal(got, wanted), key

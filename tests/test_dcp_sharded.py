@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException as DcpFailure
 
 import shardstore
 from shardstore.core import CheckpointingException
@@ -128,3 +129,91 @@ def test_dcp_save_with_shard_bytes_writes_fewer_files_that_load_bit_exact_at_ano
             got = np.asarray(got)
             got = got.view(np.int16) if expected.dtype == torch.bfloat16 else got
             assert np.array_equal(got, wanted), key
+
+
+def _blocks(world: int) -> dict:
+    return _state(world, seed=0)[2]["extra"]
+
+
+def async_save_on_the_default_group_then_on_its_own(rank: int, world: int, root: str) -> str:
+    import torch.distributed.checkpoint as dcp
+
+    state = _blocks(world)
+    future = dcp.async_save(state, storage_writer=ShardstoreWriter(f"{root}/default", shard_bytes=SHARD_BYTES))
+    with pytest.raises(DcpFailure) as refused:
+        future.result(timeout=60)
+    background = dist.new_group(backend="gloo")
+    writer = ShardstoreWriter(f"{root}/own", shard_bytes=SHARD_BYTES, process_group=background)
+    with pytest.raises(CheckpointingException, match="cannot travel to another process"):
+        pickle.dumps(writer)  # what AsyncCheckpointerType.PROCESS would send its save process
+    dcp.async_save(state, storage_writer=writer, process_group=background).result(timeout=60)
+    loaded = shardstore.load(_request(world)[2]["extra"], f"{root}/own")
+    fm.assert_same(fm.full_values(loaded), fm.full_values(state))
+    return str(refused.value)
+
+
+def test_async_save_refuses_the_default_group_and_exchanges_on_the_group_it_is_given(tmp_path: Path) -> None:
+    errors = run_distributed(async_save_on_the_default_group_then_on_its_own, 2, str(tmp_path), timeout=180)
+    for error in errors:
+        assert "ShardstoreWriter(process_group=...)" in error and "background thread" in error, error
+    assert not (tmp_path / "default" / "zarr.json").exists()
+    assert len(_sharded_arrays(tmp_path / "own")) == LAYERS and shardstore.verify(tmp_path / "own").ok
+
+
+def save_on_a_subgroup_with_the_default_group(rank: int, world: int, root: str) -> str | None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    pair = dist.new_group([0, 1])
+    if rank == 2:
+        return None
+    mesh = DeviceMesh.from_group(pair, "cpu")
+    state = {"w": distribute_tensor(torch.arange(64.0).reshape(16, 4), mesh, [Shard(0)])}
+    with pytest.raises(DcpFailure) as refused:
+        dcp.save(state, storage_writer=ShardstoreWriter(root, shard_bytes=SHARD_BYTES), process_group=pair)
+    return str(refused.value)
+
+
+def test_a_writer_whose_group_is_not_dcps_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    errors = run_distributed(save_on_a_subgroup_with_the_default_group, 3, str(tmp_path / "ckpt"))
+    for error in errors[:2]:
+        assert "not DCP's [(0, 2), (1, 2)]" in error and "ShardstoreWriter(process_group=...)" in error, error
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
+def fail_before_the_exchange(rank: int, world: int, root: str) -> str:
+    import time
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class FailsOnRankOne(DefaultSavePlanner):  # a rank failing just before the exchange
+        def resolve_data(self, write_item):
+            if rank == 1:
+                raise RuntimeError("device lost")
+            return super().resolve_data(write_item)
+
+    state = _blocks(world)
+    started = time.monotonic()
+    with pytest.raises(DcpFailure) as failed:
+        dcp.save(state, storage_writer=ShardstoreWriter(root, shard_bytes=SHARD_BYTES), planner=FailsOnRankOne())
+    assert time.monotonic() - started < 30
+    return str(failed.value)
+
+
+def test_a_rank_failing_before_the_exchange_fails_every_rank_without_waiting(tmp_path: Path) -> None:
+    errors = run_distributed(fail_before_the_exchange, 2, str(tmp_path / "ckpt"))
+    assert all("device lost" in error for error in errors), errors
+    assert not (tmp_path / "ckpt" / "zarr.json").exists()
+
+
+def test_one_process_without_a_process_group_shards_too(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = {f"w{i}": torch.randn(64, 32) for i in range(3)}
+    dcp.save(state, storage_writer=ShardstoreWriter(tmp_path / "one", shard_bytes=SHARD_BYTES, max_chunk_bytes=1024))
+    assert len(_sharded_arrays(tmp_path / "one")) == 3 and shardstore.verify(tmp_path / "one").ok
+    loaded = {key: torch.zeros_like(value) for key, value in state.items()}
+    dcp.load(loaded, storage_reader=ShardstoreReader(tmp_path / "one"))
+    fm.assert_same(loaded, state)

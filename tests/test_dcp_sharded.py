@@ -171,15 +171,20 @@ def save_on_a_subgroup_with_the_default_group(rank: int, world: int, root: str) 
     mesh = DeviceMesh.from_group(pair, "cpu")
     state = {"w": distribute_tensor(torch.arange(64.0).reshape(16, 4), mesh, [Shard(0)])}
     with pytest.raises(DcpFailure) as refused:
-        dcp.save(state, storage_writer=ShardstoreWriter(root, shard_bytes=SHARD_BYTES), process_group=pair)
+        writer = ShardstoreWriter(f"{root}/refused", shard_bytes=SHARD_BYTES)
+        dcp.save(state, storage_writer=writer, process_group=pair)
+    writer = ShardstoreWriter(f"{root}/pair", shard_bytes=SHARD_BYTES, max_chunk_bytes=64, process_group=pair)
+    dcp.save(state, storage_writer=writer, process_group=pair)
     return str(refused.value)
 
 
-def test_a_writer_whose_group_is_not_dcps_is_refused_before_anything_is_written(tmp_path: Path) -> None:
-    errors = run_distributed(save_on_a_subgroup_with_the_default_group, 3, str(tmp_path / "ckpt"))
+def test_a_writer_on_a_group_that_is_not_dcps_is_refused_and_on_dcps_subgroup_saves(tmp_path: Path) -> None:
+    errors = run_distributed(save_on_a_subgroup_with_the_default_group, 3, str(tmp_path))
     for error in errors[:2]:
         assert "not DCP's [(0, 2), (1, 2)]" in error and "ShardstoreWriter(process_group=...)" in error, error
-    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+    assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())
+    assert list(_sharded_arrays(tmp_path / "pair")) == ["w"] and shardstore.verify(tmp_path / "pair").ok
+    assert torch.equal(shardstore.load_plain_tensors(tmp_path / "pair")["w"], torch.arange(64.0).reshape(16, 4))
 
 
 def fail_before_the_exchange(rank: int, world: int, root: str) -> str:

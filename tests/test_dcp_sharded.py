@@ -187,18 +187,23 @@ def test_a_writer_on_a_group_that_is_not_dcps_is_refused_and_on_dcps_subgroup_sa
     assert torch.equal(shardstore.load_plain_tensors(tmp_path / "pair")["w"], torch.arange(64.0).reshape(16, 4))
 
 
-def fail_before_the_exchange(rank: int, world: int, root: str) -> str:
+def fail_before_the_exchange(rank: int, world: int, root: str, where: str) -> str:
     import time
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    class FailsOnRankOne(DefaultSavePlanner):  # a rank failing just before the exchange
-        def resolve_data(self, write_item):
-            if rank == 1:
-                raise RuntimeError("device lost")
-            return super().resolve_data(write_item)
+    from shardstore.execution import SavePipeline
 
+    def fail(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    class FailsOnRankOne(DefaultSavePlanner):  # its blocks cannot be read
+        def resolve_data(self, write_item):
+            return fail() if rank == 1 and where == "blocks" else super().resolve_data(write_item)
+
+    if rank == 1 and where == "join":  # the save it joins cannot be opened
+        SavePipeline.join = fail
     state = _blocks(world)
     started = time.monotonic()
     with pytest.raises(DcpFailure) as failed:
@@ -207,8 +212,9 @@ def fail_before_the_exchange(rank: int, world: int, root: str) -> str:
     return str(failed.value)
 
 
-def test_a_rank_failing_before_the_exchange_fails_every_rank_without_waiting(tmp_path: Path) -> None:
-    errors = run_distributed(fail_before_the_exchange, 2, str(tmp_path / "ckpt"))
+@pytest.mark.parametrize("where", ["blocks", "join"])
+def test_a_rank_failing_before_the_exchange_fails_every_rank_without_waiting(tmp_path: Path, where: str) -> None:
+    errors = run_distributed(fail_before_the_exchange, 2, str(tmp_path / "ckpt"), where)
     assert all("device lost" in error for error in errors), errors
     assert not (tmp_path / "ckpt" / "zarr.json").exists()
 

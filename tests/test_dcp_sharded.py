@@ -228,3 +228,34 @@ def test_one_process_without_a_process_group_shards_too(tmp_path: Path) -> None:
     loaded = {key: torch.zeros_like(value) for key, value in state.items()}
     dcp.load(loaded, storage_reader=ShardstoreReader(tmp_path / "one"))
     fm.assert_same(loaded, state)
+
+
+def save_on_s3(rank: int, world: int, location) -> bytes:
+    import torch.distributed.checkpoint as dcp
+
+    state = _blocks(world)
+    dcp.save(state, storage_writer=ShardstoreWriter(location, shard_bytes=SHARD_BYTES))
+    return fm.to_bytes(fm.full_values(state))
+
+
+def load_from_s3(rank: int, world: int, location, saved: bytes) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    request = _request(world)[2]["extra"]
+    dcp.load(request, storage_reader=ShardstoreReader(location))
+    fm.assert_same(fm.full_values(request), fm.from_bytes(saved))
+
+
+def test_on_s3_dcp_save_with_shard_bytes_writes_one_object_per_array(moto_server) -> None:
+    from shardstore.stores.locations import open_location
+    from shardstore.stores.s3 import S3Options
+    from tests.s3_support import KEY, REGION, SECRET
+
+    moto_server.create_bucket("dcp-sharded")
+    options = S3Options(endpoint_url=moto_server.endpoint, key=KEY, secret=SECRET, region=REGION)
+    location = open_location("s3://dcp-sharded/run/step-1", options=options)
+    saved = run_distributed(save_on_s3, 2, location)[0]
+    chunks = [key for key in location.list_files() if key.startswith("layer") and "/c" in key]
+    assert len(chunks) == LAYERS, chunks  # one shard object per array, not one chunk per rank
+    assert shardstore.verify(location).ok
+    run_distributed(load_from_s3, 3, location, saved)

@@ -13,6 +13,9 @@ What goes where (the same as ``shardstore.save`` of the same state dict, see
 * every sharded item (a DTensor: DCP's ``WriteItemType.SHARD``) is a chunk of one
   global array named by its fully qualified name (``model.layers.0.weight``), written by
   the rank DCP's plan gives it, with each chunk's crc32c bound into the commit record;
+  with ``ShardstoreWriter(shard_bytes=...)``, an array of small first-axis blocks is
+  stored in Zarr v3 shards instead, each block sent to its shard's writer over a process
+  group in ``write_data`` (as ``ZarrSaveShardedStrategy(shard_bytes=...)``);
 * every plain tensor (DCP's replicated ``WriteItemType.TENSOR``: a DDP or one-process
   model's parameters, Adam's moments) of at least ``min_array_bytes`` is an array of its
   own, its one block written by one of the ranks that hold it, balanced by bytes

@@ -259,3 +259,21 @@ def test_on_s3_dcp_save_with_shard_bytes_writes_one_object_per_array(moto_server
     assert len(chunks) == LAYERS, chunks  # one shard object per array, not one chunk per rank
     assert shardstore.verify(location).ok
     run_distributed(load_from_s3, 3, location, saved)
+
+
+def async_save_in_a_save_process(rank: int, world: int, root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    state = _blocks(world)
+    writer = ShardstoreWriter(root, shard_bytes=SHARD_BYTES)
+    future = dcp.async_save(state, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    future.result(timeout=240)
+    assert not writer.is_coordinator  # a copy of it saved, in the save process
+    loaded = shardstore.load(_request(world)[2]["extra"], root)
+    fm.assert_same(fm.full_values(loaded), fm.full_values(state))
+
+
+def test_async_save_in_a_process_of_its_own_exchanges_on_that_process_default_group(tmp_path: Path) -> None:
+    run_distributed(async_save_in_a_save_process, 2, str(tmp_path / "ckpt"), timeout=300)
+    assert len(_sharded_arrays(tmp_path / "ckpt")) == LAYERS and shardstore.verify(tmp_path / "ckpt").ok

@@ -743,11 +743,17 @@ def build_fsdp(count: int, rows: int, rank: int, world: int) -> State:
 
 def run_fsdp(b: Bench, args: argparse.Namespace) -> None:
     """Issue 44.1: FSDP-shaped state of many small first-axis blocks, saved with every
-    block a chunk file and with the blocks gathered into 64 MiB shards, against DCP and
-    the raw files, in one interleaved run."""
+    block a chunk file and with the blocks gathered into 64 MiB shards (through
+    ``shardstore.save`` and through DCP's door, ``dcp.save`` with
+    ``ShardstoreWriter(shard_bytes=...)``), against DCP and the raw files, in one
+    interleaved run."""
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
 
     import shardstore
     from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+    from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 
     state = build_fsdp(args.fsdp_arrays, 64 * b.world, b.rank, b.world)
     nbytes = full_bytes(state)
@@ -760,16 +766,21 @@ def run_fsdp(b: Bench, args: argparse.Namespace) -> None:
                   lambda path=path, strategy=strategy: shardstore.save(
                       shardstore_sd(state, b.rank, b.world), str(path), strategy),
                   lambda path=path: shardstore.load(shardstore_sd(state, b.rank, b.world, empty=True), str(path)))
+    mesh, door = init_device_mesh("cpu", (b.world,)), b.root / "fsdp-dcp-writer-sharded"
+    b.measure("fsdp", "dcp-writer-sharded", nbytes, door,
+              lambda: dcp.save(dcp_sd(state, mesh), storage_writer=ShardstoreWriter(str(door), shard_bytes=64 << 20)),
+              lambda: dcp.load(dcp_sd(state, mesh, empty=True), storage_reader=ShardstoreReader(str(door))))
     dcp_path, files_path = measure_dcp_and_files(b, "fsdp", state, nbytes)
     if "s3" in args.cases:
         measure_fsdp_on_s3(b, state, nbytes)
     b.flush()
+    methods = ("shardstore", "shardstore-sharded", "dcp-writer-sharded", "dcp", "files")
     if b.rank == 0:
-        for method in ("shardstore", "shardstore-sharded", "dcp", "files"):
+        for method in methods:
             path = b.root / f"fsdp-{method}"
             b.extra[f"fsdp {method} files"] = sum(len(f) for _, _, f in os.walk(path)) if path.exists() else 0
-    for p in (b.root / "fsdp-shardstore", b.root / "fsdp-shardstore-sharded", dcp_path, files_path):
-        b._clean(p)
+    for method in methods:
+        b._clean(b.root / f"fsdp-{method}")
 
 
 def io_read_chars() -> int:

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from shardstore.errors import CheckpointingException
 
@@ -39,9 +38,7 @@ from shardstore.execution.save import (
     StagedWrites,
     Staging,
     WriteOp,
-    metadata_files,
 )
-from shardstore.execution.staging import to_host
 from shardstore.format.chunks import DEFAULT_IO_CONCURRENCY, DEFAULT_IO_THREADS, WrittenChunk
 from shardstore.format.commit import (
     PendingCheckpoint,
@@ -55,7 +52,6 @@ from shardstore.format.commit import (
     publisher_for,
 )
 from shardstore.format.config import CheckpointingConfig, write_config
-from shardstore.format.dtypes import tensor_to_numpy
 from shardstore.format.records import ZARR_JSON, ArrayRecord, CommitRecord
 from shardstore.mapping import ShardedObject, ShardedTensor
 from shardstore.planning.checks import check_layout, check_storable_keys, local_records
@@ -95,11 +91,6 @@ class RankSave:
     plan: RankSavePlan
 
 
-def _host_array(tensor: torch.Tensor) -> np.ndarray:
-    """A block's values in host memory (a view of a contiguous CPU tensor)."""
-    return tensor_to_numpy(to_host(tensor))
-
-
 class SavePipeline:
     """One save of one checkpoint: the one object that holds a save's state on a rank.
     What the save may do is fixed when it is opened (``options``); what it decided when
@@ -131,7 +122,7 @@ class SavePipeline:
                      whole chunks into ``location`` (shared with the checkpoint reused
                      from where unchanged); or stage(tensors, plan, staging) then
                      write_staged() (the strategies; an async save's I/O) and finalize(error)
-                     (its collective commit); or write_plan(plan, blocks): a rank's part of
+                     (its collective commit); or write_plan(plan, tensors): a rank's part of
                      a plan it was handed
         coordinator  commit(record, reports) -> CommitRecord
                      ``execution.save.commit_save``: the ONLY place that binds the chunks'
@@ -161,7 +152,8 @@ class SavePipeline:
                                  shards DCP gathered, as ShardedTensors without data: the checks,
                                  the plan, begin); each rank's RankSave (intent and plan) travels
                                  in its SavePlan. write_data (all ranks): open + join(intent)
-                                 off the coordinator, write_plan, release() off the coordinator.
+                                 off the coordinator, write_plan (on the process group, with
+                                 shard_bytes), release() off the coordinator.
                                  finish (coordinator): common.pt into ``location``, then
                                  commit(commit_record, reports); abandon() on failure.
         Megatron plug-in         _plan: base_strategy.into_callers_directory(checkpoint_dir)
@@ -336,14 +328,18 @@ class SavePipeline:
         return [RankSave(intent, plan) for plan in plans]
 
     def write_plan(
-        self, plan: RankSavePlan, blocks: list[torch.Tensor], io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+        self, plan: RankSavePlan, tensors: list[ShardedTensor], io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+        local_error: BaseException | None = None,
     ) -> list[WrittenChunk]:
-        """This rank's part of a save plan from its blocks (``blocks[i]``: the tensor,
-        on any device, of the block the plan's shards number ``i``): the arrays'
+        """This rank's part of a save plan from its ``tensors`` (the ones the plan's
+        shards number, data on any device): the staging stage (``execution.save.
+        stage_save``: host copies of CUDA data; on a group of several ranks, collective,
+        every rank calls it, and the blocks gathered into other ranks' shards travel;
+        ``local_error``, this rank's failure before, fails every rank), then the arrays'
         ``zarr.json`` files, every chunk, then durability, before the rank reports what
         it wrote."""
-        ops = [WriteOp(s.key, s.region, _host_array(blocks[s.index]).reshape(s.block_shape)) for s in plan.shards]
-        return self._write(metadata_files(plan), plan.records, ops, io_concurrency)
+        staged = rank_save.stage_save(tensors, self.pending, plan, self.group, Staging(), local_error)
+        return self._write(staged.metadata_files, staged.records, staged.ops, io_concurrency)
 
     def stage(
         self, tensors: list[ShardedTensor], plan: RankSavePlan, staging: Staging,

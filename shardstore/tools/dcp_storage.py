@@ -13,6 +13,9 @@ What goes where (the same as ``shardstore.save`` of the same state dict, see
 * every sharded item (a DTensor: DCP's ``WriteItemType.SHARD``) is a chunk of one
   global array named by its fully qualified name (``model.layers.0.weight``), written by
   the rank DCP's plan gives it, with each chunk's crc32c bound into the commit record;
+  with ``ShardstoreWriter(shard_bytes=...)``, an array of small first-axis blocks is
+  stored in Zarr v3 shards instead, each block sent to its shard's writer over a process
+  group in ``write_data`` (as ``ZarrSaveShardedStrategy(shard_bytes=...)``);
 * every plain tensor (DCP's replicated ``WriteItemType.TENSOR``: a DDP or one-process
   model's parameters, Adam's moments) of at least ``min_array_bytes`` is an array of its
   own, its one block written by one of the ranks that hold it, balanced by bytes
@@ -34,6 +37,7 @@ import io
 import logging
 import math
 import os
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -41,6 +45,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -95,6 +100,7 @@ from shardstore.inputs.plain_tensors import (
 )
 from shardstore.mapping import ShardedTensor
 from shardstore.opened import bare_location, open_read
+from shardstore.protocol import Group, run_stage
 from shardstore.serialization import verify_checkpoint_and_load_strategy
 from shardstore.stores import Location
 from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION
@@ -122,10 +128,13 @@ class RankPart:
     Attributes:
         save: the save this rank joins and its part of shardstore's save plan.
         items: the sharded write items it writes, in the order ``save.plan`` numbers them.
+        exchange: the ranks exchange blocks in ``write_data`` (``shard_bytes`` in a save
+            of several ranks): every rank then writes on the writer's process group.
     """
 
     save: RankSave
     items: tuple[WriteItem, ...]
+    exchange: bool = False
 
 
 @dataclass(frozen=True)
@@ -141,11 +150,14 @@ class CommonValue:
 class HeldPlainTensors:
     """What a rank's local plan tells the coordinator (``SavePlan.storage_data``): the
     plain tensors it holds that become arrays, each of which it could write (DCP's
-    deduplication keeps a replicated item in one plan only), and the name, shape and
-    dtype of every plain tensor it holds (``_refuse_divergent_replicas``)."""
+    deduplication keeps a replicated item in one plan only), the name, shape and
+    dtype of every plain tensor it holds (``_refuse_divergent_replicas``), and, with
+    ``shard_bytes``, its rank and the size of the group it exchanges blocks on
+    (``_refuse_other_group``)."""
 
     items: tuple[WriteItem, ...]
     plain: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
+    member: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -235,7 +247,12 @@ class ShardstoreWriter(StorageWriter):
                                                     metadata.json, the checkpoint to reuse
                                                     from); each rank's plan carries its part
                                                     and the save's intent
-        4) all ranks    write_data()                joins the save; array metadata and chunks
+        4) all ranks    write_data()                joins the save; with shard_bytes in a
+                                                    save of several ranks, collective on
+                                                    ``process_group``: the blocks of sharded
+                                                    arrays travel to their shard's writer
+                                                    (one stage: agreement, then point-to-point
+                                                    sends); array metadata and chunks
                                                     from the tensors' memory
                                                     (``SavePipeline.write_plan``; an
                                                     unchanged chunk of ``reuse_from`` is
@@ -275,12 +292,29 @@ class ShardstoreWriter(StorageWriter):
             this save shares instead of writing them again (as ``shardstore.save``'s
             ``reuse_from``, ``shardstore.format.reuse``); one that cannot be reused
             from is logged and written in full.
+        shard_bytes: store the arrays DCP's plan splits along their first axis in small
+            blocks (FSDP2's ``Shard(0)``) in Zarr v3 shards of about this many bytes, as
+            ``ZarrSaveShardedStrategy(shard_bytes=...)`` does for ``shardstore.save``:
+            each shard is written by one of the ranks whose blocks it holds, the others
+            send it their blocks in ``write_data``, so the files no longer multiply with
+            the ranks. None (the default): every block is a chunk file of its own and
+            the ranks exchange nothing.
+        process_group: with ``shard_bytes``, the group the ranks exchange blocks on: the
+            one given to ``dcp.save(process_group=...)`` (DCP does not hand it to its
+            writer); None: the default group. A group whose ranks are not DCP's is
+            refused at the plan. ``dcp.async_save`` runs the save on a thread of its own:
+            there, name the group given to it (a group of its own, never the one
+            training uses meanwhile); with None the save is refused. Its
+            ``AsyncCheckpointerType.PROCESS`` pickles the writer into a process whose
+            default group is DCP's: leave ``process_group`` None there (a group cannot
+            travel; refused).
     """
 
     def __init__(
         self, checkpoint_id: CheckpointId | None = None, *, overwrite: bool = True,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
         min_array_bytes: int = DEFAULT_MIN_ARRAY_BYTES, reuse_from: CheckpointId | None = None,
+        shard_bytes: int | None = None, process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.checkpoint_id = checkpoint_id
@@ -289,10 +323,24 @@ class ShardstoreWriter(StorageWriter):
         self.io_concurrency = io_concurrency
         self.min_array_bytes = min_array_bytes
         self.reuse_from = reuse_from
+        self.shard_bytes = shard_bytes
+        self.process_group = process_group
+        self._strategy()  # refuses a bound out of range now, not at the save
         self.is_coordinator = False
         self.save_id = _new_id()
         self._save: SavePipeline | None = None  # the coordinator's, from plan to finish
         self._commit: CommitRecord | None = None
+
+    def __getstate__(self) -> dict:
+        """What ``dcp.async_save(async_checkpointer_type=PROCESS)`` sends its save
+        process: everything but a save in progress; a process group cannot travel."""
+        if self.process_group is not None:
+            raise CheckpointingException(
+                f"ShardstoreWriter({self.checkpoint_id!r}) holds a process group, which cannot travel to another "
+                "process (dcp.async_save with AsyncCheckpointerType.PROCESS): leave process_group=None there, the "
+                "save process's default group is DCP's"
+            )
+        return {**self.__dict__, "_save": None, "_commit": None}
 
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """A new save: its checkpoint id (when given) and a new DCP save id."""
@@ -306,16 +354,26 @@ class ShardstoreWriter(StorageWriter):
         recorded at the commit for ``ShardstoreReader.read_metadata``."""
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
-    def _open_save(self) -> SavePipeline:
+    def _open_save(self, exchange: bool) -> SavePipeline:
         """This rank's view of the save (``execution.pipeline``): the one place the
-        target and the checkpoint reused from are opened. DCP's ranks talk only through
-        its plans and results, so the pipeline's group is this process alone. The target
-        is a shared directory, as ``FileSystemWriter`` takes one: the checkpoint is
-        published beside the files other programs keep there (``format.commit.SaveOptions``)."""
+        target and the checkpoint reused from are opened. DCP's ranks talk through its
+        plans and results; they exchange blocks themselves only where ``exchange``
+        (``RankPart.exchange``), on ``process_group``; otherwise the pipeline's group is
+        this process alone. The target is a shared directory, as ``FileSystemWriter``
+        takes one: the checkpoint is published beside the files other programs keep
+        there (``format.commit.SaveOptions``)."""
         if self.checkpoint_id is None:
             raise CheckpointingException("ShardstoreWriter has no checkpoint path: pass one, or checkpoint_id= to dcp.save")
         options = SaveOptions(overwrite=self.overwrite, reuse_from=self.reuse_from, shared_directory=True)
-        return SavePipeline.open(self.checkpoint_id, options=options, config=CONFIG)
+        group = Group(self.process_group) if exchange else None
+        return SavePipeline.open(self.checkpoint_id, group, options=options, config=CONFIG)
+
+    def _strategy(self) -> ZarrSaveShardedStrategy:
+        """How the coordinator plans the chunks (DCP's plan already chose each block's
+        writer among its replicas)."""
+        return ZarrSaveShardedStrategy(
+            max_chunk_bytes=self.max_chunk_bytes, fully_parallel=False, shard_bytes=self.shard_bytes,
+        )
 
     def _as_array(self, item: WriteItem) -> bool:
         """A plain tensor's item that is written as an array (the same answer on every
@@ -335,28 +393,51 @@ class ShardstoreWriter(StorageWriter):
             self._save = None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """All ranks: names the plain tensors this rank holds that become arrays."""
+        """All ranks: names the plain tensors this rank holds that become arrays and,
+        with ``shard_bytes``, its place in the group it would exchange blocks on."""
         plain = tuple(map(_plain_kind, filter(_is_plain, plan.items)))
-        return replace(plan, storage_data=HeldPlainTensors(tuple(filter(self._as_array, plan.items)), plain))
+        member = None
+        if self.shard_bytes is not None:
+            group = self._exchange_group()
+            member = (group.rank, group.world_size)
+        return replace(plan, storage_data=HeldPlainTensors(tuple(filter(self._as_array, plan.items)), plain, member))
+
+    def _exchange_group(self) -> Group:
+        """The group the ranks exchange blocks on. Refused: the default group on a
+        thread other than the main one (``dcp.async_save``'s), where the training loop's
+        own collectives on it would interleave with the save's, in another order on
+        each rank."""
+        group = Group(self.process_group)
+        if self.process_group is None and group.world_size > 1 and threading.current_thread() is not threading.main_thread():
+            raise CheckpointingException(
+                f"Saving {self.checkpoint_id!r}: ShardstoreWriter(shard_bytes=...) exchanges blocks between the ranks, "
+                "and this save runs on a background thread (dcp.async_save), where the default process group is "
+                "the training loop's. Pass the group given to dcp.async_save(process_group=...) as "
+                "ShardstoreWriter(process_group=...) (dist.new_group(backend='gloo'))"
+            )
+        return group
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: validates and plans the global layout, then begins the save
         (``SavePipeline.begin``: the staging area and ``metadata.json``); each rank's plan
         carries the save's intent, which it joins in ``write_data``."""
-        save = self._open_save()
+        exchange = self.shard_bytes is not None and len(plans) > 1
+        save = self._open_save(exchange)
         if not all(plan.usable for plan in plans):
             raise CheckpointingException(
                 f"Saving {save.describe()}: DCP's plan caching is not supported by ShardstoreWriter (each save plans "
                 "its chunks and staging area anew); use DefaultSavePlanner(enable_plan_caching=False)"
             )
         _refuse_divergent_replicas(plans, save.describe())
+        if exchange:
+            _refuse_other_group(plans, save.describe())
         shards, orders = gathered_shards(plans, _plain_array_writers(plans, self._as_array))
         # DCP's gather hands any error here to every rank
-        planner = ZarrSaveShardedStrategy(max_chunk_bytes=self.max_chunk_bytes, fully_parallel=False).plan_save
-        parts = save.plan_gathered(shards, planner)
+        parts = save.plan_gathered(shards, self._strategy().plan_save)
         self._save, self._commit = save, parts[0].plan.commit
         return [
-            replace(plan, storage_data=RankPart(part, order)) for plan, part, order in zip(plans, parts, orders)
+            replace(plan, storage_data=RankPart(part, order, exchange))
+            for plan, part, order in zip(plans, parts, orders)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -365,10 +446,7 @@ class ShardstoreWriter(StorageWriter):
         part = plan.storage_data
         if not isinstance(part, RankPart):
             raise CheckpointingException("ShardstoreWriter.write_data got a plan its prepare_global_plan did not make")
-        save = self._save if self.is_coordinator else self._open_save()
-        if save is None:
-            raise CheckpointingException("ShardstoreWriter.write_data on the coordinator without a save in progress")
-        save.join(part.save.intent)
+        save = self._joined(part)
         try:
             written = self._write_shards(part, planner, save)
             results = [_result(item, planner, self._as_array(item)) for item in plan.items]
@@ -388,10 +466,33 @@ class ShardstoreWriter(StorageWriter):
         future.set_result(results)
         return future
 
+    def _joined(self, part: RankPart) -> SavePipeline:
+        """This rank's pipeline of the save, joined. Where the ranks exchange blocks, a
+        failure here is told to the peers, which wait in the exchange's agreement
+        (``SavePipeline.write_plan``): every rank raises it, none waits for a timeout."""
+        try:
+            save = self._save if self.is_coordinator else self._open_save(part.exchange)
+            if save is None:
+                raise CheckpointingException("ShardstoreWriter.write_data on the coordinator without a save in progress")
+            save.join(part.save.intent)
+            return save
+        except Exception as exc:
+            if part.exchange:
+                where = _id_text(self.checkpoint_id)
+                run_stage(Group(self.process_group), f"Staging tensors for checkpoint {where}", lambda: None,
+                          local_error=exc)
+            raise
+
     def _write_shards(self, part: RankPart, planner: SavePlanner, save: SavePipeline) -> WrittenChunks:
-        """This rank's arrays' ``zarr.json`` files and chunks, durable before it reports."""
-        blocks = [planner.resolve_data(item) for item in part.items]
-        return WrittenChunks(tuple(save.write_plan(part.save.plan, blocks, self.io_concurrency)))
+        """This rank's arrays' ``zarr.json`` files and chunks (the blocks of sharded
+        arrays exchanged first, ``RankPart.exchange``), durable before it reports."""
+        tensors: list[ShardedTensor] = []
+        error = None
+        try:
+            tensors = [replace(shard_description(item), data=planner.resolve_data(item)) for item in part.items]
+        except Exception as exc:  # told to every rank by the staging stage's agreement
+            error = exc
+        return WrittenChunks(tuple(save.write_plan(part.save.plan, tensors, self.io_concurrency, error)))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: writes common.pt and commits, DCP's metadata (its planner's
@@ -472,6 +573,21 @@ def _refuse_divergent_replicas(plans: list[SavePlan], where: str) -> None:
                 f"Saving {where}: ranks hold {name!r} with different shapes or dtypes ({holders}). DCP keeps one copy "
                 "of a replicated tensor: save each rank's own tensor under a name of its own"
             )
+
+
+def _refuse_other_group(plans: list[SavePlan], where: str) -> None:
+    """Refuses a save whose ranks would exchange blocks on a group whose ranks are not
+    DCP's (``ShardstoreWriter(process_group=...)`` another than ``dcp.save``'s): DCP's
+    plan ``r`` must be the group's rank ``r``, else the exchange's messages go to the
+    wrong ranks or wait for ranks that never join."""
+    members = [plan.storage_data.member if isinstance(plan.storage_data, HeldPlainTensors) else None for plan in plans]
+    expected = [(rank, len(plans)) for rank in range(len(plans))]
+    if members != expected:
+        raise CheckpointingException(
+            f"Saving {where}: ShardstoreWriter(shard_bytes=...) exchanges blocks on a process group whose "
+            f"(rank, size) per DCP rank are {members}, not DCP's {expected}. Pass the group given to "
+            "dcp.save(process_group=...) as ShardstoreWriter(process_group=...)"
+        )
 
 
 def _plain_array_writers(plans: list[SavePlan], as_array: Callable[[WriteItem], bool]) -> list[list[WriteItem]]:

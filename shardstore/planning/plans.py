@@ -82,7 +82,9 @@ class RankSavePlan:
         straddling: ``(tag, chunk)`` of the chunks that straddle flattened ranges and
             that it assembles (``chunk.writer``) or sends a piece of; the tag pairs the
             sends and receives, and is unique within the save.
-        array_metadata: arrays whose ``zarr.json`` it writes (it holds element 0).
+        array_metadata: arrays whose ``zarr.json`` it writes: it holds a block of each,
+            and the arrays whose blocks several ranks hold take their writers in turn
+            (FSDP2's arrays, held by every rank, spread their files over all ranks).
         gathered: arrays stored in shards whose blocks are gathered to each shard's
             writer (``straddling``), not written block by block.
         group_metadata: groups whose ``zarr.json`` it writes (the coordinator).
@@ -203,11 +205,6 @@ def flattened_block(main_shards: list[ShardRecord]) -> tuple[int, ...] | None:
     return shapes.pop()
 
 
-def owns_first_chunk(shard: ShardRecord) -> bool:
-    """The main shard holding element 0 creates the array (writes its zarr.json)."""
-    return shard.main and not any(shard.offset) and (shard.flat_range is None or shard.flat_range[0] == 0)
-
-
 def plan_flat_writes(
     key: str, main_shards: list[ShardRecord], chunk_shape: tuple[int, ...]
 ) -> tuple[list[DirectFlatWrite], list[FlatChunk]]:
@@ -260,13 +257,13 @@ def plan_save(
     metadata: list[list[str]] = [[] for _ in range(world)]
     touched: list[set[str]] = [set() for _ in range(world)]
     tag = 0
-    for key, key_shards in sorted(layout.tensors.items()):
+    for ordinal, (key, key_shards) in enumerate(sorted(layout.tensors.items())):
         main = [s for s in key_shards if s.main]
         for s in main:
             shards[s.rank].append(s)
             touched[s.rank].add(key)
-            if owns_first_chunk(s):
-                metadata[s.rank].append(key)
+        if main:
+            metadata[main[ordinal % len(main)].rank].append(key)
         sharded = records[key].codec != BYTES_CRC32C
         if not main or (main[0].flat_range is None and not sharded):
             continue

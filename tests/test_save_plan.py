@@ -1,0 +1,33 @@
+"""Who writes what in a save plan (``planning.plans.plan_save``): the arrays'
+``zarr.json`` files spread over the ranks that hold each array's blocks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from shardstore.planning.layout import GlobalLayout, ShardRecord
+from shardstore.planning.plans import plan_save
+
+
+def _block(key: str, rank: int, index: int, world: int, main: bool = True) -> ShardRecord:
+    rows = 16 // world
+    return ShardRecord(key, rank, index, "float32", (16, 8), (rank * rows, 0), (rows, 8), None, main)
+
+
+def test_fsdp_arrays_spread_their_metadata_files_over_every_rank() -> None:
+    """FSDP2 splits every array over all ranks: rank 0 used to write every zarr.json
+    (1,000 files and directories at 1,000 arrays) while the others waited."""
+    world, arrays = 4, 8
+    per_rank = [([_block(f"w{i}", rank, i, world) for i in range(arrays)], []) for rank in range(world)]
+    plans = plan_save(GlobalLayout.from_gathered(per_rank), 1 << 20, fully_parallel=False)
+    writers = Counter(plan.rank for plan in plans for _ in plan.array_metadata)
+    assert writers == {rank: arrays // world for rank in range(world)}, writers
+    assert sorted(key for plan in plans for key in plan.array_metadata) == sorted(f"w{i}" for i in range(arrays))
+    for plan in plans:  # each writes only arrays it holds, whose record it has
+        assert set(plan.array_metadata) <= set(plan.records)
+
+
+def test_an_array_held_by_one_rank_has_its_metadata_written_there() -> None:
+    replicated = [ShardRecord("norm", rank, 0, "float32", (8,), (0,), (8,), None, rank == 2) for rank in range(4)]
+    plans = plan_save(GlobalLayout.from_gathered([([r], []) for r in replicated]), 1 << 20, fully_parallel=False)
+    assert [plan.array_metadata for plan in plans] == [(), (), ("norm",), ()]

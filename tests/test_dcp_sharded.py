@@ -277,3 +277,18 @@ def async_save_in_a_save_process(rank: int, world: int, root: str) -> None:
 def test_async_save_in_a_process_of_its_own_exchanges_on_that_process_default_group(tmp_path: Path) -> None:
     run_distributed(async_save_in_a_save_process, 2, str(tmp_path / "ckpt"), timeout=300)
     assert len(_sharded_arrays(tmp_path / "ckpt")) == LAYERS and shardstore.verify(tmp_path / "ckpt").ok
+
+
+def test_a_bound_above_the_s3_object_limit_is_refused_before_anything_is_written(moto_server) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from shardstore.stores.locations import open_location
+    from shardstore.stores.s3 import S3Options
+    from tests.s3_support import KEY, REGION, SECRET
+
+    moto_server.create_bucket("dcp-bounds")
+    options = S3Options(endpoint_url=moto_server.endpoint, key=KEY, secret=SECRET, region=REGION)
+    location = open_location("s3://dcp-bounds/run/step-1", options=options)
+    with pytest.raises((CheckpointingException, DcpFailure), match="shard_bytes=6442450944 exceeds the .*object limit"):
+        dcp.save({"w": torch.ones(4)}, storage_writer=ShardstoreWriter(location, shard_bytes=6 * 2**30), no_dist=True)
+    assert location.list_files() == []

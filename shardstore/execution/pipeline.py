@@ -310,6 +310,21 @@ class SavePipeline:
         self.join(intent)
         return plan
 
+    def refuse_oversized_objects(self, bounds: dict[str, int | None]) -> None:
+        """Refuses, before anything is written, a bound on the bytes of one stored object
+        (``{"max_chunk_bytes": ..., "shard_bytes": ...}``; None: unbounded) above the
+        target's object size limit (``Capabilities.max_object_bytes``: S3's 5 GiB for
+        one PUT).
+
+        Raises:
+            CheckpointingException: naming the bound, the limit and the checkpoint."""
+        limit = self.target.capabilities.max_object_bytes
+        for name, bound in bounds.items():
+            if limit is not None and bound is not None and bound > limit:
+                raise CheckpointingException(
+                    f"{name}={bound} exceeds the {limit}-byte object limit of {self.describe()}; use a smaller bound"
+                )
+
     def plan_gathered(
         self, tensors: list[list[ShardedTensor]], planner: Callable[[GlobalLayout], list[RankSavePlan]],
     ) -> list[RankSave]:

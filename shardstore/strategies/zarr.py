@@ -334,6 +334,11 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         staging = Staging(False, self.sync_staging_bytes, self._sync_buffers, self.io_concurrency)
         self._request(sharded_state_dict, pipeline, plan, staging, local_error).execute_sync()
 
+    def object_bounds(self) -> dict[str, int | None]:
+        """The bounds this strategy puts on one stored object's bytes, by option name
+        (``SavePipeline.refuse_oversized_objects``)."""
+        return {"max_chunk_bytes": self.max_chunk_bytes, "shard_bytes": self.shard_bytes}
+
     def _group(self, process_group: dist.ProcessGroup | None) -> Group:
         return Group(process_group if process_group is not None else self.process_group)
 
@@ -344,12 +349,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         tensors = pipeline.planned_tensors
         if tensors is None:  # a plan made elsewhere (the seed's save_with_plan): its tensors, in its order
             tensors, _ = local_sharded_items(sharded_state_dict)
-        limit = pipeline.target.capabilities.max_object_bytes
-        for name, bound in (("max_chunk_bytes", self.max_chunk_bytes), ("shard_bytes", self.shard_bytes)):
-            if limit is not None and bound is not None and bound > limit:
-                raise CheckpointingException(
-                    f"{name}={bound} exceeds the {limit}-byte object limit of {pipeline.describe()}; use a smaller bound"
-                )
+        pipeline.refuse_oversized_objects(self.object_bounds())
         pipeline.stage(tensors, plan, staging, local_error)
         return AsyncRequest(
             async_fn=SavePipeline.write_staged,

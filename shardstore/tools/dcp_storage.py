@@ -428,6 +428,7 @@ class ShardstoreWriter(StorageWriter):
                 f"Saving {save.describe()}: DCP's plan caching is not supported by ShardstoreWriter (each save plans "
                 "its chunks and staging area anew); use DefaultSavePlanner(enable_plan_caching=False)"
             )
+        save.refuse_oversized_objects(self._strategy().object_bounds())
         _refuse_divergent_replicas(plans, save.describe())
         if exchange:
             _refuse_other_group(plans, save.describe())

@@ -330,31 +330,61 @@ def test_s3_shares_by_server_side_copy_and_uploads_only_what_changed(s3) -> None
     assert verify(second).ok
 
 
-def test_s3_copies_are_proven_by_the_recorded_etag_without_hashing(s3, monkeypatch) -> None:
+@pytest.mark.parametrize("sharded", [False, True], ids=["chunks", "shards"])
+def test_s3_copies_are_proven_by_the_recorded_etag_without_hashing(s3, monkeypatch, sharded: bool) -> None:
     """A save to S3 records each chunk object's ETag (the MD5 S3 computed of the bytes
-    it stored); a later save proves its copy by that ETag and hashes no byte, through a
-    chain of steps (a shared chunk's ETag is its copy's)."""
+    it stored); a later save proves its copies by that ETag. It hashes one object per
+    save (its first copy checks that this store's ETags are MD5s), none of the others,
+    through a chain of steps (a shared chunk's ETag is its copy's)."""
     from shardstore.format.codecs import HeldChunk
+    from shardstore.format.sharding import HeldShard
+    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 
     _, proxy = s3
     options = S3Options(endpoint_url=proxy.endpoint, key=KEY, secret=SECRET, region=REGION)
-    steps = [open_location(f"s3://incremental/etags/step{i}", options=options) for i in (1, 2, 3)]
-    save(_state(1), steps[0])
-    stored = steps[0].read_bytes("base/c.0.0")
-    base = read_commit_record(steps[0]).arrays["base"]
-    assert base.chunk_etags == (hashlib.md5(stored).hexdigest(),)
-
-    def no_md5(self) -> str:
-        raise AssertionError("the copy was proven by hashing the bytes, not by the recorded ETag")
-
-    monkeypatch.setattr(HeldChunk, "md5_hex", no_md5)
-    for step, (source, target) in enumerate(zip(steps, steps[1:]), start=2):
-        save(_state(step), target, reuse_from=source)
+    steps = [open_location(f"s3://incremental/etags-{sharded}/step{i}", options=options) for i in (1, 2, 3)]
+    strategy = ZarrSaveShardedStrategy(shard_bytes=2**20, max_chunk_bytes=16 << 10) if sharded else None
+    frozen = {f"frozen{i}": ShardedTensor.from_rank_offsets(f"frozen{i}", global_tensor(f"f{i}", BASE, torch.float32))
+              for i in range(3)}
+    save(frozen, steps[0], strategy)
+    first = read_commit_record(steps[0])
+    assert (first.arrays["frozen0"].codec.name == "sharding_indexed") == sharded
+    stored = steps[0].read_bytes("frozen0/" + first.arrays["frozen0"].chunk_key((0,) * len(BASE)))
+    assert first.arrays["frozen0"].chunk_etags == (hashlib.md5(stored).hexdigest(),)
+    hashed = []
+    for held in (HeldChunk, HeldShard):
+        monkeypatch.setattr(held, "md5_hex", lambda self, original=held.md5_hex: hashed.append(1) or original(self))
+    for source, target in zip(steps, steps[1:]):
+        hashed.clear()
+        save(frozen, target, strategy, reuse_from=source)
         record = read_commit_record(target)
-        assert record.reused_from is not None and record.reused_from.chunks == 1, step
-        assert record.arrays["base"].chunk_etags == base.chunk_etags, step
-        _check(target, step)
+        assert record.reused_from is not None and record.reused_from.chunks == 3, record.reused_from
+        assert all(record.arrays[k].chunk_etags == first.arrays[k].chunk_etags for k in frozen)
+        assert len(hashed) == 1, f"{len(hashed)} objects hashed; the recorded ETags prove all but the first"
+    loaded = load({k: ShardedTensor.from_rank_offsets(k, torch.empty(BASE)) for k in frozen}, steps[2])
+    for i in range(3):
+        assert_bits_equal(loaded[f"frozen{i}"], global_tensor(f"f{i}", BASE, torch.float32), f"frozen{i}")
     assert verify(steps[2]).ok
+
+
+def test_s3_etags_that_name_versions_not_bytes_end_sharing(s3, monkeypatch) -> None:
+    """A store whose ETags look like MD5s but are not the bytes' (equal on a copy
+    whatever the bytes): the save's first copy finds it out, and nothing is shared."""
+    from shardstore.stores import kv_chunks
+    from shardstore.stores.base import CopiedObject
+    from shardstore.stores.s3 import S3Store
+
+    _, proxy = s3
+    options = S3Options(endpoint_url=proxy.endpoint, key=KEY, secret=SECRET, region=REGION)
+    first, second = (open_location(f"s3://incremental/versions/step{i}", options=options) for i in (1, 2))
+    version = "ab" * 16  # hex, 32 digits, and no MD5 of anything saved here
+    monkeypatch.setattr(kv_chunks, "_etag_of", lambda generation: version)
+    save(_state(1), first)
+    assert read_commit_record(first).arrays["base"].chunk_etags == (version,)
+    monkeypatch.setattr(S3Store, "copy_from", lambda self, source, key: CopiedObject(version))
+    save(_state(2), second, reuse_from=first)
+    assert read_commit_record(second).reused_from is None
+    _check(second, 2)
 
 
 def test_local_records_keep_no_etags(tmp_path: Path) -> None:

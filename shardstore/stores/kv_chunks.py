@@ -142,10 +142,18 @@ class KvChunkStore(ChunkStore):
         - the MD5 of ``held``'s bytes, computed here (records without ETags, or an
           object rewritten since with the same bytes).
 
-        Where the store reports another kind of ETag (encryption, a multipart upload)
-        or none, nothing is proven without downloading the copy, which costs what
-        writing it does: None, and the caller writes. An MD5 ETag that is neither (other
-        bytes, or encryption) raises ChunkMismatch."""
+        The first copy of a save is also compared with the MD5 of ``held``'s bytes, so
+        a store whose 32-hex-digit ETags name versions rather than bytes is found out
+        before any copy is proven by a recorded ETag alone. Where the store reports
+        another kind of ETag (encryption, a multipart upload) or none, nothing is
+        proven without downloading the copy, which costs what writing it does: None,
+        and the caller writes. An MD5 ETag that is neither (other bytes, or
+        encryption) raises ChunkMismatch.
+
+        The recorded ETag's proof trusts the earlier record to pair it with the digest
+        of the bytes its store stored under it (records are sealed, and shardstore
+        records only the ETag its store returned for those bytes); a record rewritten
+        and resealed by hand can pair them otherwise, as it can name other crc32cs."""
         if not isinstance(source, KvChunkStore):
             return None
         if not self._etags_probed:  # the first copy tells what this store's ETags are; the others wait
@@ -173,7 +181,13 @@ class KvChunkStore(ChunkStore):
             self._etags_say_nothing = True
             return None
         if etag == recorded:
-            return CopiedObject(etag)
+            # The save's first copy (the probe) also checks that this store's ETags are
+            # the MD5 of the bytes, which the recorded ETag's proof rests on (one MD5 per
+            # rank and save); ETags that only name versions end sharing for the save.
+            if self._etags_probed or etag == held.md5_hex():
+                return CopiedObject(etag)
+            self._etags_say_nothing = True
+            return None
         if etag != (md5 or held.md5_hex()):
             raise ChunkMismatch(
                 f"{source.describe(rel)} does not hold the bytes being saved (its copy's ETag {etag} is not their "

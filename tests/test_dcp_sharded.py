@@ -142,6 +142,9 @@ def async_save_on_the_default_group_then_on_its_own(rank: int, world: int, root:
     future = dcp.async_save(state, storage_writer=ShardstoreWriter(f"{root}/default", shard_bytes=SHARD_BYTES))
     with pytest.raises(DcpFailure) as refused:
         future.result(timeout=60)
+    named = ShardstoreWriter(f"{root}/default", shard_bytes=SHARD_BYTES, process_group=dist.group.WORLD)
+    with pytest.raises(DcpFailure, match="background thread"):  # the default group, named
+        dcp.async_save(state, storage_writer=named).result(timeout=60)
     background = dist.new_group(backend="gloo")
     writer = ShardstoreWriter(f"{root}/own", shard_bytes=SHARD_BYTES, process_group=background)
     with pytest.raises(CheckpointingException, match="cannot travel to another process"):
@@ -158,6 +161,34 @@ def test_async_save_refuses_the_default_group_and_exchanges_on_the_group_it_is_g
         assert "ShardstoreWriter(process_group=...)" in error and "background thread" in error, error
     assert not (tmp_path / "default" / "zarr.json").exists()
     assert len(_sharded_arrays(tmp_path / "own")) == LAYERS and shardstore.verify(tmp_path / "own").ok
+
+
+def save_on_a_thread_of_the_callers_own(rank: int, world: int, root: str) -> None:
+    """A synchronous dcp.save run by a thread of the caller's (as Ray Train runs the
+    training function), its writer made there: the default group is the caller's."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    state, errors = _blocks(world), []
+
+    def train() -> None:
+        try:
+            dcp.save(state, storage_writer=ShardstoreWriter(root, shard_bytes=SHARD_BYTES))
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=train)
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive() and not errors, errors
+    loaded = shardstore.load(_request(world)[2]["extra"], root)
+    fm.assert_same(fm.full_values(loaded), fm.full_values(state))
+
+
+def test_a_save_on_a_thread_of_the_callers_own_uses_the_default_group(tmp_path: Path) -> None:
+    run_distributed(save_on_a_thread_of_the_callers_own, 2, str(tmp_path / "ckpt"), timeout=180)
+    assert len(_sharded_arrays(tmp_path / "ckpt")) == LAYERS and shardstore.verify(tmp_path / "ckpt").ok
 
 
 def save_on_a_subgroup_with_the_default_group(rank: int, world: int, root: str) -> str | None:

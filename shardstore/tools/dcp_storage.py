@@ -307,7 +307,9 @@ class ShardstoreWriter(StorageWriter):
             training uses meanwhile); with None the save is refused. Its
             ``AsyncCheckpointerType.PROCESS`` pickles the writer into a process whose
             default group is DCP's: leave ``process_group`` None there (a group cannot
-            travel; refused).
+            travel; refused). ``write_data`` is then collective: a custom planner whose
+            ``finish_plan`` fails on some ranks only leaves the others waiting in the
+            exchange until the group's timeout (DCP's default planner cannot fail there).
     """
 
     def __init__(
@@ -326,6 +328,8 @@ class ShardstoreWriter(StorageWriter):
         self.shard_bytes = shard_bytes
         self.process_group = process_group
         self._strategy()  # refuses a bound out of range now, not at the save
+        # the thread the caller made the writer on: a save on another one is dcp.async_save's
+        self._caller_thread: int | None = threading.get_ident()
         self.is_coordinator = False
         self.save_id = _new_id()
         self._save: SavePipeline | None = None  # the coordinator's, from plan to finish
@@ -340,7 +344,8 @@ class ShardstoreWriter(StorageWriter):
                 "process (dcp.async_save with AsyncCheckpointerType.PROCESS): leave process_group=None there, the "
                 "save process's default group is DCP's"
             )
-        return {**self.__dict__, "_save": None, "_commit": None}
+        # the save process runs the save as a save of its own, on its own default group
+        return {**self.__dict__, "_save": None, "_commit": None, "_caller_thread": None}
 
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """A new save: its checkpoint id (when given) and a new DCP save id."""
@@ -403,12 +408,15 @@ class ShardstoreWriter(StorageWriter):
         return replace(plan, storage_data=HeldPlainTensors(tuple(filter(self._as_array, plan.items)), plain, member))
 
     def _exchange_group(self) -> Group:
-        """The group the ranks exchange blocks on. Refused: the default group on a
-        thread other than the main one (``dcp.async_save``'s), where the training loop's
-        own collectives on it would interleave with the save's, in another order on
-        each rank."""
+        """The group the ranks exchange blocks on. Refused: the default group (named or
+        not) on a thread other than the one that made the writer (``dcp.async_save``'s
+        background thread), where the training loop's own collectives on it would
+        interleave with the save's, in another order on each rank. A synchronous save
+        on a thread of the caller's own (Ray Train runs training on one) passes."""
         group = Group(self.process_group)
-        if self.process_group is None and group.world_size > 1 and threading.current_thread() is not threading.main_thread():
+        default = self.process_group is None or self.process_group is _default_group()
+        elsewhere = self._caller_thread is not None and threading.get_ident() != self._caller_thread
+        if default and elsewhere and group.world_size > 1:
             raise CheckpointingException(
                 f"Saving {self.checkpoint_id!r}: ShardstoreWriter(shard_bytes=...) exchanges blocks between the ranks, "
                 "and this save runs on a background thread (dcp.async_save), where the default process group is "
@@ -574,6 +582,11 @@ def _refuse_divergent_replicas(plans: list[SavePlan], where: str) -> None:
                 f"Saving {where}: ranks hold {name!r} with different shapes or dtypes ({holders}). DCP keeps one copy "
                 "of a replicated tensor: save each rank's own tensor under a name of its own"
             )
+
+
+def _default_group() -> dist.ProcessGroup | None:
+    """The default process group, None where there is none."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def _refuse_other_group(plans: list[SavePlan], where: str) -> None:

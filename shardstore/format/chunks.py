@@ -213,12 +213,11 @@ class ChunkFile:
         the crc32c it reports must be the one the commit record keeps for the chunk."""
         self._check_recorded(self.codec.read_into(self, views))
 
-    def read_span_into(self, start: int, views: list[memoryview], total: int) -> None:
-        """Fills ``views`` with the chunk's decoded bytes from ``start`` on (a chunk of
-        ``total`` bytes): what the codec must read for them (``ChunkCodec.
-        read_span_into``: a shard's inner chunks that cover them), checked as
-        ``read_into_views`` checks."""
-        self._check_recorded(self.codec.read_span_into(self, start, views, total))
+    def read_box_into(self, chunk_shape: tuple[int, ...], box: tuple[slice, ...], out: np.ndarray) -> None:
+        """Fills ``out`` with the box ``box`` of the chunk (of ``chunk_shape``): what the
+        codec must read for it (``ChunkCodec.read_box_into``: a shard's inner chunks
+        that cover it), checked as ``read_into_views`` checks."""
+        self._check_recorded(self.codec.read_box_into(self, chunk_shape, box, out))
 
     def _check_recorded(self, crc: int) -> None:
         if self.expected_crc is not None and crc != self.expected_crc:
@@ -302,17 +301,14 @@ class ReadJob:
 
     def run(self) -> None:
         target = self.out[self.piece.in_region]
-        runs = None if self.direct or not self.piece.whole else _contiguous_runs(target, self.out)
-        span = None if self.direct or runs or not self.file.codec.reads_spans else self._rows()
-        buffer = target if self.direct or runs else np.empty(
-            self.chunk_shape if span is None else (span.stop - span.start, *self.chunk_shape[1:]), self.out.dtype)
+        spans = self.file.codec.reads_spans
+        runs = None if self.direct or spans or not self.piece.whole else _contiguous_runs(target, self.out)
+        buffer = target if self.direct or runs or spans else np.empty(self.chunk_shape, self.out.dtype)
         try:
-            if runs:
+            if spans:  # the codec reads what the box needs, laid out as it stores it
+                self.file.read_box_into(self.chunk_shape, self.piece.in_chunk[:-1], target)
+            elif runs:
                 self.file.read_into_views(runs)
-            elif span is not None:
-                row = buffer[0].nbytes if len(buffer) else 0
-                total = math.prod(self.chunk_shape) * buffer.itemsize
-                self.file.read_span_into(span.start * row, [_bytes_view(buffer)], total)
             else:
                 self.file.read_into(buffer)
         except CheckpointingException:
@@ -320,15 +316,7 @@ class ReadJob:
         except Exception as exc:  # OSError locally; TensorStore's ValueError for S3
             raise CheckpointingException(f"Reading {self.file.describe()} failed: {exc}") from exc
         if buffer is not target:
-            target[...] = buffer[self.piece.in_chunk if span is None else (slice(None), *self.piece.in_chunk[1:])]
-
-    def _rows(self) -> slice | None:
-        """The rows of the chunk this piece needs, when it needs fewer than all (so the
-        codec may read only the part that holds them: ``ChunkFile.read_span_into``)."""
-        rows = self.piece.in_chunk[0] if self.chunk_shape else None
-        if not isinstance(rows, slice) or (rows.start, rows.stop) == (0, self.chunk_shape[0]):
-            return None
-        return rows
+            target[...] = buffer[self.piece.in_chunk]
 
 
 def _contiguous_runs(target: np.ndarray, whole: np.ndarray) -> list[memoryview] | None:

@@ -35,7 +35,7 @@ Adding a codec is one module with a ``ChunkCodec`` subclass and a ``register`` c
   trailer, then the index and its trailer, and reports the crc32c of the inner chunks'
   crc32c values and the index's (cheap, and it binds every inner chunk); ``read_into``
   checks each inner chunk and the index. Reading part of a shard (inner-chunk
-  granularity) would add one method, whose default is today's whole-chunk read.
+  granularity) is ``read_box_into``, whose default is a whole-chunk read.
 
 A record naming a codec other than ``BYTES_CRC32C`` needs a new format version (older
 readers then refuse it by its version instead of misreading its chunks).
@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import crc32c
+import numpy as np
 import xxhash
 
 from shardstore.errors import CheckpointingException
@@ -120,8 +121,9 @@ class ChunkCodec(ABC):
     ``format.records.ArrayRecord``)."""
 
     name: ClassVar[str]
-    # ``read_span_into`` reads less than the whole object (else a reader of part of a
-    # chunk reads it whole into its own buffer, one copy fewer than the span read).
+    # Every read goes through ``read_box_into``, which reads less than the whole object
+    # or lays out decoded bytes other than C order (else a reader of part of a chunk
+    # reads it whole into its own buffer, or straight into a contiguous destination).
     reads_spans: ClassVar[bool] = False
 
     @abstractmethod
@@ -168,18 +170,17 @@ class ChunkCodec(ABC):
         chunks of ``chunk_shape`` that this codec cannot lay out; every shape by default."""
         return None
 
-    def read_span_into(self, chunk: ChunkSource, start: int, views: list[memoryview], total: int) -> int:
-        """Fills ``views`` in order with the decoded bytes ``[start, start + their
-        length)`` of a chunk of ``total`` decoded bytes; returns what ``read_into``
-        returns, checked as it checks. This default reads the whole chunk; a codec that
-        can read part of its object (``format.sharding``: the inner chunks covering the
-        span) reads less."""
-        buffer = memoryview(bytearray(total))
-        crc = self.read_into(chunk, [buffer])
-        at = start
-        for v in views:
-            v[:] = buffer[at : at + len(v)]
-            at += len(v)
+    def read_box_into(
+        self, chunk: ChunkSource, chunk_shape: tuple[int, ...], box: tuple[slice, ...], out: np.ndarray
+    ) -> int:
+        """Fills ``out`` with the box ``box`` (slices, from the chunk's origin) of a chunk
+        of ``chunk_shape``; returns what ``read_into`` returns, checked as it checks. This
+        default reads the whole chunk; a codec that can read part of its object
+        (``format.sharding``: the inner chunks covering the box) reads less, and one
+        whose decoded bytes are not the chunk's C order lays them out."""
+        buffer = np.empty(chunk_shape, out.dtype)
+        crc = self.read_into(chunk, [memoryview(buffer.reshape(-1).view(np.uint8))])
+        out[...] = buffer[box]
         return crc
 
 

@@ -141,7 +141,7 @@ def sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: in
     if (
         grid is None
         or not all(o % c == 0 for axis, c in zip(grid.starts, chunk) for o in axis.tolist())
-        or not all(b <= c for s in grid.blocks.values() for b, c in zip(s.block_shape[split + 1 :], chunk[split + 1 :]))
+        or (grid.shapes[:, split + 1 :] > np.asarray(chunk[split + 1 :], dtype=np.int64)).any()
         or shard_bytes // max(chunk_bytes, 1) < 2
         or math.prod(-(-n // c) for n, c in zip(shape, chunk)) < 2
     ):
@@ -169,32 +169,41 @@ def _shard_shape(shape: tuple[int, ...], inner: tuple[int, ...], count: int) -> 
 class BlockGrid:
     """An array's main blocks when they form a grid: along each axis the blocks' starts
     (``starts``, sorted) cut it into intervals (of ``extents``), and every cell of the
-    product of those intervals is one block (``blocks``, by its cell: its interval
-    along each axis).
+    product of those intervals is one block (their ``shapes``, holders' ``ranks`` and
+    tensor ``indices``; ``by_cell``: the position of each cell's, C order over the cells).
 
-    Every block's shape is then the cell's: a regular grid whose last blocks along an
+    Every block's shape is then its cell's: a regular grid whose last blocks along an
     axis may be shorter, or uneven ones (FSDP2's ``Shard(0)``); empty blocks are left out."""
 
     starts: tuple[np.ndarray, ...]
     extents: tuple[np.ndarray, ...]
-    blocks: dict[tuple[int, ...], ShardRecord]
+    shapes: np.ndarray
+    ranks: np.ndarray
+    indices: np.ndarray
+    by_cell: np.ndarray
 
     @classmethod
     def of(cls, main: list[ShardRecord], shape: tuple[int, ...]) -> BlockGrid | None:
         """The grid of the ``main`` blocks of an array of ``shape``, or None when they
         form none (or none holds anything)."""
-        blocks = [s for s in main if all(n > 0 for n in s.block_shape)]
-        starts = tuple(np.array(sorted({s.offset[a] for s in blocks}), dtype=np.int64) for a in range(len(shape)))
-        if not blocks or len(blocks) != math.prod(len(axis) for axis in starts):
+        ndim = len(shape)
+        table = np.array([(*s.offset, *s.block_shape, s.rank, s.index) for s in main], dtype=np.int64)
+        held = np.flatnonzero((table[:, ndim : 2 * ndim] > 0).all(axis=1)) if len(main) else np.zeros(0, np.int64)
+        if not len(held):
+            return None
+        table = table[held]
+        offsets, shapes, ranks, indices = table[:, :ndim], table[:, ndim : 2 * ndim], table[:, -2], table[:, -1]
+        starts = tuple(np.unique(offsets[:, a]) for a in range(len(shape)))
+        counts = tuple(len(axis) for axis in starts)
+        if len(table) != math.prod(counts):
             return None
         extents = tuple(np.diff(axis, append=n) for axis, n in zip(starts, shape))
-        grid = cls(starts, extents, {})
-        for s in blocks:
-            cell = tuple(int(np.searchsorted(axis, o)) for axis, o in zip(starts, s.offset))
-            if cell in grid.blocks or s.block_shape != tuple(int(e[c]) for e, c in zip(extents, cell)):
-                return None
-            grid.blocks[cell] = s
-        return grid
+        cells = np.stack([np.searchsorted(axis, offsets[:, a]) for a, axis in enumerate(starts)], 1)
+        if not np.array_equal(np.stack([e[cells[:, a]] for a, e in enumerate(extents)], 1), shapes):
+            return None
+        by_cell = np.full(len(table), -1, dtype=np.int64)
+        by_cell[np.ravel_multi_index(tuple(cells.T), counts)] = np.arange(len(table))
+        return None if (by_cell < 0).any() else cls(starts, extents, shapes, ranks, indices, by_cell)
 
 
 # A sharded array's chunk rows are split into at most INNER_PARTS inner chunks of at
@@ -258,16 +267,16 @@ def _shard_pieces(grid: BlockGrid, inner: InnerGrid, origin: list[int]) -> list[
     strides = np.concatenate((np.cumprod(extents[:, :0:-1], axis=1)[:, ::-1], np.ones((len(cells), 1), np.int64)), 1)
     block_starts = np.stack([axis[cells[:, a]] for a, axis in enumerate(grid.starts)], 1)
     src = ((starts - block_starts) * strides).sum(axis=1)
-    cell_ids = np.ravel_multi_index(cells.T, tuple(len(axis) for axis in grid.starts))
+    cell_ids = np.ravel_multi_index(tuple(cells.T), tuple(len(axis) for axis in grid.starts))
     new_run = np.ones(len(src), dtype=bool)
     new_run[1:] = (cell_ids[1:] != cell_ids[:-1]) | (src[1:] != src[:-1] + volumes[:-1])
-    firsts = np.flatnonzero(new_run).tolist()
-    pieces = []
-    for first, stop in zip(firsts, [*firsts[1:], len(src)]):
-        block = grid.blocks[tuple(cells[first].tolist())]
-        lo = int(src[first])
-        pieces.append((block.rank, block.index, lo, lo + int(volumes[first:stop].sum()), int(dst[first])))
-    return pieces
+    firsts = np.flatnonzero(new_run)
+    run_dst = dst[firsts]
+    run_src = src[firsts]
+    run_stop = run_src + np.diff(run_dst, append=int(volumes.sum()))
+    holders = grid.by_cell[cell_ids[firsts]]
+    return list(zip(grid.ranks[holders].tolist(), grid.indices[holders].tolist(), run_src.tolist(),
+                    run_stop.tolist(), run_dst.tolist()))
 
 
 def flattened_block(main_shards: list[ShardRecord]) -> tuple[int, ...] | None:

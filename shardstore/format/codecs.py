@@ -1,7 +1,8 @@
 """Chunk codecs: how one chunk of an array is laid out in its stored object.
 
 A ``ChunkCodec`` is an array's whole Zarr v3 codec chain as one step between a chunk's
-decoded bytes (C order, little-endian) and the object at its chunk key (zarr-python
+decoded bytes (little-endian; C order, or the order the codec names, such as a
+shard's inner-chunk-major one: ``format.sharding``) and the object at its chunk key (zarr-python
 chains ``ArrayBytesCodec`` and ``BytesBytesCodec`` steps; shardstore takes the chain as a
 unit, so that bytes move straight between a tensor's memory and the storage). It says:
 
@@ -121,9 +122,9 @@ class ChunkCodec(ABC):
     ``format.records.ArrayRecord``)."""
 
     name: ClassVar[str]
-    # Every read goes through ``read_box_into``, which reads less than the whole object
-    # or lays out decoded bytes other than C order (else a reader of part of a chunk
-    # reads it whole into its own buffer, or straight into a contiguous destination).
+    # Reads of the array's chunks go through ``read_box_into``, which reads less than
+    # the whole object or lays out decoded bytes other than C order (else a reader of
+    # part of a chunk reads it whole into its own buffer, or straight into its target).
     reads_spans: ClassVar[bool] = False
 
     @abstractmethod

@@ -329,8 +329,24 @@ def test_a_shard_whose_inner_chunks_split_another_axis_reads_right_everywhere(tm
         for index in [(0, 0), (1, 1)]:
             box_in = tuple(slice(s.start, min(s.stop, n - k * c)) for s, n, k, c in zip(box, shape, index, shard))
             out = np.zeros([s.stop - s.start for s in box_in], np.float32)
-            codec.read_box_into(_Chunk(store, f"c.{index[0]}.{index[1]}"), shard, box_in, out)
+            codec.read_boxes_into(_Chunk(store, f"c.{index[0]}.{index[1]}"), shard, [(box_in, out)])
             origin = [k * c for k, c in zip(index, shard)]
             assert np.array_equal(out, values[tuple(slice(o + s.start, o + s.stop) for o, s in zip(origin, box_in))])
     with pytest.raises(CheckpointingException, match=r"array 'w' is stored in shards of \(4, 6\) with inner chunks"):
         ShardingIndexed((3, 6), 4).check_chunk_shape((4, 6), "ckpt", "w")  # not whole inner chunks
+
+
+def test_many_boxes_of_one_shard_read_its_index_once(tmp_path: Path) -> None:
+    """A load that asks for several blocks of one shard (a rank's layers of a
+    layer-stacked array) reads the crc table and index once, then the inner chunks
+    they need, adjacent ones in one range (``format.chunks.BoxesJob``)."""
+    values = np.arange(96, dtype=np.float32).reshape(SHAPE)
+    _write_array(tmp_path / "w", values, "float32")
+    store = CountingFiles(tmp_path / "w")
+    outs = [np.zeros(INNER, np.float32) for _ in range(3)]
+    boxes = [(slice(0, 2), slice(0, 6)), (slice(2, 4), slice(0, 6)), (slice(6, 8), slice(0, 6))]
+    ShardingIndexed(INNER, 4).read_boxes_into(_Chunk(store, "c.1.0"), SHARD, list(zip(boxes, outs)))
+    for (rows, _), out in zip(boxes, outs):
+        assert np.array_equal(out, values[8 + rows.start : 8 + rows.stop])
+    inner = 48 + CRC_BYTES
+    assert store.reads == [("suffix", ShardIndex.suffix_nbytes(4)), ("range", 2 * inner), ("range", inner)]

@@ -28,8 +28,8 @@ the inner grid (``2**64-1`` twice: empty, read as zero), then the index's crc32c
   and the shard is one element along every axis before it (``c_ordered``: FSDP2's
   first-axis shards) that is the shard's C order. ``decoded`` pads the packed inner
   chunks a gathered writer holds (``InnerGrid``: each inner chunk's part inside the
-  array, back to back); ``read_box_into`` fills a box of the shard into an array,
-  reading only the inner chunks it covers (or the shard whole when that costs little
+  array, back to back); ``read_boxes_into`` fills boxes of the shard into arrays,
+  reading once only the inner chunks they cover (or the shard whole when that costs little
   more).
 
 The planner (``planning.plans.sharded_record``) shards arrays of small chunk-aligned
@@ -70,6 +70,7 @@ from shardstore.errors import CheckpointingException
 from shardstore.format.codecs import (
     BYTES_CRC32C,
     CRC_BYTES,
+    BoxRead,
     BytesCrc32c,
     ChunkCodec,
     ChunkSource,
@@ -532,25 +533,25 @@ class ShardingIndexed(ChunkCodec):
         _scatter(memoryview(buffer), views)
         return crc
 
-    def read_box_into(
-        self, chunk: ChunkSource, shard_shape: tuple[int, ...], box: tuple[slice, ...], out: np.ndarray
-    ) -> int:
-        """Fills ``out`` with the box ``box`` of the shard (of ``shard_shape``): reads
-        only the inner chunks it covers (``ChunkRanges``: the crc table and index in one
-        request, then those inner chunks), checked against the shard's crc the caller
-        compares with the record's. The shard is read whole (one request, where ranged
-        reads take two) when that adds at most a quarter of the bytes needed (issue
-        44.4's bound) or at most what one more request costs on its storage
-        (``ChunkStore.request_bytes``: nothing locally, 8 MiB on S3); straight into
-        ``out`` when the box is the shard, ``out`` is C-contiguous and the shard's decoded
-        bytes are its C order."""
-        lo, hi = [s.start for s in box], [s.stop for s in box]
+    def read_boxes_into(self, chunk: ChunkSource, shard_shape: tuple[int, ...], parts: Sequence[BoxRead]) -> int:
+        """Fills each ``(box, out)`` of ``parts`` with that box of the shard (of
+        ``shard_shape``), reading once what they all need: the crc table and index in
+        one request, then the inner chunks they cover (``ChunkRanges``), checked against
+        the shard's crc the caller compares with the record's. The shard is read whole
+        (one request, where ranged reads take two) when that adds at most a quarter of
+        the bytes needed (issue 44.4's bound) or at most what one more request costs on
+        its storage (``ChunkStore.request_bytes``: nothing locally, 8 MiB on S3);
+        straight into ``out`` when the one box is the shard, ``out`` is C-contiguous and
+        the shard's decoded bytes are its C order."""
         grid = InnerGrid.of(shard_shape, self.chunk_shape, shard_shape)
-        needed = np.flatnonzero(np.all((grid.starts < hi) & (grid.starts + self.chunk_shape > lo), axis=1)).tolist()
-        count, step = len(grid.starts), self.inner_nbytes
-        c_ordered = self.c_ordered(shard_shape)
-        if c_ordered and (lo, hi) == ([0] * len(lo), list(shard_shape)) and out.flags.c_contiguous:
-            return self.read_into(chunk, [memoryview(out.reshape(-1).view(np.uint8))])
+        count, step, c_ordered = len(grid.starts), self.inner_nbytes, self.c_ordered(shard_shape)
+        if c_ordered and len(parts) == 1 and parts[0][1].flags.c_contiguous and all(
+                (s.start, s.stop) == (0, n) for s, n in zip(parts[0][0], shard_shape)):
+            return self.read_into(chunk, [memoryview(parts[0][1].reshape(-1).view(np.uint8))])
+        ends = grid.starts + np.asarray(self.chunk_shape, dtype=np.int64)
+        hits = [np.all((grid.starts < [s.stop for s in box]) & (ends > [s.start for s in box]), axis=1)
+                for box, _ in parts]
+        needed = np.flatnonzero(np.logical_or.reduce(hits)).tolist()
         source: ByteRanges | None = ChunkRanges(chunk)
         if (count - len(needed)) * step <= max(len(needed) * step // 4, chunk.store.request_bytes):
             source = WholeObject.read(chunk, count * (step + CRC_BYTES) + ShardIndex.suffix_nbytes(count))
@@ -558,16 +559,18 @@ class ShardingIndexed(ChunkCodec):
                 raise CheckpointingException(f"Missing {chunk.describe()}: the checkpoint is damaged")
         buffer = np.empty(len(needed) * step, np.uint8)
         crc = read_inner(source, count, {i: memoryview(buffer[k * step : (k + 1) * step]) for k, i in enumerate(needed)})
-        values = buffer.view(out.dtype)
-        if c_ordered:  # the inner chunks read are one C-ordered run along the split axis
+        values = buffer.view(parts[0][1].dtype)
+        if c_ordered and needed[-1] - needed[0] + 1 == len(needed):  # one C-ordered run along the split axis
             axis = self._split_axis(shard_shape) or 0
-            shape = [len(needed) * n if a == axis else n for a, n in enumerate(self.chunk_shape)]
-            _box(values.reshape(shape), grid.starts[needed[0]].tolist(), lo, hi, out)
+            run = values.reshape([len(needed) * n if a == axis else n for a, n in enumerate(self.chunk_shape)])
+            for box, out in parts:
+                _box(run, grid.starts[needed[0]].tolist(), [s.start for s in box], [s.stop for s in box], out)
             return crc
-        per_inner = math.prod(self.chunk_shape)
-        for k, i in enumerate(needed):
-            inner = values[k * per_inner : (k + 1) * per_inner].reshape(self.chunk_shape)
-            _box(inner, grid.starts[i].tolist(), lo, hi, out)
+        at, per_inner = {i: k for k, i in enumerate(needed)}, math.prod(self.chunk_shape)
+        for (box, out), hit in zip(parts, hits):
+            for i in np.flatnonzero(hit).tolist():
+                inner = values[at[i] * per_inner : (at[i] + 1) * per_inner].reshape(self.chunk_shape)
+                _box(inner, grid.starts[i].tolist(), [s.start for s in box], [s.stop for s in box], out)
         return crc
 
     def held(self, data: memoryview, digest: str) -> HeldShard:

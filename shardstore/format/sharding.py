@@ -29,8 +29,8 @@ the inner grid (``2**64-1`` twice: empty, read as zero), then the index's crc32c
   first-axis shards) that is the shard's C order. ``decoded`` pads the packed inner
   chunks a gathered writer holds (``InnerGrid``: each inner chunk's part inside the
   array, back to back); ``read_boxes_into`` fills boxes of the shard into arrays,
-  reading once only the inner chunks they cover (or the shard whole when that costs little
-  more).
+  reading once only the inner chunks they cover (or the shard whole when that costs
+  little more).
 
 The planner (``planning.plans.sharded_record``) shards arrays of small chunk-aligned
 blocks split along any axes when asked (``ZarrSaveShardedStrategy(shard_bytes=...)``),

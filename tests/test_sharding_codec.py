@@ -303,13 +303,50 @@ def test_a_range_past_a_shards_end_names_the_shard(tmp_path: Path) -> None:
         read_inner(source, 4, {0: memoryview(bytearray(48))})
 
 
-def test_a_shard_whose_inner_chunks_split_another_axis_is_refused_not_misread() -> None:
+def test_a_shard_whose_inner_chunks_split_another_axis_reads_right_everywhere(tmp_path: Path) -> None:
     """A review found that a spec-valid shard with inner chunks (4, 3) in a (4, 6) shard
-    read back with its rows interleaved (every crc32c matched): the codec lays out only
-    first-axis inner grids, and a record naming another is refused when it is parsed."""
-    codec = ShardingIndexed((4, 3), 4)
+    read back with its rows interleaved (every crc32c matched). Its decoded bytes are
+    inner-chunk-major now: zarr-python and TensorStore read what ``encode`` wrote, and
+    every box of it reads back right, the edge inner chunks padded."""
+    shape, shard, inner = (7, 11), (4, 6), (2, 3)  # 2 x 2 shards of 2 x 2 inner chunks, the last ones cut
+    values = np.arange(77, dtype=np.float32).reshape(shape)
+    codec = ShardingIndexed(inner, 4)
+    codec.check_chunk_shape(shard, "ckpt", "w")
+    assert not codec.c_ordered(shard) and ShardingIndexed((2, 6), 4).c_ordered(shard)
+    root = tmp_path / "w"
+    root.mkdir()
+    (root / "zarr.json").write_text(json.dumps(ArrayRecord("w", shape, "float32", shard, codec=codec).zarr_metadata()))
+    store = FileChunkStore(root)
+    for i in range(2):
+        for j in range(2):
+            part = values[i * 4 : (i + 1) * 4, j * 6 : (j + 1) * 6]
+            packed = np.concatenate([part[a : a + 2, b : b + 3].reshape(-1) for a in (0, 2) for b in (0, 3)])
+            data = codec.decoded(packed.view(np.uint8), shard, part.shape)
+            store.put(f"c.{i}.{j}", list(codec.encode(memoryview(data)).pieces))
+    by_zarr, by_ts = _read_plain(root)
+    assert np.array_equal(by_zarr, values) and np.array_equal(by_ts, values)
+    for box in [(slice(0, 4), slice(0, 6)), (slice(1, 3), slice(2, 5)), (slice(0, 3), slice(0, 5))]:
+        for index in [(0, 0), (1, 1)]:
+            box_in = tuple(slice(s.start, min(s.stop, n - k * c)) for s, n, k, c in zip(box, shape, index, shard))
+            out = np.zeros([s.stop - s.start for s in box_in], np.float32)
+            codec.read_boxes_into(_Chunk(store, f"c.{index[0]}.{index[1]}"), shard, [(box_in, out)])
+            origin = [k * c for k, c in zip(index, shard)]
+            assert np.array_equal(out, values[tuple(slice(o + s.start, o + s.stop) for o, s in zip(origin, box_in))])
     with pytest.raises(CheckpointingException, match=r"array 'w' is stored in shards of \(4, 6\) with inner chunks"):
-        codec.check_chunk_shape((4, 6), "ckpt", "w")
-    ShardingIndexed((2, 6), 4).check_chunk_shape((4, 6), "ckpt", "w")  # rows of whole width: fine
-    with pytest.raises(CheckpointingException, match="split the first axis alone"):
         ShardingIndexed((3, 6), 4).check_chunk_shape((4, 6), "ckpt", "w")  # not whole inner chunks
+
+
+def test_many_boxes_of_one_shard_read_its_index_once(tmp_path: Path) -> None:
+    """A load that asks for several blocks of one shard (a rank's layers of a
+    layer-stacked array) reads the crc table and index once, then the inner chunks
+    they need, adjacent ones in one range (``format.chunks.BoxesJob``)."""
+    values = np.arange(96, dtype=np.float32).reshape(SHAPE)
+    _write_array(tmp_path / "w", values, "float32")
+    store = CountingFiles(tmp_path / "w")
+    outs = [np.zeros(INNER, np.float32) for _ in range(3)]
+    boxes = [(slice(0, 2), slice(0, 6)), (slice(2, 4), slice(0, 6)), (slice(6, 8), slice(0, 6))]
+    ShardingIndexed(INNER, 4).read_boxes_into(_Chunk(store, "c.1.0"), SHARD, list(zip(boxes, outs)))
+    for (rows, _), out in zip(boxes, outs):
+        assert np.array_equal(out, values[8 + rows.start : 8 + rows.stop])
+    inner = 48 + CRC_BYTES
+    assert store.reads == [("suffix", ShardIndex.suffix_nbytes(4)), ("range", 2 * inner), ("range", inner)]

@@ -33,7 +33,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ from shardstore.format.chunks import (
     DEFAULT_IO_CONCURRENCY,
     DEFAULT_IO_THREADS,
     ArrayChunks,
+    ChunkFile,
     WrittenChunk,
     chunk_store_for,
     is_chunk_aligned,
@@ -60,6 +61,7 @@ from shardstore.format.records import (
     ReusedChunks,
     group_metadata,
 )
+from shardstore.format.sharding import ShardingIndexed
 from shardstore.mapping import ShardedTensor
 from shardstore.planning.layout import FlatChunk, Region, ShardRecord, region_shape
 from shardstore.planning.plans import RankSavePlan
@@ -76,6 +78,26 @@ class WriteOp:
     key: str
     region: Region
     value: np.ndarray
+
+    def jobs(self, array: ArrayChunks) -> list[tuple[ChunkFile, np.ndarray]]:
+        """The chunk writes that store it: its region must be whole chunks."""
+        if not is_chunk_aligned(self.region, array.shape, array.chunk_shape):
+            raise CheckpointingException(
+                f"Internal error: the write of {self.key!r} region {_describe_region(self.region)} is not aligned "
+                f"with its chunks {array.chunk_shape}; please report it"
+            )
+        return write_region(array, self.region, self.value)
+
+
+@dataclass
+class ShardOp(WriteOp):
+    """A whole shard gathered from several ranks: ``value`` is its decoded bytes
+    (``format.sharding.ShardingIndexed.decoded``), written as they are at ``index``."""
+
+    index: tuple[int, ...] = ()
+
+    def jobs(self, array: ArrayChunks) -> list[tuple[ChunkFile, np.ndarray]]:
+        return [(array.file(self.index), self.value)]
 
 
 @dataclass(frozen=True)
@@ -174,7 +196,7 @@ def stage_save(
     for w in plan.flat_direct:
         flat = tensor_to_numpy(host[w.index])[w.local_start : w.local_stop]
         ops.append(WriteOp(w.key, w.region, flat.reshape(region_shape(w.region))))
-    ops += [_assembled_op(chunk, buffer, plan.records) for chunk, buffer in assembled]
+    ops += [_assembled_op(chunk, buffer, plan.records, plan.gathered) for chunk, buffer in assembled]
     return StagedWrites(plan.records, metadata_files(plan), ops, snapshot, tuple(early_chunks))
 
 
@@ -265,8 +287,16 @@ def straddling_transfers(
     return transfers, assembled
 
 
-def _assembled_op(chunk: FlatChunk, buffer: torch.Tensor, records: dict[str, ArrayRecord]) -> WriteOp:
-    dtype = from_zarr_name(records[chunk.key].dtype)
+def _assembled_op(
+    chunk: FlatChunk, buffer: torch.Tensor, records: dict[str, ArrayRecord], gathered: frozenset[str]
+) -> WriteOp:
+    record = records[chunk.key]
+    if chunk.key in gathered:  # a shard, its inner chunks packed (``planning.plans.plan_gathered_writes``)
+        codec = cast(ShardingIndexed, record.codec)
+        index = tuple(s.start // c for s, c in zip(chunk.region, record.chunk_shape))
+        data = codec.decoded(buffer.numpy(), record.chunk_shape, region_shape(chunk.region))
+        return ShardOp(chunk.key, chunk.region, data, index)
+    dtype = from_zarr_name(record.dtype)
     return WriteOp(chunk.key, chunk.region, buffer.numpy().view(dtype.numpy_dtype).reshape(region_shape(chunk.region)))
 
 
@@ -283,13 +313,7 @@ def write_ops(
     for op in ops:
         if not op.value.size:
             continue
-        record = records[op.key]
-        if not is_chunk_aligned(op.region, record.shape, record.chunk_shape):
-            raise CheckpointingException(
-                f"Internal error: the write of {op.key!r} region {_describe_region(op.region)} is not aligned "
-                f"with its chunks {record.chunk_shape}; please report it"
-            )
-        jobs += write_region(ArrayChunks.of(store, record), op.region, op.value)
+        jobs += op.jobs(ArrayChunks.of(store, records[op.key]))
     if reuse is None:
         return run_writes(jobs, store.threads)
     written = run_writes(jobs, store.threads, reuse.sharer(store))

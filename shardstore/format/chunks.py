@@ -60,6 +60,7 @@ __all__ = [
     "write_region",
 ]
 
+import contextlib
 import functools
 import itertools
 import math
@@ -72,7 +73,7 @@ import numpy as np
 import xxhash
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.codecs import BYTES_CRC32C, ChunkCodec, HeldChunk
+from shardstore.format.codecs import BYTES_CRC32C, BoxRead, ChunkCodec, HeldChunk
 from shardstore.format.dtypes import from_zarr_name
 from shardstore.format.records import CHUNK_SEPARATOR, ArrayRecord, chunk_key
 from shardstore.progress import tracked
@@ -213,12 +214,12 @@ class ChunkFile:
         the crc32c it reports must be the one the commit record keeps for the chunk."""
         self._check_recorded(self.codec.read_into(self, views))
 
-    def read_span_into(self, start: int, views: list[memoryview], total: int) -> None:
-        """Fills ``views`` with the chunk's decoded bytes from ``start`` on (a chunk of
-        ``total`` bytes): what the codec must read for them (``ChunkCodec.
-        read_span_into``: a shard's inner chunks that cover them), checked as
-        ``read_into_views`` checks."""
-        self._check_recorded(self.codec.read_span_into(self, start, views, total))
+    def read_boxes_into(self, chunk_shape: tuple[int, ...], parts: list[BoxRead]) -> None:
+        """Fills each ``(box, out)`` of ``parts`` with that box of the chunk (of
+        ``chunk_shape``), reading once what the codec must read for them
+        (``ChunkCodec.read_boxes_into``: a shard's inner chunks that cover them), checked
+        as ``read_into_views`` checks."""
+        self._check_recorded(self.codec.read_boxes_into(self, chunk_shape, parts))
 
     def _check_recorded(self, crc: int) -> None:
         if self.expected_crc is not None and crc != self.expected_crc:
@@ -302,33 +303,66 @@ class ReadJob:
 
     def run(self) -> None:
         target = self.out[self.piece.in_region]
+        if self.file.codec.reads_spans:
+            BoxesJob(self.file, self.chunk_shape, [(self.piece.in_chunk[:-1], target)]).run()
+            return
         runs = None if self.direct or not self.piece.whole else _contiguous_runs(target, self.out)
-        span = None if self.direct or runs or not self.file.codec.reads_spans else self._rows()
-        buffer = target if self.direct or runs else np.empty(
-            self.chunk_shape if span is None else (span.stop - span.start, *self.chunk_shape[1:]), self.out.dtype)
-        try:
+        buffer = target if self.direct or runs else np.empty(self.chunk_shape, self.out.dtype)
+        with _read_errors(self.file):
             if runs:
                 self.file.read_into_views(runs)
-            elif span is not None:
-                row = buffer[0].nbytes if len(buffer) else 0
-                total = math.prod(self.chunk_shape) * buffer.itemsize
-                self.file.read_span_into(span.start * row, [_bytes_view(buffer)], total)
             else:
                 self.file.read_into(buffer)
-        except CheckpointingException:
-            raise
-        except Exception as exc:  # OSError locally; TensorStore's ValueError for S3
-            raise CheckpointingException(f"Reading {self.file.describe()} failed: {exc}") from exc
         if buffer is not target:
-            target[...] = buffer[self.piece.in_chunk if span is None else (slice(None), *self.piece.in_chunk[1:])]
+            target[...] = buffer[self.piece.in_chunk]
 
-    def _rows(self) -> slice | None:
-        """The rows of the chunk this piece needs, when it needs fewer than all (so the
-        codec may read only the part that holds them: ``ChunkFile.read_span_into``)."""
-        rows = self.piece.in_chunk[0] if self.chunk_shape else None
-        if not isinstance(rows, slice) or (rows.start, rows.stop) == (0, self.chunk_shape[0]):
-            return None
-        return rows
+
+@dataclass
+class BoxesJob:
+    """Every box one load reads of one chunk whose codec reads parts of its object (a
+    shard, ``ChunkCodec.reads_spans``): one read of what they need (a shard's index
+    once, the inner chunks they cover), then each copied out (``run_reads`` makes
+    them of the ``ReadJob`` s that share a chunk)."""
+
+    file: ChunkFile
+    chunk_shape: tuple[int, ...]
+    parts: list[BoxRead]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(out.nbytes for _, out in self.parts)
+
+    def run(self) -> None:
+        with _read_errors(self.file):
+            self.file.read_boxes_into(self.chunk_shape, self.parts)
+
+
+@contextlib.contextmanager
+def _read_errors(file: ChunkFile) -> Iterator[None]:
+    """A failed read of ``file`` as a CheckpointingException naming it."""
+    try:
+        yield
+    except CheckpointingException:
+        raise
+    except Exception as exc:  # OSError locally; TensorStore's ValueError for S3
+        raise CheckpointingException(f"Reading {file.describe()} failed: {exc}") from exc
+
+
+def _coalesced(jobs: list[ReadJob]) -> list[ReadJob | BoxesJob]:
+    """``jobs``, those of one chunk whose codec reads parts of it made one ``BoxesJob``
+    (a load that asks for many blocks of one shard reads its index once)."""
+    out: list[ReadJob | BoxesJob] = []
+    shared: dict[tuple[int, str], BoxesJob] = {}
+    for job in jobs:
+        if not job.file.codec.reads_spans:
+            out.append(job)
+            continue
+        key = (id(job.file.store), job.file.rel)
+        if key not in shared:
+            shared[key] = BoxesJob(job.file, job.chunk_shape, [])
+            out.append(shared[key])
+        shared[key].parts.append((job.piece.in_chunk[:-1], job.out[job.piece.in_region]))
+    return out
 
 
 def _contiguous_runs(target: np.ndarray, whole: np.ndarray) -> list[memoryview] | None:
@@ -457,14 +491,17 @@ def _taken_already(block: memoryview) -> None:
 
 
 def run_reads(jobs: list[ReadJob], threads: int | None = None) -> None:
-    """Runs the reads (each fills its part of its output array)."""
-    with tracked("read", (job.nbytes for job in jobs)) as tick:
+    """Runs the reads (each fills its part of its output array; those of one shard
+    together, ``BoxesJob``)."""
+    runs = _coalesced(jobs)
+    with tracked("read", (job.nbytes for job in runs)) as tick:
 
-        def read_and_tick(job: ReadJob) -> None:
+        def read(job: ReadJob | BoxesJob) -> None:
             job.run()
-            tick(job.nbytes)
+            if tick:
+                tick(job.nbytes)
 
-        run_parallel(read_and_tick if tick else ReadJob.run, jobs, threads or _threads_of([(j.file, None) for j in jobs]))
+        run_parallel(read, runs, threads or _threads_of([(j.file, None) for j in runs]))
 
 
 def _threads_of(jobs: list[tuple[ChunkFile, Any]]) -> int:

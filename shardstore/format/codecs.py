@@ -1,7 +1,8 @@
 """Chunk codecs: how one chunk of an array is laid out in its stored object.
 
 A ``ChunkCodec`` is an array's whole Zarr v3 codec chain as one step between a chunk's
-decoded bytes (C order, little-endian) and the object at its chunk key (zarr-python
+decoded bytes (little-endian; C order, or the order the codec names, such as a
+shard's inner-chunk-major one: ``format.sharding``) and the object at its chunk key (zarr-python
 chains ``ArrayBytesCodec`` and ``BytesBytesCodec`` steps; shardstore takes the chain as a
 unit, so that bytes move straight between a tensor's memory and the storage). It says:
 
@@ -35,7 +36,7 @@ Adding a codec is one module with a ``ChunkCodec`` subclass and a ``register`` c
   trailer, then the index and its trailer, and reports the crc32c of the inner chunks'
   crc32c values and the index's (cheap, and it binds every inner chunk); ``read_into``
   checks each inner chunk and the index. Reading part of a shard (inner-chunk
-  granularity) would add one method, whose default is today's whole-chunk read.
+  granularity) is ``read_boxes_into``, whose default is a whole-chunk read.
 
 A record naming a codec other than ``BYTES_CRC32C`` needs a new format version (older
 readers then refuse it by its version instead of misreading its chunks).
@@ -47,6 +48,7 @@ __all__ = [
     "BYTES_CRC32C",
     "CODECS",
     "CRC_BYTES",
+    "BoxRead",
     "BytesCrc32c",
     "ChunkCodec",
     "ChunkSource",
@@ -66,12 +68,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import crc32c
+import numpy as np
 import xxhash
 
 from shardstore.errors import CheckpointingException
 from shardstore.stores.base import ChunkMismatch, ChunkStore, ExpectedBytes
 
 CRC_BYTES = 4
+# One box of a chunk to read (slices from the chunk's origin) and the array it fills.
+BoxRead = tuple[tuple[slice, ...], np.ndarray]
 
 
 class ChunkSource(Protocol):
@@ -120,8 +125,10 @@ class ChunkCodec(ABC):
     ``format.records.ArrayRecord``)."""
 
     name: ClassVar[str]
-    # ``read_span_into`` reads less than the whole object (else a reader of part of a
-    # chunk reads it whole into its own buffer, one copy fewer than the span read).
+    # Reads of the array's chunks go through ``read_boxes_into`` (all of one load's
+    # boxes of a chunk at once), which reads less than the whole object or lays out
+    # decoded bytes other than C order (else a reader of part of a chunk reads it whole
+    # into its own buffer, or straight into its target).
     reads_spans: ClassVar[bool] = False
 
     @abstractmethod
@@ -168,18 +175,17 @@ class ChunkCodec(ABC):
         chunks of ``chunk_shape`` that this codec cannot lay out; every shape by default."""
         return None
 
-    def read_span_into(self, chunk: ChunkSource, start: int, views: list[memoryview], total: int) -> int:
-        """Fills ``views`` in order with the decoded bytes ``[start, start + their
-        length)`` of a chunk of ``total`` decoded bytes; returns what ``read_into``
-        returns, checked as it checks. This default reads the whole chunk; a codec that
-        can read part of its object (``format.sharding``: the inner chunks covering the
-        span) reads less."""
-        buffer = memoryview(bytearray(total))
-        crc = self.read_into(chunk, [buffer])
-        at = start
-        for v in views:
-            v[:] = buffer[at : at + len(v)]
-            at += len(v)
+    def read_boxes_into(self, chunk: ChunkSource, chunk_shape: tuple[int, ...], parts: Sequence[BoxRead]) -> int:
+        """Fills each ``(box, out)`` of ``parts`` with that box (slices, from the chunk's
+        origin) of a chunk of ``chunk_shape``, reading the object once; returns what
+        ``read_into`` returns, checked as it checks. This default reads the whole chunk;
+        a codec that can read part of its object (``format.sharding``: the inner chunks
+        covering the boxes) reads less, and one whose decoded bytes are not the chunk's
+        C order lays them out."""
+        buffer = np.empty(chunk_shape, parts[0][1].dtype)
+        crc = self.read_into(chunk, [memoryview(buffer.reshape(-1).view(np.uint8))])
+        for box, out in parts:
+            out[...] = buffer[box]
         return crc
 
 

@@ -20,15 +20,22 @@ the inner grid (``2**64-1`` twice: empty, read as zero), then the index's crc32c
   trailer and the table; returns the shard's ``crc`` from the table and the index,
   which the caller compares with the record's, so the inner chunks it did not read are
   bound too. Errors name the shard and the inner chunk.
-- ``ShardingIndexed``: the same as a ``format.codecs.ChunkCodec`` (registered here). Its
-  inner chunks split the first axis only (``check_chunk_shape``: a shard whose inner
-  grid splits another axis is refused, never misread): its decoded bytes are the inner
-  chunks' bytes back to back. ``read_into`` reads the whole object once;
-  ``read_span_into`` reads the inner chunks that cover a span of rows.
+- ``ShardingIndexed``: the same as a ``format.codecs.ChunkCodec`` (registered here), for
+  any inner grid that tiles the shard (``check_chunk_shape``). A shard's decoded bytes
+  (what ``encode`` takes, ``read_into`` gives, and the record's digest is taken of) are
+  *inner-chunk-major*: every inner chunk's C-order bytes, in C order over the inner
+  grid, those past the array's edge zero-padded; when the inner chunks split one axis
+  and the shard is one element along every axis before it (``c_ordered``: FSDP2's
+  first-axis shards) that is the shard's C order. ``decoded`` pads the packed inner
+  chunks a gathered writer holds (``InnerGrid``: each inner chunk's part inside the
+  array, back to back); ``read_boxes_into`` fills boxes of the shard into arrays,
+  reading once only the inner chunks they cover (or the shard whole when that costs
+  little more).
 
-The planner (``planning.plans.sharded_record``) shards arrays of small first-axis blocks
-when asked (``ZarrSaveShardedStrategy(shard_bytes=...)``), each shard gathered to one
-writer; such a record is format version 5.
+The planner (``planning.plans.sharded_record``) shards arrays of small chunk-aligned
+blocks split along any axes when asked (``ZarrSaveShardedStrategy(shard_bytes=...)``),
+each shard gathered to one writer; such a record is format version 5 (a reader of
+version 5 before inner grids of several axes refuses them by ``check_chunk_shape``).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ __all__ = [
     "ChunkRanges",
     "EncodedShard",
     "HeldShard",
+    "InnerGrid",
     "InnerRecord",
     "ShardIndex",
     "ShardingIndexed",
@@ -62,6 +70,7 @@ from shardstore.errors import CheckpointingException
 from shardstore.format.codecs import (
     BYTES_CRC32C,
     CRC_BYTES,
+    BoxRead,
     BytesCrc32c,
     ChunkCodec,
     ChunkSource,
@@ -284,6 +293,40 @@ def _checked_crc(data: memoryview, trailer: bytearray, i: int, where: str) -> in
     return crc
 
 
+@dataclass(frozen=True, eq=False)
+class InnerGrid:
+    """The inner chunks of one shard, in C order over its inner grid.
+
+    Attributes:
+        starts: their origins in the shard, an ``(inner chunks, ndim)`` int64 array.
+        extents: their parts inside the array (``valid``: the part of the shard inside
+            it, from the shard's origin), 0 along some axis for one wholly outside.
+    """
+
+    starts: np.ndarray
+    extents: np.ndarray
+
+    @classmethod
+    def of(cls, shard_shape: Sequence[int], inner: Sequence[int], valid: Sequence[int]) -> InnerGrid:
+        axes = [np.arange(0, s, i, dtype=np.int64) for s, i in zip(shard_shape, inner)]
+        starts = np.stack([m.reshape(-1) for m in np.meshgrid(*axes, indexing="ij")], axis=1)
+        return cls(starts, np.clip(np.asarray(valid, dtype=np.int64) - starts, 0, np.asarray(inner, dtype=np.int64)))
+
+    @property
+    def volumes(self) -> np.ndarray:
+        """Elements of each inner chunk inside the array."""
+        return self.extents.prod(axis=1)
+
+
+def _box(values: np.ndarray, origin: Sequence[int], lo: Sequence[int], hi: Sequence[int], out: np.ndarray) -> None:
+    """Copies the part of ``values`` (a box of the shard at ``origin``) inside the box
+    ``[lo, hi)`` of the shard into ``out`` (that box)."""
+    a = [max(o, x) for o, x in zip(origin, lo)]
+    b = [min(o + n, y) for o, n, y in zip(origin, values.shape, hi)]
+    out[tuple(slice(x - y, z - y) for x, z, y in zip(a, b, lo))] = values[
+        tuple(slice(x - o, z - o) for x, z, o in zip(a, b, origin))]
+
+
 @dataclass(frozen=True)
 class WholeObject:
     """``ByteRanges`` over a shard read whole, once, through a ``ChunkSource`` (what
@@ -423,16 +466,45 @@ class ShardingIndexed(ChunkCodec):
         return cls(tuple(shape), itemsize)
 
     def check_chunk_shape(self, chunk_shape: tuple[int, ...], where: str, key: str) -> None:
-        """A shard of ``chunk_shape`` must be whole inner chunks that split its first axis
-        only (``inner[1:] == chunk_shape[1:]``): the layout this codec reads. Another
-        inner grid is refused, never misread."""
+        """A shard of ``chunk_shape`` must be whole inner chunks along every axis (what
+        the spec requires); another shape is refused, never misread."""
         inner = self.chunk_shape
-        if len(inner) != len(chunk_shape) or chunk_shape[0] % inner[0] or tuple(inner[1:]) != tuple(chunk_shape[1:]):
+        if len(inner) != len(chunk_shape) or any(c % i for c, i in zip(chunk_shape, inner)):
             raise CheckpointingException(
-                f"{where}: array {key!r} is stored in shards of {tuple(chunk_shape)} with inner chunks {inner}; "
-                "this shardstore reads only shards whose inner chunks split the first axis alone. Read it with "
-                "zarr-python or TensorStore, or convert it"
+                f"{where}: array {key!r} is stored in shards of {tuple(chunk_shape)} with inner chunks {inner}, "
+                "which do not tile them; the record is damaged. Restore the checkpoint from a copy"
             )
+
+    def _split_axis(self, shard_shape: Sequence[int]) -> int | None:
+        """The one axis along which the inner chunks split a shard whose decoded bytes
+        are its C order (``c_ordered``); None for one inner chunk."""
+        split = [a for a, (s, i) in enumerate(zip(shard_shape, self.chunk_shape)) if s != i]
+        return split[0] if split else None
+
+    def c_ordered(self, shard_shape: Sequence[int]) -> bool:
+        """Whether a shard's decoded bytes (inner-chunk-major) are its C order: the inner
+        chunks split one axis, and the shard is one element along every axis before it."""
+        split = [a for a, (s, i) in enumerate(zip(shard_shape, self.chunk_shape)) if s != i]
+        return len(split) <= 1 and all(n == 1 for n in shard_shape[: split[0] if split else 0])
+
+    def decoded(self, packed: np.ndarray, shard_shape: Sequence[int], valid: Sequence[int]) -> np.ndarray:
+        """A shard's decoded bytes (flat uint8) from ``packed`` (flat uint8: each inner
+        chunk's part inside the array, ``valid`` from the shard's origin, C-contiguous,
+        in C order over the inner grid): ``packed`` itself when the shard lies inside
+        the array, else a copy with every inner chunk padded with zeros."""
+        if tuple(valid) == tuple(shard_shape):
+            return packed
+        grid, size = InnerGrid.of(shard_shape, self.chunk_shape, valid), self.itemsize
+        out = np.zeros(len(grid.starts) * self.inner_nbytes, np.uint8)
+        in_bytes = lambda shape: (*shape[:-1], shape[-1] * size)  # noqa: E731
+        at = 0
+        for i, extent in enumerate(grid.extents.tolist()):
+            n = math.prod(extent) * size
+            if n:
+                slot = out[i * self.inner_nbytes : (i + 1) * self.inner_nbytes].reshape(in_bytes(self.chunk_shape))
+                slot[tuple(slice(0, e) for e in in_bytes(extent))] = packed[at : at + n].reshape(in_bytes(extent))
+                at += n
+        return out
 
     def _count(self, nbytes: int, where: str) -> int:
         if nbytes % self.inner_nbytes:
@@ -463,24 +535,44 @@ class ShardingIndexed(ChunkCodec):
         _scatter(memoryview(buffer), views)
         return crc
 
-    def read_span_into(self, chunk: ChunkSource, start: int, views: list[memoryview], total: int) -> int:
-        """Reads only the inner chunks that cover the span (``ChunkRanges``: the crc
-        table and index in one request, then those inner chunks), checked against the
-        shard's crc the caller compares with the record's. The shard is read whole (one
-        request, where ranged reads take two) when that adds at most a quarter of the
-        bytes needed (issue 44.4's bound) or at most what one more request costs on its
-        storage (``ChunkStore.request_bytes``: nothing locally, 8 MiB on S3)."""
-        count = self._count(total, chunk.describe())
-        stop = start + sum(len(v) for v in views)
-        first, last = start // self.inner_nbytes, -(-stop // self.inner_nbytes)
-        needed, extra = (last - first) * self.inner_nbytes, (count - last + first) * self.inner_nbytes
-        if extra <= max(needed // 4, chunk.store.request_bytes):
-            return super().read_span_into(chunk, start, views, total)
-        buffer = memoryview(bytearray((last - first) * self.inner_nbytes))
-        step = self.inner_nbytes
-        wanted = {first + k: buffer[k * step : (k + 1) * step] for k in range(last - first)}
-        crc = read_inner(ChunkRanges(chunk), count, wanted)
-        _scatter(buffer[start - first * step :], views)
+    def read_boxes_into(self, chunk: ChunkSource, shard_shape: tuple[int, ...], parts: Sequence[BoxRead]) -> int:
+        """Fills each ``(box, out)`` of ``parts`` with that box of the shard (of
+        ``shard_shape``), reading once what they all need: the crc table and index in
+        one request, then the inner chunks they cover (``ChunkRanges``), checked against
+        the shard's crc the caller compares with the record's. The shard is read whole
+        (one request, where ranged reads take two) when that adds at most a quarter of
+        the bytes needed (issue 44.4's bound) or at most what one more request costs on
+        its storage (``ChunkStore.request_bytes``: nothing locally, 8 MiB on S3);
+        straight into ``out`` when the one box is the shard, ``out`` is C-contiguous and
+        the shard's decoded bytes are its C order."""
+        grid = InnerGrid.of(shard_shape, self.chunk_shape, shard_shape)
+        count, step, c_ordered = len(grid.starts), self.inner_nbytes, self.c_ordered(shard_shape)
+        if c_ordered and len(parts) == 1 and parts[0][1].flags.c_contiguous and all(
+                (s.start, s.stop) == (0, n) for s, n in zip(parts[0][0], shard_shape)):
+            return self.read_into(chunk, [memoryview(parts[0][1].reshape(-1).view(np.uint8))])
+        ends = grid.starts + np.asarray(self.chunk_shape, dtype=np.int64)
+        hits = [np.all((grid.starts < [s.stop for s in box]) & (ends > [s.start for s in box]), axis=1)
+                for box, _ in parts]
+        needed = np.flatnonzero(np.logical_or.reduce(hits)).tolist()
+        source: ByteRanges | None = ChunkRanges(chunk)
+        if (count - len(needed)) * step <= max(len(needed) * step // 4, chunk.store.request_bytes):
+            source = WholeObject.read(chunk, count * (step + CRC_BYTES) + ShardIndex.suffix_nbytes(count))
+            if source is None:
+                raise CheckpointingException(f"Missing {chunk.describe()}: the checkpoint is damaged")
+        buffer = np.empty(len(needed) * step, np.uint8)
+        crc = read_inner(source, count, {i: memoryview(buffer[k * step : (k + 1) * step]) for k, i in enumerate(needed)})
+        values = buffer.view(parts[0][1].dtype)
+        if c_ordered and needed[-1] - needed[0] + 1 == len(needed):  # one C-ordered run along the split axis
+            axis = self._split_axis(shard_shape) or 0
+            run = values.reshape([len(needed) * n if a == axis else n for a, n in enumerate(self.chunk_shape)])
+            for box, out in parts:
+                _box(run, grid.starts[needed[0]].tolist(), [s.start for s in box], [s.stop for s in box], out)
+            return crc
+        at, per_inner = {i: k for k, i in enumerate(needed)}, math.prod(self.chunk_shape)
+        for (box, out), hit in zip(parts, hits):
+            for i in np.flatnonzero(hit).tolist():
+                inner = values[at[i] * per_inner : (at[i] + 1) * per_inner].reshape(self.chunk_shape)
+                _box(inner, grid.starts[i].tolist(), [s.start for s in box], [s.stop for s in box], out)
         return crc
 
     def held(self, data: memoryview, digest: str) -> HeldShard:

@@ -41,9 +41,12 @@ __all__ = [
 ]
 
 import bisect
+import itertools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.codecs import BYTES_CRC32C
@@ -56,7 +59,7 @@ from shardstore.format.records import (
     ObjectRecord,
     parent_groups,
 )
-from shardstore.format.sharding import ShardingIndexed
+from shardstore.format.sharding import InnerGrid, ShardingIndexed
 from shardstore.planning.layout import (
     DirectFlatWrite,
     FlatChunk,
@@ -123,28 +126,86 @@ def array_records(
 
 def sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: int) -> ArrayRecord:
     """``record`` stored in shards (Zarr v3 ``sharding_indexed``, ``format.sharding``)
-    when its chunks are small: every main block is whole chunks of its rows of the array
-    (every other axis whole: FSDP2's ``Shard(0)``, a layer-stacked array split by
-    pipeline stage), at least two chunks fit in ``shard_bytes``, and the array has more
-    than one. A shard then holds as many chunks' rows as fit (its inner chunks), so the
-    files of the array no longer multiply with the ranks. Otherwise ``record`` as it is."""
+    when its chunks are small: its main blocks form a grid (``BlockGrid``) of whole
+    chunks split along any axes (FSDP2's ``Shard(0)``; Megatron's layer x TP blocks
+    ``[1, n/TP]``, ``[1, out, in/TP]``), each inner chunk is contiguous in its block (one
+    element along the axes before the chunk's first longer one, the whole block along
+    those after it), at least two chunks fit in ``shard_bytes``, and the array has more
+    than one. A shard then holds as many inner chunks as fit, merged along the leading
+    axes first (``_shard_shape``), so the files of the array no longer multiply with
+    the ranks. Otherwise ``record`` as it is."""
     shape, chunk = record.shape, record.chunk_shape
-    if not shape or chunk[1:] != shape[1:] or any(s.flat_range is not None for s in main):
+    if not shape or any(s.flat_range is not None for s in main):
         return record
-    rows = chunk[0]
-    blocks = [s for s in main if s.block_shape[0] > 0]
-    aligned = all(
-        s.block_shape[1:] == shape[1:] and s.offset[0] % rows == 0
-        and (s.block_shape[0] % rows == 0 or s.offset[0] + s.block_shape[0] == shape[0])
-        for s in blocks
-    )
-    row_bytes = math.prod(shape[1:]) * record.itemsize
-    if not aligned or not blocks or shard_bytes // max(rows * row_bytes, 1) < 2 or -(-shape[0] // rows) < 2:
+    grid = BlockGrid.of(main, shape)
+    chunk_bytes = math.prod(chunk) * record.itemsize
+    split = next((a for a, n in enumerate(chunk) if n > 1), len(chunk))
+    if (
+        grid is None
+        or not all(o % c == 0 for axis, c in zip(grid.starts, chunk) for o in axis.tolist())
+        or (grid.shapes[:, split + 1 :] > np.asarray(chunk[split + 1 :], dtype=np.int64)).any()
+        or shard_bytes // max(chunk_bytes, 1) < 2
+        or math.prod(-(-n // c) for n, c in zip(shape, chunk)) < 2
+    ):
         return record
-    inner = _inner_rows(rows, row_bytes)
-    per_shard, count = shard_bytes // max(inner * row_bytes, 1), -(-shape[0] // inner)
-    codec = ShardingIndexed((inner, *chunk[1:]), record.itemsize)
-    return replace(record, chunk_shape=(inner * min(per_shard, count), *chunk[1:]), codec=codec)
+    inner = list(chunk)
+    if split < len(chunk):
+        inner[split] = _inner_rows(chunk[split], math.prod(chunk[split + 1 :]) * record.itemsize)
+    codec = ShardingIndexed(tuple(inner), record.itemsize)
+    return replace(record, chunk_shape=_shard_shape(shape, codec.chunk_shape, shard_bytes // codec.inner_nbytes),
+                   codec=codec)
+
+
+def _shard_shape(shape: tuple[int, ...], inner: tuple[int, ...], count: int) -> tuple[int, ...]:
+    """A shard of at most ``count`` inner chunks: as many as the array has along its
+    first axis, then, where all of it fits, along the next, and so on."""
+    out = []
+    for n, i in zip(shape, inner):
+        along = max(1, min(-(-n // i), count))
+        out.append(along * i)
+        count //= along
+    return tuple(out)
+
+
+@dataclass(frozen=True, eq=False)
+class BlockGrid:
+    """An array's main blocks when they form a grid: along each axis the blocks' starts
+    (``starts``, sorted) cut it into intervals (of ``extents``), and every cell of the
+    product of those intervals is one block (their ``shapes``, holders' ``ranks`` and
+    tensor ``indices``; ``by_cell``: the position of each cell's, C order over the cells).
+
+    Every block's shape is then its cell's: a regular grid whose last blocks along an
+    axis may be shorter, or uneven ones (FSDP2's ``Shard(0)``); empty blocks are left out."""
+
+    starts: tuple[np.ndarray, ...]
+    extents: tuple[np.ndarray, ...]
+    shapes: np.ndarray
+    ranks: np.ndarray
+    indices: np.ndarray
+    by_cell: np.ndarray
+
+    @classmethod
+    def of(cls, main: list[ShardRecord], shape: tuple[int, ...]) -> BlockGrid | None:
+        """The grid of the ``main`` blocks of an array of ``shape``, or None when they
+        form none (or none holds anything)."""
+        ndim = len(shape)
+        table = np.array([(*s.offset, *s.block_shape, s.rank, s.index) for s in main], dtype=np.int64)
+        held = np.flatnonzero((table[:, ndim : 2 * ndim] > 0).all(axis=1)) if len(main) else np.zeros(0, np.int64)
+        if not len(held):
+            return None
+        table = table[held]
+        offsets, shapes, ranks, indices = table[:, :ndim], table[:, ndim : 2 * ndim], table[:, -2], table[:, -1]
+        starts = tuple(np.unique(offsets[:, a]) for a in range(len(shape)))
+        counts = tuple(len(axis) for axis in starts)
+        if len(table) != math.prod(counts):
+            return None
+        extents = tuple(np.diff(axis, append=n) for axis, n in zip(starts, shape))
+        cells = np.stack([np.searchsorted(axis, offsets[:, a]) for a, axis in enumerate(starts)], 1)
+        if not np.array_equal(np.stack([e[cells[:, a]] for a, e in enumerate(extents)], 1), shapes):
+            return None
+        by_cell = np.full(len(table), -1, dtype=np.int64)
+        by_cell[np.ravel_multi_index(tuple(cells.T), counts)] = np.arange(len(table))
+        return None if (by_cell < 0).any() else cls(starts, extents, shapes, ranks, indices, by_cell)
 
 
 # A sharded array's chunk rows are split into at most INNER_PARTS inner chunks of at
@@ -166,33 +227,58 @@ def _inner_rows(rows: int, row_bytes: int) -> int:
 
 
 def plan_gathered_writes(key: str, record: ArrayRecord, main: list[ShardRecord], load: list[int]) -> list[FlatChunk]:
-    """The shards of the sharded array ``key`` (``sharded_record``), each assembled from
-    the rows of the blocks it covers by one writer: the holder of one of them with the
-    fewest bytes to write so far (``load``, updated), so shard writing spreads over the
-    ranks. Rows are contiguous in C order, so each block's part of a shard is one piece."""
-    shard_rows, total, row = record.chunk_shape[0], record.shape[0], math.prod(record.shape[1:])
-    blocks = sorted((s for s in main if s.block_shape[0] > 0), key=lambda s: s.offset[0])
-    chunks, first = [], 0
-    for start in range(0, total, shard_rows):
-        stop = min(start + shard_rows, total)
-        while first < len(blocks) and blocks[first].offset[0] + blocks[first].block_shape[0] <= start:
-            first += 1
-        pieces = []
-        for s in blocks[first:]:
-            lo, hi = max(start, s.offset[0]), min(stop, s.offset[0] + s.block_shape[0])
-            if s.offset[0] >= stop:
-                break
-            pieces.append((s.rank, s.index, (lo - s.offset[0]) * row, (hi - s.offset[0]) * row, (lo - start) * row))
+    """The shards of the sharded array ``key`` (``sharded_record``), each assembled by
+    one writer: the holder of one of its blocks with the fewest bytes to write so far
+    (``load``, updated), so shard writing spreads over the ranks.
+
+    The writer's buffer holds the shard's inner chunks in C order over its inner grid,
+    each its part inside the array, C-contiguous (``format.sharding.InnerGrid``; the
+    shard's C order when its inner chunks split the first axis only). An inner chunk is
+    a contiguous range of its block (``sharded_record``), so each piece is one flat range
+    of a block and of the buffer; adjacent ones of one block merge."""
+    grid = BlockGrid.of(main, record.shape)
+    if grid is None:
+        raise CheckpointingException(f"Internal error: the blocks of {key!r} form no grid, yet it is sharded; please report it")
+    shard, inner = record.chunk_shape, record.codec.chunk_shape  # type: ignore[attr-defined]
+    chunks = []
+    for index in itertools.product(*(range(-(-n // c)) for n, c in zip(record.shape, shard))):
+        origin = [i * c for i, c in zip(index, shard)]
+        valid = [min(c, n - o) for c, n, o in zip(shard, record.shape, origin)]
+        pieces = _shard_pieces(grid, InnerGrid.of(shard, inner, valid), origin)
         if not pieces:
             raise CheckpointingException(
-                f"Internal error: no rank holds rows {start}:{stop} of {key!r}, whose layout was validated; "
-                "please report it"
+                f"Internal error: no rank holds shard {index} of {key!r}, whose layout was validated; please report it"
             )
         writer = min({p[0] for p in pieces}, key=lambda r: (load[r], r))
-        load[writer] += (stop - start) * row * record.itemsize
-        region = (slice(start, stop), *(slice(0, n) for n in record.shape[1:]))
+        load[writer] += math.prod(valid) * record.itemsize
+        region = tuple(slice(o, o + v) for o, v in zip(origin, valid))
         chunks.append(FlatChunk(key, region, writer, tuple(pieces)))
     return chunks
+
+
+def _shard_pieces(grid: BlockGrid, inner: InnerGrid, origin: list[int]) -> list[tuple[int, int, int, int, int]]:
+    """``FlatChunk.pieces`` of one shard at ``origin``: per run of its inner chunks
+    (packed, ``InnerGrid``) that lie one after another in one block, ``(rank, index,
+    start in the block, stop, start in the shard's buffer)``, in elements."""
+    volumes = inner.volumes
+    keep = volumes > 0
+    starts, volumes = inner.starts[keep] + np.asarray(origin, dtype=np.int64), volumes[keep]
+    dst = np.concatenate(([0], np.cumsum(volumes)[:-1]))
+    cells = np.stack([np.searchsorted(axis, starts[:, a], side="right") - 1 for a, axis in enumerate(grid.starts)], 1)
+    extents = np.stack([e[cells[:, a]] for a, e in enumerate(grid.extents)], 1)
+    strides = np.concatenate((np.cumprod(extents[:, :0:-1], axis=1)[:, ::-1], np.ones((len(cells), 1), np.int64)), 1)
+    block_starts = np.stack([axis[cells[:, a]] for a, axis in enumerate(grid.starts)], 1)
+    src = ((starts - block_starts) * strides).sum(axis=1)
+    cell_ids = np.ravel_multi_index(tuple(cells.T), tuple(len(axis) for axis in grid.starts))
+    new_run = np.ones(len(src), dtype=bool)
+    new_run[1:] = (cell_ids[1:] != cell_ids[:-1]) | (src[1:] != src[:-1] + volumes[:-1])
+    firsts = np.flatnonzero(new_run)
+    run_dst = dst[firsts]
+    run_src = src[firsts]
+    run_stop = run_src + np.diff(run_dst, append=int(volumes.sum()))
+    holders = grid.by_cell[cell_ids[firsts]]
+    return list(zip(grid.ranks[holders].tolist(), grid.indices[holders].tolist(), run_src.tolist(),
+                    run_stop.tolist(), run_dst.tolist()))
 
 
 def flattened_block(main_shards: list[ShardRecord]) -> tuple[int, ...] | None:
@@ -264,7 +350,7 @@ def plan_save(
             touched[s.rank].add(key)
         if main:
             metadata[main[ordinal % len(main)].rank].append(key)
-        sharded = records[key].codec != BYTES_CRC32C
+        sharded = isinstance(records[key].codec, ShardingIndexed)
         if not main or (main[0].flat_range is None and not sharded):
             continue
         if sharded:
@@ -295,7 +381,7 @@ def plan_save(
             for key, shards_ in layout.objects.items()
         },
         world_size=world,
-        format_version=SHARDED_FORMAT_VERSION if any(g for g in gathered) else FORMAT_VERSION,
+        format_version=FORMAT_VERSION if all(r.codec == BYTES_CRC32C for r in records.values()) else SHARDED_FORMAT_VERSION,
     )
     nbytes = layout.main_nbytes()
     return [

@@ -202,9 +202,9 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
             coordinator neither validates nor plans (``protocol.plan_cache``). What
             belongs to each save (its id, staging area, commit record) is made anew.
             ``FullyParallelSaveStrategyWrapper(do_cache_distribution=True)`` turns it on.
-        shard_bytes: store an array whose blocks are small and split along its first
-            axis (FSDP2's ``Shard(0)``, layer-stacked arrays split by pipeline stage) in
-            Zarr v3 ``sharding_indexed`` shards of about this many bytes, each holding
+        shard_bytes: store an array whose blocks are small and form a grid, split
+            along any axes (FSDP2's ``Shard(0)``, Megatron's layer x TP blocks; not
+            flattened ranges) in Zarr v3 ``sharding_indexed`` shards of about this many bytes, each holding
             many ranks' blocks as inner chunks (an eighth of a block each, at least
             16 KiB) and written by one rank they are gathered to
             (``planning.plans.sharded_record``): the array's files no longer multiply

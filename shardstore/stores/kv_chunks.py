@@ -47,6 +47,8 @@ class KvChunkStore(ChunkStore):
         self._etags_say_nothing = False  # a copy's ETag was no MD5 (``share_from``)
         self._etags_probed, self._probe_lock = False, threading.Lock()
         access = store.chunk_access()
+        self._bucket = _bucket_of(access.kvstore or {})
+        self._md5_etags = self._bucket in _MD5_ETAG_BUCKETS  # its ETags were shown to be MD5s
         try:
             self.kv = ts.KvStore.open(dict(access.kvstore or {}), context=ts.Context(dict(access.context))).result()
         except Exception as exc:
@@ -142,9 +144,10 @@ class KvChunkStore(ChunkStore):
         - the MD5 of ``held``'s bytes, computed here (records without ETags, or an
           object rewritten since with the same bytes).
 
-        The first copy of a save is also compared with the MD5 of ``held``'s bytes, so
-        a store whose 32-hex-digit ETags name versions rather than bytes is found out
-        before any copy is proven by a recorded ETag alone. Where the store reports
+        Until a copy showed this bucket's ETags to be the MD5 of the bytes (once per
+        bucket and process, as a rule), a copy proven by the recorded ETag is compared
+        with the MD5 too, so a store whose 32-hex-digit ETags name versions rather than
+        bytes is found out before any copy is proven by a recorded ETag alone. Where the store reports
         another kind of ETag (encryption, a multipart upload) or none, nothing is
         proven without downloading the copy, which costs what writing it does: None,
         and the caller writes. An MD5 ETag that is neither (other bytes, or
@@ -181,19 +184,40 @@ class KvChunkStore(ChunkStore):
             self._etags_say_nothing = True
             return None
         if etag == recorded:
-            # The save's first copy (the probe) also checks that this store's ETags are
-            # the MD5 of the bytes, which the recorded ETag's proof rests on (one MD5 per
-            # rank and save); ETags that only name versions end sharing for the save.
-            if self._etags_probed or etag == held.md5_hex():
+            # The recorded ETag's proof rests on this store's ETags being the MD5 of the
+            # bytes: until a copy here showed it, this one is hashed too (once per
+            # bucket and process, as a rule); ETags that only name versions end sharing.
+            if self._md5_etags or self._shows_md5_etags(etag, held.md5_hex()):
                 return CopiedObject(etag)
             self._etags_say_nothing = True
             return None
-        if etag != (md5 or held.md5_hex()):
+        if not self._shows_md5_etags(etag, md5 or held.md5_hex()):
             raise ChunkMismatch(
                 f"{source.describe(rel)} does not hold the bytes being saved (its copy's ETag {etag} is not their "
                 "MD5: changed or replaced since its commit)"
             )
         return CopiedObject(etag)
+
+    def _shows_md5_etags(self, etag: str, md5: str) -> bool:
+        """Whether a copy's ``etag`` is the ``md5`` of the bytes; if so, remembers for
+        this bucket, for the life of the process, that its ETags are MD5s."""
+        if etag != md5:
+            return False
+        self._md5_etags = True
+        _MD5_ETAG_BUCKETS.add(self._bucket)
+        return True
+
+
+# The (driver, endpoint, bucket) of every object store whose copies' ETags a copy in
+# this process showed to be the MD5 of their bytes (``KvChunkStore._shows_md5_etags``):
+# a bucket's ETag scheme is its configuration (an encrypted object's ETag is refused
+# apart, by the copy's reply), so later saves skip that one MD5.
+_MD5_ETAG_BUCKETS: set[tuple] = set()
+
+
+def _bucket_of(kvstore: dict) -> tuple:
+    """What names a kvstore's bucket (not the path inside it, nor the credentials)."""
+    return tuple(str(kvstore.get(k)) for k in ("driver", "endpoint", "bucket"))
 
 
 T = TypeVar("T")

@@ -31,3 +31,19 @@ def test_an_array_held_by_one_rank_has_its_metadata_written_there() -> None:
     replicated = [ShardRecord("norm", rank, 0, "float32", (8,), (0,), (8,), None, rank == 2) for rank in range(4)]
     plans = plan_save(GlobalLayout.from_gathered([([r], []) for r in replicated]), 1 << 20, fully_parallel=False)
     assert [plan.array_metadata for plan in plans] == [(), (), ("norm",), ()]
+
+
+def _rows(key: str, rank: int, shape: tuple[int, int]) -> ShardRecord:
+    return ShardRecord(key, rank, 0, "float32", shape, (rank, 0), (1, shape[1]), None, True)
+
+
+def test_one_row_blocks_keep_inner_chunks_of_whole_rows_in_even_shards() -> None:
+    """FSDP2 at a world size as large as the first axis gives each rank one row: the
+    inner chunks stay whole rows (what every earlier shardstore reads), and 5 of them
+    at 4 per shard make shards of 3 + 2 rows, not 4 + 1 (an edge shard is stored
+    padded to the full shape)."""
+    world, shape = 5, (5, 8192)  # a row: 32 KiB
+    layout = GlobalLayout.from_gathered([([_rows("w", rank, shape)], []) for rank in range(world)])
+    (record,) = plan_save(layout, 1 << 20, False, shard_bytes=4 * 32 << 10)[0].commit.arrays.values()
+    assert record.codec.chunk_shape == (1, 8192), record.codec
+    assert record.chunk_shape == (3, 8192), record.chunk_shape

@@ -111,8 +111,8 @@ def array_records(
     layout: GlobalLayout, max_chunk_bytes: int, shard_bytes: int | None = None
 ) -> dict[str, ArrayRecord]:
     """Every array's metadata: its chunk grid aligned with the sharding of its main
-    shards; with ``shard_bytes``, an array of small blocks split along its first axis is
-    stored in shards of about that many bytes (``sharded_record``)."""
+    shards; with ``shard_bytes``, an array of small blocks on a grid (split along any
+    axes) is stored in shards of about that many bytes (``sharded_record``)."""
     records = {}
     for key, shards in layout.tensors.items():
         first = shards[0]
@@ -149,6 +149,8 @@ def sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: in
     ):
         return record
     inner = list(chunk)
+    if chunk[1:] == shape[1:]:  # whole rows (FSDP2's Shard(0), one row each included): rows, as ever
+        split = 0
     if split < len(chunk):
         inner[split] = _inner_rows(chunk[split], math.prod(chunk[split + 1 :]) * record.itemsize)
     codec = ShardingIndexed(tuple(inner), record.itemsize)
@@ -158,10 +160,14 @@ def sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: in
 
 def _shard_shape(shape: tuple[int, ...], inner: tuple[int, ...], count: int) -> tuple[int, ...]:
     """A shard of at most ``count`` inner chunks: as many as the array has along its
-    first axis, then, where all of it fits, along the next, and so on."""
+    first axis, then, where all of it fits, along the next, and so on. Along an axis
+    the shards are as even as their number allows (33 inner chunks at 32 per shard:
+    17 + 16, not 32 + 1), since an edge shard is stored padded to the full shape."""
     out = []
     for n, i in zip(shape, inner):
-        along = max(1, min(-(-n // i), count))
+        total = -(-n // i)
+        most = max(1, min(total, count))
+        along = -(-total // -(-total // most))
         out.append(along * i)
         count //= along
     return tuple(out)

@@ -13,7 +13,7 @@ What goes where (the same as ``shardstore.save`` of the same state dict, see
 * every sharded item (a DTensor: DCP's ``WriteItemType.SHARD``) is a chunk of one
   global array named by its fully qualified name (``model.layers.0.weight``), written by
   the rank DCP's plan gives it, with each chunk's crc32c bound into the commit record;
-  with ``ShardstoreWriter(shard_bytes=...)``, an array of small first-axis blocks is
+  with ``ShardstoreWriter(shard_bytes=...)``, an array of small blocks on a grid is
   stored in Zarr v3 shards instead, each block sent to its shard's writer over a process
   group in ``write_data`` (as ``ZarrSaveShardedStrategy(shard_bytes=...)``);
 * every plain tensor (DCP's replicated ``WriteItemType.TENSOR``: a DDP or one-process
@@ -292,8 +292,8 @@ class ShardstoreWriter(StorageWriter):
             this save shares instead of writing them again (as ``shardstore.save``'s
             ``reuse_from``, ``shardstore.format.reuse``); one that cannot be reused
             from is logged and written in full.
-        shard_bytes: store the arrays DCP's plan splits along their first axis in small
-            blocks (FSDP2's ``Shard(0)``) in Zarr v3 shards of about this many bytes, as
+        shard_bytes: store the arrays DCP's plan splits into small blocks on a grid
+            (FSDP2's ``Shard(0)``, along any axes) in Zarr v3 shards of about this many bytes, as
             ``ZarrSaveShardedStrategy(shard_bytes=...)`` does for ``shardstore.save``:
             each shard is written by one of the ranks whose blocks it holds, the others
             send it their blocks in ``write_data``, so the files no longer multiply with

@@ -22,7 +22,15 @@ import pytest
 import torch
 import zarr
 
-from shardstore import ShardedObject, ShardedTensor, load, load_tensors_metadata, save, verify
+from shardstore import (
+    ShardedObject,
+    ShardedTensor,
+    load,
+    load_tensors_metadata,
+    remove_sharded_tensors,
+    save,
+    verify,
+)
 from shardstore.errors import CheckpointingException
 from shardstore.format import records
 from shardstore.format.commit import SaveOptions
@@ -172,6 +180,21 @@ def test_dcp_reader_loads_it(checkpoint: Path) -> None:
     request = {k: torch.zeros_like(t) for k, t in _tensors().items()}
     dcp.load(request, storage_reader=ShardstoreReader(str(checkpoint)), no_dist=True)
     assert _all_loaded(request)
+
+
+def test_removing_arrays_keeps_it_consistent(tmp_path: Path) -> None:
+    path = _save(tmp_path / "ckpt")
+    remove_sharded_tensors(str(path), "model/")
+    assert sorted(load_tensors_metadata(str(path))) == ["layer0/w", "step"]
+    assert not (path / "model").exists() and verify(str(path)).ok
+    assert _root(path)["attributes"]["shardstore"]["zarr_metadata"] == "consolidated_only"
+
+
+def test_an_async_save_writes_no_document_either(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    save(_state(), str(path), async_sharded_save=True, options=CONSOLIDATED).execute_sync()
+    assert _documents(path) == [COMMIT_RECORD]
+    assert _all_loaded(load(_state(empty=True), str(path)))
 
 
 # ------------------------------------------------------------ older readers, records

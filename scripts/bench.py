@@ -688,8 +688,10 @@ def run_tiny(b: Bench, args: argparse.Namespace) -> None:
     (``--world 1``) as ``ShardedTensor``s, against ``torch.save``/``torch.load`` of the
     same dict and the per-array layout's floor (``files``: each key a directory with a
     metadata file and a chunk file, 8 threads, one ``sync``; ``files-dirs-first``: the
-    directories made first by one thread), interleaved."""
+    directories made first by one thread), interleaved; ``shardstore-consolidated``: the
+    arrays' metadata in the root's consolidated metadata only (no ``zarr.json`` per key)."""
     import shardstore
+    from shardstore.format.commit import SaveOptions
 
     if b.world != 1:
         if b.rank == 0:
@@ -719,6 +721,13 @@ def run_tiny(b: Bench, args: argparse.Namespace) -> None:
               lambda: shardstore.save(shardstore_sd(state, 0, 1), str(ss_path)),
               lambda: loaded.update(shardstore=shardstore.load(shardstore_sd(state, 0, 1, empty=True), str(ss_path))),
               check("shardstore"))
+    consolidated_path = b.root / "tiny-shardstore-consolidated"
+    consolidated = SaveOptions(zarr_metadata="consolidated_only")
+    b.measure("tiny", "shardstore-consolidated", nbytes, consolidated_path,
+              lambda: shardstore.save(shardstore_sd(state, 0, 1), str(consolidated_path), options=consolidated),
+              lambda: loaded.update({"shardstore-consolidated": shardstore.load(
+                  shardstore_sd(state, 0, 1, empty=True), str(consolidated_path))}),
+              check("shardstore-consolidated"))
     b.measure("tiny", "torch", nbytes, torch_path, lambda: torch_save(plain, torch_path),
               lambda: loaded.update(torch=torch.load(torch_path, weights_only=True)), check("torch"))
     b.measure("tiny", "files", nbytes, files_path, lambda: files_save(state, files_path, 0, 1),
@@ -726,7 +735,7 @@ def run_tiny(b: Bench, args: argparse.Namespace) -> None:
     b.measure("tiny", "files-dirs-first", nbytes, first_path, lambda: files_dirs_first_save(state, first_path),
               lambda: files_load(state, first_path, 0, 1))
     b.flush()
-    for p in (ss_path, torch_path, files_path, first_path):
+    for p in (ss_path, consolidated_path, torch_path, files_path, first_path):
         b._clean(p)
 
 
@@ -872,13 +881,19 @@ def measure_fsdp_on_s3(b: Bench, state: State, nbytes: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardstore
+    from shardstore.format.commit import SaveOptions
     from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 
-    for method, strategy in (("shardstore-s3", None), ("shardstore-sharded-s3", ZarrSaveShardedStrategy(shard_bytes=64 << 20))):
+    sharded = ZarrSaveShardedStrategy(shard_bytes=64 << 20)
+    per_node, consolidated = SaveOptions(overwrite=True), SaveOptions(overwrite=True, zarr_metadata="consolidated_only")
+    for method, strategy, options in (
+        ("shardstore-s3", None, per_node), ("shardstore-sharded-s3", sharded, per_node),
+        ("shardstore-consolidated-s3", None, consolidated), ("shardstore-sharded-consolidated-s3", sharded, consolidated),
+    ):
         url = f"s3://{S3_BUCKET}/fsdp/{method}"
         b.measure("fsdp", method, nbytes, b.root / f"unused-{method}",
-                  lambda url=url, strategy=strategy: shardstore.save(
-                      shardstore_sd(state, b.rank, b.world), url, strategy, overwrite=True),
+                  lambda url=url, strategy=strategy, options=options: shardstore.save(
+                      shardstore_sd(state, b.rank, b.world), url, strategy, options=options),
                   lambda url=url: shardstore.load(shardstore_sd(state, b.rank, b.world, empty=True), url))
     mesh = init_device_mesh("cpu", (b.world,))
     url = f"s3://{S3_BUCKET}/fsdp/dcp-fsspec"
@@ -1324,6 +1339,9 @@ def ratios(results: list[Result]) -> dict[str, float]:
             out |= ratio(f"small.{op}.vs_{peer}", ("small", "shardstore", op), ("small", peer, op))
         for peer in ("torch", "files", "files-dirs-first"):
             out |= ratio(f"tiny.{op}.vs_{peer}", ("tiny", "shardstore", op), ("tiny", peer, op))
+            out |= ratio(f"tiny.consolidated.{op}.vs_{peer}", ("tiny", "shardstore-consolidated", op), ("tiny", peer, op))
+        for method in ("shardstore", "shardstore-sharded", "shardstore-consolidated", "shardstore-sharded-consolidated"):
+            out |= ratio(f"fsdp.{method}-s3.{op}.vs_dcp_fsspec", ("fsdp", f"{method}-s3", op), ("fsdp", "dcp-fsspec-s3", op))
         # dcp.save/load through shardstore.tools.dcp_storage vs DCP's file system writer/reader,
         # and shardstore.save/load of the same DTensors vs the same
         out |= ratio(f"dcp-api.{op}.vs_dcp", ("dcp-api", "shardstore", op), ("dcp-api", "dcp", op))

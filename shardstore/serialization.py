@@ -178,7 +178,9 @@ def save(
             the commit record does not vouch for them). By default such a write makes
             the save fail at its commit, as a concurrent save into the same place would.
         options: the three above as one ``SaveOptions`` (how doors built on ``save``
-            pass them); given, the three keywords must keep their defaults.
+            pass them), which also says where the arrays' Zarr metadata documents go
+            (``zarr_metadata``: ``"consolidated_only"`` writes none per array); given,
+            the three keywords must keep their defaults.
 
     Returns:
         None, or the AsyncRequest when ``async_sharded_save``.

@@ -174,6 +174,12 @@ class Fragment:
 
 
 FRAGMENTS = (
+    # before "import zarr", which its block holds too (the first fragment named in a block is its own)
+    Fragment('zarr_metadata="consolidated_only"', check=(
+        "import os\n"  # no array document: only the root's
+        "assert sorted(os.listdir(f'{ckpt}/decoder/fc1')) == ['c.0.0'] and not os.path.exists(f'{ckpt}/decoder/zarr.json')\n"
+        "assert (from_zarr == weight.numpy()).all() and (from_tensorstore == weight.numpy()).all()\n"
+    )),
     Fragment("shardstore.tools.megatron_strategy import", megatron_job=True, check=(
         "assert torch.equal(state['fc1'], fc1.chunk(world)[rank])\n"
         "from shardstore import verify\nassert verify(ckpt_dir).ok\n"

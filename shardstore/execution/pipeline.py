@@ -18,7 +18,6 @@ from __future__ import annotations
 
 __all__ = ["RankSave", "SaveFinalization", "SavePipeline"]
 
-import json
 import os
 import threading
 import weakref
@@ -38,6 +37,7 @@ from shardstore.execution.save import (
     StagedWrites,
     Staging,
     WriteOp,
+    node_document_files,
 )
 from shardstore.format.chunks import DEFAULT_IO_CONCURRENCY, DEFAULT_IO_THREADS, WrittenChunk
 from shardstore.format.commit import (
@@ -52,7 +52,7 @@ from shardstore.format.commit import (
     publisher_for,
 )
 from shardstore.format.config import CheckpointingConfig, write_config
-from shardstore.format.records import ZARR_JSON, ArrayRecord, CommitRecord
+from shardstore.format.records import ArrayRecord, CommitRecord
 from shardstore.mapping import ShardedObject, ShardedTensor
 from shardstore.planning.checks import check_layout, check_storable_keys, local_records
 from shardstore.planning.layout import GlobalLayout, region_at
@@ -102,7 +102,8 @@ class SavePipeline:
         all ranks    SavePipeline.open(checkpoint_dir, group, options, config=)
                      the one place a save's target (and ``options.reuse_from``, the
                      checkpoint it reuses from) is opened; ``options`` (``SaveOptions``:
-                     overwrite, reuse, shared directory) come whole from the door; the
+                     overwrite, reuse, shared directory, where the arrays' Zarr metadata
+                     goes) come whole from the door; the
                      publisher follows from the target's capabilities
                      (``format.commit.publisher_for``: rename locally, in place on S3)
                  or  SavePipeline.into_callers_directory(checkpoint_dir, group)
@@ -384,6 +385,8 @@ class SavePipeline:
         where = self.describe()
         with stage("save: write", where) as timing:
             self.location.write_many(files)
+            # the arrays without a document here get their directories in one pass too
+            self.location.make_directories({op.key for op in ops} - {rel.rpartition("/")[0] for rel in files})
             written = self.write_arrays(records, ops, io_concurrency, io_threads)
             timing.nbytes = sum(op.value.nbytes for op in ops)
         with stage("save: durable", where):
@@ -427,7 +430,7 @@ class SavePipeline:
     def write_array(self, record: ArrayRecord, value: np.ndarray) -> list[WrittenChunk]:
         """One process: the whole array ``record`` (its ``zarr.json``, then every chunk)
         from ``value`` (host memory, the array's shape)."""
-        self.location.write_bytes(f"{record.key}/{ZARR_JSON}", json.dumps(record.zarr_metadata()).encode())
+        self.location.write_many(node_document_files([record], (), self.pending.options.zarr_metadata))
         whole = region_at((0,) * len(record.shape), record.shape)
         return self.write_arrays({record.key: record}, [WriteOp(record.key, whole, value)])
 

@@ -8,7 +8,8 @@ The stages (``strategies.zarr.ZarrSaveShardedStrategy`` runs them):
                            (``shardstore.execution.staging``); the chunks of flattened tensors that
                            straddle ranks are assembled by exchanging only the
                            straddling pieces (collective)                 ``stage_save``
-    all ranks    write     array zarr.json files (owner of each array's first chunk) in
+    all ranks    write     array zarr.json files (owner of each array's first chunk; none
+                           with ``SaveOptions.zarr_metadata="consolidated_only"``) in
                            one batch, then every chunk write in flight at once; then
                            the written data is made durable     ``SavePipeline.write_staged``
     all ranks    agree     every rank reports success or its error (collective)
@@ -26,12 +27,13 @@ from __future__ import annotations
 
 __all__ = [
     "StagedWrites", "Staging", "WriteOp", "commit_save", "finalize_save", "metadata_files",
-    "stage_save", "write_ops",
+    "node_document_files", "stage_save", "write_ops",
 ]
 
 import json
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -59,6 +61,7 @@ from shardstore.format.records import (
     ArrayRecord,
     CommitRecord,
     ReusedChunks,
+    ZarrMetadata,
     group_metadata,
 )
 from shardstore.format.sharding import ShardingIndexed
@@ -197,7 +200,8 @@ def stage_save(
         flat = tensor_to_numpy(host[w.index])[w.local_start : w.local_stop]
         ops.append(WriteOp(w.key, w.region, flat.reshape(region_shape(w.region))))
     ops += [_assembled_op(chunk, buffer, plan.records, plan.gathered) for chunk, buffer in assembled]
-    return StagedWrites(plan.records, metadata_files(plan), ops, snapshot, tuple(early_chunks))
+    files = metadata_files(plan, location.options.zarr_metadata)
+    return StagedWrites(plan.records, files, ops, snapshot, tuple(early_chunks))
 
 
 def _written_whole(s: ShardRecord, plan: RankSavePlan) -> bool:
@@ -247,12 +251,22 @@ def copy_to_host(
     snapshot.wait()
 
 
-def metadata_files(plan: RankSavePlan) -> dict[str, bytes]:
+def metadata_files(plan: RankSavePlan, where: ZarrMetadata = ZarrMetadata.PER_NODE) -> dict[str, bytes]:
     """The ``zarr.json`` files a rank writes: its arrays' (it holds their element 0) and,
-    on the coordinator, the groups' that keys with ``/`` make."""
-    files = {f"{key}/{ZARR_JSON}": json.dumps(plan.records[key].zarr_metadata()).encode()
-             for key in plan.array_metadata}
-    files.update({f"{g}/{ZARR_JSON}": json.dumps(group_metadata()).encode() for g in plan.group_metadata})
+    on the coordinator, the groups' that keys with ``/`` make (``node_document_files``)."""
+    return node_document_files([plan.records[key] for key in plan.array_metadata], plan.group_metadata, where)
+
+
+def node_document_files(
+    arrays: Iterable[ArrayRecord], groups: Iterable[str], where: ZarrMetadata
+) -> dict[str, bytes]:
+    """The ``zarr.json`` files of ``arrays`` and ``groups`` by relative path; none where
+    their documents go into the root's consolidated metadata only (``where``, the save's
+    ``SaveOptions.zarr_metadata``: the commit record then says so)."""
+    if where is ZarrMetadata.CONSOLIDATED_ONLY:
+        return {}
+    files = {f"{a.key}/{ZARR_JSON}": json.dumps(a.zarr_metadata()).encode() for a in arrays}
+    files.update({f"{g}/{ZARR_JSON}": json.dumps(group_metadata()).encode() for g in groups})
     return files
 
 
@@ -374,7 +388,7 @@ def commit_save(pending: PendingCheckpoint, record: CommitRecord, reports: list[
         CheckpointingException: a chunk nobody wrote or one written twice, a file that
             cannot be read back, or a lost race with another save (nothing is published).
     """
-    record = bind_chunks(record, reports, pending.describe())
+    record = bind_chunks(record.with_zarr_metadata(pending.options.zarr_metadata), reports, pending.describe())
     record = replace(record, files=file_checksums(pending.location, record), reused_from=reused_from(pending, reports))
     if pending.publisher.binds_callers_files:
         record = replace(record, external_files=caller_file_checksums(pending.location, record))

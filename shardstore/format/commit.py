@@ -67,6 +67,7 @@ from shardstore.format.records import (
     STAGING_TAG,
     ArrayRecord,
     CommitRecord,
+    ZarrMetadata,
     other_checkpoint_files,
     other_checkpoint_kind,
     write_commit_record,
@@ -100,11 +101,28 @@ class SaveOptions:
             runs, deleting none of them (by rename only; in place, a non-empty target
             is refused all the same). Otherwise the target must be empty or hold the
             checkpoint it replaces, and a file written there meanwhile makes the save lose.
+        zarr_metadata: where the arrays' and groups' Zarr metadata documents go
+            (``records.ZarrMetadata``): ``"per_node"`` (the default), a ``zarr.json`` of
+            their own, which every Zarr reader opens by path; ``"consolidated_only"``,
+            only the root's consolidated metadata (format version 6): a file (an object
+            on S3) fewer per array, readable by ``zarr.open_group`` and by TensorStore
+            given the document (docs/guide/plain-readers.md), not by path alone. Every
+            rank passes the same: each writes its arrays' documents by its own options,
+            the coordinator's record says where they are.
     """
 
     overwrite: bool = False
     reuse_from: Any = None
     shared_directory: bool = False
+    zarr_metadata: ZarrMetadata = ZarrMetadata.PER_NODE
+
+    def __post_init__(self) -> None:
+        try:  # a caller's string becomes the enum once, here; a typo fails before the save
+            object.__setattr__(self, "zarr_metadata", ZarrMetadata(self.zarr_metadata))
+        except ValueError:
+            raise ValueError(
+                f"SaveOptions.zarr_metadata must be one of {[m.value for m in ZarrMetadata]}, got {self.zarr_metadata!r}"
+            ) from None
 
     def opened(self, opener: Callable[[Any], Location]) -> SaveOptions:
         """These options with ``reuse_from`` opened by ``opener`` (the one place a

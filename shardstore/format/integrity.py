@@ -7,8 +7,9 @@ checksummed in the commit record at commit time; a load reads them through
 
 ``verify(checkpoint_dir)`` reads everything a load or a plain reader (zarr-python,
 TensorStore) would read, and checks it against the commit record: every chunk of every
-array, every listed file, every array's and group's ``zarr.json`` and the consolidated
-metadata (which the record implies, ``CommitRecord.node_documents``), and the record's
+array, every listed file, every array's and group's ``zarr.json`` (where the record says
+they are written, ``CommitRecord.stored_documents``) and the consolidated metadata
+(which the record implies, ``CommitRecord.node_documents``), and the record's
 own digest. It also lists every file under the checkpoint and flags those the record
 does not list: a file added after the commit, e.g. a ``common.pt`` copied in from
 another checkpoint. It returns a report naming each finding by key and chunk or file.
@@ -297,8 +298,9 @@ def _read_document(location: Location, rel: str, bound: int) -> Any:
 
 
 def _verify_node_documents(location: Location, record: CommitRecord, report: VerifyReport) -> None:
-    """Every array's and group's ``zarr.json``, as plain readers open them."""
-    for rel, expected in sorted(record.node_documents().items()):
+    """Every array's and group's ``zarr.json``, as plain readers open them (none where
+    the record keeps them in the consolidated metadata only)."""
+    for rel, expected in sorted(record.stored_documents().items()):
         report.files_checked += 1
         try:
             stored = _read_document(location, rel, MAX_NODE_DOCUMENT_BYTES)

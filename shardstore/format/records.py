@@ -31,7 +31,8 @@ From version 4 the record carries its own digest, ``record_digest``: the crc32c 
 root ``zarr.json`` exactly as written, taken while the digest's own value read
 ``crc32c:00000000`` (``seal_record``). Any change to that file, to the record or to the
 consolidated metadata, is found whenever the record is read, for one crc32c pass over
-its bytes.
+its bytes. A save may keep the nodes' documents in the consolidated metadata only
+(``ZarrMetadata.CONSOLIDATED_ONLY``, format version 6, ``CommitRecord.stored_documents``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ __all__ = [
     "StatePath",
     "UNSEALED_DIGEST",
     "ZARR_JSON",
+    "ZARR_METADATA_FORMAT_VERSION",
+    "ZarrMetadata",
     "array_group_collisions",
     "check_key",
     "checksum",
@@ -105,6 +108,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
 import crc32c
@@ -123,11 +127,16 @@ FORMAT_VERSION = 4
 # chunks ``c/1/0`` (a directory per axis but the last), version 3 ``c.1.0`` (files in
 # the array's directory: one directory per tensor instead of two or three). Version 4
 # adds the record's own digest (``record_digest``); earlier records have none.
-READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5)
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6)
 # Version 5: version 4 with arrays stored in shards (``format.sharding``; the array's
 # ``codecs`` in the record). A record with no sharded array stays version 4, so older
 # shardstores read it; they refuse a version 5 record by its version.
 SHARDED_FORMAT_VERSION = 5
+# Version 6: the arrays' and groups' metadata documents only in the root's consolidated
+# metadata (``ZarrMetadata.CONSOLIDATED_ONLY``), named by the record's ``zarr_metadata``.
+# Written only then; a shardstore that reads up to version 5 refuses it by its version
+# instead of looking for documents that are not there.
+ZARR_METADATA_FORMAT_VERSION = 6
 FIRST_SEALED_VERSION = 4
 RECORD_DIGEST = "record_digest"
 # The digest as it stands in the file while the digest is computed (see seal_record).
@@ -170,6 +179,22 @@ MAX_CHUNK_BYTES = 2**34  # one chunk is read into memory whole; 16 GiB is far ab
 MAX_RECORD_BYTES = 2**30
 # Chunks of one array in a format-1 record, which lists no checksums to pay for them.
 MAX_UNBOUND_CHUNKS = 2**24
+
+
+class ZarrMetadata(StrEnum):
+    """Where a checkpoint keeps its Zarr nodes' metadata documents (``SaveOptions.zarr_metadata``).
+
+    ``PER_NODE`` (the default): every array and group has its own ``zarr.json``, and the
+    root's consolidated metadata repeats them; every Zarr reader opens any key by path.
+    ``CONSOLIDATED_ONLY``: only the root's consolidated metadata holds them (format
+    version 6): one file fewer per array (one request fewer on object stores). zarr-python
+    opens every key through ``zarr.open_group(checkpoint)``; TensorStore opens an array
+    given its document from the root (``"metadata"`` with ``assume_metadata=True``); a
+    reader that opens an array by its path alone finds nothing.
+    """
+
+    PER_NODE = "per_node"
+    CONSOLIDATED_ONLY = "consolidated_only"
 
 
 def _library_version() -> str:
@@ -315,17 +340,26 @@ class ArrayRecord:
             CheckpointingException: a chunk no rank reported (missing).
         """
         indices = list(self.chunk_indices())
-        missing = [index for index in indices if index not in crcs]
-        if missing:
+        try:  # one lookup per chunk: the commit binds every array's
+            bound = tuple([crcs[index] for index in indices])
+        except KeyError:
+            missing = [index for index in indices if index not in crcs]
             raise CheckpointingException(
                 f"{where}: no rank wrote chunk(s) {missing[:5]} of array {self.key!r}; not committing"
-            )
-        bound_digests = None
-        if digests is not None and all(index in digests for index in indices):
-            bound_digests = tuple(digests[index] for index in indices)
-        bound_etags = tuple(etags.get(index) for index in indices) if etags else None
-        return replace(self, chunk_crcs=tuple(crcs[index] for index in indices), chunk_digests=bound_digests,
-                       chunk_etags=bound_etags)
+            ) from None
+        try:
+            bound_digests = None if digests is None else tuple([digests[index] for index in indices])
+        except KeyError:
+            bound_digests = None
+        bound_etags = tuple([etags.get(index) for index in indices]) if etags else None
+        return self._with_fields(chunk_crcs=bound, chunk_digests=bound_digests, chunk_etags=bound_etags)
+
+    def _with_fields(self, **changes: Any) -> ArrayRecord:
+        """``dataclasses.replace`` for fields that no other field is checked against (no
+        ``__init__`` runs): every field carried over, a fifth of ``replace``'s time."""
+        copy = object.__new__(ArrayRecord)
+        object.__setattr__(copy, "__dict__", {**self.__dict__, **changes})
+        return copy
 
     @classmethod
     def from_summary(
@@ -492,16 +526,28 @@ def _int_tuple(value: Any, what: str, minimum: int) -> tuple[int, ...]:
 READERS_ATTRIBUTE = "readers"
 
 
-def readers_note(extension: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def readers_note(extension: dict[str, dict[str, Any]], where: ZarrMetadata = ZarrMetadata.PER_NODE) -> dict[str, Any]:
     """What ``zarr.open_group(ckpt).attrs["readers"]`` says: the arrays of extension data
-    types (bfloat16, float8) by key and type, and what reads them."""
+    types (bfloat16, float8) by key and type, and what reads them (without their own
+    ``zarr.json``, ``where`` is ``CONSOLIDATED_ONLY``: TensorStore given the document)."""
+    if where is ZarrMetadata.CONSOLIDATED_ONLY:
+        opener = (
+            "TensorStore reads them given their metadata document, which only this file holds (consolidated_metadata."
+            f"{EXTENSION_METADATA}[key]): tensorstore.open({{'driver': 'zarr3', 'kvstore': {{'driver': 'file', "
+            "'path': '<checkpoint>/<key>/'}, 'metadata': document}, open=True, assume_metadata=True), ml_dtypes "
+            "giving the numpy type."
+        )
+    else:
+        opener = (
+            "TensorStore reads them as they are: tensorstore.open({'driver': 'zarr3', 'kvstore': "
+            "{'driver': 'file', 'path': '<checkpoint>/<key>/'}}), ml_dtypes giving the numpy type."
+        )
     return {
         "note": (
             "The arrays listed here use data types that zarr-python reads only once they are registered: "
             "zarr-python reports them as not found in consolidated metadata, or as 'No Zarr data type found'. "
             "With shardstore installed (not on a package index: pip install . in a clone of its repository) zarr.open_group lists and reads them; "
-            "TensorStore reads them as they are: tensorstore.open({'driver': 'zarr3', 'kvstore': "
-            "{'driver': 'file', 'path': '<checkpoint>/<key>/'}}), ml_dtypes giving the numpy type."
+            + opener
         ),
         "arrays_needing_shardstore_or_tensorstore": {key: doc["data_type"] for key, doc in sorted(extension.items())},
     }
@@ -781,6 +827,9 @@ class CommitRecord:
             them; ``verify`` names them as another program's instead of as damage, and
             a replacing save still refuses to delete them.
         dcp: what a save through DCP's API recorded of DCP's metadata, or None.
+        zarr_metadata: where the nodes' metadata documents are (``ZarrMetadata``):
+            their own ``zarr.json`` files, or only the root's consolidated metadata
+            (format version 6, ``with_zarr_metadata``).
     """
 
     arrays: dict[str, ArrayRecord]
@@ -795,6 +844,15 @@ class CommitRecord:
     reused_from: ReusedChunks | None = None
     beside: tuple[str, ...] = ()
     dcp: DcpMetadata | None = None
+    zarr_metadata: ZarrMetadata = ZarrMetadata.PER_NODE
+
+    def with_zarr_metadata(self, where: ZarrMetadata) -> CommitRecord:
+        """This record with its nodes' documents kept ``where`` says, at the format
+        version that needs (version 6 for ``CONSOLIDATED_ONLY``, which older readers refuse)."""
+        where = ZarrMetadata(where)
+        if where is ZarrMetadata.PER_NODE:
+            return self if self.zarr_metadata is where else replace(self, zarr_metadata=where)
+        return replace(self, zarr_metadata=where, format_version=max(self.format_version, ZARR_METADATA_FORMAT_VERSION))
 
     @functools.cached_property
     def own_top_names(self) -> frozenset[str]:
@@ -841,6 +899,12 @@ class CommitRecord:
         documents.update({f"{k}/{ZARR_JSON}": a.zarr_metadata() for k, a in self.arrays.items()})
         return documents
 
+    def stored_documents(self) -> dict[str, dict[str, Any]]:
+        """The node documents written as files of their own (``node_documents``), by
+        relative path: all of them, or none when the record keeps them in the root's
+        consolidated metadata only (``ZarrMetadata.CONSOLIDATED_ONLY``)."""
+        return self.node_documents() if self.zarr_metadata is ZarrMetadata.PER_NODE else {}
+
     def consolidated_metadata(self) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
         """Zarr's consolidated metadata, every node's document by its path, in two parts:
         the groups and the arrays of core data types, which every zarr-python parses (its
@@ -858,7 +922,7 @@ class CommitRecord:
     def vouched_paths(self) -> set[str]:
         """Every file a committed checkpoint holds: the record, the files it lists, the
         node documents and every chunk. Anything else was not written by its save."""
-        paths = {COMMIT_RECORD, *self.files, *self.external_files, *self.node_documents()}
+        paths = {COMMIT_RECORD, *self.files, *self.external_files, *self.stored_documents()}
         for key, array in self.arrays.items():
             paths.update(f"{key}/{array.chunk_key(index)}" for index in array.chunk_indices())
         return paths
@@ -904,11 +968,13 @@ class CommitRecord:
                 **({"reused_from": self.reused_from.to_json()} if self.reused_from else {}),
                 **({"beside": sorted(self.beside)} if self.beside else {}),
                 **({"dcp": self.dcp.to_json()} if self.dcp else {}),
+                **({"zarr_metadata": self.zarr_metadata.value}
+                   if self.zarr_metadata is not ZarrMetadata.PER_NODE else {}),
             }
         }
         core, extension = self.consolidated_metadata()
         if extension:
-            attributes[READERS_ATTRIBUTE] = readers_note(extension)
+            attributes[READERS_ATTRIBUTE] = readers_note(extension, self.zarr_metadata)
         root = group_metadata(attributes)
         root["consolidated_metadata"] = {
             "kind": "inline",
@@ -999,7 +1065,22 @@ class CommitRecord:
         for name in beside:
             if why := result.refuses_beside(name):
                 raise CheckpointingException(f"{where}: the record names {name!r} as another program's entry: {why}")
-        return replace(result, beside=tuple(beside))
+        return replace(result, beside=tuple(beside), zarr_metadata=_zarr_metadata_from_json(record, version, where))
+
+
+def _zarr_metadata_from_json(record: dict[str, Any], version: int, where: str) -> ZarrMetadata:
+    """The record's ``zarr_metadata``: absent (every node has its ``zarr.json``) before
+    version 6, present and known from it."""
+    raw = record.get("zarr_metadata")
+    if version < ZARR_METADATA_FORMAT_VERSION and raw is None:
+        return ZarrMetadata.PER_NODE
+    known = [m.value for m in ZarrMetadata]
+    if version < ZARR_METADATA_FORMAT_VERSION or raw not in known:
+        raise CheckpointingException(
+            f"{where}: malformed zarr_metadata {raw!r} in a version {version} commit record (version "
+            f"{ZARR_METADATA_FORMAT_VERSION} names one of {known}); restore the record from a copy"
+        )
+    return ZarrMetadata(raw)
 
 
 def _sealed_token(digest: str) -> bytes:

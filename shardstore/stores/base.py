@@ -220,6 +220,12 @@ class Store(ABC):
         """Stores many small objects concurrently."""
         run_parallel(lambda item: self.put(*item), list(objects.items()))
 
+    def make_directories(self, prefixes: Iterable[str]) -> None:
+        """Makes the directories ``prefixes`` name, before many threads write files
+        into them, where the store has directories (nothing to do by default: objects
+        need none)."""
+        return None
+
     @property
     def name_limits(self) -> NameLimits:
         """The longest names and keys this store takes (none known here)."""
@@ -406,6 +412,9 @@ class Location:
 
     def make_durable(self) -> None:
         self.store.make_durable()
+
+    def make_directories(self, rels: Iterable[str]) -> None:
+        self.store.make_directories(rels)
 
     def local_path(self, rel: str = "") -> Path | None:
         return self.store.local_path(rel)

@@ -21,7 +21,7 @@ __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES", "SHARDSTORE_BACKEND", "ZARR_VERSION", "ZarrLoadShardedStrategy",
     "ZarrSaveShardedStrategy", "_create_or_open_zarr_arrays", "_create_zarr_array",
     "_load_from_array", "_open_zarr_array_verbose", "_save_to_existing_array",
-    "_should_create_array", "array_spec", "flatten_range", "load_zarr_based_sharded_metadata",
+    "_should_create_array", "array_spec", "consolidated_document", "flatten_range", "load_zarr_based_sharded_metadata",
     "numpy_to_torch_dtype_dict", "pad_to_expected_shape", "postprocess_numpy_array",
     "register_default_zarr_strategies", "single_tensor_record", "tensorstore_context",
     "torch_to_numpy_dtype_dict", "whole_tensor_metadata",
@@ -40,6 +40,7 @@ import tensorstore as ts
 import torch
 import torch.distributed as dist
 
+from shardstore._zarr_autoload import EXTENSION_METADATA
 from shardstore.core import CheckpointingException
 from shardstore.execution.load import plan_read, run_read_plan
 from shardstore.execution.loaded import (  # flatten_range, pad_to_expected_shape: Megatron-Core's names here
@@ -66,6 +67,7 @@ from shardstore.format.dtypes import (
     torch_to_numpy_dtype_dict,  # noqa: F401  (seed API)
 )
 from shardstore.format.records import (
+    MAX_RECORD_BYTES,
     ZARR_JSON,
     ArrayRecord,
     CommitRecord,
@@ -574,17 +576,45 @@ def _open_zarr_array_verbose(path: str | Path, mode: str, **open_kwargs: Any) ->
 
 
 def _open_array(location: Location, key: str, mode: str, **open_kwargs: Any) -> ts.TensorStore:
-    """Opens the array ``key`` of ``location`` (reads its ``zarr.json``), with a clear
-    error. Internal callers hold the location already: no path is split again (which
-    ``Path`` would do wrongly for a URL: ``s3://`` becomes ``s3:/``)."""
-    spec = {"driver": "zarr3", "kvstore": kvstore_spec(location, key)}
+    """Opens the array ``key`` of ``location`` (reads its ``zarr.json``, or, where it has
+    none, takes its document from the consolidated metadata of ``location``'s root
+    ``zarr.json``: a checkpoint saved with ``zarr_metadata="consolidated_only"``), with a
+    clear error. Internal callers hold the location already: no path is split again
+    (which ``Path`` would do wrongly for a URL: ``s3://`` becomes ``s3:/``)."""
+    spec: dict[str, Any] = {"driver": "zarr3", "kvstore": kvstore_spec(location, key)}
     options = {"read": True, "write": mode != "r", **open_kwargs}
     try:
         return ts.open(spec, open=True, **options).result()
     except Exception as exc:
+        document = consolidated_document(location, key) if "NOT_FOUND" in str(exc) else None
+        if document is None:
+            raise CheckpointingException(
+                f"Cannot open Zarr array at {location.describe(key)} (mode {mode!r}): {exc}"
+            ) from exc
+    try:
+        return ts.open({**spec, "metadata": document}, open=True, assume_metadata=True, **options).result()
+    except Exception as exc:
         raise CheckpointingException(
-            f"Cannot open Zarr array at {location.describe(key)} (mode {mode!r}): {exc}"
+            f"Cannot open Zarr array at {location.describe(key)} (mode {mode!r}) with its document from the "
+            f"root's consolidated metadata: {exc}"
         ) from exc
+
+
+def consolidated_document(location: Location, key: str) -> dict[str, Any] | None:
+    """The array ``key``'s metadata document as the consolidated metadata of
+    ``location``'s root ``zarr.json`` lists it (extension data types beside Zarr's own
+    listing, ``EXTENSION_METADATA``), or None where there is none."""
+    data = location.read_bytes_or_none(ZARR_JSON, max_bytes=MAX_RECORD_BYTES)
+    try:
+        consolidated = json.loads(data).get("consolidated_metadata") if data is not None else None
+    except (ValueError, AttributeError) as exc:
+        raise CheckpointingException(f"{location.describe(ZARR_JSON)} is not a Zarr group's document: {exc}") from exc
+    if not isinstance(consolidated, dict):
+        return None
+    for listing in (consolidated.get("metadata"), consolidated.get(EXTENSION_METADATA)):
+        if isinstance(listing, dict) and isinstance(listing.get(key), dict):
+            return listing[key]
+    return None
 
 
 def _load_from_array(sharded_tensor: ShardedTensor, checkpoint_dir: CheckpointDir | Location) -> torch.Tensor:

@@ -323,3 +323,18 @@ def test_a_bound_above_the_s3_object_limit_is_refused_before_anything_is_written
     with pytest.raises((CheckpointingException, DcpFailure), match="shard_bytes=6442450944 exceeds the .*object limit"):
         dcp.save({"w": torch.ones(4)}, storage_writer=ShardstoreWriter(location, shard_bytes=6 * 2**30), no_dist=True)
     assert location.list_files() == []
+
+
+def test_the_writer_saves_consolidated_metadata_only_when_asked(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(4)}
+    writer = ShardstoreWriter(tmp_path / "ckpt", zarr_metadata="consolidated_only", min_array_bytes=1)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    assert sorted(p.name for p in (tmp_path / "ckpt").rglob("zarr.json")) == ["zarr.json"]  # the root's alone
+    loaded = {"w": torch.zeros(3, 4), "b": torch.zeros(4)}
+    dcp.load(loaded, storage_reader=ShardstoreReader(tmp_path / "ckpt"), no_dist=True)
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"])
+    assert shardstore.verify(tmp_path / "ckpt").ok
+    with pytest.raises(ValueError, match="zarr_metadata must be one of"):
+        ShardstoreWriter(tmp_path / "other", zarr_metadata="nowhere")

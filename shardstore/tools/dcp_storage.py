@@ -292,6 +292,10 @@ class ShardstoreWriter(StorageWriter):
             this save shares instead of writing them again (as ``shardstore.save``'s
             ``reuse_from``, ``shardstore.format.reuse``); one that cannot be reused
             from is logged and written in full.
+        zarr_metadata: where the arrays' Zarr metadata documents go, as
+            ``SaveOptions.zarr_metadata`` says (``"per_node"``, the default: a
+            ``zarr.json`` per array; ``"consolidated_only"``: only the root's
+            consolidated metadata, fewer files and requests, format version 6).
         shard_bytes: store the arrays DCP's plan splits into small blocks on a grid
             (FSDP2's ``Shard(0)``, along any axes) in Zarr v3 shards of about this many bytes, as
             ``ZarrSaveShardedStrategy(shard_bytes=...)`` does for ``shardstore.save``:
@@ -317,6 +321,7 @@ class ShardstoreWriter(StorageWriter):
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
         min_array_bytes: int = DEFAULT_MIN_ARRAY_BYTES, reuse_from: CheckpointId | None = None,
         shard_bytes: int | None = None, process_group: dist.ProcessGroup | None = None,
+        zarr_metadata: str = "per_node",
     ) -> None:
         super().__init__()
         self.checkpoint_id = checkpoint_id
@@ -325,6 +330,7 @@ class ShardstoreWriter(StorageWriter):
         self.io_concurrency = io_concurrency
         self.min_array_bytes = min_array_bytes
         self.reuse_from = reuse_from
+        self.zarr_metadata = SaveOptions(zarr_metadata=zarr_metadata).zarr_metadata  # refused now if unknown
         self.shard_bytes = shard_bytes
         self.process_group = process_group
         self._strategy()  # refuses a bound out of range now, not at the save
@@ -369,7 +375,8 @@ class ShardstoreWriter(StorageWriter):
         there (``format.commit.SaveOptions``)."""
         if self.checkpoint_id is None:
             raise CheckpointingException("ShardstoreWriter has no checkpoint path: pass one, or checkpoint_id= to dcp.save")
-        options = SaveOptions(overwrite=self.overwrite, reuse_from=self.reuse_from, shared_directory=True)
+        options = SaveOptions(overwrite=self.overwrite, reuse_from=self.reuse_from, shared_directory=True,
+                              zarr_metadata=self.zarr_metadata)
         group = Group(self.process_group) if exchange else None
         return SavePipeline.open(self.checkpoint_id, group, options=options, config=CONFIG)
 

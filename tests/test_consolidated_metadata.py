@@ -311,3 +311,29 @@ def test_on_s3_it_saves_one_put_fewer_per_array(moto_server) -> None:
         proxy.stop()
     groups = 2  # model/, layer0/
     assert puts["per-node"] - puts["consolidated"] == len(ARRAYS) + groups, puts
+
+
+def save_with_the_option_on_rank_1_only(rank: int, world: int, root: str) -> None:
+    import logging
+
+    blocks = {f"p{i}": ShardedTensor.from_rank_offsets(f"p{i}", torch.full((2, 4), float(rank + i)), (0, rank, world))
+              for i in range(4)}  # each rank writes the zarr.json of some arrays
+    options = CONSOLIDATED if rank == 1 else SaveOptions()
+    records = []
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("shardstore").addHandler(Seen(logging.WARNING))
+    save(blocks, root, options=options)
+    if rank == 1:
+        assert any("writing as the coordinator decided" in m for m in records), records
+
+
+def test_ranks_given_different_options_write_as_the_coordinator_decided(tmp_path: Path) -> None:
+    from tests.dist import run_distributed
+
+    run_distributed(save_with_the_option_on_rank_1_only, 2, str(tmp_path / "ckpt"))
+    assert _documents(tmp_path / "ckpt") == sorted(["zarr.json"] + [f"p{i}/zarr.json" for i in range(4)])
+    assert verify(tmp_path / "ckpt").ok

@@ -140,11 +140,16 @@ class SaveIntent:
             when the target held none.
         reuses: save id of the earlier checkpoint whose unchanged chunks this save
             shares (``format.reuse``), or None.
+        zarr_metadata: where the Zarr metadata documents go, as the coordinator's
+            ``SaveOptions`` said: every rank writes by it (``join_save``), so ranks
+            given different options cannot commit a checkpoint whose documents
+            disagree with its record.
     """
 
     save_id: str
     replaces: str | None
     reuses: str | None = None
+    zarr_metadata: ZarrMetadata = ZarrMetadata.PER_NODE
 
 
 def check_shared(target: Location, world_size: int) -> None:
@@ -546,7 +551,7 @@ class ByRename(Publisher):
         replaces = _check_target(target, options.overwrite, options.shared_directory)
         source = options.reuse_from
         reuses = reuse_save_id(source, target, in_place=False) if source is not None else None
-        intent = SaveIntent(save_id, replaces, reuses)
+        intent = SaveIntent(save_id, replaces, reuses, options.zarr_metadata)
         tops = frozenset(target.list_top(None))
         return PendingCheckpoint(target, _staging_for(directory, save_id), intent, self, options, tops)
 
@@ -687,7 +692,8 @@ class InPlace(Publisher):
         if replaces is not None:
             target.remove(COMMIT_RECORD)  # the documented window on object stores starts here
             target.remove_tree("")
-        return PendingCheckpoint(target, target, SaveIntent(save_id, replaces, reuses), self, options)
+        return PendingCheckpoint(target, target, SaveIntent(save_id, replaces, reuses, options.zarr_metadata), self,
+                                 options)
 
     def join(self, target: Location, intent: SaveIntent, options: SaveOptions) -> PendingCheckpoint:
         return PendingCheckpoint(target, target, intent, self, options)
@@ -788,7 +794,16 @@ def _begin_claimed(target: Location, options: SaveOptions, save_id: str) -> Pend
 
 def join_save(target: Location, intent: SaveIntent, options: SaveOptions) -> PendingCheckpoint:
     """Every rank but the coordinator: the pending checkpoint the coordinator began
-    (``options``: the same the coordinator was given, opened)."""
+    (``options``: the same the coordinator was given, opened). Where the documents go
+    is the coordinator's choice (``SaveIntent.zarr_metadata``); a rank given another
+    is told so in the log and follows it."""
+    if options.zarr_metadata != intent.zarr_metadata:
+        logger.warning(
+            "Saving %s: this rank was given zarr_metadata=%r, the coordinator %r; writing as the coordinator "
+            "decided (pass the same on every rank)", target.describe(), options.zarr_metadata.value,
+            intent.zarr_metadata.value,
+        )
+        options = replace(options, zarr_metadata=intent.zarr_metadata)
     pending = publisher_for(target.capabilities).join(target, intent, options)
     pending.location.begin_writes()
     return pending

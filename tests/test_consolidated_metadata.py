@@ -337,3 +337,17 @@ def test_ranks_given_different_options_write_as_the_coordinator_decided(tmp_path
     run_distributed(save_with_the_option_on_rank_1_only, 2, str(tmp_path / "ckpt"))
     assert _documents(tmp_path / "ckpt") == sorted(["zarr.json"] + [f"p{i}/zarr.json" for i in range(4)])
     assert verify(tmp_path / "ckpt").ok
+
+
+def test_the_manager_takes_save_options_and_still_reuses_unchanged_chunks(tmp_path: Path) -> None:
+    from shardstore.format.records import read_commit_record
+    from shardstore.stores.locations import open_location
+    from shardstore.tools.manager import CheckpointManager
+
+    manager = CheckpointManager(tmp_path)
+    for step in range(2):
+        manager.save(step, _state(), options=CONSOLIDATED)
+    manager.close()
+    record = read_commit_record(open_location(manager.location(1).local_path()))
+    assert record.reused_from is not None and record.reused_from.chunks == len(ARRAYS)
+    assert _documents(manager.location(1).local_path()) == [ZARR_JSON]

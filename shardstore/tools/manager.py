@@ -46,7 +46,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
@@ -665,7 +665,8 @@ class CheckpointManager:
             raise CheckpointingException(
                 f"Not saving step {step} under {self.root.describe()}: steps are numbers from 0 on"
             )
-        overwrite = bool(save_kwargs.get("overwrite", False))
+        given = save_kwargs.get("options")  # a SaveOptions, in place of its keywords
+        overwrite = bool(given.overwrite if given is not None else save_kwargs.get("overwrite", False))
         if not overwrite and self._restored_step is not None and step <= self._restored_step:
             self._warn_resaving_restored(step)
         due, preempted, signals = self._due(step, force)
@@ -687,9 +688,13 @@ class CheckpointManager:
             sharded_state_dict = {**sharded_state_dict, MANAGER_STATE_KEY: {"metrics": checked}}
         target = self.location(step)
         chosen_base = None
-        if reuse_step is not None and self.options.reuse_unchanged and "reuse_from" not in save_kwargs:
+        caller_chose = "reuse_from" in save_kwargs or (given is not None and given.reuse_from is not None)
+        if reuse_step is not None and self.options.reuse_unchanged and not caller_chose:
             chosen_base = reuse_step
-            save_kwargs["reuse_from"] = self.location(reuse_step)
+            if given is not None:
+                save_kwargs["options"] = replace(given, reuse_from=self.location(reuse_step))
+            else:
+                save_kwargs["reuse_from"] = self.location(reuse_step)
         retention = functools.partial(self._apply_retention, step)
         with self._base_failures_noted(chosen_base, step):
             request = save(

@@ -351,3 +351,14 @@ def test_the_manager_takes_save_options_and_still_reuses_unchanged_chunks(tmp_pa
     record = read_commit_record(open_location(manager.location(1).local_path()))
     assert record.reused_from is not None and record.reused_from.chunks == len(ARRAYS)
     assert _documents(manager.location(1).local_path()) == [ZARR_JSON]
+
+
+def test_removing_arrays_leaves_a_group_document_the_save_never_wrote(tmp_path: Path) -> None:
+    """A consolidated-only save writes no group document; one found there is another
+    program's, and removing the group's arrays leaves it."""
+    path = _save(tmp_path / "ckpt")
+    (path / "model" / ZARR_JSON).write_text(json.dumps({"zarr_format": 3, "node_type": "group"}))
+    remove_sharded_tensors(str(path), "model/")
+    assert sorted(load_tensors_metadata(str(path))) == ["layer0/w", "step"]
+    assert (path / "model" / ZARR_JSON).exists()
+    assert sorted(p.name for p in (path / "model").iterdir()) == [ZARR_JSON]

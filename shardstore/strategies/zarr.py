@@ -441,18 +441,22 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
 
         The commit record is rewritten first, so a crash midway leaves a consistent
         checkpoint with some unreferenced files, never a record naming missing arrays.
-        Groups left without arrays go too (their ``zarr.json``, which the new record no
-        longer vouches for, and their directories once empty), innermost first.
+        Groups left without arrays go too (their ``zarr.json`` where the save wrote one,
+        which the new record no longer vouches for, and their directories once empty),
+        innermost first; a document the record never listed (a consolidated-only save's
+        group, where another program wrote one) stays.
         """
         opened = open_read(checkpoint_dir)
         location, record = opened.location, opened.require_record()
         removed = [k for k in record.arrays if k.startswith(key_prefix)]
-        kept = {k: a for k, a in record.arrays.items() if k not in removed}
-        write_commit_record(location, replace(record, arrays=kept))
+        kept = replace(record, arrays={k: a for k, a in record.arrays.items() if k not in removed})
+        write_commit_record(location, kept)
         for key in removed:
             location.remove_tree(key)
-        for group in sorted(set(parent_groups(removed)) - set(parent_groups(list(kept))), reverse=True):
-            location.remove(f"{group}/{ZARR_JSON}")
+        unlisted = set(record.stored_documents()) - set(kept.stored_documents())
+        for group in sorted(set(parent_groups(removed)) - set(parent_groups(list(kept.arrays))), reverse=True):
+            if f"{group}/{ZARR_JSON}" in unlisted:
+                location.remove(f"{group}/{ZARR_JSON}")
             if not location.child(group).list_files():
                 location.remove_tree(group)  # an empty directory on a file system
 

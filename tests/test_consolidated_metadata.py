@@ -362,3 +362,12 @@ def test_removing_arrays_leaves_a_group_document_the_save_never_wrote(tmp_path: 
     assert sorted(load_tensors_metadata(str(path))) == ["layer0/w", "step"]
     assert (path / "model" / ZARR_JSON).exists()
     assert sorted(p.name for p in (path / "model").iterdir()) == [ZARR_JSON]
+
+
+def test_a_per_array_document_deleted_from_a_per_node_checkpoint_is_not_papered_over(tmp_path: Path) -> None:
+    """The seed's single-array reader takes a document from the root only where the
+    record says the save kept none per array: elsewhere a missing one is damage."""
+    path = _save(tmp_path / "ckpt", SaveOptions())
+    (path / "layer0" / "w" / ZARR_JSON).unlink()
+    with pytest.raises(CheckpointingException, match="Cannot open Zarr array .*consolidated_only"):
+        _load_from_array(ShardedTensor.from_rank_offsets("layer0/w", torch.zeros(8, 3, dtype=torch.float16)), path)

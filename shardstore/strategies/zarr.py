@@ -71,6 +71,7 @@ from shardstore.format.records import (
     ZARR_JSON,
     ArrayRecord,
     CommitRecord,
+    ZarrMetadata,
     parent_groups,
     write_commit_record,
 )
@@ -593,7 +594,9 @@ def _open_array(location: Location, key: str, mode: str, **open_kwargs: Any) -> 
         document = consolidated_document(location, key) if "NOT_FOUND" in str(exc) else None
         if document is None:
             raise CheckpointingException(
-                f"Cannot open Zarr array at {location.describe(key)} (mode {mode!r}): {exc}"
+                f"Cannot open Zarr array at {location.describe(key)} (mode {mode!r}): {exc}. A checkpoint saved "
+                "with zarr_metadata='consolidated_only' keeps no zarr.json per array: open it from the "
+                "checkpoint's root directory and the array's full key"
             ) from exc
     try:
         return ts.open({**spec, "metadata": document}, open=True, assume_metadata=True, **options).result()
@@ -607,13 +610,17 @@ def _open_array(location: Location, key: str, mode: str, **open_kwargs: Any) -> 
 def consolidated_document(location: Location, key: str) -> dict[str, Any] | None:
     """The array ``key``'s metadata document as the consolidated metadata of
     ``location``'s root ``zarr.json`` lists it (extension data types beside Zarr's own
-    listing, ``EXTENSION_METADATA``), or None where there is none."""
+    listing, ``EXTENSION_METADATA``), or None where there is none, and where the root
+    is no shardstore record of a consolidated-only save (a per-array ``zarr.json``
+    missing from any other checkpoint is damage, not a layout)."""
     data = location.read_bytes_or_none(ZARR_JSON, max_bytes=MAX_RECORD_BYTES)
     try:
-        consolidated = json.loads(data).get("consolidated_metadata") if data is not None else None
+        root = json.loads(data) if data is not None else None
+        consolidated = root.get("consolidated_metadata") if root is not None else None
+        layout = root.get("attributes", {}).get("shardstore", {}).get("zarr_metadata") if root is not None else None
     except (ValueError, AttributeError) as exc:
         raise CheckpointingException(f"{location.describe(ZARR_JSON)} is not a Zarr group's document: {exc}") from exc
-    if not isinstance(consolidated, dict):
+    if not isinstance(consolidated, dict) or layout != ZarrMetadata.CONSOLIDATED_ONLY.value:
         return None
     for listing in (consolidated.get("metadata"), consolidated.get(EXTENSION_METADATA)):
         if isinstance(listing, dict) and isinstance(listing.get(key), dict):
@@ -622,7 +629,8 @@ def consolidated_document(location: Location, key: str) -> dict[str, Any] | None
 
 
 def _load_from_array(sharded_tensor: ShardedTensor, checkpoint_dir: CheckpointDir | Location) -> torch.Tensor:
-    """Loads one tensor from its array (reads the array's own ``zarr.json``). Megatron's
+    """Loads one tensor from its array (reads the array's own ``zarr.json``, or its
+    document in the root's consolidated metadata, ``_open_array``). Megatron's
     zarr functions write arrays into a bare directory, with no commit record: read as it
     is (each chunk's crc32c, a codec of the array, is checked by TensorStore)."""
     location = bare_location(checkpoint_dir)

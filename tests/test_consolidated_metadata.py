@@ -371,3 +371,14 @@ def test_a_per_array_document_deleted_from_a_per_node_checkpoint_is_not_papered_
     (path / "layer0" / "w" / ZARR_JSON).unlink()
     with pytest.raises(CheckpointingException, match="Cannot open Zarr array .*consolidated_only"):
         _load_from_array(ShardedTensor.from_rank_offsets("layer0/w", torch.zeros(8, 3, dtype=torch.float16)), path)
+
+
+def test_a_version_6_record_that_says_per_node_is_refused(tmp_path: Path) -> None:
+    path = _save(tmp_path / "ckpt")
+
+    def edit(root: dict) -> None:
+        root["attributes"]["shardstore"]["zarr_metadata"] = "per_node"
+
+    rewrite_record(path, edit)
+    with pytest.raises(CheckpointingException, match="malformed zarr_metadata 'per_node' in a version 6"):
+        load_tensors_metadata(str(path))

@@ -851,7 +851,12 @@ class CommitRecord:
         version that needs (version 6 for ``CONSOLIDATED_ONLY``, which older readers refuse)."""
         where = ZarrMetadata(where)
         if where is ZarrMetadata.PER_NODE:
-            return self if self.zarr_metadata is where else replace(self, zarr_metadata=where)
+            if self.format_version >= ZARR_METADATA_FORMAT_VERSION:  # version 6 means consolidated-only
+                raise CheckpointingException(
+                    f"Internal error: a version {self.format_version} record cannot keep a document per node; "
+                    "please report it"
+                )
+            return self
         return replace(self, zarr_metadata=where, format_version=max(self.format_version, ZARR_METADATA_FORMAT_VERSION))
 
     @functools.cached_property
@@ -1070,15 +1075,16 @@ class CommitRecord:
 
 def _zarr_metadata_from_json(record: dict[str, Any], version: int, where: str) -> ZarrMetadata:
     """The record's ``zarr_metadata``: absent (every node has its ``zarr.json``) before
-    version 6, present and known from it."""
+    version 6, ``consolidated_only`` in version 6 (the feature the version names)."""
     raw = record.get("zarr_metadata")
     if version < ZARR_METADATA_FORMAT_VERSION and raw is None:
         return ZarrMetadata.PER_NODE
-    known = [m.value for m in ZarrMetadata]
-    if version < ZARR_METADATA_FORMAT_VERSION or raw not in known:
+    expected = ZarrMetadata.CONSOLIDATED_ONLY.value
+    if version < ZARR_METADATA_FORMAT_VERSION or raw != expected:
         raise CheckpointingException(
             f"{where}: malformed zarr_metadata {raw!r} in a version {version} commit record (version "
-            f"{ZARR_METADATA_FORMAT_VERSION} names one of {known}); restore the record from a copy"
+            f"{ZARR_METADATA_FORMAT_VERSION} names {expected!r}, earlier versions nothing); restore the record "
+            "from a copy"
         )
     return ZarrMetadata(raw)
 

@@ -382,3 +382,11 @@ def test_a_version_6_record_that_says_per_node_is_refused(tmp_path: Path) -> Non
     rewrite_record(path, edit)
     with pytest.raises(CheckpointingException, match="malformed zarr_metadata 'per_node' in a version 6"):
         load_tensors_metadata(str(path))
+
+
+def test_xarray_opens_its_groups_from_the_consolidated_metadata(checkpoint: Path) -> None:
+    xr = pytest.importorskip("xarray")
+    model = xr.open_zarr(str(checkpoint), group="model")
+    assert _bytes(model["fc1"].values) == _bytes(_tensors()["model/fc1"])
+    assert "step" in xr.open_zarr(str(checkpoint)).variables
+    assert "model" in xr.open_datatree(str(checkpoint), engine="zarr").children

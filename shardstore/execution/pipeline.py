@@ -21,7 +21,7 @@ __all__ = ["RankSave", "SaveFinalization", "SavePipeline"]
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -433,6 +433,11 @@ class SavePipeline:
         self.location.write_many(node_document_files([record], (), self.pending.options.zarr_metadata))
         whole = region_at((0,) * len(record.shape), record.shape)
         return self.write_arrays({record.key: record}, [WriteOp(record.key, whole, value)])
+
+    def write_groups(self, groups: Iterable[str]) -> None:
+        """One process: the ``zarr.json`` of each of ``groups`` where the save's options
+        keep a document per node (none for a consolidated-only save)."""
+        self.location.write_many(node_document_files((), groups, self.pending.options.zarr_metadata))
 
     def write_arrays(
         self, records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int = DEFAULT_IO_CONCURRENCY,

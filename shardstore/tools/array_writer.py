@@ -19,7 +19,6 @@ from __future__ import annotations
 
 __all__ = ["CheckpointWriter"]
 
-import json
 import os
 from collections.abc import Iterable
 from dataclasses import replace
@@ -31,12 +30,10 @@ import torch
 from shardstore.core import CheckpointingConfig, CheckpointingException, SaveOptions
 from shardstore.execution import SavePipeline
 from shardstore.format import (
-    ZARR_JSON,
     ArrayRecord,
     CommitRecord,
     ObjectRecord,
     array_group_collisions,
-    group_metadata,
     parent_groups,
     tensor_to_numpy,
 )
@@ -105,8 +102,7 @@ class CheckpointWriter:
         location = self._save.location
         common.save_common(common_state or {}, location)
         common.save_sharded_objects(shards, location)
-        location.write_many({f"{g}/{ZARR_JSON}": json.dumps(group_metadata()).encode()
-                            for g in parent_groups(list(self._arrays))})
+        self._save.write_groups(parent_groups(list(self._arrays)))
         location.make_durable()
         by_key: dict[str, list[str]] = {}
         for s in shards:

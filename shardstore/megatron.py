@@ -116,6 +116,7 @@ class _Installation:
 
     originals: dict[tuple[str, str], Any]
     reuse_previous: bool
+    zarr_metadata: str = "per_node"  # SaveOptions.zarr_metadata
 
 
 _lock = threading.Lock()
@@ -130,24 +131,28 @@ _save_strategies: weakref.WeakKeyDictionary[Any, ZarrSaveShardedStrategy] = (
 # ------------------------------------------------------------------ install / uninstall
 
 
-def install(*, reuse_previous: bool = True) -> None:
+def install(*, reuse_previous: bool = True, zarr_metadata: str = "per_node") -> None:
     """Makes ``megatron.core.dist_checkpointing``'s entry points (``ENTRY_POINTS``) save
     and load shardstore checkpoints (module docstring). Idempotent: a second call only
-    changes ``reuse_previous``.
+    changes ``reuse_previous`` and ``zarr_metadata``.
 
     Args:
         reuse_previous: a save into a local ``.../iter_<N>`` directory that names no
             ``reuse_from`` shares unchanged chunks with the newest older committed
             ``iter_<M>`` beside it (an incremental save; each checkpoint stands alone).
+        zarr_metadata: where the saves put the arrays' Zarr metadata documents, as
+            ``SaveOptions.zarr_metadata`` says (``"consolidated_only"``: only in the
+            root's consolidated metadata, a file fewer per array).
 
     Raises:
         ImportError: megatron-core is not installed.
     """
     global _installation
+    where = SaveOptions(zarr_metadata=zarr_metadata).zarr_metadata.value  # an unknown value is refused here
     modules = _megatron_modules()
     with _lock:
         if _installation is not None:
-            _installation = _Installation(_installation.originals, reuse_previous)
+            _installation = _Installation(_installation.originals, reuse_previous, where)
             return
         originals = {
             (module.__name__, name): getattr(module, name)
@@ -155,7 +160,7 @@ def install(*, reuse_previous: bool = True) -> None:
             for name in ENTRY_POINTS
             if hasattr(module, name)
         }
-        _installation = _Installation(originals, reuse_previous)
+        _installation = _Installation(originals, reuse_previous, where)
         for (module_name, name), _ in originals.items():
             setattr(importlib.import_module(module_name), name, _REPLACEMENTS[name])
     logger.info("shardstore installed behind %s", ", ".join(m.__name__ for m in modules))
@@ -387,7 +392,8 @@ def save(
         content_metadata,
         process_group=process_group,
         # Megatron-LM's iteration directory is shared: ModelOpt writes its state there too
-        options=SaveOptions(overwrite=True, reuse_from=reuse_from, shared_directory=True),
+        options=SaveOptions(overwrite=True, reuse_from=reuse_from, shared_directory=True,
+                            zarr_metadata=_installation.zarr_metadata if _installation else "per_node"),
     )
     if request is None:
         return None

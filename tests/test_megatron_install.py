@@ -558,3 +558,22 @@ def test_through_megatron_save_and_load_log_at_debug_as_megatrons_own_strategies
     assert [r.getMessage().split(":")[0] for r in caplog.records if r.name == "shardstore"] == [
         f"save {tmp_path / 'direct'}", f"load {tmp_path / 'direct'}"
     ]
+
+
+def consolidated_only_save(rank: int, world: int, ckpt: str) -> None:
+    shardstore_megatron.install(zarr_metadata="consolidated_only")
+    try:
+        _training_loop_save(ckpt, _strategies(False)[0])
+    finally:
+        shardstore_megatron.uninstall()
+
+
+def test_install_passes_consolidated_only_metadata_on(tmp_path: Path) -> None:
+    ckpt = tmp_path / "iter_0000100"
+    run_distributed(consolidated_only_save, 2, str(ckpt))
+    assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("zarr.json")) == ["zarr.json"]
+    assert read_commit_record(open_location(ckpt)).format_version == 6
+    assert verify(ckpt).ok
+    assert_bits_equal(load_plain_tensors(ckpt)["decoder/layers/fc1"], FC1)
+    with pytest.raises(ValueError, match="zarr_metadata must be one of"):
+        shardstore_megatron.install(zarr_metadata="elsewhere")

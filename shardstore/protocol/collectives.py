@@ -26,7 +26,7 @@ whose kernel closes its connections is seen at once by the backend.
 
 from __future__ import annotations
 
-__all__ = ["Group", "PeerLost", "RankFailure", "StageFailed", "WaitBudget", "failure_message"]
+__all__ = ["Group", "PeerLost", "PreparedExchange", "RankFailure", "StageFailed", "WaitBudget", "failure_message"]
 
 import os
 import pickle
@@ -288,7 +288,15 @@ class Group:
         """Collective among the ranks named: ``sends[peer]`` (this rank's tensors for
         ``peer``) land in the preallocated ``receives[peer]`` of ``peer``, in order. One
         packed byte buffer per pair of ranks, so thousands of small tensors cost one
-        message, not thousands."""
+        message, not thousands (``prepare_exchange``, then ``run_exchange``)."""
+        self.run_exchange(self.prepare_exchange(sends, receives))
+
+    def prepare_exchange(
+        self, sends: dict[int, list[torch.Tensor]], receives: dict[int, list[torch.Tensor]]
+    ) -> PreparedExchange:
+        """``exchange``'s local part: packs what this rank sends and allocates what it
+        receives. Local, so a stage runs it before its agreement (``protocol.stage``):
+        a rank out of memory here fails every rank at once, none waits for its sends."""
         ops, landed = [], []
         for peer, tensors in sorted(sends.items()):
             packed = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in tensors]).to(self.device)
@@ -297,17 +305,31 @@ class Group:
             buffer = torch.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8, device=self.device)
             ops.append(dist.P2POp(dist.irecv, buffer, self.global_rank(peer), self.process_group))
             landed.append((buffer, tensors))
-        if not ops:
+        return PreparedExchange(ops, landed)
+
+    def run_exchange(self, prepared: PreparedExchange) -> None:
+        """Collective: ``exchange``'s sends and receives, then the received bytes copied
+        into their tensors."""
+        if not prepared.ops:
             return
         _raise_if_lost(self.process_group)
-        for work in dist.batch_isend_irecv(ops):
+        for work in dist.batch_isend_irecv(prepared.ops):
             self._wait("exchange", work)
-        for buffer, tensors in landed:
+        for buffer, tensors in prepared.landed:
             at = 0
             for t in tensors:
                 n = t.numel() * t.element_size()
                 t.detach().reshape(-1).view(torch.uint8).copy_(buffer[at : at + n])  # also into a parameter
                 at += n
+
+
+@dataclass(frozen=True)
+class PreparedExchange:
+    """An exchange packed and allocated (``Group.prepare_exchange``): the point-to-point
+    operations, and each receive buffer with the tensors it fills."""
+
+    ops: list[Any]
+    landed: list[tuple[torch.Tensor, list[torch.Tensor]]]
 
 
 def _decode(message: torch.Tensor) -> Any:

@@ -111,8 +111,9 @@ def run_stage(
     if error is None:
         try:
             result = work()
-            if transfers is not None:  # planned before the agreement: a failure here is agreed too
-                planned = transfers(result)
+            if transfers is not None:  # planned and allocated before the agreement: a failure here is agreed too
+                wanted = transfers(result)
+                planned = group.prepare_exchange(wanted.sends, wanted.receives)
         except Exception as exc:  # told to every rank by this stage's agreement
             error = exc
     if reduce is None:
@@ -120,7 +121,7 @@ def run_stage(
     else:
         result = _reduce_on_coordinator(group, what, result, error, reduce, deliver)
     if planned is not None:
-        group.exchange(planned.sends, planned.receives)
+        group.run_exchange(planned)
     return result
 
 

@@ -205,6 +205,8 @@ class BlockGrid:
         counts = tuple(len(axis) for axis in starts)
         if len(table) != math.prod(counts):
             return None
+        if any(axis[0] != 0 for axis in starts):  # a validated layout covers the array from 0
+            return None
         extents = tuple(np.diff(axis, append=n) for axis, n in zip(starts, shape))
         cells = np.stack([np.searchsorted(axis, offsets[:, a]) for a, axis in enumerate(starts)], 1)
         if not np.array_equal(np.stack([e[cells[:, a]] for a, e in enumerate(extents)], 1), shapes):
@@ -241,7 +243,10 @@ def plan_gathered_writes(key: str, record: ArrayRecord, main: list[ShardRecord],
     each its part inside the array, C-contiguous (``format.sharding.InnerGrid``; the
     shard's C order when its inner chunks split the first axis only). An inner chunk is
     a contiguous range of its block (``sharded_record``), so each piece is one flat range
-    of a block and of the buffer; adjacent ones of one block merge."""
+    of a block and of the buffer; adjacent ones of one block merge (where the shard
+    also merges blocks along a later axis, a block's inner chunks interleave with its
+    neighbours' and each is a piece of its own: a larger plan, still one packed message
+    per pair of ranks)."""
     grid = BlockGrid.of(main, record.shape)
     if grid is None:
         raise CheckpointingException(f"Internal error: the blocks of {key!r} form no grid, yet it is sharded; please report it")

@@ -201,7 +201,7 @@ def save(
         sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
     )
     pipeline = SavePipeline.open(
-        checkpoint_dir, group, _save_options(options, SaveOptions(overwrite, reuse_from, shared_directory)), config=config
+        checkpoint_dir, group, SaveOptions.resolve(options, SaveOptions(overwrite, reuse_from, shared_directory)), config=config
     )
 
     where = pipeline.describe()
@@ -229,18 +229,6 @@ def save(
             pipeline.unwind(exc)
             raise
     return None
-
-
-def _save_options(options: SaveOptions | None, keywords: SaveOptions) -> SaveOptions:
-    """``save``'s options: ``options`` when given (its keywords then at their defaults),
-    else the keywords'."""
-    if options is None:
-        return keywords
-    if keywords != SaveOptions():
-        raise CheckpointingException(
-            f"save() was given options={options} and also {keywords}: pass one or the other"
-        )
-    return options
 
 
 def save_preprocess(

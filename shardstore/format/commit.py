@@ -124,6 +124,23 @@ class SaveOptions:
                 f"SaveOptions.zarr_metadata must be one of {[m.value for m in ZarrMetadata]}, got {self.zarr_metadata!r}"
             ) from None
 
+    @staticmethod
+    def resolve(options: SaveOptions | None, keywords: SaveOptions) -> SaveOptions:
+        """The options of a call that takes them either as one object (``options``;
+        None: not given) or as keywords (``keywords``, built from them): the object,
+        its keywords then at their defaults, else the keywords' (``shardstore.save``,
+        the checkpoint manager).
+
+        Raises:
+            CheckpointingException: both were given."""
+        if options is None:
+            return keywords
+        if keywords != SaveOptions():
+            raise CheckpointingException(
+                f"save() was given options={options} and also {keywords}: pass one or the other"
+            )
+        return options
+
     def opened(self, opener: Callable[[Any], Location]) -> SaveOptions:
         """These options with ``reuse_from`` opened by ``opener`` (the one place a
         save opens it: ``SavePipeline.open``)."""

@@ -52,7 +52,7 @@ from typing import Any, Literal, NamedTuple, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardstore.core import CheckpointingException
+from shardstore.core import CheckpointingException, SaveOptions
 from shardstore.format import COMMIT_RECORD, DELETION_MARKER, MAX_RECORD_BYTES, CommitRecord
 from shardstore.mapping import ShardedStateDict, StateDict
 from shardstore.opened import bare_location
@@ -665,8 +665,11 @@ class CheckpointManager:
             raise CheckpointingException(
                 f"Not saving step {step} under {self.root.describe()}: steps are numbers from 0 on"
             )
-        given = save_kwargs.get("options")  # a SaveOptions, in place of its keywords
-        overwrite = bool(given.overwrite if given is not None else save_kwargs.get("overwrite", False))
+        caller_chose_base = "reuse_from" in save_kwargs  # reuse_from=None too: no base
+        options = SaveOptions.resolve(save_kwargs.pop("options", None), SaveOptions(
+            **{name: save_kwargs.pop(name) for name in ("overwrite", "reuse_from", "shared_directory") if name in save_kwargs}
+        ))
+        overwrite = bool(options.overwrite)
         if not overwrite and self._restored_step is not None and step <= self._restored_step:
             self._warn_resaving_restored(step)
         due, preempted, signals = self._due(step, force)
@@ -688,18 +691,14 @@ class CheckpointManager:
             sharded_state_dict = {**sharded_state_dict, MANAGER_STATE_KEY: {"metrics": checked}}
         target = self.location(step)
         chosen_base = None
-        caller_chose = "reuse_from" in save_kwargs or (given is not None and given.reuse_from is not None)
-        if reuse_step is not None and self.options.reuse_unchanged and not caller_chose:
+        if reuse_step is not None and self.options.reuse_unchanged and not caller_chose_base and options.reuse_from is None:
             chosen_base = reuse_step
-            if given is not None:
-                save_kwargs["options"] = replace(given, reuse_from=self.location(reuse_step))
-            else:
-                save_kwargs["reuse_from"] = self.location(reuse_step)
+            options = replace(options, reuse_from=self.location(reuse_step))
         retention = functools.partial(self._apply_retention, step)
         with self._base_failures_noted(chosen_base, step):
             request = save(
                 sharded_state_dict, target, async_sharded_save=self._queue is not None,
-                process_group=self.process_group, **save_kwargs,
+                process_group=self.process_group, options=options, **save_kwargs,
             )
         if self._queue is None:
             retention()

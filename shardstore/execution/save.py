@@ -8,7 +8,7 @@ The stages (``strategies.zarr.ZarrSaveShardedStrategy`` runs them):
                            (``shardstore.execution.staging``); the chunks of flattened tensors that
                            straddle ranks are assembled by exchanging only the
                            straddling pieces (collective)                 ``stage_save``
-    all ranks    write     array zarr.json files (owner of each array's first chunk; none
+    all ranks    write     array zarr.json files (a holder of each array's blocks; none
                            with ``SaveOptions.zarr_metadata="consolidated_only"``) in
                            one batch, then every chunk write in flight at once; then
                            the written data is made durable     ``SavePipeline.write_staged``
@@ -252,7 +252,7 @@ def copy_to_host(
 
 
 def metadata_files(plan: RankSavePlan, where: ZarrMetadata = ZarrMetadata.PER_NODE) -> dict[str, bytes]:
-    """The ``zarr.json`` files a rank writes: its arrays' (it holds their element 0) and,
+    """The ``zarr.json`` files a rank writes: its arrays' (``RankSavePlan.array_metadata``) and,
     on the coordinator, the groups' that keys with ``/`` make (``node_document_files``)."""
     return node_document_files([plan.records[key] for key in plan.array_metadata], plan.group_metadata, where)
 

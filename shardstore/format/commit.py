@@ -106,9 +106,8 @@ class SaveOptions:
             their own, which every Zarr reader opens by path; ``"consolidated_only"``,
             only the root's consolidated metadata (format version 6): a file (an object
             on S3) fewer per array, readable by ``zarr.open_group`` and by TensorStore
-            given the document (docs/guide/plain-readers.md), not by path alone. Every
-            rank passes the same: each writes its arrays' documents by its own options,
-            the coordinator's record says where they are.
+            given the document (docs/guide/plain-readers.md), not by path alone. The
+            coordinator's choice holds for every rank (``SaveIntent.zarr_metadata``).
     """
 
     overwrite: bool = False

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 __all__ = [
     "DirectFlatWrite", "FlatChunk", "GlobalLayout", "ObjectShardRecord", "ShardRecord",
-    "balance_writers", "block_chunks", "block_shape", "chunk_shape_for", "pick_balanced",
+    "balance_writers", "block_chunks", "block_shape", "bound_chunk", "chunk_shape_for", "pick_balanced",
     "region_at", "region_shape",
 ]
 
@@ -276,10 +276,10 @@ def chunk_shape_for(
         if partial:
             for a in range(partial[-1]):
                 chunk[a] = 1
-    return _bound_chunk(tuple(chunk), itemsize, max_chunk_bytes)
+    return bound_chunk(tuple(chunk), itemsize, max_chunk_bytes)
 
 
-def _bound_chunk(chunk: tuple[int, ...], itemsize: int, max_chunk_bytes: int) -> tuple[int, ...]:
+def bound_chunk(chunk: tuple[int, ...], itemsize: int, max_chunk_bytes: int) -> tuple[int, ...]:
     """Shrinks leading axes by divisors until the chunk fits ``max_chunk_bytes``.
 
     Splitting only the leading non-unit axis keeps a contiguous chunk contiguous.

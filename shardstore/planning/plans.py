@@ -365,10 +365,13 @@ def plan_gathered_writes(key: str, record: ArrayRecord, grid: BlockGrid, load: l
     ``FlatBlockGrid``)."""
     shard, inner = record.chunk_shape, record.codec.chunk_shape  # type: ignore[attr-defined]
     chunks = []
+    inner_grids: dict[tuple[int, ...], InnerGrid] = {}  # one per shape inside the array: all but edge shards share it
     for index in itertools.product(*(range(-(-n // c)) for n, c in zip(record.shape, shard))):
         origin = [i * c for i, c in zip(index, shard)]
-        valid = [min(c, n - o) for c, n, o in zip(shard, record.shape, origin)]
-        pieces = _shard_pieces(grid, InnerGrid.of(shard, inner, valid), origin)
+        valid = tuple(min(c, n - o) for c, n, o in zip(shard, record.shape, origin))
+        if valid not in inner_grids:
+            inner_grids[valid] = InnerGrid.of(shard, inner, valid)
+        pieces = _shard_pieces(grid, inner_grids[valid], origin)
         if not pieces:
             raise CheckpointingException(
                 f"Internal error: no rank holds shard {index} of {key!r}, whose layout was validated; please report it"

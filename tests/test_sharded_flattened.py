@@ -42,13 +42,14 @@ from tests.test_sharded_arrays import _count_chunk_reads
 
 LAYERS, ROWS, COLS = 4, 128, 1024  # a block (1, 128, 1024) per layer and TP rank: 512 KiB of fp32
 WEIGHT, BIAS = "optimizer.exp_avg.decoder.layers.fc1.weight", "optimizer.exp_avg.decoder.layers.fc1.bias"
-SHARD_BYTES = 2 << 20  # two layers of both TP blocks of the weight; the whole bias array
+NORM = "optimizer.exp_avg.decoder.layers.fc1.layer_norm_weight"  # replicated over TP, as Megatron's norms
+SHARD_BYTES = 2 << 20  # two layers of both TP blocks of the weight; the whole bias or norm array
 
 
 def _full(key: str, tp: int) -> torch.Tensor:
-    """The global layer-stacked array of ``key`` (TP splits axis 1)."""
-    shape = (LAYERS, tp * ROWS, COLS) if key == WEIGHT else (LAYERS, tp * 16)
-    seed = 1 if key == WEIGHT else 2
+    """The global layer-stacked array of ``key`` (TP splits axis 1, but the norm's)."""
+    shape = {WEIGHT: (LAYERS, tp * ROWS, COLS), BIAS: (LAYERS, tp * 16), NORM: (LAYERS, 24)}[key]
+    seed = {WEIGHT: 1, BIAS: 2, NORM: 3}[key]
     return torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) * seed + 0.5
 
 
@@ -61,18 +62,21 @@ def _cut(volume: int, dp_rank: int, dp: int, skew: float) -> slice:
 
 def _state(rank: int, tp: int, dp: int, skew: float = 0.37, empty: bool = False) -> dict:
     """Rank ``rank``'s (TP fastest) fragments of every layer's block of both arrays,
-    saved at TP ``tp`` of the weight's 2 x ``ROWS`` rows."""
+    saved at TP ``tp`` of the weight's 2 x ``ROWS`` rows (the norm: every TP rank a
+    replica of the same fragments)."""
     tp_rank, dp_rank = rank % tp, rank // tp
     state = {}
-    for key in (WEIGHT, BIAS):
+    for key in (WEIGHT, BIAS, NORM):
         full = _full(key, 2)
+        split = key != NORM
         for layer in range(LAYERS):
-            block = full[layer].chunk(tp, 0)[tp_rank]
+            block = full[layer].chunk(tp, 0)[tp_rank] if split else full[layer]
             cut = _cut(block.numel(), dp_rank, dp, skew)
             data = block.flatten()[cut].clone()
+            tp_axis = ((1, tp_rank, tp),) if split else ()
             state[f"{key}.{layer}"] = ShardedTensor.from_rank_offsets_flat(
-                key, torch.zeros_like(data) if empty else data, tuple(block.shape), (0, layer, LAYERS),
-                (1, tp_rank, tp), prepend_axis_num=1, flattened_range=cut)
+                key, torch.zeros_like(data) if empty else data, tuple(block.shape), (0, layer, LAYERS), *tp_axis,
+                prepend_axis_num=1, flattened_range=cut, replica_id=0 if split else tp_rank)
     return state
 
 
@@ -115,7 +119,7 @@ def test_fragments_saved_in_shards_load_at_the_same_and_other_splits_and_every_r
     assert meta["chunk_grid"]["configuration"]["chunk_shape"] == [2, 2 * ROWS, COLS]  # two layers, both TP blocks
     assert meta["codecs"][0]["name"] == "sharding_indexed"
     assert _data_files(ckpt, WEIGHT) == ["c.0.0.0", "c.1.0.0"]
-    assert _data_files(ckpt, BIAS) == ["c.0.0"]
+    assert _data_files(ckpt, BIAS) == _data_files(ckpt, NORM) == ["c.0.0"]
     record = read_commit_record(open_location(ckpt))
     assert record.format_version == FLAT_SHARDED_FORMAT_VERSION
     assert record.arrays[WEIGHT].flattened_block == (1, ROWS, COLS)
@@ -125,7 +129,7 @@ def test_fragments_saved_in_shards_load_at_the_same_and_other_splits_and_every_r
     import tensorstore as ts
     import zarr
 
-    for key in (WEIGHT, BIAS):
+    for key in (WEIGHT, BIAS, NORM):
         expected = _full(key, 2)
         assert torch.equal(plain[key], expected)
         assert np.array_equal(zarr.open_array(str(ckpt / key), mode="r")[:], expected.numpy())
@@ -177,7 +181,7 @@ def saved_twice(rank: int, world: int, root: str) -> None:
 def test_an_incremental_save_shares_the_unchanged_shards(tmp_path: Path) -> None:
     run_distributed(saved_twice, 2, str(tmp_path))
     record = read_commit_record(open_location(tmp_path / "2"))
-    assert record.reused_from.chunks == 2  # the weight's second shard and the bias's one
+    assert record.reused_from.chunks == 3  # the weight's second shard, the bias's and the norm's
     assert os.stat(tmp_path / "2" / WEIGHT / "c.1.0.0").st_ino == os.stat(tmp_path / "1" / WEIGHT / "c.1.0.0").st_ino
     assert shardstore.verify(tmp_path / "2").ok
 

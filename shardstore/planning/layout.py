@@ -196,8 +196,9 @@ def balance_writers(layout: GlobalLayout) -> GlobalLayout:
     for s in (s for group in replicas.values() if len(group) == 1 for s in group if s.main):
         load[s.rank] += s.nbytes
     writers = {w.block_id: w for w in pick_balanced(replicated, load)}
-    tensors = {
-        key: [replace(s, main=writers[b] is s) if (b := s.block_id) in writers else s for s in shards]
+    tensors = {  # a record changes only where its role does: ``replace`` costs 13 us a record
+        key: [replace(s, main=not s.main) if (b := s.block_id) in writers and (writers[b] is s) != s.main else s
+              for s in shards]
         for key, shards in layout.tensors.items()
     }
     return GlobalLayout(tensors, layout.objects, layout.world_size)

@@ -186,6 +186,27 @@ def test_an_incremental_save_shares_the_unchanged_shards(tmp_path: Path) -> None
     assert shardstore.verify(tmp_path / "2").ok
 
 
+def _all_fragments(empty: bool = False) -> dict:
+    """Every fragment of a TP 2 x DP 2 save, held by one rank (a block's DP ranges
+    may all be one rank's)."""
+    return {f"{rank}/{name}": t for rank in range(4) for name, t in _state(rank, 2, 2, empty=empty).items()
+            if rank % 2 == 0 or not name.startswith(NORM)}  # the norm once (TP rank 0)
+
+
+def test_on_s3_fragments_save_into_shards_that_load_and_verify(moto_server) -> None:
+    from shardstore.stores.s3 import S3Options
+    from tests.s3_support import KEY, REGION, SECRET
+
+    moto_server.create_bucket("flat-sharded")
+    options = S3Options(endpoint_url=moto_server.endpoint, key=KEY, secret=SECRET, region=REGION)
+    location = open_location("s3://flat-sharded/ckpt", options=options)
+    save(_all_fragments(), location, _strategy())
+    assert sorted(n for n in location.list_files() if n.startswith(f"{WEIGHT}/")) == [
+        f"{WEIGHT}/c.0.0.0", f"{WEIGHT}/c.1.0.0", f"{WEIGHT}/zarr.json"]
+    _assert_loaded(load(_all_fragments(empty=True), location), _all_fragments(), 0)
+    assert shardstore.verify(location).ok
+
+
 def test_a_record_edited_to_claim_version_5_is_refused_naming_the_array(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     run_distributed(saved_and_loaded, 2, str(ckpt))

@@ -307,3 +307,13 @@ def test_every_shard_is_assembled_from_the_fragments_that_hold_it() -> None:
             buffer[at : at + hi - lo] = data[(rank, index)][lo:hi]
         assert np.array_equal(buffer, expected), shard.region
         assert shard.writer in {p[0] for p in shard.pieces}
+
+
+def test_a_block_of_a_prime_length_stays_unsharded_rather_than_cut_into_tiny_inner_chunks() -> None:
+    """Its only divisors are 1 and itself: inner chunks of one element (thousands per
+    shard, a 20-byte index entry and checksum each) would cost more than they save."""
+    per_rank = [[ShardRecord("p", rank, 0, "float32", (2, 12289), (0, 0), (2, 12289), (lo, hi), True)]
+                for rank, (lo, hi) in enumerate([(0, 9000), (9000, 24578)])]
+    layout = GlobalLayout.from_gathered([(rs, []) for rs in per_rank])
+    record = plan_save(layout, 1 << 20, fully_parallel=False, shard_bytes=64 << 20)[0].commit.arrays["p"]
+    assert not isinstance(record.codec, ShardingIndexed)

@@ -174,14 +174,20 @@ def _flat_sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_byt
     chunks and ``shard_bytes``, grown in the blocks' flattened order first (along the
     inner chunk's first longer axis, then the axes before it, then those after), so a
     shard is a run of one block's fragments where the blocks are large and spans blocks
-    (layers, TP parts) where they are small. Otherwise ``record`` as it is."""
+    (layers, TP parts) where they are small. Otherwise ``record`` as it is, and so where
+    the block's lengths have no divisor that makes an inner chunk of at least a quarter
+    of that floor (a prime row length: thousands of inner chunks of a few bytes)."""
     sizes = [s.flat_range[1] - s.flat_range[0] for s in main if s.flat_range and s.flat_range[1] > s.flat_range[0]]
     if not sizes:
         return record
     floor = max(MIN_INNER_BYTES, shard_bytes // MAX_FLAT_INNER_CHUNKS)
     inner = bound_chunk(record.chunk_shape, record.itemsize, max(min(sizes) * record.itemsize // FRAGMENT_PARTS, floor))
-    count = min(shard_bytes // (math.prod(inner) * record.itemsize), MAX_FLAT_INNER_CHUNKS)
-    if not _whole_inner_chunks(grid, inner) or count < 2 or _count(record.shape, inner) < 2:
+    inner_bytes = math.prod(inner) * record.itemsize
+    count = min(shard_bytes // inner_bytes, MAX_FLAT_INNER_CHUNKS)
+    if (
+        (inner != record.chunk_shape and inner_bytes < floor // 4)
+        or not _whole_inner_chunks(grid, inner) or count < 2 or _count(record.shape, inner) < 2
+    ):
         return record
     split = min(_split_axis(inner), len(inner) - 1)
     order = [*range(split, -1, -1), *range(split + 1, len(inner))]

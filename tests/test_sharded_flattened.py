@@ -172,13 +172,13 @@ def test_a_load_at_the_same_layout_reads_at_most_a_quarter_more_than_its_fragmen
 
 def saved_twice(rank: int, world: int, root: str) -> None:
     state = _state(rank, 2, world // 2)
-    save(state, f"{root}/1", _strategy())
+    save(state, f"{root}/1", _strategy(), async_sharded_save=True).execute_sync()
     state[f"{WEIGHT}.0"].data.add_(1)  # layer 0 changes: the first shard of the weight
     save(state, f"{root}/2", _strategy(), reuse_from=f"{root}/1")
     _assert_loaded(load(_state(rank, 2, world // 2, empty=True), f"{root}/2"), state, rank)
 
 
-def test_an_incremental_save_shares_the_unchanged_shards(tmp_path: Path) -> None:
+def test_an_async_then_an_incremental_save_shares_the_unchanged_shards(tmp_path: Path) -> None:
     run_distributed(saved_twice, 2, str(tmp_path))
     record = read_commit_record(open_location(tmp_path / "2"))
     assert record.reused_from.chunks == 3  # the weight's second shard, the bias's and the norm's

@@ -6,7 +6,9 @@ with ``shard_bytes`` (``ZarrSaveShardedStrategy(shard_bytes=...)``), writing not
 prints per layout: checkpoint bytes, arrays, arrays sharded, data files, the issue's
 target (bytes / shard size + 2 x arrays + ranks: data files plus ``zarr.json`` files
 plus per-rank files), bytes the gather moves between ranks, how many ranks write and the
-most one writes, and the coordinator's planning seconds.
+most one writes, the coordinator's planning seconds, and what a load at the save's
+layout fetches over what it asks for on a local disk (``same_layout_fetched``: every
+main shard read once, as a fully-parallel load reads it).
 
 ``--record`` also builds the commit record of each sharded save at full size (issue
 44.2): the sampled plan's record, bound with a report per written shard as the writers
@@ -20,9 +22,11 @@ Usage: ``python scripts/sharded_plan_counts.py [--shard-mib 64] [--quick] [--rec
 
 from __future__ import annotations
 
-__all__ = ["counts", "main", "sharded_record"]
+__all__ = ["counts", "main", "same_layout_fetched", "sharded_record"]
 
 import argparse
+import itertools
+import math
 import statistics
 import sys
 import time
@@ -33,9 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import simulate_scale as sim  # noqa: E402
 
 from shardstore.core import gc_paused  # noqa: E402
-from shardstore.format.codecs import BYTES_CRC32C  # noqa: E402
-from shardstore.format.records import CommitRecord  # noqa: E402
-from shardstore.planning.layout import GlobalLayout  # noqa: E402
+from shardstore.format.codecs import BYTES_CRC32C, CRC_BYTES  # noqa: E402
+from shardstore.format.records import ArrayRecord, CommitRecord  # noqa: E402
+from shardstore.format.sharding import ShardIndex, ShardingIndexed  # noqa: E402
+from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
 from shardstore.planning.plans import plan_save  # noqa: E402
 from shardstore.strategies.zarr import DEFAULT_MAX_CHUNK_BYTES  # noqa: E402
 
@@ -58,13 +63,65 @@ def counts(model: sim.Model, shard_bytes: int | None) -> dict[str, float]:
                 written[plan.rank] += sum(hi - lo for _, _, lo, hi, _ in chunk.pieces) * itemsize
                 moved += sum(hi - lo for rank, _, lo, hi, _ in chunk.pieces if rank != plan.rank) * itemsize
     nbytes = plans[0].checkpoint_nbytes
+    fetched, needed = same_layout_fetched(layout, arrays)
     return {
         "bytes": nbytes, "arrays": len(arrays),
         "sharded": sum(1 for a in arrays.values() if a.codec != BYTES_CRC32C),
         "data_files": sum(a.chunk_count for a in arrays.values()),
         "target": -(-nbytes // (shard_bytes or 64 * MiB)) + 2 * len(arrays) + model.world,
         "moved": moved, "writers": sum(1 for w in written if w), "max_written": max(written), "plan_s": seconds,
+        "fetched_ratio": fetched / needed,
     }
+
+
+def _read_box(s: ShardRecord) -> list[tuple[int, int]]:
+    """The box of the array a load of ``s`` reads (``execution.load.plan_read``): its
+    block, or for a flattened range the block's rows (first axis longer than one) it
+    touches."""
+    box = [(o, o + b) for o, b in zip(s.offset, s.block_shape)]
+    if s.flat_range is not None and s.block_shape:
+        axis = next((a for a, b in enumerate(s.block_shape) if b > 1), len(s.block_shape) - 1)
+        row = math.prod(s.block_shape[axis + 1 :])
+        start = s.offset[axis]
+        box[axis] = (start + s.flat_range[0] // row, start + -(-s.flat_range[1] // row))
+    return box
+
+
+def _units(box: list[tuple[int, int]], unit: tuple[int, ...]) -> list[range]:
+    """Along each axis, the indices of the units (chunks) of ``unit`` that ``box`` overlaps."""
+    return [range(lo // u, -(-hi // u)) for (lo, hi), u in zip(box, unit)]
+
+
+def _fetched(s: ShardRecord, array: ArrayRecord) -> int:
+    """Bytes a local load of ``s`` fetches: the whole chunks its box overlaps; in a
+    sharded array, per shard the inner chunks it overlaps and the crc table and index,
+    or the whole shard where that adds at most a quarter (``read_boxes_into``)."""
+    box = _read_box(s)
+    if not isinstance(array.codec, ShardingIndexed):
+        return math.prod(map(len, _units(box, array.chunk_shape))) * math.prod(array.chunk_shape) * array.itemsize
+    inner, step = array.codec.chunk_shape, array.codec.inner_nbytes
+    count = math.prod(c // i for c, i in zip(array.chunk_shape, inner))
+    total = 0
+    for shard in itertools.product(*_units(box, array.chunk_shape)):
+        lo = [i * c for i, c in zip(shard, array.chunk_shape)]
+        part = [(max(a, o), min(b, o + c)) for (a, b), o, c in zip(box, lo, array.chunk_shape)]
+        needed = math.prod(map(len, _units(part, inner)))
+        whole = (count - needed) * step <= needed * step // 4
+        total += count * (step + CRC_BYTES) if whole else needed * (step + CRC_BYTES)
+        total += ShardIndex.suffix_nbytes(count)
+    return total
+
+
+def same_layout_fetched(layout: GlobalLayout, arrays: dict[str, ArrayRecord]) -> tuple[int, int]:
+    """Bytes a load at the save's layout fetches from a local disk, and the bytes it
+    asks for: every main shard read once (a fully-parallel load reads each replicated
+    block once and sends it on)."""
+    fetched = needed = 0
+    for key, shards in layout.tensors.items():
+        for s in shards:
+            if s.main and s.nbytes:
+                fetched, needed = fetched + _fetched(s, arrays[key]), needed + s.nbytes
+    return fetched, needed
 
 
 def sharded_record(sampled: sim.Model, model: sim.Model, shard_bytes: int, parses: int) -> dict[str, float]:
@@ -115,8 +172,8 @@ def main() -> None:
         print_records(models, args.shard_mib * MiB, args.quick, args.parses)
         return
     print("| layout | ranks | layers | shards | bytes | arrays | sharded | data files | target | moved | "
-          "writers | most written | plan s |")
-    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "writers | most written | plan s | load fetched / asked |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for model in models:
         layers = 16 if isinstance(model, sim.MegatronGpt) else 4 if model.world <= 512 else 2
         sampled = model if args.quick else model.with_layers(layers)
@@ -124,7 +181,8 @@ def main() -> None:
             c = counts(sampled, shard_bytes)
             print(f"| {sampled.name} | {sampled.world} | {sampled.layers} | {f'{args.shard_mib} MiB' if shard_bytes else 'none'} "
                   f"| {c['bytes'] / 1e9:.1f} GB | {c['arrays']} | {c['sharded']} | {c['data_files']:,} | {c['target']:,} "
-                  f"| {c['moved'] / 1e9:.1f} GB | {c['writers']} | {c['max_written'] / 1e6:.0f} MB | {c['plan_s']:.2f} |",
+                  f"| {c['moved'] / 1e9:.1f} GB | {c['writers']} | {c['max_written'] / 1e6:.0f} MB | {c['plan_s']:.2f} "
+                  f"| {c['fetched_ratio']:.3f} |",
                   flush=True)
     if args.record:
         print_records(models, args.shard_mib * MiB, args.quick, args.parses)

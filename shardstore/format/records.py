@@ -1,4 +1,4 @@
-"""The on-disk format (version 4): array metadata, group nodes and the commit record.
+"""The on-disk format (versions 4 to 7): array metadata, group nodes and the commit record.
 
 A checkpoint is one Zarr v3 group:
 
@@ -33,6 +33,13 @@ root ``zarr.json`` exactly as written, taken while the digest's own value read
 consolidated metadata, is found whenever the record is read, for one crc32c pass over
 its bytes. A save may keep the nodes' documents in the consolidated metadata only
 (``ZarrMetadata.CONSOLIDATED_ONLY``, format version 6, ``CommitRecord.stored_documents``).
+
+Versions, one rule (``format_version_for``): each feature a record may use names the
+version that introduced it (``ArrayRecord.version_needed``: a codec other than
+``[bytes, crc32c]``, 5; shards larger than a flattened block, 7; the documents in the
+consolidated metadata only, 6), and a save writes the newest version among its
+features', 4 at least. A reader refuses a version it does not know (by its version,
+however old it is) and a record that uses a feature newer than the version it claims.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ __all__ = [
     "DIGEST_HEX_DIGITS",
     "DcpMetadata",
     "FIRST_SEALED_VERSION",
+    "FLAT_SHARDED_FORMAT_VERSION",
     "FORMAT_VERSION",
     "HEX_DIGITS",
     "LEGACY_CHUNK_SEPARATOR",
@@ -81,6 +89,7 @@ __all__ = [
     "check_key",
     "checksum",
     "chunk_key",
+    "format_version_for",
     "group_metadata",
     "is_committed",
     "name_other_formats_with",
@@ -113,12 +122,12 @@ from typing import Any
 
 import crc32c
 
-import shardstore.format.sharding  # noqa: F401  registers the sharding_indexed codec
 from shardstore._zarr_autoload import EXTENSION_METADATA
 from shardstore.errors import CheckpointingException
 from shardstore.format.codecs import BYTES_CRC32C, ChunkCodec, codec_for
 from shardstore.format.config import CONFIG_FNAME
 from shardstore.format.dtypes import from_zarr_name
+from shardstore.format.sharding import MAX_FLAT_INNER_CHUNKS, ShardingIndexed
 from shardstore.stores.base import Location, NameLimits
 
 FORMAT_VERSION = 4
@@ -127,16 +136,22 @@ FORMAT_VERSION = 4
 # chunks ``c/1/0`` (a directory per axis but the last), version 3 ``c.1.0`` (files in
 # the array's directory: one directory per tensor instead of two or three). Version 4
 # adds the record's own digest (``record_digest``); earlier records have none.
-READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6)
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 # Version 5: version 4 with arrays stored in shards (``format.sharding``; the array's
 # ``codecs`` in the record). A record with no sharded array stays version 4, so older
 # shardstores read it; they refuse a version 5 record by its version.
 SHARDED_FORMAT_VERSION = 5
 # Version 6: the arrays' and groups' metadata documents only in the root's consolidated
 # metadata (``ZarrMetadata.CONSOLIDATED_ONLY``), named by the record's ``zarr_metadata``.
-# Written only then; a shardstore that reads up to version 5 refuses it by its version
-# instead of looking for documents that are not there.
+# Written only then (or a later version, see ``format_version_for``); a shardstore that
+# reads up to version 5 refuses it by its version instead of looking for documents that
+# are not there.
 ZARR_METADATA_FORMAT_VERSION = 6
+# Version 7: a flattened array (``ArrayRecord.flattened_block``) stored in shards larger
+# than its flattened block, of inner chunks each block holds whole. A reader of version 6
+# would refuse its flattened block as "smaller than its chunks", a damaged record; it
+# refuses the version instead. A record may name ``zarr_metadata`` or not, as from 6.
+FLAT_SHARDED_FORMAT_VERSION = 7
 FIRST_SEALED_VERSION = 4
 RECORD_DIGEST = "record_digest"
 # The digest as it stands in the file while the digest is computed (see seal_record).
@@ -295,6 +310,15 @@ class ArrayRecord:
             "dimension_names": self.dimension_names(),
         }
 
+    @property
+    def version_needed(self) -> int:
+        """The format version that introduced what this array's record uses (the rule:
+        ``format_version_for``): 7 for shards larger than its flattened block, 5 for
+        any other codec than ``[bytes, crc32c]``, else 1."""
+        if self.flattened_block is not None and _spans_blocks(self.flattened_block, self.chunk_shape):
+            return FLAT_SHARDED_FORMAT_VERSION
+        return SHARDED_FORMAT_VERSION if self.codec != BYTES_CRC32C else 1
+
     def dimension_names(self) -> list[str]:
         """One name per axis, unique to the array (``fc1.0``, ``fc1.1``): xarray needs
         names to open a Zarr v3 array, and arrays of one group must not share a name
@@ -379,11 +403,11 @@ class ArrayRecord:
             itemsize = from_zarr_name(summary.get("dtype")).itemsize
         except TypeError as exc:
             raise CheckpointingException(f"{where}: array {key!r}: {exc}") from exc
-        flattened_block = _flattened_block(summary, key, shape, chunk_shape, bound, where)
         codec = BYTES_CRC32C
         if "codecs" in summary:
             codec = codec_for(summary["codecs"], itemsize, where, key)
             codec.check_chunk_shape(chunk_shape, where, key)
+        flattened_block = _flattened_block(summary, key, shape, chunk_shape, codec, bound, where)
         grid = list(_chunk_grid(shape, chunk_shape))
         if grid != summary.get("chunk_grid"):
             raise CheckpointingException(
@@ -415,25 +439,43 @@ class ArrayRecord:
                    codec=codec, chunk_etags=_chunk_etags(summary, key, chunk_count, where))
 
 
+def format_version_for(arrays: Iterable[ArrayRecord], zarr_metadata: ZarrMetadata = ZarrMetadata.PER_NODE) -> int:
+    """The version a save writes (the module docstring's rule): the newest of the
+    versions its features need (each array's ``version_needed``; 6 for documents in the
+    consolidated metadata only), ``FORMAT_VERSION`` at least."""
+    consolidated = ZARR_METADATA_FORMAT_VERSION if zarr_metadata is ZarrMetadata.CONSOLIDATED_ONLY else 1
+    return max(FORMAT_VERSION, consolidated, *(a.version_needed for a in arrays))
+
+
 def _chunk_grid(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> tuple[int, ...]:
     """Chunks along each axis of a regular grid of ``chunk_shape`` over ``shape``."""
     return tuple(-(-n // c) for n, c in zip(shape, chunk_shape))
 
 
+def _spans_blocks(block: tuple[int, ...], chunk_shape: tuple[int, ...]) -> bool:
+    """Whether chunks (shards) of ``chunk_shape`` are larger than the flattened
+    ``block`` along some axis (format version 7)."""
+    return any(0 < b < c for b, c in zip(block, chunk_shape))
+
+
 def _flattened_block(
-    summary: dict[str, Any], key: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...], bound: bool, where: str
+    summary: dict[str, Any], key: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...], codec: ChunkCodec,
+    bound: bool, where: str,
 ) -> tuple[int, ...] | None:
     """The record's ``flattened_block``, checked so that the blocks it cuts the array
-    into are no more than its chunks: a save's chunks never cross the blocks its
-    flattened ranges were cut from, so each block holds whole chunks (at least as large
-    along every axis, or empty). ``strategies.resharding`` makes one request per saved
-    block a load's block overlaps; bounded by the chunks, which a bound record lists
-    one by one, that work costs no more than the record's size.
+    into are no more than what a reader reads whole: a save's chunks (inner chunks, in
+    shards) never cross the blocks its flattened ranges were cut from, so each block
+    holds whole ones (at least as large along every axis, or empty). A shard may span
+    several blocks (version 7), holding at most ``MAX_FLAT_INNER_CHUNKS`` inner chunks.
+    ``strategies.resharding`` makes one request per saved block a load's block overlaps;
+    bounded by the chunks, which a bound record lists one by one (times that bound), that
+    work costs no more than the record's size.
 
     Raises:
         CheckpointingException: naming the array: a block that does not fit the shape,
-            is smaller than a chunk, or stands in a version 1 record (unbound: its chunks
-            are not listed, and no shardstore wrote a flattened block into one).
+            is smaller than a chunk (an inner chunk), spans more inner chunks per shard
+            than the bound, or stands in a version 1 record (unbound: its chunks are not
+            listed, and no shardstore wrote a flattened block into one).
     """
     value = summary.get("flattened_block")
     if value is None:
@@ -448,10 +490,18 @@ def _flattened_block(
             f"{where}: array {key!r} names a flattened block in a version 1 record, which no shardstore wrote; "
             "the commit record was edited or damaged"
         )
-    if any(0 < b < c for b, c in zip(block, chunk_shape)):
+    read_whole = codec.chunk_shape if isinstance(codec, ShardingIndexed) else chunk_shape
+    if _spans_blocks(block, read_whole):
         raise CheckpointingException(
-            f"{where}: array {key!r} names a flattened block {block} smaller than its chunks {chunk_shape}, which "
+            f"{where}: array {key!r} names a flattened block {block} smaller than its chunks {read_whole}, which "
             "no save writes; the commit record was edited or damaged"
+        )
+    if _spans_blocks(block, chunk_shape) and math.prod(-(-c // i) for c, i in zip(chunk_shape, read_whole)) > (
+            MAX_FLAT_INNER_CHUNKS):
+        raise CheckpointingException(
+            f"{where}: array {key!r} is stored in shards of {chunk_shape} spanning its flattened blocks {block} with "
+            f"more than {MAX_FLAT_INNER_CHUNKS} inner chunks {read_whole}, which no save writes; the commit record "
+            "was edited or damaged"
         )
     return block
 
@@ -851,13 +901,14 @@ class CommitRecord:
         version that needs (version 6 for ``CONSOLIDATED_ONLY``, which older readers refuse)."""
         where = ZarrMetadata(where)
         if where is ZarrMetadata.PER_NODE:
-            if self.format_version >= ZARR_METADATA_FORMAT_VERSION:  # version 6 means consolidated-only
+            if self.zarr_metadata is not ZarrMetadata.PER_NODE:
                 raise CheckpointingException(
-                    f"Internal error: a version {self.format_version} record cannot keep a document per node; "
-                    "please report it"
+                    f"Internal error: a record whose documents are {self.zarr_metadata.value} cannot keep a document "
+                    "per node; please report it"
                 )
             return self
-        return replace(self, zarr_metadata=where, format_version=max(self.format_version, ZARR_METADATA_FORMAT_VERSION))
+        return replace(self, zarr_metadata=where,
+                       format_version=max(self.format_version, format_version_for(self.arrays.values(), where)))
 
     @functools.cached_property
     def own_top_names(self) -> frozenset[str]:
@@ -1028,6 +1079,7 @@ class CommitRecord:
             arrays[key] = ArrayRecord.from_summary(key, summary, where, bound=version >= 2, separator=separator)
         if clashes := array_group_collisions(list(arrays)):
             raise CheckpointingException(f"{where}: the record names clashing keys: {clashes[0]}")
+        _check_versions_needed(arrays, version, where)
         objects = {}
         for key, shard_keys in objects_json.items():
             check_key(key, where=where)
@@ -1073,18 +1125,33 @@ class CommitRecord:
         return replace(result, beside=tuple(beside), zarr_metadata=_zarr_metadata_from_json(record, version, where))
 
 
+def _check_versions_needed(arrays: dict[str, ArrayRecord], version: int, where: str) -> None:
+    """Refuses a record that uses a feature newer than the version it claims (the rule of
+    the module docstring): no save wrote it so, and a reader of that version would
+    misread or refuse it."""
+    for key, array in arrays.items():
+        if array.version_needed > version:
+            raise CheckpointingException(
+                f"{where}: array {key!r} is stored as format version {array.version_needed} introduced "
+                f"(codecs {array.codec.name}, chunks {array.chunk_shape}, flattened block {array.flattened_block}), "
+                f"but the record claims version {version}; the commit record was edited or damaged: restore it "
+                "from a copy"
+            )
+
+
 def _zarr_metadata_from_json(record: dict[str, Any], version: int, where: str) -> ZarrMetadata:
     """The record's ``zarr_metadata``: absent (every node has its ``zarr.json``) before
-    version 6, ``consolidated_only`` in version 6 (the feature the version names)."""
+    version 6, ``consolidated_only`` in version 6 (the feature the version names), either
+    from version 7 (whose own feature is another)."""
     raw = record.get("zarr_metadata")
-    if version < ZARR_METADATA_FORMAT_VERSION and raw is None:
+    if raw is None and version != ZARR_METADATA_FORMAT_VERSION:
         return ZarrMetadata.PER_NODE
     expected = ZarrMetadata.CONSOLIDATED_ONLY.value
     if version < ZARR_METADATA_FORMAT_VERSION or raw != expected:
         raise CheckpointingException(
             f"{where}: malformed zarr_metadata {raw!r} in a version {version} commit record (version "
-            f"{ZARR_METADATA_FORMAT_VERSION} names {expected!r}, earlier versions nothing); restore the record "
-            "from a copy"
+            f"{ZARR_METADATA_FORMAT_VERSION} names {expected!r}, earlier versions nothing, later ones either); "
+            "restore the record from a copy"
         )
     return ZarrMetadata(raw)
 

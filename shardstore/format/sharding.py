@@ -36,6 +36,9 @@ The planner (``planning.plans.sharded_record``) shards arrays of small chunk-ali
 blocks split along any axes when asked (``ZarrSaveShardedStrategy(shard_bytes=...)``),
 each shard gathered to one writer; such a record is format version 5 (a reader of
 version 5 before inner grids of several axes refuses them by ``check_chunk_shape``).
+Flattened arrays (the distributed optimizer's fragments) are sharded too; a shard
+larger than their flattened block is format version 7 and holds at most
+``MAX_FLAT_INNER_CHUNKS`` inner chunks (``format.records``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from __future__ import annotations
 __all__ = [
     "EMPTY",
     "INDEX_ENTRY_BYTES",
+    "MAX_FLAT_INNER_CHUNKS",
     "ByteRanges",
     "ChunkRanges",
     "EncodedShard",
@@ -81,6 +85,11 @@ from shardstore.stores.base import ChunkMismatch, StorageError
 
 EMPTY = 2**64 - 1
 INDEX_ENTRY_BYTES = 16
+# The most inner chunks of a shard of a flattened array that spans several of its
+# flattened blocks: an index and crc table of at most 80 KiB (0.12% of a 64 MiB shard),
+# read whole by every partial read; and a record read back may make
+# ``strategies.resharding`` ask for at most this many blocks per shard it lists.
+MAX_FLAT_INNER_CHUNKS = 4096
 _INDEX_DTYPE = np.dtype("<u8")
 
 

@@ -49,17 +49,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.codecs import BYTES_CRC32C
 from shardstore.format.dtypes import from_zarr_name
 from shardstore.format.records import (
-    FORMAT_VERSION,
-    SHARDED_FORMAT_VERSION,
     ArrayRecord,
     CommitRecord,
     ObjectRecord,
+    format_version_for,
     parent_groups,
 )
-from shardstore.format.sharding import InnerGrid, ShardingIndexed
+from shardstore.format.sharding import MAX_FLAT_INNER_CHUNKS, InnerGrid, ShardingIndexed
 from shardstore.planning.layout import (
     DirectFlatWrite,
     FlatChunk,
@@ -67,6 +65,7 @@ from shardstore.planning.layout import (
     ShardRecord,
     balance_writers,
     block_chunks,
+    bound_chunk,
     chunk_shape_for,
     pick_balanced,
 )
@@ -109,46 +108,52 @@ class RankSavePlan:
 
 def array_records(
     layout: GlobalLayout, max_chunk_bytes: int, shard_bytes: int | None = None
-) -> dict[str, ArrayRecord]:
+) -> tuple[dict[str, ArrayRecord], dict[str, BlockGrid]]:
     """Every array's metadata: its chunk grid aligned with the sharding of its main
     shards; with ``shard_bytes``, an array of small blocks on a grid (split along any
-    axes) is stored in shards of about that many bytes (``sharded_record``)."""
-    records = {}
+    axes), or of flattened ranges of such blocks, is stored in shards of about that
+    many bytes (``sharded_record``). Also the grid of each sharded array's blocks,
+    which ``plan_gathered_writes`` maps its shards onto."""
+    records, grids = {}, {}
     for key, shards in layout.tensors.items():
         first = shards[0]
         itemsize = from_zarr_name(first.dtype).itemsize
         main = [s for s in shards if s.main]
         chunk = chunk_shape_for(main, first.global_shape, itemsize, max_chunk_bytes)
         record = ArrayRecord(key, first.global_shape, first.dtype, chunk, flattened_block=flattened_block(main))
-        records[key] = sharded_record(record, main, shard_bytes) if shard_bytes else record
-    return records
+        grid = _shardable_grid(record, main) if shard_bytes else None
+        records[key] = sharded_record(record, main, shard_bytes, grid) if grid is not None else record
+        if records[key] is not record:
+            grids[key] = grid
+    return records, grids
 
 
-def sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: int) -> ArrayRecord:
+def _shardable_grid(record: ArrayRecord, main: list[ShardRecord]) -> BlockGrid | None:
+    """The grid of an array's main blocks (``BlockGrid.of``), for an array that is not
+    0-d and whose flattened ranges, if any, were cut from blocks of one shape; else None."""
+    if not record.shape or (record.flattened_block is None and any(s.flat_range is not None for s in main)):
+        return None
+    return BlockGrid.of(main, record.shape)
+
+
+def sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: int, grid: BlockGrid) -> ArrayRecord:
     """``record`` stored in shards (Zarr v3 ``sharding_indexed``, ``format.sharding``)
-    when its chunks are small: its main blocks form a grid (``BlockGrid``) of whole
+    when its chunks are small: its main blocks form ``grid`` (``BlockGrid``) of whole
     chunks split along any axes (FSDP2's ``Shard(0)``; Megatron's layer x TP blocks
     ``[1, n/TP]``, ``[1, out, in/TP]``), each inner chunk is contiguous in its block (one
     element along the axes before the chunk's first longer one, the whole block along
     those after it), at least two chunks fit in ``shard_bytes``, and the array has more
     than one. A shard then holds as many inner chunks as fit, merged along the leading
     axes first (``_shard_shape``), so the files of the array no longer multiply with
-    the ranks. Otherwise ``record`` as it is."""
+    the ranks. Flattened arrays: ``_flat_sharded_record``. Otherwise ``record`` as it is."""
+    if record.flattened_block is not None:
+        return _flat_sharded_record(record, main, shard_bytes, grid)
     shape, chunk = record.shape, record.chunk_shape
-    if not shape or any(s.flat_range is not None for s in main):
-        return record
-    grid = BlockGrid.of(main, shape)
     chunk_bytes = math.prod(chunk) * record.itemsize
-    split = next((a for a, n in enumerate(chunk) if n > 1), len(chunk))
-    if (
-        grid is None
-        or not all(o % c == 0 for axis, c in zip(grid.starts, chunk) for o in axis.tolist())
-        or (grid.shapes[:, split + 1 :] > np.asarray(chunk[split + 1 :], dtype=np.int64)).any()
-        or shard_bytes // max(chunk_bytes, 1) < 2
-        or math.prod(-(-n // c) for n, c in zip(shape, chunk)) < 2
-    ):
+    if not _whole_inner_chunks(grid, chunk) or shard_bytes // max(chunk_bytes, 1) < 2 or _count(shape, chunk) < 2:
         return record
     inner = list(chunk)
+    split = _split_axis(chunk)
     if chunk[1:] == shape[1:]:  # whole rows (FSDP2's Shard(0), one row each included): rows, as ever
         split = 0
     if split < len(chunk):
@@ -158,17 +163,71 @@ def sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: in
                    codec=codec)
 
 
-def _shard_shape(shape: tuple[int, ...], inner: tuple[int, ...], count: int) -> tuple[int, ...]:
-    """A shard of at most ``count`` inner chunks: as many as the array has along its
-    first axis, then, where all of it fits, along the next, and so on. Along an axis
-    the shards are as even as their number allows (33 inner chunks at 32 per shard:
-    17 + 16, not 32 + 1), since an edge shard is stored padded to the full shape."""
-    out = []
-    for n, i in zip(shape, inner):
-        total = -(-n // i)
+def _flat_sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: int, grid: BlockGrid) -> ArrayRecord:
+    """``record`` of an array saved from flattened ranges (the distributed optimizer's
+    fragments; ``grid``: one block per distinct block, ``FlatBlockGrid``) stored in
+    shards: inner chunks contiguous in their block (``record``'s chunks, split further
+    by ``bound_chunk``) of at most an eighth of the array's smallest non-empty fragment
+    (``FRAGMENT_PARTS``: a load at the save's layout reads at most two inner chunks
+    more than a fragment, 1.25x), at least ``MIN_INNER_BYTES`` and a
+    ``MAX_FLAT_INNER_CHUNKS``-th of ``shard_bytes``; shards of at most that many inner
+    chunks and ``shard_bytes``, grown in the blocks' flattened order first (along the
+    inner chunk's first longer axis, then the axes before it, then those after), so a
+    shard is a run of one block's fragments where the blocks are large and spans blocks
+    (layers, TP parts) where they are small. Otherwise ``record`` as it is, and so where
+    the block's lengths have no divisor that makes an inner chunk of at least a quarter
+    of that floor (a prime row length: thousands of inner chunks of a few bytes)."""
+    sizes = [s.flat_range[1] - s.flat_range[0] for s in main if s.flat_range and s.flat_range[1] > s.flat_range[0]]
+    if not sizes:
+        return record
+    floor = max(MIN_INNER_BYTES, shard_bytes // MAX_FLAT_INNER_CHUNKS)
+    inner = bound_chunk(record.chunk_shape, record.itemsize, max(min(sizes) * record.itemsize // FRAGMENT_PARTS, floor))
+    inner_bytes = math.prod(inner) * record.itemsize
+    count = min(shard_bytes // inner_bytes, MAX_FLAT_INNER_CHUNKS)
+    if (
+        (inner != record.chunk_shape and inner_bytes < floor // 4)
+        or not _whole_inner_chunks(grid, inner) or count < 2 or _count(record.shape, inner) < 2
+    ):
+        return record
+    split = min(_split_axis(inner), len(inner) - 1)
+    order = [*range(split, -1, -1), *range(split + 1, len(inner))]
+    return replace(record, chunk_shape=_shard_shape(record.shape, inner, count, order),
+                   codec=ShardingIndexed(inner, record.itemsize))
+
+
+def _split_axis(chunk: tuple[int, ...]) -> int:
+    """A chunk's first axis longer than one element (its number of axes if none)."""
+    return next((a for a, n in enumerate(chunk) if n > 1), len(chunk))
+
+
+def _count(shape: tuple[int, ...], chunk: tuple[int, ...]) -> int:
+    """Chunks of ``chunk`` in an array of ``shape``."""
+    return math.prod(-(-n // c) for n, c in zip(shape, chunk))
+
+
+def _whole_inner_chunks(grid: BlockGrid, chunk: tuple[int, ...]) -> bool:
+    """Whether every block of ``grid`` is whole chunks of ``chunk``, each contiguous in
+    its block: the blocks start on the chunk grid and are no longer than the chunk
+    along the axes after its first longer one."""
+    split = _split_axis(chunk)
+    return all(o % c == 0 for axis, c in zip(grid.starts, chunk) for o in axis.tolist()) and not (
+        grid.shapes[:, split + 1 :] > np.asarray(chunk[split + 1 :], dtype=np.int64)).any()
+
+
+def _shard_shape(
+    shape: tuple[int, ...], inner: tuple[int, ...], count: int, order: list[int] | None = None
+) -> tuple[int, ...]:
+    """A shard of at most ``count`` inner chunks: as many as the array has along the
+    first axis of ``order`` (default: the array's axes in order), then, where all of it
+    fits, along the next, and so on. Along an axis the shards are as even as their
+    number allows (33 inner chunks at 32 per shard: 17 + 16, not 32 + 1), since an edge
+    shard is stored padded to the full shape."""
+    out = list(inner)
+    for axis in range(len(shape)) if order is None else order:
+        total = -(-shape[axis] // inner[axis])
         most = max(1, min(total, count))
         along = -(-total // -(-total // most))
-        out.append(along * i)
+        out[axis] = along * inner[axis]
         count //= along
     return tuple(out)
 
@@ -192,8 +251,15 @@ class BlockGrid:
 
     @classmethod
     def of(cls, main: list[ShardRecord], shape: tuple[int, ...]) -> BlockGrid | None:
-        """The grid of the ``main`` blocks of an array of ``shape``, or None when they
-        form none (or none holds anything)."""
+        """The grid of the ``main`` blocks of an array of ``shape`` (of their distinct
+        blocks for flattened ranges: ``FlatBlockGrid``), or None when they form none
+        (or none holds anything)."""
+        if any(s.flat_range is not None for s in main):
+            return FlatBlockGrid.of_fragments(main, shape)
+        return cls._of_blocks(main, shape)
+
+    @classmethod
+    def _of_blocks(cls, main: list[ShardRecord], shape: tuple[int, ...]) -> BlockGrid | None:
         ndim = len(shape)
         table = np.array([(*s.offset, *s.block_shape, s.rank, s.index) for s in main], dtype=np.int64)
         held = np.flatnonzero((table[:, ndim : 2 * ndim] > 0).all(axis=1)) if len(main) else np.zeros(0, np.int64)
@@ -215,13 +281,67 @@ class BlockGrid:
         by_cell[np.ravel_multi_index(tuple(cells.T), counts)] = np.arange(len(table))
         return None if (by_cell < 0).any() else cls(starts, extents, shapes, ranks, indices, by_cell)
 
+    def pieces(self, blocks: np.ndarray, src: np.ndarray, stop: np.ndarray, dst: np.ndarray) -> list[Piece]:
+        """``FlatChunk.pieces`` of runs ``[src, stop)`` (elements, in the flattened order
+        of block ``blocks``, a position in ``ranks``) landing at ``dst``: its holder's."""
+        return list(zip(self.ranks[blocks].tolist(), self.indices[blocks].tolist(), src.tolist(), stop.tolist(),
+                        dst.tolist()))
+
+
+# ``FlatChunk.pieces``' entries: (rank, tensor index, local start, local stop, start in the buffer).
+Piece = tuple[int, int, int, int, int]
+
+
+@dataclass(frozen=True, eq=False)
+class FlatBlockGrid(BlockGrid):
+    """The grid of the blocks an array's flattened ranges were cut from: one
+    representative range per block in ``ranks`` and ``indices``, and each block's
+    non-empty ranges (``fragments``: ``(flat start, flat stop, rank, index)``, in order;
+    a validated layout's tile the block) and their starts (``fragment_starts``)."""
+
+    fragments: tuple[tuple[tuple[int, int, int, int], ...], ...] = ()
+    fragment_starts: tuple[list[int], ...] = ()
+
+    @classmethod
+    def of_fragments(cls, main: list[ShardRecord], shape: tuple[int, ...]) -> FlatBlockGrid | None:
+        by_block: dict[tuple[int, ...], list[ShardRecord]] = defaultdict(list)
+        for s in main:
+            by_block[s.offset].append(s)
+        grid = BlockGrid._of_blocks([held[0] for held in by_block.values()], shape)
+        if grid is None:
+            return None
+        offsets = {(held[0].rank, held[0].index): offset for offset, held in by_block.items()}
+        fragments = tuple(
+            tuple(sorted((*s.flat_range, s.rank, s.index) for s in by_block[offsets[(rank, index)]]
+                         if s.flat_range[1] > s.flat_range[0]))
+            for rank, index in zip(grid.ranks.tolist(), grid.indices.tolist())
+        )
+        return cls(grid.starts, grid.extents, grid.shapes, grid.ranks, grid.indices, grid.by_cell, fragments,
+                   tuple([f[0] for f in held] for held in fragments))
+
+    def pieces(self, blocks: np.ndarray, src: np.ndarray, stop: np.ndarray, dst: np.ndarray) -> list[Piece]:
+        """Each run split at its block's fragments: a piece per fragment it crosses,
+        from that fragment's holder, in elements of the fragment."""
+        out: list[Piece] = []
+        for block, lo, hi, at in zip(blocks.tolist(), src.tolist(), stop.tolist(), dst.tolist()):
+            held = self.fragments[block]
+            k = bisect.bisect_right(self.fragment_starts[block], lo) - 1
+            while lo < hi:
+                start, end, rank, index = held[k]
+                cut = min(hi, end)
+                out.append((rank, index, lo - start, cut - start, at))
+                at, lo, k = at + cut - lo, cut, k + 1
+        return out
+
 
 # A sharded array's chunk rows are split into at most INNER_PARTS inner chunks of at
 # least MIN_INNER_BYTES: a load at another layout reads at most about two inner chunks
 # more than it needs per range (4 -> 3 ranks with 8 parts: about 1.2x), and each inner
-# chunk costs 24 bytes of trailer, crc table and index.
+# chunk costs 24 bytes of trailer, crc table and index. A flattened array's inner chunks
+# are at most a FRAGMENT_PARTS-th of its smallest fragment (``_flat_sharded_record``).
 INNER_PARTS = 8
 MIN_INNER_BYTES = 16 << 10
+FRAGMENT_PARTS = 8
 
 
 def _inner_rows(rows: int, row_bytes: int) -> int:
@@ -234,10 +354,11 @@ def _inner_rows(rows: int, row_bytes: int) -> int:
     return rows
 
 
-def plan_gathered_writes(key: str, record: ArrayRecord, main: list[ShardRecord], load: list[int]) -> list[FlatChunk]:
-    """The shards of the sharded array ``key`` (``sharded_record``), each assembled by
-    one writer: the holder of one of its blocks with the fewest bytes to write so far
-    (``load``, updated), so shard writing spreads over the ranks.
+def plan_gathered_writes(key: str, record: ArrayRecord, grid: BlockGrid, load: list[int]) -> list[FlatChunk]:
+    """The shards of the sharded array ``key`` (``sharded_record``) whose main blocks
+    form ``grid``, each assembled by one writer: the holder of one of its pieces with
+    the fewest bytes to write so far (``load``, updated), so shard writing spreads over
+    the ranks.
 
     The writer's buffer holds the shard's inner chunks in C order over its inner grid,
     each its part inside the array, C-contiguous (``format.sharding.InnerGrid``; the
@@ -246,20 +367,19 @@ def plan_gathered_writes(key: str, record: ArrayRecord, main: list[ShardRecord],
     of a block and of the buffer; adjacent ones of one block merge (where the shard
     also merges blocks along a later axis, a block's inner chunks interleave with its
     neighbours' and each is a piece of its own: a larger plan, still one packed message
-    per pair of ranks)."""
-    grid = BlockGrid.of(main, record.shape)
-    if grid is None:
-        raise CheckpointingException(f"Internal error: the blocks of {key!r} form no grid, yet it is sharded; please report it")
+    per pair of ranks; a flattened block's runs are split at its fragments,
+    ``FlatBlockGrid``). The runs of all the shards are found at once (``ShardRuns``)."""
     shard, inner = record.chunk_shape, record.codec.chunk_shape  # type: ignore[attr-defined]
+    runs = ShardRuns.of(grid, record.shape, shard, inner)
     chunks = []
-    for index in itertools.product(*(range(-(-n // c)) for n, c in zip(record.shape, shard))):
-        origin = [i * c for i, c in zip(index, shard)]
-        valid = [min(c, n - o) for c, n, o in zip(shard, record.shape, origin)]
-        pieces = _shard_pieces(grid, InnerGrid.of(shard, inner, valid), origin)
+    for ordinal, index in enumerate(itertools.product(*(range(-(-n // c)) for n, c in zip(record.shape, shard)))):
+        pieces = runs.pieces(grid, ordinal)
         if not pieces:
             raise CheckpointingException(
                 f"Internal error: no rank holds shard {index} of {key!r}, whose layout was validated; please report it"
             )
+        origin = [i * c for i, c in zip(index, shard)]
+        valid = [min(c, n - o) for c, n, o in zip(shard, record.shape, origin)]
         writer = min({p[0] for p in pieces}, key=lambda r: (load[r], r))
         load[writer] += math.prod(valid) * record.itemsize
         region = tuple(slice(o, o + v) for o, v in zip(origin, valid))
@@ -267,29 +387,53 @@ def plan_gathered_writes(key: str, record: ArrayRecord, main: list[ShardRecord],
     return chunks
 
 
-def _shard_pieces(grid: BlockGrid, inner: InnerGrid, origin: list[int]) -> list[tuple[int, int, int, int, int]]:
-    """``FlatChunk.pieces`` of one shard at ``origin``: per run of its inner chunks
-    (packed, ``InnerGrid``) that lie one after another in one block, ``(rank, index,
-    start in the block, stop, start in the shard's buffer)``, in elements."""
-    volumes = inner.volumes
-    keep = volumes > 0
-    starts, volumes = inner.starts[keep] + np.asarray(origin, dtype=np.int64), volumes[keep]
-    dst = np.concatenate(([0], np.cumsum(volumes)[:-1]))
-    cells = np.stack([np.searchsorted(axis, starts[:, a], side="right") - 1 for a, axis in enumerate(grid.starts)], 1)
-    extents = np.stack([e[cells[:, a]] for a, e in enumerate(grid.extents)], 1)
-    strides = np.concatenate((np.cumprod(extents[:, :0:-1], axis=1)[:, ::-1], np.ones((len(cells), 1), np.int64)), 1)
-    block_starts = np.stack([axis[cells[:, a]] for a, axis in enumerate(grid.starts)], 1)
-    src = ((starts - block_starts) * strides).sum(axis=1)
-    cell_ids = np.ravel_multi_index(tuple(cells.T), tuple(len(axis) for axis in grid.starts))
-    new_run = np.ones(len(src), dtype=bool)
-    new_run[1:] = (cell_ids[1:] != cell_ids[:-1]) | (src[1:] != src[:-1] + volumes[:-1])
-    firsts = np.flatnonzero(new_run)
-    run_dst = dst[firsts]
-    run_src = src[firsts]
-    run_stop = run_src + np.diff(run_dst, append=int(volumes.sum()))
-    holders = grid.by_cell[cell_ids[firsts]]
-    return list(zip(grid.ranks[holders].tolist(), grid.indices[holders].tolist(), run_src.tolist(),
-                    run_stop.tolist(), run_dst.tolist()))
+@dataclass(frozen=True, eq=False)
+class ShardRuns:
+    """Every shard's runs of inner chunks (packed, ``InnerGrid``: each its part inside
+    the array) that lie one after another in one block, computed for all the shards of
+    an array at once: per run its block (a position in the grid's ``ranks``), ``[src,
+    stop)`` in the block's flattened order and ``dst`` in its shard's buffer, in
+    elements; shard ``i`` (C order over the shard grid) has the runs
+    ``bounds[i]:bounds[i + 1]``."""
+
+    blocks: np.ndarray
+    src: np.ndarray
+    stop: np.ndarray
+    dst: np.ndarray
+    bounds: np.ndarray
+
+    @classmethod
+    def of(cls, grid: BlockGrid, shape: tuple[int, ...], shard: tuple[int, ...], inner: tuple[int, ...]) -> ShardRuns:
+        ndim = len(shape)
+        axes = np.meshgrid(*(np.arange(0, n, c, dtype=np.int64) for n, c in zip(shape, shard)), indexing="ij")
+        origins = np.stack([a.reshape(-1) for a in axes], 1)
+        in_shard = InnerGrid.of(shard, inner, shard).starts
+        starts = (origins[:, None, :] + in_shard[None, :, :]).reshape(-1, ndim)
+        volumes = np.clip(np.asarray(shape, dtype=np.int64) - starts, 0, np.asarray(inner, dtype=np.int64)).prod(1)
+        shard_of = np.repeat(np.arange(len(origins)), len(in_shard))
+        keep = volumes > 0
+        starts, volumes, shard_of = starts[keep], volumes[keep], shard_of[keep]
+        at = np.cumsum(volumes) - volumes  # each inner chunk's place in all the shards' buffers, back to back
+        dst = at - at[np.searchsorted(shard_of, shard_of)]
+        cells = np.stack([np.searchsorted(axis, starts[:, a], side="right") - 1 for a, axis in enumerate(grid.starts)], 1)
+        extents = np.stack([e[cells[:, a]] for a, e in enumerate(grid.extents)], 1)
+        strides = np.concatenate((np.cumprod(extents[:, :0:-1], axis=1)[:, ::-1], np.ones((len(cells), 1), np.int64)), 1)
+        block_starts = np.stack([axis[cells[:, a]] for a, axis in enumerate(grid.starts)], 1)
+        src = ((starts - block_starts) * strides).sum(axis=1)
+        cell_ids = np.ravel_multi_index(tuple(cells.T), tuple(len(axis) for axis in grid.starts))
+        new_run = np.ones(len(src), dtype=bool)
+        new_run[1:] = ((cell_ids[1:] != cell_ids[:-1]) | (src[1:] != src[:-1] + volumes[:-1])
+                       | (shard_of[1:] != shard_of[:-1]))
+        firsts = np.flatnonzero(new_run)
+        run_src = src[firsts]
+        return cls(grid.by_cell[cell_ids[firsts]], run_src, run_src + np.diff(at[firsts], append=int(volumes.sum())),
+                   dst[firsts], np.searchsorted(shard_of[firsts], np.arange(len(origins) + 1)))
+
+    def pieces(self, grid: BlockGrid, shard: int) -> list[Piece]:
+        """``FlatChunk.pieces`` of shard number ``shard``: ``(rank, index, start in the
+        block, stop, start in the shard's buffer)`` per run (``BlockGrid.pieces``)."""
+        lo, hi = self.bounds[shard], self.bounds[shard + 1]
+        return grid.pieces(self.blocks[lo:hi], self.src[lo:hi], self.stop[lo:hi], self.dst[lo:hi])
 
 
 def flattened_block(main_shards: list[ShardRecord]) -> tuple[int, ...] | None:
@@ -344,7 +488,7 @@ def plan_save(
     (``sharded_record``), each gathered to one writer."""
     if fully_parallel:
         layout = balance_writers(layout)
-    records = array_records(layout, max_chunk_bytes, shard_bytes)
+    records, grids = array_records(layout, max_chunk_bytes, shard_bytes)
     world = layout.world_size
     load = [0] * world  # bytes each rank writes of gathered shards
     gathered: list[set[str]] = [set() for _ in range(world)]
@@ -365,7 +509,7 @@ def plan_save(
         if not main or (main[0].flat_range is None and not sharded):
             continue
         if sharded:
-            key_direct, key_straddling = [], plan_gathered_writes(key, records[key], main, load)
+            key_direct, key_straddling = [], plan_gathered_writes(key, records[key], grids[key], load)
             for rank in {s.rank for s in main} | {c.writer for c in key_straddling}:
                 gathered[rank].add(key)
         else:
@@ -392,7 +536,7 @@ def plan_save(
             for key, shards_ in layout.objects.items()
         },
         world_size=world,
-        format_version=FORMAT_VERSION if all(r.codec == BYTES_CRC32C for r in records.values()) else SHARDED_FORMAT_VERSION,
+        format_version=format_version_for(records.values()),
     )
     nbytes = layout.main_nbytes()
     return [

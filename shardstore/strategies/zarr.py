@@ -206,14 +206,14 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
             belongs to each save (its id, staging area, commit record) is made anew.
             ``FullyParallelSaveStrategyWrapper(do_cache_distribution=True)`` turns it on.
         shard_bytes: store an array whose blocks are small and form a grid, split
-            along any axes (FSDP2's ``Shard(0)``, Megatron's layer x TP blocks; not
-            flattened ranges) in Zarr v3 ``sharding_indexed`` shards of about this many bytes, each holding
+            along any axes (FSDP2's ``Shard(0)``, Megatron's layer x TP blocks, and the
+            distributed optimizer's flattened ranges of such blocks) in Zarr v3 ``sharding_indexed`` shards of about this many bytes, each holding
             many ranks' blocks as inner chunks (an eighth of a block each, at least
             16 KiB) and written by one rank they are gathered to
             (``planning.plans.sharded_record``): the array's files no longer multiply
             with the ranks. None (the default): every block is a chunk file of its
-            own. Such a checkpoint is format version 5; a load reads only the inner
-            chunks it needs.
+            own. Such a checkpoint is format version 5 (7 where a flattened array's
+            shards span its blocks); a load reads only the inner chunks it needs.
     """
 
     def __init__(

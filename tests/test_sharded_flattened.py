@@ -1,0 +1,319 @@
+"""The distributed optimizer's flattened fragments stored in shards (issue 44, items 1
+and 4): with ``shard_bytes``, Megatron-style ``from_rank_offsets_flat`` ranges of
+layer-stacked blocks go into ``sharding_indexed`` shards (format version 7 where a shard
+spans blocks), gathered to one writer each; loads at the same or another split, plain
+readers, ``verify``, incremental saves and the reformulation read them."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import shardstore
+from shardstore import ShardedTensor, load, load_plain_tensors, save
+from shardstore.errors import CheckpointingException
+from shardstore.format.records import (
+    FLAT_SHARDED_FORMAT_VERSION,
+    ArrayRecord,
+    CommitRecord,
+    ZarrMetadata,
+    format_version_for,
+    read_commit_record,
+)
+from shardstore.format.sharding import InnerGrid, ShardingIndexed
+from shardstore.planning.layout import GlobalLayout, ShardRecord
+from shardstore.planning.plans import plan_save
+from shardstore.stores.locations import open_location
+from shardstore.strategies.resharding import (
+    apply_nd_flattened_tensors_reformulation,
+    get_reformulation_metadata,
+    restore_nd_flattened_tensors_formulation,
+)
+from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+from tests.dist import run_distributed
+from tests.scenarios import rewrite_record
+from tests.test_sharded_arrays import _count_chunk_reads
+
+LAYERS, ROWS, COLS = 4, 128, 1024  # a block (1, 128, 1024) per layer and TP rank: 512 KiB of fp32
+WEIGHT, BIAS = "optimizer.exp_avg.decoder.layers.fc1.weight", "optimizer.exp_avg.decoder.layers.fc1.bias"
+NORM = "optimizer.exp_avg.decoder.layers.fc1.layer_norm_weight"  # replicated over TP, as Megatron's norms
+SHARD_BYTES = 2 << 20  # two layers of both TP blocks of the weight; the whole bias or norm array
+
+
+def _full(key: str, tp: int) -> torch.Tensor:
+    """The global layer-stacked array of ``key`` (TP splits axis 1, but the norm's)."""
+    shape = {WEIGHT: (LAYERS, tp * ROWS, COLS), BIAS: (LAYERS, tp * 16), NORM: (LAYERS, 24)}[key]
+    seed = {WEIGHT: 1, BIAS: 2, NORM: 3}[key]
+    return torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) * seed + 0.5
+
+
+def _cut(volume: int, dp_rank: int, dp: int, skew: float) -> slice:
+    """DP rank ``dp_rank``'s range of a block: cut at ``skew`` of an even split from
+    the even cuts, mid-row, so ranges differ in length."""
+    cuts = [0, *[int(volume * (r + skew) / dp) for r in range(1, dp)], volume]
+    return slice(cuts[dp_rank], cuts[dp_rank + 1])
+
+
+def _state(rank: int, tp: int, dp: int, skew: float = 0.37, empty: bool = False) -> dict:
+    """Rank ``rank``'s (TP fastest) fragments of every layer's block of both arrays,
+    saved at TP ``tp`` of the weight's 2 x ``ROWS`` rows (the norm: every TP rank a
+    replica of the same fragments)."""
+    tp_rank, dp_rank = rank % tp, rank // tp
+    state = {}
+    for key in (WEIGHT, BIAS, NORM):
+        full = _full(key, 2)
+        split = key != NORM
+        for layer in range(LAYERS):
+            block = full[layer].chunk(tp, 0)[tp_rank] if split else full[layer]
+            cut = _cut(block.numel(), dp_rank, dp, skew)
+            data = block.flatten()[cut].clone()
+            tp_axis = ((1, tp_rank, tp),) if split else ()
+            state[f"{key}.{layer}"] = ShardedTensor.from_rank_offsets_flat(
+                key, torch.zeros_like(data) if empty else data, tuple(block.shape), (0, layer, LAYERS), *tp_axis,
+                prepend_axis_num=1, flattened_range=cut, replica_id=0 if split else tp_rank)
+    return state
+
+
+def _strategy() -> ZarrSaveShardedStrategy:
+    return ZarrSaveShardedStrategy(shard_bytes=SHARD_BYTES)
+
+
+def _assert_loaded(loaded: dict, expected: dict, rank: int) -> None:
+    for name, value in expected.items():
+        assert torch.equal(loaded[name], value.data), (rank, name)
+
+
+def saved_and_loaded(rank: int, world: int, ckpt: str) -> None:
+    save(_state(rank, 2, world // 2), ckpt, _strategy())
+    _assert_loaded(load(_state(rank, 2, world // 2, empty=True), ckpt), _state(rank, 2, world // 2), rank)
+
+
+def loaded_at_another_split(rank: int, world: int, ckpt: str, tp: int, skew: float) -> None:
+    dp = world // tp
+    request = _state(rank, tp, dp, skew, empty=True)
+    _assert_loaded(load(request, ckpt), _state(rank, tp, dp, skew), rank)
+    request = _state(rank, tp, dp, skew, empty=True)  # Megatron's way: whole saved blocks, then cut
+    reformulated, restore = apply_nd_flattened_tensors_reformulation(
+        request, get_reformulation_metadata(request, ckpt))
+    loaded = restore_nd_flattened_tensors_formulation(load(reformulated, ckpt, validate_access_integrity=False),
+                                                      restore)
+    _assert_loaded(loaded, _state(rank, tp, dp, skew), rank)
+
+
+def _data_files(ckpt: Path, key: str) -> list[str]:
+    return sorted(name for name in os.listdir(ckpt / key) if name != "zarr.json")
+
+
+def test_fragments_saved_in_shards_load_at_the_same_and_other_splits_and_every_reader_reads_them(
+    tmp_path: Path,
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_distributed(saved_and_loaded, 4, str(ckpt))  # TP 2 x DP 2
+    meta = json.loads((ckpt / WEIGHT / "zarr.json").read_text())
+    assert meta["chunk_grid"]["configuration"]["chunk_shape"] == [2, 2 * ROWS, COLS]  # two layers, both TP blocks
+    assert meta["codecs"][0]["name"] == "sharding_indexed"
+    assert _data_files(ckpt, WEIGHT) == ["c.0.0.0", "c.1.0.0"]
+    assert _data_files(ckpt, BIAS) == _data_files(ckpt, NORM) == ["c.0.0"]
+    record = read_commit_record(open_location(ckpt))
+    assert record.format_version == FLAT_SHARDED_FORMAT_VERSION
+    assert record.arrays[WEIGHT].flattened_block == (1, ROWS, COLS)
+    run_distributed(loaded_at_another_split, 4, str(ckpt), 2, 0.8)  # another DP cut
+    run_distributed(loaded_at_another_split, 2, str(ckpt), 1, 0.5)  # TP 1 x DP 2: other blocks too
+    plain = load_plain_tensors(ckpt)  # unflattened whole tensors
+    import tensorstore as ts
+    import zarr
+
+    for key in (WEIGHT, BIAS, NORM):
+        expected = _full(key, 2)
+        assert torch.equal(plain[key], expected)
+        assert np.array_equal(zarr.open_array(str(ckpt / key), mode="r")[:], expected.numpy())
+        opened = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(ckpt / key)}}).result()
+        assert np.array_equal(opened.read().result(), expected.numpy())
+    assert shardstore.verify(ckpt).ok
+
+
+def saved_unsharded(rank: int, world: int, ckpt: str) -> None:
+    save(_state(rank, 2, world // 2), ckpt)
+
+
+def test_the_files_of_a_layer_stacked_flattened_array_drop(tmp_path: Path) -> None:
+    run_distributed(saved_unsharded, 4, str(tmp_path / "plain"))
+    assert len(_data_files(tmp_path / "plain", WEIGHT)) == LAYERS * 2  # a chunk per block
+    assert len(_data_files(tmp_path / "plain", BIAS)) == LAYERS * 2
+    run_distributed(saved_and_loaded, 4, str(tmp_path / "sharded"))
+    assert len(_data_files(tmp_path / "sharded", WEIGHT)) == 2  # bytes / shard size
+    assert len(_data_files(tmp_path / "sharded", BIAS)) == 1
+
+
+def loaded_counting_bytes(rank: int, world: int, ckpt: str) -> tuple[int, int]:
+    read = _count_chunk_reads()
+    request = _state(rank, 2, world // 2, empty=True)
+    _assert_loaded(load(request, ckpt), _state(rank, 2, world // 2), rank)
+    return read[0], sum(t.data.nbytes for t in request.values())
+
+
+def test_a_load_at_the_same_layout_reads_at_most_a_quarter_more_than_its_fragments(tmp_path: Path) -> None:
+    """Issue 44.4 at the save's layout: inner chunks of at most an eighth of the
+    smallest fragment (16 KiB at least), so each fragment reads its inner chunks, at
+    most one partly used at each end, and the shards' indices."""
+    ckpt = tmp_path / "ckpt"
+    run_distributed(saved_and_loaded, 4, str(ckpt))
+    inner = json.loads((ckpt / WEIGHT / "zarr.json").read_text())["codecs"][0]["configuration"]["chunk_shape"]
+    assert inner == [1, 4, COLS]  # 16 KiB: the smallest fragment (0.37 of 2 x 64 rows) / 8 is below it
+    for read, needed in run_distributed(loaded_counting_bytes, 4, str(ckpt), timeout=240):
+        assert needed < read <= 1.25 * needed, (read, needed)
+
+
+def saved_twice(rank: int, world: int, root: str) -> None:
+    state = _state(rank, 2, world // 2)
+    save(state, f"{root}/1", _strategy(), async_sharded_save=True).execute_sync()
+    state[f"{WEIGHT}.0"].data.add_(1)  # layer 0 changes: the first shard of the weight
+    save(state, f"{root}/2", _strategy(), reuse_from=f"{root}/1")
+    _assert_loaded(load(_state(rank, 2, world // 2, empty=True), f"{root}/2"), state, rank)
+
+
+def test_an_async_then_an_incremental_save_shares_the_unchanged_shards(tmp_path: Path) -> None:
+    run_distributed(saved_twice, 2, str(tmp_path))
+    record = read_commit_record(open_location(tmp_path / "2"))
+    assert record.reused_from.chunks == 3  # the weight's second shard, the bias's and the norm's
+    assert os.stat(tmp_path / "2" / WEIGHT / "c.1.0.0").st_ino == os.stat(tmp_path / "1" / WEIGHT / "c.1.0.0").st_ino
+    assert shardstore.verify(tmp_path / "2").ok
+
+
+def _all_fragments(empty: bool = False) -> dict:
+    """Every fragment of a TP 2 x DP 2 save, held by one rank (a block's DP ranges
+    may all be one rank's)."""
+    return {f"{rank}/{name}": t for rank in range(4) for name, t in _state(rank, 2, 2, empty=empty).items()
+            if rank % 2 == 0 or not name.startswith(NORM)}  # the norm once (TP rank 0)
+
+
+def test_on_s3_fragments_save_into_shards_that_load_and_verify(moto_server) -> None:
+    from shardstore.stores.s3 import S3Options
+    from tests.s3_support import KEY, REGION, SECRET
+
+    moto_server.create_bucket("flat-sharded")
+    options = S3Options(endpoint_url=moto_server.endpoint, key=KEY, secret=SECRET, region=REGION)
+    location = open_location("s3://flat-sharded/ckpt", options=options)
+    save(_all_fragments(), location, _strategy())
+    assert sorted(n for n in location.list_files() if n.startswith(f"{WEIGHT}/")) == [
+        f"{WEIGHT}/c.0.0.0", f"{WEIGHT}/c.1.0.0", f"{WEIGHT}/zarr.json"]
+    _assert_loaded(load(_all_fragments(empty=True), location), _all_fragments(), 0)
+    assert shardstore.verify(location).ok
+
+
+def test_a_record_edited_to_claim_version_5_is_refused_naming_the_array(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_distributed(saved_and_loaded, 2, str(ckpt))
+    rewrite_record(ckpt, lambda root: root["attributes"]["shardstore"].update(format_version=5))
+    stored_as_7 = r"array 'optimizer\.exp_avg\.decoder\.layers\.fc1\.(weight|bias)' is stored as format version 7"
+    with pytest.raises(CheckpointingException, match=stored_as_7 + r" introduced.*claims version 5.*edited or damaged"):
+        load(_state(0, 2, 1, empty=True), ckpt)
+
+
+def test_a_shardstore_reading_up_to_version_6_refuses_it_by_its_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardstore.format import records
+
+    ckpt = tmp_path / "ckpt"
+    run_distributed(saved_and_loaded, 2, str(ckpt))
+    monkeypatch.setattr(records, "READABLE_FORMAT_VERSIONS", (1, 2, 3, 4, 5, 6))
+    with pytest.raises(CheckpointingException, match=r"format version 7 is not supported .*upgrade shardstore"):
+        load(_state(0, 2, 1, empty=True), ckpt)
+
+
+# ----------------------------------------------------------------- the version rule
+
+
+FLAT = ArrayRecord("f", (4, 8), "float32", (2, 8), flattened_block=(1, 8), codec=ShardingIndexed((1, 8), 4))
+SHARDED = ArrayRecord("s", (4, 8), "float32", (2, 8), codec=ShardingIndexed((1, 8), 4))
+PLAIN = ArrayRecord("p", (4, 8), "float32", (1, 8), flattened_block=(1, 8))
+
+
+@pytest.mark.parametrize(("arrays", "zarr_metadata", "version"), [
+    ([PLAIN], ZarrMetadata.PER_NODE, 4),
+    ([PLAIN, SHARDED], ZarrMetadata.PER_NODE, 5),
+    ([PLAIN, SHARDED], ZarrMetadata.CONSOLIDATED_ONLY, 6),
+    ([PLAIN, SHARDED, FLAT], ZarrMetadata.PER_NODE, 7),
+    ([FLAT], ZarrMetadata.CONSOLIDATED_ONLY, 7),
+])
+def test_a_record_is_written_at_the_newest_version_its_features_need(
+    arrays: list[ArrayRecord], zarr_metadata: ZarrMetadata, version: int
+) -> None:
+    assert format_version_for(arrays, zarr_metadata) == version
+    record = CommitRecord({a.key: a.with_chunk_crcs(dict.fromkeys(a.chunk_indices(), 0), "test") for a in arrays},
+                          save_id="s1", format_version=format_version_for(arrays)).with_zarr_metadata(zarr_metadata)
+    assert record.format_version == version
+    parsed = CommitRecord.from_json(record.to_json(), "test")
+    assert (parsed.format_version, parsed.zarr_metadata) == (version, zarr_metadata)
+    assert {k: a.flattened_block for k, a in parsed.arrays.items()} == {a.key: a.flattened_block for a in arrays}
+
+
+# ----------------------------------------------------------------- the plan
+
+
+PLAN_ROWS, PLAN_COLS = 48, 400  # blocks of 75 KiB, rows of 1.6 KB: inner chunks of 8 rows (12.5 KiB)
+
+
+def _megatron_records(tp: int, dp: int, cuts: list[float]) -> list[list[ShardRecord]]:
+    """Every rank's records of a (LAYERS, tp x PLAN_ROWS, PLAN_COLS) float32 array of
+    (1, PLAN_ROWS, PLAN_COLS) blocks, each cut into ``dp`` ranges at ``cuts``
+    (fractions; equal ones leave a rank an empty range)."""
+    volume = PLAN_ROWS * PLAN_COLS
+    bounds = [0, *[int(c * volume) for c in cuts], volume]
+    per_rank: list[list[ShardRecord]] = [[] for _ in range(tp * dp)]
+    for layer in range(LAYERS):
+        for t in range(tp):
+            for d in range(dp):
+                rank = d * tp + t
+                per_rank[rank].append(ShardRecord(
+                    "k", rank, len(per_rank[rank]), "float32", (LAYERS, tp * PLAN_ROWS, PLAN_COLS),
+                    (layer, t * PLAN_ROWS, 0), (1, PLAN_ROWS, PLAN_COLS), (bounds[d], bounds[d + 1]), True))
+    return per_rank
+
+
+def test_every_shard_is_assembled_from_the_fragments_that_hold_it() -> None:
+    """Pure plan: the pieces of every shard of a flattened array (spanning two layers'
+    blocks of both TP ranks) fill its packed buffer exactly, each from the range of the
+    fragment that holds those elements, split at fragment boundaries inside inner
+    chunks; each shard has one writer among them."""
+    volume = PLAN_ROWS * PLAN_COLS
+    per_rank = _megatron_records(2, 5, [0.3, 0.3, 0.3 + 1 / volume, 0.7])  # an empty range, one of 1 element
+    full = np.arange(LAYERS * 2 * volume, dtype=np.float32).reshape(LAYERS, 2 * PLAN_ROWS, PLAN_COLS)
+    data = {(r.rank, r.index): full[r.region].reshape(-1)[slice(*r.flat_range)] for rs in per_rank for r in rs}
+    layout = GlobalLayout.from_gathered([(rs, []) for rs in per_rank])
+    plans = plan_save(layout, 1 << 20, fully_parallel=False, shard_bytes=30 * 8 * PLAN_COLS * 4)
+    record = plans[0].commit.arrays["k"]
+    assert isinstance(record.codec, ShardingIndexed)
+    assert (record.codec.chunk_shape, record.chunk_shape) == ((1, 8, PLAN_COLS), (2, 2 * PLAN_ROWS, PLAN_COLS))
+    assert record.version_needed == plans[0].commit.format_version == FLAT_SHARDED_FORMAT_VERSION
+    shards = [c for p in plans for _, c in p.straddling if c.writer == p.rank]
+    assert len(shards) == record.chunk_count == 2
+    for shard in shards:
+        origin = [s.start for s in shard.region]
+        valid = [s.stop - s.start for s in shard.region]
+        grid = InnerGrid.of(record.chunk_shape, record.codec.chunk_shape, valid)
+        expected = np.concatenate([full[tuple(slice(o + s, o + s + e) for o, s, e in zip(origin, start, extent))]
+                                   .reshape(-1) for start, extent in zip(grid.starts.tolist(), grid.extents.tolist())])
+        buffer = np.full(expected.size, np.nan, np.float32)
+        for rank, index, lo, hi, at in shard.pieces:
+            assert 0 <= lo < hi <= data[(rank, index)].size
+            buffer[at : at + hi - lo] = data[(rank, index)][lo:hi]
+        assert np.array_equal(buffer, expected), shard.region
+        assert shard.writer in {p[0] for p in shard.pieces}
+
+
+def test_a_block_of_a_prime_length_stays_unsharded_rather_than_cut_into_tiny_inner_chunks() -> None:
+    """Its only divisors are 1 and itself: inner chunks of one element (thousands per
+    shard, a 20-byte index entry and checksum each) would cost more than they save."""
+    per_rank = [[ShardRecord("p", rank, 0, "float32", (2, 12289), (0, 0), (2, 12289), (lo, hi), True)]
+                for rank, (lo, hi) in enumerate([(0, 9000), (9000, 24578)])]
+    layout = GlobalLayout.from_gathered([(rs, []) for rs in per_rank])
+    record = plan_save(layout, 1 << 20, fully_parallel=False, shard_bytes=64 << 20)[0].commit.arrays["p"]
+    assert not isinstance(record.codec, ShardingIndexed)

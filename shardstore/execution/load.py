@@ -11,7 +11,7 @@ and on a GPU through pinned slabs (``staging.DeviceUploader``).
 
 from __future__ import annotations
 
-__all__ = ["ReadOp", "load_tensors", "plan_read", "run_read_plan"]
+__all__ = ["ReadOp", "flat_boxes", "load_tensors", "plan_read", "run_read_plan"]
 
 import math
 from collections.abc import Callable
@@ -53,12 +53,17 @@ class ReadOp:
     tensor: ShardedTensor
     region: Region
     finish: Callable[[torch.Tensor], torch.Tensor]
+    # A flattened range of an array whose codec reads parts of a chunk (shards): the
+    # range as boxes of its block, each with its offset in the range, read instead of
+    # ``region`` (the whole rows it touches), so only the inner chunks it covers are read.
+    boxes: tuple[tuple[Region, int], ...] = ()
 
 
 def plan_read(t: ShardedTensor, record: ArrayRecord, where: str) -> ReadOp:
     """Which region of the stored array ``t`` needs, and the post-processing after it.
 
-    A flattened range reads only the rows of its block that it touches.
+    A flattened range reads only the rows of its block that it touches, or, from a
+    sharded array, only the parts of them it covers (``flat_boxes``).
     """
     if record.shape != t.global_shape and not t.allow_shape_mismatch:
         raise CheckpointingException(
@@ -79,6 +84,9 @@ def plan_read(t: ShardedTensor, record: ArrayRecord, where: str) -> ReadOp:
         region = block[:axis] + (slice(block[axis].start + first, block[axis].start + last),) + block[axis + 1 :]
         skip = fr.start - first * row
 
+        if record.codec.reads_spans:
+            return ReadOp(t, region, lambda x: x, flat_boxes(block, fr.start, fr.stop))
+
         def finish_flat(x: torch.Tensor) -> torch.Tensor:
             return x.reshape(-1)[skip : skip + fr.stop - fr.start]
 
@@ -89,6 +97,34 @@ def plan_read(t: ShardedTensor, record: ArrayRecord, where: str) -> ReadOp:
         return postprocess_loaded(x.reshape(region_shape(region)[t.prepend_axis_num :]), t)
 
     return ReadOp(t, region, finish)
+
+
+def flat_boxes(box: Region, start: int, stop: int, at: int = 0) -> tuple[tuple[Region, int], ...]:
+    """The elements ``[start, stop)`` of ``box`` in C order as boxes, each with the
+    offset of its first element in the range (plus ``at``): a partial slab along the
+    first axis, the whole slabs between, a partial one after (at most ``2 * ndim - 1``)."""
+    if start >= stop:
+        return ()
+    if not box:
+        return (((), at),)
+    first, rest = box[0], box[1:]
+    slab = math.prod(s.stop - s.start for s in rest)
+    lo, hi = divmod(start, slab), divmod(stop, slab)
+    if lo[0] == hi[0]:
+        row = slice(first.start + lo[0], first.start + lo[0] + 1)
+        return tuple(((row, *r), o) for r, o in flat_boxes(rest, lo[1], stop - lo[0] * slab, at))
+    out: list[tuple[Region, int]] = []
+    whole = lo[0]
+    if lo[1]:
+        row = slice(first.start + lo[0], first.start + lo[0] + 1)
+        out += [((row, *r), o) for r, o in flat_boxes(rest, lo[1], slab, at)]
+        whole += 1
+    if whole < hi[0]:
+        out.append(((slice(first.start + whole, first.start + hi[0]), *rest), at + whole * slab - start))
+    if hi[1]:
+        row = slice(first.start + hi[0], first.start + hi[0] + 1)
+        out += [((row, *r), o) for r, o in flat_boxes(rest, 0, hi[1], at + hi[0] * slab - start)]
+    return tuple(out)
 
 
 def load_tensors(
@@ -122,6 +158,13 @@ def load_tensors(
     for n, r in enumerate(reads):
         stored = record.arrays[r.tensor.key]
         dtype, shape = from_zarr_name(stored.dtype), region_shape(r.region)
+        if r.boxes:  # a flattened range: its parts, each into its run of the result
+            out = np.empty(r.tensor.flattened_range.stop - r.tensor.flattened_range.start, dtype.numpy_dtype)
+            arrays.append(out)
+            for box, at in r.boxes:
+                part = out[at : at + math.prod(region_shape(box))].reshape(region_shape(box))
+                jobs += read_region(ArrayChunks.of(store, stored), box, part)
+            continue
         target = _in_place_target(r, dtype.torch_dtype, targets_seen)
         if target is None:
             out = np.empty(shape, dtype.numpy_dtype)

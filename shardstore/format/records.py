@@ -494,14 +494,15 @@ def _flattened_block(
     if _spans_blocks(block, read_whole):
         raise CheckpointingException(
             f"{where}: array {key!r} names a flattened block {block} smaller than its chunks {read_whole}, which "
-            "no save writes; the commit record was edited or damaged"
+            "no save writes; the commit record was edited or damaged: restore it from a copy, or load an earlier "
+            "checkpoint"
         )
     if _spans_blocks(block, chunk_shape) and math.prod(-(-c // i) for c, i in zip(chunk_shape, read_whole)) > (
             MAX_FLAT_INNER_CHUNKS):
         raise CheckpointingException(
             f"{where}: array {key!r} is stored in shards of {chunk_shape} spanning its flattened blocks {block} with "
             f"more than {MAX_FLAT_INNER_CHUNKS} inner chunks {read_whole}, which no save writes; the commit record "
-            "was edited or damaged"
+            "was edited or damaged: restore it from a copy, or load an earlier checkpoint"
         )
     return block
 
@@ -1132,7 +1133,7 @@ def _check_versions_needed(arrays: dict[str, ArrayRecord], version: int, where: 
     for key, array in arrays.items():
         if array.version_needed > version:
             raise CheckpointingException(
-                f"{where}: array {key!r} is stored as format version {array.version_needed} introduced "
+                f"{where}: array {key!r} uses a layout that format version {array.version_needed} introduced "
                 f"(codecs {array.codec.name}, chunks {array.chunk_shape}, flattened block {array.flattened_block}), "
                 f"but the record claims version {version}; the commit record was edited or damaged: restore it "
                 "from a copy"

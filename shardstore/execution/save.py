@@ -103,6 +103,18 @@ class ShardOp(WriteOp):
         return [(array.file(self.index), self.value)]
 
 
+@dataclass
+class PackedShardsOp(WriteOp):
+    """A block of an array stored in shards inside its blocks
+    (``planning.plans.in_block_sharded_record``): each shard's values packed into its
+    decoded bytes (``format.sharding.ShardingIndexed.pack``: one copy, inner-chunk-major)
+    before its codec encodes them."""
+
+    def jobs(self, array: ArrayChunks) -> list[tuple[ChunkFile, np.ndarray]]:
+        codec = cast(ShardingIndexed, array.codec)
+        return [(file, codec.pack(values)) for file, values in super().jobs(array)]
+
+
 @dataclass(frozen=True)
 class StagedWrites:
     """A rank's part of a save, ready for I/O (``stage_save``): nothing refers to the
@@ -148,8 +160,10 @@ class Staging:
     io_threads: int = DEFAULT_IO_THREADS
 
 
-def _block_op(s: ShardRecord, host: list[torch.Tensor | None]) -> WriteOp:
-    return WriteOp(s.key, s.region, tensor_to_numpy(host[s.index]).reshape(s.block_shape))
+def _block_op(s: ShardRecord, host: list[torch.Tensor | None], records: dict[str, ArrayRecord]) -> WriteOp:
+    """The write of a block as its own chunks, or as the shards inside it."""
+    op = PackedShardsOp if isinstance(records[s.key].codec, ShardingIndexed) else WriteOp
+    return op(s.key, s.region, tensor_to_numpy(host[s.index]).reshape(s.block_shape))
 
 
 def _planned_tensor(tensors: list[ShardedTensor], s: ShardRecord, where: str) -> torch.Tensor:
@@ -195,7 +209,7 @@ def stage_save(
         lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks),
         transfers=straddles, local_error=local_error,
     )
-    ops = [_block_op(s, host) for s in plan.shards if _written_whole(s, plan) and s.index not in written]
+    ops = [_block_op(s, host, plan.records) for s in plan.shards if _written_whole(s, plan) and s.index not in written]
     for w in plan.flat_direct:
         flat = tensor_to_numpy(host[w.index])[w.local_start : w.local_stop]
         ops.append(WriteOp(w.key, w.region, flat.reshape(region_shape(w.region))))
@@ -221,7 +235,7 @@ def copy_to_host(
     def write_wave(wave: list[ShardRecord], copied: Any) -> None:
         """Writes a wave once its copies landed; its buffers go back to the pool."""
         copied.synchronize()
-        ops = [_block_op(h, host) for h in wave]
+        ops = [_block_op(h, host, plan.records) for h in wave]
         early_chunks.extend(write_ops(location, plan.records, ops, staging.io_concurrency))
         snapshot.release([host[h.index] for h in wave])
         for h in wave:

@@ -515,6 +515,21 @@ class ShardingIndexed(ChunkCodec):
                 at += n
         return out
 
+    def pack(self, values: np.ndarray) -> np.ndarray:
+        """A whole shard's decoded bytes (flat uint8, inner-chunk-major) from its
+        ``values`` (the shard's shape, any strides: a shard inside a block, written by
+        the block's holder, ``planning.plans.in_block_sharded_record``): one copy, each
+        axis split into (inner chunks, inner extent) and the inner-chunk axes moved first
+        (a view), then made contiguous; no copy where the decoded bytes are the shard's C
+        order (``c_ordered``) and ``values`` is C-contiguous."""
+        shape = values.shape
+        if self.c_ordered(shape) and values.flags.c_contiguous:
+            return values.reshape(-1).view(np.uint8)
+        split = [n for s, i in zip(shape, self.chunk_shape) for n in (s // i, i)]
+        ndim = len(shape)
+        order = [*range(0, 2 * ndim, 2), *range(1, 2 * ndim, 2)]
+        return np.ascontiguousarray(values.reshape(split).transpose(order)).reshape(-1).view(np.uint8)
+
     def _count(self, nbytes: int, where: str) -> int:
         if nbytes % self.inner_nbytes:
             raise CheckpointingException(

@@ -150,7 +150,8 @@ def sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: in
     those after it), at least two chunks fit in ``shard_bytes``, and the array has more
     than one. A shard then holds as many inner chunks as fit, merged along the leading
     axes first (``_shard_shape``), so the files of the array no longer multiply with
-    the ranks. Flattened arrays: ``_flat_sharded_record``. Otherwise ``record`` as it is."""
+    the ranks. Flattened arrays: ``_flat_sharded_record``; large blocks split along a
+    later axis: ``in_block_sharded_record`` first. Otherwise ``record`` as it is."""
     if record.flattened_block is not None:
         return _flat_sharded_record(record, main, shard_bytes, grid)
     shape, chunk = record.shape, record.chunk_shape

@@ -198,7 +198,9 @@ def in_block_sharded_record(record: ArrayRecord, shard_bytes: int) -> ArrayRecor
     for axis in later:
         columns[axis] //= next(k for k in range(min(INNER_PARTS, shard[axis]), 0, -1) if shard[axis] % k == 0)
     inner = bound_chunk(tuple(columns), itemsize, MAX_INNER_BYTES)
-    if all(columns[a] == shard[a] for a in later) or math.prod(inner) * itemsize < MIN_INNER_BYTES or _count(shard, inner) > MAX_FLAT_INNER_CHUNKS:
+    if all(columns[a] == shard[a] for a in later) or math.prod(inner) * itemsize < MIN_INNER_BYTES:
+        return None
+    if _count(shard, inner) > MAX_FLAT_INNER_CHUNKS:
         return None
     return replace(record, chunk_shape=shard, codec=ShardingIndexed(inner, itemsize))
 

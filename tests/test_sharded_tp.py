@@ -228,9 +228,36 @@ def test_megatron_shaped_row_parallel_weights_get_inner_chunks_of_at_most_1_mib(
     assert not any(p.gathered or p.straddling for p in plans)  # each holder writes its own
 
 
+def test_a_block_larger_than_shard_bytes_is_still_one_file() -> None:
+    """``shard_bytes`` merges small chunks; it does not cut a large one into more files."""
+    record = plan_save(_layout(4096, 4096, 2, torch.bfloat16), 64 << 20, False, 1 << 20)[0].commit.arrays["w"]
+    assert record.chunk_shape == (4096, 2048) and record.codec == ShardingIndexed((2048, 256), 2)
+
+
 def test_small_blocks_still_gather_across_blocks() -> None:
     """A block under an eighth of ``shard_bytes`` is gathered with others (files first)."""
     plans = plan_save(_layout(64, 256, 2, torch.float32), 64 << 20, False, 64 << 20)
     record = plans[0].commit.arrays["w"]
     assert isinstance(record.codec, ShardingIndexed) and record.chunk_shape == (64, 256)
     assert any(p.gathered for p in plans)
+
+
+def test_on_s3_shards_inside_blocks_save_load_and_verify(moto_server) -> None:
+    """One process holds both TP 2 blocks and saves to the local S3 server (TensorStore's
+    kvstore writes the packed shards); the TP 4 parts load bit-exact."""
+    from shardstore.stores.s3 import S3Options
+    from tests.s3_support import KEY, REGION, SECRET
+
+    moto_server.create_bucket("tp-sharded")
+    options = S3Options(endpoint_url=moto_server.endpoint, key=KEY, secret=SECRET, region=REGION)
+    target = open_location("s3://tp-sharded/ckpt", options=options)
+    save({**_state(0, 2), **{f"{k}.1": v for k, v in _state(1, 2).items()}}, target,
+         ZarrSaveShardedStrategy(shard_bytes=SHARD_BYTES))
+    assert sorted(n for n in target.list_files() if n.startswith("proj/")) == [
+        "proj/c.0.0", "proj/c.0.1", "proj/zarr.json"]
+    requests = {f"{k}.{j}": v for j in range(4) for k, v in _state(j, 4, empty=True).items()}
+    loaded = load(requests, target)
+    for j in range(4):
+        for key, value in _expected(j, 4).items():
+            assert torch.equal(loaded[f"{key}.{j}"], value), (key, j)
+    assert shardstore.verify(target).ok

@@ -178,31 +178,32 @@ def in_block_sharded_record(record: ArrayRecord, shard_bytes: int) -> ArrayRecor
     ``sharded_record``, where inner chunks of whole rows make a TP 4 reader of a TP 2
     block read all of it: 2x); else None. Not flattened arrays (``_flat_sharded_record``).
 
-    The shard: the chunk, its leading axes split (``bound_chunk``) to at most
-    ``shard_bytes``. Its inner chunks: along each split later axis a ``k``-th of the
-    shard, ``k`` the largest divisor of its length up to ``INNER_PARTS`` (8), so a
-    reader of part of a block's columns reads at most one inner chunk more per end that
-    is off the inner grid (TP 2 -> 4: 1.0x; 2 -> 3: 1.125x); then leading axes split to
-    at most ``MAX_INNER_BYTES`` (1 MiB: a reader of a few rows, plain ones included,
-    reads little more). None where the inner chunk would be under ``MIN_INNER_BYTES``
-    or the shard would hold more than ``MAX_FLAT_INNER_CHUNKS`` of them (lengths
-    without small divisors). A shard's decoded bytes are then not its C order: its
+    The shard: the chunk (the files are an unsharded save's; ``shard_bytes`` merges small
+    chunks, it does not cut large ones). Its inner chunks: along each split later axis
+    a ``k``-th of the shard, ``k`` the largest divisor of its length up to
+    ``INNER_PARTS`` (8), so a reader of part of a block's columns reads at most one
+    inner chunk more per end that is off the inner grid (TP 2 -> 4: 1.0x; 2 -> 3:
+    1.125x); then leading axes split to at most ``MAX_INNER_BYTES`` (1 MiB: a reader
+    of a few rows, plain ones included, reads little more), or a
+    ``MAX_FLAT_INNER_CHUNKS``-th of the shard where that is more. None where the inner
+    chunk would be under ``MIN_INNER_BYTES`` or the shard would hold more than
+    ``MAX_FLAT_INNER_CHUNKS`` of them (lengths without small divisors). A shard's decoded bytes are then not its C order: its
     writer packs them (``ShardingIndexed.pack``, one copy; ``execution.save``)."""
     shape, chunk, itemsize = record.shape, record.chunk_shape, record.itemsize
     split = _split_axis(chunk)
     later = [a for a in range(split + 1, len(chunk)) if chunk[a] < shape[a]]
     if record.flattened_block is not None or not later or math.prod(chunk) * itemsize * IN_BLOCK_PARTS < shard_bytes:
         return None
-    shard = bound_chunk(chunk, itemsize, shard_bytes)
-    columns = list(shard)
+    columns = list(chunk)
     for axis in later:
-        columns[axis] //= next(k for k in range(min(INNER_PARTS, shard[axis]), 0, -1) if shard[axis] % k == 0)
-    inner = bound_chunk(tuple(columns), itemsize, MAX_INNER_BYTES)
-    if all(columns[a] == shard[a] for a in later) or math.prod(inner) * itemsize < MIN_INNER_BYTES:
+        columns[axis] //= next(k for k in range(min(INNER_PARTS, chunk[axis]), 0, -1) if chunk[axis] % k == 0)
+    most = max(MAX_INNER_BYTES, math.prod(chunk) * itemsize // MAX_FLAT_INNER_CHUNKS)
+    inner = bound_chunk(tuple(columns), itemsize, most)
+    if all(columns[a] == chunk[a] for a in later) or math.prod(inner) * itemsize < MIN_INNER_BYTES:
         return None
-    if _count(shard, inner) > MAX_FLAT_INNER_CHUNKS:
+    if _count(chunk, inner) > MAX_FLAT_INNER_CHUNKS:
         return None
-    return replace(record, chunk_shape=shard, codec=ShardingIndexed(inner, itemsize))
+    return replace(record, codec=ShardingIndexed(inner, itemsize))
 
 
 def _flat_sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: int, grid: BlockGrid) -> ArrayRecord:

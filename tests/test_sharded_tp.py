@@ -242,6 +242,20 @@ def test_small_blocks_still_gather_across_blocks() -> None:
     assert any(p.gathered for p in plans)
 
 
+def test_an_async_save_in_waves_packs_each_wave(tmp_path: Path) -> None:
+    """An async save whose snapshot is bounded (``max_staging_bytes``) writes its blocks
+    in waves, each packed as it is written."""
+    state = {**_state(0, 2), **{f"{k}.1": v for k, v in _state(1, 2).items()}}
+    strategy = ZarrSaveShardedStrategy(shard_bytes=SHARD_BYTES, max_staging_bytes=1 << 20)
+    save(state, tmp_path / "ckpt", strategy, async_sharded_save=True).execute_sync()
+    requests = {f"{k}.{j}": v for j in range(4) for k, v in _state(j, 4, empty=True).items()}
+    loaded = load(requests, tmp_path / "ckpt")
+    for j in range(4):
+        for key, value in _expected(j, 4).items():
+            assert torch.equal(loaded[f"{key}.{j}"], value), (key, j)
+    assert shardstore.verify(tmp_path / "ckpt").ok
+
+
 def test_on_s3_shards_inside_blocks_save_load_and_verify(moto_server) -> None:
     """One process holds both TP 2 blocks and saves to the local S3 server (TensorStore's
     kvstore writes the packed shards); the TP 4 parts load bit-exact."""

@@ -256,6 +256,30 @@ def test_an_async_save_in_waves_packs_each_wave(tmp_path: Path) -> None:
     assert shardstore.verify(tmp_path / "ckpt").ok
 
 
+def test_packed_shards_are_written_in_batches_of_bounded_copies(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packing copies a shard; a sync save holds at most ``MAX_COPIED_BYTES`` of such
+    copies at once (here less than a block: one block's shards per batch)."""
+    import shardstore.execution.save as rank_save
+
+    batches: list[int] = []
+    real = rank_save.run_writes
+
+    def counting(jobs, *args, **kwargs):
+        batches.append(sum(data.nbytes for _, data in jobs))
+        return real(jobs, *args, **kwargs)
+
+    monkeypatch.setattr(rank_save, "run_writes", counting)
+    monkeypatch.setattr(rank_save, "MAX_COPIED_BYTES", 1)
+    state = {**_state(0, 2), **{f"{k}.1": v for k, v in _state(1, 2).items()}}
+    save(state, tmp_path / "ckpt", ZarrSaveShardedStrategy(shard_bytes=SHARD_BYTES))
+    block = OUT * IN // 2 * 4
+    assert batches == [block] * 6  # one block (its one shard) per batch
+    loaded = load({k: ShardedTensor(**{**v.__dict__, "data": torch.zeros_like(v.data)}) for k, v in state.items()},
+                  tmp_path / "ckpt")
+    assert all(torch.equal(loaded[k], v.data) for k, v in state.items())
+
+
 def test_on_s3_shards_inside_blocks_save_load_and_verify(moto_server) -> None:
     """One process holds both TP 2 blocks and saves to the local S3 server (TensorStore's
     kvstore writes the packed shards); the TP 4 parts load bit-exact."""

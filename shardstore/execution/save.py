@@ -35,7 +35,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -81,6 +81,8 @@ class WriteOp:
     key: str
     region: Region
     value: np.ndarray
+    # its jobs hold a copy of ``value`` (``PackedShardsOp``): bounded by ``MAX_COPIED_BYTES``
+    copies: ClassVar[bool] = False
 
     def jobs(self, array: ArrayChunks) -> list[tuple[ChunkFile, np.ndarray]]:
         """The chunk writes that store it: its region must be whole chunks."""
@@ -109,6 +111,8 @@ class PackedShardsOp(WriteOp):
     (``planning.plans.in_block_sharded_record``): each shard's values packed into its
     decoded bytes (``format.sharding.ShardingIndexed.pack``: one copy, inner-chunk-major)
     before its codec encodes them."""
+
+    copies: ClassVar[bool] = True
 
     def jobs(self, array: ArrayChunks) -> list[tuple[ChunkFile, np.ndarray]]:
         codec = cast(ShardingIndexed, array.codec)
@@ -337,16 +341,34 @@ def write_ops(
     save reuses from (``format.reuse``); returns what each writer reports."""
     store = chunk_store_for(pending.location, io_concurrency, io_threads)
     reuse = pending.chunk_reuse(store, records)
-    jobs: list = []
-    for op in ops:
-        if not op.value.size:
-            continue
-        jobs += op.jobs(ArrayChunks.of(store, records[op.key]))
-    if reuse is None:
-        return run_writes(jobs, store.threads)
-    written = run_writes(jobs, store.threads, reuse.sharer(store))
-    reuse.log_tally()
+    share = None if reuse is None else reuse.sharer(store)
+    written: list[WrittenChunk] = []
+    for batch in _batches([op for op in ops if op.value.size]):
+        jobs = [job for op in batch for job in op.jobs(ArrayChunks.of(store, records[op.key]))]
+        written += run_writes(jobs, store.threads, share)
+    if reuse is not None:
+        reuse.log_tally()
     return written
+
+
+# The most bytes of copies made for writing (``WriteOp.copies``: packed shards) held at
+# once: above it such ops are written in batches, one after another (a rank's
+# row-parallel weights, a third of its model's, would otherwise be copied whole).
+MAX_COPIED_BYTES = 256 << 20
+
+
+def _batches(ops: list[WriteOp]) -> list[list[WriteOp]]:
+    """``ops`` in batches written one after another: the first holds every op that
+    copies nothing and copying ones up to ``MAX_COPIED_BYTES``, each next one more."""
+    batches: list[list[WriteOp]] = [[op for op in ops if not op.copies]]
+    held = 0
+    for op in (op for op in ops if op.copies):
+        if held and held + op.value.nbytes > MAX_COPIED_BYTES:
+            batches.append([])
+            held = 0
+        batches[-1].append(op)
+        held += op.value.nbytes
+    return batches
 
 
 def _describe_region(region: Region) -> str:

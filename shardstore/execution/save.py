@@ -35,7 +35,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -81,6 +81,8 @@ class WriteOp:
     key: str
     region: Region
     value: np.ndarray
+    # its jobs hold a copy of ``value`` (``PackedShardsOp``): bounded by ``MAX_COPIED_BYTES``
+    copies: ClassVar[bool] = False
 
     def jobs(self, array: ArrayChunks) -> list[tuple[ChunkFile, np.ndarray]]:
         """The chunk writes that store it: its region must be whole chunks."""
@@ -101,6 +103,20 @@ class ShardOp(WriteOp):
 
     def jobs(self, array: ArrayChunks) -> list[tuple[ChunkFile, np.ndarray]]:
         return [(array.file(self.index), self.value)]
+
+
+@dataclass
+class PackedShardsOp(WriteOp):
+    """A block of an array stored in shards inside its blocks
+    (``planning.plans.in_block_sharded_record``): each shard's values packed into its
+    decoded bytes (``format.sharding.ShardingIndexed.pack``: one copy, inner-chunk-major)
+    before its codec encodes them."""
+
+    copies: ClassVar[bool] = True
+
+    def jobs(self, array: ArrayChunks) -> list[tuple[ChunkFile, np.ndarray]]:
+        codec = cast(ShardingIndexed, array.codec)
+        return [(file, codec.pack(values)) for file, values in super().jobs(array)]
 
 
 @dataclass(frozen=True)
@@ -148,8 +164,10 @@ class Staging:
     io_threads: int = DEFAULT_IO_THREADS
 
 
-def _block_op(s: ShardRecord, host: list[torch.Tensor | None]) -> WriteOp:
-    return WriteOp(s.key, s.region, tensor_to_numpy(host[s.index]).reshape(s.block_shape))
+def _block_op(s: ShardRecord, host: list[torch.Tensor | None], records: dict[str, ArrayRecord]) -> WriteOp:
+    """The write of a block as its own chunks, or as the shards inside it."""
+    op = PackedShardsOp if isinstance(records[s.key].codec, ShardingIndexed) else WriteOp
+    return op(s.key, s.region, tensor_to_numpy(host[s.index]).reshape(s.block_shape))
 
 
 def _planned_tensor(tensors: list[ShardedTensor], s: ShardRecord, where: str) -> torch.Tensor:
@@ -195,7 +213,7 @@ def stage_save(
         lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks),
         transfers=straddles, local_error=local_error,
     )
-    ops = [_block_op(s, host) for s in plan.shards if _written_whole(s, plan) and s.index not in written]
+    ops = [_block_op(s, host, plan.records) for s in plan.shards if _written_whole(s, plan) and s.index not in written]
     for w in plan.flat_direct:
         flat = tensor_to_numpy(host[w.index])[w.local_start : w.local_stop]
         ops.append(WriteOp(w.key, w.region, flat.reshape(region_shape(w.region))))
@@ -221,7 +239,7 @@ def copy_to_host(
     def write_wave(wave: list[ShardRecord], copied: Any) -> None:
         """Writes a wave once its copies landed; its buffers go back to the pool."""
         copied.synchronize()
-        ops = [_block_op(h, host) for h in wave]
+        ops = [_block_op(h, host, plan.records) for h in wave]
         early_chunks.extend(write_ops(location, plan.records, ops, staging.io_concurrency))
         snapshot.release([host[h.index] for h in wave])
         for h in wave:
@@ -323,16 +341,34 @@ def write_ops(
     save reuses from (``format.reuse``); returns what each writer reports."""
     store = chunk_store_for(pending.location, io_concurrency, io_threads)
     reuse = pending.chunk_reuse(store, records)
-    jobs: list = []
-    for op in ops:
-        if not op.value.size:
-            continue
-        jobs += op.jobs(ArrayChunks.of(store, records[op.key]))
-    if reuse is None:
-        return run_writes(jobs, store.threads)
-    written = run_writes(jobs, store.threads, reuse.sharer(store))
-    reuse.log_tally()
+    share = None if reuse is None else reuse.sharer(store)
+    written: list[WrittenChunk] = []
+    for batch in _batches([op for op in ops if op.value.size]):
+        jobs = [job for op in batch for job in op.jobs(ArrayChunks.of(store, records[op.key]))]
+        written += run_writes(jobs, store.threads, share)
+    if reuse is not None:
+        reuse.log_tally()
     return written
+
+
+# The most bytes of copies made for writing (``WriteOp.copies``: packed shards) held at
+# once: above it such ops are written in batches, one after another (a rank's
+# row-parallel weights, a third of its model's, would otherwise be copied whole).
+MAX_COPIED_BYTES = 256 << 20
+
+
+def _batches(ops: list[WriteOp]) -> list[list[WriteOp]]:
+    """``ops`` in batches written one after another: the first holds every op that
+    copies nothing and copying ones up to ``MAX_COPIED_BYTES``, each next one more."""
+    batches: list[list[WriteOp]] = [[op for op in ops if not op.copies]]
+    held = 0
+    for op in (op for op in ops if op.copies):
+        if held and held + op.value.nbytes > MAX_COPIED_BYTES:
+            batches.append([])
+            held = 0
+        batches[-1].append(op)
+        held += op.value.nbytes
+    return batches
 
 
 def _describe_region(region: Region) -> str:

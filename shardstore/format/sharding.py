@@ -28,14 +28,18 @@ the inner grid (``2**64-1`` twice: empty, read as zero), then the index's crc32c
   and the shard is one element along every axis before it (``c_ordered``: FSDP2's
   first-axis shards) that is the shard's C order. ``decoded`` pads the packed inner
   chunks a gathered writer holds (``InnerGrid``: each inner chunk's part inside the
-  array, back to back); ``read_boxes_into`` fills boxes of the shard into arrays,
+  array, back to back); ``pack`` orders a whole shard's values so (one copy, for a
+  shard inside a block); ``read_boxes_into`` fills boxes of the shard into arrays,
   reading once only the inner chunks they cover (or the shard whole when that costs
   little more).
 
 The planner (``planning.plans.sharded_record``) shards arrays of small chunk-aligned
 blocks split along any axes when asked (``ZarrSaveShardedStrategy(shard_bytes=...)``),
-each shard gathered to one writer; such a record is format version 5 (a reader of
-version 5 before inner grids of several axes refuses them by ``check_chunk_shape``).
+each shard gathered to one writer, or, for large blocks split along a later axis
+(Megatron's row-parallel weights), in shards inside each block that its holder writes,
+with inner chunks that split the columns too (``in_block_sharded_record``); such a
+record is format version 5 (a reader of version 5 before inner grids of several axes
+refuses them by ``check_chunk_shape``).
 Flattened arrays (the distributed optimizer's fragments) are sharded too; a shard
 larger than their flattened block is format version 7 and holds at most
 ``MAX_FLAT_INNER_CHUNKS`` inner chunks (``format.records``).
@@ -515,6 +519,21 @@ class ShardingIndexed(ChunkCodec):
                 at += n
         return out
 
+    def pack(self, values: np.ndarray) -> np.ndarray:
+        """A whole shard's decoded bytes (flat uint8, inner-chunk-major) from its
+        ``values`` (the shard's shape, any strides: a shard inside a block, written by
+        the block's holder, ``planning.plans.in_block_sharded_record``): one copy, each
+        axis split into (inner chunks, inner extent) and the inner-chunk axes moved first
+        (a view), then made contiguous; no copy where the decoded bytes are the shard's C
+        order (``c_ordered``) and ``values`` is C-contiguous."""
+        shape = values.shape
+        if self.c_ordered(shape) and values.flags.c_contiguous:
+            return values.reshape(-1).view(np.uint8)
+        split = [n for s, i in zip(shape, self.chunk_shape) for n in (s // i, i)]
+        ndim = len(shape)
+        order = [*range(0, 2 * ndim, 2), *range(1, 2 * ndim, 2)]
+        return np.ascontiguousarray(values.reshape(split).transpose(order)).reshape(-1).view(np.uint8)
+
     def _count(self, nbytes: int, where: str) -> int:
         if nbytes % self.inner_nbytes:
             raise CheckpointingException(
@@ -551,7 +570,9 @@ class ShardingIndexed(ChunkCodec):
         the shard's crc the caller compares with the record's. The shard is read whole
         (one request, where ranged reads take two) when that adds at most a quarter of
         the bytes needed (issue 44.4's bound) or at most what one more request costs on
-        its storage (``ChunkStore.request_bytes``: nothing locally, 8 MiB on S3);
+        its storage (``ChunkStore.request_bytes``: nothing locally, 8 MiB on S3), except
+        where it is all needed and requests cost nothing (locally: the ranged read lands
+        in place, the whole one would be copied);
         straight into ``out`` when the one box is the shard, ``out`` is C-contiguous and
         the shard's decoded bytes are its C order."""
         grid = InnerGrid.of(shard_shape, self.chunk_shape, shard_shape)
@@ -564,7 +585,8 @@ class ShardingIndexed(ChunkCodec):
                 for box, _ in parts]
         needed = np.flatnonzero(np.logical_or.reduce(hits)).tolist()
         source: ByteRanges | None = ChunkRanges(chunk)
-        if (count - len(needed)) * step <= max(len(needed) * step // 4, chunk.store.request_bytes):
+        waste = (count - len(needed)) * step
+        if (waste or chunk.store.request_bytes) and waste <= max(len(needed) * step // 4, chunk.store.request_bytes):
             source = WholeObject.read(chunk, count * (step + CRC_BYTES) + ShardIndex.suffix_nbytes(count))
             if source is None:
                 raise CheckpointingException(f"Missing {chunk.describe()}: the checkpoint is damaged")

@@ -112,8 +112,9 @@ def array_records(
     """Every array's metadata: its chunk grid aligned with the sharding of its main
     shards; with ``shard_bytes``, an array of small blocks on a grid (split along any
     axes), or of flattened ranges of such blocks, is stored in shards of about that
-    many bytes (``sharded_record``). Also the grid of each sharded array's blocks,
-    which ``plan_gathered_writes`` maps its shards onto."""
+    many bytes (``sharded_record``), and one whose blocks split a later axis in shards
+    inside its blocks (``in_block_sharded_record``). Also the grid of each array whose
+    shards are gathered, which ``plan_gathered_writes`` maps its shards onto."""
     records, grids = {}, {}
     for key, shards in layout.tensors.items():
         first = shards[0]
@@ -122,9 +123,13 @@ def array_records(
         chunk = chunk_shape_for(main, first.global_shape, itemsize, max_chunk_bytes)
         record = ArrayRecord(key, first.global_shape, first.dtype, chunk, flattened_block=flattened_block(main))
         grid = _shardable_grid(record, main) if shard_bytes else None
-        records[key] = sharded_record(record, main, shard_bytes, grid) if grid is not None else record
-        if records[key] is not record:
-            grids[key] = grid
+        records[key] = record
+        if grid is None:
+            continue
+        if (own := in_block_sharded_record(record, shard_bytes)) is not None:  # written by the blocks' holders
+            records[key] = own
+        elif (gathered := sharded_record(record, main, shard_bytes, grid)) is not record:
+            records[key], grids[key] = gathered, grid
     return records, grids
 
 
@@ -145,7 +150,8 @@ def sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: in
     those after it), at least two chunks fit in ``shard_bytes``, and the array has more
     than one. A shard then holds as many inner chunks as fit, merged along the leading
     axes first (``_shard_shape``), so the files of the array no longer multiply with
-    the ranks. Flattened arrays: ``_flat_sharded_record``. Otherwise ``record`` as it is."""
+    the ranks. Flattened arrays: ``_flat_sharded_record``; large blocks split along a
+    later axis: ``in_block_sharded_record`` first. Otherwise ``record`` as it is."""
     if record.flattened_block is not None:
         return _flat_sharded_record(record, main, shard_bytes, grid)
     shape, chunk = record.shape, record.chunk_shape
@@ -161,6 +167,43 @@ def sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: in
     codec = ShardingIndexed(tuple(inner), record.itemsize)
     return replace(record, chunk_shape=_shard_shape(shape, codec.chunk_shape, shard_bytes // codec.inner_nbytes),
                    codec=codec)
+
+
+def in_block_sharded_record(record: ArrayRecord, shard_bytes: int) -> ArrayRecord | None:
+    """``record`` stored in shards that lie inside its blocks, each written by the
+    block's holder as its unsharded chunks are (no gather), when its blocks split an
+    axis after the first longer one of its chunks (Megatron's row-parallel weights:
+    ``[out, in/TP]``, layer-stacked ``[1, out, in/TP]``), whose chunks hold at least
+    ``shard_bytes / IN_BLOCK_PARTS`` (smaller ones gather across blocks,
+    ``sharded_record``, where inner chunks of whole rows make a TP 4 reader of a TP 2
+    block read all of it: 2x); else None. Not flattened arrays (``_flat_sharded_record``).
+
+    The shard: the chunk (the files are an unsharded save's; ``shard_bytes`` merges small
+    chunks, it does not cut large ones). Its inner chunks: along each split later axis
+    a ``k``-th of the shard, ``k`` the largest divisor of its length up to
+    ``INNER_PARTS`` (8), so a reader of part of a block's columns reads at most one
+    inner chunk more per end that is off the inner grid (TP 2 -> 4: 1.0x; 2 -> 3:
+    1.125x); then leading axes split to at most ``MAX_INNER_BYTES`` (1 MiB: a reader
+    of a few rows, plain ones included, reads little more), or a
+    ``MAX_FLAT_INNER_CHUNKS``-th of the shard where that is more. None where the inner
+    chunk would be under ``MIN_INNER_BYTES`` or the shard would hold more than
+    ``MAX_FLAT_INNER_CHUNKS`` of them (lengths without small divisors). A shard's decoded bytes are then not its C order: its
+    writer packs them (``ShardingIndexed.pack``, one copy; ``execution.save``)."""
+    shape, chunk, itemsize = record.shape, record.chunk_shape, record.itemsize
+    split = _split_axis(chunk)
+    later = [a for a in range(split + 1, len(chunk)) if chunk[a] < shape[a]]
+    if record.flattened_block is not None or not later or math.prod(chunk) * itemsize * IN_BLOCK_PARTS < shard_bytes:
+        return None
+    columns = list(chunk)
+    for axis in later:
+        columns[axis] //= next(k for k in range(min(INNER_PARTS, chunk[axis]), 0, -1) if chunk[axis] % k == 0)
+    most = max(MAX_INNER_BYTES, math.prod(chunk) * itemsize // MAX_FLAT_INNER_CHUNKS)
+    inner = bound_chunk(tuple(columns), itemsize, most)
+    if all(columns[a] == chunk[a] for a in later) or math.prod(inner) * itemsize < MIN_INNER_BYTES:
+        return None
+    if _count(chunk, inner) > MAX_FLAT_INNER_CHUNKS:
+        return None
+    return replace(record, codec=ShardingIndexed(inner, itemsize))
 
 
 def _flat_sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: int, grid: BlockGrid) -> ArrayRecord:
@@ -342,6 +385,11 @@ class FlatBlockGrid(BlockGrid):
 INNER_PARTS = 8
 MIN_INNER_BYTES = 16 << 10
 FRAGMENT_PARTS = 8
+# Shards inside blocks (``in_block_sharded_record``): chunks of at least an
+# IN_BLOCK_PARTS-th of ``shard_bytes`` (a gathered shard would hold at most that many:
+# files multiply little), inner chunks of at most MAX_INNER_BYTES.
+IN_BLOCK_PARTS = 8
+MAX_INNER_BYTES = 1 << 20
 
 
 def _inner_rows(rows: int, row_bytes: int) -> int:
@@ -505,10 +553,10 @@ def plan_save(
             touched[s.rank].add(key)
         if main:
             metadata[main[ordinal % len(main)].rank].append(key)
-        sharded = isinstance(records[key].codec, ShardingIndexed)
-        if not main or (main[0].flat_range is None and not sharded):
+        gathered_key = key in grids  # shards inside blocks (not in ``grids``) are written as blocks are
+        if not main or (main[0].flat_range is None and not gathered_key):
             continue
-        if sharded:
+        if gathered_key:
             key_direct, key_straddling = [], plan_gathered_writes(key, records[key], grids[key], load)
             for rank in {s.rank for s in main} | {c.writer for c in key_straddling}:
                 gathered[rank].add(key)

@@ -346,6 +346,29 @@ def test_every_shard_is_assembled_from_the_fragments_that_hold_it() -> None:
         assert shard.writer in {p[0] for p in shard.pieces}
 
 
+def _inner_chunk_planned(cuts: list[float]) -> tuple[int, ...]:
+    """The inner chunk planned for a (LAYERS, 256, 1024) float32 array of 1 MiB blocks,
+    each cut into DP ranges at ``cuts`` (fractions of the block)."""
+    volume, shape = 256 * 1024, (LAYERS, 256, 1024)
+    bounds = [0, *[int(c * volume) for c in cuts], volume]
+    per_rank = [[ShardRecord("k", d, layer, "float32", shape, (layer, 0, 0), (1, 256, 1024),
+                             (bounds[d], bounds[d + 1]), True) for layer in range(LAYERS)] for d in range(len(bounds) - 1)]
+    record = plan_save(GlobalLayout.from_gathered([(rs, []) for rs in per_rank]), 1 << 30, fully_parallel=False,
+                       shard_bytes=64 << 20)[0].commit.arrays["k"]
+    assert isinstance(record.codec, ShardingIndexed)
+    return record.codec.chunk_shape
+
+
+def test_a_few_tiny_fragments_do_not_shrink_every_inner_chunk_of_the_array() -> None:
+    """A bucket's edge may cut a parameter a few elements in: sized for that fragment,
+    every inner chunk of the array would be the 16 KiB floor (4 rows here; the
+    coordinator plans per inner chunk). The fragments holding the array's last
+    sixteenth of elements are left out of the sizing."""
+    assert _inner_chunk_planned([0.6]) == (1, 8, 1024)  # 0.4 MiB / 8: 12.8 rows, a divisor of 256
+    assert _inner_chunk_planned([3 / (256 * 1024), 0.6]) == (1, 8, 1024)
+    assert _inner_chunk_planned([0.1, 0.6]) == (1, 4, 1024)  # a tenth of the elements: sized for, the floor
+
+
 def test_a_block_of_a_prime_length_stays_unsharded_rather_than_cut_into_tiny_inner_chunks() -> None:
     """Its only divisors are 1 and itself: inner chunks of one element (thousands per
     shard, a 20-byte index entry and checksum each) would cost more than they save."""

@@ -388,7 +388,11 @@ class FlatBlockGrid(BlockGrid):
             held = self.fragments[block]
             k = bisect.bisect_right(self.fragment_starts[block], lo) - 1
             while lo < hi:
-                start, end, rank, index = held[k]
+                start, end, rank, index = held[k] if 0 <= k < len(held) else (hi, hi, -1, -1)
+                if start > lo:
+                    raise CheckpointingException(
+                        f"Internal error: no fragment holds element {lo} of block {block} of a flattened array, whose "
+                        "layout was validated; please report it")
                 cut = min(hi, end)
                 out.append((rank, index, lo - start, cut - start, at))
                 at, lo, k = at + cut - lo, cut, k + 1

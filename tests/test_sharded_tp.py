@@ -280,6 +280,30 @@ def test_packed_shards_are_written_in_batches_of_bounded_copies(
     assert all(torch.equal(loaded[k], v.data) for k, v in state.items())
 
 
+def test_the_copies_bound_holds_per_shard_for_blocks_of_several_shards(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block of several chunks (8 MiB in 1 MiB shards) is packed shard by shard: no
+    batch holds more than ``MAX_COPIED_BYTES`` of packed copies (a block's own batch
+    did, whole, before)."""
+    import shardstore.execution.save as rank_save
+
+    batches: list[int] = []
+    real = rank_save.run_writes
+
+    def counting(jobs, *args, **kwargs):
+        batches.append(sum(data.nbytes for _, data in jobs))
+        return real(jobs, *args, **kwargs)
+
+    monkeypatch.setattr(rank_save, "run_writes", counting)
+    monkeypatch.setattr(rank_save, "MAX_COPIED_BYTES", 1 << 20)
+    full = torch.randn(2048, 2048)
+    state = {f"w.{j}": ShardedTensor.from_rank_offsets("w", h.clone(), (1, j, 2)) for j, h in enumerate(full.chunk(2, 1))}
+    save(state, tmp_path / "ckpt", ZarrSaveShardedStrategy(shard_bytes=1 << 20, max_chunk_bytes=1 << 20))
+    assert len(batches) == 16 and max(batches) <= 1 << 20, batches
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2048, 2048))}, tmp_path / "ckpt")
+    assert torch.equal(loaded["w"], full)
+
+
 def test_on_s3_shards_inside_blocks_save_load_and_verify(moto_server) -> None:
     """One process holds both TP 2 blocks and saves to the local S3 server (TensorStore's
     kvstore writes the packed shards); the TP 4 parts load bit-exact."""

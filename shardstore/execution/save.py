@@ -66,7 +66,7 @@ from shardstore.format.records import (
 )
 from shardstore.format.sharding import ShardingIndexed
 from shardstore.mapping import ShardedTensor
-from shardstore.planning.layout import FlatChunk, Region, ShardRecord, region_shape
+from shardstore.planning.layout import FlatChunk, Region, ShardRecord, block_chunks, region_shape
 from shardstore.planning.plans import RankSavePlan
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.stage import Transfers, every_rank_stopped, raise_stage_failure, run_stage
@@ -164,10 +164,17 @@ class Staging:
     io_threads: int = DEFAULT_IO_THREADS
 
 
-def _block_op(s: ShardRecord, host: list[torch.Tensor | None], records: dict[str, ArrayRecord]) -> WriteOp:
-    """The write of a block as its own chunks, or as the shards inside it."""
-    op = PackedShardsOp if isinstance(records[s.key].codec, ShardingIndexed) else WriteOp
-    return op(s.key, s.region, tensor_to_numpy(host[s.index]).reshape(s.block_shape))
+def _block_ops(s: ShardRecord, host: list[torch.Tensor | None], records: dict[str, ArrayRecord]) -> list[WriteOp]:
+    """The write of a block as its own chunks, or as the shards inside it: one op per
+    shard, so ``MAX_COPIED_BYTES`` bounds the packed copies, not the block."""
+    value = tensor_to_numpy(host[s.index]).reshape(s.block_shape)
+    record = records[s.key]
+    if not isinstance(record.codec, ShardingIndexed):
+        return [WriteOp(s.key, s.region, value)]
+    return [
+        PackedShardsOp(s.key, region, value[tuple(slice(r.start - o, r.stop - o) for r, o in zip(region, s.offset))])
+        for region, _, _ in block_chunks(s, record.chunk_shape, record.shape)
+    ]
 
 
 def _planned_tensor(tensors: list[ShardedTensor], s: ShardRecord, where: str) -> torch.Tensor:
@@ -213,7 +220,8 @@ def stage_save(
         lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks),
         transfers=straddles, local_error=local_error,
     )
-    ops = [_block_op(s, host, plan.records) for s in plan.shards if _written_whole(s, plan) and s.index not in written]
+    ops = [op for s in plan.shards if _written_whole(s, plan) and s.index not in written
+           for op in _block_ops(s, host, plan.records)]
     for w in plan.flat_direct:
         flat = tensor_to_numpy(host[w.index])[w.local_start : w.local_stop]
         ops.append(WriteOp(w.key, w.region, flat.reshape(region_shape(w.region))))
@@ -239,7 +247,7 @@ def copy_to_host(
     def write_wave(wave: list[ShardRecord], copied: Any) -> None:
         """Writes a wave once its copies landed; its buffers go back to the pool."""
         copied.synchronize()
-        ops = [_block_op(h, host, plan.records) for h in wave]
+        ops = [op for h in wave for op in _block_ops(h, host, plan.records)]
         early_chunks.extend(write_ops(location, plan.records, ops, staging.io_concurrency))
         snapshot.release([host[h.index] for h in wave])
         for h in wave:

@@ -558,7 +558,9 @@ def plan_save(
 ) -> list[RankSavePlan]:
     """Every rank's part of the save of a validated layout (index = group rank);
     ``shard_bytes``: store arrays of small blocks in shards of about that size
-    (``sharded_record``), each gathered to one writer."""
+    (``sharded_record``), each gathered to one writer, or, for large blocks split
+    along a later axis, one per chunk inside its block, written by its holder
+    (``in_block_sharded_record``)."""
     if fully_parallel:
         layout = balance_writers(layout)
     records, grids = array_records(layout, max_chunk_bytes, shard_bytes)

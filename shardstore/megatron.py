@@ -19,8 +19,9 @@ the same names in its ``serialization`` and ``core`` modules, where they exist):
   published atomically (a committed checkpoint at the same path is replaced, as
   Megatron's save overwrites); Megatron's strategy objects count as far as they mean
   something to shardstore (``strategy_for_save``), ``async_sharded_save=True`` returns
-  the request of Megatron's queue, and a save into ``.../iter_<N>`` reuses unchanged
-  chunks of the newest older one (``save`` says each).
+  the request of Megatron's queue, a save into ``.../iter_<N>`` reuses unchanged
+  chunks of the newest older one, and from 32 ranks on arrays of small blocks are
+  stored in shards of about 64 MiB (``install(shard_bytes=...)``; ``save`` says each).
 - ``load`` and the queries read a shardstore checkpoint through shardstore (Megatron's
   load strategies become shardstore's; ``verify_integrity=True`` verifies every chunk
   and file of the checkpoint on the coordinator before loading), and anything else
@@ -82,7 +83,12 @@ from shardstore.serialization import (
     save as _shardstore_save,
 )
 from shardstore.strategies.forked_writes import for_another_process
-from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
+from shardstore.strategies.zarr import (
+    ShardBytes,
+    ZarrLoadShardedStrategy,
+    ZarrSaveShardedStrategy,
+    checked_shard_bytes,
+)
 from shardstore.validation import StrictHandling
 
 logger = logging.getLogger(__name__)
@@ -117,6 +123,7 @@ class _Installation:
     originals: dict[tuple[str, str], Any]
     reuse_previous: bool
     zarr_metadata: str = "per_node"  # SaveOptions.zarr_metadata
+    shard_bytes: ShardBytes = "auto"  # of the strategies strategy_for_save builds
 
 
 _lock = threading.Lock()
@@ -131,10 +138,10 @@ _save_strategies: weakref.WeakKeyDictionary[Any, ZarrSaveShardedStrategy] = (
 # ------------------------------------------------------------------ install / uninstall
 
 
-def install(*, reuse_previous: bool = True, zarr_metadata: str = "per_node") -> None:
+def install(*, reuse_previous: bool = True, zarr_metadata: str = "per_node", shard_bytes: ShardBytes = "auto") -> None:
     """Makes ``megatron.core.dist_checkpointing``'s entry points (``ENTRY_POINTS``) save
     and load shardstore checkpoints (module docstring). Idempotent: a second call only
-    changes ``reuse_previous`` and ``zarr_metadata``.
+    changes ``reuse_previous``, ``zarr_metadata`` and ``shard_bytes``.
 
     Args:
         reuse_previous: a save into a local ``.../iter_<N>`` directory that names no
@@ -143,16 +150,24 @@ def install(*, reuse_previous: bool = True, zarr_metadata: str = "per_node") -> 
         zarr_metadata: where the saves put the arrays' Zarr metadata documents, as
             ``SaveOptions.zarr_metadata`` says (``"consolidated_only"``: only in the
             root's consolidated metadata, a file fewer per array).
+        shard_bytes: the saves' ``ZarrSaveShardedStrategy(shard_bytes=...)``, for every
+            strategy Megatron's code passes except shardstore's own (which keeps its
+            own): ``"auto"`` shards arrays of small blocks (the layer x TP blocks, the
+            distributed optimizer's fragments) into files of about 64 MiB from 32 ranks
+            on, None never shards, a number of bytes always does (format version 5 or
+            7 when an array is sharded).
 
     Raises:
         ImportError: megatron-core is not installed.
+        ValueError: ``zarr_metadata`` or ``shard_bytes`` is not a value they take.
     """
     global _installation
     where = SaveOptions(zarr_metadata=zarr_metadata).zarr_metadata.value  # an unknown value is refused here
+    shard_bytes = checked_shard_bytes(shard_bytes)
     modules = _megatron_modules()
     with _lock:
         if _installation is not None:
-            _installation = _Installation(_installation.originals, reuse_previous, where)
+            _installation = _Installation(_installation.originals, reuse_previous, where, shard_bytes)
             return
         originals = {
             (module.__name__, name): getattr(module, name)
@@ -160,7 +175,7 @@ def install(*, reuse_previous: bool = True, zarr_metadata: str = "per_node") -> 
             for name in ENTRY_POINTS
             if hasattr(module, name)
         }
-        _installation = _Installation(originals, reuse_previous, where)
+        _installation = _Installation(originals, reuse_previous, where, shard_bytes)
         for (module_name, name), _ in originals.items():
             setattr(importlib.import_module(module_name), name, _REPLACEMENTS[name])
     logger.info("shardstore installed behind %s", ", ".join(m.__name__ for m in modules))
@@ -236,28 +251,36 @@ def strategy_for_save(strategy: Any) -> ZarrSaveShardedStrategy:
     fully-parallel wrapper as our fully-parallel plan (its ``do_cache_distribution`` as
     our cached plan), anything else (Megatron's torch_dist strategy, a ``(backend,
     version)`` tuple, None) as our default; one object per Megatron strategy object, so
-    that a cached plan carries over between saves."""
+    that a cached plan carries over between saves. A strategy built here shards as
+    ``install(shard_bytes=...)`` says at the time of the call (``"auto"`` when not
+    installed); ours keeps its own ``shard_bytes``."""
     if isinstance(strategy, ZarrSaveShardedStrategy):
         return strategy
+    inner = getattr(strategy, "base_strategy", None)
+    if isinstance(inner, ZarrSaveShardedStrategy):  # the plug-in strategy, as its caller made it
+        return inner
+    ours = _built_for(strategy)
+    ours.shard_bytes = _installation.shard_bytes if _installation is not None else "auto"
+    return ours
+
+
+def _built_for(strategy: Any) -> ZarrSaveShardedStrategy:
+    """Our strategy for Megatron's ``strategy`` (not ours): a new default for None or a
+    tuple, else the one kept for that object (made on first sight)."""
     if strategy is None or isinstance(strategy, tuple):
         return ZarrSaveShardedStrategy()
     try:
         return _save_strategies[strategy]
     except (KeyError, TypeError):
         pass
-    inner = getattr(strategy, "base_strategy", None)
-    if isinstance(inner, ZarrSaveShardedStrategy):  # the plug-in strategy
-        ours = inner
-    else:
-        ours = ZarrSaveShardedStrategy()
-        if hasattr(strategy, "parallelization_group"):  # FullyParallelSaveStrategyWrapper
-            ours.cache_plan = bool(getattr(strategy, "do_cache_distribution", False))
-        if not isinstance(inner, ZarrSaveShardedStrategy):
-            log_once(
-                logger,
-                f"Megatron's {type(strategy).__name__} is saved with shardstore's strategy (fully parallel over the "
-                "save group; its own options do not apply)",
-            )
+    ours = ZarrSaveShardedStrategy()
+    if hasattr(strategy, "parallelization_group"):  # FullyParallelSaveStrategyWrapper
+        ours.cache_plan = bool(getattr(strategy, "do_cache_distribution", False))
+    log_once(
+        logger,
+        f"Megatron's {type(strategy).__name__} is saved with shardstore's strategy (fully parallel over the "
+        "save group; its own options do not apply)",
+    )
     try:
         _save_strategies[strategy] = ours
     except TypeError:  # not weakly referenceable: a new one each time

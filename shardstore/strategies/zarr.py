@@ -18,8 +18,8 @@ TensorStore (``array_spec``: arrays opened from the record without reading any
 from __future__ import annotations
 
 __all__ = [
-    "DEFAULT_MAX_CHUNK_BYTES", "SHARDSTORE_BACKEND", "ZARR_VERSION", "ZarrLoadShardedStrategy",
-    "ZarrSaveShardedStrategy", "_create_or_open_zarr_arrays", "_create_zarr_array",
+    "AUTO_SHARD_MIN_RANKS", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_SHARD_BYTES", "SHARDSTORE_BACKEND", "ShardBytes",
+    "ZARR_VERSION", "ZarrLoadShardedStrategy", "ZarrSaveShardedStrategy", "checked_shard_bytes", "resolve_shard_bytes", "_create_or_open_zarr_arrays", "_create_zarr_array",
     "_load_from_array", "_open_zarr_array_verbose", "_save_to_existing_array",
     "_should_create_array", "array_spec", "consolidated_document", "flatten_range", "load_zarr_based_sharded_metadata",
     "numpy_to_torch_dtype_dict", "pad_to_expected_shape", "postprocess_numpy_array",
@@ -29,11 +29,12 @@ __all__ = [
 
 import json
 import logging
+import numbers
 import os
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import tensorstore as ts
@@ -115,6 +116,19 @@ ZARR_VERSION = 1
 DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
 # Host memory a sync save of CUDA tensors copies through at once (pinned buffers).
 DEFAULT_SYNC_STAGING_BYTES = 2 * 2**30
+# What ``shard_bytes`` takes: "auto" (the default), None (never shard) or a size in bytes.
+ShardBytes = int | Literal["auto"] | None
+# The shard size "auto" picks: S3 recommends 8-16 MB per request, and a load at another
+# layout reads whole inner chunks of a shard, not whole shards, so a larger one costs it
+# nothing; the same bound as one unsharded chunk (DEFAULT_MAX_CHUNK_BYTES).
+DEFAULT_SHARD_BYTES = 64 * 2**20
+# The world size from which "auto" shards. An unsharded save writes about arrays x ranks
+# data files: from 32 ranks that is tens of thousands per checkpoint (a Llama-70B state
+# with AdamW, about 2,200 arrays: 70,000 at 32 ranks, 1.1 million at 512), which a parallel
+# file system's metadata server or an S3 prefix's request rate pays for on every save.
+# Below it the files are few and the gather sharding needs is pure cost (a 2-rank sharded
+# save took 1.05-1.5x the unsharded one: docs/measurements/scale.md).
+AUTO_SHARD_MIN_RANKS = 32
 
 
 # --------------------------------------------------------------------------- specs
@@ -175,6 +189,37 @@ def _ts_index(region: Region) -> tuple[slice, ...]:
     return tuple(slice(s.start, s.stop) for s in region)
 
 
+# --------------------------------------------------------------------------- shard size
+
+
+def checked_shard_bytes(shard_bytes: object) -> ShardBytes:
+    """``shard_bytes`` as ``ZarrSaveShardedStrategy`` takes it: ``"auto"``, None or a
+    positive integer (bytes).
+
+    Raises:
+        ValueError: anything else, naming the value and what is accepted.
+    """
+    if shard_bytes is None:
+        return None
+    if isinstance(shard_bytes, str) and shard_bytes == "auto":
+        return "auto"
+    if isinstance(shard_bytes, numbers.Integral) and not isinstance(shard_bytes, bool) and shard_bytes > 0:
+        return int(shard_bytes)
+    raise ValueError(
+        f"shard_bytes must be 'auto' (shard from {AUTO_SHARD_MIN_RANKS} ranks on), None (never shard) or a "
+        f"positive number of bytes (shard at any world size), got {shard_bytes!r}"
+    )
+
+
+def resolve_shard_bytes(shard_bytes: ShardBytes, world_size: int) -> int | None:
+    """The shard size a save from ``world_size`` ranks uses (None: no array sharded):
+    ``"auto"`` is ``DEFAULT_SHARD_BYTES`` from ``AUTO_SHARD_MIN_RANKS`` ranks on and None
+    below; None and a number of bytes are themselves."""
+    if shard_bytes is None or isinstance(shard_bytes, int):
+        return shard_bytes
+    return DEFAULT_SHARD_BYTES if world_size >= AUTO_SHARD_MIN_RANKS else None
+
+
 class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Saves ShardedTensors as Zarr v3 arrays (one global array per key).
 
@@ -211,9 +256,17 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
             many ranks' blocks as inner chunks (an eighth of a block each, at least
             16 KiB) and written by one rank they are gathered to
             (``planning.plans.sharded_record``): the array's files no longer multiply
-            with the ranks. None (the default): every block is a chunk file of its
-            own. Such a checkpoint is format version 5 (7 where a flattened array's
-            shards span its blocks); a load reads only the inner chunks it needs.
+            with the ranks. ``"auto"`` (the default): ``DEFAULT_SHARD_BYTES`` (64 MiB)
+            when the save's world size is at least ``AUTO_SHARD_MIN_RANKS`` (32), else
+            never (``resolve_shard_bytes``); None: never, every block is a chunk file of
+            its own; a number of bytes: always. A sharded checkpoint is format version
+            5 (7 where a flattened array's shards span its blocks), which shardstores
+            reading only up to version 4 (6) refuse; a load reads only the inner chunks
+            it needs.
+
+    Raises:
+        ValueError: ``max_chunk_bytes`` not positive; ``shard_bytes`` neither
+            ``"auto"``, None nor a positive integer.
     """
 
     def __init__(
@@ -228,14 +281,12 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         background_io_threads: int = 1,
         sync_staging_bytes: int = DEFAULT_SYNC_STAGING_BYTES,
         cache_plan: bool = False,
-        shard_bytes: int | None = None,
+        shard_bytes: ShardBytes = "auto",
     ) -> None:
         super().__init__(backend, version)
         if max_chunk_bytes < 1:
             raise ValueError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
         self.max_chunk_bytes = max_chunk_bytes
-        if shard_bytes is not None and shard_bytes < 1:
-            raise ValueError(f"shard_bytes must be positive or None, got {shard_bytes}")
         self.shard_bytes = shard_bytes
         self.io_concurrency = io_concurrency
         self.process_group = process_group
@@ -247,6 +298,16 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         self._sync_buffers = HostBufferPool(max_free_bytes=sync_staging_bytes)
         self._plan_cache: PlanCache | None = None
         self.cache_plan = cache_plan
+
+    @property
+    def shard_bytes(self) -> ShardBytes:
+        """The shard size as given (``"auto"``, None or bytes); a save from ``world_size``
+        ranks uses ``resolve_shard_bytes(shard_bytes, world_size)``."""
+        return self._shard_bytes
+
+    @shard_bytes.setter
+    def shard_bytes(self, value: ShardBytes) -> None:
+        self._shard_bytes = checked_shard_bytes(value)
 
     @property
     def cache_plan(self) -> bool:
@@ -264,7 +325,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
     def plan_cache(self) -> PlanCache | None:
         """The cached plan (None without ``cache_plan``), keyed also by the settings
         the plan depends on, as they are now."""
-        if self._plan_cache is not None:
+        if self._plan_cache is not None:  # "auto" as given: the cache's key holds the world size it resolves by
             self._plan_cache.settings = (self.max_chunk_bytes, self.fully_parallel, self.shard_bytes)
         return self._plan_cache
 
@@ -297,8 +358,10 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         return pipeline.plan(tensors, objects, self.plan_save, plan_cache=self.plan_cache)
 
     def plan_save(self, layout: GlobalLayout) -> list[RankSavePlan]:
-        """Coordinator: every rank's part of the save (``shardstore.planning.plans``)."""
-        return plan_save(layout, self.max_chunk_bytes, self.fully_parallel, self.shard_bytes)
+        """Coordinator: every rank's part of the save (``shardstore.planning.plans``), in
+        shards of ``shard_bytes`` resolved for the layout's world size."""
+        shard_bytes = resolve_shard_bytes(self.shard_bytes, layout.world_size)
+        return plan_save(layout, self.max_chunk_bytes, self.fully_parallel, shard_bytes)
 
     def async_save_with_plan(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: RankSavePlan,
@@ -337,10 +400,11 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         staging = Staging(False, self.sync_staging_bytes, self._sync_buffers, self.io_concurrency)
         self._request(sharded_state_dict, pipeline, plan, staging, local_error).execute_sync()
 
-    def object_bounds(self) -> dict[str, int | None]:
-        """The bounds this strategy puts on one stored object's bytes, by option name
-        (``SavePipeline.refuse_oversized_objects``)."""
-        return {"max_chunk_bytes": self.max_chunk_bytes, "shard_bytes": self.shard_bytes}
+    def object_bounds(self, world_size: int) -> dict[str, int | None]:
+        """The bounds this strategy puts on one stored object's bytes in a save from
+        ``world_size`` ranks, by option name (``SavePipeline.refuse_oversized_objects``)."""
+        return {"max_chunk_bytes": self.max_chunk_bytes,
+                "shard_bytes": resolve_shard_bytes(self.shard_bytes, world_size)}
 
     def _group(self, process_group: dist.ProcessGroup | None) -> Group:
         return Group(process_group if process_group is not None else self.process_group)
@@ -352,7 +416,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         tensors = pipeline.planned_tensors
         if tensors is None:  # a plan made elsewhere (the seed's save_with_plan): its tensors, in its order
             tensors, _ = local_sharded_items(sharded_state_dict)
-        pipeline.refuse_oversized_objects(self.object_bounds())
+        pipeline.refuse_oversized_objects(self.object_bounds(pipeline.group.world_size))
         pipeline.stage(tensors, plan, staging, local_error)
         return AsyncRequest(
             async_fn=SavePipeline.write_staged,

@@ -331,6 +331,9 @@ class ShardstoreWriter(StorageWriter):
         self.min_array_bytes = min_array_bytes
         self.reuse_from = reuse_from
         self.zarr_metadata = SaveOptions(zarr_metadata=zarr_metadata).zarr_metadata  # refused now if unknown
+        if isinstance(shard_bytes, str):  # "auto" is the strategy's: it needs a group DCP does not give
+            raise ValueError(f"ShardstoreWriter(shard_bytes={shard_bytes!r}): pass None (the default: no shards) "
+                             "or a number of bytes (the ranks then exchange blocks on process_group)")
         self.shard_bytes = shard_bytes
         self.process_group = process_group
         self._strategy()  # refuses a bound out of range now, not at the save
@@ -443,7 +446,7 @@ class ShardstoreWriter(StorageWriter):
                 f"Saving {save.describe()}: DCP's plan caching is not supported by ShardstoreWriter (each save plans "
                 "its chunks and staging area anew); use DefaultSavePlanner(enable_plan_caching=False)"
             )
-        save.refuse_oversized_objects(self._strategy().object_bounds())
+        save.refuse_oversized_objects(self._strategy().object_bounds(len(plans)))
         _refuse_divergent_replicas(plans, save.describe())
         if exchange:
             _refuse_other_group(plans, save.describe())

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 __all__ = [
     "AUTO_SHARD_MIN_RANKS", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_SHARD_BYTES", "SHARDSTORE_BACKEND", "ShardBytes",
-    "ZARR_VERSION", "ZarrLoadShardedStrategy", "ZarrSaveShardedStrategy", "checked_shard_bytes", "resolve_shard_bytes", "_create_or_open_zarr_arrays", "_create_zarr_array",
+    "ZARR_VERSION", "ZarrLoadShardedStrategy", "ZarrSaveShardedStrategy", "checked_shard_bytes",
+    "resolve_shard_bytes", "_create_or_open_zarr_arrays", "_create_zarr_array",
     "_load_from_array", "_open_zarr_array_verbose", "_save_to_existing_array",
     "_should_create_array", "array_spec", "consolidated_document", "flatten_range", "load_zarr_based_sharded_metadata",
     "numpy_to_torch_dtype_dict", "pad_to_expected_shape", "postprocess_numpy_array",
@@ -256,7 +257,9 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
             many ranks' blocks as inner chunks (an eighth of a block each, at least
             16 KiB) and written by one rank they are gathered to
             (``planning.plans.sharded_record``): the array's files no longer multiply
-            with the ranks. ``"auto"`` (the default): ``DEFAULT_SHARD_BYTES`` (64 MiB)
+            with the ranks (large blocks split along a later axis, row-parallel
+            weights, are stored one shard per chunk inside the block, written by its
+            holder: ``in_block_sharded_record``). ``"auto"`` (the default): ``DEFAULT_SHARD_BYTES`` (64 MiB)
             when the save's world size is at least ``AUTO_SHARD_MIN_RANKS`` (32), else
             never (``resolve_shard_bytes``); None: never, every block is a chunk file of
             its own; a number of bytes: always. A sharded checkpoint is format version

@@ -79,6 +79,7 @@ __all__ = [
     "ZarrMetadata",
     "array_group_collisions",
     "check_key",
+    "check_storable_key",
     "checksum",
     "chunk_key",
     "group_metadata",
@@ -683,13 +684,23 @@ def check_key(
         fail(reason)
 
 
+def check_storable_key(key: str, where: str | None, storage: NameLimits, files: tuple[str, ...] = ()) -> None:
+    """``check_key(key, where, storage, files)`` of a key ``check_key`` accepted already
+    (a save's keys, checked by each rank as it made their records): only what
+    ``storage`` adds, with the same message."""
+    if reason := _unstorable(key, key.split("/"), storage, files):
+        raise CheckpointingException(f"Invalid checkpoint key {key!r}{f' in {where}' if where else ''}: {reason}")
+
+
 def _unstorable(key: str, segments: list[str], storage: NameLimits, files: tuple[str, ...]) -> str | None:
     """Why a key (already checked as safe) cannot be written to ``storage``, with what to
-    do about it; None if it can."""
-    try:
-        key.encode()
-    except UnicodeEncodeError:
-        return "is not valid Unicode text (it holds a lone surrogate); rename the key"
+    do about it; None if it can. An ASCII name's bytes are its characters (no encoding)."""
+    plain = key.isascii()
+    if not plain:
+        try:
+            key.encode()
+        except UnicodeEncodeError:
+            return "is not valid Unicode text (it holds a lone surrogate); rename the key"
     if segments[0] in RESERVED_ROOT_NAMES:
         return (f"{segments[0]!r} is the name of the checkpoint's own file of the "
                 f"{RESERVED_ROOT_NAMES[segments[0]]}, which the key's files would collide with; rename the key")
@@ -700,14 +711,16 @@ def _unstorable(key: str, segments: list[str], storage: NameLimits, files: tuple
         if segment.startswith("."):
             return (f"has a segment starting with '.' ({segment!r}): such names are kept for the save's own "
                     "marker and temporary files and for other tools' metadata; rename the key")
-        if (size := len(segment.encode())) > MAX_SEGMENT_LENGTH:
+        if not plain and (size := len(segment.encode())) > MAX_SEGMENT_LENGTH:
             return (f"has a path segment of {size} bytes in UTF-8, longer than the {MAX_SEGMENT_LENGTH} bytes "
                     "a name may have; shorten the key")
     for rel in files:
-        if storage.max_path_bytes is not None and (size := len(rel.encode())) > storage.max_path_bytes:
+        plain = rel.isascii()
+        size = len(rel) if plain else len(rel.encode())
+        if storage.max_path_bytes is not None and size > storage.max_path_bytes:
             return (f"its file {rel!r} would have a path of {size} bytes, more than the {storage.max_path_bytes} "
                     f"left by {storage.path_limit}; shorten the key (or save to a shorter path)")
-        name = max(len(n.encode()) for n in rel.split("/"))
+        name = max(map(len, rel.split("/"))) if plain else max(len(n.encode()) for n in rel.split("/"))
         if storage.max_name_bytes is not None and name > storage.max_name_bytes:
             return (f"its file {rel!r} would have a name of {name} bytes, longer than the "
                     f"{storage.max_name_bytes} bytes a file name may have there; shorten the key")
@@ -721,7 +734,7 @@ def array_group_collisions(keys: list[str]) -> list[str]:
     arrays = set(keys)
     return [
         f"{group!r} is both an array and the group of {key!r}"
-        for key in sorted(arrays)
+        for key in sorted(k for k in arrays if "/" in k)
         for group in parent_groups([key])
         if group in arrays
     ]

@@ -465,6 +465,10 @@ _C_ENCODER = (
 )
 
 
+# A string as JSON (``json.dumps`` of a str, without its per-call encoder).
+_json_string = encode_basestring_ascii
+
+
 def _encode_compact(value: Any) -> str:
     """``value`` as compact JSON (acyclic, as every record is)."""
     return _COMPACT_JSON.encode(value) if _C_ENCODER is None else "".join(_C_ENCODER(value, 0))
@@ -1091,14 +1095,14 @@ class CommitRecord:
             core = array is None or array.dtype in CORE_DATA_TYPES
             if not core:
                 extension_types[path] = array.dtype  # type: ignore[union-attr]
-            parts[not core].append(f"{json.dumps(path)}:{groups if array is None else array.encoded_document}")
-        summaries = [f"{json.dumps(k)}:{a.encoded_summary()}" for k, a in sorted(self.arrays.items())]
+            parts[not core].append(f"{_json_string(path)}:{groups if array is None else array.encoded_document}")
+        summaries = [f"{_json_string(k)}:{a.encoded_summary()}" for k, a in sorted(self.arrays.items())]
         marker = f"\x00{uuid.uuid4().hex}"  # stands for each part in the document until spliced in
         root = self._root_metadata(f"{marker}a", f"{marker}c", f"{marker}e", extension_types)
         text = _COMPACT_JSON.encode(root)
         for name, items in (("a", summaries), ("c", parts[0]), ("e", parts[1] if extension_types else None)):
             if items is not None:
-                text = _splice(text, json.dumps(f"{marker}{name}"), "{" + ",".join(items) + "}")
+                text = _splice(text, _json_string(f"{marker}{name}"), "{" + ",".join(items) + "}")
         data = text.encode()
         return seal_record(data) if self.format_version >= FIRST_SEALED_VERSION else data
 

@@ -5,6 +5,7 @@ into the document ``to_root_metadata`` describes; the bytes are the same either 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -68,8 +69,6 @@ def test_an_unbound_record_encodes_as_its_root_document() -> None:
 def test_encoded_parts_follow_the_record_they_were_encoded_from() -> None:
     """A record made anew (``dataclasses.replace``) with another shape is encoded anew;
     one bound from an encoded record keeps its parts, its checksums its own."""
-    from dataclasses import replace
-
     array = ArrayRecord("w", (4,), "float32", (4,))
     array.encode_ahead()
     wider = replace(array, shape=(8,), chunk_shape=(8,))
@@ -79,9 +78,12 @@ def test_encoded_parts_follow_the_record_they_were_encoded_from() -> None:
     assert bound.encoded_document == array.encoded_document
 
 
-def test_binding_changes_nothing_but_the_checksums() -> None:
-    with pytest.raises(CheckpointingException, match="not a record's checksums"):
-        ArrayRecord("w", (4,), "float32", (4,))._with_fields(shape=(8,))
+def test_binding_sets_the_checksums_and_keeps_every_other_field() -> None:
+    array = ArrayRecord("w", (4, 2), "float32", (2, 2), flattened_block=(4, 2))
+    reports = {(i, 0): WrittenChunk("w", (i, 0), 10 + i, f"{i:032x}") for i in range(2)}
+    bound = array.with_chunk_crcs(reports, "ckpt")
+    assert bound == replace(array, chunk_crcs=(10, 11), chunk_digests=(f"{0:032x}", f"{1:032x}"))
+    assert bound.chunk_etags is None
 
 
 def test_a_chunk_nobody_reported_is_named() -> None:

@@ -232,8 +232,9 @@ def copy_to_host(
     waves: list[tuple[list[ShardRecord], Any, int]] = []  # closed waves, copies in flight
     held: list[ShardRecord] = []  # the wave being copied
     held_bytes = in_flight = 0
+    where = location.describe()
     for s in sorted(plan.shards, key=lambda s: not _written_whole(s, plan)):
-        data = _planned_tensor(tensors, s, location.describe())
+        data = _planned_tensor(tensors, s, where)
         copy = staging.snapshot or data.device.type != "cpu"
         if staging.max_bytes and copy and _written_whole(s, plan):
             if held and held_bytes + s.nbytes > staging.max_bytes // 2:

@@ -73,7 +73,7 @@ def test_encoded_parts_follow_the_record_they_were_encoded_from() -> None:
     array.encode_ahead()
     wider = replace(array, shape=(8,), chunk_shape=(8,))
     assert json.loads(wider.encoded_document)["shape"] == [8]
-    bound = array.with_chunk_crcs({(0,): WrittenChunk("w", (0,), 5, "0" * 32)}, "ckpt")
+    bound = array.with_reports({(0,): WrittenChunk("w", (0,), 5, "0" * 32)}, "ckpt")
     assert json.loads(bound.encoded_summary())["chunk_crc32c"] == [5]
     assert bound.encoded_document == array.encoded_document
 
@@ -81,9 +81,12 @@ def test_encoded_parts_follow_the_record_they_were_encoded_from() -> None:
 def test_binding_sets_the_checksums_and_keeps_every_other_field() -> None:
     array = ArrayRecord("w", (4, 2), "float32", (2, 2), flattened_block=(4, 2))
     reports = {(i, 0): WrittenChunk("w", (i, 0), 10 + i, f"{i:032x}") for i in range(2)}
-    bound = array.with_chunk_crcs(reports, "ckpt")
+    bound = array.with_reports(reports, "ckpt")
     assert bound == replace(array, chunk_crcs=(10, 11), chunk_digests=(f"{0:032x}", f"{1:032x}"))
     assert bound.chunk_etags is None
+    crcs, digests = {i: r.crc for i, r in reports.items()}, {i: r.digest for i, r in reports.items()}
+    assert array.with_chunk_crcs(crcs, "ckpt", digests) == bound
+    assert array.with_chunk_crcs(crcs, "ckpt").chunk_digests is None
 
 
 def test_a_chunk_nobody_reported_is_named() -> None:

@@ -430,7 +430,7 @@ def bind_chunks(record: CommitRecord, reports: list[list[WrittenChunk]], where: 
                     f"written twice (rank {rank} and another)"
                 )
             found[chunk.index] = chunk
-    arrays = {key: a.with_chunk_crcs(by_key[key], where) for key, a in record.arrays.items()}
+    arrays = {key: a.with_reports(by_key[key], where) for key, a in record.arrays.items()}
     return replace(record, arrays=arrays)
 
 

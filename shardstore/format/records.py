@@ -364,30 +364,56 @@ class ArrayRecord:
             ordinal = ordinal * n + i
         return ordinal
 
-    def with_chunk_crcs(self, written: Mapping[tuple[int, ...], Any], where: str) -> ArrayRecord:
-        """This record bound to what its writers reported for each chunk, by grid index
-        (``format.chunks.WrittenChunk``: its ``crc``, ``digest`` and ``etag``; the ETags
-        kept where any chunk has one).
+    def with_chunk_crcs(
+        self, crcs: dict[tuple[int, ...], int], where: str, digests: dict[tuple[int, ...], str] | None = None,
+        etags: dict[tuple[int, ...], str] | None = None,
+    ) -> ArrayRecord:
+        """This record bound to the crc32c (and content digest, where every chunk has
+        one; and ETag, where any has one) its writers reported for each chunk.
 
         Raises:
             CheckpointingException: a chunk no rank reported (missing).
         """
-        indices = list(self.chunk_indices())
-        try:  # one lookup per chunk: the commit binds every array's
-            reports = [written[index] for index in indices]
+        indices = self._reported(crcs, where)
+        try:
+            bound_digests = None if digests is None else tuple([digests[index] for index in indices])
         except KeyError:
-            missing = [index for index in indices if index not in written]
+            bound_digests = None
+        bound_etags = tuple([etags.get(index) for index in indices]) if etags else None
+        return self._bound(tuple([crcs[index] for index in indices]), bound_digests, bound_etags)
+
+    def with_reports(self, written: Mapping[tuple[int, ...], Any], where: str) -> ArrayRecord:
+        """``with_chunk_crcs`` given each chunk's report by grid index
+        (``format.chunks.WrittenChunk``: its ``crc``, ``digest`` and ``etag``), in one pass.
+
+        Raises:
+            CheckpointingException: a chunk no rank reported (missing).
+        """
+        reports = [written[index] for index in self._reported(written, where)]
+        crcs, digests, etags = (tuple(column) for column in zip(*[(r.crc, r.digest, r.etag) for r in reports]))
+        return self._bound(crcs, digests, None if etags.count(None) == len(etags) else etags)
+
+    def _reported(self, reported: Mapping[tuple[int, ...], Any], where: str) -> list[tuple[int, ...]]:
+        """Every chunk's index, each of which ``reported`` holds (else raises, naming
+        the first ones missing)."""
+        indices = list(self.chunk_indices())
+        if any(index not in reported for index in indices):
+            missing = [index for index in indices if index not in reported]
             raise CheckpointingException(
                 f"{where}: no rank wrote chunk(s) {missing[:5]} of array {self.key!r}; not committing"
-            ) from None
-        crcs, digests, etags = (tuple(column) for column in zip(*[(r.crc, r.digest, r.etag) for r in reports]))
-        # ``dataclasses.replace`` of the checksums, which no other field is checked against
-        # and no encoded part holds (``encoded_document``): every other field and those
-        # parts carried over, no ``__init__`` run, a fifth of ``replace``'s time
+            )
+        return indices
+
+    def _bound(
+        self, crcs: tuple[int, ...], digests: tuple[str, ...] | None, etags: tuple[str | None, ...] | None,
+    ) -> ArrayRecord:
+        """``dataclasses.replace`` of the chunks' checksums, which no other field is
+        checked against and no encoded part holds (``encoded_document``): every other
+        field and those parts carried over, no ``__init__`` run, a fifth of ``replace``'s
+        time."""
         bound = object.__new__(ArrayRecord)
         object.__setattr__(bound, "__dict__", {
-            **self.__dict__, "chunk_crcs": crcs, "chunk_digests": digests,
-            "chunk_etags": None if etags.count(None) == len(etags) else etags,
+            **self.__dict__, "chunk_crcs": crcs, "chunk_digests": digests, "chunk_etags": etags,
         })
         return bound
 

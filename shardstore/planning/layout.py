@@ -263,9 +263,6 @@ def chunk_shape_for(
     flattened block. Then leading axes are split (by divisors, keeping alignment) until a
     chunk holds at most ``max_chunk_bytes``.
     """
-    if len(main_shards) == 1 and main_shards[0].flat_range is None and not any(main_shards[0].offset):
-        # one whole block: no shard boundary inside the array (the common small tensor)
-        return _bound_chunk(tuple(max(1, n) for n in global_shape), itemsize, max_chunk_bytes)
     ndim = len(global_shape)
     chunk = []
     for axis in range(ndim):

@@ -149,8 +149,7 @@ class Staging:
 
 
 def _block_op(s: ShardRecord, host: list[torch.Tensor | None]) -> WriteOp:
-    value = tensor_to_numpy(host[s.index])
-    return WriteOp(s.key, s.region, value if value.shape == s.block_shape else value.reshape(s.block_shape))
+    return WriteOp(s.key, s.region, tensor_to_numpy(host[s.index]).reshape(s.block_shape))
 
 
 def _planned_tensor(tensors: list[ShardedTensor], s: ShardRecord, where: str) -> torch.Tensor:

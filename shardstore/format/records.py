@@ -471,38 +471,6 @@ class ArrayRecord:
                    codec=codec, chunk_etags=_chunk_etags(summary, key, chunk_count, where))
 
 
-def _refuse_to_encode(value: Any) -> Any:
-    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
-
-
-# The commit record's JSON (compact), as ``json.dumps(..., separators=(",", ":"))`` writes
-# it. Its C encoder is made once: ``json.dumps`` makes one per call, which took longer than
-# encoding an array's document (6.8 against 3.8 us).
-_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
-_C_ENCODER = (
-    None if c_make_encoder is None
-    else c_make_encoder(None, _refuse_to_encode, encode_basestring_ascii, None, ":", ",", False, False, True)
-)
-
-
-# A string as JSON (``json.dumps`` of a str, without its per-call encoder).
-_json_string = encode_basestring_ascii
-
-
-def _encode_compact(value: Any) -> str:
-    """``value`` as compact JSON (acyclic, as every record is)."""
-    return _COMPACT_JSON.encode(value) if _C_ENCODER is None else "".join(_C_ENCODER(value, 0))
-
-
-def _splice(text: str, placeholder: str, raw: str) -> str:
-    """``text`` with the one occurrence of ``placeholder`` replaced by ``raw``."""
-    at = text.find(placeholder)
-    if at < 0 or text.find(placeholder, at + 1) >= 0:
-        raise CheckpointingException("Internal error: encoding the commit record lost its place; please report it")
-    return text[:at] + raw + text[at + len(placeholder) :]
-
-
-
 def _chunk_grid(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> tuple[int, ...]:
     """Chunks along each axis of a regular grid of ``chunk_shape`` over ``shape``."""
     return tuple(-(-n // c) for n, c in zip(shape, chunk_shape))
@@ -1224,6 +1192,38 @@ def _zarr_metadata_from_json(record: dict[str, Any], version: int, where: str) -
             "from a copy"
         )
     return ZarrMetadata(raw)
+
+
+def _refuse_to_encode(value: Any) -> Any:
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+# The commit record's JSON (compact), as ``json.dumps(..., separators=(",", ":"))`` writes
+# it. Its C encoder is made once: ``json.dumps`` makes one per call, which took longer than
+# encoding an array's document (6.8 against 3.8 us).
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
+_C_ENCODER = (
+    None if c_make_encoder is None
+    else c_make_encoder(None, _refuse_to_encode, encode_basestring_ascii, None, ":", ",", False, False, True)
+)
+
+
+# A string as JSON (``json.dumps`` of a str, without its per-call encoder).
+_json_string = encode_basestring_ascii
+
+
+def _encode_compact(value: Any) -> str:
+    """``value`` as compact JSON (acyclic, as every record is)."""
+    return _COMPACT_JSON.encode(value) if _C_ENCODER is None else "".join(_C_ENCODER(value, 0))
+
+
+def _splice(text: str, placeholder: str, raw: str) -> str:
+    """``text`` with the one occurrence of ``placeholder`` replaced by ``raw``."""
+    at = text.find(placeholder)
+    if at < 0 or text.find(placeholder, at + 1) >= 0:
+        raise CheckpointingException("Internal error: encoding the commit record lost its place; please report it")
+    return text[:at] + raw + text[at + len(placeholder) :]
+
 
 
 def _sealed_token(digest: str) -> bytes:

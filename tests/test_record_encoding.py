@@ -13,6 +13,7 @@ from shardstore.errors import CheckpointingException
 from shardstore.execution.save import bind_chunks
 from shardstore.format.chunks import WrittenChunk
 from shardstore.format.records import (
+    SHARDED_FORMAT_VERSION,
     ArrayRecord,
     CommitRecord,
     ObjectRecord,
@@ -37,7 +38,7 @@ def _record() -> CommitRecord:
     }
     return CommitRecord(
         arrays, objects={"o": ObjectRecord("o", ("o/0",))}, files={"common.pt": "crc32c:00000001"}, save_id="abc",
-        reused_from=ReusedChunks("elsewhere", "def", 1, 2), beside=("theirs",),
+        reused_from=ReusedChunks("elsewhere", "def", 1, 2), beside=("theirs",), format_version=SHARDED_FORMAT_VERSION,
     )
 
 

@@ -204,3 +204,16 @@ def test_a_short_writev_is_resumed_where_it_stopped(tmp_path, monkeypatch) -> No
     FileChunkStore(tmp_path).put("c", [memoryview(p) for p in pieces])
     monkeypatch.undo()
     assert (tmp_path / "c").read_bytes() == b"".join(pieces) and len(calls) > len(pieces)
+
+
+def test_a_region_of_one_whole_chunk_is_written_from_the_callers_memory(tmp_path) -> None:
+    """A whole chunk goes out as the caller's array itself; a chunk at the array's edge
+    is padded to the chunk shape, as Zarr stores it."""
+    record = ArrayRecord("w", (5, 3), "float32", (2, 3))
+    array = chunk_io.ArrayChunks.of(FileChunkStore(tmp_path), record)
+    whole = np.arange(6, dtype=np.float32).reshape(2, 3)
+    ((file, data),) = chunk_io.write_region(array, region_at((2, 0), (2, 3)), whole)
+    assert file.index == (1, 0) and data is whole
+    edge = np.ones((1, 3), dtype=np.float32)
+    ((file, data),) = chunk_io.write_region(array, region_at((4, 0), (1, 3)), edge)
+    assert file.index == (2, 0) and data.shape == (2, 3) and data[1].tolist() == [0, 0, 0]

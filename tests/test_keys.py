@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, save, verify
-from shardstore.format.records import check_key
+from shardstore.format.records import check_key, check_storable_key
 from shardstore.stores.base import NameLimits
 from shardstore.stores.locations import open_location
 from shardstore.stores.s3 import S3Options
@@ -274,6 +274,22 @@ def test_reading_accepts_what_writing_refuses() -> None:
         check_key(key)
         with pytest.raises(CheckpointingException, match="Invalid checkpoint key"):
             check_key(key, "ckpt", storage=NameLimits())
+
+
+@pytest.mark.parametrize("key", ["zarr.json/w", "common.pt", "a/.w", "a/" + "\u00e9" * 200, PATH_MAX_KEY, "fits"])
+def test_the_target_check_of_a_checked_key_words_what_the_whole_check_does(key: str) -> None:
+    """The coordinator checks against the target only what ``check_key`` adds for it
+    (each rank checked its keys' own form): the same refusal, in the same words."""
+    limits, files = NameLimits(255, 4000, "PATH_MAX"), (f"{key}/zarr.json", f"{key}/c.0")
+    check_key(key)
+    try:
+        check_key(key, "ckpt", limits, files)
+    except CheckpointingException as whole:
+        with pytest.raises(CheckpointingException) as alone:
+            check_storable_key(key, "ckpt", limits, files)
+        assert str(alone.value) == str(whole)
+    else:
+        check_storable_key(key, "ckpt", limits, files)
 
 
 def test_checkpoint_holding_a_key_refused_now_still_loads(tmp_path: Path) -> None:

@@ -187,3 +187,15 @@ def test_an_empty_array_no_reader_could_address_is_refused_naming_it(tmp_path) -
     huge = torch.empty((0, 2**62))
     with pytest.raises(CheckpointingException, match="'w': global shape .* no reader can address"):
         save({"w": ShardedTensor.from_rank_offsets("w", huge)}, tmp_path / "c")
+
+
+def test_a_block_of_the_whole_shape_held_at_an_offset_is_refused() -> None:
+    """One rank's block as large as the global tensor, at a nonzero offset, lies outside
+    it: the check of a tensor held whole by one rank looks at the offset too."""
+    from shardstore import CheckpointingException
+    from shardstore.planning.checks import check_layout
+    from shardstore.planning.layout import GlobalLayout, ShardRecord
+
+    shard = ShardRecord("w", 0, 0, "float32", (4, 2), (1, 0), (4, 2), None, True)
+    with pytest.raises(CheckpointingException, match="'w': rank 0's shard at offset \\(1, 0\\).*lies outside"):
+        check_layout(GlobalLayout.from_gathered([([shard], [])]))

@@ -22,6 +22,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,8 +191,9 @@ class SavePipeline:
 
     def __getstate__(self) -> dict:
         """What a writer in another process needs (Megatron's persistent worker pickles
-        the request): the staged host copies, not the caller's tensors."""
-        return {**self.__dict__, "_planned": None}
+        the request): the staged host copies, not the caller's tensors, nor the commit
+        record (the finalization, in this process, commits)."""
+        return {**self.__dict__, "_planned": None, "_commit_record": None}
 
     @classmethod
     def open(
@@ -390,8 +392,23 @@ class SavePipeline:
             written = self.write_arrays(records, ops, io_concurrency, io_threads)
             timing.nbytes = sum(op.value.nbytes for op in ops)
         with stage("save: durable", where):
-            self.location.make_durable()
+            self._make_durable()
         return written
+
+    def _make_durable(self) -> None:
+        """``make_durable``; on the coordinator, the commit record's arrays are encoded
+        meanwhile on another thread (``CommitRecord.encode_ahead``; a ``syncfs`` holds no
+        lock Python needs), so the commit encodes little more than the chunks'
+        checksums. Only CPU work overlaps: the record is written after the data is
+        durable."""
+        record = self._commit_record
+        if record is None:
+            self.location.make_durable()
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="shardstore-encode") as pool:
+            encoded = pool.submit(record.encode_ahead)
+            self.location.make_durable()
+            encoded.result()
 
     def reported_by_writer(self, written: list[WrittenChunk]) -> None:
         """What a writer in another process wrote for this rank (``strategies.

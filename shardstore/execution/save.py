@@ -257,8 +257,9 @@ def copy_to_host(
     waves: list[tuple[list[ShardRecord], Any, int]] = []  # closed waves, copies in flight
     held: list[ShardRecord] = []  # the wave being copied
     held_bytes = in_flight = 0
+    where = location.describe()
     for s in sorted(plan.shards, key=lambda s: not _written_whole(s, plan)):
-        data = _planned_tensor(tensors, s, location.describe())
+        data = _planned_tensor(tensors, s, where)
         copy = staging.snapshot or data.device.type != "cpu"
         if staging.max_bytes and copy and _written_whole(s, plan):
             if held and held_bytes + s.nbytes > staging.max_bytes // 2:
@@ -462,21 +463,17 @@ def bind_chunks(record: CommitRecord, reports: list[list[WrittenChunk]], where: 
     Raises:
         CheckpointingException: a chunk nobody wrote, or one written twice.
     """
-    crcs: dict[str, dict[tuple[int, ...], int]] = {key: {} for key in record.arrays}
-    digests: dict[str, dict[tuple[int, ...], str]] = {key: {} for key in record.arrays}
-    etags: dict[str, dict[tuple[int, ...], str]] = {key: {} for key in record.arrays}
+    by_key: dict[str, dict[tuple[int, ...], WrittenChunk]] = {key: {} for key in record.arrays}
     for rank, chunks in enumerate(reports):
         for chunk in chunks:
-            if chunk.index in crcs[chunk.key]:
+            found = by_key[chunk.key]
+            if chunk.index in found:
                 raise CheckpointingException(
                     f"{where}: chunk {record.arrays[chunk.key].chunk_key(chunk.index)} of array {chunk.key!r} was "
                     f"written twice (rank {rank} and another)"
                 )
-            crcs[chunk.key][chunk.index] = chunk.crc
-            digests[chunk.key][chunk.index] = chunk.digest
-            if chunk.etag is not None:
-                etags[chunk.key][chunk.index] = chunk.etag
-    arrays = {key: a.with_chunk_crcs(crcs[key], where, digests[key], etags[key]) for key, a in record.arrays.items()}
+            found[chunk.index] = chunk
+    arrays = {key: a.with_reports(by_key[key], where) for key, a in record.arrays.items()}
     return replace(record, arrays=arrays)
 
 

@@ -37,7 +37,8 @@ from shardstore.format.dtypes import holds_its_values
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's values in CPU memory that holds them (``holds_its_values``): a view
     when it already does, else one copy."""
-    tensor = tensor.detach()
+    if tensor.requires_grad:
+        tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.to("cpu")
     return tensor if holds_its_values(tensor) else tensor.resolve_conj().resolve_neg().contiguous()

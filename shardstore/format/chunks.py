@@ -268,6 +268,10 @@ def write_region(array: ArrayChunks, region: Region, value: np.ndarray) -> list[
     ``region`` must be chunk-aligned (one writer per chunk); edge chunks are padded with
     zeros (the fill value) to the full chunk shape, as Zarr stores them.
     """
+    if value.shape == array.chunk_shape and value.flags.c_contiguous:  # one whole chunk, as it is
+        index = tuple(s.start // c for s, c in zip(region, array.chunk_shape))
+        if all(s.start == i * c and s.stop <= n for s, i, c, n in zip(region, index, array.chunk_shape, array.shape)):
+            return [(array.file(index), value)]
     jobs = []
     for piece in chunk_pieces(region, array.shape, array.chunk_shape):
         slab = value[piece.in_region]

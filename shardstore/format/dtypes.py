@@ -103,7 +103,8 @@ def holds_its_values(tensor: torch.Tensor) -> bool:
 def tensor_to_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor's memory (no copy, exact bits)."""
     dtype = from_torch(tensor.dtype)
-    tensor = tensor.detach()
+    if tensor.requires_grad:  # numpy() refuses a tensor autograd tracks; any other is read as it is
+        tensor = tensor.detach()
     if dtype.bits_dtype is None:
         return tensor.numpy()
     return tensor.view(dtype.bits_dtype).numpy().view(dtype.numpy_dtype)

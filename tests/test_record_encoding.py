@@ -90,6 +90,22 @@ def test_binding_sets_the_checksums_and_keeps_every_other_field() -> None:
     assert array.with_chunk_crcs(crcs, "ckpt").chunk_digests is None
 
 
+@pytest.mark.parametrize("shape", [(0,), (0, 4), (4, 0)])
+def test_an_array_without_chunks_binds_and_a_save_of_it_loads(shape: tuple[int, ...], tmp_path) -> None:
+    """A zero-size array has no chunk and no report: bound as before the one-pass
+    binding (no checksums), and a save of one commits and loads back."""
+    import torch
+
+    import shardstore
+
+    array = ArrayRecord("w", shape, "float32", tuple(max(1, n) for n in shape))
+    assert array.with_reports({}, "ckpt") == array.with_chunk_crcs({}, "ckpt", {})
+    state = {"w": torch.zeros(shape), "b": torch.ones(3)}
+    shardstore.save(state, tmp_path / "ckpt")
+    loaded = shardstore.load({"w": torch.empty(shape), "b": torch.empty(3)}, tmp_path / "ckpt")
+    assert loaded["w"].shape == shape and torch.equal(loaded["b"], state["b"])
+
+
 def test_a_chunk_nobody_reported_is_named() -> None:
     record = CommitRecord({"w": ArrayRecord("w", (4,), "float32", (2,))})
     with pytest.raises(CheckpointingException, match=r"no rank wrote chunk\(s\) \[\(1,\)\] of array 'w'"):

@@ -414,7 +414,9 @@ class ArrayRecord:
             CheckpointingException: a chunk no rank reported (missing).
         """
         reports = [written[index] for index in self._reported(written, where)]
-        crcs, digests, etags = (tuple(column) for column in zip(*[(r.crc, r.digest, r.etag) for r in reports]))
+        crcs = tuple([r.crc for r in reports])
+        digests = tuple([r.digest for r in reports])
+        etags = tuple([r.etag for r in reports])
         return self._bound(crcs, digests, None if etags.count(None) == len(etags) else etags)
 
     def _reported(self, reported: Mapping[tuple[int, ...], Any], where: str) -> list[tuple[int, ...]]:

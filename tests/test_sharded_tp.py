@@ -256,10 +256,9 @@ def test_an_async_save_in_waves_packs_each_wave(tmp_path: Path) -> None:
     assert shardstore.verify(tmp_path / "ckpt").ok
 
 
-def test_packed_shards_are_written_in_batches_of_bounded_copies(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Packing copies a shard; a sync save holds at most ``MAX_COPIED_BYTES`` of such
-    copies at once (here less than a block: one block's shards per batch)."""
+def _batches_written(monkeypatch: pytest.MonkeyPatch, bound: int) -> list[int]:
+    """With ``MAX_COPIED_BYTES`` set to ``bound``, the bytes of each batch of chunk
+    writes a save runs (``execution.save.write_ops``), filled as it saves."""
     import shardstore.execution.save as rank_save
 
     batches: list[int] = []
@@ -270,7 +269,15 @@ def test_packed_shards_are_written_in_batches_of_bounded_copies(
         return real(jobs, *args, **kwargs)
 
     monkeypatch.setattr(rank_save, "run_writes", counting)
-    monkeypatch.setattr(rank_save, "MAX_COPIED_BYTES", 1)
+    monkeypatch.setattr(rank_save, "MAX_COPIED_BYTES", bound)
+    return batches
+
+
+def test_packed_shards_are_written_in_batches_of_bounded_copies(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packing copies a shard; a sync save holds at most ``MAX_COPIED_BYTES`` of such
+    copies at once (here less than a block: one block's shards per batch)."""
+    batches = _batches_written(monkeypatch, bound=1)
     state = {**_state(0, 2), **{f"{k}.1": v for k, v in _state(1, 2).items()}}
     save(state, tmp_path / "ckpt", ZarrSaveShardedStrategy(shard_bytes=SHARD_BYTES))
     block = OUT * IN // 2 * 4
@@ -285,17 +292,7 @@ def test_the_copies_bound_holds_per_shard_for_blocks_of_several_shards(
     """A block of several chunks (8 MiB in 1 MiB shards) is packed shard by shard: no
     batch holds more than ``MAX_COPIED_BYTES`` of packed copies (a block's own batch
     did, whole, before)."""
-    import shardstore.execution.save as rank_save
-
-    batches: list[int] = []
-    real = rank_save.run_writes
-
-    def counting(jobs, *args, **kwargs):
-        batches.append(sum(data.nbytes for _, data in jobs))
-        return real(jobs, *args, **kwargs)
-
-    monkeypatch.setattr(rank_save, "run_writes", counting)
-    monkeypatch.setattr(rank_save, "MAX_COPIED_BYTES", 1 << 20)
+    batches = _batches_written(monkeypatch, bound=1 << 20)
     full = torch.randn(2048, 2048)
     state = {f"w.{j}": ShardedTensor.from_rank_offsets("w", h.clone(), (1, j, 2)) for j, h in enumerate(full.chunk(2, 1))}
     save(state, tmp_path / "ckpt", ZarrSaveShardedStrategy(shard_bytes=1 << 20, max_chunk_bytes=1 << 20))

@@ -521,9 +521,8 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         write_commit_record(location, kept)
         for key in removed:
             location.remove_tree(key)
-        unlisted = set(record.stored_documents()) - set(kept.stored_documents())
         for group in sorted(set(parent_groups(removed)) - set(parent_groups(list(kept.arrays))), reverse=True):
-            if f"{group}/{ZARR_JSON}" in unlisted:
+            if record.zarr_metadata is ZarrMetadata.PER_NODE:  # the save wrote the group's document
                 location.remove(f"{group}/{ZARR_JSON}")
             if not location.child(group).list_files():
                 location.remove_tree(group)  # an empty directory on a file system

@@ -180,7 +180,7 @@ class ChunkReuse:
             if failure:
                 self._note(failure, file, error)
             self._count(failure is None, held.nbytes, time.perf_counter() - start)
-            if shared is None or failure:
+            if shared is None:
                 return None
             return WrittenChunk(file.array_key, file.index, held.crc, digest, shared=held.nbytes, etag=shared.etag)
 

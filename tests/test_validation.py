@@ -165,17 +165,17 @@ def test_a_chunk_divisor_is_found_in_milliseconds_for_any_length() -> None:
     import math
     import time
 
-    from shardstore.planning.layout import _largest_divisor_at_most
+    from shardstore.planning.layout import largest_divisor_at_most
 
     def full_scan(n: int, limit: int) -> int:
         return max(d for k in range(1, math.isqrt(n) + 1) if n % k == 0 for d in (k, n // k) if d <= limit)
 
     for n in (1, 2, 12, 97, 360, 4096 * 3, 50257, 65536 * 7):
         for limit in (1, 5, 64, 1000, 10**6):
-            assert _largest_divisor_at_most(n, limit) == full_scan(n, limit), (n, limit)
+            assert largest_divisor_at_most(n, limit) == full_scan(n, limit), (n, limit)
     start = time.perf_counter()
-    assert _largest_divisor_at_most(2**62, 2**20) == 2**20
-    assert _largest_divisor_at_most(2**61 - 1, 2**24) == 1  # a prime: no divisor below the limit
+    assert largest_divisor_at_most(2**62, 2**20) == 2**20
+    assert largest_divisor_at_most(2**61 - 1, 2**24) == 1  # a prime: no divisor below the limit
     assert time.perf_counter() - start < 1.0
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 __all__ = [
     "DirectFlatWrite", "FlatChunk", "GlobalLayout", "ObjectShardRecord", "ShardRecord",
-    "balance_writers", "block_chunks", "block_shape", "bound_chunk", "chunk_shape_for", "pick_balanced",
-    "region_at", "region_shape",
+    "balance_writers", "block_chunks", "block_shape", "bound_chunk", "chunk_shape_for", "largest_divisor_at_most",
+    "pick_balanced", "region_at", "region_shape",
 ]
 
 import math
@@ -290,19 +290,19 @@ def bound_chunk(chunk: tuple[int, ...], itemsize: int, max_chunk_bytes: int) -> 
         rest = math.prod(out[axis + 1 :]) * itemsize
         if out[axis] * rest <= max_chunk_bytes:
             break
-        out[axis] = _largest_divisor_at_most(out[axis], max(1, max_chunk_bytes // max(rest, 1)))
+        out[axis] = largest_divisor_at_most(out[axis], max(1, max_chunk_bytes // max(rest, 1)))
         if rest <= max_chunk_bytes:
             break
     return tuple(out)
 
 
-# Candidates each search of ``_largest_divisor_at_most`` tries before it settles: a
+# Candidates each search of ``largest_divisor_at_most`` tries before it settles: a
 # length with no divisor nearby (a crafted 2**62 elements, a large prime) must cost
 # milliseconds, not the minutes a scan up to its square root takes.
 MAX_DIVISOR_TRIALS = 1 << 16
 
 
-def _largest_divisor_at_most(n: int, limit: int) -> int:
+def largest_divisor_at_most(n: int, limit: int) -> int:
     """The largest divisor of ``n`` that is at most ``limit``; when ``MAX_DIVISOR_TRIALS``
     candidates on each side find none (only for lengths of about 2**32 and more), the
     largest power of two that divides it within the limit.
@@ -326,7 +326,7 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
 
 def _largest_power_of_two_dividing(n: int, limit: int) -> int:
     """The largest power of two that divides ``n`` and is at most ``limit`` (1 for odd
-    ``n``): what ``_largest_divisor_at_most`` settles for when its trials find nothing."""
+    ``n``): what ``largest_divisor_at_most`` settles for when its trials find nothing."""
     power = n & -n
     while power > limit:
         power >>= 1

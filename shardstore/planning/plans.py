@@ -67,6 +67,7 @@ from shardstore.planning.layout import (
     block_chunks,
     bound_chunk,
     chunk_shape_for,
+    largest_divisor_at_most,
     pick_balanced,
 )
 
@@ -196,7 +197,7 @@ def in_block_sharded_record(record: ArrayRecord, shard_bytes: int) -> ArrayRecor
         return None
     columns = list(chunk)
     for axis in later:
-        columns[axis] //= next(k for k in range(min(INNER_PARTS, chunk[axis]), 0, -1) if chunk[axis] % k == 0)
+        columns[axis] //= largest_divisor_at_most(chunk[axis], INNER_PARTS)
     most = max(MAX_INNER_BYTES, math.prod(chunk) * itemsize // MAX_FLAT_INNER_CHUNKS)
     inner = bound_chunk(tuple(columns), itemsize, most)
     if all(columns[a] == chunk[a] for a in later) or math.prod(inner) * itemsize < MIN_INNER_BYTES:
@@ -445,7 +446,7 @@ def plan_gathered_writes(key: str, record: ArrayRecord, grid: BlockGrid, load: l
     shard, inner = record.chunk_shape, record.codec.chunk_shape  # type: ignore[attr-defined]
     runs = ShardRuns.of(grid, record.shape, shard, inner)
     chunks = []
-    for ordinal, index in enumerate(itertools.product(*(range(-(-n // c)) for n, c in zip(record.shape, shard)))):
+    for ordinal, index in enumerate(itertools.product(*map(range, record.chunk_grid))):
         pieces = runs.pieces(grid, ordinal)
         if not pieces:
             raise CheckpointingException(

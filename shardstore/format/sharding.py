@@ -325,11 +325,6 @@ class InnerGrid:
         starts = np.stack([m.reshape(-1) for m in np.meshgrid(*axes, indexing="ij")], axis=1)
         return cls(starts, np.clip(np.asarray(valid, dtype=np.int64) - starts, 0, np.asarray(inner, dtype=np.int64)))
 
-    @property
-    def volumes(self) -> np.ndarray:
-        """Elements of each inner chunk inside the array."""
-        return self.extents.prod(axis=1)
-
 
 def _box(values: np.ndarray, origin: Sequence[int], lo: Sequence[int], hi: Sequence[int], out: np.ndarray) -> None:
     """Copies the part of ``values`` (a box of the shard at ``origin``) inside the box
@@ -488,16 +483,19 @@ class ShardingIndexed(ChunkCodec):
                 "which do not tile them; the record is damaged. Restore the checkpoint from a copy"
             )
 
+    def _split_axes(self, shard_shape: Sequence[int]) -> list[int]:
+        """The axes along which the inner chunks split a shard."""
+        return [a for a, (s, i) in enumerate(zip(shard_shape, self.chunk_shape)) if s != i]
+
     def _split_axis(self, shard_shape: Sequence[int]) -> int | None:
         """The one axis along which the inner chunks split a shard whose decoded bytes
         are its C order (``c_ordered``); None for one inner chunk."""
-        split = [a for a, (s, i) in enumerate(zip(shard_shape, self.chunk_shape)) if s != i]
-        return split[0] if split else None
+        return next(iter(self._split_axes(shard_shape)), None)
 
     def c_ordered(self, shard_shape: Sequence[int]) -> bool:
         """Whether a shard's decoded bytes (inner-chunk-major) are its C order: the inner
         chunks split one axis, and the shard is one element along every axis before it."""
-        split = [a for a, (s, i) in enumerate(zip(shard_shape, self.chunk_shape)) if s != i]
+        split = self._split_axes(shard_shape)
         return len(split) <= 1 and all(n == 1 for n in shard_shape[: split[0] if split else 0])
 
     def decoded(self, packed: np.ndarray, shard_shape: Sequence[int], valid: Sequence[int]) -> np.ndarray:

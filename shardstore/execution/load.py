@@ -157,14 +157,16 @@ def load_tensors(
     targets_seen: set[int] = set()  # tied tensors (one memory, two keys) get their own results
     for n, r in enumerate(reads):
         stored = record.arrays[r.tensor.key]
-        dtype, shape = from_zarr_name(stored.dtype), region_shape(r.region)
+        dtype = from_zarr_name(stored.dtype)
         if r.boxes:  # a flattened range: its parts, each into its run of the result
             out = np.empty(r.tensor.flattened_range.stop - r.tensor.flattened_range.start, dtype.numpy_dtype)
             arrays.append(out)
+            chunks = ArrayChunks.of(store, stored)
             for box, at in r.boxes:
-                part = out[at : at + math.prod(region_shape(box))].reshape(region_shape(box))
-                jobs += read_region(ArrayChunks.of(store, stored), box, part)
+                box_shape = region_shape(box)
+                jobs += read_region(chunks, box, out[at : at + math.prod(box_shape)].reshape(box_shape))
             continue
+        shape = region_shape(r.region)
         target = _in_place_target(r, dtype.torch_dtype, targets_seen)
         if target is None:
             out = np.empty(shape, dtype.numpy_dtype)

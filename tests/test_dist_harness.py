@@ -1,0 +1,42 @@
+"""The distributed test harness itself (``tests/dist.py``): a hang must fail the test
+with every process's Python stacks, forked writers included, and leave no process
+behind."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+
+from tests.dist import run_distributed
+
+
+def _writer_that_hangs(pid_file: str) -> None:
+    with open(pid_file, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(3600)
+
+
+def hang_in_a_forked_writer(rank: int, world: int, pid_dir: str) -> None:
+    """Rank 0 forks a writer (as Megatron's async queue does) that never ends, and
+    waits for it; rank 1 returns."""
+    if rank == 0:
+        writer = mp.get_context("fork").Process(target=_writer_that_hangs, args=(os.path.join(pid_dir, "writer"),))
+        writer.start()
+        writer.join()
+
+
+def test_a_hang_fails_with_the_stacks_of_every_process_and_leaves_none(tmp_path) -> None:
+    with pytest.raises(AssertionError) as raised:
+        run_distributed(hang_in_a_forked_writer, 2, str(tmp_path), timeout=5)
+    message = str(raised.value)
+    assert "timed out after 5s; finished ranks: [1]" in message, message
+    assert "stacks of rank 0" in message and "hang_in_a_forked_writer" in message, message
+    assert "_writer_that_hangs" in message, message  # the forked writer's own stack
+    writer = int((tmp_path / "writer").read_text())
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{writer}") and time.monotonic() < deadline:
+        time.sleep(0.1)  # killed, then reaped by init
+    assert not os.path.exists(f"/proc/{writer}") or "Z" in open(f"/proc/{writer}/stat").read().split()[2]

@@ -255,14 +255,17 @@ class DirectFlatWrite:
 
 
 def chunk_shape_for(
-    main_shards: list[ShardRecord], global_shape: tuple[int, ...], itemsize: int, max_chunk_bytes: int
+    main_shards: list[ShardRecord], global_shape: tuple[int, ...], itemsize: int, max_chunk_bytes: int,
+    contiguous: bool = False,
 ) -> tuple[int, ...]:
     """The chunk shape of an array: aligned with every shard boundary, bounded in bytes.
 
     Along each axis the chunk size divides every shard start (their gcd), so no chunk
     crosses a shard boundary. For flattened shards the chunk is also contiguous in the
-    flattened block. Then leading axes are split (by divisors, keeping alignment) until a
-    chunk holds at most ``max_chunk_bytes``.
+    flattened block. Then axes are split (by divisors, keeping alignment) until a chunk
+    holds at most ``max_chunk_bytes`` (``bound_chunk``; contiguous in the block where
+    the shards are flattened, or where ``contiguous`` asks it: chunks that shards of
+    ``shard_bytes`` gather, ``planning.plans.array_records``).
     """
     ndim = len(global_shape)
     chunk = []
@@ -270,30 +273,67 @@ def chunk_shape_for(
         starts = {r.offset[axis] for r in main_shards if r.offset[axis] > 0}
         size = math.gcd(*starts) if starts else global_shape[axis]
         chunk.append(max(1, size))
-    if any(r.flat_range is not None for r in main_shards):
+    flattened = any(r.flat_range is not None for r in main_shards)
+    if flattened:
         block = main_shards[0].block_shape
         chunk = [min(c, b) if b > 0 else c for c, b in zip(chunk, block)]
         partial = [a for a in range(ndim) if chunk[a] < block[a]]
         if partial:
             for a in range(partial[-1]):
                 chunk[a] = 1
-    return bound_chunk(tuple(chunk), itemsize, max_chunk_bytes)
+    return bound_chunk(tuple(chunk), itemsize, max_chunk_bytes, contiguous=contiguous or flattened)
 
 
-def bound_chunk(chunk: tuple[int, ...], itemsize: int, max_chunk_bytes: int) -> tuple[int, ...]:
-    """Shrinks leading axes by divisors until the chunk fits ``max_chunk_bytes``.
+# A chunk more than this many times smaller than its bound, where the bound is met by
+# splitting one axis alone, is a length without a divisor near the bound (FSDP2's
+# blocks of 4,138 = 2 x 2,069 rows of 32 KiB, the bound 2,048 rows: chunks of 2 rows,
+# 2,069 files per rank and array): ``bound_chunk`` then also splits a later axis.
+SMALL_CHUNK_SHARE = 4
 
-    Splitting only the leading non-unit axis keeps a contiguous chunk contiguous.
+
+def bound_chunk(
+    chunk: tuple[int, ...], itemsize: int, max_chunk_bytes: int, contiguous: bool = True
+) -> tuple[int, ...]:
+    """The largest chunk, dividing ``chunk`` along every axis, of at most
+    ``max_chunk_bytes``, found by splitting the leading axes.
+
+    ``contiguous``: split only the leading non-unit axis (the axes before it go to 1),
+    so a chunk contiguous in its block stays so (flattened ranges, inner chunks of a
+    shard). Otherwise, where that gives a chunk more than ``SMALL_CHUNK_SHARE`` times
+    under the bound, the axis keeps its smallest divisor above the bound's share and
+    the axes after it are split in turn, whichever chunk is larger (a box of the block,
+    copied out with a stride).
     """
     out = list(chunk)
     for axis in range(len(out)):
         rest = math.prod(out[axis + 1 :]) * itemsize
         if out[axis] * rest <= max_chunk_bytes:
             break
-        out[axis] = largest_divisor_at_most(out[axis], max(1, max_chunk_bytes // max(rest, 1)))
+        limit = max(1, max_chunk_bytes // max(rest, 1))
+        out[axis] = largest_divisor_at_most(out[axis], limit)
         if rest <= max_chunk_bytes:
+            if not contiguous and out[axis] * rest * SMALL_CHUNK_SHARE < max_chunk_bytes:
+                return _split_later(tuple(out), chunk, axis, itemsize, max_chunk_bytes)
             break
     return tuple(out)
+
+
+def _split_later(
+    found: tuple[int, ...], chunk: tuple[int, ...], axis: int, itemsize: int, max_chunk_bytes: int
+) -> tuple[int, ...]:
+    """``found`` (``chunk`` split along ``axis`` to a divisor far under the bound), or,
+    where larger, ``chunk`` with ``axis`` at its smallest divisor above the bound's
+    share and the axes after it bounded in what is left (``bound_chunk``)."""
+    n = chunk[axis]
+    limit = max(1, max_chunk_bytes // max(math.prod(chunk[axis + 1 :]) * itemsize, 1))
+    if len(chunk) == axis + 1 or n <= limit:
+        return found
+    kept = n // largest_divisor_at_most(n, (n - 1) // limit)  # the smallest divisor of n above limit
+    later = bound_chunk(chunk[axis + 1 :], itemsize * kept, max_chunk_bytes, contiguous=False)
+    candidate = (*found[:axis], kept, *later)
+    if math.prod(candidate) * itemsize > max_chunk_bytes or math.prod(candidate) <= math.prod(found):
+        return found
+    return candidate
 
 
 # Candidates each search of ``largest_divisor_at_most`` tries before it settles: a

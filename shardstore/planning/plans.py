@@ -118,20 +118,29 @@ def array_records(
     shards are gathered, which ``plan_gathered_writes`` maps its shards onto."""
     records, grids = {}, {}
     for key, shards in layout.tensors.items():
-        first = shards[0]
-        itemsize = from_zarr_name(first.dtype).itemsize
         main = [s for s in shards if s.main]
-        chunk = chunk_shape_for(main, first.global_shape, itemsize, max_chunk_bytes)
-        record = ArrayRecord(key, first.global_shape, first.dtype, chunk, flattened_block=flattened_block(main))
+        # shards gather chunks contiguous in their blocks, however small (``bound_chunk``)
+        record = _unsharded_record(key, shards[0], main, max_chunk_bytes, contiguous=shard_bytes is not None)
         grid = _shardable_grid(record, main) if shard_bytes else None
-        records[key] = record
-        if grid is None:
-            continue
-        if (own := in_block_sharded_record(record, shard_bytes)) is not None:  # written by the blocks' holders
-            records[key] = own
-        elif (gathered := sharded_record(record, main, shard_bytes, grid)) is not record:
+        if grid is not None and (own := in_block_sharded_record(record, shard_bytes)) is not None:
+            records[key] = own  # written by the blocks' holders
+        elif grid is not None and (gathered := sharded_record(record, main, shard_bytes, grid)) is not record:
             records[key], grids[key] = gathered, grid
+        elif shard_bytes is not None:  # not sharded after all: chunks as an unsharded save makes them
+            records[key] = _unsharded_record(key, shards[0], main, max_chunk_bytes, contiguous=False)
+        else:
+            records[key] = record
     return records, grids
+
+
+def _unsharded_record(
+    key: str, first: ShardRecord, main: list[ShardRecord], max_chunk_bytes: int, contiguous: bool
+) -> ArrayRecord:
+    """The record of ``key`` in chunks of at most ``max_chunk_bytes`` aligned with its
+    ``main`` blocks (``chunk_shape_for``; ``contiguous``: in their blocks)."""
+    itemsize = from_zarr_name(first.dtype).itemsize
+    chunk = chunk_shape_for(main, first.global_shape, itemsize, max_chunk_bytes, contiguous)
+    return ArrayRecord(key, first.global_shape, first.dtype, chunk, flattened_block=flattened_block(main))
 
 
 def _shardable_grid(record: ArrayRecord, main: list[ShardRecord]) -> BlockGrid | None:

@@ -110,6 +110,28 @@ def test_verify_reads_a_chunk_at_a_time(checkpoint: Path) -> None:
     _assert_within(peak, BOUND, "verify (64 MiB chunks)")
 
 
+def test_a_sync_save_of_strided_chunks_copies_one_per_writer_thread(tmp_path: Path) -> None:
+    """Blocks of 2 x 2,053 rows whose chunks split their columns (``planning.layout.
+    bound_chunk``: the rows have no divisor near the bound) are strided views of the
+    caller's tensors: each is copied by its writer when it runs, so a synchronous save
+    of CPU tensors holds at most one chunk copy per writer thread (8 of 8 MiB here),
+    not a copy of the whole state (512 MiB)."""
+    setup = (
+        f"{IMPORTS}\n"
+        "from shardstore import ShardedTensor, save\n"
+        "from shardstore.strategies.zarr import ZarrSaveShardedStrategy\n"
+        "state = {f'l{i}': ShardedTensor.from_rank_offsets(f'l/{i}', torch.full((4106, 4096), float(i)))"
+        f" for i in range({TENSORS})}}\n"
+        "strategy = ZarrSaveShardedStrategy(max_chunk_bytes=16 * 2**20, shard_bytes=None)"
+    )
+    peak = _peak_above_start(setup, f"save(state, {str(tmp_path / 'ckpt')!r}, strategy)")
+    _assert_within(peak, 8 * 8 * MiB, "a sync save of strided chunks")
+    from shardstore.format.records import read_commit_record
+    from shardstore.stores.locations import open_location
+
+    assert read_commit_record(open_location(tmp_path / "ckpt")).arrays["l/3"].chunk_shape == (2053, 1024)
+
+
 def test_an_async_saves_snapshot_holds_its_staging_cap(tmp_path: Path) -> None:
     """``ZarrSaveShardedStrategy(max_staging_bytes=N)``: the host copies an async save
     holds (its snapshot) stay under N; the state itself was in memory before."""

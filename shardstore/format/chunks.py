@@ -263,10 +263,14 @@ class ArrayChunks:
 
 
 def write_region(array: ArrayChunks, region: Region, value: np.ndarray) -> list[tuple[ChunkFile, np.ndarray]]:
-    """The chunk files and contiguous data that store ``value`` at ``region``.
+    """The chunk files and the data that store ``value`` at ``region``.
 
     ``region`` must be chunk-aligned (one writer per chunk); edge chunks are padded with
-    zeros (the fill value) to the full chunk shape, as Zarr stores them.
+    zeros (the fill value) to the full chunk shape, as Zarr stores them. A whole chunk
+    is a view of ``value``, strided where the chunk splits a later axis of it
+    (``planning.layout.bound_chunk``): its writer copies it when it runs
+    (``run_writes``), so a rank holds one such copy per writer thread, not one of every
+    chunk at once.
     """
     if value.shape == array.chunk_shape and value.flags.c_contiguous:  # one whole chunk, as it is
         index = tuple(s.start // c for s, c in zip(region, array.chunk_shape))
@@ -279,8 +283,6 @@ def write_region(array: ArrayChunks, region: Region, value: np.ndarray) -> list[
             full = np.zeros(array.chunk_shape, dtype=value.dtype)
             full[piece.in_chunk] = slab
             slab = full
-        elif not slab.flags.c_contiguous:
-            slab = np.ascontiguousarray(slab)
         jobs.append((array.file(piece.index), slab))
     return jobs
 
@@ -475,7 +477,9 @@ def run_writes(
 
 def _write_or_share(file: ChunkFile, data: np.ndarray, share: ShareChunk | None) -> WrittenChunk:
     """Writes a chunk, or shares it where ``share`` finds it unchanged (its digest,
-    taken first, decides; a chunk written then is not hashed a second time)."""
+    taken first, decides; a chunk written then is not hashed a second time). A strided
+    chunk (``write_region``) is copied here, on the writer's thread."""
+    data = np.ascontiguousarray(data)
     if share is None:
         return _written(file, file.write(data))
     view = _bytes_view(data)

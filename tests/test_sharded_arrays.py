@@ -119,6 +119,30 @@ def saved_async_then_reused(rank: int, world: int, root: str) -> tuple[int, int]
     return os.stat(f"{root}/2/w0/c.0.0").st_ino, os.stat(f"{root}/2/w1/c.0.0").st_ino
 
 
+def overwritten_after_an_async_save(rank: int, world: int, ckpt: str) -> tuple[bool, int]:
+    """The blocks of gathered arrays are not snapshot (the exchange reads them before
+    ``save`` returns): changing them afterwards must not reach the checkpoint."""
+    from shardstore.execution import save as save_module
+
+    copied = []
+    original = save_module.HostSnapshot.copy
+    save_module.HostSnapshot.copy = lambda self, t: copied.append(t) or original(self, t)
+    state = _state(rank, world)
+    request = save(state, ckpt, _strategy(world, 2), async_sharded_save=True)
+    for t in state.values():
+        t.data.fill_(-1)  # the training loop goes on
+    request.execute_sync()
+    loaded = load(_state(rank, world, empty=True), ckpt)
+    return all(torch.equal(loaded[f"w{i}"], _global(i).chunk(world)[rank]) for i in range(ARRAYS)), len(copied)
+
+
+def test_an_async_save_of_gathered_arrays_copies_none_and_keeps_their_values(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    assert run_distributed(overwritten_after_an_async_save, 2, str(ckpt)) == [(True, 0)] * 2
+    assert len(_chunk_files(ckpt, "w0")) == 1  # gathered: both ranks' blocks in one shard
+    assert shardstore.verify(ckpt).ok
+
+
 def test_an_async_save_and_an_incremental_save_share_unchanged_shards(tmp_path: Path) -> None:
     (w0, w1), _ = run_distributed(saved_async_then_reused, 2, str(tmp_path))
     assert os.stat(tmp_path / "1" / "w1" / "c.0.0").st_ino == w1  # unchanged shard: linked, proven

@@ -152,7 +152,9 @@ class Staging:
         max_bytes: the most copied bytes held at once; above it the blocks are written
             in waves, in the caller, each wave's writes overlapping the copies of the
             next (two waves of at most half of it; flattened tensors are staged at once:
-            their chunks are assembled across ranks). None: no bound.
+            their chunks are assembled across ranks; blocks of gathered arrays are read
+            by the stage's exchange, so a snapshot copies none on the CPU and gives the
+            pinned copies of CUDA ones back once exchanged). None: no bound.
         io_concurrency: for the writes of those waves.
         io_threads: threads for the direct local writes of this save.
     """
@@ -220,6 +222,10 @@ def stage_save(
         lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks),
         transfers=straddles, local_error=local_error,
     )
+    sent = [s.index for s in plan.shards if s.key in plan.gathered and host[s.index] is not None]
+    snapshot.release([host[i] for i in sent])  # exchanged: their pinned copies go back to the pool
+    for i in sent:
+        host[i] = None
     ops = [op for s in plan.shards if _written_whole(s, plan) and s.index not in written
            for op in _block_ops(s, host, plan.records)]
     for w in plan.flat_direct:
@@ -260,7 +266,9 @@ def copy_to_host(
     where = location.describe()
     for s in sorted(plan.shards, key=lambda s: not _written_whole(s, plan)):
         data = _planned_tensor(tensors, s, where)
-        copy = staging.snapshot or data.device.type != "cpu"
+        # a gathered block is read only by the stage's exchange, before the save returns:
+        # a snapshot of it (async) would protect nothing
+        copy = (staging.snapshot and s.key not in plan.gathered) or data.device.type != "cpu"
         if staging.max_bytes and copy and _written_whole(s, plan):
             if held and held_bytes + s.nbytes > staging.max_bytes // 2:
                 waves.append((held, snapshot.mark(), held_bytes))

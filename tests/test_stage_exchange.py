@@ -48,3 +48,34 @@ def test_a_rank_that_cannot_allocate_its_exchange_fails_every_rank_at_once() -> 
 
 def test_the_exchange_delivers_each_ranks_tensors_to_its_peer() -> None:
     assert run_distributed(exchange_both_ways, 2) == [[1.0] * 4, [0.0] * 4]
+
+
+def _mixed(rank: int) -> list[torch.Tensor]:
+    """Small and large (``OWN_MESSAGE_BYTES`` and over) tensors, contiguous or not."""
+    big = 1 << 18  # float32 elements: 1 MiB
+    return [
+        torch.full((3,), 10.0 + rank),
+        torch.arange(big, dtype=torch.float32) + rank,  # large, contiguous
+        torch.full((5,), 20.0 + rank, dtype=torch.bfloat16),
+        (torch.arange(2 * big, dtype=torch.float32).reshape(2, big) - rank).t(),  # large, strided
+        torch.arange(big + 7, dtype=torch.float64)[::2] * (rank + 1),  # large, strided
+    ]
+
+
+def exchange_mixed(rank: int, world: int) -> tuple[bool, int]:
+    """Every kind of tensor lands whole and in order; the large contiguous target is
+    received into directly (no buffer of its own), the others through buffers."""
+    peer = 1 - rank
+    expected = _mixed(peer)
+    targets = [torch.empty(3), torch.empty(1 << 18), torch.empty(5, dtype=torch.bfloat16),
+               torch.empty(2, 1 << 18).t(), torch.empty((1 << 17) + 4, 2, dtype=torch.float64)[:, 0]]
+    group = Group(None)
+    prepared = group.prepare_exchange({peer: _mixed(rank)}, {peer: targets})
+    group.run_exchange(prepared)
+    ok = all(torch.equal(t, e) for t, e in zip(targets, expected))
+    return ok, len(prepared.landed)
+
+
+def test_large_tensors_travel_on_their_own_and_land_in_place() -> None:
+    # landed: the small ones' packed message, and the two strided large ones
+    assert run_distributed(exchange_mixed, 2) == [(True, 3), (True, 3)]

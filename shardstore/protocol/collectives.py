@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from shardstore.errors import CheckpointingException
+from shardstore.format.dtypes import holds_its_values
 from shardstore.progress import current_operation
 
 # Byte order and width of the length that precedes each pickled message.
@@ -286,9 +287,12 @@ class Group:
 
     def exchange(self, sends: dict[int, list[torch.Tensor]], receives: dict[int, list[torch.Tensor]]) -> None:
         """Collective among the ranks named: ``sends[peer]`` (this rank's tensors for
-        ``peer``) land in the preallocated ``receives[peer]`` of ``peer``, in order. One
-        packed byte buffer per pair of ranks, so thousands of small tensors cost one
-        message, not thousands (``prepare_exchange``, then ``run_exchange``)."""
+        ``peer``) land in the preallocated ``receives[peer]`` of ``peer``, in order. Per
+        pair of ranks, the tensors under ``OWN_MESSAGE_BYTES`` travel packed in one
+        message, so thousands of small tensors cost one message, not thousands; larger
+        ones travel as messages of their own, from and into their own memory where they
+        lie on the group's device, contiguous (``prepare_exchange``, then
+        ``run_exchange``)."""
         self.run_exchange(self.prepare_exchange(sends, receives))
 
     def prepare_exchange(
@@ -296,20 +300,36 @@ class Group:
     ) -> PreparedExchange:
         """``exchange``'s local part: packs what this rank sends and allocates what it
         receives. Local, so a stage runs it before its agreement (``protocol.stage``):
-        a rank out of memory here fails every rank at once, none waits for its sends."""
+        a rank out of memory here fails every rank at once, none waits for its sends.
+
+        Both sides split a pair's tensors into the same messages, by size alone (the
+        packed small ones first, then each large one, in order; tagged by position)."""
         ops, landed = [], []
         for peer, tensors in sorted(sends.items()):
-            packed = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in tensors]).to(self.device)
-            ops.append(dist.P2POp(dist.isend, packed, self.global_rank(peer), self.process_group))
+            for tag, message in enumerate(_messages(tensors)):
+                own = len(message) == 1 and message[0].numel() * message[0].element_size() >= OWN_MESSAGE_BYTES
+                # one large tensor: a view of it where it is contiguous on the group's device
+                payload = (_bytes_of(message[0]) if own else torch.cat([_bytes_of(t) for t in message])).to(self.device)
+                ops.append(dist.P2POp(dist.isend, payload, self.global_rank(peer), self.process_group, tag))
         for peer, tensors in sorted(receives.items()):
-            buffer = torch.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, buffer, self.global_rank(peer), self.process_group))
-            landed.append((buffer, tensors))
+            for tag, message in enumerate(_messages(tensors)):
+                own = len(message) == 1 and message[0].numel() * message[0].element_size() >= OWN_MESSAGE_BYTES
+                if own and self._lands_in_place(message[0]):
+                    buffer = message[0].detach().reshape(-1).view(torch.uint8)
+                else:
+                    size = sum(t.numel() * t.element_size() for t in message)
+                    buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+                    landed.append((buffer, message))
+                ops.append(dist.P2POp(dist.irecv, buffer, self.global_rank(peer), self.process_group, tag))
         return PreparedExchange(ops, landed)
 
+    def _lands_in_place(self, tensor: torch.Tensor) -> bool:
+        """Whether a message can be received straight into ``tensor``'s memory."""
+        return tensor.device == self.device and holds_its_values(tensor)
+
     def run_exchange(self, prepared: PreparedExchange) -> None:
-        """Collective: ``exchange``'s sends and receives, then the received bytes copied
-        into their tensors."""
+        """Collective: ``exchange``'s sends and receives, then the bytes received into
+        buffers copied into their tensors."""
         if not prepared.ops:
             return
         _raise_if_lost(self.process_group)
@@ -319,8 +339,39 @@ class Group:
             at = 0
             for t in tensors:
                 n = t.numel() * t.element_size()
-                t.detach().reshape(-1).view(torch.uint8).copy_(buffer[at : at + n])  # also into a parameter
+                _land(t.detach(), buffer[at : at + n])  # detached: also into a parameter
                 at += n
+
+
+# A tensor of at least this many bytes travels in an exchange as a message of its own,
+# sent from and received into its own memory where it can be (``Group.exchange``):
+# packing it cost a copy on each side, and the sum of a rank's blocks at once (a sharded
+# save gathers most of a rank's state). Smaller ones are packed, a message per pair.
+OWN_MESSAGE_BYTES = 1 << 20
+
+
+def _messages(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """A pair's tensors as its messages, by size alone (both sides agree): those under
+    ``OWN_MESSAGE_BYTES`` packed into the first (when there are any), then each larger
+    one alone, in order."""
+    small = [t for t in tensors if t.numel() * t.element_size() < OWN_MESSAGE_BYTES]
+    large = [[t] for t in tensors if t.numel() * t.element_size() >= OWN_MESSAGE_BYTES]
+    return ([small] if small else []) + large
+
+
+def _land(tensor: torch.Tensor, data: torch.Tensor) -> None:
+    """Copies the bytes ``data`` into ``tensor``'s values, whatever its strides (a
+    strided target's values are not one run of its memory: the bytes are read as its
+    dtype first, from a copy aligned for it)."""
+    if holds_its_values(tensor):
+        tensor.reshape(-1).view(torch.uint8).copy_(data)
+    else:
+        tensor.copy_(data.clone().view(tensor.dtype).reshape(tensor.shape))
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values as flat bytes (a view where it is contiguous)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
 
 
 @dataclass(frozen=True)

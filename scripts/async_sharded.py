@@ -1,0 +1,88 @@
+"""What an async save of gathered arrays blocks for and holds (docs/measurements/
+performance.md, "Async saves of gathered arrays").
+
+``--world`` ranks (gloo on 127.0.0.1) each hold ``--arrays`` float32 blocks of
+``--block-mib`` MiB of arrays split along their rows, saved ``--reps`` times with
+``async_sharded_save=True`` into shards of ``--shard-mib`` MiB (so the blocks are
+gathered across ranks in the staging stage). Per rank: the time ``save`` blocks
+(median, min-max) and the peak of the resident set above its level before the save
+(``VmHWM`` after ``clear_refs``; Linux), the background write included.
+
+    .venv/bin/python scripts/async_sharded.py --world 2 --arrays 16 --block-mib 16 --reps 5
+"""
+
+from __future__ import annotations
+
+__all__ = ["main"]
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardstore import ShardedTensor, save
+from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+from shardstore.testing import free_port
+
+MiB = 1 << 20
+
+
+def _peak_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, root: str, out: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rows = args.block_mib * MiB // (4 * 1024)
+    state = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.full((rows, 1024), float(i + rank)),
+                                                      (0, rank, world)) for i in range(args.arrays)}
+    strategy = ZarrSaveShardedStrategy(shard_bytes=args.shard_mib * MiB)
+    runs = []
+    for rep in range(args.reps):
+        _reset_peak()
+        before = _peak_bytes()
+        start = time.perf_counter()
+        request = save(state, f"{root}/{rep}", strategy, async_sharded_save=True)
+        blocked = time.perf_counter() - start
+        request.execute_sync()
+        runs.append((blocked, _peak_bytes() - before))
+    out[rank] = runs
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--arrays", type=int, default=16)
+    parser.add_argument("--block-mib", type=int, default=16)
+    parser.add_argument("--shard-mib", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="async-sharded-")
+    try:
+        out = mp.Manager().dict()
+        mp.spawn(_rank, args=(args.world, free_port(), args, root, out), nprocs=args.world, join=True)
+        for rank in sorted(out):
+            blocked = [b for b, _ in out[rank]]
+            peaks = [p / MiB for _, p in out[rank]]
+            print(f"rank {rank}: blocked {statistics.median(blocked):.3f} s ({min(blocked):.3f}-{max(blocked):.3f}); "
+                  f"peak above start {statistics.median(peaks):.0f} MiB ({min(peaks):.0f}-{max(peaks):.0f})")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        os.sync()
+
+
+if __name__ == "__main__":
+    main()

@@ -229,7 +229,7 @@ def _exchange_point_to_point(
     distribution: ShardDistribution, group: Group,
 ) -> None:
     """Each shared shard goes from its loader to the ranks that hold it and to no other,
-    all in one batched exchange (one packed buffer per pair of ranks)."""
+    all in one batched exchange (``Group.exchange``)."""
     sends: dict[int, list[torch.Tensor]] = defaultdict(list)
     receives: dict[int, list[torch.Tensor]] = defaultdict(list)
     landed: list[tuple[_ShardId, torch.Tensor, torch.device]] = []

@@ -449,8 +449,8 @@ def plan_gathered_writes(key: str, record: ArrayRecord, grid: BlockGrid, load: l
     a contiguous range of its block (``sharded_record``), so each piece is one flat range
     of a block and of the buffer; adjacent ones of one block merge (where the shard
     also merges blocks along a later axis, a block's inner chunks interleave with its
-    neighbours' and each is a piece of its own: a larger plan, still one packed message
-    per pair of ranks; a flattened block's runs are split at its fragments,
+    neighbours' and each is a piece of its own: a larger plan, its small pieces still
+    packed into a message per pair of ranks; a flattened block's runs are split at its fragments,
     ``FlatBlockGrid``). The runs of all the shards are found at once (``ShardRuns``)."""
     shard, inner = record.chunk_shape, record.codec.chunk_shape  # type: ignore[attr-defined]
     runs = ShardRuns.of(grid, record.shape, shard, inner)

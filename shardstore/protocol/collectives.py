@@ -307,14 +307,13 @@ class Group:
         ops, landed = [], []
         for peer, tensors in sorted(sends.items()):
             for tag, message in enumerate(_messages(tensors)):
-                own = len(message) == 1 and message[0].numel() * message[0].element_size() >= OWN_MESSAGE_BYTES
                 # one large tensor: a view of it where it is contiguous on the group's device
-                payload = (_bytes_of(message[0]) if own else torch.cat([_bytes_of(t) for t in message])).to(self.device)
+                payload = (_bytes_of(message[0]) if _alone(message) else torch.cat([_bytes_of(t) for t in message]))
+                payload = payload.to(self.device)
                 ops.append(dist.P2POp(dist.isend, payload, self.global_rank(peer), self.process_group, tag))
         for peer, tensors in sorted(receives.items()):
             for tag, message in enumerate(_messages(tensors)):
-                own = len(message) == 1 and message[0].numel() * message[0].element_size() >= OWN_MESSAGE_BYTES
-                if own and self._lands_in_place(message[0]):
+                if _alone(message) and self._lands_in_place(message[0]):
                     buffer = message[0].detach().reshape(-1).view(torch.uint8)
                 else:
                     size = sum(t.numel() * t.element_size() for t in message)
@@ -354,9 +353,17 @@ def _messages(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """A pair's tensors as its messages, by size alone (both sides agree): those under
     ``OWN_MESSAGE_BYTES`` packed into the first (when there are any), then each larger
     one alone, in order."""
-    small = [t for t in tensors if t.numel() * t.element_size() < OWN_MESSAGE_BYTES]
-    large = [[t] for t in tensors if t.numel() * t.element_size() >= OWN_MESSAGE_BYTES]
-    return ([small] if small else []) + large
+    small = [t for t in tensors if not _large(t)]
+    return ([small] if small else []) + [[t] for t in tensors if _large(t)]
+
+
+def _large(tensor: torch.Tensor) -> bool:
+    return tensor.numel() * tensor.element_size() >= OWN_MESSAGE_BYTES
+
+
+def _alone(message: list[torch.Tensor]) -> bool:
+    """Whether a message is one large tensor (``_messages``), not packed ones."""
+    return len(message) == 1 and _large(message[0])
 
 
 def _land(tensor: torch.Tensor, data: torch.Tensor) -> None:

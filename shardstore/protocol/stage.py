@@ -64,8 +64,8 @@ class Deliver(Enum):
 @dataclass(frozen=True)
 class Transfers:
     """A rank's point-to-point transfers: ``sends[peer]`` (this rank's tensors for
-    ``peer``) land in ``receives[me]`` of the peer, in order; one packed message per
-    pair of ranks (``Group.exchange``)."""
+    ``peer``) land in ``receives[me]`` of the peer, in order (``Group.exchange``: the
+    small ones packed, a message per pair of ranks; large ones each a message)."""
 
     sends: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     receives: dict[int, list[torch.Tensor]] = field(default_factory=dict)

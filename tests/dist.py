@@ -9,9 +9,12 @@ its Python stacks into the test's failure message.
 
 from __future__ import annotations
 
+__all__ = ["run_distributed"]
+
 import faulthandler
 import multiprocessing as mp
 import os
+import queue
 import signal
 import tempfile
 import time
@@ -80,6 +83,8 @@ def run_distributed(
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns the
     per-rank return values (must be picklable). ``fn`` must be a module-level function.
 
+    ``timeout``: for all ranks together; keep it under pytest-timeout's limit (300 s,
+    or the test's ``timeout`` mark), which otherwise fires first, without the stacks.
     ``killed``: ranks expected to die by SIGKILL (their value is None); the test fails
     if they exit any other way. ``backend``: ``"gloo"``, or ``"nccl"`` (each rank on its
     own GPU). ``pg_timeout``: the process group's timeout, in seconds.
@@ -96,64 +101,133 @@ def run_distributed(
         ]
         for p in procs:
             p.start()
-        outcomes: dict[int, tuple[bool, Any]] = {r: (True, None) for r in killed}
-        deadline = time.monotonic() + timeout
-        grace = 10.0  # for a rank to exit once it reported; 1 s once the test timed out
+        finished = False
         try:
-            for _ in range(world_size - len(killed)):
-                rank, ok, value = results.get(timeout=max(0.0, deadline - time.monotonic()))
-                outcomes[rank] = (ok, value)
-        except Exception as exc:
-            grace = 1.0
-            raise AssertionError(
-                f"distributed test timed out after {timeout}s; finished ranks: {sorted(outcomes)}"
-                + "".join(f"\n--- rank {r} failed:\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok)
-                + _stacks_of(procs, stacks)
-            ) from exc
+            outcomes = _collect(results, procs, killed, timeout, stacks)
+            finished = True
         finally:
-            for p in procs:
-                p.join(timeout=grace)
-                if p.is_alive():  # and what it started: a hung writer it forked outlives it otherwise
-                    for pid in [*_descendants(p.pid), p.pid]:
-                        _signal(pid, signal.SIGKILL)
-                    p.join()
+            _reap(procs, grace=10.0 if finished else 1.0)
     for r in killed:
         if procs[r].exitcode != -signal.SIGKILL:
             outcomes[r] = (False, f"expected to be killed, exit code {procs[r].exitcode}")
     failures = {r: v for r, (ok, v) in outcomes.items() if not ok}
     if failures:
-        raise AssertionError("\n".join(f"--- rank {r} failed:\n{tb}" for r, tb in sorted(failures.items())))
+        raise AssertionError(_failed(failures))
     return [outcomes[r][1] for r in range(world_size)]
 
 
+# How long a rank may be seen dead without its report before the test fails (seconds):
+# a rank's report is in the queue's pipe before its process ends.
+_DEAD_WITHOUT_REPORT_S = 2.0
+
+
+def _collect(
+    results: Any, procs: list[Any], killed: tuple[int, ...], timeout: float, stacks: str,
+) -> dict[int, tuple[bool, Any]]:
+    """Every rank's report but the ``killed`` ones', by rank; raises, with every live
+    process's stacks, when ``timeout`` passes first or a rank ends without one."""
+    outcomes: dict[int, tuple[bool, Any]] = {r: (True, None) for r in killed}
+    waiting = set(range(len(procs))) - set(killed)
+    deadline = time.monotonic() + timeout
+    dead_since: dict[int, float] = {}
+    while waiting:
+        try:
+            rank, ok, value = results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        except queue.Empty:
+            now = time.monotonic()
+            gone = [r for r in sorted(waiting) if procs[r].exitcode is not None
+                    and now - dead_since.setdefault(r, now) >= _DEAD_WITHOUT_REPORT_S]
+            if gone or now >= deadline:
+                reported = sorted(set(outcomes) - set(killed))
+                what = (f"rank(s) {gone} ended without a report (exit codes {[procs[r].exitcode for r in gone]})"
+                        if gone else f"distributed test timed out after {timeout}s")
+                failed = {r: v for r, (ok, v) in outcomes.items() if not ok}
+                raise AssertionError(
+                    f"{what}; ranks that reported: {reported}" + (f"\n{_failed(failed)}" if failed else "")
+                    + _stacks_of(procs, stacks)
+                ) from None
+            continue
+        outcomes[rank] = (ok, value)
+        waiting.discard(rank)
+    return outcomes
+
+
+def _failed(failures: dict[int, Any]) -> str:
+    return "\n".join(f"--- rank {r} failed:\n{tb}" for r, tb in sorted(failures.items()))
+
+
+def _reap(procs: list[Any], grace: float) -> None:
+    """Waits ``grace`` seconds for each rank to exit; kills those that do not, and
+    every process under them first (a hung writer a rank forked outlives it otherwise)."""
+    for p in procs:
+        p.join(timeout=grace)
+        if p.is_alive():
+            for pid in [*_descendants(p.pid), p.pid]:
+                _signal(pid, signal.SIGKILL)
+            p.join()
+
+
 def _descendants(pid: int) -> list[int]:
-    """``pid``'s child processes and theirs (Linux ``/proc``), deepest last."""
-    found = []
+    """``pid``'s child processes and theirs, deepest last: the children of every thread
+    (Linux ``/proc``; DCP starts its save process from a thread)."""
+    children: list[int] = []
     try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            children = [int(c) for c in f.read().split()]
+        tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:  # gone already
         return []
-    for child in children:
-        found += [child, *_descendants(child)]
-    return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(c) for c in f.read().split()]
+        except OSError:  # the thread ended meanwhile
+            continue
+    return [found for child in children for found in (child, *_descendants(child))]
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` handles ``signum`` (``SigCgt`` in ``/proc/<pid>/status``):
+    a process that does not (one started by ``spawn``, a non-Python helper) would be
+    killed by it."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(caught >> (signum - 1) & 1)
 
 
 def _stacks_of(procs: list[Any], stacks: str) -> str:
-    """Asks every live rank and every process under it (SIGUSR1: ``faulthandler``) for
-    its Python stacks; returns them, by rank, for the failure message."""
+    """Asks every live rank and every process under it that registered ``faulthandler``
+    for SIGUSR1 (forked from a rank) for its Python stacks; returns them by rank, and
+    names the processes it could not ask, for the failure message."""
+    unasked = []
     for p in procs:
         if p.is_alive():
             for pid in [p.pid, *_descendants(p.pid)]:
-                _signal(pid, signal.SIGUSR1)
+                if _catches(pid, signal.SIGUSR1):
+                    _signal(pid, signal.SIGUSR1)
+                else:
+                    unasked.append(f"{pid} ({_command_line(pid)})")
     time.sleep(2)
     out = []
     for r, p in enumerate(procs):
         path = os.path.join(stacks, f"rank{r}")
-        text = open(path).read() if os.path.exists(path) else ""
-        if text:
-            out.append(f"\n--- stacks of rank {r} (pid {p.pid}) and the processes it started:\n{text}")
+        if os.path.exists(path):
+            with open(path) as f:
+                text = f.read()
+            if text:
+                out.append(f"\n--- stacks of rank {r} (pid {p.pid}) and the processes it forked:\n{text}")
+    if unasked:
+        out.append(f"\n--- processes without stacks (no SIGUSR1 handler): {', '.join(unasked)}")
     return "".join(out)
+
+
+def _command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    except OSError:
+        return "gone"
 
 
 def _signal(pid: int, signum: int) -> None:

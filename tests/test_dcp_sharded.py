@@ -305,6 +305,7 @@ def async_save_in_a_save_process(rank: int, world: int, root: str) -> None:
     fm.assert_same(fm.full_values(loaded), fm.full_values(state))
 
 
+@pytest.mark.timeout(420)  # over run_distributed's 300 s, so its stacks come first
 def test_async_save_in_a_process_of_its_own_exchanges_on_that_process_default_group(tmp_path: Path) -> None:
     run_distributed(async_save_in_a_save_process, 2, str(tmp_path / "ckpt"), timeout=300)
     assert len(_sharded_arrays(tmp_path / "ckpt")) == LAYERS and shardstore.verify(tmp_path / "ckpt").ok

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import pytest
@@ -20,19 +21,27 @@ def _writer_that_hangs(pid_file: str) -> None:
 
 
 def hang_in_a_forked_writer(rank: int, world: int, pid_dir: str) -> None:
-    """Rank 0 forks a writer (as Megatron's async queue does) that never ends, and
-    waits for it; rank 1 returns."""
+    """Rank 0 forks a writer (as Megatron's async queue does) that never ends, from a
+    thread (as DCP's process executor does: a child of that thread, not of the main
+    one), and waits for it; rank 1 returns."""
     if rank == 0:
         writer = mp.get_context("fork").Process(target=_writer_that_hangs, args=(os.path.join(pid_dir, "writer"),))
-        writer.start()
-        writer.join()
+        starter = threading.Thread(target=lambda: (writer.start(), writer.join()))
+        starter.start()
+        starter.join()
+
+
+def exit_without_a_report(rank: int, world: int) -> None:
+    if rank == 1:
+        os._exit(3)  # a crash: no traceback, no report
+    time.sleep(3600)
 
 
 def test_a_hang_fails_with_the_stacks_of_every_process_and_leaves_none(tmp_path) -> None:
     with pytest.raises(AssertionError) as raised:
         run_distributed(hang_in_a_forked_writer, 2, str(tmp_path), timeout=5)
     message = str(raised.value)
-    assert "timed out after 5s; finished ranks: [1]" in message, message
+    assert "timed out after 5s; ranks that reported: [1]" in message, message
     assert "stacks of rank 0" in message and "hang_in_a_forked_writer" in message, message
     assert "_writer_that_hangs" in message, message  # the forked writer's own stack
     writer = int((tmp_path / "writer").read_text())
@@ -40,3 +49,11 @@ def test_a_hang_fails_with_the_stacks_of_every_process_and_leaves_none(tmp_path)
     while os.path.exists(f"/proc/{writer}") and time.monotonic() < deadline:
         time.sleep(0.1)  # killed, then reaped by init
     assert not os.path.exists(f"/proc/{writer}") or "Z" in open(f"/proc/{writer}/stat").read().split()[2]
+
+
+def test_a_rank_that_ends_without_a_report_fails_the_test_at_once() -> None:
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as raised:
+        run_distributed(exit_without_a_report, 2, timeout=120)
+    assert "rank(s) [1] ended without a report (exit codes [3])" in str(raised.value), str(raised.value)
+    assert time.monotonic() - start < 60  # not the 120 s timeout

@@ -139,6 +139,7 @@ def distributed_optimizer_round_trip(rank: int, world: int, ckpt: str, again: st
     return sum(1 for _ in gpt_a.parameters())
 
 
+@pytest.mark.timeout(420)  # over run_distributed's 300 s, so its stacks come first
 @pytest.mark.gpu
 @_cuda
 @pytest.mark.parametrize("sharding", ["dp_reshardable", "fully_reshardable"])

@@ -87,12 +87,13 @@ class Held:
     threads: frozenset[threading.Thread]
 
     @classmethod
-    def now(cls, directory: Path) -> Held:
-        """Sockets are not counted: these saves use none, and the test process's
-        local S3 server (``tests/s3_support.py``, started by earlier tests) closes its
-        idle connections on its own threads, whenever it likes."""
+    def now(cls, directory: Path, sockets: bool = False) -> Held:
+        """``sockets``: count them too. Off in the test process, whose local S3 server
+        (``tests/s3_support.py``, started by earlier tests) closes its idle connections
+        on its own threads whenever it likes, and whose saves open none; on in a rank's
+        process (``run_distributed``), where a process group's connections live."""
         gc.collect()  # what the process dropped is released by now, or never
-        targets = [t for t in descriptor_targets() if not t.startswith("socket:")]
+        targets = [t for t in descriptor_targets() if sockets or not t.startswith("socket:")]
         inside = tuple(t for t in targets if t.startswith(str(directory)))
         return cls(len(targets), inside, tuple(own_flocks()), frozenset(threading.enumerate()))
 
@@ -299,14 +300,14 @@ def _save_failing_on_rank_1(rank: int, world: int, directory: str) -> tuple[int,
     """Rank 1's chunk writes fail ``ATTEMPTS`` times, then a save succeeds; returns this
     rank's descriptor counts before and after, and what stays open into ``directory``."""
     target = Path(directory) / "iter_0000007"
-    before = Held.now(Path(directory))
+    before = Held.now(Path(directory), sockets=True)
     with pytest.MonkeyPatch.context() as mp:
         if rank == 1:
             mp.setattr(FileChunkStore, "put", disk_full)
         for _ in range(ATTEMPTS):
             with pytest.raises(CheckpointingException, match="rank\\(s\\) 1"):
                 save(state(rank, world), target, overwrite=True)
-    after = Held.now(Path(directory))
+    after = Held.now(Path(directory), sockets=True)
     save(state(rank, world), target, overwrite=True)
     return before.descriptors, after.descriptors, list(after.into)
 

@@ -244,17 +244,20 @@ def _check_every_rank_failed_alike(results: list[list[tuple]], failing_rank: int
         assert slowest < PROMPT_S, f"{site}: a rank raised after {slowest:.1f} s (a wait, not an agreement)"
 
 
+@pytest.mark.timeout(720)  # over run_distributed's 600 s, so its stacks come first
 @pytest.mark.parametrize("failing_rank", [0, 1])
 def test_a_failure_in_any_stage_work_fails_every_rank_alike_within_seconds(tmp_path: Path, failing_rank: int) -> None:
     results = run_distributed(fail_each_stage, 2, str(tmp_path), "work", failing_rank, timeout=600)
     _check_every_rank_failed_alike(results, failing_rank, expected=11)
 
 
+@pytest.mark.timeout(720)  # over run_distributed's 600 s, so its stacks come first
 def test_a_failure_in_any_reduction_fails_every_rank_alike_within_seconds(tmp_path: Path) -> None:
     results = run_distributed(fail_each_stage, 2, str(tmp_path), "reduce", 0, timeout=600)
     _check_every_rank_failed_alike(results, 0, expected=8)
 
 
+@pytest.mark.timeout(420)  # over run_distributed's 300 s, so its stacks come first
 @pytest.mark.parametrize("failing_rank", [0, 1])
 def test_a_failure_planning_the_transfers_fails_every_rank_alike_within_seconds(
     tmp_path: Path, failing_rank: int

@@ -27,6 +27,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardstore import ShardedTensor, save
+from shardstore.format.records import read_commit_record
+from shardstore.format.sharding import ShardingIndexed
+from shardstore.stores.locations import open_location
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 from shardstore.testing import free_port
 
@@ -58,6 +61,11 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, root: str,
         blocked = time.perf_counter() - start
         request.execute_sync()
         runs.append((blocked, _peak_bytes() - before))
+    if rank == 0:  # what is measured: arrays whose blocks were gathered into shards
+        arrays = read_commit_record(open_location(f"{root}/0")).arrays
+        plain = sorted(key for key, record in arrays.items() if not isinstance(record.codec, ShardingIndexed))
+        if plain:
+            raise SystemExit(f"arrays not gathered into shards, so not what this measures: {plain}")
     out[rank] = runs
     dist.destroy_process_group()
 

@@ -294,8 +294,9 @@ SMALL_CHUNK_SHARE = 4
 def bound_chunk(
     chunk: tuple[int, ...], itemsize: int, max_chunk_bytes: int, contiguous: bool = True
 ) -> tuple[int, ...]:
-    """The largest chunk, dividing ``chunk`` along every axis, of at most
-    ``max_chunk_bytes``, found by splitting the leading axes.
+    """A chunk dividing ``chunk`` along every axis, of at most ``max_chunk_bytes``
+    (where one element fits), found by splitting the leading axes: the largest such
+    split of one axis, not of every combination of axes.
 
     ``contiguous``: split only the leading non-unit axis (the axes before it go to 1),
     so a chunk contiguous in its block stays so (flattened ranges, inner chunks of a

@@ -105,3 +105,45 @@ def test_a_spawned_writers_failure_is_raised_by_the_finalization_not_by_the_work
         for finalize in request.finalize_fns:
             finalize()
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_forked_writer_leaves_the_commit_records_encoding_to_the_committer(tmp_path, monkeypatch) -> None:
+    """Megatron's temporal writer forks: the child holds the coordinator's commit
+    record, but the finalization in the training process commits and encodes it.
+    Encoding it ahead in the child (``CommitRecord.encode_ahead``, during ``syncfs``)
+    was CPU spent beside the training loop for nothing."""
+    import multiprocessing
+    import os
+
+    import torch
+
+    from shardstore import ShardedTensor, save, verify
+    from shardstore.format.records import CommitRecord
+    from shardstore.strategies.forked_writes import for_another_process
+
+    encoded_in = tmp_path / "encoded-in"
+    original = CommitRecord.encode_ahead
+
+    def encode_ahead(self: CommitRecord) -> None:
+        with open(encoded_in, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        original(self)
+
+    monkeypatch.setattr(CommitRecord, "encode_ahead", encode_ahead)
+    request = for_another_process(
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(64.0))}, tmp_path / "ckpt",
+             async_sharded_save=True),
+        AsyncRequest,
+    )
+    writer = multiprocessing.get_context("fork").Process(target=request.async_fn, args=request.async_fn_args)
+    writer.start()
+    writer.join(timeout=120)
+    assert writer.exitcode == 0
+    for finalize in request.finalize_fns:
+        finalize()
+    assert verify(tmp_path / "ckpt").ok
+    assert not encoded_in.exists() or str(writer.pid) not in encoded_in.read_text().split()
+    # in the training process's own background thread, it still encodes ahead
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(64.0))}, tmp_path / "ckpt2",
+         async_sharded_save=True).execute_sync()
+    assert str(os.getpid()) in encoded_in.read_text().split()

@@ -396,13 +396,14 @@ class SavePipeline:
         return written
 
     def _make_durable(self) -> None:
-        """``make_durable``; on the coordinator, the commit record's arrays are encoded
-        meanwhile on another thread (``CommitRecord.encode_ahead``; a ``syncfs`` holds no
+        """``make_durable``; on the coordinator (in its own process, not a writer process
+        the save was handed to), the commit record's arrays are encoded meanwhile on
+        another thread (``CommitRecord.encode_ahead``; a ``syncfs`` holds no
         lock Python needs), so the commit encodes little more than the chunks'
         checksums. Only CPU work overlaps: the record is written after the data is
         durable."""
         record = self._commit_record
-        if record is None:
+        if record is None or not self.group.in_its_process:  # a writer process: the commit is not its
             self.location.make_durable()
             return
         with ThreadPoolExecutor(1, thread_name_prefix="shardstore-encode") as pool:

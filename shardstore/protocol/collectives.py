@@ -143,9 +143,15 @@ class Group:
         (``protocol.stopped_writers``); None when this process has no process group
         (one rank, or a writer process a save was handed to: spawned, or forked, whose
         copy of the store's connection is the training process's)."""
-        if not (self.active and dist.is_initialized()) or os.getpid() != self.pid:
+        if not (self.active and dist.is_initialized()) or not self.in_its_process:
             return None
         return dist.distributed_c10d._get_default_store()
+
+    @property
+    def in_its_process(self) -> bool:
+        """Whether this is the process the group was made in, not a writer process a
+        save was handed to (forked, or spawned and given this group pickled)."""
+        return os.getpid() == self.pid
 
     @property
     def is_coordinator(self) -> bool:

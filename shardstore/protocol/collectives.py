@@ -320,7 +320,7 @@ class Group:
         for peer, tensors in sorted(receives.items()):
             for tag, message in enumerate(_messages(tensors)):
                 if _alone(message) and self._lands_in_place(message[0]):
-                    buffer = message[0].detach().reshape(-1).view(torch.uint8)
+                    buffer = _bytes_of(message[0])  # a view: contiguous, as _lands_in_place checked
                 else:
                     size = sum(t.numel() * t.element_size() for t in message)
                     buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
@@ -377,7 +377,7 @@ def _land(tensor: torch.Tensor, data: torch.Tensor) -> None:
     strided target's values are not one run of its memory: the bytes are read as its
     dtype first, from a copy aligned for it)."""
     if holds_its_values(tensor):
-        tensor.reshape(-1).view(torch.uint8).copy_(data)
+        _bytes_of(tensor).copy_(data)  # a view: the tensor holds its values in order
     else:
         tensor.copy_(data.clone().view(tensor.dtype).reshape(tensor.shape))
 

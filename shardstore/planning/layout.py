@@ -314,20 +314,20 @@ def bound_chunk(
         out[axis] = largest_divisor_at_most(out[axis], limit)
         if rest <= max_chunk_bytes:
             if not contiguous and out[axis] * rest * SMALL_CHUNK_SHARE < max_chunk_bytes:
-                return _split_later(tuple(out), chunk, axis, itemsize, max_chunk_bytes)
+                return _split_later(tuple(out), chunk, axis, limit, itemsize, max_chunk_bytes)
             break
     return tuple(out)
 
 
 def _split_later(
-    found: tuple[int, ...], chunk: tuple[int, ...], axis: int, itemsize: int, max_chunk_bytes: int
+    found: tuple[int, ...], chunk: tuple[int, ...], axis: int, limit: int, itemsize: int, max_chunk_bytes: int
 ) -> tuple[int, ...]:
     """``found`` (``chunk`` split along ``axis`` to a divisor far under the bound), or,
-    where larger, ``chunk`` with ``axis`` at its smallest divisor above the bound's
-    share and the axes after it bounded in what is left (``bound_chunk``)."""
+    where larger, ``chunk`` with ``axis`` at its smallest divisor above ``limit`` (the
+    most elements along it the bound allows, ``chunk[axis]`` being more) and the axes
+    after it bounded in what is left (``bound_chunk``)."""
     n = chunk[axis]
-    limit = max(1, max_chunk_bytes // max(math.prod(chunk[axis + 1 :]) * itemsize, 1))
-    if len(chunk) == axis + 1 or n <= limit:
+    if len(chunk) == axis + 1:
         return found
     kept = n // largest_divisor_at_most(n, (n - 1) // limit)  # the smallest divisor of n above limit
     later = bound_chunk(chunk[axis + 1 :], itemsize * kept, max_chunk_bytes, contiguous=False)

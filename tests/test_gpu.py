@@ -2,7 +2,9 @@
 GPU) and on gloo groups of 2 ranks sharing a GPU: sync save and load into CUDA targets
 bit-exact (bf16, fp32, fp8), async saves whose finalize runs its collective on the
 group's device with the tensors overwritten right after ``save`` returned (on the
-default stream and on a side stream), flattened ranges and fully-parallel loads.
+default stream and on a side stream), flattened ranges and fully-parallel loads, and
+Zarr-sharded saves (blocks gathered to a shard's writer through ``Group.exchange``, a
+block of 1 MiB as a message of its own) followed by an async incremental one.
 
 Every scenario runs twice: on CUDA (marked ``gpu``, skipped where CUDA is absent, as in
 CI; ``pytest -m gpu`` on a GPU machine) and on CPU with gloo, which checks the
@@ -18,7 +20,7 @@ import torch
 
 from shardstore import ShardedTensor, load, save
 from shardstore.strategies.async_utils import AsyncCallsQueue
-from shardstore.strategies.zarr import ZarrLoadShardedStrategy
+from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from tests.dist import run_distributed
 
 _cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -103,7 +105,42 @@ def async_save_then_overwrite(rank: int, world: int, ckpt: str, device: str) -> 
     _check(load(_state(rank, world, device, empty=True), ckpt), rank, world, device)
 
 
+def _big(rank: int, world: int, device: str, step: int) -> ShardedTensor:
+    """A (512, 1024) float32 array split over the ranks: 1 MiB blocks at 2 ranks, sent
+    to the shard's writer as messages of their own (``OWN_MESSAGE_BYTES``)."""
+    part = (_full("big", (512, 1024), torch.float32) + step).chunk(world)[rank].to(device)
+    return ShardedTensor.from_rank_offsets("big", part, (0, rank, world))
+
+
+def sharded_then_incremental(rank: int, world: int, ckpt: str, device: str) -> None:
+    """A sync save with every array in Zarr shards (the ranks' blocks gathered to each
+    shard's writer), then an async save reusing it in which only ``big`` changed, with
+    the tensors overwritten right after ``save`` returned. Both load bit-exact."""
+    first, second = f"{ckpt}/first", f"{ckpt}/second"
+    state = {**_state(rank, world, device, empty=False), "big": _big(rank, world, device, step=0)}
+    save(state, first, ZarrSaveShardedStrategy(shard_bytes=8 * 2**20))
+    state = {**_state(rank, world, device, empty=False), "big": _big(rank, world, device, step=1)}
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(save(state, second, ZarrSaveShardedStrategy(shard_bytes=8 * 2**20),
+                                      async_sharded_save=True, reuse_from=first))
+    for t in state.values():
+        t.data.zero_()
+    queue.close()
+    if rank == 0:  # the unchanged arrays' shards are the first checkpoint's files, linked
+        linked = {p.relative_to(second).parts[0] for p in Path(second).rglob("*")
+                  if p.is_file() and p.stat().st_nlink == 2}
+        assert linked == {k for k in state if k != "big"}, linked
+    for where, step in ((first, 0), (second, 1)):
+        request = {**_state(rank, world, device, empty=True), "big": _big(rank, world, device, step=0)}
+        request["big"].data.zero_()
+        loaded = load(request, where)
+        _check({k: v for k, v in loaded.items() if k != "big"}, rank, world, device)
+        want = _big(rank, world, "cpu", step=step).data
+        assert loaded["big"].device.type == device and torch.equal(loaded["big"].cpu(), want), (where, "big")
+
+
 @pytest.mark.parametrize("world, device, backend", PLACES)
-@pytest.mark.parametrize("scenario", [save_and_load, async_save_then_overwrite], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("scenario", [save_and_load, async_save_then_overwrite, sharded_then_incremental],
+                         ids=lambda f: f.__name__)
 def test_cuda_tensors(ckpt_dir: Path, scenario, world: int, device: str, backend: str) -> None:
     run_distributed(scenario, world, str(ckpt_dir), device, backend=backend)

@@ -78,8 +78,12 @@ def _trained(seed: int, grad: float):
     torch.manual_seed(seed)
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
                                bf16=True, params_dtype=torch.bfloat16)
+    # All in bf16, as Megatron-LM's Float16Module makes it: without Apex or Transformer
+    # Engine the norms and the position embedding are created in fp32, and the
+    # DistributedOptimizer then pairs parameters with the wrong main params (it puts a
+    # group's fp32 parameters first, but indexes them in model order).
     gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
-                   max_sequence_length=16).cuda()
+                   max_sequence_length=16).cuda().bfloat16()
     ddp = DistributedDataParallel(
         config=config, module=gpt,
         ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True),
@@ -113,6 +117,21 @@ def _sharded(gpt, optimizer, is_loading: bool, sharding: str) -> dict:
     return {"model": model, "optimizer": optimizer_state}
 
 
+def _unshare_steps(optimizer) -> None:
+    """Megatron-Core 0.16's ``DistributedOptimizer.load_state_dict``, without Apex or
+    Transformer Engine, gives torch's Adam ONE ``step`` tensor for every parameter's
+    state, and each parameter's update increments it: the next step's bias correction is
+    then not the saved optimizer's. A copy per parameter, so that the step after the load
+    can be compared with the step before the save (a Megatron bug, not the checkpoint's)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in inner.optimizer.state.values():
+            state["step"] = state["step"].clone()
+
+
 def distributed_optimizer_round_trip(rank: int, world: int, ckpt: str, again: str, sharding: str) -> int:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -129,6 +148,7 @@ def distributed_optimizer_round_trip(rank: int, world: int, ckpt: str, again: st
     result = gpt_b.load_state_dict(loaded["model"], strict=False)
     assert not [k for k in result.missing_keys if not k.endswith("_extra_state")], result
     optimizer_b.load_state_dict(loaded["optimizer"])
+    _unshare_steps(optimizer_b)
     save(_sharded(gpt_b, optimizer_b, is_loading=False, sharding=sharding), again)
 
     # training goes on identically from the loaded state: the same step, the same weights
@@ -148,6 +168,11 @@ def test_gpt_model_with_distributed_optimizer_round_trips_on_cuda(tmp_path: Path
     model's and the optimizer's sharded state (fp32 main params and Adam moments, in
     both of its reshardable layouts) saved, loaded into another model and optimizer,
     saved again bit-exact; a further step gives the same weights on both."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if sharding == "fully_reshardable" and not distrib_optimizer.HAVE_APEX_OR_TE:
+        pytest.skip("Megatron-Core 0.16 cannot load fully_reshardable into torch's Adam (no Apex or Transformer "
+                    "Engine here): DistributedOptimizer._set_main_param_and_optimizer_states raises KeyError 'step'")
     ckpt, again = str(tmp_path / "a"), str(tmp_path / "b")
     (params,) = run_distributed(distributed_optimizer_round_trip, 1, ckpt, again, sharding, backend="nccl",
                                 timeout=300)

@@ -15,7 +15,9 @@
 # Without CUDA (here, CI) it runs the same steps at tiny sizes, so the script itself stays
 # tested; the GPU tests then skip and the figures mean nothing.
 #
-#   GPU_CHECK_GIB    state size of the benchmarks, GiB (default 8 with CUDA, 0.05 without)
+#   GPU_CHECK_GIB    state size of the benchmarks, GiB (default 2 with CUDA, 0.05 without:
+#                    4 GiB outran the step limits on an H200 machine, whose disk writes
+#                    about 0.7-2 GB/s)
 #   GPU_CHECK_WORLD  ranks of the multi-rank benchmark (default 8 with CUDA, 2 without)
 #   GPU_CHECK_SMALL  4 KiB tensors of its small case (default 5000 with CUDA, 200 without)
 set -uo pipefail
@@ -24,19 +26,21 @@ out="${OUT:-bench-results}"
 mkdir -p "$out"
 report="$out/gpu_report.md"
 
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+python="python3"
+if [ -x .venv/bin/python ]; then  # set up here: it has everything, and .whl/ is for 3.12
+  python=".venv/bin/python"
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+elif [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "installing the carried wheels failed" >&2; exit 1; }
   export PYTHONPATH="/tmp/site:$PWD"
 else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
-python="python3"
-[ -x .venv/bin/python ] && python=".venv/bin/python"
 export PYTHONUNBUFFERED=1
 
 if "$python" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
-  cuda=1; gib="${GPU_CHECK_GIB:-8}"; world="${GPU_CHECK_WORLD:-8}"; small="${GPU_CHECK_SMALL:-5000}"
+  cuda=1; gib="${GPU_CHECK_GIB:-2}"; world="${GPU_CHECK_WORLD:-8}"; small="${GPU_CHECK_SMALL:-5000}"
 else
   cuda=0; gib="${GPU_CHECK_GIB:-0.05}"; world="${GPU_CHECK_WORLD:-2}"; small="${GPU_CHECK_SMALL:-200}"
 fi

@@ -217,3 +217,25 @@ def test_a_region_of_one_whole_chunk_is_written_from_the_callers_memory(tmp_path
     edge = np.ones((1, 3), dtype=np.float32)
     ((file, data),) = chunk_io.write_region(array, region_at((4, 0), (1, 3)), edge)
     assert file.index == (2, 0) and data.shape == (2, 3) and data[1].tolist() == [0, 0, 0]
+
+
+def test_one_whole_chunk_shortcut_reads_as_the_general_walk(tmp_path) -> None:
+    """``read_region``'s job for a region that is one whole chunk is the job the general
+    walk (``chunk_pieces``) makes, its checksum looked up at the same place in the
+    record's C order as ``np.ravel_multi_index`` gives; edge chunks and strided targets
+    take the walk."""
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        ndim = int(rng.integers(0, 4))
+        chunk = tuple(int(c) for c in rng.integers(1, 4, ndim))
+        shape = tuple(int(c * g - rng.integers(0, c)) for c, g in zip(chunk, rng.integers(1, 4, ndim)))
+        grid = tuple(-(-n // c) for n, c in zip(shape, chunk))
+        crcs = tuple(range(int(np.prod(grid, dtype=np.int64))))
+        array = ArrayChunks("k", None, shape, chunk, np.dtype("float32"), crcs)  # type: ignore[arg-type]
+        index = tuple(int(rng.integers(0, g)) for g in grid)
+        region = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, chunk, shape))
+        out = np.empty(tuple(s.stop - s.start for s in region), np.float32)
+        (job,) = read_region(array, region, out)
+        (piece,) = chunk_io.chunk_pieces(region, shape, chunk)
+        assert (job.piece, job.direct) == (piece, piece.whole), (shape, chunk, region)
+        assert job.file.expected_crc == (int(np.ravel_multi_index(index, grid)) if grid else 0)

@@ -258,8 +258,29 @@ class ArrayChunks:
     def file(self, index: tuple[int, ...]) -> ChunkFile:
         expected = None
         if self.crcs is not None:
-            expected = self.crcs[int(np.ravel_multi_index(index, self.grid))] if self.grid else self.crcs[0]
+            expected = self.crcs[_c_order_position(index, self.grid)]
         return ChunkFile(self.store, self.key, index, chunk_key(index, self.separator), expected, self.codec)
+
+
+def _c_order_position(index: tuple[int, ...], grid: tuple[int, ...]) -> int:
+    """The position of grid cell ``index`` in C order (``np.ravel_multi_index`` without
+    its bounds checks: a few microseconds per chunk that a load of 10,000 small arrays
+    paid once each); 0 for a 0-d array's one chunk."""
+    position = 0
+    for i, n in zip(index, grid):
+        position = position * n + i
+    return position
+
+
+def _one_whole_chunk(array: ArrayChunks, region: Region, data: np.ndarray) -> tuple[int, ...] | None:
+    """The grid index of the chunk when ``region`` is exactly one whole stored chunk (no
+    edge padding) and ``data`` (shaped like it) is C-contiguous, else None: the case
+    that needs no ``chunk_pieces`` walk."""
+    if data.shape != array.chunk_shape or not data.flags.c_contiguous:
+        return None
+    index = tuple(s.start // c for s, c in zip(region, array.chunk_shape))
+    whole = all(s.start == i * c and s.stop <= n for s, i, c, n in zip(region, index, array.chunk_shape, array.shape))
+    return index if whole else None
 
 
 def write_region(array: ArrayChunks, region: Region, value: np.ndarray) -> list[tuple[ChunkFile, np.ndarray]]:
@@ -272,10 +293,8 @@ def write_region(array: ArrayChunks, region: Region, value: np.ndarray) -> list[
     (``run_writes``), so a rank holds one such copy per writer thread, not one of every
     chunk at once.
     """
-    if value.shape == array.chunk_shape and value.flags.c_contiguous:  # one whole chunk, as it is
-        index = tuple(s.start // c for s, c in zip(region, array.chunk_shape))
-        if all(s.start == i * c and s.stop <= n for s, i, c, n in zip(region, index, array.chunk_shape, array.shape)):
-            return [(array.file(index), value)]
+    if (index := _one_whole_chunk(array, region, value)) is not None:  # as it is
+        return [(array.file(index), value)]
     jobs = []
     for piece in chunk_pieces(region, array.shape, array.chunk_shape):
         slab = value[piece.in_region]
@@ -394,6 +413,10 @@ def _contiguous_runs(target: np.ndarray, whole: np.ndarray) -> list[memoryview] 
 
 def read_region(array: ArrayChunks, region: Region, out: np.ndarray) -> list[ReadJob]:
     """Jobs that fill ``out`` (shaped like ``region``) from the array's chunks."""
+    if (index := _one_whole_chunk(array, region, out)) is not None:  # the common small case
+        everything = (*(slice(0, c) for c in array.chunk_shape), ...)
+        return [ReadJob(array.file(index), out, ChunkPiece(index, everything, everything, True),
+                        array.chunk_shape, direct=True)]
     return [
         ReadJob(
             array.file(piece.index), out, piece, array.chunk_shape,

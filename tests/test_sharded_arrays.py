@@ -103,6 +103,32 @@ def test_an_array_of_large_blocks_stays_unsharded(tmp_path: Path) -> None:
     assert "sharding" not in (ckpt / "w0" / "zarr.json").read_text()
 
 
+def _wide(rows: int) -> torch.Tensor:
+    return torch.arange(rows * 1024, dtype=torch.float32).reshape(rows, 1024)
+
+
+def saved_across_block_edges(rank: int, world: int, ckpt: str) -> None:
+    """Blocks of 16 rows of 4 KiB (64 KiB) and shards of 120 KiB: two blocks do not fit
+    in a shard, so shards of 24 rows cross the blocks' edges (inner chunks of 4 rows)."""
+    def state(empty: bool) -> dict:
+        part = _wide(16 * world).chunk(world)[rank]
+        return {"e": ShardedTensor.from_rank_offsets("e", torch.zeros_like(part) if empty else part.clone(),
+                                                     (0, rank, world))}
+
+    save(state(empty=False), ckpt, ZarrSaveShardedStrategy(shard_bytes=120 << 10))
+    assert torch.equal(load(state(empty=True), ckpt)["e"], _wide(16 * world).chunk(world)[rank])
+
+
+def test_blocks_of_more_than_half_a_shard_share_shards_across_their_edges(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_distributed(saved_across_block_edges, 3, str(ckpt))
+    meta = json.loads((ckpt / "e" / "zarr.json").read_text())
+    assert meta["chunk_grid"]["configuration"]["chunk_shape"] == [24, 1024]
+    assert meta["codecs"][0]["configuration"]["chunk_shape"] == [4, 1024]
+    assert _chunk_files(ckpt, "e") == ["c.0.0", "c.1.0"]  # two shards for three blocks
+    assert torch.equal(shardstore.load_plain_tensors(str(ckpt))["e"], _wide(48))
+
+
 def saved_async_then_reused(rank: int, world: int, root: str) -> tuple[int, int]:
     strategy = _strategy(world, 2)
     state = _state(rank, world)

@@ -107,6 +107,13 @@ class RankSavePlan:
     gathered: frozenset[str] = frozenset()
 
 
+# Shards that cross the edges of blocks of more than half a shard are kept only when they
+# make at most this share of the blocks' chunk files (``sharded_record``): at 124 FSDP2
+# ranks the embedding's and output layer's 34 MB blocks (and their moments) were 124
+# files each, now 66 shards, for a gather of about half their bytes.
+CROSSING_SHARDS_SHARE = 0.75
+
+
 def array_records(
     layout: GlobalLayout, max_chunk_bytes: int, shard_bytes: int | None = None
 ) -> tuple[dict[str, ArrayRecord], dict[str, BlockGrid]]:
@@ -157,16 +164,20 @@ def sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: in
     chunks split along any axes (FSDP2's ``Shard(0)``; Megatron's layer x TP blocks
     ``[1, n/TP]``, ``[1, out, in/TP]``), each inner chunk is contiguous in its block (one
     element along the axes before the chunk's first longer one, the whole block along
-    those after it), at least two chunks fit in ``shard_bytes``, and the array has more
-    than one. A shard then holds as many inner chunks as fit, merged along the leading
-    axes first (``_shard_shape``), so the files of the array no longer multiply with
-    the ranks. Flattened arrays: ``_flat_sharded_record``; large blocks split along a
-    later axis: ``in_block_sharded_record`` first. Otherwise ``record`` as it is."""
+    those after it), a chunk fits in ``shard_bytes``, and the array has more than one.
+    A shard then holds as many inner chunks as fit, merged along the leading axes first
+    (``_shard_shape``), so the files of the array no longer multiply with the ranks.
+    Where two chunks do not fit in a shard (blocks of more than half of it: the
+    embedding's at 124 FSDP2 ranks), shards cross the blocks' edges, and are kept only
+    when they make at most ``CROSSING_SHARDS_SHARE`` of the chunk files: they cost a
+    gather the unsharded blocks do not. Flattened arrays: ``_flat_sharded_record``;
+    large blocks split along a later axis: ``in_block_sharded_record`` first. Otherwise
+    ``record`` as it is."""
     if record.flattened_block is not None:
         return _flat_sharded_record(record, main, shard_bytes, grid)
     shape, chunk = record.shape, record.chunk_shape
     chunk_bytes = math.prod(chunk) * record.itemsize
-    if not _whole_inner_chunks(grid, chunk) or shard_bytes // max(chunk_bytes, 1) < 2 or _count(shape, chunk) < 2:
+    if not _whole_inner_chunks(grid, chunk) or shard_bytes < chunk_bytes or _count(shape, chunk) < 2:
         return record
     inner = list(chunk)
     split = _split_axis(chunk)
@@ -175,8 +186,11 @@ def sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: in
     if split < len(chunk):
         inner[split] = _inner_rows(chunk[split], math.prod(chunk[split + 1 :]) * record.itemsize)
     codec = ShardingIndexed(tuple(inner), record.itemsize)
-    return replace(record, chunk_shape=_shard_shape(shape, codec.chunk_shape, shard_bytes // codec.inner_nbytes),
-                   codec=codec)
+    sharded = replace(record, chunk_shape=_shard_shape(shape, codec.chunk_shape, shard_bytes // codec.inner_nbytes),
+                      codec=codec)
+    if shard_bytes < 2 * chunk_bytes and sharded.chunk_count > record.chunk_count * CROSSING_SHARDS_SHARE:
+        return record
+    return sharded
 
 
 def in_block_sharded_record(record: ArrayRecord, shard_bytes: int) -> ArrayRecord | None:

@@ -39,6 +39,11 @@ else
 fi
 export PYTHONUNBUFFERED=1
 
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 \
+  && ! "$python" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+  echo "a GPU is here but $python's torch has no CUDA (a carried CPU .venv?): not measuring the CPU path" >&2
+  exit 1
+fi
 if "$python" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
   cuda=1; gib="${GPU_CHECK_GIB:-2}"; world="${GPU_CHECK_WORLD:-8}"; small="${GPU_CHECK_SMALL:-5000}"
 else

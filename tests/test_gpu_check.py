@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_gpu_check_runs_every_step(tmp_path: Path) -> None:
-    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_GIB": "0.02", "GPU_CHECK_SMALL": "50"}
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_GIB": "0.02", "GPU_CHECK_SMALL": "50", "GPU_CHECK_WORLD": "2"}
     done = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=840)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]

@@ -39,11 +39,14 @@ def _rows(key: str, rank: int, shape: tuple[int, int]) -> ShardRecord:
 
 def test_one_row_blocks_keep_inner_chunks_of_whole_rows_in_even_shards() -> None:
     """FSDP2 at a world size as large as the first axis gives each rank one row: the
-    inner chunks stay whole rows (what every earlier shardstore reads), and 5 of them
-    at 4 per shard make shards of 3 + 2 rows, not 4 + 1 (an edge shard is stored
-    padded to the full shape)."""
-    world, shape = 5, (5, 8192)  # a row: 32 KiB
-    layout = GlobalLayout.from_gathered([([_rows("w", rank, shape)], []) for rank in range(world)])
-    (record,) = plan_save(layout, 1 << 20, False, shard_bytes=4 * 32 << 10)[0].commit.arrays.values()
-    assert record.codec.chunk_shape == (1, 8192), record.codec
-    assert record.chunk_shape == (3, 8192), record.chunk_shape
+    inner chunks stay whole rows (what every earlier shardstore reads). At 4 per shard,
+    5 of them make one shard of 5 rows (1.25 shards: ``SHARD_SLACK``), 6 make two of 3
+    (1.5 shards round to 2), 7 make 4 + 3, not 4 + 3 + 0 or 5 + 2 (even: an edge shard
+    is stored padded to the full shape), 9 make 5 + 4 (2.25 round to 2, each within the
+    slack)."""
+    for rows, shard_rows in ((5, 5), (6, 3), (7, 4), (9, 5)):
+        shape = (rows, 8192)  # a row: 32 KiB
+        layout = GlobalLayout.from_gathered([([_rows("w", rank, shape)], []) for rank in range(rows)])
+        (record,) = plan_save(layout, 1 << 20, False, shard_bytes=4 * 32 << 10)[0].commit.arrays.values()
+        assert record.codec.chunk_shape == (1, 8192), record.codec
+        assert record.chunk_shape == (shard_rows, 8192), (rows, record.chunk_shape)

@@ -313,19 +313,20 @@ class SavePipeline:
         self.join(intent)
         return plan
 
-    def refuse_oversized_objects(self, bounds: dict[str, int | None]) -> None:
-        """Refuses, before anything is written, a bound on the bytes of one stored object
-        (``{"max_chunk_bytes": ..., "shard_bytes": ...}``; None: unbounded) above the
-        target's object size limit (``Capabilities.max_object_bytes``: S3's 5 GiB for
-        one PUT).
+    def refuse_oversized_objects(self, bounds: dict[str, tuple[int | None, int | None]]) -> None:
+        """Refuses, before anything is written, an option whose stored objects may be
+        larger than the target's object size limit (``Capabilities.max_object_bytes``:
+        S3's 5 GiB for one PUT). ``bounds``: by option name, its value and the largest
+        object it allows (``{"shard_bytes": (value, largest shard)}``; None: unbounded).
 
         Raises:
-            CheckpointingException: naming the bound, the limit and the checkpoint."""
+            CheckpointingException: naming the option, the limit and the checkpoint."""
         limit = self.target.capabilities.max_object_bytes
-        for name, bound in bounds.items():
-            if limit is not None and bound is not None and bound > limit:
+        for name, (value, largest) in bounds.items():
+            if limit is not None and largest is not None and largest > limit:
                 raise CheckpointingException(
-                    f"{name}={bound} exceeds the {limit}-byte object limit of {self.describe()}; use a smaller bound"
+                    f"{name}={value} exceeds the {limit}-byte object limit of {self.describe()} (objects of up "
+                    f"to {largest} bytes); use a smaller {name}"
                 )
 
     def plan_gathered(

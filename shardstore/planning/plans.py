@@ -36,7 +36,7 @@ names, which ``validation.plan_load`` renumbers for).
 from __future__ import annotations
 
 __all__ = [
-    "RankLoadPlan", "RankReadPlan", "RankSavePlan", "plan_flat_writes", "plan_reads",
+    "RankLoadPlan", "RankReadPlan", "RankSavePlan", "largest_shard_bytes", "plan_flat_writes", "plan_reads",
     "plan_save",
 ]
 
@@ -112,6 +112,17 @@ class RankSavePlan:
 # ranks the embedding's and output layer's 34 MB blocks (and their moments) were 124
 # files each, now 66 shards, for a gather of about half their bytes.
 CROSSING_SHARDS_SHARE = 0.75
+# How far a shard may exceed ``shard_bytes`` (``_shard_shape``): shards of 1-1.25 times
+# the size where fewer, evenly cut, are closer to it than more, smaller ones. Megatron
+# GPT-175B's attention projection's optimizer blocks are 72 MiB: one shard each, not two
+# of 36 MiB.
+SHARD_SLACK = 1.25
+
+
+def largest_shard_bytes(shard_bytes: int) -> int:
+    """The most data bytes one shard of a save with ``shard_bytes`` holds (``SHARD_SLACK``
+    times it; its index and crc32c table come on top)."""
+    return math.floor(shard_bytes * SHARD_SLACK)
 
 
 def array_records(
@@ -186,7 +197,7 @@ def sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: in
     if split < len(chunk):
         inner[split] = _inner_rows(chunk[split], math.prod(chunk[split + 1 :]) * record.itemsize)
     codec = ShardingIndexed(tuple(inner), record.itemsize)
-    sharded = replace(record, chunk_shape=_shard_shape(shape, codec.chunk_shape, shard_bytes // codec.inner_nbytes),
+    sharded = replace(record, chunk_shape=_shard_shape(shape, codec.chunk_shape, shard_bytes / codec.inner_nbytes),
                       codec=codec)
     if shard_bytes < 2 * chunk_bytes and sharded.chunk_count > record.chunk_count * CROSSING_SHARDS_SHARE:
         return record
@@ -237,8 +248,8 @@ def _flat_sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_byt
     by ``bound_chunk``) of at most an eighth of the array's smallest non-empty fragment
     but the few smallest (``FRAGMENT_PARTS``, ``_sizing_fragment``: a load at the save's
     layout reads at most two inner chunks more than a fragment, 1.25x), at least
-    ``MIN_INNER_BYTES`` and a ``MAX_FLAT_INNER_CHUNKS``-th of ``shard_bytes``; shards of at most that many inner
-    chunks and ``shard_bytes``, grown in the blocks' flattened order first (along the
+    ``MIN_INNER_BYTES`` and a ``MAX_FLAT_INNER_CHUNKS``-th of ``shard_bytes``; shards of about
+    ``shard_bytes`` (``_shard_shape``) and at most that many inner chunks, grown in the blocks' flattened order first (along the
     inner chunk's first longer axis, then the axes before it, then those after), so a
     shard is a run of one block's fragments where the blocks are large and spans blocks
     (layers, TP parts) where they are small. Otherwise ``record`` as it is, and so where
@@ -251,16 +262,17 @@ def _flat_sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_byt
     fragment = _sizing_fragment(sizes) * record.itemsize
     inner = bound_chunk(record.chunk_shape, record.itemsize, max(fragment // FRAGMENT_PARTS, floor))
     inner_bytes = math.prod(inner) * record.itemsize
-    count = min(shard_bytes // inner_bytes, MAX_FLAT_INNER_CHUNKS)
     if (
         (inner != record.chunk_shape and inner_bytes < floor // 4)
-        or not _whole_inner_chunks(grid, inner) or count < 2 or _count(record.shape, inner) < 2
+        or not _whole_inner_chunks(grid, inner) or min(shard_bytes // inner_bytes, MAX_FLAT_INNER_CHUNKS) < 2
+        or _count(record.shape, inner) < 2
     ):
         return record
     split = min(_split_axis(inner), len(inner) - 1)
     order = [*range(split, -1, -1), *range(split + 1, len(inner))]
-    return replace(record, chunk_shape=_shard_shape(record.shape, inner, count, order),
-                   codec=ShardingIndexed(inner, record.itemsize))
+    count = min(shard_bytes / inner_bytes, MAX_FLAT_INNER_CHUNKS)
+    shard = _shard_shape(record.shape, inner, count, order, cap=MAX_FLAT_INNER_CHUNKS)
+    return replace(record, chunk_shape=shard, codec=ShardingIndexed(inner, record.itemsize))
 
 
 def _sizing_fragment(sizes: list[int]) -> int:
@@ -300,20 +312,27 @@ def _whole_inner_chunks(grid: BlockGrid, chunk: tuple[int, ...]) -> bool:
 
 
 def _shard_shape(
-    shape: tuple[int, ...], inner: tuple[int, ...], count: int, order: list[int] | None = None
+    shape: tuple[int, ...], inner: tuple[int, ...], count: float, order: list[int] | None = None,
+    cap: float | None = None,
 ) -> tuple[int, ...]:
-    """A shard of at most ``count`` inner chunks: as many as the array has along the
-    first axis of ``order`` (default: the array's axes in order), then, where all of it
-    fits, along the next, and so on. Along an axis the shards are as even as their
-    number allows (33 inner chunks at 32 per shard: 17 + 16, not 32 + 1), since an edge
-    shard is stored padded to the full shape."""
+    """A shard of about ``count`` inner chunks (``shard_bytes`` over an inner chunk's):
+    as many as the array has along the first axis of ``order`` (default: the array's
+    axes in order), then, where all of it fits, along the next, and so on. Along an axis
+    the shards are as many as ``count`` gives, rounded to the nearest, but each of at
+    most ``SHARD_SLACK`` times ``count``, and as even as their number allows (33 inner
+    chunks at 32 per shard: one of 33; at 20 per shard: 17 + 16, not 20 + 13), since an
+    edge shard is stored padded to the full shape. Rounding, not rounding up, keeps the
+    shards' mean size near ``count``, so an array's files follow its bytes (a block of
+    1.125 shards is one shard, not two of half the size). ``cap``: the most inner chunks
+    of a shard where that is less (``MAX_FLAT_INNER_CHUNKS``)."""
     out = list(inner)
+    cap = count * SHARD_SLACK if cap is None else min(cap, count * SHARD_SLACK)
     for axis in range(len(shape)) if order is None else order:
         total = -(-shape[axis] // inner[axis])
-        most = max(1, min(total, count))
-        along = -(-total // -(-total // most))
+        shards = max(-(-total // max(1, math.floor(cap))), math.floor(total / max(count, 1) + 0.5), 1)
+        along = -(-total // shards)
         out[axis] = along * inner[axis]
-        count //= along
+        count, cap = count / along, cap / along
     return tuple(out)
 
 

@@ -87,7 +87,13 @@ from shardstore.planning.layout import (
     chunk_shape_for,
     region_at,
 )
-from shardstore.planning.plans import RankReadPlan, RankSavePlan, plan_reads, plan_save
+from shardstore.planning.plans import (
+    RankReadPlan,
+    RankSavePlan,
+    largest_shard_bytes,
+    plan_reads,
+    plan_save,
+)
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_cache import PlanCache
 from shardstore.protocol.plan_stage import gather_and_plan
@@ -253,7 +259,8 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
             ``FullyParallelSaveStrategyWrapper(do_cache_distribution=True)`` turns it on.
         shard_bytes: store an array whose blocks are small and form a grid, split
             along any axes (FSDP2's ``Shard(0)``, Megatron's layer x TP blocks, and the
-            distributed optimizer's flattened ranges of such blocks) in Zarr v3 ``sharding_indexed`` shards of about this many bytes, each holding
+            distributed optimizer's flattened ranges of such blocks) in Zarr v3 ``sharding_indexed`` shards of about this many bytes
+            (at most 1.25 times it: ``planning.plans.SHARD_SLACK``, so shards average it), each holding
             many ranks' blocks as inner chunks (an eighth of a block each, at least
             16 KiB) and written by one rank they are gathered to
             (``planning.plans.sharded_record``): the array's files no longer multiply
@@ -403,11 +410,13 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         staging = Staging(False, self.sync_staging_bytes, self._sync_buffers, self.io_concurrency)
         self._request(sharded_state_dict, pipeline, plan, staging, local_error).execute_sync()
 
-    def object_bounds(self, world_size: int) -> dict[str, int | None]:
-        """The bounds this strategy puts on one stored object's bytes in a save from
-        ``world_size`` ranks, by option name (``SavePipeline.refuse_oversized_objects``)."""
-        return {"max_chunk_bytes": self.max_chunk_bytes,
-                "shard_bytes": resolve_shard_bytes(self.shard_bytes, world_size)}
+    def object_bounds(self, world_size: int) -> dict[str, tuple[int | None, int | None]]:
+        """By option name, its value in a save from ``world_size`` ranks and the largest
+        stored object it allows (a shard: ``largest_shard_bytes``), as
+        ``SavePipeline.refuse_oversized_objects`` takes them."""
+        shard_bytes = resolve_shard_bytes(self.shard_bytes, world_size)
+        return {"max_chunk_bytes": (self.max_chunk_bytes, self.max_chunk_bytes),
+                "shard_bytes": (shard_bytes, None if shard_bytes is None else largest_shard_bytes(shard_bytes))}
 
     def _group(self, process_group: dist.ProcessGroup | None) -> Group:
         return Group(process_group if process_group is not None else self.process_group)

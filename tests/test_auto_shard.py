@@ -90,7 +90,7 @@ def test_the_resolution_and_the_object_bounds_follow_the_world_size() -> None:
     assert resolve_shard_bytes(4096, 1) == 4096
     strategy = ZarrSaveShardedStrategy()
     assert strategy.object_bounds(31)["shard_bytes"] == (None, None)
-    assert strategy.object_bounds(32)["shard_bytes"] == (DEFAULT_SHARD_BYTES, 80 << 20)  # shards up to 1.25x
+    assert strategy.object_bounds(32)["shard_bytes"] == (DEFAULT_SHARD_BYTES, 83988484)  # 1.25x of data, and the index
 
 
 @pytest.mark.parametrize("bad", ["64MiB", "AUTO", 0, -1, 1.5, True, [1 << 20]])

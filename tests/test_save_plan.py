@@ -3,10 +3,20 @@
 
 from __future__ import annotations
 
+import math
+import random
 from collections import Counter
 
+from shardstore.format.codecs import BYTES_CRC32C, CRC_BYTES
+from shardstore.format.sharding import INDEX_ENTRY_BYTES, ShardingIndexed
 from shardstore.planning.layout import GlobalLayout, ShardRecord
-from shardstore.planning.plans import plan_save
+from shardstore.planning.plans import (
+    MIN_INNER_BYTES,
+    SHARD_SLACK,
+    SHARDED_FILES_SHARE,
+    largest_shard_bytes,
+    plan_save,
+)
 
 
 def _block(key: str, rank: int, index: int, world: int, main: bool = True) -> ShardRecord:
@@ -50,3 +60,44 @@ def test_one_row_blocks_keep_inner_chunks_of_whole_rows_in_even_shards() -> None
         (record,) = plan_save(layout, 1 << 20, False, shard_bytes=4 * 32 << 10)[0].commit.arrays.values()
         assert record.codec.chunk_shape == (1, 8192), record.codec
         assert record.chunk_shape == (shard_rows, 8192), (rows, record.chunk_shape)
+
+
+def _row_blocks(key: str, rows: list[int], columns: int, itemsize_dtype: str = "float32") -> GlobalLayout:
+    """FSDP2-like blocks of ``rows[r]`` rows on rank ``r`` of a ``(sum(rows), columns)`` array."""
+    starts = [sum(rows[:r]) for r in range(len(rows))]
+    shape = (sum(rows), columns)
+    return GlobalLayout.from_gathered([([ShardRecord(key, r, 0, itemsize_dtype, shape, (starts[r], 0),
+                                                     (rows[r], columns), None, True)], [])
+                                       for r in range(len(rows))])
+
+
+def test_an_array_is_sharded_only_where_that_saves_a_quarter_of_its_files() -> None:
+    """Blocks of 134 rows of 1 MiB: an unsharded save stores them in 16 chunks (67 rows
+    by half the columns, ``bound_chunk``); 3 MiB shards of inner chunks of contiguous
+    rows would be 179 files and a gather. Not sharded (``SHARDED_FILES_SHARE``)."""
+    layout = _row_blocks("w", [134] * 4, 1 << 18)
+    (record,) = plan_save(layout, 64 << 20, False, shard_bytes=3 << 20)[0].commit.arrays.values()
+    assert record.codec == BYTES_CRC32C and record.chunk_count == 16, record
+
+
+def test_planned_shards_stay_within_their_bounds() -> None:
+    """Random FSDP2-like layouts (uneven rows, blocks from a few KiB to past a shard):
+    every gathered array's shard holds at most ``SHARD_SLACK`` times ``shard_bytes`` of
+    data, takes at most ``largest_shard_bytes`` stored, and the array has at most
+    ``SHARDED_FILES_SHARE`` of the files an unsharded save writes."""
+    rng = random.Random(7)
+    for _ in range(150):
+        world, columns = rng.randint(2, 40), rng.choice([1, 3, 64, 1024, 4096])
+        rows = [rng.randint(1, 300) for _ in range(world)]
+        shard_bytes = rng.choice([16 << 10, 100 << 10, 1 << 20, 3 << 20])
+        layout = _row_blocks("w", rows, columns)
+        (record,) = plan_save(layout, 4 << 20, False, shard_bytes=shard_bytes)[0].commit.arrays.values()
+        (loose,) = plan_save(layout, 4 << 20, False, shard_bytes=None)[0].commit.arrays.values()
+        if not isinstance(record.codec, ShardingIndexed):
+            continue
+        data = math.prod(record.chunk_shape) * record.itemsize
+        inner = math.prod(record.chunk_shape) // math.prod(record.codec.chunk_shape)
+        stored = data + inner * (INDEX_ENTRY_BYTES + CRC_BYTES) + CRC_BYTES
+        assert data <= shard_bytes * SHARD_SLACK, (rows, columns, shard_bytes, record)
+        assert stored <= largest_shard_bytes(shard_bytes) or record.codec.inner_nbytes < MIN_INNER_BYTES, record
+        assert record.chunk_count <= loose.chunk_count * SHARDED_FILES_SHARE, (record, loose)

@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from shardstore.errors import CheckpointingException
+from shardstore.format.codecs import CRC_BYTES
 from shardstore.format.dtypes import from_zarr_name
 from shardstore.format.records import (
     ArrayRecord,
@@ -57,7 +58,12 @@ from shardstore.format.records import (
     format_version_for,
     parent_groups,
 )
-from shardstore.format.sharding import MAX_FLAT_INNER_CHUNKS, InnerGrid, ShardingIndexed
+from shardstore.format.sharding import (
+    INDEX_ENTRY_BYTES,
+    MAX_FLAT_INNER_CHUNKS,
+    InnerGrid,
+    ShardingIndexed,
+)
 from shardstore.planning.layout import (
     DirectFlatWrite,
     FlatChunk,
@@ -107,11 +113,13 @@ class RankSavePlan:
     gathered: frozenset[str] = frozenset()
 
 
-# Shards that cross the edges of blocks of more than half a shard are kept only when they
-# make at most this share of the blocks' chunk files (``sharded_record``): at 124 FSDP2
-# ranks the embedding's and output layer's 34 MB blocks (and their moments) were 124
-# files each, now 66 shards, for a gather of about half their bytes.
-CROSSING_SHARDS_SHARE = 0.75
+# An array's blocks are gathered into shards only where that makes at most this share of
+# the files an unsharded save writes for it (``sharded_record``): a gather costs bytes
+# between ranks. At 124 FSDP2 ranks the embedding's and output layer's 34 MB blocks (and
+# their moments) were 124 files each, now 66 shards (shards crossing the blocks' edges),
+# for a gather of about half their bytes; blocks of 134 rows of 1 MiB in shards of 3 MiB
+# would be 179 shards where an unsharded save writes 16 chunks: not sharded.
+SHARDED_FILES_SHARE = 0.75
 # How far a shard may exceed ``shard_bytes`` (``_shard_shape``): shards of 1-1.25 times
 # the size where fewer, evenly cut, are closer to it than more, smaller ones. Megatron
 # GPT-175B's attention projection's optimizer blocks are 72 MiB: one shard each, not two
@@ -120,9 +128,13 @@ SHARD_SLACK = 1.25
 
 
 def largest_shard_bytes(shard_bytes: int) -> int:
-    """The most data bytes one shard of a save with ``shard_bytes`` holds (``SHARD_SLACK``
-    times it; its index and crc32c table come on top)."""
-    return math.floor(shard_bytes * SHARD_SLACK)
+    """The most bytes one stored shard of a save with ``shard_bytes`` takes: ``SHARD_SLACK``
+    times it of data, and its index and crc32c table (``INDEX_ENTRY_BYTES`` and a crc32c
+    per inner chunk, a crc32c of the index), for inner chunks of at least
+    ``MIN_INNER_BYTES``, as a shard that large has (smaller ones are whole blocks of an
+    array cut into more blocks than any world has ranks)."""
+    data = math.floor(shard_bytes * SHARD_SLACK)
+    return data + data // MIN_INNER_BYTES * (INDEX_ENTRY_BYTES + CRC_BYTES) + CRC_BYTES
 
 
 def array_records(
@@ -139,15 +151,18 @@ def array_records(
         main = [s for s in shards if s.main]
         # shards gather chunks contiguous in their blocks, however small (``bound_chunk``)
         record = _unsharded_record(key, shards[0], main, max_chunk_bytes, contiguous=shard_bytes is not None)
-        grid = _shardable_grid(record, main) if shard_bytes else None
+        if shard_bytes is None:
+            records[key] = record
+            continue
+        # not sharded after all: chunks as an unsharded save makes them
+        loose = _unsharded_record(key, shards[0], main, max_chunk_bytes, contiguous=False)
+        grid = _shardable_grid(record, main)
         if grid is not None and (own := in_block_sharded_record(record, shard_bytes)) is not None:
             records[key] = own  # written by the blocks' holders
-        elif grid is not None and (gathered := sharded_record(record, main, shard_bytes, grid)) is not record:
+        elif grid is not None and (gathered := sharded_record(record, main, shard_bytes, grid, loose)) is not record:
             records[key], grids[key] = gathered, grid
-        elif shard_bytes is not None:  # not sharded after all: chunks as an unsharded save makes them
-            records[key] = _unsharded_record(key, shards[0], main, max_chunk_bytes, contiguous=False)
         else:
-            records[key] = record
+            records[key] = loose
     return records, grids
 
 
@@ -169,7 +184,9 @@ def _shardable_grid(record: ArrayRecord, main: list[ShardRecord]) -> BlockGrid |
     return BlockGrid.of(main, record.shape)
 
 
-def sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: int, grid: BlockGrid) -> ArrayRecord:
+def sharded_record(
+    record: ArrayRecord, main: list[ShardRecord], shard_bytes: int, grid: BlockGrid, loose: ArrayRecord | None = None,
+) -> ArrayRecord:
     """``record`` stored in shards (Zarr v3 ``sharding_indexed``, ``format.sharding``)
     when its chunks are small: its main blocks form ``grid`` (``BlockGrid``) of whole
     chunks split along any axes (FSDP2's ``Shard(0)``; Megatron's layer x TP blocks
@@ -179,9 +196,10 @@ def sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: in
     A shard then holds as many inner chunks as fit, merged along the leading axes first
     (``_shard_shape``), so the files of the array no longer multiply with the ranks.
     Where two chunks do not fit in a shard (blocks of more than half of it: the
-    embedding's at 124 FSDP2 ranks), shards cross the blocks' edges, and are kept only
-    when they make at most ``CROSSING_SHARDS_SHARE`` of the chunk files: they cost a
-    gather the unsharded blocks do not. Flattened arrays: ``_flat_sharded_record``;
+    embedding's at 124 FSDP2 ranks), shards cross the blocks' edges. Shards are kept
+    only when they make at most ``SHARDED_FILES_SHARE`` of the files of ``loose``, the
+    array as an unsharded save stores it (``record`` where not given): they cost a
+    gather the unsharded chunks do not. Flattened arrays: ``_flat_sharded_record``;
     large blocks split along a later axis: ``in_block_sharded_record`` first. Otherwise
     ``record`` as it is."""
     if record.flattened_block is not None:
@@ -199,7 +217,7 @@ def sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_bytes: in
     codec = ShardingIndexed(tuple(inner), record.itemsize)
     sharded = replace(record, chunk_shape=_shard_shape(shape, codec.chunk_shape, shard_bytes / codec.inner_nbytes),
                       codec=codec)
-    if shard_bytes < 2 * chunk_bytes and sharded.chunk_count > record.chunk_count * CROSSING_SHARDS_SHARE:
+    if sharded.chunk_count > (loose or record).chunk_count * SHARDED_FILES_SHARE:
         return record
     return sharded
 
@@ -318,18 +336,21 @@ def _shard_shape(
     """A shard of about ``count`` inner chunks (``shard_bytes`` over an inner chunk's):
     as many as the array has along the first axis of ``order`` (default: the array's
     axes in order), then, where all of it fits, along the next, and so on. Along an axis
-    the shards are as many as ``count`` gives, rounded to the nearest, but each of at
-    most ``SHARD_SLACK`` times ``count``, and as even as their number allows (33 inner
+    the shards are as many as ``count`` gives, rounded to the nearest (halves down: 192
+    inner chunks at 42.7 per shard are four shards of 48, not five of 39), but each of
+    at most ``SHARD_SLACK`` times ``count``, and as even as their number allows (33 inner
     chunks at 32 per shard: one of 33; at 20 per shard: 17 + 16, not 20 + 13), since an
     edge shard is stored padded to the full shape. Rounding, not rounding up, keeps the
     shards' mean size near ``count``, so an array's files follow its bytes (a block of
-    1.125 shards is one shard, not two of half the size). ``cap``: the most inner chunks
+    1.125 shards is one shard, not two of half the size). Where a shard merges several
+    axes, the later ones take what is left of ``count`` rounded down, so 2-D grids of
+    blocks of most of a shard stay one block per shard. ``cap``: the most inner chunks
     of a shard where that is less (``MAX_FLAT_INNER_CHUNKS``)."""
     out = list(inner)
     cap = count * SHARD_SLACK if cap is None else min(cap, count * SHARD_SLACK)
     for axis in range(len(shape)) if order is None else order:
         total = -(-shape[axis] // inner[axis])
-        shards = max(-(-total // max(1, math.floor(cap))), math.floor(total / max(count, 1) + 0.5), 1)
+        shards = max(-(-total // max(1, math.floor(cap))), math.ceil(total / max(count, 1) - 0.5), 1)
         along = -(-total // shards)
         out[axis] = along * inner[axis]
         count, cap = count / along, cap / along

@@ -127,7 +127,8 @@ DEFAULT_SYNC_STAGING_BYTES = 2 * 2**30
 ShardBytes = int | Literal["auto"] | None
 # The shard size "auto" picks: S3 recommends 8-16 MB per request, and a load at another
 # layout reads whole inner chunks of a shard, not whole shards, so a larger one costs it
-# nothing; the same bound as one unsharded chunk (DEFAULT_MAX_CHUNK_BYTES).
+# nothing; the size of the largest unsharded chunk (DEFAULT_MAX_CHUNK_BYTES), which shards
+# average (each at most 1.25 times it: ``planning.plans.SHARD_SLACK``).
 DEFAULT_SHARD_BYTES = 64 * 2**20
 # The world size from which "auto" shards. An unsharded save writes about arrays x ranks
 # data files: from 32 ranks that is tens of thousands per checkpoint (a Llama-70B state

@@ -20,6 +20,7 @@ from shardstore import ShardedTensor, load, save
 from shardstore.format.records import read_commit_record
 from shardstore.format.sharding import ShardingIndexed
 from shardstore.planning.layout import GlobalLayout, ShardRecord
+from shardstore.planning.plans import largest_shard_bytes
 from shardstore.serialization import get_default_save_sharded_strategy
 from shardstore.stores.locations import open_location
 from shardstore.strategies.zarr import (
@@ -90,7 +91,8 @@ def test_the_resolution_and_the_object_bounds_follow_the_world_size() -> None:
     assert resolve_shard_bytes(4096, 1) == 4096
     strategy = ZarrSaveShardedStrategy()
     assert strategy.object_bounds(31)["shard_bytes"] == (None, None)
-    assert strategy.object_bounds(32)["shard_bytes"] == (DEFAULT_SHARD_BYTES, 83988484)  # 1.25x of data, and the index
+    assert strategy.object_bounds(32)["shard_bytes"] == (DEFAULT_SHARD_BYTES, largest_shard_bytes(DEFAULT_SHARD_BYTES))
+    assert 80 << 20 < largest_shard_bytes(DEFAULT_SHARD_BYTES) < 81 << 20  # 1.25x of data, and the index
 
 
 @pytest.mark.parametrize("bad", ["64MiB", "AUTO", 0, -1, 1.5, True, [1 << 20]])

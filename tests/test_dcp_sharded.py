@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException as DcpFailure
 
 import shardstore
 from shardstore.core import CheckpointingException
+from shardstore.planning.plans import largest_shard_bytes
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 from tests import fsdp_models as fm
@@ -321,7 +322,7 @@ def test_a_bound_above_the_s3_object_limit_is_refused_before_anything_is_written
     moto_server.create_bucket("dcp-bounds")
     options = S3Options(endpoint_url=moto_server.endpoint, key=KEY, secret=SECRET, region=REGION)
     location = open_location("s3://dcp-bounds/run/step-1", options=options)
-    with pytest.raises((CheckpointingException, DcpFailure), match=r"shard_bytes=6442450944 exceeds the .*object limit .*\(objects of up to 8062894084 bytes\)"):
+    with pytest.raises((CheckpointingException, DcpFailure), match=rf"shard_bytes=6442450944 exceeds the .*object limit .*\(objects of up to {largest_shard_bytes(6 << 30)} bytes\)"):
         dcp.save({"w": torch.ones(4)}, storage_writer=ShardstoreWriter(location, shard_bytes=6 * 2**30), no_dist=True)
     assert location.list_files() == []
 

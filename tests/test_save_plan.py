@@ -7,8 +7,8 @@ import math
 import random
 from collections import Counter
 
-from shardstore.format.codecs import BYTES_CRC32C, CRC_BYTES
-from shardstore.format.sharding import INDEX_ENTRY_BYTES, ShardingIndexed
+from shardstore.format.codecs import BYTES_CRC32C
+from shardstore.format.sharding import ShardingIndexed, encode_shard
 from shardstore.planning.layout import GlobalLayout, ShardRecord
 from shardstore.planning.plans import (
     MIN_INNER_BYTES,
@@ -80,12 +80,39 @@ def test_an_array_is_sharded_only_where_that_saves_a_quarter_of_its_files() -> N
     assert record.codec == BYTES_CRC32C and record.chunk_count == 16, record
 
 
+def _stored_nbytes(record) -> int:
+    """What the format's own encoder stores for one full shard of ``record``."""
+    count = math.prod(record.chunk_shape) // math.prod(record.codec.chunk_shape)
+    inner = memoryview(bytes(record.codec.inner_nbytes))
+    return sum(len(piece) for piece in encode_shard([inner] * count).pieces)
+
+
+def test_the_largest_shard_is_what_the_encoder_stores_at_its_bound() -> None:
+    """Five blocks of one 16 KiB row (``MIN_INNER_BYTES``) at four per shard: one shard
+    of five, 1.25 times ``shard_bytes`` (``SHARD_SLACK``), stored in exactly
+    ``largest_shard_bytes``, the encoder's trailers, crc table and index included."""
+    layout = _row_blocks("w", [1] * 5, MIN_INNER_BYTES // 4)
+    (record,) = plan_save(layout, 1 << 20, False, shard_bytes=4 * MIN_INNER_BYTES)[0].commit.arrays.values()
+    assert record.chunk_shape == (5, MIN_INNER_BYTES // 4) and record.codec.inner_nbytes == MIN_INNER_BYTES
+    assert _stored_nbytes(record) == largest_shard_bytes(4 * MIN_INNER_BYTES)
+
+
+def test_shard_counts_round_halves_down() -> None:
+    """10 inner chunks of one row at 4 per shard (2.5 shards): two shards of 5 (1.25
+    times ``shard_bytes``), not three of 4, 4 and 2."""
+    layout = _row_blocks("w", [1] * 10, MIN_INNER_BYTES // 4)
+    (record,) = plan_save(layout, 1 << 20, False, shard_bytes=4 * MIN_INNER_BYTES)[0].commit.arrays.values()
+    assert record.chunk_shape[0] == 5 and record.chunk_count == 2, record
+
+
 def test_planned_shards_stay_within_their_bounds() -> None:
     """Random FSDP2-like layouts (uneven rows, blocks from a few KiB to past a shard):
     every gathered array's shard holds at most ``SHARD_SLACK`` times ``shard_bytes`` of
-    data, takes at most ``largest_shard_bytes`` stored, and the array has at most
-    ``SHARDED_FILES_SHARE`` of the files an unsharded save writes."""
+    data, is stored in at most ``largest_shard_bytes`` where its inner chunks are of
+    ``MIN_INNER_BYTES`` or more, and the array has at most ``SHARDED_FILES_SHARE`` of the
+    files an unsharded save writes."""
     rng = random.Random(7)
+    checked = 0
     for _ in range(150):
         world, columns = rng.randint(2, 40), rng.choice([1, 3, 64, 1024, 4096])
         rows = [rng.randint(1, 300) for _ in range(world)]
@@ -95,9 +122,9 @@ def test_planned_shards_stay_within_their_bounds() -> None:
         (loose,) = plan_save(layout, 4 << 20, False, shard_bytes=None)[0].commit.arrays.values()
         if not isinstance(record.codec, ShardingIndexed):
             continue
-        data = math.prod(record.chunk_shape) * record.itemsize
-        inner = math.prod(record.chunk_shape) // math.prod(record.codec.chunk_shape)
-        stored = data + inner * (INDEX_ENTRY_BYTES + CRC_BYTES) + CRC_BYTES
-        assert data <= shard_bytes * SHARD_SLACK, (rows, columns, shard_bytes, record)
-        assert stored <= largest_shard_bytes(shard_bytes) or record.codec.inner_nbytes < MIN_INNER_BYTES, record
+        assert math.prod(record.chunk_shape) * record.itemsize <= shard_bytes * SHARD_SLACK, (rows, shard_bytes)
+        if record.codec.inner_nbytes >= MIN_INNER_BYTES:
+            assert _stored_nbytes(record) <= largest_shard_bytes(shard_bytes), record
+            checked += 1
         assert record.chunk_count <= loose.chunk_count * SHARDED_FILES_SHARE, (record, loose)
+    assert checked >= 10

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 __all__ = [
     "RankLoadPlan", "RankReadPlan", "RankSavePlan", "largest_shard_bytes", "plan_flat_writes", "plan_reads",
-    "plan_save",
+    "plan_save", "stored_at_most",
 ]
 
 import bisect
@@ -58,12 +58,7 @@ from shardstore.format.records import (
     format_version_for,
     parent_groups,
 )
-from shardstore.format.sharding import (
-    INDEX_ENTRY_BYTES,
-    MAX_FLAT_INNER_CHUNKS,
-    InnerGrid,
-    ShardingIndexed,
-)
+from shardstore.format.sharding import MAX_FLAT_INNER_CHUNKS, InnerGrid, ShardIndex, ShardingIndexed
 from shardstore.planning.layout import (
     DirectFlatWrite,
     FlatChunk,
@@ -115,7 +110,10 @@ class RankSavePlan:
 
 # An array's blocks are gathered into shards only where that makes at most this share of
 # the files an unsharded save writes for it (``sharded_record``): a gather costs bytes
-# between ranks. At 124 FSDP2 ranks the embedding's and output layer's 34 MB blocks (and
+# between ranks. Not flattened arrays (``_flat_sharded_record``): unsharded, their chunks
+# are gathered from the fragments anyway, and a load at the save's layout reads 3.2x what
+# it asks for where sharded inner chunks read 1.07x (docs/measurements/scale.md), so they
+# are sharded even where that makes more files (a ``shard_bytes`` under the chunks' size). At 124 FSDP2 ranks the embedding's and output layer's 34 MB blocks (and
 # their moments) were 124 files each, now 66 shards (shards crossing the blocks' edges),
 # for a gather of about half their bytes; blocks of 134 rows of 1 MiB in shards of 3 MiB
 # would be 179 shards where an unsharded save writes 16 chunks: not sharded.
@@ -129,12 +127,21 @@ SHARD_SLACK = 1.25
 
 def largest_shard_bytes(shard_bytes: int) -> int:
     """The most bytes one stored shard of a save with ``shard_bytes`` takes: ``SHARD_SLACK``
-    times it of data, and its index and crc32c table (``INDEX_ENTRY_BYTES`` and a crc32c
-    per inner chunk, a crc32c of the index), for inner chunks of at least
-    ``MIN_INNER_BYTES``, as a shard that large has (smaller ones are whole blocks of an
-    array cut into more blocks than any world has ranks)."""
-    data = math.floor(shard_bytes * SHARD_SLACK)
-    return data + data // MIN_INNER_BYTES * (INDEX_ENTRY_BYTES + CRC_BYTES) + CRC_BYTES
+    times it of data (``stored_at_most``). S3's object limit is checked against it
+    (``ZarrSaveShardedStrategy.object_bounds``)."""
+    return stored_at_most(math.floor(shard_bytes * SHARD_SLACK))
+
+
+def stored_at_most(data_bytes: int) -> int:
+    """The most bytes an object of ``data_bytes`` of data is stored in: a chunk's crc32c
+    after its data, or a shard's per inner chunk (a trailer, an entry of the crc table
+    and of the index: ``ShardIndex.suffix_nbytes``), for inner chunks of at least
+    ``MIN_INNER_BYTES``. Shards of smaller inner chunks (blocks whose starts share only a
+    small divisor) take 24 bytes more per chunk than this assumes: a save whose
+    ``shard_bytes`` puts them within that of S3's 5 GiB fails at that shard's PUT, its
+    checkpoint abandoned, instead of being refused up front."""
+    count = data_bytes // MIN_INNER_BYTES
+    return data_bytes + max(CRC_BYTES, count * CRC_BYTES + ShardIndex.suffix_nbytes(count))
 
 
 def array_records(

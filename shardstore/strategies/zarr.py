@@ -93,6 +93,7 @@ from shardstore.planning.plans import (
     largest_shard_bytes,
     plan_reads,
     plan_save,
+    stored_at_most,
 )
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_cache import PlanCache
@@ -413,10 +414,11 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def object_bounds(self, world_size: int) -> dict[str, tuple[int | None, int | None]]:
         """By option name, its value in a save from ``world_size`` ranks and the largest
-        stored object it allows (a shard: ``largest_shard_bytes``), as
+        stored object it allows (a chunk and its crc32c, or a shard inside a block and its
+        index: ``stored_at_most``; a gathered shard: ``largest_shard_bytes``), as
         ``SavePipeline.refuse_oversized_objects`` takes them."""
         shard_bytes = resolve_shard_bytes(self.shard_bytes, world_size)
-        return {"max_chunk_bytes": (self.max_chunk_bytes, self.max_chunk_bytes),
+        return {"max_chunk_bytes": (self.max_chunk_bytes, stored_at_most(self.max_chunk_bytes)),
                 "shard_bytes": (shard_bytes, None if shard_bytes is None else largest_shard_bytes(shard_bytes))}
 
     def _group(self, process_group: dist.ProcessGroup | None) -> Group:

@@ -43,8 +43,13 @@ def test_an_array_held_by_one_rank_has_its_metadata_written_there() -> None:
     assert [plan.array_metadata for plan in plans] == [(), (), ("norm",), ()]
 
 
-def _rows(key: str, rank: int, shape: tuple[int, int]) -> ShardRecord:
-    return ShardRecord(key, rank, 0, "float32", shape, (rank, 0), (1, shape[1]), None, True)
+def _row_blocks(key: str, rows: list[int], columns: int, dtype: str = "float32") -> GlobalLayout:
+    """FSDP2-like blocks of ``rows[r]`` rows on rank ``r`` of a ``(sum(rows), columns)`` array."""
+    starts = [sum(rows[:r]) for r in range(len(rows))]
+    shape = (sum(rows), columns)
+    return GlobalLayout.from_gathered([([ShardRecord(key, r, 0, dtype, shape, (starts[r], 0),
+                                                     (rows[r], columns), None, True)], [])
+                                       for r in range(len(rows))])
 
 
 def test_one_row_blocks_keep_inner_chunks_of_whole_rows_in_even_shards() -> None:
@@ -55,20 +60,10 @@ def test_one_row_blocks_keep_inner_chunks_of_whole_rows_in_even_shards() -> None
     is stored padded to the full shape), 9 make 5 + 4 (2.25 round to 2, each within the
     slack)."""
     for rows, shard_rows in ((5, 5), (6, 3), (7, 4), (9, 5)):
-        shape = (rows, 8192)  # a row: 32 KiB
-        layout = GlobalLayout.from_gathered([([_rows("w", rank, shape)], []) for rank in range(rows)])
+        layout = _row_blocks("w", [1] * rows, 8192)  # a row: 32 KiB
         (record,) = plan_save(layout, 1 << 20, False, shard_bytes=4 * 32 << 10)[0].commit.arrays.values()
         assert record.codec.chunk_shape == (1, 8192), record.codec
         assert record.chunk_shape == (shard_rows, 8192), (rows, record.chunk_shape)
-
-
-def _row_blocks(key: str, rows: list[int], columns: int, itemsize_dtype: str = "float32") -> GlobalLayout:
-    """FSDP2-like blocks of ``rows[r]`` rows on rank ``r`` of a ``(sum(rows), columns)`` array."""
-    starts = [sum(rows[:r]) for r in range(len(rows))]
-    shape = (sum(rows), columns)
-    return GlobalLayout.from_gathered([([ShardRecord(key, r, 0, itemsize_dtype, shape, (starts[r], 0),
-                                                     (rows[r], columns), None, True)], [])
-                                       for r in range(len(rows))])
 
 
 def test_an_array_is_sharded_only_where_that_saves_a_quarter_of_its_files() -> None:

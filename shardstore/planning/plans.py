@@ -113,10 +113,11 @@ class RankSavePlan:
 # between ranks. Not flattened arrays (``_flat_sharded_record``): unsharded, their chunks
 # are gathered from the fragments anyway, and a load at the save's layout reads 3.2x what
 # it asks for where sharded inner chunks read 1.07x (docs/measurements/scale.md), so they
-# are sharded even where that makes more files (a ``shard_bytes`` under the chunks' size). At 124 FSDP2 ranks the embedding's and output layer's 34 MB blocks (and
-# their moments) were 124 files each, now 66 shards (shards crossing the blocks' edges),
-# for a gather of about half their bytes; blocks of 134 rows of 1 MiB in shards of 3 MiB
-# would be 179 shards where an unsharded save writes 16 chunks: not sharded.
+# are sharded even where that makes more files (a ``shard_bytes`` under the chunks' size).
+# At 124 FSDP2 ranks the embedding's and output layer's 34 MB blocks (and their moments)
+# were 124 files each, now 66 shards (shards crossing the blocks' edges), for a gather of
+# about half their bytes; blocks of 134 rows of 1 MiB in shards of 3 MiB would be 179
+# shards where an unsharded save writes 16 chunks: not sharded.
 SHARDED_FILES_SHARE = 0.75
 # How far a shard may exceed ``shard_bytes`` (``_shard_shape``): shards of 1-1.25 times
 # the size where fewer, evenly cut, are closer to it than more, smaller ones. Megatron
@@ -140,8 +141,8 @@ def stored_at_most(data_bytes: int) -> int:
     small divisor) take 24 bytes more per chunk than this assumes: a save whose
     ``shard_bytes`` puts them within that of S3's 5 GiB fails at that shard's PUT, its
     checkpoint abandoned, instead of being refused up front."""
-    count = data_bytes // MIN_INNER_BYTES
-    return data_bytes + max(CRC_BYTES, count * CRC_BYTES + ShardIndex.suffix_nbytes(count))
+    count = data_bytes // MIN_INNER_BYTES  # none: a chunk's crc32c, as the index's alone
+    return data_bytes + count * CRC_BYTES + ShardIndex.suffix_nbytes(count)
 
 
 def array_records(
@@ -161,12 +162,13 @@ def array_records(
         if shard_bytes is None:
             records[key] = record
             continue
-        # not sharded after all: chunks as an unsharded save makes them
-        loose = _unsharded_record(key, shards[0], main, max_chunk_bytes, contiguous=False)
         grid = _shardable_grid(record, main)
         if grid is not None and (own := in_block_sharded_record(record, shard_bytes)) is not None:
             records[key] = own  # written by the blocks' holders
-        elif grid is not None and (gathered := sharded_record(record, main, shard_bytes, grid, loose)) is not record:
+            continue
+        # chunks as an unsharded save makes them: what a gather must beat, and what is stored without one
+        loose = _unsharded_record(key, shards[0], main, max_chunk_bytes, contiguous=False)
+        if grid is not None and (gathered := sharded_record(record, main, shard_bytes, grid, loose)) is not record:
             records[key], grids[key] = gathered, grid
         else:
             records[key] = loose
@@ -192,7 +194,7 @@ def _shardable_grid(record: ArrayRecord, main: list[ShardRecord]) -> BlockGrid |
 
 
 def sharded_record(
-    record: ArrayRecord, main: list[ShardRecord], shard_bytes: int, grid: BlockGrid, loose: ArrayRecord | None = None,
+    record: ArrayRecord, main: list[ShardRecord], shard_bytes: int, grid: BlockGrid, loose: ArrayRecord,
 ) -> ArrayRecord:
     """``record`` stored in shards (Zarr v3 ``sharding_indexed``, ``format.sharding``)
     when its chunks are small: its main blocks form ``grid`` (``BlockGrid``) of whole
@@ -205,7 +207,7 @@ def sharded_record(
     Where two chunks do not fit in a shard (blocks of more than half of it: the
     embedding's at 124 FSDP2 ranks), shards cross the blocks' edges. Shards are kept
     only when they make at most ``SHARDED_FILES_SHARE`` of the files of ``loose``, the
-    array as an unsharded save stores it (``record`` where not given): they cost a
+    array as an unsharded save stores it: they cost a
     gather the unsharded chunks do not. Flattened arrays: ``_flat_sharded_record``;
     large blocks split along a later axis: ``in_block_sharded_record`` first. Otherwise
     ``record`` as it is."""
@@ -224,7 +226,7 @@ def sharded_record(
     codec = ShardingIndexed(tuple(inner), record.itemsize)
     sharded = replace(record, chunk_shape=_shard_shape(shape, codec.chunk_shape, shard_bytes / codec.inner_nbytes),
                       codec=codec)
-    if sharded.chunk_count > (loose or record).chunk_count * SHARDED_FILES_SHARE:
+    if sharded.chunk_count > loose.chunk_count * SHARDED_FILES_SHARE:
         return record
     return sharded
 
@@ -273,9 +275,9 @@ def _flat_sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_byt
     by ``bound_chunk``) of at most an eighth of the array's smallest non-empty fragment
     but the few smallest (``FRAGMENT_PARTS``, ``_sizing_fragment``: a load at the save's
     layout reads at most two inner chunks more than a fragment, 1.25x), at least
-    ``MIN_INNER_BYTES`` and a ``MAX_FLAT_INNER_CHUNKS``-th of ``shard_bytes``; shards of about
-    ``shard_bytes`` (``_shard_shape``) and at most that many inner chunks, grown in the blocks' flattened order first (along the
-    inner chunk's first longer axis, then the axes before it, then those after), so a
+    ``MIN_INNER_BYTES`` and a ``MAX_FLAT_INNER_CHUNKS``-th of ``shard_bytes``; shards of
+    about ``shard_bytes`` (``_shard_shape``) and at most that many inner chunks, grown in
+    the blocks' flattened order first (along the inner chunk's first longer axis, then the axes before it, then those after), so a
     shard is a run of one block's fragments where the blocks are large and spans blocks
     (layers, TP parts) where they are small. Otherwise ``record`` as it is, and so where
     the block's lengths have no divisor that makes an inner chunk of at least a quarter
@@ -287,15 +289,14 @@ def _flat_sharded_record(record: ArrayRecord, main: list[ShardRecord], shard_byt
     fragment = _sizing_fragment(sizes) * record.itemsize
     inner = bound_chunk(record.chunk_shape, record.itemsize, max(fragment // FRAGMENT_PARTS, floor))
     inner_bytes = math.prod(inner) * record.itemsize
+    count = min(shard_bytes / inner_bytes, MAX_FLAT_INNER_CHUNKS)
     if (
         (inner != record.chunk_shape and inner_bytes < floor // 4)
-        or not _whole_inner_chunks(grid, inner) or min(shard_bytes // inner_bytes, MAX_FLAT_INNER_CHUNKS) < 2
-        or _count(record.shape, inner) < 2
+        or not _whole_inner_chunks(grid, inner) or count < 2 or _count(record.shape, inner) < 2
     ):
         return record
     split = min(_split_axis(inner), len(inner) - 1)
     order = [*range(split, -1, -1), *range(split + 1, len(inner))]
-    count = min(shard_bytes / inner_bytes, MAX_FLAT_INNER_CHUNKS)
     shard = _shard_shape(record.shape, inner, count, order, cap=MAX_FLAT_INNER_CHUNKS)
     return replace(record, chunk_shape=shard, codec=ShardingIndexed(inner, record.itemsize))
 
@@ -511,8 +512,8 @@ def plan_gathered_writes(key: str, record: ArrayRecord, grid: BlockGrid, load: l
     of a block and of the buffer; adjacent ones of one block merge (where the shard
     also merges blocks along a later axis, a block's inner chunks interleave with its
     neighbours' and each is a piece of its own: a larger plan, its small pieces still
-    packed into a message per pair of ranks; a flattened block's runs are split at its fragments,
-    ``FlatBlockGrid``). The runs of all the shards are found at once (``ShardRuns``)."""
+    packed into a message per pair of ranks; a flattened block's runs are split at its
+    fragments, ``FlatBlockGrid``). The runs of all the shards are found at once (``ShardRuns``)."""
     shard, inner = record.chunk_shape, record.codec.chunk_shape  # type: ignore[attr-defined]
     runs = ShardRuns.of(grid, record.shape, shard, inner)
     chunks = []

@@ -781,10 +781,11 @@ def run_fsdp(b: Bench, args: argparse.Namespace) -> None:
     from shardstore.strategies.zarr import ZarrSaveShardedStrategy
     from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 
-    state = build_fsdp(args.fsdp_arrays, 64 * b.world, b.rank, b.world)
+    rows = args.fsdp_rows * b.world
+    state = build_fsdp(args.fsdp_arrays, rows, b.rank, b.world)
     nbytes = full_bytes(state)
     if b.rank == 0:
-        print(f"fsdp: {args.fsdp_arrays} arrays of {64 * b.world} x 256 fp32, Shard(0) over {b.world} ranks, "
+        print(f"fsdp: {args.fsdp_arrays} arrays of {rows} x 256 fp32, Shard(0) over {b.world} ranks, "
               f"{nbytes / 2**20:.0f} MiB", flush=True)
     for method, strategy in (("shardstore", None), ("shardstore-sharded", ZarrSaveShardedStrategy(shard_bytes=64 << 20))):
         path = b.root / f"fsdp-{method}"
@@ -893,8 +894,6 @@ def measure_fsdp_on_s3(b: Bench, state: State, nbytes: int) -> None:
     """The fsdp case on the local S3 server (``--cases fsdp,s3``), interleaved with the
     local methods: shardstore with and without shards against DCP over fsspec (torch's
     ``FsspecWriter``/``FsspecReader`` with s3fs), issue 44.3's comparison."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardstore
@@ -912,15 +911,23 @@ def measure_fsdp_on_s3(b: Bench, state: State, nbytes: int) -> None:
                   lambda url=url, strategy=strategy, options=options: shardstore.save(
                       shardstore_sd(state, b.rank, b.world), url, strategy, options=options),
                   lambda url=url: shardstore.load(shardstore_sd(state, b.rank, b.world, empty=True), url))
-    mesh = init_device_mesh("cpu", (b.world,))
-    url = f"s3://{S3_BUCKET}/fsdp/dcp-fsspec"
-    b.measure("fsdp", "dcp-fsspec-s3", nbytes, b.root / "unused-dcp-fsspec",
+    measure_dcp_on_s3(b, "fsdp", state, nbytes, init_device_mesh("cpu", (b.world,)))
+
+
+def measure_dcp_on_s3(b: Bench, case: str, state: State, nbytes: int, mesh) -> None:
+    """DCP over fsspec (torch's ``FsspecWriter``/``FsspecReader`` with s3fs) and, where
+    installed, s3torchconnector's DCP writer on the local S3 server: issue 44.3's peers."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    url = f"s3://{S3_BUCKET}/{case}/dcp-fsspec"
+    b.measure(case, "dcp-fsspec-s3", nbytes, b.root / f"unused-{case}-dcp-fsspec",
               lambda: dcp.save(dcp_sd(state, mesh), storage_writer=FsspecWriter(url)),
               lambda: dcp.load(dcp_sd(state, mesh, empty=True), storage_reader=FsspecReader(url)))
-    run_s3_torchconnector(b, state, nbytes, mesh)
+    run_s3_torchconnector(b, case, state, nbytes, mesh)
 
 
-def run_s3_torchconnector(b: Bench, state: State, nbytes: int, mesh) -> None:
+def run_s3_torchconnector(b: Bench, case: str, state: State, nbytes: int, mesh) -> None:
     """s3torchconnector's DCP writer and reader (AWS's CRT client: multipart uploads,
     ranged GETs) on the same local S3 server, where it is installed (``pip install
     "s3torchconnector[dcp]"``, never a dependency of shardstore); its client finds the
@@ -931,12 +938,12 @@ def run_s3_torchconnector(b: Bench, state: State, nbytes: int, mesh) -> None:
         from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
     except ImportError as exc:
         if b.rank == 0:
-            print(f"fsdp: s3torchconnector's DCP writer not measured ({exc})", flush=True)
+            print(f"{case}: s3torchconnector's DCP writer not measured ({exc})", flush=True)
         return
     region = os.environ.get("AWS_REGION", "us-east-1")
     config = S3ClientConfig(force_path_style=True)  # a local server: the bucket in the path, not the host
-    url = f"s3://{S3_BUCKET}/fsdp/dcp-s3torchconnector"
-    b.measure("fsdp", "dcp-s3tc-s3", nbytes, b.root / "unused-dcp-s3tc",
+    url = f"s3://{S3_BUCKET}/{case}/dcp-s3torchconnector"
+    b.measure(case, "dcp-s3tc-s3", nbytes, b.root / f"unused-{case}-dcp-s3tc",
               lambda: dcp.save(dcp_sd(state, mesh), storage_writer=S3StorageWriter(region, url, s3client_config=config)),
               lambda: dcp.load(dcp_sd(state, mesh, empty=True),
                                storage_reader=S3StorageReader(region, url, s3client_config=config)))
@@ -948,6 +955,7 @@ def run_s3(b: Bench, args: argparse.Namespace) -> None:
     local S3 server the launcher started (moto: in-memory, so this measures the client
     side and the protocol, not a disk)."""
     import s3fs
+    from torch.distributed.device_mesh import init_device_mesh
 
     import shardstore
 
@@ -976,6 +984,7 @@ def run_s3(b: Bench, args: argparse.Namespace) -> None:
 
     b.measure("s3", "shardstore", nbytes, b.root / "unused-s3-a", ss_save, ss_load)
     b.measure("s3", "s3fs-plain", nbytes, b.root / "unused-s3-b", plain_save, plain_load)
+    measure_dcp_on_s3(b, "s3", state, nbytes, init_device_mesh("cpu", (b.world,)))
     b.flush()
 
 
@@ -1380,6 +1389,10 @@ def ratios(results: list[Result]) -> dict[str, float]:
                      ("reshard-fsdp", "dcp", "load"))
     out |= ratio("s3.save.vs_s3fs_plain", ("s3", "shardstore", "save"), ("s3", "s3fs-plain", "save"))
     out |= ratio("s3.load.vs_s3fs_plain", ("s3", "shardstore", "load"), ("s3", "s3fs-plain", "load"))
+    for op in ("save", "load"):
+        for peer in ("dcp-fsspec-s3", "dcp-s3tc-s3"):
+            out |= ratio(f"s3.{op}.vs_{peer.removesuffix('-s3').replace('-', '_')}", ("s3", "shardstore", op),
+                         ("s3", peer, op))
     # time of step 2 saved reusing step 1's unchanged chunks / time of a full save of it
     out |= ratio("incr.save.time_reuse_vs_full", ("incr", "reuse", "save"), ("incr", "full", "save"), invert=True)
     out |= ratio("incr.save.time_reuse_warm_vs_full", ("incr", "reuse-warm", "save"), ("incr", "full", "save"),
@@ -1475,7 +1488,9 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=2.0, help="size of the large state (all ranks)")
     parser.add_argument("--small", type=int, default=5000, help="number of 4 KiB tensors")
     parser.add_argument("--tiny", type=int, default=10000, help="number of 1-64 KiB tensors (tiny case)")
-    parser.add_argument("--fsdp-arrays", type=int, default=1000, help="arrays of the fsdp case (64 KiB per rank each)")
+    parser.add_argument("--fsdp-arrays", type=int, default=1000, help="arrays of the fsdp case")
+    parser.add_argument("--fsdp-rows", type=int, default=64,
+                        help="rows of 256 fp32 per rank of each fsdp array (64: 64 KiB per rank)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--cases", default="large,reshard,dcp-api,dcp-plain,small,async,s3,incr")

@@ -7,8 +7,12 @@ performance.md, "Async saves of gathered arrays").
 gathered across ranks in the staging stage). Per rank: the time ``save`` blocks
 (median, min-max) and the peak of the resident set above its level before the save
 (``VmHWM`` after ``clear_refs``; Linux), the background write included.
+``--max-staging-mib``: each repetition saves twice, interleaved, without and with that
+``max_staging_bytes`` (the shards a rank assembles are then exchanged in waves of half
+of it); ``--sync``: synchronous saves, the bound as ``sync_staging_bytes``.
 
     .venv/bin/python scripts/async_sharded.py --world 2 --arrays 16 --block-mib 16 --reps 5
+    .venv/bin/python scripts/async_sharded.py --world 4 --arrays 8 --block-mib 8 --max-staging-mib 64
 """
 
 from __future__ import annotations
@@ -51,18 +55,24 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, root: str,
     rows = args.block_mib * MiB // (4 * 1024)
     state = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.full((rows, 1024), float(i + rank)),
                                                       (0, rank, world)) for i in range(args.arrays)}
-    strategy = ZarrSaveShardedStrategy(shard_bytes=args.shard_mib * MiB)
-    runs = []
+    bounds = [None] if args.max_staging_mib is None else [None, args.max_staging_mib * MiB]
+    runs: dict[int | None, list[tuple[float, int]]] = {bound: [] for bound in bounds}
     for rep in range(args.reps):
-        _reset_peak()
-        before = _peak_bytes()
-        start = time.perf_counter()
-        request = save(state, f"{root}/{rep}", strategy, async_sharded_save=True)
-        blocked = time.perf_counter() - start
-        request.execute_sync()
-        runs.append((blocked, _peak_bytes() - before))
+        for bound in bounds if rep % 2 == 0 else bounds[::-1]:
+            if args.sync:
+                strategy = ZarrSaveShardedStrategy(shard_bytes=args.shard_mib * MiB, sync_staging_bytes=bound or 1 << 40)
+            else:
+                strategy = ZarrSaveShardedStrategy(shard_bytes=args.shard_mib * MiB, max_staging_bytes=bound)
+            _reset_peak()
+            before = _peak_bytes()
+            start = time.perf_counter()
+            request = save(state, f"{root}/{rep}-{bound}", strategy, async_sharded_save=not args.sync)
+            blocked = time.perf_counter() - start
+            if request is not None:
+                request.execute_sync()
+            runs[bound].append((blocked, _peak_bytes() - before))
     if rank == 0:  # what is measured: arrays whose blocks were gathered into shards
-        arrays = read_commit_record(open_location(f"{root}/0")).arrays
+        arrays = read_commit_record(open_location(f"{root}/0-None")).arrays
         plain = sorted(key for key, record in arrays.items() if not isinstance(record.codec, ShardingIndexed))
         if plain:
             raise SystemExit(f"arrays not gathered into shards, so not what this measures: {plain}")
@@ -77,16 +87,21 @@ def main() -> None:
     parser.add_argument("--block-mib", type=int, default=16)
     parser.add_argument("--shard-mib", type=int, default=64)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--max-staging-mib", type=int, default=None)
+    parser.add_argument("--sync", action="store_true")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="async-sharded-")
     try:
         out = mp.Manager().dict()
         mp.spawn(_rank, args=(args.world, free_port(), args, root, out), nprocs=args.world, join=True)
         for rank in sorted(out):
-            blocked = [b for b, _ in out[rank]]
-            peaks = [p / MiB for _, p in out[rank]]
-            print(f"rank {rank}: blocked {statistics.median(blocked):.3f} s ({min(blocked):.3f}-{max(blocked):.3f}); "
-                  f"peak above start {statistics.median(peaks):.0f} MiB ({min(peaks):.0f}-{max(peaks):.0f})")
+            for bound, runs in out[rank].items():
+                blocked = [b for b, _ in runs]
+                peaks = [p / MiB for _, p in runs]
+                label = "no bound" if bound is None else f"bound {bound // MiB} MiB"
+                print(f"rank {rank}, {label}: {'took' if args.sync else 'blocked'} {statistics.median(blocked):.3f} s "
+                      f"({min(blocked):.3f}-{max(blocked):.3f}); "
+                      f"peak above start {statistics.median(peaks):.0f} MiB ({min(peaks):.0f}-{max(peaks):.0f})")
     finally:
         shutil.rmtree(root, ignore_errors=True)
         os.sync()

@@ -51,8 +51,8 @@ class Injected(Exception):
 def scenario(rank: int, world: int, ckpt: str) -> None:
     """A save and a load that reach every stage: the plan (save and load), the
     common-state check (the ranks' common states differ), staging with the straddle
-    exchange, the commit, the read with the replica exchange, and Megatron-Core's
-    direct collective APIs."""
+    exchange, the commit, the read with the replica exchange, Megatron-Core's direct
+    collective APIs, and a save of gathered shards exchanged in waves."""
     sharded = state_dict(rank, world, empty=False)
     sharded["differs"] = {"rank": rank}  # only rank 0's is saved: the others are compared with it
     save(sharded, ckpt, sharded_strategy=ZarrSaveShardedStrategy(max_chunk_bytes=2 * COLS * 4))
@@ -61,6 +61,11 @@ def scenario(rank: int, world: int, ckpt: str) -> None:
     assert loaded["differs"] == {"rank": 0}
     direct = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4), (0, rank, world))}
     validate_sharding_integrity(determine_global_metadata(direct)[1], common_state_dict={"differs": rank})
+    # gathered into shards under a host memory bound: the shards are exchanged in two waves
+    gathered = {f"g{i}": ShardedTensor.from_rank_offsets(f"g{i}", torch.full((4, COLS), float(i + rank)),
+                                                         (0, rank, world)) for i in range(3)}
+    save(gathered, f"{ckpt}-gathered", sharded_strategy=ZarrSaveShardedStrategy(
+        shard_bytes=4 * world * COLS * 4, sync_staging_bytes=2))
 
 
 # ---------------------------------------------------------------- finding the sites
@@ -172,7 +177,9 @@ def test_every_collective_of_a_save_and_a_load_runs_in_the_stage_helper(tmp_path
     assert {"gather_and_plan", "check_common_state_consistency", "stage_save", "finalize_save",
             "run_read_plan", "validate_common_state_dict", "determine_global_metadata"} <= sites, sites
     exchanged = [site for site, made in collectives.items() if "batch_isend_irecv" in made]
-    assert len(exchanged) == 2, collectives  # the straddle exchange of the save, the replica exchange of the load
+    # the straddle exchange of the save, the replica exchange of the load, the two waves of the gathered save
+    assert len(exchanged) == 4, collectives
+    assert len({site for site, _, _, _ in calls if ":stage_save:" in site}) == 2, calls  # staging, and a wave
     assert all(made for made in collectives.values()), collectives  # every stage talked to the other rank
 
 

@@ -33,7 +33,7 @@ __all__ = [
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, cast
 
@@ -67,7 +67,7 @@ from shardstore.format.records import (
 from shardstore.format.sharding import ShardingIndexed
 from shardstore.mapping import ShardedTensor
 from shardstore.planning.layout import FlatChunk, Region, ShardRecord, block_chunks, region_shape
-from shardstore.planning.plans import RankSavePlan
+from shardstore.planning.plans import RankSavePlan, exchange_waves
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.stage import Transfers, every_rank_stopped, raise_stage_failure, run_stage
 
@@ -154,7 +154,10 @@ class Staging:
             next (two waves of at most half of it; flattened tensors are staged at once:
             their chunks are assembled across ranks; blocks of gathered arrays are read
             by the stage's exchange, so a snapshot copies none on the CPU and gives the
-            pinned copies of CUDA ones back once exchanged). None: no bound.
+            pinned copies of CUDA ones back once exchanged). The chunks a rank
+            assembles from several ranks' pieces (gathered shards, flattened tensors'
+            straddling chunks) are exchanged in waves of at most half of it each
+            (``stage_save``); every rank must pass the same bound then. None: no bound.
         io_concurrency: for the writes of those waves.
         io_threads: threads for the direct local writes of this save.
     """
@@ -194,6 +197,11 @@ def _planned_tensor(tensors: list[ShardedTensor], s: ShardRecord, where: str) ->
     return tensor.data
 
 
+# What the ranks must pass alike when a save assembles chunks in several exchange waves
+# (``stage_save``), as its error names it.
+WAVE_SETTING = "host memory bounds (max_staging_bytes for async saves, sync_staging_bytes for sync ones)"
+
+
 def stage_save(
     tensors: list[ShardedTensor],
     location: PendingCheckpoint,
@@ -202,26 +210,47 @@ def stage_save(
     staging: Staging | None = None,
     local_error: BaseException | None = None,
 ) -> StagedWrites:
-    """Collective (one stage, ``protocol.stage.run_stage``): this rank's host copies,
-    agreed by every rank (``local_error``: an earlier local failure, e.g. of the common
-    state, reported here too), then the exchange of the chunks that straddle ranks."""
+    """Collective (``protocol.stage.run_stage``): this rank's host copies, agreed by
+    every rank (``local_error``: an earlier local failure, e.g. of the common state,
+    reported here too), then the exchange of the chunks that straddle ranks (flattened
+    tensors' chunks, gathered shards). Under a byte bound (``Staging.max_bytes``) a rank
+    assembling more than half of it does so in waves (``planning.plans.exchange_waves``),
+    each a stage of its own that writes the wave before and then exchanges the next:
+    a wave's buffers hold at most about half the bound, plus one chunk. The last wave's
+    chunks are written with the other writes."""
     staging = staging or Staging()
     host: list[torch.Tensor | None] = [None] * len(tensors)
     written: set[int] = set()  # blocks already written in an earlier wave
     early_chunks: list[WrittenChunk] = []  # what those waves wrote
     snapshot = HostSnapshot(staging.pool)
-    assembled: list[tuple[FlatChunk, torch.Tensor]] = []
+    assembled: list[tuple[FlatChunk, torch.Tensor]] = []  # this exchange wave's chunks
+    where = location.describe()
+    wave_bytes = staging.max_bytes // 2 if staging.max_bytes else None
+    waves = exchange_waves(plan, wave_bytes)
 
-    def straddles(_: Any) -> Transfers:
-        transfers, chunks = straddling_transfers(plan.straddling, host, plan.records, group.rank)
-        assembled.extend(chunks)
+    def straddles(wave: tuple[tuple[int, FlatChunk], ...]) -> Callable[[Any], Transfers]:
+        def transfers(_: Any) -> Transfers:
+            planned, chunks = straddling_transfers(wave, host, plan.records, group.rank)
+            assembled.extend(chunks)
+            return planned
+
         return transfers
 
+    def write_assembled() -> None:
+        """Writes the last wave's assembled chunks, and lets go of their buffers."""
+        ops = [_assembled_op(chunk, buffer, plan.records, plan.gathered) for chunk, buffer in assembled]
+        assembled.clear()
+        early_chunks.extend(write_ops(location, plan.records, ops, staging.io_concurrency))
+
     run_stage(
-        group, f"Staging tensors for checkpoint {location.describe()}",
+        group, f"Staging tensors for checkpoint {where}",
         lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks),
-        transfers=straddles, local_error=local_error,
+        transfers=straddles(waves[0]), local_error=local_error,
+        same_setting=(WAVE_SETTING, wave_bytes if len(waves) > 1 else None),
     )
+    for number, wave in enumerate(waves[1:], 2):
+        run_stage(group, f"Assembling chunks for checkpoint {where} (exchange wave {number} of {len(waves)})",
+                  write_assembled, transfers=straddles(wave))
     sent = [s.index for s in plan.shards if s.key in plan.gathered and host[s.index] is not None]
     snapshot.release([host[i] for i in sent])  # exchanged: their pinned copies go back to the pool
     for i in sent:

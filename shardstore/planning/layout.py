@@ -229,12 +229,16 @@ class FlatChunk:
         pieces: ``(rank, index, local_start, local_stop, chunk_start)``: rank ``rank``
             contributes ``data[local_start:local_stop]`` of its ShardedTensor number
             ``index`` at flat position ``chunk_start`` of the chunk.
+        at: the bytes its writer assembles before it in the save
+            (``planning.plans.plan_save``), which place it in an exchange wave
+            (``planning.plans.exchange_waves``).
     """
 
     key: str
     region: Region
     writer: int
     pieces: tuple[tuple[int, int, int, int, int], ...]
+    at: int = 0
 
     @property
     def volume(self) -> int:

@@ -36,8 +36,8 @@ names, which ``validation.plan_load`` renumbers for).
 from __future__ import annotations
 
 __all__ = [
-    "RankLoadPlan", "RankReadPlan", "RankSavePlan", "largest_shard_bytes", "plan_flat_writes", "plan_reads",
-    "plan_save", "stored_at_most",
+    "RankLoadPlan", "RankReadPlan", "RankSavePlan", "exchange_waves", "largest_shard_bytes", "plan_flat_writes",
+    "plan_reads", "plan_save", "stored_at_most",
 ]
 
 import bisect
@@ -91,6 +91,11 @@ class RankSavePlan:
             (FSDP2's arrays, held by every rank, spread their files over all ranks).
         gathered: arrays stored in shards whose blocks are gathered to each shard's
             writer (``straddling``), not written block by block.
+        assembled_bytes: the most bytes any rank assembles by exchange (the sum of
+            its ``straddling`` chunks' sizes), and
+        largest_assembled: the largest chunk any rank assembles, both the same in
+            every rank's part: with ``FlatChunk.at``, what ``exchange_waves`` cuts into
+            waves.
         group_metadata: groups whose ``zarr.json`` it writes (the coordinator).
         checkpoint_nbytes: tensor bytes of the whole checkpoint (for logging).
         commit: the coordinator's: the commit record to bind chunk checksums into.
@@ -106,6 +111,8 @@ class RankSavePlan:
     checkpoint_nbytes: int
     commit: CommitRecord | None = None
     gathered: frozenset[str] = frozenset()
+    assembled_bytes: int = 0
+    largest_assembled: int = 0
 
 
 # An array's blocks are gathered into shards only where that makes at most this share of
@@ -644,6 +651,8 @@ def plan_save(
     straddling: list[list[tuple[int, FlatChunk]]] = [[] for _ in range(world)]
     metadata: list[list[str]] = [[] for _ in range(world)]
     touched: list[set[str]] = [set() for _ in range(world)]
+    assembling = [0] * world  # bytes each rank assembles by exchange so far: ``FlatChunk.at``
+    largest_assembled = 0
     tag = 0
     for ordinal, (key, key_shards) in enumerate(sorted(layout.tensors.items())):
         main = [s for s in key_shards if s.main]
@@ -664,6 +673,9 @@ def plan_save(
         for write in key_direct:
             direct[write.rank].append(write)
         for chunk in key_straddling:
+            chunk = replace(chunk, at=assembling[chunk.writer])
+            assembling[chunk.writer] += chunk.volume * records[key].itemsize
+            largest_assembled = max(largest_assembled, chunk.volume * records[key].itemsize)
             straddling[chunk.writer].append((tag, chunk))
             touched[chunk.writer].add(key)
             # a contributor needs only its own pieces (a small tensor's one chunk, or a
@@ -673,7 +685,7 @@ def plan_save(
                 if piece[0] != chunk.writer:
                     by_rank[piece[0]].append(piece)
             for rank in sorted(by_rank):
-                straddling[rank].append((tag, FlatChunk(key, chunk.region, chunk.writer, tuple(by_rank[rank]))))
+                straddling[rank].append((tag, replace(chunk, pieces=tuple(by_rank[rank]))))
                 touched[rank].add(key)
             tag += 1
     commit = CommitRecord(
@@ -698,9 +710,30 @@ def plan_save(
             checkpoint_nbytes=nbytes,
             commit=commit if rank == 0 else None,
             gathered=frozenset(gathered[rank]),
+            assembled_bytes=max(assembling),
+            largest_assembled=largest_assembled,
         )
         for rank in range(world)
     ]
+
+
+def exchange_waves(plan: RankSavePlan, wave_bytes: int | None) -> list[tuple[tuple[int, FlatChunk], ...]]:
+    """``plan.straddling`` cut into the exchange waves of a save that assembles at most
+    about ``wave_bytes`` per rank at once (None: one wave): chunk ``c`` is in wave
+    ``c.at // window``, so a rank's wave holds the chunks that start in its window (at
+    most ``window`` plus the last one's size). The window is ``wave_bytes``, or the
+    largest chunk where that is larger, so that the waves are never more than a
+    rank's chunks. A pure function of the plan's global part and ``wave_bytes``: every
+    rank gets as many waves, and each chunk's writer and contributors put it in the
+    same one, as long as they pass the same ``wave_bytes`` (``execution.save.stage_save``
+    has the ranks agree on it)."""
+    if not wave_bytes or plan.assembled_bytes <= wave_bytes:
+        return [plan.straddling]
+    window = max(wave_bytes, plan.largest_assembled)
+    waves: list[list[tuple[int, FlatChunk]]] = [[] for _ in range(-(-plan.assembled_bytes // window))]
+    for tagged in plan.straddling:
+        waves[tagged[1].at // window].append(tagged)
+    return [tuple(w) for w in waves]
 
 
 @dataclass(frozen=True)

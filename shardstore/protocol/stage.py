@@ -80,6 +80,7 @@ def run_stage(
     deliver: Deliver = Deliver.BROADCAST,
     transfers: Callable[[Any], Transfers] | None = None,
     local_error: BaseException | None = None,
+    same_setting: tuple[str, Any] | None = None,
 ) -> Any:
     """Collective: runs one stage (module docstring) on every rank of ``group``.
 
@@ -94,6 +95,10 @@ def run_stage(
         transfers: this rank's result -> its point-to-point transfers (stages without
             ``reduce`` only); planned as part of the work, so a failure there is agreed
             as well, and run once every rank is known to have succeeded.
+        same_setting: ``(name, value)`` of a setting every rank must pass alike (one
+            the stage's transfers depend on; stages without ``reduce`` only): carried
+            by the agreement's gather, so a rank that differs fails the stage on every
+            rank, naming each rank's value, before any transfer.
 
     Returns:
         This rank's part of the reduction, the broadcast result, or (without
@@ -104,7 +109,7 @@ def run_stage(
             rank: its CheckpointingException as it is); PeerLost when a peer is lost
             during a collective or does not answer within the stage's wait budget.
     """
-    if transfers is not None and reduce is not None:
+    if (transfers is not None or same_setting is not None) and reduce is not None:
         raise ValueError("run_stage: a stage with a reduction has no transfers (plan them in the next stage)")
     group = group.budgeted(group.new_budget())  # one budget for every wait of the stage
     result, planned, error = None, None, local_error
@@ -117,7 +122,7 @@ def run_stage(
         except Exception as exc:  # told to every rank by this stage's agreement
             error = exc
     if reduce is None:
-        _agree(group, error, what)
+        _agree(group, error, what, same_setting)
     else:
         result = _reduce_on_coordinator(group, what, result, error, reduce, deliver)
     if planned is not None:
@@ -125,18 +130,26 @@ def run_stage(
     return result
 
 
-def _agree(group: Group, error: BaseException | None, what: str) -> None:
-    """Collective (one all-gather of failures): raises the same ``StageFailed`` on every
-    rank when any rank failed, so a failure on one rank is a clear error on all of them
-    instead of a hang."""
+def _agree(group: Group, error: BaseException | None, what: str, setting: tuple[str, Any] | None = None) -> None:
+    """Collective (one all-gather of failures, each beside the rank's ``setting``):
+    raises the same ``StageFailed`` on every rank when any rank failed, so a failure on
+    one rank is a clear error on all of them instead of a hang, or when the ranks'
+    settings differ."""
     if group.world_size == 1:
         if error is not None:
             raise_stage_failure(group, what, error)
         return
     local = None if error is None else RankFailure.from_exception(group.rank, error)
-    failures = [f for f in group.all_gather_object(local) if f is not None]
+    gathered = group.all_gather_object((local, None if setting is None else setting[1]))
+    failures = [f for f, _ in gathered if f is not None]
     if failures:
         raise StageFailed(failure_message(failures, what)) from error
+    values = [value for _, value in gathered]
+    if setting is not None and any(value != values[0] for value in values):
+        each = ", ".join(f"rank {rank}: {value!r}" for rank, value in enumerate(values))
+        raise StageFailed(
+            f"{what} failed: the ranks passed different {setting[0]} ({each}); pass every rank the same value"
+        )
 
 
 def every_rank_stopped(group: Group, error: BaseException) -> bool:

@@ -245,9 +245,15 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
             replicas; on by default.
         max_staging_bytes: async saves only: the most host memory one rank's snapshot
             may hold; above it the save writes in waves and blocks longer (None: no cap).
+            The chunks a rank assembles from other ranks' blocks (gathered shards,
+            flattened tensors' straddling chunks) are exchanged in waves of half of it,
+            each written before the next (``execution.save.stage_save``); every rank
+            must pass the same value then.
         sync_staging_bytes: sync saves of CUDA tensors: the most host memory their
             copies hold at once (CPU tensors are written from their own memory). Pinned
             buffers returned after a save stay for the next one, up to this many bytes.
+            Bounds the chunks a sync save assembles as ``max_staging_bytes`` does an
+            async one's.
         background_io_threads: async saves only: threads writing local chunks in the
             background. Few on purpose: every runnable I/O thread takes an equal share of
             a core from the training loop. Measured on 2 cores, each busy with a rank's

@@ -1,11 +1,15 @@
 """Chunks assembled by exchange (gathered shards, flattened tensors' straddling chunks)
-under a host memory bound: a rank that assembles more than half of it exchanges them in
-waves (``planning.plans.exchange_waves``), each written before the next is exchanged, so
-its buffers hold at most about half the bound at once; ranks that pass different bounds
-fail the save alike, before any transfer."""
+under a host memory bound: a rank that assembles more than a quarter of it exchanges
+them in waves (``planning.plans.exchange_waves``), each written before the next is
+exchanged, so it assembles at most a quarter of the bound at once (plus one chunk);
+ranks that pass different bounds fail the save alike, before any transfer. Through
+``shardstore.save`` (sync and async) and DCP's ``ShardstoreWriter``, with flattened
+tensors beside gathered ones, and with a reused base."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,7 @@ import torch
 
 import shardstore
 from shardstore import ShardedTensor, load, save
+from shardstore.execution.save import ASSEMBLY_SHARE
 from shardstore.planning.layout import GlobalLayout, ShardRecord
 from shardstore.planning.plans import exchange_waves, plan_save
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
@@ -20,20 +25,44 @@ from tests.dist import run_distributed
 
 ROWS, COLS, ARRAYS = 96, 64, 8  # fp32: 24 KiB per array, a block of 8 KiB per rank at 3 ranks
 ARRAY_BYTES = ROWS * COLS * 4
-BOUND = 2 * ARRAY_BYTES  # waves of one array's shard each (half the bound)
+BOUND = ASSEMBLY_SHARE * ARRAY_BYTES  # waves of one array's shard each
 
 
 def _global(i: int) -> torch.Tensor:
     return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) * (i + 1) % 1009
 
 
-def _state(rank: int, world: int, empty: bool = False) -> dict:
+FLAT, FLATS = 50 * COLS, 3  # flattened tensors whose ranges cut mid-row: chunks straddle ranks
+
+
+def _flat_range(rank: int, world: int) -> slice:
+    cuts = [0, *(FLAT // world * r + 7 for r in range(1, world)), FLAT]
+    return slice(cuts[rank], cuts[rank + 1])
+
+
+def _state(rank: int, world: int, empty: bool = False, flat: bool = False) -> dict:
     out = {}
     for i in range(ARRAYS):
         block = _global(i).chunk(world)[rank].clone()
         out[f"w{i}"] = ShardedTensor.from_rank_offsets(
             f"w{i}", torch.zeros_like(block) if empty else block, (0, rank, world))
+    for j in range(FLATS if flat else 0):
+        part = _flat(j)[_flat_range(rank, world)].clone()
+        out[f"flat{j}"] = ShardedTensor.from_rank_offsets_flat(
+            f"flat{j}", torch.zeros_like(part) if empty else part, (50, COLS), flattened_range=_flat_range(rank, world))
     return out
+
+
+def _flat(j: int) -> torch.Tensor:
+    return torch.arange(float(FLAT)) * (j + 2)
+
+
+def _check_loaded(rank: int, world: int, ckpt: str, flat: bool = False) -> None:
+    loaded = load(_state(rank, world, empty=True, flat=flat), ckpt)
+    for i in range(ARRAYS):
+        assert torch.equal(loaded[f"w{i}"], _global(i).chunk(world)[rank]), (rank, i)
+    for j in range(FLATS if flat else 0):
+        assert torch.equal(loaded[f"flat{j}"], _flat(j)[_flat_range(rank, world)]), (rank, j)
 
 
 def _assembled_per_wave() -> list[int]:
@@ -53,28 +82,81 @@ def _assembled_per_wave() -> list[int]:
     return seen
 
 
-def saved_in_waves(rank: int, world: int, ckpt: str, bound: int, asynchronous: bool) -> list[int]:
+def saved_in_waves(rank: int, world: int, ckpt: str, bound: int | float, asynchronous: bool) -> list[int]:
     seen = _assembled_per_wave()
     kwargs = {"max_staging_bytes": bound} if asynchronous else {"sync_staging_bytes": bound}
     strategy = ZarrSaveShardedStrategy(shard_bytes=ARRAY_BYTES, **kwargs)
     request = save(_state(rank, world), ckpt, strategy, async_sharded_save=asynchronous)
     if asynchronous:
         request.execute_sync()
-    loaded = load(_state(rank, world, empty=True), ckpt)
-    for i in range(ARRAYS):
-        assert torch.equal(loaded[f"w{i}"], _global(i).chunk(world)[rank]), (rank, i)
+    _check_loaded(rank, world, ckpt)
     return seen
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_a_writer_assembles_at_most_half_the_bound_at_once(tmp_path: Path, asynchronous: bool) -> None:
+def test_a_writer_assembles_at_most_a_quarter_of_the_bound_at_once(tmp_path: Path, asynchronous: bool) -> None:
     ckpt = tmp_path / "ckpt"
     per_rank = run_distributed(saved_in_waves, 3, str(ckpt), BOUND, asynchronous)
     waves = {len(seen) for seen in per_rank}
     assert waves == {3}, per_rank  # 8 shards of 24 KiB over 3 writers: 3 each at most
-    assert max(max(seen) for seen in per_rank) <= BOUND // 2, per_rank  # one shard per wave
+    assert max(max(seen) for seen in per_rank) <= BOUND // ASSEMBLY_SHARE, per_rank  # one shard per wave
     assert sum(sum(seen) for seen in per_rank) == ARRAYS * ARRAY_BYTES  # every shard assembled once
     assert shardstore.verify(ckpt).ok
+
+
+def test_a_bound_given_as_a_float_cuts_the_same_waves(tmp_path: Path) -> None:
+    per_rank = run_distributed(saved_in_waves, 3, str(tmp_path / "ckpt"), float(BOUND), False)
+    assert {len(seen) for seen in per_rank} == {3}, per_rank
+
+
+def saved_flat_and_gathered(rank: int, world: int, ckpt: str, shard_bytes: int | None, bound: int) -> list[int]:
+    seen = _assembled_per_wave()
+    strategy = ZarrSaveShardedStrategy(shard_bytes=shard_bytes, max_chunk_bytes=4 * COLS * 4,
+                                       sync_staging_bytes=bound)
+    save(_state(rank, world, flat=True), ckpt, strategy)
+    _check_loaded(rank, world, ckpt, flat=True)
+    return seen
+
+
+def test_flattened_chunks_that_straddle_ranks_travel_in_waves(tmp_path: Path) -> None:
+    """Unsharded: each flattened tensor's chunks that straddle two ranges (one per range
+    edge; 2 rows, the largest divisor of 50 rows within ``max_chunk_bytes``' 4) are
+    assembled by their first element's holder."""
+    ckpt = tmp_path / "ckpt"
+    per_rank = run_distributed(saved_flat_and_gathered, 3, str(ckpt), None, ASSEMBLY_SHARE)
+    assert {len(seen) for seen in per_rank} == {FLATS}, per_rank  # a wave per chunk: the busiest writer's 3
+    assert {size for seen in per_rank for size in seen} == {0, 2 * COLS * 4}, per_rank  # a chunk at a time
+    assert shardstore.verify(ckpt).ok
+
+
+def test_flattened_and_gathered_shards_share_the_waves(tmp_path: Path) -> None:
+    """Sharded: the flattened tensors are gathered into a shard each, beside the others."""
+    ckpt = tmp_path / "ckpt"
+    per_rank = run_distributed(saved_flat_and_gathered, 3, str(ckpt), ARRAY_BYTES, BOUND)
+    waves = {len(seen) for seen in per_rank}
+    assert len(waves) == 1 and waves.pop() > 1, per_rank
+    assert max(max(seen) for seen in per_rank) <= 2 * ARRAY_BYTES, per_rank  # a window plus one chunk
+    assert sum(sum(seen) for seen in per_rank) == ARRAYS * ARRAY_BYTES + FLATS * FLAT * 4, per_rank
+    assert shardstore.verify(ckpt).ok
+
+
+def saved_twice_reusing(rank: int, world: int, root: str) -> list[int]:
+    strategy = ZarrSaveShardedStrategy(shard_bytes=ARRAY_BYTES, sync_staging_bytes=BOUND)
+    save(_state(rank, world), f"{root}/base", strategy)
+    seen = _assembled_per_wave()
+    save(_state(rank, world), f"{root}/next", strategy, reuse_from=f"{root}/base")
+    _check_loaded(rank, world, f"{root}/next")
+    return seen
+
+
+def test_a_reusing_save_in_waves_links_every_unchanged_shard(tmp_path: Path) -> None:
+    per_rank = run_distributed(saved_twice_reusing, 3, str(tmp_path))
+    assert {len(seen) for seen in per_rank} == {3}, per_rank
+    record = json.loads((tmp_path / "next" / "zarr.json").read_text())["attributes"]["shardstore"]
+    assert record["reused_from"]["chunks"] == ARRAYS, record["reused_from"]  # none written again
+    for i in range(ARRAYS):  # each shard file is the base's, linked
+        assert (tmp_path / "next" / f"w{i}" / "c.0.0").stat().st_nlink == 2, i
+    assert shardstore.verify(tmp_path / "next").ok
 
 
 def test_without_a_bound_everything_is_assembled_at_once(tmp_path: Path) -> None:
@@ -95,18 +177,18 @@ def test_ranks_that_pass_different_bounds_fail_alike_and_commit_nothing(tmp_path
     messages = run_distributed(saved_with_bounds, 3, str(ckpt), [BOUND, BOUND, 1 << 30])
     assert len(set(messages)) == 1, messages
     assert "sync_staging_bytes" in messages[0] and "pass every rank the same value" in messages[0]
-    assert f"rank 0: {BOUND // 2}" in messages[0] and "rank 2: None" in messages[0]
-    assert not (ckpt / "zarr.json").exists()
+    assert f"rank 0: 3 waves under a bound of {BOUND} bytes" in messages[0] and "rank 2: one wave" in messages[0]
+    assert not ckpt.exists() or os.listdir(ckpt) == [], os.listdir(ckpt)  # no record, no staging left
 
 
 def test_ranks_with_different_bounds_save_where_one_wave_holds_everything(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"  # 3 shards per writer at most: 72 KiB under either half bound
+    ckpt = tmp_path / "ckpt"  # 3 shards per writer at most: 72 KiB within either bound's quarter
     run_distributed(saved_in_waves_or_not, 3, str(ckpt))
     assert shardstore.verify(ckpt).ok
 
 
 def saved_in_waves_or_not(rank: int, world: int, ckpt: str) -> None:
-    bound = [8 * ARRAY_BYTES, 1 << 30, 1 << 30][rank]
+    bound = [4 * ASSEMBLY_SHARE * ARRAY_BYTES, 1 << 30, 1 << 30][rank]
     save(_state(rank, world), ckpt, ZarrSaveShardedStrategy(shard_bytes=ARRAY_BYTES, sync_staging_bytes=bound))
 
 
@@ -142,3 +224,32 @@ def test_every_chunk_is_in_one_wave_and_its_contributors_agree(wave_bytes: int |
     assert all(len(w) == 1 for w in waves_of.values())  # a writer and its contributors: one wave
     if wave_bytes and wave_bytes < plans[0].assembled_bytes:
         assert counts.pop() > 1
+
+
+def saved_through_dcp(rank: int, world: int, ckpt: str, bound: int) -> list[int]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def state(empty: bool) -> dict:
+        return {f"w{i}": DTensor.from_local(torch.zeros(ROWS // world, COLS) if empty else _global(i).chunk(world)[rank],
+                                            mesh, [Shard(0)], run_check=False) for i in range(ARRAYS)}
+
+    seen = _assembled_per_wave()
+    dcp.save(state(False), storage_writer=ShardstoreWriter(ckpt, shard_bytes=ARRAY_BYTES, sync_staging_bytes=bound))
+    loaded = state(True)
+    dcp.load(loaded, storage_reader=ShardstoreReader(ckpt))
+    for i in range(ARRAYS):
+        assert torch.equal(loaded[f"w{i}"].to_local(), _global(i).chunk(world)[rank]), (rank, i)
+    return seen
+
+
+def test_dcp_writer_assembles_in_waves_under_its_bound(tmp_path: Path) -> None:
+    per_rank = run_distributed(saved_through_dcp, 3, str(tmp_path / "ckpt"), BOUND)
+    assert {len(seen) for seen in per_rank} == {3}, per_rank
+    assert max(max(seen) for seen in per_rank) <= BOUND // ASSEMBLY_SHARE, per_rank
+    assert shardstore.verify(tmp_path / "ckpt").ok

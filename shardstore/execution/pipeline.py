@@ -348,7 +348,7 @@ class SavePipeline:
 
     def write_plan(
         self, plan: RankSavePlan, tensors: list[ShardedTensor], io_concurrency: int = DEFAULT_IO_CONCURRENCY,
-        local_error: BaseException | None = None,
+        local_error: BaseException | None = None, staging_bytes: int | None = None,
     ) -> list[WrittenChunk]:
         """This rank's part of a save plan from its ``tensors`` (the ones the plan's
         shards number, data on any device): the staging stage (``execution.save.
@@ -356,9 +356,12 @@ class SavePipeline:
         every rank calls it, and the blocks gathered into other ranks' shards travel;
         ``local_error``, this rank's failure before, fails every rank), then the arrays'
         ``zarr.json`` files, every chunk, then durability, before the rank reports what
-        it wrote."""
-        staged = rank_save.stage_save(tensors, self.pending, plan, self.group, Staging(), local_error)
-        return self._write(staged.metadata_files, staged.records, staged.ops, io_concurrency)
+        it wrote (and what it wrote while staging). ``staging_bytes``: the host memory
+        bound of the copies and of the chunks assembled by exchange (``Staging.max_bytes``,
+        the same on every rank; None: no bound)."""
+        staging = Staging(max_bytes=staging_bytes, io_concurrency=io_concurrency)
+        staged = rank_save.stage_save(tensors, self.pending, plan, self.group, staging, local_error)
+        return [*staged.written_early, *self._write(staged.metadata_files, staged.records, staged.ops, io_concurrency)]
 
     def stage(
         self, tensors: list[ShardedTensor], plan: RankSavePlan, staging: Staging,

@@ -26,7 +26,7 @@ runs them in that order and holds what they stage and write. Chunks are written 
 from __future__ import annotations
 
 __all__ = [
-    "StagedWrites", "Staging", "WriteOp", "commit_save", "finalize_save", "metadata_files",
+    "ASSEMBLY_SHARE", "StagedWrites", "Staging", "WriteOp", "commit_save", "finalize_save", "metadata_files",
     "node_document_files", "stage_save", "write_ops",
 ]
 
@@ -156,7 +156,7 @@ class Staging:
             by the stage's exchange, so a snapshot copies none on the CPU and gives the
             pinned copies of CUDA ones back once exchanged). The chunks a rank
             assembles from several ranks' pieces (gathered shards, flattened tensors'
-            straddling chunks) are exchanged in waves of at most half of it each
+            straddling chunks) are exchanged in waves of a quarter of it each
             (``stage_save``); every rank must pass the same bound then. None: no bound.
         io_concurrency: for the writes of those waves.
         io_threads: threads for the direct local writes of this save.
@@ -199,7 +199,25 @@ def _planned_tensor(tensors: list[ShardedTensor], s: ShardRecord, where: str) ->
 
 # What the ranks must pass alike when a save assembles chunks in several exchange waves
 # (``stage_save``), as its error names it.
-WAVE_SETTING = "host memory bounds (max_staging_bytes for async saves, sync_staging_bytes for sync ones)"
+_WAVE_SETTING = "host memory bounds (max_staging_bytes for async saves, sync_staging_bytes for sync ones)"
+# The share of a save's host memory bound (``Staging.max_bytes``) one exchange wave
+# assembles (``stage_save``): a wave of blocks under 1 MiB also holds their packed
+# copies, one on each side of the exchange (``protocol.collectives.Group.exchange``), so
+# a quarter of the bound is assembled and about three quarters held.
+ASSEMBLY_SHARE = 4
+
+
+@dataclass(frozen=True)
+class _ExchangeWaves:
+    """How a rank cuts its save's exchange (``stage_save``), as the ranks agree on it:
+    ``count`` waves under the host memory bound ``bound`` (None: one wave, whatever the
+    bound)."""
+
+    count: int
+    bound: int | None
+
+    def __repr__(self) -> str:
+        return "one wave" if self.bound is None else f"{self.count} waves under a bound of {self.bound} bytes"
 
 
 def stage_save(
@@ -214,10 +232,11 @@ def stage_save(
     every rank (``local_error``: an earlier local failure, e.g. of the common state,
     reported here too), then the exchange of the chunks that straddle ranks (flattened
     tensors' chunks, gathered shards). Under a byte bound (``Staging.max_bytes``) a rank
-    assembling more than half of it does so in waves (``planning.plans.exchange_waves``),
-    each a stage of its own that writes the wave before and then exchanges the next:
-    a wave's buffers hold at most about half the bound, plus one chunk. The last wave's
-    chunks are written with the other writes."""
+    assembling more than a quarter of it (``ASSEMBLY_SHARE``) does so in waves
+    (``planning.plans.exchange_waves``), each a stage of its own that writes the wave
+    before and then exchanges the next: a wave assembles at most a quarter of the bound
+    plus one chunk (or its largest chunk, plus one). The last wave's chunks are written
+    with the other writes."""
     staging = staging or Staging()
     host: list[torch.Tensor | None] = [None] * len(tensors)
     written: set[int] = set()  # blocks already written in an earlier wave
@@ -225,7 +244,7 @@ def stage_save(
     snapshot = HostSnapshot(staging.pool)
     assembled: list[tuple[FlatChunk, torch.Tensor]] = []  # this exchange wave's chunks
     where = location.describe()
-    wave_bytes = staging.max_bytes // 2 if staging.max_bytes else None
+    wave_bytes = max(1, int(staging.max_bytes) // ASSEMBLY_SHARE) if staging.max_bytes else None
     waves = exchange_waves(plan, wave_bytes)
 
     def straddles(wave: tuple[tuple[int, FlatChunk], ...]) -> Callable[[Any], Transfers]:
@@ -240,13 +259,13 @@ def stage_save(
         """Writes the last wave's assembled chunks, and lets go of their buffers."""
         ops = [_assembled_op(chunk, buffer, plan.records, plan.gathered) for chunk, buffer in assembled]
         assembled.clear()
-        early_chunks.extend(write_ops(location, plan.records, ops, staging.io_concurrency))
+        early_chunks.extend(_write_early(location, plan.records, ops, staging.io_concurrency))
 
     run_stage(
         group, f"Staging tensors for checkpoint {where}",
         lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks),
         transfers=straddles(waves[0]), local_error=local_error,
-        same_setting=(WAVE_SETTING, wave_bytes if len(waves) > 1 else None),
+        same_setting=(_WAVE_SETTING, _ExchangeWaves(len(waves), staging.max_bytes if len(waves) > 1 else None)),
     )
     for number, wave in enumerate(waves[1:], 2):
         run_stage(group, f"Assembling chunks for checkpoint {where} (exchange wave {number} of {len(waves)})",
@@ -283,7 +302,7 @@ def copy_to_host(
         """Writes a wave once its copies landed; its buffers go back to the pool."""
         copied.synchronize()
         ops = [op for h in wave for op in _block_ops(h, host, plan.records)]
-        early_chunks.extend(write_ops(location, plan.records, ops, staging.io_concurrency))
+        early_chunks.extend(_write_early(location, plan.records, ops, staging.io_concurrency))
         snapshot.release([host[h.index] for h in wave])
         for h in wave:
             host[h.index] = None
@@ -376,6 +395,16 @@ def _assembled_op(
         return ShardOp(chunk.key, chunk.region, data, index)
     dtype = from_zarr_name(record.dtype)
     return WriteOp(chunk.key, chunk.region, buffer.numpy().view(dtype.numpy_dtype).reshape(region_shape(chunk.region)))
+
+
+def _write_early(
+    pending: PendingCheckpoint, records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int,
+) -> list[WrittenChunk]:
+    """``write_ops`` of chunks written while staging (waves under a byte bound), their
+    arrays' directories made first (one pass, as ``SavePipeline`` does for the rest): a
+    chunk shared by a hard link needs its directory to exist."""
+    pending.location.make_directories({op.key for op in ops})
+    return write_ops(pending, records, ops, io_concurrency)
 
 
 def write_ops(

@@ -562,12 +562,19 @@ def share_file(source: str, target: str, nbytes: int) -> bool:
     if info.st_dev not in _clone_unsupported and _clone(source, target):
         return True
     try:
-        os.link(source, target, follow_symlinks=False)
+        return _hard_link(source, target)
     except FileNotFoundError:
-        if not os.path.exists(os.path.dirname(target)):
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            return share_file(source, target, nbytes)
-        raise
+        # the target's directory is missing, or another writer made it since the link
+        # failed (reading that as "the source is gone" wrote shared chunks again): make
+        # sure it exists and link once more; FileNotFoundError again: the source is gone
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        return _hard_link(source, target)
+
+
+def _hard_link(source: str, target: str) -> bool:
+    """``os.link``; False where the file system cannot link this pair."""
+    try:
+        os.link(source, target, follow_symlinks=False)
     except OSError as exc:
         if exc.errno in _CANNOT_SHARE:
             return False

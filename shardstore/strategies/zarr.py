@@ -18,7 +18,8 @@ TensorStore (``array_spec``: arrays opened from the record without reading any
 from __future__ import annotations
 
 __all__ = [
-    "AUTO_SHARD_MIN_RANKS", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_SHARD_BYTES", "SHARDSTORE_BACKEND", "ShardBytes",
+    "AUTO_SHARD_MIN_RANKS", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_SHARD_BYTES", "DEFAULT_SYNC_STAGING_BYTES",
+    "SHARDSTORE_BACKEND", "ShardBytes",
     "ZARR_VERSION", "ZarrLoadShardedStrategy", "ZarrSaveShardedStrategy", "checked_shard_bytes",
     "resolve_shard_bytes", "_create_or_open_zarr_arrays", "_create_zarr_array",
     "_load_from_array", "_open_zarr_array_verbose", "_save_to_existing_array",
@@ -246,9 +247,9 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         max_staging_bytes: async saves only: the most host memory one rank's snapshot
             may hold; above it the save writes in waves and blocks longer (None: no cap).
             The chunks a rank assembles from other ranks' blocks (gathered shards,
-            flattened tensors' straddling chunks) are exchanged in waves of half of it,
-            each written before the next (``execution.save.stage_save``); every rank
-            must pass the same value then.
+            flattened tensors' straddling chunks) are exchanged in waves of a quarter
+            of it, each written before the next (``execution.save.stage_save``); every
+            rank must pass the same value then.
         sync_staging_bytes: sync saves of CUDA tensors: the most host memory their
             copies hold at once (CPU tensors are written from their own memory). Pinned
             buffers returned after a save stay for the next one, up to this many bytes.

@@ -106,6 +106,7 @@ from shardstore.stores import Location
 from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION
 from shardstore.strategies.zarr import (
     DEFAULT_MAX_CHUNK_BYTES,
+    DEFAULT_SYNC_STAGING_BYTES,
     SHARDSTORE_BACKEND,
     ZARR_VERSION,
     ZarrSaveShardedStrategy,
@@ -314,6 +315,10 @@ class ShardstoreWriter(StorageWriter):
             travel; refused). ``write_data`` is then collective: a custom planner whose
             ``finish_plan`` fails on some ranks only leaves the others waiting in the
             exchange until the group's timeout (DCP's default planner cannot fail there).
+        sync_staging_bytes: the most host memory a rank's copies of CUDA tensors hold
+            at once, and (a quarter of it per exchange wave) the shards it assembles
+            from other ranks' blocks, as ``ZarrSaveShardedStrategy``'s; with
+            ``shard_bytes``, every rank must pass the same value.
     """
 
     def __init__(
@@ -321,7 +326,7 @@ class ShardstoreWriter(StorageWriter):
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
         min_array_bytes: int = DEFAULT_MIN_ARRAY_BYTES, reuse_from: CheckpointId | None = None,
         shard_bytes: int | None = None, process_group: dist.ProcessGroup | None = None,
-        zarr_metadata: str = "per_node",
+        zarr_metadata: str = "per_node", sync_staging_bytes: int = DEFAULT_SYNC_STAGING_BYTES,
     ) -> None:
         super().__init__()
         self.checkpoint_id = checkpoint_id
@@ -336,6 +341,7 @@ class ShardstoreWriter(StorageWriter):
                              "or a number of bytes (the ranks then exchange blocks on process_group)")
         self.shard_bytes = shard_bytes
         self.process_group = process_group
+        self.sync_staging_bytes = sync_staging_bytes
         self._strategy()  # refuses a bound out of range now, not at the save
         # the thread the caller made the writer on: a save on another one is dcp.async_save's
         self._caller_thread: int | None = threading.get_ident()
@@ -511,7 +517,8 @@ class ShardstoreWriter(StorageWriter):
             tensors = [replace(shard_description(item), data=planner.resolve_data(item)) for item in part.items]
         except Exception as exc:  # told to every rank by the staging stage's agreement
             error = exc
-        return WrittenChunks(tuple(save.write_plan(part.save.plan, tensors, self.io_concurrency, error)))
+        return WrittenChunks(tuple(save.write_plan(part.save.plan, tensors, self.io_concurrency, error,
+                                                   self.sync_staging_bytes)))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: writes common.pt and commits, DCP's metadata (its planner's

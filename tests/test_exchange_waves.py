@@ -253,3 +253,41 @@ def test_dcp_writer_assembles_in_waves_under_its_bound(tmp_path: Path) -> None:
     assert {len(seen) for seen in per_rank} == {3}, per_rank
     assert max(max(seen) for seen in per_rank) <= BOUND // ASSEMBLY_SHARE, per_rank
     assert shardstore.verify(tmp_path / "ckpt").ok
+
+
+def saved_with_device_copies(rank: int, world: int, ckpt: str, bound: int) -> tuple[int, int, int]:
+    """Every block copied to host as a CUDA block is (``_needs_copy`` forced on CPU
+    tensors): returns the bytes copied, the most copies alive at once, and the waves."""
+    import weakref
+
+    import shardstore.execution.save as save_module
+    from shardstore.execution.staging import HostSnapshot
+
+    save_module._needs_copy = lambda *args: True
+    live, totals = [0], {"copied": 0, "peak": 0}
+    original = HostSnapshot.copy
+
+    def copy(self, tensor):
+        out = original(self, tensor)
+        live[0] += out.nbytes
+        totals["copied"] += out.nbytes
+        totals["peak"] = max(totals["peak"], live[0])
+        weakref.finalize(out, lambda n=out.nbytes: live.__setitem__(0, live[0] - n))
+        return out
+
+    HostSnapshot.copy = copy
+    seen = _assembled_per_wave()
+    save(_state(rank, world), ckpt, ZarrSaveShardedStrategy(shard_bytes=ARRAY_BYTES, sync_staging_bytes=bound))
+    _check_loaded(rank, world, ckpt)
+    return totals["copied"], totals["peak"], len(seen)
+
+
+def test_device_blocks_are_copied_for_their_wave_and_let_go_after_it(tmp_path: Path) -> None:
+    """The CUDA path's logic on CPU: a gathered block's host copy is made when the
+    first wave that reads it comes and let go after the last, not all in the first."""
+    per_rank = run_distributed(saved_with_device_copies, 3, str(tmp_path / "ckpt"), BOUND)
+    for copied, peak, waves in per_rank:
+        assert waves == 3 and copied == ARRAYS * ARRAY_BYTES // 3, per_rank  # each block once
+        assert peak <= copied // 2, per_rank  # at most two waves' blocks at once
+    unbounded = run_distributed(saved_with_device_copies, 3, str(tmp_path / "ckpt2"), 1 << 30)
+    assert all(peak == copied for copied, peak, _ in unbounded), unbounded  # one wave: all at once

@@ -246,6 +246,8 @@ def stage_save(
     where = location.describe()
     wave_bytes = max(1, int(staging.max_bytes) // ASSEMBLY_SHARE) if staging.max_bytes else None
     waves = exchange_waves(plan, wave_bytes)
+    read_in = _waves_reading(waves, plan, group.rank)
+    later = frozenset(i for i, (first, _) in read_in.items() if first > 0)  # copied when their wave comes
 
     def straddles(wave: tuple[tuple[int, FlatChunk], ...]) -> Callable[[Any], Transfers]:
         def transfers(_: Any) -> Transfers:
@@ -255,21 +257,34 @@ def stage_save(
 
         return transfers
 
-    def write_assembled() -> None:
-        """Writes the last wave's assembled chunks, and lets go of their buffers."""
-        ops = [_assembled_op(chunk, buffer, plan.records, plan.gathered) for chunk, buffer in assembled]
-        assembled.clear()
-        early_chunks.extend(_write_early(location, plan.records, ops, staging.io_concurrency))
+    def next_wave(number: int) -> Callable[[], None]:
+        def work() -> None:
+            """Writes the last wave's assembled chunks and lets go of their buffers and
+            of the copies of the gathered blocks no later wave reads; copies the ones
+            this wave reads first."""
+            ops = [_assembled_op(chunk, buffer, plan.records, plan.gathered) for chunk, buffer in assembled]
+            assembled.clear()
+            early_chunks.extend(_write_early(location, plan.records, ops, staging.io_concurrency))
+            done = [i for i, (_, last) in read_in.items() if last == number - 1]
+            snapshot.release([host[i] for i in done])
+            for i in done:
+                host[i] = None
+            for i in sorted(i for i in later if read_in[i][0] == number and host[i] is None):
+                host[i] = snapshot.copy(_planned_tensor(tensors, by_index[i], where))
+            snapshot.wait()
 
+        return work
+
+    by_index = {s.index: s for s in plan.shards}
     run_stage(
         group, f"Staging tensors for checkpoint {where}",
-        lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks),
+        lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks, later),
         transfers=straddles(waves[0]), local_error=local_error,
         same_setting=(_WAVE_SETTING, _ExchangeWaves(len(waves), staging.max_bytes if len(waves) > 1 else None)),
     )
-    for number, wave in enumerate(waves[1:], 2):
-        run_stage(group, f"Assembling chunks for checkpoint {where} (exchange wave {number} of {len(waves)})",
-                  write_assembled, transfers=straddles(wave))
+    for number, wave in enumerate(waves[1:], 1):
+        run_stage(group, f"Assembling chunks for checkpoint {where} (exchange wave {number + 1} of {len(waves)})",
+                  next_wave(number), transfers=straddles(wave))
     sent = [s.index for s in plan.shards if s.key in plan.gathered and host[s.index] is not None]
     snapshot.release([host[i] for i in sent])  # exchanged: their pinned copies go back to the pool
     for i in sent:
@@ -284,6 +299,31 @@ def stage_save(
     return StagedWrites(plan.records, files, ops, snapshot, tuple(early_chunks))
 
 
+def _waves_reading(
+    waves: list[tuple[tuple[int, FlatChunk], ...]], plan: RankSavePlan, rank: int
+) -> dict[int, tuple[int, int]]:
+    """The first and last exchange wave that reads each of this rank's blocks of
+    gathered arrays (by tensor index): a copy of one (a CUDA block's) is made for its
+    first wave and let go after its last (``stage_save``)."""
+    read: dict[int, tuple[int, int]] = {}
+    for number, wave in enumerate(waves):
+        for _, chunk in wave:
+            if chunk.key not in plan.gathered:
+                continue
+            for piece in chunk.pieces:
+                if piece[0] == rank:
+                    first, _ = read.get(piece[1], (number, number))
+                    read[piece[1]] = (first, number)
+    return read
+
+
+def _needs_copy(s: ShardRecord, data: torch.Tensor, staging: Staging, plan: RankSavePlan) -> bool:
+    """Whether ``data`` of the block ``s`` goes to host memory as a copy: every CUDA
+    block, and under an async snapshot every block but the gathered ones (read only by
+    the stage's exchange, before the save returns: a snapshot would protect nothing)."""
+    return (staging.snapshot and s.key not in plan.gathered) or data.device.type != "cpu"
+
+
 def _written_whole(s: ShardRecord, plan: RankSavePlan) -> bool:
     """The block ``s`` is written as its own chunks (not a flattened range, not gathered
     into a shard with other ranks' blocks: ``RankSavePlan.gathered``)."""
@@ -293,9 +333,11 @@ def _written_whole(s: ShardRecord, plan: RankSavePlan) -> bool:
 def copy_to_host(
     tensors: list[ShardedTensor], location: PendingCheckpoint, plan: RankSavePlan, staging: Staging,
     host: list[torch.Tensor | None], snapshot: HostSnapshot, written: set[int], early_chunks: list[WrittenChunk],
+    later: frozenset[int] = frozenset(),
 ) -> None:
     """Fills ``host`` with each planned shard's host tensor (a copy where ``staging``
-    says so); above ``staging.max_bytes`` whole waves are written early (``written``,
+    says so; none yet of the blocks in ``later``, copied for a later exchange wave);
+    above ``staging.max_bytes`` whole waves are written early (``written``,
     ``early_chunks``), each while the next is copied."""
 
     def write_wave(wave: list[ShardRecord], copied: Any) -> None:
@@ -314,9 +356,9 @@ def copy_to_host(
     where = location.describe()
     for s in sorted(plan.shards, key=lambda s: not _written_whole(s, plan)):
         data = _planned_tensor(tensors, s, where)
-        # a gathered block is read only by the stage's exchange, before the save returns:
-        # a snapshot of it (async) would protect nothing
-        copy = (staging.snapshot and s.key not in plan.gathered) or data.device.type != "cpu"
+        copy = _needs_copy(s, data, staging, plan)
+        if copy and s.index in later:
+            continue
         if staging.max_bytes and copy and _written_whole(s, plan):
             if held and held_bytes + s.nbytes > staging.max_bytes // 2:
                 waves.append((held, snapshot.mark(), held_bytes))

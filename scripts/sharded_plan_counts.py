@@ -22,7 +22,7 @@ Usage: ``python scripts/sharded_plan_counts.py [--shard-mib 64] [--quick] [--rec
 
 from __future__ import annotations
 
-__all__ = ["counts", "main", "same_layout_fetched", "sharded_record"]
+__all__ = ["assembly_waves", "counts", "main", "same_layout_fetched", "sharded_record"]
 
 import argparse
 import itertools
@@ -37,12 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import simulate_scale as sim  # noqa: E402
 
 from shardstore.core import gc_paused  # noqa: E402
+from shardstore.execution.save import ASSEMBLY_SHARE  # noqa: E402
 from shardstore.format.codecs import BYTES_CRC32C, CRC_BYTES  # noqa: E402
 from shardstore.format.records import ArrayRecord, CommitRecord  # noqa: E402
 from shardstore.format.sharding import ShardIndex, ShardingIndexed  # noqa: E402
 from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
-from shardstore.planning.plans import plan_save  # noqa: E402
-from shardstore.strategies.zarr import DEFAULT_MAX_CHUNK_BYTES  # noqa: E402
+from shardstore.planning.plans import exchange_waves, plan_save  # noqa: E402
+from shardstore.strategies.zarr import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_SYNC_STAGING_BYTES  # noqa: E402
 
 MiB = 1 << 20
 
@@ -64,14 +65,29 @@ def counts(model: sim.Model, shard_bytes: int | None) -> dict[str, float]:
                 moved += sum(hi - lo for rank, _, lo, hi, _ in chunk.pieces if rank != plan.rank) * itemsize
     nbytes = plans[0].checkpoint_nbytes
     fetched, needed = same_layout_fetched(layout, arrays)
+    waves, per_wave = assembly_waves(plans, arrays, DEFAULT_SYNC_STAGING_BYTES)
     return {
         "bytes": nbytes, "arrays": len(arrays),
         "sharded": sum(1 for a in arrays.values() if a.codec != BYTES_CRC32C),
         "data_files": sum(a.chunk_count for a in arrays.values()),
         "target": -(-nbytes // (shard_bytes or 64 * MiB)) + 2 * len(arrays) + model.world,
         "moved": moved, "writers": sum(1 for w in written if w), "max_written": max(written), "plan_s": seconds,
-        "fetched_ratio": fetched / needed,
+        "fetched_ratio": fetched / needed, "waves": waves, "max_per_wave": per_wave,
     }
+
+
+def assembly_waves(plans: list, arrays: dict[str, ArrayRecord], bound: int) -> tuple[int, int]:
+    """The exchange waves of a sync save under ``bound`` (``sync_staging_bytes``;
+    ``execution.save.stage_save``) and the most bytes one rank assembles in one of them."""
+    wave_bytes = max(1, bound // ASSEMBLY_SHARE)
+    most, count = 0, 1
+    for plan in plans:
+        waves = exchange_waves(plan, wave_bytes)
+        count = len(waves)
+        for wave in waves:
+            mine = sum(c.volume * arrays[c.key].itemsize for _, c in wave if c.writer == plan.rank)
+            most = max(most, mine)
+    return count, most
 
 
 def _read_box(s: ShardRecord) -> list[tuple[int, int]]:
@@ -172,8 +188,8 @@ def main() -> None:
         print_records(models, args.shard_mib * MiB, args.quick, args.parses)
         return
     print("| layout | ranks | layers | shards | bytes | arrays | sharded | data files | target | moved | "
-          "writers | most written | plan s | load fetched / asked |")
-    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "writers | most written | waves | most per wave | plan s | load fetched / asked |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for model in models:
         layers = 16 if isinstance(model, sim.MegatronGpt) else 4 if model.world <= 512 else 2
         sampled = model if args.quick else model.with_layers(layers)
@@ -181,7 +197,8 @@ def main() -> None:
             c = counts(sampled, shard_bytes)
             print(f"| {sampled.name} | {sampled.world} | {sampled.layers} | {f'{args.shard_mib} MiB' if shard_bytes else 'none'} "
                   f"| {c['bytes'] / 1e9:.1f} GB | {c['arrays']} | {c['sharded']} | {c['data_files']:,} | {c['target']:,} "
-                  f"| {c['moved'] / 1e9:.1f} GB | {c['writers']} | {c['max_written'] / 1e6:.0f} MB | {c['plan_s']:.2f} "
+                  f"| {c['moved'] / 1e9:.1f} GB | {c['writers']} | {c['max_written'] / 1e6:.0f} MB | {c['waves']} "
+                  f"| {c['max_per_wave'] / 1e6:.0f} MB | {c['plan_s']:.2f} "
                   f"| {c['fetched_ratio']:.3f} |",
                   flush=True)
     if args.record:

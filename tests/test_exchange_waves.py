@@ -177,7 +177,8 @@ def test_ranks_that_pass_different_bounds_fail_alike_and_commit_nothing(tmp_path
     messages = run_distributed(saved_with_bounds, 3, str(ckpt), [BOUND, BOUND, 1 << 30])
     assert len(set(messages)) == 1, messages
     assert "sync_staging_bytes" in messages[0] and "pass every rank the same value" in messages[0]
-    assert f"rank 0: 3 waves under a bound of {BOUND} bytes" in messages[0] and "rank 2: one wave" in messages[0]
+    assert f"rank 0: 3 waves (bound {BOUND} bytes)" in messages[0], messages[0]
+    assert f"rank 2: one wave (bound {1 << 30} bytes)" in messages[0], messages[0]
     assert not ckpt.exists() or os.listdir(ckpt) == [], os.listdir(ckpt)  # no record, no staging left
 
 
@@ -291,3 +292,15 @@ def test_device_blocks_are_copied_for_their_wave_and_let_go_after_it(tmp_path: P
         assert peak <= copied // 2, per_rank  # at most two waves' blocks at once
     unbounded = run_distributed(saved_with_device_copies, 3, str(tmp_path / "ckpt2"), 1 << 30)
     assert all(peak == copied for copied, peak, _ in unbounded), unbounded  # one wave: all at once
+
+
+@pytest.mark.parametrize("bound", [0, -5, float("inf"), float("nan"), "1GiB", True])
+def test_a_bound_that_is_no_positive_finite_number_is_refused_when_made(bound: object) -> None:
+    from shardstore.tools.dcp_storage import ShardstoreWriter
+
+    with pytest.raises(ValueError, match="sync_staging_bytes must be a positive, finite number of bytes"):
+        ZarrSaveShardedStrategy(sync_staging_bytes=bound)
+    with pytest.raises(ValueError, match="max_staging_bytes must be None"):
+        ZarrSaveShardedStrategy(max_staging_bytes=bound)
+    with pytest.raises(ValueError, match="sync_staging_bytes"):
+        ShardstoreWriter("unused", sync_staging_bytes=bound)

@@ -34,7 +34,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, cast
 
 import numpy as np
@@ -199,7 +199,8 @@ def _planned_tensor(tensors: list[ShardedTensor], s: ShardRecord, where: str) ->
 
 # What the ranks must pass alike when a save assembles chunks in several exchange waves
 # (``stage_save``), as its error names it.
-_WAVE_SETTING = "host memory bounds (max_staging_bytes for async saves, sync_staging_bytes for sync ones)"
+_WAVE_SETTING = ("host memory bounds (max_staging_bytes of an async save, sync_staging_bytes of a sync one or "
+                 "of DCP's ShardstoreWriter)")
 # The share of a save's host memory bound (``Staging.max_bytes``) one exchange wave
 # assembles (``stage_save``): a wave of blocks under 1 MiB also holds their packed
 # copies, one on each side of the exchange (``protocol.collectives.Group.exchange``), so
@@ -210,14 +211,16 @@ ASSEMBLY_SHARE = 4
 @dataclass(frozen=True)
 class _ExchangeWaves:
     """How a rank cuts its save's exchange (``stage_save``), as the ranks agree on it:
-    ``count`` waves under the host memory bound ``bound`` (None: one wave, whatever the
-    bound)."""
+    ``count`` waves under the host memory bound ``cut_by`` (None: one wave, whatever the
+    bound); ``bound``, the rank's bound, is shown, not compared."""
 
     count: int
-    bound: int | None
+    cut_by: int | None
+    bound: int | None = field(compare=False, default=None)
 
     def __repr__(self) -> str:
-        return "one wave" if self.bound is None else f"{self.count} waves under a bound of {self.bound} bytes"
+        waves = "one wave" if self.count == 1 else f"{self.count} waves"
+        return f"{waves} (bound {self.bound} bytes)" if self.bound is not None else f"{waves} (no bound)"
 
 
 def stage_save(
@@ -280,7 +283,8 @@ def stage_save(
         group, f"Staging tensors for checkpoint {where}",
         lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks, later),
         transfers=straddles(waves[0]), local_error=local_error,
-        same_setting=(_WAVE_SETTING, _ExchangeWaves(len(waves), staging.max_bytes if len(waves) > 1 else None)),
+        same_setting=(_WAVE_SETTING, _ExchangeWaves(len(waves), staging.max_bytes if len(waves) > 1 else None,
+                                                    staging.max_bytes)),
     )
     for number, wave in enumerate(waves[1:], 1):
         run_stage(group, f"Assembling chunks for checkpoint {where} (exchange wave {number + 1} of {len(waves)})",

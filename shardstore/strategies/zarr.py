@@ -20,7 +20,7 @@ from __future__ import annotations
 __all__ = [
     "AUTO_SHARD_MIN_RANKS", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_SHARD_BYTES", "DEFAULT_SYNC_STAGING_BYTES",
     "SHARDSTORE_BACKEND", "ShardBytes",
-    "ZARR_VERSION", "ZarrLoadShardedStrategy", "ZarrSaveShardedStrategy", "checked_shard_bytes",
+    "ZARR_VERSION", "ZarrLoadShardedStrategy", "ZarrSaveShardedStrategy", "checked_shard_bytes", "checked_staging_bytes",
     "resolve_shard_bytes", "_create_or_open_zarr_arrays", "_create_zarr_array",
     "_load_from_array", "_open_zarr_array_verbose", "_save_to_existing_array",
     "_should_create_array", "array_spec", "consolidated_document", "flatten_range", "load_zarr_based_sharded_metadata",
@@ -31,6 +31,7 @@ __all__ = [
 
 import json
 import logging
+import math
 import numbers
 import os
 from collections.abc import Callable
@@ -221,6 +222,23 @@ def checked_shard_bytes(shard_bytes: object) -> ShardBytes:
     )
 
 
+def checked_staging_bytes(name: str, value: object, optional: bool = False) -> int | None:
+    """A host memory bound (``max_staging_bytes``, ``sync_staging_bytes``) as a save
+    uses it: a positive, finite number of bytes, as an int (None where ``optional``).
+    Checked when the strategy or writer is made: every rank's bound cuts the save's
+    exchange into waves, so a value that fails only later fails one rank alone.
+
+    Raises:
+        ValueError: anything else, naming the option and the value.
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= 1:
+        return int(value)
+    accepted = "None (no bound) or " if optional else ""
+    raise ValueError(f"{name} must be {accepted}a positive, finite number of bytes, got {value!r}")
+
+
 def resolve_shard_bytes(shard_bytes: ShardBytes, world_size: int) -> int | None:
     """The shard size a save from ``world_size`` ranks uses (None: no array sharded):
     ``"auto"`` is ``DEFAULT_SHARD_BYTES`` from ``AUTO_SHARD_MIN_RANKS`` ranks on and None
@@ -310,11 +328,11 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.io_concurrency = io_concurrency
         self.process_group = process_group
         self.fully_parallel = fully_parallel
-        self.max_staging_bytes = max_staging_bytes
+        self.max_staging_bytes = checked_staging_bytes("max_staging_bytes", max_staging_bytes, optional=True)
         self.background_io_threads = background_io_threads
-        self.sync_staging_bytes = sync_staging_bytes
+        self.sync_staging_bytes = checked_staging_bytes("sync_staging_bytes", sync_staging_bytes)
         self._buffers = HostBufferPool()  # async snapshots: every buffer kept for the next save
-        self._sync_buffers = HostBufferPool(max_free_bytes=sync_staging_bytes)
+        self._sync_buffers = HostBufferPool(max_free_bytes=self.sync_staging_bytes)
         self._plan_cache: PlanCache | None = None
         self.cache_plan = cache_plan
 

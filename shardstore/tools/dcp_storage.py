@@ -110,6 +110,7 @@ from shardstore.strategies.zarr import (
     SHARDSTORE_BACKEND,
     ZARR_VERSION,
     ZarrSaveShardedStrategy,
+    checked_staging_bytes,
 )
 
 logger = logging.getLogger(__name__)
@@ -341,7 +342,7 @@ class ShardstoreWriter(StorageWriter):
                              "or a number of bytes (the ranks then exchange blocks on process_group)")
         self.shard_bytes = shard_bytes
         self.process_group = process_group
-        self.sync_staging_bytes = sync_staging_bytes
+        self.sync_staging_bytes = checked_staging_bytes("sync_staging_bytes", sync_staging_bytes)
         self._strategy()  # refuses a bound out of range now, not at the save
         # the thread the caller made the writer on: a save on another one is dcp.async_save's
         self._caller_thread: int | None = threading.get_ident()

@@ -66,7 +66,14 @@ from shardstore.format.records import (
 )
 from shardstore.format.sharding import ShardingIndexed
 from shardstore.mapping import ShardedTensor
-from shardstore.planning.layout import FlatChunk, Region, ShardRecord, block_chunks, region_shape
+from shardstore.planning.layout import (
+    DirectFlatWrite,
+    FlatChunk,
+    Region,
+    ShardRecord,
+    block_chunks,
+    region_shape,
+)
 from shardstore.planning.plans import RankSavePlan, exchange_waves
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.stage import Transfers, every_rank_stopped, raise_stage_failure, run_stage
@@ -151,10 +158,11 @@ class Staging:
             ``pool``'s pinned buffers.
         max_bytes: the most copied bytes held at once; above it the blocks are written
             in waves, in the caller, each wave's writes overlapping the copies of the
-            next (two waves of at most half of it; flattened tensors are staged at once:
-            their chunks are assembled across ranks; blocks of gathered arrays are read
-            by the stage's exchange, so a snapshot copies none on the CPU and gives the
-            pinned copies of CUDA ones back once exchanged). The chunks a rank
+            next (two waves of at most half of it; a flattened range's own chunks are
+            written with its wave, and copies of the pieces of it that the stage's
+            exchange reads, at most a chunk at each end, kept; blocks of gathered arrays
+            are read by the stage's exchange, so a snapshot copies none on the CPU, and
+            CUDA ones are copied for the exchange waves that read them). The chunks a rank
             assembles from several ranks' pieces (gathered shards, flattened tensors'
             straddling chunks) are exchanged in waves of a quarter of it each
             (``stage_save``); every rank must pass the same bound then. None: no bound.
@@ -254,7 +262,7 @@ def stage_save(
 
     def straddles(wave: tuple[tuple[int, FlatChunk], ...]) -> Callable[[Any], Transfers]:
         def transfers(_: Any) -> Transfers:
-            planned, chunks = straddling_transfers(wave, host, plan.records, group.rank)
+            planned, chunks = straddling_transfers(wave, host, plan.records, group.rank, edges)
             assembled.extend(chunks)
             return planned
 
@@ -279,9 +287,10 @@ def stage_save(
         return work
 
     by_index = {s.index: s for s in plan.shards}
+    edges: dict[int, dict[tuple[int, int], torch.Tensor]] = {}  # pieces kept of ranges written early
     run_stage(
         group, f"Staging tensors for checkpoint {where}",
-        lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks, later),
+        lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks, later, edges),
         transfers=straddles(waves[0]), local_error=local_error,
         same_setting=(_WAVE_SETTING, _ExchangeWaves(len(waves), staging.max_bytes if len(waves) > 1 else None,
                                                     staging.max_bytes)),
@@ -295,9 +304,7 @@ def stage_save(
         host[i] = None
     ops = [op for s in plan.shards if _written_whole(s, plan) and s.index not in written
            for op in _block_ops(s, host, plan.records)]
-    for w in plan.flat_direct:
-        flat = tensor_to_numpy(host[w.index])[w.local_start : w.local_stop]
-        ops.append(WriteOp(w.key, w.region, flat.reshape(region_shape(w.region))))
+    ops += [_flat_direct_op(w, host) for w in plan.flat_direct if w.index not in written]
     ops += [_assembled_op(chunk, buffer, plan.records, plan.gathered) for chunk, buffer in assembled]
     files = metadata_files(plan, location.options.zarr_metadata)
     return StagedWrites(plan.records, files, ops, snapshot, tuple(early_chunks))
@@ -321,6 +328,26 @@ def _waves_reading(
     return read
 
 
+def _edge_pieces(plan: RankSavePlan) -> dict[int, list[tuple[int, int]]]:
+    """By tensor index, the ``[lo, hi)`` ranges of this rank's flattened ranges that the
+    stage's exchange reads (pieces of chunks straddling ranges, which it sends or
+    assembles): what a range written early keeps (``copy_to_host``)."""
+    pieces: dict[int, list[tuple[int, int]]] = {}
+    for _, chunk in plan.straddling:
+        if chunk.key in plan.gathered:
+            continue
+        for rank, index, lo, hi, _ in chunk.pieces:
+            if rank == plan.rank:
+                pieces.setdefault(index, []).append((lo, hi))
+    return pieces
+
+
+def _flat_direct_op(w: DirectFlatWrite, host: list[torch.Tensor | None]) -> WriteOp:
+    """The write of a chunk lying wholly in one of this rank's flattened ranges."""
+    flat = tensor_to_numpy(host[w.index])[w.local_start : w.local_stop]
+    return WriteOp(w.key, w.region, flat.reshape(region_shape(w.region)))
+
+
 def _needs_copy(s: ShardRecord, data: torch.Tensor, staging: Staging, plan: RankSavePlan) -> bool:
     """Whether ``data`` of the block ``s`` goes to host memory as a copy: every CUDA
     block, and under an async snapshot every block but the gathered ones (read only by
@@ -337,18 +364,33 @@ def _written_whole(s: ShardRecord, plan: RankSavePlan) -> bool:
 def copy_to_host(
     tensors: list[ShardedTensor], location: PendingCheckpoint, plan: RankSavePlan, staging: Staging,
     host: list[torch.Tensor | None], snapshot: HostSnapshot, written: set[int], early_chunks: list[WrittenChunk],
-    later: frozenset[int] = frozenset(),
+    later: frozenset[int] = frozenset(), edges: dict[int, dict[tuple[int, int], torch.Tensor]] | None = None,
 ) -> None:
     """Fills ``host`` with each planned shard's host tensor (a copy where ``staging``
     says so; none yet of the blocks in ``later``, copied for a later exchange wave);
     above ``staging.max_bytes`` whole waves are written early (``written``,
-    ``early_chunks``), each while the next is copied."""
+    ``early_chunks``), each while the next is copied. A flattened range written early
+    keeps, in ``edges``, copies of the pieces the stage's exchange still sends or
+    assembles (``_edge_pieces``: a chunk at each end of the range at most)."""
+    pieces = _edge_pieces(plan) if edges is not None else {}
+    direct: dict[int, list[DirectFlatWrite]] = {}
+    for w in plan.flat_direct:
+        direct.setdefault(w.index, []).append(w)
+
+    def ops_of(h: ShardRecord) -> list[WriteOp]:
+        if h.flat_range is None:
+            return _block_ops(h, host, plan.records)
+        return [_flat_direct_op(w, host) for w in direct.get(h.index, [])]
 
     def write_wave(wave: list[ShardRecord], copied: Any) -> None:
         """Writes a wave once its copies landed; its buffers go back to the pool."""
         copied.synchronize()
-        ops = [op for h in wave for op in _block_ops(h, host, plan.records)]
+        ops = [op for h in wave for op in ops_of(h)]
         early_chunks.extend(_write_early(location, plan.records, ops, staging.io_concurrency))
+        for h in wave:
+            flat = host[h.index].reshape(-1)
+            if edges is not None and h.index in pieces:
+                edges[h.index] = {(lo, hi): flat[lo:hi].clone() for lo, hi in pieces[h.index]}
         snapshot.release([host[h.index] for h in wave])
         for h in wave:
             host[h.index] = None
@@ -363,7 +405,8 @@ def copy_to_host(
         copy = _needs_copy(s, data, staging, plan)
         if copy and s.index in later:
             continue
-        if staging.max_bytes and copy and _written_whole(s, plan):
+        in_waves = _written_whole(s, plan) or (edges is not None and s.key not in plan.gathered)
+        if staging.max_bytes and copy and in_waves:
             if held and held_bytes + s.nbytes > staging.max_bytes // 2:
                 waves.append((held, snapshot.mark(), held_bytes))
                 in_flight += held_bytes
@@ -401,17 +444,24 @@ def node_document_files(
 
 def straddling_transfers(
     straddling: tuple[tuple[int, FlatChunk], ...], host: list[torch.Tensor | None],
-    records: dict[str, ArrayRecord], rank: int,
+    records: dict[str, ArrayRecord], rank: int, edges: dict[int, dict[tuple[int, int], torch.Tensor]] | None = None,
 ) -> tuple[Transfers, list[tuple[FlatChunk, torch.Tensor]]]:
     """The transfers that assemble the flat chunks this rank writes from its
     neighbours' pieces, and those chunks' byte buffers (filled once the transfers ran).
 
     Only the straddling pieces travel, as raw bytes. Both sides list a pair's pieces in
     the same order: chunks by their tag (from the plan, unique within the save), then
-    each chunk's pieces in order.
+    each chunk's pieces in order. ``edges``: the pieces kept of flattened ranges
+    written early (``copy_to_host``), whose ``host`` entry is gone.
     """
     transfers = Transfers()
     assembled: list[tuple[FlatChunk, torch.Tensor]] = []
+
+    def piece(index: int, lo: int, hi: int) -> torch.Tensor:
+        data = host[index]
+        kept = data.reshape(-1)[lo:hi] if data is not None else (edges or {})[index][(lo, hi)]
+        return kept.view(torch.uint8)
+
     for _, chunk in sorted(straddling, key=lambda tagged: tagged[0]):
         itemsize = from_zarr_name(records[chunk.key].dtype).itemsize
         buffer = None
@@ -422,11 +472,11 @@ def straddling_transfers(
             if buffer is not None:
                 target = buffer[at * itemsize : (at + (hi - lo)) * itemsize]
                 if piece_rank == rank:
-                    target.copy_(host[index].reshape(-1)[lo:hi].view(torch.uint8))
+                    target.copy_(piece(index, lo, hi))
                 else:
                     transfers.receives.setdefault(piece_rank, []).append(target)
             elif piece_rank == rank:
-                transfers.sends.setdefault(chunk.writer, []).append(host[index].reshape(-1)[lo:hi].view(torch.uint8))
+                transfers.sends.setdefault(chunk.writer, []).append(piece(index, lo, hi))
     return transfers, assembled
 
 

@@ -330,3 +330,27 @@ def test_flattened_ranges_are_copied_in_waves_within_the_bound(tmp_path: Path, a
         assert copied >= ARRAYS * ARRAY_BYTES // 3 + FLATS * rows * COLS * 4 // 3 - 256, per_rank  # all of it
         assert peak <= bound + 2 * 8 * COLS * 4 * FLATS, per_rank  # the bound, and each range's edge chunks
     assert shardstore.verify(tmp_path / "ckpt").ok
+
+
+def saved_gathered_before_a_cut(rank: int, world: int, ckpt: str) -> None:
+    """A gathered array's block copied (as CUDA blocks are: forced), then a block cut
+    off the chunk grid (``inputs.irregular``: a flattened range) whose copy closes a
+    copy wave: the gathered block must stay for the exchange, not be written as a block."""
+    import shardstore.execution.save as save_module
+
+    save_module._needs_copy = lambda *args: True
+    small = (torch.arange(64.0) + 1000 * rank).reshape(8, 8)
+    lo, hi = [(0, 1234), (1234, 4000)][rank]
+    state = {"a": ShardedTensor.from_rank_offsets("a", small, (0, rank, world)),
+             "z": ShardedTensor("z", torch.arange(4000.0)[lo:hi].clone(), torch.float32, (hi - lo,), (4000,), (lo,),
+                                axis_fragmentations=None, replica_id=(0, 0, 0))}
+    save(state, ckpt, ZarrSaveShardedStrategy(shard_bytes=1024, sync_staging_bytes=4096, max_chunk_bytes=1024))
+
+
+def test_a_gathered_block_copied_before_a_wave_stays_for_the_exchange(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_distributed(saved_gathered_before_a_cut, 2, str(ckpt))
+    loaded = shardstore.load_plain_tensors(ckpt)
+    assert torch.equal(loaded["z"], torch.arange(4000.0))
+    assert torch.equal(loaded["a"], torch.cat([(torch.arange(64.0) + 1000 * r).reshape(8, 8) for r in range(2)]))
+    assert shardstore.verify(ckpt).ok

@@ -417,7 +417,7 @@ def copy_to_host(
                 write_wave(wave, copied)
                 in_flight -= nbytes
         host[s.index] = snapshot.copy(data) if copy else to_host(data)
-        if copy:
+        if copy and in_waves:  # a gathered block's copy is let go once exchanged, never written as a block
             held.append(s)
             held_bytes += s.nbytes
     snapshot.wait()

@@ -377,3 +377,27 @@ def test_a_block_of_a_prime_length_stays_unsharded_rather_than_cut_into_tiny_inn
     layout = GlobalLayout.from_gathered([(rs, []) for rs in per_rank])
     record = plan_save(layout, 1 << 20, fully_parallel=False, shard_bytes=64 << 20)[0].commit.arrays["p"]
     assert not isinstance(record.codec, ShardingIndexed)
+
+
+def _saved_fragments_of_15(rank: int, world: int, ckpt: str) -> None:
+    cut = [slice(0, 7), slice(7, 15)][rank]
+    data = torch.arange(15.0)[cut].clone()
+    state = {"fs": ShardedTensor.from_rank_offsets_flat("fs", data, (3, 5), flattened_range=cut)}
+    save(state, ckpt, ZarrSaveShardedStrategy(shard_bytes=64, max_chunk_bytes=20))  # a row per inner chunk
+
+
+def test_an_empty_fragment_of_a_sharded_flattened_array_loads_as_an_empty_range(tmp_path: Path) -> None:
+    """A rank of the loading layout whose fragment is empty (a cut at the same place
+    twice) gets an empty 1-D tensor, as from an unsharded array; a sharded array read
+    it as an empty box of the block's later axes, (0, 5)."""
+    full = torch.arange(15.0).reshape(3, 5)
+    ckpt = tmp_path / "ckpt"
+    run_distributed(_saved_fragments_of_15, 2, str(ckpt))
+    assert isinstance(read_commit_record(open_location(ckpt)).arrays["fs"].codec, ShardingIndexed)
+    cuts = [slice(0, 6), slice(6, 6), slice(6, 9), slice(9, 15), slice(15, 15)]  # covering the array, two empty
+    request = {f"part{i}": ShardedTensor.from_rank_offsets_flat("fs", torch.zeros(c.stop - c.start), (3, 5),
+                                                                flattened_range=c) for i, c in enumerate(cuts)}
+    loaded = load(request, ckpt)
+    for i, cut in enumerate(cuts):
+        assert tuple(loaded[f"part{i}"].shape) == (cut.stop - cut.start,), (cut, tuple(loaded[f"part{i}"].shape))
+        assert torch.equal(loaded[f"part{i}"], full.reshape(-1)[cut]), cut

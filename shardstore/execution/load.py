@@ -84,8 +84,8 @@ def plan_read(t: ShardedTensor, record: ArrayRecord, where: str) -> ReadOp:
         region = block[:axis] + (slice(block[axis].start + first, block[axis].start + last),) + block[axis + 1 :]
         skip = fr.start - first * row
 
-        if record.codec.reads_spans:
-            return ReadOp(t, region, lambda x: x, flat_boxes(block, fr.start, fr.stop))
+        if record.codec.reads_spans:  # the range's elements, flat (an empty range: none, not its region's box)
+            return ReadOp(t, region, lambda x: x.reshape(-1)[: fr.stop - fr.start], flat_boxes(block, fr.start, fr.stop))
 
         def finish_flat(x: torch.Tensor) -> torch.Tensor:
             return x.reshape(-1)[skip : skip + fr.stop - fr.start]

@@ -261,6 +261,7 @@ def test_dcp_writer_assembles_in_waves_under_its_bound(tmp_path: Path) -> None:
 
 def saved_with_device_copies(
     rank: int, world: int, ckpt: str, bound: int, flat_rows: int = 0, asynchronous: bool = False,
+    chunk_bytes: int = 8 * COLS * 4,
 ) -> tuple[int, int, int]:
     """Every block copied to host as a CUDA block is (``_needs_copy`` forced on CPU
     tensors; with ``flat_rows``, unsharded, beside flattened tensors of that many rows;
@@ -287,7 +288,7 @@ def saved_with_device_copies(
     seen = _assembled_per_wave()
     flat = flat_rows > 0
     bounds = {"max_staging_bytes": bound} if asynchronous else {"sync_staging_bytes": bound}
-    strategy = ZarrSaveShardedStrategy(shard_bytes=None if flat else ARRAY_BYTES, max_chunk_bytes=8 * COLS * 4, **bounds)
+    strategy = ZarrSaveShardedStrategy(shard_bytes=None if flat else ARRAY_BYTES, max_chunk_bytes=chunk_bytes, **bounds)
     request = save(_state(rank, world, flat=flat, flat_rows=flat_rows), ckpt, strategy, async_sharded_save=asynchronous)
     if asynchronous:
         request.execute_sync()
@@ -354,3 +355,17 @@ def test_a_gathered_block_copied_before_a_wave_stays_for_the_exchange(tmp_path: 
     assert torch.equal(loaded["z"], torch.arange(4000.0))
     assert torch.equal(loaded["a"], torch.cat([(torch.arange(64.0) + 1000 * r).reshape(8, 8) for r in range(2)]))
     assert shardstore.verify(ckpt).ok
+
+
+def test_ranges_smaller_than_their_chunks_are_copied_for_their_exchange_wave(tmp_path: Path) -> None:
+    """The distributed optimizer's case at the default chunk size: each 100 KiB tensor
+    is one chunk that straddles all three ranges, so a range is all pieces. It is
+    copied for the exchange wave that assembles its chunk and let go after it: one
+    range at once, where keeping its pieces would hold all three."""
+    rows, bound = 400, 32 * 1024
+    per_rank = run_distributed(saved_with_device_copies, 3, str(tmp_path / "ckpt"), bound, rows, False, 64 << 20)
+    one_range = rows * COLS * 4 // 3 + 64
+    for copied, peak, waves in per_rank:
+        assert waves == FLATS, per_rank  # a tensor's chunk per wave: larger than the window
+        assert peak <= bound + one_range + 1024, per_rank  # the blocks' unwritten copies, and one range
+    assert shardstore.verify(tmp_path / "ckpt").ok

@@ -257,8 +257,11 @@ def stage_save(
     where = location.describe()
     wave_bytes = max(1, int(staging.max_bytes) // ASSEMBLY_SHARE) if staging.max_bytes else None
     waves = exchange_waves(plan, wave_bytes)
-    read_in = _waves_reading(waves, plan, group.rank)
-    later = frozenset(i for i, (first, _) in read_in.items() if first > 0)  # copied when their wave comes
+    read_in = _waves_reading(waves, group.rank)
+    by_index = {s.index: s for s in plan.shards}
+    pieces = _edge_pieces(plan, by_index)  # ranges the copy waves take, keeping their pieces
+    edges: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
+    later = frozenset(i for i, (first, _) in read_in.items() if first > 0 and i not in pieces)  # copied for their wave
 
     def straddles(wave: tuple[tuple[int, FlatChunk], ...]) -> Callable[[Any], Transfers]:
         def transfers(_: Any) -> Transfers:
@@ -270,27 +273,34 @@ def stage_save(
 
     def next_wave(number: int) -> Callable[[], None]:
         def work() -> None:
-            """Writes the last wave's assembled chunks and lets go of their buffers and
-            of the copies of the gathered blocks no later wave reads; copies the ones
-            this wave reads first."""
+            """Writes the last wave's assembled chunks, and the own chunks of the
+            flattened ranges no later wave reads, and lets go of those buffers and of
+            the copies of every block no later wave reads; copies the blocks this
+            wave reads first."""
+            done = [i for i, (_, last) in read_in.items() if last == number - 1]
+            for i in done:
+                edges.pop(i, None)
             ops = [_assembled_op(chunk, buffer, plan.records, plan.gathered) for chunk, buffer in assembled]
+            ops += [_flat_direct_op(w, host) for i in done if i not in written for w in direct.get(i, [])]
             assembled.clear()
             early_chunks.extend(_write_early(location, plan.records, ops, staging.io_concurrency))
-            done = [i for i, (_, last) in read_in.items() if last == number - 1]
             snapshot.release([host[i] for i in done])
             for i in done:
                 host[i] = None
+                written.add(i)
             for i in sorted(i for i in later if read_in[i][0] == number and host[i] is None):
                 host[i] = snapshot.copy(_planned_tensor(tensors, by_index[i], where))
             snapshot.wait()
 
         return work
 
-    by_index = {s.index: s for s in plan.shards}
-    edges: dict[int, dict[tuple[int, int], torch.Tensor]] = {}  # pieces kept of ranges written early
+    direct: dict[int, list[DirectFlatWrite]] = {}
+    for w in plan.flat_direct:
+        direct.setdefault(w.index, []).append(w)
     run_stage(
         group, f"Staging tensors for checkpoint {where}",
-        lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks, later, edges),
+        lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks, later,
+                             frozenset(read_in) - frozenset(pieces), (pieces, edges)),
         transfers=straddles(waves[0]), local_error=local_error,
         same_setting=(_WAVE_SETTING, _ExchangeWaves(len(waves), staging.max_bytes if len(waves) > 1 else None,
                                                     staging.max_bytes)),
@@ -310,17 +320,15 @@ def stage_save(
     return StagedWrites(plan.records, files, ops, snapshot, tuple(early_chunks))
 
 
-def _waves_reading(
-    waves: list[tuple[tuple[int, FlatChunk], ...]], plan: RankSavePlan, rank: int
-) -> dict[int, tuple[int, int]]:
-    """The first and last exchange wave that reads each of this rank's blocks of
-    gathered arrays (by tensor index): a copy of one (a CUDA block's) is made for its
-    first wave and let go after its last (``stage_save``)."""
+def _waves_reading(waves: list[tuple[tuple[int, FlatChunk], ...]], rank: int) -> dict[int, tuple[int, int]]:
+    """The first and last exchange wave that reads each of this rank's blocks (by
+    tensor index: blocks of gathered arrays, flattened ranges with pieces of chunks
+    that straddle ranges): a copy of one (a CUDA block's) is made for its first wave
+    and let go after its last (``stage_save``), a flattened range's own chunks written
+    then."""
     read: dict[int, tuple[int, int]] = {}
     for number, wave in enumerate(waves):
         for _, chunk in wave:
-            if chunk.key not in plan.gathered:
-                continue
             for piece in chunk.pieces:
                 if piece[0] == rank:
                     first, _ = read.get(piece[1], (number, number))
@@ -328,18 +336,26 @@ def _waves_reading(
     return read
 
 
-def _edge_pieces(plan: RankSavePlan) -> dict[int, list[tuple[int, int]]]:
-    """By tensor index, the ``[lo, hi)`` ranges of this rank's flattened ranges that the
-    stage's exchange reads (pieces of chunks straddling ranges, which it sends or
-    assembles): what a range written early keeps (``copy_to_host``)."""
-    pieces: dict[int, list[tuple[int, int]]] = {}
+def _edge_pieces(plan: RankSavePlan, by_index: dict[int, ShardRecord]) -> dict[int, list[tuple[int, int]]]:
+    """By tensor index, the ``[lo, hi)`` pieces of this rank's flattened ranges that
+    the stage's exchange reads (of chunks straddling ranges), for the ranges whose
+    pieces are at most half of them: such a range is copied in the copy waves, its own
+    chunks written, and only copies of its pieces kept for the exchange (a chunk at
+    each end at most). A range mostly made of pieces (one smaller than the chunks,
+    as the distributed optimizer's are at the default chunk size) is copied for the
+    exchange waves that read it instead (``stage_save``)."""
+    spans: dict[int, list[tuple[int, int]]] = {}
     for _, chunk in plan.straddling:
         if chunk.key in plan.gathered:
             continue
         for rank, index, lo, hi, _ in chunk.pieces:
             if rank == plan.rank:
-                pieces.setdefault(index, []).append((lo, hi))
-    return pieces
+                spans.setdefault(index, []).append((lo, hi))
+    return {i: s for i, s in spans.items() if 2 * sum(hi - lo for lo, hi in s) <= _range_length(by_index[i])}
+
+
+def _range_length(s: ShardRecord) -> int:
+    return s.flat_range[1] - s.flat_range[0] if s.flat_range is not None else s.block_volume
 
 
 def _flat_direct_op(w: DirectFlatWrite, host: list[torch.Tensor | None]) -> WriteOp:
@@ -364,15 +380,18 @@ def _written_whole(s: ShardRecord, plan: RankSavePlan) -> bool:
 def copy_to_host(
     tensors: list[ShardedTensor], location: PendingCheckpoint, plan: RankSavePlan, staging: Staging,
     host: list[torch.Tensor | None], snapshot: HostSnapshot, written: set[int], early_chunks: list[WrittenChunk],
-    later: frozenset[int] = frozenset(), edges: dict[int, dict[tuple[int, int], torch.Tensor]] | None = None,
+    later: frozenset[int] = frozenset(), exchanged: frozenset[int] = frozenset(),
+    kept: tuple[dict[int, list[tuple[int, int]]], dict[int, dict[tuple[int, int], torch.Tensor]]] = ({}, {}),
 ) -> None:
     """Fills ``host`` with each planned shard's host tensor (a copy where ``staging``
     says so; none yet of the blocks in ``later``, copied for a later exchange wave);
     above ``staging.max_bytes`` whole waves are written early (``written``,
-    ``early_chunks``), each while the next is copied. A flattened range written early
-    keeps, in ``edges``, copies of the pieces the stage's exchange still sends or
-    assembles (``_edge_pieces``: a chunk at each end of the range at most)."""
-    pieces = _edge_pieces(plan) if edges is not None else {}
+    ``early_chunks``), each while the next is copied: the blocks written whole, and the
+    flattened ranges the stage's exchange does not read (not in ``exchanged``; those
+    follow the exchange waves, ``stage_save``). ``kept``: the pieces of such ranges the
+    exchange reads after all (``_edge_pieces``) and where a range written early keeps
+    copies of them (``straddling_transfers``' ``edges``)."""
+    pieces, edges = kept
     direct: dict[int, list[DirectFlatWrite]] = {}
     for w in plan.flat_direct:
         direct.setdefault(w.index, []).append(w)
@@ -388,9 +407,9 @@ def copy_to_host(
         ops = [op for h in wave for op in ops_of(h)]
         early_chunks.extend(_write_early(location, plan.records, ops, staging.io_concurrency))
         for h in wave:
-            flat = host[h.index].reshape(-1)
-            if edges is not None and h.index in pieces:
-                edges[h.index] = {(lo, hi): flat[lo:hi].clone() for lo, hi in pieces[h.index]}
+            if h.index in pieces:
+                flat = host[h.index].reshape(-1)
+                edges[h.index] = {(lo, hi): snapshot.copy(flat[lo:hi]) for lo, hi in pieces[h.index]}
         snapshot.release([host[h.index] for h in wave])
         for h in wave:
             host[h.index] = None
@@ -405,7 +424,7 @@ def copy_to_host(
         copy = _needs_copy(s, data, staging, plan)
         if copy and s.index in later:
             continue
-        in_waves = _written_whole(s, plan) or (edges is not None and s.key not in plan.gathered)
+        in_waves = _written_whole(s, plan) or (s.key not in plan.gathered and s.index not in exchanged)
         if staging.max_bytes and copy and in_waves:
             if held and held_bytes + s.nbytes > staging.max_bytes // 2:
                 waves.append((held, snapshot.mark(), held_bytes))

@@ -158,11 +158,12 @@ class Staging:
             ``pool``'s pinned buffers.
         max_bytes: the most copied bytes held at once; above it the blocks are written
             in waves, in the caller, each wave's writes overlapping the copies of the
-            next (two waves of at most half of it; a flattened range's own chunks are
-            written with its wave, and copies of the pieces of it that the stage's
-            exchange reads, at most a chunk at each end, kept; blocks of gathered arrays
-            are read by the stage's exchange, so a snapshot copies none on the CPU, and
-            CUDA ones are copied for the exchange waves that read them). The chunks a rank
+            next (two waves of at most half of it; a flattened range mostly written as
+            its own chunks is written with its wave, and copies of the pieces of it
+            that the stage's exchange reads, at most a chunk at each end, kept; a range
+            mostly made of such pieces, and a block of a gathered array, is copied for
+            the exchange waves that read it (a snapshot copies no gathered CPU block:
+            the exchange reads it before the save returns)). The chunks a rank
             assembles from several ranks' pieces (gathered shards, flattened tensors'
             straddling chunks) are exchanged in waves of a quarter of it each
             (``stage_save``); every rank must pass the same bound then. None: no bound.

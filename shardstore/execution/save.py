@@ -381,8 +381,8 @@ def _written_whole(s: ShardRecord, plan: RankSavePlan) -> bool:
 def copy_to_host(
     tensors: list[ShardedTensor], location: PendingCheckpoint, plan: RankSavePlan, staging: Staging,
     host: list[torch.Tensor | None], snapshot: HostSnapshot, written: set[int], early_chunks: list[WrittenChunk],
-    later: frozenset[int] = frozenset(), exchanged: frozenset[int] = frozenset(),
-    kept: tuple[dict[int, list[tuple[int, int]]], dict[int, dict[tuple[int, int], torch.Tensor]]] = ({}, {}),
+    later: frozenset[int], exchanged: frozenset[int],
+    kept: tuple[dict[int, list[tuple[int, int]]], dict[int, dict[tuple[int, int], torch.Tensor]]],
 ) -> None:
     """Fills ``host`` with each planned shard's host tensor (a copy where ``staging``
     says so; none yet of the blocks in ``later``, copied for a later exchange wave);

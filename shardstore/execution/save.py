@@ -6,8 +6,10 @@ The stages (``strategies.zarr.ZarrSaveShardedStrategy`` runs them):
                            save, every tensor) copied into host buffers, in waves under
                            a byte bound, each wave written while the next is copied
                            (``shardstore.execution.staging``); the chunks of flattened tensors that
-                           straddle ranks are assembled by exchanging only the
-                           straddling pieces (collective)                 ``stage_save``
+                           straddle ranks, and the shards gathered from several
+                           ranks, are assembled by exchanging only their pieces, in
+                           exchange waves under the same bound, each a stage that
+                           writes the wave before (collective)            ``stage_save``
     all ranks    write     array zarr.json files (a holder of each array's blocks; none
                            with ``SaveOptions.zarr_metadata="consolidated_only"``) in
                            one batch, then every chunk write in flight at once; then

@@ -370,3 +370,15 @@ def test_ranges_smaller_than_their_chunks_are_copied_for_their_exchange_wave(tmp
         assert waves == FLATS, per_rank  # a tensor's chunk per wave: larger than the window
         assert peak <= bound + one_range + 1024, per_rank  # the blocks' unwritten copies, and one range
     assert shardstore.verify(tmp_path / "ckpt").ok
+
+
+def test_bounds_that_cut_the_same_waves_agree(tmp_path: Path) -> None:
+    """A quarter of 4x and of 4x + 3 bytes is the same wave: those ranks save together."""
+    run_distributed(saved_with_near_bounds, 3, str(tmp_path / "ckpt"))
+    assert shardstore.verify(tmp_path / "ckpt").ok
+
+
+def saved_with_near_bounds(rank: int, world: int, ckpt: str) -> None:
+    bound = BOUND + (3 if rank == 1 else 0)
+    save(_state(rank, world), ckpt, ZarrSaveShardedStrategy(shard_bytes=ARRAY_BYTES, sync_staging_bytes=bound))
+    _check_loaded(rank, world, ckpt)

@@ -222,8 +222,9 @@ ASSEMBLY_SHARE = 4
 @dataclass(frozen=True)
 class _ExchangeWaves:
     """How a rank cuts its save's exchange (``stage_save``), as the ranks agree on it:
-    ``count`` waves under the host memory bound ``cut_by`` (None: one wave, whatever the
-    bound); ``bound``, the rank's bound, is shown, not compared."""
+    ``count`` waves of ``cut_by`` bytes (``exchange_waves``' ``wave_bytes``; None: one
+    wave, whatever the bound); ``bound``, the rank's bound, is shown, not compared, so
+    bounds that cut the same waves agree."""
 
     count: int
     cut_by: int | None
@@ -305,7 +306,7 @@ def stage_save(
         lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks, later,
                              frozenset(read_in) - frozenset(pieces), (pieces, edges)),
         transfers=straddles(waves[0]), local_error=local_error,
-        same_setting=(_WAVE_SETTING, _ExchangeWaves(len(waves), staging.max_bytes if len(waves) > 1 else None,
+        same_setting=(_WAVE_SETTING, _ExchangeWaves(len(waves), wave_bytes if len(waves) > 1 else None,
                                                     staging.max_bytes)),
     )
     for number, wave in enumerate(waves[1:], 1):

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import simulate_scale as sim  # noqa: E402
 
 from shardstore.core import gc_paused  # noqa: E402
-from shardstore.execution.save import ASSEMBLY_SHARE  # noqa: E402
+from shardstore.execution.save import assembly_wave_bytes  # noqa: E402
 from shardstore.format.codecs import BYTES_CRC32C, CRC_BYTES  # noqa: E402
 from shardstore.format.records import ArrayRecord, CommitRecord  # noqa: E402
 from shardstore.format.sharding import ShardIndex, ShardingIndexed  # noqa: E402
@@ -79,7 +79,7 @@ def counts(model: sim.Model, shard_bytes: int | None) -> dict[str, float]:
 def assembly_waves(plans: list, arrays: dict[str, ArrayRecord], bound: int) -> tuple[int, int]:
     """The exchange waves of a sync save under ``bound`` (``sync_staging_bytes``;
     ``execution.save.stage_save``) and the most bytes one rank assembles in one of them."""
-    wave_bytes = max(1, bound // ASSEMBLY_SHARE)
+    wave_bytes = assembly_wave_bytes(bound)
     most, count = 0, 1
     for plan in plans:
         waves = exchange_waves(plan, wave_bytes)

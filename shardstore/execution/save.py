@@ -28,8 +28,8 @@ runs them in that order and holds what they stage and write. Chunks are written 
 from __future__ import annotations
 
 __all__ = [
-    "ASSEMBLY_SHARE", "StagedWrites", "Staging", "WriteOp", "commit_save", "finalize_save", "metadata_files",
-    "node_document_files", "stage_save", "write_ops",
+    "ASSEMBLY_SHARE", "StagedWrites", "Staging", "WriteOp", "assembly_wave_bytes", "commit_save", "finalize_save",
+    "metadata_files", "node_document_files", "stage_save", "write_ops",
 ]
 
 import json
@@ -219,6 +219,45 @@ _WAVE_SETTING = ("host memory bounds (max_staging_bytes of an async save, sync_s
 ASSEMBLY_SHARE = 4
 
 
+def assembly_wave_bytes(max_bytes: int | None) -> int | None:
+    """The bytes one exchange wave assembles under the host memory bound ``max_bytes``
+    (``Staging.max_bytes``; None: no bound, one wave): ``planning.plans.exchange_waves``'
+    ``wave_bytes``."""
+    return max(1, int(max_bytes) // ASSEMBLY_SHARE) if max_bytes else None
+
+
+@dataclass(frozen=True)
+class _RangeWaves:
+    """Which of a rank's blocks follow the exchange waves and which the copy waves
+    (``stage_save``, ``copy_to_host``).
+
+    Attributes:
+        read_in: by tensor index, the first and last exchange wave that reads the block
+            (``_waves_reading``).
+        pieces: the flattened ranges that join the copy waves although the exchange
+            reads pieces of them, and those pieces (``_edge_pieces``).
+        edges: where such a range written early keeps copies of its pieces (filled by
+            ``copy_to_host``, read by ``straddling_transfers``, emptied after the range's
+            last exchange wave).
+        direct: each flattened range's chunks that lie wholly in it (``plan.flat_direct``).
+    """
+
+    read_in: dict[int, tuple[int, int]]
+    pieces: dict[int, list[tuple[int, int]]]
+    edges: dict[int, dict[tuple[int, int], torch.Tensor]]
+    direct: dict[int, list[DirectFlatWrite]]
+
+    @property
+    def later(self) -> frozenset[int]:
+        """The blocks copied for a later exchange wave than the first, not in staging."""
+        return frozenset(i for i, (first, _) in self.read_in.items() if first > 0 and i not in self.pieces)
+
+    def follows_exchange(self, index: int) -> bool:
+        """Whether the block is copied for and let go after the exchange waves that read
+        it, not in the copy waves."""
+        return index in self.read_in and index not in self.pieces
+
+
 @dataclass(frozen=True)
 class _ExchangeWaves:
     """How a rank cuts its save's exchange (``stage_save``), as the ranks agree on it:
@@ -259,13 +298,14 @@ def stage_save(
     snapshot = HostSnapshot(staging.pool)
     assembled: list[tuple[FlatChunk, torch.Tensor]] = []  # this exchange wave's chunks
     where = location.describe()
-    wave_bytes = max(1, int(staging.max_bytes) // ASSEMBLY_SHARE) if staging.max_bytes else None
+    wave_bytes = assembly_wave_bytes(staging.max_bytes)
     waves = exchange_waves(plan, wave_bytes)
-    read_in = _waves_reading(waves, group.rank)
     by_index = {s.index: s for s in plan.shards}
-    pieces = _edge_pieces(plan, by_index)  # ranges the copy waves take, keeping their pieces
-    edges: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
-    later = frozenset(i for i, (first, _) in read_in.items() if first > 0 and i not in pieces)  # copied for their wave
+    direct: dict[int, list[DirectFlatWrite]] = {}
+    for w in plan.flat_direct:
+        direct.setdefault(w.index, []).append(w)
+    book = _RangeWaves(_waves_reading(waves, group.rank), _edge_pieces(plan, by_index), {}, direct)
+    read_in, edges, later = book.read_in, book.edges, book.later
 
     def straddles(wave: tuple[tuple[int, FlatChunk], ...]) -> Callable[[Any], Transfers]:
         def transfers(_: Any) -> Transfers:
@@ -298,13 +338,9 @@ def stage_save(
 
         return work
 
-    direct: dict[int, list[DirectFlatWrite]] = {}
-    for w in plan.flat_direct:
-        direct.setdefault(w.index, []).append(w)
     run_stage(
         group, f"Staging tensors for checkpoint {where}",
-        lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks, later,
-                             frozenset(read_in) - frozenset(pieces), (pieces, edges)),
+        lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks, book),
         transfers=straddles(waves[0]), local_error=local_error,
         same_setting=(_WAVE_SETTING, _ExchangeWaves(len(waves), wave_bytes if len(waves) > 1 else None,
                                                     staging.max_bytes)),
@@ -355,11 +391,8 @@ def _edge_pieces(plan: RankSavePlan, by_index: dict[int, ShardRecord]) -> dict[i
         for rank, index, lo, hi, _ in chunk.pieces:
             if rank == plan.rank:
                 spans.setdefault(index, []).append((lo, hi))
-    return {i: s for i, s in spans.items() if 2 * sum(hi - lo for lo, hi in s) <= _range_length(by_index[i])}
-
-
-def _range_length(s: ShardRecord) -> int:
-    return s.flat_range[1] - s.flat_range[0] if s.flat_range is not None else s.block_volume
+    itemsize = {i: plan.records[by_index[i].key].itemsize for i in spans}
+    return {i: s for i, s in spans.items() if 2 * sum(hi - lo for lo, hi in s) * itemsize[i] <= by_index[i].nbytes}
 
 
 def _flat_direct_op(w: DirectFlatWrite, host: list[torch.Tensor | None]) -> WriteOp:
@@ -384,26 +417,20 @@ def _written_whole(s: ShardRecord, plan: RankSavePlan) -> bool:
 def copy_to_host(
     tensors: list[ShardedTensor], location: PendingCheckpoint, plan: RankSavePlan, staging: Staging,
     host: list[torch.Tensor | None], snapshot: HostSnapshot, written: set[int], early_chunks: list[WrittenChunk],
-    later: frozenset[int], exchanged: frozenset[int],
-    kept: tuple[dict[int, list[tuple[int, int]]], dict[int, dict[tuple[int, int], torch.Tensor]]],
+    book: _RangeWaves,
 ) -> None:
     """Fills ``host`` with each planned shard's host tensor (a copy where ``staging``
-    says so; none yet of the blocks in ``later``, copied for a later exchange wave);
-    above ``staging.max_bytes`` whole waves are written early (``written``,
+    says so; none yet of the blocks ``book.later`` names, copied for a later exchange
+    wave); above ``staging.max_bytes`` whole waves are written early (``written``,
     ``early_chunks``), each while the next is copied: the blocks written whole, and the
-    flattened ranges the stage's exchange does not read (not in ``exchanged``; those
-    follow the exchange waves, ``stage_save``). ``kept``: the pieces of such ranges the
-    exchange reads after all (``_edge_pieces``) and where a range written early keeps
-    copies of them (``straddling_transfers``' ``edges``)."""
-    pieces, edges = kept
-    direct: dict[int, list[DirectFlatWrite]] = {}
-    for w in plan.flat_direct:
-        direct.setdefault(w.index, []).append(w)
+    flattened ranges that do not follow the exchange waves (``book``), a range written
+    early keeping copies of the pieces the exchange reads in ``book.edges``."""
+    later = book.later
 
     def ops_of(h: ShardRecord) -> list[WriteOp]:
         if h.flat_range is None:
             return _block_ops(h, host, plan.records)
-        return [_flat_direct_op(w, host) for w in direct.get(h.index, [])]
+        return [_flat_direct_op(w, host) for w in book.direct.get(h.index, [])]
 
     def write_wave(wave: list[ShardRecord], copied: Any) -> None:
         """Writes a wave once its copies landed; its buffers go back to the pool."""
@@ -411,9 +438,9 @@ def copy_to_host(
         ops = [op for h in wave for op in ops_of(h)]
         early_chunks.extend(_write_early(location, plan.records, ops, staging.io_concurrency))
         for h in wave:
-            if h.index in pieces:
+            if h.index in book.pieces:
                 flat = host[h.index].reshape(-1)
-                edges[h.index] = {(lo, hi): snapshot.copy(flat[lo:hi]) for lo, hi in pieces[h.index]}
+                book.edges[h.index] = {(lo, hi): snapshot.copy(flat[lo:hi]) for lo, hi in book.pieces[h.index]}
         snapshot.release([host[h.index] for h in wave])
         for h in wave:
             host[h.index] = None
@@ -428,7 +455,7 @@ def copy_to_host(
         copy = _needs_copy(s, data, staging, plan)
         if copy and s.index in later:
             continue
-        in_waves = _written_whole(s, plan) or (s.key not in plan.gathered and s.index not in exchanged)
+        in_waves = _written_whole(s, plan) or (s.key not in plan.gathered and not book.follows_exchange(s.index))
         if staging.max_bytes and copy and in_waves:
             if held and held_bytes + s.nbytes > staging.max_bytes // 2:
                 waves.append((held, snapshot.mark(), held_bytes))

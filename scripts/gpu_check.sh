@@ -86,8 +86,8 @@ step() {  # step NAME SECONDS COMMAND...: runs it with a time limit, logs to $ou
   tail -n 5 "$log"
 }
 
-step gpu_tests 200 "$python" -m pytest -q -m gpu -p no:cacheprovider tests
-step device_bench 170 "$python" scripts/bench.py --cases device --world 1 --gib "$gib" --reps 3 \
+step gpu_tests 240 "$python" -m pytest -q -m gpu -p no:cacheprovider tests
+step device_bench 150 "$python" scripts/bench.py --cases device --world 1 --gib "$gib" --reps 3 \
   --json "$out/bench_device.json"
 step world${world}_bench 200 "$python" scripts/bench.py --world "$world" --gib "$gib" --small "$small" --reps 3 \
   --cases large,reshard,small --json "$out/bench_world${world}.json"

@@ -8,6 +8,7 @@ tensors beside gathered ones, and with a reused base."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -261,39 +262,72 @@ def test_dcp_writer_assembles_in_waves_under_its_bound(tmp_path: Path) -> None:
 
 def saved_with_device_copies(
     rank: int, world: int, ckpt: str, bound: int, flat_rows: int = 0, asynchronous: bool = False,
-    chunk_bytes: int = 8 * COLS * 4,
+    chunk_bytes: int = 8 * COLS * 4, device: str = "cpu",
 ) -> tuple[int, int, int]:
-    """Every block copied to host as a CUDA block is (``_needs_copy`` forced on CPU
-    tensors; with ``flat_rows``, unsharded, beside flattened tensors of that many rows;
-    ``asynchronous``: an async save, bounded by ``max_staging_bytes``): returns the bytes
-    copied, the most copies alive at once, and the exchange waves."""
+    """Every block copied to host as a CUDA block is (on ``device`` "cpu", ``_needs_copy``
+    forced; on "cuda", real CUDA tensors through pinned buffers; with ``flat_rows``,
+    unsharded, beside flattened tensors of that many rows; ``asynchronous``: an async
+    save, bounded by ``max_staging_bytes``, with the tensors zeroed as soon as it
+    returns): returns the bytes copied, the most copies alive at once, and the exchange
+    waves."""
     import weakref
 
     import shardstore.execution.save as save_module
     from shardstore.execution.staging import HostSnapshot
 
-    save_module._needs_copy = lambda *args: True
     live, totals = [0], {"copied": 0, "peak": 0}
-    original = HostSnapshot.copy
+    if device == "cuda":  # pinned buffers return to a pool: count those taken and not yet given back
+        _count_pinned(live, totals)
+    else:
+        save_module._needs_copy = lambda *args: True
+        original = HostSnapshot.copy
 
-    def copy(self, tensor):
-        out = original(self, tensor)
-        live[0] += out.nbytes
-        totals["copied"] += out.nbytes
-        totals["peak"] = max(totals["peak"], live[0])
-        weakref.finalize(out, lambda n=out.nbytes: live.__setitem__(0, live[0] - n))
-        return out
+        def copy(self, tensor):
+            out = original(self, tensor)
+            live[0] += out.nbytes
+            totals["copied"] += out.nbytes
+            totals["peak"] = max(totals["peak"], live[0])
+            weakref.finalize(out, lambda n=out.nbytes: live.__setitem__(0, live[0] - n))
+            return out
 
-    HostSnapshot.copy = copy
+        HostSnapshot.copy = copy
     seen = _assembled_per_wave()
     flat = flat_rows > 0
     bounds = {"max_staging_bytes": bound} if asynchronous else {"sync_staging_bytes": bound}
     strategy = ZarrSaveShardedStrategy(shard_bytes=None if flat else ARRAY_BYTES, max_chunk_bytes=chunk_bytes, **bounds)
-    request = save(_state(rank, world, flat=flat, flat_rows=flat_rows), ckpt, strategy, async_sharded_save=asynchronous)
+    state = {key: _on(sharded, device) for key, sharded in _state(rank, world, flat=flat, flat_rows=flat_rows).items()}
+    request = save(state, ckpt, strategy, async_sharded_save=asynchronous)
     if asynchronous:
+        for sharded in state.values():
+            sharded.data.zero_()
         request.execute_sync()
     _check_loaded(rank, world, ckpt, flat=flat, flat_rows=flat_rows or FLAT_ROWS)
     return totals["copied"], totals["peak"], len(seen)
+
+
+def _count_pinned(live: list[int], totals: dict[str, int]) -> None:
+    """Counts the pool's pinned buffers in use (taken, not yet given back): a buffer
+    given back stays alive in the pool for reuse, so its lifetime says nothing."""
+    from shardstore.execution.staging import HostBufferPool
+
+    take, give_back = HostBufferPool.take, HostBufferPool.give_back
+
+    def counted_take(self, like):
+        out = take(self, like)
+        live[0] += out.nbytes
+        totals["copied"] += out.nbytes
+        totals["peak"] = max(totals["peak"], live[0])
+        return out
+
+    def counted_give_back(self, buffers):
+        live[0] -= sum(b.nbytes for b in buffers)
+        give_back(self, buffers)
+
+    HostBufferPool.take, HostBufferPool.give_back = counted_take, counted_give_back
+
+
+def _on(sharded: ShardedTensor, device: str) -> ShardedTensor:
+    return dataclasses.replace(sharded, data=sharded.data.to(device)) if device != "cpu" else sharded
 
 
 def test_device_blocks_are_copied_for_their_wave_and_let_go_after_it(tmp_path: Path) -> None:
@@ -382,3 +416,21 @@ def saved_with_near_bounds(rank: int, world: int, ckpt: str) -> None:
     bound = BOUND + (3 if rank == 1 else 0)
     save(_state(rank, world), ckpt, ZarrSaveShardedStrategy(shard_bytes=ARRAY_BYTES, sync_staging_bytes=bound))
     _check_loaded(rank, world, ckpt)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("flat_rows", [0, 400], ids=["gathered", "flattened"])
+def test_cuda_blocks_are_staged_in_waves_within_the_bound(tmp_path: Path, flat_rows: int, asynchronous: bool) -> None:
+    """Real CUDA tensors (3 ranks over gloo on one GPU): gathered blocks, or flattened
+    ranges beside them, go through pinned buffers a wave at a time, and the save holds
+    the values at the call (the tensors are zeroed as soon as an async save returns)."""
+    bound = BOUND if flat_rows == 0 else 32 * 1024
+    per_rank = run_distributed(saved_with_device_copies, 3, str(tmp_path / "ckpt"), bound, flat_rows, asynchronous,
+                               8 * COLS * 4, "cuda")
+    for copied, peak, waves in per_rank:
+        assert copied >= ARRAYS * ARRAY_BYTES // 3, per_rank  # every block went through host memory
+        assert waves > 1 and peak < copied, per_rank  # in waves, not all at once
+        assert peak <= bound + 2 * 8 * COLS * 4 * FLATS, per_rank
+    assert shardstore.verify(tmp_path / "ckpt").ok

@@ -431,6 +431,7 @@ def test_cuda_blocks_are_staged_in_waves_within_the_bound(tmp_path: Path, flat_r
                                8 * COLS * 4, "cuda")
     for copied, peak, waves in per_rank:
         assert copied >= ARRAYS * ARRAY_BYTES // 3, per_rank  # every block went through host memory
-        assert waves > 1 and peak < copied, per_rank  # in waves, not all at once
+        assert peak <= copied // 2, per_rank  # copied a wave at a time, not all at once
         assert peak <= bound + 2 * 8 * COLS * 4 * FLATS, per_rank
+        assert waves == (3 if flat_rows == 0 else 1), per_rank  # the flattened ranges' chunks: one exchange
     assert shardstore.verify(tmp_path / "ckpt").ok

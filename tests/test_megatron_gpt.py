@@ -5,6 +5,7 @@ loaded at TP 4; the three checkpoints hold the same 17 arrays bit for bit."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -132,7 +133,38 @@ def _unshare_steps(optimizer) -> None:
             state["step"] = state["step"].clone()
 
 
-def distributed_optimizer_round_trip(rank: int, world: int, ckpt: str, again: str, sharding: str) -> int:
+def _inner_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _main_states(optimizer) -> list[torch.Tensor]:
+    """Every fp32 main parameter and its Adam moments, in the optimizer's order."""
+    out = []
+    for inner in _inner_optimizers(optimizer):
+        for group in inner.optimizer.param_groups:
+            for main in group["params"]:
+                state = inner.optimizer.state[main]
+                out += [main.detach(), state["exp_avg"], state["exp_avg_sq"]]
+    return out
+
+
+def _bucket_params(optimizer) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """(grad buffer, bucket) -> the element ranges its parameters hold in the bucket
+    (world 1: a rank's local range is the bucket). ``dp_reshardable`` fills the gaps
+    between them with ``torch.empty`` padding, whose bytes are whatever memory held."""
+    (inner,) = _inner_optimizers(optimizer)
+    ranges = {}
+    for gbuf_idx, by_dtype in enumerate(inner.gbuf_ranges):
+        for buckets in by_dtype.values():
+            for bucket_idx, bucket in enumerate(buckets):
+                ranges[gbuf_idx, bucket_idx] = sorted(
+                    (r["gbuf_local"].start, r["gbuf_local"].end) for r in bucket["param_map"].values())
+    return ranges
+
+
+def distributed_optimizer_round_trip(
+    rank: int, world: int, ckpt: str, again: str, sharding: str,
+) -> tuple[int, dict[tuple[int, int], list[tuple[int, int]]]]:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -148,6 +180,8 @@ def distributed_optimizer_round_trip(rank: int, world: int, ckpt: str, again: st
     result = gpt_b.load_state_dict(loaded["model"], strict=False)
     assert not [k for k in result.missing_keys if not k.endswith("_extra_state")], result
     optimizer_b.load_state_dict(loaded["optimizer"])
+    for i, (a, b) in enumerate(zip(_main_states(optimizer_a), _main_states(optimizer_b), strict=True)):
+        assert torch.equal(a, b), f"main parameter or moment {i} differs after the load"
     # Both optimizers took one step, so Adam's step count is the same either way: with
     # torch's Adam, dp_reshardable keeps the loading optimizer's own per-parameter step
     # (Megatron saves it as a LocalNonpersistentObject), which this does not check.
@@ -159,7 +193,7 @@ def distributed_optimizer_round_trip(rank: int, world: int, ckpt: str, again: st
     _step(gpt_b, ddp_b, optimizer_b, grad=0.125)
     for (name, a), b in zip(gpt_a.named_parameters(), gpt_b.parameters()):
         assert torch.equal(a, b), f"{name} differs after a step from the loaded state"
-    return sum(1 for _ in gpt_a.parameters())
+    return sum(1 for _ in gpt_a.parameters()), _bucket_params(optimizer_a)
 
 
 @pytest.mark.timeout(420)  # over run_distributed's 300 s, so its stacks come first
@@ -177,11 +211,22 @@ def test_gpt_model_with_distributed_optimizer_round_trips_on_cuda(tmp_path: Path
         pytest.skip("Megatron-Core 0.16 cannot load fully_reshardable into torch's Adam (no Apex or Transformer "
                     "Engine here): DistributedOptimizer._set_main_param_and_optimizer_states raises KeyError 'step'")
     ckpt, again = str(tmp_path / "a"), str(tmp_path / "b")
-    (params,) = run_distributed(distributed_optimizer_round_trip, 1, ckpt, again, sharding, backend="nccl",
-                                timeout=300)
+    ((params, buckets),) = run_distributed(distributed_optimizer_round_trip, 1, ckpt, again, sharding,
+                                           backend="nccl", timeout=300)
     assert params > 10
     first, second = load_plain_tensors(ckpt), load_plain_tensors(again)
     arrays = sorted(k for k, v in first.items() if isinstance(v, torch.Tensor))
     assert any("exp_avg" in k for k in arrays) and any("decoder.layers" in k for k in arrays), arrays
     for key in arrays:
-        assert torch.equal(first[key], second[key]), key
+        held = _held_elements(key, buckets)
+        if held is None:
+            assert torch.equal(first[key], second[key]), key
+        else:  # a dp_reshardable bucket: its parameters' elements, not the padding between them
+            assert all(torch.equal(first[key][lo:hi], second[key][lo:hi]) for lo, hi in held), key
+
+
+def _held_elements(key: str, buckets: dict[tuple[int, int], list[tuple[int, int]]]) -> list[tuple[int, int]] | None:
+    """The parameters' ranges in the bucket that ``key`` (``...gbuf_idx_G...bucket_idx_B...``)
+    holds, or None for any other array (held whole)."""
+    match = re.search(r"gbuf_idx_(\d+)\..*bucket_idx_(\d+)\.", key)
+    return None if match is None else buckets[int(match[1]), int(match[2])]

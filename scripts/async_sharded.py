@@ -8,8 +8,11 @@ gathered across ranks in the staging stage). Per rank: the time ``save`` blocks
 (median, min-max) and the peak of the resident set above its level before the save
 (``VmHWM`` after ``clear_refs``; Linux), the background write included.
 ``--max-staging-mib``: each repetition saves twice, interleaved, without and with that
-``max_staging_bytes`` (the shards a rank assembles are then exchanged in waves of half
-of it); ``--sync``: synchronous saves, the bound as ``sync_staging_bytes``.
+``max_staging_bytes`` (the shards a rank assembles are then exchanged in waves of a
+quarter of it); ``--sync``: synchronous saves, the bound as ``sync_staging_bytes``.
+``--own-arrays``: each rank also holds that many arrays of its own (one block of
+``--block-mib`` MiB each, written whole by it: copied for an async save, in copy waves
+under the bound, before the exchange).
 
     .venv/bin/python scripts/async_sharded.py --world 2 --arrays 16 --block-mib 16 --reps 5
     .venv/bin/python scripts/async_sharded.py --world 4 --arrays 8 --block-mib 8 --max-staging-mib 64
@@ -55,6 +58,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, root: str,
     rows = args.block_mib * MiB // (4 * 1024)
     state = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.full((rows, 1024), float(i + rank)),
                                                       (0, rank, world)) for i in range(args.arrays)}
+    state.update({f"own{rank}_{i}": ShardedTensor.from_rank_offsets(f"own{rank}_{i}", torch.full((rows, 1024), 0.5 + i))
+                  for i in range(args.own_arrays)})
     bounds = [None] if args.max_staging_mib is None else [None, args.max_staging_mib * MiB]
     runs: dict[int | None, list[tuple[float, int]]] = {bound: [] for bound in bounds}
     for rep in range(args.reps):
@@ -73,7 +78,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, root: str,
             runs[bound].append((blocked, _peak_bytes() - before))
     if rank == 0:  # what is measured: arrays whose blocks were gathered into shards
         arrays = read_commit_record(open_location(f"{root}/0-None")).arrays
-        plain = sorted(key for key, record in arrays.items() if not isinstance(record.codec, ShardingIndexed))
+        plain = sorted(key for key, record in arrays.items()
+                       if key.startswith("w") and not isinstance(record.codec, ShardingIndexed))
         if plain:
             raise SystemExit(f"arrays not gathered into shards, so not what this measures: {plain}")
     out[rank] = runs
@@ -89,6 +95,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--max-staging-mib", type=int, default=None)
     parser.add_argument("--sync", action="store_true")
+    parser.add_argument("--own-arrays", type=int, default=0)
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="async-sharded-")
     try:

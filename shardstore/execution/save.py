@@ -77,7 +77,7 @@ from shardstore.planning.layout import (
     region_shape,
 )
 from shardstore.planning.plans import RankSavePlan, exchange_waves
-from shardstore.protocol.collectives import Group
+from shardstore.protocol.collectives import OWN_MESSAGE_BYTES, Group
 from shardstore.protocol.stage import Transfers, every_rank_stopped, raise_stage_failure, run_stage
 
 logger = logging.getLogger(__name__)
@@ -168,7 +168,9 @@ class Staging:
             the exchange reads it before the save returns)). The chunks a rank
             assembles from several ranks' pieces (gathered shards, flattened tensors'
             straddling chunks) are exchanged in waves of a quarter of it each
-            (``stage_save``); every rank must pass the same bound then. None: no bound.
+            (``stage_save``), after the copies still unwritten are written down to
+            the room the busiest wave leaves (``_RangeWaves.exchange_holds``); every
+            rank must pass the same bound then. None: no bound.
         io_concurrency: for the writes of those waves.
         io_threads: threads for the direct local writes of this save.
     """
@@ -240,17 +242,38 @@ class _RangeWaves:
             ``copy_to_host``, read by ``straddling_transfers``, emptied after the range's
             last exchange wave).
         direct: each flattened range's chunks that lie wholly in it (``plan.flat_direct``).
+        waves: the exchange waves (``planning.plans.exchange_waves``).
     """
 
     read_in: dict[int, tuple[int, int]]
     pieces: dict[int, list[tuple[int, int]]]
     edges: dict[int, dict[tuple[int, int], torch.Tensor]]
     direct: dict[int, list[DirectFlatWrite]]
+    waves: list[tuple[tuple[int, FlatChunk], ...]]
 
     @property
     def later(self) -> frozenset[int]:
         """The blocks copied for a later exchange wave than the first, not in staging."""
         return frozenset(i for i, (first, _) in self.read_in.items() if first > 0 and i not in self.pieces)
+
+    def exchange_holds(self, plan: RankSavePlan, copies: dict[int, int]) -> int:
+        """The most host bytes one exchange wave holds on this rank: the chunks it
+        assembles, the pieces under ``OWN_MESSAGE_BYTES`` that travel packed (a message
+        built on the sending side, received whole on the other), and the copies the
+        waves read (``copies``: bytes by tensor index, each alive from the first wave
+        that reads its block to the last)."""
+        most = 0
+        for number, wave in enumerate(self.waves):
+            held = sum(n for i, n in copies.items()
+                       if i in self.read_in and self.read_in[i][0] <= number <= self.read_in[i][1])
+            for _, chunk in wave:
+                itemsize = plan.records[chunk.key].itemsize
+                writes = chunk.writer == plan.rank
+                held += chunk.volume * itemsize if writes else 0
+                held += sum((hi - lo) * itemsize for r, _, lo, hi, _ in chunk.pieces
+                            if (r == plan.rank) != writes and (hi - lo) * itemsize < OWN_MESSAGE_BYTES)
+            most = max(most, held)
+        return most
 
     def follows_exchange(self, index: int) -> bool:
         """Whether the block is copied for and let go after the exchange waves that read
@@ -304,7 +327,7 @@ def stage_save(
     direct: dict[int, list[DirectFlatWrite]] = {}
     for w in plan.flat_direct:
         direct.setdefault(w.index, []).append(w)
-    book = _RangeWaves(_waves_reading(waves, group.rank), _edge_pieces(plan, by_index), {}, direct)
+    book = _RangeWaves(_waves_reading(waves, group.rank), _edge_pieces(plan, by_index), {}, direct, waves)
     read_in, edges, later = book.read_in, book.edges, book.later
 
     def straddles(wave: tuple[tuple[int, FlatChunk], ...]) -> Callable[[Any], Transfers]:
@@ -424,7 +447,9 @@ def copy_to_host(
     wave); above ``staging.max_bytes`` whole waves are written early (``written``,
     ``early_chunks``), each while the next is copied: the blocks written whole, and the
     flattened ranges that do not follow the exchange waves (``book``), a range written
-    early keeping copies of the pieces the exchange reads in ``book.edges``."""
+    early keeping copies of the pieces the exchange reads in ``book.edges``. Where this
+    rank takes part in an exchange, the copies still unwritten at the end are written
+    down to the room its busiest exchange wave leaves under the bound."""
     later = book.later
 
     def ops_of(h: ShardRecord) -> list[WriteOp]:
@@ -448,14 +473,19 @@ def copy_to_host(
 
     waves: list[tuple[list[ShardRecord], Any, int]] = []  # closed waves, copies in flight
     held: list[ShardRecord] = []  # the wave being copied
+    for_exchange: dict[int, int] = {}  # bytes of the copies the exchange waves read, by tensor index
     held_bytes = in_flight = 0
     where = location.describe()
     for s in sorted(plan.shards, key=lambda s: not _written_whole(s, plan)):
         data = _planned_tensor(tensors, s, where)
         copy = _needs_copy(s, data, staging, plan)
+        in_waves = _written_whole(s, plan) or (s.key not in plan.gathered and not book.follows_exchange(s.index))
+        if copy and not in_waves:
+            for_exchange[s.index] = s.nbytes
+        elif copy and s.index in book.pieces:  # a range written early keeps copies of these pieces
+            for_exchange[s.index] = sum(hi - lo for lo, hi in book.pieces[s.index]) * plan.records[s.key].itemsize
         if copy and s.index in later:
             continue
-        in_waves = _written_whole(s, plan) or (s.key not in plan.gathered and not book.follows_exchange(s.index))
         if staging.max_bytes and copy and in_waves:
             if held and held_bytes + s.nbytes > staging.max_bytes // 2:
                 waves.append((held, snapshot.mark(), held_bytes))
@@ -470,6 +500,17 @@ def copy_to_host(
         if copy and in_waves:  # a gathered block's copy is let go once exchanged, never written as a block
             held.append(s)
             held_bytes += s.nbytes
+    if staging.max_bytes and plan.straddling:  # this rank takes part in an exchange
+        # The copies still unwritten stay beside every exchange wave: written first down
+        # to the room the busiest wave leaves under the bound.
+        if held:
+            waves.append((held, snapshot.mark(), held_bytes))
+            in_flight += held_bytes
+        room = staging.max_bytes - book.exchange_holds(plan, for_exchange)
+        while waves and in_flight > room:
+            wave, copied, nbytes = waves.pop(0)
+            write_wave(wave, copied)
+            in_flight -= nbytes
     snapshot.wait()
 
 

@@ -26,7 +26,7 @@ whose kernel closes its connections is seen at once by the backend.
 
 from __future__ import annotations
 
-__all__ = ["Group", "PeerLost", "PreparedExchange", "RankFailure", "StageFailed", "WaitBudget", "failure_message"]
+__all__ = ["OWN_MESSAGE_BYTES", "Group", "PeerLost", "PreparedExchange", "RankFailure", "StageFailed", "WaitBudget", "failure_message"]
 
 import os
 import pickle

@@ -373,17 +373,19 @@ def test_flattened_ranges_are_copied_in_waves_within_the_bound(tmp_path: Path, a
     assert shardstore.verify(tmp_path / "ckpt").ok
 
 
-def saved_holding_at_exchange(rank: int, world: int, ckpt: str, bound: int, asynchronous: bool) -> list[int]:
-    """Blocks copied as CUDA blocks are (forced), beside flattened tensors whose chunks
-    straddle ranks: at each exchange wave, the host bytes held then (the copies alive,
-    the chunks being assembled, and the pieces packed into messages on each side)."""
+def _record_exchange_holds() -> tuple[list[int], list[int]]:
+    """Copies every block as CUDA blocks are (forced), and records at each exchange
+    wave the host bytes held then (copies alive, chunks being assembled, pieces packed
+    into messages on each side), and each save's estimate of the most a wave holds
+    (``_RangeWaves.exchange_holds``)."""
     import shardstore.execution.save as save_module
     from shardstore.protocol.collectives import OWN_MESSAGE_BYTES, Group
 
     live, totals = [0], {"copied": 0, "peak": 0}
     _count_forced_copies(live, totals)
-    assembling, held = [0], []
+    assembling, held, estimates = [0], [], []
     transfers, prepare = save_module.straddling_transfers, Group.prepare_exchange
+    holds = save_module._RangeWaves.exchange_holds
 
     def recording_transfers(*args, **kwargs):
         planned, chunks = transfers(*args, **kwargs)
@@ -396,7 +398,19 @@ def saved_holding_at_exchange(rank: int, world: int, ckpt: str, bound: int, asyn
         held.append(live[0] + assembling[0] + packed)
         return prepare(self, sends, receives)
 
+    def recording_holds(self, plan, copies):
+        estimates.append(holds(self, plan, copies))
+        return estimates[-1]
+
     save_module.straddling_transfers, Group.prepare_exchange = recording_transfers, recording_prepare
+    save_module._RangeWaves.exchange_holds = recording_holds
+    return held, estimates
+
+
+def saved_holding_at_exchange(rank: int, world: int, ckpt: str, bound: int, asynchronous: bool) -> list[int]:
+    """Blocks beside flattened tensors whose chunks straddle ranks: the host bytes
+    held at each exchange wave (``_record_exchange_holds``)."""
+    held, _ = _record_exchange_holds()
     bounds = {"max_staging_bytes": bound} if asynchronous else {"sync_staging_bytes": bound}
     strategy = ZarrSaveShardedStrategy(shard_bytes=None, max_chunk_bytes=8 * COLS * 4, **bounds)
     request = save(_state(rank, world, flat=True, flat_rows=400), ckpt, strategy, async_sharded_save=asynchronous)
@@ -411,11 +425,41 @@ def test_copies_unwritten_at_the_exchange_leave_it_room_within_the_bound(tmp_pat
     """The copies still unwritten when the exchange starts stay beside every wave, so
     they are written first down to the room the busiest wave leaves: copies, chunks
     assembled and packed messages together stay within the bound. They reached about
-    1.2 times it here before (and about 1.75 where a wave's pieces are all packed)."""
+    1.5 times it here before (and about 1.75 where a wave's pieces are all packed)."""
     bound = 32 * 1024  # 64 KiB of blocks and 33 KiB of ranges per rank, copied in waves of 16 KiB
     per_rank = run_distributed(saved_holding_at_exchange, 3, str(tmp_path / "ckpt"), bound, asynchronous)
     for held in per_rank:
         assert held and max(held) <= bound, per_rank
+    assert shardstore.verify(tmp_path / "ckpt").ok
+
+
+def saved_edges_beside_later_waves(rank: int, world: int, ckpt: str, flats: int) -> tuple[list[int], list[int]]:
+    """``flats`` flattened (48, 64) tensors cut at row 17 over 2 ranks, in chunks of 16
+    rows: each tensor's straddling chunk is a wave of its own, and rank 1 keeps a copy
+    of its 15-row piece of each from the copy waves on (a range written early)."""
+    held, estimates = _record_exchange_holds()
+    cut = 17 * COLS
+    state = {}
+    for j in range(flats):
+        lo, hi = (0, cut) if rank == 0 else (cut, 48 * COLS)
+        state[f"e{j}"] = ShardedTensor.from_rank_offsets_flat(
+            f"e{j}", _flat(j, 48)[lo:hi].clone(), (48, COLS), flattened_range=slice(lo, hi))
+    save(state, ckpt, ZarrSaveShardedStrategy(shard_bytes=None, max_chunk_bytes=16 * COLS * 4,
+                                              sync_staging_bytes=16 * 1024))
+    loaded = load({k: dataclasses.replace(v, data=torch.zeros_like(v.data)) for k, v in state.items()}, ckpt)
+    assert all(torch.equal(loaded[k], v.data) for k, v in state.items())
+    return held, estimates
+
+
+def test_the_estimate_of_a_wave_counts_the_kept_pieces_of_later_waves(tmp_path: Path) -> None:
+    """A range written in the copy waves keeps copies of the pieces the exchange reads
+    until their last wave: the room left for unwritten copies counts them from the
+    first wave on, not from the wave that reads them (else 23,296 bytes held against
+    an estimate of 7,680)."""
+    per_rank = run_distributed(saved_edges_beside_later_waves, 2, str(tmp_path / "ckpt"), 4)
+    for held, (estimate,) in per_rank:
+        assert held and max(held) <= max(16 * 1024, estimate), per_rank
+    assert per_rank[1][1][0] >= 4 * 15 * COLS * 4, per_rank  # rank 1's four kept pieces
     assert shardstore.verify(tmp_path / "ckpt").ok
 
 

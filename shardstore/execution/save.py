@@ -261,11 +261,18 @@ class _RangeWaves:
         assembles, the pieces under ``OWN_MESSAGE_BYTES`` that travel packed (a message
         built on the sending side, received whole on the other), and the copies the
         waves read (``copies``: bytes by tensor index, each alive from the first wave
-        that reads its block to the last)."""
-        most = 0
+        that reads its block to the last; the kept pieces of a range written in the
+        copy waves (``pieces``) from the first wave on)."""
+        starts = [0] * (len(self.waves) + 1)  # copies coming alive at each wave, less those let go
+        for i, n in copies.items():
+            if i in self.read_in:
+                first, last = self.read_in[i]
+                starts[0 if i in self.pieces else first] += n
+                starts[last + 1] -= n
+        most = alive = 0
         for number, wave in enumerate(self.waves):
-            held = sum(n for i, n in copies.items()
-                       if i in self.read_in and self.read_in[i][0] <= number <= self.read_in[i][1])
+            alive += starts[number]
+            held = alive
             for _, chunk in wave:
                 itemsize = plan.records[chunk.key].itemsize
                 writes = chunk.writer == plan.rank

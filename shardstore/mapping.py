@@ -288,7 +288,7 @@ class ShardedTensor(ShardedBase):
             raise CheckpointingException(
                 f"{key!r}: flattened_range {flattened_range} does not match {data.numel()} elements"
             )
-        meta = torch.empty(*non_flat_local_shape, dtype=data.dtype, device="meta")
+        meta = torch.empty(tuple(non_flat_local_shape), dtype=data.dtype, device="meta")
         template = cls.from_rank_offsets(key, meta, *args, **kwargs)
         return replace(template, data=data, flattened_range=flattened_range)
 

@@ -56,7 +56,7 @@ from shardstore.format.chunks import (
     write_region,
 )
 from shardstore.format.commit import PendingCheckpoint
-from shardstore.format.dtypes import from_zarr_name, tensor_to_numpy
+from shardstore.format.dtypes import byte_view, from_zarr_name, tensor_to_numpy
 from shardstore.format.integrity import caller_file_checksums, file_checksums
 from shardstore.format.records import (
     ZARR_JSON,
@@ -558,7 +558,7 @@ def straddling_transfers(
     def piece(index: int, lo: int, hi: int) -> torch.Tensor:
         data = host[index]
         kept = data.reshape(-1)[lo:hi] if data is not None else (edges or {})[index][(lo, hi)]
-        return kept.view(torch.uint8)
+        return byte_view(kept)
 
     for _, chunk in sorted(straddling, key=lambda tagged: tagged[0]):
         itemsize = from_zarr_name(records[chunk.key].dtype).itemsize

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "BY_TORCH", "BY_ZARR_NAME", "DType", "ShapedTensorSize", "UnsupportedDTypeError",
-    "cast_checked", "from_torch", "from_zarr_name", "holds_its_values", "is_exact_conversion",
+    "byte_view", "cast_checked", "from_torch", "from_zarr_name", "holds_its_values", "is_exact_conversion",
     "numpy_to_tensor", "numpy_to_torch_dtype_dict", "tensor_to_numpy", "torch_to_numpy_dtype_dict",
 ]
 
@@ -98,6 +98,18 @@ def holds_its_values(tensor: torch.Tensor) -> bool:
     is a view of them: contiguous, and no conjugate or negative view (``tensor.conj()``,
     ``_neg_view``: flags over memory holding other values, which numpy refuses)."""
     return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values as flat bytes: a view of its memory where it holds its values
+    in order (``holds_its_values``), else of a copy. A tensor of 0 or 1 elements is
+    contiguous to torch whatever its strides (numpy's empty arrays have stride 0, a
+    single element sliced from a column keeps the column's), but a byte view of a wider
+    dtype needs a last stride of 1: it is given unit strides first."""
+    tensor = tensor.detach()
+    if tensor.numel() <= 1:
+        tensor = tensor.as_strided((tensor.numel(),), (1,))
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def tensor_to_numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.dtypes import holds_its_values
+from shardstore.format.dtypes import byte_view, holds_its_values
 from shardstore.progress import current_operation
 
 # Byte order and width of the length that precedes each pickled message.
@@ -314,13 +314,13 @@ class Group:
         for peer, tensors in sorted(sends.items()):
             for tag, message in enumerate(_messages(tensors)):
                 # one large tensor: a view of it where it is contiguous on the group's device
-                payload = (_bytes_of(message[0]) if _alone(message) else torch.cat([_bytes_of(t) for t in message]))
+                payload = (byte_view(message[0]) if _alone(message) else torch.cat([byte_view(t) for t in message]))
                 payload = payload.to(self.device)
                 ops.append(dist.P2POp(dist.isend, payload, self.global_rank(peer), self.process_group, tag))
         for peer, tensors in sorted(receives.items()):
             for tag, message in enumerate(_messages(tensors)):
                 if _alone(message) and self._lands_in_place(message[0]):
-                    buffer = _bytes_of(message[0])  # a view: contiguous, as _lands_in_place checked
+                    buffer = byte_view(message[0])  # a view: contiguous, as _lands_in_place checked
                 else:
                     size = sum(t.numel() * t.element_size() for t in message)
                     buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
@@ -377,14 +377,9 @@ def _land(tensor: torch.Tensor, data: torch.Tensor) -> None:
     strided target's values are not one run of its memory: the bytes are read as its
     dtype first, from a copy aligned for it)."""
     if holds_its_values(tensor):
-        _bytes_of(tensor).copy_(data)  # a view: the tensor holds its values in order
+        byte_view(tensor).copy_(data)  # a view: the tensor holds its values in order
     else:
         tensor.copy_(data.clone().view(tensor.dtype).reshape(tensor.shape))
-
-
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s values as flat bytes (a view where it is contiguous)."""
-    return tensor.detach().reshape(-1).view(torch.uint8)
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,8 @@ def _tensor_problems(key: str, shards: list[ShardRecord]) -> list[str]:
                 f"rank {s.rank} has {s.global_shape}"
             ]
         if s.dtype != first.dtype:
-            return [f"{key!r}: inconsistent dtype: rank {first.rank} has {first.dtype}, rank {s.rank} has {s.dtype}"]
+            return [f"{key!r}: inconsistent dtype: rank {first.rank} has {first.dtype}, rank {s.rank} has {s.dtype} "
+                    "(every rank saves a key in one dtype, and a load asks for it in one: cast after loading)"]
     too_big = _too_big_to_address(key, first)
     if too_big:
         return [too_big]

@@ -39,6 +39,11 @@ def _bad_state_dict(rank: int, world: int, kind: str) -> dict:
         flat = full.flatten()
         part = slice(0, 20) if rank == 0 else slice(21, 40)
         return {"w": ShardedTensor.from_rank_offsets_flat("w", flat[part].clone(), (8, 5), flattened_range=part)}
+    if kind == "mixed_flat":  # rank 0 holds rows 0-3 whole, rank 1 rows 4-7 as a flattened range
+        if rank == 0:
+            return {"w": ShardedTensor.from_rank_offsets("w", full[:4].clone(), (0, 0, 2))}
+        return {"w": ShardedTensor.from_rank_offsets_flat("w", full[4:].flatten().clone(), (4, 5), (0, 1, 2),
+                                                          flattened_range=slice(0, 20))}
     if kind == "objects_missing":  # 3 object shards declared, 2 ranks hold one each
         return {"o": ShardedObject("o", {"rank": rank}, (3,), (rank,))}
     raise ValueError(kind)
@@ -55,7 +60,8 @@ def save_invalid(rank: int, world: int, ckpt: str, kind: str) -> str:
 @pytest.mark.parametrize(
     "kind, message",
     [("overlap", "overlap"), ("gap", "gap"), ("shape", "inconsistent global shape"),
-     ("dtype", "inconsistent dtype"), ("bad_key", "'..' path segment")],
+     ("dtype", "inconsistent dtype"), ("bad_key", "'..' path segment"),
+     ("mixed_flat", "flattened (ranks [1]) and some are not (ranks [0]): give every rank's main replica")],
 )
 def test_invalid_sharding_fails_on_every_rank_before_writing(ckpt_dir: Path, kind: str, message: str) -> None:
     errors = run_distributed(save_invalid, 2, str(ckpt_dir), kind)

@@ -204,7 +204,9 @@ def _tensor_problems(key: str, shards: list[ShardRecord]) -> list[str]:
                     f"lies outside the global shape {s.global_shape}"]
     flat = [s.flat_range is not None for s in main]
     if any(flat) and not all(flat):
-        return [f"{key!r}: some main replicas are flattened and some are not"]
+        ranks = sorted({s.rank for s, f in zip(main, flat) if f}), sorted({s.rank for s, f in zip(main, flat) if not f})
+        return [f"{key!r}: some main replicas are flattened (ranks {ranks[0]}) and some are not (ranks {ranks[1]}): "
+                "give every rank's main replica the same form, or mark the others' replica_id nonzero"]
     if all(flat):
         problems = _flat_problems(key, main)
         if problems:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one call, for whoever is lent the GPU machine. It runs
 # the `gpu`-marked tests, the device benchmark (CUDA tensors: save from and load into the
-# GPU against DCP, torch.save and the raw bound) and the 8-rank benchmark, and writes a
-# short report. Nothing to read first:
+# GPU against DCP, torch.save and the raw bound), a trainer's first load in fresh
+# processes at three `load_staging_bytes` (scripts/first_load.py: pinning included) and
+# the 8-rank benchmark, and writes a short report. Nothing to read first:
 #
 #   here, once:      scripts/gpu_wheels.sh        (fills .whl/ with what that machine lacks)
 #   device tool:     run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600)
@@ -80,16 +81,17 @@ step() {  # step NAME SECONDS COMMAND...: runs it with a time limit, logs to $ou
     echo "## $name: $verdict in ${took}s"
     echo
     echo '```'
-    grep -E "passed|failed|skipped|error|Error|x DCP|x raw|x torch|ratio|GB/s|blocked|^  [a-z]" "$log" | tail -n 25
+    grep -E "passed|failed|skipped|error|Error|x DCP|x raw|x torch|ratio|GB/s|blocked|first load|^  [a-z]" "$log" | tail -n 25
     echo '```'
   } >> "$report"
   tail -n 5 "$log"
 }
 
-step gpu_tests 240 "$python" -m pytest -q -m gpu -p no:cacheprovider tests
+step gpu_tests 180 "$python" -m pytest -q -m gpu -p no:cacheprovider tests
 step device_bench 150 "$python" scripts/bench.py --cases device --world 1 --gib "$gib" --reps 3 \
   --json "$out/bench_device.json"
-step world${world}_bench 200 "$python" scripts/bench.py --world "$world" --gib "$gib" --small "$small" --reps 3 \
+step first_load 90 "$python" scripts/first_load.py --reps 3
+step world${world}_bench 180 "$python" scripts/bench.py --world "$world" --gib "$gib" --small "$small" --reps 3 \
   --cases large,reshard,small --json "$out/bench_world${world}.json"
 
 echo

@@ -77,7 +77,7 @@ from shardstore.planning.layout import (
     region_shape,
 )
 from shardstore.planning.plans import RankSavePlan, exchange_waves
-from shardstore.protocol.collectives import OWN_MESSAGE_BYTES, Group
+from shardstore.protocol.collectives import Group, travels_packed
 from shardstore.protocol.stage import Transfers, every_rank_stopped, raise_stage_failure, run_stage
 
 logger = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ class _RangeWaves:
 
     def exchange_holds(self, plan: RankSavePlan, copies: dict[int, int]) -> int:
         """The most host bytes one exchange wave holds on this rank: the chunks it
-        assembles, the pieces under ``OWN_MESSAGE_BYTES`` that travel packed (a message
+        assembles, the pieces that travel packed (``travels_packed``: a message
         built on the sending side, received whole on the other), and the copies the
         waves read (``copies``: bytes by tensor index, each alive from the first wave
         that reads its block to the last; the kept pieces of a range written in the
@@ -278,7 +278,7 @@ class _RangeWaves:
                 writes = chunk.writer == plan.rank
                 held += chunk.volume * itemsize if writes else 0
                 held += sum((hi - lo) * itemsize for r, _, lo, hi, _ in chunk.pieces
-                            if (r == plan.rank) != writes and (hi - lo) * itemsize < OWN_MESSAGE_BYTES)
+                            if (r == plan.rank) != writes and travels_packed((hi - lo) * itemsize))
             most = max(most, held)
         return most
 
@@ -482,6 +482,22 @@ def copy_to_host(
     held: list[ShardRecord] = []  # the wave being copied
     for_exchange: dict[int, int] = {}  # bytes of the copies the exchange waves read, by tensor index
     held_bytes = in_flight = 0
+
+    def close_wave() -> None:
+        """The wave being copied joins the waves in flight, its copies marked now."""
+        nonlocal held, held_bytes, in_flight
+        waves.append((held, snapshot.mark(), held_bytes))
+        in_flight += held_bytes
+        held, held_bytes = [], 0
+
+    def write_down_to(limit: int) -> None:
+        """Writes the oldest waves in flight until at most ``limit`` bytes of them are left."""
+        nonlocal in_flight
+        while waves and in_flight > limit:
+            wave, copied, nbytes = waves.pop(0)
+            write_wave(wave, copied)
+            in_flight -= nbytes
+
     where = location.describe()
     for s in sorted(plan.shards, key=lambda s: not _written_whole(s, plan)):
         data = _planned_tensor(tensors, s, where)
@@ -495,14 +511,9 @@ def copy_to_host(
             continue
         if staging.max_bytes and copy and in_waves:
             if held and held_bytes + s.nbytes > staging.max_bytes // 2:
-                waves.append((held, snapshot.mark(), held_bytes))
-                in_flight += held_bytes
-                held, held_bytes = [], 0
+                close_wave()
             # the newest waves' copies run while the oldest is written, within the bound
-            while waves and in_flight + held_bytes + s.nbytes > staging.max_bytes:
-                wave, copied, nbytes = waves.pop(0)
-                write_wave(wave, copied)
-                in_flight -= nbytes
+            write_down_to(staging.max_bytes - held_bytes - s.nbytes)
         host[s.index] = snapshot.copy(data) if copy else to_host(data)
         if copy and in_waves:  # a gathered block's copy is let go once exchanged, never written as a block
             held.append(s)
@@ -511,13 +522,8 @@ def copy_to_host(
         # The copies still unwritten stay beside every exchange wave: written first down
         # to the room the busiest wave leaves under the bound.
         if held:
-            waves.append((held, snapshot.mark(), held_bytes))
-            in_flight += held_bytes
-        room = staging.max_bytes - book.exchange_holds(plan, for_exchange)
-        while waves and in_flight > room:
-            wave, copied, nbytes = waves.pop(0)
-            write_wave(wave, copied)
-            in_flight -= nbytes
+            close_wave()
+        write_down_to(staging.max_bytes - book.exchange_holds(plan, for_exchange))
     snapshot.wait()
 
 

@@ -26,7 +26,10 @@ whose kernel closes its connections is seen at once by the backend.
 
 from __future__ import annotations
 
-__all__ = ["OWN_MESSAGE_BYTES", "Group", "PeerLost", "PreparedExchange", "RankFailure", "StageFailed", "WaitBudget", "failure_message"]
+__all__ = [
+    "OWN_MESSAGE_BYTES", "Group", "PeerLost", "PreparedExchange", "RankFailure", "StageFailed", "WaitBudget",
+    "failure_message", "travels_packed",
+]
 
 import os
 import pickle
@@ -363,8 +366,14 @@ def _messages(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return ([small] if small else []) + [[t] for t in tensors if _large(t)]
 
 
+def travels_packed(nbytes: int) -> bool:
+    """Whether a tensor of ``nbytes`` travels in an exchange packed with the pair's other
+    small ones (a copy on each side), not as a message of its own."""
+    return nbytes < OWN_MESSAGE_BYTES
+
+
 def _large(tensor: torch.Tensor) -> bool:
-    return tensor.numel() * tensor.element_size() >= OWN_MESSAGE_BYTES
+    return not travels_packed(tensor.numel() * tensor.element_size())
 
 
 def _alone(message: list[torch.Tensor]) -> bool:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from itertools import product
 
 from shardstore.format.chunks import Region
-from shardstore.format.dtypes import from_torch, from_zarr_name
+from shardstore.format.dtypes import ITEMSIZE_BY_ZARR_NAME, from_torch, from_zarr_name
 from shardstore.mapping import ShardedObject, ShardedTensor, is_main_replica
 
 
@@ -120,8 +120,10 @@ class ShardRecord:
     @property
     def nbytes(self) -> int:
         """Bytes this shard holds (its flat range, or its whole block)."""
-        volume = self.block_volume if self.flat_range is None else self.flat_range[1] - self.flat_range[0]
-        return volume * from_zarr_name(self.dtype).itemsize
+        flat = self.flat_range
+        volume = math.prod(self.block_shape) if flat is None else flat[1] - flat[0]
+        itemsize = ITEMSIZE_BY_ZARR_NAME.get(self.dtype) or from_zarr_name(self.dtype).itemsize  # raises if unknown
+        return volume * itemsize
 
 
 @dataclass(frozen=True)
@@ -171,8 +173,8 @@ class GlobalLayout:
         """Bytes of tensor data the checkpoint holds (each main shard once)."""
         total = 0
         for shards in self.tensors.values():
-            elements = sum(r.block_volume if r.flat_range is None else r.flat_range[1] - r.flat_range[0]
-                           for r in shards if r.main)
+            elements = sum([math.prod(r.block_shape) if r.flat_range is None else r.flat_range[1] - r.flat_range[0]
+                            for r in shards if r.main])
             total += elements * from_zarr_name(shards[0].dtype).itemsize  # one dtype per key (validated)
         return total
 
@@ -185,10 +187,12 @@ def balance_writers(layout: GlobalLayout) -> GlobalLayout:
     which in a TP x DP job is the same few ranks. Blocks with one holder count first;
     then ``pick_balanced``. Replicas must hold equal data, as replication means.
     """
+    if all([s.main for shards in layout.tensors.values() for s in shards]):
+        return layout  # no replicas (a validated layout has one main replica per block): nothing to choose
     replicas: dict[tuple, list[ShardRecord]] = defaultdict(list)
     for shards in layout.tensors.values():
-        for s in shards:
-            replicas[s.block_id].append(s)
+        for s in shards:  # ``block_id``, inlined: millions of records at 4,096 ranks
+            replicas[(s.key, s.offset, s.block_shape, s.flat_range)].append(s)
     replicated = [g for g in replicas.values() if len(g) > 1 and any(s.main for s in g)]
     if not replicated:  # every block has one holder: nothing to choose
         return layout
@@ -209,13 +213,16 @@ def pick_balanced(groups: list[list[ShardRecord]], load: list[int]) -> list[Shar
     stay even: greedy, largest group first, to the member whose rank has the fewest
     bytes so far (ties: lowest rank). ``load``: bytes each rank already has; updated.
     A pure function of its input (the groups' order included)."""
-    chosen: dict[int, ShardRecord] = {}
-    order = sorted(range(len(groups)), key=lambda i: -groups[i][0].nbytes)  # stable: ties in the groups' order
-    for i in order:
-        member = min(groups[i], key=lambda s: (load[s.rank], s.rank))
+    sizes = [group[0].nbytes for group in groups]
+    chosen: list[ShardRecord] = [group[0] for group in groups]  # a group of one has no choice
+    for i in sorted(range(len(groups)), key=sizes.__getitem__, reverse=True):  # stable: ties in the groups' order
+        group = groups[i]
+        if len(group) == 1:
+            load[group[0].rank] += sizes[i]
+            continue
+        member = chosen[i] = min(group, key=lambda s: (load[s.rank], s.rank))
         load[member.rank] += member.nbytes
-        chosen[i] = member
-    return [chosen[i] for i in range(len(groups))]
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -273,8 +280,9 @@ def chunk_shape_for(
     """
     ndim = len(global_shape)
     chunk = []
+    columns = list(zip(*[r.offset for r in main_shards])) or [()] * ndim  # the offsets by axis
     for axis in range(ndim):
-        starts = {r.offset[axis] for r in main_shards if r.offset[axis] > 0}
+        starts = {o for o in columns[axis] if o > 0}
         size = math.gcd(*starts) if starts else global_shape[axis]
         chunk.append(max(1, size))
     flattened = any(r.flat_range is not None for r in main_shards)

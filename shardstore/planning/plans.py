@@ -672,20 +672,24 @@ def plan_save(
             key_direct, key_straddling = plan_flat_writes(key, main, records[key].chunk_shape)
         for write in key_direct:
             direct[write.rank].append(write)
+        itemsize = records[key].itemsize
         for chunk in key_straddling:
-            chunk = replace(chunk, at=assembling[chunk.writer])
-            assembling[chunk.writer] += chunk.volume * records[key].itemsize
-            largest_assembled = max(largest_assembled, chunk.volume * records[key].itemsize)
-            straddling[chunk.writer].append((tag, chunk))
-            touched[chunk.writer].add(key)
+            # FlatChunk's own constructor, not ``replace``: a 4,096-rank save makes a copy
+            # per contributor, hundreds of thousands
+            writer, nbytes = chunk.writer, chunk.volume * itemsize
+            chunk = FlatChunk(key, chunk.region, writer, chunk.pieces, assembling[writer])
+            assembling[writer] += nbytes
+            largest_assembled = max(largest_assembled, nbytes)
+            straddling[writer].append((tag, chunk))
+            touched[writer].add(key)
             # a contributor needs only its own pieces (a small tensor's one chunk, or a
             # shard, may gather pieces from every rank): grouped once, not per rank
             by_rank: dict[int, list] = defaultdict(list)
             for piece in chunk.pieces:
-                if piece[0] != chunk.writer:
+                if piece[0] != writer:
                     by_rank[piece[0]].append(piece)
             for rank in sorted(by_rank):
-                straddling[rank].append((tag, replace(chunk, pieces=tuple(by_rank[rank]))))
+                straddling[rank].append((tag, FlatChunk(key, chunk.region, writer, tuple(by_rank[rank]), chunk.at)))
                 touched[rank].add(key)
             tag += 1
     commit = CommitRecord(
@@ -697,7 +701,7 @@ def plan_save(
         world_size=world,
         format_version=format_version_for(records.values()),
     )
-    nbytes = layout.main_nbytes()
+    nbytes, assembled_bytes = layout.main_nbytes(), max(assembling)
     return [
         RankSavePlan(
             rank=rank,
@@ -710,7 +714,7 @@ def plan_save(
             checkpoint_nbytes=nbytes,
             commit=commit if rank == 0 else None,
             gathered=frozenset(gathered[rank]),
-            assembled_bytes=max(assembling),
+            assembled_bytes=assembled_bytes,
             largest_assembled=largest_assembled,
         )
         for rank in range(world)
@@ -791,8 +795,8 @@ def plan_reads(layout: GlobalLayout, fully_parallel: bool) -> list[RankReadPlan]
         return [RankReadPlan(rank, tuple(sorted(own[rank]))) for rank in range(world)]
     requests: dict[tuple, list[ShardRecord]] = defaultdict(list)
     for shards in layout.tensors.values():
-        for s in shards:
-            requests[(s.block_id, s.dtype)].append(s)
+        for s in shards:  # ``ShardRecord.block_id`` and the dtype, as one tuple (millions at 4,096 ranks)
+            requests[(s.key, s.offset, s.block_shape, s.flat_range, s.dtype)].append(s)
     groups = list(requests.values())  # in the order of the gathered requests
     readers = pick_balanced(groups, [0] * world)
     reads: list[list[int]] = [[] for _ in range(world)]
@@ -801,6 +805,8 @@ def plan_reads(layout: GlobalLayout, fully_parallel: bool) -> list[RankReadPlan]
     receives: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(world)]
     for group, reader in zip(groups, readers):
         reads[reader.rank].append(reader.index)
+        if len(group) == 1:
+            continue
         for s in group:
             if s is reader:
                 continue

@@ -48,6 +48,18 @@ def test_without_fully_parallel_every_rank_reads_what_it_asked_for() -> None:
     assert all(not p.sends and not p.receives for p in plans)
 
 
+def test_blocks_asked_for_once_are_read_by_their_askers_as_without_fully_parallel() -> None:
+    """FSDP2's load: every block asked for by one rank. The fully parallel plan is the
+    plain one (no choice to balance, nothing to send); one shared block among them
+    still gets one reader and a send."""
+    per_rank = [([_record(f"w{i}", rank, i, offset=4 * rank) for i in range(3)], []) for rank in range(4)]
+    layout = GlobalLayout.from_gathered(per_rank)
+    assert plan_reads(layout, fully_parallel=True) == plan_reads(layout, fully_parallel=False)
+    per_rank[1][0].append(_record("w0", 1, 3, offset=0))  # rank 1 asks for rank 0's block of w0 too
+    plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True)
+    assert sum(len(p.reads) for p in plans) == 12 and sum(len(ix) for p in plans for _, ix in p.sends) == 1
+
+
 def test_replicas_asking_for_different_dtypes_each_get_a_reader() -> None:
     per_rank = [([_record("w", 0, 0, dtype="float32")], []), ([_record("w", 1, 0, dtype="bfloat16")], [])]
     plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True)

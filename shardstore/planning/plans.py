@@ -787,17 +787,23 @@ def plan_reads(layout: GlobalLayout, fully_parallel: bool) -> list[RankReadPlan]
     block reads it once.
     """
     world = layout.world_size
-    if not fully_parallel:
-        own: list[list[int]] = [[] for _ in range(world)]
+    if fully_parallel:
+        requests: dict[tuple, list[ShardRecord]] = defaultdict(list)
         for shards in layout.tensors.values():
-            for s in shards:
-                own[s.rank].append(s.index)
-        return [RankReadPlan(rank, tuple(sorted(own[rank]))) for rank in range(world)]
-    requests: dict[tuple, list[ShardRecord]] = defaultdict(list)
+            for s in shards:  # ``ShardRecord.block_id`` and the dtype, as one tuple (millions at 4,096 ranks)
+                requests[(s.key, s.offset, s.block_shape, s.flat_range, s.dtype)].append(s)
+        if len(requests) < sum(map(len, layout.tensors.values())):  # a block asked for twice
+            return _plan_shared_reads(list(requests.values()), world)  # in the order of the gathered requests
+    own: list[list[int]] = [[] for _ in range(world)]  # each rank reads all it asked for
     for shards in layout.tensors.values():
-        for s in shards:  # ``ShardRecord.block_id`` and the dtype, as one tuple (millions at 4,096 ranks)
-            requests[(s.key, s.offset, s.block_shape, s.flat_range, s.dtype)].append(s)
-    groups = list(requests.values())  # in the order of the gathered requests
+        for s in shards:
+            own[s.rank].append(s.index)
+    return [RankReadPlan(rank, tuple(sorted(own[rank]))) for rank in range(world)]
+
+
+def _plan_shared_reads(groups: list[list[ShardRecord]], world: int) -> list[RankReadPlan]:
+    """``plan_reads`` of ``groups`` of requests for one block each, some asked for by
+    several ranks: one member of each reads it, and sends it to the others."""
     readers = pick_balanced(groups, [0] * world)
     reads: list[list[int]] = [[] for _ in range(world)]
     copies: list[list[tuple[int, int]]] = [[] for _ in range(world)]

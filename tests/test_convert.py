@@ -133,6 +133,25 @@ def test_a_hugging_face_safetensors_file_becomes_a_flat_torch_file(tmp_path: Pat
         assert_bits_equal(back[name], tensor, name)
 
 
+def test_unsigned_integers_of_every_width_convert_both_ways(tmp_path: Path) -> None:
+    """safetensors' U8 to U64 (quantization scales and packed weights use them): values
+    above the signed range keep their bits through a torch file and back."""
+    weights = {f"u{bits}": torch.tensor([0, 1, 2 ** (bits - 1) + 5, 2**bits - 1], dtype=torch.uint64).to(dtype)
+               if bits < 64 else torch.tensor([0, 1, 2**63 + 5, 2**64 - 1], dtype=torch.uint64)
+               for bits, dtype in ((8, torch.uint8), (16, torch.uint16), (32, torch.uint32), (64, torch.uint64))}
+    save_file(weights, tmp_path / "model.safetensors")
+    code, _, err = run("convert", str(tmp_path / "model.safetensors"), str(tmp_path / "model.pt"))
+    assert code == 0, err
+    code, _, err = run("convert", str(tmp_path / "model.pt"), str(tmp_path / "back"), "--to", "safetensors")
+    assert code == 0, err
+    (back_file,) = (tmp_path / "back").glob("*.safetensors")
+    for back in (_load(tmp_path / "model.pt"), load_file(back_file)):
+        assert set(back) == set(weights)
+        for name, tensor in weights.items():
+            assert back[name].dtype == tensor.dtype, name
+            assert_bits_equal(back[name], tensor, name)
+
+
 # ------------------------------------------------------------------ destinations
 
 

@@ -233,10 +233,12 @@ class _Boxes:
 
     @classmethod
     def of(cls, shards: list[ShardRecord]) -> _Boxes:
-        ndim = len(shards[0].global_shape)
-        starts = np.array([s.offset for s in shards], dtype=np.int64).reshape(len(shards), ndim)
-        extents = np.array([s.block_shape for s in shards], dtype=np.int64).reshape(len(shards), ndim)
-        return cls(starts, starts + extents)
+        shape = (len(shards), len(shards[0].global_shape))
+        starts = np.fromiter(itertools.chain.from_iterable([s.offset for s in shards]), np.int64, math.prod(shape))
+        extents = np.fromiter(itertools.chain.from_iterable([s.block_shape for s in shards]), np.int64,
+                              math.prod(shape))
+        starts = starts.reshape(shape)
+        return cls(starts, starts + extents.reshape(shape))
 
     def first_outside(self, global_shape: tuple[int, ...]) -> int | None:
         """The index of the first box not within ``global_shape``, or None."""

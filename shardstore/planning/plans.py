@@ -787,13 +787,13 @@ def plan_reads(layout: GlobalLayout, fully_parallel: bool) -> list[RankReadPlan]
     block reads it once.
     """
     world = layout.world_size
-    if fully_parallel:
+    if fully_parallel and any(len({(s.offset, s.block_shape, s.flat_range, s.dtype) for s in shards}) < len(shards)
+                              for shards in layout.tensors.values()):  # a block asked for twice
         requests: dict[tuple, list[ShardRecord]] = defaultdict(list)
         for shards in layout.tensors.values():
             for s in shards:  # ``ShardRecord.block_id`` and the dtype, as one tuple (millions at 4,096 ranks)
                 requests[(s.key, s.offset, s.block_shape, s.flat_range, s.dtype)].append(s)
-        if len(requests) < sum(map(len, layout.tensors.values())):  # a block asked for twice
-            return _plan_shared_reads(list(requests.values()), world)  # in the order of the gathered requests
+        return _plan_shared_reads(list(requests.values()), world)  # in the order of the gathered requests
     own: list[list[int]] = [[] for _ in range(world)]  # each rank reads all it asked for
     for shards in layout.tensors.values():
         for s in shards:

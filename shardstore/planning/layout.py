@@ -189,15 +189,6 @@ class GlobalLayout:
     def main_shards(self, key: str) -> list[ShardRecord]:
         return [r for r in self.tensors[key] if r.main]
 
-    def main_nbytes(self) -> int:
-        """Bytes of tensor data the checkpoint holds (each main shard once)."""
-        total = 0
-        for shards in self.tensors.values():
-            elements = sum([math.prod(r.block_shape) if r.flat_range is None else r.flat_range[1] - r.flat_range[0]
-                            for r in shards if r.main])
-            total += elements * from_zarr_name(shards[0].dtype).itemsize  # one dtype per key (validated)
-        return total
-
 
 def balance_writers(layout: GlobalLayout) -> GlobalLayout:
     """Fully-parallel save: each replicated block is written by one of its replicas,

@@ -401,7 +401,9 @@ class BlockGrid:
     @classmethod
     def _of_blocks(cls, main: list[ShardRecord], shape: tuple[int, ...]) -> BlockGrid | None:
         ndim = len(shape)
-        table = np.array([(*s.offset, *s.block_shape, s.rank, s.index) for s in main], dtype=np.int64)
+        columns = 2 * ndim + 2
+        table = np.fromiter(itertools.chain.from_iterable([(*s.offset, *s.block_shape, s.rank, s.index) for s in main]),
+                            np.int64, len(main) * columns).reshape(len(main), columns)
         held = np.flatnonzero((table[:, ndim : 2 * ndim] > 0).all(axis=1)) if len(main) else np.zeros(0, np.int64)
         if not len(held):
             return None
@@ -701,7 +703,8 @@ def plan_save(
         world_size=world,
         format_version=format_version_for(records.values()),
     )
-    nbytes, assembled_bytes = layout.main_nbytes(), max(assembling)
+    # the main shards of a validated layout cover every array once: its bytes are the arrays'
+    nbytes, assembled_bytes = sum(r.nbytes for r in records.values()), max(assembling)
     return [
         RankSavePlan(
             rank=rank,

@@ -251,3 +251,33 @@ def test_the_coverage_check_agrees_with_counting_every_element(seed: int) -> Non
             check_layout(layout)
         seen[kind] += 1
     assert all(seen.values()), seen
+
+
+@pytest.mark.parametrize(("offset", "block", "message"), [
+    ((2**63 - 1,), (1,), "offset \\(9223372036854775807,\\) with shape \\(1,\\) lies outside the global shape"),
+    ((2**64,), (1,), "offset \\(18446744073709551616,\\) with shape \\(1,\\) lies outside the global shape"),
+    ((4,), (-4,), "offset \\(4,\\) with shape \\(-4,\\) has a negative extent"),
+    ((0, 5), (2, 9), "has offset \\(0, 5\\) and shape \\(2, 9\\), not one entry per axis of the global shape"),
+])
+def test_a_crafted_shard_is_refused_naming_it(offset: tuple, block: tuple, message: str) -> None:
+    """Records made by hand, not by ShardedTensor (which checks its own): numbers past
+    64 bits, an end that would wrap around, a negative extent, the wrong number of axes.
+    The check runs on 64-bit arrays; none of these slips through or crashes it."""
+    from shardstore import CheckpointingException
+    from shardstore.planning.checks import check_layout
+    from shardstore.planning.layout import GlobalLayout, ShardRecord
+
+    whole = [ShardRecord("w", rank, 0, "float32", (4,), (0,), (4,), None, True) for rank in range(2)]
+    crafted = ShardRecord("w", 2, 0, "float32", (4,), offset, block, None, True)
+    with pytest.raises(CheckpointingException, match=f"'w': rank 2's shard .*{message}"):
+        check_layout(GlobalLayout.from_gathered([([s], []) for s in (*whole, crafted)]))
+
+
+def test_a_block_of_no_elements_held_by_two_ranks_is_written_by_one() -> None:
+    """A zero-size tensor split over two ranks: both blocks are empty at offset 0, so
+    both are main replicas of one block, and a fully parallel save picks one writer."""
+    from shardstore.planning.layout import GlobalLayout, ShardRecord, balance_writers
+
+    layout = GlobalLayout.from_gathered(
+        [([ShardRecord("w", rank, 0, "float32", (0,), (0,), (0,), None, True)], []) for rank in range(2)])
+    assert [s.main for s in balance_writers(layout).tensors["w"]] == [True, False]

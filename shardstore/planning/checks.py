@@ -193,12 +193,21 @@ def _tensor_problems(key: str, shards: list[ShardRecord]) -> list[str]:
     main = [s for s in shards if s.main]
     if not main:
         return [f"{key!r}: no rank holds a main replica (replica_id 0), so nobody would write it"]
-    boxes = _Boxes.of(main)
-    outside = boxes.first_outside(first.global_shape)
+    ndim = len(first.global_shape)
+    if {(len(s.offset), len(s.block_shape)) for s in main} != {(ndim, ndim)}:
+        s = next(s for s in main if (len(s.offset), len(s.block_shape)) != (ndim, ndim))
+        return [f"{key!r}: rank {s.rank}'s shard has offset {s.offset} and shape {s.block_shape}, not one entry "
+                f"per axis of the global shape {s.global_shape}"]
+    try:
+        boxes = _Boxes.of(main)
+        outside = boxes.first_outside(first.global_shape)
+    except OverflowError:  # a number beyond 64 bits, so outside any tensor a reader can address
+        outside = next(i for i, s in enumerate(main) if _lies_outside(s))
     if outside is not None:
         s = main[outside]
-        return [f"{key!r}: rank {s.rank}'s shard at offset {s.offset} with shape {s.block_shape} "
-                f"lies outside the global shape {s.global_shape}"]
+        what = ("has a negative extent" if any(b < 0 for b in s.block_shape)
+                else f"lies outside the global shape {s.global_shape}")
+        return [f"{key!r}: rank {s.rank}'s shard at offset {s.offset} with shape {s.block_shape} {what}"]
     flat = [s.flat_range is not None for s in main]
     if any(flat) and not all(flat):
         ranks = sorted({s.rank for s, f in zip(main, flat) if f}), sorted({s.rank for s, f in zip(main, flat) if not f})
@@ -222,34 +231,49 @@ def _inconsistency(key: str, first: ShardRecord, other: ShardRecord) -> str:
             "(every rank saves a key in one dtype, and a load asks for it in one: cast after loading)")
 
 
+def _lies_outside(shard: ShardRecord) -> bool:
+    """Whether the block starts before the tensor, ends after it or has a negative
+    extent (``_Boxes.first_outside``, in Python's integers)."""
+    return any(o < 0 or b < 0 or o + b > g for o, b, g in zip(shard.offset, shard.block_shape, shard.global_shape))
+
+
 @dataclass(frozen=True)
 class _Boxes:
-    """The blocks of a tensor's main shards as arrays: ``starts`` and ``stops``, one
-    row per shard (in the shards' order), one column per axis. The checks below run
-    over them at numpy's speed: a 4,096-rank layout has millions of shards."""
+    """The blocks of a tensor's main shards as arrays: ``starts`` and ``extents``,
+    one row per shard (in the shards' order), one column per axis. The checks below
+    run over them at numpy's speed: a 4,096-rank layout has millions of shards.
+    Every shard has one offset and extent per axis (checked before)."""
 
     starts: np.ndarray
-    stops: np.ndarray
+    extents: np.ndarray
 
     @classmethod
     def of(cls, shards: list[ShardRecord]) -> _Boxes:
+        """Raises OverflowError where a number does not fit in 64 bits."""
         shape = (len(shards), len(shards[0].global_shape))
         starts = np.fromiter(itertools.chain.from_iterable([s.offset for s in shards]), np.int64, math.prod(shape))
         extents = np.fromiter(itertools.chain.from_iterable([s.block_shape for s in shards]), np.int64,
                               math.prod(shape))
-        starts = starts.reshape(shape)
-        return cls(starts, starts + extents.reshape(shape))
+        return cls(starts.reshape(shape), extents.reshape(shape))
+
+    @property
+    def stops(self) -> np.ndarray:
+        """Where each box ends: only for boxes within the tensor (``first_outside``),
+        whose ends cannot overflow."""
+        return self.starts + self.extents
 
     def first_outside(self, global_shape: tuple[int, ...]) -> int | None:
-        """The index of the first box not within ``global_shape``, or None."""
-        outside = ((self.starts < 0) | (self.stops > np.array(global_shape, dtype=np.int64))).any(axis=1)
+        """The index of the first box that ``_lies_outside`` ``global_shape``, or None
+        (``global_shape`` minus an extent, not start plus extent: no overflow)."""
+        limits = np.array(global_shape, dtype=np.int64)
+        outside = ((self.starts < 0) | (self.extents < 0) | (self.starts > limits - self.extents)).any(axis=1)
         return int(np.argmax(outside)) if outside.any() else None
 
     def grid(self, global_shape: tuple[int, ...]) -> list[np.ndarray]:
         """Along each axis, every box edge and the tensor's own, sorted: the cells
         between them are what the boxes cover whole or not at all."""
-        return [np.unique(np.concatenate(([0, g], self.starts[:, a], self.stops[:, a])))
-                for a, g in enumerate(global_shape)]
+        stops = self.stops
+        return [np.unique(np.concatenate(([0, g], self.starts[:, a], stops[:, a]))) for a, g in enumerate(global_shape)]
 
     def cover_counts(self, grid: list[np.ndarray]) -> np.ndarray:
         """How many boxes cover each cell of ``grid``: +1 and -1 at the corners of
@@ -257,15 +281,17 @@ class _Boxes:
         cells = tuple(len(b) - 1 for b in grid)
         if not cells:  # a 0-d tensor: every box is its one element
             return np.full((), len(self.starts))
-        lo, hi = np.empty_like(self.starts), np.empty_like(self.stops)
+        stops = self.stops
+        lo, hi = np.empty_like(self.starts), np.empty_like(stops)
         for a, b in enumerate(grid):
-            lo[:, a], hi[:, a] = np.searchsorted(b, self.starts[:, a]), np.searchsorted(b, self.stops[:, a])
+            lo[:, a], hi[:, a] = np.searchsorted(b, self.starts[:, a]), np.searchsorted(b, stops[:, a])
         padded = tuple(c + 1 for c in cells)
         corners = list(itertools.product((False, True), repeat=len(cells)))
         at = np.concatenate([np.ravel_multi_index(tuple(np.where(c, hi, lo).T), padded) for c in corners])
         signs = np.repeat([(-1.0) ** sum(c) for c in corners], len(lo))
         counts = np.bincount(at, weights=signs, minlength=math.prod(padded)).reshape(padded)
-        for axis in range(len(cells)):  # in place: up to MAX_COVERAGE_CELLS values (exact in float64)
+        # in place, 8 bytes a cell (exact in float64): at most about 130 MB at MAX_COVERAGE_CELLS
+        for axis in range(len(cells)):
             np.cumsum(counts, axis=axis, out=counts)
         return counts[tuple(slice(0, c) for c in cells)]
 

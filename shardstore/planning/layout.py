@@ -198,8 +198,9 @@ def balance_writers(layout: GlobalLayout) -> GlobalLayout:
     which in a TP x DP job is the same few ranks. Blocks with one holder count first;
     then ``pick_balanced``. Replicas must hold equal data, as replication means.
     """
-    if all([s.main for shards in layout.tensors.values() for s in shards]):
-        return layout  # no replicas (a validated layout has one main replica per block): nothing to choose
+    if all(len({(s.offset, s.block_shape, s.flat_range) for s in shards}) == len(shards)
+           for shards in layout.tensors.values()):
+        return layout  # every block has one holder (one set of block ids per key): nothing to choose
     replicas: dict[tuple, list[ShardRecord]] = defaultdict(list)
     for shards in layout.tensors.values():
         for s in shards:  # ``block_id``, inlined: millions of records at 4,096 ranks

@@ -18,6 +18,7 @@ __all__ = [
 
 import logging
 import math
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -116,6 +117,12 @@ class ShardedTensor(ShardedBase):
             if self.data.dtype != self.dtype:
                 fail(f"data dtype {self.data.dtype} does not match declared dtype {self.dtype}")
             self.check_held_shape()
+        for what, values in (("global shape", self.global_shape), ("global offset", self.global_offset),
+                             ("local shape", self.local_shape)):
+            try:
+                list(map(operator.index, values))
+            except TypeError:
+                fail(f"{what} {values} holds a value that is not an integer")
         if len(self.global_shape) != len(self.global_offset):
             fail(f"global shape {self.global_shape} and offset {self.global_offset} differ in length")
         if len(self.local_shape) + self.prepend_axis_num != len(self.global_shape):

@@ -281,3 +281,54 @@ def test_a_block_of_no_elements_held_by_two_ranks_is_written_by_one() -> None:
     layout = GlobalLayout.from_gathered(
         [([ShardRecord("w", rank, 0, "float32", (0,), (0,), (0,), None, True)], []) for rank in range(2)])
     assert [s.main for s in balance_writers(layout).tensors["w"]] == [True, False]
+
+
+def test_an_offset_that_is_no_integer_is_refused_naming_the_tensor(tmp_path) -> None:
+    """A float offset would be truncated by the checks' 64-bit arrays: refused when the
+    ShardedTensor is made, and where the rank makes its record. numpy's integers are
+    integers."""
+    import numpy as np
+
+    from shardstore import CheckpointingException, ShardedTensor, save
+    from shardstore.planning.layout import ShardRecord
+
+    data = torch.ones(2, 3)
+    with pytest.raises(CheckpointingException, match="'w': global offset \\(2.0, 0\\) holds a value that is not"):
+        ShardedTensor("w", data, data.dtype, (2, 3), (4, 3), (2.0, 0), None)
+    floating = ShardedTensor("w", data, data.dtype, (2, 3), (4, 3), (2, 0), (2, 1))
+    floating.global_offset = (2.0, 0)  # changed after its checks: refused where the rank makes its record
+    with pytest.raises(CheckpointingException, match="'w': its global offset \\(2.0, 0\\) holds a value that is not"):
+        save({"w": floating}, tmp_path / "c")
+    numpy = ShardedTensor("w", data, data.dtype, (2, 3), (np.int64(4), 3), (np.int64(2), 0), None)
+    record = ShardRecord.from_sharded_tensor(numpy, 0, 0)
+    assert record.offset == (2, 0) and all(type(n) is int for n in (*record.offset, *record.global_shape))
+
+
+def test_a_negative_global_extent_is_refused_naming_it() -> None:
+    from shardstore import CheckpointingException
+    from shardstore.planning.checks import check_layout
+    from shardstore.planning.layout import GlobalLayout, ShardRecord
+
+    crafted = ShardRecord("w", 0, 0, "float32", (-2, 0), (0, 0), (2**63 - 1, 0), None, True)
+    with pytest.raises(CheckpointingException, match="'w': rank 0's global shape \\(-2, 0\\) has a negative extent"):
+        check_layout(GlobalLayout.from_gathered([([crafted], [])]))
+
+
+def test_the_coverage_of_a_tensor_of_many_axes_is_counted_within_the_cell_bound() -> None:
+    """A tensor of 16 axes cut in two along each: 65,536 cells, whose difference array
+    would hold 3**16 values (43 million); the check counts block by block instead,
+    exactly and in about the old time."""
+    import time
+
+    from shardstore import CheckpointingException
+    from shardstore.planning.checks import check_layout
+    from shardstore.planning.layout import GlobalLayout, ShardRecord
+
+    shape = (2,) * 16
+    corner = ShardRecord("w", 0, 0, "int8", shape, (0,) * 16, (1,) * 16, None, True)
+    whole = ShardRecord("w", 1, 0, "int8", shape, (0,) * 16, shape, None, True)
+    start = time.perf_counter()
+    with pytest.raises(CheckpointingException, match="starting at \\(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "
+                                                     "0\\) is covered by more than one main replica"):
+        check_layout(GlobalLayout.from_gathered([([corner], []), ([whole], [])]))
+    assert time.perf_counter() - start < 5

@@ -180,8 +180,10 @@ def _keys_and_files(
 
 def _tensor_problems(key: str, shards: list[ShardRecord]) -> list[str]:
     first = shards[0]
-    if len(shards) == 1 and first.main and first.flat_range is None and not any(first.offset) and (
-            first.block_shape == first.global_shape):  # one rank holds it whole: only its size can be wrong
+    if any(n < 0 for n in first.global_shape):
+        return [f"{key!r}: rank {first.rank}'s global shape {first.global_shape} has a negative extent"]
+    if len(shards) == 1 and first.main and first.flat_range is None and len(first.offset) == len(first.global_shape) and (
+            not any(first.offset) and first.block_shape == first.global_shape):  # held whole: only its size can be wrong
         too_big = _too_big_to_address(key, first)
         return [too_big] if too_big else []
     if len({(s.global_shape, s.dtype) for s in shards}) > 1:  # one pass over the shards; then name the first
@@ -287,10 +289,15 @@ class _Boxes:
             lo[:, a], hi[:, a] = np.searchsorted(b, self.starts[:, a]), np.searchsorted(b, stops[:, a])
         padded = tuple(c + 1 for c in cells)
         corners = list(itertools.product((False, True), repeat=len(cells)))
+        if max(math.prod(padded), len(corners) * len(lo)) > MAX_COVERAGE_CELLS:  # many axes: 3**d values for 2**d cells
+            counts = np.zeros(cells, dtype=np.int32)
+            for start, stop in zip(lo.tolist(), hi.tolist()):
+                counts[tuple(map(slice, start, stop))] += 1
+            return counts
         at = np.concatenate([np.ravel_multi_index(tuple(np.where(c, hi, lo).T), padded) for c in corners])
         signs = np.repeat([(-1.0) ** sum(c) for c in corners], len(lo))
         counts = np.bincount(at, weights=signs, minlength=math.prod(padded)).reshape(padded)
-        # in place, 8 bytes a cell (exact in float64): at most about 130 MB at MAX_COVERAGE_CELLS
+        # in place, 8 bytes a value (exact in float64), at most MAX_COVERAGE_CELLS values (128 MB)
         for axis in range(len(cells)):
             np.cumsum(counts, axis=axis, out=counts)
         return counts[tuple(slice(0, c) for c in cells)]

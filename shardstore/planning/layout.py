@@ -22,12 +22,14 @@ __all__ = [
 ]
 
 import math
+import operator
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from itertools import product
 from operator import attrgetter
 
+from shardstore.errors import CheckpointingException
 from shardstore.format.chunks import Region
 from shardstore.format.dtypes import ITEMSIZE_BY_ZARR_NAME, from_torch, from_zarr_name
 from shardstore.mapping import ShardedObject, ShardedTensor, is_main_replica
@@ -88,7 +90,8 @@ class ShardRecord:
         the record's dtype is the one the save writes.
 
         Raises:
-            CheckpointingException: its data's shape is no longer the declared one.
+            CheckpointingException: its data's shape is no longer the declared one, or its
+                global shape or offset holds a value that is no integer.
         """
         tensor.check_held_shape()
         flat = tensor.flattened_range
@@ -97,8 +100,8 @@ class ShardRecord:
             rank=rank,
             index=index,
             dtype=from_torch(tensor.held_dtype).zarr_name,
-            global_shape=tuple(tensor.global_shape),
-            offset=tuple(tensor.global_offset),
+            global_shape=_integers(tensor.global_shape, "global shape", tensor.key),
+            offset=_integers(tensor.global_offset, "global offset", tensor.key),
             block_shape=block_shape(tensor),
             flat_range=None if flat is None else (flat.start, flat.stop),
             main=is_main_replica(tensor.replica_id),
@@ -132,6 +135,17 @@ class ShardRecord:
         volume = math.prod(self.block_shape) if flat is None else flat[1] - flat[0]
         itemsize = ITEMSIZE_BY_ZARR_NAME.get(self.dtype) or from_zarr_name(self.dtype).itemsize  # raises if unknown
         return volume * itemsize
+
+
+def _integers(values: tuple, what: str, key: str) -> tuple[int, ...]:
+    """``values`` as Python ints (numpy's integers too); raises naming the tensor where
+    one is no integer (a float offset would be truncated by the checks' arrays)."""
+    try:
+        return tuple(map(operator.index, values))
+    except TypeError:
+        raise CheckpointingException(
+            f"ShardedTensor {key!r}: its {what} {tuple(values)} holds a value that is not an integer"
+        ) from None
 
 
 _SHARD_RECORD_FIELDS = tuple(f.name for f in fields(ShardRecord))

@@ -703,7 +703,7 @@ def plan_save(
         world_size=world,
         format_version=format_version_for(records.values()),
     )
-    # the main shards of a validated layout cover every array once: its bytes are the arrays'
+    # the arrays' bytes: what the main shards of a valid layout cover, each element once
     nbytes, assembled_bytes = sum(r.nbytes for r in records.values()), max(assembling)
     return [
         RankSavePlan(

@@ -231,6 +231,12 @@ FRAGMENTS = (
         "assert {'model.0.weight', 'optim.state.0.weight.exp_avg'} <= set(arrays), sorted(arrays)\n"
         "assert torch.equal(new_model[0].weight, model[0].weight)  # loaded by the second way too\n"
     )),
+    Fragment("ZarrSaveShardedStrategy(cache_plan=True)", check=(
+        # the reused plans wrote complete checkpoints, each with its own values
+        "for step in (100, 200, 300):\n"
+        "    back = shardstore.load({'w': ShardedTensor.from_rank_offsets('w', torch.zeros(8, 4))}, f'{root}/step{step}')\n"
+        "    assert torch.equal(back['w'], torch.full((8, 4), float(step))) and shardstore.verify(f'{root}/step{step}').ok\n"
+    )),
     Fragment("ZarrSaveShardedStrategy(shard_bytes=", check=(
         "import os\n"  # each array's 4 chunks of 1 KiB are one shard file
         "assert all(sorted(os.listdir(f'{ckpt}/{k}')) == ['c.0.0', 'zarr.json'] for k in state), os.listdir(ckpt)\n"

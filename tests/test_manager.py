@@ -78,6 +78,36 @@ def test_saves_on_schedule_and_keeps_what_retention_says(tmp_path: Path) -> None
     assert manager.all_steps() == [0, 4, 8, 10, 11]  # 10 is one of the two newest again
 
 
+def test_saves_after_the_first_reuse_its_plan_until_the_structure_changes(tmp_path: Path, monkeypatch) -> None:
+    """``cache_plan`` (on by default): the manager plans once while the state's
+    structure stays the same, plans again when it changes, and every step is a whole
+    checkpoint; off, every save plans; a strategy given to ``save`` is used as it is."""
+    from shardstore.strategies import zarr
+
+    plans = []
+    planner = zarr.plan_save
+    monkeypatch.setattr(zarr, "plan_save", lambda *args, **kwargs: plans.append(1) or planner(*args, **kwargs))
+    manager = CheckpointManager(tmp_path / "cached")
+    for step in range(3):
+        assert manager.save(step, _state(step))
+    assert len(plans) == 1
+    grown = {**_state(3), "b": grid_shard("b", global_tensor("b", (4,), torch.float32), 0, 1, (0,))}
+    assert manager.save(3, grown) and manager.save(4, {**_state(4), "b": grown["b"]})
+    assert len(plans) == 2
+    for step in range(5):
+        loaded = manager.restore(_state(0, empty=True), step=step)
+        assert torch.equal(loaded["w"], global_tensor("w", (8, 4), torch.float32) + step)
+    plans.clear()
+    uncached = CheckpointManager(tmp_path / "uncached", CheckpointManagerOptions(cache_plan=False))
+    for step in range(3):
+        assert uncached.save(step, _state(step))
+    assert len(plans) == 3
+    plans.clear()
+    own = zarr.ZarrSaveShardedStrategy()
+    assert manager.save(5, _state(5), sharded_strategy=own) and manager.save(6, _state(6), sharded_strategy=own)
+    assert len(plans) == 2 and own.plan_cache is None
+
+
 def test_restart_finds_the_latest_committed_step_skipping_incomplete_ones(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path, RETENTION)
     for step in (0, 2):

@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 import contextlib
+import copy
 import functools
 import json
 import logging
@@ -104,6 +105,12 @@ class CheckpointManagerOptions:
             clones locally, server-side copies on S3; ``shardstore.format.reuse``)
             instead of writing them again. Every step still stands alone: retention
             may delete any of them. Off: every step writes every byte.
+        cache_plan: each save after the first reuses the last one's plan while every
+            rank's structure is unchanged (``ZarrSaveShardedStrategy(cache_plan=True)``;
+            at thousands of ranks a plan takes the coordinator a minute or more): the
+            manager saves through a copy of the default save strategy that keeps the
+            plan. A ``sharded_strategy`` given to ``save`` is used as it is. Off: every
+            save plans anew.
     """
 
     save_interval_steps: int | None = 1
@@ -119,6 +126,7 @@ class CheckpointManagerOptions:
     best_mode: Literal["max", "min"] = "max"
     keep_best: int | None = None
     reuse_unchanged: bool = True
+    cache_plan: bool = True
 
     def __post_init__(self) -> None:
         if self.save_interval_steps is not None and self.save_interval_steps < 1:
@@ -441,6 +449,7 @@ class CheckpointManager:
         self._saved_steps: set[int] = set()  # the steps this manager saved (committed or in flight)
         self._failed_bases: set[int] = set()  # steps whose reuse a failed save had (not chosen again)
         self._queue = AsyncCallsQueue(process_group=process_group) if self.options.async_save else None
+        self._strategy: Any = None  # ``_plan_keeping_strategy``
         self._preemption: Listener | None = None
         if self.options.save_on_preemption:
             try:  # main thread only; every manager sees the signal, and the handler before them too
@@ -694,6 +703,8 @@ class CheckpointManager:
         if reuse_step is not None and self.options.reuse_unchanged and not caller_chose_base and options.reuse_from is None:
             chosen_base = reuse_step
             options = replace(options, reuse_from=self.location(reuse_step))
+        if self.options.cache_plan and "sharded_strategy" not in save_kwargs:
+            save_kwargs["sharded_strategy"] = self._plan_keeping_strategy()
         retention = functools.partial(self._apply_retention, step)
         with self._base_failures_noted(chosen_base, step):
             request = save(
@@ -708,6 +719,23 @@ class CheckpointManager:
         if preempted:  # the job may be killed any moment now: commit before returning
             self._queue.maybe_finalize_async_calls(blocking=True)
         return True
+
+    def _plan_keeping_strategy(self) -> Any:
+        """The save strategy of this manager's saves (``CheckpointManagerOptions.
+        cache_plan``): a copy of the registered default that keeps its plan (its buffer
+        pools shared with the default, as every save's are), made once; the default
+        itself where it keeps plans already or is not shardstore's own (None: ``save``
+        then takes the default)."""
+        if self._strategy is None:
+            from shardstore.serialization import get_default_save_sharded_strategy
+            from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+
+            default = get_default_save_sharded_strategy()
+            if not isinstance(default, ZarrSaveShardedStrategy) or default.cache_plan:
+                return None
+            self._strategy = copy.copy(default)
+            self._strategy.cache_plan = True
+        return self._strategy
 
     def _due(self, step: int, force: bool) -> tuple[bool, bool, int]:
         """(due, preempted, signals counted here when it was decided). Without time or

@@ -152,6 +152,22 @@ def test_unsigned_integers_of_every_width_convert_both_ways(tmp_path: Path) -> N
             assert_bits_equal(back[name], tensor, name)
 
 
+def test_one_element_and_empty_views_of_a_torch_file_become_safetensors(tmp_path: Path) -> None:
+    """A torch file keeps a view's strides: an element sliced from a column, or an empty
+    column, has a stride other than 1, which torch calls contiguous but cannot view as
+    bytes (``format.dtypes.byte_view`` gives such tensors unit strides)."""
+    grid = torch.arange(6.0).reshape(3, 2)
+    weights = {"one": grid[:1, 1], "none": torch.empty(0, 4)[:, 1], "whole": grid}
+    assert weights["one"].stride() == (2,) and weights["none"].stride() == (4,)
+    torch.save(weights, tmp_path / "model.pt")
+    code, _, err = run("convert", str(tmp_path / "model.pt"), str(tmp_path / "out"), "--to", "safetensors")
+    assert code == 0, err
+    (written,) = (tmp_path / "out").glob("*.safetensors")
+    back = load_file(written)
+    for name, tensor in weights.items():
+        assert_bits_equal(back[name], tensor.contiguous(), name)
+
+
 # ------------------------------------------------------------------ destinations
 
 

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from shardstore.errors import CheckpointingException
+from shardstore.format.dtypes import byte_view
 from shardstore.mapping import ShardedTensor, StateDict
 from shardstore.other_formats.base import ExportSource, FileFormat, TensorSpec, place_value
 from shardstore.other_formats.layout import (
@@ -112,7 +113,7 @@ def write_safetensors(
                         f"where its metadata said {spec}; is it being changed? Convert it again"
                     )
                 f.seek(start + header[key]["data_offsets"][0])
-                f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                f.write(byte_view(tensor.cpu()).numpy().data)
                 del tensor
             f.truncate(start + offset)
     except OSError as exc:

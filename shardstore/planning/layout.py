@@ -203,6 +203,13 @@ class GlobalLayout:
     def main_shards(self, key: str) -> list[ShardRecord]:
         return [r for r in self.tensors[key] if r.main]
 
+    def holds_each_block_once(self) -> bool:
+        """Whether no two records name one block (``ShardRecord.block_id``): no replicas
+        to choose a writer among, no request to share. A set of block ids per key, not
+        one dict of every record: millions at 4,096 ranks."""
+        return all(len({(s.offset, s.block_shape, s.flat_range) for s in shards}) == len(shards)
+                   for shards in self.tensors.values())
+
 
 def balance_writers(layout: GlobalLayout) -> GlobalLayout:
     """Fully-parallel save: each replicated block is written by one of its replicas,
@@ -212,9 +219,8 @@ def balance_writers(layout: GlobalLayout) -> GlobalLayout:
     which in a TP x DP job is the same few ranks. Blocks with one holder count first;
     then ``pick_balanced``. Replicas must hold equal data, as replication means.
     """
-    if all(len({(s.offset, s.block_shape, s.flat_range) for s in shards}) == len(shards)
-           for shards in layout.tensors.values()):
-        return layout  # every block has one holder (one set of block ids per key): nothing to choose
+    if layout.holds_each_block_once():
+        return layout  # every block has one holder: nothing to choose
     replicas: dict[tuple, list[ShardRecord]] = defaultdict(list)
     for shards in layout.tensors.values():
         for s in shards:  # ``block_id``, inlined: millions of records at 4,096 ranks

@@ -790,8 +790,7 @@ def plan_reads(layout: GlobalLayout, fully_parallel: bool) -> list[RankReadPlan]
     block reads it once.
     """
     world = layout.world_size
-    if fully_parallel and any(len({(s.offset, s.block_shape, s.flat_range, s.dtype) for s in shards}) < len(shards)
-                              for shards in layout.tensors.values()):  # a block asked for twice
+    if fully_parallel and not layout.holds_each_block_once():  # a block asked for twice (in one dtype or two)
         requests: dict[tuple, list[ShardRecord]] = defaultdict(list)
         for shards in layout.tensors.values():
             for s in shards:  # ``ShardRecord.block_id`` and the dtype, as one tuple (millions at 4,096 ranks)

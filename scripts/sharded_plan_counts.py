@@ -17,12 +17,16 @@ send them (``simulate_scale.commit_stage``), copied under every layer's keys
 (``CommitRecord.to_json`` / ``from_json``, the garbage collector paused); prints its
 size and the median CPU seconds of ``--parses`` parses.
 
-Usage: ``python scripts/sharded_plan_counts.py [--shard-mib 64] [--quick] [--record]``.
+``--loads`` instead prints the S3 requests of a load of each sharded save at its own
+layout (``load_requests``), each rank reading its part of every shard, and each shard
+read once for all (``ZarrLoadShardedStrategy(read_shards_once=...)``).
+
+Usage: ``python scripts/sharded_plan_counts.py [--shard-mib 64] [--quick] [--record | --loads]``.
 """
 
 from __future__ import annotations
 
-__all__ = ["assembly_waves", "counts", "main", "same_layout_fetched", "sharded_record"]
+__all__ = ["assembly_waves", "counts", "load_requests", "main", "same_layout_fetched", "sharded_record"]
 
 import argparse
 import itertools
@@ -31,6 +35,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -42,7 +48,7 @@ from shardstore.format.codecs import BYTES_CRC32C, CRC_BYTES  # noqa: E402
 from shardstore.format.records import ArrayRecord, CommitRecord  # noqa: E402
 from shardstore.format.sharding import ShardIndex, ShardingIndexed  # noqa: E402
 from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
-from shardstore.planning.plans import exchange_waves, plan_save  # noqa: E402
+from shardstore.planning.plans import exchange_waves, plan_reads, plan_save  # noqa: E402
 from shardstore.strategies.zarr import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_SYNC_STAGING_BYTES  # noqa: E402
 
 MiB = 1 << 20
@@ -140,6 +146,66 @@ def same_layout_fetched(layout: GlobalLayout, arrays: dict[str, ArrayRecord]) ->
     return fetched, needed
 
 
+# S3: a shard is read whole where that wastes at most this (``S3ChunkStore.request_bytes``)
+S3_REQUEST_BYTES = 8 * MiB
+
+
+def load_requests(layout: GlobalLayout, arrays: dict[str, ArrayRecord], once: bool) -> dict[str, float]:
+    """A load at the save's layout from S3, planned by the real planner
+    (``plan_reads``, fully parallel, with or without ``read_shards_once``): the data
+    GETs all ranks make (per rank and shard it reads: one where it reads the shard
+    whole, as ``read_boxes_into`` does when that wastes at most a quarter of what it
+    needs or 8 MiB, else a suffix GET for the index and a ranged GET), the bytes they
+    fetch, the bytes sent between ranks, the most one rank reads for others only, and
+    the coordinator's planning seconds."""
+    shards = {k: a.chunk_shape for k, a in arrays.items() if isinstance(a.codec, ShardingIndexed)} if once else None
+    start = time.perf_counter()
+    plans = plan_reads(layout, True, shards)
+    seconds = time.perf_counter() - start
+    by_index = {(s.rank, s.index): s for records in layout.tensors.values() for s in records}
+    own = [0] * layout.world_size
+    for s in by_index.values():
+        own[s.rank] += 1
+    gets = fetched = sent = most_forwarded = 0
+    for plan in plans:
+        wanted: dict[tuple, set[int]] = {}  # (key, shard) -> inner chunks this rank reads
+        for i in plan.reads:
+            s = by_index[(plan.rank, i)] if i < own[plan.rank] else plan.forwards[i - own[plan.rank]]
+            array = arrays[s.key]
+            if not isinstance(array.codec, ShardingIndexed):
+                units = _units(_read_box(s), array.chunk_shape)
+                gets += math.prod(map(len, units))
+                fetched += math.prod(map(len, units)) * math.prod(array.chunk_shape) * array.itemsize
+                continue
+            _add_inner_chunks(s, array, wanted)
+        for (key, _), needed in wanted.items():
+            array = arrays[key]
+            count = math.prod(c // i for c, i in zip(array.chunk_shape, array.codec.chunk_shape))
+            step = array.codec.inner_nbytes
+            waste = (count - len(needed)) * step
+            whole = waste <= max(len(needed) * step // 4, S3_REQUEST_BYTES)
+            gets += 1 if whole else 2
+            fetched += (count if whole else len(needed)) * (step + CRC_BYTES) + ShardIndex.suffix_nbytes(count)
+        for _, indices in plan.sends:
+            for i in indices:
+                s = by_index[(plan.rank, i)] if i < own[plan.rank] else plan.forwards[i - own[plan.rank]]
+                sent += s.nbytes
+        most_forwarded = max(most_forwarded, sum(f.nbytes for f in plan.forwards))
+    return {"gets": gets, "fetched": fetched, "sent": sent, "most_forwarded": most_forwarded, "plan_s": seconds}
+
+
+def _add_inner_chunks(s: ShardRecord, array: ArrayRecord, wanted: dict[tuple, set[int]]) -> None:
+    """Adds to ``wanted`` (by ``(key, shard)``) the inner chunks the box ``s`` reads covers."""
+    box, inner = _read_box(s), array.codec.chunk_shape
+    per_shard = [c // i for c, i in zip(array.chunk_shape, inner)]
+    for shard in itertools.product(*_units(box, array.chunk_shape)):
+        lo = [i * c for i, c in zip(shard, array.chunk_shape)]
+        part = [(max(a, o) - o, min(b, o + c) - o) for (a, b), o, c in zip(box, lo, array.chunk_shape)]
+        cells = wanted.setdefault((s.key, shard), set())
+        for at in itertools.product(*_units(part, inner)):
+            cells.add(int(np.ravel_multi_index(at, per_shard)))
+
+
 def sharded_record(sampled: sim.Model, model: sim.Model, shard_bytes: int, parses: int) -> dict[str, float]:
     """The commit record of ``model``'s sharded save, built from ``sampled``'s plan (the
     same world, fewer layers) at ``model``'s layer count: its bytes, its shards, and the
@@ -175,6 +241,24 @@ def print_records(models: list[sim.Model], shard_bytes: int, quick: bool, parses
               flush=True)
 
 
+def print_loads(models: list[sim.Model], shard_bytes: int, quick: bool) -> None:
+    """``load_requests`` of each layout's sharded save, each rank reading its own part
+    of every shard and with ``read_shards_once``."""
+    print("\n| layout | ranks | layers | shards read | data GETs | fetched / asked | sent between ranks "
+          "| most one rank reads for others | plan s |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
+    for model in models:
+        sampled = model if quick else model.with_layers(16 if isinstance(model, sim.MegatronGpt) else 2)
+        layout = GlobalLayout.from_gathered([(sampled.rank_records(r), []) for r in range(sampled.world)])
+        arrays = plan_save(layout, DEFAULT_MAX_CHUNK_BYTES, True, shard_bytes)[0].commit.arrays
+        asked = sum(s.nbytes for records in layout.tensors.values() for s in records if s.main)
+        for once in (False, True):
+            r = load_requests(layout, arrays, once)
+            print(f"| {sampled.name} | {sampled.world} | {sampled.layers} | {'once' if once else 'by each rank'} "
+                  f"| {r['gets']:,} | {r['fetched'] / asked:.3f} | {r['sent'] / 1e9:.2f} GB "
+                  f"| {r['most_forwarded'] / 1e6:.0f} MB | {r['plan_s']:.2f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shard-mib", type=int, default=64)
@@ -182,8 +266,12 @@ def main() -> None:
     parser.add_argument("--record", action="store_true", help="also the full-size sharded commit records")
     parser.add_argument("--records-only", action="store_true", help="only the full-size sharded commit records")
     parser.add_argument("--parses", type=int, default=5, help="parses of each record timed")
+    parser.add_argument("--loads", action="store_true", help="only the S3 requests of sharded loads")
     args = parser.parse_args()
     models = sim.layouts(args.quick)
+    if args.loads:
+        print_loads(models, args.shard_mib * MiB, args.quick)
+        return
     if args.records_only:
         print_records(models, args.shard_mib * MiB, args.quick, args.parses)
         return

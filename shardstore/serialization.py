@@ -50,6 +50,7 @@ __all__ = [
     "verify_before_load", "verify_checkpoint_and_load_strategy",
 ]
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -524,7 +525,8 @@ def _load_opened(
 
     def planner(layout: GlobalLayout) -> list[RankLoadPlan]:  # on the coordinator
         saved_keys = _saved_keys(location, record, sharded_strategy, common_strategy)
-        return plan_load(layout, saved_keys, strict, validate_access_integrity, sharded_strategy.plan_load, where)
+        return plan_load(layout, saved_keys, strict, validate_access_integrity,
+                         functools.partial(sharded_strategy.plan_load, record=record), where)
 
     with stage("load: plan", where):
         plan = gather_and_plan(tensors, objects, group, planner, local_error=error, place=where)

@@ -192,3 +192,59 @@ def test_shard_records_travel_without_their_field_names_and_come_back_equal() ->
     assert back == records and [hash(r) for r in back] == [hash(r) for r in records]
     with pytest.raises(dataclasses.FrozenInstanceError):
         back[0].rank = 1
+
+
+def test_a_shard_read_once_is_read_by_one_asker_who_sends_the_others_their_blocks() -> None:
+    """FSDP2's load of a sharded array: 4 ranks each ask for their 4 rows of ``w0``,
+    stored in shards of 8 rows. Each shard is read by one of its two askers, which reads
+    the other's block too (a forward, index 2: past its own two requests) and sends it;
+    the other array, not sharded, is read as before."""
+    per_rank = [([_record("w0", rank, 0, offset=4 * rank), _record("w1", rank, 1, offset=4 * rank)], [])
+                for rank in range(4)]
+    layout = GlobalLayout.from_gathered(per_rank)
+    plans = plan_reads(layout, fully_parallel=True, shards={"w0": (8, 8)})
+    assert [p.reads for p in plans] == [(0, 1, 2), (1,), (0, 1, 2), (1,)]  # ranks 0 and 2 read w0's shards
+    assert [[(f.rank, f.index, f.offset) for f in p.forwards] for p in plans] == [[(1, 0, (4, 0))], [],
+                                                                                  [(3, 0, (12, 0))], []]
+    assert [p.sends for p in plans] == [((1, (2,)),), (), ((3, (2,)),), ()]
+    assert [p.receives for p in plans] == [(), ((0, (0,)),), (), ((2, (0,)),)]
+    assert plan_reads(layout, fully_parallel=False, shards={"w0": (8, 8)}) == plan_reads(layout, False)
+
+
+def test_a_shard_reader_reads_blocks_it_did_not_ask_for_as_forwards() -> None:
+    """Rank 0 asks for rows 0-3 of a shard of 12 rows; rank 1 for rows 4-7 and 8-11
+    (larger): rank 0 reads the shard (fewest bytes so far), the two blocks of rank 1
+    as forwards, indices past its own request (1 and 2), and sends them."""
+    per_rank = [([_record("w", 0, 0, offset=0)], []),
+                ([_record("w", 1, 0, offset=4), _record("w", 1, 1, offset=8)], [])]
+    plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True, shards={"w": (12, 8)})
+    assert plans[0].reads == (0, 1, 2) and plans[1].reads == ()
+    assert [(f.rank, f.index) for f in plans[0].forwards] == [(1, 0), (1, 1)]
+    assert plans[0].sends == ((1, (1, 2)),) and plans[1].receives == ((0, (0, 1)),)
+
+
+def test_forwards_past_the_bound_are_read_by_each_asker(monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardstore.planning.plans as plans_module
+
+    block = 4 * 8 * 4  # 4 rows of 8 float32
+    per_rank = [([_record("w", 0, 0, offset=0)], []), ([_record("w", 1, 0, offset=4)], [])]
+    monkeypatch.setattr(plans_module, "MAX_FORWARDED_BYTES", block)
+    plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True, shards={"w": (8, 8)})
+    assert [p.reads for p in plans] == [(0, 1), ()] and plans[0].sends == ((1, (1,)),)
+    monkeypatch.setattr(plans_module, "MAX_FORWARDED_BYTES", block - 1)
+    plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True, shards={"w": (8, 8)})
+    assert [p.reads for p in plans] == [(0,), (0,)] and not plans[0].forwards and not plans[0].sends
+
+
+def test_a_flattened_range_falls_in_the_shard_of_its_first_element() -> None:
+    """Distributed-optimizer fragments: ranks 0 and 1 split one block of 8 x 8 flat, in
+    shards of 4 rows: a range starting at row 4 lies in the second, one at row 2 in the
+    first, which its reader then reads for both."""
+    def fragment(rank: int, start: int, stop: int) -> ShardRecord:
+        return ShardRecord("f", rank, 0, "float32", (8, 8), (0, 0), (8, 8), (start, stop), True)
+
+    layout = GlobalLayout.from_gathered([([fragment(0, 0, 32)], []), ([fragment(1, 32, 64)], [])])
+    assert plan_reads(layout, True, shards={"f": (4, 8)}) == plan_reads(layout, False)
+    layout = GlobalLayout.from_gathered([([fragment(0, 0, 16)], []), ([fragment(1, 16, 64)], [])])
+    plans = plan_reads(layout, True, shards={"f": (4, 8)})
+    assert [p.reads for p in plans] == [(0, 1), ()]  # rank 1's range starts in row 2: the first shard

@@ -15,7 +15,7 @@ import torch
 from shardstore import ShardedTensor, load, save
 from shardstore.stores.locations import open_location
 from shardstore.stores.s3 import S3Options
-from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from tests.dist import run_distributed
 from tests.s3_support import KEY, REGION, SECRET, Faults, FaultyProxy, MotoServer
 
@@ -110,6 +110,24 @@ def loaded_by_ranges(rank: int, world: int, url: str, endpoint: str, parts: int)
 
     S3ChunkStore.request_bytes = 0
     loaded(rank, world, url, endpoint, parts)
+
+
+def loaded_reading_shards_once(rank: int, world: int, url: str, endpoint: str) -> None:
+    got = load(_state(world, rank, empty=True), _location(url, endpoint),
+               sharded_strategy=ZarrLoadShardedStrategy(read_shards_once=True))
+    for key, expected in _state(world, rank).items():
+        assert torch.equal(got[key], expected.data), key
+
+
+def test_read_shards_once_gets_each_shard_once_for_all_ranks(proxy) -> None:
+    """Two ranks each need half of every shard: each reading its half makes a GET per
+    shard and rank; with ``read_shards_once`` one rank GETs each shard for both."""
+    url = f"s3://{BUCKET}/once/ckpt"
+    _requests(proxy, saved, url, proxy.endpoint, 64 << 20)
+    each = _requests(proxy, loaded, url, proxy.endpoint, WORLD)
+    once = _requests(proxy, loaded_reading_shards_once, url, proxy.endpoint)
+    data = [Counter(method for method, path in made if "/ckpt/p" in path) for made in (each, once)]
+    assert data == [{"GET": ARRAYS * WORLD}, {"GET": ARRAYS}], data
 
 
 def test_a_suffix_read_is_one_request_that_names_the_size(proxy) -> None:

@@ -14,7 +14,7 @@ import torch
 
 import shardstore
 from shardstore import ShardedTensor, load, save
-from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from tests.dist import run_distributed
 
 ROWS, COLS, ARRAYS = 48, 5, 3
@@ -300,6 +300,34 @@ def test_a_load_reads_only_the_inner_chunks_it_needs(tmp_path: Path) -> None:
     assert shard == 4 * inner + 4 * 4 + 4 * 16 + 4  # inner chunks, crc table, index
     for got in read:
         assert got == ARRAYS * (inner + 4 * 4 + 4 * 16 + 4), (got, shard)  # 1 of 4 inner chunks + table + index
+
+
+def loaded_reading_shards_once(rank: int, world: int, ckpt: str) -> int:
+    """``loaded_counting_bytes`` with ``read_shards_once``: each shard read by one rank."""
+    read = _count_chunk_reads()
+    empty = _state(rank, world, empty=True)
+    loaded = load(empty, ckpt, sharded_strategy=ZarrLoadShardedStrategy(read_shards_once=True))
+    for i in range(ARRAYS):
+        assert torch.equal(loaded[f"w{i}"], _global(i).chunk(world)[rank]), (rank, i)
+        assert loaded[f"w{i}"] is empty[f"w{i}"].data  # received into the request's own tensor
+    return read[0]
+
+
+@pytest.mark.parametrize("world", [4, 3])
+def test_read_shards_once_fetches_each_shard_once_for_all_ranks(tmp_path: Path, world: int) -> None:
+    """One shard per array, saved by 4 ranks: with ``read_shards_once`` a load by 4 (or 3)
+    ranks reads each shard once, all of it, on one rank, which sends the others their
+    rows (at 3 ranks a rank's rows span two inner chunks: the same); the bytes read by
+    all ranks together are the shards' bytes, where each rank reading its own rows
+    reads each shard's index once per rank."""
+    ckpt = tmp_path / "ckpt"
+    run_distributed(saved_and_loaded, 4, str(ckpt), 4)
+    shard = (ckpt / "w0" / "c.0.0").stat().st_size
+    read = run_distributed(loaded_reading_shards_once, world, str(ckpt), timeout=240)
+    assert sum(read) == ARRAYS * shard, (read, shard)
+    assert sum(1 for got in read if got) <= ARRAYS  # readers: a rank per shard at most
+    each = run_distributed(loaded_counting_bytes, world, str(ckpt), timeout=240)
+    assert sum(each) > sum(read)
 
 
 def test_on_s3_a_sharded_save_makes_a_request_per_shard_not_per_chunk(moto_server) -> None:

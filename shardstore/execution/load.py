@@ -3,7 +3,8 @@
 Each rank reads its regions (only the chunks that overlap them, all reads in flight at
 once, each chunk checked against its own crc32c and the one the commit record binds),
 then every rank agrees that the reads succeeded, then the blocks that several ranks
-asked for travel from the rank that read them (``run_read_plan``). On a local disk
+asked for, or that the reader of their shard read for them, travel from the rank that
+read them (``run_read_plan``). On a local disk
 chunks go straight into the result's memory (``shardstore.format.chunks``); a request's own
 contiguous tensor of the stored dtype and shape is filled in place, on the CPU directly
 and on a GPU through pinned slabs (``staging.DeviceUploader``).
@@ -11,7 +12,7 @@ and on a GPU through pinned slabs (``staging.DeviceUploader``).
 
 from __future__ import annotations
 
-__all__ = ["ReadOp", "flat_boxes", "load_tensors", "plan_read", "run_read_plan"]
+__all__ = ["ReadOp", "flat_boxes", "forwarded_request", "load_tensors", "plan_read", "run_read_plan"]
 
 import math
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from shardstore.format.dtypes import (
 )
 from shardstore.format.records import ArrayRecord, CommitRecord
 from shardstore.mapping import ShardedTensor
-from shardstore.planning.layout import Region, block_shape, region_at, region_shape
+from shardstore.planning.layout import Region, ShardRecord, block_shape, region_at, region_shape
 from shardstore.planning.plans import RankReadPlan
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.stage import Transfers, run_stage
@@ -241,7 +242,14 @@ def run_read_plan(
     """Collective (one stage, ``protocol.stage.run_stage``): this rank's part of a load
     (``planning.plans.plan_reads``): its reads, agreed by every rank (a failed read, or
     ``local_error``, raises on every rank before any exchange), then the exchange of
-    blocks that other ranks read for it."""
+    blocks that other ranks read for it and it read for them (``plan.forwards`` among
+    them: new host memory, let go when this returns)."""
+
+    requested = len(tensors)
+    try:  # indices past its own: blocks it reads for others (out of memory here fails every rank)
+        tensors = [*tensors, *map(forwarded_request, plan.forwards)]
+    except Exception as exc:  # raised on every rank by the stage
+        local_error = local_error or exc
 
     def read() -> dict[int, torch.Tensor]:
         loaded = load_tensors(
@@ -253,7 +261,18 @@ def run_read_plan(
         group, f"Reading checkpoint {location.describe()}", read,
         transfers=lambda read_out: replica_transfers(tensors, plan, read_out), local_error=local_error,
     )
-    return [out[i] for i in range(len(tensors))]
+    return [out[i] for i in range(requested)]
+
+
+def forwarded_request(s: ShardRecord) -> ShardedTensor:
+    """A request like another rank's ``s`` (``RankReadPlan.forwards``), into new host
+    memory: its block with no prepended axes (the same elements, which travel as bytes),
+    read in place when the stored dtype is its own."""
+    dtype = from_zarr_name(s.dtype).torch_dtype
+    flat = None if s.flat_range is None else slice(*s.flat_range)
+    data = torch.empty(s.block_shape if flat is None else (flat.stop - flat.start,), dtype=dtype)
+    return ShardedTensor(s.key, data, dtype, s.block_shape, s.global_shape, s.offset, None,
+                         allow_shape_mismatch=s.allow_shape_mismatch, flattened_range=flat)
 
 
 def replica_transfers(tensors: list[ShardedTensor], plan: RankReadPlan, out: dict[int, torch.Tensor]) -> Transfers:

@@ -36,21 +36,22 @@ names, which ``validation.plan_load`` renumbers for).
 from __future__ import annotations
 
 __all__ = [
-    "RankLoadPlan", "RankReadPlan", "RankSavePlan", "exchange_waves", "largest_shard_bytes", "plan_flat_writes",
-    "plan_reads", "plan_save", "stored_at_most",
+    "MAX_FORWARDED_BYTES", "RankLoadPlan", "RankReadPlan", "RankSavePlan", "exchange_waves", "largest_shard_bytes",
+    "plan_flat_writes", "plan_reads", "plan_save", "stored_at_most",
 ]
 
 import bisect
 import itertools
 import math
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.codecs import CRC_BYTES
-from shardstore.format.dtypes import from_zarr_name
+from shardstore.format.dtypes import ITEMSIZE_BY_ZARR_NAME, from_zarr_name
 from shardstore.format.records import (
     ArrayRecord,
     CommitRecord,
@@ -746,7 +747,7 @@ def exchange_waves(plan: RankSavePlan, wave_bytes: int | None) -> list[tuple[tup
 @dataclass(frozen=True)
 class RankReadPlan:
     """What one rank reads in a load, and what it exchanges (indices are into its own
-    list of requested ShardedTensors).
+    list of requested ShardedTensors, then into ``forwards``).
 
     Attributes:
         rank: the group rank it is for.
@@ -754,6 +755,9 @@ class RankReadPlan:
         copies: ``(index, source)``: a block it asked for twice, filled from the copy it read.
         sends: ``(peer, indices)``: tensors it read that ``peer`` asked for too, in order.
         receives: ``(peer, indices)``: its tensors that ``peer`` reads and sends, in order.
+        forwards: blocks it reads only for other ranks (a shard read once for all that
+            ask for it: ``plan_reads``' ``shards``), as their requests' records; number
+            ``k`` has index ``n + k``, where ``n`` is the length of its own list.
     """
 
     rank: int
@@ -761,6 +765,7 @@ class RankReadPlan:
     copies: tuple[tuple[int, int], ...] = ()
     sends: tuple[tuple[int, tuple[int, ...]], ...] = ()
     receives: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    forwards: tuple[ShardRecord, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -780,7 +785,16 @@ class RankLoadPlan:
     reads: object
 
 
-def plan_reads(layout: GlobalLayout, fully_parallel: bool) -> list[RankReadPlan]:
+# The most bytes one rank reads for other ranks alone where shards are read once
+# (``plan_reads``' ``shards``): the blocks it did not ask for itself, held until the
+# exchange (the ones it asked for land in its own tensors). A shard that would take a
+# rank past it is read by each rank that asks, as without.
+MAX_FORWARDED_BYTES = 2 << 30
+
+
+def plan_reads(
+    layout: GlobalLayout, fully_parallel: bool, shards: Mapping[str, tuple[int, ...]] | None = None,
+) -> list[RankReadPlan]:
     """Every rank's reads of a load (index = group rank).
 
     Without ``fully_parallel`` each rank reads everything it asked for. With it, a block
@@ -788,41 +802,78 @@ def plan_reads(layout: GlobalLayout, fully_parallel: bool) -> list[RankReadPlan]
     from storage by one of them, chosen to balance the bytes each rank reads
     (``planning.layout.pick_balanced``), and sent to the others; a rank that asked twice for one
     block reads it once.
+
+    ``shards`` (with ``fully_parallel``): the shard shapes of sharded arrays (key -> the
+    record's ``chunk_shape``) whose shards are each read by one rank: every block asked
+    for whose first element lies in a shard is read by one rank that asks for part of
+    it, balanced by bytes, and sent to the others, so a shard is fetched once (one or
+    two requests) instead of once per rank (at 4,096 ranks, FSDP2's thousands of
+    arrays each touch most ranks). A reader holds at most ``MAX_FORWARDED_BYTES`` of
+    blocks it did not ask for itself (``RankReadPlan.forwards``).
     """
     world = layout.world_size
-    if fully_parallel and not layout.holds_each_block_once():  # a block asked for twice (in one dtype or two)
+    shards = shards or {}
+    if not fully_parallel or (not shards and layout.holds_each_block_once()):
+        mine: list[list[int]] = [[] for _ in range(world)]  # each rank reads all it asked for
+        for records in layout.tensors.values():
+            for s in records:
+                mine[s.rank].append(s.index)
+        return [RankReadPlan(rank, tuple(sorted(mine[rank]))) for rank in range(world)]
+    own = [0] * world
+    for records in layout.tensors.values():
+        for s in records:
+            own[s.rank] += 1
+    if layout.holds_each_block_once():  # each request its own group (FSDP2: millions at 4,096 ranks)
+        groups = [[s] for records in layout.tensors.values() for s in records]
+    else:  # a block asked for twice (in one dtype or two)
         requests: dict[tuple, list[ShardRecord]] = defaultdict(list)
-        for shards in layout.tensors.values():
-            for s in shards:  # ``ShardRecord.block_id`` and the dtype, as one tuple (millions at 4,096 ranks)
+        for records in layout.tensors.values():
+            for s in records:  # ``ShardRecord.block_id`` and the dtype, as one tuple (millions at 4,096 ranks)
                 requests[(s.key, s.offset, s.block_shape, s.flat_range, s.dtype)].append(s)
-        return _plan_shared_reads(list(requests.values()), world)  # in the order of the gathered requests
-    own: list[list[int]] = [[] for _ in range(world)]  # each rank reads all it asked for
-    for shards in layout.tensors.values():
-        for s in shards:
-            own[s.rank].append(s.index)
-    return [RankReadPlan(rank, tuple(sorted(own[rank]))) for rank in range(world)]
+        groups = list(requests.values())  # in the order of the gathered requests
+    return _plan_shared_reads(groups, own, shards)
 
 
-def _plan_shared_reads(groups: list[list[ShardRecord]], world: int) -> list[RankReadPlan]:
+def _plan_shared_reads(
+    groups: list[list[ShardRecord]], own: list[int], shards: Mapping[str, tuple[int, ...]],
+) -> list[RankReadPlan]:
     """``plan_reads`` of ``groups`` of requests for one block each, some asked for by
-    several ranks: one member of each reads it, and sends it to the others."""
-    readers = pick_balanced(groups, [0] * world)
+    several ranks (``own``: how many requests each rank made): one rank reads each
+    block, a member of its group or, for a block of a shard read once, the shard's
+    reader (``_shard_readers``), and sends it to the members."""
+    world = len(own)
+    load = [0] * world
+    readers = _shard_readers(groups, shards, load)
+    rest = [i for i, r in enumerate(readers) if r is None]
+    if len(groups) == sum(own):  # every block asked for once: no choice left
+        return _single_asker_plans(groups, readers, own)
+    for i, member in zip(rest, pick_balanced([groups[i] for i in rest], load)):
+        readers[i] = member.rank
     reads: list[list[int]] = [[] for _ in range(world)]
     copies: list[list[tuple[int, int]]] = [[] for _ in range(world)]
     sends: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(world)]
     receives: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(world)]
-    for group, reader in zip(groups, readers):
-        reads[reader.rank].append(reader.index)
-        if len(group) == 1:
+    forwards: list[list[ShardRecord]] = [[] for _ in range(world)]
+    for group, rank in zip(groups, readers):
+        first = group[0]
+        if len(group) == 1 and (rank is None or rank == first.rank):  # read by its one asker
+            reads[first.rank].append(first.index)
             continue
+        reader = next((s for s in group if s.rank == rank), None)
+        if reader is None:  # a block of a shard this rank reads for others only
+            index = own[rank] + len(forwards[rank])
+            forwards[rank].append(first)
+        else:
+            index = reader.index
+        reads[rank].append(index)
         for s in group:
             if s is reader:
                 continue
-            if s.rank == reader.rank:
-                copies[s.rank].append((s.index, reader.index))
+            if s.rank == rank:
+                copies[rank].append((s.index, index))
             else:  # the same order on both sides: the groups' order
-                sends[reader.rank][s.rank].append(reader.index)
-                receives[s.rank][reader.rank].append(s.index)
+                sends[rank][s.rank].append(index)
+                receives[s.rank][rank].append(s.index)
     return [
         RankReadPlan(
             rank,
@@ -830,6 +881,133 @@ def _plan_shared_reads(groups: list[list[ShardRecord]], world: int) -> list[Rank
             tuple(copies[rank]),
             tuple((peer, tuple(ix)) for peer, ix in sorted(sends[rank].items())),
             tuple((peer, tuple(ix)) for peer, ix in sorted(receives[rank].items())),
+            tuple(forwards[rank]),
         )
         for rank in range(world)
     ]
+
+
+def _single_asker_plans(groups: list[list[ShardRecord]], readers: list[int | None], own: list[int]) -> list[RankReadPlan]:
+    """``_plan_shared_reads``' plans where every block has one asker (FSDP2: millions
+    of blocks at 4,096 ranks), in bulk: each block is read by its asker, or by the
+    reader of its shard (``readers``), who reads it as a forward (numbered in the
+    groups' order) and sends it."""
+    world = len(own)
+    n = len(groups)
+    rank = np.fromiter((g[0].rank for g in groups), np.int64, n)
+    index = np.fromiter((g[0].index for g in groups), np.int64, n)
+    reader = np.fromiter((-1 if r is None else r for r in readers), np.int64, n)
+    reader = np.where(reader < 0, rank, reader)
+    local = np.flatnonzero(reader == rank)
+    reads = _split_by(rank[local], index[local], world, sort=True)
+    moved = np.flatnonzero(reader != rank)  # in the groups' order
+    by_reader = moved[np.argsort(reader[moved], kind="stable")]
+    starts = np.searchsorted(reader[by_reader], np.arange(world))
+    number = np.arange(len(by_reader)) - starts[reader[by_reader]]  # each reader's forwards: 0, 1, ...
+    forward_index = np.asarray(own, np.int64)[reader[by_reader]] + number
+    forwards = _split_by(reader[by_reader], by_reader, world)
+    mine = _split_by(reader[by_reader], forward_index, world)
+    pair = reader[by_reader] * world + rank[by_reader]
+    in_pairs = np.argsort(pair, kind="stable")  # per (reader, asker), the groups' order
+    sends: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(world)]
+    receives: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(world)]
+    pairs, first = np.unique(pair[in_pairs], return_index=True)
+    sent, received = forward_index[in_pairs].tolist(), index[by_reader[in_pairs]].tolist()
+    for p, lo, hi in zip(pairs.tolist(), first.tolist(), [*first[1:].tolist(), len(in_pairs)]):
+        sender, asker = divmod(p, world)
+        sends[sender].append((asker, tuple(sent[lo:hi])))
+        receives[asker].append((sender, tuple(received[lo:hi])))
+    for r in range(world):
+        receives[r].sort()
+    return [
+        RankReadPlan(r, tuple(reads[r]) + tuple(mine[r]), (), tuple(sends[r]), tuple(receives[r]),
+                     tuple(groups[i][0] for i in forwards[r]))
+        for r in range(world)
+    ]
+
+
+def _split_by(owner: np.ndarray, values: np.ndarray, world: int, sort: bool = False) -> list[list[int]]:
+    """``values`` split by ``owner`` (a rank each), in their order or sorted."""
+    order = np.lexsort((values, owner)) if sort else np.argsort(owner, kind="stable")
+    bounds = np.searchsorted(owner[order], np.arange(world + 1))
+    ordered = values[order].tolist()
+    return [ordered[bounds[r] : bounds[r + 1]] for r in range(world)]
+
+
+def _shard_readers(
+    groups: list[list[ShardRecord]], shards: Mapping[str, tuple[int, ...]], load: list[int],
+) -> list[int | None]:
+    """The rank that reads each group's block where its shard is read once (None:
+    not decided here): the groups whose block's first element lies in one shard of an
+    array in ``shards`` are read by one rank among those asking, the one with the
+    fewest bytes so far (``load``, updated; ties: lowest rank), largest shard first
+    (ties: the groups' order), unless that takes it past ``MAX_FORWARDED_BYTES`` of
+    blocks it did not ask for."""
+    readers: list[int | None] = [None] * len(groups)
+    by_key: dict[str, list[int]] = defaultdict(list)
+    for i, group in enumerate(groups):
+        if group[0].key in shards:
+            by_key[group[0].key].append(i)
+    buckets: list[tuple[int, int, list[int], np.ndarray, np.ndarray]] = []  # ``_buckets_of_key``
+    for key, positions in by_key.items():
+        buckets += _buckets_of_key([groups[i][0] for i in positions], positions, shards[key])
+    forwarded = [0] * len(load)
+    for size, _, bucket, ranks, nbytes in sorted(buckets, key=lambda b: (-b[0], b[1])):
+        if any(len(groups[i]) > 1 for i in bucket):  # replicas among them: their members ask too
+            asking = [(s.rank, i) for i in bucket for s in groups[i]]
+            ranks = np.fromiter((r for r, _ in asking), np.int64, len(asking))
+            nbytes = np.fromiter((groups[i][0].nbytes for _, i in asking), np.int64, len(asking))
+        candidates = np.unique(ranks)
+        if len(candidates) == 1:
+            continue  # one rank asks: it reads, as it would
+        rank = min(candidates.tolist(), key=lambda r: (load[r], r))
+        extra = size - int(nbytes[ranks == rank].sum())  # a group a rank asks for twice counts once: at most
+        if forwarded[rank] + max(extra, 0) > MAX_FORWARDED_BYTES:
+            continue
+        forwarded[rank] += extra
+        load[rank] += size
+        for i in bucket:
+            readers[i] = rank
+    return readers
+
+
+def _buckets_of_key(
+    firsts: list[ShardRecord], positions: list[int], shard: tuple[int, ...],
+) -> list[tuple[int, int, list[int], np.ndarray, np.ndarray]]:
+    """``(bytes, first position, positions, ranks, bytes of each)`` of each shard of one
+    array (of shape ``shard``) that holds the first element of some of the blocks
+    ``firsts`` (at ``positions`` among the groups; ``ranks``: each one's first asker), in
+    bulk: millions of blocks at 4,096 ranks. Blocks of no element, or of another number
+    of axes than the shard's, are left out."""
+    ndim = len(shard)
+    kept = [k for k, s in enumerate(firsts) if len(s.offset) == ndim]
+    if not kept or not ndim:
+        return []
+    n = len(kept)
+    columns = 2 * ndim + 4
+    table = np.fromiter(itertools.chain.from_iterable(
+        [(*s.offset, *s.block_shape, *(s.flat_range or (-1, -1)), s.rank, ITEMSIZE_BY_ZARR_NAME.get(s.dtype) or
+          from_zarr_name(s.dtype).itemsize) for s in map(firsts.__getitem__, kept)]), np.int64, n * columns)
+    table = table.reshape(n, columns)
+    offset, extent, flat = table[:, :ndim], table[:, ndim : 2 * ndim], table[:, 2 * ndim : 2 * ndim + 2]
+    is_flat = flat[:, 0] >= 0
+    nbytes = np.where(is_flat, flat[:, 1] - flat[:, 0], extent.prod(axis=1)) * table[:, -1]
+    first = offset.copy()
+    if is_flat.any():  # a flattened range's first element: its start unraveled in its block
+        rest = np.where(is_flat, flat[:, 0], 0)
+        for axis in range(ndim - 1, -1, -1):
+            rest, within = np.divmod(rest, np.maximum(extent[:, axis], 1))
+            first[:, axis] += within
+    cell = first // np.asarray(shard, np.int64)
+    held = np.flatnonzero(nbytes > 0)
+    if not len(held):
+        return []
+    ids, at, inverse = np.unique(cell[held], axis=0, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    sizes = np.bincount(inverse, weights=nbytes[held], minlength=len(ids))
+    order = np.argsort(inverse, kind="stable")
+    bounds = np.searchsorted(inverse[order], np.arange(len(ids) + 1))
+    members = np.asarray(positions, np.int64)[np.asarray(kept, np.int64)[held]]
+    ranks, nbytes = table[held, -2], nbytes[held]
+    return [(int(sizes[b]), int(members[at[b]]), members[run].tolist(), ranks[run], nbytes[run])
+            for b in range(len(ids)) for run in (order[bounds[b] : bounds[b + 1]],)]

@@ -142,9 +142,10 @@ class LoadShardedStrategy(LoadStrategyBase):
         group when it was given one. Default: plain ``load``."""
         return self.load(sharded_state_dict, location)
 
-    def plan_load(self, layout: GlobalLayout) -> list[Any]:
+    def plan_load(self, layout: GlobalLayout, record: Any = None) -> list[Any]:
         """Coordinator: every rank's read plan for the gathered requests (index = group
-        rank; ``shardstore.planning.plans``). Default: each rank reads what it asked for."""
+        rank; ``shardstore.planning.plans``), given the checkpoint's commit record where
+        it has one. Default: each rank reads what it asked for."""
         from shardstore.planning.plans import plan_reads
 
         return plan_reads(layout, fully_parallel=False)
@@ -189,8 +190,8 @@ class DelegatingLoadStrategy:
 
     base_strategy: Any
 
-    def plan_load(self, layout: GlobalLayout) -> list[Any]:
-        return self.base_strategy.plan_load(layout)
+    def plan_load(self, layout: GlobalLayout, record: Any = None) -> list[Any]:
+        return self.base_strategy.plan_load(layout, record)
 
     def load_with_plan(self, sharded_state_dict: ShardedStateDict, location: Any, record: Any, plan: Any,
                        group: Any, local_error: BaseException | None = None) -> StateDict:

@@ -29,6 +29,7 @@ __all__ = [
     "torch_to_numpy_dtype_dict", "whole_tensor_metadata",
 ]
 
+import functools
 import json
 import logging
 import math
@@ -481,17 +482,26 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             naming the key; exact conversions (float16 -> float32, ...) always pass.
         load_staging_bytes: the most pinned host memory a load into CUDA tensors holds
             (two slabs of half of it, freed when the load returns).
+        read_shards_once: with ``fully_parallel``, each shard of a sharded array is
+            read by one of the ranks that ask for part of it, which sends the others
+            their blocks (``planning.plans.plan_reads``), so a shard is fetched once, not
+            once per rank: ``True``, ``False``, or ``"auto"`` (default): from
+            ``AUTO_SHARD_MIN_RANKS`` (32) ranks on, where sharded saves start. A reader
+            holds at most ``planning.plans.MAX_FORWARDED_BYTES`` of blocks for others.
     """
 
     def __init__(
         self, io_concurrency: int = DEFAULT_IO_CONCURRENCY, fully_parallel: bool = True,
         process_group: dist.ProcessGroup | None = None, allow_lossy_casts: bool = False,
-        load_staging_bytes: int = DEFAULT_LOAD_STAGING_BYTES,
+        load_staging_bytes: int = DEFAULT_LOAD_STAGING_BYTES, read_shards_once: bool | Literal["auto"] = "auto",
     ) -> None:
+        if read_shards_once not in (True, False, "auto"):
+            raise ValueError(f"read_shards_once must be True, False or 'auto', got {read_shards_once!r}")
         self.io_concurrency = io_concurrency
         self.fully_parallel = fully_parallel
         self.allow_lossy_casts = allow_lossy_casts
         self.process_group = process_group
+        self.read_shards_once = read_shards_once
         self._uploader = DeviceUploader(load_staging_bytes)
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> StateDict:
@@ -511,12 +521,19 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         else:
             group = Group(process_group if process_group is not None else self.process_group)
         tensors, _ = local_sharded_items(sharded_state_dict)
-        plan = gather_and_plan(tensors, [], group, self.plan_load, place=location.describe())
+        plan = gather_and_plan(tensors, [], group, functools.partial(self.plan_load, record=record),
+                               place=location.describe())
         return self.load_with_plan(sharded_state_dict, location, record, plan, group)
 
-    def plan_load(self, layout: GlobalLayout) -> list[RankReadPlan]:
-        """Coordinator: who reads which requested block (``planning.plans.plan_reads``)."""
-        return plan_reads(layout, self.fully_parallel)
+    def plan_load(self, layout: GlobalLayout, record: CommitRecord | None = None) -> list[RankReadPlan]:
+        """Coordinator: who reads which requested block (``planning.plans.plan_reads``);
+        given the checkpoint's ``record``, each shard of its sharded arrays once where
+        ``read_shards_once`` says so."""
+        shards = None
+        if record is not None and (self.read_shards_once is True or (
+                self.read_shards_once == "auto" and layout.world_size >= AUTO_SHARD_MIN_RANKS)):
+            shards = {k: a.chunk_shape for k, a in record.arrays.items() if a.codec.reads_spans and k in layout.tensors}
+        return plan_reads(layout, self.fully_parallel, shards)
 
     def load_with_plan(
         self, sharded_state_dict: ShardedStateDict, location: Location, record: CommitRecord, plan: RankReadPlan,

@@ -892,25 +892,30 @@ def run_reshard_fsdp(b: Bench, args: argparse.Namespace) -> None:
 
 def measure_fsdp_on_s3(b: Bench, state: State, nbytes: int) -> None:
     """The fsdp case on the local S3 server (``--cases fsdp,s3``), interleaved with the
-    local methods: shardstore with and without shards against DCP over fsspec (torch's
+    local methods: shardstore with and without shards (and loaded with each shard read
+    once, ``read_shards_once``) against DCP over fsspec (torch's
     ``FsspecWriter``/``FsspecReader`` with s3fs), issue 44.3's comparison."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardstore
     from shardstore.format.commit import SaveOptions
-    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+    from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 
     sharded = ZarrSaveShardedStrategy(shard_bytes=64 << 20)
     per_node, consolidated = SaveOptions(overwrite=True), SaveOptions(overwrite=True, zarr_metadata="consolidated_only")
-    for method, strategy, options in (
-        ("shardstore-s3", None, per_node), ("shardstore-sharded-s3", sharded, per_node),
-        ("shardstore-consolidated-s3", None, consolidated), ("shardstore-sharded-consolidated-s3", sharded, consolidated),
+    once = ZarrLoadShardedStrategy(read_shards_once=True)  # each shard read by one rank (default from 32 ranks)
+    for method, strategy, options, loader in (
+        ("shardstore-s3", None, per_node, None), ("shardstore-sharded-s3", sharded, per_node, None),
+        ("shardstore-consolidated-s3", None, consolidated, None),
+        ("shardstore-sharded-consolidated-s3", sharded, consolidated, None),
+        ("shardstore-sharded-consolidated-once-s3", sharded, consolidated, once),
     ):
         url = f"s3://{S3_BUCKET}/fsdp/{method}"
         b.measure("fsdp", method, nbytes, b.root / f"unused-{method}",
                   lambda url=url, strategy=strategy, options=options: shardstore.save(
                       shardstore_sd(state, b.rank, b.world), url, strategy, options=options),
-                  lambda url=url: shardstore.load(shardstore_sd(state, b.rank, b.world, empty=True), url))
+                  lambda url=url, loader=loader: shardstore.load(
+                      shardstore_sd(state, b.rank, b.world, empty=True), url, sharded_strategy=loader))
     measure_dcp_on_s3(b, "fsdp", state, nbytes, init_device_mesh("cpu", (b.world,)))
 
 

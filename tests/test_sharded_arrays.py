@@ -330,6 +330,23 @@ def test_read_shards_once_fetches_each_shard_once_for_all_ranks(tmp_path: Path, 
     assert sum(each) > sum(read)
 
 
+def loaded_into_swapped_data(rank: int, world: int, ckpt: str) -> None:
+    """A request whose data was swapped for bfloat16 after it was made (``model.bfloat16()``):
+    the load returns its declared float32, exactly, whoever reads it."""
+    st = ShardedTensor.from_rank_offsets("w0", torch.zeros(ROWS // world, COLS), (0, rank, world))
+    st.data.data = st.data.data.to(torch.bfloat16)
+    loaded = load({"w0": st}, ckpt, sharded_strategy=ZarrLoadShardedStrategy(read_shards_once=True))
+    assert loaded["w0"].dtype == torch.float32 and torch.equal(loaded["w0"], _global(0).chunk(world)[rank]), rank
+
+
+def test_a_block_read_for_another_rank_has_the_dtype_that_rank_asks_for(tmp_path: Path) -> None:
+    """Blocks travel in the dtype the asker's load returns (its declared one: a load's
+    records carry it, ``ShardRecord.of_request``), not the one its data holds."""
+    ckpt = tmp_path / "ckpt"
+    run_distributed(saved_and_loaded, 4, str(ckpt), 4)
+    run_distributed(loaded_into_swapped_data, 3, str(ckpt), timeout=240)
+
+
 def test_on_s3_a_sharded_save_makes_a_request_per_shard_not_per_chunk(moto_server) -> None:
     """Issue 44.3's count: requests per save about arrays + shards + 2 x ranks + a few,
     counted at a proxy in front of the local S3 server; the same save unsharded makes

@@ -17,7 +17,7 @@ __all__ = [
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,13 +46,15 @@ FORMAT_NAME_LIMITS = NameLimits()
 
 
 def local_records(
-    sharded_tensors: list[ShardedTensor], sharded_objects: list[ShardedObject], rank: int, where: str | None = None
+    sharded_tensors: list[ShardedTensor], sharded_objects: list[ShardedObject], rank: int, where: str | None = None,
+    record: Callable[[ShardedTensor, int, int], ShardRecord] = ShardRecord.from_sharded_tensor,
 ) -> tuple[list[ShardRecord], list[ObjectShardRecord]]:
-    """This rank's contribution to the layout; raises on invalid keys (naming the
-    checkpoint ``where``) or dtypes."""
+    """This rank's contribution to the layout, each tensor's record made by ``record``
+    (a save's; ``ShardRecord.of_request`` for a load's); raises on invalid keys (naming
+    the checkpoint ``where``) or dtypes."""
     for item in (*sharded_tensors, *sharded_objects):
         check_key(item.key, where)
-    tensors = [ShardRecord.from_sharded_tensor(t, rank, i) for i, t in enumerate(sharded_tensors)]
+    tensors = [record(t, rank, i) for i, t in enumerate(sharded_tensors)]
     objects = [ObjectShardRecord.from_sharded_object(o, rank) for o in sharded_objects]
     return tensors, objects
 

@@ -109,6 +109,15 @@ class ShardRecord:
             irregular=tensor.axis_fragmentations is None,
         )
 
+    @classmethod
+    def of_request(cls, tensor: ShardedTensor, rank: int, index: int) -> ShardRecord:
+        """The record of a load's request: ``from_sharded_tensor``'s, in the dtype the load
+        returns (the declared ``dtype``, whatever ``data`` holds now), which is the dtype
+        in which a block that another rank reads for it travels (``planning.plans.plan_reads``)."""
+        record = cls.from_sharded_tensor(tensor, rank, index)
+        dtype = from_torch(tensor.dtype).zarr_name
+        return record if record.dtype == dtype else replace(record, dtype=dtype)
+
     def __reduce__(self) -> tuple[Callable[[tuple], ShardRecord], tuple[tuple]]:
         """Pickled as one tuple of its fields, not pickle's dict naming every field:
         every rank's records travel to the coordinator (7.4 million at 4,096 ranks for

@@ -44,7 +44,7 @@ import bisect
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -823,15 +823,19 @@ def plan_reads(
     for records in layout.tensors.values():
         for s in records:
             own[s.rank] += 1
-    if layout.holds_each_block_once():  # each request its own group (FSDP2: millions at 4,096 ranks)
-        groups = [[s] for records in layout.tensors.values() for s in records]
-    else:  # a block asked for twice (in one dtype or two)
-        requests: dict[tuple, list[ShardRecord]] = defaultdict(list)
-        for records in layout.tensors.values():
-            for s in records:  # ``ShardRecord.block_id`` and the dtype, as one tuple (millions at 4,096 ranks)
-                requests[(s.key, s.offset, s.block_shape, s.flat_range, s.dtype)].append(s)
-        groups = list(requests.values())  # in the order of the gathered requests
-    return _plan_shared_reads(groups, own, shards)
+    if layout.holds_each_block_once():  # each block asked for once (FSDP2: millions at 4,096 ranks)
+        return _single_asker_plans(layout, own, shards)
+    requests: dict[tuple, list[ShardRecord]] = defaultdict(list)  # a block asked for twice (in one dtype or two)
+    for records in layout.tensors.values():
+        for s in records:  # ``ShardRecord.block_id`` and the dtype, as one tuple (millions at 4,096 ranks)
+            requests[(s.key, s.offset, s.block_shape, s.flat_range, s.dtype)].append(s)
+    return _plan_shared_reads(list(requests.values()), own, shards)  # in the order of the gathered requests
+
+
+# One shard's blocks as ``_BlockTable.shard_buckets`` gives them: ``(bytes, first position,
+# positions, askers, bytes of each)``, a position and asker per block (per block and
+# asker where several ranks ask for one), in the order the blocks were gathered.
+_Bucket = tuple[int, int, np.ndarray, np.ndarray, np.ndarray]
 
 
 def _plan_shared_reads(
@@ -843,10 +847,11 @@ def _plan_shared_reads(
     reader (``_shard_readers``), and sends it to the members."""
     world = len(own)
     load = [0] * world
-    readers = _shard_readers(groups, shards, load)
+    readers: list[int | None] = [None] * len(groups)
+    for rank, positions in _shard_readers(_group_buckets(groups, shards), load):
+        for i in positions.tolist():
+            readers[i] = rank
     rest = [i for i, r in enumerate(readers) if r is None]
-    if len(groups) == sum(own):  # every block asked for once: no choice left
-        return _single_asker_plans(groups, readers, own)
     for i, member in zip(rest, pick_balanced([groups[i] for i in rest], load)):
         readers[i] = member.rank
     reads: list[list[int]] = [[] for _ in range(world)]
@@ -855,14 +860,10 @@ def _plan_shared_reads(
     receives: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(world)]
     forwards: list[list[ShardRecord]] = [[] for _ in range(world)]
     for group, rank in zip(groups, readers):
-        first = group[0]
-        if len(group) == 1 and (rank is None or rank == first.rank):  # read by its one asker
-            reads[first.rank].append(first.index)
-            continue
         reader = next((s for s in group if s.rank == rank), None)
         if reader is None:  # a block of a shard this rank reads for others only
             index = own[rank] + len(forwards[rank])
-            forwards[rank].append(first)
+            forwards[rank].append(group[0])
         else:
             index = reader.index
         reads[rank].append(index)
@@ -887,43 +888,104 @@ def _plan_shared_reads(
     ]
 
 
-def _single_asker_plans(groups: list[list[ShardRecord]], readers: list[int | None], own: list[int]) -> list[RankReadPlan]:
-    """``_plan_shared_reads``' plans where every block has one asker (FSDP2: millions
-    of blocks at 4,096 ranks), in bulk: each block is read by its asker, or by the
-    reader of its shard (``readers``), who reads it as a forward (numbered in the
-    groups' order) and sends it."""
+def _group_buckets(groups: list[list[ShardRecord]], shards: Mapping[str, tuple[int, ...]]) -> list[_Bucket]:
+    """The shards of ``groups``' blocks (positions: the groups'), each group's members
+    its askers (a rank that asks twice, once)."""
+    by_key: dict[str, list[int]] = defaultdict(list)
+    for i, group in enumerate(groups):
+        if group[0].key in shards:
+            by_key[group[0].key].append(i)
+    buckets: list[_Bucket] = []
+    for key, positions in by_key.items():
+        for size, first, members, ranks, nbytes in _BlockTable.of([groups[i][0] for i in positions],
+                                                                  shards[key]).shard_buckets(positions):
+            if any(len(groups[i]) > 1 for i in members.tolist()):  # replicas: every asker counts
+                asking = sorted({(s.rank, i) for i in members.tolist() for s in groups[i]})
+                ranks = np.fromiter((r for r, _ in asking), np.int64, len(asking))
+                nbytes = np.fromiter((groups[i][0].nbytes for _, i in asking), np.int64, len(asking))
+            buckets.append((size, first, members, ranks, nbytes))
+    return buckets
+
+
+def _shard_readers(buckets: list[_Bucket], load: list[int]) -> list[tuple[int, np.ndarray]]:
+    """``(reader, positions)`` of each shard read once: among its askers, the one with
+    the fewest bytes so far (``load``, updated; ties: lowest rank), largest shard first
+    (ties: the order gathered), unless that takes it past ``MAX_FORWARDED_BYTES`` of
+    blocks it did not ask for. A shard one rank asks for alone is left out."""
+    chosen: list[tuple[int, np.ndarray]] = []
+    forwarded = [0] * len(load)
+    for size, _, positions, ranks, nbytes in sorted(buckets, key=lambda b: (-b[0], b[1])):
+        candidates = np.unique(ranks)
+        if len(candidates) == 1:
+            continue  # one rank asks: it reads, as it would
+        rank = min(candidates.tolist(), key=lambda r: (load[r], r))
+        extra = size - int(nbytes[ranks == rank].sum())
+        if forwarded[rank] + extra > MAX_FORWARDED_BYTES:
+            continue
+        forwarded[rank] += extra
+        load[rank] += size
+        chosen.append((rank, positions))
+    return chosen
+
+
+def _single_asker_plans(layout: GlobalLayout, own: list[int], shards: Mapping[str, tuple[int, ...]]) -> list[RankReadPlan]:
+    """``plan_reads`` where every block has one asker (FSDP2: millions of blocks at 4,096
+    ranks), in bulk: each block is read by its asker, or by the reader of its shard
+    (``_shard_readers``), who reads it as a forward (numbered in the order gathered)
+    and sends it."""
     world = len(own)
-    n = len(groups)
-    rank = np.fromiter((g[0].rank for g in groups), np.int64, n)
-    index = np.fromiter((g[0].index for g in groups), np.int64, n)
-    reader = np.fromiter((-1 if r is None else r for r in readers), np.int64, n)
-    reader = np.where(reader < 0, rank, reader)
+    ranks, indices, buckets = [], [], []
+    base = 0
+    for key, records in layout.tensors.items():
+        table = _BlockTable.of(records, shards[key]) if key in shards else None
+        if table is not None and table.complete:
+            buckets += table.shard_buckets(range(base, base + len(records)))
+            ranks.append(table.ranks)
+            indices.append(table.indices)
+        else:
+            ranks.append(np.fromiter((s.rank for s in records), np.int64, len(records)))
+            indices.append(np.fromiter((s.index for s in records), np.int64, len(records)))
+        base += len(records)
+    rank = np.concatenate(ranks) if ranks else np.zeros(0, np.int64)
+    index = np.concatenate(indices) if indices else np.zeros(0, np.int64)
+    reader = rank.copy()
+    for r, positions in _shard_readers(buckets, [0] * world):
+        reader[positions] = r
     local = np.flatnonzero(reader == rank)
     reads = _split_by(rank[local], index[local], world, sort=True)
-    moved = np.flatnonzero(reader != rank)  # in the groups' order
+    moved = np.flatnonzero(reader != rank)  # in the order gathered
     by_reader = moved[np.argsort(reader[moved], kind="stable")]
     starts = np.searchsorted(reader[by_reader], np.arange(world))
     number = np.arange(len(by_reader)) - starts[reader[by_reader]]  # each reader's forwards: 0, 1, ...
     forward_index = np.asarray(own, np.int64)[reader[by_reader]] + number
-    forwards = _split_by(reader[by_reader], by_reader, world)
     mine = _split_by(reader[by_reader], forward_index, world)
-    pair = reader[by_reader] * world + rank[by_reader]
-    in_pairs = np.argsort(pair, kind="stable")  # per (reader, asker), the groups' order
-    sends: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(world)]
-    receives: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(world)]
-    pairs, first = np.unique(pair[in_pairs], return_index=True)
-    sent, received = forward_index[in_pairs].tolist(), index[by_reader[in_pairs]].tolist()
-    for p, lo, hi in zip(pairs.tolist(), first.tolist(), [*first[1:].tolist(), len(in_pairs)]):
-        sender, asker = divmod(p, world)
-        sends[sender].append((asker, tuple(sent[lo:hi])))
-        receives[asker].append((sender, tuple(received[lo:hi])))
-    for r in range(world):
-        receives[r].sort()
+    forwarded = _split_by(reader[by_reader], by_reader, world)
+    sends, receives = _pair_lists(reader[by_reader] * world + rank[by_reader], forward_index,
+                                  index[by_reader], world)
+    records = [s for rs in layout.tensors.values() for s in rs] if len(moved) else []
     return [
-        RankReadPlan(r, tuple(reads[r]) + tuple(mine[r]), (), tuple(sends[r]), tuple(receives[r]),
-                     tuple(groups[i][0] for i in forwards[r]))
+        RankReadPlan(r, tuple(reads[r]) + tuple(mine[r]), (), sends[r], receives[r],
+                     tuple(map(records.__getitem__, forwarded[r])))
         for r in range(world)
     ]
+
+
+def _pair_lists(
+    pair: np.ndarray, sent: np.ndarray, received: np.ndarray, world: int,
+) -> tuple[list[tuple], list[tuple]]:
+    """Each rank's ``sends`` and ``receives`` from blocks that travel: ``pair`` (sender x
+    world + receiver), the sender's index and the receiver's of each, in the order they
+    travel within a pair."""
+    order = np.argsort(pair, kind="stable")
+    pairs, first = np.unique(pair[order], return_index=True)
+    sent, received = sent[order].tolist(), received[order].tolist()
+    sends: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(world)]
+    receives: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(world)]
+    for p, lo, hi in zip(pairs.tolist(), first.tolist(), [*first[1:].tolist(), len(order)]):
+        sender, receiver = divmod(p, world)
+        sends[sender].append((receiver, tuple(sent[lo:hi])))
+        receives[receiver].append((sender, tuple(received[lo:hi])))
+    return [tuple(x) for x in sends], [tuple(sorted(x)) for x in receives]
 
 
 def _split_by(owner: np.ndarray, values: np.ndarray, world: int, sort: bool = False) -> list[list[int]]:
@@ -934,80 +996,62 @@ def _split_by(owner: np.ndarray, values: np.ndarray, world: int, sort: bool = Fa
     return [ordered[bounds[r] : bounds[r + 1]] for r in range(world)]
 
 
-def _shard_readers(
-    groups: list[list[ShardRecord]], shards: Mapping[str, tuple[int, ...]], load: list[int],
-) -> list[int | None]:
-    """The rank that reads each group's block where its shard is read once (None:
-    not decided here): the groups whose block's first element lies in one shard of an
-    array in ``shards`` are read by one rank among those asking, the one with the
-    fewest bytes so far (``load``, updated; ties: lowest rank), largest shard first
-    (ties: the groups' order), unless that takes it past ``MAX_FORWARDED_BYTES`` of
-    blocks it did not ask for."""
-    readers: list[int | None] = [None] * len(groups)
-    by_key: dict[str, list[int]] = defaultdict(list)
-    for i, group in enumerate(groups):
-        if group[0].key in shards:
-            by_key[group[0].key].append(i)
-    buckets: list[tuple[int, int, list[int], np.ndarray, np.ndarray]] = []  # ``_buckets_of_key``
-    for key, positions in by_key.items():
-        buckets += _buckets_of_key([groups[i][0] for i in positions], positions, shards[key])
-    forwarded = [0] * len(load)
-    for size, _, bucket, ranks, nbytes in sorted(buckets, key=lambda b: (-b[0], b[1])):
-        if any(len(groups[i]) > 1 for i in bucket):  # replicas among them: their members ask too
-            asking = [(s.rank, i) for i in bucket for s in groups[i]]
-            ranks = np.fromiter((r for r, _ in asking), np.int64, len(asking))
-            nbytes = np.fromiter((groups[i][0].nbytes for _, i in asking), np.int64, len(asking))
-        candidates = np.unique(ranks)
-        if len(candidates) == 1:
-            continue  # one rank asks: it reads, as it would
-        rank = min(candidates.tolist(), key=lambda r: (load[r], r))
-        extra = size - int(nbytes[ranks == rank].sum())  # a group a rank asks for twice counts once: at most
-        if forwarded[rank] + max(extra, 0) > MAX_FORWARDED_BYTES:
-            continue
-        forwarded[rank] += extra
-        load[rank] += size
-        for i in bucket:
-            readers[i] = rank
-    return readers
+@dataclass(frozen=True)
+class _BlockTable:
+    """The blocks of one array that a load asks for, as columns (one row per block), and
+    the shape of its shards: which shard holds each block's first element.
 
+    Attributes:
+        first: each block's first element (of its flattened range, if any).
+        ranks: its asker.
+        indices: its index among its asker's requests.
+        nbytes: its bytes.
+        shard: the array's shard shape.
+        complete: every block has the shard's number of axes (else the table is empty).
+    """
 
-def _buckets_of_key(
-    firsts: list[ShardRecord], positions: list[int], shard: tuple[int, ...],
-) -> list[tuple[int, int, list[int], np.ndarray, np.ndarray]]:
-    """``(bytes, first position, positions, ranks, bytes of each)`` of each shard of one
-    array (of shape ``shard``) that holds the first element of some of the blocks
-    ``firsts`` (at ``positions`` among the groups; ``ranks``: each one's first asker), in
-    bulk: millions of blocks at 4,096 ranks. Blocks of no element, or of another number
-    of axes than the shard's, are left out."""
-    ndim = len(shard)
-    kept = [k for k, s in enumerate(firsts) if len(s.offset) == ndim]
-    if not kept or not ndim:
-        return []
-    n = len(kept)
-    columns = 2 * ndim + 4
-    table = np.fromiter(itertools.chain.from_iterable(
-        [(*s.offset, *s.block_shape, *(s.flat_range or (-1, -1)), s.rank, ITEMSIZE_BY_ZARR_NAME.get(s.dtype) or
-          from_zarr_name(s.dtype).itemsize) for s in map(firsts.__getitem__, kept)]), np.int64, n * columns)
-    table = table.reshape(n, columns)
-    offset, extent, flat = table[:, :ndim], table[:, ndim : 2 * ndim], table[:, 2 * ndim : 2 * ndim + 2]
-    is_flat = flat[:, 0] >= 0
-    nbytes = np.where(is_flat, flat[:, 1] - flat[:, 0], extent.prod(axis=1)) * table[:, -1]
-    first = offset.copy()
-    if is_flat.any():  # a flattened range's first element: its start unraveled in its block
-        rest = np.where(is_flat, flat[:, 0], 0)
-        for axis in range(ndim - 1, -1, -1):
-            rest, within = np.divmod(rest, np.maximum(extent[:, axis], 1))
-            first[:, axis] += within
-    cell = first // np.asarray(shard, np.int64)
-    held = np.flatnonzero(nbytes > 0)
-    if not len(held):
-        return []
-    ids, at, inverse = np.unique(cell[held], axis=0, return_index=True, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    sizes = np.bincount(inverse, weights=nbytes[held], minlength=len(ids))
-    order = np.argsort(inverse, kind="stable")
-    bounds = np.searchsorted(inverse[order], np.arange(len(ids) + 1))
-    members = np.asarray(positions, np.int64)[np.asarray(kept, np.int64)[held]]
-    ranks, nbytes = table[held, -2], nbytes[held]
-    return [(int(sizes[b]), int(members[at[b]]), members[run].tolist(), ranks[run], nbytes[run])
-            for b in range(len(ids)) for run in (order[bounds[b] : bounds[b + 1]],)]
+    first: np.ndarray
+    ranks: np.ndarray
+    indices: np.ndarray
+    nbytes: np.ndarray
+    shard: tuple[int, ...]
+    complete: bool
+
+    @classmethod
+    def of(cls, records: list[ShardRecord], shard: tuple[int, ...]) -> _BlockTable:
+        ndim, n = len(shard), len(records)
+        if not ndim or any(len(s.offset) != ndim for s in records):
+            empty = np.zeros(0, np.int64)
+            return cls(empty.reshape(0, max(ndim, 1)), empty, empty, empty, shard, False)
+        columns = 2 * ndim + 5
+        table = np.fromiter(itertools.chain.from_iterable(
+            [(*s.offset, *s.block_shape, *(s.flat_range or (-1, -1)), s.rank, s.index,
+              ITEMSIZE_BY_ZARR_NAME.get(s.dtype) or from_zarr_name(s.dtype).itemsize) for s in records]),
+            np.int64, n * columns).reshape(n, columns)
+        offset, extent, flat = table[:, :ndim], table[:, ndim : 2 * ndim], table[:, 2 * ndim : 2 * ndim + 2]
+        is_flat = flat[:, 0] >= 0
+        first = offset.copy()
+        if is_flat.any():  # a flattened range's first element: its start unraveled in its block
+            rest = np.where(is_flat, flat[:, 0], 0)
+            for axis in range(ndim - 1, -1, -1):
+                rest, within = np.divmod(rest, np.maximum(extent[:, axis], 1))
+                first[:, axis] += within
+        nbytes = np.where(is_flat, flat[:, 1] - flat[:, 0], extent.prod(axis=1)) * table[:, -1]
+        return cls(first, table[:, -3], table[:, -2], nbytes, shard, True)
+
+    def shard_buckets(self, positions: Sequence[int]) -> list[_Bucket]:
+        """The shards holding the first element of some of its blocks (``positions``:
+        the blocks' positions in the order gathered), blocks of no bytes left out."""
+        held = np.flatnonzero(self.nbytes > 0)
+        if not len(held):
+            return []
+        cells = self.first[held] // np.asarray(self.shard, np.int64)
+        ids, at, inverse = np.unique(cells, axis=0, return_index=True, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        sizes = np.bincount(inverse, weights=self.nbytes[held], minlength=len(ids))
+        order = np.argsort(inverse, kind="stable")
+        bounds = np.searchsorted(inverse[order], np.arange(len(ids) + 1))
+        members = np.asarray(positions, np.int64)[held]
+        ranks, nbytes = self.ranks[held], self.nbytes[held]
+        return [(int(sizes[b]), int(members[at[b]]), members[run], ranks[run], nbytes[run])
+                for b in range(len(ids)) for run in (order[bounds[b] : bounds[b + 1]],)]

@@ -22,7 +22,7 @@ from shardstore.planning.checks import (
     local_records,
     ranks_with_differing_common_state,
 )
-from shardstore.planning.layout import GlobalLayout
+from shardstore.planning.layout import GlobalLayout, ShardRecord
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.common_state import check_common_state_consistency
 from shardstore.protocol.stage import Deliver, run_stage
@@ -63,6 +63,8 @@ def gather_and_plan(
     """
     if place is None and save_to is not None:
         place = save_to.describe()
+    # a save's records name the dtype it writes, a load's the one it returns
+    record = ShardRecord.from_sharded_tensor if save_to is not None else ShardRecord.of_request
 
     def plan(gathered: list[tuple[str | None, Any, dict[str, str] | None]]) -> list[tuple[Any, list[int]]]:
         layout = _layout_of(gathered)
@@ -75,7 +77,7 @@ def gather_and_plan(
 
     part, differing = run_stage(
         group, "Checking the state dict",
-        lambda: (place, local_records(sharded_tensors, sharded_objects, group.rank, place), common_digests),
+        lambda: (place, local_records(sharded_tensors, sharded_objects, group.rank, place, record), common_digests),
         reduce=plan, deliver=Deliver.SCATTER, local_error=local_error,
     )
     if differing:  # the same list on every rank: all of them take part

@@ -108,6 +108,33 @@ def test_saves_after_the_first_reuse_its_plan_until_the_structure_changes(tmp_pa
     assert len(plans) == 2 and own.plan_cache is None
 
 
+def test_the_manager_follows_the_default_strategy_when_it_changes(tmp_path: Path) -> None:
+    """The plan-keeping copy of the default is made again when the default's settings
+    change or another default is registered, as a plain ``save`` follows it."""
+    from shardstore.format.records import read_commit_record
+    from shardstore.serialization import get_default_save_sharded_strategy
+    from shardstore.strategies.base import StrategyAction, register_default_strategy
+    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+
+    def chunk_rows(step: int) -> int:
+        return read_commit_record(manager.location(step)).arrays["w"].chunk_shape[0]
+
+    default = get_default_save_sharded_strategy()
+    manager = CheckpointManager(tmp_path)
+    try:
+        assert manager.save(0, _state(0)) and chunk_rows(0) == 8
+        default.max_chunk_bytes = 4 * 4 * 4  # 4 rows of 4 float32
+        assert manager.save(1, _state(1)) and chunk_rows(1) == 4
+        register_default_strategy(StrategyAction.SAVE_SHARDED, "zarr", 1, ZarrSaveShardedStrategy(max_chunk_bytes=32))
+        assert manager.save(2, _state(2)) and chunk_rows(2) == 2
+    finally:
+        default.max_chunk_bytes = ZarrSaveShardedStrategy().max_chunk_bytes
+        register_default_strategy(StrategyAction.SAVE_SHARDED, "zarr", 1, default)
+    for step in range(3):
+        assert torch.equal(manager.restore(_state(0, empty=True), step=step)["w"],
+                           global_tensor("w", (8, 4), torch.float32) + step)
+
+
 def test_restart_finds_the_latest_committed_step_skipping_incomplete_ones(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path, RETENTION)
     for step in (0, 2):

@@ -87,7 +87,9 @@ class PlanCache:
         return self._plan_id is not None
 
     def clear(self) -> None:
-        """Forgets the cached plan: the next save plans in full."""
+        """Forgets the cached plan: the next save plans in full. Call it on every rank of
+        the save's group: while some ranks hold a plan and others do not, saves fail on
+        every rank ("The ranks disagree on the plan cache") until every rank has cleared."""
         self._key, self._plan_id, self._part, self._needed = None, None, None, None
 
     def _store(self, key: tuple | None, plan_id: str, part: Any, needed: NameLimits | None) -> None:
@@ -186,7 +188,8 @@ def _reuse(
         if not all(isinstance(q, _CachedPlanQuery) for q in queries):
             raise CheckpointingException(
                 "The ranks disagree on the plan cache (some reuse a cached plan, some plan in full): every rank "
-                "must use the same strategy settings, cache_plan or do_cache_distribution included"
+                "must use the same strategy settings, cache_plan or do_cache_distribution included; where one "
+                "rank's cache was cleared, call strategy.plan_cache.clear() on every rank"
             )
         check_same_place([q.place for q in queries])
         ids = {q.plan_id for q in queries}

@@ -109,8 +109,9 @@ class CheckpointManagerOptions:
             rank's structure is unchanged (``ZarrSaveShardedStrategy(cache_plan=True)``;
             at thousands of ranks a plan takes the coordinator a minute or more): the
             manager saves through a copy of the default save strategy that keeps the
-            plan. A ``sharded_strategy`` given to ``save`` is used as it is. Off: every
-            save plans anew.
+            plan (made again when the default or one of its settings changes). A
+            ``sharded_strategy`` given to ``save`` is used as it is. Off: every save
+            plans anew.
     """
 
     save_interval_steps: int | None = 1
@@ -449,7 +450,7 @@ class CheckpointManager:
         self._saved_steps: set[int] = set()  # the steps this manager saved (committed or in flight)
         self._failed_bases: set[int] = set()  # steps whose reuse a failed save had (not chosen again)
         self._queue = AsyncCallsQueue(process_group=process_group) if self.options.async_save else None
-        self._strategy: Any = None  # ``_plan_keeping_strategy``
+        self._strategy: tuple[Any, dict[str, Any], Any] | None = None  # ``_plan_keeping_strategy``
         self._preemption: Listener | None = None
         if self.options.save_on_preemption:
             try:  # main thread only; every manager sees the signal, and the handler before them too
@@ -723,19 +724,22 @@ class CheckpointManager:
     def _plan_keeping_strategy(self) -> Any:
         """The save strategy of this manager's saves (``CheckpointManagerOptions.
         cache_plan``): a copy of the registered default that keeps its plan (its buffer
-        pools shared with the default, as every save's are), made once; the default
-        itself where it keeps plans already or is not shardstore's own (None: ``save``
-        then takes the default)."""
-        if self._strategy is None:
-            from shardstore.serialization import get_default_save_sharded_strategy
-            from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+        pools shared with the default, as every save's are), made again whenever the
+        default is replaced or one of its settings changes (so the manager follows it as
+        ``save`` does); the default itself where it keeps plans already or is not
+        shardstore's own (None: ``save`` then takes the default)."""
+        from shardstore.serialization import get_default_save_sharded_strategy
+        from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 
-            default = get_default_save_sharded_strategy()
-            if not isinstance(default, ZarrSaveShardedStrategy) or default.cache_plan:
-                return None
-            self._strategy = copy.copy(default)
-            self._strategy.cache_plan = True
-        return self._strategy
+        default = get_default_save_sharded_strategy()
+        if not isinstance(default, ZarrSaveShardedStrategy) or default.cache_plan:
+            return None
+        settings = dict(vars(default))  # the objects it holds: a setting changed is another one
+        if self._strategy is None or self._strategy[0] is not default or not _same_objects(self._strategy[1], settings):
+            copied = copy.copy(default)
+            copied.cache_plan = True
+            self._strategy = (default, settings, copied)
+        return self._strategy[2]
 
     def _due(self, step: int, force: bool) -> tuple[bool, bool, int]:
         """(due, preempted, signals counted here when it was decided). Without time or
@@ -1243,3 +1247,8 @@ def _refuse_links(location: Location) -> None:
     path = location.local_path()
     if path is not None and path.is_symlink():
         raise CheckpointingException(f"{path} is a symbolic link; retention does not delete through links")
+
+
+def _same_objects(before: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether two snapshots of an object's attributes name the same objects."""
+    return before.keys() == now.keys() and all(before[k] is now[k] for k in before)

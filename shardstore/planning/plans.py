@@ -23,7 +23,8 @@ Load protocol (``serialization.load``):
     coordinator  plan        ``validation.plan_load``: missing and unexpected keys
                              (``StrictHandling``), the access-integrity check, and the
                              strategy's read plan (``plan_reads``: which rank reads each
-                             requested block from storage, who sends it to whom)
+                             requested block from storage, who sends it to whom; a
+                             sharded array's shards each by one rank, from 32 ranks)
     collective   scatter     rank r receives ``RankLoadPlan`` r (or the error)
     collective   read        its reads only; agree; exchange
 

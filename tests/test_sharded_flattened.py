@@ -35,7 +35,7 @@ from shardstore.strategies.resharding import (
     get_reformulation_metadata,
     restore_nd_flattened_tensors_formulation,
 )
-from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from tests.dist import run_distributed
 from tests.scenarios import rewrite_record
 from tests.test_sharded_arrays import _count_chunk_reads
@@ -104,6 +104,30 @@ def loaded_at_another_split(rank: int, world: int, ckpt: str, tp: int, skew: flo
     loaded = restore_nd_flattened_tensors_formulation(load(reformulated, ckpt, validate_access_integrity=False),
                                                       restore)
     _assert_loaded(loaded, _state(rank, tp, dp, skew), rank)
+
+
+def loaded_reading_shards_once(rank: int, world: int, ckpt: str, tp: int, skew: float) -> int:
+    """``loaded_at_another_split`` with each shard read by one rank for all
+    (``read_shards_once``): fragments read for other ranks travel as flat ranges.
+    Returns how many this rank read for others."""
+    from shardstore.execution import load as load_module
+
+    forwarded = []
+    real = load_module.forwarded_request
+    load_module.forwarded_request = lambda s: forwarded.append(s) or real(s)
+    dp = world // tp
+    once = ZarrLoadShardedStrategy(read_shards_once=True)
+    request = _state(rank, tp, dp, skew, empty=True)
+    _assert_loaded(load(request, ckpt, sharded_strategy=once), _state(rank, tp, dp, skew), rank)
+    return sum(1 for s in forwarded if s.flat_range is not None)
+
+
+def test_fragments_in_shards_load_with_each_shard_read_once(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_distributed(saved_and_loaded, 4, str(ckpt))  # TP 2 x DP 2
+    for world, tp, skew in ((4, 2, 0.8), (3, 1, 0.5)):  # another DP cut; TP 1 x DP 3: other blocks too
+        forwarded = run_distributed(loaded_reading_shards_once, world, str(ckpt), tp, skew)
+        assert sum(forwarded) > 0, forwarded
 
 
 def _data_files(ckpt: Path, key: str) -> list[str]:

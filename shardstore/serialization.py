@@ -99,6 +99,7 @@ from shardstore.strategies.base import (
     SaveShardedStrategy,
     StrategyAction,
     get_default_strategy,
+    plan_load_with_record,
 )
 from shardstore.strategies.other_formats import (
     OtherFormatLoadCommonStrategy,
@@ -526,7 +527,7 @@ def _load_opened(
     def planner(layout: GlobalLayout) -> list[RankLoadPlan]:  # on the coordinator
         saved_keys = _saved_keys(location, record, sharded_strategy, common_strategy)
         return plan_load(layout, saved_keys, strict, validate_access_integrity,
-                         functools.partial(sharded_strategy.plan_load, record=record), where)
+                         functools.partial(plan_load_with_record, sharded_strategy, record=record), where)
 
     with stage("load: plan", where):
         plan = gather_and_plan(tensors, objects, group, planner, local_error=error, place=where)

@@ -248,3 +248,37 @@ def test_a_flattened_range_falls_in_the_shard_of_its_first_element() -> None:
     layout = GlobalLayout.from_gathered([([fragment(0, 0, 16)], []), ([fragment(1, 16, 64)], [])])
     plans = plan_reads(layout, True, shards={"f": (4, 8)})
     assert [p.reads for p in plans] == [(0, 1), ()]  # rank 1's range starts in row 2: the first shard
+
+
+def test_a_strategy_planning_from_the_layout_alone_still_loads(tmp_path: Path) -> None:
+    """A load strategy written before ``plan_load`` took the commit record (its override
+    takes the layout alone) is called without it."""
+    from shardstore.strategies.zarr import ZarrLoadShardedStrategy
+
+    class LayoutOnly(ZarrLoadShardedStrategy):
+        def plan_load(self, layout: GlobalLayout) -> list:  # type: ignore[override]
+            self.planned = True
+            return super().plan_load(layout)
+
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))}, tmp_path / "ckpt")
+    strategy = LayoutOnly()
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8))}, tmp_path / "ckpt",
+                  sharded_strategy=strategy)
+    assert strategy.planned and torch.equal(loaded["w"], torch.arange(8.0))
+
+
+def test_a_plan_with_forwards_refuses_another_list_of_requests(tmp_path: Path) -> None:
+    """Forwards are numbered after the rank's own requests as planned: a list of
+    another length is refused, naming the checkpoint, not filled wrongly."""
+    from shardstore.execution.load import run_read_plan
+    from shardstore.format.records import read_commit_record
+    from shardstore.planning.plans import RankReadPlan
+    from shardstore.stores.locations import open_location
+
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))}, tmp_path / "ckpt")
+    location = open_location(tmp_path / "ckpt")
+    forward = ShardRecord("w", 1, 0, "float32", (8,), (0,), (8,), None, True)
+    plan = RankReadPlan(0, (1,), forwards=(forward,), requested=2)
+    request = [ShardedTensor.from_rank_offsets("w", torch.zeros(8))]
+    with pytest.raises(CheckpointingException, match="made for 2 requested tensors on rank 0, which passes 1"):
+        run_read_plan(request, location, read_commit_record(location), plan, Group(None))

@@ -114,7 +114,7 @@ def loaded_reading_shards_once(rank: int, world: int, ckpt: str, tp: int, skew: 
 
     forwarded = []
     real = load_module.forwarded_request
-    load_module.forwarded_request = lambda s: forwarded.append(s) or real(s)
+    load_module.forwarded_request = lambda s, record: forwarded.append(s) or real(s, record)
     dp = world // tp
     once = ZarrLoadShardedStrategy(read_shards_once=True)
     request = _state(rank, tp, dp, skew, empty=True)

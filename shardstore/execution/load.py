@@ -247,7 +247,13 @@ def run_read_plan(
 
     requested = len(tensors)
     try:  # indices past its own: blocks it reads for others (out of memory here fails every rank)
-        tensors = [*tensors, *map(forwarded_request, plan.forwards)]
+        if plan.forwards and plan.requested != requested:
+            raise CheckpointingException(
+                f"Loading checkpoint {location.describe()}: the read plan was made for {plan.requested} "
+                f"requested tensors on rank {plan.rank}, which passes {requested}; a strategy or wrapper "
+                "must hand run_read_plan the tensors it planned"
+            )
+        tensors = [*tensors, *(forwarded_request(s, record) for s in plan.forwards)]
     except Exception as exc:  # raised on every rank by the stage
         local_error = local_error or exc
 
@@ -264,13 +270,17 @@ def run_read_plan(
     return [out[i] for i in range(requested)]
 
 
-def forwarded_request(s: ShardRecord) -> ShardedTensor:
-    """A request like another rank's ``s`` (``RankReadPlan.forwards``), into new host
-    memory: its block with no prepended axes (the same elements, which travel as bytes),
-    read in place when the stored dtype is its own."""
+def forwarded_request(s: ShardRecord, record: CommitRecord) -> ShardedTensor:
+    """A request like another rank's ``s`` (``RankReadPlan.forwards``): its block with no
+    prepended axes (the same elements, which travel as bytes). Where the read can land
+    in place (the whole block, stored in its dtype and global shape) it is given new
+    host memory to land in; otherwise none (``data`` None): the read makes its result,
+    and no buffer is held beside it."""
     dtype = from_zarr_name(s.dtype).torch_dtype
     flat = None if s.flat_range is None else slice(*s.flat_range)
-    data = torch.empty(s.block_shape if flat is None else (flat.stop - flat.start,), dtype=dtype)
+    stored = record.arrays.get(s.key)
+    in_place = flat is None and stored is not None and stored.dtype == s.dtype and stored.shape == s.global_shape
+    data = torch.empty(s.block_shape, dtype=dtype) if in_place else None
     return ShardedTensor(s.key, data, dtype, s.block_shape, s.global_shape, s.offset, None,
                          allow_shape_mismatch=s.allow_shape_mismatch, flattened_range=flat)
 

@@ -24,7 +24,8 @@ Load protocol (``serialization.load``):
                              (``StrictHandling``), the access-integrity check, and the
                              strategy's read plan (``plan_reads``: which rank reads each
                              requested block from storage, who sends it to whom; a
-                             sharded array's shards each by one rank, from 32 ranks)
+                             sharded array's shards each by one rank where the
+                             strategy asks, by default from 32 ranks)
     collective   scatter     rank r receives ``RankLoadPlan`` r (or the error)
     collective   read        its reads only; agree; exchange
 
@@ -47,6 +48,7 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -758,7 +760,8 @@ class RankReadPlan:
         receives: ``(peer, indices)``: its tensors that ``peer`` reads and sends, in order.
         forwards: blocks it reads only for other ranks (a shard read once for all that
             ask for it: ``plan_reads``' ``shards``), as their requests' records; number
-            ``k`` has index ``n + k``, where ``n`` is the length of its own list.
+            ``k`` has index ``requested + k``.
+        requested: the length of its own list, as planned (set where it has forwards).
     """
 
     rank: int
@@ -767,6 +770,7 @@ class RankReadPlan:
     sends: tuple[tuple[int, tuple[int, ...]], ...] = ()
     receives: tuple[tuple[int, tuple[int, ...]], ...] = ()
     forwards: tuple[ShardRecord, ...] = ()
+    requested: int = 0
 
 
 @dataclass(frozen=True)
@@ -814,7 +818,8 @@ def plan_reads(
     """
     world = layout.world_size
     shards = shards or {}
-    if not fully_parallel or (not shards and layout.holds_each_block_once()):
+    once = fully_parallel and layout.holds_each_block_once()  # no block asked for twice
+    if not fully_parallel or (not shards and once):
         mine: list[list[int]] = [[] for _ in range(world)]  # each rank reads all it asked for
         for records in layout.tensors.values():
             for s in records:
@@ -824,7 +829,7 @@ def plan_reads(
     for records in layout.tensors.values():
         for s in records:
             own[s.rank] += 1
-    if layout.holds_each_block_once():  # each block asked for once (FSDP2: millions at 4,096 ranks)
+    if once:  # each block asked for once (FSDP2: millions at 4,096 ranks)
         return _single_asker_plans(layout, own, shards)
     requests: dict[tuple, list[ShardRecord]] = defaultdict(list)  # a block asked for twice (in one dtype or two)
     for records in layout.tensors.values():
@@ -833,10 +838,24 @@ def plan_reads(
     return _plan_shared_reads(list(requests.values()), own, shards)  # in the order of the gathered requests
 
 
-# One shard's blocks as ``_BlockTable.shard_buckets`` gives them: ``(bytes, first position,
-# positions, askers, bytes of each)``, a position and asker per block (per block and
-# asker where several ranks ask for one), in the order the blocks were gathered.
-_Bucket = tuple[int, int, np.ndarray, np.ndarray, np.ndarray]
+class _Bucket(NamedTuple):
+    """One shard's blocks as ``_BlockTable.shard_buckets`` gives them: a position and
+    asker per block (per block and asker where several ranks ask for one), in the order
+    the blocks were gathered.
+
+    Attributes:
+        nbytes: the bytes of its blocks.
+        first: the position of its first block.
+        positions: its blocks' positions (among the groups, or the records).
+        askers: the rank asking for each.
+        sizes: the bytes of each.
+    """
+
+    nbytes: int
+    first: int
+    positions: np.ndarray
+    askers: np.ndarray
+    sizes: np.ndarray
 
 
 def _plan_shared_reads(
@@ -884,6 +903,7 @@ def _plan_shared_reads(
             tuple((peer, tuple(ix)) for peer, ix in sorted(sends[rank].items())),
             tuple((peer, tuple(ix)) for peer, ix in sorted(receives[rank].items())),
             tuple(forwards[rank]),
+            own[rank] if forwards[rank] else 0,
         )
         for rank in range(world)
     ]
@@ -898,13 +918,14 @@ def _group_buckets(groups: list[list[ShardRecord]], shards: Mapping[str, tuple[i
             by_key[group[0].key].append(i)
     buckets: list[_Bucket] = []
     for key, positions in by_key.items():
-        for size, first, members, ranks, nbytes in _BlockTable.of([groups[i][0] for i in positions],
-                                                                  shards[key]).shard_buckets(positions):
-            if any(len(groups[i]) > 1 for i in members.tolist()):  # replicas: every asker counts
-                asking = sorted({(s.rank, i) for i in members.tolist() for s in groups[i]})
-                ranks = np.fromiter((r for r, _ in asking), np.int64, len(asking))
-                nbytes = np.fromiter((groups[i][0].nbytes for _, i in asking), np.int64, len(asking))
-            buckets.append((size, first, members, ranks, nbytes))
+        for bucket in _BlockTable.of([groups[i][0] for i in positions], shards[key]).shard_buckets(positions):
+            members = bucket.positions.tolist()
+            if any(len(groups[i]) > 1 for i in members):  # replicas: every asker counts
+                asking = sorted({(s.rank, i) for i in members for s in groups[i]})
+                bucket = bucket._replace(askers=np.fromiter((r for r, _ in asking), np.int64, len(asking)),
+                                         sizes=np.fromiter((groups[i][0].nbytes for _, i in asking), np.int64,
+                                                           len(asking)))
+            buckets.append(bucket)
     return buckets
 
 
@@ -915,17 +936,17 @@ def _shard_readers(buckets: list[_Bucket], load: list[int]) -> list[tuple[int, n
     blocks it did not ask for. A shard one rank asks for alone is left out."""
     chosen: list[tuple[int, np.ndarray]] = []
     forwarded = [0] * len(load)
-    for size, _, positions, ranks, nbytes in sorted(buckets, key=lambda b: (-b[0], b[1])):
-        candidates = np.unique(ranks)
+    for bucket in sorted(buckets, key=lambda b: (-b.nbytes, b.first)):
+        candidates = np.unique(bucket.askers)
         if len(candidates) == 1:
             continue  # one rank asks: it reads, as it would
         rank = min(candidates.tolist(), key=lambda r: (load[r], r))
-        extra = size - int(nbytes[ranks == rank].sum())
+        extra = bucket.nbytes - int(bucket.sizes[bucket.askers == rank].sum())
         if forwarded[rank] + extra > MAX_FORWARDED_BYTES:
             continue
         forwarded[rank] += extra
-        load[rank] += size
-        chosen.append((rank, positions))
+        load[rank] += bucket.nbytes
+        chosen.append((rank, bucket.positions))
     return chosen
 
 
@@ -966,7 +987,7 @@ def _single_asker_plans(layout: GlobalLayout, own: list[int], shards: Mapping[st
     records = [s for rs in layout.tensors.values() for s in rs] if len(moved) else []
     return [
         RankReadPlan(r, tuple(reads[r]) + tuple(mine[r]), (), sends[r], receives[r],
-                     tuple(map(records.__getitem__, forwarded[r])))
+                     tuple(map(records.__getitem__, forwarded[r])), own[r] if forwarded[r] else 0)
         for r in range(world)
     ]
 
@@ -1054,5 +1075,5 @@ class _BlockTable:
         bounds = np.searchsorted(inverse[order], np.arange(len(ids) + 1))
         members = np.asarray(positions, np.int64)[held]
         ranks, nbytes = self.ranks[held], self.nbytes[held]
-        return [(int(sizes[b]), int(members[at[b]]), members[run], ranks[run], nbytes[run])
+        return [_Bucket(int(sizes[b]), int(members[at[b]]), members[run], ranks[run], nbytes[run])
                 for b in range(len(ids)) for run in (order[bounds[b] : bounds[b + 1]],)]

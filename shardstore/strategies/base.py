@@ -12,10 +12,11 @@ __all__ = [
     "AsyncCallsQueue", "AsyncRequest", "AsyncSaveShardedStrategy", "CheckpointDir",
     "DelegatingLoadStrategy", "LoadCommonStrategy", "LoadShardedStrategy", "LoadStrategyBase",
     "SaveCommonStrategy", "SaveShardedStrategy", "SaveStrategyBase", "StrategyAction",
-    "agree_before_save", "async_calls", "default_strategies", "get_default_strategy",
+    "agree_before_save", "async_calls", "default_strategies", "get_default_strategy", "plan_load_with_record",
     "register_default_strategy",
 ]
 
+import inspect
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from enum import Enum
@@ -182,6 +183,15 @@ class LoadShardedStrategy(LoadStrategyBase):
         raise NotImplementedError(f"{self} does not support removing tensors from a checkpoint")
 
 
+def plan_load_with_record(strategy: Any, layout: GlobalLayout, record: Any) -> list[Any]:
+    """``strategy.plan_load`` of ``layout``, given the checkpoint's commit ``record``
+    where its ``plan_load`` takes one (a strategy that overrides it with the layout
+    alone plans from that)."""
+    if "record" in inspect.signature(strategy.plan_load).parameters:
+        return strategy.plan_load(layout, record=record)
+    return strategy.plan_load(layout)
+
+
 class DelegatingLoadStrategy:
     """Mixin for a load strategy that wraps another one (``base_strategy``): metadata
     queries, removal and the compatibility checks are the wrapped strategy's. Listed
@@ -191,7 +201,7 @@ class DelegatingLoadStrategy:
     base_strategy: Any
 
     def plan_load(self, layout: GlobalLayout, record: Any = None) -> list[Any]:
-        return self.base_strategy.plan_load(layout, record)
+        return plan_load_with_record(self.base_strategy, layout, record)
 
     def load_with_plan(self, sharded_state_dict: ShardedStateDict, location: Any, record: Any, plan: Any,
                        group: Any, local_error: BaseException | None = None) -> StateDict:

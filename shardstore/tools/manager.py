@@ -1250,5 +1250,7 @@ def _refuse_links(location: Location) -> None:
 
 
 def _same_objects(before: dict[str, Any], now: dict[str, Any]) -> bool:
-    """Whether two snapshots of an object's attributes name the same objects."""
+    """Whether two snapshots of an object's attributes name the same objects (by
+    identity: a setting assigned an equal new value counts as changed, which costs one
+    plan, never a stale one)."""
     return before.keys() == now.keys() and all(before[k] is now[k] for k in before)

@@ -48,7 +48,8 @@ from shardstore.format.codecs import BYTES_CRC32C, CRC_BYTES  # noqa: E402
 from shardstore.format.records import ArrayRecord, CommitRecord  # noqa: E402
 from shardstore.format.sharding import ShardIndex, ShardingIndexed  # noqa: E402
 from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
-from shardstore.planning.plans import exchange_waves, plan_reads, plan_save  # noqa: E402
+from shardstore.planning.plans import RankReadPlan, exchange_waves, plan_reads, plan_save  # noqa: E402
+from shardstore.stores.kv_chunks import KvChunkStore  # noqa: E402
 from shardstore.strategies.zarr import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_SYNC_STAGING_BYTES  # noqa: E402
 
 MiB = 1 << 20
@@ -146,10 +147,6 @@ def same_layout_fetched(layout: GlobalLayout, arrays: dict[str, ArrayRecord]) ->
     return fetched, needed
 
 
-# S3: a shard is read whole where that wastes at most this (``S3ChunkStore.request_bytes``)
-S3_REQUEST_BYTES = 8 * MiB
-
-
 def load_requests(layout: GlobalLayout, arrays: dict[str, ArrayRecord], once: bool) -> dict[str, float]:
     """A load at the save's layout from S3, planned by the real planner
     (``plan_reads``, fully parallel, with or without ``read_shards_once``): the data
@@ -163,19 +160,19 @@ def load_requests(layout: GlobalLayout, arrays: dict[str, ArrayRecord], once: bo
     plans = plan_reads(layout, True, shards)
     seconds = time.perf_counter() - start
     by_index = {(s.rank, s.index): s for records in layout.tensors.values() for s in records}
-    own = [0] * layout.world_size
-    for s in by_index.values():
-        own[s.rank] += 1
+
+    def request(plan: RankReadPlan, i: int) -> ShardRecord:  # index ``i`` of ``plan``: own, or a forward
+        return plan.forwards[i - plan.requested] if plan.forwards and i >= plan.requested else by_index[(plan.rank, i)]
+
     gets = fetched = sent = most_forwarded = 0
     for plan in plans:
         wanted: dict[tuple, set[int]] = {}  # (key, shard) -> inner chunks this rank reads
         for i in plan.reads:
-            s = by_index[(plan.rank, i)] if i < own[plan.rank] else plan.forwards[i - own[plan.rank]]
+            s = request(plan, i)
             array = arrays[s.key]
             if not isinstance(array.codec, ShardingIndexed):
-                units = _units(_read_box(s), array.chunk_shape)
-                gets += math.prod(map(len, units))
-                fetched += math.prod(map(len, units)) * math.prod(array.chunk_shape) * array.itemsize
+                gets += math.prod(map(len, _units(_read_box(s), array.chunk_shape)))
+                fetched += _fetched(s, array)
                 continue
             _add_inner_chunks(s, array, wanted)
         for (key, _), needed in wanted.items():
@@ -183,13 +180,11 @@ def load_requests(layout: GlobalLayout, arrays: dict[str, ArrayRecord], once: bo
             count = math.prod(c // i for c, i in zip(array.chunk_shape, array.codec.chunk_shape))
             step = array.codec.inner_nbytes
             waste = (count - len(needed)) * step
-            whole = waste <= max(len(needed) * step // 4, S3_REQUEST_BYTES)
+            whole = waste <= max(len(needed) * step // 4, KvChunkStore.request_bytes)
             gets += 1 if whole else 2
             fetched += (count if whole else len(needed)) * (step + CRC_BYTES) + ShardIndex.suffix_nbytes(count)
         for _, indices in plan.sends:
-            for i in indices:
-                s = by_index[(plan.rank, i)] if i < own[plan.rank] else plan.forwards[i - own[plan.rank]]
-                sent += s.nbytes
+            sent += sum(request(plan, i).nbytes for i in indices)
         most_forwarded = max(most_forwarded, sum(f.nbytes for f in plan.forwards))
     return {"gets": gets, "fetched": fetched, "sent": sent, "most_forwarded": most_forwarded, "plan_s": seconds}
 

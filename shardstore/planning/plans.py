@@ -918,7 +918,8 @@ def _group_buckets(groups: list[list[ShardRecord]], shards: Mapping[str, tuple[i
             by_key[group[0].key].append(i)
     buckets: list[_Bucket] = []
     for key, positions in by_key.items():
-        for bucket in _BlockTable.of([groups[i][0] for i in positions], shards[key]).shard_buckets(positions):
+        table = _BlockTable.of([groups[i][0] for i in positions], shards[key])
+        for bucket in table.shard_buckets(positions) if table is not None else []:
             members = bucket.positions.tolist()
             if any(len(groups[i]) > 1 for i in members):  # replicas: every asker counts
                 asking = sorted({(s.rank, i) for i in members for s in groups[i]})
@@ -960,7 +961,7 @@ def _single_asker_plans(layout: GlobalLayout, own: list[int], shards: Mapping[st
     base = 0
     for key, records in layout.tensors.items():
         table = _BlockTable.of(records, shards[key]) if key in shards else None
-        if table is not None and table.complete:
+        if table is not None:
             buckets += table.shard_buckets(range(base, base + len(records)))
             ranks.append(table.ranks)
             indices.append(table.indices)
@@ -977,13 +978,13 @@ def _single_asker_plans(layout: GlobalLayout, own: list[int], shards: Mapping[st
     reads = _split_by(rank[local], index[local], world, sort=True)
     moved = np.flatnonzero(reader != rank)  # in the order gathered
     by_reader = moved[np.argsort(reader[moved], kind="stable")]
-    starts = np.searchsorted(reader[by_reader], np.arange(world))
-    number = np.arange(len(by_reader)) - starts[reader[by_reader]]  # each reader's forwards: 0, 1, ...
-    forward_index = np.asarray(own, np.int64)[reader[by_reader]] + number
-    mine = _split_by(reader[by_reader], forward_index, world)
-    forwarded = _split_by(reader[by_reader], by_reader, world)
-    sends, receives = _pair_lists(reader[by_reader] * world + rank[by_reader], forward_index,
-                                  index[by_reader], world)
+    sender = reader[by_reader]
+    starts = np.searchsorted(sender, np.arange(world))
+    number = np.arange(len(by_reader)) - starts[sender]  # each reader's forwards: 0, 1, ...
+    forward_index = np.asarray(own, np.int64)[sender] + number
+    mine = _split_by(sender, forward_index, world)
+    forwarded = _split_by(sender, by_reader, world)
+    sends, receives = _pair_lists(sender * world + rank[by_reader], forward_index, index[by_reader], world)
     records = [s for rs in layout.tensors.values() for s in rs] if len(moved) else []
     return [
         RankReadPlan(r, tuple(reads[r]) + tuple(mine[r]), (), sends[r], receives[r],
@@ -1029,7 +1030,6 @@ class _BlockTable:
         indices: its index among its asker's requests.
         nbytes: its bytes.
         shard: the array's shard shape.
-        complete: every block has the shard's number of axes (else the table is empty).
     """
 
     first: np.ndarray
@@ -1037,14 +1037,14 @@ class _BlockTable:
     indices: np.ndarray
     nbytes: np.ndarray
     shard: tuple[int, ...]
-    complete: bool
 
     @classmethod
-    def of(cls, records: list[ShardRecord], shard: tuple[int, ...]) -> _BlockTable:
+    def of(cls, records: list[ShardRecord], shard: tuple[int, ...]) -> _BlockTable | None:
+        """The table of ``records``, or None where a block has another number of axes
+        than the shard (or the array none): those blocks are read by their askers."""
         ndim, n = len(shard), len(records)
         if not ndim or any(len(s.offset) != ndim for s in records):
-            empty = np.zeros(0, np.int64)
-            return cls(empty.reshape(0, max(ndim, 1)), empty, empty, empty, shard, False)
+            return None
         columns = 2 * ndim + 5
         table = np.fromiter(itertools.chain.from_iterable(
             [(*s.offset, *s.block_shape, *(s.flat_range or (-1, -1)), s.rank, s.index,
@@ -1059,7 +1059,7 @@ class _BlockTable:
                 rest, within = np.divmod(rest, np.maximum(extent[:, axis], 1))
                 first[:, axis] += within
         nbytes = np.where(is_flat, flat[:, 1] - flat[:, 0], extent.prod(axis=1)) * table[:, -1]
-        return cls(first, table[:, -3], table[:, -2], nbytes, shard, True)
+        return cls(first, table[:, -3], table[:, -2], nbytes, shard)
 
     def shard_buckets(self, positions: Sequence[int]) -> list[_Bucket]:
         """The shards holding the first element of some of its blocks (``positions``:

@@ -166,6 +166,23 @@ def save_with_one_rank_changed(rank: int, world: int, root: str) -> dict:
             "cache": (strategy.plan_cache.planned, strategy.plan_cache.reused)}
 
 
+def save_after_one_rank_cleared(rank: int, world: int, root: str) -> dict:
+    """Only the last rank clears its cache between the saves (as a rank whose process
+    was replaced would hold none)."""
+    strategy = ZarrSaveShardedStrategy(max_chunk_bytes=CHUNK_BYTES, cache_plan=True)
+    save(state_dict(rank, world, 1), f"{root}/first", sharded_strategy=strategy)
+    if rank == world - 1:
+        strategy.plan_cache.clear()
+    with traffic() as cleared:
+        save(state_dict(rank, world, 2), f"{root}/cleared", sharded_strategy=strategy)
+    with traffic() as again:
+        save(state_dict(rank, world, 3), f"{root}/again", sharded_strategy=strategy)
+    assert_same(loaded(rank, world, f"{root}/cleared"), expected(rank, world, 2))
+    assert_same(loaded(rank, world, f"{root}/again"), expected(rank, world, 3))
+    return {"plans": [cleared.plans, again.plans], "record_bytes": [cleared.record_bytes, again.record_bytes],
+            "cache": (strategy.plan_cache.planned, strategy.plan_cache.reused)}
+
+
 def save_without_cache(rank: int, world: int, root: str) -> list[int]:
     strategy = ZarrSaveShardedStrategy(max_chunk_bytes=CHUNK_BYTES)
     sent = []
@@ -195,7 +212,8 @@ def async_saves_with_cache(rank: int, world: int, root: str) -> tuple[int, int]:
 
 def count_collectives(rank: int, world: int, root: str) -> dict[str, int]:
     cached = ZarrSaveShardedStrategy(max_chunk_bytes=CHUNK_BYTES, cache_plan=True)
-    save(state_dict(rank, world, 1), f"{root}/first", sharded_strategy=cached)
+    with counting() as first:
+        save(state_dict(rank, world, 1), f"{root}/first", sharded_strategy=cached)
     with counting() as reused:
         save(state_dict(rank, world, 2), f"{root}/reused", sharded_strategy=cached)
     with counting() as uncached:
@@ -204,7 +222,7 @@ def count_collectives(rank: int, world: int, root: str) -> dict[str, int]:
     with counting() as replanned:
         save(state_dict(rank, world, 3, private_len=4), f"{root}/replanned", sharded_strategy=cached)
     return {name: sum(c.collectives.values()) for name, c in
-            (("reused", reused), ("uncached", uncached), ("replanned", replanned))}
+            (("first", first), ("reused", reused), ("uncached", uncached), ("replanned", replanned))}
 
 
 def save_to_other_limits_and_settings(rank: int, world: int, root: str, long_root: str) -> dict:
@@ -353,6 +371,19 @@ def test_a_structure_changed_on_one_rank_plans_in_full(tmp_path: Path, world: in
         assert verify(tmp_path / d).ok
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_cache_cleared_on_one_rank_plans_in_full_on_every_rank(tmp_path: Path, world: int) -> None:
+    """Found by review: a rank holding no plan took the full plan's round trip while the
+    others took the check's, and every later save failed until all ranks cleared."""
+    results = run_distributed(save_after_one_rank_cleared, world, str(tmp_path))
+    assert results[0]["plans"] == [1, 0]  # re-planned for every rank, then reused
+    for r in results:
+        assert r["record_bytes"][0] > 0 and r["record_bytes"][1] == 0, r
+        assert r["cache"] == (2, 1), r
+    for d in ("cleared", "again"):
+        assert verify(tmp_path / d).ok
+
+
 def test_without_the_cache_every_save_sends_its_records(tmp_path: Path) -> None:
     sent = run_distributed(save_without_cache, 2, str(tmp_path))
     assert all(first == second > 0 for first, second in sent), sent
@@ -370,6 +401,7 @@ def test_a_cached_save_makes_no_more_collectives_than_an_uncached_one(tmp_path: 
     for counts in run_distributed(count_collectives, world, str(tmp_path)):
         assert counts["reused"] <= counts["uncached"], counts
         assert counts["replanned"] == counts["uncached"] + 2, counts  # one more gather and scatter
+        assert counts["first"] == counts["uncached"] + 2, counts  # the check, holding no plan yet
 
 
 def test_a_target_too_short_for_the_names_or_new_planner_settings_plan_again(tmp_path: Path) -> None:

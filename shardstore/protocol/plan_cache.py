@@ -12,16 +12,18 @@ validated, planned, each rank's part scattered); with a ``PlanCache`` it becomes
     collective    check      (one gather, one scatter, as the plan's round trip) every
                              rank sends only the id of the plan it holds a part of, if
                              its key equals the key that part was planned for (else
-                             None), the checkpoint it names and its common-state
+                             None, as a rank holding no plan: its first save, or after
+                             ``clear``), the checkpoint it names and its common-state
                              digests; the coordinator reuses only when every rank sent
                              the same id and the target stores names as long as the
                              plan's (``planning.checks.admits_names``), and then makes
                              what every save needs anew
                              (``anew``: the save's begin and its intent) and names the
                              ranks whose common state differs, in the same scatter
-    collective    plan       only when some rank's structure changed (or no plan is
-                             cached): the full ``gather_and_plan`` (one more round
-                             trip), whose parts every rank then caches with a new id
+    collective    plan       only when some rank's structure changed (or some rank
+                             holds no plan): the full ``gather_and_plan`` (one more
+                             round trip), whose parts every rank then caches with a
+                             new id
 
 Never cached: what depends on the save or its target (``anew``'s result: the save id,
 the staging directory; the commit record's time and checksums are made at commit),
@@ -29,8 +31,11 @@ the check that every rank names the same checkpoint, and the common-state compar
 The keys' files were checked against the first target's name limits; the coordinator
 keeps the longest name and path they need (``planning.checks.name_lengths_needed``),
 and a target that cannot store those re-plans (and is refused by the full check).
-Every rank takes the same path: a cache holds a part only after a plan's scatter
-succeeded on every rank, and reuse needs every rank's vote.
+Every rank takes the same path: every rank with a cache takes part in the check, even
+one holding no plan (so a cache cleared on some ranks only, or a rank whose process
+was replaced, re-plans instead of failing: the first save pays the check's round trip
+once), a cache holds a part only after a plan's scatter succeeded on every rank, and
+reuse needs every rank's vote.
 """
 
 from __future__ import annotations
@@ -87,9 +92,9 @@ class PlanCache:
         return self._plan_id is not None
 
     def clear(self) -> None:
-        """Forgets the cached plan: the next save plans in full. Call it on every rank of
-        the save's group: while some ranks hold a plan and others do not, saves fail on
-        every rank ("The ranks disagree on the plan cache") until every rank has cleared."""
+        """Forgets the cached plan: the next save plans in full on every rank of the
+        save's group, whether or not the other ranks cleared theirs (a rank holding no
+        plan votes against reuse in the check)."""
         self._key, self._plan_id, self._part, self._needed = None, None, None, None
 
     def _store(self, key: tuple | None, plan_id: str, part: Any, needed: NameLimits | None) -> None:
@@ -140,7 +145,7 @@ def gather_and_plan_cached(
             key = _structure_key(cache, sharded_tensors, sharded_objects, group, place)
         except Exception:  # noqa: BLE001  (gather_and_plan reports the same failure on every rank)
             key = None
-    if cache is not None and cache.holds_plan:
+    if cache is not None:  # even holding no plan: a rank whose cache was cleared votes to re-plan
         reused = _reuse(cache, key, group, anew, local_error, place, common_digests, common_state, save_to)
         if reused is not None:
             return reused
@@ -187,15 +192,16 @@ def _reuse(
     def decide(queries: list[Any]) -> list[tuple[bool, Any, list[int]]]:
         if not all(isinstance(q, _CachedPlanQuery) for q in queries):
             raise CheckpointingException(
-                "The ranks disagree on the plan cache (some reuse a cached plan, some plan in full): every rank "
-                "must use the same strategy settings, cache_plan or do_cache_distribution included; where one "
-                "rank's cache was cleared, call strategy.plan_cache.clear() on every rank"
+                "The ranks disagree on the plan cache (some keep plans, some do not): every rank must use the "
+                "same strategy settings, cache_plan or do_cache_distribution included"
             )
         check_same_place([q.place for q in queries])
         ids = {q.plan_id for q in queries}
         if len(ids) != 1 or None in ids:
             changed = [r for r, q in enumerate(queries) if q.plan_id is None]
-            logger.info("Plan cache: the structure changed on rank(s) %s; planning in full", changed[:8])
+            if len(changed) < len(queries) or len(ids) > 1:
+                logger.info("Plan cache: the structure changed or no plan is held on rank(s) %s; planning in full",
+                            changed[:8])
             return [(False, None, [])] * group.world_size
         if save_to is not None and (cache._needed is None or not admits_names(save_to.name_limits, cache._needed)):
             logger.info("Plan cache: %s stores shorter names than the cached plan's; planning in full",

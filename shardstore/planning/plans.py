@@ -63,6 +63,12 @@ from shardstore.format.records import (
     parent_groups,
 )
 from shardstore.format.sharding import MAX_FLAT_INNER_CHUNKS, InnerGrid, ShardIndex, ShardingIndexed
+from shardstore.planning.columns import (
+    ForwardedBlocks,
+    record_rows,
+    split_by_peer,
+    widened,
+)
 from shardstore.planning.layout import (
     DirectFlatWrite,
     FlatChunk,
@@ -762,14 +768,18 @@ class RankReadPlan:
             ask for it: ``plan_reads``' ``shards``), as their requests' records; number
             ``k`` has index ``requested + k``.
         requested: the length of its own list, as planned (set where it has forwards).
+
+    ``sends``, ``receives`` and ``forwards`` are tuples, or where planned in bulk
+    sequences of the same entries held as numpy columns (``planning.columns``), equal
+    to those tuples.
     """
 
     rank: int
     reads: tuple[int, ...]
     copies: tuple[tuple[int, int], ...] = ()
-    sends: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    receives: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    forwards: tuple[ShardRecord, ...] = ()
+    sends: Sequence[tuple[int, tuple[int, ...]]] = ()
+    receives: Sequence[tuple[int, tuple[int, ...]]] = ()
+    forwards: Sequence[ShardRecord] = ()
     requested: int = 0
 
 
@@ -955,9 +965,11 @@ def _single_asker_plans(layout: GlobalLayout, own: list[int], shards: Mapping[st
     """``plan_reads`` where every block has one asker (FSDP2: millions of blocks at 4,096
     ranks), in bulk: each block is read by its asker, or by the reader of its shard
     (``_shard_readers``), who reads it as a forward (numbered in the order gathered)
-    and sends it."""
+    and sends it. The exchanges and forwards are numpy columns
+    (``planning.columns``): no Python object per block on the coordinator."""
     world = len(own)
     ranks, indices, buckets = [], [], []
+    tables: list[tuple[int, _BlockTable]] = []  # (position of its first block, table)
     base = 0
     for key, records in layout.tensors.items():
         table = _BlockTable.of(records, shards[key]) if key in shards else None
@@ -965,6 +977,7 @@ def _single_asker_plans(layout: GlobalLayout, own: list[int], shards: Mapping[st
             buckets += table.shard_buckets(range(base, base + len(records)))
             ranks.append(table.ranks)
             indices.append(table.indices)
+            tables.append((base, table))
         else:
             ranks.append(np.fromiter((s.rank for s in records), np.int64, len(records)))
             indices.append(np.fromiter((s.index for s in records), np.int64, len(records)))
@@ -979,36 +992,50 @@ def _single_asker_plans(layout: GlobalLayout, own: list[int], shards: Mapping[st
     moved = np.flatnonzero(reader != rank)  # in the order gathered
     by_reader = moved[np.argsort(reader[moved], kind="stable")]
     sender = reader[by_reader]
-    starts = np.searchsorted(sender, np.arange(world))
+    starts = np.searchsorted(sender, np.arange(world + 1))
     number = np.arange(len(by_reader)) - starts[sender]  # each reader's forwards: 0, 1, ...
     forward_index = np.asarray(own, np.int64)[sender] + number
     mine = _split_by(sender, forward_index, world)
-    forwarded = _split_by(sender, by_reader, world)
-    sends, receives = _pair_lists(sender * world + rank[by_reader], forward_index, index[by_reader], world)
-    records = [s for rs in layout.tensors.values() for s in rs] if len(moved) else []
+    sends = split_by_peer(sender, rank[by_reader], forward_index, world)
+    receives = split_by_peer(rank[by_reader], sender, index[by_reader], world)
+    forwards = _forwarded_blocks(tables, by_reader, starts)
     return [
-        RankReadPlan(r, tuple(reads[r]) + tuple(mine[r]), (), sends[r], receives[r],
-                     tuple(map(records.__getitem__, forwarded[r])), own[r] if forwarded[r] else 0)
+        RankReadPlan(r, tuple(reads[r]) + tuple(mine[r]), (), sends[r], receives[r], forwards[r],
+                     own[r] if forwards[r] else 0)
         for r in range(world)
     ]
 
 
-def _pair_lists(
-    pair: np.ndarray, sent: np.ndarray, received: np.ndarray, world: int,
-) -> tuple[list[tuple], list[tuple]]:
-    """Each rank's ``sends`` and ``receives`` from blocks that travel: ``pair`` (sender x
-    world + receiver), the sender's index and the receiver's of each, in the order they
-    travel within a pair."""
-    order = np.argsort(pair, kind="stable")
-    pairs, first = np.unique(pair[order], return_index=True)
-    sent, received = sent[order].tolist(), received[order].tolist()
-    sends: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(world)]
-    receives: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(world)]
-    for p, lo, hi in zip(pairs.tolist(), first.tolist(), [*first[1:].tolist(), len(order)]):
-        sender, receiver = divmod(p, world)
-        sends[sender].append((receiver, tuple(sent[lo:hi])))
-        receives[receiver].append((sender, tuple(received[lo:hi])))
-    return [tuple(x) for x in sends], [tuple(sorted(x)) for x in receives]
+def _forwarded_blocks(
+    tables: list[tuple[int, _BlockTable]], positions: np.ndarray, bounds: np.ndarray,
+) -> list[ForwardedBlocks | tuple[()]]:
+    """Each reader's ``forwards``: the blocks at ``positions`` (in the order gathered,
+    all in ``tables``' arrays), reader ``r``'s from ``bounds[r]`` to ``bounds[r + 1]``."""
+    if not len(positions):
+        return [()] * (len(bounds) - 1)
+    axes = max(len(table.shard) for _, table in tables)
+    arrays = [a for _, table in tables for a in table.arrays]  # every table's, numbered in turn
+    numbered = np.cumsum([0] + [len(table.arrays) for _, table in tables])
+    firsts = np.asarray([first for first, _ in tables], np.int64)
+    table_of = np.searchsorted(firsts, positions, side="right") - 1
+    within = positions - firsts[table_of]
+    rows = np.empty((len(positions), 2 * axes + 5), np.int64)
+    array = np.empty(len(positions), np.int64)  # each block's position in ``arrays``
+    order = np.argsort(table_of, kind="stable")
+    edges = np.searchsorted(table_of[order], np.arange(len(tables) + 1))
+    for t, (lo, hi) in enumerate(zip(edges[:-1].tolist(), edges[1:].tolist())):
+        if lo < hi:
+            picked, table = order[lo:hi], tables[t][1]
+            rows[picked] = widened(table.rows[within[picked]], axes)
+            array[picked] = numbered[t] + table.kinds[within[picked]]
+    out: list[ForwardedBlocks | tuple[()]] = []
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        if lo == hi:
+            out.append(())
+            continue
+        named, array_of = np.unique(array[lo:hi], return_inverse=True)
+        out.append(ForwardedBlocks(tuple(arrays[a] for a in named.tolist()), array_of.reshape(-1), rows[lo:hi].copy()))
+    return out
 
 
 def _split_by(owner: np.ndarray, values: np.ndarray, world: int, sort: bool = False) -> list[list[int]]:
@@ -1025,18 +1052,31 @@ class _BlockTable:
     the shape of its shards: which shard holds each block's first element.
 
     Attributes:
+        arrays: the ``(key, dtype, global_shape)`` its blocks name (one, unless a layout
+            that was not checked names several).
+        kinds: each block's position in ``arrays``.
+        rows: each block's ``planning.columns.record_rows`` row.
         first: each block's first element (of its flattened range, if any).
-        ranks: its asker.
-        indices: its index among its asker's requests.
         nbytes: its bytes.
         shard: the array's shard shape.
     """
 
+    arrays: tuple[tuple[str, str, tuple[int, ...]], ...]
+    kinds: np.ndarray
+    rows: np.ndarray
     first: np.ndarray
-    ranks: np.ndarray
-    indices: np.ndarray
     nbytes: np.ndarray
     shard: tuple[int, ...]
+
+    @property
+    def ranks(self) -> np.ndarray:
+        """Each block's asker."""
+        return self.rows[:, -3]
+
+    @property
+    def indices(self) -> np.ndarray:
+        """Each block's index among its asker's requests."""
+        return self.rows[:, -2]
 
     @classmethod
     def of(cls, records: list[ShardRecord], shard: tuple[int, ...]) -> _BlockTable | None:
@@ -1045,12 +1085,19 @@ class _BlockTable:
         ndim, n = len(shard), len(records)
         if not ndim or any(len(s.offset) != ndim for s in records):
             return None
-        columns = 2 * ndim + 5
-        table = np.fromiter(itertools.chain.from_iterable(
-            [(*s.offset, *s.block_shape, *(s.flat_range or (-1, -1)), s.rank, s.index,
-              ITEMSIZE_BY_ZARR_NAME.get(s.dtype) or from_zarr_name(s.dtype).itemsize) for s in records]),
-            np.int64, n * columns).reshape(n, columns)
-        offset, extent, flat = table[:, :ndim], table[:, ndim : 2 * ndim], table[:, 2 * ndim : 2 * ndim + 2]
+        if len({s.dtype for s in records}) == 1 and len({s.global_shape for s in records}) == 1:  # checked layouts
+            named = [(records[0].dtype, records[0].global_shape)]
+        else:
+            named = list(dict.fromkeys((s.dtype, s.global_shape) for s in records))
+        arrays = tuple((records[0].key, dtype, shape) for dtype, shape in named)
+        if len(named) == 1:
+            kinds = np.zeros(n, np.int64)
+        else:
+            position = {pair: i for i, pair in enumerate(named)}
+            kinds = np.fromiter((position[(s.dtype, s.global_shape)] for s in records), np.int64, n)
+        itemsizes = np.asarray([ITEMSIZE_BY_ZARR_NAME.get(d) or from_zarr_name(d).itemsize for d, _ in named], np.int64)
+        rows = record_rows(records, ndim)
+        offset, extent, flat = rows[:, :ndim], rows[:, ndim : 2 * ndim], rows[:, 2 * ndim : 2 * ndim + 2]
         is_flat = flat[:, 0] >= 0
         first = offset.copy()
         if is_flat.any():  # a flattened range's first element: its start unraveled in its block
@@ -1058,8 +1105,8 @@ class _BlockTable:
             for axis in range(ndim - 1, -1, -1):
                 rest, within = np.divmod(rest, np.maximum(extent[:, axis], 1))
                 first[:, axis] += within
-        nbytes = np.where(is_flat, flat[:, 1] - flat[:, 0], extent.prod(axis=1)) * table[:, -1]
-        return cls(first, table[:, -3], table[:, -2], nbytes, shard)
+        nbytes = np.where(is_flat, flat[:, 1] - flat[:, 0], extent.prod(axis=1)) * itemsizes[kinds]
+        return cls(arrays, kinds, rows, first, nbytes, shard)
 
     def shard_buckets(self, positions: Sequence[int]) -> list[_Bucket]:
         """The shards holding the first element of some of its blocks (``positions``:

@@ -188,7 +188,7 @@ def _tensor_problems(key: str, shards: list[ShardRecord]) -> list[str]:
             not any(first.offset) and first.block_shape == first.global_shape):  # held whole: only its size can be wrong
         too_big = _too_big_to_address(key, first)
         return [too_big] if too_big else []
-    if len({(s.global_shape, s.dtype) for s in shards}) > 1:  # one pass over the shards; then name the first
+    if len({s.global_shape for s in shards}) > 1 or len({s.dtype for s in shards}) > 1:  # then name the first
         return [_inconsistency(key, first, next(s for s in shards if (s.global_shape, s.dtype) != (
             first.global_shape, first.dtype)))]
     too_big = _too_big_to_address(key, first)
@@ -198,12 +198,13 @@ def _tensor_problems(key: str, shards: list[ShardRecord]) -> list[str]:
     if not main:
         return [f"{key!r}: no rank holds a main replica (replica_id 0), so nobody would write it"]
     ndim = len(first.global_shape)
-    if {(len(s.offset), len(s.block_shape)) for s in main} != {(ndim, ndim)}:
+    offsets, extents = [s.offset for s in main], [s.block_shape for s in main]
+    if set(map(len, offsets)) | set(map(len, extents)) != {ndim}:
         s = next(s for s in main if (len(s.offset), len(s.block_shape)) != (ndim, ndim))
         return [f"{key!r}: rank {s.rank}'s shard has offset {s.offset} and shape {s.block_shape}, not one entry "
                 f"per axis of the global shape {s.global_shape}"]
     try:
-        boxes = _Boxes.of(main)
+        boxes = _Boxes.of_axes(offsets, extents, ndim)
         outside = boxes.first_outside(first.global_shape)
     except OverflowError:  # a number beyond 64 bits, so outside any tensor a reader can address
         outside = next(i for i, s in enumerate(main) if _lies_outside(s))
@@ -254,11 +255,16 @@ class _Boxes:
     @classmethod
     def of(cls, shards: list[ShardRecord]) -> _Boxes:
         """Raises OverflowError where a number does not fit in 64 bits."""
-        shape = (len(shards), len(shards[0].global_shape))
-        starts = np.fromiter(itertools.chain.from_iterable([s.offset for s in shards]), np.int64, math.prod(shape))
-        extents = np.fromiter(itertools.chain.from_iterable([s.block_shape for s in shards]), np.int64,
-                              math.prod(shape))
-        return cls(starts.reshape(shape), extents.reshape(shape))
+        return cls.of_axes([s.offset for s in shards], [s.block_shape for s in shards], len(shards[0].global_shape))
+
+    @classmethod
+    def of_axes(cls, offsets: list[tuple[int, ...]], extents: list[tuple[int, ...]], ndim: int) -> _Boxes:
+        """The boxes at ``offsets`` of ``extents``, each of ``ndim`` entries. Raises
+        OverflowError where a number does not fit in 64 bits."""
+        shape = (len(offsets), ndim)
+        starts = np.fromiter(itertools.chain.from_iterable(offsets), np.int64, math.prod(shape))
+        stretch = np.fromiter(itertools.chain.from_iterable(extents), np.int64, math.prod(shape))
+        return cls(starts.reshape(shape), stretch.reshape(shape))
 
     @property
     def stops(self) -> np.ndarray:

@@ -282,3 +282,8 @@ def test_a_plan_with_forwards_refuses_another_list_of_requests(tmp_path: Path) -
     request = [ShardedTensor.from_rank_offsets("w", torch.zeros(8))]
     with pytest.raises(CheckpointingException, match="made for 2 requested tensors on rank 0, which passes 1"):
         run_read_plan(request, location, read_commit_record(location), plan, Group(None))
+    # a rank that already failed keeps its first failure and names the second
+    earlier = CheckpointingException("the strict check failed first")
+    with pytest.raises(CheckpointingException, match="the strict check failed first") as raised:
+        run_read_plan(request, location, read_commit_record(location), plan, Group(None), local_error=earlier)
+    assert any("made for 2 requested tensors" in note for note in raised.value.__notes__), raised.value

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shardstore.errors import CheckpointingException
+from shardstore.errors import CheckpointingException, first_failure
 from shardstore.execution.loaded import place_loaded, postprocess_loaded
 from shardstore.execution.staging import DeviceUploader
 from shardstore.format.chunks import (
@@ -255,7 +255,7 @@ def run_read_plan(
             )
         tensors = [*tensors, *(forwarded_request(s, record) for s in plan.forwards)]
     except Exception as exc:  # raised on every rank by the stage
-        local_error = local_error or exc
+        local_error = first_failure(local_error, exc)
 
     def read() -> dict[int, torch.Tensor]:
         loaded = load_tensors(

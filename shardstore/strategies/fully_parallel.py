@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from shardstore.dict_utils import dict_list_map_outplace, nested_values
-from shardstore.errors import CheckpointingException
+from shardstore.errors import CheckpointingException, first_failure
 from shardstore.exchange_utils import (
     EXCHANGE_ALGOS,
     ShardDistribution,
@@ -247,7 +247,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         try:
             self.apply_saving_parallelization(sharded_state_dict)
         except CheckpointingException as exc:
-            return local_error or exc
+            return first_failure(local_error, exc)
         return local_error
 
     def _agreed(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:

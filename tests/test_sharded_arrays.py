@@ -330,6 +330,30 @@ def test_read_shards_once_fetches_each_shard_once_for_all_ranks(tmp_path: Path, 
     assert sum(each) > sum(read)
 
 
+def loaded_once_dropping_unexpected_keys(rank: int, world: int, ckpt: str) -> list[str]:
+    """A read-once load whose request also names keys the checkpoint lacks, first in the
+    state dict (so every rank's kept requests are renumbered before the forwards that
+    follow them): the strict mode drops them and every rank gets its rows, exactly."""
+    from shardstore.validation import StrictHandling
+
+    empty = {"absent": ShardedTensor.from_rank_offsets("absent", torch.zeros(2), replica_id=rank),
+             f"only_{rank}": ShardedTensor.from_rank_offsets(f"only_{rank}", torch.zeros(3)),
+             **_state(rank, world, empty=True)}
+    loaded, missing, unexpected = load(empty, ckpt, sharded_strategy=ZarrLoadShardedStrategy(read_shards_once=True),
+                                       strict=StrictHandling.RETURN_UNEXPECTED)
+    for i in range(ARRAYS):
+        assert torch.equal(loaded[f"w{i}"], _global(i).chunk(world)[rank]), (rank, i)
+    assert "absent" not in loaded and not missing
+    return sorted(unexpected)
+
+
+def test_read_shards_once_after_dropping_unexpected_keys(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_distributed(saved_and_loaded, 4, str(ckpt), 4)
+    unexpected = run_distributed(loaded_once_dropping_unexpected_keys, 3, str(ckpt), timeout=240)
+    assert unexpected == [["absent", f"only_{r}"] for r in range(3)], unexpected
+
+
 def loaded_into_swapped_data(rank: int, world: int, ckpt: str) -> None:
     """A request whose data was swapped for bfloat16 after it was made (``model.bfloat16()``):
     the load returns its declared float32, exactly, whoever reads it."""

@@ -333,14 +333,16 @@ def test_read_shards_once_fetches_each_shard_once_for_all_ranks(tmp_path: Path, 
 def loaded_once_dropping_unexpected_keys(rank: int, world: int, ckpt: str) -> list[str]:
     """A read-once load whose request also names keys the checkpoint lacks, first in the
     state dict (so every rank's kept requests are renumbered before the forwards that
-    follow them): the strict mode drops them and every rank gets its rows, exactly."""
+    follow them): the strict mode drops them and every rank gets its rows, exactly,
+    through Megatron's fully-parallel wrapper."""
+    from shardstore.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
     from shardstore.validation import StrictHandling
 
     empty = {"absent": ShardedTensor.from_rank_offsets("absent", torch.zeros(2), replica_id=rank),
              f"only_{rank}": ShardedTensor.from_rank_offsets(f"only_{rank}", torch.zeros(3)),
              **_state(rank, world, empty=True)}
-    loaded, missing, unexpected = load(empty, ckpt, sharded_strategy=ZarrLoadShardedStrategy(read_shards_once=True),
-                                       strict=StrictHandling.RETURN_UNEXPECTED)
+    wrapper = FullyParallelLoadStrategyWrapper(ZarrLoadShardedStrategy(read_shards_once=True))
+    loaded, missing, unexpected = load(empty, ckpt, sharded_strategy=wrapper, strict=StrictHandling.RETURN_UNEXPECTED)
     for i in range(ARRAYS):
         assert torch.equal(loaded[f"w{i}"], _global(i).chunk(world)[rank]), (rank, i)
     assert "absent" not in loaded and not missing

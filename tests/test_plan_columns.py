@@ -9,7 +9,13 @@ import pickle
 import numpy as np
 import pytest
 
-from shardstore.planning.columns import ForwardedBlocks, PeerIndices, record_rows, split_by_peer, widened
+from shardstore.planning.columns import (
+    ForwardedBlocks,
+    PeerIndices,
+    record_rows,
+    split_by_peer,
+    widened,
+)
 from shardstore.planning.layout import GlobalLayout, ShardRecord
 from shardstore.planning.plans import plan_reads
 

@@ -183,6 +183,13 @@ def save_after_one_rank_cleared(rank: int, world: int, root: str) -> dict:
             "cache": (strategy.plan_cache.planned, strategy.plan_cache.reused)}
 
 
+def save_with_the_cache_on_some_ranks(rank: int, world: int, root: str, cached_rank: int) -> str:
+    strategy = ZarrSaveShardedStrategy(max_chunk_bytes=CHUNK_BYTES, cache_plan=rank == cached_rank)
+    with pytest.raises(CheckpointingException, match="The ranks disagree on the plan cache") as refused:
+        save(state_dict(rank, world, 1), f"{root}/refused", sharded_strategy=strategy)
+    return str(refused.value)
+
+
 def save_without_cache(rank: int, world: int, root: str) -> list[int]:
     strategy = ZarrSaveShardedStrategy(max_chunk_bytes=CHUNK_BYTES)
     sent = []
@@ -382,6 +389,15 @@ def test_a_cache_cleared_on_one_rank_plans_in_full_on_every_rank(tmp_path: Path,
         assert r["cache"] == (2, 1), r
     for d in ("cleared", "again"):
         assert verify(tmp_path / d).ok
+
+
+@pytest.mark.parametrize("cached_rank", [0, 1])
+def test_a_cache_on_some_ranks_only_is_refused_on_every_rank_by_name(tmp_path: Path, cached_rank: int) -> None:
+    """Found by review: where the coordinator kept no plan cache and another rank did,
+    the first save failed with a TypeError from unpacking the other rank's vote."""
+    messages = run_distributed(save_with_the_cache_on_some_ranks, 2, str(tmp_path), cached_rank)
+    assert all("cache_plan or do_cache_distribution" in m for m in messages), messages
+    assert not (tmp_path / "refused").exists()
 
 
 def test_without_the_cache_every_save_sends_its_records(tmp_path: Path) -> None:

@@ -188,7 +188,7 @@ def _tensor_problems(key: str, shards: list[ShardRecord]) -> list[str]:
             not any(first.offset) and first.block_shape == first.global_shape):  # held whole: only its size can be wrong
         too_big = _too_big_to_address(key, first)
         return [too_big] if too_big else []
-    if len({s.global_shape for s in shards}) > 1 or len({s.dtype for s in shards}) > 1:  # then name the first
+    if len({s.global_shape for s in shards}) > 1 or len({s.dtype for s in shards}) > 1:  # name the first that differs
         return [_inconsistency(key, first, next(s for s in shards if (s.global_shape, s.dtype) != (
             first.global_shape, first.dtype)))]
     too_big = _too_big_to_address(key, first)

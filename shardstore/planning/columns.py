@@ -162,7 +162,8 @@ def record_rows(records: Sequence[ShardRecord], axes: int) -> np.ndarray:
     width = 2 * axes + 5
     flat = np.fromiter(itertools.chain.from_iterable([
         (*s.offset, *s.block_shape, *(s.flat_range or (-1, -1)), s.rank, s.index,
-         _MAIN * s.main | _ALLOW_SHAPE_MISMATCH * s.allow_shape_mismatch | _IRREGULAR * s.irregular)
+         (_MAIN if s.main else 0) | (_ALLOW_SHAPE_MISMATCH if s.allow_shape_mismatch else 0)
+         | (_IRREGULAR if s.irregular else 0))
         for s in records]), np.int64, len(records) * width)
     return flat.reshape(len(records), width)
 

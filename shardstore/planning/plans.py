@@ -771,7 +771,8 @@ class RankReadPlan:
 
     ``sends``, ``receives`` and ``forwards`` are tuples, or where planned in bulk
     sequences of the same entries held as numpy columns (``planning.columns``), equal
-    to those tuples.
+    to those tuples but no tuples themselves (``tuple(plan.sends)`` makes one); such a
+    plan is not hashable.
     """
 
     rank: int
@@ -1080,8 +1081,9 @@ class _BlockTable:
 
     @classmethod
     def of(cls, records: list[ShardRecord], shard: tuple[int, ...]) -> _BlockTable | None:
-        """The table of ``records``, or None where a block has another number of axes
-        than the shard (or the array none): those blocks are read by their askers."""
+        """The table of ``records``, or None where a block or its global shape has
+        another number of axes than the shard (or the array none): those blocks are read
+        by their askers."""
         ndim, n = len(shard), len(records)
         if not ndim or any(len(s.offset) != ndim for s in records):
             return None
@@ -1089,6 +1091,8 @@ class _BlockTable:
             named = [(records[0].dtype, records[0].global_shape)]
         else:
             named = list(dict.fromkeys((s.dtype, s.global_shape) for s in records))
+        if any(len(shape) != ndim for _, shape in named):  # blocks with other axes than the array
+            return None
         arrays = tuple((records[0].key, dtype, shape) for dtype, shape in named)
         if len(named) == 1:
             kinds = np.zeros(n, np.int64)

@@ -88,7 +88,8 @@ class PlanCache:
 
     @property
     def holds_plan(self) -> bool:
-        """True once a plan's parts reached every rank (the same on every rank)."""
+        """True while this rank holds its part of a plan (on every rank once a plan's
+        parts reached them all, until ``clear``)."""
         return self._plan_id is not None
 
     def clear(self) -> None:
@@ -108,6 +109,7 @@ class _CachedPlanQuery:
     place: str | None
     plan_id: str | None
     common_digests: dict[str, str] | None
+    holds: bool = True  # whether it holds a plan at all (False: its first save, or cleared)
 
 
 def gather_and_plan_cached(
@@ -198,10 +200,10 @@ def _reuse(
         check_same_place([q.place for q in queries])
         ids = {q.plan_id for q in queries}
         if len(ids) != 1 or None in ids:
-            changed = [r for r, q in enumerate(queries) if q.plan_id is None]
-            if len(changed) < len(queries) or len(ids) > 1:
-                logger.info("Plan cache: the structure changed or no plan is held on rank(s) %s; planning in full",
-                            changed[:8])
+            if any(q.holds for q in queries):  # not the first save of every rank
+                changed = [r for r, q in enumerate(queries) if q.plan_id is None]
+                logger.info("Plan cache: the structure changed (or the plan was cleared) on rank(s) %s; "
+                            "planning in full", changed[:8])
             return [(False, None, [])] * group.world_size
         if save_to is not None and (cache._needed is None or not admits_names(save_to.name_limits, cache._needed)):
             logger.info("Plan cache: %s stores shorter names than the cached plan's; planning in full",
@@ -214,7 +216,7 @@ def _reuse(
         return [(True, fresh, differing)] * group.world_size
 
     reuse, fresh, differing = run_stage(
-        group, "Checking the state dict", lambda: _CachedPlanQuery(place, mine, common_digests),
+        group, "Checking the state dict", lambda: _CachedPlanQuery(place, mine, common_digests, cache.holds_plan),
         reduce=decide, deliver=Deliver.SCATTER, local_error=local_error,
     )
     if not reuse:

@@ -87,7 +87,13 @@ def gather_and_plan(
 
 def _layout_of(gathered: list[tuple[str | None, Any, Any]]) -> GlobalLayout:
     """The layout of every rank's ``(place, records, digests)``; raises when the ranks
-    name different checkpoints."""
+    name different checkpoints, or some sent a plan cache's vote instead of records."""
+    voted = [rank for rank, g in enumerate(gathered) if not isinstance(g, tuple)]
+    if voted:
+        raise CheckpointingException(
+            f"The ranks disagree on the plan cache: rank(s) {voted[:8]} keep plans and this coordinator does not: "
+            "every rank must use the same strategy settings, cache_plan or do_cache_distribution included"
+        )
     check_same_place([p for p, _, _ in gathered])
     return GlobalLayout.from_gathered([c for _, c, _ in gathered])
 

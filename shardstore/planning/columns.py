@@ -15,7 +15,7 @@ and are not hashable.
 
 from __future__ import annotations
 
-__all__ = ["ForwardedBlocks", "PeerIndices", "record_rows", "split_by_peer", "widened"]
+__all__ = ["ForwardedBlocks", "PeerIndices", "record_rows", "row_width", "split_by_peer", "widened"]
 
 import itertools
 from collections.abc import Iterator, Sequence
@@ -28,6 +28,18 @@ from shardstore.planning.layout import ShardRecord
 
 # ``ForwardedBlocks.rows``' flag bits
 _MAIN, _ALLOW_SHAPE_MISMATCH, _IRREGULAR = 1, 2, 4
+# A row's columns besides its offset and block shape: flat start and stop, rank, index, flags.
+_FIXED_COLUMNS = 5
+
+
+def row_width(axes: int) -> int:
+    """The columns of a ``ForwardedBlocks.rows`` row of blocks of ``axes`` axes."""
+    return 2 * axes + _FIXED_COLUMNS
+
+
+def _axes_of(rows: np.ndarray) -> int:
+    """The axes ``rows`` (``row_width`` columns each) are laid out for."""
+    return (rows.shape[1] - _FIXED_COLUMNS) // 2
 
 
 class _TupleLike(Sequence):
@@ -124,7 +136,7 @@ class ForwardedBlocks(_TupleLike, Sequence[ShardRecord]):
 
     @property
     def axes(self) -> int:
-        return (self.rows.shape[1] - 5) // 2
+        return _axes_of(self.rows)
 
     def __len__(self) -> int:
         return len(self.array_of)
@@ -159,7 +171,7 @@ class ForwardedBlocks(_TupleLike, Sequence[ShardRecord]):
 def record_rows(records: Sequence[ShardRecord], axes: int) -> np.ndarray:
     """The rows of ``records``, every one of ``axes`` axes, as ``ForwardedBlocks.rows``
     lays them out (one pass, no Python object per value)."""
-    width = 2 * axes + 5
+    width = row_width(axes)
     flat = np.fromiter(itertools.chain.from_iterable([
         (*s.offset, *s.block_shape, *(s.flat_range or (-1, -1)), s.rank, s.index,
          (_MAIN if s.main else 0) | (_ALLOW_SHAPE_MISMATCH if s.allow_shape_mismatch else 0)
@@ -170,9 +182,9 @@ def record_rows(records: Sequence[ShardRecord], axes: int) -> np.ndarray:
 
 def widened(rows: np.ndarray, axes: int) -> np.ndarray:
     """``record_rows`` of fewer axes laid out for ``axes`` (offsets and shapes padded with 0)."""
-    have = (rows.shape[1] - 5) // 2
+    have = _axes_of(rows)
     if have == axes:
         return rows
-    out = np.zeros((len(rows), 2 * axes + 5), np.int64)
+    out = np.zeros((len(rows), row_width(axes)), np.int64)
     out[:, :have], out[:, axes : axes + have], out[:, 2 * axes :] = rows[:, :have], rows[:, have : 2 * have], rows[:, 2 * have :]
     return out

@@ -66,6 +66,7 @@ from shardstore.format.sharding import MAX_FLAT_INNER_CHUNKS, InnerGrid, ShardIn
 from shardstore.planning.columns import (
     ForwardedBlocks,
     record_rows,
+    row_width,
     split_by_peer,
     widened,
 )
@@ -1020,7 +1021,7 @@ def _forwarded_blocks(
     firsts = np.asarray([first for first, _ in tables], np.int64)
     table_of = np.searchsorted(firsts, positions, side="right") - 1
     within = positions - firsts[table_of]
-    rows = np.empty((len(positions), 2 * axes + 5), np.int64)
+    rows = np.empty((len(positions), row_width(axes)), np.int64)
     array = np.empty(len(positions), np.int64)  # each block's position in ``arrays``
     order = np.argsort(table_of, kind="stable")
     edges = np.searchsorted(table_of[order], np.arange(len(tables) + 1))

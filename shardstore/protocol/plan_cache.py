@@ -58,7 +58,7 @@ from shardstore.planning.checks import (
 )
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.common_state import check_common_state_consistency
-from shardstore.protocol.plan_stage import check_same_place, gather_and_plan
+from shardstore.protocol.plan_stage import PLAN_CACHE_SETTINGS, check_same_place, gather_and_plan
 from shardstore.protocol.stage import Deliver, run_stage
 from shardstore.stores.base import Location, NameLimits
 
@@ -194,8 +194,7 @@ def _reuse(
     def decide(queries: list[Any]) -> list[tuple[bool, Any, list[int]]]:
         if not all(isinstance(q, _CachedPlanQuery) for q in queries):
             raise CheckpointingException(
-                "The ranks disagree on the plan cache (some keep plans, some do not): every rank must use the "
-                "same strategy settings, cache_plan or do_cache_distribution included"
+                f"The ranks disagree on the plan cache (some keep plans, some do not): {PLAN_CACHE_SETTINGS}"
             )
         check_same_place([q.place for q in queries])
         ids = {q.plan_id for q in queries}

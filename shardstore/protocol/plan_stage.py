@@ -10,7 +10,7 @@ does, through ``protocol.stage.run_stage``.
 
 from __future__ import annotations
 
-__all__ = ["check_same_place", "gather_and_plan"]
+__all__ = ["PLAN_CACHE_SETTINGS", "check_same_place", "gather_and_plan"]
 
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +27,9 @@ from shardstore.protocol.collectives import Group
 from shardstore.protocol.common_state import check_common_state_consistency
 from shardstore.protocol.stage import Deliver, run_stage
 from shardstore.stores.base import Location
+
+# What to do where the ranks disagree on keeping a plan (``protocol.plan_cache``).
+PLAN_CACHE_SETTINGS = "every rank must use the same strategy settings, cache_plan or do_cache_distribution included"
 
 
 def gather_and_plan(
@@ -92,7 +95,7 @@ def _layout_of(gathered: list[tuple[str | None, Any, Any]]) -> GlobalLayout:
     if voted:
         raise CheckpointingException(
             f"The ranks disagree on the plan cache: rank(s) {voted[:8]} keep plans and this coordinator does not: "
-            "every rank must use the same strategy settings, cache_plan or do_cache_distribution included"
+            f"{PLAN_CACHE_SETTINGS}"
         )
     check_same_place([p for p, _, _ in gathered])
     return GlobalLayout.from_gathered([c for _, c, _ in gathered])

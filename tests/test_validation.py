@@ -207,12 +207,15 @@ def test_a_block_of_the_whole_shape_held_at_an_offset_is_refused() -> None:
         check_layout(GlobalLayout.from_gathered([([shard], [])]))
 
 
+@pytest.mark.parametrize("sparse", [False, True], ids=["grid", "sparse"])
 @pytest.mark.parametrize("seed", range(3))
-def test_the_coverage_check_agrees_with_counting_every_element(seed: int) -> None:
+def test_the_coverage_check_agrees_with_counting_every_element(seed: int, sparse: bool, monkeypatch) -> None:
     """The coverage check counts main replicas per cell of the blocks' grid at numpy's
     speed (a difference array); random blocks in 0 to 3 dimensions, some tiling, some
     not, against a count of every element: valid exactly where every element is covered
-    once, and otherwise it names a gap or an overlap, whichever the count shows."""
+    once, and otherwise it names a gap or an overlap, whichever the count shows.
+    ``sparse``: as where the grid has too many cells to count (an overlap is then named
+    before a gap)."""
     import random
 
     import numpy as np
@@ -221,6 +224,8 @@ def test_the_coverage_check_agrees_with_counting_every_element(seed: int) -> Non
     from shardstore.planning.checks import check_layout
     from shardstore.planning.layout import GlobalLayout, ShardRecord
 
+    if sparse:
+        monkeypatch.setattr("shardstore.planning.checks.MAX_COVERAGE_CELLS", 0)
     rng = random.Random(seed)
     seen = {"valid": 0, "gap": 0, "overlap": 0}
     for _ in range(400):
@@ -247,10 +252,61 @@ def test_the_coverage_check_agrees_with_counting_every_element(seed: int) -> Non
             seen["valid"] += 1
             continue
         kind = "gap" if (counts == 0).any() else "overlap"
+        if sparse and shape and (counts > 1).any():
+            kind = "overlap"
         with pytest.raises(CheckpointingException, match=f"\\({kind}\\)"):
             check_layout(layout)
         seen[kind] += 1
     assert all(seen.values()), seen
+
+
+def _staggered_rows(rows: int, moved: int | None = None) -> list:
+    """Two blocks per row of a ``[rows, rows + 1]`` tensor, split after column ``r + 1``
+    in row ``r``: a grid of about ``rows**2`` cells. ``moved``: that row's second block
+    one column to the left, overlapping the first by one element and leaving the last
+    column uncovered, the volume unchanged."""
+    from shardstore.planning.layout import ShardRecord
+
+    shape, shards = (rows, rows + 1), []
+    for r in range(rows):
+        cut = r + 1
+        second = cut - 1 if r == moved else cut
+        for i, (offset, block) in enumerate((((r, 0), (1, cut)), ((r, second), (1, rows + 1 - cut)))):
+            shards.append(ShardRecord("w", 2 * r + i, 2 * r + i, "float32", shape, offset, block, None, True))
+    return shards
+
+
+def test_a_gap_and_an_overlap_of_one_size_are_found_on_a_grid_too_large_to_count() -> None:
+    """4,100 rows cut at a different column each: 16.8 million grid cells, more than
+    the count allocates (``MAX_COVERAGE_CELLS``). Their volumes add up either way; the
+    blocks that overlap are found, and the tiling passes."""
+    from shardstore import CheckpointingException
+    from shardstore.planning import checks
+    from shardstore.planning.checks import check_layout
+    from shardstore.planning.layout import GlobalLayout
+
+    rows = 4100
+    assert rows * (rows + 1) > checks.MAX_COVERAGE_CELLS
+    check_layout(GlobalLayout.from_gathered([([s], []) for s in _staggered_rows(rows)]))
+    moved = GlobalLayout.from_gathered([([s], []) for s in _staggered_rows(rows, moved=2000)])
+    with pytest.raises(CheckpointingException, match="'w': the region starting at \\(2000, 2000\\) .*\\(overlap\\)"):
+        check_layout(moved)
+
+
+def test_past_the_pair_budget_only_the_volume_is_checked_and_a_warning_says_so(monkeypatch, caplog) -> None:
+    from shardstore import CheckpointingException
+    from shardstore.planning import checks
+    from shardstore.planning.checks import check_layout
+    from shardstore.planning.layout import GlobalLayout
+
+    monkeypatch.setattr(checks, "MAX_COVERAGE_CELLS", 0)
+    monkeypatch.setattr(checks, "MAX_OVERLAP_PAIRS", 0)
+    with caplog.at_level("WARNING", logger="shardstore.planning.checks"):
+        check_layout(GlobalLayout.from_gathered([([s], []) for s in _staggered_rows(6, moved=3)]))
+    assert "too irregular to check for overlaps" in caplog.text and "'w'" in caplog.text, caplog.text
+    short = _staggered_rows(6)[:-1]
+    with pytest.raises(CheckpointingException, match="cover 41 of the 42 elements .* 1 are not covered .*\\(gap\\)"):
+        check_layout(GlobalLayout.from_gathered([([s], []) for s in short]))
 
 
 @pytest.mark.parametrize(("offset", "block", "message"), [

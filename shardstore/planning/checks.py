@@ -15,6 +15,7 @@ __all__ = [
 ]
 
 import itertools
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -36,8 +37,15 @@ from shardstore.mapping import ShardedBase, ShardedObject, ShardedTensor
 from shardstore.planning.layout import GlobalLayout, ObjectShardRecord, ShardRecord
 from shardstore.stores.base import NameLimits
 
-# Grid cells the exact coverage check may allocate; past it, a volume check is used.
+logger = logging.getLogger(__name__)
+
+# Grid cells the coverage check may allocate (``_Boxes.cover_counts``); past it, the
+# blocks' total volume and a search for two that overlap (``_Boxes.first_overlap``).
 MAX_COVERAGE_CELLS = 16_000_000
+# Pairs of blocks that search compares at most, and at once (``_Boxes.overlap_candidates``);
+# past the first, only the total volume is checked, and a warning says so.
+MAX_OVERLAP_PAIRS = 100_000_000
+_PAIR_BATCH = 1 << 22
 MAX_REPORTED_PROBLEMS = 10
 # What a layout's keys are checked against where no storage is named (a layout checked
 # on its own; every save passes its target's, ``protocol.plan_stage.gather_and_plan``): the
@@ -310,6 +318,44 @@ class _Boxes:
             np.cumsum(counts, axis=axis, out=counts)
         return counts[tuple(slice(0, c) for c in cells)]
 
+    def overlap_candidates(self) -> tuple[int, np.ndarray, np.ndarray]:
+        """The pairs of boxes a sweep along one axis compares, along the axis where they
+        are fewest: their number, the boxes' order by their start along that axis and,
+        for each box in that order, the end of the run of later ones that start before
+        it ends there (only they can share an element with it). Boxes of no element
+        must be left out first: they start inside others without sharing anything."""
+        best: tuple[int, np.ndarray, np.ndarray] | None = None
+        stops, ahead = self.stops, np.arange(len(self.starts))
+        for axis in range(self.starts.shape[1]):
+            order = np.argsort(self.starts[:, axis], kind="stable")
+            ends = np.searchsorted(self.starts[order, axis], stops[order, axis], side="left")
+            pairs = int(np.clip(ends - ahead - 1, 0, None).sum())
+            if best is None or pairs < best[0]:
+                best = (pairs, order, ends)
+        if best is None:
+            raise ValueError("overlap_candidates of boxes without an axis")
+        return best
+
+    def first_overlap(self, order: np.ndarray, ends: np.ndarray) -> tuple[int, int] | None:
+        """Two boxes that share an element (their rows), or None where no two do: the
+        pairs ``overlap_candidates`` names, compared ``_PAIR_BATCH`` at a time."""
+        stops = self.stops
+        runs = np.clip(ends - np.arange(len(order)) - 1, 0, None)
+        done = np.cumsum(runs)
+        first = 0
+        while first < len(order):
+            last = max(first + 1, int(np.searchsorted(done, done[first] - runs[first] + _PAIR_BATCH, side="right")))
+            counts = runs[first:last]
+            mine = np.repeat(np.arange(first, last), counts)
+            later = mine + 1 + np.arange(len(mine)) - np.repeat(np.cumsum(counts) - counts, counts)
+            a, b = order[mine], order[later]
+            shared = ((self.starts[a] < stops[b]) & (self.starts[b] < stops[a])).all(axis=1)
+            if shared.any():
+                at = int(np.argmax(shared))
+                return int(a[at]), int(b[at])
+            first = last
+        return None
+
 
 # The largest array numpy (and so every reader) addresses, in bytes: one ``np.iinfo`` per
 # array cost 1 us of a 10,000-array plan's 10 us per array.
@@ -357,13 +403,8 @@ def _coverage_problems(key: str, main: list[ShardRecord], global_shape: tuple[in
     if len(main) == 1 and main[0].block_shape == global_shape:  # the common whole-tensor case, no grid to count
         return []
     grid = boxes.grid(global_shape)
-    if math.prod(len(b) - 1 for b in grid) > MAX_COVERAGE_CELLS:
-        # Too irregular to count cell by cell: fall back to the total volume.
-        volume = sum(s.block_volume for s in main)
-        if volume != math.prod(global_shape):
-            return [f"Invalid access pattern for {key!r}: main replicas cover {volume} elements, "
-                    f"the global shape has {math.prod(global_shape)}"]
-        return []
+    if global_shape and math.prod(len(b) - 1 for b in grid) > MAX_COVERAGE_CELLS:  # too irregular to count cells
+        return _sparse_coverage_problems(key, main, global_shape, boxes)
     counts = boxes.cover_counts(grid)
     problems = []
     for bad, what in ((counts == 0, "is not covered by any main replica (gap)"),
@@ -373,6 +414,36 @@ def _coverage_problems(key: str, main: list[ShardRecord], global_shape: tuple[in
             start = tuple(int(b[i]) for b, i in zip(grid, cell))
             problems.append(f"Invalid access pattern for {key!r}: the region starting at {start} {what}")
     return problems
+
+
+def _sparse_coverage_problems(
+    key: str, main: list[ShardRecord], global_shape: tuple[int, ...], boxes: _Boxes,
+) -> list[str]:
+    """``_coverage_problems`` for blocks on a grid of more than ``MAX_COVERAGE_CELLS``
+    cells: blocks within the tensor tile it exactly where no two share an element and
+    their volumes add up to its own. An overlap is named where it starts; a gap by the
+    elements missing (where is not sought). Past ``MAX_OVERLAP_PAIRS`` pairs to compare,
+    only the volumes are, which an overlap and a gap of one size pass: logged."""
+    volume, total = sum(s.block_volume for s in main), math.prod(global_shape)
+    full = (boxes.extents > 0).all(axis=1)
+    solid = _Boxes(boxes.starts[full], boxes.extents[full])
+    pairs, order, ends = solid.overlap_candidates()
+    if pairs > MAX_OVERLAP_PAIRS:
+        logger.warning(
+            "%r: its %d main blocks are too irregular to check for overlaps (%d pairs to compare, more than %d): "
+            "only their total volume is checked", key, len(solid.starts), pairs, MAX_OVERLAP_PAIRS,
+        )
+    elif (pair := solid.first_overlap(order, ends)) is not None:
+        start = tuple(int(v) for v in np.maximum(solid.starts[pair[0]], solid.starts[pair[1]]))
+        return [f"Invalid access pattern for {key!r}: the region starting at {start} is covered by more than one "
+                "main replica (overlap)"]
+    if volume < total:
+        return [f"Invalid access pattern for {key!r}: main replicas cover {volume} of the {total} elements of the "
+                f"global shape {global_shape}: {total - volume} are not covered by any main replica (gap)"]
+    if volume > total:  # only where the overlaps were not sought: blocks that do not overlap fit in the tensor
+        return [f"Invalid access pattern for {key!r}: main replicas cover {volume} elements, more than the {total} "
+                f"of the global shape {global_shape}: some are covered by more than one main replica (overlap)"]
+    return []
 
 
 def _object_problems(key: str, shards: list[ObjectShardRecord]) -> list[str]:

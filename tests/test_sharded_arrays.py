@@ -330,6 +330,72 @@ def test_read_shards_once_fetches_each_shard_once_for_all_ranks(tmp_path: Path, 
     assert sum(each) > sum(read)
 
 
+def _whole_tensor(i: int) -> torch.Tensor:
+    return torch.arange(48 * 8, dtype=torch.float32).reshape(48, 8) - i
+
+
+def loaded_from_whole_tensors(rank: int, world: int, ckpt: str, axis: int, once: bool) -> int:
+    """This rank's ``axis`` part of each whole-tensor array (FSDP2's rows, a row-parallel
+    weight's columns), exactly, into the request's own tensors; returns the bytes its
+    chunk reads returned."""
+    read = _count_chunk_reads()
+    empty = {f"w{i}": ShardedTensor.from_rank_offsets(
+        f"w{i}", torch.zeros_like(_whole_tensor(i).chunk(world, axis)[rank]), (axis, rank, world))
+        for i in range(ARRAYS)}
+    loaded = load(empty, ckpt, sharded_strategy=ZarrLoadShardedStrategy(read_shards_once=once))
+    for i in range(ARRAYS):
+        assert torch.equal(loaded[f"w{i}"], _whole_tensor(i).chunk(world, axis)[rank]), (rank, i)
+        assert loaded[f"w{i}"] is empty[f"w{i}"].data
+    return read[0]
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_read_once_reads_each_whole_tensor_chunk_once_for_all_ranks(tmp_path: Path, axis: int) -> None:
+    """A checkpoint of whole tensors (one process, one unsharded chunk per array: a TP 1
+    or data-parallel save) loaded by 4 ranks that each ask for a quarter of every array,
+    of its rows or of its columns: each rank reading its own part reads every chunk
+    whole (4x the bytes); with ``read_shards_once`` each chunk is read once, by one
+    rank, which sends the others their parts."""
+    ckpt = tmp_path / "ckpt"
+    save({f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", _whole_tensor(i)) for i in range(ARRAYS)}, ckpt)
+    assert _chunk_files(ckpt, "w0") == ["c.0.0"]
+    chunk = (ckpt / "w0" / "c.0.0").stat().st_size
+    once = run_distributed(loaded_from_whole_tensors, 4, str(ckpt), axis, True, timeout=240)
+    assert sum(once) == ARRAYS * chunk, (once, chunk)
+    each = run_distributed(loaded_from_whole_tensors, 4, str(ckpt), axis, False, timeout=240)
+    assert each == [ARRAYS * chunk] * 4, (each, chunk)
+
+
+@pytest.mark.parametrize("whole_first", [True, False])
+def test_blocks_of_one_unsharded_chunk_read_it_once(tmp_path: Path, monkeypatch, whole_first: bool) -> None:
+    """Three requests in one chunk (what a read-once reader asks for itself and others):
+    the whole array, its rows 12-24 and a column: one read of the chunk, landing in the
+    whole request where there is one, each part copied out of it, exactly."""
+    from shardstore.execution.load import load_tensors
+    from shardstore.opened import open_read
+    from shardstore.stores.local import FileChunkStore
+
+    ckpt = tmp_path / "ckpt"
+    save({"w0": ShardedTensor.from_rank_offsets("w0", _whole_tensor(0))}, ckpt)
+    opened = open_read(ckpt)
+    whole = ShardedTensor.from_rank_offsets("w0", torch.zeros(48, 8))
+    rows = ShardedTensor("w0", torch.zeros(12, 8), torch.float32, (12, 8), (48, 8), (12, 0), None)
+    column = ShardedTensor("w0", torch.zeros(48, 1), torch.float32, (48, 1), (48, 8), (0, 3), None)
+    requests = [whole, rows, column] if whole_first else [rows, column, whole]
+    reads = []
+    for name in ("get_into", "get_into_folded"):
+        real = getattr(FileChunkStore, name)
+        monkeypatch.setattr(FileChunkStore, name, lambda self, rel, *args, real=real: reads.append(rel) or real(
+            self, rel, *args))
+    got = dict(zip(map(id, requests), load_tensors(requests, opened.location, opened.require_record())))
+    assert reads == ["w0/c.0.0"], reads
+    expected = _whole_tensor(0)
+    assert torch.equal(got[id(whole)], expected)
+    assert got[id(whole)] is whole.data  # the chunk landed in it
+    assert torch.equal(got[id(rows)], expected[12:24])
+    assert torch.equal(got[id(column)], expected[:, 3:4])
+
+
 def loaded_once_dropping_unexpected_keys(rank: int, world: int, ckpt: str) -> list[str]:
     """A read-once load whose request also names keys the checkpoint lacks, first in the
     state dict (so every rank's kept requests are renumbered before the forwards that

@@ -118,3 +118,25 @@ def test_sharded_plan_counts_shard_fsdp_arrays_into_one_file_each() -> None:
     plain, sharded = module.counts(model, None), module.counts(model, 64 << 20)
     assert (plain["data_files"], sharded["data_files"], sharded["sharded"]) == (504, 63, 63)
     assert sharded["writers"] == model.world and plain["moved"] == 0 < sharded["moved"]
+
+
+def test_whole_tensor_loads_read_each_chunk_once_with_read_shards_once() -> None:
+    """scripts/whole_tensor_loads.py: a whole-tensor checkpoint of the tiny FSDP2 layout
+    loaded at 8 ranks reads 8x the bytes asked for when each rank reads its own rows,
+    and each chunk once with ``read_shards_once``."""
+    import importlib.util
+
+    from shardstore.planning.plans import plan_save
+    from shardstore.strategies.zarr import ZarrLoadShardedStrategy
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "whole_tensor_loads.py"
+    spec = importlib.util.spec_from_file_location("whole_tensor_loads", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.sim.layouts(quick=True)[0]
+    record = plan_save(module._layout(module.sim.FsdpLlama(1, **module._shape_of(model))), 64 << 20, True)[0].commit
+    layout = module._layout(model)
+    chunks = sum(a.nbytes for a in record.arrays.values())
+    each, once = (module.bytes_read(layout, record, ZarrLoadShardedStrategy(read_shards_once=o).plan_load(layout, record))
+                  for o in (False, True))
+    assert sum(each) == model.world * chunks and sum(once) == chunks, (sum(each), sum(once), chunks)

@@ -373,20 +373,46 @@ def _read_errors(file: ChunkFile) -> Iterator[None]:
         raise CheckpointingException(f"Reading {file.describe()} failed: {exc}") from exc
 
 
-def _coalesced(jobs: list[ReadJob]) -> list[ReadJob | BoxesJob]:
-    """``jobs``, those of one chunk whose codec reads parts of it made one ``BoxesJob``
-    (a load that asks for many blocks of one shard reads its index once)."""
-    out: list[ReadJob | BoxesJob] = []
-    shared: dict[tuple[int, str], BoxesJob] = {}
+@dataclass
+class CopiesJob:
+    """Several ``ReadJob`` s of one chunk whose codec reads it whole (a rank that reads
+    blocks of one chunk for other ranks, ``planning.plans.plan_reads``): the chunk read
+    once, into the first job's part where that is the whole chunk (``ReadJob.direct``),
+    else into a one-chunk buffer allocated when it runs, then each other part copied
+    out of it."""
+
+    jobs: list[ReadJob]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(job.nbytes for job in self.jobs)
+
+    def run(self) -> None:
+        first = self.jobs[0]
+        landing = next((job for job in self.jobs if job.direct), None)
+        buffer = landing.out[landing.piece.in_region] if landing else np.empty(first.chunk_shape, first.out.dtype)
+        with _read_errors(first.file):
+            first.file.read_into(buffer)
+        for job in self.jobs:
+            if job is not landing:
+                job.out[job.piece.in_region] = buffer[job.piece.in_chunk]
+
+
+def _coalesced(jobs: list[ReadJob]) -> list[ReadJob | BoxesJob | CopiesJob]:
+    """``jobs``, those of one chunk made one job that reads it once: a ``BoxesJob``
+    where its codec reads parts of it (a load that asks for many blocks of one shard
+    reads its index once), else a ``CopiesJob``."""
+    by_chunk: dict[tuple[int, str, str], list[ReadJob]] = {}
     for job in jobs:
-        if not job.file.codec.reads_spans:
-            out.append(job)
-            continue
-        key = (id(job.file.store), job.file.rel)
-        if key not in shared:
-            shared[key] = BoxesJob(job.file, job.chunk_shape, [])
-            out.append(shared[key])
-        shared[key].parts.append((job.piece.in_chunk[:-1], job.out[job.piece.in_region]))
+        by_chunk.setdefault((id(job.file.store), job.file.rel, job.out.dtype.str), []).append(job)
+    out: list[ReadJob | BoxesJob | CopiesJob] = []
+    for same in by_chunk.values():
+        first = same[0]
+        if first.file.codec.reads_spans:
+            out.append(BoxesJob(first.file, first.chunk_shape,
+                                [(job.piece.in_chunk[:-1], job.out[job.piece.in_region]) for job in same]))
+        else:
+            out.append(first if len(same) == 1 else CopiesJob(same))
     return out
 
 
@@ -522,12 +548,12 @@ def _taken_already(block: memoryview) -> None:
 
 
 def run_reads(jobs: list[ReadJob], threads: int | None = None) -> None:
-    """Runs the reads (each fills its part of its output array; those of one shard
-    together, ``BoxesJob``)."""
+    """Runs the reads (each fills its part of its output array; those of one chunk
+    together, ``BoxesJob``, ``CopiesJob``)."""
     runs = _coalesced(jobs)
     with tracked("read", (job.nbytes for job in runs)) as tick:
 
-        def read(job: ReadJob | BoxesJob) -> None:
+        def read(job: ReadJob | BoxesJob | CopiesJob) -> None:
             job.run()
             if tick:
                 tick(job.nbytes)

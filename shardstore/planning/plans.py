@@ -820,13 +820,15 @@ def plan_reads(
     (``planning.layout.pick_balanced``), and sent to the others; a rank that asked twice for one
     block reads it once.
 
-    ``shards`` (with ``fully_parallel``): the shard shapes of sharded arrays (key -> the
-    record's ``chunk_shape``) whose shards are each read by one rank: every block asked
-    for whose first element lies in a shard is read by one rank that asks for part of
-    it, balanced by bytes, and sent to the others, so a shard is fetched once (one or
-    two requests) instead of once per rank (at 4,096 ranks, FSDP2's thousands of
-    arrays each touch most ranks). A reader holds at most ``MAX_FORWARDED_BYTES`` of
-    blocks it did not ask for itself (``RankReadPlan.forwards``).
+    ``shards`` (with ``fully_parallel``): the chunk shapes (a sharded array's shards) of
+    arrays (key -> the record's ``chunk_shape``) whose chunks are each read by one rank:
+    every block asked for whose first element lies in a chunk is read by one rank that
+    asks for part of it, balanced by bytes, and sent to the others, so a chunk is
+    fetched once (one or two requests; a block that runs into the next chunk reads that
+    too) instead of once per rank (at 4,096 ranks, FSDP2's thousands of arrays each
+    touch most ranks; a whole-tensor chunk loaded by FSDP2 or TP ranks, each asking for
+    part of it). A reader holds at most ``MAX_FORWARDED_BYTES`` of blocks it did not
+    ask for itself (``RankReadPlan.forwards``).
     """
     world = layout.world_size
     shards = shards or {}

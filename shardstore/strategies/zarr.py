@@ -482,10 +482,13 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             naming the key; exact conversions (float16 -> float32, ...) always pass.
         load_staging_bytes: the most pinned host memory a load into CUDA tensors holds
             (two slabs of half of it, freed when the load returns).
-        read_shards_once: with ``fully_parallel``, each shard of a sharded array is
-            read by one of the ranks that ask for part of it, which sends the others
-            their blocks (``planning.plans.plan_reads``), so a shard is fetched once, not
-            once per rank: ``True``, ``False``, or ``"auto"`` (default): from
+        read_shards_once: with ``fully_parallel``, each shard of a sharded array, and
+            each chunk of an unsharded one, is read by one of the ranks that ask for
+            part of it, which sends the others their blocks
+            (``planning.plans.plan_reads``), so it is fetched once, not once per rank
+            (a whole-tensor checkpoint of a data-parallel or TP 1 job, loaded with
+            FSDP2 or TP 8: each chunk once, not by every rank that needs some of its
+            rows or columns): ``True``, ``False``, or ``"auto"`` (default): from
             ``AUTO_SHARD_MIN_RANKS`` (32) ranks on, where sharded saves start. A reader
             holds at most ``planning.plans.MAX_FORWARDED_BYTES`` of blocks for others.
     """
@@ -527,12 +530,12 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
 
     def plan_load(self, layout: GlobalLayout, record: CommitRecord | None = None) -> list[RankReadPlan]:
         """Coordinator: who reads which requested block (``planning.plans.plan_reads``);
-        given the checkpoint's ``record``, each shard of its sharded arrays once where
+        given the checkpoint's ``record``, each chunk (or shard) of its arrays once where
         ``read_shards_once`` says so."""
         shards = None
         if record is not None and (self.read_shards_once is True or (
                 self.read_shards_once == "auto" and layout.world_size >= AUTO_SHARD_MIN_RANKS)):
-            shards = {k: a.chunk_shape for k, a in record.arrays.items() if a.codec.reads_spans and k in layout.tensors}
+            shards = {k: a.chunk_shape for k, a in record.arrays.items() if k in layout.tensors}
         return plan_reads(layout, self.fully_parallel, shards)
 
     def load_with_plan(

@@ -208,6 +208,14 @@ def test_the_console_script_is_installed(demo: Path) -> None:
     assert load({"w": ShardedTensor.from_rank_offsets("decoder/fc1", torch.empty(8, 6))}, demo)["w"].shape == (8, 6)
 
 
+def test_help_and_version_answer_without_importing_torch() -> None:
+    """The command module imports torch (about 2 s) only in the commands that read a
+    checkpoint: ``--help``, ``--version`` and usage errors answer at once."""
+    code = "import sys, shardstore.tools.cli; print(sorted(m for m in ('torch', 'tensorstore') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result
+
+
 # ------------------------------------------------------------------ issue 27.4: the command's own words
 
 

@@ -34,7 +34,7 @@ from typing import Any, NoReturn
 
 import click
 
-from shardstore.core import CheckpointingException
+from shardstore.errors import CheckpointingException
 from shardstore.progress import format_bytes, progress_shown
 
 EXIT_FINDING = 1

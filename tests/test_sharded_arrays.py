@@ -396,6 +396,21 @@ def test_blocks_of_one_unsharded_chunk_read_it_once(tmp_path: Path, monkeypatch,
     assert torch.equal(got[id(column)], expected[:, 3:4])
 
 
+def test_run_reads_of_two_blocks_of_one_chunk_without_a_thread_count(tmp_path: Path) -> None:
+    """``format.run_reads`` takes its thread count from the jobs' stores when not given
+    one, one chunk's jobs made one (``CopiesJob``) included."""
+    from shardstore.format import ArrayChunks, chunk_store_for, read_region, run_reads
+    from shardstore.opened import open_read
+
+    ckpt = tmp_path / "ckpt"
+    save({"w0": ShardedTensor.from_rank_offsets("w0", _whole_tensor(0))}, ckpt)
+    opened = open_read(ckpt)
+    array = ArrayChunks.of(chunk_store_for(opened.location, 4), opened.require_record().arrays["w0"])
+    top, band = np.zeros((12, 8), np.float32), np.zeros((5, 8), np.float32)
+    run_reads(read_region(array, (slice(0, 12), slice(0, 8)), top) + read_region(array, (slice(3, 8), slice(0, 8)), band))
+    assert np.array_equal(top, _whole_tensor(0)[:12].numpy()) and np.array_equal(band, _whole_tensor(0)[3:8].numpy())
+
+
 def loaded_once_dropping_unexpected_keys(rank: int, world: int, ckpt: str) -> list[str]:
     """A read-once load whose request also names keys the checkpoint lacks, first in the
     state dict (so every rank's kept requests are renumbered before the forwards that

@@ -384,6 +384,10 @@ class CopiesJob:
     jobs: list[ReadJob]
 
     @property
+    def file(self) -> ChunkFile:
+        return self.jobs[0].file
+
+    @property
     def nbytes(self) -> int:
         return sum(job.nbytes for job in self.jobs)
 
@@ -391,8 +395,8 @@ class CopiesJob:
         first = self.jobs[0]
         landing = next((job for job in self.jobs if job.direct), None)
         buffer = landing.out[landing.piece.in_region] if landing else np.empty(first.chunk_shape, first.out.dtype)
-        with _read_errors(first.file):
-            first.file.read_into(buffer)
+        with _read_errors(self.file):
+            self.file.read_into(buffer)
         for job in self.jobs:
             if job is not landing:
                 job.out[job.piece.in_region] = buffer[job.piece.in_chunk]

@@ -137,3 +137,34 @@ def test_contiguous_ranges(offset, extent, shape, expected) -> None:
         grid = torch.arange(math.prod(shape)).reshape(shape)
         box = grid[tuple(slice(o, o + e) for o, e in zip(offset, extent))]
         assert box.flatten().tolist() == list(result)
+
+
+def _irregular_rows(shape: tuple[int, int], cut: int, data: torch.Tensor | None = None, **kwargs) -> dict:
+    """A ``shape`` matrix cut irregularly after row ``cut``: rows before and after it."""
+    rows, cols = shape
+    parts = {"a": (0, cut), "b": (cut, rows)}
+    return {
+        name: ShardedTensor("w", torch.zeros(stop - start, cols) if data is None else data[start:stop].clone(),
+                            torch.float32, (stop - start, cols), shape, (start, 0), None, **kwargs)
+        for name, (start, stop) in parts.items()
+    }
+
+
+@pytest.mark.parametrize(("shape", "cut"), [((4, 8), 1), ((5, 6), 3), ((3, 6), 2), ((3, 4), 1)])
+def test_an_irregular_request_with_allow_shape_mismatch_loads_padded_or_truncated(
+    tmp_path: Path, shape: tuple[int, int], cut: int,
+) -> None:
+    """Irregular shards are stored as flat ranges of the global shape
+    (``inputs.irregular``), and ``allow_shape_mismatch`` travels with them: a request of
+    another global shape gets the stored values where both shapes have them and zeros
+    elsewhere, as a regular one does. Before, the flag was dropped and the load failed,
+    telling the caller to set the flag it had set."""
+    stored = torch.arange(24.0).reshape(4, 6)
+    save(_irregular_rows((4, 6), 1, stored), tmp_path / "ckpt")
+    loaded = load(_irregular_rows(shape, cut, allow_shape_mismatch=True), tmp_path / "ckpt")
+    expected = torch.zeros(shape)
+    rows, cols = min(4, shape[0]), min(6, shape[1])
+    expected[:rows, :cols] = stored[:rows, :cols]
+    assert torch.equal(torch.cat([loaded["a"], loaded["b"]]), expected)
+    with pytest.raises(CheckpointingException, match="stored with global shape \\(4, 6\\).*set allow_shape_mismatch"):
+        load(_irregular_rows(shape, cut), tmp_path / "ckpt")

@@ -71,7 +71,7 @@ def irregular_as_flat(t: ShardedTensor) -> ShardedTensorFactory:
             "distributed-optimizer buffers); cut along the first axis, or use a regular grid"
         )
     local_shape, global_shape, dtype = tuple(t.local_shape), tuple(t.global_shape), t.dtype
-    flat_range = slice(elements.start, elements.stop)
+    flat_range, mismatch = slice(elements.start, elements.stop), t.allow_shape_mismatch
 
     def build(key: str, data: torch.Tensor | None, replica_id: ReplicaId, _: slice | None) -> ShardedTensor:
         flat = data.reshape(-1) if data is not None else None
@@ -79,7 +79,7 @@ def irregular_as_flat(t: ShardedTensor) -> ShardedTensorFactory:
         # (ShardRecord.irregular), so the record does not call it a caller's flattened range
         return ShardedTensor(
             key, flat, dtype, global_shape, global_shape, (0,) * len(global_shape), None,
-            replica_id, 0, False, flat_range,
+            replica_id, 0, mismatch, flat_range,
         )
 
     def merge(loaded: torch.Tensor) -> torch.Tensor:

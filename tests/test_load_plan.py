@@ -236,6 +236,20 @@ def test_forwards_past_the_bound_are_read_by_each_asker(monkeypatch: pytest.Monk
     assert [p.reads for p in plans] == [(0,), (0,)] and not plans[0].forwards and not plans[0].sends
 
 
+def test_a_shard_goes_to_an_asker_it_keeps_within_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 asks for row 0 of an 8-row shard, rank 1 for rows 1-7, the bound 4 rows:
+    rank 0 (fewest bytes so far, the lowest rank) would hold 7 rows for rank 1, so rank
+    1 reads the shard and holds row 0 for rank 0. Before, only the first choice was
+    tried, and each rank read the shard."""
+    import shardstore.planning.plans as plans_module
+
+    per_rank = [([_record("w", 0, 0, rows=1, offset=0)], []), ([_record("w", 1, 0, rows=7, offset=1)], [])]
+    monkeypatch.setattr(plans_module, "MAX_FORWARDED_BYTES", 4 * 8 * 4)
+    plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True, shards={"w": (8, 8)})
+    assert [p.reads for p in plans] == [(), (0, 1)] and [(f.rank, f.index) for f in plans[1].forwards] == [(0, 0)]
+    assert plans[1].sends == ((0, (1,)),) and plans[0].receives == ((1, (0,)),)
+
+
 def test_a_flattened_range_falls_in_the_shard_of_its_first_element() -> None:
     """Distributed-optimizer fragments: ranks 0 and 1 split one block of 8 x 8 flat, in
     shards of 4 rows: a range starting at row 4 lies in the second, one at row 2 in the

@@ -945,23 +945,29 @@ def _group_buckets(groups: list[list[ShardRecord]], shards: Mapping[str, tuple[i
 
 
 def _shard_readers(buckets: list[_Bucket], load: list[int]) -> list[tuple[int, np.ndarray]]:
-    """``(reader, positions)`` of each shard read once: among its askers, the one with
-    the fewest bytes so far (``load``, updated; ties: lowest rank), largest shard first
-    (ties: the order gathered), unless that takes it past ``MAX_FORWARDED_BYTES`` of
-    blocks it did not ask for. A shard one rank asks for alone is left out."""
+    """``(reader, positions)`` of each shard read once: among its askers that it takes
+    to at most ``MAX_FORWARDED_BYTES`` of blocks they did not ask for, the one with the
+    fewest bytes so far (``load``, updated; ties: lowest rank), largest shard first
+    (ties: the order gathered). A shard one rank asks for alone, or that no asker can
+    take, is left out (each asker reads its own blocks)."""
     chosen: list[tuple[int, np.ndarray]] = []
-    forwarded = [0] * len(load)
+    loads = np.asarray(load, dtype=np.int64)
+    forwarded = np.zeros(len(load), dtype=np.int64)
     for bucket in sorted(buckets, key=lambda b: (-b.nbytes, b.first)):
-        candidates = np.unique(bucket.askers)
+        candidates, which = np.unique(bucket.askers, return_inverse=True)
         if len(candidates) == 1:
             continue  # one rank asks: it reads, as it would
-        rank = min(candidates.tolist(), key=lambda r: (load[r], r))
-        extra = bucket.nbytes - int(bucket.sizes[bucket.askers == rank].sum())
-        if forwarded[rank] + extra > MAX_FORWARDED_BYTES:
+        own = np.bincount(which, weights=bucket.sizes, minlength=len(candidates)).astype(np.int64)
+        extra = bucket.nbytes - own
+        fits = np.flatnonzero(forwarded[candidates] + extra <= MAX_FORWARDED_BYTES)
+        if not len(fits):
             continue
-        forwarded[rank] += extra
-        load[rank] += bucket.nbytes
+        best = fits[np.lexsort((candidates[fits], loads[candidates[fits]]))[0]]
+        rank = int(candidates[best])
+        forwarded[rank] += extra[best]
+        loads[rank] += bucket.nbytes
         chosen.append((rank, bucket.positions))
+    load[:] = loads.tolist()
     return chosen
 
 

@@ -9,7 +9,10 @@ irregular shard becomes a factory whose ShardedTensor covers the whole global te
 its block, with the shard's elements as its ``flattened_range``; the storage core then
 gives the array a regular chunk grid, writes the chunks inside one rank's range
 directly and assembles the few straddling ones by exchange (one writer per chunk, as
-for any flattened range), and reading back reads only the rows the range touches. The
+for any flattened range), and reading back reads only the rows the range touches. A
+request with ``allow_shape_mismatch`` whose global shape differs from the stored one
+reads the whole stored tensor instead, fits it to the requested shape (padded with
+zeros or truncated), then takes the range: each such shard reads all of it. The
 factory's merge gives the loaded data back its shard's shape.
 
 Saves and loads reshard freely between irregular, flattened and regular layouts: the

@@ -18,7 +18,6 @@ __all__ = ["bytes_read", "main"]
 
 import argparse
 import gc
-import itertools
 import math
 import sys
 import time
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import simulate_scale as sim  # noqa: E402
 
+from shardstore.format.chunks import chunk_pieces  # noqa: E402
 from shardstore.format.records import ArrayRecord, CommitRecord  # noqa: E402
 from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
 from shardstore.planning.plans import RankReadPlan, plan_save  # noqa: E402
@@ -40,13 +40,12 @@ def _layout(model: sim.FsdpLlama) -> GlobalLayout:
 
 def _chunks(block: ShardRecord, array: ArrayRecord) -> set[tuple[str, tuple[int, ...]]]:
     """The chunks ``block`` touches."""
-    spans = [range(o // c, (o + b - 1) // c + 1) for o, b, c in zip(block.offset, block.block_shape, array.chunk_shape)]
-    return {(block.key, index) for index in itertools.product(*spans)}
+    return {(block.key, piece.index) for piece in chunk_pieces(block.region, array.shape, array.chunk_shape)}
 
 
 def bytes_read(layout: GlobalLayout, record: CommitRecord, plans: list[RankReadPlan]) -> list[int]:
     """Per rank, the bytes of the chunks its reads touch (its own requests and the
-    blocks it forwards), each chunk once."""
+    blocks it forwards), each chunk once, as stored (edge chunks padded whole)."""
     own: list[dict[int, ShardRecord]] = [{} for _ in plans]
     for records in layout.tensors.values():
         for s in records:
@@ -69,7 +68,7 @@ def main() -> None:
     model = sim.layouts(quick=True)[0] if args.quick else sim.FsdpLlama(args.ranks, layers=args.layers)
     record = plan_save(_layout(sim.FsdpLlama(1, **_shape_of(model))), 64 << 20, True, None)[0].commit
     layout = _layout(model)
-    asked = sum(s.block_volume * record.arrays[s.key].itemsize for r in layout.tensors.values() for s in r)
+    asked = sum(s.nbytes for records in layout.tensors.values() for s in records)
     print(f"{model.name}, {model.layers} layers, saved whole by 1 rank, loaded by {model.world}: "
           f"{asked / 1e9:.2f} GB asked for")
     gc.collect()

@@ -407,13 +407,19 @@ def _coverage_problems(key: str, main: list[ShardRecord], global_shape: tuple[in
         return _sparse_coverage_problems(key, main, global_shape, boxes)
     counts = boxes.cover_counts(grid)
     problems = []
-    for bad, what in ((counts == 0, "is not covered by any main replica (gap)"),
-                      (counts > 1, "is covered by more than one main replica (overlap)")):
+    for bad, what in ((counts == 0, _GAP), (counts > 1, _OVERLAP)):
         if bad.any():
             cell = np.argwhere(bad)[0]
-            start = tuple(int(b[i]) for b, i in zip(grid, cell))
-            problems.append(f"Invalid access pattern for {key!r}: the region starting at {start} {what}")
+            problems.append(_region_problem(key, tuple(int(b[i]) for b, i in zip(grid, cell)), what))
     return problems
+
+
+_GAP, _OVERLAP = "is not covered by any main replica (gap)", "is covered by more than one main replica (overlap)"
+
+
+def _region_problem(key: str, start: tuple[int, ...], what: str) -> str:
+    """The message for a gap or an overlap (``_GAP``, ``_OVERLAP``) found at ``start``."""
+    return f"Invalid access pattern for {key!r}: the region starting at {start} {what}"
 
 
 def _sparse_coverage_problems(
@@ -435,8 +441,7 @@ def _sparse_coverage_problems(
         )
     elif (pair := solid.first_overlap(order, ends)) is not None:
         start = tuple(int(v) for v in np.maximum(solid.starts[pair[0]], solid.starts[pair[1]]))
-        return [f"Invalid access pattern for {key!r}: the region starting at {start} is covered by more than one "
-                "main replica (overlap)"]
+        return [_region_problem(key, start, _OVERLAP)]
     if volume < total:
         return [f"Invalid access pattern for {key!r}: main replicas cover {volume} of the {total} elements of the "
                 f"global shape {global_shape}: {total - volume} are not covered by any main replica (gap)"]

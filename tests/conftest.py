@@ -85,6 +85,8 @@ STARTERS = {
     "MotoServer": "an S3 server",
     "ThreadedMotoServer": "an S3 server",
     "FaultyProxy": "an HTTP proxy server",
+    "forked_python": "a forked Python process (tests.forked_python)",
+    "ForkedPython": "a forked Python process (tests.forked_python)",
 }
 # subprocess's functions that start a process (``subprocess.run``: both names are used).
 SUBPROCESS_CALLS = {"run", "Popen", "call", "check_call", "check_output"}

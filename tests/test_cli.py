@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from shardstore import ShardedObject, ShardedTensor, load, load_plain_tensors, save
 from shardstore.format.records import FORMAT_VERSION
 from shardstore.tools.cli import EXIT_CLOSED_OUTPUT, main, parse_size
+from tests import forked_python
 from tests.dist import run_distributed
 from tests.scenarios import assert_bits_equal, global_tensor, grid_shard
 
@@ -324,20 +325,20 @@ SCRIPT = str(Path(sys.executable).with_name("shardstore"))
 def test_a_failure_under_json_prints_a_json_error_object(tmp_path: Path, command: str) -> None:
     missing = str(tmp_path / "missing")
     second = [str(tmp_path / "out")] if command in ("diff", "convert") else []
-    result = subprocess.run([SCRIPT, command, "--json", missing, *second], capture_output=True, text=True, timeout=120)
+    result = forked_python.run([SCRIPT, command, "--json", missing, *second], timeout=120)
     document = json.loads(result.stdout)
     assert result.returncode == 2 and document["exit_status"] == 2, result
     assert missing in document["error"] and "Traceback" not in result.stderr, result
 
 
 def test_a_usage_error_under_json_prints_a_json_error_object() -> None:
-    result = subprocess.run([SCRIPT, "verify", "--json"], capture_output=True, text=True, timeout=120)
+    result = forked_python.run([SCRIPT, "verify", "--json"], timeout=120)
     assert result.returncode == 2, result
     assert json.loads(result.stdout) == {"error": "Missing argument 'CHECKPOINT'.", "exit_status": 2}
 
 
 def test_help_under_json_is_help_not_an_error() -> None:
-    result = subprocess.run([SCRIPT, "inspect", "--help", "--json"], capture_output=True, text=True, timeout=120)
+    result = forked_python.run([SCRIPT, "inspect", "--help", "--json"], timeout=120)
     assert result.returncode == 0 and result.stdout.startswith("Usage: shardstore inspect"), result
 
 
@@ -350,7 +351,7 @@ def test_every_command_exits_quietly_and_not_zero_when_its_output_is_closed(
     demo: Path, tmp_path: Path, args: list[str]
 ) -> None:
     command = [SCRIPT, "--no-progress", *(a.format(demo=demo, out=tmp_path / "out.pt") for a in args)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = forked_python.ForkedPython(command)
     process.stdout.close()  # no reader left: the command's first write fails
     _, err = process.communicate(timeout=120)
     assert process.returncode == EXIT_CLOSED_OUTPUT and err == b"", (process.returncode, err.decode())

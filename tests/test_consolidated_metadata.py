@@ -42,6 +42,7 @@ from shardstore.format.records import (
     ZarrMetadata,
 )
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy, _load_from_array
+from tests import forked_python
 from tests.plain_venv import plain_python
 from tests.scenarios import global_tensor, rewrite_record
 
@@ -155,10 +156,10 @@ def test_sharded_arrays_keep_no_document_either(tmp_path: Path) -> None:
 
 def test_inspect_and_convert_read_it(checkpoint: Path, tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "shardstore.tools.cli"]
-    shown = subprocess.run([*cli, "inspect", str(checkpoint)], capture_output=True, text=True, timeout=120)
+    shown = forked_python.run([*cli, "inspect", str(checkpoint)], timeout=120)
     assert shown.returncode == 0 and "format 6" in shown.stdout and "model/norm" in shown.stdout, shown
     out = tmp_path / "model.pt"
-    made = subprocess.run([*cli, "convert", str(checkpoint), str(out)], capture_output=True, text=True, timeout=120)
+    made = forked_python.run([*cli, "convert", str(checkpoint), str(out)], timeout=120)
     assert made.returncode == 0, made.stderr
     converted = torch.load(out, weights_only=True)
     flat = {}

@@ -21,6 +21,7 @@ import importlib.util
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from shardstore.testing import free_port
+from tests import forked_python
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -71,16 +73,24 @@ def _in_test_directory(text: str, tmp_path: Path) -> str:
     return re.sub(r"(?<![\w/])(?:/tmp)?/ckpt/", f"{tmp_path}/ckpt/", text)
 
 
-def _run(script: Path, ranks: int, ckpt: Path, env: dict[str, str] | None = None, what: str = "") -> None:
-    """``script`` on ``ranks`` processes (one: plain python; more: torchrun) in its directory,
-    with ``CKPT`` set to ``ckpt``; every process must print the marker."""
+def _run(script: Path, ranks: int, ckpt: Path, env: dict[str, str] | None = None, what: str = "",
+         launch: str = "auto") -> None:
+    """``script`` on ``ranks`` processes in its directory, with ``CKPT`` set to ``ckpt``;
+    every process must print the marker. ``launch``: ``"auto"``, plain Python at 1 rank and
+    ``"workers"`` above; ``"workers"``, forked Pythons (``tests.forked_python``: torch and
+    shardstore already imported) with the environment torchrun gives its workers;
+    ``"torchrun"``, torchrun itself, each process a fresh interpreter (the quick start's
+    save, once)."""
     env = {**(env or os.environ), "CKPT": str(ckpt)}
-    if ranks == 1:
-        command = [sys.executable, str(script)]
-    else:
+    if launch == "torchrun":
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                    "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180, cwd=script.parent)
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180, cwd=script.parent)
+    elif ranks == 1 and launch == "auto":
+        result = forked_python.run([sys.executable, str(script)], env=env, timeout=180, cwd=script.parent)
+    else:
+        result = forked_python.run_ranks([sys.executable, str(script)], ranks, env=env, timeout=180,
+                                         cwd=script.parent)
     _check_finished(result, ranks, f"{what or script.name} on {ranks} rank(s)")
 
 
@@ -105,15 +115,14 @@ def test_quick_start_runs_as_written(tmp_path: Path) -> None:
     (tmp_path / "save.py").write_text(_finished(save_py))
     (tmp_path / "load.py").write_text(_finished(load_py))
     ckpt = tmp_path / "ckpt" / "iter_0001000"
-    _run(tmp_path / "save.py", 2, ckpt)
+    _run(tmp_path / "save.py", 2, ckpt, launch="torchrun")
     _run(tmp_path / "load.py", 1, ckpt)
     _run(tmp_path / "load.py", 2, ckpt)
     # the shardstore command's block reads the same checkpoint (its output there is another's)
     for command in _cli_commands_on(_written_checkpoint(save_py)):
         args = shlex.split(_in_test_directory(command, tmp_path))
         assert args[0] == "shardstore", command
-        result = subprocess.run([str(Path(sys.executable).parent / "shardstore"), *args[1:]],
-                                capture_output=True, text=True, timeout=180)
+        result = forked_python.run([str(Path(sys.executable).parent / "shardstore"), *args[1:]], timeout=180)
         assert result.returncode == 0, f"{command}:\n{result.stdout}\n{result.stderr}"
         assert str(ckpt) in result.stdout, result.stdout
 
@@ -293,6 +302,15 @@ def _fragment_id(page: str, fragment: Fragment) -> str:
     return f"{Path(page).stem}:{fragment.marker.split('(')[0].split()[-1]}"
 
 
+@pytest.fixture(scope="module")
+def quick_start_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the quick start's ``save.py`` writes at 2 ranks, once for the blocks that read it."""
+    directory = tmp_path_factory.mktemp("quick-start")
+    (directory / "save.py").write_text(_finished(_quick_start_blocks()[0]))
+    _run(directory / "save.py", 2, directory / "ckpt" / "iter_0001000")
+    return directory / "ckpt" / "iter_0001000"
+
+
 @pytest.mark.parametrize("page, fragment, block", _fragments(), ids=[_fragment_id(p, f) for p, f, _ in _fragments()])
 def test_page_blocks_run_as_written(
     tmp_path: Path, page: str, fragment: Fragment, block: str, request: pytest.FixtureRequest
@@ -300,9 +318,8 @@ def test_page_blocks_run_as_written(
     if fragment.megatron_job and importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core not installed (it needs torch>=2.6: scripts/oldest_torch.sh below that)")
     ckpt = tmp_path / "ckpt" / "iter_0001000"
-    if fragment.reads_the_quick_start:
-        (tmp_path / "save.py").write_text(_finished(_quick_start_blocks()[0]))
-        _run(tmp_path / "save.py", 2, ckpt)
+    if fragment.reads_the_quick_start:  # a copy: the block may write beside it
+        shutil.copytree(request.getfixturevalue("quick_start_checkpoint"), ckpt)
     before, after = (_MEGATRON_JOB.format(port=free_port()), "dist.destroy_process_group()\n") \
         if fragment.megatron_job else ("", "")
     (tmp_path / "block.py").write_text(_fragment_script(tmp_path, block, fragment.check + after, before))
@@ -320,16 +337,13 @@ def test_page_blocks_run_as_written(
 
 def test_fsdp_section_saves_at_2_ranks_and_loads_at_1(tmp_path: Path) -> None:
     """As docs/guide/dcp-fsdp2.md says: ``torchrun --nproc-per-node 2 fsdp.py`` trains a step and
-    saves it; run again at 1 rank, the script loads it resharded and checks it."""
+    saves it (here with torchrun's environment, ``_run``); run again at 1 rank, the script
+    loads it resharded and checks it."""
     from shardstore import verify
 
     (tmp_path / "fsdp.py").write_text(_finished(_fsdp_block()))
-    env = {**os.environ, "CKPT": str(tmp_path / "ckpt")}
     for ranks in (2, 1):
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-                   "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(tmp_path / "fsdp.py")]
-        _check_finished(subprocess.run(command, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path),
-                        ranks, f"fsdp.py on {ranks} rank(s)")
+        _run(tmp_path / "fsdp.py", ranks, tmp_path / "ckpt", launch="workers")
     assert verify(tmp_path / "ckpt" / "step-1").ok
 
 
@@ -385,8 +399,7 @@ def test_the_manager_loop_trains_each_step_once_across_a_restart(
         script = tmp_path / f"run{run}.py"
         script.write_text(_fragment_script(tmp_path, _manager_block(), check if run else "",
                                            before=interruption + _INTERRUPTIONS))
-        results.append(subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                                      timeout=300, cwd=tmp_path))
+        results.append(forked_python.run([sys.executable, str(script)], env=env, timeout=300, cwd=tmp_path))
         if run == 0:
             first = results[0]
             report = f"{first.stdout}\n{first.stderr}"

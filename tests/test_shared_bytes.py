@@ -237,21 +237,22 @@ def test_verify_of_a_root_keeps_unshared_damage_apart(tmp_path: Path) -> None:
 
 def test_the_cli_verifies_a_root_and_names_the_steps_sharing_a_damaged_file(tmp_path: Path) -> None:
     import json
-    import subprocess
     import sys
+
+    from tests import forked_python
 
     manager = CheckpointManager(tmp_path)
     for step in (1, 2):
         manager.save(step, _state(step))
     manager.close()
     command = [sys.executable, "-m", "shardstore.tools.cli", "verify", str(tmp_path)]
-    assert subprocess.run(command, capture_output=True, text=True).returncode == 0
+    assert forked_python.run(command).returncode == 0
     _flip_a_byte(manager.location(1).local_path() / CHUNK)
-    text = subprocess.run(command, capture_output=True, text=True)
+    text = forked_python.run(command)
     assert text.returncode == 1, text.stderr
     names = [manager.options.step_name(s) for s in (1, 2)]
     assert f"base [c.0.0] in {names[0]}, {names[1]} (one file shared by 2 checkpoints)" in text.stdout
-    document = json.loads(subprocess.run([*command, "--json"], capture_output=True, text=True).stdout)
+    document = json.loads(forked_python.run([*command, "--json"]).stdout)
     assert document["ok"] is False and document["damage"][0]["checkpoints"] == names
     assert sorted(document["checkpoints"]) == names
 

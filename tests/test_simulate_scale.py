@@ -4,11 +4,12 @@ real planner, and today's file count is the format's own arithmetic, exactly."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import forked_python
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "simulate_scale.py"
@@ -19,8 +20,8 @@ MiB = 2**20
 def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], dict]:
     """The figures of ``--quick``, by (layout, ranks)."""
     out = tmp_path_factory.mktemp("simulate") / "figures.json"
-    subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)], check=True, cwd=ROOT,
-                   capture_output=True, text=True, timeout=300)
+    result = forked_python.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)], cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
     return {(f["layout"], f["ranks"]): f for f in json.loads(out.read_text())}
 
 

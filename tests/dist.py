@@ -33,6 +33,7 @@ _PRELOAD = [
     "torch",
     "numpy",
     "tensorstore",
+    "zarr",
     "shardstore.serialization",
     "shardstore.strategies.zarr",
     "shardstore.strategies.common",

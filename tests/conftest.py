@@ -179,7 +179,7 @@ class _ProcessWatch:
     this test's doing."""
 
     # Audit events that start a process (``sys.addaudithook``).
-    EVENTS = ("subprocess.Popen", "os.system", "os.posix_spawn", "os.spawn", "os.fork")
+    EVENTS = ("subprocess.Popen", "os.system", "os.posix_spawn", "os.spawn", "os.fork", "tests.forked_python")
 
     def __init__(self) -> None:
         self.watching = False

@@ -4,17 +4,24 @@ tensorstore, zarr, shardstore and megatron-core (where installed).
 A test that runs a script, a module or the ``shardstore`` command "in a process of its
 own" pays about 3-5 s on 2 cores for the interpreter's start and those imports; forked
 from this module's server it pays about 0.1 s. The process is still a process of its
-own: its own pid and process group, its own file descriptors 0-2 (pipes the test reads,
-as ``subprocess`` gives), environment, working directory and ``sys.argv``, and a fresh
-``__main__``, so a name a script uses and does not define still fails. It ends as the
-interpreter would: non-daemon threads joined, ``atexit`` functions run, the standard
-streams flushed (exit status 120 when that fails, as Python's).
+own: its own pid (not a process group leader: ``os.setsid`` works), file descriptors
+0-2 (pipes the test reads, as ``subprocess`` gives), environment, working directory,
+``sys.argv`` and ``sys.path[0]``, and a fresh ``__main__``, so a name a script uses and
+does not define still fails. It starts with fresh random seeds (Python's, numpy's,
+torch's), torch's thread count from ``OMP_NUM_THREADS`` and the temporary directory from
+``TMPDIR``, and ends as the interpreter would: non-daemon threads joined, ``atexit``
+functions run, its globals finalized, the standard streams flushed (exit status 120 when
+that fails, as Python's), an uncaught exception through ``sys.excepthook`` (exit status
+1; ``KeyboardInterrupt``: ended by SIGINT).
 
 What differs from ``subprocess``, so tests that depend on it keep a real interpreter:
 modules imported by the server are already in ``sys.modules`` (a test that a module is
-*not* imported needs a real one); ``sys.path`` and the standard streams' buffering come
-from the server's start (``PYTHONPATH`` and ``PYTHONUNBUFFERED`` in ``env`` are not
-re-read); interpreter options (``-X``, ``-W``) are not supported.
+*not* imported needs a real one) and read their settings from the environment when the
+server imported them; ``sys.path`` and the standard streams' buffering come from the
+server's start (``PYTHONPATH`` and ``PYTHONUNBUFFERED`` in ``env`` are not re-read), and
+so does the ``hash()`` seed (every forked process has the server's, as every rank of
+``tests.dist`` has its forkserver's); interpreter options (``-X``, ``-W``) are not
+supported. ``kill`` ends the program and every process it started in its group.
 
 ``run_ranks(command, ranks, ...)`` runs a script as ``torchrun --nproc-per-node=RANKS``
 would: one process per rank, each with the environment torchrun gives its workers
@@ -32,6 +39,7 @@ from __future__ import annotations
 __all__ = ["ForkedPython", "run", "run_ranks"]
 
 import atexit
+import gc
 import importlib
 import json
 import os
@@ -54,6 +62,9 @@ PRELOAD = (
     "megatron.core.dist_checkpointing", "shardstore.megatron",
 )
 _EXIT_FLUSH_FAILED = 120  # what Python exits with when flushing stdout at exit fails
+# How long a request may wait for the server to fork the program (its first start
+# imports torch, megatron-core and the rest: about 5-10 s on 2 cores).
+_START_S = 120.0
 # How long run_ranks lets the other ranks finish after one failed, before it kills them.
 _PEERS_OF_A_FAILED_RANK_S = 10.0
 
@@ -123,24 +134,32 @@ class ForkedPython:
         self.args = command
         message = {"argv": _target(command), "env": dict(os.environ if env is None else env),
                    "cwd": os.fspath(cwd if cwd is not None else os.getcwd())}
+        sys.audit("tests.forked_python", command)  # tests/conftest.py's watch of unmarked tests
         stdin_r, stdin_w = os.pipe()
         stdout_r, stdout_w = os.pipe()
         stderr_r, stderr_w = os.pipe()
         status, status_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            _Server.request(message, [stdin_r, stdout_w, stderr_w, status_theirs.fileno()])
-        finally:
-            for fd in (stdin_r, stdout_w, stderr_w):
+            try:
+                _Server.request(message, [stdin_r, stdout_w, stderr_w, status_theirs.fileno()])
+            finally:
+                for fd in (stdin_r, stdout_w, stderr_w):
+                    os.close(fd)
+                status_theirs.close()
+            self._status, self._received = status, b""
+            status.settimeout(_START_S)
+            while b"\n" not in self._received:
+                data = status.recv(64)
+                if not data:
+                    raise RuntimeError(f"the forking server did not start {command}")
+                self._received += data
+        except BaseException:
+            for fd in (stdin_w, stdout_r, stderr_r):
                 os.close(fd)
-            status_theirs.close()
-        self._status, self._received = status, b""
-        while b"\n" not in self._received:
-            data = status.recv(64)
-            if not data:
-                raise RuntimeError(f"the forking server did not start {command}")
-            self._received += data
-        pid, self._received = self._received.split(b"\n", 1)
-        self.pid = int(pid)
+            status.close()
+            raise
+        started, self._received = self._received.split(b"\n", 1)
+        self.pid, self._group = map(int, started.split())
         self.returncode: int | None = None
         self.stdout: IO[bytes] = os.fdopen(stdout_r, "rb")
         self.stderr: IO[bytes] = os.fdopen(stderr_r, "rb")
@@ -166,17 +185,19 @@ class ForkedPython:
         return self.returncode
 
     def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+        """SIGKILL to the program and every process it started in its group."""
+        if self.returncode is None:
+            try:
+                os.killpg(self._group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
             try:
-                os.killpg(self.pid, sig)  # what it started too
-            except ProcessLookupError:  # not yet in a group of its own, or gone
-                try:
-                    os.kill(self.pid, sig)
-                except ProcessLookupError:
-                    pass
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def communicate(self, timeout: float | None = None) -> tuple[bytes, bytes]:
         """Both pipes read to their end (those still open), after the exit status."""
@@ -297,6 +318,7 @@ def _watch(message: dict[str, Any], fds: list[int]) -> None:
     """In a forked watcher: forks the program, sends its pid, waits for it and sends its
     exit status (as ``subprocess`` reports it); never returns."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.setsid()  # a group the program and what it starts belong to (``kill``), the program not its leader
     status = socket.socket(fileno=fds[3])
     pid = os.fork()
     if pid == 0:
@@ -305,7 +327,7 @@ def _watch(message: dict[str, Any], fds: list[int]) -> None:
     for stream in fds[:3]:
         os.close(stream)
     try:
-        status.sendall(f"{pid}\n".encode())
+        status.sendall(f"{pid} {os.getpgid(0)}\n".encode())
         _, wait_status = os.waitpid(pid, 0)
         status.sendall(str(os.waitstatus_to_exitcode(wait_status)).encode())
     finally:
@@ -317,40 +339,69 @@ def _program(message: dict[str, Any], fds: list[int]) -> None:
     arguments, then the script, module, code or entry point, and the interpreter's exit."""
     code = 1
     try:
-        os.setpgid(0, 0)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
         os.chdir(message["cwd"])
         os.environ.clear()
         os.environ.update(message["env"])
-        code = _main(*message["argv"])
+        _as_a_new_interpreter()
+        namespaces: list[dict[str, Any]] = []
+        code = _main(namespaces, *message["argv"])
         threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter: non-daemon threads first
         atexit._run_exitfuncs()
+        for namespace in namespaces:  # its objects finalized (open files flushed), as at the interpreter's exit
+            namespace.clear()
+        gc.collect()
         code = _flushed(code)
     finally:
         os._exit(code)
 
 
-def _main(mode: str, what: str, *argv: str) -> int:
+def _as_a_new_interpreter() -> None:
+    """What a new interpreter would have that the server's fork shares: fresh random
+    seeds (Python's, numpy's, torch's), torch's thread count from ``OMP_NUM_THREADS``,
+    the temporary directory from ``TMPDIR``. (The ``hash()`` seed stays the server's:
+    it is fixed when an interpreter starts.)"""
+    import random
+    import tempfile
+
+    random.seed()
+    tempfile.tempdir = None
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))
+
+
+def _main(namespaces: list[dict[str, Any]], mode: str, what: str, *argv: str) -> int:
     """Runs ``what`` as ``__main__`` (or its entry point) with ``sys.argv = argv``; its
-    exit status as the interpreter would give it."""
+    exit status as the interpreter would give it. ``namespaces`` receives its globals."""
     import runpy
-    import traceback
+    import types
 
     sys.argv = list(argv)
     try:
         if mode == "script":
             sys.path[0] = os.path.dirname(os.path.abspath(what))
-            runpy.run_path(what, run_name="__main__")
+            namespaces.append(runpy.run_path(what, run_name="__main__"))
         elif mode == "module":
             sys.path[0] = os.getcwd()
             sys.modules.pop(what, None)  # run afresh as __main__, as ``python -m`` (no "found in sys.modules")
             runpy.run_module(what, run_name="__main__", alter_sys=True)
         elif mode == "code":
             sys.path[0] = ""
-            exec(compile(what, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+            main = types.ModuleType("__main__")  # the real ``__main__``: what it defines pickles by name
+            sys.modules["__main__"] = main
+            namespaces.append(main.__dict__)
+            exec(compile(what, "<string>", "exec"), main.__dict__)
         else:
+            sys.path[0] = os.path.dirname(argv[0])  # the console script's directory
             module, _, function = what.partition(":")
             target: Any = importlib.import_module(module)
             for part in function.split("."):
@@ -363,18 +414,26 @@ def _main(mode: str, what: str, *argv: str) -> int:
             return exit_.code & 0xFF
         print(exit_.code, file=sys.stderr)
         return 1
+    except KeyboardInterrupt as error:  # the interpreter prints it, then ends by SIGINT
+        sys.excepthook(type(error), error, _programs_frames(error))
+        _flushed(0)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        return 1
     except BaseException as error:  # what the interpreter prints for an uncaught exception
-        traceback.print_exception(type(error), error, _programs_frames(error.__traceback__))
+        sys.excepthook(type(error), error, _programs_frames(error))
         return 1
     return 0
 
 
-def _programs_frames(frames: Any) -> Any:
-    """The traceback ``frames`` without this module's and runpy's, as the interpreter
-    prints a program's."""
+def _programs_frames(error: BaseException) -> Any:
+    """``error``'s traceback without this module's and runpy's frames, as the
+    interpreter prints a program's (set on ``error`` too: the hook prints its own)."""
+    frames = error.__traceback__
     while frames is not None and (frames.tb_frame.f_code.co_filename == __file__
                                   or "runpy" in frames.tb_frame.f_code.co_filename):
         frames = frames.tb_next
+    error.__traceback__ = frames
     return frames
 
 

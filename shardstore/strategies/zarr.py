@@ -513,19 +513,21 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
 
     def load_with_record(
         self, sharded_state_dict: ShardedStateDict, location: Location, record: CommitRecord,
-        process_group: dist.ProcessGroup | Group | None = None,
+        process_group: dist.ProcessGroup | Group | None = None, local_error: BaseException | None = None,
     ) -> StateDict:
         """Like ``load`` with a commit record the caller already read (and on the
         caller's process group or ``Group`` when given): plans once (``plan_load``,
         without the strict-handling and integrity checks of ``serialization.load``),
-        then ``load_with_plan``."""
+        then ``load_with_plan``. ``local_error``: this rank's failure in preparing its
+        request, raised on every rank by the plan's gather (a collective: every rank
+        still calls)."""
         if isinstance(process_group, Group):
             group = process_group
         else:
             group = Group(process_group if process_group is not None else self.process_group)
         tensors, _ = local_sharded_items(sharded_state_dict)
         plan = gather_and_plan(tensors, [], group, functools.partial(self.plan_load, record=record),
-                               place=location.describe())
+                               local_error=local_error, place=location.describe())
         return self.load_with_plan(sharded_state_dict, location, record, plan, group)
 
     def plan_load(self, layout: GlobalLayout, record: CommitRecord | None = None) -> list[RankReadPlan]:

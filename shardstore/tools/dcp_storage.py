@@ -40,10 +40,9 @@ import os
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
@@ -74,22 +73,16 @@ from shardstore.format import (
     BY_TORCH,
     COMMON_FILE,
     DEFAULT_IO_CONCURRENCY,
-    ArrayChunks,
     CommitRecord,
     DcpMetadata,
     StatePath,
     WrittenChunk,
     cast_checked,
-    chunk_store_for,
     from_zarr_name,
     holds_its_values,
     load_torch,
-    numpy_to_tensor,
-    read_region,
-    run_reads,
     serialize,
     state_paths,
-    tensor_to_numpy,
 )
 from shardstore.inputs.dtensors import fqn
 from shardstore.inputs.plain_tensors import (
@@ -109,6 +102,7 @@ from shardstore.strategies.zarr import (
     DEFAULT_SYNC_STAGING_BYTES,
     SHARDSTORE_BACKEND,
     ZARR_VERSION,
+    ZarrLoadShardedStrategy,
     ZarrSaveShardedStrategy,
     checked_staging_bytes,
 )
@@ -752,7 +746,6 @@ class _OpenCheckpoint:
     location: Location
     record: CommitRecord
     common: dict[str, Any]
-    arrays: dict[str, ArrayChunks] = field(default_factory=dict)
 
 
 class ShardstoreReader(StorageReader):
@@ -773,13 +766,19 @@ class ShardstoreReader(StorageReader):
                                                     each leaf's name, nothing else)
         2) all ranks    set_up_storage_reader()
         3) all ranks    prepare_local_plan()        unchanged
-        4) coordinator  prepare_global_plan()       unchanged
-        5) all ranks    read_data()                 every region read at once from the
-                                                    chunks it touches, each checked against
-                                                    its crc32c and the record's, straight
-                                                    into the destination tensor where it is a
-                                                    contiguous CPU tensor of the stored dtype
-                                                    (a plain tensor is filled in place)
+        4) coordinator  prepare_global_plan()       tells every rank how many load
+                                                    (one, under dcp.load(no_dist=True))
+        5) all ranks    read_data()                 collective where several ranks load:
+                                                    the ranks' regions planned together
+                                                    (``ZarrLoadShardedStrategy.plan_load``:
+                                                    a block several ranks ask for, and from
+                                                    32 ranks each chunk, read by one of them
+                                                    and sent to the others), each chunk
+                                                    checked against its crc32c and the
+                                                    record's, straight into the destination
+                                                    tensor where it is a contiguous CPU
+                                                    tensor of the stored dtype (a plain
+                                                    tensor is filled in place)
 
     Args:
         checkpoint_id: the checkpoint (local path, ``s3://bucket/prefix`` or a Location);
@@ -789,18 +788,29 @@ class ShardstoreReader(StorageReader):
             (0.1 into bfloat16, ...), as DCP's own ``FileSystemReader`` does (on by
             default, as there); off, such a load raises, naming the key.
             ``shardstore.load`` refuses such casts unless asked.
+        process_group: the ranks that load together: the group given to
+            ``dcp.load(process_group=...)`` (default: the world).
+        read_shards_once: as ``ZarrLoadShardedStrategy``'s: from 32 ranks (``"auto"``)
+            each chunk is read by one rank that asks for part of it and sent to the
+            others; ``True`` at any size, ``False`` never (a block several ranks ask
+            for whole is read once either way).
     """
 
     def __init__(
         self, checkpoint_id: CheckpointId | None = None, *, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
-        allow_lossy_casts: bool = True,
+        allow_lossy_casts: bool = True, process_group: dist.ProcessGroup | None = None,
+        read_shards_once: bool | Literal["auto"] = "auto",
     ) -> None:
         super().__init__()
         self.checkpoint_id = checkpoint_id
         self.io_concurrency = io_concurrency
         self.allow_lossy_casts = allow_lossy_casts
+        self.process_group = process_group
         self.load_id = _new_id()
         self._open: _OpenCheckpoint | None = None
+        # reads in the stored dtype (``_copy`` converts, as ``allow_lossy_casts`` says)
+        self._strategy = ZarrLoadShardedStrategy(io_concurrency, process_group=process_group,
+                                                 read_shards_once=read_shards_once)
 
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """A new load: its checkpoint id (when given) and a new DCP load id."""
@@ -865,47 +875,74 @@ class ShardstoreReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """Coordinator: tells each rank how many ranks load (``read_data`` plans and reads
+        together with them where more than one), after checking that they are this
+        reader's process group."""
+        group = Group(self.process_group)
+        if len(plans) > 1 and group.world_size != len(plans):
+            where = self._open.location.describe() if self._open is not None else _id_text(self.checkpoint_id)
+            raise CheckpointingException(
+                f"Loading checkpoint {where}: dcp.load runs on {len(plans)} ranks and ShardstoreReader's process "
+                f"group has {group.world_size}; pass the group given to dcp.load as "
+                "ShardstoreReader(process_group=...)"
+            )
+        return [replace(plan, storage_data=_LoadingRanks(len(plans))) for plan in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """All ranks: every item of this rank's plan; array regions all read at once."""
+        """All ranks, collective where several load: the common values of this rank's
+        plan, then its array regions, planned with the other ranks' and read."""
         opened = self._open
         if opened is None:
             raise CheckpointingException("ShardstoreReader.read_data before read_metadata")
         where = f"checkpoint {opened.location.describe()}"
-        store = chunk_store_for(opened.location, self.io_concurrency)
-        jobs, deferred = [], []
+        ranks = plan.storage_data.ranks if isinstance(plan.storage_data, _LoadingRanks) else 1
+        group = Group(self.process_group) if ranks > 1 else Group.local()
+        requests: list[tuple[ReadItem, torch.Tensor, ShardedTensor]] = []
+        error = None
         for item in plan.items:
-            key = item.storage_index.fqn
             try:
-                if item.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(item, _as_bytes(opened.common[key]))
-                    continue
-                target = planner.resolve_tensor(item).detach()
-                if key in opened.common:
-                    self._copy(item, target, _narrow(opened.common[key], _box(item)), where)
-                    planner.commit_tensor(item, target)
-                    continue
-                if key not in opened.arrays:
-                    opened.arrays[key] = ArrayChunks.of(store, opened.record.arrays[key])
-                array = opened.arrays[key]
-                stored = from_zarr_name(opened.record.arrays[key].dtype)
-                direct = target.device.type == "cpu" and target.dtype == stored.torch_dtype and holds_its_values(target)
-                out = tensor_to_numpy(target) if direct else np.empty(tuple(item.lengths), stored.numpy_dtype)
-                jobs += read_region(array, _box(item), out.reshape(tuple(item.lengths)))
-                deferred.append((item, target, None if direct else out, stored.torch_dtype))
-            except CheckpointingException:
-                raise
-            except Exception as exc:
-                raise CheckpointingException(f"{where}: reading {key!r} failed: {exc}") from exc
-        run_reads(jobs, store.threads)
-        for item, target, out, dtype in deferred:
-            if out is not None:
-                self._copy(item, target, numpy_to_tensor(out, dtype), where)
+                request = self._read_common_or_request(item, planner, opened, where)
+            except Exception as exc:  # raised on every rank by the plan's gather
+                error = exc if isinstance(exc, CheckpointingException) else CheckpointingException(
+                    f"{where}: reading {item.storage_index.fqn!r} failed: {exc}")
+                error.__cause__ = exc if error is not exc else exc.__cause__
+                break
+            if request is not None:
+                requests.append(request)
+        if error is not None and not group.active:
+            raise error
+        asked = {i: request for i, (_, _, request) in enumerate(requests)}
+        loaded = self._strategy.load_with_record(asked, opened.location, opened.record, group, local_error=error)
+        for i, (item, target, _) in enumerate(requests):
+            if loaded[i] is not target:
+                self._copy(item, target, loaded[i], where)
             planner.commit_tensor(item, target)
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _read_common_or_request(
+        self, item: ReadItem, planner: LoadPlanner, opened: _OpenCheckpoint, where: str,
+    ) -> tuple[ReadItem, torch.Tensor, ShardedTensor] | None:
+        """A common value ``item`` names, given to the planner (None); or the request for
+        the region of an array it names: the target, and a ShardedTensor of the stored
+        dtype that reads into it where it is a contiguous CPU tensor of that dtype."""
+        key = item.storage_index.fqn
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, _as_bytes(opened.common[key]))
+            return None
+        target = planner.resolve_tensor(item).detach()
+        if key in opened.common:
+            self._copy(item, target, _narrow(opened.common[key], _box(item)), where)
+            planner.commit_tensor(item, target)
+            return None
+        array = opened.record.arrays[key]
+        stored = from_zarr_name(array.dtype).torch_dtype
+        direct = target.device.type == "cpu" and target.dtype == stored and holds_its_values(target)
+        box = _box(item)
+        request = ShardedTensor(key, target.reshape(tuple(item.lengths)) if direct else None, stored,
+                                tuple(item.lengths), tuple(array.shape), tuple(s.start for s in box), None)
+        return item, target, request
 
     def _copy(self, item: ReadItem, target: torch.Tensor, source: torch.Tensor, where: str) -> None:
         """``source`` into ``target``; another dtype only where every value converts
@@ -979,6 +1016,14 @@ def _tensor_metadata(shape: tuple[int, ...], dtype: torch.dtype) -> TensorStorag
 
 def _array_metadata(shape: tuple[int, ...], zarr_dtype: str) -> TensorStorageMetadata:
     return _tensor_metadata(shape, from_zarr_name(zarr_dtype).torch_dtype)
+
+
+@dataclass(frozen=True)
+class _LoadingRanks:
+    """What ``ShardstoreReader.prepare_global_plan`` gives each rank
+    (``LoadPlan.storage_data``): how many ranks load together."""
+
+    ranks: int
 
 
 def _box(item: ReadItem) -> tuple[slice, ...]:

@@ -1,0 +1,106 @@
+"""``dcp.load`` through ``ShardstoreReader`` plans the ranks' reads together, as
+``shardstore.load`` does (``ZarrLoadShardedStrategy.plan_load``): a tensor every rank
+loads whole (DDP) is read by one rank and sent to the others, and with
+``read_shards_once`` (from 32 ranks by default) a chunk that several ranks need rows of
+(FSDP2 over a whole-tensor checkpoint) is read once. Before, each rank read every chunk
+its request touched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
+from tests.dist import run_distributed
+from tests.test_sharded_arrays import _count_chunk_reads
+
+ARRAYS = 3
+ROWS, COLS = 48, 8
+
+
+def _whole(i: int) -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) * (i + 1)
+
+
+@pytest.fixture(scope="module")
+def whole_tensors(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint of whole tensors, one chunk each, saved by one process."""
+    ckpt = tmp_path_factory.mktemp("dcp-read-once") / "ckpt"
+    dcp.save({f"w{i}": _whole(i) for i in range(ARRAYS)}, storage_writer=ShardstoreWriter(ckpt))
+    assert sorted(p.name for p in (ckpt / "w0").iterdir()) == ["c.0.0", "zarr.json"]
+    return ckpt
+
+
+def loaded_whole_counting_bytes(rank: int, world: int, ckpt: str) -> int:
+    """Every rank loads every tensor whole (as DDP); returns the bytes its chunk reads
+    returned."""
+    read = _count_chunk_reads()
+    state = {f"w{i}": torch.zeros(ROWS, COLS) for i in range(ARRAYS)}
+    dcp.load(state, storage_reader=ShardstoreReader(ckpt))
+    for i in range(ARRAYS):
+        assert torch.equal(state[f"w{i}"], _whole(i)), (rank, i)
+    return read[0]
+
+
+def test_a_tensor_every_rank_loads_whole_is_read_once(whole_tensors: Path) -> None:
+    read = run_distributed(loaded_whole_counting_bytes, 3, str(whole_tensors))
+    chunk = (whole_tensors / "w0" / "c.0.0").stat().st_size
+    assert sum(read) == ARRAYS * chunk, (read, chunk)  # before: every rank read every chunk, 3x
+
+
+def loaded_rows_counting_bytes(rank: int, world: int, ckpt: str, once: bool | str) -> int:
+    """This rank's rows of each tensor as an FSDP2 DTensor (``Shard(0)``); returns the
+    bytes its chunk reads returned."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    read = _count_chunk_reads()
+    mesh = init_device_mesh("cpu", (world,))
+    state = {f"w{i}": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(0)]) for i in range(ARRAYS)}
+    dcp.load(state, storage_reader=ShardstoreReader(ckpt, read_shards_once=once))
+    for i in range(ARRAYS):
+        assert torch.equal(state[f"w{i}"].to_local(), _whole(i).chunk(world)[rank]), (rank, i)
+    return read[0]
+
+
+def test_with_read_shards_once_fsdp_ranks_read_each_chunk_once(whole_tensors: Path) -> None:
+    chunk = (whole_tensors / "w0" / "c.0.0").stat().st_size
+    once = run_distributed(loaded_rows_counting_bytes, 4, str(whole_tensors), True)
+    assert sum(once) == ARRAYS * chunk, (once, chunk)
+    each = run_distributed(loaded_rows_counting_bytes, 4, str(whole_tensors), "auto")  # below 32 ranks: off
+    assert sum(each) == 4 * ARRAYS * chunk, (each, chunk)
+
+
+def loaded_alone(rank: int, world: int, ckpt: str) -> bool:
+    """Rank 0 loads by itself (``no_dist``) while the group is up; the others wait."""
+    if rank == 0:
+        state = {"w1": torch.zeros(ROWS, COLS)}
+        dcp.load(state, storage_reader=ShardstoreReader(ckpt), no_dist=True)
+        assert torch.equal(state["w1"], _whole(1))
+    dist.barrier()
+    return True
+
+
+def test_a_load_of_one_rank_alone_needs_no_other_rank(whole_tensors: Path) -> None:
+    assert run_distributed(loaded_alone, 2, str(whole_tensors), timeout=60) == [True, True]
+
+
+def loaded_on_a_subgroup_without_telling_the_reader(rank: int, world: int, ckpt: str) -> str:
+    group = dist.new_group([0, 1])
+    if rank >= 2:
+        return ""
+    state = {"w1": torch.zeros(ROWS, COLS)}
+    with pytest.raises(CheckpointException) as caught:  # DCP's, holding the coordinator's
+        dcp.load(state, storage_reader=ShardstoreReader(ckpt), process_group=group)
+    return str(caught.value)
+
+
+def test_a_reader_on_another_group_than_the_load_is_refused_by_name(whole_tensors: Path) -> None:
+    messages = run_distributed(loaded_on_a_subgroup_without_telling_the_reader, 3, str(whole_tensors), timeout=90)
+    for message in messages[:2]:
+        assert "ShardstoreReader(process_group=...)" in message and "2 ranks" in message, message

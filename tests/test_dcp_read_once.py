@@ -1,9 +1,9 @@
-"""``dcp.load`` through ``ShardstoreReader`` plans the ranks' reads together, as
-``shardstore.load`` does (``ZarrLoadShardedStrategy.plan_load``): a tensor every rank
-loads whole (DDP) is read by one rank and sent to the others, and with
-``read_shards_once`` (from 32 ranks by default) a chunk that several ranks need rows of
-(FSDP2 over a whole-tensor checkpoint) is read once. Before, each rank read every chunk
-its request touched."""
+"""``dcp.load`` through ``ShardstoreReader`` with ``read_shards_once`` (from 32 ranks by
+default) plans the ranks' reads together, as ``shardstore.load`` does
+(``ZarrLoadShardedStrategy.plan_load``): a tensor every rank loads whole (DDP), and a
+chunk that several ranks need rows of (FSDP2 over a whole-tensor checkpoint), is read by
+one rank and sent to the others. Otherwise, as before, each rank reads every chunk its
+request touches."""
 
 from __future__ import annotations
 
@@ -36,21 +36,23 @@ def whole_tensors(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ckpt
 
 
-def loaded_whole_counting_bytes(rank: int, world: int, ckpt: str) -> int:
+def loaded_whole_counting_bytes(rank: int, world: int, ckpt: str, once: bool | str) -> int:
     """Every rank loads every tensor whole (as DDP); returns the bytes its chunk reads
     returned."""
     read = _count_chunk_reads()
     state = {f"w{i}": torch.zeros(ROWS, COLS) for i in range(ARRAYS)}
-    dcp.load(state, storage_reader=ShardstoreReader(ckpt))
+    dcp.load(state, storage_reader=ShardstoreReader(ckpt, read_shards_once=once))
     for i in range(ARRAYS):
         assert torch.equal(state[f"w{i}"], _whole(i)), (rank, i)
     return read[0]
 
 
 def test_a_tensor_every_rank_loads_whole_is_read_once(whole_tensors: Path) -> None:
-    read = run_distributed(loaded_whole_counting_bytes, 3, str(whole_tensors))
+    read = run_distributed(loaded_whole_counting_bytes, 3, str(whole_tensors), True)
     chunk = (whole_tensors / "w0" / "c.0.0").stat().st_size
-    assert sum(read) == ARRAYS * chunk, (read, chunk)  # before: every rank read every chunk, 3x
+    assert sum(read) == ARRAYS * chunk, (read, chunk)
+    each = run_distributed(loaded_whole_counting_bytes, 3, str(whole_tensors), "auto")  # below 32 ranks: off
+    assert sum(each) == 3 * ARRAYS * chunk, (each, chunk)
 
 
 def loaded_rows_counting_bytes(rank: int, world: int, ckpt: str, once: bool | str) -> int:
@@ -80,7 +82,7 @@ def loaded_alone(rank: int, world: int, ckpt: str) -> bool:
     """Rank 0 loads by itself (``no_dist``) while the group is up; the others wait."""
     if rank == 0:
         state = {"w1": torch.zeros(ROWS, COLS)}
-        dcp.load(state, storage_reader=ShardstoreReader(ckpt), no_dist=True)
+        dcp.load(state, storage_reader=ShardstoreReader(ckpt, read_shards_once=True), no_dist=True)
         assert torch.equal(state["w1"], _whole(1))
     dist.barrier()
     return True
@@ -96,7 +98,7 @@ def loaded_on_a_subgroup_without_telling_the_reader(rank: int, world: int, ckpt:
         return ""
     state = {"w1": torch.zeros(ROWS, COLS)}
     with pytest.raises(CheckpointException) as caught:  # DCP's, holding the coordinator's
-        dcp.load(state, storage_reader=ShardstoreReader(ckpt), process_group=group)
+        dcp.load(state, storage_reader=ShardstoreReader(ckpt, read_shards_once=True), process_group=group)
     return str(caught.value)
 
 

@@ -98,6 +98,7 @@ from shardstore.serialization import verify_checkpoint_and_load_strategy
 from shardstore.stores import Location
 from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION
 from shardstore.strategies.zarr import (
+    AUTO_SHARD_MIN_RANKS,
     DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_SYNC_STAGING_BYTES,
     SHARDSTORE_BACKEND,
@@ -768,17 +769,17 @@ class ShardstoreReader(StorageReader):
         3) all ranks    prepare_local_plan()        unchanged
         4) coordinator  prepare_global_plan()       tells every rank how many load
                                                     (one, under dcp.load(no_dist=True))
-        5) all ranks    read_data()                 collective where several ranks load:
-                                                    the ranks' regions planned together
-                                                    (``ZarrLoadShardedStrategy.plan_load``:
-                                                    a block several ranks ask for, and from
-                                                    32 ranks each chunk, read by one of them
-                                                    and sent to the others), each chunk
-                                                    checked against its crc32c and the
-                                                    record's, straight into the destination
-                                                    tensor where it is a contiguous CPU
-                                                    tensor of the stored dtype (a plain
-                                                    tensor is filled in place)
+        5) all ranks    read_data()                 every region read from the chunks it
+                                                    touches, each checked against its crc32c
+                                                    and the record's, straight into the
+                                                    destination tensor where it is a
+                                                    contiguous CPU tensor of the stored dtype
+                                                    (a plain tensor is filled in place); with
+                                                    ``read_shards_once`` (from 32 ranks) a
+                                                    collective: the ranks' regions planned
+                                                    together (``ZarrLoadShardedStrategy.
+                                                    plan_load``), a block or chunk several
+                                                    ranks need read by one and sent
 
     Args:
         checkpoint_id: the checkpoint (local path, ``s3://bucket/prefix`` or a Location);
@@ -790,10 +791,13 @@ class ShardstoreReader(StorageReader):
             ``shardstore.load`` refuses such casts unless asked.
         process_group: the ranks that load together: the group given to
             ``dcp.load(process_group=...)`` (default: the world).
-        read_shards_once: as ``ZarrLoadShardedStrategy``'s: from 32 ranks (``"auto"``)
-            each chunk is read by one rank that asks for part of it and sent to the
-            others; ``True`` at any size, ``False`` never (a block several ranks ask
-            for whole is read once either way).
+        read_shards_once: from ``AUTO_SHARD_MIN_RANKS`` (32) ranks (``"auto"``), ``True``
+            at any size, or ``False``: the ranks plan their reads together, as
+            ``shardstore.load`` does, and each chunk several ranks need parts of (a
+            tensor every rank loads whole, as DDP; FSDP2 rows of a whole-tensor
+            checkpoint) is read by one of them and sent to the others; otherwise each
+            rank reads every chunk its regions touch (as DCP's ``FileSystemReader``),
+            which at a few ranks on one machine costs less than the exchange.
     """
 
     def __init__(
@@ -806,6 +810,7 @@ class ShardstoreReader(StorageReader):
         self.io_concurrency = io_concurrency
         self.allow_lossy_casts = allow_lossy_casts
         self.process_group = process_group
+        self.read_shards_once = read_shards_once
         self.load_id = _new_id()
         self._open: _OpenCheckpoint | None = None
         # reads in the stored dtype (``_copy`` converts, as ``allow_lossy_casts`` says)
@@ -876,10 +881,10 @@ class ShardstoreReader(StorageReader):
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Coordinator: tells each rank how many ranks load (``read_data`` plans and reads
-        together with them where more than one), after checking that they are this
-        reader's process group."""
+        together with them where ``read_shards_once`` says so), after checking, where it
+        does, that they are this reader's process group."""
         group = Group(self.process_group)
-        if len(plans) > 1 and group.world_size != len(plans):
+        if self._together(len(plans)) and group.world_size != len(plans):
             where = self._open.location.describe() if self._open is not None else _id_text(self.checkpoint_id)
             raise CheckpointingException(
                 f"Loading checkpoint {where}: dcp.load runs on {len(plans)} ranks and ShardstoreReader's process "
@@ -889,14 +894,15 @@ class ShardstoreReader(StorageReader):
         return [replace(plan, storage_data=_LoadingRanks(len(plans))) for plan in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """All ranks, collective where several load: the common values of this rank's
-        plan, then its array regions, planned with the other ranks' and read."""
+        """All ranks: the common values of this rank's plan, then its array regions,
+        planned with the other ranks' and read (a collective) where ``read_shards_once``
+        says so, else by this rank alone."""
         opened = self._open
         if opened is None:
             raise CheckpointingException("ShardstoreReader.read_data before read_metadata")
         where = f"checkpoint {opened.location.describe()}"
         ranks = plan.storage_data.ranks if isinstance(plan.storage_data, _LoadingRanks) else 1
-        group = Group(self.process_group) if ranks > 1 else Group.local()
+        group = Group(self.process_group) if self._together(ranks) else Group.local()
         requests: list[tuple[ReadItem, torch.Tensor, ShardedTensor]] = []
         error = None
         for item in plan.items:
@@ -920,6 +926,11 @@ class ShardstoreReader(StorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _together(self, ranks: int) -> bool:
+        """Whether ``ranks`` loading ranks plan their reads together (``read_shards_once``)."""
+        return ranks > 1 and (self.read_shards_once is True or (
+            self.read_shards_once == "auto" and ranks >= AUTO_SHARD_MIN_RANKS))
 
     def _read_common_or_request(
         self, item: ReadItem, planner: LoadPlanner, opened: _OpenCheckpoint, where: str,

@@ -106,3 +106,35 @@ def test_a_reader_on_another_group_than_the_load_is_refused_by_name(whole_tensor
     messages = run_distributed(loaded_on_a_subgroup_without_telling_the_reader, 3, str(whole_tensors), timeout=90)
     for message in messages[:2]:
         assert "ShardstoreReader(process_group=...)" in message and "2 ranks" in message, message
+
+
+def loaded_with_each_ranks_own_setting(rank: int, world: int, ckpt: str) -> bool:
+    """Rank 0 (DCP's coordinator) asks to plan together, rank 1 not: the coordinator's
+    decision holds for both, so neither waits for the other."""
+    state = {f"w{i}": torch.zeros(ROWS, COLS) for i in range(ARRAYS)}
+    dcp.load(state, storage_reader=ShardstoreReader(ckpt, read_shards_once=rank == 0))
+    return all(torch.equal(state[f"w{i}"], _whole(i)) for i in range(ARRAYS))
+
+
+def test_the_coordinator_decides_for_every_rank_whether_they_plan_together(whole_tensors: Path) -> None:
+    assert run_distributed(loaded_with_each_ranks_own_setting, 2, str(whole_tensors), timeout=60) == [True, True]
+
+
+class _FailingOnRankOne(dcp.DefaultLoadPlanner):
+    def resolve_tensor(self, read_item):  # noqa: ANN001, ANN201 - DCP's signature
+        if dist.get_rank() == 1:
+            raise RuntimeError("rank 1 cannot place its tensor")
+        return super().resolve_tensor(read_item)
+
+
+def loaded_with_a_failure_on_rank_one(rank: int, world: int, ckpt: str) -> str:
+    state = {"w0": torch.zeros(ROWS, COLS)}
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load(state, storage_reader=ShardstoreReader(ckpt, read_shards_once=True), planner=_FailingOnRankOne())
+    return str(caught.value)
+
+
+def test_a_ranks_failure_in_making_its_request_fails_every_rank_at_once(whole_tensors: Path) -> None:
+    messages = run_distributed(loaded_with_a_failure_on_rank_one, 2, str(whole_tensors), timeout=60, pg_timeout=30)
+    for message in messages:
+        assert "rank 1 cannot place its tensor" in message and "'w0'" in message, message

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
@@ -73,16 +74,22 @@ from shardstore.format import (
     BY_TORCH,
     COMMON_FILE,
     DEFAULT_IO_CONCURRENCY,
+    ArrayChunks,
     CommitRecord,
     DcpMetadata,
     StatePath,
     WrittenChunk,
     cast_checked,
+    chunk_store_for,
     from_zarr_name,
     holds_its_values,
     load_torch,
+    numpy_to_tensor,
+    read_region,
+    run_reads,
     serialize,
     state_paths,
+    tensor_to_numpy,
 )
 from shardstore.inputs.dtensors import fqn
 from shardstore.inputs.plain_tensors import (
@@ -880,29 +887,33 @@ class ShardstoreReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """Coordinator: tells each rank how many ranks load (``read_data`` plans and reads
-        together with them where ``read_shards_once`` says so), after checking, where it
-        does, that they are this reader's process group."""
-        group = Group(self.process_group)
-        if self._together(len(plans)) and group.world_size != len(plans):
+        """Coordinator: decides for every rank whether the ranks plan their reads
+        together (``read_shards_once``) and tells them (``LoadPlan.storage_data``). Where
+        this reader's process group is not the size of ``dcp.load``'s, they do not:
+        refused under ``read_shards_once=True``, a warning under ``"auto"``."""
+        ranks = len(plans)
+        together = ranks > 1 and (self.read_shards_once is True or (
+            self.read_shards_once == "auto" and ranks >= AUTO_SHARD_MIN_RANKS))
+        size = Group(self.process_group).world_size
+        if together and size != ranks:
             where = self._open.location.describe() if self._open is not None else _id_text(self.checkpoint_id)
-            raise CheckpointingException(
-                f"Loading checkpoint {where}: dcp.load runs on {len(plans)} ranks and ShardstoreReader's process "
-                f"group has {group.world_size}; pass the group given to dcp.load as "
-                "ShardstoreReader(process_group=...)"
-            )
-        return [replace(plan, storage_data=_LoadingRanks(len(plans))) for plan in plans]
+            problem = (f"Loading checkpoint {where}: dcp.load runs on {ranks} ranks and ShardstoreReader's process "
+                       f"group has {size}; pass the group given to dcp.load as ShardstoreReader(process_group=...)")
+            if self.read_shards_once is True:
+                raise CheckpointingException(problem)
+            logger.warning("%s to read each chunk once; each rank reads what it needs instead", problem)
+            together = False
+        return [replace(plan, storage_data=_LoadingRanks(ranks, together)) for plan in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """All ranks: the common values of this rank's plan, then its array regions,
-        planned with the other ranks' and read (a collective) where ``read_shards_once``
-        says so, else by this rank alone."""
+        """All ranks: the common values of this rank's plan, then its array regions: by
+        this rank alone, or planned with the other ranks' and read (a collective:
+        ``prepare_global_plan`` decided for every rank)."""
         opened = self._open
         if opened is None:
             raise CheckpointingException("ShardstoreReader.read_data before read_metadata")
         where = f"checkpoint {opened.location.describe()}"
-        ranks = plan.storage_data.ranks if isinstance(plan.storage_data, _LoadingRanks) else 1
-        group = Group(self.process_group) if self._together(ranks) else Group.local()
+        together = isinstance(plan.storage_data, _LoadingRanks) and plan.storage_data.together
         requests: list[tuple[ReadItem, torch.Tensor, ShardedTensor]] = []
         error = None
         for item in plan.items:
@@ -915,29 +926,25 @@ class ShardstoreReader(StorageReader):
                 break
             if request is not None:
                 requests.append(request)
-        if error is not None and not group.active:
+        if together:
+            self._read_together(requests, opened, error, where)
+        elif error is not None:
             raise error
-        asked = {i: request for i, (_, _, request) in enumerate(requests)}
-        loaded = self._strategy.load_with_record(asked, opened.location, opened.record, group, local_error=error)
-        for i, (item, target, _) in enumerate(requests):
-            if loaded[i] is not target:
-                self._copy(item, target, loaded[i], where)
+        else:
+            self._read_alone(requests, opened, where)
+        for item, target, _ in requests:
             planner.commit_tensor(item, target)
         future: Future[None] = Future()
         future.set_result(None)
         return future
-
-    def _together(self, ranks: int) -> bool:
-        """Whether ``ranks`` loading ranks plan their reads together (``read_shards_once``)."""
-        return ranks > 1 and (self.read_shards_once is True or (
-            self.read_shards_once == "auto" and ranks >= AUTO_SHARD_MIN_RANKS))
 
     def _read_common_or_request(
         self, item: ReadItem, planner: LoadPlanner, opened: _OpenCheckpoint, where: str,
     ) -> tuple[ReadItem, torch.Tensor, ShardedTensor] | None:
         """A common value ``item`` names, given to the planner (None); or the request for
         the region of an array it names: the target, and a ShardedTensor of the stored
-        dtype that reads into it where it is a contiguous CPU tensor of that dtype."""
+        dtype that reads into it (its ``data``) where it is a contiguous CPU tensor of
+        that dtype, else has no data (the read makes its result)."""
         key = item.storage_index.fqn
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, _as_bytes(opened.common[key]))
@@ -954,6 +961,49 @@ class ShardstoreReader(StorageReader):
         request = ShardedTensor(key, target.reshape(tuple(item.lengths)) if direct else None, stored,
                                 tuple(item.lengths), tuple(array.shape), tuple(s.start for s in box), None)
         return item, target, request
+
+    def _read_alone(
+        self, requests: list[tuple[ReadItem, torch.Tensor, ShardedTensor]], opened: _OpenCheckpoint, where: str,
+    ) -> None:
+        """Every request's region read by this rank, all at once, into its target where
+        the request reads in place, else through a buffer of the stored dtype."""
+        store = chunk_store_for(opened.location, self.io_concurrency)
+        arrays: dict[str, ArrayChunks] = {}
+        jobs, buffered = [], []
+        for item, target, request in requests:
+            key = request.key
+            try:
+                if key not in arrays:
+                    arrays[key] = ArrayChunks.of(store, opened.record.arrays[key])
+                stored = from_zarr_name(opened.record.arrays[key].dtype)
+                out = tensor_to_numpy(request.data) if request.data is not None else np.empty(
+                    tuple(item.lengths), stored.numpy_dtype)
+                jobs += read_region(arrays[key], _box(item), out.reshape(tuple(item.lengths)))
+                if request.data is None:
+                    buffered.append((item, target, out, stored.torch_dtype))
+            except CheckpointingException:
+                raise
+            except Exception as exc:
+                raise CheckpointingException(f"{where}: reading {key!r} failed: {exc}") from exc
+        run_reads(jobs, store.threads)
+        for item, target, out, dtype in buffered:
+            self._copy(item, target, numpy_to_tensor(out, dtype), where)
+
+    def _read_together(
+        self, requests: list[tuple[ReadItem, torch.Tensor, ShardedTensor]], opened: _OpenCheckpoint,
+        error: BaseException | None, where: str,
+    ) -> None:
+        """Collective: the requests planned with every rank's and read
+        (``ZarrLoadShardedStrategy.load_with_record``); ``error``, this rank's failure
+        in making them, raised on every rank. A rank that fails before ``read_data``
+        (a planner's ``finish_plan``) leaves the others waiting here for the process
+        group's timeout."""
+        asked = {i: request for i, (_, _, request) in enumerate(requests)}
+        loaded = self._strategy.load_with_record(asked, opened.location, opened.record,
+                                                 Group(self.process_group), local_error=error)
+        for i, (item, target, request) in enumerate(requests):
+            if loaded[i] is not request.data:  # else read in place
+                self._copy(item, target, loaded[i], where)
 
     def _copy(self, item: ReadItem, target: torch.Tensor, source: torch.Tensor, where: str) -> None:
         """``source`` into ``target``; another dtype only where every value converts
@@ -1032,9 +1082,11 @@ def _array_metadata(shape: tuple[int, ...], zarr_dtype: str) -> TensorStorageMet
 @dataclass(frozen=True)
 class _LoadingRanks:
     """What ``ShardstoreReader.prepare_global_plan`` gives each rank
-    (``LoadPlan.storage_data``): how many ranks load together."""
+    (``LoadPlan.storage_data``): how many ranks load, and whether they plan their reads
+    together (one decision for all, so that every rank or none enters the collective)."""
 
     ranks: int
+    together: bool
 
 
 def _box(item: ReadItem) -> tuple[slice, ...]:

@@ -138,3 +138,30 @@ def test_a_ranks_failure_in_making_its_request_fails_every_rank_at_once(whole_te
     messages = run_distributed(loaded_with_a_failure_on_rank_one, 2, str(whole_tensors), timeout=60, pg_timeout=30)
     for message in messages:
         assert "rank 1 cannot place its tensor" in message and "'w0'" in message, message
+
+
+def loaded_on_a_subgroup_under_auto(rank: int, world: int, ckpt: str) -> tuple[bool, list[str]]:
+    """As ``loaded_on_a_subgroup_without_telling_the_reader`` under ``"auto"``, its
+    threshold lowered to 2 ranks: the ranks read alone, and the coordinator warns."""
+    import logging
+
+    import shardstore.tools.dcp_storage as dcp_storage
+
+    dcp_storage.AUTO_SHARD_MIN_RANKS = 2  # this spawned rank's copy only
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    dcp_storage.logger.addHandler(handler)
+    group = dist.new_group([0, 1])
+    if rank >= 2:
+        return True, []
+    state = {"w1": torch.zeros(ROWS, COLS)}
+    dcp.load(state, storage_reader=ShardstoreReader(ckpt), process_group=group)
+    return torch.equal(state["w1"], _whole(1)), warnings
+
+
+def test_under_auto_a_reader_on_another_group_reads_alone_with_a_warning(whole_tensors: Path) -> None:
+    results = run_distributed(loaded_on_a_subgroup_under_auto, 3, str(whole_tensors), timeout=90)
+    assert all(ok for ok, _ in results), results
+    coordinator = results[0][1]
+    assert any("ShardstoreReader(process_group=...)" in w and "reads what it needs" in w for w in coordinator), results

@@ -145,9 +145,10 @@ def loaded_on_a_subgroup_under_auto(rank: int, world: int, ckpt: str) -> tuple[b
     threshold lowered to 2 ranks: the ranks read alone, and the coordinator warns."""
     import logging
 
+    import shardstore.strategies.zarr as zarr_strategy
     import shardstore.tools.dcp_storage as dcp_storage
 
-    dcp_storage.AUTO_SHARD_MIN_RANKS = 2  # this spawned rank's copy only
+    zarr_strategy.AUTO_SHARD_MIN_RANKS = 2  # this spawned rank's copy only
     warnings: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]

@@ -530,13 +530,17 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
                                local_error=local_error, place=location.describe())
         return self.load_with_plan(sharded_state_dict, location, record, plan, group)
 
+    def reads_shards_once(self, ranks: int) -> bool:
+        """Whether a load by ``ranks`` ranks reads each chunk once (``read_shards_once``:
+        ``"auto"`` from ``AUTO_SHARD_MIN_RANKS`` ranks)."""
+        return self.read_shards_once is True or (self.read_shards_once == "auto" and ranks >= AUTO_SHARD_MIN_RANKS)
+
     def plan_load(self, layout: GlobalLayout, record: CommitRecord | None = None) -> list[RankReadPlan]:
         """Coordinator: who reads which requested block (``planning.plans.plan_reads``);
         given the checkpoint's ``record``, each chunk (or shard) of its arrays once where
         ``read_shards_once`` says so."""
         shards = None
-        if record is not None and (self.read_shards_once is True or (
-                self.read_shards_once == "auto" and layout.world_size >= AUTO_SHARD_MIN_RANKS)):
+        if record is not None and self.reads_shards_once(layout.world_size):
             shards = {k: a.chunk_shape for k, a in record.arrays.items() if k in layout.tensors}
         return plan_reads(layout, self.fully_parallel, shards)
 

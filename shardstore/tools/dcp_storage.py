@@ -105,7 +105,6 @@ from shardstore.serialization import verify_checkpoint_and_load_strategy
 from shardstore.stores import Location
 from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION
 from shardstore.strategies.zarr import (
-    AUTO_SHARD_MIN_RANKS,
     DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_SYNC_STAGING_BYTES,
     SHARDSTORE_BACKEND,
@@ -774,8 +773,9 @@ class ShardstoreReader(StorageReader):
                                                     each leaf's name, nothing else)
         2) all ranks    set_up_storage_reader()
         3) all ranks    prepare_local_plan()        unchanged
-        4) coordinator  prepare_global_plan()       tells every rank how many load
-                                                    (one, under dcp.load(no_dist=True))
+        4) coordinator  prepare_global_plan()       tells every rank whether the ranks plan
+                                                    their reads together (never one alone,
+                                                    as under dcp.load(no_dist=True))
         5) all ranks    read_data()                 every region read from the chunks it
                                                     touches, each checked against its crc32c
                                                     and the record's, straight into the
@@ -817,7 +817,6 @@ class ShardstoreReader(StorageReader):
         self.io_concurrency = io_concurrency
         self.allow_lossy_casts = allow_lossy_casts
         self.process_group = process_group
-        self.read_shards_once = read_shards_once
         self.load_id = _new_id()
         self._open: _OpenCheckpoint | None = None
         # reads in the stored dtype (``_copy`` converts, as ``allow_lossy_casts`` says)
@@ -892,18 +891,16 @@ class ShardstoreReader(StorageReader):
         this reader's process group is not the size of ``dcp.load``'s, they do not:
         refused under ``read_shards_once=True``, a warning under ``"auto"``."""
         ranks = len(plans)
-        together = ranks > 1 and (self.read_shards_once is True or (
-            self.read_shards_once == "auto" and ranks >= AUTO_SHARD_MIN_RANKS))
-        size = Group(self.process_group).world_size
-        if together and size != ranks:
+        together = ranks > 1 and self._strategy.reads_shards_once(ranks)
+        if together and (size := Group(self.process_group).world_size) != ranks:
             where = self._open.location.describe() if self._open is not None else _id_text(self.checkpoint_id)
             problem = (f"Loading checkpoint {where}: dcp.load runs on {ranks} ranks and ShardstoreReader's process "
                        f"group has {size}; pass the group given to dcp.load as ShardstoreReader(process_group=...)")
-            if self.read_shards_once is True:
+            if self._strategy.read_shards_once is True:
                 raise CheckpointingException(problem)
             logger.warning("%s to read each chunk once; each rank reads what it needs instead", problem)
             together = False
-        return [replace(plan, storage_data=_LoadingRanks(ranks, together)) for plan in plans]
+        return [replace(plan, storage_data=_ReadTogether(together)) for plan in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """All ranks: the common values of this rank's plan, then its array regions: by
@@ -913,16 +910,18 @@ class ShardstoreReader(StorageReader):
         if opened is None:
             raise CheckpointingException("ShardstoreReader.read_data before read_metadata")
         where = f"checkpoint {opened.location.describe()}"
-        together = isinstance(plan.storage_data, _LoadingRanks) and plan.storage_data.together
+        together = isinstance(plan.storage_data, _ReadTogether) and plan.storage_data.together
         requests: list[tuple[ReadItem, torch.Tensor, ShardedTensor]] = []
         error = None
         for item in plan.items:
-            try:
+            try:  # a failure here is raised on every rank by the plan's gather, when together
                 request = self._read_common_or_request(item, planner, opened, where)
-            except Exception as exc:  # raised on every rank by the plan's gather
-                error = exc if isinstance(exc, CheckpointingException) else CheckpointingException(
-                    f"{where}: reading {item.storage_index.fqn!r} failed: {exc}")
-                error.__cause__ = exc if error is not exc else exc.__cause__
+            except CheckpointingException as exc:
+                error = exc
+                break
+            except Exception as exc:
+                error = CheckpointingException(f"{where}: reading {item.storage_index.fqn!r} failed: {exc}")
+                error.__cause__ = exc
                 break
             if request is not None:
                 requests.append(request)
@@ -1080,12 +1079,11 @@ def _array_metadata(shape: tuple[int, ...], zarr_dtype: str) -> TensorStorageMet
 
 
 @dataclass(frozen=True)
-class _LoadingRanks:
+class _ReadTogether:
     """What ``ShardstoreReader.prepare_global_plan`` gives each rank
-    (``LoadPlan.storage_data``): how many ranks load, and whether they plan their reads
-    together (one decision for all, so that every rank or none enters the collective)."""
+    (``LoadPlan.storage_data``): whether the ranks plan their reads together (one
+    decision for all, so that every rank or none enters the collective)."""
 
-    ranks: int
     together: bool
 
 

@@ -240,6 +240,18 @@ FRAGMENTS = (
         "assert {'model.0.weight', 'optim.state.0.weight.exp_avg'} <= set(arrays), sorted(arrays)\n"
         "assert torch.equal(new_model[0].weight, model[0].weight)  # loaded by the second way too\n"
     )),
+    Fragment("DefaultSavePlanner(enable_plan_caching=True)", check=(
+        # the later saves went through DCP's cache; each is a checkpoint of its own, with its values
+        "import os\nimport shardstore\nfrom torch.distributed.checkpoint.planner import SavePlanner\n"
+        "from shardstore.tools.dcp_storage import ShardstoreReader\n"
+        "assert SavePlanner._cached_all_plans\n"
+        "root = os.path.dirname(os.environ['CKPT'])\n"
+        "for step in range(3):\n"
+        "    back = {'weight': torch.zeros(256, 64), 'step': -1}\n"
+        "    dcp.load(back, storage_reader=ShardstoreReader(f'{root}/step-{step}'))\n"
+        "    assert torch.equal(back['weight'], torch.full((256, 64), step + 1.0)) and back['step'] == step, back\n"
+        "    assert shardstore.verify(f'{root}/step-{step}').ok\n"
+    )),
     Fragment("ZarrSaveShardedStrategy(cache_plan=True)", check=(
         # the reused plans wrote complete checkpoints, each with its own values
         "for step in (100, 200, 300):\n"

@@ -11,13 +11,14 @@ The package is the protocol's entry for the doors (``shardstore.tools``,
 ``__all__`` (``tests/test_layering.py``), each imported from its module on first use
 (``shardstore.lazy_exports``). No api module offers them: ``Group`` is the process group
 a door hands to the api's calls, and ``run_stage`` the stage a door that must agree
-across ranks runs (Megatron's ``verify_integrity`` load).
+across ranks runs (Megatron's ``verify_integrity`` load; the DCP writer's plan made in
+``write_data``, delivered as ``Deliver`` says).
 """
 
 from __future__ import annotations
 
-__all__ = ["Group", "run_stage"]
+__all__ = ["Deliver", "Group", "run_stage"]
 
 from shardstore.lazy_exports import lazy_exports
 
-__getattr__, __dir__ = lazy_exports(__name__, {"collectives": ("Group",), "stage": ("run_stage",)})
+__getattr__, __dir__ = lazy_exports(__name__, {"collectives": ("Group",), "stage": ("Deliver", "run_stage")})

@@ -100,7 +100,7 @@ from shardstore.inputs.plain_tensors import (
 )
 from shardstore.mapping import ShardedTensor
 from shardstore.opened import bare_location, open_read
-from shardstore.protocol import Group, run_stage
+from shardstore.protocol import Deliver, Group, run_stage
 from shardstore.serialization import verify_checkpoint_and_load_strategy
 from shardstore.stores import Location
 from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION
@@ -133,11 +133,48 @@ class RankPart:
         items: the sharded write items it writes, in the order ``save.plan`` numbers them.
         exchange: the ranks exchange blocks in ``write_data`` (``shard_bytes`` in a save
             of several ranks): every rank then writes on the writer's process group.
+        ranks: how many ranks the save has (DCP's plans): the group a later save plans
+            on where DCP's plan cache hands this part back (``PlanAtWrite``).
     """
 
     save: RankSave
     items: tuple[WriteItem, ...]
     exchange: bool = False
+    ranks: int = 1
+
+
+@dataclass(frozen=True)
+class PlanAtWrite:
+    """The coordinator's word to a rank DCP's plan cache sent a new plan
+    (``SavePlan.storage_data``) while it sent others a cached one: the save is planned
+    in ``write_data``, every rank together (``ShardstoreWriter._planned_at_write``).
+
+    Attributes:
+        asked: what this rank's plan told the coordinator (``HeldPlainTensors``).
+        ranks: how many ranks the save has.
+    """
+
+    asked: Any
+    ranks: int
+
+
+# The save ids of the parts this process has written (``ShardstoreWriter.write_data``):
+# a part DCP's plan cache hands back is one of them. One short string per save.
+_WRITTEN_SAVES: set[str] = set()
+_PLANS_AT_WRITE = "plans the save in write_data where DCP's plan cache is on (enable_plan_caching=True)"
+_WRITTEN_SAVES_LOCK = threading.Lock()
+
+
+def _first_write_of(part: RankPart) -> bool:
+    """Whether ``part`` reaches ``write_data`` for the first time in this process
+    (marks it written): False for an earlier save's part, which DCP's plan cache
+    (``DefaultSavePlanner(enable_plan_caching=True)``) hands back in place of a new one
+    where a rank's plan did not change."""
+    with _WRITTEN_SAVES_LOCK:
+        if part.save.intent.save_id in _WRITTEN_SAVES:
+            return False
+        _WRITTEN_SAVES.add(part.save.intent.save_id)
+        return True
 
 
 @dataclass(frozen=True)
@@ -249,8 +286,17 @@ class ShardstoreWriter(StorageWriter):
                                                     the save begins (staging area,
                                                     metadata.json, the checkpoint to reuse
                                                     from); each rank's plan carries its part
-                                                    and the save's intent
-        4) all ranks    write_data()                joins the save; with shard_bytes in a
+                                                    and the save's intent. Where DCP's plan
+                                                    cache (enable_plan_caching=True) sent
+                                                    some ranks' plans as unchanged, nothing
+                                                    is planned here (``PlanAtWrite``)
+        4) all ranks    write_data()                a rank whose plan DCP's cache handed back
+                                                    (an earlier save's part) or that got a
+                                                    ``PlanAtWrite``: every rank plans the save
+                                                    together first, collective on
+                                                    ``process_group`` (step 3's work, from the
+                                                    items DCP cached); then joins the save;
+                                                    with shard_bytes in a
                                                     save of several ranks, collective on
                                                     ``process_group``: the blocks of sharded
                                                     arrays travel to their shard's writer
@@ -317,6 +363,10 @@ class ShardstoreWriter(StorageWriter):
             travel; refused). ``write_data`` is then collective: a custom planner whose
             ``finish_plan`` fails on some ranks only leaves the others waiting in the
             exchange until the group's timeout (DCP's default planner cannot fail there).
+            The same group plans a save in ``write_data`` where DCP's plan caching is
+            on (``DefaultSavePlanner(enable_plan_caching=True)``), from its second save:
+            the same rules apply (DCP's group; a group of its own under
+            ``dcp.async_save``).
         sync_staging_bytes: the most host memory a rank's copies of CUDA tensors hold
             at once, and (a quarter of it per exchange wave) the shards it assembles
             from other ranks' blocks, as ``ZarrSaveShardedStrategy``'s; with
@@ -418,42 +468,57 @@ class ShardstoreWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """All ranks: names the plain tensors this rank holds that become arrays and,
         with ``shard_bytes``, its place in the group it would exchange blocks on."""
-        plain = tuple(map(_plain_kind, filter(_is_plain, plan.items)))
+        return replace(plan, storage_data=self._held(plan.items))
+
+    def _held(self, items: list[WriteItem]) -> HeldPlainTensors:
+        """What a rank holding ``items`` tells the coordinator."""
+        plain = tuple(map(_plain_kind, filter(_is_plain, items)))
         member = None
         if self.shard_bytes is not None:
             group = self._exchange_group()
             member = (group.rank, group.world_size)
-        return replace(plan, storage_data=HeldPlainTensors(tuple(filter(self._as_array, plan.items)), plain, member))
+        return HeldPlainTensors(tuple(filter(self._as_array, items)), plain, member)
 
     def _exchange_group(self) -> Group:
-        """The group the ranks exchange blocks on. Refused: the default group (named or
-        not) on a thread other than the one that made the writer (``dcp.async_save``'s
-        background thread), where the training loop's own collectives on it would
-        interleave with the save's, in another order on each rank. A synchronous save
-        on a thread of the caller's own (Ray Train runs training on one) passes."""
+        """The group the ranks exchange blocks on (``_collective_group``)."""
+        return self._collective_group("exchanges blocks between the ranks (shard_bytes=...)")
+
+    def _collective_group(self, why: str) -> Group:
+        """The group the writer's own collectives run on (``why`` it has them).
+        Refused: the default group (named or not) on a thread other than the one that
+        made the writer (``dcp.async_save``'s background thread), where the training
+        loop's own collectives on it would interleave with the save's, in another order
+        on each rank. A synchronous save on a thread of the caller's own (Ray Train
+        runs training on one) passes."""
         group = Group(self.process_group)
         default = self.process_group is None or self.process_group is _default_group()
         elsewhere = self._caller_thread is not None and threading.get_ident() != self._caller_thread
         if default and elsewhere and group.world_size > 1:
             raise CheckpointingException(
-                f"Saving {self.checkpoint_id!r}: ShardstoreWriter(shard_bytes=...) exchanges blocks between the ranks, "
-                "and this save runs on a background thread (dcp.async_save), where the default process group is "
-                "the training loop's. Pass the group given to dcp.async_save(process_group=...) as "
-                "ShardstoreWriter(process_group=...) (dist.new_group(backend='gloo'))"
+                f"Saving {self.checkpoint_id!r}: ShardstoreWriter {why}, and this save runs on a background thread "
+                "(dcp.async_save), where the default process group is the training loop's. Pass the group given to "
+                "dcp.async_save(process_group=...) as ShardstoreWriter(process_group=...) "
+                "(dist.new_group(backend='gloo'))"
             )
         return group
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: validates and plans the global layout, then begins the save
         (``SavePipeline.begin``: the staging area and ``metadata.json``); each rank's plan
-        carries the save's intent, which it joins in ``write_data``."""
+        carries the save's intent, which it joins in ``write_data``. Where DCP's plan
+        cache sent some ranks a cached plan (``SavePlan(usable=False)``), the plan is
+        made in ``write_data`` instead (``_planned_at_write``)."""
+        if not all(plan.usable for plan in plans):
+            self._refuse_planning_apart(len(plans))
+            return [replace(plan, storage_data=PlanAtWrite(plan.storage_data, len(plans))) if plan.usable else plan
+                    for plan in plans]
+        return [replace(plan, storage_data=part) for plan, part in zip(plans, self._planned(plans))]
+
+    def _planned(self, plans: list[SavePlan]) -> list[RankPart]:
+        """Coordinator: every rank's part of a save planned from DCP's plans (each
+        carrying its rank's ``HeldPlainTensors``); begins the save."""
         exchange = self.shard_bytes is not None and len(plans) > 1
         save = self._open_save(exchange)
-        if not all(plan.usable for plan in plans):
-            raise CheckpointingException(
-                f"Saving {save.describe()}: DCP's plan caching is not supported by ShardstoreWriter (each save plans "
-                "its chunks and staging area anew); use DefaultSavePlanner(enable_plan_caching=False)"
-            )
         save.refuse_oversized_objects(self._strategy().object_bounds(len(plans)))
         _refuse_divergent_replicas(plans, save.describe())
         if exchange:
@@ -463,16 +528,29 @@ class ShardstoreWriter(StorageWriter):
         parts = save.plan_gathered(shards, self._strategy().plan_save)
         self._save, self._commit = save, parts[0].plan.commit
         return [
-            replace(plan, storage_data=RankPart(part, order, exchange))
+            RankPart(part, order, exchange, len(plans))
             for plan, part, order in zip(plans, parts, orders)
         ]
+
+    def _refuse_planning_apart(self, ranks: int) -> None:
+        """Coordinator, where DCP's plan cache leaves the plan to ``write_data``:
+        refuses, before any rank writes, a group the ranks could not plan on there (the
+        process group is not DCP's, or is the training loop's default group on
+        ``dcp.async_save``'s thread)."""
+        if ranks == 1:
+            return
+        group = self._collective_group(_PLANS_AT_WRITE)
+        if group.world_size != ranks:
+            raise CheckpointingException(
+                f"Saving {_id_text(self.checkpoint_id)}: with DCP's plan caching, ShardstoreWriter plans the save in "
+                f"write_data on its process group, which has {group.world_size} ranks where dcp.save has {ranks}. "
+                "Pass the group given to dcp.save(process_group=...) as ShardstoreWriter(process_group=...)"
+            )
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """All ranks: this rank's arrays' metadata and chunks, durable; the results
         carry the chunks' checksums and this rank's common values to the coordinator."""
-        part = plan.storage_data
-        if not isinstance(part, RankPart):
-            raise CheckpointingException("ShardstoreWriter.write_data got a plan its prepare_global_plan did not make")
+        part = self._this_saves_part(plan)
         save = self._joined(part)
         try:
             written = self._write_shards(part, planner, save)
@@ -492,6 +570,34 @@ class ShardstoreWriter(StorageWriter):
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
+
+    def _this_saves_part(self, plan: SavePlan) -> RankPart:
+        """This rank's part of this save: the one its plan carries, or, where DCP's plan
+        cache is on and some rank's plan came from the cache (an earlier save's part,
+        or a ``PlanAtWrite``), one planned now by every rank together."""
+        data = plan.storage_data
+        if isinstance(data, PlanAtWrite):
+            return self._planned_at_write(replace(plan, storage_data=data.asked), data.ranks)
+        if not isinstance(data, RankPart):
+            raise CheckpointingException("ShardstoreWriter.write_data got a plan its prepare_global_plan did not make")
+        if _first_write_of(data):
+            return data
+        # DCP's word is that this rank's items did not change; what else it holds may
+        # have (a replicated tensor DCP gave another rank): its items say what it holds
+        return self._planned_at_write(replace(plan, storage_data=self._held(plan.items)), data.ranks)
+
+    def _planned_at_write(self, plan: SavePlan, ranks: int) -> RankPart:
+        """Collective on the writer's process group (one stage: DCP's plans gathered to
+        the coordinator, which plans as ``prepare_global_plan`` does and begins the save;
+        each rank's part scattered): the plan of a save where DCP's plan cache sent
+        some ranks their previous plan. Their items are the same as then (that is what
+        the cache decided); the save, its staging area and its intent are new."""
+        group = Group.local() if ranks == 1 else self._collective_group(_PLANS_AT_WRITE)
+        where = _id_text(self.checkpoint_id)
+        part = run_stage(group, f"Planning checkpoint {where} (DCP's plan cache is on)", lambda: plan,
+                         reduce=self._planned, deliver=Deliver.SCATTER)
+        _first_write_of(part)
+        return part
 
     def _joined(self, part: RankPart) -> SavePipeline:
         """This rank's pipeline of the save, joined. Where the ranks exchange blocks, a
@@ -516,7 +622,8 @@ class ShardstoreWriter(StorageWriter):
         tensors: list[ShardedTensor] = []
         error = None
         try:
-            tensors = [replace(shard_description(item), data=planner.resolve_data(item)) for item in part.items]
+            tensors = [replace(shard_description(item), data=_resolved(item, planner, save.describe()))
+                       for item in part.items]
         except Exception as exc:  # told to every rank by the staging stage's agreement
             error = exc
         return WrittenChunks(tuple(save.write_plan(part.save.plan, tensors, self.io_concurrency, error,
@@ -638,6 +745,22 @@ def _plain_array_writers(plans: list[SavePlan], as_array: Callable[[WriteItem], 
         [sum(item.tensor_storage_size() or 0 for item in plan.items if _is_sharded(item)) for plan in plans],
     )
     return [[item for item in items if writers[item.index.fqn] == rank] for rank, items in enumerate(held)]
+
+
+def _resolved(item: WriteItem, planner: SavePlanner, where: str) -> Any:
+    """An item's data from the planner, refused where its dtype is not the plan's: DCP's
+    plan cache (``enable_plan_caching=True``) compares names, shapes and offsets, not
+    dtypes, so a tensor whose dtype changed since the plan was cached arrives with the
+    old one."""
+    data = planner.resolve_data(item)
+    planned = item.tensor_data.properties.dtype if item.tensor_data is not None else None
+    if isinstance(data, torch.Tensor) and planned is not None and data.dtype != planned:
+        raise CheckpointingException(
+            f"Saving {where}: {item.index.fqn!r} is {data.dtype} and DCP's plan has it as {planned}. DCP's plan cache "
+            "(enable_plan_caching=True) does not see a tensor's dtype change: save with enable_plan_caching=False "
+            "from now on"
+        )
+    return data
 
 
 def _result(item: WriteItem, planner: SavePlanner, as_array: bool) -> WriteResult:

@@ -1,0 +1,221 @@
+"""``dcp.save`` with DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``,
+as NeMo-RL and xtuner turn on) through ``ShardstoreWriter``.
+
+From the second save on, a rank whose plan did not change sends DCP's coordinator an
+empty ``SavePlan(usable=False)`` and gets its previous save's plan back from DCP's
+class-level cache, with that save's ``RankPart``. The writer then plans the save in
+``write_data``, every rank together, from the items DCP cached: each save is a new
+checkpoint with its own staging area and commit record, bit-exact. Real gloo ranks with
+an FSDP2 model and AdamW, steps of training between saves.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException as DcpFailure
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+
+import shardstore
+from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
+from tests import fsdp_models as fm
+from tests.dist import run_distributed
+
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+
+STEPS = 3
+
+
+class RecordingWriter(ShardstoreWriter):
+    """A ``ShardstoreWriter`` that notes, on the coordinator, which plans DCP's plan
+    cache sent it as new (``usable``) at each save."""
+
+    usable: list[list[bool]] = []
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        RecordingWriter.usable.append([plan.usable for plan in plans])
+        return super().prepare_global_plan(plans)
+
+
+def _state(model: Any, optimizer: Any, step: int, rank: int, extra_on_rank1: bool) -> dict[str, Any]:
+    """The trainer's state: FSDP2 DTensors, AdamW's moments and steps, a replicated plain
+    tensor large enough to be an array of its own, a value; with ``extra_on_rank1``, one
+    more tensor that rank 1 alone holds (its plan changes, the others' do not)."""
+    state: dict[str, Any] = {**fm.state_dict(model, optimizer), "table": torch.full((64, 8), float(step)),
+                             "step": step}
+    if extra_on_rank1 and rank == 1:
+        state["rank1_only"] = torch.arange(512, dtype=torch.float32) + step
+    return state
+
+
+def save_steps_with_plan_caching(rank: int, world: int, root: str, shard_bytes: int | None) -> list:
+    """``STEPS`` trained steps, each saved with plan caching into a checkpoint of its
+    own; the third adds a tensor on rank 1 only. Every step loaded back and compared."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = fm.build(world, seed=3)
+    writer = RecordingWriter(None, shard_bytes=shard_bytes)  # one writer, reset by each checkpoint_id
+    saved = []
+    for step in range(STEPS):
+        fm.train_step(model, optimizer, step)
+        state = _state(model, optimizer, step, rank, extra_on_rank1=step == 2)
+        planner = DefaultSavePlanner(enable_plan_caching=True)  # a new planner each save: DCP's cache is its class's
+        this_writer = writer if step != 1 else RecordingWriter(None, shard_bytes=shard_bytes)  # or a new writer
+        dcp.save(state, checkpoint_id=f"{root}/step{step}", storage_writer=this_writer, planner=planner)
+        saved.append(fm.full_values(state))
+    assert SavePlanner._cached_all_plans or rank != 0, "DCP's plan cache was not used"
+    for step in range(STEPS):
+        other_model, other_optimizer = fm.build(world, seed=11)
+        request = _state(other_model, other_optimizer, -1, rank, extra_on_rank1=step == 2)
+        dcp.load(request, storage_reader=ShardstoreReader(f"{root}/step{step}"))
+        fm.assert_same(fm.full_values(request), saved[step], f"step{step}")
+    return RecordingWriter.usable
+
+
+@pytest.mark.parametrize("shard_bytes", [None, 1 << 20], ids=["chunks", "shards"])
+def test_saves_with_dcp_plan_caching_are_each_a_checkpoint_of_their_own(tmp_path: Path, shard_bytes: int | None) -> None:
+    usable = run_distributed(save_steps_with_plan_caching, 2, str(tmp_path), shard_bytes, timeout=240)
+    # the coordinator saw: every plan new, then every plan cached, then rank 1's alone new
+    assert usable[0] == [[True, True], [False, False], [False, True]], usable[0]
+    ids = set()
+    for step in range(STEPS):
+        report = shardstore.verify(tmp_path / f"step{step}")
+        assert report.ok, report
+        ids.add(json.loads((tmp_path / f"step{step}" / "zarr.json").read_text())["attributes"]["shardstore"]["save_id"])
+    assert len(ids) == STEPS  # three saves, not one written three times
+
+
+def cached_save_on_another_group(rank: int, world: int, root: str) -> str:
+    """The second save's plan is made in ``write_data``, on the writer's group: a group
+    of another size than ``dcp.save``'s is refused before any rank writes."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.full((64, 8), float(rank == 0)), "rank": torch.full((64, 8), float(rank))}
+    own = [dist.new_group([r]) for r in range(world)][rank]
+    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/a", process_group=own),
+             planner=DefaultSavePlanner(enable_plan_caching=True))
+    with pytest.raises(DcpFailure) as refused:
+        dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/b", process_group=own),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+    return str(refused.value)
+
+
+def test_a_cached_save_on_a_group_not_dcps_is_refused_naming_the_argument(tmp_path: Path) -> None:
+    errors = run_distributed(cached_save_on_another_group, 2, str(tmp_path))
+    for error in errors:
+        assert "ShardstoreWriter(process_group=...)" in error and "1 ranks where dcp.save has 2" in error, error
+    assert shardstore.verify(tmp_path / "a").ok
+    assert not (tmp_path / "b" / "zarr.json").exists()
+
+
+@pytest.fixture
+def fresh_dcp_plan_cache():
+    """DCP's plan cache is class-level: each test in this process starts without one."""
+    caches = (SavePlanner._cached_save_plan, SavePlanner._cached_final_save_plan, SavePlanner._cached_all_plans,
+              SavePlanner._cached_global_plan, SavePlanner._cached_metadata)
+    for cache in caches:
+        cache.clear()
+    yield
+    for cache in caches:
+        cache.clear()
+
+
+def test_one_process_saves_with_plan_caching(tmp_path: Path, fresh_dcp_plan_cache: None) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    for step in range(STEPS):
+        state = {"w": torch.arange(1024, dtype=torch.float32) * step, "b": torch.tensor(step), "lr": 0.1 * step}
+        dcp.save(state, storage_writer=ShardstoreWriter(tmp_path / f"step{step}"),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+    assert SavePlanner._cached_all_plans  # DCP cached, and the later saves used the cache
+    for step in range(STEPS):
+        loaded = {"w": torch.zeros(1024), "b": torch.tensor(-1), "lr": 0.0}
+        dcp.load(loaded, storage_reader=ShardstoreReader(tmp_path / f"step{step}"))
+        assert torch.equal(loaded["w"], torch.arange(1024, dtype=torch.float32) * step), step
+        assert loaded["b"].item() == step and loaded["lr"] == pytest.approx(0.1 * step), loaded
+        assert shardstore.verify(tmp_path / f"step{step}").ok
+
+
+def test_a_dtype_change_the_plan_cache_misses_is_refused(tmp_path: Path, fresh_dcp_plan_cache: None) -> None:
+    """DCP's plan cache compares names, shapes and offsets, not dtypes: a tensor that
+    changed dtype arrives with its cached plan's. Refused, nothing committed."""
+    import torch.distributed.checkpoint as dcp
+
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    dcp.save({"w": torch.ones(1024)}, storage_writer=ShardstoreWriter(tmp_path / "a"), planner=planner)
+    with pytest.raises(DcpFailure, match=r"'w' is torch.bfloat16 and DCP's plan has it as torch.float32.*"
+                                         r"enable_plan_caching=False"):
+        dcp.save({"w": torch.ones(1024, dtype=torch.bfloat16)}, storage_writer=ShardstoreWriter(tmp_path / "b"),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+    assert not (tmp_path / "b" / "zarr.json").exists()
+
+
+def cached_async_saves(rank: int, world: int, root: str) -> str:
+    """``dcp.async_save`` with plan caching: the second save plans in ``write_data``, on
+    the writer's group: the default group on the save's thread is refused; the group
+    given to ``dcp.async_save`` works."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.full((64, 8), 1.0), f"r{rank}": torch.full((64, 8), float(rank))}
+    for name in ("a", "b"):
+        future = dcp.async_save(state, storage_writer=ShardstoreWriter(f"{root}/default-{name}"),
+                                planner=DefaultSavePlanner(enable_plan_caching=True))
+        if name == "a":
+            future.result(timeout=60)
+    with pytest.raises(DcpFailure) as refused:
+        future.result(timeout=60)
+    background = dist.new_group(backend="gloo")
+    for name in ("a", "b"):
+        state["w"] += 1
+        dcp.async_save(state, storage_writer=ShardstoreWriter(f"{root}/own-{name}", process_group=background),
+                       planner=DefaultSavePlanner(enable_plan_caching=True), process_group=background,
+                       ).result(timeout=60)
+    return str(refused.value)
+
+
+def test_async_saves_with_plan_caching_plan_on_the_group_given(tmp_path: Path) -> None:
+    errors = run_distributed(cached_async_saves, 2, str(tmp_path), timeout=180)
+    for error in errors:
+        assert "background thread" in error and "enable_plan_caching" in error, error
+    assert not (tmp_path / "default-b" / "zarr.json").exists()
+    loaded = {"w": torch.zeros(64, 8), "r0": torch.zeros(64, 8), "r1": torch.zeros(64, 8)}
+    dcp_load(loaded, tmp_path / "own-b")
+    assert loaded["w"].eq(3.0).all() and loaded["r1"].eq(1.0).all(), loaded
+    assert shardstore.verify(tmp_path / "own-b").ok
+
+
+def dcp_load(state: dict[str, Any], path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, storage_reader=ShardstoreReader(path), no_dist=True)
+
+
+def replicated_tensor_changes_shape(rank: int, world: int, root: str) -> None:
+    """Every rank holds ``w``; rank 1 also a larger tensor of its own, so DCP's
+    deduplication gives ``w`` to rank 0. ``w`` then changes shape on every rank: both
+    plans change, but rank 1's deduplicated plan does not, so DCP's cache hands it its
+    previous plan. What rank 1 holds now is its items' word, not the earlier save's."""
+    import torch.distributed.checkpoint as dcp
+
+    for step, rows in enumerate((64, 32)):
+        state = {"w": torch.full((rows, 8), float(step))}
+        if rank == 1:
+            state["big1"] = torch.full((1024, 8), float(step))
+        dcp.save(state, storage_writer=RecordingWriter(f"{root}/step{step}"),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+    return RecordingWriter.usable
+
+
+def test_a_rank_handed_its_cached_plan_holds_what_its_items_say(tmp_path: Path) -> None:
+    usable = run_distributed(replicated_tensor_changes_shape, 2, str(tmp_path))
+    assert usable[0] == [[True, True], [True, False]], usable[0]
+    loaded = {"w": torch.zeros(32, 8), "big1": torch.zeros(1024, 8)}
+    dcp_load(loaded, tmp_path / "step1")
+    assert loaded["w"].eq(1.0).all() and loaded["big1"].eq(1.0).all()

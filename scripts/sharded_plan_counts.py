@@ -48,7 +48,13 @@ from shardstore.format.codecs import BYTES_CRC32C, CRC_BYTES  # noqa: E402
 from shardstore.format.records import ArrayRecord, CommitRecord  # noqa: E402
 from shardstore.format.sharding import ShardIndex, ShardingIndexed  # noqa: E402
 from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
-from shardstore.planning.plans import RankReadPlan, exchange_waves, plan_reads, plan_save  # noqa: E402
+from shardstore.planning.plans import (  # noqa: E402
+    RankReadPlan,
+    exchange_waves,
+    plan_reads,
+    plan_save,
+    planned_requests,
+)
 from shardstore.stores.kv_chunks import KvChunkStore  # noqa: E402
 from shardstore.strategies.zarr import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_SYNC_STAGING_BYTES  # noqa: E402
 
@@ -159,10 +165,14 @@ def load_requests(layout: GlobalLayout, arrays: dict[str, ArrayRecord], once: bo
     start = time.perf_counter()
     plans = plan_reads(layout, True, shards)
     seconds = time.perf_counter() - start
-    by_index = {(s.rank, s.index): s for records in layout.tensors.values() for s in records}
+    own: list[dict[int, ShardRecord]] = [{} for _ in plans]
+    for records in layout.tensors.values():
+        for s in records:
+            own[s.rank][s.index] = s
+    numbered = [planned_requests(plan, [own[plan.rank][i] for i in range(len(own[plan.rank]))]) for plan in plans]
 
-    def request(plan: RankReadPlan, i: int) -> ShardRecord:  # index ``i`` of ``plan``: own, or a forward
-        return plan.forwards[i - plan.requested] if plan.forwards and i >= plan.requested else by_index[(plan.rank, i)]
+    def request(plan: RankReadPlan, i: int) -> ShardRecord:  # index ``i`` of ``plan``: own, a piece or a forward
+        return numbered[plan.rank][i]
 
     gets = fetched = sent = most_forwarded = 0
     for plan in plans:

@@ -30,7 +30,7 @@ import simulate_scale as sim  # noqa: E402
 from shardstore.format.chunks import chunk_pieces  # noqa: E402
 from shardstore.format.records import ArrayRecord, CommitRecord  # noqa: E402
 from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
-from shardstore.planning.plans import RankReadPlan, plan_save  # noqa: E402
+from shardstore.planning.plans import RankReadPlan, plan_save, planned_requests  # noqa: E402
 from shardstore.strategies.zarr import ZarrLoadShardedStrategy  # noqa: E402
 
 
@@ -52,8 +52,8 @@ def bytes_read(layout: GlobalLayout, record: CommitRecord, plans: list[RankReadP
             own[s.rank][s.index] = s
     out = []
     for rank, plan in enumerate(plans):
-        forwards = list(plan.forwards)
-        blocks = [own[rank][i] if i < len(own[rank]) else forwards[i - len(own[rank])] for i in plan.reads]
+        requests = planned_requests(plan, [own[rank][i] for i in range(len(own[rank]))])
+        blocks = [requests[i] for i in plan.reads]
         touched = set().union(*(_chunks(b, record.arrays[b.key]) for b in blocks))
         out.append(sum(math.prod(record.arrays[key].chunk_shape) * record.arrays[key].itemsize for key, _ in touched))
     return out

@@ -211,6 +211,26 @@ def test_a_shard_read_once_is_read_by_one_asker_who_sends_the_others_their_block
     assert plan_reads(layout, fully_parallel=False, shards={"w0": (8, 8)}) == plan_reads(layout, False)
 
 
+def test_a_block_over_a_shard_edge_is_split_into_pieces_numbered_after_the_requests() -> None:
+    """Rank 0 asks for rows 0-5 of ``w`` (shards of 4 rows), rank 1 for rows 6-11 and
+    for a block of ``v`` (not read once). Each block over a shard's edge is split there:
+    the pieces are requests of their rank numbered after its own (rank 0: 1, 2; rank 1:
+    2, 3), the split requests are never read whole, and the shard of rows 4-7, which
+    both ask for, is read by one of them (rank 0: rank 1's piece is its forward 3, after
+    its pieces), who sends the other its piece."""
+    per_rank = [([_record("w", 0, 0, rows=6, offset=0)], []),
+                ([_record("w", 1, 0, rows=6, offset=6), _record("v", 1, 1)], [])]
+    plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True, shards={"w": (4, 8)})
+    assert [p.pieces for p in plans] == [((0, ((0, 4), (0, 8))), (0, ((4, 6), (0, 8)))),
+                                         ((0, ((0, 2), (0, 8))), (0, ((2, 6), (0, 8))))]
+    assert [p.requested for p in plans] == [3, 4]  # requests and pieces
+    assert [p.reads for p in plans] == [(1, 2, 3), (1, 3)]  # never 0, the split requests
+    assert [(f.rank, f.index, f.offset, f.block_shape) for f in plans[0].forwards] == [(1, 2, (6, 0), (2, 8))]
+    assert tuple(plans[0].sends) == ((1, (3,)),) and tuple(plans[1].receives) == ((0, (2,)),)
+    unsplit = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True)
+    assert not any(p.pieces for p in unsplit)  # nothing read once: nothing split
+
+
 def test_a_shard_reader_reads_blocks_it_did_not_ask_for_as_forwards() -> None:
     """Rank 0 asks for rows 0-3 of a shard of 12 rows; rank 1 for rows 4-7 and 8-11
     (larger): rank 0 reads the shard (fewest bytes so far), the two blocks of rank 1

@@ -366,6 +366,53 @@ def test_read_once_reads_each_whole_tensor_chunk_once_for_all_ranks(tmp_path: Pa
     assert each == [ARRAYS * chunk] * 4, (each, chunk)
 
 
+def _squares(i: int) -> torch.Tensor:
+    return torch.arange(48 * 48, dtype=torch.float32).reshape(48, 48) * (i + 1)
+
+
+def saved_in_thirds(rank: int, world: int, ckpt: str, axis: int) -> None:
+    """Each array saved by 3 ranks, a third along ``axis`` each: chunks of 16 rows or columns."""
+    save({f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", _squares(i).chunk(world, axis)[rank].clone(),
+                                                   (axis, rank, world)) for i in range(ARRAYS)}, ckpt)
+
+
+def loaded_across_chunk_edges(rank: int, world: int, ckpt: str, axis: int, replicas: int, parameter: bool) -> int:
+    """Loads, with ``read_shards_once``, a part along ``axis`` of each array (``world /
+    replicas`` parts, each asked for by ``replicas`` ranks), whose edges are not the
+    chunks'; into parameters where ``parameter``. Exactly, and in place where the part is
+    rows. Returns the bytes this rank's chunk reads returned."""
+    read = _count_chunk_reads()
+    parts = world // replicas
+    part = rank % parts
+    expected = [_squares(i).chunk(parts, axis)[part] for i in range(ARRAYS)]
+    targets = [torch.zeros_like(e) for e in expected]
+    if parameter:
+        targets = [torch.nn.Parameter(t) for t in targets]
+    request = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", targets[i], (axis, part, parts),
+                                                        replica_id=rank // parts) for i in range(ARRAYS)}
+    loaded = load(request, ckpt, sharded_strategy=ZarrLoadShardedStrategy(read_shards_once=True))
+    for i in range(ARRAYS):
+        assert torch.equal(loaded[f"w{i}"], expected[i]), (rank, i)
+        assert loaded[f"w{i}"].data_ptr() == targets[i].data_ptr()  # into the request's own tensor
+    return read[0]
+
+
+@pytest.mark.parametrize("axis, replicas, parameter", [(0, 1, False), (1, 1, False), (0, 2, True)],
+                         ids=["rows", "columns", "replicated-rows-into-parameters"])
+def test_read_once_splits_blocks_at_chunk_edges(tmp_path: Path, axis: int, replicas: int, parameter: bool) -> None:
+    """Chunks of 16 rows (or columns), blocks of 12 (or, asked for by two ranks each,
+    24): a block that runs over a chunk's edge is split there, each piece read by its
+    chunk's reader, so every chunk is read once in all (it was read again by the reader
+    of the chunk before it), and its pieces land in the block's tensor."""
+    ckpt = tmp_path / "ckpt"
+    run_distributed(saved_in_thirds, 3, str(ckpt), axis)
+    chunks = sorted(p.name for p in (ckpt / "w0").iterdir() if p.name != "zarr.json")
+    assert len(chunks) == 3, chunks
+    stored = sum(p.stat().st_size for i in range(ARRAYS) for p in (ckpt / f"w{i}").iterdir() if p.name != "zarr.json")
+    read = run_distributed(loaded_across_chunk_edges, 4, str(ckpt), axis, replicas, parameter, timeout=240)
+    assert sum(read) == stored, (read, stored)
+
+
 @pytest.mark.parametrize("whole_first", [True, False])
 def test_blocks_of_one_unsharded_chunk_read_it_once(tmp_path: Path, monkeypatch, whole_first: bool) -> None:
     """Three requests in one chunk (what a read-once reader asks for itself and others):

@@ -15,7 +15,8 @@ from __future__ import annotations
 __all__ = ["ReadOp", "flat_boxes", "forwarded_request", "load_tensors", "plan_read", "run_read_plan"]
 
 import math
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -246,14 +247,16 @@ def run_read_plan(
     them: new host memory, let go when this returns)."""
 
     requested = len(tensors)
-    try:  # indices past its own: blocks it reads for others (out of memory here fails every rank)
-        if plan.forwards and plan.requested != requested:
+    pieces = _Pieces(tensors, ())
+    try:  # indices past its own: its pieces, then blocks it reads for others (out of memory here fails every rank)
+        if (plan.forwards or plan.pieces) and plan.requested != requested + len(plan.pieces):
             raise CheckpointingException(
-                f"Loading checkpoint {location.describe()}: the read plan was made for {plan.requested} "
-                f"requested tensors on rank {plan.rank}, which passes {requested}; a strategy or wrapper "
-                "must hand run_read_plan the tensors it planned"
+                f"Loading checkpoint {location.describe()}: the read plan was made for "
+                f"{plan.requested - len(plan.pieces)} requested tensors on rank {plan.rank}, which passes {requested}; "
+                "a strategy or wrapper must hand run_read_plan the tensors it planned"
             )
-        tensors = [*tensors, *(forwarded_request(s, record) for s in plan.forwards)]
+        pieces = _Pieces(tensors, plan.pieces)
+        tensors = [*tensors, *pieces.requests, *(forwarded_request(s, record) for s in plan.forwards)]
     except Exception as exc:  # raised on every rank by the stage
         local_error = first_failure(local_error, exc)
 
@@ -267,7 +270,42 @@ def run_read_plan(
         group, f"Reading checkpoint {location.describe()}", read,
         transfers=lambda read_out: replica_transfers(tensors, plan, read_out), local_error=local_error,
     )
+    out.update(pieces.assembled(out, requested))
     return [out[i] for i in range(requested)]
+
+
+class _Pieces:
+    """A rank's requests split at chunk edges (``RankReadPlan.pieces``): a request for
+    each piece, landing in its part of the tensor the split request returns (the
+    request's own where a load may fill it in place, ``_claim``; a new one otherwise),
+    and that tensor once every piece is in."""
+
+    def __init__(self, tensors: list[ShardedTensor], pieces: Sequence[tuple[int, tuple[tuple[int, int], ...]]]) -> None:
+        # tied requests (one memory, two keys) get their own results, as load_tensors gives them
+        held = Counter(t.data.data_ptr() for t in tensors if t.data is not None) if pieces else Counter()
+        shared = {ptr for ptr, n in held.items() if n > 1}
+        self.targets: dict[int, torch.Tensor] = {}
+        self.parts: list[tuple[int, tuple[slice, ...]]] = []
+        self.requests: list[ShardedTensor] = []
+        for index, box in pieces:
+            t = tensors[index]
+            if index not in self.targets:  # detached: it may be a parameter
+                self.targets[index] = _receive_target(t, shared).detach()
+            at = tuple(slice(a, b) for a, b in box[t.prepend_axis_num :])
+            part = self.targets[index][at]
+            offset = tuple(o + a for o, (a, _) in zip(t.global_offset, box))
+            self.requests.append(ShardedTensor(t.key, part, t.dtype, tuple(part.shape), t.global_shape, offset, None,
+                                               t.replica_id, t.prepend_axis_num))
+            self.parts.append((index, at))
+
+    def assembled(self, out: dict[int, torch.Tensor], first: int) -> dict[int, torch.Tensor]:
+        """Each split request's tensor, its pieces (``out[first + k]``) copied in where
+        they did not land in it."""
+        for k, (index, at) in enumerate(self.parts):
+            part, got = self.targets[index][at], out[first + k]
+            if not (got.data_ptr() == part.data_ptr() and got.shape == part.shape and got.stride() == part.stride()):
+                part.copy_(got.reshape(part.shape))
+        return self.targets
 
 
 def forwarded_request(s: ShardRecord, record: CommitRecord) -> ShardedTensor:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 __all__ = [
     "MAX_FORWARDED_BYTES", "RankLoadPlan", "RankReadPlan", "RankSavePlan", "exchange_waves", "largest_shard_bytes",
-    "plan_flat_writes", "plan_reads", "plan_save", "stored_at_most",
+    "plan_flat_writes", "plan_reads", "plan_save", "planned_requests", "stored_at_most",
 ]
 
 import bisect
@@ -768,7 +768,13 @@ class RankReadPlan:
         forwards: blocks it reads only for other ranks (a shard read once for all that
             ask for it: ``plan_reads``' ``shards``), as their requests' records; number
             ``k`` has index ``requested + k``.
-        requested: the length of its own list, as planned (set where it has forwards).
+        requested: the length of its own list with its pieces, as planned (set where it
+            has forwards or pieces).
+        pieces: ``(index, box)``: its requests split at the edges of the chunks they
+            touch, where each chunk is read once (``plan_reads``' ``shards``): piece
+            ``k`` of the rank's ``n`` requests is request ``n + k``, the part ``box``
+            (``(start, stop)`` per axis of the block, prepended axes included) of
+            request ``index``, which is then read only through its pieces.
 
     ``sends``, ``receives`` and ``forwards`` are tuples, or where planned in bulk
     sequences of the same entries held as numpy columns (``planning.columns``), equal
@@ -783,6 +789,7 @@ class RankReadPlan:
     receives: Sequence[tuple[int, tuple[int, ...]]] = ()
     forwards: Sequence[ShardRecord] = ()
     requested: int = 0
+    pieces: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -822,13 +829,14 @@ def plan_reads(
 
     ``shards`` (with ``fully_parallel``): the chunk shapes (a sharded array's shards) of
     arrays (key -> the record's ``chunk_shape``) whose chunks are each read by one rank:
-    every block asked for whose first element lies in a chunk is read by one rank that
-    asks for part of it, balanced by bytes, and sent to the others, so a chunk is
-    fetched once (one or two requests; a block that runs into the next chunk reads that
-    too) instead of once per rank (at 4,096 ranks, FSDP2's thousands of arrays each
-    touch most ranks; a whole-tensor chunk loaded by FSDP2 or TP ranks, each asking for
-    part of it). A reader holds at most ``MAX_FORWARDED_BYTES`` of blocks it did not
-    ask for itself (``RankReadPlan.forwards``).
+    a block asked for that runs over a chunk's edge is split there
+    (``RankReadPlan.pieces``), and every block (or piece) asked for is read by one rank
+    that asks for part of its chunk, balanced by bytes, and sent to the others, so a
+    chunk is fetched once (one or two requests) instead of once per rank (at 4,096
+    ranks, FSDP2's thousands of arrays each touch most ranks; a whole-tensor chunk
+    loaded by FSDP2 or TP ranks, each asking for part of it). A reader holds at most
+    ``MAX_FORWARDED_BYTES`` of blocks it did not ask for itself
+    (``RankReadPlan.forwards``).
     """
     world = layout.world_size
     shards = shards or {}
@@ -843,13 +851,88 @@ def plan_reads(
     for records in layout.tensors.values():
         for s in records:
             own[s.rank] += 1
+    layout, pieces = _split_at_chunk_edges(layout, shards, own)
     if once:  # each block asked for once (FSDP2: millions at 4,096 ranks)
-        return _single_asker_plans(layout, own, shards)
-    requests: dict[tuple, list[ShardRecord]] = defaultdict(list)  # a block asked for twice (in one dtype or two)
-    for records in layout.tensors.values():
-        for s in records:  # ``ShardRecord.block_id`` and the dtype, as one tuple (millions at 4,096 ranks)
-            requests[(s.key, s.offset, s.block_shape, s.flat_range, s.dtype)].append(s)
-    return _plan_shared_reads(list(requests.values()), own, shards)  # in the order of the gathered requests
+        plans = _single_asker_plans(layout, own, shards)
+    else:
+        requests: dict[tuple, list[ShardRecord]] = defaultdict(list)  # a block asked for twice (in one dtype or two)
+        for records in layout.tensors.values():
+            for s in records:  # ``ShardRecord.block_id`` and the dtype, as one tuple (millions at 4,096 ranks)
+                requests[(s.key, s.offset, s.block_shape, s.flat_range, s.dtype)].append(s)
+        plans = _plan_shared_reads(list(requests.values()), own, shards)  # in the order of the gathered requests
+    return [replace(plan, pieces=tuple(pieces[plan.rank]), requested=own[plan.rank]) if pieces[plan.rank] else plan
+            for plan in plans]
+
+
+def _split_at_chunk_edges(
+    layout: GlobalLayout, shards: Mapping[str, tuple[int, ...]], own: list[int],
+) -> tuple[GlobalLayout, list[list[tuple[int, tuple[tuple[int, int], ...]]]]]:
+    """``layout`` with each block of the arrays in ``shards`` that runs over a chunk's
+    edge replaced by its pieces, one per chunk it touches (numbered after their rank's
+    requests: ``own``, the count per rank, grows by them), and each rank's pieces as
+    ``RankReadPlan.pieces``. Left whole: flattened ranges and blocks that may not match
+    the stored shape (read by their askers as before)."""
+    pieces: list[list[tuple[int, tuple[tuple[int, int], ...]]]] = [[] for _ in own]
+    tensors: dict[str, list[ShardRecord]] = {}
+    for key, records in layout.tensors.items():
+        crossing = _crossing_blocks(records, shards[key]) if key in shards else []
+        if not crossing:
+            tensors[key] = records
+            continue
+        out: list[ShardRecord] = []
+        for s, split in zip(records, crossing):
+            if not split:
+                out.append(s)
+                continue
+            for box in _chunk_boxes(s, shards[key]):
+                index = own[s.rank]
+                own[s.rank] += 1
+                pieces[s.rank].append((s.index, box))
+                out.append(_piece(s, box, index))
+        tensors[key] = out
+    if not any(pieces):
+        return layout, pieces
+    return GlobalLayout(tensors, layout.objects, layout.world_size), pieces
+
+
+def _piece(block: ShardRecord, box: tuple[tuple[int, int], ...], index: int) -> ShardRecord:
+    """The part ``box`` of ``block`` as the request ``index`` of its rank."""
+    return replace(block, index=index, offset=tuple(o + a for o, (a, _) in zip(block.offset, box)),
+                   block_shape=tuple(b - a for a, b in box))
+
+
+def planned_requests(plan: RankReadPlan, own: Sequence[ShardRecord]) -> list[ShardRecord]:
+    """Every request ``plan`` numbers, as records, by index: the rank's own (``own``, in
+    the order of its list), its pieces, then its forwards."""
+    pieces = [_piece(own[i], box, len(own) + k) for k, (i, box) in enumerate(plan.pieces)]
+    return [*own, *pieces, *plan.forwards]
+
+
+def _crossing_blocks(records: list[ShardRecord], chunk: tuple[int, ...]) -> list[bool]:
+    """Per record, whether it is a block to split: one that runs over an edge of
+    ``chunk``, with every axis of the array, no flattened range and the stored shape.
+    Empty where none is (one pass in numpy: millions of blocks at 4,096 ranks)."""
+    ndim = len(chunk)
+    if not ndim or any(len(s.offset) != ndim for s in records):
+        return []
+    rows = record_rows(records, ndim)
+    offset, extent, flat = rows[:, :ndim], rows[:, ndim : 2 * ndim], rows[:, 2 * ndim]
+    step = np.asarray(chunk, np.int64)
+    crossing = ((offset // step) != ((offset + extent - 1) // step)).any(axis=1)
+    crossing &= (flat < 0) & (extent > 0).all(axis=1)
+    if not crossing.any():
+        return []
+    return [bool(c) and not s.allow_shape_mismatch for s, c in zip(records, crossing.tolist())]
+
+
+def _chunk_boxes(block: ShardRecord, chunk: tuple[int, ...]) -> list[tuple[tuple[int, int], ...]]:
+    """The parts of ``block`` in each chunk it touches, as ``(start, stop)`` per axis of
+    the block, in C order of the chunks."""
+    per_axis = []
+    for start, size, step in zip(block.offset, block.block_shape, chunk):
+        edges = [start, *range((start // step + 1) * step, start + size, step), start + size]
+        per_axis.append([(a - start, b - start) for a, b in zip(edges[:-1], edges[1:])])
+    return list(itertools.product(*per_axis))
 
 
 class _Bucket(NamedTuple):

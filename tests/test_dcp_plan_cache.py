@@ -219,3 +219,111 @@ def test_a_rank_handed_its_cached_plan_holds_what_its_items_say(tmp_path: Path) 
     loaded = {"w": torch.zeros(32, 8), "big1": torch.zeros(1024, 8)}
     dcp_load(loaded, tmp_path / "step1")
     assert loaded["w"].eq(1.0).all() and loaded["big1"].eq(1.0).all()
+
+
+def failed_then_retried(rank: int, world: int, root: str) -> list[str]:
+    """Save A; save B, where every rank's plan changed, fails while the coordinator
+    begins it (a storage error: DCP has cached B's plans by then); save C, the same
+    state again, is B's retry. Returns what each save did."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.full((64, 8), 1.0), f"r{rank}": torch.full((64, 8), float(rank))}
+    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/A"), planner=DefaultSavePlanner(enable_plan_caching=True))
+    state[f"new{rank}"] = torch.arange(1024, dtype=torch.float32) + rank
+    real = ShardstoreWriter._open_save
+
+    def failing(self: ShardstoreWriter, exchange: bool) -> Any:
+        raise OSError("simulated storage error beginning the save")
+
+    ShardstoreWriter._open_save = failing
+    with pytest.raises(DcpFailure, match="simulated storage error"):
+        dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/B"), planner=DefaultSavePlanner(enable_plan_caching=True))
+    ShardstoreWriter._open_save = real
+    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/C"), planner=DefaultSavePlanner(enable_plan_caching=True))
+    return sorted(state)
+
+
+def test_a_save_that_failed_after_dcp_cached_its_plans_is_retried_whole(tmp_path: Path) -> None:
+    """DCP caches a save's plans before the writer plans; a failure there used to leave
+    DCP's cache half made (no rank's ``finish_plan`` ran), and the retry was planned from
+    the save before: committed without the new tensors, loading as damaged. Now the
+    refusal reaches every rank as its part, DCP's cache stays whole, and the retry holds
+    every tensor."""
+    names = run_distributed(failed_then_retried, 2, str(tmp_path))
+    assert not (tmp_path / "B" / "zarr.json").exists()
+    loaded = {"w": torch.zeros(64, 8), "r0": torch.zeros(64, 8), "r1": torch.zeros(64, 8),
+              "new0": torch.zeros(1024), "new1": torch.zeros(1024)}
+    assert sorted({*names[0], *names[1]}) == sorted(loaded)
+    dcp_load(loaded, tmp_path / "C")
+    assert torch.equal(loaded["new1"], torch.arange(1024, dtype=torch.float32) + 1) and loaded["r1"].eq(1).all()
+    assert shardstore.verify(tmp_path / "C").ok
+
+
+def refused_then_corrected(rank: int, world: int, root: str, rank1_changes: bool) -> str:
+    """The first save is refused (ranks hold ``w`` in two dtypes); the corrected state
+    (and, with ``rank1_changes``, a tensor of rank 1's own) then saves twice."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.ones(64, 8, dtype=torch.float32 if rank == 0 else torch.float16), f"r{rank}": torch.ones(64, 8)}
+    with pytest.raises(DcpFailure) as refused:
+        dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/refused"),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+    state["w"] = torch.ones(64, 8)
+    if rank1_changes and rank == 1:
+        state["own1"] = torch.ones(512)
+    for name in ("second", "third"):
+        dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/{name}"),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("rank1_changes", [False, True], ids=["same-plans", "rank-1-changes"])
+def test_after_a_refused_first_save_the_corrected_state_saves(tmp_path: Path, rank1_changes: bool) -> None:
+    errors = run_distributed(refused_then_corrected, 2, str(tmp_path), rank1_changes)
+    assert all("different shapes or dtypes" in error for error in errors), errors
+    for name in ("second", "third"):
+        assert shardstore.verify(tmp_path / name).ok
+    assert (tmp_path / "third" / "own1").is_dir() == rank1_changes
+
+
+def dcps_writer_then_ours(rank: int, world: int, root: str) -> None:
+    """One planner class serves DCP's ``FileSystemWriter``, then ``ShardstoreWriter``,
+    while rank 1's plan changes: rank 0 is handed ``FileSystemWriter``'s cached plan."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    state = {"w": torch.ones(64, 8), f"r{rank}": torch.full((64, 8), float(rank))}
+    dcp.save(state, storage_writer=FileSystemWriter(f"{root}/dcp"), planner=DefaultSavePlanner(enable_plan_caching=True))
+    if rank == 1:
+        state["own1"] = torch.ones(512)
+    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/ours"), planner=DefaultSavePlanner(enable_plan_caching=True))
+
+
+def test_a_plan_dcp_cached_for_another_writer_is_planned_again(tmp_path: Path) -> None:
+    run_distributed(dcps_writer_then_ours, 2, str(tmp_path))
+    loaded = {"w": torch.zeros(64, 8), "r0": torch.zeros(64, 8), "r1": torch.zeros(64, 8), "own1": torch.zeros(512)}
+    dcp_load(loaded, tmp_path / "ours")
+    assert loaded["r1"].eq(1).all() and loaded["own1"].eq(1).all() and shardstore.verify(tmp_path / "ours").ok
+
+
+def settings_change_between_saves(rank: int, world: int, root: str) -> None:
+    """Save A without ``shard_bytes``, B and C with it; in B rank 1 also holds ``z``, which
+    DCP then gives rank 1, so rank 0's plan reaches the coordinator as DCP cached it from
+    A: holdings made under A's settings (no place in an exchange group)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"big0": torch.ones(1024, 8), "z": torch.full((64, 8), 2.0)} if rank == 0 else {"r1": torch.ones(64, 8)}
+    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/A"), planner=DefaultSavePlanner(enable_plan_caching=True))
+    if rank == 1:
+        state["z"] = torch.full((64, 8), 2.0)
+    for name in ("B", "C"):
+        dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/{name}", shard_bytes=1 << 20),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+
+
+def test_holdings_made_under_other_writer_settings_are_taken_again(tmp_path: Path) -> None:
+    run_distributed(settings_change_between_saves, 2, str(tmp_path))
+    for name in ("B", "C"):
+        loaded = {"big0": torch.zeros(1024, 8), "z": torch.zeros(64, 8), "r1": torch.zeros(64, 8)}
+        dcp_load(loaded, tmp_path / name)
+        assert loaded["z"].eq(2).all() and loaded["big0"].eq(1).all() and shardstore.verify(tmp_path / name).ok

@@ -142,38 +142,66 @@ class RankPart:
     exchange: bool = False
     ranks: int = 1
 
+    @property
+    def part_id(self) -> str:
+        """Unique to the save it was planned for (``_first_delivery``)."""
+        return self.save.intent.save_id
+
 
 @dataclass(frozen=True)
-class PlanAtWrite:
-    """The coordinator's word to a rank DCP's plan cache sent a new plan
-    (``SavePlan.storage_data``) while it sent others a cached one: the save is planned
-    in ``write_data``, every rank together (``ShardstoreWriter._planned_at_write``).
+class Refused:
+    """The coordinator's refusal of a save, given to every rank in place of its part
+    where DCP had already cached the save's plans (a raise in ``prepare_global_plan``
+    would leave DCP's plan cache half made: no rank's ``finish_plan`` would run, and
+    the next save would be planned from two different saves' plans). Every rank raises
+    it in ``write_data``; handed back by DCP's cache at a later save, it is an earlier
+    save's plan like any other (``PlanAtWrite``).
 
     Attributes:
-        asked: what this rank's plan told the coordinator (``HeldPlainTensors``).
+        part_id: unique to this refusal.
+        message: what every rank raises.
         ranks: how many ranks the save has.
     """
 
-    asked: Any
+    part_id: str
+    message: str
     ranks: int
 
 
-# The save ids of the parts this process has written (``ShardstoreWriter.write_data``):
-# a part DCP's plan cache hands back is one of them. One short string per save.
-_WRITTEN_SAVES: set[str] = set()
+@dataclass(frozen=True)
+class PlanAtWrite:
+    """The coordinator's word to a rank where it did not plan the save: the save is
+    planned in ``write_data``, every rank together (``ShardstoreWriter._planned_at_write``).
+    Given where DCP's plan cache sent some ranks their previous plan (they then hold an
+    earlier save's part, or another writer's), or where a rank's plan carries what it
+    held under other writer settings (``HeldPlainTensors.settings``: DCP's cached local
+    plan of an earlier save).
+
+    Attributes:
+        ranks: how many ranks the save has.
+    """
+
+    ranks: int
+
+
+# The ids of the parts (``RankPart``, ``Refused``) that reached ``write_data`` in this
+# process: a part DCP's plan cache hands back is one of them. One short string per
+# save, kept for the process's life: DCP may hand back its first save's part at any
+# later save.
+_DELIVERED: set[str] = set()
+_DELIVERED_LOCK = threading.Lock()
 _PLANS_AT_WRITE = "plans the save in write_data where DCP's plan cache is on (enable_plan_caching=True)"
-_WRITTEN_SAVES_LOCK = threading.Lock()
 
 
-def _first_write_of(part: RankPart) -> bool:
+def _first_delivery(part: RankPart | Refused) -> bool:
     """Whether ``part`` reaches ``write_data`` for the first time in this process
-    (marks it written): False for an earlier save's part, which DCP's plan cache
+    (marks it delivered): False for an earlier save's part, which DCP's plan cache
     (``DefaultSavePlanner(enable_plan_caching=True)``) hands back in place of a new one
     where a rank's plan did not change."""
-    with _WRITTEN_SAVES_LOCK:
-        if part.save.intent.save_id in _WRITTEN_SAVES:
+    with _DELIVERED_LOCK:
+        if part.part_id in _DELIVERED:
             return False
-        _WRITTEN_SAVES.add(part.save.intent.save_id)
+        _DELIVERED.add(part.part_id)
         return True
 
 
@@ -193,11 +221,13 @@ class HeldPlainTensors:
     deduplication keeps a replicated item in one plan only), the name, shape and
     dtype of every plain tensor it holds (``_refuse_divergent_replicas``), and, with
     ``shard_bytes``, its rank and the size of the group it exchanges blocks on
-    (``_refuse_other_group``)."""
+    (``_refuse_other_group``). DCP's plan cache may hand the coordinator one made by an
+    earlier save's writer: ``settings`` tells."""
 
     items: tuple[WriteItem, ...]
     plain: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
     member: tuple[int, int] | None = None
+    settings: tuple = ()  # the writer's settings it was made under (``ShardstoreWriter._held_settings``)
 
 
 @dataclass(frozen=True)
@@ -289,7 +319,9 @@ class ShardstoreWriter(StorageWriter):
                                                     and the save's intent. Where DCP's plan
                                                     cache (enable_plan_caching=True) sent
                                                     some ranks' plans as unchanged, nothing
-                                                    is planned here (``PlanAtWrite``)
+                                                    is planned here (``PlanAtWrite``); a
+                                                    refusal once DCP cached the plans goes
+                                                    to every rank as its part (``Refused``)
         4) all ranks    write_data()                a rank whose plan DCP's cache handed back
                                                     (an earlier save's part) or that got a
                                                     ``PlanAtWrite``: every rank plans the save
@@ -477,7 +509,18 @@ class ShardstoreWriter(StorageWriter):
         if self.shard_bytes is not None:
             group = self._exchange_group()
             member = (group.rank, group.world_size)
-        return HeldPlainTensors(tuple(filter(self._as_array, items)), plain, member)
+        return HeldPlainTensors(tuple(filter(self._as_array, items)), plain, member, self._held_settings())
+
+    def _held_settings(self) -> tuple:
+        """The settings ``_held``'s answer depends on."""
+        return self.min_array_bytes, self.shard_bytes
+
+    def _holds_as_now(self, plan: SavePlan) -> bool:
+        """Whether a plan's ``HeldPlainTensors``, where it has one, was made under this
+        writer's settings (else DCP's plan cache gave the coordinator an earlier save's
+        local plan, made by a writer with other settings)."""
+        held = plan.storage_data
+        return not isinstance(held, HeldPlainTensors) or held.settings == self._held_settings()
 
     def _exchange_group(self) -> Group:
         """The group the ranks exchange blocks on (``_collective_group``)."""
@@ -505,14 +548,25 @@ class ShardstoreWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: validates and plans the global layout, then begins the save
         (``SavePipeline.begin``: the staging area and ``metadata.json``); each rank's plan
-        carries the save's intent, which it joins in ``write_data``. Where DCP's plan
-        cache sent some ranks a cached plan (``SavePlan(usable=False)``), the plan is
-        made in ``write_data`` instead (``_planned_at_write``)."""
-        if not all(plan.usable for plan in plans):
+        carries the save's intent, which it joins in ``write_data``.
+
+        With DCP's plan caching: where DCP sent some ranks' plans as unchanged
+        (``SavePlan(usable=False)``), or a plan's holdings are an earlier writer's, the
+        plan is made in ``write_data`` instead (``PlanAtWrite``). DCP has cached the
+        plans by now wherever one is usable, so a refusal then reaches the ranks as
+        their part (``Refused``), not as an exception here."""
+        if not any(plan.usable for plan in plans):  # DCP changed no cache: refusing here is safe
             self._refuse_planning_apart(len(plans))
-            return [replace(plan, storage_data=PlanAtWrite(plan.storage_data, len(plans))) if plan.usable else plan
-                    for plan in plans]
-        return [replace(plan, storage_data=part) for plan, part in zip(plans, self._planned(plans))]
+            return plans
+        if not all(plan.usable and self._holds_as_now(plan) for plan in plans):
+            return [replace(plan, storage_data=PlanAtWrite(len(plans))) if plan.usable else plan for plan in plans]
+        try:
+            parts: list[RankPart | Refused] = list(self._planned(plans))
+        except Exception as exc:
+            if not isinstance(exc, CheckpointingException):
+                logger.exception("Planning checkpoint %s failed", _id_text(self.checkpoint_id))
+            parts = [Refused(_new_id(), _refusal(exc, self.checkpoint_id), len(plans))] * len(plans)
+        return [replace(plan, storage_data=part) for plan, part in zip(plans, parts)]
 
     def _planned(self, plans: list[SavePlan]) -> list[RankPart]:
         """Coordinator: every rank's part of a save planned from DCP's plans (each
@@ -524,19 +578,14 @@ class ShardstoreWriter(StorageWriter):
         if exchange:
             _refuse_other_group(plans, save.describe())
         shards, orders = gathered_shards(plans, _plain_array_writers(plans, self._as_array))
-        # DCP's gather hands any error here to every rank
         parts = save.plan_gathered(shards, self._strategy().plan_save)
         self._save, self._commit = save, parts[0].plan.commit
-        return [
-            RankPart(part, order, exchange, len(plans))
-            for plan, part, order in zip(plans, parts, orders)
-        ]
+        return [RankPart(part, order, exchange, len(plans)) for part, order in zip(parts, orders)]
 
     def _refuse_planning_apart(self, ranks: int) -> None:
-        """Coordinator, where DCP's plan cache leaves the plan to ``write_data``:
-        refuses, before any rank writes, a group the ranks could not plan on there (the
-        process group is not DCP's, or is the training loop's default group on
-        ``dcp.async_save``'s thread)."""
+        """Refuses, before any rank writes, a group the ranks could not plan on in
+        ``write_data`` (``_planned_at_write``): one whose size is not DCP's, or the
+        training loop's default group on ``dcp.async_save``'s thread."""
         if ranks == 1:
             return
         group = self._collective_group(_PLANS_AT_WRITE)
@@ -572,31 +621,38 @@ class ShardstoreWriter(StorageWriter):
         return future
 
     def _this_saves_part(self, plan: SavePlan) -> RankPart:
-        """This rank's part of this save: the one its plan carries, or, where DCP's plan
-        cache is on and some rank's plan came from the cache (an earlier save's part,
-        or a ``PlanAtWrite``), one planned now by every rank together."""
+        """This rank's part of this save: the one its plan carries (or the coordinator's
+        refusal, raised), or, where the plan is an earlier save's that DCP's plan cache
+        handed back (an earlier part or refusal, or another writer's) or a
+        ``PlanAtWrite``, one planned now by every rank together. Every rank takes the
+        same way: DCP hands back a cached plan exactly where the coordinator saw an
+        unusable one, and then gave every usable one a ``PlanAtWrite``."""
         data = plan.storage_data
-        if isinstance(data, PlanAtWrite):
-            return self._planned_at_write(replace(plan, storage_data=data.asked), data.ranks)
-        if not isinstance(data, RankPart):
-            raise CheckpointingException("ShardstoreWriter.write_data got a plan its prepare_global_plan did not make")
-        if _first_write_of(data):
+        if isinstance(data, (RankPart, Refused)) and _first_delivery(data):
+            if isinstance(data, Refused):
+                raise CheckpointingException(data.message)
             return data
-        # DCP's word is that this rank's items did not change; what else it holds may
-        # have (a replicated tensor DCP gave another rank): its items say what it holds
-        return self._planned_at_write(replace(plan, storage_data=self._held(plan.items)), data.ranks)
+        if isinstance(data, (RankPart, Refused, PlanAtWrite)):
+            ranks = data.ranks
+        else:  # another writer's plan, cached by DCP under the same planner class
+            ranks = Group(self.process_group).world_size
+        return self._planned_at_write(plan, ranks)
 
     def _planned_at_write(self, plan: SavePlan, ranks: int) -> RankPart:
-        """Collective on the writer's process group (one stage: DCP's plans gathered to
-        the coordinator, which plans as ``prepare_global_plan`` does and begins the save;
-        each rank's part scattered): the plan of a save where DCP's plan cache sent
-        some ranks their previous plan. Their items are the same as then (that is what
-        the cache decided); the save, its staging area and its intent are new."""
+        """Collective on the writer's process group (one stage: every rank's items and
+        holdings, ``_held``, gathered to the coordinator, which plans as
+        ``prepare_global_plan`` does and begins the save; each rank's part scattered):
+        the plan of a save where DCP's plan cache sent some ranks their previous plan.
+        Their items are the same as then (that is what the cache decided); what else
+        they hold is taken from their items; the save, its staging area and its intent
+        are new. A group that cannot be DCP's is refused on every rank first."""
+        self._refuse_planning_apart(ranks)
         group = Group.local() if ranks == 1 else self._collective_group(_PLANS_AT_WRITE)
         where = _id_text(self.checkpoint_id)
-        part = run_stage(group, f"Planning checkpoint {where} (DCP's plan cache is on)", lambda: plan,
+        part = run_stage(group, f"Planning checkpoint {where} (DCP's plan cache is on)",
+                         lambda: replace(plan, storage_data=self._held(plan.items)),
                          reduce=self._planned, deliver=Deliver.SCATTER)
-        _first_write_of(part)
+        _first_delivery(part)
         return part
 
     def _joined(self, part: RankPart) -> SavePipeline:
@@ -650,6 +706,7 @@ class ShardstoreWriter(StorageWriter):
                     if isinstance(data, CommonValue):
                         common[data.fqn] = _common_value(data, where)
                 reports.append(chunks)
+            _refuse_unwritten(metadata, commit, common, where)
             recorded = self._dcp_metadata(metadata, where)
             if recorded.paths is not None:
                 # a fresh dict per slot: one object pickled at two places loads as one, shared
@@ -745,6 +802,25 @@ def _plain_array_writers(plans: list[SavePlan], as_array: Callable[[WriteItem], 
         [sum(item.tensor_storage_size() or 0 for item in plan.items if _is_sharded(item)) for plan in plans],
     )
     return [[item for item in items if writers[item.index.fqn] == rank] for rank, items in enumerate(held)]
+
+
+def _refuse_unwritten(metadata: Metadata, commit: CommitRecord, common: dict[str, Any], where: str) -> None:
+    """Refuses to commit a save whose DCP metadata names a value no rank wrote, neither
+    an array of the plan nor a common value of the results (DCP's plan cache and the
+    plan the ranks wrote by disagreeing): the checkpoint would load as damaged."""
+    missing = sorted(metadata.state_dict_metadata.keys() - commit.arrays.keys() - common.keys())
+    if missing:
+        raise CheckpointingException(
+            f"Saving {where}: DCP's metadata names {missing[:8]} ({len(missing)} in all), which no rank wrote; nothing "
+            "is committed. If DCP's plan caching is on (enable_plan_caching=True), save with it off"
+        )
+
+
+def _refusal(exc: Exception, checkpoint_id: CheckpointId | None) -> str:
+    """What every rank raises for the coordinator's failure to plan a save."""
+    if isinstance(exc, CheckpointingException):
+        return str(exc)
+    return f"Planning checkpoint {_id_text(checkpoint_id)} failed on the coordinator: {type(exc).__name__}: {exc}"
 
 
 def _resolved(item: WriteItem, planner: SavePlanner, where: str) -> Any:

@@ -231,6 +231,21 @@ def test_a_block_over_a_shard_edge_is_split_into_pieces_numbered_after_the_reque
     assert not any(p.pieces for p in unsplit)  # nothing read once: nothing split
 
 
+def test_a_block_is_split_along_its_leading_axis_only() -> None:
+    """A part of a block's leading axis (its first of more than one element) is a
+    contiguous run of its tensor; a part along a later axis is strided, and would land in
+    a buffer of its own first. So a block of columns over shards of columns is read
+    whole, as before, and a layer-stacked block (a prepended axis of 1) is split along
+    its rows."""
+    columns = [([ShardRecord("w", r, 0, "float32", (8, 16), (0, 6 * r), (8, 6), None, True)], []) for r in range(2)]
+    plans = plan_reads(GlobalLayout.from_gathered(columns), fully_parallel=True, shards={"w": (8, 4)})
+    assert not any(p.pieces for p in plans)
+    stacked = [([ShardRecord("l", r, 0, "float32", (2, 12, 8), (1, 6 * r, 0), (1, 6, 8), None, True)], [])
+               for r in range(2)]
+    plans = plan_reads(GlobalLayout.from_gathered(stacked), fully_parallel=True, shards={"l": (1, 4, 8)})
+    assert plans[0].pieces == ((0, ((0, 1), (0, 4), (0, 8))), (0, ((0, 1), (4, 6), (0, 8))))
+
+
 def test_a_shard_reader_reads_blocks_it_did_not_ask_for_as_forwards() -> None:
     """Rank 0 asks for rows 0-3 of a shard of 12 rows; rank 1 for rows 4-7 and 8-11
     (larger): rank 0 reads the shard (fewest bytes so far), the two blocks of rank 1

@@ -393,17 +393,18 @@ def loaded_across_chunk_edges(rank: int, world: int, ckpt: str, axis: int, repli
     loaded = load(request, ckpt, sharded_strategy=ZarrLoadShardedStrategy(read_shards_once=True))
     for i in range(ARRAYS):
         assert torch.equal(loaded[f"w{i}"], expected[i]), (rank, i)
-        assert loaded[f"w{i}"].data_ptr() == targets[i].data_ptr()  # into the request's own tensor
+        assert loaded[f"w{i}"] is targets[i]  # the request's own tensor (a parameter stays one)
     return read[0]
 
 
-@pytest.mark.parametrize("axis, replicas, parameter", [(0, 1, False), (1, 1, False), (0, 2, True)],
-                         ids=["rows", "columns", "replicated-rows-into-parameters"])
+@pytest.mark.parametrize("axis, replicas, parameter", [(0, 1, False), (0, 2, True)],
+                         ids=["rows", "replicated-rows-into-parameters"])
 def test_read_once_splits_blocks_at_chunk_edges(tmp_path: Path, axis: int, replicas: int, parameter: bool) -> None:
-    """Chunks of 16 rows (or columns), blocks of 12 (or, asked for by two ranks each,
-    24): a block that runs over a chunk's edge is split there, each piece read by its
-    chunk's reader, so every chunk is read once in all (it was read again by the reader
-    of the chunk before it), and its pieces land in the block's tensor."""
+    """Chunks of 16 rows, blocks of 12 (or, asked for by two ranks each, 24): a block
+    that runs over a chunk's edge is split there, each piece read by its chunk's reader,
+    so every chunk is read once in all (it was read again by the reader of the chunk
+    before it), and its pieces land in the block's tensor. (Blocks of columns over
+    chunks of columns are not split: ``tests/test_load_plan.py``.)"""
     ckpt = tmp_path / "ckpt"
     run_distributed(saved_in_thirds, 3, str(ckpt), axis)
     chunks = sorted(p.name for p in (ckpt / "w0").iterdir() if p.name != "zarr.json")

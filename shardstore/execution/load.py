@@ -278,7 +278,10 @@ class _Pieces:
     """A rank's requests split at chunk edges (``RankReadPlan.pieces``): a request for
     each piece, landing in its part of the tensor the split request returns (the
     request's own where a load may fill it in place, ``_claim``; a new one otherwise),
-    and that tensor once every piece is in."""
+    and that tensor once every piece is in. The pieces of a block's leading axis are
+    contiguous runs of it, so each lands in place. A failure copying one in (after the
+    read stage's agreement) is raised on its rank alone: only a new tensor's memory is
+    written there."""
 
     def __init__(self, tensors: list[ShardedTensor], pieces: Sequence[tuple[int, tuple[tuple[int, int], ...]]]) -> None:
         # tied requests (one memory, two keys) get their own results, as load_tensors gives them
@@ -289,10 +292,10 @@ class _Pieces:
         self.requests: list[ShardedTensor] = []
         for index, box in pieces:
             t = tensors[index]
-            if index not in self.targets:  # detached: it may be a parameter
-                self.targets[index] = _receive_target(t, shared).detach()
+            if index not in self.targets:  # the request's own tensor, as a load returns it unsplit
+                self.targets[index] = _receive_target(t, shared)
             at = tuple(slice(a, b) for a, b in box[t.prepend_axis_num :])
-            part = self.targets[index][at]
+            part = self.targets[index].detach()[at]  # detached: it may be a parameter
             offset = tuple(o + a for o, (a, _) in zip(t.global_offset, box))
             self.requests.append(ShardedTensor(t.key, part, t.dtype, tuple(part.shape), t.global_shape, offset, None,
                                                t.replica_id, t.prepend_axis_num))
@@ -302,7 +305,7 @@ class _Pieces:
         """Each split request's tensor, its pieces (``out[first + k]``) copied in where
         they did not land in it."""
         for k, (index, at) in enumerate(self.parts):
-            part, got = self.targets[index][at], out[first + k]
+            part, got = self.targets[index].detach()[at], out[first + k]
             if not (got.data_ptr() == part.data_ptr() and got.shape == part.shape and got.stride() == part.stride()):
                 part.copy_(got.reshape(part.shape))
         return self.targets

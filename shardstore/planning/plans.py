@@ -771,7 +771,8 @@ class RankReadPlan:
         requested: the length of its own list with its pieces, as planned (set where it
             has forwards or pieces).
         pieces: ``(index, box)``: its requests split at the edges of the chunks they
-            touch, where each chunk is read once (``plan_reads``' ``shards``): piece
+            touch along their leading axis, where each chunk is read once
+            (``plan_reads``' ``shards``): piece
             ``k`` of the rank's ``n`` requests is request ``n + k``, the part ``box``
             (``(start, stop)`` per axis of the block, prepended axes included) of
             request ``index``, which is then read only through its pieces.
@@ -829,7 +830,7 @@ def plan_reads(
 
     ``shards`` (with ``fully_parallel``): the chunk shapes (a sharded array's shards) of
     arrays (key -> the record's ``chunk_shape``) whose chunks are each read by one rank:
-    a block asked for that runs over a chunk's edge is split there
+    a block asked for whose leading axis runs over a chunk's edge is split there
     (``RankReadPlan.pieces``), and every block (or piece) asked for is read by one rank
     that asks for part of its chunk, balanced by bytes, and sent to the others, so a
     chunk is fetched once (one or two requests) instead of once per rank (at 4,096
@@ -851,10 +852,11 @@ def plan_reads(
     for records in layout.tensors.values():
         for s in records:
             own[s.rank] += 1
-    layout, pieces = _split_at_chunk_edges(layout, shards, own)
+    pieces: list[list[tuple[int, tuple[tuple[int, int], ...]]]] = [[] for _ in range(world)]
     if once:  # each block asked for once (FSDP2: millions at 4,096 ranks)
-        plans = _single_asker_plans(layout, own, shards)
+        plans = _single_asker_plans(layout, own, shards, pieces)
     else:
+        layout = _split_at_chunk_edges(layout, shards, own, pieces)
         requests: dict[tuple, list[ShardRecord]] = defaultdict(list)  # a block asked for twice (in one dtype or two)
         for records in layout.tensors.values():
             for s in records:  # ``ShardRecord.block_id`` and the dtype, as one tuple (millions at 4,096 ranks)
@@ -866,33 +868,49 @@ def plan_reads(
 
 def _split_at_chunk_edges(
     layout: GlobalLayout, shards: Mapping[str, tuple[int, ...]], own: list[int],
-) -> tuple[GlobalLayout, list[list[tuple[int, tuple[tuple[int, int], ...]]]]]:
-    """``layout`` with each block of the arrays in ``shards`` that runs over a chunk's
-    edge replaced by its pieces, one per chunk it touches (numbered after their rank's
-    requests: ``own``, the count per rank, grows by them), and each rank's pieces as
-    ``RankReadPlan.pieces``. Left whole: flattened ranges and blocks that may not match
-    the stored shape (read by their askers as before)."""
-    pieces: list[list[tuple[int, tuple[tuple[int, int], ...]]]] = [[] for _ in own]
+    pieces: list[list[tuple[int, tuple[tuple[int, int], ...]]]],
+) -> GlobalLayout:
+    """``layout`` with each block of the arrays in ``shards`` whose leading axis runs over
+    a chunk's edge replaced by its pieces (``_split_records``)."""
     tensors: dict[str, list[ShardRecord]] = {}
     for key, records in layout.tensors.items():
-        crossing = _crossing_blocks(records, shards[key]) if key in shards else []
-        if not crossing:
-            tensors[key] = records
+        chunk = shards.get(key)
+        usable = chunk is not None and len(chunk) > 0 and all(len(s.offset) == len(chunk) for s in records)
+        crossing = _crossing(record_rows(records, len(chunk)), chunk) if usable else None
+        tensors[key] = _split_records(records, crossing, chunk, own, pieces)[0] if crossing is not None else records
+    return GlobalLayout(tensors, layout.objects, layout.world_size)
+
+
+def _split_records(
+    records: list[ShardRecord], crossing: np.ndarray, chunk: tuple[int, ...], own: list[int],
+    pieces: list[list[tuple[int, tuple[tuple[int, int], ...]]]],
+) -> tuple[list[ShardRecord], np.ndarray, list[int]]:
+    """``records`` with each block ``crossing`` marks (and that may not differ from the
+    stored shape) replaced by its pieces, split at the edges of ``chunk``
+    (``_chunk_boxes``), each a request of its rank numbered after its own (``own``, the
+    count per rank, grows by them; ``pieces``, per rank, gets ``RankReadPlan.pieces``);
+    also, per record out, the position of the record it came from, and the positions
+    of the pieces."""
+    out: list[ShardRecord] = []
+    source: list[int] = []
+    made: list[int] = []
+    at = 0
+    for i in np.flatnonzero(crossing).tolist():
+        s = records[i]
+        if s.allow_shape_mismatch:
             continue
-        out: list[ShardRecord] = []
-        for s, split in zip(records, crossing):
-            if not split:
-                out.append(s)
-                continue
-            for box in _chunk_boxes(s, shards[key]):
-                index = own[s.rank]
-                own[s.rank] += 1
-                pieces[s.rank].append((s.index, box))
-                out.append(_piece(s, box, index))
-        tensors[key] = out
-    if not any(pieces):
-        return layout, pieces
-    return GlobalLayout(tensors, layout.objects, layout.world_size), pieces
+        out += records[at:i]
+        source += range(at, i)
+        at = i + 1
+        for box in _chunk_boxes(s, chunk):
+            pieces[s.rank].append((s.index, box))
+            made.append(len(out))
+            out.append(_piece(s, box, own[s.rank]))
+            source.append(i)
+            own[s.rank] += 1
+    out += records[at:]
+    source += range(at, len(records))
+    return out, np.asarray(source, np.int64), made
 
 
 def _piece(block: ShardRecord, box: tuple[tuple[int, int], ...], index: int) -> ShardRecord:
@@ -908,31 +926,33 @@ def planned_requests(plan: RankReadPlan, own: Sequence[ShardRecord]) -> list[Sha
     return [*own, *pieces, *plan.forwards]
 
 
-def _crossing_blocks(records: list[ShardRecord], chunk: tuple[int, ...]) -> list[bool]:
-    """Per record, whether it is a block to split: one that runs over an edge of
-    ``chunk``, with every axis of the array, no flattened range and the stored shape.
-    Empty where none is (one pass in numpy: millions of blocks at 4,096 ranks)."""
+def _crossing(rows: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray | None:
+    """Per block (``planning.columns.record_rows`` of every axis of the array), whether
+    it is one to split: its leading axis (its first of more than one element:
+    ``_chunk_boxes``) runs over an edge of ``chunk``, and it has elements and no
+    flattened range; None where none is."""
     ndim = len(chunk)
-    if not ndim or any(len(s.offset) != ndim for s in records):
-        return []
-    rows = record_rows(records, ndim)
     offset, extent, flat = rows[:, :ndim], rows[:, ndim : 2 * ndim], rows[:, 2 * ndim]
-    step = np.asarray(chunk, np.int64)
-    crossing = ((offset // step) != ((offset + extent - 1) // step)).any(axis=1)
-    crossing &= (flat < 0) & (extent > 0).all(axis=1)
-    if not crossing.any():
-        return []
-    return [bool(c) and not s.allow_shape_mismatch for s, c in zip(records, crossing.tolist())]
+    if not len(rows):
+        return None
+    leading = np.argmax(extent > 1, axis=1)  # 0 where no axis has more than one element (nothing crosses)
+    start, size = offset[np.arange(len(rows)), leading], extent[np.arange(len(rows)), leading]
+    step = np.asarray(chunk, np.int64)[leading]
+    crossing = (start // step != (start + size - 1) // step) & (flat < 0) & (extent > 0).all(axis=1)
+    return crossing if crossing.any() else None
 
 
 def _chunk_boxes(block: ShardRecord, chunk: tuple[int, ...]) -> list[tuple[tuple[int, int], ...]]:
-    """The parts of ``block`` in each chunk it touches, as ``(start, stop)`` per axis of
-    the block, in C order of the chunks."""
-    per_axis = []
-    for start, size, step in zip(block.offset, block.block_shape, chunk):
-        edges = [start, *range((start // step + 1) * step, start + size, step), start + size]
-        per_axis.append([(a - start, b - start) for a, b in zip(edges[:-1], edges[1:])])
-    return list(itertools.product(*per_axis))
+    """The parts of ``block`` at the edges of ``chunk`` along its leading axis, the
+    first with more than one element (``(start, stop)`` per axis of the block), in
+    order. Only there: a part of the leading axis is a contiguous run of the block's
+    tensor, read and received in place; a part along a later axis would be strided,
+    each landing in a buffer of its own first (the block's size again at once)."""
+    axis = next(a for a, size in enumerate(block.block_shape) if size > 1)
+    start, size, step = block.offset[axis], block.block_shape[axis], chunk[axis]
+    edges = [start, *range((start // step + 1) * step, start + size, step), start + size]
+    whole = [(0, n) for n in block.block_shape]
+    return [(*whole[:axis], (a - start, b - start), *whole[axis + 1 :]) for a, b in zip(edges[:-1], edges[1:])]
 
 
 class _Bucket(NamedTuple):
@@ -1054,18 +1074,26 @@ def _shard_readers(buckets: list[_Bucket], load: list[int]) -> list[tuple[int, n
     return chosen
 
 
-def _single_asker_plans(layout: GlobalLayout, own: list[int], shards: Mapping[str, tuple[int, ...]]) -> list[RankReadPlan]:
+def _single_asker_plans(
+    layout: GlobalLayout, own: list[int], shards: Mapping[str, tuple[int, ...]],
+    pieces: list[list[tuple[int, tuple[tuple[int, int], ...]]]],
+) -> list[RankReadPlan]:
     """``plan_reads`` where every block has one asker (FSDP2: millions of blocks at 4,096
     ranks), in bulk: each block is read by its asker, or by the reader of its shard
     (``_shard_readers``), who reads it as a forward (numbered in the order gathered)
-    and sends it. The exchanges and forwards are numpy columns
-    (``planning.columns``): no Python object per block on the coordinator."""
+    and sends it; a block over a shard's edge is split first (``_split_records``, from
+    the table's rows: no second pass over the records). The exchanges and forwards are
+    numpy columns (``planning.columns``): no Python object per block on the
+    coordinator."""
     world = len(own)
     ranks, indices, buckets = [], [], []
     tables: list[tuple[int, _BlockTable]] = []  # (position of its first block, table)
     base = 0
     for key, records in layout.tensors.items():
         table = _BlockTable.of(records, shards[key]) if key in shards else None
+        crossing = _crossing(table.rows, table.shard) if table is not None else None
+        if crossing is not None:
+            records, table = table.split(records, crossing, own, pieces)
         if table is not None:
             buckets += table.shard_buckets(range(base, base + len(records)))
             ranks.append(table.ranks)
@@ -1191,8 +1219,14 @@ class _BlockTable:
         else:
             position = {pair: i for i, pair in enumerate(named)}
             kinds = np.fromiter((position[(s.dtype, s.global_shape)] for s in records), np.int64, n)
-        itemsizes = np.asarray([ITEMSIZE_BY_ZARR_NAME.get(d) or from_zarr_name(d).itemsize for d, _ in named], np.int64)
-        rows = record_rows(records, ndim)
+        return cls._of_rows(arrays, kinds, record_rows(records, ndim), shard)
+
+    @classmethod
+    def _of_rows(cls, arrays: tuple, kinds: np.ndarray, rows: np.ndarray, shard: tuple[int, ...]) -> _BlockTable:
+        """The table of blocks given as ``record_rows``, each of ``arrays[kinds[i]]``."""
+        ndim = len(shard)
+        itemsizes = np.asarray([ITEMSIZE_BY_ZARR_NAME.get(d) or from_zarr_name(d).itemsize for _, d, _ in arrays],
+                               np.int64)
         offset, extent, flat = rows[:, :ndim], rows[:, ndim : 2 * ndim], rows[:, 2 * ndim : 2 * ndim + 2]
         is_flat = flat[:, 0] >= 0
         first = offset.copy()
@@ -1203,6 +1237,19 @@ class _BlockTable:
                 first[:, axis] += within
         nbytes = np.where(is_flat, flat[:, 1] - flat[:, 0], extent.prod(axis=1)) * itemsizes[kinds]
         return cls(arrays, kinds, rows, first, nbytes, shard)
+
+    def split(
+        self, records: list[ShardRecord], crossing: np.ndarray, own: list[int],
+        pieces: list[list[tuple[int, tuple[tuple[int, int], ...]]]],
+    ) -> tuple[list[ShardRecord], _BlockTable]:
+        """``records`` (this table's) with the blocks ``crossing`` marks split at the
+        shards' edges (``_split_records``), and their table: the rows of the blocks kept,
+        the pieces' made anew."""
+        out, source, made = _split_records(records, crossing, self.shard, own, pieces)
+        rows = self.rows[source]
+        if made:
+            rows[made] = record_rows([out[j] for j in made], len(self.shard))
+        return out, self._of_rows(self.arrays, self.kinds[source], rows, self.shard)
 
     def shard_buckets(self, positions: Sequence[int]) -> list[_Bucket]:
         """The shards holding the first element of some of its blocks (``positions``:

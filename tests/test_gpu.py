@@ -4,7 +4,8 @@ bit-exact (bf16, fp32, fp8), async saves whose finalize runs its collective on t
 group's device with the tensors overwritten right after ``save`` returned (on the
 default stream and on a side stream), flattened ranges and fully-parallel loads, and
 Zarr-sharded saves (blocks gathered to a shard's writer through ``Group.exchange``, a
-block of 1 MiB as a message of its own) followed by an async incremental one.
+block of 1 MiB as a message of its own) followed by an async incremental one, and a
+load reading each chunk once whose blocks cross the chunks' edges.
 
 Every scenario runs twice: on CUDA (marked ``gpu``, skipped where CUDA is absent, as in
 CI; ``pytest -m gpu`` on a GPU machine) and on CPU with gloo, which checks the
@@ -139,8 +140,25 @@ def sharded_then_incremental(rank: int, world: int, ckpt: str, device: str) -> N
         assert loaded["big"].device.type == device and torch.equal(loaded["big"].cpu(), want), (where, "big")
 
 
+def read_once_across_chunk_edges(rank: int, world: int, ckpt: str, device: str) -> None:
+    """A whole tensor saved in chunks of 16 rows (every rank a replica), loaded with
+    ``read_shards_once`` in blocks of ``48 / world`` rows, which cross the chunks' edges:
+    split there, each piece read by its chunk's reader and landing in its rows of the
+    request's tensor on the device (a reader's own piece of a chunk it also reads for
+    others comes with that read, through host memory)."""
+    full = _full("w", (48, 8), torch.float32)
+    save({"w": ShardedTensor.from_rank_offsets("w", full.to(device), replica_id=rank)}, ckpt,
+         ZarrSaveShardedStrategy(max_chunk_bytes=16 * 8 * 4))
+    if rank == 0:
+        assert sorted(p.name for p in Path(ckpt, "w").iterdir() if p.name != "zarr.json") == ["c.0.0", "c.1.0", "c.2.0"]
+    target = torch.zeros(48 // world, 8, device=device)
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", target, (0, rank, world))}, ckpt,
+                  ZarrLoadShardedStrategy(read_shards_once=True))
+    assert loaded["w"] is target and torch.equal(target.cpu(), full.chunk(world)[rank])
+
+
 @pytest.mark.parametrize("world, device, backend", PLACES)
-@pytest.mark.parametrize("scenario", [save_and_load, async_save_then_overwrite, sharded_then_incremental],
-                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("scenario", [save_and_load, async_save_then_overwrite, sharded_then_incremental,
+                                      read_once_across_chunk_edges], ids=lambda f: f.__name__)
 def test_cuda_tensors(ckpt_dir: Path, scenario, world: int, device: str, backend: str) -> None:
     run_distributed(scenario, world, str(ckpt_dir), device, backend=backend)

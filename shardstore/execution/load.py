@@ -29,6 +29,7 @@ from shardstore.format.chunks import (
     DEFAULT_IO_CONCURRENCY,
     ArrayChunks,
     ReadJob,
+    chunk_pieces,
     chunk_store_for,
     read_region,
     run_reads,
@@ -180,7 +181,16 @@ def load_tensors(
                 continue
             out = tensor_to_numpy(target).reshape(shape)
         jobs += read_region(ArrayChunks.of(store, stored), r.region, out)
+    beside = _beside_host_reads(reads, record, uploads)
+    for n, out in beside.items():
+        r = reads[n]
+        jobs += read_region(ArrayChunks.of(store, record.arrays[r.tensor.key]), r.region, out)
+    uploads = [n for n in uploads if n not in beside]
     run_reads(jobs, store.threads)
+    for n, out in beside.items():  # copied over from host memory: the chunk is read once
+        r = reads[n]
+        target = r.tensor.data.detach()
+        target.copy_(numpy_to_tensor(out, target.dtype).reshape(target.shape))
 
     def read_wave(pairs: list[tuple[int, torch.Tensor]]) -> None:
         wave_jobs: list[ReadJob] = []
@@ -200,6 +210,33 @@ def load_tensors(
         x = numpy_to_tensor(array, from_zarr_name(stored.dtype).torch_dtype)
         results.append(place_loaded(r.finish(x), r.tensor, where, allow_lossy_casts))
     return results
+
+
+def _beside_host_reads(reads: list[ReadOp], record: CommitRecord, uploads: list[int]) -> dict[int, np.ndarray]:
+    """Of the reads into device tensors (``uploads``), those that touch a chunk a read
+    into host memory touches too (a chunk's reader's own block, beside the blocks it
+    reads for other ranks), each with the host array it is read into instead: with the
+    host reads, so the chunk is read once (``format.chunks`` reads a chunk once for all
+    its regions in one batch), then copied to the device, rather than read again
+    through the staging waves."""
+    if not uploads:
+        return {}
+    waved = set(uploads)
+    on_host = set().union(*(_chunks_of(r, record) for n, r in enumerate(reads) if n not in waved))
+    beside: dict[int, np.ndarray] = {}
+    for n in uploads:
+        r = reads[n]
+        if _chunks_of(r, record) & on_host:
+            beside[n] = np.empty(region_shape(r.region), from_zarr_name(record.arrays[r.tensor.key].dtype).numpy_dtype)
+    return beside
+
+
+def _chunks_of(read: ReadOp, record: CommitRecord) -> set[tuple[str, tuple[int, ...]]]:
+    """The chunks (of a sharded array: the shards) a read touches."""
+    array = record.arrays[read.tensor.key]
+    regions = [box for box, _ in read.boxes] if read.boxes else [read.region]
+    return {(read.tensor.key, piece.index) for region in regions
+            for piece in chunk_pieces(region, array.shape, array.chunk_shape)}
 
 
 def _through_host(target: torch.Tensor) -> bool:

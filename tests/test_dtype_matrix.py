@@ -22,6 +22,7 @@ import torch
 from shardstore import CheckpointingException, ShardedTensor, load, save
 from shardstore.format import dtypes
 from shardstore.format.dtypes import BY_TORCH, cast_checked, is_exact_conversion
+from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 
 ALL = list(BY_TORCH)  # every dtype shardstore stores
 
@@ -343,6 +344,21 @@ def test_a_load_across_signedness_or_kinds_is_refused_naming_key_value_and_index
     with pytest.raises(CheckpointingException, match=r"tensor 'w' is stored as") as refused:
         load(_one("w", torch.empty(stored.shape, dtype=requested)), ckpt_dir)
     assert f"would change its value {message}" in str(refused.value)
+
+
+def test_a_refused_cast_names_the_element_of_the_array(ckpt_dir: Path) -> None:
+    """Rows 12-23 of a 48-row array (the second of four parts), one value of row 20 not
+    an int8: element [20, 1] of the array. A load that reads the part in pieces
+    (``read_shards_once``, chunks of 16 rows: rows 16-23 are a piece, where it is index
+    [4, 1]) names the same element."""
+    stored = torch.zeros(48, 2, dtype=torch.int16)
+    stored[20, 1] = 300
+    save(_one("w", stored), ckpt_dir, ZarrSaveShardedStrategy(max_chunk_bytes=16 * 2 * 2))
+    for strategy, index in ((None, 8), (ZarrLoadShardedStrategy(read_shards_once=True), 4)):
+        request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(12, 2, dtype=torch.int8), (0, 1, 4))}
+        with pytest.raises(CheckpointingException, match=rf"300 at index \[{index}, 1\] of the requested part into 44 "
+                                                         r"\(element \[20, 1\] of the array\)"):
+            load(request, ckpt_dir, strategy, validate_access_integrity=False)
 
 
 @pytest.mark.parametrize(

@@ -54,9 +54,19 @@ def _cast_exactly(x: torch.Tensor, t: ShardedTensor, where: str) -> torch.Tensor
     raise CheckpointingException(
         f"{where}: tensor {t.key!r} is stored as {x.dtype}, the state dict asks for {t.dtype}, which would "
         f"change its value {x[changed].item()!r} at index {list(changed)} of the requested part into "
-        f"{converted[changed].item()!r}. Request the stored dtype and convert it yourself, or load with "
-        "ZarrLoadShardedStrategy(allow_lossy_casts=True)"
+        f"{converted[changed].item()!r}{_in_the_array(t, changed)}. Request the stored dtype and convert it "
+        "yourself, or load with ZarrLoadShardedStrategy(allow_lossy_casts=True)"
     )
+
+
+def _in_the_array(t: ShardedTensor, at: tuple[int, ...]) -> str:
+    """Where index ``at`` of ``t``'s loaded part lies in the stored array, as the
+    message says it (a part read in pieces: ``RankReadPlan.pieces``, reports it per
+    piece); nothing for a flattened range."""
+    kept = t.global_offset[t.prepend_axis_num :]
+    if t.flattened_range is not None or len(at) != len(kept):
+        return ""
+    return f" (element {[*t.global_offset[: t.prepend_axis_num], *(o + i for o, i in zip(kept, at))]} of the array)"
 
 
 def flatten_range(sharded_tensor: ShardedTensor, x: torch.Tensor) -> torch.Tensor:

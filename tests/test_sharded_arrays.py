@@ -366,7 +366,7 @@ def test_read_once_reads_each_whole_tensor_chunk_once_for_all_ranks(tmp_path: Pa
     assert each == [ARRAYS * chunk] * 4, (each, chunk)
 
 
-def loaded_into_device_tensors(rank: int, world: int, ckpt: str) -> int:
+def loaded_into_device_tensors(rank: int, world: int, ckpt: str, staging: int) -> int:
     """``loaded_from_whole_tensors`` (rows) where the request's tensors are routed as
     CUDA tensors are (through the pinned staging waves: ``_through_host``, here on CPU
     tensors), while the blocks a reader reads for others land in host memory."""
@@ -378,7 +378,8 @@ def loaded_into_device_tensors(rank: int, world: int, ckpt: str) -> int:
     empty = {f"w{i}": ShardedTensor.from_rank_offsets(
         f"w{i}", torch.zeros_like(_whole_tensor(i).chunk(world)[rank]), (0, rank, world)) for i in range(ARRAYS)}
     own.update(t.data.untyped_storage().data_ptr() for t in empty.values())
-    loaded = load(empty, ckpt, sharded_strategy=ZarrLoadShardedStrategy(read_shards_once=True))
+    strategy = ZarrLoadShardedStrategy(read_shards_once=True, load_staging_bytes=staging)
+    loaded = load(empty, ckpt, sharded_strategy=strategy)
     for i in range(ARRAYS):
         assert torch.equal(loaded[f"w{i}"], _whole_tensor(i).chunk(world)[rank]), (rank, i)
         assert loaded[f"w{i}"] is empty[f"w{i}"].data
@@ -388,12 +389,17 @@ def loaded_into_device_tensors(rank: int, world: int, ckpt: str) -> int:
 def test_a_reader_whose_own_block_goes_to_a_device_reads_its_chunk_once(tmp_path: Path) -> None:
     """A chunk's reader whose own block is a device tensor read the chunk twice: once
     for its block, through the staging waves, once for the blocks it sends, into host
-    memory. Its own block now comes out of the host read, then is copied over."""
+    memory. Its own block now comes out of the host read, then is copied over, up to
+    the staging bound (``load_staging_bytes``) in all; past it, as before."""
     ckpt = tmp_path / "ckpt"
     save({f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", _whole_tensor(i)) for i in range(ARRAYS)}, ckpt)
     chunk = (ckpt / "w0" / "c.0.0").stat().st_size
-    read = run_distributed(loaded_into_device_tensors, 4, str(ckpt), timeout=240)
+    block = _whole_tensor(0).chunk(4)[0].nbytes
+    read = run_distributed(loaded_into_device_tensors, 4, str(ckpt), 1 << 20, timeout=240)
     assert sum(read) == ARRAYS * chunk, (read, chunk)
+    bounded = run_distributed(loaded_into_device_tensors, 4, str(ckpt), block, timeout=240)  # room for one block
+    readers = sum(1 for got in bounded if got)
+    assert sum(bounded) == ARRAYS * chunk + (ARRAYS - readers) * chunk, (bounded, chunk)
 
 
 def _squares(i: int) -> torch.Tensor:

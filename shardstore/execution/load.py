@@ -181,16 +181,16 @@ def load_tensors(
                 continue
             out = tensor_to_numpy(target).reshape(shape)
         jobs += read_region(ArrayChunks.of(store, stored), r.region, out)
-    beside = _beside_host_reads(reads, record, uploads)
+    uploader = uploader or DeviceUploader()
+    beside = _beside_host_reads(reads, record, uploads, uploader.max_bytes)
     for n, out in beside.items():
         r = reads[n]
         jobs += read_region(ArrayChunks.of(store, record.arrays[r.tensor.key]), r.region, out)
     uploads = [n for n in uploads if n not in beside]
     run_reads(jobs, store.threads)
-    for n, out in beside.items():  # copied over from host memory: the chunk is read once
-        r = reads[n]
-        target = r.tensor.data.detach()
-        target.copy_(numpy_to_tensor(out, target.dtype).reshape(target.shape))
+    for n in list(beside):  # copied over from host memory (the chunk is read once), then let go
+        target = reads[n].tensor.data.detach()
+        target.copy_(numpy_to_tensor(beside.pop(n), target.dtype).reshape(target.shape))
 
     def read_wave(pairs: list[tuple[int, torch.Tensor]]) -> None:
         wave_jobs: list[ReadJob] = []
@@ -200,7 +200,7 @@ def load_tensors(
             wave_jobs += read_region(ArrayChunks.of(store, record.arrays[r.tensor.key]), r.region, out)
         run_reads(wave_jobs, store.threads)
 
-    (uploader or DeviceUploader()).fill([reads[n].tensor.data for n in uploads], read_wave)
+    uploader.fill([reads[n].tensor.data for n in uploads], read_wave)
     results = []
     for r, array in zip(reads, arrays):
         if array is None:
@@ -212,22 +212,27 @@ def load_tensors(
     return results
 
 
-def _beside_host_reads(reads: list[ReadOp], record: CommitRecord, uploads: list[int]) -> dict[int, np.ndarray]:
+def _beside_host_reads(
+    reads: list[ReadOp], record: CommitRecord, uploads: list[int], max_bytes: int,
+) -> dict[int, np.ndarray]:
     """Of the reads into device tensors (``uploads``), those that touch a chunk a read
     into host memory touches too (a chunk's reader's own block, beside the blocks it
     reads for other ranks), each with the host array it is read into instead: with the
     host reads, so the chunk is read once (``format.chunks`` reads a chunk once for all
     its regions in one batch), then copied to the device, rather than read again
-    through the staging waves."""
-    if not uploads:
-        return {}
+    through the staging waves. At most ``max_bytes`` of them (the staging bound, which
+    these arrays stand in for); past that, a read goes through the waves, its chunk
+    read again."""
     waved = set(uploads)
-    on_host = set().union(*(_chunks_of(r, record) for n, r in enumerate(reads) if n not in waved))
+    on_host = set().union(*(_chunks_of(r, record) for n, r in enumerate(reads) if n not in waved)) if uploads else set()
     beside: dict[int, np.ndarray] = {}
-    for n in uploads:
+    held = 0
+    for n in uploads if on_host else ():
         r = reads[n]
-        if _chunks_of(r, record) & on_host:
+        nbytes = r.tensor.data.nbytes
+        if held + nbytes <= max_bytes and _chunks_of(r, record) & on_host:
             beside[n] = np.empty(region_shape(r.region), from_zarr_name(record.arrays[r.tensor.key].dtype).numpy_dtype)
+            held += nbytes
     return beside
 
 
@@ -321,7 +326,7 @@ class _Pieces:
     written there."""
 
     def __init__(self, tensors: list[ShardedTensor], pieces: Sequence[tuple[int, tuple[tuple[int, int], ...]]]) -> None:
-        # tied requests (one memory, two keys) get their own results, as load_tensors gives them
+        # tied requests (one memory, two keys): a split one gets a new tensor (unsplit, the first fills it)
         held = Counter(t.data.data_ptr() for t in tensors if t.data is not None) if pieces else Counter()
         shared = {ptr for ptr, n in held.items() if n > 1}
         self.targets: dict[int, torch.Tensor] = {}

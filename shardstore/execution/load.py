@@ -223,8 +223,10 @@ def _beside_host_reads(
     through the staging waves. At most ``max_bytes`` of them (the staging bound, which
     these arrays stand in for); past that, a read goes through the waves, its chunk
     read again."""
+    if not uploads:
+        return {}
     waved = set(uploads)
-    on_host = set().union(*(_chunks_of(r, record) for n, r in enumerate(reads) if n not in waved)) if uploads else set()
+    on_host = set().union(*(_chunks_of(r, record) for n, r in enumerate(reads) if n not in waved))
     beside: dict[int, np.ndarray] = {}
     held = 0
     for n in uploads if on_host else ():

@@ -810,6 +810,12 @@ class RankLoadPlan:
     reads: object
 
 
+# A block's part: ``(start, stop)`` per axis of the block; and each rank's pieces, as
+# ``RankReadPlan.pieces`` lists them (the index of the request split, and the part).
+_Box = tuple[tuple[int, int], ...]
+_PiecesByRank = list[list[tuple[int, _Box]]]
+
+
 # The most bytes one rank reads for other ranks alone where shards are read once
 # (``plan_reads``' ``shards``): the blocks it did not ask for itself, held until the
 # exchange (the ones it asked for land in its own tensors). A shard that would take a
@@ -852,7 +858,7 @@ def plan_reads(
     for records in layout.tensors.values():
         for s in records:
             own[s.rank] += 1
-    pieces: list[list[tuple[int, tuple[tuple[int, int], ...]]]] = [[] for _ in range(world)]
+    pieces: _PiecesByRank = [[] for _ in range(world)]
     if once:  # each block asked for once (FSDP2: millions at 4,096 ranks)
         plans = _single_asker_plans(layout, own, shards, pieces)
     else:
@@ -868,7 +874,7 @@ def plan_reads(
 
 def _split_at_chunk_edges(
     layout: GlobalLayout, shards: Mapping[str, tuple[int, ...]], own: list[int],
-    pieces: list[list[tuple[int, tuple[tuple[int, int], ...]]]],
+    pieces: _PiecesByRank,
 ) -> GlobalLayout:
     """``layout`` with each block of the arrays in ``shards`` whose leading axis runs over
     a chunk's edge replaced by its pieces (``_split_records``)."""
@@ -883,7 +889,7 @@ def _split_at_chunk_edges(
 
 def _split_records(
     records: list[ShardRecord], crossing: np.ndarray, chunk: tuple[int, ...], own: list[int],
-    pieces: list[list[tuple[int, tuple[tuple[int, int], ...]]]],
+    pieces: _PiecesByRank,
 ) -> tuple[list[ShardRecord], np.ndarray, list[int]]:
     """``records`` with each block ``crossing`` marks (and that may not differ from the
     stored shape) replaced by its pieces, split at the edges of ``chunk``
@@ -913,7 +919,7 @@ def _split_records(
     return out, np.asarray(source, np.int64), made
 
 
-def _piece(block: ShardRecord, box: tuple[tuple[int, int], ...], index: int) -> ShardRecord:
+def _piece(block: ShardRecord, box: _Box, index: int) -> ShardRecord:
     """The part ``box`` of ``block`` as the request ``index`` of its rank."""
     return replace(block, index=index, offset=tuple(o + a for o, (a, _) in zip(block.offset, box)),
                    block_shape=tuple(b - a for a, b in box))
@@ -942,7 +948,7 @@ def _crossing(rows: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray | None:
     return crossing if crossing.any() else None
 
 
-def _chunk_boxes(block: ShardRecord, chunk: tuple[int, ...]) -> list[tuple[tuple[int, int], ...]]:
+def _chunk_boxes(block: ShardRecord, chunk: tuple[int, ...]) -> list[_Box]:
     """The parts of ``block`` at the edges of ``chunk`` along its leading axis, the
     first with more than one element (``(start, stop)`` per axis of the block), in
     order. Only there: a part of the leading axis is a contiguous run of the block's
@@ -1076,7 +1082,7 @@ def _shard_readers(buckets: list[_Bucket], load: list[int]) -> list[tuple[int, n
 
 def _single_asker_plans(
     layout: GlobalLayout, own: list[int], shards: Mapping[str, tuple[int, ...]],
-    pieces: list[list[tuple[int, tuple[tuple[int, int], ...]]]],
+    pieces: _PiecesByRank,
 ) -> list[RankReadPlan]:
     """``plan_reads`` where every block has one asker (FSDP2: millions of blocks at 4,096
     ranks), in bulk: each block is read by its asker, or by the reader of its shard
@@ -1240,7 +1246,7 @@ class _BlockTable:
 
     def split(
         self, records: list[ShardRecord], crossing: np.ndarray, own: list[int],
-        pieces: list[list[tuple[int, tuple[tuple[int, int], ...]]]],
+        pieces: _PiecesByRank,
     ) -> tuple[list[ShardRecord], _BlockTable]:
         """``records`` (this table's) with the blocks ``crossing`` marks split at the
         shards' edges (``_split_records``), and their table: the rows of the blocks kept,

@@ -556,7 +556,7 @@ class ShardstoreWriter(StorageWriter):
         plans by now wherever one is usable, so a refusal then reaches the ranks as
         their part (``Refused``), not as an exception here."""
         if not any(plan.usable for plan in plans):  # DCP changed no cache: refusing here is safe
-            self._refuse_planning_apart(len(plans))
+            self._planning_group(len(plans))
             return plans
         if not all(plan.usable and self._holds_as_now(plan) for plan in plans):
             return [replace(plan, storage_data=PlanAtWrite(len(plans))) if plan.usable else plan for plan in plans]
@@ -582,12 +582,13 @@ class ShardstoreWriter(StorageWriter):
         self._save, self._commit = save, parts[0].plan.commit
         return [RankPart(part, order, exchange, len(plans)) for part, order in zip(parts, orders)]
 
-    def _refuse_planning_apart(self, ranks: int) -> None:
-        """Refuses, before any rank writes, a group the ranks could not plan on in
-        ``write_data`` (``_planned_at_write``): one whose size is not DCP's, or the
-        training loop's default group on ``dcp.async_save``'s thread."""
+    def _planning_group(self, ranks: int) -> Group:
+        """The group the ranks plan a save on in ``write_data`` (``_planned_at_write``):
+        this process alone for one rank, else the writer's. Refused, before any rank
+        writes: one whose size is not DCP's, or the training loop's default group on
+        ``dcp.async_save``'s thread."""
         if ranks == 1:
-            return
+            return Group.local()
         group = self._collective_group(_PLANS_AT_WRITE)
         if group.world_size != ranks:
             raise CheckpointingException(
@@ -595,6 +596,7 @@ class ShardstoreWriter(StorageWriter):
                 f"write_data on its process group, which has {group.world_size} ranks where dcp.save has {ranks}. "
                 "Pass the group given to dcp.save(process_group=...) as ShardstoreWriter(process_group=...)"
             )
+        return group
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """All ranks: this rank's arrays' metadata and chunks, durable; the results
@@ -646,8 +648,7 @@ class ShardstoreWriter(StorageWriter):
         Their items are the same as then (that is what the cache decided); what else
         they hold is taken from their items; the save, its staging area and its intent
         are new. A group that cannot be DCP's is refused on every rank first."""
-        self._refuse_planning_apart(ranks)
-        group = Group.local() if ranks == 1 else self._collective_group(_PLANS_AT_WRITE)
+        group = self._planning_group(ranks)
         where = _id_text(self.checkpoint_id)
         part = run_stage(group, f"Planning checkpoint {where} (DCP's plan cache is on)",
                          lambda: replace(plan, storage_data=self._held(plan.items)),

@@ -38,10 +38,19 @@ class RecordingWriter(ShardstoreWriter):
     cache sent it as new (``usable``) at each save."""
 
     usable: list[list[bool]] = []
+    plans: list[str] = []  # on every rank, per save: "planned" (by the coordinator) or "reused"
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         RecordingWriter.usable.append([plan.usable for plan in plans])
         return super().prepare_global_plan(plans)
+
+    def _this_saves_part(self, plan: SavePlan, caching: bool) -> Any:
+        part = super()._this_saves_part(plan, caching)
+        RecordingWriter.plans.append("reused" if part.plan_id in RecordingWriter._seen else "planned")
+        RecordingWriter._seen.add(part.plan_id)
+        return part
+
+    _seen: set[str] = set()
 
 
 def _state(model: Any, optimizer: Any, step: int, rank: int, extra_on_rank1: bool) -> dict[str, Any]:
@@ -327,3 +336,44 @@ def test_holdings_made_under_other_writer_settings_are_taken_again(tmp_path: Pat
         loaded = {"big0": torch.zeros(1024, 8), "z": torch.zeros(64, 8), "r1": torch.zeros(64, 8)}
         dcp_load(loaded, tmp_path / name)
         assert loaded["z"].eq(2).all() and loaded["big0"].eq(1).all() and shardstore.verify(tmp_path / name).ok
+
+
+def _unchanged_changed_and_back(rank: int, step: int) -> dict[str, Any]:
+    """Saves 0-1: the same tensors; 2-4: rank 1 holds one more; 5: as saves 0-1 again."""
+    state = {"w": torch.full((64, 8), float(step)), f"r{rank}": torch.full((64, 8), float(rank + step))}
+    if rank == 1 and 2 <= step <= 4:
+        state["own1"] = torch.arange(512, dtype=torch.float32) + step
+    return state
+
+
+def saves_that_reuse_plans(rank: int, world: int, root: str, shard_bytes: int | None) -> list[str]:
+    import torch.distributed.checkpoint as dcp
+
+    for step in range(6):
+        dcp.save(_unchanged_changed_and_back(rank, step),
+                 storage_writer=RecordingWriter(f"{root}/step{step}", shard_bytes=shard_bytes),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+    return RecordingWriter.plans
+
+
+@pytest.mark.parametrize("shard_bytes", [None, 1 << 20], ids=["chunks", "shards"])
+def test_a_save_whose_ranks_hold_a_recent_plans_inputs_reuses_it(tmp_path: Path, shard_bytes: int | None) -> None:
+    """With DCP's plan caching, a save whose every rank has the items (and writer
+    settings) of one recent plan's part reuses that plan, as a new save: the
+    coordinator neither gathers the items nor plans. Save 1 reuses save 0's plan; save
+    2 (rank 1 changed: DCP then hands rank 0 save 0's part, rank 1 a ``PlanAtWrite``)
+    plans in ``write_data``; saves 3-4 reuse save 2's plan though DCP hands the ranks
+    parts of two different saves; save 5, back to save 0's tensors, reuses save 0's."""
+    plans = run_distributed(saves_that_reuse_plans, 2, str(tmp_path), shard_bytes)
+    for rank_plans in plans:
+        assert rank_plans == ["planned", "reused", "planned", "reused", "reused", "reused"], plans
+    ids = set()
+    for step in range(6):
+        expected = {**_unchanged_changed_and_back(0, step), **_unchanged_changed_and_back(1, step)}
+        loaded = {key: torch.zeros_like(value) for key, value in expected.items()}
+        dcp_load(loaded, tmp_path / f"step{step}")
+        for key, value in expected.items():
+            assert torch.equal(loaded[key], value), (step, key)
+        assert shardstore.verify(tmp_path / f"step{step}").ok
+        ids.add(json.loads((tmp_path / f"step{step}" / "zarr.json").read_text())["attributes"]["shardstore"]["save_id"])
+    assert len(ids) == 6

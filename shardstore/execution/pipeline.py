@@ -55,7 +55,13 @@ from shardstore.format.commit import (
 from shardstore.format.config import CheckpointingConfig, write_config
 from shardstore.format.records import ArrayRecord, CommitRecord
 from shardstore.mapping import ShardedObject, ShardedTensor
-from shardstore.planning.checks import check_layout, check_storable_keys, local_records
+from shardstore.planning.checks import (
+    admits_names,
+    check_layout,
+    check_storable_keys,
+    local_records,
+    name_lengths_needed,
+)
 from shardstore.planning.layout import GlobalLayout, region_at
 from shardstore.planning.plans import RankSavePlan
 from shardstore.progress import stage
@@ -63,7 +69,7 @@ from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_cache import PlanCache, gather_and_plan_cached
 from shardstore.protocol.stage import every_rank_stopped, raise_stage_failure
 from shardstore.protocol.stopped_writers import StoppedWriters
-from shardstore.stores.base import Location
+from shardstore.stores.base import Location, NameLimits
 from shardstore.stores.locations import open_location
 
 Target = str | os.PathLike | Location
@@ -331,20 +337,34 @@ class SavePipeline:
 
     def plan_gathered(
         self, tensors: list[list[ShardedTensor]], planner: Callable[[GlobalLayout], list[RankSavePlan]],
-    ) -> list[RankSave]:
+    ) -> tuple[list[RankSave], NameLimits]:
         """Coordinator of a door whose framework gathers the ranks' shards itself (DCP's
         ``prepare_global_plan``), given every rank's ``tensors`` (``tensors[rank]``, data
         not needed): the checks ``plan`` makes (a store the ranks cannot share, keys the
         target cannot store, the global sharding), ``planner``'s plan of their layout,
         then ``begin``. Returns each rank's part (the save's intent, which every rank
-        ``join``s, and its plan); raises before anything is written."""
+        ``join``s, and its plan) and the longest names the plan's files have (what
+        ``begin_planned`` checks a later target against); raises before anything is
+        written."""
         where = self.describe()
         check_shared(self.target, len(tensors))
         layout = GlobalLayout.from_gathered([local_records(ts, [], rank, where) for rank, ts in enumerate(tensors)])
         check_layout(layout, self.target.name_limits, where)
         plans = planner(layout)
         intent = self.begin()
-        return [RankSave(intent, plan) for plan in plans]
+        return [RankSave(intent, plan) for plan in plans], name_lengths_needed(layout)
+
+    def begin_planned(self, world_size: int, names_needed: NameLimits) -> SaveIntent | None:
+        """Coordinator of a save that reuses the parts ``plan_gathered`` made for an
+        earlier one (each rank holds its own, as under DCP's plan caching): the checks of
+        ``plan_gathered`` that depend on the target (a store the ranks cannot share; names
+        as long as ``names_needed``), then ``begin``. None, with nothing begun, where the
+        target stores shorter names than the plan's (plan again: the full check names the
+        key)."""
+        check_shared(self.target, world_size)
+        if not admits_names(self.target.name_limits, names_needed):
+            return None
+        return self.begin()
 
     def write_plan(
         self, plan: RankSavePlan, tensors: list[ShardedTensor], io_concurrency: int = DEFAULT_IO_CONCURRENCY,

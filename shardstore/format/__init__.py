@@ -30,6 +30,7 @@ __all__ = [
     "MAX_RECORD_BYTES",
     "ObjectRecord",
     "Problem",
+    "SaveIntent",
     "StatePath",
     "VerifyReport",
     "WrittenChunk",
@@ -58,6 +59,7 @@ __all__ = [
 from shardstore.lazy_exports import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {
+    "commit": ("SaveIntent",),
     "chunks": ("ArrayChunks", "DEFAULT_IO_CONCURRENCY", "WrittenChunk", "chunk_store_for", "read_region", "run_reads"),
     "dtypes": ("BY_TORCH", "cast_checked", "from_torch", "from_zarr_name", "holds_its_values", "is_exact_conversion",
                "numpy_to_tensor", "tensor_to_numpy"),

@@ -17,8 +17,8 @@ offered here.
 
 from __future__ import annotations
 
-__all__ = ["Location"]
+__all__ = ["Location", "NameLimits"]
 
 from shardstore.lazy_exports import lazy_exports
 
-__getattr__, __dir__ = lazy_exports(__name__, {"base": ("Location",)})
+__getattr__, __dir__ = lazy_exports(__name__, {"base": ("Location", "NameLimits")})

@@ -41,7 +41,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -77,6 +77,7 @@ from shardstore.format import (
     ArrayChunks,
     CommitRecord,
     DcpMetadata,
+    SaveIntent,
     StatePath,
     WrittenChunk,
     cast_checked,
@@ -102,7 +103,7 @@ from shardstore.mapping import ShardedTensor
 from shardstore.opened import bare_location, open_read
 from shardstore.protocol import Deliver, Group, run_stage
 from shardstore.serialization import verify_checkpoint_and_load_strategy
-from shardstore.stores import Location
+from shardstore.stores import Location, NameLimits
 from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION
 from shardstore.strategies.zarr import (
     DEFAULT_MAX_CHUNK_BYTES,
@@ -135,12 +136,16 @@ class RankPart:
             of several ranks): every rank then writes on the writer's process group.
         ranks: how many ranks the save has (DCP's plans): the group a later save plans
             on where DCP's plan cache hands this part back (``PlanAtWrite``).
+        plan_id: the planning that made it (the same in every rank's part): a later save
+            whose every rank holds a part of it, for the same inputs, reuses it
+            (``ShardstoreWriter._reused_at_write``).
     """
 
     save: RankSave
     items: tuple[WriteItem, ...]
     exchange: bool = False
     ranks: int = 1
+    plan_id: str = ""
 
     @property
     def part_id(self) -> str:
@@ -190,6 +195,33 @@ class PlanAtWrite:
 # later save.
 _DELIVERED: set[str] = set()
 _DELIVERED_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """A part this process wrote a save by, and what it was planned from.
+
+    Attributes:
+        inputs: ``ShardstoreWriter._plan_inputs`` of the rank's plan: its rank, the
+            number of ranks, the writer's settings and its items (what it holds,
+            ``HeldPlainTensors``, follows from them).
+        part: the rank's part.
+        names_needed: on the coordinator, the longest names the plan's files have
+            (``SavePipeline.begin_planned``); None elsewhere.
+    """
+
+    inputs: tuple
+    part: RankPart
+    names_needed: NameLimits | None = None
+
+
+# The parts this process most recently wrote saves by where the planner caches plans
+# (``_caches_plans``), newest first: a save whose every rank holds a part of the same
+# plan, for the inputs it has now, reuses that plan (``ShardstoreWriter._reused_at_write``).
+# A few, for a process that saves several state dicts in turn; DCP's plan cache holds
+# the same parts.
+_RECENT_PLANS: list[_Planned] = []
+_RECENT_PLANS_KEPT = 4
 _PLANS_AT_WRITE = "plans the save in write_data where DCP's plan cache is on (enable_plan_caching=True)"
 
 
@@ -324,10 +356,14 @@ class ShardstoreWriter(StorageWriter):
                                                     to every rank as its part (``Refused``)
         4) all ranks    write_data()                a rank whose plan DCP's cache handed back
                                                     (an earlier save's part) or that got a
-                                                    ``PlanAtWrite``: every rank plans the save
-                                                    together first, collective on
-                                                    ``process_group`` (step 3's work, from the
-                                                    items DCP cached); then joins the save;
+                                                    ``PlanAtWrite``: every rank settles the
+                                                    save together first, collective on
+                                                    ``process_group``: a recent plan whose
+                                                    parts every rank holds for the items it
+                                                    has now is reused, with a new save
+                                                    (``_reused_at_write``); else step 3's
+                                                    work, from the items DCP cached
+                                                    (``_planned_at_write``); then joins the save;
                                                     with shard_bytes in a
                                                     save of several ranks, collective on
                                                     ``process_group``: the blocks of sharded
@@ -433,6 +469,7 @@ class ShardstoreWriter(StorageWriter):
         self.save_id = _new_id()
         self._save: SavePipeline | None = None  # the coordinator's, from plan to finish
         self._commit: CommitRecord | None = None
+        self._names_needed: NameLimits | None = None  # the coordinator's, of the plan of _save
 
     def __getstate__(self) -> dict:
         """What ``dcp.async_save(async_checkpointer_type=PROCESS)`` sends its save
@@ -444,7 +481,7 @@ class ShardstoreWriter(StorageWriter):
                 "save process's default group is DCP's"
             )
         # the save process runs the save as a save of its own, on its own default group
-        return {**self.__dict__, "_save": None, "_commit": None, "_caller_thread": None}
+        return {**self.__dict__, "_save": None, "_commit": None, "_names_needed": None, "_caller_thread": None}
 
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """A new save: its checkpoint id (when given) and a new DCP save id."""
@@ -578,9 +615,10 @@ class ShardstoreWriter(StorageWriter):
         if exchange:
             _refuse_other_group(plans, save.describe())
         shards, orders = gathered_shards(plans, _plain_array_writers(plans, self._as_array))
-        parts = save.plan_gathered(shards, self._strategy().plan_save)
+        parts, self._names_needed = save.plan_gathered(shards, self._strategy().plan_save)
         self._save, self._commit = save, parts[0].plan.commit
-        return [RankPart(part, order, exchange, len(plans)) for part, order in zip(parts, orders)]
+        plan_id = _new_id()
+        return [RankPart(part, order, exchange, len(plans), plan_id) for part, order in zip(parts, orders)]
 
     def _planning_group(self, ranks: int) -> Group:
         """The group the ranks plan a save on in ``write_data`` (``_planned_at_write``):
@@ -601,7 +639,7 @@ class ShardstoreWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """All ranks: this rank's arrays' metadata and chunks, durable; the results
         carry the chunks' checksums and this rank's common values to the coordinator."""
-        part = self._this_saves_part(plan)
+        part = self._this_saves_part(plan, _caches_plans(planner))
         save = self._joined(part)
         try:
             written = self._write_shards(part, planner, save)
@@ -622,33 +660,97 @@ class ShardstoreWriter(StorageWriter):
         future.set_result(results)
         return future
 
-    def _this_saves_part(self, plan: SavePlan) -> RankPart:
+    def _this_saves_part(self, plan: SavePlan, caching: bool) -> RankPart:
         """This rank's part of this save: the one its plan carries (or the coordinator's
         refusal, raised), or, where the plan is an earlier save's that DCP's plan cache
         handed back (an earlier part or refusal, or another writer's) or a
         ``PlanAtWrite``, one planned now by every rank together. Every rank takes the
         same way: DCP hands back a cached plan exactly where the coordinator saw an
-        unusable one, and then gave every usable one a ``PlanAtWrite``."""
+        unusable one, and then gave every usable one a ``PlanAtWrite``. Where the planner
+        caches plans (``caching``), the part is kept among the recent plans."""
         data = plan.storage_data
         if isinstance(data, (RankPart, Refused)) and _first_delivery(data):
             if isinstance(data, Refused):
                 raise CheckpointingException(data.message)
+            if caching:
+                self._remember(plan, data, data.ranks)
             return data
         if isinstance(data, (RankPart, Refused, PlanAtWrite)):
             ranks = data.ranks
         else:  # another writer's plan, cached by DCP under the same planner class
             ranks = Group(self.process_group).world_size
-        return self._planned_at_write(plan, ranks)
+        group = self._planning_group(ranks)
+        part = self._reused_at_write(plan, group) or self._planned_at_write(plan, group)
+        if caching:
+            self._remember(plan, part, ranks)
+        return part
 
-    def _planned_at_write(self, plan: SavePlan, ranks: int) -> RankPart:
+    def _plan_inputs(self, plan: SavePlan, ranks: int) -> tuple:
+        """What this rank's part of a save's plan depends on, besides the other ranks'
+        (which they compare): its rank and the number of ranks, the writer's settings
+        that shape a plan and its items. What it holds (``_held``) follows from them:
+        the items by the settings, its place in the exchange group (``process_group``,
+        the planning group) by the rank."""
+        rank = Group(self.process_group).rank if ranks > 1 else 0
+        settings = (self.max_chunk_bytes, self.zarr_metadata, *self._held_settings())
+        return rank, ranks, settings, tuple(plan.items)
+
+    def _remember(self, plan: SavePlan, part: RankPart, ranks: int) -> None:
+        """Keeps ``part``, delivered to this rank for ``plan``, among the recent plans
+        (``_RECENT_PLANS``), with the coordinator's ``names_needed``."""
+        entry = _Planned(self._plan_inputs(plan, ranks), part, self._names_needed if self.is_coordinator else None)
+        with _DELIVERED_LOCK:
+            kept = [e for e in _RECENT_PLANS if e.part.plan_id != part.plan_id]
+            _RECENT_PLANS[:] = [entry, *kept][:_RECENT_PLANS_KEPT]
+
+    def _reused_at_write(self, plan: SavePlan, group: Group) -> RankPart | None:
+        """Collective on ``group`` (one small stage): where every rank holds a part of
+        the same recent plan made for the inputs it has now (``_plan_inputs``: DCP's
+        plan cache handed it back its items), that plan with a new save: the
+        coordinator begins it (``SavePipeline.begin_planned``) and every rank joins it
+        with its own part. None on every rank otherwise (the ranks then plan in full).
+        A rank whose inputs did not change between two recent plans holds a part of
+        each: every rank names all of its own, the newest plan they all hold is taken."""
+        inputs = self._plan_inputs(plan, group.world_size)
+        with _DELIVERED_LOCK:
+            mine = {e.part.plan_id: e for e in _RECENT_PLANS if e.inputs == inputs}
+
+        def decide(held: list[tuple[str, ...]]) -> list[tuple[str, SaveIntent] | None]:
+            common = set(held[0]).intersection(*held[1:])
+            newest = next((mine[i] for i in held[0] if i in common and mine[i].names_needed is not None), None)
+            intent = self._begin_reused(newest, len(held)) if newest is not None else None
+            return [(newest.part.plan_id, intent) if newest is not None and intent is not None else None] * len(held)
+
+        where = _id_text(self.checkpoint_id)
+        reused = run_stage(group, f"Checking the cached plans of checkpoint {where} (DCP's plan cache is on)",
+                           lambda: tuple(mine), reduce=decide, deliver=Deliver.SCATTER)
+        if reused is None:
+            return None
+        plan_id, intent = reused
+        part = replace(mine[plan_id].part, save=RankSave(intent, mine[plan_id].part.save.plan))
+        _first_delivery(part)
+        return part
+
+    def _begin_reused(self, planned: _Planned, ranks: int) -> SaveIntent | None:
+        """Coordinator: begins a save by ``planned``'s plan, into this writer's
+        checkpoint (None, nothing begun: its target stores shorter names than the
+        plan's files have)."""
+        save = self._open_save(planned.part.exchange)
+        save.refuse_oversized_objects(self._strategy().object_bounds(ranks))
+        intent = save.begin_planned(ranks, cast(NameLimits, planned.names_needed))
+        if intent is not None:
+            self._save, self._commit = save, planned.part.save.plan.commit
+            self._names_needed = planned.names_needed
+        return intent
+
+    def _planned_at_write(self, plan: SavePlan, group: Group) -> RankPart:
         """Collective on the writer's process group (one stage: every rank's items and
         holdings, ``_held``, gathered to the coordinator, which plans as
         ``prepare_global_plan`` does and begins the save; each rank's part scattered):
         the plan of a save where DCP's plan cache sent some ranks their previous plan.
         Their items are the same as then (that is what the cache decided); what else
         they hold is taken from their items; the save, its staging area and its intent
-        are new. A group that cannot be DCP's is refused on every rank first."""
-        group = self._planning_group(ranks)
+        are new."""
         where = _id_text(self.checkpoint_id)
         part = run_stage(group, f"Planning checkpoint {where} (DCP's plan cache is on)",
                          lambda: replace(plan, storage_data=self._held(plan.items)),
@@ -743,6 +845,12 @@ class ShardstoreWriter(StorageWriter):
         except Exception:  # noqa: BLE001  (any reason: not a place we can write)
             return False
         return True
+
+
+def _caches_plans(planner: SavePlanner) -> bool:
+    """Whether ``planner`` caches its plans (``DefaultSavePlanner(enable_plan_caching=
+    True)`` and its subclasses): only then may a later save hand this one's parts back."""
+    return bool(getattr(planner, "_enable_plan_caching", False))
 
 
 def _refuse_divergent_replicas(plans: list[SavePlan], where: str) -> None:

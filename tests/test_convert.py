@@ -168,6 +168,30 @@ def test_one_element_and_empty_views_of_a_torch_file_become_safetensors(tmp_path
         assert_bits_equal(back[name], tensor.contiguous(), name)
 
 
+@pytest.mark.parametrize("view", ["column", "every_other", "expanded"])
+def test_a_strided_1d_view_of_a_torch_file_becomes_safetensors(tmp_path: Path, view: str) -> None:
+    """A 1-D view whose last stride is not 1 (a column, ``x[::2]``, an expanded tensor)
+    is written by value. Before, ``byte_view`` relied on ``reshape(-1)`` to copy it,
+    which returns a 1-D view unchanged: "self.stride(-1) must be 1"."""
+    grid = torch.arange(24.0).reshape(4, 6)
+    tensor = {"column": grid[:, 1], "every_other": torch.arange(10.0)[::2], "expanded": torch.ones(1).expand(4)}[view]
+    torch.save({"w": tensor, "grid": grid}, tmp_path / "model.pt")
+    code, _, err = run("convert", str(tmp_path / "model.pt"), str(tmp_path / "out"), "--to", "safetensors")
+    assert code == 0, err
+    back = load_file(tmp_path / "out" / "model.safetensors")
+    assert_bits_equal(back["w"], tensor.contiguous(), "w")
+
+
+def test_a_strided_1d_tensor_of_the_common_state_becomes_safetensors(tmp_path: Path) -> None:
+    """The same through a shardstore checkpoint, whose ``common.pt`` keeps a view's
+    strides (it failed as the torch file's did)."""
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(3)), "ema": torch.arange(10.0)[::2]}, tmp_path / "ckpt")
+    code, _, err = run("convert", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--to", "safetensors")
+    assert code == 0, err
+    back = load_file(tmp_path / "out" / "model.safetensors")
+    assert_bits_equal(back["ema"], torch.arange(10.0)[::2].contiguous(), "ema")
+
+
 # ------------------------------------------------------------------ destinations
 
 

@@ -58,7 +58,8 @@ def _mixed(rank: int) -> list[torch.Tensor]:
         torch.arange(big, dtype=torch.float32) + rank,  # large, contiguous
         torch.full((5,), 20.0 + rank, dtype=torch.bfloat16),
         (torch.arange(2 * big, dtype=torch.float32).reshape(2, big) - rank).t(),  # large, strided
-        torch.arange(big + 7, dtype=torch.float64)[::2] * (rank + 1),  # large, strided
+        (torch.arange(big + 7, dtype=torch.float64) * (rank + 1))[::2],  # large, strided, 1-D
+        (torch.arange(9.0) + rank)[::3],  # small, strided, 1-D
     ]
 
 
@@ -68,7 +69,7 @@ def exchange_mixed(rank: int, world: int) -> tuple[bool, int]:
     peer = 1 - rank
     expected = _mixed(peer)
     targets = [torch.empty(3), torch.empty(1 << 18), torch.empty(5, dtype=torch.bfloat16),
-               torch.empty(2, 1 << 18).t(), torch.empty((1 << 17) + 4, 2, dtype=torch.float64)[:, 0]]
+               torch.empty(2, 1 << 18).t(), torch.empty((1 << 17) + 4, 2, dtype=torch.float64)[:, 0], torch.empty(3)]
     group = Group(None)
     prepared = group.prepare_exchange({peer: _mixed(rank)}, {peer: targets})
     group.run_exchange(prepared)

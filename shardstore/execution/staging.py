@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from shardstore.format.dtypes import holds_its_values
+from shardstore.format.dtypes import values_in_order
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -41,7 +41,7 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.to("cpu")
-    return tensor if holds_its_values(tensor) else tensor.resolve_conj().resolve_neg().contiguous()
+    return values_in_order(tensor)
 
 
 class HostBufferPool:

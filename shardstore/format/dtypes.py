@@ -10,7 +10,7 @@ from __future__ import annotations
 __all__ = [
     "BY_TORCH", "BY_ZARR_NAME", "DType", "ITEMSIZE_BY_ZARR_NAME", "ShapedTensorSize", "UnsupportedDTypeError",
     "byte_view", "cast_checked", "from_torch", "from_zarr_name", "holds_its_values", "is_exact_conversion",
-    "numpy_to_tensor", "numpy_to_torch_dtype_dict", "tensor_to_numpy", "torch_to_numpy_dtype_dict",
+    "numpy_to_tensor", "numpy_to_torch_dtype_dict", "tensor_to_numpy", "torch_to_numpy_dtype_dict", "values_in_order",
 ]
 
 import math
@@ -102,13 +102,24 @@ def holds_its_values(tensor: torch.Tensor) -> bool:
     return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
 
 
+def values_in_order(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself where its memory holds its values in order
+    (``holds_its_values``), else one contiguous copy of its values (a strided view such
+    as a column, ``x[::2]`` or an expanded tensor; a conjugate or negative view, its
+    flag resolved)."""
+    if holds_its_values(tensor):
+        return tensor
+    return tensor.resolve_conj().resolve_neg().contiguous()
+
+
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s values as flat bytes: a view of its memory where it holds its values
-    in order (``holds_its_values``), else of a copy. A tensor of 0 or 1 elements is
-    contiguous to torch whatever its strides (numpy's empty arrays have stride 0, a
-    single element sliced from a column keeps the column's), but a byte view of a wider
-    dtype needs a last stride of 1: it is given unit strides first."""
-    tensor = tensor.detach()
+    in order (``holds_its_values``), else of a copy (``values_in_order``; ``reshape``
+    alone does not copy a 1-D strided view). A tensor of 0 or 1 elements is contiguous
+    to torch whatever its strides (numpy's empty arrays have stride 0, a single element
+    sliced from a column keeps the column's), but a byte view of a wider dtype needs a
+    last stride of 1: it is given unit strides first."""
+    tensor = values_in_order(tensor.detach())
     if tensor.numel() <= 1:
         tensor = tensor.as_strided((tensor.numel(),), (1,))
     return tensor.reshape(-1).view(torch.uint8)

@@ -167,6 +167,29 @@ def test_a_torch_file_keeps_its_layout_where_torch_load_does_not_see_it(tmp_path
     assert layout is not None and layout.arrays["optim/state/0/exp_avg"] == ("optim", "state", "0", "exp_avg")
 
 
+def test_a_torch_file_list_mixing_tensors_and_values_keeps_its_indices_through_safetensors(tmp_path: Path) -> None:
+    """``.pt`` -> safetensors -> shardstore keeps a list's indices as a direct import
+    does (``[None, 5, 7]``). Before, the safetensors export dropped the list's tensor
+    from the common state, shifting the other values: ``[5, 7]``."""
+    torch.save({"sched": [torch.ones(2), 5, 7], "w": torch.zeros(3)}, tmp_path / "model.pt")
+    _convert(tmp_path / "model.pt", "shardstore", tmp_path / "direct")
+    _convert(_convert(tmp_path / "model.pt", "safetensors", tmp_path / "st"), "shardstore", tmp_path / "via_st")
+    assert load_common_state_dict(tmp_path / "direct")["sched"] == [None, 5, 7]
+    assert load_common_state_dict(tmp_path / "via_st")["sched"] == [None, 5, 7]
+
+
+def test_a_torch_file_list_mixing_tensors_and_values_goes_through_safetensors_back_to_a_torch_file(
+    tmp_path: Path,
+) -> None:
+    """Before, the shifted list put a value where the tensor goes back, and the export
+    to a torch file failed: "another value is already at ['sched', 0]"."""
+    torch.save({"sched": [torch.ones(2), 5, 7]}, tmp_path / "model.pt")
+    exported = _convert(tmp_path / "model.pt", "safetensors", tmp_path / "st")
+    to_torch_file(exported, tmp_path / "back.pt")
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert back["sched"][1:] == [5, 7] and torch.equal(back["sched"][0], torch.ones(2))
+
+
 def _with_layout_entry(path: Path, text: str) -> None:
     with zipfile.ZipFile(path) as archive:
         entries = {name: archive.read(name) for name in archive.namelist()}

@@ -113,19 +113,26 @@ def _tensor_leaves(node: dict | list, path: tuple[Any, ...]) -> Iterator[tuple[t
 
 
 def _without_tensors(node: dict | list, top: bool = True) -> dict | list:
-    """``node`` without its tensors (nor the dicts and lists that held only tensors),
-    sharded object shards kept whole: what a safetensors file cannot hold."""
-    kept = []
-    for k, v in node.items() if isinstance(node, dict) else enumerate(node):
-        if not (top and is_object_shard_key(k)):
-            if isinstance(v, torch.Tensor):
-                continue
-            if isinstance(v, (dict, list)) and v:
-                v = _without_tensors(v, top=False)
-                if not v:
-                    continue
-        kept.append((k, v))
-    return dict(kept) if isinstance(node, dict) else [v for _, v in kept]
+    """``node`` without its tensors, sharded object shards kept whole: what a
+    safetensors file cannot hold. A dict loses a tensor's entry, and one that held only
+    tensors goes too; a list keeps None in a tensor's slot, so that its other values
+    keep their indices (as ``layout.without_places`` keeps them, and an import does)."""
+    if isinstance(node, list):
+        return [None if isinstance(v, torch.Tensor) else _without_tensors_in(v) for v in node]
+    kept = {}
+    for k, v in node.items():
+        if top and is_object_shard_key(k):
+            kept[k] = v
+        elif not isinstance(v, torch.Tensor):
+            value = _without_tensors_in(v)
+            if not (isinstance(v, dict) and v and not value):
+                kept[k] = value
+    return kept
+
+
+def _without_tensors_in(value: Any) -> Any:
+    """A value of a container, without its tensors where it is a dict or a list."""
+    return _without_tensors(value, top=False) if isinstance(value, (dict, list)) else value
 
 
 def state_to_save(path: Path) -> StateDict:

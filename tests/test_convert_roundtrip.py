@@ -190,6 +190,18 @@ def test_a_torch_file_list_mixing_tensors_and_values_goes_through_safetensors_ba
     assert back["sched"][1:] == [5, 7] and torch.equal(back["sched"][0], torch.ones(2))
 
 
+def test_a_checkpoint_with_an_array_in_a_list_beside_values_becomes_a_torch_file_and_back(tmp_path: Path) -> None:
+    """The array ``layers/0`` of a common state holding ``layers: [None, 5]`` goes to
+    the list's index 0. Before, its place was ``key.split('/')``, the str ``'0'``, and
+    the export failed: "a list is where its path needs a dict"."""
+    save({"layers": [ShardedTensor.from_rank_offsets("layers/0", torch.ones(2)), 5]}, tmp_path / "ckpt")
+    to_torch_file(tmp_path / "ckpt", tmp_path / "model.pt")
+    back = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert back["layers"][1] == 5 and torch.equal(back["layers"][0], torch.ones(2))
+    converted_back = _convert(tmp_path / "model.pt", "shardstore", tmp_path / "back")
+    assert run("diff", str(tmp_path / "ckpt"), str(converted_back)) == (0, "identical\n", "")
+
+
 def _with_layout_entry(path: Path, text: str) -> None:
     with zipfile.ZipFile(path) as archive:
         entries = {name: archive.read(name) for name in archive.namelist()}

@@ -32,6 +32,7 @@ __all__ = [
     "encode_common",
     "formats",
     "named",
+    "place_of_key",
     "place_value",
     "safetensors_metadata",
     "save_torch_file",
@@ -41,7 +42,7 @@ __all__ = [
 from shardstore.lazy_exports import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {
-    "base": ("ExportSource", "FileFormat", "TensorSpec", "place_value"),
+    "base": ("ExportSource", "FileFormat", "TensorSpec", "place_of_key", "place_value"),
     "layout": ("Layout", "encode_common", "safetensors_metadata", "save_torch_file"),
     "model_files": ("SAFETENSORS_INDEX", "SAFETENSORS_SINGLE"),
     "registry": ("detect", "formats", "named"),

@@ -31,6 +31,7 @@ __all__ = [
     "OtherTensor",
     "TensorSpec",
     "is_object_shard_key",
+    "place_of_key",
     "place_value",
 ]
 
@@ -305,6 +306,35 @@ def place_value(state: dict[Any, Any], path: tuple[Any, ...], value: Any, key: s
     if not _is_free(node, path[-1], key):
         raise CheckpointingException(f"Cannot place {key!r}: another value is already at {list(path)}")
     node[path[-1]] = value
+
+
+def place_of_key(key: str, state: Any) -> tuple[str | int, ...]:
+    """Where the array ``key`` goes in ``state`` (the other values of its checkpoint)
+    when nothing else says: its ``/``-separated parts, each a dict key, except a part
+    written as an index (``0``, ``12``; not ``01``) where ``state`` has a list on the
+    way, which is that int index: ``layers/0`` beside ``{"layers": [None, 5]}`` goes to
+    ``("layers", 0)``, where ``place_value`` puts it and a layout records it."""
+    place: list[str | int] = []
+    node = state
+    for part in key.split("/"):
+        index = _index(part) if isinstance(node, list) else None
+        place.append(part if index is None else index)
+        node = _child(node, part if index is None else index)
+    return tuple(place)
+
+
+def _index(part: str) -> int | None:
+    """``part`` as a list index where it is written as one (ASCII digits, no leading 0)."""
+    return int(part) if part.isascii() and part.isdigit() and str(int(part)) == part else None
+
+
+def _child(node: Any, part: str | int) -> Any:
+    """What ``node`` holds at ``part``; None where it holds nothing there."""
+    if isinstance(node, dict):
+        return node.get(part)
+    if isinstance(node, list) and isinstance(part, int) and part < len(node):
+        return node[part]
+    return None
 
 
 def _is_free(node: Any, part: Any, key: str) -> bool:

@@ -57,6 +57,7 @@ __all__ = [
     "to_torch_file",
 ]
 
+import functools
 import json
 import os
 import secrets
@@ -90,6 +91,7 @@ from shardstore.other_formats import (
     detect,
     encode_common,
     formats,
+    place_of_key,
     place_value,
     safetensors_metadata,
     save_torch_file,
@@ -277,10 +279,12 @@ def _checkpoint_source(checkpoint: str | os.PathLike | Location) -> ExportSource
 
         return tuple(k for k, v in load_sharded_metadata(opened).items() if isinstance(v, ShardedObject))
 
+    structure = functools.cache(other_values)  # read, never changed: where the arrays go
+
     return ExportSource(
         dict(sorted(specs.items())),
         lambda keys, memory_bytes: read_tensors(opened, keys, memory_bytes), other_values,
-        lambda key: saved_paths.get(key) or tuple(key.split("/")), objects,
+        lambda key: saved_paths.get(key) or place_of_key(key, structure()), objects,
     )
 
 

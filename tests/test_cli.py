@@ -315,6 +315,31 @@ def test_a_refused_pickle_says_what_to_do_in_python_since_the_command_runs_no_co
     assert err.rstrip().endswith("the shardstore command runs no code from a file."), err
 
 
+@pytest.fixture
+def dcp_with_a_dtype_shardstore_lacks(tmp_path: Path) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"fnuz": torch.randn(4).to(torch.float8_e4m3fnuz), "ok": torch.ones(2)}, checkpoint_id=tmp_path / "dcp")
+    return tmp_path / "dcp"
+
+
+@pytest.mark.parametrize("command", ["inspect", "diff", "convert"])
+def test_a_dcp_tensor_of_a_dtype_shardstore_lacks_is_an_error_naming_it(
+    dcp_with_a_dtype_shardstore_lacks: Path, tmp_path: Path, command: str
+) -> None:
+    """An error naming the checkpoint and the tensor, and the way out (a torch.save
+    file holds it). Before, ``from_torch``'s TypeError was a traceback and exit status
+    1, a "finding", naming neither."""
+    source = str(dcp_with_a_dtype_shardstore_lacks)
+    args = {"inspect": [source], "diff": [source, source], "convert": [source, str(tmp_path / "out")]}[command]
+    code, _, err = run(command, *args)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{source}: tensor 'fnuz' is torch.float8_e4m3fnuz" in err and f"convert {source} model.pt" in err, err
+    assert not (tmp_path / "out").exists()
+    assert run("convert", source, str(tmp_path / "model.pt"))[0] == 0  # the way out
+
+
 # ------------------------------------------------------------------ issue 41.7e: --json failures, closed output
 
 

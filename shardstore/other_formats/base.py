@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.dtypes import ShapedTensorSize
+from shardstore.format.dtypes import DType, ShapedTensorSize, UnsupportedDTypeError, from_torch
 from shardstore.format.pickles import deserialize_dict, load_torch
 from shardstore.format.records import COMMON_FILE
 from shardstore.mapping import ShardedObject, StateDict
@@ -110,6 +110,19 @@ class OtherCheckpoint(ABC):
         """A ShardedObject shard's value, as the tool's own load returns it (a reader
         whose tool wraps it, as Megatron's torch_dist does, unwraps it)."""
         return self.read_item(unique_key)
+
+    def stored_dtype(self, key: str) -> DType:
+        """The data type shardstore stores the tensor ``key`` as. Raises a
+        CheckpointingException naming the checkpoint and the tensor where shardstore
+        has none for its dtype (``float8_e4m3fnuz``): a ``torch.save`` file holds it."""
+        dtype = self.tensors[key].dtype
+        try:
+            return from_torch(dtype)
+        except UnsupportedDTypeError as exc:
+            raise CheckpointingException(
+                f"{self.path}: tensor {key!r} is {dtype}, a dtype shardstore does not store; convert the "
+                f"checkpoint to a torch.save file instead (`shardstore convert {self.path} model.pt`), which holds it"
+            ) from exc
 
     def read_tensor(self, key: str) -> torch.Tensor:
         """The whole global tensor ``key``."""

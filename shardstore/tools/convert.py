@@ -447,7 +447,10 @@ def from_other_format(
 
     source = open_other_format(path)
     object_keys = list(OtherFormatLoadCommonStrategy().load_sharded_metadata(source.path))
-    planned = {key: torch.empty(t.shape, dtype=t.dtype, device="meta") for key, t in source.tensors.items()}
+    planned = {
+        key: torch.empty(t.shape, dtype=source.stored_dtype(key).torch_dtype, device="meta")
+        for key, t in source.tensors.items()
+    }
     with CheckpointWriter(checkpoint, overwrite, planned_arrays=planned, planned_objects=object_keys) as writer:
         for key, tensor in source.iter_tensors():
             writer.write_array(key, tensor)

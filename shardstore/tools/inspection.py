@@ -26,7 +26,6 @@ import torch
 
 from shardstore.format import (
     BY_TORCH,
-    from_torch,
     from_zarr_name,
     is_exact_conversion,
     tensor_to_numpy,
@@ -110,7 +109,7 @@ def describe_other_format(checkpoint: str | os.PathLike | Location) -> Checkpoin
     holds, read as ``load`` reads it (no code from it runs)."""
     source = open_other_format(checkpoint)
     arrays = tuple(
-        ArraySummary(key, t.shape, from_torch(t.dtype).zarr_name, t.chunk_shape, t.chunk_count, t.nbytes)
+        ArraySummary(key, t.shape, source.stored_dtype(key).zarr_name, t.chunk_shape, t.chunk_count, t.nbytes)
         for key, t in sorted(source.tensors.items())
     )
     parts = _NonArrayParts.of(source.path)

@@ -93,6 +93,19 @@ def test_verify_refuses_what_is_not_a_committed_checkpoint(tmp_path: Path, case:
     assert expected in err and err.startswith("shardstore: error:")
 
 
+@pytest.mark.parametrize("removed", [["zarr.json"], ["zarr.json", "common.pt"]])
+def test_verify_of_an_unfinished_save_says_it_is_incomplete(tmp_path: Path, removed: list[str]) -> None:
+    """A save that stopped before its commit record (written last) has a ``zarr.json``
+    in each array directory. Before, verify took each array directory for a checkpoint
+    under a root and reported damage (exit 1), where inspect, convert and diff say
+    "incomplete" (exit 2)."""
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0)), "it": 1}, tmp_path / "ckpt")
+    for name in removed:
+        os.remove(tmp_path / "ckpt" / name)
+    code, out, err = run("verify", str(tmp_path / "ckpt"))
+    assert (code, out) == (2, "") and "is incomplete" in err, err
+
+
 def test_convert_to_torch_file_and_back_is_exact(demo: Path, tmp_path: Path) -> None:
     code, _, _ = run("convert", str(demo), str(tmp_path / "model.pt"))
     assert code == 0

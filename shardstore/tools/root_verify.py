@@ -15,11 +15,19 @@ __all__ = [
     "RootVerifyReport", "SharedDamage", "checkpoints_under", "verify_checkpoints", "verify_root",
 ]
 
+import json
 import os
 import re
 from dataclasses import dataclass, field
 
-from shardstore.format import COMMIT_RECORD, Problem, VerifyReport, verify
+from shardstore.format import (
+    COMMIT_RECORD,
+    COMMON_FILE,
+    MAX_RECORD_BYTES,
+    Problem,
+    VerifyReport,
+    verify,
+)
 from shardstore.opened import bare_location
 from shardstore.stores import Location
 
@@ -73,13 +81,40 @@ class RootVerifyReport:
 
 def checkpoints_under(root: Location) -> dict[str, Location]:
     """The entries directly under ``root`` that hold a commit record, by name (a damaged
-    record counts: its verify says what is wrong)."""
+    record counts: its verify says what is wrong). None under a root that holds a
+    save's own files (``common.pt``): it is one checkpoint, unfinished, whose array
+    directories each hold a ``zarr.json`` that is no commit record."""
+    if root.exists(COMMON_FILE):
+        return {}
     found = {}
     for name in root.list_top(limit=None):
         child = root.child(name)
-        if child.exists(COMMIT_RECORD):
+        if _holds_commit_record(child):
             found[name] = child
     return found
+
+
+def _holds_commit_record(location: Location) -> bool:
+    """Whether ``location``'s ``zarr.json`` is a commit record, a damaged one included
+    (not a JSON object, or unreadable: its verify says why); not the metadata of another
+    Zarr node: an array's (an unfinished save holds one per array) or a group's without
+    ``attributes.shardstore``."""
+    if not location.exists(COMMIT_RECORD):
+        return False
+    try:
+        data = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_RECORD_BYTES)
+    except OSError:  # unreadable, or larger than any record: verify names the problem
+        return True
+    if data is None:  # removed since
+        return False
+    try:
+        node = json.loads(data)
+    except ValueError:  # damaged
+        return True
+    if not isinstance(node, dict):
+        return True
+    attributes = node.get("attributes")
+    return isinstance(attributes, dict) and "shardstore" in attributes
 
 
 def verify_root(root: str | os.PathLike | Location, progress: bool = False) -> RootVerifyReport:

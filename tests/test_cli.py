@@ -214,6 +214,15 @@ def test_sizes(text: str, expected: int) -> None:
     assert parse_size(text) == expected
 
 
+@pytest.mark.parametrize("size", ["1ib", "2i", "3bb", "GB", "4 KiBs"])
+def test_a_malformed_size_is_a_usage_error(demo: Path, tmp_path: Path, size: str) -> None:
+    """Before, the size pattern admitted ``i`` without a unit letter ("1ib", "2i"),
+    and looking up its unit was a KeyError: a traceback."""
+    code, _, err = run("convert", str(demo), str(tmp_path / "out"), "--to", "safetensors", "--max-shard-size", size)
+    assert code == 2 and f"{size!r} is not a size" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_console_script_is_installed(demo: Path) -> None:
     script = Path(sys.executable).with_name("shardstore")
     result = subprocess.run([str(script), "inspect", str(demo)], capture_output=True, text=True, timeout=120)

@@ -40,8 +40,8 @@ from shardstore.progress import format_bytes, progress_shown
 EXIT_FINDING = 1
 EXIT_ERROR = 2
 EXIT_CLOSED_OUTPUT = 128 + signal.SIGPIPE
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)  # "i" only after a unit letter
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
@@ -50,7 +50,7 @@ def parse_size(text: str) -> int:
     match = _SIZE.match(text)
     if not match:
         raise click.BadParameter(f"{text!r} is not a size (e.g. 5GB, 1GiB, 4096)")
-    unit = (match.group(2) or "").lower().removesuffix("b")
+    unit = (match.group(2) or "").lower()
     return int(float(match.group(1)) * _UNITS[unit])
 
 

@@ -192,6 +192,22 @@ def test_a_strided_1d_tensor_of_the_common_state_becomes_safetensors(tmp_path: P
     assert_bits_equal(back["ema"], torch.arange(10.0)[::2].contiguous(), "ema")
 
 
+@pytest.mark.parametrize("source", ["torch", "common"])
+def test_a_tensor_named_metadata_is_refused_not_written_as_an_unreadable_file(tmp_path: Path, source: str) -> None:
+    """A tensor named ``__metadata__`` (a torch file's key, a common-state key) would
+    take the header's metadata entry. Before, the file was written and the command
+    succeeded, but every reader (the safetensors library's, shardstore's) refused it."""
+    if source == "torch":
+        torch.save({"__metadata__": torch.ones(2), "w": torch.zeros(2)}, tmp_path / "model.pt")
+        src = tmp_path / "model.pt"
+    else:
+        src = tmp_path / "ckpt"
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2)), "__metadata__": torch.ones(2)}, src)
+    code, _, err = run("convert", str(src), str(tmp_path / "st"), "--to", "safetensors")
+    assert code == 2 and "a tensor is named '__metadata__'" in err and "convert to a torch.save file" in err, err
+    assert not (tmp_path / "st").exists()
+
+
 # ------------------------------------------------------------------ destinations
 
 

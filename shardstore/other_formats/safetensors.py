@@ -70,6 +70,7 @@ _SAFETENSORS_DTYPES = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+_METADATA_KEY = "__metadata__"  # the header's entry for the file's metadata, never a tensor's
 
 
 def write_safetensors(
@@ -85,9 +86,17 @@ def write_safetensors(
     The data are laid out as the library lays them out: by item size, largest first,
     then by name, so that every tensor starts at a multiple of its item size and a
     memory-mapped reader can view it in place; the header is padded with spaces to 8
-    bytes, as the format allows."""
+    bytes, as the format allows.
+
+    A tensor named ``__metadata__`` (the header's entry for the metadata) is refused
+    before anything is written: no reader could read the file."""
+    if _METADATA_KEY in specs:
+        raise CheckpointingException(
+            f"Cannot write {where} as safetensors: a tensor is named {_METADATA_KEY!r}, the name safetensors keeps "
+            "for a file's metadata; rename that tensor, or convert to a torch.save file, which holds it"
+        )
     order = sorted(specs, key=lambda key: (-specs[key].itemsize, key))
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    header: dict[str, Any] = {_METADATA_KEY: metadata} if metadata else {}
     offset = 0
     for key in order:
         spec = specs[key]
@@ -170,13 +179,13 @@ def safetensors_entries(header: Any, data_bytes: int) -> list[tuple[str, TensorS
     """
     if not isinstance(header, dict):
         raise ValueError("its header is not a JSON object")
-    metadata = header.get("__metadata__")
+    metadata = header.get(_METADATA_KEY)
     if metadata is not None and not (
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
     ):
         raise ValueError("its __metadata__ is not an object of strings")
     entries = sorted(
-        (_safetensors_entry(name, info) for name, info in header.items() if name != "__metadata__"),
+        (_safetensors_entry(name, info) for name, info in header.items() if name != _METADATA_KEY),
         key=lambda entry: (entry[2], entry[3]),
     )
     end = 0

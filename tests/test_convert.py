@@ -230,6 +230,17 @@ def test_a_destination_named_for_another_format_is_refused(
     assert _entries(tmp_path) == before
 
 
+@pytest.mark.parametrize(("destination", "to"), [("inside.pt", None), ("hf", "safetensors"), (".", "safetensors"),
+                                                  ("sub/ckpt", "shardstore")])
+def test_a_destination_inside_the_source_checkpoint_is_refused(tmp_path: Path, destination: str, to: str | None) -> None:
+    """Before, ``convert CKPT CKPT/inside.pt`` wrote the file into the checkpoint."""
+    source = _checkpoint(tmp_path / "ckpt")
+    before = _entries(source)
+    code, _, err = run("convert", str(source), str(source / destination), *(["--to", to] if to else []))
+    assert code == 2 and "is inside the source" in err and err.count("\n") == 1, err
+    assert _entries(source) == before
+
+
 def test_outputs_get_the_modes_open_and_mkdir_give(tmp_path: Path) -> None:
     source = _checkpoint(tmp_path / "ckpt")
     previous = os.umask(0o027)

@@ -17,6 +17,7 @@ from shardstore import (
     load_tensors_metadata,
     remove_sharded_tensors,
     save,
+    verify,
 )
 from shardstore.core import check_is_distributed_checkpoint
 
@@ -218,6 +219,22 @@ def test_remove_sharded_tensors_updates_the_commit_record(ckpt_dir: Path) -> Non
     assert not (ckpt_dir / "enc/w").exists()
     loaded = load({"x": ShardedTensor.from_rank_offsets("x", torch.empty(2, 2, 2, dtype=torch.int8))}, ckpt_dir)
     assert torch.equal(loaded["x"], torch.zeros(2, 2, 2, dtype=torch.int8))
+
+
+def test_remove_sharded_tensors_never_deletes_another_checkpoints_array_through_a_link(tmp_path: Path) -> None:
+    """A checkpoint whose array directory ``enc`` was replaced by a link into an earlier
+    checkpoint (by hand, to share unchanged arrays): loads and verify refuse to follow the
+    link, and ``remove_sharded_tensors(ckpt, "enc/w")`` deleted the earlier checkpoint's
+    array through it. It is refused now, naming the link."""
+    earlier, ckpt = tmp_path / "earlier", tmp_path / "ckpt"
+    for where in (earlier, ckpt):
+        save({"w": ShardedTensor.from_rank_offsets("enc/w", torch.ones(4, 3)),
+              "x": ShardedTensor.from_rank_offsets("x", torch.ones(2))}, where)
+    shutil.rmtree(ckpt / "enc")
+    (ckpt / "enc").symlink_to(earlier / "enc")
+    with pytest.raises(CheckpointingException, match="symbolic link"):
+        remove_sharded_tensors(ckpt, "enc/w")
+    assert verify(earlier).ok, str(verify(earlier))
 
 
 def test_missing_chunk_is_an_error_not_zeros(ckpt_dir: Path) -> None:

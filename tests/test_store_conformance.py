@@ -105,3 +105,25 @@ def test_a_local_atomic_put_that_fails_midway_leaves_the_old_content(tmp_path, m
     monkeypatch.undo()
     assert store.get(COMMIT_RECORD) == b"old record"
     assert store.list() == [COMMIT_RECORD]  # the half-written temporary file is gone
+
+
+def test_local_removals_never_go_through_a_linked_directory(tmp_path: Path) -> None:
+    """``delete_prefix("a/w")`` with ``a`` a link to another directory ran
+    ``shutil.rmtree(root/a/w)``, which refuses a link only as its last component: the
+    other directory's ``w`` went, and ``delete("a/keep")`` unlinked through it too. Both
+    are refused now, and so is a path that is itself a link."""
+    other = tmp_path / "other"
+    (other / "w").mkdir(parents=True)
+    (other / "w" / "c.0.0").write_bytes(b"precious")
+    (other / "keep").write_bytes(b"precious")
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    os.symlink(other, root / "a")
+    store = LocalStore(root, fsync=False)
+    for remove, key in [(store.delete_prefix, "a/w"), (store.delete, "a/keep"), (store.delete_prefix, "a"),
+                        (store.delete, "a")]:
+        with pytest.raises(StorageError, match="symbolic link"):
+            remove(key)
+    assert (other / "w" / "c.0.0").read_bytes() == b"precious"
+    assert (other / "keep").read_bytes() == b"precious"
+    assert (root / "a").is_symlink()

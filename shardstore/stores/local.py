@@ -13,7 +13,8 @@ leaves the old content.
 
 Reads trust nothing: ``open_regular_file`` refuses symbolic links, directories that
 resolve outside the checkpoint, and anything but a regular file, and records are read
-through a size bound. Chunks bypass ``get``/``put``: ``chunk_access`` hands
+through a size bound. Removals (``delete``, ``delete_prefix``) likewise never go through
+a symbolic link. Chunks bypass ``get``/``put``: ``chunk_access`` hands
 ``format.chunks`` the directory, which it reads and writes in place.
 
 Publishing (``stores.base.DirectoryPublishing``): renames, atomic exchanges
@@ -352,10 +353,13 @@ class LocalStore(DirectoryPublishing):
     # ------------------------------------------------------------------ removal, durability
 
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        """Removes the file ``key``, never through a symbolic link (``_removable``)."""
+        self._removable(key).unlink(missing_ok=True)
 
     def delete_prefix(self, prefix: str = "") -> None:
-        path = self._path(prefix)
+        """Removes ``prefix`` (a directory with all below it, or a file), never through a
+        symbolic link (``_removable``); links below it are removed, never followed."""
+        path = self._removable(prefix)
         if prefix == "":
             # Keep the directory itself: the caller may hold it open or own its permissions.
             for child in path.iterdir() if path.exists() else ():
@@ -367,6 +371,25 @@ class LocalStore(DirectoryPublishing):
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
+
+    def _removable(self, key: str) -> Path:
+        """The path of ``key``, once checked safe to remove: every directory on the way
+        resolves inside the root (``check_inside``: a link there would lead the removal
+        into another checkpoint) and ``key`` itself is no symbolic link, which shardstore
+        never writes (the root itself, ``""``, may be one: the caller named it).
+
+        Raises:
+            StorageError: naming the path, either way."""
+        path = self._path(key)
+        if not key:
+            return path
+        check_inside(self.root, path.parent, action="delete through it")
+        if path.is_symlink():
+            raise StorageError(
+                f"{path} is a symbolic link, which shardstore never writes; refusing to delete through it. "
+                "Remove the link yourself if it is not needed"
+            )
+        return path
 
     def prepare(self) -> None:
         try:
@@ -605,13 +628,13 @@ def _clone(source: str, target: str) -> bool:
         os.close(fd_in)
 
 
-def check_inside(root: Path, directory: Path, real_root: str | None = None) -> None:
+def check_inside(root: Path, directory: Path, real_root: str | None = None, action: str = "read it") -> None:
     """Raises StorageError if ``directory`` resolves outside ``root`` (a symbolic link
-    on the way would lead a read into another checkpoint). ``real_root``: ``root``
-    resolved already."""
+    on the way would lead a read, or a removal, into another checkpoint). ``real_root``:
+    ``root`` resolved already; ``action``: what is refused, for the message."""
     real_root, real = real_root or os.path.realpath(root), os.path.realpath(directory)
     if real != real_root and not real.startswith(real_root + os.sep):
-        raise StorageError(f"{directory} leads outside {root} (to {real}): a symbolic link; refusing to read it")
+        raise StorageError(f"{directory} leads outside {root} (to {real}): a symbolic link; refusing to {action}")
 
 
 class DirectoryGuard:

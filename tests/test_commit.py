@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,10 @@ from shardstore import (
     verify,
 )
 from shardstore.core import check_is_distributed_checkpoint
+from shardstore.format.records import DELETION_MARKER, SAVE_MARKER, read_commit_record
+from shardstore.stores.base import StorageError
+from shardstore.stores.local import LocalStore
+from shardstore.stores.locations import open_location
 
 
 def _save_small(ckpt: Path) -> None:
@@ -70,6 +75,76 @@ def test_leftovers_of_an_interrupted_save_are_cleared(ckpt_dir: Path) -> None:
     save({"y": ShardedTensor.from_rank_offsets("y", torch.ones(1))}, ckpt_dir, overwrite=True)
     assert set(load_tensors_metadata(ckpt_dir)) == {"y"}
     assert not dead.exists()
+
+
+def _leave_own_marker(where: Path | str, name: str = SAVE_MARKER, save_id: str | None = None) -> None:
+    """What a crash right after the publishing rename (before the marker's removal), or
+    after the in-place commit record's PUT (before the marker's DELETE), leaves: a
+    committed checkpoint that still holds a marker, naming its own save by default."""
+    location = open_location(where)
+    save_id = save_id or read_commit_record(location).save_id
+    location.write_bytes(name, json.dumps({"step": 1, "save_id": save_id}).encode())
+
+
+def test_own_marker_left_in_a_committed_local_checkpoint_does_not_block_overwrite(ckpt_dir: Path) -> None:
+    """The save's own marker, left in the checkpoint it committed, was counted as a file
+    its save did not write: every overwrite was refused ("holds files its save did not
+    write"), though the marker names the record's own save id."""
+    _save_small(ckpt_dir)
+    _leave_own_marker(ckpt_dir)
+    save({"y": ShardedTensor.from_rank_offsets("y", torch.ones(1))}, ckpt_dir, overwrite=True)
+    assert set(load_sharded_metadata(ckpt_dir)) == {"y"}
+    assert not (ckpt_dir / SAVE_MARKER).exists()
+
+
+def test_own_marker_left_in_a_committed_in_place_checkpoint_does_not_block_overwrite() -> None:
+    """As on disk, in place (``memory://``, as on S3): the overwrite was refused."""
+    url = "memory://commit-own-marker/ckpt"
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 1.0))}, url)
+    _leave_own_marker(url)
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 2.0))}, url, overwrite=True)
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}, url)
+    assert torch.equal(loaded["w"], torch.full((4, 3), 2.0))
+    assert not open_location(url).exists(SAVE_MARKER)
+
+
+def test_a_deletion_marker_naming_the_checkpoints_save_does_not_block_overwrite(ckpt_dir: Path) -> None:
+    """The manager's deletion marker, left where a deletion stopped before the commit
+    record went, names the checkpoint's save: it is not another program's file."""
+    _save_small(ckpt_dir)
+    _leave_own_marker(ckpt_dir, DELETION_MARKER)
+    assert verify(ckpt_dir).ok, str(verify(ckpt_dir))
+    save({"y": ShardedTensor.from_rank_offsets("y", torch.ones(1))}, ckpt_dir, overwrite=True)
+    assert set(load_sharded_metadata(ckpt_dir)) == {"y"}
+
+
+@pytest.mark.parametrize("name", [SAVE_MARKER, DELETION_MARKER])
+def test_a_marker_naming_another_save_still_blocks_overwrite(ckpt_dir: Path, name: str) -> None:
+    """Only what a marker holds proves it ours: one naming another save is kept, and
+    replacing the checkpoint would delete it."""
+    _save_small(ckpt_dir)
+    _leave_own_marker(ckpt_dir, name, save_id="0123abcd" * 4)
+    assert [p.key for p in verify(ckpt_dir).problems] == [name]
+    with pytest.raises(CheckpointingException, match="holds files its save did not write"):
+        save({"y": ShardedTensor.from_rank_offsets("y", torch.ones(1))}, ckpt_dir, overwrite=True)
+    assert (ckpt_dir / name).exists()
+
+
+def test_a_failed_marker_removal_after_the_commit_is_logged_not_raised(ckpt_dir: Path, monkeypatch, caplog) -> None:
+    """The save is committed once published: a failed removal of its marker raised,
+    reporting a committed save as failed."""
+    real_delete = LocalStore.delete
+
+    def delete(self: LocalStore, key: str) -> None:
+        if key == SAVE_MARKER:
+            raise StorageError(f"Cannot delete {key} (injected)")
+        real_delete(self, key)
+
+    monkeypatch.setattr(LocalStore, "delete", delete)
+    _save_small(ckpt_dir)
+    monkeypatch.undo()
+    assert "could not remove its save marker" in caplog.text
+    assert verify(ckpt_dir).ok, str(verify(ckpt_dir))
 
 
 def test_a_directory_without_commit_record_is_never_deleted(ckpt_dir: Path) -> None:

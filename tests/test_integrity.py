@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, save, verify
-from shardstore.format.records import read_commit_record
+from shardstore.format.records import SAVE_MARKER, read_commit_record
 from shardstore.stores.locations import open_location
 
 
@@ -68,6 +68,17 @@ def test_damage_is_reported_and_refused(ckpt_dir: Path, name: str) -> None:
         assert problem.key == "enc/w"
     with pytest.raises(CheckpointingException, match=named.replace(".", r"\.")):
         load(_state(empty=True), ckpt_dir)
+
+
+def test_own_marker_left_in_a_committed_checkpoint_is_no_verify_problem(ckpt_dir: Path) -> None:
+    """A crash between the publishing and the removal of the save's marker left it in
+    the committed checkpoint, which verify reported as a file its save did not write,
+    though it names the record's own save."""
+    save(_state(), ckpt_dir)
+    location = open_location(ckpt_dir)
+    location.write_bytes(SAVE_MARKER, json.dumps({"save_id": read_commit_record(location).save_id}).encode())
+    report = verify(ckpt_dir)
+    assert report.ok and not report.unlisted, str(report)
 
 
 def test_verify_of_an_incomplete_checkpoint_reports_it(ckpt_dir: Path) -> None:

@@ -68,8 +68,10 @@ from shardstore.format.records import (
     ArrayRecord,
     CommitRecord,
     ZarrMetadata,
+    marker_save_id,
     other_checkpoint_files,
     other_checkpoint_kind,
+    own_markers,
     write_commit_record,
 )
 from shardstore.format.reuse import ChunkReuse, reuse_save_id
@@ -221,14 +223,8 @@ def _refuse_foreign(target: Location) -> None:
 
 
 def _marker_id(location: Location) -> str | None:
-    data = location.read_bytes_or_none(SAVE_MARKER, max_bytes=4096)
-    if data is None:
-        return None
-    try:
-        value = json.loads(data).get("save_id")
-    except (ValueError, AttributeError):
-        return None
-    return value if isinstance(value, str) else None
+    """The save id in the save marker at ``location`` (``records.marker_save_id``)."""
+    return marker_save_id(location, SAVE_MARKER)
 
 
 def _write_marker(location: Location, save_id: str) -> None:
@@ -294,7 +290,8 @@ def _check_target(target: Location, overwrite: bool, shared_directory: bool = Fa
             f"{target.describe()} already holds a committed checkpoint; pass overwrite=True to replace it "
             "(the old one stays loadable until the new one commits), or save to a new directory"
         )
-    others = record.unlisted(target.list_files())
+    found = target.list_files()
+    others = record.unlisted(found, own_markers(target, record, found))
     if others:
         raise CheckpointingException(
             f"Refusing to replace the checkpoint at {target.describe()}: it also holds files its save did not "
@@ -474,6 +471,20 @@ def _remove_dir(directory: DirectoryPublishing | None) -> None:
         logger.warning("Could not remove %s (the next save into the same place will): %s", directory.describe(), exc)
 
 
+def _remove_own_marker(save: PendingCheckpoint) -> None:
+    """Removes the save's marker from the checkpoint it just committed; a failure is
+    logged, not raised: the save is committed, and a marker left there names the
+    record's save id, so neither ``verify`` nor the next save counts it as another
+    program's file (``records.own_markers``), and that save's replacement removes it."""
+    try:
+        save.target.remove(SAVE_MARKER)
+    except OSError as exc:
+        logger.warning(
+            "Committed %s, but could not remove its save marker %s (harmless: the next save into it removes it): %s",
+            save.target.describe(), SAVE_MARKER, exc,
+        )
+
+
 # ------------------------------------------------------------------ publishers
 
 
@@ -606,7 +617,7 @@ class ByRename(Publisher):
                 target.rename_to(replaced, exchange=False)
                 staging.rename_to(target, exchange=False)
             target.fsync_parent()
-        save.target.remove(SAVE_MARKER)
+        _remove_own_marker(save)
         _remove_dir(replaced)
         return record
 
@@ -719,7 +730,7 @@ class InPlace(Publisher):
         if current is not None or _marker_id(save.target) != save.intent.save_id:
             raise _lost_race(save, current or f"in progress ({_marker_id(save.target)})")
         save.target.write_atomic(COMMIT_RECORD, record.to_json())
-        save.target.remove(SAVE_MARKER)
+        _remove_own_marker(save)
         return record
 
     def abandon(self, save: PendingCheckpoint) -> None:

@@ -51,6 +51,7 @@ from shardstore.format.records import (
     check_key,
     checksum,
     other_checkpoint_beside,
+    own_markers,
     read_commit_record,
     zero_fill_value,
 )
@@ -362,11 +363,12 @@ def _flag_unlisted_files(location: Location, record: CommitRecord, report: Verif
     are named as such: loads refuse the directory as ambiguous."""
     try:
         found = location.list_files()
+        own = own_markers(location, record, found)
     except OSError as exc:
         report.problems.append(Problem("", "listing", f"cannot list the checkpoint's files: {exc}"))
         return
     other = other_checkpoint_beside(location, record)
-    for rel in record.unlisted(found):
+    for rel in record.unlisted(found, own):
         if other is not None and rel.split("/", 1)[0] in other.names:
             report.unlisted.append(rel)
             report.problems.append(Problem(rel, "file", (

@@ -63,6 +63,7 @@ __all__ = [
     "MAX_CHUNK_BYTES",
     "MAX_ELEMENTS",
     "MAX_KEY_LENGTH",
+    "MAX_MARKER_BYTES",
     "MAX_NDIM",
     "MAX_RECORD_BYTES",
     "MAX_SEGMENT_LENGTH",
@@ -93,11 +94,13 @@ __all__ = [
     "format_version_for",
     "group_metadata",
     "is_committed",
+    "marker_save_id",
     "name_other_formats_with",
     "object_path",
     "other_checkpoint_beside",
     "other_checkpoint_files",
     "other_checkpoint_kind",
+    "own_markers",
     "parent_groups",
     "read_commit_record",
     "readers_note",
@@ -117,7 +120,7 @@ import re
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
@@ -188,6 +191,8 @@ SAVE_MARKER = ".shardstore-save.json"
 DELETION_MARKER = ".shardstore-deleting.json"
 STAGING_TAG = ".shardstore-save-"
 REPLACED_TAG = ".shardstore-replaced-"
+# The most bytes a marker holds (a few ids); a larger file of that name is not ours.
+MAX_MARKER_BYTES = 4096
 
 # Upper bounds that a record read back must respect (hostile-input guard).
 MAX_NDIM = 32
@@ -1060,14 +1065,15 @@ class CommitRecord:
             paths.update(f"{key}/{array.chunk_key(index)}" for index in array.chunk_indices())
         return paths
 
-    def unlisted(self, found: list[str]) -> list[str]:
+    def unlisted(self, found: list[str], own: Collection[str] = ()) -> list[str]:
         """The paths among ``found`` (every file under the checkpoint) that its save did
         not write, sorted: another program's, or added after the commit. Megatron-Core's
         own save writes ``metadata.json`` after the commit (it only names the backends),
-        so that one is expected. Before format 4 the record did not list what the caller
-        of an in-place save wrote: there, only files a loader or plain reader would pick
-        up are counted (``_reads_as_part``)."""
-        unlisted = set(found) - self.vouched_paths() - {CONFIG_FNAME}
+        so that one is expected; so are ``own``, the markers proven to name this
+        checkpoint's save (``own_markers``, which reads them). Before format 4 the record
+        did not list what the caller of an in-place save wrote: there, only files a
+        loader or plain reader would pick up are counted (``_reads_as_part``)."""
+        unlisted = set(found) - self.vouched_paths() - {CONFIG_FNAME, *own}
         if self.format_version < FIRST_SEALED_VERSION:
             unlisted = {rel for rel in unlisted if self._reads_as_part(rel)}
         return sorted(unlisted)
@@ -1328,6 +1334,41 @@ def checksum(data: bytes) -> str:
 def object_path(shard_key: str) -> str:
     """Relative path of a ShardedObject shard's file."""
     return f"{OBJECTS_DIR}/{shard_key}.pt"
+
+
+def marker_save_id(location: Location, name: str = SAVE_MARKER) -> str | None:
+    """The save id the marker ``name`` (``SAVE_MARKER`` or ``DELETION_MARKER``) at the
+    top of ``location`` holds; None where there is none, or a file of that name that is
+    no marker of ours (not a JSON object with a string ``save_id``).
+
+    Raises:
+        StorageError: it cannot be read, or holds more than ``MAX_MARKER_BYTES``."""
+    data = location.read_bytes_or_none(name, max_bytes=MAX_MARKER_BYTES)
+    if data is None:
+        return None
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return None
+    save_id = value.get("save_id") if isinstance(value, dict) else None
+    return save_id if isinstance(save_id, str) else None
+
+
+def own_markers(location: Location, record: CommitRecord, found: Collection[str]) -> frozenset[str]:
+    """The markers among ``found`` (listed at ``location``, a committed checkpoint) that
+    name its own save, ``record.save_id``: proven by what each holds, never by its name.
+    Its save's marker, left by a crash between the publishing and the marker's removal;
+    the manager's deletion marker, left where a deletion stopped before the record went.
+    A marker naming another save is not among them (``CommitRecord.unlisted`` counts it).
+
+    Raises:
+        StorageError: a marker cannot be read."""
+    if not record.save_id:
+        return frozenset()
+    return frozenset(
+        name for name in (SAVE_MARKER, DELETION_MARKER)
+        if name in found and marker_save_id(location, name) == record.save_id
+    )
 
 
 def is_committed(location: Location) -> bool:

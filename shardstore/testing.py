@@ -257,6 +257,14 @@ class StoreTests:
         store.delete_prefix("never/there")
         assert store.list() == ["a.json", "ab/x", "b"]
 
+    def test_delete_prefix_leaves_the_names_it_is_told_to_keep(self, store: Store) -> None:
+        _fill(store)
+        store.delete_prefix("", keep=["a.json"])
+        assert store.list() == ["a.json"]
+        _fill(store)
+        store.delete_prefix("a", keep=["x"])
+        assert store.list() == ["a.json", "a/x", "ab/x", "b"]
+
     def test_delete_prefix_of_the_root_empties_the_store(self, store: Store) -> None:
         _fill(store)
         store.delete_prefix("")

@@ -21,10 +21,16 @@ from shardstore import (
     verify,
 )
 from shardstore.core import check_is_distributed_checkpoint
-from shardstore.format.records import DELETION_MARKER, SAVE_MARKER, read_commit_record
+from shardstore.format.records import (
+    COMMIT_RECORD,
+    DELETION_MARKER,
+    SAVE_MARKER,
+    read_commit_record,
+)
 from shardstore.stores.base import StorageError
 from shardstore.stores.local import LocalStore
 from shardstore.stores.locations import open_location
+from shardstore.stores.memory import MemoryStore
 
 
 def _save_small(ckpt: Path) -> None:
@@ -106,6 +112,54 @@ def test_own_marker_left_in_a_committed_in_place_checkpoint_does_not_block_overw
     loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}, url)
     assert torch.equal(loaded["w"], torch.full((4, 3), 2.0))
     assert not open_location(url).exists(SAVE_MARKER)
+
+
+def test_in_place_overwrite_interrupted_while_deleting_the_old_checkpoint_is_recoverable(monkeypatch) -> None:
+    """``InPlace.begin`` deleted the old commit record, then everything else, and only
+    then wrote its marker. A failure in between (S3 DeleteObjects errors after retries,
+    Ctrl-C, a kill) left objects with neither commit record nor marker, which every later
+    save refused as "not a checkpoint". The marker now goes first and the deletions
+    leave it in place, so the next save removes what is left."""
+    url = "memory://commit-interrupted-delete/ckpt"
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 1.0))}, url)
+    real_delete_prefix = MemoryStore.delete_prefix
+
+    def fail_after_a_few(self: MemoryStore, prefix: str = "", keep=()) -> None:
+        keys = [key for key in self.list(prefix) if key not in keep]
+        self.delete(keys[0])  # a first batch went, then the service failed
+        raise StorageError("DeleteObjects: InternalError (injected, after retries)")
+
+    monkeypatch.setattr(MemoryStore, "delete_prefix", fail_after_a_few)
+    with pytest.raises(StorageError, match="injected"):
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 2.0))}, url, overwrite=True)
+    monkeypatch.setattr(MemoryStore, "delete_prefix", real_delete_prefix)
+    assert open_location(url).exists(SAVE_MARKER), "what the interrupted save left is marked"
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 3.0))}, url, overwrite=True)
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}, url)
+    assert torch.equal(loaded["w"], torch.full((4, 3), 3.0))
+
+
+def test_in_place_overwrite_interrupted_before_the_old_record_went_keeps_it_and_recovers(monkeypatch) -> None:
+    """Interrupted after its marker, before the old record's DELETE: the old checkpoint
+    still loads, and its marker (naming the checkpoint it replaces) does not block the
+    next overwrite."""
+    url = "memory://commit-interrupted-record/ckpt"
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 1.0))}, url)
+    real_delete = MemoryStore.delete
+
+    def delete(self: MemoryStore, key: str) -> None:
+        if key == COMMIT_RECORD:
+            raise StorageError("DeleteObject: InternalError (injected)")
+        real_delete(self, key)
+
+    monkeypatch.setattr(MemoryStore, "delete", delete)
+    with pytest.raises(StorageError, match="injected"):
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 2.0))}, url, overwrite=True)
+    monkeypatch.undo()
+    assert verify(url).ok, str(verify(url))
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 3.0))}, url, overwrite=True)
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}, url)
+    assert torch.equal(loaded["w"], torch.full((4, 3), 3.0))
 
 
 def test_a_deletion_marker_naming_the_checkpoints_save_does_not_block_overwrite(ckpt_dir: Path) -> None:

@@ -318,11 +318,11 @@ def _crash_in_remove_tree(monkeypatch, after: int) -> None:
     calls = []
     real = LocalStore.delete_prefix
 
-    def remove_tree(self, rel: str = "") -> None:
+    def remove_tree(self, rel: str = "", keep=()) -> None:
         calls.append(rel)
         if len(calls) > after:
             raise _Crash(f"injected crash while removing {rel}")
-        real(self, rel)
+        real(self, rel, keep)
 
     monkeypatch.setattr(LocalStore, "delete_prefix", remove_tree)
 

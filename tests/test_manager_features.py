@@ -259,7 +259,7 @@ def test_delete_goes_marker_first_and_an_interrupted_one_is_finished_by_calling_
     manager = CheckpointManager(tmp_path, CheckpointManagerOptions(async_save=True))
     for step in (1, 2):
         manager.save(step, _state(step))  # 2 is in flight: delete waits for its commit
-    def crash(self, rel: str = "") -> None:
+    def crash(self, rel: str = "", keep=()) -> None:
         raise OSError(f"injected crash while removing {rel}")
 
     with monkeypatch.context() as patch:

@@ -155,12 +155,12 @@ class Faults:
     def install(self, patch: pytest.MonkeyPatch) -> None:
         remove_tree, remove = LocalStore.delete_prefix, LocalStore.delete
 
-        def crashing_remove_tree(location: LocalStore, rel: str = "") -> None:
+        def crashing_remove_tree(location: LocalStore, rel: str = "", keep=()) -> None:
             if self.crash is not None and not self.crash.at_record:
                 self.calls += 1
                 if self.calls > self.crash.after:
                     self._fire(rel)
-            remove_tree(location, rel)
+            remove_tree(location, rel, keep)
 
         def crashing_remove(location: LocalStore, rel: str) -> None:
             if self.crash is not None and self.crash.at_record and rel == COMMIT_RECORD:

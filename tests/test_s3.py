@@ -355,11 +355,11 @@ def test_checkpoint_manager_on_s3_never_loses_the_last_good_step(server: MotoSer
 
     real_remove_tree, calls = S3Store.delete_prefix, []
 
-    def crashing_remove_tree(self: S3Store, rel: str = "") -> None:
+    def crashing_remove_tree(self: S3Store, rel: str = "", keep=()) -> None:
         calls.append(rel)
         if rel and len(calls) > 1:  # the manager's deletion of step 1: one entry goes, then the crash
             raise OSError("injected failure")
-        real_remove_tree(self, rel)
+        real_remove_tree(self, rel, keep)
 
     with monkeypatch.context() as patch:
         patch.setattr(S3Store, "delete_prefix", crashing_remove_tree)

@@ -227,8 +227,12 @@ def _marker_id(location: Location) -> str | None:
     return marker_save_id(location, SAVE_MARKER)
 
 
-def _write_marker(location: Location, save_id: str) -> None:
-    location.write_bytes(SAVE_MARKER, json.dumps({"save_id": save_id}).encode())
+def _write_marker(location: Location, save_id: str, replaces: str | None = None) -> None:
+    """Writes the save marker naming ``save_id`` and, for an in-place save about to
+    remove the checkpoint it replaces, that checkpoint's save id (``replaces``), which
+    proves the marker ours beside that checkpoint's record (``records.own_markers``)."""
+    fields = {"save_id": save_id} if replaces is None else {"save_id": save_id, "replaces": replaces}
+    location.write_bytes(SAVE_MARKER, json.dumps(fields).encode())
 
 
 def _refuse_other_checkpoint(target: Location, overwrite: bool) -> None:
@@ -698,11 +702,13 @@ class InPlace(Publisher):
     """Written at the target itself, marker first, commit record last (one atomic PUT):
     object stores and any store that cannot rename a directory.
 
-    With ``overwrite=True`` the old commit record is deleted at the start, so from then
+    With ``overwrite=True`` the save writes its marker (naming the checkpoint it
+    replaces as well), then deletes the old commit record, then the rest, so from then
     until the new commit the prefix holds no loadable checkpoint (save each step to a
-    new prefix to avoid that window). The commit checks that the marker is still its own
-    and that no commit record appeared, then writes the commit record and removes the
-    marker. Two saves that run into one prefix at the same time may overwrite each
+    new prefix to avoid that window). Whatever an interrupted removal leaves is still
+    marked, and the next save removes it; a marker goes last whenever a save removes
+    objects. The commit checks that the marker is still its own and that no commit
+    record appeared, then writes the commit record and removes the marker. Two saves that run into one prefix at the same time may overwrite each
     other's chunks; the commit record binds every chunk's checksum, so a load then fails
     on the mismatch instead of returning a mix.
     """
@@ -711,14 +717,15 @@ class InPlace(Publisher):
         target.prepare()
         if not target.is_empty() and _marker_id(target) is not None and committed_save_id(target) is None:
             logger.warning("Removing the leftovers of an interrupted save at %s", target.describe())
-            target.remove_tree("")
+            _remove_marked(target)
         # Not beside other files, shared or not: an abandoned save in place could not tell its objects from theirs.
         replaces = _check_target(target, options.overwrite)
         source = options.reuse_from
         reuses = reuse_save_id(source, target, in_place=True) if source is not None else None
         if replaces is not None:
+            _write_marker(target, save_id, replaces)  # what an interrupted removal leaves stays marked
             target.remove(COMMIT_RECORD)  # the documented window on object stores starts here
-            target.remove_tree("")
+            target.remove_tree("", keep=(SAVE_MARKER,))
         return PendingCheckpoint(target, target, SaveIntent(save_id, replaces, reuses, options.zarr_metadata), self,
                                  options)
 
@@ -735,7 +742,15 @@ class InPlace(Publisher):
 
     def abandon(self, save: PendingCheckpoint) -> None:
         if _marker_id(save.target) == save.intent.save_id and committed_save_id(save.target) is None:
-            save.target.remove_tree("")
+            _remove_marked(save.target)
+
+
+def _remove_marked(target: Location) -> None:
+    """Removes a save's objects in place, its marker last: an interruption at any point
+    leaves what is left still marked (the next save removes it), never objects that no
+    later save can prove ours."""
+    target.remove_tree("", keep=(SAVE_MARKER,))
+    target.remove(SAVE_MARKER)
 
 
 class IntoCallersDirectory(Publisher):

@@ -1336,10 +1336,12 @@ def object_path(shard_key: str) -> str:
     return f"{OBJECTS_DIR}/{shard_key}.pt"
 
 
-def marker_save_id(location: Location, name: str = SAVE_MARKER) -> str | None:
+def marker_save_id(location: Location, name: str = SAVE_MARKER, field_name: str = "save_id") -> str | None:
     """The save id the marker ``name`` (``SAVE_MARKER`` or ``DELETION_MARKER``) at the
-    top of ``location`` holds; None where there is none, or a file of that name that is
-    no marker of ours (not a JSON object with a string ``save_id``).
+    top of ``location`` holds in ``field_name``: ``save_id``, the save that wrote it, or
+    (a save marker of an in-place save that replaces a checkpoint) ``replaces``, the save
+    id of that checkpoint. None where there is none, or a file of that name that is no
+    marker of ours (not a JSON object with a string there).
 
     Raises:
         StorageError: it cannot be read, or holds more than ``MAX_MARKER_BYTES``."""
@@ -1350,7 +1352,7 @@ def marker_save_id(location: Location, name: str = SAVE_MARKER) -> str | None:
         value = json.loads(data)
     except ValueError:
         return None
-    save_id = value.get("save_id") if isinstance(value, dict) else None
+    save_id = value.get(field_name) if isinstance(value, dict) else None
     return save_id if isinstance(save_id, str) else None
 
 
@@ -1358,17 +1360,23 @@ def own_markers(location: Location, record: CommitRecord, found: Collection[str]
     """The markers among ``found`` (listed at ``location``, a committed checkpoint) that
     name its own save, ``record.save_id``: proven by what each holds, never by its name.
     Its save's marker, left by a crash between the publishing and the marker's removal;
-    the manager's deletion marker, left where a deletion stopped before the record went.
-    A marker naming another save is not among them (``CommitRecord.unlisted`` counts it).
+    the marker of an in-place save that replaces it (``replaces``), written before the
+    old record goes and left by a crash before it went; the manager's deletion marker,
+    left where a deletion stopped before the record went. A marker naming another save
+    is not among them (``CommitRecord.unlisted`` counts it).
 
     Raises:
         StorageError: a marker cannot be read."""
     if not record.save_id:
         return frozenset()
-    return frozenset(
-        name for name in (SAVE_MARKER, DELETION_MARKER)
-        if name in found and marker_save_id(location, name) == record.save_id
-    )
+    own = set()
+    if SAVE_MARKER in found and record.save_id in (
+        marker_save_id(location, SAVE_MARKER), marker_save_id(location, SAVE_MARKER, "replaces")
+    ):
+        own.add(SAVE_MARKER)
+    if DELETION_MARKER in found and marker_save_id(location, DELETION_MARKER) == record.save_id:
+        own.add(DELETION_MARKER)
+    return frozenset(own)
 
 
 def is_committed(location: Location) -> bool:

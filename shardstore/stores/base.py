@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -174,9 +174,11 @@ class Store(ABC):
         """Removes one object if it exists."""
 
     @abstractmethod
-    def delete_prefix(self, prefix: str = "") -> None:
+    def delete_prefix(self, prefix: str = "", keep: Collection[str] = ()) -> None:
         """Removes every object under the directory ``prefix`` (the key itself when it
-        names an object; everything for ``""``) and nothing outside it."""
+        names an object; everything for ``""``) and nothing outside it. ``keep``: names
+        of objects directly under ``prefix`` left in place (an in-place save's marker,
+        removed last so that what an interrupted removal leaves is still marked)."""
 
     @abstractmethod
     def list(self, prefix: str = "") -> list[str]:
@@ -398,8 +400,10 @@ class Location:
     def remove(self, rel: str) -> None:
         self.store.delete(rel)
 
-    def remove_tree(self, rel: str = "") -> None:
-        self.store.delete_prefix(rel)
+    def remove_tree(self, rel: str = "", keep: Collection[str] = ()) -> None:
+        """Removes everything under ``rel`` but the objects ``keep`` names directly
+        under it (``Store.delete_prefix``)."""
+        self.store.delete_prefix(rel, keep)
 
     def prepare(self) -> None:
         self.store.prepare()

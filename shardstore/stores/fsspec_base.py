@@ -19,6 +19,7 @@ from __future__ import annotations
 __all__ = ["FsspecStore"]
 
 from abc import abstractmethod
+from collections.abc import Collection
 from typing import Any
 
 from shardstore.stores.base import CopiedObject, StorageError, Store, run_parallel
@@ -117,10 +118,12 @@ class FsspecStore(Store):
         except FileNotFoundError:
             pass
 
-    def delete_prefix(self, prefix: str = "") -> None:
-        """Deletes the exact keys ``list(prefix)`` names, and ``prefix`` itself where it
-        names an object (never ``fs.rm``, which would expand glob characters)."""
-        keys = self.list(prefix)
+    def delete_prefix(self, prefix: str = "", keep: Collection[str] = ()) -> None:
+        """Deletes the exact keys ``list(prefix)`` names but those ``keep`` names, and
+        ``prefix`` itself where it names an object (never ``fs.rm``, which would expand
+        glob characters)."""
+        kept = {f"{prefix}/{name}" if prefix else name for name in keep}
+        keys = [key for key in self.list(prefix) if key not in kept]
         if prefix:
             keys.append(prefix)
         self._delete_keys(keys)

@@ -36,7 +36,7 @@ import os
 import shutil
 import stat
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 
 from shardstore.stores.base import (
@@ -356,13 +356,16 @@ class LocalStore(DirectoryPublishing):
         """Removes the file ``key``, never through a symbolic link (``_removable``)."""
         self._removable(key).unlink(missing_ok=True)
 
-    def delete_prefix(self, prefix: str = "") -> None:
+    def delete_prefix(self, prefix: str = "", keep: Collection[str] = ()) -> None:
         """Removes ``prefix`` (a directory with all below it, or a file), never through a
-        symbolic link (``_removable``); links below it are removed, never followed."""
+        symbolic link (``_removable``); links below it are removed, never followed.
+        With ``keep``, the directory and the entries ``keep`` names stay."""
         path = self._removable(prefix)
-        if prefix == "":
+        if prefix == "" or keep:
             # Keep the directory itself: the caller may hold it open or own its permissions.
-            for child in path.iterdir() if path.exists() else ():
+            for child in path.iterdir() if path.is_dir() else ():
+                if child.name in keep:
+                    continue
                 if child.is_dir() and not child.is_symlink():
                     shutil.rmtree(child)
                 else:

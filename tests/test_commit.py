@@ -24,6 +24,7 @@ from shardstore.core import check_is_distributed_checkpoint
 from shardstore.format.records import (
     COMMIT_RECORD,
     DELETION_MARKER,
+    REPLACED_TAG,
     SAVE_MARKER,
     read_commit_record,
 )
@@ -199,6 +200,31 @@ def test_a_failed_marker_removal_after_the_commit_is_logged_not_raised(ckpt_dir:
     monkeypatch.undo()
     assert "could not remove its save marker" in caplog.text
     assert verify(ckpt_dir).ok, str(verify(ckpt_dir))
+
+
+def test_replaced_checkpoint_that_could_not_be_removed_is_removed_by_the_next_save(ckpt_dir: Path, monkeypatch) -> None:
+    """After RENAME_EXCHANGE the old checkpoint sat at ``.ckpt.shardstore-save-<new id>``
+    with no marker naming that id (its record names the old one): where removing it
+    failed (or the process died right then), ``remove_dead_saves`` never removed it,
+    though the log said the next save would. It is now moved to the replaced name,
+    which its commit record proves ours, before the removal."""
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 1.0))}, ckpt_dir)
+    real_remove_directory, calls = LocalStore.remove_directory, []
+
+    def fail_once(self: LocalStore) -> None:
+        calls.append(self.root.name)
+        if len(calls) == 1:
+            raise OSError("EIO (injected)")  # or a SIGKILL right after the exchange
+        real_remove_directory(self)
+
+    monkeypatch.setattr(LocalStore, "remove_directory", fail_once)
+    for value in (2.0, 3.0, 4.0):
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), value))}, ckpt_dir, overwrite=True)
+    assert calls and REPLACED_TAG in calls[0]
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}, ckpt_dir)
+    assert torch.equal(loaded["w"], torch.full((4, 3), 4.0))
+    left = sorted(p.name for p in ckpt_dir.parent.iterdir() if p.name != ckpt_dir.name)
+    assert left == [], f"a replaced checkpoint is never removed: {left}"
 
 
 def test_a_directory_without_commit_record_is_never_deleted(ckpt_dir: Path) -> None:

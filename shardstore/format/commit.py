@@ -556,10 +556,11 @@ class ByRename(Publisher):
     * target missing, or an empty directory: ``rename(2)`` (atomic);
     * target a committed shardstore checkpoint and ``overwrite=True``: ``renameat2``
       with ``RENAME_EXCHANGE`` swaps the directories atomically, then the old one is
-      deleted. Where the file system cannot exchange (some network file systems) the old
-      one is first renamed aside to ``.<name>.shardstore-replaced-<its save id>``: then,
-      for the microseconds between the two renames, the target path does not exist
-      (both checkpoints are complete on disk).
+      renamed to ``.<name>.shardstore-replaced-<its save id>`` (still under the lock)
+      and deleted; where that deletion fails, the next save deletes it. Where the file
+      system cannot exchange (some network file systems) the old one is first renamed
+      to that name: then, for the microseconds between the two renames, the target path
+      does not exist (both checkpoints are complete on disk).
 
     Publishing is a compare-and-swap under an ``flock`` on the parent directory: the
     target must still hold the checkpoint the save saw when it began (same save id), or
@@ -615,7 +616,7 @@ class ByRename(Publisher):
             if current is None:
                 staging.rename_to(target, exchange=False)
             elif staging.rename_to(target, exchange=True):
-                replaced = staging  # the old checkpoint is now at the staging path
+                replaced = _set_aside(staging, target, current)  # the old checkpoint was at the staging path
             else:
                 replaced = target.sibling(f".{target.name}{REPLACED_TAG}{current}")
                 target.rename_to(replaced, exchange=False)
@@ -680,6 +681,24 @@ class ByRename(Publisher):
         staging.move_entries_into(target, [COMMIT_RECORD])
         _remove_dir(staging)
         return record
+
+
+def _set_aside(old: DirectoryPublishing, target: DirectoryPublishing, save_id: str) -> DirectoryPublishing:
+    """Moves the checkpoint an exchange left at the staging path (``old``, committed by
+    ``save_id``) to ``.<name>.shardstore-replaced-<save_id>``, the name whose commit record
+    proves it ours to the next save (``remove_dead_saves``): at the staging path, with no
+    marker naming that path's id, no save could ever remove it. Under the parent's lock.
+    Returns where it is now; a failed rename is logged (it stays where it was)."""
+    aside = target.sibling(f".{target.name}{REPLACED_TAG}{save_id}")
+    try:
+        old.rename_to(aside, exchange=False)
+    except OSError as exc:
+        logger.warning(
+            "Could not move the checkpoint %s replaced to %s (%s); it stays at %s, which no later save removes: "
+            "delete it yourself once this save is done", target.describe(), aside.describe(), exc, old.describe(),
+        )
+        return old
+    return aside
 
 
 def _taken_names(save: PendingCheckpoint, clash: list[str]) -> CheckpointingException:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -26,8 +28,10 @@ from shardstore.format.records import (
     DELETION_MARKER,
     REPLACED_TAG,
     SAVE_MARKER,
+    STAGING_TAG,
     read_commit_record,
 )
+from shardstore.stores import local as local_backend
 from shardstore.stores.base import StorageError
 from shardstore.stores.local import LocalStore
 from shardstore.stores.locations import open_location
@@ -225,6 +229,45 @@ def test_replaced_checkpoint_that_could_not_be_removed_is_removed_by_the_next_sa
     assert torch.equal(loaded["w"], torch.full((4, 3), 4.0))
     left = sorted(p.name for p in ckpt_dir.parent.iterdir() if p.name != ckpt_dir.name)
     assert left == [], f"a replaced checkpoint is never removed: {left}"
+
+
+def test_a_failed_publishing_rename_without_exchange_puts_the_old_checkpoint_back(ckpt_dir: Path, monkeypatch) -> None:
+    """Where the file system cannot exchange (NFS), the old checkpoint is renamed aside,
+    then the staging directory onto the target. When that second rename failed (ESTALE,
+    EIO), the save was abandoned with the target missing and the old checkpoint at
+    ``.ckpt.shardstore-replaced-<id>``, which the next save deleted: no loadable
+    checkpoint was left. It is renamed back before the failure is raised."""
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 1.0))}, ckpt_dir)
+    monkeypatch.setattr(local_backend, "_rename_exchange", lambda a, b: False)
+    real_rename = os.rename
+
+    def rename(source, destination) -> None:
+        if STAGING_TAG in str(source):
+            raise OSError(errno.ESTALE, "Stale file handle (injected)")
+        real_rename(source, destination)
+
+    monkeypatch.setattr(local_backend.os, "rename", rename)
+    with pytest.raises(CheckpointingException, match="Stale file handle"):
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 2.0))}, ckpt_dir, overwrite=True)
+    monkeypatch.undo()
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}, ckpt_dir)
+    assert torch.equal(loaded["w"], torch.full((4, 3), 1.0)), "the old checkpoint is no longer loadable"
+    assert sorted(p.name for p in ckpt_dir.parent.iterdir()) == [ckpt_dir.name]
+
+
+def test_a_replaced_checkpoint_is_kept_while_the_target_holds_none(ckpt_dir: Path) -> None:
+    """A replacement without exchange that died between its two renames leaves the old
+    checkpoint, complete, at the replaced name and the target missing: the next save
+    deleted it as replaced, though it was the last checkpoint there. It is kept until a
+    checkpoint is committed at the target again."""
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 1.0))}, ckpt_dir)
+    save_id = read_commit_record(open_location(ckpt_dir)).save_id
+    aside = ckpt_dir.parent / f".{ckpt_dir.name}{REPLACED_TAG}{save_id}"
+    ckpt_dir.rename(aside)  # what the crash between the two renames leaves
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 2.0))}, ckpt_dir)
+    assert verify(aside).ok, "the last checkpoint was deleted while nothing had replaced it"
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 3.0))}, ckpt_dir, overwrite=True)
+    assert not aside.exists(), "once a checkpoint is committed there, the replaced one goes"
 
 
 def test_a_directory_without_commit_record_is_never_deleted(ckpt_dir: Path) -> None:

@@ -620,7 +620,7 @@ class ByRename(Publisher):
             else:
                 replaced = target.sibling(f".{target.name}{REPLACED_TAG}{current}")
                 target.rename_to(replaced, exchange=False)
-                staging.rename_to(target, exchange=False)
+                _rename_or_put_back(staging, target, replaced)
             target.fsync_parent()
         _remove_own_marker(save)
         _remove_dir(replaced)
@@ -681,6 +681,26 @@ class ByRename(Publisher):
         staging.move_entries_into(target, [COMMIT_RECORD])
         _remove_dir(staging)
         return record
+
+
+def _rename_or_put_back(
+    staging: DirectoryPublishing, target: DirectoryPublishing, replaced: DirectoryPublishing
+) -> None:
+    """The second rename of a replacement without exchange: ``staging`` onto ``target``,
+    whose checkpoint the first moved to ``replaced``. If it fails, that checkpoint is
+    renamed back before the failure is raised, so the save fails with the old checkpoint
+    loadable where it was (the next save would otherwise delete it as replaced)."""
+    try:
+        staging.rename_to(target, exchange=False)
+    except BaseException as exc:
+        try:
+            replaced.rename_to(target, exchange=False)
+        except OSError as back:
+            exc.add_note(
+                f"The checkpoint it replaced could not be put back ({back}); it is complete at "
+                f"{replaced.describe()}: rename it to {target.describe()} to load it"
+            )
+        raise
 
 
 def _set_aside(old: DirectoryPublishing, target: DirectoryPublishing, save_id: str) -> DirectoryPublishing:
@@ -904,11 +924,23 @@ def _staging_for(target: DirectoryPublishing, save_id: str) -> Location:
     return Location(target.sibling(f".{target.name}{STAGING_TAG}{save_id}"))
 
 
+def _holds_committed(target: DirectoryPublishing) -> bool:
+    """Whether ``target`` holds a committed shardstore checkpoint (a foreign Zarr group
+    there does not count)."""
+    try:
+        return committed_save_id(Location(target)) is not None
+    except CheckpointingException:
+        return False
+
+
 def remove_dead_saves(target: DirectoryPublishing) -> list[str]:
     """Deletes the staging directories of saves into ``target`` that died, and old
     checkpoints left aside by an interrupted replacement. Only what is provably ours:
     a staging directory whose marker names the save id in its name and whose lock is
-    free; a replaced directory whose commit record carries the id in its name."""
+    free; a replaced directory whose commit record carries the id in its name, and only
+    once ``target`` holds a committed checkpoint: until then it is the last checkpoint
+    there (a replacement without exchange that died between its two renames), kept and
+    named in the log."""
     removed = []
     for name in target.siblings(f".{target.name}{STAGING_TAG}"):
         save_id = name.rsplit(STAGING_TAG, 1)[1]
@@ -923,14 +955,23 @@ def remove_dead_saves(target: DirectoryPublishing) -> list[str]:
         finally:
             os.close(fd)
         removed.append(name)
-    for name in target.siblings(f".{target.name}{REPLACED_TAG}"):
+    replaced = target.siblings(f".{target.name}{REPLACED_TAG}")
+    replaced_by_one = bool(replaced) and _holds_committed(target)
+    for name in replaced:
         candidate = target.sibling(name)
         try:
-            if committed_save_id(Location(candidate)) == name.rsplit(REPLACED_TAG, 1)[1]:
-                candidate.remove_directory()
-                removed.append(name)
+            if committed_save_id(Location(candidate)) != name.rsplit(REPLACED_TAG, 1)[1]:
+                continue
         except CheckpointingException:
             continue
+        if not replaced_by_one:
+            logger.warning(
+                "Keeping %s: a complete checkpoint set aside by a replacement that did not publish, and %s holds "
+                "no committed checkpoint; rename it back to load it", candidate.describe(), target.describe(),
+            )
+            continue
+        candidate.remove_directory()
+        removed.append(name)
     if removed:
         logger.warning("Removed the leftovers of interrupted saves next to %s: %s", target.describe(), removed)
     return removed

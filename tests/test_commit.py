@@ -270,6 +270,24 @@ def test_a_replaced_checkpoint_is_kept_while_the_target_holds_none(ckpt_dir: Pat
     assert not aside.exists(), "once a checkpoint is committed there, the replaced one goes"
 
 
+def test_a_target_that_is_a_regular_file_is_refused_before_the_save_writes(tmp_path: Path, monkeypatch) -> None:
+    """A regular file listed as an empty directory (``LocalStore.list_dir`` reads
+    NotADirectoryError as empty), so the save began, wrote every chunk, and only the
+    publishing rename failed, naming the staging directory and not what to do."""
+    target = tmp_path / "ckpt"
+    target.write_text("someone's file")
+    written = []
+    real_put = local_backend.FileChunkStore.put
+    monkeypatch.setattr(local_backend.FileChunkStore, "put",
+                        lambda self, rel, buffers: (written.append(rel), real_put(self, rel, buffers))[1])
+    with pytest.raises(CheckpointingException, match="is a file, not a directory") as refused:
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4, 3))}, target)
+    assert written == [], f"chunks written before the refusal: {written}"
+    assert str(target) in str(refused.value) and STAGING_TAG not in str(refused.value)
+    assert target.read_text() == "someone's file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def test_a_directory_without_commit_record_is_never_deleted(ckpt_dir: Path) -> None:
     _save_small(ckpt_dir)
     (ckpt_dir / "zarr.json").unlink()  # no proof that a shardstore save wrote the rest

@@ -271,12 +271,26 @@ def _refuse_format_names(target: Location) -> None:
         )
 
 
+def _refuse_non_directory(target: Location) -> None:
+    """Refuses a local target that exists but is no directory (a regular file, a FIFO):
+    listing it reads as empty, so the save would otherwise write everything and fail only
+    at the publishing rename, naming its staging directory."""
+    path = target.local_path()
+    if path is not None and path.exists() and not path.is_dir():
+        raise CheckpointingException(
+            f"Cannot save into {target.describe()}: it is a file, not a directory. Move or delete that file if it "
+            "is not needed, or save to another path"
+        )
+
+
 def _check_target(target: Location, overwrite: bool, shared_directory: bool = False) -> str | None:
     """The save id the new save will replace (None: nothing committed there). Refused:
     another tool's checkpoint (``_refuse_other_checkpoint``); any other non-empty
     directory without a commit record unless ``shared_directory`` (then still what
     ``_refuse_format_names`` refuses); a committed checkpoint without ``overwrite``, or
-    beside files its save did not write (a replacement by rename would delete them)."""
+    beside files its save did not write (a replacement by rename would delete them), and
+    a path that is no directory (``_refuse_non_directory``)."""
+    _refuse_non_directory(target)
     if target.is_empty():
         return None
     try:

@@ -13,14 +13,26 @@ import uuid
 import pytest
 import torch
 
-from shardstore import ShardedTensor, load, remove_sharded_tensors, save, verify
+from shardstore import (
+    CheckpointingException,
+    ShardedObject,
+    ShardedTensor,
+    load,
+    remove_sharded_tensors,
+    save,
+    verify,
+)
 from shardstore.stores.base import StorageError
-from shardstore.stores.locations import open_store
+from shardstore.stores.locations import open_location, open_store
 
 BACKENDS = ["local", pytest.param("s3", marks=pytest.mark.integration), "memory"]  # s3: the session's server
 BUCKET = "literal"
 # (the checkpoint saved with glob characters, the one its pattern would match)
 NEIGHBOURS = [("run[1]", "run1"), ("run?", "runA"), ("run*", "run_x")]
+# Keys and prefixes whose characters URLs, S3 and fsspec treat specially (escapes, fragments,
+# queries, non-ASCII, quotes): each stays one literal name.
+ODD_KEYS = ["sp ace/w", "pct%20/w", "pct%2Fslash", "hash#x", "q?x=1", "ünï/ç😀", "plus+amp&eq=", "br[1]*", "tilde~'quote\""]
+ODD_PREFIXES = ["sp ace/ck pt", "pct%41/ckpt%2F", "hash#/c?k=1", "ünï/😀", "glob[ab]*/c"]
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +133,39 @@ def test_s3_reports_the_keys_a_batch_delete_could_not_remove(s3_server, monkeypa
     monkeypatch.setattr(store.fs, "call_s3", lambda *args, **kwargs: denied)
     with pytest.raises(StorageError, match=r"Cannot remove 1 objects .*a/x \(AccessDenied"):
         store.delete_prefix("a")
+
+
+@pytest.mark.parametrize("key", ODD_KEYS)
+def test_keys_with_odd_characters_round_trip_and_verify(root: str, key: str) -> None:
+    where = f"{root}/ckpt"
+    value = torch.arange(12.0).reshape(4, 3)
+    save({"t": ShardedTensor.from_rank_offsets(key, value),
+          "o": ShardedObject(key + "_obj", {"v": 7}, (1,), (0,), replica_id=0)}, where)
+    loaded = load({"t": ShardedTensor.from_rank_offsets(key, torch.empty(4, 3)),
+                   "o": ShardedObject(key + "_obj", None, (1,), (0,), replica_id=0)}, where)
+    assert torch.equal(loaded["t"], value) and loaded["o"] == {"v": 7}
+    assert verify(where).ok, str(verify(where))
+
+
+@pytest.mark.parametrize("prefix", ODD_PREFIXES)
+def test_overwriting_under_an_odd_prefix_leaves_a_prefix_that_starts_with_it_alone(root: str, prefix: str) -> None:
+    where, neighbour = f"{root}/{prefix}", f"{root}/{prefix}0"
+    save(_state(5.0), neighbour)
+    save(_state(1.0), where)
+    save(_state(2.0), where, overwrite=True)
+    _loads(where, 2.0)
+    _loads(neighbour, 5.0)
+
+
+def test_a_save_refuses_a_key_s3_reads_as_an_object_version_before_writing(s3_server) -> None:
+    """``S3Store._key`` refuses keys holding ``?versionId=``; the save's key check
+    refuses them too, naming the key, before anything is written."""
+    from shardstore.stores.s3 import S3Options
+
+    options = S3Options(endpoint_url=s3_server.endpoint, key=s3_server.key, secret=s3_server.secret)
+    top = uuid.uuid4().hex
+    location = open_location(f"s3://{BUCKET}/{top}/ckpt", options=options)
+    with pytest.raises(CheckpointingException, match=r"w\?versionId=1"):
+        save({"t": ShardedTensor.from_rank_offsets("w?versionId=1", torch.ones(3))}, location)
+    location.store.fs.invalidate_cache()
+    assert location.store.fs.find(f"{BUCKET}/{top}") == [], "something was written"

@@ -175,31 +175,29 @@ def nested_values(x: dict | list) -> Iterator[Any]:
             yield v
 
 
-def nested_items_iter(x: dict | list) -> Iterator[tuple[Any, Any]]:
-    """Yields ``(key, leaf)`` for every leaf, the key being the leaf's own key or index."""
+def nested_items_iter(x: dict | list) -> Iterator[tuple[dict | list, Any, Any]]:
+    """Yields ``(container, key, leaf)`` for every leaf of nested dicts and lists, as
+    Megatron-Core does: ``container[key]`` is the leaf (``key`` a list index inside a
+    list), so a caller can replace it in place."""
     for k, v in x.items() if isinstance(x, dict) else enumerate(x):
         if isinstance(v, (dict, list)):
             yield from nested_items_iter(v)
         else:
-            yield k, v
+            yield x, k, v
 
 
-def dict_map(f: Callable, x: dict) -> None:
-    """Applies ``f`` to the leaves of nested dicts (lists are leaves), in place."""
-    for k, v in x.items():
-        if isinstance(v, dict):
-            dict_map(f, v)
-        else:
-            x[k] = f(v)
+def dict_map(f: Callable, d: dict) -> None:
+    """Replaces every leaf ``v`` of nested dicts and lists (the elements of lists too)
+    by ``f(v)``, in place."""
+    for container, k, v in nested_items_iter(d):
+        container[k] = f(v)
 
 
-def dict_map_with_key(f: Callable, x: dict) -> None:
-    """Like ``dict_map`` with ``f(key, value)``."""
-    for k, v in x.items():
-        if isinstance(v, dict):
-            dict_map_with_key(f, v)
-        else:
-            x[k] = f(k, v)
+def dict_map_with_key(f: Callable, d: dict) -> None:
+    """Like ``dict_map`` with ``f(key, v)``: ``key`` is the leaf's own dict key, or its
+    index in the list that holds it."""
+    for container, k, v in nested_items_iter(d):
+        container[k] = f(k, v)
 
 
 def dict_list_map_inplace(f: Callable[[U], V], x: dict | list | U) -> dict | list | V:

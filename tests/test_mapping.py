@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from shardstore import CheckpointingException, ShardedObject, ShardedTensor
-from shardstore.dict_utils import diff, extract_matching_values, merge, nested_values
+from shardstore.dict_utils import (
+    dict_map,
+    dict_map_with_key,
+    diff,
+    extract_matching_values,
+    merge,
+    nested_items_iter,
+    nested_values,
+)
 from shardstore.mapping import is_main_replica
 from shardstore.utils import (
     add_prefix_for_sharding,
@@ -87,6 +95,29 @@ def test_dict_helpers() -> None:
         merge({"a": 1}, {"a": 2})
     only_left, only_right, mismatch = diff({"a": torch.ones(2), "b": 1}, {"a": torch.zeros(2), "c": 1})
     assert only_left == [("b",)] and only_right == [("c",)] and mismatch[0][0] == ("a",)
+
+
+def test_nested_items_iter_yields_container_key_value() -> None:
+    """Megatron-Core's meaning: ``(container, key, leaf)``, so ``container[key] = ...``
+    replaces the leaf. Before, shardstore yielded ``(key, leaf)`` only."""
+    sd = {"a": {"b": 1}, "l": [2, 3]}
+    assert list(nested_items_iter(sd)) == [(sd["a"], "b", 1), (sd["l"], 0, 2), (sd["l"], 1, 3)]
+
+
+def test_dict_map_maps_every_element_of_nested_lists() -> None:
+    """As Megatron-Core's (built on ``nested_items_iter``), ``dict_map`` maps each list
+    element; before, a list was one leaf and ``f`` got the whole list."""
+    sd = {"a": [1, 2], "b": {"c": [3]}}
+    dict_map(lambda v: v * 10, sd)
+    assert sd == {"a": [10, 20], "b": {"c": [30]}}
+
+
+def test_dict_map_with_key_passes_the_list_index_as_key() -> None:
+    """A list element's key is its index (Megatron-Core's meaning); before, ``f`` got
+    the dict key and the whole list."""
+    sd = {"a": [1, 2], "b": {"c": 3}}
+    dict_map_with_key(lambda k, v: (k, v), sd)
+    assert sd == {"a": [(0, 1), (1, 2)], "b": {"c": ("c", 3)}}
 
 
 def test_prefix_helpers() -> None:

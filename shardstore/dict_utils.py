@@ -140,23 +140,31 @@ def _equal_values(x1: Any, x2: Any) -> bool:
 
 
 def inspect_types(x: Any, prefix: tuple = (), indent: int = 4) -> str:
-    """Returns a printable tree of the value types of a nested dict or list."""
-    lines = []
-    pad = " " * indent * len(prefix)
+    """Prints a tree of the value types of a nested dict or list, as Megatron-Core's
+    ``inspect_types`` does, one line per key or list index (indented by ``indent``
+    spaces a level, ``prefix`` giving the starting level). Also returns the printed
+    text (Megatron returns None), so a caller can log it instead."""
+    text = _types_tree(x, len(prefix), indent)
+    print(text)
+    return text
+
+
+def _types_tree(x: Any, level: int, indent: int) -> str:
+    """``inspect_types``'s text for ``x``, its first line at ``level``."""
     if isinstance(x, dict):
-        for k, v in x.items():
-            if isinstance(v, (dict, list)):
-                lines.append(f"{pad}{k}:")
-                lines.append(inspect_types(v, prefix + (k,), indent))
-            else:
-                lines.append(f"{pad}{k}: {_type_summary(v)}")
+        items = [(str(k), v) for k, v in x.items()]
     elif isinstance(x, list):
-        for i, v in enumerate(x):
-            if isinstance(v, (dict, list)):
-                lines.append(f"{pad}[{i}]:")
-                lines.append(inspect_types(v, prefix + (i,), indent))
-            else:
-                lines.append(f"{pad}[{i}]: {_type_summary(v)}")
+        items = [(f"[{i}]", v) for i, v in enumerate(x)]
+    else:
+        return f"{' ' * indent * level}{_type_summary(x)}"
+    lines = []
+    pad = " " * indent * level
+    for name, v in items:
+        if isinstance(v, (dict, list)):
+            lines.append(f"{pad}{name}:")
+            lines.append(_types_tree(v, level + 1, indent))
+        else:
+            lines.append(f"{pad}{name}: {_type_summary(v)}")
     return "\n".join(line for line in lines if line)
 
 

@@ -11,6 +11,7 @@ from shardstore.dict_utils import (
     dict_map_with_key,
     diff,
     extract_matching_values,
+    inspect_types,
     merge,
     nested_items_iter,
     nested_values,
@@ -118,6 +119,14 @@ def test_dict_map_with_key_passes_the_list_index_as_key() -> None:
     sd = {"a": [1, 2], "b": {"c": 3}}
     dict_map_with_key(lambda k, v: (k, v), sd)
     assert sd == {"a": [(0, 1), (1, 2)], "b": {"c": ("c", 3)}}
+
+
+def test_inspect_types_prints_the_tree(capsys: pytest.CaptureFixture[str]) -> None:
+    """Megatron-Core's ``inspect_types`` prints the tree; before, shardstore's only
+    returned it, so ``inspect_types(sd)`` showed nothing. It still returns the text."""
+    text = inspect_types({"a": torch.zeros(2), "b": [1]})
+    assert capsys.readouterr().out == text + "\n"
+    assert text.splitlines() == ["a: Tensor of shape (2,) and dtype torch.float32", "b:", "    [0]: int"]
 
 
 def test_prefix_helpers() -> None:

@@ -13,14 +13,14 @@ from __future__ import annotations
 __all__ = [
     "CommonStateDict", "FactoryBuildFn", "FactoryMergeFn", "LocalNonpersistentObject", "ReplicaId",
     "ShardedBase", "ShardedObject", "ShardedStateDict", "ShardedTensor", "ShardedTensorFactory",
-    "StateDict", "apply_factories", "apply_factory_merges", "is_main_replica",
+    "StateDict", "apply_factories", "apply_factory_merges", "fill_unknown_last_axes", "is_main_replica",
 ]
 
 import logging
 import math
 import operator
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import Any, Union
@@ -251,7 +251,10 @@ class ShardedTensor(ShardedBase):
                 or axis_fragm < 1
                 or not 0 <= axis_rank_offset < axis_fragm
             ):
-                raise ValueError(f"Invalid rank offsets {rank_offsets} for key {key!r}")
+                raise CheckpointingException(
+                    f"Invalid rank offsets {rank_offsets} for key {key!r}: each must be (axis, offset, "
+                    f"fragments) with a distinct axis in [0, {ndim}) and 0 <= offset < fragments"
+                )
             seen_axes.add(axis)
             local_axis_shape = 1 if axis < prepend_axis_num else data.shape[axis - prepend_axis_num]
             global_shape[axis] = axis_fragm * local_axis_shape
@@ -431,7 +434,11 @@ class ShardedObject(ShardedBase):
                 f"ShardedObject {self.key!r}: global shape {self.global_shape} and offset "
                 f"{self.global_offset} differ in length"
             )
-        if any(not 0 <= o < s for o, s in zip(self.global_offset, self.global_shape)):
+        if self.global_shape and self.global_shape[-1] == UNKNOWN_AXIS and self.global_offset[-1] >= 0:
+            shape, offset = self.global_shape[:-1], self.global_offset[:-1]  # an old key's: see empty_from_unique_key
+        else:
+            shape, offset = self.global_shape, self.global_offset
+        if any(not 0 <= o < s for o, s in zip(offset, shape)):
             raise CheckpointingException(
                 f"ShardedObject {self.key!r}: offset {self.global_offset} lies outside shape {self.global_shape}"
             )
@@ -451,7 +458,12 @@ class ShardedObject(ShardedBase):
 
     @classmethod
     def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> ShardedObject:
-        """Builds a data-less ShardedObject from ``<key>/shard_<offset>_<shape>``."""
+        """Builds a data-less ShardedObject from ``<key>/shard_<offset>_<shape>``.
+
+        A key of an old Megatron-Core checkpoint lacks the LAST axis of the shape (one
+        number fewer than the offset): that axis is ``-1`` (``UNKNOWN_AXIS``) here, as in
+        Megatron; ``fill_unknown_last_axes`` completes it from all shards of the key.
+        """
         try:
             key, shard_key = unique_key.rsplit("/", 1)
             shard_str, offset, shape = shard_key.split("_")
@@ -462,9 +474,29 @@ class ShardedObject(ShardedBase):
         except ValueError as exc:
             raise CheckpointingException(f"Malformed sharded object key {unique_key!r}: {exc}") from exc
         if len(global_shape) + 1 == len(global_offset):
-            # Old checkpoints omitted the leading axis of the shape.
-            global_shape = (1,) + global_shape
+            global_shape = (*global_shape, UNKNOWN_AXIS)
         return cls(key, None, global_shape, global_offset, replica_id)
+
+
+UNKNOWN_AXIS = -1
+"""The last axis of a ShardedObject's shape read from an old key, until filled."""
+
+
+def fill_unknown_last_axes(objects: Iterable[ShardedObject]) -> None:
+    """Sets the unknown last axis of the shapes read from old keys, in place.
+
+    For every key whose shards came from old keys (``empty_from_unique_key`` gives them
+    a last axis of ``UNKNOWN_AXIS``), the last axis becomes the largest last offset
+    among that key's shards plus one, as Megatron-Core's ``load_sharded_metadata``
+    does. ``objects``: all shards of each key, as a checkpoint lists them; other
+    objects are left as they are.
+    """
+    last_offsets: dict[str, int] = {}
+    unknown = [obj for obj in objects if obj.global_shape and obj.global_shape[-1] == UNKNOWN_AXIS]
+    for obj in unknown:
+        last_offsets[obj.key] = max(last_offsets.get(obj.key, 0), obj.global_offset[-1])
+    for obj in unknown:
+        obj.global_shape = (*obj.global_shape[:-1], last_offsets[obj.key] + 1)
 
 
 FactoryBuildFn = Callable[[str, torch.Tensor, ReplicaId, slice | None], ShardedStateDict]

@@ -16,7 +16,7 @@ from shardstore.dict_utils import (
     nested_items_iter,
     nested_values,
 )
-from shardstore.mapping import is_main_replica
+from shardstore.mapping import fill_unknown_last_axes, is_main_replica
 from shardstore.utils import (
     add_prefix_for_sharding,
     apply_prefix_mapping,
@@ -40,7 +40,9 @@ def test_prepended_axis_gives_integer_index() -> None:
 
 @pytest.mark.parametrize("offsets", [[(0, 2, 2)], [(3, 0, 1)], [(0, 0, 0)], [(0, 0, 2), (0, 1, 2)]])
 def test_invalid_rank_offsets_are_rejected(offsets) -> None:
-    with pytest.raises(ValueError, match="Invalid rank offsets"):
+    """A CheckpointingException, as Megatron-Core raises; before, a ValueError that
+    ``except CheckpointingException`` missed."""
+    with pytest.raises(CheckpointingException, match="Invalid rank offsets"):
         ShardedTensor.from_rank_offsets("k", torch.zeros(2, 2), *offsets)
 
 
@@ -96,6 +98,19 @@ def test_dict_helpers() -> None:
         merge({"a": 1}, {"a": 2})
     only_left, only_right, mismatch = diff({"a": torch.ones(2), "b": 1}, {"a": torch.zeros(2), "c": 1})
     assert only_left == [("b",)] and only_right == [("c",)] and mismatch[0][0] == ("a",)
+
+
+def test_old_object_key_lacks_the_last_axis_of_the_shape() -> None:
+    """As in Megatron-Core, an old unique key (one shape axis fewer than the offset)
+    lacks the LAST axis: -1 until ``fill_unknown_last_axes`` sets it to the largest last
+    offset plus one. Before, shardstore prepended a leading 1, so ``shard_1.0_2`` was
+    refused (offset (1, 0) outside shape (1, 2)) and other old keys got wrong shapes."""
+    old = [ShardedObject.empty_from_unique_key(f"optimizer/shard_1.{i}_2") for i in range(3)]
+    assert old[0].global_offset == (1, 0) and old[0].global_shape == (2, -1)
+    new = ShardedObject.empty_from_unique_key("rng/shard_0_2")
+    fill_unknown_last_axes([*old, new])
+    assert [o.global_shape for o in old] == [(2, 3)] * 3 and new.global_shape == (2,)
+    assert old[2].unique_key == "optimizer/shard_1.2_2.3"
 
 
 def test_nested_items_iter_yields_container_key_value() -> None:

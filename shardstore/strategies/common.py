@@ -18,7 +18,13 @@ from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace, nested_values
 from shardstore.format.pickles import deserialize, deserialize_dict, serialize
 from shardstore.format.records import COMMON_FILE, object_path
-from shardstore.mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
+from shardstore.mapping import (
+    ShardedObject,
+    ShardedStateDict,
+    StateDict,
+    fill_unknown_last_axes,
+    is_main_replica,
+)
 from shardstore.opened import open_read, read_location, write_location
 from shardstore.stores.base import Location
 from shardstore.strategies.base import (
@@ -99,13 +105,16 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         return dict_list_map_inplace(load_object, sharded_objects_state_dict)
 
     def load_sharded_metadata(self, checkpoint_dir: CheckpointDir | Location) -> ShardedStateDict:
-        """Data-less ShardedObjects of the checkpoint, keyed by their unique key."""
+        """Data-less ShardedObjects of the checkpoint, keyed by their unique key (an old
+        key's shape completed by ``fill_unknown_last_axes`` first, as in Megatron-Core)."""
         record = open_read(checkpoint_dir).require_record()
-        return {
-            shard_key: ShardedObject.empty_from_unique_key(shard_key)
+        objects = [
+            ShardedObject.empty_from_unique_key(shard_key)
             for obj in record.objects.values()
             for shard_key in obj.shard_keys
-        }
+        ]
+        fill_unknown_last_axes(objects)
+        return {obj.unique_key: obj for obj in objects}
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         if loaded_backend != COMMON_BACKEND:

@@ -77,7 +77,17 @@ class StrictHandling(Enum):
 
     @staticmethod
     def requires_global_app_metadata(val: StrictHandling) -> bool:
-        return val in (StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL)
+        """Whether the checkpoint's keys that no rank requested ("missing") are looked
+        for (Megatron-Core's list, IGNORE_ALL included, though it reports nothing)."""
+        return val in (
+            StrictHandling.IGNORE_ALL, StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL
+        )
+
+    @staticmethod
+    def reports_missing_keys(val: StrictHandling) -> bool:
+        """Whether the mode logs, raises or returns the missing keys (``IGNORE_ALL``
+        would only drop them: a load does not look for them there)."""
+        return StrictHandling.requires_global_app_metadata(val) and val != StrictHandling.IGNORE_ALL
 
     @staticmethod
     def requires_returning_mismatch_keys(val: StrictHandling) -> bool:
@@ -96,32 +106,34 @@ def parse_strict_flag(strict: str | StrictHandling) -> StrictHandling:
 
 
 def validate_sharding_integrity(
-    layout: GlobalLayout | list[list[ShardedBase]],
+    global_metadata: GlobalLayout | list[list[ShardedBase]],
+    common_state_dict: CommonStateDict | None = None,
+    *,
     storage: NameLimits | None = FORMAT_NAME_LIMITS,
     where: str = "",
-    *,
-    common_state_dict: CommonStateDict | None = None,
 ) -> None:
     """Every key can be stored, every element of every global tensor is covered exactly
     once by main replicas, shapes and dtypes agree across ranks, and ShardedObjects are
-    complete.
+    complete. Megatron-Core's signature, with shardstore's options keyword-only.
 
-    ``layout``: the gathered layout (shardstore's save and load check it on the
-    coordinator), or Megatron-Core's global metadata, every rank's data-less
-    ShardedTensors and ShardedObjects (``determine_global_metadata(...)[1]``), which
-    every rank passes and rank 0 alone checks, as in Megatron-Core.
+    ``global_metadata``: Megatron-Core's, every rank's data-less ShardedTensors and
+    ShardedObjects (``determine_global_metadata(...)[1]``), which every rank passes and
+    rank 0 alone checks, as in Megatron-Core; or the gathered layout (shardstore's save
+    and load check it on the coordinator).
+    ``common_state_dict``: every rank passes its common state, and the ranks whose
+    common state differs from rank 0's are warned about (``validate_common_state_dict``;
+    collective).
     ``storage``: where a save writes (its location's ``name_limits``; the default knows
     only the format's own names and limits), so the keys are checked first
     (``check_storable_keys``); None for a load's request, whose keys name what is stored.
-    ``common_state_dict``: Megatron-Core's keyword: every rank passes its common state,
-    and the ranks whose common state differs from rank 0's are warned about
-    (``validate_common_state_dict``; collective).
+    ``where``: the checkpoint, named in the errors.
 
     Raises:
         CheckpointingException: listing up to ten problems, each naming its key.
     """
     if common_state_dict is not None:
         validate_common_state_dict(common_state_dict, Group())
+    layout = global_metadata
     if not isinstance(layout, GlobalLayout):
         if Group().rank != 0:
             return
@@ -203,7 +215,7 @@ def plan_load(
             for s in shards:
                 if s.key not in ckpt_keys:
                     unexpected[s.rank].add(s.key)
-        if StrictHandling.requires_global_app_metadata(strict):
+        if StrictHandling.reports_missing_keys(strict):
             missing = ckpt_keys - (layout.tensors.keys() | layout.objects.keys())
         if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
             maybe_report_missing_and_unexpected_keys(missing, set().union(*unexpected), True, where)

@@ -129,6 +129,18 @@ def test_validate_sharding_integrity_takes_megatrons_global_metadata_and_common_
     assert "'w'" in error0 and "Invalid global sharding" in error0 and error1 == ""
 
 
+def test_validate_sharding_integrity_takes_the_common_state_second() -> None:
+    """Megatron-Core's positional signature ``(global_metadata, common_state_dict)``;
+    before, the second parameter was shardstore's ``storage`` (now keyword-only), and
+    the call failed with "'dict' object has no attribute 'max_path_bytes'"."""
+    from shardstore.validation import validate_sharding_integrity
+
+    shard = ShardedTensor.from_rank_offsets("a", torch.zeros(4)).without_data()
+    validate_sharding_integrity([[shard]], {"iteration": 1})  # one rank: nothing to compare
+    with pytest.raises(CheckpointingException, match="Invalid global sharding"):
+        validate_sharding_integrity([[shard, shard]], None)
+
+
 @pytest.mark.parametrize("unpicklable", [False, True])
 def test_the_comparison_survives_values_that_cannot_travel(tmp_path: Path, unpicklable: bool) -> None:
     # a lambda cannot be pickled: compared by its repr, which differs between processes anyway

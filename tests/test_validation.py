@@ -129,6 +129,15 @@ def test_ignore_all_skips_silently(two_key_checkpoint: Path, caplog) -> None:
     assert set(loaded) == {"a"} and caplog.text == ""
 
 
+def test_the_all_modes_require_global_app_metadata_as_in_megatron() -> None:
+    """Megatron-Core's list includes IGNORE_ALL (shardstore's left it out); a load in
+    that mode still does not look for the missing keys it would only drop."""
+    modes = {m for m in StrictHandling if StrictHandling.requires_global_app_metadata(m)}
+    assert modes == {StrictHandling.IGNORE_ALL, StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL,
+                     StrictHandling.RETURN_ALL}
+    assert {m for m in StrictHandling if StrictHandling.reports_missing_keys(m)} == modes - {StrictHandling.IGNORE_ALL}
+
+
 def save_two_keys(rank: int, world: int, ckpt: str) -> None:
     save({"a": ShardedTensor.from_rank_offsets("a", torch.ones(3), replica_id=rank),
           "b": ShardedTensor.from_rank_offsets("b", torch.zeros(2), replica_id=rank),

@@ -105,7 +105,11 @@ from shardstore.strategies.other_formats import (
     OtherFormatLoadCommonStrategy,
     OtherFormatLoadShardedStrategy,
 )
-from shardstore.utils import holds_sharded_class, sharded_values_in_common
+from shardstore.utils import (
+    _clean_metadata_for_serialization,
+    holds_sharded_class,
+    sharded_values_in_common,
+)
 from shardstore.validation import (
     StrictHandling,
     common_state_digests,
@@ -162,7 +166,9 @@ def save(
             differ from rank 0's, which is the one saved); e.g. to drop entries that
             legitimately differ, such as per-rank timers.
         content_metadata: what the checkpoint holds (e.g. the parallel layout), kept in
-            the common state; read back with ``load_content_metadata``.
+            the common state without its process groups (``dp_cp_group``: a copy made
+            by ``utils._clean_metadata_for_serialization``, as in Megatron-Core); read
+            back with ``load_content_metadata``.
         overwrite: replace a committed checkpoint at ``checkpoint_dir``.
         process_group: ranks that save together (default: the whole world).
         progress: show a progress bar of the coordinator's writes on standard error
@@ -253,7 +259,8 @@ class _SaveSplit:
     length 0), the ShardedObjects (``separate_objects``: for a common strategy that
     saves them) and the common state, each rebuilt from the flat list (``dict_utils.nest``,
     with ``extract_matching_values``' meaning: an empty container stays in the common
-    state, one emptied by the split is dropped).
+    state, one emptied by the split is dropped). The common state's ``content_metadata``
+    is replaced by a copy without process groups, as in Megatron-Core's save_preprocess.
 
     Attributes:
         sharded_part, objects_part, common_part: the nested parts.
@@ -286,6 +293,11 @@ class _SaveSplit:
             elif isinstance(value, ShardedBase):
                 sharded.append(leaf)
         self.common_part, _ = nest(with_list_places(common, leaves), root=sharded_state_dict)
+        if isinstance(self.common_part, dict) and isinstance(self.common_part.get(CONTENT_METADATA_KEY), dict):
+            # as Megatron-Core's save_preprocess: its process groups cannot be pickled
+            self.common_part[CONTENT_METADATA_KEY] = _clean_metadata_for_serialization(
+                self.common_part[CONTENT_METADATA_KEY]
+            )
         if foreign:
             found = sharded_values_in_common(self.common_part)
             raise CheckpointingException(

@@ -318,12 +318,17 @@ def debug_msg(msg: str) -> None:
         last_logger.debug(f"{stacked_name} {msg}")
 
 
-def _clean_metadata_for_serialization(metadata: dict) -> dict:
-    """A copy of ``metadata`` without values that cannot be serialized (process groups).
+def _clean_metadata_for_serialization(metadata: dict | None) -> dict | None:
+    """A copy of ``metadata`` without the values that cannot be saved (Megatron-Core's
+    helper, which ``save`` applies to the common state's ``content_metadata``).
 
-    The content metadata passed to ``save`` may carry process groups (``dp_cp_group``)
-    that are needed at sharding time but must not reach the common state.
+    Drops ``dp_cp_group`` (as Megatron-Core does) and any other process group: content
+    metadata may carry the groups needed at sharding time (Megatron-LM's
+    ``sharded_sd_metadata`` does), which must not reach the common state. None stays
+    None; ``metadata`` itself is not modified.
     """
+    if metadata is None:
+        return None
     clean = dict(metadata)
     clean.pop("dp_cp_group", None)
     process_group_type = getattr(torch.distributed, "ProcessGroup", None)

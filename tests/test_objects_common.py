@@ -160,3 +160,22 @@ def test_empty_containers_in_the_common_state_survive_a_round_trip(ckpt_dir: Pat
     common = load_common_state_dict(ckpt_dir)
     assert common["optimizer"] == {"state": {}, "param_groups": [{"params": []}]} and common["empty"] == []
     assert load_content_metadata(ckpt_dir) == {}
+
+
+def _save_with_dp_cp_group(rank: int, world: int, ckpt: str) -> tuple[dict, bool]:
+    import torch.distributed as dist
+
+    from shardstore import load_content_metadata
+
+    metadata = {"dp_cp_group": dist.group.WORLD, "distrib_optim_sharding_type": "fully_sharded_model_space"}
+    save({"a": ShardedTensor.from_rank_offsets("a", torch.arange(4.0))}, ckpt, content_metadata=metadata)
+    return load_content_metadata(ckpt), "dp_cp_group" in metadata
+
+
+def test_content_metadata_is_saved_without_its_process_group(ckpt_dir: Path) -> None:
+    """As Megatron-Core 0.16's save_preprocess (``_clean_metadata_for_serialization``),
+    the ``dp_cp_group`` of Megatron-LM's content metadata is left out of the common
+    state; the caller's dict keeps it. Before, the save failed: "cannot pickle
+    'torch._C._distributed_c10d.ProcessGroup' object"."""
+    [(metadata, caller_kept_group)] = run_distributed(_save_with_dp_cp_group, 1, str(ckpt_dir))
+    assert metadata == {"distrib_optim_sharding_type": "fully_sharded_model_space"} and caller_kept_group

@@ -221,7 +221,7 @@ def plan_load(
             maybe_report_missing_and_unexpected_keys(missing, set().union(*unexpected), True, where)
         layout = without_keys(layout, set().union(*unexpected))
     if validate_access_integrity:
-        validate_sharding_integrity(layout, storage=None)
+        validate_sharding_integrity(layout, storage=None, where=where)
     reads = read_planner(layout)
     return [
         RankLoadPlan(rank, frozenset(missing), frozenset(unexpected[rank]), reads[rank])

@@ -83,6 +83,23 @@ def test_sharding_errors_start_with_megatrons_words(ckpt_dir: Path, kind: str, p
         assert phrase in error, error
 
 
+def test_invalid_sharding_errors_name_the_checkpoint_and_what_to_do(tmp_path: Path) -> None:
+    """A save's and a load's "Invalid global sharding" name the checkpoint and say what
+    that operation must change. Before, they named only the keys (a load's planning did
+    not pass the checkpoint on), and a load's said "so nobody would write it"."""
+    bad, good = tmp_path / "bad", tmp_path / "good"
+    with pytest.raises(CheckpointingException) as saved:
+        save({"a": ShardedTensor.from_rank_offsets("a", torch.arange(4.0)),
+              "b": ShardedTensor.from_rank_offsets("a", torch.arange(4.0))}, bad)
+    save({"a": ShardedTensor.from_rank_offsets("a", torch.arange(4.0))}, good)
+    with pytest.raises(CheckpointingException) as loaded:
+        load({"a": ShardedTensor.from_rank_offsets("a", torch.zeros(4), replica_id=1)}, good)
+    assert f"Invalid global sharding of {bad}" in str(saved.value)
+    assert "Nothing was written" in str(saved.value) and "nonzero replica_id" in str(saved.value)
+    assert f"Invalid global sharding of {good}" in str(loaded.value) and "write" not in str(loaded.value)
+    assert "Nothing was read" in str(loaded.value) and "request each part with replica_id 0" in str(loaded.value)
+
+
 @pytest.fixture
 def two_key_checkpoint(ckpt_dir: Path) -> Path:
     save({"a": ShardedTensor.from_rank_offsets("a", torch.ones(3)),

@@ -83,7 +83,9 @@ def check_layout(layout: GlobalLayout, storage: NameLimits | None = FORMAT_NAME_
     main replicas, shapes and dtypes agree across ranks, ShardedObjects are complete.
 
     Raises:
-        CheckpointingException: listing up to ten problems, each naming its key.
+        CheckpointingException: naming the checkpoint (``where``), listing up to ten
+            problems, each naming its key, and saying what a save (``storage`` given)
+            or a load (None) must change.
     """
     if storage is not None:
         check_storable_keys(layout, storage, where)
@@ -99,7 +101,22 @@ def check_layout(layout: GlobalLayout, storage: NameLimits | None = FORMAT_NAME_
         problems += _object_problems(key, shards)
     if problems:
         shown = "\n  ".join(problems[:MAX_REPORTED_PROBLEMS])
-        raise CheckpointingException(f"Invalid global sharding ({len(problems)} problem(s)):\n  {shown}")
+        raise CheckpointingException(
+            f"Invalid global sharding{f' of {where}' if where else ''} ({len(problems)} problem(s)):\n  {shown}\n"
+            + (_LOAD_SHARDING_HINT if storage is None else _SAVE_SHARDING_HINT)
+        )
+
+
+_SAVE_SHARDING_HINT = (
+    "Nothing was written. Every rank must give a key the same global shape and dtype, and each element of a "
+    "tensor needs exactly one main replica (replica_id 0) among the ranks: give the duplicates a nonzero "
+    "replica_id, and a main replica to each part that has none."
+)
+_LOAD_SHARDING_HINT = (
+    "Nothing was read. A load's request is checked as a save's shards are (validate_access_integrity): each "
+    "element of a requested tensor needs exactly one main replica (replica_id 0) among the ranks: request each "
+    "part with replica_id 0 on one rank and a nonzero replica_id on the others."
+)
 
 
 def layout_of_global_metadata(global_metadata: list[list[ShardedBase]]) -> GlobalLayout:
@@ -204,7 +221,7 @@ def _tensor_problems(key: str, shards: list[ShardRecord]) -> list[str]:
         return [too_big]
     main = [s for s in shards if s.main]
     if not main:
-        return [f"{key!r}: no rank holds a main replica (replica_id 0), so nobody would write it"]
+        return [f"{key!r}: no rank holds a main replica (replica_id 0) of it"]
     ndim = len(first.global_shape)
     offsets, extents = [s.offset for s in main], [s.block_shape for s in main]
     if set(map(len, offsets)) | set(map(len, extents)) != {ndim}:

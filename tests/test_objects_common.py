@@ -179,3 +179,14 @@ def test_content_metadata_is_saved_without_its_process_group(ckpt_dir: Path) -> 
     'torch._C._distributed_c10d.ProcessGroup' object"."""
     [(metadata, caller_kept_group)] = run_distributed(_save_with_dp_cp_group, 1, str(ckpt_dir))
     assert metadata == {"distrib_optim_sharding_type": "fully_sharded_model_space"} and caller_kept_group
+
+
+def test_a_mixed_list_keeps_its_places_in_the_common_state(ckpt_dir: Path) -> None:
+    """Documented in docs/differences.md: Megatron-Core's common state keeps ``[5]`` of
+    this list; shardstore keeps ``[None, 5, None]`` so that a load puts each value back
+    at its own index."""
+    save({"a": [ShardedTensor.from_rank_offsets("t", torch.ones(2)), 5, LocalNonpersistentObject(1)]}, ckpt_dir)
+    assert load_common_state_dict(ckpt_dir) == {"a": [None, 5, None]}
+    loaded = load({"a": [ShardedTensor.from_rank_offsets("t", torch.zeros(2)), 5, LocalNonpersistentObject(7)]},
+                  ckpt_dir)
+    assert torch.equal(loaded["a"][0], torch.ones(2)) and loaded["a"][1:] == [5, 7]

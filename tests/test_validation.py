@@ -100,6 +100,17 @@ def test_invalid_sharding_errors_name_the_checkpoint_and_what_to_do(tmp_path: Pa
     assert "Nothing was read" in str(loaded.value) and "request each part with replica_id 0" in str(loaded.value)
 
 
+def test_a_save_checks_the_sharding_even_when_told_not_to(tmp_path: Path) -> None:
+    """Documented in docs/differences.md: ``save(validate_access_integrity=False)``
+    checks anyway (Megatron-Core skips the check); the storage core relies on one
+    writer per chunk."""
+    with pytest.raises(CheckpointingException, match="Invalid global sharding"):
+        save({"a": ShardedTensor.from_rank_offsets("a", torch.arange(4.0)),
+              "b": ShardedTensor.from_rank_offsets("a", torch.arange(4.0))}, tmp_path / "c",
+             validate_access_integrity=False)
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
 @pytest.fixture
 def two_key_checkpoint(ckpt_dir: Path) -> Path:
     save({"a": ShardedTensor.from_rank_offsets("a", torch.ones(3)),

@@ -453,6 +453,15 @@ class ShardedObject(ShardedBase):
         shape = ".".join(map(str, self.global_shape))
         return f"{self.key}/shard_{offset}_{shape}"
 
+    @property
+    def old_unique_key(self) -> str:
+        """The shard's name in checkpoints of old Megatron-Core versions, whose keys
+        lack the last axis of the shape (``empty_from_unique_key``): loads look for it
+        where ``unique_key`` is not stored, as Megatron's do."""
+        offset = ".".join(map(str, self.global_offset))
+        shape = ".".join(map(str, self.global_shape[:-1]))
+        return f"{self.key}/shard_{offset}_{shape}"
+
     def __str__(self) -> str:
         return f"{self.__class__.__name__}(key={self.key!r})"
 

@@ -190,3 +190,19 @@ def test_a_mixed_list_keeps_its_places_in_the_common_state(ckpt_dir: Path) -> No
     loaded = load({"a": [ShardedTensor.from_rank_offsets("t", torch.zeros(2)), 5, LocalNonpersistentObject(7)]},
                   ckpt_dir)
     assert torch.equal(loaded["a"][0], torch.ones(2)) and loaded["a"][1:] == [5, 7]
+
+
+def test_an_object_shard_stored_under_its_old_key_loads(ckpt_dir: Path) -> None:
+    """A shard of an old Megatron-Core checkpoint is stored under a key without the
+    shape's last axis (``ShardedObject.old_unique_key``); a load asking by today's key
+    reads it there, as Megatron's loads do. Before, the load said the shard was missing."""
+    from shardstore.format.records import object_path
+
+    obj = ShardedObject("optimizer/state", {"lr": 0.5}, (1, 1), (0, 0))
+    save({"o": obj}, ckpt_dir)
+    new, old = ckpt_dir / object_path(obj.unique_key), ckpt_dir / object_path(obj.old_unique_key)
+    assert obj.old_unique_key == "optimizer/state/shard_0.0_1"
+    old.parent.mkdir(parents=True, exist_ok=True)
+    new.rename(old)
+    request = {"o": ShardedObject("optimizer/state", None, (1, 1), (0, 0))}
+    assert TorchCommonLoadStrategy().load_sharded_objects(request, ckpt_dir) == {"o": {"lr": 0.5}}

@@ -91,6 +91,8 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
                 return obj
             rel = object_path(obj.unique_key)
             data = location.read_bytes_or_none(rel)
+            if data is None and obj.global_shape:  # an old Megatron-Core key lacks the shape's last axis
+                data = location.read_bytes_or_none(object_path(obj.old_unique_key))
             if data is None:
                 raise CheckpointingException(
                     f"ShardedObject {obj.key!r} shard {obj.unique_key!r} is missing from "

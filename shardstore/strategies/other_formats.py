@@ -31,7 +31,13 @@ from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace
 from shardstore.execution.loaded import place_loaded, postprocess_loaded
 from shardstore.format.records import CommitRecord
-from shardstore.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from shardstore.mapping import (
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    StateDict,
+    fill_unknown_last_axes,
+)
 from shardstore.opened import bare_location
 from shardstore.other_formats import registry
 from shardstore.other_formats.base import (
@@ -180,15 +186,21 @@ class OtherFormatLoadCommonStrategy(TorchCommonLoadStrategy):
         def load_object(obj: Any) -> Any:
             if not isinstance(obj, ShardedObject):
                 return obj
-            if obj.unique_key not in source.items:
-                raise CheckpointingException(f"{source.path} has no sharded object shard {obj.unique_key!r}")
-            return source.read_object_shard(obj.unique_key)
+            # an old Megatron-Core key lacks the shape's last axis: looked for as Megatron looks
+            for stored in (obj.unique_key, obj.old_unique_key if obj.global_shape else None):
+                if stored in source.items:
+                    return source.read_object_shard(stored)
+            raise CheckpointingException(f"{source.path} has no sharded object shard {obj.unique_key!r}")
 
         return dict_list_map_inplace(load_object, sharded_objects_state_dict)
 
     def load_sharded_metadata(self, checkpoint_dir: CheckpointDir | Location) -> ShardedStateDict:
+        """Data-less ShardedObjects of the checkpoint, keyed by their unique key (an old
+        key's shape completed by ``fill_unknown_last_axes`` first, as in Megatron-Core)."""
         source = open_other_format(checkpoint_dir)
-        return {k: ShardedObject.empty_from_unique_key(k) for k in source.items if is_object_shard_key(k)}
+        objects = [ShardedObject.empty_from_unique_key(k) for k in source.items if is_object_shard_key(k)]
+        fill_unknown_last_axes(objects)
+        return {obj.unique_key: obj for obj in objects}
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         pass  # Megatron's "torch" common backend, or none (plain DCP)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -198,6 +199,47 @@ def test_async_saves_at_two_ranks_commit_in_order_and_prune_after_commit(tmp_pat
         # never more than max_to_keep + the newest are on disk
         assert seen[0] == 0 and max(seen) <= 3
         assert final == [3, 4]
+
+
+def _wait_for_background_writes(manager: CheckpointManager, timeout: float = 30) -> None:
+    """Until this rank's background writes of the async saves in flight are done."""
+    deadline = time.monotonic() + timeout
+    while any(not future.done() for _, _, future in manager._queue._pending):
+        assert time.monotonic() < deadline, "the background writes did not finish"
+        time.sleep(0.02)
+
+
+def test_an_async_save_whose_writes_finished_is_committed_before_the_next_due_save(tmp_path: Path) -> None:
+    """A save call that is not due commits an async save whose writes are done. Before,
+    only the next due save (or close) committed it: with save_interval_steps=10, a
+    crash at step 9 found nothing committed although step 0 was written long before."""
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(save_interval_steps=10, async_save=True))
+    assert manager.save(0, _state(0))
+    _wait_for_background_writes(manager)
+    try:
+        assert manager.save(1, _state(1)) is False
+        assert CheckpointManager(tmp_path).latest_step() == 0  # what a restart after a crash here finds
+    finally:
+        manager.close()
+
+
+def _run_not_due_saves_commit(rank: int, world: int, root: str) -> int | None:
+    manager = CheckpointManager(root, CheckpointManagerOptions(save_interval_steps=10, async_save=True))
+    manager.save(0, _state(0, rank, world))
+    manager.save(1, _state(1, rank, world))  # writes maybe not done on some rank: no commit, no hang
+    _wait_for_background_writes(manager)
+    dist.barrier()  # step 0 is written on every rank
+    manager.save(2, _state(2, rank, world))
+    dist.barrier()
+    latest = CheckpointManager(root).latest_step()
+    manager.close()
+    return latest
+
+
+def test_two_ranks_commit_a_finished_async_save_at_a_save_that_is_not_due(tmp_path: Path) -> None:
+    """The commit at a save that is not due is collective (the ranks agree on what
+    finished): every rank calls save at the same steps, and both commit step 0 there."""
+    assert run_distributed(_run_not_due_saves_commit, 2, str(tmp_path)) == [0, 0]
 
 
 # ------------------------------------------------------------- issue 23.2

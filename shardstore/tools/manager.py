@@ -25,8 +25,9 @@ from Orbax's manager. In short:
   refused; ``rollback(step)`` deletes the newer steps first.
 * **Collective:** every rank calls ``save``, ``resume``, ``restore``, ``rollback``,
   ``delete``, ``wait_until_finished`` and ``close`` with the same steps (and
-  ``should_save`` when time or preemption decide); what a call does is decided on the
-  coordinator and broadcast, so the ranks never disagree.
+  ``should_save`` when time or preemption decide); a ``save`` that is not due is one
+  too while an async save is in flight (it commits that save once written). What a
+  call does is decided on the coordinator and broadcast, so the ranks never disagree.
 """
 
 from __future__ import annotations
@@ -87,8 +88,10 @@ class CheckpointManagerOptions:
             digits, zero-padded (taken as written: no separator is added).
         step_digits: see ``step_prefix``; None: the step's digits, not padded.
         async_save: ``save`` returns once the state is staged in host memory; the
-            writes run in the background and commit at the next ``save``,
-            ``wait_until_finished``, ``rollback``, ``delete`` or ``close``.
+            writes run in the background and commit at the first ``save`` call after
+            they finished on every rank (a call for a step that is not due commits
+            without waiting; a due one waits for them), or at ``wait_until_finished``,
+            ``resume``, ``rollback``, ``delete`` or ``close``.
         save_interval_secs: also save when this many seconds (of the coordinator's
             clock) have passed since this manager's last save or its start (None: off).
         save_on_preemption: listen for ``preemption_signals`` (one handler shared by
@@ -389,7 +392,13 @@ class CheckpointManager:
 
     **Collective** like ``save``: every rank of the group calls ``save``, ``resume``,
     ``restore``, ``rollback``, ``delete``, ``wait_until_finished`` and ``close`` with the
-    same steps (and ``should_save`` when time or preemption decide). Whether a due
+    same steps (and ``should_save`` when time or preemption decide). With
+    ``async_save``, a ``save`` call that is not due is a collective too while a save is
+    in flight: it commits that save, without waiting, once its writes finished on every
+    rank (one all-reduce; Megatron-LM finalizes at every step the same way). So call
+    ``save`` at the same steps on every rank; calling it at every step (the loop below)
+    commits an async save at the first step after its writes finish, while a loop that
+    calls it only at due steps commits it at the next due one (or ``close``). Whether a due
     ``save`` writes (new step), is a no-op (committed) or is refused (older than the
     newest) is decided on the coordinator and broadcast, so the ranks never disagree.
     Retention runs on the coordinator after the commit without a barrier, so another
@@ -654,9 +663,12 @@ class CheckpointManager:
 
         ``step`` is the state after training step ``step``: a restarted loop continues
         at the step after the restored one (``resume``). An async save first commits
-        the previous one (one in flight at a time). A step that is already committed is
-        not saved again (returns False; WARNING unless this manager saved it: class
-        docstring, Resuming), unless ``overwrite=True``. A step older than the newest
+        the previous one (one in flight at a time); a call for a step that is not due
+        commits, without waiting, an async save whose writes have finished (collective
+        while one is in flight: call ``save`` at the same steps on every rank). A step
+        that is already committed is not saved again (returns False; WARNING unless
+        this manager saved it: class docstring, Resuming), unless ``overwrite=True``.
+        A step older than the newest
         committed one is refused (CheckpointingException, nothing written): call
         ``rollback`` first. A save due to a preemption signal is committed when ``save``
         returns, also an async one. Extra keyword arguments go to ``shardstore.save``.
@@ -684,6 +696,7 @@ class CheckpointManager:
             self._warn_resaving_restored(step)
         due, preempted, signals = self._due(step, force)
         if not due:
+            self._commit_finished_saves()
             return False
         from shardstore.serialization import save
 
@@ -720,6 +733,16 @@ class CheckpointManager:
         if preempted:  # the job may be killed any moment now: commit before returning
             self._queue.maybe_finalize_async_calls(blocking=True)
         return True
+
+    def _commit_finished_saves(self) -> None:
+        """Commits, without waiting, the async saves whose writes have finished on every
+        rank (Megatron-LM finalizes at every training step the same way), so that a save
+        that is not due does not leave a finished one uncommitted until the next due
+        one. Collective while an async save is in flight (one all-reduce: the queue's
+        ranks agree on what finished); nothing otherwise. Every rank has the same
+        saves in flight, so every rank takes the same branch."""
+        if self._queue is not None and self._queue.get_num_unfinalized_calls():
+            self._queue.maybe_finalize_async_calls(blocking=False)
 
     def _plan_keeping_strategy(self) -> Any:
         """The save strategy of this manager's saves (``CheckpointManagerOptions.

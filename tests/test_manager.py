@@ -442,6 +442,52 @@ def test_retention_deletes_only_directories_it_can_prove_are_its_own(tmp_path: P
     assert manager.latest_step() == 6 and not (root / "iter_0000005").exists()
 
 
+def test_retention_keeps_another_programs_files_saved_beside_a_step(tmp_path: Path, caplog) -> None:
+    """A step saved into a shared directory (shared_directory=True) holds another
+    program's files, which its record names as ``beside``. Retention used to delete
+    every entry of the step: now only what the record vouches for goes."""
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=1))
+    step0 = tmp_path / "iter_0000000"
+    step0.mkdir()
+    (step0 / "modelopt_state.pt").write_bytes(b"another program's file")
+    assert manager.save(0, _state(0), shared_directory=True)
+    with caplog.at_level(logging.WARNING, logger="shardstore.tools.manager"):
+        assert manager.save(1, _state(1))
+    assert [p.name for p in step0.iterdir()] == ["modelopt_state.pt"]
+    assert (step0 / "modelopt_state.pt").read_bytes() == b"another program's file"
+    assert manager.all_steps() == [1] and not manager.retention_errors
+    assert any("modelopt_state.pt" in r.getMessage() and "iter_0000000" in r.getMessage() for r in caplog.records)
+
+
+def test_retention_keeps_a_file_added_into_a_step_after_its_commit(tmp_path: Path) -> None:
+    """A file a user put into a committed step later (evaluation results, beside the
+    step and inside one of its arrays) is not the save's: retention used to delete it
+    with the step."""
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=1))
+    assert manager.save(0, _state(0))
+    step0 = tmp_path / "iter_0000000"
+    (step0 / "eval_results.json").write_text('{"acc": 0.9}')
+    (step0 / "w" / "notes.txt").write_text("the user's")
+    assert manager.save(1, _state(1))
+    left = sorted(str(p.relative_to(step0)) for p in step0.rglob("*"))
+    assert left == ["eval_results.json", "w", "w/notes.txt"]
+    assert manager.all_steps() == [1]
+
+
+def test_an_interrupted_deletion_with_an_older_marker_is_still_finished(tmp_path: Path) -> None:
+    """A marker written before the commit record was copied into it says only the step
+    and save id: that deletion is finished as before, the whole directory removed."""
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=1))
+    manager.save(1, _state(1))
+    step1 = tmp_path / "iter_0000001"
+    save_id = manager.step_state(1).save_id
+    (step1 / DELETION_MARKER).write_text(json.dumps({"step": 1, "save_id": save_id}))
+    (step1 / COMMIT_RECORD).unlink()
+    assert manager.step_state(1).kind == "deleting"
+    assert manager.save(2, _state(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002"]
+
+
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_saving_a_step_committed_before_the_manager_started_writes_nothing_and_warns(
     tmp_path: Path, caplog, async_save: bool

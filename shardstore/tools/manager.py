@@ -17,7 +17,8 @@ from Orbax's manager. In short:
   ``max_to_keep``, the multiples of ``keep_period`` and the ``keep_best`` best by
   ``best_fn`` (the metrics travel in the step's own common state), never the newest
   committed step nor the step just saved. A deletion goes in an order that a crash at
-  any point leaves recoverable (a marker of ours first, the commit record next).
+  any point leaves recoverable (a marker of ours first, the commit record next) and
+  removes only the files the step's record vouches for.
 * **Resuming:** ``save(step)`` stores the state *after* training step ``step``;
   ``resume`` restores the newest committed step and returns the step to train next.
   A step already committed is not saved again (False, WARNING unless expected).
@@ -56,17 +57,21 @@ import torch.distributed as dist
 
 from shardstore.core import CheckpointingException, SaveOptions
 from shardstore.format import COMMIT_RECORD, DELETION_MARKER, MAX_RECORD_BYTES, CommitRecord
+from shardstore.format.config import CONFIG_FNAME
 from shardstore.mapping import ShardedStateDict, StateDict
 from shardstore.opened import bare_location
 from shardstore.protocol import Group
 from shardstore.stores import Location
+from shardstore.stores.base import run_parallel
 from shardstore.strategies.async_utils import AsyncCallsQueue
 from shardstore.tools.preemption import Listener, listen
 from shardstore.tools.root_verify import RootVerifyReport, verify_checkpoints
 
 logger = logging.getLogger(__name__)
 
-MAX_MARKER_BYTES = 4096
+# A deletion marker holds the step, its save id and a copy of its commit record (what
+# finishing the deletion removes, once the record itself is gone).
+MAX_MARKER_BYTES = MAX_RECORD_BYTES + 4096
 # The common state's key under which the manager keeps what it stores in a step (its
 # metrics); reserved: a state dict that holds it is refused.
 MANAGER_STATE_KEY = "shardstore_manager"
@@ -310,16 +315,22 @@ class CheckpointManager:
 
     **Deletion** of a step goes in an order that a crash at any point leaves
     recoverable: (1) a marker ``.shardstore-deleting.json`` naming the step and its
-    record's save id is written into the step (durably), (2) the commit record goes
-    (from here on it is not a step), (3) everything but the marker, (4) the marker, (5)
-    the empty directory. A directory with that marker and no commit record is an
-    interrupted deletion, provably ours: the next retention (or ``rollback``, or a save
-    of that step) finishes it. A directory without a record and without our marker is
-    never deleted (an interrupted deletion by a shardstore older than the marker cannot
-    be told from someone else's directory: delete it yourself). A crash between (4) and
-    (5) can leave an empty directory, which a later save of that step replaces. A failed
-    deletion is logged (WARNING) and kept in ``retention_errors``: it must not kill a
-    training job whose save succeeded.
+    record's save id, with a copy of the record, is written into the step (durably),
+    (2) the commit record goes (from here on it is not a step), (3) the files the
+    record vouches for (``CommitRecord.vouched_paths``) and ``metadata.json``, (4) the
+    marker, (5) the directory, if nothing else is in it. Anything else stays, WARNING
+    naming it: another program's files that a save with ``shared_directory=True`` was
+    published beside (the record's ``beside``), a file added into the step after its
+    commit (``eval_results.json``). A directory with that marker and no commit record is
+    an interrupted deletion, provably ours: the next retention (or ``rollback``, or a
+    save of that step) finishes it (a marker of a shardstore before the record was
+    copied into it does not say what the save wrote: there, everything in the
+    directory goes, as that shardstore did). A directory without a record and without
+    our marker is never deleted (an interrupted deletion by a shardstore older than the
+    marker cannot be told from someone else's directory: delete it yourself). A crash
+    between (4) and (5) can leave an empty directory, which a later save of that step
+    replaces. A failed deletion is logged (WARNING) and kept in ``retention_errors``: it
+    must not kill a training job whose save succeeded.
 
     **Resuming.** ``save(step)`` stores the state *after* training step ``step`` (Orbax's
     convention), so a restart restores the newest committed step and trains the one
@@ -1115,8 +1126,14 @@ class CheckpointManager:
         class docstring gives (Deletion)."""
         location = self.location(state.step)
         _refuse_links(location)
-        marker = json.dumps({"step": state.step, "save_id": state.save_id}).encode()
-        location.write_atomic(DELETION_MARKER, marker)  # durable before the record goes
+        record = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_RECORD_BYTES)
+        if record is None or CommitRecord.from_json(record, where=location.describe(COMMIT_RECORD)).save_id != state.save_id:
+            raise CheckpointingException(
+                f"{location.describe()} changed while retention read it (save {state.save_id} replaced or removed); "
+                "left as it is"
+            )
+        marker = {"step": state.step, "save_id": state.save_id, "record": record.decode()}
+        location.write_atomic(DELETION_MARKER, json.dumps(marker).encode())  # durable before the record goes
         current = self.step_state(state.step)
         if current.kind != "committed" or current.save_id != state.save_id:  # replaced meanwhile: not ours to delete
             location.remove(DELETION_MARKER)
@@ -1129,22 +1146,27 @@ class CheckpointManager:
         logger.info("Deleted checkpoint step %d at %s", state.step, location.describe())
 
     def _finish_deletion(self, step: int) -> None:
-        """Removes a step whose deletion began (our marker, no commit record): the
-        marker goes last, so a crash here leaves it provably ours still."""
+        """Removes a step whose deletion began (our marker, no commit record): what the
+        record copied into the marker vouches for (and ``metadata.json``), then the
+        marker (last, so a crash here leaves it provably ours still), then the directory
+        if nothing else is in it. Anything else (another program's files saved beside
+        the step, a file added after its commit) stays, WARNING."""
         location = self.location(step)
         _refuse_links(location)
-        if location.exists(COMMIT_RECORD) or _marker_save_id(location, step) is None:
+        marker = None if location.exists(COMMIT_RECORD) else _read_marker(location, step)
+        if marker is None:
             raise CheckpointingException(f"{location.describe()} is not a deletion of ours to finish; left as it is")
-        for name in location.list_top(limit=None):
-            if name != DELETION_MARKER:
-                location.remove_tree(name)
+        if marker.record is None:
+            # A marker of a shardstore before the record was copied into it: it was
+            # written after that record was read, so the directory is one of our steps
+            # whose deletion began; what its save wrote is not known any more.
+            for name in location.list_top(limit=None):
+                if name != DELETION_MARKER:
+                    location.remove_tree(name)
+        else:
+            _remove_vouched(location, marker.record.vouched_paths() | {CONFIG_FNAME})
         location.remove(DELETION_MARKER)
-        path = location.local_path()
-        if path is not None:  # object stores have no directories: nothing is left there
-            try:
-                path.rmdir()  # only if empty: whatever appeared meanwhile is not ours
-            except FileNotFoundError:
-                pass
+        _remove_directory_if_empty(location, f"checkpoint step {step}")
         logger.debug("Finished deleting checkpoint step %d at %s", step, location.describe())
 
     # ------------------------------------------------------------------ restoring
@@ -1249,9 +1271,47 @@ def _score(best_fn: Callable[[Metrics], float], metrics: Metrics) -> float:
     return float(score)
 
 
+class _DeletionMarker(NamedTuple):
+    """Our deletion marker: the save id of the step being deleted and its commit record
+    (None: a marker written before the record was copied into it)."""
+
+    save_id: str
+    record: CommitRecord | None
+
+
 def _marker_save_id(location: Location, step: int) -> str | None:
     """The save id in our deletion marker for ``step`` at ``location``; None when there
     is no marker, or one that is not ours (a file of that name we did not write)."""
+    marker = _marker_json(location, step)
+    return None if marker is None else marker["save_id"]
+
+
+def _read_marker(location: Location, step: int) -> _DeletionMarker | None:
+    """Our deletion marker for ``step`` at ``location`` with the commit record it holds
+    (checked, and of the marker's save), or None as ``_marker_save_id`` says.
+
+    Raises:
+        CheckpointingException: the marker's record does not read or is another save's.
+    """
+    marker = _marker_json(location, step)
+    if marker is None:
+        return None
+    if "record" not in marker:
+        return _DeletionMarker(marker["save_id"], None)
+    where = location.describe(DELETION_MARKER)
+    text = marker["record"]
+    record = CommitRecord.from_json(text.encode(), where=where) if isinstance(text, str) else None
+    if record is None or record.save_id != marker["save_id"]:
+        raise CheckpointingException(
+            f"{where}: the commit record copied into this deletion marker is not the one of save "
+            f"{marker['save_id']}, so what to delete is not known; {location.describe()} is left as it is: "
+            "delete it yourself"
+        )
+    return _DeletionMarker(marker["save_id"], record)
+
+
+def _marker_json(location: Location, step: int) -> dict[str, Any] | None:
+    """Our deletion marker for ``step`` as JSON, or None (no marker, or not ours)."""
     data = location.read_bytes_or_none(DELETION_MARKER, max_bytes=MAX_MARKER_BYTES)
     if data is None:
         return None
@@ -1261,7 +1321,58 @@ def _marker_save_id(location: Location, step: int) -> str | None:
         return None
     if not isinstance(marker, dict) or marker.get("step") != step or not isinstance(marker.get("save_id"), str):
         return None
-    return marker["save_id"]
+    return marker
+
+
+def _remove_vouched(location: Location, vouched: set[str]) -> None:
+    """Removes the files of ``vouched`` (relative paths) under ``location``, and the
+    directories they leave empty; nothing else. A top-level entry whose every file is
+    vouched for goes at once (one prefix deletion on object stores)."""
+    found: dict[str, list[str]] = {}
+    for rel in location.list_files():
+        found.setdefault(rel.split("/", 1)[0], []).append(rel)
+    for top in sorted({rel.split("/", 1)[0] for rel in vouched}):
+        files = found.get(top, [])
+        if all(rel in vouched for rel in files):
+            location.remove_tree(top)
+            continue
+        run_parallel(location.remove, [rel for rel in files if rel in vouched])
+        _remove_emptied_directories(location, {rel.rsplit("/", 1)[0] for rel in vouched if rel.startswith(f"{top}/")})
+
+
+def _remove_emptied_directories(location: Location, directories: set[str]) -> None:
+    """Removes those of ``directories`` (and their parents) that are empty, deepest
+    first; local directories only (object stores have none)."""
+    root = location.local_path()
+    if root is None:
+        return
+    parents = set()
+    for rel in directories:
+        parts = rel.split("/")
+        parents.update("/".join(parts[:n]) for n in range(1, len(parts) + 1))
+    for rel in sorted(parents, key=lambda r: r.count("/"), reverse=True):
+        path = root / rel
+        if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):  # else: holds what is not ours
+            path.rmdir()
+
+
+def _remove_directory_if_empty(location: Location, what: str) -> None:
+    """Removes the directory of ``location`` where nothing is left in it; otherwise logs
+    what stays (WARNING): what it holds was not written by the save being deleted."""
+    left = location.list_top(limit=None)
+    if left:
+        logger.warning(
+            "Deleted %s at %s but kept what its save did not write: %s (another program's files saved beside "
+            "it, or files added after its commit); move or delete them yourself",
+            what,
+            location.describe(),
+            ", ".join(left),
+        )
+        return
+    path = location.local_path()
+    if path is not None:  # object stores have no directories: nothing is left there
+        with contextlib.suppress(FileNotFoundError):
+            path.rmdir()
 
 
 def _refuse_links(location: Location) -> None:

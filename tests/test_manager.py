@@ -416,6 +416,53 @@ def test_a_crash_before_the_commit_record_goes_leaves_the_step_whole(tmp_path: P
     assert manager.all_steps() == [3] and sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000003"]
 
 
+def _cut_short_before_the_record_goes(manager: CheckpointManager, step: int, monkeypatch) -> None:
+    """``manager.save(step)``, its retention killed between writing the deletion marker
+    of an older step and removing that step's commit record."""
+    real = LocalStore.delete
+
+    def remove(self, rel: str) -> None:
+        if rel == COMMIT_RECORD:
+            raise KeyboardInterrupt("the job is killed before the commit record went")
+        real(self, rel)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LocalStore, "delete", remove)
+        with pytest.raises(KeyboardInterrupt):
+            manager.save(step, _state(step))
+
+
+def test_a_deletion_cut_short_before_the_record_went_leaves_no_damage_when_the_step_is_kept(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The step stays committed with our marker in it. Before, when a restart with a
+    larger max_to_keep kept it, nothing removed the marker: verify() reported the step
+    damaged and save(step, overwrite=True) refused a file the manager wrote itself."""
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=1))
+    manager.save(1, _state(1))
+    _cut_short_before_the_record_goes(manager, 2, monkeypatch)
+    assert (tmp_path / "iter_0000001" / DELETION_MARKER).exists()
+    restarted = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=3))
+    assert restarted.save(3, _state(3))
+    assert restarted.all_steps() == [1, 2, 3] and not (tmp_path / "iter_0000001" / DELETION_MARKER).exists()
+    report = restarted.verify()
+    assert "damaged" not in str(report) and DELETION_MARKER not in str(report), str(report)
+
+
+def test_rolling_back_to_a_step_whose_deletion_was_cut_short_lets_it_be_saved_again(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """rollback keeps the target step: our marker left in it by a deletion cut short
+    goes, so that a save with overwrite=True replaces the step (it refused before)."""
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=1))
+    manager.save(1, _state(1))
+    _cut_short_before_the_record_goes(manager, 2, monkeypatch)
+    assert manager.rollback(1) == [2]
+    assert not (tmp_path / "iter_0000001" / DELETION_MARKER).exists()
+    assert manager.save(1, _state(5), overwrite=True)
+    assert _w(manager.restore(_state(0, empty=True), 1)) == 5
+
+
 def test_retention_deletes_only_directories_it_can_prove_are_its_own(tmp_path: Path) -> None:
     root = tmp_path / "run"
     root.mkdir()

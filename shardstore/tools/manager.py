@@ -328,6 +328,9 @@ class CheckpointManager:
     directory goes, as that shardstore did). A directory without a record and without
     our marker is never deleted (an interrupted deletion by a shardstore older than the
     marker cannot be told from someone else's directory: delete it yourself). A crash
+    between (1) and (2) leaves the step committed with our marker of its save in it:
+    where the manager then keeps the step (retention keeps it, ``rollback`` goes back
+    to it, a save replaces it), it removes that marker (INFO). A crash
     between (4) and (5) can leave an empty directory, which a later save of that step
     replaces. A failed deletion is logged (WARNING) and kept in ``retention_errors``: it
     must not kill a training job whose save succeeded.
@@ -460,6 +463,7 @@ class CheckpointManager:
         self._damaged_seen: set[tuple[int, str]] = set()
         self._metrics_cache: dict[tuple[int, str], dict[str, float] | None] = {}
         self._unreadable_metrics_seen: set[tuple[int, str]] = set()
+        self._markers_checked: set[tuple[int, str]] = set()  # committed steps seen without our marker
         self._clock = clock
         self._last_save_time = clock()
         self._signals_received = 0  # written by the signal handler only
@@ -571,6 +575,7 @@ class CheckpointManager:
         again). The steps are read from storage at every call anyway."""
         self._metrics_cache.clear()
         self._unreadable_metrics_seen.clear()
+        self._markers_checked.clear()
         self._damaged_seen.clear()
 
     def _named_steps(self) -> list[int]:
@@ -858,6 +863,8 @@ class CheckpointManager:
             state = self.step_state(step)
             if state.kind == "committed" and not overwrite:
                 return True
+            if state.kind == "committed":
+                self._keep_with_its_marker_removed(state)  # shardstore.save refuses to replace a step holding it
             if state.kind == "deleting":
                 try:
                     self._finish_deletion(step)
@@ -991,6 +998,7 @@ class CheckpointManager:
                 f"Cannot roll back to step {step} under {self.root.describe()}: it is not a committed checkpoint "
                 f"({reason}). Committed steps: {self.all_steps()}. Nothing was deleted."
             )
+        self._keep_with_its_marker_removed(target)
         deleted = []
         for newer in reversed([s for s in named if s > step]):
             state = self.step_state(newer)
@@ -1072,7 +1080,7 @@ class CheckpointManager:
         if not Group(self.process_group).is_coordinator:
             return
         try:
-            unfinished, doomed = self._retention_plan(just_saved)
+            unfinished, doomed, kept = self._retention_plan(just_saved)
         except (CheckpointingException, OSError) as exc:
             self._retention_failed(f"Retention under {self.root.describe()} skipped: cannot list its steps: {exc}")
             return
@@ -1080,9 +1088,12 @@ class CheckpointManager:
             self._retain_safely(step, "finish the interrupted deletion of", lambda s=step: self._finish_deletion(s))
         for state in doomed:
             self._retain_safely(state.step, "delete old checkpoint", lambda s=state: self._delete(s))
+        for state in kept:
+            self._keep_with_its_marker_removed(state)
 
-    def _retention_plan(self, just_saved: int) -> tuple[list[int], list[StepState]]:
-        """(interrupted deletions to finish, committed steps to delete). Walks the steps
+    def _retention_plan(self, just_saved: int) -> tuple[list[int], list[StepState], list[StepState]]:
+        """(interrupted deletions to finish, committed steps to delete, committed steps
+        read and kept). Walks the steps
         newest first: the records of the newest ``max_to_keep`` and of the steps that
         may go are read; ``keep_period`` steps older than those are kept whatever they
         hold, so only a missing record is looked for there (an interrupted deletion),
@@ -1107,7 +1118,8 @@ class CheckpointManager:
                 self._warn_if_damaged(state)
         scores = self._scores(committed) if options.keep_best is not None and options.max_to_keep is not None else None
         doomed = steps_to_delete(committed, options, protected=(just_saved,), scores=scores)
-        return unfinished, [committed[s] for s in doomed]
+        kept = [state for step, state in sorted(committed.items()) if step not in doomed]
+        return unfinished, [committed[s] for s in doomed], kept
 
     def _retain_safely(self, step: int, what: str, action: Callable[[], None]) -> None:
         try:
@@ -1121,6 +1133,39 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ deleting
 
+    def _keep_with_its_marker_removed(self, state: StepState) -> None:
+        """Coordinator: removes our deletion marker from the committed step ``state``,
+        which is kept, where the marker is of this very save (a deletion cut short
+        before the commit record went: left there, ``verify`` reports the step damaged
+        and a save with ``overwrite=True`` refuses it). Looked for once per step and
+        save id per manager (``reload`` forgets). A deletion of this step that another
+        manager is making at this moment then fails and leaves a directory without a
+        record (not a step; delete it yourself). A failure is logged and kept in
+        ``retention_errors``, as retention's are: the step itself is whole."""
+        key = (state.step, state.save_id)
+        if key in self._markers_checked:
+            return
+        location = self.location(state.step)
+        try:
+            if _marker_save_id(location, state.step) != state.save_id:
+                self._markers_checked.add(key)
+                return
+            location.remove(DELETION_MARKER)
+        except (CheckpointingException, OSError) as exc:
+            self._retention_failed(
+                f"Could not remove {DELETION_MARKER} (a deletion cut short) from the kept step {state.step} at "
+                f"{location.describe()}: {exc}; remove it yourself"
+            )
+            return
+        self._markers_checked.add(key)
+        logger.info(
+            "Removed %s from the committed step %d at %s: a deletion of it was cut short before its commit record "
+            "went, and the step is kept",
+            DELETION_MARKER,
+            state.step,
+            location.describe(),
+        )
+
     def _delete(self, state: StepState) -> None:
         """Deletes the committed step ``state`` (read just before) in the order the
         class docstring gives (Deletion)."""
@@ -1133,6 +1178,7 @@ class CheckpointManager:
                 "left as it is"
             )
         marker = {"step": state.step, "save_id": state.save_id, "record": record.decode()}
+        self._markers_checked.discard((state.step, state.save_id))  # if this is cut short and the step kept
         location.write_atomic(DELETION_MARKER, json.dumps(marker).encode())  # durable before the record goes
         current = self.step_state(state.step)
         if current.kind != "committed" or current.save_id != state.save_id:  # replaced meanwhile: not ours to delete

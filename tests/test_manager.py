@@ -32,6 +32,7 @@ from shardstore.stores.base import StorageError
 from shardstore.stores.local import LocalStore
 from shardstore.tools.manager import (
     DELETION_MARKER,
+    MANAGER_STATE_KEY,
     CheckpointManager,
     CheckpointManagerOptions,
     steps_to_delete,
@@ -573,6 +574,20 @@ def test_resume_restores_the_newest_committed_step_and_continues_after_it(tmp_pa
         assert start == 5 and restored is not None  # 4 is the newest committed step: train 5 next
         assert _w(restored) == 4 and restored["step"] == 4
         assert restored["w"] is request["w"].data  # loaded in place
+
+
+@pytest.mark.parametrize("strict", ["return_all", "return_unexpected"])
+def test_restore_leaves_the_managers_key_out_also_when_load_returns_the_mismatched_keys(
+    tmp_path: Path, strict: str
+) -> None:
+    """With a strict mode that makes load return (state, missing, unexpected), restore
+    used to leave the manager's metrics in the trainer's state (it dropped them only
+    from a plain dict)."""
+    manager = CheckpointManager(tmp_path)
+    assert manager.save(0, _state(0), metrics={"loss": 1.0})
+    assert MANAGER_STATE_KEY not in manager.restore(_state(0, empty=True), 0)
+    result = manager.restore(_state(0, empty=True), 0, strict=strict)
+    assert isinstance(result, tuple) and MANAGER_STATE_KEY not in result[0] and _w(result[0]) == 0
 
 
 def test_a_save_at_or_before_the_restored_step_warns_even_when_not_due(tmp_path: Path, caplog) -> None:

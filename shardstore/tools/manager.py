@@ -1244,23 +1244,28 @@ class CheckpointManager:
         )
         return Resumed(step + 1, state)
 
-    def restore(self, sharded_state_dict: ShardedStateDict, step: int | None = None, **load_kwargs: Any) -> StateDict:
+    def restore(
+        self, sharded_state_dict: ShardedStateDict, step: int | None = None, **load_kwargs: Any
+    ) -> StateDict | tuple[StateDict, set[str], set[str]]:
         """Loads ``step`` (default: ``latest_step()``, picked on the coordinator so that
         every rank loads the same step) into the layout ``sharded_state_dict`` describes.
-        Collective. Extra keyword arguments go to ``shardstore.load``. To continue
-        training, ``resume`` says which step comes next."""
+        Collective. Extra keyword arguments go to ``shardstore.load``, and what it
+        returns is returned (with a ``strict`` mode that returns the mismatched keys, the
+        tuple), less the manager's own ``shardstore_manager`` entry in every case. To
+        continue training, ``resume`` says which step comes next."""
         from shardstore.serialization import load
 
         if step is None:
             step = self._on_coordinator(self.latest_step)
             if step is None:
                 raise CheckpointingException(f"No committed checkpoint under {self.root.describe()} to restore")
-        state = load(sharded_state_dict, self.location(step), process_group=self.process_group, **load_kwargs)
+        result = load(sharded_state_dict, self.location(step), process_group=self.process_group, **load_kwargs)
+        state = result[0] if isinstance(result, tuple) else result  # strict="return_...": (state, keys...)
         if isinstance(state, dict):
             state.pop(MANAGER_STATE_KEY, None)  # the manager's own, not the trainer's
         self._restored_step = step
         self._warned_resaving_restored = False
-        return state
+        return result
 
     # ------------------------------------------------------------------ collectives
 

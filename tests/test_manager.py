@@ -171,6 +171,37 @@ def test_retention_never_deletes_what_it_cannot_prove_is_a_shardstore_checkpoint
     assert any("iter_0000001 is not counted as a checkpoint step" in r.getMessage() for r in caplog.records)
 
 
+def test_a_save_after_close_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """After close(), an async manager's save used to plan and begin the save (its
+    staging directory made), then fail in AsyncCallsQueue with a message naming
+    neither the root nor the step."""
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(async_save=True))
+    assert manager.save(1, _state(1))
+    manager.close()
+    with pytest.raises(CheckpointingException, match=r"save step 2 under .*closed; create a new CheckpointManager") as info:
+        manager.save(2, _state(2))
+    assert str(tmp_path) in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001"]
+    manager.close()  # again: nothing to do
+
+
+@pytest.mark.parametrize("call", ["restore", "resume", "rollback", "delete"])
+def test_a_closed_manager_refuses_to_restore_or_delete(tmp_path: Path, call: str) -> None:
+    manager = CheckpointManager(tmp_path)
+    for step in (1, 2):
+        manager.save(step, _state(step))
+    manager.close()
+    calls = {
+        "restore": lambda: manager.restore(_state(0, empty=True), 1),
+        "resume": lambda: manager.resume(_state(0, empty=True)),
+        "rollback": lambda: manager.rollback(1),
+        "delete": lambda: manager.delete(1),
+    }
+    with pytest.raises(CheckpointingException, match="CheckpointManager was closed"):
+        calls[call]()
+    assert CheckpointManager(tmp_path).all_steps() == [1, 2]
+
+
 def test_restore_without_any_checkpoint_says_so(tmp_path: Path) -> None:
     with pytest.raises(CheckpointingException, match="No committed checkpoint under"):
         CheckpointManager(tmp_path).restore(_state(0, empty=True))

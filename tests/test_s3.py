@@ -410,10 +410,10 @@ def test_checkpoint_manager_on_s3_keeps_the_best_and_the_newest_and_deletes_on_r
     restarted.delete(1)
     with pytest.raises(CheckpointingException, match="newest committed checkpoint and the only one"):
         restarted.delete(4)
-    restarted.close()
     assert root.list_top(None) == ["iter_0000004"]
     restored = restarted.restore({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))})
     assert restored["w"].tolist() == [4.0] * 4 and "shardstore_manager" not in restored
+    restarted.close()
 
 
 def test_the_zarr_modules_seed_functions_open_arrays_on_s3(server: MotoServer, url: str, monkeypatch) -> None:

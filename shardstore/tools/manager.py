@@ -476,6 +476,7 @@ class CheckpointManager:
         self._queue = AsyncCallsQueue(process_group=process_group) if self.options.async_save else None
         self._strategy: tuple[Any, dict[str, Any], Any] | None = None  # ``_plan_keeping_strategy``
         self._preemption: Listener | None = None
+        self._closed = False
         if self.options.save_on_preemption:
             try:  # main thread only; every manager sees the signal, and the handler before them too
                 self._preemption = listen(self.options.preemption_signals, self._on_preemption_signal)
@@ -694,6 +695,7 @@ class CheckpointManager:
                 and ``metrics(step)``; the coordinator's are saved. With ``best_fn``,
                 they must be scorable: a ``best_fn`` that fails on them refuses the save.
         """
+        self._refuse_if_closed(f"save step {step}")
         if MANAGER_STATE_KEY in sharded_state_dict:
             raise CheckpointingException(
                 f"Not saving step {step} under {self.root.describe()}: the state dict holds the key "
@@ -933,13 +935,26 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Commits the async saves still in flight, stops the background worker and puts
-        back the signal handlers that ``save_on_preemption`` replaced."""
+        back the signal handlers that ``save_on_preemption`` replaced. The manager then
+        refuses ``save``, ``resume``, ``restore``, ``rollback`` and ``delete``; calling
+        ``close`` again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             if self._queue is not None:
                 self._queue.close()
         finally:
             if self._preemption is not None:
                 self._preemption.close()
+
+    def _refuse_if_closed(self, action: str) -> None:
+        """Raises before ``action`` does anything once ``close`` was called."""
+        if self._closed:
+            raise CheckpointingException(
+                f"Cannot {action} under {self.root.describe()}: this CheckpointManager was closed; create a new "
+                "CheckpointManager for the root. Nothing was written or deleted."
+            )
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -984,6 +999,7 @@ class CheckpointManager:
             CheckpointingException: ``step`` is not a committed step (nothing deleted),
                 or a deletion failed (call it again).
         """
+        self._refuse_if_closed(f"roll back to step {step}")
         self.wait_until_finished()
         deleted = self._on_coordinator(lambda: self._rollback(step))
         self._saved_steps.difference_update(deleted)
@@ -1037,6 +1053,7 @@ class CheckpointManager:
             CheckpointingException: ``step`` is not committed or is the newest (nothing
                 deleted), or the deletion failed.
         """
+        self._refuse_if_closed(f"delete step {step}")
         self.wait_until_finished()
         self._on_coordinator(lambda: self._delete_step(step, force))
         self._saved_steps.discard(step)
@@ -1233,6 +1250,7 @@ class CheckpointManager:
 
         trains every step once, however often the run restarts.
         """
+        self._refuse_if_closed("resume")
         self.wait_until_finished()
         step = self._on_coordinator(self.latest_step)
         if step is None:
@@ -1255,6 +1273,7 @@ class CheckpointManager:
         continue training, ``resume`` says which step comes next."""
         from shardstore.serialization import load
 
+        self._refuse_if_closed("restore " + ("the latest step" if step is None else f"step {step}"))
         if step is None:
             step = self._on_coordinator(self.latest_step)
             if step is None:

@@ -202,6 +202,24 @@ def test_a_closed_manager_refuses_to_restore_or_delete(tmp_path: Path, call: str
     assert CheckpointManager(tmp_path).all_steps() == [1, 2]
 
 
+@pytest.mark.parametrize("step", [5.0, True, "5"])
+def test_a_step_that_is_not_an_int_is_refused_naming_it(tmp_path: Path, step) -> None:
+    """save(5.0) used to fail with a bare ValueError from formatting the step's name."""
+    manager = CheckpointManager(tmp_path)
+    with pytest.raises(CheckpointingException, match=r"step .* under .*: a step is an int"):
+        manager.save(step, _state(0), force=True)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argument", ["async_sharded_save", "process_group"])
+def test_save_arguments_the_manager_sets_itself_are_refused_naming_them(tmp_path: Path, argument: str) -> None:
+    """These went on to shardstore.save beside the manager's own: a bare TypeError."""
+    manager = CheckpointManager(tmp_path)
+    with pytest.raises(CheckpointingException, match=f"Not saving step 0 under .*passes {argument}= itself"):
+        manager.save(0, _state(0), **{argument: None})
+    assert not any(tmp_path.iterdir())
+
+
 def test_restore_without_any_checkpoint_says_so(tmp_path: Path) -> None:
     with pytest.raises(CheckpointingException, match="No committed checkpoint under"):
         CheckpointManager(tmp_path).restore(_state(0, empty=True))

@@ -688,14 +688,19 @@ class CheckpointManager:
         A step older than the newest
         committed one is refused (CheckpointingException, nothing written): call
         ``rollback`` first. A save due to a preemption signal is committed when ``save``
-        returns, also an async one. Extra keyword arguments go to ``shardstore.save``.
+        returns, also an async one. Extra keyword arguments go to ``shardstore.save``,
+        except ``async_sharded_save`` and ``process_group``, which the manager sets
+        (``CheckpointManagerOptions.async_save``, ``process_group``): refused.
 
         Args:
+            step: an int from 0 on (another type is refused).
             metrics: numbers to keep with the step (``{"loss": 1.7}``), for ``best_fn``
                 and ``metrics(step)``; the coordinator's are saved. With ``best_fn``,
                 they must be scorable: a ``best_fn`` that fails on them refuses the save.
         """
         self._refuse_if_closed(f"save step {step}")
+        step = self._checked_step(step, "Not saving")
+        self._refuse_managers_arguments(save_kwargs, f"Not saving step {step}")
         if MANAGER_STATE_KEY in sharded_state_dict:
             raise CheckpointingException(
                 f"Not saving step {step} under {self.root.describe()}: the state dict holds the key "
@@ -947,6 +952,30 @@ class CheckpointManager:
         finally:
             if self._preemption is not None:
                 self._preemption.close()
+
+    def _checked_step(self, step: Any, refusal: str) -> int:
+        """``step`` as an int; a float, a bool or anything else not an integer is
+        refused (its directory name would not be a step's)."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise CheckpointingException(
+                f"{refusal} step {step!r} under {self.root.describe()}: a step is an int, got "
+                f"{type(step).__name__}; pass the training step's number (int(step))"
+            )
+        return int(step)
+
+    def _refuse_managers_arguments(self, kwargs: Mapping[str, Any], refusal: str) -> None:
+        """Refuses keyword arguments for ``shardstore.save``/``load`` that the manager
+        sets itself, naming the option that chooses them."""
+        chosen = {
+            "async_sharded_save": "CheckpointManagerOptions(async_save=...)",
+            "process_group": "CheckpointManager(..., process_group=...)",
+        }
+        for name, where in chosen.items():
+            if name in kwargs:
+                raise CheckpointingException(
+                    f"{refusal} under {self.root.describe()}: the manager passes {name}= itself; set it with "
+                    f"{where} instead"
+                )
 
     def _refuse_if_closed(self, action: str) -> None:
         """Raises before ``action`` does anything once ``close`` was called."""
@@ -1274,6 +1303,9 @@ class CheckpointManager:
         from shardstore.serialization import load
 
         self._refuse_if_closed("restore " + ("the latest step" if step is None else f"step {step}"))
+        self._refuse_managers_arguments(load_kwargs, "Not restoring")
+        if step is not None:
+            step = self._checked_step(step, "Not restoring")
         if step is None:
             step = self._on_coordinator(self.latest_step)
             if step is None:

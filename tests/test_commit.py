@@ -173,6 +173,11 @@ def test_a_deletion_marker_naming_the_checkpoints_save_does_not_block_overwrite(
     _save_small(ckpt_dir)
     _leave_own_marker(ckpt_dir, DELETION_MARKER)
     assert verify(ckpt_dir).ok, str(verify(ckpt_dir))
+    # as the manager writes it: with a copy of the commit record, larger than a save's marker
+    record = (ckpt_dir / COMMIT_RECORD).read_text()
+    marker = {"step": 1, "save_id": read_commit_record(open_location(ckpt_dir)).save_id, "record": record + " " * 8192}
+    (ckpt_dir / DELETION_MARKER).write_text(json.dumps(marker))
+    assert verify(ckpt_dir).ok, str(verify(ckpt_dir))
     save({"y": ShardedTensor.from_rank_offsets("y", torch.ones(1))}, ckpt_dir, overwrite=True)
     assert set(load_sharded_metadata(ckpt_dir)) == {"y"}
 

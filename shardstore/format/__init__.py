@@ -48,6 +48,7 @@ __all__ = [
     "numpy_to_tensor",
     "parent_groups",
     "read_commit_record",
+    "read_marker",
     "read_region",
     "run_reads",
     "serialize",
@@ -67,5 +68,6 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "pickles": ("load_torch", "serialize"),
     "records": ("ArrayRecord", "COMMIT_RECORD", "COMMON_FILE", "CommitRecord", "DELETION_MARKER", "DcpMetadata",
                 "MAX_RECORD_BYTES", "ObjectRecord", "StatePath", "ZARR_JSON", "array_group_collisions",
-                "group_metadata", "is_committed", "parent_groups", "read_commit_record", "state_paths"),
+                "group_metadata", "is_committed", "parent_groups", "read_commit_record", "read_marker",
+                "state_paths"),
 })

@@ -61,6 +61,7 @@ __all__ = [
     "HEX_DIGITS",
     "LEGACY_CHUNK_SEPARATOR",
     "MAX_CHUNK_BYTES",
+    "MAX_DELETION_MARKER_BYTES",
     "MAX_ELEMENTS",
     "MAX_KEY_LENGTH",
     "MAX_MARKER_BYTES",
@@ -95,6 +96,7 @@ __all__ = [
     "group_metadata",
     "is_committed",
     "marker_save_id",
+    "read_marker",
     "name_other_formats_with",
     "object_path",
     "other_checkpoint_beside",
@@ -200,6 +202,9 @@ MAX_ELEMENTS = 2**62
 MAX_CHUNK_BYTES = 2**34  # one chunk is read into memory whole; 16 GiB is far above any we write
 # Largest commit record read (a crc32c per chunk: about 11 bytes each in JSON).
 MAX_RECORD_BYTES = 2**30
+# The checkpoint manager's deletion marker also holds a copy of the commit record (what
+# finishing the deletion removes once the record itself is gone).
+MAX_DELETION_MARKER_BYTES = MAX_RECORD_BYTES + 4096
 # Chunks of one array in a format-1 record, which lists no checksums to pay for them.
 MAX_UNBOUND_CHUNKS = 2**24
 
@@ -1336,6 +1341,25 @@ def object_path(shard_key: str) -> str:
     return f"{OBJECTS_DIR}/{shard_key}.pt"
 
 
+def read_marker(location: Location, name: str) -> dict[str, Any] | None:
+    """The marker ``name`` (``SAVE_MARKER`` or ``DELETION_MARKER``) at the top of
+    ``location`` as a JSON object; None where there is none, or a file of that name that
+    is no JSON object (no marker of ours).
+
+    Raises:
+        StorageError: it cannot be read, or holds more than a marker of that name
+            holds (``MAX_MARKER_BYTES``; ``MAX_DELETION_MARKER_BYTES``)."""
+    bound = MAX_DELETION_MARKER_BYTES if name == DELETION_MARKER else MAX_MARKER_BYTES
+    data = location.read_bytes_or_none(name, max_bytes=bound)
+    if data is None:
+        return None
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def marker_save_id(location: Location, name: str = SAVE_MARKER, field_name: str = "save_id") -> str | None:
     """The save id the marker ``name`` (``SAVE_MARKER`` or ``DELETION_MARKER``) at the
     top of ``location`` holds in ``field_name``: ``save_id``, the save that wrote it, or
@@ -1344,15 +1368,9 @@ def marker_save_id(location: Location, name: str = SAVE_MARKER, field_name: str 
     marker of ours (not a JSON object with a string there).
 
     Raises:
-        StorageError: it cannot be read, or holds more than ``MAX_MARKER_BYTES``."""
-    data = location.read_bytes_or_none(name, max_bytes=MAX_MARKER_BYTES)
-    if data is None:
-        return None
-    try:
-        value = json.loads(data)
-    except ValueError:
-        return None
-    save_id = value.get(field_name) if isinstance(value, dict) else None
+        StorageError: as ``read_marker``."""
+    marker = read_marker(location, name)
+    save_id = marker.get(field_name) if marker is not None else None
     return save_id if isinstance(save_id, str) else None
 
 

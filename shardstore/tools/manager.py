@@ -56,7 +56,13 @@ import torch
 import torch.distributed as dist
 
 from shardstore.core import CheckpointingException, SaveOptions
-from shardstore.format import COMMIT_RECORD, DELETION_MARKER, MAX_RECORD_BYTES, CommitRecord
+from shardstore.format import (
+    COMMIT_RECORD,
+    DELETION_MARKER,
+    MAX_RECORD_BYTES,
+    CommitRecord,
+    read_marker,
+)
 from shardstore.format.config import CONFIG_FNAME
 from shardstore.mapping import ShardedStateDict, StateDict
 from shardstore.opened import bare_location
@@ -69,9 +75,6 @@ from shardstore.tools.root_verify import RootVerifyReport, verify_checkpoints
 
 logger = logging.getLogger(__name__)
 
-# A deletion marker holds the step, its save id and a copy of its commit record (what
-# finishing the deletion removes, once the record itself is gone).
-MAX_MARKER_BYTES = MAX_RECORD_BYTES + 4096
 # The common state's key under which the manager keeps what it stores in a step (its
 # metrics); reserved: a state dict that holds it is refused.
 MANAGER_STATE_KEY = "shardstore_manager"
@@ -1414,14 +1417,8 @@ def _read_marker(location: Location, step: int) -> _DeletionMarker | None:
 
 def _marker_json(location: Location, step: int) -> dict[str, Any] | None:
     """Our deletion marker for ``step`` as JSON, or None (no marker, or not ours)."""
-    data = location.read_bytes_or_none(DELETION_MARKER, max_bytes=MAX_MARKER_BYTES)
-    if data is None:
-        return None
-    try:
-        marker = json.loads(data)
-    except ValueError:
-        return None
-    if not isinstance(marker, dict) or marker.get("step") != step or not isinstance(marker.get("save_id"), str):
+    marker = read_marker(location, DELETION_MARKER)
+    if marker is None or marker.get("step") != step or not isinstance(marker.get("save_id"), str):
         return None
     return marker
 

@@ -22,7 +22,7 @@ from shardstore import (
     save,
     verify,
 )
-from shardstore.format.records import COMMON_FILE, checksum, is_committed
+from shardstore.format.records import COMMON_FILE, FILE_DIGESTS, checksum, file_digest, is_committed
 from shardstore.stores.locations import open_location
 from tests.dist import run_distributed
 from tests.scenarios import rewrite_record
@@ -123,6 +123,8 @@ HOSTILE_RECORDS: dict[str, Callable[[dict], None] | bytes] = {
     "objects not a list": _record_edit(["objects"], {"o": "shard"}),
     "file outside checkpoint": _record_edit(["files"], {"../../etc/passwd": "crc32c:00000000"}),
     "file checksum not a string": _record_edit(["files"], {"common.pt": 5}),
+    "file digest not 32 hex digits": _record_edit([FILE_DIGESTS], {"common.pt": "crc32c:00000000"}),
+    "file digest of an unlisted file": _record_edit([FILE_DIGESTS], {"other.pt": "0" * 32}),
     "chunk checksum as bool": _record_edit(["arrays", "w", "chunk_crc32c"], [True]),
     "chunk checksum negative": _record_edit(["arrays", "w", "chunk_crc32c"], [-1]),
     "chunk checksum above 32 bits": _record_edit(["arrays", "w", "chunk_crc32c"], [2**32]),
@@ -168,7 +170,11 @@ def test_code_running_pickle_in_common_state_is_refused(ckpt_dir: Path) -> None:
     payload = pickle.dumps({"step": _RunsCode()}, protocol=2)
     (ckpt_dir / COMMON_FILE).write_bytes(payload)
     # the attacker also fixes the checksum in the record: the pickle guard must still hold
-    rewrite_record(ckpt_dir, lambda root: root["attributes"]["shardstore"]["files"].update({COMMON_FILE: checksum(payload)}))
+    def vouch_for_payload(root: dict) -> None:
+        root["attributes"]["shardstore"]["files"][COMMON_FILE] = checksum(payload)
+        root["attributes"]["shardstore"][FILE_DIGESTS][COMMON_FILE] = file_digest(payload)
+
+    rewrite_record(ckpt_dir, vouch_for_payload)
     with pytest.raises(CheckpointingException, match="allow_unsafe_pickle"):
         load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}, ckpt_dir)
 

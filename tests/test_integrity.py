@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, save, verify
+from shardstore import (
+    CheckpointingException,
+    ShardedObject,
+    ShardedTensor,
+    load,
+    load_common_state_dict,
+    save,
+    verify,
+)
 from shardstore.format.records import SAVE_MARKER, read_commit_record
 from shardstore.stores.locations import open_location
 
@@ -141,14 +149,12 @@ def _forge_crc32c(data: bytes, at: int, target: int) -> bytes:
     return forged
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: non-array files carry only crc32c in the commit record; "
-                   "an XXH3-128 digest per file is a format addition not made yet")
-def test_verify_does_not_hold_a_changed_common_pt_equal_by_its_crc32c(ckpt_dir: Path) -> None:
+def test_a_changed_common_pt_with_its_crc32c_restored_fails_verify_and_loads(ckpt_dir: Path) -> None:
     """Chunks carry a 128-bit digest in the record ("128 bits, unlike crc32c, are not forged by
-    changing four bytes"), but every other file (common.pt, the pickled object shards,
-    metadata.json) only ``crc32c:xxxxxxxx`` (``records.checksum``): verify and every load
-    (``ChecksummedLocation``) decide that the bytes there now are the committed ones by 32
-    bits. A common.pt with four bytes changed passes."""
+    changing four bytes"); every other file (common.pt, the pickled object shards,
+    metadata.json) carried only ``crc32c:xxxxxxxx``, so verify and every load
+    (``ChecksummedLocation``) held a common.pt with four more bytes changed equal to the
+    committed one. Now the record keeps each file's XXH3-128 too (``files_xxh3_128``)."""
     import crc32c
 
     save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4, 3)), "iteration": 100, "note": "A" * 64}, ckpt_dir)
@@ -159,5 +165,7 @@ def test_verify_does_not_hold_a_changed_common_pt_equal_by_its_crc32c(ckpt_dir: 
     changed[at:at + 8] = b"EVILEVIL"
     path.write_bytes(_forge_crc32c(bytes(changed), at + 8, crc32c.crc32c(data)))
     assert path.read_bytes() != data
+    with pytest.raises(CheckpointingException, match=r"common.pt: its XXH3-128 [0-9a-f]{32} differs .*crc32c matches"):
+        load_common_state_dict(ckpt_dir)
     report = verify(ckpt_dir)
     assert not report.ok, "verify holds a changed common.pt equal to the committed one by its crc32c"

@@ -700,9 +700,13 @@ def commit_save(pending: PendingCheckpoint, record: CommitRecord, reports: list[
             cannot be read back, or a lost race with another save (nothing is published).
     """
     record = bind_chunks(record.with_zarr_metadata(pending.options.zarr_metadata), reports, pending.describe())
-    record = replace(record, files=file_checksums(pending.location, record), reused_from=reused_from(pending, reports))
+    files = file_checksums(pending.location, record)
+    record = replace(record, files=files.checksums, file_digests=files.digests,
+                     reused_from=reused_from(pending, reports))
     if pending.publisher.binds_callers_files:
-        record = replace(record, external_files=caller_file_checksums(pending.location, record))
+        external = caller_file_checksums(pending.location, record)
+        record = replace(record, external_files=external.checksums,
+                         file_digests={**record.file_digests, **external.digests})
     record = replace(record, save_id=pending.intent.save_id, created=time.time())
     record = pending.commit(record)
     if record.reused_from is not None:

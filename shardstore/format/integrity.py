@@ -23,9 +23,10 @@ __all__ = [
     "Problem",
     "VERIFY_REMOTE_THREADS",
     "VerifyReport",
+    "FileSums",
     "caller_file_checksums",
-    "checksum_mismatch",
     "file_checksums",
+    "file_mismatch",
     "verify",
 ]
 
@@ -50,6 +51,7 @@ from shardstore.format.records import (
     CommitRecord,
     check_key,
     checksum,
+    file_digest,
     other_checkpoint_beside,
     own_markers,
     read_commit_record,
@@ -66,42 +68,62 @@ VERIFY_REMOTE_THREADS = 16
 MAX_NODE_DOCUMENT_BYTES = 2**20
 
 
-def file_checksums(location: Location, record: CommitRecord) -> dict[str, str]:
+@dataclass(frozen=True)
+class FileSums:
+    """What a commit record keeps of some non-array files, by relative path: each one's
+    crc32c (``checksum``) and XXH3-128 (``file_digest``)."""
+
+    checksums: dict[str, str] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)
+
+    def add(self, rel: str, data: bytes) -> None:
+        self.checksums[rel], self.digests[rel] = checksum(data), file_digest(data)
+
+
+def file_checksums(location: Location, record: CommitRecord) -> FileSums:
     """Checksums of the non-array files of a checkpoint about to be committed.
 
     Read back from storage, so what is vouched for is what is there. Every object
     shard must exist; ``common.pt`` and ``metadata.json`` are listed when present.
     """
-    sums = {}
+    sums = FileSums()
     for rel in sorted(record.expected_files()):
         data = location.read_bytes_or_none(rel)
         if data is None:
             if rel.endswith(".pt") and rel != "common.pt":
                 raise CheckpointingException(f"Sharded object file {location.describe(rel)} is missing at commit")
             continue
-        sums[rel] = checksum(data)
+        sums.add(rel, data)
     return sums
 
 
-def caller_file_checksums(location: Location, record: CommitRecord) -> dict[str, str]:
+def caller_file_checksums(location: Location, record: CommitRecord) -> FileSums:
     """Checksums of the files an in-place save's caller wrote into the checkpoint
     before the commit: every file there that the record does not vouch for yet
     (Megatron-Core's own ``save`` writes its sharded objects before it calls ours)."""
-    adopted = {}
+    adopted = FileSums()
     for rel in sorted(set(location.list_files()) - record.vouched_paths()):
         try:
             check_key(rel, where=location.describe())  # what the record's reader accepts
         except CheckpointingException as exc:
             logger.warning("Not listing %s in the commit record (verify will flag it): %s", location.describe(rel), exc)
             continue
-        adopted[rel] = checksum(location.read_bytes(rel))
+        adopted.add(rel, location.read_bytes(rel))
     return adopted
 
 
-def checksum_mismatch(data: bytes, expected: str) -> str | None:
-    """Why ``data`` does not match the checksum the commit record keeps for it, or None."""
+def file_mismatch(data: bytes, rel: str, record: CommitRecord) -> str | None:
+    """Why ``data``, read at ``rel``, is not the file ``record`` vouches for there, or
+    None: its crc32c and, where the record keeps one (``file_digests``; not in records
+    written before it), its XXH3-128 must match."""
+    expected = record.files.get(rel, record.external_files.get(rel))
     actual = checksum(data)
-    return None if actual == expected else f"its checksum {actual} differs from {expected} in the commit record"
+    if actual != expected:
+        return f"its checksum {actual} differs from {expected} in the commit record"
+    digest = record.file_digests.get(rel)
+    if digest is not None and (actual := file_digest(data)) != digest:
+        return f"its XXH3-128 {actual} differs from {digest} in the commit record (its crc32c matches)"
+    return None
 
 
 class ChecksummedLocation(Location):
@@ -129,7 +151,7 @@ class ChecksummedLocation(Location):
                 f"{self.inner.describe(rel)} is not vouched for by the commit record of {self.inner.describe()} "
                 "(added after the commit?); refusing to read it"
             )
-        if why := checksum_mismatch(data, expected):
+        if why := file_mismatch(data, rel, self.record):
             raise CheckpointingException(
                 f"Corrupt file {self.inner.describe(rel)}: {why}; restore it or load an earlier checkpoint"
             )
@@ -215,7 +237,7 @@ def _verify(location: Location) -> VerifyReport:
     except CheckpointingException as exc:
         report.problems.append(Problem(COMMIT_RECORD, "file", str(exc)))
         return report
-    for rel, expected in sorted({**record.files, **record.external_files}.items()):
+    for rel in sorted({*record.files, *record.external_files}):
         report.files_checked += 1
         try:
             data = location.read_bytes_or_none(rel)
@@ -224,7 +246,7 @@ def _verify(location: Location) -> VerifyReport:
             continue
         if data is None:
             report.problems.append(Problem(rel, "file", "missing"))
-        elif why := checksum_mismatch(data, expected):
+        elif why := file_mismatch(data, rel, record):
             report.problems.append(Problem(rel, "file", why))
     _verify_node_documents(location, record, report)
     _verify_consolidated(location, record, report)

@@ -55,6 +55,7 @@ __all__ = [
     "DELETION_MARKER",
     "DIGEST_HEX_DIGITS",
     "DcpMetadata",
+    "FILE_DIGESTS",
     "FIRST_SEALED_VERSION",
     "FLAT_SHARDED_FORMAT_VERSION",
     "FORMAT_VERSION",
@@ -91,6 +92,7 @@ __all__ = [
     "check_key",
     "check_storable_key",
     "checksum",
+    "file_digest",
     "chunk_key",
     "format_version_for",
     "group_metadata",
@@ -129,6 +131,7 @@ from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore
 from typing import Any
 
 import crc32c
+import xxhash
 
 from shardstore._zarr_autoload import EXTENSION_METADATA
 from shardstore.errors import CheckpointingException
@@ -167,6 +170,9 @@ UNSEALED_DIGEST = "crc32c:00000000"
 CHUNK_SEPARATOR = "."
 # Each chunk's 128-bit content digest in an array's record (``format.reuse``).
 CHUNK_DIGESTS = "chunk_xxh3_128"
+# Each non-array file's 128-bit content digest in the commit record (``file_digest``):
+# its crc32c (``files``) alone could hold a changed file equal.
+FILE_DIGESTS = "files_xxh3_128"
 # Each chunk object's ETag as its object store reported it when the object was written
 # (null for a chunk it gave none); only in records of saves to object stores.
 CHUNK_ETAGS = "chunk_etags"
@@ -958,6 +964,10 @@ class CommitRecord:
             them; ``verify`` names them as another program's instead of as damage, and
             a replacing save still refuses to delete them.
         dcp: what a save through DCP's API recorded of DCP's metadata, or None.
+        file_digests: XXH3-128 (``file_digest``) of every file of ``files`` and
+            ``external_files``, by relative path: a file is what the save wrote where
+            both its crc32c and this digest match. Records written before it was added
+            have none; their files are checked by their crc32c only.
         zarr_metadata: where the nodes' metadata documents are (``ZarrMetadata``):
             their own ``zarr.json`` files, or only the root's consolidated metadata
             (format version 6, ``with_zarr_metadata``).
@@ -976,6 +986,7 @@ class CommitRecord:
     beside: tuple[str, ...] = ()
     dcp: DcpMetadata | None = None
     zarr_metadata: ZarrMetadata = ZarrMetadata.PER_NODE
+    file_digests: dict[str, str] = field(default_factory=dict)
 
     def with_zarr_metadata(self, where: ZarrMetadata) -> CommitRecord:
         """This record with its nodes' documents kept ``where`` says, at the format
@@ -1116,6 +1127,7 @@ class CommitRecord:
                 "objects": {k: list(o.shard_keys) for k, o in sorted(self.objects.items())},
                 "files": dict(sorted(self.files.items())),
                 **({"external_files": dict(sorted(self.external_files.items()))} if self.external_files else {}),
+                **({FILE_DIGESTS: dict(sorted(self.file_digests.items()))} if self.file_digests else {}),
                 **({"reused_from": self.reused_from.to_json()} if self.reused_from else {}),
                 **({"beside": sorted(self.beside)} if self.beside else {}),
                 **({"dcp": self.dcp.to_json()} if self.dcp else {}),
@@ -1234,7 +1246,9 @@ class CommitRecord:
             check_key(path, where=where)
         reused_from = ReusedChunks.from_json(record.get("reused_from"), where)
         dcp = DcpMetadata.from_json(record.get("dcp"), where)
-        result = replace(result, files=dict(files), external_files=dict(external), reused_from=reused_from, dcp=dcp)
+        digests = _file_digests_from_json(record.get(FILE_DIGESTS, {}), {*files, *external}, where)
+        result = replace(result, files=dict(files), external_files=dict(external), reused_from=reused_from, dcp=dcp,
+                         file_digests=digests)
         beside = record.get("beside", [])
         if not isinstance(beside, list) or not all(isinstance(n, str) for n in beside):
             raise CheckpointingException(f"{where}: 'beside' must be a list of top-level names")
@@ -1332,8 +1346,28 @@ def _seal_mismatch(data: bytes, digest: Any) -> str | None:
 
 
 def checksum(data: bytes) -> str:
-    """The checksum the commit record keeps for a non-array file."""
+    """The checksum the commit record keeps for a non-array file (``files``), and the
+    record's own digest."""
     return f"crc32c:{crc32c.crc32c(data):08x}"
+
+
+def file_digest(data: bytes) -> str:
+    """The content digest the commit record keeps for a non-array file
+    (``FILE_DIGESTS``): XXH3-128 as 32 hex digits, as chunks have theirs
+    (``format.chunks.chunk_digest``)."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def _file_digests_from_json(raw: Any, listed: set[str], where: str) -> dict[str, str]:
+    """A record's ``FILE_DIGESTS``: 32 hex digits for files it lists in ``files`` or
+    ``external_files`` (``listed``)."""
+    if not isinstance(raw, dict) or not all(
+        isinstance(v, str) and len(v) == DIGEST_HEX_DIGITS and set(v) <= HEX_DIGITS for v in raw.values()
+    ):
+        raise CheckpointingException(f"{where}: '{FILE_DIGESTS}' must map paths to {DIGEST_HEX_DIGITS} hex digits")
+    if unlisted := sorted(set(raw) - listed):
+        raise CheckpointingException(f"{where}: '{FILE_DIGESTS}' names files the record does not list {unlisted[:5]}")
+    return dict(raw)
 
 
 def object_path(shard_key: str) -> str:

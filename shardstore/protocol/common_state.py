@@ -18,7 +18,7 @@ from typing import Any
 
 from shardstore.dict_utils import diff
 from shardstore.format.pickles import serialize
-from shardstore.format.records import checksum
+from shardstore.format.records import file_digest
 from shardstore.mapping import CommonStateDict
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.stage import Deliver, run_stage
@@ -34,7 +34,7 @@ def common_state_digests(common_state_dict: CommonStateDict) -> dict[str, str]:
             data = serialize(value)
         except Exception:  # noqa: BLE001  (compared, not saved: a repr is good enough)
             data = safe_repr(value).encode()
-        digests[str(key)] = checksum(data)
+        digests[str(key)] = file_digest(data)  # 128 bits: a crc32c could hold two values equal
     return digests
 
 

@@ -556,7 +556,14 @@ def _load_opened(
         error = exc
     with stage("load: read", where):
         loaded = sharded_strategy.load_with_plan(sharded_part, location, record, plan.reads, group, error)
-    result, nbytes = request.result(common_state_dict, loaded)
+    try:
+        result, nbytes = request.result(common_state_dict, loaded)
+    except ValueError as exc:  # dict_utils.nest/merge: a loaded value where the common state holds another
+        raise CheckpointingException(
+            f"Loading {where}: the state dict's containers do not match the checkpoint's common state ({exc}). "
+            "A list of another length than the saved one, or a value where the checkpoint holds a container? "
+            f"shardstore.load_common_state_dict({where!r}) shows what was saved"
+        ) from exc
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return (result, missing_keys, unexpected_keys), nbytes
     return result, nbytes

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstore import ShardedTensor, save
+from shardstore import ShardedTensor, load, save
 from shardstore.core import CheckpointingException
 from tests.dist import run_distributed
 
@@ -160,3 +160,12 @@ def save_with_unpicklable(rank: int, world: int, ckpt: str, commons: list[dict],
             return {**c, "hook": lambda: None}
     save(_state(rank, common), ckpt, preprocess_common_before_consistancy_check=preprocess)
     return records
+
+
+def test_a_list_shorter_than_the_saved_one_is_an_error_naming_the_checkpoint(ckpt_dir: Path) -> None:
+    """A request whose list is shorter than the saved one (a tensor in slot 0, values
+    after it) failed with dict_utils' bare ValueError ("Duplicate non-dict and non-list
+    values"), naming neither the checkpoint nor what to look at."""
+    save({"a": [ShardedTensor.from_rank_offsets("a0", torch.ones(2)), 5, 7]}, ckpt_dir)
+    with pytest.raises(CheckpointingException, match=r"containers do not match .*load_common_state_dict"):
+        load({"a": [ShardedTensor.from_rank_offsets("a0", torch.zeros(2))]}, ckpt_dir)

@@ -464,3 +464,68 @@ def test_missing_chunk_is_an_error_not_zeros(ckpt_dir: Path) -> None:
     chunk.unlink()
     with pytest.raises(CheckpointingException, match="enc/w"):
         load({"w": ShardedTensor.from_rank_offsets("enc/w", torch.empty(3, 4))}, ckpt_dir)
+
+
+def test_a_replaced_checkpoint_that_cannot_be_removed_does_not_fail_every_later_save(
+    ckpt_dir: Path, monkeypatch
+) -> None:
+    """Since 0c543d9 an exchanged-out checkpoint is renamed to its REPLACED_TAG name
+    and removed best-effort (``_remove_dir`` logs a failure: "the next save into the same
+    place will"). ``remove_dead_saves`` retries that removal at the next save's begin
+    without catching anything, so a removal that keeps failing (a directory a user made
+    read-only, an NFS ``.nfsXXXX`` held open by a reader) fails every later save into the
+    target with a bare OSError naming neither the checkpoint nor what to do; before,
+    the leftover sat at the staging path and saves went on."""
+    from shardstore import ShardedTensor, load, save
+    from shardstore.format.records import REPLACED_TAG
+
+    real_remove_directory = LocalStore.remove_directory
+
+    def remove_directory(self: LocalStore) -> None:
+        if REPLACED_TAG in self.root.name:
+            raise PermissionError(13, "Permission denied (injected)", str(self.root / "w"))
+        real_remove_directory(self)
+
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 1.0))}, ckpt_dir)
+    monkeypatch.setattr(LocalStore, "remove_directory", remove_directory)
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 2.0))}, ckpt_dir, overwrite=True)  # logged
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 3.0))}, ckpt_dir, overwrite=True)
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}, ckpt_dir)
+    assert torch.equal(loaded["w"], torch.full((4, 3), 3.0))
+
+
+def test_a_replaced_checkpoint_whose_removal_was_cut_short_is_still_removed_by_the_next_save(
+    ckpt_dir: Path, monkeypatch
+) -> None:
+    """The exchanged-out checkpoint was removed with one ``shutil.rmtree``, which may
+    take the commit record (the only proof ``remove_dead_saves`` accepts) before a kill
+    or an error stops it: what was left was never removed by any later save, though the
+    log promised the next save would. Now everything but the record goes first, the
+    record last (as ``_remove_marked`` does with the marker): a removal cut short leaves
+    the record, and the next save removes the rest."""
+    from shardstore import ShardedTensor, save
+    from shardstore.format.records import COMMIT_RECORD, REPLACED_TAG
+
+    real_delete_prefix, real_remove_directory, calls = LocalStore.delete_prefix, LocalStore.remove_directory, []
+
+    def killed_first_time(root: Path, removed: Path) -> None:
+        calls.append(root.name)
+        if REPLACED_TAG in root.name and len(calls) == 1:
+            removed.unlink()  # some of it went, in the file system's order, then the process died
+            raise OSError("killed mid-removal (injected)")
+
+    def delete_prefix(self: LocalStore, prefix: str = "", keep: tuple = ()) -> None:
+        killed_first_time(self.root, self.root / "w" / "zarr.json")
+        real_delete_prefix(self, prefix, keep)
+
+    def remove_directory(self: LocalStore) -> None:  # one rmtree: the record may go first
+        killed_first_time(self.root, self.root / COMMIT_RECORD)
+        real_remove_directory(self)
+
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 1.0))}, ckpt_dir)
+    monkeypatch.setattr(LocalStore, "delete_prefix", delete_prefix)
+    monkeypatch.setattr(LocalStore, "remove_directory", remove_directory)
+    for value in (2.0, 3.0):
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), value))}, ckpt_dir, overwrite=True)
+    left = sorted(p.name for p in ckpt_dir.parent.iterdir() if p.name != ckpt_dir.name)
+    assert left == [], f"a replaced checkpoint is never removed: {left}"

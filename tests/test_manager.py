@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from shardstore import CheckpointingException
-from shardstore.format.records import COMMIT_RECORD
+from shardstore.format.records import COMMIT_RECORD, SAVE_MARKER
 from shardstore.stores.base import StorageError
 from shardstore.stores.local import LocalStore
 from shardstore.tools.manager import (
@@ -697,3 +697,53 @@ def _run_collective_decisions(rank: int, world: int, root: str) -> list:
 def test_two_ranks_take_the_same_branch_on_resume_refusal_and_rollback(tmp_path: Path) -> None:
     results = run_distributed(_run_collective_decisions, 2, str(tmp_path))
     assert results[0] == results[1] == [False, "Not saving step 110 under " + str(tmp_path), [160, 150], True, [100, 110]]
+
+
+def test_retention_removes_the_steps_own_save_marker_left_by_a_failed_marker_removal(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A save whose marker removal failed after the publish (``_remove_own_marker``
+    logs it: "harmless: the next save into it removes it") leaves ``.shardstore-save.json``
+    naming the step's own save, proven ours by ``own_markers``. The manager never saves
+    into that step again; its deletion removes only the record's vouched paths, so the
+    step directory stays forever holding that marker, with a WARNING calling it a file
+    "its save did not write"."""
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(save_interval_steps=1, max_to_keep=1))
+    real_delete = LocalStore.delete
+
+    def delete(self: LocalStore, key: str) -> None:
+        if key == SAVE_MARKER:
+            raise OSError("EIO (injected)")
+        real_delete(self, key)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LocalStore, "delete", delete)
+        assert manager.save(0, _state(0))
+    assert (tmp_path / "iter_0000000" / SAVE_MARKER).exists()
+    assert manager.save(1, _state(1))  # retention deletes step 0
+    assert manager.all_steps() == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001"], (
+        f"step 0 half-deleted: {sorted(p.name for p in (tmp_path / 'iter_0000000').iterdir())}"
+    )
+
+
+def test_a_step_rolled_back_over_can_be_saved_again_after_its_marker_was_left(tmp_path: Path, monkeypatch) -> None:
+    """The same leftover as above blocks training on after a rollback: ``rollback(4)``
+    deletes step 5 but leaves ``iter_0000005/.shardstore-save.json`` (its own save's
+    marker), and the save of step 5 is then refused ("not empty and holds no committed
+    shardstore checkpoint"), the manager also blaming step 4 as a failed reuse base."""
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(save_interval_steps=1, max_to_keep=3))
+    assert manager.save(4, _state(4))
+    real_delete = LocalStore.delete
+
+    def delete(self: LocalStore, key: str) -> None:
+        if key == SAVE_MARKER:
+            raise OSError("EIO (injected)")
+        real_delete(self, key)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LocalStore, "delete", delete)
+        assert manager.save(5, _state(5))
+    assert manager.rollback(4) == [5]
+    assert manager.save(5, _state(50))
+    assert manager.all_steps() == [4, 5]

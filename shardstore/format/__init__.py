@@ -46,6 +46,7 @@ __all__ = [
     "is_exact_conversion",
     "load_torch",
     "numpy_to_tensor",
+    "own_markers",
     "parent_groups",
     "read_commit_record",
     "read_marker",
@@ -68,6 +69,6 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "pickles": ("load_torch", "serialize"),
     "records": ("ArrayRecord", "COMMIT_RECORD", "COMMON_FILE", "CommitRecord", "DELETION_MARKER", "DcpMetadata",
                 "MAX_RECORD_BYTES", "ObjectRecord", "StatePath", "ZARR_JSON", "array_group_collisions",
-                "group_metadata", "is_committed", "parent_groups", "read_commit_record", "read_marker",
+                "group_metadata", "is_committed", "own_markers", "parent_groups", "read_commit_record", "read_marker",
                 "state_paths"),
 })

@@ -476,17 +476,25 @@ def _release_dropped(staging: Location, locks: list[int], releases: list[Callabl
     _close_descriptors(staging, locks, releases)
 
 
-def _remove_dir(directory: DirectoryPublishing | None) -> None:
-    """Deletes a directory this save owns; a failure is logged, not raised: the save's
-    outcome is already decided and the next save removes what is left."""
+def _remove_dir(directory: DirectoryPublishing | None, proof: str) -> None:
+    """Deletes a directory this save owns (``_remove_proven``); a failure is logged, not
+    raised: the save's outcome is already decided and the next save removes what is left."""
     if directory is None:
         return
     try:
-        directory.remove_directory()
+        _remove_proven(directory, proof)
     except FileNotFoundError:
         pass
     except OSError as exc:
         logger.warning("Could not remove %s (the next save into the same place will): %s", directory.describe(), exc)
+
+
+def _remove_proven(directory: DirectoryPublishing, proof: str) -> None:
+    """Deletes a directory of ours, the file that proves it ours (``proof``: its save's
+    marker, or the commit record of a checkpoint set aside) last: an interruption leaves
+    what is left still proven ours, for ``remove_dead_saves`` to remove."""
+    Location(directory).remove_tree("", keep=(proof,))
+    directory.remove_directory()
 
 
 def _remove_own_marker(save: PendingCheckpoint) -> None:
@@ -610,7 +618,7 @@ class ByRename(Publisher):
         save.hold_staging_lock()
 
     def abandon(self, save: PendingCheckpoint) -> None:
-        _remove_dir(save.location.store.publishing())
+        _remove_dir(save.location.store.publishing(), SAVE_MARKER)
 
     def commit(self, save: PendingCheckpoint, record: CommitRecord) -> CommitRecord:
         staging, target = save.location.store.publishing(), save.target.store.publishing()
@@ -637,7 +645,7 @@ class ByRename(Publisher):
                 _rename_or_put_back(staging, target, replaced)
             target.fsync_parent()
         _remove_own_marker(save)
-        _remove_dir(replaced)
+        _remove_dir(replaced, COMMIT_RECORD)
         return record
 
     @staticmethod
@@ -693,7 +701,7 @@ class ByRename(Publisher):
         save.location.write_atomic(COMMIT_RECORD, record.to_json())
         staging.move_entries_into(target, ours)
         staging.move_entries_into(target, [COMMIT_RECORD])
-        _remove_dir(staging)
+        _remove_dir(staging, SAVE_MARKER)
         return record
 
 
@@ -947,6 +955,19 @@ def _holds_committed(target: DirectoryPublishing) -> bool:
         return False
 
 
+def _removed_leftover(candidate: DirectoryPublishing, proof: str) -> bool:
+    """Removes a leftover proven ours (``_remove_proven``); False, logged, where it cannot
+    be: a leftover that stays (a file held open on NFS, a read-only subdirectory) must
+    not fail the save that found it."""
+    try:
+        _remove_proven(candidate, proof)
+    except OSError as exc:
+        logger.warning("Could not remove %s, the leftover of an interrupted save (%s); delete it yourself",
+                       candidate.describe(), exc)
+        return False
+    return True
+
+
 def remove_dead_saves(target: DirectoryPublishing) -> list[str]:
     """Deletes the staging directories of saves into ``target`` that died, and old
     checkpoints left aside by an interrupted replacement. Only what is provably ours:
@@ -965,10 +986,10 @@ def remove_dead_saves(target: DirectoryPublishing) -> list[str]:
         if fd is None:
             continue  # a save that is still running
         try:
-            candidate.remove_directory()
+            if _removed_leftover(candidate, SAVE_MARKER):
+                removed.append(name)
         finally:
             os.close(fd)
-        removed.append(name)
     replaced = target.siblings(f".{target.name}{REPLACED_TAG}")
     replaced_by_one = bool(replaced) and _holds_committed(target)
     for name in replaced:
@@ -984,8 +1005,8 @@ def remove_dead_saves(target: DirectoryPublishing) -> list[str]:
                 "no committed checkpoint; rename it back to load it", candidate.describe(), target.describe(),
             )
             continue
-        candidate.remove_directory()
-        removed.append(name)
+        if _removed_leftover(candidate, COMMIT_RECORD):
+            removed.append(name)
     if removed:
         logger.warning("Removed the leftovers of interrupted saves next to %s: %s", target.describe(), removed)
     return removed

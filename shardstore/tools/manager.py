@@ -61,6 +61,7 @@ from shardstore.format import (
     DELETION_MARKER,
     MAX_RECORD_BYTES,
     CommitRecord,
+    own_markers,
     read_marker,
 )
 from shardstore.format.config import CONFIG_FNAME
@@ -1259,7 +1260,10 @@ class CheckpointManager:
                 if name != DELETION_MARKER:
                     location.remove_tree(name)
         else:
-            _remove_vouched(location, marker.record.vouched_paths() | {CONFIG_FNAME})
+            # its save's own marker, left where removing it failed after the publishing (or an
+            # in-place replacement's, naming the record under "replaces"), is the save's too
+            own = own_markers(location, marker.record, set(location.list_top(limit=None))) - {DELETION_MARKER}
+            _remove_vouched(location, marker.record.vouched_paths() | {CONFIG_FNAME} | own)
         location.remove(DELETION_MARKER)
         _remove_directory_if_empty(location, f"checkpoint step {step}")
         logger.debug("Finished deleting checkpoint step %d at %s", step, location.describe())

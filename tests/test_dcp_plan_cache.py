@@ -44,8 +44,8 @@ class RecordingWriter(ShardstoreWriter):
         RecordingWriter.usable.append([plan.usable for plan in plans])
         return super().prepare_global_plan(plans)
 
-    def _this_saves_part(self, plan: SavePlan, caching: bool) -> Any:
-        part = super()._this_saves_part(plan, caching)
+    def _this_saves_part(self, plan: SavePlan, planner: SavePlanner) -> Any:
+        part = super()._this_saves_part(plan, planner)
         RecordingWriter.plans.append("reused" if part.plan_id in RecordingWriter._seen else "planned")
         RecordingWriter._seen.add(part.plan_id)
         return part
@@ -377,3 +377,38 @@ def test_a_save_whose_ranks_hold_a_recent_plans_inputs_reuses_it(tmp_path: Path,
         assert shardstore.verify(tmp_path / f"step{step}").ok
         ids.add(json.loads((tmp_path / f"step{step}" / "zarr.json").read_text())["attributes"]["shardstore"]["save_id"])
     assert len(ids) == 6
+
+
+def replica_dropped_by_the_rank_the_writer_chose(rank: int, world: int, root: str) -> list[str]:
+    """Both ranks hold two replicated plain arrays, the smaller first: DCP's deduplication
+    gives ``a_small`` to rank 0, the writer's balance (largest first) gives ``b_big`` to
+    rank 0 and ``a_small`` to rank 1. From the second save rank 1 no longer holds
+    ``a_small``; DCP's plans (after deduplication) do not change."""
+    import torch.distributed.checkpoint as dcp
+
+    for step in range(3):
+        state = {"a_small": torch.arange(512, dtype=torch.float32) + step,
+                 "b_big": torch.arange(2048, dtype=torch.float32) + step}
+        if rank == 1 and step > 0:
+            del state["a_small"]
+        dcp.save(state, storage_writer=RecordingWriter(f"{root}/s{step}"),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+    return RecordingWriter.plans
+
+
+def test_a_plan_is_not_reused_where_a_rank_dropped_a_replica_the_writer_gave_it(tmp_path: Path) -> None:
+    """A recent plan is matched by the ranks' items after DCP's deduplication; the writer
+    chose who writes a plain array among the ranks that held it before. Reusing the
+    first plan had rank 1 write ``a_small``, which it no longer held: the save failed
+    ("Could not find FQN"), and so did every later one. Now a rank votes for a plan only
+    where it still holds what the plan has it write; the second save plans again, the
+    third reuses that plan."""
+    plans = run_distributed(replica_dropped_by_the_rank_the_writer_chose, 2, str(tmp_path))
+    for rank_plans in plans:
+        assert rank_plans == ["planned", "planned", "reused"], plans
+    for step in range(3):
+        loaded = {"a_small": torch.zeros(512), "b_big": torch.zeros(2048)}
+        dcp_load(loaded, tmp_path / f"s{step}")
+        assert torch.equal(loaded["a_small"], torch.arange(512, dtype=torch.float32) + step), step
+        assert torch.equal(loaded["b_big"], torch.arange(2048, dtype=torch.float32) + step), step
+        assert shardstore.verify(tmp_path / f"s{step}").ok

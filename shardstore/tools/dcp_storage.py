@@ -639,7 +639,7 @@ class ShardstoreWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """All ranks: this rank's arrays' metadata and chunks, durable; the results
         carry the chunks' checksums and this rank's common values to the coordinator."""
-        part = self._this_saves_part(plan, _caches_plans(planner))
+        part = self._this_saves_part(plan, planner)
         save = self._joined(part)
         try:
             written = self._write_shards(part, planner, save)
@@ -660,14 +660,15 @@ class ShardstoreWriter(StorageWriter):
         future.set_result(results)
         return future
 
-    def _this_saves_part(self, plan: SavePlan, caching: bool) -> RankPart:
+    def _this_saves_part(self, plan: SavePlan, planner: SavePlanner) -> RankPart:
         """This rank's part of this save: the one its plan carries (or the coordinator's
         refusal, raised), or, where the plan is an earlier save's that DCP's plan cache
         handed back (an earlier part or refusal, or another writer's) or a
         ``PlanAtWrite``, one planned now by every rank together. Every rank takes the
         same way: DCP hands back a cached plan exactly where the coordinator saw an
-        unusable one, and then gave every usable one a ``PlanAtWrite``. Where the planner
-        caches plans (``caching``), the part is kept among the recent plans."""
+        unusable one, and then gave every usable one a ``PlanAtWrite``. Where ``planner``
+        caches plans, the part is kept among the recent plans."""
+        caching = _caches_plans(planner)
         data = plan.storage_data
         if isinstance(data, (RankPart, Refused)) and _first_delivery(data):
             if isinstance(data, Refused):
@@ -680,7 +681,7 @@ class ShardstoreWriter(StorageWriter):
         else:  # another writer's plan, cached by DCP under the same planner class
             ranks = Group(self.process_group).world_size
         group = self._planning_group(ranks)
-        part = self._reused_at_write(plan, group) or self._planned_at_write(plan, group)
+        part = self._reused_at_write(plan, planner, group) or self._planned_at_write(plan, group)
         if caching:
             self._remember(plan, part, ranks)
         return part
@@ -703,7 +704,7 @@ class ShardstoreWriter(StorageWriter):
             kept = [e for e in _RECENT_PLANS if e.part.plan_id != part.plan_id]
             _RECENT_PLANS[:] = [entry, *kept][:_RECENT_PLANS_KEPT]
 
-    def _reused_at_write(self, plan: SavePlan, group: Group) -> RankPart | None:
+    def _reused_at_write(self, plan: SavePlan, planner: SavePlanner, group: Group) -> RankPart | None:
         """Collective on ``group`` (one small stage): where every rank holds a part of
         the same recent plan made for the inputs it has now (``_plan_inputs``: DCP's
         plan cache handed it back its items), that plan with a new save: the
@@ -713,7 +714,8 @@ class ShardstoreWriter(StorageWriter):
         each: every rank names all of its own, the newest plan they all hold is taken."""
         inputs = self._plan_inputs(plan, group.world_size)
         with _DELIVERED_LOCK:
-            mine = {e.part.plan_id: e for e in _RECENT_PLANS if e.inputs == inputs}
+            recent = [e for e in _RECENT_PLANS if e.inputs == inputs]
+        mine = {e.part.plan_id: e for e in recent if _still_holds(e.part, plan, planner)}
 
         def decide(held: list[tuple[str, ...]]) -> list[tuple[str, SaveIntent] | None]:
             common = set(held[0]).intersection(*held[1:])
@@ -845,6 +847,24 @@ class ShardstoreWriter(StorageWriter):
         except Exception:  # noqa: BLE001  (any reason: not a place we can write)
             return False
         return True
+
+
+def _still_holds(part: RankPart, plan: SavePlan, planner: SavePlanner) -> bool:
+    """Whether this rank still holds, as planned, every item ``part`` has it write: its
+    plan's own, and each plain array the writer gave it that DCP's deduplication gave
+    another rank (``_plain_array_writers`` chose among the ranks that held it then; its
+    items alone do not say it still does)."""
+    in_plan = {item.index for item in plan.items}
+    for item in part.items:
+        if item.index in in_plan:
+            continue
+        try:
+            data = planner.resolve_data(item)
+        except ValueError:  # DCP's "Could not find FQN": the rank no longer holds it, a re-plan decides
+            return False
+        if not isinstance(data, torch.Tensor) or tuple(data.shape) != tuple(item.tensor_data.size):
+            return False
+    return True
 
 
 def _caches_plans(planner: SavePlanner) -> bool:

@@ -529,3 +529,14 @@ def test_a_replaced_checkpoint_whose_removal_was_cut_short_is_still_removed_by_t
         save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), value))}, ckpt_dir, overwrite=True)
     left = sorted(p.name for p in ckpt_dir.parent.iterdir() if p.name != ckpt_dir.name)
     assert left == [], f"a replaced checkpoint is never removed: {left}"
+
+
+def test_a_marker_nested_past_the_json_parsers_depth_is_not_ours(ckpt_dir: Path) -> None:
+    """A file named like our marker holding JSON nested 2,000 deep raised the parser's
+    RecursionError out of every check that reads markers; it is no marker of ours."""
+    from shardstore.format.records import read_marker
+
+    _save_small(ckpt_dir)
+    (ckpt_dir / SAVE_MARKER).write_text("[" * 2_000 + "]" * 2_000)  # within the 4 KiB a marker may hold
+    assert read_marker(open_location(ckpt_dir), SAVE_MARKER) is None
+    assert [p.key for p in verify(ckpt_dir).problems] == [SAVE_MARKER]

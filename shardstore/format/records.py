@@ -1389,7 +1389,7 @@ def read_marker(location: Location, name: str) -> dict[str, Any] | None:
         return None
     try:
         value = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth: not ours
         return None
     return value if isinstance(value, dict) else None
 

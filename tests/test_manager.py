@@ -699,6 +699,20 @@ def test_two_ranks_take_the_same_branch_on_resume_refusal_and_rollback(tmp_path:
     assert results[0] == results[1] == [False, "Not saving step 110 under " + str(tmp_path), [160, 150], True, [100, 110]]
 
 
+def _save_leaving_its_marker(manager: CheckpointManager, step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saves ``step``, the removal of its save's marker after the publishing failing."""
+    real_delete = LocalStore.delete
+
+    def delete(self: LocalStore, key: str) -> None:
+        if key == SAVE_MARKER:
+            raise OSError("EIO (injected)")
+        real_delete(self, key)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LocalStore, "delete", delete)
+        assert manager.save(step, _state(step))
+
+
 def test_retention_removes_the_steps_own_save_marker_left_by_a_failed_marker_removal(
     tmp_path: Path, monkeypatch
 ) -> None:
@@ -709,16 +723,7 @@ def test_retention_removes_the_steps_own_save_marker_left_by_a_failed_marker_rem
     step directory stays forever holding that marker, with a WARNING calling it a file
     "its save did not write"."""
     manager = CheckpointManager(tmp_path, CheckpointManagerOptions(save_interval_steps=1, max_to_keep=1))
-    real_delete = LocalStore.delete
-
-    def delete(self: LocalStore, key: str) -> None:
-        if key == SAVE_MARKER:
-            raise OSError("EIO (injected)")
-        real_delete(self, key)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(LocalStore, "delete", delete)
-        assert manager.save(0, _state(0))
+    _save_leaving_its_marker(manager, 0, monkeypatch)
     assert (tmp_path / "iter_0000000" / SAVE_MARKER).exists()
     assert manager.save(1, _state(1))  # retention deletes step 0
     assert manager.all_steps() == [1]
@@ -734,16 +739,7 @@ def test_a_step_rolled_back_over_can_be_saved_again_after_its_marker_was_left(tm
     shardstore checkpoint"), the manager also blaming step 4 as a failed reuse base."""
     manager = CheckpointManager(tmp_path, CheckpointManagerOptions(save_interval_steps=1, max_to_keep=3))
     assert manager.save(4, _state(4))
-    real_delete = LocalStore.delete
-
-    def delete(self: LocalStore, key: str) -> None:
-        if key == SAVE_MARKER:
-            raise OSError("EIO (injected)")
-        real_delete(self, key)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(LocalStore, "delete", delete)
-        assert manager.save(5, _state(5))
+    _save_leaving_its_marker(manager, 5, monkeypatch)
     assert manager.rollback(4) == [5]
     assert manager.save(5, _state(50))
     assert manager.all_steps() == [4, 5]

@@ -38,7 +38,13 @@ from click.testing import CliRunner
 import shardstore
 from shardstore import CheckpointingException, ShardedObject, ShardedTensor
 from shardstore.format.pickles import DCP_METADATA_GLOBALS, load_restricted
-from shardstore.format.records import COMMIT_RECORD, CommitRecord, checksum, object_path
+from shardstore.format.records import (
+    COMMIT_RECORD,
+    CommitRecord,
+    checksum,
+    file_digest,
+    object_path,
+)
 from shardstore.tools.cli import main
 from shardstore.tools.convert import from_other_format, from_torch_file, to_torch_file
 from shardstore.tools.inspection import describe_checkpoint, diff_checkpoints
@@ -286,11 +292,12 @@ def _our_checkpoint(path: Path) -> None:
 
 
 def _resign(path: Path, rel: str) -> None:
-    """The attacker also fixes the record's checksum of ``rel``."""
+    """The attacker also fixes the record's checksum and digest of ``rel``."""
     where = str(path / COMMIT_RECORD)
     record = CommitRecord.from_json((path / COMMIT_RECORD).read_bytes(), where)
-    files = {**record.files, rel: checksum((path / rel).read_bytes())}
-    (path / COMMIT_RECORD).write_bytes(replace(record, files=files).to_json())
+    data = (path / rel).read_bytes()
+    files, digests = {**record.files, rel: checksum(data)}, {**record.file_digests, rel: file_digest(data)}
+    (path / COMMIT_RECORD).write_bytes(replace(record, files=files, file_digests=digests).to_json())
 
 
 def _dcp_with_chunk_file(path: Path, file_name: str) -> None:

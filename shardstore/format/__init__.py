@@ -21,6 +21,7 @@ __all__ = [
     "ArrayChunks",
     "ArrayRecord",
     "BY_TORCH",
+    "CONFIG_FNAME",
     "COMMIT_RECORD",
     "COMMON_FILE",
     "CommitRecord",
@@ -62,6 +63,7 @@ from shardstore.lazy_exports import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {
     "commit": ("SaveIntent",),
+    "config": ("CONFIG_FNAME",),
     "chunks": ("ArrayChunks", "DEFAULT_IO_CONCURRENCY", "WrittenChunk", "chunk_store_for", "read_region", "run_reads"),
     "dtypes": ("BY_TORCH", "cast_checked", "from_torch", "from_zarr_name", "holds_its_values", "is_exact_conversion",
                "numpy_to_tensor", "tensor_to_numpy"),

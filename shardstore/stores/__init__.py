@@ -17,8 +17,8 @@ offered here.
 
 from __future__ import annotations
 
-__all__ = ["Location", "NameLimits"]
+__all__ = ["Location", "NameLimits", "run_parallel"]
 
 from shardstore.lazy_exports import lazy_exports
 
-__getattr__, __dir__ = lazy_exports(__name__, {"base": ("Location", "NameLimits")})
+__getattr__, __dir__ = lazy_exports(__name__, {"base": ("Location", "NameLimits", "run_parallel")})

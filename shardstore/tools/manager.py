@@ -58,18 +58,17 @@ import torch.distributed as dist
 from shardstore.core import CheckpointingException, SaveOptions
 from shardstore.format import (
     COMMIT_RECORD,
+    CONFIG_FNAME,
     DELETION_MARKER,
     MAX_RECORD_BYTES,
     CommitRecord,
     own_markers,
     read_marker,
 )
-from shardstore.format.config import CONFIG_FNAME
 from shardstore.mapping import ShardedStateDict, StateDict
 from shardstore.opened import bare_location
 from shardstore.protocol import Group
-from shardstore.stores import Location
-from shardstore.stores.base import run_parallel
+from shardstore.stores import Location, run_parallel
 from shardstore.strategies.async_utils import AsyncCallsQueue
 from shardstore.tools.preemption import Listener, listen
 from shardstore.tools.root_verify import RootVerifyReport, verify_checkpoints

@@ -4,11 +4,14 @@ still stands alone."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+import shardstore.stores.local as local_io
 from shardstore import CheckpointingException, ShardedTensor, load, save, verify
 from shardstore.format.records import is_committed, read_commit_record
 from shardstore.stores.locations import open_location
@@ -493,3 +497,49 @@ def test_s3_copies_whose_etag_is_no_md5_are_tried_once_per_save(s3, monkeypatch)
     loaded = load({k: ShardedTensor.from_rank_offsets(k, torch.empty(BASE)) for k in frozen}, second)
     for i in range(3):
         assert_bits_equal(loaded[f"frozen{i}"], global_tensor(f"f{i}", BASE, torch.float32), f"frozen{i}")
+
+
+CHUNK = Path("base") / "c.0.0"
+
+
+class _CloningFcntl:
+    """``fcntl`` of a file system that clones (Btrfs, XFS): FICLONE copies the bytes
+    within one device and fails with EXDEV across devices, as the kernel does."""
+
+    def __getattr__(self, name: str):
+        return getattr(fcntl, name)
+
+    def ioctl(self, fd: int, request: int, arg: int) -> int:
+        assert request == local_io.FICLONE
+        if os.fstat(fd).st_dev != os.fstat(arg).st_dev:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        size = os.fstat(arg).st_size
+        os.write(fd, os.pread(arg, size, 0))
+        return 0
+
+
+def test_one_cross_device_reuse_does_not_turn_later_clones_into_hard_links(tmp_path: Path, monkeypatch) -> None:
+    """On a file system that clones, a chunk shared with an earlier step must be a clone
+    (an independent file: rot in the old step costs only the old step). One save whose
+    target is on another device (FICLONE and link both say EXDEV, so it writes) must not
+    make every later same-device save of the process hard-link instead: the EXDEV
+    marked the *source's* device as unable to clone (stores/local.py, ``_clone``)."""
+    other = Path(tempfile.mkdtemp(dir="/dev/shm")) if os.path.isdir("/dev/shm") else None
+    if other is None or os.stat(other).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs a second file system (/dev/shm)")
+    try:
+        monkeypatch.setattr(local_io, "fcntl", _CloningFcntl())
+        monkeypatch.setattr(local_io, "_clone_unsupported", set())
+        save(_state(1), tmp_path / "s1")
+        save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
+        assert (tmp_path / "s2" / CHUNK).stat().st_nlink == 1  # a clone
+        save(_state(3), other / "s3", reuse_from=tmp_path / "s1")  # another device: written
+        save(_state(4), tmp_path / "s4", reuse_from=tmp_path / "s1")
+        assert read_commit_record(open_location(tmp_path / "s4")).reused_from is not None
+        assert (tmp_path / "s4" / CHUNK).stat().st_nlink == 1, (
+            "step 4 hard-links step 1's chunk although the file system clones: a byte that rots in step 1 now "
+            "costs step 4 too"
+        )
+        _check(tmp_path / "s4", 4)
+    finally:
+        shutil.rmtree(other, ignore_errors=True)

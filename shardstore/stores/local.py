@@ -566,7 +566,11 @@ FICLONE = 0x40049409
 # errnos that say the file system (or this pair of paths) cannot clone or link at all
 _CANNOT_SHARE = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.EPERM, errno.EMLINK,
                  errno.ENOSYS, errno.EBADF}
-_clone_unsupported: set[int] = set()  # st_dev of file systems where a clone failed
+# errnos of a clone that say the source's file system cannot clone at all; the others
+# (EXDEV: the target on another file system; EINVAL, EPERM, EBADF: this pair of files)
+# say nothing of its next clone
+_CANNOT_CLONE = {errno.EOPNOTSUPP, errno.ENOTTY, errno.ENOSYS}
+_clone_unsupported: set[int] = set()  # st_dev of file systems that cannot clone
 
 
 def share_file(source: str, target: str, nbytes: int) -> bool:
@@ -609,8 +613,11 @@ def _hard_link(source: str, target: str) -> bool:
 
 
 def _clone(source: str, target: str) -> bool:
-    """A FICLONE of ``source`` into a new ``target``; False (nothing left at ``target``,
-    and the file system remembered) where the file system cannot clone."""
+    """A FICLONE of ``source`` into a new ``target``; False (nothing left at ``target``)
+    where this pair cannot be cloned, the source's file system remembered where it
+    cannot clone at all (``_CANNOT_CLONE``): one clone across file systems, or of a file
+    that cannot be (a NOCOW file on Btrfs), must not turn every later clone on that file
+    system into a hard link, which shares an edit in place with the earlier step."""
     fd_in = open_regular(Path(source))
     if fd_in is None:
         raise FileNotFoundError(errno.ENOENT, "No such file", source)
@@ -622,7 +629,8 @@ def _clone(source: str, target: str) -> bool:
         except OSError as exc:
             if exc.errno not in _CANNOT_SHARE:
                 raise
-            _clone_unsupported.add(os.fstat(fd_in).st_dev)
+            if exc.errno in _CANNOT_CLONE:
+                _clone_unsupported.add(os.fstat(fd_in).st_dev)
         finally:
             os.close(fd_out)
         os.unlink(target)

@@ -137,3 +137,40 @@ def test_background_io_runs_at_lower_cpu_priority(priority: str, policy: str, ni
 def test_unknown_io_priority_is_refused() -> None:
     with pytest.raises(ValueError, match="io_priority"):
         AsyncCallsQueue(io_priority="realtime")
+
+
+def close_after_a_failed_first_save(rank: int, world: int, first: str, second: str) -> tuple[str | None, int, bool]:
+    from shardstore.format import chunks as chunk_io
+
+    original = chunk_io.ChunkFile.write
+
+    def write(self, data):  # rank 1 cannot write the FIRST save; the second one is fine
+        if rank == 1 and "/.a." in str(self.path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return original(self, data)
+
+    chunk_io.ChunkFile.write = write
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(save(_sd(rank, world), first, async_sharded_save=True))
+    queue.schedule_async_request(save(_sd(rank, world), second, async_sharded_save=True))
+    message = None
+    try:
+        queue.close()
+    except CheckpointingException as exc:
+        message = str(exc)
+    return message, queue.get_num_unfinalized_calls(), is_committed(open_location(second))
+
+
+def test_close_finalizes_every_pending_save_even_after_one_failed(tmp_path: Path) -> None:
+    """Two async saves in flight; the first fails on rank 1, the second is written on
+    every rank. ``close()`` raised the first's failure and stopped there: the second
+    save was neither committed nor aborted, the closed queue still held it, and the
+    error did not name it. Now every ready save is finalized, and the error names
+    each one's outcome."""
+    first, second = str(tmp_path / "a"), str(tmp_path / "b")
+    for message, pending, second_committed in run_distributed(close_after_a_failed_first_save, 2, first, second):
+        assert message is not None and "No space left" in message, message
+        assert f"{first}: not committed" in message and f"{second}: committed" in message, message
+        assert pending == 0, "close() left a save pending in a closed queue"
+        assert second_committed, "the second save, written on every rank, was dropped by close()"
+    assert not is_committed(open_location(first))

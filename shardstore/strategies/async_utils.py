@@ -175,22 +175,31 @@ class AsyncCallsQueue:
         """Finalizes the requests finished on every rank, oldest first; returns their
         call indices.
 
-        Collective unless ``no_dist``: every rank must call it. A request whose I/O
-        failed on any rank raises CheckpointingException on every rank, and its
-        checkpoint is left without a commit record.
+        Collective unless ``no_dist``: every rank must call it. Every ready request is
+        finalized even after one of them fails (the others are written on every rank:
+        each is committed or fails on its own). A request whose I/O failed on any rank
+        is left without a commit record and raises CheckpointingException on every rank,
+        once all of them are done; with several finalized, the error names each one's
+        outcome.
         """
         if blocking:
             for _, _, future in self._pending:
                 future.exception()  # waits
         ready = self._finished_everywhere(no_dist)
-        finalized = []
-        for _ in range(ready):
-            idx, request, future = self._pending.popleft()
-            error = future.exception()
+        finalized = [self._finalize_oldest() for _ in range(ready)]
+        _raise_failures(finalized)
+        return [outcome.call_idx for outcome in finalized]
+
+    def _finalize_oldest(self) -> _Outcome:
+        """Pops the oldest request and runs its finalize steps; what became of it."""
+        idx, request, future = self._pending.popleft()
+        error = future.exception()
+        try:
             for fn in request.finalize_fns:
                 _call_finalize(fn, error)
-            finalized.append(idx)
-        return finalized
+        except Exception as exc:  # raised once every ready request is finalized
+            return _Outcome(idx, _checkpoints(request), exc)
+        return _Outcome(idx, _checkpoints(request), None)
 
     def _finished_everywhere(self, no_dist: bool) -> int:
         """How many of the oldest requests have finished on every rank."""
@@ -249,6 +258,48 @@ def set_thread_priority(priority: str) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, LOW_PRIORITY_NICE)
     except OSError as exc:  # e.g. a seccomp profile forbids it: the save still works
         logger.warning("Could not lower the CPU priority of the async checkpoint I/O thread: %s", exc)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """How one request's finalization went on this rank."""
+
+    call_idx: int
+    checkpoints: tuple[str, ...]  # what its Finalizations commit (may be none: plain callables only)
+    error: Exception | None  # the first failure of its finalize steps
+
+    def describe(self) -> str:
+        """The request as errors name it: its checkpoints, else its call index."""
+        return ", ".join(self.checkpoints) or f"async save {self.call_idx}"
+
+    def line(self) -> str:
+        """One line of a combined error: the request and whether it was committed."""
+        if self.error is None:
+            return f"  {self.describe()}: committed"
+        failure = str(self.error).replace("\n", "\n    ")
+        return f"  {self.describe()}: not committed: {failure}"
+
+
+def _raise_failures(finalized: list[_Outcome]) -> None:
+    """Raises the first failure among ``finalized`` (one call's requests): as it is when
+    it was the only request finalized, else a CheckpointingException naming every
+    request's outcome."""
+    failed = [outcome for outcome in finalized if outcome.error is not None]
+    if not failed:
+        return
+    if len(finalized) == 1:
+        raise failed[0].error
+    lines = "\n".join(outcome.line() for outcome in finalized)
+    raise CheckpointingException(
+        f"Finalizing {len(finalized)} async checkpoint saves: {len(failed)} failed (first: {failed[0].describe()}):\n"
+        f"{lines}\nA save not committed has no commit record: save it again (the next save into the same "
+        "place removes what it wrote); the committed ones are complete."
+    ) from failed[0].error
+
+
+def _checkpoints(request: AsyncRequest) -> tuple[str, ...]:
+    """The checkpoints ``request``'s Finalizations commit."""
+    return tuple(fn.checkpoint for fn in request.finalize_fns if isinstance(fn, Finalization))
 
 
 def _run_io(request: AsyncRequest) -> None:

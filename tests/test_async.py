@@ -174,3 +174,37 @@ def test_close_finalizes_every_pending_save_even_after_one_failed(tmp_path: Path
         assert pending == 0, "close() left a save pending in a closed queue"
         assert second_committed, "the second save, written on every rank, was dropped by close()"
     assert not is_committed(open_location(first))
+
+
+def finalize_callback_fails_on_one_rank(rank: int, world: int, first: str, second: str) -> tuple[float, str, bool]:
+    queue = AsyncCallsQueue()
+    request = save(_sd(rank, world), first, async_sharded_save=True)
+
+    def tracker() -> None:  # e.g. Megatron-LM's tracker-file writer, rank 0 only
+        if rank == 0:
+            raise OSError("cannot write the tracker file")
+
+    request.add_finalize_fn(tracker)
+    queue.schedule_async_request(request)
+    queue.schedule_async_request(save(_sd(rank, world), second, async_sharded_save=True))
+    start = time.monotonic()
+    with pytest.raises(CheckpointingException) as raised:
+        queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    return time.monotonic() - start, str(raised.value), is_committed(open_location(second))
+
+
+def test_a_finalize_callback_failing_on_one_rank_does_not_stall_the_others(tmp_path: Path) -> None:
+    """A plain finalize callback of the first request raises on rank 0 only. Rank 0
+    stopped finalizing while rank 1 went on into the second request's collective
+    commit and waited there for the process group's timeout (then both reported 'lost
+    contact', and the second, fully written, save was never committed). Now every rank
+    finalizes both and raises the same error, naming the failing rank."""
+    first, second = str(tmp_path / "a"), str(tmp_path / "b")
+    results = run_distributed(finalize_callback_fails_on_one_rank, 2, first, second, timeout=150, pg_timeout=20)
+    for elapsed, message, second_committed in results:
+        assert elapsed < 10, f"a rank waited {elapsed:.0f} s for a timeout"
+        assert second_committed
+        assert f"{first}: committed, but a later finalize step failed on rank(s) 0: " in message, message
+        assert "cannot write the tracker file" in message and f"{second}: committed" in message, message
+    assert results[0][1] == results[1][1], "the ranks raised different errors"

@@ -147,3 +147,22 @@ def test_a_forked_writer_leaves_the_commit_records_encoding_to_the_committer(tmp
     save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(64.0))}, tmp_path / "ckpt2",
          async_sharded_save=True).execute_sync()
     assert str(os.getpid()) in encoded_in.read_text().split()
+
+
+def test_a_failed_plain_step_is_handed_to_the_later_finalization_and_stops_later_plain_steps() -> None:
+    """A plain step that raised stopped the request: a Finalization after it, collective,
+    was not run on this rank while the other ranks waited in it. Now it runs, handed the
+    failure (so the save fails on every rank), and later plain steps are skipped."""
+    step, plain_calls = Recorded(), []
+
+    def tracker() -> None:
+        raise OSError("cannot write the tracker file")
+
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(
+        AsyncRequest(async_fn=None, finalize_fns=[tracker, step, lambda: plain_calls.append(1)])
+    )
+    with pytest.raises(CheckpointingException, match=r"/ckpt/recorded: not committed on rank\(s\) 0: OSError: cannot write"):
+        queue.close()
+    assert [call[0] for call in step.calls] == ["finalize"] and isinstance(step.calls[0][1], OSError)
+    assert plain_calls == [] and queue.get_num_unfinalized_calls() == 0

@@ -28,9 +28,11 @@ tensors plus the metadata exchange.
 
 ``maybe_finalize_async_calls`` is collective: the ranks agree (one ``all_reduce`` on
 the group's device) on which requests have finished everywhere, then finalize those,
-oldest first. A failure in the background surfaces there, on every rank, and the
-checkpoint gets no commit record; a rank that died makes the others raise a
-CheckpointingException naming the checkpoints left uncommitted.
+oldest first. A failure in the background, or of a finalize step on any rank, surfaces
+there, on every rank, once every ready request is finalized, and a checkpoint that
+failed gets no commit record; a rank that died makes the others raise a
+CheckpointingException naming the checkpoints left uncommitted. Finalize steps that
+are collective must be ``Finalization``s: a plain callable is taken for a local step.
 """
 
 from __future__ import annotations
@@ -108,7 +110,8 @@ class AsyncRequest:
         self.finalize_fns.append(fn)
 
     def execute_sync(self) -> None:
-        """Runs the whole request in the caller: preload, I/O, then every finalize step.
+        """Runs the whole request in the caller: preload, I/O, then every finalize step
+        (``_finalize_steps``), and raises the first failure.
 
         An I/O error is handed to the finalize steps rather than raised at once: they
         are collective, and the other ranks are waiting in them to hear about it.
@@ -121,8 +124,9 @@ class AsyncRequest:
                 self.async_fn(*self.async_fn_args, **self.async_fn_kwargs)
             except Exception as exc:  # the finalize step tells every rank (collective)
                 error = exc
-        for fn in self.finalize_fns:
-            _call_finalize(fn, error)
+        failure = _finalize_steps(self.call_idx, self.finalize_fns, error).error
+        if failure is not None:
+            raise failure
 
     def freeze(self) -> AsyncRequest:
         """A frozen copy (no more finalize functions)."""
@@ -176,30 +180,58 @@ class AsyncCallsQueue:
         call indices.
 
         Collective unless ``no_dist``: every rank must call it. Every ready request is
-        finalized even after one of them fails (the others are written on every rank:
-        each is committed or fails on its own). A request whose I/O failed on any rank
-        is left without a commit record and raises CheckpointingException on every rank,
-        once all of them are done; with several finalized, the error names each one's
-        outcome.
+        finalized (``_finalize_steps``), even after a step of one of them failed: its
+        Finalizations, collective, still run on every rank, so nobody waits in one alone.
+        Then, when something was finalized, the ranks agree on the outcome (one
+        ``all_reduce``, and a gather of the outcomes when a step failed on some rank
+        only): a failure on any rank raises CheckpointingException on every rank, naming
+        each request's outcome (a failure of the only request finalized, the same on
+        every rank, is raised as it is). A save that failed has no commit record.
         """
         if blocking:
             for _, _, future in self._pending:
                 future.exception()  # waits
         ready = self._finished_everywhere(no_dist)
         finalized = [self._finalize_oldest() for _ in range(ready)]
-        _raise_failures(finalized)
-        return [outcome.call_idx for outcome in finalized]
+        if finalized:
+            self._raise_failures(finalized, no_dist)
+        return [done.outcome.call_idx for done in finalized]
 
-    def _finalize_oldest(self) -> _Outcome:
-        """Pops the oldest request and runs its finalize steps; what became of it."""
+    def _finalize_oldest(self) -> _Finalized:
+        """Pops the oldest request and runs its finalize steps; raises nothing."""
         idx, request, future = self._pending.popleft()
-        error = future.exception()
+        return _finalize_steps(idx, request.finalize_fns, future.exception())
+
+    def _raise_failures(self, finalized: list[_Finalized], no_dist: bool) -> None:
+        """Collective unless ``no_dist``: raises, on every rank, when a finalize step of
+        one of ``finalized`` (this call's requests, the same on every rank) failed on
+        any rank; this rank's first failure is the cause."""
+        by_rank = self._outcomes_everywhere([done.outcome for done in finalized], no_dist)
+        if not any(outcome.failure for outcomes in by_rank.values() for outcome in outcomes):
+            return
+        cause = next((done.error for done in finalized if done.error is not None), None)
+        if len(finalized) == 1 and len(by_rank) == 1 and finalized[0].outcome.everywhere:
+            raise finalized[0].error  # names its checkpoint, as every rank says it
+        raise CheckpointingException(_failure_report(by_rank)) from cause
+
+    def _outcomes_everywhere(self, outcomes: list[_Outcome], no_dist: bool) -> dict[int, list[_Outcome]]:
+        """Collective unless ``no_dist``: ``outcomes`` by group rank; every rank's when a
+        step failed on some rank only (those of a Finalization are the same on every
+        rank: this rank's view then suffices)."""
+        group = Group(self.process_group)
+        if no_dist or not group.active:
+            return {group.rank: outcomes}
+        local_failure = any(outcome.failure is not None and not outcome.everywhere for outcome in outcomes)
         try:
-            for fn in request.finalize_fns:
-                _call_finalize(fn, error)
-        except Exception as exc:  # raised once every ready request is finalized
-            return _Outcome(idx, _checkpoints(request), exc)
-        return _Outcome(idx, _checkpoints(request), None)
+            if not group.reduce_over_ranks([int(local_failure)], "max", "async finalization outcome")[0]:
+                return {group.rank: outcomes}
+            return dict(enumerate(group.all_gather_object(outcomes)))
+        except CheckpointingException as exc:
+            lines = "\n".join(outcome.line() for outcome in outcomes)
+            raise CheckpointingException(
+                f"Finalized async checkpoint saves, but could not agree with the other ranks on how it went "
+                f"({exc}); on this rank:\n{lines}\nCheck on each one (shardstore verify) before relying on it."
+            ) from exc
 
     def _finished_everywhere(self, no_dist: bool) -> int:
         """How many of the oldest requests have finished on every rank."""
@@ -262,44 +294,109 @@ def set_thread_priority(priority: str) -> None:
 
 @dataclass(frozen=True)
 class _Outcome:
-    """How one request's finalization went on this rank."""
+    """How one request's finalization went on one rank; picklable, ranks exchange it."""
 
     call_idx: int
-    checkpoints: tuple[str, ...]  # what its Finalizations commit (may be none: plain callables only)
-    error: Exception | None  # the first failure of its finalize steps
+    checkpoints: tuple[str, ...]  # what its Finalizations commit (none: plain callables only)
+    committed: bool  # a Finalization completed with nothing failed before it
+    failure: str | None  # the first failure of its finalize steps
+    everywhere: bool  # that failure was raised by a Finalization: every rank has it
 
     def describe(self) -> str:
         """The request as errors name it: its checkpoints, else its call index."""
         return ", ".join(self.checkpoints) or f"async save {self.call_idx}"
 
+    @property
+    def state(self) -> str:
+        if self.failure is None:
+            return "committed" if self.committed else "finalized"
+        if self.committed:
+            return "committed, but a later finalize step failed"
+        return "not committed" if self.checkpoints else "failed"
+
     def line(self) -> str:
-        """One line of a combined error: the request and whether it was committed."""
-        if self.error is None:
-            return f"  {self.describe()}: committed"
-        failure = str(self.error).replace("\n", "\n    ")
-        return f"  {self.describe()}: not committed: {failure}"
+        """One line of a combined error: the request, its state, its failure."""
+        if self.failure is None:
+            return f"  {self.describe()}: {self.state}"
+        return f"  {self.describe()}: {self.state}: {_indented(self.failure)}"
 
 
-def _raise_failures(finalized: list[_Outcome]) -> None:
-    """Raises the first failure among ``finalized`` (one call's requests): as it is when
-    it was the only request finalized, else a CheckpointingException naming every
-    request's outcome."""
-    failed = [outcome for outcome in finalized if outcome.error is not None]
-    if not failed:
-        return
-    if len(finalized) == 1:
-        raise failed[0].error
-    lines = "\n".join(outcome.line() for outcome in finalized)
-    raise CheckpointingException(
-        f"Finalizing {len(finalized)} async checkpoint saves: {len(failed)} failed (first: {failed[0].describe()}):\n"
-        f"{lines}\nA save not committed has no commit record: save it again (the next save into the same "
-        "place removes what it wrote); the committed ones are complete."
-    ) from failed[0].error
+@dataclass(frozen=True)
+class _Finalized:
+    """One request finalized on this rank: its outcome and the exception behind it."""
+
+    outcome: _Outcome
+    error: BaseException | None
 
 
-def _checkpoints(request: AsyncRequest) -> tuple[str, ...]:
-    """The checkpoints ``request``'s Finalizations commit."""
-    return tuple(fn.checkpoint for fn in request.finalize_fns if isinstance(fn, Finalization))
+def _finalize_steps(
+    call_idx: int, fns: list[Finalization | Callable[[], Any]], io_error: BaseException | None
+) -> _Finalized:
+    """Runs one request's finalize steps in order, given its background I/O's error;
+    raises nothing (an ``Exception``), returns the first failure.
+
+    Every Finalization runs, whatever failed before it: it is collective (the other
+    ranks are in it), and it is handed the failure, so that the save fails on every rank
+    rather than commit on some. A plain callable is a local step: it runs only while
+    nothing has failed, the I/O included. A Finalization's failure (the same on every
+    rank) is the one reported in place of a local one it was handed.
+    """
+    error: BaseException | None = None
+    everywhere = committed = False
+    for fn in fns:
+        handed = io_error if error is None else error
+        try:
+            if isinstance(fn, Finalization):
+                fn.finalize(handed)
+                committed = committed or handed is None
+            elif handed is None:
+                fn()
+            elif error is None:
+                raise CheckpointingException(f"Async checkpoint save failed: {handed}") from handed
+        except Exception as exc:  # the request's other steps still run; reported once all are done
+            if error is None or (isinstance(fn, Finalization) and not everywhere):
+                error, everywhere = exc, isinstance(fn, Finalization)
+    failure = None if error is None else f"{type(error).__name__}: {error}"
+    return _Finalized(_Outcome(call_idx, _checkpoints(fns), committed, failure, everywhere), error)
+
+
+def _failure_report(by_rank: dict[int, list[_Outcome]]) -> str:
+    """What every rank says when a finalize step failed: each request's outcome, the
+    failing ranks named where a failure is not the same on every rank, what to do."""
+    per_request = [dict(zip(by_rank, outcomes)) for outcomes in zip(*by_rank.values())]
+    lines = [_request_line(outcomes) for outcomes in per_request]
+    failed = [line for line, outcomes in zip(lines, per_request) if any(o.failure for o in outcomes.values())]
+    return (
+        f"Finalizing {len(lines)} async checkpoint save(s): {len(failed)} failed:\n" + "\n".join(lines)
+        + "\nA save not committed has no commit record: save it again (the next save into the same place "
+        "removes what it wrote). A committed one is complete; a step that failed after its commit (e.g. "
+        "writing a tracker file) did not do its work: redo it, or save again."
+    )
+
+
+def _request_line(outcomes: dict[int, _Outcome]) -> str:
+    """One request's line: its state and failure, by rank where the ranks differ."""
+    failed = {rank: o for rank, o in outcomes.items() if o.failure is not None}
+    first = next(iter(failed.values()), next(iter(outcomes.values())))
+    if first.failure is None or all(o.everywhere for o in failed.values()):
+        return first.line()
+    ranks_by_failure: dict[str, list[int]] = {}
+    for rank, outcome in failed.items():
+        ranks_by_failure.setdefault(outcome.failure, []).append(rank)
+    said = "; ".join(
+        f"rank(s) {', '.join(map(str, ranks))}: {_indented(failure)}" for failure, ranks in ranks_by_failure.items()
+    )
+    return f"  {first.describe()}: {first.state} on {said}"
+
+
+def _indented(text: str) -> str:
+    """``text``'s later lines indented under a line of the combined error."""
+    return text.replace("\n", "\n    ")
+
+
+def _checkpoints(fns: list[Finalization | Callable[[], Any]]) -> tuple[str, ...]:
+    """The checkpoints the Finalizations among ``fns`` commit."""
+    return tuple(fn.checkpoint for fn in fns if isinstance(fn, Finalization))
 
 
 def _run_io(request: AsyncRequest) -> None:
@@ -310,13 +407,3 @@ def _run_io(request: AsyncRequest) -> None:
     except Exception as exc:
         logger.error("Background I/O of async checkpoint save %d failed: %s", request.call_idx, exc)
         raise
-
-
-def _call_finalize(fn: Finalization | Callable[[], Any], error: BaseException | None) -> None:
-    """A ``Finalization`` gets the background error; a plain callable only runs on success."""
-    if isinstance(fn, Finalization):
-        fn.finalize(error)
-    elif error is None:
-        fn()
-    else:
-        raise CheckpointingException(f"Async checkpoint save failed: {error}") from error

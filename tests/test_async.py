@@ -208,3 +208,31 @@ def test_a_finalize_callback_failing_on_one_rank_does_not_stall_the_others(tmp_p
         assert f"{first}: committed, but a later finalize step failed on rank(s) 0: " in message, message
         assert "cannot write the tracker file" in message and f"{second}: committed" in message, message
     assert results[0][1] == results[1][1], "the ranks raised different errors"
+
+
+def test_async_pinned_pool_stays_within_max_staging_bytes(tmp_path: Path, monkeypatch) -> None:
+    """The async snapshots' pool of pinned buffers kept every buffer returned to it
+    (``HostBufferPool()`` without a bound): with shapes that differ, the pinned memory
+    the strategy held grew to the whole state, not ``max_staging_bytes``. CUDA is
+    emulated on CPU: ``HostSnapshot.copy`` routes every tensor through the pool, as it
+    does CUDA tensors; 12 blocks of distinct shapes, a cap of 4."""
+    from shardstore.execution.staging import HostSnapshot
+
+    def copy(self, tensor):
+        out = self.pool.take(tensor)
+        out.copy_(tensor.detach())
+        self.buffers.append(out)
+        return out
+
+    monkeypatch.setattr(HostSnapshot, "copy", copy)
+    block = 16 * 1024  # float32 elements, 64 KiB
+    state = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.full((block + i,), float(i))) for i in range(12)}
+    cap = 4 * block * 4 + 1024
+    strategy = ZarrSaveShardedStrategy(max_staging_bytes=cap)
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(save(state, tmp_path / "ckpt", strategy, async_sharded_save=True))
+    queue.close()
+    assert 0 < strategy._buffers.free_bytes <= cap, (
+        f"the async pool keeps {strategy._buffers.free_bytes} bytes of pinned buffers, max_staging_bytes={cap}"
+    )
+    assert is_committed(open_location(tmp_path / "ckpt"))

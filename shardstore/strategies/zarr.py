@@ -268,7 +268,9 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
             The chunks a rank assembles from other ranks' blocks (gathered shards,
             flattened tensors' straddling chunks) are exchanged in waves of a quarter
             of it, each written before the next (``execution.save.stage_save``); every
-            rank must pass the same value then.
+            rank must pass the same value then. Pinned buffers returned after an async
+            save stay for the next one, up to this many bytes (None: all of them, until
+            ``release_buffers()``).
         sync_staging_bytes: sync saves of CUDA tensors: the most host memory their
             copies hold at once (CPU tensors are written from their own memory). Pinned
             buffers returned after a save stay for the next one, up to this many bytes.
@@ -332,7 +334,8 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.max_staging_bytes = checked_staging_bytes("max_staging_bytes", max_staging_bytes, optional=True)
         self.background_io_threads = background_io_threads
         self.sync_staging_bytes = checked_staging_bytes("sync_staging_bytes", sync_staging_bytes)
-        self._buffers = HostBufferPool()  # async snapshots: every buffer kept for the next save
+        # async snapshots: buffers kept for the next save, within the cap when there is one
+        self._buffers = HostBufferPool(max_free_bytes=self.max_staging_bytes)
         self._sync_buffers = HostBufferPool(max_free_bytes=self.sync_staging_bytes)
         self._plan_cache: PlanCache | None = None
         self.cache_plan = cache_plan

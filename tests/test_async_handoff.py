@@ -166,3 +166,40 @@ def test_a_failed_plain_step_is_handed_to_the_later_finalization_and_stops_later
         queue.close()
     assert [call[0] for call in step.calls] == ["finalize"] and isinstance(step.calls[0][1], OSError)
     assert plain_calls == [] and queue.get_num_unfinalized_calls() == 0
+
+
+@dataclass
+class FailingAbort(Recorded):
+    """A Finalization whose abort raises."""
+
+    def abort(self) -> None:
+        super().abort()
+        raise OSError("cannot close the save's files")
+
+
+def test_closing_with_abort_aborts_every_save_even_after_an_abort_failed() -> None:
+    """``close(abort=True)`` stopped at the first ``abort()`` that raised: the saves after
+    it kept their locks and descriptors, and the error named none of them."""
+    failing, later = FailingAbort(checkpoint="/ckpt/a"), Recorded(checkpoint="/ckpt/b")
+    queue = AsyncCallsQueue()
+    for step in (failing, later):
+        queue.schedule_async_request(AsyncRequest(async_fn=None, finalize_fns=[step]))
+    with pytest.raises(CheckpointingException, match=r"(?s)dropped /ckpt/a, /ckpt/b uncommitted.*aborting /ckpt/a "
+                       r"failed: OSError: cannot close"):
+        queue.close(abort=True)
+    assert failing.calls == [("abort",)] and later.calls == [("abort",)]
+    assert queue.get_num_unfinalized_calls() == 0
+
+
+def test_closing_twice_does_nothing_the_second_time(monkeypatch) -> None:
+    """A second ``close()`` ran the ranks' agreement (an ``all_reduce``) again, which the
+    other ranks, closed once, never joined."""
+    step = Recorded()
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(AsyncRequest(async_fn=None, finalize_fns=[step]))
+    queue.close()
+    agreements = []
+    monkeypatch.setattr(queue, "_finished_everywhere", lambda no_dist: agreements.append(no_dist) or 0)
+    queue.close()
+    queue.close(abort=True)
+    assert agreements == [] and step.calls == [("finalize", None)]

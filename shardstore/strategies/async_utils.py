@@ -255,22 +255,67 @@ class AsyncCallsQueue:
         return len(self._pending)
 
     def close(self, abort: bool = False) -> None:
-        """Finalizes everything still pending (or, with ``abort``, waits for the I/O and
-        drops it uncommitted: nothing is committed, and the next save into the same
-        place removes what the dropped save wrote); stops the worker thread."""
+        """Finalizes everything still pending (collective, as
+        ``maybe_finalize_async_calls(blocking=True)``), or, with ``abort``, waits for the
+        I/O and drops it uncommitted (local: nothing is committed, and the next save into
+        the same place removes what the dropped save wrote); stops the worker thread.
+        What finalizing leaves pending (a lost peer) is dropped the same way. A second
+        call does nothing.
+
+        Raises:
+            CheckpointingException: the finalization's failure, once what it left is
+                dropped; else, every pending request having been tried, an ``abort()``
+                that failed, or a request left pending without ``abort`` (ranks that
+                scheduled different saves), naming each request dropped.
+        """
+        if self._closed:
+            return
+        self._closed = True
         try:
-            if abort:
-                for _, request, future in self._pending:
-                    future.exception()
-                    for fn in request.finalize_fns:  # local: closes what the save holds open
-                        if isinstance(fn, Finalization):
-                            fn.abort()
-                self._pending.clear()
-            else:
-                self.maybe_finalize_async_calls(blocking=True)
+            failure = None if abort else self._finalize_all()
+            dropped = self._drop_pending(expected=abort or failure is not None)
         finally:
-            self._closed = True
             self._worker.shutdown(wait=True)
+        if failure is not None:
+            if dropped is not None:
+                failure.add_note(str(dropped))
+            raise failure
+        if dropped is not None:
+            raise dropped
+
+    def _finalize_all(self) -> Exception | None:
+        """``maybe_finalize_async_calls(blocking=True)``; its failure returned, not raised."""
+        try:
+            self.maybe_finalize_async_calls(blocking=True)
+        except Exception as exc:  # close() raises it once what is left is dropped
+            return exc
+        return None
+
+    def _drop_pending(self, expected: bool) -> CheckpointingException | None:
+        """Local: waits for the I/O of every request still pending and drops each one
+        uncommitted (its Finalizations' ``abort()``), every one even after an abort
+        failed. Returns an error naming them when an abort failed, or when requests
+        were left that were not ``expected`` to be."""
+        dropped: list[str] = []
+        failed: list[tuple[str, Exception]] = []
+        while self._pending:
+            idx, request, future = self._pending.popleft()
+            future.exception()  # waits: the save's files are let go once nothing writes them
+            dropped.append(_describe(idx, _checkpoints(request.finalize_fns)))
+            error = _abort_steps(request.finalize_fns)
+            if error is not None:
+                failed.append((dropped[-1], error))
+        if not failed and (expected or not dropped):
+            return None
+        said = "".join(f"\n  aborting {name} failed: {type(exc).__name__}: {exc}" for name, exc in failed)
+        error = CheckpointingException(
+            f"Closing the async save queue dropped {', '.join(dropped)} uncommitted"
+            + ("" if expected else " (finished on this rank, not on every rank: did the ranks schedule the same saves?)")
+            + f":{said}\nThey have no commit record: save them again (the next save into the same place removes "
+            "what they wrote; what a failed abort holds is let go when this process exits)."
+        )
+        error.__cause__ = failed[0][1] if failed else None
+        return error
 
 
 def set_thread_priority(priority: str) -> None:
@@ -303,8 +348,8 @@ class _Outcome:
     everywhere: bool  # that failure was raised by a Finalization: every rank has it
 
     def describe(self) -> str:
-        """The request as errors name it: its checkpoints, else its call index."""
-        return ", ".join(self.checkpoints) or f"async save {self.call_idx}"
+        """The request as errors name it (``_describe``)."""
+        return _describe(self.call_idx, self.checkpoints)
 
     @property
     def state(self) -> str:
@@ -392,6 +437,24 @@ def _request_line(outcomes: dict[int, _Outcome]) -> str:
 def _indented(text: str) -> str:
     """``text``'s later lines indented under a line of the combined error."""
     return text.replace("\n", "\n    ")
+
+
+def _abort_steps(fns: list[Finalization | Callable[[], Any]]) -> Exception | None:
+    """Local: aborts every Finalization among ``fns``, each even after one raised;
+    returns the first failure."""
+    first: Exception | None = None
+    for fn in fns:
+        if isinstance(fn, Finalization):
+            try:
+                fn.abort()
+            except Exception as exc:  # the other steps still let go; close() raises it
+                first = first or exc
+    return first
+
+
+def _describe(call_idx: int, checkpoints: tuple[str, ...]) -> str:
+    """A request as errors name it: its checkpoints, else its call index."""
+    return ", ".join(checkpoints) or f"async save {call_idx}"
 
 
 def _checkpoints(fns: list[Finalization | Callable[[], Any]]) -> tuple[str, ...]:

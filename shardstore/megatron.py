@@ -60,7 +60,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from shardstore.core import SaveOptions
 from shardstore.errors import CheckpointingException
@@ -92,6 +92,7 @@ from shardstore.strategies.zarr import (
 from shardstore.validation import StrictHandling
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The functions ``install`` replaces, by their names in Megatron-Core.
 ENTRY_POINTS = (
@@ -247,21 +248,33 @@ def _original(name: str) -> Any:
 
 def strategy_for_save(strategy: Any) -> ZarrSaveShardedStrategy:
     """shardstore's save strategy for what Megatron's code passed as ``sharded_strategy``:
-    ours as it is (also inside the plug-in or a fully-parallel wrapper), Megatron's
+    ours as it is (also inside the plug-in, a fully-parallel wrapper, or both: found by
+    following ``base_strategy``), Megatron's
     fully-parallel wrapper as our fully-parallel plan (its ``do_cache_distribution`` as
     our cached plan), anything else (Megatron's torch_dist strategy, a ``(backend,
     version)`` tuple, None) as our default; one object per Megatron strategy object, so
     that a cached plan carries over between saves. A strategy built here shards as
     ``install(shard_bytes=...)`` says at the time of the call (``"auto"`` when not
     installed); ours keeps its own ``shard_bytes``."""
-    if isinstance(strategy, ZarrSaveShardedStrategy):
-        return strategy
-    inner = getattr(strategy, "base_strategy", None)
-    if isinstance(inner, ZarrSaveShardedStrategy):  # the plug-in strategy, as its caller made it
+    inner = _wrapped(strategy, ZarrSaveShardedStrategy)
+    if inner is not None:  # ours, or the plug-in's as its caller made it, however wrapped
         return inner
     ours = _built_for(strategy)
     ours.shard_bytes = _installation.shard_bytes if _installation is not None else "auto"
     return ours
+
+
+def _wrapped(strategy: Any, kind: type[T]) -> T | None:
+    """The strategy of ``kind`` that ``strategy`` is or wraps, following ``base_strategy``
+    down any number of wrappers (Megatron's fully-parallel wrapper around the plug-in,
+    which wraps ours), or None. A cycle of wrappers ends the search."""
+    seen: set[int] = set()
+    while strategy is not None and id(strategy) not in seen:
+        if isinstance(strategy, kind):
+            return strategy
+        seen.add(id(strategy))
+        strategy = getattr(strategy, "base_strategy", None)
+    return None
 
 
 def _built_for(strategy: Any) -> ZarrSaveShardedStrategy:
@@ -289,11 +302,12 @@ def _built_for(strategy: Any) -> ZarrSaveShardedStrategy:
 
 
 def _strategy_for_load(strategy: Any) -> ZarrLoadShardedStrategy | None:
-    """shardstore's load strategy for Megatron's ``sharded_strategy``: ours as it is, or
-    None (shardstore's default from the checkpoint's config: fully parallel)."""
-    for candidate in (strategy, getattr(strategy, "base_strategy", None)):
-        if isinstance(candidate, ZarrLoadShardedStrategy):
-            return candidate
+    """shardstore's load strategy for Megatron's ``sharded_strategy``: ours as it is
+    (however wrapped: ``_wrapped``), or None (shardstore's default from the checkpoint's
+    config: fully parallel)."""
+    ours = _wrapped(strategy, ZarrLoadShardedStrategy)
+    if ours is not None:
+        return ours
     if strategy is not None and not isinstance(strategy, tuple):
         log_once(logger, f"Megatron's {type(strategy).__name__} loads with shardstore's strategy (fully parallel)")
     return None

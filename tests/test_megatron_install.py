@@ -365,6 +365,34 @@ def test_megatrons_own_defaults_and_strategies_pass_through(tmp_path: Path) -> N
     run_distributed(megatron_defaults_on_both_formats, 1, str(ckpt), str(tmp_path / "iter_0000060"))
 
 
+def test_a_fully_parallel_wrapper_around_the_plugin_keeps_the_plugins_strategy() -> None:
+    """``--ckpt-fully-parallel-save`` wraps whatever save strategy it is given, the
+    plug-in's too: its own ``ZarrSaveShardedStrategy`` (``shard_bytes``, ...) is found
+    through both wrappers, not replaced by a default one. Load likewise."""
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    from shardstore.tools.megatron_strategy import (
+        ShardstoreLoadShardedStrategy,
+        ShardstoreSaveShardedStrategy,
+    )
+
+    shardstore_megatron.install(shard_bytes=4096)
+    try:
+        plugin = ShardstoreSaveShardedStrategy(shard_bytes=None)
+        wrapped = FullyParallelSaveStrategyWrapper(plugin, None, True)
+        assert shardstore_megatron.strategy_for_save(wrapped) is plugin.base_strategy
+        assert plugin.base_strategy.shard_bytes is None
+        loader = ShardstoreLoadShardedStrategy()
+        assert shardstore_megatron._strategy_for_load(FullyParallelLoadStrategyWrapper(loader, None)) is (
+            loader.base_strategy
+        )
+    finally:
+        shardstore_megatron.uninstall()
+
+
 def refused_keyword(rank: int, world: int, ckpt: str) -> str:
     """``verify_integrity``, asked of a checkpoint only Megatron's own code reads: refused
     by name where the installed Megatron-Core's ``load`` lacks it (before 0.17), handed to

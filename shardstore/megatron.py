@@ -316,17 +316,38 @@ def _strategy_for_load(strategy: Any) -> ZarrLoadShardedStrategy | None:
 # ------------------------------------------------------------------ errors in Megatron's terms
 
 
+_MEGATRONS_EXCEPTION = "MegatronCheckpointingException"
+
+
 @functools.lru_cache(maxsize=1)
 def _megatrons_exception() -> type[Exception] | None:
     """shardstore's CheckpointingException that is also Megatron-Core's own (Megatron-LM
     code catches ``megatron.core.dist_checkpointing.core.CheckpointingException``; a
     class's bases cannot be changed to it, as the layouts differ); None without
-    megatron-core."""
+    megatron-core. It is this module's ``MegatronCheckpointingException``, by that name:
+    ``pickle`` finds a class by module and qualified name, so an error raised through
+    the installed functions crosses a process boundary (``__getattr__`` makes it in a
+    process that has not made it yet)."""
     try:
         theirs = importlib.import_module("megatron.core.dist_checkpointing.core").CheckpointingException
     except ImportError:
         return None
-    return type("CheckpointingException", (CheckpointingException, theirs), {"__module__": __name__})
+    made = type(_MEGATRONS_EXCEPTION, (CheckpointingException, theirs),
+                {"__module__": __name__, "__qualname__": _MEGATRONS_EXCEPTION, "__doc__": (
+                    "A shardstore error raised through Megatron-Core's entry points: shardstore's "
+                    "CheckpointingException and Megatron-Core's at once.")})
+    globals()[_MEGATRONS_EXCEPTION] = made
+    return made
+
+
+def __getattr__(name: str) -> Any:
+    """``MegatronCheckpointingException``, made on first use (megatron-core imported then,
+    not when this module is)."""
+    if name == _MEGATRONS_EXCEPTION:
+        made = _megatrons_exception()
+        if made is not None:
+            return made
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _in_megatrons_terms(entry_point: Any) -> Any:

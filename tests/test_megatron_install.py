@@ -265,6 +265,29 @@ def test_shardstores_errors_are_megatrons_too(tmp_path: Path) -> None:
         shardstore_megatron.uninstall()
 
 
+def test_an_error_raised_through_megatrons_door_can_be_pickled(tmp_path: Path) -> None:
+    """The class that is both libraries' exception was named
+    ``shardstore.megatron.CheckpointingException``, where shardstore.errors' class is
+    bound: ``pickle`` could not find it, so such an error could not cross a process
+    boundary (a ``ProcessPoolExecutor``, a multiprocessing queue)."""
+    import pickle
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    ckpt = str(tmp_path / "iter_0000001")
+    shardstore_megatron.install()
+    try:
+        dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 4))}, ckpt)
+        with pytest.raises(Exception, match="global shape") as raised:
+            dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 3))}, ckpt)
+    finally:
+        shardstore_megatron.uninstall()
+    again = pickle.loads(pickle.dumps(raised.value))
+    assert type(again) is type(raised.value) is shardstore_megatron.MegatronCheckpointingException
+    assert str(again) == str(raised.value)
+
+
 def failing_async_save(rank: int, world: int, ckpt: str) -> None:
     from megatron.core.dist_checkpointing.core import CheckpointingException as MegatronsException
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue

@@ -540,3 +540,190 @@ def test_a_marker_nested_past_the_json_parsers_depth_is_not_ours(ckpt_dir: Path)
     (ckpt_dir / SAVE_MARKER).write_text("[" * 2_000 + "]" * 2_000)  # within the 4 KiB a marker may hold
     assert read_marker(open_location(ckpt_dir), SAVE_MARKER) is None
     assert [p.key for p in verify(ckpt_dir).problems] == [SAVE_MARKER]
+
+
+# ------------------------------------------------------------------ replacing beside other programs' files
+
+# What ModelOpt writes into a Megatron-LM iteration after its save returns.
+THEIRS_BESIDE = {"modelopt_run_config.yaml": b"nvidia_modelopt_version: 0.0\n", "modelopt_state/common.pt": b"theirs"}
+# Renames of a replacement beside them, old {common.pt, metadata.json, v, w} -> new {common.pt,
+# metadata.json, u, w}: the old record, its 4 entries, the new 4 entries, the new record.
+RENAMES_OF_A_REPLACEMENT = 10
+
+
+def _beside_state(value: float, extra: str) -> dict:
+    return {"w": ShardedTensor.from_rank_offsets("w", torch.full((4,), value)),
+            extra: ShardedTensor.from_rank_offsets(extra, torch.full((2,), value)), "step": value}
+
+
+def _saved_beside_theirs(ckpt: Path) -> None:
+    """The old checkpoint (w, v), then another program's files put into it after the commit."""
+    save(_beside_state(1.0, "v"), ckpt, shared_directory=True)
+    for rel, data in THEIRS_BESIDE.items():
+        (ckpt / rel).parent.mkdir(exist_ok=True)
+        (ckpt / rel).write_bytes(data)
+
+
+def _replace_beside(ckpt: Path) -> None:
+    save(_beside_state(2.0, "u"), ckpt, shared_directory=True, overwrite=True)
+
+
+def _loads(ckpt: Path) -> float:
+    from shardstore import load_plain_tensors
+
+    return load_plain_tensors(ckpt)["w"][0].item()
+
+
+def _old_verifies(ckpt: Path) -> bool:
+    """Every chunk and file of the old checkpoint checks; their files, written after its
+    commit, are the only files its record does not list."""
+    report = verify(ckpt)
+    return {p.key for p in report.problems} <= set(THEIRS_BESIDE) and sorted(report.unlisted) == sorted(THEIRS_BESIDE)
+
+
+def _assert_theirs_untouched(ckpt: Path) -> None:
+    assert {rel: (ckpt / rel).read_bytes() for rel in THEIRS_BESIDE} == THEIRS_BESIDE
+    assert sorted(p.name for p in (ckpt / "modelopt_state").iterdir()) == ["common.pt"]
+
+
+def _fail_rename(monkeypatch, at: int) -> None:
+    """The ``at``-th entry rename from now on fails (as a full or read-only disk would)."""
+    original, calls = local_backend._rename_no_replace, []
+
+    def rename(source: Path, destination: Path) -> None:
+        calls.append(source)
+        if len(calls) == at:
+            raise OSError(errno.EIO, "injected", str(source))
+        original(source, destination)
+
+    monkeypatch.setattr(local_backend, "_rename_no_replace", rename)
+
+
+def test_replacing_a_checkpoint_beside_other_programs_files_keeps_them_in_place(ckpt_dir: Path) -> None:
+    """Megatron-LM reaching an iteration again after a restart: its shared iteration
+    directory holds ModelOpt's files, which stay where they are, byte for byte; only the
+    checkpoint's own entries are replaced, and the new record names theirs."""
+    _saved_beside_theirs(ckpt_dir)
+    _replace_beside(ckpt_dir)
+    assert _loads(ckpt_dir) == 2.0
+    _assert_theirs_untouched(ckpt_dir)
+    assert not (ckpt_dir / "v").exists() and (ckpt_dir / "u").is_dir()
+    assert read_commit_record(open_location(ckpt_dir)).beside == ("modelopt_run_config.yaml", "modelopt_state")
+    report = verify(ckpt_dir)
+    assert report.ok and sorted(report.not_ours) == sorted(THEIRS_BESIDE), str(report)
+    assert sorted(p.name for p in ckpt_dir.parent.iterdir()) == [ckpt_dir.name], "no leftovers next to it"
+    assert not (ckpt_dir / SAVE_MARKER).exists()
+
+
+def test_replacing_beside_refuses_a_file_inside_the_checkpoints_own_entries(ckpt_dir: Path) -> None:
+    """A file another program put inside one of the checkpoint's arrays would be set aside
+    and deleted with it: refused, naming it, nothing changed."""
+    _saved_beside_theirs(ckpt_dir)
+    (ckpt_dir / "w" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointingException, match=r"holds w/notes.txt, which its save did not write, inside"):
+        _replace_beside(ckpt_dir)
+    assert _loads(ckpt_dir) == 1.0 and (ckpt_dir / "w" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("at", range(1, RENAMES_OF_A_REPLACEMENT + 1))
+def test_a_replacement_beside_that_fails_at_any_rename_puts_the_old_checkpoint_back(
+    ckpt_dir: Path, monkeypatch, at: int
+) -> None:
+    """A rename that fails part way (setting the old entries aside, moving the new ones in,
+    the new record itself): the save fails, the old checkpoint is whole and loadable
+    again, their files untouched, nothing left next to it; the next save replaces it."""
+    _saved_beside_theirs(ckpt_dir)
+    _fail_rename(monkeypatch, at)
+    with pytest.raises(CheckpointingException, match="injected"):
+        _replace_beside(ckpt_dir)
+    monkeypatch.undo()
+    assert _loads(ckpt_dir) == 1.0 and _old_verifies(ckpt_dir)
+    _assert_theirs_untouched(ckpt_dir)
+    assert sorted(p.name for p in ckpt_dir.parent.iterdir()) == [ckpt_dir.name]
+    _replace_beside(ckpt_dir)
+    assert _loads(ckpt_dir) == 2.0
+    _assert_theirs_untouched(ckpt_dir)
+
+
+@pytest.mark.parametrize("phase", [1, 2])
+def test_a_replacement_beside_whose_marker_cannot_be_written_changes_nothing(
+    ckpt_dir: Path, monkeypatch, phase: int
+) -> None:
+    """The marker's first write (nothing moved yet) or its second (the old entries all set
+    aside): the old checkpoint is put back."""
+    _saved_beside_theirs(ckpt_dir)
+    original, writes = LocalStore.put_atomic, []
+
+    def put_atomic(self, key: str, data: bytes) -> None:
+        if key == SAVE_MARKER and self.root == ckpt_dir:
+            writes.append(data)
+            if len(writes) == phase:
+                raise StorageError(f"Cannot write {key}: injected")
+        original(self, key, data)
+
+    monkeypatch.setattr(LocalStore, "put_atomic", put_atomic)
+    with pytest.raises(CheckpointingException, match="injected"):
+        _replace_beside(ckpt_dir)
+    monkeypatch.undo()
+    assert _loads(ckpt_dir) == 1.0
+    _assert_theirs_untouched(ckpt_dir)
+    assert sorted(p.name for p in ckpt_dir.parent.iterdir()) == [ckpt_dir.name]
+
+
+def _crash_at_rename(ckpt_dir: Path, monkeypatch, at: int) -> None:
+    """A replacement beside their files that dies at its ``at``-th rename: its own putting
+    back never runs (a process killed there runs nothing more)."""
+    import shardstore.format.commit as commit
+
+    _saved_beside_theirs(ckpt_dir)
+    _fail_rename(monkeypatch, at)
+
+    def killed(*args, **kwargs) -> None:
+        raise OSError("killed before it could put anything back")
+
+    monkeypatch.setattr(commit, "_put_back", killed)
+    with pytest.raises(CheckpointingException, match="injected"):
+        _replace_beside(ckpt_dir)
+    monkeypatch.undo()
+    _assert_theirs_untouched(ckpt_dir)
+
+
+@pytest.mark.parametrize("at", range(1, RENAMES_OF_A_REPLACEMENT + 1))
+def test_a_replacement_beside_killed_at_any_rename_is_put_back_by_restore(
+    ckpt_dir: Path, monkeypatch, at: int
+) -> None:
+    """Killed before the old record moved: the old checkpoint is still there. Killed in the
+    window: no checkpoint loads, the error names the interrupted replacement and what to
+    do, and ``restore_replaced`` (``shardstore restore``) puts the old one back whole.
+    Killed at the new record's move, likewise (it never committed)."""
+    from shardstore.format.commit import restore_replaced
+
+    _crash_at_rename(ckpt_dir, monkeypatch, at)
+    if at == 1:
+        assert _loads(ckpt_dir) == 1.0
+    else:
+        with pytest.raises(CheckpointingException, match=r"was interrupted .*`shardstore restore "):
+            _loads(ckpt_dir)
+        assert restore_replaced(open_location(ckpt_dir))
+    assert _loads(ckpt_dir) == 1.0 and _old_verifies(ckpt_dir)
+    _assert_theirs_untouched(ckpt_dir)
+    assert not restore_replaced(open_location(ckpt_dir)), "nothing more to put back"
+    _replace_beside(ckpt_dir)
+    assert _loads(ckpt_dir) == 2.0 and verify(ckpt_dir).ok
+    _assert_theirs_untouched(ckpt_dir)
+    assert sorted(p.name for p in ckpt_dir.parent.iterdir()) == [ckpt_dir.name], "leftovers removed"
+
+
+@pytest.mark.parametrize("at", [3, 7])
+def test_the_next_save_puts_back_what_a_killed_replacement_beside_set_aside(
+    ckpt_dir: Path, monkeypatch, caplog, at: int
+) -> None:
+    """Killed setting the old entries aside (3) or moving the new ones in (7): the next
+    save into the directory puts the old checkpoint back first, then replaces it."""
+    _crash_at_rename(ckpt_dir, monkeypatch, at)
+    with caplog.at_level("WARNING", logger="shardstore"):
+        _replace_beside(ckpt_dir)
+    assert "Put back the checkpoint" in caplog.text
+    assert _loads(ckpt_dir) == 2.0 and verify(ckpt_dir).ok
+    _assert_theirs_untouched(ckpt_dir)
+    assert sorted(p.name for p in ckpt_dir.parent.iterdir()) == [ckpt_dir.name]

@@ -221,3 +221,62 @@ def test_killed_while_publishing_beside_another_programs_files(tmp_path: Path) -
         save(_sd(0, 1), ckpt, overwrite=True)
     assert sorted(p.relative_to(ckpt) for p in ckpt.rglob("*")) == before
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"], "dead save's staging not cleared"
+
+
+def replace_beside_another_programs_files_then_die(rank: int, world: int, ckpt: str) -> str:
+    """A 2-rank checkpoint saved into a shared directory, another program's files put into
+    it, then a second save replacing it there; the coordinator is SIGKILLed in the window,
+    after the old record and entries were set aside and one new entry moved in."""
+    import shardstore.stores.local as local_backend
+
+    save(_sd(rank, world), ckpt, shared_directory=True)
+    if rank == 0:
+        Path(ckpt, "modelopt_run_config.yaml").write_text("theirs")
+        Path(ckpt, "modelopt_state").mkdir()
+        Path(ckpt, "modelopt_state", "common.pt").write_text("theirs too")
+    torch.distributed.barrier()
+    original, renames = local_backend._rename_no_replace, []
+
+    def rename_then_die(source: Path, destination: Path) -> None:
+        renames.append(source)
+        if len(renames) == 8:  # the record, 5 old entries (__objects__, common.pt, e, metadata.json, w), 1 new one
+            _die()
+        original(source, destination)
+
+    local_backend._rename_no_replace = rename_then_die
+    try:
+        save(_sd(rank, world, shift=1.0), ckpt, shared_directory=True, overwrite=True)
+    except CheckpointingException as exc:  # the survivor: its coordinator died
+        return str(exc)
+    raise AssertionError("the save committed")
+
+
+def test_killed_while_replacing_beside_another_programs_files(tmp_path: Path) -> None:
+    """Between the old record moving out and the new one moving in, no checkpoint loads
+    there: the error names what happened and what to do; the other program's files are
+    untouched; ``shardstore restore`` puts the old checkpoint back, bit for bit; the next
+    save replaces it and leaves nothing next to it."""
+    from click.testing import CliRunner
+
+    from shardstore.tools.cli import main
+
+    ckpt = tmp_path / "iter_0000100"
+
+    def _tensors() -> dict:
+        return {k: v for k, v in _sd(0, 1, empty=True).items() if k != "rng"}
+
+    survivor = run_distributed(replace_beside_another_programs_files_then_die, 2, str(ckpt), killed=(0,))[1]
+    assert "not committed" in survivor, survivor
+    assert not is_committed(open_location(ckpt))
+    with pytest.raises(CheckpointingException, match=r"was interrupted .*`shardstore restore "):
+        load(_tensors(), ckpt)
+    result = CliRunner().invoke(main, ["--no-progress", "restore", str(ckpt)])
+    assert result.exit_code == 0 and "put back" in result.output, result.output
+    loaded = load(_tensors(), ckpt)
+    assert_bits_equal(loaded["w"], global_tensor("w", SHAPE, torch.float32))
+    assert (ckpt / "modelopt_run_config.yaml").read_text() == "theirs"
+    assert (ckpt / "modelopt_state" / "common.pt").read_text() == "theirs too"
+    save(_sd(0, 1, shift=1.0), ckpt, shared_directory=True, overwrite=True)
+    assert_bits_equal(load(_tensors(), ckpt)["w"], global_tensor("w", SHAPE, torch.float32) + 1.0)
+    assert (ckpt / "modelopt_state" / "common.pt").read_text() == "theirs too"
+    assert [p.name for p in tmp_path.iterdir()] == ["iter_0000100"], "leftovers not cleared"

@@ -133,18 +133,33 @@ def test_a_key_named_as_a_file_already_there_fails_the_save_and_changes_nothing(
     assert [p.name for p in ckpt_dir.parent.iterdir()] == [ckpt_dir.name]
 
 
-def test_replacing_a_checkpoint_beside_other_files_is_refused_naming_them(ckpt_dir: Path) -> None:
-    """A replacement is one rename of the whole directory, which would take their files
-    with the old checkpoint: refused; each step saves to a directory of its own."""
+def test_replacing_a_checkpoint_beside_other_files_keeps_them_in_place(ckpt_dir: Path) -> None:
+    """DCP's FileSystemWriter overwrites a directory it shares with a job's files; so does
+    ShardstoreWriter: only the old checkpoint's own entries are replaced, the job's file
+    stays, byte for byte, and the new record names it (``beside``)."""
     import torch.distributed.checkpoint as dcp
 
     ckpt_dir.mkdir()
     _write(ckpt_dir, {"train.log": "x"})
     dcp.save({"w": torch.ones(4)}, storage_writer=ShardstoreWriter(ckpt_dir), no_dist=True)
-    with pytest.raises(CheckpointException, match=r"also holds files its save did not write \(train.log\)"):
-        dcp.save({"w": torch.zeros(4)}, storage_writer=ShardstoreWriter(ckpt_dir, overwrite=True), no_dist=True)
+    dcp.save({"w": torch.zeros(4)}, storage_writer=ShardstoreWriter(ckpt_dir, overwrite=True), no_dist=True)
     assert (ckpt_dir / "train.log").read_text() == "x"
-    assert shardstore.load_common_state_dict(ckpt_dir)["w"].tolist() == [1.0] * 4
+    assert shardstore.load_common_state_dict(ckpt_dir)["w"].tolist() == [0.0] * 4
+    report = shardstore.verify(ckpt_dir)
+    assert report.ok and report.not_ours == ["train.log"], str(report)
+    assert [p.name for p in ckpt_dir.parent.iterdir()] == [ckpt_dir.name]
+
+
+def test_replacing_a_checkpoint_beside_other_files_is_refused_unless_shared(ckpt_dir: Path) -> None:
+    """Without ``shared_directory`` the directory is the checkpoint's alone: a file of
+    someone else's in it is named, and nothing is replaced."""
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}
+    shardstore.save(state, ckpt_dir)
+    _write(ckpt_dir, {"train.log": "x"})
+    with pytest.raises(CheckpointingException, match=r"also holds files its save did not write \(train.log\)"):
+        shardstore.save({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, ckpt_dir, overwrite=True)
+    assert (ckpt_dir / "train.log").read_text() == "x"
+    assert shardstore.load_plain_tensors(ckpt_dir)["w"].tolist() == [1.0] * 4
 
 
 def test_saving_again_into_the_same_directory_replaces_as_dcps_default_does(ckpt_dir: Path) -> None:

@@ -192,6 +192,40 @@ def test_megatron_lm_with_modelopt_state_loads_with_verify_integrity(tmp_path: P
     assert verify(ckpt / "modelopt_state").ok
 
 
+def modelopt_training_loop_restarted(rank: int, world: int, ckpt: str, async_save: bool) -> str:
+    """``modelopt_training_loop`` saves iteration 100 with ModelOpt's files in it; the job
+    is then restarted from an older iteration (preempted before the tracker file named
+    100, --ckpt-step, a rollback) and reaches 100 again: Megatron-LM saves into the same
+    ``iter_0000100``, which Megatron's own save overwrites."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        modelopt_training_loop(rank, world, ckpt, async_save)
+        theirs = {p: p.read_bytes() for p in sorted(Path(ckpt).rglob("*")) if p.is_file()
+                  and p.relative_to(ckpt).parts[0] in ("modelopt_run_config.yaml", "modelopt_state")}
+        torch.distributed.barrier()
+        _training_loop_save(ckpt, _strategies(False)[0])
+        _training_loop_load(ckpt, _strategies(False)[1], verify_integrity=True)
+        assert {p: p.read_bytes() for p in theirs} == theirs, "ModelOpt's files changed"
+        assert dist_checkpointing.load_common_state_dict(f"{ckpt}/modelopt_state")["modelopt_version"] == "0.0"
+        return "saved"
+    finally:
+        shardstore_megatron.uninstall()
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_megatron_lm_with_modelopt_can_save_an_iteration_again(tmp_path: Path, async_save: bool) -> None:
+    """Before, the second save of iter_0000100 failed on every rank ("Refusing to replace
+    the checkpoint ...: it also holds files its save did not write
+    (modelopt_run_config.yaml, modelopt_state/...)"): a Megatron-LM job with ModelOpt
+    died each time it reached that iteration again. Now only the checkpoint's own
+    entries are replaced; ModelOpt's stay, byte for byte, named in the new record."""
+    ckpt = tmp_path / "iter_0000100"
+    assert run_distributed(modelopt_training_loop_restarted, 2, str(ckpt), async_save, timeout=240) == ["saved"] * 2
+    assert set(read_commit_record(open_location(ckpt)).beside) == {"modelopt_run_config.yaml", "modelopt_state"}
+    assert verify(ckpt).ok and [p.name for p in tmp_path.iterdir()] == ["iter_0000100"]
+
+
 def test_megatrons_verify_integrity_still_refuses_a_damaged_chunk_beside_other_programs_files(tmp_path: Path) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor

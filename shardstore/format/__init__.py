@@ -52,6 +52,7 @@ __all__ = [
     "read_commit_record",
     "read_marker",
     "read_region",
+    "restore_replaced",
     "run_reads",
     "serialize",
     "state_paths",
@@ -62,7 +63,7 @@ __all__ = [
 from shardstore.lazy_exports import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {
-    "commit": ("SaveIntent",),
+    "commit": ("SaveIntent", "restore_replaced"),
     "config": ("CONFIG_FNAME",),
     "chunks": ("ArrayChunks", "DEFAULT_IO_CONCURRENCY", "WrittenChunk", "chunk_store_for", "read_region", "run_reads"),
     "dtypes": ("BY_TORCH", "cast_checked", "from_torch", "from_zarr_name", "holds_its_values", "is_exact_conversion",

@@ -3,7 +3,10 @@
 Rules (DESIGN.md, invariants):
 
 * A committed checkpoint stays loadable until its replacement commits (object stores,
-  which cannot rename, have a window with ``overwrite=True``: ``InPlace``).
+  which cannot rename, have a window with ``overwrite=True``: ``InPlace``; so does a
+  replacement in a shared directory that other programs' files share with it, which
+  sets the old entries aside one by one: ``ByRename._replace_beside``, whose
+  interruption the next save or ``restore_replaced`` undoes).
 * Two saves into one place cannot both commit; the loser fails with a clear error.
 * shardstore deletes only what it can prove one of its own unfinished saves wrote. A
   non-empty target without a commit record (another tool's checkpoint, an experiment
@@ -17,7 +20,8 @@ write, what its commit and abandon do.
 * ``ByRename`` (local and shared POSIX file systems): a private staging directory next
   to the target, published by one rename or atomic exchange, a compare-and-swap under
   an ``flock``; into a **shared directory** (``SaveOptions.shared_directory``: DCP's
-  door, Megatron-LM's iteration) by moving its entries in beside the other files.
+  door, Megatron-LM's iteration) by moving its entries in beside the other files, the
+  checkpoint it replaces there (if any) first set aside entry by entry.
 * ``InPlace`` (object stores): written at the target, marker first, commit record last.
 * ``IntoCallersDirectory`` (a directory Megatron-Core's own ``save`` made and wrote
   into, ``adopt_save``): written in place, the caller's files listed as external,
@@ -42,7 +46,7 @@ from __future__ import annotations
 __all__ = [
     "ByRename", "InPlace", "IntoCallersDirectory", "PendingCheckpoint", "Publisher",
     "SaveIntent", "SaveLocation", "SaveOptions", "adopt_save", "begin_save", "check_shared",
-    "join_save", "publisher_for",
+    "join_save", "publisher_for", "restore_replaced",
 ]
 
 import contextlib
@@ -62,13 +66,18 @@ from shardstore.format.chunks import ChunkStore, chunk_store_for
 from shardstore.format.records import (
     COMMIT_RECORD,
     MAX_RECORD_BYTES,
+    MOVING_IN,
     REPLACED_TAG,
+    REPLACING_PHASE,
     SAVE_MARKER,
+    SETTING_ASIDE,
     STAGING_TAG,
     ArrayRecord,
     CommitRecord,
     ZarrMetadata,
+    interrupted_replacement,
     marker_save_id,
+    other_checkpoint_beside,
     other_checkpoint_files,
     other_checkpoint_kind,
     own_markers,
@@ -100,8 +109,10 @@ class SaveOptions:
             ``SavePipeline.open`` opens it once, so a begun save holds a Location.
         shared_directory: other programs keep files in the target: the save is
             published beside those there when it begins and those written while it
-            runs, deleting none of them (by rename only; in place, a non-empty target
-            is refused all the same). Otherwise the target must be empty or hold the
+            runs, deleting or moving none of them (by rename only; in place, a non-empty
+            target is refused all the same); with ``overwrite``, a checkpoint there is
+            replaced entry by entry, theirs kept (``ByRename._replace_beside``, which
+            has a window without a checkpoint there). Otherwise the target must be empty or hold the
             checkpoint it replaces, and a file written there meanwhile makes the save lose.
         zarr_metadata: where the arrays' and groups' Zarr metadata documents go
             (``records.ZarrMetadata``): ``"per_node"`` (the default), a ``zarr.json`` of
@@ -288,8 +299,10 @@ def _check_target(target: Location, overwrite: bool, shared_directory: bool = Fa
     another tool's checkpoint (``_refuse_other_checkpoint``); any other non-empty
     directory without a commit record unless ``shared_directory`` (then still what
     ``_refuse_format_names`` refuses); a committed checkpoint without ``overwrite``, or
-    beside files its save did not write (a replacement by rename would delete them), and
-    a path that is no directory (``_refuse_non_directory``)."""
+    beside files its save did not write (a replacement by rename would delete them)
+    unless ``shared_directory`` and they are top-level entries of their own, which the
+    replacement keeps in place (``_refuse_unmovable_beside``); and a path that is no
+    directory (``_refuse_non_directory``)."""
     _refuse_non_directory(target)
     if target.is_empty():
         return None
@@ -310,6 +323,9 @@ def _check_target(target: Location, overwrite: bool, shared_directory: bool = Fa
         )
     found = target.list_files()
     others = record.unlisted(found, own_markers(target, record, found))
+    if others and shared_directory:
+        _refuse_unmovable_beside(target, record, others)
+        return record.save_id
     if others:
         raise CheckpointingException(
             f"Refusing to replace the checkpoint at {target.describe()}: it also holds files its save did not "
@@ -318,6 +334,35 @@ def _check_target(target: Location, overwrite: bool, shared_directory: bool = Fa
             "a new directory of its own"
         )
     return record.save_id
+
+
+def _refuse_unmovable_beside(target: Location, record: CommitRecord, others: list[str]) -> None:
+    """Refuses to replace the checkpoint ``record`` commits at ``target``, in a shared
+    directory, where ``others`` (the files its save did not write, ``CommitRecord.unlisted``)
+    cannot be kept in place while its own entries are set aside
+    (``ByRename._replace_beside``): a file inside one of those entries (it would go with
+    them), a top-level name the format keeps for its markers that no marker proves ours,
+    or another tool's checkpoint (two checkpoints in one directory are ambiguous)."""
+    inside = [rel for rel in others if rel.split("/", 1)[0] in record.own_top_names]
+    marked = sorted({rel.split("/", 1)[0] for rel in others if rel.startswith(".shardstore")})
+    where = target.describe()
+    if inside or marked:
+        found = (inside or marked)[:5]
+        raise CheckpointingException(
+            f"Refusing to replace the checkpoint at {where}: it holds {', '.join(found)}"
+            f"{', ...' if len(inside or marked) > 5 else ''}, which its save did not write, "
+            + ("inside the checkpoint's own entries, which replacing it would delete" if inside else
+               "under names shardstore keeps for its markers, which no marker proves ours")
+            + ". Move them out (or delete them if you know they are not needed), or save to a new directory; "
+            "files of other programs at the top of the directory are kept beside the new checkpoint"
+        )
+    beside = other_checkpoint_beside(target, record)
+    if beside is not None:
+        raise CheckpointingException(
+            f"Refusing to replace the checkpoint at {where}: the directory also holds {beside.title} "
+            f"({beside.listed()}), which shardstore never deletes, and a checkpoint saved beside it would make "
+            "the directory ambiguous. Move those files out, or save to a new directory"
+        )
 
 
 # ------------------------------------------------------------------ pending saves
@@ -594,13 +639,20 @@ class ByRename(Publisher):
     beside the other programs' files instead, by moving its entries in, the commit
     record last; still refused there: another tool's checkpoint (named with its files:
     two checkpoints in one directory are ambiguous, ``records.other_checkpoint_beside``)
-    and entries under the format's own names.
+    and entries under the format's own names. A committed checkpoint there that shares
+    its directory with other programs' top-level entries is replaced entry by entry,
+    theirs left in place (``_replace_beside``): no exchange can swap only some entries
+    of a directory, so between its old record moving out and the new one moving in the
+    directory holds no checkpoint; an interruption there is put back by the next save
+    (``restore_replaced``, first thing in ``begin``). A file inside the old
+    checkpoint's own entries is still refused (it would go with them).
     """
 
 
     def begin(self, target: Location, options: SaveOptions, save_id: str) -> PendingCheckpoint:
         directory = _directory(target).resolved()
         target = Location(directory)
+        restore_replaced(target)  # before the dead saves go: an interrupted one's staging may hold new entries
         remove_dead_saves(directory)
         replaces = _check_target(target, options.overwrite, options.shared_directory)
         source = options.reuse_from
@@ -618,6 +670,16 @@ class ByRename(Publisher):
         save.hold_staging_lock()
 
     def abandon(self, save: PendingCheckpoint) -> None:
+        try:
+            replacing = interrupted_replacement(save.target)
+        except OSError:
+            replacing = None
+        if replacing is not None and replacing[0] == save.intent.save_id and not save.target.exists(COMMIT_RECORD):
+            # a replacement beside other files that could not put the old checkpoint back: new entries
+            # still in the target are told from others by what the staging directory no longer holds
+            logger.warning("Keeping %s for putting back the checkpoint it was replacing at %s",
+                           save.location.store.describe(), save.target.describe())
+            return
         _remove_dir(save.location.store.publishing(), SAVE_MARKER)
 
     def commit(self, save: PendingCheckpoint, record: CommitRecord) -> CommitRecord:
@@ -625,6 +687,7 @@ class ByRename(Publisher):
         assert staging is not None and target is not None  # begin staged apart only for these
         save.location.write_atomic(COMMIT_RECORD, record.to_json())
         replaced: DirectoryPublishing | None = None
+        emptied: DirectoryPublishing | None = None  # the staging directory, where its entries moved out one by one
         with target.parent_locked():
             empty = save.target.is_empty()
             old = None if empty else _committed_record(save.target)
@@ -633,20 +696,37 @@ class ByRename(Publisher):
                 raise _lost_race(save, current or "a directory that is not a checkpoint")
             if current is None and not empty:
                 return self._publish_beside(save, staging, target, record)
-            if old is not None:
-                self._refuse_added_entries(save, old)
-            if current is None:
-                staging.rename_to(target, exchange=False)
-            elif staging.rename_to(target, exchange=True):
-                replaced = _set_aside(staging, target, current)  # the old checkpoint was at the staging path
+            theirs = _entries_beside(save.target, old) if old is not None and save.options.shared_directory else None
+            if old is not None and theirs:
+                record, replaced = self._replace_beside(save, staging, target, old, record, theirs)
+                emptied = staging
             else:
-                replaced = target.sibling(f".{target.name}{REPLACED_TAG}{current}")
-                target.rename_to(replaced, exchange=False)
-                _rename_or_put_back(staging, target, replaced)
+                if old is not None:
+                    self._refuse_added_entries(save, old)
+                replaced = self._rename_whole(staging, target, current)
             target.fsync_parent()
         _remove_own_marker(save)
+        _remove_dir(emptied, SAVE_MARKER)
         _remove_dir(replaced, COMMIT_RECORD)
         return record
+
+    @staticmethod
+    def _rename_whole(
+        staging: DirectoryPublishing, target: DirectoryPublishing, current: str | None
+    ) -> DirectoryPublishing | None:
+        """Publishes the staging directory onto ``target`` by one rename, or by an atomic
+        exchange with the checkpoint ``current`` committed there (where the storage cannot
+        exchange: two renames, ``_rename_or_put_back``). Returns where that checkpoint
+        was set aside (None: there was none). Under the parent's lock."""
+        if current is None:
+            staging.rename_to(target, exchange=False)
+            return None
+        if staging.rename_to(target, exchange=True):
+            return _set_aside(staging, target, current)  # the old checkpoint was at the staging path
+        replaced = target.sibling(f".{target.name}{REPLACED_TAG}{current}")
+        target.rename_to(replaced, exchange=False)
+        _rename_or_put_back(staging, target, replaced)
+        return replaced
 
     @staticmethod
     def _refuse_added_entries(save: PendingCheckpoint, old: CommitRecord) -> None:
@@ -703,6 +783,218 @@ class ByRename(Publisher):
         staging.move_entries_into(target, [COMMIT_RECORD])
         _remove_dir(staging, SAVE_MARKER)
         return record
+
+
+    @staticmethod
+    def _replace_beside(
+        save: PendingCheckpoint, staging: DirectoryPublishing, target: DirectoryPublishing, old: CommitRecord,
+        record: CommitRecord, theirs: set[str],
+    ) -> tuple[CommitRecord, DirectoryPublishing]:
+        """Replaces the checkpoint ``old`` commits at ``target``, a shared directory
+        (``SaveOptions.shared_directory``) that also holds other programs' top-level
+        entries (``theirs``: ModelOpt's ``modelopt_state/`` in a Megatron-LM iteration
+        saved again), which stay where they are: only the old checkpoint's own entries
+        move, entry by entry, under the parent's lock. Returns the record published (its
+        ``beside`` names ``theirs``) and the directory the old checkpoint was set aside to
+        (``.<name>.shardstore-replaced-<its save id>``), for the caller to delete.
+
+        The steps, and what a crash after each leaves (the target T, the replaced
+        directory A, the staging directory S):
+
+        1. The new record, naming ``theirs``, is written in S; T's marker then names this
+           save, the old one's id and the phase ``SETTING_ASIDE``. T is still the old
+           checkpoint (the marker is its own: ``records.own_markers``).
+        2. A is made and the old record moved into it: from here T holds no committed
+           checkpoint (the window that ``docs/guide/guarantees.md`` states), and A's
+           record proves A ours. The old entries follow, one rename each.
+        3. The marker's phase becomes ``MOVING_IN`` (A holds the whole old checkpoint);
+           the new entries move from S into T, then the new record: committed.
+
+        A crash in the window leaves T without a record, its marker naming both saves
+        and the phase: the next save into T (``remove_dead_saves``, under the same lock),
+        ``shardstore restore``, or this save's own failure handling puts the old
+        checkpoint back (``_put_back``), the new entries returning to S first, which is
+        then a dead save's staging directory. Nothing of ``theirs`` is ever moved."""
+        where, save_id = save.target, save.intent.save_id
+        ours = [name for name in save.location.list_top(None) if name not in (COMMIT_RECORD, SAVE_MARKER)]
+        clash = sorted(theirs & set(ours))
+        if clash:
+            raise _taken_names(save, clash)
+        try:
+            _refuse_unmovable_beside(where, old, sorted(theirs))
+        except CheckpointingException as exc:
+            raise CheckpointingException(f"Not committing the save (they were written there while it ran): {exc}") from exc
+        aside = target.sibling(f".{target.name}{REPLACED_TAG}{old.save_id}")
+        if not Location(aside).is_empty():
+            raise CheckpointingException(
+                f"Not committing the save into {where.describe()}: {aside.describe()}, where it would set the "
+                "checkpoint it replaces aside, already exists and is not a checkpoint of ours. Nothing there was "
+                "changed; move that directory away (or delete it if you know it is not needed), then save again"
+            )
+        added = sorted(theirs - save.tops_at_begin)
+        if added:
+            logger.warning(
+                "%s received %s from another program while the save ran; they are kept beside the checkpoint "
+                "(its commit record does not vouch for them)", where.describe(), ", ".join(added[:5]),
+            )
+        record = replace(record, beside=tuple(sorted(n for n in theirs if record.refuses_beside(n) is None)))
+        save.location.write_atomic(COMMIT_RECORD, record.to_json())
+        olds = sorted(set(where.list_top(None)) - theirs - {COMMIT_RECORD, SAVE_MARKER})
+        _mark_replacing(where, save_id, old.save_id, SETTING_ASIDE)
+        try:
+            Location(aside).prepare()
+            aside.fsync_parent()
+            target.move_entries_into(aside, [COMMIT_RECORD])  # the window opens: T is no checkpoint
+            target.move_entries_into(aside, olds)
+            _mark_replacing(where, save_id, old.save_id, MOVING_IN)
+            staging.move_entries_into(target, ours)
+            staging.move_entries_into(target, [COMMIT_RECORD])  # committed: the window closes
+        except BaseException as exc:
+            if _committed_id_or_none(where) != save_id:
+                try:
+                    _put_back(target, staging, aside, old.save_id)
+                except BaseException as back:
+                    exc.add_note(
+                        f"The checkpoint it replaced could not be put back ({back}); its record and the entries "
+                        f"moved so far are in {aside.describe()}. The next save into {where.describe()} puts it "
+                        f"back, or run `shardstore restore {where.describe()}`"
+                    )
+            raise
+        logger.info("Replaced the checkpoint at %s beside %s", where.describe(), ", ".join(sorted(theirs)[:5]))
+        return record, aside
+
+
+def _entries_beside(target: Location, old: CommitRecord) -> set[str]:
+    """The top-level names at ``target`` that are not the entries of the checkpoint
+    ``old`` commits there, nor markers proven its own: other programs'."""
+    present = target.list_top(None)
+    return set(present) - old.own_top_names - own_markers(target, old, present)
+
+
+def _committed_id_or_none(location: Location) -> str | None:
+    """``committed_save_id``, None also where the record cannot be read."""
+    try:
+        return committed_save_id(location)
+    except (CheckpointingException, OSError):
+        return None
+
+
+def _mark_replacing(target: Location, save_id: str, replaces: str, phase: str) -> None:
+    """Writes (atomically) the marker of the save ``save_id`` replacing the checkpoint
+    ``replaces`` in a shared directory, in ``phase`` (``records.interrupted_replacement``)."""
+    fields = {"save_id": save_id, "replaces": replaces, REPLACING_PHASE: phase}
+    target.write_atomic(SAVE_MARKER, json.dumps(fields).encode())
+
+
+def _put_back(
+    target: DirectoryPublishing, staging: DirectoryPublishing, aside: DirectoryPublishing, replaces: str
+) -> None:
+    """Undoes a replacement in a shared directory (``ByRename._replace_beside``) that did
+    not commit: the new entries it moved into ``target`` go back to ``staging`` (those its
+    staged record vouches for that ``target`` holds and ``staging`` no longer does), then
+    the entries of the checkpoint ``replaces`` go back from ``aside``, its record last,
+    and the marker and the emptied ``aside`` go. Under the parent's lock; each step can
+    be repeated after a crash (the marker's phase says whether new entries moved in).
+
+    Raises:
+        CheckpointingException: an entry of the old checkpoint cannot go back, as
+            ``target`` holds that name (written there meanwhile): named, nothing moved.
+        OSError: a rename failed."""
+    where = Location(target)
+    replacing = interrupted_replacement(where)
+    if replacing is not None and replacing[2] == MOVING_IN:
+        staged = _committed_record(Location(staging))
+        if staged is not None:
+            left = set(Location(staging).list_top(None))
+            present = set(where.list_top(None))
+            written = {rel.split("/", 1)[0] for rel in staged.vouched_paths()} - {COMMIT_RECORD}
+            target.move_entries_into(staging, sorted((written & present) - left))
+        _mark_replacing(where, replacing[0], replaces, SETTING_ASIDE)
+    entries = [name for name in Location(aside).list_top(None) if name != COMMIT_RECORD]
+    taken = sorted(set(entries) & set(where.list_top(None)))
+    if taken:
+        raise CheckpointingException(
+            f"Cannot put back the checkpoint set aside in {aside.describe()}: {where.describe()} now holds "
+            f"{', '.join(taken[:5])}, which are not its. Move those out of {where.describe()}, then save again "
+            f"(or run `shardstore restore {where.describe()}`)"
+        )
+    aside.move_entries_into(target, entries)
+    if Location(aside).exists(COMMIT_RECORD):
+        aside.move_entries_into(target, [COMMIT_RECORD])  # the old checkpoint is loadable again
+    target.fsync_parent()
+    _remove_if_empty(aside)
+    with contextlib.suppress(OSError):
+        where.remove(SAVE_MARKER)  # left, it names the checkpoint it replaced: its own (records.own_markers)
+
+
+def _remove_if_empty(directory: DirectoryPublishing) -> bool:
+    """Removes ``directory`` if it holds nothing (``rmdir``: never a file that appears
+    meanwhile); True where it did."""
+    path = directory.local_path()
+    if path is None:
+        return False
+    try:
+        os.rmdir(path)
+    except OSError:
+        return False
+    return True
+
+
+def restore_replaced(target: Location) -> bool:
+    """Puts back the checkpoint that a replacement in a shared directory had begun to
+    set aside when it was interrupted (``ByRename._replace_beside``), if ``target`` holds
+    such an interrupted replacement; the next save into ``target`` does it first, and
+    ``shardstore restore`` calls it. Proven before anything moves: ``target`` has no
+    commit record, its marker names that save, the checkpoint it replaced and the phase,
+    ``.<name>.shardstore-replaced-<that id>`` holds that checkpoint's record, and the
+    interrupted save's staging directory (needed once new entries moved in) is marked
+    as its own and no longer locked. Other programs' files are never moved. Returns
+    whether it put a checkpoint back.
+
+    Raises:
+        CheckpointingException: it is such a replacement but cannot be put back (named)."""
+    directory = target.store.publishing()
+    if directory is None:
+        return False
+    directory = directory.resolved()
+    where = Location(directory)
+    path = directory.local_path()
+    if path is None or not path.is_dir() or not where.exists(SAVE_MARKER):
+        return False  # the common case, without taking the parent's lock
+    with directory.parent_locked():
+        replacing = interrupted_replacement(where)
+        if replacing is None or where.exists(COMMIT_RECORD):
+            return False
+        save_id, replaces, phase = replacing
+        aside = directory.sibling(f".{directory.name}{REPLACED_TAG}{replaces}")
+        staging = directory.sibling(f".{directory.name}{STAGING_TAG}{save_id}")
+        if _committed_id_or_none(Location(aside)) != replaces:
+            raise CheckpointingException(
+                f"{where.describe()} holds the marker of save {save_id}, which was replacing the checkpoint there "
+                f"beside other programs' files, but {aside.describe()} holds no record of checkpoint {replaces}: "
+                "not provably ours, so nothing was moved. Look there and in the hidden directories next to it"
+            )
+        fd = None
+        if _marker_id(Location(staging)) == save_id:
+            fd = staging.hold_lock()
+            if fd is None:
+                return False  # that save is still running (a file system without flock on the parent)
+        elif phase == MOVING_IN:
+            raise CheckpointingException(
+                f"Cannot put back the checkpoint set aside in {aside.describe()}: the new entries in "
+                f"{where.describe()} cannot be told from others, as the staging directory {staging.describe()} "
+                "of the save that moved them in is gone. Nothing was moved"
+            )
+        try:
+            _put_back(directory, staging, aside, replaces)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    logger.warning(
+        "Put back the checkpoint at %s (save %s) that save %s, interrupted while it replaced it beside other "
+        "programs' files, had set aside in %s", where.describe(), replaces, save_id, aside.describe(),
+    )
+    return True
 
 
 def _rename_or_put_back(
@@ -994,6 +1286,9 @@ def remove_dead_saves(target: DirectoryPublishing) -> list[str]:
     replaced_by_one = bool(replaced) and _holds_committed(target)
     for name in replaced:
         candidate = target.sibling(name)
+        if _remove_if_empty(candidate):  # made by a replacement beside other files that died before its first move
+            removed.append(name)
+            continue
         try:
             if committed_save_id(Location(candidate)) != name.rsplit(REPLACED_TAG, 1)[1]:
                 continue

@@ -78,6 +78,7 @@ __all__ = [
     "READERS_ATTRIBUTE",
     "RECORD_DIGEST",
     "REPLACED_TAG",
+    "REPLACING_PHASE",
     "RESERVED_NAMES",
     "RESERVED_ROOT_NAMES",
     "ReusedChunks",
@@ -96,6 +97,7 @@ __all__ = [
     "chunk_key",
     "format_version_for",
     "group_metadata",
+    "interrupted_replacement",
     "is_committed",
     "marker_save_id",
     "read_marker",
@@ -199,6 +201,12 @@ SAVE_MARKER = ".shardstore-save.json"
 DELETION_MARKER = ".shardstore-deleting.json"
 STAGING_TAG = ".shardstore-save-"
 REPLACED_TAG = ".shardstore-replaced-"
+# The field of the save marker that a replacement in a shared directory writes into the
+# target (``ByRename._replace_beside``), with its phase: ``SETTING_ASIDE`` while the old
+# checkpoint's entries move out to its replaced directory, ``MOVING_IN`` once all have
+# and the new checkpoint's move in.
+REPLACING_PHASE = "replacing_beside"
+SETTING_ASIDE, MOVING_IN = "setting_aside", "moving_in"
 # The most bytes a marker holds (a few ids); a larger file of that name is not ours.
 MAX_MARKER_BYTES = 4096
 
@@ -962,7 +970,8 @@ class CommitRecord:
             (``format.commit``: ModelOpt's ``modelopt_state/`` in a Megatron-LM
             iteration). The save did not write them and the record does not vouch for
             them; ``verify`` names them as another program's instead of as damage, and
-            a replacing save still refuses to delete them.
+            a save replacing the checkpoint in a shared directory leaves them in place
+            (``format.commit.ByRename``); any other replacing save refuses.
         dcp: what a save through DCP's API recorded of DCP's metadata, or None.
         file_digests: XXH3-128 (``file_digest``) of every file of ``files`` and
             ``external_files``, by relative path: a file is what the save wrote where
@@ -1431,6 +1440,33 @@ def own_markers(location: Location, record: CommitRecord, found: Collection[str]
     return frozenset(own)
 
 
+def interrupted_replacement(location: Location) -> tuple[str, str, str] | None:
+    """The replacement in a shared directory (``format.commit.ByRename._replace_beside``)
+    whose save marker lies at ``location``: that save's id, the id of the checkpoint it
+    replaces and its phase (``SETTING_ASIDE`` or ``MOVING_IN``), or None where the marker
+    is none of these (or there is none). Where ``location`` holds no commit record, that
+    save was interrupted between setting the old checkpoint's record aside and
+    publishing its own.
+
+    Raises:
+        StorageError: the marker cannot be read."""
+    marker = read_marker(location, SAVE_MARKER)
+    if marker is None or marker.get(REPLACING_PHASE) not in (SETTING_ASIDE, MOVING_IN):
+        return None
+    save_id, replaces = marker.get("save_id"), marker.get("replaces")
+    if not all(isinstance(i, str) and re.fullmatch(r"[0-9a-f]{32}", i) for i in (save_id, replaces)):
+        return None  # the ids name directories next to it: nothing else is ours
+    return save_id, replaces, marker[REPLACING_PHASE]
+
+
+def _replaced_name(location: Location, save_id: str) -> str:
+    """The name of the directory next to ``location`` where a replacement sets aside the
+    checkpoint ``save_id`` committed (``REPLACED_TAG``)."""
+    local = location.local_path()
+    name = local.name if local is not None else location.describe().rstrip("/").rsplit("/", 1)[-1]
+    return f".{name}{REPLACED_TAG}{save_id}"
+
+
 def is_committed(location: Location) -> bool:
     return location.exists(COMMIT_RECORD)
 
@@ -1477,6 +1513,16 @@ def read_commit_record(location: Location) -> CommitRecord:
             )
             raise CheckpointingException(
                 f"{location.describe()} is not a shardstore checkpoint: it is {title}. {how}"
+            )
+        replacing = interrupted_replacement(location)
+        if replacing is not None:
+            raise CheckpointingException(
+                f"No committed checkpoint at {location.describe()}: save {replacing[0]}, which replaced the "
+                f"checkpoint there (save {replacing[1]}) beside other programs' files, was interrupted while it "
+                f"moved the checkpoints' entries (other programs' files there were not touched); the old "
+                f"checkpoint's record and the entries it had moved are in the hidden directory "
+                f"{_replaced_name(location, replacing[1])} next to it. The next save into this directory puts the "
+                f"old checkpoint back first; to put it back without saving: `shardstore restore {location.describe()}`"
             )
         names = location.list_top(None)
         if not _holds_save_files(location, names):

@@ -447,6 +447,20 @@ def _report_checkpoint(source: str, src: str, destination: str, arrays: int, as_
 # --------------------------------------------------------------------------- diff
 
 
+@main.command("restore")
+@click.argument("checkpoint")
+def restore_command(checkpoint: str) -> None:
+    """Put back the checkpoint at CHECKPOINT that a save was replacing, beside other
+    programs' files, when it was interrupted (the next save into CHECKPOINT does it
+    first). Exit status 0 when one was put back or there was nothing to do."""
+    from shardstore.format import restore_replaced
+    from shardstore.opened import bare_location
+
+    with _reported_errors():
+        restored = restore_replaced(bare_location(checkpoint))
+    click.echo(f"put back the checkpoint at {checkpoint}" if restored else f"nothing to put back at {checkpoint}")
+
+
 @main.command("diff")
 @click.argument("first")
 @click.argument("second")

@@ -29,6 +29,7 @@ __all__ = ["S3Options", "S3Store"]
 import contextlib
 import errno
 import logging
+import math
 import os
 import stat
 import tempfile
@@ -78,9 +79,14 @@ class S3Options:
             for stores that throttle for long.
         initial_delay, max_delay: backoff bounds in seconds (jittered, exponential).
         connect_timeout, read_timeout: seconds before one request is given up (then
-            retried).
+            retried): a connection not made, a transfer stalled. TensorStore's requests
+            (chunks, ``zarr.json``) take them from the first S3 location a process
+            opens (its timeouts are process-wide, read once: ``TENSORSTORE_CURL_*``
+            variables set before win).
         request_concurrency: TensorStore requests in flight per process.
-        s3fs_kwargs: extra keyword arguments for ``s3fs.S3FileSystem``.
+        s3fs_kwargs: extra keyword arguments for ``s3fs.S3FileSystem``; its
+            ``client_kwargs`` and ``config_kwargs`` are merged into ours (region,
+            retries, timeouts), their keys winning.
     """
 
     endpoint_url: str | None = None
@@ -212,14 +218,15 @@ class S3Store(FsspecStore):
                 "endpoint_url": o.resolved_endpoint(),
                 "client_kwargs": {"region_name": o.resolved_region()},
                 # botocore's standard mode: exponential backoff with jitter on 5xx,
-                # throttling and connection errors
+                # throttling and connection errors; total_max_attempts counts the first
+                # attempt (max_attempts would not: one attempt more)
                 "config_kwargs": {
-                    "retries": {"max_attempts": o.max_retries + 1, "mode": "standard"},
+                    "retries": {"total_max_attempts": o.max_retries + 1, "mode": "standard"},
                     "connect_timeout": o.connect_timeout,
                     "read_timeout": o.read_timeout,
                 },
-                **o.s3fs_kwargs,
             }
+            kwargs = _merged(kwargs, o.s3fs_kwargs)
             if o.key is not None:
                 kwargs.update(key=o.key, secret=o.secret, token=o.token)
             elif o.resolved_profile():
@@ -243,18 +250,43 @@ class S3Store(FsspecStore):
     def _entries(self, path: str) -> list[str]:
         """One listing of ``path/`` (a page per 1,000 names); s3fs's ``ls`` lists the
         parent as well where nothing is under ``path``."""
-        return [entry["name"] for entry in self._run(self.fs._lsdir, path, refresh=True)]
+        listed = self._run(self.fs._lsdir, path, refresh=True)
+        # a console's "Create folder" writes an empty object named ``path/``: the folder, not an entry
+        return [e["name"] for e in listed if not (e.get("size") == 0 and e["name"].rstrip("/") == path.rstrip("/"))]
 
     def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         """One GET (a ranged one under ``max_bytes``). s3fs's ``cat_file`` of a whole
         object sends a HEAD first, to choose between one GET and concurrent ranged GETs
         (worth it above its 50 MiB blocks, which no small file reaches)."""
-        if max_bytes is not None:
-            return super().get(key, max_bytes)
+        if max_bytes is None:
+            try:
+                data, _ = self._call("read", key, self._run, self._get_object, key)
+            except FileNotFoundError:
+                return None
+            return data
         try:
-            data, _ = self._call("read", key, self._run, self._get_object, key)
+            data = self._call("read", key, self._run, self._capped, key, max_bytes)
         except FileNotFoundError:
             return None
+        if data is None:  # the range was refused: an empty object (S3 answers 416), or missing since
+            size = self.size(key)
+            if size is None or size == 0:
+                return None if size is None else b""
+            raise StorageError(f"{self.describe(key)}: the server refused a read of its first bytes although it "
+                               f"holds {size}")
+        if len(data) > max_bytes:
+            raise StorageError(f"{self.describe(key)} holds more than the {max_bytes} bytes expected there")
+        return data
+
+    async def _capped(self, key: str, max_bytes: int) -> bytes | None:
+        """``get``'s GET of at most ``max_bytes`` + 1 bytes (one more tells a larger
+        object); None where S3 refuses the range (as ``_suffix``)."""
+        try:
+            data, _ = await self._get_object(key, max_bytes=max_bytes + 1, Range=f"bytes=0-{max_bytes}")
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return None
+            raise
         return data
 
     def size(self, key: str) -> int | None:
@@ -429,6 +461,7 @@ class S3Store(FsspecStore):
 
     def _tensorstore_context(self) -> dict[str, Any]:
         o = self.options
+        _bound_tensorstore_requests(o)
         return {
             "s3_request_retries": {
                 "max_retries": o.max_retries,
@@ -447,3 +480,30 @@ class S3ChunkStore(KvChunkStore):
 
     def get_suffix(self, rel: str, nbytes: int) -> tuple[bytes, int] | None:
         return self.store.get_suffix(rel, nbytes)
+
+
+def _merged(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """``ours`` updated by ``theirs`` (``S3Options.s3fs_kwargs``), the dicts in both
+    (``client_kwargs``, ``config_kwargs``) merged one level deep: a CA bundle passed in
+    ``client_kwargs`` keeps our region, a pool size in ``config_kwargs`` our retries and
+    timeouts; the caller's keys win."""
+    merged = {**ours, **theirs}
+    for name, value in theirs.items():
+        if isinstance(value, dict) and isinstance(ours.get(name), dict):
+            merged[name] = {**ours[name], **value}
+    return merged
+
+
+# TensorStore's HTTP transport reads its timeouts from these variables once, when it
+# starts; without them a request to a server that accepts and never answers waits curl's
+# own 60 s per attempt.
+_TENSORSTORE_TIMEOUTS = ("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS")
+
+
+def _bound_tensorstore_requests(options: S3Options) -> None:
+    """Gives TensorStore's S3 requests (chunks, ``zarr.json`` documents) the options'
+    ``connect_timeout`` and ``read_timeout`` (a transfer stalled that long is given up,
+    then retried), as s3fs's requests have them. Process-wide and read once: the first
+    S3 location opened decides, and variables the user set win."""
+    for name, seconds in zip(_TENSORSTORE_TIMEOUTS, (options.connect_timeout, options.read_timeout)):
+        os.environ.setdefault(name, str(max(1, math.ceil(seconds))))

@@ -1,0 +1,170 @@
+"""The S3 backend at its edges: capped reads of empty objects, console folders, request
+timeouts in TensorStore, ``s3fs_kwargs`` merged with our settings, botocore's attempt count
+(each test failed before the fix its docstring names)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import boto3
+import pytest
+import torch
+
+from shardstore import ShardedTensor, load, save, verify
+from shardstore.stores.locations import open_location
+from shardstore.stores.s3 import S3Options, S3Store
+from tests.s3_support import KEY, REGION, SECRET, MotoServer
+
+BUCKET = "review-r6"
+
+
+@pytest.fixture(scope="module")
+def server(moto_server: MotoServer) -> MotoServer:
+    moto_server.create_bucket(BUCKET)
+    return moto_server
+
+
+def _options(endpoint: str, **kw) -> S3Options:
+    return S3Options(endpoint_url=endpoint, key=KEY, secret=SECRET, region=REGION, **kw)
+
+
+def _client(server: MotoServer):
+    return boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=KEY, aws_secret_access_key=SECRET,
+                        region_name=REGION)
+
+
+_counter = iter(range(10**6))
+
+
+def _prefix() -> str:
+    return f"r6-{next(_counter)}"
+
+
+# ---------------------------------------------------------------- 1. 416 on an empty object
+
+
+def test_get_with_a_size_cap_reads_an_empty_object(server: MotoServer) -> None:
+    """``Store.get(key, max_bytes)`` of a zero-byte object must return b"" (as without a
+    cap, and as every other store does). On S3 the capped read is a ``Range: bytes=0-N``
+    GET, which S3 answers 416 for an empty object: a StorageError ("[Errno 22] The
+    requested range is not satisfiable") instead."""
+    store = S3Store(f"s3://{BUCKET}/{_prefix()}", _options(server.endpoint))
+    store.put("empty", b"")
+    assert store.get("empty") == b""
+    assert store.get("empty", max_bytes=10) == b""
+
+
+def test_verify_reports_an_emptied_array_document_as_bad_json_on_s3(server: MotoServer) -> None:
+    """What that costs a user: an array ``zarr.json`` emptied on S3 is reported as an
+    unreadable object (a range error) rather than as the damaged document it is."""
+    location = open_location(f"s3://{BUCKET}/{_prefix()}", options=_options(server.endpoint))
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}, location)
+    location.write_bytes("w/zarr.json", b"")
+    report = verify(location)
+    problems = [p for p in report.problems if p.key == "w/zarr.json"]
+    assert problems, report
+    assert "not valid JSON" in problems[0].message, problems[0].message
+
+
+# ---------------------------------------------------------------- 2. console "folder" objects
+
+
+def test_a_prefix_made_as_a_console_folder_takes_a_save(server: MotoServer) -> None:
+    """The AWS console's "Create folder" (and Hadoop S3A, Cyberduck, ...) makes a zero-byte
+    object named ``prefix/``. The listing of the prefix returns that object as an entry
+    named after the prefix itself, so the save is refused: "s3://.../run is not empty and
+    holds no committed shardstore checkpoint (found run)"; and ``delete_prefix`` could not
+    remove it either (it deletes ``prefix``, not ``prefix/``)."""
+    prefix = _prefix()
+    _client(server).put_object(Bucket=BUCKET, Key=f"{prefix}/", Body=b"")
+    location = open_location(f"s3://{BUCKET}/{prefix}", options=_options(server.endpoint))
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}
+    save(sd, location)
+    out = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(6))}
+    assert torch.equal(load(out, location)["w"], torch.arange(6.0))
+
+
+# ---------------------------------------------------------------- 3. TensorStore ignores the timeouts
+
+
+@pytest.fixture
+def black_hole():
+    """An endpoint that accepts connections and never answers (a hung server)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    for conn in accepted:  # a reset ends whatever request still waits on them
+        conn.close()
+    listener.close()
+
+
+def test_chunk_requests_give_up_after_the_read_timeout(black_hole: str) -> None:
+    """``S3Options.read_timeout`` says "seconds before one request is given up (then
+    retried)", and s3fs's requests honour it; TensorStore's (every chunk, every
+    ``zarr.json``) never got it and waited curl's own 60 s low-speed limit per attempt, so
+    a hung store failed a save after (max_retries + 1) x 60 s, five minutes by default.
+    TensorStore reads its timeouts once per process: the PUT runs in a fresh one."""
+    code = f"""
+import time
+from shardstore.stores.s3 import S3ChunkStore, S3Options, S3Store
+options = S3Options(endpoint_url={black_hole!r}, key={KEY!r}, secret={SECRET!r}, region={REGION!r},
+                    max_retries=0, connect_timeout=2, read_timeout=3)
+start = time.monotonic()
+try:
+    S3ChunkStore(S3Store("s3://{BUCKET}/hung", options), 4).put("c/0", [memoryview(b"abc")])
+except Exception as exc:
+    print("failed after", round(time.monotonic() - start), "s:", type(exc).__name__)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORSTORE_CURL_")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=40, env=env)
+    assert "failed after" in result.stdout, result.stdout + result.stderr
+    assert int(result.stdout.split()[2]) < 20, result.stdout
+
+# ---------------------------------------------------------------- 4. s3fs_kwargs replace shardstore's own settings
+
+
+def test_s3fs_kwargs_keep_the_region_retries_and_timeouts() -> None:
+    """``S3Options.s3fs_kwargs`` is merged over shardstore's kwargs with ``**``, so a user
+    passing ``client_kwargs`` (a CA bundle: ``{"verify": ...}``) or ``config_kwargs``
+    (a bigger pool) silently drops ``region_name`` (s3fs then signs for us-east-1 while
+    TensorStore signs for the configured region), the standard retry mode and
+    ``max_retries``, and the connect/read timeouts."""
+    options = S3Options(endpoint_url="http://127.0.0.1:9", key=KEY, secret=SECRET, region="eu-west-1",
+                        max_retries=2, read_timeout=3,
+                        s3fs_kwargs={"client_kwargs": {"verify": False},
+                                     "config_kwargs": {"max_pool_connections": 64}})
+    fs = S3Store("s3://bkt/p", options).fs
+    fs.connect()  # builds the client; sends no request
+    config = fs.s3.meta.config
+    assert fs.s3.meta.region_name == "eu-west-1"
+    assert config.retries.get("mode") == "standard", config.retries
+    assert config.read_timeout == 3
+
+
+def test_max_retries_bounds_botocores_attempts() -> None:
+    """botocore's ``retries={"max_attempts": n}`` counts retries, not attempts (its
+    ``total_max_attempts`` is n + 1); ``S3Store.fs`` passes ``max_retries + 1``, so every
+    s3fs request makes one attempt more than ``max_retries`` allows (max_retries=0 still
+    retries once: a hung endpoint costs 2 x read_timeout)."""
+    options = S3Options(endpoint_url="http://127.0.0.1:9", key=KEY, secret=SECRET, region=REGION, max_retries=2)
+    fs = S3Store("s3://bkt/p", options).fs
+    fs.connect()
+    assert fs.s3.meta.config.retries.get("total_max_attempts") == 3, fs.s3.meta.config.retries

@@ -743,3 +743,29 @@ def test_a_step_rolled_back_over_can_be_saved_again_after_its_marker_was_left(tm
     assert manager.rollback(4) == [5]
     assert manager.save(5, _state(50))
     assert manager.all_steps() == [4, 5]
+
+
+def test_a_record_that_cannot_be_read_now_stops_a_resume_not_skips_the_step(tmp_path: Path, monkeypatch) -> None:
+    """An I/O or network error reading step 2's record (after the store's retries) made
+    the step "damaged": ``latest_step`` skipped it and a resume started from step 1,
+    silently training again over step 2. Now it raises, naming the step; a record that
+    does not parse is still damaged and skipped."""
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(save_interval_steps=1, max_to_keep=3))
+    for step in (1, 2):
+        assert manager.save(step, _state(step))
+    real_get = LocalStore.get
+
+    def get(self: LocalStore, key: str, max_bytes: int | None = None) -> bytes | None:
+        if key == COMMIT_RECORD and self.root.name == "iter_0000002":
+            try:
+                raise OSError(5, "Input/output error (injected)")
+            except OSError as exc:
+                raise StorageError(f"Cannot read {self.root / key}: {exc}") from exc
+        return real_get(self, key, max_bytes)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LocalStore, "get", get)
+        with pytest.raises(CheckpointingException, match=r"Cannot read step 2's commit record .*retry"):
+            manager.latest_step()
+    (tmp_path / "iter_0000002" / COMMIT_RECORD).write_text("{not json")
+    assert manager.latest_step() == 1

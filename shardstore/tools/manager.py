@@ -508,8 +508,14 @@ class CheckpointManager:
     def step_state(self, step: int) -> StepState:
         """What the directory of ``step`` holds (``StepState``); reads its commit record
         (the check of ``shardstore.format.records.read_commit_record``) and, without one, our
-        deletion marker. Never raises for what it finds: an unreadable record is
-        ``damaged``."""
+        deletion marker. Never raises for what it finds: a record that does not parse
+        or check (or is larger than any record) is ``damaged``.
+
+        Raises:
+            CheckpointingException: the record or marker could not be read now (an I/O
+                or network error, after the store's retries): counted as damaged, the
+                step would be skipped, and a resume would silently start from an older
+                one."""
         location = self.location(step)
         try:
             data = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_RECORD_BYTES)
@@ -517,6 +523,14 @@ class CheckpointManager:
                 marker = _marker_save_id(location, step)
                 return StepState(step, "other") if marker is None else StepState(step, "deleting", save_id=marker)
             record = CommitRecord.from_json(data, where=location.describe(COMMIT_RECORD))
+        except OSError as exc:
+            if exc.__cause__ is None:  # the store's own refusal (an oversized file): what is there is damaged
+                return StepState(step, "damaged", reason=f"{type(exc).__name__}: {exc}")
+            raise CheckpointingException(
+                f"Cannot read step {step}'s commit record under {self.root.describe()} now ({exc}); not counting "
+                "the step as damaged, so that no resume or retention goes by an older one: retry when the "
+                "storage answers"
+            ) from exc
         except Exception as exc:  # a record crafted to trip the parser is damaged too
             return StepState(step, "damaged", reason=f"{type(exc).__name__}: {exc}")
         return StepState(step, "committed", save_id=record.save_id)

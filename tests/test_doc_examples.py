@@ -392,9 +392,12 @@ def _total_steps(block: str) -> int:
     return int(match.group(1))
 
 
-@pytest.mark.parametrize(("how", "stop_at", "resumed_from"), [("crash", 2200, 1000), ("sigterm", 1500, 1500)])
+# A crash at 2200: step 2000's async save commits at the first step after its writes
+# finished (a save that is not due finalizes it), so the run resumes from 2000, or from
+# 1000 where those writes were still going at 2200 (a busy machine).
+@pytest.mark.parametrize(("how", "stop_at", "resumed_from"), [("crash", 2200, (1000, 2000)), ("sigterm", 1500, (1500,))])
 def test_the_manager_loop_trains_each_step_once_across_a_restart(
-    tmp_path: Path, how: str, stop_at: int, resumed_from: int
+    tmp_path: Path, how: str, stop_at: int, resumed_from: tuple[int, ...]
 ) -> None:
     from shardstore import CheckpointManager
 
@@ -419,5 +422,5 @@ def test_the_manager_loop_trains_each_step_once_across_a_restart(
                 assert first.returncode == 3 and DONE not in first.stdout, report
             else:
                 _check_finished(first, 1, "the run stopped by SIGTERM")
-            assert CheckpointManager(tmp_path / "ckpt" / "run1").latest_step() == resumed_from, report
+            assert CheckpointManager(tmp_path / "ckpt" / "run1").latest_step() in resumed_from, report
     _check_finished(results[1], 1, "the restarted run")

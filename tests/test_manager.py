@@ -209,6 +209,12 @@ def test_a_step_that_is_not_an_int_is_refused_naming_it(tmp_path: Path, step) ->
     with pytest.raises(CheckpointingException, match=r"step .* under .*: a step is an int"):
         manager.save(step, _state(0), force=True)
     assert not any(tmp_path.iterdir())
+    # delete and rollback too (they looked the step up by a name it never has)
+    assert manager.save(1, _state(1), force=True)
+    for call in (lambda: manager.delete(step, force=True), lambda: manager.rollback(step)):
+        with pytest.raises(CheckpointingException, match=r"step .* under .*: a step is an int"):
+            call()
+    assert manager.all_steps() == [1]
 
 
 @pytest.mark.parametrize("argument", ["async_sharded_save", "process_group"])

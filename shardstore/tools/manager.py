@@ -1046,6 +1046,7 @@ class CheckpointManager:
                 or a deletion failed (call it again).
         """
         self._refuse_if_closed(f"roll back to step {step}")
+        step = self._checked_step(step, "Not rolling back to")
         self.wait_until_finished()
         deleted = self._on_coordinator(lambda: self._rollback(step))
         self._saved_steps.difference_update(deleted)
@@ -1100,6 +1101,7 @@ class CheckpointManager:
                 deleted), or the deletion failed.
         """
         self._refuse_if_closed(f"delete step {step}")
+        step = self._checked_step(step, "Not deleting")
         self.wait_until_finished()
         self._on_coordinator(lambda: self._delete_step(step, force))
         self._saved_steps.discard(step)

@@ -14,7 +14,7 @@ import boto3
 import pytest
 import torch
 
-from shardstore import ShardedTensor, load, save, verify
+from shardstore import CheckpointingException, ShardedTensor, load, save, verify
 from shardstore.stores.locations import open_location
 from shardstore.stores.s3 import S3Options, S3Store
 from tests.s3_support import KEY, REGION, SECRET, MotoServer
@@ -168,3 +168,16 @@ def test_max_retries_bounds_botocores_attempts() -> None:
     fs = S3Store("s3://bkt/p", options).fs
     fs.connect()
     assert fs.s3.meta.config.retries.get("total_max_attempts") == 3, fs.s3.meta.config.retries
+
+
+def test_a_load_from_a_bucket_that_does_not_exist_names_the_bucket(server: MotoServer) -> None:
+    """A load from a missing bucket said "the checkpoint directory is empty (no object
+    under this prefix)", sending the user to look for a save that never was; an empty
+    prefix of a bucket that exists still says that."""
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2))}
+    missing = open_location("s3://no-such-bucket-r6/ckpt", options=_options(server.endpoint))
+    with pytest.raises(CheckpointingException, match=r"its bucket 'no-such-bucket-r6' does not exist; check the URL"):
+        load(request, missing)
+    empty = open_location(f"s3://{BUCKET}/{_prefix()}", options=_options(server.endpoint))
+    with pytest.raises(CheckpointingException, match=r"the checkpoint directory is empty \(no object under"):
+        load(request, empty)

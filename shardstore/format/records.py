@@ -1497,6 +1497,12 @@ def read_commit_record(location: Location) -> CommitRecord:
                 )
             if local is not None and not local.exists():  # Megatron-Core's words, which its users match
                 raise CheckpointingException(f"Checkpoint directory {location.describe()} does not exist")
+            missing = location.store.missing_container() if local is None else None
+            if missing is not None:
+                raise CheckpointingException(
+                    f"{location.describe()} is not a distributed checkpoint: its {missing} does not exist; check "
+                    "the URL, and the endpoint and region it is looked up at"
+                )
             raise CheckpointingException(  # "is not a distributed checkpoint": Megatron-Core's words too
                 f"{location.describe()} is not a distributed checkpoint: the checkpoint directory is empty"
                 + ("" if local is not None else " (no object under this prefix)")

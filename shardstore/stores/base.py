@@ -249,6 +249,12 @@ class Store(ABC):
         its bucket exists). Nothing to do by default."""
         return None
 
+    def missing_container(self) -> str | None:
+        """What holds the store's objects and does not exist, said for an error (an
+        object store's bucket), or None: it exists, cannot be asked, or the store has
+        none (a directory that does not exist is an empty one). Changes nothing."""
+        return None
+
     def begin_writes(self) -> None:
         """Called before this process writes its first byte of a save (local disks
         open the descriptor that ``make_durable`` syncs through, so write-back errors

@@ -408,6 +408,17 @@ class S3Store(FsspecStore):
                 f"Bucket {self.bucket!r} of {self.describe()} does not exist; create it first"
             ) from None
 
+    def missing_container(self) -> str | None:
+        """``"bucket '<name>'"`` where a HEAD of the bucket says it does not exist; None
+        where it exists or the HEAD is refused (a policy that grants only a prefix)."""
+        try:
+            self.prepare()
+        except StorageError as exc:
+            if "does not exist" in str(exc):
+                return f"bucket {self.bucket!r}"
+            logger.debug("Cannot tell whether bucket %s exists: %s", self.bucket, exc)
+        return None
+
     def make_durable(self) -> None:
         """Nothing to do: an object is durable once its PUT returned."""
 

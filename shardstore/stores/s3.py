@@ -264,29 +264,15 @@ class S3Store(FsspecStore):
             except FileNotFoundError:
                 return None
             return data
-        try:
-            data = self._call("read", key, self._run, self._capped, key, max_bytes)
+        try:  # one byte more than max_bytes tells a larger object
+            found = self._call("read", key, self._run, self._ranged, key, f"bytes=0-{max_bytes}", max_bytes + 1)
         except FileNotFoundError:
             return None
-        if data is None:  # the range was refused: an empty object (S3 answers 416), or missing since
-            size = self.size(key)
-            if size is None or size == 0:
-                return None if size is None else b""
-            raise StorageError(f"{self.describe(key)}: the server refused a read of its first bytes although it "
-                               f"holds {size}")
+        if found is None:
+            return None if self._size_where_refused(key, "its first bytes") is None else b""
+        data = found[0]
         if len(data) > max_bytes:
             raise StorageError(f"{self.describe(key)} holds more than the {max_bytes} bytes expected there")
-        return data
-
-    async def _capped(self, key: str, max_bytes: int) -> bytes | None:
-        """``get``'s GET of at most ``max_bytes`` + 1 bytes (one more tells a larger
-        object); None where S3 refuses the range (as ``_suffix``)."""
-        try:
-            data, _ = await self._get_object(key, max_bytes=max_bytes + 1, Range=f"bytes=0-{max_bytes}")
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:
-                return None
-            raise
         return data
 
     def size(self, key: str) -> int | None:
@@ -314,12 +300,19 @@ class S3Store(FsspecStore):
             return None
         if found is not None:
             return found
-        size = self.size(key)  # the range was refused: an empty object, or missing since
+        return None if self._size_where_refused(key, f"its last {nbytes} bytes") is None else (b"", 0)
+
+    def _size_where_refused(self, key: str, what: str) -> int | None:
+        """After S3 refused a ranged read of ``what`` of ``key`` (``_ranged``): None where
+        the object is missing (since), 0 where it is empty (AWS answers 416 for any
+        range of an empty object).
+
+        Raises:
+            StorageError: it holds bytes, which the server refused to read."""
+        size = self.size(key)
         if size is None or size == 0:
-            return None if size is None else (b"", 0)
-        raise StorageError(
-            f"{self.describe(key)}: the server refused a read of its last {nbytes} bytes although it holds {size}"
-        )
+            return size
+        raise StorageError(f"{self.describe(key)}: the server refused a read of {what} although it holds {size}")
 
     async def _get_object(self, key: str, max_bytes: int | None = None, **kwargs: Any) -> tuple[bytes, dict[str, Any]]:
         """One GetObject request (``kwargs``: its ``Range``): the bytes and the reply. A
@@ -337,16 +330,24 @@ class S3Store(FsspecStore):
         finally:
             reply["Body"].close()
 
-    async def _suffix(self, key: str, nbytes: int) -> tuple[bytes, int] | None:
-        """``get_suffix``'s GET; None where S3 refuses the range (AWS answers 416 for an
-        empty object; s3fs says EINVAL for that and other refusals, which ``get_suffix``
-        tells apart by the object's size)."""
+    async def _ranged(self, key: str, byte_range: str, max_bytes: int) -> tuple[bytes, dict[str, Any]] | None:
+        """One GET of ``byte_range`` (``bytes=0-99``, ``bytes=-100``): the bytes and the
+        reply, or None where S3 refuses the range (AWS answers 416 for an empty object;
+        s3fs says EINVAL for that and other refusals, which ``_size_where_refused`` tells
+        apart by the object's size)."""
         try:
-            data, reply = await self._get_object(key, max_bytes=nbytes, Range=f"bytes=-{nbytes}")
+            return await self._get_object(key, max_bytes=max_bytes, Range=byte_range)
         except OSError as exc:
             if exc.errno == errno.EINVAL:
                 return None
             raise
+
+    async def _suffix(self, key: str, nbytes: int) -> tuple[bytes, int] | None:
+        """``get_suffix``'s GET (``_ranged``): the bytes and the object's size."""
+        found = await self._ranged(key, f"bytes=-{nbytes}", nbytes)
+        if found is None:
+            return None
+        data, reply = found
         content_range = str(reply.get("ContentRange") or "")  # "bytes 90-99/100"; absent where all of it came
         total = content_range.rpartition("/")[2]
         if content_range and not total.isdigit():

@@ -75,7 +75,7 @@ import xxhash
 from shardstore.errors import CheckpointingException
 from shardstore.format.codecs import BYTES_CRC32C, BoxRead, ChunkCodec, HeldChunk
 from shardstore.format.dtypes import from_zarr_name
-from shardstore.format.records import CHUNK_SEPARATOR, ArrayRecord, chunk_key
+from shardstore.format.records import CHUNK_SEPARATOR, ArrayRecord, chunk_key, file_digest
 from shardstore.progress import tracked
 from shardstore.stores.base import (
     DEFAULT_IO_THREADS,
@@ -495,8 +495,9 @@ class WrittenChunk(NamedTuple):
 
 def chunk_digest(view: memoryview) -> str:
     """The content digest of a chunk's bytes: XXH3-128 as 32 hex digits (releases the
-    GIL, like crc32c). 128 bits, unlike crc32c, are not forged by changing four bytes."""
-    return xxhash.xxh3_128_hexdigest(view)
+    GIL, like crc32c). 128 bits, unlike crc32c, are not forged by changing four bytes.
+    The same digest the commit record keeps for other files (``records.file_digest``)."""
+    return file_digest(view)
 
 
 # Shares a chunk with an earlier checkpoint instead of writing it (``format.reuse``):

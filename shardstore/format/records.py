@@ -1360,10 +1360,10 @@ def checksum(data: bytes) -> str:
     return f"crc32c:{crc32c.crc32c(data):08x}"
 
 
-def file_digest(data: bytes) -> str:
+def file_digest(data: bytes | memoryview) -> str:
     """The content digest the commit record keeps for a non-array file
-    (``FILE_DIGESTS``): XXH3-128 as 32 hex digits, as chunks have theirs
-    (``format.chunks.chunk_digest``)."""
+    (``FILE_DIGESTS``), and for each chunk (``format.chunks.chunk_digest``): XXH3-128
+    as 32 hex digits."""
     return xxhash.xxh3_128_hexdigest(data)
 
 

@@ -674,16 +674,17 @@ class ShardstoreWriter(StorageWriter):
             if isinstance(data, Refused):
                 raise CheckpointingException(data.message)
             if caching:
-                self._remember(plan, data, data.ranks)
+                self._remember(self._plan_inputs(plan, data.ranks), data)
             return data
         if isinstance(data, (RankPart, Refused, PlanAtWrite)):
             ranks = data.ranks
         else:  # another writer's plan, cached by DCP under the same planner class
             ranks = Group(self.process_group).world_size
         group = self._planning_group(ranks)
-        part = self._reused_at_write(plan, planner, group) or self._planned_at_write(plan, group)
+        inputs = self._plan_inputs(plan, ranks)
+        part = self._reused_at_write(inputs, plan, planner, group) or self._planned_at_write(plan, group)
         if caching:
-            self._remember(plan, part, ranks)
+            self._remember(inputs, part)
         return part
 
     def _plan_inputs(self, plan: SavePlan, ranks: int) -> tuple:
@@ -696,23 +697,25 @@ class ShardstoreWriter(StorageWriter):
         settings = (self.max_chunk_bytes, self.zarr_metadata, *self._held_settings())
         return rank, ranks, settings, tuple(plan.items)
 
-    def _remember(self, plan: SavePlan, part: RankPart, ranks: int) -> None:
-        """Keeps ``part``, delivered to this rank for ``plan``, among the recent plans
-        (``_RECENT_PLANS``), with the coordinator's ``names_needed``."""
-        entry = _Planned(self._plan_inputs(plan, ranks), part, self._names_needed if self.is_coordinator else None)
+    def _remember(self, inputs: tuple, part: RankPart) -> None:
+        """Keeps ``part``, delivered to this rank for a plan with ``inputs``
+        (``_plan_inputs``), among the recent plans (``_RECENT_PLANS``), with the
+        coordinator's ``names_needed``."""
+        entry = _Planned(inputs, part, self._names_needed if self.is_coordinator else None)
         with _DELIVERED_LOCK:
             kept = [e for e in _RECENT_PLANS if e.part.plan_id != part.plan_id]
             _RECENT_PLANS[:] = [entry, *kept][:_RECENT_PLANS_KEPT]
 
-    def _reused_at_write(self, plan: SavePlan, planner: SavePlanner, group: Group) -> RankPart | None:
+    def _reused_at_write(
+        self, inputs: tuple, plan: SavePlan, planner: SavePlanner, group: Group,
+    ) -> RankPart | None:
         """Collective on ``group`` (one small stage): where every rank holds a part of
-        the same recent plan made for the inputs it has now (``_plan_inputs``: DCP's
-        plan cache handed it back its items), that plan with a new save: the
+        the same recent plan made for the ``inputs`` it has now (``_plan_inputs`` of
+        ``plan``: DCP's plan cache handed it back its items), that plan with a new save: the
         coordinator begins it (``SavePipeline.begin_planned``) and every rank joins it
         with its own part. None on every rank otherwise (the ranks then plan in full).
         A rank whose inputs did not change between two recent plans holds a part of
         each: every rank names all of its own, the newest plan they all hold is taken."""
-        inputs = self._plan_inputs(plan, group.world_size)
         with _DELIVERED_LOCK:
             recent = [e for e in _RECENT_PLANS if e.inputs == inputs]
         mine = {e.part.plan_id: e for e in recent if _still_holds(e.part, plan, planner)}

@@ -14,9 +14,15 @@ import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from shardstore.stores.s3 import S3Options
 from shardstore.testing import LocalS3Server
 
 KEY, SECRET, REGION = "testing-key", "testing-secret", "us-east-1"
+
+
+def s3_options(endpoint: str, **kw) -> S3Options:
+    """Options for the test server (or a proxy in front of it) at ``endpoint``."""
+    return S3Options(endpoint_url=endpoint, key=KEY, secret=SECRET, region=REGION, **kw)
 
 
 class MotoServer(LocalS3Server):

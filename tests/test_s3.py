@@ -28,7 +28,7 @@ from shardstore.stores.locations import open_location
 from shardstore.stores.s3 import S3Options, S3Store
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 from tests.dist import run_distributed
-from tests.s3_support import KEY, REGION, SECRET, Faults, FaultyProxy, MotoServer
+from tests.s3_support import KEY, REGION, SECRET, Faults, FaultyProxy, MotoServer, s3_options
 from tests.scenarios import assert_bits_equal, global_tensor, grid_shard
 
 BUCKET = "checkpoints"
@@ -38,10 +38,6 @@ BUCKET = "checkpoints"
 def server(moto_server: MotoServer) -> MotoServer:
     moto_server.create_bucket(BUCKET)
     return moto_server
-
-
-def _options(endpoint: str, **kw) -> S3Options:
-    return S3Options(endpoint_url=endpoint, key=KEY, secret=SECRET, region=REGION, **kw)
 
 
 _counter = iter(range(10**6))
@@ -99,7 +95,7 @@ def load_flat_and_objects(rank: int, world: int, url: str, options: S3Options) -
 
 
 def test_save_and_resharded_load_on_s3(server: MotoServer, url: str) -> None:
-    options = _options(server.endpoint)
+    options = s3_options(server.endpoint)
     run_distributed(save_s3, 2, url, options)
     location = open_location(url, options=options)
     assert is_committed(location)
@@ -119,7 +115,7 @@ def test_save_and_resharded_load_on_s3(server: MotoServer, url: str) -> None:
 
 
 def test_overwrite_protection_and_cleanup_of_an_interrupted_save(server: MotoServer, url: str) -> None:
-    location = open_location(url, options=_options(server.endpoint))
+    location = open_location(url, options=s3_options(server.endpoint))
     sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}
     save(sd, location)
     with pytest.raises(CheckpointingException, match="overwrite=True"):
@@ -139,13 +135,13 @@ def test_overwrite_protection_and_cleanup_of_an_interrupted_save(server: MotoSer
 def test_save_survives_injected_503s_and_dropped_connections(server: MotoServer, url: str) -> None:
     proxy = FaultyProxy(server.port, Faults(error_503=0.10, drop=0.03, seed=1)).start()
     try:
-        options = _options(proxy.endpoint, initial_delay=0.01, max_delay=0.2)
+        options = s3_options(proxy.endpoint, initial_delay=0.01, max_delay=0.2)
         run_distributed(save_s3, 2, url, options)
         run_distributed(load_s3, 2, url, options, (1,))
     finally:
         proxy.stop()
     assert proxy.counts["503"] > 5 and proxy.counts["dropped"] > 0, proxy.counts
-    assert verify(open_location(url, options=_options(server.endpoint))).ok
+    assert verify(open_location(url, options=s3_options(server.endpoint))).ok
 
 
 def save_expecting_failure(rank: int, world: int, url: str, options: S3Options) -> tuple[str, float]:
@@ -161,13 +157,13 @@ def test_permanent_failure_raises_on_every_rank_without_commit(server: MotoServe
     # The bucket is reachable for the first requests, then every chunk PUT fails.
     proxy = FaultyProxy(server.port, Faults(error_503=1.0)).start()
     try:
-        options = _options(proxy.endpoint, max_retries=2, initial_delay=0.01, max_delay=0.05)
+        options = s3_options(proxy.endpoint, max_retries=2, initial_delay=0.01, max_delay=0.05)
         results = run_distributed(save_expecting_failure, 2, url, options, timeout=120)
     finally:
         proxy.stop()
     for message, seconds in results:
         assert "s3://" in message and seconds < 60, (message, seconds)
-    assert not is_committed(open_location(url, options=_options(server.endpoint)))
+    assert not is_committed(open_location(url, options=s3_options(server.endpoint)))
 
 
 PLAIN_S3_READER = r"""
@@ -194,7 +190,7 @@ print(json.dumps(out))
 
 
 def test_plain_zarr_and_tensorstore_read_an_s3_checkpoint(server: MotoServer, url: str) -> None:
-    options = _options(server.endpoint)
+    options = s3_options(server.endpoint)
     run_distributed(save_s3, 2, url, options)
     env = {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_REGION": REGION, "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([sys.executable, "-c", PLAIN_S3_READER, server.endpoint, url, KEY, SECRET],
@@ -223,7 +219,7 @@ def test_chunk_bound_above_the_s3_object_limit_is_refused(server: MotoServer, ur
     from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 
     with pytest.raises(CheckpointingException, match="object limit"):
-        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, open_location(url, options=_options(server.endpoint)),
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, open_location(url, options=s3_options(server.endpoint)),
              ZarrSaveShardedStrategy(max_chunk_bytes=6 * 2**30))
 
 
@@ -242,7 +238,7 @@ def async_save_s3(rank: int, world: int, url: str, options: S3Options) -> list[i
 
 
 def test_async_save_to_s3(server: MotoServer, url: str) -> None:
-    options = _options(server.endpoint)
+    options = s3_options(server.endpoint)
     assert run_distributed(async_save_s3, 2, url, options) == [[0], [0]]
     run_distributed(load_s3, 1, url, options, ())
 
@@ -268,7 +264,7 @@ def test_zero_dim_tensors_on_s3(server: MotoServer, url: str) -> None:
     from shardstore import load_plain_tensors
     from tests.test_trust import DTYPES, _scalar, _scalar_key
 
-    options = _options(server.endpoint)
+    options = s3_options(server.endpoint)
     run_distributed(save_scalars_s3, 2, url, options)
     run_distributed(load_scalars_s3, 1, url, options)
     plain = load_plain_tensors(open_location(url, options=options))
@@ -277,7 +273,7 @@ def test_zero_dim_tensors_on_s3(server: MotoServer, url: str) -> None:
 
 
 def test_moved_chunk_on_s3_fails_load_and_verify(server: MotoServer, url: str) -> None:
-    location = open_location(url, options=_options(server.endpoint))
+    location = open_location(url, options=s3_options(server.endpoint))
     save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0).reshape(4, 2))}, location,
          sharded_strategy=ZarrSaveShardedStrategy(max_chunk_bytes=8))
     location.write_bytes("w/c.0.0", location.read_bytes("w/c.3.0"))
@@ -290,7 +286,7 @@ def test_moved_chunk_on_s3_fails_load_and_verify(server: MotoServer, url: str) -
 def test_default_options_fail_within_a_minute(server: MotoServer, url: str, failure: str) -> None:
     from shardstore.testing import free_port
 
-    location = open_location(url, options=_options(server.endpoint))
+    location = open_location(url, options=s3_options(server.endpoint))
     save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, location)
     proxy = None
     if failure == "connection refused":
@@ -301,7 +297,7 @@ def test_default_options_fail_within_a_minute(server: MotoServer, url: str, fail
     start = time.monotonic()
     try:
         with pytest.raises(CheckpointingException, match=r"s3://checkpoints/.*(zarr\.json|w/)"):
-            load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, open_location(url, options=_options(endpoint)))
+            load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, open_location(url, options=s3_options(endpoint)))
     finally:
         if proxy is not None:
             proxy.stop()
@@ -320,7 +316,7 @@ def test_s3_without_s3fs_says_which_extra_to_install(monkeypatch) -> None:
 def test_checkpoint_manager_on_s3(server: MotoServer, url: str) -> None:
     from shardstore.tools.manager import CheckpointManager, CheckpointManagerOptions
 
-    root = open_location(url.rsplit("/", 1)[0], options=_options(server.endpoint))
+    root = open_location(url.rsplit("/", 1)[0], options=s3_options(server.endpoint))
     manager = CheckpointManager(root, CheckpointManagerOptions(max_to_keep=2))
     for step in range(4):
         manager.save(step, {"w": ShardedTensor.from_rank_offsets("w", torch.full((4,), float(step))), "step": step})
@@ -345,7 +341,7 @@ def test_checkpoint_manager_on_s3_never_loses_the_last_good_step(server: MotoSer
         CheckpointManagerOptions,
     )
 
-    root = open_location(url.rsplit("/", 1)[0], options=_options(server.endpoint))
+    root = open_location(url.rsplit("/", 1)[0], options=s3_options(server.endpoint))
     root.child("iter_0000050").write_bytes(COMMIT_RECORD, b"{damaged")
     root.child("iter_0000000").write_many({".metadata": b"DCP", "__0_0.distcp": b"DCP data"})
     root.child("iter_0000099").write_bytes("notes.txt", b"a user's own files")
@@ -393,7 +389,7 @@ def test_checkpoint_manager_on_s3_keeps_the_best_and_the_newest_and_deletes_on_r
     refuses the newest step."""
     from shardstore.tools.manager import CheckpointManager, CheckpointManagerOptions
 
-    root = open_location(url.rsplit("/", 1)[0], options=_options(server.endpoint))
+    root = open_location(url.rsplit("/", 1)[0], options=s3_options(server.endpoint))
     options = CheckpointManagerOptions(
         max_to_keep=1, keep_best=1, best_fn=lambda m: m["loss"], best_mode="min", async_save=True
     )

@@ -17,7 +17,7 @@ import torch
 from shardstore import CheckpointingException, ShardedTensor, load, save, verify
 from shardstore.stores.locations import open_location
 from shardstore.stores.s3 import S3Options, S3Store
-from tests.s3_support import KEY, REGION, SECRET, MotoServer
+from tests.s3_support import KEY, REGION, SECRET, MotoServer, s3_options
 
 BUCKET = "review-r6"
 
@@ -26,10 +26,6 @@ BUCKET = "review-r6"
 def server(moto_server: MotoServer) -> MotoServer:
     moto_server.create_bucket(BUCKET)
     return moto_server
-
-
-def _options(endpoint: str, **kw) -> S3Options:
-    return S3Options(endpoint_url=endpoint, key=KEY, secret=SECRET, region=REGION, **kw)
 
 
 def _client(server: MotoServer):
@@ -52,7 +48,7 @@ def test_get_with_a_size_cap_reads_an_empty_object(server: MotoServer) -> None:
     cap, and as every other store does). On S3 the capped read is a ``Range: bytes=0-N``
     GET, which S3 answers 416 for an empty object: a StorageError ("[Errno 22] The
     requested range is not satisfiable") instead."""
-    store = S3Store(f"s3://{BUCKET}/{_prefix()}", _options(server.endpoint))
+    store = S3Store(f"s3://{BUCKET}/{_prefix()}", s3_options(server.endpoint))
     store.put("empty", b"")
     assert store.get("empty") == b""
     assert store.get("empty", max_bytes=10) == b""
@@ -61,7 +57,7 @@ def test_get_with_a_size_cap_reads_an_empty_object(server: MotoServer) -> None:
 def test_verify_reports_an_emptied_array_document_as_bad_json_on_s3(server: MotoServer) -> None:
     """What that costs a user: an array ``zarr.json`` emptied on S3 is reported as an
     unreadable object (a range error) rather than as the damaged document it is."""
-    location = open_location(f"s3://{BUCKET}/{_prefix()}", options=_options(server.endpoint))
+    location = open_location(f"s3://{BUCKET}/{_prefix()}", options=s3_options(server.endpoint))
     save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}, location)
     location.write_bytes("w/zarr.json", b"")
     report = verify(location)
@@ -81,7 +77,7 @@ def test_a_prefix_made_as_a_console_folder_takes_a_save(server: MotoServer) -> N
     remove it either (it deletes ``prefix``, not ``prefix/``)."""
     prefix = _prefix()
     _client(server).put_object(Bucket=BUCKET, Key=f"{prefix}/", Body=b"")
-    location = open_location(f"s3://{BUCKET}/{prefix}", options=_options(server.endpoint))
+    location = open_location(f"s3://{BUCKET}/{prefix}", options=s3_options(server.endpoint))
     sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}
     save(sd, location)
     out = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(6))}
@@ -175,9 +171,9 @@ def test_a_load_from_a_bucket_that_does_not_exist_names_the_bucket(server: MotoS
     under this prefix)", sending the user to look for a save that never was; an empty
     prefix of a bucket that exists still says that."""
     request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2))}
-    missing = open_location("s3://no-such-bucket-r6/ckpt", options=_options(server.endpoint))
+    missing = open_location("s3://no-such-bucket-r6/ckpt", options=s3_options(server.endpoint))
     with pytest.raises(CheckpointingException, match=r"its bucket 'no-such-bucket-r6' does not exist; check the URL"):
         load(request, missing)
-    empty = open_location(f"s3://{BUCKET}/{_prefix()}", options=_options(server.endpoint))
+    empty = open_location(f"s3://{BUCKET}/{_prefix()}", options=s3_options(server.endpoint))
     with pytest.raises(CheckpointingException, match=r"the checkpoint directory is empty \(no object under"):
         load(request, empty)

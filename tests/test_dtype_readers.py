@@ -177,3 +177,28 @@ def test_a_malformed_hex_fill_value_of_an_extension_dtype_is_refused(
     _write_array(tmp_path / "a", "bfloat16", fill_value)
     with pytest.raises(Exception, match="fill"):
         zarr.open_array(tmp_path / "a", mode="r")
+
+
+def test_a_big_endian_bfloat16_array_reads_the_same_in_zarr_and_tensorstore(tmp_path: Path) -> None:
+    """A bfloat16 array whose ``bytes`` codec says ``"endian": "big"`` (TensorStore writes
+    one when asked): zarr-python with shardstore's data type viewed its chunks' bytes as
+    host-order bfloat16, unswapped, and returned garbage (1.25 read as -1.6e-19) without
+    an error, where TensorStore reads the values; a zarr-python round trip of such an
+    array read back other values than it wrote."""
+    from shardstore.format.zarr_dtypes import BFloat16
+
+    values = (np.arange(8, dtype=np.float32) + 1.25).astype(from_torch(torch.bfloat16).numpy_dtype)
+    metadata = {"shape": [8], "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4]}},
+                "data_type": "bfloat16", "codecs": [{"name": "bytes", "configuration": {"endian": "big"}}]}
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{tmp_path / 'a'}/"}, "metadata": metadata}
+    ts.open(spec, create=True).result().write(values).result()
+    assert (tmp_path / "a" / "c" / "0").read_bytes()[:2] == values[:1].view(np.uint8).tobytes()[::-1]
+    as_float = values.astype(np.float32)
+    assert np.array_equal(zarr.open_array(tmp_path / "a", mode="r")[...].astype(np.float32), as_float)
+    written = zarr.create_array(tmp_path / "b", shape=(8,), chunks=(4,), dtype=BFloat16(endianness="big"),
+                                compressors=None, fill_value=0)
+    written[:] = values
+    assert np.array_equal(zarr.open_array(tmp_path / "b", mode="r")[...].astype(np.float32), as_float)
+    by_tensorstore = ts.open({**spec, "kvstore": {**spec["kvstore"], "path": f"{tmp_path / 'b'}/"}, "metadata": {}},
+                             open=True).result().read().result()
+    assert np.array_equal(np.asarray(by_tensorstore).astype(np.float32), as_float)

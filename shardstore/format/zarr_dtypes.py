@@ -34,6 +34,7 @@ from zarr.core.dtype.common import DataTypeValidationError, DTypeJSON, HasItemSi
 from zarr.core.dtype.npy.common import (
     check_json_float_v3,
     check_json_floatish_str,
+    endianness_to_numpy_str,
     float_from_json_v3,
     float_to_json_v3,
 )
@@ -74,7 +75,7 @@ class _MLFloatMixin:
         raise ValueError(f"{self._zarr_v3_name} is only defined for Zarr v3, not v{zarr_format}")
 
     def to_native_dtype(self) -> np.dtype:
-        # ml_dtypes types are host-endian only; shardstore writes little-endian bytes.
+        # One byte: no byte order (``BFloat16`` gives its own).
         return np.dtype(self._scalar_type)
 
     def _check_scalar(self, data: object) -> bool:
@@ -129,6 +130,12 @@ class BFloat16(_MLFloatMixin, BaseFloat):  # type: ignore[misc]
     @property
     def item_size(self) -> int:
         return 2
+
+    def to_native_dtype(self) -> np.dtype:
+        """bfloat16 in the byte order of ``endianness``, which zarr's ``bytes`` codec
+        sets from the array's ``endian`` before it views a chunk's bytes as this type:
+        in host order always, a big-endian array read as byte-swapped garbage."""
+        return np.dtype(self._scalar_type).newbyteorder(endianness_to_numpy_str(self.endianness))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -55,6 +55,18 @@ def test_directory_without_commit_record_is_refused_as_incomplete(ckpt_dir: Path
         load_tensors_metadata(ckpt_dir)
 
 
+def test_an_empty_path_or_a_file_is_no_distributed_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    """As in Megatron-Core: False, not an error. Before, ``""`` looked in the current
+    directory and a file raised a ``StorageError`` ("Not a directory")."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "metadata.json").write_text('{"sharded_backend": "zarr"}')
+    assert not check_is_distributed_checkpoint("")
+    a_file = tmp_path / "model.pt"
+    a_file.write_bytes(b"not a checkpoint")
+    assert not check_is_distributed_checkpoint(a_file)
+    assert not check_is_distributed_checkpoint(str(a_file))
+
+
 def test_load_tensors_metadata_needs_only_the_root_record(ckpt_dir: Path) -> None:
     _save_small(ckpt_dir)
     for child in ckpt_dir.iterdir():  # leave only the commit record and the config

@@ -70,11 +70,19 @@ def check_is_distributed_checkpoint(checkpoint_dir: str | Location) -> bool:
 
 
 def maybe_load_config(checkpoint_dir: str | Location) -> CheckpointingConfig | None:
-    """Returns the checkpoint's config, or None when there is no ``metadata.json``."""
+    """Returns the checkpoint's config, or None when there is no ``metadata.json``.
+
+    As in Megatron-Core, an empty path and a path that is a file are no checkpoint
+    (None), not an error.
+    """
+    if checkpoint_dir == "":
+        return None
     location = open_location(checkpoint_dir)
     try:
         data = location.read_bytes_or_none(CONFIG_FNAME, max_bytes=2**20)
-    except CheckpointingException:  # a StorageError already names the file
+    except CheckpointingException as exc:  # a StorageError already names the file
+        if isinstance(exc.__cause__, NotADirectoryError):  # the path is a file
+            return None
         raise
     except OSError as exc:
         raise CheckpointingException(f"Cannot read {location.describe(CONFIG_FNAME)}: {exc}") from exc

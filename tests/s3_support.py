@@ -2,7 +2,8 @@
 
 The proxy forwards HTTP requests to the server and, for a share of them, answers
 503 SlowDown instead or drops the connection without answering: what a busy object
-store does. Both listen on loopback only, on free ports, and stop with the test run.
+store does. It can also cut the first answers' bodies short (a connection reset while
+an object's bytes arrive). Both listen on loopback only, on free ports, and stop with the test run.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class Faults:
     error_503: float = 0.0
     drop: float = 0.0
     seed: int = 0
+    # the first this many answers with a body send half of it, then drop the connection
+    cut_bodies: int = 0
 
 
 class FaultyProxy:
@@ -46,7 +49,7 @@ class FaultyProxy:
 
     def __init__(self, target_port: int, faults: Faults) -> None:
         self.target_port, self.faults = target_port, faults
-        self.counts = {"forwarded": 0, "503": 0, "dropped": 0}
+        self.counts = {"forwarded": 0, "503": 0, "dropped": 0, "cut": 0}
         self.bytes_received = 0  # request bodies from the clients (what they uploaded)
         self.seen: list[tuple[str, str]] = []  # (method, path) of every request, in order of arrival
         self._lock = threading.Lock()
@@ -107,9 +110,16 @@ class FaultyProxy:
                 self.send_header("Content-Length", response.getheader("Content-Length", "0")
                                  if self.command == "HEAD" else str(len(data)))
                 self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
                 conn.close()
+                if self.command == "HEAD":
+                    return
+                if data and proxy._cut_body():
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                self.wfile.write(data)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
@@ -133,6 +143,13 @@ class FaultyProxy:
                 fate = "forwarded"
             self.counts[fate] += 1
         return "drop" if fate == "dropped" else fate
+
+    def _cut_body(self) -> bool:
+        with self._lock:
+            if self.counts["cut"] >= self.faults.cut_bodies:
+                return False
+            self.counts["cut"] += 1
+        return True
 
     def start(self) -> FaultyProxy:
         self._thread.start()

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 __all__ = ["S3Options", "S3Store"]
 
+import asyncio
 import contextlib
 import errno
 import logging
 import math
 import os
+import random
 import stat
 import tempfile
 import weakref
@@ -315,10 +317,29 @@ class S3Store(FsspecStore):
         raise StorageError(f"{self.describe(key)}: the server refused a read of {what} although it holds {size}")
 
     async def _get_object(self, key: str, max_bytes: int | None = None, **kwargs: Any) -> tuple[bytes, dict[str, Any]]:
-        """One GetObject request (``kwargs``: its ``Range``): the bytes and the reply. A
-        reply longer than ``max_bytes`` (a server that ignores ``Range``) is refused
-        before its body is read."""
-        reply = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=self._key(key), **kwargs)
+        """One GetObject request (``kwargs``: its ``Range``): the bytes and the reply.
+
+        A body cut short (a connection reset or stalled while the bytes arrive) is asked
+        for again, up to ``max_retries`` times with backoff: botocore's retries end once
+        the reply's headers came, and the body is read after them."""
+        from s3fs.core import S3_RETRYABLE_ERRORS  # s3fs's transient transfer errors
+
+        attempt = 0
+        while True:
+            reply = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=self._key(key), **kwargs)
+            try:
+                return await self._body(key, reply, max_bytes), reply
+            except S3_RETRYABLE_ERRORS as exc:
+                if attempt >= self.options.max_retries:
+                    raise
+                logger.debug("Reading %s again: its bytes were cut short (%s)", self.describe(key), exc)
+            await asyncio.sleep(_backoff(self.options, attempt))
+            attempt += 1
+
+    async def _body(self, key: str, reply: dict[str, Any], max_bytes: int | None) -> bytes:
+        """The body of a GetObject ``reply``, closed after. A reply longer than
+        ``max_bytes`` (a server that ignores ``Range``) is refused before its body is
+        read."""
         try:
             length = int(reply.get("ContentLength", 0))
             if max_bytes is not None and length > max_bytes:
@@ -326,7 +347,7 @@ class S3Store(FsspecStore):
                     f"{self.describe(key)}: a read of at most {max_bytes} bytes was answered with {length} "
                     "bytes; the server ignores byte ranges, which sharded reads need"
                 )
-            return await reply["Body"].read(), reply
+            return await reply["Body"].read()
         finally:
             reply["Body"].close()
 
@@ -492,6 +513,12 @@ class S3ChunkStore(KvChunkStore):
 
     def get_suffix(self, rel: str, nbytes: int) -> tuple[bytes, int] | None:
         return self.store.get_suffix(rel, nbytes)
+
+
+def _backoff(options: S3Options, attempt: int) -> float:
+    """Seconds to wait before retry ``attempt + 1``: exponential from ``initial_delay``,
+    at most ``max_delay``, jittered (as botocore's and TensorStore's retries wait)."""
+    return min(options.max_delay, options.initial_delay * 2**attempt) * random.uniform(0.5, 1.0)
 
 
 def _merged(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:

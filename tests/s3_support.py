@@ -42,6 +42,8 @@ class Faults:
     seed: int = 0
     # the first this many answers with a body send half of it, then drop the connection
     cut_bodies: int = 0
+    # (method, path) of requests answered 403 AccessDenied (what a policy refuses)
+    forbidden: tuple[tuple[str, str], ...] = ()
 
 
 class FaultyProxy:
@@ -67,20 +69,27 @@ class FaultyProxy:
                 with proxy._lock:
                     proxy.bytes_received += len(body)
                     proxy.seen.append((self.command, self.path))
+                if (self.command, self.path) in proxy.faults.forbidden:
+                    self._answer(403, b"<Error><Code>AccessDenied</Code><Message>injected</Message></Error>")
+                    return
                 fate = proxy._fate()
                 if fate == "503":
-                    payload = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
-                    self.send_response(503)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
+                    self._answer(503, b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>")
                     return
                 if fate == "drop":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
                 self._forward(body)
+
+            def _answer(self, status: int, payload: bytes) -> None:
+                """An error of the server's own: ``payload`` (none to a HEAD)."""
+                self.send_response(status)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(payload)
 
             def _read_body(self) -> bytes:
                 if self.headers.get("Transfer-Encoding", "").lower() == "chunked":

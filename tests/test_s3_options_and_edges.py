@@ -219,3 +219,28 @@ def test_a_body_cut_short_on_every_attempt_fails_naming_the_object(server: MotoS
     finally:
         proxy.stop()
     assert proxy.counts["cut"] == 3, proxy.counts
+
+
+# ---------------------------------------------------------------- 6. a policy that grants a prefix
+
+
+def test_a_save_under_a_policy_that_refuses_the_buckets_head(server: MotoServer) -> None:
+    """HeadBucket needs s3:ListBucket on the whole bucket, which an IAM policy granting
+    one prefix (ListBucket with an ``s3:prefix`` condition, Get/Put/DeleteObject on
+    ``prefix/*``) does not give: AWS answers 403. ``S3Store.prepare`` made that a
+    failed save ("Cannot find bucket of s3://...: Forbidden") although every request
+    the save makes is allowed; a refused HEAD says nothing of the bucket, and a missing
+    bucket still fails the save by name."""
+    location_url = f"s3://{BUCKET}/{_prefix()}/ckpt"
+    proxy = FaultyProxy(server.port, Faults(forbidden=(("HEAD", f"/{BUCKET}"),))).start()
+    try:
+        location = open_location(location_url, options=s3_options(proxy.endpoint))
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}, location)
+        loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(6))}, location)
+    finally:
+        proxy.stop()
+    assert loaded["w"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert ("HEAD", f"/{BUCKET}") in proxy.seen  # the refusal was met, not avoided
+    missing = open_location("s3://no-such-bucket-r6/ckpt", options=s3_options(server.endpoint))
+    with pytest.raises(CheckpointingException, match=r"Bucket 'no-such-bucket-r6' .* does not exist; create it"):
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}, missing)

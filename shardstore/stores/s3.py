@@ -423,23 +423,39 @@ class S3Store(FsspecStore):
         return CopiedObject(etag.strip('"'))
 
     def prepare(self) -> None:
-        try:  # one HEAD (a listing of the bucket would page through all of its top level)
-            self._call("find bucket of", "", self.fs.call_s3, "head_bucket", Bucket=self.bucket)
-        except FileNotFoundError:
-            raise StorageError(
-                f"Bucket {self.bucket!r} of {self.describe()} does not exist; create it first"
-            ) from None
+        """Refuses a bucket that does not exist, by name. A HEAD refused (403) says
+        nothing of it: the save's own requests tell."""
+        if self._bucket_missing():
+            raise StorageError(f"Bucket {self.bucket!r} of {self.describe()} does not exist; create it first")
 
     def missing_container(self) -> str | None:
         """``"bucket '<name>'"`` where a HEAD of the bucket says it does not exist; None
-        where it exists or the HEAD is refused (a policy that grants only a prefix)."""
+        where it exists or the HEAD fails otherwise."""
         try:
-            self.prepare()
+            missing = self._bucket_missing()
         except StorageError as exc:
-            if "does not exist" in str(exc):
-                return f"bucket {self.bucket!r}"
             logger.debug("Cannot tell whether bucket %s exists: %s", self.bucket, exc)
-        return None
+            return None
+        return f"bucket {self.bucket!r}" if missing else None
+
+    def _bucket_missing(self) -> bool:
+        """Whether one HEAD of the bucket (a listing would page through all of its top
+        level) says it does not exist. A refused HEAD (403) is False: HeadBucket needs
+        s3:ListBucket on the whole bucket, which a policy that grants one prefix does
+        not give, although every request a save or load makes under it is allowed.
+
+        Raises:
+            StorageError: any other failure, naming the location."""
+        try:
+            self._call("find bucket of", "", self.fs.call_s3, "head_bucket", Bucket=self.bucket)
+        except FileNotFoundError:
+            return True
+        except StorageError as exc:
+            if not isinstance(exc.__cause__, PermissionError):
+                raise
+            logger.debug("A HEAD of bucket %s was refused (%s); the requests of %s will tell", self.bucket,
+                         exc.__cause__, self.describe())
+        return False
 
     def make_durable(self) -> None:
         """Nothing to do: an object is durable once its PUT returned."""

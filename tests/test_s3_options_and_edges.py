@@ -4,7 +4,9 @@ timeouts in TensorStore, ``s3fs_kwargs`` merged with our settings, botocore's at
 
 from __future__ import annotations
 
+import gc
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -244,3 +246,23 @@ def test_a_save_under_a_policy_that_refuses_the_buckets_head(server: MotoServer)
     missing = open_location("s3://no-such-bucket-r6/ckpt", options=s3_options(server.endpoint))
     with pytest.raises(CheckpointingException, match=r"Bucket 'no-such-bucket-r6' .* does not exist; create it"):
         save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}, missing)
+
+
+# ---------------------------------------------------------------- 7. a pickled store's credentials
+
+
+def test_a_pickled_store_keeps_its_credentials_when_the_original_is_collected(server: MotoServer) -> None:
+    """Keys given in code reach TensorStore through a private credentials file, removed
+    when the store that wrote it is collected. A pickled copy (a save handed to a
+    spawned writer: Megatron's persistent checkpoint worker) carried the original's file
+    names and no files of its own, so once the original was collected the copy could
+    not open its chunk store ("Failed to create credentials provider ...
+    AWS_ERROR_FILE_INVALID_PATH")."""
+    store = S3Store(f"s3://{BUCKET}/{_prefix()}", s3_options(server.endpoint))
+    store.chunk_access()  # writes the credentials files
+    copy = pickle.loads(pickle.dumps(store))
+    del store
+    gc.collect()
+    chunks = copy.chunk_store(4)
+    chunks.put("c/0", [memoryview(b"abc")])
+    assert copy.get("c/0") == b"abc"

@@ -175,6 +175,12 @@ class S3Store(FsspecStore):
     def __repr__(self) -> str:
         return f"S3Store({self.describe()!r})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Without the private credentials files (``_write_profile_files``): they are
+        removed when this store is collected, and another process (a spawned writer)
+        may not see them at all; a copy writes its own."""
+        return {**self.__dict__, "_profile_files": None}
+
     # ------------------------------------------------------------------ paths
 
     def _key(self, rel: str) -> str:

@@ -266,3 +266,39 @@ def test_a_pickled_store_keeps_its_credentials_when_the_original_is_collected(se
     chunks = copy.chunk_store(4)
     chunks.put("c/0", [memoryview(b"abc")])
     assert copy.get("c/0") == b"abc"
+
+
+# ---------------------------------------------------------------- 8. a profile's region
+
+
+@pytest.fixture
+def aws_config(tmp_path, monkeypatch):
+    """Shared AWS config files giving the default profile and the profile ``regional``
+    regions of their own, and no region in the environment."""
+    config, credentials = tmp_path / "config", tmp_path / "credentials"
+    config.write_text("[default]\nregion = ap-south-1\n\n[profile regional]\nregion = eu-west-2\n")
+    credentials.write_text(f"[default]\naws_access_key_id = {KEY}\naws_secret_access_key = {SECRET}\n\n"
+                           f"[regional]\naws_access_key_id = {KEY}\naws_secret_access_key = {SECRET}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    for name in ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize(("profile", "region"), [("regional", "eu-west-2"), (None, "ap-south-1")])
+def test_the_region_comes_from_the_profile_where_nothing_else_names_one(aws_config, profile, region) -> None:
+    """``S3Options.resolved_region`` read ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` and
+    else said us-east-1, ignoring the region the shared config file gives the profile
+    (``aws configure`` writes it there, not into the environment): s3fs and TensorStore
+    were both told us-east-1, so TensorStore signed its chunk requests for, and sent them
+    to, the wrong region of AWS (s3fs's botocore follows the redirect; TensorStore
+    does not), while botocore itself and the AWS CLI use the profile's."""
+    options = S3Options(endpoint_url="http://127.0.0.1:9", profile=profile)
+    store = S3Store("s3://bkt/p", options)
+    assert options.resolved_region() == region
+    assert store.chunk_access().kvstore["aws_region"] == region
+    store.fs.connect()  # builds the client; sends no request
+    assert store.fs.s3.meta.region_name == region
+    aws_config.setenv("AWS_REGION", "sa-east-1")  # the environment still wins
+    assert options.resolved_region() == "sa-east-1"

@@ -72,7 +72,8 @@ class S3Options:
 
     Attributes:
         endpoint_url: e.g. ``http://minio:9000``; None: AWS, or ``AWS_ENDPOINT_URL[_S3]``.
-        region: None: ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, else ``us-east-1``.
+        region: None: ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, else the profile's region
+            in the shared config file (``AWS_CONFIG_FILE``), else ``us-east-1``.
         key, secret, token: explicit credentials (else environment or profile).
         profile: a profile of the shared AWS config files.
         max_retries: attempts after the first for a transient failure. With the
@@ -109,10 +110,28 @@ class S3Options:
         return self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
 
     def resolved_region(self) -> str:
-        return self.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        return (
+            self.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+            or _profile_region(self.resolved_profile()) or "us-east-1"
+        )
 
     def resolved_profile(self) -> str | None:
         return self.profile or os.environ.get("AWS_PROFILE")
+
+
+def _profile_region(profile: str | None) -> str | None:
+    """The region the shared AWS config file gives ``profile`` (None: the default
+    profile), as botocore and the AWS CLI read it; None where it gives none. A profile
+    that does not exist gives none here: the credentials lookup names it."""
+    try:
+        import botocore.session  # s3fs brings it
+        from botocore.exceptions import ProfileNotFound
+    except ImportError:
+        return None
+    try:
+        return botocore.session.Session(profile=profile).get_config_variable("region")
+    except ProfileNotFound:
+        return None
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:

@@ -44,6 +44,8 @@ class Faults:
     cut_bodies: int = 0
     # (method, path) of requests answered 403 AccessDenied (what a policy refuses)
     forbidden: tuple[tuple[str, str], ...] = ()
+    # (method, path) of requests forwarded whose answer is lost (the connection dropped)
+    lose_replies: tuple[tuple[str, str], ...] = ()
 
 
 class FaultyProxy:
@@ -111,6 +113,11 @@ class FaultyProxy:
                              headers=headers)
                 response = conn.getresponse()
                 data = response.read()
+                if (self.command, self.path) in proxy.faults.lose_replies:
+                    conn.close()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 self.send_response(response.status, response.reason)
                 for k, v in response.getheaders():
                     if k.lower() not in ("transfer-encoding", "content-length", "connection"):

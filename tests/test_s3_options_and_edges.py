@@ -302,3 +302,45 @@ def test_the_region_comes_from_the_profile_where_nothing_else_names_one(aws_conf
     assert store.fs.s3.meta.region_name == region
     aws_config.setenv("AWS_REGION", "sa-east-1")  # the environment still wins
     assert options.resolved_region() == "sa-east-1"
+
+
+# ---------------------------------------------------------------- 9. a commit whose reply is lost
+
+
+def test_a_commit_record_written_whose_replies_were_lost_commits_the_save(server: MotoServer) -> None:
+    """The commit record's PUT reached the store, but every answer to it was lost (the
+    connection dropped after the request was sent; botocore sends it again, as it
+    should, and loses that answer too): the save raised "Cannot write .../zarr.json"
+    on every rank although the checkpoint was committed, loadable and verified; its
+    marker stayed behind, and saving again was refused ("already holds a committed
+    checkpoint"), or with ``overwrite=True`` deleted the good checkpoint first."""
+    from shardstore.format.records import COMMIT_RECORD, SAVE_MARKER, is_committed
+
+    prefix = _prefix()
+    record = ("PUT", f"/{BUCKET}/{prefix}/{COMMIT_RECORD}")
+    proxy = FaultyProxy(server.port, Faults(lose_replies=(record,))).start()
+    try:
+        location = open_location(f"s3://{BUCKET}/{prefix}", options=s3_options(proxy.endpoint, max_retries=1))
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}, location)
+    finally:
+        proxy.stop()
+    assert proxy.seen.count(record) >= 2, proxy.seen  # sent again, every answer lost
+    direct = open_location(f"s3://{BUCKET}/{prefix}", options=s3_options(server.endpoint))
+    assert is_committed(direct) and not direct.exists(SAVE_MARKER)
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(6))}, direct)
+    assert loaded["w"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_an_atomic_put_that_failed_and_stored_nothing_still_fails(server: MotoServer) -> None:
+    """The read-back that tells a lost answer from a failed write: a PUT refused (the
+    object holds other bytes, or none) still raises, naming the object."""
+    prefix = _prefix()
+    S3Store(f"s3://{BUCKET}/{prefix}", s3_options(server.endpoint)).put("record", b"old")
+    proxy = FaultyProxy(server.port, Faults(forbidden=(("PUT", f"/{BUCKET}/{prefix}/record"),))).start()
+    try:
+        store = S3Store(f"s3://{BUCKET}/{prefix}", s3_options(proxy.endpoint, max_retries=0))
+        with pytest.raises(CheckpointingException, match=rf"Cannot write s3://{BUCKET}/{prefix}/record"):
+            store.put_atomic("record", b"new")
+    finally:
+        proxy.stop()
+    assert store.get("record") == b"old"

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 __all__ = ["FsspecStore"]
 
+import logging
 from abc import abstractmethod
 from collections.abc import Collection
 from typing import Any
 
 from shardstore.stores.base import CopiedObject, StorageError, Store, run_parallel
+
+logger = logging.getLogger(__name__)
 
 
 class FsspecStore(Store):
@@ -83,8 +86,26 @@ class FsspecStore(Store):
         return CopiedObject()
 
     def put_atomic(self, key: str, data: bytes) -> None:
-        """One object write: the backends here make an object visible whole or not at all."""
-        self.put(key, data)
+        """One object write: the backends here make an object visible whole or not at all.
+
+        A write that failed may have stored the object all the same (its request was
+        sent, every answer to it lost): where the object now holds exactly ``data``,
+        the write is done (a commit record, a save's marker: reporting it failed would
+        fail a save that committed)."""
+        try:
+            self.put(key, data)
+        except StorageError as exc:
+            if not self._holds(key, data):
+                raise
+            logger.warning("%s; %s holds the bytes written all the same: done", exc, self.describe(key))
+
+    def _holds(self, key: str, data: bytes) -> bool:
+        """Whether ``key`` holds exactly ``data`` now (False where it cannot be read)."""
+        try:
+            return self.get(key, max_bytes=len(data)) == data
+        except StorageError as exc:
+            logger.debug("Cannot read %s back: %s", self.describe(key), exc)
+            return False
 
     def exists(self, key: str) -> bool:
         self._refresh()

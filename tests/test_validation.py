@@ -4,6 +4,7 @@ modes behave as documented (issue 3, point 6)."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -425,3 +426,17 @@ def test_the_coverage_of_a_tensor_of_many_axes_is_counted_within_the_cell_bound(
                                                      "0\\) is covered by more than one main replica"):
         check_layout(GlobalLayout.from_gathered([([corner], []), ([whole], [])]))
     assert time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize(("offset", "shape"), [((5,), (2,)), ((0, 0), (2,)), ((-1,), (2,))])
+def test_a_sharded_object_whose_offset_lies_outside_its_shape_is_refused(tmp_path, offset, shape) -> None:
+    """An offset changed after the ShardedObject's own checks (code that reuses its
+    objects, as it may a ShardedTensor's): the shards were only counted, so shards at
+    offsets 0 and 5 of a shape of 2 passed as two of two, the save committed without
+    shard 1 and ``verify`` called it sound; the load failed on the missing shard."""
+    first, second = ShardedObject("o", "zero", (2,), (0,)), ShardedObject("o", "one", (2,), (1,))
+    second.global_offset, second.global_shape = offset, shape
+    with pytest.raises(CheckpointingException, match=(
+            f"ShardedObject 'o': rank 0's shard at offset {re.escape(str(offset))} lies outside its global shape")):
+        save({"a": first, "b": second}, tmp_path / "c")
+    assert not (tmp_path / "c" / "zarr.json").exists()

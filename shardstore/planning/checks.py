@@ -472,6 +472,11 @@ def _object_problems(key: str, shards: list[ObjectShardRecord]) -> list[str]:
     shapes = {s.global_shape for s in shards}
     if len(shapes) > 1:
         return [f"ShardedObject {key!r}: inconsistent global shapes {sorted(shapes)}"]
+    outside = next((s for s in shards if len(s.offset) != len(s.global_shape)
+                    or any(not 0 <= o < n for o, n in zip(s.offset, s.global_shape))), None)
+    if outside is not None:  # counting the shards alone would take one outside for a missing one
+        return [f"ShardedObject {key!r}: rank {outside.rank}'s shard at offset {outside.offset} lies outside its "
+                f"global shape {outside.global_shape}; give each shard an offset within the shape"]
     main_keys = [s.unique_key for s in shards if s.main]
     if len(main_keys) != len(set(main_keys)):
         return [f"ShardedObject {key!r}: a shard has more than one main replica"]

@@ -18,6 +18,7 @@ __all__ = [
 
 import logging
 import math
+import numbers
 import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -375,12 +376,15 @@ def _with(values: tuple[int, ...], index: int, value: int) -> tuple[int, ...]:
 
 
 def is_main_replica(replica_id: ReplicaId) -> bool:
-    """True for the "main" replica: integer 0 or an iterable of zeros.
+    """True for the "main" replica: integer 0 or an iterable of zeros. numpy's integers
+    and 0-d torch tensors are integers (a replica id computed with them), not iterables.
 
     Setting correct replica ids is the application's responsibility.
     """
-    if isinstance(replica_id, int):
+    if isinstance(replica_id, numbers.Integral):  # int, bool and numpy's integers
         return replica_id == 0
+    if isinstance(replica_id, torch.Tensor) and replica_id.ndim == 0:
+        return bool(replica_id == 0)
     return all(r == 0 for r in replica_id)
 
 

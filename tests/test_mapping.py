@@ -160,3 +160,22 @@ def test_zip_strict_names_the_lengths() -> None:
     assert list(zip_strict([1, 2], "ab")) == [(1, "a"), (2, "b")]
     with pytest.raises(ValueError, match=r"\[2, 3\]"):
         zip_strict([1, 2], [1, 2, 3])
+
+
+def test_replica_ids_computed_with_numpy_or_torch_integers_are_replica_ids(tmp_path) -> None:
+    """A replica id computed with numpy (``np.int64(rank // tp)``) or torch (``rank %
+    torch.tensor(2)``) is an integer, not an iterable of them: ``is_main_replica``
+    iterated it, and a save failed with "Checking the state dict failed: TypeError:
+    'numpy.int64' object is not iterable", naming no key."""
+    import numpy as np
+
+    from shardstore import load, save
+
+    assert is_main_replica(np.int64(0)) and not is_main_replica(np.int32(1))
+    assert is_main_replica(torch.tensor(0)) and not is_main_replica(torch.tensor(3))
+    assert is_main_replica((np.int64(0), 0)) and not is_main_replica((0, torch.tensor(1)))
+    data = torch.arange(4.0)
+    save({"main": ShardedTensor.from_rank_offsets("w", data, replica_id=np.int64(0)),
+          "copy": ShardedTensor.from_rank_offsets("w", data.clone(), replica_id=torch.tensor(1))}, tmp_path / "c")
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, tmp_path / "c")
+    assert torch.equal(loaded["w"], data)

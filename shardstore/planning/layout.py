@@ -328,13 +328,22 @@ def chunk_shape_for(
         chunk.append(max(1, size))
     flattened = any(r.flat_range is not None for r in main_shards)
     if flattened:
-        block = main_shards[0].block_shape
-        chunk = [min(c, b) if b > 0 else c for c, b in zip(chunk, block)]
-        partial = [a for a in range(ndim) if chunk[a] < block[a]]
-        if partial:
-            for a in range(partial[-1]):
-                chunk[a] = 1
+        chunk = _contiguous_in_blocks(chunk, {r.block_shape for r in main_shards})
     return bound_chunk(tuple(chunk), itemsize, max_chunk_bytes, contiguous=contiguous or flattened)
+
+
+def _contiguous_in_blocks(chunk: list[int], blocks: set[tuple[int, ...]]) -> list[int]:
+    """``chunk`` cut so that it tiles every one of ``blocks`` (the shapes of an array's
+    flattened blocks) in one contiguous range of its flattened order: along each axis a
+    divisor of every block's non-zero extent, and one element along the axes before the
+    last one where it is shorter than some block. Blocks of several shapes (a shorter
+    last block along an axis) all count, not only the first."""
+    for block in blocks:
+        chunk = [math.gcd(c, b) for c, b in zip(chunk, block)]  # gcd(c, 0) is c: empty blocks cut nothing
+    partial = [a for a in range(len(chunk)) if any(chunk[a] < block[a] for block in blocks)]
+    if partial:
+        chunk[: partial[-1]] = [1] * partial[-1]
+    return chunk
 
 
 # A chunk more than this many times smaller than its bound, where the bound is met by

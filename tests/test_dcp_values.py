@@ -137,3 +137,35 @@ def test_nested_lists_and_dicts_keep_their_places(tmp_path: Path) -> None:
     assert loaded[0][1] == 3 and loaded[3]["n"] == 4 and loaded[4] == "z", loaded
     for tensor in (loaded[0][0], loaded[1], loaded[2]["w"], loaded[3]["w"]):
         assert torch.equal(tensor, torch.ones(2)), loaded
+
+
+# dtypes torch saves but whose tensors plain pickling (DCP's gather of the write results) cannot load back
+UNPICKLABLE_DTYPES = [torch.complex32, torch.float8_e8m0fnu, torch.float8_e4m3fnuz, torch.float4_e2m1fn_x2]
+
+
+def _bits(dtype: torch.dtype, fill: int) -> torch.Tensor:
+    return torch.full((8,), fill, dtype=torch.int32).view(torch.uint8).view(dtype)
+
+
+def common_tensors_of_any_dtype(rank: int, world: int, root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = {f"t{i}": _bits(dtype, 0x3C + i) for i, dtype in enumerate(UNPICKLABLE_DTYPES)}
+    dcp.save({**state, "epoch": 3}, storage_writer=ShardstoreWriter(f"{root}/ckpt"))
+    request = {key: torch.zeros_like(value) for key, value in state.items()}
+    loaded = _dcp_load({**request, "epoch": 0}, f"{root}/ckpt")
+    assert loaded["epoch"] == 3
+    for key, value in state.items():
+        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key].view(torch.uint8), value.view(torch.uint8))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_common_tensors_of_dtypes_pickle_cannot_carry_are_saved(tmp_path: Path, world: int) -> None:
+    """A plain tensor of the common state (one of a dtype shardstore stores in no array:
+    complex32, float8_e8m0fnu, the fnuz float8s, float4) travels to the coordinator in
+    its WriteResult. It went pickled, and torch's pickling of such tensors does not load
+    back: with a process group (torchrun, even at one rank) the coordinator failed in
+    DCP's gather with a bare ``AttributeError: type object 'torch.storage.UntypedStorage'
+    has no attribute 'dtype'`` (the other ranks waiting for it), where DCP's own
+    ``FileSystemWriter`` saves them."""
+    run_distributed(common_tensors_of_any_dtype, world, str(tmp_path))

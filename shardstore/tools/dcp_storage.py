@@ -240,10 +240,13 @@ def _first_delivery(part: RankPart | Refused) -> bool:
 @dataclass(frozen=True)
 class CommonValue:
     """A value of the common state, on its way to the coordinator (on its WriteResult):
-    a tensor, or the bytes DCP's planner serialized a Python value to."""
+    the ``torch.save`` bytes of a tensor (``_saved_bytes``), or those DCP's planner
+    serialized a Python value to. Never a tensor itself: DCP pickles the results, and
+    torch's pickling of some dtypes (complex32, float8_e8m0fnu, the fnuz float8s,
+    float4) does not load back."""
 
     fqn: str
-    value: torch.Tensor | bytes
+    value: bytes
 
 
 @dataclass(frozen=True)
@@ -978,20 +981,24 @@ def _result(item: WriteItem, planner: SavePlanner, as_array: bool) -> WriteResul
         return WriteResult(index=item.index, size_in_bytes=item.tensor_storage_size() or 0, storage_data=None)
     data = planner.resolve_data(item)
     if isinstance(data, torch.Tensor):
-        # a copy in host memory: a view would carry its whole storage
-        value: torch.Tensor | bytes = data.detach().cpu().clone(memory_format=torch.contiguous_format)
-        size = value.nbytes
+        value, size = _saved_bytes(data), data.nbytes
     else:
         value = data.getvalue()
         size = len(value)
     return WriteResult(index=item.index, size_in_bytes=size, storage_data=CommonValue(item.index.fqn, value))
 
 
+def _saved_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor of the common state as ``torch.save`` bytes of a copy in host memory (a
+    view would carry its whole storage)."""
+    buffer = io.BytesIO()
+    torch.save(tensor.detach().cpu().clone(memory_format=torch.contiguous_format), buffer)
+    return buffer.getvalue()
+
+
 def _common_value(value: CommonValue, where: str) -> Any:
-    """A common value as common.pt stores it: DCP serialized Python values with
-    ``torch.save``; they are read back as every common state is (``weights_only``)."""
-    if isinstance(value.value, torch.Tensor):
-        return value.value
+    """A common value as common.pt stores it: a tensor, or a Python value DCP serialized
+    with ``torch.save``, read back as every common state is (``weights_only``)."""
     try:
         return load_torch(value.value, f"{where} ({value.fqn})")
     except CheckpointingException as exc:

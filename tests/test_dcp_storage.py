@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import shardstore
-from shardstore import ShardedTensor
+from shardstore import CheckpointingException, ShardedTensor
 from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 from tests import fsdp_models as fm
 from tests.dist import run_distributed
@@ -231,6 +231,31 @@ def test_a_failed_or_killed_rank_commits_nothing_and_keeps_the_previous_checkpoi
     assert shardstore.load_common_state_dict(ckpt)["step"] == 3.0
     shardstore.save({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2))}, ckpt, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"], "the dead saves' staging areas are removed"
+
+
+def save_without_collectives(rank: int, world: int, ckpt: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = {"shared": torch.ones(300), f"rank{rank}": torch.full((300,), float(rank)), "epoch": 3}
+    with pytest.raises(CheckpointingException, match=r"use_collectives=False.*ShardstoreWriter"):
+        dcp.save(state, storage_writer=ShardstoreWriter(ckpt), use_collectives=False)
+    dist.barrier()
+
+
+def test_a_save_without_dcps_collectives_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """``dcp.save(use_collectives=False)`` runs every rank's save alone (each its own
+    global plan and ``finish``; DCP's writer writes a metadata file per rank). Each
+    rank planned and committed a checkpoint of its own state into the one directory:
+    one of them won (``rank1`` held, ``rank0`` missing) and looked complete, the other
+    failed its commit. Now every rank refuses before anything is written; one process
+    may still save so."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = tmp_path / "ckpt"
+    run_distributed(save_without_collectives, 2, str(ckpt))
+    assert not ckpt.exists() or not any(ckpt.iterdir()), sorted(p.name for p in ckpt.iterdir())
+    dcp.save({"w": torch.ones(300)}, storage_writer=ShardstoreWriter(tmp_path / "one"), use_collectives=False)
+    assert torch.equal(shardstore.load_plain_tensors(tmp_path / "one")["w"], torch.ones(300))
 
 
 class Opaque:

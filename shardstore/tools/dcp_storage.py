@@ -530,12 +530,26 @@ class ShardstoreWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """All ranks. The coordinator abandons a save of this writer that DCP never
-        finished (a rank failed in an earlier ``dcp.save``): every rank is past it now."""
+        finished (a rank failed in an earlier ``dcp.save``): every rank is past it now.
+        A save of several ranks without DCP's collectives is refused
+        (``_refuse_uncoordinated``)."""
+        self._refuse_uncoordinated(kwargs.get("use_collectives", True))
         self.is_coordinator = is_coordinator
         if self._save is not None:
             logger.warning("Abandoning the unfinished save into %s", self._save.describe())
             self._save.abandon()
             self._save = None
+
+    def _refuse_uncoordinated(self, use_collectives: bool) -> None:
+        """Refuses ``dcp.save(use_collectives=False)`` where there are several ranks: DCP
+        then plans and finishes every rank's save alone, and each would commit a
+        checkpoint of its own part into the same place, one replacing another."""
+        if use_collectives is False and (ranks := Group(self.process_group).world_size) > 1:
+            raise CheckpointingException(
+                f"Saving {_id_text(self.checkpoint_id)}: dcp.save(use_collectives=False) saves each of the {ranks} "
+                "ranks on its own, and a ShardstoreWriter checkpoint is one commit of every rank's part; nothing "
+                "was written. Save with use_collectives=True (the default)"
+            )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """All ranks: names the plain tensors this rank holds that become arrays and,

@@ -529,9 +529,10 @@ def _load_opened(
     objects: list[ShardedObject] = []
     try:
         common_state_dict = common_strategy.load_common(location)
-        # a plain tensor saved as an array (by the DCP writer) is read into the tensor itself
-        request = _LoadRequest(sharded_state_dict, whole_array_requests(record.arrays, group.is_coordinator)
-                               if record is not None else None)
+        # a plain tensor saved as an array (by the DCP writer; any tensor of another
+        # tool's checkpoint, as DCP's own writer saves one) is read into the tensor itself
+        arrays = record.arrays if record is not None else sharded_strategy.load_tensors_metadata(location)
+        request = _LoadRequest(sharded_state_dict, whole_array_requests(arrays, group.is_coordinator))
         tensors, objects = request.tensors(), request.objects()
     except Exception as exc:  # reported on every rank by gather_and_plan
         error = exc

@@ -323,3 +323,19 @@ def test_a_planner_that_drops_the_writers_plan_data_loses_no_tensor(tmp_path: Pa
     request = {"w": torch.zeros(512), "b": torch.zeros(3)}
     dcp.load(request, storage_reader=ShardstoreReader(tmp_path / "ckpt"))
     fm.assert_same(request, state)
+
+
+def test_shardstore_load_of_a_dcp_checkpoint_fills_the_requests_plain_tensors(tmp_path: Path) -> None:
+    """``shardstore.load(model.state_dict() + Adam, dir)`` of a checkpoint DCP's own
+    ``FileSystemWriter`` saved (one process: every tensor plain) gives every tensor,
+    as from the same state saved through ``ShardstoreWriter``. It
+    returned the request without them: a plain tensor was read from an array only in
+    a shardstore checkpoint (its record's arrays), so here every non-scalar tensor was
+    dropped silently (``model`` came back empty; only AdamW's 0-dim ``step`` remained)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = _state(*_model_and_optimizer(0))
+    saved = fm.full_values(state)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "dcp"))
+    loaded = shardstore.load(_state(*_model_and_optimizer(5)), tmp_path / "dcp")
+    fm.assert_same(fm.full_values(loaded), saved)

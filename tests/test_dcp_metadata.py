@@ -242,3 +242,29 @@ def test_shardstore_load_still_refuses_a_lossy_cast(tmp_path: Path) -> None:
     dcp.save({"w": torch.linspace(0.1, 0.9, 2048)}, storage_writer=ShardstoreWriter(tmp_path / "ours"))
     with pytest.raises(CheckpointingException, match=r"allow_lossy_casts"):
         shardstore.load({"w": torch.zeros(2048, dtype=torch.bfloat16)}, tmp_path / "ours")
+
+
+def test_a_save_dcp_did_not_flatten_loads_by_the_names_it_saved(tmp_path: Path) -> None:
+    """``DefaultSavePlanner(flatten_state_dict=False)`` saves each top-level value under
+    its own name (a nested dict as one value; no planner data). Loading it back with the
+    same planner settings failed "Missing key in checkpoint state_dict: model": the
+    reader named the common values by flattening them (``model.w``), never by the names
+    saved; DCP's own reader loads it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+    def state(fill: float) -> dict[str, Any]:
+        return {"model": {"w": torch.full((4, 4), fill), "b": torch.full((3,), fill)},
+                "top": torch.full((500,), fill), "note": f"{fill}"}
+
+    loaded = []
+    for name, writer, reader in (("ours", ShardstoreWriter, ShardstoreReader),
+                                 ("dcp", dcp.FileSystemWriter, dcp.FileSystemReader)):
+        dcp.save(state(1.0), storage_writer=writer(tmp_path / name), planner=DefaultSavePlanner(flatten_state_dict=False))
+        request = state(0.0)
+        dcp.load(request, storage_reader=reader(tmp_path / name),
+                 planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+        loaded.append(request)
+        assert sorted(reader(tmp_path / name).read_metadata().state_dict_metadata) == ["model", "note", "top"]
+    fm.assert_same(loaded[0], state(1.0))
+    fm.assert_same(loaded[0], loaded[1])

@@ -832,11 +832,11 @@ class ShardstoreWriter(StorageWriter):
                         common[data.fqn] = _common_value(data, where)
                 reports.append(chunks)
             _refuse_unwritten(metadata, commit, common, where)
-            recorded = self._dcp_metadata(metadata, where)
+            recorded, given = self._dcp_metadata(metadata, where), _given_paths(metadata)
             if recorded.paths is not None:
                 # a fresh dict per slot: one object pickled at two places loads as one, shared
-                common.update({name: {} for name in recorded.paths.keys() - metadata.planner_data.keys()})
-            mappings = metadata.planner_data if recorded.paths is None else recorded.paths
+                common.update({name: {} for name in recorded.paths.keys() - given.keys()})
+            mappings = given if recorded.paths is None else recorded.paths
             # durable by itself (an fsync of the file, not a second syncfs of the file system)
             save.location.write_atomic(COMMON_FILE, serialize(_nested(common, mappings)))
             save.commit(replace(commit, dcp=recorded), reports)
@@ -847,11 +847,11 @@ class ShardstoreWriter(StorageWriter):
             raise
 
     def _dcp_metadata(self, metadata: Metadata, where: str) -> DcpMetadata:
-        """What the commit record keeps of DCP's metadata: its planner's paths with
-        the list slots its flattening dropped (``_with_dropped_slots``), and this save's
-        ``storage_meta``."""
-        paths = _with_dropped_slots(metadata.planner_data)
-        if paths is None and metadata.planner_data is not None:
+        """What the commit record keeps of DCP's metadata: its planner's paths
+        (``_given_paths``) with the list slots its flattening dropped
+        (``_with_dropped_slots``), and this save's ``storage_meta``."""
+        paths = _with_dropped_slots(_given_paths(metadata))
+        if paths is None:
             # a custom planner's own data: DCP's writer pickles it; a JSON record cannot
             logger.warning(
                 "Saving %s: the planner's planner_data is not DCP's flattening mapping of a state dict, so it is not "
@@ -885,6 +885,15 @@ def _still_holds(part: RankPart, plan: SavePlan, planner: SavePlanner) -> bool:
         if not isinstance(data, torch.Tensor) or tuple(data.shape) != tuple(item.tensor_data.size):
             return False
     return True
+
+
+def _given_paths(metadata: Metadata) -> Any:
+    """Where each saved name was in the state dict DCP was given: its planner's paths;
+    where it did not flatten the state dict (``DefaultSavePlanner(flatten_state_dict=
+    False)``: no planner data), each name is a key of its top level, as saved."""
+    if metadata.planner_data is None:
+        return {name: (name,) for name in metadata.state_dict_metadata}
+    return metadata.planner_data
 
 
 def _caches_plans(planner: SavePlanner) -> bool:

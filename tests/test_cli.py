@@ -106,6 +106,30 @@ def test_verify_of_an_unfinished_save_says_it_is_incomplete(tmp_path: Path, remo
     assert (code, out) == (2, "") and "is incomplete" in err, err
 
 
+@pytest.mark.parametrize("damage", ["truncated", "edited"])
+def test_verify_of_a_checkpoint_whose_commit_record_is_damaged_reports_damage(
+    tmp_path: Path, damage: str
+) -> None:
+    """A commit record cut short or edited (its digest no longer matches) is damage:
+    exit status 1 and a report naming ``zarr.json``, as the same checkpoint under a root
+    gets. Before, verify of the checkpoint itself read the record first and stopped with
+    an error (exit status 2, and under ``--json`` an error document with no report), the
+    status the command keeps for no checkpoint, an unfinished one or a bad argument."""
+    path = tmp_path / "root" / "ckpt"
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0)), "it": 1}, path)
+    record = path / "zarr.json"
+    text = record.read_text()
+    record.write_text(text[: len(text) // 2] if damage == "truncated" else text.replace('"world_size":1,', '"world_size":2,'))
+    assert record.read_text() != text
+    code, out, err = run("verify", str(path))
+    assert (code, err) == (1, ""), err
+    assert out.startswith("zarr.json [file]: ") and "1 problem(s)" in out, out
+    code, out, _ = run("verify", "--json", str(path))
+    report = json.loads(out)
+    assert code == 1 and report["ok"] is False and [p["key"] for p in report["problems"]] == ["zarr.json"]
+    assert run("verify", str(tmp_path / "root"))[0] == 1  # the root's verify, as before
+
+
 def test_convert_to_torch_file_and_back_is_exact(demo: Path, tmp_path: Path) -> None:
     code, _, _ = run("convert", str(demo), str(tmp_path / "model.pt"))
     assert code == 0

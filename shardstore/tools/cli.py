@@ -264,12 +264,17 @@ def verify_command(checkpoint: str, as_json: bool) -> None:
     them share (incremental saves hard-link unchanged chunks) is named once, with every
     checkpoint that holds it.
 
-    Exit status 1 and one line per problem (array and chunk) if anything is damaged.
+    Exit status 1 and one line per problem (array and chunk) if anything is damaged,
+    the commit record included.
     """
     from shardstore.format import COMMIT_RECORD, read_commit_record, verify
     from shardstore.opened import bare_location
     from shardstore.other_formats import detect  # noqa: F401  (importing the registry lets read_commit_record's errors name other formats)
-    from shardstore.tools.root_verify import checkpoints_under, verify_checkpoints
+    from shardstore.tools.root_verify import (
+        checkpoints_under,
+        holds_commit_record,
+        verify_checkpoints,
+    )
 
     with _reported_errors():
         location = bare_location(checkpoint)
@@ -277,7 +282,8 @@ def verify_command(checkpoint: str, as_json: bool) -> None:
         if found:
             root_report = verify_checkpoints(location.describe(), found)
         else:
-            read_commit_record(location)  # no checkpoint at all is an error, not a finding
+            if not holds_commit_record(location):  # a damaged record is a finding, as under a root
+                read_commit_record(location)  # no checkpoint at all is an error, not a finding
             report = verify(location)
     if found:
         _report_root(root_report, as_json)

@@ -12,7 +12,8 @@ a copy-on-write clone, checkpoints share no object: each damaged file is its own
 from __future__ import annotations
 
 __all__ = [
-    "RootVerifyReport", "SharedDamage", "checkpoints_under", "verify_checkpoints", "verify_root",
+    "RootVerifyReport", "SharedDamage", "checkpoints_under", "holds_commit_record", "verify_checkpoints",
+    "verify_root",
 ]
 
 import json
@@ -89,12 +90,12 @@ def checkpoints_under(root: Location) -> dict[str, Location]:
     found = {}
     for name in root.list_top(limit=None):
         child = root.child(name)
-        if _holds_commit_record(child):
+        if holds_commit_record(child):
             found[name] = child
     return found
 
 
-def _holds_commit_record(location: Location) -> bool:
+def holds_commit_record(location: Location) -> bool:
     """Whether ``location``'s ``zarr.json`` is a commit record, a damaged one included
     (not a JSON object, or unreadable: its verify says why); not the metadata of another
     Zarr node: an array's (an unfinished save holds one per array) or a group's without

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -232,6 +233,25 @@ def test_common_values_equal_under_eq_but_not_the_same_differ(
     code, lines = diff(reference, checkpoint(tmp_path / "other", **changes))
     assert code == 1
     assert expected in lines
+
+
+@pytest.mark.parametrize("value", [np.float32("nan"), np.float16("nan"), np.complex64(complex("nan")), complex("nan")],
+                         ids=repr)
+def test_a_nan_number_of_numpy_or_complex_is_identical_to_itself(tmp_path: Path, value: Any) -> None:
+    """A numpy scalar or a complex number compares by its bits, as a float and a tensor
+    do. Before, ``==`` compared them: a checkpoint holding a NaN of numpy (a metric kept
+    as ``np.float32``) or a complex NaN was "checkpoints differ" from itself (exit 1)."""
+    path = checkpoint(tmp_path / "a", best_loss=value)
+    assert diff(path, path) == (0, ["identical"])
+
+
+@pytest.mark.parametrize("make", [np.float32, np.float64, complex], ids=["float32", "float64", "complex"])
+def test_a_numpy_or_complex_zero_whose_sign_changed_differs(tmp_path: Path, make: Any) -> None:
+    """-0.0 differs from 0.0 in a numpy scalar and a complex number too; before, ``==``
+    called them equal."""
+    code, lines = diff(checkpoint(tmp_path / "a", best_loss=make(0.0)), checkpoint(tmp_path / "b", best_loss=make(-0.0)))
+    assert code == 1 and len(lines) == 2 and lines[0].startswith("~ common state best_loss  "), lines
+    assert "(bits " in lines[0] or "-0" in lines[0], lines
 
 
 def test_common_keys_on_one_side_only_are_named(reference: Path, tmp_path: Path) -> None:

@@ -331,8 +331,8 @@ def _max_abs_difference(a: torch.Tensor, b: torch.Tensor) -> int | float:
 def value_differences(first: Any, second: Any, path: tuple[str, ...] = ()) -> Iterator[ValueDifference]:
     """The differences of two nested values (the common state, an object shard):
     dicts by key, lists and tuples by index, ``argparse.Namespace`` by attribute,
-    tensors and numpy arrays exactly (dtype, shape, bits), floats by their bits, other
-    values by type and ``==``."""
+    tensors and numpy arrays exactly (dtype, shape, bits), numbers (floats, complex,
+    numpy scalars) by their bits, other values by type and ``==``."""
     if type(first) is not type(second):
         yield ValueDifference(_joined(path), f"{type(first).__name__} -> {type(second).__name__}")
     elif isinstance(first, argparse.Namespace):
@@ -367,17 +367,33 @@ def _leaf_change(first: Any, second: Any) -> str | None:
         if first.dtype.hasobject:
             return _summary(list(value_differences(first.tolist(), second.tolist())))
         return None if first.tobytes() == second.tobytes() else "array values differ"
-    if isinstance(first, float):
-        bits = struct.pack(">d", first).hex(), struct.pack(">d", second).hex()
-        if bits[0] == bits[1]:
-            return None
-        shown = f"{first!r} -> {second!r}"
-        return shown if repr(first) != repr(second) else f"{shown} (bits {bits[0]} -> {bits[1]})"  # NaNs
+    if isinstance(first, (float, complex, np.generic)):
+        return _number_change(first, second)
     try:
         equal = bool(first == second)
     except Exception:  # noqa: BLE001  (an == that cannot answer: compared by repr)
         equal = repr(first) == repr(second)
     return None if equal else f"{_short(first)} -> {_short(second)}"
+
+
+def _number_change(first: float | complex | np.generic, second: float | complex | np.generic) -> str | None:
+    """What differs between two numbers of one type (a Python float or complex, a numpy
+    scalar), by their bits, as tensors are compared: NaNs with equal bits are equal,
+    -0.0 differs from 0.0."""
+    bits = _number_bits(first), _number_bits(second)
+    if bits[0] == bits[1]:
+        return None
+    shown = f"{first!r} -> {second!r}"
+    return shown if repr(first) != repr(second) else f"{shown} (bits {bits[0]} -> {bits[1]})"  # NaNs
+
+
+def _number_bits(value: float | complex | np.generic) -> str:
+    """Its bits in hex (a float's, and numpy's float64 and complex128, big-endian)."""
+    if isinstance(value, float):
+        return struct.pack(">d", value).hex()
+    if isinstance(value, complex):
+        return struct.pack(">dd", value.real, value.imag).hex()
+    return value.tobytes().hex()
 
 
 def _tensor_change(first: torch.Tensor, second: torch.Tensor) -> str | None:

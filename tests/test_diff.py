@@ -262,6 +262,21 @@ def test_common_keys_on_one_side_only_are_named(reference: Path, tmp_path: Path)
     assert f"+ common state args/layers/2  (only in {tmp_path / 'other'})" in lines
 
 
+def test_a_sparse_tensor_in_the_common_state_is_compared_not_a_traceback(tmp_path: Path) -> None:
+    """A sparse tensor is compared by its indices and values. Before, comparing it
+    called ``reshape`` on it: a RuntimeError traceback, and exit status 1, which says
+    "the checkpoints differ", also for a checkpoint against itself."""
+    dense = torch.tensor([[0.0, 1.5, 0.0], [2.0, 0.0, 0.0]])
+    first = checkpoint(tmp_path / "a", grads={"emb": dense.to_sparse()})  # nested: a top-level tensor is an array
+    assert diff(first, first) == (0, ["identical"])
+    code, lines = diff(first, checkpoint(tmp_path / "b", grads={"emb": changed(dense, (1, 0), 3.0).to_sparse()}))
+    assert code == 1 and len(lines) == 2, lines
+    assert lines[0] == "~ common state grads/emb  values: max |difference| 1, 1 element(s) differ, first at [1]"
+    code, lines = diff(first, checkpoint(tmp_path / "c", grads={"emb": dense}))
+    assert code == 1
+    assert lines[0] == "~ common state grads/emb  tensor torch.float32[2, 3] (torch.sparse_coo) -> torch.float32[2, 3]"
+
+
 # ------------------------------------------------------------------ --json
 
 

@@ -397,12 +397,34 @@ def _number_bits(value: float | complex | np.generic) -> str:
 
 
 def _tensor_change(first: torch.Tensor, second: torch.Tensor) -> str | None:
-    if first.dtype != second.dtype or first.shape != second.shape:
-        return f"tensor {first.dtype}{list(first.shape)} -> {second.dtype}{list(second.shape)}"
+    if first.dtype != second.dtype or first.shape != second.shape or first.layout != second.layout:
+        return f"tensor {_tensor_kind(first)} -> {_tensor_kind(second)}"
+    if first.layout in _SPARSE_LAYOUTS:
+        return _summary(list(value_differences(_sparse_parts(first), _sparse_parts(second))))
     if first.dtype not in BY_TORCH:  # quantized and other exotic types: whole tensors by equal()
         return None if torch.equal(first, second) else "tensor values differ"
     compared = compare_tensors(first, second)
     return _differences_text(compared.differing, compared.first, compared.max_abs_diff) if compared.differing else None
+
+
+_SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
+
+
+def _tensor_kind(t: torch.Tensor) -> str:
+    """``torch.float32[2, 3]``, and the layout where it is not strided."""
+    return f"{t.dtype}{list(t.shape)}" + ("" if t.layout == torch.strided else f" ({t.layout})")
+
+
+def _sparse_parts(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The strided tensors that define a sparse tensor: a COO tensor's indices and
+    values (coalesced: one value per index, in order), a compressed layout's index
+    tensors and values."""
+    if t.layout == torch.sparse_coo:
+        t = t.coalesce()
+        return {"indices": t.indices(), "values": t.values()}
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return {"crow_indices": t.crow_indices(), "col_indices": t.col_indices(), "values": t.values()}
+    return {"ccol_indices": t.ccol_indices(), "row_indices": t.row_indices(), "values": t.values()}
 
 
 def _differences_text(differing: int, first: tuple[int, ...] | None, largest: int | float | None) -> str:

@@ -130,6 +130,20 @@ def test_verify_of_a_checkpoint_whose_commit_record_is_damaged_reports_damage(
     assert run("verify", str(tmp_path / "root"))[0] == 1  # the root's verify, as before
 
 
+def test_verify_of_a_record_of_a_newer_format_is_an_error_not_damage(tmp_path: Path) -> None:
+    """A record a newer shardstore wrote is not damage: exit status 2 saying to upgrade,
+    never exit 1 (which a script may answer by deleting the checkpoint). Before, the
+    damaged-record change above reported it as a ``zarr.json`` problem, exit 1."""
+    path = tmp_path / "ckpt"
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))}, path)
+    record = path / "zarr.json"
+    node = json.loads(record.read_text())
+    node["attributes"]["shardstore"]["format_version"] = 99
+    record.write_text(json.dumps(node))
+    code, out, err = run("verify", str(path))
+    assert (code, out) == (2, "") and "format version 99 is not supported" in err and "upgrade" in err, err
+
+
 def test_convert_to_torch_file_and_back_is_exact(demo: Path, tmp_path: Path) -> None:
     code, _, _ = run("convert", str(demo), str(tmp_path / "model.pt"))
     assert code == 0

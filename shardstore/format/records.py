@@ -74,6 +74,7 @@ __all__ = [
     "ObjectRecord",
     "OtherCheckpointFiles",
     "READABLE_FORMAT_VERSIONS",
+    "UnsupportedFormatVersion",
     "SHARDED_FORMAT_VERSION",
     "READERS_ATTRIBUTE",
     "RECORD_DIGEST",
@@ -150,6 +151,11 @@ FORMAT_VERSION = 4
 # the array's directory: one directory per tensor instead of two or three). Version 4
 # adds the record's own digest (``record_digest``); earlier records have none.
 READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+
+
+class UnsupportedFormatVersion(CheckpointingException):
+    """A commit record of a format version this shardstore cannot read (a newer
+    shardstore wrote it): not damage, and nothing here can check it."""
 # Version 5: version 4 with arrays stored in shards (``format.sharding``; the array's
 # ``codecs`` in the record). A record with no sharded array stays version 4, so older
 # shardstores read it; they refuse a version 5 record by its version.
@@ -1199,7 +1205,7 @@ class CommitRecord:
             )
         version = record.get("format_version")
         if version not in READABLE_FORMAT_VERSIONS:
-            raise CheckpointingException(
+            raise UnsupportedFormatVersion(
                 f"{where}: checkpoint format version {version!r} is not supported "
                 f"(this shardstore reads versions {list(READABLE_FORMAT_VERSIONS)}); upgrade shardstore"
             )

@@ -21,9 +21,10 @@ from shardstore import (
     load_common_state_dict,
     save,
 )
+from shardstore.format.records import FILE_DIGESTS
 from shardstore.strategies.common import TorchCommonLoadStrategy
 from tests.dist import run_distributed
-from tests.scenarios import assert_bits_equal, global_tensor
+from tests.scenarios import assert_bits_equal, global_tensor, rewrite_record
 
 QKV = global_tensor("attn/qkv", (12, 4), torch.float32)
 
@@ -195,7 +196,9 @@ def test_a_mixed_list_keeps_its_places_in_the_common_state(ckpt_dir: Path) -> No
 def test_an_object_shard_stored_under_its_old_key_loads(ckpt_dir: Path) -> None:
     """A shard of an old Megatron-Core checkpoint is stored under a key without the
     shape's last axis (``ShardedObject.old_unique_key``); a load asking by today's key
-    reads it there, as Megatron's loads do. Before, the load said the shard was missing."""
+    reads it there, as Megatron's loads do. Before, the load said the shard was missing.
+    The record lists the shard by the key it is stored under, as a checkpoint converted
+    from such a one does (a shard file the record does not list is refused)."""
     from shardstore.format.records import object_path
 
     obj = ShardedObject("optimizer/state", {"lr": 0.5}, (1, 1), (0, 0))
@@ -204,5 +207,13 @@ def test_an_object_shard_stored_under_its_old_key_loads(ckpt_dir: Path) -> None:
     assert obj.old_unique_key == "optimizer/state/shard_0.0_1"
     old.parent.mkdir(parents=True, exist_ok=True)
     new.rename(old)
+
+    def list_the_old_key(root: dict) -> None:
+        record = root["attributes"]["shardstore"]
+        record["objects"]["optimizer/state"] = [obj.old_unique_key]
+        for field in ("files", FILE_DIGESTS):
+            record[field][object_path(obj.old_unique_key)] = record[field].pop(object_path(obj.unique_key))
+
+    rewrite_record(ckpt_dir, list_the_old_key)
     request = {"o": ShardedObject("optimizer/state", None, (1, 1), (0, 0))}
     assert TorchCommonLoadStrategy().load_sharded_objects(request, ckpt_dir) == {"o": {"lr": 0.5}}

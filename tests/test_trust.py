@@ -438,6 +438,22 @@ def test_the_seed_readers_given_a_path_check_the_record(tmp_path: Path) -> None:
         strategy.load_common(ckpt)
 
 
+def test_an_object_shard_the_record_does_not_list_is_refused_not_read(tmp_path: Path) -> None:
+    """A ShardedObject shard file under ``__objects__`` that the commit record does not
+    list (copied in after the commit) is refused like an unlisted ``common.pt``. Before,
+    the checked location checked only the shards the record lists, so a load (default
+    strict) that asked for another object returned the planted file's contents."""
+    from shardstore.format.pickles import serialize
+
+    ckpt = tmp_path / "ckpt"
+    save({**_values(1.0), "rng": ShardedObject("rng", {"seed": 1}, (1,), (0,))}, ckpt)
+    planted = ShardedObject("planted", None, (1,), (0,))
+    (ckpt / object_path(planted.unique_key)).parent.mkdir()
+    (ckpt / object_path(planted.unique_key)).write_bytes(serialize({"seed": 666}))
+    with pytest.raises(CheckpointingException, match=r"planted/shard_0_1\.pt is not vouched for by the commit record"):
+        load({**_values(0.0), "planted": planted}, ckpt)
+
+
 # ------------------------------- a read error on one rank reaches all (7)
 
 

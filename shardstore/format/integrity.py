@@ -47,6 +47,7 @@ from shardstore.format.dtypes import BY_ZARR_NAME
 from shardstore.format.records import (
     COMMIT_RECORD,
     MAX_RECORD_BYTES,
+    OBJECTS_DIR,
     ArrayRecord,
     CommitRecord,
     check_key,
@@ -139,7 +140,7 @@ class ChecksummedLocation(Location):
 
     def read_bytes_or_none(self, rel: str, max_bytes: int | None = None) -> bytes | None:
         data = self.inner.read_bytes_or_none(rel, max_bytes)
-        if data is None or rel not in self._vouchable:
+        if data is None or not self._of_a_vouched_kind(rel):
             return data
         expected = self.record.files.get(rel)
         if expected is None and rel == CONFIG_FNAME:
@@ -156,6 +157,12 @@ class ChecksummedLocation(Location):
                 f"Corrupt file {self.inner.describe(rel)}: {why}; restore it or load an earlier checkpoint"
             )
         return data
+
+    def _of_a_vouched_kind(self, rel: str) -> bool:
+        """Whether ``rel`` is a file of a kind the record vouches for: one it may list
+        (``CommitRecord.expected_files``), or any ShardedObject shard, listed or not (a
+        shard the record does not list was added after the commit)."""
+        return rel in self._vouchable or rel.startswith(f"{OBJECTS_DIR}/")
 
 
 @dataclass(frozen=True)

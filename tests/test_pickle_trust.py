@@ -518,3 +518,33 @@ def test_a_users_class_is_refused_by_name_and_admitted_by_torchs_add_safe_global
         torch.serialization.clear_safe_globals()
     with pytest.raises(CheckpointingException, match="_TrainerConfig"):
         shardstore.load_common_state_dict(tmp_path / "c")
+
+
+# Damaged ``data.pkl`` bodies that torch's own weights_only machine fails on with errors
+# other than the ones it usually raises (both found by flipping bytes of a ``common.pt``).
+DAMAGED_PICKLES = {
+    # ``_codecs.encode`` (on torch's allow-list, for numpy's bytes) with an encoding
+    # that does not exist: LookupError
+    "unknown encoding": pickle.PROTO + b"\x02" + _global("_codecs", "encode", 2)
+    + _tuple([_string("x", 2), _string("latint", 2)]) + pickle.REDUCE + pickle.STOP,
+    # a persistent id that is no tuple: torch's AssertionError
+    "persistent id": pickle.PROTO + b"\x02" + _int(5, 2) + pickle.BINPERSID + pickle.STOP,
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED_PICKLES))
+def test_a_damaged_torch_archive_is_a_clear_error_naming_the_file(tmp_path: Path, damage: str) -> None:
+    """A damaged ``torch.save`` archive (here one that still carries its record's
+    checksum, as a file copied in from a damaged checkpoint would) is refused with a
+    ``CheckpointingException`` naming the file. Before, torch's ``LookupError`` and
+    ``AssertionError`` escaped as bare tracebacks from ``load_common_state_dict`` and
+    ``shardstore convert``."""
+    data = _torch_archive_with_pickle({"step": 3}, lambda _d: DAMAGED_PICKLES[damage], 2)
+    ckpt, source = tmp_path / "ckpt", tmp_path / "model.pt"
+    _our_checkpoint(ckpt)
+    _plant_common(ckpt, data)
+    with pytest.raises(CheckpointingException, match=r"common\.pt is corrupt"):
+        shardstore.load_common_state_dict(ckpt)
+    source.write_bytes(data)
+    with pytest.raises(CheckpointingException, match=r"model\.pt .*is corrupt"):
+        from_torch_file(source, tmp_path / "converted")

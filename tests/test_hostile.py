@@ -100,6 +100,7 @@ def _rename_array(new_key: str) -> Callable[[dict], None]:
 
 HOSTILE_RECORDS: dict[str, Callable[[dict], None] | bytes] = {
     "not json": b"{not json",
+    "nested past the JSON parser's depth": b"[" * 100_000,
     "json array": b"[1, 2, 3]",
     "not a shardstore record": b'{"zarr_format": 3, "node_type": "group", "attributes": {}}',
     "attributes not an object": b'{"zarr_format": 3, "node_type": "group", "attributes": []}',
@@ -155,6 +156,25 @@ def test_crafted_commit_record_gives_a_clear_error(ckpt_dir: Path, name: str) ->
         load_tensors_metadata(ckpt_dir)
     assert not verify(ckpt_dir).ok
     assert time.monotonic() - start < 10, "took too long: a huge allocation or a hang"
+
+
+@pytest.mark.parametrize("rel", ["w/zarr.json", "metadata.json"])
+def test_json_nested_past_the_parsers_depth_is_a_clear_error(ckpt_dir: Path, rel: str) -> None:
+    """An array's ``zarr.json`` (which ``verify`` reads) or, in a directory without a
+    commit record, ``metadata.json`` (which a load looks at to say what is there) nested
+    past the JSON parser's depth is a problem ``verify`` reports and a
+    ``CheckpointingException`` naming the checkpoint. Before, the parser's
+    ``RecursionError`` escaped as a bare traceback (as it did from a root ``zarr.json``
+    so nested, ``HOSTILE_RECORDS``)."""
+    _saved(ckpt_dir)
+    if rel == "metadata.json":
+        (ckpt_dir / "zarr.json").unlink()
+    (ckpt_dir / rel).write_bytes(b"[" * 100_000)
+    report = verify(ckpt_dir)
+    assert not report.ok and str(ckpt_dir) in str(report)
+    if rel == "metadata.json":  # a load never reads an array's zarr.json
+        with pytest.raises(CheckpointingException, match=str(ckpt_dir)):
+            load_tensors_metadata(ckpt_dir)
 
 
 # ------------------------------------------------------------- pickles that run code

@@ -51,7 +51,7 @@ class CheckpointingConfig:
             if not isinstance(record, dict):
                 raise TypeError(f"expected a JSON object, got {type(record).__name__}")
             config = cls(**record)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: nested past the parser's depth
             raise CheckpointingException(f"{where} is not a valid checkpoint config: {exc}") from exc
         if not isinstance(config.sharded_backend, str) or not isinstance(
             config.sharded_backend_version, int

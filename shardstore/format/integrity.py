@@ -323,7 +323,7 @@ def _read_document(location: Location, rel: str, bound: int) -> Any:
         raise CheckpointingException("missing")
     try:
         return json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # not JSON, or nested past the parser's depth
         raise CheckpointingException(f"not valid JSON: {exc}") from exc
 
 

@@ -1195,7 +1195,7 @@ class CommitRecord:
     def from_json(cls, data: bytes, where: str) -> CommitRecord:
         try:
             root = json.loads(data)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # not JSON, or nested past the parser's depth
             raise CheckpointingException(f"{where}: the commit record is not valid JSON: {exc}") from exc
         attributes = root.get("attributes") if isinstance(root, dict) else None
         record = attributes.get("shardstore") if isinstance(attributes, dict) else None
@@ -1576,7 +1576,7 @@ def sharded_backend(location: Location) -> str | None:
     lenient look, for telling what a directory holds, never an error."""
     try:
         config = json.loads(location.read_bytes_or_none(CONFIG_FNAME, max_bytes=2**20) or b"null")
-    except (ValueError, OSError):
+    except (ValueError, RecursionError, OSError):  # RecursionError: nested past the parser's depth
         return None
     backend = config.get("sharded_backend") if isinstance(config, dict) else None
     return backend if isinstance(backend, str) else None

@@ -22,7 +22,14 @@ from shardstore import (
     save,
     verify,
 )
-from shardstore.format.records import COMMON_FILE, FILE_DIGESTS, checksum, file_digest, is_committed
+from shardstore.format.records import (
+    COMMON_FILE,
+    FILE_DIGESTS,
+    checksum,
+    file_digest,
+    is_committed,
+    read_commit_record,
+)
 from shardstore.stores.locations import open_location
 from tests.dist import run_distributed
 from tests.scenarios import rewrite_record
@@ -175,6 +182,28 @@ def test_json_nested_past_the_parsers_depth_is_a_clear_error(ckpt_dir: Path, rel
     if rel == "metadata.json":  # a load never reads an array's zarr.json
         with pytest.raises(CheckpointingException, match=str(ckpt_dir)):
             load_tensors_metadata(ckpt_dir)
+
+
+@pytest.mark.parametrize("version", [1, 4])
+@pytest.mark.parametrize("created", [10**400, float("inf"), float("nan")], ids=["10**400", "inf", "nan"])
+def test_a_creation_time_no_float_holds_reads_as_unknown(ckpt_dir: Path, version: int, created: float) -> None:
+    """``created`` is informational: a value of a wrong type reads as 0.0 (unknown), and
+    so does one no finite float holds. Before, an integer past a float's range raised a
+    bare ``OverflowError`` from every read of the record, and in a version 1 record
+    (whose save id is made from it) so did ``Infinity``, and ``NaN`` a ``ValueError``."""
+
+    def edit(root: dict) -> None:
+        record = root["attributes"]["shardstore"]
+        record["created"] = created
+        if version == 1:
+            record["format_version"] = 1
+            del record["record_digest"], record["save_id"], record["arrays"]["w"]["chunk_crc32c"]
+
+    _saved(ckpt_dir)
+    rewrite_record(ckpt_dir, edit)
+    assert set(load_tensors_metadata(ckpt_dir)) == {"w"}
+    record = read_commit_record(open_location(ckpt_dir))
+    assert record.created == 0.0 and (version > 1 or record.save_id == "legacy0")
 
 
 # ------------------------------------------------------------- pickles that run code

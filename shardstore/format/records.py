@@ -1235,7 +1235,7 @@ class CommitRecord:
                 check_key(shard_key, where=where)
             objects[key] = ObjectRecord(key, tuple(shard_keys))
         world_size = record.get("world_size", 1)
-        created = record.get("created", 0.0)
+        created = _created_of(record)
         save_id = record.get("save_id")
         if version >= 2 and (not isinstance(save_id, str) or not save_id.isalnum() or len(save_id) > 64):
             raise CheckpointingException(f"{where}: malformed save id {save_id!r}")
@@ -1245,8 +1245,8 @@ class CommitRecord:
             world_size=world_size if isinstance(world_size, int) else 1,
             format_version=version,
             library_version=str(record.get("library_version", "unknown")),
-            created=float(created) if isinstance(created, (int, float)) else 0.0,
-            save_id=save_id if version >= 2 else f"legacy{int(created) if isinstance(created, (int, float)) else 0}",
+            created=created,
+            save_id=save_id if version >= 2 else f"legacy{int(created)}",
         )
         files = record.get("files", {})
         if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
@@ -1271,6 +1271,19 @@ class CommitRecord:
             if why := result.refuses_beside(name):
                 raise CheckpointingException(f"{where}: the record names {name!r} as another program's entry: {why}")
         return replace(result, beside=tuple(beside), zarr_metadata=_zarr_metadata_from_json(record, version, where))
+
+
+def _created_of(record: dict[str, Any]) -> float:
+    """The record's ``created`` (informational): 0.0, unknown, where it is no number
+    a finite float holds (an integer past a float's range, ``Infinity``, ``NaN``)."""
+    created = record.get("created", 0.0)
+    if not isinstance(created, (int, float)):
+        return 0.0
+    try:
+        value = float(created)
+    except OverflowError:  # an integer past a float's range
+        return 0.0
+    return value if math.isfinite(value) else 0.0
 
 
 def _check_versions_needed(arrays: dict[str, ArrayRecord], version: int, where: str) -> None:

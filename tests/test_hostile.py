@@ -112,6 +112,8 @@ HOSTILE_RECORDS: dict[str, Callable[[dict], None] | bytes] = {
     "not a shardstore record": b'{"zarr_format": 3, "node_type": "group", "attributes": {}}',
     "attributes not an object": b'{"zarr_format": 3, "node_type": "group", "attributes": []}',
     "format version as string": _record_edit(["format_version"], "1"),
+    "format version as bool": _record_edit(["format_version"], True),  # was read as version 1, unbound
+    "format version as float": _record_edit(["format_version"], 4.0),  # was read as version 4
     "future format version": _record_edit(["format_version"], 99),
     "arrays is a list": _record_edit(["arrays"], []),
     "negative shape": _record_edit(["arrays", "w", "shape"], [-4, 3]),

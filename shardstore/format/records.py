@@ -1204,6 +1204,11 @@ class CommitRecord:
                 f"{where} is a Zarr group but not a shardstore checkpoint (no attributes.shardstore)"
             )
         version = record.get("format_version")
+        if type(version) is not int:  # true == 1 and 4.0 == 4 in Python: no version
+            raise CheckpointingException(
+                f"{where}: checkpoint format version {version!r} is not an integer: the commit record is "
+                "damaged or was edited; restore it from a copy, or load an earlier checkpoint"
+            )
         if version not in READABLE_FORMAT_VERSIONS:
             raise UnsupportedFormatVersion(
                 f"{where}: checkpoint format version {version!r} is not supported "

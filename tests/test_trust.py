@@ -570,6 +570,37 @@ def test_record_bombs_give_clear_errors_without_allocating(ckpt_dir: Path, versi
             query(ckpt_dir)
 
 
+def _unbound_arrays(count: int, chunks: int):
+    """A version 1 record (no chunk checksums) of ``count`` arrays of ``chunks`` chunks."""
+
+    def edit(record: dict) -> None:
+        record["format_version"] = 1
+        del record["save_id"]
+        record["arrays"] = {
+            f"bomb{i}": {"shape": [chunks], "dtype": "uint8", "chunk_shape": [1], "chunk_grid": [chunks]}
+            for i in range(count)
+        }
+    return edit
+
+
+@pytest.mark.timeout(60)
+def test_a_version_1_record_bounds_its_chunks_in_all_not_per_array(ckpt_dir: Path) -> None:
+    """A version 1 record lists no checksum per chunk, so its size does not bound its
+    chunks: MAX_UNBOUND_CHUNKS bounds them over all its arrays. Before, it bounded each
+    array alone, and a record of a few hundred bytes naming arrays each just under the
+    bound made ``verify`` (and a save with overwrite=True, which lists the paths the
+    record vouches for) walk tens of millions of chunk paths: minutes and gigabytes."""
+    from shardstore.format.records import MAX_UNBOUND_CHUNKS
+
+    _two_arrays(ckpt_dir)
+    _edit_record(ckpt_dir, _unbound_arrays(2, MAX_UNBOUND_CHUNKS))
+    assert len((ckpt_dir / "zarr.json").read_bytes()) < 4096
+    report = verify(ckpt_dir)
+    assert not report.ok and "absurd" in str(report)
+    with pytest.raises(CheckpointingException, match="absurd"):
+        save(_values(1.0), ckpt_dir, overwrite=True)
+
+
 # --------------------------------------------------- async failures (11)
 
 

@@ -225,7 +225,7 @@ MAX_RECORD_BYTES = 2**30
 # The checkpoint manager's deletion marker also holds a copy of the commit record (what
 # finishing the deletion removes once the record itself is gone).
 MAX_DELETION_MARKER_BYTES = MAX_RECORD_BYTES + 4096
-# Chunks of one array in a format-1 record, which lists no checksums to pay for them.
+# Chunks of all arrays of a format-1 record, which lists no checksums to pay for them.
 MAX_UNBOUND_CHUNKS = 2**24
 
 
@@ -1230,6 +1230,8 @@ class CommitRecord:
             arrays[key] = ArrayRecord.from_summary(key, summary, where, bound=version >= 2, separator=separator)
         if clashes := array_group_collisions(list(arrays)):
             raise CheckpointingException(f"{where}: the record names clashing keys: {clashes[0]}")
+        if version < 2:
+            _check_unbound_chunks(arrays, where)
         _check_versions_needed(arrays, version, where)
         objects = {}
         for key, shard_keys in objects_json.items():
@@ -1276,6 +1278,18 @@ class CommitRecord:
             if why := result.refuses_beside(name):
                 raise CheckpointingException(f"{where}: the record names {name!r} as another program's entry: {why}")
         return replace(result, beside=tuple(beside), zarr_metadata=_zarr_metadata_from_json(record, version, where))
+
+
+def _check_unbound_chunks(arrays: dict[str, ArrayRecord], where: str) -> None:
+    """Refuses a version 1 record whose arrays hold more than ``MAX_UNBOUND_CHUNKS``
+    chunks in all: it lists no checksum per chunk, so its size bounds none of the work
+    per chunk that ``verify`` and a replacing save's listing of what it vouches for do."""
+    total = sum(array.chunk_count for array in arrays.values())
+    if total > MAX_UNBOUND_CHUNKS:
+        raise CheckpointingException(
+            f"{where}: a version 1 record naming an absurd number of chunks ({total} in all, more than the "
+            f"{MAX_UNBOUND_CHUNKS} a record without chunk checksums may name); the commit record was edited or damaged"
+        )
 
 
 def _created_of(record: dict[str, Any]) -> float:

@@ -248,6 +248,26 @@ def test_replaced_checkpoint_that_could_not_be_removed_is_removed_by_the_next_sa
     assert left == [], f"a replaced checkpoint is never removed: {left}"
 
 
+def test_a_checkpoint_an_exchange_left_at_the_staging_path_is_removed_by_the_next_save(ckpt_dir: Path) -> None:
+    """A save killed right after RENAME_EXCHANGE, before the old checkpoint moved on to
+    its replaced name, leaves it at ``.ckpt.shardstore-save-<new id>``, with no marker
+    (the save's marker went into the target with the exchange). Before, no later save
+    removed it (``remove_dead_saves`` proves a staging directory ours by its marker
+    alone): a whole checkpoint's disk space lost for good, without a word. The target
+    committing that very save id proves the exchange happened, and the commit record it
+    holds proves it a checkpoint of ours: the next save removes it."""
+    old, w = ckpt_dir.parent / "old", lambda value: ShardedTensor.from_rank_offsets("w", torch.full((4, 3), value))
+    save({"w": w(1.0)}, old)  # the checkpoint replaced
+    save({"w": w(2.0)}, ckpt_dir)  # the one that replaced it
+    new_id = read_commit_record(open_location(ckpt_dir)).save_id
+    old.rename(ckpt_dir.parent / f".{ckpt_dir.name}{STAGING_TAG}{new_id}")  # where the exchange put it
+    save({"w": w(3.0)}, ckpt_dir, overwrite=True)
+    left = sorted(p.name for p in ckpt_dir.parent.iterdir() if p.name != ckpt_dir.name)
+    assert left == [], f"the checkpoint the exchange left at the staging path is never removed: {left}"
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}, ckpt_dir)
+    assert torch.equal(loaded["w"], torch.full((4, 3), 3.0))
+
+
 def test_a_failed_publishing_rename_without_exchange_puts_the_old_checkpoint_back(ckpt_dir: Path, monkeypatch) -> None:
     """Where the file system cannot exchange (NFS), the old checkpoint is renamed aside,
     then the staging directory onto the target. When that second rename failed (ESTALE,

@@ -1020,16 +1020,16 @@ def _rename_or_put_back(
 def _set_aside(old: DirectoryPublishing, target: DirectoryPublishing, save_id: str) -> DirectoryPublishing:
     """Moves the checkpoint an exchange left at the staging path (``old``, committed by
     ``save_id``) to ``.<name>.shardstore-replaced-<save_id>``, the name whose commit record
-    proves it ours to the next save (``remove_dead_saves``): at the staging path, with no
-    marker naming that path's id, no save could ever remove it. Under the parent's lock.
-    Returns where it is now; a failed rename is logged (it stays where it was)."""
+    proves it ours to the next save (``remove_dead_saves``), which removes one left at the
+    staging path too (``_left_by_an_exchange``). Under the parent's lock. Returns where it
+    is now; a failed rename is logged (it stays where it was)."""
     aside = target.sibling(f".{target.name}{REPLACED_TAG}{save_id}")
     try:
         old.rename_to(aside, exchange=False)
     except OSError as exc:
         logger.warning(
-            "Could not move the checkpoint %s replaced to %s (%s); it stays at %s, which no later save removes: "
-            "delete it yourself once this save is done", target.describe(), aside.describe(), exc, old.describe(),
+            "Could not move the checkpoint %s replaced to %s (%s); it stays at %s, which the next save into %s "
+            "removes", target.describe(), aside.describe(), exc, old.describe(), target.describe(),
         )
         return old
     return aside
@@ -1260,19 +1260,33 @@ def _removed_leftover(candidate: DirectoryPublishing, proof: str) -> bool:
     return True
 
 
+def _left_by_an_exchange(candidate: DirectoryPublishing, target: DirectoryPublishing, save_id: str) -> bool:
+    """Whether the staging directory ``candidate`` of save ``save_id`` holds the checkpoint
+    that save's exchange replaced (``ByRename._rename_whole``), left there by a crash
+    before it moved on to its replaced name (``_set_aside``): ``target`` commits
+    ``save_id`` (the exchange happened) and ``candidate`` holds a commit record of
+    another save (that checkpoint's, proving it ours)."""
+    if _committed_id_or_none(Location(target)) != save_id:
+        return False
+    return _committed_id_or_none(Location(candidate)) not in (None, save_id)
+
+
 def remove_dead_saves(target: DirectoryPublishing) -> list[str]:
     """Deletes the staging directories of saves into ``target`` that died, and old
     checkpoints left aside by an interrupted replacement. Only what is provably ours:
     a staging directory whose marker names the save id in its name and whose lock is
-    free; a replaced directory whose commit record carries the id in its name, and only
-    once ``target`` holds a committed checkpoint: until then it is the last checkpoint
-    there (a replacement without exchange that died between its two renames), kept and
-    named in the log."""
+    free, or that holds the checkpoint its save's exchange replaced
+    (``_left_by_an_exchange``); a replaced directory whose commit record carries the id
+    in its name, and only once ``target`` holds a committed checkpoint: until then it is
+    the last checkpoint there (a replacement without exchange that died between its two
+    renames), kept and named in the log."""
     removed = []
     for name in target.siblings(f".{target.name}{STAGING_TAG}"):
         save_id = name.rsplit(STAGING_TAG, 1)[1]
         candidate = target.sibling(name)
         if _marker_id(Location(candidate)) != save_id:
+            if _left_by_an_exchange(candidate, target, save_id) and _removed_leftover(candidate, COMMIT_RECORD):
+                removed.append(name)
             continue
         fd = candidate.hold_lock()
         if fd is None:

@@ -101,6 +101,7 @@ from shardstore.strategies.base import (
     get_default_strategy,
     plan_load_with_record,
 )
+from shardstore.strategies.common import TorchCommonLoadStrategy
 from shardstore.strategies.other_formats import (
     OtherFormatLoadCommonStrategy,
     OtherFormatLoadShardedStrategy,
@@ -733,7 +734,7 @@ def verify_checkpoint_and_load_strategy(
     after checking they can read it."""
     opened = open_read(checkpoint_dir)
     if opened.other_format is not None:
-        return sharded_strategy or OtherFormatLoadShardedStrategy(), common_strategy or OtherFormatLoadCommonStrategy()
+        return sharded_strategy or OtherFormatLoadShardedStrategy(), _other_format_common_strategy(common_strategy)
     config = opened.config()
     if config is None:
         raise CheckpointingException(f"{opened.describe()} is not a distributed checkpoint (no metadata.json)")
@@ -744,6 +745,18 @@ def verify_checkpoint_and_load_strategy(
         common_strategy, StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version
     )
     return sharded_strategy, common_strategy
+
+
+def _other_format_common_strategy(strategy: LoadCommonStrategy | None) -> LoadCommonStrategy:
+    """The common strategy for another tool's checkpoint: ``strategy``, except that
+    shardstore's own ``TorchCommonLoadStrategy`` (which reads a commit record's files),
+    the opt-in that a refused pickle names, becomes ``OtherFormatLoadCommonStrategy``
+    with the same ``allow_unsafe_pickle``."""
+    if strategy is None:
+        return OtherFormatLoadCommonStrategy()
+    if type(strategy) is TorchCommonLoadStrategy:
+        return OtherFormatLoadCommonStrategy(strategy.allow_unsafe_pickle)
+    return strategy
 
 
 def _resolve_load_strategy(strategy: Any, action: StrategyAction, backend: str, version: int) -> Any:

@@ -323,3 +323,45 @@ def test_foreign_metadata_linked_out_of_the_checkpoint_is_refused(tmp_path: Path
     (source / ".metadata").symlink_to(outside)
     with pytest.raises(CheckpointingException, match="refusing to read the metadata"):
         load_plain_tensors(source)
+
+
+# ------------------------------------------- what Megatron-Core's code passes in
+
+
+def _trusted_zarr_copy(tmp_path: Path) -> Path:
+    """The 0.14 zarr fixture whose ``common.pt`` and object shard hold a
+    ``fractions.Fraction``: outside the safe load's allow-list (as Megatron-LM's ``args``
+    with its enums are), loadable only by the documented opt-in."""
+    import fractions
+
+    source = _zarr_copy(tmp_path)
+    common = torch.load(source / "common.pt", weights_only=True)
+    torch.save({**common, "ratio": fractions.Fraction(1, 3)}, source / "common.pt")
+    torch.save({"seed": 1234, "rank": 0, "ratio": fractions.Fraction(2, 3)}, source / "rng_state/shard_0_2.pt")
+    return source
+
+
+def test_the_unsafe_pickle_opt_in_loads_another_tools_checkpoint(tmp_path: Path) -> None:
+    """The refusal of a Megatron checkpoint's pickle says to load with
+    ``common_strategy=TorchCommonLoadStrategy(allow_unsafe_pickle=True)``. Before, doing
+    so failed with "has no commit record. Load it with shardstore.load" (it was
+    shardstore.load), and ``OtherFormatLoadCommonStrategy(allow_unsafe_pickle=True)``
+    ignored the flag and refused the pickle again."""
+    import fractions
+
+    from shardstore.strategies.common import TorchCommonLoadStrategy
+    from shardstore.strategies.other_formats import OtherFormatLoadCommonStrategy
+
+    source = _trusted_zarr_copy(tmp_path)
+    request = {"rng": [ShardedObject("rng_state", None, (2,), (r,)) for r in range(2)],
+               "fc1": ShardedTensor.from_rank_offsets("decoder/fc1", torch.empty(8, 6))}
+    with pytest.raises(CheckpointingException, match="allow_unsafe_pickle=True"):
+        load(request, source)
+    for strategy in (TorchCommonLoadStrategy(allow_unsafe_pickle=True),
+                     OtherFormatLoadCommonStrategy(allow_unsafe_pickle=True)):
+        assert load_common_state_dict(source, strategy)["ratio"] == fractions.Fraction(1, 3)
+        loaded = load(request, source, common_strategy=strategy)
+        assert loaded["ratio"] == fractions.Fraction(1, 3) and loaded["iteration"] == 7
+        assert loaded["rng"][0]["ratio"] == fractions.Fraction(2, 3) and loaded["rng"][1]["seed"] == 1235
+        assert_bits_equal(loaded["fc1"], expected()["decoder/fc1"])
+

@@ -48,7 +48,7 @@ import torch
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.dtypes import DType, ShapedTensorSize, UnsupportedDTypeError, from_torch
-from shardstore.format.pickles import deserialize_dict, load_torch
+from shardstore.format.pickles import deserialize, deserialize_dict
 from shardstore.format.records import COMMON_FILE
 from shardstore.mapping import ShardedObject, StateDict
 from shardstore.stores.base import Location, StorageError
@@ -103,13 +103,14 @@ class OtherCheckpoint(ABC):
         not hold is an error."""
 
     @abstractmethod
-    def read_item(self, key: str) -> Any:
-        """A non-tensor item, loaded with ``weights_only=True``."""
+    def read_item(self, key: str, allow_unsafe_pickle: bool = False) -> Any:
+        """A non-tensor item, loaded with ``weights_only=True`` unless the caller trusts
+        the checkpoint (``allow_unsafe_pickle``, ``load_pickled``)."""
 
-    def read_object_shard(self, unique_key: str) -> Any:
+    def read_object_shard(self, unique_key: str, allow_unsafe_pickle: bool = False) -> Any:
         """A ShardedObject shard's value, as the tool's own load returns it (a reader
         whose tool wraps it, as Megatron's torch_dist does, unwraps it)."""
-        return self.read_item(unique_key)
+        return self.read_item(unique_key, allow_unsafe_pickle)
 
     def stored_dtype(self, key: str) -> DType:
         """The data type shardstore stores the tensor ``key`` as. Raises a
@@ -133,12 +134,13 @@ class OtherCheckpoint(ABC):
         for key in sorted(self.tensors):
             yield key, self.read_tensor(key)
 
-    def common_state(self) -> dict[str, Any]:
-        """Megatron's ``common.pt`` (weights_only), or {} where there is none."""
+    def common_state(self, allow_unsafe_pickle: bool = False) -> dict[str, Any]:
+        """Megatron's ``common.pt`` (weights_only unless ``allow_unsafe_pickle``), or {}
+        where there is none."""
         data = self.read_file(COMMON_FILE, missing_ok=True, what="the common state")
         if data is None:
             return {}
-        return deserialize_dict(data, str(self.path / COMMON_FILE), allow_unsafe_pickle=False)
+        return deserialize_dict(data, str(self.path / COMMON_FILE), allow_unsafe_pickle)
 
     def file_size(self, rel: str, what: str) -> int | None:
         """The size of the regular file ``rel`` from ``lstat``, nothing opened or read:
@@ -192,9 +194,10 @@ class OtherCheckpoint(ABC):
             f.seek(offset)
             return f.read(stop - offset)
 
-    def load_pickled(self, data: bytes, what: str) -> Any:
-        """A ``torch.save`` value from ``data``, loaded safely (``shardstore.format.pickles``)."""
-        return load_torch(data, f"{what} of {self.path}")
+    def load_pickled(self, data: bytes, what: str, allow_unsafe_pickle: bool = False) -> Any:
+        """A ``torch.save`` value from ``data``, loaded safely (``shardstore.format.pickles``),
+        or, for a checkpoint the caller trusts (``allow_unsafe_pickle``), as it is."""
+        return deserialize(data, f"{what} of {self.path}", allow_unsafe_pickle)
 
 
 @dataclass(frozen=True)

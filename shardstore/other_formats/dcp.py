@@ -230,18 +230,20 @@ class DcpCheckpoint(OtherCheckpoint):
             ]
         return out
 
-    def read_item(self, key: str) -> Any:
-        """A non-tensor item, loaded with ``weights_only=True``, or a plain DCP save's
-        0-dim tensor (checked against its metadata)."""
+    def read_item(self, key: str, allow_unsafe_pickle: bool = False) -> Any:
+        """A non-tensor item, loaded with ``weights_only=True`` (unless
+        ``allow_unsafe_pickle``), or a plain DCP save's 0-dim tensor (checked against its
+        metadata)."""
         if key in self._scalars:
             return self._read_stored(self._scalars[key], ())
         item = self.items[key]
-        return self.load_pickled(self.read_file(item.file, item.offset, item.length, what=repr(key)), f"item {key!r}")
+        data = self.read_file(item.file, item.offset, item.length, what=repr(key))
+        return self.load_pickled(data, f"item {key!r}", allow_unsafe_pickle)
 
-    def read_object_shard(self, unique_key: str) -> Any:
+    def read_object_shard(self, unique_key: str, allow_unsafe_pickle: bool = False) -> Any:
         """Megatron's torch_dist saves the list of the rank's copies of a ShardedObject
         shard (one), which is unwrapped."""
-        value = self.read_item(unique_key)
+        value = self.read_item(unique_key, allow_unsafe_pickle)
         if self.kind == TORCH_DIST and isinstance(value, list) and len(value) == 1:
             return value[0]
         return value

@@ -187,8 +187,9 @@ class MegatronZarrCheckpoint(OtherCheckpoint):
         self._check_chunk_size(array, rel, None if data is None else len(data))
         return np.frombuffer(data, dtype=_numpy_dtype(array.dtype)).reshape(array.chunks)
 
-    def read_item(self, key: str) -> object:
-        return self.load_pickled(self.read_file(self.items[key], what=repr(key)), f"sharded object {key!r}")
+    def read_item(self, key: str, allow_unsafe_pickle: bool = False) -> object:
+        data = self.read_file(self.items[key], what=repr(key))
+        return self.load_pickled(data, f"sharded object {key!r}", allow_unsafe_pickle)
 
 
 def _dims(value: object, where: str, field: str) -> tuple[int, ...]:

@@ -165,17 +165,24 @@ class OtherFormatLoadShardedStrategy(LoadShardedStrategy):
 class OtherFormatLoadCommonStrategy(TorchCommonLoadStrategy):
     """The common state (Megatron's ``common.pt``, plus a plain DCP's non-tensor values)
     and Megatron's ShardedObjects (``<key>/shard_<offset>_<shape>``: DCP items, or
-    ``.pt`` files of its zarr backend)."""
+    ``.pt`` files of its zarr backend).
+
+    Args:
+        allow_unsafe_pickle: load arbitrary pickles (only for checkpoints you trust), as
+            ``TorchCommonLoadStrategy``'s, which ``load`` turns into this one for another
+            tool's checkpoint.
+    """
 
     def load_common(self, checkpoint_dir: CheckpointDir | Location) -> StateDict:
         """Megatron's ``common.pt``; a plain DCP's values nested where they were in the
         state dict it saved (its planner's paths: ``optim/param_groups/0/lr``), as a
         shardstore save of that state dict keeps them."""
         source = open_other_format(checkpoint_dir)
-        state = source.common_state()
+        state = source.common_state(self.allow_unsafe_pickle)
         for key in sorted(source.items):
             if not is_object_shard_key(key):
-                place_value(state, source.saved_paths.get(key, (key,)), source.read_item(key), key)
+                value = source.read_item(key, self.allow_unsafe_pickle)
+                place_value(state, source.saved_paths.get(key, (key,)), value, key)
         return state
 
     def load_sharded_objects(
@@ -189,7 +196,7 @@ class OtherFormatLoadCommonStrategy(TorchCommonLoadStrategy):
             # an old Megatron-Core key lacks the shape's last axis: looked for as Megatron looks
             for stored in (obj.unique_key, obj.old_unique_key if obj.global_shape else None):
                 if stored in source.items:
-                    return source.read_object_shard(stored)
+                    return source.read_object_shard(stored, self.allow_unsafe_pickle)
             raise CheckpointingException(f"{source.path} has no sharded object shard {obj.unique_key!r}")
 
         return dict_list_map_inplace(load_object, sharded_objects_state_dict)

@@ -93,6 +93,7 @@ from shardstore.stores.base import Location
 from shardstore.strategies.async_utils import AsyncRequest
 from shardstore.strategies.base import (
     AsyncSaveShardedStrategy,
+    DelegatingLoadStrategy,
     LoadCommonStrategy,
     LoadShardedStrategy,
     SaveCommonStrategy,
@@ -106,6 +107,7 @@ from shardstore.strategies.other_formats import (
     OtherFormatLoadCommonStrategy,
     OtherFormatLoadShardedStrategy,
 )
+from shardstore.strategies.zarr import ZarrLoadShardedStrategy
 from shardstore.utils import (
     _clean_metadata_for_serialization,
     holds_sharded_class,
@@ -734,7 +736,7 @@ def verify_checkpoint_and_load_strategy(
     after checking they can read it."""
     opened = open_read(checkpoint_dir)
     if opened.other_format is not None:
-        return sharded_strategy or OtherFormatLoadShardedStrategy(), _other_format_common_strategy(common_strategy)
+        return _other_format_sharded_strategy(sharded_strategy), _other_format_common_strategy(common_strategy)
     config = opened.config()
     if config is None:
         raise CheckpointingException(f"{opened.describe()} is not a distributed checkpoint (no metadata.json)")
@@ -745,6 +747,17 @@ def verify_checkpoint_and_load_strategy(
         common_strategy, StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version
     )
     return sharded_strategy, common_strategy
+
+
+def _other_format_sharded_strategy(strategy: LoadShardedStrategy | None) -> LoadShardedStrategy:
+    """The sharded strategy for another tool's checkpoint: ``strategy``, except that
+    shardstore's own (``ZarrLoadShardedStrategy``; ``TorchDistLoadShardedStrategy``, the
+    name code written for Megatron-Core gives it), alone or in a wrapper, reads
+    committed checkpoints only, and becomes ``OtherFormatLoadShardedStrategy``."""
+    own = strategy.base_strategy if isinstance(strategy, DelegatingLoadStrategy) else strategy
+    if strategy is None or isinstance(own, ZarrLoadShardedStrategy):
+        return OtherFormatLoadShardedStrategy()
+    return strategy
 
 
 def _other_format_common_strategy(strategy: LoadCommonStrategy | None) -> LoadCommonStrategy:

@@ -365,3 +365,21 @@ def test_the_unsafe_pickle_opt_in_loads_another_tools_checkpoint(tmp_path: Path)
         assert loaded["rng"][0]["ratio"] == fractions.Fraction(2, 3) and loaded["rng"][1]["seed"] == 1235
         assert_bits_equal(loaded["fc1"], expected()["decoder/fc1"])
 
+
+@pytest.mark.parametrize("source", [MEGATRON, MEGATRON_014_ZARR], ids=lambda p: p.name)
+def test_megatrons_own_load_strategy_reads_its_checkpoints(source: Path) -> None:
+    """Code written for Megatron-Core passes ``TorchDistLoadShardedStrategy()`` (shardstore's
+    ``strategies.torch`` name for it), alone or fully-parallel-wrapped, to ``load`` and
+    ``load_tensors_metadata`` of a torch_dist checkpoint. Before, shardstore's own
+    strategy behind that name demanded a commit record and refused the checkpoint,
+    telling the caller to "Load it with shardstore.load", which it was doing."""
+    from shardstore.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+    from shardstore.strategies.torch import TorchDistLoadShardedStrategy
+
+    for strategy in (TorchDistLoadShardedStrategy(), FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())):
+        assert load_tensors_metadata(source, strategy)["decoder/fc1"].global_shape == (8, 6)
+        request = {"fc1": ShardedTensor.from_rank_offsets("decoder/fc1", torch.empty(8, 6)),
+                   "rng": [ShardedObject("rng_state", None, (2,), (r,)) for r in range(2)]}
+        loaded = load(request, source, strategy)
+        assert_bits_equal(loaded["fc1"], expected()["decoder/fc1"])
+        assert loaded["rng"][1] == {"seed": 1235, "rank": 1} and loaded["iteration"] == 7

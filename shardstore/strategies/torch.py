@@ -2,7 +2,8 @@
 (``dist_checkpointing.strategies.torch``), so that such code runs on shardstore.
 
 shardstore writes no torch_dist checkpoints (its format is ``strategies.zarr``'s) and
-reads Megatron's through ``strategies.other_formats``. ``TorchDistSaveShardedStrategy``
+reads Megatron's through ``strategies.other_formats`` (``load`` and the queries do so
+when given ``TorchDistLoadShardedStrategy`` too). ``TorchDistSaveShardedStrategy``
 and ``TorchDistLoadShardedStrategy`` are therefore names for shardstore's own strategies
 that take Megatron's arguments (``TorchDistSaveShardedStrategy("torch_dist", 1,
 thread_count=2, separation_hint="prefix")``): the options that shape torch_dist's files

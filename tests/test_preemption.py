@@ -253,3 +253,36 @@ def test_a_closed_managers_handler_left_in_a_chain_lets_the_default_end_the_proc
     )
     assert result.stdout.split() == ["theirs"], result
     assert result.returncode == -signal.SIGTERM, result
+
+
+STALE_UNDER_A_LISTENER = """
+import os, signal
+from shardstore.tools.preemption import listen
+
+first = listen([signal.SIGTERM], lambda signum: print("first", flush=True))
+ours = signal.getsignal(signal.SIGTERM)
+
+def theirs(signum, frame):  # installed over the first listener's handler, calling it
+    print("theirs", flush=True)
+    ours(signum, frame)
+
+signal.signal(signal.SIGTERM, theirs)
+second = listen([signal.SIGTERM], lambda signum: print("second", flush=True))
+first.close()  # ours stays in their chain, with no listener of its own
+os.kill(os.getpid(), signal.SIGTERM)
+print("survived", flush=True)  # the second listener still listens: its save comes first
+second.close()
+"""
+
+
+def test_a_stale_handler_in_a_chain_holds_the_default_back_while_another_listens(tmp_path: Path) -> None:
+    """A listener, a handler installed over it (calling ours), a second listener, the
+    first closed: SIGTERM reaches the second listener, then, through their handler,
+    the first listener's dispatcher. Before, that dispatcher saw no listener of its own
+    and took SIGTERM's default, ending the process before the second listener's
+    preemption save; the default is held back while any listener of the signal listens."""
+    script = tmp_path / "stale_under_a_listener.py"
+    script.write_text(textwrap.dedent(STALE_UNDER_A_LISTENER))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["second", "theirs", "survived"], result
+    assert result.returncode == 0, result

@@ -14,16 +14,18 @@ handler was there before keeps working. Entry points: ``listen`` and ``Listener.
   that someone installed (a Python callable: a framework's, the user's, or a
   dispatcher of ours that was replaced, see below). The previous handler's *default*
   behaviour (``SIG_DFL``, Python's ``default_int_handler`` for SIGINT) is held back
-  while a listener listens: it would end the process before the preemption save, which
-  is what the listeners are there for. ``SIG_IGN`` does nothing either way.
+  while any listener of the signal listens, through this dispatcher or another one: it
+  would end the process before the preemption save, which is what the listeners are
+  there for. ``SIG_IGN`` does nothing either way.
 * ``Listener.close()`` (in any order, idempotent): when the last listener of a
   dispatcher leaves, the previous handler is put back exactly, if the dispatcher is
   still the installed handler. If someone installed their own handler over it
   meanwhile, theirs stays: if it calls the handler it replaced, our dispatcher passes
-  the signal on as the previous handler would have (its default included: SIGTERM then
-  ends the process). Closing off the main thread cannot restore a handler: the
-  dispatcher then stays installed and, with no listener left, behaves as the previous
-  handler (WARNING); the next listener in the main thread joins it again.
+  the signal on as the previous handler would have (its default included, once no
+  listener of the signal listens: SIGTERM then ends the process). Closing off the main
+  thread cannot restore a handler: the dispatcher then stays installed and, with no
+  listener left, behaves as the previous handler (WARNING); the next listener in the
+  main thread joins it again.
 * A listener created after our dispatcher was replaced gets a new dispatcher installed
   over the replacement, whose previous handler is that replacement: one chain, each
   handler called once.
@@ -80,7 +82,7 @@ class _Dispatcher:
         listeners = self.listeners  # one read: listen and close replace the tuple whole
         for listener in listeners:
             listener.callback(signum)
-        if listeners and _is_default(self.previous):
+        if _is_default(self.previous) and (listeners or _listened(signum)):
             return  # held back: the listeners' saves come first (module docstring)
         _pass_on(self.previous, signum, frame)
 
@@ -167,6 +169,14 @@ def _dispatcher_for(signum: int) -> _Dispatcher:
     signal.signal(signum, dispatcher)
     _installed[signum] = dispatcher
     return dispatcher
+
+
+def _listened(signum: int) -> bool:
+    """Whether a listener of ``signum`` listens through the dispatcher new listeners
+    join: a dispatcher left in someone's chain, with no listener of its own, may run
+    after it (a lock-free read: it runs in a signal handler)."""
+    current = _installed.get(signum)
+    return current is not None and bool(current.listeners)
 
 
 def _is_default(handler: Handler) -> bool:

@@ -753,10 +753,13 @@ def _other_format_sharded_strategy(strategy: LoadShardedStrategy | None) -> Load
     """The sharded strategy for another tool's checkpoint: ``strategy``, except that
     shardstore's own (``ZarrLoadShardedStrategy``; ``TorchDistLoadShardedStrategy``, the
     name code written for Megatron-Core gives it), alone or in a wrapper, reads
-    committed checkpoints only, and becomes ``OtherFormatLoadShardedStrategy``."""
+    committed checkpoints only, and becomes ``OtherFormatLoadShardedStrategy`` with its
+    ``allow_lossy_casts``."""
     own = strategy.base_strategy if isinstance(strategy, DelegatingLoadStrategy) else strategy
-    if strategy is None or isinstance(own, ZarrLoadShardedStrategy):
+    if strategy is None:
         return OtherFormatLoadShardedStrategy()
+    if isinstance(own, ZarrLoadShardedStrategy):
+        return OtherFormatLoadShardedStrategy(own.allow_lossy_casts)
     return strategy
 
 

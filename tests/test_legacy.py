@@ -383,3 +383,19 @@ def test_megatrons_own_load_strategy_reads_its_checkpoints(source: Path) -> None
         loaded = load(request, source, strategy)
         assert_bits_equal(loaded["fc1"], expected()["decoder/fc1"])
         assert loaded["rng"][1] == {"seed": 1235, "rank": 1} and loaded["iteration"] == 7
+
+
+def test_the_lossy_cast_opt_in_loads_another_tools_checkpoint() -> None:
+    """A request in another dtype that would change values is refused, naming
+    ``ZarrLoadShardedStrategy(allow_lossy_casts=True)`` as the way to convert anyway.
+    Before, passing it to a load of a Megatron checkpoint gave the same refusal again:
+    the reader of other formats had no such option."""
+    from shardstore.strategies.zarr import ZarrLoadShardedStrategy
+
+    def request() -> dict:
+        return {"fc1": ShardedTensor.from_rank_offsets("decoder/fc1", torch.empty(8, 6, dtype=torch.int64))}
+
+    with pytest.raises(CheckpointingException, match=r"allow_lossy_casts=True"):
+        load(request(), MEGATRON)
+    loaded = load(request(), MEGATRON, ZarrLoadShardedStrategy(allow_lossy_casts=True))
+    assert_bits_equal(loaded["fc1"], expected()["decoder/fc1"].to(torch.int64))

@@ -92,8 +92,10 @@ def _opened(other_format: OtherFormat, path: Path, inode: int, size: int, mtime_
     return other_format.open(path)
 
 
-def read_requested(source: OtherCheckpoint, t: ShardedTensor) -> torch.Tensor:
-    """The part of the saved tensor that ``t`` asks for, shaped and typed as ``t``."""
+def read_requested(source: OtherCheckpoint, t: ShardedTensor, allow_lossy_casts: bool = False) -> torch.Tensor:
+    """The part of the saved tensor that ``t`` asks for, shaped and typed as ``t``
+    (``execution.loaded.place_loaded``: a cast that changes values only where
+    ``allow_lossy_casts``)."""
     saved = source.tensors.get(t.key)
     if saved is None:
         raise CheckpointingException(f"{source.path} has no tensor {t.key!r}")
@@ -106,16 +108,26 @@ def read_requested(source: OtherCheckpoint, t: ShardedTensor) -> torch.Tensor:
     region = tuple(slice(min(s.start, n), min(s.stop, n)) for s, n in zip(block, saved.shape))
     x = source.read_region(t.key, region)
     x = postprocess_loaded(x.reshape([s.stop - s.start for s in region][t.prepend_axis_num :]), t)
-    return place_loaded(x, t, str(source.path))
+    return place_loaded(x, t, str(source.path), allow_lossy_casts)
 
 
 class OtherFormatLoadShardedStrategy(LoadShardedStrategy):
-    """Loads ShardedTensors from another tool's checkpoint (a registered format), under any layout."""
+    """Loads ShardedTensors from another tool's checkpoint (a registered format), under any layout.
+
+    Args:
+        allow_lossy_casts: convert to the requested dtype even where that changes
+            values, as ``ZarrLoadShardedStrategy``'s (which ``load`` turns into this one
+            for another tool's checkpoint, keeping it).
+    """
+
+    def __init__(self, allow_lossy_casts: bool = False) -> None:
+        self.allow_lossy_casts = allow_lossy_casts
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> StateDict:
         source = open_other_format(checkpoint_dir)
         return dict_list_map_inplace(
-            lambda x: read_requested(source, x) if isinstance(x, ShardedTensor) else x, sharded_state_dict
+            lambda x: read_requested(source, x, self.allow_lossy_casts) if isinstance(x, ShardedTensor) else x,
+            sharded_state_dict,
         )
 
     def load_with_record(

@@ -186,6 +186,41 @@ def test_json_nested_past_the_parsers_depth_is_a_clear_error(ckpt_dir: Path, rel
             load_tensors_metadata(ckpt_dir)
 
 
+def test_other_readers_of_json_nested_past_the_parsers_depth_give_clear_errors(tmp_path: Path) -> None:
+    """The other JSON documents read from a checkpoint or model directory, nested past
+    the parser's depth: a root's step with such a ``zarr.json`` is damage to report, and
+    a consolidated-only root, a Hugging Face index, a safetensors header and a Megatron
+    zarr ``.zarray`` raise ``CheckpointingException`` naming the file. Before, each let
+    the parser's ``RecursionError`` escape as a bare traceback."""
+    from shardstore.other_formats.megatron_zarr import MegatronZarrCheckpoint
+    from shardstore.other_formats.model_files import _read_index
+    from shardstore.other_formats.safetensors import map_safetensors
+    from shardstore.stores.locations import open_location
+    from shardstore.strategies.zarr import consolidated_document
+    from shardstore.tools.root_verify import holds_commit_record
+
+    deep = b"[" * 100_000
+    (tmp_path / "zarr.json").write_bytes(deep)
+    assert holds_commit_record(open_location(tmp_path))
+    with pytest.raises(CheckpointingException, match="zarr.json"):
+        consolidated_document(open_location(tmp_path), "w")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_bytes(deep)
+    with pytest.raises(CheckpointingException, match="index"):
+        _read_index(index, tmp_path)
+    header = tmp_path / "model.safetensors"
+    header.write_bytes(len(deep).to_bytes(8, "little") + deep)
+    with pytest.raises(CheckpointingException, match="model.safetensors"):
+        map_safetensors(header)
+    megatron = tmp_path / "megatron"
+    (megatron / "w").mkdir(parents=True)
+    (megatron / "w" / ".zarray").write_bytes(deep)
+    (megatron / "metadata.json").write_text('{"sharded_backend": "zarr", "sharded_backend_version": 1, '
+                                            '"common_backend": "torch", "common_backend_version": 1}')
+    with pytest.raises(CheckpointingException, match=".zarray"):
+        MegatronZarrCheckpoint(megatron).tensors["w"]
+
+
 @pytest.mark.parametrize("version", [1, 4])
 @pytest.mark.parametrize("created", [10**400, float("inf"), float("nan")], ids=["10**400", "inf", "nan"])
 def test_a_creation_time_no_float_holds_reads_as_unknown(ckpt_dir: Path, version: int, created: float) -> None:

@@ -122,7 +122,7 @@ class MegatronZarrCheckpoint(OtherCheckpoint):
         data = self.read_bounded(f"{key}/{ZARRAY}", MAX_ZARRAY_BYTES, f"the metadata of {key!r}")
         try:
             meta = json.loads(data)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's depth
             raise CheckpointingException(f"{where} is not valid JSON: {exc}") from exc
         if not isinstance(meta, dict) or meta.get("zarr_format") != 2:
             raise CheckpointingException(f"{where} is not a Zarr v2 array")

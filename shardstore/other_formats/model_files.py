@@ -130,7 +130,7 @@ def _read_index(index: Path, root: Path) -> dict[str, Any]:
         )
     try:
         value = json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's depth
         raise CheckpointingException(f"{index} is not a safetensors index (not JSON: {exc})") from exc
     if not isinstance(value, dict):
         raise CheckpointingException(f"{index} is not a safetensors index: a JSON object was expected")

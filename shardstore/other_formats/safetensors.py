@@ -151,7 +151,7 @@ def map_safetensors(path: Path) -> dict[str, torch.Tensor]:
             data_bytes = max(0, os.fstat(f.fileno()).st_size - 8 - size)
             entries = safetensors_entries(header, data_bytes)
             data = np.memmap(f, dtype=np.uint8, mode="c", offset=8 + size) if data_bytes else None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's depth
         raise CheckpointingException(f"Cannot read {path} as a safetensors file: {exc}") from exc
     tensors = {}
     for name, spec, start, stop in entries:

@@ -750,7 +750,7 @@ def consolidated_document(location: Location, key: str) -> dict[str, Any] | None
         root = json.loads(data) if data is not None else None
         consolidated = root.get("consolidated_metadata") if root is not None else None
         layout = root.get("attributes", {}).get("shardstore", {}).get("zarr_metadata") if root is not None else None
-    except (ValueError, AttributeError) as exc:
+    except (ValueError, AttributeError, RecursionError) as exc:  # RecursionError: nested past the parser's depth
         raise CheckpointingException(f"{location.describe(ZARR_JSON)} is not a Zarr group's document: {exc}") from exc
     if not isinstance(consolidated, dict) or layout != ZarrMetadata.CONSOLIDATED_ONLY.value:
         return None

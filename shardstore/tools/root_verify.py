@@ -110,7 +110,7 @@ def holds_commit_record(location: Location) -> bool:
         return False
     try:
         node = json.loads(data)
-    except ValueError:  # damaged
+    except (ValueError, RecursionError):  # damaged (RecursionError: nested past the parser's depth)
         return True
     if not isinstance(node, dict):
         return True

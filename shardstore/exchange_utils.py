@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from shardstore.dict_utils import nested_values
 from shardstore.errors import CheckpointingException
+from shardstore.execution.loaded import result_device
 from shardstore.mapping import ShardedStateDict, ShardedTensor, is_main_replica
 from shardstore.protocol.collectives import Group
 from shardstore.utils import _sharded_tensor_shard_id, _ShardId
@@ -172,8 +173,9 @@ def _get_empty_tensor_for_exchange(
     (the group's: CUDA for NCCL), and where the request wanted it.
 
     A shard this rank holds (in ``needed_shards``) lands in the request's own tensor when
-    that is contiguous and on ``device``, else in a new one; it is recorded in
-    ``loaded_tensors``. A shard this rank does not hold (metadata from
+    that is contiguous and on ``device``, else in a new one, wanted where a load puts
+    the request's values (``execution.loaded.result_device``: the CPU for a request on
+    the meta device); it is recorded in ``loaded_tensors``. A shard this rank does not hold (metadata from
     ``unneeded_shards``) gets a scratch tensor, dropped after the exchange (device None).
     One tensor at a time, so a load never holds more than one scratch shard."""
     request = needed_shards.get(shard_id)
@@ -190,7 +192,7 @@ def _get_empty_tensor_for_exchange(
     else:
         tensor = torch.empty(data.shape, dtype=data.dtype, device=device)
     loaded_tensors[shard_id] = tensor
-    return tensor, data.device
+    return tensor, result_device(request)
 
 
 def _shared_shards(distribution: ShardDistribution) -> Iterator[tuple[_ShardId, int, list[int]]]:

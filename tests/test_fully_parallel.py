@@ -456,3 +456,23 @@ def test_a_wrapped_foreign_strategy_reads_each_replicated_tensor_once(ckpt_dir: 
     reads = run_distributed(load_real_checkpoint_with_wrapped_reader, 2, str(ckpt_dir))
     assert sorted(reads[0] + reads[1]) == ["norm0", "norm1", "norm2", "norm3"], reads
     assert len(reads[0]) == len(reads[1]) == 2, reads
+
+
+def load_meta_request_with_wrapped_reader(rank: int, world: int, ckpt: str) -> None:
+    def state(empty: bool) -> dict:
+        return {f"n{i}": ShardedTensor.from_rank_offsets(
+            f"norm{i}", torch.empty(6 + i, device="meta") if empty else torch.arange(6.0 + i) * (i + 1),
+            replica_id=rank) for i in range(4)}
+
+    save(state(False), ckpt)
+    loaded = load(state(True), ckpt, FullyParallelLoadStrategyWrapper(ZarrReadingElsewhere()))
+    for i in range(4):
+        assert loaded[f"n{i}"].device.type == "cpu", f"rank {rank} n{i}: on {loaded[f'n{i}'].device}"
+        assert_bits_equal(loaded[f"n{i}"], torch.arange(6.0 + i) * (i + 1), f"rank {rank} n{i}")
+
+
+def test_a_wrapped_strategys_exchange_gives_meta_requests_their_values_on_the_cpu(ckpt_dir: Path) -> None:
+    """Replicas requested as meta tensors through the wrapper around another strategy:
+    a rank that receives a shard gets it on the CPU, as the rank that read it does.
+    Before, the received shard was moved to the meta device, its values dropped."""
+    run_distributed(load_meta_request_with_wrapped_reader, 2, str(ckpt_dir))

@@ -336,3 +336,34 @@ def test_a_plan_with_forwards_refuses_another_list_of_requests(tmp_path: Path) -
     with pytest.raises(CheckpointingException, match="the strict check failed first") as raised:
         run_read_plan(request, location, read_commit_record(location), plan, Group(None), local_error=earlier)
     assert any("made for 2 requested tensors" in note for note in raised.value.__notes__), raised.value
+
+
+def test_a_request_on_the_meta_device_gets_its_values_on_the_cpu(tmp_path: Path) -> None:
+    """A model built on the meta device describes its request with meta tensors, which
+    hold no values: the load returns the committed values on the CPU (as Megatron-Core's
+    zarr backend returns every tensor), bit-exact. Before, the read values were moved
+    to the meta device and the load returned tensors with no data at all."""
+    torch.manual_seed(0)
+    saved = torch.randn(6, 8)
+    save({"w": ShardedTensor.from_rank_offsets("w", saved)}, tmp_path / "ckpt")
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(6, 8, device="meta"))}
+    loaded = load(request, tmp_path / "ckpt")["w"]
+    assert loaded.device.type == "cpu" and torch.equal(loaded, saved)
+
+
+def _load_replicas_into_meta(rank: int, world: int, ckpt: str) -> None:
+    request = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.empty(64, 8, device="meta"), replica_id=rank)
+               for i in range(2)}
+    loaded = load(request, ckpt)
+    torch.manual_seed(0)
+    for i in range(2):
+        expected = torch.randn(64, 8)
+        assert loaded[f"w{i}"].device.type == "cpu" and torch.equal(loaded[f"w{i}"], expected), f"rank {rank} w{i}"
+
+
+def test_replicas_on_the_meta_device_receive_their_blocks_on_the_cpu(ckpt_dir: Path) -> None:
+    """Replicas requested as meta tensors: each block is read by one rank and sent to
+    the other. Before, the reader's result was a meta tensor, and the exchange failed
+    on every rank with ``NotImplementedError: Cannot copy out of meta tensor``."""
+    run_distributed(_save_replicated, 2, str(ckpt_dir))
+    run_distributed(_load_replicas_into_meta, 2, str(ckpt_dir), timeout=60)

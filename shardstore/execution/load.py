@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from shardstore.errors import CheckpointingException, first_failure
-from shardstore.execution.loaded import place_loaded, postprocess_loaded
+from shardstore.execution.loaded import place_loaded, postprocess_loaded, result_device
 from shardstore.execution.staging import DeviceUploader
 from shardstore.format.chunks import (
     DEFAULT_IO_CONCURRENCY,
@@ -254,8 +254,8 @@ def _through_host(target: torch.Tensor) -> bool:
 
 def _claim(data: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...], taken: set[int]) -> bool:
     """Whether a request's ``data`` can be filled in place with a result of ``dtype``
-    and ``shape``: a CPU or CUDA tensor (other devices, meta..., get the result moved
-    to them) of exactly that dtype and shape, whose memory holds its values
+    and ``shape``: a CPU or CUDA tensor (other devices get the result moved to them,
+    meta ones a CPU result: ``result_device``) of exactly that dtype and shape, whose memory holds its values
     (``holds_its_values``: contiguous, no conjugate or negative view) and no other request
     of this load took (``taken``: data pointers; updated when claimed). Tied tensors
     (one memory, two keys) so get their own results."""
@@ -393,7 +393,7 @@ def _receive_target(t: ShardedTensor, taken: set[int]) -> torch.Tensor:
     shape = _result_shape(t)
     if _claim(t.data, t.dtype, shape, taken):
         return t.data
-    return torch.empty(shape, dtype=t.dtype, device=t.data.device if t.data is not None else "cpu")
+    return torch.empty(shape, dtype=t.dtype, device=result_device(t))
 
 
 def _result_shape(t: ShardedTensor) -> tuple[int, ...]:

@@ -7,7 +7,7 @@ own format (``execution.load``) and the readers of other tools' checkpoints
 
 from __future__ import annotations
 
-__all__ = ["flatten_range", "pad_to_expected_shape", "place_loaded", "postprocess_loaded"]
+__all__ = ["flatten_range", "pad_to_expected_shape", "place_loaded", "postprocess_loaded", "result_device"]
 
 import torch
 
@@ -30,7 +30,7 @@ def postprocess_loaded(x: torch.Tensor, t: ShardedTensor, apply_flattened_range:
 
 
 def place_loaded(x: torch.Tensor, t: ShardedTensor, where: str, allow_lossy_casts: bool = False) -> torch.Tensor:
-    """The loaded tensor in the requested dtype, on the device of ``t.data`` if given.
+    """The loaded tensor in the requested dtype, on ``result_device(t)``.
 
     Another dtype than the stored one is honoured when every value read converts
     exactly (Megatron-Core's tests load int64 ``arange`` into float32, which its
@@ -42,9 +42,19 @@ def place_loaded(x: torch.Tensor, t: ShardedTensor, where: str, allow_lossy_cast
     """
     if x.dtype != t.dtype:
         x = x.to(t.dtype) if allow_lossy_casts else _cast_exactly(x, t, where)
-    if t.data is not None and t.data.device.type != "cpu":
-        x = x.to(t.data.device, non_blocking=True)
+    device = result_device(t)
+    if device.type != "cpu":
+        x = x.to(device, non_blocking=True)
     return x
+
+
+def result_device(t: ShardedTensor) -> torch.device:
+    """Where a load puts ``t``'s values: on the device of ``t.data``; on the CPU where
+    it has none, or lies on the meta device, which holds no values (a model built
+    there describes its request with meta tensors)."""
+    if t.data is None or t.data.device.type == "meta":
+        return torch.device("cpu")
+    return t.data.device
 
 
 def _cast_exactly(x: torch.Tensor, t: ShardedTensor, where: str) -> torch.Tensor:

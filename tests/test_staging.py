@@ -175,3 +175,17 @@ def test_tensors_autograd_tracks_are_saved_from_their_values(tmp_path: Path) -> 
     empty = {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v.data.detach())) for k, v in state.items()}
     loaded = load(empty, tmp_path / "ckpt")
     assert all(torch.equal(loaded[k], state[k].data.detach()) for k in state)
+
+
+@pytest.mark.parametrize("bound", [None, "1GiB", 0, -1, float("inf")])
+def test_a_load_staging_bound_that_is_no_number_of_bytes_is_refused_when_the_strategy_is_made(
+    tmp_path: Path, monkeypatch, bound: object,
+) -> None:
+    """``load_staging_bytes`` bounds the pinned memory of a load into device tensors. A
+    value that is no positive number of bytes (None, which a save's
+    ``max_staging_bytes`` takes as "no bound") is refused where it is given, naming
+    the option, as a save's bounds are. Before, it was taken as it was and a load into
+    device tensors failed in its reads with a bare ``TypeError`` (None, a string) or
+    pinned memory without any bound (0, negative, infinite)."""
+    with pytest.raises(ValueError, match="load_staging_bytes must be a positive, finite number of bytes"):
+        ZarrLoadShardedStrategy(load_staging_bytes=bound)

@@ -224,10 +224,12 @@ def checked_shard_bytes(shard_bytes: object) -> ShardBytes:
 
 
 def checked_staging_bytes(name: str, value: object, optional: bool = False) -> int | None:
-    """A host memory bound (``max_staging_bytes``, ``sync_staging_bytes``) as a save
-    uses it: a positive, finite number of bytes, as an int (None where ``optional``).
+    """A host memory bound (``max_staging_bytes``, ``sync_staging_bytes``,
+    ``load_staging_bytes``): a positive, finite number of bytes, as an int (None where
+    ``optional``).
     Checked when the strategy or writer is made: every rank's bound cuts the save's
-    exchange into waves, so a value that fails only later fails one rank alone.
+    exchange into waves, so a value that fails only later fails one rank alone (and a
+    load's ``load_staging_bytes`` would fail only in a load into device tensors).
 
     Raises:
         ValueError: anything else, naming the option and the value.
@@ -484,7 +486,8 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             values (float32 -> int64, -> float16, -> bool). Off: such a load raises,
             naming the key; exact conversions (float16 -> float32, ...) always pass.
         load_staging_bytes: the most pinned host memory a load into CUDA tensors holds
-            (two slabs of half of it, freed when the load returns).
+            (two slabs of half of it, freed when the load returns): a positive, finite
+            number of bytes.
         read_shards_once: with ``fully_parallel``, each shard of a sharded array, and
             each chunk of an unsharded one, is read by one of the ranks that ask for
             part of it, which sends the others their blocks
@@ -494,6 +497,10 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             rows or columns): ``True``, ``False``, or ``"auto"`` (default): from
             ``AUTO_SHARD_MIN_RANKS`` (32) ranks on, where sharded saves start. A reader
             holds at most ``planning.plans.MAX_FORWARDED_BYTES`` of blocks for others.
+
+    Raises:
+        ValueError: ``load_staging_bytes`` not a positive, finite number of bytes;
+            ``read_shards_once`` neither True, False nor ``"auto"``.
     """
 
     def __init__(
@@ -508,7 +515,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         self.allow_lossy_casts = allow_lossy_casts
         self.process_group = process_group
         self.read_shards_once = read_shards_once
-        self._uploader = DeviceUploader(load_staging_bytes)
+        self._uploader = DeviceUploader(checked_staging_bytes("load_staging_bytes", load_staging_bytes))
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> StateDict:
         opened = open_read(checkpoint_dir)

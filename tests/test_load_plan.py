@@ -367,3 +367,21 @@ def test_replicas_on_the_meta_device_receive_their_blocks_on_the_cpu(ckpt_dir: P
     on every rank with ``NotImplementedError: Cannot copy out of meta tensor``."""
     run_distributed(_save_replicated, 2, str(ckpt_dir))
     run_distributed(_load_replicas_into_meta, 2, str(ckpt_dir), timeout=60)
+
+
+def test_the_zarr_modules_single_tensor_read_of_a_committed_checkpoint_refuses_a_missing_chunk(
+    tmp_path: Path,
+) -> None:
+    """Megatron's ``_load_from_array``, given a committed shardstore checkpoint, reads
+    it as ``load`` does: every chunk bound by the commit record. Before, it read the
+    array through TensorStore as a bare directory, and a chunk file gone from the
+    checkpoint came back as rows of zeros, with no error."""
+    from shardstore.strategies.zarr import ZarrSaveShardedStrategy, _load_from_array
+
+    saved = torch.arange(64.0).reshape(8, 8) + 1
+    save({"w": ShardedTensor.from_rank_offsets("w", saved)}, tmp_path / "ckpt", ZarrSaveShardedStrategy(max_chunk_bytes=64))
+    request = ShardedTensor.from_rank_offsets("w", torch.empty(8, 8))
+    assert torch.equal(_load_from_array(request, tmp_path / "ckpt"), saved)
+    (tmp_path / "ckpt" / "w" / "c.1.0").unlink()
+    with pytest.raises(CheckpointingException, match=r"Missing chunk c\.1\.0 of array 'w'"):
+        _load_from_array(request, tmp_path / "ckpt")

@@ -411,7 +411,8 @@ def test_the_seed_readers_given_a_path_check_the_record(tmp_path: Path) -> None:
     through the same checks as ``load``: before, a flipped bit in ``common.pt`` came back
     as a wrong integer (12345 -> 12344), and a corrupt chunk read by the zarr module's
     ``_load_from_array`` (which also reads Megatron's bare array directories) raised
-    TensorStore's bare ``ValueError``."""
+    TensorStore's bare ``ValueError``; it now reads a committed checkpoint as ``load``
+    does, naming the chunk."""
     from shardstore.strategies.common import TorchCommonLoadStrategy
     from shardstore.strategies.zarr import _load_from_array
 
@@ -431,7 +432,7 @@ def test_the_seed_readers_given_a_path_check_the_record(tmp_path: Path) -> None:
         strategy.load_sharded_objects(rng(), ckpt)
     chunk = ckpt / "w/c.0"
     chunk.write_bytes(chunk.read_bytes()[:8] + bytes([chunk.read_bytes()[8] ^ 1]) + chunk.read_bytes()[9:])
-    with pytest.raises(CheckpointingException, match=r"Reading 'w' from checkpoint .*ckpt failed: .*shardstore verify"):
+    with pytest.raises(CheckpointingException, match=r"Corrupt chunk c\.0 of array 'w' \(.*ckpt.*crc32c"):
         _load_from_array(ShardedTensor.from_rank_offsets("w", torch.empty(8, dtype=torch.int64)), ckpt)
     (ckpt / "zarr.json").unlink()  # the commit record: an unfinished save is refused, not read
     with pytest.raises(CheckpointingException, match=str(ckpt)):

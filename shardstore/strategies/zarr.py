@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from shardstore._zarr_autoload import EXTENSION_METADATA
 from shardstore.core import CheckpointingException
-from shardstore.execution.load import plan_read, run_read_plan
+from shardstore.execution.load import load_tensors, plan_read, run_read_plan
 from shardstore.execution.loaded import (  # flatten_range, pad_to_expected_shape: Megatron-Core's names here
     flatten_range,  # noqa: F401
     pad_to_expected_shape,  # noqa: F401
@@ -77,7 +77,9 @@ from shardstore.format.records import (
     ArrayRecord,
     CommitRecord,
     ZarrMetadata,
+    is_committed,
     parent_groups,
+    sharded_backend,
     write_commit_record,
 )
 from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
@@ -768,11 +770,16 @@ def consolidated_document(location: Location, key: str) -> dict[str, Any] | None
 
 
 def _load_from_array(sharded_tensor: ShardedTensor, checkpoint_dir: CheckpointDir | Location) -> torch.Tensor:
-    """Loads one tensor from its array (reads the array's own ``zarr.json``, or its
-    document in the root's consolidated metadata, ``_open_array``). Megatron's
-    zarr functions write arrays into a bare directory, with no commit record: read as it
-    is (each chunk's crc32c, a codec of the array, is checked by TensorStore)."""
+    """Loads one tensor from its array. A committed shardstore checkpoint is read as
+    ``load`` reads it (``load_tensors``: every chunk bound by the commit record, a
+    missing one an error, never the fill value). Megatron's zarr functions write arrays
+    into a bare directory, with no commit record: read as it is (the array's own
+    ``zarr.json``, or its document in the root's consolidated metadata, ``_open_array``;
+    each chunk's crc32c, a codec of the array, is checked by TensorStore)."""
     location = bare_location(checkpoint_dir)
+    if _holds_shardstore_checkpoint(location):
+        opened = open_read(checkpoint_dir)
+        return load_tensors([sharded_tensor], opened.location, opened.require_record())[0]
     arr = _open_array(location, sharded_tensor.key, "r")
     stored = ArrayRecord(
         sharded_tensor.key, tuple(arr.shape), str(arr.dtype.name), tuple(arr.chunk_layout.read_chunk.shape)
@@ -787,6 +794,13 @@ def _load_from_array(sharded_tensor: ShardedTensor, checkpoint_dir: CheckpointDi
         ) from exc
     return place_loaded(op.finish(numpy_to_tensor(array, from_zarr_name(stored.dtype).torch_dtype)), sharded_tensor,
                         f"checkpoint {location.describe()}")
+
+
+def _holds_shardstore_checkpoint(location: Location) -> bool:
+    """Whether ``location`` holds a committed shardstore checkpoint (its commit record,
+    and a ``metadata.json`` naming our backend), rather than the bare arrays of
+    Megatron's zarr functions or another tool's Zarr group."""
+    return is_committed(location) and sharded_backend(location) in READABLE_BACKENDS
 
 
 def postprocess_numpy_array(

@@ -151,3 +151,27 @@ def test_saved_array_is_the_global_tensor_for_plain_zarr(ckpt_dir: Path) -> None
     assert torch.equal(torch.from_numpy(arr[:]).view(torch.int32), expected.view(torch.int32))
     # chunk grid follows the sharding grid: two column blocks of 6
     assert arr.chunks == (16, 6)
+
+
+def _layers(shape: tuple[int, int], data: torch.Tensor | None = None, mismatch: bool = False) -> dict:
+    """One ShardedTensor per layer of a layer-stacked weight (the layer a prepended axis)."""
+    return {"w": [ShardedTensor("w", data[i].clone() if data is not None else torch.empty(shape[1]), torch.float32,
+                                (shape[1],), shape, (i, 0), (shape[0], 1), 0, 1, mismatch) for i in range(shape[0])]}
+
+
+@pytest.mark.parametrize("wanted", [(4, 4), (4, 6), (3, 2)])
+def test_allow_shape_mismatch_pads_layers_past_the_stored_ones_with_zeros(tmp_path: Path, wanted: tuple) -> None:
+    """A layer-stacked weight (the layer a prepended axis) saved with 2 layers of 4,
+    loaded with ``allow_shape_mismatch`` as more layers (or wider ones): the stored
+    layers come back fitted to the requested width, the layers past them as zeros, as
+    an offset past the stored extent of any other axis does. Before, such a layer failed
+    the load with ``ValueError: cannot reshape array of size 4 into shape (0,4)`` (or
+    ``RuntimeError: shape '[6]' is invalid for input of size 0``)."""
+    stored = global_tensor("w", (2, 4), torch.float32)
+    save(_layers((2, 4), stored), tmp_path / "ckpt")
+    loaded = load(_layers(wanted, mismatch=True), tmp_path / "ckpt")["w"]
+    expected = torch.zeros(wanted)
+    common = (slice(0, min(2, wanted[0])), slice(0, min(4, wanted[1])))
+    expected[common] = stored[common]
+    for layer, tensor in enumerate(loaded):
+        assert_bits_equal(tensor, expected[layer], f"layer {layer}")

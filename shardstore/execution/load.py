@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from shardstore.errors import CheckpointingException, first_failure
-from shardstore.execution.loaded import place_loaded, postprocess_loaded, result_device
+from shardstore.execution.loaded import local_part, place_loaded, postprocess_loaded, result_device
 from shardstore.execution.staging import DeviceUploader
 from shardstore.format.chunks import (
     DEFAULT_IO_CONCURRENCY,
@@ -97,7 +97,7 @@ def plan_read(t: ShardedTensor, record: ArrayRecord, where: str) -> ReadOp:
     region = tuple(slice(min(s.start, n), min(s.stop, n)) for s, n in zip(block, record.shape))
 
     def finish(x: torch.Tensor) -> torch.Tensor:
-        return postprocess_loaded(x.reshape(region_shape(region)[t.prepend_axis_num :]), t)
+        return postprocess_loaded(x.reshape(local_part(region, t.prepend_axis_num)), t)
 
     return ReadOp(t, region, finish)
 
@@ -273,7 +273,7 @@ def _in_place_target(read: ReadOp, stored_dtype: torch.dtype, taken: set[int]) -
     no conversion (no flattened range, padding or prepended-axis change) and ``_claim``
     gives it."""
     t = read.tensor
-    shape = tuple(region_shape(read.region)[t.prepend_axis_num :])
+    shape = local_part(read.region, t.prepend_axis_num)
     if t.flattened_range is not None or not _claim(t.data, stored_dtype, shape, taken):
         return None
     return t.data.detach()

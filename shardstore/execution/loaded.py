@@ -7,13 +7,27 @@ own format (``execution.load``) and the readers of other tools' checkpoints
 
 from __future__ import annotations
 
-__all__ = ["flatten_range", "pad_to_expected_shape", "place_loaded", "postprocess_loaded", "result_device"]
+__all__ = ["flatten_range", "local_part", "pad_to_expected_shape", "place_loaded", "postprocess_loaded", "result_device"]
+
+import math
 
 import torch
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.dtypes import cast_checked
 from shardstore.mapping import ShardedTensor
+from shardstore.planning.layout import Region, region_shape
+
+
+def local_part(region: Region, prepend_axis_num: int) -> tuple[int, ...]:
+    """The shape of what ``region`` (read for a request) holds of the request's local
+    tensor: the region without its prepended axes. A region that lies past the stored
+    array along a prepended axis (``allow_shape_mismatch``: a layer the checkpoint does
+    not have) holds none of it: every axis of the part is empty, padded by
+    ``postprocess_loaded`` like an offset past the stored extent of any other axis."""
+    shape = region_shape(region)
+    local = shape[prepend_axis_num:]
+    return local if math.prod(shape[:prepend_axis_num]) else (0,) * len(local)
 
 
 def postprocess_loaded(x: torch.Tensor, t: ShardedTensor, apply_flattened_range: bool = True) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace
-from shardstore.execution.loaded import place_loaded, postprocess_loaded
+from shardstore.execution.loaded import local_part, place_loaded, postprocess_loaded
 from shardstore.format.records import CommitRecord
 from shardstore.mapping import (
     ShardedObject,
@@ -107,7 +107,7 @@ def read_requested(source: OtherCheckpoint, t: ShardedTensor, allow_lossy_casts:
     block = region_at(t.global_offset, block_shape(t))
     region = tuple(slice(min(s.start, n), min(s.stop, n)) for s, n in zip(block, saved.shape))
     x = source.read_region(t.key, region)
-    x = postprocess_loaded(x.reshape([s.stop - s.start for s in region][t.prepend_axis_num :]), t)
+    x = postprocess_loaded(x.reshape(local_part(region, t.prepend_axis_num)), t)
     return place_loaded(x, t, str(source.path), allow_lossy_casts)
 
 

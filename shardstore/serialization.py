@@ -86,7 +86,7 @@ from shardstore.opened import OpenedCheckpoint, bare_location, open_read
 from shardstore.planning.layout import GlobalLayout
 from shardstore.planning.plans import RankLoadPlan
 from shardstore.progress import operation, progress_shown, stage
-from shardstore.protocol.collectives import Group
+from shardstore.protocol.collectives import Group, PeerLost
 from shardstore.protocol.plan_stage import gather_and_plan
 from shardstore.protocol.stage import run_stage
 from shardstore.stores.base import Location
@@ -230,6 +230,9 @@ def save(
             if async_sharded_save:
                 return sharded_strategy.async_save_into(sharded_part, pipeline, plan, error)
             sharded_strategy.save_into(sharded_part, pipeline, plan, error)
+        except PeerLost as exc:  # known to this rank only: a peer may still be writing
+            pipeline.unwind(exc)
+            raise
         except CheckpointingException:  # raised on every rank: no rank writes any more
             if group.is_coordinator:
                 pipeline.abandon()

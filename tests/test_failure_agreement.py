@@ -289,3 +289,39 @@ def test_a_forked_writer_never_uses_the_training_process_store_connection() -> N
     """Megatron's forked writer shares the parent's socket to the store: marking from
     there would interleave with the parent's requests, so a fork sees no store."""
     assert run_distributed(store_seen_by_a_fork, 2) == [(True, 0), (True, 0)]
+
+
+def slowed_past_the_timeout(rank: int, world: int, ckpt: str) -> str | list[str]:
+    """Rank 1's chunk write takes longer than the process group's timeout, so rank 0,
+    done with its own part, loses it in the commit stage while it still writes. Returns,
+    on rank 0, what the checkpoint's parent holds once its save raised; elsewhere, what
+    the save raised."""
+    import shardstore.format.chunks as chunk_io
+
+    original = chunk_io.ChunkFile.write
+
+    def slow(self: chunk_io.ChunkFile, data: object) -> int:
+        if rank == 1:
+            time.sleep(SHORT_PG_TIMEOUT_S + 4)
+        return original(self, data)
+
+    chunk_io.ChunkFile.write = slow
+    try:
+        save(_state(rank, world), ckpt)
+    except CheckpointingException as exc:
+        return sorted(os.listdir(Path(ckpt).parent)) if rank == 0 else type(exc).__name__
+    return "saved"
+
+
+def test_a_peer_lost_while_it_still_writes_leaves_its_staging_directory(tmp_path: Path) -> None:
+    """A sync save whose coordinator lost a peer (``PeerLost``: only this rank knows)
+    deleted the staging directory while the peer still wrote into it; the peer's late
+    chunk then made the directory again without its marker, which no later save could
+    tell from another program's and so left behind. Now the directory stays, as after
+    an interrupt beside a slow writer, and the next save into the place removes it."""
+    ckpt = str(tmp_path / "ckpt")
+    left, peer = run_distributed(slowed_past_the_timeout, 2, ckpt, pg_timeout=SHORT_PG_TIMEOUT_S)
+    assert len(left) == 1 and left[0].startswith(".ckpt.shardstore-save-"), left
+    assert peer == "PeerLost", peer
+    run_distributed(saved, 2, ckpt)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]

@@ -339,3 +339,42 @@ def test_a_common_state_that_cannot_be_represented_fails_every_rank_alike(tmp_pa
     assert max(seconds_0, seconds_1) < PROMPT_S
     assert not (tmp_path / "ckpt" / "zarr.json").exists()
 
+
+
+# ---------------------------------------------------------------- between the stages
+
+
+def save_that_rank_1_cannot_join(rank: int, world: int, ckpt: str) -> tuple[str, str, float]:
+    """Rank 1 cannot open the save's staging directory when it joins the save (after
+    the plan stage, before the staging stage): a per-node failure such as too many open
+    files. A rank that raised alone lives on, as a trainer that logs a failed save
+    does, so its peer would wait for it in the staging stage."""
+    from shardstore.stores.local import LocalStore
+
+    if rank == 1:
+        def refuse(self: LocalStore) -> None:
+            raise Injected("injected failure opening the staging directory")
+
+        LocalStore.begin_writes = refuse
+    start = time.monotonic()
+    try:
+        save(state_dict(rank, world, empty=False), ckpt)
+    except CheckpointingException as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    except Injected as exc:  # raised alone: live on past the peer's patience
+        time.sleep(PROMPT_S + 2)
+        return "not a CheckpointingException: Injected", str(exc), time.monotonic() - start
+    return "no error", "", time.monotonic() - start
+
+
+def test_a_rank_that_cannot_join_the_save_fails_every_rank_alike_within_seconds(tmp_path: Path) -> None:
+    """Before: the join (each rank's opening of the coordinator's staging directory,
+    between the plan and the staging stage) raised its bare error on that rank alone,
+    and the coordinator waited in the staging stage until the peer's process ended or
+    the process group timed out, leaving the staging directory behind."""
+    results = run_distributed(save_that_rank_1_cannot_join, 2, str(tmp_path / "ckpt"), timeout=120)
+    (kind_0, message_0, seconds_0), (kind_1, message_1, seconds_1) = results
+    assert {kind_0, kind_1} == {"StageFailed"} and message_0 == message_1, results
+    assert "rank(s) 1" in message_0 and "injected failure" in message_0 and str(tmp_path / "ckpt") in message_0
+    assert max(seconds_0, seconds_1) < PROMPT_S, results
+    assert list(tmp_path.iterdir()) == [], "the failed save left its staging directory"

@@ -292,7 +292,9 @@ class SavePipeline:
         the save begun on the coordinator once the plan is made and joined on every rank.
         Keys the target cannot store, an invalid global sharding and any rank's
         ``local_error`` fail every rank before anything is written, and so does a store
-        the ranks cannot share (``format.commit.check_shared``: ``memory://``). The
+        the ranks cannot share (``format.commit.check_shared``: ``memory://``); a rank
+        that cannot join fails every rank in the staging stage's agreement
+        (``execution.save.fail_before_staging``). The
         pipeline keeps ``tensors`` (``planned_tensors``): the state dict is not walked
         again to write them."""
         self._planned = tensors
@@ -316,7 +318,10 @@ class SavePipeline:
             if self._pending is not None:
                 self._pending.abandon()
             raise
-        self.join(intent)
+        try:
+            self.join(intent)
+        except Exception as exc:  # the peers wait in the staging stage: told there, not left to time out
+            rank_save.fail_before_staging(self.group, self.describe(), exc)
         return plan
 
     def refuse_oversized_objects(self, bounds: dict[str, tuple[int | None, int | None]]) -> None:

@@ -28,8 +28,8 @@ runs them in that order and holds what they stage and write. Chunks are written 
 from __future__ import annotations
 
 __all__ = [
-    "ASSEMBLY_SHARE", "StagedWrites", "Staging", "WriteOp", "assembly_wave_bytes", "commit_save", "finalize_save",
-    "metadata_files", "node_document_files", "stage_save", "write_ops",
+    "ASSEMBLY_SHARE", "StagedWrites", "Staging", "WriteOp", "assembly_wave_bytes", "commit_save", "fail_before_staging",
+    "finalize_save", "metadata_files", "node_document_files", "stage_save", "write_ops",
 ]
 
 import json
@@ -37,7 +37,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, NoReturn, cast
 
 import numpy as np
 import torch
@@ -369,7 +369,7 @@ def stage_save(
         return work
 
     run_stage(
-        group, f"Staging tensors for checkpoint {where}",
+        group, _staging_stage(where),
         lambda: copy_to_host(tensors, location, plan, staging, host, snapshot, written, early_chunks, book),
         transfers=straddles(waves[0]), local_error=local_error,
         same_setting=(_WAVE_SETTING, _ExchangeWaves(len(waves), wave_bytes if len(waves) > 1 else None,
@@ -388,6 +388,20 @@ def stage_save(
     ops += [_assembled_op(chunk, buffer, plan.records, plan.gathered) for chunk, buffer in assembled]
     files = metadata_files(plan, location.options.zarr_metadata)
     return StagedWrites(plan.records, files, ops, snapshot, tuple(early_chunks))
+
+
+def _staging_stage(where: str) -> str:
+    """The staging stage of a save into ``where`` (``stage_save``), as errors name it."""
+    return f"Staging tensors for checkpoint {where}"
+
+
+def fail_before_staging(group: Group, where: str, error: BaseException) -> NoReturn:
+    """Collective: this rank's ``error`` between the plan stage and the staging stage of
+    a save into ``where`` (joining it: opening the coordinator's staging directory),
+    told to the peers that wait in the staging stage's agreement (``stage_save``), so
+    that every rank raises the same ``StageFailed`` instead of waiting for this one."""
+    run_stage(group, _staging_stage(where), lambda: None, local_error=error)
+    raise error  # not reached: the stage raised it, as every rank's failure
 
 
 def _waves_reading(waves: list[tuple[tuple[int, FlatChunk], ...]], rank: int) -> dict[int, tuple[int, int]]:

@@ -1200,7 +1200,11 @@ def join_save(target: Location, intent: SaveIntent, options: SaveOptions) -> Pen
         )
         options = replace(options, zarr_metadata=intent.zarr_metadata)
     pending = publisher_for(target.capabilities).join(target, intent, options)
-    pending.location.begin_writes()
+    try:
+        pending.location.begin_writes()
+    except BaseException:  # not joined: nothing of the save is held here
+        pending.release()
+        raise
     return pending
 
 

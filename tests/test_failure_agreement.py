@@ -325,3 +325,40 @@ def test_a_peer_lost_while_it_still_writes_leaves_its_staging_directory(tmp_path
     assert peer == "PeerLost", peer
     run_distributed(saved, 2, ckpt)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def _own_disk_at(path: Path) -> bool:
+    """Gives this process a disk of its own at ``path`` (a tmpfs in a private mount
+    namespace), as another node's local disk at the same path is; False where this
+    process may not (no CAP_SYS_ADMIN)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newns, ms_rec, ms_private = 0x00020000, 1 << 14, 1 << 18
+    return (libc.unshare(clone_newns) == 0 and libc.mount(b"none", b"/", None, ms_rec | ms_private, None) == 0
+            and libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", 0, None) == 0)
+
+
+def saved_from_two_disks(rank: int, world: int, ckpt: str) -> tuple[bool, str]:
+    """A save into ``ckpt`` whose rank 1 sees its own disk at the checkpoint's parent.
+    Returns whether rank 1 got its own disk, and what the save raised ("saved": nothing)."""
+    own = _own_disk_at(Path(ckpt).parent) if rank == 1 else True
+    try:
+        save(_state(rank, world), ckpt)
+    except CheckpointingException as exc:
+        return own, str(exc)
+    return own, "saved"
+
+
+def test_a_save_to_each_nodes_own_disk_fails_instead_of_committing_without_their_chunks(tmp_path: Path) -> None:
+    """Before: a rank whose path is its node's own disk (not the coordinator's file
+    system) made a staging directory of its own there and wrote its chunks into it; the
+    coordinator committed a checkpoint that lacked them, and both ranks returned as if
+    it were saved. Now the joining rank requires the coordinator's staging directory
+    and every rank raises, naming what to do."""
+    ckpt = str(tmp_path / "ckpt")
+    (_, message_0), (own, message_1) = run_distributed(saved_from_two_disks, 2, ckpt)
+    if not own:
+        pytest.skip("no private mount namespace here (needs CAP_SYS_ADMIN)")
+    assert message_0 == message_1 and "rank(s) 1" in message_0 and "shared" in message_0, message_0
+    assert list(tmp_path.iterdir()) == [], "the failed save left files"

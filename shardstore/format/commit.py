@@ -663,7 +663,9 @@ class ByRename(Publisher):
 
     def join(self, target: Location, intent: SaveIntent, options: SaveOptions) -> PendingCheckpoint:
         directory = _directory(target).resolved()
-        return PendingCheckpoint(Location(directory), _staging_for(directory, intent.save_id), intent, self, options)
+        staging = _staging_for(directory, intent.save_id)
+        _require_coordinators_staging(staging, intent.save_id, target)
+        return PendingCheckpoint(Location(directory), staging, intent, self, options)
 
     def prepare_writes(self, save: PendingCheckpoint) -> None:
         save.location.prepare()
@@ -1240,6 +1242,23 @@ def adopt_save(location: Location) -> PendingCheckpoint:
 def _staging_for(target: DirectoryPublishing, save_id: str) -> Location:
     """The staging directory of the save ``save_id`` into ``target`` (links resolved)."""
     return Location(target.sibling(f".{target.name}{STAGING_TAG}{save_id}"))
+
+
+def _require_coordinators_staging(staging: Location, save_id: str, target: Location) -> None:
+    """A joining rank sees the staging directory the coordinator made, its marker naming
+    the save: on a path that is each node's own disk it sees none, and its chunks would
+    go where the commit never looks, into a checkpoint committed without them.
+
+    Raises:
+        CheckpointingException: naming the staging directory, the checkpoint and what to do.
+    """
+    if _marker_id(staging) != save_id:
+        raise CheckpointingException(
+            f"This rank does not see {staging.describe()}, the staging directory the coordinator made for the save "
+            f"into {target.describe()}: every rank of a save must write into one file system they share (a path on "
+            "each node's own disk is another directory on each node, and the checkpoint would lack their chunks); "
+            "save to a shared file system or to object storage"
+        )
 
 
 def _holds_committed(target: DirectoryPublishing) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardstore import ShardedTensor, load, save
+from shardstore import CheckpointingException, ShardedTensor, load, save
 from tests.dist import run_distributed
 from tests.scenarios import assert_bits_equal, global_tensor
 
@@ -73,3 +73,25 @@ def load_counting_reads(rank: int, world: int, ckpt: str) -> int:
 def test_fully_parallel_load_shares_the_reads(tmp_path: Path) -> None:
     counts = run_distributed(load_counting_reads, 2, str(tmp_path / "ckpt"))
     assert sorted(counts) == [3, 3], counts  # 6 replicated tensors: each rank read 3, got 3
+
+
+def saved_by_every_rank_on_a_pair(rank: int, world: int, root: str) -> str:
+    """Every rank calls ``save`` with the group of ranks 0 and 1, rank 2 too, which is
+    not in it (``new_group`` gave it ``GroupMember.NON_GROUP_MEMBER``); returns what
+    the save raised on this rank."""
+    pair = dist.new_group([0, 1])
+    part = min(rank, 1)
+    try:
+        save({"w": _tp("w", part, 2, False)}, f"{root}/ckpt{rank // 2}", process_group=pair)
+    except CheckpointingException as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_a_rank_outside_the_process_group_is_told_so(tmp_path: Path) -> None:
+    """Before: a rank outside the group failed with torch's bare "ValueError: Invalid
+    process group specified", which names neither the group nor what to change."""
+    results = run_distributed(saved_by_every_rank_on_a_pair, 3, str(tmp_path))
+    assert results[:2] == ["saved", "saved"], results
+    assert "Global rank 2 is not in the process group" in results[2], results[2]
+    assert not (tmp_path / "ckpt1").exists()

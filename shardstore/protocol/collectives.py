@@ -104,6 +104,12 @@ class Group:
         self.pid = os.getpid()  # the process whose process group this is (not a fork of it)
         if self.active:
             self.rank = dist.get_rank(process_group)
+            if self.rank < 0:
+                raise CheckpointingException(
+                    f"Global rank {dist.get_rank()} is not in the process group it was given (torch.distributed."
+                    "new_group returns GroupMember.NON_GROUP_MEMBER to the ranks outside a group): only the group's "
+                    "ranks save, load or agree on it; call from those ranks, or pass this rank's own group"
+                )
             self.world_size = dist.get_world_size(process_group)
         else:
             self.rank, self.world_size = 0, 1

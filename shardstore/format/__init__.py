@@ -33,6 +33,7 @@ __all__ = [
     "Problem",
     "SaveIntent",
     "StatePath",
+    "UnsupportedFormatVersion",
     "VerifyReport",
     "WrittenChunk",
     "ZARR_JSON",
@@ -73,5 +74,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "records": ("ArrayRecord", "COMMIT_RECORD", "COMMON_FILE", "CommitRecord", "DELETION_MARKER", "DcpMetadata",
                 "MAX_RECORD_BYTES", "ObjectRecord", "StatePath", "ZARR_JSON", "array_group_collisions",
                 "group_metadata", "is_committed", "own_markers", "parent_groups", "read_commit_record", "read_marker",
-                "state_paths"),
+                "state_paths", "UnsupportedFormatVersion"),
 })

@@ -38,7 +38,7 @@ from shardstore.errors import CheckpointingException
 from shardstore.progress import format_bytes, progress_shown
 
 if TYPE_CHECKING:
-    from shardstore.stores.base import Location
+    from shardstore.stores import Location
 
 EXIT_FINDING = 1
 EXIT_ERROR = 2
@@ -261,8 +261,7 @@ def _refuse_unreadable_version(location: Location) -> None:
     cannot read: an error (exit status 2, upgrade shardstore), not damage (exit status 1,
     which a script may act on by deleting the checkpoint). Other errors of the record are
     left to ``verify``, which reports them as the damage they are."""
-    from shardstore.format import read_commit_record
-    from shardstore.format.records import UnsupportedFormatVersion
+    from shardstore.format import UnsupportedFormatVersion, read_commit_record
 
     try:
         read_commit_record(location)

@@ -69,7 +69,7 @@ from torch.futures import Future
 
 from shardstore.core import CheckpointingConfig, CheckpointingException, SaveOptions
 from shardstore.dict_utils import flatten
-from shardstore.execution import RankSave, SavePipeline
+from shardstore.execution import RankSave, SavePipeline, fail_before_staging
 from shardstore.format import (
     BY_TORCH,
     COMMON_FILE,
@@ -792,9 +792,7 @@ class ShardstoreWriter(StorageWriter):
             return save
         except Exception as exc:
             if part.exchange:
-                where = _id_text(self.checkpoint_id)
-                run_stage(Group(self.process_group), f"Staging tensors for checkpoint {where}", lambda: None,
-                          local_error=exc)
+                fail_before_staging(Group(self.process_group), _id_text(self.checkpoint_id), exc)
             raise
 
     def _write_shards(self, part: RankPart, planner: SavePlanner, save: SavePipeline) -> WrittenChunks:

@@ -548,3 +548,18 @@ def test_a_damaged_torch_archive_is_a_clear_error_naming_the_file(tmp_path: Path
     source.write_bytes(data)
     with pytest.raises(CheckpointingException, match=r"model\.pt .*is corrupt"):
         from_torch_file(source, tmp_path / "converted")
+
+
+def test_a_refused_opcode_says_damage_first_not_trust(tmp_path: Path) -> None:
+    """An opcode torch's weights_only machine refuses, with no class named (as a flipped
+    byte in ``data.pkl`` makes), may be damage: the error says to check the file before
+    trusting it. Before, it read "holds objects that a safe load refuses ... If you trust
+    this checkpoint, admit it with load with ...allow_unsafe_pickle=True": advice to
+    unpickle damaged bytes, ungrammatical too."""
+    data = _torch_archive_with_pickle({"step": 3}, lambda _d: pickle.PROTO + b"\x02" + b"\xc1" + pickle.STOP, 2)
+    ckpt = tmp_path / "ckpt"
+    _our_checkpoint(ckpt)
+    _plant_common(ckpt, data)
+    with pytest.raises(CheckpointingException, match=r"common\.pt is damaged, or holds objects .*Check it first") as err:
+        shardstore.load_common_state_dict(ckpt)
+    assert "admit it with load" not in str(err.value)

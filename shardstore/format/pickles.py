@@ -235,13 +235,17 @@ def _torch_load_errors(where: str, load: Callable[[], Any]) -> Any:
         text = str(exc)
         if "weights_only" in text or "Weights only" in text or "Unsupported" in text:
             refused = _REFUSED_GLOBAL.search(text)
-            name = _public_name(refused.group(1)) if refused else ""
-            what = f"{name}, which" if refused else "objects that"
-            admit = f"torch.serialization.add_safe_globals([{name}]) or " if refused else ""
+            if refused is None:  # no class named: an opcode refused, as damaged bytes make too
+                raise CheckpointingException(
+                    f"{where} is damaged, or holds objects a safe load refuses (unpickling could run code): "
+                    f"{_torch_reason(text)}. Check it first (shardstore verify, or a copy's checksum); only if it "
+                    f"is intact and you trust it, load with {UNSAFE_OPT_IN}."
+                ) from exc
+            name = _public_name(refused.group(1))
             raise CheckpointingException(
-                f"{where} holds {what} a safe load refuses (unpickling could run code): "
-                f"{_torch_reason(text)}. If you trust this checkpoint, admit it with {admit}load with "
-                f"{UNSAFE_OPT_IN}."
+                f"{where} holds {name}, which a safe load refuses (unpickling could run code): "
+                f"{_torch_reason(text)}. If you trust this checkpoint, admit it with "
+                f"torch.serialization.add_safe_globals([{name}]) or load with {UNSAFE_OPT_IN}."
             ) from exc
         raise CheckpointingException(f"{where} is corrupt: {exc}") from exc
     except Exception as exc:  # torch's machinery on damaged bytes raises many kinds (LookupError, AssertionError)

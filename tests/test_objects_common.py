@@ -217,3 +217,13 @@ def test_an_object_shard_stored_under_its_old_key_loads(ckpt_dir: Path) -> None:
     rewrite_record(ckpt_dir, list_the_old_key)
     request = {"o": ShardedObject("optimizer/state", None, (1, 1), (0, 0))}
     assert TorchCommonLoadStrategy().load_sharded_objects(request, ckpt_dir) == {"o": {"lr": 0.5}}
+
+
+def test_asking_for_an_object_as_a_tensor_says_it_is_an_object(ckpt_dir: Path) -> None:
+    """A key saved as a ShardedObject and asked for as a ShardedTensor: the error says it
+    is an object and how to ask for it. Before, it said the checkpoint had no such
+    tensor and advised ``strict='log_unexpected'``, which would silently skip it."""
+    save({"o": ShardedObject("rng", torch.arange(3), (1,), (0,))}, ckpt_dir)
+    with pytest.raises(CheckpointingException, match=r"holds \['rng'\] as ShardedObject.*same key") as err:
+        load({"o": ShardedTensor.from_rank_offsets("rng", torch.empty(3))}, ckpt_dir)
+    assert "log_unexpected" not in str(err.value)

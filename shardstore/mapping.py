@@ -14,6 +14,7 @@ __all__ = [
     "CommonStateDict", "FactoryBuildFn", "FactoryMergeFn", "LocalNonpersistentObject", "ReplicaId",
     "ShardedBase", "ShardedObject", "ShardedStateDict", "ShardedTensor", "ShardedTensorFactory",
     "StateDict", "apply_factories", "apply_factory_merges", "fill_unknown_last_axes", "is_main_replica",
+    "unstorable_reason",
 ]
 
 import logging
@@ -58,6 +59,37 @@ class ShardedBase(ABC):
     @abstractmethod
     def without_data(self) -> ShardedBase:
         """Returns a new instance with ``data=None``."""
+
+
+def unstorable_reason(data: Any) -> str | None:
+    """Why ``data`` is no tensor whose memory holds its values (a save copies them out
+    of that memory), said with what to do instead; None for a dense tensor with memory
+    (of any dtype: the format's dtypes are checked apart). A plain ``torch.Tensor`` or
+    ``nn.Parameter`` costs three attribute reads."""
+    if not isinstance(data, torch.Tensor):
+        return (f"its data is a {type(data).__qualname__}, not a torch.Tensor: make it a tensor "
+                "(torch.as_tensor(data)), or keep the value in the common state")
+    if type(data) not in (torch.Tensor, torch.nn.Parameter) and _is_fake(data):
+        return ("its data is a FakeTensor, which holds no values (made under FakeTensorMode): "
+                "save real tensors, made outside that mode")
+    if data.is_nested:
+        return ("its data is a nested tensor, which no array of one shape holds: save its components "
+                "(data.unbind()) as tensors of their own, or keep it in the common state")
+    if data.layout != torch.strided:
+        return (f"its data is a {str(data.layout).removeprefix('torch.')} tensor: only dense (strided) tensors "
+                "are stored as arrays; pass data.to_dense(), or keep the sparse tensor in the common state "
+                "(pickled whole)")
+    if data.device.type == "meta":
+        return ("its data is on the meta device and holds no values: materialize it first "
+                "(module.to_empty(device=...), then initialize or load it)")
+    return None
+
+
+def _is_fake(data: torch.Tensor) -> bool:
+    """Whether ``data`` is a FakeTensor (imported only for a tensor subclass)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return bool(is_fake(data))
 
 
 @dataclass
@@ -150,6 +182,11 @@ class ShardedTensor(ShardedBase):
         ShardedTensor was made (``p.data = p.data.to(torch.bfloat16)``); a save stores
         what the tensor holds, and a cached plan of the old dtype is not reused."""
         return self.data.dtype if self.data is not None else self.dtype
+
+    def unstorable_data(self) -> str | None:
+        """Why ``data`` holds no values a save can write as an array, and what to do
+        instead (``unstorable_reason``); None when it does, or holds none."""
+        return None if self.data is None else unstorable_reason(self.data)
 
     def check_held_shape(self) -> None:
         """Raises a CheckpointingException naming the key when ``data``'s shape is not the

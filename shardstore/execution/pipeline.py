@@ -58,6 +58,7 @@ from shardstore.mapping import ShardedObject, ShardedTensor
 from shardstore.planning.checks import (
     admits_names,
     check_layout,
+    check_storable_data,
     check_storable_keys,
     local_records,
     name_lengths_needed,
@@ -291,9 +292,11 @@ class SavePipeline:
         """Collective: this rank's part of ``planner``'s plan (``protocol.plan_cache``),
         the save begun on the coordinator once the plan is made and joined on every rank.
         Keys the target cannot store, an invalid global sharding and any rank's
-        ``local_error`` fail every rank before anything is written, and so does a store
-        the ranks cannot share (``format.commit.check_shared``: ``memory://``); a rank
-        that cannot join fails every rank in the staging stage's agreement
+        ``local_error`` fail every rank before anything is written, and so do a store
+        the ranks cannot share (``format.commit.check_shared``: ``memory://``) and data
+        no array can be written from (``planning.checks.check_storable_data``: sparse,
+        nested, meta or fake tensors, dtypes the format does not store); a rank that
+        cannot join fails every rank in the staging stage's agreement
         (``execution.save.fail_before_staging``). The
         pipeline keeps ``tensors`` (``planned_tensors``): the state dict is not walked
         again to write them."""
@@ -301,6 +304,8 @@ class SavePipeline:
         if local_error is None:
             try:
                 check_shared(self.target, self.group.world_size)
+                for tensor in tensors:
+                    check_storable_data(tensor, self.describe())
             except CheckpointingException as exc:  # reported on every rank by the plan stage
                 local_error = exc
         if self.begun:  # a caller's directory: nothing to begin

@@ -9,7 +9,7 @@ which then sends every rank either its part of the plan or the same error.
 from __future__ import annotations
 
 __all__ = [
-    "FORMAT_NAME_LIMITS", "admits_names", "check_layout", "check_storable_keys",
+    "FORMAT_NAME_LIMITS", "admits_names", "check_layout", "check_storable_data", "check_storable_keys",
     "layout_of_global_metadata", "local_records", "name_lengths_needed",
     "ranks_with_differing_common_state",
 ]
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.dtypes import from_zarr_name
+from shardstore.format.dtypes import UnsupportedDTypeError, from_torch, from_zarr_name
 from shardstore.format.records import (
     ZARR_JSON,
     array_group_collisions,
@@ -65,6 +65,23 @@ def local_records(
     tensors = [record(t, rank, i) for i, t in enumerate(sharded_tensors)]
     objects = [ObjectShardRecord.from_sharded_object(o, rank) for o in sharded_objects]
     return tensors, objects
+
+
+def check_storable_data(tensor: ShardedTensor, where: str | None = None) -> None:
+    """A save's check of what it writes: raises a CheckpointingException naming the key,
+    the checkpoint ``where`` and what to do when ``tensor``'s data is none an array can
+    be written from (``ShardedTensor.unstorable_data``: sparse, nested, meta, fake) or
+    is of a dtype the format does not store. A load's request may hold any tensor (a
+    load that cannot read into it returns a new one)."""
+    problem = tensor.unstorable_data()
+    if problem is None:
+        try:
+            from_torch(tensor.held_dtype)
+        except UnsupportedDTypeError as exc:
+            problem = f"{exc}; cast it to one of them before saving (keep the original in the common state if needed)"
+    if problem is not None:
+        context = f" in {where}" if where else ""
+        raise CheckpointingException(f"ShardedTensor {tensor.key!r}{context}: {problem}")
 
 
 def ranks_with_differing_common_state(digests: list[dict[str, str] | None]) -> list[int]:

@@ -346,3 +346,51 @@ def test_a_symlinked_target_is_measured_by_its_real_path(tmp_path: Path) -> None
         save({"w": ShardedTensor.from_rank_offsets(key, torch.ones(2))}, link / "ckpt")
     assert "shorten the key" in str(refused.value)
     assert not (real / "ckpt").exists() and [p.name for p in real.iterdir()] == []
+
+
+@pytest.mark.parametrize("inner", ["sub", "w/inner", "a/b/c"])
+def test_a_save_inside_a_committed_checkpoint_is_refused_naming_it(tmp_path: Path, inner: str) -> None:
+    """Before, ``save`` into ``ckpt/sub`` (or into an array's directory of ``ckpt``)
+    committed a second checkpoint inside the first, whose record lists none of its
+    files: ``verify ckpt`` then reported every one of them as unlisted (exit status 1)
+    and a save replacing ``ckpt`` refused to delete them."""
+    ckpt = tmp_path / "ckpt"
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, ckpt)
+    with pytest.raises(CheckpointingException) as refused:
+        save({"x": ShardedTensor.from_rank_offsets("x", torch.ones(2))}, ckpt / inner)
+    message = str(refused.value)
+    assert f"{ckpt / inner}" in message and f"inside the committed checkpoint {ckpt}" in message, message
+    assert "outside it" in message and "shared_directory=True" in message, message
+    assert not (ckpt / inner).exists() and verify(ckpt).ok
+
+
+def test_a_save_inside_a_committed_checkpoint_on_an_object_store_is_refused() -> None:
+    """As on disk, for a prefix inside a committed one (``memory://``, as on S3)."""
+    outer = "memory://inside-committed/ckpt"
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, outer)
+    with pytest.raises(CheckpointingException, match=f"inside the committed checkpoint {outer}"):
+        save({"x": ShardedTensor.from_rank_offsets("x", torch.ones(2))}, f"{outer}/sub")
+    assert verify(outer).ok
+
+
+def test_a_save_inside_a_committed_checkpoint_on_s3_is_refused(s3_endpoint: str) -> None:
+    """On S3 each enclosing prefix's ``zarr.json`` is read (one GET each) through the
+    target's own file system."""
+    options = S3Options(endpoint_url=s3_endpoint, key=KEY, secret=SECRET, region=REGION)
+    outer = f"s3://{BUCKET}/inside/iter_0000100"
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, open_location(outer, options=options))
+    inner = open_location(f"{outer}/sub", options=options)
+    with pytest.raises(CheckpointingException, match=f"inside the committed checkpoint {outer}"):
+        save({"x": ShardedTensor.from_rank_offsets("x", torch.ones(2))}, inner)
+    assert inner.store.fs.find(f"{BUCKET}/inside/iter_0000100/sub") == [], "something was written"
+
+
+def test_a_shared_directory_save_inside_a_committed_checkpoint_is_kept(tmp_path: Path) -> None:
+    """Megatron-LM's ModelOpt saves ``iter_N/modelopt_state`` into a committed
+    iteration through Megatron's door (``shared_directory=True``): still saved, and
+    ``verify`` of the iteration lists its files apart."""
+    ckpt = tmp_path / "iter_0000100"
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, ckpt)
+    save({"x": ShardedTensor.from_rank_offsets("x", torch.ones(2))}, ckpt / "modelopt_state", shared_directory=True)
+    assert verify(ckpt / "modelopt_state").ok
+    assert {rel.split("/")[0] for rel in verify(ckpt).unlisted} == {"modelopt_state"}

@@ -84,7 +84,7 @@ from shardstore.format.records import (
     write_commit_record,
 )
 from shardstore.format.reuse import ChunkReuse, reuse_save_id
-from shardstore.stores.base import Capabilities, DirectoryPublishing, Location
+from shardstore.stores.base import Capabilities, DirectoryPublishing, Location, StorageError
 
 logger = logging.getLogger(__name__)
 
@@ -292,6 +292,32 @@ def _refuse_non_directory(target: Location) -> None:
             f"Cannot save into {target.describe()}: it is a file, not a directory. Move or delete that file if it "
             "is not needed, or save to another path"
         )
+
+
+def _refuse_inside_checkpoint(target: Location) -> None:
+    """Refuses a target inside a committed shardstore checkpoint (``ckpt/sub``, or an
+    array's directory of it), naming that checkpoint: its record lists none of the new
+    save's files, so ``verify`` would report each as unlisted and a save replacing it
+    would refuse to delete them. An enclosing directory this process cannot read (an S3
+    prefix outside the caller's permissions) is logged and passed over."""
+    for store in target.store.enclosing():
+        outer = Location(store)
+        try:
+            committed = committed_save_id(outer) is not None
+        except StorageError as exc:
+            logger.info("Saving %s: not checking whether %s holds a checkpoint: %s", target.describe(),
+                        outer.describe(), exc)
+            continue
+        except CheckpointingException:  # a Zarr group of another tool: not a checkpoint of ours
+            continue
+        if committed:
+            raise CheckpointingException(
+                f"Refusing to save into {target.describe()}: it lies inside the committed checkpoint "
+                f"{outer.describe()}, whose record would list none of its files (`shardstore verify` reports them, "
+                "and a save replacing that checkpoint refuses to delete them). Save to a directory outside it, or "
+                "pass shared_directory=True where files of other programs inside that checkpoint are intended "
+                "(as Megatron-LM's ModelOpt state in an iteration is)"
+            )
 
 
 def _check_target(target: Location, overwrite: bool, shared_directory: bool = False) -> str | None:
@@ -1175,6 +1201,8 @@ def begin_save(target: Location, options: SaveOptions) -> PendingCheckpoint:
 
 def _begin_claimed(target: Location, options: SaveOptions, save_id: str) -> PendingCheckpoint:
     """``begin_save`` once the target is claimed."""
+    if not options.shared_directory:
+        _refuse_inside_checkpoint(target)
     publisher = publisher_for(target.capabilities)
     pending = publisher.begin(target, options, save_id)
     with contextlib.ExitStack() as on_failure:

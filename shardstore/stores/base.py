@@ -199,6 +199,12 @@ class Store(ABC):
     def child(self, name: str) -> Store:
         """The store of the directory ``name`` under this one (same options)."""
 
+    def enclosing(self) -> list[Store]:
+        """The stores of the directories (prefixes) that hold this one, nearest first,
+        up to the file system's or the bucket's root: where a save looks for a
+        checkpoint it would lie inside. None known by default."""
+        return []
+
     @abstractmethod
     def chunk_access(self) -> ChunkAccess:
         """How TensorStore and the chunk I/O reach this store's bytes."""

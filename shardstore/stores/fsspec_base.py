@@ -18,6 +18,7 @@ from __future__ import annotations
 
 __all__ = ["FsspecStore"]
 
+import copy
 import logging
 from abc import abstractmethod
 from collections.abc import Collection
@@ -29,7 +30,9 @@ logger = logging.getLogger(__name__)
 
 
 class FsspecStore(Store):
-    """A ``Store`` whose bytes live on an fsspec file system."""
+    """A ``Store`` whose bytes live on an fsspec file system, under ``prefix``."""
+
+    prefix: str
 
     @property
     @abstractmethod
@@ -39,6 +42,18 @@ class FsspecStore(Store):
     @abstractmethod
     def _path(self, key: str) -> str:
         """The file system's path of ``key``."""
+
+    def enclosing(self) -> list[Store]:
+        """The prefixes that hold this one, down to the root (``""``): copies of this
+        store (same options) that share its file system, made here once."""
+        fs = self.fs
+        parts = self.prefix.split("/") if self.prefix else []
+        return [self._at_prefix("/".join(parts[:n]), fs) for n in range(len(parts) - 1, -1, -1)]
+
+    def _at_prefix(self, prefix: str, fs: Any) -> FsspecStore:
+        store = copy.copy(self)
+        store.prefix, store._fs = prefix, fs
+        return store
 
     def _refresh(self) -> None:
         """Drops cached listings before a call that must see the store as it is now."""

@@ -51,6 +51,7 @@ from shardstore.stores.base import (
     ExpectedBytes,
     NameLimits,
     StorageError,
+    Store,
     check_range,
     fold_landed,
     run_parallel,
@@ -269,6 +270,10 @@ class LocalStore(DirectoryPublishing):
 
     def child(self, name: str) -> LocalStore:
         return LocalStore(self._path(name), fsync=self.fsync)
+
+    def enclosing(self) -> list[Store]:
+        """The directories that hold the real directory (links resolved: a save writes there)."""
+        return [LocalStore(parent, fsync=self.fsync) for parent in self.root.resolve().parents]
 
     # ------------------------------------------------------------------ publishing
 

@@ -69,6 +69,7 @@ from shardstore.dict_utils import Leaf, flatten, merge, nest, with_list_places
 from shardstore.execution.pipeline import SavePipeline
 from shardstore.format.commit import SaveOptions
 from shardstore.format.integrity import verify
+from shardstore.format.pickles import serialize
 from shardstore.format.records import CommitRecord
 from shardstore.inputs.megatron_objects import convert_leaf
 from shardstore.inputs.plain_tensors import whole_array_requests
@@ -389,18 +390,54 @@ def _save_common(
     """Stage common: coordinator writes the common state; every rank its objects.
     Returns this rank's failure, which the sharded save's first stage (its staging)
     reports on every rank: no collective of its own."""
+    saving: StateDict | ShardedStateDict = {}
     try:
         if group.is_coordinator:
+            saving = common_part
             common_strategy.save_common(common_part, location)
+        saving = objects_part
         if objects_part:
             common_strategy.save_sharded_objects(objects_part, location)
     except Exception as exc:  # reported on every rank by the sharded save's staging
         error = CheckpointingException(
-            f"Saving the common state and sharded objects to {location.describe()}: {type(exc).__name__}: {exc}"
+            f"Saving the common state and sharded objects to {location.describe()}: {_unpicklable(saving)}"
+            f"{type(exc).__name__}: {exc}"
         )
         error.__cause__ = exc
         return error
     return None
+
+
+def _unpicklable(state: Any) -> str:
+    """After pickling ``state`` failed: which of its values cannot be pickled on its own
+    (``_first_unpicklable``) and what to do, for the error; "" where none can be named
+    (values that fail only together: two views of one storage in two dtypes)."""
+    found = _first_unpicklable(state, ())
+    if found is None:
+        return ""
+    path, value = found
+    if isinstance(value, ShardedObject):
+        what = f"ShardedObject {value.key!r} holds data ({type(value.data).__qualname__}) that"
+    else:
+        what = f"the common state entry {''.join(f'[{k!r}]' for k in path)} ({type(value).__qualname__})"
+    return (f"{what} cannot be pickled: make it a plain value (or a state dict of its own), or wrap it in "
+            "LocalNonpersistentObject to leave it out of the checkpoint. ")
+
+
+def _first_unpicklable(value: Any, path: tuple) -> tuple[tuple, Any] | None:
+    """The path of the first leaf of ``value`` (dicts, lists and tuples walked; a
+    ShardedObject by its data) that ``torch.save`` refuses on its own, and that leaf."""
+    if isinstance(value, dict):
+        children: Any = value.items()
+    elif isinstance(value, (list, tuple)):
+        children = enumerate(value)
+    else:
+        try:
+            serialize(value.data if isinstance(value, ShardedObject) else value)
+        except Exception:  # noqa: BLE001  (what is looked for: the error itself is reported by the caller)
+            return path, value
+        return None
+    return next(filter(None, (_first_unpicklable(v, (*path, k)) for k, v in children)), None)
 
 
 def get_default_save_sharded_strategy(backend: str = "zarr", version: int = 1) -> SaveShardedStrategy:

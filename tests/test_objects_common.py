@@ -227,3 +227,21 @@ def test_asking_for_an_object_as_a_tensor_says_it_is_an_object(ckpt_dir: Path) -
     with pytest.raises(CheckpointingException, match=r"holds \['rng'\] as ShardedObject.*same key") as err:
         load({"o": ShardedTensor.from_rank_offsets("rng", torch.empty(3))}, ckpt_dir)
     assert "log_unexpected" not in str(err.value)
+
+
+@pytest.mark.parametrize(("state", "named"), [
+    ({"scheduler": {"lr_lambda": lambda step: 1.0}}, "common state entry ['scheduler']['lr_lambda']"),
+    ({"loop": [1, {"lock": __import__("threading").Lock()}]}, "common state entry ['loop'][1]['lock']"),
+    ({"rng": ShardedObject("rng", lambda: 0, (1,), (0,))}, "ShardedObject 'rng'"),
+], ids=["lambda", "lock", "object"])
+def test_a_value_that_cannot_be_pickled_is_named_in_the_error(tmp_path: Path, state: dict, named: str) -> None:
+    """Before, the error said only "Saving the common state and sharded objects to ...:
+    PicklingError: Can't pickle <function <lambda> ...>" (or "cannot pickle
+    '_thread.lock' object"): which of a trainer's hundreds of values it was, it did not
+    say."""
+    ckpt = tmp_path / "c"
+    with pytest.raises(CheckpointingException) as failure:
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)), **state}, ckpt)
+    message = str(failure.value)
+    assert named in message and str(ckpt) in message, message
+    assert not ckpt.exists() or not any(ckpt.iterdir())

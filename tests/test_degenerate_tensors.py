@@ -103,3 +103,16 @@ def test_a_flattened_range_of_a_stacked_scalar_is_built_as_its_whole_form_is() -
     assert (flat.local_shape, flat.global_shape, flat.global_offset) == (
         whole.local_shape, whole.global_shape, whole.global_offset)
     assert flat.flattened_range == slice(0, 1)
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_a_load_into_a_sparse_request_returns_its_dense_values(tmp_path: Path, layout: str) -> None:
+    """A request whose tensor is sparse gets the stored values as a dense tensor (the
+    array holds dense values; a sparse tensor cannot be filled in place). Before, a CSR
+    request failed every load with torch's "Sparse CSR tensors do not have
+    is_contiguous"."""
+    stored = torch.arange(6.0).reshape(2, 3)
+    shardstore.save({"w": ShardedTensor.from_rank_offsets("w", stored)}, tmp_path / "c")
+    target = torch.zeros(2, 3).to_sparse() if layout == "coo" else torch.zeros(2, 3).to_sparse_csr()
+    loaded = shardstore.load({"w": ShardedTensor.from_rank_offsets("w", target)}, tmp_path / "c")["w"]
+    assert loaded.layout == torch.strided and torch.equal(loaded, stored)

@@ -98,8 +98,9 @@ def from_zarr_name(name: object) -> DType:
 def holds_its_values(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s memory holds its values in order, so that ``tensor_to_numpy``
     is a view of them: contiguous, and no conjugate or negative view (``tensor.conj()``,
-    ``_neg_view``: flags over memory holding other values, which numpy refuses)."""
-    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+    ``_neg_view``: flags over memory holding other values, which numpy refuses); never
+    a sparse tensor (its memory holds indices and values, and CSR has no strides)."""
+    return tensor.layout == torch.strided and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
 
 
 def values_in_order(tensor: torch.Tensor) -> torch.Tensor:

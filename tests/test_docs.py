@@ -6,6 +6,7 @@ without Debian's chromium), the screenshots a reader of the site looks at."""
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import subprocess
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,3 +57,38 @@ def test_the_screenshot_script_renders_the_pages_it_is_given(tmp_path: Path) -> 
         assert _png_size(png) == (1280, 2000), png
         assert png.stat().st_size > MIN_PAGE_PNG_BYTES, f"{png}: {png.stat().st_size} bytes, a blank or error page?"
     assert pngs[0].read_bytes() != pngs[1].read_bytes()
+
+
+# ------------------------------------------------ what the pages claim, checked
+
+
+def _record_of_format_version(checkpoint: Path, version: int) -> None:
+    """``checkpoint``'s commit record rewritten as a newer shardstore would write it."""
+    record = checkpoint / "zarr.json"
+    node = json.loads(record.read_text())
+    node["attributes"]["shardstore"]["format_version"] = version
+    record.write_text(json.dumps(node))
+
+
+def test_verify_of_a_root_with_a_newer_format_step_is_an_error_not_damage(tmp_path: Path) -> None:
+    """docs/guide/cli.md: a record of a format version this shardstore cannot read is not
+    damage, exit status 2 saying to upgrade, "whether the checkpoint is verified alone or
+    as a step under a root". Before, a root's verify (and ``CheckpointManager.verify``)
+    listed such a step as a damaged ``zarr.json``, exit status 1: the answer a script may
+    act on by deleting the step."""
+    from click.testing import CliRunner
+
+    from shardstore import ShardedTensor, save
+    from shardstore.errors import CheckpointingException
+    from shardstore.tools.cli import main
+    from shardstore.tools.root_verify import verify_root
+
+    for step in ("iter_0000001", "iter_0000002"):
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))}, tmp_path / step)
+    _record_of_format_version(tmp_path / "iter_0000002", 99)
+    result = CliRunner().invoke(main, ["--no-progress", "verify", str(tmp_path)])
+    assert (result.exit_code, result.stdout) == (2, ""), result.stdout
+    assert "format version 99 is not supported" in result.stderr and "upgrade" in result.stderr, result.stderr
+    assert "iter_0000002" in result.stderr, result.stderr
+    with pytest.raises(CheckpointingException, match="upgrade shardstore"):
+        verify_root(tmp_path)

@@ -30,15 +30,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import click
 
 from shardstore.errors import CheckpointingException
 from shardstore.progress import format_bytes, progress_shown
-
-if TYPE_CHECKING:
-    from shardstore.stores import Location
 
 EXIT_FINDING = 1
 EXIT_ERROR = 2
@@ -256,21 +253,6 @@ def _dims(shape: tuple[int, ...]) -> str:
 # --------------------------------------------------------------------------- verify
 
 
-def _refuse_unreadable_version(location: Location) -> None:
-    """Raises where ``location``'s commit record is of a format version this shardstore
-    cannot read: an error (exit status 2, upgrade shardstore), not damage (exit status 1,
-    which a script may act on by deleting the checkpoint). Other errors of the record are
-    left to ``verify``, which reports them as the damage they are."""
-    from shardstore.format import UnsupportedFormatVersion, read_commit_record
-
-    try:
-        read_commit_record(location)
-    except UnsupportedFormatVersion:
-        raise
-    except CheckpointingException:  # damage: verify() reports it as a problem line
-        return
-
-
 @main.command("verify")
 @click.argument("checkpoint")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
@@ -291,6 +273,7 @@ def verify_command(checkpoint: str, as_json: bool) -> None:
     from shardstore.tools.root_verify import (
         checkpoints_under,
         holds_commit_record,
+        refuse_unreadable_version,
         verify_checkpoints,
     )
 
@@ -301,7 +284,7 @@ def verify_command(checkpoint: str, as_json: bool) -> None:
             root_report = verify_checkpoints(location.describe(), found)
         else:
             if holds_commit_record(location):  # a damaged record is a finding, as under a root
-                _refuse_unreadable_version(location)
+                refuse_unreadable_version(location)
             else:
                 read_commit_record(location)  # no checkpoint at all is an error, not a finding
             report = verify(location)

@@ -12,8 +12,8 @@ a copy-on-write clone, checkpoints share no object: each damaged file is its own
 from __future__ import annotations
 
 __all__ = [
-    "RootVerifyReport", "SharedDamage", "checkpoints_under", "holds_commit_record", "verify_checkpoints",
-    "verify_root",
+    "RootVerifyReport", "SharedDamage", "checkpoints_under", "holds_commit_record", "refuse_unreadable_version",
+    "verify_checkpoints", "verify_root",
 ]
 
 import json
@@ -21,12 +21,15 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from shardstore.errors import CheckpointingException
 from shardstore.format import (
     COMMIT_RECORD,
     COMMON_FILE,
     MAX_RECORD_BYTES,
     Problem,
+    UnsupportedFormatVersion,
     VerifyReport,
+    read_commit_record,
     verify,
 )
 from shardstore.opened import bare_location
@@ -118,16 +121,39 @@ def holds_commit_record(location: Location) -> bool:
     return isinstance(attributes, dict) and "shardstore" in attributes
 
 
+def refuse_unreadable_version(location: Location) -> None:
+    """Raises where ``location``'s commit record is of a format version this shardstore
+    cannot read: an error (upgrade shardstore), not damage, which a script may act on by
+    deleting the checkpoint. Other errors of the record are left to ``verify``, which
+    reports them as the damage they are.
+
+    Raises:
+        UnsupportedFormatVersion: a newer shardstore wrote the record."""
+    try:
+        read_commit_record(location)
+    except UnsupportedFormatVersion:
+        raise
+    except CheckpointingException:  # damage: verify() reports it as a problem line
+        return
+
+
 def verify_root(root: str | os.PathLike | Location, progress: bool = False) -> RootVerifyReport:
     """Verifies every checkpoint directly under ``root`` (``checkpoints_under``). Never
     raises for damage: the report lists it, each damaged file once with every
-    checkpoint that shares it."""
+    checkpoint that shares it.
+
+    Raises:
+        UnsupportedFormatVersion: a checkpoint's record is of a format version this
+            shardstore cannot read (``refuse_unreadable_version``), before any is verified."""
     location = bare_location(root)
     return verify_checkpoints(location.describe(), checkpoints_under(location), progress)
 
 
 def verify_checkpoints(root: str, checkpoints: dict[str, Location], progress: bool = False) -> RootVerifyReport:
-    """``verify`` of each of ``checkpoints`` (by name), their damage grouped by file."""
+    """``verify`` of each of ``checkpoints`` (by name), their damage grouped by file; a
+    record of a newer format version raises first (``verify_root``)."""
+    for location in checkpoints.values():
+        refuse_unreadable_version(location)
     report = RootVerifyReport(root, {name: verify(loc, progress) for name, loc in sorted(checkpoints.items())})
     groups: dict[object, list[tuple[str, Problem]]] = {}
     for name, single in report.reports.items():

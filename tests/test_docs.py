@@ -92,3 +92,29 @@ def test_verify_of_a_root_with_a_newer_format_step_is_an_error_not_damage(tmp_pa
     assert "iter_0000002" in result.stderr, result.stderr
     with pytest.raises(CheckpointingException, match="upgrade shardstore"):
         verify_root(tmp_path)
+
+
+def test_the_manager_does_not_resume_past_a_step_of_a_newer_format(tmp_path: Path) -> None:
+    """docs/guide/manager.md: a record that cannot be read is not taken for damage, so
+    that no resume goes by an older step; docs/format.md: a reader refuses a format
+    version it does not know. Before, a step a newer shardstore wrote counted as
+    damaged (a WARNING): ``latest_step()`` skipped it and ``resume`` restarted training
+    from the step before it (or from step 0), as if the newer step did not exist."""
+    from shardstore import CheckpointManager, ShardedTensor
+    from shardstore.errors import CheckpointingException
+
+    def state() -> dict:
+        return {"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))}
+
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, state())
+    manager.save(2, state())
+    manager.close()
+    _record_of_format_version(tmp_path / "iter_0000002", 99)
+    manager = CheckpointManager(tmp_path)
+    try:
+        for call in (manager.latest_step, manager.all_steps, lambda: manager.resume(state())):
+            with pytest.raises(CheckpointingException, match="format version 99 .*upgrade shardstore"):
+                call()
+    finally:
+        manager.close()

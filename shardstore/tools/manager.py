@@ -62,6 +62,7 @@ from shardstore.format import (
     DELETION_MARKER,
     MAX_RECORD_BYTES,
     CommitRecord,
+    UnsupportedFormatVersion,
     own_markers,
     read_marker,
 )
@@ -513,9 +514,10 @@ class CheckpointManager:
 
         Raises:
             CheckpointingException: the record or marker could not be read now (an I/O
-                or network error, after the store's retries): counted as damaged, the
-                step would be skipped, and a resume would silently start from an older
-                one."""
+                or network error, after the store's retries), or the record is of a
+                format version this shardstore cannot read (``UnsupportedFormatVersion``:
+                upgrade shardstore): counted as damaged, the step would be skipped, and
+                a resume would silently start from an older one."""
         location = self.location(step)
         try:
             data = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_RECORD_BYTES)
@@ -531,6 +533,8 @@ class CheckpointManager:
                 "the step as damaged, so that no resume or retention goes by an older one: retry when the "
                 "storage answers"
             ) from exc
+        except UnsupportedFormatVersion:  # a newer shardstore's step: not damage
+            raise
         except Exception as exc:  # a record crafted to trip the parser is damaged too
             return StepState(step, "damaged", reason=f"{type(exc).__name__}: {exc}")
         return StepState(step, "committed", save_id=record.save_id)

@@ -118,3 +118,39 @@ def test_the_manager_does_not_resume_past_a_step_of_a_newer_format(tmp_path: Pat
                 call()
     finally:
         manager.close()
+
+
+def _megatron_saves_twice(rank: int, world: int, ckpt: str) -> list[str]:
+    """Megatron-Core's own torch_dist save, twice into one directory (on a CPU torch its
+    CUDA calls are no-ops); the keys the directory holds after."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    Path(ckpt).mkdir()
+    for key in ("first", "second"):
+        dist_checkpointing.save({key: ShardedTensor.from_rank_offsets(key, torch.arange(4.0))}, ckpt)
+    return sorted(dist_checkpointing.load_tensors_metadata(ckpt))
+
+
+def _differences_row(topic: str) -> list[str]:
+    """The cells of docs/differences.md's table row on ``topic``."""
+    for line in (ROOT / "docs" / "differences.md").read_text().splitlines():
+        if line.startswith(f"| [{topic}]"):
+            return [cell.strip() for cell in line.strip("|").split("|")]
+    raise AssertionError(f"no row on {topic!r}")
+
+
+def test_the_differences_page_says_what_megatron_core_does_over_a_checkpoint(tmp_path: Path) -> None:
+    """docs/differences.md said Megatron-Core refuses to save into a directory holding a
+    committed checkpoint ("refused unless empty"). Megatron-Core's save writes into it,
+    logging "Overwriting old incomplete / corrupted checkpoint...", and the second
+    checkpoint replaces the first; the difference shardstore makes is the refusal."""
+    pytest.importorskip("megatron.core", reason="megatron-core not installed")
+    from tests.dist import run_distributed
+
+    assert run_distributed(_megatron_saves_twice, 1, str(tmp_path / "iter_0000001")) == [["second"]]
+    _, megatron, shardstore = _differences_row("saving over a committed checkpoint")
+    assert "refused" not in megatron and "warning" in megatron, megatron
+    assert "refused unless `overwrite=True`" in shardstore, shardstore

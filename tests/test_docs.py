@@ -154,3 +154,20 @@ def test_the_differences_page_says_what_megatron_core_does_over_a_checkpoint(tmp
     _, megatron, shardstore = _differences_row("saving over a committed checkpoint")
     assert "refused" not in megatron and "warning" in megatron, megatron
     assert "refused unless `overwrite=True`" in shardstore, shardstore
+
+
+def test_the_small_tensor_the_dcp_page_names_stays_in_the_common_state(tmp_path: Path) -> None:
+    """docs/guide/dcp-fsdp2.md: tensors under ``min_array_bytes`` (1 KiB) stay in
+    ``common.pt``, e.g. "a bias of 256 floats". 256 float32 are 1 KiB exactly, which
+    ``dcp.save`` through ``ShardstoreWriter`` stores as an array."""
+    import re
+
+    import torch.distributed.checkpoint as dcp
+
+    from shardstore import ShardstoreWriter, load_common_state_dict, load_tensors_metadata
+
+    text = (ROOT / "docs" / "guide" / "dcp-fsdp2.md").read_text()
+    floats = int(re.search(r"a bias of (\d+) floats\) stay in `common.pt`", text).group(1))
+    ckpt = tmp_path / "dcp"
+    dcp.save({"bias": torch.zeros(floats)}, storage_writer=ShardstoreWriter(ckpt), no_dist=True)
+    assert "bias" in load_common_state_dict(ckpt) and "bias" not in load_tensors_metadata(ckpt)

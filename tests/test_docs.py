@@ -171,3 +171,14 @@ def test_the_small_tensor_the_dcp_page_names_stays_in_the_common_state(tmp_path:
     ckpt = tmp_path / "dcp"
     dcp.save({"bias": torch.zeros(floats)}, storage_writer=ShardstoreWriter(ckpt), no_dist=True)
     assert "bias" in load_common_state_dict(ckpt) and "bias" not in load_tensors_metadata(ckpt)
+
+
+def test_the_trust_page_counts_the_attacks_the_test_plants() -> None:
+    """docs/trust.md: "``tests/test_pickle_trust.py`` plants N attacks". It said 18; the
+    test plants 17."""
+    import re
+
+    from tests.test_pickle_trust import ATTACKS
+
+    text = (ROOT / "docs" / "trust.md").read_text()
+    assert int(re.search(r"plants (\d+) attacks", text).group(1)) == len(ATTACKS)

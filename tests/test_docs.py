@@ -2,7 +2,9 @@
 every warning into an error, so a broken link or anchor between pages, a page left out
 of the navigation and a docstring the API reference cannot render all fail here. And
 ``scripts/screenshots.sh`` renders its pages with headless Chromium (slow; skipped
-without Debian's chromium), the screenshots a reader of the site looks at."""
+without Debian's chromium), the screenshots a reader of the site looks at. Below them,
+concrete claims of the pages (an exit status, a name, a number, another library's
+behaviour) checked against what the code and that library do."""
 
 from __future__ import annotations
 
@@ -182,3 +184,23 @@ def test_the_trust_page_counts_the_attacks_the_test_plants() -> None:
 
     text = (ROOT / "docs" / "trust.md").read_text()
     assert int(re.search(r"plants (\d+) attacks", text).group(1)) == len(ATTACKS)
+
+
+def test_dcp_load_of_an_int_keyed_value_is_as_the_limitations_page_says(tmp_path: Path) -> None:
+    """docs/limitations.md said ``dcp.load`` fills the caller's ``{1: ...}`` whatever it
+    holds. It fills a tensor there; a plain value under an int key keeps the caller's
+    (as with DCP's own ``FileSystemReader``), and only ``load_common_state_dict`` shows
+    the saved one, under ``"1"``."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardstore import ShardstoreReader, ShardstoreWriter, load_common_state_dict
+
+    ckpt = tmp_path / "dcp"
+    dcp.save({"a": {1: 5, 2: torch.ones(300)}}, storage_writer=ShardstoreWriter(ckpt), no_dist=True)
+    state = {"a": {1: 0, 2: torch.zeros(300)}}
+    dcp.load(state, storage_reader=ShardstoreReader(ckpt), no_dist=True)
+    assert torch.equal(state["a"][2], torch.ones(300)) and state["a"][1] == 0, state
+    assert load_common_state_dict(ckpt) == {"a": {"1": 5}}
+    text = " ".join((ROOT / "docs" / "limitations.md").read_text().split())
+    assert "`dcp.load` fills a tensor at the caller's `{1: ...}`" in text
+    assert "a plain value there keeps the caller's" in text

@@ -177,6 +177,15 @@ def test_tensors_autograd_tracks_are_saved_from_their_values(tmp_path: Path) -> 
     assert all(torch.equal(loaded[k], state[k].data.detach()) for k in state)
 
 
+@pytest.mark.parametrize("bound", [float("nan"), float("inf"), "64MiB", None, 0])
+def test_a_max_chunk_bytes_that_is_no_number_of_bytes_is_refused(bound: object) -> None:
+    """``max_chunk_bytes`` as the memory bounds are checked. Before, ``nan`` and ``inf``
+    were taken (an 8x4 tensor saved as 32 one-element chunks under ``nan``), a string
+    or None failed with a bare ``TypeError``."""
+    with pytest.raises(ValueError, match="max_chunk_bytes must be a positive, finite number of bytes"):
+        ZarrSaveShardedStrategy(max_chunk_bytes=bound)
+
+
 @pytest.mark.parametrize("bound", [None, "1GiB", 0, -1, float("inf")])
 def test_a_load_staging_bound_that_is_no_number_of_bytes_is_refused_when_the_strategy_is_made(
     tmp_path: Path, monkeypatch, bound: object,

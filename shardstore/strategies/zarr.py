@@ -227,8 +227,8 @@ def checked_shard_bytes(shard_bytes: object) -> ShardBytes:
 
 def checked_staging_bytes(name: str, value: object, optional: bool = False) -> int | None:
     """A host memory bound (``max_staging_bytes``, ``sync_staging_bytes``,
-    ``load_staging_bytes``): a positive, finite number of bytes, as an int (None where
-    ``optional``).
+    ``load_staging_bytes``) or another size option (``max_chunk_bytes``): a positive,
+    finite number of bytes, as an int (None where ``optional``).
     Checked when the strategy or writer is made: every rank's bound cuts the save's
     exchange into waves, so a value that fails only later fails one rank alone (and a
     load's ``load_staging_bytes`` would fail only in a load into device tensors).
@@ -328,9 +328,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         shard_bytes: ShardBytes = "auto",
     ) -> None:
         super().__init__(backend, version)
-        if max_chunk_bytes < 1:
-            raise ValueError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
-        self.max_chunk_bytes = max_chunk_bytes
+        self.max_chunk_bytes = checked_staging_bytes("max_chunk_bytes", max_chunk_bytes)
         self.shard_bytes = shard_bytes
         self.io_concurrency = io_concurrency
         self.process_group = process_group

@@ -287,3 +287,28 @@ def test_the_megatron_guard_lets_a_scheme_shardstore_cannot_open_through(tmp_pat
     assert not _holds_a_committed_checkpoint(tmp_path / "empty")
     save(_state(1), tmp_path / "s1")
     assert _holds_a_committed_checkpoint(tmp_path / "s1")
+
+
+def test_a_base_that_cannot_serve_is_logged_at_the_documented_levels(tmp_path: Path, monkeypatch, caplog) -> None:
+    """docs/guide/incremental.md said every failure to share but damage is logged at
+    INFO; an error of the base's storage (here EIO) is a WARNING, as it should be: a
+    disk that answers EIO wants attention. Only a storage that cannot share at all (no
+    link, clone or copy; the chunk gone) is INFO. The page now says so."""
+    import shardstore.stores.local as local_io
+
+    def levels(share_file) -> set[int]:
+        caplog.clear()
+        monkeypatch.setattr(local_io, "share_file", share_file)
+        with caplog.at_level(logging.INFO, logger="shardstore"):
+            save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1", overwrite=True)
+        _check(tmp_path / "s2", 2)
+        return {r.levelno for r in caplog.records if "share" in r.getMessage() and "base" in r.getMessage()}
+
+    def failing(source: str, target: str, nbytes: int) -> bool:
+        raise OSError(errno.EIO, "Input/output error", source)
+
+    save(_state(1), tmp_path / "s1")
+    assert levels(failing) == {logging.WARNING}
+    assert levels(lambda source, target, nbytes: False) == {logging.INFO}
+    docs = (Path(__file__).parents[1] / "docs" / "guide" / "incremental.md").read_text()
+    assert "WARNING for damage (naming `shardstore verify`), INFO otherwise" not in " ".join(docs.split())

@@ -267,6 +267,34 @@ def test_two_ranks_each_share_their_own_unchanged_chunks(tmp_path: Path) -> None
     run_distributed(check_ranked, 2, str(tmp_path / "s2"), 2)
 
 
+def save_ranked_from_own_base(rank: int, world: int, ckpt: str, bases: list[str]) -> str:
+    """``save_ranked`` with each rank's own ``reuse_from`` (Megatron's door picks the base
+    on every rank for itself); returns what this rank logged of the reuse."""
+    records: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("shardstore").addHandler(handler)
+    logging.getLogger("shardstore").setLevel(logging.INFO)
+    save(_ranked_state(rank, world, 2), ckpt, reuse_from=bases[rank])
+    return "\n".join(m for m in records if "Not reusing" in m)
+
+
+def test_a_rank_whose_base_is_not_the_coordinators_says_so(tmp_path: Path) -> None:
+    """Ranks that chose other bases (``megatron.previous_checkpoint`` runs on each rank;
+    a file system in flux) only lose the reuse. Before, such a rank logged that
+    "another save ... replaced it since this save began", though nothing had replaced
+    anything: it now names both saves and says the coordinator chose another base."""
+    s0, s1, s2 = (tmp_path / name for name in ("s0", "s1", "s2"))
+    run_distributed(save_ranked, 2, str(s0), 1, None)
+    run_distributed(save_ranked, 2, str(s1), 1, None)
+    logs = run_distributed(save_ranked_from_own_base, 2, str(s2), [str(s1), str(s0)])
+    first, other = (read_commit_record(open_location(p)).save_id for p in (s1, s0))
+    assert logs[0] == "", logs
+    assert "replaced it since" not in logs[1] and first in logs[1] and other in logs[1], logs
+    assert "another checkpoint than the coordinator" in logs[1], logs
+    run_distributed(check_ranked, 2, str(s2), 2)
+
+
 def save_ranked_with_a_crash(rank: int, world: int, ckpt: str, reuse_from: str, point: str) -> str:
     if rank == 1:
         import shardstore.format.chunks as chunk_io

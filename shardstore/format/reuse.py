@@ -25,8 +25,9 @@ the source is a committed shardstore checkpoint that the save does not overwrite
 place, and sends its save id in the save's intent. Each rank then opens the source
 itself (``ChunkReuse.open``, no collective), checks that it still holds that save, and
 shares chunk by chunk as it writes. A source that cannot be used (missing, another
-tool's, older records without digests, another kind of store, replaced meanwhile) is
-logged once and the save writes everything: never an error.
+tool's, older records without digests, another kind of store, replaced meanwhile, another
+checkpoint than the coordinator's) is logged once and the save writes everything: never an
+error.
 """
 
 from __future__ import annotations
@@ -149,7 +150,9 @@ class ChunkReuse:
             except Exception as exc:  # damaged, unreadable, gone: the save writes everything
                 record, why = None, f"it cannot be read ({exc})"
             if record is not None and record.save_id != save_id:
-                why = f"another save ({record.save_id}) replaced it since this save began"
+                why = (f"it holds save {record.save_id}, not save {save_id}, which the save's coordinator reuses "
+                       "from: replaced since the save began, or another checkpoint than the coordinator's (ranks "
+                       "that choose their base each for itself saw different ones)")
             elif record is not None:
                 arrays = {key: r for key, new in records.items() if (r := _reusable(record.arrays.get(key), new))}
                 if arrays:

@@ -473,9 +473,10 @@ def _megatron_request_class(async_strategy: str | None) -> Any:
 
 def previous_checkpoint(checkpoint_dir: Any) -> Path | None:
     """The newest committed shardstore checkpoint ``<parent>/iter_<M>`` older than a
-    local ``<parent>/iter_<N>`` (Megatron-LM's layout), or None. Each rank looks for
-    itself: ranks that disagree (a file system in flux) only lose the reuse
-    (``format.reuse``), never data."""
+    local ``<parent>/iter_<N>`` (Megatron-LM's layout) among the three newest older
+    ``iter_*`` directories, or None: a bounded look (one record read each), and a
+    base further back shares little. Each rank looks for itself: ranks that disagree
+    (a file system in flux) only lose the reuse (``format.reuse``), never data."""
     if not isinstance(checkpoint_dir, (str, Path)) or "://" in str(checkpoint_dir):
         return None
     path = Path(checkpoint_dir)

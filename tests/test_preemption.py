@@ -286,3 +286,52 @@ def test_a_stale_handler_in_a_chain_holds_the_default_back_while_another_listens
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert result.stdout.split() == ["second", "theirs", "survived"], result
     assert result.returncode == 0, result
+
+
+FORKED_CHILDREN = """
+import multiprocessing as mp, os, signal, sys, time
+import torch
+from shardstore import ShardedTensor
+from shardstore.tools.manager import CheckpointManager, CheckpointManagerOptions
+
+OPTIONS = CheckpointManagerOptions(save_interval_steps=1000, save_on_preemption=True)
+
+def idle():
+    time.sleep(30)
+
+def own_manager():  # a child that listens for itself
+    manager = CheckpointManager(sys.argv[1] + "/child", OPTIONS)
+    os.kill(os.getpid(), signal.SIGTERM)
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}
+    sys.exit(0 if manager.save(1, state) and manager.reached_preemption() else 3)
+
+manager = CheckpointManager(sys.argv[1] + "/parent", OPTIONS)
+context = mp.get_context("fork")
+for target in (idle, own_manager):
+    process = context.Process(target=target)
+    process.start()
+    if target is idle:
+        time.sleep(0.5)
+        process.terminate()
+    process.join(20)
+    print(process.exitcode, flush=True)
+    if process.is_alive():
+        process.kill()
+os.kill(os.getpid(), signal.SIGTERM)  # the parent's manager still holds SIGTERM back
+print("parent saved", manager.save(1, {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}), flush=True)
+manager.close()
+"""
+
+
+def test_a_child_forked_after_a_manager_listens_is_ended_by_sigterm(tmp_path: Path) -> None:
+    """A process forked after a manager started listening (a ``multiprocessing`` pool or
+    DataLoader worker under the fork start method) inherits the handler, not the
+    manager's job: SIGTERM's default must end it. Before, the child's copy of the
+    dispatcher still had the parent's listeners and held the default back, so
+    ``Process.terminate()`` did nothing and ``Pool.terminate()`` followed by ``join()``
+    hung for ever; a manager the child creates itself still hears SIGTERM."""
+    script = tmp_path / "forked_children.py"
+    script.write_text(textwrap.dedent(FORKED_CHILDREN))
+    result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split("\n")[:3] == [str(-signal.SIGTERM), "0", "parent saved True"], result
+    assert result.returncode == 0, result

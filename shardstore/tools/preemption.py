@@ -29,6 +29,11 @@ handler was there before keeps working. Entry points: ``listen`` and ``Listener.
 * A listener created after our dispatcher was replaced gets a new dispatcher installed
   over the replacement, whose previous handler is that replacement: one chain, each
   handler called once.
+* A process forked from one with listeners (a ``multiprocessing`` or DataLoader worker
+  under the fork start method) inherits the installed dispatchers but none of their
+  listeners (``_forget_listeners_in_child``): the managers are the parent's, so the
+  child's signals take the previous handler's course (SIGTERM's default ends it, as
+  ``Process.terminate`` expects) until the child listens itself.
 
 The registry is guarded by a lock; the dispatcher itself takes no lock (a signal can
 arrive while the main thread holds it): it reads its listeners as one tuple, which
@@ -40,8 +45,10 @@ from __future__ import annotations
 __all__ = ["Listener", "listen"]
 
 import logging
+import os
 import signal
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -77,6 +84,7 @@ class _Dispatcher:
         self.signum = signum
         self.previous = previous
         self.listeners: tuple[Listener, ...] = ()
+        _dispatchers.add(self)
 
     def __call__(self, signum: int, frame: Any) -> None:
         listeners = self.listeners  # one read: listen and close replace the tuple whole
@@ -118,6 +126,7 @@ class _Dispatcher:
 
 _lock = threading.Lock()
 _installed: dict[int, _Dispatcher] = {}  # per signal: the dispatcher new listeners join
+_dispatchers: weakref.WeakSet[_Dispatcher] = weakref.WeakSet()  # every one alive, chained ones included
 
 
 def listen(signals: Iterable[int], callback: Callable[[int], None]) -> Listener:
@@ -203,6 +212,18 @@ def _pass_on(handler: Handler, signum: int, frame: Any) -> None:
         signal.raise_signal(signum)
     finally:
         signal.signal(signum, current)
+
+
+def _forget_listeners_in_child() -> None:
+    """In a forked child: the listeners belong to the parent's managers, which never save
+    here, so no dispatcher holds a signal's default back for them (module docstring).
+    Runs right after the fork, with one thread: no lock taken (another thread of the
+    parent may have held it when it forked)."""
+    for dispatcher in list(_dispatchers):
+        dispatcher.listeners = ()
+
+
+os.register_at_fork(after_in_child=_forget_listeners_in_child)
 
 
 def _names(signals: tuple[int, ...]) -> str:

@@ -141,6 +141,28 @@ def test_options_that_cannot_do_what_they_say_are_refused(options: dict) -> None
         CheckpointManagerOptions(**options)
 
 
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(max_to_keep=2.0),  # a number from a config file
+        dict(keep_best=1.0, max_to_keep=1, **BEST_LOSS),
+        dict(step_digits=7.0),
+        dict(save_interval_steps=2.5),
+        dict(keep_period=2.5),
+        dict(max_to_keep=True),
+    ],
+)
+def test_a_step_count_that_is_not_an_int_is_refused_naming_the_option(tmp_path: Path, options: dict) -> None:
+    """Before, such options were taken: ``max_to_keep=2.0`` or ``keep_best=1.0``
+    committed the first step and then failed its ``save`` with a bare TypeError from a
+    slice in retention (at every save), ``step_digits=7.0`` failed every save with a
+    format error, ``save_interval_steps=2.5`` saved steps 0, 5, 10, ..."""
+    name = next(iter(options))
+    with pytest.raises(ValueError, match=f"{name} must be an int"):
+        CheckpointManagerOptions(**options)
+
+
 # ------------------------------------------------------------------ when to save
 
 

@@ -142,6 +142,8 @@ class CheckpointManagerOptions:
     cache_plan: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("save_interval_steps", "max_to_keep", "keep_period", "step_digits", "keep_best"):
+            _require_int_or_none(name, getattr(self, name))
         if self.save_interval_steps is not None and self.save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be >= 1 or None, got {self.save_interval_steps}")
         if self.max_to_keep is not None and self.max_to_keep < 1:
@@ -193,6 +195,13 @@ class CheckpointManagerOptions:
         """Whether a save's due-ness depends on something that differs between ranks
         (a clock, a signal), so that ranks must agree on it at every call."""
         return self.save_interval_secs is not None or self.save_on_preemption
+
+
+def _require_int_or_none(name: str, value: Any) -> None:
+    """Refuses a count of steps or digits that is not an int (a float from a config file,
+    a bool): it would fail every save later, after the commit, or save other steps."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+        raise ValueError(f"CheckpointManagerOptions.{name} must be an int or None, got {value!r}")
 
 
 def ranked_steps(scores: Mapping[int, float | None], best_mode: Literal["max", "min"]) -> list[int]:

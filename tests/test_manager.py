@@ -775,3 +775,28 @@ def test_a_record_that_cannot_be_read_now_stops_a_resume_not_skips_the_step(tmp_
             manager.latest_step()
     (tmp_path / "iter_0000002" / COMMIT_RECORD).write_text("{not json")
     assert manager.latest_step() == 1
+
+
+def _run_resume_with_an_unlistable_root(rank: int, world: int, root: str) -> str:
+    def list_dir(self: LocalStore, prefix: str = "") -> list[str]:
+        raise PermissionError(13, "Permission denied (injected)", str(self.root))
+
+    LocalStore.list_dir = list_dir  # this rank's process only
+    manager = CheckpointManager(root)
+    try:
+        manager.resume(_state(0, rank, world, empty=True))
+    except Exception as exc:  # what each rank's caller would catch
+        return type(exc).__name__ + ("" if isinstance(exc, CheckpointingException) else " (not a CheckpointingException)")
+    finally:
+        manager.close()
+    return "no error"
+
+
+def test_every_rank_gets_a_checkpointing_exception_when_the_coordinator_fails(tmp_path: Path) -> None:
+    """A decision the coordinator makes (here: the root cannot be listed) fails on every
+    rank with a CheckpointingException, as ``_on_coordinator`` promises. Before, the
+    coordinator raised the bare PermissionError while the other ranks raised a
+    CheckpointingException: a trainer catching CheckpointingException went on on some
+    ranks and died on the coordinator, and the rest hung in the next collective."""
+    results = run_distributed(_run_resume_with_an_unlistable_root, 2, str(tmp_path))
+    assert results == ["CheckpointingException", "CheckpointingException"], results

@@ -1367,8 +1367,10 @@ class CheckpointManager:
             except Exception as exc:  # sent to the other ranks, then raised here
                 error = exc
         outcome = group.broadcast_object((result, None if error is None else f"{error}"))
-        if error is not None:
+        if isinstance(error, CheckpointingException):
             raise error
+        if error is not None:  # the other ranks raise a CheckpointingException: so does this one
+            raise CheckpointingException(f"{error}") from error
         if outcome[1] is not None:
             raise CheckpointingException(outcome[1])
         return outcome[0]

@@ -236,3 +236,30 @@ def test_async_pinned_pool_stays_within_max_staging_bytes(tmp_path: Path, monkey
         f"the async pool keeps {strategy._buffers.free_bytes} bytes of pinned buffers, max_staging_bytes={cap}"
     )
     assert is_committed(open_location(tmp_path / "ckpt"))
+
+
+def saves_scheduled_in_another_order(rank: int, world: int, first: str, second: str) -> str:
+    """Both saves made in the same order on every rank (``save`` is collective), then
+    scheduled in the opposite order on rank 1."""
+    requests = [save(_sd(rank, world), ckpt, async_sharded_save=True) for ckpt in (first, second)]
+    queue = AsyncCallsQueue()
+    for request in requests if rank == 0 else requests[::-1]:
+        queue.schedule_async_request(request)
+    with pytest.raises(CheckpointingException) as raised:
+        queue.close()
+    return str(raised.value)
+
+
+def test_saves_finalized_in_another_order_on_some_rank_are_refused_not_mixed(tmp_path: Path) -> None:
+    """Rank 0 scheduled save a then b, rank 1 b then a. Each rank's commit step joined
+    the other's: the coordinator committed a with rank 1's report of b's chunks (and b
+    with a's), so both were committed, every rank said so, and neither verified nor
+    loaded (the chunks' recorded checksums were another save's). Now the commit stage
+    compares the saves the ranks report for, and both fail on every rank, uncommitted."""
+    from shardstore import verify
+
+    first, second = str(tmp_path / "a"), str(tmp_path / "b")
+    for message in run_distributed(saves_scheduled_in_another_order, 2, first, second):
+        assert "another save" in message and "same order" in message, message
+    for ckpt in (first, second):
+        assert not is_committed(open_location(ckpt)) or verify(ckpt).ok, f"{ckpt} committed and damaged"

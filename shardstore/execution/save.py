@@ -669,16 +669,18 @@ def finalize_save(
     error: BaseException | None,
 ) -> None:
     """Collective (one stage, ``protocol.stage.run_stage``): every rank's outcome (its
-    error, or the chunks it ``written``) goes to the coordinator, which binds the chunks
-    into its commit ``record`` and commits (``shardstore.format.commit``: a save that
-    lost a race with another save fails here); the outcome is broadcast.
+    error, or the chunks it ``written``, with the id of the save they are of) goes to
+    the coordinator, which binds the chunks into its commit ``record`` and commits
+    (``shardstore.format.commit``: a save that lost a race with another save fails
+    here, as does one whose ranks report for another save: ``_check_same_save``); the
+    outcome is broadcast.
 
     On any failure every rank raises the same error, no commit record is written, and
     the coordinator deletes what the save wrote.
     """
     try:
         run_stage(
-            group, f"Writing checkpoint {pending.describe()}", lambda: written,
+            group, f"Writing checkpoint {pending.describe()}", lambda: (_agreed_id(pending), written),
             reduce=lambda reports: _commit_stage(pending, group, record, reports), local_error=error,
         )
     except BaseException as exc:  # a rank lost, or still at work: let go, delete nothing
@@ -688,16 +690,44 @@ def finalize_save(
 
 
 def _commit_stage(
-    pending: PendingCheckpoint, group: Group, record: CommitRecord | None, reports: list[list[WrittenChunk]]
+    pending: PendingCheckpoint, group: Group, record: CommitRecord | None,
+    reports: list[tuple[str | None, list[WrittenChunk]]],
 ) -> None:
-    """Coordinator, the reduce of the commit stage: ``commit_save``, its failure told to
-    every rank."""
+    """Coordinator, the reduce of the commit stage: every rank's report checked to be of
+    this save (``_check_same_save``), then ``commit_save``; a failure told to every rank."""
     try:
         if record is None:
             raise CheckpointingException(f"Internal error: committing {pending.describe()} off the coordinator")
-        commit_save(pending, record, reports)
+        _check_same_save(pending, [save_id for save_id, _ in reports])
+        commit_save(pending, record, [written for _, written in reports])
     except Exception as exc:  # told to every rank by the stage
         raise_stage_failure(group, f"Committing checkpoint {pending.describe()}", exc)
+
+
+def _agreed_id(pending: PendingCheckpoint) -> str | None:
+    """The save's id as every rank knows it (``SaveIntent.agreed``), or None where each
+    rank made its own (a caller's directory)."""
+    return pending.intent.save_id if pending.intent.agreed else None
+
+
+def _check_same_save(pending: PendingCheckpoint, save_ids: list[str | None]) -> None:
+    """Coordinator: every rank reported the chunks of ``pending``'s save (``save_ids``,
+    by rank: ``_agreed_id``), not of another one it finalized meanwhile (async saves
+    scheduled or finalized in another order on some rank): those chunks' checksums
+    would be bound into this save's commit record, committing a checkpoint that does not
+    verify. Not checked where the ranks have no id in common (a caller's directory).
+
+    Raises:
+        CheckpointingException: naming the checkpoint and the ranks that differ.
+    """
+    own = _agreed_id(pending)
+    others = [rank for rank, save_id in enumerate(save_ids) if save_id != own]
+    if own is not None and others:
+        raise CheckpointingException(
+            f"Not committing {pending.describe()}: rank(s) {', '.join(map(str, others))} finalized another save "
+            "in its place (the ranks scheduled or finalized their async saves in different orders). Schedule "
+            "the same saves in the same order on every rank, and save this checkpoint again."
+        )
 
 
 def commit_save(pending: PendingCheckpoint, record: CommitRecord, reports: list[list[WrittenChunk]]) -> CommitRecord:

@@ -173,12 +173,16 @@ class SaveIntent:
             ``SaveOptions`` said: every rank writes by it (``join_save``), so ranks
             given different options cannot commit a checkpoint whose documents
             disagree with its record.
+        agreed: ``save_id`` is the coordinator's, the same on every rank; False for a
+            caller's directory adopted without a begin (``adopt_save``), where each rank
+            made its own.
     """
 
     save_id: str
     replaces: str | None
     reuses: str | None = None
     zarr_metadata: ZarrMetadata = ZarrMetadata.PER_NODE
+    agreed: bool = True
 
 
 def check_shared(target: Location, world_size: int) -> None:
@@ -1264,7 +1268,7 @@ def adopt_save(location: Location) -> PendingCheckpoint:
     found = _OPEN_SAVES.get(id(location))
     if found is not None and found.location is location:
         return found
-    return PendingCheckpoint(location, location, SaveIntent(new_save_id(), None), IntoCallersDirectory())
+    return PendingCheckpoint(location, location, SaveIntent(new_save_id(), None, agreed=False), IntoCallersDirectory())
 
 
 def _staging_for(target: DirectoryPublishing, save_id: str) -> Location:

@@ -203,3 +203,43 @@ def test_closing_twice_does_nothing_the_second_time(monkeypatch) -> None:
     queue.close()
     queue.close(abort=True)
     assert agreements == [] and step.calls == [("finalize", None)]
+
+
+def test_a_queue_scheduled_from_one_thread_and_finalized_from_others_loses_nothing() -> None:
+    """A training thread schedules while helper threads finalize (``no_dist``). The
+    finalizers iterated the pending requests while the scheduler appended to them and
+    died with a bare ``RuntimeError: deque mutated during iteration``; two finalizers
+    could pop the same ready request. Now every request is finalized exactly once, in
+    order, whatever thread calls."""
+    import threading
+    import time
+
+    queue = AsyncCallsQueue()
+    finalized: list[int] = []
+    errors: list[BaseException] = []
+    scheduled = 2000
+    done = threading.Event()
+
+    def schedule() -> None:
+        try:
+            for n in range(scheduled):
+                queue.schedule_async_request(AsyncRequest(None, finalize_fns=[lambda n=n: finalized.append(n)]))
+        finally:
+            done.set()
+
+    def finalize() -> None:
+        try:
+            while not done.is_set() or queue.get_num_unfinalized_calls():
+                queue.maybe_finalize_async_calls(no_dist=True)
+                time.sleep(0)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=schedule)] + [threading.Thread(target=finalize) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    queue.close()
+    assert not errors, errors
+    assert finalized == list(range(scheduled)), "a request was finalized twice, out of order, or not at all"

@@ -137,6 +137,12 @@ class AsyncCallsQueue:
     """Schedules async save requests, runs their I/O in the background, finalizes them
     in order.
 
+    Threads may share a queue: scheduling takes a short lock, and finalizations (and
+    ``close``) run one at a time, so each request is finalized once, in order. A
+    collective finalization still needs its group to itself: finalize from another
+    thread than the training loop's only with ``no_dist``, or on a process group that
+    no other thread uses meanwhile.
+
     Args:
         persistent: accepted for API compatibility; the worker thread always persists
             for the queue's lifetime.
@@ -162,18 +168,30 @@ class AsyncCallsQueue:
         self._pending: deque[tuple[int, AsyncRequest, Future]] = deque()
         self._next_idx = 0
         self._closed = False
+        self._lock = threading.RLock()  # ``_pending``, ``_next_idx``, ``_closed`` (and a preload_fn)
+        self._finalizing = threading.RLock()  # one finalization (or close) at a time
 
     def schedule_async_request(self, async_request: AsyncRequest) -> int:
         """Starts the request's I/O in the background and returns its call index."""
-        if self._closed:
-            raise CheckpointingException("AsyncCallsQueue is closed; create a new one")
-        idx = self._next_idx
-        self._next_idx += 1
-        request = replace(async_request.freeze(), call_idx=idx)
-        if request.preload_fn is not None:
-            request.preload_fn()
-        self._pending.append((idx, request, self._worker.submit(_run_io, request)))
+        with self._lock:
+            if self._closed:
+                raise CheckpointingException("AsyncCallsQueue is closed; create a new one")
+            idx = self._next_idx
+            self._next_idx += 1
+            request = replace(async_request.freeze(), call_idx=idx)
+            if request.preload_fn is not None:
+                request.preload_fn()
+            self._pending.append((idx, request, self._worker.submit(_run_io, request)))
         return idx
+
+    def _pending_now(self) -> list[tuple[int, AsyncRequest, Future]]:
+        """The requests pending now, oldest first (a copy: another thread may schedule)."""
+        with self._lock:
+            return list(self._pending)
+
+    def _pop_oldest(self) -> tuple[int, AsyncRequest, Future]:
+        with self._lock:
+            return self._pending.popleft()
 
     def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = False) -> list[int]:
         """Finalizes the requests finished on every rank, oldest first; returns their
@@ -188,18 +206,19 @@ class AsyncCallsQueue:
         each request's outcome (a failure of the only request finalized, the same on
         every rank, is raised as it is). A save that failed has no commit record.
         """
-        if blocking:
-            for _, _, future in self._pending:
-                future.exception()  # waits
-        ready = self._finished_everywhere(no_dist)
-        finalized = [self._finalize_oldest() for _ in range(ready)]
-        if finalized:
-            self._raise_failures(finalized, no_dist)
-        return [done.outcome.call_idx for done in finalized]
+        with self._finalizing:
+            if blocking:
+                for _, _, future in self._pending_now():
+                    future.exception()  # waits
+            ready = self._finished_everywhere(no_dist)
+            finalized = [self._finalize_oldest() for _ in range(ready)]
+            if finalized:
+                self._raise_failures(finalized, no_dist)
+            return [done.outcome.call_idx for done in finalized]
 
     def _finalize_oldest(self) -> _Finalized:
         """Pops the oldest request and runs its finalize steps; raises nothing."""
-        idx, request, future = self._pending.popleft()
+        idx, request, future = self._pop_oldest()
         return _finalize_steps(idx, request.finalize_fns, future.exception())
 
     def _raise_failures(self, finalized: list[_Finalized], no_dist: bool) -> None:
@@ -235,8 +254,9 @@ class AsyncCallsQueue:
 
     def _finished_everywhere(self, no_dist: bool) -> int:
         """How many of the oldest requests have finished on every rank."""
+        pending = self._pending_now()
         done = 0
-        for _, _, future in self._pending:
+        for _, _, future in pending:
             if not future.done():
                 break
             done += 1
@@ -245,10 +265,10 @@ class AsyncCallsQueue:
         try:
             return Group(self.process_group).reduce_over_ranks([done], "min", "async finalization")[0]
         except CheckpointingException as exc:
-            pending = [fn.checkpoint if isinstance(fn, Finalization) else "?"
-                       for _, r, _ in self._pending for fn in r.finalize_fns]
+            named = [fn.checkpoint if isinstance(fn, Finalization) else "?"
+                     for _, r, _ in pending for fn in r.finalize_fns]
             raise CheckpointingException(
-                f"Async checkpoint save(s) of {sorted(set(pending))} not committed: {exc}"
+                f"Async checkpoint save(s) of {sorted(set(named))} not committed: {exc}"
             ) from exc
 
     def get_num_unfinalized_calls(self) -> int:
@@ -268,12 +288,14 @@ class AsyncCallsQueue:
                 that failed, or a request left pending without ``abort`` (ranks that
                 scheduled different saves), naming each request dropped.
         """
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         try:
-            failure = None if abort else self._finalize_all()
-            dropped = self._drop_pending(expected=abort or failure is not None)
+            with self._finalizing:
+                failure = None if abort else self._finalize_all()
+                dropped = self._drop_pending(expected=abort or failure is not None)
         finally:
             self._worker.shutdown(wait=True)
         if failure is not None:
@@ -299,7 +321,7 @@ class AsyncCallsQueue:
         dropped: list[str] = []
         failed: list[tuple[str, Exception]] = []
         while self._pending:
-            idx, request, future = self._pending.popleft()
+            idx, request, future = self._pop_oldest()
             future.exception()  # waits: the save's files are let go once nothing writes them
             dropped.append(_describe(idx, _checkpoints(request.finalize_fns)))
             error = _abort_steps(request.finalize_fns)

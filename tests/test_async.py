@@ -263,3 +263,25 @@ def test_saves_finalized_in_another_order_on_some_rank_are_refused_not_mixed(tmp
         assert "another save" in message and "same order" in message, message
     for ckpt in (first, second):
         assert not is_committed(open_location(ckpt)) or verify(ckpt).ok, f"{ckpt} committed and damaged"
+
+
+def test_a_failed_preload_lets_go_of_its_save(tmp_path: Path) -> None:
+    """A request whose ``preload_fn`` raises is not scheduled. Its save kept its staging
+    directory locked (descriptors, flock) for as long as anything referenced the request
+    (the caller's variable, the traceback), so the next save into the same place could
+    not remove it. Now its finalizations are aborted: the next save removes what it left."""
+    from dataclasses import replace
+
+    def preload() -> None:
+        raise RuntimeError("device-to-host copy failed")
+
+    ckpt = tmp_path / "ckpt"
+    queue = AsyncCallsQueue()
+    request = save(_sd(0, 1), ckpt, async_sharded_save=True)
+    with pytest.raises(RuntimeError, match="device-to-host copy failed"):
+        queue.schedule_async_request(replace(request, preload_fn=preload))
+    assert queue.get_num_unfinalized_calls() == 0
+    queue.schedule_async_request(save(_sd(0, 1), ckpt, async_sharded_save=True))
+    queue.close()
+    assert is_committed(open_location(ckpt))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"], "the failed save's staging directory is still there"

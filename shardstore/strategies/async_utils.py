@@ -91,6 +91,8 @@ class AsyncRequest:
             ranks; collective (they agree on success and commit).
         async_fn_kwargs: keyword arguments of ``async_fn``.
         preload_fn: run before scheduling (e.g. copy to host); its result is unused.
+            When it raises, the request is not scheduled and its Finalizations are
+            aborted.
         is_frozen: a frozen request accepts no more finalize functions.
         call_idx: position in the queue, set when scheduled.
     """
@@ -180,7 +182,7 @@ class AsyncCallsQueue:
             self._next_idx += 1
             request = replace(async_request.freeze(), call_idx=idx)
             if request.preload_fn is not None:
-                request.preload_fn()
+                _preload(request)
             self._pending.append((idx, request, self._worker.submit(_run_io, request)))
         return idx
 
@@ -482,6 +484,21 @@ def _describe(call_idx: int, checkpoints: tuple[str, ...]) -> str:
 def _checkpoints(fns: list[Finalization | Callable[[], Any]]) -> tuple[str, ...]:
     """The checkpoints the Finalizations among ``fns`` commit."""
     return tuple(fn.checkpoint for fn in fns if isinstance(fn, Finalization))
+
+
+def _preload(request: AsyncRequest) -> None:
+    """Runs the request's ``preload_fn``; when it raises, the request is not scheduled:
+    its Finalizations are aborted (local: the save lets go of its staging directory,
+    which the next save into the same place removes) and the error is raised."""
+    assert request.preload_fn is not None
+    try:
+        request.preload_fn()
+    except BaseException as exc:
+        failed = _abort_steps(request.finalize_fns)
+        if failed is not None:
+            exc.add_note(f"Aborting {_describe(request.call_idx, _checkpoints(request.finalize_fns))} "
+                         f"failed too: {type(failed).__name__}: {failed}")
+        raise
 
 
 def _run_io(request: AsyncRequest) -> None:

@@ -243,3 +243,34 @@ def test_a_queue_scheduled_from_one_thread_and_finalized_from_others_loses_nothi
     queue.close()
     assert not errors, errors
     assert finalized == list(range(scheduled)), "a request was finalized twice, out of order, or not at all"
+
+
+def test_a_writer_that_cannot_leave_its_report_still_does_not_raise(tmp_path, monkeypatch) -> None:
+    """The disk is full: the chunk writes fail, and so does the writer's report of that
+    failure. The report's OSError escaped ``write_and_report``, which ends Megatron's
+    persistent worker loop, whose queue then waits forever for this request and every
+    later one. Now the writer logs it and returns; the finalization finds no report and
+    fails, naming the rank, with nothing committed."""
+    import errno
+
+    import torch
+
+    from shardstore import ShardedTensor, save
+    from shardstore.stores.base import Location
+    from shardstore.strategies import forked_writes
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    request = forked_writes.for_another_process(
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(8))}, tmp_path / "ckpt", async_sharded_save=True),
+        AsyncRequest,
+    )
+    monkeypatch.setattr(forked_writes, "write_staged", full)
+    with monkeypatch.context() as patched:
+        patched.setattr(Location, "write_atomic", full)
+        request.async_fn(*request.async_fn_args)  # as the worker runs it: must not raise
+    with pytest.raises(CheckpointingException, match=r"background write of rank 0 into .* left no report"):
+        for finalize in request.finalize_fns:
+            finalize()
+    assert not (tmp_path / "ckpt").exists()

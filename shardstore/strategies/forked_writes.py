@@ -77,7 +77,7 @@ def write_and_report(pipeline: SavePipeline, io_concurrency: int, io_threads: in
     the report), not raised here: Megatron's persistent worker runs every request in
     one loop that an exception would end, and its queue would then wait forever for
     this request and every later one; its forked writer ignores the exit status
-    anyway."""
+    anyway. Nor is a report that cannot be written (``_leave_report``)."""
     try:
         write_staged(pipeline, io_concurrency, io_threads)
         outcome: dict[str, Any] = {"written": [[c.key, list(c.index), *c[2:]] for c in pipeline.written]}
@@ -85,7 +85,19 @@ def write_and_report(pipeline: SavePipeline, io_concurrency: int, io_threads: in
         logger.error("The background write into %s failed", pipeline.describe(), exc_info=True)
         outcome = {"error": f"{type(exc).__name__}: {exc}"}
         pipeline.location.end_writes()
-    pipeline.location.write_atomic(_report_file(pipeline.group.rank), json.dumps(outcome).encode())
+    _leave_report(pipeline, outcome)
+
+
+def _leave_report(pipeline: SavePipeline, outcome: dict[str, Any]) -> None:
+    """Writes this rank's report; where that fails too (the disk that failed the writes
+    is full), logs it instead of raising (``write_and_report``): the finalization then
+    finds no report and fails on every rank, nothing committed."""
+    rel = _report_file(pipeline.group.rank)
+    try:
+        pipeline.location.write_atomic(rel, json.dumps(outcome).encode())
+    except Exception:  # the finalization fails for the missing report, on every rank
+        logger.error("The background writer of %s could not leave its report %s", pipeline.describe(), rel,
+                     exc_info=True)
 
 
 def finalize_from_report(pipeline: SavePipeline) -> None:
@@ -99,7 +111,7 @@ def finalize_from_report(pipeline: SavePipeline) -> None:
         if data is None:
             raise CheckpointingException(
                 f"The background write of rank {rank} into {location.describe()} left no report "
-                f"({rel}): it did not finish"
+                f"({rel}): it did not finish, or could not write its report (the writer's log says why)"
             )
         location.remove(rel)
         outcome = json.loads(data)

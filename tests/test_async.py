@@ -285,3 +285,28 @@ def test_a_failed_preload_lets_go_of_its_save(tmp_path: Path) -> None:
     queue.close()
     assert is_committed(open_location(ckpt))
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"], "the failed save's staging directory is still there"
+
+
+def test_exiting_with_an_async_save_pending_says_it_was_not_committed(tmp_path: Path) -> None:
+    """A script schedules an async save and ends without ``close()``. The save was never
+    committed, and all the process said was 'Background I/O of async checkpoint save 0
+    failed: cannot schedule new futures after interpreter shutdown' (the writes, cut off
+    by the interpreter's shutdown), or nothing at all: nothing named the checkpoint
+    lost. Now a WARNING at exit names it, and what to call."""
+    import subprocess
+
+    script = (
+        "import sys, torch\n"
+        "from shardstore import ShardedTensor, save\n"
+        "from shardstore.strategies.async_utils import AsyncCallsQueue\n"
+        "queue = AsyncCallsQueue()\n"
+        "state = {'w': ShardedTensor.from_rank_offsets('w', torch.ones(8))}\n"
+        "queue.schedule_async_request(save(state, sys.argv[1], async_sharded_save=True))\n"
+    )
+    ckpt = tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", script, str(ckpt)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "never finalized" in done.stderr and str(ckpt) in done.stderr and "close()" in done.stderr, done.stderr
+    assert not is_committed(open_location(ckpt))

@@ -43,6 +43,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -172,6 +173,8 @@ class AsyncCallsQueue:
         self._closed = False
         self._lock = threading.RLock()  # ``_pending``, ``_next_idx``, ``_closed`` (and a preload_fn)
         self._finalizing = threading.RLock()  # one finalization (or close) at a time
+        # at exit, or once the queue is dropped: the saves it never finalized are named
+        weakref.finalize(self, _warn_unfinalized, self._pending)
 
     def schedule_async_request(self, async_request: AsyncRequest) -> int:
         """Starts the request's I/O in the background and returns its call index."""
@@ -340,6 +343,20 @@ class AsyncCallsQueue:
         )
         error.__cause__ = failed[0][1] if failed else None
         return error
+
+
+def _warn_unfinalized(pending: deque[tuple[int, AsyncRequest, Future]]) -> None:
+    """WARNING naming the requests a queue still held when the process exited, or when
+    the queue was dropped, without ``close()``: never finalized, they were never
+    committed (their writes may even have been cut off by the interpreter's shutdown)."""
+    if not pending:
+        return
+    names = ", ".join(_describe(idx, _checkpoints(request.finalize_fns)) for idx, request, _ in list(pending))
+    logger.warning(
+        "%d async checkpoint save(s) were never finalized, so never committed: %s. Call "
+        "AsyncCallsQueue.close() (or maybe_finalize_async_calls(blocking=True)) on every rank before the process "
+        "exits; the next save into the same place removes what they wrote.", len(pending), names,
+    )
 
 
 def set_thread_priority(priority: str) -> None:

@@ -310,3 +310,24 @@ def test_exiting_with_an_async_save_pending_says_it_was_not_committed(tmp_path: 
     assert done.returncode == 0, done.stderr
     assert "never finalized" in done.stderr and str(ckpt) in done.stderr and "close()" in done.stderr, done.stderr
     assert not is_committed(open_location(ckpt))
+
+
+def close_after_destroying_the_process_group(rank: int, world: int, ckpt: str) -> str:
+    import torch.distributed as dist
+
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(save(_sd(rank, world), ckpt, async_sharded_save=True))
+    dist.destroy_process_group()
+    with pytest.raises(CheckpointingException) as raised:
+        queue.close()
+    return str(raised.value)
+
+
+def test_finalizing_after_the_process_group_is_gone_names_the_saves_lost(ckpt_dir: Path) -> None:
+    """``destroy_process_group()`` before ``close()``: the collective commit raised
+    torch's bare 'ValueError: Default process group has not been initialized' from deep
+    inside the commit stage, naming neither the checkpoint nor what to do. Now a
+    CheckpointingException names the saves left uncommitted and the order to call."""
+    for message in run_distributed(close_after_destroying_the_process_group, 2, str(ckpt_dir)):
+        assert str(ckpt_dir) in message and "destroy_process_group" in message, message
+    assert not is_committed(open_location(ckpt_dir))

@@ -171,6 +171,7 @@ class AsyncCallsQueue:
         self._pending: deque[tuple[int, AsyncRequest, Future]] = deque()
         self._next_idx = 0
         self._closed = False
+        self._distributed = False  # a request was scheduled while torch.distributed was initialized
         self._lock = threading.RLock()  # ``_pending``, ``_next_idx``, ``_closed`` (and a preload_fn)
         self._finalizing = threading.RLock()  # one finalization (or close) at a time
         # at exit, or once the queue is dropped: the saves it never finalized are named
@@ -184,6 +185,7 @@ class AsyncCallsQueue:
             idx = self._next_idx
             self._next_idx += 1
             request = replace(async_request.freeze(), call_idx=idx)
+            self._distributed = self._distributed or dist.is_initialized()
             if request.preload_fn is not None:
                 _preload(request)
             self._pending.append((idx, request, self._worker.submit(_run_io, request)))
@@ -265,16 +267,20 @@ class AsyncCallsQueue:
             if not future.done():
                 break
             done += 1
-        if no_dist or not dist.is_initialized():
+        if no_dist:
+            return done
+        if not dist.is_initialized():
+            if self._distributed and pending:
+                raise CheckpointingException(
+                    f"Async checkpoint save(s) of {_named(pending)} not committed: torch.distributed was shut down "
+                    "(destroy_process_group) while they were pending, and their commit is collective. Finalize them "
+                    "first (AsyncCallsQueue.close() on every rank), then call destroy_process_group()."
+                )
             return done
         try:
             return Group(self.process_group).reduce_over_ranks([done], "min", "async finalization")[0]
         except CheckpointingException as exc:
-            named = [fn.checkpoint if isinstance(fn, Finalization) else "?"
-                     for _, r, _ in pending for fn in r.finalize_fns]
-            raise CheckpointingException(
-                f"Async checkpoint save(s) of {sorted(set(named))} not committed: {exc}"
-            ) from exc
+            raise CheckpointingException(f"Async checkpoint save(s) of {_named(pending)} not committed: {exc}") from exc
 
     def get_num_unfinalized_calls(self) -> int:
         return len(self._pending)
@@ -343,6 +349,13 @@ class AsyncCallsQueue:
         )
         error.__cause__ = failed[0][1] if failed else None
         return error
+
+
+def _named(pending: list[tuple[int, AsyncRequest, Future]]) -> list[str]:
+    """The checkpoints the Finalizations of ``pending`` commit, sorted ("?" for a request
+    of plain callables only)."""
+    return sorted({fn.checkpoint if isinstance(fn, Finalization) else "?"
+                   for _, request, _ in pending for fn in request.finalize_fns})
 
 
 def _warn_unfinalized(pending: deque[tuple[int, AsyncRequest, Future]]) -> None:

@@ -274,3 +274,32 @@ def test_a_writer_that_cannot_leave_its_report_still_does_not_raise(tmp_path, mo
         for finalize in request.finalize_fns:
             finalize()
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_request_for_another_process_leaves_the_host_snapshot_behind(tmp_path, monkeypatch) -> None:
+    """The snapshot of an async save holds the copy streams of its CUDA copies
+    (``torch.cuda.Stream``, which Megatron's persistent worker cannot pickle) and the
+    pool of pinned buffers kept from earlier saves; the writer needs neither (its writes
+    point into the host copies themselves, which travel with them). Before, the request
+    pickled the snapshot: here, copy streams that refuse pickling, as CUDA's do, failed
+    the pickle."""
+    import pickle
+
+    import torch
+
+    from shardstore import ShardedTensor, save, verify
+    from shardstore.execution import staging
+    from shardstore.strategies.forked_writes import for_another_process
+
+    class StreamsThatDoNotPickle(staging._CopyStreams):
+        def __reduce_ex__(self, protocol: object) -> object:
+            raise TypeError("cannot pickle 'torch.cuda.Stream' object")
+
+    monkeypatch.setattr(staging, "_CopyStreams", StreamsThatDoNotPickle)
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(64.0))}
+    request = for_another_process(save(state, tmp_path / "ckpt", async_sharded_save=True), AsyncRequest)
+    copy = pickle.loads(pickle.dumps(request))
+    copy.async_fn(*copy.async_fn_args)  # the writer's part, as the worker runs it
+    for finalize in request.finalize_fns:
+        finalize()
+    assert verify(tmp_path / "ckpt").ok

@@ -23,7 +23,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -199,8 +199,11 @@ class SavePipeline:
     def __getstate__(self) -> dict:
         """What a writer in another process needs (Megatron's persistent worker pickles
         the request): the staged host copies, not the caller's tensors, nor the commit
-        record (the finalization, in this process, commits)."""
-        return {**self.__dict__, "_planned": None, "_commit_record": None}
+        record (the finalization, in this process, commits), nor the host snapshot (its
+        CUDA copy streams do not pickle, its pool holds buffers of earlier saves; the
+        writes point into the copies themselves, and this process lets them go)."""
+        staged = None if self._staged is None else replace(self._staged, snapshot=None)
+        return {**self.__dict__, "_planned": None, "_commit_record": None, "_staged": staged}
 
     @classmethod
     def open(

@@ -830,7 +830,8 @@ class ShardstoreWriter(StorageWriter):
                         common[data.fqn] = _common_value(data, where)
                 reports.append(chunks)
             _refuse_unwritten(metadata, commit, common, where)
-            recorded, given = self._dcp_metadata(metadata, where), _given_paths(metadata)
+            given = _given_paths(metadata)
+            recorded = self._dcp_metadata(given, where)
             if recorded.paths is not None:
                 # a fresh dict per slot: one object pickled at two places loads as one, shared
                 common.update({name: {} for name in recorded.paths.keys() - given.keys()})
@@ -844,11 +845,11 @@ class ShardstoreWriter(StorageWriter):
                 raise CheckpointingException(f"Committing checkpoint {where} failed: {exc}") from exc
             raise
 
-    def _dcp_metadata(self, metadata: Metadata, where: str) -> DcpMetadata:
-        """What the commit record keeps of DCP's metadata: its planner's paths
-        (``_given_paths``) with the list slots its flattening dropped
+    def _dcp_metadata(self, given: Any, where: str) -> DcpMetadata:
+        """What the commit record keeps of DCP's metadata: the paths it was given
+        (``given``: ``_given_paths``) with the list slots its flattening dropped
         (``_with_dropped_slots``), and this save's ``storage_meta``."""
-        paths = _with_dropped_slots(_given_paths(metadata))
+        paths = _with_dropped_slots(given)
         if paths is None:
             # a custom planner's own data: DCP's writer pickles it; a JSON record cannot
             logger.warning(

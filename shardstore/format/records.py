@@ -74,7 +74,6 @@ __all__ = [
     "ObjectRecord",
     "OtherCheckpointFiles",
     "READABLE_FORMAT_VERSIONS",
-    "UnsupportedFormatVersion",
     "SHARDED_FORMAT_VERSION",
     "READERS_ATTRIBUTE",
     "RECORD_DIGEST",
@@ -87,6 +86,7 @@ __all__ = [
     "STAGING_TAG",
     "StatePath",
     "UNSEALED_DIGEST",
+    "UnsupportedFormatVersion",
     "ZARR_JSON",
     "ZARR_METADATA_FORMAT_VERSION",
     "ZarrMetadata",
@@ -151,11 +151,6 @@ FORMAT_VERSION = 4
 # the array's directory: one directory per tensor instead of two or three). Version 4
 # adds the record's own digest (``record_digest``); earlier records have none.
 READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
-
-
-class UnsupportedFormatVersion(CheckpointingException):
-    """A commit record of a format version this shardstore cannot read (a newer
-    shardstore wrote it): not damage, and nothing here can check it."""
 # Version 5: version 4 with arrays stored in shards (``format.sharding``; the array's
 # ``codecs`` in the record). A record with no sharded array stays version 4, so older
 # shardstores read it; they refuse a version 5 record by its version.
@@ -227,6 +222,11 @@ MAX_RECORD_BYTES = 2**30
 MAX_DELETION_MARKER_BYTES = MAX_RECORD_BYTES + 4096
 # Chunks of all arrays of a format-1 record, which lists no checksums to pay for them.
 MAX_UNBOUND_CHUNKS = 2**24
+
+
+class UnsupportedFormatVersion(CheckpointingException):
+    """A commit record of a format version this shardstore cannot read (a newer
+    shardstore wrote it): not damage, and nothing here can check it."""
 
 
 class ZarrMetadata(StrEnum):

@@ -1193,6 +1193,23 @@ class CommitRecord:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> CommitRecord:
+        """The record ``data`` encodes, checked (``where`` names it in errors).
+
+        The record parsed last is kept with its exact bytes, compared in full: a caller
+        that opens the same checkpoint once per tensor (the seed's ``_load_from_array``,
+        ``verify`` after the CLI's version check) parses it once, where each parse of a
+        10,000-array record takes a tenth of a second or more. Bytes that differ in any
+        way are parsed anew, so a record replaced since is never answered from memory;
+        the records are treated as immutable by every reader."""
+        last = _LAST_PARSED[0]
+        if last is not None and last[0] == data:
+            return last[1]
+        record = cls._parse(data, where)
+        _LAST_PARSED[0] = (bytes(data), record)
+        return record
+
+    @classmethod
+    def _parse(cls, data: bytes, where: str) -> CommitRecord:
         try:
             root = json.loads(data)
         except (ValueError, RecursionError) as exc:  # not JSON, or nested past the parser's depth
@@ -1278,6 +1295,11 @@ class CommitRecord:
             if why := result.refuses_beside(name):
                 raise CheckpointingException(f"{where}: the record names {name!r} as another program's entry: {why}")
         return replace(result, beside=tuple(beside), zarr_metadata=_zarr_metadata_from_json(record, version, where))
+
+
+_LAST_PARSED: list[tuple[bytes, CommitRecord] | None] = [None]
+"""``CommitRecord.from_json``'s one remembered record and its bytes (a one-slot list:
+a single item assignment, which needs no lock between threads)."""
 
 
 def _check_unbound_chunks(arrays: dict[str, ArrayRecord], where: str) -> None:

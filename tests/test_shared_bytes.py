@@ -235,6 +235,30 @@ def test_verify_of_a_root_keeps_unshared_damage_apart(tmp_path: Path) -> None:
     assert sorted(d.checkpoints for d in report.damage) == [("a",), ("b",)]
 
 
+def test_verify_of_a_root_names_the_leftovers_of_interrupted_saves_unchecked(tmp_path: Path) -> None:
+    """An old checkpoint a replacement set aside (``.a.shardstore-replaced-<id>``), half
+    moved, was verified as a checkpoint of the root and reported as damage, which a
+    cleanup script answers by deleting it, though it may be the last copy. Leftovers of
+    interrupted saves are now named, not verified; the root's checkpoints still are."""
+    import shutil
+
+    from shardstore.format import REPLACED_TAG, read_commit_record
+    from shardstore.opened import bare_location
+    from shardstore.tools.root_verify import verify_root
+
+    save(_state(1), tmp_path / "a")
+    save_id = read_commit_record(bare_location(tmp_path / "a")).save_id
+    aside = tmp_path / f".a{REPLACED_TAG}{save_id}"
+    shutil.copytree(tmp_path / "a", aside)
+    (aside / CHUNK).unlink()  # moved back already
+    report = verify_root(tmp_path)
+    assert sorted(report.reports) == ["a"] and report.ok
+    assert report.leftovers == (aside.name,)
+    assert f"left by interrupted saves, not checked: {aside.name}" in str(report)
+    _flip_a_byte(tmp_path / "a" / CHUNK)
+    assert not verify_root(tmp_path).ok
+
+
 def test_the_cli_verifies_a_root_and_names_the_steps_sharing_a_damaged_file(tmp_path: Path) -> None:
     import json
     import sys

@@ -31,6 +31,8 @@ __all__ = [
     "MAX_RECORD_BYTES",
     "ObjectRecord",
     "Problem",
+    "REPLACED_TAG",
+    "STAGING_TAG",
     "SaveIntent",
     "StatePath",
     "UnsupportedFormatVersion",
@@ -72,7 +74,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "integrity": ("Problem", "VerifyReport", "verify"),
     "pickles": ("load_torch", "serialize"),
     "records": ("ArrayRecord", "COMMIT_RECORD", "COMMON_FILE", "CommitRecord", "DELETION_MARKER", "DcpMetadata",
-                "MAX_RECORD_BYTES", "ObjectRecord", "StatePath", "ZARR_JSON", "array_group_collisions",
+                "MAX_RECORD_BYTES", "ObjectRecord", "REPLACED_TAG", "STAGING_TAG", "StatePath", "ZARR_JSON", "array_group_collisions",
                 "group_metadata", "is_committed", "own_markers", "parent_groups", "read_commit_record", "read_marker",
                 "state_paths", "UnsupportedFormatVersion"),
 })

@@ -273,6 +273,7 @@ def verify_command(checkpoint: str, as_json: bool) -> None:
     from shardstore.tools.root_verify import (
         checkpoints_under,
         holds_commit_record,
+        leftovers_under,
         refuse_unreadable_version,
         verify_checkpoints,
     )
@@ -281,7 +282,7 @@ def verify_command(checkpoint: str, as_json: bool) -> None:
         location = bare_location(checkpoint)
         found = {} if location.exists(COMMIT_RECORD) else checkpoints_under(location)
         if found:
-            root_report = verify_checkpoints(location.describe(), found)
+            root_report = verify_checkpoints(location.describe(), found, leftovers=leftovers_under(location))
         else:
             if holds_commit_record(location):  # a damaged record is a finding, as under a root
                 refuse_unreadable_version(location)
@@ -307,6 +308,7 @@ def _report_root(report: Any, as_json: bool) -> NoReturn:
     """Prints a ``tools.root_verify.RootVerifyReport`` and exits (1 when damaged)."""
     if as_json:
         _echo_json({"root": report.root, "ok": report.ok, "damage": [asdict(d) for d in report.damage],
+                    "leftovers": list(report.leftovers),
                     "checkpoints": {name: {**asdict(r), "ok": r.ok} for name, r in report.reports.items()}})
     else:
         for name, single in report.reports.items():

@@ -72,7 +72,7 @@ from shardstore.protocol import Group
 from shardstore.stores import Location, run_parallel
 from shardstore.strategies.async_utils import AsyncCallsQueue
 from shardstore.tools.preemption import Listener, listen
-from shardstore.tools.root_verify import RootVerifyReport, verify_checkpoints
+from shardstore.tools.root_verify import RootVerifyReport, leftovers_under, verify_checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -556,7 +556,8 @@ class CheckpointManager:
         rank."""
         steps = {self.options.step_name(step): self.location(step) for step in self._named_steps()}
         return verify_checkpoints(
-            self.root.describe(), {name: loc for name, loc in steps.items() if loc.exists(COMMIT_RECORD)}, progress
+            self.root.describe(), {name: loc for name, loc in steps.items() if loc.exists(COMMIT_RECORD)}, progress,
+            leftovers_under(self.root),
         )
 
     def metrics(self, step: int) -> dict[str, float] | None:

@@ -12,8 +12,8 @@ a copy-on-write clone, checkpoints share no object: each damaged file is its own
 from __future__ import annotations
 
 __all__ = [
-    "RootVerifyReport", "SharedDamage", "checkpoints_under", "holds_commit_record", "refuse_unreadable_version",
-    "verify_checkpoints", "verify_root",
+    "RootVerifyReport", "SharedDamage", "checkpoints_under", "holds_commit_record", "leftovers_under",
+    "refuse_unreadable_version", "verify_checkpoints", "verify_root",
 ]
 
 import json
@@ -26,6 +26,8 @@ from shardstore.format import (
     COMMIT_RECORD,
     COMMON_FILE,
     MAX_RECORD_BYTES,
+    REPLACED_TAG,
+    STAGING_TAG,
     Problem,
     UnsupportedFormatVersion,
     VerifyReport,
@@ -60,11 +62,19 @@ class SharedDamage:
 @dataclass
 class RootVerifyReport:
     """What ``verify_root`` found: each checkpoint's own report, and the damaged files
-    grouped by the file they are."""
+    grouped by the file they are.
+
+    Attributes:
+        leftovers: hidden entries under the root that interrupted saves left (a staging
+            directory, an old checkpoint a replacement set aside), by name: not verified
+            as checkpoints (a half-moved one would read as damage, which a cleanup
+            script may answer by deleting it), named so that none goes unseen.
+    """
 
     root: str
     reports: dict[str, VerifyReport] = field(default_factory=dict)
     damage: list[SharedDamage] = field(default_factory=list)
+    leftovers: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -72,6 +82,12 @@ class RootVerifyReport:
 
     def __str__(self) -> str:
         head = f"{self.root}: {len(self.reports)} checkpoint(s) checked; "
+        if self.leftovers:
+            head = (
+                f"{self.root}: left by interrupted saves, not checked: {', '.join(self.leftovers)} (the next save "
+                "into each checkpoint's path cleans them up; `shardstore restore PATH` puts back a checkpoint a "
+                "replacement set aside)\n" + head
+            )
         if self.ok:
             return head + "no problems"
         lines = [
@@ -87,15 +103,32 @@ def checkpoints_under(root: Location) -> dict[str, Location]:
     """The entries directly under ``root`` that hold a commit record, by name (a damaged
     record counts: its verify says what is wrong). None under a root that holds a
     save's own files (``common.pt``): it is one checkpoint, unfinished, whose array
-    directories each hold a ``zarr.json`` that is no commit record."""
+    directories each hold a ``zarr.json`` that is no commit record. The leftovers of
+    interrupted saves (``leftovers_under``) are none of them."""
     if root.exists(COMMON_FILE):
         return {}
     found = {}
     for name in root.list_top(limit=None):
+        if _is_leftover(name):
+            continue
         child = root.child(name)
         if holds_commit_record(child):
             found[name] = child
     return found
+
+
+def leftovers_under(root: Location) -> tuple[str, ...]:
+    """The hidden entries directly under ``root`` that interrupted saves left, by name
+    (``RootVerifyReport.leftovers``); none under a root that is itself a save's."""
+    if root.exists(COMMON_FILE):
+        return ()
+    return tuple(sorted(name for name in root.list_top(limit=None) if _is_leftover(name)))
+
+
+def _is_leftover(name: str) -> bool:
+    """Whether ``name`` is a save's staging directory or a checkpoint a replacement set
+    aside (``.<name>.shardstore-save-<id>``, ``.<name>.shardstore-replaced-<id>``)."""
+    return name.startswith(".") and (STAGING_TAG in name or REPLACED_TAG in name)
 
 
 def holds_commit_record(location: Location) -> bool:
@@ -146,15 +179,20 @@ def verify_root(root: str | os.PathLike | Location, progress: bool = False) -> R
         UnsupportedFormatVersion: a checkpoint's record is of a format version this
             shardstore cannot read (``refuse_unreadable_version``), before any is verified."""
     location = bare_location(root)
-    return verify_checkpoints(location.describe(), checkpoints_under(location), progress)
+    return verify_checkpoints(location.describe(), checkpoints_under(location), progress, leftovers_under(location))
 
 
-def verify_checkpoints(root: str, checkpoints: dict[str, Location], progress: bool = False) -> RootVerifyReport:
+def verify_checkpoints(
+    root: str, checkpoints: dict[str, Location], progress: bool = False, leftovers: tuple[str, ...] = ()
+) -> RootVerifyReport:
     """``verify`` of each of ``checkpoints`` (by name), their damage grouped by file; a
-    record of a newer format version raises first (``verify_root``)."""
+    record of a newer format version raises first (``verify_root``). ``leftovers``:
+    named in the report, not verified (``RootVerifyReport.leftovers``)."""
     for location in checkpoints.values():
         refuse_unreadable_version(location)
-    report = RootVerifyReport(root, {name: verify(loc, progress) for name, loc in sorted(checkpoints.items())})
+    report = RootVerifyReport(
+        root, {name: verify(loc, progress) for name, loc in sorted(checkpoints.items())}, leftovers=leftovers
+    )
     groups: dict[object, list[tuple[str, Problem]]] = {}
     for name, single in report.reports.items():
         for problem in single.problems:

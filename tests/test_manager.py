@@ -185,6 +185,18 @@ def test_a_save_after_close_is_refused_before_anything_is_written(tmp_path: Path
     manager.close()  # again: nothing to do
 
 
+@pytest.mark.parametrize("which", ["latest", "named"])
+def test_restore_commits_the_async_save_in_flight_first(tmp_path: Path, which: str) -> None:
+    """``restore`` right after an async ``save`` did not wait for it, as ``resume``
+    does: the latest step was the one before (here none: an error), and the step just
+    saved was refused as an unfinished save. It now commits what is in flight first."""
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(async_save=True))
+    assert manager.save(1, _state(1))
+    restored = manager.restore(_state(0, empty=True), None if which == "latest" else 1)
+    assert restored["step"] == 1 and torch.equal(restored["w"], _state(1)["w"].data)
+    manager.close()
+
+
 @pytest.mark.parametrize("call", ["restore", "resume", "rollback", "delete"])
 def test_a_closed_manager_refuses_to_restore_or_delete(tmp_path: Path, call: str) -> None:
     manager = CheckpointManager(tmp_path)

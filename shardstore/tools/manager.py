@@ -1334,14 +1334,16 @@ class CheckpointManager:
         every rank loads the same step) into the layout ``sharded_state_dict`` describes.
         Collective. Extra keyword arguments go to ``shardstore.load``, and what it
         returns is returned (with a ``strict`` mode that returns the mismatched keys, the
-        tuple), less the manager's own ``shardstore_manager`` entry in every case. To
-        continue training, ``resume`` says which step comes next."""
+        tuple), less the manager's own ``shardstore_manager`` entry in every case. Async
+        saves in flight commit first, as for ``resume``. To continue training, ``resume``
+        says which step comes next."""
         from shardstore.serialization import load
 
         self._refuse_if_closed("restore " + ("the latest step" if step is None else f"step {step}"))
         self._refuse_managers_arguments(load_kwargs, "Not restoring")
         if step is not None:
             step = self._checked_step(step, "Not restoring")
+        self.wait_until_finished()
         if step is None:
             step = self._on_coordinator(self.latest_step)
             if step is None:

@@ -113,6 +113,24 @@ def test_unreadable_metrics_keep_a_step_and_missing_ones_leave_it_to_its_age(
     assert any("Cannot rank checkpoint step 3" in r.getMessage() for r in caplog.records)
 
 
+class _TrainerOwnConfig:
+    """A value a trainer keeps in its common state that the safe unpickler refuses."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+
+def test_keep_best_ranks_the_steps_it_saved_though_their_common_state_is_refused(tmp_path: Path) -> None:
+    """Metrics were read back from each step's common state, whose other values the
+    safe unpickler may refuse (a trainer's own class): then no step could be ranked and
+    keep_best kept every step, for good. The metrics a step was saved with now rank it."""
+    options = CheckpointManagerOptions(max_to_keep=1, keep_best=1, **BEST_LOSS)
+    manager = CheckpointManager(tmp_path, options)
+    for step, loss in {1: 3.0, 2: 1.0, 3: 2.0, 4: 4.0}.items():
+        manager.save(step, {**_state(step), "config": _TrainerOwnConfig(0.1)}, metrics={"loss": loss})
+    assert manager.all_steps() == [2, 4] and manager.retention_errors == []
+
+
 def test_a_save_whose_metrics_cannot_be_kept_or_scored_is_refused_before_writing(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=2, keep_best=1, **BEST_LOSS))
     with pytest.raises(CheckpointingException, match=r"best_fn cannot score its metrics.*KeyError.*Nothing was"):
@@ -299,8 +317,8 @@ def test_delete_goes_marker_first_and_an_interrupted_one_is_finished_by_calling_
 def test_reload_forgets_the_metrics_read(tmp_path: Path, monkeypatch) -> None:
     import shardstore.serialization
 
-    manager = CheckpointManager(tmp_path)
-    manager.save(1, _state(1), metrics={"loss": 1.0})
+    CheckpointManager(tmp_path).save(1, _state(1), metrics={"loss": 1.0})
+    manager = CheckpointManager(tmp_path)  # not the one that saved it, which knows its metrics
     reads = []
     real = shardstore.serialization.load_common_state_dict
     monkeypatch.setattr(

@@ -773,7 +773,7 @@ class CheckpointManager:
             options = replace(options, reuse_from=self.location(reuse_step))
         if self.options.cache_plan and "sharded_strategy" not in save_kwargs:
             save_kwargs["sharded_strategy"] = self._plan_keeping_strategy()
-        retention = functools.partial(self._apply_retention, step)
+        retention = functools.partial(self._apply_retention, step, checked)
         with self._base_failures_noted(chosen_base, step):
             request = save(
                 sharded_state_dict, target, async_sharded_save=self._queue is not None,
@@ -1152,14 +1152,14 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ retention
 
-    def _apply_retention(self, just_saved: int) -> None:
+    def _apply_retention(self, just_saved: int, metrics: dict[str, float] | None = None) -> None:
         """Coordinator, after the commit of ``just_saved``: finishes interrupted
         deletions and deletes the steps retention no longer keeps. Failures are logged
         and listed in ``retention_errors``, never raised: the save succeeded."""
         if not Group(self.process_group).is_coordinator:
             return
         try:
-            unfinished, doomed, kept = self._retention_plan(just_saved)
+            unfinished, doomed, kept = self._retention_plan(just_saved, metrics)
         except (CheckpointingException, OSError) as exc:
             self._retention_failed(f"Retention under {self.root.describe()} skipped: cannot list its steps: {exc}")
             return
@@ -1170,14 +1170,19 @@ class CheckpointManager:
         for state in kept:
             self._keep_with_its_marker_removed(state)
 
-    def _retention_plan(self, just_saved: int) -> tuple[list[int], list[StepState], list[StepState]]:
+    def _retention_plan(
+        self, just_saved: int, metrics: dict[str, float] | None = None
+    ) -> tuple[list[int], list[StepState], list[StepState]]:
         """(interrupted deletions to finish, committed steps to delete, committed steps
         read and kept). Walks the steps
         newest first: the records of the newest ``max_to_keep`` and of the steps that
         may go are read; ``keep_period`` steps older than those are kept whatever they
         hold, so only a missing record is looked for there (an interrupted deletion),
         unless ``keep_best`` ranks every step (then every record and, once per manager,
-        every step's metrics are read)."""
+        every step's metrics are read). ``metrics``: those ``just_saved`` was saved with,
+        ranked as they are, not read back: a common state that also holds a value the
+        safe unpickler refuses (``allow_unsafe_pickle``) left every step unranked, and so
+        kept, for good."""
         options = self.options
         unfinished: list[int] = []
         committed: dict[int, StepState] = {}
@@ -1191,6 +1196,8 @@ class CheckpointManager:
             state = self.step_state(step)
             if state.kind == "committed":
                 committed[step] = state
+                if step == just_saved:
+                    self._metrics_cache.setdefault((step, state.save_id), metrics)
             elif state.kind == "deleting":
                 unfinished.append(step)
             else:

@@ -46,6 +46,35 @@ def run(*args: str) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_an_unexpected_error_is_an_error_not_a_finding(demo: Path, monkeypatch, as_json: bool) -> None:
+    """A bug (an exception shardstore did not foresee) left the command to Python, which
+    exits 1: for ``verify`` the status of damage found, which a cleanup script answers
+    by deleting the checkpoint. It now exits 2 with the traceback on stderr."""
+    import shardstore.format
+    import shardstore.tools.root_verify  # noqa: F401  (imported now: it keeps the real verify)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected bug")
+
+    monkeypatch.setattr(shardstore.format, "verify", broken)  # the package's name, which the command imports
+    code, out, err = run("verify", *(["--json"] if as_json else []), str(demo))
+    assert code == 2
+    assert "RuntimeError: injected bug" in err and "not a finding" in err
+    if as_json:
+        assert json.loads(out) == {"error": "unexpected RuntimeError: injected bug", "exit_status": 2}
+
+
+def test_restore_of_a_path_that_does_not_exist_is_an_error(demo: Path, tmp_path: Path) -> None:
+    """``restore`` of a mistyped path said "nothing to put back" and exited 0, as for a
+    checkpoint that needed nothing; it is now an error (2). An existing checkpoint with
+    nothing set aside is still 0."""
+    code, _, err = run("restore", str(tmp_path / "iter_typo"))
+    assert code == 2 and "does not exist" in err
+    code, out, _ = run("restore", str(demo))
+    assert code == 0 and "nothing to put back" in out
+
+
 def test_inspect_lists_arrays_objects_common_state_and_format(demo: Path) -> None:
     code, out, _ = run("inspect", str(demo))
     assert code == 0

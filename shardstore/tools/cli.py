@@ -8,8 +8,8 @@ library's ``overwrite=True``), and 141 (``EXIT_CLOSED_OUTPUT``, as for a program
 SIGPIPE ended) when standard output is closed before the output is written whole
 (``shardstore inspect CKPT | head -1``), without a word. Every command that reports takes
 ``--json``: one JSON document on standard output, also on failure
-(``{"error": "...", "exit_status": 2}``; an unexpected error's traceback still goes to
-standard error). Progress bars (standard error) show when it is a terminal
+(``{"error": "...", "exit_status": 2}``; an unexpected error, a bug, exits 2 too, its
+traceback on standard error). Progress bars (standard error) show when it is a terminal
 (``--progress`` / ``--no-progress`` decide otherwise); ``-v`` logs each operation's
 duration and bytes, ``-vv`` each stage's.
 """
@@ -26,6 +26,7 @@ import re
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -128,10 +129,23 @@ class ShardstoreGroup(click.Group):
                 raise
             except (BrokenPipeError, click.exceptions.Exit, click.Abort):  # no failure, or not one to print
                 raise
-            except Exception as exc:  # a bug: the traceback follows on stderr
-                if as_json:
-                    _echo_json({"error": f"unexpected {type(exc).__name__}: {exc}", "exit_status": 1})
-                raise
+            except Exception as exc:  # a bug: not a finding, whatever it is
+                _unexpected_error(exc, as_json)
+
+
+def _unexpected_error(exc: Exception, as_json: bool) -> NoReturn:
+    """Ends a command that failed with an error shardstore did not foresee (a bug): its
+    traceback on standard error and ``EXIT_ERROR``. Left to Python, it exited 1, which
+    means a finding (``verify``: damage), and a script may answer that by deleting a
+    checkpoint that was never found damaged."""
+    if as_json:
+        _echo_json({"error": f"unexpected {type(exc).__name__}: {exc}", "exit_status": EXIT_ERROR})
+    traceback.print_exception(exc, file=sys.stderr)
+    click.echo(
+        f"shardstore: unexpected {type(exc).__name__} (a bug in shardstore, not a finding about the checkpoint; "
+        "please report it with the traceback above)", err=True,
+    )
+    sys.exit(EXIT_ERROR)
 
 
 @contextmanager
@@ -463,12 +477,17 @@ def _report_checkpoint(source: str, src: str, destination: str, arrays: int, as_
 def restore_command(checkpoint: str) -> None:
     """Put back the checkpoint at CHECKPOINT that a save was replacing, beside other
     programs' files, when it was interrupted (the next save into CHECKPOINT does it
-    first). Exit status 0 when one was put back or there was nothing to do."""
+    first). Exit status 0 when one was put back or there was nothing to do; 2 when
+    CHECKPOINT does not exist (a mistyped path is not "nothing to do")."""
     from shardstore.format import restore_replaced
     from shardstore.opened import bare_location
 
     with _reported_errors():
-        restored = restore_replaced(bare_location(checkpoint))
+        location = bare_location(checkpoint)
+        restored = restore_replaced(location)
+        local = location.local_path()
+        if not restored and (not local.exists() if local is not None else location.is_empty()):
+            raise CommandError(f"{checkpoint} does not exist: nothing to put back there; check the path")
     click.echo(f"put back the checkpoint at {checkpoint}" if restored else f"nothing to put back at {checkpoint}")
 
 

@@ -102,6 +102,7 @@ from shardstore.strategies.base import (
     StrategyAction,
     get_default_strategy,
     plan_load_with_record,
+    strategy_by_name,
 )
 from shardstore.strategies.common import TorchCommonLoadStrategy
 from shardstore.strategies.other_formats import (
@@ -137,8 +138,8 @@ CONTENT_METADATA_KEY = "content_metadata"
 def save(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: CheckpointDir,
-    sharded_strategy: SaveShardedStrategy | None = None,
-    common_strategy: SaveCommonStrategy | None = None,
+    sharded_strategy: SaveShardedStrategy | tuple[str, int] | None = None,
+    common_strategy: SaveCommonStrategy | tuple[str, int] | None = None,
     validate_access_integrity: bool = True,
     async_sharded_save: bool = False,
     preprocess_common_before_consistancy_check: Any = None,
@@ -158,8 +159,10 @@ def save(
             ShardedTensorFactories, LocalNonpersistentObjects and plain values (the
             plain values form the common state, saved from the coordinator).
         checkpoint_dir: where to save (created if missing).
-        sharded_strategy: storage strategy; default: Zarr v3 (``"zarr"``, version 1).
-        common_strategy: strategy for the common state; default: torch.
+        sharded_strategy: storage strategy, or the ``(backend, version)`` of a registered
+            one; default: Zarr v3 (``("zarr", 1)``).
+        common_strategy: strategy for the common state, or its ``(backend, version)``;
+            default: torch.
         validate_access_integrity: accepted for compatibility; the global sharding is
             always validated, because the storage core relies on exactly one writer
             per chunk (the check costs one pass over the shard metadata).
@@ -203,6 +206,8 @@ def save(
     group = Group(process_group)
     if content_metadata is not None:
         sharded_state_dict[CONTENT_METADATA_KEY] = content_metadata
+    sharded_strategy = strategy_by_name(sharded_strategy, StrategyAction.SAVE_SHARDED)
+    common_strategy = strategy_by_name(common_strategy, StrategyAction.SAVE_COMMON)
     if sharded_strategy is None:
         sharded_strategy = get_default_save_sharded_strategy()
     if common_strategy is None:
@@ -483,8 +488,8 @@ def verify_before_load(checkpoint_dir: CheckpointDir, process_group: dist.Proces
 def load(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: CheckpointDir,
-    sharded_strategy: LoadShardedStrategy | None = None,
-    common_strategy: LoadCommonStrategy | None = None,
+    sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
+    common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
     validate_access_integrity: bool = True,
     strict: str | StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
     *,
@@ -500,8 +505,10 @@ def load(
         sharded_state_dict: the request; its ShardedTensors say which region of each
             global tensor this rank needs.
         checkpoint_dir: a committed checkpoint.
-        sharded_strategy: default: chosen from the checkpoint's config.
-        common_strategy: default: chosen from the checkpoint's config.
+        sharded_strategy: default: chosen from the checkpoint's config; a
+            ``(backend, version)`` tuple names a registered one.
+        common_strategy: default: chosen from the checkpoint's config; or a
+            ``(backend, version)`` tuple.
         validate_access_integrity: check (collectively) that the requests of all ranks'
             main replicas cover every requested tensor exactly once.
         strict: how to handle keys that do not match the checkpoint (StrictHandling).
@@ -769,11 +776,14 @@ def open_checkpoint(checkpoint_dir: CheckpointDir) -> Location:
 
 def verify_checkpoint_and_load_strategy(
     checkpoint_dir: CheckpointDir | OpenedCheckpoint,
-    sharded_strategy: LoadShardedStrategy | None = None,
-    common_strategy: LoadCommonStrategy | None = None,
+    sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
+    common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
 ) -> tuple[LoadShardedStrategy, LoadCommonStrategy]:
     """The load strategies for a checkpoint: defaults from its config, or the given ones
-    after checking they can read it."""
+    (objects, or ``(backend, version)`` tuples naming registered ones, as Megatron-Core
+    takes them) after checking they can read it."""
+    sharded_strategy = strategy_by_name(sharded_strategy, StrategyAction.LOAD_SHARDED)
+    common_strategy = strategy_by_name(common_strategy, StrategyAction.LOAD_COMMON)
     opened = open_read(checkpoint_dir)
     if opened.other_format is not None:
         return _other_format_sharded_strategy(sharded_strategy), _other_format_common_strategy(common_strategy)

@@ -46,3 +46,20 @@ def test_torch_dist_strategy_names_are_shardstores_strategies(tmp_path: Path, ca
     request = {"a": ShardedTensor.from_rank_offsets("keyA", torch.zeros(2, 4))}
     loaded = load(request, tmp_path / "ckpt", TorchDistLoadShardedStrategy())
     assert torch.equal(loaded["a"], torch.ones(2, 4))
+
+
+def test_strategies_named_by_backend_and_version_save_and_load(tmp_path: Path) -> None:
+    """Megatron-Core's ``save``, ``load`` and the queries take a strategy as an object or
+    as a ``(backend, version)`` tuple naming a registered default. Before, every tuple
+    raised a bare ``AttributeError: 'tuple' object has no attribute 'backend'`` (or
+    ``'check_backend_compatibility'``)."""
+    ckpt = tmp_path / "ckpt"
+    save({"a": ShardedTensor.from_rank_offsets("keyA", torch.ones(2, 4))}, ckpt, ("zarr", 1), ("torch", 1))
+    request = {"a": ShardedTensor.from_rank_offsets("keyA", torch.zeros(2, 4))}
+    loaded = load(request, ckpt, ("shardstore", 1), ("torch", 1))
+    assert torch.equal(loaded["a"], torch.ones(2, 4))
+    assert load_tensors_metadata(ckpt, ("zarr", 1))["keyA"].global_shape == (2, 4)
+    with pytest.raises(CheckpointingException, match=r"known \(backend, version\) pairs"):
+        save({"a": ShardedTensor.from_rank_offsets("keyA", torch.ones(2))}, tmp_path / "other", ("torch_dist", 7))
+    with pytest.raises(TypeError, match=r"\('zarr', 1\)"):
+        load(request, ckpt, "zarr")

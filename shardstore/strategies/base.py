@@ -13,7 +13,7 @@ __all__ = [
     "DelegatingLoadStrategy", "LoadCommonStrategy", "LoadShardedStrategy", "LoadStrategyBase",
     "SaveCommonStrategy", "SaveShardedStrategy", "SaveStrategyBase", "StrategyAction",
     "agree_before_save", "async_calls", "default_strategies", "get_default_strategy", "plan_load_with_record",
-    "register_default_strategy",
+    "register_default_strategy", "strategy_by_name",
 ]
 
 import inspect
@@ -64,6 +64,27 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int) -> 
             f"No default strategy for {action.value} with backend {backend!r} version {version}; "
             f"known (backend, version) pairs: {known}"
         ) from exc
+
+
+def strategy_by_name(strategy: Any, action: StrategyAction) -> Any:
+    """``strategy`` as ``save``/``load`` take it, Megatron-Core's two ways: a strategy
+    object (or None) as it is, or a ``(backend, version)`` tuple naming the default
+    registered for ``action`` (``get_default_strategy``).
+
+    Raises:
+        CheckpointingException: a tuple naming no registered strategy (the known pairs named).
+        TypeError: anything else, such as a backend name alone.
+    """
+    if isinstance(strategy, tuple):
+        if len(strategy) != 2 or not isinstance(strategy[0], str) or not isinstance(strategy[1], int):
+            raise TypeError(f"A strategy named by a tuple is (backend, version), such as ('zarr', 1); got {strategy!r}")
+        return get_default_strategy(action, *strategy)
+    if isinstance(strategy, str):
+        raise TypeError(
+            f"A strategy is a strategy object or a (backend, version) tuple, such as ({strategy!r}, 1); got the "
+            f"string {strategy!r}"
+        )
+    return strategy
 
 
 def register_default_strategy(

@@ -580,11 +580,13 @@ _STRATEGY_MODULES = ("megatron.core.dist_checkpointing.strategies", "shardstore.
 
 
 def _is_strategy(value: Any) -> bool:
-    """Whether ``value`` is a strategy object of Megatron's (or ours): a class of theirs
-    or ours is among its bases (Megatron's load strategies name no backend, and 0.19 has
-    no common base class), or it names a backend or wraps a strategy."""
+    """Whether ``value`` is a strategy of Megatron's (or ours): a ``(backend, version)``
+    tuple, which names Megatron's, or an object: a class of theirs or ours is among its
+    bases (Megatron's load strategies name no backend, and 0.19 has no common base
+    class), or it names a backend or wraps a strategy."""
     return (
-        any(cls.__module__.startswith(_STRATEGY_MODULES) for cls in type(value).__mro__)
+        isinstance(value, tuple)
+        or any(cls.__module__.startswith(_STRATEGY_MODULES) for cls in type(value).__mro__)
         or hasattr(value, "backend")
         or hasattr(value, "base_strategy")
     )

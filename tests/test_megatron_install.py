@@ -662,3 +662,24 @@ def test_install_passes_consolidated_only_metadata_on(tmp_path: Path) -> None:
     assert_bits_equal(load_plain_tensors(ckpt)["decoder/layers/fc1"], FC1)
     with pytest.raises(ValueError, match="zarr_metadata must be one of"):
         shardstore_megatron.install(zarr_metadata="elsewhere")
+
+
+def test_a_strategy_named_by_a_tuple_reaches_shardstores_queries(tmp_path: Path) -> None:
+    """Megatron-Core's queries take a load strategy as a ``(backend, version)`` tuple too;
+    through install() ``("torch_dist", 1)`` means shardstore's strategy for a shardstore
+    checkpoint, as ``load`` treats it. Before, the tuple reached shardstore's query as
+    it was: a bare AttributeError, then (tuples resolved) the torch_dist reader
+    refusing the 'shardstore' backend."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
+
+    from shardstore import ShardedTensor
+
+    ckpt = tmp_path / "iter_0000100"
+    shardstore_megatron.install()
+    try:
+        dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, str(ckpt))
+        assert dist_checkpointing.load_tensors_metadata(str(ckpt), ("torch_dist", 1))["w"].global_shape == (4,)
+        assert "w" in serialization.load_sharded_metadata(str(ckpt), ("torch_dist", 1), ("torch", 1))
+    finally:
+        shardstore_megatron.uninstall()

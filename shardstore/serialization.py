@@ -653,11 +653,17 @@ class _LoadRequest:
 
     def drop_keys(self, keys: set[str] | frozenset[str]) -> None:
         """Drops the sharded leaves whose key the checkpoint lacks (non-strict loads,
-        ``validation.adjust_non_strict_load``'s meaning)."""
-        if keys:
-            self.leaves = [
-                leaf for leaf in self.leaves if not (isinstance(leaf.value, ShardedBase) and leaf.value.key in keys)
-            ]
+        ``validation.adjust_non_strict_load``'s meaning), and with them the factories
+        that built nothing else: there is nothing to merge, and their place stays as a
+        dropped ShardedTensor's does (absent from a dict, None in a list)."""
+        if not keys:
+            return
+        kept = [leaf for leaf in self.leaves if not (isinstance(leaf.value, ShardedBase) and leaf.value.key in keys)]
+        if len(kept) == len(self.leaves):
+            return
+        self.leaves = kept
+        held = {leaf.path[:depth] for leaf in kept for depth in range(len(leaf.path) + 1)}
+        self.factories = [(path, factory) for path, factory in self.factories if path in held]
 
     def load_objects_apart(self, load_objects: Callable[[ShardedStateDict], StateDict]) -> None:
         """The ShardedObjects, loaded by the common strategy (``load_objects``)."""

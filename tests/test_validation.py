@@ -486,3 +486,37 @@ def test_data_no_array_can_hold_is_refused_naming_the_key_before_writing(tmp_pat
     assert "ShardedTensor 'w'" in message and str(ckpt) in message, message
     assert re.search(reason, message), message
     assert not ckpt.exists() or not any(ckpt.iterdir())
+
+
+def _split_rows(key: str, t: torch.Tensor, replica_id, flattened_range) -> dict:
+    """A ShardedTensorFactory's build: the tensor as two halves under keys of its own."""
+    return {"top": ShardedTensor.from_rank_offsets(f"{key}/top", t[:2], replica_id=replica_id),
+            "bottom": ShardedTensor.from_rank_offsets(f"{key}/bottom", t[2:], replica_id=replica_id)}
+
+
+def _join_rows(loaded: dict) -> torch.Tensor:
+    return torch.cat([loaded["top"], loaded["bottom"]])
+
+
+@pytest.mark.parametrize("strict", ["log_unexpected", "return_all", "ignore_all"])
+def test_a_non_strict_load_skips_a_factory_whose_tensors_the_checkpoint_lacks(ckpt_dir: Path, strict: str) -> None:
+    """A non-strict load drops the requested keys the checkpoint lacks; where those are
+    all the tensors a ShardedTensorFactory builds, there is nothing to merge and the
+    factory is skipped like a plain ShardedTensor of such a key, its siblings loaded.
+    Before, its merge ran on what was not loaded: in a list a bare ``TypeError`` from
+    the merge function given None, in a dict an error that the containers do not
+    match the checkpoint's common state."""
+    from shardstore import ShardedTensorFactory
+
+    save({"a": ShardedTensor.from_rank_offsets("a", torch.ones(3)),
+          "layers": [5, ShardedTensor.from_rank_offsets("old", torch.ones(4, 2))]}, ckpt_dir)
+
+    def factory() -> ShardedTensorFactory:
+        return ShardedTensorFactory("new", torch.zeros(4, 2), _split_rows, _join_rows)
+
+    request = {"a": ShardedTensor.from_rank_offsets("a", torch.empty(3)), "fused": factory(), "layers": [5, factory()]}
+    result = load(request, ckpt_dir, strict=strict)
+    loaded = result[0] if isinstance(result, tuple) else result
+    assert torch.equal(loaded["a"], torch.ones(3)) and "fused" not in loaded and loaded["layers"] == [5, None]
+    if strict == "return_all":
+        assert result[1:] == ({"old"}, {"new/top", "new/bottom"})

@@ -177,7 +177,8 @@ def save(
             by ``utils._clean_metadata_for_serialization``, as in Megatron-Core); read
             back with ``load_content_metadata``.
         overwrite: replace a committed checkpoint at ``checkpoint_dir``.
-        process_group: ranks that save together (default: the whole world).
+        process_group: ranks that save together (default: the sharded strategy's
+            ``process_group`` where it has one, else the whole world).
         progress: show a progress bar of the coordinator's writes on standard error
             (``shardstore.progress``; an async save's background writes show none).
         reuse_from: an earlier committed checkpoint (same kind of storage) whose
@@ -203,7 +204,6 @@ def save(
     Raises:
         CheckpointingException: on every rank, for invalid input or a failed write.
     """
-    group = Group(process_group)
     if content_metadata is not None:
         sharded_state_dict[CONTENT_METADATA_KEY] = content_metadata
     sharded_strategy = strategy_by_name(sharded_strategy, StrategyAction.SAVE_SHARDED)
@@ -212,6 +212,7 @@ def save(
         sharded_strategy = get_default_save_sharded_strategy()
     if common_strategy is None:
         common_strategy = get_default_save_common_strategy()
+    group = _group_of(process_group, sharded_strategy)
     if async_sharded_save and not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
         raise CheckpointingException(f"Cannot save asynchronously with {sharded_strategy}: not an async strategy")
     config = CheckpointingConfig(
@@ -512,7 +513,8 @@ def load(
         validate_access_integrity: check (collectively) that the requests of all ranks'
             main replicas cover every requested tensor exactly once.
         strict: how to handle keys that do not match the checkpoint (StrictHandling).
-        process_group: ranks that load together (default: the whole world).
+        process_group: ranks that load together (default: the sharded strategy's
+            ``process_group`` where it has one, else the whole world).
         progress: show a progress bar of the coordinator's reads on standard error.
 
     Returns:
@@ -523,12 +525,21 @@ def load(
         CheckpointingException: incomplete or invalid checkpoint, or mismatches that
             ``strict`` says to raise on.
     """
-    group = Group(process_group)
+    group = _group_of(process_group, sharded_strategy)
     with progress_shown(progress and group.is_coordinator):
         return _load(
             sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy, validate_access_integrity, strict,
             group,
         )
+
+
+def _group_of(process_group: dist.ProcessGroup | None, sharded_strategy: Any) -> Group:
+    """The ranks a save or load runs on: ``process_group``, else the one the sharded
+    strategy was made for (``ZarrSaveShardedStrategy(process_group=...)``, the seed's
+    way to name it), else the whole world."""
+    if process_group is None:
+        process_group = getattr(sharded_strategy, "process_group", None)
+    return Group(process_group)
 
 
 def _load(

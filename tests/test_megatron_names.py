@@ -63,3 +63,29 @@ def test_strategies_named_by_backend_and_version_save_and_load(tmp_path: Path) -
         save({"a": ShardedTensor.from_rank_offsets("keyA", torch.ones(2))}, tmp_path / "other", ("torch_dist", 7))
     with pytest.raises(TypeError, match=r"\('zarr', 1\)"):
         load(request, ckpt, "zarr")
+
+
+def save_and_load_on_the_strategies_group(rank: int, world: int, root: str) -> list[float]:
+    """Each rank alone saves and loads its own checkpoint, on a group of one named only
+    by the strategies (``process_group=``, as the seed's strategies take it)."""
+    import torch.distributed as dist
+
+    from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
+
+    alone = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
+    ckpt = f"{root}/ckpt{rank}"
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4,), float(rank)))}, ckpt,
+         ZarrSaveShardedStrategy(process_group=alone))
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}
+    return load(request, ckpt, ZarrLoadShardedStrategy(process_group=alone))["w"].tolist()
+
+
+def test_save_and_load_run_on_the_process_group_their_strategy_names(tmp_path: Path) -> None:
+    """``ZarrSaveShardedStrategy(process_group=...)`` and its load twin name the ranks that
+    save or load together. ``save`` and ``load`` ignored it and ran on the whole world:
+    two groups saving their own checkpoints failed ("The ranks name different
+    checkpoint directories"), and one group saving alone would wait for the others."""
+    from tests.dist import run_distributed
+
+    assert run_distributed(save_and_load_on_the_strategies_group, 2, str(tmp_path), timeout=90) == [
+        [0.0] * 4, [1.0] * 4]

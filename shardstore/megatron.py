@@ -29,6 +29,10 @@ the same names in its ``serialization`` and ``core`` modules, where they exist):
   function that was installed before, unchanged.
 - ``check_is_distributed_checkpoint`` is true for a committed shardstore checkpoint and
   for whatever Megatron's says.
+- Megatron-Core's registry of default strategies names shardstore's load strategy for
+  the ``shardstore`` backend: Megatron-LM asks ``get_default_load_sharded_strategy`` (a
+  name bound by import, which ``install`` cannot replace) for the checkpoint's strategy
+  before it loads.
 
 ``uninstall`` puts the original functions back. Code that bound a name before
 ``install`` (``from megatron.core.dist_checkpointing import save``) keeps Megatron's:
@@ -58,7 +62,7 @@ import logging
 import re
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -84,6 +88,8 @@ from shardstore.serialization import (
 )
 from shardstore.strategies.forked_writes import for_another_process
 from shardstore.strategies.zarr import (
+    SHARDSTORE_BACKEND,
+    ZARR_VERSION,
     ShardBytes,
     ZarrLoadShardedStrategy,
     ZarrSaveShardedStrategy,
@@ -112,6 +118,9 @@ _MODULES = (
     "megatron.core.dist_checkpointing.serialization",
     "megatron.core.dist_checkpointing.core",
 )
+# Megatron-Core's registry of default strategies, and where install() adds ours in it.
+_MEGATRON_REGISTRY = "megatron.core.dist_checkpointing.strategies.base"
+_REGISTERED_AS = ("load_sharded", (SHARDSTORE_BACKEND, ZARR_VERSION))
 # A Megatron-LM checkpoint directory: ``<save>/iter_0001000``.
 _ITERATION_DIR = re.compile(r"iter_(\d+)")
 
@@ -119,12 +128,14 @@ _ITERATION_DIR = re.compile(r"iter_(\d+)")
 @dataclass(frozen=True)
 class _Installation:
     """What ``install`` replaced (``(module, name) -> the function there before``) and
-    how the installed functions behave."""
+    registered (``registered``: the load strategy put in Megatron's registry, or None),
+    and how the installed functions behave."""
 
     originals: dict[tuple[str, str], Any]
     reuse_previous: bool
     zarr_metadata: str = "per_node"  # SaveOptions.zarr_metadata
     shard_bytes: ShardBytes = "auto"  # of the strategies strategy_for_save builds
+    registered: Any = None
 
 
 _lock = threading.Lock()
@@ -168,7 +179,9 @@ def install(*, reuse_previous: bool = True, zarr_metadata: str = "per_node", sha
     modules = _megatron_modules()
     with _lock:
         if _installation is not None:
-            _installation = _Installation(_installation.originals, reuse_previous, where, shard_bytes)
+            _installation = replace(
+                _installation, reuse_previous=reuse_previous, zarr_metadata=where, shard_bytes=shard_bytes
+            )
             return
         originals = {
             (module.__name__, name): getattr(module, name)
@@ -176,7 +189,7 @@ def install(*, reuse_previous: bool = True, zarr_metadata: str = "per_node", sha
             for name in ENTRY_POINTS
             if hasattr(module, name)
         }
-        _installation = _Installation(originals, reuse_previous, where, shard_bytes)
+        _installation = _Installation(originals, reuse_previous, where, shard_bytes, _register_load_strategy())
         for (module_name, name), _ in originals.items():
             setattr(importlib.import_module(module_name), name, _REPLACEMENTS[name])
     logger.info("shardstore installed behind %s", ", ".join(m.__name__ for m in modules))
@@ -200,12 +213,44 @@ def uninstall() -> None:
                     module_name,
                     name,
                 )
+        _unregister_load_strategy(_installation.registered)
         _installation = None
 
 
 def is_installed() -> bool:
     """Whether ``install`` is in effect."""
     return _installation is not None
+
+
+def _megatrons_registry() -> dict[tuple[str, int], Any] | None:
+    """Megatron-Core's default strategies of the kind ``_REGISTERED_AS`` names, by
+    ``(backend, version)``; None where this version keeps no registry."""
+    try:
+        registry = getattr(importlib.import_module(_MEGATRON_REGISTRY), "default_strategies", None)
+    except ImportError:
+        return None
+    return None if registry is None else registry[_REGISTERED_AS[0]]
+
+
+def _register_load_strategy() -> ZarrLoadShardedStrategy | None:
+    """Makes shardstore's load strategy Megatron-Core's default for checkpoints of the
+    ``shardstore`` backend, where none is registered: Megatron-LM gets a checkpoint's
+    strategy from ``get_default_load_sharded_strategy(checkpoint)`` before loading (a
+    name bound by import: ``install`` cannot replace it) and hands it, maybe wrapped,
+    to ``load``, which finds it (``_strategy_for_load``). Returns what it registered."""
+    registry = _megatrons_registry()
+    if registry is None or _REGISTERED_AS[1] in registry:
+        return None
+    registry[_REGISTERED_AS[1]] = ours = ZarrLoadShardedStrategy()
+    return ours
+
+
+def _unregister_load_strategy(registered: ZarrLoadShardedStrategy | None) -> None:
+    """Takes ``_register_load_strategy``'s entry back out of Megatron's registry, where
+    it is still the one registered."""
+    registry = _megatrons_registry()
+    if registered is not None and registry is not None and registry.get(_REGISTERED_AS[1]) is registered:
+        del registry[_REGISTERED_AS[1]]
 
 
 def _megatron_modules() -> list[Any]:

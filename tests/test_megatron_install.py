@@ -683,3 +683,33 @@ def test_a_strategy_named_by_a_tuple_reaches_shardstores_queries(tmp_path: Path)
         assert "w" in serialization.load_sharded_metadata(str(ckpt), ("torch_dist", 1), ("torch", 1))
     finally:
         shardstore_megatron.uninstall()
+
+
+def test_megatron_lms_default_load_strategy_of_a_shardstore_checkpoint(tmp_path: Path) -> None:
+    """Megatron-LM's _load_global_dist_base_checkpoint (and NeMo's, Megatron-Bridge's) asks
+    Megatron-Core for the checkpoint's default load strategy before it loads:
+    ``get_default_load_sharded_strategy(checkpoint_name)``, imported by name from
+    ``serialization`` (so install() cannot replace it), wrapped for
+    ``--ckpt-fully-parallel-load``, then passed to ``dist_checkpointing.load``. Before,
+    Megatron's registry knew no strategy for the 'shardstore' backend, so resuming from
+    a shardstore checkpoint failed there: "Cannot find a default strategy for:
+    ('load_sharded', 'shardstore', 1)". uninstall() takes the registration back."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.base import default_strategies
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+    )
+
+    ckpt = str(tmp_path / "iter_0000100")
+    shardstore_megatron.install()
+    try:
+        dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))}, ckpt)
+        load_strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(ckpt))
+        loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8))}, ckpt,
+                                         load_strategy, strict="assume_ok_unexpected")
+        assert torch.equal(loaded["w"], torch.arange(8.0))
+    finally:
+        shardstore_megatron.uninstall()
+    assert ("shardstore", 1) not in default_strategies["load_sharded"]

@@ -198,9 +198,11 @@ def _get_empty_tensor_for_exchange(
 def _shared_shards(distribution: ShardDistribution) -> Iterator[tuple[_ShardId, int, list[int]]]:
     """(shard id, loading rank, holders) of each shard that another rank holds too, in
     the distribution's order (the same on every rank, so collectives pair up). A shard
-    only its loader holds needs no exchange."""
+    only its loader holds needs no exchange. Each holder is named once: a rank whose
+    state dict asks for a shard twice (``all_ranks_for_shard`` lists it twice, as
+    Megatron's does) receives it once, as it posts one receive for it."""
     for shard_id, src in distribution.main_rank_for_shard.items():
-        holders = distribution.all_ranks_for_shard[shard_id]
+        holders = sorted(set(distribution.all_ranks_for_shard[shard_id]))
         if holders != [src]:
             yield shard_id, src, holders
 

@@ -336,6 +336,25 @@ def test_broadcast_exchange_broadcasts_only_shards_another_rank_needs() -> None:
         assert counts == [1, 2, 1]  # 'unique' is held by its loader alone: never broadcast
 
 
+def load_a_shard_asked_for_twice(rank: int, world: int, algo: str) -> None:
+    def replica() -> ShardedTensor:
+        return ShardedTensor.from_rank_offsets("x", torch.empty(4), replica_id=rank)
+
+    request = {"a": replica(), "b": replica()} if rank == 1 else {"a": replica()}
+    loaded = FullyParallelLoadStrategyWrapper(RecordingLoad(), exchange_algo=algo).load(request, "unused")
+    for k, t in request.items():
+        assert_bits_equal(loaded[k], stored_block(t), f"rank {rank} {k}")
+
+
+@pytest.mark.parametrize("algo", ["broadcast", "gather_rounds", "gather_object"])
+def test_a_rank_that_asks_for_one_shard_twice_receives_it_once(algo: str) -> None:
+    """Rank 1 asks for a replicated shard under two keys (overlapping targets); rank 0
+    loads it. Before, the point-to-point exchanges sent it to rank 1 once per entry in
+    the holders' list while rank 1 posted one receive: gloo aborted the process
+    ("Received data size doesn't match expected size")."""
+    run_distributed(load_a_shard_asked_for_twice, 3, algo, timeout=60)
+
+
 def load_objects(rank: int, world: int) -> tuple[list, dict]:
     request = {f"Obj_{i}": ShardedObject(f"Obj_{i}", None, (1,), (0,), replica_id=abs(rank - i))
                for i in range(world)}

@@ -10,7 +10,9 @@ through ``protocol.collectives.Group``; ``parallelization_group=None`` is the wo
 
 Which functions are collective on the group: ``determine_main_replica_uniform_distribution``
 (one all-gather of shard metadata, never data), ``exchange_by_distribution`` and
-``exchange_loaded_objects_gather_object``. ``distribute_shards_to_ranks`` is pure.
+``exchange_loaded_objects_gather_object``. ``distribute_shards_to_ranks`` is pure;
+``prepare_exchange_by_distribution`` makes the exchange's allocations with no collective
+(before a stage's agreement), and calling its result runs the exchange.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 __all__ = [
     "EXCHANGE_ALGOS", "ShardDistribution", "build_shard_distribution",
     "determine_main_replica_uniform_distribution", "distribute_shards_to_ranks",
-    "exchange_by_distribution", "exchange_loaded_objects_gather_object",
+    "exchange_by_distribution", "exchange_loaded_objects_gather_object", "prepare_exchange_by_distribution",
 ]
 
 import logging
@@ -165,26 +167,16 @@ def determine_main_replica_uniform_distribution(
 def _get_empty_tensor_for_exchange(
     shard_id: _ShardId,
     needed_shards: dict[_ShardId, ShardedTensor],
-    unneeded_shards: dict[_ShardId, ShardedTensor],
     loaded_tensors: dict[_ShardId, torch.Tensor],
     device: torch.device | str = "cpu",
-) -> tuple[torch.Tensor, torch.device | None]:
-    """The tensor a rank that did not load ``shard_id`` receives it into, on ``device``
-    (the group's: CUDA for NCCL), and where the request wanted it.
-
-    A shard this rank holds (in ``needed_shards``) lands in the request's own tensor when
-    that is contiguous and on ``device``, else in a new one, wanted where a load puts
-    the request's values (``execution.loaded.result_device``: the CPU for a request on
-    the meta device); it is recorded in ``loaded_tensors``. A shard this rank does not hold (metadata from
-    ``unneeded_shards``) gets a scratch tensor, dropped after the exchange (device None).
-    One tensor at a time, so a load never holds more than one scratch shard."""
-    request = needed_shards.get(shard_id)
-    if request is None:
-        meta = unneeded_shards[shard_id]
-        scratch = torch.empty(meta.local_shape, dtype=meta.dtype, device=device)
-        if meta.flattened_range is not None:
-            scratch = scratch.flatten()[meta.flattened_range.start : meta.flattened_range.stop]
-        return scratch, None
+) -> tuple[torch.Tensor, torch.device]:
+    """The tensor a rank that did not load ``shard_id``, which it holds (in
+    ``needed_shards``), receives it into, on ``device`` (the group's: CUDA for NCCL),
+    and where the request wanted it: the request's own tensor when that is contiguous
+    and on ``device``, else a new one, wanted where a load puts the request's values
+    (``execution.loaded.result_device``: the CPU for a request on the meta device). It
+    is recorded in ``loaded_tensors``."""
+    request = needed_shards[shard_id]
     request.init_data(device)
     data = request.data
     if data.device == torch.device(device) and data.is_contiguous():
@@ -193,6 +185,27 @@ def _get_empty_tensor_for_exchange(
         tensor = torch.empty(data.shape, dtype=data.dtype, device=device)
     loaded_tensors[shard_id] = tensor
     return tensor, result_device(request)
+
+
+def _scratch_numel(meta: ShardedTensor) -> int:
+    """Elements of the shard ``meta`` describes, as it travels (its flattened range's)."""
+    f_range = meta.flattened_range
+    return math.prod(meta.local_shape) if f_range is None else f_range.stop - f_range.start
+
+
+class _Scratch:
+    """One buffer that every shard this rank does not hold is received into in turn
+    (a broadcast reaches the whole group): allocated once, before the exchange, the
+    size of the largest, so a load never holds more than one scratch shard."""
+
+    def __init__(self, shards: list[ShardedTensor], device: torch.device) -> None:
+        nbytes = max((_scratch_numel(m) * m.dtype.itemsize for m in shards), default=0)
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def view(self, meta: ShardedTensor) -> torch.Tensor:
+        """The buffer's first bytes as the shard ``meta`` describes (contiguous)."""
+        numel = _scratch_numel(meta)
+        return self.buffer[: numel * meta.dtype.itemsize].view(meta.dtype)
 
 
 def _shared_shards(distribution: ShardDistribution) -> Iterator[tuple[_ShardId, int, list[int]]]:
@@ -211,32 +224,61 @@ def _sendable(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.detach().to(device).contiguous()
 
 
-def _exchange_by_broadcasts(
+# An exchange prepared (its receive tensors allocated, its sends packed): called, it
+# runs the collectives and returns every shard the rank holds, by shard id.
+PreparedShardExchange = Callable[[], dict[_ShardId, torch.Tensor]]
+
+
+def _landed(result: dict[_ShardId, torch.Tensor], received: list[tuple[_ShardId, torch.Tensor, torch.device]]
+            ) -> dict[_ShardId, torch.Tensor]:
+    """``result`` with each received shard where its request wanted it."""
+    for shard_id, tensor, wanted_on in received:
+        result[shard_id] = tensor.to(wanted_on)
+    return result
+
+
+def _prepare_broadcasts(
     result: dict[_ShardId, torch.Tensor], unloaded_shards: dict[_ShardId, ShardedTensor],
     distribution: ShardDistribution, group: Group,
-) -> None:
-    """One broadcast per shared shard, from its loader to the whole group."""
+) -> PreparedShardExchange:
+    """One broadcast per shared shard, from its loader to the whole group; the tensors
+    this rank receives into allocated now."""
+    steps: list[tuple[int, _ShardId, torch.Tensor | None]] = []  # (src, shard id, where it lands here)
+    received: list[tuple[_ShardId, torch.Tensor, torch.device]] = []
+    others: list[ShardedTensor] = []
     for shard_id, src, _ in _shared_shards(distribution):
         if src == group.rank:
-            group.broadcast_tensor(_sendable(result[shard_id], group.device), src)
-            continue
-        tensor, wanted_on = _get_empty_tensor_for_exchange(
-            shard_id, unloaded_shards, distribution.shard_to_metadata, result, group.device
-        )
-        group.broadcast_tensor(tensor, src)
-        if wanted_on is not None:
-            result[shard_id] = tensor.to(wanted_on)
+            steps.append((src, shard_id, None))
+        elif shard_id in unloaded_shards:
+            tensor, wanted_on = _get_empty_tensor_for_exchange(shard_id, unloaded_shards, result, group.device)
+            steps.append((src, shard_id, tensor))
+            received.append((shard_id, tensor, wanted_on))
+        else:
+            others.append(distribution.shard_to_metadata[shard_id])
+            steps.append((src, shard_id, None))
+    scratch = _Scratch(others, group.device)
+
+    def run() -> dict[_ShardId, torch.Tensor]:
+        for src, shard_id, tensor in steps:
+            if src == group.rank:
+                tensor = _sendable(result[shard_id], group.device)
+            elif tensor is None:
+                tensor = scratch.view(distribution.shard_to_metadata[shard_id])
+            group.broadcast_tensor(tensor, src)
+        return _landed(result, received)
+
+    return run
 
 
-def _exchange_point_to_point(
+def _prepare_point_to_point(
     result: dict[_ShardId, torch.Tensor], unloaded_shards: dict[_ShardId, ShardedTensor],
     distribution: ShardDistribution, group: Group,
-) -> None:
+) -> PreparedShardExchange:
     """Each shared shard goes from its loader to the ranks that hold it and to no other,
-    all in one batched exchange (``Group.exchange``)."""
+    all in one batched exchange (``Group.prepare_exchange``: packed and allocated now)."""
     sends: dict[int, list[torch.Tensor]] = defaultdict(list)
     receives: dict[int, list[torch.Tensor]] = defaultdict(list)
-    landed: list[tuple[_ShardId, torch.Tensor, torch.device]] = []
+    received: list[tuple[_ShardId, torch.Tensor, torch.device]] = []
     for shard_id, src, holders in _shared_shards(distribution):
         if src == group.rank:
             tensor = _sendable(result[shard_id], group.device)
@@ -244,14 +286,46 @@ def _exchange_point_to_point(
                 if peer != src:
                     sends[peer].append(tensor)
         elif group.rank in holders:
-            tensor, wanted_on = _get_empty_tensor_for_exchange(
-                shard_id, unloaded_shards, distribution.shard_to_metadata, result, group.device
-            )
+            tensor, wanted_on = _get_empty_tensor_for_exchange(shard_id, unloaded_shards, result, group.device)
             receives[src].append(tensor)
-            landed.append((shard_id, tensor, wanted_on))
-    group.exchange(dict(sends), dict(receives))
-    for shard_id, tensor, wanted_on in landed:
-        result[shard_id] = tensor.to(wanted_on)
+            received.append((shard_id, tensor, wanted_on))
+    prepared = group.prepare_exchange(dict(sends), dict(receives))
+
+    def run() -> dict[_ShardId, torch.Tensor]:
+        group.run_exchange(prepared)
+        return _landed(result, received)
+
+    return run
+
+
+def prepare_exchange_by_distribution(
+    loaded_tensors: dict[_ShardId, torch.Tensor],
+    unloaded_shards: dict[_ShardId, ShardedTensor],
+    shard_distribution: ShardDistribution | None,
+    parallelization_group: dist.ProcessGroup | None = None,
+    exchange_algo: str = "broadcast",
+) -> PreparedShardExchange:
+    """``exchange_by_distribution``'s local part, no collective: allocates what this
+    rank receives into (and packs what it sends point to point). A caller runs it
+    before agreeing with the other ranks (``protocol.stage.run_stage``), so a rank that
+    cannot (out of memory) fails every rank at once instead of leaving them waiting in
+    the exchange; calling the result runs the exchange (collective)."""
+    if exchange_algo not in EXCHANGE_ALGOS:
+        raise ValueError(f"Unknown exchange_algo {exchange_algo!r}; choose one of {EXCHANGE_ALGOS}")
+    if shard_distribution is None:
+        raise CheckpointingException(
+            "exchange_by_distribution needs the distribution determine_main_replica_uniform_distribution "
+            "computed for this group (it is None only for a group of one rank, which needs no exchange)"
+        )
+    prepare = _prepare_broadcasts if exchange_algo == "broadcast" else _prepare_point_to_point
+    with torch.no_grad():
+        run = prepare(dict(loaded_tensors), unloaded_shards, shard_distribution, Group(parallelization_group))
+
+    def exchange() -> dict[_ShardId, torch.Tensor]:
+        with torch.no_grad():
+            return run()
+
+    return exchange
 
 
 def exchange_by_distribution(
@@ -262,7 +336,7 @@ def exchange_by_distribution(
     exchange_algo: str = "broadcast",
 ) -> dict[_ShardId, torch.Tensor]:
     """Collective on ``parallelization_group``: every rank ends with every shard its
-    state dict holds.
+    state dict holds (``prepare_exchange_by_distribution``, then its exchange).
 
     Args:
         loaded_tensors: the shards this rank loaded (it is their main rank in
@@ -276,18 +350,9 @@ def exchange_by_distribution(
     Returns:
         ``loaded_tensors`` and the received shards, by shard id.
     """
-    if exchange_algo not in EXCHANGE_ALGOS:
-        raise ValueError(f"Unknown exchange_algo {exchange_algo!r}; choose one of {EXCHANGE_ALGOS}")
-    if shard_distribution is None:
-        raise CheckpointingException(
-            "exchange_by_distribution needs the distribution determine_main_replica_uniform_distribution "
-            "computed for this group (it is None only for a group of one rank, which needs no exchange)"
-        )
-    result = dict(loaded_tensors)
-    exchange = _exchange_by_broadcasts if exchange_algo == "broadcast" else _exchange_point_to_point
-    with torch.no_grad():
-        exchange(result, unloaded_shards, shard_distribution, Group(parallelization_group))
-    return result
+    return prepare_exchange_by_distribution(
+        loaded_tensors, unloaded_shards, shard_distribution, parallelization_group, exchange_algo
+    )()
 
 
 def exchange_loaded_objects_gather_object(

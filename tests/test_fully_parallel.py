@@ -4,6 +4,7 @@ exchanges a load makes, and real round trips through shardstore."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -353,6 +354,37 @@ def test_a_rank_that_asks_for_one_shard_twice_receives_it_once(algo: str) -> Non
     the holders' list while rank 1 posted one receive: gloo aborted the process
     ("Received data size doesn't match expected size")."""
     run_distributed(load_a_shard_asked_for_twice, 3, algo, timeout=60)
+
+
+def load_with_rank_1_out_of_memory(rank: int, world: int, algo: str) -> tuple[str, float]:
+    import shardstore.exchange_utils as exchange_utils
+
+    if rank == 1:
+        def out_of_memory(*_: object, **__: object) -> None:
+            raise MemoryError("cannot allocate the receive tensor")
+
+        exchange_utils._get_empty_tensor_for_exchange = out_of_memory  # type: ignore[assignment]
+    request = {f"n{i}": ShardedTensor.from_rank_offsets(f"n{i}", torch.empty(8), replica_id=rank) for i in range(4)}
+    start = time.monotonic()
+    try:
+        FullyParallelLoadStrategyWrapper(RecordingLoad(), exchange_algo=algo).load(request, "unused")
+    except CheckpointingException as exc:
+        return str(exc), time.monotonic() - start
+    finally:
+        if rank == 1:  # alive, as a trainer that caught the error: its peers must not wait for it
+            time.sleep(1)
+    return "no error", time.monotonic() - start
+
+
+@pytest.mark.parametrize("algo", ["broadcast", "gather_rounds"])
+def test_a_rank_that_cannot_allocate_its_receives_fails_every_rank_at_once(algo: str) -> None:
+    """Rank 1 cannot allocate a tensor to receive a shard into. Before, the allocation
+    happened inside the exchange: rank 1 raised a bare MemoryError alone and its peers
+    waited in the broadcast or exchange until the process group's timeout, then raised
+    PeerLost. The receives are now allocated before the wrapper's agreement."""
+    for message, seconds in run_distributed(load_with_rank_1_out_of_memory, 3, algo, pg_timeout=30, timeout=100):
+        assert "cannot allocate the receive tensor" in message and "rank(s) 1" in message, message
+        assert seconds < 15, seconds  # the agreement, not the group's 30 s timeout
 
 
 def load_objects(rank: int, world: int) -> tuple[list, dict]:

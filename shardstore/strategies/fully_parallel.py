@@ -60,8 +60,8 @@ from shardstore.exchange_utils import (
     EXCHANGE_ALGOS,
     ShardDistribution,
     determine_main_replica_uniform_distribution,
-    exchange_by_distribution,
     exchange_loaded_objects_gather_object,
+    prepare_exchange_by_distribution,
 )
 from shardstore.mapping import (
     ShardedObject,
@@ -391,16 +391,14 @@ class FullyParallelLoadStrategyWrapper(DelegatingLoadStrategy, LoadShardedStrate
         self, sharded_state_dict: ShardedStateDict, base_load: Callable[[dict], dict], load_group: Group, where: str
     ) -> StateDict:
         """Collective on ``load_group`` (every rank of this load) and the
-        parallelization group: distribute, load this rank's part, agree that every rank's
-        part loaded, exchange tensors in the parallelization group and objects in
-        ``load_group``, put everything in place of its request."""
+        parallelization group: distribute, load this rank's part and allocate what it
+        receives, agree that every rank did, exchange tensors in the parallelization
+        group and objects in ``load_group``, put everything in place of its request."""
         if Group(self.parallelization_group).world_size <= 1:
             return base_load(sharded_state_dict)
-        error, loaded, distribution = None, {}, None
-        tensors_to_load: dict[_ShardId, ShardedTensor] = {}
-        tensors_elsewhere: dict[_ShardId, ShardedTensor] = {}
+        error, loaded, exchange = None, {}, None
         objects_to_load: dict[_ShardId, ShardedObject] = {}
-        try:  # a changed structure under the cache, or a failed read, is raised on every rank
+        try:  # a changed structure under the cache, a failed read or allocation: raised on every rank
             distribution = self.apply_loading_parallelization(sharded_state_dict)
             values = list(nested_values(sharded_state_dict))
             tensors_to_load, tensors_elsewhere = _split_by_main_replica(
@@ -411,13 +409,14 @@ class FullyParallelLoadStrategyWrapper(DelegatingLoadStrategy, LoadShardedStrate
             )
             loaded = base_load({**tensors_to_load, **objects_to_load})
             _check_loaded(tensors_to_load, loaded, self.base_strategy)
+            exchange = prepare_exchange_by_distribution(
+                {k: loaded[k] for k in tensors_to_load}, tensors_elsewhere, distribution,
+                self.parallelization_group, self.exchange_algo,
+            )
         except Exception as exc:  # raised on every rank by run_stage, before any exchange
             error = exc
         run_stage(load_group, f"Fully parallel load of checkpoint {where}", lambda: None, local_error=error)
-        tensors = exchange_by_distribution(
-            {k: loaded[k] for k in tensors_to_load}, tensors_elsewhere, distribution,
-            self.parallelization_group, self.exchange_algo,
-        )
+        tensors = exchange()
         objects = exchange_loaded_objects_gather_object(
             {k: loaded[k] for k in objects_to_load}, load_group.process_group
         )

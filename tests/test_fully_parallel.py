@@ -509,6 +509,36 @@ def test_a_wrapped_foreign_strategy_reads_each_replicated_tensor_once(ckpt_dir: 
     assert len(reads[0]) == len(reads[1]) == 2, reads
 
 
+def saved_and_loaded_on_a_pair(rank: int, world: int, root: str) -> list[tuple[str, tuple[int, ...]]]:
+    pair = dist.new_group([0, 1])  # every rank creates every group; rank 2 takes no part
+    if rank == 2:
+        return []
+
+    def state(empty: bool) -> dict:
+        return {f"n{i}": ShardedTensor.from_rank_offsets(
+            f"norm{i}", torch.empty(6 + i) if empty else torch.arange(6.0 + i) * (i + 1), replica_id=rank)
+            for i in range(4)}
+
+    recording = RecordingSave()
+    save(state(False), f"{root}/recorded", FullyParallelSaveStrategyWrapper(recording), process_group=pair)
+    save(state(False), f"{root}/pair", process_group=pair)
+    loaded = load(state(True), f"{root}/pair", FullyParallelLoadStrategyWrapper(ZarrReadingElsewhere()),
+                  process_group=pair)
+    for i in range(4):
+        assert_bits_equal(loaded[f"n{i}"], torch.arange(6.0 + i) * (i + 1), f"rank {rank} n{i}")
+    return recording.saved
+
+
+def test_wrappers_without_a_parallelization_group_share_the_work_of_the_saves_group(tmp_path: Path) -> None:
+    """A save and a load on the pair of ranks 0 and 1 of three, through the wrappers
+    around other strategies with no parallelization_group. Before, None meant the
+    world: the metadata all-gather waited for rank 2, which takes no part, and every
+    rank of the pair failed with PeerLost after the process group's timeout."""
+    saved = run_distributed(saved_and_loaded_on_a_pair, 3, str(tmp_path), pg_timeout=20, timeout=100)
+    assert sorted(saved[0] + saved[1]) == [(f"norm{i}", (0,)) for i in range(4)], saved  # each once in the pair
+    assert saved[0] and saved[1], saved
+
+
 def load_meta_request_with_wrapped_reader(rank: int, world: int, ckpt: str) -> None:
     def state(empty: bool) -> dict:
         return {f"n{i}": ShardedTensor.from_rank_offsets(

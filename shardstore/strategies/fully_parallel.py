@@ -165,6 +165,16 @@ def _exchanged_shard_id(sh_ten: ShardedTensor) -> _ShardId:
     return (*_sharded_tensor_shard_id(sh_ten), tuple(sh_ten.local_shape), str(sh_ten.dtype))
 
 
+def _sharing_group(
+    parallelization_group: dist.ProcessGroup | None, operation_group: dist.ProcessGroup | None
+) -> dist.ProcessGroup | None:
+    """The ranks that share a save's or load's work: ``parallelization_group``, else
+    every rank of the save or load (its process group; None: the world, which is what
+    Megatron's None means, its saves and loads being the world's). A save or load on a
+    subgroup so never waits for ranks that take no part in it."""
+    return parallelization_group if parallelization_group is not None else operation_group
+
+
 def distribute_main_replicas_with_precomputed_distribution(
     sharded_state_dict: ShardedStateDict,
     parallelization_group: dist.ProcessGroup | None,
@@ -197,8 +207,9 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
 
     Args:
         strategy: the strategy that writes.
-        parallelization_group: ranks that share the work (None: the world); it should
-            cover the replication pattern (usually the data-parallel group).
+        parallelization_group: ranks that share the work (None: every rank of the save,
+            the process group ``serialization.save`` was given, else the world); it
+            should cover the replication pattern (usually the data-parallel group).
         do_cache_distribution: around another strategy, reuse the first call's
             distribution, with no metadata gather, on the promise that the state dict's
             structure never changes; around shardstore's own, reuse its last plan while
@@ -225,27 +236,30 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         """The cached save distribution (None before the first save or without the cache)."""
         return self._cache.distribution
 
-    def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> None:
-        """Collective on ``parallelization_group`` unless cached: decides who saves each
-        shard and sets the replica ids accordingly (in place)."""
+    def apply_saving_parallelization(
+        self, sharded_state_dict: ShardedStateDict, process_group: dist.ProcessGroup | None = None
+    ) -> None:
+        """Collective on ``parallelization_group`` (None: ``process_group``, the save's)
+        unless cached: decides who saves each shard and sets the replica ids
+        accordingly (in place)."""
+        group = _sharing_group(self.parallelization_group, process_group)
         distribution = self._cache.get_or_compute(
             sharded_state_dict,
-            lambda: determine_main_replica_uniform_distribution(sharded_state_dict, self.parallelization_group),
+            lambda: determine_main_replica_uniform_distribution(sharded_state_dict, group),
             "Fully parallel save",
         )
-        distribute_main_replicas_with_precomputed_distribution(
-            sharded_state_dict, self.parallelization_group, distribution
-        )
+        distribute_main_replicas_with_precomputed_distribution(sharded_state_dict, group, distribution)
 
-    def _prepare(self, sharded_state_dict: ShardedStateDict, local_error: BaseException | None = None
-                 ) -> BaseException | None:
-        """Distributes the save around another strategy; returns this rank's failure (a
-        structure changed under the cache is seen by this rank only) instead of raising
-        it, so that every rank learns of it before any saves (``_agreed``)."""
+    def _prepare(self, sharded_state_dict: ShardedStateDict, local_error: BaseException | None = None,
+                 process_group: dist.ProcessGroup | None = None) -> BaseException | None:
+        """Distributes the save (on ``process_group``) around another strategy; returns
+        this rank's failure (a structure changed under the cache is seen by this rank
+        only) instead of raising it, so that every rank learns of it before any saves
+        (``_agreed``)."""
         if _is_shardstores_own(self.base_strategy):
             return local_error
         try:
-            self.apply_saving_parallelization(sharded_state_dict)
+            self.apply_saving_parallelization(sharded_state_dict, process_group)
         except CheckpointingException as exc:
             return first_failure(local_error, exc)
         return local_error
@@ -275,7 +289,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
                              process_group: Any = None, local_error: BaseException | None = None) -> AsyncRequest:
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
             raise CheckpointingException(f"{self.base_strategy} cannot save asynchronously: not an async strategy")
-        local_error = self._prepare(sharded_state_dict, local_error)  # agreed by the wrapped strategy
+        local_error = self._prepare(sharded_state_dict, local_error, process_group)  # agreed by the wrapped strategy
         return self.base_strategy.async_save_with_plan(sharded_state_dict, checkpoint_dir, plan, process_group,
                                                        local_error)
 
@@ -285,7 +299,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
 
     def save_with_plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: Any,
                        process_group: Any = None, local_error: BaseException | None = None) -> None:
-        local_error = self._prepare(sharded_state_dict, local_error)  # agreed by the wrapped strategy
+        local_error = self._prepare(sharded_state_dict, local_error, process_group)  # agreed by the wrapped strategy
         self.base_strategy.save_with_plan(sharded_state_dict, checkpoint_dir, plan, process_group, local_error)
 
     @property
@@ -326,7 +340,8 @@ class FullyParallelLoadStrategyWrapper(DelegatingLoadStrategy, LoadShardedStrate
 
     Args:
         strategy: the strategy that reads.
-        parallelization_group: ranks that share the reads (None: the world).
+        parallelization_group: ranks that share the reads (None: every rank of the
+            load, the process group ``serialization.load`` was given, else the world).
         do_cache_distribution: reuse the first call's distribution, with no metadata gather.
         exchange_algo: how loaded shards reach the others (``EXCHANGE_ALGOS``).
     """
@@ -348,18 +363,22 @@ class FullyParallelLoadStrategyWrapper(DelegatingLoadStrategy, LoadShardedStrate
         """The cached load distribution (None before the first load or without the cache)."""
         return self._cache.distribution
 
-    def apply_loading_parallelization(self, sharded_state_dict: ShardedStateDict) -> ShardDistribution | None:
-        """Collective on ``parallelization_group`` unless cached: decides who loads each
-        shard (every shard the group holds) and sets the replica ids accordingly."""
+    def apply_loading_parallelization(
+        self, sharded_state_dict: ShardedStateDict, process_group: dist.ProcessGroup | None = None
+    ) -> ShardDistribution | None:
+        """Collective on ``parallelization_group`` (None: ``process_group``, the load's)
+        unless cached: decides who loads each shard (every shard the group holds) and
+        sets the replica ids accordingly."""
+        group = _sharing_group(self.parallelization_group, process_group)
         distribution = self._cache.get_or_compute(
             sharded_state_dict,
             lambda: determine_main_replica_uniform_distribution(
-                sharded_state_dict, self.parallelization_group, ignore_groups=True, shard_id_of=_exchanged_shard_id
+                sharded_state_dict, group, ignore_groups=True, shard_id_of=_exchanged_shard_id
             ),
             "Fully parallel load",
         )
         distribute_main_replicas_with_precomputed_distribution(
-            sharded_state_dict, self.parallelization_group, distribution, _exchanged_shard_id
+            sharded_state_dict, group, distribution, _exchanged_shard_id
         )
         return distribution
 
@@ -391,15 +410,17 @@ class FullyParallelLoadStrategyWrapper(DelegatingLoadStrategy, LoadShardedStrate
         self, sharded_state_dict: ShardedStateDict, base_load: Callable[[dict], dict], load_group: Group, where: str
     ) -> StateDict:
         """Collective on ``load_group`` (every rank of this load) and the
-        parallelization group: distribute, load this rank's part and allocate what it
-        receives, agree that every rank did, exchange tensors in the parallelization
-        group and objects in ``load_group``, put everything in place of its request."""
-        if Group(self.parallelization_group).world_size <= 1:
+        parallelization group (``_sharing_group``): distribute, load this rank's part and
+        allocate what it receives, agree that every rank did, exchange tensors in the
+        parallelization group and objects in ``load_group``, put everything in place of
+        its request."""
+        sharing = _sharing_group(self.parallelization_group, load_group.process_group)
+        if Group(sharing).world_size <= 1:
             return base_load(sharded_state_dict)
         error, loaded, exchange = None, {}, None
         objects_to_load: dict[_ShardId, ShardedObject] = {}
         try:  # a changed structure under the cache, a failed read or allocation: raised on every rank
-            distribution = self.apply_loading_parallelization(sharded_state_dict)
+            distribution = self.apply_loading_parallelization(sharded_state_dict, load_group.process_group)
             values = list(nested_values(sharded_state_dict))
             tensors_to_load, tensors_elsewhere = _split_by_main_replica(
                 [v for v in values if isinstance(v, ShardedTensor)], _exchanged_shard_id
@@ -410,8 +431,7 @@ class FullyParallelLoadStrategyWrapper(DelegatingLoadStrategy, LoadShardedStrate
             loaded = base_load({**tensors_to_load, **objects_to_load})
             _check_loaded(tensors_to_load, loaded, self.base_strategy)
             exchange = prepare_exchange_by_distribution(
-                {k: loaded[k] for k in tensors_to_load}, tensors_elsewhere, distribution,
-                self.parallelization_group, self.exchange_algo,
+                {k: loaded[k] for k in tensors_to_load}, tensors_elsewhere, distribution, sharing, self.exchange_algo,
             )
         except Exception as exc:  # raised on every rank by run_stage, before any exchange
             error = exc

@@ -85,8 +85,9 @@ def distribute_shards_to_ranks(
     Shards are taken in this order: those with a main replica in the group before the
     cross-group loads (so a load reads where the save wrote), then fewest holders first
     (they have the least choice), then larger first, then by shard id (so every rank
-    computes the same result). Each goes to the holder with the fewest bytes assigned
-    so far, the lowest rank on a tie. Pure: no collective.
+    computes the same result; a whole block's id, whose flattened range is None, before
+    the ids of its flattened ranges). Each goes to the holder with the fewest bytes
+    assigned so far, the lowest rank on a tie. Pure: no collective.
 
     Args:
         shard_to_ranks: which ranks hold each shard.
@@ -103,7 +104,8 @@ def distribute_shards_to_ranks(
 
     def order(item: tuple[T, list[int]]) -> tuple:
         shard_id, ranks = item
-        return (shard_id in cross_parallelization_group_loads, len(ranks), -shard_to_size[shard_id], shard_id)
+        return (shard_id in cross_parallelization_group_loads, len(ranks), -shard_to_size[shard_id],
+                _comparable(shard_id))
 
     for shard_id, ranks in sorted(shard_to_ranks.items(), key=order):
         rank = min(ranks, key=lambda r: (assigned_bytes[r], r))
@@ -111,6 +113,16 @@ def distribute_shards_to_ranks(
         assigned_bytes[rank] += shard_to_size[shard_id]
     logger.debug("distribute_shards_to_ranks: bytes per rank %s", assigned_bytes)
     return assignment
+
+
+def _comparable(shard_id: T) -> T | tuple:
+    """``shard_id`` as a sort key: a part that is None (no flattened range) as ``()``,
+    which sorts before any range, so that the ids of a whole block and of a flattened
+    range of it (one rank loads the block, another a range: both the same size)
+    compare; the order of any other ids is unchanged."""
+    if not isinstance(shard_id, tuple):
+        return shard_id
+    return tuple(() if part is None else part for part in shard_id)
 
 
 def build_shard_distribution(

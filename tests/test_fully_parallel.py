@@ -25,7 +25,9 @@ from shardstore.strategies.base import LoadShardedStrategy, SaveShardedStrategy
 from shardstore.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
+    _exchanged_shard_id,
 )
+from shardstore.utils import _sharded_tensor_shard_id
 from tests.dist import run_distributed
 from tests.scenarios import assert_bits_equal, global_tensor
 
@@ -142,6 +144,19 @@ def test_distribution_balances_bytes_greedily_in_megatrons_order() -> None:
     # a cross-group load goes last whatever its coverage
     assert distribute_shards_to_ranks(holders, sizes, 3, {"only_on_0"})["only_on_0"] == 0
     assert list(distribute_shards_to_ranks(holders, sizes, 3, {"small_on_two"}))[-1] == "small_on_two"
+
+
+def test_a_whole_block_and_a_flattened_range_of_it_are_distributed() -> None:
+    """Rank 0 loads a whole block, rank 1 a flattened range of the same block (same
+    key, offset and size, each held by one rank). Before, sorting their shard ids
+    compared the whole block's flattened range (None) with the range's tuple: every
+    rank raised a bare TypeError ('<' not supported between 'tuple' and 'NoneType')."""
+    whole = ShardedTensor.from_rank_offsets("w", torch.empty(4, 2), (0, 0, 2))
+    flat = ShardedTensor.from_rank_offsets_flat("w", torch.empty(3), (4, 2), (0, 0, 2), flattened_range=slice(0, 3))
+    for shard_id_of in (_sharded_tensor_shard_id, _exchanged_shard_id):
+        distribution = build_shard_distribution([[whole.without_data()], [flat.without_data()]], ignore_groups=True,
+                                                shard_id_of=shard_id_of)
+        assert distribution.main_rank_for_shard == {shard_id_of(whole): 0, shard_id_of(flat): 1}
 
 
 @pytest.mark.parametrize("variant", ["world", "dp_of_tp0", "dp_of_tp1", "load_dp_of_tp1"])

@@ -298,3 +298,43 @@ def test_a_safetensors_layout_naming_a_missing_array_is_refused(tmp_path: Path) 
     code, _, err = run("convert", str(tmp_path / "hf"), str(tmp_path / "back"))
     assert code != 0 and "'model/w'" in err and str(tmp_path / "hf") in err, err
     assert not (tmp_path / "back").exists()
+
+
+def _plain_adamw_file(path: Path) -> torch.nn.Module:
+    """``torch.save`` of a model and its AdamW ``state_dict()`` after one step: the
+    optimizer's state is keyed by int parameter ids and holds only tensors."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    return model
+
+
+def test_a_plain_optimizer_state_goes_through_safetensors_back_to_a_torch_file_that_loads(tmp_path: Path) -> None:
+    """``.pt`` -> safetensors -> ``.pt`` keeps ``optimizer.state`` a dict keyed by int
+    parameter ids. Before, the export dropped the dicts that held only tensors, the
+    layout's int places could not say dict key from list index, and the state came
+    back a list ``[{...}, {...}]``: ``load_state_dict`` failed on ``list.items``."""
+    model = _plain_adamw_file(tmp_path / "model.pt")
+    exported = _convert(tmp_path / "model.pt", "safetensors", tmp_path / "st")
+    to_torch_file(exported, tmp_path / "back.pt")
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    original = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert list(back["optimizer"]["state"]) == [0, 1]
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer.load_state_dict(back["optimizer"])
+    for index, parameter in enumerate(model.parameters()):
+        for name, value in original["optimizer"]["state"][index].items():
+            assert torch.equal(optimizer.state[parameter][name], value)
+
+
+def test_a_plain_optimizer_state_imports_through_safetensors_as_directly(tmp_path: Path) -> None:
+    """The safetensors export keeps the emptied dicts of the optimizer state; its import
+    puts every array back into them, so the save drops them again and the checkpoint
+    is the direct import's (``shardstore diff``: identical). It held before the fix
+    too; it pins that keeping those dicts changes nothing a checkpoint holds."""
+    _plain_adamw_file(tmp_path / "model.pt")
+    direct = _convert(tmp_path / "model.pt", "shardstore", tmp_path / "direct")
+    via = _convert(_convert(tmp_path / "model.pt", "safetensors", tmp_path / "st"), "shardstore", tmp_path / "via")
+    assert run("diff", str(direct), str(via)) == (0, "identical\n", "")

@@ -271,11 +271,12 @@ def open_safetensors(path: str | os.PathLike) -> ExportSource:
 def state_to_save(path: str | os.PathLike) -> StateDict:
     """What an import of the safetensors model at ``path`` saves: one array per tensor
     name, memory-mapped; where a shardstore export wrote its layout, the common state
-    and the arrays as they were."""
+    and the arrays as they were, each at its place (where the layout's common state
+    kept the containers it emptied, which the save then drops)."""
     opened = open_safetensors(path)
     state = opened.other_values()
     for key, tensor in opened.read(list(opened.tensor_bytes), 0):
-        place_value(state, (key,), ShardedTensor.from_rank_offsets(key, tensor), key)  # its key says where it goes
+        place_value(state, opened.place(key), ShardedTensor.from_rank_offsets(key, tensor), key)
     return state
 
 

@@ -114,20 +114,19 @@ def _tensor_leaves(node: dict | list, path: tuple[Any, ...]) -> Iterator[tuple[t
 
 def _without_tensors(node: dict | list, top: bool = True) -> dict | list:
     """``node`` without its tensors, sharded object shards kept whole: what a
-    safetensors file cannot hold. A dict loses a tensor's entry, and one that held only
-    tensors goes too; a list keeps None in a tensor's slot, so that its other values
-    keep their indices (as ``layout.without_places`` keeps them, and an import does)."""
+    safetensors file cannot hold. A dict loses a tensor's entry but stays, emptied, where
+    it held only tensors: its keys' types (an optimizer's int parameter ids) are known
+    from it alone, since a tensor's place names an int dict key and a list index alike.
+    A list keeps None in a tensor's slot, so that its other values keep their indices
+    (as ``layout.without_places`` keeps them). An import puts each array back at its
+    place, and the save drops what the arrays emptied, as a direct import does."""
     if isinstance(node, list):
         return [None if isinstance(v, torch.Tensor) else _without_tensors_in(v) for v in node]
-    kept = {}
-    for k, v in node.items():
-        if top and is_object_shard_key(k):
-            kept[k] = v
-        elif not isinstance(v, torch.Tensor):
-            value = _without_tensors_in(v)
-            if not (isinstance(v, dict) and v and not value):
-                kept[k] = value
-    return kept
+    return {
+        k: v if top and is_object_shard_key(k) else _without_tensors_in(v)
+        for k, v in node.items()
+        if not isinstance(v, torch.Tensor) or (top and is_object_shard_key(k))
+    }
 
 
 def _without_tensors_in(value: Any) -> Any:

@@ -338,3 +338,21 @@ def test_a_plain_optimizer_state_imports_through_safetensors_as_directly(tmp_pat
     direct = _convert(tmp_path / "model.pt", "shardstore", tmp_path / "direct")
     via = _convert(_convert(tmp_path / "model.pt", "safetensors", tmp_path / "st"), "shardstore", tmp_path / "via")
     assert run("diff", str(direct), str(via)) == (0, "identical\n", "")
+
+
+@pytest.mark.parametrize("index", [10**12, 1])
+def test_a_safetensors_layout_placing_an_array_far_past_its_list_is_refused(tmp_path: Path, index: int) -> None:
+    """A layout that puts an array at ``["l", 10**12]`` (a list of no values and one
+    array) is refused naming the file. Before, the export to a ``.pt`` padded the list
+    with None up to that index: a bare ``MemoryError``, or, for a smaller index, memory
+    and a file as large as the hostile number said."""
+    from safetensors.torch import save_file
+
+    layout = convert_layout.Layout({"w": ("l", index)})
+    file = tmp_path / "hf" / "model.safetensors"
+    file.parent.mkdir()
+    save_file({"w": torch.ones(2)}, file, metadata={"format": "pt", **convert_layout.safetensors_metadata(layout)})
+    with pytest.raises(CheckpointingException, match=rf"index {index} of the list at \['l'\]") as raised:
+        to_torch_file(tmp_path / "hf", tmp_path / "back.pt")
+    assert str(file) in str(raised.value)
+    assert not (tmp_path / "back.pt").exists()

@@ -36,6 +36,7 @@ __all__ = [
     "encode_common",
     "read_safetensors_layout",
     "read_torch_layout",
+    "refuse_sparse_lists",
     "safetensors_metadata",
     "save_torch_file",
     "value_at",
@@ -46,6 +47,7 @@ __all__ = [
 import json
 import os
 import zipfile
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -233,6 +235,53 @@ def value_at(state: Any, place: Place, where: str) -> Any:
                 "convert the file again from its checkpoint"
             ) from exc
     return node
+
+
+def refuse_sparse_lists(layout: Layout, where: str) -> None:
+    """Refuses a layout (read from ``where``) whose arrays go to list indices past what
+    the lists could hold: the length of the list in its common state (0 where there is
+    none, and placing an array makes one) plus the arrays placed in that list. Placing
+    an array pads its list with None up to its index, so a hostile index (``10**12``)
+    would allocate without bound; an export's own indices stay within that."""
+    skeleton = _skeleton(layout.common) if layout.common is not None else {}
+    lengths: dict[Place, int] = {}
+    under: Counter[Place] = Counter()
+    largest: dict[Place, int] = {}
+    for place in layout.arrays.values():
+        node = skeleton
+        for depth, part in enumerate(place):
+            if type(part) is int and not isinstance(node, dict):  # a list's index, in one there or a new one
+                prefix = place[:depth]
+                lengths[prefix] = len(node) if isinstance(node, list) else 0
+                under[prefix] += 1
+                largest[prefix] = max(largest.get(prefix, 0), part)
+            node = _child(node, part)
+    for prefix, index in largest.items():
+        if index >= lengths[prefix] + under[prefix]:
+            raise CheckpointingException(
+                f"{where}: its shardstore layout places an array at index {index} of the list at {list(prefix)}, "
+                f"which holds {lengths[prefix]} values and {under[prefix]} array(s); the layout is damaged or "
+                "hostile: convert it again from the checkpoint"
+            )
+
+
+def _skeleton(encoded: Any) -> Any:
+    """The dicts and lists of an encoded common state (``_check_encoded``), other values
+    None: what a place walks through."""
+    (tag, payload), = encoded.items()
+    if tag == "dict":
+        return {k: _skeleton(v) for k, v in payload}
+    if tag in ("list", "tuple"):
+        return [_skeleton(v) for v in payload]
+    return None
+
+
+def _child(node: Any, part: str | int) -> Any:
+    if isinstance(node, dict):
+        return node.get(part)
+    if isinstance(node, list) and type(part) is int and part < len(node):
+        return node[part]
+    return None
 
 
 def without_places(node: Any, places: set[Place], path: Place = ()) -> Any:

@@ -49,6 +49,7 @@ from shardstore.other_formats.layout import (
     common_tensor_names,
     decode_common,
     read_safetensors_layout,
+    refuse_sparse_lists,
 )
 from shardstore.other_formats.model_files import (
     SAFETENSORS_INDEX,
@@ -252,6 +253,7 @@ def open_safetensors(path: str | os.PathLike) -> ExportSource:
     model = safetensors_model(path)
     tensors = safetensors_tensors(model, path)
     layout = read_safetensors_layout(model.files[0]) or Layout()
+    refuse_sparse_lists(layout, str(model.files[0]))
     in_common = set(common_tensor_names(layout.common)) if layout.common is not None else set()
     missing = [key for key in layout.arrays if key not in tensors or key in in_common]
     if missing:

@@ -356,3 +356,20 @@ def test_a_safetensors_layout_placing_an_array_far_past_its_list_is_refused(tmp_
         to_torch_file(tmp_path / "hf", tmp_path / "back.pt")
     assert str(file) in str(raised.value)
     assert not (tmp_path / "back.pt").exists()
+
+
+def test_a_torch_file_with_keys_json_cannot_hold_becomes_safetensors_that_read_back(tmp_path: Path) -> None:
+    """Tensors under dict keys a layout cannot hold as they are (a float, a negative
+    int, a bool) are placed by their keys' text, as an import without a layout places
+    them. Before, the export wrote them into the layout as they were and succeeded, and
+    every reader of the result refused it: "its shardstore layout is malformed"."""
+    torch.save({"m": {1.5: torch.ones(2), -1: torch.zeros(2), True: torch.ones(1)}, "x": 1}, tmp_path / "model.pt")
+    code, _, err = run("convert", str(tmp_path / "model.pt"), str(tmp_path / "st"), "--to", "safetensors")
+    assert code == 0 and "left out" not in err, err
+    to_torch_file(tmp_path / "st", tmp_path / "back.pt")
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert sorted(back["m"]) == ["-1", "1.5", "True"] and back["x"] == 1
+    assert torch.equal(back["m"]["-1"], torch.zeros(2))
+    direct = _convert(tmp_path / "model.pt", "shardstore", tmp_path / "direct")
+    via = _convert(tmp_path / "st", "shardstore", tmp_path / "via")
+    assert run("diff", str(direct), str(via)) == (0, "identical\n", "")

@@ -8,7 +8,8 @@ A ``Layout`` says it:
 
 * ``arrays``: each array's key and its place in the file's state dict (dict keys and
   list indices, ints kept as ints: ``optim/state/0/exp_avg`` may sit at
-  ``("optim", "state", 0, "exp_avg")``); every other tensor of the file belongs to the
+  ``("optim", "state", 0, "exp_avg")``; a key of another type, a float or a negative
+  int, as its text, as the array's key spells it); every other tensor of the file belongs to the
   common state where it is;
 * ``objects``: the top-level entries that are sharded object shards (their unique keys);
 * ``common`` (safetensors only): the common state, encoded as tagged JSON: dicts (str or
@@ -80,7 +81,7 @@ class Layout:
     def to_json(self) -> str:
         return json.dumps({
             "format": FORMAT, "version": VERSION,
-            "arrays": [[key, list(place)] for key, place in self.arrays.items()],
+            "arrays": [[key, [_storable(part) for part in place]] for key, place in self.arrays.items()],
             "objects": list(self.objects), "common": self.common,
         })
 
@@ -112,9 +113,19 @@ class Layout:
 
 
 def _is_place(place: Any) -> bool:
-    return isinstance(place, list) and len(place) > 0 and all(
-        isinstance(p, str) or (type(p) is int and p >= 0) for p in place
-    )
+    return isinstance(place, list) and len(place) > 0 and all(_is_part(p) for p in place)
+
+
+def _is_part(part: Any) -> bool:
+    """A part of a place as a layout holds it: a str, or an int (not a bool) from 0."""
+    return isinstance(part, str) or (type(part) is int and part >= 0)
+
+
+def _storable(part: Any) -> str | int:
+    """A part of a place as a layout writes it: as it is where ``_is_part``, else its
+    text (a float or negative int key of a ``torch.save`` file: ``"1.5"``), as its array's
+    key spells it and an import without a layout places it."""
+    return part if _is_part(part) else str(part)
 
 
 # --------------------------------------------------------------------------- common state as JSON

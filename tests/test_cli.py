@@ -489,3 +489,24 @@ def test_output_cut_short_by_its_reader_is_not_reported_as_success(many_arrays: 
     process.stdout.close()
     _, err = process.communicate(timeout=120)
     assert first == b"{\n" and process.returncode == EXIT_CLOSED_OUTPUT and err == b"", (process.returncode, err)
+
+
+@pytest.mark.parametrize("case", ["a damaged checkpoint", "a missing path", "an empty directory"])
+def test_verify_root_of_no_root_of_checkpoints_is_an_error_not_ok(tmp_path: Path, case: str) -> None:
+    """``verify_root`` of a place with no checkpoint under it (the checkpoint itself,
+    damaged; a mistyped path; an empty directory) raises naming the place, as the
+    ``verify`` command exits 2. Before, it returned a report with ``ok`` True: "0
+    checkpoint(s) checked; no problems", for a checkpoint with a flipped chunk too."""
+    from shardstore.errors import CheckpointingException
+    from shardstore.tools.root_verify import verify_root
+
+    place = tmp_path / "ckpt"
+    if case == "a damaged checkpoint":
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))}, place)
+        chunk = place / "w" / "c.0"
+        chunk.write_bytes(bytes([chunk.read_bytes()[0] ^ 1]) + chunk.read_bytes()[1:])
+    elif case == "an empty directory":
+        place.mkdir()
+    with pytest.raises(CheckpointingException, match="holds no checkpoint") as raised:
+        verify_root(place)
+    assert str(place) in str(raised.value)

@@ -176,10 +176,19 @@ def verify_root(root: str | os.PathLike | Location, progress: bool = False) -> R
     checkpoint that shares it.
 
     Raises:
+        CheckpointingException: ``root`` holds no checkpoint under it (missing, empty,
+            or a checkpoint itself, which ``verify`` checks): a report of nothing
+            checked would read as "no problems".
         UnsupportedFormatVersion: a checkpoint's record is of a format version this
             shardstore cannot read (``refuse_unreadable_version``), before any is verified."""
     location = bare_location(root)
-    return verify_checkpoints(location.describe(), checkpoints_under(location), progress, leftovers_under(location))
+    found = checkpoints_under(location)
+    if not found:
+        raise CheckpointingException(
+            f"{location.describe()} holds no checkpoint under it (no entry with a commit record), so there is "
+            "nothing to verify as a root; to verify one checkpoint, call shardstore.verify on it"
+        )
+    return verify_checkpoints(location.describe(), found, progress, leftovers_under(location))
 
 
 def verify_checkpoints(

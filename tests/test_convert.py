@@ -325,3 +325,15 @@ def test_dcp_saved_paths_are_taken_only_when_well_formed() -> None:
     assert _saved_paths({f"k{i}": (f"p{i}", n - 1) for i in range(n)}, n) == {}
     dense = {"l.0.x": ("l", 0, "x"), "l.1.0": ("l", 1, 0), "l.1.1": ("l", 1, 1)}
     assert _saved_paths(dense, 3) == dense
+
+
+def test_a_checkpoint_with_an_array_named_like_a_safetensors_file_converts_as_a_checkpoint(tmp_path: Path) -> None:
+    """A committed checkpoint whose array key is ``model.safetensors`` (a directory of
+    that name at its top) is a shardstore checkpoint to ``convert``. Before, it was
+    taken for a safetensors model directory and refused: "model.safetensors is not a
+    regular file"."""
+    save({"a": ShardedTensor.from_rank_offsets("model.safetensors", FC1)}, tmp_path / "ckpt")
+    code, out, err = run("convert", str(tmp_path / "ckpt"), str(tmp_path / "model.pt"), "--json")
+    assert code == 0, err
+    assert json.loads(out)["source_format"] == "shardstore"
+    assert_bits_equal(_load(tmp_path / "model.pt")["model.safetensors"], FC1)

@@ -42,6 +42,7 @@ import torch
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.dtypes import byte_view
+from shardstore.format.records import is_committed
 from shardstore.mapping import ShardedTensor, StateDict
 from shardstore.other_formats.base import ExportSource, FileFormat, TensorSpec, place_value
 from shardstore.other_formats.layout import (
@@ -285,13 +286,18 @@ def state_to_save(path: str | os.PathLike) -> StateDict:
 def holds_safetensors(location: Location) -> bool:
     """A file named ``*.safetensors`` (any on S3, which the reader then refuses: it reads
     local paths), or a local directory holding ``model.safetensors.index.json`` or
-    ``model.safetensors``; by names alone."""
+    ``model.safetensors``; by names alone. Not a committed shardstore checkpoint, whose
+    array ``model.safetensors`` is a directory of that name."""
     local = location.local_path()
     if local is None:
         return location.describe().rstrip("/").endswith(SAFETENSORS_SUFFIX)
     if local.is_file():
         return local.name.endswith(SAFETENSORS_SUFFIX)
-    return local.is_dir() and any(os.path.lexists(local / n) for n in (SAFETENSORS_INDEX, SAFETENSORS_SINGLE))
+    return (
+        local.is_dir()
+        and not is_committed(location)
+        and any(os.path.lexists(local / n) for n in (SAFETENSORS_INDEX, SAFETENSORS_SINGLE))
+    )
 
 
 SAFETENSORS_FORMAT = FileFormat(

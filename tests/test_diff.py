@@ -277,6 +277,20 @@ def test_a_sparse_tensor_in_the_common_state_is_compared_not_a_traceback(tmp_pat
     assert lines[0] == "~ common state grads/emb  tensor torch.float32[2, 3] (torch.sparse_coo) -> torch.float32[2, 3]"
 
 
+@pytest.mark.parametrize("dtype", [torch.complex32, torch.float8_e4m3fnuz])
+def test_a_common_tensor_of_a_dtype_arrays_do_not_hold_is_compared_by_its_bits(tmp_path: Path, dtype: torch.dtype) -> None:
+    """A common-state tensor of a dtype no array holds (``complex32``, the ``fnuz``
+    float8 types) is compared bit for bit, as any tensor. Before, it went to
+    ``torch.equal``, which has no ``complex32`` kernel: a ``NotImplementedError``
+    traceback, also for a checkpoint against itself."""
+    values = torch.tensor([1.0, 2.0, 0.5])
+    first = checkpoint(tmp_path / "a", extra={"t": values.to(dtype)})
+    assert diff(first, first) == (0, ["identical"])
+    code, lines = diff(first, checkpoint(tmp_path / "b", extra={"t": changed(values, (1,), 4.0).to(dtype)}))
+    assert code == 1
+    assert lines[0] == "~ common state extra/t  max |difference| 2, 1 element(s) differ, first at [1]", lines
+
+
 # ------------------------------------------------------------------ --json
 
 

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from shardstore.format import (
-    BY_TORCH,
     from_zarr_name,
     is_exact_conversion,
     tensor_to_numpy,
@@ -401,7 +400,7 @@ def _tensor_change(first: torch.Tensor, second: torch.Tensor) -> str | None:
         return f"tensor {_tensor_kind(first)} -> {_tensor_kind(second)}"
     if first.layout in _SPARSE_LAYOUTS:
         return _summary(list(value_differences(_sparse_parts(first), _sparse_parts(second))))
-    if first.dtype not in BY_TORCH:  # quantized and other exotic types: whole tensors by equal()
+    if first.is_quantized:  # its values are not its bits: whole tensors by equal()
         return None if torch.equal(first, second) else "tensor values differ"
     compared = compare_tensors(first, second)
     return _differences_text(compared.differing, compared.first, compared.max_abs_diff) if compared.differing else None

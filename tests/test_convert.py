@@ -16,7 +16,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
-from shardstore import ShardedObject, ShardedTensor, load_sharded_metadata, save
+from shardstore import (
+    CheckpointingException,
+    ShardedObject,
+    ShardedTensor,
+    load_sharded_metadata,
+    save,
+)
 from shardstore.tools.inspection import value_differences
 from tests.scenarios import assert_bits_equal, global_tensor
 from tests.test_cli import run
@@ -239,6 +245,22 @@ def test_a_destination_inside_the_source_checkpoint_is_refused(tmp_path: Path, d
     code, _, err = run("convert", str(source), str(source / destination), *(["--to", to] if to else []))
     assert code == 2 and "is inside the source" in err and err.count("\n") == 1, err
     assert _entries(source) == before
+
+
+@pytest.mark.parametrize("export", ["to_torch_file", "to_safetensors"])
+def test_an_export_through_the_api_into_its_source_checkpoint_is_refused(tmp_path: Path, export: str) -> None:
+    """``convert.to_torch_file(ckpt, ckpt / "model.pt")`` (and ``to_safetensors``) is
+    refused as the command refuses it. Before, only the command checked: the API wrote
+    the file into the committed checkpoint, which ``verify`` then reported damaged
+    ("not listed by the commit record")."""
+    from shardstore import verify
+    from shardstore.tools import convert
+
+    source = _checkpoint(tmp_path / "ckpt")
+    before = _entries(source)
+    with pytest.raises(CheckpointingException, match="is inside the source"):
+        getattr(convert, export)(source, source / ("model.pt" if export == "to_torch_file" else "hf"))
+    assert _entries(source) == before and verify(source).ok
 
 
 def test_outputs_get_the_modes_open_and_mkdir_give(tmp_path: Path) -> None:

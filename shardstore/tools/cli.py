@@ -383,19 +383,6 @@ def _check_destination(destination: str, target: str, overwrite: bool) -> None:
         )
 
 
-def _refuse_destination_inside(source: str, destination: str) -> None:
-    """Refuses a destination in the source directory (or the source itself): the
-    conversion would write into the checkpoint it reads."""
-    from shardstore.opened import bare_location
-
-    src, dst = bare_location(source).local_path(), bare_location(destination).local_path()
-    if src is not None and dst is not None and src.is_dir() and dst.resolve().is_relative_to(src.resolve()):
-        raise CheckpointingException(
-            f"{destination} is inside the source {source}: a conversion never writes into the checkpoint it "
-            "reads; choose a destination outside it"
-        )
-
-
 @main.command("convert")
 @click.argument("source")
 @click.argument("destination")
@@ -425,7 +412,7 @@ def convert_command(source: str, destination: str, to: str | None, overwrite: bo
     with _reported_errors():
         src = convert.source_kind(source)
         dst = target_format(src, destination, to)
-        _refuse_destination_inside(source, destination)
+        convert.refuse_destination_inside(source, destination)  # before what the destination's kind says
         _check_destination(destination, dst, overwrite)
         if src == dst and src != "safetensors":  # safetensors to safetensors: sharded anew
             what = "a shardstore checkpoint" if src == "shardstore" else "a torch.save file"

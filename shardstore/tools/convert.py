@@ -52,6 +52,7 @@ __all__ = [
     "read_arrays",
     "read_non_tensor_state",
     "read_tensors",
+    "refuse_destination_inside",
     "source_kind",
     "to_safetensors",
     "to_torch_file",
@@ -301,6 +302,7 @@ def to_torch_file(
     Needs memory for the whole model (one pickle); nothing is written if it fails."""
     if source_kind(source) == "torch":
         raise CheckpointingException(f"{source} is a torch.save file already")
+    refuse_destination_inside(source, path)
     opened = open_export_source(source)
     state = opened.other_values()
     for key, tensor in opened.read(list(opened.tensor_bytes), memory_bytes):
@@ -350,6 +352,7 @@ def to_safetensors(
     (``convert_layout``), its tensors into the files by their paths; sharded objects and
     values that JSON cannot hold are left out, and named. The directory is filled under
     a temporary name and renamed at the end: a failure leaves nothing."""
+    refuse_destination_inside(source, out_dir)
     opened = open_export_source(source)
     # read first: a source whose other values cannot be read fails before anything is written
     other = opened.other_values()
@@ -411,6 +414,7 @@ def import_checkpoint(
     """Saves ``source``, of any format in ``shardstore.other_formats.registry`` (model
     files, or another tool's checkpoint), as a shardstore checkpoint; returns the number
     of arrays written."""
+    refuse_destination_inside(source, checkpoint)
     files = _file_format(source)
     if files is not None:
         return _import_files(files, _local_path(source, files), checkpoint, overwrite)
@@ -460,6 +464,20 @@ def from_other_format(
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def refuse_destination_inside(
+    source: str | os.PathLike | Location, destination: str | os.PathLike | Location
+) -> None:
+    """Refuses a destination in the source directory (or the source itself): the
+    conversion would write into the checkpoint it reads, a file its commit record does
+    not list (damage ``verify`` reports)."""
+    src, dst = bare_location(source).local_path(), bare_location(destination).local_path()
+    if src is not None and dst is not None and src.is_dir() and dst.resolve().is_relative_to(src.resolve()):
+        raise CheckpointingException(
+            f"{destination} is inside the source {source}: a conversion never writes into the checkpoint it "
+            "reads; choose a destination outside it"
+        )
 
 
 def _refuse_process_group(what: str) -> None:

@@ -336,7 +336,11 @@ def _request_visitor(
     plain tensors stored as arrays, ``inputs.plain_tensors.whole_array_requests``), each
     factory built (and, with ``factories``, remembered with its path for the load's
     merges); with ``foreign_in_common``, the paths of plain values that are (or hold, in
-    a tuple) another library's sharded objects (``utils.holds_sharded_class``)."""
+    a tuple) another library's sharded objects (``utils.holds_sharded_class``).
+
+    Factories are built once, as Megatron-Core's ``apply_factories`` builds them: a
+    factory in a factory's build is refused (it would be neither stored nor merged)."""
+    building: list[ShardedTensorFactory] = []  # the factory whose build is being walked
 
     def visit(path: tuple, value: Any, expandable: bool) -> Any:
         if expandable:
@@ -346,13 +350,25 @@ def _request_visitor(
             if isinstance(value, ShardedTensorFactory):
                 if factories is not None:
                     factories.append((path, value))
+                building[:] = [value]
                 return value.build()
+        elif isinstance(value, ShardedTensorFactory):
+            raise _factory_in_a_build(building[0], value, path)
         if (foreign_in_common is not None and not isinstance(value, (ShardedBase, LocalNonpersistentObject))
                 and holds_sharded_class(value)):
             foreign_in_common.append(path)
         return value
 
     return visit
+
+
+def _factory_in_a_build(outer: ShardedTensorFactory, inner: ShardedTensorFactory, path: tuple) -> CheckpointingException:
+    where = "".join(f"[{k!r}]" for k in path)
+    return CheckpointingException(
+        f"The build of ShardedTensorFactory {outer.key!r} returned another ShardedTensorFactory {inner.key!r} (at "
+        f"{where}): factories are built once, so it would be neither stored nor merged. Have the build return "
+        "ShardedTensors (build the inner factory there and merge it in the outer merge_fn)"
+    )
 
 
 def _preprocess_and_plan(

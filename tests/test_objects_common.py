@@ -245,3 +245,33 @@ def test_a_value_that_cannot_be_pickled_is_named_in_the_error(tmp_path: Path, st
     message = str(failure.value)
     assert named in message and str(ckpt) in message, message
     assert not ckpt.exists() or not any(ckpt.iterdir())
+
+
+def _factory_of_a_factory(data: torch.Tensor) -> ShardedTensorFactory:
+    """A factory whose build returns another factory (beside a ShardedTensor)."""
+
+    def inner_build(key, t, replica_id, flattened_range):
+        return {"half": ShardedTensor.from_rank_offsets(f"{key}/half", t * 0.5)}
+
+    def build(key, t, replica_id, flattened_range):
+        return {"same": ShardedTensor.from_rank_offsets(f"{key}/same", t),
+                "inner": ShardedTensorFactory(f"{key}/inner", t, inner_build, lambda sub: sub["half"] * 2)}
+
+    return ShardedTensorFactory("outer", data, build, lambda sub: sub["same"])
+
+
+@pytest.mark.parametrize("operation", ["save", "load"])
+def test_a_factory_built_by_a_factory_is_refused_naming_both(ckpt_dir: Path, operation: str) -> None:
+    """Factories are built once (as in Megatron-Core's ``apply_factories``). Before, the
+    inner factory was neither built nor refused: the save wrote nothing for it (a
+    committed checkpoint without ``outer/inner/half``), and a load returned the
+    ShardedTensorFactory object itself as the loaded value."""
+    if operation == "load":
+        save({"f": ShardedTensor.from_rank_offsets("outer/same", torch.ones(2))}, ckpt_dir)
+    with pytest.raises(CheckpointingException, match=r"'outer'.*'outer/inner'.*\['f'\]\['inner'\]"):
+        if operation == "save":
+            save({"f": _factory_of_a_factory(torch.ones(2))}, ckpt_dir)
+        else:
+            load({"f": _factory_of_a_factory(torch.zeros(2))}, ckpt_dir)
+    if operation == "save":
+        assert not ckpt_dir.exists() or not any(ckpt_dir.iterdir())

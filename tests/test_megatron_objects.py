@@ -212,6 +212,42 @@ def test_irregular_grids_through_megatrons_own_save_and_load(ckpt_dir: Path) -> 
     assert_bits_equal(load_plain_tensors(ckpt_dir)["optimizer/exp_avg"], torch.arange(24, dtype=torch.float32))
 
 
+def _factory_of_irregular_shards(rank: int, world: int, empty: bool) -> object:
+    """A Megatron factory whose build cuts its rank's part of a 24-element buffer
+    irregularly (13 + 11 at 2 ranks, whole at 1), as Megatron 0.16's optimizer cuts."""
+    cuts = {1: [0, 24], 2: [0, 13, 24]}[world]
+    data = torch.arange(24, dtype=torch.float32)[cuts[rank]:cuts[rank + 1]].clone()
+
+    def build(key, t, replica_id, flattened_range):
+        return {"shard": mapping.ShardedTensor(f"{key}/shard", t, t.dtype, tuple(t.shape), (24,), (cuts[rank],),
+                                               None, replica_id=replica_id)}
+
+    return mapping.ShardedTensorFactory("buffer", torch.empty_like(data) if empty else data, build,
+                                        lambda sub: sub["shard"])
+
+
+def save_factory_of_irregular_shards(rank: int, world: int, ckpt: str) -> None:
+    save({"buf": _factory_of_irregular_shards(rank, world, False)}, ckpt)
+
+
+def load_factory_of_irregular_shards(rank: int, world: int, ckpt: str) -> None:
+    loaded = load({"buf": _factory_of_irregular_shards(rank, world, True)}, ckpt)
+    assert_bits_equal(loaded["buf"], _factory_of_irregular_shards(rank, world, False).data)
+
+
+@pytest.mark.skipif(HAS_FLATTENED_RANGES, reason="this megatron-core (<= 0.14) refuses irregular grids")
+def test_a_megatron_factory_building_irregular_shards_saves_and_loads(ckpt_dir: Path) -> None:
+    """Before, the conversion made each irregular shard of the build a factory of its
+    own, which the walk did not build: the save committed a checkpoint without
+    ``buffer/shard`` and the load returned a ShardedTensorFactory as ``buf``."""
+    run_distributed(save_factory_of_irregular_shards, 2, str(ckpt_dir))
+    from shardstore import load_plain_tensors
+
+    assert_bits_equal(load_plain_tensors(ckpt_dir)["buffer/shard"], torch.arange(24, dtype=torch.float32))
+    run_distributed(load_factory_of_irregular_shards, 2, str(ckpt_dir))
+    run_distributed(load_factory_of_irregular_shards, 1, str(ckpt_dir))
+
+
 # ------------------------------------------- issue 17.3: the strategy plug-in
 
 

@@ -54,10 +54,19 @@ def convert_one(value: Any) -> Any:
     """shardstore's equivalent of one Megatron mapping object (others unchanged); a
     ShardedTensor on an irregular grid (ours or Megatron's) becomes the factory that
     stores it as a flattened range (``shardstore.inputs.irregular``)."""
-    if _is_megatron(value, "ShardedTensor"):
-        value = ShardedTensor(**_fields(value, _TENSOR_FIELDS))
+    value = _converted_class(value)
     if isinstance(value, ShardedTensor) and is_irregular(value):
         return irregular_as_flat(value)
+    return value
+
+
+def _converted_class(value: Any) -> Any:
+    """shardstore's class for one Megatron mapping object, fields unchanged (others
+    unchanged). What a factory's build returns is converted so: an irregular shard
+    stays a ShardedTensor (the storage core stores those as they are), since a factory
+    made of it would be one inside a build, which is never built."""
+    if _is_megatron(value, "ShardedTensor"):
+        return ShardedTensor(**_fields(value, _TENSOR_FIELDS))
     if _is_megatron(value, "ShardedObject"):
         return ShardedObject(**_fields(value, _OBJECT_FIELDS))
     if _is_megatron(value, "LocalNonpersistentObject"):
@@ -66,7 +75,7 @@ def convert_one(value: Any) -> Any:
         build = value.build_fn
 
         def build_converted(*args: Any) -> Any:
-            return convert_megatron_objects(build(*args))
+            return dict_list_map_inplace(_converted_class, with_dtensors_converted(build(*args)))
 
         return ShardedTensorFactory(
             value.key, value.data, build_converted, value.merge_fn, value.replica_id,

@@ -519,13 +519,18 @@ class ShardedObject(ShardedBase):
             shard_str, offset, shape = shard_key.split("_")
             if shard_str != "shard":
                 raise ValueError("missing 'shard' prefix")
-            global_offset = tuple(map(int, offset.split(".")))
-            global_shape = tuple(map(int, shape.split(".")))
+            global_offset, global_shape = _axes(offset), _axes(shape)
         except ValueError as exc:
             raise CheckpointingException(f"Malformed sharded object key {unique_key!r}: {exc}") from exc
         if len(global_shape) + 1 == len(global_offset):
             global_shape = (*global_shape, UNKNOWN_AXIS)
         return cls(key, None, global_shape, global_offset, replica_id)
+
+
+def _axes(text: str) -> tuple[int, ...]:
+    """The numbers of a unique key's offset or shape (``"1.0"``); ``""`` is no axis (a
+    0-dimensional object's, or the shape of an old key of a 1-dimensional one)."""
+    return tuple(map(int, text.split("."))) if text else ()
 
 
 UNKNOWN_AXIS = -1

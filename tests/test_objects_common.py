@@ -275,3 +275,16 @@ def test_a_factory_built_by_a_factory_is_refused_naming_both(ckpt_dir: Path, ope
             load({"f": _factory_of_a_factory(torch.zeros(2))}, ckpt_dir)
     if operation == "save":
         assert not ckpt_dir.exists() or not any(ckpt_dir.iterdir())
+
+
+def test_a_shard_of_a_zero_dimensional_object_is_listed_by_the_metadata_query(ckpt_dir: Path) -> None:
+    """A ShardedObject of global shape ``()`` is stored as ``<key>/shard__``: save and load
+    accepted it, but ``load_sharded_metadata`` (and every tool listing a checkpoint's
+    objects) failed with "Malformed sharded object key 'scalar/shard__': invalid
+    literal for int() with base 10: ''"."""
+    from shardstore import load_sharded_metadata
+
+    save({"o": ShardedObject("scalar", {"v": 1}, (), ())}, ckpt_dir)
+    listed = load_sharded_metadata(ckpt_dir)["scalar/shard__"]
+    assert (listed.key, listed.global_shape, listed.global_offset) == ("scalar", (), ())
+    assert load({"o": ShardedObject("scalar", None, (), ())}, ckpt_dir) == {"o": {"v": 1}}

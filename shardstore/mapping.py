@@ -465,9 +465,20 @@ class ShardedObject(ShardedBase):
     replica_id: ReplicaId = 0
 
     def __post_init__(self) -> None:
-        self.global_shape = tuple(self.global_shape)
-        self.global_offset = tuple(self.global_offset)
+        # plain ints: the shard's file is named after them (``unique_key``)
+        self.global_shape = self._integers("global shape", self.global_shape)
+        self.global_offset = self._integers("global offset", self.global_offset)
         self.validate_metadata_integrity()
+
+    def _integers(self, what: str, values: Any) -> tuple[int, ...]:
+        """``values`` as ints (numpy's and 0-d torch integers included), or a
+        CheckpointingException naming the key."""
+        try:
+            return tuple(map(operator.index, values))
+        except TypeError:
+            raise CheckpointingException(
+                f"ShardedObject {self.key!r}: {what} {values!r} holds a value that is not an integer"
+            ) from None
 
     def validate_metadata_integrity(self) -> None:
         if len(self.global_shape) != len(self.global_offset):

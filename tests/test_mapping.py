@@ -179,3 +179,19 @@ def test_replica_ids_computed_with_numpy_or_torch_integers_are_replica_ids(tmp_p
           "copy": ShardedTensor.from_rank_offsets("w", data.clone(), replica_id=torch.tensor(1))}, tmp_path / "c")
     loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, tmp_path / "c")
     assert torch.equal(loaded["w"], data)
+
+
+def test_object_offsets_computed_with_numpy_or_torch_integers_name_the_shard_as_integers() -> None:
+    """A shard's file is named after its offset and shape (``unique_key``). Before, a
+    torch integer made ``rng/shard_tensor(1)_tensor(2)``, which the save then failed to
+    read back ("Malformed sharded object key"); a bool made ``shard_True_...``; a float
+    offset made ``rng/shard_1.0_2``, read back as a 2-D shard, so a load asking for
+    offset (1,) did not find it."""
+    import numpy as np
+
+    for offset, shape in [((torch.tensor(1),), (torch.tensor(2),)), ((np.int64(1),), (np.int32(2),)),
+                          ((True,), (2,))]:
+        obj = ShardedObject("rng", None, shape, offset)
+        assert obj.unique_key == "rng/shard_1_2" and type(obj.global_offset[0]) is int
+    with pytest.raises(CheckpointingException, match=r"ShardedObject 'rng'.*offset \(1\.0,\).*not an integer"):
+        ShardedObject("rng", None, (2,), (1.0,))

@@ -312,14 +312,26 @@ class _SaveSplit:
                 self.common_part[CONTENT_METADATA_KEY]
             )
         if foreign:
-            found = sharded_values_in_common(self.common_part)
-            raise CheckpointingException(
-                f"The state dict holds sharded objects that shardstore does not handle, at {found[:5]}: they "
-                "would be pickled whole into common.pt. Use shardstore's ShardedTensor/ShardedObject (or convert "
-                "Megatron-Core's objects first); plain values belong in the common state."
-            )
+            in_tuples = any(leaf.path in foreign and isinstance(leaf.value, tuple) for leaf in leaves)
+            raise _sharded_in_common(sharded_values_in_common(self.common_part), in_tuples)
         self.sharded_part, _ = nest(sharded, root=sharded_state_dict)
         self.objects_part = nest(object_leaves, root=sharded_state_dict)[0] if object_leaves else {}
+
+
+def _sharded_in_common(found: list[str], in_tuples: bool) -> CheckpointingException:
+    """The refusal of sharded objects found among the common state's plain values (at
+    the paths ``found``); ``in_tuples``: some are inside a tuple, a plain value whole."""
+    if in_tuples:
+        return CheckpointingException(
+            f"The state dict holds sharded objects inside a tuple, at {found[:5]}: a tuple is a plain value, "
+            "pickled whole into common.pt (Megatron-Core's walks do not enter tuples either), so nothing in it "
+            "would be stored as an array or loaded back. Hold sharded objects in a list or a dict."
+        )
+    return CheckpointingException(
+        f"The state dict holds sharded objects that shardstore does not handle, at {found[:5]}: they "
+        "would be pickled whole into common.pt. Use shardstore's ShardedTensor/ShardedObject (or convert "
+        "Megatron-Core's objects first); plain values belong in the common state."
+    )
 
 
 def _is_empty_flat_tensor(x: Any) -> bool:

@@ -288,3 +288,14 @@ def test_a_shard_of_a_zero_dimensional_object_is_listed_by_the_metadata_query(ck
     listed = load_sharded_metadata(ckpt_dir)["scalar/shard__"]
     assert (listed.key, listed.global_shape, listed.global_offset) == ("scalar", (), ())
     assert load({"o": ShardedObject("scalar", None, (), ())}, ckpt_dir) == {"o": {"v": 1}}
+
+
+def test_a_sharded_tensor_inside_a_tuple_is_refused_saying_to_use_a_list(ckpt_dir: Path) -> None:
+    """Tuples are plain values (Megatron-Core's walks do not enter them either), so a
+    ShardedTensor inside one would be pickled whole. Before, the refusal said "sharded
+    objects that shardstore does not handle ... Use shardstore's ShardedTensor", of
+    shardstore's own ShardedTensor: advice the caller had already followed."""
+    layers = (ShardedTensor.from_rank_offsets("l0", torch.ones(2)), ShardedTensor.from_rank_offsets("l1", torch.ones(2)))
+    with pytest.raises(CheckpointingException, match=r"/layers\[0\].*tuple.*list") as refused:
+        save({"layers": layers}, ckpt_dir)
+    assert "does not handle" not in str(refused.value)

@@ -520,6 +520,31 @@ def test_a_users_class_is_refused_by_name_and_admitted_by_torchs_add_safe_global
         shardstore.load_common_state_dict(tmp_path / "c")
 
 
+def test_a_numpy_object_array_is_refused_naming_its_dtype_class_not_damage(tmp_path: Path) -> None:
+    """torch refuses a numpy object array with "Can only build ... but got <class
+    'numpy.dtypes.ObjectDType'>", naming no GLOBAL. Before, the error said the intact
+    file "is damaged, or holds objects a safe load refuses", with torch's generic
+    paragraph as the reason and no class named; now it names the class and the
+    ``add_safe_globals`` call that admits it."""
+    import numpy as np
+
+    shardstore.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)),
+                     "names": np.array(["a", 1], dtype=object)}, tmp_path / "c")
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        with pytest.raises(CheckpointingException) as refused:
+            shardstore.load_common_state_dict(tmp_path / "c")
+        message = str(refused.value)
+        assert "damaged" not in message, message
+        assert "add_safe_globals([numpy.dtypes.ObjectDType])" in message and "Can only build" in message, message
+        torch.serialization.add_safe_globals([np.dtypes.ObjectDType])
+        assert list(shardstore.load_common_state_dict(tmp_path / "c")["names"]) == ["a", 1]
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+
+
 # Damaged ``data.pkl`` bodies that torch's own weights_only machine fails on with errors
 # other than the ones it usually raises (both found by flipping bytes of a ``common.pt``).
 DAMAGED_PICKLES = {

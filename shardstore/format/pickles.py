@@ -241,7 +241,7 @@ def _torch_load_errors(where: str, load: Callable[[], Any]) -> Any:
                     f"{_torch_reason(text)}. Check it first (shardstore verify, or a copy's checksum); only if it "
                     f"is intact and you trust it, load with {UNSAFE_OPT_IN}."
                 ) from exc
-            name = _public_name(refused.group(1))
+            name = _public_name(refused.group(1) or refused.group(2))
             raise CheckpointingException(
                 f"{where} holds {name}, which a safe load refuses (unpickling could run code): "
                 f"{_torch_reason(text)}. If you trust this checkpoint, admit it with "
@@ -252,8 +252,9 @@ def _torch_load_errors(where: str, load: Callable[[], Any]) -> Any:
         raise CheckpointingException(f"{where} is corrupt or truncated: {type(exc).__name__}: {exc}") from exc
 
 
-# How torch names what its weights_only machine refused.
-_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+# How torch names what its weights_only machine refused: a global it would not look up,
+# or a class whose instance it would not build (numpy's ObjectDType of an object array).
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)|but got <class '([\w.]+)'>")
 # Modules whose classes pickles name by their C implementation's module, and the module
 # a user imports them from (``_io.BytesIO`` is ``io.BytesIO``): the advice names what the
 # user can write. A plain string map: nothing named by a file is ever imported.
@@ -269,7 +270,8 @@ def _torch_reason(text: str) -> str:
     """The line of a weights_only error that says what was refused (torch's message
     starts with a generic, colour-coded paragraph)."""
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in text.splitlines()]
-    specific = [line for line in lines if "Unsupported" in line or "GLOBAL" in line or "unsupported" in line]
+    specific = [line for line in lines if any(word in line for word in ("Unsupported", "GLOBAL", "unsupported",
+                                                                         "Can only build"))]
     reason = (specific or [line for line in lines if line] or ["refused"])[0]
     return reason.split(". Please")[0].rstrip(".")  # our message says what to do instead
 

@@ -281,10 +281,17 @@ class _SaveSplit:
             traversal order (``utils.local_sharded_items``'s, which plans index).
 
     Raises:
-        CheckpointingException: a sharded object of another library in the common state.
+        CheckpointingException: a state dict that is not a dict; a sharded object of
+            another library (or one inside a tuple) in the common state.
     """
 
     def __init__(self, sharded_state_dict: ShardedStateDict, separate_objects: bool) -> None:
+        if not isinstance(sharded_state_dict, dict):
+            raise CheckpointingException(
+                f"The state dict to save is a {type(sharded_state_dict).__name__}, not a dict: a load reads the "
+                "common state back as a dict (Megatron-Core's state dicts are dicts). Put the values under keys "
+                "({'model': [...]})"
+            )
         foreign: list[tuple] = []
         leaves = flatten(sharded_state_dict, _request_visitor(foreign_in_common=foreign))
         sharded: list[Leaf] = []

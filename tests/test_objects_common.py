@@ -299,3 +299,12 @@ def test_a_sharded_tensor_inside_a_tuple_is_refused_saying_to_use_a_list(ckpt_di
     with pytest.raises(CheckpointingException, match=r"/layers\[0\].*tuple.*list") as refused:
         save({"layers": layers}, ckpt_dir)
     assert "does not handle" not in str(refused.value)
+
+
+def test_a_list_as_the_whole_state_dict_is_refused_before_anything_is_written(ckpt_dir: Path) -> None:
+    """A load reads the common state as a dict (Megatron-Core's state dicts are dicts).
+    Before, ``save([ShardedTensor, 5], ...)`` committed a checkpoint whose every load
+    failed with "common.pt holds a list, expected a dict"."""
+    with pytest.raises(CheckpointingException, match=r"state dict.*is a list.*dict"):
+        save([ShardedTensor.from_rank_offsets("x", torch.ones(2)), 5], ckpt_dir)
+    assert not ckpt_dir.exists() or not any(ckpt_dir.iterdir())

@@ -57,6 +57,18 @@ def test_a_rank_whose_common_state_differs_is_warned_about_in_megatrons_words(tm
     ]
 
 
+def test_entries_whose_keys_print_alike_are_compared_apart(tmp_path: Path) -> None:
+    """The digests were keyed by ``str(key)``: the entries ``1`` and ``"1"`` shared a
+    digest slot, the last one's digest won, and rank 1's different value at ``1`` went
+    unreported (Megatron-Core's check, a full ``diff``, reports it)."""
+    commons = [{1: "a", "1": "b"}, {1: "changed", "1": "b"}]
+    logs = run_distributed(save_with_common, 2, str(tmp_path / "c"), commons)
+    assert logs[1] == [
+        "Rank 1 common state dict differs from rank 0 common state dict. Keys only on rank 0: [], "
+        "Keys only on 1: [], Mismatched keys: [((1,), <class 'str'>, <class 'str'>)]"
+    ]
+
+
 def save_counting_full_comparisons(rank: int, world: int, ckpt: str, commons: list[dict]) -> tuple[list[str], int]:
     import shardstore.protocol.plan_stage as stages
 

@@ -27,14 +27,15 @@ logger = logging.getLogger(__name__)
 
 def common_state_digests(common_state_dict: CommonStateDict) -> dict[str, str]:
     """A checksum of each top-level entry of the common state, as ``common.pt`` would
-    store it (entries that cannot be serialized get their repr's)."""
+    store it (entries that cannot be serialized get their repr's), by the ``repr`` of
+    its key (``1`` and ``"1"`` are two entries)."""
     digests = {}
     for key, value in common_state_dict.items():
         try:
             data = serialize(value)
         except Exception:  # noqa: BLE001  (compared, not saved: a repr is good enough)
             data = safe_repr(value).encode()
-        digests[str(key)] = file_digest(data)  # 128 bits: a crc32c could hold two values equal
+        digests[repr(key)] = file_digest(data)  # 128 bits: a crc32c could hold two values equal
     return digests
 
 

@@ -545,6 +545,32 @@ def test_a_numpy_object_array_is_refused_naming_its_dtype_class_not_damage(tmp_p
         torch.serialization.add_safe_globals(before)
 
 
+def test_a_load_keeps_the_safe_globals_the_process_added_itself(tmp_path: Path) -> None:
+    """shardstore admits numpy's and ``argparse.Namespace`` for its own loads only. Before,
+    leaving that admission removed them from the process's set even where the process
+    had added them itself (Megatron-Core's ``register_safe_globals`` does at import):
+    after any shardstore load, the trainer's own ``torch.load(weights_only=True)`` of
+    its args failed with "Unsupported global: GLOBAL argparse.Namespace"."""
+    import argparse
+
+    shardstore.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)), "step": 1}, tmp_path / "c")
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        assert shardstore.load_common_state_dict(tmp_path / "c") == {"step": 1}
+        assert torch.serialization.get_safe_globals() == []  # shardstore's admission ends with its load
+        torch.serialization.add_safe_globals([argparse.Namespace])
+        assert shardstore.load_common_state_dict(tmp_path / "c") == {"step": 1}
+        assert torch.serialization.get_safe_globals() == [argparse.Namespace]
+        buffer = io.BytesIO()
+        torch.save({"args": argparse.Namespace(lr=0.5)}, buffer)
+        buffer.seek(0)
+        assert torch.load(buffer, weights_only=True)["args"].lr == 0.5
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+
+
 # Damaged ``data.pkl`` bodies that torch's own weights_only machine fails on with errors
 # other than the ones it usually raises (both found by flipping bytes of a ``common.pt``).
 DAMAGED_PICKLES = {

@@ -9,7 +9,8 @@ Two kinds of pickle reach shardstore:
   restricted machine, with ``COMMON_STATE_GLOBALS`` added (numpy arrays, dtypes and
   scalars, ``argparse.Namespace``: what trainers keep beside their tensors) through
   ``torch.serialization.safe_globals``, which matches the exact ``module.qualname``
-  of each. A global added with torch's own ``add_safe_globals`` is admitted too.
+  of each, for the load alone. A global added with torch's own ``add_safe_globals``
+  is admitted too, and stays admitted after the load.
 * raw pickles: PyTorch DCP's ``.metadata`` (also inside Megatron's torch_dist
   checkpoints). torch's machine cannot read them (they use protocol 4's
   STACK_GLOBAL), so ``RestrictedUnpickler`` does, admitting ``DCP_METADATA_GLOBALS``.
@@ -226,10 +227,18 @@ def load_restricted(data: bytes, allowed: AllowList, where: str, what: str) -> A
         raise CheckpointingException(f"{where} is not valid {what}: {type(exc).__name__}: {exc}") from exc
 
 
+def _not_yet_admitted(allowed: AllowList) -> list[Any]:
+    """The globals of ``allowed`` that the process has not admitted itself: torch's
+    ``safe_globals`` removes what it added when it ends, so admitting one the process
+    (or Megatron-Core's ``register_safe_globals``) had added would take it away."""
+    admitted = set(torch.serialization.get_safe_globals())
+    return [obj for obj in allowed.names.values() if obj not in admitted]
+
+
 def _torch_load_errors(where: str, load: Callable[[], Any]) -> Any:
     """``load()`` (a weights_only ``torch.load``) with its failures named and explained."""
     try:
-        with torch.serialization.safe_globals(list(COMMON_STATE_GLOBALS.names.values())):
+        with torch.serialization.safe_globals(_not_yet_admitted(COMMON_STATE_GLOBALS)):
             return load()
     except pickle.UnpicklingError as exc:
         text = str(exc)

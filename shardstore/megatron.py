@@ -419,7 +419,10 @@ def _in_megatrons_terms(entry_point: Any) -> Any:
 
 
 def _is_ours(checkpoint_dir: Any) -> bool:
-    """Whether ``checkpoint_dir`` holds a committed shardstore checkpoint."""
+    """Whether ``checkpoint_dir`` holds a committed shardstore checkpoint (None, which
+    Megatron's functions refuse in their own words, holds none)."""
+    if checkpoint_dir is None:
+        return False
     try:
         return is_committed(bare_location(checkpoint_dir))
     except CheckpointingException:

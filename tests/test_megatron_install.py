@@ -299,6 +299,20 @@ def test_shardstores_errors_are_megatrons_too(tmp_path: Path) -> None:
         shardstore_megatron.uninstall()
 
 
+def test_load_content_metadata_without_a_checkpoint_is_megatrons_value_error() -> None:
+    """Through ``install()``, ``load_content_metadata()`` with neither a directory nor a
+    loaded state dict raised a bare ``TypeError`` from opening the path None; Megatron's
+    own function refuses it with a ``ValueError`` saying what to pass."""
+    from megatron.core import dist_checkpointing
+
+    shardstore_megatron.install()
+    try:
+        with pytest.raises(ValueError, match="cannot be None"):
+            dist_checkpointing.load_content_metadata()
+    finally:
+        shardstore_megatron.uninstall()
+
+
 def test_an_error_raised_through_megatrons_door_can_be_pickled(tmp_path: Path) -> None:
     """The class that is both libraries' exception was named
     ``shardstore.megatron.CheckpointingException``, where shardstore.errors' class is

@@ -11,7 +11,7 @@ Names and semantics follow Megatron-Core's ``dist_checkpointing.mapping``.
 from __future__ import annotations
 
 __all__ = [
-    "CommonStateDict", "FactoryBuildFn", "FactoryMergeFn", "LocalNonpersistentObject", "ReplicaId",
+    "CommonStateDict", "FactoryBuildFn", "FactoryMergeFn", "LocalNonpersistentObject", "MeshReplicaId", "ReplicaId",
     "ShardedBase", "ShardedObject", "ShardedStateDict", "ShardedTensor", "ShardedTensorFactory",
     "StateDict", "apply_factories", "apply_factory_merges", "fill_unknown_last_axes", "is_main_replica",
     "unstorable_reason",
@@ -41,6 +41,17 @@ StateDict = dict[str, Any]
 CommonStateDict = dict[str, Any]
 ShardedStateDict = dict[str, Any]
 ReplicaId = Union[int, tuple[int, ...]]
+
+
+class MeshReplicaId(tuple):
+    """The replica id of a block of a DTensor (``shardstore.inputs.dtensors``): its
+    coordinates on the mesh dimensions the DTensor is replicated over. Ranks outside
+    the DTensor's mesh (another data-parallel group's copy of a TP submesh) cannot be
+    seen from it, so equal blocks of one key held by several ranks with such ids are
+    replicas of each other, one of them main, as DCP's planner deduplicates them
+    (``planning.layout.GlobalLayout.from_gathered``)."""
+
+    __slots__ = ()
 
 _logged_deprecations: dict[str, bool] = {}
 

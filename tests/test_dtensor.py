@@ -231,3 +231,28 @@ def mixed(rank: int, world: int, root: str) -> None:
 
 def test_dtensors_beside_sharded_tensors_and_plain_values_reshard_between_placements(tmp_path: Path) -> None:
     run_distributed(mixed, 2, str(tmp_path))
+
+
+# --------------------------------------------- a DTensor on a mesh repeated over other ranks
+
+
+def tp_submesh_replicated_over_dp(rank: int, world: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    tp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))["tp"]  # TP + DDP
+    weight = torch.arange(35.0).reshape(5, 7)
+    shardstore.save({"w": distribute_tensor(weight, tp, [Shard(0)])}, f"{root}/ckpt")
+    request = {"w": distribute_tensor(torch.zeros(5, 7), tp, [Shard(1)])}
+    shardstore.load(request, f"{root}/ckpt")
+    assert torch.equal(request["w"].full_tensor(), weight)
+
+
+def test_a_dtensor_on_a_tp_mesh_repeated_over_dp_ranks_saves_and_loads(tmp_path: Path) -> None:
+    """TP + DDP: each DP group holds the same DTensor on its own TP submesh
+    (``mesh["tp"]``). DCP deduplicates the equal blocks (``dcp.save`` through
+    ``ShardstoreWriter`` saved this), but ``shardstore.save`` and ``shardstore.load``
+    refused it: every DP group's blocks were main replicas ("covered by more than one
+    main replica (overlap)"), and the error told a DTensor user to set replica ids
+    they cannot set."""
+    run_distributed(tp_submesh_replicated_over_dp, 4, str(tmp_path))

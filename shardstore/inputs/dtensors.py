@@ -15,7 +15,9 @@ keys, and a reader finds a parameter under the name DCP users know.
 Placements: ``Shard(d)``, uneven ones included (the last ranks hold fewer rows, or
 none), ``Replicate`` (the replica whose coordinates on the replicated mesh dimensions
 are all 0 is the main one: replicas are written once, spread over the replicas by
-the fully-parallel save), any number of mesh dimensions (FSDP x TP), and the
+the fully-parallel save; ranks outside the mesh that hold the same blocks, as DP
+groups each holding a TP submesh's DTensor do, are replicas too, as DCP deduplicates
+them), any number of mesh dimensions (FSDP x TP), and the
 ``_StridedShard`` FSDP2 uses over tensor parallelism. A local shard that is not one
 box of the global tensor (strided sharding whose rows are not consecutive) becomes one
 block per run of consecutive rows. ``Partial`` (pending sums) is refused, naming the
@@ -46,7 +48,12 @@ from typing import Any
 import torch
 
 from shardstore.errors import CheckpointingException
-from shardstore.mapping import LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory
+from shardstore.mapping import (
+    LocalNonpersistentObject,
+    MeshReplicaId,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -187,16 +194,17 @@ def _runs(indices: range | list[int]) -> list[tuple[int, int, int]]:
     return runs or [(0, 0, 0)]
 
 
-def replica_id(dtensor: Any) -> tuple[int, ...] | int:
+def replica_id(dtensor: Any) -> MeshReplicaId:
     """This rank's coordinates on the mesh dimensions the DTensor is replicated over
-    (all zeros: the main replica, which writes), or 0 when it is replicated on none."""
+    (all zeros, or none: the main replica, which writes). Ranks outside the mesh that
+    hold the same blocks (another DP group's copy of a TP mesh) are told apart where
+    the layout is gathered (``MeshReplicaId``)."""
     coordinate = dtensor.device_mesh.get_coordinate()
-    replicated = tuple(c for c, p in zip(coordinate, dtensor.placements) if p.is_replicate())
-    return replicated or 0
+    return MeshReplicaId(c for c, p in zip(coordinate, dtensor.placements) if p.is_replicate())
 
 
 def _sharded_tensor(key: str, data: torch.Tensor, block: Block, global_shape: tuple[int, ...],
-                    replica: tuple[int, ...] | int) -> ShardedTensor:
+                    replica: MeshReplicaId) -> ShardedTensor:
     """One block as a ShardedTensor. Its grid is regular where the block is a cell of
     one (``axis_fragmentations``), else marked irregular: uneven DTensor shards need no
     grid, the storage core derives its chunks from the blocks' offsets."""
@@ -224,7 +232,7 @@ def dtensor_factory(key: str, dtensor: Any) -> ShardedTensorFactory:
         # records the (empty) array, so a reader finds it
         blocks = [Block((0,) * len(global_shape), tuple(slice(0, n) for n in global_shape))]
         local = torch.empty(global_shape, dtype=dtensor.dtype, device=local.device)
-        replica = int(any(dtensor.device_mesh.get_coordinate()))
+        replica = MeshReplicaId((int(any(dtensor.device_mesh.get_coordinate())),))
     views = [local[block.local_index] for block in blocks]
 
     def build(key: str, data: Any, replica_id: Any, flattened_range: Any) -> Any:

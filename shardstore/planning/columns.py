@@ -27,7 +27,7 @@ import numpy as np
 from shardstore.planning.layout import ShardRecord
 
 # ``ForwardedBlocks.rows``' flag bits
-_MAIN, _ALLOW_SHAPE_MISMATCH, _IRREGULAR = 1, 2, 4
+_MAIN, _ALLOW_SHAPE_MISMATCH, _IRREGULAR, _MESH_REPLICA = 1, 2, 4, 8
 # A row's columns besides its offset and block shape: flat start and stop, rank, index, flags.
 _FIXED_COLUMNS = 5
 
@@ -164,7 +164,7 @@ class ForwardedBlocks(_TupleLike, Sequence[ShardRecord]):
         return ShardRecord(
             key, rank, index, dtype, shape, tuple(row[:ndim]), tuple(row[axes : axes + ndim]),
             None if start < 0 else (start, stop), bool(flags & _MAIN), bool(flags & _ALLOW_SHAPE_MISMATCH),
-            bool(flags & _IRREGULAR),
+            bool(flags & _IRREGULAR), bool(flags & _MESH_REPLICA),
         )
 
 
@@ -175,7 +175,7 @@ def record_rows(records: Sequence[ShardRecord], axes: int) -> np.ndarray:
     flat = np.fromiter(itertools.chain.from_iterable([
         (*s.offset, *s.block_shape, *(s.flat_range or (-1, -1)), s.rank, s.index,
          (_MAIN if s.main else 0) | (_ALLOW_SHAPE_MISMATCH if s.allow_shape_mismatch else 0)
-         | (_IRREGULAR if s.irregular else 0))
+         | (_IRREGULAR if s.irregular else 0) | (_MESH_REPLICA if s.mesh_replica else 0))
         for s in records]), np.int64, len(records) * width)
     return flat.reshape(len(records), width)
 

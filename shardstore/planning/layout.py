@@ -32,7 +32,7 @@ from operator import attrgetter
 from shardstore.errors import CheckpointingException
 from shardstore.format.chunks import Region
 from shardstore.format.dtypes import ITEMSIZE_BY_ZARR_NAME, from_torch, from_zarr_name
-from shardstore.mapping import ShardedObject, ShardedTensor, is_main_replica
+from shardstore.mapping import MeshReplicaId, ShardedObject, ShardedTensor, is_main_replica
 
 
 def block_shape(tensor: ShardedTensor) -> tuple[int, ...]:
@@ -70,6 +70,8 @@ class ShardRecord:
             block, or an irregular shard given to the storage core as a flattened range
             of the whole tensor (``shardstore.inputs.irregular``), which is no flattened
             range the caller cut from a block.
+        mesh_replica: a DTensor's block (``mapping.MeshReplicaId``): an equal block of
+            the same key on another rank is its replica.
     """
 
     key: str
@@ -83,6 +85,7 @@ class ShardRecord:
     main: bool
     allow_shape_mismatch: bool = False
     irregular: bool = False
+    mesh_replica: bool = False
 
     @classmethod
     def from_sharded_tensor(cls, tensor: ShardedTensor, rank: int, index: int) -> ShardRecord:
@@ -107,6 +110,7 @@ class ShardRecord:
             main=is_main_replica(tensor.replica_id),
             allow_shape_mismatch=tensor.allow_shape_mismatch,
             irregular=tensor.axis_fragmentations is None,
+            mesh_replica=isinstance(tensor.replica_id, MeshReplicaId),
         )
 
     @classmethod
@@ -202,9 +206,10 @@ class GlobalLayout:
     ) -> GlobalLayout:
         tensors: dict[str, list[ShardRecord]] = defaultdict(list)
         objects: dict[str, list[ObjectShardRecord]] = defaultdict(list)
+        main_mesh_blocks: set[tuple] = set()
         for rank_tensors, rank_objects in per_rank:
             for t in rank_tensors:
-                tensors[t.key].append(t)
+                tensors[t.key].append(_deduplicated(t, main_mesh_blocks))
             for o in rank_objects:
                 objects[o.key].append(o)
         return cls(dict(tensors), dict(objects), len(per_rank))
@@ -218,6 +223,20 @@ class GlobalLayout:
         one dict of every record: millions at 4,096 ranks."""
         return all(len({(s.offset, s.block_shape, s.flat_range) for s in shards}) == len(shards)
                    for shards in self.tensors.values())
+
+
+def _deduplicated(record: ShardRecord, main_mesh_blocks: set[tuple]) -> ShardRecord:
+    """``record``, no longer main where it is a DTensor's block (``mesh_replica``) whose
+    equal block an earlier rank holds as main (``main_mesh_blocks``, their block ids:
+    updated): DCP's deduplication of the copies of a DTensor on a mesh that other ranks
+    repeat (TP + DDP), which its replica id cannot tell."""
+    if not (record.mesh_replica and record.main):
+        return record
+    block = record.block_id
+    if block in main_mesh_blocks:
+        return replace(record, main=False)
+    main_mesh_blocks.add(block)
+    return record
 
 
 def balance_writers(layout: GlobalLayout) -> GlobalLayout:

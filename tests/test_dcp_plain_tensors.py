@@ -339,3 +339,21 @@ def test_shardstore_load_of_a_dcp_checkpoint_fills_the_requests_plain_tensors(tm
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "dcp"))
     loaded = shardstore.load(_state(*_model_and_optimizer(5)), tmp_path / "dcp")
     fm.assert_same(fm.full_values(loaded), saved)
+
+
+def test_shardstore_load_fills_plain_tensors_in_place_in_any_dtype_or_layout(tmp_path: Path) -> None:
+    """``shardstore.load`` reads an array into the request's plain tensor in place, as
+    ``dcp.load`` fills it and as DTensors are filled. A tensor of another dtype than the
+    stored one (a float64 or bfloat16 model loading a float32 checkpoint) or one that is
+    not contiguous (a transposed view) got a new tensor in the result while the request's
+    own tensor kept its old values: a caller relying on in place (``dcp.load``'s way) ran
+    on with an unloaded model."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.arange(512.0).reshape(16, 32), "v": torch.arange(512.0).reshape(32, 16) - 7}
+    dcp.save(state, storage_writer=ShardstoreWriter(tmp_path / "ckpt"))
+    request = {"w": torch.zeros(16, 32, dtype=torch.float64), "v": torch.zeros(16, 32).t()}
+    loaded = shardstore.load(request, tmp_path / "ckpt")
+    assert loaded["w"] is request["w"] and loaded["v"] is request["v"], "the request's tensors are returned"
+    assert torch.equal(request["w"], state["w"].double())
+    assert torch.equal(request["v"], state["v"])

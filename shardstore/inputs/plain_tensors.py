@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from shardstore.inputs.dtensors import fqn, is_dtensor
-from shardstore.mapping import ShardedTensor
+from shardstore.mapping import ReplicaId, ShardedTensor, ShardedTensorFactory
 
 DEFAULT_MIN_ARRAY_BYTES = 1024
 
@@ -118,15 +118,35 @@ def whole_array_requests(arrays: Mapping[str, Any], main: bool) -> Callable[[tup
     """A load request's leaf converter (``convert(path, value)``, in the request's one
     walk): a plain tensor whose fully qualified name is an array of the checkpoint
     (``arrays``, by key) becomes a request for that whole array, read into the tensor
-    itself (in place, as ``dcp.load`` fills it); any other value is returned as it is.
-    ``main``: this rank's requests are the main replica (one rank's, for the load's
-    coverage check)."""
+    itself (in place, as ``dcp.load`` fills it: ``_filled_in_place``); any other value is
+    returned as it is. ``main``: this rank's requests are the main replica (one rank's,
+    for the load's coverage check)."""
 
     def convert(path: tuple, value: Any) -> Any:
         if arrays and is_plain_tensor(value):
             key = fqn(path)
             if key in arrays:
-                return ShardedTensor.from_rank_offsets(key, value, replica_id=0 if main else 1)
+                return _filled_in_place(key, value, 0 if main else 1)
         return value
 
     return convert
+
+
+def _filled_in_place(key: str, tensor: torch.Tensor, replica_id: ReplicaId) -> ShardedTensorFactory:
+    """The request for the whole array ``key`` that leaves its values in ``tensor``: the
+    load reads into it directly where it can (a contiguous tensor of the stored dtype),
+    the merge copies the result in where not (another dtype, a view that is not
+    contiguous) and gives ``tensor`` back. A meta tensor holds no values: its result is
+    the loaded tensor."""
+
+    def build(key: str, data: torch.Tensor, replica_id: ReplicaId, _: Any) -> ShardedTensor:
+        return ShardedTensor.from_rank_offsets(key, data, replica_id=replica_id)
+
+    def merge(loaded: torch.Tensor) -> torch.Tensor:
+        if loaded is tensor or tensor.is_meta:
+            return loaded
+        with torch.no_grad():
+            tensor.copy_(loaded)
+        return tensor
+
+    return ShardedTensorFactory(key, tensor, build, merge, replica_id)

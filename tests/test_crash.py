@@ -280,3 +280,55 @@ def test_killed_while_replacing_beside_another_programs_files(tmp_path: Path) ->
     assert_bits_equal(load(_tensors(), ckpt)["w"], global_tensor("w", SHAPE, torch.float32) + 1.0)
     assert (ckpt / "modelopt_state" / "common.pt").read_text() == "theirs too"
     assert [p.name for p in tmp_path.iterdir()] == ["iter_0000100"], "leftovers not cleared"
+
+
+def _die_at_the_atomic_rename_of(name: str) -> None:
+    """Makes this process SIGKILL itself when ``LocalStore.put_atomic`` renames its
+    temporary file onto ``name``: the temporary file is written and synced, the rename
+    never happens."""
+    import shardstore.stores.local as local_backend
+
+    original = local_backend.os.replace
+
+    def replace_or_die(source, destination):
+        if os.path.basename(destination) == name:
+            _die()
+        original(source, destination)
+
+    local_backend.os.replace = replace_or_die
+
+
+def delete_step_then_die(rank: int, world: int, root: str) -> None:
+    from shardstore.format.records import DELETION_MARKER
+    from shardstore.tools.manager import CheckpointManager, CheckpointManagerOptions
+
+    manager = CheckpointManager(root, CheckpointManagerOptions(max_to_keep=5))
+    _die_at_the_atomic_rename_of(DELETION_MARKER)
+    manager.delete(0)
+    raise AssertionError("the deletion went through")
+
+
+def test_a_deletion_killed_while_writing_its_marker_leaves_the_step_whole(tmp_path: Path) -> None:
+    """Killed while the manager writes its deletion marker (``put_atomic``: the temporary
+    file written, not yet renamed), the step is still committed and whole. Before, the
+    temporary file (``..shardstore-deleting.json.<hex>.tmp``) stayed in it: ``verify``
+    reported it as a file the save did not write, ``save(overwrite=True)`` refused to
+    replace the step, and a later deletion left the step's directory behind."""
+    from shardstore import verify
+    from shardstore.tools.manager import CheckpointManager, CheckpointManagerOptions
+
+    options = CheckpointManagerOptions(max_to_keep=5)
+    manager = CheckpointManager(tmp_path, options)
+    for step in range(2):
+        manager.save(step, _sd(0, 1, shift=float(step)))
+    run_distributed(delete_step_then_die, 1, str(tmp_path), killed=(0,))
+
+    manager = CheckpointManager(tmp_path, options)
+    assert manager.all_steps() == [0, 1]
+    step_dir = Path(manager.location(0).describe())
+    assert verify(step_dir).ok, verify(step_dir)
+    save(_sd(0, 1, shift=2.0), step_dir, overwrite=True)  # the step can be replaced
+    check_load_shifted = load(_sd(0, 1, empty=True), step_dir)
+    assert_bits_equal(check_load_shifted["w"], global_tensor("w", SHAPE, torch.float32) + 2.0, "w")
+    manager.delete(0)
+    assert not step_dir.exists(), sorted(p.name for p in step_dir.iterdir())

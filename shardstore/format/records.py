@@ -142,7 +142,7 @@ from shardstore.format.codecs import BYTES_CRC32C, ChunkCodec, codec_for
 from shardstore.format.config import CONFIG_FNAME
 from shardstore.format.dtypes import from_zarr_name
 from shardstore.format.sharding import MAX_FLAT_INNER_CHUNKS, ShardingIndexed
-from shardstore.stores.base import Location, NameLimits
+from shardstore.stores.base import Location, NameLimits, atomic_temp_of
 
 FORMAT_VERSION = 4
 # Versions this shardstore reads. Version 1 records carry no save id and no chunk
@@ -1484,13 +1484,17 @@ def own_markers(location: Location, record: CommitRecord, found: Collection[str]
     the marker of an in-place save that replaces it (``replaces``), written before the
     old record goes and left by a crash before it went; the manager's deletion marker,
     left where a deletion stopped before the record went. A marker naming another save
-    is not among them (``CommitRecord.unlisted`` counts it).
+    is not among them (``CommitRecord.unlisted`` counts it). Also the temporary files of
+    an atomic write of the record or of a marker (``stores.base.atomic_temp_name``: a
+    128-bit random name only ``put_atomic`` makes), left at the top by a process killed
+    before their rename (the manager's deletion marker, ``remove_sharded_tensors``'s
+    record): their content may be cut short, so their name is what proves them.
 
     Raises:
         StorageError: a marker cannot be read."""
     if not record.save_id:
         return frozenset()
-    own = set()
+    own = {entry for entry in found if atomic_temp_of(entry) in (COMMIT_RECORD, SAVE_MARKER, DELETION_MARKER)}
     if SAVE_MARKER in found and record.save_id in (
         marker_save_id(location, SAVE_MARKER), marker_save_id(location, SAVE_MARKER, "replaces")
     ):

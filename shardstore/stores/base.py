@@ -24,9 +24,12 @@ from __future__ import annotations
 __all__ = [
     "DEFAULT_IO_THREADS", "STREAM_BLOCK_BYTES", "Capabilities", "ChunkAccess", "ChunkMismatch", "ChunkStore",
     "CopiedObject", "DirectoryPublishing", "ExpectedBytes", "Location", "NameLimits",
-    "StorageError", "Store", "check_range", "fill_views", "fold_landed", "kvstore_spec", "run_parallel",
+    "StorageError", "Store", "atomic_temp_name", "atomic_temp_of", "check_range", "fill_views", "fold_landed",
+    "kvstore_spec", "run_parallel",
 ]
 
+import re
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +48,21 @@ STREAM_BLOCK_BYTES = 1 << 20
 # Threads doing chunk I/O per rank; more did not help on local disks (a cold load of
 # 5,000 small chunks on 2 cores: 0.9 s at 8 threads, 1.0-1.3 s at 32 and 64).
 DEFAULT_IO_THREADS = 8
+# The temporary file a store's ``put_atomic`` writes beside the key and then renames onto
+# it (``.<name>.<32 hex digits>.tmp``): a process killed in between leaves it there.
+_ATOMIC_TEMP = re.compile(r"\.(?P<name>.+)\.[0-9a-f]{32}\.tmp")
+
+
+def atomic_temp_name(name: str) -> str:
+    """A fresh name for ``put_atomic``'s temporary file of ``name``, in its directory."""
+    return f".{name}.{uuid.uuid4().hex}.tmp"
+
+
+def atomic_temp_of(entry: str) -> str | None:
+    """The name whose ``put_atomic`` temporary file ``entry`` is (``atomic_temp_name``),
+    or None where it is none."""
+    match = _ATOMIC_TEMP.fullmatch(entry)
+    return match["name"] if match else None
 
 
 class StorageError(CheckpointingException, OSError):

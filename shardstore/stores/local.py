@@ -35,7 +35,6 @@ import logging
 import os
 import shutil
 import stat
-import uuid
 from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 
@@ -52,6 +51,7 @@ from shardstore.stores.base import (
     NameLimits,
     StorageError,
     Store,
+    atomic_temp_name,
     check_range,
     fold_landed,
     run_parallel,
@@ -233,7 +233,7 @@ class LocalStore(DirectoryPublishing):
             path.parent.mkdir(parents=True, exist_ok=True)
             # Mode 0666 less the umask, like every other file (mkstemp's 0600 would keep
             # teammates from loading the checkpoint).
-            tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+            tmp = path.parent / atomic_temp_name(path.name)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             try:
                 with os.fdopen(fd, "wb") as f:

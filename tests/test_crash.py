@@ -332,3 +332,52 @@ def test_a_deletion_killed_while_writing_its_marker_leaves_the_step_whole(tmp_pa
     assert_bits_equal(check_load_shifted["w"], global_tensor("w", SHAPE, torch.float32) + 2.0, "w")
     manager.delete(0)
     assert not step_dir.exists(), sorted(p.name for p in step_dir.iterdir())
+
+
+def save_killed_before_its_marker(rank: int, world: int, ckpt: str) -> None:
+    """Dies right after making its staging directory, before the marker that names it."""
+    import shardstore.format.commit as commit
+
+    commit._write_marker = lambda *args, **kwargs: _die()
+    save(_sd(rank, world, shift=1.0), ckpt, overwrite=True, shared_directory=True)
+    raise AssertionError("the save went on")
+
+
+def remove_proven_then_die(rank: int, world: int, ckpt: str) -> None:
+    """Saves, then dies when its staging directory, emptied and its marker gone, is about
+    to go (the last ``rmdir`` of ``_remove_proven``)."""
+    import shardstore.stores.local as local_backend
+
+    original = local_backend.LocalStore.remove_directory
+
+    def remove_then_die(self):
+        if STAGING in self.root.name:
+            for child in self.root.iterdir():
+                child.unlink()  # the marker, the last entry left
+            _die()
+        original(self)
+
+    local_backend.LocalStore.remove_directory = remove_then_die
+    save(_sd(rank, world, shift=1.0), ckpt, overwrite=True, shared_directory=True)
+    raise AssertionError("the save went on")
+
+
+STAGING = ".shardstore-save-"
+
+
+@pytest.mark.parametrize("killed", [save_killed_before_its_marker, remove_proven_then_die])
+def test_an_empty_staging_directory_of_a_killed_save_is_removed_by_the_next_save(tmp_path: Path, killed) -> None:
+    """A save killed between making its staging directory and writing its marker, or
+    after removing its marker while it removed that directory, leaves the directory
+    empty. Before, no later save removed it (no marker proves it a save's), and every
+    load error of the directory named it as an unfinished save. An empty directory whose
+    lock is free is removed now (``rmdir`` never removes a file)."""
+    ckpt = tmp_path / "ckpt"
+    save(_sd(0, 1), ckpt, shared_directory=True)
+    (ckpt / "modelopt_run_config.yaml").write_text("theirs")
+    run_distributed(killed, 1, str(ckpt), killed=(0,))
+    left = [p for p in tmp_path.iterdir() if STAGING in p.name]
+    assert len(left) == 1 and not any(left[0].iterdir()), left
+    save(_sd(0, 1, shift=2.0), ckpt, overwrite=True, shared_directory=True)
+    assert_bits_equal(load(_sd(0, 1, empty=True), ckpt)["w"], global_tensor("w", SHAPE, torch.float32) + 2.0, "w")
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"], "the empty staging directory was left"

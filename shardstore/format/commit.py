@@ -1326,12 +1326,32 @@ def _left_by_an_exchange(candidate: DirectoryPublishing, target: DirectoryPublis
     return _committed_id_or_none(Location(candidate)) not in (None, save_id)
 
 
+def _removed_if_empty_and_free(candidate: DirectoryPublishing) -> bool:
+    """Removes the staging directory ``candidate``, without a marker, where it holds
+    nothing and its lock is free: a save killed between making it and writing its marker
+    (``_begin_claimed``), or after its marker went while it was removed
+    (``_remove_proven``). ``rmdir`` never removes a file, so nothing but the empty
+    directory can go; a running save holds the lock from before its marker is written
+    (``ByRename.prepare_writes``). True where it was removed."""
+    path = candidate.local_path()
+    if path is None or path.is_symlink() or not path.is_dir() or any(path.iterdir()):
+        return False
+    fd = candidate.hold_lock()
+    if fd is None:
+        return False  # a save that is still running
+    try:
+        return _remove_if_empty(candidate)
+    finally:
+        os.close(fd)
+
+
 def remove_dead_saves(target: DirectoryPublishing) -> list[str]:
     """Deletes the staging directories of saves into ``target`` that died, and old
     checkpoints left aside by an interrupted replacement. Only what is provably ours:
     a staging directory whose marker names the save id in its name and whose lock is
     free, or that holds the checkpoint its save's exchange replaced
-    (``_left_by_an_exchange``); a replaced directory whose commit record carries the id
+    (``_left_by_an_exchange``), or that is empty with its lock free
+    (``_removed_if_empty_and_free``); a replaced directory whose commit record carries the id
     in its name, and only once ``target`` holds a committed checkpoint: until then it is
     the last checkpoint there (a replacement without exchange that died between its two
     renames), kept and named in the log."""
@@ -1341,6 +1361,8 @@ def remove_dead_saves(target: DirectoryPublishing) -> list[str]:
         candidate = target.sibling(name)
         if _marker_id(Location(candidate)) != save_id:
             if _left_by_an_exchange(candidate, target, save_id) and _removed_leftover(candidate, COMMIT_RECORD):
+                removed.append(name)
+            elif _removed_if_empty_and_free(candidate):
                 removed.append(name)
             continue
         fd = candidate.hold_lock()

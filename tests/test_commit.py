@@ -677,6 +677,33 @@ def test_a_replacement_beside_that_fails_at_any_rename_puts_the_old_checkpoint_b
     _assert_theirs_untouched(ckpt_dir)
 
 
+# Renames of a first save beside them: its 4 entries (common.pt, metadata.json, v, w), then its record.
+RENAMES_OF_A_SAVE_BESIDE = 5
+
+
+@pytest.mark.parametrize("at", range(1, RENAMES_OF_A_SAVE_BESIDE + 1))
+def test_a_save_beside_that_fails_at_any_rename_leaves_only_their_files(ckpt_dir: Path, monkeypatch, at: int) -> None:
+    """A first save into a shared directory whose publishing rename fails part way (a
+    full or failing disk): the save fails, the directory holds their files only, nothing
+    is left next to it, and the same save again succeeds. Before, the entries moved in
+    before the failure stayed in the directory without a record, and every later save
+    there was refused (\"holds common.pt, metadata.json, names a shardstore checkpoint
+    keeps\", or \"it already held v\") until the user deleted them by hand."""
+    for rel, data in THEIRS_BESIDE.items():
+        (ckpt_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ckpt_dir / rel).write_bytes(data)
+    _fail_rename(monkeypatch, at)
+    with pytest.raises(CheckpointingException, match="injected"):
+        save(_beside_state(1.0, "v"), ckpt_dir, shared_directory=True)
+    monkeypatch.undo()
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == sorted({rel.split("/")[0] for rel in THEIRS_BESIDE})
+    _assert_theirs_untouched(ckpt_dir)
+    assert sorted(p.name for p in ckpt_dir.parent.iterdir()) == [ckpt_dir.name]
+    save(_beside_state(1.0, "v"), ckpt_dir, shared_directory=True)
+    assert _loads(ckpt_dir) == 1.0
+    _assert_theirs_untouched(ckpt_dir)
+
+
 @pytest.mark.parametrize("phase", [1, 2])
 def test_a_replacement_beside_whose_marker_cannot_be_written_changes_nothing(
     ckpt_dir: Path, monkeypatch, phase: int

@@ -787,9 +787,9 @@ class ByRename(Publisher):
         delete, and the save's entries are moved in beside them, the commit record last
         (until then the directory is no checkpoint). A name both hold, or another tool's
         checkpoint written there meanwhile (``_refuse_other_checkpoint``), fails the
-        save, naming it; a crash part way leaves
-        a directory that later saves refuse to touch (``_refuse_foreign`` names what is
-        there). The commit record is written again naming their top-level entries
+        save, naming it; a rename that fails part way moves the entries already moved
+        back (``_take_back_moved``), while a crash part way leaves a directory that
+        later saves refuse to touch (``_refuse_foreign`` names what is there). The commit record is written again naming their top-level entries
         (``CommitRecord.beside``): it does not vouch for them, and ``verify`` names them
         as another program's, not as damage; a name the record cannot carry (one of the
         format's own, an invalid key) is left out, and ``verify`` flags what lies under
@@ -811,8 +811,13 @@ class ByRename(Publisher):
             )
         record = replace(record, beside=tuple(sorted(n for n in theirs if record.refuses_beside(n) is None)))
         save.location.write_atomic(COMMIT_RECORD, record.to_json())
-        staging.move_entries_into(target, ours)
-        staging.move_entries_into(target, [COMMIT_RECORD])
+        try:
+            staging.move_entries_into(target, ours)
+            staging.move_entries_into(target, [COMMIT_RECORD])
+        except BaseException as exc:
+            if _committed_id_or_none(save.target) != save.intent.save_id:
+                _take_back_moved(save, staging, target, ours, exc)
+            raise
         _remove_dir(staging, SAVE_MARKER)
         return record
 
@@ -894,6 +899,29 @@ class ByRename(Publisher):
             raise
         logger.info("Replaced the checkpoint at %s beside %s", where.describe(), ", ".join(sorted(theirs)[:5]))
         return record, aside
+
+
+def _take_back_moved(
+    save: PendingCheckpoint, staging: DirectoryPublishing, target: DirectoryPublishing, ours: list[str],
+    failure: BaseException,
+) -> None:
+    """Moves the entries a save publishing beside other programs' files
+    (``ByRename._publish_beside``) had moved into ``target`` before a rename failed back
+    into its ``staging`` directory, before the failure is raised: ``target`` then holds
+    their files only, as before the save, and its abandon removes the staging directory
+    whole (left in ``target`` without a record, no later save could prove them ours).
+    Ours: the names of ``ours`` that ``target`` holds and ``staging`` no longer does (no
+    name of ``ours`` was in ``target`` when the moves began). Under the parent's lock.
+    A move back that fails is added to ``failure``'s notes, naming what is left."""
+    present, left = set(save.target.list_top(None)), set(save.location.list_top(None))
+    moved = sorted(name for name in ours if name in present and name not in left)
+    try:
+        target.move_entries_into(staging, moved)
+    except OSError as back:
+        failure.add_note(
+            f"The entries it had moved into {save.target.describe()} could not be moved back ({back}): "
+            f"{', '.join(moved)} there are this failed save's; delete them, then save again"
+        )
 
 
 def _entries_beside(target: Location, old: CommitRecord) -> set[str]:

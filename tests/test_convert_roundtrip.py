@@ -373,3 +373,132 @@ def test_a_torch_file_with_keys_json_cannot_hold_becomes_safetensors_that_read_b
     direct = _convert(tmp_path / "model.pt", "shardstore", tmp_path / "direct")
     via = _convert(tmp_path / "st", "shardstore", tmp_path / "via")
     assert run("diff", str(direct), str(via)) == (0, "identical\n", "")
+
+
+# ------------------------------------------------------------------ an import keeps each array's place
+
+
+def _assert_same_state(got: object, expected: object, path: tuple = ()) -> None:
+    """``got`` is ``expected``: the same containers (a state dict's OrderedDict comes
+    back a dict), keys of the same types (in any order), tensors bit-exact with their
+    dtypes, values equal."""
+    assert isinstance(got, dict) if isinstance(expected, dict) else type(got) is type(expected), (path, type(got))
+    if isinstance(expected, dict):
+        assert sorted(map(repr, got)) == sorted(map(repr, expected)), (path, list(got), list(expected))  # type: ignore[arg-type]
+        for key, value in expected.items():
+            _assert_same_state(got[key], value, (*path, key))  # type: ignore[index]
+    elif isinstance(expected, (list, tuple)):
+        assert len(got) == len(expected), path  # type: ignore[arg-type]
+        for index, value in enumerate(expected):
+            _assert_same_state(got[index], value, (*path, index))  # type: ignore[index]
+    elif isinstance(expected, torch.Tensor):
+        assert got.dtype == expected.dtype and torch.equal(got, expected), path  # type: ignore[union-attr]
+    else:
+        assert got == expected, path
+
+
+def _through_checkpoint(source: Path, route: str, tmp_path: Path) -> Path:
+    """``source`` imported as a checkpoint and exported to a ``.pt`` by ``route``:
+    directly, or through safetensors."""
+    from shardstore.tools.convert import import_checkpoint, to_safetensors
+
+    import_checkpoint(source, tmp_path / "ckpt")
+    exported = tmp_path / "ckpt"
+    if route == "safetensors":
+        to_safetensors(exported, tmp_path / "st")
+        exported = tmp_path / "st"
+    to_torch_file(exported, tmp_path / "back.pt")
+    return tmp_path / "back.pt"
+
+
+@pytest.mark.parametrize("route", ["torch", "safetensors"])
+def test_a_plain_optimizer_state_goes_through_a_checkpoint_back_to_a_torch_file_that_loads(
+    route: str, tmp_path: Path
+) -> None:
+    """``.pt`` -> checkpoint -> ``.pt`` (directly, or through safetensors) gives the
+    file's state dict back, ``optimizer.state`` keyed by int parameter ids, and a real
+    AdamW restores its moments bit-exact. Before, the save dropped the dicts that held
+    only tensors, so the checkpoint no longer knew their keys were ints: the export keyed
+    the state by '0' and '1', which ``AdamW.load_state_dict`` accepted without a word,
+    restoring no moments at all."""
+    model = _plain_adamw_file(tmp_path / "model.pt")
+    back = torch.load(_through_checkpoint(tmp_path / "model.pt", route, tmp_path), weights_only=True)
+    original = torch.load(tmp_path / "model.pt", weights_only=True)
+    _assert_same_state(back, original)
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer.load_state_dict(back["optimizer"])
+    assert len(optimizer.state) == 2
+    for index, parameter in enumerate(model.parameters()):
+        for name, value in original["optimizer"]["state"][index].items():
+            assert torch.equal(optimizer.state[parameter][name], value), (index, name)
+
+
+@pytest.mark.parametrize("route", ["torch", "safetensors"])
+def test_int_keys_and_lists_emptied_by_the_save_come_back_as_they_were(route: str, tmp_path: Path) -> None:
+    """Dicts and lists that held only tensors (an int-keyed dict, a negative int key, a
+    list, a list slot holding an int-keyed dict, a key with a '/') come back from the
+    checkpoint as the file had them. Before: ``{"0": ...}`` dicts for the ints and for
+    the lists, and ``{"a": {"b": ...}}`` for the key ``"a/b"``."""
+    t = torch.arange(4.0)
+    state = {
+        "l": [t, t + 1],
+        "m": [{0: t + 2, 3: {"x": t + 3}}, 5],
+        "d": {-1: t + 4, 2: {"y": t + 5}, "z": t + 6},
+        "s": {"a/b": t + 7},
+        "v": 1,
+    }
+    torch.save(state, tmp_path / "model.pt")
+    back = torch.load(_through_checkpoint(tmp_path / "model.pt", route, tmp_path), weights_only=True)
+    if route == "safetensors":  # a safetensors layout writes a negative int key as its text
+        state["d"] = {"-1": t + 4, 2: {"y": t + 5}, "z": t + 6}
+    _assert_same_state(back, state)
+
+
+def test_an_import_keeps_its_common_state_and_loads_as_before(tmp_path: Path) -> None:
+    """Recording the places changes nothing a load sees: the common state has no
+    emptied dicts (Megatron-Core's semantics), and the arrays load by their keys."""
+    _plain_adamw_file(tmp_path / "model.pt")
+    from_torch_file(tmp_path / "model.pt", tmp_path / "ckpt")
+    common = load_common_state_dict(tmp_path / "ckpt")
+    assert sorted(common) == ["optimizer"] and sorted(common["optimizer"]) == ["param_groups"]
+    assert "optimizer/state/0/exp_avg" in shardstore.load_tensors_metadata(tmp_path / "ckpt")
+    assert shardstore.verify(tmp_path / "ckpt").ok
+
+
+def _rewrite_places(checkpoint: Path, places: object) -> None:
+    """The checkpoint's commit record with ``places`` instead of its own (sealed again)."""
+    from dataclasses import replace
+
+    from shardstore.format.records import COMMIT_RECORD, CommitRecord
+
+    file = checkpoint / COMMIT_RECORD
+    record = CommitRecord.from_json(file.read_bytes(), str(file))
+    file.write_bytes(replace(record, places=places).to_json())
+
+
+def test_a_checkpoint_imported_before_places_were_recorded_exports_as_before(tmp_path: Path) -> None:
+    """A record without ``places`` (an import by an earlier shardstore) still exports:
+    each array at its key's place, as before (str keys where the save dropped the dict)."""
+    _plain_adamw_file(tmp_path / "model.pt")
+    from_torch_file(tmp_path / "model.pt", tmp_path / "ckpt")
+    _rewrite_places(tmp_path / "ckpt", None)
+    to_torch_file(tmp_path / "ckpt", tmp_path / "back.pt")
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert sorted(back["optimizer"]["state"]) == ["0", "1"]
+
+
+@pytest.mark.parametrize("int_key", [False, True])
+@pytest.mark.parametrize("index", [10**12, 3])
+def test_a_record_placing_an_array_far_past_its_list_is_refused(tmp_path: Path, index: int, int_key: bool) -> None:
+    """A record whose places put an array at ``["l", 10**12]`` is refused naming the
+    checkpoint, before anything is allocated for the list or written; also where it
+    calls the index an int dict key but the common state has a list there."""
+    from shardstore.format.records import ArrayPlaces
+
+    torch.save({"l": [torch.ones(2), 5]}, tmp_path / "model.pt")
+    from_torch_file(tmp_path / "model.pt", tmp_path / "ckpt")
+    _rewrite_places(tmp_path / "ckpt", ArrayPlaces({"l/0": ("l", index)}, frozenset({("l",)} if int_key else ())))
+    with pytest.raises(CheckpointingException, match=rf"index {index} of the list at \['l'\]") as raised:
+        to_torch_file(tmp_path / "ckpt", tmp_path / "back.pt")
+    assert str(tmp_path / "ckpt") in str(raised.value)
+    assert not (tmp_path / "back.pt").exists()

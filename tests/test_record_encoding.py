@@ -14,6 +14,7 @@ from shardstore.execution.save import bind_chunks
 from shardstore.format.chunks import WrittenChunk
 from shardstore.format.records import (
     SHARDED_FORMAT_VERSION,
+    ArrayPlaces,
     ArrayRecord,
     CommitRecord,
     ObjectRecord,
@@ -117,3 +118,42 @@ def test_a_chunk_reported_twice_is_refused() -> None:
     twice = WrittenChunk("w", (0,), 1, "0" * 32)
     with pytest.raises(CheckpointingException, match="written twice"):
         bind_chunks(record, [[twice], [twice]], "ckpt")
+
+
+def test_array_places_say_an_int_key_from_a_list_index_and_round_trip() -> None:
+    """An import's ``places`` (``ArrayPlaces``): a list index is a JSON int, an int
+    dict key ``{"int": n}``; a record without them has no ``places`` at all."""
+    places = ArrayPlaces({"a": ("optim", "state", 0, "x"), "g/x": ("l", 1, -3)},
+                         frozenset({("optim", "state"), ("l", 1)}))
+    record = replace(_bound(), places=places)
+    document = json.loads(record.to_json())["attributes"]["shardstore"]
+    assert document["places"] == {"a": ["optim", "state", {"int": 0}, "x"], "g/x": ["l", 1, {"int": -3}]}
+    assert CommitRecord.from_json(record.to_json(), "ckpt").places == places
+    assert "places" not in json.loads(_bound().to_json())["attributes"]["shardstore"]
+
+
+def _bound() -> CommitRecord:
+    record = _record()
+    return bind_chunks(record, _reports(record), "ckpt")
+
+
+@pytest.mark.parametrize("places", [
+    {"nope": ["a"]},  # not an array of the record
+    {"a": []},
+    {"a": ["l", -1]},  # a negative list index
+    {"a": ["l", True]},
+    {"a": ["l", {"int": 1.5}]},
+    {"a": ["l", 0], "g/x": ["l", "k"]},  # a list and a dict at once
+    {"a": ["l", 0], "g/x": ["l", {"int": 1}]},
+    ["a"],
+])
+def test_malformed_array_places_are_refused_naming_the_record(places: object) -> None:
+    document = _bound().to_root_metadata()
+    document["attributes"]["shardstore"]["places"] = places
+    with pytest.raises(CheckpointingException, match=r"ckpt: malformed 'places' in the commit record"):
+        CommitRecord.from_json(seal_record(json.dumps(document, separators=(",", ":")).encode()), "ckpt")
+
+
+def test_a_save_given_the_place_of_an_unknown_array_is_refused_before_its_commit() -> None:
+    with pytest.raises(CheckpointingException, match=r"'nope', which is not one of its arrays"):
+        _record().with_places(ArrayPlaces({"nope": ("x", 0)}), "ckpt")

@@ -736,14 +736,18 @@ def commit_save(pending: PendingCheckpoint, record: CommitRecord, reports: list[
     The one place that binds what the writers reported into the commit record (every
     chunk's crc32c and XXH3-128 digest, ``bind_chunks``; the chunks shared with the
     checkpoint reused from, ``reused_from``), adds every file's checksum (and, into a
-    caller's directory, the caller's own files as external ones), and publishes
+    caller's directory, the caller's own files as external ones) and the arrays' places
+    an import gave (``SaveOptions.array_places``), and publishes
     (``pending.commit``, by its ``Publisher``). Returns the record committed.
 
     Raises:
         CheckpointingException: a chunk nobody wrote or one written twice, a file that
             cannot be read back, or a lost race with another save (nothing is published).
     """
-    record = bind_chunks(record.with_zarr_metadata(pending.options.zarr_metadata), reports, pending.describe())
+    record = record.with_zarr_metadata(pending.options.zarr_metadata).with_places(
+        pending.options.array_places, pending.describe()
+    )
+    record = bind_chunks(record, reports, pending.describe())
     files = file_checksums(pending.location, record)
     record = replace(record, files=files.checksums, file_digests=files.digests,
                      reused_from=reused_from(pending, reports))

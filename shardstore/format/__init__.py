@@ -19,6 +19,7 @@ from __future__ import annotations
 
 __all__ = [
     "ArrayChunks",
+    "ArrayPlaces",
     "ArrayRecord",
     "BY_TORCH",
     "CONFIG_FNAME",
@@ -73,7 +74,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
                "numpy_to_tensor", "tensor_to_numpy"),
     "integrity": ("Problem", "VerifyReport", "verify"),
     "pickles": ("load_torch", "serialize"),
-    "records": ("ArrayRecord", "COMMIT_RECORD", "COMMON_FILE", "CommitRecord", "DELETION_MARKER", "DcpMetadata",
+    "records": ("ArrayPlaces", "ArrayRecord", "COMMIT_RECORD", "COMMON_FILE", "CommitRecord", "DELETION_MARKER", "DcpMetadata",
                 "MAX_RECORD_BYTES", "ObjectRecord", "REPLACED_TAG", "STAGING_TAG", "StatePath", "ZARR_JSON", "array_group_collisions",
                 "group_metadata", "is_committed", "own_markers", "parent_groups", "read_commit_record", "read_marker",
                 "state_paths", "UnsupportedFormatVersion"),

@@ -72,6 +72,7 @@ from shardstore.format.records import (
     SAVE_MARKER,
     SETTING_ASIDE,
     STAGING_TAG,
+    ArrayPlaces,
     ArrayRecord,
     CommitRecord,
     ZarrMetadata,
@@ -121,12 +122,17 @@ class SaveOptions:
             on S3) fewer per array, readable by ``zarr.open_group`` and by TensorStore
             given the document (docs/guide/plain-readers.md), not by path alone. The
             coordinator's choice holds for every rank (``SaveIntent.zarr_metadata``).
+        array_places: internal: where an import of model files (``tools.convert``)
+            found the arrays whose keys do not spell their places, recorded in the
+            commit record (``records.ArrayPlaces``) so that an export puts them back
+            there; None (every other save): nothing recorded.
     """
 
     overwrite: bool = False
     reuse_from: Any = None
     shared_directory: bool = False
     zarr_metadata: ZarrMetadata = ZarrMetadata.PER_NODE
+    array_places: ArrayPlaces | None = None
 
     def __post_init__(self) -> None:
         try:  # a caller's string becomes the enum once, here; a typo fails before the save

@@ -45,6 +45,7 @@ however old it is) and a record that uses a feature newer than the version it cl
 from __future__ import annotations
 
 __all__ = [
+    "ArrayPlaces",
     "ArrayRecord",
     "CHUNK_DIGESTS",
     "CHUNK_SEPARATOR",
@@ -951,6 +952,70 @@ def _paths_from_json(raw: Any, where: str) -> dict[str, StatePath] | None:
 
 
 @dataclass(frozen=True)
+class ArrayPlaces:
+    """Where an import of model files (``tools.convert``: a ``torch.save`` file,
+    safetensors) found the arrays whose keys do not spell their places: under an int
+    dict key (``optim/state/0/exp_avg`` at ``sd["optim"]["state"][0]["exp_avg"]``), in a
+    list, under a key holding a ``/``. The save keeps in the common state no dict or
+    list that held only arrays, and a key's text says neither, so without it an export
+    would put the array under the str key ``"0"``. Sealed in the commit record; every
+    other save, and an import by a shardstore before it, has none.
+
+    Attributes:
+        paths: each such array's key -> its dict keys and list indices; an int is a
+            list index unless the container it indexes is in ``int_keyed``; a dict key
+            of another type than str and int is its text, as the array's key spells it.
+        int_keyed: the places of the dicts on those paths that an int part is a key of.
+    """
+
+    paths: dict[str, StatePath]
+    int_keyed: frozenset[StatePath] = frozenset()
+
+    def to_json(self) -> dict[str, list[Any]]:
+        """Each path as a list of parts: a str key, an int list index, ``{"int": n}``
+        an int key."""
+        return {
+            key: [{"int": part} if type(part) is int and path[:depth] in self.int_keyed else part
+                  for depth, part in enumerate(path)]
+            for key, path in sorted(self.paths.items())
+        }
+
+    @classmethod
+    def from_json(cls, value: Any, arrays: Collection[str], where: str) -> ArrayPlaces | None:
+        """The places ``value`` holds, of some of ``arrays``; anything malformed (a part
+        of another type, a container both a dict and a list) is refused naming ``where``.
+        Its list indices are bounded where the common state is known (``tools.convert``)."""
+        if value is None:
+            return None
+        try:
+            if not isinstance(value, dict):
+                raise ValueError("not a JSON object")
+            paths: dict[str, StatePath] = {}
+            int_keyed: set[StatePath] = set()
+            kinds: dict[StatePath, type] = {}
+            for key, parts in value.items():
+                if key not in arrays or not isinstance(parts, list) or not parts:
+                    raise ValueError(f"{key!r} is not an array with a list of parts")
+                path: list[str | int] = []
+                for part in parts:
+                    keyed = isinstance(part, dict) and list(part) == ["int"] and type(part["int"]) is int
+                    if not (keyed or isinstance(part, str) or (type(part) is int and part >= 0)):
+                        raise ValueError(f"{key!r} has the part {part!r}")
+                    prefix, kind = tuple(path), list if type(part) is int else dict
+                    if kinds.setdefault(prefix, kind) is not kind:
+                        raise ValueError(f"{list(prefix)} is both a dict and a list")
+                    if keyed:
+                        int_keyed.add(prefix)
+                    path.append(part["int"] if keyed else part)
+                paths[key] = tuple(path)
+        except ValueError as exc:
+            raise CheckpointingException(
+                f"{where}: malformed 'places' in the commit record ({exc}); it is damaged or was edited"
+            ) from exc
+        return cls(paths, frozenset(int_keyed))
+
+
+@dataclass(frozen=True)
 class CommitRecord:
     """What the root ``zarr.json`` vouches for: a complete checkpoint.
 
@@ -979,6 +1044,8 @@ class CommitRecord:
             a save replacing the checkpoint in a shared directory leaves them in place
             (``format.commit.ByRename``); any other replacing save refuses.
         dcp: what a save through DCP's API recorded of DCP's metadata, or None.
+        places: where an import of model files found the arrays whose keys do not
+            spell their places (``ArrayPlaces``), or None.
         file_digests: XXH3-128 (``file_digest``) of every file of ``files`` and
             ``external_files``, by relative path: a file is what the save wrote where
             both its crc32c and this digest match. Records written before it was added
@@ -1000,6 +1067,7 @@ class CommitRecord:
     reused_from: ReusedChunks | None = None
     beside: tuple[str, ...] = ()
     dcp: DcpMetadata | None = None
+    places: ArrayPlaces | None = None
     zarr_metadata: ZarrMetadata = ZarrMetadata.PER_NODE
     file_digests: dict[str, str] = field(default_factory=dict)
 
@@ -1016,6 +1084,18 @@ class CommitRecord:
             return self
         return replace(self, zarr_metadata=where,
                        format_version=max(self.format_version, format_version_for(self.arrays.values(), where)))
+
+    def with_places(self, places: ArrayPlaces | None, where: str) -> CommitRecord:
+        """This record with ``places`` (``SaveOptions.array_places``), which must name
+        its arrays only: a record naming others would be refused by every reader."""
+        if places is None:
+            return self
+        if unknown := sorted(places.paths.keys() - self.arrays.keys()):
+            raise CheckpointingException(
+                f"Internal error: the save {where} was given the place of {unknown[0]!r}, which is not one of its "
+                "arrays; please report it"
+            )
+        return replace(self, places=places)
 
     @functools.cached_property
     def own_top_names(self) -> frozenset[str]:
@@ -1146,6 +1226,7 @@ class CommitRecord:
                 **({"reused_from": self.reused_from.to_json()} if self.reused_from else {}),
                 **({"beside": sorted(self.beside)} if self.beside else {}),
                 **({"dcp": self.dcp.to_json()} if self.dcp else {}),
+                **({"places": self.places.to_json()} if self.places is not None else {}),
                 **({"zarr_metadata": self.zarr_metadata.value}
                    if self.zarr_metadata is not ZarrMetadata.PER_NODE else {}),
             }
@@ -1285,9 +1366,10 @@ class CommitRecord:
             check_key(path, where=where)
         reused_from = ReusedChunks.from_json(record.get("reused_from"), where)
         dcp = DcpMetadata.from_json(record.get("dcp"), where)
+        places = ArrayPlaces.from_json(record.get("places"), arrays, where)
         digests = _file_digests_from_json(record.get(FILE_DIGESTS, {}), {*files, *external}, where)
         result = replace(result, files=dict(files), external_files=dict(external), reused_from=reused_from, dcp=dcp,
-                         file_digests=digests)
+                         places=places, file_digests=digests)
         beside = record.get("beside", [])
         if not isinstance(beside, list) or not all(isinstance(n, str) for n in beside):
             raise CheckpointingException(f"{where}: 'beside' must be a list of top-level names")

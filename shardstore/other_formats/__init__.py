@@ -31,19 +31,21 @@ __all__ = [
     "detect",
     "encode_common",
     "formats",
+    "make_parents",
     "named",
     "place_of_key",
     "place_value",
     "safetensors_metadata",
     "save_torch_file",
+    "sparse_list_index",
     "write_safetensors",
 ]
 
 from shardstore.lazy_exports import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {
-    "base": ("ExportSource", "FileFormat", "TensorSpec", "place_of_key", "place_value"),
-    "layout": ("Layout", "encode_common", "safetensors_metadata", "save_torch_file"),
+    "base": ("ExportSource", "FileFormat", "TensorSpec", "make_parents", "place_of_key", "place_value"),
+    "layout": ("Layout", "encode_common", "safetensors_metadata", "save_torch_file", "sparse_list_index"),
     "model_files": ("SAFETENSORS_INDEX", "SAFETENSORS_SINGLE"),
     "registry": ("detect", "formats", "named"),
     "safetensors": ("SAFETENSORS_FORMAT", "write_safetensors"),

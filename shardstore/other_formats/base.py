@@ -31,6 +31,7 @@ __all__ = [
     "OtherTensor",
     "TensorSpec",
     "is_object_shard_key",
+    "make_parents",
     "place_of_key",
     "place_value",
 ]
@@ -38,7 +39,7 @@ __all__ = [
 import os
 import stat
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -314,14 +315,26 @@ def place_value(state: dict[Any, Any], path: tuple[Any, ...], value: Any, key: s
     value, or to go through one that is not the container the path needs. How a plain
     DCP checkpoint's flattened values go back where they were in the state dict it saved
     (``OtherCheckpoint.saved_paths``), and how a conversion places every value."""
-    node: Any = state
-    for part, following in zip(path, path[1:]):
-        if _is_free(node, part, key):
-            node[part] = [] if isinstance(following, int) else {}
-        node = node[part]
+    node = make_parents(state, path, key)
     if not _is_free(node, path[-1], key):
         raise CheckpointingException(f"Cannot place {key!r}: another value is already at {list(path)}")
     node[path[-1]] = value
+
+
+def make_parents(
+    state: dict[Any, Any], path: tuple[Any, ...], key: str, int_keyed: Container[tuple[Any, ...]] = frozenset()
+) -> Any:
+    """The dict or list of ``state`` that holds the value at ``path``, making the dicts
+    and lists on the way as ``dcp_to_torch_save`` does (a list where an int part
+    follows), except a dict at a place in ``int_keyed``: one whose int keys the path
+    names (``records.ArrayPlaces``); refuses to go through a value that is not the
+    container the path needs."""
+    node: Any = state
+    for depth, (part, following) in enumerate(zip(path, path[1:])):
+        if _is_free(node, part, key):
+            node[part] = [] if isinstance(following, int) and path[:depth + 1] not in int_keyed else {}
+        node = node[part]
+    return node
 
 
 def place_of_key(key: str, state: Any) -> tuple[str | int, ...]:

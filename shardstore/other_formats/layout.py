@@ -40,6 +40,7 @@ __all__ = [
     "refuse_sparse_lists",
     "safetensors_metadata",
     "save_torch_file",
+    "sparse_list_index",
     "value_at",
     "without_places",
     "write_torch_layout",
@@ -49,7 +50,7 @@ import json
 import os
 import zipfile
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,30 +251,44 @@ def value_at(state: Any, place: Place, where: str) -> Any:
 
 def refuse_sparse_lists(layout: Layout, where: str) -> None:
     """Refuses a layout (read from ``where``) whose arrays go to list indices past what
-    the lists could hold: the length of the list in its common state (0 where there is
-    none, and placing an array makes one) plus the arrays placed in that list. Placing
-    an array pads its list with None up to its index, so a hostile index (``10**12``)
-    would allocate without bound; an export's own indices stay within that."""
-    skeleton = _skeleton(layout.common) if layout.common is not None else {}
+    the lists could hold (``sparse_list_index``)."""
+    found = sparse_list_index(_skeleton(layout.common) if layout.common is not None else {}, layout.arrays.values())
+    if found is not None:
+        prefix, index, length, arrays = found
+        raise CheckpointingException(
+            f"{where}: its shardstore layout places an array at index {index} of the list at {list(prefix)}, "
+            f"which holds {length} values and {arrays} array(s); the layout is damaged or "
+            "hostile: convert it again from the checkpoint"
+        )
+
+
+def sparse_list_index(
+    state: Any, places: Iterable[Place], int_keyed: Container[Place] = frozenset()
+) -> tuple[Place, int, int, int] | None:
+    """The first list index among ``places`` past what its list could hold: the length
+    of the list in ``state`` (0 where there is none, and placing an array makes one)
+    plus the arrays placed in that list; returns the list's place, the index, that
+    length and those arrays, or None. An int part at a place in ``int_keyed`` is a dict
+    key (``records.ArrayPlaces``), unless ``state`` has a list there. Placing an array pads its list with None up to its
+    index, so a hostile index (``10**12``) would allocate without bound; an export's own
+    indices stay within that."""
     lengths: dict[Place, int] = {}
     under: Counter[Place] = Counter()
     largest: dict[Place, int] = {}
-    for place in layout.arrays.values():
-        node = skeleton
+    for place in places:
+        node = state
         for depth, part in enumerate(place):
-            if type(part) is int and not isinstance(node, dict):  # a list's index, in one there or a new one
-                prefix = place[:depth]
-                lengths[prefix] = len(node) if isinstance(node, list) else 0
+            prefix = place[:depth]
+            in_list = isinstance(node, list) or (not isinstance(node, dict) and prefix not in int_keyed)
+            if type(part) is int and in_list:
+                lengths[prefix] = len(node) if isinstance(node, list) else 0  # in one there, or a new one
                 under[prefix] += 1
                 largest[prefix] = max(largest.get(prefix, 0), part)
             node = _child(node, part)
     for prefix, index in largest.items():
         if index >= lengths[prefix] + under[prefix]:
-            raise CheckpointingException(
-                f"{where}: its shardstore layout places an array at index {index} of the list at {list(prefix)}, "
-                f"which holds {lengths[prefix]} values and {under[prefix]} array(s); the layout is damaged or "
-                "hostile: convert it again from the checkpoint"
-            )
+            return prefix, index, lengths[prefix], under[prefix]
+    return None
 
 
 def _skeleton(encoded: Any) -> Any:

@@ -19,7 +19,10 @@ whose single pickle needs every tensor at once.
 Keys: a tensor at ``sd["model"]["fc1"]`` of a ``torch.save`` file is the array
 ``model/fc1`` and comes back to the same place; a sharded object's shard sits at its
 unique key (``sd["rng_state/shard_0_2"]``); a plain DCP checkpoint's values go where
-they were in the state dict DCP saved; safetensors names are array keys as they are
+they were in the state dict DCP saved, and an imported file's arrays where the import
+found them (``records.ArrayPlaces``: an int dict key stays an int, a list a list,
+though the save dropped the dicts and lists that held only arrays); safetensors names
+are array keys as they are
 (each file format's module says how it reads its files). An export records which of
 its tensors were arrays and which values of the common state
 (``other_formats.layout``), so that an import gives the checkpoint back as it was.
@@ -74,9 +77,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardstore.core import CheckpointingException
+from shardstore.core import CheckpointingException, SaveOptions
 from shardstore.dict_utils import nested_values
-from shardstore.format import from_zarr_name
+from shardstore.format import ArrayPlaces, StatePath, from_zarr_name
 from shardstore.mapping import ShardedObject, ShardedTensor, StateDict
 from shardstore.opened import bare_location, open_read
 from shardstore.other_formats import (
@@ -92,10 +95,12 @@ from shardstore.other_formats import (
     detect,
     encode_common,
     formats,
+    make_parents,
     place_of_key,
     place_value,
     safetensors_metadata,
     save_torch_file,
+    sparse_list_index,
     write_safetensors,
 )
 from shardstore.protocol import Group
@@ -253,17 +258,20 @@ def _checkpoint_source(checkpoint: str | os.PathLike | Location) -> ExportSource
     ``sd["model"]["fc1"]``), except the values of a save through DCP's API (a plain DCP
     save, or one through ``ShardstoreWriter`` whose record keeps DCP's planner paths),
     which go where they were in the state dict DCP saved, as ``dcp_to_torch_save`` puts
-    them."""
+    them, and the arrays an import of model files recorded the places of
+    (``records.ArrayPlaces``), which go back there."""
     from shardstore.strategies.other_formats import open_other_format
 
     opened = open_read(checkpoint)
     saved_paths: Mapping[str, tuple[str | int, ...]] = {}
+    places = ArrayPlaces({})
     if opened.record is not None:
         specs = {
             key: TensorSpec(from_zarr_name(a.dtype).torch_dtype, a.shape) for key, a in opened.record.arrays.items()
         }
         if opened.record.dcp is not None and opened.record.dcp.paths is not None:
             saved_paths = opened.record.dcp.paths
+        places = opened.record.places or places
     else:
         other = open_other_format(opened.location)
         specs = {key: TensorSpec(t.dtype, t.shape) for key, t in other.tensors.items()}
@@ -273,7 +281,7 @@ def _checkpoint_source(checkpoint: str | os.PathLike | Location) -> ExportSource
         state: dict[Any, Any] = {}
         for key, value in read_non_tensor_state(opened).items():
             place_value(state, saved_paths.get(key, (key,)), value, key)
-        return state
+        return _with_array_containers(state, places, opened.location.describe())
 
     def objects() -> tuple[str, ...]:
         from shardstore.serialization import load_sharded_metadata
@@ -285,8 +293,26 @@ def _checkpoint_source(checkpoint: str | os.PathLike | Location) -> ExportSource
     return ExportSource(
         dict(sorted(specs.items())),
         lambda keys, memory_bytes: read_tensors(opened, keys, memory_bytes), other_values,
-        lambda key: saved_paths.get(key) or place_of_key(key, structure()), objects,
+        lambda key: places.paths.get(key) or saved_paths.get(key) or place_of_key(key, structure()), objects,
     )
+
+
+def _with_array_containers(state: dict[Any, Any], places: ArrayPlaces, where: str) -> dict[Any, Any]:
+    """``state``, a checkpoint's common state, with the dicts and lists on the way to
+    the arrays an import recorded the places of (``records.ArrayPlaces``) made again,
+    of their kinds, emptied: the save dropped them, and an export puts the arrays there
+    (safetensors keeps them in its layout's common state, so that int keys stay ints).
+    A place past the end of its list is refused, before anything is allocated for it."""
+    found = sparse_list_index(state, places.paths.values(), places.int_keyed)
+    if found is not None:
+        prefix, index, length, arrays = found
+        raise CheckpointingException(
+            f"Checkpoint {where}: its commit record places an array at index {index} of the list at {list(prefix)}, "
+            f"which holds {length} values and {arrays} array(s); the record is damaged or was edited"
+        )
+    for key, path in places.paths.items():
+        make_parents(state, path, key, places.int_keyed)
+    return state
 
 
 # --------------------------------------------------------------------------- torch.save
@@ -430,8 +456,39 @@ def _import_files(
 
     _refuse_process_group(f"converting {files.title}")
     state = files.state_to_save(path)
-    save(state, checkpoint, overwrite=overwrite)
+    save(state, checkpoint, options=SaveOptions(overwrite=overwrite, array_places=_array_places(state)))
     return sum(isinstance(value, ShardedTensor) for value in nested_values(state))
+
+
+def _array_places(state: StateDict) -> ArrayPlaces | None:
+    """Where ``state``, an import's, holds the arrays whose keys do not spell their
+    places (``records.ArrayPlaces``); None where every key does (a Hugging Face model's)."""
+    int_keyed: set[StatePath] = set()
+    paths = {
+        tensor.key: place for place, tensor in _sharded_tensors_at(state, (), int_keyed)
+        if place != tuple(tensor.key.split("/"))
+    }
+    if not paths:
+        return None
+    on_the_way = {path[:depth] for path in paths.values() for depth in range(len(path))}
+    return ArrayPlaces(paths, frozenset(int_keyed & on_the_way))
+
+
+def _sharded_tensors_at(
+    node: dict | list, path: StatePath, int_keyed: set[StatePath]
+) -> Iterator[tuple[StatePath, ShardedTensor]]:
+    """Each ShardedTensor in the dicts and lists of ``node`` with its place (a dict key
+    of another type than str and int as its text, as its array's key spells it); the
+    places of the dicts with int keys added to ``int_keyed``. Module-level, not a
+    closure calling itself: that would be a reference cycle holding the tensors."""
+    for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+        if isinstance(node, dict) and type(k) is int:
+            int_keyed.add(path)
+        place = (*path, k if isinstance(k, str) or type(k) is int else str(k))
+        if isinstance(v, ShardedTensor):
+            yield place, v
+        elif isinstance(v, (dict, list)):
+            yield from _sharded_tensors_at(v, place, int_keyed)
 
 
 # --------------------------------------------------------------------------- other tools' formats

@@ -286,3 +286,30 @@ def test_a_dtensor_on_a_tp_mesh_repeated_over_dp_ranks_saves_and_loads(tmp_path:
     main replica (overlap)"), and the error told a DTensor user to set replica ids
     they cannot set."""
     run_distributed(tp_submesh_replicated_over_dp, 4, str(tmp_path))
+
+
+def tp_copies_that_differ(rank: int, world: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    tp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "tp"))["tp"]
+    stage = rank // (world // 2)
+    copies = [torch.arange(48.0).reshape(8, 6) + 100 * s for s in range(2)]  # each stage's own values
+    state = {name: distribute_tensor(copies[stage] + i, tp, [Shard(0)]) for i, name in enumerate(("a", "b"))}
+    shardstore.save(state, f"{root}/ckpt")  # accepted: the values are not compared, as DCP does not
+    request = {name: distribute_tensor(torch.zeros(8, 6), tp, [Shard(0)]) for name in state}
+    shardstore.load(request, f"{root}/ckpt")
+    for i, name in enumerate(("a", "b")):
+        rows = request[name].to_local()
+        held = [c[rows.shape[0] * (rank % 2) :][: rows.shape[0]] + i for c in copies]
+        assert any(torch.equal(rows, h) for h in held), (name, rows)  # each block: one stage's copy, whole
+    dist.barrier()
+
+
+def test_dtensor_copies_whose_values_differ_save_one_copy_of_each_block(tmp_path: Path) -> None:
+    """Equal blocks of a DTensor on several ranks are replicas whatever their values
+    (``docs/guide/dcp-fsdp2.md``): pipeline stages that name their DTensors alike, each
+    on its own ``mesh["tp"]``, or DP groups out of step, save without an error, each
+    block from one of its copies. The docs said only "saved once"; they now say that
+    the values are not compared (as DCP's deduplication does not compare them)."""
+    run_distributed(tp_copies_that_differ, 4, str(tmp_path))

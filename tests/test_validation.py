@@ -520,3 +520,26 @@ def test_a_non_strict_load_skips_a_factory_whose_tensors_the_checkpoint_lacks(ck
     assert torch.equal(loaded["a"], torch.ones(3)) and "fused" not in loaded and loaded["layers"] == [5, None]
     if strict == "return_all":
         assert result[1:] == ({"old"}, {"new/top", "new/bottom"})
+
+
+@pytest.mark.parametrize("storage", ["save", "load"])
+def test_overlapping_dtensor_copies_are_refused_saying_what_a_dtensor_user_can_change(storage: str) -> None:
+    """TP + DDP at 4 ranks where the two DP groups hold one DTensor with other
+    placements (rows on one ``mesh["tp"]``, columns on the other): the blocks overlap
+    without being equal, so they are no replicas (``GlobalLayout.from_gathered``) and
+    the save (or a load's request) is refused. The error told the user only to "give
+    the duplicates a nonzero replica_id", which a DTensor's user cannot set (its
+    replica ids come from its placements); it now names the DTensor and what to
+    change."""
+    from shardstore.planning.checks import FORMAT_NAME_LIMITS, check_layout
+    from shardstore.planning.layout import GlobalLayout, ShardRecord
+
+    blocks = [((0, 0), (4, 8)), ((4, 0), (4, 8)), ((0, 0), (8, 4)), ((0, 4), (8, 4))]  # Shard(0), then Shard(1)
+    records = [ShardRecord("model.w", rank, 0, "float32", (8, 8), offset, block, None, True, mesh_replica=True)
+               for rank, (offset, block) in enumerate(blocks)]
+    with pytest.raises(CheckpointingException) as raised:
+        check_layout(GlobalLayout.from_gathered([([r], []) for r in records]),
+                     FORMAT_NAME_LIMITS if storage == "save" else None)
+    message = str(raised.value)
+    assert "more than one main replica (overlap)" in message
+    assert "DTensors here: 'model.w'" in message and "same global shape, dtype and placements" in message, message

@@ -110,8 +110,12 @@ def check_layout(layout: GlobalLayout, storage: NameLimits | None = FORMAT_NAME_
         f"{key!r} names both a ShardedTensor and a ShardedObject" for key in sorted(set(layout.tensors) & set(layout.objects))
     ]
     problems += array_group_collisions([*layout.tensors, *layout.objects])
+    dtensors: list[str] = []  # keys of DTensors with a problem
     for key, shards in sorted(layout.tensors.items()):
-        problems += _tensor_problems(key, shards)
+        found = _tensor_problems(key, shards)
+        if found and any(s.mesh_replica for s in shards):
+            dtensors.append(key)
+        problems += found
         if len(problems) >= MAX_REPORTED_PROBLEMS:
             break
     for key, shards in sorted(layout.objects.items()):
@@ -120,7 +124,7 @@ def check_layout(layout: GlobalLayout, storage: NameLimits | None = FORMAT_NAME_
         shown = "\n  ".join(problems[:MAX_REPORTED_PROBLEMS])
         raise CheckpointingException(
             f"Invalid global sharding{f' of {where}' if where else ''} ({len(problems)} problem(s)):\n  {shown}\n"
-            + (_LOAD_SHARDING_HINT if storage is None else _SAVE_SHARDING_HINT)
+            + (_LOAD_SHARDING_HINT if storage is None else _SAVE_SHARDING_HINT) + _dtensor_hint(dtensors)
         )
 
 
@@ -134,6 +138,20 @@ _LOAD_SHARDING_HINT = (
     "element of a requested tensor needs exactly one main replica (replica_id 0) among the ranks: request each "
     "part with replica_id 0 on one rank and a nonzero replica_id on the others."
 )
+
+
+def _dtensor_hint(keys: list[str]) -> str:
+    """What the user of a DTensor among ``keys`` (a problem's keys) can change: its
+    replica ids come from its placements (``inputs.dtensors``), not from the user, and
+    copies of it on several ranks are replicas only where their blocks are equal
+    (``planning.layout.GlobalLayout.from_gathered``). Empty for no such key."""
+    if not keys:
+        return ""
+    named = ", ".join(map(repr, keys[:MAX_REPORTED_PROBLEMS]))
+    return (f" A DTensor's replica ids come from its placements, not from you (DTensors here: {named}): the copies "
+            "of a DTensor on several ranks (each data-parallel group's, on its own mesh) are replicas only where their "
+            "blocks are equal: give every copy the same global shape, dtype and placements on meshes of the same "
+            "shape, or a name of its own.")
 
 
 def layout_of_global_metadata(global_metadata: list[list[ShardedBase]]) -> GlobalLayout:

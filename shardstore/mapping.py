@@ -13,8 +13,8 @@ from __future__ import annotations
 __all__ = [
     "CommonStateDict", "FactoryBuildFn", "FactoryMergeFn", "LocalNonpersistentObject", "MeshReplicaId", "ReplicaId",
     "ShardedBase", "ShardedObject", "ShardedStateDict", "ShardedTensor", "ShardedTensorFactory",
-    "StateDict", "apply_factories", "apply_factory_merges", "fill_unknown_last_axes", "is_main_replica",
-    "unstorable_reason",
+    "StateDict", "apply_factories", "apply_factory_merges", "as_integers", "fill_unknown_last_axes",
+    "is_main_replica", "unstorable_reason",
 ]
 
 import logging
@@ -424,6 +424,17 @@ def _with(values: tuple[int, ...], index: int, value: int) -> tuple[int, ...]:
     return values[:index] + (value,) + values[index + 1 :]
 
 
+def as_integers(values: Any, described: str) -> tuple[int, ...]:
+    """``values`` as Python ints (numpy's and 0-d torch integers too), or a
+    CheckpointingException saying that ``described`` (the tensor or object and what of
+    it) holds a value that is no integer: a float offset would be truncated by the
+    checks' arrays, or name a shard file no load finds."""
+    try:
+        return tuple(map(operator.index, values))
+    except TypeError:
+        raise CheckpointingException(f"{described} {tuple(values)} holds a value that is not an integer") from None
+
+
 def is_main_replica(replica_id: ReplicaId) -> bool:
     """True for the "main" replica: integer 0 or an iterable of zeros. numpy's integers
     and 0-d torch tensors are integers (a replica id computed with them), not iterables.
@@ -478,19 +489,9 @@ class ShardedObject(ShardedBase):
 
     def __post_init__(self) -> None:
         # plain ints: the shard's file is named after them (``unique_key``)
-        self.global_shape = self._integers("global shape", self.global_shape)
-        self.global_offset = self._integers("global offset", self.global_offset)
+        self.global_shape = as_integers(self.global_shape, f"ShardedObject {self.key!r}: global shape")
+        self.global_offset = as_integers(self.global_offset, f"ShardedObject {self.key!r}: global offset")
         self.validate_metadata_integrity()
-
-    def _integers(self, what: str, values: Any) -> tuple[int, ...]:
-        """``values`` as ints (numpy's and 0-d torch integers included), or a
-        CheckpointingException naming the key."""
-        try:
-            return tuple(map(operator.index, values))
-        except TypeError:
-            raise CheckpointingException(
-                f"ShardedObject {self.key!r}: {what} {values!r} holds a value that is not an integer"
-            ) from None
 
     def validate_metadata_integrity(self) -> None:
         if len(self.global_shape) != len(self.global_offset):

@@ -22,17 +22,21 @@ __all__ = [
 ]
 
 import math
-import operator
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from itertools import product
 from operator import attrgetter
 
-from shardstore.errors import CheckpointingException
 from shardstore.format.chunks import Region
 from shardstore.format.dtypes import ITEMSIZE_BY_ZARR_NAME, from_torch, from_zarr_name
-from shardstore.mapping import MeshReplicaId, ShardedObject, ShardedTensor, is_main_replica
+from shardstore.mapping import (
+    MeshReplicaId,
+    ShardedObject,
+    ShardedTensor,
+    as_integers,
+    is_main_replica,
+)
 
 
 def block_shape(tensor: ShardedTensor) -> tuple[int, ...]:
@@ -103,8 +107,8 @@ class ShardRecord:
             rank=rank,
             index=index,
             dtype=from_torch(tensor.held_dtype).zarr_name,
-            global_shape=_integers(tensor.global_shape, "global shape", tensor.key),
-            offset=_integers(tensor.global_offset, "global offset", tensor.key),
+            global_shape=as_integers(tensor.global_shape, f"ShardedTensor {tensor.key!r}: its global shape"),
+            offset=as_integers(tensor.global_offset, f"ShardedTensor {tensor.key!r}: its global offset"),
             block_shape=block_shape(tensor),
             flat_range=None if flat is None else (flat.start, flat.stop),
             main=is_main_replica(tensor.replica_id),
@@ -148,17 +152,6 @@ class ShardRecord:
         volume = math.prod(self.block_shape) if flat is None else flat[1] - flat[0]
         itemsize = ITEMSIZE_BY_ZARR_NAME.get(self.dtype) or from_zarr_name(self.dtype).itemsize  # raises if unknown
         return volume * itemsize
-
-
-def _integers(values: tuple, what: str, key: str) -> tuple[int, ...]:
-    """``values`` as Python ints (numpy's integers too); raises naming the tensor where
-    one is no integer (a float offset would be truncated by the checks' arrays)."""
-    try:
-        return tuple(map(operator.index, values))
-    except TypeError:
-        raise CheckpointingException(
-            f"ShardedTensor {key!r}: its {what} {tuple(values)} holds a value that is not an integer"
-        ) from None
 
 
 _SHARD_RECORD_FIELDS = tuple(f.name for f in fields(ShardRecord))

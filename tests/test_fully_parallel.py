@@ -284,6 +284,31 @@ def test_a_structure_changed_on_one_rank_fails_every_rank_not_a_hang() -> None:
         assert "rank 1" in message and "new_layer" in message, message
 
 
+def save_with_a_main_replica_new_to_the_group(rank: int, world: int) -> str:
+    """Save 1: 'x' has its main replica outside the group (replica_id (1, r): another TP
+    rank's); save 2, its ids, shapes and dtypes unchanged, has it here ((0, r)). A kept
+    state dict (its replica ids rewritten by save 1) saves again from the cache."""
+    wrapper = FullyParallelSaveStrategyWrapper(RecordingSave(), do_cache_distribution=True)
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(4), replica_id=rank),
+             "x": ShardedTensor.from_rank_offsets("x", torch.ones(3), replica_id=(1, rank))}
+    wrapper.save(state, "unused")
+    moved = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(4), replica_id=rank),
+             "x": ShardedTensor.from_rank_offsets("x", torch.ones(3), replica_id=(0, rank))}
+    with pytest.raises(CheckpointingException) as info:
+        wrapper.save(moved, "unused")
+    wrapper.save(state, "unused")  # the state dict save 1 rewrote: still what was cached
+    return str(info.value)
+
+
+def test_a_main_replica_the_cached_distribution_left_out_is_refused_not_lost() -> None:
+    """Found by review: the cached distribution keeps the shards whose main replica was
+    in the group when it was made; a shard whose main replica moved into the group
+    (same ids, shapes and dtypes) got replica_id 1 on every rank and was saved by none,
+    silently."""
+    for message in run_distributed(save_with_a_main_replica_new_to_the_group, 2):
+        assert "'x'" in message and "do_cache_distribution=False" in message, message
+
+
 # ---------------------------------------------------------------- load
 
 

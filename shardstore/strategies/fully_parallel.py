@@ -18,9 +18,10 @@ Megatron's do:
   ShardedObject is loaded by its main replica and gathered over the load's ranks.
 - ``do_cache_distribution=True``: the distribution of the first call is reused, with
   no metadata gather. The caller promises the same state dict structure on every call;
-  a rank whose shards (ids, shapes, dtypes) differ from the cached call fails the save
-  on every rank (``CheckpointingException`` naming it and its shards) instead of
-  silently saving nothing for new shards (as Megatron's does): only that rank sees the
+  a rank whose shards (ids, shapes, dtypes) differ from the cached call, or that holds
+  the main replica of a shard whose main replica was outside the group then, fails the
+  save on every rank (``CheckpointingException`` naming it and its shards) instead of
+  silently saving nothing for those shards (as Megatron's does): only that rank sees the
   change, so the save agrees on it first (one small all-gather on ``save``; none on
   ``save_with_plan``, where the wrapped strategy's agreement carries it). Build a new
   wrapper after changing the model.
@@ -129,16 +130,19 @@ class _DistributionCache:
         self.structure: _Structure | None = None
 
     def get_or_compute(
-        self, sharded_state_dict: ShardedStateDict, compute: Callable[[], ShardDistribution | None], what: str
+        self, sharded_state_dict: ShardedStateDict, compute: Callable[[], ShardDistribution | None], what: str,
+        shard_id_of: Callable[[ShardedTensor], _ShardId] = _sharded_tensor_shard_id,
     ) -> ShardDistribution | None:
         """The cached distribution when enabled and present (no gather), else
-        ``compute()`` (collective), kept when enabled."""
+        ``compute()`` (collective), kept when enabled. ``shard_id_of``: how ``compute``
+        identifies shards."""
         if not self.enabled or self.structure is None:
             distribution = compute()
             if self.enabled:
                 self.distribution, self.structure = distribution, _structure(sharded_state_dict)
             return distribution
         self._check_unchanged(_structure(sharded_state_dict), what)
+        self._check_mains_kept(sharded_state_dict, what, shard_id_of)
         logger.debug("%s: cached distribution", what)
         return self.distribution
 
@@ -153,6 +157,26 @@ class _DistributionCache:
             "distribution would leave shards unsaved or unloaded. Build a new wrapper after changing the "
             "state dict's structure, or pass do_cache_distribution=False."
         )
+
+    def _check_mains_kept(
+        self, sharded_state_dict: ShardedStateDict, what: str, shard_id_of: Callable[[ShardedTensor], _ShardId],
+    ) -> None:
+        """Refuses a main replica of a shard the cached distribution left to another group
+        (its main replica was elsewhere when it was made): every rank would mark it a
+        replica, and no rank would save it. A state dict the distribution rewrote keeps
+        its main replicas in the group's shards, so it passes."""
+        if self.distribution is None:  # a group of one rank: nothing is rewritten
+            return
+        in_group = self.distribution.shards_in_this_group
+        left_out = sorted({t.key for t in _local_tensors(sharded_state_dict)
+                           if is_main_replica(t.replica_id) and shard_id_of(t) not in in_group})
+        if left_out:
+            raise CheckpointingException(
+                f"{what} with do_cache_distribution=True: this rank holds the main replica of {left_out[:5]}, whose "
+                "main replica was outside the parallelization group when the distribution was cached, so the "
+                "cached distribution would save it on no rank. Build a new wrapper after changing replica ids, or "
+                "pass do_cache_distribution=False."
+            )
 
 
 def _exchanged_shard_id(sh_ten: ShardedTensor) -> _ShardId:
@@ -376,6 +400,7 @@ class FullyParallelLoadStrategyWrapper(DelegatingLoadStrategy, LoadShardedStrate
                 sharded_state_dict, group, ignore_groups=True, shard_id_of=_exchanged_shard_id
             ),
             "Fully parallel load",
+            _exchanged_shard_id,
         )
         distribute_main_replicas_with_precomputed_distribution(
             sharded_state_dict, group, distribution, _exchanged_shard_id

@@ -309,6 +309,33 @@ def test_a_main_replica_the_cached_distribution_left_out_is_refused_not_lost() -
         assert "'x'" in message and "do_cache_distribution=False" in message, message
 
 
+def save_on_the_world_then_on_pairs(rank: int, world: int) -> tuple[list, str]:
+    """Save 1 distributes over the world (the wrapper's group is the save's, None: the
+    world); save 2, the same state dict, is each pair's own (``process_group``, as
+    ``shardstore.save(process_group=...)`` passes it)."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    state = {f"r{i}": ShardedTensor.from_rank_offsets(f"r{i}", torch.ones(8 * (i + 1)), replica_id=rank)
+             for i in range(4)}
+    mock = RecordingSave()
+    wrapper = FullyParallelSaveStrategyWrapper(mock, do_cache_distribution=True)
+    wrapper.save_with_plan(state, "unused", None, process_group=None)
+    first = list(mock.saved)
+    with pytest.raises(CheckpointingException) as info:
+        wrapper.save_with_plan(state, "unused", None, process_group=pairs[rank // 2])
+    return first, str(info.value)
+
+
+def test_a_cached_distribution_is_refused_on_another_group() -> None:
+    """Found by review: a distribution cached for the world's four ranks was applied to
+    each pair's save (its main ranks are world ranks, compared with pair ranks): in each
+    pair, the shards whose saver was a rank of the other pair, or a pair rank's world
+    rank, were saved by no rank or by the wrong one, silently."""
+    results = run_distributed(save_on_the_world_then_on_pairs, 4)
+    assert sorted(key for first, _ in results for key, _ in first) == ["r0", "r1", "r2", "r3"]
+    for _, message in results:
+        assert "another group" in message and "do_cache_distribution=False" in message, message
+
+
 # ---------------------------------------------------------------- load
 
 

@@ -17,7 +17,9 @@ Megatron's do:
   that hold them by ``exchange_algo`` (``exchange_utils.EXCHANGE_ALGOS``). A
   ShardedObject is loaded by its main replica and gathered over the load's ranks.
 - ``do_cache_distribution=True``: the distribution of the first call is reused, with
-  no metadata gather. The caller promises the same state dict structure on every call;
+  no metadata gather. The caller promises the same state dict structure and group on
+  every call (a call on another group, as a save's ``process_group`` that stands in
+  for ``parallelization_group=None`` can be, is refused on every rank);
   a rank whose shards (ids, shapes, dtypes) differ from the cached call, or that holds
   the main replica of a shard whose main replica was outside the group then, fails the
   save on every rank (``CheckpointingException`` naming it and its shards) instead of
@@ -121,30 +123,54 @@ def _structure(sharded_state_dict: ShardedStateDict) -> _Structure:
     return frozenset((_sharded_tensor_shard_id(t), t.local_shape, t.dtype) for t in _local_tensors(sharded_state_dict))
 
 
+def _group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    """The global ranks of ``group`` (None: the default group), in its order."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return (0,)
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
 class _DistributionCache:
-    """One wrapper's distribution and the local structure it was computed for."""
+    """One wrapper's distribution and the local structure and group it was computed for."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.distribution: ShardDistribution | None = None
         self.structure: _Structure | None = None
+        self.group_ranks: tuple[int, ...] = ()
 
     def get_or_compute(
-        self, sharded_state_dict: ShardedStateDict, compute: Callable[[], ShardDistribution | None], what: str,
+        self, sharded_state_dict: ShardedStateDict, group: dist.ProcessGroup | None,
+        compute: Callable[[], ShardDistribution | None], what: str,
         shard_id_of: Callable[[ShardedTensor], _ShardId] = _sharded_tensor_shard_id,
     ) -> ShardDistribution | None:
         """The cached distribution when enabled and present (no gather), else
-        ``compute()`` (collective), kept when enabled. ``shard_id_of``: how ``compute``
-        identifies shards."""
+        ``compute()`` (collective on ``group``), kept when enabled. ``shard_id_of``: how
+        ``compute`` identifies shards."""
         if not self.enabled or self.structure is None:
             distribution = compute()
             if self.enabled:
                 self.distribution, self.structure = distribution, _structure(sharded_state_dict)
+                self.group_ranks = _group_ranks(group)
             return distribution
+        self._check_same_group(_group_ranks(group), what)
         self._check_unchanged(_structure(sharded_state_dict), what)
         self._check_mains_kept(sharded_state_dict, what, shard_id_of)
         logger.debug("%s: cached distribution", what)
         return self.distribution
+
+    def _check_same_group(self, ranks: tuple[int, ...], what: str) -> None:
+        """Refuses a group other than the one the distribution was cached for: its main
+        ranks are that group's ranks, and would name other ranks here (or none)."""
+        if ranks != self.group_ranks:
+            raise CheckpointingException(
+                f"{what} with do_cache_distribution=True: the distribution was cached for the group of global "
+                f"ranks {list(self.group_ranks)[:8]} and this call is on another group, of ranks {list(ranks)[:8]}, "
+                "whose ranks it does not name. Use one wrapper per parallelization group (or pass "
+                "parallelization_group), or do_cache_distribution=False."
+            )
 
     def _check_unchanged(self, now: _Structure, what: str) -> None:
         if now == self.structure:
@@ -268,7 +294,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         accordingly (in place)."""
         group = _sharing_group(self.parallelization_group, process_group)
         distribution = self._cache.get_or_compute(
-            sharded_state_dict,
+            sharded_state_dict, group,
             lambda: determine_main_replica_uniform_distribution(sharded_state_dict, group),
             "Fully parallel save",
         )
@@ -395,7 +421,7 @@ class FullyParallelLoadStrategyWrapper(DelegatingLoadStrategy, LoadShardedStrate
         sets the replica ids accordingly."""
         group = _sharing_group(self.parallelization_group, process_group)
         distribution = self._cache.get_or_compute(
-            sharded_state_dict,
+            sharded_state_dict, group,
             lambda: determine_main_replica_uniform_distribution(
                 sharded_state_dict, group, ignore_groups=True, shard_id_of=_exchanged_shard_id
             ),

@@ -303,3 +303,46 @@ def test_a_request_for_another_process_leaves_the_host_snapshot_behind(tmp_path,
     for finalize in request.finalize_fns:
         finalize()
     assert verify(tmp_path / "ckpt").ok
+
+
+
+def _megatron_style_request(live, staged: list, written: list) -> AsyncRequest:
+    """A request built as Megatron-Core's torch_dist strategy builds one: ``async_fn``
+    writes ``async_fn_args[1]`` (the write buckets, still on the device), and
+    ``preload_fn`` returns their host copies (kept in ``staged``), which take that
+    argument's place."""
+
+    def write(rank: int, buckets, results: list) -> None:
+        written.append(buckets)
+
+    def preload():
+        staged.append(live.clone())
+        return staged[-1]
+
+    return AsyncRequest(async_fn=write, async_fn_args=(0, live, []), finalize_fns=[lambda: None], preload_fn=preload)
+
+
+@pytest.mark.parametrize("run", ["queue", "execute_sync"])
+def test_a_preloaded_request_writes_what_its_preload_staged(run: str) -> None:
+    """Megatron-Core's ``AsyncRequest.preload_fn`` stages the tensors to host memory, and
+    its result replaces ``async_fn_args[1]`` (Megatron's ``execute_sync`` and both of its
+    async callers). Ours called it and dropped its result: ``async_fn`` wrote the live
+    tensors, so the checkpoint held the values they had when the background write ran
+    (here, after the training step changed them), not at the call."""
+    import time
+
+    import torch
+
+    live, staged, written = torch.arange(8.0), [], []
+    request = _megatron_style_request(live, staged, written)
+    if run == "execute_sync":
+        request.execute_sync()
+    else:
+        queue = AsyncCallsQueue()
+        gate = queue._worker.submit(time.sleep, 0.5)  # the I/O runs after the training step
+        queue.schedule_async_request(request)
+        live.fill_(-1.0)  # the training step changes the tensor in place
+        gate.result()
+        queue.close()
+    assert len(staged) == 1 and len(written) == 1 and written[0] is staged[0], "async_fn did not get the preload's copy"
+    assert torch.equal(written[0], torch.arange(8.0)), written

@@ -91,9 +91,11 @@ class AsyncRequest:
         finalize_fns: run on every rank, in order, after ``async_fn`` finished on all
             ranks; collective (they agree on success and commit).
         async_fn_kwargs: keyword arguments of ``async_fn``.
-        preload_fn: run before scheduling (e.g. copy to host); its result is unused.
-            When it raises, the request is not scheduled and its Finalizations are
-            aborted.
+        preload_fn: run before scheduling (Megatron-Core's meaning: stages the tensors
+            to host memory); its result takes the place of ``async_fn_args[1]`` (the
+            tensors to stage), so that ``async_fn`` writes the copies
+            (``_with_preloaded_args``). When it raises, the request is not scheduled and
+            its Finalizations are aborted.
         is_frozen: a frozen request accepts no more finalize functions.
         call_idx: position in the queue, set when scheduled.
     """
@@ -119,12 +121,11 @@ class AsyncRequest:
         An I/O error is handed to the finalize steps rather than raised at once: they
         are collective, and the other ranks are waiting in them to hear about it.
         """
-        if self.preload_fn is not None:
-            self.preload_fn()
+        request = _with_preloaded_args(self)
         error: BaseException | None = None
-        if self.async_fn is not None:
+        if request.async_fn is not None:
             try:
-                self.async_fn(*self.async_fn_args, **self.async_fn_kwargs)
+                request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
             except Exception as exc:  # the finalize step tells every rank (collective)
                 error = exc
         failure = _finalize_steps(self.call_idx, self.finalize_fns, error).error
@@ -187,7 +188,7 @@ class AsyncCallsQueue:
             request = replace(async_request.freeze(), call_idx=idx)
             self._distributed = self._distributed or dist.is_initialized()
             if request.preload_fn is not None:
-                _preload(request)
+                request = _preload(request)
             self._pending.append((idx, request, self._worker.submit(_run_io, request)))
         return idx
 
@@ -516,13 +517,37 @@ def _checkpoints(fns: list[Finalization | Callable[[], Any]]) -> tuple[str, ...]
     return tuple(fn.checkpoint for fn in fns if isinstance(fn, Finalization))
 
 
-def _preload(request: AsyncRequest) -> None:
-    """Runs the request's ``preload_fn``; when it raises, the request is not scheduled:
-    its Finalizations are aborted (local: the save lets go of its staging directory,
-    which the next save into the same place removes) and the error is raised."""
-    assert request.preload_fn is not None
+def _with_preloaded_args(request: AsyncRequest) -> AsyncRequest:
+    """``request`` with what its ``preload_fn`` returned in place of ``async_fn_args[1]``,
+    as Megatron-Core's callers run a request (its ``execute_sync``, its forked and
+    persistent writers): the host copies the preload staged, not the tensors the caller
+    goes on changing, are what ``async_fn`` writes. ``request`` itself without a
+    ``preload_fn``.
+
+    Raises:
+        CheckpointingException: a ``preload_fn`` with fewer than two ``async_fn_args``
+            (nothing for its result to replace), before it runs.
+    """
+    if request.preload_fn is None:
+        return request
+    args = list(request.async_fn_args)
+    if len(args) < 2:
+        raise CheckpointingException(
+            f"Cannot run the async request of {_describe(request.call_idx, _checkpoints(request.finalize_fns))}: "
+            f"it has a preload_fn but {len(args)} async_fn_args, and the preload's result (the tensors staged to "
+            "host memory) takes the place of async_fn_args[1], as in Megatron-Core. Pass the tensors to stage as "
+            "async_fn_args[1], or stage them before building the request and pass no preload_fn"
+        )
+    args[1] = request.preload_fn()
+    return replace(request, async_fn_args=tuple(args))
+
+
+def _preload(request: AsyncRequest) -> AsyncRequest:
+    """``_with_preloaded_args``; when the preload raises (or cannot run), the request is
+    not scheduled: its Finalizations are aborted (local: the save lets go of its staging
+    directory, which the next save into the same place removes) and the error is raised."""
     try:
-        request.preload_fn()
+        return _with_preloaded_args(request)
     except BaseException as exc:
         failed = _abort_steps(request.finalize_fns)
         if failed is not None:

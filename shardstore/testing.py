@@ -239,6 +239,12 @@ class StoreTests:
         _fill(store)
         assert store.list() == ["a.json", "a/x", "a/y/z", "ab/x", "b"]
 
+    def test_list_sizes_names_every_key_with_its_length(self, store: Store) -> None:
+        _fill(store)
+        assert store.list_sizes() == {key: len(key) for key in store.list()}
+        assert store.list_sizes("a") == {"a/x": 3, "a/y/z": 5}
+        assert store.list_sizes("nothing") == {}
+
     def test_list_under_a_prefix_is_that_directory_only(self, store: Store) -> None:
         _fill(store)
         assert store.list("a") == ["a/x", "a/y/z"]

@@ -55,6 +55,7 @@ class FaultyProxy:
         self.target_port, self.faults = target_port, faults
         self.counts = {"forwarded": 0, "503": 0, "dropped": 0, "cut": 0}
         self.bytes_received = 0  # request bodies from the clients (what they uploaded)
+        self.bytes_sent = 0  # answer bodies to the clients (what they downloaded), cut ones included
         self.seen: list[tuple[str, str]] = []  # (method, path) of every request, in order of arrival
         self._lock = threading.Lock()
         self._random = random.Random(faults.seed)
@@ -130,11 +131,15 @@ class FaultyProxy:
                 if self.command == "HEAD":
                     return
                 if data and proxy._cut_body():
+                    with proxy._lock:
+                        proxy.bytes_sent += len(data) // 2
                     self.wfile.write(data[: len(data) // 2])
                     self.wfile.flush()
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
+                with proxy._lock:
+                    proxy.bytes_sent += len(data)
                 self.wfile.write(data)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle

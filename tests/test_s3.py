@@ -426,3 +426,59 @@ def test_the_zarr_modules_seed_functions_open_arrays_on_s3(server: MotoServer, u
     assert loaded.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     array = zarr_module._open_zarr_array_verbose(f"{url}/layers/w", "r")
     assert tuple(array.shape) == (2, 3)
+
+
+# A chunk or shard object replaced after the commit by one this much longer.
+GROWN_BY = 8 << 20
+
+
+def _grown_chunk_checkpoint(server: MotoServer, url: str, sharded: bool) -> tuple[str, int, torch.Tensor]:
+    """A checkpoint of ``w`` (4 chunks of 1 KiB, or one shard of them) whose first object
+    was then given ``GROWN_BY`` more bytes at its end; its key, its length now and ``w``."""
+    location = open_location(url, options=s3_options(server.endpoint))
+    w = torch.arange(1024.0).reshape(4, 256)
+    strategy = ZarrSaveShardedStrategy(max_chunk_bytes=1024, shard_bytes=4096 if sharded else None)
+    save({"w": ShardedTensor.from_rank_offsets("w", w)}, location, sharded_strategy=strategy)
+    rel = next(rel for rel in location.list_files() if rel.startswith("w/") and not rel.endswith("zarr.json"))
+    grown = location.read_bytes(rel) + b"\0" * GROWN_BY
+    location.write_bytes(rel, grown)
+    return rel, len(grown), w
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["chunk", "shard"])
+def test_an_object_grown_after_the_commit_is_not_downloaded_whole(server: MotoServer, url: str, sharded: bool) -> None:
+    """A load or verify on S3 read each chunk or shard object whole (``KvChunkStore.get_into``)
+    before checking its size: one given 8 MiB more after the commit was downloaded and
+    held whole (DESIGN.md: untrusted sizes never drive allocations). Now a load reads the
+    bytes the record gives (checked by their crc32c, so it returns the saved values) and
+    verify flags the longer object by its listed size."""
+    rel, size, w = _grown_chunk_checkpoint(server, url, sharded)
+    proxy = FaultyProxy(server.port, Faults()).start()
+    try:
+        location = open_location(url, options=s3_options(proxy.endpoint))
+        loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 256))}, location)
+        assert_bits_equal(loaded["w"], w)
+        assert proxy.bytes_sent < GROWN_BY // 8, proxy.bytes_sent
+        before = proxy.bytes_sent
+        report = verify(location)
+        assert proxy.bytes_sent - before < GROWN_BY // 8, proxy.bytes_sent - before
+    finally:
+        proxy.stop()
+    assert not report.ok
+    assert [(p.key, p.part) for p in report.problems] == [("w", rel.split("/", 1)[1])], str(report)
+    assert f"holds {size} bytes, longer than" in str(report), str(report)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["chunk", "shard"])
+def test_an_object_truncated_on_s3_is_refused_naming_it(server: MotoServer, url: str, sharded: bool) -> None:
+    """A chunk or shard object cut short after the commit fails load and verify, named."""
+    location = open_location(url, options=s3_options(server.endpoint))
+    strategy = ZarrSaveShardedStrategy(max_chunk_bytes=1024, shard_bytes=4096 if sharded else None)
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(1024.0).reshape(4, 256))}, location,
+         sharded_strategy=strategy)
+    rel = next(rel for rel in location.list_files() if rel.startswith("w/") and not rel.endswith("zarr.json"))
+    location.write_bytes(rel, location.read_bytes(rel)[:-9])
+    report = verify(location)
+    assert [(p.key, p.part) for p in report.problems] == [("w", rel.split("/", 1)[1])], str(report)
+    with pytest.raises(CheckpointingException, match=rel.split("/", 1)[1].replace(".", r"\.")):
+        load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 256))}, location)

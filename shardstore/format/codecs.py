@@ -165,6 +165,11 @@ class ChunkCodec(ABC):
             CheckpointingException: naming ``chunk.describe()``: the object is missing,
                 or its length or its own checksums are wrong."""
 
+    def stored_nbytes(self, nbytes: int) -> int | None:
+        """The length of the object that stores a chunk of ``nbytes`` decoded bytes;
+        None (the default) where it depends on the bytes (compression)."""
+        return None
+
     @abstractmethod
     def held(self, data: memoryview, digest: str) -> HeldBytes:
         """What an object shared for a chunk of decoded bytes ``data`` (of 128-bit
@@ -308,6 +313,9 @@ class BytesCrc32c(ChunkCodec):
 
         streamed.pieces = pieces()
         return streamed
+
+    def stored_nbytes(self, nbytes: int) -> int:
+        return nbytes + CRC_BYTES
 
     def read_into(self, chunk: ChunkSource, views: list[memoryview]) -> int:
         crc = 0

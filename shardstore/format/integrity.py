@@ -40,7 +40,13 @@ import numpy as np
 
 from shardstore._zarr_autoload import EXTENSION_METADATA
 from shardstore.errors import CheckpointingException
-from shardstore.format.chunks import ArrayChunks, ChunkStore, chunk_digest, chunk_store_for
+from shardstore.format.chunks import (
+    ArrayChunks,
+    ChunkFile,
+    ChunkStore,
+    chunk_digest,
+    chunk_store_for,
+)
 from shardstore.format.codecs import recognized
 from shardstore.format.config import CONFIG_FNAME
 from shardstore.format.dtypes import BY_ZARR_NAME
@@ -263,11 +269,38 @@ def _verify(location: Location) -> VerifyReport:
     except CheckpointingException as exc:
         report.problems.append(Problem("", "store", str(exc)))
         return report
+    sizes = None if store.tells_longer else _listed_sizes(location, report)
     with tracked("verify", (a.nbytes for a in record.arrays.values())) as tick:
         for _, array in sorted(record.arrays.items()):
             report.arrays_checked += 1
-            _verify_array(store, array, report, tick)
+            _verify_array(store, array, report, tick, sizes)
     return report
+
+
+def _listed_sizes(location: Location, report: VerifyReport) -> dict[str, int] | None:
+    """Every object's size, from one listing, for a chunk store whose reads stop at the
+    bytes expected (``ChunkStore.tells_longer``); None, and a problem, where the listing
+    fails."""
+    try:
+        return location.store.list_sizes()
+    except OSError as exc:
+        report.problems.append(Problem("", "listing", (
+            f"cannot list the checkpoint's objects, so chunk objects grown since the commit go unnoticed: {exc}"
+        )))
+        return None
+
+
+def _grown(file: ChunkFile, nbytes: int, sizes: dict[str, int]) -> str | None:
+    """Why a chunk object whose expected bytes read correctly is damaged all the same:
+    its listed size says it is longer than its codec stores ``nbytes`` decoded bytes
+    in. None where it is not, or where that length depends on the bytes."""
+    expected, listed = file.codec.stored_nbytes(nbytes), sizes.get(file.rel)
+    if expected is None or listed is None or listed <= expected:
+        return None
+    return (
+        f"{file.path} holds {listed} bytes, longer than the {expected} its commit record gives: bytes were added "
+        "after the commit (those it gives match); restore the checkpoint from a copy"
+    )
 
 
 # Fields of a Zarr v3 node document that do not change the values a reader gets.
@@ -417,7 +450,11 @@ def _flag_unlisted_files(location: Location, record: CommitRecord, report: Verif
             ))
 
 
-def _verify_array(store: ChunkStore, array: ArrayRecord, report: VerifyReport, tick: Tick | None) -> None:
+def _verify_array(
+    store: ChunkStore, array: ArrayRecord, report: VerifyReport, tick: Tick | None, sizes: dict[str, int] | None,
+) -> None:
+    """Reads and checks every chunk of ``array``; ``sizes``: every object's listed size,
+    where ``store`` cannot tell a longer object by reading it (``_listed_sizes``)."""
     chunks = ArrayChunks.of(store, array)
     try:
         buffer = np.empty(array.chunk_shape, chunks.dtype)
@@ -426,10 +463,14 @@ def _verify_array(store: ChunkStore, array: ArrayRecord, report: VerifyReport, t
         return
     for index in array.chunk_indices():
         report.chunks_checked += 1
+        file = chunks.file(index)
         try:
-            chunks.file(index).read_into(buffer)
+            file.read_into(buffer)
         except Exception as exc:  # every failure is a finding, reported by chunk
             report.problems.append(Problem(array.key, array.chunk_key(index), str(exc)))
+            continue
+        if sizes is not None and (why := _grown(file, buffer.nbytes, sizes)):
+            report.problems.append(Problem(array.key, array.chunk_key(index), why))
             continue
         if array.chunk_digests is not None and (
             chunk_digest(memoryview(buffer.reshape(-1).view(np.uint8))) != array.chunk_digests[array.chunk_ordinal(index)]

@@ -338,7 +338,8 @@ def _box(values: np.ndarray, origin: Sequence[int], lo: Sequence[int], hi: Seque
 @dataclass(frozen=True)
 class WholeObject:
     """``ByteRanges`` over a shard read whole, once, through a ``ChunkSource`` (what
-    every ``ChunkStore`` can do): at most ``max_bytes``, the largest the shard can be."""
+    every ``ChunkStore`` can do): at most ``max_bytes``, the largest the shard can be,
+    and the one byte more that tells a longer object (``ChunkStore.get_into``)."""
 
     chunk: ChunkSource
     data: memoryview
@@ -547,12 +548,18 @@ class ShardingIndexed(ChunkCodec):
         shard = encode_shard(self._split(data))
         return EncodedChunk(shard.pieces, shard.crc)
 
+    def stored_nbytes(self, nbytes: int) -> int:
+        """What ``encode_shard`` writes for ``nbytes`` of inner chunks: each with its
+        crc32c, then the crc table and the index; the most a shard can be."""
+        count = self._count(nbytes, "a shard")
+        return count * (self.inner_nbytes + CRC_BYTES) + ShardIndex.suffix_nbytes(count)
+
     def read_into(self, chunk: ChunkSource, views: list[memoryview]) -> int:
         """Reads the whole shard once (``WholeObject``) and checks it with
         ``read_inner``; an inner chunk split over several ``views`` is read into a
         buffer first."""
         count = self._count(sum(len(v) for v in views), chunk.describe())
-        whole = WholeObject.read(chunk, count * (self.inner_nbytes + CRC_BYTES) + ShardIndex.suffix_nbytes(count))
+        whole = WholeObject.read(chunk, self.stored_nbytes(count * self.inner_nbytes))
         if whole is None:
             raise CheckpointingException(f"Missing {chunk.describe()}: the checkpoint is damaged")
         buffer = bytearray(count * self.inner_nbytes)
@@ -585,7 +592,7 @@ class ShardingIndexed(ChunkCodec):
         source: ByteRanges | None = ChunkRanges(chunk)
         waste = (count - len(needed)) * step
         if (waste or chunk.store.request_bytes) and waste <= max(len(needed) * step // 4, chunk.store.request_bytes):
-            source = WholeObject.read(chunk, count * (step + CRC_BYTES) + ShardIndex.suffix_nbytes(count))
+            source = WholeObject.read(chunk, self.stored_nbytes(count * step))
             if source is None:
                 raise CheckpointingException(f"Missing {chunk.describe()}: the checkpoint is damaged")
         buffer = np.empty(len(needed) * step, np.uint8)

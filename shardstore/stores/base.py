@@ -178,6 +178,11 @@ class Store(ABC):
         data = self.get(key)
         return None if data is None else len(data)
 
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """``list(prefix)``'s keys, each with its size in bytes; by default one ``size``
+        per key (an object store's listing names them at once)."""
+        return {key: size for key in self.list(prefix) if (size := self.size(key)) is not None}
+
     @abstractmethod
     def put(self, key: str, data: bytes) -> None:
         """Stores one object (durable only after ``make_durable``)."""
@@ -558,10 +563,15 @@ class ChunkStore(ABC):
         request_bytes: about how many bytes one more request costs as much as, here: a
             read of part of a sharded object reads it whole when that adds no more
             (``format.sharding``; a local file's ranged read costs nothing more).
+        tells_longer: whether ``get_into`` reads the one byte more its caller asks for
+            (``get_into``), so that an object longer than expected is refused; an object
+            store's ranged read cannot ask past an object's end (``KvChunkStore``), and
+            ``format.integrity.verify`` compares such objects' listed sizes instead.
     """
 
     threads: int = DEFAULT_IO_THREADS
     request_bytes: int = 0
+    tells_longer: bool = True
 
     @abstractmethod
     def describe(self, rel: str) -> str:
@@ -580,8 +590,11 @@ class ChunkStore(ABC):
     def get_into(self, rel: str, views: list[memoryview], tail: int) -> tuple[int, bytes] | None:
         """Fills ``views`` in order from the object at ``rel``; returns the bytes that
         landed in them and up to ``tail`` bytes that follow (the chunk encoding's
-        trailer, and one byte more to tell a longer object), or None if the object does
-        not exist."""
+        trailer), or None if the object does not exist. The caller asks for one byte
+        more than the object should hold (in ``tail`` or the views), to tell a longer
+        object; a store that cannot read past an object's end in the same request
+        (``tells_longer`` False) reads all but that byte, and refuses (StorageError) an
+        object shorter than the rest. Never reads more than asked for."""
 
     def get_into_folded(
         self, rel: str, views: list[memoryview], tail: int, fold: Callable[[memoryview], None],

@@ -139,14 +139,19 @@ class FsspecStore(Store):
         return self.fs.ls(path, detail=False, refresh=True)
 
     def list(self, prefix: str = "") -> list[str]:
+        return sorted(self.list_sizes(prefix))
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """One listing (``find``; on S3 a ListObjectsV2 per 1,000 keys), which names
+        each object's size."""
         self._refresh()
         root = self._path("").rstrip("/") + "/"
         top = self._path(prefix).rstrip("/") + "/"
         try:
-            found = self._call("list", prefix, self.fs.find, top)
+            found = self._call("list", prefix, self.fs.find, top, detail=True)
         except FileNotFoundError:
-            return []
-        return sorted(path[len(root):] for path in found if path.startswith(top))
+            return {}
+        return {path[len(root):]: int(info["size"]) for path, info in found.items() if path.startswith(top)}
 
     def delete(self, key: str) -> None:
         try:

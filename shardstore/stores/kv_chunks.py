@@ -39,6 +39,10 @@ class KvChunkStore(ChunkStore):
     # AWS's guidance sizes object-store requests at 8-16 MB: a request costs about as
     # much as moving 8 MiB more (``ChunkStore.request_bytes``).
     request_bytes = 8 << 20
+    # TensorStore refuses (OUT_OF_RANGE) a byte range that ends past the object's end,
+    # although S3 answers it, so ``get_into`` cannot ask for the byte that tells a
+    # longer object without failing on every object that is not.
+    tells_longer = False
 
     def __init__(self, store: Store, threads: int) -> None:
         import tensorstore as ts
@@ -92,7 +96,21 @@ class KvChunkStore(ChunkStore):
             raise StorageError(f"Cannot write {self.describe(rel)}: {exc}") from exc
 
     def get_into(self, rel: str, views: list[memoryview], tail: int) -> tuple[int, bytes] | None:
-        result = self.kv.read(rel).result()
+        """One ranged GET of the bytes the caller expects (the views and ``tail``, less
+        the byte that would tell a longer object: ``tells_longer``), so an object
+        replaced by a larger one is never downloaded whole; a longer object reads as
+        its first bytes, which the caller checks.
+
+        Raises:
+            StorageError: naming the object: it is shorter than expected."""
+        expected = max(0, sum(v.nbytes for v in views) + tail - 1)
+        try:
+            result = self.kv.read(rel, byte_range=slice(0, expected)).result()
+        except ValueError as exc:  # TensorStore's OUT_OF_RANGE: the object is shorter
+            raise StorageError(
+                f"{self.describe(rel)} holds fewer than the {expected} bytes its commit record gives (truncated or "
+                f"replaced since the commit); restore it from a copy of the checkpoint: {exc}"
+            ) from exc
         return fill_views(views, memoryview(result.value), tail) if result.state == "value" else None
 
     def get_range_into(self, rel: str, offset: int, views: list[memoryview]) -> None:

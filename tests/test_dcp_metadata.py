@@ -268,3 +268,24 @@ def test_a_save_dcp_did_not_flatten_loads_by_the_names_it_saved(tmp_path: Path) 
         assert sorted(reader(tmp_path / name).read_metadata().state_dict_metadata) == ["model", "note", "top"]
     fm.assert_same(loaded[0], state(1.0))
     fm.assert_same(loaded[0], loaded[1])
+
+
+def test_the_metadata_dcp_save_returns_carries_the_storage_ids_and_version(tmp_path: Path) -> None:
+    """``dcp.save`` (and ``dcp.async_save``'s future) returns the checkpoint's Metadata,
+    which DCP's own writer completes in ``finish`` with its ``storage_meta`` (checkpoint
+    id, save id) and its ``version``. Through ``ShardstoreWriter`` both were None, and
+    ``read_metadata().version`` was None where ``FileSystemReader`` gives DCP's."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.arange(512.0), "step": 3}
+    ours, theirs = ShardstoreWriter(tmp_path / "ours"), dcp.FileSystemWriter(tmp_path / "dcp")
+    returned = {"ours": dcp.save(state, storage_writer=ours), "dcp": dcp.save(state, storage_writer=theirs)}
+    for name, writer in (("ours", ours), ("dcp", theirs)):
+        meta = returned[name].storage_meta
+        assert meta is not None, name
+        assert (str(meta.checkpoint_id), meta.save_id) == (str(tmp_path / name), writer.save_id), name
+    assert returned["ours"].version == returned["dcp"].version is not None
+    later = ShardstoreWriter(tmp_path / "async")
+    assert dcp.async_save(state, storage_writer=later).result().storage_meta.save_id == later.save_id
+    read = ShardstoreReader(tmp_path / "ours").read_metadata()
+    assert read.version == dcp.FileSystemReader(tmp_path / "dcp").read_metadata().version

@@ -46,6 +46,7 @@ from typing import Any, Literal, cast
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -810,7 +811,8 @@ class ShardstoreWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: writes common.pt and commits, DCP's metadata (its planner's
-        paths, the storage ids) sealed in the commit record; on failure nothing is
+        paths, the storage ids) sealed in the commit record, then completes the
+        ``metadata`` ``dcp.save`` returns (``_complete``); on failure nothing is
         committed and the save's files are deleted."""
         save, commit = self._save, self._commit
         self._save = self._commit = None
@@ -839,6 +841,7 @@ class ShardstoreWriter(StorageWriter):
             # durable by itself (an fsync of the file, not a second syncfs of the file system)
             save.location.write_atomic(COMMON_FILE, serialize(_nested(common, mappings)))
             save.commit(replace(commit, dcp=recorded), reports)
+            _complete(metadata, self.storage_meta())
         except BaseException as exc:
             save.abandon()
             if isinstance(exc, Exception) and not isinstance(exc, CheckpointingException):
@@ -866,6 +869,13 @@ class ShardstoreWriter(StorageWriter):
         except Exception:  # noqa: BLE001  (any reason: not a place we can write)
             return False
         return True
+
+
+def _complete(metadata: Metadata, storage_meta: StorageMeta) -> None:
+    """Completes the Metadata ``dcp.save`` returns (and ``dcp.async_save``'s future) as
+    DCP's ``FileSystemWriter.finish`` does: this save's ids and DCP's metadata version."""
+    metadata.storage_meta = storage_meta
+    metadata.version = CURRENT_DCP_VERSION
 
 
 def _still_holds(part: RankPart, plan: SavePlan, planner: SavePlanner) -> bool:
@@ -1230,7 +1240,7 @@ class ShardstoreReader(StorageReader):
             )
         return Metadata(
             state_dict_metadata=described, planner_data=None if paths is None else dict(paths),
-            storage_meta=self._storage_meta(record.dcp),
+            storage_meta=self._storage_meta(record.dcp), version=CURRENT_DCP_VERSION,
         )
 
     def _storage_meta(self, recorded: DcpMetadata | None) -> StorageMeta:

@@ -251,6 +251,28 @@ def test_a_rank_failing_before_the_exchange_fails_every_rank_without_waiting(tmp
     assert not (tmp_path / "ckpt" / "zarr.json").exists()
 
 
+def async_save_of_one_rank_alone(rank: int, world: int, root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    if rank == 0:  # a full state dict, saved by one rank on its own (no_dist=True)
+        state = {f"w{i}": torch.randn(64, 32) for i in range(3)}
+        writer = ShardstoreWriter(f"{root}/alone", shard_bytes=SHARD_BYTES, max_chunk_bytes=1024)
+        dcp.async_save(state, storage_writer=writer, no_dist=True).result(timeout=60)
+        loaded = {key: torch.zeros_like(value) for key, value in state.items()}
+        dcp.load(loaded, storage_reader=ShardstoreReader(f"{root}/alone"), no_dist=True)
+        fm.assert_same(loaded, state)
+    dist.barrier()
+
+
+def test_an_async_save_of_one_rank_alone_exchanges_nothing_and_is_not_refused(tmp_path: Path) -> None:
+    """``dcp.async_save(..., no_dist=True)`` on one rank of a job (a full state dict,
+    saved by rank 0) with ``shard_bytes`` was refused: "exchanges blocks between the
+    ranks ... this save runs on a background thread", from its local plan, although a
+    save of one rank exchanges nothing and runs no collective on any group."""
+    run_distributed(async_save_of_one_rank_alone, 2, str(tmp_path), timeout=180)
+    assert len(_sharded_arrays(tmp_path / "alone")) == 3 and shardstore.verify(tmp_path / "alone").ok
+
+
 def test_one_process_without_a_process_group_shards_too(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 

@@ -562,7 +562,8 @@ class ShardstoreWriter(StorageWriter):
         plain = tuple(map(_plain_kind, filter(_is_plain, items)))
         member = None
         if self.shard_bytes is not None:
-            group = self._exchange_group()
+            # checked where the save has several ranks to exchange between (``_planned``)
+            group = Group(self.process_group)
             member = (group.rank, group.world_size)
         return HeldPlainTensors(tuple(filter(self._as_array, items)), plain, member, self._held_settings())
 
@@ -627,6 +628,8 @@ class ShardstoreWriter(StorageWriter):
         """Coordinator: every rank's part of a save planned from DCP's plans (each
         carrying its rank's ``HeldPlainTensors``); begins the save."""
         exchange = self.shard_bytes is not None and len(plans) > 1
+        if exchange:
+            self._exchange_group()  # refused on dcp.async_save's thread: the training loop's group
         save = self._open_save(exchange)
         save.refuse_oversized_objects(self._strategy().object_bounds(len(plans)))
         _refuse_divergent_replicas(plans, save.describe())

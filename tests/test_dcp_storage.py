@@ -321,3 +321,24 @@ def test_strict_reader_converts_dtypes_only_where_every_value_survives(tmp_path:
     request = state(torch.zeros(2, dtype=torch.int64))
     dcp.load(request, storage_reader=ShardstoreReader(tmp_path / "half"))
     assert request["x"]._data.tolist() == [1, 0]
+
+
+def test_a_sharded_tensor_of_a_dtype_the_format_does_not_store_is_refused_naming_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A DTensor (any sharded item) of a dtype the format does not store (complex32,
+    float8_e8m0fnu) was refused with "UnsupportedDTypeError: dtype torch.complex32 is not
+    supported", naming neither the key nor what to do, and its traceback was logged as
+    an unexpected planning failure; ``shardstore.save`` names the key and says to cast.
+    Nothing is written either way."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from shardstore.strategies.checkpointable import to_dcp_state_dict
+
+    state = {**to_dcp_state_dict({"w": ShardedTensor.from_rank_offsets("model.w", torch.zeros(4, dtype=torch.complex32))}),
+             "step": 1}
+    with pytest.raises(CheckpointException, match=r"'model\.w' in .*ckpt.*complex32 is not supported.*cast it"):
+        dcp.save(state, storage_writer=ShardstoreWriter(tmp_path / "ckpt"))
+    assert not [record for record in caplog.records if record.name.startswith("shardstore")], caplog.text
+    assert list(tmp_path.iterdir()) == [], "nothing is written"

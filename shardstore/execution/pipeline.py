@@ -354,13 +354,16 @@ class SavePipeline:
         """Coordinator of a door whose framework gathers the ranks' shards itself (DCP's
         ``prepare_global_plan``), given every rank's ``tensors`` (``tensors[rank]``, data
         not needed): the checks ``plan`` makes (a store the ranks cannot share, keys the
-        target cannot store, the global sharding), ``planner``'s plan of their layout,
+        target cannot store, dtypes the format does not store, the global sharding),
+        ``planner``'s plan of their layout,
         then ``begin``. Returns each rank's part (the save's intent, which every rank
         ``join``s, and its plan) and the longest names the plan's files have (what
         ``begin_planned`` checks a later target against); raises before anything is
         written."""
         where = self.describe()
         check_shared(self.target, len(tensors))
+        for tensor in (tensor for rank_tensors in tensors for tensor in rank_tensors):
+            check_storable_data(tensor, where)  # no data here: its dtype, named by its key
         layout = GlobalLayout.from_gathered([local_records(ts, [], rank, where) for rank, ts in enumerate(tensors)])
         check_layout(layout, self.target.name_limits, where)
         plans = planner(layout)

@@ -226,6 +226,8 @@ def mixed(rank: int, world: int, root: str) -> None:
     partial = {"grad": DTensor.from_local(torch.ones(3), mesh, [Partial()])}
     with pytest.raises(CheckpointingException, match=r"'grad' has a Partial placement"):
         shardstore.save(partial, f"{root}/partial")
+    with pytest.raises(CheckpointingException, match=r"'grad' has a Partial placement.*to load into it, request"):
+        shardstore.load({"grad": DTensor.from_local(torch.ones(3), mesh, [Partial()])}, f"{root}/mixed")
     dist.barrier()
 
 

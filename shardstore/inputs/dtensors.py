@@ -127,8 +127,9 @@ def local_blocks(key: str, dtensor: Any) -> list[Block]:
         if placement.is_partial():
             raise CheckpointingException(
                 f"DTensor {key!r} has a Partial placement ({placement}) on mesh dimension {mesh_dim}: its local "
-                "values are pending reductions, not the tensor's values. Reduce it before saving, e.g. "
-                "dtensor.redistribute(placements=[Replicate() if p.is_partial() else p for p in dtensor.placements])"
+                "values are pending reductions, not the tensor's values. To save it, reduce it first, e.g. "
+                "dtensor.redistribute(placements=[Replicate() if p.is_partial() else p for p in dtensor.placements]); "
+                "to load into it, request a DTensor whose placements are Shard or Replicate"
             )
     coordinate = mesh.get_coordinate()
     if coordinate is None:

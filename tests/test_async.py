@@ -266,10 +266,13 @@ def test_saves_finalized_in_another_order_on_some_rank_are_refused_not_mixed(tmp
 
 
 def test_a_failed_preload_lets_go_of_its_save(tmp_path: Path) -> None:
-    """A request whose ``preload_fn`` raises is not scheduled. Its save kept its staging
-    directory locked (descriptors, flock) for as long as anything referenced the request
-    (the caller's variable, the traceback), so the next save into the same place could
-    not remove it. Now its finalizations are aborted: the next save removes what it left."""
+    """A request whose ``preload_fn`` raises. Its save kept its staging directory locked
+    (descriptors, flock) for as long as anything referenced the request (the caller's
+    variable, the traceback), so the next save into the same place could not remove it.
+    The request now stays queued, failed (every rank must finalize the same saves: see
+    test_a_preload_failing_on_one_rank_fails_that_save_on_every_rank): the next
+    finalize fails it, naming the preload's error, and lets go of it; nothing is left
+    behind, and the next save into the same place commits."""
     from dataclasses import replace
 
     def preload() -> None:
@@ -280,7 +283,10 @@ def test_a_failed_preload_lets_go_of_its_save(tmp_path: Path) -> None:
     request = save(_sd(0, 1), ckpt, async_sharded_save=True)
     with pytest.raises(RuntimeError, match="device-to-host copy failed"):
         queue.schedule_async_request(replace(request, preload_fn=preload))
+    with pytest.raises(CheckpointingException, match="device-to-host copy failed"):
+        queue.maybe_finalize_async_calls(blocking=True)
     assert queue.get_num_unfinalized_calls() == 0
+    assert list(tmp_path.iterdir()) == [], "the failed save left files behind"
     queue.schedule_async_request(save(_sd(0, 1), ckpt, async_sharded_save=True))
     queue.close()
     assert is_committed(open_location(ckpt))
@@ -330,4 +336,78 @@ def test_finalizing_after_the_process_group_is_gone_names_the_saves_lost(ckpt_di
     CheckpointingException names the saves left uncommitted and the order to call."""
     for message in run_distributed(close_after_destroying_the_process_group, 2, str(ckpt_dir)):
         assert str(ckpt_dir) in message and "destroy_process_group" in message, message
+    assert not is_committed(open_location(ckpt_dir))
+
+
+def preload_fails_on_rank_1(rank: int, world: int, first: str, second: str) -> tuple[str | None, str | None, bool]:
+    """Save ``first`` with a preload that raises on rank 1 only, finalize, then save
+    ``second`` into another place and finalize it."""
+    from dataclasses import replace
+
+    def preload() -> None:
+        raise RuntimeError("device-to-host copy failed")
+
+    queue = AsyncCallsQueue()
+    request = save(_sd(rank, world), first, async_sharded_save=True)
+    scheduled: str | None = None
+    try:
+        queue.schedule_async_request(replace(request, preload_fn=preload) if rank == 1 else request)
+    except RuntimeError as exc:
+        scheduled = str(exc)
+    finalized: str | None = None
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except CheckpointingException as exc:
+        finalized = str(exc)
+    queue.schedule_async_request(save(_sd(rank, world), second, async_sharded_save=True))
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close(abort=True)
+    return scheduled, finalized, is_committed(open_location(second))
+
+
+def test_a_preload_failing_on_one_rank_fails_that_save_on_every_rank(tmp_path: Path) -> None:
+    """The ``preload_fn`` of a save raises on rank 1 only. Rank 1 dropped the request
+    (not scheduled, finalizations aborted) while rank 0 kept it: the queues went out of
+    step, rank 0 was never told of the failure, and every later async save failed at
+    commit ('rank(s) 1 finalized another save in its place'). Now rank 1's queue keeps
+    the request with its failure as its result: the save fails on every rank at the
+    next finalize, naming the preload's error, and the next save commits."""
+    first, second = str(tmp_path / "a"), str(tmp_path / "b")
+    results = run_distributed(preload_fails_on_rank_1, 2, first, second, timeout=150, pg_timeout=30)
+    assert results[0][0] is None and "device-to-host copy failed" in (results[1][0] or ""), results
+    for _, finalized, second_committed in results:
+        assert finalized is not None and "device-to-host copy failed" in finalized, finalized
+        assert second_committed, "the save after the failed one was not committed"
+    assert results[0][1] == results[1][1], "the ranks raised different errors"
+    assert not is_committed(open_location(first))
+    assert [p.name for p in tmp_path.iterdir()] == ["b"], "the failed save left files behind"
+
+
+def execute_sync_with_preload_failing_on_rank_1(rank: int, world: int, ckpt: str) -> tuple[float, str]:
+    from dataclasses import replace
+
+    def preload() -> None:
+        raise RuntimeError("device-to-host copy failed")
+
+    request = save(_sd(rank, world), ckpt, async_sharded_save=True)
+    start = time.monotonic()
+    with pytest.raises(Exception) as raised:  # noqa: PT011 - the same failure on every rank, checked below
+        (replace(request, preload_fn=preload) if rank == 1 else request).execute_sync()
+    return time.monotonic() - start, str(raised.value)
+
+
+def test_execute_sync_with_a_preload_failing_on_one_rank_fails_on_every_rank(ckpt_dir: Path) -> None:
+    """``AsyncRequest.execute_sync`` whose ``preload_fn`` raises on rank 1 only. Rank 1
+    raised at once, skipping the collective finalize, while rank 0 waited in the commit
+    for the process group's timeout, then reported lost contact, not the preload's
+    error. Now the error is handed to the finalize steps, as an I/O error is: every
+    rank raises it at once, and nothing is committed."""
+    results = run_distributed(execute_sync_with_preload_failing_on_rank_1, 2, str(ckpt_dir), timeout=150,
+                              pg_timeout=20)
+    for elapsed, message in results:
+        assert elapsed < 10, f"a rank waited {elapsed:.0f} s for a timeout"
+        assert "device-to-host copy failed" in message, message
+    assert results[0][1] == results[1][1], "the ranks raised different errors"
     assert not is_committed(open_location(ckpt_dir))

@@ -94,8 +94,9 @@ class AsyncRequest:
         preload_fn: run before scheduling (Megatron-Core's meaning: stages the tensors
             to host memory); its result takes the place of ``async_fn_args[1]`` (the
             tensors to stage), so that ``async_fn`` writes the copies
-            (``_with_preloaded_args``). When it raises, the request is not scheduled and
-            its Finalizations are aborted.
+            (``_with_preloaded_args``). When it raises, ``async_fn`` does not run and the
+            save fails on every rank: the error is handed to the finalize steps as an I/O
+            error is (``execute_sync``; in a queue, at the next finalize).
         is_frozen: a frozen request accepts no more finalize functions.
         call_idx: position in the queue, set when scheduled.
     """
@@ -118,17 +119,19 @@ class AsyncRequest:
         """Runs the whole request in the caller: preload, I/O, then every finalize step
         (``_finalize_steps``), and raises the first failure.
 
-        An I/O error is handed to the finalize steps rather than raised at once: they
-        are collective, and the other ranks are waiting in them to hear about it.
+        A preload or I/O error is handed to the finalize steps rather than raised at
+        once: they are collective, and the other ranks are waiting in them to hear
+        about it.
         """
-        request = _with_preloaded_args(self)
-        error: BaseException | None = None
-        if request.async_fn is not None:
+        request, error = _preloaded(self)
+        if error is None and request.async_fn is not None:
             try:
                 request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
             except Exception as exc:  # the finalize step tells every rank (collective)
                 error = exc
         failure = _finalize_steps(self.call_idx, self.finalize_fns, error).error
+        if error is not None and not isinstance(error, Exception):
+            raise error  # an interrupt of the preload stays one, once every rank was told
         if failure is not None:
             raise failure
 
@@ -179,17 +182,27 @@ class AsyncCallsQueue:
         weakref.finalize(self, _warn_unfinalized, self._pending)
 
     def schedule_async_request(self, async_request: AsyncRequest) -> int:
-        """Starts the request's I/O in the background and returns its call index."""
+        """Starts the request's I/O in the background and returns its call index.
+
+        Raises:
+            BaseException: what the request's ``preload_fn`` raised. The request is
+                queued all the same, failed, with no I/O run: the ranks' queues stay in
+                step, and the next finalize fails the save on every rank (its
+                Finalizations are handed the error) and goes on with the saves after it.
+        """
         with self._lock:
             if self._closed:
                 raise CheckpointingException("AsyncCallsQueue is closed; create a new one")
             idx = self._next_idx
             self._next_idx += 1
-            request = replace(async_request.freeze(), call_idx=idx)
+            request, error = _preloaded(replace(async_request.freeze(), call_idx=idx))
             self._distributed = self._distributed or dist.is_initialized()
-            if request.preload_fn is not None:
-                request = _preload(request)
-            self._pending.append((idx, request, self._worker.submit(_run_io, request)))
+            future = self._worker.submit(_run_io, request) if error is None else _failed(error)
+            self._pending.append((idx, request, future))
+        if error is not None:
+            error.add_note(f"The async save of {_describe(idx, _checkpoints(request.finalize_fns))} stays queued, "
+                           "failed: the next maybe_finalize_async_calls() (or close()) fails it on every rank.")
+            raise error
         return idx
 
     def _pending_now(self) -> list[tuple[int, AsyncRequest, Future]]:
@@ -542,18 +555,21 @@ def _with_preloaded_args(request: AsyncRequest) -> AsyncRequest:
     return replace(request, async_fn_args=tuple(args))
 
 
-def _preload(request: AsyncRequest) -> AsyncRequest:
-    """``_with_preloaded_args``; when the preload raises (or cannot run), the request is
-    not scheduled: its Finalizations are aborted (local: the save lets go of its staging
-    directory, which the next save into the same place removes) and the error is raised."""
+def _preloaded(request: AsyncRequest) -> tuple[AsyncRequest, BaseException | None]:
+    """``_with_preloaded_args``, or ``request`` and what its preload raised (or why it
+    could not run): the caller hands that error to the finalize steps, which are
+    collective, rather than leave the other ranks waiting in them."""
     try:
-        return _with_preloaded_args(request)
-    except BaseException as exc:
-        failed = _abort_steps(request.finalize_fns)
-        if failed is not None:
-            exc.add_note(f"Aborting {_describe(request.call_idx, _checkpoints(request.finalize_fns))} "
-                         f"failed too: {type(failed).__name__}: {failed}")
-        raise
+        return _with_preloaded_args(request), None
+    except BaseException as exc:  # the finalize steps tell every rank; the caller raises it
+        return request, exc
+
+
+def _failed(error: BaseException) -> Future:
+    """A finished ``Future`` holding ``error``: the result of a request whose I/O never ran."""
+    future: Future = Future()
+    future.set_exception(error)
+    return future
 
 
 def _run_io(request: AsyncRequest) -> None:

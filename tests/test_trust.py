@@ -444,6 +444,7 @@ def test_a_reader_per_tensor_parses_the_record_once_and_a_new_one_again(tmp_path
     record on every call (1 s per tensor at 5,000 arrays here). The record is now parsed
     once for the same bytes, and a record replaced since (a new save into the same path)
     is read anew: its values come back, not the old record's."""
+    from shardstore.format import records
     from shardstore.format.records import CommitRecord
     from shardstore.strategies.zarr import _load_from_array
 
@@ -459,6 +460,10 @@ def test_a_reader_per_tensor_parses_the_record_once_and_a_new_one_again(tmp_path
     save({k: ShardedTensor.from_rank_offsets(k, torch.full((4,), -1.0)) for k in keys}, ckpt, overwrite=True)
     assert [_load_from_array(request(k), ckpt)[0].item() for k in keys] == [-1.0] * 5
     assert len(parses) == 2
+    monkeypatch.setattr(records, "_REMEMBERED_RECORD_BYTES", 10)  # a record larger than that is not kept
+    save({k: ShardedTensor.from_rank_offsets(k, torch.full((4,), -2.0)) for k in keys}, ckpt, overwrite=True)
+    assert [_load_from_array(request(k), ckpt)[0].item() for k in keys] == [-2.0] * 5
+    assert len(parses) == 2 + 5
 
 
 def test_an_object_shard_the_record_does_not_list_is_refused_not_read(tmp_path: Path) -> None:

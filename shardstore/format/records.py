@@ -1281,12 +1281,15 @@ class CommitRecord:
         ``verify`` after the CLI's version check) parses it once, where each parse of a
         10,000-array record takes a tenth of a second or more. Bytes that differ in any
         way are parsed anew, so a record replaced since is never answered from memory;
-        the records are treated as immutable by every reader."""
+        the records are treated as immutable by every reader. Only a record of at most
+        ``_REMEMBERED_RECORD_BYTES`` is kept: a larger one (an unsharded save at
+        thousands of ranks: hundreds of MB) would stay in the process's memory after
+        its load for good."""
         last = _LAST_PARSED[0]
         if last is not None and last[0] == data:
             return last[1]
         record = cls._parse(data, where)
-        _LAST_PARSED[0] = (bytes(data), record)
+        _LAST_PARSED[0] = (bytes(data), record) if len(data) <= _REMEMBERED_RECORD_BYTES else None
         return record
 
     @classmethod
@@ -1379,6 +1382,7 @@ class CommitRecord:
         return replace(result, beside=tuple(beside), zarr_metadata=_zarr_metadata_from_json(record, version, where))
 
 
+_REMEMBERED_RECORD_BYTES = 16 * 2**20  # about 30,000 arrays of one chunk each
 _LAST_PARSED: list[tuple[bytes, CommitRecord] | None] = [None]
 """``CommitRecord.from_json``'s one remembered record and its bytes (a one-slot list:
 a single item assignment, which needs no lock between threads)."""

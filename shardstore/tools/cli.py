@@ -285,18 +285,17 @@ def verify_command(checkpoint: str, as_json: bool) -> None:
     from shardstore.opened import bare_location
     from shardstore.other_formats import detect  # noqa: F401  (importing the registry lets read_commit_record's errors name other formats)
     from shardstore.tools.root_verify import (
-        checkpoints_under,
+        entries_under,
         holds_commit_record,
-        leftovers_under,
         refuse_unreadable_version,
         verify_checkpoints,
     )
 
     with _reported_errors():
         location = bare_location(checkpoint)
-        found = {} if location.exists(COMMIT_RECORD) else checkpoints_under(location)
+        found, leftovers = ({}, ()) if location.exists(COMMIT_RECORD) else entries_under(location)
         if found:
-            root_report = verify_checkpoints(location.describe(), found, leftovers=leftovers_under(location))
+            root_report = verify_checkpoints(location.describe(), found, leftovers=leftovers)
         else:
             if holds_commit_record(location):  # a damaged record is a finding, as under a root
                 refuse_unreadable_version(location)

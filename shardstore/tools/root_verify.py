@@ -12,7 +12,7 @@ a copy-on-write clone, checkpoints share no object: each damaged file is its own
 from __future__ import annotations
 
 __all__ = [
-    "RootVerifyReport", "SharedDamage", "checkpoints_under", "holds_commit_record", "leftovers_under",
+    "RootVerifyReport", "SharedDamage", "entries_under", "holds_commit_record", "leftovers_under",
     "refuse_unreadable_version", "verify_checkpoints", "verify_root",
 ]
 
@@ -99,30 +99,38 @@ class RootVerifyReport:
         return head + f"{len(self.damage)} damaged file(s):\n" + "\n".join(lines)
 
 
-def checkpoints_under(root: Location) -> dict[str, Location]:
-    """The entries directly under ``root`` that hold a commit record, by name (a damaged
-    record counts: its verify says what is wrong). None under a root that holds a
-    save's own files (``common.pt``): it is one checkpoint, unfinished, whose array
-    directories each hold a ``zarr.json`` that is no commit record. The leftovers of
-    interrupted saves (``leftovers_under``) are none of them."""
-    if root.exists(COMMON_FILE):
-        return {}
+def entries_under(root: Location) -> tuple[dict[str, Location], tuple[str, ...]]:
+    """From one listing of ``root``: the entries directly under it that hold a commit
+    record, by name (a damaged record counts: its verify says what is wrong), and the
+    leftovers of interrupted saves (``leftovers_under``), which are none of them.
+    Neither under a root that holds a save's own files (``common.pt``): it is one
+    checkpoint, unfinished, whose array directories each hold a ``zarr.json`` that is
+    no commit record."""
+    names = _top_names(root)
+    leftovers = _leftovers(names)
     found = {}
-    for name in root.list_top(limit=None):
-        if _is_leftover(name):
+    for name in names:
+        if name in leftovers:
             continue
         child = root.child(name)
         if holds_commit_record(child):
             found[name] = child
-    return found
+    return found, leftovers
 
 
 def leftovers_under(root: Location) -> tuple[str, ...]:
     """The hidden entries directly under ``root`` that interrupted saves left, by name
     (``RootVerifyReport.leftovers``); none under a root that is itself a save's."""
-    if root.exists(COMMON_FILE):
-        return ()
-    return tuple(sorted(name for name in root.list_top(limit=None) if _is_leftover(name)))
+    return _leftovers(_top_names(root))
+
+
+def _top_names(root: Location) -> list[str]:
+    """The names directly under ``root``; none where it holds a save's own files."""
+    return [] if root.exists(COMMON_FILE) else root.list_top(limit=None)
+
+
+def _leftovers(names: list[str]) -> tuple[str, ...]:
+    return tuple(sorted(name for name in names if _is_leftover(name)))
 
 
 def _is_leftover(name: str) -> bool:
@@ -171,7 +179,7 @@ def refuse_unreadable_version(location: Location) -> None:
 
 
 def verify_root(root: str | os.PathLike | Location, progress: bool = False) -> RootVerifyReport:
-    """Verifies every checkpoint directly under ``root`` (``checkpoints_under``). Never
+    """Verifies every checkpoint directly under ``root`` (``entries_under``). Never
     raises for damage: the report lists it, each damaged file once with every
     checkpoint that shares it.
 
@@ -182,13 +190,13 @@ def verify_root(root: str | os.PathLike | Location, progress: bool = False) -> R
         UnsupportedFormatVersion: a checkpoint's record is of a format version this
             shardstore cannot read (``refuse_unreadable_version``), before any is verified."""
     location = bare_location(root)
-    found = checkpoints_under(location)
+    found, leftovers = entries_under(location)
     if not found:
         raise CheckpointingException(
             f"{location.describe()} holds no checkpoint under it (no entry with a commit record), so there is "
             "nothing to verify as a root; to verify one checkpoint, call shardstore.verify on it"
         )
-    return verify_checkpoints(location.describe(), found, progress, leftovers_under(location))
+    return verify_checkpoints(location.describe(), found, progress, leftovers)
 
 
 def verify_checkpoints(

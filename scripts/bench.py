@@ -52,6 +52,7 @@ import statistics
 import sys
 import tempfile
 import time
+import zipfile
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -700,13 +701,69 @@ def files_dirs_first_save(state: State, path: Path) -> None:
     os.sync()
 
 
+def zip_pack_save(state: State, path: Path) -> None:
+    """The tiny case's floor for a packed design (none is built yet): every tensor a
+    Zarr v3 array (its ``zarr.json`` as shardstore writes it, its chunk with the
+    ``crc32c`` codec's trailer) inside ONE stored (uncompressed) zip, as zarr-python's
+    ``ZipStore`` and TensorStore's ``zip`` kvstore read it; the chunks' XXH3-128
+    digests (what a commit record binds) taken on 4 threads; one file, one ``fsync``."""
+    import crc32c
+    import xxhash
+
+    from shardstore.format.records import ArrayRecord, group_metadata
+    from shardstore.stores.base import run_parallel
+
+    chunks: dict[str, tuple[memoryview, bytes]] = {}
+
+    def encode(item: tuple[str, tuple[torch.Tensor, int]]) -> None:
+        key, (t, _) = item
+        data = memoryview(t.numpy()).cast("B")
+        xxhash.xxh3_128_hexdigest(data)
+        chunks[key] = (data, crc32c.crc32c(data).to_bytes(4, "little"))
+
+    run_parallel(encode, list(state.shards.items()), 4)
+    with open(path, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("zarr.json", json.dumps(group_metadata()))
+        for key, (t, _) in state.shards.items():
+            record = ArrayRecord(key, tuple(t.shape), "float32", tuple(t.shape))
+            z.writestr(f"{key}/zarr.json", json.dumps(record.zarr_metadata()))
+            data, trailer = chunks[key]
+            z.writestr(f"{key}/c.0", b"".join((data, trailer)))
+        z.close()
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def zip_pack_load(state: State, path: Path) -> dict[str, torch.Tensor]:
+    """Reads every chunk of ``zip_pack_save`` into new tensors at the offsets its zip
+    directory gives (a record would give them): 8 threads of ``preadv``, no checks."""
+    from shardstore.stores.base import run_parallel
+
+    out = {key: torch.empty_like(t) for key, (t, _) in state.shards.items()}
+    with zipfile.ZipFile(path) as z:
+        infos = {info.filename: info for info in z.infolist()}
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        def read(key: str) -> None:
+            info = infos[f"{key}/c.0"]
+            start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+            os.preadv(fd, [memoryview(out[key].numpy()).cast("B")], start)
+
+        run_parallel(read, list(out), 8)
+    finally:
+        os.close(fd)
+    return out
+
+
 def run_tiny(b: Bench, args: argparse.Namespace) -> None:
     """Issue 44.6: ``--tiny`` float32 tensors of 1-64 KiB saved and loaded by one process
     (``--world 1``) as ``ShardedTensor``s, against ``torch.save``/``torch.load`` of the
     same dict and the per-array layout's floor (``files``: each key a directory with a
     metadata file and a chunk file, 8 threads, one ``sync``; ``files-dirs-first``: the
     directories made first by one thread), interleaved; ``shardstore-consolidated``: the
-    arrays' metadata in the root's consolidated metadata only (no ``zarr.json`` per key)."""
+    arrays' metadata in the root's consolidated metadata only (no ``zarr.json`` per key);
+    ``zip-pack``: the floor of a packed design, every array inside one zip
+    (``zip_pack_save``)."""
     import shardstore
     from shardstore.format.commit import SaveOptions
 
@@ -751,8 +808,11 @@ def run_tiny(b: Bench, args: argparse.Namespace) -> None:
               lambda: files_load(state, files_path, 0, 1))
     b.measure("tiny", "files-dirs-first", nbytes, first_path, lambda: files_dirs_first_save(state, first_path),
               lambda: files_load(state, first_path, 0, 1))
+    zip_path = b.root / "tiny-zip-pack.zip"
+    b.measure("tiny", "zip-pack", nbytes, zip_path, lambda: zip_pack_save(state, zip_path),
+              lambda: loaded.update({"zip-pack": zip_pack_load(state, zip_path)}), check("zip-pack"))
     b.flush()
-    for p in (ss_path, consolidated_path, torch_path, files_path, first_path):
+    for p in (ss_path, consolidated_path, torch_path, files_path, first_path, zip_path):
         b._clean(p)
 
 
@@ -1376,6 +1436,8 @@ def ratios(results: list[Result]) -> dict[str, float]:
         for peer in ("torch", "files", "files-dirs-first"):
             out |= ratio(f"tiny.{op}.vs_{peer}", ("tiny", "shardstore", op), ("tiny", peer, op))
             out |= ratio(f"tiny.consolidated.{op}.vs_{peer}", ("tiny", "shardstore-consolidated", op), ("tiny", peer, op))
+        # the packed design's floor against torch.save/load: what such a layout could reach
+        out |= ratio(f"tiny.zip-pack-floor.{op}.vs_torch", ("tiny", "zip-pack", op), ("tiny", "torch", op))
         for method in ("shardstore", "shardstore-sharded", "shardstore-consolidated", "shardstore-sharded-consolidated"):
             out |= ratio(f"fsdp.{method}-s3.{op}.vs_dcp_fsspec", ("fsdp", f"{method}-s3", op), ("fsdp", "dcp-fsspec-s3", op))
         # dcp.save/load through shardstore.tools.dcp_storage vs DCP's file system writer/reader,

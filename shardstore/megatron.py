@@ -68,7 +68,7 @@ from typing import Any, TypeVar
 
 from shardstore.core import SaveOptions
 from shardstore.errors import CheckpointingException
-from shardstore.format import is_committed
+from shardstore.format import is_committed, read_commit_record
 from shardstore.opened import bare_location
 from shardstore.progress import log_once, operations_logged_at
 from shardstore.serialization import (
@@ -523,7 +523,9 @@ def previous_checkpoint(checkpoint_dir: Any) -> Path | None:
     """The newest committed shardstore checkpoint ``<parent>/iter_<M>`` older than a
     local ``<parent>/iter_<N>`` (Megatron-LM's layout) among the three newest older
     ``iter_*`` directories, or None: a bounded look (one record read each), and a
-    base further back shares little. Each rank looks for itself: ranks that disagree
+    base further back shares little. Committed means a commit record that reads and
+    checks: a damaged one cannot serve (the save would write every chunk), so the
+    good iteration before it is taken. Each rank looks for itself: ranks that disagree
     (a file system in flux) only lose the reuse (``format.reuse``), never data."""
     if not isinstance(checkpoint_dir, (str, Path)) or "://" in str(checkpoint_dir):
         return None
@@ -538,9 +540,19 @@ def previous_checkpoint(checkpoint_dir: Any) -> Path | None:
         if found is not None and int(found.group(1)) < current:
             older.append((int(found.group(1)), sibling))
     for _, sibling in sorted(older, reverse=True)[:3]:  # a few: retention may have removed the rest
-        if _is_ours(sibling):
+        if _has_readable_record(sibling):
             return sibling
     return None
+
+
+def _has_readable_record(checkpoint_dir: Path) -> bool:
+    """Whether ``checkpoint_dir`` holds a shardstore commit record that reads and checks
+    (``_is_ours`` only looks for the file)."""
+    try:
+        read_commit_record(bare_location(checkpoint_dir))
+    except CheckpointingException:  # damaged, unreadable, a newer format, another tool's: not a base
+        return False
+    return True
 
 
 @_in_megatrons_terms

@@ -556,6 +556,23 @@ def test_previous_checkpoint_is_the_newest_older_committed_iteration(tmp_path: P
     assert shardstore_megatron.previous_checkpoint("s3://bucket/iter_0000040") is None
 
 
+def test_previous_checkpoint_skips_a_newer_iteration_whose_record_is_damaged(tmp_path: Path) -> None:
+    """The reuse base is the newest older iteration whose commit record reads and checks.
+    Before, a newer sibling whose ``zarr.json`` was damaged (it exists, so it looked
+    committed) was chosen over the good one before it; the save then could not read
+    that base and wrote every chunk again (full write instead of an incremental one)."""
+    from shardstore import ShardedTensor, save
+
+    for name in ("iter_0000010", "iter_0000020"):
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(64))}, tmp_path / name)
+    (tmp_path / "iter_0000020" / "zarr.json").write_text("{not json")
+    base = shardstore_megatron.previous_checkpoint(tmp_path / "iter_0000030")
+    assert base == tmp_path / "iter_0000010"
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(64))}, tmp_path / "iter_0000030", reuse_from=base)
+    reused = read_commit_record(open_location(tmp_path / "iter_0000030")).reused_from
+    assert reused is not None and reused.chunks == 1
+
+
 def damaged_load(rank: int, world: int, ckpt: str) -> str:
     from megatron.core import dist_checkpointing
 

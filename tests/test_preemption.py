@@ -335,3 +335,42 @@ def test_a_child_forked_after_a_manager_listens_is_ended_by_sigterm(tmp_path: Pa
     result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.stdout.split("\n")[:3] == [str(-signal.SIGTERM), "0", "parent saved True"], result
     assert result.returncode == 0, result
+
+
+SIGTERM_DURING_CLOSE = """
+import os, signal, sys, time
+import torch
+from shardstore import ShardedTensor
+from shardstore.tools.manager import CheckpointManager, CheckpointManagerOptions
+
+options = CheckpointManagerOptions(save_interval_steps=1, save_on_preemption=True, async_save=True)
+manager = CheckpointManager(sys.argv[1], options)
+manager.save(1, {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))})
+queue_close = manager._queue.close
+
+def close_hit_by_sigterm(*args, **kwargs):  # SIGTERM arrives while close commits the save in flight
+    os.kill(os.getpid(), signal.SIGTERM)
+    return queue_close(*args, **kwargs)
+
+manager._queue.close = close_hit_by_sigterm
+manager.close()
+print("closed", flush=True)
+time.sleep(20)
+print("still running", flush=True)
+"""
+
+
+def test_a_sigterm_during_close_ends_the_process_once_the_save_in_flight_is_committed(tmp_path: Path) -> None:
+    """SIGTERM's default is held back while a manager listens, for the save it makes the
+    next ``save`` do. A SIGTERM that arrived while ``close`` committed the save in
+    flight (or after the last ``save``) was lost: no save acted on it, and ``close`` put
+    the old handler back without passing it on, so the job went on running (until the
+    scheduler's SIGKILL). Now ``close`` commits, then SIGTERM's default ends the process."""
+    script = tmp_path / "sigterm_during_close.py"
+    script.write_text(textwrap.dedent(SIGTERM_DURING_CLOSE))
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True, timeout=120
+    )
+    assert (tmp_path / "run" / "iter_0000001" / "zarr.json").exists(), result  # committed first
+    assert "still running" not in result.stdout, result
+    assert result.returncode == -signal.SIGTERM, result

@@ -386,7 +386,8 @@ class CheckpointManager:
     (SIGTERM ends the process) is held back while a manager listens, since it would end
     the process before the save. ``close`` stops listening; the last manager to close,
     in any order, puts the previous handler back exactly, unless someone installed their
-    own over it meanwhile (theirs stays). The manager's part of the handler only counts
+    own over it meanwhile (theirs stays). A signal no ``save`` acted on (one during
+    ``close``) then takes that default, after ``close`` committed the save in flight. The manager's part of the handler only counts
     the signal (no I/O, no logging, no lock: it runs between two bytecodes of whatever
     the main thread was doing). The next ``save`` agrees on it across ranks and saves
     that step whatever the intervals say; it first commits an async save in flight, and
@@ -479,7 +480,7 @@ class CheckpointManager:
         self._markers_checked: set[tuple[int, str]] = set()  # committed steps seen without our marker
         self._clock = clock
         self._last_save_time = clock()
-        self._signals_received = 0  # written by the signal handler only
+        self._signals_heard: list[int] = []  # appended to by the signal handler only
         self._signals_acted_on = 0
         self._preempted = False
         self._restored_step: int | None = None  # the step restore or resume loaded last
@@ -827,7 +828,7 @@ class CheckpointManager:
         by_step = force or (options.save_interval_steps is not None and step % options.save_interval_steps == 0)
         if not options.decides_collectively:
             return by_step, False, 0
-        signals = self._signals_received  # read once: a signal from here on counts next time
+        signals = len(self._signals_heard)  # read once: a signal from here on counts next time
         group = Group(self.process_group)
         by_time = (
             group.is_coordinator
@@ -971,18 +972,43 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Commits the async saves still in flight, stops the background worker and puts
-        back the signal handlers that ``save_on_preemption`` replaced. The manager then
-        refuses ``save``, ``resume``, ``restore``, ``rollback`` and ``delete``; calling
-        ``close`` again does nothing."""
+        back the signal handlers that ``save_on_preemption`` replaced. A preemption
+        signal that no ``save`` acted on (one that arrived during ``close`` or after the
+        last ``save``) then takes its default, which was held back for that save, once
+        no manager listens (SIGTERM ends the process). The manager then refuses
+        ``save``, ``resume``, ``restore``, ``rollback`` and ``delete``; calling ``close``
+        again does nothing."""
         if self._closed:
             return
         self._closed = True
         try:
             if self._queue is not None:
                 self._queue.close()
-        finally:
-            if self._preemption is not None:
-                self._preemption.close()
+        except BaseException as exc:
+            self._stop_listening(exc)
+            raise
+        self._stop_listening(None)
+
+    def _stop_listening(self, failure: BaseException | None) -> None:
+        """Stops listening for preemption signals, then hands the ones no save acted on
+        to the default held back for them (``Listener.take_held_back_defaults``); says
+        so first, with what ``close`` failed with, since SIGTERM's default ends the
+        process at once."""
+        if self._preemption is None:
+            return
+        self._preemption.close()
+        unheeded = set(self._signals_heard[self._signals_acted_on :])  # all: it hears nothing more
+        if not unheeded:
+            return
+        closing = "committed what was in flight" if failure is None else f"failed ({type(failure).__name__}: {failure})"
+        logger.warning(
+            "Preemption signal(s) %s reached this process after its last save under %s; closing the manager %s; "
+            "passing the signal on",
+            sorted(unheeded),
+            self.root.describe(),
+            closing,
+        )
+        self._preemption.take_held_back_defaults(unheeded)
 
     def _checked_step(self, step: Any, refusal: str) -> int:
         """``step`` as an int; a float, a bool or anything else not an integer is
@@ -1025,9 +1051,9 @@ class CheckpointManager:
     # ------------------------------------------------------------------ preemption
 
     def _on_preemption_signal(self, signum: int) -> None:
-        """Called by the process-wide handler (``shardstore.tools.preemption``): counts,
+        """Called by the process-wide handler (``shardstore.tools.preemption``): notes it,
         nothing else (no I/O, no logging, no lock; the next ``save`` acts on it)."""
-        self._signals_received += 1
+        self._signals_heard.append(signum)
 
     # ------------------------------------------------------------------ rollback and delete
 

@@ -3,7 +3,8 @@
 
 A signal has one handler per process, so listeners never install their own: every
 listener of a signal hears it, in any number and closed in any order, and whatever
-handler was there before keeps working. Entry points: ``listen`` and ``Listener.close``.
+handler was there before keeps working. Entry points: ``listen``, ``Listener.close`` and
+``Listener.take_held_back_defaults``.
 
 * ``listen(signals, callback)`` (main thread only: ``signal.signal`` works nowhere
   else; CheckpointingException otherwise): the first listener of a signal installs a
@@ -25,7 +26,9 @@ handler was there before keeps working. Entry points: ``listen`` and ``Listener.
   listener of the signal listens: SIGTERM then ends the process). Closing off the main
   thread cannot restore a handler: the dispatcher then stays installed and, with no
   listener left, behaves as the previous handler (WARNING); the next listener in the
-  main thread joins it again.
+  main thread joins it again. ``Listener.take_held_back_defaults`` then takes the
+  default held back for a signal the listener heard and never acted on (one during a
+  manager's ``close``), once no listener of it is left.
 * A listener created after our dispatcher was replaced gets a new dispatcher installed
   over the replacement, whose previous handler is that replacement: one chain, each
   handler called once.
@@ -67,6 +70,7 @@ class Listener:
         self.callback = callback
         self.signals = signals
         self._dispatchers: list[_Dispatcher] = []
+        self._left: list[_Dispatcher] = []  # those ``close`` left
 
     def close(self) -> None:
         """Stops listening; puts a previous handler back when this was its dispatcher's
@@ -75,6 +79,17 @@ class Listener:
             dispatchers, self._dispatchers = self._dispatchers, []
             for dispatcher in dispatchers:
                 dispatcher.leave(self)
+            self._left.extend(dispatchers)
+
+    def take_held_back_defaults(self, unheeded: Iterable[int]) -> None:
+        """After ``close``: ``unheeded`` are signals this listener heard and did not act
+        on (complete, since a closed listener hears nothing more). Where such a signal's
+        default was held back for the listeners and none is left, it is taken now
+        (SIGTERM ends the process)."""
+        wanted = set(unheeded)
+        for dispatcher in self._left:
+            if dispatcher.signum in wanted:
+                dispatcher.take_held_back_default()
 
 
 class _Dispatcher:
@@ -93,6 +108,17 @@ class _Dispatcher:
         if _is_default(self.previous) and (listeners or _listened(signum)):
             return  # held back: the listeners' saves come first (module docstring)
         _pass_on(self.previous, signum, frame)
+
+    def take_held_back_default(self) -> None:
+        """The signal's default action, which ``__call__`` held back for the listeners'
+        saves, taken now that no listener of the signal is left to save for it (a
+        listener closing with a signal it never acted on)."""
+        if not _is_default(self.previous) or _listened(self.signum):
+            return  # a handler of someone's was called when it came; or a listener still saves for it
+        if threading.current_thread() is threading.main_thread():
+            _pass_on(self.previous, self.signum, None)
+        else:  # no handler can be set here: the dispatcher, left installed without listeners, passes it on
+            signal.raise_signal(self.signum)
 
     def is_installed(self) -> bool:
         return signal.getsignal(self.signum) is self

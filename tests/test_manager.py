@@ -812,3 +812,41 @@ def test_every_rank_gets_a_checkpointing_exception_when_the_coordinator_fails(tm
     ranks and died on the coordinator, and the rest hung in the next collective."""
     results = run_distributed(_run_resume_with_an_unlistable_root, 2, str(tmp_path))
     assert results == ["CheckpointingException", "CheckpointingException"], results
+
+
+def _state_with_a_frozen_tensor(step: int) -> dict:
+    """``_state`` and a tensor that never changes: a base always serves its chunk."""
+    frozen = grid_shard("frozen", global_tensor("frozen", (8, 4), torch.float32), 0, 1, (0,))
+    return {**_state(step), "frozen": frozen}
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_failed_save_stops_its_base_being_chosen_sync_or_async(
+    tmp_path: Path, monkeypatch, async_save: bool
+) -> None:
+    """A save that reused chunks from step 2 and failed makes the manager stop choosing
+    step 2 as a base. Before, only a sync save (or the start of an async one) was
+    noted: an async save whose background writes failed left step 2 the next save's
+    base, as if nothing had happened."""
+    import shardstore.format.chunks as chunk_io
+    from shardstore.format.records import read_commit_record
+
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(async_save=async_save))
+    assert manager.save(1, _state_with_a_frozen_tensor(1))
+    manager.wait_until_finished()
+    assert manager.save(2, _state_with_a_frozen_tensor(2))  # shares the frozen chunk with step 1
+    manager.wait_until_finished()
+    assert read_commit_record(manager.location(2)).reused_from.chunks == 1
+
+    def failing_write(self, *args, **kwargs):
+        raise OSError(5, "Input/output error (injected)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(chunk_io.ChunkFile, "write", failing_write)
+        with pytest.raises(CheckpointingException, match="injected"):
+            manager.save(3, _state_with_a_frozen_tensor(3))
+            manager.wait_until_finished()
+    assert manager.save(4, _state_with_a_frozen_tensor(4))
+    manager.close()
+    assert manager.all_steps() == [1, 2, 4]
+    assert read_commit_record(manager.location(4)).reused_from is None  # nothing shared with step 2

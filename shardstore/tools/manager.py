@@ -487,6 +487,7 @@ class CheckpointManager:
         self._warned_resaving_restored = False
         self._saved_steps: set[int] = set()  # the steps this manager saved (committed or in flight)
         self._failed_bases: set[int] = set()  # steps whose reuse a failed save had (not chosen again)
+        self._async_base: tuple[int, int] | None = None  # (base, step) of the async save in flight reusing base
         self._queue = AsyncCallsQueue(process_group=process_group) if self.options.async_save else None
         self._strategy: tuple[Any, dict[str, Any], Any] | None = None  # ``_plan_keeping_strategy``
         self._preemption: Listener | None = None
@@ -756,7 +757,7 @@ class CheckpointManager:
         from shardstore.serialization import save
 
         if self._queue is not None:
-            self._queue.maybe_finalize_async_calls(blocking=True)  # the check below sees it
+            self._finalize_async_saves(blocking=True)  # the check below sees it
         committed, checked, reuse_step = self._on_coordinator(lambda: self._prepare_save(step, overwrite, metrics))
         self._last_save_time = self._clock()
         if preempted:
@@ -784,9 +785,10 @@ class CheckpointManager:
             retention()
             return True
         request.add_finalize_fn(retention)
-        self._queue.schedule_async_request(request)
+        self._async_base = None if chosen_base is None else (chosen_base, step)
+        self._queue.schedule_async_request(request)  # a failed preload stays queued: the finalize says it
         if preempted:  # the job may be killed any moment now: commit before returning
-            self._queue.maybe_finalize_async_calls(blocking=True)
+            self._finalize_async_saves(blocking=True)
         return True
 
     def _commit_finished_saves(self) -> None:
@@ -797,7 +799,7 @@ class CheckpointManager:
         ranks agree on what finished); nothing otherwise. Every rank has the same
         saves in flight, so every rank takes the same branch."""
         if self._queue is not None and self._queue.get_num_unfinalized_calls():
-            self._queue.maybe_finalize_async_calls(blocking=False)
+            self._finalize_async_saves(blocking=False)
 
     def _plan_keeping_strategy(self) -> Any:
         """The save strategy of this manager's saves (``CheckpointManagerOptions.
@@ -874,10 +876,33 @@ class CheckpointManager:
                 reuse_step = None  # not an older step instead: it would share less
         return committed, checked, reuse_step
 
+    def _finalize_async_saves(self, blocking: bool) -> None:
+        """The queue's ``maybe_finalize_async_calls`` (collective), a failure of the save
+        in flight noted against its base (``_async_failures_noted``)."""
+        assert self._queue is not None
+        with self._async_failures_noted():
+            self._queue.maybe_finalize_async_calls(blocking=blocking)
+
+    @contextlib.contextmanager
+    def _async_failures_noted(self) -> Iterator[None]:
+        """Around a finalize of the async save queue: a failure of the save in flight (its
+        background I/O, its commit) is noted against the base it reused from, as a
+        synchronous save's is (``_base_failures_noted``). One async save is in flight
+        at a time, so a failure there is that save's."""
+        assert self._queue is not None
+        base, step = self._async_base or (None, 0)
+        try:
+            with self._base_failures_noted(base, step):
+                yield
+        finally:
+            if not self._queue.get_num_unfinalized_calls():
+                self._async_base = None
+
     @contextlib.contextmanager
     def _base_failures_noted(self, base: int | None, step: int) -> Iterator[None]:
         """A save that reused from ``base`` (the manager's choice) and failed (a
-        synchronous save, or the start of an async one) makes the manager stop choosing
+        synchronous save, an async one when it starts or is finalized:
+        ``_async_failures_noted``) makes the manager stop choosing
         ``base``: whatever failed, later saves share nothing with it (nor with an older
         step instead, which would share less); a newer committed step serves again. A
         base that cannot serve a chunk costs that chunk a write, not the save
@@ -968,7 +993,7 @@ class CheckpointManager:
     def wait_until_finished(self) -> None:
         """Blocks until every async save has committed (collective)."""
         if self._queue is not None:
-            self._queue.maybe_finalize_async_calls(blocking=True)
+            self._finalize_async_saves(blocking=True)
 
     def close(self) -> None:
         """Commits the async saves still in flight, stops the background worker and puts
@@ -983,7 +1008,8 @@ class CheckpointManager:
         self._closed = True
         try:
             if self._queue is not None:
-                self._queue.close()
+                with self._async_failures_noted():
+                    self._queue.close()
         except BaseException as exc:
             self._stop_listening(exc)
             raise

@@ -22,6 +22,7 @@ from typing import Any
 
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import extract_matching_values, nested_values
+from shardstore.inputs.megatron_objects import converted_class
 from shardstore.mapping import (
     CommonStateDict,
     ShardedBase,
@@ -117,7 +118,8 @@ def validate_sharding_integrity(
     complete. Megatron-Core's signature, with shardstore's options keyword-only.
 
     ``global_metadata``: Megatron-Core's, every rank's data-less ShardedTensors and
-    ShardedObjects (``determine_global_metadata(...)[1]``), which every rank passes and
+    ShardedObjects (shardstore's or Megatron-Core's own classes;
+    ``determine_global_metadata(...)[1]``), which every rank passes and
     rank 0 alone checks, as in Megatron-Core; or the gathered layout (shardstore's save
     and load check it on the coordinator).
     ``common_state_dict``: every rank passes its common state, and the ranks whose
@@ -137,7 +139,7 @@ def validate_sharding_integrity(
     if not isinstance(layout, GlobalLayout):
         if Group().rank != 0:
             return
-        layout = layout_of_global_metadata(layout)
+        layout = layout_of_global_metadata([[converted_class(item) for item in items] for items in layout])
     check_layout(layout, storage, where)
 
 
@@ -162,7 +164,8 @@ def determine_global_metadata(
     sharded_state_dict: ShardedStateDict, process_group: Any = None
 ) -> tuple[list[ShardedBase], list[list[ShardedBase]]]:
     """Collective (Megatron-Core's name): this rank's ShardedTensors and ShardedObjects
-    without data, and every rank's, by rank.
+    without data, and every rank's, by rank (Megatron-Core's own mapping objects as
+    shardstore's: ``inputs.megatron_objects.converted_class``).
 
     For callers of that API; shardstore's own save and load gather compact records to
     the coordinator instead (``protocol.plan_stage.gather_and_plan``). One stage
@@ -172,7 +175,8 @@ def determine_global_metadata(
     local: list[ShardedBase] = []
 
     def without_data() -> list[ShardedBase]:
-        local.extend(item.without_data() for item in nested_values(sharded_state_dict) if isinstance(item, ShardedBase))
+        items = (converted_class(item) for item in nested_values(sharded_state_dict))
+        local.extend(item.without_data() for item in items if isinstance(item, ShardedBase))
         return local
 
     everyone = run_stage(

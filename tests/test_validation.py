@@ -543,3 +543,29 @@ def test_overlapping_dtensor_copies_are_refused_saying_what_a_dtensor_user_can_c
     message = str(raised.value)
     assert "more than one main replica (overlap)" in message
     assert "DTensors here: 'model.w'" in message and "same global shape, dtype and placements" in message, message
+
+
+@pytest.mark.parametrize("kind", ["overlap", "objects_missing"])
+def test_megatrons_own_mapping_objects_are_validated_not_skipped(kind: str) -> None:
+    """``validation.determine_global_metadata`` and ``validate_sharding_integrity`` (the
+    names code written for Megatron-Core calls) take Megatron-Core's own mapping objects
+    as ``save`` and ``load`` do. Before, they kept only shardstore's classes: Megatron's
+    ShardedTensors and ShardedObjects were dropped, and an overlapping or incomplete
+    sharding passed the check that Megatron-Core's own raises on."""
+    mapping = pytest.importorskip("megatron.core.dist_checkpointing.mapping", reason="megatron-core not installed")
+    from shardstore.validation import determine_global_metadata, validate_sharding_integrity
+
+    rows = torch.arange(4.0)
+    if kind == "overlap":  # two shards, each claiming the first half as main replica
+        state_dict = {name: mapping.ShardedTensor.from_rank_offsets("w", rows[:2].clone(), (0, 0, 2))
+                      for name in ("w0", "w1")}
+        phrase = "Invalid access pattern for 'w'"
+    else:  # one of two object shards
+        state_dict = {"o": mapping.ShardedObject("o", {"step": 1}, (2,), (0,))}
+        phrase = "1 ShardedObject are missing"
+    local, global_metadata = determine_global_metadata(state_dict)
+    assert [item.key for item in local] == [item.key for item in state_dict.values()]
+    with pytest.raises(CheckpointingException, match=phrase):
+        validate_sharding_integrity(global_metadata)
+    with pytest.raises(CheckpointingException, match=phrase):  # Megatron's own global metadata, as given
+        validate_sharding_integrity([[item.without_data() for item in state_dict.values()]])

@@ -17,7 +17,7 @@ convert here too (``shardstore.inputs.dtensors``).
 
 from __future__ import annotations
 
-__all__ = ["convert_leaf", "convert_megatron_objects"]
+__all__ = ["convert_leaf", "convert_megatron_objects", "converted_class"]
 
 import dataclasses
 from typing import Any
@@ -54,13 +54,13 @@ def convert_one(value: Any) -> Any:
     """shardstore's equivalent of one Megatron mapping object (others unchanged); a
     ShardedTensor on an irregular grid (ours or Megatron's) becomes the factory that
     stores it as a flattened range (``shardstore.inputs.irregular``)."""
-    value = _converted_class(value)
+    value = converted_class(value)
     if isinstance(value, ShardedTensor) and is_irregular(value):
         return irregular_as_flat(value)
     return value
 
 
-def _converted_class(value: Any) -> Any:
+def converted_class(value: Any) -> Any:
     """shardstore's class for one Megatron mapping object, fields unchanged (others
     unchanged). What a factory's build returns is converted so: an irregular shard
     stays a ShardedTensor (the storage core stores those as they are), since a factory
@@ -75,7 +75,7 @@ def _converted_class(value: Any) -> Any:
         build = value.build_fn
 
         def build_converted(*args: Any) -> Any:
-            return dict_list_map_inplace(_converted_class, with_dtensors_converted(build(*args)))
+            return dict_list_map_inplace(converted_class, with_dtensors_converted(build(*args)))
 
         return ShardedTensorFactory(
             value.key, value.data, build_converted, value.merge_fn, value.replica_id,

@@ -592,7 +592,7 @@ def load(
         _strategy_for_load(sharded_strategy),
         None,
         validate_access_integrity,
-        StrictHandling.ASSUME_OK_UNEXPECTED if strict is None else getattr(strict, "value", strict),
+        StrictHandling.ASSUME_OK_UNEXPECTED if strict is None else strict,
         process_group=process_group,
     )
 

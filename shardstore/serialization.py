@@ -547,7 +547,8 @@ def load(
             ``(backend, version)`` tuple.
         validate_access_integrity: check (collectively) that the requests of all ranks'
             main replicas cover every requested tensor exactly once.
-        strict: how to handle keys that do not match the checkpoint (StrictHandling).
+        strict: how to handle keys that do not match the checkpoint: a StrictHandling
+            (shardstore's or Megatron-Core's) or its string value.
         process_group: ranks that load together (default: the sharded strategy's
             ``process_group`` where it has one, else the whole world).
         progress: show a progress bar of the coordinator's reads on standard error.

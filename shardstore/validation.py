@@ -95,12 +95,13 @@ class StrictHandling(Enum):
         return val in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
 
 
-def parse_strict_flag(strict: str | StrictHandling) -> StrictHandling:
-    """Accepts a StrictHandling or its string value."""
+def parse_strict_flag(strict: str | Enum) -> StrictHandling:
+    """Accepts a StrictHandling, Megatron-Core's (any enum of the same values), or its
+    string value."""
     if isinstance(strict, StrictHandling):
         return strict
     try:
-        return StrictHandling(strict)
+        return StrictHandling(strict.value if isinstance(strict, Enum) else strict)
     except (ValueError, TypeError) as exc:
         choices = ", ".join(s.value for s in StrictHandling)
         raise ValueError(f"Invalid strict flag {strict!r}; choose one of: {choices}") from exc

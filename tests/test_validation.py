@@ -191,6 +191,17 @@ def test_parse_strict_flag_rejects_unknown_values(two_key_checkpoint: Path) -> N
         load(_request(), two_key_checkpoint, strict="sometimes")
 
 
+def test_megatrons_own_strict_handling_is_taken(two_key_checkpoint: Path) -> None:
+    """``load(strict=...)`` takes Megatron-Core's ``StrictHandling`` as it takes its
+    mapping objects (code switches by changing the ``dist_checkpointing`` import, and
+    keeps ``validation.StrictHandling``'s import). Before, ``parse_strict_flag`` refused
+    it with "Invalid strict flag <StrictHandling.RETURN_ALL: 'return_all'>"."""
+    validation = pytest.importorskip("megatron.core.dist_checkpointing.validation", reason="megatron-core not installed")
+    loaded, missing_keys, unexpected_keys = load(_request(), two_key_checkpoint,
+                                                 strict=validation.StrictHandling.RETURN_ALL)
+    assert set(loaded) == {"a"} and missing_keys == {"b"} and unexpected_keys == {"c"}
+
+
 def load_unexpected_on_rank1(rank: int, world: int, ckpt: str) -> list[str]:
     key = "a" if rank == 0 else "nope"
     request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(3), replica_id=rank)}

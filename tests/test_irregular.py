@@ -168,3 +168,30 @@ def test_an_irregular_request_with_allow_shape_mismatch_loads_padded_or_truncate
     assert torch.equal(torch.cat([loaded["a"], loaded["b"]]), expected)
     with pytest.raises(CheckpointingException, match="stored with global shape \\(4, 6\\).*set allow_shape_mismatch"):
         load(_irregular_rows(shape, cut), tmp_path / "ckpt")
+
+
+
+def _empty_rows(shape: tuple[int, ...], cuts: list[int]) -> dict:
+    """Shards of a zero-element ``shape`` cut irregularly along its first axis at ``cuts``."""
+    return {
+        f"part{i}": ShardedTensor("w", torch.zeros(stop - start, *shape[1:]), torch.float32,
+                                  (stop - start, *shape[1:]), shape, (start,) + (0,) * (len(shape) - 1), None)
+        for i, (start, stop) in enumerate(zip(cuts, cuts[1:]))
+    }
+
+
+@pytest.mark.parametrize(("shape", "cuts"), [((0,), [0, 0]), ((4, 0), [0, 1, 4]), ((0, 6), [0, 0, 0])])
+def test_an_irregular_tensor_with_no_elements_round_trips(
+    tmp_path: Path, shape: tuple[int, ...], cuts: list[int],
+) -> None:
+    """A zero-element global tensor cut irregularly is stored and loaded back, as a
+    regular one is. Before, each shard became a flattened range of length 0, which a
+    save leaves out as a rank holding none of the tensor: the save committed without
+    the array, and the load failed saying the checkpoint has no tensor 'w'."""
+    save(_empty_rows(shape, cuts), tmp_path / "ckpt")
+    assert verify(tmp_path / "ckpt").ok
+    assert load_plain_tensors(tmp_path / "ckpt")["w"].shape == shape
+    loaded = load(_empty_rows(shape, cuts), tmp_path / "ckpt")
+    assert {name: tuple(t.shape) for name, t in loaded.items()} == {
+        name: t.local_shape for name, t in _empty_rows(shape, cuts).items()
+    }

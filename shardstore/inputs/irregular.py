@@ -13,7 +13,8 @@ for any flattened range), and reading back reads only the rows the range touches
 request with ``allow_shape_mismatch`` whose global shape differs from the stored one
 reads the whole stored tensor instead, fits it to the requested shape (padded with
 zeros or truncated), then takes the range: each such shard reads all of it. The
-factory's merge gives the loaded data back its shard's shape.
+factory's merge gives the loaded data back its shard's shape. A global tensor with no
+elements has no range to take: each of its shards is given as the whole (empty) tensor.
 
 Saves and loads reshard freely between irregular, flattened and regular layouts: the
 stored array is the same global tensor. An irregular shard that is not contiguous in C
@@ -77,6 +78,14 @@ def irregular_as_flat(t: ShardedTensor) -> ShardedTensorFactory:
     flat_range, mismatch = slice(elements.start, elements.stop), t.allow_shape_mismatch
 
     def build(key: str, data: torch.Tensor | None, replica_id: ReplicaId, _: slice | None) -> ShardedTensor:
+        if math.prod(global_shape) == 0:
+            # no elements to range over: a flattened range of length 0 is a rank holding none of
+            # a tensor, which a save leaves out, so the array would never be stored
+            whole = data.reshape(global_shape) if data is not None else None
+            return ShardedTensor(
+                key, whole, dtype, global_shape, global_shape, (0,) * len(global_shape), None, replica_id, 0,
+                mismatch,
+            )
         flat = data.reshape(-1) if data is not None else None
         # axis_fragmentations stays None: the layout marks the shard irregular
         # (ShardRecord.irregular), so the record does not call it a caller's flattened range

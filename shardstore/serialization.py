@@ -970,7 +970,8 @@ def load_plain_tensors(checkpoint_dir: CheckpointDir) -> StateDict:
 
 
 def remove_sharded_tensors(checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
-    """Removes every tensor whose key starts with ``key_prefix`` (call on one process)."""
+    """Removes every tensor whose key starts with ``key_prefix``, and every ShardedObject
+    shard whose unique key does, as Megatron-Core's torch_dist does (call on one process)."""
     opened = open_read(checkpoint_dir)
     sharded_strategy = get_default_load_sharded_strategy(opened)
     sharded_strategy.remove_sharded_tensors(opened.location, key_prefix)

@@ -14,6 +14,7 @@ import torch
 
 from shardstore import (
     CheckpointingException,
+    ShardedObject,
     ShardedTensor,
     load,
     load_sharded_metadata,
@@ -472,6 +473,34 @@ def test_remove_sharded_tensors_updates_the_commit_record(ckpt_dir: Path) -> Non
     assert not (ckpt_dir / "enc/w").exists()
     loaded = load({"x": ShardedTensor.from_rank_offsets("x", torch.empty(2, 2, 2, dtype=torch.int8))}, ckpt_dir)
     assert torch.equal(loaded["x"], torch.zeros(2, 2, 2, dtype=torch.int8))
+
+
+def test_remove_sharded_tensors_removes_sharded_objects_under_the_prefix_too(ckpt_dir: Path) -> None:
+    """As Megatron-Core 0.16's torch_dist, which drops every entry of its metadata whose
+    key starts with the prefix, ShardedObjects included (by their unique keys). Before,
+    only arrays went: the objects stayed listed by ``load_sharded_metadata`` and loadable."""
+    save({"w": ShardedTensor.from_rank_offsets("enc/w", torch.ones(3)),
+          "state": ShardedObject("enc/state", {"step": 3}, (2,), (0,)),
+          "state1": ShardedObject("enc/state", {"step": 4}, (2,), (1,)),
+          "x": ShardedTensor.from_rank_offsets("x", torch.zeros(2)),
+          "extra": ShardedObject("extra", {"a": 1}, (1,), (0,))}, ckpt_dir)
+    remove_sharded_tensors(ckpt_dir, "enc/")
+    assert set(load_sharded_metadata(ckpt_dir)) == {"x", "extra/shard_0_1"}
+    assert not (ckpt_dir / "__objects__" / "enc").exists()
+    assert verify(ckpt_dir).ok, str(verify(ckpt_dir))
+    with pytest.raises(CheckpointingException, match="enc/state"):
+        load({"state": ShardedObject("enc/state", None, (2,), (0,))}, ckpt_dir)
+    assert load({"extra": ShardedObject("extra", None, (1,), (0,))}, ckpt_dir)["extra"] == {"a": 1}
+
+
+def test_remove_sharded_tensors_removes_the_object_shards_whose_unique_key_has_the_prefix(ckpt_dir: Path) -> None:
+    """Megatron-Core matches a ShardedObject's unique key (``key/shard_<offset>_<shape>``),
+    so a prefix may take some of its shards: the others stay, listed and verified."""
+    save({"a": ShardedObject("obj", 1, (2,), (0,)), "b": ShardedObject("obj", 2, (2,), (1,))}, ckpt_dir)
+    remove_sharded_tensors(ckpt_dir, "obj/shard_1")
+    assert set(load_sharded_metadata(ckpt_dir)) == {"obj/shard_0_2"}
+    assert verify(ckpt_dir).ok, str(verify(ckpt_dir))
+    assert [p.name for p in (ckpt_dir / "__objects__" / "obj").iterdir()] == ["shard_0_2.pt"]
 
 
 def test_remove_sharded_tensors_never_deletes_another_checkpoints_array_through_a_link(tmp_path: Path) -> None:

@@ -197,7 +197,8 @@ class LoadShardedStrategy(LoadStrategyBase):
         raise NotImplementedError(f"{self} must implement load_sharded_metadata")
 
     def remove_sharded_tensors(self, checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
-        """Removes every tensor whose key starts with ``key_prefix``.
+        """Removes every tensor (and ShardedObject shard, by its unique key) whose key
+        starts with ``key_prefix``.
 
         Concrete, as in Megatron-Core: a custom load strategy that does not support it
         can still be instantiated."""

@@ -78,6 +78,7 @@ from shardstore.format.records import (
     CommitRecord,
     ZarrMetadata,
     is_committed,
+    object_path,
     parent_groups,
     sharded_backend,
     write_commit_record,
@@ -578,27 +579,37 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         return self.load_tensors_metadata(checkpoint_dir)
 
     def remove_sharded_tensors(self, checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
-        """Removes the arrays whose key starts with ``key_prefix`` (call on one process).
+        """Removes the arrays and the ShardedObject shards whose key starts with
+        ``key_prefix`` (call on one process), as Megatron-Core 0.16's torch_dist drops
+        every entry of its metadata with that prefix: an array by its key, an object's
+        shard by its unique key (``key/shard_<offset>_<shape>``), so a prefix may take
+        some shards of an object and leave the others.
 
         The commit record is rewritten first, so a crash midway leaves a consistent
         checkpoint with some unreferenced files, never a record naming missing arrays.
         Groups left without arrays go too (their ``zarr.json`` where the save wrote one,
         which the new record no longer vouches for, and their directories once empty),
         innermost first; a document the record never listed (a consolidated-only save's
-        group, where another program wrote one) stays.
+        group, where another program wrote one) stays. So do the object folders left empty.
         """
         opened = open_read(checkpoint_dir)
         location, record = opened.location, opened.require_record()
         removed = [k for k in record.arrays if k.startswith(key_prefix)]
-        kept = replace(record, arrays={k: a for k, a in record.arrays.items() if k not in removed})
+        kept, removed_files = _without_object_shards(record, key_prefix)
+        kept = replace(kept, arrays={k: a for k, a in record.arrays.items() if k not in removed})
         write_commit_record(location, kept)
         for key in removed:
             location.remove_tree(key)
+        for rel in removed_files:
+            location.remove(rel)
         for group in sorted(set(parent_groups(removed)) - set(parent_groups(list(kept.arrays))), reverse=True):
             if record.zarr_metadata is ZarrMetadata.PER_NODE:  # the save wrote the group's document
                 location.remove(f"{group}/{ZARR_JSON}")
             if not location.child(group).list_files():
                 location.remove_tree(group)  # an empty directory on a file system
+        for folder in sorted(parent_groups(removed_files), key=lambda f: (f.count("/"), f), reverse=True):
+            if not location.child(folder).list_files():
+                location.remove_tree(folder)
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         if loaded_backend not in READABLE_BACKENDS:
@@ -616,6 +627,22 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
 
     def __str__(self) -> str:
         return self.__class__.__name__
+
+
+def _without_object_shards(record: CommitRecord, key_prefix: str) -> tuple[CommitRecord, list[str]]:
+    """``record`` without the ShardedObject shards whose unique key starts with
+    ``key_prefix`` (an object left with none goes), and those shards' files."""
+    objects, removed_files = {}, []
+    for key, obj in record.objects.items():
+        shard_keys = tuple(k for k in obj.shard_keys if not k.startswith(key_prefix))
+        removed_files += [object_path(k) for k in obj.shard_keys if k.startswith(key_prefix)]
+        if shard_keys:
+            objects[key] = replace(obj, shard_keys=shard_keys)
+    gone = set(removed_files)
+    return replace(
+        record, objects=objects, files={k: v for k, v in record.files.items() if k not in gone},
+        file_digests={k: v for k, v in record.file_digests.items() if k not in gone},
+    ), removed_files
 
 
 def tensor_metadata(record: ArrayRecord) -> ShardedTensor:

@@ -15,8 +15,12 @@ import shardstore.execution.load as load_execution
 import shardstore.execution.save as save_execution
 from shardstore import CheckpointingException, ShardedTensor, load, save
 from shardstore.execution.staging import DeviceUploader, HostBufferPool, HostSnapshot, _Marks
+from shardstore.format.records import MAX_CHUNK_BYTES
+from shardstore.planning.plans import SHARD_SLACK
 from shardstore.strategies.async_utils import AsyncCallsQueue
 from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
+from shardstore.tools.array_writer import CheckpointWriter
+from shardstore.tools.dcp_storage import ShardstoreWriter
 
 BLOCK = 64 * 1024  # bytes of each of the 12 tensors below
 
@@ -184,6 +188,31 @@ def test_a_max_chunk_bytes_that_is_no_number_of_bytes_is_refused(bound: object) 
     or None failed with a bare ``TypeError``."""
     with pytest.raises(ValueError, match="max_chunk_bytes must be a positive, finite number of bytes"):
         ZarrSaveShardedStrategy(max_chunk_bytes=bound)
+
+
+_READABLE = MAX_CHUNK_BYTES  # the most data bytes of one chunk or shard that a reader accepts
+
+
+@pytest.mark.parametrize(("make", "option", "most"), [
+    (lambda n, where: ZarrSaveShardedStrategy(max_chunk_bytes=n), "max_chunk_bytes", _READABLE),
+    (lambda n, where: ZarrSaveShardedStrategy(shard_bytes=n), "shard_bytes", int(_READABLE / SHARD_SLACK)),
+    (lambda n, where: ShardstoreWriter(where, max_chunk_bytes=n), "max_chunk_bytes", _READABLE),
+    (lambda n, where: ShardstoreWriter(where, shard_bytes=n), "shard_bytes", int(_READABLE / SHARD_SLACK)),
+    (lambda n, where: CheckpointWriter(where, max_chunk_bytes=n), "max_chunk_bytes", _READABLE),
+])
+def test_a_chunk_or_shard_size_that_readers_refuse_is_refused_when_given(
+    tmp_path: Path, make, option: str, most: int,
+) -> None:
+    """A reader refuses a chunk (or a shard: up to ``SHARD_SLACK`` times ``shard_bytes``)
+    of more than ``MAX_CHUNK_BYTES`` of data as absurd. Before, a larger
+    ``max_chunk_bytes`` or ``shard_bytes`` was taken: a save of a tensor that large
+    committed a checkpoint whose every load failed ("absurd chunk shape")."""
+    with pytest.raises(ValueError, match=f"{option}={most + 1} .* {_READABLE} bytes .* at most {most}"):
+        make(most + 1, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+    accepted = make(most, str(tmp_path / "ckpt"))  # the largest a reader accepts
+    if isinstance(accepted, CheckpointWriter):
+        accepted.abandon()
 
 
 @pytest.mark.parametrize("bound", [None, "1GiB", 0, -1, float("inf")])

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 __all__ = [
     "MAX_FORWARDED_BYTES", "RankLoadPlan", "RankReadPlan", "RankSavePlan", "exchange_waves", "largest_shard_bytes",
-    "plan_flat_writes", "plan_reads", "plan_save", "planned_requests", "stored_at_most",
+    "largest_shard_data_bytes", "plan_flat_writes", "plan_reads", "plan_save", "planned_requests", "stored_at_most",
 ]
 
 import bisect
@@ -144,11 +144,17 @@ SHARDED_FILES_SHARE = 0.75
 SHARD_SLACK = 1.25
 
 
+def largest_shard_data_bytes(shard_bytes: int) -> int:
+    """The most data bytes one shard of a save with ``shard_bytes`` holds: ``SHARD_SLACK``
+    times it (``_shard_shape``)."""
+    return math.floor(shard_bytes * SHARD_SLACK)
+
+
 def largest_shard_bytes(shard_bytes: int) -> int:
-    """The most bytes one stored shard of a save with ``shard_bytes`` takes: ``SHARD_SLACK``
-    times it of data (``stored_at_most``). S3's object limit is checked against it
-    (``ZarrSaveShardedStrategy.object_bounds``)."""
-    return stored_at_most(math.floor(shard_bytes * SHARD_SLACK))
+    """The most bytes one stored shard of a save with ``shard_bytes`` takes: its data
+    (``largest_shard_data_bytes``) and index (``stored_at_most``). S3's object limit is
+    checked against it (``ZarrSaveShardedStrategy.object_bounds``)."""
+    return stored_at_most(largest_shard_data_bytes(shard_bytes))
 
 
 def stored_at_most(data_bytes: int) -> int:

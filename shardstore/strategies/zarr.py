@@ -20,7 +20,8 @@ from __future__ import annotations
 __all__ = [
     "AUTO_SHARD_MIN_RANKS", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_SHARD_BYTES", "DEFAULT_SYNC_STAGING_BYTES",
     "SHARDSTORE_BACKEND", "ShardBytes",
-    "ZARR_VERSION", "ZarrLoadShardedStrategy", "ZarrSaveShardedStrategy", "checked_shard_bytes", "checked_staging_bytes",
+    "ZARR_VERSION", "ZarrLoadShardedStrategy", "ZarrSaveShardedStrategy", "checked_max_chunk_bytes",
+    "checked_shard_bytes", "checked_staging_bytes",
     "resolve_shard_bytes", "_create_or_open_zarr_arrays", "_create_zarr_array",
     "_load_from_array", "_open_zarr_array_verbose", "_save_to_existing_array",
     "_should_create_array", "array_spec", "consolidated_document", "flatten_range", "load_zarr_based_sharded_metadata",
@@ -72,6 +73,7 @@ from shardstore.format.dtypes import (
     torch_to_numpy_dtype_dict,  # noqa: F401  (seed API)
 )
 from shardstore.format.records import (
+    MAX_CHUNK_BYTES,
     MAX_RECORD_BYTES,
     ZARR_JSON,
     ArrayRecord,
@@ -94,9 +96,11 @@ from shardstore.planning.layout import (
     region_at,
 )
 from shardstore.planning.plans import (
+    SHARD_SLACK,
     RankReadPlan,
     RankSavePlan,
     largest_shard_bytes,
+    largest_shard_data_bytes,
     plan_reads,
     plan_save,
     stored_at_most,
@@ -219,11 +223,44 @@ def checked_shard_bytes(shard_bytes: object) -> ShardBytes:
     if isinstance(shard_bytes, str) and shard_bytes == "auto":
         return "auto"
     if isinstance(shard_bytes, numbers.Integral) and not isinstance(shard_bytes, bool) and shard_bytes > 0:
+        _refuse_unreadable_chunks(
+            "shard_bytes", int(shard_bytes), largest_shard_data_bytes(int(shard_bytes)),
+            int(MAX_CHUNK_BYTES / SHARD_SLACK),
+        )
         return int(shard_bytes)
     raise ValueError(
         f"shard_bytes must be 'auto' (shard from {AUTO_SHARD_MIN_RANKS} ranks on), None (never shard) or a "
         f"positive number of bytes (shard at any world size), got {shard_bytes!r}"
     )
+
+
+def checked_max_chunk_bytes(max_chunk_bytes: object) -> int:
+    """``max_chunk_bytes`` as a save takes it: a positive, finite number of bytes
+    (``checked_staging_bytes``) of at most ``MAX_CHUNK_BYTES``.
+
+    Raises:
+        ValueError: anything else, naming the option, the value and what is accepted.
+    """
+    value = checked_staging_bytes("max_chunk_bytes", max_chunk_bytes)
+    _refuse_unreadable_chunks("max_chunk_bytes", value, value, MAX_CHUNK_BYTES)
+    return value
+
+
+def _refuse_unreadable_chunks(name: str, value: int, largest: int, most: int) -> None:
+    """Refuses option ``name`` = ``value`` whose chunks or shards may hold ``largest``
+    bytes of data, more than readers accept for one (``MAX_CHUNK_BYTES``: a reader
+    decodes a chunk whole in memory and refuses larger ones as absurd): a save would
+    commit a checkpoint no load can read. ``most``: the largest value accepted.
+
+    Raises:
+        ValueError: naming the option, the limit and the largest value accepted.
+    """
+    if largest > MAX_CHUNK_BYTES:
+        raise ValueError(
+            f"{name}={value} allows chunks or shards of up to {largest} bytes of data, more than the "
+            f"{MAX_CHUNK_BYTES} bytes readers accept in one (a save would commit a checkpoint that no load can "
+            f"read): pass a {name} of at most {most}"
+        )
 
 
 def checked_staging_bytes(name: str, value: object, optional: bool = False) -> int | None:
@@ -311,7 +348,8 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     Raises:
         ValueError: ``max_chunk_bytes`` not positive; ``shard_bytes`` neither
-            ``"auto"``, None nor a positive integer.
+            ``"auto"``, None nor a positive integer; either allowing chunks or shards
+            larger than readers accept (``MAX_CHUNK_BYTES``, 16 GiB of data).
     """
 
     def __init__(
@@ -329,7 +367,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         shard_bytes: ShardBytes = "auto",
     ) -> None:
         super().__init__(backend, version)
-        self.max_chunk_bytes = checked_staging_bytes("max_chunk_bytes", max_chunk_bytes)
+        self.max_chunk_bytes = checked_max_chunk_bytes(max_chunk_bytes)
         self.shard_bytes = shard_bytes
         self.io_concurrency = io_concurrency
         self.process_group = process_group

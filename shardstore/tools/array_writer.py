@@ -44,6 +44,7 @@ from shardstore.strategies.zarr import (
     DEFAULT_MAX_CHUNK_BYTES,
     SHARDSTORE_BACKEND,
     ZARR_VERSION,
+    checked_max_chunk_bytes,
     single_tensor_record,
 )
 
@@ -59,6 +60,10 @@ class CheckpointWriter:
             its shape and dtype, e.g. on the ``meta`` device), and
         planned_objects: the unique keys of the sharded objects: their keys are checked
             before anything is written, as ``save`` checks its keys.
+
+    Raises:
+        ValueError: a ``max_chunk_bytes`` that is no positive number of bytes, or above
+            what readers accept (``strategies.zarr.checked_max_chunk_bytes``).
     """
 
     def __init__(
@@ -66,7 +71,7 @@ class CheckpointWriter:
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         planned_arrays: dict[str, torch.Tensor] | None = None, planned_objects: Iterable[str] = (),
     ) -> None:
-        self.max_chunk_bytes = max_chunk_bytes
+        self.max_chunk_bytes = checked_max_chunk_bytes(max_chunk_bytes)
         config = CheckpointingConfig(SHARDSTORE_BACKEND, ZARR_VERSION, COMMON_BACKEND, COMMON_VERSION)
         self._save = SavePipeline.open(checkpoint_dir, options=SaveOptions(overwrite=overwrite), config=config)
         self._save.check_storable(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -344,3 +345,36 @@ def test_an_atomic_put_that_failed_and_stored_nothing_still_fails(server: MotoSe
     finally:
         proxy.stop()
     assert store.get("record") == b"old"
+
+
+# ---------------------------------------------------------------- 10. prefixes that clients spell differently
+
+
+@pytest.mark.parametrize(("spelled", "reason"), [
+    ("/{p}", "empty"),  # s3://bucket//p
+    ("{p}//b", "empty"),
+    ("{p}/../b", r"'\.\.'"),
+    ("{p}/./b", r"'\.'"),
+])
+def test_a_prefix_with_empty_or_dot_segments_is_refused_before_anything_is_written(
+    server: MotoServer, spelled: str, reason: str,
+) -> None:
+    """S3 keys are literal, but not to every client: a save to ``s3://bucket/p/../e``
+    wrote common.pt, metadata.json and the commit record through s3fs under the key
+    ``p/../e/`` and the chunks through TensorStore (curl resolves dot segments) under
+    ``e/``, outside the prefix, over any checkpoint there; verify named the split. And
+    ``s3://bucket//p`` was saved under ``p``, not under the key ``/p`` that the URL
+    names to S3 and to other tools. Such prefixes are refused when the store is made."""
+    prefix = _prefix()
+    url = f"s3://{BUCKET}/{spelled.format(p=prefix)}"
+    with pytest.raises(CheckpointingException, match=rf"{re.escape(url)}.*{reason}.* segment"):
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}, open_location(
+            url, options=s3_options(server.endpoint)))
+    listed = _client(server).list_objects_v2(Bucket=BUCKET).get("Contents", [])
+    assert not [o["Key"] for o in listed if prefix in o["Key"] or o["Key"].startswith(("b/", "/"))]
+
+
+@pytest.mark.parametrize("url", [f"s3://{BUCKET}", f"s3://{BUCKET}/", f"s3://{BUCKET}/a/b", f"s3://{BUCKET}/a/b/",
+                                 f"s3://{BUCKET}/a.b/..c/%2E%2E"])
+def test_plain_prefixes_and_a_trailing_slash_are_taken(url: str) -> None:
+    assert S3Store(url).describe() == url.rstrip("/")

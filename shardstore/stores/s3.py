@@ -135,14 +135,37 @@ def _profile_region(profile: str | None) -> str | None:
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")``."""
+    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")`` (trailing ``/`` dropped).
+
+    Raises:
+        StorageError: no bucket; a prefix holding ``?versionId=``, or an empty, ``.``
+            or ``..`` segment (``_refuse_unplain_segments``)."""
     if not url.startswith("s3://"):
         raise StorageError(f"Not an s3:// URL: {url!r}")
     bucket, _, prefix = url[len("s3://"):].partition("/")
     if not bucket:
         raise StorageError(f"No bucket in {url!r}; expected s3://bucket/prefix")
     _refuse_version_suffix(url, url)
-    return bucket, prefix.strip("/")
+    prefix = prefix.rstrip("/")
+    _refuse_unplain_segments(url, prefix)
+    return bucket, prefix
+
+
+def _refuse_unplain_segments(url: str, prefix: str) -> None:
+    """Refuses a key prefix with an empty, ``.`` or ``..`` segment. S3 keeps such keys
+    literally and so does s3fs (the small files), but TensorStore's requests (the
+    chunks) resolve ``.`` and ``..``, which would split the checkpoint between two
+    prefixes, the chunks' outside this one; and a leading ``/`` (``s3://bucket//p``)
+    names the key ``/p`` to S3 and to other tools, not ``p``."""
+    odd = next((segment for segment in prefix.split("/") if segment in ("", ".", "..")), None) if prefix else None
+    if odd is not None:
+        what = "an empty ('//')" if odd == "" else f"a {odd!r}"
+        raise StorageError(
+            f"{url}: the key prefix {prefix!r} has {what} segment. S3 keeps keys literally, but not every "
+            "client does (TensorStore, which writes the chunks, resolves '.' and '..'), and '//' names other "
+            "keys than '/' does: the checkpoint would not lie wholly where the URL says. Name the prefix with "
+            "plain segments only, as s3://bucket/a/b"
+        )
 
 
 def _refuse_version_suffix(path: str, where: str) -> None:

@@ -308,3 +308,34 @@ def test_a_list_as_the_whole_state_dict_is_refused_before_anything_is_written(ck
     with pytest.raises(CheckpointingException, match=r"state dict.*is a list.*dict"):
         save([ShardedTensor.from_rank_offsets("x", torch.ones(2)), 5], ckpt_dir)
     assert not ckpt_dir.exists() or not any(ckpt_dir.iterdir())
+
+
+def test_objects_saved_in_megatrons_order_through_the_seeds_strategies_load(tmp_path: Path) -> None:
+    """Megatron-Core's ``save`` order through the seed's strategies: the common state and
+    the ShardedObjects (``TorchCommonSaveStrategy.save_sharded_objects``, under
+    ``__objects__``) into the caller's directory, then the sharded save, committed in
+    place. Before, the commit left the object files out of its record (their
+    ``__objects__`` path is no key a caller may use): the checkpoint verified as damaged,
+    ``load_sharded_metadata`` did not list the objects and ``load`` refused to read them,
+    "not vouched for by the commit record"."""
+    from shardstore import load_sharded_metadata, verify
+    from shardstore.core import CheckpointingConfig, save_config
+    from shardstore.strategies.common import TorchCommonSaveStrategy
+    from shardstore.strategies.zarr import SHARDSTORE_BACKEND, ZARR_VERSION, ZarrSaveShardedStrategy
+
+    ckpt = tmp_path / "megatron_order"
+    ckpt.mkdir()
+    common = TorchCommonSaveStrategy()
+    common.save_common({"step": 7}, ckpt)
+    common.save_sharded_objects({"rng": [ShardedObject("rng_state", {"seed": r}, (2,), (r,)) for r in range(2)]}, ckpt)
+    ZarrSaveShardedStrategy().save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 3))}, ckpt)
+    save_config(CheckpointingConfig(SHARDSTORE_BACKEND, ZARR_VERSION, "torch", 1), ckpt)
+
+    report = verify(ckpt)
+    assert report.ok, [p.message for p in report.problems]
+    assert {"rng_state/shard_0_2", "rng_state/shard_1_2"} <= set(load_sharded_metadata(ckpt))
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(2, 3)),
+               "rng": [ShardedObject("rng_state", None, (2,), (r,)) for r in range(2)]}
+    loaded = load(request, ckpt)
+    assert loaded["rng"] == [{"seed": 0}, {"seed": 1}] and loaded["step"] == 7
+    assert_bits_equal(loaded["w"], torch.ones(2, 3))

@@ -57,7 +57,7 @@ from shardstore.format.chunks import (
 )
 from shardstore.format.commit import PendingCheckpoint
 from shardstore.format.dtypes import byte_view, from_zarr_name, tensor_to_numpy
-from shardstore.format.integrity import caller_file_checksums, file_checksums
+from shardstore.format.integrity import caller_file_checksums, callers_objects, file_checksums
 from shardstore.format.records import (
     ZARR_JSON,
     ArrayRecord,
@@ -748,6 +748,8 @@ def commit_save(pending: PendingCheckpoint, record: CommitRecord, reports: list[
         pending.options.array_places, pending.describe()
     )
     record = bind_chunks(record, reports, pending.describe())
+    if pending.publisher.binds_callers_files:
+        record = callers_objects(pending.location, record)
     files = file_checksums(pending.location, record)
     record = replace(record, files=files.checksums, file_digests=files.digests,
                      reused_from=reused_from(pending, reports))

@@ -25,6 +25,7 @@ __all__ = [
     "VerifyReport",
     "FileSums",
     "caller_file_checksums",
+    "callers_objects",
     "file_checksums",
     "file_mismatch",
     "verify",
@@ -56,6 +57,7 @@ from shardstore.format.records import (
     OBJECTS_DIR,
     ArrayRecord,
     CommitRecord,
+    ObjectRecord,
     check_key,
     checksum,
     file_digest,
@@ -102,6 +104,31 @@ def file_checksums(location: Location, record: CommitRecord) -> FileSums:
             continue
         sums.add(rel, data)
     return sums
+
+
+def callers_objects(location: Location, record: CommitRecord) -> CommitRecord:
+    """``record`` with the ShardedObject shards an in-place save's caller wrote under
+    ``OBJECTS_DIR`` before the commit (Megatron-Core's ``save`` order through the seed's
+    ``TorchCommonSaveStrategy.save_sharded_objects``: the objects first, then the
+    sharded save, which never sees them) among its objects, so that the commit vouches
+    for their files and a load and the metadata queries find them. A file there that
+    names no valid shard (``<key>/shard_<offset>_<shape>.pt``) is left out, for
+    ``verify`` to flag."""
+    shards: dict[str, set[str]] = {}
+    for rel in location.child(OBJECTS_DIR).list_files():
+        shard_key = rel.removesuffix(".pt")
+        key, _, shard = shard_key.rpartition("/")
+        if shard_key == rel or not key or not shard.startswith("shard_") or key in record.objects:
+            continue
+        try:
+            check_key(shard_key, where=location.describe())
+        except CheckpointingException as exc:
+            logger.warning("Not listing %s in the commit record (verify will flag it): %s",
+                           location.describe(f"{OBJECTS_DIR}/{rel}"), exc)
+            continue
+        shards.setdefault(key, set()).add(shard_key)
+    adopted = {key: ObjectRecord(key, tuple(sorted(keys))) for key, keys in shards.items()}
+    return replace(record, objects={**record.objects, **adopted}) if adopted else record
 
 
 def caller_file_checksums(location: Location, record: CommitRecord) -> FileSums:

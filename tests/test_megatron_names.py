@@ -89,3 +89,18 @@ def test_save_and_load_run_on_the_process_group_their_strategy_names(tmp_path: P
 
     assert run_distributed(save_and_load_on_the_strategies_group, 2, str(tmp_path), timeout=90) == [
         [0.0] * 4, [1.0] * 4]
+
+
+def test_megatrons_default_save_backend_names_shardstores_strategy(tmp_path: Path) -> None:
+    """Megatron-Core's default save backend is ``("torch_dist", 1)``: Megatron-LM asks
+    ``get_default_save_sharded_strategy(args.ckpt_format)`` and code passes the tuple to
+    ``save``. ``strategies.torch`` names shardstore's strategy ``TorchDistSaveShardedStrategy``,
+    but before, only the load side was registered under that name: both calls raised
+    "No default strategy for save_sharded with backend 'torch_dist' version 1"."""
+    from shardstore.serialization import get_default_save_sharded_strategy
+
+    assert isinstance(get_default_save_sharded_strategy("torch_dist"), TorchDistSaveShardedStrategy)
+    ckpt = tmp_path / "ckpt"
+    save({"a": ShardedTensor.from_rank_offsets("keyA", torch.ones(2, 4))}, ckpt, ("torch_dist", 1))
+    loaded = load({"a": ShardedTensor.from_rank_offsets("keyA", torch.zeros(2, 4))}, ckpt)
+    assert torch.equal(loaded["a"], torch.ones(2, 4))

@@ -7,8 +7,10 @@ __all__: list[str] = []
 
 from shardstore.strategies.common import register_default_common_strategies
 from shardstore.strategies.other_formats import register_default_other_format_strategies
+from shardstore.strategies.torch import register_default_torch_dist_save_strategy
 from shardstore.strategies.zarr import register_default_zarr_strategies
 
 register_default_zarr_strategies()
 register_default_common_strategies()
 register_default_other_format_strategies()
+register_default_torch_dist_save_strategy()

@@ -8,23 +8,31 @@ and ``TorchDistLoadShardedStrategy`` are therefore names for shardstore's own st
 that take Megatron's arguments (``TorchDistSaveShardedStrategy("torch_dist", 1,
 thread_count=2, separation_hint="prefix")``): the options that shape torch_dist's files
 (thread count, file separation, cached DCP metadata) have no meaning for shardstore's
-and are logged once, not applied. The reformulation API lives in
-``strategies.resharding``.
+and are logged once, not applied. Megatron's default save backend,
+``("torch_dist", 1)`` (``get_default_save_sharded_strategy``, a tuple given to
+``save``), names ``TorchDistSaveShardedStrategy`` here too. The reformulation API lives
+in ``strategies.resharding``.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "TorchDistLoadShardedStrategy", "TorchDistSaveShardedStrategy",
-    "get_reformulation_metadata",
+    "get_reformulation_metadata", "register_default_torch_dist_save_strategy",
 ]
 
 import logging
 from typing import Any
 
 from shardstore.progress import log_once
+from shardstore.strategies.base import StrategyAction, register_default_strategy
+from shardstore.strategies.other_formats import TORCH_DIST_BACKEND
 from shardstore.strategies.resharding import get_reformulation_metadata
-from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
+from shardstore.strategies.zarr import (
+    ZARR_VERSION,
+    ZarrLoadShardedStrategy,
+    ZarrSaveShardedStrategy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,3 +61,11 @@ class TorchDistLoadShardedStrategy(ZarrLoadShardedStrategy):
     def __init__(self, **torch_dist_options: Any) -> None:
         super().__init__()
         _ignored(type(self).__name__, torch_dist_options)
+
+
+def register_default_torch_dist_save_strategy() -> None:
+    """Registers ``TorchDistSaveShardedStrategy`` as the default save strategy of
+    Megatron's ``("torch_dist", 1)`` (the load side is ``strategies.other_formats``')."""
+    register_default_strategy(
+        StrategyAction.SAVE_SHARDED, TORCH_DIST_BACKEND, ZARR_VERSION, TorchDistSaveShardedStrategy()
+    )

@@ -280,3 +280,32 @@ def test_only_the_entries_turn_a_path_into_a_location() -> None:
     assert count_doors.counts() == {
         "open_location calls": 6, "tools imports of lower layers": 0, "location subclass probes": 0,
     }
+
+
+def _saves_into_callers_directories(rank: int, world: int, root: str) -> int:
+    """Three saves through the seed's strategy into directories rank 0 made; the keys
+    they left in the process group's store."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    dist.barrier()
+    before = store.num_keys()
+    for i in range(3):
+        ckpt = Path(root) / f"megatron{i}"
+        if rank == 0:
+            ckpt.mkdir()
+        dist.barrier()
+        ZarrSaveShardedStrategy().save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2), (0, rank, world))}, ckpt)
+    dist.barrier()
+    return store.num_keys() - before
+
+
+def test_saves_into_a_callers_directory_leave_nothing_in_the_store(tmp_path: Path) -> None:
+    """Each rank of a save into a caller's directory (Megatron-Core's save, the plug-in)
+    makes its own save id, so the count of ranks that stopped writing
+    (``protocol.stopped_writers``) can never be met there. Before, every rank but the
+    coordinator still added its own counter to the c10d store, which only the
+    coordinator's was dropped from: world size - 1 keys left in the store per save."""
+    from tests.dist import run_distributed
+
+    assert run_distributed(_saves_into_callers_directories, 2, str(tmp_path)) == [0, 0]

@@ -560,7 +560,9 @@ class SavePipeline:
         with _STOPPED_WRITERS_LOCK:
             found = _STOPPED_WRITERS.get(pending)
             if found is None:
-                found = _STOPPED_WRITERS[pending] = StoppedWriters(self.group, pending.intent.save_id)
+                found = _STOPPED_WRITERS[pending] = StoppedWriters(
+                    self.group, pending.intent.save_id, shared_id=pending.intent.agreed
+                )
         return found
 
 

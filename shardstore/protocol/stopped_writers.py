@@ -16,7 +16,10 @@ created), which answers at once whatever collective a peer is waiting in:
 A rank that cannot reach the store (a writer process the save was handed to, a store
 that is gone: logged) does not mark; ``everyone`` is then False and the staging directory is
 left for the next save into the same place, as after a crash. One counter per save
-(keyed by its ``save_id``), one store request per rank per save on the normal path.
+(keyed by its ``save_id``), one store request per rank per save on the normal path. A
+save whose ranks each made their own id (``shared_id`` False: a caller's directory,
+where nothing is ever deleted) counts nothing: its ranks' counters could never meet,
+and only the coordinator's would be dropped from the store.
 """
 
 from __future__ import annotations
@@ -39,11 +42,20 @@ _POLL_S = 0.05
 
 @dataclass
 class StoppedWriters:
-    """The counter of the save ``save_id`` among the ranks of ``group``."""
+    """The counter of the save ``save_id`` among the ranks of ``group`` (``shared_id``:
+    every rank knows the save by that id; else nothing is counted)."""
 
     group: Group
     save_id: str
+    shared_id: bool = True
     _marked: bool = field(default=False, init=False)
+
+    def _store(self) -> dist.Store | None:
+        """The store the counter lives in; None where nothing is counted (one rank, a
+        save without a shared id, a process without the group's store)."""
+        if self.group.world_size == 1 or not self.shared_id:
+            return None
+        return self.group.key_value_store()
 
     @property
     def key(self) -> str:
@@ -51,9 +63,7 @@ class StoppedWriters:
 
     def mark(self) -> None:
         """This rank no longer writes into the save (counted once per rank)."""
-        if self._marked or self.group.world_size == 1:
-            return
-        store = self.group.key_value_store()
+        store = None if self._marked else self._store()
         if store is None:
             return
         self._marked = True
@@ -65,10 +75,10 @@ class StoppedWriters:
 
     def everyone(self, seconds: float) -> bool:
         """Coordinator: whether every rank of the group marked within ``seconds``.
-        Trivially True for one rank."""
+        Trivially True for one rank; False for a save without a shared id."""
         if self.group.world_size == 1:
             return True
-        store = self.group.key_value_store()
+        store = self._store()
         if store is None:
             return False
         deadline = time.monotonic() + seconds
@@ -84,7 +94,7 @@ class StoppedWriters:
 
     def forget(self) -> None:
         """Coordinator, once the save is over: drops its counter from the store."""
-        store = self.group.key_value_store() if self.group.world_size > 1 else None
+        store = self._store()
         if store is None:
             return
         try:

@@ -346,3 +346,32 @@ def test_a_preloaded_request_writes_what_its_preload_staged(run: str) -> None:
         queue.close()
     assert len(staged) == 1 and len(written) == 1 and written[0] is staged[0], "async_fn did not get the preload's copy"
     assert torch.equal(written[0], torch.arange(8.0)), written
+
+
+def test_a_report_left_by_an_earlier_save_into_the_directory_is_not_taken(tmp_path) -> None:
+    """Megatron-Core saves into a directory that an earlier, crashed save wrote into
+    (it only warns, "Overwriting old incomplete / corrupted checkpoint"). The crashed
+    save's background writer had left its report; the new save's writer died without
+    one. Before, the finalization read the old report as the new save's and committed
+    the old chunks' checksums: the checkpoint verified and loaded the crashed save's
+    values. Now a report names its save, and one of another save is no report."""
+    import torch
+
+    from shardstore import ShardedTensor, verify
+    from shardstore.strategies.forked_writes import for_another_process
+    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+
+    ckpt = tmp_path / "iter_0000010"
+    ckpt.mkdir()
+
+    def request(value: float) -> AsyncRequest:
+        state = {"w": ShardedTensor.from_rank_offsets("w", torch.full((8,), value))}
+        return for_another_process(ZarrSaveShardedStrategy().async_save(state, ckpt), AsyncRequest)
+
+    crashed = request(1.0)
+    crashed.async_fn(*crashed.async_fn_args)  # written and reported; the job died before its finalization
+    again = request(2.0)  # its writer dies before writing anything
+    with pytest.raises(CheckpointingException, match=r"background write of rank 0 into .* left no report"):
+        for finalize in again.finalize_fns:
+            finalize()
+    assert not verify(ckpt).ok  # nothing committed

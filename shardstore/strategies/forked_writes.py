@@ -7,8 +7,11 @@ persistent spawned one: ``SavePipeline``, ``PendingCheckpoint`` and ``LocalStore
 process needs; or to nvidia-resiliency-ext's), so they cannot: here each rank's background writer
 leaves its outcome in a small file, ``.shardstore-written-<rank>.json`` in the pending
 checkpoint, which the finalization (in the training process, on every rank) reads,
-removes and commits with. A background write that failed, or left no report, fails the
-finalization on every rank, with no commit record.
+removes and commits with. A report names its save (the rank's save id): one left by
+another save into the same directory (Megatron-Core saves into the directory of an
+earlier save that crashed before its finalization) is no report of this one. A
+background write that failed, or left no report, fails the finalization on every rank,
+with no commit record.
 
 Used by both ways into Megatron: ``shardstore.megatron.install()`` (the module-level
 entry points) and the strategy plug-in (``tools.megatron_strategy``). Needs no
@@ -69,6 +72,11 @@ def _report_file(rank: int) -> str:
     return f"{WRITE_REPORT_PREFIX}{rank}.json"
 
 
+def _save_id(pipeline: SavePipeline) -> str:
+    """The id this rank knows its save by, which its report carries."""
+    return pipeline.pending.intent.save_id
+
+
 def write_and_report(pipeline: SavePipeline, io_concurrency: int, io_threads: int) -> None:
     """The ``async_fn`` (run in another process): this rank's writes, then its outcome,
     the chunks' checksums or the error, in the rank's report file.
@@ -78,12 +86,13 @@ def write_and_report(pipeline: SavePipeline, io_concurrency: int, io_threads: in
     one loop that an exception would end, and its queue would then wait forever for
     this request and every later one; its forked writer ignores the exit status
     anyway. Nor is a report that cannot be written (``_leave_report``)."""
+    outcome: dict[str, Any] = {"save_id": _save_id(pipeline)}
     try:
         write_staged(pipeline, io_concurrency, io_threads)
-        outcome: dict[str, Any] = {"written": [[c.key, list(c.index), *c[2:]] for c in pipeline.written]}
+        outcome["written"] = [[c.key, list(c.index), *c[2:]] for c in pipeline.written]
     except Exception as exc:  # the finalization raises it, on every rank
         logger.error("The background write into %s failed", pipeline.describe(), exc_info=True)
-        outcome = {"error": f"{type(exc).__name__}: {exc}"}
+        outcome["error"] = f"{type(exc).__name__}: {exc}"
         pipeline.location.end_writes()
     _leave_report(pipeline, outcome)
 
@@ -115,6 +124,12 @@ def finalize_from_report(pipeline: SavePipeline) -> None:
             )
         location.remove(rel)
         outcome = json.loads(data)
+        if outcome.get("save_id") != _save_id(pipeline):
+            raise CheckpointingException(
+                f"The background write of rank {rank} into {location.describe()} left no report: {rel} there "
+                f"is another save's ({outcome.get('save_id')!r}, one that did not finish), removed now; the "
+                "background write did not finish, or could not write its report (the writer's log says why)"
+            )
         if "error" in outcome:
             raise CheckpointingException(
                 f"The background write of rank {rank} into {location.describe()} failed: "

@@ -309,3 +309,42 @@ def test_saves_into_a_callers_directory_leave_nothing_in_the_store(tmp_path: Pat
     from tests.dist import run_distributed
 
     assert run_distributed(_saves_into_callers_directories, 2, str(tmp_path)) == [0, 0]
+
+
+class _WritesItsOwnFiles:
+    """A save strategy of someone else's (Megatron-style code subclassing the seed's
+    interface): writes a file of its own format, commits nothing of shardstore's."""
+
+    @staticmethod
+    def make(asynchronous: bool) -> object:
+        from shardstore.strategies.async_utils import AsyncRequest
+        from shardstore.strategies.base import AsyncSaveShardedStrategy, SaveShardedStrategy
+
+        def write(checkpoint_dir: object) -> None:
+            checkpoint_dir.write_bytes("theirs.bin", b"their format")
+
+        class Sync(SaveShardedStrategy):
+            def save(self, sharded_state_dict: dict, checkpoint_dir: object) -> None:
+                write(checkpoint_dir)
+
+        class Async(AsyncSaveShardedStrategy):
+            def async_save(self, sharded_state_dict: dict, checkpoint_dir: object) -> AsyncRequest:
+                return AsyncRequest(async_fn=write, async_fn_args=(checkpoint_dir,), finalize_fns=[])
+
+        return (Async if asynchronous else Sync)("theirs", 1)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_save_through_a_strategy_that_commits_nothing_fails(tmp_path: Path, asynchronous: bool) -> None:
+    """``shardstore.save`` with a save strategy that is not shardstore's (it writes through
+    the location the save hands it and commits nothing). Before, ``save`` returned (and
+    the async request finished) as after a successful save, with no checkpoint at all:
+    only a staging directory the next save would remove. Now the save fails, saying so,
+    and leaves nothing behind."""
+    ckpt = tmp_path / "ckpt"
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)), "step": 1}
+    with pytest.raises(CheckpointingException, match=r"(?s)committed nothing.*ZarrSaveShardedStrategy"):
+        request = save(state, ckpt, _WritesItsOwnFiles.make(asynchronous), async_sharded_save=asynchronous)
+        if asynchronous:
+            request.execute_sync()
+    assert list(tmp_path.iterdir()) == []

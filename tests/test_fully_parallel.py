@@ -586,8 +586,9 @@ def saved_and_loaded_on_a_pair(rank: int, world: int, root: str) -> list[tuple[s
             f"norm{i}", torch.empty(6 + i) if empty else torch.arange(6.0 + i) * (i + 1), replica_id=rank)
             for i in range(4)}
 
-    recording = RecordingSave()
-    save(state(False), f"{root}/recorded", FullyParallelSaveStrategyWrapper(recording), process_group=pair)
+    recording = RecordingSave()  # it writes nothing: shardstore.save says no checkpoint was committed
+    with pytest.raises(CheckpointingException, match="committed nothing"):
+        save(state(False), f"{root}/recorded", FullyParallelSaveStrategyWrapper(recording), process_group=pair)
     save(state(False), f"{root}/pair", process_group=pair)
     loaded = load(state(True), f"{root}/pair", FullyParallelLoadStrategyWrapper(ZarrReadingElsewhere()),
                   process_group=pair)

@@ -82,6 +82,8 @@ UNWIND_WAIT_S = 10.0
 # Each pending save's count of the ranks that stopped writing (``SavePipeline._writers``).
 _STOPPED_WRITERS: weakref.WeakKeyDictionary[PendingCheckpoint, StoppedWriters] = weakref.WeakKeyDictionary()
 _STOPPED_WRITERS_LOCK = threading.Lock()
+# The pending saves whose finalization returned on this rank: committed (``SavePipeline.committed``).
+_COMMITTED: weakref.WeakSet[PendingCheckpoint] = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -247,6 +249,13 @@ class SavePipeline:
     @property
     def begun(self) -> bool:
         return self._pending is not None
+
+    @property
+    def committed(self) -> bool:
+        """Whether the save's finalization returned on this rank (and so on every rank):
+        the checkpoint is published, through this pipeline or another that adopted its
+        save (a strategy handed ``location``)."""
+        return self._pending is not None and self._pending in _COMMITTED
 
     @property
     def planned_tensors(self) -> list[ShardedTensor] | None:
@@ -464,6 +473,7 @@ class SavePipeline:
             staged.snapshot.release()
         try:
             rank_save.finalize_save(self.pending, self.group, self._commit_record, self.written, error)
+            _COMMITTED.add(self.pending)
         finally:
             if self.group.is_coordinator:
                 self._writers().forget()

@@ -13,9 +13,10 @@ __all__ = [
     "DelegatingLoadStrategy", "LoadCommonStrategy", "LoadShardedStrategy", "LoadStrategyBase",
     "SaveCommonStrategy", "SaveShardedStrategy", "SaveStrategyBase", "StrategyAction",
     "agree_before_save", "async_calls", "default_strategies", "get_default_strategy", "plan_load_with_record",
-    "register_default_strategy", "strategy_by_name",
+    "register_default_strategy", "require_committed", "strategy_by_name",
 ]
 
+import functools
 import inspect
 from abc import ABC, abstractmethod
 from collections import defaultdict
@@ -301,8 +302,13 @@ class SaveShardedStrategy(SaveStrategyBase):
         """Collective: writes this rank's part of ``plan`` into the save ``pipeline`` has
         begun and joined (``execution.pipeline``), committing through it. ``serialization.
         save`` calls this; the default hands the location the pipeline writes into to
-        ``save_with_plan`` (the seed's signature), which a strategy overrides."""
+        ``save_with_plan`` (the seed's signature), which a strategy overrides.
+
+        Raises:
+            CheckpointingException: on every rank, when the save was not committed
+                through that location (``require_committed``)."""
         self.save_with_plan(sharded_state_dict, pipeline.location, plan, pipeline.group.process_group, local_error)
+        require_committed(self, pipeline)
 
 
 class AsyncSaveShardedStrategy(SaveShardedStrategy):
@@ -331,10 +337,14 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
         self, sharded_state_dict: ShardedStateDict, pipeline: SavePipeline, plan: Any,
         local_error: BaseException | None = None,
     ) -> AsyncRequest:
-        """Like ``save_into``, returning the request whose finalization commits."""
-        return self.async_save_with_plan(
+        """Like ``save_into``, returning the request whose finalization commits (its last
+        finalization step fails the save on every rank where none did:
+        ``require_committed``, the save then abandoned)."""
+        request = self.async_save_with_plan(
             sharded_state_dict, pipeline.location, plan, pipeline.group.process_group, local_error
         )
+        request.add_finalize_fn(functools.partial(_require_committed_or_abandon, self, pipeline))
+        return request
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
         """Every async strategy can be used synchronously."""
@@ -345,6 +355,38 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
         process_group: Any = None, local_error: BaseException | None = None,
     ) -> None:
         self.async_save_with_plan(sharded_state_dict, checkpoint_dir, plan, process_group, local_error).execute_sync()
+
+
+def require_committed(strategy: SaveShardedStrategy, pipeline: SavePipeline) -> None:
+    """After ``strategy`` saved through ``pipeline``'s location: the save must be committed
+    (shardstore's own strategy, alone or wrapped, commits through it on every rank). A
+    strategy that writes its own files there commits nothing shardstore could publish:
+    every rank of the save raises alike.
+
+    Raises:
+        CheckpointingException: naming the strategy, the checkpoint and what to pass.
+    """
+    if pipeline.committed:
+        return
+    raise CheckpointingException(
+        f"{strategy} committed nothing into {pipeline.describe()}: shardstore.save publishes only the saves of "
+        "shardstore's strategies (ZarrSaveShardedStrategy, alone or in a wrapper such as "
+        "FullyParallelSaveStrategyWrapper), which commit through the location the save hands them. Nothing was "
+        f"published. Pass one of those, or save with {strategy} through its own library's save"
+    )
+
+
+def _require_committed_or_abandon(strategy: SaveShardedStrategy, pipeline: SavePipeline) -> None:
+    """``require_committed`` as an async request's last finalization step: an uncommitted
+    save is abandoned (the coordinator deletes what it staged) before it raises."""
+    try:
+        require_committed(strategy, pipeline)
+    except CheckpointingException:
+        if pipeline.group.is_coordinator:
+            pipeline.abandon()
+        else:
+            pipeline.release()
+        raise
 
 
 def agree_before_save(process_group: Any, checkpoint_dir: CheckpointDir, local_error: BaseException | None) -> None:

@@ -815,7 +815,7 @@ def _saved_keys(
 ) -> set[str]:
     """Every tensor and object key the checkpoint holds."""
     if record is not None:
-        return set(record.arrays) | set(record.objects)
+        return set(record.arrays) | record.object_keys
     found = {**sharded_strategy.load_sharded_metadata(location), **common_strategy.load_sharded_metadata(location)}
     return {item.key for item in found.values()}
 

@@ -300,6 +300,45 @@ def test_megatron_save_and_load_with_the_plugin(ckpt_dir: Path) -> None:
     assert [p.key for p in verify(ckpt_dir).problems] == [sorted(external)[0]]
 
 
+def load_objects_with_shardstore(rank: int, world: int, ckpt: str) -> None:
+    loaded = load(megatron_state_dict(rank, world, empty=True), ckpt)
+    assert loaded["rng"] == {"rank": rank}, loaded.get("rng")
+    from shardstore import load_sharded_metadata
+
+    assert f"rng_state/shard_{rank}_{world}" in load_sharded_metadata(ckpt)
+
+
+def test_objects_megatrons_save_wrote_through_the_plugin_load_with_shardstore(ckpt_dir: Path) -> None:
+    """Megatron's own save with the plug-in writes its ShardedObjects itself, as
+    ``<unique key>.pt`` (its common strategy's layout), which the commit record lists
+    among the caller's files. ``shardstore.load`` looked for them under ``__objects__/``
+    only and refused the load ("ShardedObject 'rng_state' ... missing"), and
+    ``load_sharded_metadata`` did not list them: they are read from where Megatron put
+    them, checked against the record."""
+    run_distributed(megatron_api_save, 2, str(ckpt_dir))
+    run_distributed(load_objects_with_shardstore, 2, str(ckpt_dir))
+
+
+def test_the_plugin_loads_objects_shardstore_saved(ckpt_dir: Path) -> None:
+    """``shardstore.save`` keeps ShardedObjects under ``__objects__/``; Megatron's own load
+    with the plug-in's load strategy handed them to Megatron's common strategy, which
+    looks for ``<unique key>.pt`` and failed to find them. The plug-in loads them itself."""
+    run_distributed(save_megatron, 2, str(ckpt_dir))
+    run_distributed(megatron_api_load, 2, str(ckpt_dir))
+
+
+def test_a_damaged_object_file_megatron_wrote_is_refused_by_the_plugins_load(ckpt_dir: Path) -> None:
+    """The object files Megatron's save wrote are read through the record's checksums:
+    one damaged after the commit fails the load, naming it, instead of being unpickled."""
+    run_distributed(megatron_api_save, 2, str(ckpt_dir))
+    damaged = ckpt_dir / "rng_state" / "shard_0_2.pt"
+    data = bytearray(damaged.read_bytes())
+    data[-3] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(Exception, match="shard_0_2.pt"):
+        run_distributed(megatron_api_load, 2, str(ckpt_dir))
+
+
 def test_plugin_without_megatron_says_what_to_install(monkeypatch) -> None:
     import importlib
     import sys

@@ -147,7 +147,7 @@ def load_tensors(
     """
     where = f"checkpoint {location.describe()}"
     missing = sorted({t.key for t in tensors if t.key not in record.arrays})
-    if objects := [key for key in missing if key in record.objects]:
+    if objects := [key for key in missing if key in record.object_keys]:
         raise CheckpointingException(
             f"{where} holds {objects} as ShardedObject(s), not tensors: ask for them with a ShardedObject "
             "of the same key"

@@ -162,8 +162,9 @@ def file_mismatch(data: bytes, rel: str, record: CommitRecord) -> str | None:
 
 class ChecksummedLocation(Location):
     """A committed checkpoint's location: every read of a file the commit record could
-    vouch for (common state, sharded objects, ``metadata.json``) is checked against
-    the record, and such a file the record does not list is refused. It shares
+    vouch for (common state, sharded objects, ``metadata.json``, the files an in-place
+    save's caller wrote) is checked against the record, and such a file the record
+    does not list is refused. It shares
     ``inner``'s store and changes only reads."""
 
     def __init__(self, inner: Location, record: CommitRecord) -> None:
@@ -175,12 +176,12 @@ class ChecksummedLocation(Location):
         data = self.inner.read_bytes_or_none(rel, max_bytes)
         if data is None or not self._of_a_vouched_kind(rel):
             return data
-        expected = self.record.files.get(rel)
-        if expected is None and rel == CONFIG_FNAME:
+        listed = rel in self.record.files or rel in self.record.external_files
+        if not listed and rel == CONFIG_FNAME:
             # Megatron-Core's own save (shardstore.tools.megatron_strategy) writes metadata.json after the
             # commit. It only names the backends; the commit record stays the authority.
             return data
-        if expected is None:
+        if not listed:
             raise CheckpointingException(
                 f"{self.inner.describe(rel)} is not vouched for by the commit record of {self.inner.describe()} "
                 "(added after the commit?); refusing to read it"
@@ -193,9 +194,10 @@ class ChecksummedLocation(Location):
 
     def _of_a_vouched_kind(self, rel: str) -> bool:
         """Whether ``rel`` is a file of a kind the record vouches for: one it may list
-        (``CommitRecord.expected_files``), or any ShardedObject shard, listed or not (a
-        shard the record does not list was added after the commit)."""
-        return rel in self._vouchable or rel.startswith(f"{OBJECTS_DIR}/")
+        (``CommitRecord.expected_files``, or a file the caller of an in-place save wrote),
+        or any ShardedObject shard, listed or not (a shard the record does not list was
+        added after the commit)."""
+        return rel in self._vouchable or rel.startswith(f"{OBJECTS_DIR}/") or rel in self.record.external_files
 
 
 @dataclass(frozen=True)

@@ -1032,8 +1032,9 @@ class CommitRecord:
             replaces a checkpoint checks this id before it publishes.
         external_files: checksum of every file the caller of an in-place save wrote
             into the checkpoint before the commit (Megatron-Core's own ``save`` writes
-            its sharded objects there itself), by relative path. shardstore never reads
-            them; ``verify`` checks them like its own.
+            its sharded objects there itself), by relative path. shardstore reads only
+            the ShardedObject shards among them (``object_shard_files``), checked like
+            its own files; ``verify`` checks them all.
         reused_from: the earlier checkpoint whose chunks this save shared (hard links,
             clones or server-side copies) instead of writing them again, or None.
         beside: the top-level names another program had put into the checkpoint's
@@ -1124,6 +1125,28 @@ class CommitRecord:
         """Whether ``rel`` lies under one of the names another program put beside the
         checkpoint (``beside``)."""
         return rel.split("/", 1)[0] in self.beside
+
+    @functools.cached_property
+    def object_shard_files(self) -> dict[str, str]:
+        """Every ShardedObject shard the checkpoint holds, by unique key
+        (``<key>/shard_<offset>_<shape>``): the relative path of its file. The save's
+        own (``objects``) at ``object_path``; and those Megatron-Core's own ``save``
+        wrote itself before an in-place save of ours (``tools.megatron_strategy``), at
+        ``<unique key>.pt`` (its common strategy's layout), which the record lists among
+        ``external_files`` and whose names are shards' unique keys."""
+        files = {
+            shard_key[: -len(".pt")]: shard_key
+            for shard_key in self.external_files
+            if _MEGATRON_OBJECT_FILE.fullmatch(shard_key)
+        }
+        files.update({k: object_path(k) for o in self.objects.values() for k in o.shard_keys})
+        return files
+
+    @functools.cached_property
+    def object_keys(self) -> frozenset[str]:
+        """The key of every ShardedObject the checkpoint holds a shard of (its own and
+        those of ``object_shard_files``)."""
+        return frozenset(shard_key.rsplit("/", 1)[0] for shard_key in self.object_shard_files)
 
     def expected_files(self) -> set[str]:
         """The non-array files a record may vouch for: nothing else, and nothing outside
@@ -1523,6 +1546,10 @@ def _file_digests_from_json(raw: Any, listed: set[str], where: str) -> dict[str,
     if unlisted := sorted(set(raw) - listed):
         raise CheckpointingException(f"{where}: '{FILE_DIGESTS}' names files the record does not list {unlisted[:5]}")
     return dict(raw)
+
+
+# A ShardedObject shard's file as Megatron-Core's common strategy writes it: ``<unique key>.pt``.
+_MEGATRON_OBJECT_FILE = re.compile(rf"(?!{OBJECTS_DIR}/)[^/].*/shard_[0-9.]*_[0-9.]*\.pt")
 
 
 def object_path(shard_key: str) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace, nested_values
+from shardstore.format.integrity import ChecksummedLocation
 from shardstore.format.pickles import deserialize, deserialize_dict, serialize
 from shardstore.format.records import COMMON_FILE, object_path
 from shardstore.mapping import (
@@ -84,12 +85,15 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
     def load_sharded_objects(
         self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir | Location
     ) -> StateDict:
+        """The objects' data, each read from its file (``_shard_file``), checked against
+        the commit record where the location is a committed checkpoint's."""
         location = read_location(checkpoint_dir)
+        files = location.record.object_shard_files if isinstance(location, ChecksummedLocation) else {}
 
         def load_object(obj: Any) -> Any:
             if not isinstance(obj, ShardedObject):
                 return obj
-            rel = object_path(obj.unique_key)
+            rel = _shard_file(obj, files)
             data = location.read_bytes_or_none(rel)
             if data is None and obj.global_shape:  # an old Megatron-Core key lacks the shape's last axis
                 data = location.read_bytes_or_none(object_path(obj.old_unique_key))
@@ -110,11 +114,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         """Data-less ShardedObjects of the checkpoint, keyed by their unique key (an old
         key's shape completed by ``fill_unknown_last_axes`` first, as in Megatron-Core)."""
         record = open_read(checkpoint_dir).require_record()
-        objects = [
-            ShardedObject.empty_from_unique_key(shard_key)
-            for obj in record.objects.values()
-            for shard_key in obj.shard_keys
-        ]
+        objects = [ShardedObject.empty_from_unique_key(shard_key) for shard_key in record.object_shard_files]
         fill_unknown_last_axes(objects)
         return {obj.unique_key: obj for obj in objects}
 
@@ -136,6 +136,18 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
 
     def __str__(self) -> str:
         return self.__class__.__name__
+
+
+def _shard_file(obj: ShardedObject, files: dict[str, str]) -> str:
+    """Where ``obj``'s shard is: its file among a record's ``files``
+    (``CommitRecord.object_shard_files``), by its unique key or by the key an old
+    Megatron-Core save gave it (the shape's last axis left out); else where this
+    library saves it (``object_path``)."""
+    if obj.unique_key in files:
+        return files[obj.unique_key]
+    if obj.global_shape and obj.old_unique_key in files:
+        return files[obj.old_unique_key]
+    return object_path(obj.unique_key)
 
 
 def register_default_common_strategies() -> None:

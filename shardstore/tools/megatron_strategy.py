@@ -47,12 +47,14 @@ except ImportError as exc:  # pragma: no cover - exercised where megatron-core i
         "(pip install megatron-core); shardstore.save/load work without it"
     ) from exc
 
+from shardstore.dict_utils import extract_matching_values, merge
 from shardstore.errors import CheckpointingException
 from shardstore.inputs.megatron_objects import convert_megatron_objects
-from shardstore.mapping import apply_factories, apply_factory_merges
-from shardstore.opened import holds_committed_checkpoint
+from shardstore.mapping import ShardedObject, apply_factories, apply_factory_merges
+from shardstore.opened import holds_committed_checkpoint, read_location
 from shardstore.serialization import load_preprocess
 from shardstore.strategies.base import DelegatingLoadStrategy
+from shardstore.strategies.common import TorchCommonLoadStrategy
 from shardstore.strategies.forked_writes import for_another_process
 from shardstore.strategies.zarr import (
     SHARDSTORE_BACKEND,
@@ -139,7 +141,32 @@ class ShardstoreLoadShardedStrategy(DelegatingLoadStrategy, _megatron_base.LoadS
     def __init__(self, **options: Any) -> None:
         self.base_strategy = ZarrLoadShardedStrategy(**options)
 
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """True: the ShardedObjects are read here, wherever the checkpoint holds them
+        (``CommitRecord.object_shard_files``: under ``__objects__/`` from
+        ``shardstore.save``, at the top level where Megatron's own save through the
+        plug-in wrote them), checked against the commit record. Megatron's common
+        strategy would look at the top level only, and read unchecked."""
+        return True
+
     def load(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
         sharded_state_dict, _, factories = load_preprocess(convert_megatron_objects(sharded_state_dict))
-        return apply_factory_merges(self.base_strategy.load(sharded_state_dict, checkpoint_dir), factories)
+        objects, sharded_state_dict = extract_matching_values(sharded_state_dict, _is_sharded_object)
+        location = read_location(checkpoint_dir)
+        loaded = apply_factory_merges(self.base_strategy.load(sharded_state_dict, location), factories)
+        return merge(loaded, TorchCommonLoadStrategy().load_sharded_objects(objects, location))
+
+    def load_sharded_metadata(self, checkpoint_dir: Any) -> Any:
+        """The checkpoint's ShardedTensors and ShardedObjects (``can_handle_sharded_objects``),
+        keyed by sharded key."""
+        location = read_location(checkpoint_dir)
+        return {
+            **self.base_strategy.load_sharded_metadata(location),
+            **TorchCommonLoadStrategy().load_sharded_metadata(location),
+        }
+
+
+def _is_sharded_object(value: Any) -> bool:
+    return isinstance(value, ShardedObject)
 

@@ -25,6 +25,7 @@ import pathlib
 import pickle
 import shutil
 import struct
+import sys
 import zipfile
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -614,3 +615,96 @@ def test_a_refused_opcode_says_damage_first_not_trust(tmp_path: Path) -> None:
     with pytest.raises(CheckpointingException, match=r"common\.pt is damaged, or holds objects .*Check it first") as err:
         shardstore.load_common_state_dict(ckpt)
     assert "admit it with load" not in str(err.value)
+
+
+def _numpy_dtype_rebuilt_after_use(pointer: int) -> bytes:
+    """``data.pkl`` of a common state ``{"rng": (dtype, array, dtype)}``: a numpy dtype, an
+    array of 8 bytes made with it, then the dtype BUILT again with an object field, which
+    makes the array's bytes (``pointer``) a PyObject pointer. Protocol 2, in the opcodes
+    torch's weights_only machine reads (bytes as ``_codecs.encode``, as torch.save writes
+    them)."""
+    numpy_module = _numpy_core_module()
+
+    def data(raw: bytes) -> bytes:
+        return _global("_codecs", "encode", 2) + _tuple([_string(raw.decode("latin1"), 2), _string("latin1", 2)]) \
+            + pickle.REDUCE
+
+    def dtype(spec: bytes) -> bytes:
+        return _global("numpy", "dtype", 2) + spec + pickle.REDUCE
+
+    field = pickle.EMPTY_LIST + pickle.MARK + _tuple([_string("a", 2), _string("V8", 2)]) + pickle.APPENDS
+    object_fields = pickle.EMPTY_DICT + _string("a", 2) + _tuple(
+        [dtype(_tuple([_string("O8", 2), pickle.NEWFALSE, pickle.NEWTRUE])), _int(0, 2)]) + pickle.SETITEM
+    return (
+        pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + _string("rng", 2) + pickle.MARK
+        + dtype(_tuple([field])) + pickle.BINPUT + b"\x00"
+        + _global(numpy_module, "_reconstruct", 2) + _tuple([_global("numpy", "ndarray", 2), _tuple([_int(0, 2)]),
+                                                            data(b"b")]) + pickle.REDUCE
+        + _tuple([_int(1, 2), _tuple([_int(1, 2)]), pickle.BINGET + b"\x00", pickle.NEWFALSE,
+                  data(struct.pack("<Q", pointer))]) + pickle.BUILD
+        + pickle.BINGET + b"\x00"
+        + _tuple([_int(3, 2), _string("|", 2), pickle.NONE, _tuple([_string("a", 2)]), object_fields,
+                  _int(8, 2), _int(1, 2), _int(27, 2)]) + pickle.BUILD
+        + pickle.TUPLE + pickle.SETITEM + pickle.STOP
+    )
+
+
+def _numpy_core_module() -> str:
+    """The module numpy pickles its arrays' ``_reconstruct`` under (numpy 2 renamed it)."""
+    import numpy as np
+
+    return np.zeros(1).__reduce__()[0].__module__
+
+
+@pytest.mark.integration
+def test_a_numpy_dtype_built_again_after_an_array_used_it_is_refused(tmp_path: Path) -> None:
+    """numpy's dtype takes a BUILD at any time: a crafted ``common.pt`` that rebuilt a
+    dtype with an object field after an array of its bytes used it turned those bytes
+    into a PyObject pointer the file chose. Before, the safe load returned that array
+    and the process died of a segmentation fault reading it (or freeing it): memory
+    corruption from a file, on the default, "safe" path. Now the dtype is made once, at
+    its first use, and the second BUILD is refused, naming the file. (Run in a fresh
+    process, whose safe globals are cleared: the test server imports Megatron-Core,
+    which admits numpy's own classes for every load of the process.)"""
+    from tests.forked_python import run
+
+    ckpt = tmp_path / "ckpt"
+    _our_checkpoint(ckpt)
+    _plant_common(ckpt, _torch_archive_with_pickle({"step": 3}, lambda _d: _numpy_dtype_rebuilt_after_use(
+        0x4141414141414141), 2))
+    script = (
+        "import sys, torch, shardstore\n"
+        "torch.serialization.clear_safe_globals()\n"
+        "try:\n"
+        "    state = shardstore.load_common_state_dict(sys.argv[1])\n"
+        "except shardstore.CheckpointingException as exc:\n"
+        "    print('refused:', exc)\n"
+        "else:\n"
+        "    print('loaded', repr(state['rng'][1]['a'][0]))\n"
+    )
+    done = run([sys.executable, "-c", script, str(ckpt)], timeout=120)
+    assert done.returncode == 0, f"the load crashed the process (exit {done.returncode}): {done.stderr[-2000:]}"
+    assert "refused:" in done.stdout and "common.pt" in done.stdout, done.stdout
+    assert "refusing to BUILD a numpy dtype twice, or after an array used it" in done.stdout, done.stdout
+
+
+def test_numpy_values_load_where_the_process_admitted_some_of_numpys_own_names(tmp_path: Path) -> None:
+    """Megatron-Core's ``register_safe_globals`` (run when ``megatron.core`` is imported)
+    admits numpy's own ``dtype``, ``ndarray``, ``_reconstruct`` and ``UInt32DType``.
+    torch would then take either numpy's object or shardstore's stand-in for those
+    names, so numpy's own are admitted, all of them: values of every dtype still load."""
+    import numpy as np
+
+    ckpt = tmp_path / "ckpt"
+    shardstore.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)), "x": np.float64(1.5),
+                     "a": np.arange(3.0), "s": np.array(["ab"]), "u": np.arange(2, dtype=np.uint32)}, ckpt)
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        torch.serialization.add_safe_globals([np.dtype, np.ndarray, np.zeros(1).__reduce__()[0], np.dtypes.UInt32DType])
+        loaded = shardstore.load_common_state_dict(ckpt)
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+    assert loaded["x"] == 1.5 and type(loaded["x"]) is np.float64
+    assert list(loaded["a"]) == [0.0, 1.0, 2.0] and list(loaded["s"]) == ["ab"] and loaded["u"].dtype == np.uint32

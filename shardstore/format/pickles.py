@@ -9,8 +9,11 @@ Two kinds of pickle reach shardstore:
   restricted machine, with ``COMMON_STATE_GLOBALS`` added (numpy arrays, dtypes and
   scalars, ``argparse.Namespace``: what trainers keep beside their tensors) through
   ``torch.serialization.safe_globals``, which matches the exact ``module.qualname``
-  of each, for the load alone. A global added with torch's own ``add_safe_globals``
-  is admitted too, and stays admitted after the load.
+  of each, for the load alone. numpy's names load as stand-ins that make each dtype
+  once, at its first use (numpy's own dtype could be rebuilt after an array used it).
+  A global added with torch's own ``add_safe_globals`` is admitted too, and stays
+  admitted after the load (numpy's own, where the process admitted them, replace the
+  stand-ins).
 * raw pickles: PyTorch DCP's ``.metadata`` (also inside Megatron's torch_dist
   checkpoints). torch's machine cannot read them (they use protocol 4's
   STACK_GLOBAL), so ``RestrictedUnpickler`` does, admitting ``DCP_METADATA_GLOBALS``.
@@ -91,19 +94,138 @@ class AllowList:
             raise pickle.UnpicklingError(f"refusing to load {module}.{name}: it is not on the allow-list") from None
 
 
-def _numpy_globals() -> list[Any]:
-    """What unpickling numpy arrays, dtypes and scalars needs, and nothing that runs code."""
+def _numpy_functions() -> tuple[Any, Any]:
     try:
         from numpy._core.multiarray import _reconstruct, scalar
     except ImportError:  # numpy < 2
         from numpy.core.multiarray import _reconstruct, scalar  # type: ignore[no-redef]
+    return _reconstruct, scalar
+
+
+_reconstruct, _scalar = _numpy_functions()
+_OBJECT_DTYPE = type(np.dtype(object))
+
+
+def _object_arrays_admitted() -> bool:
+    """numpy arrays of Python objects load only where the process admitted numpy's
+    object dtype class itself (``torch.serialization.add_safe_globals``)."""
+    return _OBJECT_DTYPE in torch.serialization.get_safe_globals()
+
+
+class _NumpyDtype:
+    """Stands in, in a safe load, for a pickled ``numpy.dtype(obj, align, copy)``: it takes
+    one BUILD's state and, at its first use, makes a dtype of its own that nothing in the
+    file can reach. numpy's own dtype takes a BUILD at any time, so a crafted file that
+    rebuilt one with object fields after an array used it made that array's bytes object
+    pointers (a crash, or worse, at the next read or when the array is freed)."""
+
+    _state: Any = None  # also for an instance NEWOBJ made, without __init__
+    _made: np.dtype | None = None
+
+    def __init__(self, obj: Any, align: bool = False, copy: bool = False) -> None:
+        self._obj, self._align = obj, bool(align)
+
+    def __setstate__(self, state: Any) -> None:
+        if self._state is not None or self._made is not None:
+            raise pickle.UnpicklingError("refusing to BUILD a numpy dtype twice, or after an array used it")
+        self._state = state
+
+    def made(self) -> np.dtype:
+        """The dtype, made at the first call (a later BUILD is refused)."""
+        if self._made is None:
+            dtype = np.dtype(_with_numpy_made(self._obj), align=self._align, copy=True)
+            if self._state is not None:
+                dtype.__setstate__(_with_numpy_made(self._state))
+            if dtype.hasobject and not _object_arrays_admitted():
+                raise pickle.UnpicklingError(
+                    f"Can only build numpy arrays of Python objects where their dtype class is admitted via "
+                    f"add_safe_globals, but got <class '{qualified_name(_OBJECT_DTYPE)}'>"
+                )
+            self._made = dtype
+        return self._made
+
+
+class _NumpyArray:
+    """Stands in, in a safe load, for ``_reconstruct(numpy.ndarray, shape, typecode)``, the
+    empty array a pickled one starts as: its one BUILD makes the array, with the dtypes
+    its state names made then (``_NumpyDtype``)."""
+
+    _made: np.ndarray | None = None  # also for an instance NEWOBJ made, without __init__
+
+    def __init__(self, subtype: Any, shape: Any, typecode: Any) -> None:
+        if subtype is not _NumpyArray:  # the name numpy.ndarray loads as this class
+            raise pickle.UnpicklingError(f"refusing a numpy array of {type(subtype).__name__}: only numpy.ndarray")
+
+    def __setstate__(self, state: Any) -> None:
+        if self._made is not None:
+            raise pickle.UnpicklingError("refusing to BUILD a numpy array twice")
+        array = _reconstruct(np.ndarray, (0,), b"b")
+        array.__setstate__(_with_numpy_made(state))
+        self._made = array
+
+    def made(self) -> np.ndarray:
+        """The array its BUILD made."""
+        if self._made is None:
+            raise pickle.UnpicklingError("a numpy array without its contents (no BUILD)")
+        return self._made
+
+
+def _numpy_scalar(dtype: Any, obj: Any = None) -> Any:
+    """A pickled numpy scalar, made from the dtype its ``_NumpyDtype`` made."""
+    made = _with_numpy_made(dtype)
+    return _scalar(made) if obj is None else _scalar(made, _with_numpy_made(obj))
+
+
+def _with_numpy_made(value: Any, done: dict[int, Any] | None = None) -> Any:
+    """``value`` with each numpy stand-in (``_NumpyDtype``, ``_NumpyArray``) replaced by
+    what it made, in every container a safe load builds (dicts, their keys too, lists,
+    sets, tuples, ``argparse.Namespace``); mutable ones are changed in place, so shared
+    and cyclic references stay as they were."""
+    if isinstance(value, (_NumpyDtype, _NumpyArray)):
+        return value.made()
+    done = {} if done is None else done
+    if id(value) in done:
+        return done[id(value)]
+    if isinstance(value, (dict, list, set, argparse.Namespace)):
+        done[id(value)] = value
+        if isinstance(value, dict):
+            items = [(_with_numpy_made(k, done), _with_numpy_made(v, done)) for k, v in value.items()]
+            value.clear()
+            value.update(items)
+        elif isinstance(value, list):
+            value[:] = [_with_numpy_made(v, done) for v in value]
+        elif isinstance(value, set):
+            items = [_with_numpy_made(v, done) for v in value]
+            value.clear()
+            value.update(items)
+        else:
+            _with_numpy_made(vars(value), done)
+    elif type(value) is tuple:
+        done[id(value)] = value = tuple(_with_numpy_made(v, done) for v in value)
+    return value
+
+
+# torch.save archives: added to torch's own weights_only list. numpy's names load as the
+# stand-ins above, never as numpy's own callables and classes.
+_NUMPY_STAND_INS = {
+    qualified_name(_reconstruct): _NumpyArray,
+    qualified_name(np.ndarray): _NumpyArray,
+    qualified_name(np.dtype): _NumpyDtype,
+    qualified_name(_scalar): _numpy_scalar,
+}
+COMMON_STATE_GLOBALS = AllowList.of([argparse.Namespace], _NUMPY_STAND_INS)
+
+
+def _numpys_own_globals() -> list[Any]:
+    """numpy's own callables and dtype classes (not its object dtype's)."""
     dtype_classes = {type(np.dtype(t)) for t in np.sctypeDict.values() if t is not np.object_}
-    return [_reconstruct, scalar, np.ndarray, np.dtype, *sorted(dtype_classes, key=qualified_name)]
+    return [_reconstruct, _scalar, np.ndarray, np.dtype, *sorted(dtype_classes, key=qualified_name)]
 
 
-# torch.save archives: added to torch's own weights_only list.
-COMMON_STATE_GLOBALS = AllowList.of([*_numpy_globals(), argparse.Namespace])
-
+# Where the process admitted some of numpy's own names itself (Megatron-Core's
+# register_safe_globals does), torch would take either object a name is admitted as:
+# numpy's own are admitted then, all of them, as the process chose.
+_WITH_NUMPYS_OWN = AllowList.of([argparse.Namespace, *_numpys_own_globals()])
 
 
 class InertRecord:
@@ -227,22 +349,34 @@ def load_restricted(data: bytes, allowed: AllowList, where: str, what: str) -> A
         raise CheckpointingException(f"{where} is not valid {what}: {type(exc).__name__}: {exc}") from exc
 
 
-def _not_yet_admitted(allowed: AllowList) -> list[Any]:
-    """The globals of ``allowed`` that the process has not admitted itself: torch's
-    ``safe_globals`` removes what it added when it ends, so admitting one the process
-    (or Megatron-Core's ``register_safe_globals``) had added would take it away."""
-    admitted = set(torch.serialization.get_safe_globals())
-    return [obj for obj in allowed.names.values() if obj not in admitted]
+def _admitted_name(entry: Any) -> str:
+    """The name under which an entry of torch's safe globals is admitted."""
+    return entry[1] if isinstance(entry, tuple) else qualified_name(entry)
+
+
+def _not_yet_admitted() -> list[Any]:
+    """The globals of ``COMMON_STATE_GLOBALS`` (``_WITH_NUMPYS_OWN`` where the process
+    admitted any of numpy's names itself) that the process has not admitted, as
+    ``safe_globals`` takes them: torch's ``safe_globals`` removes what it added when it
+    ends, so admitting one the process (or Megatron-Core's ``register_safe_globals``) had
+    added would take it away."""
+    admitted = {_admitted_name(entry) for entry in torch.serialization.get_safe_globals()}
+    allowed = _WITH_NUMPYS_OWN if admitted & set(_NUMPY_STAND_INS) else COMMON_STATE_GLOBALS
+    return [
+        obj if qualified_name(obj) == name else (obj, name)
+        for name, obj in allowed.names.items()
+        if name not in admitted
+    ]
 
 
 def _torch_load_errors(where: str, load: Callable[[], Any]) -> Any:
     """``load()`` (a weights_only ``torch.load``) with its failures named and explained."""
     try:
-        with torch.serialization.safe_globals(_not_yet_admitted(COMMON_STATE_GLOBALS)):
-            return load()
+        with torch.serialization.safe_globals(_not_yet_admitted()):
+            return _with_numpy_made(load())
     except pickle.UnpicklingError as exc:
         text = str(exc)
-        if "weights_only" in text or "Weights only" in text or "Unsupported" in text:
+        if any(phrase in text for phrase in ("weights_only", "Weights only", "Unsupported", "Can only build")):
             refused = _REFUSED_GLOBAL.search(text)
             if refused is None:  # no class named: an opcode refused, as damaged bytes make too
                 raise CheckpointingException(
@@ -280,7 +414,7 @@ def _torch_reason(text: str) -> str:
     starts with a generic, colour-coded paragraph)."""
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in text.splitlines()]
     specific = [line for line in lines if any(word in line for word in ("Unsupported", "GLOBAL", "unsupported",
-                                                                         "Can only build"))]
+                                                                         "Can only build", "refusing"))]
     reason = (specific or [line for line in lines if line] or ["refused"])[0]
     return reason.split(". Please")[0].rstrip(".")  # our message says what to do instead
 

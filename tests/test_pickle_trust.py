@@ -26,6 +26,7 @@ import pickle
 import shutil
 import struct
 import sys
+import threading
 import zipfile
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -686,6 +687,65 @@ def test_a_numpy_dtype_built_again_after_an_array_used_it_is_refused(tmp_path: P
     assert done.returncode == 0, f"the load crashed the process (exit {done.returncode}): {done.stderr[-2000:]}"
     assert "refused:" in done.stdout and "common.pt" in done.stdout, done.stdout
     assert "refusing to BUILD a numpy dtype twice, or after an array used it" in done.stdout, done.stdout
+
+
+class _Pause:
+    """Admitted by the test: unpickling one waits for the test's go-ahead, so two loads
+    overlap in the order the test sets."""
+
+    reached: threading.Event
+    go: threading.Event
+
+    def __init__(self) -> None:
+        self.state = "pickled"  # a state: its unpickling runs BUILD
+
+    def __setstate__(self, state: dict) -> None:
+        type(self).reached.set()
+        assert type(self).go.wait(20), "the test never let the load go on"
+
+
+class _PauseFirst(_Pause):
+    pass
+
+
+class _PauseSecond(_Pause):
+    pass
+
+
+def test_two_overlapping_safe_loads_each_keep_numpy_admitted() -> None:
+    """Two threads of one process loading numpy values at once: shardstore admitted numpy's
+    names for each load through torch's ``safe_globals``, which takes away, when it ends,
+    what it added. Before, a load that began while another held them added nothing; when
+    the first ended, the second's next numpy value was refused as "damaged, or holds
+    objects a safe load refuses". Now numpy's names stay admitted while any load runs."""
+    import numpy as np
+
+    from shardstore.format.pickles import load_torch, serialize
+
+    for pause in (_PauseFirst, _PauseSecond):
+        pause.reached, pause.go = threading.Event(), threading.Event()
+    results: dict[str, object] = {}
+
+    def load(name: str, pause: type[_Pause]) -> None:
+        try:
+            results[name] = load_torch(serialize([np.float64(1.0), pause(), np.arange(3)]), name)
+        except Exception as exc:  # noqa: BLE001  (what the test looks at)
+            results[name] = exc
+
+    with torch.serialization.safe_globals([_PauseFirst, _PauseSecond]):
+        first = threading.Thread(target=load, args=("first", _PauseFirst))
+        second = threading.Thread(target=load, args=("second", _PauseSecond))
+        first.start()
+        assert _PauseFirst.reached.wait(20)
+        second.start()
+        assert _PauseSecond.reached.wait(20)
+        _PauseFirst.go.set()
+        first.join(20)
+        _PauseSecond.go.set()
+        second.join(20)
+    for name in ("first", "second"):
+        value = results[name]
+        assert isinstance(value, list) and value[0] == 1.0 and list(value[2]) == [0, 1, 2], f"{name}: {value!r}"
 
 
 def test_numpy_values_load_where_the_process_admitted_some_of_numpys_own_names(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ Two kinds of pickle reach shardstore:
   restricted machine, with ``COMMON_STATE_GLOBALS`` added (numpy arrays, dtypes and
   scalars, ``argparse.Namespace``: what trainers keep beside their tensors) through
   ``torch.serialization.safe_globals``, which matches the exact ``module.qualname``
-  of each, for the load alone. numpy's names load as stand-ins that make each dtype
+  of each, while any such load of the process runs. numpy's names load as stand-ins that make each dtype
   once, at its first use (numpy's own dtype could be rebuilt after an array used it).
   A global added with torch's own ``add_safe_globals`` is admitted too, and stays
   admitted after the load (numpy's own, where the process admitted them, replace the
@@ -46,8 +46,10 @@ import io
 import os
 import pickle
 import re
+import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
 from typing import Any, BinaryIO
@@ -369,10 +371,40 @@ def _not_yet_admitted() -> list[Any]:
     ]
 
 
+class _Admission:
+    """``COMMON_STATE_GLOBALS`` admitted while any safe load of the process runs: torch's
+    ``safe_globals`` takes away, when it ends, what it added, so one load per context
+    took them from a load of another thread that had begun meanwhile (and had added
+    nothing, finding them admitted)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loads = 0
+        self._context: Any = None
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            if self._loads == 0:
+                self._context = torch.serialization.safe_globals(_not_yet_admitted())
+                self._context.__enter__()
+            self._loads += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._loads -= 1
+                if self._loads == 0:
+                    self._context.__exit__(None, None, None)
+
+
+_ADMISSION = _Admission()
+
+
 def _torch_load_errors(where: str, load: Callable[[], Any]) -> Any:
     """``load()`` (a weights_only ``torch.load``) with its failures named and explained."""
     try:
-        with torch.serialization.safe_globals(_not_yet_admitted()):
+        with _ADMISSION.held():
             return _with_numpy_made(load())
     except pickle.UnpicklingError as exc:
         text = str(exc)

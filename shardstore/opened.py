@@ -211,7 +211,7 @@ def holds_committed_checkpoint(checkpoint_dir: str | os.PathLike | Location) -> 
     return bool(group.broadcast_object(answer))
 
 
-def read_location(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -> Location:
+def read_location(checkpoint: str | bytes | os.PathLike | Location | OpenedCheckpoint) -> Location:
     """Where a reader with the seed's signature (a strategy's ``load_common``,
     ``load_sharded_objects``, the zarr module's ``_load_from_array``) reads ``checkpoint``.
 
@@ -220,6 +220,6 @@ def read_location(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -
     passes, is opened here by ``open_read``: a committed checkpoint's files are then
     checked against its record on that route too (read unchecked, a flipped bit in
     ``common.pt`` came back as a wrong integer), and an unfinished save is refused."""
-    if isinstance(checkpoint, (str, os.PathLike, OpenedCheckpoint)):
+    if isinstance(checkpoint, (str, bytes, os.PathLike, OpenedCheckpoint)):
         return open_read(checkpoint).location
     return checkpoint

@@ -14,15 +14,20 @@ import uuid
 from pathlib import Path
 
 import pytest
+import tensorstore as ts
+import torch
 
+from shardstore import ShardedTensor, load, save
 from shardstore.format.records import COMMIT_RECORD
+from shardstore.opened import read_location
 from shardstore.stores import local as local_backend
-from shardstore.stores.base import StorageError, Store
+from shardstore.stores.base import StorageError, Store, kvstore_spec
 from shardstore.stores.local import LocalStore
 from shardstore.stores.locations import BACKENDS as SCHEMES
-from shardstore.stores.locations import open_store
+from shardstore.stores.locations import open_location, open_store
 from shardstore.stores.memory import MemoryStore
 from shardstore.stores.s3 import S3Options, S3Store
+from shardstore.strategies.zarr import _create_zarr_array, _load_from_array, _save_to_existing_array
 from shardstore.testing import StoreTests
 from tests.s3_support import KEY, REGION, SECRET, MotoServer
 
@@ -127,3 +132,46 @@ def test_local_removals_never_go_through_a_linked_directory(tmp_path: Path) -> N
     assert (other / "w" / "c.0.0").read_bytes() == b"precious"
     assert (other / "keep").read_bytes() == b"precious"
     assert (root / "a").is_symlink()
+
+
+@pytest.mark.parametrize("url", ["s3://bkt/run/iter_0000100", "memory://run/iter_0000100"])
+def test_a_url_that_pathlib_collapsed_is_refused_not_saved_locally(url: str, tmp_path: Path, monkeypatch) -> None:
+    """``Path("s3://bkt/run")`` is ``s3:/bkt/run``, which has no ``://``: it was taken as
+    a local path, so a save "to S3" wrote a directory ``s3:`` under the working
+    directory and reported success (a load with the same Path read it back, so nothing
+    told). Refused now, naming the URL to pass as a str."""
+    monkeypatch.chdir(tmp_path)
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(4, 4))}
+    with pytest.raises(StorageError, match="as a str") as refused:
+        save(state, Path(url))
+    assert url in str(refused.value)
+    assert not list(tmp_path.iterdir())  # nothing written under the working directory
+
+
+def test_the_tensorstore_spec_of_a_local_path_with_dot_dot_opens_the_array(tmp_path: Path) -> None:
+    """``kvstore_spec`` of ``<tmp>/x/../ckpt`` kept the ``..``, which TensorStore's file
+    driver refuses ("Invalid file path"): Megatron's zarr functions
+    (``_create_zarr_array``, ``_load_from_array``) failed with TensorStore's bare
+    ValueError on a directory every other entry reads. The spec now names the same
+    directory without it, as the kernel resolves it."""
+    (tmp_path / "x").mkdir()
+    (tmp_path / "ckpt").mkdir()
+    spelled = f"{tmp_path}/x/../ckpt"
+    tensor = ShardedTensor.from_rank_offsets("w", torch.arange(16.0).reshape(4, 4))
+    _save_to_existing_array(tensor, _create_zarr_array(tensor, spelled))
+    loaded = _load_from_array(ShardedTensor.from_rank_offsets("w", torch.empty(4, 4)), spelled)
+    assert torch.equal(loaded, tensor.data)
+    spec = kvstore_spec(open_location(spelled), "w")
+    assert ts.open({"driver": "zarr3", "kvstore": spec}).result().read().result().tolist() == tensor.data.tolist()
+
+
+def test_a_bytes_path_opens_the_directory_it_names(tmp_path: Path) -> None:
+    """``os.fspath`` passes bytes through, so a bytes path reached ``"://" in text`` and
+    failed with a bare ``TypeError: a bytes-like object is required, not 'str'`` that
+    named neither the path nor what to pass (and ``read_location`` took the bytes for a
+    Location). It names the directory now, as for the ``os`` functions."""
+    path = os.fsencode(tmp_path / "ckpt")
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4, 4))}, path)
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 4))}, path)
+    assert torch.equal(loaded["w"], torch.ones(4, 4))
+    assert read_location(path).describe() == str(tmp_path / "ckpt")

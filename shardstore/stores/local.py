@@ -81,6 +81,13 @@ def _raise_unless_missing(top: Path) -> Callable[[OSError], None]:
     return handle
 
 
+def _tensorstore_path(root: Path) -> Path:
+    """``root`` as TensorStore's file driver takes it: that driver refuses a path with
+    ``..`` segments, so such a root is resolved as the kernel resolves it (a ``..`` after
+    a symbolic link leads out of the link's target, not back to the link's parent)."""
+    return Path(os.path.realpath(root)) if ".." in root.parts else root
+
+
 class LocalStore(DirectoryPublishing):
     """A directory on a local or shared POSIX file system.
 
@@ -123,7 +130,8 @@ class LocalStore(DirectoryPublishing):
 
     def chunk_access(self) -> ChunkAccess:
         # No fsync per chunk file: make_durable flushes the file system once instead.
-        return ChunkAccess(self.root, {"driver": "file", "path": f"{self.root}/"}, {"file_io_sync": False})
+        return ChunkAccess(self.root, {"driver": "file", "path": f"{_tensorstore_path(self.root)}/"},
+                           {"file_io_sync": False})
 
     def chunk_store(self, io_concurrency: int, local_threads: int = DEFAULT_IO_THREADS) -> FileChunkStore:
         """Chunk files under the root, written and read in place (``writev``/``readv``)

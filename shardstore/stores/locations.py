@@ -27,17 +27,19 @@ BACKENDS: dict[str, StoreFactory] = {
 }
 
 
-def open_store(target: str | os.PathLike, **options: Any) -> Store:
+def open_store(target: str | bytes | os.PathLike, **options: Any) -> Store:
     """The store a path or URL names.
 
     Args:
         target: a local path, or ``<scheme>://...`` for a registered scheme
-            (``s3://bucket/prefix``, ``memory://name/prefix``)
+            (``s3://bucket/prefix``, ``memory://name/prefix``), as a str: a
+            ``pathlib.Path`` of a URL (``s3:/bucket/prefix``) is refused
         options: passed to the store (``fsync=False`` for local paths,
             ``options=S3Options(...)`` for S3)
     """
-    text = os.fspath(target)
+    text = os.fsdecode(target)  # a bytes path as the os functions take it
     if "://" not in text:
+        _refuse_collapsed_url(text)
         return LocalStore(text, **options)
     scheme = text.split("://", 1)[0]
     factory = BACKENDS.get(scheme)
@@ -49,7 +51,20 @@ def open_store(target: str | os.PathLike, **options: Any) -> Store:
     return factory(text, **options)
 
 
-def open_location(target: str | os.PathLike | Location, **options: Any) -> Location:
+def _refuse_collapsed_url(path: str) -> None:
+    """Refuses a local path that is a registered scheme's URL with its ``//`` collapsed
+    to ``/``, as ``pathlib.Path("s3://bucket/prefix")`` makes it (``s3:/bucket/prefix``):
+    taken as a path, the save would go to a directory ``s3:`` on the local disk."""
+    scheme, collapsed, rest = path.partition(":/")
+    if collapsed and scheme in BACKENDS:
+        url = f"{scheme}://{rest.lstrip('/')}"
+        raise StorageError(
+            f"{path!r} is not a local path but the URL {url} with its '//' collapsed (pathlib.Path does that): "
+            f"pass {url!r} as a str, not a Path"
+        )
+
+
+def open_location(target: str | bytes | os.PathLike | Location, **options: Any) -> Location:
     """The Location for a checkpoint directory given as a path, URL or Location
     (returned as it is)."""
     if isinstance(target, Location):

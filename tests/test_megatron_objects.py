@@ -450,3 +450,15 @@ def test_the_plugin_refuses_to_rewrite_a_committed_checkpoint_in_place(ckpt_dir:
     assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in ckpt_dir.rglob("*") if p.is_file()} == before
     assert verify(ckpt_dir).ok
     run_distributed(megatron_api_load, 2, str(ckpt_dir))
+
+
+def test_an_object_file_added_after_the_commit_in_megatrons_layout_is_refused(ckpt_dir: Path) -> None:
+    """A shard file in Megatron's layout (``<unique key>.pt``) that the record does not
+    list was put there after the commit: a shardstore load refuses it rather than
+    unpickling it unchecked."""
+    run_distributed(save_megatron, 2, str(ckpt_dir))
+    for path in (ckpt_dir / "__objects__" / "rng_state").iterdir():
+        (ckpt_dir / "rng_state").mkdir(exist_ok=True)
+        path.rename(ckpt_dir / "rng_state" / path.name)
+    with pytest.raises(Exception, match="not vouched for by the commit record"):
+        run_distributed(load_objects_with_shardstore, 2, str(ckpt_dir))

@@ -61,6 +61,7 @@ from shardstore.format.records import (
     check_key,
     checksum,
     file_digest,
+    is_megatron_object_file,
     other_checkpoint_beside,
     own_markers,
     read_commit_record,
@@ -195,9 +196,12 @@ class ChecksummedLocation(Location):
     def _of_a_vouched_kind(self, rel: str) -> bool:
         """Whether ``rel`` is a file of a kind the record vouches for: one it may list
         (``CommitRecord.expected_files``, or a file the caller of an in-place save wrote),
-        or any ShardedObject shard, listed or not (a shard the record does not list was
-        added after the commit)."""
-        return rel in self._vouchable or rel.startswith(f"{OBJECTS_DIR}/") or rel in self.record.external_files
+        or any ShardedObject shard, listed or not, in this library's layout or in
+        Megatron-Core's (a shard the record does not list was added after the commit)."""
+        return (
+            rel in self._vouchable or rel.startswith(f"{OBJECTS_DIR}/") or rel in self.record.external_files
+            or is_megatron_object_file(rel)
+        )
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,7 @@ __all__ = [
     "group_metadata",
     "interrupted_replacement",
     "is_committed",
+    "is_megatron_object_file",
     "marker_save_id",
     "read_marker",
     "name_other_formats_with",
@@ -1137,7 +1138,7 @@ class CommitRecord:
         files = {
             shard_key[: -len(".pt")]: shard_key
             for shard_key in self.external_files
-            if _MEGATRON_OBJECT_FILE.fullmatch(shard_key)
+            if is_megatron_object_file(shard_key)
         }
         files.update({k: object_path(k) for o in self.objects.values() for k in o.shard_keys})
         return files
@@ -1550,6 +1551,12 @@ def _file_digests_from_json(raw: Any, listed: set[str], where: str) -> dict[str,
 
 # A ShardedObject shard's file as Megatron-Core's common strategy writes it: ``<unique key>.pt``.
 _MEGATRON_OBJECT_FILE = re.compile(rf"(?!{OBJECTS_DIR}/)[^/].*/shard_[0-9.]*_[0-9.]*\.pt")
+
+
+def is_megatron_object_file(rel: str) -> bool:
+    """Whether ``rel`` is named as Megatron-Core's common strategy names a ShardedObject
+    shard's file (``<unique key>.pt``) outside ``OBJECTS_DIR``."""
+    return _MEGATRON_OBJECT_FILE.fullmatch(rel) is not None
 
 
 def object_path(shard_key: str) -> str:

@@ -16,7 +16,6 @@ from typing import Any
 
 from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace, nested_values
-from shardstore.format.integrity import ChecksummedLocation
 from shardstore.format.pickles import deserialize, deserialize_dict, serialize
 from shardstore.format.records import COMMON_FILE, object_path
 from shardstore.mapping import (
@@ -85,18 +84,14 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
     def load_sharded_objects(
         self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir | Location
     ) -> StateDict:
-        """The objects' data, each read from its file (``_shard_file``), checked against
+        """The objects' data, each read from its file (``_read_shard``), checked against
         the commit record where the location is a committed checkpoint's."""
         location = read_location(checkpoint_dir)
-        files = location.record.object_shard_files if isinstance(location, ChecksummedLocation) else {}
 
         def load_object(obj: Any) -> Any:
             if not isinstance(obj, ShardedObject):
                 return obj
-            rel = _shard_file(obj, files)
-            data = location.read_bytes_or_none(rel)
-            if data is None and obj.global_shape:  # an old Megatron-Core key lacks the shape's last axis
-                data = location.read_bytes_or_none(object_path(obj.old_unique_key))
+            rel, data = _read_shard(location, obj)
             if data is None:
                 raise CheckpointingException(
                     f"ShardedObject {obj.key!r} shard {obj.unique_key!r} is missing from "
@@ -138,16 +133,20 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         return self.__class__.__name__
 
 
-def _shard_file(obj: ShardedObject, files: dict[str, str]) -> str:
-    """Where ``obj``'s shard is: its file among a record's ``files``
-    (``CommitRecord.object_shard_files``), by its unique key or by the key an old
-    Megatron-Core save gave it (the shape's last axis left out); else where this
-    library saves it (``object_path``)."""
-    if obj.unique_key in files:
-        return files[obj.unique_key]
-    if obj.global_shape and obj.old_unique_key in files:
-        return files[obj.old_unique_key]
-    return object_path(obj.unique_key)
+def _read_shard(location: Location, obj: ShardedObject) -> tuple[str, bytes | None]:
+    """The path and bytes of ``obj``'s shard file (None: there is none): where this
+    library saves it (``object_path``), else where Megatron-Core's common strategy
+    writes it (``<unique key>.pt``: Megatron's own save through the plug-in, whose files
+    the commit record lists among the caller's), each also under the key an old
+    Megatron-Core save gave it (the shape's last axis left out). Returns the first
+    place's path where none holds it."""
+    keys = (obj.unique_key, obj.old_unique_key) if obj.global_shape else (obj.unique_key,)
+    places = [object_path(k) for k in keys] + [f"{k}.pt" for k in keys]
+    for rel in places:
+        data = location.read_bytes_or_none(rel)
+        if data is not None:
+            return rel, data
+    return places[0], None
 
 
 def register_default_common_strategies() -> None:

@@ -4,7 +4,8 @@
 Logging (``logging.getLogger("shardstore")``): each whole operation logs one INFO line
 on the coordinator (DEBUG on the other ranks) with its duration, bytes and rate (a save:
 the checkpoint's bytes; a load: the bytes that rank loaded; a verify: the bytes it
-read); each of its stages (plan, begin, common, stage,
+read); an async save's when it commits, timed from the call to ``save``, whose return
+logs a DEBUG line. Each of its stages (plan, begin, common, stage,
 write, durable, commit; record, read) logs a DEBUG line with the same fields, like
 Megatron-Core's debug timers. Nothing is printed unless the application configures
 logging.
@@ -29,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 logger = logging.getLogger("shardstore")
 
@@ -83,12 +84,16 @@ def tracked(label: str, sizes: Iterable[int]) -> Iterator[Tick | None]:
 
 @dataclass
 class StageTiming:
-    """What a stage reports: set ``nbytes`` inside the block when it moves data."""
+    """What a stage reports: set ``nbytes`` inside the block when it moves data; call
+    ``defer`` inside it when the operation goes on after the block (an async save)."""
 
     name: str
     where: str
     nbytes: int = 0
     seconds: float = 0.0
+    level: int = logging.DEBUG
+    started: float = field(default_factory=time.perf_counter)
+    deferred: bool = False
 
     def line(self) -> str:
         text = f"{self.name} {self.where}: {self.seconds:.3f} s"
@@ -97,23 +102,39 @@ class StageTiming:
             text += f", {format_bytes(self.nbytes)}, {rate:.0f} MiB/s"
         return text
 
+    def defer(self) -> None:
+        """The operation goes on after its block (an async save's writes and commit):
+        the block's end logs a DEBUG line saying so, and ``finish``, called when the
+        operation is done, logs its line, timed from the start of the block."""
+        self.deferred = True
+
+    def finish(self) -> None:
+        """Logs the line of a deferred operation that is done (at its level)."""
+        self.seconds = time.perf_counter() - self.started
+        logger.log(self.level, "%s", self.line())
+
 
 @contextmanager
 def stage(name: str, where: str, level: int = logging.DEBUG) -> Iterator[StageTiming]:
     """Times a stage and logs it (DEBUG; INFO for a whole operation); a failed stage
-    logs at DEBUG only, since its error reaches the caller anyway."""
-    timing = StageTiming(name, where)
-    start = time.perf_counter()
+    logs at DEBUG only, since its error reaches the caller anyway. A deferred one
+    (``StageTiming.defer``) logs at DEBUG that it returned, and its line when it
+    ``finish``es."""
+    timing = StageTiming(name, where, level=level)
     token = _CURRENT_STAGE.set(name)
     try:
         yield timing
     except BaseException:
-        timing.seconds = time.perf_counter() - start
+        timing.seconds = time.perf_counter() - timing.started
         logger.debug("%s (failed)", timing.line())
         raise
     finally:
         _CURRENT_STAGE.reset(token)
-    timing.seconds = time.perf_counter() - start
+    if timing.deferred:
+        logger.debug("%s %s: returned after %.3f s; its writes and commit go on in the background", name, where,
+                     time.perf_counter() - timing.started)
+        return
+    timing.seconds = time.perf_counter() - timing.started
     logger.log(level, "%s", timing.line())
 
 

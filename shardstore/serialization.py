@@ -235,7 +235,10 @@ def save(
             with stage("save: common", where):
                 error = _save_common(pipeline.location, group, common_strategy, common_part, objects_part)
             if async_sharded_save:
-                return sharded_strategy.async_save_into(sharded_part, pipeline, plan, error)
+                request = sharded_strategy.async_save_into(sharded_part, pipeline, plan, error)
+                timing.defer()
+                request.add_finalize_fn(timing.finish)  # a local step: runs only once the save committed
+                return request
             sharded_strategy.save_into(sharded_part, pipeline, plan, error)
         except PeerLost as exc:  # known to this rank only: a peer may still be writing
             pipeline.unwind(exc)

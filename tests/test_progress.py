@@ -115,3 +115,66 @@ def test_each_save_and_load_is_logged_at_info_once_per_job_not_once_per_rank(tmp
     ]
     assert [line for line in coordinator if "notice" in line] == ["INFO a notice every rank reaches"]
     assert [line for line in other if "notice" in line] == ["DEBUG a notice every rank reaches"]
+
+
+def test_an_async_save_is_logged_at_info_when_it_commits_not_when_it_returns(ckpt_dir: Path, caplog) -> None:
+    """An async save logged its INFO line (duration, bytes, MiB/s) when ``save`` returned,
+    before a byte was written, and nothing when it committed: the log said the save was
+    done, at the rate of the host copy, whether or not it ever committed. Its line comes
+    at the commit now, timed from the call; the return is a DEBUG line that says so."""
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
+    queue = AsyncCallsQueue()
+    with caplog.at_level(logging.DEBUG, logger="shardstore"):
+        request = save(_sd(), ckpt_dir, async_sharded_save=True)
+        returned = [r.getMessage() for r in caplog.records if r.name == "shardstore"]
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+        queue.close()
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name == "shardstore"]
+    assert not [line for line in returned if line.startswith(f"save {ckpt_dir}: ") and "MiB/s" in line]
+    assert any(line.startswith(f"save {ckpt_dir}: ") and "background" in line for line in returned)
+    assert [line for line in info if line.startswith(f"save {ckpt_dir}: ")] == [
+        next(line for line in info if line.startswith(f"save {ckpt_dir}: "))
+    ]
+    committed = next(line for line in info if line.startswith(f"save {ckpt_dir}: "))
+    assert "1.0 MiB" in committed and "MiB/s" in committed
+    messages = [r.getMessage() for r in caplog.records if r.name == "shardstore"]
+    assert messages.index(committed) > max(i for i, m in enumerate(messages) if m.startswith("save: commit"))
+
+
+def test_a_failed_async_save_logs_no_info_line(ckpt_dir: Path, caplog, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An async save whose background writes fail logs no INFO line for the save (it
+    did before, when ``save`` returned): the failure raises from the finalize."""
+    from shardstore.core import CheckpointingException
+    from shardstore.execution.pipeline import SavePipeline
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(SavePipeline, "write_staged", fail)
+    queue = AsyncCallsQueue()
+    with caplog.at_level(logging.DEBUG, logger="shardstore"):
+        queue.schedule_async_request(save(_sd(), ckpt_dir, async_sharded_save=True))
+        with pytest.raises(CheckpointingException):
+            queue.maybe_finalize_async_calls(blocking=True)
+        queue.close()
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name == "shardstore"]
+    assert not [line for line in info if line.startswith(f"save {ckpt_dir}")]
+
+
+def test_an_async_save_handed_to_another_process_is_logged_when_it_commits(ckpt_dir: Path, caplog) -> None:
+    """The request handed to Megatron's queue (``forked_writes.for_another_process``)
+    keeps the step that logs the save's line once it committed (it kept only the
+    commit, so such a save was never logged once the INFO line left ``save``'s return)."""
+    from shardstore.strategies.async_utils import AsyncRequest
+    from shardstore.strategies.forked_writes import for_another_process
+
+    with caplog.at_level(logging.DEBUG, logger="shardstore"):
+        request = for_another_process(save(_sd(), ckpt_dir, async_sharded_save=True), AsyncRequest)
+        request.async_fn(*request.async_fn_args)
+        for finalize in request.finalize_fns:
+            finalize()
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name == "shardstore"]
+    assert len([line for line in info if line.startswith(f"save {ckpt_dir}: ") and "1.0 MiB" in line]) == 1

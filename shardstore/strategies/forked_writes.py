@@ -34,7 +34,7 @@ from typing import Any
 from shardstore.errors import CheckpointingException
 from shardstore.execution.pipeline import SavePipeline
 from shardstore.format.chunks import WrittenChunk
-from shardstore.strategies.async_utils import AsyncRequest
+from shardstore.strategies.async_utils import AsyncRequest, Finalization
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,9 @@ def for_another_process(
     """Our async save ``request`` (``ZarrSaveShardedStrategy.async_save_into``'s) as a
     ``request_cls`` (Megatron's or nvidia-resiliency-ext's ``AsyncRequest``) whose
     ``async_fn`` may run in another process; its finalization wrapped in
-    ``finalize_wrapper`` (the Megatron door raises its errors in Megatron's terms)."""
+    ``finalize_wrapper`` (the Megatron door raises its errors in Megatron's terms),
+    followed by ``request``'s local steps (plain callables: the logging of the save's
+    line once it committed), which run only after the commit succeeded."""
     if request.async_fn is not write_staged:
         raise CheckpointingException(
             f"Internal error: cannot hand the async request {request.async_fn!r} to another process; please report it"
@@ -64,7 +66,10 @@ def for_another_process(
     return request_cls(
         async_fn=write_and_report,
         async_fn_args=(pipeline, io_concurrency, io_threads),
-        finalize_fns=[finalize_wrapper(partial(finalize_from_report, pipeline))],
+        finalize_fns=[
+            finalize_wrapper(partial(finalize_from_report, pipeline)),
+            *(fn for fn in request.finalize_fns if not isinstance(fn, Finalization)),
+        ],
     )
 
 

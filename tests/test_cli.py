@@ -510,3 +510,29 @@ def test_verify_root_of_no_root_of_checkpoints_is_an_error_not_ok(tmp_path: Path
     with pytest.raises(CheckpointingException, match="holds no checkpoint") as raised:
         verify_root(place)
     assert str(place) in str(raised.value)
+
+
+# ------------------------------------------------------------------ -v and -vv log shardstore's lines only
+
+
+def test_verbose_logs_shardstores_lines_not_other_libraries_debug(moto_server, monkeypatch, tmp_path: Path) -> None:
+    """``-vv`` turned on DEBUG for every library (``logging.basicConfig`` on the root
+    logger): ``shardstore -vv verify s3://...`` of a one-array checkpoint printed some 700
+    lines of botocore's request logging, among them every request's headers with the AWS
+    session token, around shardstore's one line. ``-v``/``-vv`` now set shardstore's
+    logger alone."""
+    moto_server.create_bucket("cli-verbose")
+    environment = {"AWS_ENDPOINT_URL": moto_server.endpoint, "AWS_ACCESS_KEY_ID": moto_server.key,
+                   "AWS_SECRET_ACCESS_KEY": moto_server.secret, "AWS_REGION": moto_server.region,
+                   "AWS_SESSION_TOKEN": "the-session-token-of-the-test"}
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    url = "s3://cli-verbose/ckpt"
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4, 4))}, url)
+    for flag in ("-v", "-vv"):
+        result = forked_python.run([SCRIPT, "--no-progress", flag, "verify", url], env=dict(os.environ), timeout=120)
+        assert result.returncode == 0, result
+        assert "the-session-token-of-the-test" not in result.stderr
+        lines = result.stderr.splitlines()
+        assert lines and all(line.startswith("shardstore") for line in lines), lines[:5]
+        assert any(line.startswith(f"shardstore: verify {url}: ") for line in lines), lines

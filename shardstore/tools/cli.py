@@ -207,10 +207,27 @@ def _echo_json(document: Any) -> None:
 def main(ctx: click.Context, verbose: int, progress: bool | None) -> None:
     """Inspect, verify, convert and compare shardstore checkpoints (local paths or s3://)."""
     if verbose:
-        logging.basicConfig(
-            level=logging.DEBUG if verbose > 1 else logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr
-        )
+        ctx.with_resource(_shardstore_logged(logging.DEBUG if verbose > 1 else logging.INFO))
     ctx.with_resource(progress_shown(sys.stderr.isatty() if progress is None else progress))
+
+
+@contextmanager
+def _shardstore_logged(level: int) -> Iterator[None]:
+    """Logs the ``shardstore`` logger's records from ``level`` on to standard error, for
+    the command's run. Its logger alone: the root logger's level would turn on every
+    library's, and botocore's DEBUG logs every request's headers, an AWS session token
+    included, hundreds of lines for one small checkpoint."""
+    log = logging.getLogger("shardstore")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    previous = log.level
+    log.addHandler(handler)
+    log.setLevel(level)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(previous)
 
 
 # --------------------------------------------------------------------------- inspect

@@ -70,7 +70,7 @@ from shardstore.core import SaveOptions
 from shardstore.errors import CheckpointingException
 from shardstore.format import is_committed, read_commit_record
 from shardstore.opened import bare_location
-from shardstore.progress import log_once, operations_logged_at
+from shardstore.progress import info_on_first_rank, log_once, operations_logged_at
 from shardstore.serialization import (
     load as _shardstore_load,
 )
@@ -192,7 +192,7 @@ def install(*, reuse_previous: bool = True, zarr_metadata: str = "per_node", sha
         _installation = _Installation(originals, reuse_previous, where, shard_bytes, _register_load_strategy())
         for (module_name, name), _ in originals.items():
             setattr(importlib.import_module(module_name), name, _REPLACEMENTS[name])
-    logger.info("shardstore installed behind %s", ", ".join(m.__name__ for m in modules))
+    logger.log(info_on_first_rank(), "shardstore installed behind %s", ", ".join(m.__name__ for m in modules))
 
 
 def uninstall() -> None:

@@ -19,7 +19,7 @@ save's background I/O shows none: it runs after ``save`` returned.
 from __future__ import annotations
 
 __all__ = [
-    "StageTiming", "Tick", "current_operation", "format_bytes", "log_once", "operation",
+    "StageTiming", "Tick", "current_operation", "format_bytes", "info_on_first_rank", "log_once", "operation",
     "operations_logged_at", "progress_shown", "stage", "tracked",
 ]
 
@@ -178,10 +178,17 @@ def log_once(log: logging.Logger, message: str) -> None:
     if (log.name, message) in _LOGGED_ONCE:
         return
     _LOGGED_ONCE.add((log.name, message))
+    log.log(info_on_first_rank(), "%s", message)
+
+
+def info_on_first_rank() -> int:
+    """INFO on rank 0 of the default process group (or a process outside any group),
+    DEBUG on the others: the level of a line every rank would log alike, which a job
+    of 1,000 ranks should show once, not 1,000 times."""
     import torch.distributed as dist
 
     first_rank = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-    log.log(logging.INFO if first_rank else logging.DEBUG, "%s", message)
+    return logging.INFO if first_rank else logging.DEBUG
 
 
 def format_bytes(nbytes: int) -> str:

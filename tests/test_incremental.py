@@ -571,3 +571,31 @@ def test_one_cross_device_reuse_does_not_turn_later_clones_into_hard_links(tmp_p
         _check(tmp_path / "s4", 4)
     finally:
         shutil.rmtree(other, ignore_errors=True)
+
+
+def _reuse_notes_by_level(rank: int, world: int, root: str) -> list[int]:
+    """Saves ``s2`` reusing from ``base``, whose one array has another shape; returns the
+    levels this rank logged "Not reusing chunks" at."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("shardstore")
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.DEBUG)
+    try:
+        w = torch.arange(8.0 * world)[rank * 8 : (rank + 1) * 8]
+        save({"w": ShardedTensor.from_rank_offsets("w", w, (0, rank, world))}, Path(root) / "s2",
+             reuse_from=Path(root) / "base")
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    return [r.levelno for r in records if r.getMessage().startswith("Not reusing chunks from")]
+
+
+def test_a_base_no_rank_can_share_from_is_noted_at_info_once_per_job(tmp_path: Path) -> None:
+    """Every rank found that none of the base's arrays is stored as the save's are, and
+    each logged it at INFO: a job of 1,000 ranks logged 1,000 lines per save. Rank 0
+    logs it at INFO, the others at DEBUG."""
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(3), replica_id=0)}, tmp_path / "base")
+    assert run_distributed(_reuse_notes_by_level, 2, str(tmp_path)) == [[logging.INFO], [logging.DEBUG]]

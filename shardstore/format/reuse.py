@@ -48,6 +48,7 @@ from shardstore.format.chunks import (
 )
 from shardstore.format.codecs import HeldBytes
 from shardstore.format.records import COMMIT_RECORD, ArrayRecord, CommitRecord, read_commit_record
+from shardstore.progress import info_on_first_rank
 from shardstore.stores.base import Location
 
 logger = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ class ChunkReuse:
                 if arrays:
                     return cls(source, source_store, arrays)
                 why = "none of its arrays is stored as this save's are, with chunk digests"
-        logger.info("Not reusing chunks from %s: %s", source.describe(), why)
+        logger.log(info_on_first_rank(), "Not reusing chunks from %s: %s", source.describe(), why)
         return None
 
     def sharer(self, target: ChunkStore) -> ShareChunk:

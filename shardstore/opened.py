@@ -199,16 +199,31 @@ def holds_committed_checkpoint(checkpoint_dir: str | os.PathLike | Location) -> 
     ``checkpoint_dir`` holds a committed shardstore checkpoint, as the coordinator sees
     it, so that ranks whose views of a shared file system differ for a moment still
     decide alike and none is left waiting in a later collective. A place shardstore
-    cannot open (another scheme, such as Megatron's ``msc://``) holds none of ours."""
+    cannot open (another scheme, such as Megatron's ``msc://``) holds none of ours.
+
+    Raises:
+        CheckpointingException: on every rank, where the coordinator's check failed
+            (the storage's error, named)."""
     group = Group()
-    answer = False
+    answer: bool | CheckpointingException = False
+    failure: Exception | None = None
     if group.is_coordinator:
         try:
             location = bare_location(checkpoint_dir)
         except CheckpointingException:
             location = None
-        answer = location is not None and is_committed(location)
-    return bool(group.broadcast_object(answer))
+        try:
+            answer = location is not None and is_committed(location)
+        except Exception as exc:  # raised on every rank: the others would wait in the broadcast
+            failure = exc
+            answer = CheckpointingException(
+                f"Could not tell whether {checkpoint_dir} holds a committed shardstore checkpoint: "
+                f"{type(exc).__name__}: {exc}"
+            )
+    answer = group.broadcast_object(answer)
+    if isinstance(answer, CheckpointingException):
+        raise answer from failure
+    return bool(answer)
 
 
 def read_location(checkpoint: str | bytes | os.PathLike | Location | OpenedCheckpoint) -> Location:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardstore import ShardedTensor, load, save, verify
+from shardstore import CheckpointingException, ShardedTensor, load, save, verify
 from shardstore.format.records import read_commit_record
 from shardstore.stores.locations import open_location
 from shardstore.tools.manager import CheckpointManager
@@ -336,3 +336,29 @@ def test_a_base_that_cannot_serve_is_logged_at_the_documented_levels(tmp_path: P
     assert levels(lambda source, target, nbytes: False) == {logging.INFO}
     docs = (Path(__file__).parents[1] / "docs" / "guide" / "incremental.md").read_text()
     assert "WARNING for damage (naming `shardstore verify`), INFO otherwise" not in " ".join(docs.split())
+
+
+def _guard_with_a_failing_check(rank: int, world: int, path: str) -> str:
+    import shardstore.opened as opened
+
+    def failing(location) -> bool:
+        raise PermissionError(13, "Permission denied", path)
+
+    if rank == 0:
+        opened.is_committed = failing
+    try:
+        opened.holds_committed_checkpoint(path)
+    except CheckpointingException as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_the_megatron_guard_fails_on_every_rank_when_the_coordinators_check_fails(tmp_path: Path) -> None:
+    """The coordinator alone checks whether the directory holds a committed checkpoint;
+    where that check raised (a permission error, an S3 error other than 404) it raised on
+    the coordinator only, and every other rank waited in the broadcast until the
+    collective timeout. Now every rank raises, naming the directory and the error."""
+    from tests.dist import run_distributed
+
+    errors = run_distributed(_guard_with_a_failing_check, 2, str(tmp_path / "ckpt"))
+    assert all("Could not tell whether" in e and "Permission denied" in e for e in errors), errors

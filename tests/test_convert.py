@@ -84,6 +84,26 @@ def test_a_dcp_checkpoint_becomes_what_dcp_to_torch_save_writes_in_one_command(t
     assert ours["epoch"] == 3 and ours["schedule"][1] == 5 and ours["rng"].dtype == torch.uint8
 
 
+def test_a_dcp_checkpoint_imported_then_exported_is_the_torch_file_of_the_dcp_checkpoint(tmp_path: Path) -> None:
+    """DCP -> shardstore -> .pt gives what DCP -> .pt gives. Before, the import kept no
+    place of its arrays: the export put each at its flattened DCP name at the top
+    (``sd["model.fc1.weight"]``, ``sd["schedule.0"]``) instead of where DCP's state dict
+    had it, and a list slot or dict that held only tensors was lost."""
+    saved = _dcp_checkpoint(tmp_path / "dcp")
+    assert run("convert", str(tmp_path / "dcp"), str(tmp_path / "direct.pt"))[0] == 0
+    code, _, err = run("convert", str(tmp_path / "dcp"), str(tmp_path / "ckpt"))
+    assert code == 0, err
+    code, _, err = run("convert", str(tmp_path / "ckpt"), str(tmp_path / "via.pt"))
+    assert code == 0, err
+    via = _load(tmp_path / "via.pt")
+    _assert_same(via, _load(tmp_path / "direct.pt"))
+    _assert_same(via, saved)
+    code, _, err = run("convert", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--to", "safetensors")
+    assert code == 0, err
+    assert run("convert", str(tmp_path / "hf"), str(tmp_path / "via_hf.pt"))[0] == 0
+    _assert_same(_load(tmp_path / "via_hf.pt"), saved)
+
+
 @pytest.mark.parametrize("fixture", ["megatron-0.16.1-torch_dist", "megatron-0.14.0-zarr"])
 def test_a_megatron_checkpoint_becomes_the_torch_file_of_its_conversion(tmp_path: Path, fixture: str) -> None:
     code, _, err = run("convert", str(LEGACY / fixture), str(tmp_path / "direct.pt"), "--to", "torch")

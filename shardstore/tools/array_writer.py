@@ -30,6 +30,7 @@ import torch
 from shardstore.core import CheckpointingConfig, CheckpointingException, SaveOptions
 from shardstore.execution import SavePipeline
 from shardstore.format import (
+    ArrayPlaces,
     ArrayRecord,
     CommitRecord,
     ObjectRecord,
@@ -60,6 +61,8 @@ class CheckpointWriter:
             its shape and dtype, e.g. on the ``meta`` device), and
         planned_objects: the unique keys of the sharded objects: their keys are checked
             before anything is written, as ``save`` checks its keys.
+        array_places: where an import found the arrays whose keys do not spell their
+            places (``SaveOptions.array_places``), recorded in the commit record.
 
     Raises:
         ValueError: a ``max_chunk_bytes`` that is no positive number of bytes, or above
@@ -70,10 +73,12 @@ class CheckpointWriter:
         self, checkpoint_dir: str | os.PathLike | Location, overwrite: bool = False,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         planned_arrays: dict[str, torch.Tensor] | None = None, planned_objects: Iterable[str] = (),
+        array_places: ArrayPlaces | None = None,
     ) -> None:
         self.max_chunk_bytes = checked_max_chunk_bytes(max_chunk_bytes)
         config = CheckpointingConfig(SHARDSTORE_BACKEND, ZARR_VERSION, COMMON_BACKEND, COMMON_VERSION)
-        self._save = SavePipeline.open(checkpoint_dir, options=SaveOptions(overwrite=overwrite), config=config)
+        options = SaveOptions(overwrite=overwrite, array_places=array_places)
+        self._save = SavePipeline.open(checkpoint_dir, options=options, config=config)
         self._save.check_storable(
             [ShardedTensor.from_rank_offsets(key, tensor) for key, tensor in (planned_arrays or {}).items()],
             [ShardedObject.empty_from_unique_key(key) for key in planned_objects],

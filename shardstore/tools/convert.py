@@ -67,7 +67,7 @@ import os
 import secrets
 import shutil
 import stat
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
@@ -502,7 +502,9 @@ def from_other_format(
     read without running its pickles): every tensor becomes the array of its key, whole,
     written one at a time; Megatron's ShardedObjects (``<key>/shard_<offset>_<shape>``)
     stay sharded objects; Megatron's ``common.pt`` and a plain DCP's other values form
-    the common state. Returns the number of arrays."""
+    the common state. A plain DCP's arrays keep their places in the state dict DCP saved
+    (``records.ArrayPlaces``), so an export puts them back there, as from the DCP
+    checkpoint itself. Returns the number of arrays."""
     from shardstore.strategies.other_formats import OtherFormatLoadCommonStrategy, open_other_format
     from shardstore.tools.array_writer import CheckpointWriter
 
@@ -512,12 +514,29 @@ def from_other_format(
         key: torch.empty(t.shape, dtype=source.stored_dtype(key).torch_dtype, device="meta")
         for key, t in source.tensors.items()
     }
-    with CheckpointWriter(checkpoint, overwrite, planned_arrays=planned, planned_objects=object_keys) as writer:
+    places = _saved_array_places(source.saved_paths, source.tensors)
+    with CheckpointWriter(
+        checkpoint, overwrite, planned_arrays=planned, planned_objects=object_keys, array_places=places
+    ) as writer:
         for key, tensor in source.iter_tensors():
             writer.write_array(key, tensor)
         common = OtherFormatLoadCommonStrategy().load_common(source.path)
         writer.commit(common, {key: source.read_object_shard(key) for key in object_keys})
     return len(source.tensors)
+
+
+def _saved_array_places(
+    saved_paths: Mapping[str, StatePath], arrays: Collection[str]
+) -> ArrayPlaces | None:
+    """Where another tool's checkpoint had the ``arrays`` whose keys do not spell their
+    places (``OtherCheckpoint.saved_paths``: a plain DCP's ``model.fc1.weight`` at
+    ``("model", "fc1.weight")``), or None where none is recorded. Its int parts are list
+    indices: DCP names every dict key by its text."""
+    paths = {
+        key: path for key, path in saved_paths.items()
+        if key in arrays and path != tuple(key.split("/"))
+    }
+    return ArrayPlaces(paths) if paths else None
 
 
 # --------------------------------------------------------------------------- helpers

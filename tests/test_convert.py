@@ -159,6 +159,28 @@ def test_a_hugging_face_safetensors_file_becomes_a_flat_torch_file(tmp_path: Pat
         assert_bits_equal(back[name], tensor, name)
 
 
+@pytest.mark.parametrize("shard_size", ["5GB", "100B"])
+def test_safetensors_sharded_anew_keep_the_metadata_of_their_files(tmp_path: Path, shard_size: str) -> None:
+    """safetensors -> safetensors (sharded anew) keeps the files' ``__metadata__``. Before,
+    every entry but ``format`` was dropped without a word (a model's ``author``, a
+    quantizer's settings)."""
+    from safetensors import safe_open
+
+    (tmp_path / "hf").mkdir()
+    weights = {"model.embed": torch.randn(8, 4), "lm_head.weight": torch.randn(4, 4).bfloat16()}
+    metadata = {"format": "pt", "author": "me", "quantization": "{\"bits\": 8}"}
+    save_file(weights, tmp_path / "hf" / "model.safetensors", metadata=metadata)
+    code, _, err = run("convert", str(tmp_path / "hf"), str(tmp_path / "out"), "--to", "safetensors",
+                       "--max-shard-size", shard_size)
+    assert code == 0, err
+    files = sorted((tmp_path / "out").glob("*.safetensors"))
+    assert len(files) == (1 if shard_size == "5GB" else 2)
+    for file in files:
+        with safe_open(file, "pt") as f:
+            kept = {k: v for k, v in (f.metadata() or {}).items() if k != "shardstore_layout"}
+        assert kept == metadata, file.name
+
+
 def test_unsigned_integers_of_every_width_convert_both_ways(tmp_path: Path) -> None:
     """safetensors' U8 to U64 (quantization scales and packed weights use them): values
     above the signed range keep their bits through a torch file and back."""

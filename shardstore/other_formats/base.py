@@ -271,6 +271,9 @@ class ExportSource:
             unique keys), nested as a ``torch.save`` file of the source holds it.
         place: where a tensor goes in that file: its dict keys and list indices.
         objects: the top-level keys of ``other_values`` that are sharded object shards.
+        metadata: the source files' own metadata (a safetensors file's ``__metadata__``,
+            without a shardstore layout), which a safetensors export keeps; {} for
+            sources without any.
     """
 
     tensors: dict[str, TensorSpec]
@@ -278,6 +281,7 @@ class ExportSource:
     other_values: Callable[[], dict[Any, Any]]
     place: Callable[[str], tuple[str | int, ...]]
     objects: Callable[[], tuple[str, ...]] = tuple
+    metadata: Callable[[], dict[str, str]] = dict
 
     @property
     def tensor_bytes(self) -> dict[str, int]:

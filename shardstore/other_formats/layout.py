@@ -36,6 +36,7 @@ __all__ = [
     "decode_common",
     "encode_common",
     "read_safetensors_layout",
+    "read_safetensors_metadata",
     "read_torch_layout",
     "refuse_sparse_lists",
     "safetensors_metadata",
@@ -372,15 +373,24 @@ def safetensors_metadata(layout: Layout) -> dict[str, str]:
 
 def read_safetensors_layout(path: str | os.PathLike) -> Layout | None:
     """The layout a safetensors file's ``__metadata__`` carries; None where there is none."""
+    text = _read_safetensors_metadata(path).get(SAFETENSORS_KEY)
+    return None if text is None else Layout.from_json(text, str(path))
+
+
+def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """A safetensors file's own ``__metadata__`` (``format``, an author's entries), without
+    the layout a shardstore export put there: what a safetensors export of it keeps."""
+    return {k: v for k, v in _read_safetensors_metadata(path).items() if k != SAFETENSORS_KEY}
+
+
+def _read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
     from safetensors import safe_open
 
     try:
         with safe_open(os.fspath(path), "pt") as f:
-            metadata = f.metadata() or {}
+            return f.metadata() or {}
     except Exception as exc:  # the library's own errors name no file
         raise CheckpointingException(f"Cannot read {path} as a safetensors file: {type(exc).__name__}: {exc}") from exc
-    text = metadata.get(SAFETENSORS_KEY)
-    return None if text is None else Layout.from_json(text, str(path))
 
 
 # --------------------------------------------------------------------------- failures while writing

@@ -10,9 +10,9 @@ strings), then the data. Here:
   safetensors library checks one (``safetensors_entries``): nothing is read until used;
 * ``write_safetensors`` streams a file: its header first, then each tensor at its
   offset as it comes, laid out as the library lays it out;
-* ``open_safetensors`` opens a model as an export's source: its tensors by name, and,
-  where a shardstore export wrote its layout (``layout``: the common state and each
-  array's place), the checkpoint as it was; ``state_to_save`` is what an import saves;
+* ``open_safetensors`` opens a model as an export's source: its tensors by name, its
+  first file's ``__metadata__`` and, where a shardstore export wrote its layout
+  (``layout``: the common state and each array's place), the checkpoint as it was; ``state_to_save`` is what an import saves;
 * ``SAFETENSORS_FORMAT`` is its registry entry (``registry``): a file whose name ends
   in ``.safetensors``, or a directory holding the index or ``model.safetensors``.
 """
@@ -50,6 +50,7 @@ from shardstore.other_formats.layout import (
     common_tensor_names,
     decode_common,
     read_safetensors_layout,
+    read_safetensors_metadata,
     refuse_sparse_lists,
 )
 from shardstore.other_formats.model_files import (
@@ -268,6 +269,7 @@ def open_safetensors(path: str | os.PathLike) -> ExportSource:
         lambda keys, _: ((k, arrays[k]) for k in keys),
         lambda: {} if layout.common is None else decode_common(layout.common, tensors, str(path)),
         lambda key: layout.arrays.get(key) or tuple(key.split("/")),
+        metadata=lambda: read_safetensors_metadata(model.files[0]),
     )
 
 

@@ -375,7 +375,8 @@ def to_safetensors(
     ``model-00001-of-0000N.safetensors`` shards of at most ``max_shard_bytes`` with
     ``model.safetensors.index.json``. At most one shard is in memory at once. The
     common state goes into the first file's metadata with the checkpoint's layout
-    (``convert_layout``), its tensors into the files by their paths; sharded objects and
+    (``convert_layout``), its tensors into the files by their paths; a safetensors
+    source's own metadata goes into every file; sharded objects and
     values that JSON cannot hold are left out, and named. The directory is filled under
     a temporary name and renamed at the end: a failure leaves nothing."""
     refuse_destination_inside(source, out_dir)
@@ -399,7 +400,8 @@ def to_safetensors(
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     out = Path(out_dir)
-    metadata = {"format": "pt", **safetensors_metadata(Layout(opened.places(), common=common))}
+    kept = {"format": "pt", **opened.metadata()}  # a safetensors source's own, in every file
+    metadata = {**kept, **safetensors_metadata(Layout(opened.places(), common=common))}
     with _new_directory(out) as staging:
         for name, shard in zip(names, shards):
             keys = [key for key, _ in shard]
@@ -414,7 +416,7 @@ def to_safetensors(
                     p, out / n, {key: specs[key] for key in k}, t(), m
                 ),
             )
-            metadata = {"format": "pt"}  # the layout is in the first file
+            metadata = kept  # the layout is in the first file
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(sizes.values())},
                      "weight_map": {key: name for name, shard in zip(names, shards) for key, _ in shard}}

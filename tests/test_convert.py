@@ -181,6 +181,25 @@ def test_safetensors_sharded_anew_keep_the_metadata_of_their_files(tmp_path: Pat
         assert kept == metadata, file.name
 
 
+def test_complex_and_fnuz_float8_safetensors_convert_both_ways(tmp_path: Path) -> None:
+    """The safetensors library writes complex64 (``C64``) and the fnuz float8 dtypes
+    (``F8_E4M3FNUZ``, ``F8_E5M2FNUZ``). Before, such a file was refused as one of a dtype
+    "shardstore cannot read", and a torch.save file holding them as "safetensors cannot
+    hold" them."""
+    weights = {"c": torch.randn(3, dtype=torch.complex64),
+               "e4": torch.randn(4).to(torch.float8_e4m3fnuz), "e5": torch.randn(4).to(torch.float8_e5m2fnuz)}
+    save_file(weights, tmp_path / "model.safetensors")
+    code, _, err = run("convert", str(tmp_path / "model.safetensors"), str(tmp_path / "model.pt"))
+    assert code == 0, err
+    code, _, err = run("convert", str(tmp_path / "model.pt"), str(tmp_path / "back"), "--to", "safetensors")
+    assert code == 0, err
+    for back in (_load(tmp_path / "model.pt"), load_file(tmp_path / "back" / "model.safetensors")):
+        assert set(back) == set(weights)
+        for name, tensor in weights.items():
+            assert back[name].dtype == tensor.dtype, name
+            assert_bits_equal(back[name], tensor, name)
+
+
 def test_unsigned_integers_of_every_width_convert_both_ways(tmp_path: Path) -> None:
     """safetensors' U8 to U64 (quantization scales and packed weights use them): values
     above the signed range keep their bits through a torch file and back."""

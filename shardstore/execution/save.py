@@ -56,7 +56,7 @@ from shardstore.format.chunks import (
     write_region,
 )
 from shardstore.format.commit import PendingCheckpoint
-from shardstore.format.dtypes import byte_view, from_zarr_name, tensor_to_numpy
+from shardstore.format.dtypes import byte_view, from_zarr_name, holds_its_values, tensor_to_numpy
 from shardstore.format.integrity import caller_file_checksums, callers_objects, file_checksums
 from shardstore.format.records import (
     ZARR_JSON,
@@ -156,8 +156,9 @@ class Staging:
     Attributes:
         snapshot: copy even CPU tensors, so the caller may change them once ``save``
             returns (async saves). Without it (sync saves) CPU tensors are written from
-            the caller's memory and only CUDA tensors are copied. CUDA tensors go through
-            ``pool``'s pinned buffers.
+            the caller's memory and only CUDA tensors, and CPU tensors whose memory does
+            not hold their values in order (``holds_its_values``), are copied. CUDA
+            tensors go through ``pool``'s pinned buffers.
         max_bytes: the most copied bytes held at once; above it the blocks are written
             in waves, in the caller, each wave's writes overlapping the copies of the
             next (two waves of at most half of it; a flattened range mostly written as
@@ -447,9 +448,14 @@ def _flat_direct_op(w: DirectFlatWrite, host: list[torch.Tensor | None]) -> Writ
 
 def _needs_copy(s: ShardRecord, data: torch.Tensor, staging: Staging, plan: RankSavePlan) -> bool:
     """Whether ``data`` of the block ``s`` goes to host memory as a copy: every CUDA
-    block, and under an async snapshot every block but the gathered ones (read only by
-    the stage's exchange, before the save returns: a snapshot would protect nothing)."""
-    return (staging.snapshot and s.key not in plan.gathered) or data.device.type != "cpu"
+    block, every block whose memory does not hold its values in order
+    (``holds_its_values``: a column slice, a transpose; ``to_host`` would copy it, all
+    of them at once and outside the bound), and under an async snapshot every block but
+    the gathered ones (read only by the stage's exchange, before the save returns: a
+    snapshot would protect nothing)."""
+    return (
+        (staging.snapshot and s.key not in plan.gathered) or data.device.type != "cpu" or not holds_its_values(data)
+    )
 
 
 def _written_whole(s: ShardRecord, plan: RankSavePlan) -> bool:

@@ -2,7 +2,8 @@
 the pinned memory a load into device tensors reads into.
 
 A synchronous save writes CPU tensors straight from the caller's memory (``to_host``
-returns a view) and streams CUDA tensors through a bounded set of host buffers. An
+returns a view) and streams CUDA tensors, and CPU tensors whose memory does not hold
+their values in order, through a bounded set of host buffers. An
 async save must not keep pointing at the caller's memory: the caller may change its
 tensors as soon as ``save`` returns, so ``HostSnapshot`` copies them.
 

@@ -314,7 +314,9 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
             save stay for the next one, up to this many bytes (None: all of them, until
             ``release_buffers()``).
         sync_staging_bytes: sync saves of CUDA tensors: the most host memory their
-            copies hold at once (CPU tensors are written from their own memory). Pinned
+            copies hold at once (CPU tensors are written from their own memory, but for
+            those whose memory does not hold their values in order, a column slice or a
+            transpose, which are copied within the same bound). Pinned
             buffers returned after a save stay for the next one, up to this many bytes.
             Bounds the chunks a sync save assembles as ``max_staging_bytes`` does an
             async one's.

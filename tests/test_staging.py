@@ -38,6 +38,48 @@ def test_a_pool_reuses_buffers_by_exact_shape_and_bounds_what_it_keeps() -> None
     assert pool.free_bytes == 0
 
 
+def test_a_pool_shared_by_a_staging_thread_and_a_finalizing_thread_stays_consistent() -> None:
+    """An async save's finalization gives its pinned buffers back to the strategy's
+    pool, and ``AsyncCallsQueue`` may finalize on another thread (``no_dist``) while the
+    training thread stages the next save, which takes from the same pool. Before, the
+    pool had no lock: a ``take`` racing a ``give_back`` that evicted the same buffer
+    raised a bare ``KeyError``, and the bytes the pool counted drifted from the buffers
+    it held (256 counted, 192 held)."""
+    import sys
+    import threading
+
+    pool = HostBufferPool(max_free_bytes=4 * 64)
+    like = torch.empty(16)  # 64 bytes
+    in_use: set[int] = set()
+    seen = threading.Lock()
+    failures: list[str] = []
+
+    def stage_and_finalize() -> None:
+        try:
+            for _ in range(5000):
+                buffers = [pool.take(like) for _ in range(3)]
+                with seen:
+                    failures.extend("a buffer in use was handed out again" for b in buffers if id(b) in in_use)
+                    in_use.update(id(b) for b in buffers)
+                    in_use.difference_update(id(b) for b in buffers)
+                pool.give_back(buffers)
+        except Exception as exc:  # reported below, with the pool's state
+            failures.append(repr(exc))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, as a busy trainer's would
+    try:
+        threads = [threading.Thread(target=stage_and_finalize) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    held = sum(b.nbytes for buffers in pool._free.values() for b in buffers)
+    assert failures == [] and pool.free_bytes == held <= 4 * 64, (failures[:3], pool.free_bytes, held)
+
+
 def _state(fill: float | None = None) -> dict:
     return {f"t{i}": ShardedTensor.from_rank_offsets(
         f"t{i}", torch.full((BLOCK // 4,), float(i) if fill is None else fill)) for i in range(12)}

@@ -26,6 +26,7 @@ __all__ = [
     "DEFAULT_LOAD_STAGING_BYTES", "DeviceUploader", "HostBufferPool", "HostSnapshot", "to_host",
 ]
 
+import threading
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,10 @@ class HostBufferPool:
     """Reusable host buffers by (shape, dtype); pinned for CUDA tensors, so the
     device-to-host copies run at full PCIe speed and without a fresh pin per save.
 
+    Thread-safe: an async save's finalization may give its buffers back on another
+    thread (``AsyncCallsQueue`` finalizing with ``no_dist``) while the training thread
+    takes buffers for the next save.
+
     Args:
         max_free_bytes: the most bytes of returned buffers kept for reuse (the oldest
             are freed first); None: keep every returned buffer.
@@ -59,27 +64,33 @@ class HostBufferPool:
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         self._returned: OrderedDict[int, torch.Tensor] = OrderedDict()  # oldest first, for eviction
         self._free_bytes = 0
+        self._lock = threading.Lock()  # the three above change together
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
+        """A buffer of ``like``'s shape and dtype: a returned one, else a new one
+        (pinned where ``like`` is a CUDA tensor)."""
         key = (tuple(like.shape), like.dtype)
-        if self._free[key]:
-            buffer = self._free[key].pop()
-            del self._returned[id(buffer)]
-            self._free_bytes -= buffer.nbytes
-            return buffer
+        with self._lock:
+            if self._free[key]:
+                buffer = self._free[key].pop()
+                del self._returned[id(buffer)]
+                self._free_bytes -= buffer.nbytes
+                return buffer
         pin = like.device.type == "cuda"
         return torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
 
     def give_back(self, buffers: list[torch.Tensor]) -> None:
-        for b in buffers:
-            self._free[(tuple(b.shape), b.dtype)].append(b)
-            self._returned[id(b)] = b
-            self._free_bytes += b.nbytes
-        while self.max_free_bytes is not None and self._free_bytes > self.max_free_bytes and self._returned:
-            _, dropped = self._returned.popitem(last=False)
-            same = self._free[(tuple(dropped.shape), dropped.dtype)]
-            same[:] = [b for b in same if b is not dropped]
-            self._free_bytes -= dropped.nbytes
+        """Keeps ``buffers`` (no longer read or written) for reuse, within ``max_free_bytes``."""
+        with self._lock:
+            for b in buffers:
+                self._free[(tuple(b.shape), b.dtype)].append(b)
+                self._returned[id(b)] = b
+                self._free_bytes += b.nbytes
+            while self.max_free_bytes is not None and self._free_bytes > self.max_free_bytes and self._returned:
+                _, dropped = self._returned.popitem(last=False)
+                same = self._free[(tuple(dropped.shape), dropped.dtype)]
+                same[:] = [b for b in same if b is not dropped]
+                self._free_bytes -= dropped.nbytes
 
     @property
     def free_bytes(self) -> int:
@@ -88,9 +99,10 @@ class HostBufferPool:
 
     def clear(self) -> None:
         """Frees every buffer waiting for reuse (pinned memory goes back to the system)."""
-        self._free.clear()
-        self._returned.clear()
-        self._free_bytes = 0
+        with self._lock:
+            self._free.clear()
+            self._returned.clear()
+            self._free_bytes = 0
 
 
 class _Marks:

@@ -96,6 +96,22 @@ def test_inspect_json_is_complete(demo: Path) -> None:
     assert summary["objects"] == {"rng_state": ["rng_state/shard_0_2", "rng_state/shard_1_2"]}
 
 
+def test_inspect_lists_the_objects_megatrons_own_save_wrote(tmp_path: Path) -> None:
+    """A checkpoint saved through the Megatron-Core plug-in holds the ShardedObject
+    shards Megatron's own save wrote (the record's ``external_files``), which ``load``
+    and ``diff`` read; ``inspect`` listed only the record's own objects and said
+    "sharded objects: 0" (JSON: ``"objects": {}``)."""
+    pytest.importorskip("megatron.core", reason="megatron-core not installed")
+    from tests.test_megatron_objects import megatron_api_save
+
+    ckpt = tmp_path / "ckpt"
+    run_distributed(megatron_api_save, 2, str(ckpt))
+    code, out, _ = run("inspect", str(ckpt))
+    assert code == 0 and "sharded objects: 1\n  rng_state  2 shard(s)" in out, out
+    code, out, _ = run("inspect", "--json", str(ckpt))
+    assert json.loads(out)["objects"] == {"rng_state": ["rng_state/shard_0_2", "rng_state/shard_1_2"]}
+
+
 def test_verify_passes_and_names_each_damaged_chunk(demo: Path, tmp_path: Path) -> None:
     code, out, _ = run("verify", str(demo))
     assert code == 0 and "no problems" in out and "5 chunks" in out

@@ -17,7 +17,7 @@ import argparse
 import math
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -97,7 +97,7 @@ def describe_checkpoint(checkpoint: str | os.PathLike | Location) -> CheckpointS
         world_size=record.world_size,
         save_id=record.save_id,
         arrays=arrays,
-        objects={k: o.shard_keys for k, o in sorted(record.objects.items())},
+        objects=_shards_by_key(record.object_shard_files),  # Megatron's own save's included
         common_keys=tuple(sorted(str(k) for k in common)),
         reused_from=record.reused_from.to_json() if record.reused_from else None,
     )
@@ -112,14 +112,20 @@ def describe_other_format(checkpoint: str | os.PathLike | Location) -> Checkpoin
         for key, t in sorted(source.tensors.items())
     )
     parts = _NonArrayParts.of(source.path)
-    objects: dict[str, list[str]] = {}
-    for unique_key, obj in sorted(parts.objects.items()):
-        objects.setdefault(obj.key, []).append(unique_key)
     return CheckpointSummary(
         checkpoint=str(source.path), format_version=0, library_version="", created=0.0, world_size=0, save_id="",
-        arrays=arrays, objects={k: tuple(v) for k, v in objects.items()},
+        arrays=arrays, objects=_shards_by_key(sorted(parts.objects)),
         common_keys=tuple(sorted(str(k) for k in parts.common)), kind=source.kind,
     )
+
+
+def _shards_by_key(unique_keys: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """Sharded object shards' unique keys (``rng_state/shard_0_2``), in their order,
+    grouped by their object's key, the keys sorted."""
+    shards: dict[str, list[str]] = {}
+    for unique_key in unique_keys:
+        shards.setdefault(unique_key.rsplit("/", 1)[0], []).append(unique_key)
+    return {key: tuple(shards[key]) for key in sorted(shards)}
 
 
 @dataclass(frozen=True)

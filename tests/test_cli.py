@@ -112,6 +112,25 @@ def test_inspect_lists_the_objects_megatrons_own_save_wrote(tmp_path: Path) -> N
     assert json.loads(out)["objects"] == {"rng_state": ["rng_state/shard_0_2", "rng_state/shard_1_2"]}
 
 
+def test_inspect_gives_the_chunk_shape_of_a_dcp_tensor_whose_chunks_have_one() -> None:
+    """``CheckpointSummary`` (and ``OtherTensor.chunk_shape``) give an array's chunk
+    shape, empty only where its saved chunks differ in shape; a DCP or torch_dist
+    tensor's was always empty (``model.fc1``'s two [4, 6] chunks: "2 chunk(s)", JSON
+    ``"chunk_shape": []``)."""
+    from tests.fixtures.legacy.make import DCP, MEGATRON
+
+    code, out, _ = run("inspect", "--json", str(DCP))
+    arrays = {a["key"]: a for a in json.loads(out)["arrays"]}
+    assert code == 0 and arrays["model.fc1"]["chunk_shape"] == [4, 6] and arrays["model.fc1"]["chunks"] == 2
+    assert arrays["model.emb"]["chunk_shape"] == [5, 4]
+    code, out, _ = run("inspect", "--json", str(MEGATRON))
+    arrays = {a["key"]: a for a in json.loads(out)["arrays"]}
+    assert arrays["decoder/fc1"]["chunk_shape"] == [4, 6]
+    assert arrays["optimizer/exp_avg"]["chunk_shape"] == []  # cut 13 + 11: chunks differ in shape
+    code, out, _ = run("inspect", str(DCP))
+    assert "model.fc1  [8, 6]           float32        chunks [4, 6] x2  192 B" in out, out
+
+
 def test_verify_passes_and_names_each_damaged_chunk(demo: Path, tmp_path: Path) -> None:
     code, out, _ = run("verify", str(demo))
     assert code == 0 and "no problems" in out and "5 chunks" in out

@@ -73,6 +73,13 @@ class DcpTensor(OtherTensor):
     stored_shape: tuple[int, ...] = ()
 
     @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        """The shape of every saved chunk; () where they differ, and for reformulated
+        ranges, whose chunks are rows of ``stored_shape``, not boxes of ``shape``."""
+        sizes = {chunk.sizes for chunk in self.chunks}
+        return sizes.pop() if len(sizes) == 1 and self.shape == self.stored_shape else ()
+
+    @property
     def chunk_count(self) -> int:
         return len(self.chunks)
 

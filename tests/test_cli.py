@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from shardstore.format.records import FORMAT_VERSION
 from shardstore.tools.cli import EXIT_CLOSED_OUTPUT, main, parse_size
 from tests import forked_python
 from tests.dist import run_distributed
-from tests.scenarios import assert_bits_equal, global_tensor, grid_shard
+from tests.scenarios import assert_bits_equal, global_tensor, grid_shard, rewrite_record
 
 FC1 = global_tensor("decoder/fc1", (8, 6), torch.float32)
 EMB = global_tensor("embedding/word", (16, 4), torch.bfloat16)
@@ -129,6 +130,20 @@ def test_inspect_gives_the_chunk_shape_of_a_dcp_tensor_whose_chunks_have_one() -
     assert arrays["optimizer/exp_avg"]["chunk_shape"] == []  # cut 13 + 11: chunks differ in shape
     code, out, _ = run("inspect", str(DCP))
     assert "model.fc1  [8, 6]           float32        chunks [4, 6] x2  192 B" in out, out
+
+
+@pytest.mark.parametrize("created", [1e20, -1e20])
+def test_inspect_of_a_record_whose_time_is_no_date_says_so_not_a_traceback(
+    demo: Path, tmp_path: Path, created: float
+) -> None:
+    """A record whose ``created`` is a finite number past any date (edited and
+    resealed) made ``inspect`` exit with an OverflowError's traceback from
+    ``time.gmtime``; the time is informational: it now says it is unknown."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(demo, ckpt)
+    rewrite_record(ckpt, lambda root: root["attributes"]["shardstore"].__setitem__("created", created))
+    code, out, err = run("inspect", str(ckpt))
+    assert (code, err) == (0, "") and "committed at an unknown time," in out, out
 
 
 def test_verify_passes_and_names_each_damaged_chunk(demo: Path, tmp_path: Path) -> None:

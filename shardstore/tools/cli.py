@@ -247,10 +247,9 @@ def inspect_command(checkpoint: str, as_json: bool) -> None:
         return
     click.echo(f"checkpoint {summary.checkpoint}")
     if summary.kind == "shardstore":
-        saved = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(summary.created))
         click.echo(
             f"  format {summary.format_version}, written by shardstore {summary.library_version} from "
-            f"{summary.world_size} rank(s), committed {saved}, save {summary.save_id}"
+            f"{summary.world_size} rank(s), committed {_commit_time(summary.created)}, save {summary.save_id}"
         )
         if summary.reused_from:
             shared = summary.reused_from
@@ -276,6 +275,16 @@ def inspect_command(checkpoint: str, as_json: bool) -> None:
 
 
 main.add_command(inspect_command, "ls")
+
+
+def _commit_time(created: float) -> str:
+    """``2026-11-23 08:57:02 UTC``, or ``at an unknown time`` where the record's
+    (informational) time is none or no date (``time.gmtime`` refuses it)."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(created)) if created else "at an unknown time"
+    except (OverflowError, OSError, ValueError):
+        return "at an unknown time"
+
 
 def _dims(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"

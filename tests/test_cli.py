@@ -3,6 +3,7 @@ status 0 (fine), 1 (a finding) and 2 (an error that says what to do)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -156,6 +157,31 @@ def test_verify_passes_and_names_each_damaged_chunk(demo: Path, tmp_path: Path) 
     code, out, _ = run("verify", str(damaged))
     assert code == 1
     assert "decoder/fc1 [c.1.0]" in out and "1 problem(s)" in out
+
+
+def _guide_output(command: str) -> list[str]:
+    """The lines docs/guide/cli.md's session shows after ``$ shardstore <command>``."""
+    lines = (Path(__file__).resolve().parent.parent / "docs/guide/cli.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"$ shardstore {command}"))
+    return list(itertools.takewhile(lambda line: not line.startswith("$"), lines[start + 1 :]))
+
+
+def test_the_guides_session_shows_what_inspect_and_verify_print(demo: Path, tmp_path: Path) -> None:
+    """docs/guide/cli.md's session shows ``inspect`` and ``verify`` of this checkpoint
+    (its arrays, objects and common state), the latter with ``c.1.0`` of
+    ``decoder/fc1`` damaged; it said ``4 files`` where verify checks 9 (the commit
+    record's files and every node's ``zarr.json``)."""
+    ckpt = tmp_path / "ckpt" / "iter_0001000"
+    shutil.copytree(demo, ckpt)
+    shown = str(ckpt.parent)
+    _, out, _ = run("inspect", str(ckpt))
+    expected = [line.replace("/tmp/ckpt", shown) for line in _guide_output("inspect /tmp/ckpt/iter_0001000")]
+    assert out.splitlines()[2:] == expected[2:]  # after the time and the save id
+    chunk = ckpt / "decoder/fc1/c.1.0"
+    chunk.write_bytes(chunk.read_bytes()[:-1] + bytes([chunk.read_bytes()[-1] ^ 0xFF]))
+    code, out, _ = run("verify", str(ckpt))
+    expected = [line.replace("/tmp/ckpt", shown) for line in _guide_output("verify /tmp/ckpt/iter_0001000")]
+    assert (code, out.splitlines()) == (1, expected)
 
 
 @pytest.mark.parametrize("case", ["missing", "incomplete", "foreign"])

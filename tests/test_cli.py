@@ -184,6 +184,17 @@ def test_the_guides_session_shows_what_inspect_and_verify_print(demo: Path, tmp_
     assert (code, out.splitlines()) == (1, expected)
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify", "diff"])
+def test_an_array_directory_is_called_an_array_not_a_group(demo: Path, command: str) -> None:
+    """``shardstore inspect CKPT/decoder/fc1`` (an array of a checkpoint) said
+    "... is a Zarr group but not a shardstore checkpoint": its ``zarr.json`` is an
+    array's. The error names it as such and says which directory to name."""
+    array = str(demo / "decoder" / "fc1")
+    code, _, err = run(command, *([array, array] if command == "diff" else [array]))
+    assert code == 2 and "is a Zarr array's metadata" in err and "group" not in err, err
+    assert "name the checkpoint directory that holds the array" in err
+
+
 @pytest.mark.parametrize("case", ["missing", "incomplete", "foreign"])
 def test_verify_refuses_what_is_not_a_committed_checkpoint(tmp_path: Path, case: str) -> None:
     path = tmp_path / "ckpt"

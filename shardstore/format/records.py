@@ -1325,9 +1325,7 @@ class CommitRecord:
         attributes = root.get("attributes") if isinstance(root, dict) else None
         record = attributes.get("shardstore") if isinstance(attributes, dict) else None
         if not isinstance(record, dict):
-            raise CheckpointingException(
-                f"{where} is a Zarr group but not a shardstore checkpoint (no attributes.shardstore)"
-            )
+            raise CheckpointingException(_not_a_record(root, where))
         version = record.get("format_version")
         if type(version) is not int:  # true == 1 and 4.0 == 4 in Python: no version
             raise CheckpointingException(
@@ -1422,6 +1420,18 @@ def _check_unbound_chunks(arrays: dict[str, ArrayRecord], where: str) -> None:
             f"{where}: a version 1 record naming an absurd number of chunks ({total} in all, more than the "
             f"{MAX_UNBOUND_CHUNKS} a record without chunk checksums may name); the commit record was edited or damaged"
         )
+
+
+def _not_a_record(node: Any, where: str) -> str:
+    """Why the Zarr metadata document ``node`` at ``where`` is no commit record: an
+    array's (a checkpoint's array directory was named), or a group's without
+    ``attributes.shardstore``."""
+    if isinstance(node, dict) and node.get("node_type") == "array":
+        return (
+            f"{where} is a Zarr array's metadata, not a shardstore checkpoint's commit record: "
+            "name the checkpoint directory that holds the array"
+        )
+    return f"{where} is a Zarr group but not a shardstore checkpoint (no attributes.shardstore)"
 
 
 def _created_of(record: dict[str, Any]) -> float:

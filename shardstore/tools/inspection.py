@@ -321,11 +321,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _max_abs_difference(a: torch.Tensor, b: torch.Tensor) -> int | float:
     """The largest ``|a - b|``: exact (a Python int) for integers and bool, where the
     difference of two int64 values may need 64 unsigned bits; in float64 (complex128)
-    for floating-point values, which holds every float type's values exactly."""
-    if a.dtype.is_floating_point:
-        return float((a.double() - b.double()).abs().max())
-    if a.dtype.is_complex:
-        return float((a.to(torch.complex128) - b.to(torch.complex128)).abs().max())
+    for floating-point values, which holds every float type's values exactly, with two
+    NaNs no distance apart (a NaN against a number: NaN)."""
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        wide = torch.complex128 if a.dtype.is_complex else torch.float64
+        distance = (a.to(wide) - b.to(wide)).abs()
+        return float(distance.masked_fill(a.isnan() & b.isnan(), 0.0).max())
     signed = a.dtype != torch.bool and torch.iinfo(a.dtype).min < 0
     wide = np.int64 if signed else np.uint64
     x, y = tensor_to_numpy(a).astype(wide), tensor_to_numpy(b).astype(wide)

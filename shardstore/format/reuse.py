@@ -142,7 +142,7 @@ class ChunkReuse:
         for a save of the arrays ``records`` into ``target_store``; None (logged) where
         it cannot help. Never raises for the source's sake: a source that cannot be
         read is one that cannot help."""
-        why = None
+        why, level = None, logging.INFO  # what only this rank may see: at INFO on each
         if type(source_store) is not type(target_store):
             why = "it is on another kind of storage"
         else:
@@ -159,7 +159,8 @@ class ChunkReuse:
                 if arrays:
                     return cls(source, source_store, arrays)
                 why = "none of its arrays is stored as this save's are, with chunk digests"
-        logger.log(info_on_first_rank(), "Not reusing chunks from %s: %s", source.describe(), why)
+                level = info_on_first_rank()  # as every rank finds, mostly: once per job
+        logger.log(level, "Not reusing chunks from %s: %s", source.describe(), why)
         return None
 
     def sharer(self, target: ChunkStore) -> ShareChunk:

@@ -13,6 +13,7 @@ from shardstore.errors import CheckpointingException
 from shardstore.execution.save import bind_chunks
 from shardstore.format.chunks import WrittenChunk
 from shardstore.format.records import (
+    PACKED_FORMAT_VERSION,
     SHARDED_FORMAT_VERSION,
     ArrayPlaces,
     ArrayRecord,
@@ -60,6 +61,37 @@ def test_the_record_is_the_compact_encoding_of_its_root_document(where: ZarrMeta
     expected = seal_record(json.dumps(bound.to_root_metadata(), separators=(",", ":")).encode())
     assert bound.to_json() == expected
     assert CommitRecord.from_json(bound.to_json(), "ckpt").arrays == bound.arrays
+
+
+_PACKED = ("a", "a.b", "g/x")
+
+
+def _packed(record: CommitRecord) -> CommitRecord:
+    """``record`` with ``_PACKED``'s arrays in one pack (format version 8)."""
+    arrays = {
+        key: a.with_pack("packs/0-0.zip", tuple(100 * (i + 1) for i in range(a.chunk_count))) if key in _PACKED else a
+        for key, a in record.arrays.items()
+    }
+    return replace(record, arrays=arrays).with_packs({"packs/0-0.zip": 10_000})
+
+
+@pytest.mark.parametrize("where", list(ZarrMetadata))
+def test_a_record_with_packed_arrays_is_the_compact_encoding_of_its_root_document(where: ZarrMetadata) -> None:
+    record = _record().with_zarr_metadata(where)
+    packed = _packed(bind_chunks(record, _reports(record), "ckpt"))
+    assert packed.format_version == PACKED_FORMAT_VERSION
+    assert packed.to_json() == seal_record(json.dumps(packed.to_root_metadata(), separators=(",", ":")).encode())
+    back = CommitRecord.from_json(packed.to_json(), "ckpt")
+    assert (back.arrays, back.packs, back.format_version) == (packed.arrays, packed.packs, PACKED_FORMAT_VERSION)
+    core, extension = back.consolidated_metadata()
+    assert not set(_PACKED) & (core.keys() | extension.keys())
+    assert {"g", "g.h/y", "s"} <= core.keys() and "\u00e9x" in extension  # groups stay, unpacked arrays stay
+    attributes = packed.to_root_metadata()["attributes"]
+    assert attributes["packed_arrays"] == dict.fromkeys(_PACKED, "packs/0-0.zip")
+    assert "packed_arrays_note" in attributes["readers"] and "arrays_needing_shardstore_or_tensorstore" in attributes["readers"]
+    vouched = back.vouched_paths()
+    assert "packs/0-0.zip" in vouched and "g/x/c.0" not in vouched and "g/x/zarr.json" not in vouched
+    assert "s/c.0.0" in vouched
 
 
 def test_an_unbound_record_encodes_as_its_root_document() -> None:

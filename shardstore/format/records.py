@@ -1,4 +1,4 @@
-"""The on-disk format (versions 4 to 7): array metadata, group nodes and the commit record.
+"""The on-disk format (versions 4 to 8): array metadata, group nodes and the commit record.
 
 A checkpoint is one Zarr v3 group:
 
@@ -8,6 +8,9 @@ A checkpoint is one Zarr v3 group:
     <checkpoint>/<key>/zarr.json  one Zarr v3 array per ShardedTensor key (the GLOBAL tensor)
     <checkpoint>/<key>/c.i.j      its chunks, crc32c on each (``c/i/j`` before version 3)
     <checkpoint>/__objects__/...  ShardedObjects, one file per shard
+    <checkpoint>/packs/<r>-<n>.zip small arrays packed by rank r (format version 8,
+                                  ``SaveOptions.pack_arrays_up_to``): a stored zip
+                                  that is a Zarr v3 hierarchy of its own (``format.packs``)
 
 The root ``zarr.json`` carries ``attributes.shardstore`` (our record, read by
 ``load``) and Zarr consolidated metadata (read by zarr-python), so one read lists every
@@ -37,7 +40,7 @@ its bytes. A save may keep the nodes' documents in the consolidated metadata onl
 Versions, one rule (``format_version_for``): each feature a record may use names the
 version that introduced it (``ArrayRecord.version_needed``: a codec other than
 ``[bytes, crc32c]``, 5; shards larger than a flattened block, 7; the documents in the
-consolidated metadata only, 6), and a save writes the newest version among its
+consolidated metadata only, 6; an array packed into a zip, 8), and a save writes the newest version among its
 features', 4 at least. A reader refuses a version it does not know (by its version,
 however old it is) and a record that uses a feature newer than the version it claims.
 """
@@ -74,6 +77,9 @@ __all__ = [
     "OBJECTS_DIR",
     "ObjectRecord",
     "OtherCheckpointFiles",
+    "PACKED_ARRAYS_ATTRIBUTE",
+    "PACKED_FORMAT_VERSION",
+    "PACKS_DIR",
     "READABLE_FORMAT_VERSIONS",
     "SHARDED_FORMAT_VERSION",
     "READERS_ATTRIBUTE",
@@ -152,7 +158,7 @@ FORMAT_VERSION = 4
 # chunks ``c/1/0`` (a directory per axis but the last), version 3 ``c.1.0`` (files in
 # the array's directory: one directory per tensor instead of two or three). Version 4
 # adds the record's own digest (``record_digest``); earlier records have none.
-READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 # Version 5: version 4 with arrays stored in shards (``format.sharding``; the array's
 # ``codecs`` in the record). A record with no sharded array stays version 4, so older
 # shardstores read it; they refuse a version 5 record by its version.
@@ -168,6 +174,16 @@ ZARR_METADATA_FORMAT_VERSION = 6
 # would refuse its flattened block as "smaller than its chunks", a damaged record; it
 # refuses the version instead. A record may name ``zarr_metadata`` or not, as from 6.
 FLAT_SHARDED_FORMAT_VERSION = 7
+# Version 8: small arrays packed into zips (``ArrayRecord.pack``, ``CommitRecord.packs``,
+# ``format.packs``): their chunks live inside ``packs/<rank>-<n>.zip`` at the offsets the
+# record gives, and neither a directory nor the consolidated metadata lists them. A
+# reader of version 7 would find their chunks missing; it refuses the version instead.
+PACKED_FORMAT_VERSION = 8
+# Where the packs of version 8 live, and how they are named (``packs/<rank>-<n>.zip``).
+PACKS_DIR = "packs"
+_PACK_NAME = re.compile(r"packs/(0|[1-9][0-9]{0,8})-(0|[1-9][0-9]{0,8})\.zip")
+# The root group's attribute that lists the packed arrays by key, each with its pack.
+PACKED_ARRAYS_ATTRIBUTE = "packed_arrays"
 FIRST_SEALED_VERSION = 4
 RECORD_DIGEST = "record_digest"
 # The digest as it stands in the file while the digest is computed (see seal_record).
@@ -287,6 +303,11 @@ class ArrayRecord:
             ``chunk_crcs``; None where no chunk has one (local disks, older records).
             A later save proves its server-side copy of the object by it
             (``stores.kv_chunks.KvChunkStore.share_from``).
+        pack: the pack (``packs/<rank>-<n>.zip``, format version 8) that holds the
+            array's ``zarr.json`` and chunks as zip members, or None: the array is a
+            directory of its own. Set by binding (``with_pack``), as its writer chose.
+        chunk_offsets: with ``pack``, the byte offset inside the pack of each chunk's
+            stored bytes (its member's data), in the order of ``chunk_crcs``.
     """
 
     key: str
@@ -299,6 +320,8 @@ class ArrayRecord:
     chunk_digests: tuple[str, ...] | None = None
     codec: ChunkCodec = BYTES_CRC32C
     chunk_etags: tuple[str | None, ...] | None = None
+    pack: str | None = None
+    chunk_offsets: tuple[int, ...] | None = None
 
     def chunk_key(self, index: tuple[int, ...]) -> str:
         """The key of chunk ``index`` inside the array: ``c.1.0`` (``c`` for a 0-d array)."""
@@ -349,7 +372,9 @@ class ArrayRecord:
     def version_needed(self) -> int:
         """The format version that introduced what this array's record uses (the rule:
         ``format_version_for``): 7 for shards larger than its flattened block, 5 for
-        any other codec than ``[bytes, crc32c]``, else 1."""
+        any other codec than ``[bytes, crc32c]``, 8 for an array in a pack, else 1."""
+        if self.pack is not None:
+            return PACKED_FORMAT_VERSION
         if self.flattened_block is not None and _spans_blocks(self.flattened_block, self.chunk_shape):
             return FLAT_SHARDED_FORMAT_VERSION
         return SHARDED_FORMAT_VERSION if self.codec != BYTES_CRC32C else 1
@@ -387,6 +412,9 @@ class ArrayRecord:
             checksums[CHUNK_DIGESTS] = list(self.chunk_digests)
         if self.chunk_etags is not None:
             checksums[CHUNK_ETAGS] = list(self.chunk_etags)
+        if self.pack is not None:
+            checksums["pack"] = self.pack
+            checksums["chunk_offsets"] = list(self.chunk_offsets or ())
         return checksums
 
     @functools.cached_property
@@ -475,6 +503,13 @@ class ArrayRecord:
         })
         return bound
 
+    def with_pack(self, pack: str, offsets: tuple[int, ...]) -> ArrayRecord:
+        """This record with its chunks in ``pack`` at ``offsets`` (C order over the
+        grid), as ``_bound`` carries the other fields over."""
+        bound = object.__new__(ArrayRecord)
+        object.__setattr__(bound, "__dict__", {**self.__dict__, "pack": pack, "chunk_offsets": tuple(offsets)})
+        return bound
+
     @classmethod
     def from_summary(
         cls, key: str, summary: Any, where: str, bound: bool = True, separator: str = CHUNK_SEPARATOR
@@ -524,9 +559,11 @@ class ArrayRecord:
         if crcs and (set(map(type, crcs)) != {int} or min(crcs) < 0 or max(crcs) >= 2**32):
             raise CheckpointingException(f"{where}: array {key!r} has malformed chunk checksums")
         # One construction (no ``replace``): 10,000 small arrays parse in about half the time.
+        pack, offsets = _packed_at(summary, key, chunk_count, codec, where)
         return cls(key, shape, summary["dtype"], chunk_shape, chunk_crcs=tuple(crcs), chunk_separator=separator,
                    flattened_block=flattened_block, chunk_digests=_chunk_digests(summary, key, chunk_count, where),
-                   codec=codec, chunk_etags=_chunk_etags(summary, key, chunk_count, where))
+                   codec=codec, chunk_etags=_chunk_etags(summary, key, chunk_count, where), pack=pack,
+                   chunk_offsets=offsets)
 
 
 def format_version_for(arrays: Iterable[ArrayRecord], zarr_metadata: ZarrMetadata = ZarrMetadata.PER_NODE) -> int:
@@ -615,6 +652,31 @@ def _chunk_digests(summary: dict[str, Any], key: str, chunk_count: int, where: s
     return tuple(digests)
 
 
+def _packed_at(
+    summary: dict[str, Any], key: str, chunk_count: int, codec: ChunkCodec, where: str,
+) -> tuple[str | None, tuple[int, ...] | None]:
+    """The record's ``pack`` and ``chunk_offsets`` of an array (format version 8; both or
+    neither): a pack name of the format's (``packs/<rank>-<n>.zip``) and one offset per
+    chunk. Only ``[bytes, crc32c]`` arrays are packed. Whether the pack is listed, and
+    the offsets inside it, ``CommitRecord`` checks against its ``packs``."""
+    pack, offsets = summary.get("pack"), summary.get("chunk_offsets")
+    if pack is None and offsets is None:
+        return None, None
+    if not isinstance(pack, str) or not _PACK_NAME.fullmatch(pack) or codec != BYTES_CRC32C:
+        raise CheckpointingException(
+            f"{where}: array {key!r} names a malformed pack {pack!r} (packs/<rank>-<n>.zip, of [bytes, crc32c] "
+            "arrays only); the commit record was edited or damaged"
+        )
+    if not isinstance(offsets, list) or len(offsets) != chunk_count or any(
+        type(o) is not int or o < 0 for o in offsets
+    ):
+        raise CheckpointingException(
+            f"{where}: array {key!r} in pack {pack!r} must list a byte offset (an integer >= 0) for each of its "
+            f"{chunk_count} chunks in 'chunk_offsets'"
+        )
+    return pack, tuple(offsets)
+
+
 def _chunk_etags(summary: dict[str, Any], key: str, chunk_count: int, where: str) -> tuple[str | None, ...] | None:
     """The record's chunk ETags (optional: only saves to object stores keep them)."""
     etags = summary.get(CHUNK_ETAGS)
@@ -667,10 +729,29 @@ def _int_tuple(value: Any, what: str, minimum: int) -> tuple[int, ...]:
 READERS_ATTRIBUTE = "readers"
 
 
-def readers_note(extension: dict[str, str], where: ZarrMetadata = ZarrMetadata.PER_NODE) -> dict[str, Any]:
+def readers_note(
+    extension: dict[str, str], where: ZarrMetadata = ZarrMetadata.PER_NODE, packed: bool = False,
+) -> dict[str, Any]:
     """What ``zarr.open_group(ckpt).attrs["readers"]`` says: the arrays of extension data
     types (bfloat16, float8; ``extension``: their data types by key), and what reads them (without their own
-    ``zarr.json``, ``where`` is ``CONSOLIDATED_ONLY``: TensorStore given the document)."""
+    ``zarr.json``, ``where`` is ``CONSOLIDATED_ONLY``: TensorStore given the document); with
+    ``packed`` (format version 8), how to open the arrays packed into zips."""
+    note: dict[str, Any] = {}
+    if extension:
+        note = _extension_note(extension, where)
+    if packed:
+        note["packed_arrays_note"] = (
+            f"The arrays listed in the root attribute {PACKED_ARRAYS_ATTRIBUTE!r} are not in this directory or in its "
+            "consolidated metadata: each lives in the pack named there, a stored (uncompressed) zip that is a "
+            "Zarr v3 hierarchy of its own, the array at its key. zarr-python: zarr.open_group(zarr.storage."
+            "ZipStore('<checkpoint>/<pack>', mode='r'), mode='r')[key]; TensorStore: tensorstore.open({'driver': "
+            "'zarr3', 'kvstore': {'driver': 'zip', 'base': 'file://<checkpoint>/<pack>'}, 'path': key})."
+        )
+    return note
+
+
+def _extension_note(extension: dict[str, str], where: ZarrMetadata) -> dict[str, Any]:
+    """``readers_note``'s part on the arrays of extension data types."""
     if where is ZarrMetadata.CONSOLIDATED_ONLY:
         opener = (
             "TensorStore reads them given their metadata document, which only this file holds (consolidated_metadata."
@@ -1055,6 +1136,8 @@ class CommitRecord:
         zarr_metadata: where the nodes' metadata documents are (``ZarrMetadata``):
             their own ``zarr.json`` files, or only the root's consolidated metadata
             (format version 6, ``with_zarr_metadata``).
+        packs: every pack of the checkpoint (``packs/<rank>-<n>.zip``, format version
+            8) with its size in bytes; the arrays in them name theirs (``ArrayRecord.pack``).
     """
 
     arrays: dict[str, ArrayRecord]
@@ -1072,6 +1155,19 @@ class CommitRecord:
     places: ArrayPlaces | None = None
     zarr_metadata: ZarrMetadata = ZarrMetadata.PER_NODE
     file_digests: dict[str, str] = field(default_factory=dict)
+    packs: dict[str, int] = field(default_factory=dict)
+
+    def with_packs(self, packs: dict[str, int]) -> CommitRecord:
+        """This record listing ``packs`` (name: size) of its packed arrays, at format
+        version 8 where there is any (which older readers refuse)."""
+        if not packs:
+            return self
+        return replace(self, packs=dict(packs), format_version=max(self.format_version, PACKED_FORMAT_VERSION))
+
+    @functools.cached_property
+    def packed_arrays(self) -> dict[str, str]:
+        """The packed arrays' keys, each with its pack (``ArrayRecord.pack``)."""
+        return {k: a.pack for k, a in self.arrays.items() if a.pack is not None}
 
     def with_zarr_metadata(self, where: ZarrMetadata) -> CommitRecord:
         """This record with its nodes' documents kept ``where`` says, at the format
@@ -1105,7 +1201,8 @@ class CommitRecord:
         chunk, as ``vouched_paths`` does), the format's reserved names whether written or
         not. Computed once: ``refuses_beside`` asks for every name another program put
         beside, against every array's."""
-        paths = (*self.arrays, *self.files, *self.external_files, COMMIT_RECORD, OBJECTS_DIR, *RESERVED_ROOT_NAMES)
+        paths = (*self.arrays, *self.files, *self.external_files, *self.packs, COMMIT_RECORD, OBJECTS_DIR,
+                 *RESERVED_ROOT_NAMES)
         return frozenset(rel.split("/", 1)[0] for rel in paths)
 
     def refuses_beside(self, name: str) -> str | None:
@@ -1156,15 +1253,13 @@ class CommitRecord:
         return {CONFIG_FNAME, COMMON_FILE} | {object_path(k) for k in shard_keys}
 
     def node_documents(self) -> dict[str, dict[str, Any]]:
-        """Every Zarr node's metadata document the record implies, by the relative path
-        of its ``zarr.json`` (the root's excepted): each array's and each group's. The
-        consolidated metadata holds the same documents by node path, split in two
-        (``consolidated_metadata``)."""
-        documents: dict[str, dict[str, Any]] = {
-            f"{g}/{ZARR_JSON}": group_metadata() for g in parent_groups(list(self.arrays))
-        }
-        documents.update({f"{k}/{ZARR_JSON}": a.zarr_metadata() for k, a in self.arrays.items()})
-        return documents
+        """Every Zarr node's metadata document the record implies in the checkpoint's
+        directory, by the relative path of its ``zarr.json`` (the root's excepted): each
+        group's, and each array's but the packed ones' (their documents are in their
+        packs, ``format.packs``). The consolidated metadata holds the same documents by
+        node path, split in two (``consolidated_metadata``)."""
+        return {f"{path}/{ZARR_JSON}": group_metadata() if array is None else array.zarr_metadata()
+                for path, array in self._nodes()}
 
     def stored_documents(self) -> dict[str, dict[str, Any]]:
         """The node documents written as files of their own (``node_documents``), by
@@ -1189,14 +1284,17 @@ class CommitRecord:
         """Every node but the root by path, each array with its record (a group with
         None), in the order of the paths of their ``zarr.json`` (``node_documents``)."""
         nodes: dict[str, ArrayRecord | None] = dict.fromkeys(parent_groups(list(self.arrays)))
-        nodes.update(self.arrays)
+        nodes.update(self.arrays if not self.packs else {k: a for k, a in self.arrays.items() if a.pack is None})
         return sorted(nodes.items(), key=lambda node: f"{node[0]}/{ZARR_JSON}")
 
     def vouched_paths(self) -> set[str]:
         """Every file a committed checkpoint holds: the record, the files it lists, the
-        node documents and every chunk. Anything else was not written by its save."""
-        paths = {COMMIT_RECORD, *self.files, *self.external_files, *self.stored_documents()}
+        node documents, every pack and every chunk outside them. Anything else was not
+        written by its save."""
+        paths = {COMMIT_RECORD, *self.files, *self.external_files, *self.stored_documents(), *self.packs}
         for key, array in self.arrays.items():
+            if array.pack is not None:
+                continue
             paths.update(f"{key}/{array.chunk_key(index)}" for index in array.chunk_indices())
         return paths
 
@@ -1253,10 +1351,13 @@ class CommitRecord:
                 **({"places": self.places.to_json()} if self.places is not None else {}),
                 **({"zarr_metadata": self.zarr_metadata.value}
                    if self.zarr_metadata is not ZarrMetadata.PER_NODE else {}),
+                **({"packs": dict(sorted(self.packs.items()))} if self.packs else {}),
             }
         }
-        if extension_types:
-            attributes[READERS_ATTRIBUTE] = readers_note(extension_types, self.zarr_metadata)
+        if extension_types or self.packs:
+            attributes[READERS_ATTRIBUTE] = readers_note(extension_types, self.zarr_metadata, bool(self.packs))
+        if self.packs:
+            attributes[PACKED_ARRAYS_ATTRIBUTE] = dict(sorted(self.packed_arrays.items()))
         root = group_metadata(attributes)
         root["consolidated_metadata"] = {
             "kind": "inline",
@@ -1393,8 +1494,9 @@ class CommitRecord:
         dcp = DcpMetadata.from_json(record.get("dcp"), where)
         places = ArrayPlaces.from_json(record.get("places"), arrays, where)
         digests = _file_digests_from_json(record.get(FILE_DIGESTS, {}), {*files, *external}, where)
+        packs = _packs_from_json(record.get("packs", {}), arrays, version, where)
         result = replace(result, files=dict(files), external_files=dict(external), reused_from=reused_from, dcp=dcp,
-                         places=places, file_digests=digests)
+                         places=places, file_digests=digests, packs=packs)
         beside = record.get("beside", [])
         if not isinstance(beside, list) or not all(isinstance(n, str) for n in beside):
             raise CheckpointingException(f"{where}: 'beside' must be a list of top-level names")
@@ -1408,6 +1510,53 @@ _REMEMBERED_RECORD_BYTES = 16 * 2**20  # about 30,000 arrays of one chunk each
 _LAST_PARSED: list[tuple[bytes, CommitRecord] | None] = [None]
 """``CommitRecord.from_json``'s one remembered record and its bytes (a one-slot list:
 a single item assignment, which needs no lock between threads)."""
+
+
+# The most bytes of a pack (``format.packs`` starts a new one well before: no zip64).
+MAX_PACK_BYTES = 2**32 - 1
+
+
+def _packs_from_json(raw: Any, arrays: dict[str, ArrayRecord], version: int, where: str) -> dict[str, int]:
+    """The record's ``packs`` (name: size), checked: named as the format names them,
+    sizes a zip without zip64 may have, none before version 8, every packed array's
+    pack among them and each of its chunks' stored bytes inside it. Unused packs are
+    refused too: no save writes one."""
+    if not isinstance(raw, dict) or any(
+        not isinstance(name, str) or not _PACK_NAME.fullmatch(name) or type(size) is not int
+        or not 0 < size <= MAX_PACK_BYTES for name, size in raw.items()
+    ):
+        raise CheckpointingException(
+            f"{where}: 'packs' must map pack names (packs/<rank>-<n>.zip) to their sizes in bytes; the commit record "
+            "was edited or damaged"
+        )
+    if raw and version < PACKED_FORMAT_VERSION:
+        raise CheckpointingException(
+            f"{where}: a version {version} commit record lists packs, which format version {PACKED_FORMAT_VERSION} "
+            "introduced; the commit record was edited or damaged"
+        )
+    used = set()
+    for key, array in arrays.items():
+        if array.pack is None:
+            continue
+        size = raw.get(array.pack)
+        if size is None:
+            raise CheckpointingException(
+                f"{where}: array {key!r} is in pack {array.pack!r}, which the record's 'packs' does not list; the "
+                "commit record was edited or damaged"
+            )
+        used.add(array.pack)
+        stored = math.prod(array.chunk_shape) * array.itemsize + 4  # [bytes, crc32c]
+        if any(o + stored > size for o in array.chunk_offsets or ()):
+            raise CheckpointingException(
+                f"{where}: array {key!r} names chunk offsets past the end of pack {array.pack!r} ({size} bytes); the "
+                "commit record was edited or damaged"
+            )
+    if unused := sorted(set(raw) - used):
+        raise CheckpointingException(
+            f"{where}: the record lists pack {unused[0]!r}, which no array is in; the commit record was edited or "
+            "damaged"
+        )
+    return dict(raw)
 
 
 def _check_unbound_chunks(arrays: dict[str, ArrayRecord], where: str) -> None:

@@ -94,6 +94,20 @@ def test_a_record_with_packed_arrays_is_the_compact_encoding_of_its_root_documen
     assert "s/c.0.0" in vouched
 
 
+def test_binding_packed_reports_names_the_pack_and_each_chunks_offset() -> None:
+    record = _record()
+    reports = [[c._replace(packed=("packs/1-0.zip", 1000 + 10 * c.index[0], 5000)) if c.key == "a" else c
+                for c in _reports(record)[0]]]
+    bound = bind_chunks(record, reports, "ckpt")
+    assert bound.arrays["a"].pack == "packs/1-0.zip" and bound.arrays["a"].chunk_offsets == (1000, 1010)
+    assert bound.packs == {"packs/1-0.zip": 5000} and bound.format_version == PACKED_FORMAT_VERSION
+    assert bound.arrays["s"].pack is None
+    mixed = [[c._replace(packed=("packs/1-0.zip", 1000, 5000)) if c.key == "a" and c.index == (0, 0) else c
+              for c in _reports(record)[0]]]
+    with pytest.raises(CheckpointingException, match="a packed array is packed whole"):
+        bind_chunks(record, mixed, "ckpt")
+
+
 def test_an_unbound_record_encodes_as_its_root_document() -> None:
     record = _record()
     record.encode_ahead()

@@ -53,7 +53,8 @@ from shardstore.format.commit import (
     publisher_for,
 )
 from shardstore.format.config import CheckpointingConfig, write_config
-from shardstore.format.records import ArrayRecord, CommitRecord
+from shardstore.format.packs import Packing
+from shardstore.format.records import PACKS_DIR, ArrayRecord, CommitRecord
 from shardstore.mapping import ShardedObject, ShardedTensor
 from shardstore.planning.checks import (
     admits_names,
@@ -406,7 +407,8 @@ class SavePipeline:
         the same on every rank; None: no bound)."""
         staging = Staging(max_bytes=staging_bytes, io_concurrency=io_concurrency)
         staged = rank_save.stage_save(tensors, self.pending, plan, self.group, staging, local_error)
-        return [*staged.written_early, *self._write(staged.metadata_files, staged.records, staged.ops, io_concurrency)]
+        return [*staged.written_early,
+                *self._write(staged.metadata_files, staged.records, staged.ops, io_concurrency, packing=staged.packing)]
 
     def stage(
         self, tensors: list[ShardedTensor], plan: RankSavePlan, staging: Staging,
@@ -425,20 +427,22 @@ class SavePipeline:
         metadata files, every chunk write in flight, then durability."""
         staged = self._require_staged()
         try:
-            self._write(staged.metadata_files, staged.records, staged.ops, io_concurrency, io_threads)
+            self._write(staged.metadata_files, staged.records, staged.ops, io_concurrency, io_threads, staged.packing)
         finally:
             self._writers().mark()
 
     def _write(
         self, files: dict[str, bytes], records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int,
-        io_threads: int = DEFAULT_IO_THREADS,
+        io_threads: int = DEFAULT_IO_THREADS, packing: Packing | None = None,
     ) -> list[WrittenChunk]:
         where = self.describe()
         with stage("save: write", where) as timing:
             self.location.write_many(files)
-            # the arrays without a document here get their directories in one pass too
-            self.location.make_directories({op.key for op in ops} - {rel.rpartition("/")[0] for rel in files})
-            written = self.write_arrays(records, ops, io_concurrency, io_threads)
+            # the arrays without a document here get their directories in one pass too; packed ones get none
+            packed = packing.keys if packing is not None else frozenset()
+            directories = {op.key for op in ops if op.key not in packed} | ({PACKS_DIR} if packed else set())
+            self.location.make_directories(directories - {rel.rpartition("/")[0] for rel in files})
+            written = self.write_arrays(records, ops, io_concurrency, io_threads, packing)
             timing.nbytes = sum(op.value.nbytes for op in ops)
         with stage("save: durable", where):
             self._make_durable()
@@ -509,11 +513,12 @@ class SavePipeline:
 
     def write_arrays(
         self, records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int = DEFAULT_IO_CONCURRENCY,
-        io_threads: int = DEFAULT_IO_THREADS,
+        io_threads: int = DEFAULT_IO_THREADS, packing: Packing | None = None,
     ) -> list[WrittenChunk]:
-        """This rank's whole-chunk writes into the save (``execution.save.write_ops``);
-        what the writers report is kept in ``written`` for the commit."""
-        chunks = rank_save.write_ops(self.pending, records, ops, io_concurrency, io_threads)
+        """This rank's whole-chunk writes into the save (``execution.save.write_ops``;
+        ``packing``: the arrays it packs); what the writers report is kept in
+        ``written`` for the commit."""
+        chunks = rank_save.write_ops(self.pending, records, ops, io_concurrency, io_threads, packing)
         self.written += chunks
         return chunks
 

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 __all__ = [
     "ASSEMBLY_SHARE", "StagedWrites", "Staging", "WriteOp", "assembly_wave_bytes", "commit_save", "fail_before_staging",
-    "finalize_save", "metadata_files", "node_document_files", "stage_save", "write_ops",
+    "finalize_save", "metadata_files", "node_document_files", "packed_keys", "stage_save", "write_ops",
 ]
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -55,9 +56,11 @@ from shardstore.format.chunks import (
     run_writes,
     write_region,
 )
+from shardstore.format.codecs import BYTES_CRC32C
 from shardstore.format.commit import PendingCheckpoint
 from shardstore.format.dtypes import byte_view, from_zarr_name, holds_its_values, tensor_to_numpy
 from shardstore.format.integrity import caller_file_checksums, callers_objects, file_checksums
+from shardstore.format.packs import PackCollector, Packing, write_packs
 from shardstore.format.records import (
     ZARR_JSON,
     ArrayRecord,
@@ -140,6 +143,7 @@ class StagedWrites:
         ops: the whole-chunk writes left to do.
         snapshot: the host copies ``ops`` point into, released after the writes.
         written_early: chunks already written while staging (waves under a byte bound).
+        packing: the arrays of ``ops`` this rank packs (``packed_keys``), or None.
     """
 
     records: dict[str, ArrayRecord]
@@ -147,6 +151,7 @@ class StagedWrites:
     ops: list[WriteOp]
     snapshot: HostSnapshot | None = None
     written_early: tuple[WrittenChunk, ...] = ()
+    packing: Packing | None = None
 
 
 @dataclass
@@ -387,8 +392,33 @@ def stage_save(
            for op in _block_ops(s, host, plan.records)]
     ops += [_flat_direct_op(w, host) for w in plan.flat_direct if w.index not in written]
     ops += [_assembled_op(chunk, buffer, plan.records, plan.gathered) for chunk, buffer in assembled]
-    files = metadata_files(plan, location.options.zarr_metadata)
-    return StagedWrites(plan.records, files, ops, snapshot, tuple(early_chunks))
+    packing = packed_keys(plan, ops, location.options.pack_arrays_up_to)
+    files = metadata_files(plan, location.options.zarr_metadata, packing.keys if packing else frozenset())
+    return StagedWrites(plan.records, files, ops, snapshot, tuple(early_chunks), packing)
+
+
+def packed_keys(plan: RankSavePlan, ops: list[WriteOp], up_to: int) -> Packing | None:
+    """The arrays this rank packs (``SaveOptions.pack_arrays_up_to``, ``format.packs``):
+    those of at most ``up_to`` bytes (none when 0) stored as ``[bytes, crc32c]`` whose
+    document this rank writes (``RankSavePlan.array_metadata``) and whose every element
+    ``ops`` write: the plan gives each chunk one writer, so no other rank writes any
+    chunk of theirs, and none was written early (in a wave under a byte bound). Each
+    rank decides for its own arrays alone; the commit record says what was packed."""
+    if not up_to:
+        return None
+    covered: dict[str, int] = {}
+    for op in ops:
+        if type(op) is WriteOp:
+            covered[op.key] = covered.get(op.key, 0) + op.value.size
+    keys = []
+    for key in plan.array_metadata:
+        record = plan.records.get(key)
+        if (
+            record is not None and key not in plan.gathered and record.codec == BYTES_CRC32C
+            and 0 < record.nbytes <= up_to and covered.get(key) == math.prod(record.shape)
+        ):
+            keys.append(key)
+    return Packing(frozenset(keys), plan.rank) if keys else None
 
 
 def _staging_stage(where: str) -> str:
@@ -547,10 +577,14 @@ def copy_to_host(
     snapshot.wait()
 
 
-def metadata_files(plan: RankSavePlan, where: ZarrMetadata = ZarrMetadata.PER_NODE) -> dict[str, bytes]:
-    """The ``zarr.json`` files a rank writes: its arrays' (``RankSavePlan.array_metadata``) and,
-    on the coordinator, the groups' that keys with ``/`` make (``node_document_files``)."""
-    return node_document_files([plan.records[key] for key in plan.array_metadata], plan.group_metadata, where)
+def metadata_files(
+    plan: RankSavePlan, where: ZarrMetadata = ZarrMetadata.PER_NODE, packed: frozenset[str] = frozenset(),
+) -> dict[str, bytes]:
+    """The ``zarr.json`` files a rank writes: its arrays' (``RankSavePlan.array_metadata``;
+    not those it packs, ``packed``, whose documents go into their packs) and, on the
+    coordinator, the groups' that keys with ``/`` make (``node_document_files``)."""
+    arrays = [plan.records[key] for key in plan.array_metadata if key not in packed]
+    return node_document_files(arrays, plan.group_metadata, where)
 
 
 def node_document_files(
@@ -629,21 +663,42 @@ def _write_early(
 
 def write_ops(
     pending: PendingCheckpoint, records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int,
-    io_threads: int = DEFAULT_IO_THREADS,
+    io_threads: int = DEFAULT_IO_THREADS, packing: Packing | None = None,
 ) -> list[WrittenChunk]:
     """Writes whole chunks of arrays (the plan gives every chunk one writer and one
     write), all in flight at once, or shares those unchanged since the checkpoint the
-    save reuses from (``format.reuse``); returns what each writer reports."""
+    save reuses from (``format.reuse``); the arrays of ``packing`` go into this rank's
+    packs (``write_packs``), never shared; returns what each writer reports."""
     store = chunk_store_for(pending.location, io_concurrency, io_threads)
-    reuse = pending.chunk_reuse(store, records)
+    packed = packing.keys if packing is not None else frozenset()
+    unpacked = {k: r for k, r in records.items() if k not in packed} if packed else records
+    reuse = pending.chunk_reuse(store, unpacked)
     share = None if reuse is None else reuse.sharer(store)
     written: list[WrittenChunk] = []
-    for batch in _batches([op for op in ops if op.value.size]):
+    for batch in _batches([op for op in ops if op.value.size and op.key not in packed]):
         jobs = [job for op in batch for job in op.jobs(ArrayChunks.of(store, records[op.key]))]
         written += run_writes(jobs, store.threads, share)
     if reuse is not None:
         reuse.log_tally()
+    if packing is not None:
+        written += _write_packed(store, records, [op for op in ops if op.key in packed], packing)
     return written
+
+
+def _write_packed(store: Any, records: dict[str, ArrayRecord], ops: list[WriteOp], packing: Packing) -> list[WrittenChunk]:
+    """The packed arrays' chunks encoded on the writer threads (crc32c, digest and the
+    zip's CRC-32 of each), then laid out in this rank's packs and each pack written as
+    one object (``format.packs.write_packs``); the reports name pack and offset."""
+    collector = PackCollector(store.threads)
+    jobs = [job for op in ops for job in op.jobs(ArrayChunks.of(collector, records[op.key]))]
+    reports = run_writes(jobs, store.threads)
+    placed, sizes = write_packs(store, packing.rank, {key: records[key] for key in packing.keys}, collector)
+    out = []
+    for report in reports:
+        pack, offsets = placed[report.key]
+        offset = offsets[records[report.key].chunk_ordinal(report.index)]
+        out.append(report._replace(packed=(pack, offset, sizes[pack])))
+    return out
 
 
 # The most bytes of copies made for writing (``WriteOp.copies``: packed shards) held at
@@ -790,6 +845,7 @@ def bind_chunks(record: CommitRecord, reports: list[list[WrittenChunk]], where: 
         CheckpointingException: a chunk nobody wrote, or one written twice.
     """
     by_key: dict[str, dict[tuple[int, ...], WrittenChunk]] = {key: {} for key in record.arrays}
+    packs: dict[str, int] = {}
     for rank, chunks in enumerate(reports):
         for chunk in chunks:
             found = by_key[chunk.key]
@@ -799,8 +855,29 @@ def bind_chunks(record: CommitRecord, reports: list[list[WrittenChunk]], where: 
                     f"written twice (rank {rank} and another)"
                 )
             found[chunk.index] = chunk
-    arrays = {key: a.with_reports(by_key[key], where) for key, a in record.arrays.items()}
-    return replace(record, arrays=arrays)
+            if chunk.packed is not None:
+                packs[chunk.packed[0]] = chunk.packed[2]
+    arrays = {key: _bound_array(a, by_key[key], where) for key, a in record.arrays.items()}
+    return replace(record, arrays=arrays).with_packs(packs)
+
+
+def _bound_array(array: ArrayRecord, reports: dict[tuple[int, ...], WrittenChunk], where: str) -> ArrayRecord:
+    """``array`` bound to its chunks' reports (``ArrayRecord.with_reports``), and to its
+    pack and chunk offsets where its writer packed it: all of its chunks or none.
+
+    Raises:
+        CheckpointingException: some chunks packed and others not, or in several packs."""
+    bound = array.with_reports(reports, where)
+    if all(r.packed is None for r in reports.values()):
+        return bound
+    packs = {r.packed[0] if r.packed is not None else None for r in reports.values()}
+    if len(packs) != 1 or None in packs:
+        raise CheckpointingException(
+            f"Internal error: {where}: the chunks of array {array.key!r} were written into {sorted(map(str, packs))}: "
+            "a packed array is packed whole, into one pack; please report it"
+        )
+    offsets = tuple(reports[index].packed[1] for index in array.chunk_indices())  # type: ignore[index]
+    return bound.with_pack(packs.pop(), offsets)
 
 
 def reused_from(location: PendingCheckpoint, reports: list[list[WrittenChunk]]) -> ReusedChunks | None:

@@ -75,6 +75,7 @@ import xxhash
 from shardstore.errors import CheckpointingException
 from shardstore.format.codecs import BYTES_CRC32C, BoxRead, ChunkCodec, HeldChunk
 from shardstore.format.dtypes import from_zarr_name
+from shardstore.format.packs import PackedChunks
 from shardstore.format.records import CHUNK_SEPARATOR, ArrayRecord, chunk_key, file_digest
 from shardstore.progress import tracked
 from shardstore.stores.base import (
@@ -245,8 +246,11 @@ class ArrayChunks:
 
     @classmethod
     def of(cls, store: ChunkStore, record: ArrayRecord) -> ArrayChunks:
-        """The chunks of the array ``record`` describes, with the checksums it binds."""
+        """The chunks of the array ``record`` describes, with the checksums it binds;
+        a packed array's are its members in its pack (``format.packs.PackedChunks``)."""
         dtype = from_zarr_name(record.dtype).numpy_dtype
+        if record.pack is not None:
+            store = PackedChunks(store, record)
         return cls(record.key, store, record.shape, record.chunk_shape, dtype, record.chunk_crcs,
                    record.chunk_separator, record.codec)
 
@@ -483,6 +487,8 @@ class WrittenChunk(NamedTuple):
         etag: the ETag the store gave the object (object stores), or None: the
             commit record keeps it, so a later save can prove a copy of the object
             without hashing the bytes (``stores.kv_chunks.KvChunkStore.share_from``).
+        packed: for a chunk written into a pack (``format.packs``), the pack's name,
+            the offset of the chunk's stored bytes in it and the pack's size; else None.
     """
 
     key: str
@@ -491,6 +497,7 @@ class WrittenChunk(NamedTuple):
     digest: str
     shared: int = 0
     etag: str | None = None
+    packed: tuple[str, int, int] | None = None
 
 
 def chunk_digest(view: memoryview) -> str:

@@ -122,6 +122,14 @@ class SaveOptions:
             on S3) fewer per array, readable by ``zarr.open_group`` and by TensorStore
             given the document (docs/guide/plain-readers.md), not by path alone. The
             coordinator's choice holds for every rank (``SaveIntent.zarr_metadata``).
+        pack_arrays_up_to: pack each array of at most this many bytes whose every chunk
+            one rank writes (replicated arrays, arrays held whole by one rank) into that
+            rank's zip pack, ``packs/<rank>-<n>.zip`` (format version 8, ``format.packs``),
+            instead of a directory and files of its own: a save of many small tensors
+            creates a few files, not thousands. 0 (the default): no packing. Plain readers
+            open a packed array from its pack (docs/guide/plain-readers.md), not from the
+            checkpoint's directory or consolidated metadata. The coordinator's choice holds
+            for every rank (``SaveIntent.pack_arrays_up_to``).
         array_places: internal: where an import of model files (``tools.convert``)
             found the arrays whose keys do not spell their places, recorded in the
             commit record (``records.ArrayPlaces``) so that an export puts them back
@@ -133,8 +141,14 @@ class SaveOptions:
     shared_directory: bool = False
     zarr_metadata: ZarrMetadata = ZarrMetadata.PER_NODE
     array_places: ArrayPlaces | None = None
+    pack_arrays_up_to: int = 0
 
     def __post_init__(self) -> None:
+        if type(self.pack_arrays_up_to) is not int or self.pack_arrays_up_to < 0:
+            raise ValueError(
+                f"SaveOptions.pack_arrays_up_to must be a number of bytes >= 0 (0: no packing), got "
+                f"{self.pack_arrays_up_to!r}"
+            )
         try:  # a caller's string becomes the enum once, here; a typo fails before the save
             object.__setattr__(self, "zarr_metadata", ZarrMetadata(self.zarr_metadata))
         except ValueError:
@@ -182,6 +196,8 @@ class SaveIntent:
         agreed: ``save_id`` is the coordinator's, the same on every rank; False for a
             caller's directory adopted without a begin (``adopt_save``), where each rank
             made its own.
+        pack_arrays_up_to: which arrays the ranks pack, as the coordinator's
+            ``SaveOptions`` said (``join_save``, as ``zarr_metadata``).
     """
 
     save_id: str
@@ -189,6 +205,7 @@ class SaveIntent:
     reuses: str | None = None
     zarr_metadata: ZarrMetadata = ZarrMetadata.PER_NODE
     agreed: bool = True
+    pack_arrays_up_to: int = 0
 
 
 def check_shared(target: Location, world_size: int) -> None:
@@ -693,7 +710,8 @@ class ByRename(Publisher):
         replaces = _check_target(target, options.overwrite, options.shared_directory)
         source = options.reuse_from
         reuses = reuse_save_id(source, target, in_place=False) if source is not None else None
-        intent = SaveIntent(save_id, replaces, reuses, options.zarr_metadata)
+        intent = SaveIntent(save_id, replaces, reuses, options.zarr_metadata,
+                            pack_arrays_up_to=options.pack_arrays_up_to)
         tops = frozenset(target.list_top(None))
         return PendingCheckpoint(target, _staging_for(directory, save_id), intent, self, options, tops)
 
@@ -1145,8 +1163,9 @@ class InPlace(Publisher):
             _write_marker(target, save_id, replaces)  # what an interrupted removal leaves stays marked
             target.remove(COMMIT_RECORD)  # the documented window on object stores starts here
             target.remove_tree("", keep=(SAVE_MARKER,))
-        return PendingCheckpoint(target, target, SaveIntent(save_id, replaces, reuses, options.zarr_metadata), self,
-                                 options)
+        intent = SaveIntent(save_id, replaces, reuses, options.zarr_metadata,
+                            pack_arrays_up_to=options.pack_arrays_up_to)
+        return PendingCheckpoint(target, target, intent, self, options)
 
     def join(self, target: Location, intent: SaveIntent, options: SaveOptions) -> PendingCheckpoint:
         return PendingCheckpoint(target, target, intent, self, options)
@@ -1267,6 +1286,13 @@ def join_save(target: Location, intent: SaveIntent, options: SaveOptions) -> Pen
             intent.zarr_metadata.value,
         )
         options = replace(options, zarr_metadata=intent.zarr_metadata)
+    if options.pack_arrays_up_to != intent.pack_arrays_up_to:
+        logger.warning(
+            "Saving %s: this rank was given pack_arrays_up_to=%d, the coordinator %d; packing as the coordinator "
+            "decided (pass the same on every rank)", target.describe(), options.pack_arrays_up_to,
+            intent.pack_arrays_up_to,
+        )
+        options = replace(options, pack_arrays_up_to=intent.pack_arrays_up_to)
     pending = publisher_for(target.capabilities).join(target, intent, options)
     try:
         pending.location.begin_writes()

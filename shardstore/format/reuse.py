@@ -6,6 +6,9 @@ earlier committed checkpoint to reuse from (``shardstore.save(..., reuse_from=..
 the checkpoint manager passes its newest step) shares each chunk whose new bytes equal
 that checkpoint's chunk of the same array at the same grid index:
 
+- **Packed arrays** (``format.packs``, format version 8) are never shared, neither
+  from a base whose array is packed nor into a save that packs it: their chunks are
+  members of a zip, rewritten with their pack.
 - **Equal** means the same content digest (XXH3-128 of the chunk's bytes, recorded for
   every chunk at write time, ``format.chunks.chunk_digest``) *and* the same crc32c (as
   the array's codec reports it, ``ChunkCodec.held``), for an array stored the same way
@@ -94,7 +97,10 @@ class ReusableArray:
 
 
 def _reusable(source: ArrayRecord | None, new: ArrayRecord) -> ReusableArray | None:
-    if source is None or source.chunk_digests is None or source.chunk_crcs is None:
+    """The source's array where its chunks may be shared into the new one: not a packed
+    array's (``format.packs``: its chunks are members of a zip, no objects of their
+    own to link or copy; a packed array of the new save is written anew too)."""
+    if source is None or source.chunk_digests is None or source.chunk_crcs is None or source.pack is not None:
         return None
     same = (source.shape, source.dtype, source.chunk_shape, source.chunk_separator, source.codec) == (
         new.shape, new.dtype, new.chunk_shape, new.chunk_separator, new.codec)

@@ -631,15 +631,29 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         which the new record no longer vouches for, and their directories once empty),
         innermost first; a document the record never listed (a consolidated-only save's
         group, where another program wrote one) stays. So do the object folders left empty.
+        Packed arrays (format version 8) go with their packs, whole: a pack that also holds
+        arrays that stay is refused (its zip would still show plain readers the removed ones).
         """
         opened = open_read(checkpoint_dir)
         location, record = opened.location, opened.require_record()
         removed = [k for k in record.arrays if k.startswith(key_prefix)]
         kept, removed_files = _without_object_shards(record, key_prefix)
         kept = replace(kept, arrays={k: a for k, a in record.arrays.items() if k not in removed})
+        gone_packs = {record.arrays[k].pack for k in removed} - {None}
+        if shared := sorted((a.pack, k) for k, a in kept.arrays.items() if a.pack in gone_packs):
+            pack, key = shared[0]
+            raise CheckpointingException(
+                f"Cannot remove the tensors under {key_prefix!r} from {location.describe()}: some are packed in "
+                f"{pack} with {key!r}, which stays (a pack is removed whole). Remove a prefix that covers the pack's "
+                "arrays, or save the checkpoint again without them"
+            )
+        kept = replace(kept, packs={p: n for p, n in record.packs.items() if p not in gone_packs})
         write_commit_record(location, kept)
         for key in removed:
-            location.remove_tree(key)
+            if record.arrays[key].pack is None:
+                location.remove_tree(key)
+        for pack in sorted(gone_packs):
+            location.remove(pack)
         for rel in removed_files:
             location.remove(rel)
         for group in sorted(set(parent_groups(removed)) - set(parent_groups(list(kept.arrays))), reverse=True):

@@ -1,0 +1,270 @@
+"""Packs: many small arrays in one stored zip (format version 8, issue 44.6).
+
+A save with ``SaveOptions.pack_arrays_up_to`` puts each array of at most that many bytes
+whose every chunk one rank writes (replicated and whole-on-one-rank arrays) into that
+rank's pack, ``packs/<rank>-<n>.zip``, instead of a directory of its own. A pack is an
+uncompressed (stored) zip that is one Zarr v3 hierarchy: ``zarr.json`` (the root group),
+each intermediate group's ``zarr.json``, and each packed array's ``<key>/zarr.json``
+(exactly ``ArrayRecord.zarr_metadata()``) and chunks ``<key>/c.<i>...``, laid out by its
+codec (``[bytes, crc32c]``: the raw bytes, then their crc32c). zarr-python opens it
+through ``zarr.storage.ZipStore`` and TensorStore through its ``zip`` kvstore, by key.
+
+The commit record names each packed array's pack and the byte offset of each of its
+chunks' stored bytes inside it (``ArrayRecord.pack``, ``chunk_offsets``), and lists every
+pack with its size (``CommitRecord.packs``). shardstore reads a packed chunk as a ranged
+read of its pack at its offset (``PackedChunks``), checked by its own trailer and by the
+crc32c the record keeps, like any chunk.
+
+The zip is written here, not by ``zipfile``: its members are laid out in one pass over
+the encoded chunks (no copy of their bytes), each with the zip's CRC-32 taken by the
+writer thread that encoded it (``PackCollector.put``), and handed to the store's ``put``
+as one object (a file, or one object store PUT). No zip64: a pack is started anew before
+``PACK_BYTES`` or ``PACK_MEMBERS`` members.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PACK_BYTES",
+    "PACK_MEMBERS",
+    "PackCollector",
+    "PackedChunks",
+    "Packing",
+    "pack_name",
+    "write_packs",
+]
+
+import json
+import math
+import struct
+import threading
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from shardstore.errors import CheckpointingException
+from shardstore.format.records import (
+    PACKS_DIR,
+    ZARR_JSON,
+    ArrayRecord,
+    group_metadata,
+    parent_groups,
+)
+from shardstore.stores.base import ChunkStore, StorageError
+
+# A pack is closed before it would pass either bound (the zip format's own limits without
+# zip64 are 4 GiB and 65,535 members).
+PACK_BYTES = 2**31
+PACK_MEMBERS = 65_000
+
+_LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header, before the name
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory header, before the name
+_END = struct.Struct("<IHHHHIIH")  # end of central directory record
+_LOCAL_SIG, _CENTRAL_SIG, _END_SIG = 0x04034B50, 0x02014B50, 0x06054B50
+_VERSION = 20  # 2.0: what a stored member needs
+_UTF8 = 0x0800  # general purpose flag bit 11: names are UTF-8
+_DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01, the earliest a zip holds: packs are byte-reproducible
+_CRC_BYTES = 4
+
+
+def pack_name(rank: int, number: int) -> str:
+    """The relative path of rank ``rank``'s pack ``number`` of a save."""
+    return f"{PACKS_DIR}/{rank}-{number}.zip"
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Which arrays a rank packs in one save (``execution.save.packed_keys``), and the
+    rank, which names its packs."""
+
+    keys: frozenset[str]
+    rank: int
+
+
+class _Member(NamedTuple):
+    pieces: list[memoryview | bytes]
+    size: int
+    crc: int  # the zip's CRC-32 (zlib's), not the chunk's crc32c
+
+
+class PackCollector(ChunkStore):
+    """Where a save's packed chunks go while their writers encode them
+    (``format.chunks.run_writes``): each chunk's pieces kept as they are (views of the
+    staged data and the trailer), with their size and zip CRC-32, taken on the writer's
+    thread; ``write_packs`` then lays them out. Reads are not served."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.members: dict[str, _Member] = {}
+        self._lock = threading.Lock()
+
+    def describe(self, rel: str) -> str:
+        return f"{rel} (to be packed)"
+
+    def put(self, rel: str, buffers: Iterable[memoryview]) -> None:
+        pieces, crc, size = [], 0, 0
+        for piece in buffers:
+            pieces.append(piece)
+            crc = zlib.crc32(piece, crc)
+            size += len(piece)
+        with self._lock:
+            self.members[rel] = _Member(pieces, size, crc)
+
+    def get_into(self, rel: str, views: list[memoryview], tail: int) -> tuple[int, bytes] | None:
+        raise NotImplementedError("a pack being written is not read")
+
+    def get_range_into(self, rel: str, offset: int, views: list[memoryview]) -> None:
+        raise NotImplementedError("a pack being written is not read")
+
+    def get_suffix(self, rel: str, nbytes: int) -> tuple[bytes, int] | None:
+        raise NotImplementedError("a pack being written is not read")
+
+
+class _ZipBuilder:
+    """One pack's bytes, member by member: local headers, the members' pieces, then
+    the central directory and its end record."""
+
+    def __init__(self) -> None:
+        self.pieces: list[memoryview | bytes] = []
+        self.central: list[bytes] = []
+        self.size = 0
+
+    @property
+    def members(self) -> int:
+        return len(self.central)
+
+    def add(self, name: str, member: _Member) -> int:
+        """Appends ``member`` as ``name``; returns the offset of its data."""
+        encoded = name.encode()
+        header = _LOCAL.pack(_LOCAL_SIG, _VERSION, _UTF8, 0, 0, _DOS_DATE, member.crc, member.size, member.size,
+                             len(encoded), 0) + encoded
+        self.central.append(_CENTRAL.pack(
+            _CENTRAL_SIG, _VERSION, _VERSION, _UTF8, 0, 0, _DOS_DATE, member.crc, member.size, member.size,
+            len(encoded), 0, 0, 0, 0, 0, self.size) + encoded)
+        self.pieces.append(header)
+        self.pieces.extend(member.pieces)
+        data_at = self.size + len(header)
+        self.size = data_at + member.size
+        return data_at
+
+    def finish(self) -> list[memoryview | bytes]:
+        directory = b"".join(self.central)
+        end = _END.pack(_END_SIG, 0, 0, self.members, self.members, len(directory), self.size, 0)
+        self.size += len(directory) + len(end)
+        return [*self.pieces, directory, end]
+
+
+def _document(document: dict) -> _Member:
+    data = json.dumps(document).encode()
+    return _Member([data], len(data), zlib.crc32(data))
+
+
+def _array_bytes(record: ArrayRecord) -> int:
+    """About what an array adds to a pack (its chunks, headers and document)."""
+    return record.chunk_count * (math.prod(record.chunk_shape) * record.itemsize + 200) + 2048
+
+
+def write_packs(
+    store: ChunkStore, rank: int, records: dict[str, ArrayRecord], collector: PackCollector,
+) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, int]]:
+    """Lays the packed arrays ``records`` (their chunks encoded into ``collector``) out
+    in packs ``packs/<rank>-<n>.zip`` and writes each as one object through ``store``;
+    returns each array's pack and chunk offsets (C order over its grid), and each
+    pack's size. An array is never split between packs."""
+    placed: dict[str, tuple[str, tuple[int, ...]]] = {}
+    sizes: dict[str, int] = {}
+    batch: list[ArrayRecord] = []
+    batch_bytes = batch_members = 0
+
+    def flush() -> None:
+        nonlocal batch, batch_bytes, batch_members
+        if not batch:
+            return
+        name = pack_name(rank, len(sizes))
+        zip_ = _ZipBuilder()
+        zip_.add(ZARR_JSON, _document(group_metadata()))
+        for group in parent_groups([r.key for r in batch]):
+            zip_.add(f"{group}/{ZARR_JSON}", _document(group_metadata()))
+        for record in batch:
+            zip_.add(f"{record.key}/{ZARR_JSON}", _document(record.zarr_metadata()))
+            offsets = []
+            for index in record.chunk_indices():
+                rel = f"{record.key}/{record.chunk_key(index)}"
+                member = collector.members.get(rel)
+                if member is None:
+                    raise CheckpointingException(f"Internal error: packed chunk {rel} was not written; please report it")
+                offsets.append(zip_.add(rel, member))
+            placed[record.key] = (name, tuple(offsets))
+        pieces = zip_.finish()
+        store.put(name, [memoryview(p) if isinstance(p, bytes) else p for p in pieces])
+        sizes[name] = zip_.size
+        batch, batch_bytes, batch_members = [], 0, 0
+
+    for key in sorted(records):
+        record = records[key]
+        nbytes, members = _array_bytes(record), record.chunk_count + 1 + key.count("/")
+        if batch and (batch_bytes + nbytes > PACK_BYTES or batch_members + members > PACK_MEMBERS - 1):
+            flush()
+        batch.append(record)
+        batch_bytes += nbytes
+        batch_members += members
+    flush()
+    return placed, sizes
+
+
+class PackedChunks(ChunkStore):
+    """One packed array's chunks as a ``ChunkStore`` (``format.chunks.ArrayChunks.of``): each
+    chunk's object is its member's bytes inside the pack, at the offset the record
+    gives, of the length its codec stores (``[bytes, crc32c]``); every read is a ranged
+    read of the pack through ``base``. A read never reaches past the member, so a
+    member's length is told as a file's is (``ChunkStore.get_into``)."""
+
+    tells_longer = True
+
+    def __init__(self, base: ChunkStore, record: ArrayRecord) -> None:
+        assert record.pack is not None and record.chunk_offsets is not None
+        self.base, self.pack, self.threads = base, record.pack, base.threads
+        self.request_bytes = base.request_bytes
+        self.stored = math.prod(record.chunk_shape) * record.itemsize + _CRC_BYTES
+        if record.chunk_count == 1:
+            self.offsets = {f"{record.key}/{record.chunk_key(next(record.chunk_indices()))}": record.chunk_offsets[0]}
+        else:
+            self.offsets = {f"{record.key}/{record.chunk_key(index)}": offset
+                            for index, offset in zip(record.chunk_indices(), record.chunk_offsets)}
+
+    def describe(self, rel: str) -> str:
+        return f"{self.base.describe(self.pack)}, member {rel}"
+
+    def _at(self, rel: str) -> int:
+        offset = self.offsets.get(rel)
+        if offset is None:
+            raise StorageError(f"{self.describe(rel)} is not in the pack's record")
+        return offset
+
+    def put(self, rel: str, buffers: Iterable[memoryview]) -> None:
+        raise NotImplementedError("a committed pack is never written")
+
+    def get_into(self, rel: str, views: list[memoryview], tail: int) -> tuple[int, bytes] | None:
+        offset = self._at(rel)
+        asked = sum(len(v) for v in views)
+        if asked > self.stored:
+            return None
+        rest = bytearray(min(tail, self.stored - asked))
+        try:
+            self.base.get_range_into(self.pack, offset, [*views, memoryview(rest)])
+        except StorageError as exc:
+            raise CheckpointingException(f"Reading {self.describe(rel)} failed: {exc}") from exc
+        return asked, bytes(rest)
+
+    def get_range_into(self, rel: str, offset: int, views: list[memoryview]) -> None:
+        total = sum(len(v) for v in views)
+        if offset + total > self.stored:
+            raise StorageError(f"{self.describe(rel)}: bytes [{offset}, {offset + total}) past its {self.stored}")
+        self.base.get_range_into(self.pack, self._at(rel) + offset, views)
+
+    def get_suffix(self, rel: str, nbytes: int) -> tuple[bytes, int] | None:
+        n = min(nbytes, self.stored)
+        buffer = bytearray(n)
+        self.base.get_range_into(self.pack, self._at(rel) + self.stored - n, [memoryview(buffer)])
+        return bytes(buffer), self.stored

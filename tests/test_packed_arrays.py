@@ -1,0 +1,301 @@
+"""Packed small arrays (issue 44.6, format version 8): ``SaveOptions(pack_arrays_up_to=...)``
+puts each small array whose chunks one rank writes into that rank's stored zip,
+``packs/<rank>-<n>.zip``, which is a Zarr v3 hierarchy that zarr-python's ``ZipStore``
+and TensorStore's ``zip`` kvstore read by key; shardstore reads each packed chunk at
+the offset its commit record gives, checked like any chunk."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from shardstore import CheckpointingException, ShardedTensor, load, save, verify
+from shardstore.format import records
+from shardstore.format.commit import SaveOptions
+from shardstore.format.records import PACKED_FORMAT_VERSION, read_commit_record
+from shardstore.serialization import load_plain_tensors, remove_sharded_tensors
+from shardstore.stores.locations import open_location
+from tests.dist import run_distributed
+from tests.scenarios import rewrite_record
+
+ts = pytest.importorskip("tensorstore")
+
+PACK = SaveOptions(pack_arrays_up_to=64 * 1024)
+BIG = (64, 512)  # 128 KiB of float32: above the bound, a directory of its own
+
+
+def _tensors(seed: int = 3) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {f"layer{i % 3}/t{i}": torch.randn(64 + 37 * i, generator=gen) for i in range(12)}
+    tensors["norm"] = torch.randn(7, 5, generator=gen)
+    tensors["emb_bf16"] = torch.randn(33, 8, generator=gen).to(torch.bfloat16)
+    tensors["scalar"] = torch.tensor(2.5)
+    tensors["big"] = torch.randn(*BIG, generator=gen)
+    return tensors
+
+
+def _sd(tensors: dict[str, torch.Tensor], empty: bool = False) -> dict[str, ShardedTensor]:
+    return {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(t) if empty else t, replica_id=0)
+            for k, t in tensors.items()}
+
+
+def _check_loads(path: Path | str, tensors: dict[str, torch.Tensor]) -> None:
+    loaded = load(_sd(tensors, empty=True), str(path))
+    assert [k for k, t in tensors.items() if not torch.equal(loaded[k], t)] == []
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    tensors = _tensors()
+    path = tmp_path_factory.mktemp("packed") / "ckpt"
+    save(_sd(tensors), str(path), options=PACK)
+    return path, tensors
+
+
+def test_a_packed_save_loads_back_bit_exact(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, tensors = saved
+    _check_loads(path, tensors)
+    plain = load_plain_tensors(str(path))
+    assert [k for k, t in tensors.items() if not torch.equal(plain[k], t)] == []
+
+
+def test_small_arrays_go_into_one_pack_and_large_ones_stay_arrays(saved: tuple[Path, dict]) -> None:
+    path, tensors = saved
+    record = read_commit_record(open_location(path))
+    assert record.format_version == PACKED_FORMAT_VERSION
+    assert list(record.packs) == ["packs/0-0.zip"]
+    assert record.packs["packs/0-0.zip"] == (path / "packs" / "0-0.zip").stat().st_size
+    packed = {k for k, a in record.arrays.items() if a.pack is not None}
+    assert packed == set(tensors) - {"big"}
+    assert (path / "big" / "c.0.0").is_file()
+    for key in packed:  # no directory, no file of its own
+        assert not (path / key).exists(), key
+    for key in packed:  # every chunk's bytes at its recorded offset, as the record binds them
+        array = record.arrays[key]
+        with open(path / array.pack, "rb") as f:
+            f.seek(array.chunk_offsets[0])
+            data = f.read(array.nbytes)
+        assert data == tensors[key].reshape(-1).view(torch.uint8).numpy().tobytes(), key
+
+
+def test_plain_zarr_and_tensorstore_read_a_packed_key_from_its_pack(saved: tuple[Path, dict]) -> None:
+    path, tensors = saved
+    pack = path / "packs" / "0-0.zip"
+    group = zarr.open_group(zarr.storage.ZipStore(pack, mode="r"), mode="r")
+    for key in ("layer1/t4", "norm", "scalar"):
+        np.testing.assert_array_equal(group[key][...], tensors[key].numpy())
+    for key in ("layer2/t5", "norm", "emb_bf16"):
+        spec = {"driver": "zarr3", "kvstore": {"driver": "zip", "base": f"file://{pack}"}, "path": key}
+        got = ts.open(spec).result().read().result()
+        expected = tensors[key].view(torch.int16).numpy() if key == "emb_bf16" else tensors[key].numpy()
+        np.testing.assert_array_equal(got.view(np.int16) if key == "emb_bf16" else got, expected)
+
+
+def test_the_directory_lists_no_packed_array_and_says_where_they_are(saved: tuple[Path, dict]) -> None:
+    """Plain zarr opening the checkpoint's directory would read a packed array's missing
+    chunks as zeros: packed arrays are not in its consolidated metadata; the root's
+    attributes name each one's pack and say how to open it."""
+    path, tensors = saved
+    group = zarr.open_group(str(path), mode="r")
+    assert "big" in group and "layer1/t4" not in group and "norm" not in group
+    root = json.loads((path / "zarr.json").read_bytes())
+    assert root["attributes"]["packed_arrays"]["layer1/t4"] == "packs/0-0.zip"
+    assert set(root["attributes"]["packed_arrays"]) == set(tensors) - {"big"}
+    assert "ZipStore" in root["attributes"]["readers"]["packed_arrays_note"]
+
+
+def test_verify_passes_and_checks_the_packs_zip_directory(saved: tuple[Path, dict]) -> None:
+    report = verify(saved[0])
+    assert report.ok, report
+    assert report.chunks_checked == len(saved[1])
+
+
+def test_a_flipped_byte_in_a_pack_is_reported_by_array_and_chunk(tmp_path: Path) -> None:
+    tensors = _tensors()
+    path = tmp_path / "ckpt"
+    save(_sd(tensors), str(path), options=PACK)
+    array = read_commit_record(open_location(path)).arrays["layer1/t7"]
+    with open(path / array.pack, "r+b") as f:
+        f.seek(array.chunk_offsets[0] + 9)
+        byte = f.read(1)
+        f.seek(array.chunk_offsets[0] + 9)
+        f.write(bytes([byte[0] ^ 0x10]))
+    report = verify(path)
+    assert not report.ok
+    assert {(p.key, p.part) for p in report.problems} == {("layer1/t7", "c.0")}
+    assert any("crc32c" in p.message for p in report.problems)
+    with pytest.raises(CheckpointingException, match=r"layer1/t7.*crc32c mismatch"):
+        load(_sd({"layer1/t7": tensors["layer1/t7"]}, empty=True), str(path))
+
+
+def test_an_unlisted_pack_is_flagged(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    save(_sd(_tensors()), str(path), options=PACK)
+    shutil.copy(path / "packs" / "0-0.zip", path / "packs" / "0-1.zip")
+    report = verify(path)
+    assert [p.key for p in report.problems] == ["packs/0-1.zip"]
+    assert report.unlisted == ["packs/0-1.zip"]
+
+
+def test_a_reader_of_version_7_refuses_a_packed_checkpoint_by_its_version(
+    saved: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(records, "READABLE_FORMAT_VERSIONS", (1, 2, 3, 4, 5, 6, 7))
+    records._LAST_PARSED[0] = None
+    with pytest.raises(CheckpointingException, match=r"format version 8 is not supported .*upgrade shardstore"):
+        load(_sd(saved[1], empty=True), str(saved[0]))
+
+
+def test_without_the_option_nothing_is_packed(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    save(_sd(_tensors()), str(path))
+    record = read_commit_record(open_location(path))
+    assert not record.packs and record.format_version < PACKED_FORMAT_VERSION
+    assert not (path / "packs").exists()
+
+
+@pytest.mark.parametrize("edit", ["unlisted", "past_end", "old_version", "unused"])
+def test_a_record_whose_packs_do_not_add_up_is_refused(tmp_path: Path, edit: str) -> None:
+    path = tmp_path / "ckpt"
+    tensors = _tensors()
+    save(_sd(tensors), str(path), options=PACK)
+
+    def change(root: dict) -> None:
+        record = root["attributes"]["shardstore"]
+        if edit == "unlisted":
+            record["arrays"]["norm"]["pack"] = "packs/0-9.zip"
+        elif edit == "past_end":
+            record["arrays"]["norm"]["chunk_offsets"] = [record["packs"]["packs/0-0.zip"] - 10]
+        elif edit == "old_version":
+            record["format_version"] = 7
+        else:
+            record["packs"]["packs/1-0.zip"] = 100
+
+    rewrite_record(path, change)
+    with pytest.raises(CheckpointingException, match=r"pack|version 8"):
+        load(_sd(tensors, empty=True), str(path))
+
+
+def test_the_option_refuses_a_negative_bound() -> None:
+    with pytest.raises(ValueError, match="pack_arrays_up_to"):
+        SaveOptions(pack_arrays_up_to=-1)
+
+
+def test_removing_tensors_removes_a_pack_whole_or_refuses(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    tensors = _tensors()
+    save(_sd(tensors), str(path), options=PACK)
+    with pytest.raises(CheckpointingException, match="a pack is removed whole"):
+        remove_sharded_tensors(str(path), "layer1/")
+    remove_sharded_tensors(str(path), "")  # every array: the pack goes too
+    assert not (path / "packs" / "0-0.zip").exists()
+    assert verify(path).ok
+
+
+# ------------------------------------------------------------ incremental saves
+
+
+def test_an_incremental_packed_save_shares_nothing_and_loads_right(tmp_path: Path) -> None:
+    tensors = _tensors()
+    save(_sd(tensors), str(tmp_path / "s1"), options=PACK)
+    changed = {**tensors, "norm": tensors["norm"] + 1}
+    save(_sd(changed), str(tmp_path / "s2"), options=SaveOptions(pack_arrays_up_to=64 * 1024,
+                                                                 reuse_from=str(tmp_path / "s1")))
+    record = read_commit_record(open_location(tmp_path / "s2"))
+    assert record.reused_from is not None and record.reused_from.chunks == 1  # only "big", unpacked
+    assert (tmp_path / "s2" / "packs" / "0-0.zip").stat().st_nlink == 1
+    shutil.rmtree(tmp_path / "s1")
+    _check_loads(tmp_path / "s2", changed)
+    assert verify(tmp_path / "s2").ok
+
+
+def test_a_save_reusing_from_a_packed_base_writes_its_arrays_anew(tmp_path: Path) -> None:
+    tensors = _tensors()
+    save(_sd(tensors), str(tmp_path / "s1"), options=PACK)
+    save(_sd(tensors), str(tmp_path / "s2"), reuse_from=str(tmp_path / "s1"))
+    record = read_commit_record(open_location(tmp_path / "s2"))
+    assert not record.packs
+    assert record.reused_from is not None and record.reused_from.chunks == 1  # "big" only
+    _check_loads(tmp_path / "s2", tensors)
+    assert verify(tmp_path / "s2").ok
+
+
+def test_a_packed_save_reusing_from_an_unpacked_base_packs_anew(tmp_path: Path) -> None:
+    tensors = _tensors()
+    save(_sd(tensors), str(tmp_path / "s1"))
+    save(_sd(tensors), str(tmp_path / "s2"), options=SaveOptions(pack_arrays_up_to=64 * 1024,
+                                                                 reuse_from=str(tmp_path / "s1")))
+    record = read_commit_record(open_location(tmp_path / "s2"))
+    assert record.reused_from is not None and record.reused_from.chunks == 1
+    assert len(record.packed_arrays) == len(tensors) - 1
+    _check_loads(tmp_path / "s2", tensors)
+
+
+# ------------------------------------------------------------ several ranks
+
+
+def _own(rank: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(11 + rank)
+    return {f"rank{rank}/w{i}": torch.randn(100 + i, generator=gen) for i in range(5)}
+
+
+def _split(rank: int, world: int, empty: bool) -> dict[str, ShardedTensor]:
+    """What every rank saves: its own small arrays, replicated ones, and one split
+    between the ranks (not packed: several ranks write its chunks)."""
+    sd = {}
+    for r in range(world):
+        if r == rank:
+            sd.update({k: ShardedTensor.from_rank_offsets(k, torch.empty_like(t) if empty else t)
+                       for k, t in _own(r).items()})
+    replicated = _tensors()
+    sd.update({k: ShardedTensor.from_rank_offsets(k, torch.empty_like(t) if empty else t, replica_id=rank)
+               for k, t in replicated.items()})
+    whole = torch.arange(64.0 * world).reshape(8 * world, 8)
+    part = whole[8 * rank : 8 * (rank + 1)]
+    sd["split"] = ShardedTensor.from_rank_offsets("split", torch.empty_like(part) if empty else part.clone(),
+                                                  (0, rank, world))
+    return sd
+
+
+def _save_two(rank: int, world: int, path: str) -> None:
+    save(_split(rank, world, empty=False), path, options=PACK)
+
+
+def _load_at(rank: int, world: int, path: str, saved_world: int) -> None:
+    """Loads every tensor at this layout: each small array split along its first axis
+    between the ranks where it can be, the rest whole."""
+    tensors = {**_tensors(), **{k: t for r in range(saved_world) for k, t in _own(r).items()}}
+    sd = {}
+    for key, t in tensors.items():
+        if t.ndim and t.shape[0] % world == 0:
+            n = t.shape[0] // world
+            sd[key] = ShardedTensor.from_rank_offsets(key, torch.empty_like(t[n * rank : n * (rank + 1)]),
+                                                      (0, rank, world), replica_id=0)
+        else:
+            sd[key] = ShardedTensor.from_rank_offsets(key, torch.empty_like(t), replica_id=rank)
+    loaded = load(sd, path)
+    for key, t in tensors.items():
+        if t.ndim and t.shape[0] % world == 0:
+            n = t.shape[0] // world
+            t = t[n * rank : n * (rank + 1)]
+        assert torch.equal(loaded[key], t), key
+
+
+def test_two_ranks_pack_their_own_arrays_and_load_at_other_layouts(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save_two, 2, path)
+    record = read_commit_record(open_location(path))
+    assert sorted(record.packs) == ["packs/0-0.zip", "packs/1-0.zip"]
+    for rank in (0, 1):  # its own arrays, and the replicated ones the plan gave it to write
+        assert set(_own(rank)) <= {k for k, a in record.arrays.items() if a.pack == f"packs/{rank}-0.zip"}
+    assert set(record.packed_arrays) == set(_tensors()) - {"big"} | set(_own(0)) | set(_own(1))
+    assert record.arrays["split"].pack is None and record.arrays["big"].pack is None
+    assert verify(path).ok
+    _load_at(0, 1, path, 2)
+    run_distributed(_load_at, 2, path, 2)

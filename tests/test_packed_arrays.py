@@ -20,6 +20,7 @@ from shardstore.format import records
 from shardstore.format.commit import SaveOptions
 from shardstore.format.records import PACKED_FORMAT_VERSION, read_commit_record
 from shardstore.serialization import load_plain_tensors, remove_sharded_tensors
+from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 from tests.dist import run_distributed
 from tests.scenarios import rewrite_record
@@ -45,8 +46,8 @@ def _sd(tensors: dict[str, torch.Tensor], empty: bool = False) -> dict[str, Shar
             for k, t in tensors.items()}
 
 
-def _check_loads(path: Path | str, tensors: dict[str, torch.Tensor]) -> None:
-    loaded = load(_sd(tensors, empty=True), str(path))
+def _check_loads(path: Path | str | Location, tensors: dict[str, torch.Tensor]) -> None:
+    loaded = load(_sd(tensors, empty=True), str(path) if isinstance(path, Path) else path)
     assert [k for k, t in tensors.items() if not torch.equal(loaded[k], t)] == []
 
 
@@ -141,6 +142,16 @@ def test_an_unlisted_pack_is_flagged(tmp_path: Path) -> None:
     report = verify(path)
     assert [p.key for p in report.problems] == ["packs/0-1.zip"]
     assert report.unlisted == ["packs/0-1.zip"]
+
+
+def test_a_pack_of_another_size_is_reported(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    save(_sd(_tensors()), str(path), options=PACK)
+    with open(path / "packs" / "0-0.zip", "ab") as f:
+        f.write(b"more")
+    report = verify(path)
+    assert [(p.key, p.part) for p in report.problems] == [("packs/0-0.zip", "pack")]
+    assert "where the commit record gives" in report.problems[0].message
 
 
 def test_a_reader_of_version_7_refuses_a_packed_checkpoint_by_its_version(
@@ -299,3 +310,29 @@ def test_two_ranks_pack_their_own_arrays_and_load_at_other_layouts(tmp_path: Pat
     assert verify(path).ok
     _load_at(0, 1, path, 2)
     run_distributed(_load_at, 2, path, 2)
+
+
+# ------------------------------------------------------------ object stores
+
+
+@pytest.fixture(scope="module")
+def s3(moto_server):  # noqa: ANN001, ANN201 - tests.s3_support's server
+    moto_server.create_bucket("packed")
+    return moto_server
+
+
+def test_a_packed_save_to_s3_writes_each_pack_as_one_object(s3) -> None:  # noqa: ANN001
+    from tests.s3_support import s3_options
+
+    options = s3_options(s3.endpoint)
+    location = open_location("s3://packed/ckpt", options=options)
+    tensors = _tensors()
+    save(_sd(tensors), location, options=PACK)
+    record = read_commit_record(location)
+    assert list(record.packs) == ["packs/0-0.zip"]
+    sizes = location.store.list_sizes()
+    assert sizes["packs/0-0.zip"] == record.packs["packs/0-0.zip"]
+    assert not [rel for rel in sizes if any(rel.startswith(f"{k}/") for k in record.packed_arrays)]  # none of theirs
+    _check_loads(location, tensors)
+    report = verify(location)
+    assert report.ok, report

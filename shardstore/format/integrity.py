@@ -10,7 +10,8 @@ TensorStore) would read, and checks it against the commit record: every chunk of
 array, every listed file, every array's and group's ``zarr.json`` (where the record says
 they are written, ``CommitRecord.stored_documents``) and the consolidated metadata
 (which the record implies, ``CommitRecord.node_documents``), and the record's
-own digest. It also lists every file under the checkpoint and flags those the record
+own digest; each pack of small arrays (format version 8) as plain zip readers read it
+(``format.packs.check_pack``). It also lists every file under the checkpoint and flags those the record
 does not list: a file added after the commit, e.g. a ``common.pt`` copied in from
 another checkpoint. It returns a report naming each finding by key and chunk or file.
 """
@@ -51,6 +52,7 @@ from shardstore.format.chunks import (
 from shardstore.format.codecs import recognized
 from shardstore.format.config import CONFIG_FNAME
 from shardstore.format.dtypes import BY_ZARR_NAME
+from shardstore.format.packs import check_pack
 from shardstore.format.records import (
     COMMIT_RECORD,
     MAX_RECORD_BYTES,
@@ -303,11 +305,26 @@ def _verify(location: Location) -> VerifyReport:
         report.problems.append(Problem("", "store", str(exc)))
         return report
     sizes = None if store.tells_longer else _listed_sizes(location, report)
+    _verify_packs(store, record, report)
     with tracked("verify", (a.nbytes for a in record.arrays.values())) as tick:
         for _, array in sorted(record.arrays.items()):
             report.arrays_checked += 1
             _verify_array(store, array, report, tick, sizes)
     return report
+
+
+def _verify_packs(store: ChunkStore, record: CommitRecord, report: VerifyReport) -> None:
+    """Each pack (format version 8) as plain zip readers read it: its size, its members
+    and their places, CRC-32s and documents (``format.packs.check_pack``); the packed
+    chunks' bytes are checked with every other chunk's."""
+    by_pack: dict[str, list[ArrayRecord]] = {}
+    for array in record.arrays.values():
+        if array.pack is not None:
+            by_pack.setdefault(array.pack, []).append(array)
+    for pack, size in sorted(record.packs.items()):
+        report.files_checked += 1
+        for key, part, message in check_pack(store, pack, size, by_pack.get(pack, [])):
+            report.problems.append(Problem(key, part, message))
 
 
 def _listed_sizes(location: Location, report: VerifyReport) -> dict[str, int] | None:

@@ -13,7 +13,9 @@ The commit record names each packed array's pack and the byte offset of each of 
 chunks' stored bytes inside it (``ArrayRecord.pack``, ``chunk_offsets``), and lists every
 pack with its size (``CommitRecord.packs``). shardstore reads a packed chunk as a ranged
 read of its pack at its offset (``PackedChunks``), checked by its own trailer and by the
-crc32c the record keeps, like any chunk.
+crc32c the record keeps, like any chunk; ``verify`` also checks that the zip's central
+directory puts each member exactly where the record says (``check_pack``), so plain
+readers read the bytes shardstore checked.
 
 The zip is written here, not by ``zipfile``: its members are laid out in one pass over
 the encoded chunks (no copy of their bytes), each with the zip's CRC-32 taken by the
@@ -30,6 +32,7 @@ __all__ = [
     "PackCollector",
     "PackedChunks",
     "Packing",
+    "check_pack",
     "pack_name",
     "write_packs",
 ]
@@ -268,3 +271,113 @@ class PackedChunks(ChunkStore):
         buffer = bytearray(n)
         self.base.get_range_into(self.pack, self._at(rel) + self.stored - n, [memoryview(buffer)])
         return bytes(buffer), self.stored
+
+
+_MAX_COMMENT = 65_535
+
+
+def _central_directory(store: ChunkStore, pack: str, size: int) -> dict[str, tuple[int, int, int, int, int]]:
+    """The pack's members by name: (local header offset, method, CRC-32, compressed
+    size, uncompressed size), from its central directory.
+
+    Raises:
+        CheckpointingException: no end record, a directory past the pack, a malformed entry.
+    """
+    got = store.get_suffix(pack, _END.size + _MAX_COMMENT)
+    if got is None:
+        raise CheckpointingException("missing")
+    tail, found = got
+    if found != size:
+        raise CheckpointingException(f"{found} bytes, where the commit record gives {size}")
+    at = tail.rfind(struct.pack("<I", _END_SIG))
+    if at < 0 or len(tail) - at < _END.size:
+        raise CheckpointingException("no zip end of central directory record: not a zip")
+    _, disk, cd_disk, _, entries, cd_size, cd_offset, _ = _END.unpack_from(tail, at)
+    if disk or cd_disk or cd_offset + cd_size > size:
+        raise CheckpointingException("a malformed zip end record (several disks, or a directory past the end)")
+    directory = bytearray(cd_size)
+    store.get_range_into(pack, cd_offset, [memoryview(directory)])
+    members: dict[str, tuple[int, int, int, int, int]] = {}
+    pos = 0
+    for _ in range(entries):
+        if pos + _CENTRAL.size > cd_size:
+            raise CheckpointingException("a truncated zip central directory")
+        fields = _CENTRAL.unpack_from(directory, pos)
+        if fields[0] != _CENTRAL_SIG:
+            raise CheckpointingException(f"a malformed zip central directory entry at {cd_offset + pos}")
+        method, crc, csize, usize, name_len, extra_len, comment_len, offset = (
+            fields[4], fields[7], fields[8], fields[9], fields[10], fields[11], fields[12], fields[16])
+        start = pos + _CENTRAL.size
+        name = bytes(directory[start : start + name_len]).decode("utf-8", "replace")
+        members[name] = (offset, method, crc, csize, usize)
+        pos = start + name_len + extra_len + comment_len
+    return members
+
+
+def check_pack(
+    store: ChunkStore, pack: str, size: int, arrays: list[ArrayRecord],
+) -> list[tuple[str, str, str]]:
+    """What is wrong with a pack as plain zip readers read it: its size, its members
+    (exactly the root's, the groups' and the packed ``arrays``' documents and chunks),
+    each member's place (every chunk's data exactly at the offset the record gives,
+    so that plain readers read the bytes ``verify`` checks), its zip CRC-32 and, for
+    the documents, their content. Returns ``(key, part, message)`` findings; the
+    chunks' own bytes are checked as every chunk's are (``format.integrity``)."""
+    try:
+        members = _central_directory(store, pack, size)
+    except (CheckpointingException, StorageError, OSError) as exc:
+        return [(pack, "pack", str(exc))]
+    problems: list[tuple[str, str, str]] = []
+    expected: dict[str, tuple[str, str, int | None, bytes | None]] = {
+        ZARR_JSON: (pack, ZARR_JSON, None, json.dumps(group_metadata()).encode())}
+    for group in parent_groups([a.key for a in arrays]):
+        expected[f"{group}/{ZARR_JSON}"] = (group, ZARR_JSON, None, json.dumps(group_metadata()).encode())
+    for array in arrays:
+        expected[f"{array.key}/{ZARR_JSON}"] = (array.key, ZARR_JSON, None, json.dumps(array.zarr_metadata()).encode())
+        for index, offset in zip(array.chunk_indices(), array.chunk_offsets or ()):
+            expected[f"{array.key}/{array.chunk_key(index)}"] = (array.key, array.chunk_key(index), offset, None)
+    for name in sorted(members.keys() - expected.keys()):
+        problems.append((pack, name, "a member of the pack that the commit record does not list"))
+    for name, (key, part, offset, document) in expected.items():
+        entry = members.get(name)
+        if entry is None:
+            problems.append((key, part, f"missing from {pack}'s zip directory: plain readers would not find it"))
+            continue
+        if why := _member_problem(store, pack, name, entry, offset, document):
+            problems.append((key, part, why))
+    return problems
+
+
+def _member_problem(
+    store: ChunkStore, pack: str, name: str, entry: tuple[int, int, int, int, int], offset: int | None,
+    document: bytes | None,
+) -> str | None:
+    """Why one member of a pack reads otherwise with plain readers than the record says
+    (see ``check_pack``), or None."""
+    header_at, method, crc, csize, usize = entry
+    if method != 0 or csize != usize:
+        return f"member {name} of {pack} is not stored uncompressed"
+    header = bytearray(_LOCAL.size)
+    try:
+        store.get_range_into(pack, header_at, [memoryview(header)])
+        fields = _LOCAL.unpack(header)
+        data_at = header_at + _LOCAL.size + fields[9] + fields[10]
+        data = bytearray(usize)
+        store.get_range_into(pack, data_at, [memoryview(data)])
+    except (StorageError, OSError, struct.error) as exc:
+        return f"member {name} of {pack} cannot be read: {exc}"
+    if fields[0] != _LOCAL_SIG:
+        return f"member {name} of {pack}: no local header at {header_at}"
+    if offset is not None and data_at != offset:
+        return (f"member {name} of {pack} starts at byte {data_at}, where the commit record says {offset}: plain "
+                "readers would read other bytes than shardstore checks")
+    if zlib.crc32(data) != crc:
+        return f"member {name} of {pack}: its bytes do not match the zip's CRC-32 (plain zip readers refuse it)"
+    if document is not None:
+        try:
+            same = json.loads(data) == json.loads(document)
+        except (ValueError, RecursionError):
+            same = False
+        if not same:
+            return f"member {name} of {pack} differs from the document the commit record implies"
+    return None

@@ -184,6 +184,11 @@ class Fragment:
 
 FRAGMENTS = (
     # before "import zarr", which its block holds too (the first fragment named in a block is its own)
+    Fragment("pack_arrays_up_to=65536))", check=(
+        "import os\n"  # the array in its pack only: no directory of its own
+        "assert pack == 'packs/0-0.zip' and not os.path.exists(f'{ckpt}/decoder/norm')\n"
+        "assert (from_zarr == norm.numpy()).all() and (from_tensorstore == norm.numpy()).all()\n"
+    )),
     Fragment('zarr_metadata="consolidated_only"', check=(
         "import os\n"  # no array document: only the root's
         "assert sorted(os.listdir(f'{ckpt}/decoder/fc1')) == ['c.0.0'] and not os.path.exists(f'{ckpt}/decoder/zarr.json')\n"

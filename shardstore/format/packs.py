@@ -158,9 +158,13 @@ class _ZipBuilder:
         return [*self.pieces, directory, end]
 
 
-def _document(document: dict) -> _Member:
-    data = json.dumps(document).encode()
+def _document(text: str) -> _Member:
+    """A member holding a JSON document (compact, as the commit record spells it)."""
+    data = text.encode()
     return _Member([data], len(data), zlib.crc32(data))
+
+
+_GROUP = json.dumps(group_metadata(), separators=(",", ":"))
 
 
 def _array_bytes(record: ArrayRecord) -> int:
@@ -186,11 +190,13 @@ def write_packs(
             return
         name = pack_name(rank, len(sizes))
         zip_ = _ZipBuilder()
-        zip_.add(ZARR_JSON, _document(group_metadata()))
-        for group in parent_groups([r.key for r in batch]):
-            zip_.add(f"{group}/{ZARR_JSON}", _document(group_metadata()))
+        group = _document(_GROUP)
+        zip_.add(ZARR_JSON, group)
+        for path in parent_groups([r.key for r in batch]):
+            zip_.add(f"{path}/{ZARR_JSON}", group)
         for record in batch:
-            zip_.add(f"{record.key}/{ZARR_JSON}", _document(record.zarr_metadata()))
+            # the document the commit record encodes too (``encoded_document``, kept): encoded once
+            zip_.add(f"{record.key}/{ZARR_JSON}", _document(record.encoded_document))
             offsets = []
             for index in record.chunk_indices():
                 rel = f"{record.key}/{record.chunk_key(index)}"

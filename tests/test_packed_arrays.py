@@ -154,6 +154,40 @@ def test_a_pack_of_another_size_is_reported(tmp_path: Path) -> None:
     assert "where the commit record gives" in report.problems[0].message
 
 
+def test_a_record_pointing_at_another_member_fails_load_and_verify(tmp_path: Path) -> None:
+    """Two arrays of one shape whose recorded offsets are swapped: each offset is inside
+    the pack and holds a well-formed chunk, but not the one the record binds, and not
+    the one plain readers read for the key."""
+    path = tmp_path / "ckpt"
+    tensors = {"a": torch.arange(10.0), "b": torch.arange(10.0) + 100}
+    save(_sd(tensors), str(path), options=PACK)
+
+    def swap(root: dict) -> None:
+        arrays = root["attributes"]["shardstore"]["arrays"]
+        arrays["a"]["chunk_offsets"], arrays["b"]["chunk_offsets"] = arrays["b"]["chunk_offsets"], arrays["a"]["chunk_offsets"]
+
+    rewrite_record(path, swap)
+    with pytest.raises(CheckpointingException, match=r"not the .* the commit record keeps"):
+        load(_sd(tensors, empty=True), str(path))
+    report = verify(path)
+    messages = {(p.key, p.part): p.message for p in report.problems if "starts at byte" in p.message}
+    assert set(messages) == {("a", "c.0"), ("b", "c.0")}, report
+
+
+def test_diff_and_inspect_read_packed_arrays(saved: tuple[Path, dict], tmp_path: Path) -> None:
+    from shardstore.tools.inspection import describe_checkpoint, diff_checkpoints
+
+    path, tensors = saved
+    unpacked = tmp_path / "unpacked"
+    save(_sd(tensors), str(unpacked))
+    assert diff_checkpoints(path, unpacked).identical
+    changed = tmp_path / "changed"
+    save(_sd({**tensors, "norm": tensors["norm"] + 1}), str(changed), options=PACK)
+    difference = diff_checkpoints(path, changed)
+    assert [a.key for a in difference.arrays if not a.identical] == ["norm"]
+    assert {a.key for a in describe_checkpoint(path).arrays} == set(tensors)
+
+
 def test_a_reader_of_version_7_refuses_a_packed_checkpoint_by_its_version(
     saved: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -206,6 +240,31 @@ def test_removing_tensors_removes_a_pack_whole_or_refuses(tmp_path: Path) -> Non
         remove_sharded_tensors(str(path), "layer1/")
     remove_sharded_tensors(str(path), "")  # every array: the pack goes too
     assert not (path / "packs" / "0-0.zip").exists()
+    assert verify(path).ok
+
+
+@pytest.mark.parametrize("cap", [None, 8 * 1024])
+def test_an_async_save_packs_and_changes_after_it_returns_do_not_reach_the_pack(tmp_path: Path, cap: int | None) -> None:
+    """An async save packs from its host snapshot; with a staging bound, the arrays
+    written early in waves stay directories of their own (``packed_keys``)."""
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+
+    tensors = _tensors()
+    originals = {k: t.clone() for k, t in tensors.items()}
+    path = tmp_path / "ckpt"
+    queue = AsyncCallsQueue()
+    request = save(_sd(tensors), str(path), ZarrSaveShardedStrategy(max_staging_bytes=cap), async_sharded_save=True,
+                   options=PACK)
+    for t in tensors.values():
+        t.fill_(-7)
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    _check_loads(path, originals)
+    record = read_commit_record(open_location(path))
+    if cap is None:  # nothing written early: every small array packed
+        assert set(record.packed_arrays) == set(tensors) - {"big"}
     assert verify(path).ok
 
 

@@ -762,7 +762,8 @@ def run_tiny(b: Bench, args: argparse.Namespace) -> None:
     metadata file and a chunk file, 8 threads, one ``sync``; ``files-dirs-first``: the
     directories made first by one thread), interleaved; ``shardstore-consolidated``: the
     arrays' metadata in the root's consolidated metadata only (no ``zarr.json`` per key);
-    ``zip-pack``: the floor of a packed design, every array inside one zip
+    ``shardstore-packed``: every array packed into the process's zip
+    (``SaveOptions(pack_arrays_up_to=...)``, format version 8); ``zip-pack``: the floor of a packed design, every array inside one zip
     (``zip_pack_save``)."""
     import shardstore
     from shardstore.format.commit import SaveOptions
@@ -802,6 +803,13 @@ def run_tiny(b: Bench, args: argparse.Namespace) -> None:
               lambda: loaded.update({"shardstore-consolidated": shardstore.load(
                   shardstore_sd(state, 0, 1, empty=True), str(consolidated_path))}),
               check("shardstore-consolidated"))
+    packed_path = b.root / "tiny-shardstore-packed"
+    packed = SaveOptions(pack_arrays_up_to=64 * 1024)
+    b.measure("tiny", "shardstore-packed", nbytes, packed_path,
+              lambda: shardstore.save(shardstore_sd(state, 0, 1), str(packed_path), options=packed),
+              lambda: loaded.update({"shardstore-packed": shardstore.load(
+                  shardstore_sd(state, 0, 1, empty=True), str(packed_path))}),
+              check("shardstore-packed"))
     b.measure("tiny", "torch", nbytes, torch_path, lambda: torch_save(plain, torch_path),
               lambda: loaded.update(torch=torch.load(torch_path, weights_only=True)), check("torch"))
     b.measure("tiny", "files", nbytes, files_path, lambda: files_save(state, files_path, 0, 1),
@@ -812,7 +820,7 @@ def run_tiny(b: Bench, args: argparse.Namespace) -> None:
     b.measure("tiny", "zip-pack", nbytes, zip_path, lambda: zip_pack_save(state, zip_path),
               lambda: loaded.update({"zip-pack": zip_pack_load(state, zip_path)}), check("zip-pack"))
     b.flush()
-    for p in (ss_path, consolidated_path, torch_path, files_path, first_path, zip_path):
+    for p in (ss_path, consolidated_path, packed_path, torch_path, files_path, first_path, zip_path):
         b._clean(p)
 
 
@@ -1436,6 +1444,8 @@ def ratios(results: list[Result]) -> dict[str, float]:
         for peer in ("torch", "files", "files-dirs-first"):
             out |= ratio(f"tiny.{op}.vs_{peer}", ("tiny", "shardstore", op), ("tiny", peer, op))
             out |= ratio(f"tiny.consolidated.{op}.vs_{peer}", ("tiny", "shardstore-consolidated", op), ("tiny", peer, op))
+        out |= ratio(f"tiny.packed.{op}.vs_torch", ("tiny", "shardstore-packed", op), ("tiny", "torch", op))
+        out |= ratio(f"tiny.packed.{op}.vs_zip-pack-floor", ("tiny", "shardstore-packed", op), ("tiny", "zip-pack", op))
         # the packed design's floor against torch.save/load: what such a layout could reach
         out |= ratio(f"tiny.zip-pack-floor.{op}.vs_torch", ("tiny", "zip-pack", op), ("tiny", "torch", op))
         for method in ("shardstore", "shardstore-sharded", "shardstore-consolidated", "shardstore-sharded-consolidated"):

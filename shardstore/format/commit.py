@@ -128,8 +128,9 @@ class SaveOptions:
             instead of a directory and files of its own: a save of many small tensors
             creates a few files, not thousands. 0 (the default): no packing. Plain readers
             open a packed array from its pack (docs/guide/plain-readers.md), not from the
-            checkpoint's directory or consolidated metadata. The coordinator's choice holds
-            for every rank (``SaveIntent.pack_arrays_up_to``).
+            checkpoint's directory or consolidated metadata. Local disks and object stores
+            alike (a pack is one object: one PUT). The coordinator's choice holds for every
+            rank (``SaveIntent.pack_arrays_up_to``).
         array_places: internal: where an import of model files (``tools.convert``)
             found the arrays whose keys do not spell their places, recorded in the
             commit record (``records.ArrayPlaces``) so that an export puts them back

@@ -395,3 +395,21 @@ def test_a_packed_save_to_s3_writes_each_pack_as_one_object(s3) -> None:  # noqa
     _check_loads(location, tensors)
     report = verify(location)
     assert report.ok, report
+
+
+def test_an_array_of_several_chunks_is_packed_whole_with_each_chunks_offset(tmp_path: Path) -> None:
+    """Chunks of 16 KiB (``max_chunk_bytes``): the 128 KiB array "big" is 8 chunks, all
+    in the pack, each at its own offset, read back by shardstore and by plain zarr."""
+    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+
+    tensors = _tensors()
+    path = tmp_path / "ckpt"
+    save(_sd(tensors), str(path), ZarrSaveShardedStrategy(max_chunk_bytes=16 * 1024),
+         options=SaveOptions(pack_arrays_up_to=256 * 1024))
+    big = read_commit_record(open_location(path)).arrays["big"]
+    assert big.pack == "packs/0-0.zip" and big.chunk_count > 1
+    assert len(set(big.chunk_offsets)) == big.chunk_count
+    _check_loads(path, tensors)
+    group = zarr.open_group(zarr.storage.ZipStore(path / big.pack, mode="r"), mode="r")
+    np.testing.assert_array_equal(group["big"][...], tensors["big"].numpy())
+    assert verify(path).ok

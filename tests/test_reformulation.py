@@ -286,3 +286,36 @@ def test_a_forged_flattened_block_is_refused_in_seconds(tmp_path: Path) -> None:
     with pytest.raises(CheckpointingException, match=r"'x' names a flattened block \(1, 1\) smaller than its chunks"):
         get_reformulation_metadata(request, tmp_path)
     assert time.monotonic() - started < 5
+
+
+def _flat_blocks(key: str, shape: tuple[int, int], blocks: int, data: torch.Tensor | None = None) -> list:
+    """``blocks`` row blocks of a ``shape`` tensor, each one whole flattened range (with
+    ``allow_shape_mismatch``), on one rank; their data ``data``'s, else zeros."""
+    rows = shape[0] // blocks
+    return [
+        ShardedTensor.from_rank_offsets_flat(
+            key, (data[i * rows:(i + 1) * rows] if data is not None else torch.zeros(rows, shape[1])).flatten().clone(),
+            (rows, shape[1]), (0, i, blocks), flattened_range=slice(0, rows * shape[1]), allow_shape_mismatch=True,
+        )
+        for i in range(blocks)
+    ]
+
+
+def test_a_reformulated_request_of_another_global_shape_loads_padded_as_a_plain_load(tmp_path: Path) -> None:
+    """A flattened tensor saved as 2 row blocks of an (8, 3) tensor, requested with
+    ``allow_shape_mismatch`` as 2 row blocks of a (12, 3) one (a padded vocabulary)
+    through the reformulation API: each block comes back as a plain load gives it, the
+    stored rows then zeros. Before, the saved blocks a request overlaps were found from
+    the two grids' fractions of different shapes (block 0, rows 0-6, missed saved rows
+    4-5) and the rest was left as ``torch.empty`` memory: rows 4-5 and 8-11 garbage."""
+    stored = global_tensor(FLAT, (8, 3), torch.float32)
+    save({"s": _flat_blocks(FLAT, (8, 3), 2, stored)}, tmp_path / "ckpt")
+    expected = torch.zeros(12, 3)
+    expected[:8] = stored
+    plain = load({"s": _flat_blocks(FLAT, (12, 3), 2)}, tmp_path / "ckpt")["s"]
+    request = {"s": _flat_blocks(FLAT, (12, 3), 2)}
+    request, restore = apply_nd_flattened_tensors_reformulation(request, get_reformulation_metadata(request, tmp_path / "ckpt"))
+    loaded = restore_nd_flattened_tensors_formulation(load(request, tmp_path / "ckpt", validate_access_integrity=False), restore)["s"]
+    for i in range(2):
+        assert_bits_equal(plain[i], expected[6 * i:6 * (i + 1)].flatten(), f"plain block {i}")
+        assert_bits_equal(loaded[i], expected[6 * i:6 * (i + 1)].flatten(), f"reformulated block {i}")

@@ -179,8 +179,10 @@ def apply_nd_flattened_tensors_reformulation(
     ``(global offset, saved block shape)``. Load the result, then give it to
     ``restore_nd_flattened_tensors_formulation`` with the returned restore metadata.
 
-    A flattened tensor saved with the grid it is requested with stays as it is; so does a
-    1-D one without metadata (Megatron's legacy 1-D format).
+    A flattened tensor saved with the grid it is requested with stays as it is; so do a
+    1-D one without metadata (Megatron's legacy 1-D format) and one requested with
+    another global shape than the saved one (``allow_shape_mismatch``: ``load`` reads it
+    zero-padded or truncated, which the saved blocks cannot give).
 
     Raises:
         CheckpointingException: an N-D flattened tensor without metadata, or metadata
@@ -198,6 +200,8 @@ def apply_nd_flattened_tensors_reformulation(
                 f"Missing reformulation metadata for tensor {sh_ten}. Existing keys: {sorted(reformulation_metadata)}"
             )
         if rmd.ckpt_reform_global_shape == nd_flattened_tensor_reformulated_global_shape(sh_ten):
+            return sh_ten
+        if sh_ten.global_shape != rmd.ckpt_orig_global_shape:  # allow_shape_mismatch: load pads or truncates it
             return sh_ten
         return reformulate_single_nd_flattened_tensor(sh_ten, rmd)
 
@@ -233,7 +237,8 @@ def reformulate_single_nd_flattened_tensor(
 
     Raises:
         CheckpointingException: the saved grid does not tile the saved shape, is of
-            another rank than ``sh_ten``'s, or splits a prepended axis.
+            another rank than ``sh_ten``'s, or splits a prepended axis; ``sh_ten`` has
+            another global shape than the saved one.
     """
     rmd = reformulation_metadata
     request = sh_ten.without_data()
@@ -248,6 +253,12 @@ def reformulate_single_nd_flattened_tensor(
     if any(f <= 0 or n % f for n, f in zip(rmd.ckpt_orig_global_shape, saved_grid)):
         raise CheckpointingException(
             f"{sh_ten}: saved block grid {saved_grid} does not tile the saved shape {rmd.ckpt_orig_global_shape}"
+        )
+    if request.global_shape != rmd.ckpt_orig_global_shape:
+        raise CheckpointingException(
+            f"{sh_ten}: requested with global shape {request.global_shape}, saved with "
+            f"{rmd.ckpt_orig_global_shape}: the saved blocks cannot give it padded or truncated; load it as it is "
+            "(apply_nd_flattened_tensors_reformulation leaves it so)"
         )
     saved_block = tuple(n // f for n, f in zip(rmd.ckpt_orig_global_shape, saved_grid))  # prepended axes included
     prepended = request.prepend_axis_num

@@ -6,8 +6,10 @@ the offset its commit record gives, checked like any chunk."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +135,48 @@ def test_a_flipped_byte_in_a_pack_is_reported_by_array_and_chunk(tmp_path: Path)
     assert any("crc32c" in p.message for p in report.problems)
     with pytest.raises(CheckpointingException, match=r"layer1/t7.*crc32c mismatch"):
         load(_sd({"layer1/t7": tensors["layer1/t7"]}, empty=True), str(path))
+
+
+def _local_header_at(data: bytes, name: str) -> int:
+    """Where the local header of member ``name`` starts in the zip ``data``."""
+    entry = zipfile.ZipFile(io.BytesIO(data)).getinfo(name)
+    return entry.header_offset
+
+
+@pytest.mark.parametrize("field,at,value", [("name", 30, ord("q")), ("flags", 6, 0x01), ("method", 8, 8),
+                                            ("size", 18, 0x7F), ("crc", 14, 0x55)])
+def test_a_damaged_local_header_is_reported(tmp_path: Path, field: str, at: int, value: int) -> None:
+    """A member's local header that disagrees with its central directory entry: before,
+    verify said "no problems" while zarr's ZipStore refused the member (another name:
+    "File name in directory ... and header ... differ") and TensorStore's zip kvstore
+    refused it (an encryption flag, a deflate method)."""
+    path = tmp_path / "ckpt"
+    save(_sd(_tensors()), str(path), options=PACK)
+    pack = path / "packs" / "0-0.zip"
+    data = bytearray(pack.read_bytes())
+    header = _local_header_at(bytes(data), "norm/c.0.0")
+    data[header + at] ^= value
+    pack.write_bytes(bytes(data))
+    report = verify(path)
+    assert [(p.key, p.part) for p in report.problems] == [("norm", "c.0.0")], report
+    assert "local header" in report.problems[0].message
+
+
+def test_a_zip_directory_holding_more_entries_than_its_end_record_counts_is_reported(tmp_path: Path) -> None:
+    """The central directory's end record counting one entry fewer than it holds
+    (zipfile reads entries up to the directory's size, so it lists a member verify
+    never saw): before, verify said "no problems"."""
+    path = tmp_path / "ckpt"
+    save(_sd(_tensors()), str(path), options=PACK)
+    pack = path / "packs" / "0-0.zip"
+    data = bytearray(pack.read_bytes())
+    end = data.rfind(b"PK\x05\x06")
+    for at in (end + 8, end + 10):  # the entries on this disk, and in all
+        data[at : at + 2] = (int.from_bytes(data[at : at + 2], "little") - 1).to_bytes(2, "little")
+    pack.write_bytes(bytes(data))
+    report = verify(path)
+    assert [(p.key, p.part) for p in report.problems] == [("packs/0-0.zip", "pack")], report
+    assert "past its" in report.problems[0].message
 
 
 def test_an_unlisted_pack_is_flagged(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ chunks' stored bytes inside it (``ArrayRecord.pack``, ``chunk_offsets``), and li
 pack with its size (``CommitRecord.packs``). shardstore reads a packed chunk as a ranged
 read of its pack at its offset (``PackedChunks``), checked by its own trailer and by the
 crc32c the record keeps, like any chunk; ``verify`` also checks that the zip's central
-directory puts each member exactly where the record says (``check_pack``), so plain
+directory and each local header put each member exactly where the record says (``check_pack``), so plain
 readers read the bytes shardstore checked.
 
 The zip is written here, not by ``zipfile``: its members are laid out in one pass over
@@ -282,12 +282,23 @@ class PackedChunks(ChunkStore):
 _MAX_COMMENT = 65_535
 
 
-def _central_directory(store: ChunkStore, pack: str, size: int) -> dict[str, tuple[int, int, int, int, int]]:
-    """The pack's members by name: (local header offset, method, CRC-32, compressed
-    size, uncompressed size), from its central directory.
+class _Entry(NamedTuple):
+    """One member as a pack's central directory lists it."""
+
+    offset: int  # of its local header
+    flags: int
+    method: int
+    crc: int
+    csize: int
+    usize: int
+
+
+def _central_directory(store: ChunkStore, pack: str, size: int) -> dict[str, _Entry]:
+    """The pack's members by name, from its central directory.
 
     Raises:
-        CheckpointingException: no end record, a directory past the pack, a malformed entry.
+        CheckpointingException: no end record, a directory past the pack, a malformed
+            entry, one name twice, or a directory of other entries than its end record counts.
     """
     got = store.get_suffix(pack, _END.size + _MAX_COMMENT)
     if got is None:
@@ -298,12 +309,12 @@ def _central_directory(store: ChunkStore, pack: str, size: int) -> dict[str, tup
     at = tail.rfind(struct.pack("<I", _END_SIG))
     if at < 0 or len(tail) - at < _END.size:
         raise CheckpointingException("no zip end of central directory record: not a zip")
-    _, disk, cd_disk, _, entries, cd_size, cd_offset, _ = _END.unpack_from(tail, at)
-    if disk or cd_disk or cd_offset + cd_size > size:
+    _, disk, cd_disk, disk_entries, entries, cd_size, cd_offset, _ = _END.unpack_from(tail, at)
+    if disk or cd_disk or disk_entries != entries or cd_offset + cd_size > size:
         raise CheckpointingException("a malformed zip end record (several disks, or a directory past the end)")
     directory = bytearray(cd_size)
     store.get_range_into(pack, cd_offset, [memoryview(directory)])
-    members: dict[str, tuple[int, int, int, int, int]] = {}
+    members: dict[str, _Entry] = {}
     pos = 0
     for _ in range(entries):
         if pos + _CENTRAL.size > cd_size:
@@ -311,12 +322,16 @@ def _central_directory(store: ChunkStore, pack: str, size: int) -> dict[str, tup
         fields = _CENTRAL.unpack_from(directory, pos)
         if fields[0] != _CENTRAL_SIG:
             raise CheckpointingException(f"a malformed zip central directory entry at {cd_offset + pos}")
-        method, crc, csize, usize, name_len, extra_len, comment_len, offset = (
-            fields[4], fields[7], fields[8], fields[9], fields[10], fields[11], fields[12], fields[16])
+        name_len, extra_len, comment_len = fields[10], fields[11], fields[12]
         start = pos + _CENTRAL.size
         name = bytes(directory[start : start + name_len]).decode("utf-8", "replace")
-        members[name] = (offset, method, crc, csize, usize)
+        if name in members:
+            raise CheckpointingException(f"member {name} is in the zip central directory twice")
+        members[name] = _Entry(fields[16], fields[3], fields[4], fields[7], fields[8], fields[9])
         pos = start + name_len + extra_len + comment_len
+    if pos != cd_size:
+        # zipfile reads entries up to the directory's size, not its count: it would see others
+        raise CheckpointingException(f"the zip central directory holds {cd_size - pos} bytes past its {entries} entries")
     return members
 
 
@@ -355,29 +370,30 @@ def check_pack(
 
 
 def _member_problem(
-    store: ChunkStore, pack: str, name: str, entry: tuple[int, int, int, int, int], offset: int | None,
-    document: bytes | None,
+    store: ChunkStore, pack: str, name: str, entry: _Entry, offset: int | None, document: bytes | None,
 ) -> str | None:
     """Why one member of a pack reads otherwise with plain readers than the record says
     (see ``check_pack``), or None."""
-    header_at, method, crc, csize, usize = entry
-    if method != 0 or csize != usize:
-        return f"member {name} of {pack} is not stored uncompressed"
-    header = bytearray(_LOCAL.size)
+    if entry.method != 0 or entry.csize != entry.usize or entry.flags & ~_UTF8:
+        return f"member {name} of {pack} is not stored uncompressed, as shardstore writes it (method, flags or sizes)"
+    encoded = name.encode()
+    header = bytearray(_LOCAL.size + len(encoded))
     try:
-        store.get_range_into(pack, header_at, [memoryview(header)])
-        fields = _LOCAL.unpack(header)
-        data_at = header_at + _LOCAL.size + fields[9] + fields[10]
-        data = bytearray(usize)
+        store.get_range_into(pack, entry.offset, [memoryview(header)])
+        fields = _LOCAL.unpack_from(header)
+        data_at = entry.offset + _LOCAL.size + fields[9] + fields[10]
+        data = bytearray(entry.usize)
         store.get_range_into(pack, data_at, [memoryview(data)])
     except (StorageError, OSError, struct.error) as exc:
         return f"member {name} of {pack} cannot be read: {exc}"
     if fields[0] != _LOCAL_SIG:
-        return f"member {name} of {pack}: no local header at {header_at}"
+        return f"member {name} of {pack}: no local header at {entry.offset}"
+    if why := _local_header_problem(fields, header[_LOCAL.size :], entry, encoded):
+        return f"member {name} of {pack}: its local header {why} (plain zip readers refuse or misread it)"
     if offset is not None and data_at != offset:
         return (f"member {name} of {pack} starts at byte {data_at}, where the commit record says {offset}: plain "
                 "readers would read other bytes than shardstore checks")
-    if zlib.crc32(data) != crc:
+    if zlib.crc32(data) != entry.crc:
         return f"member {name} of {pack}: its bytes do not match the zip's CRC-32 (plain zip readers refuse it)"
     if document is not None:
         try:
@@ -386,4 +402,18 @@ def _member_problem(
             same = False
         if not same:
             return f"member {name} of {pack} differs from the document the commit record implies"
+    return None
+
+
+def _local_header_problem(fields: tuple[int, ...], name: bytes, entry: _Entry, expected: bytes) -> str | None:
+    """How a member's local header disagrees with its central directory entry (name,
+    flags, method, CRC-32, sizes: zipfile refuses another name, TensorStore another
+    flag or method), or None."""
+    flags, method, crc, csize, usize, name_len = fields[2], fields[3], fields[6], fields[7], fields[8], fields[9]
+    if name_len != len(expected) or bytes(name) != expected:
+        return f"names {bytes(name[:name_len]).decode('utf-8', 'replace')!r}"
+    if (flags, method) != (entry.flags, entry.method):
+        return f"gives flags {flags:#x} and method {method}, its directory entry {entry.flags:#x} and {entry.method}"
+    if (crc, csize, usize) != (entry.crc, entry.csize, entry.usize):
+        return "gives another CRC-32 or size than its directory entry"
     return None

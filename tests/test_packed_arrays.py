@@ -457,3 +457,20 @@ def test_an_array_of_several_chunks_is_packed_whole_with_each_chunks_offset(tmp_
     group = zarr.open_group(zarr.storage.ZipStore(path / big.pack, mode="r"), mode="r")
     np.testing.assert_array_equal(group["big"][...], tensors["big"].numpy())
     assert verify(path).ok
+
+
+def test_an_array_of_more_chunks_than_a_pack_holds_stays_a_directory(tmp_path: Path) -> None:
+    """An array under the bound but of more chunks than a zip without zip64 holds
+    (65,600 chunks of one byte): before, the save failed with a bare
+    ``struct.error: ushort format requires 0 <= number <= 65535`` from the zip's end
+    record. It is now left a directory of its own, and the small ones packed."""
+    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+
+    tensors = {"many": torch.arange(65_600, dtype=torch.int8), "small": torch.randn(3)}
+    path = tmp_path / "ckpt"
+    save(_sd(tensors), str(path), ZarrSaveShardedStrategy(max_chunk_bytes=1),
+         options=SaveOptions(pack_arrays_up_to=1 << 20))
+    record = read_commit_record(open_location(path))
+    assert record.arrays["many"].pack is None and record.arrays["many"].chunk_count == 65_600
+    assert record.arrays["small"].pack == "packs/0-0.zip"
+    _check_loads(path, tensors)

@@ -60,7 +60,7 @@ from shardstore.format.codecs import BYTES_CRC32C
 from shardstore.format.commit import PendingCheckpoint
 from shardstore.format.dtypes import byte_view, from_zarr_name, holds_its_values, tensor_to_numpy
 from shardstore.format.integrity import caller_file_checksums, callers_objects, file_checksums
-from shardstore.format.packs import PackCollector, Packing, write_packs
+from shardstore.format.packs import PackCollector, Packing, fits_one_pack, write_packs
 from shardstore.format.records import (
     ZARR_JSON,
     ArrayRecord,
@@ -402,8 +402,9 @@ def packed_keys(plan: RankSavePlan, ops: list[WriteOp], up_to: int) -> Packing |
     those of at most ``up_to`` bytes (none when 0) stored as ``[bytes, crc32c]`` whose
     document this rank writes (``RankSavePlan.array_metadata``) and whose every element
     ``ops`` write: the plan gives each chunk one writer, so no other rank writes any
-    chunk of theirs, and none was written early (in a wave under a byte bound). Each
-    rank decides for its own arrays alone; the commit record says what was packed."""
+    chunk of theirs, and none was written early (in a wave under a byte bound); and
+    that fit one pack (``format.packs.fits_one_pack``: no more chunks than a zip
+    without zip64 holds). Each rank decides for its own arrays alone; the commit record says what was packed."""
     if not up_to:
         return None
     covered: dict[str, int] = {}
@@ -416,6 +417,7 @@ def packed_keys(plan: RankSavePlan, ops: list[WriteOp], up_to: int) -> Packing |
         if (
             record is not None and key not in plan.gathered and record.codec == BYTES_CRC32C
             and 0 < record.nbytes <= up_to and covered.get(key) == math.prod(record.shape)
+            and fits_one_pack(record)
         ):
             keys.append(key)
     return Packing(frozenset(keys), plan.rank) if keys else None

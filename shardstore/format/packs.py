@@ -33,6 +33,7 @@ __all__ = [
     "PackedChunks",
     "Packing",
     "check_pack",
+    "fits_one_pack",
     "pack_name",
     "write_packs",
 ]
@@ -172,6 +173,19 @@ def _array_bytes(record: ArrayRecord) -> int:
     return record.chunk_count * (math.prod(record.chunk_shape) * record.itemsize + 200) + 2048
 
 
+def _array_members(record: ArrayRecord) -> int:
+    """At most how many members an array adds to a pack: its chunks, its document and
+    its groups' documents."""
+    return record.chunk_count + 1 + record.key.count("/")
+
+
+def fits_one_pack(record: ArrayRecord) -> bool:
+    """Whether ``record``'s array fits a pack of its own, within ``PACK_BYTES`` and
+    ``PACK_MEMBERS`` (the root's document besides): an array is never split between
+    packs, so one that does not fit (many small chunks) stays a directory of its own."""
+    return _array_bytes(record) <= PACK_BYTES and _array_members(record) <= PACK_MEMBERS - 1
+
+
 def write_packs(
     store: ChunkStore, rank: int, records: dict[str, ArrayRecord], collector: PackCollector,
 ) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, int]]:
@@ -212,7 +226,7 @@ def write_packs(
 
     for key in sorted(records):
         record = records[key]
-        nbytes, members = _array_bytes(record), record.chunk_count + 1 + key.count("/")
+        nbytes, members = _array_bytes(record), _array_members(record)
         if batch and (batch_bytes + nbytes > PACK_BYTES or batch_members + members > PACK_MEMBERS - 1):
             flush()
         batch.append(record)

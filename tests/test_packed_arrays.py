@@ -474,3 +474,17 @@ def test_an_array_of_more_chunks_than_a_pack_holds_stays_a_directory(tmp_path: P
     assert record.arrays["many"].pack is None and record.arrays["many"].chunk_count == 65_600
     assert record.arrays["small"].pack == "packs/0-0.zip"
     _check_loads(path, tensors)
+
+
+def test_the_zarr_modules_open_by_path_reads_a_packed_array_from_its_pack(saved: tuple[Path, dict]) -> None:
+    """``_open_zarr_array_verbose`` (Megatron-Core's zarr API: a key's path) on a packed
+    array: before, it failed with "Metadata at .../norm/zarr.json does not exist" and
+    advice about consolidated_only saves, which did not apply. It now opens the array
+    read-only from its pack, and refuses a mode that writes by naming the pack."""
+    from shardstore.strategies.zarr import _open_zarr_array_verbose
+
+    path, tensors = saved
+    array = _open_zarr_array_verbose(f"{path}/norm", "r")
+    np.testing.assert_array_equal(array.read().result(), tensors["norm"].numpy())
+    with pytest.raises(CheckpointingException, match=r"packed into packs/0-0.zip .*read-only"):
+        _open_zarr_array_verbose(f"{path}/norm", "r+")

@@ -75,6 +75,7 @@ from shardstore.format.dtypes import (
 from shardstore.format.records import (
     MAX_CHUNK_BYTES,
     MAX_RECORD_BYTES,
+    PACKED_ARRAYS_ATTRIBUTE,
     ZARR_JSON,
     ArrayRecord,
     CommitRecord,
@@ -803,15 +804,19 @@ def _open_zarr_array_verbose(path: str | Path, mode: str, **open_kwargs: Any) ->
 def _open_array(location: Location, key: str, mode: str, **open_kwargs: Any) -> ts.TensorStore:
     """Opens the array ``key`` of ``location`` (reads its ``zarr.json``, or, where it has
     none, takes its document from the consolidated metadata of ``location``'s root
-    ``zarr.json``: a checkpoint saved with ``zarr_metadata="consolidated_only"``), with a
-    clear error. Internal callers hold the location already: no path is split again
-    (which ``Path`` would do wrongly for a URL: ``s3://`` becomes ``s3:/``)."""
+    ``zarr.json``: a checkpoint saved with ``zarr_metadata="consolidated_only"``; a packed
+    array, format version 8, read-only from its pack), with a clear error. Internal
+    callers hold the location already: no path is split again (which ``Path`` would do
+    wrongly for a URL: ``s3://`` becomes ``s3:/``)."""
     spec: dict[str, Any] = {"driver": "zarr3", "kvstore": kvstore_spec(location, key)}
     options = {"read": True, "write": mode != "r", **open_kwargs}
     try:
         return ts.open(spec, open=True, **options).result()
     except Exception as exc:
-        document = consolidated_document(location, key) if "NOT_FOUND" in str(exc) else None
+        root = _root_document(location) if "NOT_FOUND" in str(exc) else None
+        if (pack := _packed_array_pack(root, key)) is not None:
+            return _open_packed_array(location, key, pack, mode, **open_kwargs)
+        document = _consolidated_document(root, key)
         if document is None:
             raise CheckpointingException(
                 f"Cannot open Zarr array at {location.describe(key)} (mode {mode!r}): {exc}. A checkpoint saved "
@@ -827,19 +832,70 @@ def _open_array(location: Location, key: str, mode: str, **open_kwargs: Any) -> 
         ) from exc
 
 
+def _open_packed_array(location: Location, key: str, pack: str, mode: str, **open_kwargs: Any) -> ts.TensorStore:
+    """Opens the packed array ``key`` (format version 8) from ``pack``, a Zarr v3
+    hierarchy in a stored zip, through TensorStore's ``zip`` kvstore: read-only.
+
+    Raises:
+        CheckpointingException: a mode that writes, or the pack unreadable."""
+    if mode != "r":
+        raise CheckpointingException(
+            f"Cannot open Zarr array {key!r} of {location.describe()} in mode {mode!r}: it is packed into {pack} "
+            "(SaveOptions.pack_arrays_up_to), which is read-only; open it with mode 'r', or save the checkpoint "
+            "again without packing"
+        )
+    base = kvstore_spec(location)
+    spec = {"driver": "zarr3", "kvstore": {"driver": "zip", "base": {**base, "path": f"{base['path']}{pack}"},
+                                           "path": f"{key}/"}}
+    try:
+        return ts.open(spec, open=True, read=True, **open_kwargs).result()
+    except Exception as exc:
+        raise CheckpointingException(
+            f"Cannot open Zarr array {key!r} from its pack {location.describe(pack)}: {exc}; `shardstore verify "
+            f"{location.describe()}` checks the pack"
+        ) from exc
+
+
+def _root_document(location: Location) -> dict[str, Any] | None:
+    """``location``'s root ``zarr.json``, parsed, or None where it has none.
+
+    Raises:
+        CheckpointingException: a root that is no JSON object."""
+    data = location.read_bytes_or_none(ZARR_JSON, max_bytes=MAX_RECORD_BYTES)
+    try:
+        root = json.loads(data) if data is not None else None
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's depth
+        raise CheckpointingException(f"{location.describe(ZARR_JSON)} is not a Zarr group's document: {exc}") from exc
+    if root is not None and not isinstance(root, dict):
+        raise CheckpointingException(f"{location.describe(ZARR_JSON)} is not a Zarr group's document: not an object")
+    return root
+
+
+def _packed_array_pack(root: dict[str, Any] | None, key: str) -> str | None:
+    """The pack the root document's ``packed_arrays`` attribute names for ``key`` (format
+    version 8), or None."""
+    attributes = root.get("attributes") if root is not None else None
+    packed = attributes.get(PACKED_ARRAYS_ATTRIBUTE) if isinstance(attributes, dict) else None
+    pack = packed.get(key) if isinstance(packed, dict) else None
+    return pack if isinstance(pack, str) else None
+
+
 def consolidated_document(location: Location, key: str) -> dict[str, Any] | None:
     """The array ``key``'s metadata document as the consolidated metadata of
     ``location``'s root ``zarr.json`` lists it (extension data types beside Zarr's own
     listing, ``EXTENSION_METADATA``), or None where there is none, and where the root
     is no shardstore record of a consolidated-only save (a per-array ``zarr.json``
     missing from any other checkpoint is damage, not a layout)."""
-    data = location.read_bytes_or_none(ZARR_JSON, max_bytes=MAX_RECORD_BYTES)
+    return _consolidated_document(_root_document(location), key)
+
+
+def _consolidated_document(root: dict[str, Any] | None, key: str) -> dict[str, Any] | None:
+    """``consolidated_document`` of a parsed root document."""
     try:
-        root = json.loads(data) if data is not None else None
         consolidated = root.get("consolidated_metadata") if root is not None else None
         layout = root.get("attributes", {}).get("shardstore", {}).get("zarr_metadata") if root is not None else None
-    except (ValueError, AttributeError, RecursionError) as exc:  # RecursionError: nested past the parser's depth
-        raise CheckpointingException(f"{location.describe(ZARR_JSON)} is not a Zarr group's document: {exc}") from exc
+    except AttributeError as exc:
+        raise CheckpointingException(f"the root {ZARR_JSON} is not a Zarr group's document: {exc}") from exc
     if not isinstance(consolidated, dict) or layout != ZarrMetadata.CONSOLIDATED_ONLY.value:
         return None
     for listing in (consolidated.get("metadata"), consolidated.get(EXTENSION_METADATA)):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import struct
 import zipfile
 from pathlib import Path
 
@@ -488,3 +489,26 @@ def test_the_zarr_modules_open_by_path_reads_a_packed_array_from_its_pack(saved:
     np.testing.assert_array_equal(array.read().result(), tensors["norm"].numpy())
     with pytest.raises(CheckpointingException, match=r"packed into packs/0-0.zip .*read-only"):
         _open_zarr_array_verbose(f"{path}/norm", "r+")
+
+
+def test_a_pack_whose_directory_offset_spells_the_end_signature_passes(tmp_path: Path) -> None:
+    """A zip whose central directory starts at byte 0x06054B50 (100,993,872): its
+    offset's bytes in the end record spell the end record's signature. Before, verify
+    took them for the end record and reported the pack "not a zip" (zipfile reads it);
+    it now finds the record as zipfile does. (A sparse file: no data of that size.)"""
+    from shardstore.format.chunks import chunk_store_for
+    from shardstore.format.packs import check_pack
+
+    cd_offset = 0x06054B50
+    name = b"zarr.json"  # one entry, its local header at 0 (zeros): only the directory matters here
+    entry = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0x800, 0, 0, 33, 0, 0, 0, len(name), 0, 0, 0, 0,
+                        0, 0) + name
+    end = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 1, 1, len(entry), cd_offset, 0)
+    pack = tmp_path / "packs" / "0-0.zip"
+    pack.parent.mkdir()
+    with open(pack, "wb") as f:
+        f.seek(cd_offset)
+        f.write(entry + end)
+    store = chunk_store_for(open_location(tmp_path), 1)
+    problems = check_pack(store, "packs/0-0.zip", pack.stat().st_size, [])
+    assert [part for _, part, _ in problems] == ["zarr.json"], problems  # its (absent) local header, not "not a zip"

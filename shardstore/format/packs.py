@@ -320,10 +320,7 @@ def _central_directory(store: ChunkStore, pack: str, size: int) -> dict[str, _En
     tail, found = got
     if found != size:
         raise CheckpointingException(f"{found} bytes, where the commit record gives {size}")
-    at = tail.rfind(struct.pack("<I", _END_SIG))
-    if at < 0 or len(tail) - at < _END.size:
-        raise CheckpointingException("no zip end of central directory record: not a zip")
-    _, disk, cd_disk, disk_entries, entries, cd_size, cd_offset, _ = _END.unpack_from(tail, at)
+    _, disk, cd_disk, disk_entries, entries, cd_size, cd_offset, _ = _END.unpack_from(tail, _end_record_at(tail))
     if disk or cd_disk or disk_entries != entries or cd_offset + cd_size > size:
         raise CheckpointingException("a malformed zip end record (several disks, or a directory past the end)")
     directory = bytearray(cd_size)
@@ -347,6 +344,23 @@ def _central_directory(store: ChunkStore, pack: str, size: int) -> dict[str, _En
         # zipfile reads entries up to the directory's size, not its count: it would see others
         raise CheckpointingException(f"the zip central directory holds {cd_size - pos} bytes past its {entries} entries")
     return members
+
+
+def _end_record_at(tail: bytes) -> int:
+    """Where the zip's end of central directory record starts in ``tail`` (the pack's
+    last bytes): the last signature whose record's comment ends the pack exactly, as
+    zipfile finds it; the signature's bytes found elsewhere (in a directory offset or
+    size that spells them) are skipped.
+
+    Raises:
+        CheckpointingException: there is none: not a zip."""
+    signature = struct.pack("<I", _END_SIG)
+    at = tail.rfind(signature)
+    while at >= 0:
+        if len(tail) - at >= _END.size and _END.unpack_from(tail, at)[7] == len(tail) - at - _END.size:
+            return at
+        at = tail.rfind(signature, 0, at)
+    raise CheckpointingException("no zip end of central directory record: not a zip")
 
 
 def check_pack(

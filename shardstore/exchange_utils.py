@@ -254,13 +254,13 @@ def _prepare_broadcasts(
     distribution: ShardDistribution, group: Group,
 ) -> PreparedShardExchange:
     """One broadcast per shared shard, from its loader to the whole group; the tensors
-    this rank receives into allocated now."""
-    steps: list[tuple[int, _ShardId, torch.Tensor | None]] = []  # (src, shard id, where it lands here)
+    this rank sends (on the group's device, contiguous) and receives into made now."""
+    steps: list[tuple[int, _ShardId, torch.Tensor | None]] = []  # (src, shard id, what it sends or lands in)
     received: list[tuple[_ShardId, torch.Tensor, torch.device]] = []
     others: list[ShardedTensor] = []
     for shard_id, src, _ in _shared_shards(distribution):
         if src == group.rank:
-            steps.append((src, shard_id, None))
+            steps.append((src, shard_id, _sendable(result[shard_id], group.device)))
         elif shard_id in unloaded_shards:
             tensor, wanted_on = _get_empty_tensor_for_exchange(shard_id, unloaded_shards, result, group.device)
             steps.append((src, shard_id, tensor))
@@ -272,9 +272,7 @@ def _prepare_broadcasts(
 
     def run() -> dict[_ShardId, torch.Tensor]:
         for src, shard_id, tensor in steps:
-            if src == group.rank:
-                tensor = _sendable(result[shard_id], group.device)
-            elif tensor is None:
+            if tensor is None:
                 tensor = scratch.view(distribution.shard_to_metadata[shard_id])
             group.broadcast_tensor(tensor, src)
         return _landed(result, received)
@@ -318,7 +316,7 @@ def prepare_exchange_by_distribution(
     exchange_algo: str = "broadcast",
 ) -> PreparedShardExchange:
     """``exchange_by_distribution``'s local part, no collective: allocates what this
-    rank receives into (and packs what it sends point to point). A caller runs it
+    rank receives into and stages what it sends (packed, point to point). A caller runs it
     before agreeing with the other ranks (``protocol.stage.run_stage``), so a rank that
     cannot (out of memory) fails every rank at once instead of leaving them waiting in
     the exchange; calling the result runs the exchange (collective)."""

@@ -423,46 +423,23 @@ def test_a_rank_that_asks_for_one_shard_twice_receives_it_once(algo: str) -> Non
     run_distributed(load_a_shard_asked_for_twice, 3, algo, timeout=60)
 
 
-def load_with_rank_1_out_of_memory(rank: int, world: int, algo: str) -> tuple[str, float]:
+# What rank 1 cannot do in the tests below: the exchange_utils function it fails in, and why.
+_RANK_1_FAILURES = {
+    "receive": ("_get_empty_tensor_for_exchange", "cannot allocate the receive tensor"),
+    "send": ("_sendable", "cannot copy the loaded shard to the group's device"),
+}
+
+
+def load_with_rank_1_failing(rank: int, world: int, algo: str, step: str) -> tuple[str, float]:
     import shardstore.exchange_utils as exchange_utils
 
     if rank == 1:
+        function, why = _RANK_1_FAILURES[step]
+
         def out_of_memory(*_: object, **__: object) -> None:
-            raise MemoryError("cannot allocate the receive tensor")
+            raise MemoryError(why)
 
-        exchange_utils._get_empty_tensor_for_exchange = out_of_memory  # type: ignore[assignment]
-    request = {f"n{i}": ShardedTensor.from_rank_offsets(f"n{i}", torch.empty(8), replica_id=rank) for i in range(4)}
-    start = time.monotonic()
-    try:
-        FullyParallelLoadStrategyWrapper(RecordingLoad(), exchange_algo=algo).load(request, "unused")
-    except CheckpointingException as exc:
-        return str(exc), time.monotonic() - start
-    finally:
-        if rank == 1:  # alive, as a trainer that caught the error: its peers must not wait for it
-            time.sleep(1)
-    return "no error", time.monotonic() - start
-
-
-@pytest.mark.parametrize("algo", ["broadcast", "gather_rounds"])
-def test_a_rank_that_cannot_allocate_its_receives_fails_every_rank_at_once(algo: str) -> None:
-    """Rank 1 cannot allocate a tensor to receive a shard into. Before, the allocation
-    happened inside the exchange: rank 1 raised a bare MemoryError alone and its peers
-    waited in the broadcast or exchange until the process group's timeout, then raised
-    PeerLost. The receives are now allocated before the wrapper's agreement."""
-    for message, seconds in run_distributed(load_with_rank_1_out_of_memory, 3, algo, pg_timeout=30, timeout=100):
-        assert "cannot allocate the receive tensor" in message and "rank(s) 1" in message, message
-        assert seconds < 15, seconds  # the agreement, not the group's 30 s timeout
-
-
-
-def load_with_rank_1_unable_to_stage_its_sends(rank: int, world: int, algo: str) -> tuple[str, float]:
-    import shardstore.exchange_utils as exchange_utils
-
-    if rank == 1:
-        def out_of_memory(*_: object, **__: object) -> None:
-            raise MemoryError("cannot copy the loaded shard to the group's device")
-
-        exchange_utils._sendable = out_of_memory  # type: ignore[assignment]
+        setattr(exchange_utils, function, out_of_memory)
     request = {f"n{i}": ShardedTensor.from_rank_offsets(f"n{i}", torch.empty(8), replica_id=rank) for i in range(4)}
     start = time.monotonic()
     try:
@@ -476,17 +453,19 @@ def load_with_rank_1_unable_to_stage_its_sends(rank: int, world: int, algo: str)
 
 
 @pytest.mark.parametrize("algo", ["broadcast", "gather_rounds"])
-def test_a_rank_that_cannot_stage_its_sends_fails_every_rank_at_once(algo: str) -> None:
-    """Rank 1 cannot copy a shard it loaded to the group's device (contiguous) to send
-    it: a CPU tensor under NCCL, or a strided one the wrapped strategy returned. Before,
-    the broadcast exchange made that copy inside the exchange: rank 1 raised a bare
-    MemoryError alone and its peers waited in the broadcast until the process group's
-    timeout, then raised PeerLost. The sends are now staged before the agreement, as the
-    point-to-point exchange already did."""
-    for message, seconds in run_distributed(load_with_rank_1_unable_to_stage_its_sends, 3, algo, pg_timeout=30,
-                                            timeout=100):
-        assert "cannot copy the loaded shard" in message and "rank(s) 1" in message, message
+@pytest.mark.parametrize("step", ["receive", "send"])
+def test_a_rank_that_cannot_stage_its_exchange_fails_every_rank_at_once(algo: str, step: str) -> None:
+    """Rank 1 cannot allocate a tensor to receive a shard into, or copy a shard it loaded
+    to the group's device (contiguous) to send it (a CPU tensor under NCCL, or a strided
+    one the wrapped strategy returned). Before, the allocation (and, in the broadcast
+    exchange, the copy) happened inside the exchange: rank 1 raised a bare MemoryError
+    alone and its peers waited in the broadcast or exchange until the process group's
+    timeout, then raised PeerLost. Receives and sends are now staged before the
+    wrapper's agreement."""
+    for message, seconds in run_distributed(load_with_rank_1_failing, 3, algo, step, pg_timeout=30, timeout=100):
+        assert _RANK_1_FAILURES[step][1] in message and "rank(s) 1" in message, message
         assert seconds < 15, seconds  # the agreement, not the group's 30 s timeout
+
 
 def load_objects(rank: int, world: int) -> tuple[list, dict]:
     request = {f"Obj_{i}": ShardedObject(f"Obj_{i}", None, (1,), (0,), replica_id=abs(rank - i))

@@ -364,7 +364,8 @@ class ShardedTensor(ShardedBase):
         """Analogue of ``torch.narrow`` applied to the local tensor on every rank.
 
         Args:
-            dim: dimension to narrow, not counting prepended axes
+            dim: dimension to narrow, not counting prepended axes; negative counts from
+                the last local axis, as in ``torch.narrow``
             start: start element
             length: length of the slice
 
@@ -372,6 +373,7 @@ class ShardedTensor(ShardedBase):
             A list of ShardedTensors: always one for non-flat tensors; zero or one for
             flat ones (only ``dim=0`` is supported for flat tensors).
         """
+        dim = self._local_axis(dim)
         gdim = dim + self.prepend_axis_num
         local_len = self.local_shape[dim]
         if local_len == 0 or self.global_shape[gdim] % local_len or self.global_offset[gdim] % local_len:
@@ -415,6 +417,16 @@ class ShardedTensor(ShardedBase):
                 flattened_range=new_range,
             )
         ]
+
+    def _local_axis(self, dim: int) -> int:
+        """``dim`` as a non-negative axis of the local tensor (``torch.narrow``'s rule)."""
+        ndim = len(self.local_shape)
+        if not -ndim <= dim < ndim:
+            raise CheckpointingException(
+                f"{self.key!r}: cannot narrow axis {dim} of a local tensor with {ndim} axes "
+                f"(local shape {self.local_shape}); pass an axis in [{-ndim}, {ndim})"
+            )
+        return dim % ndim
 
     def __str__(self) -> str:
         return f"{self.__class__.__name__}(key={self.key!r})"

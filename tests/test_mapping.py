@@ -73,6 +73,26 @@ def test_narrow_non_flat_and_flat() -> None:
     assert flat.narrow(0, 0, 1) == []  # row 0 = flat [0, 4): no overlap
 
 
+def test_narrow_negative_dim_counts_from_last_local_axis() -> None:
+    """``narrow(-1, ...)`` with a prepended axis used ``-1 + prepend_axis_num`` as the
+    global axis (a prepended one) and built a garbage local shape: a confusing shape
+    error with data, silently wrong metadata without data. Negative dims now count
+    from the last local axis, as ``torch.narrow`` does; out-of-range dims are refused."""
+    t = ShardedTensor.from_rank_offsets(
+        "k", torch.arange(4.0).reshape(2, 2), (0, 0, 2), (2, 1, 2), prepend_axis_num=1
+    )
+    for st in (t, t.without_data()):
+        (neg,) = st.narrow(-1, 0, 1)
+        (pos,) = st.narrow(1, 0, 1)
+        assert (neg.local_shape, neg.global_shape, neg.global_offset) == ((2, 1), (2, 2, 2), (0, 0, 1))
+        assert (neg.local_shape, neg.global_shape, neg.global_offset) == (
+            pos.local_shape, pos.global_shape, pos.global_offset
+        )
+    assert torch.equal(t.narrow(-1, 0, 1)[0].data, torch.tensor([[0.0], [2.0]]))
+    with pytest.raises(CheckpointingException, match="cannot narrow axis 2"):
+        t.narrow(2, 0, 1)
+
+
 def test_init_data_allocates_flat_view() -> None:
     t = ShardedTensor.from_rank_offsets_flat("k", torch.zeros(5), (3, 4), flattened_range=slice(2, 7)).without_data()
     t.init_data("cpu")

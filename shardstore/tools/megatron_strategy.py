@@ -51,7 +51,7 @@ from shardstore.dict_utils import extract_matching_values, merge
 from shardstore.errors import CheckpointingException
 from shardstore.inputs.megatron_objects import convert_megatron_objects
 from shardstore.mapping import ShardedObject, apply_factories, apply_factory_merges
-from shardstore.opened import holds_committed_checkpoint, read_location
+from shardstore.opened import holds_committed_checkpoint, open_read
 from shardstore.serialization import load_preprocess
 from shardstore.strategies.base import DelegatingLoadStrategy
 from shardstore.strategies.common import TorchCommonLoadStrategy
@@ -153,17 +153,17 @@ class ShardstoreLoadShardedStrategy(DelegatingLoadStrategy, _megatron_base.LoadS
     def load(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
         sharded_state_dict, _, factories = load_preprocess(convert_megatron_objects(sharded_state_dict))
         objects, sharded_state_dict = extract_matching_values(sharded_state_dict, _is_sharded_object)
-        location = read_location(checkpoint_dir)
-        loaded = apply_factory_merges(self.base_strategy.load(sharded_state_dict, location), factories)
-        return merge(loaded, TorchCommonLoadStrategy().load_sharded_objects(objects, location))
+        opened = open_read(checkpoint_dir)  # once: the record read and checked once for both parts
+        loaded = apply_factory_merges(self.base_strategy.load(sharded_state_dict, opened), factories)
+        return merge(loaded, TorchCommonLoadStrategy().load_sharded_objects(objects, opened))
 
     def load_sharded_metadata(self, checkpoint_dir: Any) -> Any:
         """The checkpoint's ShardedTensors and ShardedObjects (``can_handle_sharded_objects``),
         keyed by sharded key."""
-        location = read_location(checkpoint_dir)
+        opened = open_read(checkpoint_dir)
         return {
-            **self.base_strategy.load_sharded_metadata(location),
-            **TorchCommonLoadStrategy().load_sharded_metadata(location),
+            **self.base_strategy.load_sharded_metadata(opened),
+            **TorchCommonLoadStrategy().load_sharded_metadata(opened),
         }
 
 

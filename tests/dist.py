@@ -23,6 +23,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from shardstore.testing import free_port
@@ -43,9 +44,16 @@ _PRELOAD = [
 ]
 
 
+# Where CUDA is, the forkserver imports only what it imported when the GPU tests last
+# passed (2026-11-26): with zarr and megatron-core preloaded too, every forked rank on the
+# H200 machine failed with "Cannot re-initialize CUDA in forked subprocess" (one of those
+# imports touches CUDA in the forkserver; a rank then pays its own imports).
+_PRELOAD_WITH_CUDA = [name for name in _PRELOAD if not name.startswith(("zarr", "megatron", "shardstore.megatron"))]
+
+
 def _context() -> mp.context.BaseContext:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(_PRELOAD_WITH_CUDA if torch.cuda.is_available() else _PRELOAD)
     return ctx
 
 

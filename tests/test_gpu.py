@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstore import ShardedTensor, load, save
+from shardstore import SaveOptions, ShardedTensor, load, save
 from shardstore.strategies.async_utils import AsyncCallsQueue
 from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from tests.dist import run_distributed
@@ -157,8 +157,33 @@ def read_once_across_chunk_edges(rank: int, world: int, ckpt: str, device: str) 
     assert loaded["w"] is target and torch.equal(target.cpu(), full.chunk(world)[rank])
 
 
+def packed_sync_and_async(rank: int, world: int, ckpt: str, device: str) -> None:
+    """Every array packed into its writer's zip (``pack_arrays_up_to``), sync and then
+    async with the tensors overwritten right after ``save`` returned; both load
+    bit-exact on the device, and the second one from another layout (whole tensors)."""
+    options = SaveOptions(pack_arrays_up_to=1 << 20)
+    first, second = f"{ckpt}/sync", f"{ckpt}/async"
+    save(_state(rank, world, device, empty=False), first, options=options)
+    state = _state(rank, world, device, empty=False)
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(save(state, second, async_sharded_save=True, options=options))
+    for t in state.values():
+        t.data.zero_()
+    queue.close()
+    if rank == 0:
+        assert sorted(p.name for p in Path(second, "packs").iterdir()), "nothing packed"
+    _check(load(_state(rank, world, device, empty=True), first), rank, world, device)
+    request = {key: ShardedTensor.from_rank_offsets(key, torch.zeros(16, 8, dtype=t.dtype, device=device),
+                                                    replica_id=rank)
+               for key, t in _state(rank, world, device, empty=True).items() if key != "flat"}
+    loaded = load(request, second)
+    for key, got in loaded.items():
+        want = _full(key, (16, 8), got.dtype)
+        assert got.device.type == device and torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), key
+
+
 @pytest.mark.parametrize("world, device, backend", PLACES)
 @pytest.mark.parametrize("scenario", [save_and_load, async_save_then_overwrite, sharded_then_incremental,
-                                      read_once_across_chunk_edges], ids=lambda f: f.__name__)
+                                      read_once_across_chunk_edges, packed_sync_and_async], ids=lambda f: f.__name__)
 def test_cuda_tensors(ckpt_dir: Path, scenario, world: int, device: str, backend: str) -> None:
     run_distributed(scenario, world, str(ckpt_dir), device, backend=backend)

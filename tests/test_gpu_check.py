@@ -22,5 +22,5 @@ def test_gpu_check_runs_every_step(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     report = (tmp_path / "gpu_report.md").read_text()
     steps = [line for line in report.splitlines() if line.startswith("## ")]
-    assert len(steps) == 4 and all(": passed in " in s for s in steps), steps
-    assert {p.name for p in tmp_path.glob("bench_*.json")} == {"bench_device.json", "bench_world2.json"}
+    assert len(steps) == 5 and all(": passed in " in s for s in steps), steps
+    assert {p.name for p in tmp_path.glob("bench_*.json")} == {"bench_device.json", "bench_tiny.json", "bench_world2.json"}

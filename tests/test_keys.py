@@ -70,6 +70,8 @@ BAD_KEYS = [
     BadKey("inside the commit record", "zarr.json/w", "metadata document of every Zarr group and array"),
     BadKey("backend metadata", "metadata.json", "the checkpoint's own file"),
     BadKey("common state", "common.pt", "the checkpoint's own file"),
+    BadKey("pack file", "packs/0-0.zip", "packed small arrays"),
+    BadKey("inside a pack file", "packs/3-12.zip/w", "packed small arrays"),
     BadKey("save marker", ".shardstore-save.json", "starting with '.'"),
     BadKey("hidden segment", "a/.w", "starting with '.'"),
     BadKey("segment over 255 bytes", "a/" + "é" * 200, "400 bytes"),

@@ -805,6 +805,7 @@ def check_key(
     ``storage``: the key is about to be written there (a save), so it must also name
     files that cannot collide with the format's own or fail to be created. Refused then:
     ``zarr.json`` as any segment, ``metadata.json`` and ``common.pt`` as the first,
+    ``packs/<rank>-<n>.zip`` (a pack's name) as the first two,
     segments starting with ``.`` (the save machinery's marker and temporary files, other
     tools' metadata such as DCP's ``.metadata``), segments over 255 bytes of UTF-8; and
     ``files`` (the key's files, relative to the checkpoint) whose name or path is longer
@@ -859,6 +860,9 @@ def _unstorable(key: str, segments: list[str], storage: NameLimits, files: tuple
     if segments[0] in RESERVED_ROOT_NAMES:
         return (f"{segments[0]!r} is the name of the checkpoint's own file of the "
                 f"{RESERVED_ROOT_NAMES[segments[0]]}, which the key's files would collide with; rename the key")
+    if segments[0] == PACKS_DIR and _PACK_NAME.fullmatch(pack := "/".join(segments[:2])):
+        return (f"{pack!r} is the name of a file of packed small arrays "
+                "(SaveOptions.pack_arrays_up_to), which the key's files would collide with; rename the key")
     for segment in segments:
         if segment in RESERVED_NAMES:
             return (f"{segment!r} is the name of the metadata document of every Zarr group and array, which "

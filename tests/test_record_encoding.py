@@ -88,7 +88,11 @@ def test_a_record_with_packed_arrays_is_the_compact_encoding_of_its_root_documen
     assert {"g", "g.h/y", "s"} <= core.keys() and "\u00e9x" in extension  # groups stay, unpacked arrays stay
     attributes = packed.to_root_metadata()["attributes"]
     assert attributes["packed_arrays"] == dict.fromkeys(_PACKED, "packs/0-0.zip")
-    assert "packed_arrays_note" in attributes["readers"] and "arrays_needing_shardstore_or_tensorstore" in attributes["readers"]
+    readers = attributes["readers"]
+    assert "packed_arrays_note" in readers
+    assert readers["arrays_needing_shardstore_or_tensorstore"] == {"\u00e9x": "float8_e4m3fn"}
+    # a packed bfloat16 array opens from its pack in zarr-python only with shardstore installed: named too
+    assert readers["packed_arrays_needing_shardstore_or_tensorstore"] == {"a.b": "bfloat16"}
     vouched = back.vouched_paths()
     assert "packs/0-0.zip" in vouched and "g/x/c.0" not in vouched and "g/x/zarr.json" not in vouched
     assert "s/c.0.0" in vouched

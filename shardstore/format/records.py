@@ -730,16 +730,18 @@ READERS_ATTRIBUTE = "readers"
 
 
 def readers_note(
-    extension: dict[str, str], where: ZarrMetadata = ZarrMetadata.PER_NODE, packed: bool = False,
+    extension: dict[str, str], where: ZarrMetadata = ZarrMetadata.PER_NODE,
+    packed: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """What ``zarr.open_group(ckpt).attrs["readers"]`` says: the arrays of extension data
     types (bfloat16, float8; ``extension``: their data types by key), and what reads them (without their own
     ``zarr.json``, ``where`` is ``CONSOLIDATED_ONLY``: TensorStore given the document); with
-    ``packed`` (format version 8), how to open the arrays packed into zips."""
+    ``packed`` (format version 8: the packed arrays' data types by key), how to open the
+    arrays packed into zips, naming those of extension data types."""
     note: dict[str, Any] = {}
     if extension:
         note = _extension_note(extension, where)
-    if packed:
+    if packed is not None:
         note["packed_arrays_note"] = (
             f"The arrays listed in the root attribute {PACKED_ARRAYS_ATTRIBUTE!r} are not in this directory or in its "
             "consolidated metadata: each lives in the pack named there, a stored (uncompressed) zip that is a "
@@ -747,6 +749,12 @@ def readers_note(
             "ZipStore('<checkpoint>/<pack>', mode='r'), mode='r')[key]; TensorStore: tensorstore.open({'driver': "
             "'zarr3', 'kvstore': {'driver': 'zip', 'base': 'file://<checkpoint>/<pack>'}, 'path': key})."
         )
+        if packed_extension := {k: t for k, t in packed.items() if t not in CORE_DATA_TYPES}:
+            note["packed_arrays_note"] += (
+                " The packed arrays listed in 'packed_arrays_needing_shardstore_or_tensorstore' (bfloat16, float8) "
+                "open in zarr-python only with shardstore installed; TensorStore opens them as they are."
+            )
+            note["packed_arrays_needing_shardstore_or_tensorstore"] = dict(sorted(packed_extension.items()))
     return note
 
 
@@ -1359,7 +1367,8 @@ class CommitRecord:
             }
         }
         if extension_types or self.packs:
-            attributes[READERS_ATTRIBUTE] = readers_note(extension_types, self.zarr_metadata, bool(self.packs))
+            packed = {k: a.dtype for k, a in self.arrays.items() if a.pack is not None} if self.packs else None
+            attributes[READERS_ATTRIBUTE] = readers_note(extension_types, self.zarr_metadata, packed)
         if self.packs:
             attributes[PACKED_ARRAYS_ATTRIBUTE] = dict(sorted(self.packed_arrays.items()))
         root = group_metadata(attributes)

@@ -84,12 +84,15 @@ def tracked(label: str, sizes: Iterable[int]) -> Iterator[Tick | None]:
 
 @dataclass
 class StageTiming:
-    """What a stage reports: set ``nbytes`` inside the block when it moves data; call
-    ``defer`` inside it when the operation goes on after the block (an async save)."""
+    """What a stage reports: set ``nbytes`` inside the block when it moves data, and
+    ``shared`` when part of those bytes was shared with an earlier checkpoint instead of
+    moved (an incremental save: its rate counts the bytes written); call ``defer``
+    inside it when the operation goes on after the block (an async save)."""
 
     name: str
     where: str
     nbytes: int = 0
+    shared: int = 0
     seconds: float = 0.0
     level: int = logging.DEBUG
     started: float = field(default_factory=time.perf_counter)
@@ -98,8 +101,12 @@ class StageTiming:
     def line(self) -> str:
         text = f"{self.name} {self.where}: {self.seconds:.3f} s"
         if self.nbytes:
-            rate = self.nbytes / self.seconds / 2**20 if self.seconds > 0 else float("inf")
-            text += f", {format_bytes(self.nbytes)}, {rate:.0f} MiB/s"
+            moved = max(self.nbytes - self.shared, 0)  # ``shared`` counts stored bytes (with checksums)
+            rate = moved / self.seconds / 2**20 if self.seconds > 0 else float("inf")
+            text += f", {format_bytes(self.nbytes)}"
+            if self.shared:
+                text += f" ({format_bytes(self.shared)} of it shared with an earlier checkpoint, not written)"
+            text += f", {rate:.0f} MiB/s" + (" written" if self.shared else "")
         return text
 
     def defer(self) -> None:
@@ -108,8 +115,10 @@ class StageTiming:
         operation is done, logs its line, timed from the start of the block."""
         self.deferred = True
 
-    def finish(self) -> None:
-        """Logs the line of a deferred operation that is done (at its level)."""
+    def finish(self, shared: int = 0) -> None:
+        """Logs the line of a deferred operation that is done (at its level); ``shared``:
+        as the attribute, known only now."""
+        self.shared = shared or self.shared
         self.seconds = time.perf_counter() - self.started
         logger.log(self.level, "%s", self.line())
 

@@ -237,9 +237,11 @@ def save(
             if async_sharded_save:
                 request = sharded_strategy.async_save_into(sharded_part, pipeline, plan, error)
                 timing.defer()
-                request.add_finalize_fn(timing.finish)  # a local step: runs only once the save committed
+                # a local step: runs only once the save committed
+                request.add_finalize_fn(lambda: timing.finish(shared=pipeline.shared_bytes()))
                 return request
             sharded_strategy.save_into(sharded_part, pipeline, plan, error)
+            timing.shared = pipeline.shared_bytes()
         except PeerLost as exc:  # known to this rank only: a peer may still be writing
             pipeline.unwind(exc)
             raise

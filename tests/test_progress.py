@@ -178,3 +178,23 @@ def test_an_async_save_handed_to_another_process_is_logged_when_it_commits(ckpt_
             finalize()
     info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name == "shardstore"]
     assert len([line for line in info if line.startswith(f"save {ckpt_dir}: ") and "1.0 MiB" in line]) == 1
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_an_incremental_saves_line_counts_the_shared_bytes_apart(tmp_path: Path, caplog, asynchronous: bool) -> None:
+    """An incremental save that shares every chunk with its base logged the whole
+    checkpoint's bytes at a rate as if it had written them. Its INFO line now says how
+    much was shared and gives the rate of what was written."""
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
+    save(_sd(), tmp_path / "base")
+    second = tmp_path / "second"
+    with caplog.at_level(logging.INFO, logger="shardstore"):
+        request = save(_sd(), second, reuse_from=tmp_path / "base", async_sharded_save=asynchronous)
+        if asynchronous:
+            queue = AsyncCallsQueue()
+            queue.schedule_async_request(request)
+            queue.close()
+    line = next(r.getMessage() for r in caplog.records
+                if r.levelno == logging.INFO and r.name == "shardstore" and r.getMessage().startswith(f"save {second}: "))
+    assert "1.0 MiB (1.0 MiB of it shared with an earlier checkpoint, not written), 0 MiB/s written" in line, line

@@ -527,6 +527,13 @@ class SavePipeline:
         this rank's ``written``, a save from one process); returns the committed record."""
         return rank_save.commit_save(self.pending, record, [self.written] if reports is None else reports)
 
+    def shared_bytes(self) -> int:
+        """Coordinator, once the save committed: the stored bytes it shared with its
+        reuse base instead of writing them (``CommitRecord.reused_from``); 0 before, on
+        the other ranks, and for a save that shared nothing."""
+        committed = self._pending.committed if self._pending is not None else None
+        return committed.reused_from.nbytes if committed is not None and committed.reused_from is not None else 0
+
     def abandon(self) -> None:
         """Coordinator, after a failure every rank knows of: deletes what the save wrote
         (nothing in a caller's directory)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -318,3 +319,19 @@ def test_json_names_every_difference_and_is_strict_json(reference: Path, tmp_pat
     assert fc1["max_abs_diff"] in ("inf", "nan")  # inf - finite, or inf - NaN
     assert report["object_differences"] == [{"path": "rng_state/shard_0_1/pos", "change": "3 -> 4"}]
     assert report["common_differences"] == [{"path": "iteration", "change": "1000 -> 1001"}]
+
+
+@pytest.mark.parametrize("value", [{float("nan"), 1.0}, {(float("nan"), 2), "a"}], ids=["set", "set-of-tuples"])
+def test_a_set_holding_a_nan_is_identical_to_itself(tmp_path: Path, value: Any) -> None:
+    """A set compared by ``==``: the NaN loaded on each side is another object, and
+    NaN != NaN, so a set holding one was "checkpoints differ" from itself (exit 1). Its
+    members are matched by their bits, as numbers are."""
+    path = checkpoint(tmp_path / "a", tags=value)
+    assert diff(path, path) == (0, ["identical"])
+
+
+def test_sets_that_differ_in_a_nan_s_bits_or_a_member_differ(tmp_path: Path) -> None:
+    other_nan = struct.unpack(">d", bytes.fromhex("7ff8000000000001"))[0]
+    first = checkpoint(tmp_path / "a", tags={float("nan"), 1.0})
+    assert diff(first, checkpoint(tmp_path / "b", tags={other_nan, 1.0}))[0] == 1
+    assert diff(first, checkpoint(tmp_path / "c", tags={float("nan"), 2.0}))[0] == 1

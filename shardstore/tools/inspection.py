@@ -338,7 +338,8 @@ def value_differences(first: Any, second: Any, path: tuple[str, ...] = ()) -> It
     """The differences of two nested values (the common state, an object shard):
     dicts by key, lists and tuples by index, ``argparse.Namespace`` by attribute,
     tensors and numpy arrays exactly (dtype, shape, bits), numbers (floats, complex,
-    numpy scalars) by their bits, other values by type and ``==``."""
+    numpy scalars) by their bits, sets by their members so compared, other values by
+    type and ``==``."""
     if type(first) is not type(second):
         yield ValueDifference(_joined(path), f"{type(first).__name__} -> {type(second).__name__}")
     elif isinstance(first, argparse.Namespace):
@@ -375,6 +376,9 @@ def _leaf_change(first: Any, second: Any) -> str | None:
         return None if first.tobytes() == second.tobytes() else "array values differ"
     if isinstance(first, (float, complex, np.generic)):
         return _number_change(first, second)
+    if isinstance(first, (set, frozenset)):
+        same = {_member_key(m) for m in first} == {_member_key(m) for m in second}
+        return None if same else f"{_short(first)} -> {_short(second)}"
     try:
         equal = bool(first == second)
     except Exception:  # noqa: BLE001  (an == that cannot answer: compared by repr)
@@ -391,6 +395,17 @@ def _number_change(first: float | complex | np.generic, second: float | complex 
         return None
     shown = f"{first!r} -> {second!r}"
     return shown if repr(first) != repr(second) else f"{shown} (bits {bits[0]} -> {bits[1]})"  # NaNs
+
+
+def _member_key(value: Any) -> Any:
+    """A set member as sets compare by it: numbers by their type and bits (a NaN loaded
+    on each side is another object, and NaN != NaN), tuples member by member, the rest as
+    they are."""
+    if isinstance(value, (float, complex, np.generic)):
+        return type(value).__name__, _number_bits(value)
+    if isinstance(value, tuple):
+        return tuple(_member_key(m) for m in value)
+    return value
 
 
 def _number_bits(value: float | complex | np.generic) -> str:

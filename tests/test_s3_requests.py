@@ -107,6 +107,20 @@ def test_a_read_of_part_of_a_shard_is_an_index_get_and_a_ranged_get(proxy) -> No
     assert data == {"GET": 2 * ARRAYS * WORLD}, made
 
 
+def test_verify_lists_the_checkpoint_once(proxy) -> None:
+    """``verify`` on S3 listed the checkpoint's objects twice: once for their sizes (a
+    chunk object grown since the commit) and once for files the record does not list.
+    One listing serves both."""
+    from shardstore import verify
+
+    url = f"s3://{BUCKET}/verified/ckpt"
+    _requests(proxy, saved, url, proxy.endpoint, None)
+    before = len(proxy.seen)
+    assert verify(_location(url, proxy.endpoint)).ok
+    listings = [path for method, path in proxy.seen[before:] if method == "GET" and "list-type=2" in path]
+    assert len(listings) == 1, listings
+
+
 def loaded_by_ranges(rank: int, world: int, url: str, endpoint: str, parts: int) -> None:
     """``loaded``, with S3 taken to cost nothing per request, so that these small
     shards are read by ranges (``ChunkStore.request_bytes``)."""

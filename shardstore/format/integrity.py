@@ -298,13 +298,16 @@ def _verify(location: Location) -> VerifyReport:
             report.problems.append(Problem(rel, "file", why))
     _verify_node_documents(location, record, report)
     _verify_consolidated(location, record, report)
-    _flag_unlisted_files(location, record, report)
     try:
-        store = chunk_store_for(location, VERIFY_REMOTE_THREADS)
+        store: ChunkStore | None = chunk_store_for(location, VERIFY_REMOTE_THREADS)
     except CheckpointingException as exc:
-        report.problems.append(Problem("", "store", str(exc)))
+        store, unopened = None, Problem("", "store", str(exc))
+    # one listing where the chunks' sizes are needed (an object store): it names the files too
+    sizes = None if store is None or store.tells_longer else _listed_sizes(location, report)
+    _flag_unlisted_files(location, record, report, None if sizes is None else sorted(sizes))
+    if store is None:
+        report.problems.append(unopened)
         return report
-    sizes = None if store.tells_longer else _listed_sizes(location, report)
     _verify_packs(store, record, report)
     with tracked("verify", (a.nbytes for a in record.arrays.values())) as tick:
         for _, array in sorted(record.arrays.items()):
@@ -467,14 +470,17 @@ def _verify_consolidated(location: Location, record: CommitRecord, report: Verif
             report.problems.append(Problem(COMMIT_RECORD, f"consolidated {node}", why))
 
 
-def _flag_unlisted_files(location: Location, record: CommitRecord, report: VerifyReport) -> None:
+def _flag_unlisted_files(
+    location: Location, record: CommitRecord, report: VerifyReport, listed: list[str] | None = None,
+) -> None:
     """Files under the checkpoint that its save did not write (``CommitRecord.unlisted``):
     problems, except those under an entry another program had put into a shared
     directory before the commit (``CommitRecord.beside``), which are listed apart. The
     files of another tool's checkpoint in the same directory (``other_checkpoint_beside``)
-    are named as such: loads refuse the directory as ambiguous."""
+    are named as such: loads refuse the directory as ambiguous. ``listed``: the files
+    under the checkpoint, from a listing already made (else it lists them)."""
     try:
-        found = location.list_files()
+        found = location.list_files() if listed is None else listed
         own = own_markers(location, record, found)
     except OSError as exc:
         report.problems.append(Problem("", "listing", f"cannot list the checkpoint's files: {exc}"))

@@ -1,7 +1,8 @@
 """Issue 44.3's request budget on S3, counted at a proxy in front of the local S3 server
 while two ranks save and load: a save makes at most arrays + data objects + 2 x ranks +
-a few requests, a load one GET per data object each rank reads + 4 x ranks + a few,
-and a read of part of a shard one suffix GET for its index (no HEAD) and one ranged GET.
+a few requests (with small arrays packed, ``SaveOptions.pack_arrays_up_to``: arrays
+not packed + their data objects + packs + 2 x ranks + a few), a load one GET per data
+object each rank reads + 4 x ranks + a few, and a read of part of a shard one suffix GET for its index (no HEAD) and one ranged GET.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 from shardstore import ShardedTensor, load, save
+from shardstore.format.commit import SaveOptions
+from shardstore.format.records import read_commit_record
 from shardstore.stores.locations import open_location
 from shardstore.stores.s3 import S3Options
 from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
@@ -21,6 +24,7 @@ from tests.s3_support import KEY, REGION, SECRET, Faults, FaultyProxy, MotoServe
 
 BUCKET = "request-budget"
 WORLD, ARRAYS, ROWS, COLS = 2, 12, 256, 256  # FSDP2-like: each array split along its rows
+SMALL_ARRAYS = 20  # replicated, 16 KiB each: what a packed save puts into packs
 # The issue's "a few": with 2 x ranks, room for the 13 requests measured that grow with
 # neither arrays nor ranks (the bucket's HEAD, two listings of the target, the save
 # marker's PUT, GET and DELETE, metadata.json and common.pt and their reads for the
@@ -45,6 +49,17 @@ def _state(parts: int, part: int, empty: bool = False) -> dict[str, ShardedTenso
         block = _global(i).chunk(parts)[part].clone()
         out[f"p{i}"] = ShardedTensor.from_rank_offsets(
             f"p{i}", torch.zeros_like(block) if empty else block, (0, part, parts))
+    return out
+
+
+def _with_small_arrays(parts: int, part: int, empty: bool = False) -> dict[str, ShardedTensor]:
+    """``_state`` plus ``SMALL_ARRAYS`` replicated arrays of 16 KiB (norms, biases): the
+    plan gives each one writer, who writes it whole, so a save may pack them."""
+    out = _state(parts, part, empty)
+    for i in range(SMALL_ARRAYS):
+        value = torch.full((64, 64), float(i))
+        out[f"norm{i}"] = ShardedTensor.from_rank_offsets(
+            f"norm{i}", torch.zeros_like(value) if empty else value, replica_id=part)
     return out
 
 
@@ -160,3 +175,40 @@ def test_a_suffix_read_is_one_request_that_names_the_size(proxy) -> None:
         assert chunks.get_suffix("obj", nbytes) == (expected, 200)
         assert [method for method, _ in proxy.seen[before:]] == ["GET"]
     assert chunks.get_suffix("missing", 20) is None
+
+
+def saved_packed(rank: int, world: int, url: str, endpoint: str) -> None:
+    save(_with_small_arrays(world, rank), _location(url, endpoint), options=SaveOptions(pack_arrays_up_to=64 << 10))
+
+
+def loaded_packed(rank: int, world: int, url: str, endpoint: str) -> None:
+    got = load(_with_small_arrays(world, rank, empty=True), _location(url, endpoint))
+    for key, expected in _with_small_arrays(world, rank).items():
+        assert torch.equal(got[key], expected.data), key
+
+
+def test_a_packed_save_stays_within_the_request_budget_with_one_put_per_pack(proxy) -> None:
+    """Issue 44.3's budget with packs: the small replicated arrays cost one PUT per pack
+    (no document, no chunk object of their own), the FSDP-split arrays (both ranks write
+    each) their document and a chunk per rank as before; nothing is read back or asked
+    about beyond an unpacked save's fixed requests."""
+    url = f"s3://{BUCKET}/packed/ckpt"
+    made = _requests(proxy, saved_packed, url, proxy.endpoint)
+    record = read_commit_record(_location(url, proxy.endpoint))
+    assert set(record.packed_arrays) == {f"norm{i}" for i in range(SMALL_ARRAYS)}
+    assert 1 <= len(record.packs) <= WORLD, record.packs
+    methods = Counter(method for method, _ in made)
+    unpacked = ARRAYS  # the FSDP-split arrays: a document each, and a chunk per rank
+    assert len(made) <= unpacked + ARRAYS * WORLD + len(record.packs) + 2 * WORLD + SAVE_A_FEW + ENCLOSING_PREFIXES, \
+        methods
+    puts = [path for method, path in made if method == "PUT"]
+    assert len(puts) == len(set(puts)), "an object was written twice"
+    assert sorted(p.split("/ckpt/")[1] for p in puts if "/ckpt/packs/" in p) == sorted(record.packs)
+    assert not [(m, p) for m, p in made if "/ckpt/norm" in p or "/ckpt/packs/" in p and m != "PUT"], made
+    assert methods["HEAD"] <= 2, made  # the bucket, and whether a record is there
+
+    made = _requests(proxy, loaded_packed, url, proxy.endpoint)
+    methods = Counter(method for method, _ in made)
+    # a ranged GET of its pack per packed chunk read, one GET per FSDP chunk
+    assert len(made) <= ARRAYS * WORLD + SMALL_ARRAYS * WORLD + LOAD_PER_RANK * WORLD, methods
+    assert methods["HEAD"] <= WORLD, made

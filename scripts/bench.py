@@ -115,6 +115,38 @@ class PeakRSS:
 class Sample:
     seconds: float
     extra_rss: int
+    requests: dict[str, int] = field(default_factory=dict)  # by HTTP method, where the S3 server counts
+
+
+S3_METHODS = ("GET", "PUT", "HEAD", "DELETE", "POST")
+
+
+class RequestCounter:
+    """The requests the local S3 server answered, by HTTP method: counted inside its
+    WSGI application (in the launcher's process, no proxy in the way) into shared
+    memory that the ranks read between operations."""
+
+    def __init__(self) -> None:
+        self.counts = mp.get_context("spawn").Array("q", len(S3_METHODS) + 1)  # the last: any other method
+
+    def wrap(self, app: Callable) -> Callable:
+        def counting(environ: dict, start_response: Callable) -> object:
+            method = environ.get("REQUEST_METHOD", "")
+            slot = S3_METHODS.index(method) if method in S3_METHODS else len(S3_METHODS)
+            with self.counts.get_lock():
+                self.counts[slot] += 1
+            return app(environ, start_response)
+
+        return counting
+
+    def snapshot(self) -> list[int]:
+        with self.counts.get_lock():
+            return list(self.counts)
+
+    def since(self, before: list[int]) -> dict[str, int]:
+        """Requests by method since ``snapshot()`` gave ``before`` (methods with none left out)."""
+        now = self.snapshot()
+        return {name: now[i] - before[i] for i, name in enumerate((*S3_METHODS, "other")) if now[i] > before[i]}
 
 
 @dataclass
@@ -136,6 +168,12 @@ class Result:
     @property
     def extra_rss(self) -> int:
         return max(s.extra_rss for s in self.samples)
+
+    @property
+    def requests(self) -> int | None:
+        """Median S3 requests per operation, or None where none were counted."""
+        counted = [sum(s.requests.values()) for s in self.samples if s.requests]
+        return round(statistics.median(counted)) if counted else None
 
 
 # ----------------------------------------------------------------- state
@@ -286,8 +324,9 @@ def torch_save(sd: dict, path: Path) -> None:
 class Bench:
     """Runs identical sequences on every rank; rank 0 keeps the results."""
 
-    def __init__(self, rank: int, world: int, root: Path, reps: int) -> None:
+    def __init__(self, rank: int, world: int, root: Path, reps: int, s3_requests: RequestCounter | None = None) -> None:
         self.rank, self.world, self.root, self.reps = rank, world, root, reps
+        self.s3_requests = s3_requests
         self.results: list[Result] = []
         self.cache_method = "none"
         self.extra: dict[str, float] = {}  # figures beside the timings (rank 0's)
@@ -295,6 +334,9 @@ class Bench:
         self._methods: list[Method] = []
 
     def _timed(self, fn: Callable[[], None], participate: bool = True) -> Sample:
+        """``fn`` on every rank between barriers, with the S3 requests it made (read on
+        rank 0 before the first barrier and after the last, so none is another's)."""
+        before = self.s3_requests.snapshot() if self.s3_requests is not None and self.rank == 0 else None
         dist.barrier()
         with PeakRSS() as rss:
             start = time.perf_counter()
@@ -304,7 +346,7 @@ class Bench:
             seconds = time.perf_counter() - start
         peak = [0] * self.world
         dist.all_gather_object(peak, rss.extra)
-        return Sample(seconds, max(peak))
+        return Sample(seconds, max(peak), self.s3_requests.since(before) if before is not None else {})
 
     def _drop(self, paths: list[Path]) -> None:
         dist.barrier()
@@ -382,8 +424,10 @@ class Bench:
                 for r in (saved, loaded):
                     if r.samples:
                         low, high = min(x.seconds for x in r.samples), max(x.seconds for x in r.samples)
+                        counted = (f"  {r.requests} requests ({', '.join(f'{n} {m}' for m, n in r.samples[-1].requests.items())})"
+                                   if r.requests else "")
                         print(f"  {r.case:8} {r.method:11} {r.op}: {r.seconds:7.3f} s ({low:.3f}-{high:.3f})  "
-                              f"{r.gbps:6.2f} GB/s  +{r.extra_rss / 2**20:7.1f} MiB RSS", flush=True)
+                              f"{r.gbps:6.2f} GB/s  +{r.extra_rss / 2**20:7.1f} MiB RSS{counted}", flush=True)
 
 
 @dataclass(eq=False)
@@ -1026,7 +1070,8 @@ def run_s3(b: Bench, args: argparse.Namespace) -> None:
     """shardstore save/load on S3 vs the same bytes as plain objects through s3fs (one
     object per tensor shard, all of a rank's objects in flight at once), against the
     local S3 server the launcher started (moto: in-memory, so this measures the client
-    side and the protocol, not a disk)."""
+    side and the protocol, not a disk); then ``--s3-small`` small arrays
+    (``measure_small_arrays_on_s3``). Every operation's requests are counted at the server."""
     import s3fs
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -1058,6 +1103,65 @@ def run_s3(b: Bench, args: argparse.Namespace) -> None:
     b.measure("s3", "shardstore", nbytes, b.root / "unused-s3-a", ss_save, ss_load)
     b.measure("s3", "s3fs-plain", nbytes, b.root / "unused-s3-b", plain_save, plain_load)
     measure_dcp_on_s3(b, "s3", state, nbytes, init_device_mesh("cpu", (b.world,)))
+    b.flush()
+    if args.s3_small:
+        measure_small_arrays_on_s3(b, args)
+
+
+def build_replicated(count: int, nbytes: int) -> State:
+    """``count`` float32 arrays of ``nbytes`` each, the same on every rank (norms, biases,
+    the small parameters that tensor and pipeline parallelism replicate)."""
+    gen = torch.Generator().manual_seed(2)
+    shards = {f"small{i}": (torch.randn(nbytes // 4, generator=gen), -1) for i in range(count)}
+    return State(shards, {k: tuple(t.shape) for k, (t, _) in shards.items()})
+
+
+def measure_small_arrays_on_s3(b: Bench, args: argparse.Namespace) -> None:
+    """Issue 44.3 where arrays are small: ``--s3-small`` replicated float32 arrays of
+    ``--s3-small-kib`` each on the local S3 server, interleaved: shardstore's default (a
+    ``zarr.json`` and a chunk object per array), ``consolidated_only`` (a chunk object per
+    array), packed (``SaveOptions(pack_arrays_up_to=...)``: one object per pack, a pack
+    per writing rank) against DCP over fsspec (and s3torchconnector where installed).
+    Each shardstore save goes to a new prefix, as a trainer saves each step (no
+    ``overwrite`` deleting the previous save inside the timing); each load reads the
+    latest. The first load of each method is checked against the saved values."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardstore
+    from shardstore.format.commit import SaveOptions
+
+    state = build_replicated(args.s3_small, args.s3_small_kib * 1024)
+    nbytes = full_bytes(state)
+    if b.rank == 0:
+        print(f"s3-small: {args.s3_small} replicated float32 arrays of {args.s3_small_kib} KiB, "
+              f"{nbytes / 2**20:.0f} MiB, {b.world} ranks", flush=True)
+    saves = {"n": 0}
+    loaded: dict[str, dict] = {}
+
+    def check(method: str) -> Callable[[], None]:
+        def compare() -> None:
+            bad = [k for k, (t, _) in state.shards.items() if not torch.equal(loaded[method][k], t)]
+            if bad:
+                raise AssertionError(f"s3-small: {method} loaded {len(bad)} tensors wrong, e.g. {bad[0]!r}")
+        return compare
+
+    for method, options in (
+        ("shardstore-s3", SaveOptions()),
+        ("shardstore-consolidated-s3", SaveOptions(zarr_metadata="consolidated_only")),
+        ("shardstore-packed-s3", SaveOptions(pack_arrays_up_to=args.s3_small_kib * 1024)),
+    ):
+        def url(method: str = method) -> str:
+            return f"s3://{S3_BUCKET}/small-{method}-{saves[method]}"
+
+        def save(method: str = method, options: SaveOptions = options) -> None:
+            saves[method] = saves.get(method, 0) + 1
+            shardstore.save(shardstore_sd(state, b.rank, b.world), url(method), options=options)
+
+        def load(method: str = method) -> None:
+            loaded[method] = shardstore.load(shardstore_sd(state, b.rank, b.world, empty=True), url(method))
+
+        b.measure("s3-small", method, nbytes, b.root / f"unused-s3-small-{method}", save, load, check(method))
+    measure_dcp_on_s3(b, "s3-small", state, nbytes, init_device_mesh("cpu", (b.world,)))
     b.flush()
 
 
@@ -1470,6 +1574,9 @@ def ratios(results: list[Result]) -> dict[str, float]:
         for peer in ("dcp-fsspec-s3", "dcp-s3tc-s3"):
             out |= ratio(f"s3.{op}.vs_{peer.removesuffix('-s3').replace('-', '_')}", ("s3", "shardstore", op),
                          ("s3", peer, op))
+            for method in ("shardstore-s3", "shardstore-consolidated-s3", "shardstore-packed-s3"):
+                out |= ratio(f"s3-small.{method.removesuffix('-s3')}.{op}.vs_{peer.removesuffix('-s3').replace('-', '_')}",
+                             ("s3-small", method, op), ("s3-small", peer, op))
     # time of step 2 saved reusing step 1's unchanged chunks / time of a full save of it
     out |= ratio("incr.save.time_reuse_vs_full", ("incr", "reuse", "save"), ("incr", "full", "save"), invert=True)
     out |= ratio("incr.save.time_reuse_warm_vs_full", ("incr", "reuse-warm", "save"), ("incr", "full", "save"),
@@ -1495,12 +1602,13 @@ def markdown(results: list[Result], extra: dict) -> str:
     lines = [
         f"world size {extra['world']}, {extra['reps']} repetitions (median), page cache: {extra['cache']}",
         "",
-        "| case | method | op | seconds | GB/s | peak extra RSS (MiB, max over ranks) |",
-        "|---|---|---|---:|---:|---:|",
+        "| case | method | op | seconds | GB/s | peak extra RSS (MiB, max over ranks) | S3 requests |",
+        "|---|---|---|---:|---:|---:|---:|",
     ]
     for r in results:
         rate = f"{r.gbps:.2f}" if r.nbytes else "-"
-        lines.append(f"| {r.case} | {r.method} | {r.op} | {r.seconds:.3f} | {rate} | {r.extra_rss / 2**20:.0f} |")
+        lines.append(f"| {r.case} | {r.method} | {r.op} | {r.seconds:.3f} | {rate} | {r.extra_rss / 2**20:.0f} | "
+                     f"{r.requests if r.requests is not None else '-'} |")
     lines += ["", "| ratio (shardstore / peer throughput, or as named) | value |", "|---|---:|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in extra["ratios"].items()]
     return "\n".join(lines)
@@ -1522,11 +1630,12 @@ CASES: dict[str, Callable[[Bench, argparse.Namespace], None]] = {
 }
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, root: str) -> None:
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, root: str,
+           s3_requests: RequestCounter | None) -> None:
     torch.set_num_threads(1)  # one core per rank, as a trainer's rank has its own GPU
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(minutes=30))
-    b = Bench(rank, world, Path(root), args.reps)
+    b = Bench(rank, world, Path(root), args.reps, s3_requests)
     for case, run in CASES.items():  # in this order, whatever order --cases names them in
         if case in args.cases:
             run(b, args)
@@ -1549,12 +1658,15 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, root: str
 S3_BUCKET = "shardstore-bench"
 
 
-def start_local_s3():
-    """A local S3 server for the s3 case; the ranks find it through the AWS environment
-    variables, as a trainer would find its object store."""
+def start_local_s3(counter: RequestCounter):
+    """A local S3 server for the s3 case, its requests counted by ``counter``; the ranks
+    find it through the AWS environment variables, as a trainer would find its object
+    store."""
     from shardstore.testing import LocalS3Server
 
     server = LocalS3Server("bench", "bench-secret").start()
+    wsgi = server._server._server  # moto's werkzeug server: each request calls its ``app``
+    wsgi.app = counter.wrap(wsgi.app)
     server.export_environment()
     server.create_bucket(S3_BUCKET)
     return server
@@ -1574,6 +1686,9 @@ def main() -> None:
     parser.add_argument("--plain-gib", type=float, default=0.5, help="size of the dcp-plain case's model + Adam")
     parser.add_argument("--incr-gib", type=float, default=0.25, help="size of the incremental case's frozen base")
     parser.add_argument("--s3-gib", type=float, default=0.25, help="size of the S3 case's state (all ranks)")
+    parser.add_argument("--s3-small", type=int, default=300,
+                        help="replicated small arrays of the S3 case, saved unpacked and packed (0: none)")
+    parser.add_argument("--s3-small-kib", type=int, default=128, help="size of each of those arrays, KiB")
     parser.add_argument("--dir", default=None, help="where to write (default: the temp dir)")
     parser.add_argument("--json", default="bench.json")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -1582,9 +1697,10 @@ def main() -> None:
     args.cases = args.cases.split(",")
     root = tempfile.mkdtemp(prefix="shardstore-bench-", dir=args.dir)
     port = free_port()
-    server = start_local_s3() if "s3" in args.cases else None
+    counter = RequestCounter() if "s3" in args.cases else None
+    server = start_local_s3(counter) if counter is not None else None
     try:
-        mp.spawn(worker, args=(args.world, port, args, root), nprocs=args.world)
+        mp.spawn(worker, args=(args.world, port, args, root, counter), nprocs=args.world)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if server is not None:

@@ -25,11 +25,11 @@ from tests.s3_support import KEY, REGION, SECRET, Faults, FaultyProxy, MotoServe
 BUCKET = "request-budget"
 WORLD, ARRAYS, ROWS, COLS = 2, 12, 256, 256  # FSDP2-like: each array split along its rows
 SMALL_ARRAYS = 20  # replicated, 16 KiB each: what a packed save puts into packs
-# The issue's "a few": with 2 x ranks, room for the 13 requests measured that grow with
-# neither arrays nor ranks (the bucket's HEAD, two listings of the target, the save
+# The issue's "a few": with 2 x ranks, room for the 12 requests measured that grow with
+# neither arrays nor ranks (the bucket's HEAD, one listing of the target, the save
 # marker's PUT, GET and DELETE, metadata.json and common.pt and their reads for the
 # record's checksums, the check for a committed record, and the record itself).
-SAVE_A_FEW = 9
+SAVE_A_FEW = 8
 # One GET of each prefix that holds the target (``s3://request-budget/<objects>/ckpt``:
 # ``<objects>/`` and the bucket's root), for a committed checkpoint a save must not go
 # inside (``Store.enclosing``): grows with the target's depth, not with arrays or ranks.
@@ -86,6 +86,11 @@ def proxy(moto_server: MotoServer) -> Iterator[FaultyProxy]:
     proxy.stop()
 
 
+def _listings(made: list[tuple[str, str]]) -> list[str]:
+    """The ListObjectsV2 requests among ``made``."""
+    return [path for method, path in made if method == "GET" and "list-type=2" in path]
+
+
 def _requests(proxy: FaultyProxy, fn, *args) -> list[tuple[str, str]]:
     """The (method, path) of each request ``fn`` makes on ``WORLD`` ranks."""
     before = len(proxy.seen)
@@ -103,6 +108,7 @@ def test_a_two_rank_save_and_load_stay_within_the_request_budget(proxy, shard_by
     puts = [path for method, path in made if method == "PUT"]
     assert len(puts) == len(set(puts)), "an object was written twice"
     assert methods["HEAD"] <= 2, made  # the bucket, and whether a record is there
+    assert len(_listings(made)) == 1, made  # whether the prefix is empty, looked at once
 
     made = _requests(proxy, loaded, url, proxy.endpoint, WORLD)
     methods = Counter(method for method, _ in made)
@@ -206,6 +212,7 @@ def test_a_packed_save_stays_within_the_request_budget_with_one_put_per_pack(pro
     assert sorted(p.split("/ckpt/")[1] for p in puts if "/ckpt/packs/" in p) == sorted(record.packs)
     assert not [(m, p) for m, p in made if "/ckpt/norm" in p or "/ckpt/packs/" in p and m != "PUT"], made
     assert methods["HEAD"] <= 2, made  # the bucket, and whether a record is there
+    assert len(_listings(made)) == 1, made
 
     made = _requests(proxy, loaded_packed, url, proxy.endpoint)
     methods = Counter(method for method, _ in made)

@@ -348,7 +348,9 @@ def _refuse_inside_checkpoint(target: Location) -> None:
             )
 
 
-def _check_target(target: Location, overwrite: bool, shared_directory: bool = False) -> str | None:
+def _check_target(
+    target: Location, overwrite: bool, shared_directory: bool = False, empty: bool | None = None,
+) -> str | None:
     """The save id the new save will replace (None: nothing committed there). Refused:
     another tool's checkpoint (``_refuse_other_checkpoint``); any other non-empty
     directory without a commit record unless ``shared_directory`` (then still what
@@ -356,9 +358,10 @@ def _check_target(target: Location, overwrite: bool, shared_directory: bool = Fa
     beside files its save did not write (a replacement by rename would delete them)
     unless ``shared_directory`` and they are top-level entries of their own, which the
     replacement keeps in place (``_refuse_unmovable_beside``); and a path that is no
-    directory (``_refuse_non_directory``)."""
+    directory (``_refuse_non_directory``). ``empty``: whether the caller just listed
+    the target empty (None: it is listed here; on S3 a listing is a request)."""
     _refuse_non_directory(target)
-    if target.is_empty():
+    if target.is_empty() if empty is None else empty:
         return None
     try:
         record = _committed_record(target)
@@ -1157,11 +1160,13 @@ class InPlace(Publisher):
 
     def begin(self, target: Location, options: SaveOptions, save_id: str) -> PendingCheckpoint:
         target.prepare()
-        if not target.is_empty() and _marker_id(target) is not None and committed_save_id(target) is None:
+        empty: bool | None = target.is_empty()  # listed once: _check_target is told, not asked again
+        if not empty and _marker_id(target) is not None and committed_save_id(target) is None:
             logger.warning("Removing the leftovers of an interrupted save at %s", target.describe())
             _remove_marked(target)
+            empty = None  # what is left, looked at again
         # Not beside other files, shared or not: an abandoned save in place could not tell its objects from theirs.
-        replaces = _check_target(target, options.overwrite)
+        replaces = _check_target(target, options.overwrite, empty=empty)
         source = options.reuse_from
         reuses = reuse_save_id(source, target, in_place=True) if source is not None else None
         if replaces is not None:

@@ -417,6 +417,12 @@ class ShardstoreWriter(StorageWriter):
             ``SaveOptions.zarr_metadata`` says (``"per_node"``, the default: a
             ``zarr.json`` per array; ``"consolidated_only"``: only the root's
             consolidated metadata, fewer files and requests, format version 6).
+        pack_arrays_up_to: pack each array of at most this many bytes that one rank
+            writes whole (plain tensors, each written by one of its holders; a DTensor
+            one rank holds whole or replicated) into that rank's stored zip,
+            ``packs/<rank>-<n>.zip``, as ``SaveOptions.pack_arrays_up_to`` says (format
+            version 8): a few files per rank, not a directory per array. 0 (the
+            default): no packing. Packed arrays are never shared by ``reuse_from``.
         shard_bytes: store the arrays DCP's plan splits into small blocks on a grid
             (FSDP2's ``Shard(0)``, along any axes) in Zarr v3 shards of about this many bytes, as
             ``ZarrSaveShardedStrategy(shard_bytes=...)`` does for ``shardstore.save``:
@@ -451,6 +457,7 @@ class ShardstoreWriter(StorageWriter):
         min_array_bytes: int = DEFAULT_MIN_ARRAY_BYTES, reuse_from: CheckpointId | None = None,
         shard_bytes: int | None = None, process_group: dist.ProcessGroup | None = None,
         zarr_metadata: str = "per_node", sync_staging_bytes: int = DEFAULT_SYNC_STAGING_BYTES,
+        pack_arrays_up_to: int = 0,
     ) -> None:
         super().__init__()
         self.checkpoint_id = checkpoint_id
@@ -459,7 +466,10 @@ class ShardstoreWriter(StorageWriter):
         self.io_concurrency = io_concurrency
         self.min_array_bytes = min_array_bytes
         self.reuse_from = reuse_from
-        self.zarr_metadata = SaveOptions(zarr_metadata=zarr_metadata).zarr_metadata  # refused now if unknown
+        # refused now if unknown or out of range, not at the save
+        checked = SaveOptions(zarr_metadata=zarr_metadata, pack_arrays_up_to=pack_arrays_up_to)
+        self.zarr_metadata = checked.zarr_metadata
+        self.pack_arrays_up_to = checked.pack_arrays_up_to
         if isinstance(shard_bytes, str):  # "auto" is the strategy's: it needs a group DCP does not give
             raise ValueError(f"ShardstoreWriter(shard_bytes={shard_bytes!r}): pass None (the default: no shards) "
                              "or a number of bytes (the ranks then exchange blocks on process_group)")
@@ -510,7 +520,7 @@ class ShardstoreWriter(StorageWriter):
         if self.checkpoint_id is None:
             raise CheckpointingException("ShardstoreWriter has no checkpoint path: pass one, or checkpoint_id= to dcp.save")
         options = SaveOptions(overwrite=self.overwrite, reuse_from=self.reuse_from, shared_directory=True,
-                              zarr_metadata=self.zarr_metadata)
+                              zarr_metadata=self.zarr_metadata, pack_arrays_up_to=self.pack_arrays_up_to)
         group = Group(self.process_group) if exchange else None
         return SavePipeline.open(self.checkpoint_id, group, options=options, config=CONFIG)
 

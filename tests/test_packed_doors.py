@@ -1,0 +1,187 @@
+"""Packed small arrays (issue 44.6) through the other doors a save comes by: DCP's own
+``dcp.save`` with ``ShardstoreWriter(pack_arrays_up_to=...)`` and Megatron-Core's own
+``dist_checkpointing.save`` after ``shardstore.megatron.install(pack_arrays_up_to=...)``,
+as ``SaveOptions(pack_arrays_up_to=...)`` does for ``shardstore.save``.
+
+DCP at 2 gloo ranks: many small plain tensors (replicated: one writer each), small
+DTensors split over the ranks (not packed: two writers), a DTensor one rank holds whole
+and a replicated DTensor (packed by their one writer), Python values (DCP's byte items:
+common.pt, never packed). Each save loads back bit-exact through ``dcp.load`` with
+``ShardstoreReader`` and through ``shardstore.load``, verifies, and gives DCP the same
+metadata as an unpacked save; a save beside another program's file, and a save over a
+packed one, packed or not, leave no pack behind that the record does not list.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardstore
+from shardstore.format.records import PACKED_FORMAT_VERSION, read_commit_record
+from shardstore.stores.locations import open_location
+from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
+from tests import fsdp_models as fm
+from tests.dist import run_distributed
+
+PACK_BYTES = 64 * 1024
+SMALL = 24  # plain tensors of 0.1-6 KiB: packed
+SPLIT = 4  # DTensors split over both ranks: not packed
+
+
+def _state(world: int, seed: int, empty: bool = False) -> dict[str, Any]:
+    """Every rank's state dict (the same seed gives every rank the same values): plain
+    tensors (a replicated model), DTensors of each kind, Python values."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def value(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        t = torch.randn(*shape, generator=gen).to(dtype)
+        return torch.zeros_like(t) if empty else t
+
+    mesh = init_device_mesh("cpu", (world,))
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    plain = {f"block{i % 5}.w{i}": value(8 + 13 * i, dtype=dtypes[i % 4]) for i in range(SMALL)}
+    plain["ids"] = torch.arange(300, dtype=torch.int64) * (0 if empty else 1)
+    plain["big"] = value(128, 256)  # 128 KiB: above the bound, a directory of its own
+    sharded = {f"split{i}": distribute_tensor(value(2 * world * (i + 1), 16), mesh, [Shard(0)]) for i in range(SPLIT)}
+    sharded["lonely"] = distribute_tensor(value(1, 40), mesh, [Shard(0)])  # rank 0 holds it whole
+    sharded["everywhere"] = distribute_tensor(value(6, 10), mesh, [Replicate()])
+    return {
+        "model": plain,
+        "dtensors": sharded,
+        "step": torch.tensor(7.0 if not empty else 0.0),  # 0-d: common.pt
+        "extra": {"name": "run-1" if not empty else "", "lrs": [0.1, 0.01] if not empty else []},
+    }
+
+
+def _packed_keys() -> set[str]:
+    return {*(f"model.block{i % 5}.w{i}" for i in range(SMALL)), "model.ids", "dtensors.lonely", "dtensors.everywhere"}
+
+
+def _comparable(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` gathered whole."""
+    return fm.full_values(state)
+
+
+def _dcp_load(ckpt: str, world: int) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    request = _state(world, seed=0, empty=True)
+    dcp.load(request, storage_reader=ShardstoreReader(ckpt))
+    return request
+
+
+def _metadata(ckpt: str) -> tuple:
+    """What DCP's load planners see of a checkpoint, its ids but the path and load id."""
+    metadata = ShardstoreReader(ckpt).read_metadata()
+    meta = metadata.storage_meta
+    return metadata.state_dict_metadata, metadata.planner_data, meta.save_id is not None, meta.modules
+
+
+def save_packed_and_load_both_ways(rank: int, world: int, root: str) -> bytes:
+    import torch.distributed.checkpoint as dcp
+
+    state = _state(world, seed=1)
+    saved = _comparable(state)
+    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/packed", min_array_bytes=0,
+                                                    pack_arrays_up_to=PACK_BYTES))
+    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/unpacked", min_array_bytes=0))
+    fm.assert_same(_comparable(_dcp_load(f"{root}/packed", world)), saved)
+    loaded = shardstore.load(_state(world, seed=0, empty=True), f"{root}/packed")
+    fm.assert_same(_comparable(loaded), saved)
+    packed, unpacked = _metadata(f"{root}/packed"), _metadata(f"{root}/unpacked")
+    assert packed == unpacked, "DCP's metadata of a packed save differs from an unpacked one's"
+    return fm.to_bytes(saved)
+
+
+def test_dcp_save_packs_small_arrays_of_one_writer_and_loads_both_ways(tmp_path: Path) -> None:
+    saved = fm.from_bytes(run_distributed(save_packed_and_load_both_ways, 2, str(tmp_path))[0])
+    ckpt = tmp_path / "packed"
+    record = read_commit_record(open_location(ckpt))
+    assert record.format_version == PACKED_FORMAT_VERSION
+    packed = {key for key, array in record.arrays.items() if array.pack is not None}
+    assert packed == _packed_keys(), sorted(packed ^ _packed_keys())
+    assert sorted(record.packs) == ["packs/0-0.zip", "packs/1-0.zip"], record.packs  # both ranks wrote some
+    members: list[str] = []  # a replicated array is in one pack only: one rank wrote it
+    for pack, size in record.packs.items():
+        assert (ckpt / pack).stat().st_size == size, pack
+        with zipfile.ZipFile(ckpt / pack) as zipped:
+            members += [name.rsplit("/", 1)[0] for name in zipped.namelist() if "/c" in name]
+    assert sorted(members) == sorted(packed), sorted(members)
+    assert (ckpt / "model.big").is_dir() and (ckpt / "dtensors.split0").is_dir()
+    for key in packed:
+        assert not (ckpt / key).exists(), key
+    report = shardstore.verify(ckpt)
+    assert report.ok, report
+    common = shardstore.load_common_state_dict(ckpt)
+    assert common["extra"] == saved["extra"] and common["step"] == saved["step"]
+    unpacked = read_commit_record(open_location(tmp_path / "unpacked"))
+    assert not unpacked.packs and all(a.pack is None for a in unpacked.arrays.values())
+
+
+def save_beside_and_over(rank: int, world: int, ckpt: str) -> bytes:
+    """Packed into a directory that holds another program's file, then packed again over
+    it with other values, then unpacked over that."""
+    import torch.distributed.checkpoint as dcp
+
+    for seed, up_to in ((1, PACK_BYTES), (2, PACK_BYTES), (3, 0)):
+        state = _state(world, seed)
+        dcp.save(state, storage_writer=ShardstoreWriter(ckpt, min_array_bytes=0, pack_arrays_up_to=up_to))
+        fm.assert_same(_comparable(_dcp_load(ckpt, world)), _comparable(state))
+        torch.distributed.barrier()
+        if rank == 0:
+            report = shardstore.verify(ckpt)
+            assert report.ok, (seed, report)
+            packs = sorted(str(p.relative_to(ckpt)) for p in Path(ckpt).rglob("*.zip"))
+            assert packs == sorted(read_commit_record(open_location(ckpt)).packs), (seed, packs)
+        torch.distributed.barrier()
+    return fm.to_bytes(_comparable(state))
+
+
+def test_dcp_packed_saves_beside_other_files_and_over_each_other_leave_no_stale_pack(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "train.log").write_text("step 1\n")
+    run_distributed(save_beside_and_over, 2, str(ckpt))
+    assert (ckpt / "train.log").read_text() == "step 1\n"
+    assert not (ckpt / "packs").exists()
+    assert read_commit_record(open_location(ckpt)).format_version < PACKED_FORMAT_VERSION
+
+
+def test_dcp_writer_refuses_a_bad_bound_at_construction(tmp_path: Path) -> None:
+    for bad in (-1, 1.5, "64k"):
+        with pytest.raises(ValueError, match="pack_arrays_up_to"):
+            ShardstoreWriter(tmp_path / "c", pack_arrays_up_to=bad)
+    assert ShardstoreWriter(tmp_path / "c").pack_arrays_up_to == 0
+
+
+def save_packed_twice_with_a_reused_plan(rank: int, world: int, root: str) -> None:
+    """DCP's plan cache hands the second save the first one's plans."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    for step, seed in ((1, 1), (2, 2)):
+        state = _state(world, seed)
+        dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/step{step}", min_array_bytes=0,
+                                                        pack_arrays_up_to=PACK_BYTES),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+        fm.assert_same(_comparable(_dcp_load(f"{root}/step{step}", world)), _comparable(state))
+
+
+def test_dcp_packed_saves_under_dcps_plan_cache(tmp_path: Path) -> None:
+    run_distributed(save_packed_twice_with_a_reused_plan, 2, str(tmp_path))
+    for step in (1, 2):
+        ckpt = tmp_path / f"step{step}"
+        assert shardstore.verify(ckpt).ok, step
+        record = read_commit_record(open_location(ckpt))
+        assert {k for k, a in record.arrays.items() if a.pack is not None} == _packed_keys(), step
+        assert json.loads((ckpt / "metadata.json").read_text())["sharded_backend"] == "shardstore"
+

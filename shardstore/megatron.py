@@ -136,6 +136,7 @@ class _Installation:
     zarr_metadata: str = "per_node"  # SaveOptions.zarr_metadata
     shard_bytes: ShardBytes = "auto"  # of the strategies strategy_for_save builds
     registered: Any = None
+    pack_arrays_up_to: int = 0  # SaveOptions.pack_arrays_up_to
 
 
 _lock = threading.Lock()
@@ -150,10 +151,13 @@ _save_strategies: weakref.WeakKeyDictionary[Any, ZarrSaveShardedStrategy] = (
 # ------------------------------------------------------------------ install / uninstall
 
 
-def install(*, reuse_previous: bool = True, zarr_metadata: str = "per_node", shard_bytes: ShardBytes = "auto") -> None:
+def install(
+    *, reuse_previous: bool = True, zarr_metadata: str = "per_node", shard_bytes: ShardBytes = "auto",
+    pack_arrays_up_to: int = 0,
+) -> None:
     """Makes ``megatron.core.dist_checkpointing``'s entry points (``ENTRY_POINTS``) save
     and load shardstore checkpoints (module docstring). Idempotent: a second call only
-    changes ``reuse_previous``, ``zarr_metadata`` and ``shard_bytes``.
+    changes ``reuse_previous``, ``zarr_metadata``, ``shard_bytes`` and ``pack_arrays_up_to``.
 
     Args:
         reuse_previous: a save into a local ``.../iter_<N>`` directory that names no
@@ -168,19 +172,29 @@ def install(*, reuse_previous: bool = True, zarr_metadata: str = "per_node", sha
             distributed optimizer's fragments) into files of about 64 MiB from 32 ranks
             on, None never shards, a number of bytes always does (format version 5 or
             7 when an array is sharded).
+        pack_arrays_up_to: the saves pack each array of at most this many bytes that
+            one rank writes whole (replicated ones, such as layer norms, by their one
+            writer) into that rank's zip, ``packs/<rank>-<n>.zip``, as
+            ``SaveOptions.pack_arrays_up_to`` says (format version 8); 0 (the default):
+            no packing. Packed arrays are never shared by the incremental saves
+            (``reuse_previous``): they are written anew each time.
 
     Raises:
         ImportError: megatron-core is not installed.
-        ValueError: ``zarr_metadata`` or ``shard_bytes`` is not a value they take.
+        ValueError: ``zarr_metadata``, ``shard_bytes`` or ``pack_arrays_up_to`` is not a
+            value they take.
     """
     global _installation
-    where = SaveOptions(zarr_metadata=zarr_metadata).zarr_metadata.value  # an unknown value is refused here
+    # unknown or out-of-range values are refused here, not at the first save
+    checked = SaveOptions(zarr_metadata=zarr_metadata, pack_arrays_up_to=pack_arrays_up_to)
+    where = checked.zarr_metadata.value
     shard_bytes = checked_shard_bytes(shard_bytes)
     modules = _megatron_modules()
     with _lock:
         if _installation is not None:
             _installation = replace(
-                _installation, reuse_previous=reuse_previous, zarr_metadata=where, shard_bytes=shard_bytes
+                _installation, reuse_previous=reuse_previous, zarr_metadata=where, shard_bytes=shard_bytes,
+                pack_arrays_up_to=checked.pack_arrays_up_to,
             )
             return
         originals = {
@@ -189,7 +203,9 @@ def install(*, reuse_previous: bool = True, zarr_metadata: str = "per_node", sha
             for name in ENTRY_POINTS
             if hasattr(module, name)
         }
-        _installation = _Installation(originals, reuse_previous, where, shard_bytes, _register_load_strategy())
+        _installation = _Installation(
+            originals, reuse_previous, where, shard_bytes, _register_load_strategy(), checked.pack_arrays_up_to
+        )
         for (module_name, name), _ in originals.items():
             setattr(importlib.import_module(module_name), name, _REPLACEMENTS[name])
     logger.log(info_on_first_rank(), "shardstore installed behind %s", ", ".join(m.__name__ for m in modules))
@@ -499,7 +515,8 @@ def save(
         process_group=process_group,
         # Megatron-LM's iteration directory is shared: ModelOpt writes its state there too
         options=SaveOptions(overwrite=True, reuse_from=reuse_from, shared_directory=True,
-                            zarr_metadata=_installation.zarr_metadata if _installation else "per_node"),
+                            zarr_metadata=_installation.zarr_metadata if _installation else "per_node",
+                            pack_arrays_up_to=_installation.pack_arrays_up_to if _installation else 0),
     )
     if request is None:
         return None

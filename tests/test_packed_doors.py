@@ -185,3 +185,114 @@ def test_dcp_packed_saves_under_dcps_plan_cache(tmp_path: Path) -> None:
         assert {k for k, a in record.arrays.items() if a.pack is not None} == _packed_keys(), step
         assert json.loads((ckpt / "metadata.json").read_text())["sharded_backend"] == "shardstore"
 
+
+# --------------------------------------------------------------------------- Megatron
+
+NORMS = 12  # replicated layer norms of 64 floats: packed by their one writer
+
+
+def _megatron_state(rank: int, world: int, empty: bool) -> dict[str, Any]:
+    """``tests.test_megatron_objects``' state dict (TP-split layers, a replicated norm, a
+    fused-QKV factory, a per-rank ShardedObject) with more small arrays: replicated
+    norms and an array each rank holds whole under a key of its own."""
+    from megatron.core.dist_checkpointing import mapping
+
+    from tests.scenarios import global_tensor
+    from tests.test_megatron_objects import megatron_state_dict
+
+    state = megatron_state_dict(rank, world, empty)
+    norms = {}
+    for i in range(NORMS):
+        value = global_tensor(f"decoder/norm{i}", (64,), torch.float32)
+        norms[f"norm{i}"] = mapping.ShardedTensor.from_rank_offsets(
+            f"decoder/norm{i}", torch.empty_like(value) if empty else value.clone(), replica_id=rank)
+    own = global_tensor(f"router/rank{rank}", (5, 3), torch.bfloat16)
+    norms["own"] = mapping.ShardedTensor.from_rank_offsets(
+        f"router/rank{rank}", torch.empty_like(own) if empty else own.clone(), replica_id=0)
+    state["model"]["norms"] = norms
+    return state
+
+
+def _megatron_packed_keys(world: int) -> set[str]:
+    return {"decoder/final_norm", *(f"decoder/norm{i}" for i in range(NORMS)),
+            *(f"router/rank{r}" for r in range(world))}
+
+
+def _megatron_load_and_compare(ckpt: str, rank: int, world: int) -> None:
+    from megatron.core import dist_checkpointing
+
+    from tests.scenarios import assert_bits_equal, global_tensor
+    from tests.test_megatron_objects import FC1, FC2, LAYERS, NORM, QKV
+
+    loaded = dist_checkpointing.load(_megatron_state(rank, world, empty=True), ckpt)
+    model = loaded["model"]
+    for layer in range(LAYERS):
+        assert_bits_equal(model["layers"][f"{layer}.fc1"], FC1[layer].chunk(world, 0)[rank], f"fc1 {layer}")
+        assert_bits_equal(model["layers"][f"{layer}.fc2"], FC2[layer].chunk(world, 1)[rank], f"fc2 {layer}")
+    assert_bits_equal(model["final_norm"], NORM, "final_norm")
+    assert_bits_equal(model["qkv"], QKV.chunk(world, 0)[rank], "qkv")
+    for i in range(NORMS):
+        assert_bits_equal(model["norms"][f"norm{i}"], global_tensor(f"decoder/norm{i}", (64,), torch.float32), str(i))
+    assert_bits_equal(model["norms"]["own"], global_tensor(f"router/rank{rank}", (5, 3), torch.bfloat16), "own")
+    assert loaded["rng"] == {"rank": rank} and loaded["iteration"] == 100
+
+
+def megatron_packed_saves(rank: int, world: int, root: str) -> None:
+    """Megatron-LM's way: rank 0 makes each iteration's directory, every rank calls
+    ``dist_checkpointing.save`` and ``load`` by module attribute; iter_200 reuses from
+    iter_100 (``install``'s default)."""
+    from megatron.core import dist_checkpointing
+
+    import shardstore.megatron as shardstore_megatron
+
+    shardstore_megatron.install(pack_arrays_up_to=PACK_BYTES)
+    try:
+        for step in (100, 200):
+            ckpt = f"{root}/iter_{step:07d}"
+            if rank == 0:
+                Path(ckpt).mkdir(parents=True)
+            torch.distributed.barrier()
+            dist_checkpointing.save(_megatron_state(rank, world, empty=False), ckpt)
+            _megatron_load_and_compare(ckpt, rank, world)
+    finally:
+        shardstore_megatron.uninstall()
+
+
+def test_megatron_install_packs_small_arrays_and_an_incremental_save_is_complete(tmp_path: Path) -> None:
+    import shutil
+
+    pytest.importorskip("megatron.core.dist_checkpointing", reason="megatron-core not installed")
+    run_distributed(megatron_packed_saves, 2, str(tmp_path), timeout=240)
+    first, second = tmp_path / "iter_0000100", tmp_path / "iter_0000200"
+    for ckpt in (first, second):
+        record = read_commit_record(open_location(ckpt))
+        assert record.format_version == PACKED_FORMAT_VERSION, ckpt
+        packed = {key for key, array in record.arrays.items() if array.pack is not None}
+        assert packed == _megatron_packed_keys(2), (ckpt, sorted(packed ^ _megatron_packed_keys(2)))
+        assert sorted(record.packs) == ["packs/0-0.zip", "packs/1-0.zip"], record.packs
+        assert (ckpt / "decoder/layers/fc1").is_dir() and (ckpt / "__objects__").is_dir()
+    reused = read_commit_record(open_location(second)).reused_from
+    assert reused is not None and reused.chunks > 0, "the unpacked arrays' chunks are shared"
+    assert all((second / pack).stat().st_nlink == 1 for pack in record.packs), "a pack is never shared"
+    shutil.rmtree(first)
+    report = shardstore.verify(second)
+    assert report.ok, report
+    run_distributed(megatron_load_only, 2, str(second), timeout=240)
+
+
+def megatron_load_only(rank: int, world: int, ckpt: str) -> None:
+    import shardstore.megatron as shardstore_megatron
+
+    shardstore_megatron.install()
+    try:
+        _megatron_load_and_compare(ckpt, rank, world)
+    finally:
+        shardstore_megatron.uninstall()
+
+
+def test_megatron_install_refuses_a_bad_bound_and_keeps_zero_by_default() -> None:
+    shardstore_megatron = pytest.importorskip("shardstore.megatron")
+    pytest.importorskip("megatron.core.dist_checkpointing", reason="megatron-core not installed")
+    with pytest.raises(ValueError, match="pack_arrays_up_to"):
+        shardstore_megatron.install(pack_arrays_up_to=-1)
+    assert not shardstore_megatron.is_installed()

@@ -186,6 +186,37 @@ def test_dcp_packed_saves_under_dcps_plan_cache(tmp_path: Path) -> None:
         assert json.loads((ckpt / "metadata.json").read_text())["sharded_backend"] == "shardstore"
 
 
+def save_async_then_incremental(rank: int, world: int, root: str) -> None:
+    """``dcp.async_save`` packing into step1 (on a group of its own), then ``dcp.save``
+    packing into step2, reusing from step1."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    state = _state(world, seed=4)
+    background = dist.new_group(backend="gloo")
+    dcp.async_save(state, storage_writer=ShardstoreWriter(f"{root}/step1", min_array_bytes=0,
+                                                          pack_arrays_up_to=PACK_BYTES, process_group=background),
+                   process_group=background).result()
+    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/step2", min_array_bytes=0, pack_arrays_up_to=PACK_BYTES,
+                                                    reuse_from=f"{root}/step1"))
+    torch.distributed.barrier()
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(f"{root}/step1")
+    torch.distributed.barrier()
+    fm.assert_same(_comparable(_dcp_load(f"{root}/step2", world)), _comparable(state))
+
+
+def test_dcp_async_and_incremental_saves_pack_and_share_only_unpacked_chunks(tmp_path: Path) -> None:
+    run_distributed(save_async_then_incremental, 2, str(tmp_path))
+    record = read_commit_record(open_location(tmp_path / "step2"))
+    assert {k for k, a in record.arrays.items() if a.pack is not None} == _packed_keys()
+    assert record.reused_from is not None and record.reused_from.chunks > 0, record.reused_from
+    report = shardstore.verify(tmp_path / "step2")
+    assert report.ok, report
+
+
 # --------------------------------------------------------------------------- Megatron
 
 NORMS = 12  # replicated layer norms of 64 floats: packed by their one writer

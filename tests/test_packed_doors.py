@@ -217,6 +217,47 @@ def test_dcp_async_and_incremental_saves_pack_and_share_only_unpacked_chunks(tmp
     assert report.ok, report
 
 
+@pytest.mark.parametrize("committed", [False, True], ids=["empty", "beside_a_checkpoint"])
+def test_a_packed_save_beside_another_programs_packs_entry_is_refused_before_it_writes(
+    tmp_path: Path, committed: bool,
+) -> None:
+    """A directory another program keeps ``packs/`` in (alone, or beside an unpacked
+    checkpoint): a packed save would need that name for its zips. Refused when the save
+    begins, naming the option, not after every rank wrote (where the error said to
+    rename state dict keys, which no key can fix)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # DCP's: a BaseException
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "packs").mkdir(parents=True)
+    (ckpt / "packs" / "notes.txt").write_text("theirs")
+    state = {"w": torch.arange(300.0), "v": torch.ones(400)}
+    if committed:
+        dcp.save(state, storage_writer=ShardstoreWriter(ckpt))
+    before = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*"))
+    began = []
+    original = ShardstoreWriter._write_shards
+
+    def recording(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        began.append(True)
+        return original(self, *args, **kwargs)
+
+    ShardstoreWriter._write_shards = recording
+    try:
+        with pytest.raises(CheckpointException, match="pack_arrays_up_to") as refused:
+            dcp.save(state, storage_writer=ShardstoreWriter(ckpt, pack_arrays_up_to=PACK_BYTES))
+    finally:
+        ShardstoreWriter._write_shards = original
+    assert "rename those keys" not in str(refused.value)
+    assert not began, "refused only after the ranks wrote"
+    assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == before
+    assert (ckpt / "packs" / "notes.txt").read_text() == "theirs"
+    if committed:
+        assert shardstore.verify(ckpt).ok
+    dcp.save(state, storage_writer=ShardstoreWriter(ckpt))  # unpacked, it is published beside them
+    assert (ckpt / "packs" / "notes.txt").read_text() == "theirs" and shardstore.verify(ckpt).ok
+
+
 # --------------------------------------------------------------------------- Megatron
 
 NORMS = 12  # replicated layer norms of 64 floats: packed by their one writer

@@ -67,6 +67,7 @@ from shardstore.format.records import (
     COMMIT_RECORD,
     MAX_RECORD_BYTES,
     MOVING_IN,
+    PACKS_DIR,
     REPLACED_TAG,
     REPLACING_PHASE,
     SAVE_MARKER,
@@ -310,6 +311,20 @@ def _refuse_format_names(target: Location) -> None:
         )
 
 
+def _refuse_packs_beside(target: Location, own: frozenset[str]) -> None:
+    """Refuses a save that may pack small arrays (``SaveOptions.pack_arrays_up_to``) into
+    a shared directory where ``packs`` is another program's entry (not one of ``own``,
+    the top-level names of the checkpoint there): the packs go under that name, so the
+    save could only fail at its commit, after every rank wrote."""
+    if PACKS_DIR in own or PACKS_DIR not in target.list_top(None):
+        return
+    raise CheckpointingException(
+        f"Refusing to save into {target.describe()} with pack_arrays_up_to: it holds {PACKS_DIR}, another "
+        f"program's entry, where the save would put its packs of small arrays ({PACKS_DIR}/<rank>-<n>.zip). Move "
+        "it out, save without packing (pack_arrays_up_to=0), or save to a new directory"
+    )
+
+
 def _refuse_non_directory(target: Location) -> None:
     """Refuses a local target that exists but is no directory (a regular file, a FIFO):
     listing it reads as empty, so the save would otherwise write everything and fail only
@@ -350,6 +365,7 @@ def _refuse_inside_checkpoint(target: Location) -> None:
 
 def _check_target(
     target: Location, overwrite: bool, shared_directory: bool = False, empty: bool | None = None,
+    packing: bool = False,
 ) -> str | None:
     """The save id the new save will replace (None: nothing committed there). Refused:
     another tool's checkpoint (``_refuse_other_checkpoint``); any other non-empty
@@ -357,9 +373,11 @@ def _check_target(
     ``_refuse_format_names`` refuses); a committed checkpoint without ``overwrite``, or
     beside files its save did not write (a replacement by rename would delete them)
     unless ``shared_directory`` and they are top-level entries of their own, which the
-    replacement keeps in place (``_refuse_unmovable_beside``); and a path that is no
-    directory (``_refuse_non_directory``). ``empty``: whether the caller just listed
-    the target empty (None: it is listed here; on S3 a listing is a request)."""
+    replacement keeps in place (``_refuse_unmovable_beside``); a shared directory
+    another program keeps ``packs`` in where the save may pack (``packing``,
+    ``_refuse_packs_beside``); and a path that is no directory (``_refuse_non_directory``).
+    ``empty``: whether the caller just listed the target empty (None: it is listed
+    here; on S3 a listing is a request)."""
     _refuse_non_directory(target)
     if target.is_empty() if empty is None else empty:
         return None
@@ -372,7 +390,11 @@ def _check_target(
         if not shared_directory or other_checkpoint_kind(target):
             _refuse_foreign(target)
         _refuse_format_names(target)
+        if packing:
+            _refuse_packs_beside(target, frozenset())
         return None
+    if packing and shared_directory:
+        _refuse_packs_beside(target, record.own_top_names)
     if not overwrite:
         raise CheckpointingException(
             f"{target.describe()} already holds a committed checkpoint; pass overwrite=True to replace it "
@@ -715,7 +737,8 @@ class ByRename(Publisher):
         target = Location(directory)
         restore_replaced(target)  # before the dead saves go: an interrupted one's staging may hold new entries
         remove_dead_saves(directory)
-        replaces = _check_target(target, options.overwrite, options.shared_directory)
+        replaces = _check_target(target, options.overwrite, options.shared_directory,
+                                 packing=options.pack_arrays_up_to > 0)
         source = options.reuse_from
         reuses = reuse_save_id(source, target, in_place=False) if source is not None else None
         intent = SaveIntent(save_id, replaces, reuses, options.zarr_metadata,

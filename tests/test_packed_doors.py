@@ -368,3 +368,38 @@ def test_megatron_install_refuses_a_bad_bound_and_keeps_zero_by_default() -> Non
     with pytest.raises(ValueError, match="pack_arrays_up_to"):
         shardstore_megatron.install(pack_arrays_up_to=-1)
     assert not shardstore_megatron.is_installed()
+
+
+def megatron_async_packed_save(rank: int, world: int, ckpt: str) -> None:
+    """Megatron-LM's async save: the request runs on Megatron's own AsyncCallsQueue (a
+    forked writer, which writes the packs); CPU stand-ins for its CUDA calls."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    import shardstore.megatron as shardstore_megatron
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    shardstore_megatron.install(pack_arrays_up_to=PACK_BYTES)
+    try:
+        if rank == 0:
+            Path(ckpt).mkdir(parents=True)
+        torch.distributed.barrier()
+        request = dist_checkpointing.save(_megatron_state(rank, world, empty=False), ckpt, async_sharded_save=True)
+        queue = AsyncCallsQueue()
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+        queue.close()
+        _megatron_load_and_compare(ckpt, rank, world)
+    finally:
+        shardstore_megatron.uninstall()
+
+
+def test_megatron_async_save_through_install_packs_in_the_forked_writer(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core.dist_checkpointing", reason="megatron-core not installed")
+    ckpt = tmp_path / "iter_0000100"
+    run_distributed(megatron_async_packed_save, 2, str(ckpt), timeout=240)
+    record = read_commit_record(open_location(ckpt))
+    assert {k for k, a in record.arrays.items() if a.pack is not None} == _megatron_packed_keys(2)
+    report = shardstore.verify(ckpt)
+    assert report.ok, report

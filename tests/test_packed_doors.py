@@ -258,6 +258,31 @@ def test_a_packed_save_beside_another_programs_packs_entry_is_refused_before_it_
     assert (ckpt / "packs" / "notes.txt").read_text() == "theirs" and shardstore.verify(ckpt).ok
 
 
+def test_dcp_packed_save_to_s3_writes_each_pack_as_one_object_and_saves_over_it(moto_server) -> None:  # noqa: ANN001
+    """One process, plain tensors, on object storage (published in place): packed, then
+    packed again over it (overwrite), each loading back through DCP's reader."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardstore.stores.s3 import S3Options
+    from tests.s3_support import KEY, REGION, SECRET
+
+    moto_server.create_bucket("packed")
+    options = S3Options(endpoint_url=moto_server.endpoint, key=KEY, secret=SECRET, region=REGION)
+    location = open_location("s3://packed/run/step-1", options=options)
+    for seed in (1, 2):
+        gen = torch.Generator().manual_seed(seed)
+        state = {f"layer{i}.bias": torch.randn(300 + i, generator=gen) for i in range(30)}
+        dcp.save(state, storage_writer=ShardstoreWriter(location, pack_arrays_up_to=PACK_BYTES))
+        record = read_commit_record(location)
+        assert list(record.packs) == ["packs/0-0.zip"] and all(a.pack for a in record.arrays.values()), seed
+        assert [rel for rel in location.list_files() if rel.endswith(".zip")] == ["packs/0-0.zip"]
+        report = shardstore.verify(location)
+        assert report.ok, report
+        request = {key: torch.zeros_like(t) for key, t in state.items()}
+        dcp.load(request, storage_reader=ShardstoreReader(location))
+        assert all(torch.equal(request[key], t) for key, t in state.items()), seed
+
+
 # --------------------------------------------------------------------------- Megatron
 
 NORMS = 12  # replicated layer norms of 64 floats: packed by their one writer

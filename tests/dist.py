@@ -2,9 +2,11 @@
 
 Workers come from a forkserver that has already imported torch and shardstore, so a
 test pays for process start-up once, not for a torch import per rank. A worker's
-exception (with its traceback) fails the test; a hang is killed after ``timeout``, once
-every rank and every process a rank started (a forked background writer) has printed
-its Python stacks into the test's failure message.
+exception (with its traceback) fails the test; what it returns travels by value (plain
+pickle), never as a handle into its memory, so the parent can read it after the worker
+has exited. A hang is killed after ``timeout``, once every rank and every process a rank
+started (a forked background writer) has printed its Python stacks into the test's
+failure message.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ __all__ = ["run_distributed"]
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import tempfile
@@ -81,7 +84,10 @@ def _worker(
             timeout=timedelta(seconds=pg_timeout),
         )
         value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
+        # By value: the queue's pickler sends a tensor as a file descriptor that the
+        # parent fetches from this process's socket, which ends with this process (the
+        # parent, slow on a loaded machine, then fails in multiprocessing's Client).
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # reported to the test in the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -160,7 +166,7 @@ def _collect(
                     + _stacks_of(procs, stacks)
                 ) from None
             continue
-        outcomes[rank] = (ok, value)
+        outcomes[rank] = (ok, pickle.loads(value) if ok else value)
         waiting.discard(rank)
     return outcomes
 

@@ -1,6 +1,6 @@
 """The distributed test harness itself (``tests/dist.py``): a hang must fail the test
 with every process's Python stacks, forked writers included, and leave no process
-behind."""
+behind; what a rank returns reaches the test even when the rank has already exited."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import threading
 import time
 
 import pytest
+import torch
 
+import tests.dist as dist_harness
 from tests.dist import run_distributed
 
 
@@ -57,3 +59,22 @@ def test_a_rank_that_ends_without_a_report_fails_the_test_at_once() -> None:
         run_distributed(exit_without_a_report, 2, timeout=120)
     assert "rank(s) [1] ended without a report (exit codes [3])" in str(raised.value), str(raised.value)
     assert time.monotonic() - start < 60  # not the 120 s timeout
+
+
+def a_small_tensor(rank: int, world: int) -> torch.Tensor:
+    return torch.full((4,), float(rank))
+
+
+def test_a_rank_s_tensor_arrives_when_the_rank_has_exited_before_it_is_read(monkeypatch) -> None:
+    """On a loaded machine the parent reads a report after its rank has exited: what a
+    rank returns must travel by value, not as a handle that ends with the rank."""
+    collect = dist_harness._collect
+
+    def collect_once_every_rank_has_exited(results, procs, *rest):
+        for p in procs:
+            p.join(timeout=60)
+        return collect(results, procs, *rest)
+
+    monkeypatch.setattr(dist_harness, "_collect", collect_once_every_rank_has_exited)
+    values = run_distributed(a_small_tensor, 2)
+    assert [t.tolist() for t in values] == [[0.0] * 4, [1.0] * 4]

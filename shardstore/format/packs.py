@@ -19,7 +19,8 @@ readers read the bytes shardstore checked.
 
 The zip is written here, not by ``zipfile``: its members are laid out in one pass over
 the encoded chunks (no copy of their bytes), each with the zip's CRC-32 taken by the
-writer thread that encoded it (``PackCollector.put``), and handed to the store's ``put``
+writer thread that encoded it (``PackCollector.put``; ISA-L's where ``isal`` is installed,
+``zip_crc32``), and handed to the store's ``put``
 as one object (a file, or one object store PUT). No zip64: a pack is started anew before
 ``PACK_BYTES`` or ``PACK_MEMBERS`` members.
 """
@@ -36,6 +37,7 @@ __all__ = [
     "fits_one_pack",
     "pack_name",
     "write_packs",
+    "zip_crc32",
 ]
 
 import json
@@ -56,6 +58,11 @@ from shardstore.format.records import (
     parent_groups,
 )
 from shardstore.stores.base import ChunkStore, StorageError
+
+try:  # ISA-L's CRC-32: the same value as zlib's, about 20x zlib 1.2's speed on 32 KiB chunks here
+    from isal.isal_zlib import crc32 as zip_crc32
+except ImportError:  # an environment installed before isal was a dependency: zlib's
+    from zlib import crc32 as zip_crc32
 
 # A pack is closed before it would pass either bound (the zip format's own limits without
 # zip64 are 4 GiB and 65,535 members).
@@ -110,7 +117,7 @@ class PackCollector(ChunkStore):
         pieces, crc, size = [], 0, 0
         for piece in buffers:
             pieces.append(piece)
-            crc = zlib.crc32(piece, crc)
+            crc = zip_crc32(piece, crc)
             size += len(piece)
         with self._lock:
             self.members[rel] = _Member(pieces, size, crc)
@@ -162,7 +169,7 @@ class _ZipBuilder:
 def _document(text: str) -> _Member:
     """A member holding a JSON document (compact, as the commit record spells it)."""
     data = text.encode()
-    return _Member([data], len(data), zlib.crc32(data))
+    return _Member([data], len(data), zip_crc32(data))
 
 
 _GROUP = json.dumps(group_metadata(), separators=(",", ":"))

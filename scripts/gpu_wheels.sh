@@ -14,5 +14,6 @@ done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" -d .whl \
   "zarr==3.1.6" "numcodecs==0.16.5" "crc32c==2.7.1" "google-crc32c==1.7.1" "donfig==0.8.1.post1" \
-  "click==8.3.1" "tqdm==4.67.1" "pytest-timeout==2.4.0" "megatron-core==0.16.1" "typing_extensions==4.15.0"
+  "click==8.3.1" "tqdm==4.67.1" "pytest-timeout==2.4.0" "megatron-core==0.16.1" "typing_extensions==4.15.0" \
+  "isal==1.9.1"
 ls .whl

@@ -174,7 +174,7 @@ def install(
             7 when an array is sharded).
         pack_arrays_up_to: the saves pack each array of at most this many bytes that
             one rank writes whole (replicated ones, such as layer norms, by their one
-            writer) into that rank's zip, ``packs/<rank>-<n>.zip``, as
+            writer; column-parallel ones, gathered whole to one rank) into that rank's zip, ``packs/<rank>-<n>.zip``, as
             ``SaveOptions.pack_arrays_up_to`` says (format version 8); 0 (the default):
             no packing. Packed arrays are never shared by the incremental saves
             (``reuse_previous``): they are written anew each time.

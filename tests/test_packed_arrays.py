@@ -362,7 +362,7 @@ def _own(rank: int) -> dict[str, torch.Tensor]:
 
 def _split(rank: int, world: int, empty: bool) -> dict[str, ShardedTensor]:
     """What every rank saves: its own small arrays, replicated ones, and one split
-    between the ranks (not packed: several ranks write its chunks)."""
+    between the ranks (packed too: gathered whole to one writer)."""
     sd = {}
     for r in range(world):
         if r == rank:
@@ -409,8 +409,8 @@ def test_two_ranks_pack_their_own_arrays_and_load_at_other_layouts(tmp_path: Pat
     assert sorted(record.packs) == ["packs/0-0.zip", "packs/1-0.zip"]
     for rank in (0, 1):  # its own arrays, and the replicated ones the plan gave it to write
         assert set(_own(rank)) <= {k for k, a in record.arrays.items() if a.pack == f"packs/{rank}-0.zip"}
-    assert set(record.packed_arrays) == set(_tensors()) - {"big"} | set(_own(0)) | set(_own(1))
-    assert record.arrays["split"].pack is None and record.arrays["big"].pack is None
+    assert set(record.packed_arrays) == set(_tensors()) - {"big"} | set(_own(0)) | set(_own(1)) | {"split"}
+    assert record.arrays["split"].chunk_shape == record.arrays["split"].shape and record.arrays["big"].pack is None
     assert verify(path).ok
     _load_at(0, 1, path, 2)
     run_distributed(_load_at, 2, path, 2)

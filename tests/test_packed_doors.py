@@ -31,7 +31,7 @@ from tests.dist import run_distributed
 
 PACK_BYTES = 64 * 1024
 SMALL = 24  # plain tensors of 0.1-6 KiB: packed
-SPLIT = 4  # DTensors split over both ranks: not packed
+SPLIT = 4  # DTensors split over both ranks: packed only where the ranks exchange (shard_bytes)
 
 
 def _state(world: int, seed: int, empty: bool = False) -> dict[str, Any]:
@@ -125,6 +125,30 @@ def test_dcp_save_packs_small_arrays_of_one_writer_and_loads_both_ways(tmp_path:
     assert common["extra"] == saved["extra"] and common["step"] == saved["step"]
     unpacked = read_commit_record(open_location(tmp_path / "unpacked"))
     assert not unpacked.packs and all(a.pack is None for a in unpacked.arrays.values())
+
+
+def save_packed_exchanging(rank: int, world: int, root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = _state(world, seed=2)
+    saved = _comparable(state)
+    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/packed", min_array_bytes=0, shard_bytes=1 << 20,
+                                                    pack_arrays_up_to=PACK_BYTES))
+    fm.assert_same(_comparable(_dcp_load(f"{root}/packed", world)), saved)
+
+
+def test_dcp_save_with_shard_bytes_packs_split_dtensors_gathered_whole(tmp_path: Path) -> None:
+    """With ``shard_bytes`` the ranks exchange blocks in ``write_data``: a small DTensor
+    split over them is gathered whole to one writer and packed there, as
+    ``shardstore.save`` does; without it (above) each rank saves alone and it is not."""
+    run_distributed(save_packed_exchanging, 2, str(tmp_path))  # loads it back through DCP, bit-exact
+    ckpt = tmp_path / "packed"
+    record = read_commit_record(open_location(ckpt))
+    packed = {key for key, array in record.arrays.items() if array.pack is not None}
+    split = {f"dtensors.split{i}" for i in range(SPLIT)}
+    assert packed == _packed_keys() | split, sorted(packed ^ (_packed_keys() | split))
+    assert not [key for key in split if (ckpt / key).exists()]
+    assert shardstore.verify(ckpt).ok
 
 
 def save_beside_and_over(rank: int, world: int, ckpt: str) -> bytes:
@@ -311,8 +335,11 @@ def _megatron_state(rank: int, world: int, empty: bool) -> dict[str, Any]:
 
 
 def _megatron_packed_keys(world: int) -> set[str]:
+    """The small arrays: replicated, held whole by one rank, or split over the ranks in
+    blocks each a run of the array (gathered to one writer): all but the row-parallel
+    ``fc2``, whose blocks split its last axis."""
     return {"decoder/final_norm", *(f"decoder/norm{i}" for i in range(NORMS)),
-            *(f"router/rank{r}" for r in range(world))}
+            *(f"router/rank{r}" for r in range(world)), "attn/qkv/q", "attn/qkv/kv", "decoder/layers/fc1"}
 
 
 def _megatron_load_and_compare(ckpt: str, rank: int, world: int) -> None:
@@ -367,7 +394,7 @@ def test_megatron_install_packs_small_arrays_and_an_incremental_save_is_complete
         packed = {key for key, array in record.arrays.items() if array.pack is not None}
         assert packed == _megatron_packed_keys(2), (ckpt, sorted(packed ^ _megatron_packed_keys(2)))
         assert sorted(record.packs) == ["packs/0-0.zip", "packs/1-0.zip"], record.packs
-        assert (ckpt / "decoder/layers/fc1").is_dir() and (ckpt / "__objects__").is_dir()
+        assert (ckpt / "decoder/layers/fc2").is_dir() and (ckpt / "__objects__").is_dir()
     reused = read_commit_record(open_location(second)).reused_from
     assert reused is not None and reused.chunks > 0, "the unpacked arrays' chunks are shared"
     assert all((second / pack).stat().st_nlink == 1 for pack in record.packs), "a pack is never shared"

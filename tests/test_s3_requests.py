@@ -219,3 +219,27 @@ def test_a_packed_save_stays_within_the_request_budget_with_one_put_per_pack(pro
     # a ranged GET of its pack per packed chunk read, one GET per FSDP chunk
     assert len(made) <= ARRAYS * WORLD + SMALL_ARRAYS * WORLD + LOAD_PER_RANK * WORLD, methods
     assert methods["HEAD"] <= WORLD, made
+
+
+FSDP_PACK = 1 << 20  # above the FSDP-split arrays' 256 KiB: every array packed
+
+
+def saved_fsdp_packed(rank: int, world: int, url: str, endpoint: str) -> None:
+    save(_state(world, rank), _location(url, endpoint), options=SaveOptions(pack_arrays_up_to=FSDP_PACK))
+
+
+def test_a_packed_fsdp_save_makes_requests_by_ranks_not_arrays(proxy) -> None:
+    """Issue 44.3 with FSDP2-split small arrays packed: each array is gathered whole to
+    one writer (balanced over the ranks) and packed there, so the save PUTs a pack per
+    rank and no document or chunk object of any array."""
+    url = f"s3://{BUCKET}/fsdp-packed/ckpt"
+    made = _requests(proxy, saved_fsdp_packed, url, proxy.endpoint)
+    record = read_commit_record(_location(url, proxy.endpoint))
+    assert set(record.packed_arrays) == set(_state(1, 0)), record.packed_arrays
+    assert len(record.packs) == WORLD, record.packs  # the writers are balanced over the ranks
+    methods = Counter(method for method, _ in made)
+    assert len(made) <= len(record.packs) + 2 * WORLD + SAVE_A_FEW + ENCLOSING_PREFIXES, methods
+    puts = [path for method, path in made if method == "PUT"]
+    assert not [p for p in puts if "/ckpt/p" in p and "/ckpt/packs/" not in p], puts  # no array's own object
+    made = _requests(proxy, loaded, url, proxy.endpoint, WORLD)
+    assert len(made) <= ARRAYS * WORLD + LOAD_PER_RANK * WORLD, Counter(method for method, _ in made)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 __all__ = ["RankSave", "SaveFinalization", "SavePipeline"]
 
+import functools
 import os
 import threading
 import weakref
@@ -314,6 +315,9 @@ class SavePipeline:
         pipeline keeps ``tensors`` (``planned_tensors``): the state dict is not walked
         again to write them."""
         self._planned = tensors
+        planner_given, planner = planner, self._packing_planner(planner)
+        if plan_cache is not None and planner is not planner_given:  # a plan for packing, not one made without
+            plan_cache.settings = (plan_cache.settings, "pack_arrays_up_to", self.options.pack_arrays_up_to)
         if local_error is None:
             try:
                 check_shared(self.target, self.group.world_size)
@@ -341,6 +345,17 @@ class SavePipeline:
         except Exception as exc:  # the peers wait in the staging stage: told there, not left to time out
             rank_save.fail_before_staging(self.group, self.describe(), exc)
         return plan
+
+    def _packing_planner(self, planner: Callable[..., list[Any]]) -> Callable[[Any], list[Any]]:
+        """``planner`` (a strategy's ``plan_save``) told this save's
+        ``SaveOptions.pack_arrays_up_to`` (the coordinator's plan decides it for every
+        rank): it gathers small arrays split over ranks whole, for their writer to pack
+        (``planning.plans.plan_packed_whole``), where the save's group can exchange them
+        (not DCP's writer without ``shard_bytes``, whose save is each process alone)."""
+        up_to = self.options.pack_arrays_up_to
+        if not up_to or self.group.world_size == 1:
+            return planner
+        return functools.partial(planner, pack_arrays_up_to=up_to)
 
     def refuse_oversized_objects(self, bounds: dict[str, tuple[int | None, int | None]]) -> None:
         """Refuses, before anything is written, an option whose stored objects may be
@@ -376,7 +391,7 @@ class SavePipeline:
             check_storable_data(tensor, where)  # no data here: its dtype, named by its key
         layout = GlobalLayout.from_gathered([local_records(ts, [], rank, where) for rank, ts in enumerate(tensors)])
         check_layout(layout, self.target.name_limits, where)
-        plans = planner(layout)
+        plans = self._packing_planner(planner)(layout)
         intent = self.begin()
         return [RankSave(intent, plan) for plan in plans], name_lengths_needed(layout)
 

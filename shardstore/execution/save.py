@@ -402,8 +402,10 @@ def packed_keys(plan: RankSavePlan, ops: list[WriteOp], up_to: int) -> Packing |
     """The arrays this rank packs (``SaveOptions.pack_arrays_up_to``, ``format.packs``):
     those of at most ``up_to`` bytes (none when 0) stored as ``[bytes, crc32c]`` whose
     document this rank writes (``RankSavePlan.array_metadata``) and whose every element
-    ``ops`` write: the plan gives each chunk one writer, so no other rank writes any
-    chunk of theirs, and none was written early (in a wave under a byte bound); and
+    ``ops`` write (its own blocks, or, for one split over ranks, the one chunk it
+    assembled: ``planning.plans.plan_packed_whole``): the plan gives each chunk one
+    writer, so no other rank writes any chunk of theirs, and none was written early
+    (in a wave under a byte bound); and
     that fit one pack (``format.packs.fits_one_pack``: no more chunks than a zip
     without zip64 holds). Each rank decides for its own arrays alone; the commit record says what was packed."""
     if not up_to:
@@ -416,7 +418,7 @@ def packed_keys(plan: RankSavePlan, ops: list[WriteOp], up_to: int) -> Packing |
     for key in plan.array_metadata:
         record = plan.records.get(key)
         if (
-            record is not None and key not in plan.gathered and record.codec == BYTES_CRC32C
+            record is not None and record.codec == BYTES_CRC32C
             and 0 < record.nbytes <= up_to and covered.get(key) == math.prod(record.shape)
             and fits_one_pack(record)
         ):
@@ -645,7 +647,9 @@ def _assembled_op(
     chunk: FlatChunk, buffer: torch.Tensor, records: dict[str, ArrayRecord], gathered: frozenset[str]
 ) -> WriteOp:
     record = records[chunk.key]
-    if chunk.key in gathered:  # a shard, its inner chunks packed (``planning.plans.plan_gathered_writes``)
+    # a shard, its inner chunks packed (``planning.plans.plan_gathered_writes``); not an
+    # array gathered whole into one plain chunk (``planning.plans.plan_packed_whole``)
+    if chunk.key in gathered and isinstance(record.codec, ShardingIndexed):
         codec = cast(ShardingIndexed, record.codec)
         index = tuple(s.start // c for s, c in zip(chunk.region, record.chunk_shape))
         data = codec.decoded(buffer.numpy(), record.chunk_shape, region_shape(chunk.region))

@@ -124,8 +124,10 @@ class SaveOptions:
             given the document (docs/guide/plain-readers.md), not by path alone. The
             coordinator's choice holds for every rank (``SaveIntent.zarr_metadata``).
         pack_arrays_up_to: pack each array of at most this many bytes whose every chunk
-            one rank writes (replicated arrays, arrays held whole by one rank) into that
-            rank's zip pack, ``packs/<rank>-<n>.zip`` (format version 8, ``format.packs``),
+            one rank writes (replicated arrays, arrays held whole by one rank, and arrays
+            split over ranks in blocks that are runs of the array, FSDP2's, gathered
+            whole into one chunk on one of them: ``planning.plans.plan_packed_whole``)
+            into that rank's zip pack, ``packs/<rank>-<n>.zip`` (format version 8, ``format.packs``),
             instead of a directory and files of its own: a save of many small tensors
             creates a few files, not thousands. 0 (the default): no packing. Plain readers
             open a packed array from its pack (docs/guide/plain-readers.md), not from the

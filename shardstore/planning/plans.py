@@ -53,7 +53,7 @@ from typing import NamedTuple
 import numpy as np
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.codecs import CRC_BYTES
+from shardstore.format.codecs import BYTES_CRC32C, CRC_BYTES
 from shardstore.format.dtypes import ITEMSIZE_BY_ZARR_NAME, from_zarr_name
 from shardstore.format.records import (
     ArrayRecord,
@@ -100,8 +100,9 @@ class RankSavePlan:
         array_metadata: arrays whose ``zarr.json`` it writes: it holds a block of each,
             and the arrays whose blocks several ranks hold take their writers in turn
             (FSDP2's arrays, held by every rank, spread their files over all ranks).
-        gathered: arrays stored in shards whose blocks are gathered to each shard's
-            writer (``straddling``), not written block by block.
+        gathered: arrays whose blocks are gathered to a writer (``straddling``), not
+            written block by block: into shards (``plan_gathered_writes``), or, for a
+            packing save, whole into one chunk that writer packs (``plan_packed_whole``).
         assembled_bytes: the most bytes any rank assembles by exchange (the sum of
             its ``straddling`` chunks' sizes), and
         largest_assembled: the largest chunk any rank assembles, both the same in
@@ -607,6 +608,45 @@ class ShardRuns:
         return grid.pieces(self.blocks[lo:hi], self.src[lo:hi], self.stop[lo:hi], self.dst[lo:hi])
 
 
+def plan_packed_whole(
+    record: ArrayRecord, main: list[ShardRecord], pack_up_to: int, load: list[int],
+) -> tuple[ArrayRecord, FlatChunk] | None:
+    """An array of at most ``pack_up_to`` bytes (``SaveOptions.pack_arrays_up_to``) whose
+    whole blocks several ranks hold (FSDP2's ``Shard(0)``), each block a contiguous run
+    of the array's C order: stored as ONE ``[bytes, crc32c]`` chunk (the whole array),
+    assembled from every block by exchange on the holder of one of them with the fewest
+    bytes to write so far (``load``, updated: the shard writers' balance), which packs
+    it (``execution.save.packed_keys``), so such arrays cost a pack per rank instead of
+    a chunk or shard each and a document. Its record and that chunk; None where this
+    does not apply (no packing, larger arrays, one holder, flattened ranges)."""
+    shape = record.shape
+    nbytes = math.prod(shape) * record.itemsize
+    held = [s for s in main if math.prod(s.block_shape)]
+    if (
+        not pack_up_to or not shape or not 0 < nbytes <= pack_up_to or len({s.rank for s in held}) < 2
+        or any(s.flat_range is not None or s.allow_shape_mismatch or not _runs_in_c_order(s.block_shape, shape)
+               for s in main)
+    ):
+        return None
+    strides = [math.prod(shape[a + 1 :]) for a in range(len(shape))]
+    pieces = tuple(
+        (s.rank, s.index, 0, math.prod(s.block_shape), sum(o * st for o, st in zip(s.offset, strides)))
+        for s in held
+    )
+    writer = min({s.rank for s in held}, key=lambda r: (load[r], r))
+    load[writer] += nbytes
+    whole = replace(record, chunk_shape=shape, codec=BYTES_CRC32C)
+    return whole, FlatChunk(record.key, tuple(slice(0, n) for n in shape), writer, pieces)
+
+
+def _runs_in_c_order(block: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether a block of shape ``block`` is one contiguous run of an array of ``shape``
+    in C order: single elements along the axes before its first longer one, whole
+    along those after it."""
+    lead = next((a for a, b in enumerate(block) if b != 1), len(block))
+    return tuple(block[lead + 1 :]) == tuple(shape[lead + 1 :])
+
+
 def flattened_block(main_shards: list[ShardRecord]) -> tuple[int, ...] | None:
     """The block shape that the caller's flattened ranges were cut from, when every main
     shard is such a range of a block of that one shape (what the commit record keeps
@@ -652,13 +692,16 @@ def plan_flat_writes(
 
 
 def plan_save(
-    layout: GlobalLayout, max_chunk_bytes: int, fully_parallel: bool, shard_bytes: int | None = None
+    layout: GlobalLayout, max_chunk_bytes: int, fully_parallel: bool, shard_bytes: int | None = None,
+    pack_arrays_up_to: int = 0,
 ) -> list[RankSavePlan]:
     """Every rank's part of the save of a validated layout (index = group rank);
     ``shard_bytes``: store arrays of small blocks in shards of about that size
     (``sharded_record``), each gathered to one writer, or, for large blocks split
     along a later axis, one per chunk inside its block, written by its holder
-    (``in_block_sharded_record``)."""
+    (``in_block_sharded_record``). ``pack_arrays_up_to`` (the save's
+    ``SaveOptions.pack_arrays_up_to``): arrays of at most that many bytes split over
+    ranks are gathered whole to one writer, who packs them (``plan_packed_whole``)."""
     if fully_parallel:
         layout = balance_writers(layout)
     records, grids = array_records(layout, max_chunk_bytes, shard_bytes)
@@ -678,12 +721,20 @@ def plan_save(
         for s in main:
             shards[s.rank].append(s)
             touched[s.rank].add(key)
-        if main:
+        whole = plan_packed_whole(records[key], main, pack_arrays_up_to, load) if main else None
+        if whole is not None:  # its writer packs it, document included
+            records[key] = whole[0]
+            metadata[whole[1].writer].append(key)
+        elif main:
             metadata[main[ordinal % len(main)].rank].append(key)
         gathered_key = key in grids  # shards inside blocks (not in ``grids``) are written as blocks are
-        if not main or (main[0].flat_range is None and not gathered_key):
+        if not main or (main[0].flat_range is None and not gathered_key and whole is None):
             continue
-        if gathered_key:
+        if whole is not None:
+            key_direct, key_straddling = [], [whole[1]]
+            for rank in {s.rank for s in main} | {whole[1].writer}:
+                gathered[rank].add(key)
+        elif gathered_key:
             key_direct, key_straddling = [], plan_gathered_writes(key, records[key], grids[key], load)
             for rank in {s.rank for s in main} | {c.writer for c in key_straddling}:
                 gathered[rank].add(key)

@@ -273,9 +273,10 @@ class SaveShardedStrategy(SaveStrategyBase):
         (``protocol.plan_cache``); None: every save plans."""
         return None
 
-    def plan_save(self, layout: GlobalLayout) -> list[Any]:
+    def plan_save(self, layout: GlobalLayout, pack_arrays_up_to: int = 0) -> list[Any]:
         """Coordinator: every rank's part of the save of a validated layout (index =
-        group rank), which ``serialization.save`` scatters (``shardstore.planning.plans``).
+        group rank), which ``serialization.save`` scatters (``shardstore.planning.plans``);
+        ``pack_arrays_up_to``: the save's ``SaveOptions.pack_arrays_up_to``.
 
         This default hands every rank the whole layout."""
         return [layout] * layout.world_size

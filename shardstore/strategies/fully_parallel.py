@@ -332,7 +332,9 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         self._agreed(sharded_state_dict, checkpoint_dir)
         return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir)
 
-    def plan_save(self, layout: Any) -> list[Any]:
+    def plan_save(self, layout: Any, pack_arrays_up_to: int = 0) -> list[Any]:
+        if pack_arrays_up_to:
+            return self.base_strategy.plan_save(layout, pack_arrays_up_to=pack_arrays_up_to)
         return self.base_strategy.plan_save(layout)
 
     def async_save_with_plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: Any,

@@ -442,11 +442,13 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         tensors, objects = local_sharded_items(sharded_state_dict)
         return pipeline.plan(tensors, objects, self.plan_save, plan_cache=self.plan_cache)
 
-    def plan_save(self, layout: GlobalLayout) -> list[RankSavePlan]:
+    def plan_save(self, layout: GlobalLayout, pack_arrays_up_to: int = 0) -> list[RankSavePlan]:
         """Coordinator: every rank's part of the save (``shardstore.planning.plans``), in
-        shards of ``shard_bytes`` resolved for the layout's world size."""
+        shards of ``shard_bytes`` resolved for the layout's world size; small arrays
+        split over ranks gathered whole for packing with ``pack_arrays_up_to`` (the
+        save's ``SaveOptions.pack_arrays_up_to``, ``SavePipeline`` passes it)."""
         shard_bytes = resolve_shard_bytes(self.shard_bytes, layout.world_size)
-        return plan_save(layout, self.max_chunk_bytes, self.fully_parallel, shard_bytes)
+        return plan_save(layout, self.max_chunk_bytes, self.fully_parallel, shard_bytes, pack_arrays_up_to)
 
     def async_save_with_plan(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: RankSavePlan,

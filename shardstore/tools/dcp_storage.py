@@ -419,7 +419,9 @@ class ShardstoreWriter(StorageWriter):
             consolidated metadata, fewer files and requests, format version 6).
         pack_arrays_up_to: pack each array of at most this many bytes that one rank
             writes whole (plain tensors, each written by one of its holders; a DTensor
-            one rank holds whole or replicated) into that rank's stored zip,
+            one rank holds whole or replicated; with ``shard_bytes``, where the ranks
+            exchange blocks, a DTensor split over them by rows, gathered whole to one)
+            into that rank's stored zip,
             ``packs/<rank>-<n>.zip``, as ``SaveOptions.pack_arrays_up_to`` says (format
             version 8): a few files per rank, not a directory per array. 0 (the
             default): no packing. Packed arrays are never shared by ``reuse_from``.

@@ -1,0 +1,97 @@
+"""Packed small arrays split over ranks (issue 44.3, FSDP2's ``Shard(0)``): with
+``SaveOptions(pack_arrays_up_to=...)`` an array of at most that many bytes whose blocks
+several ranks hold is stored as one chunk, assembled on one writer from the ranks'
+blocks (balanced by bytes) and packed there: no directory of its own, one pack PUT per
+rank on S3 instead of a shard and a document per array."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from shardstore import ShardedTensor, load, save, verify
+from shardstore.format.commit import SaveOptions
+from shardstore.format.records import read_commit_record
+from shardstore.stores.locations import open_location
+from tests.dist import run_distributed
+
+PACK = SaveOptions(pack_arrays_up_to=64 << 10)
+SMALL = [(12, 16), (36, 5), (6,), (24, 8, 3)]  # rows a multiple of 2 and 3 ranks, all under the bound
+BIG = (192, 128)  # 96 KiB of float32: above the bound, stored as before
+
+
+def _global() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    tensors = {f"layer{i}/w": torch.randn(*shape, generator=gen) for i, shape in enumerate(SMALL)}
+    tensors["emb_bf16"] = torch.randn(18, 4, generator=gen).to(torch.bfloat16)
+    tensors["big"] = torch.randn(*BIG, generator=gen)
+    return tensors
+
+
+def _fsdp(rank: int, world: int, empty: bool = False) -> dict[str, ShardedTensor]:
+    """Every array split along its rows over ``world`` ranks (FSDP2's ``Shard(0)``)."""
+    out = {}
+    for key, t in _global().items():
+        block = t.chunk(world)[rank].clone()
+        out[key] = ShardedTensor.from_rank_offsets(key, torch.empty_like(block) if empty else block, (0, rank, world))
+    return out
+
+
+def _save(rank: int, world: int, path: str) -> None:
+    save(_fsdp(rank, world), path, options=PACK)
+
+
+def _load(rank: int, world: int, path: str) -> None:
+    loaded = load(_fsdp(rank, world, empty=True), path)
+    expected = _fsdp(rank, world)
+    assert [k for k, t in expected.items() if not torch.equal(loaded[k], t.data)] == []
+
+
+def _check_packed(path: str, world: int) -> None:
+    record = read_commit_record(open_location(path))
+    small = set(_global()) - {"big"}
+    assert set(record.packed_arrays) == small
+    assert record.arrays["big"].pack is None
+    for key in small:
+        array = record.arrays[key]
+        assert array.chunk_shape == array.shape, key  # one chunk, the whole array
+        assert not (Path(path) / key).exists(), key  # no directory of its own
+    assert 1 < len(record.packs) <= world, record.packs  # spread over the writers
+    report = verify(path)
+    assert report.ok, report
+    tensors = _global()
+    for key in small:
+        group = zarr.open_group(zarr.storage.ZipStore(Path(path) / record.arrays[key].pack, mode="r"), mode="r")
+        got = group[key][...]
+        if key == "emb_bf16":
+            np.testing.assert_array_equal(got.view(np.int16), tensors[key].view(torch.int16).numpy())
+        else:
+            np.testing.assert_array_equal(got, tensors[key].numpy())
+
+
+@pytest.mark.parametrize(("world", "other"), [(2, 3), (3, 2)])
+def test_fsdp_split_small_arrays_are_packed_and_load_at_any_layout(tmp_path: Path, world: int, other: int) -> None:
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save, world, path)
+    _check_packed(path, world)
+    run_distributed(_load, world, path)
+    run_distributed(_load, other, path)
+    _load(0, 1, path)
+
+
+def _save_twice(rank: int, world: int, first: str, second: str) -> None:
+    save(_fsdp(rank, world), first, options=PACK)
+    save(_fsdp(rank, world), second, options=SaveOptions(pack_arrays_up_to=64 << 10, reuse_from=first))
+
+
+def test_an_incremental_save_of_split_packed_arrays_shares_nothing_and_loads(tmp_path: Path) -> None:
+    first, second = str(tmp_path / "a"), str(tmp_path / "b")
+    run_distributed(_save_twice, 2, first, second)
+    _check_packed(second, 2)
+    record = read_commit_record(open_location(second))
+    assert all(record.arrays[k].pack is not None for k in set(_global()) - {"big"})
+    run_distributed(_load, 2, second)

@@ -46,6 +46,7 @@ import argparse
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import statistics
@@ -1005,7 +1006,8 @@ def run_reshard_fsdp(b: Bench, args: argparse.Namespace) -> None:
 def measure_fsdp_on_s3(b: Bench, state: State, nbytes: int) -> None:
     """The fsdp case on the local S3 server (``--cases fsdp,s3``), interleaved with the
     local methods: shardstore with and without shards (and loaded with each shard read
-    once, ``read_shards_once``) against DCP over fsspec (torch's
+    once, ``read_shards_once``), and with every array packed (gathered whole to one
+    writer each, ``pack_arrays_up_to``), against DCP over fsspec (torch's
     ``FsspecWriter``/``FsspecReader`` with s3fs), issue 44.3's comparison."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -1016,8 +1018,12 @@ def measure_fsdp_on_s3(b: Bench, state: State, nbytes: int) -> None:
     sharded = ZarrSaveShardedStrategy(shard_bytes=64 << 20)
     per_node, consolidated = SaveOptions(overwrite=True), SaveOptions(overwrite=True, zarr_metadata="consolidated_only")
     once = ZarrLoadShardedStrategy(read_shards_once=True)  # each shard read by one rank (default from 32 ranks)
+    # every array packed: gathered whole to one writer each, a pack per rank
+    packed = SaveOptions(overwrite=True, pack_arrays_up_to=max(
+        math.prod(shape) * t.element_size() for (t, _), shape in zip(state.shards.values(), state.shapes.values())))
     for method, strategy, options, loader in (
         ("shardstore-s3", None, per_node, None), ("shardstore-sharded-s3", sharded, per_node, None),
+        ("shardstore-packed-s3", None, packed, None),
         ("shardstore-consolidated-s3", None, consolidated, None),
         ("shardstore-sharded-consolidated-s3", sharded, consolidated, None),
         ("shardstore-sharded-consolidated-once-s3", sharded, consolidated, once),
@@ -1552,7 +1558,8 @@ def ratios(results: list[Result]) -> dict[str, float]:
         out |= ratio(f"tiny.packed.{op}.vs_zip-pack-floor", ("tiny", "shardstore-packed", op), ("tiny", "zip-pack", op))
         # the packed design's floor against torch.save/load: what such a layout could reach
         out |= ratio(f"tiny.zip-pack-floor.{op}.vs_torch", ("tiny", "zip-pack", op), ("tiny", "torch", op))
-        for method in ("shardstore", "shardstore-sharded", "shardstore-consolidated", "shardstore-sharded-consolidated"):
+        for method in ("shardstore", "shardstore-sharded", "shardstore-consolidated", "shardstore-sharded-consolidated",
+                       "shardstore-packed"):
             out |= ratio(f"fsdp.{method}-s3.{op}.vs_dcp_fsspec", ("fsdp", f"{method}-s3", op), ("fsdp", "dcp-fsspec-s3", op))
         # dcp.save/load through shardstore.tools.dcp_storage vs DCP's file system writer/reader,
         # and shardstore.save/load of the same DTensors vs the same

@@ -117,3 +117,24 @@ def test_split_arrays_assembled_in_exchange_waves_load_and_verify(tmp_path: Path
     assert report.ok, report
     run_distributed(_load, 2, path)
     _load(0, 1, path)
+
+
+def _save_cached(rank: int, world: int, root: str) -> tuple[int, int]:
+    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+
+    strategy = ZarrSaveShardedStrategy(cache_plan=True)
+    save(_fsdp(rank, world), f"{root}/a", strategy, options=PACK)
+    save(_fsdp(rank, world), f"{root}/b", strategy, options=PACK)  # the same plan, reused
+    save(_fsdp(rank, world), f"{root}/c", strategy)  # no packing: planned anew
+    cache = strategy.plan_cache
+    return cache.planned, cache.reused
+
+
+def test_a_cached_plan_is_reused_for_packing_saves_and_not_for_others(tmp_path: Path) -> None:
+    counts = run_distributed(_save_cached, 2, str(tmp_path))
+    assert counts == [(2, 1), (2, 1)]
+    for name, packed in (("a", True), ("b", True), ("c", False)):
+        record = read_commit_record(open_location(str(tmp_path / name)))
+        assert bool(record.packed_arrays) == packed, name
+        assert record.arrays["layer0/w"].chunk_shape == (record.arrays["layer0/w"].shape if packed else (6, 16)), name
+    run_distributed(_load, 2, str(tmp_path / "b"))

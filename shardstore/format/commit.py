@@ -466,7 +466,8 @@ class PendingCheckpoint:
     """One save on its way to being published: what the coordinator decided when it
     began (``intent``, ``options``, ``tops_at_begin``), how it gets published
     (``publisher``), where its writers write (``location``) and what it holds open
-    (its staging lock, its claim on the target). Every fact is given at construction.
+    (its staging lock, its claim on the target). Every fact is given at construction;
+    its one outcome, ``committed``, is set by ``commit``.
 
     Every rank builds one from the coordinator's ``SaveIntent``; only the coordinator
     calls ``commit`` or ``abandon``.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import struct
 import zipfile
@@ -118,6 +119,43 @@ def test_verify_passes_and_checks_the_packs_zip_directory(saved: tuple[Path, dic
     report = verify(saved[0])
     assert report.ok, report
     assert report.chunks_checked == len(saved[1])
+
+
+def test_a_packed_load_opens_each_pack_once_and_closes_it(saved, monkeypatch) -> None:  # noqa: ANN001
+    """Issue 44.6: a load reads a pack's chunks through one descriptor, not one open (and
+    ``fstat``) of the pack per chunk, and closes it at the end."""
+    path, tensors = saved
+    from shardstore.stores import local
+
+    opened: list[str] = []
+    real = local.open_regular
+
+    def counting(name: str) -> int | None:
+        opened.append(name)
+        return real(name)
+
+    monkeypatch.setattr(local, "open_regular", counting)
+    before = len(os.listdir("/proc/self/fd"))
+    _check_loads(path, tensors)
+    assert len(os.listdir("/proc/self/fd")) == before
+    packs = [name for name in opened if "/packs/" in str(name)]
+    assert len(packs) == 1, packs
+
+
+def test_a_packed_load_that_fails_closes_the_pack_and_names_the_chunk(tmp_path: Path) -> None:
+    tensors = _tensors()
+    path = tmp_path / "ckpt"
+    save(_sd(tensors), str(path), options=PACK)
+    array = read_commit_record(open_location(path)).arrays["layer2/t5"]
+    with open(path / array.pack, "r+b") as f:
+        f.seek(array.chunk_offsets[0] + 3)
+        byte = f.read(1)
+        f.seek(array.chunk_offsets[0] + 3)
+        f.write(bytes([byte[0] ^ 0x01]))
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(CheckpointingException, match=r"layer2/t5.*crc32c mismatch"):
+        load(_sd({k: t for k, t in tensors.items() if k != "big"}, empty=True), str(path))
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_a_flipped_byte_in_a_pack_is_reported_by_array_and_chunk(tmp_path: Path) -> None:
@@ -547,3 +585,16 @@ def test_the_zip_crc32_is_zlibs_taken_piece_by_piece() -> None:
     assert packs.zip_crc32(b"") == 0
     isal_zlib = pytest.importorskip("isal.isal_zlib")
     assert packs.zip_crc32 is isal_zlib.crc32
+
+
+def test_pack_runs_join_neighbours_within_the_gap_and_the_size_bound() -> None:
+    from shardstore.format.packs import PACK_RUN_BYTES, PACK_RUN_GAP, pack_runs
+
+    far = 110 + 2 * PACK_RUN_GAP + 1
+    spans = [(far, 100), (0, 100), (100 + PACK_RUN_GAP, 10), (far + 200, PACK_RUN_BYTES), (far + 200, 10)]
+    assert pack_runs(spans) == [
+        (0, 110 + PACK_RUN_GAP, [1, 2]),  # a gap of at most PACK_RUN_GAP joins; one more byte does not
+        (far, far + 100, [0]),  # no run passes PACK_RUN_BYTES
+        (far + 200, far + 200 + PACK_RUN_BYTES, [3, 4]),  # one chunk read by two jobs
+    ]
+    assert pack_runs([]) == []

@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_IO_CONCURRENCY",
     "DEFAULT_IO_THREADS",
     "MIN_SCATTER_RUN",
+    "PackRunJob",
     "ArrayChunks",
     "ChunkFile",
     "ChunkMismatch",
@@ -61,10 +62,12 @@ __all__ = [
 ]
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import math
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -75,7 +78,7 @@ import xxhash
 from shardstore.errors import CheckpointingException
 from shardstore.format.codecs import BYTES_CRC32C, BoxRead, ChunkCodec, HeldChunk
 from shardstore.format.dtypes import from_zarr_name
-from shardstore.format.packs import PackedChunks
+from shardstore.format.packs import PackedChunks, pack_runs
 from shardstore.format.records import CHUNK_SEPARATOR, ArrayRecord, chunk_key, file_digest
 from shardstore.progress import tracked
 from shardstore.stores.base import (
@@ -84,6 +87,7 @@ from shardstore.stores.base import (
     ChunkMismatch,
     ChunkStore,
     Location,
+    RangeReader,
     run_parallel,
 )
 
@@ -561,16 +565,126 @@ def _taken_already(block: memoryview) -> None:
 
 def run_reads(jobs: list[ReadJob], threads: int | None = None) -> None:
     """Runs the reads (each fills its part of its output array; those of one chunk
-    together, ``BoxesJob``, ``CopiesJob``)."""
+    together, ``BoxesJob``, ``CopiesJob``; the packed chunks of one pack in runs of
+    one ranged read each through one opening of the pack, ``PackRunJob``)."""
     runs = _coalesced(jobs)
-    with tracked("read", (job.nbytes for job in runs)) as tick:
+    threads = threads or _threads_of([(j.file, None) for j in runs])
+    opened: list[_OpenPack] = []
+    try:
+        tasks = _pack_runs(runs, opened)
+        with tracked("read", (job.nbytes for job in tasks)) as tick:
 
-        def read(job: ReadJob | BoxesJob | CopiesJob) -> None:
-            job.run()
-            if tick:
-                tick(job.nbytes)
+            def read(job: ReadJob | BoxesJob | CopiesJob | PackRunJob) -> None:
+                job.run()
+                if tick:
+                    tick(job.nbytes)
 
-        run_parallel(read, runs, threads or _threads_of([(j.file, None) for j in runs]))
+            run_parallel(read, tasks, threads)  # every task has ended when it returns or raises
+    finally:
+        for pack in opened:
+            pack.close()
+
+
+class _OpenPack:
+    """One pack that one load reads (``run_reads``): opened by the first of its runs to
+    read (``ChunkStore.ranges_of``: one descriptor of a local file), shared by the
+    others, and closed by the last one to end, or by ``run_reads`` at the end (errors)."""
+
+    def __init__(self, chunks: PackedChunks, runs: int) -> None:
+        self.base, self.pack, self.left = chunks.base, chunks.pack, runs
+        self.lock = threading.Lock()
+        self.context: contextlib.AbstractContextManager[RangeReader] | None = None
+        self.reader: RangeReader | None = None
+
+    def read(self, start: int, buffer: bytearray, first: ChunkFile) -> None:
+        try:
+            with self.lock:
+                if self.reader is None:
+                    context = self.base.ranges_of(self.pack)
+                    self.reader = context.__enter__()
+                    self.context = context
+            self.reader(start, [memoryview(buffer)])
+        except Exception as exc:  # OSError locally; TensorStore's ValueError for S3
+            raise CheckpointingException(
+                f"Reading bytes [{start}, {start + len(buffer)}) of {self.base.describe(self.pack)} (from "
+                f"{first.describe()} on) failed: {exc}"
+            ) from exc
+
+    def done(self) -> None:
+        with self.lock:
+            self.left -= 1
+            if self.left == 0:
+                self._close()
+
+    def close(self) -> None:
+        with self.lock:
+            self._close()
+
+    def _close(self) -> None:
+        context, self.context, self.reader = self.context, None, None
+        if context is not None:
+            context.__exit__(None, None, None)
+
+
+@dataclass
+class PackRunJob:
+    """Packed chunks side by side in one pack (``format.packs.pack_runs``): one ranged
+    read of ``[start, end)`` of the pack, then each job's chunk read from those bytes
+    and checked as every chunk is (``PackedChunks.landed``)."""
+
+    pack: _OpenPack
+    start: int
+    end: int
+    jobs: list[ReadJob | CopiesJob]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(job.nbytes for job in self.jobs)
+
+    def run(self) -> None:
+        try:
+            buffer = bytearray(self.end - self.start)
+            self.pack.read(self.start, buffer, self.jobs[0].file)
+            data = memoryview(buffer)
+            for job in self.jobs:
+                _landed_job(job, self.start, data).run()
+        finally:
+            self.pack.done()
+
+
+def _landed_job(job: ReadJob | CopiesJob, start: int, data: memoryview) -> ReadJob | CopiesJob:
+    """``job`` reading its packed chunk from ``data``, bytes of its pack from ``start``."""
+    if isinstance(job, CopiesJob):
+        return CopiesJob([_landed_job(one, start, data) for one in job.jobs])  # type: ignore[misc]
+    file = job.file
+    assert isinstance(file.store, PackedChunks)
+    landed = ChunkFile(file.store.landed(start, data), file.array_key, file.index, file.chunk_key,
+                       file.expected_crc, file.codec)
+    return dataclasses.replace(job, file=landed)
+
+
+def _pack_runs(
+    jobs: list[ReadJob | BoxesJob | CopiesJob], opened: list[_OpenPack],
+) -> list[ReadJob | BoxesJob | CopiesJob | PackRunJob]:
+    """``jobs``, those of packed chunks made ``PackRunJob`` s, each pack's in its order
+    (a pack is open while its runs are read, not for the whole load); each pack a load
+    reads is added to ``opened``."""
+    out: list[ReadJob | BoxesJob | CopiesJob | PackRunJob] = []
+    by_pack: dict[tuple[int, str], list[ReadJob | CopiesJob]] = {}
+    for job in jobs:
+        store = job.file.store
+        if isinstance(store, PackedChunks) and not isinstance(job, BoxesJob):
+            by_pack.setdefault((id(store.base), store.pack), []).append(job)
+        else:
+            out.append(job)
+    for same in by_pack.values():
+        stores = [job.file.store for job in same]
+        spans = [store.span(job.file.rel) for store, job in zip(stores, same)]  # type: ignore[attr-defined]
+        runs = pack_runs(spans)
+        pack = _OpenPack(stores[0], len(runs))  # type: ignore[arg-type]
+        opened.append(pack)
+        out += [PackRunJob(pack, start, end, [same[i] for i in positions]) for start, end, positions in runs]
+    return out
 
 
 def _threads_of(jobs: list[tuple[ChunkFile, Any]]) -> int:

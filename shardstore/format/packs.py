@@ -30,22 +30,26 @@ from __future__ import annotations
 __all__ = [
     "PACK_BYTES",
     "PACK_MEMBERS",
+    "PACK_RUN_BYTES",
+    "PACK_RUN_GAP",
     "PackCollector",
     "PackedChunks",
     "Packing",
     "check_pack",
     "fits_one_pack",
     "pack_name",
+    "pack_runs",
     "write_packs",
     "zip_crc32",
 ]
 
+import copy
 import json
 import math
 import struct
 import threading
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -68,6 +72,14 @@ except ImportError:  # an environment installed before isal was a dependency: zl
 # zip64 are 4 GiB and 65,535 members).
 PACK_BYTES = 2**31
 PACK_MEMBERS = 65_000
+
+# A load reads the members it needs of one pack in runs (``pack_runs``): members at most
+# ``PACK_RUN_GAP`` bytes apart (the next member's local header and name, an array's
+# ``zarr.json``) are read with one ranged read of at most ``PACK_RUN_BYTES`` (a member
+# larger than that alone), so a load reads at most ``PACK_RUN_GAP`` bytes it does not
+# need between two members, and a reader thread holds one run's buffer at a time.
+PACK_RUN_BYTES = 4 << 20
+PACK_RUN_GAP = 4096
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header, before the name
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory header, before the name
@@ -266,6 +278,19 @@ class PackedChunks(ChunkStore):
     def describe(self, rel: str) -> str:
         return f"{self.base.describe(self.pack)}, member {rel}"
 
+    def span(self, rel: str) -> tuple[int, int]:
+        """Where member ``rel``'s stored bytes are in the pack: its offset and length."""
+        return self._at(rel), self.stored
+
+    def landed(self, start: int, data: memoryview) -> PackedChunks:
+        """These chunks read from ``data``, the pack's bytes from ``start`` that one
+        ranged read brought in (``format.chunks.run_reads``), not from the pack: checked
+        as every read is (the codec's trailer, the record's crc32c); a member outside
+        ``data`` is refused."""
+        landed = copy.copy(self)
+        landed.base = _Landed(self.base, self.pack, start, data)
+        return landed
+
     def _at(self, rel: str) -> int:
         offset = self.offsets.get(rel)
         if offset is None:
@@ -298,6 +323,57 @@ class PackedChunks(ChunkStore):
         buffer = bytearray(n)
         self.base.get_range_into(self.pack, self._at(rel) + self.stored - n, [memoryview(buffer)])
         return bytes(buffer), self.stored
+
+
+class _Landed(ChunkStore):
+    """Bytes ``[start, start + len(data))`` of ``pack`` (on ``base``) already read: the
+    base ``PackedChunks.landed`` reads its members from."""
+
+    def __init__(self, base: ChunkStore, pack: str, start: int, data: memoryview) -> None:
+        self.base, self.pack, self.start, self.data = base, pack, start, data
+        self.threads, self.request_bytes = base.threads, base.request_bytes
+
+    def describe(self, rel: str) -> str:
+        return self.base.describe(rel)
+
+    def put(self, rel: str, buffers: Iterable[memoryview]) -> None:
+        raise NotImplementedError("a committed pack is never written")
+
+    def get_into(self, rel: str, views: list[memoryview], tail: int) -> tuple[int, bytes] | None:
+        raise NotImplementedError("a packed chunk is read by its range (PackedChunks)")
+
+    def get_range_into(self, rel: str, offset: int, views: list[memoryview]) -> None:
+        total = sum(len(v) for v in views)
+        at = offset - self.start
+        if rel != self.pack or at < 0 or at + total > len(self.data):
+            raise StorageError(
+                f"Internal error: bytes [{offset}, {offset + total}) of {self.describe(rel)} were not read with "
+                f"[{self.start}, {self.start + len(self.data)}) of {self.describe(self.pack)}; please report it"
+            )
+        for v in views:
+            v[:] = self.data[at : at + len(v)]
+            at += len(v)
+
+    def get_suffix(self, rel: str, nbytes: int) -> tuple[bytes, int] | None:
+        raise NotImplementedError("a packed chunk is read by its range (PackedChunks)")
+
+
+def pack_runs(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int, list[int]]]:
+    """The ranged reads of one pack that cover ``spans`` (each an offset and a length):
+    each ``(start, end, positions in spans)``, in the pack's order, joining spans at most
+    ``PACK_RUN_GAP`` apart into runs of at most ``PACK_RUN_BYTES`` (a longer span alone)."""
+    runs: list[tuple[int, int, list[int]]] = []
+    for position in sorted(range(len(spans)), key=lambda i: spans[i][0]):
+        offset, length = spans[position]
+        end = offset + length
+        if runs:
+            start, last, positions = runs[-1]
+            if offset - last <= PACK_RUN_GAP and max(last, end) - start <= PACK_RUN_BYTES:
+                runs[-1] = (start, max(last, end), positions)
+                positions.append(position)
+                continue
+        runs.append((offset, end, [position]))
+    return runs
 
 
 _MAX_COMMENT = 65_535

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 __all__ = [
     "DEFAULT_IO_THREADS", "STREAM_BLOCK_BYTES", "Capabilities", "ChunkAccess", "ChunkMismatch", "ChunkStore",
-    "CopiedObject", "DirectoryPublishing", "ExpectedBytes", "Location", "NameLimits",
+    "CopiedObject", "DirectoryPublishing", "ExpectedBytes", "Location", "NameLimits", "RangeReader",
     "StorageError", "Store", "atomic_temp_name", "atomic_temp_of", "check_range", "fill_views", "fold_landed",
     "kvstore_spec", "run_parallel",
 ]
 
+import contextlib
+import functools
 import re
 import uuid
 from abc import ABC, abstractmethod
@@ -555,6 +557,10 @@ class ChunkMismatch(CheckpointingException):
     (``ChunkStore.share_from``): the caller writes them instead."""
 
 
+# ``ChunkStore.ranges_of``'s reader: fills the views with the object's bytes from the offset.
+RangeReader = Callable[[int, list[memoryview]], None]
+
+
 class ChunkStore(ABC):
     """Where encoded chunks live; knows bytes and paths, nothing of arrays.
 
@@ -622,6 +628,14 @@ class ChunkStore(ABC):
     def get_suffix(self, rel: str, nbytes: int) -> tuple[bytes, int] | None:
         """The object's last ``nbytes`` bytes (all of it where it is shorter) and its
         size, or None if it does not exist (a sharded read's index and where it ends)."""
+
+    def ranges_of(self, rel: str) -> AbstractContextManager[RangeReader]:
+        """The object at ``rel`` opened for many ranged reads (a load's reads of one pack,
+        ``format.packs``): ``reader(offset, views)`` is ``get_range_into(rel, offset,
+        views)``, safe from several threads at once, until the context ends. This default
+        opens nothing (an object store's ranged GET each time); a local file store holds one
+        descriptor for them all (``stores.local.FileChunkStore``)."""
+        return contextlib.nullcontext(functools.partial(self.get_range_into, rel))
 
     def share_from(self, source: ChunkStore, rel: str, held: ExpectedBytes) -> CopiedObject | None:
         """Makes the object at ``rel`` hold ``held``'s bytes by sharing what ``source``

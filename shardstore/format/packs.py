@@ -13,7 +13,8 @@ The commit record names each packed array's pack and the byte offset of each of 
 chunks' stored bytes inside it (``ArrayRecord.pack``, ``chunk_offsets``), and lists every
 pack with its size (``CommitRecord.packs``). shardstore reads a packed chunk as a ranged
 read of its pack at its offset (``PackedChunks``), checked by its own trailer and by the
-crc32c the record keeps, like any chunk; ``verify`` also checks that the zip's central
+crc32c the record keeps, like any chunk; a load opens each pack it reads once and reads
+neighbouring members with one ranged read (``pack_runs``, ``format.chunks.run_reads``); ``verify`` also checks that the zip's central
 directory and each local header put each member exactly where the record says (``check_pack``), so plain
 readers read the bytes shardstore checked.
 

@@ -86,7 +86,7 @@ from shardstore.mapping import (
 from shardstore.opened import OpenedCheckpoint, bare_location, open_read
 from shardstore.planning.layout import GlobalLayout
 from shardstore.planning.plans import RankLoadPlan
-from shardstore.progress import operation, progress_shown, stage
+from shardstore.progress import StageTiming, operation, progress_shown, stage
 from shardstore.protocol.collectives import Group, PeerLost
 from shardstore.protocol.plan_stage import gather_and_plan
 from shardstore.protocol.stage import run_stage
@@ -237,8 +237,8 @@ def save(
             if async_sharded_save:
                 request = sharded_strategy.async_save_into(sharded_part, pipeline, plan, error)
                 timing.defer()
-                # a local step: runs only once the save committed
-                request.add_finalize_fn(lambda: timing.finish(shared=pipeline.shared_bytes()))
+                # a local step: runs only once the save committed (a partial: the request may be pickled)
+                request.add_finalize_fn(functools.partial(_finish_timing, timing, pipeline))
                 return request
             sharded_strategy.save_into(sharded_part, pipeline, plan, error)
             timing.shared = pipeline.shared_bytes()
@@ -255,6 +255,11 @@ def save(
             pipeline.unwind(exc)
             raise
     return None
+
+
+def _finish_timing(timing: StageTiming, pipeline: SavePipeline) -> None:
+    """An async save's last local step: logs its line with the bytes it shared."""
+    timing.finish(shared=pipeline.shared_bytes())
 
 
 def save_preprocess(

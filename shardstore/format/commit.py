@@ -482,8 +482,6 @@ class PendingCheckpoint:
         tops_at_begin: the top-level names the target held when the save began (the
             checkpoint it replaces, or other programs' files in a shared directory);
             known on the coordinator only.
-        committed: the record ``commit`` published (the coordinator's, once it has);
-            None until then and on the other ranks.
     """
 
     def __init__(
@@ -493,7 +491,7 @@ class PendingCheckpoint:
         self.target, self.intent, self.publisher = target, intent, publisher
         self.options = options or SaveOptions()
         self.tops_at_begin = tops_at_begin
-        self.committed: CommitRecord | None = None
+        self._committed: CommitRecord | None = None
         self.location = SaveLocation(writes_into, target)
         _OPEN_SAVES[id(self.location)] = self
         self._locks: list[int] = []  # descriptors holding the staging directory's flock
@@ -551,9 +549,15 @@ class PendingCheckpoint:
         ``publisher``). Returns the record as published (published beside another
         program's files, it names them: ``CommitRecord.beside``)."""
         record = self.publisher.commit(self, record)
-        self.committed = record
+        self._committed = record
         self.release()
         return record
+
+    @property
+    def committed(self) -> CommitRecord | None:
+        """The record ``commit`` published (on the coordinator, once it has); None until
+        then and on the other ranks."""
+        return self._committed
 
     def abandon(self) -> None:
         """Coordinator, after a failed save: deletes what this save wrote (what its

@@ -326,6 +326,18 @@ def test_removing_tensors_removes_a_pack_whole_or_refuses(tmp_path: Path) -> Non
     assert verify(path).ok
 
 
+def test_removing_an_array_named_packs_keeps_the_packs_in_its_directory(tmp_path: Path) -> None:
+    """An unpacked array keyed ``packs`` shares its directory with the packs of the save:
+    removing it took them too, and the packed arrays that stay failed to load."""
+    path = tmp_path / "ckpt"
+    tensors = {"packs": torch.randn(*BIG), "norm": torch.randn(7, 5)}
+    save(_sd(tensors), str(path), options=PACK)
+    assert read_commit_record(open_location(path)).arrays["norm"].pack == "packs/0-0.zip"
+    remove_sharded_tensors(str(path), "packs")
+    assert verify(path).ok
+    _check_loads(path, {"norm": tensors["norm"]})
+
+
 @pytest.mark.parametrize("cap", [None, 8 * 1024])
 def test_an_async_save_packs_and_changes_after_it_returns_do_not_reach_the_pack(tmp_path: Path, cap: int | None) -> None:
     """An async save packs from its host snapshot; with a staging bound, the arrays

@@ -36,7 +36,7 @@ import logging
 import math
 import numbers
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -654,7 +654,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         write_commit_record(location, kept)
         for key in removed:
             if record.arrays[key].pack is None:
-                location.remove_tree(key)
+                location.remove_tree(key, keep=_packs_under(key, kept.packs))
         for pack in sorted(gone_packs):
             location.remove(pack)
         for rel in removed_files:
@@ -684,6 +684,13 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
 
     def __str__(self) -> str:
         return self.__class__.__name__
+
+
+def _packs_under(key: str, packs: Iterable[str]) -> tuple[str, ...]:
+    """The names of those of ``packs`` (``packs/<rank>-<n>.zip``) that lie directly in
+    the directory of the array ``key``: an array keyed ``packs`` shares it with them, so
+    removing its tree must leave the packs of the arrays that stay."""
+    return tuple(pack.removeprefix(f"{key}/") for pack in packs if pack.startswith(f"{key}/"))
 
 
 def _without_object_shards(record: CommitRecord, key_prefix: str) -> tuple[CommitRecord, list[str]]:

@@ -201,6 +201,32 @@ def test_a_damaged_local_header_is_reported(tmp_path: Path, field: str, at: int,
     assert "local header" in report.problems[0].message
 
 
+def test_a_zip_directory_entry_claiming_a_huge_member_is_reported_before_allocating(tmp_path: Path) -> None:
+    """A central directory entry whose sizes claim more bytes than the pack holds (here
+    256 MiB; up to 4 GiB fit the fields): before, verify allocated (and zeroed) a buffer
+    of that size to read the member into, then found the read past the pack's end
+    (DESIGN.md: untrusted sizes never drive allocations)."""
+    import tracemalloc
+
+    path = tmp_path / "ckpt"
+    save(_sd(_tensors()), str(path), options=PACK)
+    pack = path / "packs" / "0-0.zip"
+    data = bytearray(pack.read_bytes())
+    end = data.rfind(b"PK\x05\x06")
+    directory = int.from_bytes(data[end + 16 : end + 20], "little")
+    entry = data.find(b"norm/c.0.0", directory) - 46  # its central directory header, before the name
+    data[entry + 20 : entry + 28] = struct.pack("<II", 256 << 20, 256 << 20)  # compressed and uncompressed sizes
+    pack.write_bytes(bytes(data))
+    tracemalloc.start()
+    try:
+        report = verify(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [(p.key, p.part) for p in report.problems] == [("norm", "c.0.0")], report
+    assert peak < 32 << 20, f"verify allocated {peak} bytes"
+
+
 def test_a_zip_directory_holding_more_entries_than_its_end_record_counts_is_reported(tmp_path: Path) -> None:
     """The central directory's end record counting one entry fewer than it holds
     (zipfile reads entries up to the directory's size, so it lists a member verify

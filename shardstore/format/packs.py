@@ -476,16 +476,17 @@ def check_pack(
         if entry is None:
             problems.append((key, part, f"missing from {pack}'s zip directory: plain readers would not find it"))
             continue
-        if why := _member_problem(store, pack, name, entry, offset, document):
+        if why := _member_problem(store, pack, size, name, entry, offset, document):
             problems.append((key, part, why))
     return problems
 
 
 def _member_problem(
-    store: ChunkStore, pack: str, name: str, entry: _Entry, offset: int | None, document: bytes | None,
+    store: ChunkStore, pack: str, size: int, name: str, entry: _Entry, offset: int | None, document: bytes | None,
 ) -> str | None:
-    """Why one member of a pack reads otherwise with plain readers than the record says
-    (see ``check_pack``), or None."""
+    """Why one member of a pack (of ``size`` bytes) reads otherwise with plain readers
+    than the record says (see ``check_pack``), or None. The member's bytes are read only
+    where they lie inside the pack: its directory entry's sizes drive no allocation."""
     if entry.method != 0 or entry.csize != entry.usize or entry.flags & ~_UTF8:
         return f"member {name} of {pack} is not stored uncompressed, as shardstore writes it (method, flags or sizes)"
     encoded = name.encode()
@@ -494,6 +495,8 @@ def _member_problem(
         store.get_range_into(pack, entry.offset, [memoryview(header)])
         fields = _LOCAL.unpack_from(header)
         data_at = entry.offset + _LOCAL.size + fields[9] + fields[10]
+        if data_at + entry.usize > size:
+            return f"member {name} of {pack}: its {entry.usize} bytes at {data_at} reach past the pack's {size} bytes"
         data = bytearray(entry.usize)
         store.get_range_into(pack, data_at, [memoryview(data)])
     except (StorageError, OSError, struct.error) as exc:

@@ -188,14 +188,15 @@ def test_dcp_writer_refuses_a_bad_bound_at_construction(tmp_path: Path) -> None:
 
 
 def save_packed_twice_with_a_reused_plan(rank: int, world: int, root: str) -> None:
-    """DCP's plan cache hands the second save the first one's plans."""
+    """DCP's plan cache hands the second save the first one's plans; the third, by a
+    writer that does not pack, must not get a packing plan for them."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner
 
-    for step, seed in ((1, 1), (2, 2)):
+    for step, seed, bound in ((1, 1, PACK_BYTES), (2, 2, PACK_BYTES), (3, 3, 0)):
         state = _state(world, seed)
         dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/step{step}", min_array_bytes=0,
-                                                        pack_arrays_up_to=PACK_BYTES),
+                                                        pack_arrays_up_to=bound),
                  planner=DefaultSavePlanner(enable_plan_caching=True))
         fm.assert_same(_comparable(_dcp_load(f"{root}/step{step}", world)), _comparable(state))
 
@@ -208,6 +209,34 @@ def test_dcp_packed_saves_under_dcps_plan_cache(tmp_path: Path) -> None:
         record = read_commit_record(open_location(ckpt))
         assert {k for k, a in record.arrays.items() if a.pack is not None} == _packed_keys(), step
         assert json.loads((ckpt / "metadata.json").read_text())["sharded_backend"] == "shardstore"
+    unpacked = read_commit_record(open_location(tmp_path / "step3"))
+    assert shardstore.verify(tmp_path / "step3").ok
+    assert [k for k, a in unpacked.arrays.items() if a.pack is not None] == [] and not unpacked.packs
+
+
+def save_unpacked_then_packed_exchanging_with_a_cached_plan(rank: int, world: int, root: str) -> None:
+    """With ``shard_bytes`` the plan itself gathers a small split DTensor to one writer
+    where it packs: a writer that packs must not take the plan a writer that did not
+    pack made for the same items (DCP's plan cache hands it back)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    for step, bound in ((1, 0), (2, PACK_BYTES)):
+        state = _state(world, seed=step)
+        dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/step{step}", min_array_bytes=0, shard_bytes=1 << 20,
+                                                        pack_arrays_up_to=bound),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+        fm.assert_same(_comparable(_dcp_load(f"{root}/step{step}", world)), _comparable(state))
+
+
+def test_dcp_plan_cache_keeps_plans_of_other_pack_bounds_apart(tmp_path: Path) -> None:
+    run_distributed(save_unpacked_then_packed_exchanging_with_a_cached_plan, 2, str(tmp_path))
+    assert not read_commit_record(open_location(tmp_path / "step1")).packs
+    record = read_commit_record(open_location(tmp_path / "step2"))
+    packed = {key for key, array in record.arrays.items() if array.pack is not None}
+    split = {f"dtensors.split{i}" for i in range(SPLIT)}
+    assert packed == _packed_keys() | split, sorted(packed ^ (_packed_keys() | split))
+    assert shardstore.verify(tmp_path / "step2").ok
 
 
 def save_async_then_incremental(rank: int, world: int, root: str) -> None:

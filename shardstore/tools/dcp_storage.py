@@ -727,7 +727,7 @@ class ShardstoreWriter(StorageWriter):
         the items by the settings, its place in the exchange group (``process_group``,
         the planning group) by the rank."""
         rank = Group(self.process_group).rank if ranks > 1 else 0
-        settings = (self.max_chunk_bytes, self.zarr_metadata, *self._held_settings())
+        settings = (self.max_chunk_bytes, self.zarr_metadata, self.pack_arrays_up_to, *self._held_settings())
         return rank, ranks, settings, tuple(plan.items)
 
     def _remember(self, inputs: tuple, part: RankPart) -> None:

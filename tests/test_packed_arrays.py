@@ -227,6 +227,29 @@ def test_a_zip_directory_entry_claiming_a_huge_member_is_reported_before_allocat
     assert peak < 32 << 20, f"verify allocated {peak} bytes"
 
 
+def test_a_gap_before_the_zip_end_record_is_reported(tmp_path: Path) -> None:
+    """Bytes between the central directory and its end record (the pack's size edited in
+    the record to match): zipfile then takes the gap for data prepended to the zip and
+    reads every member that many bytes later than its directory says, so plain readers
+    read other bytes than verify checked. Before, verify said "no problems"."""
+    from tests.scenarios import rewrite_record
+
+    path = tmp_path / "ckpt"
+    save(_sd(_tensors()), str(path), options=PACK)
+    pack = path / "packs" / "0-0.zip"
+    data = bytearray(pack.read_bytes())
+    end = data.rfind(b"PK\x05\x06")
+    data[end:end] = bytes(8)
+    pack.write_bytes(bytes(data))
+    rewrite_record(path, lambda root: root["attributes"]["shardstore"]["packs"].update({"packs/0-0.zip": len(data)}))
+    with pytest.raises(zipfile.BadZipFile):  # what a plain reader makes of it
+        with zipfile.ZipFile(pack) as zipped:
+            zipped.read("norm/c.0.0")
+    report = verify(path)
+    assert [(p.key, p.part) for p in report.problems] == [("packs/0-0.zip", "pack")], report
+    assert "end record" in report.problems[0].message
+
+
 def test_a_zip_directory_holding_more_entries_than_its_end_record_counts_is_reported(tmp_path: Path) -> None:
     """The central directory's end record counting one entry fewer than it holds
     (zipfile reads entries up to the directory's size, so it lists a member verify

@@ -395,8 +395,9 @@ def _central_directory(store: ChunkStore, pack: str, size: int) -> dict[str, _En
     """The pack's members by name, from its central directory.
 
     Raises:
-        CheckpointingException: no end record, a directory past the pack, a malformed
-            entry, one name twice, or a directory of other entries than its end record counts.
+        CheckpointingException: no end record, a directory past the pack or not ending
+            where the end record starts, a malformed entry, one name twice, or a
+            directory of other entries than its end record counts.
     """
     got = store.get_suffix(pack, _END.size + _MAX_COMMENT)
     if got is None:
@@ -404,9 +405,13 @@ def _central_directory(store: ChunkStore, pack: str, size: int) -> dict[str, _En
     tail, found = got
     if found != size:
         raise CheckpointingException(f"{found} bytes, where the commit record gives {size}")
-    _, disk, cd_disk, disk_entries, entries, cd_size, cd_offset, _ = _END.unpack_from(tail, _end_record_at(tail))
+    at = _end_record_at(tail)
+    _, disk, cd_disk, disk_entries, entries, cd_size, cd_offset, _ = _END.unpack_from(tail, at)
     if disk or cd_disk or disk_entries != entries or cd_offset + cd_size > size:
         raise CheckpointingException("a malformed zip end record (several disks, or a directory past the end)")
+    if cd_offset + cd_size != size - len(tail) + at:
+        # zipfile takes a gap there for bytes prepended to the zip and shifts every member by it
+        raise CheckpointingException("the zip central directory does not end where its end record starts")
     directory = bytearray(cd_size)
     store.get_range_into(pack, cd_offset, [memoryview(directory)])
     members: dict[str, _Entry] = {}

@@ -335,3 +335,5 @@ def test_sets_that_differ_in_a_nan_s_bits_or_a_member_differ(tmp_path: Path) -> 
     first = checkpoint(tmp_path / "a", tags={float("nan"), 1.0})
     assert diff(first, checkpoint(tmp_path / "b", tags={other_nan, 1.0}))[0] == 1
     assert diff(first, checkpoint(tmp_path / "c", tags={float("nan"), 2.0}))[0] == 1
+    lookalike = ("float", struct.pack(">d", float("nan")).hex())  # a tuple shaped as a NaN's own key
+    assert diff(first, checkpoint(tmp_path / "d", tags={lookalike, 1.0}))[0] == 1

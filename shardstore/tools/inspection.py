@@ -400,11 +400,11 @@ def _number_change(first: float | complex | np.generic, second: float | complex 
 def _member_key(value: Any) -> Any:
     """A set member as sets compare by it: numbers by their type and bits (a NaN loaded
     on each side is another object, and NaN != NaN), tuples member by member, the rest as
-    they are."""
+    they are (a safe load admits no frozenset)."""
     if isinstance(value, (float, complex, np.generic)):
         return type(value).__name__, _number_bits(value)
     if isinstance(value, tuple):
-        return tuple(_member_key(m) for m in value)
+        return "tuple", tuple(_member_key(m) for m in value)  # tagged: a key is never a member's own value
     return value
 
 

@@ -142,16 +142,22 @@ def test_a_packed_load_opens_each_pack_once_and_closes_it(saved, monkeypatch) ->
     assert len(packs) == 1, packs
 
 
+def _flip_packed_bit(path: Path, key: str, at: int, mask: int) -> None:
+    """Flips the bits ``mask`` of the byte ``at`` into the first chunk of the packed
+    array ``key``, in its pack."""
+    array = read_commit_record(open_location(path)).arrays[key]
+    with open(path / array.pack, "r+b") as f:
+        f.seek(array.chunk_offsets[0] + at)
+        byte = f.read(1)
+        f.seek(array.chunk_offsets[0] + at)
+        f.write(bytes([byte[0] ^ mask]))
+
+
 def test_a_packed_load_that_fails_closes_the_pack_and_names_the_chunk(tmp_path: Path) -> None:
     tensors = _tensors()
     path = tmp_path / "ckpt"
     save(_sd(tensors), str(path), options=PACK)
-    array = read_commit_record(open_location(path)).arrays["layer2/t5"]
-    with open(path / array.pack, "r+b") as f:
-        f.seek(array.chunk_offsets[0] + 3)
-        byte = f.read(1)
-        f.seek(array.chunk_offsets[0] + 3)
-        f.write(bytes([byte[0] ^ 0x01]))
+    _flip_packed_bit(path, "layer2/t5", at=3, mask=0x01)
     before = len(os.listdir("/proc/self/fd"))
     with pytest.raises(CheckpointingException, match=r"layer2/t5.*crc32c mismatch"):
         load(_sd({k: t for k, t in tensors.items() if k != "big"}, empty=True), str(path))
@@ -162,12 +168,7 @@ def test_a_flipped_byte_in_a_pack_is_reported_by_array_and_chunk(tmp_path: Path)
     tensors = _tensors()
     path = tmp_path / "ckpt"
     save(_sd(tensors), str(path), options=PACK)
-    array = read_commit_record(open_location(path)).arrays["layer1/t7"]
-    with open(path / array.pack, "r+b") as f:
-        f.seek(array.chunk_offsets[0] + 9)
-        byte = f.read(1)
-        f.seek(array.chunk_offsets[0] + 9)
-        f.write(bytes([byte[0] ^ 0x10]))
+    _flip_packed_bit(path, "layer1/t7", at=9, mask=0x10)
     report = verify(path)
     assert not report.ok
     assert {(p.key, p.part) for p in report.problems} == {("layer1/t7", "c.0")}

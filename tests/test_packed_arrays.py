@@ -660,3 +660,22 @@ def test_pack_runs_join_neighbours_within_the_gap_and_the_size_bound() -> None:
         (far + 200, far + 200 + PACK_RUN_BYTES, [3, 4]),  # one chunk read by two jobs
     ]
     assert pack_runs([]) == []
+
+
+def test_threads_follow_the_cpus_this_process_may_use_not_the_machine(tmp_path: Path, monkeypatch) -> None:
+    """A job scheduler or a container's cpuset narrows a process's CPUs below
+    ``os.cpu_count()``: the packed chunks' encoding threads and TensorStore's copy
+    threads follow the affinity mask (before: the machine's count)."""
+    from shardstore.execution import save as rank_save
+    from shardstore.stores.base import usable_cpus
+    from shardstore.strategies.zarr import tensorstore_context
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert usable_cpus() == 1
+    large = [(None, np.zeros(1 << 20, dtype=np.uint8))] * 4  # 1 MiB each: above the one-thread size
+    assert rank_save._encoding_threads(large, 8) == 1
+    location = open_location(tmp_path / "ckpt")
+    assert tensorstore_context(location).spec.to_json()["data_copy_concurrency"]["limit"] == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
+    assert rank_save._encoding_threads(large, 8) == 6

@@ -35,7 +35,6 @@ __all__ = [
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -83,6 +82,7 @@ from shardstore.planning.layout import (
 from shardstore.planning.plans import RankSavePlan, exchange_waves
 from shardstore.protocol.collectives import Group, travels_packed
 from shardstore.protocol.stage import Transfers, every_rank_stopped, raise_stage_failure, run_stage
+from shardstore.stores.base import usable_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -720,7 +720,7 @@ def _encoding_threads(jobs: list[tuple[ChunkFile, np.ndarray]], threads: int) ->
     they are small (``ONE_THREAD_CHUNK_BYTES``), else no more than the cores."""
     if not jobs or sum(data.nbytes for _, data in jobs) <= ONE_THREAD_CHUNK_BYTES * len(jobs):
         return 1
-    return max(1, min(threads, os.cpu_count() or 1))
+    return min(threads, usable_cpus())
 
 
 # The most bytes of copies made for writing (``WriteOp.copies``: packed shards) held at

@@ -109,7 +109,7 @@ from shardstore.planning.plans import (
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_cache import PlanCache
 from shardstore.protocol.plan_stage import gather_and_plan
-from shardstore.stores.base import Location, kvstore_spec
+from shardstore.stores.base import Location, kvstore_spec, usable_cpus
 from shardstore.strategies.async_utils import AsyncRequest
 from shardstore.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -159,7 +159,7 @@ def tensorstore_context(location: Location, io_concurrency: int = DEFAULT_IO_CON
     return ts.Context(
         {
             "cache_pool": {"total_bytes_limit": 0},
-            "data_copy_concurrency": {"limit": max(1, os.cpu_count() or 1)},
+            "data_copy_concurrency": {"limit": usable_cpus()},
             "file_io_concurrency": {"limit": io_concurrency},
             **location.store.chunk_access().context,
         }

@@ -142,6 +142,25 @@ def test_verify_lists_the_checkpoint_once(proxy) -> None:
     assert len(listings) == 1, listings
 
 
+def test_verify_reports_a_failed_listing_once(proxy, monkeypatch) -> None:
+    """The one listing failing: before, verify listed again for the files the record
+    does not list, failed again, and reported the same listing error twice."""
+    from shardstore import verify
+    from shardstore.stores.fsspec_base import FsspecStore
+
+    url = f"s3://{BUCKET}/unlistable/ckpt"
+    _requests(proxy, saved, url, proxy.endpoint, None)
+
+    def refused(self, prefix: str = "") -> dict[str, int]:
+        raise PermissionError("AccessDenied: s3:ListBucket")
+
+    monkeypatch.setattr(FsspecStore, "list_sizes", refused)
+    report = verify(_location(url, proxy.endpoint))
+    listing = [p for p in report.problems if p.part == "listing"]
+    assert len(listing) == 1 and "AccessDenied" in listing[0].message, report.problems
+    assert "files the record does not list" in listing[0].message
+
+
 def loaded_by_ranges(rank: int, world: int, url: str, endpoint: str, parts: int) -> None:
     """``loaded``, with S3 taken to cost nothing per request, so that these small
     shards are read by ranges (``ChunkStore.request_bytes``)."""

@@ -304,7 +304,8 @@ def _verify(location: Location) -> VerifyReport:
         store, unopened = None, Problem("", "store", str(exc))
     # one listing where the chunks' sizes are needed (an object store): it names the files too
     sizes = None if store is None or store.tells_longer else _listed_sizes(location, report)
-    _flag_unlisted_files(location, record, report, None if sizes is None else sorted(sizes))
+    if sizes is not None or store is None or store.tells_longer:  # else that listing failed, reported once
+        _flag_unlisted_files(location, record, report, None if sizes is None else sorted(sizes))
     if store is None:
         report.problems.append(unopened)
         return report
@@ -338,7 +339,8 @@ def _listed_sizes(location: Location, report: VerifyReport) -> dict[str, int] | 
         return location.store.list_sizes()
     except OSError as exc:
         report.problems.append(Problem("", "listing", (
-            f"cannot list the checkpoint's objects, so chunk objects grown since the commit go unnoticed: {exc}"
+            f"cannot list the checkpoint's objects, so files the record does not list and chunk objects grown "
+            f"since the commit go unnoticed: {exc}"
         )))
         return None
 

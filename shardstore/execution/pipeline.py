@@ -35,6 +35,7 @@ from shardstore.errors import CheckpointingException
 # a test that replaces one there (a crash before the writes, a lost report) reaches this
 # pipeline too.
 from shardstore.execution import save as rank_save
+from shardstore.execution.changes import SourceVersions
 from shardstore.execution.save import (
     StagedWrites,
     Staging,
@@ -199,6 +200,9 @@ class SavePipeline:
         self._planned: list[ShardedTensor] | None = None  # the tensors ``plan`` was given, in its order
         self._staged: StagedWrites | None = None
         self._commit_record: CommitRecord | None = None  # the coordinator's, from its plan
+        # the caller's tensors' version counters while the save reads them, then what a change cost
+        self._versions: SourceVersions | None = None
+        self._changed: CheckpointingException | None = None
 
     def __getstate__(self) -> dict:
         """What a writer in another process needs (Megatron's persistent worker pickles
@@ -207,7 +211,7 @@ class SavePipeline:
         CUDA copy streams do not pickle, its pool holds buffers of earlier saves; the
         writes point into the copies themselves, and this process lets them go)."""
         staged = None if self._staged is None else replace(self._staged, snapshot=None)
-        return {**self.__dict__, "_planned": None, "_commit_record": None, "_staged": staged}
+        return {**self.__dict__, "_planned": None, "_commit_record": None, "_staged": staged, "_versions": None}
 
     @classmethod
     def open(
@@ -421,9 +425,12 @@ class SavePipeline:
         bound of the copies and of the chunks assembled by exchange (``Staging.max_bytes``,
         the same on every rank; None: no bound)."""
         staging = Staging(max_bytes=staging_bytes, io_concurrency=io_concurrency)
+        versions = SourceVersions.of(tensors)
         staged = rank_save.stage_save(tensors, self.pending, plan, self.group, staging, local_error)
-        return [*staged.written_early,
-                *self._write(staged.metadata_files, staged.records, staged.ops, io_concurrency, packing=staged.packing)]
+        written = self._write(staged.metadata_files, staged.records, staged.ops, io_concurrency, packing=staged.packing)
+        if changed := versions.error(self.describe(), "its writes ended"):
+            raise changed
+        return [*staged.written_early, *written]
 
     def stage(
         self, tensors: list[ShardedTensor], plan: RankSavePlan, staging: Staging,
@@ -432,9 +439,14 @@ class SavePipeline:
         """Collective: this rank's host copies of ``tensors`` for its part of ``plan``
         (``execution.save.stage_save``), kept for ``write_staged``; an async save's
         blocking part."""
+        versions = SourceVersions.of(tensors)
         with stage("save: stage", self.describe()):
             staged = rank_save.stage_save(tensors, self.pending, plan, self.group, staging, local_error)
         self._staged, self._commit_record = staged, plan.commit
+        if staging.snapshot:  # an async save reads the caller's tensors no more
+            self._changed = versions.error(self.describe(), "its host copies were made")
+        else:  # a sync save reads them until its writes end (``finalize``)
+            self._versions = versions
         self.written += staged.written_early
 
     def write_staged(self, io_concurrency: int = DEFAULT_IO_CONCURRENCY, io_threads: int = DEFAULT_IO_THREADS) -> None:
@@ -490,6 +502,9 @@ class SavePipeline:
         staged, self._staged = self._require_staged(), None
         if staged.snapshot is not None:
             staged.snapshot.release()
+        versions, self._versions = self._versions, None
+        if error is None:
+            error = self._changed or (versions.error(self.describe(), "its writes ended") if versions else None)
         try:
             rank_save.finalize_save(self.pending, self.group, self._commit_record, self.written, error)
             _COMMITTED.add(self.pending)

@@ -187,3 +187,33 @@ def packed_sync_and_async(rank: int, world: int, ckpt: str, device: str) -> None
                                       read_once_across_chunk_edges, packed_sync_and_async], ids=lambda f: f.__name__)
 def test_cuda_tensors(ckpt_dir: Path, scenario, world: int, device: str, backend: str) -> None:
     run_distributed(scenario, world, str(ckpt_dir), device, backend=backend)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=_gpu), "cpu"])
+def test_a_tensor_changed_during_a_sync_save_fails_it_on_the_device(tmp_path: Path, monkeypatch, device: str) -> None:
+    """``execution.changes``: a sync save streams CUDA tensors through pinned buffers
+    while it writes; one changed in place meanwhile (its version counter moves when the
+    op is enqueued) fails the save, committing nothing. An async save copies first: a
+    change after it returns is the caller's."""
+    from shardstore import CheckpointingException
+    from shardstore.execution import save as rank_save
+
+    w = torch.arange(1 << 16, dtype=torch.float32, device=device)
+    real = rank_save.stage_save
+
+    def stage_save(*args, **kwargs):  # the change lands after the staging, before the writes end
+        staged = real(*args, **kwargs)
+        w.add_(1)
+        return staged
+
+    monkeypatch.setattr(rank_save, "stage_save", stage_save)
+    with pytest.raises(CheckpointingException, match=r"tensor 'w' changed in place"):
+        save({"w": ShardedTensor.from_rank_offsets("w", w)}, str(tmp_path / "sync"))
+    assert not (tmp_path / "sync").exists()
+    monkeypatch.undo()
+    expected = w.clone()
+    request = save({"w": ShardedTensor.from_rank_offsets("w", w)}, str(tmp_path / "async"), async_sharded_save=True)
+    w.add_(1)
+    request.execute_sync()
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty_like(w))}, str(tmp_path / "async"))
+    assert torch.equal(loaded["w"], expected)

@@ -49,7 +49,6 @@ import json
 import math
 import struct
 import threading
-import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -62,7 +61,7 @@ from shardstore.format.records import (
     group_metadata,
     parent_groups,
 )
-from shardstore.stores.base import ChunkStore, StorageError
+from shardstore.stores.base import ChunkStore, RangeReader, StorageError
 
 try:  # ISA-L's CRC-32: the same value as zlib's, about 20x zlib 1.2's speed on 32 KiB chunks here
     from isal.isal_zlib import crc32 as zip_crc32
@@ -476,18 +475,22 @@ def check_pack(
             expected[f"{array.key}/{array.chunk_key(index)}"] = (array.key, array.chunk_key(index), offset, None)
     for name in sorted(members.keys() - expected.keys()):
         problems.append((pack, name, "a member of the pack that the commit record does not list"))
-    for name, (key, part, offset, document) in expected.items():
-        entry = members.get(name)
-        if entry is None:
-            problems.append((key, part, f"missing from {pack}'s zip directory: plain readers would not find it"))
-            continue
-        if why := _member_problem(store, pack, size, name, entry, offset, document):
-            problems.append((key, part, why))
+    try:
+        with store.ranges_of(pack) as read:  # one opening for all its members' reads
+            for name, (key, part, offset, document) in expected.items():
+                entry = members.get(name)
+                if entry is None:
+                    problems.append((key, part, f"missing from {pack}'s zip directory: plain readers would not find it"))
+                    continue
+                if why := _member_problem(read, pack, size, name, entry, offset, document):
+                    problems.append((key, part, why))
+    except (StorageError, OSError) as exc:
+        problems.append((pack, "pack", f"cannot be opened: {exc}"))
     return problems
 
 
 def _member_problem(
-    store: ChunkStore, pack: str, size: int, name: str, entry: _Entry, offset: int | None, document: bytes | None,
+    read: RangeReader, pack: str, size: int, name: str, entry: _Entry, offset: int | None, document: bytes | None,
 ) -> str | None:
     """Why one member of a pack (of ``size`` bytes) reads otherwise with plain readers
     than the record says (see ``check_pack``), or None. The member's bytes are read only
@@ -497,13 +500,13 @@ def _member_problem(
     encoded = name.encode()
     header = bytearray(_LOCAL.size + len(encoded))
     try:
-        store.get_range_into(pack, entry.offset, [memoryview(header)])
+        read(entry.offset, [memoryview(header)])
         fields = _LOCAL.unpack_from(header)
         data_at = entry.offset + _LOCAL.size + fields[9] + fields[10]
         if data_at + entry.usize > size:
             return f"member {name} of {pack}: its {entry.usize} bytes at {data_at} reach past the pack's {size} bytes"
         data = bytearray(entry.usize)
-        store.get_range_into(pack, data_at, [memoryview(data)])
+        read(data_at, [memoryview(data)])
     except (StorageError, OSError, struct.error) as exc:
         return f"member {name} of {pack} cannot be read: {exc}"
     if fields[0] != _LOCAL_SIG:
@@ -513,7 +516,7 @@ def _member_problem(
     if offset is not None and data_at != offset:
         return (f"member {name} of {pack} starts at byte {data_at}, where the commit record says {offset}: plain "
                 "readers would read other bytes than shardstore checks")
-    if zlib.crc32(data) != entry.crc:
+    if zip_crc32(data) != entry.crc:
         return f"member {name} of {pack}: its bytes do not match the zip's CRC-32 (plain zip readers refuse it)"
     if document is not None:
         try:

@@ -129,3 +129,22 @@ def test_a_dcp_save_fails_where_a_tensor_changed_during_its_writes(tmp_path: Pat
         dcp.save({"w": w}, storage_writer=ShardstoreWriter(str(tmp_path / "ckpt")), no_dist=True)
     assert "tensor 'w' changed in place" in str(raised.value.failures[0]), raised.value.failures
     assert not is_committed(open_location(tmp_path / "ckpt"))
+
+
+def test_a_checkpoint_writer_refuses_an_array_changed_during_its_write(tmp_path: Path, monkeypatch) -> None:
+    from shardstore.tools.array_writer import CheckpointWriter
+
+    w = torch.arange(4096.0)
+    _changing_during_writes(monkeypatch, w)
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(CheckpointingException, match=r"tensor 'w' changed in place"), CheckpointWriter(ckpt) as writer:
+        writer.write_array("w", w)
+    assert not is_committed(open_location(ckpt))
+    with CheckpointWriter(ckpt) as writer:
+        with pytest.raises(CheckpointingException, match=r"tensor 'w' changed in place"):
+            writer.write_array("w", w)
+        monkeypatch.undo()
+        writer.write_array("w", w)  # unchanged now: written again, committed, loaded bit-exact
+        writer.commit()
+    assert torch.equal(load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4096))}, str(ckpt))["w"], w)
+    assert verify(ckpt).ok

@@ -529,12 +529,22 @@ class SavePipeline:
         layout = GlobalLayout.from_gathered([local_records(tensors, objects, self.group.rank, where)])
         check_storable_keys(layout, self.target.name_limits, where)
 
-    def write_array(self, record: ArrayRecord, value: np.ndarray) -> list[WrittenChunk]:
+    def write_array(
+        self, record: ArrayRecord, value: np.ndarray, source: ShardedTensor | None = None,
+    ) -> list[WrittenChunk]:
         """One process: the whole array ``record`` (its ``zarr.json``, then every chunk)
-        from ``value`` (host memory, the array's shape)."""
+        from ``value`` (host memory, the array's shape). ``source``: the tensor whose
+        memory ``value`` may be; changed in place during the writes, it fails them
+        (``execution.changes``), its chunks not reported for the commit."""
+        versions = SourceVersions.of([source] if source is not None else [])
         self.location.write_many(node_document_files([record], (), self.pending.options.zarr_metadata))
         whole = region_at((0,) * len(record.shape), record.shape)
-        return self.write_arrays({record.key: record}, [WriteOp(record.key, whole, value)])
+        reported = len(self.written)
+        written = self.write_arrays({record.key: record}, [WriteOp(record.key, whole, value)])
+        if changed := versions.error(self.describe(), "its writes ended"):
+            del self.written[reported:]
+            raise changed
+        return written
 
     def write_groups(self, groups: Iterable[str]) -> None:
         """One process: the ``zarr.json`` of each of ``groups`` where the save's options

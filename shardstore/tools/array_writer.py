@@ -91,13 +91,17 @@ class CheckpointWriter:
         return self._save.describe()
 
     def write_array(self, key: str, tensor: torch.Tensor) -> ArrayRecord:
-        """Writes ``tensor`` (on CPU) whole as the array ``key``; returns its record."""
+        """Writes ``tensor`` (on CPU) whole as the array ``key``; returns its record.
+
+        Raises:
+            CheckpointingException: ``tensor`` changed in place while it was written
+                (``execution.changes``); the array is not recorded."""
         sharded = ShardedTensor.from_rank_offsets(key, tensor.detach().cpu())
         self._save.check_storable([sharded], [])
         if key in self._arrays:
             raise CheckpointingException(f"Array {key!r} was already written to {self.describe()}")
         record = single_tensor_record(sharded, self.max_chunk_bytes)
-        self._save.write_array(record, tensor_to_numpy(sharded.data.contiguous()).reshape(record.shape))
+        self._save.write_array(record, tensor_to_numpy(sharded.data.contiguous()).reshape(record.shape), sharded)
         self._arrays[key] = record
         return record
 

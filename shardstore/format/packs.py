@@ -61,7 +61,7 @@ from shardstore.format.records import (
     group_metadata,
     parent_groups,
 )
-from shardstore.stores.base import ChunkStore, RangeReader, StorageError
+from shardstore.stores.base import ChunkStore, RangeReader, StorageError, fill_views
 
 try:  # ISA-L's CRC-32: the same value as zlib's, about 20x zlib 1.2's speed on 32 KiB chunks here
     from isal.isal_zlib import crc32 as zip_crc32
@@ -350,9 +350,7 @@ class _Landed(ChunkStore):
                 f"Internal error: bytes [{offset}, {offset + total}) of {self.describe(rel)} were not read with "
                 f"[{self.start}, {self.start + len(self.data)}) of {self.describe(self.pack)}; please report it"
             )
-        for v in views:
-            v[:] = self.data[at : at + len(v)]
-            at += len(v)
+        fill_views(views, self.data[at : at + total], 0)
 
     def get_suffix(self, rel: str, nbytes: int) -> tuple[bytes, int] | None:
         raise NotImplementedError("a packed chunk is read by its range (PackedChunks)")

@@ -730,12 +730,9 @@ def plan_save(
         gathered_key = key in grids  # shards inside blocks (not in ``grids``) are written as blocks are
         if not main or (main[0].flat_range is None and not gathered_key and whole is None):
             continue
-        if whole is not None:
-            key_direct, key_straddling = [], [whole[1]]
-            for rank in {s.rank for s in main} | {whole[1].writer}:
-                gathered[rank].add(key)
-        elif gathered_key:
-            key_direct, key_straddling = [], plan_gathered_writes(key, records[key], grids[key], load)
+        if whole is not None or gathered_key:  # whole into one chunk, or into shards
+            key_direct = []
+            key_straddling = [whole[1]] if whole is not None else plan_gathered_writes(key, records[key], grids[key], load)
             for rank in {s.rank for s in main} | {c.writer for c in key_straddling}:
                 gathered[rank].add(key)
         else:

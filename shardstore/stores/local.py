@@ -796,26 +796,21 @@ class FileChunkStore(ChunkStore):
             os.close(fd)
 
     def get_range_into(self, rel: str, offset: int, views: list[memoryview]) -> None:
-        """``preadv`` straight into ``views``, after the same checks as ``get_into``."""
-        if not (total := sum(v.nbytes for v in views)):
+        """``preadv`` straight into ``views``, after the same checks as ``get_into``
+        (one read of ``ranges_of``; an empty one opens nothing)."""
+        if not sum(v.nbytes for v in views):
             return
-        fd = self._open(rel)
-        try:
-            check_range(self.describe(rel), offset, total, None if fd is None else os.fstat(fd).st_size)
-            got = _read_at(fd, views, offset)  # type: ignore[arg-type]
-        finally:
-            if fd is not None:
-                os.close(fd)
-        check_range(self.describe(rel), offset, total, offset + got)  # it shrank while read
+        with self.ranges_of(rel) as read:
+            read(offset, views)
 
     @contextlib.contextmanager
     def ranges_of(self, rel: str) -> Iterator[RangeReader]:
         """One descriptor (and one ``fstat``) for every ranged read of ``rel`` until the
         context ends, then closed (also on errors): a load of a pack's members paid an
-        open, ``fstat`` and close per member (issue 44.6). Each read is checked as
-        ``get_range_into`` checks it."""
+        open, ``fstat`` and close per member (issue 44.6). Each read is checked against
+        the file's size when opened (a missing file, a range past its end) and against
+        the bytes it got (a file that shrank while read)."""
         fd = self._open(rel)
-        size = None if fd is None else os.fstat(fd).st_size
 
         def read(offset: int, views: list[memoryview]) -> None:
             if not (total := sum(v.nbytes for v in views)):
@@ -825,6 +820,7 @@ class FileChunkStore(ChunkStore):
             check_range(self.describe(rel), offset, total, offset + got)  # it shrank while read
 
         try:
+            size = None if fd is None else os.fstat(fd).st_size
             yield read
         finally:
             if fd is not None:

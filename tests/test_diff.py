@@ -337,3 +337,16 @@ def test_sets_that_differ_in_a_nan_s_bits_or_a_member_differ(tmp_path: Path) -> 
     assert diff(first, checkpoint(tmp_path / "c", tags={float("nan"), 2.0}))[0] == 1
     lookalike = ("float", struct.pack(">d", float("nan")).hex())  # a tuple shaped as a NaN's own key
     assert diff(first, checkpoint(tmp_path / "d", tags={lookalike, 1.0}))[0] == 1
+
+
+def test_sets_of_frozensets_holding_a_nan_compare_by_their_members_bits() -> None:
+    """``value_differences`` takes any values (an unsafe load's common state may hold
+    frozensets): a frozenset member was compared by ``==``, so a NaN inside one made a
+    set differ from its own copy."""
+    from shardstore.tools.inspection import value_differences
+
+    def value(member: int) -> set:  # a new NaN object each time, as each side's load makes
+        return {frozenset({float("nan"), member}), "b"}
+
+    assert list(value_differences(value(3), value(3))) == []
+    assert len(list(value_differences(value(3), value(4)))) == 1

@@ -399,12 +399,15 @@ def _number_change(first: float | complex | np.generic, second: float | complex 
 
 def _member_key(value: Any) -> Any:
     """A set member as sets compare by it: numbers by their type and bits (a NaN loaded
-    on each side is another object, and NaN != NaN), tuples member by member, the rest as
-    they are (a safe load admits no frozenset)."""
+    on each side is another object, and NaN != NaN), tuples and frozensets member by
+    member, the rest as they are (``value_differences`` takes any values; a safe load
+    of a checkpoint admits no frozenset, an unsafe one does)."""
     if isinstance(value, (float, complex, np.generic)):
         return type(value).__name__, _number_bits(value)
-    if isinstance(value, tuple):
-        return "tuple", tuple(_member_key(m) for m in value)  # tagged: a key is never a member's own value
+    if isinstance(value, tuple):  # keys tagged: a key is never a member's own value
+        return "tuple", tuple(_member_key(m) for m in value)
+    if isinstance(value, frozenset):
+        return "frozenset", frozenset(_member_key(m) for m in value)
     return value
 
 

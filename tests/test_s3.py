@@ -126,8 +126,13 @@ def test_overwrite_protection_and_cleanup_of_an_interrupted_save(server: MotoSer
     with pytest.raises(CheckpointingException, match="holds no committed shardstore checkpoint"):
         save(sd, location, overwrite=True)
     assert location.exists("w/zarr.json")
-    location.write_bytes(".shardstore-save.json", b'{"save_id": "0123abcd"}')  # an interrupted save's marker
-    save({"v": ShardedTensor.from_rank_offsets("v", torch.ones(3))}, location)  # clears the leftovers
+    location.write_bytes(".shardstore-save.json", b'{"save_id": "0123abcd"}')  # a save's marker, just written
+    with pytest.raises(CheckpointingException, match="another save is writing there.*Nothing there was changed"):
+        save({"v": ShardedTensor.from_rank_offsets("v", torch.ones(3))}, location)
+    assert location.exists("w/zarr.json")
+    time.sleep(2.0)  # the marker is a dead save's once a lease passed without renewal, by the server's clock
+    short_lease = open_location(url, options=s3_options(server.endpoint, save_lease_s=1.0))
+    save({"v": ShardedTensor.from_rank_offsets("v", torch.ones(3))}, short_lease)  # clears the leftovers
     assert set(load_tensors_metadata(location)) == {"v"}
     assert not location.exists("w/zarr.json")
 

@@ -63,6 +63,7 @@ from typing import Any, ClassVar
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.chunks import ChunkStore, chunk_store_for
+from shardstore.format.claims import PrefixClaim
 from shardstore.format.records import (
     COMMIT_RECORD,
     MAX_RECORD_BYTES,
@@ -686,6 +687,11 @@ class Publisher(ABC):
         into (nothing to do where that is the target)."""
         return None
 
+    def mark(self, save: PendingCheckpoint) -> None:
+        """Coordinator, once the writers' place is ready: writes the save marker there,
+        which proves what is there this save's."""
+        _write_marker(save.location, save.intent.save_id)
+
     @abstractmethod
     def commit(self, save: PendingCheckpoint, record: CommitRecord) -> CommitRecord:
         """Coordinator: writes ``record`` and publishes; returns the record published.
@@ -787,7 +793,7 @@ class ByRename(Publisher):
             old = None if empty else _committed_record(save.target)
             current = old.save_id if old is not None else None
             if current != save.intent.replaces or (not empty and current is None and not save.options.shared_directory):
-                raise _lost_race(save, current or "a directory that is not a checkpoint")
+                raise _lost_race(save, current, "files of a directory that is not a checkpoint")
             if current is None and not empty:
                 return self._publish_beside(save, staging, target, record)
             theirs = _entries_beside(save.target, old) if old is not None and save.options.shared_directory else None
@@ -1174,53 +1180,98 @@ def _taken_names(save: PendingCheckpoint, clash: list[str]) -> CheckpointingExce
 
 
 class InPlace(Publisher):
-    """Written at the target itself, marker first, commit record last (one atomic PUT):
-    object stores and any store that cannot rename a directory.
+    """Written at the target itself, commit record last (one atomic PUT): object stores
+    and any store that cannot rename a directory.
 
-    With ``overwrite=True`` the save writes its marker (naming the checkpoint it
-    replaces as well), then deletes the old commit record, then the rest, so from then
+    The save first claims the prefix (``format.claims.PrefixClaim``): its marker,
+    written only where none is and renewed while it runs. A running save's claim refuses
+    every other save before it changes anything; a dead save's is taken over, and what
+    that save left is removed. With ``overwrite=True`` the save names the checkpoint it
+    replaces in its marker, deletes the old commit record, then the rest, so from then
     until the new commit the prefix holds no loadable checkpoint (save each step to a
-    new prefix to avoid that window). Whatever an interrupted removal leaves is still
-    marked, and the next save removes it; a marker goes last whenever a save removes
-    objects. The commit checks that the marker is still its own and that no commit
-    record appeared, then writes the commit record and removes the marker. Two saves that run into one prefix at the same time may overwrite each
-    other's chunks; the commit record binds every chunk's checksum, so a load then fails
-    on the mismatch instead of returning a mix.
+    new prefix to avoid that window). The commit checks that the claim is still held,
+    writes the commit record only where none is, then removes the marker.
+
+    Attributes:
+        claim: the coordinator's claim (None on the other ranks).
     """
+
+    def __init__(self, claim: PrefixClaim | None = None) -> None:
+        self.claim = claim
 
     def begin(self, target: Location, options: SaveOptions, save_id: str) -> PendingCheckpoint:
         target.prepare()
-        empty: bool | None = target.is_empty()  # listed once: _check_target is told, not asked again
-        if not empty and _marker_id(target) is not None and committed_save_id(target) is None:
-            logger.warning("Removing the leftovers of an interrupted save at %s", target.describe())
-            _remove_marked(target)
-            empty = None  # what is left, looked at again
-        # Not beside other files, shared or not: an abandoned save in place could not tell its objects from theirs.
-        replaces = _check_target(target, options.overwrite, empty=empty)
-        source = options.reuse_from
-        reuses = reuse_save_id(source, target, in_place=True) if source is not None else None
-        if replaces is not None:
-            _write_marker(target, save_id, replaces)  # what an interrupted removal leaves stays marked
-            target.remove(COMMIT_RECORD)  # the documented window on object stores starts here
-            target.remove_tree("", keep=(SAVE_MARKER,))
+        claim, dead = PrefixClaim.take(target, save_id)
+        removing = False
+        try:
+            tops = [name for name in target.list_top(None) if name != SAVE_MARKER]
+            if dead is not None and tops and COMMIT_RECORD not in tops:
+                logger.warning("Removing the leftovers of an interrupted save at %s: %s", target.describe(),
+                               dead.describe())
+                removing = True
+                target.remove_tree("", keep=(SAVE_MARKER,))
+                tops = []
+            if COMMIT_RECORD in tops and options.overwrite:
+                _name_replaced(claim, target)
+            replaces = _check_target(target, options.overwrite, empty=not tops)
+            source = options.reuse_from
+            reuses = reuse_save_id(source, target, in_place=True) if source is not None else None
+            if replaces is not None:
+                removing = True  # what an interrupted removal leaves stays marked
+                target.remove(COMMIT_RECORD)  # the documented window on object stores starts here
+                target.remove_tree("", keep=(SAVE_MARKER,))
+        except BaseException:
+            claim.stop()
+            if not removing and claim.owns_marker():
+                target.remove(SAVE_MARKER)  # nothing removed or written: the prefix is as it was
+            raise
         intent = SaveIntent(save_id, replaces, reuses, options.zarr_metadata,
                             pack_arrays_up_to=options.pack_arrays_up_to)
-        return PendingCheckpoint(target, target, intent, self, options)
+        pending = PendingCheckpoint(target, target, intent, InPlace(claim), options)
+        pending.hold_until_released(claim.stop)
+        return pending
 
     def join(self, target: Location, intent: SaveIntent, options: SaveOptions) -> PendingCheckpoint:
         return PendingCheckpoint(target, target, intent, self, options)
 
+    def mark(self, save: PendingCheckpoint) -> None:
+        return None  # the claim is the marker
+
     def commit(self, save: PendingCheckpoint, record: CommitRecord) -> CommitRecord:
-        current = committed_save_id(save.target)
-        if current is not None or _marker_id(save.target) != save.intent.save_id:
-            raise _lost_race(save, current or f"in progress ({_marker_id(save.target)})")
-        save.target.write_atomic(COMMIT_RECORD, record.to_json())
+        claim = self._coordinators_claim(save)
+        claim.ensure_held()
+        if claim.writes.put_if_absent(COMMIT_RECORD, record.to_json()) is None:
+            raise _lost_race(save, committed_save_id(save.target))
         _remove_own_marker(save)
         return record
 
     def abandon(self, save: PendingCheckpoint) -> None:
-        if _marker_id(save.target) == save.intent.save_id and committed_save_id(save.target) is None:
+        claim = self._coordinators_claim(save)
+        claim.stop()
+        if not claim.owns_marker():
+            logger.warning("Abandoning the save into %s: its save marker is no longer its own (another save took "
+                           "the prefix over); removed nothing", save.describe())
+        elif committed_save_id(save.target) is None:
             _remove_marked(save.target)
+
+    def _coordinators_claim(self, save: PendingCheckpoint) -> PrefixClaim:
+        if self.claim is None:
+            raise CheckpointingException(
+                f"Internal error: the save into {save.describe()} is committed or abandoned by a rank that did not "
+                "begin it; please report it"
+            )
+        return self.claim
+
+
+def _name_replaced(claim: PrefixClaim, target: Location) -> None:
+    """Names the committed checkpoint at ``target`` in ``claim``'s marker, where it is a
+    shardstore checkpoint (``_check_target`` refuses any other)."""
+    try:
+        replaces = committed_save_id(target)
+    except CheckpointingException:
+        return
+    if replaces is not None:
+        claim.mark_replacing(replaces)
 
 
 def _remove_marked(target: Location) -> None:
@@ -1255,11 +1306,16 @@ def publisher_for(capabilities: Capabilities) -> Publisher:
     return ByRename() if capabilities.supports_rename else InPlace()
 
 
-def _lost_race(save: PendingCheckpoint, current: str | None) -> CheckpointingException:
+def _lost_race(save: PendingCheckpoint, current: str | None, otherwise: str = "") -> CheckpointingException:
+    """The error of a commit that found the target changed: ``current``, the save id of
+    the checkpoint committed there now (None: none, but ``otherwise`` found)."""
+    expected = f"checkpoint {save.intent.replaces}" if save.intent.replaces else "no checkpoint"
+    found = (f"the checkpoint of save {current}, which another save committed while this one ran and which is "
+             "kept" if current is not None else otherwise)
     return CheckpointingException(
-        f"Not committing the save into {save.target.describe()}: another save committed there while it "
-        f"ran (expected {save.intent.replaces or 'no checkpoint'}, found save {current}). The other "
-        "save's checkpoint is kept; save this one again (overwrite=True) or to a new directory."
+        f"Not committing the save into {save.target.describe()}: expected {expected} there, found {found}. "
+        "Nothing of it was changed by this save; save this one again (overwrite=True to replace it) or to a new "
+        "directory."
     )
 
 
@@ -1307,9 +1363,9 @@ def _begin_claimed(target: Location, options: SaveOptions, save_id: str) -> Pend
         # marker) is removed and its descriptors and lock closed: without its marker no
         # later save would ever recognise it as a dead save's.
         on_failure.callback(pending.abandon)
-        publisher.prepare_writes(pending)
+        pending.publisher.prepare_writes(pending)
         pending.location.begin_writes()
-        _write_marker(pending.location, save_id)
+        pending.publisher.mark(pending)
         on_failure.pop_all()
     return pending
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shardstore.errors import CheckpointingException
+from shardstore.stores.conditional import ConditionalWrites
 
 # Threads for batches of small-object writes; they release the GIL in write().
 SMALL_FILE_WRITERS = 8
@@ -316,6 +317,11 @@ class Store(ABC):
 
     def local_path(self, key: str = "") -> Path | None:
         """The POSIX path of ``key`` where ``capabilities.is_local_filesystem``, else None."""
+        return None
+
+    def conditional_writes(self) -> ConditionalWrites | None:
+        """This store's atomic conditional writes (``stores.conditional``), which an
+        in-place save claims its prefix with; None where it has none."""
         return None
 
     def publishing(self) -> DirectoryPublishing | None:

@@ -15,18 +15,21 @@ False): a save with several ranks is refused before it writes (``format.commit.c
 Within the process, threads that save into one prefix at once would each remove and
 overwrite the other's files, so a save claims its prefix (``claim_for_save``) for as
 long as it runs: a second save into it, or into a prefix inside it or around it, fails
-at once and the first one commits alone.
+at once and the first one commits alone. Its conditional writes (``conditional_writes``)
+run under one lock; a marker no claim holds is a dead save's at once (``lease_s`` 0).
 """
 
 from __future__ import annotations
 
 __all__ = ["MemoryStore"]
 
+import hashlib
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from shardstore.stores.base import Capabilities, ChunkAccess, StorageError
+from shardstore.stores.conditional import ConditionalWrites, PreconditionFailed, VersionedObject
 from shardstore.stores.fsspec_base import FsspecStore
 
 SCHEME = "memory://"
@@ -95,3 +98,31 @@ class MemoryStore(FsspecStore):
                     del _claims[root]
 
         return release
+
+    def conditional_writes(self) -> ConditionalWrites:
+        return _MemoryConditional(self)
+
+
+class _MemoryConditional(ConditionalWrites):
+    """``ConditionalWrites`` of a ``MemoryStore``: one lock for the process's memory file
+    system; a version is the MD5 of the bytes (values written conditionally are unique)."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self.store = store
+
+    def _put(self, key: str, data: bytes, version: str | None) -> str:
+        with _claims_lock:
+            found = self.store.get(key)
+            if (found is None) != (version is None) or (found is not None and _version(found) != version):
+                raise PreconditionFailed(key)
+            self.store.put(key, data)
+        return _version(data)
+
+    def get_versioned(self, key: str, max_bytes: int) -> VersionedObject | None:
+        with _claims_lock:
+            found = self.store.get(key)
+        return None if found is None else VersionedObject(found[: max_bytes + 1], _version(found), 0.0)
+
+
+def _version(data: bytes) -> str:
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()

@@ -49,8 +49,10 @@ from shardstore.stores.base import (
     Store,
     run_parallel,
 )
+from shardstore.stores.conditional import ConditionalWrites
 from shardstore.stores.fsspec_base import FsspecStore
 from shardstore.stores.kv_chunks import KvChunkStore
+from shardstore.stores.s3_conditional import S3ConditionalWrites
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,16 @@ class S3Options:
         s3fs_kwargs: extra keyword arguments for ``s3fs.S3FileSystem``; its
             ``client_kwargs`` and ``config_kwargs`` are merged into ours (region,
             retries, timeouts), their keys winning.
+        save_lease_s: how long a save's claim on its prefix holds without renewal
+            (the save renews it every quarter of that): a save marker older than this,
+            by the server's clock, is a dead save's, whose leftovers the next save
+            removes. A save that could not renew its claim for half of it does not
+            commit. See docs/guide/object-stores.md ("Two saves into one prefix").
+        conditional_writes: the store honours ``If-None-Match: *`` and ``If-Match`` on
+            PUT (AWS S3, MinIO, moto). False for one that does not (it then answers
+            501, or ignores them): saves then check before they write, which keeps a
+            live save's files from removal but lets two saves that begin within the
+            same moment both write.
     """
 
     endpoint_url: str | None = None
@@ -105,6 +117,8 @@ class S3Options:
     read_timeout: float = 30.0
     request_concurrency: int = 32
     s3fs_kwargs: dict[str, Any] = field(default_factory=dict)
+    save_lease_s: float = 60.0
+    conditional_writes: bool = True
 
     def resolved_endpoint(self) -> str | None:
         return self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
@@ -469,6 +483,9 @@ class S3Store(FsspecStore):
         if not isinstance(etag, str) or _encrypted_by_key(reply):
             return CopiedObject()  # an object encrypted with SSE-KMS or SSE-C: its ETag is no MD5
         return CopiedObject(etag.strip('"'))
+
+    def conditional_writes(self) -> ConditionalWrites:
+        return S3ConditionalWrites(self)
 
     def prepare(self) -> None:
         """Refuses a bucket that does not exist, by name. A HEAD refused (403) says

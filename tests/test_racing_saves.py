@@ -1,0 +1,183 @@
+"""Two independent programs save into one new place at the same moment.
+
+At most one of them commits, what it committed loads whole (every array and the common
+state from the same program), and the other one says truthfully what it found and
+deletes nothing of the winner's: on S3 (moto on 127.0.0.1, which honours
+``If-None-Match``/``If-Match`` on PUT) as on a local disk. With ``overwrite=True`` the
+checkpoint that stands at the end is one save's, whole.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardstore import CheckpointingException, ShardedTensor, load, load_common_state_dict, save, verify
+from shardstore.format.claims import PrefixClaim
+from shardstore.format.records import SAVE_MARKER
+from shardstore.stores.locations import open_location
+from shardstore.stores.s3 import S3Options
+from tests.dist import _context
+from tests.s3_support import MotoServer, s3_options
+
+BUCKET = "racing-saves"
+ARRAYS, ELEMENTS = 16, 1 << 18  # 16 arrays of 1 MiB each
+ROUNDS = 4
+
+
+@pytest.fixture(scope="module")
+def server(moto_server: MotoServer) -> MotoServer:
+    moto_server.create_bucket(BUCKET)
+    return moto_server
+
+
+def _state(who: int) -> dict:
+    sd: dict = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.full((ELEMENTS,), float(who * 100 + i)))
+                for i in range(ARRAYS)}
+    sd["who"] = who
+    return sd
+
+
+def _save_at_once(who: int, target: str, options: S3Options | None, overwrite: bool, barrier, results) -> None:
+    location = open_location(target, options=options) if options is not None else open_location(target)
+    barrier.wait()
+    try:
+        save(_state(who), location, overwrite=overwrite)
+    except CheckpointingException as exc:
+        results.put((who, "refused", str(exc)))
+        return
+    results.put((who, "committed", ""))
+
+
+def _race(target: str, options: S3Options | None, overwrite: bool = False) -> dict[int, tuple[str, str]]:
+    ctx = _context()
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_save_at_once, args=(who, target, options, overwrite, barrier, results))
+             for who in (1, 2)]
+    for p in procs:
+        p.start()
+    outcomes = {}
+    for _ in procs:
+        who, outcome, message = results.get(timeout=120)
+        outcomes[who] = (outcome, message)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0, f"a saving process died ({p.exitcode})"
+    return outcomes
+
+
+def _check_whole(target: str, options: S3Options | None, committed: list[int]) -> None:
+    """What stands at ``target`` is the checkpoint of one of ``committed``, whole."""
+    location = open_location(target, options=options) if options is not None else open_location(target)
+    report = verify(location)
+    assert report.ok, str(report)
+    who = load_common_state_dict(location)["who"]
+    assert who in committed, (who, committed)
+    request = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.empty(ELEMENTS)) for i in range(ARRAYS)}
+    loaded = load(request, location)
+    for i in range(ARRAYS):
+        assert torch.equal(loaded[f"w{i}"], torch.full((ELEMENTS,), float(who * 100 + i))), (i, who)
+
+
+def _check_round(outcomes: dict[int, tuple[str, str]], target: str, options: S3Options | None) -> None:
+    committed = [who for who, (outcome, _) in outcomes.items() if outcome == "committed"]
+    assert len(committed) == 1, f"exactly one of two racing saves commits: {outcomes}"
+    loser = 3 - committed[0]
+    message = outcomes[loser][1]
+    assert "Removing" not in message and "deleted" not in message.lower(), message
+    assert "another save" in message or "already holds a committed checkpoint" in message, message
+    _check_whole(target, options, committed)
+
+
+@pytest.mark.parametrize("round_", range(ROUNDS))
+def test_two_saves_racing_into_one_new_s3_prefix(server: MotoServer, round_: int) -> None:
+    target = f"s3://{BUCKET}/new{round_}/ck"
+    _check_round(_race(target, s3_options(server.endpoint)), target, s3_options(server.endpoint))
+
+
+@pytest.mark.parametrize("round_", range(2))
+def test_two_saves_racing_into_one_new_local_directory(tmp_path: Path, round_: int) -> None:
+    target = str(tmp_path / "ck")
+    _check_round(_race(target, None), target, None)
+
+
+def test_two_overwriting_saves_racing_on_s3_leave_one_checkpoint_whole(server: MotoServer) -> None:
+    target = f"s3://{BUCKET}/overwrite/ck"
+    options = s3_options(server.endpoint)
+    save(_state(7), open_location(target, options=options))
+    outcomes = _race(target, options, overwrite=True)
+    committed = [who for who, (outcome, _) in outcomes.items() if outcome == "committed"]
+    assert len(committed) >= 1 or all("another save" in m for _, m in outcomes.values()), outcomes
+    _check_whole(target, options, committed or [7])
+
+
+# ------------------------------------------------------------------ the claim itself
+
+
+def _location(server: MotoServer, prefix: str, **options):
+    return open_location(f"s3://{BUCKET}/{prefix}", options=s3_options(server.endpoint, **options))
+
+
+def test_a_claim_is_renewed_while_its_save_runs_and_refuses_others(server: MotoServer) -> None:
+    location = _location(server, "claims/renewed", save_lease_s=1.0)
+    claim, dead = PrefixClaim.take(location, "a" * 32)
+    try:
+        assert dead is None
+        time.sleep(2.5)  # past two leases: only renewals keep it alive
+        with pytest.raises(CheckpointingException, match="another save is writing there.*Nothing there was changed"):
+            PrefixClaim.take(location, "b" * 32)
+        claim.ensure_held()
+    finally:
+        claim.stop()
+
+
+def test_a_dead_claim_is_taken_over_and_its_save_does_not_commit(server: MotoServer) -> None:
+    location = _location(server, "claims/dead", save_lease_s=1.0)
+    first, _ = PrefixClaim.take(location, "a" * 32)
+    first.stop()  # the save hangs (or died): no renewal from here on
+    time.sleep(2.0)
+    second, dead = PrefixClaim.take(location, "b" * 32)
+    try:
+        assert dead is not None and dead.save_id == "a" * 32
+        with pytest.raises(CheckpointingException, match="Nothing was committed"):
+            first.ensure_held()
+        assert not first.owns_marker()
+        second.ensure_held()
+    finally:
+        second.stop()
+
+
+def test_a_save_whose_prefix_was_taken_over_commits_nothing_and_removes_nothing(
+    server: MotoServer, monkeypatch
+) -> None:
+    """While the save writes, another save takes the prefix over (this one's claim ran
+    out): the commit is refused, and its abandon leaves the other save's files alone."""
+    target = f"s3://{BUCKET}/claims/taken-over"
+    options = s3_options(server.endpoint)
+    location = open_location(target, options=options)
+    real_ensure = PrefixClaim.ensure_held
+
+    def taken_over_first(self: PrefixClaim) -> None:
+        self.stop()
+        writes = self.target.store.conditional_writes()
+        writes.put_if_version(SAVE_MARKER, b'{"save_id": "' + b"c" * 32 + b'"}', self._version)
+        location.write_bytes("theirs.bin", b"the other save's")
+        real_ensure(self)
+
+    monkeypatch.setattr(PrefixClaim, "ensure_held", taken_over_first)
+    with pytest.raises(CheckpointingException, match="another save took the prefix over"):
+        save(_state(1), location)
+    assert location.exists("theirs.bin") and location.exists("w0/zarr.json")
+    assert not location.exists("zarr.json")
+
+
+def test_saves_on_a_store_without_conditional_writes_still_commit(server: MotoServer) -> None:
+    location = _location(server, "claims/unconditional", conditional_writes=False)
+    save(_state(3), location)
+    with pytest.raises(CheckpointingException, match="already holds a committed checkpoint"):
+        save(_state(4), location)
+    save(_state(4), location, overwrite=True)
+    assert load_common_state_dict(location)["who"] == 4 and verify(location).ok

@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstore import CheckpointingException, ShardedTensor, load, load_common_state_dict, save, verify
+from shardstore import (
+    CheckpointingException,
+    ShardedTensor,
+    load,
+    load_common_state_dict,
+    save,
+    verify,
+)
 from shardstore.format.claims import PrefixClaim
 from shardstore.format.records import SAVE_MARKER
 from shardstore.stores.locations import open_location

@@ -1222,8 +1222,8 @@ class InPlace(Publisher):
                 target.remove_tree("", keep=(SAVE_MARKER,))
         except BaseException:
             claim.stop()
-            if not removing and claim.owns_marker():
-                target.remove(SAVE_MARKER)  # nothing removed or written: the prefix is as it was
+            if not removing:
+                _give_up_claim(claim)
             raise
         intent = SaveIntent(save_id, replaces, reuses, options.zarr_metadata,
                             pack_arrays_up_to=options.pack_arrays_up_to)
@@ -1261,6 +1261,18 @@ class InPlace(Publisher):
                 "begin it; please report it"
             )
         return self.claim
+
+
+def _give_up_claim(claim: PrefixClaim) -> None:
+    """Removes the marker of a save that failed before it removed or wrote anything, so
+    that the next save need not wait a lease; a failure to is logged (the claim then
+    lapses a lease later), the save's own error being the one raised."""
+    try:
+        if claim.owns_marker():
+            claim.target.remove(SAVE_MARKER)
+    except OSError as exc:
+        logger.warning("Could not remove the save marker of %s (the next save takes it over a lease later): %s",
+                       claim.target.describe(SAVE_MARKER), exc)
 
 
 def _name_replaced(claim: PrefixClaim, target: Location) -> None:

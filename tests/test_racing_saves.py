@@ -188,3 +188,36 @@ def test_saves_on_a_store_without_conditional_writes_still_commit(server: MotoSe
         save(_state(4), location)
     save(_state(4), location, overwrite=True)
     assert load_common_state_dict(location)["who"] == 4 and verify(location).ok
+
+
+def _save_then_die_before_commit(target: str, options: S3Options) -> None:
+    """Writes every chunk of a save, then is SIGKILLed where it would commit."""
+    import os
+    import signal
+
+    def die(self: PrefixClaim) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    PrefixClaim.ensure_held = die
+    save(_state(5), open_location(target, options=options))
+
+
+def test_a_save_killed_on_s3_is_waited_for_then_its_leftovers_are_removed(server: MotoServer) -> None:
+    """The killed save renewed by a 6 s lease; the next save, given 1 s, still waits 6 s
+    (a save's own lease, which its marker names, is the one it renews within)."""
+    target = f"s3://{BUCKET}/killed/ck"
+    options = s3_options(server.endpoint, save_lease_s=1.0)
+    ctx = _context()
+    victim = ctx.Process(target=_save_then_die_before_commit,
+                         args=(target, s3_options(server.endpoint, save_lease_s=6.0)))
+    victim.start()
+    victim.join(timeout=120)
+    assert victim.exitcode == -9
+    location = open_location(target, options=options)
+    assert location.exists("w0/zarr.json") and location.exists(SAVE_MARKER)
+    with pytest.raises(CheckpointingException, match="another save is writing there"):
+        save(_state(6), location)  # within its lease, a killed save looks like a running one
+    assert location.exists("w0/zarr.json")
+    time.sleep(6.5)
+    save(_state(6), location)
+    _check_whole(target, options, [6])

@@ -54,6 +54,7 @@ class OtherSave:
         host, pid: where that save ran, as its marker says (None where it does not).
         age_s: seconds since it was last written, by the store's clock.
         version: the store's version of it (``VersionedObject.version``).
+        lease_s: the lease its save renews it within, as the marker says (0: unsaid).
     """
 
     save_id: str | None
@@ -61,6 +62,12 @@ class OtherSave:
     pid: int | None
     age_s: float
     version: str
+    lease_s: float = 0.0
+
+    def alive(self, lease_s: float) -> bool:
+        """Whether its save may still be running: renewed within ``lease_s`` or within the
+        lease the marker names, whichever is longer (a save renews by its own lease)."""
+        return self.age_s < max(lease_s, self.lease_s)
 
     @classmethod
     def of(cls, found: VersionedObject) -> OtherSave:
@@ -69,9 +76,10 @@ class OtherSave:
         except (ValueError, RecursionError):
             fields = None
         fields = fields if isinstance(fields, dict) else {}
-        save_id, host, pid = fields.get("save_id"), fields.get("host"), fields.get("pid")
+        save_id, host, pid, lease = (fields.get(k) for k in ("save_id", "host", "pid", "lease_s"))
         return cls(save_id if isinstance(save_id, str) else None, host if isinstance(host, str) else None,
-                   pid if isinstance(pid, int) else None, found.age_s, found.version)
+                   pid if isinstance(pid, int) else None, found.age_s, found.version,
+                   float(lease) if isinstance(lease, (int, float)) and not isinstance(lease, bool) else 0.0)
 
     def describe(self) -> str:
         where = f" on {self.host}, pid {self.pid}" if self.host else ""
@@ -127,7 +135,7 @@ class PrefixClaim:
             if found is None:
                 continue  # its save finished or gave up between the two requests
             other = OtherSave.of(found)
-            if other.age_s < writes.lease_s:
+            if other.alive(writes.lease_s):
                 raise claim._refused(other)
             version = writes.put_if_version(SAVE_MARKER, claim._body(), other.version)
             if version is None:
@@ -157,7 +165,7 @@ class PrefixClaim:
             found = "another save took it over at the same moment"
         else:
             found = (f"another save is writing there ({other.describe()}; a claim renewed within "
-                     f"{self.writes.lease_s:.0f} s is a running save's)")
+                     f"{max(self.writes.lease_s, other.lease_s):.0f} s is a running save's)")
         return CheckpointingException(
             f"Not saving into {where}: {found}. Nothing there was changed. Wait for that save to finish and save "
             "again (overwrite=True to replace what it commits), or save to another prefix. A save that died "

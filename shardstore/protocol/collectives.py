@@ -27,7 +27,7 @@ whose kernel closes its connections is seen at once by the backend.
 from __future__ import annotations
 
 __all__ = [
-    "OWN_MESSAGE_BYTES", "Group", "PeerLost", "PreparedExchange", "RankFailure", "StageFailed", "WaitBudget",
+    "OWN_MESSAGE_BYTES", "SLOT_BYTES", "Group", "PeerLost", "PreparedExchange", "RankFailure", "StageFailed", "WaitBudget",
     "failure_message", "travels_packed",
 ]
 
@@ -35,7 +35,7 @@ import os
 import pickle
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -49,6 +49,12 @@ from shardstore.progress import current_operation
 
 # Byte order and width of the length that precedes each pickled message.
 _LENGTH_BYTES = 8
+
+# The bytes each rank's message gets in one call of ``Group.gather_to_answer``, and of a
+# scatter or broadcast of objects: what fits travels in one call, the size inside it
+# (a plan's records of a few hundred tensors, a commit's checksums); the rest in one
+# call more. The coordinator receives this much from every rank.
+SLOT_BYTES = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -206,27 +212,53 @@ class Group:
 
     def scatter_object(self, objs: list[Any] | None) -> Any:
         """The coordinator's ``objs[r]`` on group rank ``r`` (``objs`` is read on the
-        coordinator only): each rank receives its own part, not everyone's."""
+        coordinator only): each rank receives its own part, not everyone's. One
+        ``scatter`` when every part fits ``SLOT_BYTES``, else two."""
         if self.world_size == 1:
             return objs[0]
-        payloads = [self._encode(o) for o in objs] if self.is_coordinator and objs is not None else []
-        size = self._broadcast_size(max((p.numel() for p in payloads), default=0), "scatter")
-        out = torch.empty(size, dtype=torch.uint8, device=self.device)
-        parts = [self._padded(p, size) for p in payloads] if self.is_coordinator else None
-        work = dist.scatter(out, parts, src=self.global_rank(0), group=self.process_group, async_op=True)
-        self._wait("scatter", work)
-        return _decode(out)
+        parts = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs] if self.is_coordinator else None
+        return pickle.loads(self._deliver_bytes(parts, scatter=True)[0])  # noqa: S301  (a peer of this job's)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """``obj`` from group rank ``src`` on every rank."""
+        """``obj`` from group rank ``src`` on every rank: one ``broadcast`` when it fits
+        ``SLOT_BYTES``, else two."""
         if self.world_size == 1:
             return obj
-        payload = self._encode(obj) if self.rank == src else None
-        size = self._broadcast_size(payload.numel() if payload is not None else 0, "broadcast", src)
-        box = payload if payload is not None else torch.empty(size, dtype=torch.uint8, device=self.device)
-        self._wait("broadcast", dist.broadcast(box, src=self.global_rank(src), group=self.process_group,
-                                               async_op=True))
-        return _decode(box)
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == src else None
+        return pickle.loads(self._deliver_bytes(data, scatter=False, src=src)[0])  # noqa: S301
+
+    def gather_to_answer(
+        self, message: bytes, answer: Callable[[list[bytes]], bytes | list[bytes]], *, scatter: bool
+    ) -> bytes:
+        """Collective: every rank's ``message`` to the coordinator, whose ``answer`` of
+        them all (by group rank) comes back: one part per rank (``scatter``: rank r
+        receives part r) or one reply for every rank. Returns this rank's part.
+
+        Two calls (a ``gather`` and a ``scatter`` or ``broadcast`` of ``SLOT_BYTES``
+        per rank) when every message fits a slot: the sizes travel inside the slots,
+        not in calls of their own. A message beyond its slot costs two calls more (the
+        coordinator asks for the rest in its reply's slot), a reply beyond it one more.
+        ``answer`` runs on the coordinator only and must not raise: a failure travels
+        in its reply (``protocol.stage`` does so), or the peers wait for the timeout."""
+        if self.world_size == 1:
+            reply = answer([message])
+            return reply[0] if scatter else reply
+        _raise_if_lost(self.process_group)
+        framed = len(message).to_bytes(_LENGTH_BYTES, "little") + message
+        heads = self._gather_bytes(framed[:SLOT_BYTES], SLOT_BYTES)
+        if not self.is_coordinator:
+            while True:
+                part, rest = self._deliver_bytes(None, scatter=scatter)
+                if not rest:
+                    return part
+                self._gather_bytes(framed[SLOT_BYTES:], rest)  # the coordinator asked for the rest
+        sizes = [_LENGTH_BYTES + int.from_bytes(h[:_LENGTH_BYTES], "little") for h in heads]
+        rest = max(sizes) - SLOT_BYTES
+        if rest > 0:  # some message did not fit: everyone sends what its slot did not hold
+            self._deliver_bytes([b""] * self.world_size if scatter else b"", scatter=scatter, rest=rest)
+            heads = [h + r for h, r in zip(heads, self._gather_bytes(framed[SLOT_BYTES:], rest), strict=True)]
+        return self._deliver_bytes(answer([h[_LENGTH_BYTES:n] for h, n in zip(heads, sizes, strict=True)]),
+                                   scatter=scatter)[0]
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
         """Collective, in place: group rank ``src``'s ``tensor`` lands in every rank's
@@ -279,12 +311,57 @@ class Group:
         self._wait(what, dist.all_gather(sizes, mine, group=self.process_group, async_op=True))
         return [int(s.item()) for s in sizes]
 
-    def _broadcast_size(self, size: int, what: str, src: int = 0) -> int:
-        """Group rank ``src``'s ``size`` (bytes) on every rank."""
+    def _gather_bytes(self, data: bytes, size: int) -> list[bytes]:
+        """Collective: every rank's ``data`` (at most ``size`` bytes, zero-padded to it)
+        on the coordinator, by group rank (an empty list elsewhere)."""
+        out = ([torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
+               if self.is_coordinator else None)
+        work = dist.gather(self._padded(_on_device(data, self.device), size), out, dst=self.global_rank(0),
+                           group=self.process_group, async_op=True)
+        self._wait("gather", work)
+        return [_host_bytes(o) for o in out] if out is not None else []
+
+    def _deliver_bytes(
+        self, reply: bytes | list[bytes] | None, *, scatter: bool, src: int = 0, rest: int = 0
+    ) -> tuple[bytes, int]:
+        """Collective: group rank ``src``'s ``reply`` (read there only; one part per
+        rank to ``scatter``) on every rank, and ``rest``: how many bytes the sender asks
+        every rank to send it next (``gather_to_answer``). One call of ``SLOT_BYTES``;
+        a second one for what a slot did not hold, whose size every slot says."""
         _raise_if_lost(self.process_group)
-        box = torch.tensor([size], dtype=torch.int64, device=self.device)
-        self._wait(what, dist.broadcast(box, src=self.global_rank(src), group=self.process_group, async_op=True))
-        return int(box.item())
+        slot, tail = None, None
+        if self.rank == src:
+            parts = reply if scatter else [reply]
+            framed = [_framed(p, rest) for p in parts]
+            tail_bytes = max(len(f) for f in framed) - SLOT_BYTES + _LENGTH_BYTES
+            heads = [self._padded(_on_device(_with_tail(f[:SLOT_BYTES - _LENGTH_BYTES], tail_bytes), self.device),
+                                  SLOT_BYTES) for f in framed]
+            tails = [self._padded(_on_device(f[SLOT_BYTES - _LENGTH_BYTES:], self.device), max(tail_bytes, 0))
+                     for f in framed]
+            slot, tail = heads[0 if not scatter else self.rank], tails[0 if not scatter else self.rank]
+        head = self._one_call(slot, heads if self.rank == src else None, scatter, src)
+        tail_bytes = int.from_bytes(head[:_LENGTH_BYTES], "little", signed=True)
+        data = head[_LENGTH_BYTES:]
+        if tail_bytes > 0:
+            data += self._one_call(tail if self.rank == src else None, tails if self.rank == src else None,
+                                   scatter, src, size=tail_bytes)
+        rest_asked = int.from_bytes(data[:_LENGTH_BYTES], "little")
+        length = int.from_bytes(data[_LENGTH_BYTES:2 * _LENGTH_BYTES], "little")
+        return data[2 * _LENGTH_BYTES: 2 * _LENGTH_BYTES + length], rest_asked
+
+    def _one_call(
+        self, mine: torch.Tensor | None, parts: list[torch.Tensor] | None, scatter: bool, src: int,
+        size: int = SLOT_BYTES,
+    ) -> bytes:
+        """One ``scatter`` of ``parts`` or ``broadcast`` of ``mine`` (``size`` bytes
+        each) from group rank ``src``; what this rank received."""
+        box = mine if mine is not None and not scatter else torch.empty(size, dtype=torch.uint8, device=self.device)
+        if scatter:
+            work = dist.scatter(box, parts, src=self.global_rank(src), group=self.process_group, async_op=True)
+        else:
+            work = dist.broadcast(box, src=self.global_rank(src), group=self.process_group, async_op=True)
+        self._wait("scatter" if scatter else "broadcast", work)
+        return _host_bytes(box)
 
     def _encode(self, obj: Any) -> torch.Tensor:
         """``obj`` pickled, after its length, as bytes on the group's device."""
@@ -404,6 +481,27 @@ class PreparedExchange:
 
     ops: list[Any]
     landed: list[tuple[torch.Tensor, list[torch.Tensor]]]
+
+
+def _framed(data: bytes, rest: int) -> bytes:
+    """A reply as it travels: the rest asked for, its length, its bytes."""
+    return rest.to_bytes(_LENGTH_BYTES, "little") + len(data).to_bytes(_LENGTH_BYTES, "little") + data
+
+
+def _with_tail(head: bytes, tail_bytes: int) -> bytes:
+    """A slot: the size of the call that carries what the slot does not hold (0 or
+    less: none), then the head of the framed reply."""
+    return tail_bytes.to_bytes(_LENGTH_BYTES, "little", signed=True) + head
+
+
+def _on_device(data: bytes, device: torch.device) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def _host_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.cpu().numpy().tobytes()
 
 
 def _decode(message: torch.Tensor) -> Any:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 __all__ = ["Deliver", "Transfers", "every_rank_stopped", "raise_stage_failure", "run_stage"]
 
+import dataclasses
 import hashlib
 import pickle
 from collections.abc import Callable
@@ -100,9 +101,10 @@ def run_stage(
             ``reduce`` only); planned as part of the work, so a failure there is agreed
             as well, and run once every rank is known to have succeeded.
         same_setting: ``(name, value)`` of a setting every rank must pass alike (one
-            the stage's transfers depend on; stages without ``reduce`` only): carried
-            by the agreement's gather, so a rank that differs fails the stage on every
-            rank, naming each rank's value, before any transfer.
+            the stage's transfers depend on; stages without ``reduce`` only): its
+            digest rides the agreement (a dataclass's by the fields its ``==``
+            compares), so a rank that differs fails the stage on every rank, naming
+            each rank's value, before any transfer.
 
     Returns:
         This rank's part of the reduction, the broadcast result, or (without
@@ -162,8 +164,18 @@ def _agree(group: Group, error: BaseException | None, what: str, setting: tuple[
 
 
 def _digest(value: Any) -> int:
-    """A 62-bit digest of ``value`` (pickled), alike on every rank for equal values."""
-    return int.from_bytes(hashlib.blake2b(pickle.dumps(value, protocol=4), digest_size=8).digest(), "little") >> 2
+    """A 62-bit digest of ``value``, alike on every rank for equal values: pickled, a
+    dataclass by the fields its ``==`` compares."""
+    data = pickle.dumps(_compared(value), protocol=4)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
+
+
+def _compared(value: Any) -> Any:
+    """What ``==`` compares of ``value``: a dataclass's compared fields, else itself."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return type(value).__qualname__, tuple(
+            _compared(getattr(value, f.name)) for f in dataclasses.fields(value) if f.compare)
+    return value
 
 
 def every_rank_stopped(group: Group, error: BaseException) -> bool:

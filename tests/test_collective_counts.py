@@ -76,6 +76,12 @@ MAX_LOAD_WALKS = 3
 # commits (gather, broadcast); a load plans, agrees and exchanges.
 MAX_SAVE_CALLS = 6
 MAX_LOAD_CALLS = 6
+# A save that shares chunks with an earlier one makes the same calls. An async save adds the
+# queue's two all-reduces: which saves finished on every rank (before the commit), and
+# whether a finalize step failed on some rank only (after it; other libraries' steps run
+# there, whose failures no stage agrees on).
+MAX_REUSE_SAVE_CALLS = 6
+MAX_ASYNC_SAVE_CALLS = 8
 
 ROWS, COLS = 8, 6
 
@@ -260,6 +266,28 @@ def test_a_save_and_a_load_make_few_torch_distributed_calls(tmp_path: Path) -> N
     assert _most_calls(saved) <= MAX_SAVE_CALLS, [calls for _, _, calls in saved]
     assert _most_calls(loaded) <= MAX_LOAD_CALLS, [calls for _, _, calls in loaded]
     assert all(calls.get("batch_isend_irecv") == 1 for _, _, calls in saved + loaded)  # the counter sees the exchanges
+
+
+def async_and_reuse_saves_counted(rank: int, world: int, root: str) -> tuple[dict, dict]:
+    """The calls of an async save, committed by the queue, and of a save reusing its chunks."""
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
+    strategy = ZarrSaveShardedStrategy(max_chunk_bytes=2 * COLS * 4)
+    queue = AsyncCallsQueue()
+    with counting() as async_counts:
+        queue.schedule_async_request(save(state_dict(rank, world, empty=False), f"{root}/a", sharded_strategy=strategy,
+                                          async_sharded_save=True))
+        queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    with counting() as reuse_counts:
+        save(state_dict(rank, world, empty=False), f"{root}/b", sharded_strategy=strategy, reuse_from=f"{root}/a")
+    return dict(async_counts.calls), dict(reuse_counts.calls)
+
+
+def test_an_async_save_and_a_reusing_save_make_few_torch_distributed_calls(tmp_path: Path) -> None:
+    counted = run_distributed(async_and_reuse_saves_counted, 2, str(tmp_path))
+    assert max(sum(a.values()) for a, _ in counted) <= MAX_ASYNC_SAVE_CALLS, counted
+    assert max(sum(r.values()) for _, r in counted) <= MAX_REUSE_SAVE_CALLS, counted
 
 
 def _calls_inside_torch_object_collective(rank: int, world: int) -> dict:

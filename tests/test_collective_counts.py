@@ -290,6 +290,36 @@ def test_an_async_save_and_a_reusing_save_make_few_torch_distributed_calls(tmp_p
     assert max(sum(r.values()) for _, r in counted) <= MAX_REUSE_SAVE_CALLS, counted
 
 
+def many_tensors(rank: int, world: int, count: int) -> dict:
+    return {f"layer{i}": ShardedTensor.from_rank_offsets(f"layer{i}", torch.full((4, 8), float(i + rank)),
+                                                       (0, rank, world)) for i in range(count)}
+
+
+def saves_of_many_tensors_counted(rank: int, world: int, root: str) -> list[dict]:
+    """The calls of three saves of 500 tensors per rank (records and checksums beyond the
+    first slot), then of a load."""
+    calls = []
+    for step in range(3):
+        with counting() as counts:
+            save(many_tensors(rank, world, 500), f"{root}/{step}")
+        calls.append(dict(counts.calls))
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.empty(4, 8), (0, rank, world))
+               for k in many_tensors(rank, world, 500)}
+    with counting() as counts:
+        loaded = load(request, f"{root}/2")
+    assert all(torch.equal(t, many_tensors(rank, world, 500)[k].data) for k, t in loaded.items())
+    return [*calls, dict(counts.calls)]
+
+
+def test_a_group_that_saved_once_saves_many_tensors_in_few_calls(tmp_path: Path) -> None:
+    """The first save of large messages pays for its slot to grow; every later save and
+    load of the group fits it."""
+    for first, second, third, loaded in run_distributed(saves_of_many_tensors_counted, 2, str(tmp_path)):
+        assert sum(second.values()) < sum(first.values()) <= MAX_SAVE_CALLS + 3, first  # the slot grew
+        assert sum(second.values()) <= MAX_SAVE_CALLS and sum(third.values()) <= MAX_SAVE_CALLS, (second, third)
+        assert sum(loaded.values()) <= MAX_LOAD_CALLS, loaded
+
+
 def _calls_inside_torch_object_collective(rank: int, world: int) -> dict:
     with counting() as counts:
         dist.all_gather_object([None] * world, rank)
@@ -326,9 +356,9 @@ def test_a_failed_common_state_fails_every_rank_in_the_staging_stage(tmp_path: P
     assert not (tmp_path / "ckpt").exists()
 
 
-def _messages_beyond_their_slot(rank: int, world: int) -> tuple[list[bytes], Any, dict]:
+def _messages_beyond_their_slot(rank: int, world: int) -> tuple[list[bytes], Any, list[dict]]:
     """A gather whose messages outgrow the slot on one rank only, answered with parts
-    of which one outgrows it; then an object broadcast and scatter beyond it."""
+    of which one outgrows it, twice; then object broadcasts and a scatter."""
     from shardstore.protocol.collectives import SLOT_BYTES, Group
 
     group = Group()
@@ -338,21 +368,26 @@ def _messages_beyond_their_slot(rank: int, world: int) -> tuple[list[bytes], Any
     def answer(messages: list[bytes]) -> list[bytes]:
         return [m[::-1] + bytes([i]) * (i * SLOT_BYTES) for i, m in enumerate(messages)]
 
-    with counting() as counts:
-        part = group.gather_to_answer(message, answer, scatter=True)
+    calls, parts = [], []
+    for _ in range(2):
+        with counting() as counts:
+            parts.append(group.gather_to_answer(message, answer, scatter=True))
+        calls.append(dict(counts.calls))
+    assert parts[0] == parts[1]
     objects = (group.broadcast_object({"b": big} if rank == 1 else None, src=1),
-               group.scatter_object([big * 2, b"small"] if rank == 0 else None),
+               group.scatter_object([big * 8, b"small"] if rank == 0 else None),
                group.broadcast_object(rank, src=0))
-    return [part, message], objects, dict(counts.calls)
+    return [parts[0], message], objects, calls
 
 
-def test_messages_beyond_their_slot_arrive_whole() -> None:
+def test_messages_beyond_their_slot_arrive_whole_and_grow_it() -> None:
+    from shardstore.protocol.collectives import SLOT_BYTES
+
     results = run_distributed(_messages_beyond_their_slot, 2)
     for rank, ([part, message], objects, calls) in enumerate(results):
-        from shardstore.protocol.collectives import SLOT_BYTES
-
         assert part == message[::-1] + bytes([rank]) * (rank * SLOT_BYTES), rank
         big = bytes(range(256)) * (SLOT_BYTES // 128)
-        assert objects == ({"b": big}, [big * 2, b"small"][rank], 0), rank
-        # the rest of rank 1's message was asked for (a scatter and a gather more), the answer's tail too
-        assert calls == {"gather": 2, "scatter": 3}, calls
+        assert objects == ({"b": big}, [big * 8, b"small"][rank], 0), rank
+        # the rest of rank 1's message was asked for (a scatter and a gather more), the answer's tail too;
+        # then the group's slot holds them: one gather and one scatter
+        assert calls == [{"gather": 2, "scatter": 3}, {"gather": 1, "scatter": 1}], calls

@@ -1,12 +1,16 @@
-"""How many collectives and walks of the state dict one save and one load make (issue 24.4).
+"""How many collectives and walks of the state dict one save and one load make (issues 24.4, 64.4).
 
-A **collective** is one call, made by shardstore, of a ``torch.distributed`` function
-that talks to other ranks (``COUNTED_COLLECTIVES``: the object collectives, tensor
-collectives, barriers and one batch of point-to-point transfers; ``isend``/``irecv``
-are not wrapped, as ``P2POp`` checks their identity). Calls made inside such a
-function (``all_gather_object`` runs two ``all_gather``s, and so do ``Group``'s own
-object collectives, ``GROUP_OBJECT_COLLECTIVES``, which wait within a budget) are part
-of it, not counted again: what is counted is the round trips shardstore asks for.
+A **call** is one call of a ``torch.distributed`` primitive that talks to other ranks
+(``PRIMITIVE_COLLECTIVES``: tensor collectives, barriers and one batch of point-to-point
+transfers), wherever it is made: inside a protocol stage, inside ``Group``'s object
+collectives, inside ``torch.distributed``'s own object collectives (each of its
+primitives counts). Each is a latency on the critical path of every rank; at 1,000
+ranks they are what a save or a load waits for. ``isend``/``irecv`` are not wrapped,
+as ``P2POp`` checks their identity: a batch of them counts once.
+
+A **collective** is one round trip shardstore asks for (``COUNTED_COLLECTIVES`` and
+``Group``'s object collectives, ``GROUP_OBJECT_COLLECTIVES``): the calls made inside
+one are part of it, not counted again.
 
 A **walk** is one outermost call of a function that visits every leaf of the nested
 container it is given (``WALKERS``: the walkers of ``shardstore.dict_utils``, the
@@ -44,6 +48,11 @@ COUNTED_COLLECTIVES = (
     "all_gather", "gather", "scatter", "broadcast", "reduce", "barrier", "batch_isend_irecv", "send", "recv",
 )
 GROUP_OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "scatter_object", "broadcast_object")
+PRIMITIVE_COLLECTIVES = (
+    "all_gather", "all_gather_into_tensor", "gather", "scatter", "broadcast", "all_reduce", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv",
+    "send", "recv",
+)
 WALKERS = {
     "shardstore.dict_utils": (
         "extract_matching_values", "nested_values", "nested_items_iter", "dict_map", "dict_map_with_key",
@@ -62,14 +71,27 @@ MAX_SAVE_COLLECTIVES = 6
 MAX_SAVE_WALKS = 2
 MAX_LOAD_COLLECTIVES = 4
 MAX_LOAD_WALKS = 3
+# torch.distributed calls on the busiest rank (issue 64.4): a save plans (gather, scatter),
+# agrees before its straddle exchange (all_reduce), exchanges (batch_isend_irecv) and
+# commits (gather, broadcast); a load plans, agrees and exchanges.
+MAX_SAVE_CALLS = 6
+MAX_LOAD_CALLS = 6
+# A save that shares chunks with an earlier one makes the same calls. An async save adds the
+# queue's two all-reduces: which saves finished on every rank (before the commit), and
+# whether a finalize step failed on some rank only (after it; other libraries' steps run
+# there, whose failures no stage agrees on).
+MAX_REUSE_SAVE_CALLS = 6
+MAX_ASYNC_SAVE_CALLS = 8
 
 ROWS, COLS = 8, 6
 
 
 class Counts:
-    """What one rank counted: collectives by name, and the walks, by walker."""
+    """What one rank counted: ``torch.distributed`` calls and collectives by name, and
+    the walks, by walker."""
 
     def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
         self.collectives: Counter[str] = Counter()
         self.walks: Counter[str] = Counter()
         self._depth = 0
@@ -86,6 +108,13 @@ class Counts:
                 self._collective_depth -= 1
 
         return counted
+
+    def count_call(self, name: str, fn: Callable) -> Callable:
+        def called(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return called
 
     def count_walk(self, name: str, fn: Callable) -> Callable:
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -114,6 +143,12 @@ def counting() -> Iterator[Counts]:
         originals.append((owner, name, getattr(owner, name)))
         setattr(owner, name, wrapped)
 
+    from torch.distributed import distributed_c10d
+
+    for name in PRIMITIVE_COLLECTIVES:  # torch's object collectives call these from distributed_c10d
+        called = counts.count_call(name, getattr(distributed_c10d, name))
+        patch(distributed_c10d, name, called)
+        patch(dist, name, called)
     for name in COUNTED_COLLECTIVES:
         patch(dist, name, counts.count_collective(name, getattr(dist, name)))
     from shardstore.protocol.collectives import Group
@@ -166,15 +201,15 @@ def state_dict(rank: int, world: int, empty: bool) -> dict:
     }
 
 
-def save_counted(rank: int, world: int, ckpt: str) -> tuple[dict, dict]:
+def save_counted(rank: int, world: int, ckpt: str) -> tuple[dict, dict, dict]:
     sharded = state_dict(rank, world, empty=False)
     strategy = ZarrSaveShardedStrategy(max_chunk_bytes=2 * COLS * 4)  # 2-row chunks: one straddles
     with counting() as counts:
         save(sharded, ckpt, sharded_strategy=strategy)
-    return dict(counts.collectives), dict(counts.walks)
+    return dict(counts.collectives), dict(counts.walks), dict(counts.calls)
 
 
-def load_counted(rank: int, world: int, ckpt: str) -> tuple[dict, dict]:
+def load_counted(rank: int, world: int, ckpt: str) -> tuple[dict, dict, dict]:
     request = state_dict(rank, world, empty=True)
     with counting() as counts:
         loaded = load(request, ckpt)
@@ -183,11 +218,15 @@ def load_counted(rank: int, world: int, ckpt: str) -> tuple[dict, dict]:
     assert torch.equal(loaded["optimizer"][0]["exp_avg"], expected["optimizer"][0]["exp_avg"].data)
     assert torch.equal(loaded["model"]["factory"], torch.ones(2, 4))
     assert loaded["rng"] == {"seed": rank} and loaded["timers"] == rank and loaded["iteration"] == 7
-    return dict(counts.collectives), dict(counts.walks)
+    return dict(counts.collectives), dict(counts.walks), dict(counts.calls)
 
 
-def _most(results: list[tuple[dict, dict]]) -> tuple[int, int, list[tuple[dict, dict]]]:
-    return max(sum(c.values()) for c, _ in results), max(sum(w.values()) for _, w in results), results
+def _most(results: list[tuple[dict, dict, dict]]) -> tuple[int, int, list[tuple[dict, dict, dict]]]:
+    return max(sum(c.values()) for c, _, _ in results), max(sum(w.values()) for _, w, _ in results), results
+
+
+def _most_calls(results: list[tuple[dict, dict, dict]]) -> int:
+    return max(sum(calls.values()) for _, _, calls in results)
 
 
 def test_counting_sees_collectives_and_walks() -> None:
@@ -203,7 +242,7 @@ def test_counting_sees_collectives_and_walks() -> None:
         list(du.nested_values({"a": 1}))
         Group().barrier()  # no process group: no collective
     assert counts.walks == Counter({"dict_list_map_inplace": 1, "nested_values": 1})
-    assert counts.collectives == Counter()
+    assert counts.collectives == Counter() and counts.calls == Counter()
     assert du.dict_list_map_inplace is dict_list_map_inplace and du.nested_values is nested_values
 
 
@@ -216,6 +255,80 @@ def test_a_save_and_a_load_stay_within_their_collectives_and_walks(tmp_path: Pat
     assert load_collectives <= MAX_LOAD_COLLECTIVES, loaded
     assert load_walks <= MAX_LOAD_WALKS, loaded
     assert save_collectives > 0 and load_collectives > 0  # the counters saw the stages
+
+
+def test_a_save_and_a_load_make_few_torch_distributed_calls(tmp_path: Path) -> None:
+    """Every ``torch.distributed`` call counts, those inside a stage or an object
+    collective too: at most 6 on any rank for a save, and for a load."""
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_distributed(save_counted, 2, ckpt)
+    loaded = run_distributed(load_counted, 2, ckpt)
+    assert _most_calls(saved) <= MAX_SAVE_CALLS, [calls for _, _, calls in saved]
+    assert _most_calls(loaded) <= MAX_LOAD_CALLS, [calls for _, _, calls in loaded]
+    assert all(calls.get("batch_isend_irecv") == 1 for _, _, calls in saved + loaded)  # the counter sees the exchanges
+
+
+def async_and_reuse_saves_counted(rank: int, world: int, root: str) -> tuple[dict, dict]:
+    """The calls of an async save, committed by the queue, and of a save reusing its chunks."""
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
+    strategy = ZarrSaveShardedStrategy(max_chunk_bytes=2 * COLS * 4)
+    queue = AsyncCallsQueue()
+    with counting() as async_counts:
+        queue.schedule_async_request(save(state_dict(rank, world, empty=False), f"{root}/a", sharded_strategy=strategy,
+                                          async_sharded_save=True))
+        queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    with counting() as reuse_counts:
+        save(state_dict(rank, world, empty=False), f"{root}/b", sharded_strategy=strategy, reuse_from=f"{root}/a")
+    return dict(async_counts.calls), dict(reuse_counts.calls)
+
+
+def test_an_async_save_and_a_reusing_save_make_few_torch_distributed_calls(tmp_path: Path) -> None:
+    counted = run_distributed(async_and_reuse_saves_counted, 2, str(tmp_path))
+    assert max(sum(a.values()) for a, _ in counted) <= MAX_ASYNC_SAVE_CALLS, counted
+    assert max(sum(r.values()) for _, r in counted) <= MAX_REUSE_SAVE_CALLS, counted
+
+
+def many_tensors(rank: int, world: int, count: int) -> dict:
+    return {f"layer{i}": ShardedTensor.from_rank_offsets(f"layer{i}", torch.full((4, 8), float(i + rank)),
+                                                       (0, rank, world)) for i in range(count)}
+
+
+def saves_of_many_tensors_counted(rank: int, world: int, root: str) -> list[dict]:
+    """The calls of three saves of 500 tensors per rank (records and checksums beyond the
+    first slot), then of a load."""
+    calls = []
+    for step in range(3):
+        with counting() as counts:
+            save(many_tensors(rank, world, 500), f"{root}/{step}")
+        calls.append(dict(counts.calls))
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.empty(4, 8), (0, rank, world))
+               for k in many_tensors(rank, world, 500)}
+    with counting() as counts:
+        loaded = load(request, f"{root}/2")
+    assert all(torch.equal(t, many_tensors(rank, world, 500)[k].data) for k, t in loaded.items())
+    return [*calls, dict(counts.calls)]
+
+
+def test_a_group_that_saved_once_saves_many_tensors_in_few_calls(tmp_path: Path) -> None:
+    """The first save of large messages pays for its slot to grow; every later save and
+    load of the group fits it."""
+    for first, second, third, loaded in run_distributed(saves_of_many_tensors_counted, 2, str(tmp_path)):
+        assert sum(second.values()) < sum(first.values()) <= MAX_SAVE_CALLS + 3, first  # the slot grew
+        assert sum(second.values()) <= MAX_SAVE_CALLS and sum(third.values()) <= MAX_SAVE_CALLS, (second, third)
+        assert sum(loaded.values()) <= MAX_LOAD_CALLS, loaded
+
+
+def _calls_inside_torch_object_collective(rank: int, world: int) -> dict:
+    with counting() as counts:
+        dist.all_gather_object([None] * world, rank)
+    return dict(counts.calls)
+
+
+def test_a_torch_object_collective_counts_each_call_it_makes() -> None:
+    for calls in run_distributed(_calls_inside_torch_object_collective, 2):
+        assert calls == {"all_gather": 2}, calls  # the sizes, then the objects
 
 
 def save_with_failing_common_state(rank: int, world: int, ckpt: str) -> str:
@@ -241,3 +354,40 @@ def test_a_failed_common_state_fails_every_rank_in_the_staging_stage(tmp_path: P
     assert "failed on rank(s) 0" in errors[0] and "Saving the common state" in errors[0], errors
     assert "No space left on device" in errors[0], errors
     assert not (tmp_path / "ckpt").exists()
+
+
+def _messages_beyond_their_slot(rank: int, world: int) -> tuple[list[bytes], Any, list[dict]]:
+    """A gather whose messages outgrow the slot on one rank only, answered with parts
+    of which one outgrows it, twice; then object broadcasts and a scatter."""
+    from shardstore.protocol.collectives import SLOT_BYTES, Group
+
+    group = Group()
+    big = bytes(range(256)) * (SLOT_BYTES // 128)
+    message = big + bytes([rank]) if rank == 1 else bytes([rank])
+
+    def answer(messages: list[bytes]) -> list[bytes]:
+        return [m[::-1] + bytes([i]) * (i * SLOT_BYTES) for i, m in enumerate(messages)]
+
+    calls, parts = [], []
+    for _ in range(2):
+        with counting() as counts:
+            parts.append(group.gather_to_answer(message, answer, scatter=True))
+        calls.append(dict(counts.calls))
+    assert parts[0] == parts[1]
+    objects = (group.broadcast_object({"b": big} if rank == 1 else None, src=1),
+               group.scatter_object([big * 8, b"small"] if rank == 0 else None),
+               group.broadcast_object(rank, src=0))
+    return [parts[0], message], objects, calls
+
+
+def test_messages_beyond_their_slot_arrive_whole_and_grow_it() -> None:
+    from shardstore.protocol.collectives import SLOT_BYTES
+
+    results = run_distributed(_messages_beyond_their_slot, 2)
+    for rank, ([part, message], objects, calls) in enumerate(results):
+        assert part == message[::-1] + bytes([rank]) * (rank * SLOT_BYTES), rank
+        big = bytes(range(256)) * (SLOT_BYTES // 128)
+        assert objects == ({"b": big}, [big * 8, b"small"][rank], 0), rank
+        # the rest of rank 1's message was asked for (a scatter and a gather more), the answer's tail too;
+        # then the group's slot holds them: one gather and one scatter
+        assert calls == [{"gather": 2, "scatter": 3}, {"gather": 1, "scatter": 1}], calls

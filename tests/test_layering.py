@@ -205,6 +205,24 @@ def test_the_doors_reach_lower_layers_only_through_their_packages() -> None:
     assert {f"shardstore.{p}" for p in ENTRY_PACKAGES if p != "planning"} <= used  # the rule has teeth
 
 
+# The save and load machinery below the api: the doors call the api for it (DESIGN.md).
+MACHINERY_PACKAGES = ("planning", "protocol", "execution")
+# Issue 64.4: the import statements by which the doors still reach the machinery (the DCP
+# writer composes a save: ``execution`` and ``protocol``; the array writer opens a save
+# pipeline; the manager agrees on its save decision across ranks).
+MAX_DOOR_MACHINERY_IMPORTS = 4
+
+
+def test_the_doors_reach_the_machinery_in_few_imports() -> None:
+    """Every import statement of a door (the tools layer) from ``planning``,
+    ``protocol`` or ``execution`` counts once, whatever it names; what a door needs of
+    them belongs behind the api."""
+    found = _imported_names()
+    statements = sorted({(door, line) for door, imports in found.items() for module, _, line in imports
+                         if layer_of(module) in MACHINERY_PACKAGES})
+    assert len(statements) <= MAX_DOOR_MACHINERY_IMPORTS, statements
+
+
 @pytest.mark.parametrize("package", ENTRY_PACKAGES)
 def test_an_entry_package_offers_exactly_its_all(package: str) -> None:
     """An entry package offers the names of its ``__all__`` and nothing else (resolving

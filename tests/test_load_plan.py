@@ -102,8 +102,9 @@ def _load_counting_collectives(rank: int, world: int, ckpt: str) -> dict:
     tensors this rank read from storage."""
     import shardstore.execution.load as load_execution
 
-    calls: dict[str, int] = {"all_gather_object": 0, "gather_object": 0, "scatter_object": 0, "read": 0}
-    originals = {name: getattr(Group, name) for name in ("all_gather_object", "gather_object", "scatter_object")}
+    names = ("all_gather_object", "gather_object", "scatter_object", "gather_to_answer", "reduce_over_ranks")
+    calls: dict[str, int] = dict.fromkeys(names, 0) | {"read": 0}
+    originals = {name: getattr(Group, name) for name in names}
 
     def counting(name):
         def wrapper(self, *args, **kwargs):
@@ -140,8 +141,9 @@ def test_a_load_gathers_once_and_each_replica_reads_its_share(ckpt_dir: Path) ->
     run_distributed(_save_replicated, 2, str(ckpt_dir))
     calls = run_distributed(_load_counting_collectives, 4, str(ckpt_dir))
     for rank, c in enumerate(calls):
-        # one gather + one scatter (the plan), one all-gather (the read's agreement)
-        assert (c["gather_object"], c["scatter_object"], c["all_gather_object"]) == (1, 1, 1), (rank, c)
+        # one gather answered by a scatter (the plan), one all-reduce (the read's agreement)
+        assert (c["gather_to_answer"], c["reduce_over_ranks"]) == (1, 1), (rank, c)
+        assert c["gather_object"] == c["scatter_object"] == c["all_gather_object"] == 0, (rank, c)
         assert c["read"] == 2, (rank, c)  # 8 replicated tensors over 4 ranks
 
 

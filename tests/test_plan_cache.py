@@ -8,7 +8,6 @@ never cached. Real gloo groups of 2 and 4 ranks (``protocol.plan_cache``)."""
 from __future__ import annotations
 
 import logging
-import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -85,21 +84,21 @@ def traffic() -> Iterator[Traffic]:
     import shardstore.strategies.zarr as zarr_strategy
 
     seen = Traffic()
-    gather, planner = Group.gather_object, zarr_strategy.plan_save
+    gather, planner = Group.gather_to_answer, zarr_strategy.plan_save
 
-    def recorded_gather(self: Group, obj: Any) -> list[Any]:
-        seen.gathered.append(pickle.dumps(obj))
-        return gather(self, obj)
+    def recorded_gather(self: Group, message: bytes, *args: Any, **kwargs: Any) -> Any:
+        seen.gathered.append(message)
+        return gather(self, message, *args, **kwargs)
 
     def counted_planner(*args: Any, **kwargs: Any) -> Any:
         seen.plans += 1
         return planner(*args, **kwargs)
 
-    Group.gather_object, zarr_strategy.plan_save = recorded_gather, counted_planner
+    Group.gather_to_answer, zarr_strategy.plan_save = recorded_gather, counted_planner
     try:
         yield seen
     finally:
-        Group.gather_object, zarr_strategy.plan_save = gather, planner
+        Group.gather_to_answer, zarr_strategy.plan_save = gather, planner
 
 
 def loaded(rank: int, world: int, ckpt: str, private_len: int = 3) -> dict:

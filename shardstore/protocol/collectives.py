@@ -27,7 +27,7 @@ whose kernel closes its connections is seen at once by the backend.
 from __future__ import annotations
 
 __all__ = [
-    "OWN_MESSAGE_BYTES", "Group", "PeerLost", "PreparedExchange", "RankFailure", "StageFailed", "WaitBudget",
+    "OWN_MESSAGE_BYTES", "SLOTS_BYTES", "SLOT_BYTES", "Group", "PeerLost", "PreparedExchange", "RankFailure", "StageFailed", "WaitBudget",
     "failure_message", "travels_packed",
 ]
 
@@ -35,7 +35,7 @@ import os
 import pickle
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -49,6 +49,17 @@ from shardstore.progress import current_operation
 
 # Byte order and width of the length that precedes each pickled message.
 _LENGTH_BYTES = 8
+
+# The bytes each rank's message gets in one call of ``Group.gather_to_answer``, and of a
+# scatter or broadcast of objects, at first: what fits travels in one call, the size
+# inside it; the rest in one call more. A group's slot then grows to the largest message
+# its ranks exchanged (a plan's records of a few thousand tensors, a commit's checksums),
+# told to every rank inside the reply they all receive, so the next save fits; within
+# SLOTS_BYTES over all ranks, what the coordinator receives in one call.
+SLOT_BYTES = 16 << 10
+SLOTS_BYTES = 64 << 20
+# Each process group's slot (``_group_key``), as its ranks last agreed on it.
+_SLOTS: dict[Any, int] = {}
 
 
 @dataclass(frozen=True)
@@ -206,27 +217,61 @@ class Group:
 
     def scatter_object(self, objs: list[Any] | None) -> Any:
         """The coordinator's ``objs[r]`` on group rank ``r`` (``objs`` is read on the
-        coordinator only): each rank receives its own part, not everyone's."""
+        coordinator only): each rank receives its own part, not everyone's. One
+        ``scatter`` when every part fits the group's slot (``SLOT_BYTES`` at first),
+        else two."""
         if self.world_size == 1:
             return objs[0]
-        payloads = [self._encode(o) for o in objs] if self.is_coordinator and objs is not None else []
-        size = self._broadcast_size(max((p.numel() for p in payloads), default=0), "scatter")
-        out = torch.empty(size, dtype=torch.uint8, device=self.device)
-        parts = [self._padded(p, size) for p in payloads] if self.is_coordinator else None
-        work = dist.scatter(out, parts, src=self.global_rank(0), group=self.process_group, async_op=True)
-        self._wait("scatter", work)
-        return _decode(out)
+        parts = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs] if self.is_coordinator else None
+        return pickle.loads(self._deliver_bytes(parts, scatter=True)[0])  # noqa: S301  (a peer of this job's)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """``obj`` from group rank ``src`` on every rank."""
+        """``obj`` from group rank ``src`` on every rank: one ``broadcast`` when it fits
+        the group's slot, else two."""
         if self.world_size == 1:
             return obj
-        payload = self._encode(obj) if self.rank == src else None
-        size = self._broadcast_size(payload.numel() if payload is not None else 0, "broadcast", src)
-        box = payload if payload is not None else torch.empty(size, dtype=torch.uint8, device=self.device)
-        self._wait("broadcast", dist.broadcast(box, src=self.global_rank(src), group=self.process_group,
-                                               async_op=True))
-        return _decode(box)
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == src else None
+        return pickle.loads(self._deliver_bytes(data, scatter=False, src=src)[0])  # noqa: S301
+
+    def gather_to_answer(
+        self, message: bytes, answer: Callable[[list[bytes]], bytes | list[bytes]], *, scatter: bool
+    ) -> bytes:
+        """Collective: every rank's ``message`` to the coordinator, whose ``answer`` of
+        them all (by group rank) comes back: one part per rank (``scatter``: rank r
+        receives part r) or one reply for every rank. Returns this rank's part.
+
+        Two calls (a ``gather`` and a ``scatter`` or ``broadcast`` of the group's slot
+        per rank) when every message fits a slot: the sizes travel inside the slots,
+        not in calls of their own. A message beyond its slot costs two calls more (the
+        coordinator asks for the rest in its reply's slot), a reply beyond it one more;
+        the slot then grows for the next call (``SLOT_BYTES``).
+        ``answer`` runs on the coordinator only and must not raise: a failure travels
+        in its reply (``protocol.stage`` does so), or the peers wait for the timeout."""
+        if self.world_size == 1:
+            reply = answer([message])
+            return reply[0] if scatter else reply
+        _raise_if_lost(self.process_group)
+        framed = len(message).to_bytes(_LENGTH_BYTES, "little") + message
+        slot = self.slot_bytes()
+        heads = self._gather_bytes(framed[:slot], slot)
+        if not self.is_coordinator:
+            while True:
+                part, rest = self._deliver_bytes(None, scatter=scatter)
+                if not rest:
+                    return part
+                self._gather_bytes(framed[slot:], rest)  # the coordinator asked for the rest
+        sizes = [_LENGTH_BYTES + int.from_bytes(h[:_LENGTH_BYTES], "little") for h in heads]
+        rest = max(sizes) - slot
+        if rest > 0:  # some message did not fit: everyone sends what its slot did not hold
+            self._deliver_bytes([b""] * self.world_size if scatter else b"", scatter=scatter, rest=rest)
+            heads = [h + r for h, r in zip(heads, self._gather_bytes(framed[slot:], rest), strict=True)]
+        reply = answer([h[_LENGTH_BYTES:n] for h, n in zip(heads, sizes, strict=True)])
+        return self._deliver_bytes(reply, scatter=scatter, grow_to=max(sizes))[0]
+
+    def slot_bytes(self) -> int:
+        """The bytes each rank's message gets in one call of ``gather_to_answer`` and
+        of an object scatter or broadcast, alike on every rank of the group (``SLOT_BYTES``)."""
+        return _SLOTS.get(_group_key(self.process_group), SLOT_BYTES)
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
         """Collective, in place: group rank ``src``'s ``tensor`` lands in every rank's
@@ -279,12 +324,68 @@ class Group:
         self._wait(what, dist.all_gather(sizes, mine, group=self.process_group, async_op=True))
         return [int(s.item()) for s in sizes]
 
-    def _broadcast_size(self, size: int, what: str, src: int = 0) -> int:
-        """Group rank ``src``'s ``size`` (bytes) on every rank."""
+    def _gather_bytes(self, data: bytes, size: int) -> list[bytes]:
+        """Collective: every rank's ``data`` (at most ``size`` bytes, zero-padded to it)
+        on the coordinator, by group rank (an empty list elsewhere)."""
+        out = ([torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
+               if self.is_coordinator else None)
+        work = dist.gather(self._padded(_on_device(data, self.device), size), out, dst=self.global_rank(0),
+                           group=self.process_group, async_op=True)
+        self._wait("gather", work)
+        return [_host_bytes(o) for o in out] if out is not None else []
+
+    def _deliver_bytes(
+        self, reply: bytes | list[bytes] | None, *, scatter: bool, src: int = 0, rest: int = 0, grow_to: int = 0
+    ) -> tuple[bytes, int]:
+        """Collective: group rank ``src``'s ``reply`` (read there only; one part per
+        rank to ``scatter``) on every rank, and ``rest``: how many bytes the sender asks
+        every rank to send it next (``gather_to_answer``). One call of the group's slot;
+        a second one for what a slot did not hold, whose size every slot says, as it
+        says the slot every rank uses from then on (grown to fit ``grow_to`` bytes and
+        this reply, within ``SLOTS_BYTES``)."""
         _raise_if_lost(self.process_group)
-        box = torch.tensor([size], dtype=torch.int64, device=self.device)
-        self._wait(what, dist.broadcast(box, src=self.global_rank(src), group=self.process_group, async_op=True))
-        return int(box.item())
+        slot = self.slot_bytes()
+        mine = tail = heads = tails = None
+        if self.rank == src:
+            parts = reply if scatter else [reply]
+            framed = [_framed(p, rest) for p in parts]
+            longest = max(len(f) for f in framed) + _SLOT_HEADER_BYTES
+            tail_bytes = longest - slot
+            header = _slot_header(tail_bytes, self._grown(slot, max(longest, grow_to)))
+            body = slot - _SLOT_HEADER_BYTES
+            heads = [self._padded(_on_device(header + f[:body], self.device), slot) for f in framed]
+            tails = [self._padded(_on_device(f[body:], self.device), max(tail_bytes, 0)) for f in framed]
+            mine, tail = heads[self.rank if scatter else 0], tails[self.rank if scatter else 0]
+        head = self._one_call(mine, heads, scatter, src, slot)
+        tail_bytes = int.from_bytes(head[:_LENGTH_BYTES], "little", signed=True)
+        next_slot = int.from_bytes(head[_LENGTH_BYTES:_SLOT_HEADER_BYTES], "little")
+        data = head[_SLOT_HEADER_BYTES:]
+        if tail_bytes > 0:
+            data += self._one_call(tail, tails, scatter, src, tail_bytes)
+        _SLOTS[_group_key(self.process_group)] = next_slot  # every rank of the group read the same
+        rest_asked = int.from_bytes(data[:_LENGTH_BYTES], "little")
+        length = int.from_bytes(data[_LENGTH_BYTES:2 * _LENGTH_BYTES], "little")
+        return data[2 * _LENGTH_BYTES: 2 * _LENGTH_BYTES + length], rest_asked
+
+    def _grown(self, slot: int, needed: int) -> int:
+        """The slot after a call that needed ``needed`` bytes of it: the next power of
+        two that holds them, never smaller than ``slot``, within ``SLOTS_BYTES`` over
+        the group's ranks."""
+        most = max(SLOT_BYTES, SLOTS_BYTES // self.world_size)
+        return max(slot, min(1 << max(needed - 1, 1).bit_length(), most))
+
+    def _one_call(
+        self, mine: torch.Tensor | None, parts: list[torch.Tensor] | None, scatter: bool, src: int, size: int,
+    ) -> bytes:
+        """One ``scatter`` of ``parts`` or ``broadcast`` of ``mine`` (``size`` bytes
+        each) from group rank ``src``; what this rank received."""
+        box = mine if mine is not None and not scatter else torch.empty(size, dtype=torch.uint8, device=self.device)
+        if scatter:
+            work = dist.scatter(box, parts, src=self.global_rank(src), group=self.process_group, async_op=True)
+        else:
+            work = dist.broadcast(box, src=self.global_rank(src), group=self.process_group, async_op=True)
+        self._wait("scatter" if scatter else "broadcast", work)
+        return _host_bytes(box)
 
     def _encode(self, obj: Any) -> torch.Tensor:
         """``obj`` pickled, after its length, as bytes on the group's device."""
@@ -404,6 +505,30 @@ class PreparedExchange:
 
     ops: list[Any]
     landed: list[tuple[torch.Tensor, list[torch.Tensor]]]
+
+
+def _framed(data: bytes, rest: int) -> bytes:
+    """A reply as it travels: the rest asked for, its length, its bytes."""
+    return rest.to_bytes(_LENGTH_BYTES, "little") + len(data).to_bytes(_LENGTH_BYTES, "little") + data
+
+
+_SLOT_HEADER_BYTES = 2 * _LENGTH_BYTES
+
+
+def _slot_header(tail_bytes: int, next_slot: int) -> bytes:
+    """What a delivered slot starts with: the size of the call that carries what the
+    slot does not hold (0 or less: none), and the group's slot from then on."""
+    return tail_bytes.to_bytes(_LENGTH_BYTES, "little", signed=True) + next_slot.to_bytes(_LENGTH_BYTES, "little")
+
+
+def _on_device(data: bytes, device: torch.device) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def _host_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.cpu().numpy().tobytes()
 
 
 def _decode(message: torch.Tensor) -> Any:

@@ -16,9 +16,12 @@ A stage, in order (PyTorch DCP's ``_DistWrapper`` plays the same part):
                              planned with the work, so a failure in planning them is
                              agreed as well
 
-Collectives: a stage without a reduction agrees with one all-gather of failures; with a
-reduction, the gather and the scatter or broadcast carry the failures as well, so
-agreement costs nothing more. Transfers add one batch of point-to-point messages.
+Collectives (``torch.distributed`` calls): a stage without a reduction agrees with one
+all-reduce of a failure flag and the setting's digest (a failure, or settings that
+differ, then gather every rank's to name them); with a reduction, one gather and one
+scatter or broadcast (``Group.gather_to_answer``: sizes ride inside the messages) carry
+the failures as well, so agreement costs nothing more. Transfers add one batch of
+point-to-point messages.
 
 Every collective of a save and a load goes through here, Megatron-Core's direct
 collective APIs (``validation.validate_common_state_dict``,
@@ -42,6 +45,8 @@ from __future__ import annotations
 
 __all__ = ["Deliver", "Transfers", "every_rank_stopped", "raise_stage_failure", "run_stage"]
 
+import dataclasses
+import hashlib
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,9 +101,10 @@ def run_stage(
             ``reduce`` only); planned as part of the work, so a failure there is agreed
             as well, and run once every rank is known to have succeeded.
         same_setting: ``(name, value)`` of a setting every rank must pass alike (one
-            the stage's transfers depend on; stages without ``reduce`` only): carried
-            by the agreement's gather, so a rank that differs fails the stage on every
-            rank, naming each rank's value, before any transfer.
+            the stage's transfers depend on; stages without ``reduce`` only): its
+            digest rides the agreement (a dataclass's by the fields its ``==``
+            compares), so a rank that differs fails the stage on every rank, naming
+            each rank's value, before any transfer.
 
     Returns:
         This rank's part of the reduction, the broadcast result, or (without
@@ -131,25 +137,45 @@ def run_stage(
 
 
 def _agree(group: Group, error: BaseException | None, what: str, setting: tuple[str, Any] | None = None) -> None:
-    """Collective (one all-gather of failures, each beside the rank's ``setting``):
-    raises the same ``StageFailed`` on every rank when any rank failed, so a failure on
-    one rank is a clear error on all of them instead of a hang, or when the ranks'
-    settings differ."""
+    """Collective (one all-reduce of a failure flag and the digest of the rank's
+    ``setting``; then, only when a rank failed or the settings differ, one all-gather
+    of what each rank had): raises the same ``StageFailed`` on every rank when any rank
+    failed, so a failure on one rank is a clear error on all of them instead of a hang,
+    or when the ranks' settings differ."""
     if group.world_size == 1:
         if error is not None:
             raise_stage_failure(group, what, error)
         return
     local = None if error is None else RankFailure.from_exception(group.rank, error)
+    digest = 0 if setting is None else _digest(setting[1])
+    failed, highest, lowest = group.reduce_over_ranks([int(local is not None), digest, -digest], "max", what)
+    if not failed and highest == -lowest:
+        return
+    # every rank learned the same: all of them gather what each had, to name it
     gathered = group.all_gather_object((local, None if setting is None else setting[1]))
     failures = [f for f, _ in gathered if f is not None]
     if failures:
         raise StageFailed(failure_message(failures, what)) from error
     values = [value for _, value in gathered]
-    if setting is not None and any(value != values[0] for value in values):
-        each = ", ".join(f"rank {rank}: {value!r}" for rank, value in enumerate(values))
-        raise StageFailed(
-            f"{what} failed: the ranks passed different {setting[0]} ({each}); pass every rank the same value"
-        )
+    each = ", ".join(f"rank {rank}: {value!r}" for rank, value in enumerate(values))
+    raise StageFailed(
+        f"{what} failed: the ranks passed different {setting[0]} ({each}); pass every rank the same value"
+    )
+
+
+def _digest(value: Any) -> int:
+    """A 62-bit digest of ``value``, alike on every rank for equal values: pickled, a
+    dataclass by the fields its ``==`` compares."""
+    data = pickle.dumps(_compared(value), protocol=4)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
+
+
+def _compared(value: Any) -> Any:
+    """What ``==`` compares of ``value``: a dataclass's compared fields, else itself."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return type(value).__qualname__, tuple(
+            _compared(getattr(value, f.name)) for f in dataclasses.fields(value) if f.compare)
+    return value
 
 
 def every_rank_stopped(group: Group, error: BaseException) -> bool:
@@ -182,17 +208,22 @@ def _reduce_on_coordinator(
     if group.world_size == 1:
         return _reduce_alone(group, what, result, error, reduce, deliver)
     mine = RankFailure.from_exception(group.rank, error) if error is not None else result
-    gathered = [_unpack(group, g) for g in group.gather_object(_pack_result(group, mine))]
-    delivery, cause = None, error
-    if group.is_coordinator:
+    coordinator_errors: list[Exception] = []
+
+    def answer(messages: list[bytes]) -> Any:
+        try:
+            gathered = [_unpack(group, m) for m in messages]
+        except Exception as exc:  # told to every rank by the delivery, as the reduction's own failure
+            coordinator_errors.append(exc)
+            return _failure_delivery(group, _coordinator_failure(what, exc), deliver)
         delivery, coordinator_error = _delivery(group, what, gathered, reduce, deliver)
-        cause = cause or coordinator_error
-    if deliver is Deliver.SCATTER:
-        message, part = _unpack(group, group.scatter_object(delivery))
-    else:
-        message, part = _unpack(group, group.broadcast_object(delivery))
+        coordinator_errors.extend([coordinator_error] if coordinator_error is not None else [])
+        return delivery
+
+    reply = group.gather_to_answer(_pack_result(group, mine), answer, scatter=deliver is Deliver.SCATTER)
+    message, part = _unpack(group, reply)
     if message is not None:
-        raise StageFailed(message) from cause
+        raise StageFailed(message) from (error or (coordinator_errors[0] if coordinator_errors else None))
     return part
 
 

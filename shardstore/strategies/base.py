@@ -165,6 +165,12 @@ class LoadShardedStrategy(LoadStrategyBase):
         group when it was given one. Default: plain ``load``."""
         return self.load(sharded_state_dict, location)
 
+    def load_alone(self, sharded_state_dict: ShardedStateDict, location: Any, record: Any) -> StateDict:
+        """``load_with_record`` in this process alone: no collective, whatever process
+        group is initialized (for what any one process may run, such as a conversion
+        reading a checkpoint's arrays batch by batch)."""
+        return self.load_with_record(sharded_state_dict, location, record, Group.local())
+
     def plan_load(self, layout: GlobalLayout, record: Any = None) -> list[Any]:
         """Coordinator: every rank's read plan for the gathered requests (index = group
         rank; ``shardstore.planning.plans``), given the checkpoint's commit record where

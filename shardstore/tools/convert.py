@@ -103,7 +103,6 @@ from shardstore.other_formats import (
     sparse_list_index,
     write_safetensors,
 )
-from shardstore.protocol import Group
 from shardstore.stores import Location
 
 DEFAULT_MEMORY_BYTES = 2**30
@@ -158,7 +157,7 @@ def read_arrays(
             )
             for a in batch
         }
-        loaded = strategy.load_with_record(request, location, record, Group.local())
+        loaded = strategy.load_alone(request, location, record)
         for array in batch:
             yield array.key, loaded.pop(array.key)
 

@@ -272,7 +272,7 @@ def test_async_saves_at_two_ranks_commit_in_order_and_prune_after_commit(tmp_pat
 def _wait_for_background_writes(manager: CheckpointManager, timeout: float = 30) -> None:
     """Until this rank's background writes of the async saves in flight are done."""
     deadline = time.monotonic() + timeout
-    while any(not future.done() for _, _, future in manager._queue._pending):
+    while any(not future.done() for _, _, future in manager._saves._queue._pending):
         assert time.monotonic() < deadline, "the background writes did not finish"
         time.sleep(0.02)
 

@@ -690,6 +690,8 @@ def test_the_guides_training_loop_restarts_where_it_stopped(tmp_path: Path) -> N
         assert namespace["manager"].latest_step() == total_steps - 1
         assert namespace["weight"].tolist() == [total_steps] * 4  # each step trained once
         assert namespace["state"]["steps_trained"] == total_steps
+        scheduler = namespace["scheduler"]  # Stateful items, restored by resume: the optimizer's lr too
+        assert scheduler.last_epoch == total_steps and scheduler.get_last_lr() == [0.1 * 0.5 ** (total_steps // 1000)]
     assert CheckpointManager(tmp_path / "run1").all_steps() == [0, 1000, 2000, 3000]
 
 

@@ -31,7 +31,13 @@ from shardstore.protocol import Group
 from shardstore.stores import Location
 from shardstore.tools.manager.deletion import StepDeletion
 from shardstore.tools.manager.options import MANAGER_STATE_KEY, CheckpointManagerOptions, Metrics
-from shardstore.tools.manager.resume import Resumed
+from shardstore.tools.manager.resume import (
+    Resumed,
+    put_back,
+    requested_item,
+    saved_item,
+    with_items,
+)
 from shardstore.tools.manager.retention import Retention, checked_metrics, score
 from shardstore.tools.manager.saving import SaveRunner
 from shardstore.tools.manager.schedule import SaveSchedule
@@ -45,8 +51,7 @@ T = TypeVar("T")
 
 class CheckpointManager:
     """Saves, finds and prunes the checkpoints of one training run under ``root``
-    (Orbax's ``CheckpointManager`` is the model). It never loses the last good
-    checkpoint.
+    (Orbax's ``CheckpointManager`` is the model); it never loses the last good one.
 
     A step is the directory ``options.step_name(step)`` (``iter_0001000``) whose commit
     record reads and checks; ``save(step)`` stores the state *after* training step
@@ -192,28 +197,19 @@ class CheckpointManager:
         force: bool = False,
         **save_kwargs: Any,
     ) -> bool:
-        """Saves ``step`` when it is due (``should_save``) or ``force``; returns whether it
-        saved. Collective.
-
-        ``step`` is the state after training step ``step``: a restarted loop continues
-        at the step after the restored one (``resume``). An async save first commits
-        the previous one (one in flight at a time); a call for a step that is not due
-        commits, without waiting, an async save whose writes have finished (collective
-        while one is in flight: call ``save`` at the same steps on every rank). A step
-        that is already committed is not saved again (returns False; WARNING unless
-        this manager saved it: docs/guide/manager.md, Resuming), unless ``overwrite=True``.
-        A step older than the newest
-        committed one is refused (CheckpointingException, nothing written): call
-        ``rollback`` first. A save due to a preemption signal is committed when ``save``
-        returns, also an async one. Extra keyword arguments go to ``shardstore.save``,
-        except ``async_sharded_save`` and ``process_group``, which the manager sets
-        (``CheckpointManagerOptions.async_save``, ``process_group``): refused.
+        """Saves ``step`` (the state after training step ``step``) when it is due
+        (``should_save``) or ``force``; returns whether it saved. Collective: call it at
+        the same steps on every rank. A committed step is not saved again (False) unless
+        ``overwrite=True``; an older step than the newest committed one is refused
+        (``rollback`` first). Async: the previous save commits first, and a call that is
+        not due commits one whose writes finished. Stateful items are saved through
+        their ``state_dict()``. Extra keyword arguments go to ``shardstore.save``,
+        except ``async_sharded_save`` and ``process_group`` (the manager's).
 
         Args:
             step: an int from 0 on (another type is refused).
             metrics: numbers to keep with the step (``{"loss": 1.7}``), for ``best_fn``
-                and ``metrics(step)``; the coordinator's are saved. With ``best_fn``,
-                they must be scorable: a ``best_fn`` that fails on them refuses the save.
+                and ``metrics(step)``; the coordinator's are saved, and must be scorable.
         """
         self._refuse_if_closed(f"save step {step}")
         step = self._checked_step(step, "Not saving")
@@ -245,6 +241,8 @@ class CheckpointManager:
             self._log_not_saving_committed(step)
             return False
         self._saved_steps.add(step)
+        group = Group(self.process_group)
+        sharded_state_dict = with_items(sharded_state_dict, saved_item(group.rank, group.world_size))
         if checked is not None:
             sharded_state_dict = {**sharded_state_dict, MANAGER_STATE_KEY: {"metrics": checked}}
         base = None if caller_chose_base else reuse_step
@@ -418,20 +416,8 @@ class CheckpointManager:
         save onward): ``save`` refuses a step older than the newest committed one. Not
         atomic: if it is interrupted, call it again. Directories after ``step`` that are
         not committed shardstore steps are left alone (WARNING), except interrupted
-        deletions of ours, which it finishes.
-
-        Why not Orbax's way: its ``CheckpointManager.should_save`` returns False for any
-        step at or below its latest step, so ``save`` silently skips it until training
-        passes the latest step again; with ``force=True`` it saves the older step,
-        refuses one that exists (``StepAlreadyExistsError``), and its retention
-        (``LatestN`` over the steps in the order saved, so the older step just saved
-        counts as the newest) can then delete committed steps *newer* than it (orbax
-        ``checkpoint_manager.py``: ``should_save``, ``save``, ``_get_old_steps_to_remove``).
-        Neither fits "never lose a committed checkpoint, and restart from the right
-        one": a skipped save loses the progress after the rollback, and keeping the newer
-        steps would make a restart resume from the abandoned history (``latest_step``
-        names the newest) while ``save`` of those step numbers later would find the old
-        ones.
+        deletions of ours, which it finishes. docs/guide/manager.md says why Orbax's
+        way does not fit.
 
         Raises:
             CheckpointingException: ``step`` is not a committed step (nothing deleted),
@@ -471,15 +457,16 @@ class CheckpointManager:
     # ------------------------------------------------------------------ restoring
 
     def resume(self, sharded_state_dict: ShardedStateDict, **load_kwargs: Any) -> Resumed:
-        """Restores the newest committed step into ``sharded_state_dict`` and returns the
-        step to train next with what was loaded (``Resumed``): ``(latest + 1, state)``, or
+        """Restores the newest committed step into ``sharded_state_dict`` (``restore``: it
+        then holds the saved state, plain values and Stateful items included) and returns
+        the step to train next with what was loaded (``Resumed``): ``(latest + 1, state)``, or
         ``(0, None)`` when nothing is committed. Collective: every rank calls it; the
         coordinator picks the step, so every rank loads the same one (async saves in
         flight commit first). Extra keyword arguments go to ``shardstore.load``.
 
         ``save(step)`` stores the state after training step ``step``, so::
 
-            start, restored = manager.resume(state)
+            start, _ = manager.resume(state)
             for step in range(start, total_steps):
                 ...  # train step `step`
                 manager.save(step, state)
@@ -502,12 +489,13 @@ class CheckpointManager:
         self, sharded_state_dict: ShardedStateDict, step: int | None = None, **load_kwargs: Any
     ) -> StateDict | tuple[StateDict, set[str], set[str]]:
         """Loads ``step`` (default: ``latest_step()``, picked on the coordinator so that
-        every rank loads the same step) into the layout ``sharded_state_dict`` describes.
-        Collective. Extra keyword arguments go to ``shardstore.load``, and what it
-        returns is returned (with a ``strict`` mode that returns the mismatched keys, the
-        tuple), less the manager's own ``shardstore_manager`` entry in every case. Async
-        saves in flight commit first, as for ``resume``. To continue training, ``resume``
-        says which step comes next."""
+        every rank loads the same step) into ``sharded_state_dict``, which then holds
+        the saved state (``resume.py``: tensors in place, plain values put back where
+        they were saved, Stateful items through ``load_state_dict``). Collective. Extra
+        keyword arguments go to ``shardstore.load``, and what it returns is returned
+        (with a ``strict`` mode that returns the mismatched keys, the tuple), less the
+        manager's own ``shardstore_manager`` entry. Async saves in flight commit first.
+        To continue training, ``resume`` says which step comes next."""
         from shardstore.serialization import load
 
         self._refuse_if_closed("restore " + ("the latest step" if step is None else f"step {step}"))
@@ -519,10 +507,13 @@ class CheckpointManager:
             step = self._on_coordinator(self.latest_step)
             if step is None:
                 raise CheckpointingException(f"No committed checkpoint under {self.root.describe()} to restore")
-        result = load(sharded_state_dict, self.location(step), process_group=self.process_group, **load_kwargs)
+        group = Group(self.process_group)
+        request = with_items(sharded_state_dict, requested_item(group.rank, group.world_size))
+        result = load(request, self.location(step), process_group=self.process_group, **load_kwargs)
         state = result[0] if isinstance(result, tuple) else result  # strict="return_...": (state, keys...)
         if isinstance(state, dict):
             state.pop(MANAGER_STATE_KEY, None)  # the manager's own, not the trainer's
+        put_back(sharded_state_dict, state)
         self._restored_step = step
         self._warned_resaving_restored = False
         return result

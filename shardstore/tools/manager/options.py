@@ -20,44 +20,34 @@ MANAGER_STATE_KEY = "shardstore_manager"
 
 @dataclass(frozen=True)
 class CheckpointManagerOptions:
-    """When to save and what to keep.
+    """When to save and what to keep (docs/guide/manager.md says more of each).
 
     Attributes:
-        save_interval_steps: ``save`` writes steps divisible by it (None: no step is due
-            by its number; ``force=True``: any).
+        save_interval_steps: ``save`` writes steps divisible by it (None: none by number).
         max_to_keep: keep the newest K committed steps (None: keep all).
         keep_period: also keep every step divisible by it, forever (None: none).
         step_prefix: a step's directory is ``step_prefix`` + the step in ``step_digits``
             digits, zero-padded (taken as written: no separator is added).
         step_digits: see ``step_prefix``; None: the step's digits, not padded.
         async_save: ``save`` returns once the state is staged in host memory; the
-            writes run in the background and commit at the first ``save`` call after
-            they finished on every rank (a call for a step that is not due commits
-            without waiting; a due one waits for them), or at ``wait_until_finished``,
-            ``resume``, ``rollback``, ``delete`` or ``close``.
+            writes commit at a later ``save`` (once finished on every rank),
+            ``wait_until_finished``, ``resume``, ``rollback``, ``delete`` or ``close``.
         save_interval_secs: also save when this many seconds (of the coordinator's
             clock) have passed since this manager's last save or its start (None: off).
-        save_on_preemption: listen for ``preemption_signals`` (one handler shared by
-            every manager of the process, the one there before called too) so that the
-            next ``save`` saves, whatever the intervals say (``CheckpointManager``).
-        preemption_signals: the signals that mean preemption (SIGTERM: Kubernetes,
-            SLURM at its time limit, torchrun's agent passing its own on).
+        save_on_preemption: the next ``save`` after one of ``preemption_signals``
+            saves, whatever the intervals say.
+        preemption_signals: the signals that mean preemption (SIGTERM by default).
         best_fn: scores a step's metrics (those given to ``save``); None: no ranking.
         best_mode: ``"max"``: a higher score is better; ``"min"``: lower (a loss).
         keep_best: also keep the N best committed steps by ``best_fn`` (needs
             ``max_to_keep``: the newest steps are kept besides the best).
-        reuse_unchanged: an incremental save: each step shares the chunks whose bytes
-            did not change with the newest committed step before it (hard links or
-            clones locally, server-side copies on S3; ``shardstore.format.reuse``)
-            instead of writing them again. Every step still stands alone: retention
-            may delete any of them. Off: every step writes every byte.
+        reuse_unchanged: each step shares the chunks whose bytes did not change with
+            the newest committed step before it instead of writing them again (every
+            step still stands alone). Off: every step writes every byte.
         cache_plan: each save after the first reuses the last one's plan while every
-            rank's structure is unchanged (``ZarrSaveShardedStrategy(cache_plan=True)``;
-            at thousands of ranks a plan takes the coordinator a minute or more): the
-            manager saves through a copy of the default save strategy that keeps the
-            plan (made again when the default or one of its settings changes). A
-            ``sharded_strategy`` given to ``save`` is used as it is. Off: every save
-            plans anew.
+            rank's structure is unchanged (through a copy of the default save strategy
+            that keeps it; a ``sharded_strategy`` given to ``save`` is used as it is).
+            Off: every save plans anew.
     """
 
     save_interval_steps: int | None = 1

@@ -39,7 +39,7 @@ def _plain_state(rank: int = 0, weight: float = 0.0) -> dict:
     return {
         "w": ShardedTensor.from_rank_offsets("w", torch.full((4,), float(weight)), replica_id=rank),
         "steps_trained": 0,
-        "train": {"epoch": 0, "rng": torch.zeros(3), "seen": [0, 0], "config": {"name": "fresh"}},
+        "train": {"epoch": 0, "rng": torch.zeros(3), "seen": [], "config": {"name": "fresh"}},
     }
 
 

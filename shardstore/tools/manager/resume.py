@@ -114,7 +114,9 @@ def _put_back_one(container: dict | list, key: Any, loaded: Any) -> Any:
     if is_stateful(current):
         current.load_state_dict(loaded)
         return current
-    if isinstance(current, (dict, list)):
+    if isinstance(current, dict) and isinstance(loaded, dict):
+        return put_back(current, loaded)
+    if isinstance(current, list) and isinstance(loaded, list) and len(current) == len(loaded):
         return put_back(current, loaded)
     if isinstance(current, ShardedObject):
         current.data = loaded  # the next save saves what was restored
@@ -124,8 +126,10 @@ def _put_back_one(container: dict | list, key: Any, loaded: Any) -> Any:
 
 
 def _holds_sharded(value: Any) -> bool:
-    """Whether ``value`` is or holds (in a tuple or set) what loading fills by its own
-    rules, or a ``LocalNonpersistentObject``: such a value is never replaced."""
-    if isinstance(value, (ShardedBase, LocalNonpersistentObject)):
+    """Whether ``value`` is or holds what loading fills by its own rules, an item or a
+    ``LocalNonpersistentObject``: such a value is never replaced whole."""
+    if isinstance(value, (ShardedBase, LocalNonpersistentObject)) or is_stateful(value):
         return True
-    return isinstance(value, (tuple, set, frozenset)) and any(_holds_sharded(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_sharded(v) for v in value.values())
+    return isinstance(value, (list, tuple, set, frozenset)) and any(_holds_sharded(v) for v in value)

@@ -93,9 +93,10 @@ def put_back(target: Any, loaded: Any) -> Any:
     """Puts what ``loaded`` (what ``shardstore.load`` returned for ``target``) holds back
     into ``target``'s dicts and lists, nested as saved: a Stateful item gets its state
     through ``load_state_dict`` (and stands in ``loaded`` in place of it); a
-    ShardedTensor, ShardedObject or factory (loaded by its own rules) and a
-    ``LocalNonpersistentObject`` are left; any other value is replaced by the loaded
-    one, and a saved key the target lacks is added. Returns ``loaded``."""
+    ShardedObject gets the loaded value as its ``data``; a ShardedTensor or factory
+    (loaded by its own rules) and a ``LocalNonpersistentObject`` are left; any other
+    value is replaced by the loaded one, and a saved key the target lacks is added.
+    Returns ``loaded``."""
     if isinstance(target, dict) and isinstance(loaded, dict):
         for key, value in loaded.items():
             if key not in target:

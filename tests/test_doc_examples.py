@@ -214,9 +214,14 @@ FRAGMENTS = (
         "assert torch.equal(state['fc1'], fc1)\n"
         "shardstore.megatron.uninstall()\n"
     )),
+    # before "CheckpointManager(", which its block holds too: a Stateful item, restored by a restart
+    Fragment("def load_state_dict(self", check=(
+        "assert state['data']['loader'] is loader and manager.all_steps() == [0, 1, 2]\n"
+    )),
     Fragment("CheckpointManager(", check=(
         "assert manager.latest_step() == 2000, manager.latest_step()\n"
         "assert torch.equal(weight, torch.full((4,), float(total_steps))) and state['steps_trained'] == total_steps\n"
+        "assert scheduler.last_epoch == total_steps and scheduler.get_last_lr() == [0.1 * 0.5 ** 2]\n"
     )),
     Fragment("AsyncCallsQueue", check=(
         "state = dist_checkpointing.load({'fc1': ShardedTensor.from_rank_offsets('decoder/fc1', torch.empty(8, 4))},\n"
@@ -412,6 +417,8 @@ def test_the_manager_loop_trains_each_step_once_across_a_restart(
         "print('steps trained', int(weight[0]), state['steps_trained'], flush=True)\n"
         f"assert torch.equal(weight, torch.full((4,), {total_steps}.0)), weight\n"
         f"assert state['steps_trained'] == {total_steps}, state\n"
+        f"assert scheduler.last_epoch == {total_steps}, scheduler.last_epoch  # the items, restored\n"
+        f"assert scheduler.get_last_lr() == [0.1 * 0.5 ** {total_steps // 1000}], scheduler.get_last_lr()\n"
     )
     env = {**os.environ, "CKPT": str(tmp_path / "ckpt" / "iter_0001000")}
     results = []

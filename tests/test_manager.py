@@ -272,7 +272,7 @@ def test_async_saves_at_two_ranks_commit_in_order_and_prune_after_commit(tmp_pat
 def _wait_for_background_writes(manager: CheckpointManager, timeout: float = 30) -> None:
     """Until this rank's background writes of the async saves in flight are done."""
     deadline = time.monotonic() + timeout
-    while any(not future.done() for _, _, future in manager._queue._pending):
+    while any(not future.done() for _, _, future in manager._saves._queue._pending):
         assert time.monotonic() < deadline, "the background writes did not finish"
         time.sleep(0.02)
 
@@ -690,6 +690,8 @@ def test_the_guides_training_loop_restarts_where_it_stopped(tmp_path: Path) -> N
         assert namespace["manager"].latest_step() == total_steps - 1
         assert namespace["weight"].tolist() == [total_steps] * 4  # each step trained once
         assert namespace["state"]["steps_trained"] == total_steps
+        scheduler = namespace["scheduler"]  # Stateful items, restored by resume: the optimizer's lr too
+        assert scheduler.last_epoch == total_steps and scheduler.get_last_lr() == [0.1 * 0.5 ** (total_steps // 1000)]
     assert CheckpointManager(tmp_path / "run1").all_steps() == [0, 1000, 2000, 3000]
 
 

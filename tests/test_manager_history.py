@@ -213,7 +213,7 @@ class History:
 
     def kill(self) -> None:
         """Every process dies: the async save in flight is dropped uncommitted."""
-        queue = self.managers[ASYNC]._queue
+        queue = self.managers[ASYNC]._saves._queue
         assert queue is not None
         queue.close(abort=True)
         self.pending = None

@@ -346,13 +346,13 @@ from shardstore.tools.manager import CheckpointManager, CheckpointManagerOptions
 options = CheckpointManagerOptions(save_interval_steps=1, save_on_preemption=True, async_save=True)
 manager = CheckpointManager(sys.argv[1], options)
 manager.save(1, {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))})
-queue_close = manager._queue.close
+queue_close = manager._saves._queue.close
 
 def close_hit_by_sigterm(*args, **kwargs):  # SIGTERM arrives while close commits the save in flight
     os.kill(os.getpid(), signal.SIGTERM)
     return queue_close(*args, **kwargs)
 
-manager._queue.close = close_hit_by_sigterm
+manager._saves._queue.close = close_hit_by_sigterm
 manager.close()
 print("closed", flush=True)
 time.sleep(20)

@@ -1,0 +1,136 @@
+"""Resuming a state: the caller's own objects get back what was saved.
+
+``CheckpointManager.restore`` (and ``resume``, which restores the newest committed step)
+loads into the caller's state, which it then holds whole:
+
+* tensors of the stored dtype and shape are loaded in place (``shardstore.load``);
+* plain values (an iteration count, RNG states, a nested config) are put back into the
+  caller's dicts and lists where they were saved, nested as saved (``put_back``);
+  ShardedObjects and ``LocalNonpersistentObject`` stay as they are;
+* a *Stateful* item (DCP's protocol: any object with ``state_dict()`` and
+  ``load_state_dict()``, such as an LR scheduler or a data loader) is saved as an item
+  of its own: its ``state_dict()`` at the time of the save, one per rank (a data
+  loader's position differs between ranks), stored as a ShardedObject named by its
+  place in the state under ``MANAGER_STATE_KEY`` (``item_key``). On restore its
+  ``load_state_dict`` gets this rank's state back, so items restore at the number of
+  ranks that saved them.
+
+What ``restore`` returns is what ``shardstore.load`` returned, with each item in
+place of its loaded state.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Resumed", "is_stateful", "item_key", "put_back", "requested_item", "saved_item", "with_items"]
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from shardstore.mapping import LocalNonpersistentObject, ShardedBase, ShardedObject, StateDict
+from shardstore.tools.manager.options import MANAGER_STATE_KEY
+
+Path = tuple[Any, ...]
+
+
+class Resumed(NamedTuple):
+    """What ``CheckpointManager.resume`` found (a tuple, so that
+    ``start, restored = manager.resume(state)`` unpacks it).
+
+    Attributes:
+        next_step: the step to train next: the newest committed step + 1 (0: none).
+        state: what ``restore`` returned for the newest committed step (None: nothing
+            was committed, a fresh start). The caller's state holds the same values:
+            tensors loaded in place, plain values and Stateful items restored into it.
+    """
+
+    next_step: int
+    state: StateDict | None
+
+
+def is_stateful(value: Any) -> bool:
+    """Whether ``value`` is an item the manager saves through its ``state_dict()`` and
+    restores through its ``load_state_dict()`` (a class itself is not)."""
+    return (
+        not isinstance(value, (type, ShardedBase, torch.Tensor, LocalNonpersistentObject))
+        and callable(getattr(value, "state_dict", None))
+        and callable(getattr(value, "load_state_dict", None))
+    )
+
+
+def item_key(path: Path) -> str:
+    """The ShardedObject key of the item at ``path`` in the state."""
+    return ".".join((MANAGER_STATE_KEY, "items", *map(str, path)))
+
+
+def with_items(state: Any, shard: Callable[[Path, Any], Any], path: Path = ()) -> Any:
+    """``state`` with each Stateful item (in its dicts and lists) replaced by
+    ``shard(path, item)``; the dicts and lists holding one are copies, everything else
+    the same objects. ``state`` itself where it holds no item."""
+    if is_stateful(state):
+        return shard(path, state)
+    if isinstance(state, dict):
+        copied = {key: with_items(value, shard, (*path, key)) for key, value in state.items()}
+        return state if all(copied[key] is state[key] for key in state) else copied
+    if isinstance(state, list):
+        copied_list = [with_items(value, shard, (*path, i)) for i, value in enumerate(state)]
+        return state if all(a is b for a, b in zip(copied_list, state)) else copied_list
+    return state
+
+
+def saved_item(group_rank: int, group_size: int) -> Callable[[Path, Any], ShardedObject]:
+    """``with_items``'s ``shard`` for a save: the item's ``state_dict()`` now, this rank's."""
+    return lambda path, item: ShardedObject(item_key(path), item.state_dict(), (group_size,), (group_rank,))
+
+
+def requested_item(group_rank: int, group_size: int) -> Callable[[Path, Any], ShardedObject]:
+    """``with_items``'s ``shard`` for a restore: this rank's shard of the item's state."""
+    return lambda path, item: ShardedObject(item_key(path), None, (group_size,), (group_rank,))
+
+
+def put_back(target: Any, loaded: Any) -> Any:
+    """Puts what ``loaded`` (what ``shardstore.load`` returned for ``target``) holds back
+    into ``target``'s dicts and lists, nested as saved: a Stateful item gets its state
+    through ``load_state_dict`` (and stands in ``loaded`` in place of it); a
+    ShardedObject gets the loaded value as its ``data``; a ShardedTensor or factory
+    (loaded by its own rules) and a ``LocalNonpersistentObject`` are left; any other
+    value is replaced by the loaded one, and a saved key the target lacks is added.
+    Returns ``loaded``."""
+    if isinstance(target, dict) and isinstance(loaded, dict):
+        for key, value in loaded.items():
+            if key not in target:
+                target[key] = value
+            else:
+                loaded[key] = _put_back_one(target, key, value)
+    elif isinstance(target, list) and isinstance(loaded, list) and len(target) == len(loaded):
+        for i, value in enumerate(loaded):
+            loaded[i] = _put_back_one(target, i, value)
+    return loaded
+
+
+def _put_back_one(container: dict | list, key: Any, loaded: Any) -> Any:
+    """``put_back`` of one entry of ``container``; returns what ``loaded`` holds there."""
+    current = container[key]
+    if is_stateful(current):
+        current.load_state_dict(loaded)
+        return current
+    if isinstance(current, dict) and isinstance(loaded, dict):
+        return put_back(current, loaded)
+    if isinstance(current, list) and isinstance(loaded, list) and len(current) == len(loaded):
+        return put_back(current, loaded)
+    if isinstance(current, ShardedObject):
+        current.data = loaded  # the next save saves what was restored
+    elif not _holds_sharded(current):
+        container[key] = loaded
+    return loaded
+
+
+def _holds_sharded(value: Any) -> bool:
+    """Whether ``value`` is or holds what loading fills by its own rules, an item or a
+    ``LocalNonpersistentObject``: such a value is never replaced whole."""
+    if isinstance(value, (ShardedBase, LocalNonpersistentObject)) or is_stateful(value):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_sharded(v) for v in value.values())
+    return isinstance(value, (list, tuple, set, frozenset)) and any(_holds_sharded(v) for v in value)

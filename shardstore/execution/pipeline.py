@@ -19,6 +19,7 @@ from __future__ import annotations
 __all__ = ["RankSave", "SaveFinalization", "SavePipeline"]
 
 import functools
+import itertools
 import os
 import threading
 import weakref
@@ -56,7 +57,7 @@ from shardstore.format.commit import (
 )
 from shardstore.format.config import CheckpointingConfig, write_config
 from shardstore.format.packs import Packing
-from shardstore.format.records import PACKS_DIR, ArrayRecord, CommitRecord
+from shardstore.format.records import PACKS_DIR, ZARR_JSON, ArrayRecord, CommitRecord
 from shardstore.mapping import ShardedObject, ShardedTensor
 from shardstore.planning.checks import (
     admits_names,
@@ -540,18 +541,47 @@ class SavePipeline:
     ) -> list[WrittenChunk]:
         """One process: the whole array ``record`` (its ``zarr.json``, then every chunk)
         from ``value`` (host memory, the array's shape). ``source``: the tensor whose
-        memory ``value`` may be; changed in place during the writes, it fails them
-        (``execution.changes``), its chunks not reported for the commit."""
+        memory ``value`` may be; changed during the writes, it fails them
+        (``execution.changes``). A write that fails, that way or any other, reports no
+        chunk for the commit and removes every file it may have written
+        (``unwrite_array``) before it raises."""
         versions = SourceVersions.of([source] if source is not None else [])
-        self.location.write_many(node_document_files([record], (), self.pending.options.zarr_metadata))
-        op = WriteOp(record.key, region_at((0,) * len(record.shape), record.shape), value)
         reported = len(self.written)
-        written = self.write_arrays({record.key: record}, [op])
-        in_place = in_place_ops([op], [source] if source is not None else [])
-        if changed := versions.error_after_writes(self.describe(), in_place, {record.key: record}, written):
+        try:
+            self.location.write_many(node_document_files([record], (), self.pending.options.zarr_metadata))
+            op = WriteOp(record.key, region_at((0,) * len(record.shape), record.shape), value)
+            written = self.write_arrays({record.key: record}, [op])
+            in_place = in_place_ops([op], [source] if source is not None else [])
+            if changed := versions.error_after_writes(self.describe(), in_place, {record.key: record}, written):
+                raise changed
+        except Exception:
             del self.written[reported:]
-            raise changed
+            self.unwrite_array(record)  # its failure raises, the write's as its context
+            raise
         return written
+
+    def array_files(self, record: ArrayRecord) -> list[str]:
+        """The files of the array ``record`` that ``write_array`` may write, relative to
+        the save's location: its ``zarr.json`` and every chunk of its grid."""
+        chunks = (f"{record.key}/{record.chunk_key(index)}" for index in itertools.product(*map(range, record.chunk_grid)))
+        return [f"{record.key}/{ZARR_JSON}", *chunks]
+
+    def unwrite_array(self, record: ArrayRecord) -> None:
+        """Removes what ``write_array`` of ``record`` may have written (``array_files``;
+        ours: nothing else writes into a save's location, and a key is written once),
+        then the array's directories where that left them empty (``rmdir`` never removes
+        a file)."""
+        for rel in self.array_files(record):
+            self.location.remove(rel)
+        parts = record.key.split("/")
+        for depth in range(len(parts), 0, -1):
+            path = self.location.local_path("/".join(parts[:depth]))
+            if path is None:
+                return
+            try:
+                path.rmdir()
+            except OSError:  # not empty (another array's files below it), or gone
+                return
 
     def write_groups(self, groups: Iterable[str]) -> None:
         """One process: the ``zarr.json`` of each of ``groups`` where the save's options

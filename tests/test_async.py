@@ -218,7 +218,7 @@ def test_async_pinned_pool_stays_within_max_staging_bytes(tmp_path: Path, monkey
     does CUDA tensors; 12 blocks of distinct shapes, a cap of 4."""
     from shardstore.execution.staging import HostSnapshot
 
-    def copy(self, tensor):
+    def copy(self, tensor, key=None):
         out = self.pool.take(tensor)
         out.copy_(tensor.detach())
         self.buffers.append(out)

@@ -148,3 +148,53 @@ def test_a_checkpoint_writer_refuses_an_array_changed_during_its_write(tmp_path:
         writer.commit()
     assert torch.equal(load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4096))}, str(ckpt))["w"], w)
     assert verify(ckpt).ok
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_an_array_a_checkpoint_writer_refused_leaves_nothing_in_what_it_commits(tmp_path: Path, monkeypatch, where) -> None:
+    """Before, the refused array's ``zarr.json`` and chunks stayed in the staging area:
+    ``commit`` published them unlisted, and ``verify`` found 9 problems."""
+    from shardstore.format import read_commit_record
+    from shardstore.tools.array_writer import CheckpointWriter
+
+    w, b = torch.arange(4096.0), torch.ones(16)
+    _changing_during_writes(monkeypatch, w)
+    ckpt = str(tmp_path / "ckpt") if where == "local" else f"memory://refused-{id(w)}/ckpt"
+    with CheckpointWriter(ckpt, max_chunk_bytes=4096) as writer:
+        with pytest.raises(CheckpointingException, match=r"tensor 'w/weight' changed in place"):
+            writer.write_array("w/weight", w)
+        monkeypatch.undo()
+        writer.write_array("b", b)
+        writer.commit()
+    location = open_location(ckpt)
+    assert set(read_commit_record(location).arrays) == {"b"}
+    assert verify(ckpt).ok, verify(ckpt).problems
+    assert [name for name in location.store.list() if name.startswith("w/")] == []
+    if where == "local":
+        assert not (tmp_path / "ckpt" / "w").exists()
+    assert torch.equal(load({"b": ShardedTensor.from_rank_offsets("b", torch.empty(16))}, ckpt)["b"], b)
+
+
+def test_a_checkpoint_writer_refuses_to_commit_the_files_a_failed_write_left(tmp_path: Path, monkeypatch) -> None:
+    """Where removing a failed array's files was itself cut short, ``commit`` refuses,
+    naming the array, instead of publishing files its record does not list."""
+    from shardstore.execution.pipeline import SavePipeline
+    from shardstore.tools.array_writer import CheckpointWriter
+
+    w = torch.arange(4096.0)
+    _changing_during_writes(monkeypatch, w)
+
+    def unwrite_array(self, record):
+        raise OSError("removal cut short")
+
+    monkeypatch.setattr(SavePipeline, "unwrite_array", unwrite_array)
+    ckpt = tmp_path / "ckpt"
+    with CheckpointWriter(ckpt, max_chunk_bytes=4096) as writer:
+        with pytest.raises(OSError, match="removal cut short"):
+            writer.write_array("w", w)
+        with pytest.raises(CheckpointingException, match=r"Cannot commit .*write of 'w' \(5 files, e\.g\. w/zarr\.json\)"):
+            writer.commit()
+        monkeypatch.undo()
+        writer.write_array("w", w)  # written again: committed whole
+        writer.commit()
+    assert verify(ckpt).ok

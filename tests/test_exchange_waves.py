@@ -300,8 +300,8 @@ def _count_forced_copies(live: list[int], totals: dict[str, int]) -> None:
     save_module._needs_copy = lambda *args: True
     original = HostSnapshot.copy
 
-    def copy(self, tensor):
-        out = original(self, tensor)
+    def copy(self, tensor, key=None):
+        out = original(self, tensor, key)
         live[0] += out.nbytes
         totals["copied"] += out.nbytes
         totals["peak"] = max(totals["peak"], live[0])

@@ -152,7 +152,7 @@ def overwritten_after_an_async_save(rank: int, world: int, ckpt: str) -> tuple[b
 
     copied = []
     original = save_module.HostSnapshot.copy
-    save_module.HostSnapshot.copy = lambda self, t: copied.append(t) or original(self, t)
+    save_module.HostSnapshot.copy = lambda self, t, key=None: copied.append(t) or original(self, t, key)
     state = _state(rank, world)
     request = save(state, ckpt, _strategy(world, 2), async_sharded_save=True)
     for t in state.values():

@@ -158,7 +158,10 @@ def test_zarr_python_and_tensorstore_read_a_bfloat16_sharded_array_bit_for_bit(t
     assert by_zarr.tobytes() == bits.tobytes() and by_ts.tobytes() == bits.tobytes()
 
 
-def test_empty_inner_chunks_read_as_zeros_everywhere(tmp_path: Path) -> None:
+def test_empty_inner_chunks_read_as_zeros_by_zarr_readers_and_where_shardstore_is_told_so(tmp_path: Path) -> None:
+    """Zarr readers read an empty inner chunk as the fill value; shardstore, which never
+    writes one, reads it so only where the caller names it empty (its loads never do:
+    ``tests/test_empty_inner_chunks.py``)."""
     values = np.arange(96, dtype=np.float32).reshape(SHAPE) + 1
     _write_array(tmp_path / "w", values, "float32", empty={(0, 1), (1, 3)})
     expected = values.copy()
@@ -167,7 +170,7 @@ def test_empty_inner_chunks_read_as_zeros_everywhere(tmp_path: Path) -> None:
     by_zarr, by_ts = _read_plain(tmp_path / "w")
     assert np.array_equal(by_zarr, expected) and np.array_equal(by_ts, expected)
     out = np.full(SHARD, 7, np.float32)
-    shard = read_inner(FileRanges(tmp_path / "w" / "c.0.0"), 4, dict(enumerate(_inner_views(out))))
+    shard = read_inner(FileRanges(tmp_path / "w" / "c.0.0"), 4, dict(enumerate(_inner_views(out))), frozenset({1}))
     stored = [expected[:8][2 * i : 2 * i + 2].tobytes() for i in (0, 2, 3)]  # inner chunk 1 is empty
     index = (tmp_path / "w" / "c.0.0").read_bytes()[-4:]
     assert shard == crc32c.crc32c(b"".join(crc32c.crc32c(b).to_bytes(4, "little") for b in stored) + index)

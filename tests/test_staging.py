@@ -92,9 +92,9 @@ def test_staged_copies_stay_within_the_bound_and_overlap_the_writes(tmp_path: Pa
     events: list[tuple[str, int]] = []
     original_copy, original_write = HostSnapshot.copy, save_execution.write_ops
 
-    def copy(self, tensor):
+    def copy(self, tensor, key=None):
         events.append(("copy", tensor.nbytes))
-        return original_copy(self, tensor)
+        return original_copy(self, tensor, key)
 
     def write_ops(location, records, ops, *args, **kwargs):
         events.append(("write", sum(op.value.nbytes for op in ops)))
@@ -129,7 +129,7 @@ def test_a_sync_save_of_cpu_tensors_copies_nothing(tmp_path: Path, monkeypatch, 
     """CPU tensors are written from their own memory by a sync save, whatever the
     bound (which is for CUDA tensors)."""
     copies = []
-    monkeypatch.setattr(HostSnapshot, "copy", lambda self, t: copies.append(t) or t)
+    monkeypatch.setattr(HostSnapshot, "copy", lambda self, t, key=None: copies.append(t) or t)
     strategy = ZarrSaveShardedStrategy(**({} if bound is None else {"sync_staging_bytes": bound}))
     save(_state(), tmp_path / "ckpt", strategy)
     assert copies == []

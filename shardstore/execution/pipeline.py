@@ -19,6 +19,7 @@ from __future__ import annotations
 __all__ = ["RankSave", "SaveFinalization", "SavePipeline"]
 
 import functools
+import itertools
 import os
 import threading
 import weakref
@@ -35,7 +36,7 @@ from shardstore.errors import CheckpointingException
 # a test that replaces one there (a crash before the writes, a lost report) reaches this
 # pipeline too.
 from shardstore.execution import save as rank_save
-from shardstore.execution.changes import SourceVersions
+from shardstore.execution.changes import SourceVersions, in_place_ops
 from shardstore.execution.save import (
     StagedWrites,
     Staging,
@@ -56,7 +57,7 @@ from shardstore.format.commit import (
 )
 from shardstore.format.config import CheckpointingConfig, write_config
 from shardstore.format.packs import Packing
-from shardstore.format.records import PACKS_DIR, ArrayRecord, CommitRecord
+from shardstore.format.records import PACKS_DIR, ZARR_JSON, ArrayRecord, CommitRecord
 from shardstore.mapping import ShardedObject, ShardedTensor
 from shardstore.planning.checks import (
     admits_names,
@@ -203,6 +204,7 @@ class SavePipeline:
         # the caller's tensors' version counters while the save reads them, then what a change cost
         self._versions: SourceVersions | None = None
         self._changed: CheckpointingException | None = None
+        self._in_place: list[WriteOp] = []  # the writes of a sync save from the caller's memory
 
     def __getstate__(self) -> dict:
         """What a writer in another process needs (Megatron's persistent worker pickles
@@ -211,7 +213,8 @@ class SavePipeline:
         CUDA copy streams do not pickle, its pool holds buffers of earlier saves; the
         writes point into the copies themselves, and this process lets them go)."""
         staged = None if self._staged is None else replace(self._staged, snapshot=None)
-        return {**self.__dict__, "_planned": None, "_commit_record": None, "_staged": staged, "_versions": None}
+        return {**self.__dict__, "_planned": None, "_commit_record": None, "_staged": staged, "_versions": None,
+                "_in_place": []}
 
     @classmethod
     def open(
@@ -427,10 +430,12 @@ class SavePipeline:
         staging = Staging(max_bytes=staging_bytes, io_concurrency=io_concurrency)
         versions = SourceVersions.of(tensors)
         staged = rank_save.stage_save(tensors, self.pending, plan, self.group, staging, local_error)
-        written = self._write(staged.metadata_files, staged.records, staged.ops, io_concurrency, packing=staged.packing)
-        if changed := versions.error(self.describe(), "its writes ended"):
+        written = [*staged.written_early, *self._write(
+            staged.metadata_files, staged.records, staged.ops, io_concurrency, packing=staged.packing)]
+        in_place = in_place_ops(staged.ops, tensors)
+        if changed := versions.error_after_writes(self.describe(), in_place, staged.records, written):
             raise changed
-        return [*staged.written_early, *written]
+        return written
 
     def stage(
         self, tensors: list[ShardedTensor], plan: RankSavePlan, staging: Staging,
@@ -446,7 +451,7 @@ class SavePipeline:
         if staging.snapshot:  # an async save reads the caller's tensors no more
             self._changed = versions.error(self.describe(), "its host copies were made")
         else:  # a sync save reads them until its writes end (``finalize``)
-            self._versions = versions
+            self._versions, self._in_place = versions, in_place_ops(staged.ops, tensors)
         self.written += staged.written_early
 
     def write_staged(self, io_concurrency: int = DEFAULT_IO_CONCURRENCY, io_threads: int = DEFAULT_IO_THREADS) -> None:
@@ -503,8 +508,10 @@ class SavePipeline:
         if staged.snapshot is not None:
             staged.snapshot.release()
         versions, self._versions = self._versions, None
-        if error is None:
-            error = self._changed or (versions.error(self.describe(), "its writes ended") if versions else None)
+        in_place, self._in_place = self._in_place, []
+        if error is None and versions is not None:
+            error = versions.error_after_writes(self.describe(), in_place, staged.records, self.written)
+        error = error or self._changed
         try:
             rank_save.finalize_save(self.pending, self.group, self._commit_record, self.written, error)
             _COMMITTED.add(self.pending)
@@ -534,17 +541,47 @@ class SavePipeline:
     ) -> list[WrittenChunk]:
         """One process: the whole array ``record`` (its ``zarr.json``, then every chunk)
         from ``value`` (host memory, the array's shape). ``source``: the tensor whose
-        memory ``value`` may be; changed in place during the writes, it fails them
-        (``execution.changes``), its chunks not reported for the commit."""
+        memory ``value`` may be; changed during the writes, it fails them
+        (``execution.changes``). A write that fails, that way or any other, reports no
+        chunk for the commit and removes every file it may have written
+        (``unwrite_array``) before it raises."""
         versions = SourceVersions.of([source] if source is not None else [])
-        self.location.write_many(node_document_files([record], (), self.pending.options.zarr_metadata))
-        whole = region_at((0,) * len(record.shape), record.shape)
         reported = len(self.written)
-        written = self.write_arrays({record.key: record}, [WriteOp(record.key, whole, value)])
-        if changed := versions.error(self.describe(), "its writes ended"):
+        try:
+            self.location.write_many(node_document_files([record], (), self.pending.options.zarr_metadata))
+            op = WriteOp(record.key, region_at((0,) * len(record.shape), record.shape), value)
+            written = self.write_arrays({record.key: record}, [op])
+            in_place = in_place_ops([op], [source] if source is not None else [])
+            if changed := versions.error_after_writes(self.describe(), in_place, {record.key: record}, written):
+                raise changed
+        except Exception:
             del self.written[reported:]
-            raise changed
+            self.unwrite_array(record)  # its failure raises, the write's as its context
+            raise
         return written
+
+    def array_files(self, record: ArrayRecord) -> list[str]:
+        """The files of the array ``record`` that ``write_array`` may write, relative to
+        the save's location: its ``zarr.json`` and every chunk of its grid."""
+        chunks = (f"{record.key}/{record.chunk_key(index)}" for index in itertools.product(*map(range, record.chunk_grid)))
+        return [f"{record.key}/{ZARR_JSON}", *chunks]
+
+    def unwrite_array(self, record: ArrayRecord) -> None:
+        """Removes what ``write_array`` of ``record`` may have written (``array_files``;
+        ours: nothing else writes into a save's location, and a key is written once),
+        then the array's directories where that left them empty (``rmdir`` never removes
+        a file)."""
+        for rel in self.array_files(record):
+            self.location.remove(rel)
+        parts = record.key.split("/")
+        for depth in range(len(parts), 0, -1):
+            path = self.location.local_path("/".join(parts[:depth]))
+            if path is None:
+                return
+            try:
+                path.rmdir()
+            except OSError:  # not empty (another array's files below it), or gone
+                return
 
     def write_groups(self, groups: Iterable[str]) -> None:
         """One process: the ``zarr.json`` of each of ``groups`` where the save's options

@@ -332,9 +332,9 @@ def stage_save(
     host: list[torch.Tensor | None] = [None] * len(tensors)
     written: set[int] = set()  # blocks already written in an earlier wave
     early_chunks: list[WrittenChunk] = []  # what those waves wrote
-    snapshot = HostSnapshot(staging.pool)
-    assembled: list[tuple[FlatChunk, torch.Tensor]] = []  # this exchange wave's chunks
     where = location.describe()
+    snapshot = HostSnapshot(staging.pool, where)
+    assembled: list[tuple[FlatChunk, torch.Tensor]] = []  # this exchange wave's chunks
     wave_bytes = assembly_wave_bytes(staging.max_bytes)
     waves = exchange_waves(plan, wave_bytes)
     by_index = {s.index: s for s in plan.shards}
@@ -370,7 +370,7 @@ def stage_save(
                 host[i] = None
                 written.add(i)
             for i in sorted(i for i in later if read_in[i][0] == number and host[i] is None):
-                host[i] = snapshot.copy(_planned_tensor(tensors, by_index[i], where))
+                host[i] = snapshot.copy(_planned_tensor(tensors, by_index[i], where), by_index[i].key)
             snapshot.wait()
 
         return work
@@ -520,8 +520,8 @@ def copy_to_host(
         return [_flat_direct_op(w, host) for w in book.direct.get(h.index, [])]
 
     def write_wave(wave: list[ShardRecord], copied: Any) -> None:
-        """Writes a wave once its copies landed; its buffers go back to the pool."""
-        copied.synchronize()
+        """Writes a wave once its copies landed (and match their sources); its buffers go back to the pool."""
+        snapshot.landed(copied, [host[h.index] for h in wave])
         ops = [op for h in wave for op in ops_of(h)]
         early_chunks.extend(_write_early(location, plan.records, ops, staging.io_concurrency))
         for h in wave:
@@ -569,7 +569,7 @@ def copy_to_host(
                 close_wave()
             # the newest waves' copies run while the oldest is written, within the bound
             write_down_to(staging.max_bytes - held_bytes - s.nbytes)
-        host[s.index] = snapshot.copy(data) if copy else to_host(data)
+        host[s.index] = snapshot.copy(data, s.key) if copy else to_host(data)
         if copy and in_waves:  # a gathered block's copy is let go once exchanged, never written as a block
             held.append(s)
             held_bytes += s.nbytes

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from shardstore.execution.changes import changed_error, same_bytes
 from shardstore.format.dtypes import values_in_order
 
 
@@ -145,16 +146,25 @@ class _CopyStreams:
 class HostSnapshot:
     """Copies tensors to host memory that the caller can no longer change.
 
+    Each copy is compared with its source once it landed (``wait``, ``landed``): the
+    copy is what the save writes, so a source changed meanwhile by a write that
+    PyTorch's version counter does not see (``execution.changes``) fails the save.
+
     Args:
         pool: where CUDA staging buffers come from and return to (None: fresh buffers).
+        where: the checkpoint the copies are saved into, as errors name it.
     """
 
-    def __init__(self, pool: HostBufferPool | None = None) -> None:
-        self.pool = pool
+    def __init__(self, pool: HostBufferPool | None = None, where: str = "") -> None:
+        self.pool, self.where = pool, where
         self.buffers: list[torch.Tensor] = []
         self._copies = _CopyStreams()
+        self._unchecked: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # key, source, copy
 
-    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+    def copy(self, tensor: torch.Tensor, key: str | None = None) -> torch.Tensor:
+        """A host copy of ``tensor``: the caller's data of the array ``key`` (as errors
+        name it), compared with it once it landed; None: a copy of one of the save's own
+        copies, not compared."""
         tensor = tensor.detach()
         if tensor.device.type == "cuda" and self.pool is not None:
             stream = self._copies.after_caller(tensor.device)
@@ -163,16 +173,43 @@ class HostSnapshot:
                 out.copy_(tensor, non_blocking=True)
             tensor.record_stream(stream)  # its memory stays valid until the copy ran
             self.buffers.append(out)
-            return out
-        return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
+        else:
+            out = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
+        if key is not None:
+            self._unchecked.append((key, tensor, out))
+        return out
+
+    def _check_copies(self, copies: list[torch.Tensor | None] | None = None) -> None:
+        """Compares ``copies`` (default: every copy not compared yet), which must have
+        landed, with their sources; each copy is compared once.
+
+        Raises:
+            CheckpointingException: naming the checkpoint and the keys whose source no
+                longer holds its copy's bytes (``execution.changes.changed_error``)."""
+        chosen = None if copies is None else {id(c) for c in copies}
+        compared = [pair for pair in self._unchecked if chosen is None or id(pair[2]) in chosen]
+        self._unchecked = [pair for pair in self._unchecked if chosen is not None and id(pair[2]) not in chosen]
+        keys = list(dict.fromkeys(key for key, source, copy in compared if not same_bytes(source, copy)))
+        if error := changed_error(keys, self.where, "its host copies were compared with them", "changed"):
+            raise error
 
     def mark(self) -> _Marks:
         """What to wait for (``.synchronize()``) until the copies issued so far landed."""
         return self._copies.mark()
 
     def wait(self) -> None:
-        """Blocks until every copy issued so far has landed."""
-        self.mark().synchronize()
+        """Blocks until every copy issued so far has landed, then compares the copies
+        with their sources.
+
+        Raises:
+            CheckpointingException: where a source no longer holds its copy's bytes."""
+        self.landed(self.mark())
+
+    def landed(self, marks: _Marks, copies: list[torch.Tensor | None] | None = None) -> None:
+        """Blocks until the copies ``marks`` marked (``mark``) landed, then compares
+        ``copies`` of them (default: every copy) with their sources, as ``wait``."""
+        marks.synchronize()
+        self._check_copies(copies)
 
     def release(self, buffers: list[torch.Tensor] | None = None) -> None:
         """Returns pinned buffers to the pool once the I/O that reads them is done:

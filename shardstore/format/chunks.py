@@ -52,6 +52,7 @@ __all__ = [
     "ShareChunk",
     "WrittenChunk",
     "chunk_digest",
+    "data_digest",
     "chunk_pieces",
     "chunk_store_for",
     "is_chunk_aligned",
@@ -514,6 +515,12 @@ def chunk_digest(view: memoryview) -> str:
 # Shares a chunk with an earlier checkpoint instead of writing it (``format.reuse``):
 # given the chunk's file, its bytes and their digest, the report, or None to write it.
 ShareChunk = Callable[["ChunkFile", memoryview, str], "WrittenChunk | None"]
+
+
+def data_digest(data: np.ndarray) -> str:
+    """``chunk_digest`` of a chunk's data as its writer is handed it (any strides: a
+    strided chunk is copied first, as its writer does)."""
+    return chunk_digest(_bytes_view(np.ascontiguousarray(data)))
 
 
 def run_writes(

@@ -5,8 +5,9 @@ one after another, each its raw little-endian bytes then their crc32c (``[bytes,
 crc32c]``); then a crc table, every inner chunk's crc32c as little-endian uint32 (0 for
 an empty one), which the index does not point at and Zarr readers skip; then the index:
 one ``(offset, nbytes)`` pair of uint64 little-endian per inner chunk in C order over
-the inner grid (``2**64-1`` twice: empty, read as zero), then the index's crc32c
-(``index_codecs`` ``[bytes, crc32c]``, ``index_location`` ``end``).
+the inner grid (``2**64-1`` twice: empty, which shardstore never writes and its reads
+refuse), then the index's crc32c (``index_codecs`` ``[bytes, crc32c]``,
+``index_location`` ``end``).
 
 - ``encode_shard``: the pieces of a shard (views of the inner chunks' memory, their
   trailers, the table, the index: one ``writev``, no copy of tensor bytes) and its
@@ -234,18 +235,22 @@ class ByteRanges(Protocol):
         """Fills ``views`` in order from ``offset``; returns the bytes that landed."""
 
 
-def read_inner(source: ByteRanges, count: int, wanted: Mapping[int, memoryview]) -> int:
+def read_inner(
+    source: ByteRanges, count: int, wanted: Mapping[int, memoryview], empty: frozenset[int] = frozenset(),
+) -> int:
     """Fills ``wanted[i]`` (raw bytes of inner chunk ``i`` of ``count``) from the shard,
-    reading its crc table and index (one request) and only those inner chunks; an
-    empty one reads as zeros. Every inner chunk read must match its own trailer and the
+    reading its crc table and index (one request) and only those inner chunks. An inner
+    chunk the index marks empty is refused, read or not, unless ``empty`` names it
+    (then it reads as zeros): shardstore stores every inner chunk, and its commit
+    record names none empty. Every inner chunk read must match its own trailer and the
     table. Returns the shard's crc32c (``EncodedShard.crc``) from the table and the
     index, which binds every inner chunk, read or not: the caller compares it with the
     record's.
 
     Raises:
         CheckpointingException: naming ``source.describe()`` and the inner chunk: the
-            shard is missing, or its table, index or an inner chunk is truncated or
-            corrupt."""
+            shard is missing, or its table, index or an inner chunk is truncated,
+            corrupt or marked empty."""
     where = source.describe()
     suffix = ShardIndex.suffix_nbytes(count)
     found = source.read_suffix(suffix)
@@ -257,6 +262,13 @@ def read_inner(source: ByteRanges, count: int, wanted: Mapping[int, memoryview])
     table = np.frombuffer(stored[: count * CRC_BYTES], dtype="<u4").tolist()
     index = ShardIndex.decode(stored[count * CRC_BYTES :], count, size - suffix, where)
     index_crc = int.from_bytes(stored[-CRC_BYTES:], "little")
+    for i, entry in enumerate(index.entries):
+        if entry is None and i not in empty:
+            raise CheckpointingException(
+                f"Corrupt {where}: inner chunk {i} is marked empty in the shard's index (offset and length "
+                "2**64-1), which shardstore never writes and its commit record does not name: its values are "
+                "lost, the shard was changed after the save. Load an earlier checkpoint or restore this one"
+            )
     crcs: dict[int, int | None] = {}
     for run in _runs(index, sorted(wanted)):
         trailers = [bytearray(CRC_BYTES) for _ in run]

@@ -85,6 +85,7 @@ class CheckpointWriter:
         )
         self._save.begin()
         self._arrays: dict[str, ArrayRecord] = {}
+        self._failed: dict[str, ArrayRecord] = {}  # arrays whose write failed, not written since
         self._done = False
 
     def describe(self) -> str:
@@ -94,20 +95,33 @@ class CheckpointWriter:
         """Writes ``tensor`` (on CPU) whole as the array ``key``; returns its record.
 
         Raises:
-            CheckpointingException: ``tensor`` changed in place while it was written
-                (``execution.changes``); the array is not recorded."""
+            CheckpointingException: ``tensor`` changed while it was written
+                (``execution.changes``), or its write failed: the array is not
+                recorded and its files are removed (``SavePipeline.write_array``); write
+                it again or commit without it."""
         sharded = ShardedTensor.from_rank_offsets(key, tensor.detach().cpu())
         self._save.check_storable([sharded], [])
         if key in self._arrays:
             raise CheckpointingException(f"Array {key!r} was already written to {self.describe()}")
         record = single_tensor_record(sharded, self.max_chunk_bytes)
-        self._save.write_array(record, tensor_to_numpy(sharded.data.contiguous()).reshape(record.shape), sharded)
+        try:
+            self._save.write_array(record, tensor_to_numpy(sharded.data.contiguous()).reshape(record.shape), sharded)
+        except BaseException:
+            self._failed[key] = record
+            raise
+        self._failed.pop(key, None)
         self._arrays[key] = record
         return record
 
     def commit(self, common_state: dict[str, Any] | None = None, objects: dict[str, Any] | None = None) -> None:
         """Writes the common state and sharded objects (by unique key, e.g.
-        ``rng_state/shard_0_2``), then the commit record, and publishes the checkpoint."""
+        ``rng_state/shard_0_2``), then the commit record, and publishes the checkpoint.
+
+        Raises:
+            CheckpointingException: before anything is written, where files of an array
+                whose ``write_array`` failed are still there (their removal was cut
+                short), naming the arrays: write them again, or abandon the writer."""
+        self._refuse_leftovers()
         shards = [replace(ShardedObject.empty_from_unique_key(k), data=v) for k, v in (objects or {}).items()]
         self._save.check_storable([], shards)
         if clashes := array_group_collisions([*self._arrays, *(objects or {})]):
@@ -128,6 +142,18 @@ class CheckpointWriter:
         )
         self._save.commit(record)
         self._done = True
+
+    def _refuse_leftovers(self) -> None:
+        if not self._failed:
+            return
+        stored = set(self._save.location.list_files())
+        left = {key: [f for f in self._save.array_files(r) if f in stored] for key, r in self._failed.items()}
+        if left := {key: files for key, files in left.items() if files}:
+            named = ", ".join(f"{key!r} ({len(files)} files, e.g. {files[0]})" for key, files in left.items())
+            raise CheckpointingException(
+                f"Cannot commit {self.describe()}: the write of {named} failed and left files the commit record "
+                "would not list (verify would name them). Write those arrays again, or abandon the writer"
+            )
 
     def abandon(self) -> None:
         """Deletes what this writer wrote; the target keeps what it held."""

@@ -5,9 +5,8 @@ one after another, each its raw little-endian bytes then their crc32c (``[bytes,
 crc32c]``); then a crc table, every inner chunk's crc32c as little-endian uint32 (0 for
 an empty one), which the index does not point at and Zarr readers skip; then the index:
 one ``(offset, nbytes)`` pair of uint64 little-endian per inner chunk in C order over
-the inner grid (``2**64-1`` twice: empty, which shardstore never writes and its reads
-refuse), then the index's crc32c (``index_codecs`` ``[bytes, crc32c]``,
-``index_location`` ``end``).
+the inner grid (``2**64-1`` twice: empty, never written, refused by reads), then the
+index's crc32c (``index_codecs`` ``[bytes, crc32c]``, ``index_location`` ``end``).
 
 - ``encode_shard``: the pieces of a shard (views of the inner chunks' memory, their
   trailers, the table, the index: one ``writev``, no copy of tensor bytes) and its

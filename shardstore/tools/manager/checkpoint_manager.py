@@ -102,7 +102,8 @@ class CheckpointManager:
         self._saved_steps: set[int] = set()  # the steps this manager saved (committed or in flight)
         self._closed = False
         # main thread only where it listens for preemption: raises before anything else starts
-        self._schedule = SaveSchedule(self.root, self.options, process_group, clock, self.options.async_save)
+        self._schedule = SaveSchedule(self.root, self.options, lambda: Group(self.process_group), clock,
+                                      self.options.async_save)
         self._saves = SaveRunner(self._steps, self.options, process_group)
 
     # ------------------------------------------------------------------ finding steps

@@ -19,15 +19,12 @@ it (SIGTERM then ends the process), saying so first.
 
 from __future__ import annotations
 
-__all__ = ["Decision", "SaveSchedule"]
+__all__ = ["Decision", "RankAgreement", "SaveSchedule"]
 
 import logging
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
 
-import torch.distributed as dist
-
-from shardstore.protocol import Group
 from shardstore.stores import Location
 from shardstore.tools.manager.options import CheckpointManagerOptions
 from shardstore.tools.preemption import Listener, listen
@@ -44,6 +41,15 @@ class Decision(NamedTuple):
     signals: int
 
 
+class RankAgreement(Protocol):
+    """What a decision needs of the manager's ranks (``protocol.Group``)."""
+
+    @property
+    def is_coordinator(self) -> bool: ...
+
+    def reduce_over_ranks(self, values: Sequence[int], op: str, what: str) -> list[int]: ...
+
+
 class SaveSchedule:
     """Decides, for the manager of ``root``, whether a step is due (module docstring).
     Listening for signals starts here: raises CheckpointingException off the main
@@ -53,13 +59,13 @@ class SaveSchedule:
         self,
         root: Location,
         options: CheckpointManagerOptions,
-        process_group: dist.ProcessGroup | None,
+        ranks: Callable[[], RankAgreement],
         clock: Callable[[], float],
         saving_async: bool,
     ) -> None:
         self.root = root
         self.options = options
-        self.process_group = process_group
+        self._ranks = ranks  # the manager's process group, as it is when a decision is made
         self._clock = clock
         self._saving_async = saving_async
         self._last_save_time = clock()
@@ -84,7 +90,7 @@ class SaveSchedule:
         if not options.decides_collectively:
             return Decision(by_step, False, 0)
         signals = len(self._signals_heard)  # read once: a signal from here on counts next time
-        group = Group(self.process_group)
+        group = self._ranks()
         by_time = (
             group.is_coordinator
             and options.save_interval_secs is not None
@@ -131,7 +137,7 @@ class SaveSchedule:
 
 
 
-def _any_rank(group: Group, flags: tuple[bool, bool]) -> tuple[bool, bool]:
+def _any_rank(group: RankAgreement, flags: tuple[bool, bool]) -> tuple[bool, bool]:
     """Collective: each flag True on some rank (one all-reduce of the flags' maximum)."""
     first, second = group.reduce_over_ranks([int(f) for f in flags], "max", "save decision")
     return bool(first), bool(second)

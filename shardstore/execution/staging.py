@@ -146,9 +146,11 @@ class _CopyStreams:
 class HostSnapshot:
     """Copies tensors to host memory that the caller can no longer change.
 
-    Each copy is compared with its source once it landed (``wait``, ``landed``): the
-    copy is what the save writes, so a source changed meanwhile by a write that
-    PyTorch's version counter does not see (``execution.changes``) fails the save.
+    Each copy of a CPU tensor is compared with its source once it landed (``wait``,
+    ``landed``): the copy is what the save writes, so a source changed meanwhile by a
+    write that PyTorch's version counter does not see (``execution.changes``) fails the
+    save. A CUDA tensor's copy is not: comparing would move every byte back to the
+    device, doubling the time an async save blocks; its version counter still counts.
 
     Args:
         pool: where CUDA staging buffers come from and return to (None: fresh buffers).
@@ -175,7 +177,7 @@ class HostSnapshot:
             self.buffers.append(out)
         else:
             out = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
-        if key is not None:
+        if key is not None and tensor.device.type == "cpu":
             self._unchecked.append((key, tensor, out))
         return out
 

@@ -15,13 +15,13 @@ that checkpoint's chunk of the same array at the same grid index:
   (shape, data type, chunk shape, chunk key encoding, codec). crc32c alone never
   decides it: different bytes with the same crc32c take four forged bytes.
 - **Shared** means a copy-on-write clone or else a hard link on a local file system
-  (``stores.local.share_file``), a server-side copy on an object store
+  (``stores.local_files.share_file``), a server-side copy on an object store
   (``Store.copy_from``). Where neither is possible the chunk is written as usual.
 - **Every checkpoint stands alone.** A shared chunk is listed in the new commit record
   with its crc32c and digest like any other; deleting the earlier checkpoint leaves the
   new one whole (a hard link keeps the file; a copy is a copy). The earlier checkpoint's
   files are never written: shardstore creates every chunk file anew
-  (``stores.local.create_new_file``), never truncating one in place.
+  (``stores.local_files.create_new_file``), never truncating one in place.
 
 Who decides what: the coordinator, when the save begins (``reuse_save_id``), checks that
 the source is a committed shardstore checkpoint that the save does not overwrite in
@@ -42,6 +42,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+from shardstore.format import scrub
 from shardstore.format.chunks import (
     ChunkFile,
     ChunkMismatch,
@@ -122,12 +123,14 @@ class ReuseTally:
         shared_bytes: their stored bytes.
         written: chunks the record called unchanged that were written instead.
         seconds: time spent sharing and proving, summed over the I/O threads.
+        scrubbed_bytes: stored bytes of the chunks re-read by the scrub (``format.scrub``).
     """
 
     shared: int = 0
     shared_bytes: int = 0
     written: int = 0
     seconds: float = 0.0
+    scrubbed_bytes: int = 0
 
 
 class ChunkReuse:
@@ -135,6 +138,7 @@ class ChunkReuse:
 
     def __init__(self, source: Location, store: ChunkStore, arrays: dict[str, ReusableArray]) -> None:
         self.source, self.store, self.arrays = source, store, arrays
+        self.scrub = scrub.scrub_plan({key: a.record for key, a in arrays.items()}, scrub.SCRUB)
         self.tally = ReuseTally()
         self._logged: set[str] = set()
         self._lock = threading.Lock()
@@ -180,6 +184,9 @@ class ChunkReuse:
             held = array.matches(file.index, view, digest) if array is not None else None
             if held is None:
                 return None
+            scrubbed = (file.array_key, array.record.chunk_ordinal(file.index)) in self.scrub  # type: ignore[union-attr]
+            if scrubbed:  # proven by reading it back, whatever its identity says (``format.scrub``)
+                held = replace(held, source_etag=None)
             start = time.perf_counter()
             error: Exception | None = None
             shared = None
@@ -190,16 +197,17 @@ class ChunkReuse:
                 failure, error = (DAMAGED if isinstance(exc, ChunkMismatch) else FAILED), exc
             if failure:
                 self._note(failure, file, error)
-            self._count(failure is None, held.nbytes, time.perf_counter() - start)
+            self._count(failure is None, held.nbytes, time.perf_counter() - start, scrubbed)
             if shared is None:
                 return None
             return WrittenChunk(file.array_key, file.index, held.crc, digest, shared=held.nbytes, etag=shared.etag)
 
         return share
 
-    def _count(self, shared: bool, nbytes: int, seconds: float) -> None:
+    def _count(self, shared: bool, nbytes: int, seconds: float, scrubbed: bool) -> None:
         with self._lock:
             self.tally.seconds += seconds
+            self.tally.scrubbed_bytes += nbytes if scrubbed else 0
             if shared:
                 self.tally.shared += 1
                 self.tally.shared_bytes += nbytes
@@ -231,6 +239,6 @@ class ChunkReuse:
             t, self.tally = self.tally, ReuseTally()
         logger.debug(
             "save: shared %d chunk(s), %d bytes, from %s, each proven against the bytes being saved; %d written "
-            "instead; %.3f s sharing and proving (summed over threads)",
-            t.shared, t.shared_bytes, self.source.describe(), t.written, t.seconds,
+            "instead; %d bytes re-read by the scrub; %.3f s sharing and proving (summed over threads)",
+            t.shared, t.shared_bytes, self.source.describe(), t.written, t.scrubbed_bytes, t.seconds,
         )

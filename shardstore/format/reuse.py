@@ -17,6 +17,11 @@ that checkpoint's chunk of the same array at the same grid index:
 - **Shared** means a copy-on-write clone or else a hard link on a local file system
   (``stores.local_files.share_file``), a server-side copy on an object store
   (``Store.copy_from``). Where neither is possible the chunk is written as usual.
+- **Proven** by the store before the commit binds it (``ChunkStore.share_from``), by
+  the tag the source's record keeps for the object (``RecordedBytes``): an S3 copy by
+  its ETag; a local file by its identity (``stores.file_identity``), else by reading
+  it back. ``format.scrub`` chooses the local chunks read back though their identity
+  matches (bit rot changes none of it).
 - **Every checkpoint stands alone.** A shared chunk is listed in the new commit record
   with its crc32c and digest like any other; deleting the earlier checkpoint leaves the
   new one whole (a hard link keeps the file; a copy is a copy). The earlier checkpoint's
@@ -35,12 +40,13 @@ error.
 
 from __future__ import annotations
 
-__all__ = ["ChunkReuse", "ReusableArray", "ReuseTally", "reuse_save_id"]
+__all__ = ["ChunkReuse", "RecordedBytes", "ReusableArray", "ReuseTally", "reuse_save_id"]
 
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from shardstore.format import scrub
 from shardstore.format.chunks import (
@@ -82,10 +88,11 @@ class ReusableArray:
 
     record: ArrayRecord
 
-    def matches(self, index: tuple[int, ...], data: memoryview, digest: str) -> HeldBytes | None:
-        """What a shared object for chunk ``index`` must hold (``ChunkCodec.held``),
-        when the recorded digest is ``digest`` and the recorded crc32c the one the codec
-        reports for ``data`` (encoded only once the digest matched), else None."""
+    def matches(self, index: tuple[int, ...], data: memoryview, digest: str) -> RecordedBytes | None:
+        """What a shared object for chunk ``index`` must hold (``ChunkCodec.held``, with
+        the tag the record keeps for it), when the recorded digest is ``digest`` and the
+        recorded crc32c the one the codec reports for ``data`` (encoded only once the
+        digest matched), else None."""
         ordinal = self.record.chunk_ordinal(index)
         assert self.record.chunk_digests is not None and self.record.chunk_crcs is not None
         if self.record.chunk_digests[ordinal] != digest:
@@ -94,7 +101,34 @@ class ReusableArray:
         if held.crc != self.record.chunk_crcs[ordinal]:
             return None
         etag = self.record.chunk_etags[ordinal] if self.record.chunk_etags is not None else None
-        return replace(held, source_etag=etag) if etag is not None else held
+        return RecordedBytes(held, etag)
+
+
+@dataclass(frozen=True)
+class RecordedBytes:
+    """``held`` with the tag the source's record bound to the object being shared
+    (``stores.base.ExpectedBytes.source_etag``: an ETag, or a local file's identity):
+    a registered codec's own held bytes need not carry a field for it."""
+
+    held: HeldBytes
+    source_etag: str | None
+
+    @property
+    def crc(self) -> int:
+        return self.held.crc
+
+    @property
+    def nbytes(self) -> int:
+        return self.held.nbytes
+
+    def holds(self, blocks: Iterable[memoryview]) -> bool:
+        return self.held.holds(blocks)
+
+    def check(self, blocks: Iterable[memoryview], source: str) -> None:
+        self.held.check(blocks, source)
+
+    def md5_hex(self) -> str:
+        return self.held.md5_hex()
 
 
 def _reusable(source: ArrayRecord | None, new: ArrayRecord) -> ReusableArray | None:
@@ -185,8 +219,8 @@ class ChunkReuse:
             if held is None:
                 return None
             scrubbed = (file.array_key, array.record.chunk_ordinal(file.index)) in self.scrub  # type: ignore[union-attr]
-            if scrubbed:  # proven by reading it back, whatever its identity says (``format.scrub``)
-                held = replace(held, source_etag=None)
+            if scrubbed:  # read back, whatever its identity says (``format.scrub``)
+                held = RecordedBytes(held.held, None)
             start = time.perf_counter()
             error: Exception | None = None
             shared = None

@@ -9,13 +9,15 @@ identity keeps; ties in key and grid order), and compares them with the bytes be
 saved: a chunk that no longer holds them is written, not shared, and the save warns
 (``format.reuse``: "run `shardstore verify`").
 
-Budget per save, summed over all ranks (every rank computes the same plan from the
-base's record; each reads the planned chunks it shares): ``ScrubPolicy.budget`` of the
-bytes its record proves by identity, at least ``min_bytes``; a single chunk larger than
+Each rank plans over every chunk of the arrays it writes chunks of, from the base's
+record alone (ranks that write chunks of the same arrays make the same plan), and reads
+the planned chunks it shares: at most ``ScrubPolicy.budget`` of the bytes the record
+proves by identity in those arrays, at least ``min_bytes``; a single chunk larger than
 the budget is read alone when it is the oldest. As each save moves on past more than
 ``budget - largest chunk`` bytes, every shared chunk is re-read at least once every
 ``ceil(S / (budget - largest chunk))`` saves (S: those bytes), about ``rotation_saves``
-with the default budget.
+with the default budget. The order is one over all chunks, so the oldest chunk of the
+checkpoint is read at every save by the rank that writes it, whatever the layout.
 """
 
 from __future__ import annotations

@@ -1171,14 +1171,16 @@ def measure_small_arrays_on_s3(b: Bench, args: argparse.Namespace) -> None:
     b.flush()
 
 
-INCR_ADAPTER = (1024, 768)  # float32, 3 MiB: the trained part of the incremental case
+def incr_adapter(args: argparse.Namespace) -> tuple[int, int]:
+    """The shape of the incremental case's trained part (float32, ``--incr-adapter-mib``)."""
+    return (args.incr_adapter_mib * 256, 1024)
 
 
-def incremental_state(b: Bench, base: State, step: int) -> State:
-    """The frozen ``base`` plus a small adapter whose values depend on ``step``."""
-    adapter = make_global("adapter", torch.float32, INCR_ADAPTER) + step
+def incremental_state(b: Bench, base: State, step: int, shape: tuple[int, int]) -> State:
+    """The frozen ``base`` plus a small adapter of ``shape`` whose values depend on ``step``."""
+    adapter = make_global("adapter", torch.float32, shape) + step
     shards = dict(base.shards) | {"adapter": (local_shard(adapter, 0, b.rank, b.world), 0)}
-    return State(shards, dict(base.shapes) | {"adapter": INCR_ADAPTER})
+    return State(shards, dict(base.shapes) | {"adapter": shape})
 
 
 def bytes_only_here(path: Path) -> int:
@@ -1252,9 +1254,10 @@ def run_incremental(b: Bench, args: argparse.Namespace) -> None:
     logging.getLogger("shardstore.format.reuse").addHandler(tallies)
     logging.getLogger("shardstore.format.reuse").setLevel(logging.DEBUG)
     base = build_large(int(args.incr_gib * GiB), b.rank, b.world)
-    step1, step2 = incremental_state(b, base, 1), incremental_state(b, base, 2)
+    shape = incr_adapter(args)
+    step1, step2 = incremental_state(b, base, 1, shape), incremental_state(b, base, 2, shape)
     nbytes = full_bytes(step2)
-    changed = INCR_ADAPTER[0] * INCR_ADAPTER[1] * 4
+    changed = shape[0] * shape[1] * 4
     if b.rank == 0:
         print(f"incremental: {nbytes / GiB:.2f} GiB, of which {changed / 2**20:.1f} MiB change per step, "
               f"{b.world} ranks", flush=True)
@@ -1322,7 +1325,8 @@ def run_incremental_s3(b: Bench, args: argparse.Namespace, step1: State, step2: 
             sent = [0] * b.world
             dist.all_gather_object(sent, s3_bytes_written() - before)
             uploads[name] = sum(sent)
-    shared = sum(t.nbytes for t, _ in step2.shards.values()) - INCR_ADAPTER[0] * INCR_ADAPTER[1] * 4 // b.world
+    shape = incr_adapter(args)
+    shared = sum(t.nbytes for t, _ in step2.shards.values()) - shape[0] * shape[1] * 4 // b.world
     md5 = torch.cat([t.reshape(-1).view(torch.uint8) for t, _ in step2.shards.values()]).numpy()[:max(shared, 0)]
     start = time.perf_counter()
     hashlib.md5(md5, usedforsecurity=False).digest()
@@ -1692,6 +1696,7 @@ def main() -> None:
     parser.add_argument("--cases", default="large,reshard,dcp-api,dcp-plain,small,async,s3,incr")
     parser.add_argument("--plain-gib", type=float, default=0.5, help="size of the dcp-plain case's model + Adam")
     parser.add_argument("--incr-gib", type=float, default=0.25, help="size of the incremental case's frozen base")
+    parser.add_argument("--incr-adapter-mib", type=int, default=3, help="size of its trained part, MiB")
     parser.add_argument("--s3-gib", type=float, default=0.25, help="size of the S3 case's state (all ranks)")
     parser.add_argument("--s3-small", type=int, default=300,
                         help="replicated small arrays of the S3 case, saved unpacked and packed (0: none)")

@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-import shardstore.stores.local as local_io
+import shardstore.stores.local_files as local_files
 from shardstore import CheckpointingException, ShardedTensor, load, save, verify
 from shardstore.format.records import is_committed, read_commit_record
+from shardstore.stores.file_identity import FileIdentity
 from shardstore.stores.locations import open_location
 from shardstore.stores.s3 import S3Options
 from shardstore.tools.manager import CheckpointManager, CheckpointManagerOptions
@@ -423,11 +424,13 @@ def test_s3_etags_that_name_versions_not_bytes_end_sharing(s3, monkeypatch) -> N
     _check(second, 2)
 
 
-def test_local_records_keep_no_etags(tmp_path: Path) -> None:
+def test_local_records_keep_each_chunk_files_identity(tmp_path: Path) -> None:
+    """Not an ETag: the file's identity (``stores.file_identity``), which a later save
+    proves a shared chunk by (tests/test_identity_proof.py)."""
     save(_state(1), tmp_path / "s1")
-    assert all(a.chunk_etags is None for a in read_commit_record(open_location(tmp_path / "s1")).arrays.values())
-    summary = json.loads((tmp_path / "s1" / "zarr.json").read_text())
-    assert "chunk_etags" not in json.dumps(summary)
+    for key, array in read_commit_record(open_location(tmp_path / "s1")).arrays.items():
+        assert len(array.chunk_etags) == 1 and array.chunk_etags[0].startswith("file:")
+        assert FileIdentity.parse(array.chunk_etags[0]).names(os.stat(tmp_path / "s1" / key / "c.0.0"))
 
 
 @pytest.mark.parametrize("etags", [["x" * 129], ["a", "b"], "abc", [7]])
@@ -538,7 +541,7 @@ class _CloningFcntl:
         return getattr(fcntl, name)
 
     def ioctl(self, fd: int, request: int, arg: int) -> int:
-        assert request == local_io.FICLONE
+        assert request == local_files.FICLONE
         if os.fstat(fd).st_dev != os.fstat(arg).st_dev:
             raise OSError(errno.EXDEV, "Invalid cross-device link")
         size = os.fstat(arg).st_size
@@ -551,13 +554,13 @@ def test_one_cross_device_reuse_does_not_turn_later_clones_into_hard_links(tmp_p
     (an independent file: rot in the old step costs only the old step). One save whose
     target is on another device (FICLONE and link both say EXDEV, so it writes) must not
     make every later same-device save of the process hard-link instead: the EXDEV
-    marked the *source's* device as unable to clone (stores/local.py, ``_clone``)."""
+    marked the *source's* device as unable to clone (stores/local_files.py, ``_clone``)."""
     other = Path(tempfile.mkdtemp(dir="/dev/shm")) if os.path.isdir("/dev/shm") else None
     if other is None or os.stat(other).st_dev == os.stat(tmp_path).st_dev:
         pytest.skip("needs a second file system (/dev/shm)")
     try:
-        monkeypatch.setattr(local_io, "fcntl", _CloningFcntl())
-        monkeypatch.setattr(local_io, "_clone_unsupported", set())
+        monkeypatch.setattr(local_files, "fcntl", _CloningFcntl())
+        monkeypatch.setattr(local_files, "_clone_unsupported", set())
         save(_state(1), tmp_path / "s1")
         save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
         assert (tmp_path / "s2" / CHUNK).stat().st_nlink == 1  # a clone

@@ -471,7 +471,7 @@ class ChunkSums(NamedTuple):
     Attributes:
         crc: the crc32c its codec reports for the commit record.
         digest: XXH3-128 of its bytes, 32 hex digits (``chunk_digest``).
-        etag: the ETag its store gave the object (``ChunkStore.put``), or None.
+        etag: the tag its store gave the object (``ChunkStore.put``), or None.
     """
 
     crc: int
@@ -489,9 +489,10 @@ class WrittenChunk(NamedTuple):
         digest: XXH3-128 of its bytes, 32 hex digits (``chunk_digest``).
         shared: stored bytes shared with an earlier checkpoint instead of written
             (``format.reuse``), 0 for a chunk written.
-        etag: the ETag the store gave the object (object stores), or None: the
-            commit record keeps it, so a later save can prove a copy of the object
-            without hashing the bytes (``stores.kv_chunks.KvChunkStore.share_from``).
+        etag: the tag the store gave the object (an ETag on object stores, a local
+            file's identity), or None: the commit record keeps it, so a later save can
+            prove a copy or link of the object without reading or hashing the bytes
+            (``ChunkStore.share_from``).
         packed: for a chunk written into a pack (``format.packs``), the pack's name,
             the offset of the chunk's stored bytes in it and the pack's size; else None.
     """

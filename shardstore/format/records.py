@@ -298,11 +298,12 @@ class ArrayRecord:
             array itself is the global tensor either way.
         codec: how each chunk is stored (``format.codecs``); the record names its
             ``codecs`` only when they are not ``BYTES_CRC32C``, every array's so far.
-        chunk_etags: on object stores, the ETag the store gave each chunk's object
-            when it was written (None for a chunk it gave none), in the order of
-            ``chunk_crcs``; None where no chunk has one (local disks, older records).
-            A later save proves its server-side copy of the object by it
-            (``stores.kv_chunks.KvChunkStore.share_from``).
+        chunk_etags: the tag the store gave each chunk's object (None for a chunk it
+            gave none), in the order of ``chunk_crcs``; None where no chunk has one
+            (older records): on object stores the ETag it reported when it wrote the
+            object, on local disks the file's identity when its bytes were last proven
+            (``stores.file_identity``). A later save proves its copy or link of the
+            object by it (``ChunkStore.share_from``).
         pack: the pack (``packs/<rank>-<n>.zip``, format version 8) that holds the
             array's ``zarr.json`` and chunks as zip members, or None: the array is a
             directory of its own. Set by binding (``with_pack``), as its writer chose.

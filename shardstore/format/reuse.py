@@ -15,13 +15,18 @@ that checkpoint's chunk of the same array at the same grid index:
   (shape, data type, chunk shape, chunk key encoding, codec). crc32c alone never
   decides it: different bytes with the same crc32c take four forged bytes.
 - **Shared** means a copy-on-write clone or else a hard link on a local file system
-  (``stores.local.share_file``), a server-side copy on an object store
+  (``stores.local_files.share_file``), a server-side copy on an object store
   (``Store.copy_from``). Where neither is possible the chunk is written as usual.
+- **Proven** by the store before the commit binds it (``ChunkStore.share_from``), by
+  the tag the source's record keeps for the object (``RecordedBytes``): an S3 copy by
+  its ETag; a local file by its identity (``stores.file_identity``), else by reading
+  it back. ``format.scrub`` chooses the local chunks read back though their identity
+  matches (bit rot changes none of it).
 - **Every checkpoint stands alone.** A shared chunk is listed in the new commit record
   with its crc32c and digest like any other; deleting the earlier checkpoint leaves the
   new one whole (a hard link keeps the file; a copy is a copy). The earlier checkpoint's
   files are never written: shardstore creates every chunk file anew
-  (``stores.local.create_new_file``), never truncating one in place.
+  (``stores.local_files.create_new_file``), never truncating one in place.
 
 Who decides what: the coordinator, when the save begins (``reuse_save_id``), checks that
 the source is a committed shardstore checkpoint that the save does not overwrite in
@@ -35,13 +40,15 @@ error.
 
 from __future__ import annotations
 
-__all__ = ["ChunkReuse", "ReusableArray", "ReuseTally", "reuse_save_id"]
+__all__ = ["ChunkReuse", "RecordedBytes", "ReusableArray", "ReuseTally", "reuse_save_id"]
 
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import dataclass
 
+from shardstore.format import scrub
 from shardstore.format.chunks import (
     ChunkFile,
     ChunkMismatch,
@@ -81,10 +88,11 @@ class ReusableArray:
 
     record: ArrayRecord
 
-    def matches(self, index: tuple[int, ...], data: memoryview, digest: str) -> HeldBytes | None:
-        """What a shared object for chunk ``index`` must hold (``ChunkCodec.held``),
-        when the recorded digest is ``digest`` and the recorded crc32c the one the codec
-        reports for ``data`` (encoded only once the digest matched), else None."""
+    def matches(self, index: tuple[int, ...], data: memoryview, digest: str) -> RecordedBytes | None:
+        """What a shared object for chunk ``index`` must hold (``ChunkCodec.held``, with
+        the tag the record keeps for it), when the recorded digest is ``digest`` and the
+        recorded crc32c the one the codec reports for ``data`` (encoded only once the
+        digest matched), else None."""
         ordinal = self.record.chunk_ordinal(index)
         assert self.record.chunk_digests is not None and self.record.chunk_crcs is not None
         if self.record.chunk_digests[ordinal] != digest:
@@ -93,7 +101,34 @@ class ReusableArray:
         if held.crc != self.record.chunk_crcs[ordinal]:
             return None
         etag = self.record.chunk_etags[ordinal] if self.record.chunk_etags is not None else None
-        return replace(held, source_etag=etag) if etag is not None else held
+        return RecordedBytes(held, etag)
+
+
+@dataclass(frozen=True)
+class RecordedBytes:
+    """``held`` with the tag the source's record bound to the object being shared
+    (``stores.base.ExpectedBytes.source_etag``: an ETag, or a local file's identity):
+    a registered codec's own held bytes need not carry a field for it."""
+
+    held: HeldBytes
+    source_etag: str | None
+
+    @property
+    def crc(self) -> int:
+        return self.held.crc
+
+    @property
+    def nbytes(self) -> int:
+        return self.held.nbytes
+
+    def holds(self, blocks: Iterable[memoryview]) -> bool:
+        return self.held.holds(blocks)
+
+    def check(self, blocks: Iterable[memoryview], source: str) -> None:
+        self.held.check(blocks, source)
+
+    def md5_hex(self) -> str:
+        return self.held.md5_hex()
 
 
 def _reusable(source: ArrayRecord | None, new: ArrayRecord) -> ReusableArray | None:
@@ -122,12 +157,14 @@ class ReuseTally:
         shared_bytes: their stored bytes.
         written: chunks the record called unchanged that were written instead.
         seconds: time spent sharing and proving, summed over the I/O threads.
+        scrubbed_bytes: stored bytes of the chunks re-read by the scrub (``format.scrub``).
     """
 
     shared: int = 0
     shared_bytes: int = 0
     written: int = 0
     seconds: float = 0.0
+    scrubbed_bytes: int = 0
 
 
 class ChunkReuse:
@@ -135,6 +172,7 @@ class ChunkReuse:
 
     def __init__(self, source: Location, store: ChunkStore, arrays: dict[str, ReusableArray]) -> None:
         self.source, self.store, self.arrays = source, store, arrays
+        self.scrub = scrub.scrub_plan({key: a.record for key, a in arrays.items()}, scrub.SCRUB)
         self.tally = ReuseTally()
         self._logged: set[str] = set()
         self._lock = threading.Lock()
@@ -180,6 +218,9 @@ class ChunkReuse:
             held = array.matches(file.index, view, digest) if array is not None else None
             if held is None:
                 return None
+            scrubbed = (file.array_key, array.record.chunk_ordinal(file.index)) in self.scrub  # type: ignore[union-attr]
+            if scrubbed:  # read back, whatever its identity says (``format.scrub``)
+                held = RecordedBytes(held.held, None)
             start = time.perf_counter()
             error: Exception | None = None
             shared = None
@@ -190,16 +231,17 @@ class ChunkReuse:
                 failure, error = (DAMAGED if isinstance(exc, ChunkMismatch) else FAILED), exc
             if failure:
                 self._note(failure, file, error)
-            self._count(failure is None, held.nbytes, time.perf_counter() - start)
+            self._count(failure is None, held.nbytes, time.perf_counter() - start, scrubbed)
             if shared is None:
                 return None
             return WrittenChunk(file.array_key, file.index, held.crc, digest, shared=held.nbytes, etag=shared.etag)
 
         return share
 
-    def _count(self, shared: bool, nbytes: int, seconds: float) -> None:
+    def _count(self, shared: bool, nbytes: int, seconds: float, scrubbed: bool) -> None:
         with self._lock:
             self.tally.seconds += seconds
+            self.tally.scrubbed_bytes += nbytes if scrubbed else 0
             if shared:
                 self.tally.shared += 1
                 self.tally.shared_bytes += nbytes
@@ -231,6 +273,6 @@ class ChunkReuse:
             t, self.tally = self.tally, ReuseTally()
         logger.debug(
             "save: shared %d chunk(s), %d bytes, from %s, each proven against the bytes being saved; %d written "
-            "instead; %.3f s sharing and proving (summed over threads)",
-            t.shared, t.shared_bytes, self.source.describe(), t.written, t.seconds,
+            "instead; %d bytes re-read by the scrub; %.3f s sharing and proving (summed over threads)",
+            t.shared, t.shared_bytes, self.source.describe(), t.written, t.scrubbed_bytes, t.seconds,
         )

@@ -10,7 +10,7 @@ the directory is the Hugging Face cache's own: ``models--org--name/snapshots/<re
 links to ``models--org--name/blobs/<hash>``, inside the same cached repository.
 
 Every file is opened without following a link at its last component and without
-blocking (``stores.local.open_regular``: ``O_NOFOLLOW | O_NONBLOCK``, then ``fstat``
+blocking (``stores.local_files.open_regular``: ``O_NOFOLLOW | O_NONBLOCK``, then ``fstat``
 must say regular file), after its real path was checked to lie inside the directory
 (or the cached repository). The index is read through the same size bound as a
 checkpoint's records.

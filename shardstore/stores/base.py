@@ -565,9 +565,10 @@ class ExpectedBytes(Protocol):
 
     @property
     def source_etag(self) -> str | None:
-        """The ETag the earlier checkpoint's commit record bound to the object being
+        """The tag the earlier checkpoint's commit record bound to the object being
         shared: what its store reported when the object was written with these bytes
-        (``ChunkStore.put``); None where the record keeps none."""
+        (``ChunkStore.put``: an ETag, or a local file's identity,
+        ``stores.file_identity``); None where the record keeps none."""
 
 
 class ChunkMismatch(CheckpointingException):
@@ -605,7 +606,8 @@ class ChunkStore(ABC):
     def put(self, rel: str, buffers: Iterable[memoryview]) -> str | None:
         """Stores the concatenation of ``buffers`` at ``rel`` (no durability promise:
         the location's ``make_durable`` flushes); returns the object's ETag, without
-        quotes, where the store reports one (object stores), else None. ``buffers`` may be made while they
+        quotes, where the store reports one (object stores), a local file's identity
+        tag (``stores.file_identity``), else None. ``buffers`` may be made while they
         are taken (``format.codecs.ChunkCodec.encode_stream``): a store that writes as
         it goes takes each just before writing it (``stores.local.FileChunkStore``),
         others take them all first."""

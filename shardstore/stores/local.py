@@ -43,7 +43,6 @@ from shardstore.stores.base import (
     STREAM_BLOCK_BYTES,
     Capabilities,
     ChunkAccess,
-    ChunkMismatch,
     ChunkStore,
     CopiedObject,
     DirectoryPublishing,
@@ -57,6 +56,8 @@ from shardstore.stores.base import (
     fold_landed,
     run_parallel,
 )
+from shardstore.stores.file_identity import FileIdentity
+from shardstore.stores.local_files import create_file, create_new_file, open_regular, share_file
 
 logger = logging.getLogger(__name__)
 
@@ -549,110 +550,6 @@ def open_regular_file(root: Path, path: Path) -> int | None:
     return open_regular(path)
 
 
-def create_file(path: str, flags: int = 0) -> int:
-    """A descriptor of ``path``, created or truncated for writing (mode 0666 less the
-    umask), with its directory made when it is missing (chunk files; ``put_many`` makes
-    the directories of many small files in one pass first). ``flags``: more ``os.O_*``
-    flags."""
-    flags |= os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    try:
-        return os.open(path, flags, 0o666)
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        return os.open(path, flags, 0o666)
-
-
-def create_new_file(path: str) -> int:
-    """``create_file`` of a file no other path shares: a file already at ``path`` is
-    unlinked first instead of truncated, so that a chunk hard-linked into another
-    checkpoint (``format.reuse``) is never changed through this path. Links are not
-    followed."""
-    flags = os.O_NOFOLLOW | os.O_EXCL
-    try:
-        return create_file(path, flags)
-    except FileExistsError:
-        os.unlink(path)
-        return create_file(path, flags)
-
-
-# ioctl(FICLONE): a copy-on-write clone of a whole file (Btrfs, XFS, bcachefs, ...).
-FICLONE = 0x40049409
-# errnos that say the file system (or this pair of paths) cannot clone or link at all
-_CANNOT_SHARE = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.EPERM, errno.EMLINK,
-                 errno.ENOSYS, errno.EBADF}
-# errnos of a clone that say the source's file system cannot clone at all; the others
-# (EXDEV: the target on another file system; EINVAL, EPERM, EBADF: this pair of files)
-# say nothing of its next clone
-_CANNOT_CLONE = {errno.EOPNOTSUPP, errno.ENOTTY, errno.ENOSYS}
-_clone_unsupported: set[int] = set()  # st_dev of file systems that cannot clone
-
-
-def share_file(source: str, target: str, nbytes: int) -> bool:
-    """Makes ``target`` (new) hold the content of the regular file ``source`` without
-    copying bytes: a copy-on-write clone where the file system has one (the two files
-    are then independent), else a hard link (one file under two names: an edit in place
-    through either path changes both; shardstore itself never writes into an existing
-    file, see ``create_new_file``). False, with nothing left at ``target``, where neither
-    is possible.
-
-    Raises:
-        FileNotFoundError: ``source`` does not exist.
-        ChunkMismatch: ``source`` is not a regular file of ``nbytes`` bytes.
-    """
-    info = os.lstat(source)
-    if not stat.S_ISREG(info.st_mode) or info.st_size != nbytes:
-        kind = f"{info.st_size} bytes" if stat.S_ISREG(info.st_mode) else "no regular file"
-        raise ChunkMismatch(f"{source} holds {kind}, not the {nbytes} bytes being saved")
-    if info.st_dev not in _clone_unsupported and _clone(source, target):
-        return True
-    try:
-        return _hard_link(source, target)
-    except FileNotFoundError:
-        # the target's directory is missing, or another writer made it since the link
-        # failed (reading that as "the source is gone" wrote shared chunks again): make
-        # sure it exists and link once more; FileNotFoundError again: the source is gone
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        return _hard_link(source, target)
-
-
-def _hard_link(source: str, target: str) -> bool:
-    """``os.link``; False where the file system cannot link this pair."""
-    try:
-        os.link(source, target, follow_symlinks=False)
-    except OSError as exc:
-        if exc.errno in _CANNOT_SHARE:
-            return False
-        raise
-    return True
-
-
-def _clone(source: str, target: str) -> bool:
-    """A FICLONE of ``source`` into a new ``target``; False (nothing left at ``target``)
-    where this pair cannot be cloned, the source's file system remembered where it
-    cannot clone at all (``_CANNOT_CLONE``): one clone across file systems, or of a file
-    that cannot be (a NOCOW file on Btrfs), must not turn every later clone on that file
-    system into a hard link, which shares an edit in place with the earlier step."""
-    fd_in = open_regular(Path(source))
-    if fd_in is None:
-        raise FileNotFoundError(errno.ENOENT, "No such file", source)
-    try:
-        fd_out = create_new_file(target)
-        try:
-            fcntl.ioctl(fd_out, FICLONE, fd_in)
-            return True
-        except OSError as exc:
-            if exc.errno not in _CANNOT_SHARE:
-                raise
-            if exc.errno in _CANNOT_CLONE:
-                _clone_unsupported.add(os.fstat(fd_in).st_dev)
-        finally:
-            os.close(fd_out)
-        os.unlink(target)
-        return False
-    finally:
-        os.close(fd_in)
-
-
 def check_inside(root: Path, directory: Path, real_root: str | None = None, action: str = "read it") -> None:
     """Raises StorageError if ``directory`` resolves outside ``root`` (a symbolic link
     on the way would lead a read, or a removal, into another checkpoint). ``real_root``:
@@ -694,22 +591,6 @@ class DirectoryGuard:
         self._checked.add(rel_dir)  # set.add is atomic: reader threads share the guard
 
 
-def open_regular(path: Path) -> int | None:
-    """``open_regular_file`` without the check of the directories on the way."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise StorageError(f"{path} is a symbolic link; refusing to follow it out of the checkpoint") from exc
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise StorageError(f"{path} is not a regular file; refusing to read it")
-    return fd
-
-
 # ------------------------------------------------------------------ chunk I/O
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -748,8 +629,8 @@ class FileChunkStore(ChunkStore):
     def describe(self, rel: str) -> str:
         return self._prefix + rel
 
-    def put(self, rel: str, buffers: Iterable[memoryview]) -> None:
-        """Takes the pieces in order and writes them as they come: one ``writev``
+    def put(self, rel: str, buffers: Iterable[memoryview]) -> str:
+        """Returns the file's identity tag (``stores.file_identity``). Takes the pieces in order and writes them as they come: one ``writev``
         once they add up to ``STREAM_BLOCK_BYTES`` or ``IOV_MAX`` pieces (a shard of
         many inner chunks has more than one call takes), each short write resumed. A
         file of at least ``EARLY_WRITEBACK_BYTES`` then starts its write-back
@@ -768,6 +649,7 @@ class FileChunkStore(ChunkStore):
             _write_all(fd, batch)
             if written + size >= EARLY_WRITEBACK_BYTES:
                 start_writeback(fd)
+            return FileIdentity.of(os.fstat(fd)).tag()  # the written file's, for a later save's proof
         finally:
             os.close(fd)
 
@@ -848,25 +730,31 @@ class FileChunkStore(ChunkStore):
     def share_from(self, source: ChunkStore, rel: str, held: ExpectedBytes) -> CopiedObject | None:
         """A clone (copy-on-write, where the file system has it) or else a hard link of
         the source's file (only a regular file of the expected size inside the source's
-        directory; no symbolic link is followed), then the new file read back whole and
-        compared with ``held``. A hard link shares the inode, so the bytes read are the
-        source's bytes as they are now, not as its record says they were."""
+        directory; no symbolic link is followed), proven by the identity the source's
+        record keeps (``held.source_etag``, ``stores.file_identity``): ``fstat`` of the
+        new file's descriptor (a link: the same inode) or of the one cloned from, after
+        the clone. Where it was never recorded or does not match, the new file is read
+        back whole and compared with ``held`` (a hard link: the source's bytes as they
+        are now). The object returned carries the new file's identity tag."""
         if not isinstance(source, FileChunkStore):
             return None
         source._guard.check(rel.rpartition("/")[0])
         try:
-            if not share_file(source._prefix + rel, self._prefix + rel, held.nbytes):
+            if not (shared := share_file(source._prefix + rel, self._prefix + rel, held.nbytes)):
                 return None
         except FileNotFoundError:  # the source chunk is gone (deleted meanwhile)
             return None
-        fd = open_regular(self._prefix + rel)
-        if fd is None:
+        if (fd := open_regular(self._prefix + rel)) is None:
             return None
         try:
+            info = os.fstat(fd)  # before any read: a write during the read moves mtime past it
+            recorded = FileIdentity.parse(held.source_etag)
+            if recorded is not None and recorded.names(shared.cloned_from or info):
+                return CopiedObject(FileIdentity.of(info, recorded.unread + 1).tag())
             held.check(_file_blocks(fd, held.nbytes + 1), source.describe(rel))
+            return CopiedObject(FileIdentity.of(info).tag())
         finally:
             os.close(fd)
-        return CopiedObject()
 
 
 def _write_all(fd: int, buffers: list[memoryview]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -204,3 +205,34 @@ def test_dcp_load_of_an_int_keyed_value_is_as_the_limitations_page_says(tmp_path
     text = " ".join((ROOT / "docs" / "limitations.md").read_text().split())
     assert "`dcp.load` fills a tensor at the caller's `{1: ...}`" in text
     assert "a plain value there keeps the caller's" in text
+
+
+# Words that tell how the work was done (an ordinal or "helper" before the word), not
+# what the product does. A terminal session, an AWS session token and pytest's
+# session scope are the product's words and do not match.
+WORK_LOG = re.compile(
+    r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth"
+    r"|[0-9]+th|helper|same|next|previous|earlier|later|this|last|work|gpu|agent) sessions?\b",
+    re.IGNORECASE,
+)
+PROJECT_TEXT = ("docs", "shardstore", "tests", "scripts", "README.md", "mkdocs.yml")
+
+
+def _project_text_files() -> list[Path]:
+    files: list[Path] = []
+    for name in PROJECT_TEXT:
+        path = ROOT / name
+        files += [path] if path.is_file() else sorted(
+            p for p in path.rglob("*") if p.is_file() and p.suffix in {".py", ".md", ".sh", ".yml", ".txt", ".toml"}
+        )
+    return files
+
+
+def test_the_project_speaks_of_the_product_not_of_work_sessions() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in _project_text_files()
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+        if WORK_LOG.search(line)
+    ]
+    assert not found, "speak of the product (a date or a version if needed):\n" + "\n".join(found)

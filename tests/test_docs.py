@@ -22,15 +22,49 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site as ``mkdocs build --strict`` builds it; the build's failure fails each user."""
+    out = tmp_path_factory.mktemp("site")
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
-         "--site-dir", str(tmp_path / "site")],
+         "--site-dir", str(out)],
         capture_output=True, text=True, timeout=240, cwd=ROOT,
     )
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
-    assert (tmp_path / "site" / "index.html").exists()
-    assert (tmp_path / "site" / "reference" / "api" / "index.html").exists()
+    return out
+
+
+def test_the_site_builds_with_warnings_as_errors(site: Path) -> None:
+    assert (site / "index.html").exists()
+    assert (site / "reference" / "api" / "index.html").exists()
+
+
+def test_no_page_shows_raw_double_backticks(site: Path) -> None:
+    """A docstring's RST literal (two backticks) inside an indented block is shown as
+    typed: the reference pages render docstrings as Markdown, so a table in a block
+    names code without them."""
+    pages = sorted(site.rglob("*.html"))
+    shown = [str(page.relative_to(site)) for page in pages if "``" in page.read_text(encoding="utf-8")]
+    assert pages and not shown, f"raw `` on {shown}"
+
+
+def _prose(markdown: str) -> str:
+    """The text of a page outside fenced blocks, indented lines (code blocks, and list
+    items' continuations with them) and code spans."""
+    outside_fences = re.sub(r"^[ \t]*```.*?^[ \t]*```", "", markdown, flags=re.S | re.M)
+    unindented = "\n".join(line for line in outside_fences.splitlines() if not line.startswith("    "))
+    return re.sub(r"`[^`\n]*`", "", unindented)
+
+
+def test_no_power_is_written_where_markdown_reads_bold() -> None:
+    """``2**24 + 1`` outside a code span opens bold text that runs across the sentence."""
+    found = [
+        f"{page.relative_to(ROOT)}: {match.group(0)}"
+        for page in sorted((ROOT / "docs").rglob("*.md"))
+        for match in re.finditer(r"[\w)]\*\*[\w(]", _prose(page.read_text(encoding="utf-8")))
+    ]
+    assert not found, "write powers as code spans:\n" + "\n".join(found)
 
 
 CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))

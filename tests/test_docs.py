@@ -270,3 +270,22 @@ def test_the_project_speaks_of_the_product_not_of_work_sessions() -> None:
         if WORK_LOG.search(line)
     ]
     assert not found, "speak of the product (a date or a version if needed):\n" + "\n".join(found)
+
+
+def _named_on_the_layout_page(module: Path, named: set[str]) -> bool:
+    """A module is named by its path (``format/codecs.py``), or by a sub-package's
+    directory that holds it (``tools/manager/``); a layer's own directory names its
+    ``__init__.py`` only, so each of its modules is named on its own."""
+    relative = module.relative_to(ROOT / "shardstore")
+    if relative.as_posix() in named:
+        return True
+    if relative.name == "__init__.py" and len(relative.parts) == 2:
+        return f"{relative.parent.as_posix()}/" in named
+    return any(f"{parent.as_posix()}/" in named for parent in relative.parents if len(parent.parts) >= 2)
+
+
+def test_the_code_layout_page_names_every_module() -> None:
+    named = set(re.findall(r"`([^`\n]+)`", (ROOT / "docs" / "code-layout.md").read_text(encoding="utf-8")))
+    modules = sorted((ROOT / "shardstore").rglob("*.py"))
+    missing = [str(m.relative_to(ROOT)) for m in modules if not _named_on_the_layout_page(m, named)]
+    assert modules and not missing, f"docs/code-layout.md does not name {missing}"

@@ -273,6 +273,11 @@ FRAGMENTS = (
         "import os\n"  # each array's 4 chunks of 1 KiB are one shard file
         "assert all(sorted(os.listdir(f'{ckpt}/{k}')) == ['c.0.0', 'zarr.json'] for k in state), os.listdir(ckpt)\n"
     )),
+    Fragment("from_rank_offsets_flat(key", ranks=(1, 2), check=(
+        # one array of the global shape, whatever the ranks' cuts
+        "assert shardstore.load_tensors_metadata(ckpt)[key].global_shape == (5, 4)\n"
+        "assert shardstore.verify(ckpt).ok\n"
+    )),
     Fragment("rows = torch.empty(8 // world, 4)", reads_the_quick_start=True, ranks=(2, 4), check=(
         # the request's own tensor, filled with this rank's rows of save.py's fc1
         "torch.manual_seed(0)\n"

@@ -238,6 +238,18 @@ FRAGMENTS = (
         "import torch\ntorch.manual_seed(0)\n"
         "assert (weight == torch.randn(8, 4).numpy()).all() and (arr.read().result() == weight).all()\n"
     )),
+    # before "reuse_from=", which its block holds too
+    Fragment("max_chunk_bytes=64 * 2**10", check=(
+        # 15 of the 16 chunks shared; at the default chunk size the changed row rewrites all
+        "from shardstore.format.records import read_commit_record\n"
+        "from shardstore.stores.locations import open_location\n"
+        "shared = read_commit_record(open_location(f'{root}/step2')).reused_from\n"
+        "assert shared is not None and shared.chunks == 15, shared\n"
+        "save(state(), f'{root}/default1')\n"
+        "embedding[3] += 0.1\n"
+        "save(state(), f'{root}/default2', reuse_from=f'{root}/default1')\n"
+        "assert read_commit_record(open_location(f'{root}/default2')).reused_from is None\n"
+    )),
     Fragment("reuse_from=", check=(
         "from shardstore.format.records import read_commit_record\n"
         "from shardstore.stores.locations import open_location\n"

@@ -289,3 +289,19 @@ def test_the_code_layout_page_names_every_module() -> None:
     modules = sorted((ROOT / "shardstore").rglob("*.py"))
     missing = [str(m.relative_to(ROOT)) for m in modules if not _named_on_the_layout_page(m, named)]
     assert modules and not missing, f"docs/code-layout.md does not name {missing}"
+
+
+# Measurement pages show the current figures of their topic, not a log of runs: the
+# history is in git. These still hold a log; each leaves the list once rewritten.
+MEASUREMENT_LOGS = {"data-path.md", "dcp.md", "performance.md", "planning.md", "scale.md"}
+MEASUREMENT_PAGE_WORDS = 1_600
+DATED_HEADING = re.compile(r"^#+ .*\b20\d\d-\d\d-\d\d\b", re.MULTILINE)
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in (ROOT / "docs" / "measurements").glob("*.md")))
+def test_a_measurement_page_shows_current_figures_not_a_log(page: str) -> None:
+    text = (ROOT / "docs" / "measurements" / page).read_text(encoding="utf-8")
+    is_a_log = len(text.split()) > MEASUREMENT_PAGE_WORDS or bool(DATED_HEADING.search(text))
+    assert is_a_log == (page in MEASUREMENT_LOGS), (
+        f"docs/measurements/{page}: at most {MEASUREMENT_PAGE_WORDS} words, no dated headings"
+        if is_a_log else f"docs/measurements/{page} is no longer a log: take it off MEASUREMENT_LOGS")

@@ -293,7 +293,7 @@ def test_the_code_layout_page_names_every_module() -> None:
 
 # Measurement pages show the current figures of their topic, not a log of runs: the
 # history is in git. These still hold a log; each leaves the list once rewritten.
-MEASUREMENT_LOGS = {"performance.md", "scale.md"}
+MEASUREMENT_LOGS = {"scale.md"}
 MEASUREMENT_PAGE_WORDS = 1_600
 DATED_HEADING = re.compile(r"^#+ .*\b20\d\d-\d\d-\d\d\b", re.MULTILINE)
 

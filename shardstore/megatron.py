@@ -6,10 +6,12 @@ classes, so a strategy plug-in (``shardstore.tools.megatron_strategy``) reaches 
 Megatron-Core <= 0.16. Megatron-LM's training loop calls the module's functions by
 attribute (``dist_checkpointing.save(...)``, ``dist_checkpointing.load(...)``, ...), so
 one call before training makes every current Megatron-LM write and read shardstore
-checkpoints::
+checkpoints:
 
-    import shardstore.megatron
-    shardstore.megatron.install()       # e.g. at the top of pretrain_gpt.py
+```python
+import shardstore.megatron
+shardstore.megatron.install()       # e.g. at the top of pretrain_gpt.py
+```
 
 ``install`` replaces these module attributes of ``megatron.core.dist_checkpointing`` (and
 the same names in its ``serialization`` and ``core`` modules, where they exist):

@@ -3,22 +3,22 @@ and meaning of Megatron-Core's ``dist_checkpointing.serialization``.
 
 Save, in stages (each named function below; "collective" = every rank calls it):
 
-    all ranks    preprocess  Megatron-Core objects converted (``shardstore.inputs.megatron_objects``),
+    all ranks    preprocess  Megatron-Core objects converted (shardstore.inputs.megatron_objects),
                              factories built, non-persistent values dropped, the state
                              dict split into sharded part and common part
     collective   plan        shard metadata and the directory each rank names go to the
                              coordinator, which validates the global layout and plans
                              the save; each rank receives only its part
-                             (``shardstore.planning.plans``)
-    coordinator  begin       ``shardstore.format.commit.begin_save``: refuse what is not ours to
+                             (shardstore.planning.plans)
+    coordinator  begin       shardstore.format.commit.begin_save: refuse what is not ours to
                              replace, clear dead saves' leftovers, create this save's
                              staging area and write metadata.json there, once the plan
                              is made; every rank learns the save id with its part of
                              the plan (the same scatter)
     all ranks    common      coordinator writes common.pt; each rank its ShardedObjects (a
                              failure is told to every rank by the staging stage)
-    collective   sharded     the storage core (``strategies.zarr``, its stages in
-                             ``execution.save``): stage, write, gather the chunk
+    collective   sharded     the storage core (strategies.zarr, its stages in
+                             execution.save): stage, write, gather the chunk
                              checksums to the coordinator, which commits (the root
                              zarr.json, written last) and publishes
 
@@ -32,12 +32,12 @@ Load, in stages:
                              is refused before anything else happens; every file is read
                              through it
     all ranks    preprocess  common state read, factories built, the request collected
-    collective   plan        the requests go to the coordinator, which applies ``strict``,
+    collective   plan        the requests go to the coordinator, which applies strict,
                              checks access integrity and plans who reads what
-                             (``validation.plan_load``); each rank receives only its part
+                             (validation.plan_load); each rank receives only its part
     collective   read        each rank reads its part, agree, exchange of replicated
-                             blocks (the sharded strategy's ``load_with_plan``; ours:
-                             ``execution.load.run_read_plan``)
+                             blocks (the sharded strategy's load_with_plan; ours:
+                             execution.load.run_read_plan)
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ def test_every_block_names_the_checkpoint_the_quick_start_writes() -> None:
 # point into the test's directory; the AWS settings, to a local S3 server.
 _MEGATRON_JOB = (
     "import torch\nimport torch.distributed as dist\n"
-    "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=0, world_size=1)\n"
+    "{init}\n"
     "torch.cuda.synchronize = lambda *a, **k: None  # Megatron calls these; this torch has no CUDA\n"
     "torch.cuda.current_device = lambda: 'cpu'\n"
 )
@@ -177,7 +177,9 @@ class Fragment:
     check: str
     # run after the quick start's save.py (at 2 ranks), whose checkpoint it reads: its page says so
     reads_the_quick_start: bool = False
-    ranks: int = 1  # > 1: under torchrun
+    ranks: tuple[int, ...] = (1,)  # a run at each; > 1: as torchrun's workers
+    # its page says it runs after dist.init_process_group: above 1 rank, the test starts the group
+    in_a_group: bool = False
     megatron_job: bool = False  # run inside _MEGATRON_JOB (megatron-core needed)
     s3: bool = False  # the AWS settings name a local S3 server with the bucket "my-bucket"
 
@@ -194,31 +196,35 @@ FRAGMENTS = (
         "assert sorted(os.listdir(f'{ckpt}/decoder/fc1')) == ['c.0.0'] and not os.path.exists(f'{ckpt}/decoder/zarr.json')\n"
         "assert (from_zarr == weight.numpy()).all() and (from_tensorstore == weight.numpy()).all()\n"
     )),
-    Fragment("shardstore.tools.megatron_strategy import", megatron_job=True, check=(
+    Fragment("shardstore.tools.megatron_strategy import", megatron_job=True, ranks=(1, 2), check=(
         "assert torch.equal(state['fc1'], fc1.chunk(world)[rank])\n"
         "from shardstore import verify\nassert verify(ckpt_dir).ok\n"
     )),
-    Fragment("shardstore.megatron.install()", megatron_job=True, check=(
+    Fragment("shardstore.megatron.install()", megatron_job=True, ranks=(1, 2), check=(
         # Megatron-LM's calls, by module attribute, with 0.19's keywords
         "import tempfile\n"
         "from megatron.core import dist_checkpointing\n"
         "from megatron.core.dist_checkpointing import ShardedTensor\n"
         "from shardstore import verify\n"
+        "rank, world = dist.get_rank(), dist.get_world_size()\n"
         "fc1 = torch.arange(32.0).reshape(8, 4)\n"
-        "megatron_sd = {'fc1': ShardedTensor.from_rank_offsets('decoder/fc1', fc1.clone())}\n"
-        "ckpt = tempfile.mkdtemp() + '/iter_0000001'\n"
+        "megatron_sd = {'fc1': ShardedTensor.from_rank_offsets('decoder/fc1', fc1.chunk(world)[rank].clone(),\n"
+        "                                                      (0, rank, world))}\n"
+        "made = [tempfile.mkdtemp() + '/iter_0000001' if rank == 0 else None]\n"
+        "dist.broadcast_object_list(made, src=0)\n"
+        "ckpt = made[0]\n"
         "dist_checkpointing.save(megatron_sd, ckpt, None, verify_integrity=True, content_metadata={'layout': 'tp'})\n"
         "assert verify(ckpt).ok\n"
         "assert dist_checkpointing.load_content_metadata(ckpt) == {'layout': 'tp'}\n"
         "state = dist_checkpointing.load(megatron_sd, ckpt, None, verify_integrity=True)\n"
-        "assert torch.equal(state['fc1'], fc1)\n"
+        "assert torch.equal(state['fc1'], fc1.chunk(world)[rank])\n"
         "shardstore.megatron.uninstall()\n"
     )),
     # before "CheckpointManager(", which its block holds too: a Stateful item, restored by a restart
     Fragment("def load_state_dict(self", check=(
         "assert state['data']['loader'] is loader and manager.all_steps() == [0, 1, 2]\n"
     )),
-    Fragment("CheckpointManager(", check=(
+    Fragment("CheckpointManager(", ranks=(1, 2), in_a_group=True, check=(
         "assert manager.latest_step() == 2000, manager.latest_step()\n"
         "assert torch.equal(weight, torch.full((4,), float(total_steps))) and state['steps_trained'] == total_steps\n"
         "assert scheduler.last_epoch == total_steps and scheduler.get_last_lr() == [0.1 * 0.5 ** 2]\n"
@@ -236,6 +242,18 @@ FRAGMENTS = (
     Fragment("import zarr", reads_the_quick_start=True, check=(
         "import torch\ntorch.manual_seed(0)\n"
         "assert (weight == torch.randn(8, 4).numpy()).all() and (arr.read().result() == weight).all()\n"
+    )),
+    # before "reuse_from=", which its block holds too
+    Fragment("max_chunk_bytes=64 * 2**10", check=(
+        # 15 of the 16 chunks shared; at the default chunk size the changed row rewrites all
+        "from shardstore.format.records import read_commit_record\n"
+        "from shardstore.stores.locations import open_location\n"
+        "shared = read_commit_record(open_location(f'{root}/step2')).reused_from\n"
+        "assert shared is not None and shared.chunks == 15, shared\n"
+        "save(state(), f'{root}/default1')\n"
+        "embedding[3] += 0.1\n"
+        "save(state(), f'{root}/default2', reuse_from=f'{root}/default1')\n"
+        "assert read_commit_record(open_location(f'{root}/default2')).reused_from is None\n"
     )),
     Fragment("reuse_from=", check=(
         "from shardstore.format.records import read_commit_record\n"
@@ -268,11 +286,16 @@ FRAGMENTS = (
         "    back = shardstore.load({'w': ShardedTensor.from_rank_offsets('w', torch.zeros(8, 4))}, f'{root}/step{step}')\n"
         "    assert torch.equal(back['w'], torch.full((8, 4), float(step))) and shardstore.verify(f'{root}/step{step}').ok\n"
     )),
-    Fragment("ZarrSaveShardedStrategy(shard_bytes=", check=(
+    Fragment("ZarrSaveShardedStrategy(shard_bytes=", ranks=(1, 2), check=(
         "import os\n"  # each array's 4 chunks of 1 KiB are one shard file
         "assert all(sorted(os.listdir(f'{ckpt}/{k}')) == ['c.0.0', 'zarr.json'] for k in state), os.listdir(ckpt)\n"
     )),
-    Fragment("rows = torch.empty(8 // world, 4)", reads_the_quick_start=True, ranks=4, check=(
+    Fragment("from_rank_offsets_flat(key", ranks=(1, 2), check=(
+        # one array of the global shape, whatever the ranks' cuts
+        "assert shardstore.load_tensors_metadata(ckpt)[key].global_shape == (5, 4)\n"
+        "assert shardstore.verify(ckpt).ok\n"
+    )),
+    Fragment("rows = torch.empty(8 // world, 4)", reads_the_quick_start=True, ranks=(2, 4), check=(
         # the request's own tensor, filled with this rank's rows of save.py's fc1
         "torch.manual_seed(0)\n"
         "assert state['fc1'] is rows and torch.equal(rows, torch.randn(8, 4).chunk(world)[rank])\n"
@@ -333,17 +356,39 @@ def quick_start_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory / "ckpt" / "iter_0001000"
 
 
-@pytest.mark.parametrize("page, fragment, block", _fragments(), ids=[_fragment_id(p, f) for p, f, _ in _fragments()])
+def _runs() -> list[tuple[str, Fragment, str, int]]:
+    return [(page, fragment, block, ranks) for page, fragment, block in _fragments() for ranks in fragment.ranks]
+
+
+# How the test starts the process group a page says is up before its block: torchrun's
+# workers (``_run`` above 1 rank) find their peers by the environment; one process alone
+# on a free port of 127.0.0.1.
+_GROUP_OF_WORKERS = "dist.init_process_group('gloo')"
+_GROUP_OF_ONE = "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=0, world_size=1)"
+
+
+def _surroundings(fragment: Fragment, ranks: int) -> tuple[str, str]:
+    """What the test runs before and after a block: the process group its page says
+    surrounds it, if any."""
+    init = (_GROUP_OF_WORKERS if ranks > 1 else _GROUP_OF_ONE).format(port=free_port())
+    if fragment.megatron_job:
+        return _MEGATRON_JOB.format(init=init), "dist.destroy_process_group()\n"
+    if fragment.in_a_group and ranks > 1:
+        return f"import torch.distributed as dist\n{init}\n", "dist.destroy_process_group()\n"
+    return "", ""
+
+
+@pytest.mark.parametrize("page, fragment, block, ranks", _runs(),
+                         ids=[f"{_fragment_id(p, f)}@{n}" for p, f, _, n in _runs()])
 def test_page_blocks_run_as_written(
-    tmp_path: Path, page: str, fragment: Fragment, block: str, request: pytest.FixtureRequest
+    tmp_path: Path, page: str, fragment: Fragment, block: str, ranks: int, request: pytest.FixtureRequest
 ) -> None:
     if fragment.megatron_job and importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core not installed (it needs torch>=2.6: scripts/oldest_torch.sh below that)")
     ckpt = tmp_path / "ckpt" / "iter_0001000"
     if fragment.reads_the_quick_start:  # a copy: the block may write beside it
         shutil.copytree(request.getfixturevalue("quick_start_checkpoint"), ckpt)
-    before, after = (_MEGATRON_JOB.format(port=free_port()), "dist.destroy_process_group()\n") \
-        if fragment.megatron_job else ("", "")
+    before, after = _surroundings(fragment, ranks)
     (tmp_path / "block.py").write_text(_fragment_script(tmp_path, block, fragment.check + after, before))
     env = {**os.environ, "CKPT": str(ckpt)}
     if fragment.s3:
@@ -351,7 +396,18 @@ def test_page_blocks_run_as_written(
         server.create_bucket("my-bucket")
         env.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID=server.key,
                    AWS_SECRET_ACCESS_KEY=server.secret, AWS_REGION=server.region)
-    _run(tmp_path / "block.py", fragment.ranks, ckpt, env=env, what=f"{page}: {fragment.marker}")
+    _run(tmp_path / "block.py", ranks, ckpt, env=env, what=f"{page}: {fragment.marker}")
+
+
+def test_every_block_its_page_runs_under_torchrun_runs_at_2_ranks() -> None:
+    """A block whose page (the block, or the paragraph just before it) says it runs
+    under torchrun, or in a Megatron job, runs here at 2 ranks: a path made on each rank
+    (``tempfile.mkdtemp()``) fails there, not at 1."""
+    for page, fragment, block in _fragments():
+        text = (ROOT / page).read_text()
+        said_before = text[:text.index(block)][-400:]
+        if "torchrun" in block or "torchrun" in said_before or fragment.megatron_job:
+            assert 2 in fragment.ranks, f"{page}: {fragment.marker} runs at {fragment.ranks} only"
 
 
 # ------------------------------------------------ the DCP page's script

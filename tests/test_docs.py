@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -21,15 +22,49 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site as ``mkdocs build --strict`` builds it; the build's failure fails each user."""
+    out = tmp_path_factory.mktemp("site")
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
-         "--site-dir", str(tmp_path / "site")],
+         "--site-dir", str(out)],
         capture_output=True, text=True, timeout=240, cwd=ROOT,
     )
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
-    assert (tmp_path / "site" / "index.html").exists()
-    assert (tmp_path / "site" / "reference" / "api" / "index.html").exists()
+    return out
+
+
+def test_the_site_builds_with_warnings_as_errors(site: Path) -> None:
+    assert (site / "index.html").exists()
+    assert (site / "reference" / "api" / "index.html").exists()
+
+
+def test_no_page_shows_raw_double_backticks(site: Path) -> None:
+    """A docstring's RST literal (two backticks) inside an indented block is shown as
+    typed: the reference pages render docstrings as Markdown, so a table in a block
+    names code without them."""
+    pages = sorted(site.rglob("*.html"))
+    shown = [str(page.relative_to(site)) for page in pages if "``" in page.read_text(encoding="utf-8")]
+    assert pages and not shown, f"raw `` on {shown}"
+
+
+def _prose(markdown: str) -> str:
+    """The text of a page outside fenced blocks, indented lines (code blocks, and list
+    items' continuations with them) and code spans."""
+    outside_fences = re.sub(r"^[ \t]*```.*?^[ \t]*```", "", markdown, flags=re.S | re.M)
+    unindented = "\n".join(line for line in outside_fences.splitlines() if not line.startswith("    "))
+    return re.sub(r"`[^`\n]*`", "", unindented)
+
+
+def test_no_power_is_written_where_markdown_reads_bold() -> None:
+    """``2**24 + 1`` outside a code span opens bold text that runs across the sentence."""
+    found = [
+        f"{page.relative_to(ROOT)}: {match.group(0)}"
+        for page in sorted((ROOT / "docs").rglob("*.md"))
+        for match in re.finditer(r"[\w)]\*\*[\w(]", _prose(page.read_text(encoding="utf-8")))
+    ]
+    assert not found, "write powers as code spans:\n" + "\n".join(found)
 
 
 CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))
@@ -204,3 +239,69 @@ def test_dcp_load_of_an_int_keyed_value_is_as_the_limitations_page_says(tmp_path
     text = " ".join((ROOT / "docs" / "limitations.md").read_text().split())
     assert "`dcp.load` fills a tensor at the caller's `{1: ...}`" in text
     assert "a plain value there keeps the caller's" in text
+
+
+# Words that tell how the work was done (an ordinal or "helper" before the word), not
+# what the product does. A terminal session, an AWS session token and pytest's
+# session scope are the product's words and do not match.
+WORK_LOG = re.compile(
+    r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth"
+    r"|[0-9]+th|helper|same|next|previous|earlier|later|this|last|work|gpu|agent) sessions?\b",
+    re.IGNORECASE,
+)
+PROJECT_TEXT = ("docs", "shardstore", "tests", "scripts", "README.md", "mkdocs.yml")
+
+
+def _project_text_files() -> list[Path]:
+    files: list[Path] = []
+    for name in PROJECT_TEXT:
+        path = ROOT / name
+        files += [path] if path.is_file() else sorted(
+            p for p in path.rglob("*") if p.is_file() and p.suffix in {".py", ".md", ".sh", ".yml", ".txt", ".toml"}
+        )
+    return files
+
+
+def test_the_project_speaks_of_the_product_not_of_work_sessions() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in _project_text_files()
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+        if WORK_LOG.search(line)
+    ]
+    assert not found, "speak of the product (a date or a version if needed):\n" + "\n".join(found)
+
+
+def _named_on_the_layout_page(module: Path, named: set[str]) -> bool:
+    """A module is named by its path (``format/codecs.py``), or by a sub-package's
+    directory that holds it (``tools/manager/``); a layer's own directory names its
+    ``__init__.py`` only, so each of its modules is named on its own."""
+    relative = module.relative_to(ROOT / "shardstore")
+    if relative.as_posix() in named:
+        return True
+    if relative.name == "__init__.py" and len(relative.parts) == 2:
+        return f"{relative.parent.as_posix()}/" in named
+    return any(f"{parent.as_posix()}/" in named for parent in relative.parents if len(parent.parts) >= 2)
+
+
+def test_the_code_layout_page_names_every_module() -> None:
+    named = set(re.findall(r"`([^`\n]+)`", (ROOT / "docs" / "code-layout.md").read_text(encoding="utf-8")))
+    modules = sorted((ROOT / "shardstore").rglob("*.py"))
+    missing = [str(m.relative_to(ROOT)) for m in modules if not _named_on_the_layout_page(m, named)]
+    assert modules and not missing, f"docs/code-layout.md does not name {missing}"
+
+
+# Measurement pages show the current figures of their topic, not a log of runs: the
+# history is in git. These still hold a log; each leaves the list once rewritten.
+MEASUREMENT_LOGS = {"scale.md"}
+MEASUREMENT_PAGE_WORDS = 1_600
+DATED_HEADING = re.compile(r"^#+ .*\b20\d\d-\d\d-\d\d\b", re.MULTILINE)
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in (ROOT / "docs" / "measurements").glob("*.md")))
+def test_a_measurement_page_shows_current_figures_not_a_log(page: str) -> None:
+    text = (ROOT / "docs" / "measurements" / page).read_text(encoding="utf-8")
+    is_a_log = len(text.split()) > MEASUREMENT_PAGE_WORDS or bool(DATED_HEADING.search(text))
+    assert is_a_log == (page in MEASUREMENT_LOGS), (
+        f"docs/measurements/{page}: at most {MEASUREMENT_PAGE_WORDS} words, no dated headings"
+        if is_a_log else f"docs/measurements/{page} is no longer a log: take it off MEASUREMENT_LOGS")

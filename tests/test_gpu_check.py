@@ -1,4 +1,4 @@
-"""``scripts/gpu_check.sh``, the one call a GPU session makes, runs here at tiny sizes
+"""``scripts/gpu_check.sh``, the one call a run on a GPU machine makes, runs here at tiny sizes
 (no CUDA: the GPU tests skip) and reports every step as passed. Marked slow: about 65 s
 on 2 cores."""
 

@@ -280,7 +280,7 @@ def test_the_code_layout_page_names_every_package() -> None:
     design = (ROOT / "DESIGN.md").read_text()
     packages = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").exists())
     for package in packages:
-        assert f"  {package}/" in layout, f"docs/code-layout.md lacks {package}/"
+        assert f"`{package}/`" in layout, f"docs/code-layout.md lacks {package}/"
         assert f"`{package}`" in design, f"shardstore/DESIGN.md does not describe {package}"
 
 

@@ -333,7 +333,7 @@ class ShardstoreWriter(StorageWriter):
     """DCP ``StorageWriter`` that writes a shardstore checkpoint (the module docstring
     says what goes where).
 
-    Save (the calls DCP makes, in order; ``StorageWriter``'s protocol)::
+    Save (the calls DCP makes, in order; ``StorageWriter``'s protocol):
 
         0) all ranks    reset(checkpoint_id)        only when dcp.save gets a checkpoint_id
         1) all ranks    set_up_storage_writer()     the coordinator lets go of an earlier
@@ -344,8 +344,8 @@ class ShardstoreWriter(StorageWriter):
                                                     each plain array (one writer among its
                                                     holders), become shard descriptions
                                                     (ShardedTensors without data), which the
-                                                    save pipeline (``SavePipeline.
-                                                    plan_gathered``) validates (keys against
+                                                    save pipeline (SavePipeline.
+                                                    plan_gathered) validates (keys against
                                                     the target's name limits, coverage,
                                                     dtypes) and plans (chunk grids aligned
                                                     with the shards, one writer per chunk);
@@ -355,28 +355,28 @@ class ShardstoreWriter(StorageWriter):
                                                     and the save's intent. Where DCP's plan
                                                     cache (enable_plan_caching=True) sent
                                                     some ranks' plans as unchanged, nothing
-                                                    is planned here (``PlanAtWrite``); a
+                                                    is planned here (PlanAtWrite); a
                                                     refusal once DCP cached the plans goes
-                                                    to every rank as its part (``Refused``)
+                                                    to every rank as its part (Refused)
         4) all ranks    write_data()                a rank whose plan DCP's cache handed back
                                                     (an earlier save's part) or that got a
-                                                    ``PlanAtWrite``: every rank settles the
+                                                    PlanAtWrite: every rank settles the
                                                     save together first, collective on
-                                                    ``process_group``: a recent plan whose
+                                                    process_group: a recent plan whose
                                                     parts every rank holds for the items it
                                                     has now is reused, with a new save
-                                                    (``_reused_at_write``); else step 3's
+                                                    (_reused_at_write); else step 3's
                                                     work, from the items DCP cached
-                                                    (``_planned_at_write``); then joins the save;
+                                                    (_planned_at_write); then joins the save;
                                                     with shard_bytes in a
                                                     save of several ranks, collective on
-                                                    ``process_group``: the blocks of sharded
+                                                    process_group: the blocks of sharded
                                                     arrays travel to their shard's writer
                                                     (one stage: agreement, then point-to-point
                                                     sends); array metadata and chunks
                                                     from the tensors' memory
-                                                    (``SavePipeline.write_plan``; an
-                                                    unchanged chunk of ``reuse_from`` is
+                                                    (SavePipeline.write_plan; an
+                                                    unchanged chunk of reuse_from is
                                                     shared, not written), durable; the
                                                     WriteResults carry the chunk checksums
                                                     (on the first, beside its own value) and
@@ -384,8 +384,8 @@ class ShardstoreWriter(StorageWriter):
         5) coordinator  finish()                    common.pt, then the commit record (every
                                                     chunk's crc32c, every file's checksum,
                                                     DCP's planner data and storage ids),
-                                                    published atomically (``SavePipeline.
-                                                    commit``)
+                                                    published atomically (SavePipeline.
+                                                    commit)
 
     A failure on any rank fails ``dcp.save`` on every rank (DCP's own agreement) and no
     commit record is written: what the target held before stays loadable. DCP calls no
@@ -1144,7 +1144,7 @@ class ShardstoreReader(StorageReader):
     """DCP ``StorageReader`` that reads a shardstore checkpoint (the module docstring
     says what goes where).
 
-    Load (``StorageReader``'s protocol)::
+    Load (``StorageReader``'s protocol):
 
         0) all ranks    reset(checkpoint_id)        only when dcp.load gets a checkpoint_id
         1) all ranks    read_metadata()             the commit record (its digest checked)
@@ -1167,10 +1167,10 @@ class ShardstoreReader(StorageReader):
                                                     destination tensor where it is a
                                                     contiguous CPU tensor of the stored dtype
                                                     (a plain tensor is filled in place); with
-                                                    ``read_shards_once`` (from 32 ranks) a
+                                                    read_shards_once (from 32 ranks) a
                                                     collective: the ranks' regions planned
-                                                    together (``ZarrLoadShardedStrategy.
-                                                    plan_load``), a block or chunk several
+                                                    together (ZarrLoadShardedStrategy.
+                                                    plan_load), a block or chunk several
                                                     ranks need read by one and sent
 
     Args:

@@ -1,10 +1,12 @@
 """shardstore as a strategy of Megatron-Core's own ``dist_checkpointing.save``/``load``.
 
-A Megatron-LM user changes two lines::
+A Megatron-LM user changes two lines:
 
-    from shardstore.tools.megatron_strategy import ShardstoreLoadShardedStrategy, ShardstoreSaveShardedStrategy
-    dist_checkpointing.save(sharded_state_dict, ckpt_dir, sharded_strategy=ShardstoreSaveShardedStrategy())
-    dist_checkpointing.load(sharded_state_dict, ckpt_dir, sharded_strategy=ShardstoreLoadShardedStrategy())
+```python
+from shardstore.tools.megatron_strategy import ShardstoreLoadShardedStrategy, ShardstoreSaveShardedStrategy
+dist_checkpointing.save(sharded_state_dict, ckpt_dir, sharded_strategy=ShardstoreSaveShardedStrategy())
+dist_checkpointing.load(sharded_state_dict, ckpt_dir, sharded_strategy=ShardstoreLoadShardedStrategy())
+```
 
 Megatron's ``save`` refuses strategies that are not instances of its own base classes,
 so these subclass them and delegate to shardstore's storage core. Megatron keeps its

@@ -1889,6 +1889,12 @@ def read_commit_record(location: Location) -> CommitRecord:
         names = location.list_top(None)
         if not _holds_save_files(location, names):
             raise CheckpointingException(_not_a_checkpoint(location.describe(), names, _title_of_model_files(location)))
+        if DELETION_MARKER in names:
+            raise CheckpointingException(
+                f"{location.describe()} is no longer a checkpoint: a deletion of it by shardstore's CheckpointManager "
+                f"was interrupted after its commit record went ({DELETION_MARKER} proves it). The manager's next "
+                "retention, rollback or save of this step finishes it, or now: CheckpointManager(<root>).delete(step)"
+            )
         raise CheckpointingException(
             f"Checkpoint at {location.describe()} is incomplete: it has no commit record "
             f"({COMMIT_RECORD}), so its save did not finish. Load an earlier checkpoint, "

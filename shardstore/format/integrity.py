@@ -57,6 +57,7 @@ from shardstore.format.records import (
     COMMIT_RECORD,
     MAX_RECORD_BYTES,
     OBJECTS_DIR,
+    REMOVAL_MARKER,
     ArrayRecord,
     CommitRecord,
     ObjectRecord,
@@ -69,6 +70,7 @@ from shardstore.format.records import (
     read_commit_record,
     zero_fill_value,
 )
+from shardstore.format.removal import leftover_files
 from shardstore.progress import Tick, operation, progress_shown, tracked
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
@@ -488,7 +490,18 @@ def _flag_unlisted_files(
         report.problems.append(Problem("", "listing", f"cannot list the checkpoint's files: {exc}"))
         return
     other = other_checkpoint_beside(location, record)
-    for rel in record.unlisted(found, own):
+    unlisted = record.unlisted(found, own)
+    if (removal := leftover_files(location, record, unlisted)) is not None and removal[1]:
+        prefix, left = removal
+        report.unlisted.extend(left)
+        report.problems.append(Problem(REMOVAL_MARKER, "removal", (
+            f"remove_sharded_tensors({location.describe()!r}, {prefix!r}) was interrupted after the commit record "
+            f"dropped those entries: {len(left)} file(s) it had still to delete remain ({', '.join(left[:3])}"
+            f"{', ...' if len(left) > 3 else ''}); the record lists none of them. Call it again (or any removal) "
+            "to finish it"
+        )))
+        unlisted = sorted(set(unlisted) - set(left))
+    for rel in unlisted:
         if other is not None and rel.split("/", 1)[0] in other.names:
             report.unlisted.append(rel)
             report.problems.append(Problem(rel, "file", (

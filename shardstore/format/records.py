@@ -218,6 +218,8 @@ SAVE_MARKER = ".shardstore-save.json"
 # Written into a checkpoint before the manager deletes it (``shardstore.tools.manager``): proves
 # that a directory without a commit record is one of ours being deleted.
 DELETION_MARKER = ".shardstore-deleting.json"
+# Written before ``remove_sharded_tensors`` rewrites the record (``format.removal``): what it deletes.
+REMOVAL_MARKER = ".shardstore-removing.json"
 STAGING_TAG = ".shardstore-save-"
 REPLACED_TAG = ".shardstore-replaced-"
 # The field of the save marker that a replacement in a shared directory writes into the
@@ -1744,7 +1746,7 @@ def read_marker(location: Location, name: str) -> dict[str, Any] | None:
     Raises:
         StorageError: it cannot be read, or holds more than a marker of that name
             holds (``MAX_MARKER_BYTES``; ``MAX_DELETION_MARKER_BYTES``)."""
-    bound = MAX_DELETION_MARKER_BYTES if name == DELETION_MARKER else MAX_MARKER_BYTES
+    bound = MAX_DELETION_MARKER_BYTES if name in (DELETION_MARKER, REMOVAL_MARKER) else MAX_MARKER_BYTES
     data = location.read_bytes_or_none(name, max_bytes=bound)
     if data is None:
         return None
@@ -1775,7 +1777,8 @@ def own_markers(location: Location, record: CommitRecord, found: Collection[str]
     Its save's marker, left by a crash between the publishing and the marker's removal;
     the marker of an in-place save that replaces it (``replaces``), written before the
     old record goes and left by a crash before it went; the manager's deletion marker,
-    left where a deletion stopped before the record went. A marker naming another save
+    left where a deletion stopped before the record went; ``remove_sharded_tensors``'s marker
+    (``format.removal``), left where a removal was killed. A marker naming another save
     is not among them (``CommitRecord.unlisted`` counts it). Also the temporary files of
     an atomic write of the record or of a marker (``stores.base.atomic_temp_name``: a
     128-bit random name only ``put_atomic`` makes), left at the top by a process killed
@@ -1786,13 +1789,12 @@ def own_markers(location: Location, record: CommitRecord, found: Collection[str]
         StorageError: a marker cannot be read."""
     if not record.save_id:
         return frozenset()
-    own = {entry for entry in found if atomic_temp_of(entry) in (COMMIT_RECORD, SAVE_MARKER, DELETION_MARKER)}
+    own = {entry for entry in found if atomic_temp_of(entry) in (COMMIT_RECORD, SAVE_MARKER, DELETION_MARKER, REMOVAL_MARKER)}
     if SAVE_MARKER in found and record.save_id in (
         marker_save_id(location, SAVE_MARKER), marker_save_id(location, SAVE_MARKER, "replaces")
     ):
         own.add(SAVE_MARKER)
-    if DELETION_MARKER in found and marker_save_id(location, DELETION_MARKER) == record.save_id:
-        own.add(DELETION_MARKER)
+    own.update(m for m in (DELETION_MARKER, REMOVAL_MARKER) if m in found and marker_save_id(location, m) == record.save_id)
     return frozenset(own)
 
 

@@ -2,8 +2,9 @@
 arrays (``SaveOptions(pack_arrays_up_to=...)``), arrays of their own and a group.
 
 Every time: the commit record never names a missing file, the arrays that stay load
-bit-exact, and the removal called again (or the next removal, of another prefix)
-finishes what the killed one began, after which ``verify`` passes. Before, a kill after
+bit-exact, and the removal called again (or the next removal, of another prefix, or
+a save replacing the checkpoint) finishes what the killed one began, after which
+``verify`` passes. Before, a kill after
 the record was rewritten left the pack and the arrays' files behind for good: ``verify``
 reported them as another program's, and the same removal again found nothing to do.
 """
@@ -57,7 +58,7 @@ def _die_at_deletion(number: int) -> None:
 
 
 def remove_then_die(rank: int, world: int, ckpt: str, point: str) -> None:
-    from shardstore.format.records import REMOVAL_MARKER
+    from shardstore.format.removal_marker import REMOVAL_MARKER
 
     if point == "writing the marker":
         _die_at_the_atomic_rename_of(REMOVAL_MARKER)
@@ -79,7 +80,7 @@ def _assert_record_names_no_missing_file(ckpt: Path) -> None:
     assert missing == [], missing
 
 
-@pytest.mark.parametrize("finish", ["same removal", "another removal"])
+@pytest.mark.parametrize("finish", ["same removal", "another removal", "replacing save"])
 @pytest.mark.parametrize("point", POINTS)
 def test_a_removal_killed_at_any_point_is_finished_by_the_next_one(tmp_path: Path, point: str, finish: str) -> None:
     tensors = _tensors()
@@ -98,6 +99,8 @@ def test_a_removal_killed_at_any_point_is_finished_by_the_next_one(tmp_path: Pat
 
     if finish == "same removal":
         remove_sharded_tensors(ckpt, "emb")
+    elif finish == "replacing save":  # the removal's leftovers are the old checkpoint's own: they go with it
+        save(_sd(kept), ckpt, options=SaveOptions(pack_arrays_up_to=64 * 1024, overwrite=True))
     else:  # a kill before the record was rewritten removed nothing: "emb" stays
         remove_sharded_tensors(ckpt, "tail")
         kept = {k: t for k, t in tensors.items() if k != "tail" and (k in kept or not point.startswith("deletion"))}

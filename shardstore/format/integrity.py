@@ -57,7 +57,6 @@ from shardstore.format.records import (
     COMMIT_RECORD,
     MAX_RECORD_BYTES,
     OBJECTS_DIR,
-    REMOVAL_MARKER,
     ArrayRecord,
     CommitRecord,
     ObjectRecord,
@@ -70,7 +69,7 @@ from shardstore.format.records import (
     read_commit_record,
     zero_fill_value,
 )
-from shardstore.format.removal import leftover_files
+from shardstore.format.removal_marker import REMOVAL_MARKER, leftover_files
 from shardstore.progress import Tick, operation, progress_shown, tracked
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
@@ -491,7 +490,7 @@ def _flag_unlisted_files(
         return
     other = other_checkpoint_beside(location, record)
     unlisted = record.unlisted(found, own)
-    if (removal := leftover_files(location, record, unlisted)) is not None and removal[1]:
+    if (removal := leftover_files(location, record, found)) is not None and removal[1]:
         prefix, left = removal
         report.unlisted.extend(left)
         report.problems.append(Problem(REMOVAL_MARKER, "removal", (
@@ -500,7 +499,6 @@ def _flag_unlisted_files(
             f"{', ...' if len(left) > 3 else ''}); the record lists none of them. Call it again (or any removal) "
             "to finish it"
         )))
-        unlisted = sorted(set(unlisted) - set(left))
     for rel in unlisted:
         if other is not None and rel.split("/", 1)[0] in other.names:
             report.unlisted.append(rel)

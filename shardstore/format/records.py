@@ -149,6 +149,7 @@ from shardstore.errors import CheckpointingException
 from shardstore.format.codecs import BYTES_CRC32C, ChunkCodec, codec_for
 from shardstore.format.config import CONFIG_FNAME
 from shardstore.format.dtypes import from_zarr_name
+from shardstore.format.removal_marker import REMOVAL_MARKER, leftover_files
 from shardstore.format.sharding import MAX_FLAT_INNER_CHUNKS, ShardingIndexed
 from shardstore.stores.base import Location, NameLimits, atomic_temp_of
 
@@ -218,8 +219,6 @@ SAVE_MARKER = ".shardstore-save.json"
 # Written into a checkpoint before the manager deletes it (``shardstore.tools.manager``): proves
 # that a directory without a commit record is one of ours being deleted.
 DELETION_MARKER = ".shardstore-deleting.json"
-# Written before ``remove_sharded_tensors`` rewrites the record (``format.removal``): what it deletes.
-REMOVAL_MARKER = ".shardstore-removing.json"
 STAGING_TAG = ".shardstore-save-"
 REPLACED_TAG = ".shardstore-replaced-"
 # The field of the save marker that a replacement in a shared directory writes into the
@@ -1778,7 +1777,8 @@ def own_markers(location: Location, record: CommitRecord, found: Collection[str]
     the marker of an in-place save that replaces it (``replaces``), written before the
     old record goes and left by a crash before it went; the manager's deletion marker,
     left where a deletion stopped before the record went; ``remove_sharded_tensors``'s marker
-    (``format.removal``), left where a removal was killed. A marker naming another save
+    (``format.removal``), left where a removal was killed, and the files among ``found``
+    that this removal still had to delete (its save wrote them; its marker names them). A marker naming another save
     is not among them (``CommitRecord.unlisted`` counts it). Also the temporary files of
     an atomic write of the record or of a marker (``stores.base.atomic_temp_name``: a
     128-bit random name only ``put_atomic`` makes), left at the top by a process killed
@@ -1795,6 +1795,7 @@ def own_markers(location: Location, record: CommitRecord, found: Collection[str]
     ):
         own.add(SAVE_MARKER)
     own.update(m for m in (DELETION_MARKER, REMOVAL_MARKER) if m in found and marker_save_id(location, m) == record.save_id)
+    own.update(left[1] if (left := leftover_files(location, record, found)) else ())
     return frozenset(own)
 
 

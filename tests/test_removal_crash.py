@@ -111,3 +111,16 @@ def test_a_removal_killed_at_any_point_is_finished_by_the_next_one(tmp_path: Pat
     assert (ckpt / "emb").exists() == emb_left and any(p.suffix == ".zip" for p in ckpt.rglob("*")) == emb_left
     loaded = load(_sd(kept, empty=True), ckpt)
     assert all(torch.equal(loaded[k], t) for k, t in kept.items())
+
+
+def test_the_manager_deletes_a_step_whose_removal_was_killed_whole(tmp_path: Path) -> None:
+    from shardstore.tools.manager import CheckpointManager, CheckpointManagerOptions
+
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=5))
+    tensors = _tensors()
+    for step in (1, 2):
+        manager.save(step, _sd(tensors), options=PACK)
+    step_dir = Path(manager.location(1).describe())
+    run_distributed(remove_then_die, 1, str(step_dir), "deletion 2", killed=(0,))
+    manager.delete(1)
+    assert not step_dir.exists(), sorted(str(p.relative_to(step_dir)) for p in step_dir.rglob("*"))

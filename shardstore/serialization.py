@@ -71,6 +71,7 @@ from shardstore.format.commit import SaveOptions
 from shardstore.format.integrity import verify
 from shardstore.format.pickles import serialize
 from shardstore.format.records import CommitRecord
+from shardstore.inputs.dtensors import clashing_names
 from shardstore.inputs.megatron_objects import convert_leaf
 from shardstore.inputs.plain_tensors import whole_array_requests
 from shardstore.mapping import (
@@ -292,7 +293,8 @@ class _SaveSplit:
 
     Raises:
         CheckpointingException: a state dict that is not a dict; a sharded object of
-            another library (or one inside a tuple) in the common state.
+            another library (or one inside a tuple) in the common state; a DTensor's
+            name held by another value too (``inputs.dtensors.clashing_names``).
     """
 
     def __init__(self, sharded_state_dict: ShardedStateDict, separate_objects: bool) -> None:
@@ -302,6 +304,8 @@ class _SaveSplit:
                 "common state back as a dict (Megatron-Core's state dicts are dicts). Put the values under keys "
                 "({'model': [...]})"
             )
+        if (clash := clashing_names(sharded_state_dict)) is not None:
+            raise clash
         foreign: list[tuple] = []
         leaves = flatten(sharded_state_dict, _request_visitor(foreign_in_common=foreign))
         sharded: list[Leaf] = []

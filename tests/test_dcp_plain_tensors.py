@@ -21,7 +21,11 @@ import torch
 from torch import nn
 
 import shardstore
-from shardstore.inputs.plain_tensors import CHECKPOINTABLE_TENSOR, HeldTensor, assign_writers
+from shardstore.inputs.plain_tensors import (
+    HeldTensor,
+    assign_writers,
+    checkpointable_tensor_protocol,
+)
 from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 from tests import fsdp_models as fm
 from tests.dist import run_distributed
@@ -244,7 +248,7 @@ def _two_shards_in_one_buffer(fill: torch.Tensor) -> torch.Tensor:
     return _checkpointable(fill, (6, 4), ((3, 0), (0, 0)), ((0, 0), (3, 0)), ((3, 4), (3, 4)))
 
 
-@pytest.mark.skipif(CHECKPOINTABLE_TENSOR is None, reason="torch < 2.14 has no CheckpointableTensor protocol")
+@pytest.mark.skipif(checkpointable_tensor_protocol() is None, reason="torch < 2.14 has no CheckpointableTensor protocol")
 def test_checkpointable_tensors_are_shards_of_their_global_array(tmp_path: Path) -> None:
     """Run with torch 2.14.1 (the protocol's first release): the shards land at their
     global offsets, plain zarr readers see the global array, and ``dcp.load`` fills a
@@ -269,7 +273,7 @@ def save_checkpointable_halves(rank: int, world: int, ckpt: str) -> None:
              storage_writer=ShardstoreWriter(ckpt))
 
 
-@pytest.mark.skipif(CHECKPOINTABLE_TENSOR is None, reason="torch < 2.14 has no CheckpointableTensor protocol")
+@pytest.mark.skipif(checkpointable_tensor_protocol() is None, reason="torch < 2.14 has no CheckpointableTensor protocol")
 def test_checkpointable_tensors_of_two_ranks_form_one_array(tmp_path: Path) -> None:
     run_distributed(save_checkpointable_halves, 2, str(tmp_path / "ckpt"))
     assert torch.equal(shardstore.load_plain_tensors(tmp_path / "ckpt")["w"], torch.arange(24.0).reshape(6, 4))

@@ -315,3 +315,38 @@ def test_dtensor_copies_whose_values_differ_save_one_copy_of_each_block(tmp_path
     block from one of its copies. The docs said only "saved once"; they now say that
     the values are not compared (as DCP's deduplication does not compare them)."""
     run_distributed(tp_copies_that_differ, 4, str(tmp_path))
+
+
+# ------------------------------------------------------- names that clash once flattened
+
+
+def names_that_clash_once_flattened(rank: int, world: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    weight = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    clashing = {
+        "plain": {"model": {"w": weight}, "model.w": 5},
+        "dtensors": {"model.w": weight, "model": {"w": weight}},
+        "in a list": {"layers": [weight], "layers.0": "x"},
+    }
+    for name, state in clashing.items():
+        with pytest.raises(CheckpointingException) as refused:
+            shardstore.save(state, f"{root}/{name}")
+        message = str(refused.value)
+        assert "['model']['w']" in message or "['layers'][0]" in message, message
+        assert "['model.w']" in message or "['layers.0']" in message, message
+        assert "rename" in message, message
+        assert not Path(f"{root}/{name}").exists() or not any(Path(f"{root}/{name}").iterdir()), name
+    # a list of plain values is one value to DCP, as a dotted key beside it is not its element
+    shardstore.save({"model": {"w": weight}, "steps": [1, 2], "steps.0": 3}, f"{root}/fine")
+    dist.barrier()
+
+
+def test_names_that_clash_once_flattened_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """A DTensor at ``{"model": {"w": ...}}`` beside a plain value at the key ``"model.w"``
+    was committed by ``shardstore.save``, though both have the fully qualified name
+    ``model.w``: ``dcp.save`` refuses such a state ("duplicated flatten key") and
+    ``dcp.load`` through ``ShardstoreReader`` could not read the checkpoint."""
+    run_distributed(names_that_clash_once_flattened, 2, str(tmp_path))

@@ -852,3 +852,19 @@ def test_a_failed_save_stops_its_base_being_chosen_sync_or_async(
     manager.close()
     assert manager.all_steps() == [1, 2, 4]
     assert read_commit_record(manager.location(4)).reused_from is None  # nothing shared with step 2
+
+
+def test_inspecting_a_step_whose_deletion_was_cut_short_says_so_and_how_it_ends(tmp_path: Path, monkeypatch) -> None:
+    from shardstore.tools.inspection import describe_checkpoint
+
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=1))
+    manager.save(1, _state(1))
+    with monkeypatch.context() as patch:
+        _crash_in_remove_tree(patch, after=1)
+        assert manager.save(2, _state(2))
+    with pytest.raises(CheckpointingException) as refused:
+        describe_checkpoint(tmp_path / "iter_0000001")
+    message = str(refused.value)
+    assert "did not finish" not in message and DELETION_MARKER in message, message
+    assert re.search(r"deletion .*was interrupted", message), message
+    assert "CheckpointManager" in message and "retention" in message, message

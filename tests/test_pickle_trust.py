@@ -39,7 +39,7 @@ from click.testing import CliRunner
 
 import shardstore
 from shardstore import CheckpointingException, ShardedObject, ShardedTensor
-from shardstore.format.pickles import DCP_METADATA_GLOBALS, load_restricted
+from shardstore.format.pickles import dcp_metadata_globals, load_restricted
 from shardstore.format.records import (
     COMMIT_RECORD,
     CommitRecord,
@@ -483,7 +483,7 @@ def test_genuine_dcp_metadata_loads_at_every_protocol_that_dcp_can_write() -> No
     for fixture in (DCP, MEGATRON):
         metadata = pickle.loads((fixture / ".metadata").read_bytes())  # the test's own fixture
         for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
-            loaded = load_restricted(pickle.dumps(metadata, protocol=protocol), DCP_METADATA_GLOBALS, "x", "y")
+            loaded = load_restricted(pickle.dumps(metadata, protocol=protocol), dcp_metadata_globals(), "x", "y")
             assert loaded.state_dict_metadata == metadata.state_dict_metadata
 
 

@@ -69,6 +69,7 @@ from shardstore.format.records import (
     read_commit_record,
     zero_fill_value,
 )
+from shardstore.format.removal_marker import REMOVAL_MARKER, leftover_files
 from shardstore.progress import Tick, operation, progress_shown, tracked
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
@@ -488,7 +489,17 @@ def _flag_unlisted_files(
         report.problems.append(Problem("", "listing", f"cannot list the checkpoint's files: {exc}"))
         return
     other = other_checkpoint_beside(location, record)
-    for rel in record.unlisted(found, own):
+    unlisted = record.unlisted(found, own)
+    if (removal := leftover_files(location, record, found)) is not None and removal[1]:
+        prefix, left = removal
+        report.unlisted.extend(left)
+        report.problems.append(Problem(REMOVAL_MARKER, "removal", (
+            f"remove_sharded_tensors({location.describe()!r}, {prefix!r}) was interrupted after the commit record "
+            f"dropped those entries: {len(left)} file(s) it had still to delete remain ({', '.join(left[:3])}"
+            f"{', ...' if len(left) > 3 else ''}); the record lists none of them. Call it again (or any removal) "
+            "to finish it"
+        )))
+    for rel in unlisted:
         if other is not None and rel.split("/", 1)[0] in other.names:
             report.unlisted.append(rel)
             report.problems.append(Problem(rel, "file", (

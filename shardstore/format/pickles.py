@@ -16,7 +16,7 @@ Two kinds of pickle reach shardstore:
   stand-ins).
 * raw pickles: PyTorch DCP's ``.metadata`` (also inside Megatron's torch_dist
   checkpoints). torch's machine cannot read them (they use protocol 4's
-  STACK_GLOBAL), so ``RestrictedUnpickler`` does, admitting ``DCP_METADATA_GLOBALS``.
+  STACK_GLOBAL), so ``RestrictedUnpickler`` does, admitting ``dcp_metadata_globals()``.
 
 An allow-list (``AllowList``) maps exact ``module.qualname`` strings to objects. A
 name is looked up, never resolved: no import, no attribute walk (a dotted name such as
@@ -34,14 +34,15 @@ caller trusts, loads arbitrary pickles.
 from __future__ import annotations
 
 __all__ = [
-    "COMMON_STATE_GLOBALS", "DCP_METADATA_GLOBALS", "AllowList", "InertRecord",
-    "RestrictedUnpickler", "deserialize", "deserialize_dict", "load_restricted", "load_torch",
+    "COMMON_STATE_GLOBALS", "AllowList", "InertRecord",
+    "RestrictedUnpickler", "dcp_metadata_globals", "deserialize", "deserialize_dict", "load_restricted", "load_torch",
     "load_torch_file", "serialize",
 ]
 
 import argparse
 import copyreg
 import enum
+import functools
 import io
 import os
 import pickle
@@ -236,9 +237,14 @@ class InertRecord:
     ``all_local_plans``): it takes the pickled attributes and has no behaviour."""
 
 
-def _dcp_metadata_globals() -> AllowList:
+@functools.cache
+def dcp_metadata_globals() -> AllowList:
     """DCP's metadata classes, as its ``.metadata`` pickles them (torch 2.4 to 2.13),
-    and the few builtins they hold."""
+    and the few builtins they hold. Built at the first call, not at import: importing
+    ``torch.distributed.checkpoint`` after ``init_process_group`` makes
+    ``torch.distributed.nn.functional`` hold the default process group in its defaults,
+    so ``destroy_process_group`` no longer ends its threads, and a process could abort
+    at exit ("terminate called without an active exception")."""
     from torch.distributed.checkpoint import filesystem, metadata, planner
 
     dcp_classes = [
@@ -261,9 +267,6 @@ def _dcp_metadata_globals() -> AllowList:
     layouts = {"torch.serialization._get_layout": torch.serialization._get_layout, "torch.Size": torch.Size}
     inert = {"megatron.core.dist_checkpointing.strategies.torch.MCoreSavePlan": InertRecord}
     return AllowList.of([*dcp_classes, *builtins], {**dtypes, **layouts, **inert})
-
-
-DCP_METADATA_GLOBALS = _dcp_metadata_globals()
 
 
 class RestrictedUnpickler(pickle._Unpickler):

@@ -149,6 +149,7 @@ from shardstore.errors import CheckpointingException
 from shardstore.format.codecs import BYTES_CRC32C, ChunkCodec, codec_for
 from shardstore.format.config import CONFIG_FNAME
 from shardstore.format.dtypes import from_zarr_name
+from shardstore.format.removal_marker import REMOVAL_MARKER, leftover_files
 from shardstore.format.sharding import MAX_FLAT_INNER_CHUNKS, ShardingIndexed
 from shardstore.stores.base import Location, NameLimits, atomic_temp_of
 
@@ -1745,7 +1746,7 @@ def read_marker(location: Location, name: str) -> dict[str, Any] | None:
     Raises:
         StorageError: it cannot be read, or holds more than a marker of that name
             holds (``MAX_MARKER_BYTES``; ``MAX_DELETION_MARKER_BYTES``)."""
-    bound = MAX_DELETION_MARKER_BYTES if name == DELETION_MARKER else MAX_MARKER_BYTES
+    bound = MAX_DELETION_MARKER_BYTES if name in (DELETION_MARKER, REMOVAL_MARKER) else MAX_MARKER_BYTES
     data = location.read_bytes_or_none(name, max_bytes=bound)
     if data is None:
         return None
@@ -1776,7 +1777,9 @@ def own_markers(location: Location, record: CommitRecord, found: Collection[str]
     Its save's marker, left by a crash between the publishing and the marker's removal;
     the marker of an in-place save that replaces it (``replaces``), written before the
     old record goes and left by a crash before it went; the manager's deletion marker,
-    left where a deletion stopped before the record went. A marker naming another save
+    left where a deletion stopped before the record went; ``remove_sharded_tensors``'s marker
+    (``format.removal``), left where a removal was killed, and the files among ``found``
+    that this removal still had to delete (its save wrote them; its marker names them). A marker naming another save
     is not among them (``CommitRecord.unlisted`` counts it). Also the temporary files of
     an atomic write of the record or of a marker (``stores.base.atomic_temp_name``: a
     128-bit random name only ``put_atomic`` makes), left at the top by a process killed
@@ -1787,13 +1790,13 @@ def own_markers(location: Location, record: CommitRecord, found: Collection[str]
         StorageError: a marker cannot be read."""
     if not record.save_id:
         return frozenset()
-    own = {entry for entry in found if atomic_temp_of(entry) in (COMMIT_RECORD, SAVE_MARKER, DELETION_MARKER)}
+    own = {entry for entry in found if atomic_temp_of(entry) in (COMMIT_RECORD, SAVE_MARKER, DELETION_MARKER, REMOVAL_MARKER)}
     if SAVE_MARKER in found and record.save_id in (
         marker_save_id(location, SAVE_MARKER), marker_save_id(location, SAVE_MARKER, "replaces")
     ):
         own.add(SAVE_MARKER)
-    if DELETION_MARKER in found and marker_save_id(location, DELETION_MARKER) == record.save_id:
-        own.add(DELETION_MARKER)
+    own.update(m for m in (DELETION_MARKER, REMOVAL_MARKER) if m in found and marker_save_id(location, m) == record.save_id)
+    own.update(left[1] if (left := leftover_files(location, record, found)) else ())
     return frozenset(own)
 
 
@@ -1890,6 +1893,12 @@ def read_commit_record(location: Location) -> CommitRecord:
         names = location.list_top(None)
         if not _holds_save_files(location, names):
             raise CheckpointingException(_not_a_checkpoint(location.describe(), names, _title_of_model_files(location)))
+        if DELETION_MARKER in names:
+            raise CheckpointingException(
+                f"{location.describe()} is no longer a checkpoint: a deletion of it by shardstore's CheckpointManager "
+                f"was interrupted after its commit record went ({DELETION_MARKER} proves it). The manager's next "
+                "retention, rollback or save of this step finishes it, or now: CheckpointManager(<root>).delete(step)"
+            )
         raise CheckpointingException(
             f"Checkpoint at {location.describe()} is incomplete: it has no commit record "
             f"({COMMIT_RECORD}), so its save did not finish. Load an earlier checkpoint, "

@@ -37,7 +37,9 @@ of ``state_dict`` in place and leaves the dict usable, as ``dcp.load`` does.
 
 from __future__ import annotations
 
-__all__ = ["Block", "blocks_at", "dtensor_factory", "fqn", "is_dtensor", "with_dtensors_converted"]
+__all__ = [
+    "Block", "blocks_at", "clashing_names", "dtensor_factory", "fqn", "is_dtensor", "with_dtensors_converted",
+]
 
 import itertools
 import logging
@@ -71,6 +73,50 @@ def fqn(path: tuple[Any, ...]) -> str:
     """The fully qualified name of a state-dict value as DCP's ``flatten_state_dict``
     makes it: the dict keys and list indices on its path, joined by ``"."``."""
     return ".".join(map(str, path))
+
+
+def clashing_names(state_dict: dict) -> CheckpointingException | None:
+    """The error for a state dict holding a DTensor in which two values have one fully
+    qualified name (``{"model": {"w": dtensor}, "model.w": 5}``), walked as DCP's
+    ``flatten_state_dict`` walks it (a list holding no tensor nor container is one
+    value): ``dcp.save`` refuses such a state and a DCP load could not tell the two
+    apart. None where there is no DTensor or no clash; a save checks before it writes."""
+    leaves: list[tuple[tuple[Any, ...], Any]] = []
+    _dcp_leaves(state_dict, (), leaves)
+    if not any(is_dtensor(value) for _, value in leaves):
+        return None
+    first: dict[str, tuple[Any, ...]] = {}
+    for path, _ in leaves:
+        other = first.setdefault(fqn(path), path)
+        if other != path:
+            where = ["".join(f"[{k!r}]" for k in p) for p in (other, path)]
+            return CheckpointingException(
+                f"The state dict holds two values named {fqn(path)!r} once flattened, at {where[0]} and {where[1]}: "
+                "a DTensor is stored under its fully qualified name (the keys on its path joined by '.'), as "
+                "torch.distributed.checkpoint names it, so the two would be one entry. Nothing was written; rename "
+                "one of them (a key without '.' cannot clash)"
+            )
+    return None
+
+
+def _dcp_leaves(node: Any, path: tuple[Any, ...], leaves: list[tuple[tuple[Any, ...], Any]]) -> None:
+    """The leaves of ``node`` with their paths, as DCP's ``traverse_state_dict`` visits
+    them: a dict is walked, a list only where it is not one value (``_is_terminal``)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _dcp_leaves(value, (*path, key), leaves)
+    elif isinstance(node, list) and not _is_terminal(node):
+        for index, value in enumerate(node):
+            _dcp_leaves(value, (*path, index), leaves)
+    else:
+        leaves.append((path, node))
+
+
+def _is_terminal(node: list) -> bool:
+    """DCP's test: a list is one value unless it holds a tensor, a dict or such a list."""
+    return not any(
+        isinstance(v, (dict, torch.Tensor)) or (isinstance(v, list) and not _is_terminal(v)) for v in node
+    )
 
 
 def with_dtensors_converted(state_dict: Any) -> Any:

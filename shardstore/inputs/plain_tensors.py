@@ -21,17 +21,18 @@ dimension as an array.
 Tensors that describe their own place in a global tensor (torch >= 2.14's
 ``torch.distributed.checkpoint.CheckpointableTensor`` protocol: ``global_shape``,
 ``global_offsets``, ``local_offsets``, ``local_sizes``) reach the writer as sharded
-items (``WriteItemType.SHARD``), like DTensors; ``CHECKPOINTABLE_TENSOR`` is that
-protocol where torch has it, else None (torch 2.13 has not).
+items (``WriteItemType.SHARD``), like DTensors; ``checkpointable_tensor_protocol()`` is
+that protocol where torch has it, else None (torch 2.13 has not).
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "CHECKPOINTABLE_TENSOR", "DEFAULT_MIN_ARRAY_BYTES", "HeldTensor", "assign_writers",
-    "stored_as_array", "whole_array_requests",
+    "DEFAULT_MIN_ARRAY_BYTES", "HeldTensor", "assign_writers",
+    "checkpointable_tensor_protocol", "stored_as_array", "whole_array_requests",
 ]
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,8 +45,13 @@ from shardstore.mapping import ReplicaId, ShardedTensor, ShardedTensorFactory
 DEFAULT_MIN_ARRAY_BYTES = 1024
 
 
-def _checkpointable_tensor_protocol() -> type | None:
-    """torch's ``CheckpointableTensor`` protocol (torch >= 2.14), or None."""
+@functools.cache
+def checkpointable_tensor_protocol() -> type | None:
+    """torch's ``CheckpointableTensor`` protocol (torch >= 2.14), or None. Imported at
+    the first call, not with this module: ``torch.distributed.checkpoint`` imported after
+    ``init_process_group`` makes ``torch.distributed.nn.functional`` hold the default
+    process group in its defaults, so ``destroy_process_group`` no longer ends its
+    threads and the process could abort at exit."""
     try:
         import torch.distributed.checkpoint as dcp
     except ImportError:  # a torch built without distributed
@@ -53,15 +59,15 @@ def _checkpointable_tensor_protocol() -> type | None:
     return getattr(dcp, "CheckpointableTensor", None)
 
 
-CHECKPOINTABLE_TENSOR = _checkpointable_tensor_protocol()
-
-
 def is_plain_tensor(value: Any) -> bool:
     """A tensor that is the whole of itself: not a DTensor, not a tensor that describes
-    its shards by torch's ``CheckpointableTensor`` protocol."""
+    its shards by torch's ``CheckpointableTensor`` protocol (only a subclass can)."""
     if not isinstance(value, torch.Tensor) or is_dtensor(value):
         return False
-    return CHECKPOINTABLE_TENSOR is None or not isinstance(value, CHECKPOINTABLE_TENSOR)
+    if type(value) in (torch.Tensor, torch.nn.Parameter):
+        return True
+    protocol = checkpointable_tensor_protocol()
+    return protocol is None or not isinstance(value, protocol)
 
 
 def stored_as_array(shape: tuple[int, ...], nbytes: int, min_array_bytes: int) -> bool:

@@ -41,7 +41,7 @@ import torch
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.config import CONFIG_FNAME, maybe_load_config
-from shardstore.format.pickles import DCP_METADATA_GLOBALS, load_restricted, load_torch
+from shardstore.format.pickles import dcp_metadata_globals, load_restricted, load_torch
 from shardstore.format.records import COMMON_FILE, sharded_backend, state_paths
 from shardstore.other_formats.base import OtherCheckpoint, OtherFormat, OtherTensor
 from shardstore.stores.base import Location
@@ -147,7 +147,7 @@ class DcpCheckpoint(OtherCheckpoint):
 
     def _read_metadata(self) -> Any:
         data = self.read_bounded(DCP_METADATA, MAX_METADATA_BYTES, "the metadata")
-        return load_restricted(data, DCP_METADATA_GLOBALS, str(self.path / DCP_METADATA), "PyTorch DCP metadata")
+        return load_restricted(data, dcp_metadata_globals(), str(self.path / DCP_METADATA), "PyTorch DCP metadata")
 
     def _place(self, places: dict, key: str, offset: tuple[int, ...] | None) -> tuple[str, int, int]:
         info = places.get((key, offset))

@@ -36,8 +36,7 @@ import logging
 import math
 import numbers
 import os
-from collections.abc import Callable, Iterable
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -81,11 +80,9 @@ from shardstore.format.records import (
     CommitRecord,
     ZarrMetadata,
     is_committed,
-    object_path,
-    parent_groups,
     sharded_backend,
-    write_commit_record,
 )
+from shardstore.format.removal import remove_entries
 from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from shardstore.opened import bare_location, open_read, write_location
 from shardstore.planning.layout import (
@@ -628,8 +625,10 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         shard by its unique key (``key/shard_<offset>_<shape>``), so a prefix may take
         some shards of an object and leave the others.
 
-        The commit record is rewritten first, so a crash midway leaves a consistent
-        checkpoint with some unreferenced files, never a record naming missing arrays.
+        Crash-safe (``format.removal``): a marker naming what goes is written first, then
+        the commit record without them, then their files; so the record never names a
+        missing file, and the next removal (this one again, or another) finishes one that
+        a killed process began.
         Groups left without arrays go too (their ``zarr.json`` where the save wrote one,
         which the new record no longer vouches for, and their directories once empty),
         innermost first; a document the record never listed (a consolidated-only save's
@@ -638,35 +637,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         arrays that stay is refused (its zip would still show plain readers the removed ones).
         """
         opened = open_read(checkpoint_dir)
-        location, record = opened.location, opened.require_record()
-        removed = [k for k in record.arrays if k.startswith(key_prefix)]
-        kept, removed_files = _without_object_shards(record, key_prefix)
-        kept = replace(kept, arrays={k: a for k, a in record.arrays.items() if k not in removed})
-        gone_packs = {record.arrays[k].pack for k in removed} - {None}
-        if shared := sorted((a.pack, k) for k, a in kept.arrays.items() if a.pack in gone_packs):
-            pack, key = shared[0]
-            raise CheckpointingException(
-                f"Cannot remove the tensors under {key_prefix!r} from {location.describe()}: some are packed in "
-                f"{pack} with {key!r}, which stays (a pack is removed whole). Remove a prefix that covers the pack's "
-                "arrays, or save the checkpoint again without them"
-            )
-        kept = replace(kept, packs={p: n for p, n in record.packs.items() if p not in gone_packs})
-        write_commit_record(location, kept)
-        for key in removed:
-            if record.arrays[key].pack is None:
-                location.remove_tree(key, keep=_packs_under(key, kept.packs))
-        for pack in sorted(gone_packs):
-            location.remove(pack)
-        for rel in removed_files:
-            location.remove(rel)
-        for group in sorted(set(parent_groups(removed)) - set(parent_groups(list(kept.arrays))), reverse=True):
-            if record.zarr_metadata is ZarrMetadata.PER_NODE:  # the save wrote the group's document
-                location.remove(f"{group}/{ZARR_JSON}")
-            if not location.child(group).list_files():
-                location.remove_tree(group)  # an empty directory on a file system
-        for folder in sorted(parent_groups(removed_files), key=lambda f: (f.count("/"), f), reverse=True):
-            if not location.child(folder).list_files():
-                location.remove_tree(folder)
+        remove_entries(opened.location, opened.require_record(), key_prefix)
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         if loaded_backend not in READABLE_BACKENDS:
@@ -684,29 +655,6 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
 
     def __str__(self) -> str:
         return self.__class__.__name__
-
-
-def _packs_under(key: str, packs: Iterable[str]) -> tuple[str, ...]:
-    """The names of those of ``packs`` (``packs/<rank>-<n>.zip``) that lie directly in
-    the directory of the array ``key``: an array keyed ``packs`` shares it with them, so
-    removing its tree must leave the packs of the arrays that stay."""
-    return tuple(pack.removeprefix(f"{key}/") for pack in packs if pack.startswith(f"{key}/"))
-
-
-def _without_object_shards(record: CommitRecord, key_prefix: str) -> tuple[CommitRecord, list[str]]:
-    """``record`` without the ShardedObject shards whose unique key starts with
-    ``key_prefix`` (an object left with none goes), and those shards' files."""
-    objects, removed_files = {}, []
-    for key, obj in record.objects.items():
-        shard_keys = tuple(k for k in obj.shard_keys if not k.startswith(key_prefix))
-        removed_files += [object_path(k) for k in obj.shard_keys if k.startswith(key_prefix)]
-        if shard_keys:
-            objects[key] = replace(obj, shard_keys=shard_keys)
-    gone = set(removed_files)
-    return replace(
-        record, objects=objects, files={k: v for k, v in record.files.items() if k not in gone},
-        file_digests={k: v for k, v in record.file_digests.items() if k not in gone},
-    ), removed_files
 
 
 def tensor_metadata(record: ArrayRecord) -> ShardedTensor:

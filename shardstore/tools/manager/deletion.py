@@ -139,8 +139,9 @@ class StepDeletion:
                     location.remove_tree(name)
         else:
             # its save's own marker, left where removing it failed after the publishing (or an
-            # in-place replacement's, naming the record under "replaces"), is the save's too
-            own = own_markers(location, marker.record, set(location.list_top(limit=None))) - {DELETION_MARKER}
+            # in-place replacement's, naming the record under "replaces"), is the save's too, and
+            # so are the files an interrupted remove_sharded_tensors left (anywhere in the step)
+            own = own_markers(location, marker.record, location.list_files()) - {DELETION_MARKER}
             _remove_vouched(location, marker.record.vouched_paths() | {CONFIG_FNAME} | own)
         location.remove(DELETION_MARKER)
         _remove_directory_if_empty(location, f"checkpoint step {step}")

@@ -1,0 +1,136 @@
+"""Removing arrays and object shards from a committed checkpoint
+(``remove_sharded_tensors``), in an order that a process killed at any point leaves
+recoverable.
+
+1. A marker, ``REMOVAL_MARKER``, is written atomically into the checkpoint: the save
+   id of its record, the key prefix, and what the removal deletes (``RemovalPlan``).
+2. The commit record is rewritten without the removed entries: from here on the
+   checkpoint no longer has them, and it never names a file that is gone.
+3. The entries' files go: array directories, packs, object shards, group documents,
+   then the folders left empty.
+4. The marker goes.
+
+A marker whose save id is the record's is provably this checkpoint's removal. The next
+removal (the same one called again, or another) first finishes it: where the record
+still lists what the marker removes (a kill before step 2), only the marker goes;
+otherwise step 3 runs again, deleting only what the record does not vouch for. ``verify``
+names the files such a removal still had to delete as its own (``leftover_files``), with
+how to finish it, instead of as another program's.
+"""
+
+from __future__ import annotations
+
+__all__ = ["plan_removal", "remove_entries"]
+
+import logging
+from collections.abc import Iterable
+from dataclasses import replace
+
+from shardstore.errors import CheckpointingException
+from shardstore.format.records import (
+    ZARR_JSON,
+    CommitRecord,
+    ZarrMetadata,
+    object_path,
+    parent_groups,
+    write_commit_record,
+)
+from shardstore.format.removal_marker import REMOVAL_MARKER, RemovalPlan, pending_removal
+from shardstore.stores.locations import Location
+
+logger = logging.getLogger(__name__)
+
+
+def plan_removal(record: CommitRecord, key_prefix: str, where: str) -> tuple[RemovalPlan, CommitRecord]:
+    """The plan for removing ``key_prefix`` from ``record``, and the record without it.
+
+    Raises:
+        CheckpointingException: a pack to remove also holds an array that stays."""
+    removed = sorted(k for k in record.arrays if k.startswith(key_prefix))
+    kept, object_files = _without_object_shards(record, key_prefix)
+    kept = replace(kept, arrays={k: a for k, a in record.arrays.items() if k not in removed})
+    gone_packs = {record.arrays[k].pack for k in removed} - {None}
+    if shared := sorted((a.pack, k) for k, a in kept.arrays.items() if a.pack in gone_packs):
+        pack, key = shared[0]
+        raise CheckpointingException(
+            f"Cannot remove the tensors under {key_prefix!r} from {where}: some are packed in {pack} with "
+            f"{key!r}, which stays (a pack is removed whole). Remove a prefix that covers the pack's arrays, "
+            "or save the checkpoint again without them"
+        )
+    kept = replace(kept, packs={p: n for p, n in record.packs.items() if p not in gone_packs})
+    groups = sorted(set(parent_groups(removed)) - set(parent_groups(list(kept.arrays))), reverse=True)
+    folders = set(groups) | set(parent_groups(object_files)) | set(parent_groups(sorted(gone_packs)))
+    plan = RemovalPlan(
+        save_id=record.save_id,
+        key_prefix=key_prefix,
+        arrays=tuple(removed),
+        trees=tuple((k, _packs_under(k, kept.packs)) for k in removed if record.arrays[k].pack is None),
+        files=tuple(sorted(gone_packs) + object_files),
+        documents=tuple(f"{g}/{ZARR_JSON}" for g in groups if record.zarr_metadata is ZarrMetadata.PER_NODE),
+        folders=tuple(sorted(folders, key=lambda f: (f.count("/"), f), reverse=True)),
+    )
+    return plan, kept
+
+
+def remove_entries(location: Location, record: CommitRecord, key_prefix: str) -> None:
+    """Removes the arrays and object shards under ``key_prefix`` from the committed
+    checkpoint at ``location`` (``record``: its commit record), after finishing a removal
+    a killed process began there (the module docstring gives the order).
+
+    Raises:
+        CheckpointingException: as ``RemovalPlan.of`` and ``RemovalPlan.delete``; a
+            marker that is not one of ours."""
+    _finish_interrupted(location, record)
+    plan, kept = plan_removal(record, key_prefix, location.describe())
+    if plan.is_empty():
+        return
+    location.write_atomic(REMOVAL_MARKER, plan.to_json())  # durable before the record changes
+    write_commit_record(location, kept)
+    plan.delete(location, kept)
+    location.remove(REMOVAL_MARKER)
+
+
+def _finish_interrupted(location: Location, record: CommitRecord) -> None:
+    """Finishes the removal whose marker lies in the checkpoint (``record``: its record).
+
+    Raises:
+        CheckpointingException: a file of the marker's name that is not this
+            checkpoint's removal marker (nothing is removed)."""
+    plan = pending_removal(location, record)
+    if plan is None:
+        if location.exists(REMOVAL_MARKER):
+            raise CheckpointingException(
+                f"{location.describe(REMOVAL_MARKER)} is no removal marker of this checkpoint (save "
+                f"{record.save_id}), so what it names is not provably a removal's: nothing was removed. Find out "
+                "what wrote it, and move it out of the checkpoint"
+            )
+        return
+    if plan.took_effect(record):
+        plan.delete(location, record)
+        logger.info("Finished removing %r from %s (a removal cut short)", plan.key_prefix, location.describe())
+    else:
+        logger.info("A removal of %r from %s stopped before it changed anything", plan.key_prefix, location.describe())
+    location.remove(REMOVAL_MARKER)
+
+
+def _packs_under(key: str, packs: Iterable[str]) -> tuple[str, ...]:
+    """The names of those of ``packs`` (``packs/<rank>-<n>.zip``) that lie directly in
+    the directory of the array ``key``: an array keyed ``packs`` shares it with them, so
+    removing its tree must leave the packs of the arrays that stay."""
+    return tuple(pack.removeprefix(f"{key}/") for pack in packs if pack.startswith(f"{key}/"))
+
+
+def _without_object_shards(record: CommitRecord, key_prefix: str) -> tuple[CommitRecord, list[str]]:
+    """``record`` without the ShardedObject shards whose unique key starts with
+    ``key_prefix`` (an object left with none goes), and those shards' files."""
+    objects, removed_files = {}, []
+    for key, obj in record.objects.items():
+        shard_keys = tuple(k for k in obj.shard_keys if not k.startswith(key_prefix))
+        removed_files += [object_path(k) for k in obj.shard_keys if k.startswith(key_prefix)]
+        if shard_keys:
+            objects[key] = replace(obj, shard_keys=shard_keys)
+    gone = set(removed_files)
+    return replace(
+        record, objects=objects, files={k: v for k, v in record.files.items() if k not in gone},
+        file_digests={k: v for k, v in record.file_digests.items() if k not in gone},
+    ), removed_files

@@ -111,34 +111,20 @@ class SaveOptions:
             (``format.reuse``), or None: a path, URL or Location as the caller names it;
             ``SavePipeline.open`` opens it once, so a begun save holds a Location.
         shared_directory: other programs keep files in the target: the save is
-            published beside those there when it begins and those written while it
-            runs, deleting or moving none of them (by rename only; in place, a non-empty
-            target is refused all the same); with ``overwrite``, a checkpoint there is
-            replaced entry by entry, theirs kept (``ByRename._replace_beside``, which
-            has a window without a checkpoint there). Otherwise the target must be empty or hold the
-            checkpoint it replaces, and a file written there meanwhile makes the save lose.
-        zarr_metadata: where the arrays' and groups' Zarr metadata documents go
-            (``records.ZarrMetadata``): ``"per_node"`` (the default), a ``zarr.json`` of
-            their own, which every Zarr reader opens by path; ``"consolidated_only"``,
-            only the root's consolidated metadata (format version 6): a file (an object
-            on S3) fewer per array, readable by ``zarr.open_group`` and by TensorStore
-            given the document (docs/guide/plain-readers.md), not by path alone. The
-            coordinator's choice holds for every rank (``SaveIntent.zarr_metadata``).
-        pack_arrays_up_to: pack each array of at most this many bytes whose every chunk
-            one rank writes (replicated arrays, arrays held whole by one rank, and arrays
-            split over ranks in blocks that are runs of the array, FSDP2's, gathered
-            whole into one chunk on one of them: ``planning.plans.plan_packed_whole``)
-            into that rank's zip pack, ``packs/<rank>-<n>.zip`` (format version 8, ``format.packs``),
-            instead of a directory and files of its own: a save of many small tensors
-            creates a few files, not thousands. 0 (the default): no packing. Plain readers
-            open a packed array from its pack (docs/guide/plain-readers.md), not from the
-            checkpoint's directory or consolidated metadata. Local disks and object stores
-            alike (a pack is one object: one PUT). The coordinator's choice holds for every
-            rank (``SaveIntent.pack_arrays_up_to``).
+            published beside them, deleting or moving none of them (by rename only; in
+            place, a non-empty target is refused). Otherwise the target must be empty
+            or hold the checkpoint it replaces (docs/guide/guarantees.md).
+        zarr_metadata: where the Zarr metadata documents go: ``"per_node"`` (default), a
+            ``zarr.json`` per array and group; ``"consolidated_only"``, only the root's
+            consolidated metadata (docs/guide/plain-readers.md). The coordinator's
+            choice holds for every rank.
+        pack_arrays_up_to: pack each array of at most this many bytes that one rank
+            writes whole into that rank's ``packs/<rank>-<n>.zip`` (``format.packs``;
+            docs/guide/saving-and-loading.md); 0 (default): no packing. The
+            coordinator's choice holds for every rank.
         array_places: internal: where an import of model files (``tools.convert``)
-            found the arrays whose keys do not spell their places, recorded in the
-            commit record (``records.ArrayPlaces``) so that an export puts them back
-            there; None (every other save): nothing recorded.
+            found arrays whose keys do not spell their places (``records.ArrayPlaces``);
+            None for every other save.
     """
 
     overwrite: bool = False
@@ -719,11 +705,8 @@ class ByRename(Publisher):
     * target missing, or an empty directory: ``rename(2)`` (atomic);
     * target a committed shardstore checkpoint and ``overwrite=True``: ``renameat2``
       with ``RENAME_EXCHANGE`` swaps the directories atomically, then the old one is
-      renamed to ``.<name>.shardstore-replaced-<its save id>`` (still under the lock)
-      and deleted; where that deletion fails, the next save deletes it. Where the file
-      system cannot exchange (some network file systems) the old one is first renamed
-      to that name: then, for the microseconds between the two renames, the target path
-      does not exist (both checkpoints are complete on disk).
+      renamed aside (``.<name>.shardstore-replaced-<its save id>``) and deleted; where
+      the file system cannot exchange, the old one is renamed aside first.
 
     Publishing is a compare-and-swap under an ``flock`` on the parent directory: the
     target must still hold the checkpoint the save saw when it began (same save id), or
@@ -732,16 +715,10 @@ class ByRename(Publisher):
     save that died: the next save into the same target deletes it (``remove_dead_saves``).
 
     A save into a shared directory (``SaveOptions.shared_directory``) is published
-    beside the other programs' files instead, by moving its entries in, the commit
-    record last; still refused there: another tool's checkpoint (named with its files:
-    two checkpoints in one directory are ambiguous, ``records.other_checkpoint_beside``)
-    and entries under the format's own names. A committed checkpoint there that shares
-    its directory with other programs' top-level entries is replaced entry by entry,
-    theirs left in place (``_replace_beside``): no exchange can swap only some entries
-    of a directory, so between its old record moving out and the new one moving in the
-    directory holds no checkpoint; an interruption there is put back by the next save
-    (``restore_replaced``, first thing in ``begin``). A file inside the old
-    checkpoint's own entries is still refused (it would go with them).
+    beside the other programs' files by moving its entries in, the commit record last; a
+    checkpoint there is replaced entry by entry (``_replace_beside``), which an
+    interruption leaves for the next save to put back (``restore_replaced``). The rules
+    in full: docs/format.md ("Publishing").
     """
 
 

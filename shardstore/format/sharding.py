@@ -239,12 +239,10 @@ def read_inner(
 ) -> int:
     """Fills ``wanted[i]`` (raw bytes of inner chunk ``i`` of ``count``) from the shard,
     reading its crc table and index (one request) and only those inner chunks. An inner
-    chunk the index marks empty is refused, read or not, unless ``empty`` names it
-    (then it reads as zeros): shardstore stores every inner chunk, and its commit
-    record names none empty. Every inner chunk read must match its own trailer and the
-    table. Returns the shard's crc32c (``EncodedShard.crc``) from the table and the
-    index, which binds every inner chunk, read or not: the caller compares it with the
-    record's.
+    chunk the index marks empty is refused unless ``empty`` names it (then zeros).
+    Every inner chunk read must match its trailer and the table. Returns the shard's
+    crc32c (``EncodedShard.crc``), which binds every inner chunk: the caller compares it
+    with the record's.
 
     Raises:
         CheckpointingException: naming ``source.describe()`` and the inner chunk: the

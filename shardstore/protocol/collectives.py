@@ -240,11 +240,9 @@ class Group:
         them all (by group rank) comes back: one part per rank (``scatter``: rank r
         receives part r) or one reply for every rank. Returns this rank's part.
 
-        Two calls (a ``gather`` and a ``scatter`` or ``broadcast`` of the group's slot
-        per rank) when every message fits a slot: the sizes travel inside the slots,
-        not in calls of their own. A message beyond its slot costs two calls more (the
-        coordinator asks for the rest in its reply's slot), a reply beyond it one more;
-        the slot then grows for the next call (``SLOT_BYTES``).
+        Two calls when every message fits the group's slot (the sizes travel inside
+        it); a message beyond it two more, a reply beyond it one more, and the slot
+        grows for the next call (``SLOT_BYTES``).
         ``answer`` runs on the coordinator only and must not raise: a failure travels
         in its reply (``protocol.stage`` does so), or the peers wait for the timeout."""
         if self.world_size == 1:

@@ -87,30 +87,19 @@ class S3Options:
             in the shared config file (``AWS_CONFIG_FILE``), else ``us-east-1``.
         key, secret, token: explicit credentials (else environment or profile).
         profile: a profile of the shared AWS config files.
-        max_retries: attempts after the first for a transient failure. With the
-            defaults a dead endpoint, refused connections or permanent 503s fail a save
-            or load within a minute (measured: see docs/guide/object-stores.md); raise it
-            for stores that throttle for long.
+        max_retries: attempts after the first for a transient failure (with the
+            defaults a dead endpoint fails a save within a minute).
         initial_delay, max_delay: backoff bounds in seconds (jittered, exponential).
         connect_timeout, read_timeout: seconds before one request is given up (then
-            retried): a connection not made, a transfer stalled. TensorStore's requests
-            (chunks, ``zarr.json``) take them from the first S3 location a process
-            opens (its timeouts are process-wide, read once: ``TENSORSTORE_CURL_*``
-            variables set before win).
+            retried); TensorStore takes them from the first S3 location a process opens.
         request_concurrency: TensorStore requests in flight per process.
-        s3fs_kwargs: extra keyword arguments for ``s3fs.S3FileSystem``; its
-            ``client_kwargs`` and ``config_kwargs`` are merged into ours (region,
-            retries, timeouts), their keys winning.
+        s3fs_kwargs: extra keyword arguments for ``s3fs.S3FileSystem``, merged into
+            ours (their keys winning).
         save_lease_s: how long a save's claim on its prefix holds without renewal
-            (the save renews it every quarter of that): a save marker older than this,
-            by the server's clock, is a dead save's, whose leftovers the next save
-            removes. A save that could not renew its claim for half of it does not
-            commit. See docs/guide/object-stores.md ("Two saves into one prefix").
+            (renewed every quarter of it): an older one is a dead save's.
         conditional_writes: the store honours ``If-None-Match: *`` and ``If-Match`` on
-            PUT (AWS S3, MinIO, moto). False for one that does not (it then answers
-            501, or ignores them): saves then check before they write, which keeps a
-            live save's files from removal but lets two saves that begin within the
-            same moment both write.
+            PUT; False for one that does not (weaker: docs/guide/object-stores.md, "Two
+            saves into one prefix", which says all of these at length).
     """
 
     endpoint_url: str | None = None

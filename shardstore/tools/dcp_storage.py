@@ -330,127 +330,33 @@ def gathered_shards(
 
 
 class ShardstoreWriter(StorageWriter):
-    """DCP ``StorageWriter`` that writes a shardstore checkpoint (the module docstring
-    says what goes where).
-
-    Save (the calls DCP makes, in order; ``StorageWriter``'s protocol):
-
-        0) all ranks    reset(checkpoint_id)        only when dcp.save gets a checkpoint_id
-        1) all ranks    set_up_storage_writer()     the coordinator lets go of an earlier
-                                                    save that never finished
-        2) all ranks    prepare_local_plan()        names the plain tensors this rank holds
-                                                    that become arrays
-        3) coordinator  prepare_global_plan()       the sharded items of every rank, and
-                                                    each plain array (one writer among its
-                                                    holders), become shard descriptions
-                                                    (ShardedTensors without data), which the
-                                                    save pipeline (SavePipeline.
-                                                    plan_gathered) validates (keys against
-                                                    the target's name limits, coverage,
-                                                    dtypes) and plans (chunk grids aligned
-                                                    with the shards, one writer per chunk);
-                                                    the save begins (staging area,
-                                                    metadata.json, the checkpoint to reuse
-                                                    from); each rank's plan carries its part
-                                                    and the save's intent. Where DCP's plan
-                                                    cache (enable_plan_caching=True) sent
-                                                    some ranks' plans as unchanged, nothing
-                                                    is planned here (PlanAtWrite); a
-                                                    refusal once DCP cached the plans goes
-                                                    to every rank as its part (Refused)
-        4) all ranks    write_data()                a rank whose plan DCP's cache handed back
-                                                    (an earlier save's part) or that got a
-                                                    PlanAtWrite: every rank settles the
-                                                    save together first, collective on
-                                                    process_group: a recent plan whose
-                                                    parts every rank holds for the items it
-                                                    has now is reused, with a new save
-                                                    (_reused_at_write); else step 3's
-                                                    work, from the items DCP cached
-                                                    (_planned_at_write); then joins the save;
-                                                    with shard_bytes in a
-                                                    save of several ranks, collective on
-                                                    process_group: the blocks of sharded
-                                                    arrays travel to their shard's writer
-                                                    (one stage: agreement, then point-to-point
-                                                    sends); array metadata and chunks
-                                                    from the tensors' memory
-                                                    (SavePipeline.write_plan; an
-                                                    unchanged chunk of reuse_from is
-                                                    shared, not written), durable; the
-                                                    WriteResults carry the chunk checksums
-                                                    (on the first, beside its own value) and
-                                                    the common values
-        5) coordinator  finish()                    common.pt, then the commit record (every
-                                                    chunk's crc32c, every file's checksum,
-                                                    DCP's planner data and storage ids),
-                                                    published atomically (SavePipeline.
-                                                    commit)
-
-    A failure on any rank fails ``dcp.save`` on every rank (DCP's own agreement) and no
-    commit record is written: what the target held before stays loadable. DCP calls no
-    ``finish`` after a failed write, so the coordinator abandons that save's staging area
-    at the next save with the same writer; the next save into the same place removes it
-    otherwise.
+    """DCP ``StorageWriter`` that writes a shardstore checkpoint: ``dcp.save(state,
+    storage_writer=ShardstoreWriter(path))``. What it does at each of DCP's calls, and
+    its options at length: docs/guide/dcp-fsdp2.md ("What the writer does at each
+    call"). A failure on any rank fails ``dcp.save`` on every rank and commits nothing.
 
     Args:
-        checkpoint_id: where to save (local path, ``s3://bucket/prefix`` or a Location);
-            DCP's ``checkpoint_id=`` replaces it. A local directory may hold other
-            programs' files (a job's log, the ``model.pt`` that ``torch_save_to_dcp``
-            converts): the checkpoint is published beside them and none is deleted. One
-            that holds another tool's checkpoint (DCP's ``.metadata`` and ``*.distcp``) is
-            refused, naming its files, ``overwrite`` or not.
-        overwrite: replace a committed shardstore checkpoint there (atomically on local
-            disks, as ``shardstore.save(overwrite=True)``; refused where files its save
-            did not write lie beside it); on by default, as DCP's ``FileSystemWriter``
-            has it; off, saving onto one is refused.
+        checkpoint_id: where to save (a local path, ``s3://bucket/prefix`` or a
+            Location); DCP's ``checkpoint_id=`` replaces it. Other programs' files in a
+            local directory are kept beside the checkpoint; another tool's checkpoint
+            there is refused.
+        overwrite: replace a committed shardstore checkpoint there (on by default, as
+            DCP's ``FileSystemWriter`` has it).
         max_chunk_bytes: upper bound on one stored chunk, in bytes.
         io_concurrency: chunk writes in flight at once per rank.
-        min_array_bytes: a plain tensor (not a DTensor) of at least this many bytes is
-            written as an array of its own, by one of the ranks that hold it; smaller
-            ones stay in ``common.pt`` (``shardstore.inputs.plain_tensors`` says why).
-        reuse_from: an earlier committed checkpoint whose chunks that did not change
-            this save shares instead of writing them again (as ``shardstore.save``'s
-            ``reuse_from``, ``shardstore.format.reuse``); one that cannot be reused
-            from is logged and written in full.
-        zarr_metadata: where the arrays' Zarr metadata documents go, as
-            ``SaveOptions.zarr_metadata`` says (``"per_node"``, the default: a
-            ``zarr.json`` per array; ``"consolidated_only"``: only the root's
-            consolidated metadata, fewer files and requests, format version 6).
-        pack_arrays_up_to: pack each array of at most this many bytes that one rank
-            writes whole (plain tensors, each written by one of its holders; a DTensor
-            one rank holds whole or replicated; with ``shard_bytes``, where the ranks
-            exchange blocks, a DTensor split over them by rows, gathered whole to one)
-            into that rank's stored zip,
-            ``packs/<rank>-<n>.zip``, as ``SaveOptions.pack_arrays_up_to`` says (format
-            version 8): a few files per rank, not a directory per array. 0 (the
-            default): no packing. Packed arrays are never shared by ``reuse_from``.
-        shard_bytes: store the arrays DCP's plan splits into small blocks on a grid
-            (FSDP2's ``Shard(0)``, along any axes) in Zarr v3 shards of about this many bytes, as
-            ``ZarrSaveShardedStrategy(shard_bytes=...)`` does for ``shardstore.save``:
-            each shard is written by one of the ranks whose blocks it holds, the others
-            send it their blocks in ``write_data``, so the files no longer multiply with
-            the ranks. None (the default): every block is a chunk file of its own and
-            the ranks exchange nothing.
-        process_group: with ``shard_bytes``, the group the ranks exchange blocks on: the
-            one given to ``dcp.save(process_group=...)`` (DCP does not hand it to its
-            writer); None: the default group. A group whose ranks are not DCP's is
-            refused at the plan. ``dcp.async_save`` runs the save on a thread of its own:
-            there, name the group given to it (a group of its own, never the one
-            training uses meanwhile); with None the save is refused. Its
-            ``AsyncCheckpointerType.PROCESS`` pickles the writer into a process whose
-            default group is DCP's: leave ``process_group`` None there (a group cannot
-            travel; refused). ``write_data`` is then collective: a custom planner whose
-            ``finish_plan`` fails on some ranks only leaves the others waiting in the
-            exchange until the group's timeout (DCP's default planner cannot fail there).
-            The same group plans a save in ``write_data`` where DCP's plan caching is
-            on (``DefaultSavePlanner(enable_plan_caching=True)``), from its second save:
-            the same rules apply (DCP's group; a group of its own under
-            ``dcp.async_save``).
-        sync_staging_bytes: the most host memory a rank's copies of CUDA tensors hold
-            at once, and (a quarter of it per exchange wave) the shards it assembles
-            from other ranks' blocks, as ``ZarrSaveShardedStrategy``'s; with
-            ``shard_bytes``, every rank must pass the same value.
+        min_array_bytes: a plain tensor of at least this many bytes becomes an array
+            of its own; smaller ones stay in ``common.pt``.
+        reuse_from: an earlier checkpoint whose unchanged chunks are shared, not
+            written again (``shardstore.save``'s ``reuse_from``).
+        zarr_metadata: ``"per_node"`` (default) or ``"consolidated_only"``
+            (``SaveOptions.zarr_metadata``).
+        pack_arrays_up_to: pack arrays of at most this many bytes into zip packs
+            (``SaveOptions.pack_arrays_up_to``); 0: no packing.
+        shard_bytes: store DCP's split arrays in Zarr v3 shards of about this size
+            (the ranks exchange blocks on ``process_group``); None: a chunk per block.
+        process_group: the group of that exchange (default: DCP's default group; under
+            ``dcp.async_save``, a group of its own must be named).
+        sync_staging_bytes: the most host memory a rank's staging copies hold at once.
     """
 
     def __init__(
@@ -1141,37 +1047,11 @@ class _OpenCheckpoint:
 
 
 class ShardstoreReader(StorageReader):
-    """DCP ``StorageReader`` that reads a shardstore checkpoint (the module docstring
-    says what goes where).
-
-    Load (``StorageReader``'s protocol):
-
-        0) all ranks    reset(checkpoint_id)        only when dcp.load gets a checkpoint_id
-        1) all ranks    read_metadata()             the commit record (its digest checked)
-                                                    and common.pt, as DCP Metadata: one
-                                                    chunk per array (so DCP asks for each
-                                                    requested region once), the common
-                                                    values by the names DCP saved them under,
-                                                    DCP's planner data and storage ids as its
-                                                    own writer records them (a checkpoint
-                                                    without them: by DCP's flattening and by
-                                                    each leaf's name, nothing else)
-        2) all ranks    set_up_storage_reader()
-        3) all ranks    prepare_local_plan()        unchanged
-        4) coordinator  prepare_global_plan()       tells every rank whether the ranks plan
-                                                    their reads together (never one alone,
-                                                    as under dcp.load(no_dist=True))
-        5) all ranks    read_data()                 every region read from the chunks it
-                                                    touches, each checked against its crc32c
-                                                    and the record's, straight into the
-                                                    destination tensor where it is a
-                                                    contiguous CPU tensor of the stored dtype
-                                                    (a plain tensor is filled in place); with
-                                                    read_shards_once (from 32 ranks) a
-                                                    collective: the ranks' regions planned
-                                                    together (ZarrLoadShardedStrategy.
-                                                    plan_load), a block or chunk several
-                                                    ranks need read by one and sent
+    """DCP ``StorageReader`` that reads a shardstore checkpoint: ``dcp.load(state,
+    storage_reader=ShardstoreReader(path))``. Every region is read from the chunks it
+    touches and checked against their crc32c, straight into the destination tensor
+    where it can be; what it does at each of DCP's calls: docs/guide/dcp-fsdp2.md ("What
+    the reader does at each call").
 
     Args:
         checkpoint_id: the checkpoint (local path, ``s3://bucket/prefix`` or a Location);
@@ -1183,13 +1063,9 @@ class ShardstoreReader(StorageReader):
             ``shardstore.load`` refuses such casts unless asked.
         process_group: the ranks that load together: the group given to
             ``dcp.load(process_group=...)`` (default: the world).
-        read_shards_once: from ``AUTO_SHARD_MIN_RANKS`` (32) ranks (``"auto"``), ``True``
-            at any size, or ``False``: the ranks plan their reads together, as
-            ``shardstore.load`` does, and each chunk several ranks need parts of (a
-            tensor every rank loads whole, as DDP; FSDP2 rows of a whole-tensor
-            checkpoint) is read by one of them and sent to the others; otherwise each
-            rank reads every chunk its regions touch (as DCP's ``FileSystemReader``),
-            which at a few ranks on one machine costs less than the exchange.
+        read_shards_once: the ranks plan their reads together and a chunk several
+            need is read by one and sent (``"auto"``: from ``AUTO_SHARD_MIN_RANKS``,
+            32, ranks); ``False``: each rank reads every chunk its regions touch.
     """
 
     def __init__(

@@ -58,11 +58,8 @@ class CheckpointManager:
     ``step``, and ``resume`` restores the newest committed step and returns the step to
     train next. Retention runs on the coordinator after each commit and deletes in an
     order that a crash at any point leaves recoverable. ``save`` of a step older than the
-    newest committed one is refused: ``rollback`` first. Every rank calls ``save``,
-    ``resume``, ``restore``, ``rollback``, ``delete``, ``wait_until_finished`` and
-    ``close`` with the same steps (and ``should_save`` when time or preemption decide);
-    what a call does is decided on the coordinator and broadcast. The full contract is
-    docs/guide/manager.md.
+    newest committed one is refused: ``rollback`` first. Every rank calls every method
+    with the same steps; the coordinator decides. The full contract: docs/guide/manager.md.
 
     Args:
         root: directory (local path, ``s3://bucket/prefix`` or a Location) holding one
@@ -72,13 +69,12 @@ class CheckpointManager:
         clock: seconds, for ``save_interval_secs`` (default ``time.monotonic``: a
             wall clock set back or forward must not skip or force a save).
 
-    Example::
+    Example (the guide's loop runs in the tests)::
 
         manager = CheckpointManager("/ckpt/run1", CheckpointManagerOptions(save_interval_steps=1000))
         start, _ = manager.resume(state)  # fills state in place; start: the step after the newest
         for step in range(start, steps):
-            ...  # train step `step`
-            manager.save(step, state)     # writes when due
+            manager.save(step, state)     # after training step `step`; writes when due
         manager.close()
     """
 

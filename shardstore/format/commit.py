@@ -1299,7 +1299,7 @@ def _lost_race(save: PendingCheckpoint, current: str | None, otherwise: str = ""
     """The error of a commit that found the target changed: ``current``, the save id of
     the checkpoint committed there now (None: none, but ``otherwise`` found)."""
     expected = f"checkpoint {save.intent.replaces}" if save.intent.replaces else "no checkpoint"
-    found = (f"the checkpoint of save {current}, which another save committed while this one ran and which is "
+    found = (f"the checkpoint of save {current}: another save committed there while it ran; that checkpoint is "
              "kept" if current is not None else otherwise)
     return CheckpointingException(
         f"Not committing the save into {save.target.describe()}: expected {expected} there, found {found}. "

@@ -37,8 +37,8 @@ from shardstore.format.commit import SaveOptions
 from shardstore.format.dtypes import from_torch
 from shardstore.format.records import (
     COMMIT_RECORD,
-    ZARR_JSON,
     FORMAT_VERSION,
+    ZARR_JSON,
     ZarrMetadata,
 )
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy, _load_from_array
@@ -157,7 +157,7 @@ def test_sharded_arrays_keep_no_document_either(tmp_path: Path) -> None:
 def test_inspect_and_convert_read_it(checkpoint: Path, tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "shardstore.tools.cli"]
     shown = forked_python.run([*cli, "inspect", str(checkpoint)], timeout=120)
-    assert shown.returncode == 0 and "format 6" in shown.stdout and "model/norm" in shown.stdout, shown
+    assert shown.returncode == 0 and f"format {FORMAT_VERSION}" in shown.stdout and "model/norm" in shown.stdout, shown
     out = tmp_path / "model.pt"
     made = forked_python.run([*cli, "convert", str(checkpoint), str(out)], timeout=120)
     assert made.returncode == 0, made.stderr
@@ -384,7 +384,9 @@ def test_a_version_6_record_that_says_per_node_is_refused(tmp_path: Path) -> Non
     path = _save(tmp_path / "ckpt")
 
     def edit(root: dict) -> None:
-        root["attributes"]["shardstore"]["zarr_metadata"] = "per_node"
+        record = root["attributes"]["shardstore"]
+        record.update(format_version=6, zarr_metadata="per_node")
+        record.pop("requires")
 
     rewrite_record(path, edit)
     with pytest.raises(CheckpointingException, match="malformed zarr_metadata 'per_node' in a version 6"):

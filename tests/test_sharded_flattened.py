@@ -268,12 +268,29 @@ def test_on_s3_fragments_save_into_shards_that_load_and_verify(moto_server) -> N
     assert shardstore.verify(location).ok
 
 
-def test_a_record_edited_to_claim_version_5_is_refused_naming_the_array(tmp_path: Path) -> None:
+def _claim(version: int, requires: list[str] | None):
+    def edit(root: dict) -> None:
+        record = root["attributes"]["shardstore"]
+        record["format_version"] = version
+        record.pop("requires")
+        if requires is not None:
+            record["requires"] = requires
+    return edit
+
+
+@pytest.mark.parametrize(("version", "requires", "claim"), [
+    (5, None, "claims version 5"),
+    (9, ["sharding_indexed"], "does not list it in 'requires'"),
+])
+def test_a_record_edited_to_leave_out_a_feature_it_uses_is_refused_naming_the_array(
+    tmp_path: Path, version: int, requires: list[str] | None, claim: str
+) -> None:
     ckpt = tmp_path / "ckpt"
     run_distributed(saved_and_loaded, 2, str(ckpt))
-    rewrite_record(ckpt, lambda root: root["attributes"]["shardstore"].update(format_version=5))
-    stored_as_7 = r"array 'optimizer\.exp_avg\.decoder\.layers\.fc1\.(weight|bias)' uses a layout that format version 7"
-    with pytest.raises(CheckpointingException, match=stored_as_7 + r" introduced.*claims version 5.*edited or damaged"):
+    rewrite_record(ckpt, _claim(version, requires))
+    array = r"array 'optimizer\.exp_avg\.decoder\.layers\.fc1\.(weight|bias)'"
+    with pytest.raises(CheckpointingException,
+                       match=array + rf" uses feature 'flat_shards' \(format version 7 on\).*{claim}.*edited or damaged"):
         load(_state(0, 2, 1, empty=True), ckpt)
 
 

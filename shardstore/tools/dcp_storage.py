@@ -416,7 +416,7 @@ class ShardstoreWriter(StorageWriter):
         zarr_metadata: where the arrays' Zarr metadata documents go, as
             ``SaveOptions.zarr_metadata`` says (``"per_node"``, the default: a
             ``zarr.json`` per array; ``"consolidated_only"``: only the root's
-            consolidated metadata, fewer files and requests, format version 6).
+            consolidated metadata, fewer files and requests, feature ``consolidated_only``).
         pack_arrays_up_to: pack each array of at most this many bytes that one rank
             writes whole (plain tensors, each written by one of its holders; a DTensor
             one rank holds whole or replicated; with ``shard_bytes``, where the ranks

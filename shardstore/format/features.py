@@ -99,19 +99,14 @@ def required_by(arrays: Mapping[str, Any], zarr_metadata: ZarrMetadata) -> tuple
 
 def allowed_by(requires: Any, version: int, where: str) -> frozenset[str]:
     """The features a record of ``version`` whose ``requires`` is ``requires`` (None where
-    it has none) may use: every one introduced up to ``version`` before 9, the ones it
-    lists from 9.
+    it has none) may use: every one introduced up to ``version`` before 9 (whatever it
+    says in ``requires``), the ones it lists from 9.
 
     Raises:
         UnsupportedFeature: it requires a name this shardstore does not know.
-        CheckpointingException: a malformed ``requires``, or one in a record before 9.
+        CheckpointingException: a malformed ``requires`` in a record of version 9.
     """
-    if version < FORMAT_VERSION:
-        if requires is not None:
-            raise CheckpointingException(
-                f"{where}: a version {version} commit record lists 'requires', which format version "
-                f"{FORMAT_VERSION} introduced; the commit record was edited or damaged: restore it from a copy"
-            )
+    if version < FORMAT_VERSION:  # read by its version: no writer of it wrote ``requires``
         return frozenset(f.name for f in FEATURES if f.since <= version)
     if not isinstance(requires, list) or not all(isinstance(n, str) for n in requires):
         raise CheckpointingException(

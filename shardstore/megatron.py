@@ -172,12 +172,12 @@ def install(
             strategy Megatron's code passes except shardstore's own (which keeps its
             own): ``"auto"`` shards arrays of small blocks (the layer x TP blocks, the
             distributed optimizer's fragments) into files of about 64 MiB from 32 ranks
-            on, None never shards, a number of bytes always does (format version 5 or
-            7 when an array is sharded).
+            on, None never shards, a number of bytes always does (feature
+            ``sharding_indexed`` when an array is sharded).
         pack_arrays_up_to: the saves pack each array of at most this many bytes that
             one rank writes whole (replicated ones, such as layer norms, by their one
             writer; column-parallel ones, gathered whole to one rank) into that rank's zip, ``packs/<rank>-<n>.zip``, as
-            ``SaveOptions.pack_arrays_up_to`` says (format version 8); 0 (the default):
+            ``SaveOptions.pack_arrays_up_to`` says (feature ``packs``); 0 (the default):
             no packing. Packed arrays are never shared by the incremental saves
             (``reuse_previous``): they are written anew each time.
 

@@ -61,7 +61,7 @@ def test_auto_shards_a_save_from_32_ranks() -> None:
     strategy = ZarrSaveShardedStrategy()
     assert _sharded_keys(strategy, 32) == ["w0", "w1", "w2"]
     commit = strategy.plan_save(_fsdp_layout(32))[0].commit
-    assert commit.format_version == 5
+    assert commit.requires == ("sharding_indexed",)
     # 32 blocks of 64 KiB: one shard per array (at most DEFAULT_SHARD_BYTES), not 32 files
     assert all(record.chunk_count == 1 for record in commit.arrays.values()), commit.arrays
 
@@ -70,7 +70,7 @@ def test_auto_leaves_a_save_from_31_ranks_unsharded() -> None:
     strategy = ZarrSaveShardedStrategy()
     assert _sharded_keys(strategy, 31) == []
     commit = strategy.plan_save(_fsdp_layout(31))[0].commit
-    assert commit.format_version == 4
+    assert commit.requires == ()
     assert all(record.chunk_count == 31 for record in commit.arrays.values())
 
 
@@ -132,8 +132,8 @@ def test_the_plan_cache_key_distinguishes_the_shard_size(tmp_path: Path) -> None
         strategy.shard_bytes = shard_bytes
         keys.add(strategy.plan_cache.settings)
         save(_state(), tmp_path / f"c{i}", strategy)
-        expected = 5 if shard_bytes == 1 << 20 else 4  # "auto" at one rank: unsharded
-        assert read_commit_record(open_location(tmp_path / f"c{i}")).format_version == expected, shard_bytes
+        expected = ("sharding_indexed",) if shard_bytes == 1 << 20 else ()  # "auto" at one rank: unsharded
+        assert read_commit_record(open_location(tmp_path / f"c{i}")).requires == expected, shard_bytes
     assert len(keys) == 3
     assert (strategy.plan_cache.planned, strategy.plan_cache.reused) == (4, 1)
     loaded = load(_state(empty=True), tmp_path / "c2")
@@ -204,7 +204,7 @@ def test_a_megatron_save_at_two_ranks_shards_when_install_asks(tmp_path: Path) -
     ckpt = tmp_path / "iter_0000100"
     run_distributed(megatron_save_with_shards, 2, str(ckpt))
     record = read_commit_record(open_location(ckpt))
-    assert record.format_version == 5
+    assert "sharding_indexed" in record.requires
     assert isinstance(record.arrays["decoder/layers/fc1"].codec, ShardingIndexed)
     assert verify(ckpt).ok
     assert_bits_equal(load_plain_tensors(ckpt)["decoder/layers/fc1"], FC1)

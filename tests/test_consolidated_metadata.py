@@ -32,13 +32,13 @@ from shardstore import (
     verify,
 )
 from shardstore.errors import CheckpointingException
-from shardstore.format import records
+from shardstore.format import features
 from shardstore.format.commit import SaveOptions
 from shardstore.format.dtypes import from_torch
 from shardstore.format.records import (
     COMMIT_RECORD,
+    FORMAT_VERSION,
     ZARR_JSON,
-    ZARR_METADATA_FORMAT_VERSION,
     ZarrMetadata,
 )
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy, _load_from_array
@@ -103,18 +103,18 @@ def test_only_the_root_zarr_json_is_written(checkpoint: Path) -> None:
     assert sorted(os.listdir(checkpoint / "model" / "fc1")) == ["c.0.0"]
 
 
-def test_the_record_names_the_layout_at_format_version_6(checkpoint: Path) -> None:
+def test_the_record_names_the_layout_and_requires_its_feature(checkpoint: Path) -> None:
     record = _root(checkpoint)["attributes"]["shardstore"]
-    assert record["format_version"] == ZARR_METADATA_FORMAT_VERSION == 6
+    assert (record["format_version"], record["requires"]) == (FORMAT_VERSION, ["consolidated_only"])
     assert record["zarr_metadata"] == "consolidated_only"
 
 
-def test_the_default_writes_every_node_document_at_version_4(tmp_path: Path) -> None:
+def test_the_default_writes_every_node_document_and_requires_nothing(tmp_path: Path) -> None:
     path = _save(tmp_path / "ckpt", SaveOptions())
     assert _documents(path) == sorted([COMMIT_RECORD, "layer0/zarr.json", "model/zarr.json",
                                        *(f"{k}/zarr.json" for k in ARRAYS)])
     record = _root(path)["attributes"]["shardstore"]
-    assert record["format_version"] == 4 and "zarr_metadata" not in record
+    assert record["requires"] == [] and "zarr_metadata" not in record
 
 
 def test_load_metadata_and_verify_read_it(checkpoint: Path) -> None:
@@ -157,7 +157,7 @@ def test_sharded_arrays_keep_no_document_either(tmp_path: Path) -> None:
 def test_inspect_and_convert_read_it(checkpoint: Path, tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "shardstore.tools.cli"]
     shown = forked_python.run([*cli, "inspect", str(checkpoint)], timeout=120)
-    assert shown.returncode == 0 and "format 6" in shown.stdout and "model/norm" in shown.stdout, shown
+    assert shown.returncode == 0 and f"format {FORMAT_VERSION}" in shown.stdout and "model/norm" in shown.stdout, shown
     out = tmp_path / "model.pt"
     made = forked_python.run([*cli, "convert", str(checkpoint), str(out)], timeout=120)
     assert made.returncode == 0, made.stderr
@@ -201,11 +201,11 @@ def test_an_async_save_writes_no_document_either(tmp_path: Path) -> None:
 # ------------------------------------------------------------ older readers, records
 
 
-def test_a_shardstore_reading_up_to_version_5_refuses_it_by_its_version(
+def test_a_shardstore_without_the_feature_refuses_it_by_its_name(
     checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(records, "READABLE_FORMAT_VERSIONS", (1, 2, 3, 4, 5))
-    with pytest.raises(CheckpointingException, match=r"format version 6 is not supported .*upgrade shardstore"):
+    monkeypatch.setattr(features, "FEATURES", tuple(f for f in features.FEATURES if f.name != "consolidated_only"))
+    with pytest.raises(CheckpointingException, match=r"requires feature 'consolidated_only'.*upgrade shardstore"):
         load(_state(empty=True), str(checkpoint))
 
 
@@ -219,11 +219,12 @@ def test_a_record_whose_zarr_metadata_does_not_fit_its_version_is_refused(
         record = root["attributes"]["shardstore"]
         record["format_version"] = version
         record.pop("zarr_metadata")
+        record.pop("requires")
         if value is not None:
             record["zarr_metadata"] = value
 
     rewrite_record(path, edit)
-    with pytest.raises(CheckpointingException, match="malformed zarr_metadata"):
+    with pytest.raises(CheckpointingException, match="malformed zarr_metadata|uses feature 'consolidated_only'"):
         load(_state(empty=True), str(path))
 
 
@@ -383,7 +384,9 @@ def test_a_version_6_record_that_says_per_node_is_refused(tmp_path: Path) -> Non
     path = _save(tmp_path / "ckpt")
 
     def edit(root: dict) -> None:
-        root["attributes"]["shardstore"]["zarr_metadata"] = "per_node"
+        record = root["attributes"]["shardstore"]
+        record.update(format_version=6, zarr_metadata="per_node")
+        record.pop("requires")
 
     rewrite_record(path, edit)
     with pytest.raises(CheckpointingException, match="malformed zarr_metadata 'per_node' in a version 6"):

@@ -20,9 +20,9 @@ import torch
 import zarr
 
 from shardstore import CheckpointingException, ShardedTensor, load, save, verify
-from shardstore.format import records
+from shardstore.format import features, records
 from shardstore.format.commit import SaveOptions
-from shardstore.format.records import PACKED_FORMAT_VERSION, read_commit_record
+from shardstore.format.records import FORMAT_VERSION, read_commit_record
 from shardstore.serialization import load_plain_tensors, remove_sharded_tensors
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
@@ -73,7 +73,7 @@ def test_a_packed_save_loads_back_bit_exact(saved: tuple[Path, dict[str, torch.T
 def test_small_arrays_go_into_one_pack_and_large_ones_stay_arrays(saved: tuple[Path, dict]) -> None:
     path, tensors = saved
     record = read_commit_record(open_location(path))
-    assert record.format_version == PACKED_FORMAT_VERSION
+    assert (record.format_version, record.requires) == (FORMAT_VERSION, ("packs",))
     assert list(record.packs) == ["packs/0-0.zip"]
     assert record.packs["packs/0-0.zip"] == (path / "packs" / "0-0.zip").stat().st_size
     packed = {k for k, a in record.arrays.items() if a.pack is not None}
@@ -321,12 +321,12 @@ def test_diff_and_inspect_read_packed_arrays(saved: tuple[Path, dict], tmp_path:
     assert {a.key for a in describe_checkpoint(path).arrays} == set(tensors)
 
 
-def test_a_reader_of_version_7_refuses_a_packed_checkpoint_by_its_version(
+def test_a_reader_without_packs_refuses_a_packed_checkpoint_by_the_feature_s_name(
     saved: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(records, "READABLE_FORMAT_VERSIONS", (1, 2, 3, 4, 5, 6, 7))
+    monkeypatch.setattr(features, "FEATURES", tuple(f for f in features.FEATURES if f.name != "packs"))
     records._LAST_PARSED[0] = None
-    with pytest.raises(CheckpointingException, match=r"format version 8 is not supported .*upgrade shardstore"):
+    with pytest.raises(CheckpointingException, match=r"requires feature 'packs'.*upgrade shardstore"):
         load(_sd(saved[1], empty=True), str(saved[0]))
 
 
@@ -334,7 +334,7 @@ def test_without_the_option_nothing_is_packed(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     save(_sd(_tensors()), str(path))
     record = read_commit_record(open_location(path))
-    assert not record.packs and record.format_version < PACKED_FORMAT_VERSION
+    assert not record.packs and record.requires == ()
     assert not (path / "packs").exists()
 
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import shardstore
-from shardstore.format.records import PACKED_FORMAT_VERSION, read_commit_record
+from shardstore.format.records import read_commit_record
 from shardstore.stores.locations import open_location
 from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 from tests import fsdp_models as fm
@@ -106,7 +106,7 @@ def test_dcp_save_packs_small_arrays_of_one_writer_and_loads_both_ways(tmp_path:
     saved = fm.from_bytes(run_distributed(save_packed_and_load_both_ways, 2, str(tmp_path))[0])
     ckpt = tmp_path / "packed"
     record = read_commit_record(open_location(ckpt))
-    assert record.format_version == PACKED_FORMAT_VERSION
+    assert record.requires == ("packs",)
     packed = {key for key, array in record.arrays.items() if array.pack is not None}
     assert packed == _packed_keys(), sorted(packed ^ _packed_keys())
     assert sorted(record.packs) == ["packs/0-0.zip", "packs/1-0.zip"], record.packs  # both ranks wrote some
@@ -177,7 +177,7 @@ def test_dcp_packed_saves_beside_other_files_and_over_each_other_leave_no_stale_
     run_distributed(save_beside_and_over, 2, str(ckpt))
     assert (ckpt / "train.log").read_text() == "step 1\n"
     assert not (ckpt / "packs").exists()
-    assert read_commit_record(open_location(ckpt)).format_version < PACKED_FORMAT_VERSION
+    assert "packs" not in read_commit_record(open_location(ckpt)).requires
 
 
 def test_dcp_writer_refuses_a_bad_bound_at_construction(tmp_path: Path) -> None:
@@ -419,7 +419,7 @@ def test_megatron_install_packs_small_arrays_and_an_incremental_save_is_complete
     first, second = tmp_path / "iter_0000100", tmp_path / "iter_0000200"
     for ckpt in (first, second):
         record = read_commit_record(open_location(ckpt))
-        assert record.format_version == PACKED_FORMAT_VERSION, ckpt
+        assert "packs" in record.requires, ckpt
         packed = {key for key, array in record.arrays.items() if array.pack is not None}
         assert packed == _megatron_packed_keys(2), (ckpt, sorted(packed ^ _megatron_packed_keys(2)))
         assert sorted(record.packs) == ["packs/0-0.zip", "packs/1-0.zip"], record.packs

@@ -13,8 +13,7 @@ from shardstore.errors import CheckpointingException
 from shardstore.execution.save import bind_chunks
 from shardstore.format.chunks import WrittenChunk
 from shardstore.format.records import (
-    PACKED_FORMAT_VERSION,
-    SHARDED_FORMAT_VERSION,
+    FORMAT_VERSION,
     ArrayPlaces,
     ArrayRecord,
     CommitRecord,
@@ -40,7 +39,7 @@ def _record() -> CommitRecord:
     }
     return CommitRecord(
         arrays, objects={"o": ObjectRecord("o", ("o/0",))}, files={"common.pt": "crc32c:00000001"}, save_id="abc",
-        reused_from=ReusedChunks("elsewhere", "def", 1, 2), beside=("theirs",), format_version=SHARDED_FORMAT_VERSION,
+        reused_from=ReusedChunks("elsewhere", "def", 1, 2), beside=("theirs",),
     )
 
 
@@ -67,7 +66,7 @@ _PACKED = ("a", "a.b", "g/x")
 
 
 def _packed(record: CommitRecord) -> CommitRecord:
-    """``record`` with ``_PACKED``'s arrays in one pack (format version 8)."""
+    """``record`` with ``_PACKED``'s arrays in one pack (feature ``packs``)."""
     arrays = {
         key: a.with_pack("packs/0-0.zip", tuple(100 * (i + 1) for i in range(a.chunk_count))) if key in _PACKED else a
         for key, a in record.arrays.items()
@@ -79,10 +78,10 @@ def _packed(record: CommitRecord) -> CommitRecord:
 def test_a_record_with_packed_arrays_is_the_compact_encoding_of_its_root_document(where: ZarrMetadata) -> None:
     record = _record().with_zarr_metadata(where)
     packed = _packed(bind_chunks(record, _reports(record), "ckpt"))
-    assert packed.format_version == PACKED_FORMAT_VERSION
+    assert packed.format_version == FORMAT_VERSION and "packs" in packed.requires
     assert packed.to_json() == seal_record(json.dumps(packed.to_root_metadata(), separators=(",", ":")).encode())
     back = CommitRecord.from_json(packed.to_json(), "ckpt")
-    assert (back.arrays, back.packs, back.format_version) == (packed.arrays, packed.packs, PACKED_FORMAT_VERSION)
+    assert (back.arrays, back.packs, back.format_version) == (packed.arrays, packed.packs, FORMAT_VERSION)
     core, extension = back.consolidated_metadata()
     assert not set(_PACKED) & (core.keys() | extension.keys())
     assert {"g", "g.h/y", "s"} <= core.keys() and "\u00e9x" in extension  # groups stay, unpacked arrays stay
@@ -104,7 +103,7 @@ def test_binding_packed_reports_names_the_pack_and_each_chunks_offset() -> None:
                 for c in _reports(record)[0]]]
     bound = bind_chunks(record, reports, "ckpt")
     assert bound.arrays["a"].pack == "packs/1-0.zip" and bound.arrays["a"].chunk_offsets == (1000, 1010)
-    assert bound.packs == {"packs/1-0.zip": 5000} and bound.format_version == PACKED_FORMAT_VERSION
+    assert bound.packs == {"packs/1-0.zip": 5000} and bound.requires == ("sharding_indexed", "packs")
     assert bound.arrays["s"].pack is None
     mixed = [[c._replace(packed=("packs/1-0.zip", 1000, 5000)) if c.key == "a" and c.index == (0, 0) else c
               for c in _reports(record)[0]]]

@@ -18,12 +18,12 @@ import torch
 import shardstore
 from shardstore import ShardedTensor, load, load_plain_tensors, save
 from shardstore.errors import CheckpointingException
+from shardstore.format.features import required_by
 from shardstore.format.records import (
-    FLAT_SHARDED_FORMAT_VERSION,
+    FORMAT_VERSION,
     ArrayRecord,
     CommitRecord,
     ZarrMetadata,
-    format_version_for,
     read_commit_record,
 )
 from shardstore.format.sharding import InnerGrid, ShardingIndexed
@@ -145,7 +145,7 @@ def test_fragments_saved_in_shards_load_at_the_same_and_other_splits_and_every_r
     assert _data_files(ckpt, WEIGHT) == ["c.0.0.0", "c.1.0.0"]
     assert _data_files(ckpt, BIAS) == _data_files(ckpt, NORM) == ["c.0.0"]
     record = read_commit_record(open_location(ckpt))
-    assert record.format_version == FLAT_SHARDED_FORMAT_VERSION
+    assert record.requires == ("sharding_indexed", "flat_shards")
     assert record.arrays[WEIGHT].flattened_block == (1, ROWS, COLS)
     run_distributed(loaded_at_another_split, 4, str(ckpt), 2, 0.8)  # another DP cut
     run_distributed(loaded_at_another_split, 2, str(ckpt), 1, 0.5)  # TP 1 x DP 2: other blocks too
@@ -268,28 +268,45 @@ def test_on_s3_fragments_save_into_shards_that_load_and_verify(moto_server) -> N
     assert shardstore.verify(location).ok
 
 
-def test_a_record_edited_to_claim_version_5_is_refused_naming_the_array(tmp_path: Path) -> None:
+def _claim(version: int, requires: list[str] | None):
+    def edit(root: dict) -> None:
+        record = root["attributes"]["shardstore"]
+        record["format_version"] = version
+        record.pop("requires")
+        if requires is not None:
+            record["requires"] = requires
+    return edit
+
+
+@pytest.mark.parametrize(("version", "requires", "claim"), [
+    (5, None, "claims version 5"),
+    (9, ["sharding_indexed"], "does not list it in 'requires'"),
+])
+def test_a_record_edited_to_leave_out_a_feature_it_uses_is_refused_naming_the_array(
+    tmp_path: Path, version: int, requires: list[str] | None, claim: str
+) -> None:
     ckpt = tmp_path / "ckpt"
     run_distributed(saved_and_loaded, 2, str(ckpt))
-    rewrite_record(ckpt, lambda root: root["attributes"]["shardstore"].update(format_version=5))
-    stored_as_7 = r"array 'optimizer\.exp_avg\.decoder\.layers\.fc1\.(weight|bias)' uses a layout that format version 7"
-    with pytest.raises(CheckpointingException, match=stored_as_7 + r" introduced.*claims version 5.*edited or damaged"):
+    rewrite_record(ckpt, _claim(version, requires))
+    array = r"array 'optimizer\.exp_avg\.decoder\.layers\.fc1\.(weight|bias)'"
+    with pytest.raises(CheckpointingException,
+                       match=array + rf" uses feature 'flat_shards' \(format version 7 on\).*{claim}.*edited or damaged"):
         load(_state(0, 2, 1, empty=True), ckpt)
 
 
-def test_a_shardstore_reading_up_to_version_6_refuses_it_by_its_version(
+def test_a_shardstore_without_flat_shards_refuses_it_by_the_feature_s_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shardstore.format import records
+    from shardstore.format import features
 
     ckpt = tmp_path / "ckpt"
     run_distributed(saved_and_loaded, 2, str(ckpt))
-    monkeypatch.setattr(records, "READABLE_FORMAT_VERSIONS", (1, 2, 3, 4, 5, 6))
-    with pytest.raises(CheckpointingException, match=r"format version 7 is not supported .*upgrade shardstore"):
+    monkeypatch.setattr(features, "FEATURES", tuple(f for f in features.FEATURES if f.name != "flat_shards"))
+    with pytest.raises(CheckpointingException, match=r"requires feature 'flat_shards'.*upgrade shardstore"):
         load(_state(0, 2, 1, empty=True), ckpt)
 
 
-# ----------------------------------------------------------------- the version rule
+# ----------------------------------------------------------------- the features rule
 
 
 FLAT = ArrayRecord("f", (4, 8), "float32", (2, 8), flattened_block=(1, 8), codec=ShardingIndexed((1, 8), 4))
@@ -297,22 +314,22 @@ SHARDED = ArrayRecord("s", (4, 8), "float32", (2, 8), codec=ShardingIndexed((1, 
 PLAIN = ArrayRecord("p", (4, 8), "float32", (1, 8), flattened_block=(1, 8))
 
 
-@pytest.mark.parametrize(("arrays", "zarr_metadata", "version"), [
-    ([PLAIN], ZarrMetadata.PER_NODE, 4),
-    ([PLAIN, SHARDED], ZarrMetadata.PER_NODE, 5),
-    ([PLAIN, SHARDED], ZarrMetadata.CONSOLIDATED_ONLY, 6),
-    ([PLAIN, SHARDED, FLAT], ZarrMetadata.PER_NODE, 7),
-    ([FLAT], ZarrMetadata.CONSOLIDATED_ONLY, 7),
+@pytest.mark.parametrize(("arrays", "zarr_metadata", "requires"), [
+    ([PLAIN], ZarrMetadata.PER_NODE, ()),
+    ([PLAIN, SHARDED], ZarrMetadata.PER_NODE, ("sharding_indexed",)),
+    ([PLAIN, SHARDED], ZarrMetadata.CONSOLIDATED_ONLY, ("sharding_indexed", "consolidated_only")),
+    ([PLAIN, SHARDED, FLAT], ZarrMetadata.PER_NODE, ("sharding_indexed", "flat_shards")),
+    ([FLAT], ZarrMetadata.CONSOLIDATED_ONLY, ("sharding_indexed", "consolidated_only", "flat_shards")),
 ])
-def test_a_record_is_written_at_the_newest_version_its_features_need(
-    arrays: list[ArrayRecord], zarr_metadata: ZarrMetadata, version: int
+def test_a_record_requires_the_features_it_uses_at_the_one_version(
+    arrays: list[ArrayRecord], zarr_metadata: ZarrMetadata, requires: tuple[str, ...]
 ) -> None:
-    assert format_version_for(arrays, zarr_metadata) == version
+    assert required_by({a.key: a for a in arrays}, zarr_metadata) == requires
     record = CommitRecord({a.key: a.with_chunk_crcs(dict.fromkeys(a.chunk_indices(), 0), "test") for a in arrays},
-                          save_id="s1", format_version=format_version_for(arrays)).with_zarr_metadata(zarr_metadata)
-    assert record.format_version == version
+                          save_id="s1").with_zarr_metadata(zarr_metadata)
+    assert (record.format_version, record.requires) == (FORMAT_VERSION, requires)
     parsed = CommitRecord.from_json(record.to_json(), "test")
-    assert (parsed.format_version, parsed.zarr_metadata) == (version, zarr_metadata)
+    assert (parsed.format_version, parsed.zarr_metadata, parsed.requires) == (FORMAT_VERSION, zarr_metadata, requires)
     assert {k: a.flattened_block for k, a in parsed.arrays.items()} == {a.key: a.flattened_block for a in arrays}
 
 
@@ -353,7 +370,7 @@ def test_every_shard_is_assembled_from_the_fragments_that_hold_it() -> None:
     record = plans[0].commit.arrays["k"]
     assert isinstance(record.codec, ShardingIndexed)
     assert (record.codec.chunk_shape, record.chunk_shape) == ((1, 8, PLAN_COLS), (2, 2 * PLAN_ROWS, PLAN_COLS))
-    assert record.version_needed == plans[0].commit.format_version == FLAT_SHARDED_FORMAT_VERSION
+    assert plans[0].commit.requires == ("sharding_indexed", "flat_shards")
     shards = [c for p in plans for _, c in p.straddling if c.writer == p.rank]
     assert len(shards) == record.chunk_count == 2
     for shard in shards:

@@ -10,7 +10,7 @@ TensorStore) would read, and checks it against the commit record: every chunk of
 array, every listed file, every array's and group's ``zarr.json`` (where the record says
 they are written, ``CommitRecord.stored_documents``) and the consolidated metadata
 (which the record implies, ``CommitRecord.node_documents``), and the record's
-own digest; each pack of small arrays (format version 8) as plain zip readers read it
+own digest; each pack of small arrays (feature ``packs``) as plain zip readers read it
 (``format.packs.check_pack``). It also lists every file under the checkpoint and flags those the record
 does not list: a file added after the commit, e.g. a ``common.pt`` copied in from
 another checkpoint. It returns a report naming each finding by key and chunk or file.
@@ -319,7 +319,7 @@ def _verify(location: Location) -> VerifyReport:
 
 
 def _verify_packs(store: ChunkStore, record: CommitRecord, report: VerifyReport) -> None:
-    """Each pack (format version 8) as plain zip readers read it: its size, its members
+    """Each pack (feature ``packs``) as plain zip readers read it: its size, its members
     and their places, CRC-32s and documents (``format.packs.check_pack``); the packed
     chunks' bytes are checked with every other chunk's."""
     by_pack: dict[str, list[ArrayRecord]] = {}

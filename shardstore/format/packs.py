@@ -1,4 +1,4 @@
-"""Packs: many small arrays in one stored zip (format version 8, issue 44.6).
+"""Packs: many small arrays in one stored zip (feature ``packs``, issue 44.6).
 
 A save with ``SaveOptions.pack_arrays_up_to`` puts each array of at most that many bytes
 whose every chunk one rank writes (replicated and whole-on-one-rank arrays) into that

@@ -1,4 +1,4 @@
-"""The on-disk format (versions 4 to 8): array metadata, group nodes and the commit record.
+"""The on-disk format (version 9; 1 to 8 read): array metadata, group nodes and the commit record.
 
 A checkpoint is one Zarr v3 group:
 
@@ -8,7 +8,7 @@ A checkpoint is one Zarr v3 group:
     <checkpoint>/<key>/zarr.json  one Zarr v3 array per ShardedTensor key (the GLOBAL tensor)
     <checkpoint>/<key>/c.i.j      its chunks, crc32c on each (``c/i/j`` before version 3)
     <checkpoint>/__objects__/...  ShardedObjects, one file per shard
-    <checkpoint>/packs/<r>-<n>.zip small arrays packed by rank r (format version 8,
+    <checkpoint>/packs/<r>-<n>.zip small arrays packed by rank r (feature ``packs``,
                                   ``SaveOptions.pack_arrays_up_to``): a stored zip
                                   that is a Zarr v3 hierarchy of its own (``format.packs``)
 
@@ -35,14 +35,12 @@ root ``zarr.json`` exactly as written, taken while the digest's own value read
 ``crc32c:00000000`` (``seal_record``). Any change to that file, to the record or to the
 consolidated metadata, is found whenever the record is read, for one crc32c pass over
 its bytes. A save may keep the nodes' documents in the consolidated metadata only
-(``ZarrMetadata.CONSOLIDATED_ONLY``, format version 6, ``CommitRecord.stored_documents``).
+(``ZarrMetadata.CONSOLIDATED_ONLY``, feature ``consolidated_only``, ``CommitRecord.stored_documents``).
 
-Versions, one rule (``format_version_for``): each feature a record may use names the
-version that introduced it (``ArrayRecord.version_needed``: a codec other than
-``[bytes, crc32c]``, 5; shards larger than a flattened block, 7; the documents in the
-consolidated metadata only, 6; an array packed into a zip, 8), and a save writes the newest version among its
-features', 4 at least. A reader refuses a version it does not know (by its version,
-however old it is) and a record that uses a feature newer than the version it claims.
+Versions and features (``format.features``): every save writes version 9, frozen, and
+lists the features its checkpoint uses in ``requires``. A reader refuses a version it
+does not know, a feature it does not know (by name), and a record that uses a feature
+it does not list (or, before 9, one newer than its version).
 """
 
 from __future__ import annotations
@@ -61,7 +59,6 @@ __all__ = [
     "DcpMetadata",
     "FILE_DIGESTS",
     "FIRST_SEALED_VERSION",
-    "FLAT_SHARDED_FORMAT_VERSION",
     "FORMAT_VERSION",
     "HEX_DIGITS",
     "LEGACY_CHUNK_SEPARATOR",
@@ -78,10 +75,8 @@ __all__ = [
     "ObjectRecord",
     "OtherCheckpointFiles",
     "PACKED_ARRAYS_ATTRIBUTE",
-    "PACKED_FORMAT_VERSION",
     "PACKS_DIR",
     "READABLE_FORMAT_VERSIONS",
-    "SHARDED_FORMAT_VERSION",
     "READERS_ATTRIBUTE",
     "RECORD_DIGEST",
     "REPLACED_TAG",
@@ -95,7 +90,6 @@ __all__ = [
     "UNSEALED_DIGEST",
     "UnsupportedFormatVersion",
     "ZARR_JSON",
-    "ZARR_METADATA_FORMAT_VERSION",
     "ZarrMetadata",
     "array_group_collisions",
     "check_key",
@@ -103,7 +97,6 @@ __all__ = [
     "checksum",
     "file_digest",
     "chunk_key",
-    "format_version_for",
     "group_metadata",
     "interrupted_replacement",
     "is_committed",
@@ -137,7 +130,6 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 
@@ -148,41 +140,27 @@ from shardstore._zarr_autoload import EXTENSION_METADATA
 from shardstore.errors import CheckpointingException
 from shardstore.format.codecs import BYTES_CRC32C, ChunkCodec, codec_for
 from shardstore.format.config import CONFIG_FNAME
+from shardstore.format.consolidated import ZarrMetadata, zarr_metadata_from_json
 from shardstore.format.dtypes import from_zarr_name
+from shardstore.format.features import (
+    FORMAT_VERSION,
+    UnsupportedFormatVersion,
+    allowed_by,
+    check_uses,
+    required_by,
+)
+from shardstore.format.pack_listing import PACK_NAME, PACKS_DIR, packs_from_json
 from shardstore.format.removal_marker import REMOVAL_MARKER, leftover_files
-from shardstore.format.sharding import MAX_FLAT_INNER_CHUNKS, ShardingIndexed
+from shardstore.format.sharding import MAX_FLAT_INNER_CHUNKS, ShardingIndexed, spans_blocks
 from shardstore.stores.base import Location, NameLimits, atomic_temp_of
 
-FORMAT_VERSION = 4
 # Versions this shardstore reads. Version 1 records carry no save id and no chunk
 # checksums: their chunks are checked by their own crc32c only. Versions 1 and 2 name
 # chunks ``c/1/0`` (a directory per axis but the last), version 3 ``c.1.0`` (files in
 # the array's directory: one directory per tensor instead of two or three). Version 4
-# adds the record's own digest (``record_digest``); earlier records have none.
-READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
-# Version 5: version 4 with arrays stored in shards (``format.sharding``; the array's
-# ``codecs`` in the record). A record with no sharded array stays version 4, so older
-# shardstores read it; they refuse a version 5 record by its version.
-SHARDED_FORMAT_VERSION = 5
-# Version 6: the arrays' and groups' metadata documents only in the root's consolidated
-# metadata (``ZarrMetadata.CONSOLIDATED_ONLY``), named by the record's ``zarr_metadata``.
-# Written only then (or a later version, see ``format_version_for``); a shardstore that
-# reads up to version 5 refuses it by its version instead of looking for documents that
-# are not there.
-ZARR_METADATA_FORMAT_VERSION = 6
-# Version 7: a flattened array (``ArrayRecord.flattened_block``) stored in shards larger
-# than its flattened block, of inner chunks each block holds whole. A reader of version 6
-# would refuse its flattened block as "smaller than its chunks", a damaged record; it
-# refuses the version instead. A record may name ``zarr_metadata`` or not, as from 6.
-FLAT_SHARDED_FORMAT_VERSION = 7
-# Version 8: small arrays packed into zips (``ArrayRecord.pack``, ``CommitRecord.packs``,
-# ``format.packs``): their chunks live inside ``packs/<rank>-<n>.zip`` at the offsets the
-# record gives, and neither a directory nor the consolidated metadata lists them. A
-# reader of version 7 would find their chunks missing; it refuses the version instead.
-PACKED_FORMAT_VERSION = 8
-# Where the packs of version 8 live, and how they are named (``packs/<rank>-<n>.zip``).
-PACKS_DIR = "packs"
-_PACK_NAME = re.compile(r"packs/(0|[1-9][0-9]{0,8})-(0|[1-9][0-9]{0,8})\.zip")
+# adds the record's own digest (``record_digest``); earlier records have none. Versions
+# 5 to 8 each introduced one feature, 9 (frozen) names them (``format.features``).
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 # The root group's attribute that lists the packed arrays by key, each with its pack.
 PACKED_ARRAYS_ATTRIBUTE = "packed_arrays"
 FIRST_SEALED_VERSION = 4
@@ -243,27 +221,6 @@ MAX_DELETION_MARKER_BYTES = MAX_RECORD_BYTES + 4096
 MAX_UNBOUND_CHUNKS = 2**24
 
 
-class UnsupportedFormatVersion(CheckpointingException):
-    """A commit record of a format version this shardstore cannot read (a newer
-    shardstore wrote it): not damage, and nothing here can check it."""
-
-
-class ZarrMetadata(StrEnum):
-    """Where a checkpoint keeps its Zarr nodes' metadata documents (``SaveOptions.zarr_metadata``).
-
-    ``PER_NODE`` (the default): every array and group has its own ``zarr.json``, and the
-    root's consolidated metadata repeats them; every Zarr reader opens any key by path.
-    ``CONSOLIDATED_ONLY``: only the root's consolidated metadata holds them (format
-    version 6): one file fewer per array (one request fewer on object stores). zarr-python
-    opens every key through ``zarr.open_group(checkpoint)``; TensorStore opens an array
-    given its document from the root (``"metadata"`` with ``assume_metadata=True``); a
-    reader that opens an array by its path alone finds nothing.
-    """
-
-    PER_NODE = "per_node"
-    CONSOLIDATED_ONLY = "consolidated_only"
-
-
 def _library_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -305,7 +262,7 @@ class ArrayRecord:
             object, on local disks the file's identity when its bytes were last proven
             (``stores.file_identity``). A later save proves its copy or link of the
             object by it (``ChunkStore.share_from``).
-        pack: the pack (``packs/<rank>-<n>.zip``, format version 8) that holds the
+        pack: the pack (``packs/<rank>-<n>.zip``, feature ``packs``) that holds the
             array's ``zarr.json`` and chunks as zip members, or None: the array is a
             directory of its own. Set by binding (``with_pack``), as its writer chose.
         chunk_offsets: with ``pack``, the byte offset inside the pack of each chunk's
@@ -369,17 +326,6 @@ class ArrayRecord:
             "codecs": self.codec.zarr_codecs(self.itemsize),
             "dimension_names": self.dimension_names(),
         }
-
-    @property
-    def version_needed(self) -> int:
-        """The format version that introduced what this array's record uses (the rule:
-        ``format_version_for``): 7 for shards larger than its flattened block, 5 for
-        any other codec than ``[bytes, crc32c]``, 8 for an array in a pack, else 1."""
-        if self.pack is not None:
-            return PACKED_FORMAT_VERSION
-        if self.flattened_block is not None and _spans_blocks(self.flattened_block, self.chunk_shape):
-            return FLAT_SHARDED_FORMAT_VERSION
-        return SHARDED_FORMAT_VERSION if self.codec != BYTES_CRC32C else 1
 
     def dimension_names(self) -> list[str]:
         """One name per axis, unique to the array (``fc1.0``, ``fc1.1``): xarray needs
@@ -568,23 +514,9 @@ class ArrayRecord:
                    chunk_offsets=offsets)
 
 
-def format_version_for(arrays: Iterable[ArrayRecord], zarr_metadata: ZarrMetadata = ZarrMetadata.PER_NODE) -> int:
-    """The version a save writes (the module docstring's rule): the newest of the
-    versions its features need (each array's ``version_needed``; 6 for documents in the
-    consolidated metadata only), ``FORMAT_VERSION`` at least."""
-    consolidated = ZARR_METADATA_FORMAT_VERSION if zarr_metadata is ZarrMetadata.CONSOLIDATED_ONLY else 1
-    return max(FORMAT_VERSION, consolidated, *(a.version_needed for a in arrays))
-
-
 def _chunk_grid(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> tuple[int, ...]:
     """Chunks along each axis of a regular grid of ``chunk_shape`` over ``shape``."""
     return tuple(-(-n // c) for n, c in zip(shape, chunk_shape))
-
-
-def _spans_blocks(block: tuple[int, ...], chunk_shape: tuple[int, ...]) -> bool:
-    """Whether chunks (shards) of ``chunk_shape`` are larger than the flattened
-    ``block`` along some axis (format version 7)."""
-    return any(0 < b < c for b, c in zip(block, chunk_shape))
 
 
 def _flattened_block(
@@ -595,7 +527,7 @@ def _flattened_block(
     into are no more than what a reader reads whole: a save's chunks (inner chunks, in
     shards) never cross the blocks its flattened ranges were cut from, so each block
     holds whole ones (at least as large along every axis, or empty). A shard may span
-    several blocks (version 7), holding at most ``MAX_FLAT_INNER_CHUNKS`` inner chunks.
+    several blocks (feature ``flat_shards``), holding at most ``MAX_FLAT_INNER_CHUNKS`` inner chunks.
     ``strategies.resharding`` makes one request per saved block a load's block overlaps;
     bounded by the chunks, which a bound record lists one by one (times that bound), that
     work costs no more than the record's size.
@@ -620,13 +552,13 @@ def _flattened_block(
             "the commit record was edited or damaged"
         )
     read_whole = codec.chunk_shape if isinstance(codec, ShardingIndexed) else chunk_shape
-    if _spans_blocks(block, read_whole):
+    if spans_blocks(block, read_whole):
         raise CheckpointingException(
             f"{where}: array {key!r} names a flattened block {block} smaller than its chunks {read_whole}, which "
             "no save writes; the commit record was edited or damaged: restore it from a copy, or load an earlier "
             "checkpoint"
         )
-    if _spans_blocks(block, chunk_shape) and math.prod(-(-c // i) for c, i in zip(chunk_shape, read_whole)) > (
+    if spans_blocks(block, chunk_shape) and math.prod(-(-c // i) for c, i in zip(chunk_shape, read_whole)) > (
             MAX_FLAT_INNER_CHUNKS):
         raise CheckpointingException(
             f"{where}: array {key!r} is stored in shards of {chunk_shape} spanning its flattened blocks {block} with "
@@ -657,14 +589,14 @@ def _chunk_digests(summary: dict[str, Any], key: str, chunk_count: int, where: s
 def _packed_at(
     summary: dict[str, Any], key: str, chunk_count: int, codec: ChunkCodec, where: str,
 ) -> tuple[str | None, tuple[int, ...] | None]:
-    """The record's ``pack`` and ``chunk_offsets`` of an array (format version 8; both or
+    """The record's ``pack`` and ``chunk_offsets`` of an array (feature ``packs``; both or
     neither): a pack name of the format's (``packs/<rank>-<n>.zip``) and one offset per
     chunk. Only ``[bytes, crc32c]`` arrays are packed. Whether the pack is listed, and
     the offsets inside it, ``CommitRecord`` checks against its ``packs``."""
     pack, offsets = summary.get("pack"), summary.get("chunk_offsets")
     if pack is None and offsets is None:
         return None, None
-    if not isinstance(pack, str) or not _PACK_NAME.fullmatch(pack) or codec != BYTES_CRC32C:
+    if not isinstance(pack, str) or not PACK_NAME.fullmatch(pack) or codec != BYTES_CRC32C:
         raise CheckpointingException(
             f"{where}: array {key!r} names a malformed pack {pack!r} (packs/<rank>-<n>.zip, of [bytes, crc32c] "
             "arrays only); the commit record was edited or damaged"
@@ -738,7 +670,7 @@ def readers_note(
     """What ``zarr.open_group(ckpt).attrs["readers"]`` says: the arrays of extension data
     types (bfloat16, float8; ``extension``: their data types by key), and what reads them (without their own
     ``zarr.json``, ``where`` is ``CONSOLIDATED_ONLY``: TensorStore given the document); with
-    ``packed`` (format version 8: the packed arrays' data types by key), how to open the
+    ``packed`` (feature ``packs``: the packed arrays' data types by key), how to open the
     arrays packed into zips, naming those of extension data types."""
     note: dict[str, Any] = {}
     if extension:
@@ -870,7 +802,7 @@ def _unstorable(key: str, segments: list[str], storage: NameLimits, files: tuple
     if segments[0] in RESERVED_ROOT_NAMES:
         return (f"{segments[0]!r} is the name of the checkpoint's own file of the "
                 f"{RESERVED_ROOT_NAMES[segments[0]]}, which the key's files would collide with; rename the key")
-    if segments[0] == PACKS_DIR and _PACK_NAME.fullmatch(pack := "/".join(segments[:2])):
+    if segments[0] == PACKS_DIR and PACK_NAME.fullmatch(pack := "/".join(segments[:2])):
         return (f"{pack!r} is the name of a file of packed small arrays "
                 "(SaveOptions.pack_arrays_up_to), which the key's files would collide with; rename the key")
     for segment in segments:
@@ -1149,9 +1081,9 @@ class CommitRecord:
             have none; their files are checked by their crc32c only.
         zarr_metadata: where the nodes' metadata documents are (``ZarrMetadata``):
             their own ``zarr.json`` files, or only the root's consolidated metadata
-            (format version 6, ``with_zarr_metadata``).
-        packs: every pack of the checkpoint (``packs/<rank>-<n>.zip``, format version
-            8) with its size in bytes; the arrays in them name theirs (``ArrayRecord.pack``).
+            (feature ``consolidated_only``, ``with_zarr_metadata``).
+        packs: every pack of the checkpoint (``packs/<rank>-<n>.zip``, feature
+            ``packs``) with its size in bytes; the arrays in them name theirs (``ArrayRecord.pack``).
     """
 
     arrays: dict[str, ArrayRecord]
@@ -1172,11 +1104,13 @@ class CommitRecord:
     packs: dict[str, int] = field(default_factory=dict)
 
     def with_packs(self, packs: dict[str, int]) -> CommitRecord:
-        """This record listing ``packs`` (name: size) of its packed arrays, at format
-        version 8 where there is any (which older readers refuse)."""
-        if not packs:
-            return self
-        return replace(self, packs=dict(packs), format_version=max(self.format_version, PACKED_FORMAT_VERSION))
+        """This record listing ``packs`` (name: size) of its packed arrays (feature ``packs``)."""
+        return replace(self, packs=dict(packs)) if packs else self
+
+    @functools.cached_property
+    def requires(self) -> tuple[str, ...]:
+        """The features a reader must understand to read this record (``format.features``)."""
+        return required_by(self.arrays, self.zarr_metadata)
 
     @functools.cached_property
     def packed_arrays(self) -> dict[str, str]:
@@ -1184,8 +1118,8 @@ class CommitRecord:
         return {k: a.pack for k, a in self.arrays.items() if a.pack is not None}
 
     def with_zarr_metadata(self, where: ZarrMetadata) -> CommitRecord:
-        """This record with its nodes' documents kept ``where`` says, at the format
-        version that needs (version 6 for ``CONSOLIDATED_ONLY``, which older readers refuse)."""
+        """This record with its nodes' documents kept ``where`` says (``CONSOLIDATED_ONLY``:
+        feature ``consolidated_only``)."""
         where = ZarrMetadata(where)
         if where is ZarrMetadata.PER_NODE:
             if self.zarr_metadata is not ZarrMetadata.PER_NODE:
@@ -1194,8 +1128,7 @@ class CommitRecord:
                     "per node; please report it"
                 )
             return self
-        return replace(self, zarr_metadata=where,
-                       format_version=max(self.format_version, format_version_for(self.arrays.values(), where)))
+        return replace(self, zarr_metadata=where)
 
     def with_places(self, places: ArrayPlaces | None, where: str) -> CommitRecord:
         """This record with ``places`` (``SaveOptions.array_places``), which must name
@@ -1366,6 +1299,7 @@ class CommitRecord:
                 **({"zarr_metadata": self.zarr_metadata.value}
                    if self.zarr_metadata is not ZarrMetadata.PER_NODE else {}),
                 **({"packs": dict(sorted(self.packs.items()))} if self.packs else {}),
+                **({"requires": list(self.requires)} if self.format_version >= FORMAT_VERSION else {}),
             }
         }
         if extension_types or self.packs:
@@ -1458,6 +1392,7 @@ class CommitRecord:
                 f"{where}: the commit record is damaged or was edited ({why}); restore it from a copy, "
                 "or load an earlier checkpoint"
             )
+        allowed = allowed_by(record.get("requires"), version, where)
         arrays_json = record.get("arrays")
         objects_json = record.get("objects", {})
         if not isinstance(arrays_json, dict) or not isinstance(objects_json, dict):
@@ -1471,7 +1406,6 @@ class CommitRecord:
             raise CheckpointingException(f"{where}: the record names clashing keys: {clashes[0]}")
         if version < 2:
             _check_unbound_chunks(arrays, where)
-        _check_versions_needed(arrays, version, where)
         objects = {}
         for key, shard_keys in objects_json.items():
             check_key(key, where=where)
@@ -1509,7 +1443,7 @@ class CommitRecord:
         dcp = DcpMetadata.from_json(record.get("dcp"), where)
         places = ArrayPlaces.from_json(record.get("places"), arrays, where)
         digests = _file_digests_from_json(record.get(FILE_DIGESTS, {}), {*files, *external}, where)
-        packs = _packs_from_json(record.get("packs", {}), arrays, version, where)
+        packs = packs_from_json(record.get("packs", {}), arrays, where)
         result = replace(result, files=dict(files), external_files=dict(external), reused_from=reused_from, dcp=dcp,
                          places=places, file_digests=digests, packs=packs)
         beside = record.get("beside", [])
@@ -1518,60 +1452,15 @@ class CommitRecord:
         for name in beside:
             if why := result.refuses_beside(name):
                 raise CheckpointingException(f"{where}: the record names {name!r} as another program's entry: {why}")
-        return replace(result, beside=tuple(beside), zarr_metadata=_zarr_metadata_from_json(record, version, where))
+        zarr_metadata = zarr_metadata_from_json(record.get("zarr_metadata"), version, where)
+        check_uses(arrays, zarr_metadata, allowed, version, where)
+        return replace(result, beside=tuple(beside), zarr_metadata=zarr_metadata)
 
 
 _REMEMBERED_RECORD_BYTES = 16 * 2**20  # about 30,000 arrays of one chunk each
 _LAST_PARSED: list[tuple[bytes, CommitRecord] | None] = [None]
 """``CommitRecord.from_json``'s one remembered record and its bytes (a one-slot list:
 a single item assignment, which needs no lock between threads)."""
-
-
-# The most bytes of a pack (``format.packs`` starts a new one well before: no zip64).
-MAX_PACK_BYTES = 2**32 - 1
-
-
-def _packs_from_json(raw: Any, arrays: dict[str, ArrayRecord], version: int, where: str) -> dict[str, int]:
-    """The record's ``packs`` (name: size), checked: named as the format names them,
-    sizes a zip without zip64 may have, none before version 8, every packed array's
-    pack among them and each of its chunks' stored bytes inside it. Unused packs are
-    refused too: no save writes one."""
-    if not isinstance(raw, dict) or any(
-        not isinstance(name, str) or not _PACK_NAME.fullmatch(name) or type(size) is not int
-        or not 0 < size <= MAX_PACK_BYTES for name, size in raw.items()
-    ):
-        raise CheckpointingException(
-            f"{where}: 'packs' must map pack names (packs/<rank>-<n>.zip) to their sizes in bytes; the commit record "
-            "was edited or damaged"
-        )
-    if raw and version < PACKED_FORMAT_VERSION:
-        raise CheckpointingException(
-            f"{where}: a version {version} commit record lists packs, which format version {PACKED_FORMAT_VERSION} "
-            "introduced; the commit record was edited or damaged"
-        )
-    used = set()
-    for key, array in arrays.items():
-        if array.pack is None:
-            continue
-        size = raw.get(array.pack)
-        if size is None:
-            raise CheckpointingException(
-                f"{where}: array {key!r} is in pack {array.pack!r}, which the record's 'packs' does not list; the "
-                "commit record was edited or damaged"
-            )
-        used.add(array.pack)
-        stored = math.prod(array.chunk_shape) * array.itemsize + 4  # [bytes, crc32c]
-        if any(o + stored > size for o in array.chunk_offsets or ()):
-            raise CheckpointingException(
-                f"{where}: array {key!r} names chunk offsets past the end of pack {array.pack!r} ({size} bytes); the "
-                "commit record was edited or damaged"
-            )
-    if unused := sorted(set(raw) - used):
-        raise CheckpointingException(
-            f"{where}: the record lists pack {unused[0]!r}, which no array is in; the commit record was edited or "
-            "damaged"
-        )
-    return dict(raw)
 
 
 def _check_unbound_chunks(arrays: dict[str, ArrayRecord], where: str) -> None:
@@ -1609,37 +1498,6 @@ def _created_of(record: dict[str, Any]) -> float:
     except OverflowError:  # an integer past a float's range
         return 0.0
     return value if math.isfinite(value) else 0.0
-
-
-def _check_versions_needed(arrays: dict[str, ArrayRecord], version: int, where: str) -> None:
-    """Refuses a record that uses a feature newer than the version it claims (the rule of
-    the module docstring): no save wrote it so, and a reader of that version would
-    misread or refuse it."""
-    for key, array in arrays.items():
-        if array.version_needed > version:
-            raise CheckpointingException(
-                f"{where}: array {key!r} uses a layout that format version {array.version_needed} introduced "
-                f"(codecs {array.codec.name}, chunks {array.chunk_shape}, flattened block {array.flattened_block}), "
-                f"but the record claims version {version}; the commit record was edited or damaged: restore it "
-                "from a copy"
-            )
-
-
-def _zarr_metadata_from_json(record: dict[str, Any], version: int, where: str) -> ZarrMetadata:
-    """The record's ``zarr_metadata``: absent (every node has its ``zarr.json``) before
-    version 6, ``consolidated_only`` in version 6 (the feature the version names), either
-    from version 7 (whose own feature is another)."""
-    raw = record.get("zarr_metadata")
-    if raw is None and version != ZARR_METADATA_FORMAT_VERSION:
-        return ZarrMetadata.PER_NODE
-    expected = ZarrMetadata.CONSOLIDATED_ONLY.value
-    if version < ZARR_METADATA_FORMAT_VERSION or raw != expected:
-        raise CheckpointingException(
-            f"{where}: malformed zarr_metadata {raw!r} in a version {version} commit record (version "
-            f"{ZARR_METADATA_FORMAT_VERSION} names {expected!r}, earlier versions nothing, later ones either); "
-            "restore the record from a copy"
-        )
-    return ZarrMetadata(raw)
 
 
 def _refuse_to_encode(value: Any) -> Any:

@@ -6,7 +6,7 @@ earlier committed checkpoint to reuse from (``shardstore.save(..., reuse_from=..
 the checkpoint manager passes its newest step) shares each chunk whose new bytes equal
 that checkpoint's chunk of the same array at the same grid index:
 
-- **Packed arrays** (``format.packs``, format version 8) are never shared, neither
+- **Packed arrays** (``format.packs``, feature ``packs``) are never shared, neither
   from a base whose array is packed nor into a save that packs it: their chunks are
   members of a zip, rewritten with their pack.
 - **Equal** means the same content digest (XXH3-128 of the chunk's bytes, recorded for

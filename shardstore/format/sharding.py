@@ -38,17 +38,19 @@ blocks split along any axes when asked (``ZarrSaveShardedStrategy(shard_bytes=..
 each shard gathered to one writer, or, for large blocks split along a later axis
 (Megatron's row-parallel weights), in shards inside each block that its holder writes,
 with inner chunks that split the columns too (``in_block_sharded_record``); such a
-record is format version 5 (a reader of version 5 before inner grids of several axes
-refuses them by ``check_chunk_shape``).
-Flattened arrays (the distributed optimizer's fragments) are sharded too; a shard
-larger than their flattened block is format version 7 and holds at most
-``MAX_FLAT_INNER_CHUNKS`` inner chunks (``format.records``).
+record requires feature ``sharding_indexed`` (since version 5). Flattened arrays (the
+distributed optimizer's fragments) are sharded too; a shard larger than their flattened
+block requires feature ``flat_shards`` (since version 7) and holds at most
+``MAX_FLAT_INNER_CHUNKS`` inner chunks (``format.records``). Both features' names and
+tests live here (``format.features`` lists them).
 """
 
 from __future__ import annotations
 
 __all__ = [
     "EMPTY",
+    "FLAT_SHARDS_FEATURE",
+    "FLAT_SHARDS_SINCE",
     "INDEX_ENTRY_BYTES",
     "MAX_FLAT_INNER_CHUNKS",
     "ByteRanges",
@@ -58,10 +60,15 @@ __all__ = [
     "InnerGrid",
     "InnerRecord",
     "ShardIndex",
+    "SHARDING_FEATURE",
+    "SHARDING_SINCE",
     "ShardingIndexed",
     "WholeObject",
     "encode_shard",
     "read_inner",
+    "shards_span_blocks",
+    "spans_blocks",
+    "stored_in_shards",
 ]
 
 import hashlib
@@ -633,3 +640,28 @@ def _scatter(data: memoryview, views: list[memoryview]) -> None:
 
 
 register(ShardingIndexed)
+
+
+# The features of sharded arrays a record lists in ``requires`` (``format.features``),
+# each with the format version that introduced it.
+SHARDING_FEATURE = "sharding_indexed"
+SHARDING_SINCE = 5
+FLAT_SHARDS_FEATURE = "flat_shards"
+FLAT_SHARDS_SINCE = 7
+
+
+def stored_in_shards(array: Any) -> bool:
+    """Whether the ``ArrayRecord`` ``array`` is stored in shards (feature ``sharding_indexed``)."""
+    return isinstance(array.codec, ShardingIndexed)
+
+
+def spans_blocks(block: tuple[int, ...], chunk_shape: tuple[int, ...]) -> bool:
+    """Whether chunks (shards) of ``chunk_shape`` are larger than the flattened
+    ``block`` along some axis."""
+    return any(0 < b < c for b, c in zip(block, chunk_shape))
+
+
+def shards_span_blocks(array: Any) -> bool:
+    """Whether the ``ArrayRecord`` ``array`` is a flattened array stored in shards larger
+    than its flattened block (feature ``flat_shards``)."""
+    return array.flattened_block is not None and spans_blocks(array.flattened_block, array.chunk_shape)

@@ -59,7 +59,6 @@ from shardstore.format.records import (
     ArrayRecord,
     CommitRecord,
     ObjectRecord,
-    format_version_for,
     parent_groups,
 )
 from shardstore.format.sharding import MAX_FLAT_INNER_CHUNKS, InnerGrid, ShardIndex, ShardingIndexed
@@ -766,7 +765,6 @@ def plan_save(
             for key, shards_ in layout.objects.items()
         },
         world_size=world,
-        format_version=format_version_for(records.values()),
     )
     # the arrays' bytes: what the main shards of a valid layout cover, each element once
     nbytes, assembled_bytes = sum(r.nbytes for r in records.values()), max(assembling)

@@ -633,7 +633,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         which the new record no longer vouches for, and their directories once empty),
         innermost first; a document the record never listed (a consolidated-only save's
         group, where another program wrote one) stays. So do the object folders left empty.
-        Packed arrays (format version 8) go with their packs, whole: a pack that also holds
+        Packed arrays (feature `packs`) go with their packs, whole: a pack that also holds
         arrays that stay is refused (its zip would still show plain readers the removed ones).
         """
         opened = open_read(checkpoint_dir)
@@ -762,7 +762,7 @@ def _open_array(location: Location, key: str, mode: str, **open_kwargs: Any) -> 
     """Opens the array ``key`` of ``location`` (reads its ``zarr.json``, or, where it has
     none, takes its document from the consolidated metadata of ``location``'s root
     ``zarr.json``: a checkpoint saved with ``zarr_metadata="consolidated_only"``; a packed
-    array, format version 8, read-only from its pack), with a clear error. Internal
+    array, feature ``packs``, read-only from its pack), with a clear error. Internal
     callers hold the location already: no path is split again (which ``Path`` would do
     wrongly for a URL: ``s3://`` becomes ``s3:/``)."""
     spec: dict[str, Any] = {"driver": "zarr3", "kvstore": kvstore_spec(location, key)}
@@ -790,7 +790,7 @@ def _open_array(location: Location, key: str, mode: str, **open_kwargs: Any) -> 
 
 
 def _open_packed_array(location: Location, key: str, pack: str, mode: str, **open_kwargs: Any) -> ts.TensorStore:
-    """Opens the packed array ``key`` (format version 8) from ``pack``, a Zarr v3
+    """Opens the packed array ``key`` (feature ``packs``) from ``pack``, a Zarr v3
     hierarchy in a stored zip, through TensorStore's ``zip`` kvstore: read-only.
 
     Raises:

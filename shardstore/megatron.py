@@ -61,7 +61,6 @@ import inspect
 import logging
 import re
 import threading
-import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -141,11 +140,10 @@ class _Installation:
 
 _lock = threading.Lock()
 _installation: _Installation | None = None
-# Megatron's strategy object -> ours, kept while Megatron-LM keeps its object (it
-# caches the save strategy across saves: a cached plan must survive between them).
-_save_strategies: weakref.WeakKeyDictionary[Any, ZarrSaveShardedStrategy] = (
-    weakref.WeakKeyDictionary()
-)
+# The attribute of Megatron's strategy object that holds ours, kept as long as Megatron-LM
+# keeps its object (it caches the save strategy across saves: a cached plan must survive
+# between them).
+_OURS = "_shardstore_strategy"
 
 
 # ------------------------------------------------------------------ install / uninstall
@@ -340,13 +338,12 @@ def _wrapped(strategy: Any, kind: type[T]) -> T | None:
 
 def _built_for(strategy: Any) -> ZarrSaveShardedStrategy:
     """Our strategy for Megatron's ``strategy`` (not ours): a new default for None or a
-    tuple, else the one kept for that object (made on first sight)."""
+    tuple, else the one kept on that object (made on first sight)."""
     if strategy is None or isinstance(strategy, tuple):
         return ZarrSaveShardedStrategy()
-    try:
-        return _save_strategies[strategy]
-    except (KeyError, TypeError):
-        pass
+    kept = getattr(strategy, _OURS, None)
+    if isinstance(kept, ZarrSaveShardedStrategy):
+        return kept
     ours = ZarrSaveShardedStrategy()
     if hasattr(strategy, "parallelization_group"):  # FullyParallelSaveStrategyWrapper
         ours.cache_plan = bool(getattr(strategy, "do_cache_distribution", False))
@@ -356,8 +353,8 @@ def _built_for(strategy: Any) -> ZarrSaveShardedStrategy:
         "save group; its own options do not apply)",
     )
     try:
-        _save_strategies[strategy] = ours
-    except TypeError:  # not weakly referenceable: a new one each time
+        setattr(strategy, _OURS, ours)
+    except (AttributeError, TypeError):  # takes no attributes (slots): a new one each time
         pass
     return ours
 

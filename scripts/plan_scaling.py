@@ -44,8 +44,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shardstore.core import gc_paused  # noqa: E402
 from shardstore.format.records import CommitRecord  # noqa: E402
+from shardstore.gc_pause import gc_paused  # noqa: E402
 from shardstore.planning.checks import admits_names, name_lengths_needed  # noqa: E402
 from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
 from shardstore.planning.plans import plan_reads, plan_save  # noqa: E402

@@ -42,11 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import simulate_scale as sim  # noqa: E402
 
-from shardstore.core import gc_paused  # noqa: E402
 from shardstore.execution.save import assembly_wave_bytes  # noqa: E402
 from shardstore.format.codecs import BYTES_CRC32C, CRC_BYTES  # noqa: E402
 from shardstore.format.records import ArrayRecord, CommitRecord  # noqa: E402
 from shardstore.format.sharding import ShardIndex, ShardingIndexed  # noqa: E402
+from shardstore.gc_pause import gc_paused  # noqa: E402
 from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
 from shardstore.planning.plans import (  # noqa: E402
     RankReadPlan,

@@ -65,11 +65,11 @@ from typing import Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shardstore.core import gc_paused  # noqa: E402
 from shardstore.execution.save import bind_chunks  # noqa: E402
 from shardstore.format.chunks import WrittenChunk  # noqa: E402
 from shardstore.format.config import CONFIG_FNAME  # noqa: E402
 from shardstore.format.records import COMMON_FILE, ArrayRecord, CommitRecord, parent_groups  # noqa: E402
+from shardstore.gc_pause import gc_paused  # noqa: E402
 from shardstore.planning.checks import check_layout  # noqa: E402
 from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
 from shardstore.planning.plans import RankSavePlan, plan_reads, plan_save  # noqa: E402

@@ -43,9 +43,9 @@ from typing import Any
 _EXPORTS = {
     "CheckpointManager": "shardstore.tools.manager",
     "CheckpointManagerOptions": "shardstore.tools.manager",
-    "CheckpointingException": "shardstore.core",
-    "SaveOptions": "shardstore.core",
-    "check_is_distributed_checkpoint": "shardstore.core",
+    "CheckpointingException": "shardstore.errors",
+    "SaveOptions": "shardstore.format.commit",
+    "check_is_distributed_checkpoint": "shardstore.format.config",
     "LocalNonpersistentObject": "shardstore.mapping",
     "ShardedObject": "shardstore.mapping",
     "ShardedTensor": "shardstore.mapping",

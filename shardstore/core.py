@@ -1,9 +1,7 @@
-"""Megatron-Core's ``dist_checkpointing.core`` names: the exception type, the
-``metadata.json`` record (``shardstore.format.config``, re-exported here on purpose), and
-the garbage-collector pause a save and load run under (``gc_paused``).
-
-``save_config`` writes ``metadata.json`` into a checkpoint directory (one rank only);
-into a committed shardstore checkpoint only where its record does not list one.
+"""Megatron-Core's ``dist_checkpointing.core`` names under its first name,
+``shardstore.core``: the module is ``shardstore.compat.megatron.core`` (``import
+shardstore.core`` gives that very module, so its state and its classes are one,
+whichever name imported them first).
 """
 
 from __future__ import annotations
@@ -13,56 +11,18 @@ __all__ = [
     "check_is_distributed_checkpoint", "gc_paused", "maybe_load_config", "save_config",
 ]
 
-import functools
-import gc
-import os
-from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+import sys
 
-from shardstore.errors import CheckpointingException
-from shardstore.format.commit import SaveOptions
-from shardstore.format.config import (
+from shardstore.compat.megatron import core as _module
+from shardstore.compat.megatron.core import (  # the names, for readers and linters
     CONFIG_FNAME,
     CheckpointingConfig,
+    CheckpointingException,
+    SaveOptions,
     check_is_distributed_checkpoint,
+    gc_paused,
     maybe_load_config,
-    write_config,
+    save_config,
 )
-from shardstore.stores.base import Location
 
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def save_config(config: CheckpointingConfig, checkpoint_dir: str | os.PathLike | Location) -> None:
-    """Megatron-Core's ``save_config``: writes ``metadata.json`` into ``checkpoint_dir``
-    (call on one rank only). Into a committed shardstore checkpoint only where its record
-    does not list one (``opened.write_location``): Megatron-Core's own save writes it after
-    the commit."""
-    # imported here: the read entries import torch's DCP, which shardstore.core's many importers need not
-    from shardstore.opened import write_location
-
-    write_config(config, write_location(checkpoint_dir, writes_config=True))
-
-
-def gc_paused(fn: Callable[P, R]) -> Callable[P, R]:
-    """Runs ``fn`` with Python's cyclic garbage collector paused (reference counting
-    still frees everything at once).
-
-    A save or load of thousands of tensors creates hundreds of thousands of small
-    objects (shard records, specs, dataclasses), which triggers full collections over
-    the trainer's whole heap again and again: pausing it made a 5,000-tensor load
-    35% faster here. Cycles made meanwhile are collected after the call.
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        if not gc.isenabled():
-            return fn(*args, **kwargs)
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            gc.enable()
-
-    return wrapper
+sys.modules[__name__] = _module

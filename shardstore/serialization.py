@@ -60,17 +60,15 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
-from shardstore.core import (
-    CheckpointingConfig,
-    CheckpointingException,
-    gc_paused,
-)
 from shardstore.dict_utils import Leaf, flatten, merge, nest, with_list_places
+from shardstore.errors import CheckpointingException
 from shardstore.execution.pipeline import SavePipeline
 from shardstore.format.commit import SaveOptions
+from shardstore.format.config import CheckpointingConfig
 from shardstore.format.integrity import verify
 from shardstore.format.pickles import serialize
 from shardstore.format.records import CommitRecord
+from shardstore.gc_pause import gc_paused
 from shardstore.inputs.dtensors import clashing_names
 from shardstore.inputs.megatron_objects import convert_leaf
 from shardstore.inputs.plain_tensors import whole_array_requests

@@ -20,8 +20,8 @@ from dataclasses import replace
 from enum import Enum
 from typing import Any
 
-from shardstore.core import CheckpointingException
 from shardstore.dict_utils import extract_matching_values, nested_values
+from shardstore.errors import CheckpointingException
 from shardstore.inputs.megatron_objects import converted_class
 from shardstore.mapping import (
     CommonStateDict,

@@ -343,11 +343,14 @@ def test_plugin_without_megatron_says_what_to_install(monkeypatch) -> None:
     import importlib
     import sys
 
+    names = ("shardstore.tools.megatron_strategy", "shardstore.compat.megatron.strategy")  # first name, home
     monkeypatch.setitem(sys.modules, "megatron.core.dist_checkpointing.strategies", None)
-    monkeypatch.delitem(sys.modules, "shardstore.tools.megatron_strategy", raising=False)
+    for name in names:
+        monkeypatch.delitem(sys.modules, name, raising=False)
     with pytest.raises(ImportError, match="needs megatron-core"):
         importlib.import_module("shardstore.tools.megatron_strategy")
-    monkeypatch.delitem(sys.modules, "shardstore.tools.megatron_strategy", raising=False)
+    for name in names:
+        monkeypatch.delitem(sys.modules, name, raising=False)
 
 
 def megatron_api_async_save(rank: int, world: int, ckpt: str, fail_rank: int | None) -> str | None:

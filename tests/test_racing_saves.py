@@ -129,11 +129,11 @@ def _location(server: MotoServer, prefix: str, **options):
 
 
 def test_a_claim_is_renewed_while_its_save_runs_and_refuses_others(server: MotoServer) -> None:
-    location = _location(server, "claims/renewed", save_lease_s=1.0)
+    location = _location(server, "claims/renewed", save_lease_s=4.0)
     claim, dead = PrefixClaim.take(location, "a" * 32)
     try:
         assert dead is None
-        time.sleep(2.5)  # past two leases: only renewals keep it alive
+        time.sleep(9.0)  # past two leases: only renewals (every second) keep it alive
         with pytest.raises(CheckpointingException, match="another save is writing there.*Nothing there was changed"):
             PrefixClaim.take(location, "b" * 32)
         claim.ensure_held()

@@ -16,13 +16,11 @@ asking a location for ``record``).
 
 from __future__ import annotations
 
-__all__ = ["RankSave", "SaveFinalization", "SavePipeline"]
+__all__ = ["RankSave", "SaveFinalization", "SavePipeline", "SaveProgress"]
 
 import functools
 import itertools
 import os
-import threading
-import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -83,11 +81,22 @@ Target = str | os.PathLike | Location
 # stopped writing (``protocol.stopped_writers``) before it leaves the staged files to the
 # next save into the same place instead of deleting them (seconds).
 UNWIND_WAIT_S = 10.0
-# Each pending save's count of the ranks that stopped writing (``SavePipeline._writers``).
-_STOPPED_WRITERS: weakref.WeakKeyDictionary[PendingCheckpoint, StoppedWriters] = weakref.WeakKeyDictionary()
-_STOPPED_WRITERS_LOCK = threading.Lock()
-# The pending saves whose finalization returned on this rank: committed (``SavePipeline.committed``).
-_COMMITTED: weakref.WeakSet[PendingCheckpoint] = weakref.WeakSet()
+
+
+@dataclass
+class SaveProgress:
+    """This rank's progress in one save, held by its pending checkpoint
+    (``PendingCheckpoint.shared``) and so shared by every pipeline that holds the save
+    (a strategy handed ``location`` adopts it in a pipeline of its own).
+
+    Attributes:
+        writers: the count of the save's ranks that stopped writing into it; a rank
+            counts itself once however many pipelines hold the save.
+        finalized: whether the save's finalization returned on this rank (committed).
+    """
+
+    writers: StoppedWriters
+    finalized: bool = False
 
 
 @dataclass(frozen=True)
@@ -264,7 +273,7 @@ class SavePipeline:
         """Whether the save's finalization returned on this rank (and so on every rank):
         the checkpoint is published, through this pipeline or another that adopted its
         save (a strategy handed ``location``)."""
-        return self._pending is not None and self._pending in _COMMITTED
+        return self._pending is not None and self._progress().finalized
 
     @property
     def planned_tensors(self) -> list[ShardedTensor] | None:
@@ -514,7 +523,7 @@ class SavePipeline:
         error = error or self._changed
         try:
             rank_save.finalize_save(self.pending, self.group, self._commit_record, self.written, error)
-            _COMMITTED.add(self.pending)
+            self._progress().finalized = True
         finally:
             if self.group.is_coordinator:
                 self._writers().forget()
@@ -652,17 +661,15 @@ class SavePipeline:
         return self._staged is not None and writers.everyone(UNWIND_WAIT_S)
 
     def _writers(self) -> StoppedWriters:
-        """The count of this save's ranks that stopped writing into it: one per pending
-        checkpoint, so that a rank counts itself once however many pipelines hold the
-        save (a strategy handed ``location`` adopts it in a pipeline of its own)."""
+        """The count of this save's ranks that stopped writing into it (``SaveProgress``)."""
+        return self._progress().writers
+
+    def _progress(self) -> SaveProgress:
+        """This rank's progress in the save, one per pending checkpoint."""
         pending = self.pending
-        with _STOPPED_WRITERS_LOCK:
-            found = _STOPPED_WRITERS.get(pending)
-            if found is None:
-                found = _STOPPED_WRITERS[pending] = StoppedWriters(
-                    self.group, pending.intent.save_id, shared_id=pending.intent.agreed
-                )
-        return found
+        return pending.shared(SaveProgress, lambda: SaveProgress(
+            StoppedWriters(self.group, pending.intent.save_id, shared_id=pending.intent.agreed)
+        ))
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar, cast
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.chunks import ChunkStore, chunk_store_for
@@ -90,6 +90,8 @@ from shardstore.format.reuse import ChunkReuse, reuse_save_id
 from shardstore.stores.base import Capabilities, DirectoryPublishing, Location, StorageError
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 def new_save_id() -> str:
@@ -436,17 +438,38 @@ def _refuse_unmovable_beside(target: Location, record: CommitRecord, others: lis
 # ------------------------------------------------------------------ pending saves
 
 
+def _no_save() -> None:
+    """The save of a location unpickled alone: none."""
+    return None
+
+
 class SaveLocation(Location):
     """Where a save's writers write (its staging directory, or the target itself when the
     save writes in place), naming itself as the checkpoint the save publishes: errors
-    name the checkpoint the user asked for, not the staging directory."""
+    name the checkpoint the user asked for, not the staging directory. It knows its save
+    (``save``), so a strategy handed it as a checkpoint directory writes into that save
+    (``adopt_save``)."""
 
-    def __init__(self, writes_into: Location, target: Location) -> None:
+    def __init__(self, writes_into: Location, target: Location, save: PendingCheckpoint) -> None:
         super().__init__(writes_into.store)
         self.target = target
+        self._save = weakref.ref(save)  # the save holds its location, not the reverse
+
+    @property
+    def save(self) -> PendingCheckpoint | None:
+        """The pending checkpoint this location is the writes of; None once it is dropped."""
+        return self._save()
 
     def describe(self, rel: str = "") -> str:
         return self.target.describe(rel)
+
+    def __getstate__(self) -> dict:
+        """Pickled with its save (``PendingCheckpoint.__getstate__``), which links it again."""
+        return {**self.__dict__, "_save": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._save = _no_save
 
 
 class PendingCheckpoint:
@@ -479,8 +502,7 @@ class PendingCheckpoint:
         self.options = options or SaveOptions()
         self.tops_at_begin = tops_at_begin
         self._committed: CommitRecord | None = None
-        self.location = SaveLocation(writes_into, target)
-        _OPEN_SAVES[id(self.location)] = self
+        self.location = SaveLocation(writes_into, target, self)
         self._locks: list[int] = []  # descriptors holding the staging directory's flock
         self._releases: list[Callable[[], None]] = []  # claims on the target (``Store.claim_for_save``)
         # A save dropped without commit, abandon or release (an AsyncRequest never
@@ -495,6 +517,8 @@ class PendingCheckpoint:
             self._release_when_dropped.detach()
         self._reuse: dict[str, ChunkReuse | None] = {}
         self._reuse_lock = threading.Lock()
+        self._shared: dict[type, object] = {}
+        self._shared_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"PendingCheckpoint({self.target.describe()!r}, save {self.intent.save_id})"
@@ -505,7 +529,8 @@ class PendingCheckpoint:
         The staging lock, the claim on the target and the reuse opened here stay with
         this process, which commits or abandons; the other process opens its own reuse."""
         state = dict(self.__dict__)
-        for name in ("_locks", "_releases", "_release_when_dropped", "_reuse", "_reuse_lock"):
+        for name in ("_locks", "_releases", "_release_when_dropped", "_reuse", "_reuse_lock", "_shared",
+                     "_shared_lock"):
             del state[name]
         return state
 
@@ -515,6 +540,18 @@ class PendingCheckpoint:
         self._release_when_dropped = weakref.finalize(self, lambda: None)
         self._release_when_dropped.detach()  # nothing held here: release() is a no-op
         self._reuse, self._reuse_lock = {}, threading.Lock()
+        self._shared, self._shared_lock = {}, threading.Lock()
+        self.location._save = weakref.ref(self)
+
+    def shared(self, kind: type[_T], make: Callable[[], _T]) -> _T:
+        """The one ``kind`` this save holds in this process, made by ``make`` at the first
+        call: what every holder of the save shares (``execution.pipeline.SaveProgress``:
+        a strategy handed ``location`` holds the save in a pipeline of its own)."""
+        with self._shared_lock:
+            found = self._shared.get(kind)
+            if found is None:
+                found = self._shared[kind] = make()
+        return cast(_T, found)
 
     def describe(self, rel: str = "") -> str:
         """The checkpoint this save publishes (``rel`` inside it), for messages."""
@@ -1397,21 +1434,14 @@ def _directory(target: Location) -> DirectoryPublishing:
     return directory
 
 
-# The saves this process began or joined and has not dropped, by the id of the location
-# their writers write into: ``adopt_save`` tells a pending save's location (handed down
-# the strategies' API as a checkpoint directory) from a caller's directory by
-# membership, never by class.
-_OPEN_SAVES: weakref.WeakValueDictionary[int, PendingCheckpoint] = weakref.WeakValueDictionary()
-
-
 def adopt_save(location: Location) -> PendingCheckpoint:
     """The save that writes into ``location``: the pending checkpoint whose
-    ``location`` it is when this process began or joined that save (``begin_save``,
-    ``join_save``), else ``location`` as a
+    ``location`` it is (``SaveLocation.save``: this process began or joined that save,
+    ``begin_save``, ``join_save``), else ``location`` as a
     directory the caller made (``IntoCallersDirectory``: Megatron-Core's ``save`` and the
     seed's strategy API called directly), with a fresh save id."""
-    found = _OPEN_SAVES.get(id(location))
-    if found is not None and found.location is location:
+    found = location.save if isinstance(location, SaveLocation) else None
+    if found is not None:
         return found
     return PendingCheckpoint(location, location, SaveIntent(new_save_id(), None, agreed=False), IntoCallersDirectory())
 

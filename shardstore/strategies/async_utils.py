@@ -52,7 +52,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch.distributed as dist
 
-from shardstore.core import CheckpointingException
+from shardstore.errors import CheckpointingException
 from shardstore.protocol.collectives import Group
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
-from shardstore.core import CheckpointingException
+from shardstore.errors import CheckpointingException
 from shardstore.mapping import ShardedStateDict, StateDict
 from shardstore.opened import bare_location
 from shardstore.protocol.collectives import Group

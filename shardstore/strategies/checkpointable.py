@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from shardstore.core import CheckpointingException
 from shardstore.dict_utils import nested_values
+from shardstore.errors import CheckpointingException
 from shardstore.mapping import ShardedStateDict, ShardedTensor
 from shardstore.planning.layout import block_shape
 

@@ -14,8 +14,8 @@ __all__ = [
 
 from typing import Any
 
-from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace, nested_values
+from shardstore.errors import CheckpointingException
 from shardstore.format.pickles import deserialize, deserialize_dict, serialize
 from shardstore.format.records import COMMON_FILE, object_path
 from shardstore.mapping import (

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace
+from shardstore.errors import CheckpointingException
 from shardstore.execution.loaded import local_part, place_loaded, postprocess_loaded
 from shardstore.format.records import CommitRecord
 from shardstore.mapping import (

@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from shardstore.core import CheckpointingException
 from shardstore.dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
+from shardstore.errors import CheckpointingException
 from shardstore.format.records import ArrayRecord
 from shardstore.mapping import (
     ShardedStateDict,

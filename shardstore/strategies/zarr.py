@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from shardstore._zarr_autoload import EXTENSION_METADATA
-from shardstore.core import CheckpointingException
+from shardstore.errors import CheckpointingException
 from shardstore.execution.load import load_tensors, plan_read, run_read_plan
 from shardstore.execution.loaded import (  # flatten_range, pad_to_expected_shape: Megatron-Core's names here
     flatten_range,  # noqa: F401

@@ -27,13 +27,15 @@ from typing import Any
 
 import torch
 
-from shardstore.core import CheckpointingConfig, CheckpointingException, SaveOptions
+from shardstore.errors import CheckpointingException
 from shardstore.execution import SavePipeline
 from shardstore.format import (
     ArrayPlaces,
     ArrayRecord,
+    CheckpointingConfig,
     CommitRecord,
     ObjectRecord,
+    SaveOptions,
     array_group_collisions,
     parent_groups,
     tensor_to_numpy,

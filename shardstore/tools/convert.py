@@ -77,9 +77,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardstore.core import CheckpointingException, SaveOptions
 from shardstore.dict_utils import nested_values
-from shardstore.format import ArrayPlaces, StatePath, from_zarr_name
+from shardstore.errors import CheckpointingException
+from shardstore.format import ArrayPlaces, SaveOptions, StatePath, from_zarr_name
 from shardstore.mapping import ShardedObject, ShardedTensor, StateDict
 from shardstore.opened import bare_location, open_read
 from shardstore.other_formats import (

@@ -68,17 +68,19 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from shardstore.core import CheckpointingConfig, CheckpointingException, SaveOptions
 from shardstore.dict_utils import flatten
+from shardstore.errors import CheckpointingException
 from shardstore.execution import RankSave, SavePipeline, fail_before_staging
 from shardstore.format import (
     BY_TORCH,
     COMMON_FILE,
     DEFAULT_IO_CONCURRENCY,
     ArrayChunks,
+    CheckpointingConfig,
     CommitRecord,
     DcpMetadata,
     SaveIntent,
+    SaveOptions,
     StatePath,
     WrittenChunk,
     cast_checked,

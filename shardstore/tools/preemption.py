@@ -34,7 +34,8 @@ handler was there before keeps working. Entry points: ``listen``, ``Listener.clo
   handler called once.
 * A process forked from one with listeners (a ``multiprocessing`` or DataLoader worker
   under the fork start method) inherits the installed dispatchers but none of their
-  listeners (``_forget_listeners_in_child``): the managers are the parent's, so the
+  listeners (each listener belongs to the process that made it: ``_of_this_process``):
+  the managers are the parent's, so the
   child's signals take the previous handler's course (SIGTERM's default ends it, as
   ``Process.terminate`` expects) until the child listens itself.
 
@@ -51,7 +52,6 @@ import logging
 import os
 import signal
 import threading
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -69,6 +69,7 @@ class Listener:
     def __init__(self, callback: Callable[[int], None], signals: tuple[int, ...]) -> None:
         self.callback = callback
         self.signals = signals
+        self.pid = os.getpid()  # a forked child inherits it but never hears for it
         self._dispatchers: list[_Dispatcher] = []
         self._left: list[_Dispatcher] = []  # those ``close`` left
 
@@ -99,10 +100,9 @@ class _Dispatcher:
         self.signum = signum
         self.previous = previous
         self.listeners: tuple[Listener, ...] = ()
-        _dispatchers.add(self)
 
     def __call__(self, signum: int, frame: Any) -> None:
-        listeners = self.listeners  # one read: listen and close replace the tuple whole
+        listeners = _of_this_process(self.listeners)  # one read: listen and close replace the tuple whole
         for listener in listeners:
             listener.callback(signum)
         if _is_default(self.previous) and (listeners or _listened(signum)):
@@ -125,7 +125,7 @@ class _Dispatcher:
 
     def leave(self, listener: Listener) -> None:
         """Under the lock: removes ``listener``; the last one out restores the previous handler."""
-        self.listeners = tuple(entry for entry in self.listeners if entry is not listener)
+        self.listeners = tuple(entry for entry in _of_this_process(self.listeners) if entry is not listener)
         if self.listeners:
             return
         if not self.is_installed():
@@ -152,7 +152,6 @@ class _Dispatcher:
 
 _lock = threading.Lock()
 _installed: dict[int, _Dispatcher] = {}  # per signal: the dispatcher new listeners join
-_dispatchers: weakref.WeakSet[_Dispatcher] = weakref.WeakSet()  # every one alive, chained ones included
 
 
 def listen(signals: Iterable[int], callback: Callable[[int], None]) -> Listener:
@@ -175,7 +174,7 @@ def listen(signals: Iterable[int], callback: Callable[[int], None]) -> Listener:
         try:
             for signum in wanted:
                 dispatcher = _dispatcher_for(signum)
-                dispatcher.listeners = (*dispatcher.listeners, listener)
+                dispatcher.listeners = (*_of_this_process(dispatcher.listeners), listener)
                 listener._dispatchers.append(dispatcher)
         except (ValueError, OSError, TypeError) as exc:
             for dispatcher in listener._dispatchers:
@@ -193,7 +192,7 @@ def _dispatcher_for(signum: int) -> _Dispatcher:
     dispatcher = _installed.get(signum)
     if dispatcher is not None and dispatcher.is_installed():
         return dispatcher
-    if dispatcher is not None and dispatcher.listeners:
+    if dispatcher is not None and _of_this_process(dispatcher.listeners):
         logger.warning(
             "Signal %d's handler was replaced (by %r) after shardstore installed its preemption handler: the "
             "checkpoint managers created before see the signal only if that handler calls the one it replaced",
@@ -211,7 +210,7 @@ def _listened(signum: int) -> bool:
     join: a dispatcher left in someone's chain, with no listener of its own, may run
     after it (a lock-free read: it runs in a signal handler)."""
     current = _installed.get(signum)
-    return current is not None and bool(current.listeners)
+    return current is not None and bool(_of_this_process(current.listeners))
 
 
 def _is_default(handler: Handler) -> bool:
@@ -240,16 +239,12 @@ def _pass_on(handler: Handler, signum: int, frame: Any) -> None:
         signal.signal(signum, current)
 
 
-def _forget_listeners_in_child() -> None:
-    """In a forked child: the listeners belong to the parent's managers, which never save
-    here, so no dispatcher holds a signal's default back for them (module docstring).
-    Runs right after the fork, with one thread: no lock taken (another thread of the
-    parent may have held it when it forked)."""
-    for dispatcher in list(_dispatchers):
-        dispatcher.listeners = ()
-
-
-os.register_at_fork(after_in_child=_forget_listeners_in_child)
+def _of_this_process(listeners: tuple[Listener, ...]) -> tuple[Listener, ...]:
+    """The ``listeners`` made in this process: a forked child inherits its parent's
+    dispatchers with their listeners, whose managers never save in the child (module
+    docstring). Takes no lock: it runs in a signal handler."""
+    pid = os.getpid()
+    return tuple(listener for listener in listeners if listener.pid == pid)
 
 
 def _names(signals: tuple[int, ...]) -> str:

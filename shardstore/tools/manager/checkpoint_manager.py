@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from shardstore.core import CheckpointingException, SaveOptions
-from shardstore.format import COMMIT_RECORD
+from shardstore.errors import CheckpointingException
+from shardstore.format import COMMIT_RECORD, SaveOptions
 from shardstore.mapping import ShardedStateDict, StateDict
 from shardstore.opened import bare_location
 from shardstore.protocol import Group

@@ -27,7 +27,7 @@ import json
 import logging
 from typing import NamedTuple
 
-from shardstore.core import CheckpointingException
+from shardstore.errors import CheckpointingException
 from shardstore.format import (
     COMMIT_RECORD,
     CONFIG_FNAME,

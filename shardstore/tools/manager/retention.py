@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import torch
 
-from shardstore.core import CheckpointingException
+from shardstore.errors import CheckpointingException
 from shardstore.format import COMMIT_RECORD
 from shardstore.tools.manager.deletion import StepDeletion
 from shardstore.tools.manager.options import MANAGER_STATE_KEY, CheckpointManagerOptions, Metrics

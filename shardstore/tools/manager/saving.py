@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardstore.core import SaveOptions
+from shardstore.format import SaveOptions
 from shardstore.mapping import ShardedStateDict
 from shardstore.strategies.async_utils import AsyncCallsQueue
 from shardstore.tools.manager.options import CheckpointManagerOptions

@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from shardstore.core import CheckpointingException
+from shardstore.errors import CheckpointingException
 from shardstore.format import (
     COMMIT_RECORD,
     DELETION_MARKER,

@@ -1,0 +1,40 @@
+"""Megatron-Core's ``dist_checkpointing.core`` names: the exception type, the
+``metadata.json`` record (``shardstore.format.config``, re-exported here on purpose), and
+the garbage-collector pause a save and load run under (``gc_paused``, whose home is
+``gc_pause``). ``shardstore.core`` is this module under its first name.
+
+``save_config`` writes ``metadata.json`` into a checkpoint directory (one rank only);
+into a committed shardstore checkpoint only where its record does not list one.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CONFIG_FNAME", "CheckpointingConfig", "CheckpointingException", "SaveOptions",
+    "check_is_distributed_checkpoint", "gc_paused", "maybe_load_config", "save_config",
+]
+
+import os
+
+from shardstore.errors import CheckpointingException
+from shardstore.format import (
+    CONFIG_FNAME,
+    CheckpointingConfig,
+    SaveOptions,
+    check_is_distributed_checkpoint,
+    maybe_load_config,
+    write_config,
+)
+from shardstore.gc_pause import gc_paused
+from shardstore.stores import Location
+
+
+def save_config(config: CheckpointingConfig, checkpoint_dir: str | os.PathLike | Location) -> None:
+    """Megatron-Core's ``save_config``: writes ``metadata.json`` into ``checkpoint_dir``
+    (call on one rank only). Into a committed shardstore checkpoint only where its record
+    does not list one (``opened.write_location``): Megatron-Core's own save writes it after
+    the commit."""
+    # imported here: the read entries import torch's DCP, which shardstore.core's many importers need not
+    from shardstore.opened import write_location
+
+    write_config(config, write_location(checkpoint_dir, writes_config=True))

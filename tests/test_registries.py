@@ -1,0 +1,130 @@
+"""No process-global registry reconnects the pieces of one save (issue 66.1).
+
+A save's pieces find each other through the objects handed down (a ``SaveLocation``
+knows its ``PendingCheckpoint``, which holds what every pipeline of the save shares),
+never through a module-level table keyed by object identity: such a table outlives the
+objects it names, confuses reused ids, and hides who owns the state.
+"""
+
+from __future__ import annotations
+
+import ast
+import gc
+import pickle
+from pathlib import Path
+
+import torch
+
+import shardstore
+from shardstore.mapping import ShardedTensor
+from shardstore.stores.locations import open_location
+from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+
+ROOT = Path(shardstore.__file__).parent
+WEAK_TABLES = {"WeakValueDictionary", "WeakKeyDictionary", "WeakSet"}
+LOOKUPS = {"get", "pop", "setdefault", "__getitem__", "__setitem__", "__contains__"}
+
+
+def _called(node: ast.AST) -> str | None:
+    """The name a call calls (``weakref.WeakSet()`` -> ``WeakSet``), else None."""
+    if not isinstance(node, ast.Call):
+        return None
+    func = node.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+
+
+def _module_names(tree: ast.Module) -> dict[str, ast.AST | None]:
+    """The module-level names assigned, with their values."""
+    names: dict[str, ast.AST | None] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    names[target.id] = node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names[node.target.id] = node.value
+    return names
+
+
+def identity_registries(source: str) -> list[str]:
+    """Module-level weak tables, and module-level names looked up by ``id(...)``."""
+    tree = ast.parse(source)
+    names = _module_names(tree)
+    found = [f"{name} = {_called(value)}()" for name, value in names.items() if _called(value) in WEAK_TABLES]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in names:
+            if _called(node.slice) == "id":
+                found.append(f"{node.value.id}[id(...)]")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+            owner = node.func.value
+            if isinstance(owner, ast.Name) and owner.id in names and node.func.attr in LOOKUPS:
+                if _called(node.args[0]) == "id":
+                    found.append(f"{owner.id}.{node.func.attr}(id(...))")
+    return found
+
+
+def test_the_check_sees_identity_registries() -> None:
+    source = (
+        "import weakref\n_A = weakref.WeakSet()\n_B: dict = {}\n"
+        "def f(x):\n    _B[id(x)] = x\n    return _B.get(id(x))\n"
+    )
+    assert identity_registries(source) == ["_A = WeakSet()", "_B[id(...)]", "_B.get(id(...))"]
+
+
+def test_no_module_keeps_an_identity_registry() -> None:
+    found = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        hits = identity_registries(path.read_text())
+        if hits:
+            found[str(path.relative_to(ROOT))] = hits
+    assert not found, f"process-global registries keyed by identity (hand the object down instead): {found}"
+
+
+# ------------------------------------------------------------------ the save handed down
+
+
+def test_a_location_knows_its_save_while_the_save_lives(tmp_path: Path) -> None:
+    from shardstore.format.commit import SaveLocation, SaveOptions, adopt_save, begin_save
+
+    pending = begin_save(open_location(tmp_path / "ckpt"), SaveOptions())
+    try:
+        assert isinstance(pending.location, SaveLocation) and adopt_save(pending.location) is pending
+        again = pickle.loads(pickle.dumps(pending))  # a writer process's copy knows its own
+        assert again.location.save is again and again.location.describe() == pending.describe()
+        alone = pickle.loads(pickle.dumps(pending.location))
+        assert alone.save is None and adopt_save(alone) is not pending
+    finally:
+        pending.abandon()
+    location = pending.location
+    del pending, again
+    gc.collect()
+    assert location.save is None  # the location does not keep its save alive
+
+
+def test_a_wrapping_strategy_handed_the_location_commits_the_same_save(tmp_path: Path) -> None:
+    """A strategy of the seed's API that wraps shardstore's own (as Megatron's wrappers
+    do) is handed the save's location as its checkpoint directory: shardstore's strategy
+    adopts that very save, and its commit is the caller's (``require_committed``)."""
+    from shardstore.strategies.base import SaveShardedStrategy
+
+    class Wrapper(SaveShardedStrategy):
+        def __init__(self) -> None:
+            super().__init__("zarr", 1)
+            self.base_strategy = ZarrSaveShardedStrategy()
+            self.handed: list[object] = []
+
+        def save(self, sharded_state_dict: dict, checkpoint_dir: object) -> None:
+            raise AssertionError("save_with_plan is called")
+
+        def save_with_plan(self, sharded_state_dict, checkpoint_dir, plan, process_group=None, local_error=None):
+            self.handed.append(checkpoint_dir)
+            self.base_strategy.save_with_plan(sharded_state_dict, checkpoint_dir, plan, process_group, local_error)
+
+        def plan_save(self, layout, pack_arrays_up_to=0):
+            return self.base_strategy.plan_save(layout, pack_arrays_up_to)
+
+    wrapper = Wrapper()
+    shardstore.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, tmp_path / "ckpt", wrapper)
+    assert [type(d).__name__ for d in wrapper.handed] == ["SaveLocation"]
+    loaded = shardstore.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, tmp_path / "ckpt")
+    assert torch.equal(loaded["w"], torch.ones(4))

@@ -134,6 +134,8 @@ def same_bytes(source: torch.Tensor, copy: torch.Tensor) -> bool:
     other (a device's, a strided one): ``same_on_device``, nothing allocated but the
     pieces of the copy moved to the source's device."""
     source = source.detach()
+    if source.is_conj() or source.is_neg():  # a lazy view: its values are what was copied
+        source = source.resolve_conj().resolve_neg()
     if source.shape != copy.shape:
         return False
     as_ints = _SAME_SIZE_INTS.get(source.element_size())

@@ -623,3 +623,20 @@ def test_verbose_logs_shardstores_lines_not_other_libraries_debug(moto_server, m
         lines = result.stderr.splitlines()
         assert lines and all(line.startswith("shardstore") for line in lines), lines[:5]
         assert any(line.startswith(f"shardstore: verify {url}: ") for line in lines), lines
+
+
+def test_inspect_names_the_features_a_reader_must_understand(tmp_path: Path) -> None:
+    """``requires`` (``format.features``): none for a plain save, the feature for a
+    packed one, in the text and in the JSON."""
+    from shardstore import ShardedTensor, save
+    from shardstore.format import SaveOptions
+
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, tmp_path / "plain")
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, tmp_path / "packed",
+         options=SaveOptions(pack_arrays_up_to=1 << 16))
+    code, out, _ = run("inspect", str(tmp_path / "plain"))
+    assert code == 0 and "requires no feature beyond the base format" in out
+    code, out, _ = run("inspect", str(tmp_path / "packed"))
+    assert code == 0 and "requires packs" in out
+    code, out, _ = run("ls", "--json", str(tmp_path / "packed"))
+    assert json.loads(out)["requires"] == ["packs"]

@@ -66,6 +66,7 @@ class CheckpointSummary:
     common_keys: tuple[str, ...]
     kind: str = "shardstore"
     reused_from: dict[str, Any] | None = None  # ReusedChunks.to_json(): what the save shared
+    requires: tuple[str, ...] = ()  # the features a reader must understand (``format.features``)
 
     @property
     def nbytes(self) -> int:
@@ -100,6 +101,7 @@ def describe_checkpoint(checkpoint: str | os.PathLike | Location) -> CheckpointS
         objects=_shards_by_key(record.object_shard_files),  # Megatron's own save's included
         common_keys=tuple(sorted(str(k) for k in common)),
         reused_from=record.reused_from.to_json() if record.reused_from else None,
+        requires=record.requires,
     )
 
 

@@ -16,7 +16,6 @@ MAX_FUNCTION_WORDS = 120
 
 LONGER = {
     "execution/pipeline.py:SavePipeline",
-    "strategies/zarr.py:ZarrSaveShardedStrategy",
     "format/records.py:CommitRecord",
     "format/records.py:ArrayRecord",
     "serialization.py:save",

@@ -290,61 +290,30 @@ def resolve_shard_bytes(shard_bytes: ShardBytes, world_size: int) -> int | None:
 
 
 class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
-    """Saves ShardedTensors as Zarr v3 arrays (one global array per key).
+    """Saves ShardedTensors as Zarr v3 arrays (one global array per key). Each option at
+    length: docs/guide/saving-and-loading.md ("Options of a save", "Many ranks: plan
+    once", "Fewer files: sharded arrays") and docs/guide/async.md.
 
     Args:
         backend: the name ``metadata.json`` records, ``"shardstore"``.
-        version: format version, 1.
+        version: its version, 1.
         max_chunk_bytes: upper bound on one stored chunk, in bytes.
-        io_concurrency: I/O operations in flight at once (TensorStore), capped at
-            ``chunk_io.DEFAULT_IO_THREADS`` threads on the direct local path.
+        io_concurrency: I/O operations in flight at once per rank.
         process_group: group of the ranks that save together (default: the world).
         fully_parallel: spread the writing of replicated tensors over their replicas,
-            balanced by bytes (``planning.layout.balance_writers``), instead of leaving it all to
-            replica 0. Replicas must then hold equal data. Costs nothing without
-            replicas; on by default.
-        max_staging_bytes: async saves only: the most host memory one rank's snapshot
-            may hold; above it the save writes in waves and blocks longer (None: no cap).
-            The chunks a rank assembles from other ranks' blocks (gathered shards,
-            flattened tensors' straddling chunks) are exchanged in waves of a quarter
-            of it, each written before the next (``execution.save.stage_save``); every
-            rank must pass the same value then. Pinned buffers returned after an async
-            save stay for the next one, up to this many bytes (None: all of them, until
-            ``release_buffers()``).
-        sync_staging_bytes: sync saves of CUDA tensors: the most host memory their
-            copies hold at once (CPU tensors are written from their own memory, but for
-            those whose memory does not hold their values in order, a column slice or a
-            transpose, which are copied within the same bound). Pinned
-            buffers returned after a save stay for the next one, up to this many bytes.
-            Bounds the chunks a sync save assembles as ``max_staging_bytes`` does an
-            async one's.
-        background_io_threads: async saves only: threads writing local chunks in the
-            background. Few on purpose: every runnable I/O thread takes an equal share of
-            a core from the training loop. Measured on 2 cores, each busy with a rank's
-            matmul loop, 1 GiB per rank, A/B in one run: 8 threads left the loop 14-54%
-            of its rate, 1 thread 51-62%, and the save took about as long.
-        cache_plan: reuse the last save's plan while every rank's structure (its shard
-            records, the target's name limits, these settings) is unchanged: the plan
-            stage then sends one id per rank instead of the shard records, and the
-            coordinator neither validates nor plans (``protocol.plan_cache``). What
-            belongs to each save (its id, staging area, commit record) is made anew.
-            ``FullyParallelSaveStrategyWrapper(do_cache_distribution=True)`` turns it on.
-        shard_bytes: store an array whose blocks are small and form a grid, split
-            along any axes (FSDP2's ``Shard(0)``, Megatron's layer x TP blocks, and the
-            distributed optimizer's flattened ranges of such blocks) in Zarr v3 ``sharding_indexed`` shards of about this many bytes
-            (at most 1.25 times it: ``planning.plans.SHARD_SLACK``, so shards average it), each holding
-            many ranks' blocks as inner chunks (an eighth of a block each, at least
-            16 KiB) and written by one rank they are gathered to
-            (``planning.plans.sharded_record``): the array's files no longer multiply
-            with the ranks (large blocks split along a later axis, row-parallel
-            weights, are stored one shard per chunk inside the block, written by its
-            holder: ``in_block_sharded_record``). ``"auto"`` (the default): ``DEFAULT_SHARD_BYTES`` (64 MiB)
-            when the save's world size is at least ``AUTO_SHARD_MIN_RANKS`` (32), else
-            never (``resolve_shard_bytes``); None: never, every block is a chunk file of
-            its own; a number of bytes: always. A sharded checkpoint is format version
-            5 (7 where a flattened array's shards span its blocks), which shardstores
-            reading only up to version 4 (6) refuse; a load reads only the inner chunks
-            it needs.
+            balanced by bytes (replicas must hold equal data); on by default.
+        max_staging_bytes: async saves: the most host memory a rank's snapshot holds
+            (above it the save writes in waves); every rank passes the same.
+        sync_staging_bytes: sync saves: the most host memory copies of CUDA tensors
+            (and of tensors whose memory is out of order) hold at once.
+        background_io_threads: async saves: threads writing local chunks in the
+            background (few on purpose: each takes a share of a core from training).
+        cache_plan: reuse the last save's plan while every rank's structure is
+            unchanged (``protocol.plan_cache``).
+        shard_bytes: store arrays of small blocks in Zarr v3 shards of about this many
+            bytes, gathered to one writer each; ``"auto"`` (default): 64 MiB from 32
+            ranks, else never; None: never; a number: always (feature
+            ``sharding_indexed``).
 
     Raises:
         ValueError: ``max_chunk_bytes`` not positive; ``shard_bytes`` neither

@@ -272,11 +272,9 @@ def test_only_the_entries_turn_a_path_into_a_location() -> None:
     """Issue 31.1: ``open_location`` is called by the save pipeline's entries, the read
     entries of ``opened`` and two format functions whose seed signatures take a path
     (``maybe_load_config``, ``verify``); every other module goes through them."""
-    import importlib.util
+    from tests.script_support import load_script
 
-    spec = importlib.util.spec_from_file_location("count_doors", ROOT.parent / "scripts" / "count_doors.py")
-    count_doors = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(count_doors)
+    count_doors = load_script("count_doors")
     assert count_doors.counts() == {
         "open_location calls": 6, "tools imports of lower layers": 0, "location subclass probes": 0,
     }

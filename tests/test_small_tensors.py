@@ -115,16 +115,9 @@ def test_zip_pack_floor_is_readable_by_plain_readers(tmp_path: Path) -> None:
     44.6's measurement of one file for every array) writes what it claims: each tensor a
     Zarr v3 array inside one zip that zarr-python's ``ZipStore`` and TensorStore's
     ``zip`` kvstore read by key, and the bench's own load gives the same values."""
-    import importlib.util
-    import sys
+    from tests.script_support import load_script
 
-    spec = importlib.util.spec_from_file_location("bench", Path(__file__).parent.parent / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench"] = bench  # dataclasses look their module up while the class is made
-    try:
-        spec.loader.exec_module(bench)
-    finally:
-        del sys.modules["bench"]
+    bench = load_script("bench")
     state = bench.build_tiny(5)
     path = tmp_path / "pack.zip"
     bench.zip_pack_save(state, path)

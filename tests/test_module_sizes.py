@@ -21,7 +21,6 @@ KNOWN_LONGER = frozenset({
     "format/records.py",
     "planning/plans.py",
     "serialization.py",
-    "stores/local.py",
     "strategies/zarr.py",
     "tools/dcp_storage.py",
 })

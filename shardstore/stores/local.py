@@ -2,14 +2,11 @@
 
 Durability: files are written without a per-file fsync; ``make_durable`` then flushes
 the whole file system once (``syncfs``), through a descriptor ``begin_writes`` opened
-before the first write, which covers every chunk file and every directory entry in one
-system call instead of one per file. A chunk file of ``EARLY_WRITEBACK_BYTES`` or more
-starts its write-back as soon as it is written (``start_writeback``), so the disk works
-while the next chunks are written and that ``syncfs`` finds most pages clean; it
-changes when bytes reach the disk, not what is durable before the commit. ``put_atomic`` (the commit record) writes a
-temporary file, fsyncs it, renames it over the key and fsyncs the directory, so it
-appears whole and only after everything it vouches for; a write that fails midway
-leaves the old content.
+before the first write: one system call for every file and directory entry. A chunk
+file of ``EARLY_WRITEBACK_BYTES`` or more starts its write-back once written
+(``start_writeback``), so that ``syncfs`` finds most pages clean. ``put_atomic`` (the
+commit record) writes a temporary file, fsyncs it, renames it over the key and fsyncs
+the directory: it appears whole, after everything it vouches for.
 
 Reads trust nothing: ``open_regular_file`` refuses symbolic links, directories that
 resolve outside the checkpoint, and anything but a regular file, and records are read

@@ -161,15 +161,15 @@ class PrefixClaim:
 
     def _refused(self, other: OtherSave | None) -> CheckpointingException:
         where = self.target.describe()
+        lease = max(self.writes.lease_s, other.lease_s) if other is not None else self.writes.lease_s
         if other is None:
             found = "another save took it over at the same moment"
         else:
-            found = (f"another save is writing there ({other.describe()}; a claim renewed within "
-                     f"{max(self.writes.lease_s, other.lease_s):.0f} s is a running save's)")
+            found = f"another save is writing there ({other.describe()}; a claim renewed within {lease:.0f} s is a running save's)"
         return CheckpointingException(
             f"Not saving into {where}: {found}. Nothing there was changed. Wait for that save to finish and save "
             "again (overwrite=True to replace what it commits), or save to another prefix. A save that died "
-            f"leaves its claim, which the next save takes over {self.writes.lease_s:.0f} s after its last renewal."
+            f"leaves its claim, which the next save takes over {lease:.0f} s after its last renewal."
         )
 
     def mark_replacing(self, replaces: str) -> None:
@@ -185,7 +185,7 @@ class PrefixClaim:
         self._renewals += 1
         version = self.writes.put_if_version(SAVE_MARKER, self._body(), self._version)
         if version is None:
-            self._lost = self._taken_by()
+            self._lost = _taken_by(self.writes.get_versioned(SAVE_MARKER, MAX_MARKER_BYTES))
             return
         self._version, self._renewed_at = version, time.monotonic()
 
@@ -217,20 +217,15 @@ class PrefixClaim:
         lapsed = time.monotonic() - self._renewed_at
         if self._lost is None and self.writes.lease_s > 0 and lapsed > self.writes.lease_s / 2:
             self._lost = f"its claim was last renewed {lapsed:.0f} s ago, past half of its {self.writes.lease_s:.0f} s"
-        if self._lost is None and not self.owns_marker():
-            self._lost = self._taken_by()
+        if self._lost is None:
+            found = self.writes.get_versioned(SAVE_MARKER, MAX_MARKER_BYTES)
+            if found is None or found.version != self._version:
+                self._lost = _taken_by(found)
         if self._lost is not None:
             raise CheckpointingException(
                 f"Not committing the save into {self.target.describe()}: {self._lost}. Nothing was committed; "
                 "save again"
             )
-
-    def _taken_by(self) -> str:
-        """Says who holds the prefix now that this save does not."""
-        found = self.writes.get_versioned(SAVE_MARKER, MAX_MARKER_BYTES)
-        if found is None:
-            return "its save marker was removed by another program"
-        return f"another save took the prefix over ({OtherSave.of(found).describe()})"
 
     def owns_marker(self) -> bool:
         """Whether the marker at the prefix is still the version this save wrote last."""
@@ -238,3 +233,10 @@ class PrefixClaim:
             return False
         found = self.writes.get_versioned(SAVE_MARKER, MAX_MARKER_BYTES)
         return found is not None and found.version == self._version
+
+
+def _taken_by(found: VersionedObject | None) -> str:
+    """Says who holds the prefix, as ``found`` (its marker now) shows, once a save lost it."""
+    if found is None:
+        return "its save marker was removed by another program"
+    return f"another save took the prefix over ({OtherSave.of(found).describe()})"

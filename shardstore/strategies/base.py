@@ -13,7 +13,7 @@ __all__ = [
     "DelegatingLoadStrategy", "LoadCommonStrategy", "LoadShardedStrategy", "LoadStrategyBase",
     "SaveCommonStrategy", "SaveShardedStrategy", "SaveStrategyBase", "StrategyAction",
     "agree_before_save", "async_calls", "default_strategies", "get_default_strategy", "plan_load_with_record",
-    "register_default_strategy", "require_committed", "strategy_by_name",
+    "register_default_strategy", "require_committed", "strategy_by_name", "validate_sharded_objects_handling",
 ]
 
 import functools
@@ -402,3 +402,12 @@ def agree_before_save(process_group: Any, checkpoint_dir: CheckpointDir, local_e
     strategy carries it in its staging stage instead, at no extra collective."""
     where = bare_location(checkpoint_dir).describe()
     run_stage(Group(process_group), f"Preparing the sharded save into {where}", lambda: None, local_error=local_error)
+
+
+def validate_sharded_objects_handling(sharded_strategy: Any, common_strategy: Any) -> None:
+    """One of the two strategies must handle ShardedObjects."""
+    if not sharded_strategy.can_handle_sharded_objects and not common_strategy.can_handle_sharded_objects:
+        raise CheckpointingException(
+            f"Either the sharded strategy or the common strategy must handle ShardedObjects; "
+            f"neither {sharded_strategy} nor {common_strategy} does"
+        )

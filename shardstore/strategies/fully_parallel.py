@@ -9,12 +9,12 @@ Megatron's do:
 
 - save: ``apply_saving_parallelization`` gathers shard metadata over
   ``parallelization_group`` (one all-gather, no data), balances the replicated shards
-  by bytes (``exchange_utils.distribute_shards_to_ranks``, Megatron's greedy rule, so
+  by bytes (``shard_exchange.distribute_shards_to_ranks``, Megatron's greedy rule, so
   the same rank saves the same key), and sets ``replica_id`` to 0 on the one rank
   that saves each shard and 1 elsewhere; the wrapped strategy then saves main replicas.
 - load: the same distribution over every shard the group holds; the wrapped
   strategy's ``load`` sees only this rank's part, and the shards reach the other ranks
-  that hold them by ``exchange_algo`` (``exchange_utils.EXCHANGE_ALGOS``). A
+  that hold them by ``exchange_algo`` (``shard_exchange.EXCHANGE_ALGOS``). A
   ShardedObject is loaded by its main replica and gathered over the load's ranks.
 - ``do_cache_distribution=True``: the distribution of the first call is reused, with
   no metadata gather. The caller promises the same state dict structure and group on
@@ -59,13 +59,6 @@ import torch.distributed as dist
 
 from shardstore.dict_utils import dict_list_map_outplace, nested_values
 from shardstore.errors import CheckpointingException, first_failure
-from shardstore.exchange_utils import (
-    EXCHANGE_ALGOS,
-    ShardDistribution,
-    determine_main_replica_uniform_distribution,
-    exchange_loaded_objects_gather_object,
-    prepare_exchange_by_distribution,
-)
 from shardstore.mapping import (
     ShardedObject,
     ShardedStateDict,
@@ -84,6 +77,13 @@ from shardstore.strategies.base import (
     LoadShardedStrategy,
     SaveShardedStrategy,
     agree_before_save,
+)
+from shardstore.strategies.shard_exchange import (
+    EXCHANGE_ALGOS,
+    ShardDistribution,
+    determine_main_replica_uniform_distribution,
+    exchange_loaded_objects_gather_object,
+    prepare_exchange_by_distribution,
 )
 from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from shardstore.utils import _sharded_object_id, _sharded_tensor_shard_id, _ShardId

@@ -574,9 +574,10 @@ def load(
             ``strict`` says to raise on.
     """
     group = _group_of(process_group, sharded_strategy)
+    target = checkpoint_dir if isinstance(checkpoint_dir, OpenedCheckpoint) else bare_location(checkpoint_dir)
     with progress_shown(progress and group.is_coordinator):
         return _load(
-            sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy, validate_access_integrity, strict,
+            sharded_state_dict, target, sharded_strategy, common_strategy, validate_access_integrity, strict,
             group,
         )
 
@@ -592,15 +593,14 @@ def _group_of(process_group: dist.ProcessGroup | None, sharded_strategy: Any) ->
 
 def _load(
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: CheckpointDir,
+    target: Location | OpenedCheckpoint,
     sharded_strategy: LoadShardedStrategy | None,
     common_strategy: LoadCommonStrategy | None,
     validate_access_integrity: bool,
     strict: str | StrictHandling,
     group: Group,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
-    """``load`` on ``group`` (``Group.local()``: this process alone, no collectives)."""
-    target = checkpoint_dir if isinstance(checkpoint_dir, OpenedCheckpoint) else bare_location(checkpoint_dir)
+    """``load`` of ``target`` on ``group`` (``Group.local()``: this process alone, no collectives)."""
     with operation("load", target.describe(), coordinator=group.is_coordinator) as timing:
         with stage("load: record", target.describe()):
             opened = open_read(target)

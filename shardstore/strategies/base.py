@@ -298,7 +298,7 @@ class SaveShardedStrategy(SaveStrategyBase):
 
         Strategies that need no plan inherit this and ignore it.
         """
-        agree_before_save(process_group, checkpoint_dir, local_error)
+        agree_before_save(process_group, bare_location(checkpoint_dir).describe(), local_error)
         self.save(sharded_state_dict, checkpoint_dir)
 
 
@@ -337,7 +337,7 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
     ) -> AsyncRequest:
         """Like ``async_save``, with this rank's part of ``plan_save`` (``local_error``:
         as in ``save_with_plan``)."""
-        agree_before_save(process_group, checkpoint_dir, local_error)
+        agree_before_save(process_group, bare_location(checkpoint_dir).describe(), local_error)
         return self.async_save(sharded_state_dict, checkpoint_dir)
 
     def async_save_into(
@@ -396,11 +396,11 @@ def _require_committed_or_abandon(strategy: SaveShardedStrategy, pipeline: SaveP
         raise
 
 
-def agree_before_save(process_group: Any, checkpoint_dir: CheckpointDir, local_error: BaseException | None) -> None:
+def agree_before_save(process_group: Any, where: str, local_error: BaseException | None) -> None:
     """Collective (``protocol.stage.run_stage``, agreement only): a strategy that runs no
-    stage of ours raises every rank's earlier failure before it saves. shardstore's own
-    strategy carries it in its staging stage instead, at no extra collective."""
-    where = bare_location(checkpoint_dir).describe()
+    stage of ours raises every rank's earlier failure before it saves into the checkpoint
+    ``where`` names. shardstore's own strategy carries it in its staging stage instead, at
+    no extra collective."""
     run_stage(Group(process_group), f"Preparing the sharded save into {where}", lambda: None, local_error=local_error)
 
 

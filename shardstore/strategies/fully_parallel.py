@@ -66,6 +66,7 @@ from shardstore.mapping import (
     StateDict,
     is_main_replica,
 )
+from shardstore.opened import bare_location
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_cache import PlanCache
 from shardstore.protocol.stage import run_stage
@@ -314,7 +315,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
             return first_failure(local_error, exc)
         return local_error
 
-    def _agreed(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
+    def _agreed(self, sharded_state_dict: ShardedStateDict, where: str) -> None:
         """``_prepare`` for ``save``/``async_save``, which no plan stage of ours precedes.
         With the cache on, a rank whose structure changed would otherwise raise alone
         while the others wait in the wrapped strategy's collectives: one agreement
@@ -322,14 +323,14 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         raise. Without the cache the distribution's own all-gather is symmetric."""
         error = self._prepare(sharded_state_dict)
         if self._cache.enabled and not _is_shardstores_own(self.base_strategy):
-            agree_before_save(None, checkpoint_dir, error)
+            agree_before_save(None, where, error)
         elif error is not None:
             raise error
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> AsyncRequest:
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
             raise CheckpointingException(f"{self.base_strategy} cannot save asynchronously: not an async strategy")
-        self._agreed(sharded_state_dict, checkpoint_dir)
+        self._agreed(sharded_state_dict, bare_location(checkpoint_dir).describe())
         return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir)
 
     def plan_save(self, layout: Any, pack_arrays_up_to: int = 0) -> list[Any]:
@@ -346,7 +347,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
                                                        local_error)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
-        self._agreed(sharded_state_dict, checkpoint_dir)
+        self._agreed(sharded_state_dict, bare_location(checkpoint_dir).describe())
         self.base_strategy.save(sharded_state_dict, checkpoint_dir)
 
     def save_with_plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: Any,

@@ -68,6 +68,7 @@ from shardstore.format.config import CheckpointingConfig
 from shardstore.format.integrity import verify
 from shardstore.format.pickles import serialize
 from shardstore.format.records import CommitRecord
+from shardstore.format.storage_layout import StorageLayout
 from shardstore.gc_pause import gc_paused
 from shardstore.inputs.dtensors import clashing_names
 from shardstore.inputs.megatron_objects import convert_leaf
@@ -150,6 +151,7 @@ def save(
     reuse_from: CheckpointDir | None = None,
     shared_directory: bool = False,
     options: SaveOptions | None = None,
+    layout: StorageLayout | None = None,
 ) -> AsyncRequest | None:
     """Saves a sharded state dict; every rank of the group calls it with its own shards.
 
@@ -192,10 +194,13 @@ def save(
             kept and the checkpoint is published beside them (``verify`` lists them, as
             the commit record does not vouch for them). By default such a write makes
             the save fail at its commit, as a concurrent save into the same place would.
-        options: the three above as one ``SaveOptions`` (how doors built on ``save``
-            pass them), which also says where the arrays' Zarr metadata documents go
-            (``zarr_metadata``: ``"consolidated_only"`` writes none per array); given,
-            the three keywords must keep their defaults.
+        options: the three above and the layout as one ``SaveOptions`` (how doors
+            built on ``save`` pass them); combined with the keywords where they do not
+            contradict each other.
+        layout: where the bytes go (``StorageLayout``: chunk and shard sizes, packs of
+            small arrays, the Zarr documents); fields left ``"auto"`` (all, by default)
+            are chosen by shardstore for this save (docs/guide/layout.md), combined
+            with the sharded strategy's own (``shard_bytes=``, ``max_chunk_bytes=``).
 
     Returns:
         None, or the AsyncRequest when ``async_sharded_save``.
@@ -217,9 +222,8 @@ def save(
     config = CheckpointingConfig(
         sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
     )
-    pipeline = SavePipeline.open(
-        checkpoint_dir, group, SaveOptions.resolve(options, SaveOptions(overwrite, reuse_from, shared_directory)), config=config
-    )
+    options = SaveOptions.resolve(options, SaveOptions(overwrite, reuse_from, shared_directory, layout))
+    pipeline = SavePipeline.open(checkpoint_dir, group, _with_strategy_layout(options, sharded_strategy), config=config)
 
     where = pipeline.describe()
     with progress_shown(progress and group.is_coordinator), operation("save", where, coordinator=group.is_coordinator) as timing:
@@ -254,6 +258,21 @@ def save(
             pipeline.unwind(exc)
             raise
     return None
+
+
+def _with_strategy_layout(options: SaveOptions, strategy: Any) -> SaveOptions:
+    """``options`` with the sharded strategy's own layout fields (a
+    ``ZarrSaveShardedStrategy(shard_bytes=...)``) folded in.
+
+    Raises:
+        CheckpointingException: the two set one field to different values."""
+    own = getattr(strategy, "layout", None)
+    if not isinstance(own, StorageLayout):
+        return options
+    try:
+        return replace(options, layout=options.layout.combined(own))
+    except ValueError as exc:
+        raise CheckpointingException(f"save() was given a layout that contradicts {strategy}'s: {exc}") from None
 
 
 def _finish_timing(timing: StageTiming, pipeline: SavePipeline) -> None:

@@ -120,8 +120,8 @@ def test_a_wrapping_strategy_handed_the_location_commits_the_same_save(tmp_path:
             self.handed.append(checkpoint_dir)
             self.base_strategy.save_with_plan(sharded_state_dict, checkpoint_dir, plan, process_group, local_error)
 
-        def plan_save(self, layout, pack_arrays_up_to=0):
-            return self.base_strategy.plan_save(layout, pack_arrays_up_to)
+        def plan_save(self, layout, storage=None):
+            return self.base_strategy.plan_save(layout, storage)
 
     wrapper = Wrapper()
     shardstore.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, tmp_path / "ckpt", wrapper)

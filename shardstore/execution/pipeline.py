@@ -56,6 +56,7 @@ from shardstore.format.commit import (
 from shardstore.format.config import CheckpointingConfig, write_config
 from shardstore.format.packs import Packing
 from shardstore.format.records import PACKS_DIR, ZARR_JSON, ArrayRecord, CommitRecord
+from shardstore.format.storage_layout import LayoutSite, StorageLayout
 from shardstore.mapping import ShardedObject, ShardedTensor
 from shardstore.planning.checks import (
     admits_names,
@@ -203,7 +204,8 @@ class SavePipeline:
         config: CheckpointingConfig | None = None, pending: PendingCheckpoint | None = None,
     ) -> None:
         self.target, self.group, self.config = target, group, config
-        self.options = options or SaveOptions()
+        site = LayoutSite.of(target.capabilities, group.world_size)
+        self.options = pending.options if pending is not None else (options or SaveOptions()).chosen_for(site)
         self._pending = pending
         self.publisher: Publisher = pending.publisher if pending is not None else publisher_for(target.capabilities)
         self.written: list[WrittenChunk] = []
@@ -239,14 +241,16 @@ class SavePipeline:
         return cls(open_location(checkpoint_dir), group or Group.local(), opened, config)
 
     @classmethod
-    def into_callers_directory(cls, checkpoint_dir: Target, group: Group | None = None) -> SavePipeline:
+    def into_callers_directory(
+        cls, checkpoint_dir: Target, group: Group | None = None, layout: StorageLayout | None = None,
+    ) -> SavePipeline:
         """A save into a directory the caller created and already wrote into
         (Megatron-Core's ``save``, the seed's strategy API called directly): joined at
         once, published in place, nothing there ever deleted. Handed the location of a
         save this process began or joined (the strategies' API passes
         ``SavePipeline.location`` down as a checkpoint directory), it is that save's
         (``format.commit.adopt_save``)."""
-        pending = adopt_save(open_location(checkpoint_dir))
+        pending = adopt_save(open_location(checkpoint_dir), layout, (group or Group.local()).world_size)
         return cls(pending.target, group or Group.local(), pending.options, pending=pending)
 
     def describe(self, rel: str = "") -> str:
@@ -331,9 +335,9 @@ class SavePipeline:
         pipeline keeps ``tensors`` (``planned_tensors``): the state dict is not walked
         again to write them."""
         self._planned = tensors
-        planner_given, planner = planner, self._packing_planner(planner)
-        if plan_cache is not None and planner is not planner_given:  # a plan for packing, not one made without
-            plan_cache.settings = (plan_cache.settings, "pack_arrays_up_to", self.options.pack_arrays_up_to)
+        planner = self._layout_planner(planner)
+        if plan_cache is not None:  # a plan for this layout, not one made for another
+            plan_cache.settings = (plan_cache.settings, self.options.layout)
         if local_error is None:
             try:
                 check_shared(self.target, self.group.world_size)
@@ -362,16 +366,15 @@ class SavePipeline:
             rank_save.fail_before_staging(self.group, self.describe(), exc)
         return plan
 
-    def _packing_planner(self, planner: Callable[..., list[Any]]) -> Callable[[Any], list[Any]]:
-        """``planner`` (a strategy's ``plan_save``) told this save's
-        ``SaveOptions.pack_arrays_up_to`` (the coordinator's plan decides it for every
-        rank): it gathers small arrays split over ranks whole, for their writer to pack
-        (``planning.plans.plan_packed_whole``), where the save's group can exchange them
-        (not DCP's writer without ``shard_bytes``, whose save is each process alone)."""
-        up_to = self.options.pack_arrays_up_to
-        if not up_to or self.group.world_size == 1:
-            return planner
-        return functools.partial(planner, pack_arrays_up_to=up_to)
+    def _layout_planner(self, planner: Callable[..., list[Any]]) -> Callable[[Any], list[Any]]:
+        """``planner`` (a strategy's ``plan_save``) told this save's chosen layout (the
+        coordinator's plan decides it for every rank). Small arrays split over ranks are
+        gathered whole for packing only where the save's group can exchange them (not
+        DCP's writer, whose plan's ranks are each a process alone here)."""
+        layout = self.options.layout
+        if layout.pack_arrays_up_to and self.group.world_size == 1:
+            layout = replace(layout, pack_arrays_up_to=0)
+        return functools.partial(planner, storage=layout)
 
     def refuse_oversized_objects(self, bounds: dict[str, tuple[int | None, int | None]]) -> None:
         """Refuses, before anything is written, an option whose stored objects may be
@@ -407,7 +410,7 @@ class SavePipeline:
             check_storable_data(tensor, where)  # no data here: its dtype, named by its key
         layout = GlobalLayout.from_gathered([local_records(ts, [], rank, where) for rank, ts in enumerate(tensors)])
         check_layout(layout, self.target.name_limits, where)
-        plans = self._packing_planner(planner)(layout)
+        plans = self._layout_planner(planner)(layout)
         intent = self.begin()
         return [RankSave(intent, plan) for plan in plans], name_lengths_needed(layout)
 

@@ -87,6 +87,7 @@ from shardstore.format.records import (
     write_commit_record,
 )
 from shardstore.format.reuse import ChunkReuse, reuse_save_id
+from shardstore.format.storage_layout import CALLERS_DIRECTORY_LAYOUT, LayoutSite, StorageLayout
 from shardstore.stores.base import Capabilities, DirectoryPublishing, Location, StorageError
 
 logger = logging.getLogger(__name__)
@@ -100,11 +101,12 @@ def new_save_id() -> str:
     return uuid.uuid4().hex
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class SaveOptions:
-    """How a save may treat its target: decided once by the door a save comes through
-    (``shardstore.save``'s keywords, the DCP writer, ``shardstore.megatron.install``, the
-    manager) and handed whole to the start of the save (``SavePipeline.open``).
+    """How a save may treat its target and where it puts its bytes: decided once by the
+    door a save comes through (``shardstore.save``'s keywords, the DCP writer,
+    ``shardstore.megatron.install``, the manager) and handed whole to the start of the
+    save (``SavePipeline.open``).
 
     Attributes:
         overwrite: a committed shardstore checkpoint there may be replaced (never
@@ -116,55 +118,72 @@ class SaveOptions:
             published beside them, deleting or moving none of them (by rename only; in
             place, a non-empty target is refused). Otherwise the target must be empty
             or hold the checkpoint it replaces (docs/guide/guarantees.md).
-        zarr_metadata: where the Zarr metadata documents go: ``"per_node"`` (default), a
-            ``zarr.json`` per array and group; ``"consolidated_only"``, only the root's
-            consolidated metadata (docs/guide/plain-readers.md). The coordinator's
-            choice holds for every rank.
-        pack_arrays_up_to: pack each array of at most this many bytes that one rank
-            writes whole into that rank's ``packs/<rank>-<n>.zip`` (``format.packs``;
-            docs/guide/saving-and-loading.md); 0 (default): no packing. The
-            coordinator's choice holds for every rank.
+        layout: where the bytes go (``format.storage_layout.StorageLayout``; its
+            ``AUTO`` fields are chosen when the save begins, the same on every rank).
+            ``zarr_metadata=`` and ``pack_arrays_up_to=`` are accepted as spellings of
+            its fields, and read back from it.
         array_places: internal: where an import of model files (``tools.convert``)
             found arrays whose keys do not spell their places (``records.ArrayPlaces``);
             None for every other save.
     """
 
-    overwrite: bool = False
-    reuse_from: Any = None
-    shared_directory: bool = False
-    zarr_metadata: ZarrMetadata = ZarrMetadata.PER_NODE
-    array_places: ArrayPlaces | None = None
-    pack_arrays_up_to: int = 0
+    overwrite: bool
+    reuse_from: Any
+    shared_directory: bool
+    layout: StorageLayout
+    array_places: ArrayPlaces | None
 
-    def __post_init__(self) -> None:
-        if type(self.pack_arrays_up_to) is not int or self.pack_arrays_up_to < 0:
-            raise ValueError(
-                f"SaveOptions.pack_arrays_up_to must be a number of bytes >= 0 (0: no packing), got "
-                f"{self.pack_arrays_up_to!r}"
-            )
-        try:  # a caller's string becomes the enum once, here; a typo fails before the save
-            object.__setattr__(self, "zarr_metadata", ZarrMetadata(self.zarr_metadata))
-        except ValueError:
-            raise ValueError(
-                f"SaveOptions.zarr_metadata must be one of {[m.value for m in ZarrMetadata]}, got {self.zarr_metadata!r}"
-            ) from None
+    def __init__(
+        self, overwrite: bool = False, reuse_from: Any = None, shared_directory: bool = False,
+        layout: StorageLayout | None = None, array_places: ArrayPlaces | None = None, *,
+        zarr_metadata: str | None = None, pack_arrays_up_to: int | None = None,
+    ) -> None:
+        spelled = {k: v for k, v in (("zarr_metadata", zarr_metadata), ("pack_arrays_up_to", pack_arrays_up_to))
+                   if v is not None}
+        for name, value in (("overwrite", overwrite), ("reuse_from", reuse_from),
+                            ("shared_directory", shared_directory), ("array_places", array_places)):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "layout", StorageLayout.of(layout, **spelled))
+
+    @property
+    def zarr_metadata(self) -> ZarrMetadata | str:
+        """``layout.zarr_metadata`` (``AUTO`` until the save begins)."""
+        return self.layout.zarr_metadata
+
+    @property
+    def pack_arrays_up_to(self) -> int | str:
+        """``layout.pack_arrays_up_to`` (``AUTO`` until the save begins)."""
+        return self.layout.pack_arrays_up_to
 
     @staticmethod
     def resolve(options: SaveOptions | None, keywords: SaveOptions) -> SaveOptions:
         """The options of a call that takes them either as one object (``options``;
-        None: not given) or as keywords (``keywords``, built from them): the object,
-        its keywords then at their defaults, else the keywords' (``shardstore.save``,
-        the checkpoint manager).
+        None: not given) or as keywords (``keywords``, built from them): the two
+        combined where they do not contradict each other (a keyword at its default
+        takes the object's value; ``shardstore.save``, the checkpoint manager).
 
         Raises:
-            CheckpointingException: both were given."""
+            CheckpointingException: both set one field to different values, naming it."""
         if options is None:
             return keywords
-        if keywords != SaveOptions():
-            raise CheckpointingException(
-                f"save() was given options={options} and also {keywords}: pass one or the other"
-            )
-        return options
+        default = SaveOptions()
+        merged: dict[str, Any] = {}
+        for name in ("overwrite", "reuse_from", "shared_directory", "array_places"):
+            given, other = getattr(keywords, name), getattr(options, name)
+            if given != getattr(default, name) and other != getattr(default, name) and given != other:
+                raise CheckpointingException(
+                    f"save() was given {name}={given!r} and options={options} with {name}={other!r}: pass one of them"
+                )
+            merged[name] = given if given != getattr(default, name) else other
+        try:
+            layout = options.layout.combined(keywords.layout)
+        except ValueError as exc:
+            raise CheckpointingException(f"save() was given options={options} and layout keywords: {exc}") from None
+        return SaveOptions(layout=layout, **merged)
+
+    def chosen_for(self, site: LayoutSite) -> SaveOptions:
+        """These options with the layout's ``AUTO`` fields chosen for ``site``."""
+        return self if self.layout.chosen else replace(self, layout=self.layout.chosen_for(site))
 
     def opened(self, opener: Callable[[Any], Location]) -> SaveOptions:
         """These options with ``reuse_from`` opened by ``opener`` (the one place a
@@ -182,23 +201,25 @@ class SaveIntent:
             when the target held none.
         reuses: save id of the earlier checkpoint whose unchanged chunks this save
             shares (``format.reuse``), or None.
-        zarr_metadata: where the Zarr metadata documents go, as the coordinator's
-            ``SaveOptions`` said: every rank writes by it (``join_save``), so ranks
-            given different options cannot commit a checkpoint whose documents
-            disagree with its record.
+        layout: where the bytes go, as the coordinator chose it (no ``AUTO`` field):
+            every rank writes by it (``join_save``).
         agreed: ``save_id`` is the coordinator's, the same on every rank; False for a
-            caller's directory adopted without a begin (``adopt_save``), where each rank
-            made its own.
-        pack_arrays_up_to: which arrays the ranks pack, as the coordinator's
-            ``SaveOptions`` said (``join_save``, as ``zarr_metadata``).
+            save id a rank chose alone (a DCP writer whose plan stage did not run).
     """
 
     save_id: str
     replaces: str | None
     reuses: str | None = None
-    zarr_metadata: ZarrMetadata = ZarrMetadata.PER_NODE
+    layout: StorageLayout = StorageLayout()
     agreed: bool = True
-    pack_arrays_up_to: int = 0
+
+    @property
+    def zarr_metadata(self) -> ZarrMetadata:
+        return ZarrMetadata(self.layout.zarr_metadata)
+
+    @property
+    def pack_arrays_up_to(self) -> int:
+        return int(self.layout.pack_arrays_up_to)
 
 
 def check_shared(target: Location, world_size: int) -> None:
@@ -768,8 +789,7 @@ class ByRename(Publisher):
                                  packing=options.pack_arrays_up_to > 0)
         source = options.reuse_from
         reuses = reuse_save_id(source, target, in_place=False) if source is not None else None
-        intent = SaveIntent(save_id, replaces, reuses, options.zarr_metadata,
-                            pack_arrays_up_to=options.pack_arrays_up_to)
+        intent = SaveIntent(save_id, replaces, reuses, options.layout)
         tops = frozenset(target.list_top(None))
         return PendingCheckpoint(target, _staging_for(directory, save_id), intent, self, options, tops)
 
@@ -1239,8 +1259,7 @@ class InPlace(Publisher):
             if not removing:
                 _give_up_claim(claim)
             raise
-        intent = SaveIntent(save_id, replaces, reuses, options.zarr_metadata,
-                            pack_arrays_up_to=options.pack_arrays_up_to)
+        intent = SaveIntent(save_id, replaces, reuses, options.layout)
         pending = PendingCheckpoint(target, target, intent, InPlace(claim), options)
         pending.hold_until_released(claim.stop)
         return pending
@@ -1367,6 +1386,7 @@ def begin_save(target: Location, options: SaveOptions) -> PendingCheckpoint:
     the save runs, are kept and the checkpoint published beside them
     (``ByRename._publish_beside``). The target's store is claimed for the save first
     (``Store.claim_for_save``), until the save is released."""
+    options = options.chosen_for(LayoutSite.of(target.capabilities, 1, can_exchange=False))
     save_id = new_save_id()
     release_claim = target.store.claim_for_save(save_id)
     try:
@@ -1401,20 +1421,13 @@ def join_save(target: Location, intent: SaveIntent, options: SaveOptions) -> Pen
     (``options``: the same the coordinator was given, opened). Where the documents go
     is the coordinator's choice (``SaveIntent.zarr_metadata``); a rank given another
     is told so in the log and follows it."""
-    if options.zarr_metadata != intent.zarr_metadata:
+    if options.layout.chosen and options.layout != intent.layout:
         logger.warning(
-            "Saving %s: this rank was given zarr_metadata=%r, the coordinator %r; writing as the coordinator "
-            "decided (pass the same on every rank)", target.describe(), options.zarr_metadata.value,
-            intent.zarr_metadata.value,
+            "Saving %s: this rank was given the layout %s, the coordinator %s; writing as the coordinator "
+            "decided (pass the same on every rank)", target.describe(), options.layout.describe(),
+            intent.layout.describe(),
         )
-        options = replace(options, zarr_metadata=intent.zarr_metadata)
-    if options.pack_arrays_up_to != intent.pack_arrays_up_to:
-        logger.warning(
-            "Saving %s: this rank was given pack_arrays_up_to=%d, the coordinator %d; packing as the coordinator "
-            "decided (pass the same on every rank)", target.describe(), options.pack_arrays_up_to,
-            intent.pack_arrays_up_to,
-        )
-        options = replace(options, pack_arrays_up_to=intent.pack_arrays_up_to)
+    options = replace(options, layout=intent.layout)
     pending = publisher_for(target.capabilities).join(target, intent, options)
     try:
         pending.location.begin_writes()
@@ -1434,16 +1447,21 @@ def _directory(target: Location) -> DirectoryPublishing:
     return directory
 
 
-def adopt_save(location: Location) -> PendingCheckpoint:
+def adopt_save(location: Location, layout: StorageLayout | None = None, world_size: int = 1) -> PendingCheckpoint:
     """The save that writes into ``location``: the pending checkpoint whose
     ``location`` it is (``SaveLocation.save``: this process began or joined that save,
     ``begin_save``, ``join_save``), else ``location`` as a
     directory the caller made (``IntoCallersDirectory``: Megatron-Core's ``save`` and the
-    seed's strategy API called directly), with a fresh save id."""
+    seed's strategy API called directly), with a fresh save id, written by ``layout``
+    (a strategy's) in ``CALLERS_DIRECTORY_LAYOUT``'s documents, chosen for ``world_size``
+    ranks."""
     found = location.save if isinstance(location, SaveLocation) else None
     if found is not None:
         return found
-    return PendingCheckpoint(location, location, SaveIntent(new_save_id(), None, agreed=False), IntoCallersDirectory())
+    site = LayoutSite.of(location.capabilities, world_size)
+    chosen = CALLERS_DIRECTORY_LAYOUT.combined(layout or StorageLayout()).chosen_for(site)
+    intent = SaveIntent(new_save_id(), None, layout=chosen, agreed=False)
+    return PendingCheckpoint(location, location, intent, IntoCallersDirectory(), SaveOptions(layout=chosen))
 
 
 def _staging_for(target: DirectoryPublishing, save_id: str) -> Location:

@@ -62,6 +62,7 @@ from shardstore.format.records import (
     parent_groups,
 )
 from shardstore.format.sharding import MAX_FLAT_INNER_CHUNKS, InnerGrid, ShardIndex, ShardingIndexed
+from shardstore.format.storage_layout import SHARD_SLACK
 from shardstore.planning.columns import (
     ForwardedBlocks,
     record_rows,
@@ -141,7 +142,6 @@ SHARDED_FILES_SHARE = 0.75
 # the size where fewer, evenly cut, are closer to it than more, smaller ones. Megatron
 # GPT-175B's attention projection's optimizer blocks are 72 MiB: one shard each, not two
 # of 36 MiB.
-SHARD_SLACK = 1.25
 
 
 def largest_shard_data_bytes(shard_bytes: int) -> int:

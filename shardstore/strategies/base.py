@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 from shardstore.errors import CheckpointingException
+from shardstore.format.storage_layout import StorageLayout
 from shardstore.mapping import ShardedStateDict, StateDict
 from shardstore.opened import bare_location
 from shardstore.protocol.collectives import Group
@@ -279,10 +280,10 @@ class SaveShardedStrategy(SaveStrategyBase):
         (``protocol.plan_cache``); None: every save plans."""
         return None
 
-    def plan_save(self, layout: GlobalLayout, pack_arrays_up_to: int = 0) -> list[Any]:
+    def plan_save(self, layout: GlobalLayout, storage: StorageLayout | None = None) -> list[Any]:
         """Coordinator: every rank's part of the save of a validated layout (index =
         group rank), which ``serialization.save`` scatters (``shardstore.planning.plans``);
-        ``pack_arrays_up_to``: the save's ``SaveOptions.pack_arrays_up_to``.
+        ``storage``: the save's chosen ``StorageLayout`` (``SavePipeline`` passes it).
 
         This default hands every rank the whole layout."""
         return [layout] * layout.world_size

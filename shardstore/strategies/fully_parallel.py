@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from shardstore.dict_utils import dict_list_map_outplace, nested_values
 from shardstore.errors import CheckpointingException, first_failure
+from shardstore.format.storage_layout import StorageLayout
 from shardstore.mapping import (
     ShardedObject,
     ShardedStateDict,
@@ -333,10 +334,8 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         self._agreed(sharded_state_dict, bare_location(checkpoint_dir).describe())
         return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir)
 
-    def plan_save(self, layout: Any, pack_arrays_up_to: int = 0) -> list[Any]:
-        if pack_arrays_up_to:
-            return self.base_strategy.plan_save(layout, pack_arrays_up_to=pack_arrays_up_to)
-        return self.base_strategy.plan_save(layout)
+    def plan_save(self, layout: Any, storage: StorageLayout | None = None) -> list[Any]:
+        return self.base_strategy.plan_save(layout, storage)
 
     def async_save_with_plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: Any,
                              process_group: Any = None, local_error: BaseException | None = None) -> AsyncRequest:

@@ -37,6 +37,7 @@ import math
 import numbers
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -72,7 +73,6 @@ from shardstore.format.dtypes import (
     torch_to_numpy_dtype_dict,  # noqa: F401  (seed API)
 )
 from shardstore.format.records import (
-    MAX_CHUNK_BYTES,
     MAX_RECORD_BYTES,
     PACKED_ARRAYS_ATTRIBUTE,
     ZARR_JSON,
@@ -83,6 +83,14 @@ from shardstore.format.records import (
     sharded_backend,
 )
 from shardstore.format.removal import remove_entries
+from shardstore.format.storage_layout import (
+    AUTO,
+    AUTO_SHARD_MIN_RANKS,
+    DEFAULT_MAX_CHUNK_BYTES,
+    DEFAULT_SHARD_BYTES,
+    LayoutSite,
+    StorageLayout,
+)
 from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from shardstore.opened import bare_location, open_read, write_location
 from shardstore.planning.layout import (
@@ -94,11 +102,9 @@ from shardstore.planning.layout import (
     region_at,
 )
 from shardstore.planning.plans import (
-    SHARD_SLACK,
     RankReadPlan,
     RankSavePlan,
     largest_shard_bytes,
-    largest_shard_data_bytes,
     plan_reads,
     plan_save,
     stored_at_most,
@@ -127,25 +133,10 @@ SHARDSTORE_BACKEND = "shardstore"
 ZARR_BACKEND = "zarr"
 READABLE_BACKENDS = (SHARDSTORE_BACKEND, ZARR_BACKEND)  # "zarr": checkpoints of shardstore <= 0.1
 ZARR_VERSION = 1
-# Bound on one stored object: small enough for fine-grained resharded reads and far
-# below S3's 5 GiB single-PUT limit.
-DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
 # Host memory a sync save of CUDA tensors copies through at once (pinned buffers).
 DEFAULT_SYNC_STAGING_BYTES = 2 * 2**30
 # What ``shard_bytes`` takes: "auto" (the default), None (never shard) or a size in bytes.
 ShardBytes = int | Literal["auto"] | None
-# The shard size "auto" picks: S3 recommends 8-16 MB per request, and a load at another
-# layout reads whole inner chunks of a shard, not whole shards, so a larger one costs it
-# nothing; the size of the largest unsharded chunk (DEFAULT_MAX_CHUNK_BYTES), which shards
-# average (each at most 1.25 times it: ``planning.plans.SHARD_SLACK``).
-DEFAULT_SHARD_BYTES = 64 * 2**20
-# The world size from which "auto" shards. An unsharded save writes about arrays x ranks
-# data files: from 32 ranks that is tens of thousands per checkpoint (a Llama-70B state
-# with AdamW, about 2,200 arrays: 70,000 at 32 ranks, 1.1 million at 512), which a parallel
-# file system's metadata server or an S3 prefix's request rate pays for on every save.
-# Below it the files are few and the gather sharding needs is pure cost (a 2-rank sharded
-# save took 1.05-1.5x the unsharded one: docs/measurements/scale.md).
-AUTO_SHARD_MIN_RANKS = 32
 
 
 # --------------------------------------------------------------------------- specs
@@ -211,54 +202,23 @@ def _ts_index(region: Region) -> tuple[slice, ...]:
 
 def checked_shard_bytes(shard_bytes: object) -> ShardBytes:
     """``shard_bytes`` as ``ZarrSaveShardedStrategy`` takes it: ``"auto"``, None or a
-    positive integer (bytes).
+    positive integer (bytes), as ``StorageLayout`` checks it.
 
     Raises:
         ValueError: anything else, naming the value and what is accepted.
     """
-    if shard_bytes is None:
-        return None
-    if isinstance(shard_bytes, str) and shard_bytes == "auto":
-        return "auto"
-    if isinstance(shard_bytes, numbers.Integral) and not isinstance(shard_bytes, bool) and shard_bytes > 0:
-        _refuse_unreadable_chunks(
-            "shard_bytes", int(shard_bytes), largest_shard_data_bytes(int(shard_bytes)),
-            int(MAX_CHUNK_BYTES / SHARD_SLACK),
-        )
-        return int(shard_bytes)
-    raise ValueError(
-        f"shard_bytes must be 'auto' (shard from {AUTO_SHARD_MIN_RANKS} ranks on), None (never shard) or a "
-        f"positive number of bytes (shard at any world size), got {shard_bytes!r}"
-    )
+    return StorageLayout(shard_bytes=shard_bytes).shard_bytes  # type: ignore[arg-type]
 
 
 def checked_max_chunk_bytes(max_chunk_bytes: object) -> int:
-    """``max_chunk_bytes`` as a save takes it: a positive, finite number of bytes
-    (``checked_staging_bytes``) of at most ``MAX_CHUNK_BYTES``.
+    """``max_chunk_bytes`` as a save takes it: a positive number of bytes of at most
+    ``MAX_CHUNK_BYTES`` (``StorageLayout``'s check).
 
     Raises:
         ValueError: anything else, naming the option, the value and what is accepted.
     """
     value = checked_staging_bytes("max_chunk_bytes", max_chunk_bytes)
-    _refuse_unreadable_chunks("max_chunk_bytes", value, value, MAX_CHUNK_BYTES)
-    return value
-
-
-def _refuse_unreadable_chunks(name: str, value: int, largest: int, most: int) -> None:
-    """Refuses option ``name`` = ``value`` whose chunks or shards may hold ``largest``
-    bytes of data, more than readers accept for one (``MAX_CHUNK_BYTES``: a reader
-    decodes a chunk whole in memory and refuses larger ones as absurd): a save would
-    commit a checkpoint no load can read. ``most``: the largest value accepted.
-
-    Raises:
-        ValueError: naming the option, the limit and the largest value accepted.
-    """
-    if largest > MAX_CHUNK_BYTES:
-        raise ValueError(
-            f"{name}={value} allows chunks or shards of up to {largest} bytes of data, more than the "
-            f"{MAX_CHUNK_BYTES} bytes readers accept in one (a save would commit a checkpoint that no load can "
-            f"read): pass a {name} of at most {most}"
-        )
+    return int(StorageLayout(max_chunk_bytes=value).max_chunk_bytes)
 
 
 def checked_staging_bytes(name: str, value: object, optional: bool = False) -> int | None:
@@ -281,12 +241,9 @@ def checked_staging_bytes(name: str, value: object, optional: bool = False) -> i
 
 
 def resolve_shard_bytes(shard_bytes: ShardBytes, world_size: int) -> int | None:
-    """The shard size a save from ``world_size`` ranks uses (None: no array sharded):
-    ``"auto"`` is ``DEFAULT_SHARD_BYTES`` from ``AUTO_SHARD_MIN_RANKS`` ranks on and None
-    below; None and a number of bytes are themselves."""
-    if shard_bytes is None or isinstance(shard_bytes, int):
-        return shard_bytes
-    return DEFAULT_SHARD_BYTES if world_size >= AUTO_SHARD_MIN_RANKS else None
+    """The shard size a save from ``world_size`` ranks uses (None: no array sharded), as
+    ``StorageLayout.chosen_for`` chooses it."""
+    return StorageLayout(shard_bytes=shard_bytes).chosen_for(LayoutSite(world_size)).shard_bytes  # type: ignore[return-value]
 
 
 class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
@@ -325,7 +282,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         self,
         backend: str = SHARDSTORE_BACKEND,
         version: int = ZARR_VERSION,
-        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        max_chunk_bytes: int | Literal["auto"] = AUTO,
         io_concurrency: int = DEFAULT_IO_CONCURRENCY,
         process_group: dist.ProcessGroup | None = None,
         fully_parallel: bool = True,
@@ -333,11 +290,13 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         background_io_threads: int = 1,
         sync_staging_bytes: int = DEFAULT_SYNC_STAGING_BYTES,
         cache_plan: bool = False,
-        shard_bytes: ShardBytes = "auto",
+        shard_bytes: ShardBytes = AUTO,
+        layout: StorageLayout | None = None,
     ) -> None:
         super().__init__(backend, version)
-        self.max_chunk_bytes = checked_max_chunk_bytes(max_chunk_bytes)
-        self.shard_bytes = shard_bytes
+        if max_chunk_bytes != AUTO:
+            max_chunk_bytes = checked_max_chunk_bytes(max_chunk_bytes)
+        self.layout = StorageLayout.of(layout, max_chunk_bytes=max_chunk_bytes, shard_bytes=shard_bytes)
         self.io_concurrency = io_concurrency
         self.process_group = process_group
         self.fully_parallel = fully_parallel
@@ -352,13 +311,22 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     @property
     def shard_bytes(self) -> ShardBytes:
-        """The shard size as given (``"auto"``, None or bytes); a save from ``world_size``
-        ranks uses ``resolve_shard_bytes(shard_bytes, world_size)``."""
-        return self._shard_bytes
+        """``layout.shard_bytes`` as given (``"auto"``, None or bytes)."""
+        return self.layout.shard_bytes
 
     @shard_bytes.setter
     def shard_bytes(self, value: ShardBytes) -> None:
-        self._shard_bytes = checked_shard_bytes(value)
+        self.layout = replace(self.layout, shard_bytes=value)
+
+    @property
+    def max_chunk_bytes(self) -> int:
+        """``layout.max_chunk_bytes``, ``DEFAULT_MAX_CHUNK_BYTES`` where left to choose."""
+        chosen = self.layout.max_chunk_bytes
+        return DEFAULT_MAX_CHUNK_BYTES if chosen == AUTO else int(chosen)
+
+    @max_chunk_bytes.setter
+    def max_chunk_bytes(self, value: int) -> None:
+        self.layout = replace(self.layout, max_chunk_bytes=checked_max_chunk_bytes(value))
 
     @property
     def cache_plan(self) -> bool:
@@ -377,7 +345,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         """The cached plan (None without ``cache_plan``), keyed also by the settings
         the plan depends on, as they are now."""
         if self._plan_cache is not None:  # "auto" as given: the cache's key holds the world size it resolves by
-            self._plan_cache.settings = (self.max_chunk_bytes, self.fully_parallel, self.shard_bytes)
+            self._plan_cache.settings = (self.fully_parallel, self.layout)
         return self._plan_cache
 
     def release_buffers(self) -> None:
@@ -399,7 +367,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         """The save into a directory the caller made and wrote into (the seed's
         signatures; Megatron-Core's ``save``), on ``process_group`` or else this
         strategy's (``SavePipeline.into_callers_directory``)."""
-        return SavePipeline.into_callers_directory(checkpoint_dir, self._group(process_group))
+        return SavePipeline.into_callers_directory(checkpoint_dir, self._group(process_group), self.layout)
 
     def plan_into(self, sharded_state_dict: ShardedStateDict, pipeline: SavePipeline) -> RankSavePlan:
         """Collective: this rank's part of the plan of saving ``sharded_state_dict``
@@ -408,13 +376,17 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         tensors, objects = local_sharded_items(sharded_state_dict)
         return pipeline.plan(tensors, objects, self.plan_save, plan_cache=self.plan_cache)
 
-    def plan_save(self, layout: GlobalLayout, pack_arrays_up_to: int = 0) -> list[RankSavePlan]:
-        """Coordinator: every rank's part of the save (``shardstore.planning.plans``), in
-        shards of ``shard_bytes`` resolved for the layout's world size; small arrays
-        split over ranks gathered whole for packing with ``pack_arrays_up_to`` (the
-        save's ``SaveOptions.pack_arrays_up_to``, ``SavePipeline`` passes it)."""
-        shard_bytes = resolve_shard_bytes(self.shard_bytes, layout.world_size)
-        return plan_save(layout, self.max_chunk_bytes, self.fully_parallel, shard_bytes, pack_arrays_up_to)
+    def plan_save(self, layout: GlobalLayout, storage: StorageLayout | None = None) -> list[RankSavePlan]:
+        """Coordinator: every rank's part of the save (``shardstore.planning.plans``) by
+        ``storage``, the save's chosen layout (``SavePipeline`` passes it; its
+        ``pack_arrays_up_to`` gathers small arrays split over ranks whole, for packing);
+        without it, by this strategy's layout chosen for the world size, packing none."""
+        if storage is None:
+            unpacked = self.layout.combined(StorageLayout(pack_arrays_up_to=0)) if self.layout.pack_arrays_up_to == AUTO \
+                else self.layout
+            storage = unpacked.chosen_for(LayoutSite(layout.world_size))
+        return plan_save(layout, int(storage.max_chunk_bytes), self.fully_parallel, storage.shard_bytes,  # type: ignore[arg-type]
+                         int(storage.pack_arrays_up_to))
 
     def async_save_with_plan(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: RankSavePlan,
@@ -458,7 +430,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         stored object it allows (a chunk and its crc32c, or a shard inside a block and its
         index: ``stored_at_most``; a gathered shard: ``largest_shard_bytes``), as
         ``SavePipeline.refuse_oversized_objects`` takes them."""
-        shard_bytes = resolve_shard_bytes(self.shard_bytes, world_size)
+        shard_bytes = resolve_shard_bytes(self.shard_bytes, world_size)  # the strategy's, as chosen for the world
         return {"max_chunk_bytes": (self.max_chunk_bytes, stored_at_most(self.max_chunk_bytes)),
                 "shard_bytes": (shard_bytes, None if shard_bytes is None else largest_shard_bytes(shard_bytes))}
 

@@ -82,6 +82,7 @@ from shardstore.format import (
     SaveIntent,
     SaveOptions,
     StatePath,
+    StorageLayout,
     WrittenChunk,
     cast_checked,
     chunk_store_for,
@@ -429,8 +430,10 @@ class ShardstoreWriter(StorageWriter):
         there (``format.commit.SaveOptions``)."""
         if self.checkpoint_id is None:
             raise CheckpointingException("ShardstoreWriter has no checkpoint path: pass one, or checkpoint_id= to dcp.save")
+        layout = StorageLayout(max_chunk_bytes=self.max_chunk_bytes, shard_bytes=self.shard_bytes,
+                               zarr_metadata=self.zarr_metadata, pack_arrays_up_to=self.pack_arrays_up_to)
         options = SaveOptions(overwrite=self.overwrite, reuse_from=self.reuse_from, shared_directory=True,
-                              zarr_metadata=self.zarr_metadata, pack_arrays_up_to=self.pack_arrays_up_to)
+                              layout=layout)
         group = Group(self.process_group) if exchange else None
         return SavePipeline.open(self.checkpoint_id, group, options=options, config=CONFIG)
 

@@ -1,0 +1,230 @@
+"""Where a save puts its bytes, as one value: ``StorageLayout``.
+
+Everything that decides which objects a checkpoint's bytes land in is a field here: the
+largest chunk, the Zarr v3 shards that gather small blocks, which small arrays go into
+zip packs, where the Zarr metadata documents go. Every door takes the layout whole
+(``shardstore.save(layout=)``, ``SaveOptions.layout``, ``ShardstoreWriter(layout=)``,
+``shardstore.megatron.install(layout=)``, the manager, ``CheckpointWriter``); their older
+keywords (``shard_bytes=``, ``pack_arrays_up_to=``, ``zarr_metadata=``,
+``max_chunk_bytes=``) are spellings of one, built by ``StorageLayout.of``.
+
+A field left at ``AUTO`` is chosen by shardstore when the save begins
+(``StorageLayout.chosen_for``) from what the save sees (``LayoutSite``: the number of
+ranks, the kind of store, whether the ranks can exchange blocks); the choice is the
+same on every rank, is kept in the commit record (``attributes.shardstore.layout``) and
+is said on the save's INFO line. The rules and the measurements behind them:
+docs/guide/layout.md.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AUTO", "AUTO_SHARD_MIN_RANKS", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_PACK_BYTES", "DEFAULT_SHARD_BYTES",
+    "CALLERS_DIRECTORY_LAYOUT", "SHARD_SLACK", "LayoutSite", "StorageLayout",
+]
+
+import numbers
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal
+
+from shardstore.format.consolidated import ZarrMetadata
+from shardstore.format.records import MAX_CHUNK_BYTES
+from shardstore.stores.base import Capabilities
+
+AUTO: Literal["auto"] = "auto"
+"""A field's value that lets shardstore choose it (``StorageLayout.chosen_for``)."""
+
+DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
+"""The largest stored chunk by default: large enough to stream at disk speed, small
+enough to keep a loader's reads near what it needs."""
+
+DEFAULT_SHARD_BYTES = 64 * 2**20
+"""The size of the Zarr v3 shards that gather small blocks, where shards are chosen: S3
+recommends 8-16 MB per request, and a load at another layout reads whole inner chunks of
+a shard, not whole shards, so a larger one costs it nothing."""
+
+SHARD_SLACK = 1.25
+"""A shard holds at most this many times ``shard_bytes`` of data (the planner's slack
+to keep whole blocks together)."""
+
+AUTO_SHARD_MIN_RANKS = 32
+"""From this many ranks on, small blocks are gathered into shards by default: below it
+the exchange costs more than the files it saves (a 2-rank Llama-shaped save with 64 MiB
+shards took 2.8x as long), above it the files per block dominate a save."""
+
+DEFAULT_PACK_BYTES = 64 * 1024
+"""Arrays of at most this many bytes go into zip packs by default: 10,000 tensors of
+1-64 KiB save 2x faster packed, and a loader reading a packed array whole reads at most
+this much more than it asked for."""
+
+
+@dataclass(frozen=True)
+class LayoutSite:
+    """What a save sees when its layout is chosen (``StorageLayout.chosen_for``).
+
+    Attributes:
+        world_size: ranks saving together.
+        object_store: the target is an object store (S3): every object is a request.
+        can_exchange: the ranks share a process group the save may send blocks on
+            (False for a door without one, such as DCP's writer given no group).
+    """
+
+    world_size: int = 1
+    object_store: bool = False
+    can_exchange: bool = True
+
+    @classmethod
+    def of(cls, capabilities: Capabilities, world_size: int, can_exchange: bool = True) -> LayoutSite:
+        """The site of a save into a store with ``capabilities``: an object store is one
+        the ranks share that is no local file system."""
+        object_store = capabilities.shared_across_processes and not capabilities.is_local_filesystem
+        return cls(world_size, object_store, can_exchange)
+
+
+ShardBytes = int | None | Literal["auto"]
+
+
+@dataclass(frozen=True)
+class StorageLayout:
+    """Where a save puts its bytes; ``AUTO`` fields are chosen by shardstore.
+
+    Attributes:
+        max_chunk_bytes: the largest stored chunk, in bytes (``AUTO``: 64 MiB).
+        shard_bytes: gather small blocks into Zarr v3 shards of about this many bytes;
+            None: never; ``AUTO``: 64 MiB from ``AUTO_SHARD_MIN_RANKS`` ranks on, where
+            the ranks can exchange blocks, else never.
+        pack_arrays_up_to: put each array of at most this many bytes that one rank
+            writes whole (gathered to it where it is split and the ranks can exchange)
+            into that rank's zip pack (feature ``packs``); 0: never; ``AUTO``: 64 KiB.
+        zarr_metadata: where the Zarr metadata documents go (``ZarrMetadata``):
+            ``"per_node"``, a ``zarr.json`` per array too; ``"consolidated_only"``, only
+            the root's; ``AUTO``: consolidated only on an object store (a request per
+            array saved), per node on a file system (any reader opens an array by path).
+
+    Raises:
+        ValueError: a field outside what it takes, naming it.
+    """
+
+    max_chunk_bytes: int | Literal["auto"] = AUTO
+    shard_bytes: ShardBytes = AUTO
+    pack_arrays_up_to: int | Literal["auto"] = AUTO
+    zarr_metadata: ZarrMetadata | Literal["auto"] = AUTO
+
+    def __post_init__(self) -> None:
+        _check_bytes("max_chunk_bytes", self.max_chunk_bytes, minimum=1, most=MAX_CHUNK_BYTES)
+        if self.shard_bytes is not None:
+            _check_bytes("shard_bytes", self.shard_bytes, minimum=1, none_means="never shard",
+                         most=int(MAX_CHUNK_BYTES / SHARD_SLACK))
+        _check_bytes("pack_arrays_up_to", self.pack_arrays_up_to, minimum=0)
+        if self.zarr_metadata != AUTO:
+            try:  # a caller's string becomes the enum once, here; a typo fails before the save
+                object.__setattr__(self, "zarr_metadata", ZarrMetadata(self.zarr_metadata))
+            except ValueError:
+                raise ValueError(
+                    f"zarr_metadata must be one of ['auto', {', '.join(repr(m.value) for m in ZarrMetadata)}], "
+                    f"got {self.zarr_metadata!r}"
+                ) from None
+
+    @classmethod
+    def of(cls, layout: StorageLayout | None = None, **keywords: Any) -> StorageLayout:
+        """``layout`` with the older keywords (``max_chunk_bytes``, ``shard_bytes``,
+        ``pack_arrays_up_to``, ``zarr_metadata``; those given as None-by-default mean
+        "not given", except ``shard_bytes=None``, which means never shard: pass
+        ``shard_bytes=AUTO`` to leave it) folded in: the one place a door's keywords
+        become a layout.
+
+        Raises:
+            ValueError: a keyword that contradicts ``layout``, naming both."""
+        return (layout or cls()).combined(cls(**keywords))
+
+    def combined(self, other: StorageLayout) -> StorageLayout:
+        """The fields either layout sets (a field ``AUTO`` in one takes the other's).
+
+        Raises:
+            ValueError: both set a field to different values, naming the field."""
+        merged = {}
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine != AUTO and theirs != AUTO and mine != theirs:
+                raise ValueError(
+                    f"The storage layout was given {f.name}={_spelled(mine)} and {f.name}={_spelled(theirs)}: "
+                    "pass one of them"
+                )
+            merged[f.name] = theirs if mine == AUTO else mine
+        return StorageLayout(**merged)
+
+    @property
+    def chosen(self) -> bool:
+        """No field is ``AUTO``."""
+        return all(getattr(self, f.name) != AUTO for f in fields(self))
+
+    def chosen_for(self, site: LayoutSite) -> StorageLayout:
+        """This layout with every ``AUTO`` field chosen for ``site`` (the rules in the
+        fields' descriptions); fields set stay as they are. Deterministic: every rank
+        given the same site chooses the same."""
+        choices: dict[str, Any] = {}
+        if self.max_chunk_bytes == AUTO:
+            choices["max_chunk_bytes"] = DEFAULT_MAX_CHUNK_BYTES
+        if self.shard_bytes == AUTO:
+            shards = site.can_exchange and site.world_size >= AUTO_SHARD_MIN_RANKS
+            choices["shard_bytes"] = DEFAULT_SHARD_BYTES if shards else None
+        if self.pack_arrays_up_to == AUTO:
+            choices["pack_arrays_up_to"] = 0
+        if self.zarr_metadata == AUTO:
+            choices["zarr_metadata"] = ZarrMetadata.PER_NODE
+        return replace(self, **choices)
+
+    def describe(self) -> str:
+        """One line for a log: ``"chunks <= 64 MiB, no shards, packs <= 64 KiB,
+        metadata per_node"``."""
+        shards = "no shards" if self.shard_bytes is None else f"shards ~{_spelled(self.shard_bytes)}"
+        packs = "no packs" if self.pack_arrays_up_to == 0 else f"packs <= {_spelled(self.pack_arrays_up_to)}"
+        metadata = self.zarr_metadata if self.zarr_metadata == AUTO else ZarrMetadata(self.zarr_metadata).value
+        return f"chunks <= {_spelled(self.max_chunk_bytes)}, {shards}, {packs}, metadata {metadata}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The layout as the commit record keeps it (``attributes.shardstore.layout``)."""
+        return {f.name: _json_value(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, document: dict[str, Any]) -> StorageLayout:
+        """A layout ``to_json`` wrote; names this version does not know are ignored (the
+        record is informative: what a reader must understand is ``requires``)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in document.items() if k in known})
+
+
+def _check_bytes(name: str, value: object, *, minimum: int, none_means: str = "", most: int | None = None) -> None:
+    """Refuses a size field outside ``[minimum, most]`` (``most``: the largest value whose
+    chunks or shards readers accept, ``MAX_CHUNK_BYTES`` of data in one: a save would
+    commit a checkpoint that no load can read)."""
+    if value == AUTO:
+        return
+    if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum):
+        never = f", None ({none_means})" if none_means else ""
+        amount = "a positive number of bytes" if minimum == 1 else f"a number of bytes >= {minimum}"
+        raise ValueError(f"{name} must be 'auto' (shardstore chooses){never} or {amount}, got {value!r}")
+    if most is not None and value > most:
+        raise ValueError(
+            f"{name}={value} allows chunks or shards of more than the {MAX_CHUNK_BYTES} bytes readers accept in "
+            f"one (a save would commit a checkpoint that no load can read): pass a {name} of at most {most}"
+        )
+
+
+def _json_value(value: Any) -> Any:
+    return value.value if isinstance(value, ZarrMetadata) else value
+
+
+def _spelled(value: Any) -> str:
+    """A size as a person reads it (``64 MiB``); other values as they are."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return str(_json_value(value))
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= size and value % size == 0:
+            return f"{value // size} {unit}"
+    return f"{value} B"
+
+
+CALLERS_DIRECTORY_LAYOUT = StorageLayout(pack_arrays_up_to=0, zarr_metadata=ZarrMetadata.PER_NODE)
+"""The layout of a save into a directory its caller made (the seed's strategy API called
+directly): a ``zarr.json`` per array and no packs, as Megatron-Core's own readers expect."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-__all__ = ["Bar", "CHARTS", "Chart", "dcp_bars", "draw", "large_bars", "large_table", "main", "render_svg",
+__all__ = ["Bar", "CHARTS", "Chart", "data_path_bars", "dcp_bars", "draw", "large_bars", "large_table", "main", "render_svg",
            "small_tensor_bars"]
 
 MEASUREMENTS = Path(__file__).resolve().parent.parent / "docs" / "measurements"
@@ -76,6 +76,18 @@ def small_tensor_bars(payload: dict) -> list[Bar]:
                                  ("tiny.zip-pack-floor.{op}.vs_torch", "zip floor (no checks)")))
 
 
+def data_path_bars(payload: dict) -> list[Bar]:
+    """The large case against the raw disk, one bar per run of ``runs`` (a list of bench
+    JSONs) or of the JSON itself: saves first."""
+    runs = payload.get("runs", [payload])
+    return [
+        Bar(f"{op} vs raw, run {number} ({run.get('gib', '?')} GiB)", op, float(run["ratios"][key]))
+        for op in OPS
+        for number, run in enumerate(runs, 1)
+        if (key := f"large.{op}.vs_raw") in run.get("ratios", {})
+    ]
+
+
 def dcp_bars(payload: dict) -> list[Bar]:
     """shardstore through DCP's API and its own, against DCP's own writer and reader."""
     return _ratio_bars(payload, (("dcp-api.{op}.vs_dcp", "DTensors, dcp.{op}"),
@@ -96,6 +108,8 @@ class Chart:
     bars: Callable[[dict], list[Bar]]
     title: str
     subtitle: str
+    reference: float = 1.0  # where the dashed line goes
+    reference_label: str = "1.0 = as fast"
 
 
 CHARTS: dict[str, Chart] = {chart.page: chart for chart in (
@@ -104,6 +118,9 @@ CHARTS: dict[str, Chart] = {chart.page: chart for chart in (
     Chart("small-tensors", "small-tensors.svg", small_tensor_bars,
           "10,000 small tensors: throughput over torch.save / torch.load",
           "{world} process, medians of {reps}; above 1.0 faster than torch"),
+    Chart("data-path", "data-path.svg", data_path_bars, "shardstore's throughput over the raw disk, run by run",
+          "large case at 2 ranks, medians per run; the bar: 0.9x the raw bound or better",
+          reference=0.9, reference_label="0.9 = the bar"),
     Chart("dcp", "dcp.svg", dcp_bars, "shardstore's throughput over DCP's own writer and reader",
           "{world} ranks, medians; above 1.0 shardstore is faster"),
 )}
@@ -114,8 +131,10 @@ def _scale(bars: list[Bar]) -> float:
     return max(1.5, (int(max(b.value for b in bars) * 2) + 1) / 2)
 
 
-def render_svg(bars: list[Bar], title: str, subtitle: str = "") -> str:
-    """The chart as SVG text; every bar carries a ``<title>`` naming its label and value."""
+def render_svg(bars: list[Bar], title: str, subtitle: str = "", reference: float = 1.0,
+               reference_label: str = "1.0 = as fast") -> str:
+    """The chart as SVG text, a dashed line at ``reference``; every bar carries a
+    ``<title>`` naming its label and value."""
     if not bars:
         raise ValueError("no ratios to draw: run scripts/bench.py with the page's cases and --json")
     top = _scale(bars)
@@ -151,9 +170,9 @@ def render_svg(bars: list[Bar], title: str, subtitle: str = "") -> str:
         parts.append(f'<text x="{x(tick)}" y="{axis_y + 16}" {FONT} text-anchor="middle" '
                      f'fill="#555555">{tick:g}</text>')
     parts += [
-        f'<line x1="{x(1.0)}" y1="{TOP - 4}" x2="{x(1.0)}" y2="{axis_y}" stroke="#333333" '
-        f'stroke-dasharray="4 3"><title>1.0: as fast as the peer</title></line>',
-        f'<text x="{x(1.0) + 4}" y="{TOP - 8}" {FONT} fill="#333333">1.0 = as fast</text>',
+        f'<line x1="{x(reference)}" y1="{TOP - 4}" x2="{x(reference)}" y2="{axis_y}" stroke="#333333" '
+        f'stroke-dasharray="4 3"><title>{escape(reference_label)}</title></line>',
+        f'<text x="{x(reference) + 4}" y="{TOP - 8}" {FONT} fill="#333333">{escape(reference_label)}</text>',
         "</svg>",
     ]
     return "\n".join(parts) + "\n"
@@ -174,7 +193,8 @@ def draw(chart: Chart, json_path: Path | None = None, out: Path | None = None) -
     out = out or MEASUREMENTS / chart.svg
     payload = json.loads(json_path.read_text(encoding="utf-8"))
     subtitle = chart.subtitle.format_map(_Unknown(payload))
-    out.write_text(render_svg(chart.bars(payload), chart.title, subtitle), encoding="utf-8")
+    out.write_text(render_svg(chart.bars(payload), chart.title, subtitle, chart.reference, chart.reference_label),
+                   encoding="utf-8")
     return out
 
 

@@ -67,3 +67,15 @@ def test_the_performance_table_is_the_charts_run() -> None:
     table = charts.large_table(json.loads((MEASUREMENTS / "data" / "performance.json").read_text()))
     assert table in (MEASUREMENTS / "performance.md").read_text(encoding="utf-8"), (
         "performance.md's table is not data/performance.json's: paste scripts/draw_charts.py --table performance")
+
+
+def test_the_data_path_chart_draws_each_run_against_the_bar(tmp_path: Path) -> None:
+    runs = [{"gib": 0.5, "ratios": {"large.save.vs_raw": 0.95, "large.load.vs_raw": 0.85}},
+            {"gib": 2, "ratios": {"large.save.vs_raw": 1.1}}]
+    data = tmp_path / "data-path.json"
+    data.write_text(json.dumps({"runs": runs}))
+    charts = load_script("draw_charts")
+    out = charts.draw(charts.CHARTS["data-path"], data, tmp_path / "chart.svg")
+    assert list(_bars(out)) == ["save vs raw, run 1 (0.5 GiB): 0.95x", "save vs raw, run 2 (2 GiB): 1.10x",
+                                "load vs raw, run 1 (0.5 GiB): 0.85x"]
+    assert "0.9 = the bar" in {t.text for t in ET.parse(out).getroot().iter(f"{SVG}text")}

@@ -114,25 +114,31 @@ def test_the_site_check_finds_each_kind_of_rendering_fault(tmp_path: Path) -> No
     ]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not CHROMIUM.exists(), reason=f"no chromium at {CHROMIUM} (scripts/screenshots.sh installs it)")
-def test_the_screenshot_check_fails_on_a_page_the_site_lacks(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [str(ROOT / "scripts" / "screenshots.sh"), str(tmp_path), "", "no/such/page/"],
+def _screenshots(out: Path, *pages: str) -> subprocess.CompletedProcess:
+    """``scripts/screenshots.sh out pages...`` with this interpreter."""
+    return subprocess.run(
+        [str(ROOT / "scripts" / "screenshots.sh"), str(out), *pages],
         capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHON": sys.executable},
     )
+
+
+NEEDS_CHROMIUM = pytest.mark.skipif(not CHROMIUM.exists(),
+                                    reason=f"no chromium at {CHROMIUM} (scripts/screenshots.sh installs it)")
+
+
+@pytest.mark.slow
+@NEEDS_CHROMIUM
+def test_the_screenshot_check_fails_on_a_page_the_site_lacks(tmp_path: Path) -> None:
+    result = _screenshots(tmp_path, "", "no/such/page/")
     assert result.returncode == 1, f"{result.stdout}\n{result.stderr}"
     assert result.stdout.split() == [str(tmp_path / "index.png")]
     assert "FAULT no/such/page/: missing page (the server answered 404)" in result.stderr
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not CHROMIUM.exists(), reason=f"no chromium at {CHROMIUM} (scripts/screenshots.sh installs it)")
+@NEEDS_CHROMIUM
 def test_the_screenshot_script_renders_the_pages_it_is_given(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [str(ROOT / "scripts" / "screenshots.sh"), str(tmp_path), "", "reference/api/"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHON": sys.executable},
-    )
+    result = _screenshots(tmp_path, "", "reference/api/")
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     pngs = [tmp_path / "index.png", tmp_path / "reference-api.png"]
     assert result.stdout.split() == [str(png) for png in pngs]

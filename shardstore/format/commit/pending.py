@@ -228,18 +228,17 @@ def _release_dropped(staging: Location, locks: list[int], releases: list[Callabl
     _close_descriptors(staging, locks, releases)
 
 
-def _remove_own_marker(save: PendingCheckpoint) -> None:
-    """Removes the save's marker from the checkpoint it just committed; a failure is
-    logged, not raised: the save is committed, and a marker left there names the
-    record's save id, so neither ``verify`` nor the next save counts it as another
-    program's file (``records.own_markers``), and that save's replacement removes it."""
+def _open_reuse(
+    source: Location, save_id: str, target_store: ChunkStore, records: dict[str, ArrayRecord]
+) -> ChunkReuse | None:
+    """``ChunkReuse.open`` of ``source``, whose storage may not even open: then None
+    (logged), and the save writes every chunk."""
     try:
-        save.target.remove(SAVE_MARKER)
-    except OSError as exc:
-        logger.warning(
-            "Committed %s, but could not remove its save marker %s (harmless: the next save into it removes it): %s",
-            save.target.describe(), SAVE_MARKER, exc,
-        )
+        source_store = chunk_store_for(source, target_store.threads, target_store.threads)
+    except Exception as exc:
+        logger.info("Not reusing chunks from %s: its storage cannot be opened (%s)", source.describe(), exc)
+        return None
+    return ChunkReuse.open(source, save_id, source_store, target_store, records)
 
 
 class Publisher(ABC):
@@ -305,6 +304,20 @@ def _write_marker(location: Location, save_id: str, replaces: str | None = None)
     location.write_bytes(SAVE_MARKER, json.dumps(fields).encode())
 
 
+def _remove_own_marker(save: PendingCheckpoint) -> None:
+    """Removes the save's marker from the checkpoint it just committed; a failure is
+    logged, not raised: the save is committed, and a marker left there names the
+    record's save id, so neither ``verify`` nor the next save counts it as another
+    program's file (``records.own_markers``), and that save's replacement removes it."""
+    try:
+        save.target.remove(SAVE_MARKER)
+    except OSError as exc:
+        logger.warning(
+            "Committed %s, but could not remove its save marker %s (harmless: the next save into it removes it): %s",
+            save.target.describe(), SAVE_MARKER, exc,
+        )
+
+
 def _lost_race(save: PendingCheckpoint, current: str | None, otherwise: str = "") -> CheckpointingException:
     """The error of a commit that found the target changed: ``current``, the save id of
     the checkpoint committed there now (None: none, but ``otherwise`` found)."""
@@ -316,16 +329,3 @@ def _lost_race(save: PendingCheckpoint, current: str | None, otherwise: str = ""
         "Nothing of it was changed by this save; save this one again (overwrite=True to replace it) or to a new "
         "directory."
     )
-
-
-def _open_reuse(
-    source: Location, save_id: str, target_store: ChunkStore, records: dict[str, ArrayRecord]
-) -> ChunkReuse | None:
-    """``ChunkReuse.open`` of ``source``, whose storage may not even open: then None
-    (logged), and the save writes every chunk."""
-    try:
-        source_store = chunk_store_for(source, target_store.threads, target_store.threads)
-    except Exception as exc:
-        logger.info("Not reusing chunks from %s: its storage cannot be opened (%s)", source.describe(), exc)
-        return None
-    return ChunkReuse.open(source, save_id, source_store, target_store, records)

@@ -87,7 +87,8 @@ class StageTiming:
     """What a stage reports: set ``nbytes`` inside the block when it moves data, and
     ``shared`` when part of those bytes was shared with an earlier checkpoint instead of
     moved (an incremental save: its rate counts the bytes written); call ``defer``
-    inside it when the operation goes on after the block (an async save)."""
+    inside it when the operation goes on after the block (an async save); ``detail``
+    ends the line (a save's chosen layout)."""
 
     name: str
     where: str
@@ -97,6 +98,7 @@ class StageTiming:
     level: int = logging.DEBUG
     started: float = field(default_factory=time.perf_counter)
     deferred: bool = False
+    detail: str = ""
 
     def line(self) -> str:
         text = f"{self.name} {self.where}: {self.seconds:.3f} s"
@@ -107,6 +109,8 @@ class StageTiming:
             if self.shared:
                 text += f" ({format_bytes(self.shared)} of it shared with an earlier checkpoint, not written)"
             text += f", {rate:.0f} MiB/s" + (" written" if self.shared else "")
+        if self.detail:
+            text += f"; {self.detail}"
         return text
 
     def defer(self) -> None:

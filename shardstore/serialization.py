@@ -232,6 +232,7 @@ def save(
                 sharded_state_dict, pipeline, sharded_strategy, preprocess_common_before_consistancy_check
             )
         timing.nbytes = getattr(plan, "checkpoint_nbytes", 0)
+        timing.detail = f"layout: {pipeline.pending.intent.layout.describe()}"
         try:
             if not sharded_strategy.can_handle_sharded_objects:
                 validate_sharded_objects_handling(sharded_strategy, common_strategy)

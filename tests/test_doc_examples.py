@@ -191,6 +191,12 @@ FRAGMENTS = (
         "assert pack == 'packs/0-0.zip' and not os.path.exists(f'{ckpt}/decoder/norm')\n"
         "assert (from_zarr == norm.numpy()).all() and (from_tensorstore == norm.numpy()).all()\n"
     )),
+    Fragment("layout=StorageLayout(pack_arrays_up_to=0))", check=(
+        "import os\n"  # the chosen layout recorded, then the caller's field kept
+        "assert not os.path.exists(f'{ckpt}/packs') and os.path.exists(f'{ckpt}/norm/zarr.json')\n"
+        "layout = json.load(open(f'{ckpt}/zarr.json'))['attributes']['shardstore']['layout']\n"
+        "assert layout['pack_arrays_up_to'] == 0 and layout['zarr_metadata'] == 'per_node'\n"
+    )),
     Fragment('zarr_metadata="consolidated_only"', check=(
         "import os\n"  # no array document: only the root's
         "assert sorted(os.listdir(f'{ckpt}/decoder/fc1')) == ['c.0.0'] and not os.path.exists(f'{ckpt}/decoder/zarr.json')\n"

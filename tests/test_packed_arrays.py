@@ -330,9 +330,13 @@ def test_a_reader_without_packs_refuses_a_packed_checkpoint_by_the_feature_s_nam
         load(_sd(saved[1], empty=True), str(saved[0]))
 
 
-def test_without_the_option_nothing_is_packed(tmp_path: Path) -> None:
-    path = tmp_path / "ckpt"
-    save(_sd(_tensors()), str(path))
+def test_by_default_small_arrays_are_packed_and_with_zero_nothing_is(tmp_path: Path) -> None:
+    save(_sd(_tensors()), str(tmp_path / "default"))
+    record = read_commit_record(open_location(tmp_path / "default"))
+    assert record.packs and record.requires == ("packs",)
+    assert record.layout["pack_arrays_up_to"] == 64 * 1024
+    path = tmp_path / "unpacked"
+    save(_sd(_tensors()), str(path), options=SaveOptions(pack_arrays_up_to=0))
     record = read_commit_record(open_location(path))
     assert not record.packs and record.requires == ()
     assert not (path / "packs").exists()

@@ -827,6 +827,7 @@ def commit_save(pending: PendingCheckpoint, record: CommitRecord, reports: list[
         CheckpointingException: a chunk nobody wrote or one written twice, a file that
             cannot be read back, or a lost race with another save (nothing is published).
     """
+    record = replace(record, layout=pending.intent.layout.to_json())
     record = record.with_zarr_metadata(pending.options.zarr_metadata).with_places(
         pending.options.array_places, pending.describe()
     )

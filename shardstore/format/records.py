@@ -1084,6 +1084,9 @@ class CommitRecord:
             (feature ``consolidated_only``, ``with_zarr_metadata``).
         packs: every pack of the checkpoint (``packs/<rank>-<n>.zip``, feature
             ``packs``) with its size in bytes; the arrays in them name theirs (``ArrayRecord.pack``).
+        layout: the ``StorageLayout`` the save wrote by, as chosen (``to_json``), or
+            None (records before it): informative, what a reader must understand is
+            ``requires``.
     """
 
     arrays: dict[str, ArrayRecord]
@@ -1102,6 +1105,7 @@ class CommitRecord:
     zarr_metadata: ZarrMetadata = ZarrMetadata.PER_NODE
     file_digests: dict[str, str] = field(default_factory=dict)
     packs: dict[str, int] = field(default_factory=dict)
+    layout: dict[str, Any] | None = None
 
     def with_packs(self, packs: dict[str, int]) -> CommitRecord:
         """This record listing ``packs`` (name: size) of its packed arrays (feature ``packs``)."""
@@ -1299,6 +1303,7 @@ class CommitRecord:
                 **({"zarr_metadata": self.zarr_metadata.value}
                    if self.zarr_metadata is not ZarrMetadata.PER_NODE else {}),
                 **({"packs": dict(sorted(self.packs.items()))} if self.packs else {}),
+                **({"layout": self.layout} if self.layout is not None else {}),
                 **({"requires": list(self.requires)} if self.format_version >= FORMAT_VERSION else {}),
             }
         }
@@ -1454,7 +1459,10 @@ class CommitRecord:
                 raise CheckpointingException(f"{where}: the record names {name!r} as another program's entry: {why}")
         zarr_metadata = zarr_metadata_from_json(record.get("zarr_metadata"), version, where)
         check_uses(arrays, zarr_metadata, allowed, version, where)
-        return replace(result, beside=tuple(beside), zarr_metadata=zarr_metadata)
+        layout = record.get("layout")
+        if layout is not None and not isinstance(layout, dict):
+            raise CheckpointingException(f"{where}: 'layout' must be an object")
+        return replace(result, beside=tuple(beside), zarr_metadata=zarr_metadata, layout=layout)
 
 
 _REMEMBERED_RECORD_BYTES = 16 * 2**20  # about 30,000 arrays of one chunk each

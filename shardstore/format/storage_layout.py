@@ -169,9 +169,9 @@ class StorageLayout:
             shards = site.can_exchange and site.world_size >= AUTO_SHARD_MIN_RANKS
             choices["shard_bytes"] = DEFAULT_SHARD_BYTES if shards else None
         if self.pack_arrays_up_to == AUTO:
-            choices["pack_arrays_up_to"] = 0
+            choices["pack_arrays_up_to"] = DEFAULT_PACK_BYTES
         if self.zarr_metadata == AUTO:
-            choices["zarr_metadata"] = ZarrMetadata.PER_NODE
+            choices["zarr_metadata"] = ZarrMetadata.CONSOLIDATED_ONLY if site.object_store else ZarrMetadata.PER_NODE
         return replace(self, **choices)
 
     def describe(self) -> str:

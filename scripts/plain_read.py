@@ -58,14 +58,18 @@ class Checkpoint:
             self._base, self._prefix, self.storage_options = {"driver": "file"}, f"{self.url}/", None
         self._root_group: Any = None
         self._packs: dict[str, tuple[Any, Any]] = {}
+        self._kvstores: dict[str, Any] = {}
 
     def kvstore(self, rel: str) -> dict[str, Any]:
         """The TensorStore kvstore spec of ``rel`` (a path relative to the checkpoint)."""
         return {**self._base, "path": self._prefix + rel}
 
     def read_json(self, rel: str, kvstore: dict[str, Any] | None = None) -> Any:
-        store = ts.KvStore.open(kvstore or self.kvstore("")).result()
-        result = store.read(rel).result()
+        spec = kvstore or self.kvstore("")
+        name = json.dumps(spec, sort_keys=True)
+        if name not in self._kvstores:
+            self._kvstores[name] = ts.KvStore.open(spec).result()
+        result = self._kvstores[name].read(rel).result()
         if result.state != "value":
             raise FileNotFoundError(f"{self.url}: {rel} is missing")
         return json.loads(bytes(result.value))
@@ -156,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(row))
             else:
-                print(f"{key}\t{tuple(values.shape)}\t{values.dtype}\t{reader}\tsha256:{row['sha256'][:16]}")
+                print("  ".join([key, str(tuple(values.shape)), str(values.dtype), reader, f"sha256:{row['sha256'][:16]}"]))
     return 0
 
 

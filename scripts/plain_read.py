@@ -2,7 +2,7 @@
 can, TensorStore otherwise, following the recipe in the root group's attributes.
 
     python scripts/plain_read.py /tmp/ckpt/iter_0001000
-    python scripts/plain_read.py s3://bucket/run/iter_0001000 --s3-endpoint http://127.0.0.1:9000
+    python scripts/plain_read.py s3://my-bucket/run7/iter_0001000 --s3-endpoint http://127.0.0.1:9000
 
 Prints each array's key, shape, data type, the reader that opened it and the SHA-256 of
 its bytes (C order); ``--json`` prints one JSON object per array instead. Needs only

@@ -32,6 +32,8 @@ import tensorstore as ts
 import zarr
 
 RECIPE_VERSION = 1
+# One TensorStore context for every open: a pack's zip directory is then read once, not per array.
+CONTEXT = ts.Context()
 EXTENSION_METADATA = "shardstore_extension_dtype_metadata"
 # What a checkpoint without a recipe means: every array by its path.
 BY_PATH = {
@@ -68,7 +70,7 @@ class Checkpoint:
         spec = kvstore or self.kvstore("")
         name = json.dumps(spec, sort_keys=True)
         if name not in self._kvstores:
-            self._kvstores[name] = ts.KvStore.open(spec).result()
+            self._kvstores[name] = ts.KvStore.open(spec, context=CONTEXT).result()
         result = self._kvstores[name].read(rel).result()
         if result.state != "value":
             raise FileNotFoundError(f"{self.url}: {rel} is missing")
@@ -133,15 +135,17 @@ def _directory_array(
     spec = {"driver": "zarr3", "kvstore": ckpt.kvstore(f"{key}/")}
     if where == "listed":  # its only document is the listed one
         spec["metadata"] = document
-        return "tensorstore", ts.open(spec, open=True, assume_metadata=True).result().read().result()
-    return "tensorstore", ts.open(spec, open=True).result().read().result()
+        array = ts.open(spec, open=True, assume_metadata=True, context=CONTEXT).result()
+    else:
+        array = ts.open(spec, open=True, context=CONTEXT).result()
+    return "tensorstore", array.read().result()
 
 
 def _packed_array(ckpt: Checkpoint, key: str, pack: str, tensorstore_only: set[str]) -> tuple[str, np.ndarray]:
     spec, group = ckpt.pack(pack)
     if group is not None and _data_type(ckpt.read_json(f"{key}/zarr.json", spec)) not in tensorstore_only:
         return "zarr", np.asarray(group[key][...])
-    array = ts.open({"driver": "zarr3", "kvstore": spec, "path": key}, open=True).result()
+    array = ts.open({"driver": "zarr3", "kvstore": spec, "path": key}, open=True, context=CONTEXT).result()
     return "tensorstore", array.read().result()
 
 

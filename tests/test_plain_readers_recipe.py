@@ -165,3 +165,21 @@ def test_a_checkpoint_without_a_recipe_opens_every_array_by_its_path(tmp_path: P
     got = _plain_read([str(tmp_path / "ckpt")], "http://127.0.0.1:1", tmp_path)[str(tmp_path / "ckpt")]
     assert {k: {f: row[f] for f in ("shape", "dtype", "sha256")} for k, row in got.items()} == {
         k: _expected(k) for k in core}
+
+
+def test_the_recipe_names_each_listing_and_stays_small_for_many_packed_arrays(tmp_path: Path) -> None:
+    """Packs and consolidated-only documents at 1 rank, 300 packed arrays: the recipe
+    names the three listings and is the same size as for one array."""
+    state = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.ones(4, dtype=torch.bfloat16)) for i in range(300)}
+    state["large"] = ShardedTensor.from_rank_offsets("large", torch.ones(256, 128))
+    save(state, tmp_path / "ckpt", options=SaveOptions(pack_arrays_up_to=PACK_BYTES, zarr_metadata="consolidated_only"))
+    attributes = json.loads((tmp_path / "ckpt" / "zarr.json").read_text())["attributes"]
+    assert attributes["readers"]["recipe"] == {
+        "version": 1,
+        "sources": [
+            {"listed_in": ["consolidated_metadata", "metadata"], "store": "directory", "document": "listed"},
+            {"listed_in": ["attributes", "packed_arrays"], "store": "zip_pack", "document": "zarr_json"},
+        ],
+        "tensorstore_only_data_types": ["bfloat16"],
+    }
+    assert len(attributes["packed_arrays"]) == 300

@@ -2,7 +2,7 @@
 
 Checkpoints saved at 2 ranks with packs (``pack_arrays_up_to=65536``), each array's
 document per node or in the consolidated metadata only, on local disk and on S3 (the
-moto server), hold float32 and bfloat16 arrays, small (packed) and large (a directory),
+moto server), hold float32, bfloat16 and float8 arrays, small (packed) and large (a directory),
 split over the ranks and whole. ``scripts/plain_read.py``, run where shardstore cannot
 be imported (``python -S``: site-packages on ``PYTHONPATH`` without its ``.pth`` files,
 so neither shardstore's editable install nor its zarr data-type hook), opens each array
@@ -45,8 +45,12 @@ ARRAYS = {
     "large/whole": ((128, 256), torch.float32, False),
     "large/split_bf16": ((256, 256), torch.bfloat16, True),
     "large/whole_bf16": ((512, 128), torch.bfloat16, False),
+    "small/whole_fp8": ((32,), torch.float8_e4m3fn, False),
+    "large/split_fp8": ((512, 256), torch.float8_e5m2, True),
     "step": ((), torch.int64, False),
 }
+# zarr-python has no type for these without shardstore
+TENSORSTORE_ONLY = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 PACKED = {k for k, (shape, dtype, _) in ARRAYS.items()
           if torch.empty(shape, dtype=dtype).nbytes <= PACK_BYTES}
 LAYOUTS = {"per_node": "per_node", "consolidated": "consolidated_only"}
@@ -71,7 +75,7 @@ def save_every_layout(rank: int, world: int, local: str, s3_url: str, endpoint: 
 def _expected(key: str) -> dict:
     shape, dtype, _ = ARRAYS[key]
     full = global_tensor(key, shape, dtype)
-    raw = (full.view(torch.int16) if dtype == torch.bfloat16 else full).contiguous().numpy().tobytes()
+    raw = full.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "sha256": hashlib.sha256(raw).hexdigest()}
 
 
@@ -148,17 +152,17 @@ def test_plain_readers_read_every_array_bit_exact_by_the_recipe(plain: dict[str,
 
 @pytest.mark.parametrize("case", ["local per_node", "local consolidated", "s3 per_node", "s3 consolidated"])
 def test_zarr_python_reads_what_it_can_and_tensorstore_the_rest(plain: dict[str, dict], case: str) -> None:
-    """TensorStore reads bfloat16 (zarr-python has no such type) and, on S3, packed
+    """TensorStore reads bfloat16 and float8 (zarr-python has no such types) and, on S3, packed
     arrays (zarr-python's ZipStore needs a local file); zarr-python reads the others."""
     for key, (_, dtype, _) in ARRAYS.items():
-        tensorstore = dtype == torch.bfloat16 or (case.startswith("s3") and key in PACKED)
+        tensorstore = dtype in TENSORSTORE_ONLY or (case.startswith("s3") and key in PACKED)
         assert plain[case][key]["reader"] == ("tensorstore" if tensorstore else "zarr"), key
 
 
 def test_a_checkpoint_without_a_recipe_opens_every_array_by_its_path(tmp_path: Path) -> None:
     """Per-node documents and no packs: the root has no ``readers`` attribute, and the
     reader opens each array by its path."""
-    core = {k: v for k, v in ARRAYS.items() if v[1] != torch.bfloat16}
+    core = {k: v for k, v in ARRAYS.items() if v[1] not in TENSORSTORE_ONLY}
     save({k: ShardedTensor.from_rank_offsets(k, global_tensor(k, shape, dtype)) for k, (shape, dtype, _) in core.items()},
          tmp_path / "ckpt")
     assert "readers" not in json.loads((tmp_path / "ckpt" / "zarr.json").read_text())["attributes"]

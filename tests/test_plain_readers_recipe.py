@@ -94,7 +94,7 @@ assert "shardstore._zarr_autoload" not in sys.modules
 '''
 
 
-def _plain_read(checkpoints: list[str], endpoint: str, cwd: Path) -> dict[str, dict[str, dict]]:
+def plain_read(checkpoints: list[str], endpoint: str, cwd: Path) -> dict[str, dict[str, dict]]:
     """What ``scripts/plain_read.py`` read: checkpoint -> key -> its row."""
     paths = sysconfig.get_paths()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -127,7 +127,7 @@ def saved(moto_server: MotoServer, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="module")
 def plain(saved: tuple[dict[str, str], str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     urls, endpoint = saved
-    read = _plain_read(list(urls.values()), endpoint, tmp_path_factory.mktemp("elsewhere"))
+    read = plain_read(list(urls.values()), endpoint, tmp_path_factory.mktemp("elsewhere"))
     return {name: read[url] for name, url in urls.items()}
 
 
@@ -166,7 +166,7 @@ def test_a_checkpoint_without_a_recipe_opens_every_array_by_its_path(tmp_path: P
     save({k: ShardedTensor.from_rank_offsets(k, global_tensor(k, shape, dtype)) for k, (shape, dtype, _) in core.items()},
          tmp_path / "ckpt")
     assert "readers" not in json.loads((tmp_path / "ckpt" / "zarr.json").read_text())["attributes"]
-    got = _plain_read([str(tmp_path / "ckpt")], "http://127.0.0.1:1", tmp_path)[str(tmp_path / "ckpt")]
+    got = plain_read([str(tmp_path / "ckpt")], "http://127.0.0.1:1", tmp_path)[str(tmp_path / "ckpt")]
     assert {k: {f: row[f] for f in ("shape", "dtype", "sha256")} for k, row in got.items()} == {
         k: _expected(k) for k in core}
 

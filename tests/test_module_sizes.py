@@ -19,7 +19,6 @@ KNOWN_LONGER = frozenset({
     "execution/save.py",
     "format/commit.py",
     "format/records.py",
-    "planning/plans.py",
     "serialization.py",
     "strategies/zarr.py",
     "tools/dcp_storage.py",

@@ -1,14 +1,26 @@
-"""The coordinator's save plan (``plan_save``): each array placed, by its kind, and its
-writes handed to the ranks' parts.
+"""The coordinator's save plan (``plan_save``): a loop that places each array by its
+kind and hands its writes to the ranks' parts (``RankPart``, one per rank):
+
+    blocks       unsharded chunks, or shards inside blocks (``in_block``): written by
+                 their holders, as the main shards say
+    packed       a small array split over ranks, gathered whole to one writer (``packed``)
+    gathered     shards across blocks, each gathered to one writer (``gathered``)
+    flattened    flattened ranges' chunks, direct or assembled (``flat``)
+
+What is assembled by exchange goes to its writer and to each contributor, numbered with
+a tag unique within the save, at its place in the writer's assembly (``FlatChunk.at``,
+which ``waves.exchange_waves`` cuts into waves).
 """
 
 from __future__ import annotations
 
-__all__ = ["plan_save"]
+__all__ = ["RankPart", "plan_save"]
 
 from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
-from shardstore.format.records import CommitRecord, ObjectRecord, parent_groups
+from shardstore.format.records import ArrayRecord, CommitRecord, ObjectRecord, parent_groups
 from shardstore.planning.layout import (
     DirectFlatWrite,
     FlatChunk,
@@ -21,6 +33,117 @@ from shardstore.planning.plans.flat import plan_flat_writes
 from shardstore.planning.plans.gathered import plan_gathered_writes
 from shardstore.planning.plans.packed import plan_packed_whole
 from shardstore.planning.plans.rank_plans import RankSavePlan
+
+
+@dataclass
+class RankPart:
+    """One rank's part of a save while ``plan_save`` places the arrays: the lists its
+    ``RankSavePlan`` freezes, each grown by its ``add_*``.
+
+    Attributes:
+        shards: its main shards.
+        direct: chunks inside one of its flattened ranges, written directly.
+        straddling: ``(tag, chunk)`` it assembles or sends a piece of.
+        metadata: arrays whose ``zarr.json`` it writes.
+        touched: arrays it writes chunks or metadata of, or sends pieces of.
+        gathered: arrays whose blocks are gathered to a writer, that it takes part in.
+        assembling: the bytes it assembles by exchange so far (``FlatChunk.at``).
+    """
+
+    shards: list[ShardRecord] = field(default_factory=list)
+    direct: list[DirectFlatWrite] = field(default_factory=list)
+    straddling: list[tuple[int, FlatChunk]] = field(default_factory=list)
+    metadata: list[str] = field(default_factory=list)
+    touched: set[str] = field(default_factory=set)
+    gathered: set[str] = field(default_factory=set)
+    assembling: int = 0
+
+    def add_shard(self, key: str, shard: ShardRecord) -> None:
+        """A main shard of ``key`` it holds."""
+        self.shards.append(shard)
+        self.touched.add(key)
+
+    def add_metadata(self, key: str) -> None:
+        """``key``'s ``zarr.json``, which it writes."""
+        self.metadata.append(key)
+
+    def add_direct(self, write: DirectFlatWrite) -> None:
+        """A chunk inside one of its flattened ranges."""
+        self.direct.append(write)
+
+    def add_gathered(self, key: str) -> None:
+        """``key``, gathered to a writer, which it holds a block of or writes."""
+        self.gathered.add(key)
+
+    def add_assembled(self, key: str, tag: int, chunk: FlatChunk, nbytes: int) -> FlatChunk:
+        """``chunk`` of ``nbytes``, which it assembles: placed after what it assembles
+        so far; the chunk, so placed."""
+        # FlatChunk's own constructor, not ``replace``: a 4,096-rank save makes a copy
+        # per contributor, hundreds of thousands
+        placed = FlatChunk(key, chunk.region, chunk.writer, chunk.pieces, self.assembling)
+        self.assembling += nbytes
+        self.straddling.append((tag, placed))
+        self.touched.add(key)
+        return placed
+
+    def add_contribution(self, key: str, tag: int, chunk: FlatChunk) -> None:
+        """``chunk`` as far as it sends pieces of it (``chunk.pieces``: its own)."""
+        self.straddling.append((tag, chunk))
+        self.touched.add(key)
+
+    def plan(
+        self, rank: int, records: dict[str, ArrayRecord], checkpoint_nbytes: int, commit: CommitRecord | None,
+        assembled_bytes: int, largest_assembled: int,
+    ) -> RankSavePlan:
+        """Its frozen plan as rank ``rank``; the coordinator's (``commit``) writes the groups."""
+        return RankSavePlan(
+            rank=rank,
+            records={k: records[k] for k in sorted(self.touched)},
+            shards=tuple(self.shards),
+            flat_direct=tuple(self.direct),
+            straddling=tuple(self.straddling),
+            array_metadata=tuple(self.metadata),
+            group_metadata=tuple(parent_groups(list(records))) if commit is not None else (),
+            checkpoint_nbytes=checkpoint_nbytes,
+            commit=commit,
+            gathered=frozenset(self.gathered),
+            assembled_bytes=assembled_bytes,
+            largest_assembled=largest_assembled,
+        )
+
+
+class _Exchanges:
+    """The chunks a save assembles by exchange, handed to the ranks' parts (``parts``),
+    each with its tag (``tag``: the next); and the bytes of the largest (``largest``)."""
+
+    def __init__(self, parts: list[RankPart]) -> None:
+        self.parts = parts
+        self.tag = 0
+        self.largest = 0
+
+    def add(self, key: str, chunks: Iterable[FlatChunk], itemsize: int) -> None:
+        """``chunks`` of ``key``: each to its writer, and to each contributor its own
+        pieces (grouped once, not per rank: a small tensor's one chunk, or a shard, may
+        gather pieces from every rank)."""
+        for chunk in chunks:
+            writer, nbytes = chunk.writer, chunk.volume * itemsize
+            chunk = self.parts[writer].add_assembled(key, self.tag, chunk, nbytes)
+            self.largest = max(self.largest, nbytes)
+            by_rank: dict[int, list] = defaultdict(list)
+            for piece in chunk.pieces:
+                if piece[0] != writer:
+                    by_rank[piece[0]].append(piece)
+            for rank in sorted(by_rank):
+                self.parts[rank].add_contribution(
+                    key, self.tag, FlatChunk(key, chunk.region, writer, tuple(by_rank[rank]), chunk.at))
+            self.tag += 1
+
+    def gather(self, key: str, main: list[ShardRecord], chunks: list[FlatChunk], itemsize: int) -> None:
+        """``key``'s ``chunks``, gathered from its ``main`` blocks to their writers: every
+        holder and writer takes part (``RankSavePlan.gathered``)."""
+        for rank in {s.rank for s in main} | {c.writer for c in chunks}:
+            self.parts[rank].add_gathered(key)
+        self.add(key, chunks, itemsize)
 
 
 def plan_save(
@@ -38,59 +161,31 @@ def plan_save(
         layout = balance_writers(layout)
     records, grids = array_records(layout, max_chunk_bytes, shard_bytes)
     world = layout.world_size
-    load = [0] * world  # bytes each rank writes of gathered shards
-    gathered: list[set[str]] = [set() for _ in range(world)]
-    shards: list[list[ShardRecord]] = [[] for _ in range(world)]
-    direct: list[list[DirectFlatWrite]] = [[] for _ in range(world)]
-    straddling: list[list[tuple[int, FlatChunk]]] = [[] for _ in range(world)]
-    metadata: list[list[str]] = [[] for _ in range(world)]
-    touched: list[set[str]] = [set() for _ in range(world)]
-    assembling = [0] * world  # bytes each rank assembles by exchange so far: ``FlatChunk.at``
-    largest_assembled = 0
-    tag = 0
+    load = [0] * world  # bytes each rank writes of gathered shards and packed arrays
+    parts = [RankPart() for _ in range(world)]
+    exchanges = _Exchanges(parts)
     for ordinal, (key, key_shards) in enumerate(sorted(layout.tensors.items())):
         main = [s for s in key_shards if s.main]
-        for s in main:
-            shards[s.rank].append(s)
-            touched[s.rank].add(key)
-        whole = plan_packed_whole(records[key], main, pack_arrays_up_to, load) if main else None
-        if whole is not None:  # its writer packs it, document included
-            records[key] = whole[0]
-            metadata[whole[1].writer].append(key)
-        elif main:
-            metadata[main[ordinal % len(main)].rank].append(key)
-        gathered_key = key in grids  # shards inside blocks (not in ``grids``) are written as blocks are
-        if not main or (main[0].flat_range is None and not gathered_key and whole is None):
+        if not main:
             continue
-        if whole is not None or gathered_key:  # whole into one chunk, or into shards
-            key_direct = []
-            key_straddling = [whole[1]] if whole is not None else plan_gathered_writes(key, records[key], grids[key], load)
-            for rank in {s.rank for s in main} | {c.writer for c in key_straddling}:
-                gathered[rank].add(key)
-        else:
-            key_direct, key_straddling = plan_flat_writes(key, main, records[key].chunk_shape)
-        for write in key_direct:
-            direct[write.rank].append(write)
-        itemsize = records[key].itemsize
-        for chunk in key_straddling:
-            # FlatChunk's own constructor, not ``replace``: a 4,096-rank save makes a copy
-            # per contributor, hundreds of thousands
-            writer, nbytes = chunk.writer, chunk.volume * itemsize
-            chunk = FlatChunk(key, chunk.region, writer, chunk.pieces, assembling[writer])
-            assembling[writer] += nbytes
-            largest_assembled = max(largest_assembled, nbytes)
-            straddling[writer].append((tag, chunk))
-            touched[writer].add(key)
-            # a contributor needs only its own pieces (a small tensor's one chunk, or a
-            # shard, may gather pieces from every rank): grouped once, not per rank
-            by_rank: dict[int, list] = defaultdict(list)
-            for piece in chunk.pieces:
-                if piece[0] != writer:
-                    by_rank[piece[0]].append(piece)
-            for rank in sorted(by_rank):
-                straddling[rank].append((tag, FlatChunk(key, chunk.region, writer, tuple(by_rank[rank]), chunk.at)))
-                touched[rank].add(key)
-            tag += 1
+        for s in main:
+            parts[s.rank].add_shard(key, s)
+        whole = plan_packed_whole(records[key], main, pack_arrays_up_to, load)
+        if whole is not None:  # packed: its writer packs it, document included
+            records[key], chunk = whole
+            parts[chunk.writer].add_metadata(key)
+            exchanges.gather(key, main, [chunk], records[key].itemsize)
+            continue
+        parts[main[ordinal % len(main)].rank].add_metadata(key)
+        if key in grids:  # gathered into shards (shards inside blocks are not in ``grids``)
+            chunks = plan_gathered_writes(key, records[key], grids[key], load)
+            exchanges.gather(key, main, chunks, records[key].itemsize)
+        elif main[0].flat_range is not None:  # flattened ranges
+            direct, straddling = plan_flat_writes(key, main, records[key].chunk_shape)
+            for write in direct:
+                parts[write.rank].add_direct(write)
+            exchanges.add(key, straddling, records[key].itemsize)
+        # else blocks: written by their holders, as their main shards say
     commit = CommitRecord(
         arrays=records,
         objects={
@@ -100,21 +195,7 @@ def plan_save(
         world_size=world,
     )
     # the arrays' bytes: what the main shards of a valid layout cover, each element once
-    nbytes, assembled_bytes = sum(r.nbytes for r in records.values()), max(assembling)
-    return [
-        RankSavePlan(
-            rank=rank,
-            records={k: records[k] for k in sorted(touched[rank])},
-            shards=tuple(shards[rank]),
-            flat_direct=tuple(direct[rank]),
-            straddling=tuple(straddling[rank]),
-            array_metadata=tuple(metadata[rank]),
-            group_metadata=tuple(parent_groups(list(records))) if rank == 0 else (),
-            checkpoint_nbytes=nbytes,
-            commit=commit if rank == 0 else None,
-            gathered=frozenset(gathered[rank]),
-            assembled_bytes=assembled_bytes,
-            largest_assembled=largest_assembled,
-        )
-        for rank in range(world)
-    ]
+    nbytes, assembled_bytes = sum(r.nbytes for r in records.values()), max(p.assembling for p in parts)
+    return [part.plan(rank, records, nbytes, commit if rank == 0 else None, assembled_bytes, exchanges.largest)
+            for rank, part in enumerate(parts)]
+

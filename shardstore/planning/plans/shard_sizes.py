@@ -20,10 +20,22 @@ from shardstore.format.sharding import ShardIndex
 from shardstore.format.storage_layout import SHARD_SLACK
 from shardstore.planning.plans.block_grid import BlockGrid
 
-# How far a shard may exceed ``shard_bytes`` (``shard_shape``): shards of 1-1.25 times
-# the size where fewer, evenly cut, are closer to it than more, smaller ones. Megatron
-# GPT-175B's attention projection's optimizer blocks are 72 MiB: one shard each, not two
-# of 36 MiB.
+# A sharded array's chunk rows are split into at most INNER_PARTS inner chunks of at
+# least MIN_INNER_BYTES: a load at another layout reads at most about two inner chunks
+# more than it needs per range (4 -> 3 ranks with 8 parts: about 1.2x), and each inner
+# chunk costs 24 bytes of trailer, crc table and index. A flattened array's inner chunks
+# are at most a FRAGMENT_PARTS-th of its smallest fragment (``_flat_sharded_record``),
+# leaving out the smallest that hold a SMALL_FRAGMENT_SHARE-th of its elements
+# (``_sizing_fragment``).
+INNER_PARTS = 8
+MIN_INNER_BYTES = 16 << 10
+FRAGMENT_PARTS = 8
+SMALL_FRAGMENT_SHARE = 16
+
+# ``SHARD_SLACK`` (``format.storage_layout``): how far a shard may exceed ``shard_bytes``
+# (``shard_shape``): shards of 1-1.25 times the size where fewer, evenly cut, are closer
+# to it than more, smaller ones. Megatron GPT-175B's attention projection's optimizer
+# blocks are 72 MiB: one shard each, not two of 36 MiB.
 
 
 def largest_shard_data_bytes(shard_bytes: int) -> int:
@@ -96,19 +108,6 @@ def shard_shape(
         out[axis] = along * inner[axis]
         count, cap = count / along, cap / along
     return tuple(out)
-
-
-# A sharded array's chunk rows are split into at most INNER_PARTS inner chunks of at
-# least MIN_INNER_BYTES: a load at another layout reads at most about two inner chunks
-# more than it needs per range (4 -> 3 ranks with 8 parts: about 1.2x), and each inner
-# chunk costs 24 bytes of trailer, crc table and index. A flattened array's inner chunks
-# are at most a FRAGMENT_PARTS-th of its smallest fragment (``_flat_sharded_record``),
-# leaving out the smallest that hold a SMALL_FRAGMENT_SHARE-th of its elements
-# (``_sizing_fragment``).
-INNER_PARTS = 8
-MIN_INNER_BYTES = 16 << 10
-FRAGMENT_PARTS = 8
-SMALL_FRAGMENT_SHARE = 16
 
 
 def inner_rows(rows: int, row_bytes: int) -> int:

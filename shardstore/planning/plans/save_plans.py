@@ -38,7 +38,7 @@ from shardstore.planning.plans.rank_plans import RankSavePlan
 @dataclass
 class RankPart:
     """One rank's part of a save while ``plan_save`` places the arrays: the lists its
-    ``RankSavePlan`` freezes, each grown by its ``add_*``.
+    ``RankSavePlan`` freezes, each grown by its ``add_*`` (``shards``, by ``plan_save``).
 
     Attributes:
         shards: its main shards.
@@ -57,11 +57,6 @@ class RankPart:
     touched: set[str] = field(default_factory=set)
     gathered: set[str] = field(default_factory=set)
     assembling: int = 0
-
-    def add_shard(self, key: str, shard: ShardRecord) -> None:
-        """A main shard of ``key`` it holds."""
-        self.shards.append(shard)
-        self.touched.add(key)
 
     def add_metadata(self, key: str) -> None:
         """``key``'s ``zarr.json``, which it writes."""
@@ -168,8 +163,10 @@ def plan_save(
         main = [s for s in key_shards if s.main]
         if not main:
             continue
-        for s in main:
-            parts[s.rank].add_shard(key, s)
+        for s in main:  # its blocks: inline, not a call each (a million at 512 FSDP2 ranks)
+            part = parts[s.rank]
+            part.shards.append(s)
+            part.touched.add(key)
         whole = plan_packed_whole(records[key], main, pack_arrays_up_to, load)
         if whole is not None:  # packed: its writer packs it, document included
             records[key], chunk = whole

@@ -241,7 +241,7 @@ def failed_then_retried(rank: int, world: int, root: str) -> list[str]:
     state[f"new{rank}"] = torch.arange(1024, dtype=torch.float32) + rank
     real = ShardstoreWriter._open_save
 
-    def failing(self: ShardstoreWriter, exchange: bool) -> Any:
+    def failing(self: ShardstoreWriter, *args: Any) -> Any:
         raise OSError("simulated storage error beginning the save")
 
     ShardstoreWriter._open_save = failing

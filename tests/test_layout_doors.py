@@ -102,3 +102,27 @@ def test_the_manager_hands_its_layout_to_each_save_and_refuses_a_contradicting_o
     assert record.arrays["w"].chunk_shape == (256,)
     with pytest.raises(ValueError, match="layout must be a StorageLayout"):
         CheckpointManagerOptions(layout={"shard_bytes": MiB})  # type: ignore[arg-type]
+
+
+def _plans(members: list[tuple[int, int] | None]) -> list:
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from shardstore.tools.dcp_storage import HeldPlainTensors
+
+    return [SavePlan(items=[], storage_data=HeldPlainTensors((), (), member)) for member in members]
+
+
+def test_the_dcp_writer_shards_by_default_from_32_ranks_where_they_can_exchange(tmp_path: Path) -> None:
+    from shardstore.format.storage_layout import AUTO_SHARD_MIN_RANKS, DEFAULT_SHARD_BYTES
+
+    writer = ShardstoreWriter(tmp_path / "ckpt")
+    many = AUTO_SHARD_MIN_RANKS
+    layout, exchange = writer._chosen(_plans([(rank, many) for rank in range(many)]))
+    assert layout.chosen and layout.shard_bytes == DEFAULT_SHARD_BYTES and exchange
+    # a group whose ranks are not DCP's: "auto" chooses no shards, an explicit size is refused
+    layout, exchange = writer._chosen(_plans([None] * many))
+    assert layout.shard_bytes is None and not exchange
+    with pytest.raises(CheckpointingException, match="not DCP's"):
+        ShardstoreWriter(tmp_path / "ckpt", shard_bytes=MiB)._chosen(_plans([None] * 2))
+    layout, exchange = writer._chosen(_plans([(0, 2), (1, 2)]))
+    assert layout.shard_bytes is None and not exchange  # below 32 ranks

@@ -142,8 +142,8 @@ class RankPart:
     Attributes:
         save: the save this rank joins and its part of shardstore's save plan.
         items: the sharded write items it writes, in the order ``save.plan`` numbers them.
-        exchange: the ranks exchange blocks in ``write_data`` (a layout that shards or
-            packs, in a save of several ranks; ``tools.dcp_exchange``).
+        exchange: the ranks exchange blocks in ``write_data`` (a layout that shards, in
+            a save of several ranks; ``tools.dcp_exchange``).
         ranks: how many ranks the save has (DCP's plans): the group a later save plans
             on where DCP's plan cache hands this part back (``PlanAtWrite``).
         plan_id: the planning that made it (the same in every rank's part): a later save
@@ -265,8 +265,9 @@ class HeldPlainTensors:
     plain tensors it holds that become arrays, each of which it could write (DCP's
     deduplication keeps a replicated item in one plan only), the name, shape and
     dtype of every plain tensor it holds (``_refuse_divergent_replicas``), and its rank
-    and the size of the group it exchanges blocks on (``refuse_other_group``). DCP's plan cache may hand the coordinator one made by an
-    earlier save's writer: ``settings`` tells."""
+    and the size of the group it exchanges blocks on (``refuse_other_group``). DCP's
+    plan cache may hand the coordinator one made by an earlier save's writer:
+    ``settings`` tells."""
 
     items: tuple[WriteItem, ...]
     plain: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
@@ -439,7 +440,8 @@ class ShardstoreWriter(StorageWriter):
 
     def _chosen(self, plans: list[SavePlan]) -> tuple[StorageLayout, bool]:
         """Coordinator: this save's layout, chosen for DCP's ranks, the store and whether
-        the ranks can exchange blocks (``tools.dcp_exchange``), and whether they do.
+        the ranks can exchange blocks (``tools.dcp_exchange``), and whether they do: where
+        it shards (small split arrays are then also gathered whole for packs).
 
         Raises:
             CheckpointingException: an explicit ``shard_bytes`` where they cannot."""
@@ -449,7 +451,7 @@ class ShardstoreWriter(StorageWriter):
         layout = self.layout.chosen_for(site)
         if ranks > 1 and not can and layout.shard_bytes is not None:
             refuse_other_group(plans, _id_text(self.checkpoint_id) or "")
-        return layout, can and (layout.shard_bytes is not None or bool(layout.pack_arrays_up_to))
+        return layout, can and layout.shard_bytes is not None
 
     def _as_array(self, item: WriteItem) -> bool:
         """A plain tensor's item that is written as an array (the same answer on every

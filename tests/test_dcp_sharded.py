@@ -169,6 +169,34 @@ def test_async_save_exchanges_on_the_writers_own_group_bit_exact(tmp_path: Path,
         assert len(_sharded_arrays(tmp_path / name)) == LAYERS and shardstore.verify(tmp_path / name).ok, name
 
 
+def async_save_of_a_subgroup(rank: int, world: int, root: str) -> str | None:
+    """Ranks 0 and 1 of 3 save on a subgroup under ``dcp.async_save``; rank 2 saves nothing."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    pair = dist.new_group([0, 1])
+    refusal = None
+    if rank < 2:
+        mesh = DeviceMesh.from_group(pair, "cpu")
+        state = {"w": distribute_tensor(torch.arange(64.0).reshape(16, 4), mesh, [Shard(0)])}
+        with pytest.raises(DcpFailure) as refused:  # the writers' own group would need rank 2
+            dcp.async_save(state, storage_writer=ShardstoreWriter(f"{root}/explicit", shard_bytes=SHARD_BYTES),
+                           process_group=pair).result(timeout=60)
+        refusal = str(refused.value)
+        dcp.async_save(state, storage_writer=ShardstoreWriter(f"{root}/auto"), process_group=pair).result(timeout=60)
+    dist.barrier()
+    return refusal
+
+
+def test_an_async_save_of_some_ranks_makes_no_group_and_refuses_only_an_explicit_shard_size(tmp_path: Path) -> None:
+    errors = run_distributed(async_save_of_a_subgroup, 3, str(tmp_path), timeout=180)
+    for error in errors[:2]:
+        assert "not DCP's [(0, 2), (1, 2)]" in error, error
+    assert shardstore.verify(tmp_path / "auto").ok and not _sharded_arrays(tmp_path / "auto")
+    assert torch.equal(shardstore.load_plain_tensors(tmp_path / "auto")["w"], torch.arange(64.0).reshape(16, 4))
+
+
 def save_on_a_thread_of_the_callers_own(rank: int, world: int, root: str) -> None:
     """A synchronous dcp.save run by a thread of the caller's (as Ray Train runs the
     training function), its writer made there: the default group is the caller's."""

@@ -36,11 +36,11 @@ from shardstore.format import (
     CommitRecord,
     ObjectRecord,
     SaveOptions,
+    StorageLayout,
     array_group_collisions,
     parent_groups,
     tensor_to_numpy,
 )
-from shardstore.format.storage_layout import AUTO, StorageLayout
 from shardstore.mapping import ShardedObject, ShardedTensor
 from shardstore.stores import Location
 from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION, TorchCommonSaveStrategy
@@ -75,11 +75,11 @@ class CheckpointWriter:
 
     def __init__(
         self, checkpoint_dir: str | os.PathLike | Location, overwrite: bool = False,
-        max_chunk_bytes: int | Literal["auto"] = AUTO,
+        max_chunk_bytes: int | Literal["auto"] = "auto",
         planned_arrays: dict[str, torch.Tensor] | None = None, planned_objects: Iterable[str] = (),
         array_places: ArrayPlaces | None = None, layout: StorageLayout | None = None,
     ) -> None:
-        if max_chunk_bytes != AUTO:
+        if max_chunk_bytes != "auto":
             max_chunk_bytes = checked_max_chunk_bytes(max_chunk_bytes)
         layout = StorageLayout.of(layout, max_chunk_bytes=max_chunk_bytes)
         config = CheckpointingConfig(SHARDSTORE_BACKEND, ZARR_VERSION, COMMON_BACKEND, COMMON_VERSION)

@@ -79,9 +79,11 @@ from shardstore.format import (
     CheckpointingConfig,
     CommitRecord,
     DcpMetadata,
+    LayoutSite,
     SaveIntent,
     SaveOptions,
     StatePath,
+    StorageLayout,
     WrittenChunk,
     cast_checked,
     chunk_store_for,
@@ -95,7 +97,6 @@ from shardstore.format import (
     state_paths,
     tensor_to_numpy,
 )
-from shardstore.format.storage_layout import AUTO, LayoutSite, StorageLayout
 from shardstore.inputs.dtensors import fqn
 from shardstore.inputs.plain_tensors import (
     DEFAULT_MIN_ARRAY_BYTES,
@@ -367,9 +368,9 @@ class ShardstoreWriter(StorageWriter):
 
     def __init__(
         self, checkpoint_id: CheckpointId | None = None, *, overwrite: bool = True,
-        max_chunk_bytes: int | Literal["auto"] = AUTO, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+        max_chunk_bytes: int | Literal["auto"] = "auto", io_concurrency: int = DEFAULT_IO_CONCURRENCY,
         min_array_bytes: int = DEFAULT_MIN_ARRAY_BYTES, reuse_from: CheckpointId | None = None,
-        shard_bytes: ShardBytes = AUTO, process_group: dist.ProcessGroup | None = None,
+        shard_bytes: ShardBytes = "auto", process_group: dist.ProcessGroup | None = None,
         zarr_metadata: str | None = None, sync_staging_bytes: int = DEFAULT_SYNC_STAGING_BYTES,
         pack_arrays_up_to: int | None = None, layout: StorageLayout | None = None,
     ) -> None:
@@ -526,7 +527,7 @@ class ShardstoreWriter(StorageWriter):
         plans by now wherever one is usable, so a refusal then reaches the ranks as
         their part (``Refused``), not as an exception here."""
         if not any(plan.usable for plan in plans):  # DCP changed no cache: refusing here is safe
-            self._planning_group(len(plans))
+            self._refuse_planning_size(len(plans))
             return plans
         if not all(plan.usable and self._holds_as_now(plan) for plan in plans):
             return [replace(plan, storage_data=PlanAtWrite(len(plans))) if plan.usable else plan for plan in plans]
@@ -557,14 +558,18 @@ class ShardstoreWriter(StorageWriter):
         Refused, before any rank writes: one whose size is not DCP's."""
         if ranks == 1:
             return Group.local()
-        group = self._collective_group()
-        if group.world_size != ranks:
+        self._refuse_planning_size(ranks)
+        return self._collective_group()
+
+    def _refuse_planning_size(self, ranks: int) -> None:
+        """Refuses to plan at write on a group whose size is not DCP's ``ranks`` (the
+        writers' own has the default group's); makes no group."""
+        if ranks > 1 and (size := Group(self.process_group).world_size) != ranks:
             raise CheckpointingException(
                 f"Saving {_id_text(self.checkpoint_id)}: with DCP's plan caching, ShardstoreWriter plans the save in "
-                f"write_data on its process group, which has {group.world_size} ranks where dcp.save has {ranks}. "
+                f"write_data on its process group, which has {size} ranks where dcp.save has {ranks}. "
                 "Pass the group given to dcp.save(process_group=...) as ShardstoreWriter(process_group=...)"
             )
-        return group
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """All ranks: this rank's arrays' metadata and chunks, durable; the results

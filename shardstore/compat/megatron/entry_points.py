@@ -68,8 +68,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from shardstore.errors import CheckpointingException
-from shardstore.format import SaveOptions, is_committed, read_commit_record
-from shardstore.format.storage_layout import AUTO, StorageLayout
+from shardstore.format import SaveOptions, StorageLayout, is_committed, read_commit_record
 from shardstore.opened import bare_location
 from shardstore.progress import info_on_first_rank, log_once, operations_logged_at
 from shardstore.serialization import (
@@ -149,7 +148,7 @@ _OURS = "_shardstore_strategy"
 
 
 def install(
-    *, reuse_previous: bool = True, zarr_metadata: str | None = None, shard_bytes: ShardBytes = AUTO,
+    *, reuse_previous: bool = True, zarr_metadata: str | None = None, shard_bytes: ShardBytes = "auto",
     pack_arrays_up_to: int | None = None, layout: StorageLayout | None = None,
 ) -> None:
     """Makes ``megatron.core.dist_checkpointing``'s entry points (``ENTRY_POINTS``) save
@@ -519,7 +518,7 @@ def _options_layout() -> StorageLayout:
     """The layout a save's options carry: ``install``'s, but for the chunk and shard
     sizes, which the save's strategy carries (``strategy_for_save``; ours its own)."""
     installed = _installation.layout if _installation is not None else StorageLayout()
-    return replace(installed, max_chunk_bytes=AUTO, shard_bytes=AUTO)
+    return replace(installed, max_chunk_bytes="auto", shard_bytes="auto")
 
 
 def _megatron_request_class(async_strategy: str | None) -> Any:

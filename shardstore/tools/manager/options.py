@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from shardstore.format.storage_layout import StorageLayout
+from shardstore.format import StorageLayout
 
 Metrics = Mapping[str, float]
 
@@ -50,8 +50,7 @@ class CheckpointManagerOptions:
             rank's structure is unchanged (through a copy of the default save strategy
             that keeps it; a ``sharded_strategy`` given to ``save`` is used as it is).
             Off: every save plans anew.
-        layout: where each save puts its bytes (``StorageLayout``, handed to every
-            save; combined with a save's own ``options=``).
+        layout: where each save puts its bytes (``StorageLayout``; with ``options=``).
     """
 
     save_interval_steps: int | None = 1

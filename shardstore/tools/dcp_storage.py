@@ -426,12 +426,16 @@ class ShardstoreWriter(StorageWriter):
         this process alone. The target is a shared directory, as ``FileSystemWriter``
         takes one: the checkpoint is published beside the files other programs keep
         there (``format.commit.SaveOptions``)."""
-        if self.checkpoint_id is None:
-            raise CheckpointingException("ShardstoreWriter has no checkpoint path: pass one, or checkpoint_id= to dcp.save")
         options = SaveOptions(overwrite=self.overwrite, reuse_from=self.reuse_from, shared_directory=True,
                               layout=layout)
         group = Group(self.process_group) if exchange else None
-        return SavePipeline.open(self.checkpoint_id, group, options=options, config=CONFIG)
+        return SavePipeline.open(self._target(), group, options=options, config=CONFIG)
+
+    def _target(self) -> CheckpointId:
+        """Where this save goes (``checkpoint_id``), refused where none was given."""
+        if self.checkpoint_id is None:
+            raise CheckpointingException("ShardstoreWriter has no checkpoint path: pass one, or checkpoint_id= to dcp.save")
+        return self.checkpoint_id
 
     @staticmethod
     def _strategy(layout: StorageLayout) -> ZarrSaveShardedStrategy:
@@ -448,7 +452,7 @@ class ShardstoreWriter(StorageWriter):
             CheckpointingException: an explicit ``shard_bytes`` where they cannot."""
         ranks = len(plans)
         can = ranks > 1 and exchange_members_match(plans)
-        site = LayoutSite.of(bare_location(self.checkpoint_id).capabilities, ranks, can)  # type: ignore[arg-type]
+        site = LayoutSite.of(bare_location(self._target()).capabilities, ranks, can)
         layout = self.layout.chosen_for(site)
         if ranks > 1 and not can and layout.shard_bytes is not None:
             refuse_other_group(plans, _id_text(self.checkpoint_id) or "")

@@ -1,35 +1,42 @@
-"""Draws the large case's throughput ratios from ``scripts/bench.py --json`` as an SVG.
+"""Draws the measurement pages' charts as SVG, each from its benchmark's JSON.
 
-One horizontal bar per ratio in the JSON's ``ratios`` table (``large.save.vs_dcp``
-and the like): shardstore's throughput over PyTorch DCP, ``torch.save``/``torch.load``
-and the raw disk, for saves and loads, with a dashed line at 1.0 (as fast as the peer).
-A ratio missing from the run has no bar. The SVG is written by hand with the standard
-library, so a rerun of the benchmark redraws it without a plotting package.
+Each chart belongs to one page of ``docs/measurements/`` and reads the JSON next to it,
+``docs/measurements/data/<page>.json``, in the form ``scripts/bench.py --json`` writes
+(its ``ratios`` table: ``large.save.vs_dcp`` and the like). One horizontal bar per
+ratio of shardstore's throughput over a peer's, saves and loads in their own colours,
+with a dashed line at 1.0 (as fast as the peer); a ratio missing from the JSON has no
+bar. The SVG is written by hand with the standard library, so a rerun of the benchmark
+redraws it without a plotting package. ``--table performance`` prints the performance
+page's table from the same JSON as its chart.
 
 Usage::
 
-    python scripts/bench.py --cases large --gib 0.5 --reps 2 --world 2 --json large.json
-    python scripts/draw_charts.py large.json   # writes docs/measurements/large-ratios.svg
+    python scripts/bench.py --cases large --gib 0.5 --reps 2 --world 2 \\
+        --json docs/measurements/data/performance.json
+    python scripts/draw_charts.py              # redraws every chart
+    python scripts/draw_charts.py performance  # redraws one page's chart
+    python scripts/draw_charts.py --table performance
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-__all__ = ["Bar", "large_bars", "render_svg", "draw", "main"]
+__all__ = ["Bar", "CHARTS", "Chart", "data_path_bars", "dcp_bars", "draw", "large_bars", "large_table", "main", "render_svg",
+           "small_tensor_bars"]
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "measurements" / "large-ratios.svg"
-PEERS = {
-    "save": (("dcp", "DCP"), ("torch", "torch.save"), ("raw", "raw disk write")),
-    "load": (("dcp", "DCP"), ("torch", "torch.load"), ("raw", "raw disk read")),
-}
+MEASUREMENTS = Path(__file__).resolve().parent.parent / "docs" / "measurements"
+DATA = MEASUREMENTS / "data"
+OPS = ("save", "load")
+IO = {"save": "write", "load": "read"}
 COLOURS = {"save": "#4c72b0", "load": "#dd8452"}
 
-LABEL_W, BAR_W, VALUE_W = 170, 360, 70  # columns, in px
+LABEL_W, BAR_W, VALUE_W = 250, 360, 70  # columns, in px
 ROW_H, BAR_H, TOP, BOTTOM = 30, 18, 74, 34
 FONT = 'font-family="sans-serif" font-size="13"'
 
@@ -43,15 +50,80 @@ class Bar:
     value: float
 
 
-def large_bars(payload: dict) -> list[Bar]:
-    """The large case's ratios of a bench JSON, saves first, in the order DCP, torch, raw."""
+def _ratio_bars(payload: dict, rows: tuple[tuple[str, str], ...]) -> list[Bar]:
+    """A bar per (ratio key, label) present in the JSON's ``ratios``, saves first; ``{op}``
+    in both reads ``save`` or ``load``, and ``{io}`` in a label ``write`` or ``read``."""
     ratios = payload.get("ratios", {})
     return [
-        Bar(f"{op} vs {label}", op, float(ratios[key]))
-        for op, peers in PEERS.items()
-        for peer, label in peers
-        if (key := f"large.{op}.vs_{peer}") in ratios
+        Bar(f"{op} {label.format(op=op, io=IO[op])}", op, float(ratios[key]))
+        for op in OPS
+        for template, label in rows
+        if (key := template.format(op=op)) in ratios
     ]
+
+
+def large_bars(payload: dict) -> list[Bar]:
+    """The large case against DCP, ``torch.save``/``torch.load`` and the raw disk."""
+    return _ratio_bars(payload, (("large.{op}.vs_dcp", "vs DCP"), ("large.{op}.vs_torch", "vs torch.{op}"),
+                                 ("large.{op}.vs_raw", "vs raw disk {io}")))
+
+
+def small_tensor_bars(payload: dict) -> list[Bar]:
+    """The ``tiny`` case's layouts, and the zip floor, against ``torch.save``/``torch.load``."""
+    return _ratio_bars(payload, (("tiny.{op}.vs_torch", "an array per tensor"),
+                                 ("tiny.consolidated.{op}.vs_torch", "consolidated_only"),
+                                 ("tiny.packed.{op}.vs_torch", "packed"),
+                                 ("tiny.zip-pack-floor.{op}.vs_torch", "zip floor (no checks)")))
+
+
+def data_path_bars(payload: dict) -> list[Bar]:
+    """The large case against the raw disk, one bar per run of ``runs`` (a list of bench
+    JSONs) or of the JSON itself: saves first."""
+    runs = payload.get("runs", [payload])
+    return [
+        Bar(f"{op} vs raw, run {number} ({run.get('gib', '?')} GiB)", op, float(run["ratios"][key]))
+        for op in OPS
+        for number, run in enumerate(runs, 1)
+        if (key := f"large.{op}.vs_raw") in run.get("ratios", {})
+    ]
+
+
+def dcp_bars(payload: dict) -> list[Bar]:
+    """shardstore through DCP's API and its own, against DCP's own writer and reader."""
+    return _ratio_bars(payload, (("dcp-api.{op}.vs_dcp", "DTensors, dcp.{op}"),
+                                 ("dcp-api.{op}.ss_api_vs_dcp", "DTensors, shardstore.{op}"),
+                                 ("dcp-plain.{op}.vs_dcp", "plain tensors, dcp.{op}")))
+
+
+@dataclass(frozen=True)
+class Chart:
+    """A measurement page's chart: its bars from ``data/<page>.json``, its SVG next to the page.
+
+    ``subtitle`` is formatted with the JSON's top-level values (``world``, ``reps``,
+    ``gib``); a value the JSON lacks reads ``?``.
+    """
+
+    page: str
+    svg: str
+    bars: Callable[[dict], list[Bar]]
+    title: str
+    subtitle: str
+    reference: float = 1.0  # where the dashed line goes
+    reference_label: str = "1.0 = as fast"
+
+
+CHARTS: dict[str, Chart] = {chart.page: chart for chart in (
+    Chart("performance", "large-ratios.svg", large_bars, "shardstore's throughput over each peer",
+          "large case: {gib} GiB at {world} ranks, medians of {reps} rounds; above 1.0 shardstore is faster"),
+    Chart("small-tensors", "small-tensors.svg", small_tensor_bars,
+          "10,000 small tensors: throughput over torch.save / torch.load",
+          "{world} process, medians of {reps}; above 1.0 faster than torch"),
+    Chart("data-path", "data-path.svg", data_path_bars, "shardstore's throughput over the raw disk, run by run",
+          "large case at 2 ranks, medians per run; the bar: 0.9x the raw bound or better",
+          reference=0.9, reference_label="0.9 = the bar"),
+    Chart("dcp", "dcp.svg", dcp_bars, "shardstore's throughput over DCP's own writer and reader",
+          "{world} ranks, medians; above 1.0 shardstore is faster"),
+)}
 
 
 def _scale(bars: list[Bar]) -> float:
@@ -59,10 +131,12 @@ def _scale(bars: list[Bar]) -> float:
     return max(1.5, (int(max(b.value for b in bars) * 2) + 1) / 2)
 
 
-def render_svg(bars: list[Bar], title: str, subtitle: str = "") -> str:
-    """The chart as SVG text; every bar carries a ``<title>`` naming its label and value."""
+def render_svg(bars: list[Bar], title: str, subtitle: str = "", reference: float = 1.0,
+               reference_label: str = "1.0 = as fast") -> str:
+    """The chart as SVG text, a dashed line at ``reference``; every bar carries a
+    ``<title>`` naming its label and value."""
     if not bars:
-        raise ValueError("no ratios to draw: run scripts/bench.py with the large case and --json")
+        raise ValueError("no ratios to draw: run scripts/bench.py with the page's cases and --json")
     top = _scale(bars)
     width = LABEL_W + BAR_W + VALUE_W
     height = TOP + ROW_H * len(bars) + BOTTOM
@@ -96,31 +170,59 @@ def render_svg(bars: list[Bar], title: str, subtitle: str = "") -> str:
         parts.append(f'<text x="{x(tick)}" y="{axis_y + 16}" {FONT} text-anchor="middle" '
                      f'fill="#555555">{tick:g}</text>')
     parts += [
-        f'<line x1="{x(1.0)}" y1="{TOP - 4}" x2="{x(1.0)}" y2="{axis_y}" stroke="#333333" '
-        f'stroke-dasharray="4 3"><title>1.0: as fast as the peer</title></line>',
-        f'<text x="{x(1.0) + 4}" y="{TOP - 8}" {FONT} fill="#333333">1.0 = as fast</text>',
+        f'<line x1="{x(reference)}" y1="{TOP - 4}" x2="{x(reference)}" y2="{axis_y}" stroke="#333333" '
+        f'stroke-dasharray="4 3"><title>{escape(reference_label)}</title></line>',
+        f'<text x="{x(reference) + 4}" y="{TOP - 8}" {FONT} fill="#333333">{escape(reference_label)}</text>',
         "</svg>",
     ]
     return "\n".join(parts) + "\n"
 
 
-def draw(json_path: Path, out: Path = OUT) -> Path:
-    """Reads a bench JSON and writes its large-case chart to ``out``."""
+class _Unknown(dict):
+    """The JSON's top-level values for a subtitle; a missing one reads ``?``."""
+
+    def __missing__(self, key: str) -> str:
+        return "?"
+
+
+def draw(chart: Chart, json_path: Path | None = None, out: Path | None = None) -> Path:
+    """Reads ``json_path`` (default ``data/<page>.json``) and writes the chart to ``out``
+    (default: the SVG next to the page); raises ``ValueError`` when it holds none of the
+    chart's ratios."""
+    json_path = json_path or DATA / f"{chart.page}.json"
+    out = out or MEASUREMENTS / chart.svg
     payload = json.loads(json_path.read_text(encoding="utf-8"))
-    gib = payload.get("gib", "?")
-    subtitle = (f"large case: {gib} GiB at {payload.get('world', '?')} ranks, medians of "
-                f"{payload.get('reps', '?')} rounds; above 1.0 shardstore is faster")
-    out.write_text(render_svg(large_bars(payload), "shardstore's throughput over each peer", subtitle),
+    subtitle = chart.subtitle.format_map(_Unknown(payload))
+    out.write_text(render_svg(chart.bars(payload), chart.title, subtitle, chart.reference, chart.reference_label),
                    encoding="utf-8")
     return out
 
 
+def large_table(payload: dict) -> str:
+    """The large case's times of a bench JSON as a Markdown table, the chart's ratios' source."""
+    rows = [r for r in payload.get("results", []) if r["case"] == "large"]
+    lines = ["| method | op | seconds | GB/s | peak extra RSS (MiB, max over ranks) |", "|---|---|---:|---:|---:|"]
+    lines += [f"| {r['method']} | {r['op']} | {r['median_seconds']:.3f} | {r['gbps']:.2f} | "
+              f"{r['extra_rss'] / 2**20:.0f} |" for r in rows]
+    return "\n".join(lines)
+
+
+TABLES: dict[str, Callable[[dict], str]] = {"performance": large_table}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("json", type=Path, help="the file scripts/bench.py --json wrote")
-    parser.add_argument("--out", type=Path, default=OUT, help=f"the SVG to write (default: {OUT.name})")
+    parser.add_argument("pages", nargs="*", metavar="PAGE",
+                        help=f"the pages whose charts to redraw (default: all of {', '.join(CHARTS)})")
+    parser.add_argument("--table", choices=sorted(TABLES), help="print this page's table instead")
     args = parser.parse_args(argv)
-    print(f"wrote {draw(args.json, args.out)}")
+    if unknown := sorted(set(args.pages) - set(CHARTS)):
+        parser.error(f"no chart for {unknown}: the pages with one are {', '.join(CHARTS)}")
+    if args.table:
+        print(TABLES[args.table](json.loads((DATA / f"{args.table}.json").read_text(encoding="utf-8"))))
+        return
+    for page in args.pages or CHARTS:
+        print(f"wrote {draw(CHARTS[page])}")
 
 
 if __name__ == "__main__":

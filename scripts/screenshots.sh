@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Screenshots of every page of the documentation site (or of the pages named), to look
-# at as a reader would: builds the site with mkdocs --strict, serves it on 127.0.0.1 and
-# renders each page with headless Chromium (Debian's package, installed here when
-# /usr/bin/chromium is missing: needs root and apt-get).
+# The documentation site's check: builds it with mkdocs --strict, looks for rendering
+# faults in its HTML, serves it on 127.0.0.1 and renders every page (or the pages named)
+# with headless Chromium (Debian's package, installed here when /usr/bin/chromium is
+# missing: needs root and apt-get). Exits 1 on any fault (scripts/screenshots.py says
+# which); tests/README.md says when to run it.
 #
 #   scripts/screenshots.sh OUT_DIR [PAGE ...]      e.g. scripts/screenshots.sh /tmp/shots guide/cli/
 #

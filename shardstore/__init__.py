@@ -54,7 +54,7 @@ _EXPORTS = {
     "ShardedTensorFactory": "shardstore.mapping",
     "ShardstoreReader": "shardstore.tools.dcp_storage",
     "ShardstoreWriter": "shardstore.tools.dcp_storage",
-    "StrictHandling": "shardstore.validation",
+    "StrictHandling": "shardstore.load_strictness",
     "load": "shardstore.serialization",
     "load_common_state_dict": "shardstore.serialization",
     "load_content_metadata": "shardstore.serialization",

@@ -34,7 +34,7 @@ Load, in stages:
     all ranks    preprocess  common state read, factories built, the request collected
     collective   plan        the requests go to the coordinator, which applies strict,
                              checks access integrity and plans who reads what
-                             (validation.plan_load); each rank receives only its part
+                             (load_strictness.plan_load); each rank receives only its part
     collective   read        each rank reads its part, agree, exchange of replicated
                              blocks (the sharded strategy's load_with_plan; ours:
                              execution.load.run_read_plan)
@@ -73,6 +73,12 @@ from shardstore.gc_pause import gc_paused
 from shardstore.inputs.dtensors import clashing_names
 from shardstore.inputs.megatron_objects import convert_leaf
 from shardstore.inputs.plain_tensors import whole_array_requests
+from shardstore.load_strictness import (
+    StrictHandling,
+    parse_strict_flag,
+    plan_load,
+    reported_mismatches,
+)
 from shardstore.mapping import (
     CommonStateDict,
     LocalNonpersistentObject,
@@ -88,6 +94,7 @@ from shardstore.planning.layout import GlobalLayout
 from shardstore.planning.plans import RankLoadPlan
 from shardstore.progress import StageTiming, operation, progress_shown, stage
 from shardstore.protocol.collectives import Group, PeerLost
+from shardstore.protocol.common_state import common_state_digests
 from shardstore.protocol.plan_stage import gather_and_plan
 from shardstore.protocol.stage import run_stage
 from shardstore.stores.base import Location
@@ -103,6 +110,7 @@ from shardstore.strategies.base import (
     get_default_strategy,
     plan_load_with_record,
     strategy_by_name,
+    validate_sharded_objects_handling,
 )
 from shardstore.strategies.common import TorchCommonLoadStrategy
 from shardstore.strategies.other_formats import (
@@ -114,14 +122,6 @@ from shardstore.utils import (
     _clean_metadata_for_serialization,
     holds_sharded_class,
     sharded_values_in_common,
-)
-from shardstore.validation import (
-    StrictHandling,
-    common_state_digests,
-    parse_strict_flag,
-    plan_load,
-    reported_mismatches,
-    validate_sharded_objects_handling,
 )
 
 logger = logging.getLogger(__name__)
@@ -593,9 +593,10 @@ def load(
             ``strict`` says to raise on.
     """
     group = _group_of(process_group, sharded_strategy)
+    target = checkpoint_dir if isinstance(checkpoint_dir, OpenedCheckpoint) else bare_location(checkpoint_dir)
     with progress_shown(progress and group.is_coordinator):
         return _load(
-            sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy, validate_access_integrity, strict,
+            sharded_state_dict, target, sharded_strategy, common_strategy, validate_access_integrity, strict,
             group,
         )
 
@@ -611,15 +612,14 @@ def _group_of(process_group: dist.ProcessGroup | None, sharded_strategy: Any) ->
 
 def _load(
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: CheckpointDir,
+    target: Location | OpenedCheckpoint,
     sharded_strategy: LoadShardedStrategy | None,
     common_strategy: LoadCommonStrategy | None,
     validate_access_integrity: bool,
     strict: str | StrictHandling,
     group: Group,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
-    """``load`` on ``group`` (``Group.local()``: this process alone, no collectives)."""
-    target = checkpoint_dir if isinstance(checkpoint_dir, OpenedCheckpoint) else bare_location(checkpoint_dir)
+    """``load`` of ``target`` on ``group`` (``Group.local()``: this process alone, no collectives)."""
     with operation("load", target.describe(), coordinator=group.is_coordinator) as timing:
         with stage("load: record", target.describe()):
             opened = open_read(target)
@@ -731,7 +731,7 @@ class _LoadRequest:
 
     def drop_keys(self, keys: set[str] | frozenset[str]) -> None:
         """Drops the sharded leaves whose key the checkpoint lacks (non-strict loads,
-        ``validation.adjust_non_strict_load``'s meaning), and with them the factories
+        ``compat.megatron.validation.adjust_non_strict_load``'s meaning), and with them the factories
         that built nothing else: there is nothing to merge, and their place stays as a
         dropped ShardedTensor's does (absent from a dict, None in a list)."""
         if not keys:

@@ -761,7 +761,7 @@ def test_a_replacement_beside_whose_marker_cannot_be_written_changes_nothing(
 def _crash_at_rename(ckpt_dir: Path, monkeypatch, at: int) -> None:
     """A replacement beside their files that dies at its ``at``-th rename: its own putting
     back never runs (a process killed there runs nothing more)."""
-    import shardstore.format.commit as commit
+    import shardstore.format.commit.by_rename as by_rename
 
     _saved_beside_theirs(ckpt_dir)
     _fail_rename(monkeypatch, at)
@@ -769,7 +769,7 @@ def _crash_at_rename(ckpt_dir: Path, monkeypatch, at: int) -> None:
     def killed(*args, **kwargs) -> None:
         raise OSError("killed before it could put anything back")
 
-    monkeypatch.setattr(commit, "_put_back", killed)
+    monkeypatch.setattr(by_rename, "_put_back", killed)
     with pytest.raises(CheckpointingException, match="injected"):
         _replace_beside(ckpt_dir)
     monkeypatch.undo()

@@ -336,9 +336,9 @@ def test_a_deletion_killed_while_writing_its_marker_leaves_the_step_whole(tmp_pa
 
 def save_killed_before_its_marker(rank: int, world: int, ckpt: str) -> None:
     """Dies right after making its staging directory, before the marker that names it."""
-    import shardstore.format.commit as commit
+    import shardstore.format.commit.pending as pending
 
-    commit._write_marker = lambda *args, **kwargs: _die()
+    pending._write_marker = lambda *args, **kwargs: _die()
     save(_sd(rank, world, shift=1.0), ckpt, overwrite=True, shared_directory=True)
     raise AssertionError("the save went on")
 

@@ -295,6 +295,15 @@ FRAGMENTS = (
         "assert shardstore.load_tensors_metadata(ckpt)[key].global_shape == (5, 4)\n"
         "assert shardstore.verify(ckpt).ok\n"
     )),
+    Fragment('"/tmp/ckpt/guarantees/step-1"', check=(
+        # the damaged chunk named, by verify and by load
+        "assert [(p.key, p.part) for p in report.problems] == [('weight', 'c.0')], report.problems\n"
+        "try:\n"
+        "    shardstore.load(state(), ckpt)\n"
+        "    raise AssertionError('a damaged chunk loaded')\n"
+        "except CheckpointingException as error:\n"
+        "    assert 'c.0' in str(error) and 'weight' in str(error), error\n"
+    )),
     Fragment("rows = torch.empty(8 // world, 4)", reads_the_quick_start=True, ranks=(2, 4), check=(
         # the request's own tensor, filled with this rank's rows of save.py's fc1
         "torch.manual_seed(0)\n"

@@ -1,8 +1,10 @@
 """The documentation site builds: ``mkdocs build --strict`` (mkdocs.yml, docs/) turns
 every warning into an error, so a broken link or anchor between pages, a page left out
 of the navigation and a docstring the API reference cannot render all fail here. And
-``scripts/screenshots.sh`` renders its pages with headless Chromium (slow; skipped
-without Debian's chromium), the screenshots a reader of the site looks at. Below them,
+the built site has none of the rendering faults ``scripts/screenshots.py`` looks for
+(raw RST backticks, broken images and links, bold across words), and
+``scripts/screenshots.sh`` renders its pages with headless Chromium and fails on a
+page that does not render (slow; skipped without Debian's chromium). Below them,
 concrete claims of the pages (an exit status, a name, a number, another library's
 behaviour) checked against what the code and that library do."""
 
@@ -18,6 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.script_support import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,13 +84,61 @@ def _png_size(png: Path) -> tuple[int, int]:
     return struct.unpack(">II", header[16:24])
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not CHROMIUM.exists(), reason=f"no chromium at {CHROMIUM} (scripts/screenshots.sh installs it)")
-def test_the_screenshot_script_renders_the_pages_it_is_given(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [str(ROOT / "scripts" / "screenshots.sh"), str(tmp_path), "", "reference/api/"],
+def test_the_built_site_has_no_rendering_faults(site: Path) -> None:
+    """The static half of ``scripts/screenshots.sh``: what a reader would see wrong."""
+    faults = load_script("screenshots").site_faults(site)
+    assert not faults, "\n".join(faults)
+
+
+def test_the_site_check_finds_each_kind_of_rendering_fault(tmp_path: Path) -> None:
+    page = tmp_path / "guide" / "a" / "index.html"
+    page.parent.mkdir(parents=True)
+    (tmp_path / "guide" / "fine.svg").write_text("<svg/>")
+    page.write_text(
+        "<html><head><script>var s = '``';</script></head><body>"
+        "<p>Call <code>``save``</code> first.</p>"
+        '<img src="../fine.svg"><img src="../gone.svg">'
+        '<a href="../../nowhere/#x">a</a><a href="../a/">self</a><a href="https://example.org/">out</a>'
+        "<p>Up to 2<strong>24 + 1 elements, and 2</strong>25 after.</p>"
+        "<p><strong>Save first. Then load.</strong> <strong>A sentence in bold.</strong></p>"
+        "</body></html>"
+    )
+    faults = load_script("screenshots").site_faults(tmp_path, ["guide/a/", "guide/b/"])
+    assert faults == [
+        "guide/a/index.html: raw RST double backticks in the text",
+        "guide/a/index.html: broken image ../gone.svg",
+        "guide/a/index.html: broken link ../../nowhere/#x",
+        "guide/a/index.html: bold opened or closed inside a word: 24 + 1 elements, and 2",
+        "guide/a/index.html: bold across sentences: Save first. Then load.",
+        "guide/b/: missing page (no guide/b/index.html)",
+    ]
+
+
+def _screenshots(out: Path, *pages: str) -> subprocess.CompletedProcess:
+    """``scripts/screenshots.sh out pages...`` with this interpreter."""
+    return subprocess.run(
+        [str(ROOT / "scripts" / "screenshots.sh"), str(out), *pages],
         capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHON": sys.executable},
     )
+
+
+NEEDS_CHROMIUM = pytest.mark.skipif(not CHROMIUM.exists(),
+                                    reason=f"no chromium at {CHROMIUM} (scripts/screenshots.sh installs it)")
+
+
+@pytest.mark.slow
+@NEEDS_CHROMIUM
+def test_the_screenshot_check_fails_on_a_page_the_site_lacks(tmp_path: Path) -> None:
+    result = _screenshots(tmp_path, "", "no/such/page/")
+    assert result.returncode == 1, f"{result.stdout}\n{result.stderr}"
+    assert result.stdout.split() == [str(tmp_path / "index.png")]
+    assert "FAULT no/such/page/: missing page (the server answered 404)" in result.stderr
+
+
+@pytest.mark.slow
+@NEEDS_CHROMIUM
+def test_the_screenshot_script_renders_the_pages_it_is_given(tmp_path: Path) -> None:
+    result = _screenshots(tmp_path, "", "reference/api/")
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     pngs = [tmp_path / "index.png", tmp_path / "reference-api.png"]
     assert result.stdout.split() == [str(png) for png in pngs]

@@ -37,9 +37,9 @@ LONGER = {
     "format/records.py:from_json",
     "format/chunks.py:write",
     "stores/base.py:share_from",
-    "validation.py:validate_sharding_integrity",
+    "cross_rank_checks.py:validate_sharding_integrity",
     "other_formats/safetensors.py:write_safetensors",
-    "exchange_utils.py:distribute_shards_to_ranks",
+    "strategies/shard_exchange.py:distribute_shards_to_ranks",
     "format/sharding.py:read_boxes_into",
     "strategies/zarr.py:remove_sharded_tensors",
 }

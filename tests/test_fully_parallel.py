@@ -424,7 +424,7 @@ def test_a_rank_that_asks_for_one_shard_twice_receives_it_once(algo: str) -> Non
     run_distributed(load_a_shard_asked_for_twice, 3, algo, timeout=60)
 
 
-# What rank 1 cannot do in the tests below: the exchange_utils function it fails in, and why.
+# What rank 1 cannot do in the tests below: the shard_exchange function it fails in, and why.
 _RANK_1_FAILURES = {
     "receive": ("_get_empty_tensor_for_exchange", "cannot allocate the receive tensor"),
     "send": ("_sendable", "cannot copy the loaded shard to the group's device"),
@@ -432,7 +432,7 @@ _RANK_1_FAILURES = {
 
 
 def load_with_rank_1_failing(rank: int, world: int, algo: str, step: str) -> tuple[str, float]:
-    import shardstore.exchange_utils as exchange_utils
+    import shardstore.strategies.shard_exchange as shard_exchange
 
     if rank == 1:
         function, why = _RANK_1_FAILURES[step]
@@ -440,7 +440,7 @@ def load_with_rank_1_failing(rank: int, world: int, algo: str, step: str) -> tup
         def out_of_memory(*_: object, **__: object) -> None:
             raise MemoryError(why)
 
-        setattr(exchange_utils, function, out_of_memory)
+        setattr(shard_exchange, function, out_of_memory)
     request = {f"n{i}": ShardedTensor.from_rank_offsets(f"n{i}", torch.empty(8), replica_id=rank) for i in range(4)}
     start = time.monotonic()
     try:

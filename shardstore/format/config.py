@@ -64,7 +64,7 @@ def check_is_distributed_checkpoint(checkpoint_dir: str | Location) -> bool:
     """True if ``checkpoint_dir`` holds a distributed checkpoint's ``metadata.json``.
 
     Like Megatron-Core this looks for the config only; use
-    ``shardstore.format.commit.is_committed`` to know whether the save completed.
+    ``shardstore.format.is_committed`` to know whether the save completed.
     """
     return maybe_load_config(checkpoint_dir) is not None
 

@@ -13,7 +13,7 @@ __all__ = [
     "DelegatingLoadStrategy", "LoadCommonStrategy", "LoadShardedStrategy", "LoadStrategyBase",
     "SaveCommonStrategy", "SaveShardedStrategy", "SaveStrategyBase", "StrategyAction",
     "agree_before_save", "async_calls", "default_strategies", "get_default_strategy", "plan_load_with_record",
-    "register_default_strategy", "require_committed", "strategy_by_name",
+    "register_default_strategy", "require_committed", "strategy_by_name", "validate_sharded_objects_handling",
 ]
 
 import functools
@@ -299,7 +299,7 @@ class SaveShardedStrategy(SaveStrategyBase):
 
         Strategies that need no plan inherit this and ignore it.
         """
-        agree_before_save(process_group, checkpoint_dir, local_error)
+        agree_before_save(process_group, bare_location(checkpoint_dir).describe(), local_error)
         self.save(sharded_state_dict, checkpoint_dir)
 
 
@@ -338,7 +338,7 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
     ) -> AsyncRequest:
         """Like ``async_save``, with this rank's part of ``plan_save`` (``local_error``:
         as in ``save_with_plan``)."""
-        agree_before_save(process_group, checkpoint_dir, local_error)
+        agree_before_save(process_group, bare_location(checkpoint_dir).describe(), local_error)
         return self.async_save(sharded_state_dict, checkpoint_dir)
 
     def async_save_into(
@@ -397,9 +397,18 @@ def _require_committed_or_abandon(strategy: SaveShardedStrategy, pipeline: SaveP
         raise
 
 
-def agree_before_save(process_group: Any, checkpoint_dir: CheckpointDir, local_error: BaseException | None) -> None:
+def agree_before_save(process_group: Any, where: str, local_error: BaseException | None) -> None:
     """Collective (``protocol.stage.run_stage``, agreement only): a strategy that runs no
-    stage of ours raises every rank's earlier failure before it saves. shardstore's own
-    strategy carries it in its staging stage instead, at no extra collective."""
-    where = bare_location(checkpoint_dir).describe()
+    stage of ours raises every rank's earlier failure before it saves into the checkpoint
+    ``where`` names. shardstore's own strategy carries it in its staging stage instead, at
+    no extra collective."""
     run_stage(Group(process_group), f"Preparing the sharded save into {where}", lambda: None, local_error=local_error)
+
+
+def validate_sharded_objects_handling(sharded_strategy: Any, common_strategy: Any) -> None:
+    """One of the two strategies must handle ShardedObjects."""
+    if not sharded_strategy.can_handle_sharded_objects and not common_strategy.can_handle_sharded_objects:
+        raise CheckpointingException(
+            f"Either the sharded strategy or the common strategy must handle ShardedObjects; "
+            f"neither {sharded_strategy} nor {common_strategy} does"
+        )

@@ -9,12 +9,12 @@ Megatron's do:
 
 - save: ``apply_saving_parallelization`` gathers shard metadata over
   ``parallelization_group`` (one all-gather, no data), balances the replicated shards
-  by bytes (``exchange_utils.distribute_shards_to_ranks``, Megatron's greedy rule, so
+  by bytes (``shard_exchange.distribute_shards_to_ranks``, Megatron's greedy rule, so
   the same rank saves the same key), and sets ``replica_id`` to 0 on the one rank
   that saves each shard and 1 elsewhere; the wrapped strategy then saves main replicas.
 - load: the same distribution over every shard the group holds; the wrapped
   strategy's ``load`` sees only this rank's part, and the shards reach the other ranks
-  that hold them by ``exchange_algo`` (``exchange_utils.EXCHANGE_ALGOS``). A
+  that hold them by ``exchange_algo`` (``shard_exchange.EXCHANGE_ALGOS``). A
   ShardedObject is loaded by its main replica and gathered over the load's ranks.
 - ``do_cache_distribution=True``: the distribution of the first call is reused, with
   no metadata gather. The caller promises the same state dict structure and group on
@@ -59,13 +59,6 @@ import torch.distributed as dist
 
 from shardstore.dict_utils import dict_list_map_outplace, nested_values
 from shardstore.errors import CheckpointingException, first_failure
-from shardstore.exchange_utils import (
-    EXCHANGE_ALGOS,
-    ShardDistribution,
-    determine_main_replica_uniform_distribution,
-    exchange_loaded_objects_gather_object,
-    prepare_exchange_by_distribution,
-)
 from shardstore.format.storage_layout import StorageLayout
 from shardstore.mapping import (
     ShardedObject,
@@ -74,6 +67,7 @@ from shardstore.mapping import (
     StateDict,
     is_main_replica,
 )
+from shardstore.opened import bare_location
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_cache import PlanCache
 from shardstore.protocol.stage import run_stage
@@ -85,6 +79,13 @@ from shardstore.strategies.base import (
     LoadShardedStrategy,
     SaveShardedStrategy,
     agree_before_save,
+)
+from shardstore.strategies.shard_exchange import (
+    EXCHANGE_ALGOS,
+    ShardDistribution,
+    determine_main_replica_uniform_distribution,
+    exchange_loaded_objects_gather_object,
+    prepare_exchange_by_distribution,
 )
 from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from shardstore.utils import _sharded_object_id, _sharded_tensor_shard_id, _ShardId
@@ -315,7 +316,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
             return first_failure(local_error, exc)
         return local_error
 
-    def _agreed(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
+    def _agreed(self, sharded_state_dict: ShardedStateDict, where: str) -> None:
         """``_prepare`` for ``save``/``async_save``, which no plan stage of ours precedes.
         With the cache on, a rank whose structure changed would otherwise raise alone
         while the others wait in the wrapped strategy's collectives: one agreement
@@ -323,14 +324,14 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         raise. Without the cache the distribution's own all-gather is symmetric."""
         error = self._prepare(sharded_state_dict)
         if self._cache.enabled and not _is_shardstores_own(self.base_strategy):
-            agree_before_save(None, checkpoint_dir, error)
+            agree_before_save(None, where, error)
         elif error is not None:
             raise error
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> AsyncRequest:
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
             raise CheckpointingException(f"{self.base_strategy} cannot save asynchronously: not an async strategy")
-        self._agreed(sharded_state_dict, checkpoint_dir)
+        self._agreed(sharded_state_dict, bare_location(checkpoint_dir).describe())
         return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir)
 
     def plan_save(self, layout: Any, storage: StorageLayout | None = None) -> list[Any]:
@@ -345,7 +346,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
                                                        local_error)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> None:
-        self._agreed(sharded_state_dict, checkpoint_dir)
+        self._agreed(sharded_state_dict, bare_location(checkpoint_dir).describe())
         self.base_strategy.save(sharded_state_dict, checkpoint_dir)
 
     def save_with_plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: Any,

@@ -206,26 +206,27 @@ def source_kind(source: str | os.PathLike | Location) -> str:
     another tool's checkpoint: ``"dcp"``, ``"torch_dist"``, ``"zarr"``) or
     ``"shardstore"``; anything else is refused, saying what it is (nothing, an
     unfinished save, a file or directory of something else)."""
-    files = _file_format(source)
+    location = bare_location(source)
+    files = _file_format(location)
     if files is not None:
         return files.name
-    opened = open_read(source)
+    opened = open_read(location)
     return opened.other_format.name if opened.other_format is not None else "shardstore"
 
 
 def open_export_source(source: str | os.PathLike | Location) -> ExportSource:
     """The source of an export, opened (see ``source_kind``)."""
-    files = _file_format(source)
-    if files is not None:
-        return files.open(_local_path(source, files))
-    return _checkpoint_source(source)
-
-
-def _file_format(source: str | os.PathLike | Location) -> FileFormat | None:
-    """The registered format of the model files at ``source``, or None (a checkpoint, or
-    nothing). A local file of no registered format is refused here: naming a file, the
-    caller meant model files, not a checkpoint directory."""
     location = bare_location(source)
+    files = _file_format(location)
+    if files is not None:
+        return files.open(_local_path(location, files))
+    return _checkpoint_source(location)
+
+
+def _file_format(location: Location) -> FileFormat | None:
+    """The registered format of the model files at ``location``, or None (a checkpoint,
+    or nothing). A local file of no registered format is refused here: naming a file, the
+    caller meant model files, not a checkpoint directory."""
     found = detect(location, FileFormat)
     local = location.local_path()
     if found is None and local is not None and local.is_file():
@@ -240,9 +241,8 @@ def _file_format(source: str | os.PathLike | Location) -> FileFormat | None:
     return found
 
 
-def _local_path(source: str | os.PathLike | Location, files: FileFormat) -> Path:
-    """The local path of model files at ``source``; they are read from local paths only."""
-    location = bare_location(source)
+def _local_path(location: Location, files: FileFormat) -> Path:
+    """The local path of model files at ``location``; they are read from local paths only."""
     local = location.local_path()
     if local is None:
         raise CheckpointingException(
@@ -252,7 +252,7 @@ def _local_path(source: str | os.PathLike | Location, files: FileFormat) -> Path
     return local
 
 
-def _checkpoint_source(checkpoint: str | os.PathLike | Location) -> ExportSource:
+def _checkpoint_source(checkpoint: Location) -> ExportSource:
     """A shardstore checkpoint, or another tool's: arrays by key (``model/fc1`` goes to
     ``sd["model"]["fc1"]``), except the values of a save through DCP's API (a plain DCP
     save, or one through ``ShardstoreWriter`` whose record keeps DCP's planner paths),
@@ -442,9 +442,10 @@ def import_checkpoint(
     files, or another tool's checkpoint), as a shardstore checkpoint; returns the number
     of arrays written."""
     refuse_destination_inside(source, checkpoint)
-    files = _file_format(source)
+    location = bare_location(source)
+    files = _file_format(location)
     if files is not None:
-        return _import_files(files, _local_path(source, files), checkpoint, overwrite)
+        return _import_files(files, _local_path(location, files), checkpoint, overwrite)
     return from_other_format(source, checkpoint, overwrite)
 
 

@@ -30,7 +30,7 @@ from shardstore.format import (
     tensor_to_numpy,
 )
 from shardstore.mapping import ShardedObject
-from shardstore.opened import open_read
+from shardstore.opened import OpenedCheckpoint, open_read
 from shardstore.stores import Location
 from shardstore.strategies.base import LoadCommonStrategy
 from shardstore.strategies.other_formats import open_other_format
@@ -113,7 +113,7 @@ def describe_other_format(checkpoint: str | os.PathLike | Location) -> Checkpoin
         ArraySummary(key, t.shape, source.stored_dtype(key).zarr_name, t.chunk_shape, t.chunk_count, t.nbytes)
         for key, t in sorted(source.tensors.items())
     )
-    parts = _NonArrayParts.of(source.path)
+    parts = _NonArrayParts.of(open_read(source.path))
     return CheckpointSummary(
         checkpoint=str(source.path), format_version=0, library_version="", created=0.0, world_size=0, save_id="",
         arrays=arrays, objects=_shards_by_key(sorted(parts.objects)),
@@ -242,7 +242,7 @@ def diff_checkpoints(
     for (key, x), (_, y) in pairs:
         compared[key] = compare_tensors(x, y, comparable[key])
     arrays = tuple(_array_difference(ra[k], rb[k], compared.get(k)) for k in shared)
-    parts_a, parts_b = _NonArrayParts.of(first), _NonArrayParts.of(second)
+    parts_a, parts_b = _NonArrayParts.of(open_read(first)), _NonArrayParts.of(open_read(second))
     return CheckpointDiff(
         tuple(sorted(set(ra) - set(rb))),
         tuple(sorted(set(rb) - set(ra))),
@@ -501,10 +501,9 @@ class _NonArrayParts:
     objects: dict[str, ShardedObject]
 
     @classmethod
-    def of(cls, checkpoint: str | os.PathLike | Location) -> _NonArrayParts:
+    def of(cls, opened: OpenedCheckpoint) -> _NonArrayParts:
         from shardstore.serialization import verify_checkpoint_and_load_strategy
 
-        opened = open_read(checkpoint)
         _, strategy = verify_checkpoint_and_load_strategy(opened)
         location = opened.location
         return cls(location, strategy, strategy.load_common(location), strategy.load_sharded_metadata(location))

@@ -69,6 +69,7 @@ from typing import Any, TypeVar
 
 from shardstore.errors import CheckpointingException
 from shardstore.format import SaveOptions, StorageLayout, is_committed, read_commit_record
+from shardstore.load_strictness import StrictHandling
 from shardstore.opened import bare_location
 from shardstore.progress import info_on_first_rank, log_once, operations_logged_at
 from shardstore.serialization import (
@@ -94,7 +95,6 @@ from shardstore.strategies.zarr import (
     ZarrLoadShardedStrategy,
     ZarrSaveShardedStrategy,
 )
-from shardstore.validation import StrictHandling
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

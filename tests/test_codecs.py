@@ -205,7 +205,7 @@ class XorCrc32c(ChunkCodec):
 def xor_codec(monkeypatch: pytest.MonkeyPatch) -> XorCrc32c:
     """``XorCrc32c`` registered, and chosen for every array a save plans (the one line
     a save option choosing a codec would set)."""
-    import shardstore.planning.plans as plans
+    import shardstore.planning.plans.array_storage as plans
 
     monkeypatch.setitem(CODECS, XorCrc32c.name, XorCrc32c)
     monkeypatch.setattr(plans, "ArrayRecord", functools.partial(ArrayRecord, codec=XorCrc32c()))

@@ -22,7 +22,6 @@ MAX_ALL_NAMES = 30
 KNOWN_LONGER = frozenset({
     "execution/save.py",
     "format/records.py",
-    "planning/plans.py",
     "serialization.py",
     "strategies/zarr.py",
     "tools/dcp_storage.py",

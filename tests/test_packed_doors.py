@@ -184,7 +184,7 @@ def test_dcp_writer_refuses_a_bad_bound_at_construction(tmp_path: Path) -> None:
     for bad in (-1, 1.5, "64k"):
         with pytest.raises(ValueError, match="pack_arrays_up_to"):
             ShardstoreWriter(tmp_path / "c", pack_arrays_up_to=bad)
-    assert ShardstoreWriter(tmp_path / "c").pack_arrays_up_to == 0
+    assert ShardstoreWriter(tmp_path / "c").layout.pack_arrays_up_to == "auto"  # chosen per save
 
 
 def save_packed_twice_with_a_reused_plan(rank: int, world: int, root: str) -> None:

@@ -6,6 +6,9 @@ group's document from the root's consolidated metadata (``CommitRecord.stored_do
 instead of looking for a ``zarr.json`` per node. Format version 6 introduced it (a
 version 6 record always names it); from version 9 a record lists it in ``requires``
 (``format.features``).
+
+``documents_recipe`` is this feature's part of the plain readers' recipe
+(``format.readers_recipe``): where an array of a directory of its own finds its document.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ __all__ = [
     "CONSOLIDATED_ONLY_FEATURE",
     "CONSOLIDATED_ONLY_SINCE",
     "ZarrMetadata",
+    "documents_recipe",
     "zarr_metadata_from_json",
 ]
 
 from enum import StrEnum
 from typing import Any
 
+from shardstore._zarr_autoload import EXTENSION_METADATA
 from shardstore.errors import CheckpointingException
 
 CONSOLIDATED_ONLY_FEATURE = "consolidated_only"
@@ -57,3 +62,15 @@ def zarr_metadata_from_json(raw: Any, version: int, where: str) -> ZarrMetadata:
             "from a copy"
         )
     return ZarrMetadata(raw)
+
+
+def documents_recipe(where: ZarrMetadata, extension_listed: bool) -> list[dict[str, Any]]:
+    """The plain readers' recipe for the arrays that have a directory of their own, one
+    source per part of the root's consolidated metadata that lists them (``metadata``;
+    ``EXTENSION_METADATA`` where ``extension_listed``): chunks under ``<checkpoint>/<key>/``,
+    and each array's document in its own ``zarr.json`` (``PER_NODE``) or only in that
+    listing (``CONSOLIDATED_ONLY``: ``"document": "listed"``)."""
+    document = "zarr_json" if where is ZarrMetadata.PER_NODE else "listed"
+    parts = ["metadata", *([EXTENSION_METADATA] if extension_listed else [])]
+    return [{"listed_in": ["consolidated_metadata", part], "store": "directory", "document": document}
+            for part in parts]

@@ -8,7 +8,7 @@ through float32, so saving and loading are exact and copy-free.
 from __future__ import annotations
 
 __all__ = [
-    "BY_TORCH", "BY_ZARR_NAME", "DType", "ITEMSIZE_BY_ZARR_NAME", "ShapedTensorSize", "UnsupportedDTypeError",
+    "BY_TORCH", "BY_ZARR_NAME", "CORE_DATA_TYPES", "DType", "ITEMSIZE_BY_ZARR_NAME", "ShapedTensorSize", "UnsupportedDTypeError",
     "byte_view", "cast_checked", "from_torch", "from_zarr_name", "holds_its_values", "is_exact_conversion",
     "numpy_to_tensor", "numpy_to_torch_dtype_dict", "tensor_to_numpy", "torch_to_numpy_dtype_dict", "values_in_order",
 ]
@@ -19,6 +19,14 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 import torch
+
+# The data types of the Zarr v3 core specification: every Zarr implementation reads them.
+# shardstore's others (bfloat16, float8_e4m3fn, float8_e5m2) are extension data types
+# that zarr-python 3.1 only knows once shardstore is installed; TensorStore knows them.
+CORE_DATA_TYPES = frozenset({
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
+})
 
 
 @dataclass(frozen=True)

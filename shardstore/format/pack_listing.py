@@ -7,18 +7,23 @@ chunks' stored bytes inside it (``ArrayRecord.pack``, ``chunk_offsets``). A read
 a packed chunk as a ranged read of its pack; ``format.packs`` writes and checks the zips
 themselves. Format version 8 introduced it; from version 9 a record lists it in
 ``requires`` (``format.features``).
+
+The root group's attribute ``packed_arrays`` names each packed array's pack for plain
+readers; ``packs_recipe`` is this feature's part of their recipe (``format.readers_recipe``).
 """
 
 from __future__ import annotations
 
 __all__ = [
     "MAX_PACK_BYTES",
+    "PACKED_ARRAYS_ATTRIBUTE",
     "PACKS_DIR",
     "PACKS_FEATURE",
     "PACKS_SINCE",
     "PACK_NAME",
     "in_a_pack",
     "packs_from_json",
+    "packs_recipe",
 ]
 
 import math
@@ -34,6 +39,8 @@ PACKS_SINCE = 8
 # Where the packs live, and how they are named (``packs/<rank>-<n>.zip``).
 PACKS_DIR = "packs"
 PACK_NAME = re.compile(r"packs/(0|[1-9][0-9]{0,8})-(0|[1-9][0-9]{0,8})\.zip")
+# The root group's attribute that lists the packed arrays by key, each with its pack.
+PACKED_ARRAYS_ATTRIBUTE = "packed_arrays"
 # The most bytes of a pack (``format.packs`` starts a new one well before: no zip64).
 MAX_PACK_BYTES = 2**32 - 1
 
@@ -78,3 +85,11 @@ def packs_from_json(raw: Any, arrays: Mapping[str, Any], where: str) -> dict[str
             "damaged"
         )
     return dict(raw)
+
+
+def packs_recipe() -> dict[str, Any]:
+    """The plain readers' recipe for packed arrays: listed, each with its pack's path
+    relative to the checkpoint, in the root group's attribute ``packed_arrays``; a pack
+    is a stored (uncompressed) zip that is a Zarr v3 hierarchy, the array at its key with
+    its own ``zarr.json``."""
+    return {"listed_in": ["attributes", PACKED_ARRAYS_ATTRIBUTE], "store": "zip_pack", "document": "zarr_json"}

@@ -77,7 +77,6 @@ __all__ = [
     "PACKED_ARRAYS_ATTRIBUTE",
     "PACKS_DIR",
     "READABLE_FORMAT_VERSIONS",
-    "READERS_ATTRIBUTE",
     "RECORD_DIGEST",
     "REPLACED_TAG",
     "REPLACING_PHASE",
@@ -111,7 +110,6 @@ __all__ = [
     "own_markers",
     "parent_groups",
     "read_commit_record",
-    "readers_note",
     "seal_record",
     "sharded_backend",
     "state_paths",
@@ -141,7 +139,7 @@ from shardstore.errors import CheckpointingException
 from shardstore.format.codecs import BYTES_CRC32C, ChunkCodec, codec_for
 from shardstore.format.config import CONFIG_FNAME
 from shardstore.format.consolidated import ZarrMetadata, zarr_metadata_from_json
-from shardstore.format.dtypes import from_zarr_name
+from shardstore.format.dtypes import CORE_DATA_TYPES, from_zarr_name
 from shardstore.format.features import (
     FORMAT_VERSION,
     UnsupportedFormatVersion,
@@ -149,7 +147,13 @@ from shardstore.format.features import (
     check_uses,
     required_by,
 )
-from shardstore.format.pack_listing import PACK_NAME, PACKS_DIR, packs_from_json
+from shardstore.format.pack_listing import (
+    PACK_NAME,
+    PACKED_ARRAYS_ATTRIBUTE,
+    PACKS_DIR,
+    packs_from_json,
+)
+from shardstore.format.readers_attribute import READERS_ATTRIBUTE, readers_note
 from shardstore.format.removal_marker import REMOVAL_MARKER, leftover_files
 from shardstore.format.sharding import MAX_FLAT_INNER_CHUNKS, ShardingIndexed, spans_blocks
 from shardstore.stores.base import Location, NameLimits, atomic_temp_of
@@ -161,8 +165,6 @@ from shardstore.stores.base import Location, NameLimits, atomic_temp_of
 # adds the record's own digest (``record_digest``); earlier records have none. Versions
 # 5 to 8 each introduced one feature, 9 (frozen) names them (``format.features``).
 READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
-# The root group's attribute that lists the packed arrays by key, each with its pack.
-PACKED_ARRAYS_ATTRIBUTE = "packed_arrays"
 FIRST_SEALED_VERSION = 4
 RECORD_DIGEST = "record_digest"
 # The digest as it stands in the file while the digest is computed (see seal_record).
@@ -179,13 +181,6 @@ CHUNK_ETAGS = "chunk_etags"
 MAX_ETAG_CHARS = 128
 DIGEST_HEX_DIGITS = 32
 HEX_DIGITS = frozenset("0123456789abcdef")
-# The data types of the Zarr v3 core specification: every Zarr implementation reads them.
-# shardstore's others (bfloat16, float8_e4m3fn, float8_e5m2) are extension data types
-# that zarr-python 3.1 only knows once shardstore is installed; TensorStore knows them.
-CORE_DATA_TYPES = frozenset({
-    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    "float16", "float32", "float64", "complex64", "complex128",
-})
 LEGACY_CHUNK_SEPARATOR = "/"
 ZARR_JSON = "zarr.json"
 COMMIT_RECORD = ZARR_JSON
@@ -655,66 +650,6 @@ def _int_tuple(value: Any, what: str, minimum: int) -> tuple[int, ...]:
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value):
         raise CheckpointingException(f"{what} must hold integers >= {minimum}, got {value!r}")
     return tuple(value)
-
-
-# The root group's attribute that tells a plain zarr-python user (shardstore not installed)
-# which arrays it cannot open and what opens them (issue 33.4): its ``KeyError: "'model/emb'
-# not found in consolidated metadata."`` names neither.
-READERS_ATTRIBUTE = "readers"
-
-
-def readers_note(
-    extension: dict[str, str], where: ZarrMetadata = ZarrMetadata.PER_NODE,
-    packed: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    """What ``zarr.open_group(ckpt).attrs["readers"]`` says: the arrays of extension data
-    types (bfloat16, float8; ``extension``: their data types by key), and what reads them (without their own
-    ``zarr.json``, ``where`` is ``CONSOLIDATED_ONLY``: TensorStore given the document); with
-    ``packed`` (feature ``packs``: the packed arrays' data types by key), how to open the
-    arrays packed into zips, naming those of extension data types."""
-    note: dict[str, Any] = {}
-    if extension:
-        note = _extension_note(extension, where)
-    if packed is not None:
-        note["packed_arrays_note"] = (
-            f"The arrays listed in the root attribute {PACKED_ARRAYS_ATTRIBUTE!r} are not in this directory or in its "
-            "consolidated metadata: each lives in the pack named there, a stored (uncompressed) zip that is a "
-            "Zarr v3 hierarchy of its own, the array at its key. zarr-python: zarr.open_group(zarr.storage."
-            "ZipStore('<checkpoint>/<pack>', mode='r'), mode='r')[key]; TensorStore: tensorstore.open({'driver': "
-            "'zarr3', 'kvstore': {'driver': 'zip', 'base': 'file://<checkpoint>/<pack>'}, 'path': key})."
-        )
-        if packed_extension := {k: t for k, t in packed.items() if t not in CORE_DATA_TYPES}:
-            note["packed_arrays_note"] += (
-                " The packed arrays listed in 'packed_arrays_needing_shardstore_or_tensorstore' (bfloat16, float8) "
-                "open in zarr-python only with shardstore installed; TensorStore opens them as they are."
-            )
-            note["packed_arrays_needing_shardstore_or_tensorstore"] = dict(sorted(packed_extension.items()))
-    return note
-
-
-def _extension_note(extension: dict[str, str], where: ZarrMetadata) -> dict[str, Any]:
-    """``readers_note``'s part on the arrays of extension data types."""
-    if where is ZarrMetadata.CONSOLIDATED_ONLY:
-        opener = (
-            "TensorStore reads them given their metadata document, which only this file holds (consolidated_metadata."
-            f"{EXTENSION_METADATA}[key]): tensorstore.open({{'driver': 'zarr3', 'kvstore': {{'driver': 'file', "
-            "'path': '<checkpoint>/<key>/'}, 'metadata': document}, open=True, assume_metadata=True), ml_dtypes "
-            "giving the numpy type."
-        )
-    else:
-        opener = (
-            "TensorStore reads them as they are: tensorstore.open({'driver': 'zarr3', 'kvstore': "
-            "{'driver': 'file', 'path': '<checkpoint>/<key>/'}}), ml_dtypes giving the numpy type."
-        )
-    return {
-        "note": (
-            "The arrays listed here use data types that zarr-python reads only once they are registered: "
-            "zarr-python reports them as not found in consolidated metadata, or as 'No Zarr data type found'. "
-            "With shardstore installed (not on a package index: pip install . in a clone of its repository) zarr.open_group lists and reads them; "
-            + opener
-        ),
-        "arrays_needing_shardstore_or_tensorstore": dict(sorted(extension.items())),
-    }
 
 
 def group_metadata(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -1307,7 +1242,7 @@ class CommitRecord:
                 **({"requires": list(self.requires)} if self.format_version >= FORMAT_VERSION else {}),
             }
         }
-        if extension_types or self.packs:
+        if extension_types or self.packs or self.zarr_metadata is not ZarrMetadata.PER_NODE:
             packed = {k: a.dtype for k, a in self.arrays.items() if a.pack is not None} if self.packs else None
             attributes[READERS_ATTRIBUTE] = readers_note(extension_types, self.zarr_metadata, packed)
         if self.packs:

@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import replace
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -36,6 +36,7 @@ from shardstore.format import (
     CommitRecord,
     ObjectRecord,
     SaveOptions,
+    StorageLayout,
     array_group_collisions,
     parent_groups,
     tensor_to_numpy,
@@ -44,7 +45,6 @@ from shardstore.mapping import ShardedObject, ShardedTensor
 from shardstore.stores import Location
 from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION, TorchCommonSaveStrategy
 from shardstore.strategies.zarr import (
-    DEFAULT_MAX_CHUNK_BYTES,
     SHARDSTORE_BACKEND,
     ZARR_VERSION,
     checked_max_chunk_bytes,
@@ -58,29 +58,34 @@ class CheckpointWriter:
     Args:
         checkpoint_dir: the target (local path, ``s3://``, or a Location).
         overwrite: replace a committed checkpoint there (as ``save(overwrite=True)``).
-        max_chunk_bytes: upper bound on one stored chunk, in bytes.
+        max_chunk_bytes: upper bound on one stored chunk, in bytes: a spelling of
+            ``layout.max_chunk_bytes`` (``StorageLayout.of``).
         planned_arrays: what will be written, when known up front (key -> a tensor of
             its shape and dtype, e.g. on the ``meta`` device), and
         planned_objects: the unique keys of the sharded objects: their keys are checked
             before anything is written, as ``save`` checks its keys.
         array_places: where an import found the arrays whose keys do not spell their
             places (``SaveOptions.array_places``), recorded in the commit record.
+        layout: where the bytes go (``StorageLayout``; each array is written whole).
 
     Raises:
-        ValueError: a ``max_chunk_bytes`` that is no positive number of bytes, or above
-            what readers accept (``strategies.zarr.checked_max_chunk_bytes``).
+        ValueError: a ``max_chunk_bytes`` that is no positive number of bytes, above
+            what readers accept, or contradicting ``layout``, naming the field.
     """
 
     def __init__(
         self, checkpoint_dir: str | os.PathLike | Location, overwrite: bool = False,
-        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        max_chunk_bytes: int | Literal["auto"] = "auto",
         planned_arrays: dict[str, torch.Tensor] | None = None, planned_objects: Iterable[str] = (),
-        array_places: ArrayPlaces | None = None,
+        array_places: ArrayPlaces | None = None, layout: StorageLayout | None = None,
     ) -> None:
-        self.max_chunk_bytes = checked_max_chunk_bytes(max_chunk_bytes)
+        if max_chunk_bytes != "auto":
+            max_chunk_bytes = checked_max_chunk_bytes(max_chunk_bytes)
+        layout = StorageLayout.of(layout, max_chunk_bytes=max_chunk_bytes)
         config = CheckpointingConfig(SHARDSTORE_BACKEND, ZARR_VERSION, COMMON_BACKEND, COMMON_VERSION)
-        options = SaveOptions(overwrite=overwrite, array_places=array_places)
+        options = SaveOptions(overwrite=overwrite, array_places=array_places, layout=layout)
         self._save = SavePipeline.open(checkpoint_dir, options=options, config=config)
+        self.max_chunk_bytes = int(self._save.options.layout.max_chunk_bytes)
         self._save.check_storable(
             [ShardedTensor.from_rank_offsets(key, tensor) for key, tensor in (planned_arrays or {}).items()],
             [ShardedObject.empty_from_unique_key(key) for key in planned_objects],

@@ -13,9 +13,9 @@ What goes where (the same as ``shardstore.save`` of the same state dict, see
 * every sharded item (a DTensor: DCP's ``WriteItemType.SHARD``) is a chunk of one
   global array named by its fully qualified name (``model.layers.0.weight``), written by
   the rank DCP's plan gives it, with each chunk's crc32c bound into the commit record;
-  with ``ShardstoreWriter(shard_bytes=...)``, an array of small blocks on a grid is
-  stored in Zarr v3 shards instead, each block sent to its shard's writer over a process
-  group in ``write_data`` (as ``ZarrSaveShardedStrategy(shard_bytes=...)``);
+  where the save's layout shards (``ShardstoreWriter(layout=...)``), an array of small
+  blocks on a grid is stored in Zarr v3 shards instead, each block sent to its shard's
+  writer in ``write_data`` (``tools.dcp_exchange`` says on which group);
 * every plain tensor (DCP's replicated ``WriteItemType.TENSOR``: a DDP or one-process
   model's parameters, Adam's moments) of at least ``min_array_bytes`` is an array of its
   own, its one block written by one of the ranks that hold it, balanced by bytes
@@ -79,6 +79,7 @@ from shardstore.format import (
     CheckpointingConfig,
     CommitRecord,
     DcpMetadata,
+    LayoutSite,
     SaveIntent,
     SaveOptions,
     StatePath,
@@ -110,13 +111,19 @@ from shardstore.serialization import verify_checkpoint_and_load_strategy
 from shardstore.stores import Location, NameLimits
 from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION
 from shardstore.strategies.zarr import (
-    DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_SYNC_STAGING_BYTES,
     SHARDSTORE_BACKEND,
     ZARR_VERSION,
+    ShardBytes,
     ZarrLoadShardedStrategy,
     ZarrSaveShardedStrategy,
     checked_staging_bytes,
+)
+from shardstore.tools.dcp_exchange import (
+    exchange_members_match,
+    on_another_thread,
+    own_group,
+    refuse_other_group,
 )
 
 logger = logging.getLogger(__name__)
@@ -136,8 +143,8 @@ class RankPart:
     Attributes:
         save: the save this rank joins and its part of shardstore's save plan.
         items: the sharded write items it writes, in the order ``save.plan`` numbers them.
-        exchange: the ranks exchange blocks in ``write_data`` (``shard_bytes`` in a save
-            of several ranks): every rank then writes on the writer's process group.
+        exchange: the ranks exchange blocks in ``write_data`` (a layout that shards, in
+            a save of several ranks; ``tools.dcp_exchange``).
         ranks: how many ranks the save has (DCP's plans): the group a later save plans
             on where DCP's plan cache hands this part back (``PlanAtWrite``).
         plan_id: the planning that made it (the same in every rank's part): a later save
@@ -150,6 +157,7 @@ class RankPart:
     exchange: bool = False
     ranks: int = 1
     plan_id: str = ""
+    layout: StorageLayout = StorageLayout()
 
     @property
     def part_id(self) -> str:
@@ -226,7 +234,6 @@ class _Planned:
 # the same parts.
 _RECENT_PLANS: list[_Planned] = []
 _RECENT_PLANS_KEPT = 4
-_PLANS_AT_WRITE = "plans the save in write_data where DCP's plan cache is on (enable_plan_caching=True)"
 
 
 def _first_delivery(part: RankPart | Refused) -> bool:
@@ -258,10 +265,10 @@ class HeldPlainTensors:
     """What a rank's local plan tells the coordinator (``SavePlan.storage_data``): the
     plain tensors it holds that become arrays, each of which it could write (DCP's
     deduplication keeps a replicated item in one plan only), the name, shape and
-    dtype of every plain tensor it holds (``_refuse_divergent_replicas``), and, with
-    ``shard_bytes``, its rank and the size of the group it exchanges blocks on
-    (``_refuse_other_group``). DCP's plan cache may hand the coordinator one made by an
-    earlier save's writer: ``settings`` tells."""
+    dtype of every plain tensor it holds (``_refuse_divergent_replicas``), and its rank
+    and the size of the group it exchanges blocks on (``refuse_other_group``). DCP's
+    plan cache may hand the coordinator one made by an earlier save's writer:
+    ``settings`` tells."""
 
     items: tuple[WriteItem, ...]
     plain: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
@@ -345,49 +352,40 @@ class ShardstoreWriter(StorageWriter):
             there is refused.
         overwrite: replace a committed shardstore checkpoint there (on by default, as
             DCP's ``FileSystemWriter`` has it).
-        max_chunk_bytes: upper bound on one stored chunk, in bytes.
+        layout: where the bytes go (``StorageLayout``; fields left ``"auto"`` are chosen
+            per save from DCP's ranks, the store and whether the ranks can exchange).
+            ``max_chunk_bytes``, ``shard_bytes``, ``zarr_metadata`` and
+            ``pack_arrays_up_to`` are spellings of its fields (``StorageLayout.of``).
         io_concurrency: chunk writes in flight at once per rank.
         min_array_bytes: a plain tensor of at least this many bytes becomes an array
             of its own; smaller ones stay in ``common.pt``.
         reuse_from: an earlier checkpoint whose unchanged chunks are shared, not
             written again (``shardstore.save``'s ``reuse_from``).
-        zarr_metadata: ``"per_node"`` (default) or ``"consolidated_only"``
-            (``SaveOptions.zarr_metadata``).
-        pack_arrays_up_to: pack arrays of at most this many bytes into zip packs
-            (``SaveOptions.pack_arrays_up_to``); 0: no packing.
-        shard_bytes: store DCP's split arrays in Zarr v3 shards of about this size
-            (the ranks exchange blocks on ``process_group``); None: a chunk per block.
-        process_group: the group of that exchange (default: DCP's default group; under
-            ``dcp.async_save``, a group of its own must be named).
+        process_group: the group the ranks exchange blocks on (default: the default
+            group, or under ``dcp.async_save`` the writers' own: ``tools.dcp_exchange``).
         sync_staging_bytes: the most host memory a rank's staging copies hold at once.
     """
 
     def __init__(
         self, checkpoint_id: CheckpointId | None = None, *, overwrite: bool = True,
-        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, io_concurrency: int = DEFAULT_IO_CONCURRENCY,
+        max_chunk_bytes: int | Literal["auto"] = "auto", io_concurrency: int = DEFAULT_IO_CONCURRENCY,
         min_array_bytes: int = DEFAULT_MIN_ARRAY_BYTES, reuse_from: CheckpointId | None = None,
-        shard_bytes: int | None = None, process_group: dist.ProcessGroup | None = None,
-        zarr_metadata: str = "per_node", sync_staging_bytes: int = DEFAULT_SYNC_STAGING_BYTES,
-        pack_arrays_up_to: int = 0,
+        shard_bytes: ShardBytes = "auto", process_group: dist.ProcessGroup | None = None,
+        zarr_metadata: str | None = None, sync_staging_bytes: int = DEFAULT_SYNC_STAGING_BYTES,
+        pack_arrays_up_to: int | None = None, layout: StorageLayout | None = None,
     ) -> None:
         super().__init__()
         self.checkpoint_id = checkpoint_id
         self.overwrite = overwrite
-        self.max_chunk_bytes = max_chunk_bytes
         self.io_concurrency = io_concurrency
         self.min_array_bytes = min_array_bytes
         self.reuse_from = reuse_from
-        # refused now if unknown or out of range, not at the save
-        checked = SaveOptions(zarr_metadata=zarr_metadata, pack_arrays_up_to=pack_arrays_up_to)
-        self.zarr_metadata = checked.zarr_metadata
-        self.pack_arrays_up_to = checked.pack_arrays_up_to
-        if isinstance(shard_bytes, str):  # "auto" is the strategy's: it needs a group DCP does not give
-            raise ValueError(f"ShardstoreWriter(shard_bytes={shard_bytes!r}): pass None (the default: no shards) "
-                             "or a number of bytes (the ranks then exchange blocks on process_group)")
-        self.shard_bytes = shard_bytes
+        spelled = {k: v for k, v in (("zarr_metadata", zarr_metadata), ("pack_arrays_up_to", pack_arrays_up_to))
+                   if v is not None}  # refused now if unknown, out of range or contradicting layout
+        self.layout = StorageLayout.of(layout, max_chunk_bytes=max_chunk_bytes, shard_bytes=shard_bytes, **spelled)
         self.process_group = process_group
         self.sync_staging_bytes = checked_staging_bytes("sync_staging_bytes", sync_staging_bytes)
-        self._strategy()  # refuses a bound out of range now, not at the save
+        self._strategy(self.layout)  # refuses a bound out of range now, not at the save
         # the thread the caller made the writer on: a save on another one is dcp.async_save's
         self._caller_thread: int | None = threading.get_ident()
         self.is_coordinator = False
@@ -420,7 +418,7 @@ class ShardstoreWriter(StorageWriter):
         recorded at the commit for ``ShardstoreReader.read_metadata``."""
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
-    def _open_save(self, exchange: bool) -> SavePipeline:
+    def _open_save(self, layout: StorageLayout, exchange: bool) -> SavePipeline:
         """This rank's view of the save (``execution.pipeline``): the one place the
         target and the checkpoint reused from are opened. DCP's ranks talk through its
         plans and results; they exchange blocks themselves only where ``exchange``
@@ -428,21 +426,37 @@ class ShardstoreWriter(StorageWriter):
         this process alone. The target is a shared directory, as ``FileSystemWriter``
         takes one: the checkpoint is published beside the files other programs keep
         there (``format.commit.SaveOptions``)."""
-        if self.checkpoint_id is None:
-            raise CheckpointingException("ShardstoreWriter has no checkpoint path: pass one, or checkpoint_id= to dcp.save")
-        layout = StorageLayout(max_chunk_bytes=self.max_chunk_bytes, shard_bytes=self.shard_bytes,
-                               zarr_metadata=self.zarr_metadata, pack_arrays_up_to=self.pack_arrays_up_to)
         options = SaveOptions(overwrite=self.overwrite, reuse_from=self.reuse_from, shared_directory=True,
                               layout=layout)
         group = Group(self.process_group) if exchange else None
-        return SavePipeline.open(self.checkpoint_id, group, options=options, config=CONFIG)
+        return SavePipeline.open(self._target(), group, options=options, config=CONFIG)
 
-    def _strategy(self) -> ZarrSaveShardedStrategy:
-        """How the coordinator plans the chunks (DCP's plan already chose each block's
-        writer among its replicas)."""
-        return ZarrSaveShardedStrategy(
-            max_chunk_bytes=self.max_chunk_bytes, fully_parallel=False, shard_bytes=self.shard_bytes,
-        )
+    def _target(self) -> CheckpointId:
+        """Where this save goes (``checkpoint_id``), refused where none was given."""
+        if self.checkpoint_id is None:
+            raise CheckpointingException("ShardstoreWriter has no checkpoint path: pass one, or checkpoint_id= to dcp.save")
+        return self.checkpoint_id
+
+    @staticmethod
+    def _strategy(layout: StorageLayout) -> ZarrSaveShardedStrategy:
+        """How the coordinator plans the chunks by ``layout`` (DCP's plan already chose
+        each block's writer among its replicas)."""
+        return ZarrSaveShardedStrategy(fully_parallel=False, layout=layout)
+
+    def _chosen(self, plans: list[SavePlan]) -> tuple[StorageLayout, bool]:
+        """Coordinator: this save's layout, chosen for DCP's ranks, the store and whether
+        the ranks can exchange blocks (``tools.dcp_exchange``), and whether they do: where
+        it shards (small split arrays are then also gathered whole for packs).
+
+        Raises:
+            CheckpointingException: an explicit ``shard_bytes`` where they cannot."""
+        ranks = len(plans)
+        can = ranks > 1 and exchange_members_match(plans)
+        site = LayoutSite.of(bare_location(self._target()).capabilities, ranks, can)
+        layout = self.layout.chosen_for(site)
+        if ranks > 1 and not can and layout.shard_bytes is not None:
+            refuse_other_group(plans, _id_text(self.checkpoint_id) or "")
+        return layout, can and layout.shard_bytes is not None
 
     def _as_array(self, item: WriteItem) -> bool:
         """A plain tensor's item that is written as an array (the same answer on every
@@ -483,16 +497,13 @@ class ShardstoreWriter(StorageWriter):
     def _held(self, items: list[WriteItem]) -> HeldPlainTensors:
         """What a rank holding ``items`` tells the coordinator."""
         plain = tuple(map(_plain_kind, filter(_is_plain, items)))
-        member = None
-        if self.shard_bytes is not None:
-            # checked where the save has several ranks to exchange between (``_planned``)
-            group = Group(self.process_group)
-            member = (group.rank, group.world_size)
+        group = Group(self.process_group)  # checked where the ranks would exchange (``_chosen``)
+        member = (group.rank, group.world_size)
         return HeldPlainTensors(tuple(filter(self._as_array, items)), plain, member, self._held_settings())
 
     def _held_settings(self) -> tuple:
         """The settings ``_held``'s answer depends on."""
-        return self.min_array_bytes, self.shard_bytes
+        return self.min_array_bytes, self.layout
 
     def _holds_as_now(self, plan: SavePlan) -> bool:
         """Whether a plan's ``HeldPlainTensors``, where it has one, was made under this
@@ -501,28 +512,13 @@ class ShardstoreWriter(StorageWriter):
         held = plan.storage_data
         return not isinstance(held, HeldPlainTensors) or held.settings == self._held_settings()
 
-    def _exchange_group(self) -> Group:
-        """The group the ranks exchange blocks on (``_collective_group``)."""
-        return self._collective_group("exchanges blocks between the ranks (shard_bytes=...)")
-
-    def _collective_group(self, why: str) -> Group:
-        """The group the writer's own collectives run on (``why`` it has them).
-        Refused: the default group (named or not) on a thread other than the one that
-        made the writer (``dcp.async_save``'s background thread), where the training
-        loop's own collectives on it would interleave with the save's, in another order
-        on each rank. A synchronous save on a thread of the caller's own (Ray Train
-        runs training on one) passes."""
-        group = Group(self.process_group)
-        default = self.process_group is None or self.process_group is _default_group()
-        elsewhere = self._caller_thread is not None and threading.get_ident() != self._caller_thread
-        if default and elsewhere and group.world_size > 1:
-            raise CheckpointingException(
-                f"Saving {self.checkpoint_id!r}: ShardstoreWriter {why}, and this save runs on a background thread "
-                "(dcp.async_save), where the default process group is the training loop's. Pass the group given to "
-                "dcp.async_save(process_group=...) as ShardstoreWriter(process_group=...) "
-                "(dist.new_group(backend='gloo'))"
-            )
-        return group
+    def _collective_group(self) -> Group:
+        """Every rank, in ``write_data``: the group the writer's own collectives run on:
+        ``process_group``, or the default group, or on a thread other than the one that
+        made the writer (``dcp.async_save``'s), the writers' own (``tools.dcp_exchange``)."""
+        if on_another_thread(self.process_group, self._caller_thread) and Group().world_size > 1:
+            return Group(own_group())
+        return Group(self.process_group)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: validates and plans the global layout, then begins the save
@@ -535,7 +531,7 @@ class ShardstoreWriter(StorageWriter):
         plans by now wherever one is usable, so a refusal then reaches the ranks as
         their part (``Refused``), not as an exception here."""
         if not any(plan.usable for plan in plans):  # DCP changed no cache: refusing here is safe
-            self._planning_group(len(plans))
+            self._refuse_planning_size(len(plans))
             return plans
         if not all(plan.usable and self._holds_as_now(plan) for plan in plans):
             return [replace(plan, storage_data=PlanAtWrite(len(plans))) if plan.usable else plan for plan in plans]
@@ -550,35 +546,34 @@ class ShardstoreWriter(StorageWriter):
     def _planned(self, plans: list[SavePlan]) -> list[RankPart]:
         """Coordinator: every rank's part of a save planned from DCP's plans (each
         carrying its rank's ``HeldPlainTensors``); begins the save."""
-        exchange = self.shard_bytes is not None and len(plans) > 1
-        if exchange:
-            self._exchange_group()  # refused on dcp.async_save's thread: the training loop's group
-        save = self._open_save(exchange)
-        save.refuse_oversized_objects(self._strategy().object_bounds(len(plans)))
+        layout, exchange = self._chosen(plans)
+        save = self._open_save(layout, exchange)
+        save.refuse_oversized_objects(self._strategy(layout).object_bounds(len(plans)))
         _refuse_divergent_replicas(plans, save.describe())
-        if exchange:
-            _refuse_other_group(plans, save.describe())
         shards, orders = gathered_shards(plans, _plain_array_writers(plans, self._as_array))
-        parts, self._names_needed = save.plan_gathered(shards, self._strategy().plan_save)
+        parts, self._names_needed = save.plan_gathered(shards, self._strategy(layout).plan_save)
         self._save, self._commit = save, parts[0].plan.commit
         plan_id = _new_id()
-        return [RankPart(part, order, exchange, len(plans), plan_id) for part, order in zip(parts, orders)]
+        return [RankPart(part, order, exchange, len(plans), plan_id, layout) for part, order in zip(parts, orders)]
 
     def _planning_group(self, ranks: int) -> Group:
         """The group the ranks plan a save on in ``write_data`` (``_planned_at_write``):
-        this process alone for one rank, else the writer's. Refused, before any rank
-        writes: one whose size is not DCP's, or the training loop's default group on
-        ``dcp.async_save``'s thread."""
+        this process alone for one rank, else the writer's (``_collective_group``).
+        Refused, before any rank writes: one whose size is not DCP's."""
         if ranks == 1:
             return Group.local()
-        group = self._collective_group(_PLANS_AT_WRITE)
-        if group.world_size != ranks:
+        self._refuse_planning_size(ranks)
+        return self._collective_group()
+
+    def _refuse_planning_size(self, ranks: int) -> None:
+        """Refuses to plan at write on a group whose size is not DCP's ``ranks`` (the
+        writers' own has the default group's); makes no group."""
+        if ranks > 1 and (size := Group(self.process_group).world_size) != ranks:
             raise CheckpointingException(
                 f"Saving {_id_text(self.checkpoint_id)}: with DCP's plan caching, ShardstoreWriter plans the save in "
-                f"write_data on its process group, which has {group.world_size} ranks where dcp.save has {ranks}. "
+                f"write_data on its process group, which has {size} ranks where dcp.save has {ranks}. "
                 "Pass the group given to dcp.save(process_group=...) as ShardstoreWriter(process_group=...)"
             )
-        return group
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """All ranks: this rank's arrays' metadata and chunks, durable; the results
@@ -638,8 +633,7 @@ class ShardstoreWriter(StorageWriter):
         the items by the settings, its place in the exchange group (``process_group``,
         the planning group) by the rank."""
         rank = Group(self.process_group).rank if ranks > 1 else 0
-        settings = (self.max_chunk_bytes, self.zarr_metadata, self.pack_arrays_up_to, *self._held_settings())
-        return rank, ranks, settings, tuple(plan.items)
+        return rank, ranks, self._held_settings(), tuple(plan.items)
 
     def _remember(self, inputs: tuple, part: RankPart) -> None:
         """Keeps ``part``, delivered to this rank for a plan with ``inputs``
@@ -684,8 +678,8 @@ class ShardstoreWriter(StorageWriter):
         """Coordinator: begins a save by ``planned``'s plan, into this writer's
         checkpoint (None, nothing begun: its target stores shorter names than the
         plan's files have)."""
-        save = self._open_save(planned.part.exchange)
-        save.refuse_oversized_objects(self._strategy().object_bounds(ranks))
+        save = self._open_save(planned.part.layout, planned.part.exchange)
+        save.refuse_oversized_objects(self._strategy(planned.part.layout).object_bounds(ranks))
         intent = save.begin_planned(ranks, cast(NameLimits, planned.names_needed))
         if intent is not None:
             self._save, self._commit = save, planned.part.save.plan.commit
@@ -711,15 +705,18 @@ class ShardstoreWriter(StorageWriter):
         """This rank's pipeline of the save, joined. Where the ranks exchange blocks, a
         failure here is told to the peers, which wait in the exchange's agreement
         (``SavePipeline.write_plan``): every rank raises it, none waits for a timeout."""
+        group = self._collective_group() if part.exchange else None
         try:
-            save = self._save if self.is_coordinator else self._open_save(part.exchange)
+            save = self._save if self.is_coordinator else self._open_save(part.layout, part.exchange)
             if save is None:
                 raise CheckpointingException("ShardstoreWriter.write_data on the coordinator without a save in progress")
+            if group is not None:
+                save.group = group  # the coordinator opened it before every rank could make the writers' own
             save.join(part.save.intent)
             return save
         except Exception as exc:
-            if part.exchange:
-                fail_before_staging(Group(self.process_group), _id_text(self.checkpoint_id), exc)
+            if group is not None:
+                fail_before_staging(group, _id_text(self.checkpoint_id), exc)
             raise
 
     def _write_shards(self, part: RankPart, planner: SavePlanner, save: SavePipeline) -> WrittenChunks:
@@ -858,26 +855,6 @@ def _refuse_divergent_replicas(plans: list[SavePlan], where: str) -> None:
                 f"Saving {where}: ranks hold {name!r} with different shapes or dtypes ({holders}). DCP keeps one copy "
                 "of a replicated tensor: save each rank's own tensor under a name of its own"
             )
-
-
-def _default_group() -> dist.ProcessGroup | None:
-    """The default process group, None where there is none."""
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-
-
-def _refuse_other_group(plans: list[SavePlan], where: str) -> None:
-    """Refuses a save whose ranks would exchange blocks on a group whose ranks are not
-    DCP's (``ShardstoreWriter(process_group=...)`` another than ``dcp.save``'s): DCP's
-    plan ``r`` must be the group's rank ``r``, else the exchange's messages go to the
-    wrong ranks or wait for ranks that never join."""
-    members = [plan.storage_data.member if isinstance(plan.storage_data, HeldPlainTensors) else None for plan in plans]
-    expected = [(rank, len(plans)) for rank in range(len(plans))]
-    if members != expected:
-        raise CheckpointingException(
-            f"Saving {where}: ShardstoreWriter(shard_bytes=...) exchanges blocks on a process group whose "
-            f"(rank, size) per DCP rank are {members}, not DCP's {expected}. Pass the group given to "
-            "dcp.save(process_group=...) as ShardstoreWriter(process_group=...)"
-        )
 
 
 def _plain_array_writers(plans: list[SavePlan], as_array: Callable[[WriteItem], bool]) -> list[list[WriteItem]]:

@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from shardstore.errors import CheckpointingException
-from shardstore.format import SaveOptions, is_committed, read_commit_record
+from shardstore.format import SaveOptions, StorageLayout, is_committed, read_commit_record
 from shardstore.load_strictness import StrictHandling
 from shardstore.opened import bare_location
 from shardstore.progress import info_on_first_rank, log_once, operations_logged_at
@@ -94,7 +94,6 @@ from shardstore.strategies.zarr import (
     ShardBytes,
     ZarrLoadShardedStrategy,
     ZarrSaveShardedStrategy,
-    checked_shard_bytes,
 )
 
 logger = logging.getLogger(__name__)
@@ -133,10 +132,8 @@ class _Installation:
 
     originals: dict[tuple[str, str], Any]
     reuse_previous: bool
-    zarr_metadata: str = "per_node"  # SaveOptions.zarr_metadata
-    shard_bytes: ShardBytes = "auto"  # of the strategies strategy_for_save builds
+    layout: StorageLayout = StorageLayout()  # the saves': the strategies built here carry its sizes
     registered: Any = None
-    pack_arrays_up_to: int = 0  # SaveOptions.pack_arrays_up_to
 
 
 _lock = threading.Lock()
@@ -151,17 +148,20 @@ _OURS = "_shardstore_strategy"
 
 
 def install(
-    *, reuse_previous: bool = True, zarr_metadata: str = "per_node", shard_bytes: ShardBytes = "auto",
-    pack_arrays_up_to: int = 0,
+    *, reuse_previous: bool = True, zarr_metadata: str | None = None, shard_bytes: ShardBytes = "auto",
+    pack_arrays_up_to: int | None = None, layout: StorageLayout | None = None,
 ) -> None:
     """Makes ``megatron.core.dist_checkpointing``'s entry points (``ENTRY_POINTS``) save
     and load shardstore checkpoints (module docstring). Idempotent: a second call only
-    changes ``reuse_previous``, ``zarr_metadata``, ``shard_bytes`` and ``pack_arrays_up_to``.
+    changes ``reuse_previous`` and the layout.
 
     Args:
         reuse_previous: a save into a local ``.../iter_<N>`` directory that names no
             ``reuse_from`` shares unchanged chunks with the newest older committed
             ``iter_<M>`` beside it (an incremental save; each checkpoint stands alone).
+        layout: where the saves put their bytes (``StorageLayout``; ``"auto"`` fields
+            chosen per save); the three keywords below are spellings of its fields,
+            folded in by ``StorageLayout.of``.
         zarr_metadata: where the saves put the arrays' Zarr metadata documents, as
             ``SaveOptions.zarr_metadata`` says (``"consolidated_only"``: only in the
             root's consolidated metadata, a file fewer per array).
@@ -174,27 +174,23 @@ def install(
         pack_arrays_up_to: the saves pack each array of at most this many bytes that
             one rank writes whole (replicated ones, such as layer norms, by their one
             writer; column-parallel ones, gathered whole to one rank) into that rank's zip, ``packs/<rank>-<n>.zip``, as
-            ``SaveOptions.pack_arrays_up_to`` says (feature ``packs``); 0 (the default):
-            no packing. Packed arrays are never shared by the incremental saves
+            ``SaveOptions.pack_arrays_up_to`` says (feature ``packs``); 0: no packing. Packed arrays are never shared by the incremental saves
             (``reuse_previous``): they are written anew each time.
 
     Raises:
         ImportError: megatron-core is not installed.
-        ValueError: ``zarr_metadata``, ``shard_bytes`` or ``pack_arrays_up_to`` is not a
-            value they take.
+        ValueError: a layout field out of range, or a keyword contradicting ``layout``,
+            naming the field.
     """
     global _installation
-    # unknown or out-of-range values are refused here, not at the first save
-    checked = SaveOptions(zarr_metadata=zarr_metadata, pack_arrays_up_to=pack_arrays_up_to)
-    where = checked.zarr_metadata.value
-    shard_bytes = checked_shard_bytes(shard_bytes)
+    # unknown, out-of-range or contradicting values are refused here, not at the first save
+    spelled = {k: v for k, v in (("zarr_metadata", zarr_metadata), ("pack_arrays_up_to", pack_arrays_up_to))
+               if v is not None}
+    layout = StorageLayout.of(layout, shard_bytes=shard_bytes, **spelled)
     modules = _megatron_modules()
     with _lock:
         if _installation is not None:
-            _installation = replace(
-                _installation, reuse_previous=reuse_previous, zarr_metadata=where, shard_bytes=shard_bytes,
-                pack_arrays_up_to=checked.pack_arrays_up_to,
-            )
+            _installation = replace(_installation, reuse_previous=reuse_previous, layout=layout)
             return
         originals = {
             (module.__name__, name): getattr(module, name)
@@ -202,9 +198,7 @@ def install(
             for name in ENTRY_POINTS
             if hasattr(module, name)
         }
-        _installation = _Installation(
-            originals, reuse_previous, where, shard_bytes, _register_load_strategy(), checked.pack_arrays_up_to
-        )
+        _installation = _Installation(originals, reuse_previous, layout, _register_load_strategy())
         for (module_name, name), _ in originals.items():
             setattr(importlib.import_module(module_name), name, _REPLACEMENTS[name])
     logger.log(info_on_first_rank(), "shardstore installed behind %s", ", ".join(m.__name__ for m in modules))
@@ -313,14 +307,15 @@ def strategy_for_save(strategy: Any) -> ZarrSaveShardedStrategy:
     fully-parallel wrapper as our fully-parallel plan (its ``do_cache_distribution`` as
     our cached plan), anything else (Megatron's torch_dist strategy, a ``(backend,
     version)`` tuple, None) as our default; one object per Megatron strategy object, so
-    that a cached plan carries over between saves. A strategy built here shards as
-    ``install(shard_bytes=...)`` says at the time of the call (``"auto"`` when not
-    installed); ours keeps its own ``shard_bytes``."""
+    that a cached plan carries over between saves. A strategy built here takes the chunk
+    and shard sizes of ``install``'s layout at the time of the call (``"auto"`` when not
+    installed); ours keeps its own."""
     inner = _wrapped(strategy, ZarrSaveShardedStrategy)
     if inner is not None:  # ours, or the plug-in's as its caller made it, however wrapped
         return inner
     ours = _built_for(strategy)
-    ours.shard_bytes = _installation.shard_bytes if _installation is not None else "auto"
+    installed = _installation.layout if _installation is not None else StorageLayout()
+    ours.layout = StorageLayout(max_chunk_bytes=installed.max_chunk_bytes, shard_bytes=installed.shard_bytes)
     return ours
 
 
@@ -512,13 +507,18 @@ def save(
         content_metadata,
         process_group=process_group,
         # Megatron-LM's iteration directory is shared: ModelOpt writes its state there too
-        options=SaveOptions(overwrite=True, reuse_from=reuse_from, shared_directory=True,
-                            zarr_metadata=_installation.zarr_metadata if _installation else "per_node",
-                            pack_arrays_up_to=_installation.pack_arrays_up_to if _installation else 0),
+        options=SaveOptions(overwrite=True, reuse_from=reuse_from, shared_directory=True, layout=_options_layout()),
     )
     if request is None:
         return None
     return for_another_process(request, _megatron_request_class(async_strategy), finalize_wrapper=_in_megatrons_terms)
+
+
+def _options_layout() -> StorageLayout:
+    """The layout a save's options carry: ``install``'s, but for the chunk and shard
+    sizes, which the save's strategy carries (``strategy_for_save``; ours its own)."""
+    installed = _installation.layout if _installation is not None else StorageLayout()
+    return replace(installed, max_chunk_bytes="auto", shard_bytes="auto")
 
 
 def _megatron_request_class(async_strategy: str | None) -> Any:

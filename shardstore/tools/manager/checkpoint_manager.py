@@ -222,7 +222,8 @@ class CheckpointManager:
             )
         caller_chose_base = "reuse_from" in save_kwargs  # reuse_from=None too: no base
         options = SaveOptions.resolve(save_kwargs.pop("options", None), SaveOptions(
-            **{name: save_kwargs.pop(name) for name in ("overwrite", "reuse_from", "shared_directory") if name in save_kwargs}
+            **{name: save_kwargs.pop(name) for name in ("overwrite", "reuse_from", "shared_directory") if name in save_kwargs},
+            layout=self.options.layout,
         ))
         overwrite = bool(options.overwrite)
         if not overwrite and self._restored_step is not None and step <= self._restored_step:

@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from shardstore.format import StorageLayout
+
 Metrics = Mapping[str, float]
 
 # The common state's key under which the manager keeps what it stores in a step (its
@@ -48,6 +50,7 @@ class CheckpointManagerOptions:
             rank's structure is unchanged (through a copy of the default save strategy
             that keeps it; a ``sharded_strategy`` given to ``save`` is used as it is).
             Off: every save plans anew.
+        layout: where each save puts its bytes (``StorageLayout``; with ``options=``).
     """
 
     save_interval_steps: int | None = 1
@@ -64,6 +67,7 @@ class CheckpointManagerOptions:
     keep_best: int | None = None
     reuse_unchanged: bool = True
     cache_plan: bool = True
+    layout: StorageLayout = StorageLayout()
 
     def __post_init__(self) -> None:
         for name in ("save_interval_steps", "max_to_keep", "keep_period", "step_digits", "keep_best"):
@@ -82,6 +86,8 @@ class CheckpointManagerOptions:
             raise ValueError(f"save_interval_secs must be > 0 or None, got {self.save_interval_secs}")
         if self.save_on_preemption and not self.preemption_signals:
             raise ValueError("save_on_preemption needs at least one signal in preemption_signals")
+        if not isinstance(self.layout, StorageLayout):
+            raise ValueError(f"layout must be a StorageLayout, got {self.layout!r}")
         if self.best_mode not in ("max", "min"):
             raise ValueError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}")
         if self.keep_best is not None:

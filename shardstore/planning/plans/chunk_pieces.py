@@ -1,0 +1,108 @@
+"""A load's requests split at the edges of the chunks they touch along their leading
+axis, so each chunk is read once (``RankReadPlan.pieces``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "Box", "PiecesByRank", "chunk_boxes", "crossing_blocks", "request_piece",
+    "split_at_chunk_edges", "split_records",
+]
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+import numpy as np
+
+from shardstore.planning.columns import record_rows
+from shardstore.planning.layout import (
+    GlobalLayout,
+    ShardRecord,
+)
+
+# A block's part: ``(start, stop)`` per axis of the block; and each rank's pieces, as
+# ``RankReadPlan.pieces`` lists them (the index of the request split, and the part).
+Box = tuple[tuple[int, int], ...]
+PiecesByRank = list[list[tuple[int, Box]]]
+
+
+def split_at_chunk_edges(
+    layout: GlobalLayout, shards: Mapping[str, tuple[int, ...]], own: list[int],
+    pieces: PiecesByRank,
+) -> GlobalLayout:
+    """``layout`` with each block of the arrays in ``shards`` whose leading axis runs over
+    a chunk's edge replaced by its pieces (``split_records``)."""
+    tensors: dict[str, list[ShardRecord]] = {}
+    for key, records in layout.tensors.items():
+        chunk = shards.get(key)
+        usable = chunk is not None and len(chunk) > 0 and all(len(s.offset) == len(chunk) for s in records)
+        crossing = crossing_blocks(record_rows(records, len(chunk)), chunk) if usable else None
+        tensors[key] = split_records(records, crossing, chunk, own, pieces)[0] if crossing is not None else records
+    return GlobalLayout(tensors, layout.objects, layout.world_size)
+
+
+def split_records(
+    records: list[ShardRecord], crossing: np.ndarray, chunk: tuple[int, ...], own: list[int],
+    pieces: PiecesByRank,
+) -> tuple[list[ShardRecord], np.ndarray, list[int]]:
+    """``records`` with each block ``crossing`` marks (and that may not differ from the
+    stored shape) replaced by its pieces, split at the edges of ``chunk``
+    (``chunk_boxes``), each a request of its rank numbered after its own (``own``, the
+    count per rank, grows by them; ``pieces``, per rank, gets ``RankReadPlan.pieces``);
+    also, per record out, the position of the record it came from, and the positions
+    of the pieces."""
+    out: list[ShardRecord] = []
+    source: list[int] = []
+    made: list[int] = []
+    at = 0
+    for i in np.flatnonzero(crossing).tolist():
+        s = records[i]
+        if s.allow_shape_mismatch:
+            continue
+        out += records[at:i]
+        source += range(at, i)
+        at = i + 1
+        for box in chunk_boxes(s, chunk):
+            pieces[s.rank].append((s.index, box))
+            made.append(len(out))
+            out.append(request_piece(s, box, own[s.rank]))
+            source.append(i)
+            own[s.rank] += 1
+    out += records[at:]
+    source += range(at, len(records))
+    return out, np.asarray(source, np.int64), made
+
+
+def request_piece(block: ShardRecord, box: Box, index: int) -> ShardRecord:
+    """The part ``box`` of ``block`` as the request ``index`` of its rank."""
+    return replace(block, index=index, offset=tuple(o + a for o, (a, _) in zip(block.offset, box)),
+                   block_shape=tuple(b - a for a, b in box))
+
+
+def crossing_blocks(rows: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray | None:
+    """Per block (``planning.columns.record_rows`` of every axis of the array), whether
+    it is one to split: its leading axis (its first of more than one element:
+    ``chunk_boxes``) runs over an edge of ``chunk``, and it has elements and no
+    flattened range; None where none is."""
+    ndim = len(chunk)
+    offset, extent, flat = rows[:, :ndim], rows[:, ndim : 2 * ndim], rows[:, 2 * ndim]
+    if not len(rows):
+        return None
+    leading = np.argmax(extent > 1, axis=1)  # 0 where no axis has more than one element (nothing crosses)
+    start, size = offset[np.arange(len(rows)), leading], extent[np.arange(len(rows)), leading]
+    step = np.asarray(chunk, np.int64)[leading]
+    crossing = (start // step != (start + size - 1) // step) & (flat < 0) & (extent > 0).all(axis=1)
+    return crossing if crossing.any() else None
+
+
+def chunk_boxes(block: ShardRecord, chunk: tuple[int, ...]) -> list[Box]:
+    """The parts of ``block`` at the edges of ``chunk`` along its leading axis, the
+    first with more than one element (``(start, stop)`` per axis of the block), in
+    order. Only there: a part of the leading axis is a contiguous run of the block's
+    tensor, read and received in place; a part along a later axis would be strided,
+    each landing in a buffer of its own first (the block's size again at once)."""
+    axis = next(a for a, size in enumerate(block.block_shape) if size > 1)
+    start, size, step = block.offset[axis], block.block_shape[axis], chunk[axis]
+    edges = [start, *range((start // step + 1) * step, start + size, step), start + size]
+    whole = [(0, n) for n in block.block_shape]
+    return [(*whole[:axis], (a - start, b - start), *whole[axis + 1 :]) for a, b in zip(edges[:-1], edges[1:])]

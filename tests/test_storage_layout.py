@@ -91,3 +91,15 @@ def test_the_save_says_its_layout_on_its_info_line(tmp_path: Path, caplog: pytes
         save(state, str(tmp_path / "ckpt"))
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "layout:" in r.getMessage()]
     assert lines and "packs <= 64 KiB" in lines[-1] and "metadata per_node" in lines[-1], lines
+
+
+def test_inspect_says_the_layout(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from shardstore.tools.cli import main
+
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))}
+    save(state, str(tmp_path / "ckpt"), layout=StorageLayout(pack_arrays_up_to=0))
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path / "ckpt")])
+    assert result.exit_code == 0, result.output
+    assert "layout chunks <= 64 MiB, no shards, no packs, metadata per_node" in result.output

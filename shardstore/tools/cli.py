@@ -252,6 +252,8 @@ def inspect_command(checkpoint: str, as_json: bool) -> None:
             f"{summary.world_size} rank(s), committed {_commit_time(summary.created)}, save {summary.save_id}"
         )
         click.echo(f"  requires {', '.join(summary.requires) if summary.requires else 'no feature beyond the base format'}")
+        if summary.layout:
+            click.echo(f"  layout {summary.layout}")
         if summary.reused_from:
             shared = summary.reused_from
             click.echo(

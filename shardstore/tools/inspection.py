@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from shardstore.format import (
+    StorageLayout,
     from_zarr_name,
     is_exact_conversion,
     tensor_to_numpy,
@@ -67,6 +68,7 @@ class CheckpointSummary:
     kind: str = "shardstore"
     reused_from: dict[str, Any] | None = None  # ReusedChunks.to_json(): what the save shared
     requires: tuple[str, ...] = ()  # the features a reader must understand (``format.features``)
+    layout: str = ""  # the storage layout the save wrote by (``StorageLayout.describe``), or "" (older records)
 
     @property
     def nbytes(self) -> int:
@@ -102,6 +104,7 @@ def describe_checkpoint(checkpoint: str | os.PathLike | Location) -> CheckpointS
         common_keys=tuple(sorted(str(k) for k in common)),
         reused_from=record.reused_from.to_json() if record.reused_from else None,
         requires=record.requires,
+        layout=StorageLayout.from_json(record.layout).describe() if record.layout else "",
     )
 
 

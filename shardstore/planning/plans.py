@@ -82,6 +82,7 @@ from shardstore.planning.layout import (
     largest_divisor_at_most,
     pick_balanced,
 )
+from shardstore.planning.read_grain import read_grained_record
 
 
 @dataclass(frozen=True)
@@ -170,13 +171,14 @@ def stored_at_most(data_bytes: int) -> int:
 
 
 def array_records(
-    layout: GlobalLayout, max_chunk_bytes: int, shard_bytes: int | None = None
+    layout: GlobalLayout, max_chunk_bytes: int, shard_bytes: int | None = None, read_grain: int | None = None,
 ) -> tuple[dict[str, ArrayRecord], dict[str, BlockGrid]]:
     """Every array's metadata: its chunk grid aligned with the sharding of its main
     shards; with ``shard_bytes``, an array of small blocks on a grid (split along any
     axes), or of flattened ranges of such blocks, is stored in shards of about that
     many bytes (``sharded_record``), and one whose blocks split a later axis in shards
-    inside its blocks (``in_block_sharded_record``). Also the grid of each array whose
+    inside its blocks (``in_block_sharded_record``); other chunks cut for reads at
+    ``read_grain`` (``read_grained_record``). Also the grid of each array whose
     shards are gathered, which ``plan_gathered_writes`` maps its shards onto."""
     records, grids = {}, {}
     for key, shards in layout.tensors.items():
@@ -184,7 +186,7 @@ def array_records(
         # shards gather chunks contiguous in their blocks, however small (``bound_chunk``)
         record = _unsharded_record(key, shards[0], main, max_chunk_bytes, contiguous=shard_bytes is not None)
         if shard_bytes is None:
-            records[key] = record
+            records[key] = read_grained_record(record, read_grain)
             continue
         grid = _shardable_grid(record, main)
         if grid is not None and (own := in_block_sharded_record(record, shard_bytes)) is not None:
@@ -195,7 +197,7 @@ def array_records(
         if grid is not None and (gathered := sharded_record(record, main, shard_bytes, grid, loose)) is not record:
             records[key], grids[key] = gathered, grid
         else:
-            records[key] = loose
+            records[key] = read_grained_record(loose, read_grain)
     return records, grids
 
 
@@ -692,7 +694,7 @@ def plan_flat_writes(
 
 def plan_save(
     layout: GlobalLayout, max_chunk_bytes: int, fully_parallel: bool, shard_bytes: int | None = None,
-    pack_arrays_up_to: int = 0,
+    pack_arrays_up_to: int = 0, read_grain: int | None = None,
 ) -> list[RankSavePlan]:
     """Every rank's part of the save of a validated layout (index = group rank);
     ``shard_bytes``: store arrays of small blocks in shards of about that size
@@ -700,10 +702,11 @@ def plan_save(
     along a later axis, one per chunk inside its block, written by its holder
     (``in_block_sharded_record``). ``pack_arrays_up_to`` (the save's
     ``SaveOptions.pack_arrays_up_to``): arrays of at most that many bytes split over
-    ranks are gathered whole to one writer, who packs them (``plan_packed_whole``)."""
+    ranks are gathered whole to one writer, who packs them (``plan_packed_whole``);
+    ``read_grain``: ``array_records``."""
     if fully_parallel:
         layout = balance_writers(layout)
-    records, grids = array_records(layout, max_chunk_bytes, shard_bytes)
+    records, grids = array_records(layout, max_chunk_bytes, shard_bytes, read_grain)
     world = layout.world_size
     load = [0] * world  # bytes each rank writes of gathered shards
     gathered: list[set[str]] = [set() for _ in range(world)]

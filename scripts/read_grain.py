@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD .venv/bin/python scripts/read_grain.py            # 248 MiB, 3 reps
     PYTHONPATH=$PWD .venv/bin/python scripts/read_grain.py --mib 62 --reps 1
 
-Ten float32 arrays of 1-32 MiB per saving rank (two of each of 5 sizes), saved by
+Ten float32 arrays (two of each of 5 sizes, 1:2:4:8:16; ``--mib`` in all), saved by
 ranks 0-1 of a 4-rank gloo group (127.0.0.1) and loaded by all 4, split along dim 0
 (FSDP2's ``Shard(0)``) or along the last axis (tensor parallel, ``[out, in/TP]``), in
 each of three layouts: the default, chunks read whole (``read_grain=None``, the

@@ -60,8 +60,8 @@ this much more than it asked for."""
 
 DEFAULT_READ_GRAIN = 64 * 1024
 """The smallest piece a chunk is cut into for reads by default: a 2 -> 4 rank load of
-first-axis blocks read 2.0x what it loaded with whole chunks, 1.0x cut (scripts/
-read_grain.py). Chunks under twice it are read whole (at most 128 KiB a block), and
+first-axis blocks read 2.0x what it loaded with whole chunks, 1.0x cut (docs/
+measurements/resharding.md). Chunks under twice it are read whole (at most 128 KiB a block), and
 on S3 a loader still reads a chunk whole where that adds at most 8 MiB (one request)."""
 
 

@@ -58,11 +58,12 @@ DEFAULT_PACK_BYTES = 64 * 1024
 1-64 KiB save 2x faster packed, and a loader reading a packed array whole reads at most
 this much more than it asked for."""
 
-DEFAULT_READ_GRAIN = 64 * 1024
+DEFAULT_READ_GRAIN = 1 << 20
 """The smallest piece a chunk is cut into for reads by default: a 2 -> 4 rank load of
-first-axis blocks read 2.0x what it loaded with whole chunks, 1.0x cut (docs/
-measurements/resharding.md). Chunks under twice it are read whole (at most 128 KiB a block), and
-on S3 a loader still reads a chunk whole where that adds at most 8 MiB (one request)."""
+first-axis blocks of 1-16 MiB read 2.0x what it loaded with whole chunks, 1.0x cut; but
+a load of 192 KiB blocks cut into 64 KiB took 1.5x as long as reading them whole (an
+index read per chunk costs more than the bytes it saves): docs/measurements/
+resharding.md. Chunks under twice it are read whole."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class StorageLayout:
         read_grain: cut each chunk holding whole rows of a block split along its first
             axis into up to 8 inner chunks of at least this many bytes, one Zarr v3 shard
             per chunk (``planning.read_grain``): a load at another layout reads the rows
-            it needs, not whole chunks; None: never; ``AUTO``: 64 KiB.
+            it needs, not whole chunks; None: never; ``AUTO``: 1 MiB.
 
     Raises:
         ValueError: a field outside what it takes, naming it.

@@ -10,7 +10,8 @@ each of three layouts: the default, chunks read whole (``read_grain=None``, the
 default before it) and 64 MiB shards. Each load starts with the checkpoint's pages
 dropped (``posix_fadvise(DONTNEED)``); it reports the bytes read (``/proc/self/io``
 ``rchar``: every byte the process's reads returned, records included) over the bytes
-the rank loads, the maximum over ranks, and the save's time (median over ``--reps``).
+the rank loads, the maximum over ranks, and the save's and rank 0's load's times
+(medians over ``--reps``).
 Every load is checked bit-exact.
 """
 
@@ -78,7 +79,7 @@ def worker(rank: int, world: int, port: int, root: str, total_mib: float, reps: 
     shapes = arrays(total_mib)
     for split, axis in (("dim 0", 0), ("last axis", 1)):
         for name, layout in LAYOUTS.items():
-            ratios, save_times = [], []
+            ratios, save_times, load_times = [], [], []
             for rep in range(reps):
                 path = Path(root) / f"{split}-{name}-{rep}".replace(" ", "_")
                 if rank < 2:
@@ -91,8 +92,9 @@ def worker(rank: int, world: int, port: int, root: str, total_mib: float, reps: 
                 drop(path)
                 dist.barrier()
                 want = {k: block(k, s, axis, rank, world, empty=True) for k, s in shapes.items()}
-                before = read_chars()
+                before, start = read_chars(), time.perf_counter()
                 loaded = load(want, str(path))
+                load_times.append(time.perf_counter() - start)
                 ratio = (read_chars() - before) / sum(t.data.nbytes for t in want.values())
                 for k, s in shapes.items():
                     assert torch.equal(loaded[k], full(k, s).chunk(world, axis)[rank]), (split, name, k)
@@ -105,7 +107,8 @@ def worker(rank: int, world: int, port: int, root: str, total_mib: float, reps: 
             if rank == 0:
                 print(f"{split:9} {name:14} read/loaded {statistics.median(ratios):.2f}x "
                       f"(reps {', '.join(f'{r:.2f}' for r in ratios)}); save {statistics.median(save_times):.3f} s "
-                      f"(reps {', '.join(f'{t:.3f}' for t in save_times)})", flush=True)
+                      f"(reps {', '.join(f'{t:.3f}' for t in save_times)}); rank 0's load "
+                      f"{statistics.median(load_times):.3f} s", flush=True)
     dist.destroy_process_group()
 
 

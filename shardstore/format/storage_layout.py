@@ -19,7 +19,8 @@ docs/guide/layout.md.
 from __future__ import annotations
 
 __all__ = [
-    "AUTO", "AUTO_SHARD_MIN_RANKS", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_PACK_BYTES", "DEFAULT_SHARD_BYTES",
+    "AUTO", "AUTO_SHARD_MIN_RANKS", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_PACK_BYTES", "DEFAULT_READ_GRAIN",
+    "DEFAULT_SHARD_BYTES",
     "CALLERS_DIRECTORY_LAYOUT", "SHARD_SLACK", "LayoutSite", "StorageLayout",
 ]
 
@@ -56,6 +57,13 @@ DEFAULT_PACK_BYTES = 64 * 1024
 """Arrays of at most this many bytes go into zip packs by default: 10,000 tensors of
 1-64 KiB save 2x faster packed, and a loader reading a packed array whole reads at most
 this much more than it asked for."""
+
+DEFAULT_READ_GRAIN = 1 << 20
+"""The smallest piece a chunk is cut into for reads by default: a 2 -> 4 rank load of
+first-axis blocks of 1-16 MiB read 2.0x what it loaded with whole chunks, 1.0x cut; but
+a load of 192 KiB blocks cut into 64 KiB took 1.5x as long as reading them whole (an
+index read per chunk costs more than the bytes it saves): docs/measurements/
+resharding.md. Chunks under twice it are read whole."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,10 @@ class StorageLayout:
             ``"per_node"``, a ``zarr.json`` per array too; ``"consolidated_only"``, only
             the root's; ``AUTO``: consolidated only on an object store (a request per
             array saved), per node on a file system (any reader opens an array by path).
+        read_grain: cut each chunk holding whole rows of a block split along its first
+            axis into up to 8 inner chunks of at least this many bytes, one Zarr v3 shard
+            per chunk (``planning.read_grain``): a load at another layout reads the rows
+            it needs, not whole chunks; None: never; ``AUTO``: 1 MiB.
 
     Raises:
         ValueError: a field outside what it takes, naming it.
@@ -109,6 +121,7 @@ class StorageLayout:
     shard_bytes: ShardBytes = AUTO
     pack_arrays_up_to: int | Literal["auto"] = AUTO
     zarr_metadata: ZarrMetadata | Literal["auto"] = AUTO
+    read_grain: int | None | Literal["auto"] = AUTO
 
     def __post_init__(self) -> None:
         _check_bytes("max_chunk_bytes", self.max_chunk_bytes, minimum=1, most=MAX_CHUNK_BYTES)
@@ -116,6 +129,8 @@ class StorageLayout:
             _check_bytes("shard_bytes", self.shard_bytes, minimum=1, none_means="never shard",
                          most=int(MAX_CHUNK_BYTES / SHARD_SLACK))
         _check_bytes("pack_arrays_up_to", self.pack_arrays_up_to, minimum=0)
+        if self.read_grain is not None:
+            _check_bytes("read_grain", self.read_grain, minimum=1, none_means="read whole chunks")
         if self.zarr_metadata != AUTO:
             try:  # a caller's string becomes the enum once, here; a typo fails before the save
                 object.__setattr__(self, "zarr_metadata", ZarrMetadata(self.zarr_metadata))
@@ -172,15 +187,18 @@ class StorageLayout:
             choices["pack_arrays_up_to"] = DEFAULT_PACK_BYTES
         if self.zarr_metadata == AUTO:
             choices["zarr_metadata"] = ZarrMetadata.CONSOLIDATED_ONLY if site.object_store else ZarrMetadata.PER_NODE
+        if self.read_grain == AUTO:
+            choices["read_grain"] = DEFAULT_READ_GRAIN
         return replace(self, **choices)
 
     def describe(self) -> str:
-        """One line for a log: ``"chunks <= 64 MiB, no shards, packs <= 64 KiB,
-        metadata per_node"``."""
+        """One line for a log: ``"chunks <= 64 MiB read in 1 MiB pieces, no shards,
+        packs <= 64 KiB, metadata per_node"``."""
+        grain = " read whole" if self.read_grain is None else f" read in {_spelled(self.read_grain)} pieces"
         shards = "no shards" if self.shard_bytes is None else f"shards ~{_spelled(self.shard_bytes)}"
         packs = "no packs" if self.pack_arrays_up_to == 0 else f"packs <= {_spelled(self.pack_arrays_up_to)}"
         metadata = self.zarr_metadata if self.zarr_metadata == AUTO else ZarrMetadata(self.zarr_metadata).value
-        return f"chunks <= {_spelled(self.max_chunk_bytes)}, {shards}, {packs}, metadata {metadata}"
+        return f"chunks <= {_spelled(self.max_chunk_bytes)}{grain}, {shards}, {packs}, metadata {metadata}"
 
     def to_json(self) -> dict[str, Any]:
         """The layout as the commit record keeps it (``attributes.shardstore.layout``)."""

@@ -386,7 +386,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
                 else self.layout
             storage = unpacked.chosen_for(LayoutSite(layout.world_size))
         return plan_save(layout, int(storage.max_chunk_bytes), self.fully_parallel, storage.shard_bytes,  # type: ignore[arg-type]
-                         int(storage.pack_arrays_up_to))
+                         int(storage.pack_arrays_up_to), storage.read_grain)  # type: ignore[arg-type]
 
     def async_save_with_plan(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir, plan: RankSavePlan,

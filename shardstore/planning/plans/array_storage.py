@@ -31,6 +31,7 @@ from shardstore.planning.plans.shard_sizes import (
     split_axis,
     whole_inner_chunks,
 )
+from shardstore.planning.read_grain import read_grained_record
 
 # An array's blocks are gathered into shards only where that makes at most this share of
 # the files an unsharded save writes for it (``sharded_record``): a gather costs bytes
@@ -46,13 +47,14 @@ SHARDED_FILES_SHARE = 0.75
 
 
 def array_records(
-    layout: GlobalLayout, max_chunk_bytes: int, shard_bytes: int | None = None
+    layout: GlobalLayout, max_chunk_bytes: int, shard_bytes: int | None = None, read_grain: int | None = None,
 ) -> tuple[dict[str, ArrayRecord], dict[str, BlockGrid]]:
     """Every array's metadata: its chunk grid aligned with the sharding of its main
     shards; with ``shard_bytes``, an array of small blocks on a grid (split along any
     axes), or of flattened ranges of such blocks, is stored in shards of about that
     many bytes (``sharded_record``), and one whose blocks split a later axis in shards
-    inside its blocks (``in_block_sharded_record``). Also the grid of each array whose
+    inside its blocks (``in_block_sharded_record``); other chunks cut for reads at
+    ``read_grain`` (``read_grained_record``). Also the grid of each array whose
     shards are gathered, which ``plan_gathered_writes`` maps its shards onto."""
     records, grids = {}, {}
     for key, shards in layout.tensors.items():
@@ -60,7 +62,7 @@ def array_records(
         # shards gather chunks contiguous in their blocks, however small (``bound_chunk``)
         record = _unsharded_record(key, shards[0], main, max_chunk_bytes, contiguous=shard_bytes is not None)
         if shard_bytes is None:
-            records[key] = record
+            records[key] = read_grained_record(record, read_grain)
             continue
         grid = _shardable_grid(record, main)
         if grid is not None and (own := in_block_sharded_record(record, shard_bytes)) is not None:
@@ -71,7 +73,7 @@ def array_records(
         if grid is not None and (gathered := sharded_record(record, main, shard_bytes, grid, loose)) is not record:
             records[key], grids[key] = gathered, grid
         else:
-            records[key] = loose
+            records[key] = read_grained_record(loose, read_grain)
     return records, grids
 
 

@@ -143,7 +143,7 @@ class _Exchanges:
 
 def plan_save(
     layout: GlobalLayout, max_chunk_bytes: int, fully_parallel: bool, shard_bytes: int | None = None,
-    pack_arrays_up_to: int = 0,
+    pack_arrays_up_to: int = 0, read_grain: int | None = None,
 ) -> list[RankSavePlan]:
     """Every rank's part of the save of a validated layout (index = group rank);
     ``shard_bytes``: store arrays of small blocks in shards of about that size
@@ -151,10 +151,11 @@ def plan_save(
     along a later axis, one per chunk inside its block, written by its holder
     (``in_block_sharded_record``). ``pack_arrays_up_to`` (the save's
     ``SaveOptions.pack_arrays_up_to``): arrays of at most that many bytes split over
-    ranks are gathered whole to one writer, who packs them (``plan_packed_whole``)."""
+    ranks are gathered whole to one writer, who packs them (``plan_packed_whole``);
+    ``read_grain``: ``array_records``."""
     if fully_parallel:
         layout = balance_writers(layout)
-    records, grids = array_records(layout, max_chunk_bytes, shard_bytes)
+    records, grids = array_records(layout, max_chunk_bytes, shard_bytes, read_grain)
     world = layout.world_size
     load = [0] * world  # bytes each rank writes of gathered shards and packed arrays
     parts = [RankPart() for _ in range(world)]

@@ -48,13 +48,8 @@ from dataclasses import dataclass
 from shardstore.errors import CheckpointingException
 from shardstore.format.config import CONFIG_FNAME, CheckpointingConfig, maybe_load_config
 from shardstore.format.integrity import ChecksummedLocation
-from shardstore.format.records import (
-    COMMIT_RECORD,
-    CommitRecord,
-    is_committed,
-    other_checkpoint_beside,
-    read_commit_record,
-)
+from shardstore.format.records import COMMIT_RECORD, CommitRecord, is_committed, read_commit_record
+from shardstore.format.records.other_checkpoints import other_checkpoint_beside
 from shardstore.other_formats import registry
 from shardstore.other_formats.base import OtherFormat
 from shardstore.protocol.collectives import Group

@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner
 
 from shardstore import ShardedObject, ShardedTensor, load, load_plain_tensors, save
-from shardstore.format.records import FORMAT_VERSION
+from shardstore.format.features import FORMAT_VERSION
 from shardstore.tools.cli import EXIT_CLOSED_OUTPUT, main, parse_size
 from tests import forked_python
 from tests.dist import run_distributed

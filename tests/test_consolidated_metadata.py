@@ -34,13 +34,10 @@ from shardstore import (
 from shardstore.errors import CheckpointingException
 from shardstore.format import features
 from shardstore.format.commit import SaveOptions
+from shardstore.format.consolidated import ZarrMetadata
 from shardstore.format.dtypes import from_torch
-from shardstore.format.records import (
-    COMMIT_RECORD,
-    FORMAT_VERSION,
-    ZARR_JSON,
-    ZarrMetadata,
-)
+from shardstore.format.features import FORMAT_VERSION
+from shardstore.format.records import COMMIT_RECORD, ZARR_JSON
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy, _load_from_array
 from tests import forked_python
 from tests.plain_venv import plain_python

@@ -16,8 +16,8 @@ MAX_FUNCTION_WORDS = 120
 
 LONGER = {
     "execution/pipeline.py:SavePipeline",
-    "format/records.py:CommitRecord",
-    "format/records.py:ArrayRecord",
+    "format/records/commit_record.py:CommitRecord",
+    "format/records/array_record.py:ArrayRecord",
     "serialization.py:save",
     "serialization.py:load",
     "stores/kv_chunks.py:share_from",
@@ -32,9 +32,9 @@ LONGER = {
     "protocol/stage.py:run_stage",
     "dict_utils.py:nest",
     "protocol/common_state.py:check_common_state_consistency",
-    "format/records.py:check_key",
-    "format/records.py:own_markers",
-    "format/records.py:from_json",
+    "format/records/keys.py:check_key",
+    "format/records/markers.py:own_markers",
+    "format/records/parsing.py:from_json",
     "format/chunks.py:write",
     "stores/base.py:share_from",
     "cross_rank_checks.py:validate_sharding_integrity",

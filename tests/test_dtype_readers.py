@@ -22,8 +22,8 @@ import torch
 import zarr
 
 from shardstore import ShardedTensor, load, save, verify
-from shardstore.format import records
 from shardstore.format.dtypes import BY_TORCH, from_torch, tensor_to_numpy
+from shardstore.format.records import array_record
 from tests.test_dtype_matrix import boundary_values
 
 ALL = list(BY_TORCH)
@@ -86,14 +86,14 @@ def test_a_checkpoint_with_the_old_complex_fill_value_still_loads_and_verifies(
 ) -> None:
     """What earlier saves wrote: ``0.0`` for complex types, in the array's ``zarr.json``
     and in the consolidated metadata the record's digest covers."""
-    zero = records.zero_fill_value
+    zero = array_record.zero_fill_value
     values = {
         "freqs_cis": torch.polar(torch.ones(4, 2), torch.arange(8.0).reshape(4, 2)),
         "w": torch.ones(3),
     }
     with monkeypatch.context() as old:
         old.setattr(
-            records,
+            array_record,
             "zero_fill_value",
             lambda name: 0.0 if name.startswith("complex") else zero(name),
         )

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, save, verify
-from shardstore.format.records import check_key, check_storable_key
+from shardstore.format.records import check_key
+from shardstore.format.records.keys import check_storable_key
 from shardstore.stores.base import NameLimits
 from shardstore.stores.locations import open_location
 from shardstore.stores.s3 import S3Options

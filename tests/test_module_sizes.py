@@ -21,7 +21,6 @@ MAX_ALL_NAMES = 30
 
 KNOWN_LONGER = frozenset({
     "execution/save.py",
-    "format/records.py",
     "serialization.py",
     "strategies/zarr.py",
     "tools/dcp_storage.py",
@@ -29,7 +28,6 @@ KNOWN_LONGER = frozenset({
 
 KNOWN_WIDER = frozenset({
     "format/__init__.py",
-    "format/records.py",
     "strategies/zarr.py",
 })
 

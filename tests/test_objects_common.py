@@ -21,7 +21,7 @@ from shardstore import (
     load_common_state_dict,
     save,
 )
-from shardstore.format.records import FILE_DIGESTS
+from shardstore.format.records.digests import FILE_DIGESTS
 from shardstore.strategies.common import TorchCommonLoadStrategy
 from tests.dist import run_distributed
 from tests.scenarios import assert_bits_equal, global_tensor, rewrite_record

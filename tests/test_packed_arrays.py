@@ -20,9 +20,10 @@ import torch
 import zarr
 
 from shardstore import CheckpointingException, ShardedTensor, load, save, verify
-from shardstore.format import features, records
+from shardstore.format import features
 from shardstore.format.commit import SaveOptions
-from shardstore.format.records import FORMAT_VERSION, read_commit_record
+from shardstore.format.features import FORMAT_VERSION
+from shardstore.format.records import parsing, read_commit_record
 from shardstore.serialization import load_plain_tensors, remove_sharded_tensors
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
@@ -325,7 +326,7 @@ def test_a_reader_without_packs_refuses_a_packed_checkpoint_by_the_feature_s_nam
     saved: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(features, "FEATURES", tuple(f for f in features.FEATURES if f.name != "packs"))
-    records._LAST_PARSED[0] = None
+    parsing._LAST_PARSED[0] = None
     with pytest.raises(CheckpointingException, match=r"requires feature 'packs'.*upgrade shardstore"):
         load(_sd(saved[1], empty=True), str(saved[0]))
 

@@ -24,8 +24,8 @@ import zarr
 
 from shardstore import ShardedObject, ShardedTensor, save, verify
 from shardstore._zarr_autoload import EXTENSION_METADATA
-from shardstore.format.dtypes import BY_ZARR_NAME, from_torch
-from shardstore.format.records import COMMIT_RECORD, CORE_DATA_TYPES
+from shardstore.format.dtypes import BY_ZARR_NAME, CORE_DATA_TYPES, from_torch
+from shardstore.format.records import COMMIT_RECORD
 from shardstore.format.zarr_dtypes import ML_DTYPES
 from tests.plain_venv import plain_python
 from tests.scenarios import global_tensor, rewrite_record

@@ -18,13 +18,9 @@ import pytest
 import torch
 
 from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, save, verify
-from shardstore.format.records import (
-    COMMIT_RECORD,
-    FILE_DIGESTS,
-    FORMAT_VERSION,
-    RECORD_DIGEST,
-    read_commit_record,
-)
+from shardstore.format.features import FORMAT_VERSION
+from shardstore.format.records import COMMIT_RECORD, read_commit_record
+from shardstore.format.records.digests import FILE_DIGESTS, RECORD_DIGEST
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 from shardstore.stores.s3 import S3Options

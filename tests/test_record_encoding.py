@@ -12,16 +12,16 @@ import pytest
 from shardstore.errors import CheckpointingException
 from shardstore.execution.save import bind_chunks
 from shardstore.format.chunks import WrittenChunk
+from shardstore.format.consolidated import ZarrMetadata
+from shardstore.format.features import FORMAT_VERSION
 from shardstore.format.records import (
-    FORMAT_VERSION,
     ArrayPlaces,
     ArrayRecord,
     CommitRecord,
     ObjectRecord,
     ReusedChunks,
-    ZarrMetadata,
-    seal_record,
 )
+from shardstore.format.records.digests import seal_record
 from shardstore.format.sharding import ShardingIndexed
 
 

@@ -26,10 +26,10 @@ import torch
 from shardstore import ShardedObject, ShardedTensor, load, save
 from shardstore.core import CheckpointingException
 from shardstore.format.commit import ByRename
+from shardstore.format.config import CONFIG_FNAME
 from shardstore.format.records import (
     COMMIT_RECORD,
     COMMON_FILE,
-    CONFIG_FNAME,
     OBJECTS_DIR,
     SAVE_MARKER,
     STAGING_TAG,

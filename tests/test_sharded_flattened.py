@@ -18,14 +18,9 @@ import torch
 import shardstore
 from shardstore import ShardedTensor, load, load_plain_tensors, save
 from shardstore.errors import CheckpointingException
-from shardstore.format.features import required_by
-from shardstore.format.records import (
-    FORMAT_VERSION,
-    ArrayRecord,
-    CommitRecord,
-    ZarrMetadata,
-    read_commit_record,
-)
+from shardstore.format.consolidated import ZarrMetadata
+from shardstore.format.features import FORMAT_VERSION, required_by
+from shardstore.format.records import ArrayRecord, CommitRecord, read_commit_record
 from shardstore.format.sharding import InnerGrid, ShardingIndexed
 from shardstore.planning.layout import GlobalLayout, ShardRecord
 from shardstore.planning.plans import plan_save

@@ -58,6 +58,7 @@ from shardstore.format.chunks import (
 )
 from shardstore.format.codecs import BYTES_CRC32C
 from shardstore.format.commit import PendingCheckpoint
+from shardstore.format.consolidated import ZarrMetadata
 from shardstore.format.dtypes import byte_view, from_zarr_name, holds_its_values, tensor_to_numpy
 from shardstore.format.integrity import caller_file_checksums, callers_objects, file_checksums
 from shardstore.format.packs import PackCollector, Packing, fits_one_pack, write_packs
@@ -66,7 +67,6 @@ from shardstore.format.records import (
     ArrayRecord,
     CommitRecord,
     ReusedChunks,
-    ZarrMetadata,
     group_metadata,
 )
 from shardstore.format.sharding import ShardingIndexed

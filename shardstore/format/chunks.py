@@ -80,7 +80,8 @@ from shardstore.errors import CheckpointingException
 from shardstore.format.codecs import BYTES_CRC32C, BoxRead, ChunkCodec, HeldChunk
 from shardstore.format.dtypes import from_zarr_name
 from shardstore.format.packs import PackedChunks, pack_runs
-from shardstore.format.records import CHUNK_SEPARATOR, ArrayRecord, chunk_key, file_digest
+from shardstore.format.records import ArrayRecord, file_digest
+from shardstore.format.records.names import CHUNK_SEPARATOR, chunk_key
 from shardstore.progress import tracked
 from shardstore.stores.base import (
     DEFAULT_IO_THREADS,

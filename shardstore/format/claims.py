@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.records import MAX_MARKER_BYTES, SAVE_MARKER
+from shardstore.format.records import SAVE_MARKER
+from shardstore.format.records.bounds import MAX_MARKER_BYTES
 from shardstore.stores.base import Location
 from shardstore.stores.conditional import ConditionalWrites, VersionedObject
 

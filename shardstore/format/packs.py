@@ -54,13 +54,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.records import (
-    PACKS_DIR,
-    ZARR_JSON,
-    ArrayRecord,
-    group_metadata,
-    parent_groups,
-)
+from shardstore.format.pack_listing import PACKS_DIR
+from shardstore.format.records import ZARR_JSON, ArrayRecord, group_metadata, parent_groups
 from shardstore.stores.base import ChunkStore, RangeReader, StorageError, fill_views
 
 try:  # ISA-L's CRC-32: the same value as zlib's, about 20x zlib 1.2's speed on 32 KiB chunks here

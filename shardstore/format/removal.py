@@ -27,10 +27,10 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from shardstore.errors import CheckpointingException
+from shardstore.format.consolidated import ZarrMetadata
 from shardstore.format.records import (
     ZARR_JSON,
     CommitRecord,
-    ZarrMetadata,
     object_path,
     parent_groups,
     write_commit_record,

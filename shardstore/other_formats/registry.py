@@ -24,7 +24,10 @@ __all__ = ["FORMATS", "detect", "files_found", "formats", "named", "register"]
 from typing import TypeVar
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.records import OtherCheckpointFiles, name_other_formats_with
+from shardstore.format.records.other_checkpoints import (
+    OtherCheckpointFiles,
+    name_other_formats_with,
+)
 from shardstore.other_formats.base import FileFormat, Format, OtherFormat
 from shardstore.other_formats.dcp import DCP_FORMAT, TORCH_DIST_FORMAT
 from shardstore.other_formats.megatron_zarr import MEGATRON_ZARR_FORMAT

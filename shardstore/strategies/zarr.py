@@ -64,6 +64,7 @@ from shardstore.execution.staging import (
     to_host,
 )
 from shardstore.format.chunks import DEFAULT_IO_CONCURRENCY
+from shardstore.format.consolidated import ZarrMetadata
 from shardstore.format.dtypes import (
     from_torch,
     from_zarr_name,
@@ -72,13 +73,12 @@ from shardstore.format.dtypes import (
     tensor_to_numpy,
     torch_to_numpy_dtype_dict,  # noqa: F401  (seed API)
 )
+from shardstore.format.pack_listing import PACKED_ARRAYS_ATTRIBUTE
 from shardstore.format.records import (
     MAX_RECORD_BYTES,
-    PACKED_ARRAYS_ATTRIBUTE,
     ZARR_JSON,
     ArrayRecord,
     CommitRecord,
-    ZarrMetadata,
     is_committed,
     sharded_backend,
 )

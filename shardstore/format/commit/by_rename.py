@@ -29,15 +29,14 @@ from shardstore.format.commit.targets import (
 )
 from shardstore.format.records import (
     COMMIT_RECORD,
-    MOVING_IN,
     REPLACED_TAG,
     SAVE_MARKER,
-    SETTING_ASIDE,
     STAGING_TAG,
     CommitRecord,
-    interrupted_replacement,
     own_markers,
 )
+from shardstore.format.records.markers import interrupted_replacement
+from shardstore.format.records.names import MOVING_IN, SETTING_ASIDE
 from shardstore.format.reuse import reuse_save_id
 from shardstore.stores.base import DirectoryPublishing, Location
 

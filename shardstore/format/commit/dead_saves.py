@@ -14,13 +14,8 @@ import os
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.commit.targets import _committed_id_or_none, committed_save_id
-from shardstore.format.records import (
-    COMMIT_RECORD,
-    REPLACED_TAG,
-    SAVE_MARKER,
-    STAGING_TAG,
-    marker_save_id,
-)
+from shardstore.format.records import COMMIT_RECORD, REPLACED_TAG, SAVE_MARKER, STAGING_TAG
+from shardstore.format.records.markers import marker_save_id
 from shardstore.stores.base import DirectoryPublishing, Location
 
 logger = logging.getLogger(__name__)

@@ -16,16 +16,9 @@ import os
 from shardstore.errors import CheckpointingException
 from shardstore.format.commit.dead_saves import _marker_id, _remove_if_empty
 from shardstore.format.commit.targets import _committed_id_or_none, _committed_record
-from shardstore.format.records import (
-    COMMIT_RECORD,
-    MOVING_IN,
-    REPLACED_TAG,
-    REPLACING_PHASE,
-    SAVE_MARKER,
-    SETTING_ASIDE,
-    STAGING_TAG,
-    interrupted_replacement,
-)
+from shardstore.format.records import COMMIT_RECORD, REPLACED_TAG, SAVE_MARKER, STAGING_TAG
+from shardstore.format.records.markers import interrupted_replacement
+from shardstore.format.records.names import MOVING_IN, REPLACING_PHASE, SETTING_ASIDE
 from shardstore.stores.base import DirectoryPublishing, Location
 
 logger = logging.getLogger(__name__)

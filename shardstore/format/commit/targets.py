@@ -11,15 +11,12 @@ __all__ = ["check_shared", "committed_save_id"]
 import logging
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.records import (
-    COMMIT_RECORD,
-    MAX_RECORD_BYTES,
-    PACKS_DIR,
-    CommitRecord,
+from shardstore.format.pack_listing import PACKS_DIR
+from shardstore.format.records import COMMIT_RECORD, MAX_RECORD_BYTES, CommitRecord, own_markers
+from shardstore.format.records.other_checkpoints import (
     other_checkpoint_beside,
     other_checkpoint_files,
     other_checkpoint_kind,
-    own_markers,
 )
 from shardstore.stores.base import Location, StorageError
 

@@ -1,0 +1,143 @@
+"""A checkpoint's commit record read (``read_commit_record``, ``is_committed``); without
+one, an error that says what is there instead: nothing, an unfinished save, an
+interrupted replacement or deletion, another tool's checkpoint, or no checkpoint at all.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "is_committed",
+    "read_commit_record",
+]
+
+
+from shardstore.errors import CheckpointingException
+from shardstore.format.records.bounds import MAX_RECORD_BYTES
+from shardstore.format.records.commit_record import CommitRecord
+from shardstore.format.records.markers import interrupted_replacement, unfinished_saves
+from shardstore.format.records.names import (
+    COMMIT_RECORD,
+    COMMON_FILE,
+    DELETION_MARKER,
+    OBJECTS_DIR,
+    REPLACED_TAG,
+    SAVE_MARKER,
+)
+from shardstore.format.records.other_checkpoints import (
+    other_checkpoint_kind,
+    sharded_backend,
+    title_of_model_files,
+)
+from shardstore.stores.base import Location
+
+
+def _replaced_name(location: Location, save_id: str) -> str:
+    """The name of the directory next to ``location`` where a replacement sets aside the
+    checkpoint ``save_id`` committed (``REPLACED_TAG``)."""
+    local = location.local_path()
+    name = local.name if local is not None else location.describe().rstrip("/").rsplit("/", 1)[-1]
+    return f".{name}{REPLACED_TAG}{save_id}"
+
+
+def is_committed(location: Location) -> bool:
+    return location.exists(COMMIT_RECORD)
+
+
+def read_commit_record(location: Location) -> CommitRecord:
+    """The checkpoint's commit record; without one, an error that says what is there
+    instead: nothing, an unfinished save, another tool's checkpoint, or no checkpoint at
+    all (a file, a Hugging Face model, any other directory), which no save finishes."""
+    local = location.local_path()
+    if local is not None and local.exists() and not local.is_dir():
+        files = title_of_model_files(location)
+        raise CheckpointingException(
+            f"{location.describe()} is a file, not a checkpoint directory (one holding {COMMIT_RECORD})"
+            + (f"; to make a checkpoint of {files}: `shardstore convert {location.describe()} <new directory>`"
+               if files else "")
+        )
+    try:
+        data = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_RECORD_BYTES)
+    except OSError as exc:
+        raise CheckpointingException(f"Cannot read the commit record of {location.describe()}: {exc}") from exc
+    if data is None:
+        if location.is_empty():
+            unfinished = unfinished_saves(location)
+            if unfinished:
+                raise CheckpointingException(
+                    f"No committed checkpoint at {location.describe()}: a save into it is incomplete "
+                    f"(unfinished: {unfinished[:3]}); load an earlier checkpoint or save again"
+                )
+            if local is not None and not local.exists():  # Megatron-Core's words, which its users match
+                raise CheckpointingException(f"Checkpoint directory {location.describe()} does not exist")
+            missing = location.store.missing_container() if local is None else None
+            if missing is not None:
+                raise CheckpointingException(
+                    f"{location.describe()} is not a distributed checkpoint: its {missing} does not exist; check "
+                    "the URL, and the endpoint and region it is looked up at"
+                )
+            raise CheckpointingException(  # "is not a distributed checkpoint": Megatron-Core's words too
+                f"{location.describe()} is not a distributed checkpoint: the checkpoint directory is empty"
+                + ("" if local is not None else " (no object under this prefix)")
+                + "; save into it first, or name the directory of a committed checkpoint"
+            )
+        other = other_checkpoint_kind(location)
+        if other:
+            title, readable = other
+            how = (
+                "`load` and the metadata queries read it as it is; to verify it or keep it in shardstore's "
+                f"format, convert it: `shardstore convert {location.describe()} <new directory>`"
+                if readable
+                else "load it with the tool that wrote it (megatron.core.dist_checkpointing)"
+            )
+            raise CheckpointingException(
+                f"{location.describe()} is not a shardstore checkpoint: it is {title}. {how}"
+            )
+        replacing = interrupted_replacement(location)
+        if replacing is not None:
+            raise CheckpointingException(
+                f"No committed checkpoint at {location.describe()}: save {replacing[0]}, which replaced the "
+                f"checkpoint there (save {replacing[1]}) beside other programs' files, was interrupted while it "
+                f"moved the checkpoints' entries (other programs' files there were not touched); the old "
+                f"checkpoint's record and the entries it had moved are in the hidden directory "
+                f"{_replaced_name(location, replacing[1])} next to it. The next save into this directory puts the "
+                f"old checkpoint back first; to put it back without saving: `shardstore restore {location.describe()}`"
+            )
+        names = location.list_top(None)
+        if not _holds_save_files(location, names):
+            raise CheckpointingException(_not_a_checkpoint(location.describe(), names, title_of_model_files(location)))
+        if DELETION_MARKER in names:
+            raise CheckpointingException(
+                f"{location.describe()} is no longer a checkpoint: a deletion of it by shardstore's CheckpointManager "
+                f"was interrupted after its commit record went ({DELETION_MARKER} proves it). The manager's next "
+                "retention, rollback or save of this step finishes it, or now: CheckpointManager(<root>).delete(step)"
+            )
+        raise CheckpointingException(
+            f"Checkpoint at {location.describe()} is incomplete: it has no commit record "
+            f"({COMMIT_RECORD}), so its save did not finish. Load an earlier checkpoint, "
+            "or save again into this directory."
+        )
+    return CommitRecord.from_json(data, where=location.describe(COMMIT_RECORD))
+
+
+def _holds_save_files(location: Location, names: list[str]) -> bool:
+    """Whether a directory without a commit record holds what a shardstore save writes
+    into it before that record (an in-place save: S3, Megatron's plug-in) or what the
+    manager leaves while deleting one; one holding none of it is no checkpoint at all."""
+    ours = {SAVE_MARKER, DELETION_MARKER, COMMON_FILE, OBJECTS_DIR}
+    return bool(ours.intersection(names)) or sharded_backend(location) == "shardstore"
+
+
+def _not_a_checkpoint(where: str, names: list[str], model_files: str | None) -> str:
+    """What a directory that is no checkpoint holds, and what to do with it;
+    ``model_files``: the title of the registered format of model files it holds, if any."""
+    weights = [n for n in names if n.endswith(".safetensors")]
+    if weights or "config.json" in names:
+        kind = "a Hugging Face model directory" if "config.json" in names else "a directory of safetensors files"
+        listed = ", ".join([n for n in ("config.json",) if n in names] + weights[:2])
+        how = f"; `shardstore convert {where} <new directory>` imports its weights" if model_files else ""
+        return f"{where} is {kind} ({listed}), not a shardstore checkpoint{how}"
+    found = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return (
+        f"{where} is not a shardstore checkpoint: it holds no commit record ({COMMIT_RECORD}) nor any file a "
+        f"save writes ({found}); name a checkpoint directory, one holding {COMMIT_RECORD}"
+    )

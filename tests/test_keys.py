@@ -20,7 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, save, verify
+from shardstore import (
+    CheckpointingException,
+    SaveOptions,
+    ShardedObject,
+    ShardedTensor,
+    StorageLayout,
+    load,
+    save,
+    verify,
+)
 from shardstore.format.records import check_key, check_storable_key
 from shardstore.stores.base import NameLimits
 from shardstore.stores.locations import open_location
@@ -297,7 +306,9 @@ def test_the_target_check_of_a_checked_key_words_what_the_whole_check_does(key: 
 def test_checkpoint_holding_a_key_refused_now_still_loads(tmp_path: Path) -> None:
     """A checkpoint an older version wrote with the key ``.w``: load and verify read it."""
     ckpt = tmp_path / "ckpt"
-    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0), replica_id=0)}, ckpt)
+    # per array: the older version's layout, a directory per array that the test renames
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0), replica_id=0)}, ckpt,
+         options=SaveOptions(layout=StorageLayout(pack_arrays_up_to=0)))
     shutil.move(ckpt / "w", ckpt / ".w")
 
 

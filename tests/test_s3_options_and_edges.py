@@ -17,7 +17,15 @@ import boto3
 import pytest
 import torch
 
-from shardstore import CheckpointingException, SaveOptions, ShardedTensor, StorageLayout, load, save, verify
+from shardstore import (
+    CheckpointingException,
+    SaveOptions,
+    ShardedTensor,
+    StorageLayout,
+    load,
+    save,
+    verify,
+)
 from shardstore.stores.locations import open_location
 from shardstore.stores.s3 import S3Options, S3Store
 from tests.s3_support import KEY, REGION, SECRET, Faults, FaultyProxy, MotoServer, s3_options

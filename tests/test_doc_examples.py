@@ -293,7 +293,7 @@ FRAGMENTS = (
         "    assert torch.equal(back['w'], torch.full((8, 4), float(step))) and shardstore.verify(f'{root}/step{step}').ok\n"
     )),
     Fragment("ZarrSaveShardedStrategy(shard_bytes=", ranks=(1, 2), check=(
-        "import os\n"  # each array's 4 chunks of 1 KiB are one shard file
+        "import os\n"  # each array's 8 chunks of 16 KiB are one shard file
         "assert all(sorted(os.listdir(f'{ckpt}/{k}')) == ['c.0.0', 'zarr.json'] for k in state), os.listdir(ckpt)\n"
     )),
     Fragment("from_rank_offsets_flat(key", ranks=(1, 2), check=(

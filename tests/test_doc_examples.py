@@ -150,7 +150,7 @@ def test_every_block_names_the_checkpoint_the_quick_start_writes() -> None:
     assert named - {written} <= {"/megatron/iter_0001000", "s3://my-bucket/run7/iter_0001000",
                                  "s3://scratch/run1/iter_0001000"}, named
     plain = next(block for block in _blocks() if block.startswith("import zarr"))
-    assert f'"{written}"' in plain and f'"{written}/decoder/fc1/"' in plain
+    assert f'ckpt = "{written}"' in plain and '["packed_arrays"]["decoder/fc1"]' in plain
     assert {c.split()[1] for c in _cli_commands_on(written)} == {"inspect", "verify"}
 
 

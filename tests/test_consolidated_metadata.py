@@ -45,7 +45,9 @@ from tests.scenarios import global_tensor, rewrite_record
 
 ts = pytest.importorskip("tensorstore")
 
-CONSOLIDATED = SaveOptions(zarr_metadata="consolidated_only")
+# per array (no packs): the subject is where each array's own document and chunks go
+CONSOLIDATED = SaveOptions(zarr_metadata="consolidated_only", pack_arrays_up_to=0)
+PER_NODE = SaveOptions(zarr_metadata="per_node", pack_arrays_up_to=0)
 ARRAYS = {
     "model/fc1": ((6, 4), torch.float32),
     "model/norm": ((4,), torch.bfloat16),
@@ -106,8 +108,18 @@ def test_the_record_names_the_layout_and_requires_its_feature(checkpoint: Path) 
     assert record["zarr_metadata"] == "consolidated_only"
 
 
-def test_the_default_writes_every_node_document_and_requires_nothing(tmp_path: Path) -> None:
+def test_the_default_on_a_file_system_packs_the_small_arrays_with_their_documents(tmp_path: Path) -> None:
     path = _save(tmp_path / "ckpt", SaveOptions())
+    # the arrays live in the pack (documents and chunks); the groups keep their documents
+    assert _documents(path) == sorted([COMMIT_RECORD, "layer0/zarr.json", "model/zarr.json"])
+    assert os.listdir(path / "packs") == ["0-0.zip"] and not (path / "model" / "fc1").exists()
+    record = _root(path)["attributes"]["shardstore"]
+    assert record["requires"] == ["packs"] and "zarr_metadata" not in record
+    assert (record["layout"]["pack_arrays_up_to"], record["layout"]["zarr_metadata"]) == (64 * 1024, "per_node")
+
+
+def test_per_node_writes_every_node_document_and_requires_nothing(tmp_path: Path) -> None:
+    path = _save(tmp_path / "ckpt", PER_NODE)
     assert _documents(path) == sorted([COMMIT_RECORD, "layer0/zarr.json", "model/zarr.json",
                                        *(f"{k}/zarr.json" for k in ARRAYS)])
     record = _root(path)["attributes"]["shardstore"]
@@ -135,9 +147,9 @@ def test_the_seeds_single_array_reader_takes_the_document_from_the_root(checkpoi
 
 
 def test_a_save_reusing_from_it_shares_its_chunks_either_way(checkpoint: Path, tmp_path: Path) -> None:
-    for name, options in (("again", CONSOLIDATED), ("per-node", SaveOptions())):
+    for name, options in (("again", CONSOLIDATED), ("per-node", PER_NODE)):
         path = tmp_path / name
-        save(_state(), str(path), options=SaveOptions(reuse_from=str(checkpoint), zarr_metadata=options.zarr_metadata))
+        save(_state(), str(path), options=SaveOptions(reuse_from=str(checkpoint), layout=options.layout))
         assert _root(path)["attributes"]["shardstore"]["reused_from"]["chunks"] == len(ARRAYS)
         assert verify(str(path)).ok
 
@@ -297,7 +309,7 @@ def test_on_s3_it_saves_one_put_fewer_per_array(moto_server) -> None:
     proxy = FaultyProxy(moto_server.port, Faults()).start()
     try:
         puts = {}
-        for name, options in (("per-node", SaveOptions()), ("consolidated", CONSOLIDATED)):
+        for name, options in (("per-node", PER_NODE), ("consolidated", CONSOLIDATED)):
             location = open_location(f"s3://consolidated/{name}", options=S3Options(
                 endpoint_url=proxy.endpoint, key=KEY, secret=SECRET, region=REGION))
             before = len(proxy.seen)
@@ -317,7 +329,7 @@ def save_with_the_option_on_rank_1_only(rank: int, world: int, root: str) -> Non
 
     blocks = {f"p{i}": ShardedTensor.from_rank_offsets(f"p{i}", torch.full((2, 4), float(rank + i)), (0, rank, world))
               for i in range(4)}  # each rank writes the zarr.json of some arrays
-    options = CONSOLIDATED if rank == 1 else SaveOptions()
+    options = CONSOLIDATED if rank == 1 else PER_NODE
     records = []
 
     class Seen(logging.Handler):
@@ -369,7 +381,7 @@ def test_a_per_array_document_deleted_from_a_per_node_checkpoint_is_not_papered_
     through the commit record, as ``load`` does (neither reads an array's document;
     every chunk is checked against the record), so its values are still the saved ones.
     (Until the load review's 79823ae it opened the array by its document and refused.)"""
-    path = _save(tmp_path / "ckpt", SaveOptions())
+    path = _save(tmp_path / "ckpt", PER_NODE)
     (path / "layer0" / "w" / ZARR_JSON).unlink()
     report = verify(path)
     assert not report.ok and any(p.key == f"layer0/w/{ZARR_JSON}" for p in report.problems), report

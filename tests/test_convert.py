@@ -18,8 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from shardstore import (
     CheckpointingException,
+    SaveOptions,
     ShardedObject,
     ShardedTensor,
+    StorageLayout,
     load_sharded_metadata,
     save,
 )
@@ -37,14 +39,14 @@ def _load(path: Path) -> dict:
     return torch.load(path, weights_only=True)
 
 
-def _checkpoint(path: Path) -> Path:
+def _checkpoint(path: Path, options: SaveOptions | None = None) -> Path:
     """A small shardstore checkpoint with sharded objects of three types."""
     save({"model": {"fc1": ShardedTensor.from_rank_offsets("decoder/fc1", FC1),
                     "emb": ShardedTensor.from_rank_offsets("embedding/word", EMB)},
           "rng": ShardedObject("rng_state", RNG, (1,), (0,)),
           "config": ShardedObject("config", {"lr": 0.1, "layers": [1, 2]}, (1,), (0,)),
           "name": ShardedObject("run_name", "gpt-small", (1,), (0,)),
-          "iteration": 1000}, path)
+          "iteration": 1000}, path, **({"options": options} if options else {}))
     return path
 
 
@@ -348,7 +350,8 @@ def test_outputs_get_the_modes_open_and_mkdir_give(tmp_path: Path) -> None:
 @pytest.fixture
 def damaged(tmp_path: Path) -> Path:
     """A checkpoint whose second array (by key) has a corrupt chunk."""
-    path = _checkpoint(tmp_path / "damaged")
+    # per array: the chunk file to corrupt is the array's own (the default packs it)
+    path = _checkpoint(tmp_path / "damaged", SaveOptions(layout=StorageLayout(pack_arrays_up_to=0)))
     chunk = next((path / "embedding" / "word").glob("c.*"))
     chunk.write_bytes(chunk.read_bytes()[:-1] + bytes([chunk.read_bytes()[-1] ^ 1]))
     return path

@@ -150,7 +150,7 @@ def test_every_block_names_the_checkpoint_the_quick_start_writes() -> None:
     assert named - {written} <= {"/megatron/iter_0001000", "s3://my-bucket/run7/iter_0001000",
                                  "s3://scratch/run1/iter_0001000"}, named
     plain = next(block for block in _blocks() if block.startswith("import zarr"))
-    assert f'"{written}"' in plain and f'"{written}/decoder/fc1/"' in plain
+    assert f'ckpt = "{written}"' in plain and '["packed_arrays"]["decoder/fc1"]' in plain
     assert {c.split()[1] for c in _cli_commands_on(written)} == {"inspect", "verify"}
 
 
@@ -293,7 +293,7 @@ FRAGMENTS = (
         "    assert torch.equal(back['w'], torch.full((8, 4), float(step))) and shardstore.verify(f'{root}/step{step}').ok\n"
     )),
     Fragment("ZarrSaveShardedStrategy(shard_bytes=", ranks=(1, 2), check=(
-        "import os\n"  # each array's 4 chunks of 1 KiB are one shard file
+        "import os\n"  # each array's 8 chunks of 16 KiB are one shard file
         "assert all(sorted(os.listdir(f'{ckpt}/{k}')) == ['c.0.0', 'zarr.json'] for k in state), os.listdir(ckpt)\n"
     )),
     Fragment("from_rank_offsets_flat(key", ranks=(1, 2), check=(

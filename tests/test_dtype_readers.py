@@ -21,7 +21,7 @@ import tensorstore as ts
 import torch
 import zarr
 
-from shardstore import ShardedTensor, load, save, verify
+from shardstore import SaveOptions, ShardedTensor, StorageLayout, load, save, verify
 from shardstore.format.dtypes import BY_TORCH, from_torch, tensor_to_numpy
 from shardstore.format.records import array_record
 from tests.test_dtype_matrix import boundary_values
@@ -37,10 +37,14 @@ def _bits(values: np.ndarray) -> bytes:
     return np.ascontiguousarray(values).view(np.uint8).tobytes()
 
 
+# per array: each array's own zarr.json is what these tests read and edit (the default packs them)
+PER_ARRAY = SaveOptions(layout=StorageLayout(pack_arrays_up_to=0))
+
+
 @pytest.fixture(scope="module")
 def every_dtype(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("readers") / "ckpt"
-    save({_key(d): ShardedTensor.from_rank_offsets(_key(d), boundary_values(d)) for d in ALL}, path)
+    save({_key(d): ShardedTensor.from_rank_offsets(_key(d), boundary_values(d)) for d in ALL}, path, options=PER_ARRAY)
     return path
 
 
@@ -97,7 +101,7 @@ def test_a_checkpoint_with_the_old_complex_fill_value_still_loads_and_verifies(
             "zero_fill_value",
             lambda name: 0.0 if name.startswith("complex") else zero(name),
         )
-        save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in values.items()}, ckpt_dir)
+        save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in values.items()}, ckpt_dir, options=PER_ARRAY)
     assert json.loads((ckpt_dir / "freqs_cis" / "zarr.json").read_text())["fill_value"] == 0.0
     root = json.loads((ckpt_dir / "zarr.json").read_text())
     assert root["consolidated_metadata"]["metadata"]["freqs_cis"]["fill_value"] == 0.0
@@ -114,7 +118,8 @@ def test_a_checkpoint_with_the_old_complex_fill_value_still_loads_and_verifies(
 
 def test_verify_still_flags_a_complex_fill_value_that_is_not_zero(ckpt_dir: Path) -> None:
     save(
-        {"c": ShardedTensor.from_rank_offsets("c", torch.zeros(2, dtype=torch.complex64))}, ckpt_dir
+        {"c": ShardedTensor.from_rank_offsets("c", torch.zeros(2, dtype=torch.complex64))}, ckpt_dir,
+        options=PER_ARRAY,
     )
     path = ckpt_dir / "c" / "zarr.json"
     for fill in (1.0, [0.0, 1.0]):

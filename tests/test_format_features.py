@@ -23,12 +23,15 @@ from tests.scenarios import rewrite_record
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "format.md"
 SHARDED = {"strategy": ZarrSaveShardedStrategy(max_chunk_bytes=512, shard_bytes=1 << 20)}
-CONSOLIDATED = {"options": SaveOptions(zarr_metadata="consolidated_only")}
+# each layout but the default and "packed" leaves packs out: one feature at a time
+UNPACKED = {"options": SaveOptions(pack_arrays_up_to=0)}
+CONSOLIDATED = {"options": SaveOptions(zarr_metadata="consolidated_only", pack_arrays_up_to=0)}
 PACKED = {"options": SaveOptions(pack_arrays_up_to=1024)}
 # (how to save, the features its record requires, the first version that could hold it)
 LAYOUTS = {
-    "plain": ({}, (), 4),
-    "sharded": (SHARDED, ("sharding_indexed",), 5),
+    "default": ({}, ("packs",), 8),
+    "plain": (UNPACKED, (), 4),
+    "sharded": ({**SHARDED, **UNPACKED}, ("sharding_indexed",), 5),
     "consolidated_only": (CONSOLIDATED, ("consolidated_only",), 6),
     "packed": (PACKED, ("packs",), 8),
     "sharded and consolidated_only": ({**SHARDED, **CONSOLIDATED}, ("sharding_indexed", "consolidated_only"), 6),

@@ -20,7 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, save, verify
+from shardstore import (
+    CheckpointingException,
+    SaveOptions,
+    ShardedObject,
+    ShardedTensor,
+    StorageLayout,
+    load,
+    save,
+    verify,
+)
 from shardstore.format.records import check_key
 from shardstore.format.records.keys import check_storable_key
 from shardstore.stores.base import NameLimits
@@ -298,7 +307,9 @@ def test_the_target_check_of_a_checked_key_words_what_the_whole_check_does(key: 
 def test_checkpoint_holding_a_key_refused_now_still_loads(tmp_path: Path) -> None:
     """A checkpoint an older version wrote with the key ``.w``: load and verify read it."""
     ckpt = tmp_path / "ckpt"
-    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0), replica_id=0)}, ckpt)
+    # per array: the older version's layout, a directory per array that the test renames
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0), replica_id=0)}, ckpt,
+         options=SaveOptions(layout=StorageLayout(pack_arrays_up_to=0)))
     shutil.move(ckpt / "w", ckpt / ".w")
 
 
@@ -397,3 +408,16 @@ def test_a_shared_directory_save_inside_a_committed_checkpoint_is_kept(tmp_path:
     save({"x": ShardedTensor.from_rank_offsets("x", torch.ones(2))}, ckpt / "modelopt_state", shared_directory=True)
     assert verify(ckpt / "modelopt_state").ok
     assert {rel.split("/")[0] for rel in verify(ckpt).unlisted} == {"modelopt_state"}
+
+
+def test_a_plan_whose_keys_hold_a_text_a_store_refuses_is_made_anew_for_it() -> None:
+    """A cached plan is reused for a target whose limits admit its names: not for S3 where
+    a key holds ``?versionId=`` (the full check then names the key)."""
+    from shardstore.planning.checks import admits_names, local_records, name_lengths_needed
+    from shardstore.planning.layout import GlobalLayout
+    from shardstore.stores.base import OBJECT_VERSION_TEXT
+
+    tensors = [ShardedTensor.from_rank_offsets(f"w{OBJECT_VERSION_TEXT}1", torch.ones(2))]
+    needed = name_lengths_needed(GlobalLayout.from_gathered([local_records(tensors, [], 0)]))
+    s3_like = NameLimits(None, 1000, "S3's keys", ((OBJECT_VERSION_TEXT, "an object version"),))
+    assert not admits_names(s3_like, needed) and admits_names(NameLimits(None, 1000), needed)

@@ -159,7 +159,10 @@ def test_overwriting_under_an_odd_prefix_leaves_a_prefix_that_starts_with_it_alo
 
 def test_a_save_refuses_a_key_s3_reads_as_an_object_version_before_writing(s3_server) -> None:
     """``S3Store._key`` refuses keys holding ``?versionId=``; the save's key check
-    refuses them too, naming the key, before anything is written."""
+    refuses them too, naming the key, before anything is written, whatever the layout:
+    a packed array's key, or one whose chunks TensorStore writes (the default on S3, with
+    no ``zarr.json`` per array), reaches no ``S3Store._key`` during the save, yet names
+    objects that s3fs cannot list, copy or delete."""
     from shardstore.stores.s3 import S3Options
 
     options = S3Options(endpoint_url=s3_server.endpoint, key=s3_server.key, secret=s3_server.secret)

@@ -370,15 +370,44 @@ def test_the_option_refuses_a_negative_bound() -> None:
         SaveOptions(pack_arrays_up_to=-1)
 
 
-def test_removing_tensors_removes_a_pack_whole_or_refuses(tmp_path: Path) -> None:
+def test_removing_some_packed_tensors_writes_their_pack_anew_without_them(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     tensors = _tensors()
     save(_sd(tensors), str(path), options=PACK)
-    with pytest.raises(CheckpointingException, match="a pack is removed whole"):
-        remove_sharded_tensors(str(path), "layer1/")
+    remove_sharded_tensors(str(path), "layer1/")
+    kept = {k: t for k, t in tensors.items() if not k.startswith("layer1/")}
+    assert sorted(os.listdir(path / "packs")) == ["0-1.zip"]  # the old pack went with the removed arrays
+    with zipfile.ZipFile(path / "packs" / "0-1.zip") as pack:
+        assert not any(name.startswith("layer1/") for name in pack.namelist())
+        assert "layer0/t0/zarr.json" in pack.namelist()
+    _check_loads(path, kept)
+    assert verify(path).ok, str(verify(path))
     remove_sharded_tensors(str(path), "")  # every array: the pack goes too
-    assert not (path / "packs" / "0-0.zip").exists()
+    assert not (path / "packs").exists() or os.listdir(path / "packs") == []
     assert verify(path).ok
+
+
+def test_a_removal_cut_short_after_writing_the_new_pack_leaves_the_old_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from shardstore.format import removal
+
+    path = tmp_path / "ckpt"
+    tensors = _tensors()
+    save(_sd(tensors), str(path), options=PACK)
+
+    def killed(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(removal, "write_commit_record", killed)
+    with pytest.raises(KeyboardInterrupt):
+        remove_sharded_tensors(str(path), "layer1/")
+    assert (path / "packs" / "0-1.zip").exists()
+    monkeypatch.undo()
+    remove_sharded_tensors(str(path), "nothing/")  # finishes the removal cut short: the new pack goes
+    assert sorted(os.listdir(path / "packs")) == ["0-0.zip"]
+    _check_loads(path, tensors)
+    assert verify(path).ok, str(verify(path))
 
 
 def test_removing_an_array_named_packs_keeps_the_packs_in_its_directory(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import pytest
 import torch
 import zarr
 
-from shardstore import ShardedObject, ShardedTensor, save, verify
+from shardstore import SaveOptions, ShardedObject, ShardedTensor, StorageLayout, save, verify
 from shardstore._zarr_autoload import EXTENSION_METADATA
 from shardstore.format.dtypes import BY_ZARR_NAME, CORE_DATA_TYPES, from_torch
 from shardstore.format.records import COMMIT_RECORD
@@ -60,11 +60,15 @@ def _hex(t: torch.Tensor) -> str:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes().hex()
 
 
+# per array: these tools open the checkpoint by path (the default packs small arrays into zips)
+PER_ARRAY = SaveOptions(layout=StorageLayout(pack_arrays_up_to=0))
+
+
 def _save(path: Path) -> Path:
     state = {key: ShardedTensor.from_rank_offsets(key, _tensor(key)) for key in ARRAYS}
     state["rng"] = ShardedObject("rng_state", torch.get_rng_state(), (1,), (0,))
     state["iteration"] = 1000
-    save(state, path)
+    save(state, path, options=PER_ARRAY)
     return path
 
 
@@ -170,8 +174,14 @@ def test_the_root_group_tells_a_plain_reader_what_the_missing_arrays_are_and_wha
 
 
 def test_a_checkpoint_of_core_types_only_has_no_readers_note(tmp_path: Path) -> None:
-    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, tmp_path / "ckpt")
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, tmp_path / "ckpt", options=PER_ARRAY)
     assert "readers" not in json.loads((tmp_path / "ckpt" / "zarr.json").read_text())["attributes"]
+
+
+def test_a_default_checkpoint_of_core_types_notes_only_where_its_packed_arrays_are(tmp_path: Path) -> None:
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, tmp_path / "ckpt")
+    readers = json.loads((tmp_path / "ckpt" / "zarr.json").read_text())["attributes"]["readers"]
+    assert list(readers) == ["packed_arrays_note"] and "zarr.storage.ZipStore" in readers["packed_arrays_note"]
 
 
 def test_xarray_opens_groups_and_the_tree_with_every_core_array(plain: dict) -> None:

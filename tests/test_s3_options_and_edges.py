@@ -17,7 +17,15 @@ import boto3
 import pytest
 import torch
 
-from shardstore import CheckpointingException, ShardedTensor, load, save, verify
+from shardstore import (
+    CheckpointingException,
+    SaveOptions,
+    ShardedTensor,
+    StorageLayout,
+    load,
+    save,
+    verify,
+)
 from shardstore.stores.locations import open_location
 from shardstore.stores.s3 import S3Options, S3Store
 from tests.s3_support import KEY, REGION, SECRET, Faults, FaultyProxy, MotoServer, s3_options
@@ -61,7 +69,9 @@ def test_verify_reports_an_emptied_array_document_as_bad_json_on_s3(server: Moto
     """What that costs a user: an array ``zarr.json`` emptied on S3 is reported as an
     unreadable object (a range error) rather than as the damaged document it is."""
     location = open_location(f"s3://{BUCKET}/{_prefix()}", options=s3_options(server.endpoint))
-    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}, location)
+    # per array with its own document: the default on S3 writes neither
+    per_node = StorageLayout(pack_arrays_up_to=0, zarr_metadata="per_node")
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}, location, options=SaveOptions(layout=per_node))
     location.write_bytes("w/zarr.json", b"")
     report = verify(location)
     problems = [p for p in report.problems if p.key == "w/zarr.json"]

@@ -18,12 +18,14 @@ import torch
 import zarr
 from zarr.storage import LocalStore as ZarrLocalStore
 
-from shardstore import ShardedTensor, load, save
+from shardstore import SaveOptions, ShardedTensor, StorageLayout, load, save
 from shardstore.stores.local import LocalStore
 
 ts = pytest.importorskip("tensorstore")
 
 COUNT = 60
+# the per-array layout this module is about: each tensor its own array (the default packs them)
+PER_ARRAY = SaveOptions(layout=StorageLayout(pack_arrays_up_to=0))
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -36,7 +38,8 @@ def _tensors() -> dict[str, torch.Tensor]:
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     tensors = _tensors()
     path = tmp_path_factory.mktemp("small") / "ckpt"
-    save({k: ShardedTensor.from_rank_offsets(k, t, replica_id=0) for k, t in tensors.items()}, str(path))
+    save({k: ShardedTensor.from_rank_offsets(k, t, replica_id=0) for k, t in tensors.items()}, str(path),
+         options=PER_ARRAY)
     return path, tensors
 
 

@@ -40,6 +40,8 @@ __all__ = [
     "fits_one_pack",
     "pack_name",
     "pack_runs",
+    "read_members",
+    "write_pack",
     "write_packs",
     "zip_crc32",
 ]
@@ -217,25 +219,8 @@ def write_packs(
         if not batch:
             return
         name = pack_name(rank, len(sizes))
-        zip_ = _ZipBuilder()
-        group = _document(_GROUP)
-        zip_.add(ZARR_JSON, group)
-        for path in parent_groups([r.key for r in batch]):
-            zip_.add(f"{path}/{ZARR_JSON}", group)
-        for record in batch:
-            # the document the commit record encodes too (``encoded_document``, kept): encoded once
-            zip_.add(f"{record.key}/{ZARR_JSON}", _document(record.encoded_document))
-            offsets = []
-            for index in record.chunk_indices():
-                rel = f"{record.key}/{record.chunk_key(index)}"
-                member = collector.members.get(rel)
-                if member is None:
-                    raise CheckpointingException(f"Internal error: packed chunk {rel} was not written; please report it")
-                offsets.append(zip_.add(rel, member))
-            placed[record.key] = (name, tuple(offsets))
-        pieces = zip_.finish()
-        store.put(name, [memoryview(p) if isinstance(p, bytes) else p for p in pieces])
-        sizes[name] = zip_.size
+        offsets, sizes[name] = write_pack(store, name, batch, collector)
+        placed.update({key: (name, chunk_offsets) for key, chunk_offsets in offsets.items()})
         batch, batch_bytes, batch_members = [], 0, 0
 
     for key in sorted(records):
@@ -248,6 +233,50 @@ def write_packs(
         batch_members += members
     flush()
     return placed, sizes
+
+
+def write_pack(
+    store: ChunkStore, name: str, records: Sequence[ArrayRecord], collector: PackCollector,
+) -> tuple[dict[str, tuple[int, ...]], int]:
+    """Writes the pack ``name`` holding ``records`` (their chunks' stored bytes in
+    ``collector``) as one object through ``store``: the root's and the groups' documents,
+    then each array's document and chunks. Returns each array's chunk offsets (C order
+    over its grid) and the pack's size in bytes."""
+    zip_ = _ZipBuilder()
+    group = _document(_GROUP)
+    zip_.add(ZARR_JSON, group)
+    for path in parent_groups([r.key for r in records]):
+        zip_.add(f"{path}/{ZARR_JSON}", group)
+    offsets: dict[str, tuple[int, ...]] = {}
+    for record in records:
+        # the document the commit record encodes too (``encoded_document``, kept): encoded once
+        zip_.add(f"{record.key}/{ZARR_JSON}", _document(record.encoded_document))
+        chunk_offsets = []
+        for index in record.chunk_indices():
+            rel = f"{record.key}/{record.chunk_key(index)}"
+            member = collector.members.get(rel)
+            if member is None:
+                raise CheckpointingException(f"Internal error: packed chunk {rel} was not written; please report it")
+            chunk_offsets.append(zip_.add(rel, member))
+        offsets[record.key] = tuple(chunk_offsets)
+    pieces = zip_.finish()
+    store.put(name, [memoryview(p) if isinstance(p, bytes) else p for p in pieces])
+    return offsets, zip_.size
+
+
+def read_members(store: ChunkStore, records: Sequence[ArrayRecord], into: PackCollector) -> None:
+    """Reads the stored bytes of the packed ``records``' chunks from their pack (one
+    opening of it; they share one) into ``into``, as a save's writers would have put
+    them: ``write_pack`` then lays them out anew."""
+    if not records:
+        return
+    with store.ranges_of(records[0].pack) as read:
+        for record in records:
+            stored = math.prod(record.chunk_shape) * record.itemsize + _CRC_BYTES
+            for index, offset in zip(record.chunk_indices(), record.chunk_offsets or (), strict=True):
+                data = bytearray(stored)
+                read(offset, [memoryview(data)])
+                into.put(f"{record.key}/{record.chunk_key(index)}", [memoryview(data)])
 
 
 class PackedChunks(ChunkStore):

@@ -7,27 +7,32 @@ recoverable.
 2. The commit record is rewritten without the removed entries: from here on the
    checkpoint no longer has them, and it never names a file that is gone.
 3. The entries' files go: array directories, packs, object shards, group documents,
-   then the folders left empty.
+   then the folders left empty. A pack that also holds arrays that stay was first
+   written anew without the removed ones under a new name (``rewrite_packs``, between
+   steps 1 and 2, named in the marker); the record names the new one, the old one goes.
 4. The marker goes.
 
 A marker whose save id is the record's is provably this checkpoint's removal. The next
 removal (the same one called again, or another) first finishes it: where the record
-still lists what the marker removes (a kill before step 2), only the marker goes;
-otherwise step 3 runs again, deleting only what the record does not vouch for. ``verify``
-names the files such a removal still had to delete as its own (``leftover_files``), with
-how to finish it, instead of as another program's.
+still lists what the marker removes (a kill before step 2), only the marker and the packs
+written anew go; otherwise step 3 runs again, deleting only what the record does not
+vouch for. ``verify`` names the files such a removal still had to delete as its own
+(``leftover_files``), with how to finish it, instead of as another program's.
 """
 
 from __future__ import annotations
 
-__all__ = ["plan_removal", "remove_entries"]
+__all__ = ["plan_removal", "remove_entries", "rewrite_packs"]
 
 import logging
 from collections.abc import Iterable
 from dataclasses import replace
 
 from shardstore.errors import CheckpointingException
+from shardstore.format.chunks import chunk_store_for
 from shardstore.format.consolidated import ZarrMetadata
+from shardstore.format.pack_listing import PACK_NAME
+from shardstore.format.packs import PackCollector, pack_name, read_members, write_pack
 from shardstore.format.records import (
     ZARR_JSON,
     CommitRecord,
@@ -42,32 +47,27 @@ logger = logging.getLogger(__name__)
 
 
 def plan_removal(record: CommitRecord, key_prefix: str, where: str) -> tuple[RemovalPlan, CommitRecord]:
-    """The plan for removing ``key_prefix`` from ``record``, and the record without it.
-
-    Raises:
-        CheckpointingException: a pack to remove also holds an array that stays."""
+    """The plan for removing ``key_prefix`` from ``record``, and the record without it
+    (its arrays packed with removed ones still name their old pack: ``rewrite_packs``
+    moves them to the plan's new ones)."""
     removed = sorted(k for k in record.arrays if k.startswith(key_prefix))
     kept, object_files = _without_object_shards(record, key_prefix)
     kept = replace(kept, arrays={k: a for k, a in record.arrays.items() if k not in removed})
     gone_packs = {record.arrays[k].pack for k in removed} - {None}
-    if shared := sorted((a.pack, k) for k, a in kept.arrays.items() if a.pack in gone_packs):
-        pack, key = shared[0]
-        raise CheckpointingException(
-            f"Cannot remove the tensors under {key_prefix!r} from {where}: some are packed in {pack} with "
-            f"{key!r}, which stays (a pack is removed whole). Remove a prefix that covers the pack's arrays, "
-            "or save the checkpoint again without them"
-        )
+    rewritten = _rewritten_names(sorted({a.pack for a in kept.arrays.values() if a.pack in gone_packs}), record.packs)
     kept = replace(kept, packs={p: n for p, n in record.packs.items() if p not in gone_packs})
     groups = sorted(set(parent_groups(removed)) - set(parent_groups(list(kept.arrays))), reverse=True)
     folders = set(groups) | set(parent_groups(object_files)) | set(parent_groups(sorted(gone_packs)))
+    staying_packs = [*kept.packs, *rewritten.values()]
     plan = RemovalPlan(
         save_id=record.save_id,
         key_prefix=key_prefix,
         arrays=tuple(removed),
-        trees=tuple((k, _packs_under(k, kept.packs)) for k in removed if record.arrays[k].pack is None),
+        trees=tuple((k, _packs_under(k, staying_packs)) for k in removed if record.arrays[k].pack is None),
         files=tuple(sorted(gone_packs) + object_files),
         documents=tuple(f"{g}/{ZARR_JSON}" for g in groups if record.zarr_metadata is ZarrMetadata.PER_NODE),
         folders=tuple(sorted(folders, key=lambda f: (f.count("/"), f), reverse=True)),
+        rewritten=tuple(rewritten.items()),
     )
     return plan, kept
 
@@ -85,6 +85,7 @@ def remove_entries(location: Location, record: CommitRecord, key_prefix: str) ->
     if plan.is_empty():
         return
     location.write_atomic(REMOVAL_MARKER, plan.to_json())  # durable before the record changes
+    kept = rewrite_packs(location, plan, kept)
     write_commit_record(location, kept)
     plan.delete(location, kept)
     location.remove(REMOVAL_MARKER)
@@ -109,8 +110,46 @@ def _finish_interrupted(location: Location, record: CommitRecord) -> None:
         plan.delete(location, record)
         logger.info("Finished removing %r from %s (a removal cut short)", plan.key_prefix, location.describe())
     else:
+        vouched = record.vouched_paths()
+        for _, new in plan.rewritten:
+            if new not in vouched:  # the marker names it: the removal's own, never committed
+                location.remove(new)
         logger.info("A removal of %r from %s stopped before it changed anything", plan.key_prefix, location.describe())
     location.remove(REMOVAL_MARKER)
+
+
+def rewrite_packs(location: Location, plan: RemovalPlan, kept: CommitRecord) -> CommitRecord:
+    """Writes each pack the plan rewrites anew, holding only its arrays that stay, under
+    its new name (``RemovalPlan.rewritten``), and returns ``kept`` with those arrays in
+    it: a pack is one zip that plain readers list whole, so the removed arrays leave it
+    (the old one goes with the plan's ``files``). Packs are never shared between
+    checkpoints (incremental reuse copies no packed array), so no other save reads them."""
+    if not plan.rewritten:
+        return kept
+    store = chunk_store_for(location, io_concurrency=1)
+    arrays, packs = dict(kept.arrays), dict(kept.packs)
+    for old, new in plan.rewritten:
+        records = [a for _, a in sorted(kept.arrays.items()) if a.pack == old]
+        collector = PackCollector(threads=1)
+        read_members(store, records, collector)
+        offsets, packs[new] = write_pack(store, new, records, collector)
+        arrays.update({r.key: r.with_pack(new, offsets[r.key]) for r in records})
+    return replace(kept, arrays=arrays, packs=packs)
+
+
+def _rewritten_names(packs: list[str], taken: Iterable[str]) -> dict[str, str]:
+    """A new name for each of ``packs`` (``packs/<rank>-<n>.zip``), the same rank's next
+    number after every pack in ``taken`` and those already given."""
+    names: dict[str, str] = {}
+    used = set(taken)
+    for pack in packs:
+        match = PACK_NAME.fullmatch(pack)
+        assert match is not None, pack  # the record's packs are checked when it is read
+        rank = int(match.group(1))
+        number = 1 + max(int(m.group(2)) for p in used if (m := PACK_NAME.fullmatch(p)) and int(m.group(1)) == rank)
+        names[pack] = pack_name(rank, number)
+        used.add(names[pack])
+    return names
 
 
 def _packs_under(key: str, packs: Iterable[str]) -> tuple[str, ...]:

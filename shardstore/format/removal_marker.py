@@ -45,6 +45,8 @@ class RemovalPlan:
         files: packs and object shard files.
         documents: the documents of groups left without arrays (where the save wrote them).
         folders: removed where empty afterwards, innermost first.
+        rewritten: each pack that also holds arrays that stay, with the new pack written
+            without the removed ones (the old one is among ``files``).
     """
 
     save_id: str
@@ -54,12 +56,14 @@ class RemovalPlan:
     files: tuple[str, ...]
     documents: tuple[str, ...]
     folders: tuple[str, ...]
+    rewritten: tuple[tuple[str, str], ...] = ()
 
     def to_json(self) -> bytes:
         return json.dumps({
             "save_id": self.save_id, "key_prefix": self.key_prefix, "arrays": list(self.arrays),
             "trees": [[k, list(keep)] for k, keep in self.trees], "files": list(self.files),
             "documents": list(self.documents), "folders": list(self.folders),
+            "rewritten": [list(pair) for pair in self.rewritten],
         }).encode()
 
     @classmethod
@@ -73,6 +77,7 @@ class RemovalPlan:
                 trees=tuple((_text(k), _texts(keep)) for k, keep in value["trees"]),
                 files=_texts(value["files"]), documents=_texts(value["documents"]),
                 folders=_texts(value["folders"]),
+                rewritten=tuple((_text(old), _text(new)) for old, new in value.get("rewritten", [])),
             )
         except (ValueError, KeyError, TypeError, RecursionError):
             return None

@@ -30,7 +30,7 @@ from shardstore.format.records.keys import check_storable_key
 from shardstore.format.records.names import chunk_key
 from shardstore.mapping import ShardedBase, ShardedObject, ShardedTensor
 from shardstore.planning.layout import GlobalLayout, ObjectShardRecord, ShardRecord
-from shardstore.stores.base import NameLimits
+from shardstore.stores.base import REFUSABLE_TEXTS, NameLimits
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +174,9 @@ def check_storable_keys(layout: GlobalLayout, storage: NameLimits, where: str = 
     problems = []
     for key, what, files, shards in _keys_and_files(layout):
         try:
+            for text, why in storage.refused_texts:  # any layout: a key packed today is a path tomorrow
+                if text in key:
+                    raise CheckpointingException(f"Key {key!r} holds {text!r}: {why}; rename the key")
             if what in _RECORDED_KEYS:
                 check_storable_key(key, where, storage, files)
             else:
@@ -194,16 +197,20 @@ def name_lengths_needed(layout: GlobalLayout) -> NameLimits:
     compares with a storage's limits; its other refusals do not depend on them). A plan
     made for one target stays valid for another whose limits ``admits_names`` these."""
     name = path = 0
-    for _, _, files, _ in _keys_and_files(layout):
+    held: set[str] = set()
+    for key, _, files, _ in _keys_and_files(layout):
+        held.update(text for text in REFUSABLE_TEXTS if text in key)
         for rel in files:
             path = max(path, len(rel.encode()))
             name = max(name, *(len(n.encode()) for n in rel.split("/")))
-    return NameLimits(name, path, "the layout's longest file name and path")
+    return NameLimits(name, path, "the layout's longest file name and path", tuple((t, "") for t in sorted(held)))
 
 
 def admits_names(storage: NameLimits, needed: NameLimits) -> bool:
     """Whether ``storage`` stores names and paths as long as ``needed``
-    (``name_lengths_needed``)."""
+    (``name_lengths_needed``), and refuses no text they hold."""
+    if {t for t, _ in storage.refused_texts} & {t for t, _ in needed.refused_texts}:
+        return False
     return all(
         limit is None or (need is not None and need <= limit)
         for limit, need in ((storage.max_name_bytes, needed.max_name_bytes),

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 __all__ = [
     "DEFAULT_IO_THREADS", "STREAM_BLOCK_BYTES", "Capabilities", "ChunkAccess", "ChunkMismatch", "ChunkStore",
-    "CopiedObject", "DirectoryPublishing", "ExpectedBytes", "Location", "NameLimits", "RangeReader",
+    "CopiedObject", "DirectoryPublishing", "ExpectedBytes", "Location", "NameLimits", "OBJECT_VERSION_TEXT",
+    "REFUSABLE_TEXTS", "RangeReader",
     "StorageError", "Store", "atomic_temp_name", "atomic_temp_of", "check_range", "fill_views", "fold_landed",
     "kvstore_spec", "run_parallel", "usable_cpus",
 ]
@@ -112,11 +113,24 @@ class NameLimits:
         max_path_bytes: a whole relative path under the location (what PATH_MAX or an
             object store's key limit leaves after the location's own path or prefix).
         path_limit: what bounds ``max_path_bytes``, for error messages.
+        refused_texts: of a location, the texts no path may hold (S3: ``?versionId=``,
+            which s3fs reads as an object version), each with why; of a layout's needs
+            (``planning.checks.name_lengths_needed``), those of ``REFUSABLE_TEXTS`` its
+            paths hold (the why left empty).
     """
 
     max_name_bytes: int | None = None
     max_path_bytes: int | None = None
     path_limit: str = ""
+    refused_texts: tuple[tuple[str, str], ...] = ()
+
+
+OBJECT_VERSION_TEXT = "?versionId="
+"""s3fs cuts a path at this text and reads the rest as an object version, whatever the
+file system's settings (``S3FileSystem.split_path``)."""
+
+REFUSABLE_TEXTS = (OBJECT_VERSION_TEXT,)
+"""Every text a store's ``NameLimits.refused_texts`` may name."""
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from typing import Any
 
 from shardstore.stores.base import (
     DEFAULT_IO_THREADS,
+    OBJECT_VERSION_TEXT,
     Capabilities,
     ChunkAccess,
     CopiedObject,
@@ -74,7 +75,7 @@ S3_DELETE_BATCH = 1000
 # s3fs cuts a path at this text and reads the rest as an object version, whatever the
 # file system's settings (``S3FileSystem.split_path``): a key holding it would name
 # another object, so such keys and prefixes are refused.
-VERSION_SUFFIX = "?versionId="
+VERSION_SUFFIX = OBJECT_VERSION_TEXT
 
 
 @dataclass(frozen=True)
@@ -255,11 +256,12 @@ class S3Store(FsspecStore):
     @property
     def name_limits(self) -> NameLimits:
         """No limit on one segment; a whole object key, prefix included, has at most
-        ``S3_MAX_KEY_BYTES``."""
+        ``S3_MAX_KEY_BYTES`` and never holds ``VERSION_SUFFIX``."""
         used = len(self._key("x").encode()) - 1  # the prefix and its "/"
         return NameLimits(
             None, S3_MAX_KEY_BYTES - used,
             f"S3's {S3_MAX_KEY_BYTES}-byte object keys, less {used} for the prefix {self.prefix!r}",
+            ((VERSION_SUFFIX, "s3fs reads it as an object version, so the key would name another object"),),
         )
 
     # ------------------------------------------------------------------ s3fs

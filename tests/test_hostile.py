@@ -17,6 +17,7 @@ from shardstore import (
     CheckpointingException,
     ShardedObject,
     ShardedTensor,
+    StorageLayout,
     load,
     load_tensors_metadata,
     save,
@@ -138,8 +139,13 @@ HOSTILE_RECORDS: dict[str, Callable[[dict], None] | bytes] = {
 }
 
 
-def _saved(ckpt: Path) -> None:
-    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(12.0).reshape(4, 3)), "step": 1}, ckpt)
+# an array's own zarr.json and chunk files, and records of format 1 (which never packed)
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0)
+
+
+def _saved(ckpt: Path, layout: StorageLayout | None = None) -> None:
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(12.0).reshape(4, 3)), "step": 1}, ckpt,
+         layout=layout)
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE_RECORDS))
@@ -169,7 +175,7 @@ def test_json_nested_past_the_parsers_depth_is_a_clear_error(ckpt_dir: Path, rel
     ``CheckpointingException`` naming the checkpoint. Before, the parser's
     ``RecursionError`` escaped as a bare traceback (as it did from a root ``zarr.json``
     so nested, ``HOSTILE_RECORDS``)."""
-    _saved(ckpt_dir)
+    _saved(ckpt_dir, PER_ARRAY)
     if rel == "metadata.json":
         (ckpt_dir / "zarr.json").unlink()
     (ckpt_dir / rel).write_bytes(b"[" * 100_000)
@@ -230,7 +236,7 @@ def test_a_creation_time_no_float_holds_reads_as_unknown(ckpt_dir: Path, version
             record["format_version"] = 1
             del record["record_digest"], record["save_id"], record["arrays"]["w"]["chunk_crc32c"]
 
-    _saved(ckpt_dir)
+    _saved(ckpt_dir, PER_ARRAY)
     rewrite_record(ckpt_dir, edit)
     assert set(load_tensors_metadata(ckpt_dir)) == {"w"}
     record = read_commit_record(open_location(ckpt_dir))
@@ -270,7 +276,9 @@ def full_disk_on_rank_1(rank: int, world: int, ckpt: str) -> str:
             raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
         chunk_io.ChunkFile.write = no_space
     try:
-        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(8, 4), (0, rank, world))}, ckpt)
+        # the failure is injected into chunk file writes, which packed arrays do not use
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(8, 4), (0, rank, world))}, ckpt,
+             layout=PER_ARRAY)
     except CheckpointingException as exc:
         return str(exc)
     raise AssertionError("save succeeded on a full disk")

@@ -15,6 +15,7 @@ from shardstore import (
     CheckpointingException,
     ShardedObject,
     ShardedTensor,
+    StorageLayout,
     load,
     load_common_state_dict,
     save,
@@ -22,6 +23,9 @@ from shardstore import (
 )
 from shardstore.format.records import SAVE_MARKER, read_commit_record
 from shardstore.stores.locations import open_location
+
+# these tests corrupt and count per-array files: chunk files and each array's zarr.json
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0)
 
 
 def _state(empty: bool = False) -> dict:
@@ -51,7 +55,7 @@ DAMAGE: dict[str, tuple[str, Callable[[Path], None], str]] = {
 
 
 def test_clean_checkpoint_verifies(ckpt_dir: Path) -> None:
-    save(_state(), ckpt_dir)
+    save(_state(), ckpt_dir, layout=PER_ARRAY)
     report = verify(ckpt_dir)
     assert report.ok, str(report)
     assert (report.arrays_checked, report.chunks_checked) == (2, 2)
@@ -65,7 +69,7 @@ def test_clean_checkpoint_verifies(ckpt_dir: Path) -> None:
 @pytest.mark.parametrize("name", sorted(DAMAGE))
 def test_damage_is_reported_and_refused(ckpt_dir: Path, name: str) -> None:
     rel, damage, named = DAMAGE[name]
-    save(_state(), ckpt_dir)
+    save(_state(), ckpt_dir, layout=PER_ARRAY)
     damage(ckpt_dir / rel)
     report = verify(ckpt_dir)
     assert not report.ok
@@ -105,7 +109,7 @@ def test_verify_of_an_incomplete_checkpoint_reports_it(ckpt_dir: Path) -> None:
 def test_verify_reads_an_arrays_codecs_as_the_codec_they_name(ckpt_dir: Path, codecs: list, found: bool) -> None:
     """Another spelling of the same codecs is no finding; other codecs are, since plain
     readers would decode the chunks otherwise than load does."""
-    save(_state(), ckpt_dir)
+    save(_state(), ckpt_dir, layout=PER_ARRAY)
     path = ckpt_dir / "enc" / "w" / "zarr.json"
     document = json.loads(path.read_bytes())
     path.write_text(json.dumps({**document, "codecs": codecs}))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstore import CheckpointingException, ShardedObject, ShardedTensor, load, save, verify
+from shardstore import CheckpointingException, ShardedObject, ShardedTensor, StorageLayout, load, save, verify
 from shardstore.format.features import FORMAT_VERSION
 from shardstore.format.records import COMMIT_RECORD, read_commit_record
 from shardstore.format.records.digests import FILE_DIGESTS, RECORD_DIGEST
@@ -28,6 +28,8 @@ from tests.s3_support import KEY, REGION, SECRET, MotoServer
 from tests.scenarios import rewrite_record
 
 W = torch.arange(12.0).reshape(4, 3)
+# these tests edit each array's own Zarr document: packed arrays have none
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0, zarr_metadata="per_node")
 
 
 def _state() -> dict:
@@ -44,7 +46,7 @@ def _request() -> dict:
 
 @pytest.fixture
 def saved(tmp_path: Path) -> Path:
-    save(_state(), tmp_path / "ckpt")
+    save(_state(), tmp_path / "ckpt", layout=PER_ARRAY)
     return tmp_path / "ckpt"
 
 
@@ -190,7 +192,7 @@ def s3(moto_server: MotoServer) -> tuple[MotoServer, S3Options]:
 def test_on_s3_documents_and_unlisted_objects_are_flagged(s3: tuple[MotoServer, S3Options]) -> None:
     _, options = s3
     location = open_location("s3://binding/run/iter_0000001", options=options)
-    save(_state(), location)
+    save(_state(), location, layout=PER_ARRAY)
     assert verify(location).ok
     node = json.loads(location.read_bytes("layers/w/zarr.json"))
     node["data_type"] = "int32"

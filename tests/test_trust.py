@@ -18,6 +18,7 @@ from shardstore import (
     CheckpointingException,
     ShardedObject,
     ShardedTensor,
+    StorageLayout,
     load,
     load_plain_tensors,
     save,
@@ -296,10 +297,15 @@ def _two_arrays(ckpt: Path, shift: float = 0.0) -> None:
          ckpt, sharded_strategy=_small_chunks())
 
 
+# these tests move, corrupt and link chunk files: each array keeps its own directory
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0)
+
+
 def _small_chunks():
     from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 
-    return ZarrSaveShardedStrategy(max_chunk_bytes=8)  # one row (2 x float32) per chunk
+    # one row (2 x float32) per chunk
+    return ZarrSaveShardedStrategy(layout=StorageLayout(max_chunk_bytes=8, pack_arrays_up_to=0))
 
 
 def _swap(x: Path, y: Path) -> None:
@@ -418,7 +424,7 @@ def test_the_seed_readers_given_a_path_check_the_record(tmp_path: Path) -> None:
 
     ckpt = tmp_path / "ckpt"
     save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8)), "step": 12345,
-          "rng": ShardedObject("rng", 777, (1,), (0,))}, ckpt)
+          "rng": ShardedObject("rng", 777, (1,), (0,))}, ckpt, layout=PER_ARRAY)
     strategy = TorchCommonLoadStrategy()
     rng = lambda: {"rng": ShardedObject("rng", None, (1,), (0,))}  # noqa: E731
     assert strategy.load_common(ckpt)["step"] == 12345 and strategy.load_sharded_objects(rng(), ckpt)["rng"] == 777

@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstore import CheckpointingException, ShardedObject, ShardedTensor, StorageLayout, load, save, verify
+from shardstore import (
+    CheckpointingException,
+    ShardedObject,
+    ShardedTensor,
+    StorageLayout,
+    load,
+    save,
+    verify,
+)
 from shardstore.format.features import FORMAT_VERSION
 from shardstore.format.records import COMMIT_RECORD, read_commit_record
 from shardstore.format.records.digests import FILE_DIGESTS, RECORD_DIGEST

@@ -19,7 +19,7 @@ import pytest
 import torch
 import zarr
 
-from shardstore import CheckpointingException, ShardedTensor, load, save, verify
+from shardstore import CheckpointingException, ShardedTensor, StorageLayout, load, save, verify
 from shardstore.format import features
 from shardstore.format.commit import SaveOptions
 from shardstore.format.features import FORMAT_VERSION
@@ -467,7 +467,7 @@ def test_an_incremental_packed_save_shares_nothing_and_loads_right(tmp_path: Pat
 def test_a_save_reusing_from_a_packed_base_writes_its_arrays_anew(tmp_path: Path) -> None:
     tensors = _tensors()
     save(_sd(tensors), str(tmp_path / "s1"), options=PACK)
-    save(_sd(tensors), str(tmp_path / "s2"), reuse_from=str(tmp_path / "s1"))
+    save(_sd(tensors), str(tmp_path / "s2"), reuse_from=str(tmp_path / "s1"), layout=StorageLayout(pack_arrays_up_to=0))
     record = read_commit_record(open_location(tmp_path / "s2"))
     assert not record.packs
     assert record.reused_from is not None and record.reused_from.chunks == 1  # "big" only
@@ -477,7 +477,7 @@ def test_a_save_reusing_from_a_packed_base_writes_its_arrays_anew(tmp_path: Path
 
 def test_a_packed_save_reusing_from_an_unpacked_base_packs_anew(tmp_path: Path) -> None:
     tensors = _tensors()
-    save(_sd(tensors), str(tmp_path / "s1"))
+    save(_sd(tensors), str(tmp_path / "s1"), layout=StorageLayout(pack_arrays_up_to=0))
     save(_sd(tensors), str(tmp_path / "s2"), options=SaveOptions(pack_arrays_up_to=64 * 1024,
                                                                  reuse_from=str(tmp_path / "s1")))
     record = read_commit_record(open_location(tmp_path / "s2"))

@@ -13,7 +13,7 @@ import pytest
 import torch
 import zarr
 
-from shardstore import ShardedTensor, load, save, verify
+from shardstore import ShardedTensor, StorageLayout, load, save, verify
 from shardstore.format.commit import SaveOptions
 from shardstore.format.records import read_commit_record
 from shardstore.stores.locations import open_location
@@ -125,7 +125,7 @@ def _save_cached(rank: int, world: int, root: str) -> tuple[int, int]:
     strategy = ZarrSaveShardedStrategy(cache_plan=True)
     save(_fsdp(rank, world), f"{root}/a", strategy, options=PACK)
     save(_fsdp(rank, world), f"{root}/b", strategy, options=PACK)  # the same plan, reused
-    save(_fsdp(rank, world), f"{root}/c", strategy)  # no packing: planned anew
+    save(_fsdp(rank, world), f"{root}/c", strategy, layout=StorageLayout(pack_arrays_up_to=0))  # planned anew
     cache = strategy.plan_cache
     return cache.planned, cache.reused
 

@@ -178,10 +178,11 @@ def test_a_checkpoint_of_core_types_only_has_no_readers_note(tmp_path: Path) -> 
     assert "readers" not in json.loads((tmp_path / "ckpt" / "zarr.json").read_text())["attributes"]
 
 
-def test_a_default_checkpoint_of_core_types_notes_only_where_its_packed_arrays_are(tmp_path: Path) -> None:
+def test_a_default_checkpoint_of_core_types_notes_where_its_packed_arrays_are_and_how(tmp_path: Path) -> None:
     save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, tmp_path / "ckpt")
     readers = json.loads((tmp_path / "ckpt" / "zarr.json").read_text())["attributes"]["readers"]
-    assert list(readers) == ["packed_arrays_note"] and "zarr.storage.ZipStore" in readers["packed_arrays_note"]
+    assert sorted(readers) == ["packed_arrays_note", "recipe"] and "zarr.storage.ZipStore" in readers["packed_arrays_note"]
+    assert "zip_pack" in [s["store"] for s in readers["recipe"]["sources"]]
 
 
 def test_xarray_opens_groups_and_the_tree_with_every_core_array(plain: dict) -> None:

@@ -841,8 +841,15 @@ def run_tiny(b: Bench, args: argparse.Namespace) -> None:
               lambda: shardstore.save(shardstore_sd(state, 0, 1), str(ss_path)),
               lambda: loaded.update(shardstore=shardstore.load(shardstore_sd(state, 0, 1, empty=True), str(ss_path))),
               check("shardstore"))
+    per_array_path = b.root / "tiny-shardstore-per-array"
+    per_array = SaveOptions(pack_arrays_up_to=0, zarr_metadata="per_node")
+    b.measure("tiny", "shardstore-per-array", nbytes, per_array_path,
+              lambda: shardstore.save(shardstore_sd(state, 0, 1), str(per_array_path), options=per_array),
+              lambda: loaded.update({"shardstore-per-array": shardstore.load(
+                  shardstore_sd(state, 0, 1, empty=True), str(per_array_path))}),
+              check("shardstore-per-array"))
     consolidated_path = b.root / "tiny-shardstore-consolidated"
-    consolidated = SaveOptions(zarr_metadata="consolidated_only")
+    consolidated = SaveOptions(zarr_metadata="consolidated_only", pack_arrays_up_to=0)
     b.measure("tiny", "shardstore-consolidated", nbytes, consolidated_path,
               lambda: shardstore.save(shardstore_sd(state, 0, 1), str(consolidated_path), options=consolidated),
               lambda: loaded.update({"shardstore-consolidated": shardstore.load(
@@ -865,7 +872,7 @@ def run_tiny(b: Bench, args: argparse.Namespace) -> None:
     b.measure("tiny", "zip-pack", nbytes, zip_path, lambda: zip_pack_save(state, zip_path),
               lambda: loaded.update({"zip-pack": zip_pack_load(state, zip_path)}), check("zip-pack"))
     b.flush()
-    for p in (ss_path, consolidated_path, packed_path, torch_path, files_path, first_path, zip_path):
+    for p in (ss_path, per_array_path, consolidated_path, packed_path, torch_path, files_path, first_path, zip_path):
         b._clean(p)
 
 
@@ -1152,9 +1159,12 @@ def measure_small_arrays_on_s3(b: Bench, args: argparse.Namespace) -> None:
         return compare
 
     for method, options in (
-        ("shardstore-s3", SaveOptions()),
-        ("shardstore-consolidated-s3", SaveOptions(zarr_metadata="consolidated_only")),
-        ("shardstore-packed-s3", SaveOptions(pack_arrays_up_to=args.s3_small_kib * 1024)),
+        ("shardstore-s3", SaveOptions()),  # the layout shardstore chooses
+        ("shardstore-per-array-s3", SaveOptions(pack_arrays_up_to=0, zarr_metadata="per_node")),
+        ("shardstore-consolidated-s3", SaveOptions(zarr_metadata="consolidated_only", pack_arrays_up_to=0)),
+        ("shardstore-packed-s3", SaveOptions(pack_arrays_up_to=args.s3_small_kib * 1024, zarr_metadata="per_node")),
+        ("shardstore-packed-consolidated-s3", SaveOptions(pack_arrays_up_to=args.s3_small_kib * 1024,
+                                                          zarr_metadata="consolidated_only")),
     ):
         def url(method: str = method) -> str:
             return f"s3://{S3_BUCKET}/small-{method}-{saves[method]}"

@@ -913,7 +913,11 @@ def run_fsdp(b: Bench, args: argparse.Namespace) -> None:
                   lambda path=path, strategy=strategy: shardstore.save(
                       shardstore_sd(state, b.rank, b.world), str(path), strategy),
                   lambda path=path: shardstore.load(shardstore_sd(state, b.rank, b.world, empty=True), str(path)))
-    mesh, door = init_device_mesh("cpu", (b.world,)), b.root / "fsdp-dcp-writer-sharded"
+    mesh, default_door = init_device_mesh("cpu", (b.world,)), b.root / "fsdp-dcp-writer"
+    b.measure("fsdp", "dcp-writer", nbytes, default_door,  # the layout the writer chooses
+              lambda: dcp.save(dcp_sd(state, mesh), storage_writer=ShardstoreWriter(str(default_door))),
+              lambda: dcp.load(dcp_sd(state, mesh, empty=True), storage_reader=ShardstoreReader(str(default_door))))
+    door = b.root / "fsdp-dcp-writer-sharded"
     b.measure("fsdp", "dcp-writer-sharded", nbytes, door,
               lambda: dcp.save(dcp_sd(state, mesh), storage_writer=ShardstoreWriter(str(door), shard_bytes=64 << 20)),
               lambda: dcp.load(dcp_sd(state, mesh, empty=True), storage_reader=ShardstoreReader(str(door))))
@@ -921,7 +925,7 @@ def run_fsdp(b: Bench, args: argparse.Namespace) -> None:
     if "s3" in args.cases:
         measure_fsdp_on_s3(b, state, nbytes)
     b.flush()
-    methods = ("shardstore", "shardstore-sharded", "dcp-writer-sharded", "dcp", "files")
+    methods = ("shardstore", "shardstore-sharded", "dcp-writer", "dcp-writer-sharded", "dcp", "files")
     if b.rank == 0:
         for method in methods:
             path = b.root / f"fsdp-{method}"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstore import ShardedTensor, load, save
+from shardstore import ShardedTensor, StorageLayout, load, save
 from shardstore.format.records import read_commit_record
 from shardstore.format.sharding import ShardingIndexed
 from shardstore.planning.layout import GlobalLayout, ShardRecord
@@ -105,13 +105,16 @@ def test_a_shard_size_that_is_neither_auto_none_nor_bytes_is_refused(bad: object
     assert strategy.shard_bytes == "auto"
 
 
-def test_the_dcp_writer_keeps_its_shard_size_explicit(tmp_path: Path) -> None:
-    """It exchanges blocks on a process group DCP does not give it: no "auto"."""
+def test_the_dcp_writer_leaves_its_shard_size_auto_unless_told(tmp_path: Path) -> None:
+    """It exchanges blocks on a group of its own (``tools.dcp_exchange``): ``"auto"``
+    by default, chosen per save; an explicit size or None is kept."""
     from shardstore.tools.dcp_storage import ShardstoreWriter
 
-    assert ShardstoreWriter(tmp_path / "ckpt").shard_bytes is None
-    with pytest.raises(ValueError, match="ShardstoreWriter\\(shard_bytes='auto'\\): pass None"):
-        ShardstoreWriter(tmp_path / "ckpt", shard_bytes="auto")
+    assert ShardstoreWriter(tmp_path / "ckpt").layout.shard_bytes == "auto"
+    assert ShardstoreWriter(tmp_path / "ckpt", shard_bytes=None).layout.shard_bytes is None
+    assert ShardstoreWriter(tmp_path / "ckpt", shard_bytes=4096).layout.shard_bytes == 4096
+    with pytest.raises(ValueError, match="shard_bytes must be"):
+        ShardstoreWriter(tmp_path / "ckpt", shard_bytes=0)
 
 
 # ----------------------------------------------------------------- the plan cache
@@ -126,7 +129,8 @@ def _state(empty: bool = False) -> dict:
 def test_the_plan_cache_key_distinguishes_the_shard_size(tmp_path: Path) -> None:
     """A cached plan is reused only under the setting it was planned with: a change of
     ``shard_bytes`` plans anew (and shards), changing it back plans anew again."""
-    strategy = ZarrSaveShardedStrategy(max_chunk_bytes=512, cache_plan=True)  # 4 chunks of 2 rows per array
+    # 4 chunks of 2 rows per array; arrays of 2 KiB, packed by default: kept as arrays to shard
+    strategy = ZarrSaveShardedStrategy(max_chunk_bytes=512, cache_plan=True, layout=StorageLayout(pack_arrays_up_to=0))
     keys = set()
     for i, shard_bytes in enumerate(["auto", "auto", 1 << 20, None, "auto"]):
         strategy.shard_bytes = shard_bytes
@@ -184,7 +188,7 @@ def megatron_save_with_shards(rank: int, world: int, ckpt: str) -> None:
     from shardstore import megatron as shardstore_megatron
     from tests.test_megatron_objects import megatron_state_dict
 
-    shardstore_megatron.install(shard_bytes=4096)
+    shardstore_megatron.install(shard_bytes=4096, pack_arrays_up_to=0)  # arrays of < 64 KiB: not packed
     try:
         if rank == 0:
             Path(ckpt).mkdir(parents=True)

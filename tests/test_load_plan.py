@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstore import ShardedTensor, load, save
+from shardstore import ShardedTensor, StorageLayout, load, save
 from shardstore.core import CheckpointingException
 from shardstore.planning.layout import GlobalLayout, ShardRecord
 from shardstore.planning.plans import plan_reads
@@ -381,7 +381,9 @@ def test_the_zarr_modules_single_tensor_read_of_a_committed_checkpoint_refuses_a
     from shardstore.strategies.zarr import ZarrSaveShardedStrategy, _load_from_array
 
     saved = torch.arange(64.0).reshape(8, 8) + 1
-    save({"w": ShardedTensor.from_rank_offsets("w", saved)}, tmp_path / "ckpt", ZarrSaveShardedStrategy(max_chunk_bytes=64))
+    per_array = StorageLayout(pack_arrays_up_to=0)  # a chunk file of its own, to delete
+    save({"w": ShardedTensor.from_rank_offsets("w", saved)}, tmp_path / "ckpt",
+         ZarrSaveShardedStrategy(max_chunk_bytes=64, layout=per_array))
     request = ShardedTensor.from_rank_offsets("w", torch.empty(8, 8))
     assert torch.equal(_load_from_array(request, tmp_path / "ckpt"), saved)
     (tmp_path / "ckpt" / "w" / "c.1.0").unlink()

@@ -1,4 +1,4 @@
-"""Arrays stored in shards (issue 44.1): ``ZarrSaveShardedStrategy(shard_bytes=...)``
+"""Arrays stored in shards (issue 44.1): ``ZarrSaveShardedStrategy(layout=PER_ARRAY, shard_bytes=...)``
 gathers small first-axis blocks of several ranks into one ``sharding_indexed`` shard,
 written by one rank; loads, plain readers, ``verify`` and incremental saves read it."""
 
@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import shardstore
-from shardstore import ShardedTensor, load, save
+from shardstore import ShardedTensor, StorageLayout, load, save
 from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from tests.dist import run_distributed
 
 ROWS, COLS, ARRAYS = 48, 5, 3
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0)  # the subject is each array's own chunk and shard files
 BLOCK_BYTES = lambda world: ROWS // world * COLS * 4  # noqa: E731
 
 
@@ -35,7 +36,7 @@ def _state(rank: int, world: int, empty: bool = False) -> dict:
 
 
 def _strategy(world: int, blocks_per_shard: int) -> ZarrSaveShardedStrategy:
-    return ZarrSaveShardedStrategy(shard_bytes=blocks_per_shard * BLOCK_BYTES(world))
+    return ZarrSaveShardedStrategy(layout=PER_ARRAY, shard_bytes=blocks_per_shard * BLOCK_BYTES(world))
 
 
 def saved_and_loaded(rank: int, world: int, ckpt: str, per_shard: int) -> None:
@@ -91,7 +92,7 @@ def test_a_flipped_byte_in_a_shard_fails_the_load_and_verify(tmp_path: Path) -> 
 
 def test_without_shard_bytes_every_block_is_a_chunk_and_the_format_is_unchanged(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    save(_state(0, 1), ckpt)
+    save(_state(0, 1), ckpt, layout=PER_ARRAY)
     assert _chunk_files(ckpt, "w0") == ["c.0.0"]
     assert json.loads((ckpt / "zarr.json").read_text())["attributes"]["shardstore"]["requires"] == []
 
@@ -115,7 +116,7 @@ def saved_across_block_edges(rank: int, world: int, ckpt: str) -> None:
         return {"e": ShardedTensor.from_rank_offsets("e", torch.zeros_like(part) if empty else part.clone(),
                                                      (0, rank, world))}
 
-    save(state(empty=False), ckpt, ZarrSaveShardedStrategy(shard_bytes=120 << 10))
+    save(state(empty=False), ckpt, ZarrSaveShardedStrategy(layout=PER_ARRAY, shard_bytes=120 << 10))
     assert torch.equal(load(state(empty=True), ckpt)["e"], _wide(16 * world).chunk(world)[rank])
 
 
@@ -183,7 +184,7 @@ def test_one_rank_whose_block_is_many_chunks_writes_them_as_shards(tmp_path: Pat
     too, a shard boundary falling inside a block."""
     ckpt = tmp_path / "ckpt"
     state = {"w": ShardedTensor.from_rank_offsets("w", _global(0).clone())}
-    save(state, ckpt, ZarrSaveShardedStrategy(shard_bytes=3 * 4 * COLS * 4, max_chunk_bytes=4 * COLS * 4))
+    save(state, ckpt, ZarrSaveShardedStrategy(layout=PER_ARRAY, shard_bytes=3 * 4 * COLS * 4, max_chunk_bytes=4 * COLS * 4))
     assert len(_chunk_files(ckpt, "w")) == 4  # 12 chunks of 4 rows, 3 to a shard
     loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS))}, ckpt)
     assert torch.equal(loaded["w"], _global(0))
@@ -199,7 +200,7 @@ def uneven_dtensors_saved(rank: int, world: int, ckpt: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
     weight = torch.arange(50 * 3, dtype=torch.float32).reshape(50, 3)  # 13 + 13 + 13 + 11 rows
     state = {"w": distribute_tensor(weight, mesh, [Shard(0)])}
-    save(state, ckpt, ZarrSaveShardedStrategy(shard_bytes=2 * 13 * 3 * 4))
+    save(state, ckpt, ZarrSaveShardedStrategy(layout=PER_ARRAY, shard_bytes=2 * 13 * 3 * 4))
     target = {"w": distribute_tensor(torch.zeros(50, 3), mesh, [Shard(0)])}
     load(target, ckpt)
     assert torch.equal(target["w"].full_tensor(), weight)
@@ -228,11 +229,11 @@ def test_on_s3_shards_save_load_and_are_shared_by_server_side_copy(moto_server) 
     moto_server.create_bucket("sharded")
     options = S3Options(endpoint_url=moto_server.endpoint, key=KEY, secret=SECRET, region=REGION)
     first, second = (open_location(f"s3://sharded/run/step{i}", options=options) for i in (1, 2))
-    strategy = ZarrSaveShardedStrategy(shard_bytes=3 * 4 * COLS * 4, max_chunk_bytes=4 * COLS * 4)
+    strategy = ZarrSaveShardedStrategy(layout=PER_ARRAY, shard_bytes=3 * 4 * COLS * 4, max_chunk_bytes=4 * COLS * 4)
     state = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", _global(i).clone()) for i in range(2)}
     save(state, first, strategy)
-    assert sorted(n for n in first.list_files() if n.startswith("w0/")) == [
-        "w0/c.0.0", "w0/c.1.0", "w0/c.2.0", "w0/c.3.0", "w0/zarr.json"]
+    assert sorted(n for n in first.list_files() if n.startswith("w0/")) == [  # documents: the root's only
+        "w0/c.0.0", "w0/c.1.0", "w0/c.2.0", "w0/c.3.0"]
     state["w0"].data[0, 0] += 1  # the first shard of w0 changes
     save(state, second, strategy, reuse_from=first)
     from shardstore.format.records import read_commit_record
@@ -357,7 +358,7 @@ def test_read_once_reads_each_whole_tensor_chunk_once_for_all_ranks(tmp_path: Pa
     whole (4x the bytes); with ``read_shards_once`` each chunk is read once, by one
     rank, which sends the others their parts."""
     ckpt = tmp_path / "ckpt"
-    save({f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", _whole_tensor(i)) for i in range(ARRAYS)}, ckpt)
+    save({f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", _whole_tensor(i)) for i in range(ARRAYS)}, ckpt, layout=PER_ARRAY)
     assert _chunk_files(ckpt, "w0") == ["c.0.0"]
     chunk = (ckpt / "w0" / "c.0.0").stat().st_size
     once = run_distributed(loaded_from_whole_tensors, 4, str(ckpt), axis, True, timeout=240)
@@ -392,7 +393,7 @@ def test_a_reader_whose_own_block_goes_to_a_device_reads_its_chunk_once(tmp_path
     memory. Its own block now comes out of the host read, then is copied over, up to
     the staging bound (``load_staging_bytes``) in all; past it, as before."""
     ckpt = tmp_path / "ckpt"
-    save({f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", _whole_tensor(i)) for i in range(ARRAYS)}, ckpt)
+    save({f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", _whole_tensor(i)) for i in range(ARRAYS)}, ckpt, layout=PER_ARRAY)
     chunk = (ckpt / "w0" / "c.0.0").stat().st_size
     block = _whole_tensor(0).chunk(4)[0].nbytes
     read = run_distributed(loaded_into_device_tensors, 4, str(ckpt), 1 << 20, timeout=240)
@@ -409,7 +410,7 @@ def _squares(i: int) -> torch.Tensor:
 def saved_in_thirds(rank: int, world: int, ckpt: str, axis: int) -> None:
     """Each array saved by 3 ranks, a third along ``axis`` each: chunks of 16 rows or columns."""
     save({f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", _squares(i).chunk(world, axis)[rank].clone(),
-                                                   (axis, rank, world)) for i in range(ARRAYS)}, ckpt)
+                                                   (axis, rank, world)) for i in range(ARRAYS)}, ckpt, layout=PER_ARRAY)
 
 
 def loaded_across_chunk_edges(rank: int, world: int, ckpt: str, axis: int, replicas: int, parameter: bool) -> int:
@@ -460,7 +461,7 @@ def test_blocks_of_one_unsharded_chunk_read_it_once(tmp_path: Path, monkeypatch,
     from shardstore.stores.local import FileChunkStore
 
     ckpt = tmp_path / "ckpt"
-    save({"w0": ShardedTensor.from_rank_offsets("w0", _whole_tensor(0))}, ckpt)
+    save({"w0": ShardedTensor.from_rank_offsets("w0", _whole_tensor(0))}, ckpt, layout=PER_ARRAY)
     opened = open_read(ckpt)
     whole = ShardedTensor.from_rank_offsets("w0", torch.zeros(48, 8))
     rows = ShardedTensor("w0", torch.zeros(12, 8), torch.float32, (12, 8), (48, 8), (12, 0), None)
@@ -487,7 +488,7 @@ def test_run_reads_of_two_blocks_of_one_chunk_without_a_thread_count(tmp_path: P
     from shardstore.opened import open_read
 
     ckpt = tmp_path / "ckpt"
-    save({"w0": ShardedTensor.from_rank_offsets("w0", _whole_tensor(0))}, ckpt)
+    save({"w0": ShardedTensor.from_rank_offsets("w0", _whole_tensor(0))}, ckpt, layout=PER_ARRAY)
     opened = open_read(ckpt)
     array = ArrayChunks.of(chunk_store_for(opened.location, 4), opened.require_record().arrays["w0"])
     top, band = np.zeros((12, 8), np.float32), np.zeros((5, 8), np.float32)
@@ -554,7 +555,7 @@ def test_on_s3_a_sharded_save_makes_a_request_per_shard_not_per_chunk(moto_serve
         made = {}
         for name, shard_bytes in (("plain", None), ("sharded", 6 * 4 * COLS * 4)):
             before = proxy.counts["forwarded"]
-            strategy = ZarrSaveShardedStrategy(shard_bytes=shard_bytes, max_chunk_bytes=4 * COLS * 4)
+            strategy = ZarrSaveShardedStrategy(layout=PER_ARRAY, shard_bytes=shard_bytes, max_chunk_bytes=4 * COLS * 4)
             save(state, open_location(f"s3://sharded-requests/{name}", options=options), strategy)
             made[name] = proxy.counts["forwarded"] - before
     finally:
@@ -577,7 +578,7 @@ def _big(world: int, rank: int, empty: bool = False) -> dict:
 
 
 def big_saved(rank: int, world: int, ckpt: str) -> None:
-    save(_big(world, rank), ckpt, ZarrSaveShardedStrategy(shard_bytes=64 << 20))
+    save(_big(world, rank), ckpt, ZarrSaveShardedStrategy(layout=PER_ARRAY, shard_bytes=64 << 20))
 
 
 def big_loaded_counting_bytes(rank: int, world: int, ckpt: str) -> tuple[int, int]:

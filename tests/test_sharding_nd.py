@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import shardstore
-from shardstore import ShardedTensor, load, save
+from shardstore import ShardedTensor, StorageLayout, load, save
 from shardstore.format.records import read_commit_record
 from shardstore.format.sharding import ShardingIndexed
 from shardstore.planning.layout import GlobalLayout, ShardRecord
@@ -78,8 +78,11 @@ def _state(rank: int, world: int, version: int = 0) -> dict:
     return {k: v for a in ARRAYS for k, v in a.state(rank, world, version).items()}
 
 
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0)  # the subject is each array's own shards
+
+
 def _strategy(shard_bytes: int = SHARD_BYTES) -> ZarrSaveShardedStrategy:
-    return ZarrSaveShardedStrategy(shard_bytes=shard_bytes)
+    return ZarrSaveShardedStrategy(layout=PER_ARRAY, shard_bytes=shard_bytes)
 
 
 def _loaded_at(rank: int, world: int, ckpt: str, version: int = 0) -> None:

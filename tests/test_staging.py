@@ -13,7 +13,7 @@ import torch
 
 import shardstore.execution.load as load_execution
 import shardstore.execution.save as save_execution
-from shardstore import CheckpointingException, ShardedTensor, load, save
+from shardstore import CheckpointingException, ShardedTensor, StorageLayout, load, save
 from shardstore.execution.staging import DeviceUploader, HostBufferPool, HostSnapshot, _Marks
 from shardstore.format.records import MAX_CHUNK_BYTES
 from shardstore.planning.plans import SHARD_SLACK
@@ -198,7 +198,7 @@ def test_loads_into_device_parameters_fill_them_in_place(tmp_path: Path, monkeyp
 
 
 def test_a_failed_read_into_device_tensors_names_the_chunk_and_frees_the_slabs(tmp_path: Path, monkeypatch) -> None:
-    save(_upload_state(), tmp_path / "ckpt")
+    save(_upload_state(), tmp_path / "ckpt", layout=StorageLayout(pack_arrays_up_to=0))  # a chunk file to corrupt
     chunk = tmp_path / "ckpt" / "t7" / "c.0"
     chunk.write_bytes(b"\0" * chunk.stat().st_size)
     monkeypatch.setattr(load_execution, "_through_host", lambda target: True)

@@ -571,16 +571,24 @@ class ShardingIndexed(ChunkCodec):
         return count * (self.inner_nbytes + CRC_BYTES) + ShardIndex.suffix_nbytes(count)
 
     def read_into(self, chunk: ChunkSource, views: list[memoryview]) -> int:
-        """Reads the whole shard once (``WholeObject``) and checks it with
-        ``read_inner``; an inner chunk split over several ``views`` is read into a
-        buffer first."""
+        """Reads the shard and checks it with ``read_inner``: its inner chunks straight
+        into ``views`` by ranged reads (two requests, no copy); read whole once
+        (``WholeObject``, one request) where the shard is at most what one more request
+        costs (``ChunkStore.request_bytes``). An inner chunk split over several
+        ``views`` is read into a buffer first. The bytes held besides ``views``: the
+        shard's index, or the shard where it is read whole."""
         count = self._count(sum(len(v) for v in views), chunk.describe())
-        whole = WholeObject.read(chunk, self.stored_nbytes(count * self.inner_nbytes))
-        if whole is None:
-            raise CheckpointingException(f"Missing {chunk.describe()}: the checkpoint is damaged")
+        stored = self.stored_nbytes(count * self.inner_nbytes)
+        source: ByteRanges | None = ChunkRanges(chunk)
+        if stored <= chunk.store.request_bytes:
+            source = WholeObject.read(chunk, stored)
+            if source is None:
+                raise CheckpointingException(f"Missing {chunk.describe()}: the checkpoint is damaged")
+        inner = _inner_views(views, self.inner_nbytes)
+        if inner is not None:
+            return read_inner(source, count, dict(enumerate(inner)))
         buffer = bytearray(count * self.inner_nbytes)
-        inner = self._split(memoryview(buffer))
-        crc = read_inner(whole, count, dict(enumerate(inner)))  # type: ignore[arg-type]
+        crc = read_inner(source, count, dict(enumerate(self._split(memoryview(buffer)))))  # type: ignore[arg-type]
         _scatter(memoryview(buffer), views)
         return crc
 
@@ -630,6 +638,16 @@ class ShardingIndexed(ChunkCodec):
     def held(self, data: memoryview, digest: str) -> HeldShard:
         encoded = self.encode(data)
         return HeldShard(encoded.pieces, encoded.crc)
+
+
+def _inner_views(views: list[memoryview], step: int) -> list[memoryview] | None:
+    """``views`` cut into inner chunks of ``step`` bytes, or None where one spans two."""
+    out: list[memoryview] = []
+    for v in views:
+        if len(v) % step:
+            return None
+        out.extend(v[at : at + step] for at in range(0, len(v), step))
+    return out
 
 
 def _scatter(data: memoryview, views: list[memoryview]) -> None:

@@ -605,3 +605,22 @@ def test_a_base_no_rank_can_share_from_is_noted_at_info_once_per_job(tmp_path: P
     logs it at INFO, the others at DEBUG."""
     save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(3), replica_id=0)}, tmp_path / "base")
     assert run_distributed(_reuse_notes_by_level, 2, str(tmp_path)) == [[logging.INFO], [logging.DEBUG]]
+
+
+def test_a_default_save_shares_a_large_frozen_array_and_packs_the_small_ones_anew(tmp_path: Path) -> None:
+    """On the default layout the 2 KiB adapter is packed (never shared) and the 128 KiB
+    base keeps chunk files of its own, which a reusing save shares."""
+    save(_state(1), tmp_path / "s1")
+    save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
+
+    record = read_commit_record(open_location(tmp_path / "s2"))
+    assert record.reused_from is not None
+    assert (record.reused_from.chunks, record.reused_from.nbytes) == (1, BASE_BYTES + 4)
+    assert _new_bytes(tmp_path / "s2") < BASE_BYTES, "the base's chunk was written again"
+    assert not (tmp_path / "s2" / "adapter").exists(), "the adapter has no directory: it is packed"
+    packs = sorted(p.name for p in (tmp_path / "s2" / "packs").iterdir())
+    assert packs == ["0-0.zip"]
+    assert (tmp_path / "s2" / "packs" / "0-0.zip").stat().st_nlink == 1, "the pack is written anew"
+    _check(tmp_path / "s2", 2)
+    _check(tmp_path / "s1", 1)
+    assert verify(tmp_path / "s2").ok

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardstore import CheckpointingException, ShardedTensor, load, save, verify
+from shardstore import CheckpointingException, ShardedTensor, StorageLayout, load, save, verify
 from shardstore.execution import changes, staging
 from shardstore.format import chunks, is_committed
 from shardstore.format.dtypes import byte_view
@@ -154,8 +154,10 @@ def changed_through_numpy_on_one_rank(rank: int, world: int, root: str) -> str:
 
         _chunks.ChunkFile.write = write
     state = {"w": ShardedTensor.from_rank_offsets("w", w, (0, rank, world))}
+    # the change is injected into a chunk file's write: the array keeps files of its own
+    per_array = ZarrSaveShardedStrategy(layout=StorageLayout(max_chunk_bytes=_CHUNK_BYTES, pack_arrays_up_to=0))
     with _pytest.raises(CheckpointingException) as raised:
-        save(state, f"{root}/ckpt", _strategy())
+        save(state, f"{root}/ckpt", per_array)
     return str(raised.value)
 
 

@@ -20,10 +20,11 @@ from shardstore.format.records import read_commit_record
 from shardstore.stores.file_identity import FileIdentity
 from shardstore.stores.locations import open_location
 from tests.scenarios import global_tensor
-from tests.test_incremental import _check, _state
+from tests.test_incremental import PER_ARRAY, _check, _state
 
 CHUNK = Path("base") / "c.0.0"
 FROZEN = 12  # arrays of one 4 KiB chunk each (the scrub's cases)
+# The scrub reads chunk files: the 4 KiB arrays and the adapter keep files of their own.
 
 
 @pytest.fixture
@@ -54,10 +55,10 @@ def _base_reads(reads: list[tuple[str, int]]) -> int:
 
 
 def test_a_chunk_whose_identity_matches_is_shared_without_reading_it(tmp_path: Path, reads, no_scrub) -> None:
-    save(_state(1), tmp_path / "s1")
+    save(_state(1), tmp_path / "s1", layout=PER_ARRAY)  # the scrub's one chunk is the adapter's file
     tag = read_commit_record(open_location(tmp_path / "s1")).arrays["base"].chunk_etags[0]
     assert FileIdentity.parse(tag).names(os.stat(tmp_path / "s1" / CHUNK))
-    save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
+    save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1", layout=PER_ARRAY)
     assert _base_reads(reads) == 0
     assert os.stat(tmp_path / "s2" / CHUNK).st_ino == os.stat(tmp_path / "s1" / CHUNK).st_ino
     shared = FileIdentity.parse(read_commit_record(open_location(tmp_path / "s2")).arrays["base"].chunk_etags[0])
@@ -122,11 +123,11 @@ def _frozen_state(step: int) -> dict:
 def _scrubbed_by_save(tmp_path: Path, reads, saves: int) -> list[dict[str, int]]:
     """Saves ``saves`` steps after the first, each reusing from the one before; returns
     the bytes the scrub read per array, save by save."""
-    save(_frozen_state(0), tmp_path / "s0")
+    save(_frozen_state(0), tmp_path / "s0", layout=PER_ARRAY)
     per_save = []
     for step in range(1, saves + 1):
         reads.clear()
-        save(_frozen_state(step), tmp_path / f"s{step}", reuse_from=tmp_path / f"s{step - 1}")
+        save(_frozen_state(step), tmp_path / f"s{step}", reuse_from=tmp_path / f"s{step - 1}", layout=PER_ARRAY)
         read: dict[str, int] = {}
         for path, n in reads:
             key = Path(path).parent.name
@@ -155,7 +156,7 @@ def test_the_default_scrub_rereads_a_sixteenth_or_its_floor(tmp_path: Path) -> N
 def test_a_bit_flipped_with_mtime_set_back_is_caught_by_the_scrub(tmp_path: Path, reads, monkeypatch, caplog) -> None:
     chunk = 32 * 32 * 4 + 4
     monkeypatch.setattr(scrub, "SCRUB", scrub.ScrubPolicy(rotation_saves=10**9, min_bytes=3 * chunk))
-    save(_frozen_state(0), tmp_path / "s0")
+    save(_frozen_state(0), tmp_path / "s0", layout=PER_ARRAY)
     rotted = tmp_path / "s0" / "f10" / "c.0.0"
     info = os.stat(rotted)
     with open(rotted, "r+b") as f:  # a flipped bit that no identity field shows, as media errors do
@@ -169,7 +170,7 @@ def test_a_bit_flipped_with_mtime_set_back_is_caught_by_the_scrub(tmp_path: Path
     caught = None
     with caplog.at_level(logging.WARNING, logger="shardstore"):
         for step in range(1, 5):  # ceil(12 / 3) saves: one rotation
-            save(_frozen_state(step), tmp_path / f"s{step}", reuse_from=tmp_path / f"s{step - 1}")
+            save(_frozen_state(step), tmp_path / f"s{step}", reuse_from=tmp_path / f"s{step - 1}", layout=PER_ARRAY)
             if "does not hold the bytes being saved" in caplog.text:
                 caught = step
                 break

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import shardstore.stores.local_files as local_files
-from shardstore import CheckpointingException, ShardedTensor, load, save, verify
+from shardstore import CheckpointingException, ShardedTensor, StorageLayout, load, save, verify
 from shardstore.format.records import is_committed, read_commit_record
 from shardstore.stores.file_identity import FileIdentity
 from shardstore.stores.locations import open_location
@@ -31,7 +31,9 @@ from tests.dist import run_distributed
 from tests.s3_support import KEY, REGION, SECRET, Faults, FaultyProxy, MotoServer
 from tests.scenarios import assert_bits_equal, global_tensor, rewrite_record
 
-BASE, ADAPTER = (256, 64), (8, 64)  # float32: 64 KiB of frozen base, 2 KiB trained
+BASE, ADAPTER = (512, 64), (8, 64)  # float32: 128 KiB of frozen base, above the 64 KiB pack bound; 2 KiB trained
+BASE_BYTES = BASE[0] * BASE[1] * 4
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0)  # every array in chunk files of its own
 
 
 def _state(step: int, empty: bool = False) -> dict:
@@ -70,7 +72,7 @@ def test_an_unchanged_chunk_is_shared_and_a_changed_one_written(tmp_path: Path) 
     record = read_commit_record(open_location(tmp_path / "s2"))
     assert record.reused_from is not None
     assert record.reused_from.chunks == 1
-    assert record.reused_from.nbytes == 256 * 64 * 4 + 4  # the base chunk and its crc32c
+    assert record.reused_from.nbytes == BASE_BYTES + 4  # the base chunk and its crc32c
     assert record.reused_from.save_id == read_commit_record(open_location(tmp_path / "s1")).save_id
     assert _new_bytes(tmp_path / "s2") < 8 * 64 * 4 + 16 * 1024  # the adapter and small files
     assert _file_digests(tmp_path / "s1") == before, "the earlier checkpoint's files changed"
@@ -144,10 +146,10 @@ def test_a_chunk_with_the_same_crc32c_but_other_bytes_is_written_not_shared(tmp_
 def test_an_array_stored_another_way_is_not_reused(tmp_path: Path) -> None:
     base = global_tensor("base", BASE, torch.float32)
     save({"base": ShardedTensor.from_rank_offsets("base", base)}, tmp_path / "s1")
-    as_other_shape = base.reshape(64, 256)
+    as_other_shape = base.reshape(BASE[1], BASE[0])
     save({"base": ShardedTensor.from_rank_offsets("base", as_other_shape)}, tmp_path / "s2", reuse_from=tmp_path / "s1")
     assert read_commit_record(open_location(tmp_path / "s2")).reused_from is None
-    loaded = load({"base": ShardedTensor.from_rank_offsets("base", torch.empty(64, 256))}, tmp_path / "s2")
+    loaded = load({"base": ShardedTensor.from_rank_offsets("base", torch.empty(BASE[1], BASE[0]))}, tmp_path / "s2")
     assert_bits_equal(loaded["base"], as_other_shape, "base")
 
 
@@ -316,7 +318,8 @@ def save_ranked_with_a_crash(rank: int, world: int, ckpt: str, reuse_from: str, 
 
             chunk_io.ChunkFile.write = die_on_write
     try:
-        save(_ranked_state(rank, world, 2), ckpt, reuse_from=reuse_from)
+        # the crash is injected into a chunk file's write: the changed adapter must have one
+        save(_ranked_state(rank, world, 2), ckpt, reuse_from=reuse_from, layout=PER_ARRAY)
     except CheckpointingException as exc:
         return str(exc)
     raise AssertionError("the surviving rank's save returned normally")
@@ -357,7 +360,7 @@ def test_s3_shares_by_server_side_copy_and_uploads_only_what_changed(s3) -> None
     step2_upload = proxy.bytes_received - uploaded
     record = read_commit_record(second)
     assert record.reused_from is not None and record.reused_from.chunks == 1
-    assert step2_upload < 256 * 64 * 4 / 2, f"step 2 uploaded {step2_upload} bytes"  # the base is not sent
+    assert step2_upload < BASE_BYTES / 2, f"step 2 uploaded {step2_upload} bytes"  # the base is not sent
     first.remove_tree("")
     _check(second, 2)
     assert verify(second).ok
@@ -427,7 +430,7 @@ def test_s3_etags_that_name_versions_not_bytes_end_sharing(s3, monkeypatch) -> N
 def test_local_records_keep_each_chunk_files_identity(tmp_path: Path) -> None:
     """Not an ETag: the file's identity (``stores.file_identity``), which a later save
     proves a shared chunk by (tests/test_identity_proof.py)."""
-    save(_state(1), tmp_path / "s1")
+    save(_state(1), tmp_path / "s1", layout=PER_ARRAY)  # every array's chunk file has an identity
     for key, array in read_commit_record(open_location(tmp_path / "s1")).arrays.items():
         assert len(array.chunk_etags) == 1 and array.chunk_etags[0].startswith("file:")
         assert FileIdentity.parse(array.chunk_etags[0]).names(os.stat(tmp_path / "s1" / key / "c.0.0"))
@@ -602,3 +605,22 @@ def test_a_base_no_rank_can_share_from_is_noted_at_info_once_per_job(tmp_path: P
     logs it at INFO, the others at DEBUG."""
     save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(3), replica_id=0)}, tmp_path / "base")
     assert run_distributed(_reuse_notes_by_level, 2, str(tmp_path)) == [[logging.INFO], [logging.DEBUG]]
+
+
+def test_a_default_save_shares_a_large_frozen_array_and_packs_the_small_ones_anew(tmp_path: Path) -> None:
+    """On the default layout the 2 KiB adapter is packed (never shared) and the 128 KiB
+    base keeps chunk files of its own, which a reusing save shares."""
+    save(_state(1), tmp_path / "s1")
+    save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")
+
+    record = read_commit_record(open_location(tmp_path / "s2"))
+    assert record.reused_from is not None
+    assert (record.reused_from.chunks, record.reused_from.nbytes) == (1, BASE_BYTES + 4)
+    assert _new_bytes(tmp_path / "s2") < BASE_BYTES, "the base's chunk was written again"
+    assert not (tmp_path / "s2" / "adapter").exists(), "the adapter has no directory: it is packed"
+    packs = sorted(p.name for p in (tmp_path / "s2" / "packs").iterdir())
+    assert packs == ["0-0.zip"]
+    assert (tmp_path / "s2" / "packs" / "0-0.zip").stat().st_nlink == 1, "the pack is written anew"
+    _check(tmp_path / "s2", 2)
+    _check(tmp_path / "s1", 1)
+    assert verify(tmp_path / "s2").ok

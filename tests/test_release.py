@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardstore import ShardedObject, ShardedTensor, load, save
+from shardstore import ShardedObject, ShardedTensor, StorageLayout, load, save
 from shardstore.core import CheckpointingException
 from shardstore.format.commit import ByRename
 from shardstore.format.config import CONFIG_FNAME
@@ -39,6 +39,7 @@ from shardstore.stores.local import FileChunkStore, LocalStore
 from shardstore.strategies.async_utils import AsyncCallsQueue
 from tests.dist import run_distributed
 
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0)  # every array in chunk files of its own
 ATTEMPTS = 3  # failures in a row, as a trainer retrying its save would have them
 WEIGHTS = torch.arange(64, dtype=torch.float32).reshape(8, 8)
 
@@ -214,7 +215,7 @@ def _load_of_corrupt_chunk(target: Path) -> None:
 
 
 def _corrupt_a_chunk(target: Path) -> None:
-    save(state(), target)
+    save(state(), target, layout=PER_ARRAY)  # the corrupted chunk is a file of its own
     chunk = next(p for p in (target / "w").rglob("*") if p.is_file() and p.name != "zarr.json")
     data = bytearray(chunk.read_bytes())
     data[0] ^= 0xFF
@@ -306,7 +307,8 @@ def _save_failing_on_rank_1(rank: int, world: int, directory: str) -> tuple[int,
             mp.setattr(FileChunkStore, "put", disk_full)
         for _ in range(ATTEMPTS):
             with pytest.raises(CheckpointingException, match="rank\\(s\\) 1"):
-                save(state(rank, world), target, overwrite=True)
+                # the failure is injected into chunk files' writes
+                save(state(rank, world), target, overwrite=True, layout=PER_ARRAY)
     after = Held.now(Path(directory), sockets=True)
     save(state(rank, world), target, overwrite=True)
     return before.descriptors, after.descriptors, list(after.into)

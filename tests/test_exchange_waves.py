@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import shardstore
-from shardstore import ShardedTensor, load, save
+from shardstore import ShardedTensor, StorageLayout, load, save
 from shardstore.execution.save import ASSEMBLY_SHARE
 from shardstore.planning.layout import GlobalLayout, ShardRecord
 from shardstore.planning.plans import exchange_waves, plan_save
@@ -28,6 +28,9 @@ ROWS, COLS, ARRAYS = 96, 64, 8  # fp32: 24 KiB per array, a block of 8 KiB per r
 ARRAY_BYTES = ROWS * COLS * 4
 BOUND = ASSEMBLY_SHARE * ARRAY_BYTES  # waves of one array's shard each
 
+
+# the waves of gathered shards are the subject: small arrays stay out of packs
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0)
 
 def _global(i: int) -> torch.Tensor:
     return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) * (i + 1) % 1009
@@ -90,7 +93,7 @@ def saved_in_waves(rank: int, world: int, ckpt: str, bound: int | float, asynchr
     seen = _assembled_per_wave()
     kwargs = {"max_staging_bytes": bound} if asynchronous else {"sync_staging_bytes": bound}
     strategy = ZarrSaveShardedStrategy(shard_bytes=ARRAY_BYTES, **kwargs)
-    request = save(_state(rank, world), ckpt, strategy, async_sharded_save=asynchronous)
+    request = save(_state(rank, world), ckpt, strategy, async_sharded_save=asynchronous, layout=PER_ARRAY)
     if asynchronous:
         request.execute_sync()
     _check_loaded(rank, world, ckpt)
@@ -117,7 +120,7 @@ def saved_flat_and_gathered(rank: int, world: int, ckpt: str, shard_bytes: int |
     seen = _assembled_per_wave()
     strategy = ZarrSaveShardedStrategy(shard_bytes=shard_bytes, max_chunk_bytes=4 * COLS * 4,
                                        sync_staging_bytes=bound)
-    save(_state(rank, world, flat=True), ckpt, strategy)
+    save(_state(rank, world, flat=True), ckpt, strategy, layout=PER_ARRAY)
     _check_loaded(rank, world, ckpt, flat=True)
     return seen
 
@@ -146,9 +149,9 @@ def test_flattened_and_gathered_shards_share_the_waves(tmp_path: Path) -> None:
 
 def saved_twice_reusing(rank: int, world: int, root: str) -> list[int]:
     strategy = ZarrSaveShardedStrategy(shard_bytes=ARRAY_BYTES, sync_staging_bytes=BOUND)
-    save(_state(rank, world), f"{root}/base", strategy)
+    save(_state(rank, world), f"{root}/base", strategy, layout=PER_ARRAY)
     seen = _assembled_per_wave()
-    save(_state(rank, world), f"{root}/next", strategy, reuse_from=f"{root}/base")
+    save(_state(rank, world), f"{root}/next", strategy, reuse_from=f"{root}/base", layout=PER_ARRAY)
     _check_loaded(rank, world, f"{root}/next")
     return seen
 
@@ -172,7 +175,7 @@ def test_without_a_bound_everything_is_assembled_at_once(tmp_path: Path) -> None
 def saved_with_bounds(rank: int, world: int, ckpt: str, bounds: list[int]) -> str:
     strategy = ZarrSaveShardedStrategy(shard_bytes=ARRAY_BYTES, sync_staging_bytes=bounds[rank])
     with pytest.raises(shardstore.CheckpointingException) as raised:
-        save(_state(rank, world), ckpt, strategy)
+        save(_state(rank, world), ckpt, strategy, layout=PER_ARRAY)
     return str(raised.value)
 
 
@@ -194,7 +197,7 @@ def test_ranks_with_different_bounds_save_where_one_wave_holds_everything(tmp_pa
 
 def saved_in_waves_or_not(rank: int, world: int, ckpt: str) -> None:
     bound = [4 * ASSEMBLY_SHARE * ARRAY_BYTES, 1 << 30, 1 << 30][rank]
-    save(_state(rank, world), ckpt, ZarrSaveShardedStrategy(shard_bytes=ARRAY_BYTES, sync_staging_bytes=bound))
+    save(_state(rank, world), ckpt, ZarrSaveShardedStrategy(shard_bytes=ARRAY_BYTES, sync_staging_bytes=bound), layout=PER_ARRAY)
 
 
 def _layout(world: int, arrays: int, rows: int) -> GlobalLayout:
@@ -245,7 +248,7 @@ def saved_through_dcp(rank: int, world: int, ckpt: str, bound: int) -> list[int]
                                             mesh, [Shard(0)], run_check=False) for i in range(ARRAYS)}
 
     seen = _assembled_per_wave()
-    dcp.save(state(False), storage_writer=ShardstoreWriter(ckpt, shard_bytes=ARRAY_BYTES, sync_staging_bytes=bound))
+    dcp.save(state(False), storage_writer=ShardstoreWriter(ckpt, shard_bytes=ARRAY_BYTES, sync_staging_bytes=bound, pack_arrays_up_to=0))
     loaded = state(True)
     dcp.load(loaded, storage_reader=ShardstoreReader(ckpt))
     for i in range(ARRAYS):
@@ -280,7 +283,7 @@ def saved_with_device_copies(
     bounds = {"max_staging_bytes": bound} if asynchronous else {"sync_staging_bytes": bound}
     strategy = ZarrSaveShardedStrategy(shard_bytes=None if flat else ARRAY_BYTES, max_chunk_bytes=chunk_bytes, **bounds)
     state = {key: _on(sharded, device) for key, sharded in _state(rank, world, flat=flat, flat_rows=flat_rows).items()}
-    request = save(state, ckpt, strategy, async_sharded_save=asynchronous)
+    request = save(state, ckpt, strategy, async_sharded_save=asynchronous, layout=PER_ARRAY)
     if asynchronous:
         for sharded in state.values():
             sharded.data.zero_()
@@ -413,7 +416,7 @@ def saved_holding_at_exchange(rank: int, world: int, ckpt: str, bound: int, asyn
     held, _ = _record_exchange_holds()
     bounds = {"max_staging_bytes": bound} if asynchronous else {"sync_staging_bytes": bound}
     strategy = ZarrSaveShardedStrategy(shard_bytes=None, max_chunk_bytes=8 * COLS * 4, **bounds)
-    request = save(_state(rank, world, flat=True, flat_rows=400), ckpt, strategy, async_sharded_save=asynchronous)
+    request = save(_state(rank, world, flat=True, flat_rows=400), ckpt, strategy, async_sharded_save=asynchronous, layout=PER_ARRAY)
     if asynchronous:
         request.execute_sync()
     _check_loaded(rank, world, ckpt, flat=True, flat_rows=400)
@@ -475,7 +478,7 @@ def saved_gathered_before_a_cut(rank: int, world: int, ckpt: str) -> None:
     state = {"a": ShardedTensor.from_rank_offsets("a", small, (0, rank, world)),
              "z": ShardedTensor("z", torch.arange(4000.0)[lo:hi].clone(), torch.float32, (hi - lo,), (4000,), (lo,),
                                 axis_fragmentations=None, replica_id=(0, 0, 0))}
-    save(state, ckpt, ZarrSaveShardedStrategy(shard_bytes=1024, sync_staging_bytes=4096, max_chunk_bytes=1024))
+    save(state, ckpt, ZarrSaveShardedStrategy(shard_bytes=1024, sync_staging_bytes=4096, max_chunk_bytes=1024), layout=PER_ARRAY)
 
 
 def test_a_gathered_block_copied_before_a_wave_stays_for_the_exchange(tmp_path: Path) -> None:
@@ -510,7 +513,7 @@ def test_bounds_that_cut_the_same_waves_agree(tmp_path: Path) -> None:
 
 def saved_with_near_bounds(rank: int, world: int, ckpt: str) -> None:
     bound = BOUND + (3 if rank == 1 else 0)
-    save(_state(rank, world), ckpt, ZarrSaveShardedStrategy(shard_bytes=ARRAY_BYTES, sync_staging_bytes=bound))
+    save(_state(rank, world), ckpt, ZarrSaveShardedStrategy(shard_bytes=ARRAY_BYTES, sync_staging_bytes=bound), layout=PER_ARRAY)
     _check_loaded(rank, world, ckpt)
 
 

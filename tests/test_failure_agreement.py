@@ -22,12 +22,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstore import CheckpointingException, ShardedTensor, load, save
+from shardstore import CheckpointingException, ShardedTensor, StorageLayout, load, save
 from tests.dist import run_distributed
 
 SURVIVOR_DEADLINE_S = 60.0
 BUSY_LOOP_S = 120  # each load generator ends by itself after this, if not killed first
 SHORT_PG_TIMEOUT_S = 8.0
+
+
+# faults are injected into chunk files: small arrays stay out of packs
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0)
 
 
 @contextmanager
@@ -80,7 +84,7 @@ def _arm(point: str, die: str) -> None:
 
 
 def saved(rank: int, world: int, ckpt: str) -> None:
-    save(_state(rank, world), ckpt)
+    save(_state(rank, world), ckpt, layout=PER_ARRAY)
 
 
 def operation_with_a_death(rank: int, world: int, ckpt: str, point: str, victim: int, die: str) -> tuple[str, float]:
@@ -161,7 +165,7 @@ def test_a_peer_lost_unseen_costs_one_timeout_per_operation_not_one_per_collecti
 
 
 def test_one_process_raises_its_own_error_unwrapped(ckpt_dir: Path) -> None:
-    save(_state(0, 1), ckpt_dir)
+    save(_state(0, 1), ckpt_dir, layout=PER_ARRAY)
     request = {"missing": ShardedTensor.from_rank_offsets("missing", torch.empty(4))}
     with pytest.raises(CheckpointingException) as caught:
         load(request, ckpt_dir)
@@ -173,7 +177,7 @@ def test_an_interrupted_save_removes_what_it_staged(tmp_path: Path, monkeypatch:
     import shardstore.format.chunks as chunk_io
 
     ckpt = tmp_path / "ckpt"
-    save(_state(0, 1), ckpt)
+    save(_state(0, 1), ckpt, layout=PER_ARRAY)
     original = chunk_io.ChunkFile.write
 
     def write_then_interrupt(self: chunk_io.ChunkFile, data: object) -> int:
@@ -182,7 +186,7 @@ def test_an_interrupted_save_removes_what_it_staged(tmp_path: Path, monkeypatch:
 
     monkeypatch.setattr(chunk_io.ChunkFile, "write", write_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
-        save(_state(0, 1), ckpt, overwrite=True)
+        save(_state(0, 1), ckpt, overwrite=True, layout=PER_ARRAY)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"], "the interrupted save's staging directory was left"
     monkeypatch.undo()
     loaded = load(_state(0, 1, empty=True), ckpt)  # the checkpoint it would have replaced is intact
@@ -204,7 +208,7 @@ def interrupted_while_writing(rank: int, world: int, ckpt: str, interrupted: tup
 
         chunk_io.ChunkFile.write = write_then_interrupt
     try:
-        save(_state(rank, world), ckpt, overwrite=True)
+        save(_state(rank, world), ckpt, overwrite=True, layout=PER_ARRAY)
     except KeyboardInterrupt:
         return sorted(os.listdir(Path(ckpt).parent)) if rank == 0 else "KeyboardInterrupt"
     except CheckpointingException as exc:
@@ -248,7 +252,7 @@ def interrupted_beside_a_slow_writer(rank: int, world: int, ckpt: str) -> str | 
 
     chunk_io.ChunkFile.write = write_slowly_or_interrupt
     try:
-        save(_state(rank, world), ckpt, overwrite=True)
+        save(_state(rank, world), ckpt, overwrite=True, layout=PER_ARRAY)
     except KeyboardInterrupt:
         return sorted(os.listdir(Path(ckpt).parent))
     except CheckpointingException as exc:
@@ -269,7 +273,7 @@ def test_an_interrupt_never_removes_what_a_peer_still_writes(tmp_path: Path) -> 
 
 
 def saved_again(rank: int, world: int, ckpt: str) -> None:
-    save(_state(rank, world), ckpt, overwrite=True)
+    save(_state(rank, world), ckpt, overwrite=True, layout=PER_ARRAY)
 
 
 def store_seen_by_a_fork(rank: int, world: int) -> tuple[bool, int]:
@@ -307,7 +311,7 @@ def slowed_past_the_timeout(rank: int, world: int, ckpt: str) -> str | list[str]
 
     chunk_io.ChunkFile.write = slow
     try:
-        save(_state(rank, world), ckpt)
+        save(_state(rank, world), ckpt, layout=PER_ARRAY)
     except CheckpointingException as exc:
         return sorted(os.listdir(Path(ckpt).parent)) if rank == 0 else type(exc).__name__
     return "saved"
@@ -344,7 +348,7 @@ def saved_from_two_disks(rank: int, world: int, ckpt: str) -> tuple[bool, str]:
     Returns whether rank 1 got its own disk, and what the save raised ("saved": nothing)."""
     own = _own_disk_at(Path(ckpt).parent) if rank == 1 else True
     try:
-        save(_state(rank, world), ckpt)
+        save(_state(rank, world), ckpt, layout=PER_ARRAY)
     except CheckpointingException as exc:
         return own, str(exc)
     return own, "saved"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstore import ShardedTensor, load, save
+from shardstore import ShardedTensor, StorageLayout, load, save
 from shardstore.core import CheckpointingException
 from shardstore.format.records import is_committed, read_commit_record
 from shardstore.stores.locations import open_location
@@ -151,8 +151,10 @@ def close_after_a_failed_first_save(rank: int, world: int, first: str, second: s
 
     chunk_io.ChunkFile.write = write
     queue = AsyncCallsQueue()
-    queue.schedule_async_request(save(_sd(rank, world), first, async_sharded_save=True))
-    queue.schedule_async_request(save(_sd(rank, world), second, async_sharded_save=True))
+    # the failure is injected into chunk files, which a packed array does not have
+    per_array = StorageLayout(pack_arrays_up_to=0)
+    queue.schedule_async_request(save(_sd(rank, world), first, async_sharded_save=True, layout=per_array))
+    queue.schedule_async_request(save(_sd(rank, world), second, async_sharded_save=True, layout=per_array))
     message = None
     try:
         queue.close()

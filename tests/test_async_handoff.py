@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardstore import CheckpointingException
+from shardstore import CheckpointingException, StorageLayout
 from shardstore.execution.pipeline import SaveFinalization
 from shardstore.strategies.async_utils import AsyncCallsQueue, AsyncRequest, Finalization
 
@@ -25,6 +25,9 @@ class Recorded:
 
     def abort(self) -> None:
         self.calls.append(("abort",))
+
+# a chunk file linked from the base and an array directory put in the way: per-array storage
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0)
 
 
 def test_shardstores_finalization_is_typed_and_a_plain_callable_is_not() -> None:
@@ -74,9 +77,10 @@ def test_a_save_written_by_a_spawned_process_commits_and_reuses(tmp_path) -> Non
     from shardstore.strategies.forked_writes import for_another_process
 
     state = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(4096.0)), "step": 2}
-    save(state, tmp_path / "step1")
+    save(state, tmp_path / "step1", layout=PER_ARRAY)
     request = for_another_process(
-        save(state, tmp_path / "step2", async_sharded_save=True, reuse_from=tmp_path / "step1"), AsyncRequest
+        save(state, tmp_path / "step2", async_sharded_save=True, reuse_from=tmp_path / "step1", layout=PER_ARRAY),
+        AsyncRequest,
     )
     assert _run_in_spawned_process(request) == 0
     for finalize in request.finalize_fns:
@@ -95,7 +99,8 @@ def test_a_spawned_writers_failure_is_raised_by_the_finalization_not_by_the_work
     from shardstore.strategies.forked_writes import for_another_process
 
     request = for_another_process(
-        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(8))}, tmp_path / "ckpt", async_sharded_save=True),
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(8))}, tmp_path / "ckpt", async_sharded_save=True,
+             layout=PER_ARRAY),
         AsyncRequest,
     )
     (staging,) = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt")]
@@ -263,7 +268,8 @@ def test_a_writer_that_cannot_leave_its_report_still_does_not_raise(tmp_path, mo
         raise OSError(errno.ENOSPC, "No space left on device")
 
     request = forked_writes.for_another_process(
-        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(8))}, tmp_path / "ckpt", async_sharded_save=True),
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(8))}, tmp_path / "ckpt", async_sharded_save=True,
+             layout=PER_ARRAY),
         AsyncRequest,
     )
     monkeypatch.setattr(forked_writes, "write_staged", full)

@@ -15,13 +15,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from shardstore import ShardedObject, ShardedTensor, load, load_plain_tensors, save
+from shardstore import ShardedObject, ShardedTensor, StorageLayout, load, load_plain_tensors, save
 from shardstore.format.features import FORMAT_VERSION
 from shardstore.tools.cli import EXIT_CLOSED_OUTPUT, main, parse_size
 from tests import forked_python
 from tests.dist import run_distributed
 from tests.scenarios import assert_bits_equal, global_tensor, grid_shard, rewrite_record
 
+# inspect and verify are checked against each array's own chunk grid and chunk files
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0)
 FC1 = global_tensor("decoder/fc1", (8, 6), torch.float32)
 EMB = global_tensor("embedding/word", (16, 4), torch.bfloat16)
 
@@ -31,7 +33,7 @@ def _save_demo(rank: int, world: int, path: str) -> None:
                     "emb": grid_shard("embedding/word", EMB, rank, world, (0,)),
                     "scale": ShardedTensor.from_rank_offsets("decoder/scale", torch.tensor(0.5), replica_id=rank)},
           "rng": ShardedObject("rng_state", torch.tensor([rank, 7]), (world,), (rank,)),
-          "iteration": 1000, "args": {"lr": 0.1}}, path)
+          "iteration": 1000, "args": {"lr": 0.1}}, path, layout=PER_ARRAY)
 
 
 @pytest.fixture(scope="module")
@@ -589,7 +591,7 @@ def test_verify_root_of_no_root_of_checkpoints_is_an_error_not_ok(tmp_path: Path
 
     place = tmp_path / "ckpt"
     if case == "a damaged checkpoint":
-        save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))}, place)
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))}, place, layout=PER_ARRAY)
         chunk = place / "w" / "c.0"
         chunk.write_bytes(bytes([chunk.read_bytes()[0] ^ 1]) + chunk.read_bytes()[1:])
     elif case == "an empty directory":
@@ -626,12 +628,13 @@ def test_verbose_logs_shardstores_lines_not_other_libraries_debug(moto_server, m
 
 
 def test_inspect_names_the_features_a_reader_must_understand(tmp_path: Path) -> None:
-    """``requires`` (``format.features``): none for a plain save, the feature for a
-    packed one, in the text and in the JSON."""
+    """``requires`` (``format.features``): none for a save of one directory per array,
+    the feature for a packed one (the default for small arrays), in the text and in
+    the JSON."""
     from shardstore import ShardedTensor, save
     from shardstore.format import SaveOptions
 
-    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, tmp_path / "plain")
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, tmp_path / "plain", layout=PER_ARRAY)
     save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, tmp_path / "packed",
          options=SaveOptions(pack_arrays_up_to=1 << 16))
     code, out, _ = run("inspect", str(tmp_path / "plain"))

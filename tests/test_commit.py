@@ -16,6 +16,7 @@ from shardstore import (
     CheckpointingException,
     ShardedObject,
     ShardedTensor,
+    StorageLayout,
     load,
     load_sharded_metadata,
     load_tensors_metadata,
@@ -38,11 +39,14 @@ from shardstore.stores.local import LocalStore
 from shardstore.stores.locations import open_location
 from shardstore.stores.memory import MemoryStore
 
+# these tests name, remove or add files inside an array's own directory
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0)
 
-def _save_small(ckpt: Path) -> None:
+
+def _save_small(ckpt: Path, layout: StorageLayout | None = None) -> None:
     save({"w": ShardedTensor.from_rank_offsets("enc/w", torch.arange(12.0).reshape(3, 4)),
           "b": ShardedTensor.from_rank_offsets("enc/b", torch.ones(5, dtype=torch.bfloat16)),
-          "x": ShardedTensor.from_rank_offsets("x", torch.zeros(2, 2, 2, dtype=torch.int8))}, ckpt)
+          "x": ShardedTensor.from_rank_offsets("x", torch.zeros(2, 2, 2, dtype=torch.int8))}, ckpt, layout=layout)
 
 
 def test_directory_without_commit_record_is_refused_as_incomplete(ckpt_dir: Path) -> None:
@@ -520,7 +524,7 @@ def test_remove_sharded_tensors_never_deletes_another_checkpoints_array_through_
 
 
 def test_missing_chunk_is_an_error_not_zeros(ckpt_dir: Path) -> None:
-    _save_small(ckpt_dir)
+    _save_small(ckpt_dir, PER_ARRAY)
     chunk = next((ckpt_dir / "enc/w").glob("c.*"))
     chunk.unlink()
     with pytest.raises(CheckpointingException, match="enc/w"):
@@ -619,14 +623,14 @@ def _beside_state(value: float, extra: str) -> dict:
 
 def _saved_beside_theirs(ckpt: Path) -> None:
     """The old checkpoint (w, v), then another program's files put into it after the commit."""
-    save(_beside_state(1.0, "v"), ckpt, shared_directory=True)
+    save(_beside_state(1.0, "v"), ckpt, shared_directory=True, layout=PER_ARRAY)
     for rel, data in THEIRS_BESIDE.items():
         (ckpt / rel).parent.mkdir(exist_ok=True)
         (ckpt / rel).write_bytes(data)
 
 
 def _replace_beside(ckpt: Path) -> None:
-    save(_beside_state(2.0, "u"), ckpt, shared_directory=True, overwrite=True)
+    save(_beside_state(2.0, "u"), ckpt, shared_directory=True, overwrite=True, layout=PER_ARRAY)
 
 
 def _loads(ckpt: Path) -> float:
@@ -723,12 +727,12 @@ def test_a_save_beside_that_fails_at_any_rename_leaves_only_their_files(ckpt_dir
         (ckpt_dir / rel).write_bytes(data)
     _fail_rename(monkeypatch, at)
     with pytest.raises(CheckpointingException, match="injected"):
-        save(_beside_state(1.0, "v"), ckpt_dir, shared_directory=True)
+        save(_beside_state(1.0, "v"), ckpt_dir, shared_directory=True, layout=PER_ARRAY)
     monkeypatch.undo()
     assert sorted(p.name for p in ckpt_dir.iterdir()) == sorted({rel.split("/")[0] for rel in THEIRS_BESIDE})
     _assert_theirs_untouched(ckpt_dir)
     assert sorted(p.name for p in ckpt_dir.parent.iterdir()) == [ckpt_dir.name]
-    save(_beside_state(1.0, "v"), ckpt_dir, shared_directory=True)
+    save(_beside_state(1.0, "v"), ckpt_dir, shared_directory=True, layout=PER_ARRAY)
     assert _loads(ckpt_dir) == 1.0
     _assert_theirs_untouched(ckpt_dir)
 

@@ -86,10 +86,11 @@ def test_every_save_door_opens_one_pipeline_and_commits_once(tmp_path: Path, mon
 
 
 def test_a_save_opens_its_target_once_and_its_reuse_source_once(tmp_path: Path, monkeypatch) -> None:
-    save(_state(), tmp_path / "base")
+    per_array = shardstore.StorageLayout(pack_arrays_up_to=0)  # packed arrays are never reused
+    save(_state(), tmp_path / "base", layout=per_array)
     opens = []
     monkeypatch.setattr(pipeline_module, "open_location", lambda t, **o: opens.append(t) or open_location(t, **o))
-    save(_state(), tmp_path / "next", reuse_from=tmp_path / "base")
+    save(_state(), tmp_path / "next", reuse_from=tmp_path / "base", layout=per_array)
     assert opens == [tmp_path / "base", tmp_path / "next"]
     assert read_commit_record(open_location(tmp_path / "next")).reused_from is not None  # issue 32 kept
 
@@ -122,13 +123,24 @@ def test_a_save_walks_the_state_dict_once_and_sets_nothing_on_its_pending_save(t
     assert torch.equal(ZarrLoadShardedStrategy().load(_state(0.0), tmp_path / "next")["w"], torch.full((4, 3), 2.0))
 
 
-def test_save_takes_its_options_as_one_object_or_as_keywords_not_both(tmp_path: Path) -> None:
+def test_save_combines_its_options_object_and_keywords_and_refuses_a_contradiction(tmp_path: Path) -> None:
+    """``options=`` and keywords combine where they do not contradict (a keyword at its
+    default takes the object's value); two different values for one field are refused,
+    naming the field."""
     options = shardstore.SaveOptions(overwrite=True)
     save(_state(), tmp_path / "ckpt")
     save(_state(3.0), tmp_path / "ckpt", options=options)
     assert torch.equal(ZarrLoadShardedStrategy().load(_state(0.0), tmp_path / "ckpt")["w"], torch.full((4, 3), 3.0))
-    with pytest.raises(CheckpointingException, match="pass one or the other"):
-        save(_state(), tmp_path / "ckpt", options=options, shared_directory=True)
+    save(_state(4.0), tmp_path / "ckpt", options=options, layout=shardstore.StorageLayout(pack_arrays_up_to=0))
+    assert torch.equal(ZarrLoadShardedStrategy().load(_state(0.0), tmp_path / "ckpt")["w"], torch.full((4, 3), 4.0))
+    assert (tmp_path / "ckpt" / "w" / "zarr.json").is_file()  # the keyword's layout: w has its own directory
+    with pytest.raises(CheckpointingException, match="reuse_from"):
+        save(_state(), tmp_path / "other", options=shardstore.SaveOptions(reuse_from=tmp_path / "ckpt"),
+             reuse_from=tmp_path / "elsewhere")
+    packed = shardstore.SaveOptions(overwrite=True, layout=shardstore.StorageLayout(pack_arrays_up_to=1 << 16))
+    with pytest.raises(CheckpointingException, match="pack_arrays_up_to"):
+        save(_state(), tmp_path / "ckpt", options=packed, layout=shardstore.StorageLayout(pack_arrays_up_to=0))
+    assert not (tmp_path / "other").exists()
 
 
 def test_the_publisher_comes_from_the_store_and_is_held_by_the_save(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstore import SaveOptions, ShardedTensor, load, save
+from shardstore import SaveOptions, ShardedTensor, StorageLayout, load, save
 from shardstore.strategies.async_utils import AsyncCallsQueue
 from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from tests.dist import run_distributed
@@ -33,6 +33,9 @@ PLACES = [  # (world, device, backend): NCCL at world 1 only, two ranks share on
     pytest.param(2, "cpu", "gloo", id="2-cpu-gloo"),
 ]
 DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+
+# linked shard files and named chunk files: the arrays' own directories, never packed
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0)
 
 
 def _full(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -119,10 +122,10 @@ def sharded_then_incremental(rank: int, world: int, ckpt: str, device: str) -> N
     the tensors overwritten right after ``save`` returned. Both load bit-exact."""
     first, second = f"{ckpt}/first", f"{ckpt}/second"
     state = {**_state(rank, world, device, empty=False), "big": _big(rank, world, device, step=0)}
-    save(state, first, ZarrSaveShardedStrategy(shard_bytes=8 * 2**20))
+    save(state, first, ZarrSaveShardedStrategy(shard_bytes=8 * 2**20, layout=PER_ARRAY))
     state = {**_state(rank, world, device, empty=False), "big": _big(rank, world, device, step=1)}
     queue = AsyncCallsQueue()
-    queue.schedule_async_request(save(state, second, ZarrSaveShardedStrategy(shard_bytes=8 * 2**20),
+    queue.schedule_async_request(save(state, second, ZarrSaveShardedStrategy(shard_bytes=8 * 2**20, layout=PER_ARRAY),
                                       async_sharded_save=True, reuse_from=first))
     for t in state.values():
         t.data.zero_()
@@ -148,7 +151,7 @@ def read_once_across_chunk_edges(rank: int, world: int, ckpt: str, device: str) 
     others comes with that read, through host memory)."""
     full = _full("w", (48, 8), torch.float32)
     save({"w": ShardedTensor.from_rank_offsets("w", full.to(device), replica_id=rank)}, ckpt,
-         ZarrSaveShardedStrategy(max_chunk_bytes=16 * 8 * 4))
+         ZarrSaveShardedStrategy(max_chunk_bytes=16 * 8 * 4, layout=PER_ARRAY))
     if rank == 0:
         assert sorted(p.name for p in Path(ckpt, "w").iterdir() if p.name != "zarr.json") == ["c.0.0", "c.1.0", "c.2.0"]
     target = torch.zeros(48 // world, 8, device=device)

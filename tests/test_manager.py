@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardstore import CheckpointingException
+from shardstore import CheckpointingException, StorageLayout
 from shardstore.format.records import COMMIT_RECORD, SAVE_MARKER
 from shardstore.stores.base import StorageError
 from shardstore.stores.local import LocalStore
@@ -41,6 +41,9 @@ from tests.dist import run_distributed
 from tests.scenarios import global_tensor, grid_shard
 
 RETENTION = CheckpointManagerOptions(save_interval_steps=2, max_to_keep=2, keep_period=4)
+
+# a file put inside an array's directory, and chunks shared by reuse (packed arrays are never)
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0)
 
 
 def _state(step: int, rank: int = 0, world: int = 1, empty: bool = False) -> dict:
@@ -579,7 +582,7 @@ def test_retention_keeps_a_file_added_into_a_step_after_its_commit(tmp_path: Pat
     """A file a user put into a committed step later (evaluation results, beside the
     step and inside one of its arrays) is not the save's: retention used to delete it
     with the step."""
-    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=1))
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=1, layout=PER_ARRAY))
     assert manager.save(0, _state(0))
     step0 = tmp_path / "iter_0000000"
     (step0 / "eval_results.json").write_text('{"acc": 0.9}')
@@ -834,7 +837,7 @@ def test_a_failed_save_stops_its_base_being_chosen_sync_or_async(
     import shardstore.format.chunks as chunk_io
     from shardstore.format.records import read_commit_record
 
-    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(async_save=async_save))
+    manager = CheckpointManager(tmp_path, CheckpointManagerOptions(async_save=async_save, layout=PER_ARRAY))
     assert manager.save(1, _state_with_a_frozen_tensor(1))
     manager.wait_until_finished()
     assert manager.save(2, _state_with_a_frozen_tensor(2))  # shares the frozen chunk with step 1

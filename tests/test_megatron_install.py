@@ -696,7 +696,7 @@ def test_install_passes_consolidated_only_metadata_on(tmp_path: Path) -> None:
     ckpt = tmp_path / "iter_0000100"
     run_distributed(consolidated_only_save, 2, str(ckpt))
     assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("zarr.json")) == ["zarr.json"]
-    assert read_commit_record(open_location(ckpt)).requires == ("consolidated_only",)
+    assert read_commit_record(open_location(ckpt)).requires == ("consolidated_only", "packs")  # small arrays packed by default
     assert verify(ckpt).ok
     assert_bits_equal(load_plain_tensors(ckpt)["decoder/layers/fc1"], FC1)
     with pytest.raises(ValueError, match="zarr_metadata must be one of"):

@@ -22,10 +22,19 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 import shardstore
-from shardstore import CheckpointingException, ShardedTensor, ShardstoreReader, ShardstoreWriter
+from shardstore import (
+    CheckpointingException,
+    ShardedTensor,
+    ShardstoreReader,
+    ShardstoreWriter,
+    StorageLayout,
+)
 from tests.dist import run_distributed
 
 THEIRS = {"train.log": "step 1 loss 0.5\n", "notes/plan.txt": "keep me"}
+
+# an array's own directory is what collides with a file of the same name; packed arrays have none
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0)
 
 
 def _dtensor_state(world: int, value: float) -> dict:
@@ -128,7 +137,8 @@ def test_a_key_named_as_a_file_already_there_fails_the_save_and_changes_nothing(
     ckpt_dir.mkdir()
     _write(ckpt_dir, {"w": "a file of someone else's"})
     with pytest.raises(CheckpointException, match=r"it already held w, which the checkpoint's own entries would replace"):
-        dcp.save({"w": torch.ones(1024)}, storage_writer=ShardstoreWriter(ckpt_dir), no_dist=True)
+        dcp.save({"w": torch.ones(1024)}, storage_writer=ShardstoreWriter(ckpt_dir, layout=PER_ARRAY),
+                 no_dist=True)
     assert _tree(ckpt_dir) == {"w": b"a file of someone else's"}
     assert [p.name for p in ckpt_dir.parent.iterdir()] == [ckpt_dir.name]
 

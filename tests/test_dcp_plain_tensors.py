@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import shardstore
+from shardstore import StorageLayout
 from shardstore.inputs.plain_tensors import (
     HeldTensor,
     assign_writers,
@@ -31,6 +32,9 @@ from tests import fsdp_models as fm
 from tests.dist import run_distributed
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+# tests of chunk files, per-array documents and hard links: each array a directory of its own
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0)
 
 
 def _model_and_optimizer(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -100,7 +104,7 @@ def test_plain_tensors_are_arrays_that_other_readers_open(tmp_path: Path) -> Non
     state = _state(*_model_and_optimizer(0))
     saved = fm.full_values(state)
     ckpt = tmp_path / "ckpt"
-    dcp.save(state, storage_writer=ShardstoreWriter(ckpt, max_chunk_bytes=4096))
+    dcp.save(state, storage_writer=ShardstoreWriter(ckpt, max_chunk_bytes=4096, layout=PER_ARRAY))
 
     arrays = _expected_arrays(state)
     assert {"model.0.weight", "model.table", "optim.state.0.weight.exp_avg"} <= arrays
@@ -288,12 +292,13 @@ def test_reuse_from_shares_what_did_not_change(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     model, optimizer = _model_and_optimizer(0)
-    dcp.save(_state(model, optimizer), storage_writer=ShardstoreWriter(tmp_path / "step1"))
+    dcp.save(_state(model, optimizer), storage_writer=ShardstoreWriter(tmp_path / "step1", layout=PER_ARRAY))
     with torch.no_grad():
         model[2].weight.add_(1.0)
     state = _state(model, optimizer)
     saved = fm.full_values(state)
-    dcp.save(state, storage_writer=ShardstoreWriter(tmp_path / "step2", reuse_from=tmp_path / "step1"))
+    dcp.save(state, storage_writer=ShardstoreWriter(tmp_path / "step2", reuse_from=tmp_path / "step1",
+                                                        layout=PER_ARRAY))
 
     step2 = {str(p.relative_to(tmp_path / "step2")): p for p in (tmp_path / "step2").glob("*/c.*")}
     shared = {name for name, p in step2.items() if p.stat().st_nlink == 2}

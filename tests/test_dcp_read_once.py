@@ -15,12 +15,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from shardstore import StorageLayout
 from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 from tests.dist import run_distributed
 from tests.test_sharded_arrays import _count_chunk_reads
 
 ARRAYS = 3
 ROWS, COLS = 48, 8
+# the tests count chunk reads: each tensor in a chunk file of its own, not a pack
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0)
 
 
 def _whole(i: int) -> torch.Tensor:
@@ -31,7 +34,7 @@ def _whole(i: int) -> torch.Tensor:
 def whole_tensors(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint of whole tensors, one chunk each, saved by one process."""
     ckpt = tmp_path_factory.mktemp("dcp-read-once") / "ckpt"
-    dcp.save({f"w{i}": _whole(i) for i in range(ARRAYS)}, storage_writer=ShardstoreWriter(ckpt))
+    dcp.save({f"w{i}": _whole(i) for i in range(ARRAYS)}, storage_writer=ShardstoreWriter(ckpt, layout=PER_ARRAY))
     assert sorted(p.name for p in (ckpt / "w0").iterdir()) == ["c.0.0", "zarr.json"]
     return ckpt
 

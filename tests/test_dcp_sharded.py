@@ -32,6 +32,7 @@ from tests.dist import run_distributed
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
 
 SHARD_BYTES = 1 << 20
+# the tests count shard files and read each array's zarr.json: saves pin pack_arrays_up_to=0
 ROWS, COLS, LAYERS = 48, 64, 6  # per layer, beside fm's model: blocks of 16-24 rows, 4-6 KiB
 
 
@@ -67,9 +68,9 @@ def save_each_way(rank: int, world: int, root: str) -> bytes:
     import torch.distributed.checkpoint as dcp
 
     _, _, state = _state(world, seed=0)
-    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/sharded", shard_bytes=SHARD_BYTES))
-    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/unsharded"))
-    shardstore.save(state, f"{root}/api", ZarrSaveShardedStrategy(shard_bytes=SHARD_BYTES))
+    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/sharded", shard_bytes=SHARD_BYTES, pack_arrays_up_to=0))
+    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/unsharded", pack_arrays_up_to=0))
+    shardstore.save(state, f"{root}/api", ZarrSaveShardedStrategy(layout=shardstore.StorageLayout(shard_bytes=SHARD_BYTES, pack_arrays_up_to=0)))
     return fm.to_bytes(fm.full_values(state))
 
 
@@ -143,14 +144,14 @@ def async_save_on_the_writers_own_group(rank: int, world: int, root: str) -> Non
     from shardstore.tools import dcp_exchange
 
     state = _blocks(world)
-    dcp.async_save(state, storage_writer=ShardstoreWriter(f"{root}/default", shard_bytes=SHARD_BYTES)).result(timeout=60)
+    dcp.async_save(state, storage_writer=ShardstoreWriter(f"{root}/default", shard_bytes=SHARD_BYTES, pack_arrays_up_to=0)).result(timeout=60)
     own = dcp_exchange.own_group()  # made by that save, on its thread; the same for every later writer
-    named = ShardstoreWriter(f"{root}/named", layout=StorageLayout(shard_bytes=SHARD_BYTES), process_group=dist.group.WORLD)
+    named = ShardstoreWriter(f"{root}/named", layout=StorageLayout(shard_bytes=SHARD_BYTES, pack_arrays_up_to=0), process_group=dist.group.WORLD)
     dcp.async_save(state, storage_writer=named).result(timeout=60)
     assert dcp_exchange.own_group() is own
     dist.barrier()  # the training loop's own collective, on the default group, meanwhile
     background = dist.new_group(backend="gloo")
-    writer = ShardstoreWriter(f"{root}/given", shard_bytes=SHARD_BYTES, process_group=background)
+    writer = ShardstoreWriter(f"{root}/given", shard_bytes=SHARD_BYTES, pack_arrays_up_to=0, process_group=background)
     with pytest.raises(CheckpointingException, match="cannot travel to another process"):
         pickle.dumps(writer)  # what AsyncCheckpointerType.PROCESS would send its save process
     dcp.async_save(state, storage_writer=writer, process_group=background).result(timeout=60)
@@ -181,10 +182,10 @@ def async_save_of_a_subgroup(rank: int, world: int, root: str) -> str | None:
         mesh = DeviceMesh.from_group(pair, "cpu")
         state = {"w": distribute_tensor(torch.arange(64.0).reshape(16, 4), mesh, [Shard(0)])}
         with pytest.raises(DcpFailure) as refused:  # the writers' own group would need rank 2
-            dcp.async_save(state, storage_writer=ShardstoreWriter(f"{root}/explicit", shard_bytes=SHARD_BYTES),
+            dcp.async_save(state, storage_writer=ShardstoreWriter(f"{root}/explicit", shard_bytes=SHARD_BYTES, pack_arrays_up_to=0),
                            process_group=pair).result(timeout=60)
         refusal = str(refused.value)
-        dcp.async_save(state, storage_writer=ShardstoreWriter(f"{root}/auto"), process_group=pair).result(timeout=60)
+        dcp.async_save(state, storage_writer=ShardstoreWriter(f"{root}/auto", pack_arrays_up_to=0), process_group=pair).result(timeout=60)
     dist.barrier()
     return refusal
 
@@ -208,7 +209,7 @@ def save_on_a_thread_of_the_callers_own(rank: int, world: int, root: str) -> Non
 
     def train() -> None:
         try:
-            dcp.save(state, storage_writer=ShardstoreWriter(root, shard_bytes=SHARD_BYTES))
+            dcp.save(state, storage_writer=ShardstoreWriter(root, shard_bytes=SHARD_BYTES, pack_arrays_up_to=0))
         except BaseException as exc:
             errors.append(exc)
 
@@ -236,9 +237,9 @@ def save_on_a_subgroup_with_the_default_group(rank: int, world: int, root: str) 
     mesh = DeviceMesh.from_group(pair, "cpu")
     state = {"w": distribute_tensor(torch.arange(64.0).reshape(16, 4), mesh, [Shard(0)])}
     with pytest.raises(DcpFailure) as refused:
-        writer = ShardstoreWriter(f"{root}/refused", shard_bytes=SHARD_BYTES)
+        writer = ShardstoreWriter(f"{root}/refused", shard_bytes=SHARD_BYTES, pack_arrays_up_to=0)
         dcp.save(state, storage_writer=writer, process_group=pair)
-    writer = ShardstoreWriter(f"{root}/pair", shard_bytes=SHARD_BYTES, max_chunk_bytes=64, process_group=pair)
+    writer = ShardstoreWriter(f"{root}/pair", shard_bytes=SHARD_BYTES, pack_arrays_up_to=0, max_chunk_bytes=64, process_group=pair)
     dcp.save(state, storage_writer=writer, process_group=pair)
     return str(refused.value)
 
@@ -272,7 +273,7 @@ def fail_before_the_exchange(rank: int, world: int, root: str, where: str) -> st
     state = _blocks(world)
     started = time.monotonic()
     with pytest.raises(DcpFailure) as failed:
-        dcp.save(state, storage_writer=ShardstoreWriter(root, shard_bytes=SHARD_BYTES), planner=FailsOnRankOne())
+        dcp.save(state, storage_writer=ShardstoreWriter(root, shard_bytes=SHARD_BYTES, pack_arrays_up_to=0), planner=FailsOnRankOne())
     assert time.monotonic() - started < 30
     return str(failed.value)
 
@@ -289,7 +290,7 @@ def async_save_of_one_rank_alone(rank: int, world: int, root: str) -> None:
 
     if rank == 0:  # a full state dict, saved by one rank on its own (no_dist=True)
         state = {f"w{i}": torch.randn(64, 32) for i in range(3)}
-        writer = ShardstoreWriter(f"{root}/alone", shard_bytes=SHARD_BYTES, max_chunk_bytes=1024)
+        writer = ShardstoreWriter(f"{root}/alone", shard_bytes=SHARD_BYTES, pack_arrays_up_to=0, max_chunk_bytes=1024)
         dcp.async_save(state, storage_writer=writer, no_dist=True).result(timeout=60)
         loaded = {key: torch.zeros_like(value) for key, value in state.items()}
         dcp.load(loaded, storage_reader=ShardstoreReader(f"{root}/alone"), no_dist=True)
@@ -310,7 +311,7 @@ def test_one_process_without_a_process_group_shards_too(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     state = {f"w{i}": torch.randn(64, 32) for i in range(3)}
-    dcp.save(state, storage_writer=ShardstoreWriter(tmp_path / "one", shard_bytes=SHARD_BYTES, max_chunk_bytes=1024))
+    dcp.save(state, storage_writer=ShardstoreWriter(tmp_path / "one", shard_bytes=SHARD_BYTES, pack_arrays_up_to=0, max_chunk_bytes=1024))
     assert len(_sharded_arrays(tmp_path / "one")) == 3 and shardstore.verify(tmp_path / "one").ok
     loaded = {key: torch.zeros_like(value) for key, value in state.items()}
     dcp.load(loaded, storage_reader=ShardstoreReader(tmp_path / "one"))
@@ -321,7 +322,7 @@ def save_on_s3(rank: int, world: int, location) -> bytes:
     import torch.distributed.checkpoint as dcp
 
     state = _blocks(world)
-    dcp.save(state, storage_writer=ShardstoreWriter(location, shard_bytes=SHARD_BYTES))
+    dcp.save(state, storage_writer=ShardstoreWriter(location, shard_bytes=SHARD_BYTES, pack_arrays_up_to=0))
     return fm.to_bytes(fm.full_values(state))
 
 
@@ -353,7 +354,7 @@ def async_save_in_a_save_process(rank: int, world: int, root: str) -> None:
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     state = _blocks(world)
-    writer = ShardstoreWriter(root, shard_bytes=SHARD_BYTES)
+    writer = ShardstoreWriter(root, shard_bytes=SHARD_BYTES, pack_arrays_up_to=0)
     future = dcp.async_save(state, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
     future.result(timeout=240)
     assert not writer.is_coordinator  # a copy of it saved, in the save process

@@ -23,9 +23,12 @@ import torch
 pytest.importorskip("megatron.core.dist_checkpointing.strategies.fully_parallel", reason="megatron-core not installed")
 
 import shardstore.megatron as shardstore_megatron  # noqa: E402
-from shardstore import CheckpointingException, load_plain_tensors, verify  # noqa: E402
+from shardstore import CheckpointingException, StorageLayout, load_plain_tensors, verify  # noqa: E402
 from shardstore.format.records import read_commit_record  # noqa: E402
 from shardstore.stores.locations import open_location  # noqa: E402
+
+# the tests read per-array files (zarr.json, chunk files, hard links of reuse): nothing packed
+PER_ARRAY = StorageLayout(pack_arrays_up_to=0)
 from tests.dist import run_distributed  # noqa: E402
 from tests.scenarios import assert_bits_equal  # noqa: E402
 from tests.test_megatron_objects import FC1, LAYERS, QKV, megatron_state_dict  # noqa: E402
@@ -99,7 +102,7 @@ def _training_loop_load(ckpt: str, load_strategy, verify_integrity: bool = True)
 
 
 def training_loop(rank: int, world: int, ckpt: str, fully_parallel: bool) -> None:
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     save_strategy, load_strategy = _strategies(fully_parallel)
     assert _training_loop_save(ckpt, save_strategy) is None
     _training_loop_load(ckpt, load_strategy)
@@ -116,7 +119,7 @@ def test_megatron_lm_training_loop_calls_write_and_read_shardstore(tmp_path: Pat
 
 
 def load_only(rank: int, world: int, ckpt: str, verify_integrity: bool) -> None:
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     _training_loop_load(ckpt, _strategies(False)[1], verify_integrity)
 
 
@@ -129,7 +132,7 @@ def async_training_loop(rank: int, world: int, ckpt: str) -> None:
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     request = _training_loop_save(ckpt, _strategies(True)[0], async_save=True)
     finalized = []
     request.add_finalize_fn(lambda: finalized.append(verify(ckpt).ok))  # iter_finalize_fn
@@ -159,7 +162,7 @@ def modelopt_training_loop(rank: int, world: int, ckpt: str, async_save: bool) -
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     request = _training_loop_save(ckpt, _strategies(False)[0], async_save=async_save)
     if rank == 0:
         Path(ckpt, "modelopt_run_config.yaml").write_text("nvidia_modelopt_version: 0.0\n")
@@ -231,7 +234,7 @@ def test_megatrons_verify_integrity_still_refuses_a_damaged_chunk_beside_other_p
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     ckpt = tmp_path / "iter_0000001"
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     try:
         dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(64, 64))}, str(ckpt))
         (ckpt / "modelopt_run_config.yaml").write_text("a: 1")
@@ -262,7 +265,7 @@ def persistent_worker_loop(rank: int, world: int, root: str) -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     stand_in = str(Path(__file__).parent / "fixtures" / "cuda_stand_in")
     os.environ["PYTHONPATH"] = os.pathsep.join([stand_in, os.environ.get("PYTHONPATH", "")])
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     queue = AsyncCallsQueue(persistent=True)
     try:
         for step in (100, 200):
@@ -285,7 +288,7 @@ def test_shardstores_errors_are_megatrons_too(tmp_path: Path) -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     ckpt = str(tmp_path / "iter_0000001")
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     try:
         dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 4))}, ckpt)
         with pytest.raises(MegatronsException, match="global shape") as raised:
@@ -305,7 +308,7 @@ def test_load_content_metadata_without_a_checkpoint_is_megatrons_value_error() -
     own function refuses it with a ``ValueError`` saying what to pass."""
     from megatron.core import dist_checkpointing
 
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     try:
         with pytest.raises(ValueError, match="cannot be None"):
             dist_checkpointing.load_content_metadata()
@@ -324,7 +327,7 @@ def test_an_error_raised_through_megatrons_door_can_be_pickled(tmp_path: Path) -
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     ckpt = str(tmp_path / "iter_0000001")
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     try:
         dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 4))}, ckpt)
         with pytest.raises(Exception, match="global shape") as raised:
@@ -347,7 +350,7 @@ def failing_async_save(rank: int, world: int, ckpt: str) -> None:
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     request = _training_loop_save(ckpt, _strategies(False)[0], async_save=True)
     forked_writes.write_staged = disk_full  # the forked writer inherits it
     queue = AsyncCallsQueue()
@@ -415,7 +418,7 @@ def megatron_defaults_on_both_formats(rank: int, world: int, ckpt: str, ours: st
     from megatron.core.dist_checkpointing.strategies import common as megatrons_common
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     try:
         loaded = dist_checkpointing.load(megatron_state_dict(rank, world, empty=True), ckpt)
         assert_bits_equal(loaded["model"]["layers"]["1.fc1"], FC1[1].chunk(world, 0)[rank])
@@ -478,7 +481,7 @@ def refused_keyword(rank: int, world: int, ckpt: str) -> str:
         CheckpointingException as MegatronCheckpointingException,
     )
 
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     try:
         dist_checkpointing.load(megatron_state_dict(rank, world, empty=True), ckpt, verify_integrity=True)
     except (TypeError, MegatronCheckpointingException) as exc:
@@ -489,7 +492,7 @@ def refused_keyword(rank: int, world: int, ckpt: str) -> str:
 
 
 def incremental(rank: int, world: int, root: str) -> None:
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     for step in (100, 200):
         _training_loop_save(f"{root}/iter_{step:07d}", _strategies(False)[0])
 
@@ -513,7 +516,7 @@ def test_a_training_loop_save_reuses_the_previous_iteration(tmp_path: Path) -> N
 def incremental_after_rot(rank: int, world: int, root: str) -> None:
     """iter_100 saved, one byte of one of its chunks flipped in place (bit rot: the inode
     stays), then iter_200 and iter_300 saved with install()'s default reuse."""
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     _training_loop_save(f"{root}/iter_{100:07d}", _strategies(False)[0])
     if rank == 0:
         fc1 = Path(root) / "iter_0000100" / "decoder/layers/fc1"
@@ -576,7 +579,7 @@ def test_previous_checkpoint_skips_a_newer_iteration_whose_record_is_damaged(tmp
 def damaged_load(rank: int, world: int, ckpt: str) -> str:
     from megatron.core import dist_checkpointing
 
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     try:
         dist_checkpointing.load(megatron_state_dict(rank, world, empty=True), ckpt, None, verify_integrity=True)
     except CheckpointingException as exc:
@@ -603,9 +606,9 @@ def test_install_is_idempotent_and_uninstall_restores_megatrons_functions() -> N
     before = {(m, name): getattr(m, name) for m in modules for name in shardstore_megatron.ENTRY_POINTS
               if hasattr(m, name)}
     assert {name for _, name in before} == set(shardstore_megatron.ENTRY_POINTS)
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     try:
-        shardstore_megatron.install()  # twice: the originals stay the originals
+        shardstore_megatron.install(layout=PER_ARRAY)  # twice: the originals stay the originals
         assert shardstore_megatron.is_installed()
         assert dist_checkpointing.save is shardstore_megatron.save is serialization.save
         assert core.check_is_distributed_checkpoint is shardstore_megatron.check_is_distributed_checkpoint
@@ -622,7 +625,7 @@ def test_an_empty_directory_is_not_a_distributed_checkpoint(tmp_path: Path) -> N
     """Megatron's message, as before (Megatron's test_load_error_msg)."""
     from megatron.core import dist_checkpointing
 
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     try:
         assert not dist_checkpointing.check_is_distributed_checkpoint(tmp_path)
         with pytest.raises(Exception, match="is not a distributed checkpoint"):
@@ -641,7 +644,7 @@ def test_a_directory_holding_another_tools_files_is_not_overwritten(tmp_path: Pa
     ckpt = tmp_path / "iter_0000100"
     ckpt.mkdir()
     (ckpt / "__0_0.distcp").write_bytes(b"torch_dist leftovers")
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     try:
         with pytest.raises(CheckpointingException, match="__0_0.distcp"):
             dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, str(ckpt))
@@ -662,7 +665,7 @@ def test_through_megatron_save_and_load_log_at_debug_as_megatrons_own_strategies
     from shardstore import load, save
 
     ckpt = str(tmp_path / "iter_0000001")
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     try:
         with caplog.at_level(logging.DEBUG, logger="shardstore"):
             dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 4))}, ckpt)
@@ -693,7 +696,7 @@ def test_install_passes_consolidated_only_metadata_on(tmp_path: Path) -> None:
     ckpt = tmp_path / "iter_0000100"
     run_distributed(consolidated_only_save, 2, str(ckpt))
     assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("zarr.json")) == ["zarr.json"]
-    assert read_commit_record(open_location(ckpt)).requires == ("consolidated_only",)
+    assert read_commit_record(open_location(ckpt)).requires == ("consolidated_only", "packs")  # small arrays packed by default
     assert verify(ckpt).ok
     assert_bits_equal(load_plain_tensors(ckpt)["decoder/layers/fc1"], FC1)
     with pytest.raises(ValueError, match="zarr_metadata must be one of"):
@@ -712,7 +715,7 @@ def test_a_strategy_named_by_a_tuple_reaches_shardstores_queries(tmp_path: Path)
     from shardstore import ShardedTensor
 
     ckpt = tmp_path / "iter_0000100"
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     try:
         dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, str(ckpt))
         assert dist_checkpointing.load_tensors_metadata(str(ckpt), ("torch_dist", 1))["w"].global_shape == (4,)
@@ -745,7 +748,7 @@ def test_megatron_lms_default_load_strategy_of_a_shardstore_checkpoint(tmp_path:
         default_strategies = None
 
     ckpt = str(tmp_path / "iter_0000100")
-    shardstore_megatron.install()
+    shardstore_megatron.install(layout=PER_ARRAY)
     try:
         dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))}, ckpt)
         load_strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(ckpt))

@@ -93,7 +93,7 @@ def save_packed_and_load_both_ways(rank: int, world: int, root: str) -> bytes:
     saved = _comparable(state)
     dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/packed", min_array_bytes=0,
                                                     pack_arrays_up_to=PACK_BYTES))
-    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/unpacked", min_array_bytes=0))
+    dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/unpacked", min_array_bytes=0, pack_arrays_up_to=0))
     fm.assert_same(_comparable(_dcp_load(f"{root}/packed", world)), saved)
     loaded = shardstore.load(_state(world, seed=0, empty=True), f"{root}/packed")
     fm.assert_same(_comparable(loaded), saved)
@@ -286,7 +286,7 @@ def test_a_packed_save_beside_another_programs_packs_entry_is_refused_before_it_
     (ckpt / "packs" / "notes.txt").write_text("theirs")
     state = {"w": torch.arange(300.0), "v": torch.ones(400)}
     if committed:
-        dcp.save(state, storage_writer=ShardstoreWriter(ckpt))
+        dcp.save(state, storage_writer=ShardstoreWriter(ckpt, pack_arrays_up_to=0))  # the default packs: refused
     before = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*"))
     began = []
     original = ShardstoreWriter._write_shards
@@ -307,7 +307,7 @@ def test_a_packed_save_beside_another_programs_packs_entry_is_refused_before_it_
     assert (ckpt / "packs" / "notes.txt").read_text() == "theirs"
     if committed:
         assert shardstore.verify(ckpt).ok
-    dcp.save(state, storage_writer=ShardstoreWriter(ckpt))  # unpacked, it is published beside them
+    dcp.save(state, storage_writer=ShardstoreWriter(ckpt, pack_arrays_up_to=0))  # unpacked, published beside them
     assert (ckpt / "packs" / "notes.txt").read_text() == "theirs" and shardstore.verify(ckpt).ok
 
 

@@ -566,12 +566,13 @@ def test_previous_checkpoint_skips_a_newer_iteration_whose_record_is_damaged(tmp
     that base and wrote every chunk again (full write instead of an incremental one)."""
     from shardstore import ShardedTensor, save
 
-    for name in ("iter_0000010", "iter_0000020"):
-        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(64))}, tmp_path / name)
+    for name in ("iter_0000010", "iter_0000020"):  # per array: packed arrays are never reused
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(64))}, tmp_path / name, layout=PER_ARRAY)
     (tmp_path / "iter_0000020" / "zarr.json").write_text("{not json")
     base = shardstore_megatron.previous_checkpoint(tmp_path / "iter_0000030")
     assert base == tmp_path / "iter_0000010"
-    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(64))}, tmp_path / "iter_0000030", reuse_from=base)
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(64))}, tmp_path / "iter_0000030", reuse_from=base,
+         layout=PER_ARRAY)
     reused = read_commit_record(open_location(tmp_path / "iter_0000030")).reused_from
     assert reused is not None and reused.chunks == 1
 

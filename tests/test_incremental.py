@@ -354,9 +354,9 @@ def test_s3_shares_by_server_side_copy_and_uploads_only_what_changed(s3) -> None
     _, proxy = s3
     options = S3Options(endpoint_url=proxy.endpoint, key=KEY, secret=SECRET, region=REGION)
     first, second = (open_location(f"s3://incremental/run/step{i}", options=options) for i in (1, 2))
-    save(_state(1), first)
+    save(_state(1), first, layout=PER_ARRAY)
     uploaded = proxy.bytes_received
-    save(_state(2), second, reuse_from=first)
+    save(_state(2), second, reuse_from=first, layout=PER_ARRAY)
     step2_upload = proxy.bytes_received - uploaded
     record = read_commit_record(second)
     assert record.reused_from is not None and record.reused_from.chunks == 1
@@ -385,7 +385,7 @@ def test_s3_copies_are_proven_by_the_recorded_etag_without_hashing(s3, monkeypat
     strategy = ZarrSaveShardedStrategy(shard_bytes=2**20, max_chunk_bytes=16 << 10) if sharded else None
     frozen = {f"frozen{i}": ShardedTensor.from_rank_offsets(f"frozen{i}", global_tensor(f"f{i}", BASE, torch.float32))
               for i in range(3)}
-    save(frozen, steps[0], strategy)
+    save(frozen, steps[0], strategy, layout=PER_ARRAY)
     first = read_commit_record(steps[0])
     assert (first.arrays["frozen0"].codec.name == "sharding_indexed") == sharded
     stored = steps[0].read_bytes("frozen0/" + first.arrays["frozen0"].chunk_key((0,) * len(BASE)))
@@ -395,7 +395,7 @@ def test_s3_copies_are_proven_by_the_recorded_etag_without_hashing(s3, monkeypat
         monkeypatch.setattr(held, "md5_hex", lambda self, original=held.md5_hex: hashed.append(1) or original(self))
     for source, target, expected in zip(steps, steps[1:], (1, 0)):
         hashed.clear()
-        save(frozen, target, strategy, reuse_from=source)
+        save(frozen, target, strategy, reuse_from=source, layout=PER_ARRAY)
         record = read_commit_record(target)
         assert record.reused_from is not None and record.reused_from.chunks == 3, record.reused_from
         assert all(record.arrays[k].chunk_etags == first.arrays[k].chunk_etags for k in frozen)
@@ -419,10 +419,10 @@ def test_s3_etags_that_name_versions_not_bytes_end_sharing(s3, monkeypatch) -> N
     monkeypatch.setattr(kv_chunks, "_MD5_ETAG_BUCKETS", set())  # as in a new process
     version = "ab" * 16  # hex, 32 digits, and no MD5 of anything saved here
     monkeypatch.setattr(kv_chunks, "_etag_of", lambda generation: version)
-    save(_state(1), first)
+    save(_state(1), first, layout=PER_ARRAY)
     assert read_commit_record(first).arrays["base"].chunk_etags == (version,)
     monkeypatch.setattr(S3Store, "copy_from", lambda self, source, key: CopiedObject(version))
-    save(_state(2), second, reuse_from=first)
+    save(_state(2), second, reuse_from=first, layout=PER_ARRAY)
     assert read_commit_record(second).reused_from is None
     _check(second, 2)
 
@@ -492,12 +492,12 @@ def test_s3_an_object_overwritten_after_its_commit_is_not_copied(s3, caplog) -> 
     _, proxy = s3
     options = S3Options(endpoint_url=proxy.endpoint, key=KEY, secret=SECRET, region=REGION)
     first, second = (open_location(f"s3://incremental/overwritten/step{i}", options=options) for i in (1, 2))
-    save(_state(1), first)
+    save(_state(1), first, layout=PER_ARRAY)
     stored = first.read_bytes("base/c.0.0")
     other = (np.frombuffer(stored[:-4], dtype=np.uint32) ^ 1).tobytes()
     first.write_bytes("base/c.0.0", other + crc32c.crc32c(other).to_bytes(4, "little"))
     with caplog.at_level(logging.INFO, logger="shardstore"):
-        save(_state(2), second, reuse_from=first)
+        save(_state(2), second, reuse_from=first, layout=PER_ARRAY)
     assert read_commit_record(second).reused_from is None
     assert "is not their MD5" in caplog.text
     _check(second, 2)
@@ -517,7 +517,7 @@ def test_s3_copies_whose_etag_is_no_md5_are_tried_once_per_save(s3, monkeypatch)
     first, second = (open_location(f"s3://incremental/kms/step{i}", options=options) for i in (1, 2))
     frozen = {f"frozen{i}": ShardedTensor.from_rank_offsets(f"frozen{i}", global_tensor(f"f{i}", BASE, torch.float32))
               for i in range(3)}
-    save(frozen, first)
+    save(frozen, first, layout=PER_ARRAY)
     copies = []
 
     def encrypted_copy(self, source, key):
@@ -525,7 +525,7 @@ def test_s3_copies_whose_etag_is_no_md5_are_tried_once_per_save(s3, monkeypatch)
         return CopiedObject()
 
     monkeypatch.setattr(S3Store, "copy_from", encrypted_copy)
-    save(frozen, second, reuse_from=first)
+    save(frozen, second, reuse_from=first, layout=PER_ARRAY)
     assert len(copies) == 1, copies
     assert read_commit_record(second).reused_from is None
     loaded = load({k: ShardedTensor.from_rank_offsets(k, torch.empty(BASE)) for k in frozen}, second)

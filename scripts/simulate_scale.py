@@ -42,7 +42,8 @@ size and parse time are measured, not extrapolated. ``--check-extrapolation`` al
 extrapolates the layouts planned whole, and prints sampled / whole for the figures.
 
 Usage: ``python scripts/simulate_scale.py [--quick] [--no-s3] [--max-records N]
-[--check-extrapolation] [--json PATH]``.
+[--check-extrapolation] [--per-array] [--json PATH]`` (``--per-array``: each block a
+chunk file, no packs, a ``zarr.json`` per array, instead of the chosen layout).
 """
 
 from __future__ import annotations
@@ -875,6 +876,8 @@ def main() -> None:
     parser.add_argument("--check-extrapolation", action="store_true",
                         help="also extrapolate the layouts planned whole, and compare")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--per-array", action="store_true",
+                        help="plan with the per-array layout (each block a chunk file) instead of the chosen one")
     args = parser.parse_args()
     s3 = None
     if not (args.quick or args.no_s3):
@@ -886,7 +889,9 @@ def main() -> None:
     figures = []
     for model in layouts(args.quick):
         start = time.monotonic()
-        figures.append(simulate(model, args.max_records, s3, args.check_extrapolation))
+        figures.append(simulate(model, args.max_records, s3, args.check_extrapolation,
+                                StorageLayout(shard_bytes=None, pack_arrays_up_to=0, zarr_metadata="per_node")
+                                if args.per_array else None))
         print(f"{model.name} at {model.world} ranks: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     print_report(figures, s3)
     if args.json:

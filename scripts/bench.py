@@ -29,7 +29,16 @@ in the default set: 10,000 float32 tensors of 1-64 KiB saved by one process agai
 ``torch.save`` and the per-array layout's floor; ``--cases tiny --world 1``);
 ``reshard-fsdp`` (not in the default set: FSDP2-shaped state saved by all ranks but one
 and loaded by all, against DCP, with the bytes each load reads; ``--cases reshard-fsdp
---world 3``).
+--world 3``); ``layouts`` (not in the default set; ``scripts/bench_layouts.py``): on
+each workload of issue 65 (tiny tensors at one rank, FSDP2-shaped blocks on S3, the
+Llama-shaped state, FSDP2 + AdamW through ``dcp.save``), the save given no layout option
+against every explicit layout that could be best for it and the peers, with default /
+best explicit as a throughput ratio; the figures (on a quiet machine)::
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/bench.py --cases layouts --world 2 --reps 5 --gib 2 \
+        --json layouts.json
+
+and its smoke test (about 2 minutes; not figures): ``--cases layouts --world 2 --reps 1 --quick``.
 
 Every timed load starts with the page cache dropped (``/proc/sys/vm/drop_caches`` when
 writable, else ``posix_fadvise(DONTNEED)`` on the checkpoint's files; the report says
@@ -65,6 +74,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardstore.testing import free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the layout workloads' module beside this one
+
+import bench_layouts  # noqa: E402
 
 GiB = 2**30
 
@@ -331,6 +344,7 @@ class Bench:
         self.results: list[Result] = []
         self.cache_method = "none"
         self.extra: dict[str, float] = {}  # figures beside the timings (rank 0's)
+        self.sections: dict[str, dict] = {}  # structured figures of a case, written to the JSON as they are
         self.solo = dist.new_group([0])
         self._methods: list[Method] = []
 
@@ -1652,6 +1666,7 @@ CASES: dict[str, Callable[[Bench, argparse.Namespace], None]] = {
     "s3": run_s3,
     "device": run_device,
     "incr": run_incremental,
+    **bench_layouts.CASES,  # "layouts" names them all
 }
 
 
@@ -1672,6 +1687,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, root: str
         payload = {
             **extra,
             "gib": args.gib,
+            **b.sections,
             "results": [asdict(r) | {"median_seconds": r.seconds, "gbps": r.gbps, "extra_rss": r.extra_rss}
                         for r in b.results],
         }
@@ -1719,11 +1735,14 @@ def main() -> None:
     parser.add_argument("--json", default="bench.json")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device of the tensors in the 'device' case (default: cuda when available)")
+    bench_layouts.add_arguments(parser)
     args = parser.parse_args()
-    args.cases = args.cases.split(",")
+    args.cases = bench_layouts.expand_cases(args.cases.split(","))
+    if args.quick:
+        bench_layouts.quick_sizes(args)
     root = tempfile.mkdtemp(prefix="shardstore-bench-", dir=args.dir)
     port = free_port()
-    counter = RequestCounter() if "s3" in args.cases else None
+    counter = RequestCounter() if {"s3", "layouts-s3"} & set(args.cases) else None
     server = start_local_s3(counter) if counter is not None else None
     try:
         mp.spawn(worker, args=(args.world, port, args, root, counter), nprocs=args.world)

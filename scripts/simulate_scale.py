@@ -18,11 +18,16 @@ the same layout: chunk GETs, and the bytes they fetch against those asked for).
 Messages between ranks are measured pickled as ``protocol.collectives.Group`` frames
 them, padded as its gather and scatter pad them.
 
-Files are counted from the planned array records by a ``DataFileModel``: ``ChunkFiles``
-is today's format (one file per chunk); ``--shard-size`` only sets the issue's target
-(bytes / shard size + 2 x arrays + ranks) and the ``ShardedFiles`` projection (its file
-count, and the commit record listing a checksum per shard), which a model reading the
-real shard grid replaces once Zarr sharding (item 1) exists.
+Every save is planned with the layout shardstore chooses when given none
+(``layout_files.chosen_layout``: ``StorageLayout().chosen_for(LayoutSite(...))``, as a
+save chooses it), through the strategy's own ``plan_save``, for each door
+(``layout_files.DOORS``: ``shardstore.save``, Megatron's ``install()``, DCP's
+``ShardstoreWriter``, the last modelled with a process group of its own for the
+exchange) on a local file system and on S3; doors that choose the same layout share a
+plan. Files are counted from the planned records (``layout_files.planned_files``: a
+file per chunk or shard of every array not packed, a pack per rank that packs, a
+``zarr.json`` per array and group unless consolidated only, and the root documents),
+and set against issue 65's bound: bytes / shard size + 2 x arrays + ranks.
 
 S3 requests per save and load come from a fit (``S3Costs``): real saves and loads on a
 local S3 server (moto, 127.0.0.1; counted by its request recorder) at a few tiny
@@ -36,14 +41,14 @@ full size by copying the sampled layers' array records under every layer's key, 
 size and parse time are measured, not extrapolated. ``--check-extrapolation`` also
 extrapolates the layouts planned whole, and prints sampled / whole for the figures.
 
-Usage: ``python scripts/simulate_scale.py [--quick] [--no-s3] [--shard-size MiB]
-[--max-records N] [--check-extrapolation] [--json PATH]``.
+Usage: ``python scripts/simulate_scale.py [--quick] [--no-s3] [--max-records N]
+[--check-extrapolation] [--per-array] [--json PATH]`` (``--per-array``: each block a
+chunk file, no packs, a ``zarr.json`` per array, instead of the chosen layout).
 """
 
 from __future__ import annotations
 
-__all__ = ["ChunkFiles", "DataFileModel", "FsdpLlama", "MegatronGpt", "S3Costs", "ShardedFiles", "simulate",
-           "simulate_sampled", "simulate_whole"]
+__all__ = ["FsdpLlama", "MegatronGpt", "S3Costs", "simulate", "simulate_sampled", "simulate_whole"]
 
 import argparse
 import bisect
@@ -64,23 +69,24 @@ from pathlib import Path
 from typing import Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from layout_files import DOORS, LayoutFiles, bound, chosen_layout, files_by_door, plan_with  # noqa: E402
 
 from shardstore.execution.save import bind_chunks  # noqa: E402
 from shardstore.format.chunks import WrittenChunk  # noqa: E402
 from shardstore.format.config import CONFIG_FNAME  # noqa: E402
-from shardstore.format.records import COMMON_FILE, ArrayRecord, CommitRecord, parent_groups  # noqa: E402
+from shardstore.format.records import COMMON_FILE, ArrayRecord, CommitRecord  # noqa: E402
+from shardstore.format.storage_layout import StorageLayout  # noqa: E402
 from shardstore.gc_pause import gc_paused  # noqa: E402
 from shardstore.planning.checks import check_layout  # noqa: E402
 from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
-from shardstore.planning.plans import RankSavePlan, plan_reads, plan_save  # noqa: E402
-from shardstore.strategies.zarr import DEFAULT_MAX_CHUNK_BYTES  # noqa: E402
+from shardstore.planning.plans import RankSavePlan, plan_reads  # noqa: E402
 from shardstore.validation import StrictHandling, plan_load  # noqa: E402
 
 MiB = 2**20
 PLACE = "s3://bucket/checkpoints/iter_0001000"  # what every rank names in the plan stage
 FRAME = 8  # bytes of the length before each pickled message (protocol.collectives)
-# Files beside the arrays: the root zarr.json (commit record), metadata.json, common.pt.
-FIXED_FILES = 3
 
 
 # --- layouts -------------------------------------------------------------------------
@@ -301,78 +307,6 @@ def layouts(quick: bool) -> list[Model]:
     return [FsdpLlama(512), FsdpLlama(4096), MegatronGpt()]
 
 
-# --- files ---------------------------------------------------------------------------
-
-
-class DataFileModel(Protocol):
-    """How many data files (objects) the arrays of a checkpoint take."""
-
-    label: str
-
-    def data_files(self, arrays: dict[str, ArrayRecord]) -> int: ...
-
-
-@dataclass(frozen=True)
-class ChunkFiles:
-    """Today's format: every chunk is one file."""
-
-    label: str = "today: a file per chunk"
-
-    def data_files(self, arrays: dict[str, ArrayRecord]) -> int:
-        return sum(a.chunk_count for a in arrays.values())
-
-
-@dataclass(frozen=True)
-class ShardedFiles:
-    """A projection of issue 44 item 1 as planned (not wired in yet): the chunks of an
-    array whose chunks are below ``small_chunk_bytes`` grouped, in runs along its first
-    axis, into Zarr v3 shards of at most ``shard_bytes``; other chunks stay alone.
-    Replace by a model reading the real shard grid."""
-
-    shard_bytes: int
-    small_chunk_bytes: int = 16 * MiB
-    label: str = "projected: Zarr sharding"
-
-    def shard_shape(self, array: ArrayRecord) -> tuple[int, ...]:
-        chunk_bytes = math.prod(array.chunk_shape) * array.itemsize
-        if not array.shape or chunk_bytes >= self.small_chunk_bytes:
-            return array.chunk_shape
-        per_shard = max(1, self.shard_bytes // max(1, chunk_bytes))
-        return (min(array.shape[0], array.chunk_shape[0] * per_shard), *array.chunk_shape[1:])
-
-    def data_files(self, arrays: dict[str, ArrayRecord]) -> int:
-        return sum(math.prod(-(-n // c) for n, c in zip(a.shape, self.shard_shape(a))) for a in arrays.values())
-
-    def record(self, record: CommitRecord) -> CommitRecord:
-        """``record`` as it would list one crc32c and digest per shard instead of per
-        chunk (the inner chunks' crc32c in each shard's index): a projection."""
-        rng = random.Random(1)
-        arrays = {}
-        for key, a in record.arrays.items():
-            # flattened_block bounds chunks, not shards: left out of the projection
-            shaped = replace(a, chunk_shape=self.shard_shape(a), flattened_block=None)
-            arrays[key] = replace(shaped, chunk_crcs=tuple(rng.getrandbits(32) for _ in range(shaped.chunk_count)),
-                                  chunk_digests=tuple(f"{rng.getrandbits(128):032x}"
-                                                      for _ in range(shaped.chunk_count)))
-        return replace(record, arrays=arrays)
-
-
-def checkpoint_files(arrays: dict[str, ArrayRecord], model: DataFileModel) -> int:
-    """Files (S3 objects) of a checkpoint: data files, every array's and group's
-    ``zarr.json``, and ``FIXED_FILES`` (no ShardedObjects in these layouts)."""
-    return model.data_files(arrays) + len(arrays) + len(parent_groups(list(arrays))) + FIXED_FILES
-
-
-def target_files(nbytes: int, arrays: int, ranks: int, shard_bytes: int) -> int:
-    """Issue 44's target: checkpoint bytes / shard size + 2 x arrays + ranks."""
-    return -(-nbytes // shard_bytes) + 2 * arrays + ranks
-
-
-def target_save_requests(nbytes: int, arrays: int, ranks: int, shard_bytes: int) -> int:
-    """Issue 44 item 3's budget of a save to S3: arrays + data shards + 2 x ranks (+ a few)."""
-    return arrays + -(-nbytes // shard_bytes) + 2 * ranks
-
-
 # --- S3 requests ---------------------------------------------------------------------
 
 S3_METHODS = ("PUT", "GET", "HEAD", "LIST", "DELETE", "POST")
@@ -587,9 +521,16 @@ class Figures:
     smallest_chunk_bytes: int
     files: int
     directories: int
-    sharded_files: int
+    data_files: int
+    packs: int
+    documents: int
+    sharded_arrays: int
+    packed_arrays: int
+    s3_objects: int
+    s3_data_objects: int
+    s3_documents: int
+    most_files: int
     target_files: int
-    target_save_requests: int
     save_plan_gather_wire: int
     save_plan_scatter_wire: int
     straddle_bytes: int
@@ -607,9 +548,9 @@ class Figures:
     rank_load_s: float
     record_bytes: int = 0
     record_parse_s: float = 0.0
-    sharded_record_bytes: int = 0
-    sharded_record_parse_s: float = 0.0
     extrapolation_check: str = ""
+    layouts: dict[str, str] = field(default_factory=dict)
+    door_files: dict[str, int] = field(default_factory=dict)
     s3_save: dict[str, int] = field(default_factory=dict)
     s3_load: dict[str, int] = field(default_factory=dict)
 
@@ -631,16 +572,17 @@ class SaveStage:
     rank_unpickle_s: float
 
 
-def save_stage(gathered: list[tuple[list[ShardRecord], list]], probe: int) -> SaveStage:
-    """The coordinator checks and plans (``check_layout``, ``plan_save``) and pickles
-    every rank's part; rank ``probe`` unpickles its own."""
+def save_stage(gathered: list[tuple[list[ShardRecord], list]], probe: int, storage: StorageLayout) -> SaveStage:
+    """The coordinator checks and plans (``check_layout``, the strategy's ``plan_save``
+    with the chosen ``storage``) and pickles every rank's part; rank ``probe`` unpickles
+    its own."""
     world = len(gathered)
     gather_wire = world * max(_framed((PLACE, g, None)) for g in gathered)  # every rank sends the largest's size
 
     def coordinator() -> tuple[list[RankSavePlan], list[bytes]]:
         layout = GlobalLayout.from_gathered(gathered)
         check_layout(layout, where=PLACE)
-        plans = plan_save(layout, DEFAULT_MAX_CHUNK_BYTES, fully_parallel=True)
+        plans = plan_with(layout, storage)
         return plans, [pickle.dumps((p, []), protocol=pickle.HIGHEST_PROTOCOL) for p in plans]
 
     (plans, parts), coordinator_s = _timed(coordinator)
@@ -694,30 +636,39 @@ def load_stage(gathered: list[tuple[list[ShardRecord], list]], arrays: dict[str,
                      *_chunk_reads(by_rank, arrays, plans))
 
 
-def plan_layout(model: Model, shard_bytes: int) -> tuple[Figures, CommitRecord]:
-    """Plans a save and a load of ``model`` at its full size; returns the figures and
-    the commit record the save binds (every chunk's checksums)."""
+def plan_layout(model: Model, layout: StorageLayout | None = None) -> tuple[Figures, CommitRecord]:
+    """Plans a save and a load of ``model`` at its full size with the layout
+    ``shardstore.save`` chooses on a file system (``layout``: the caller's; default
+    none, shardstore chooses every field), and counts the files every door's chosen
+    layout writes there and on S3; returns the figures and the commit record the save
+    binds (every chunk's checksums)."""
     world, probe = model.world, model.world // 2
     _fsdp_block.cache_clear()  # the probe rank computes its own blocks, as a real one does
     own, records_s = _timed(lambda: model.rank_records(probe))
     _, pickle_s = _timed(lambda: _framed((PLACE, (own, []), None)))
     gathered = [(model.rank_records(r) if r != probe else own, []) for r in range(world)]
-    save = save_stage(gathered, probe)
+    local = chosen_layout(world, object_store=False, layout=layout)
+    save = save_stage(gathered, probe, local)
     nbytes, straddle = save.plans[0].checkpoint_nbytes, _straddle_bytes(save.plans, save.plans[0].commit.arrays)
+    doors = files_by_door(lambda: GlobalLayout.from_gathered(gathered), world, save.plans, local, layout)
     record, commit_wire, bind_s = commit_stage(save.plans)
     del save.plans[:]  # the plans are done with: their memory is the next stage's
     gc.collect()
     arrays = record.arrays
     load = load_stage(gathered, arrays, probe)
     chunk_sizes = (a.chunk_nbytes(tuple(g - 1 for g in a.chunk_grid)) for a in arrays.values() if a.chunk_count)
+    first = DOORS[0].name
+    files: LayoutFiles = doors[f"{first}, local"]
+    on_s3: LayoutFiles = doors[f"{first}, S3"]
     figures = Figures(
         layout=model.name, ranks=world, layers=model.layers, extrapolated_from=None, arrays=len(arrays),
-        records=sum(len(g[0]) for g in gathered), checkpoint_bytes=nbytes, chunks=ChunkFiles().data_files(arrays),
-        smallest_chunk_bytes=min(chunk_sizes, default=0), files=checkpoint_files(arrays, ChunkFiles()),
-        directories=1 + len(arrays) + len(parent_groups(list(arrays))),
-        sharded_files=checkpoint_files(arrays, ShardedFiles(shard_bytes)),
-        target_files=target_files(nbytes, len(arrays), world, shard_bytes),
-        target_save_requests=target_save_requests(nbytes, len(arrays), world, shard_bytes),
+        records=sum(len(g[0]) for g in gathered), checkpoint_bytes=nbytes,
+        chunks=sum(a.chunk_count for a in arrays.values()), smallest_chunk_bytes=min(chunk_sizes, default=0),
+        files=files.total, directories=files.directories, data_files=files.data_files, packs=files.packs,
+        documents=files.documents, sharded_arrays=files.sharded_arrays, packed_arrays=files.packed_arrays,
+        s3_objects=on_s3.total, s3_data_objects=on_s3.data_files + on_s3.packs, s3_documents=on_s3.documents,
+        most_files=max(f.total for f in doors.values()),
+        target_files=bound(nbytes, len(arrays), world, local.shard_bytes),  # type: ignore[arg-type]
         save_plan_gather_wire=save.gather_wire, save_plan_scatter_wire=save.scatter_wire, straddle_bytes=straddle,
         commit_gather_wire=commit_wire, load_plan_gather_wire=save.gather_wire,
         load_plan_scatter_wire=load.scatter_wire, load_exchange_bytes=load.exchange_bytes,
@@ -725,6 +676,8 @@ def plan_layout(model: Model, shard_bytes: int) -> tuple[Figures, CommitRecord]:
         coordinator_save_s=save.coordinator_s, coordinator_commit_s=bind_s,
         rank_save_s=records_s + pickle_s + save.rank_unpickle_s, coordinator_load_s=load.coordinator_s,
         rank_load_s=records_s + pickle_s + load.rank_unpickle_s,
+        layouts={where: f.layout for where, f in doors.items()},
+        door_files={where: f.total for where, f in doors.items()},
     )
     return figures, record
 
@@ -764,40 +717,41 @@ def _extrapolate(low: Figures, high: Figures, layers: int) -> Figures:
     values = {}
     for name, a in asdict(low).items():
         b = getattr(high, name)
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or name in ("ranks", "layers"):
+        if isinstance(a, dict) and all(isinstance(v, int) for v in a.values()):
+            values[name] = {k: round(v + (b[k] - v) * scale) for k, v in a.items()}
+        elif isinstance(a, bool) or not isinstance(a, (int, float)) or name in ("ranks", "layers"):
             values[name] = a
         else:
             value = a + (b - a) * scale
             values[name] = round(value) if isinstance(a, int) else value
     values.update(layers=layers, extrapolated_from=(low.layers, high.layers))
+    values.update(most_files=max(values["door_files"].values()))
     return Figures(**values)
 
 
-def measure_records(figures: Figures, record: CommitRecord, shard_bytes: int) -> None:
-    """The commit record's bytes and parse time, today's and projected with shards."""
+def measure_records(figures: Figures, record: CommitRecord) -> None:
+    """The commit record's bytes and parse time."""
     figures.record_bytes, figures.record_parse_s = gc_paused(measure_record)(record)
-    sharded = ShardedFiles(shard_bytes).record(record)
-    figures.sharded_record_bytes, figures.sharded_record_parse_s = gc_paused(measure_record)(sharded)
 
 
-def simulate_whole(model: Model, shard_bytes: int) -> Figures:
-    """The figures of ``model`` planned at its full size."""
-    figures, record = gc_paused(plan_layout)(model, shard_bytes)
-    measure_records(figures, record, shard_bytes)
+def simulate_whole(model: Model, layout: StorageLayout | None = None) -> Figures:
+    """The figures of ``model`` planned at its full size (``layout``: ``plan_layout``'s)."""
+    figures, record = gc_paused(plan_layout)(model, layout)
+    measure_records(figures, record)
     return figures
 
 
-def simulate_sampled(model: Model, shard_bytes: int) -> Figures:
+def simulate_sampled(model: Model, layout: StorageLayout | None = None) -> Figures:
     """The figures of ``model`` extrapolated from two reduced layer counts; its commit
     record built at full size where the keys name their layer, else its size and
     parse time extrapolated as well."""
     a, b = model.sample_layers()
-    low, low_record = gc_paused(plan_layout)(model.with_layers(a), shard_bytes)
-    high, high_record = gc_paused(plan_layout)(model.with_layers(b), shard_bytes)
+    low, low_record = gc_paused(plan_layout)(model.with_layers(a), layout)
+    high, high_record = gc_paused(plan_layout)(model.with_layers(b), layout)
     record = full_size_record(low_record, a, model.layers, model.world)
     if record is None:
-        measure_records(low, low_record, shard_bytes)
-        measure_records(high, high_record, shard_bytes)
+        measure_records(low, low_record)
+        measure_records(high, high_record)
     del low_record, high_record
     gc.collect()
     figures = _extrapolate(low, high, model.layers)
@@ -806,7 +760,7 @@ def simulate_sampled(model: Model, shard_bytes: int) -> Figures:
     scale = len(model.rank_records(model.world // 2)) / len(model.with_layers(b).rank_records(model.world // 2))
     figures.rank_save_s, figures.rank_load_s = high.rank_save_s * scale, high.rank_load_s * scale
     if record is not None:
-        measure_records(figures, record, shard_bytes)
+        measure_records(figures, record)
     return figures
 
 
@@ -820,18 +774,21 @@ def extrapolation_check(whole: Figures, sampled: Figures) -> str:
     return f"extrapolated from {sampled.extrapolated_from} / planned whole: " + ", ".join(ratios)
 
 
-def simulate(model: Model, shard_bytes: int, max_records: int, s3: S3Costs | None, check: bool = False) -> Figures:
+def simulate(model: Model, max_records: int, s3: S3Costs | None, check: bool = False,
+             layout: StorageLayout | None = None) -> Figures:
     """The figures of ``model``: planned whole, or (above ``max_records`` shard records)
     extrapolated; ``check``: a layout planned whole is also extrapolated, and the
-    ratios kept in ``extrapolation_check``."""
+    ratios kept in ``extrapolation_check``; ``layout``: the caller's (default none:
+    shardstore chooses). S3 requests of a save: the fit's per object written (data
+    files and packs), per document, per rank and per save, at the S3 layout."""
     whole = len(model.rank_records(model.world // 2)) * model.world <= max_records
-    figures = simulate_whole(model, shard_bytes) if whole else simulate_sampled(model, shard_bytes)
+    figures = simulate_whole(model, layout) if whole else simulate_sampled(model, layout)
     gc.collect()
     if whole and check:
-        figures.extrapolation_check = extrapolation_check(figures, simulate_sampled(model, shard_bytes))
+        figures.extrapolation_check = extrapolation_check(figures, simulate_sampled(model, layout))
         gc.collect()
     if s3 is not None:
-        figures.s3_save = s3.requests("save", figures.chunks, figures.arrays, figures.ranks)
+        figures.s3_save = s3.requests("save", figures.s3_data_objects, figures.s3_documents, figures.ranks)
         figures.s3_load = s3.requests("load", figures.chunk_reads, figures.arrays, figures.ranks)
     return figures
 
@@ -848,48 +805,61 @@ def _bytes(value: float) -> str:
     return f"{value / 1e9:,.0f} GB" if value >= 1e10 else f"{value / 1e6:,.1f} MB"
 
 
+def _within(value: int, most: int) -> str:
+    return f"<= {_n(most)}: {'yes' if value <= most else 'NO'} (x{value / most:,.2f})"
+
+
 def report_rows(f: Figures, target_parse_s: float) -> list[tuple[str, str, str]]:
-    """``(what, today, target)`` rows of one layout."""
+    """``(what, default layout, bound)`` rows of one layout."""
     requests = lambda counts: ", ".join(f"{m} {_n(c)}" for m, c in counts.items() if c) or "not measured"  # noqa: E731
+    saved = sum(f.s3_save.values())
     return [
         ("arrays / shard records", f"{_n(f.arrays)} / {_n(f.records)}", ""),
         ("checkpoint bytes", f"{f.checkpoint_bytes / 1e9:,.1f} GB", ""),
-        ("chunks (smallest chunk)", f"{_n(f.chunks)} ({_n(f.smallest_chunk_bytes)} B)", ""),
-        ("files = objects per checkpoint", _n(f.files), f"<= {_n(f.target_files)} (today x{f.files / f.target_files:,.1f})"),
-        ("  (projected with Zarr sharding)", _n(f.sharded_files), ""),
+        ("arrays sharded / packed", f"{_n(f.sharded_arrays)} / {_n(f.packed_arrays)}", ""),
+        ("chunks and shards (smallest)", f"{_n(f.chunks)} ({_n(f.smallest_chunk_bytes)} B)", ""),
+        ("files, local: data + packs + documents + 3", f"{_n(f.data_files)} + {_n(f.packs)} + {_n(f.documents)} + 3",
+         ""),
+        ("files, local", _n(f.files), _within(f.files, f.target_files)),
         ("directories (local disk)", _n(f.directories), ""),
-        ("S3 requests per save", requests(f.s3_save), f"~{_n(f.target_save_requests)} in all"),
-        ("S3 requests per load (same layout)", requests(f.s3_load), ""),
+        ("S3 objects per save", _n(f.s3_objects), _within(f.s3_objects, f.target_files)),
+        ("most files or objects of any door", _n(f.most_files), _within(f.most_files, f.target_files)),
+        ("S3 requests per save (fitted)", requests(f.s3_save), _within(saved, f.target_files) if saved else ""),
+        ("S3 requests per load (same layout; a shard fitted as a chunk)", requests(f.s3_load), ""),
         ("save: plan gather / scatter, on the wire", f"{_bytes(f.save_plan_gather_wire)} / {_bytes(f.save_plan_scatter_wire)}",
          ""),
-        ("save: straddling pieces exchanged", _bytes(f.straddle_bytes), ""),
+        ("save: pieces exchanged (straddling, shards, packs)", _bytes(f.straddle_bytes), ""),
         ("save: commit gather (chunk reports)", _bytes(f.commit_gather_wire), ""),
         ("load: plan gather / scatter", f"{_bytes(f.load_plan_gather_wire)} / {_bytes(f.load_plan_scatter_wire)}", ""),
         ("load: replicated blocks exchanged", _bytes(f.load_exchange_bytes), ""),
         ("load: bytes fetched / bytes asked for", f"{_bytes(f.load_fetched_bytes)} / {_bytes(f.load_needed_bytes)}",
-         f"<= x1.25, item 4 (today x{f.load_fetched_bytes / max(1, f.load_needed_bytes):.2f})"),
+         f"<= x1.25, item 4 (x{f.load_fetched_bytes / max(1, f.load_needed_bytes):.2f})"),
         ("save CPU s: coordinator plan / commit bind", f"{f.coordinator_save_s:.2f} / {f.coordinator_commit_s:.2f}", ""),
         ("save CPU s: per rank", f"{f.rank_save_s:.3f}", ""),
         ("load CPU s: coordinator plan / per rank (no parse)", f"{f.coordinator_load_s:.2f} / {f.rank_load_s:.3f}", ""),
         ("commit record", _bytes(f.record_bytes), ""),
         ("record parse s, every rank", f"{f.record_parse_s:.2f}",
-         f"< {target_parse_s:g} (today x{f.record_parse_s / target_parse_s:.1f})"),
+         f"< {target_parse_s:g} (x{f.record_parse_s / target_parse_s:.1f})"),
         ("record bytes all ranks read", _bytes(f.record_bytes * f.ranks), ""),
-        ("  (projected: record listing shards) MB / parse s",
-         f"{f.sharded_record_bytes / 1e6:,.2f} / {f.sharded_record_parse_s:.3f}", ""),
     ]
 
 
-def print_report(figures: list[Figures], s3: S3Costs | None, shard_bytes: int) -> None:
+def print_report(figures: list[Figures], s3: S3Costs | None) -> None:
     for f in figures:
         how = (f"extrapolated linearly from {f.extrapolated_from[0]} and {f.extrapolated_from[1]} layers"
                if f.extrapolated_from else "planned whole")
         print(f"\n### {f.layout}, {f.ranks:,} ranks ({f.layers} layers; {how})\n")
-        print(f"| | today | target (shard size {shard_bytes // MiB} MiB) |\n|---|---:|---:|")
-        for what, today, target in report_rows(f, 1.0):
-            print(f"| {what} | {today} | {target} |")
+        print("| door, store | layout chosen | files (objects) |\n|---|---|---:|")
+        for where, chosen in f.layouts.items():
+            print(f"| {where} | {chosen} | {_n(f.door_files[where])} |")
+        print("\n| | default layout | bound: bytes / shard + 2 x arrays + ranks |\n|---|---:|---:|")
+        for what, value, target in report_rows(f, 1.0):
+            print(f"| {what} | {value} | {target} |")
         if f.extrapolation_check:
             print(f"\nCheck of the extrapolation: {f.extrapolation_check}")
+    notes = [door for door in DOORS if door.note]
+    for door in notes:
+        print(f"\n{door.name}: {door.note}.")
     if s3 is not None:
         print(f"\nS3 requests fitted per ({', '.join(S3_TERMS)}):")
         for op in ("save", "load"):
@@ -901,14 +871,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small worlds, in seconds (no S3 calibration)")
     parser.add_argument("--no-s3", action="store_true", help="skip the S3 request calibration")
-    parser.add_argument("--shard-size", type=int, default=64, help="MiB, for the target and the sharded projection")
     parser.add_argument("--max-records", type=int, default=2_000_000,
                         help="above this many shard records a layout is sampled and extrapolated")
     parser.add_argument("--check-extrapolation", action="store_true",
                         help="also extrapolate the layouts planned whole, and compare")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--per-array", action="store_true",
+                        help="plan with the per-array layout (each block a chunk file) instead of the chosen one")
     args = parser.parse_args()
-    shard_bytes = args.shard_size * MiB
     s3 = None
     if not (args.quick or args.no_s3):
         import tempfile
@@ -919,9 +889,11 @@ def main() -> None:
     figures = []
     for model in layouts(args.quick):
         start = time.monotonic()
-        figures.append(simulate(model, shard_bytes, args.max_records, s3, args.check_extrapolation))
+        figures.append(simulate(model, args.max_records, s3, args.check_extrapolation,
+                                StorageLayout(shard_bytes=None, pack_arrays_up_to=0, zarr_metadata="per_node")
+                                if args.per_array else None))
         print(f"{model.name} at {model.world} ranks: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
-    print_report(figures, s3, shard_bytes)
+    print_report(figures, s3)
     if args.json:
         args.json.write_text(json.dumps([asdict(f) for f in figures], indent=1))
 

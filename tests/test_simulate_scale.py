@@ -1,5 +1,6 @@
-"""scripts/simulate_scale.py (issue 44 item 2): its quick run plans every layout with the
-real planner, and today's file count is the format's own arithmetic, exactly."""
+"""scripts/simulate_scale.py (issue 44 item 2, issue 65 item 2): its quick run plans every
+layout with the real planner and the layout shardstore chooses, and counts the files
+from the planned records, exactly."""
 
 from __future__ import annotations
 
@@ -25,26 +26,18 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], dic
     return {(f["layout"], f["ranks"]): f for f in json.loads(out.read_text())}
 
 
-@pytest.mark.parametrize("ranks", [8, 32])
-def test_today_a_file_per_chunk_of_every_rank(quick: dict, ranks: int) -> None:
-    """FSDP2 shards every array over all ranks, each shard one chunk: arrays x ranks
-    chunk files, a zarr.json per array, the record, metadata.json and common.pt."""
-    f = quick[("FSDP2 Llama-tiny", ranks)]
-    arrays = (2 * 9 + 3) * 3  # 2 layers of 9 parameters, embedding, norm, head; each with 2 moments
-    assert f["arrays"] == arrays
-    assert f["chunks"] == arrays * ranks
-    assert f["files"] == arrays * ranks + arrays + 3
-    assert f["directories"] == arrays + 1
-
-
-def test_issue_target_beside_today(quick: dict) -> None:
-    """The target is checkpoint bytes / 64 MiB + 2 x arrays + ranks; today's files grow
-    with the ranks, the target's barely."""
-    small, large = quick[("FSDP2 Llama-tiny", 8)], quick[("FSDP2 Llama-tiny", 32)]
-    for f in (small, large):
-        assert f["target_files"] == -(-f["checkpoint_bytes"] // (64 * MiB)) + 2 * f["arrays"] + f["ranks"]
-    assert large["files"] - small["files"] == small["arrays"] * 24
-    assert large["target_files"] - small["target_files"] == 24
+def test_default_layout_files_within_the_bound_where_it_shards(quick: dict) -> None:
+    """At 32 ranks the default layout gathers FSDP2's small blocks into shards: the
+    files (and S3 objects) of every door stay within bytes / 64 MiB + 2 x arrays +
+    ranks, counted from the planned records."""
+    f = quick[("FSDP2 Llama-tiny", 32)]
+    assert f["target_files"] == -(-f["checkpoint_bytes"] // (64 * MiB)) + 2 * f["arrays"] + f["ranks"]
+    assert f["files"] == f["data_files"] + f["packs"] + f["documents"] + 3
+    assert f["sharded_arrays"] + f["packed_arrays"] > 0
+    assert max(f["door_files"].values()) == f["most_files"] <= f["target_files"]
+    assert f["s3_objects"] <= f["target_files"]
+    assert {where.split(", ")[0] for where in f["layouts"]} == {
+        "shardstore.save", "megatron install()", "dcp.save(ShardstoreWriter)"}
 
 
 def test_distributed_optimizer_layout_plans_and_exchanges(quick: dict) -> None:
@@ -55,7 +48,7 @@ def test_distributed_optimizer_layout_plans_and_exchanges(quick: dict) -> None:
     assert f["straddle_bytes"] > 0
     assert f["load_exchange_bytes"] > 0
     assert f["record_bytes"] > 0 and f["record_parse_s"] >= 0
-    assert f["files"] == f["chunks"] + f["arrays"] + 3
+    assert f["files"] == f["data_files"] + f["packs"] + f["documents"] + 3
 
 
 @pytest.fixture(scope="module")
@@ -91,19 +84,25 @@ def test_s3_fit_recovers_requests_per_chunk_array_rank(simulate_scale) -> None:
     assert "save: measured 36, fitted 36" in costs.check  # 29 PUTs, 7 GETs
 
 
-def test_sharded_projection_groups_small_chunks(simulate_scale) -> None:
-    """The sharding model groups runs of chunks below its threshold along the first axis
-    into shards of at most the shard size, and lists one checksum per shard in its record."""
-    from shardstore.format.records import ArrayRecord, CommitRecord
+def test_files_follow_the_layout_given(simulate_scale) -> None:
+    """Per array at 8 ranks: a chunk file per rank's block of every array, a zarr.json per
+    array, the record, metadata.json and common.pt. Packs of arrays <= 64 KiB: the 27
+    small arrays (norms, k and v projections, with their moments) gathered whole into a
+    pack per rank, without their documents; consolidated only: no documents at all."""
+    from shardstore import StorageLayout
 
-    small = ArrayRecord("small", (1024, 8), "float32", (4, 8))  # 256 chunks of 128 bytes
-    large = ArrayRecord("large", (64, 1024), "float32", (2, 1024))  # chunks of 8 KiB > a shard
-    model = simulate_scale.ShardedFiles(1024)
-    assert model.shard_shape(small) == (32, 8)
-    assert model.data_files({"small": small, "large": large}) == 32 + 32
-    record = model.record(CommitRecord(arrays={"small": small}))
-    assert len(record.arrays["small"].chunk_crcs) == 32
-    assert simulate_scale.ShardedFiles(1024, small_chunk_bytes=128).data_files({"small": small}) == 256
+    model = simulate_scale.layouts(quick=True)[0]
+    arrays = (2 * 9 + 3) * 3  # 2 layers of 9 parameters, embedding, norm, head; each with 2 moments
+    per_array = StorageLayout(pack_arrays_up_to=0, zarr_metadata="per_node", shard_bytes=None)
+    f = simulate_scale.simulate(model, 10**7, None, layout=per_array)
+    assert (f.arrays, f.chunks, f.files, f.directories) == (arrays, arrays * 8, arrays * 8 + arrays + 3, arrays + 1)
+    packed = StorageLayout(pack_arrays_up_to=64 << 10, zarr_metadata="per_node", shard_bytes=None)
+    f = simulate_scale.simulate(model, 10**7, None, layout=packed)
+    assert (f.packed_arrays, f.packs, f.documents) == (27, 8, arrays - 27)
+    assert f.files == (arrays - 27) * 8 + 8 + (arrays - 27) + 3
+    f = simulate_scale.simulate(model, 10**7, None, layout=StorageLayout(
+        pack_arrays_up_to=64 << 10, zarr_metadata="consolidated_only", shard_bytes=None))
+    assert (f.documents, f.files) == (0, (arrays - 27) * 8 + 8 + 3)
 
 
 def test_sharded_plan_counts_shard_fsdp_arrays_into_one_file_each() -> None:

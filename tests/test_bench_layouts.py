@@ -1,0 +1,43 @@
+"""scripts/bench_layouts.py: the explicit layouts spell every field, and the summary
+compares the default with the best explicit layout and the peers as throughput."""
+
+from __future__ import annotations
+
+from tests.script_support import load_script
+
+
+def test_explicit_layouts_leave_nothing_to_choose() -> None:
+    """Every explicit layout is chosen whole: none of its fields is left to shardstore."""
+    layouts = load_script("bench_layouts")
+    for name, make in layouts.EXPLICIT.items():
+        assert make(64 << 10).chosen, name
+    assert layouts.EXPLICIT["per-array"](64 << 10).pack_arrays_up_to == 0
+    assert layouts.EXPLICIT["per-array"](64 << 10).shard_bytes is None
+
+
+def test_summary_ratios_are_throughput_against_the_best_explicit() -> None:
+    """best explicit time / default time per operation (>= 0.9 meets the bar), the
+    fastest explicit layout named, peers as ratios of their own, DCP's writer's bar
+    at 1.0; files kept per method."""
+    bench = load_script("bench")
+    layouts = load_script("bench_layouts")
+
+    def result(method: str, op: str, *seconds: float):
+        r = bench.Result("layouts-fsdp", method, op, 100)
+        r.samples = [bench.Sample(s, 0) for s in seconds]
+        return r
+
+    results = [result("default", "save", 1.0, 1.2, 0.8), result("default", "load", 2.0),
+               result("packs", "save", 0.5, 0.7), result("packs", "load", 2.0),
+               result("per-array", "save", 2.0), result("per-array", "load", 1.9),
+               result("dcp-filesystem", "save", 1.5), result("dcp-filesystem", "load", 1.0)]
+    summary = layouts.layout_summary(results, ("per-array", "packs"), {"default": 7, "packs": 3})
+    assert summary["methods"]["default"]["save"] == {"median_s": 1.0, "min_s": 0.8, "max_s": 1.2, "requests": None}
+    assert summary["methods"]["default"]["files"] == 7
+    ratios = summary["ratios"]
+    assert (ratios["save.default_vs_best_explicit"], ratios["save.best_explicit"]) == (0.6, "packs")
+    assert (ratios["load.default_vs_best_explicit"], ratios["load.best_explicit"]) == (0.95, "per-array")
+    assert ratios["save.default_vs_dcp-filesystem"] == 1.5
+    bars = summary["bars"]
+    assert bars == {"save: default >= 0.9x the best explicit layout": False, "save: default >= 1.0x dcp-filesystem": True,
+                    "load: default >= 0.9x the best explicit layout": True, "load: default >= 1.0x dcp-filesystem": False}

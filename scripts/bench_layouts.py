@@ -52,7 +52,8 @@ SHARD = 64 * MiB
 
 def explicit(pack: int, metadata: str, shard: int | None) -> StorageLayout:
     """A layout with every field spelled (nothing left for shardstore to choose)."""
-    return StorageLayout(max_chunk_bytes=64 * MiB, shard_bytes=shard, pack_arrays_up_to=pack, zarr_metadata=metadata)
+    return StorageLayout(max_chunk_bytes=64 * MiB, shard_bytes=shard, pack_arrays_up_to=pack, zarr_metadata=metadata,
+                         read_grain=None)
 
 
 EXPLICIT: dict[str, Callable[[int], StorageLayout]] = {

@@ -95,6 +95,9 @@ class LayoutSite:
 
 ShardBytes = int | None | Literal["auto"]
 
+# The keywords whose None, at every door, means the caller did not give them.
+_NONE_IS_NOT_GIVEN = frozenset({"pack_arrays_up_to", "zarr_metadata"})
+
 
 @dataclass(frozen=True)
 class StorageLayout:
@@ -149,14 +152,15 @@ class StorageLayout:
     @classmethod
     def of(cls, layout: StorageLayout | None = None, **keywords: Any) -> StorageLayout:
         """``layout`` with the older keywords (``max_chunk_bytes``, ``shard_bytes``,
-        ``pack_arrays_up_to``, ``zarr_metadata``; those given as None-by-default mean
-        "not given", except ``shard_bytes=None``, which means never shard: pass
-        ``shard_bytes=AUTO`` to leave it) folded in: the one place a door's keywords
-        become a layout.
+        ``pack_arrays_up_to``, ``zarr_metadata``) folded in: the one place a door's
+        keywords become a layout. ``pack_arrays_up_to=None`` and ``zarr_metadata=None``
+        (the doors' defaults) mean "not given"; ``shard_bytes=None`` means never shard
+        (pass ``shard_bytes=AUTO`` to leave it).
 
         Raises:
             ValueError: a keyword that contradicts ``layout``, naming both."""
-        return (layout or cls()).combined(cls(**keywords))
+        given = {k: v for k, v in keywords.items() if not (v is None and k in _NONE_IS_NOT_GIVEN)}
+        return (layout or cls()).combined(cls(**given))
 
     def combined(self, other: StorageLayout) -> StorageLayout:
         """The fields either layout sets (a field ``AUTO`` in one takes the other's).

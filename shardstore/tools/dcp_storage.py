@@ -380,9 +380,9 @@ class ShardstoreWriter(StorageWriter):
         self.io_concurrency = io_concurrency
         self.min_array_bytes = min_array_bytes
         self.reuse_from = reuse_from
-        spelled = {k: v for k, v in (("zarr_metadata", zarr_metadata), ("pack_arrays_up_to", pack_arrays_up_to))
-                   if v is not None}  # refused now if unknown, out of range or contradicting layout
-        self.layout = StorageLayout.of(layout, max_chunk_bytes=max_chunk_bytes, shard_bytes=shard_bytes, **spelled)
+        # refused now if unknown, out of range or contradicting layout
+        self.layout = StorageLayout.of(layout, max_chunk_bytes=max_chunk_bytes, shard_bytes=shard_bytes,
+                                       zarr_metadata=zarr_metadata, pack_arrays_up_to=pack_arrays_up_to)
         self.process_group = process_group
         self.sync_staging_bytes = checked_staging_bytes("sync_staging_bytes", sync_staging_bytes)
         self._strategy(self.layout)  # refuses a bound out of range now, not at the save

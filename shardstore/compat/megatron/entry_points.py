@@ -184,9 +184,8 @@ def install(
     """
     global _installation
     # unknown, out-of-range or contradicting values are refused here, not at the first save
-    spelled = {k: v for k, v in (("zarr_metadata", zarr_metadata), ("pack_arrays_up_to", pack_arrays_up_to))
-               if v is not None}
-    layout = StorageLayout.of(layout, shard_bytes=shard_bytes, **spelled)
+    layout = StorageLayout.of(layout, shard_bytes=shard_bytes, zarr_metadata=zarr_metadata,
+                              pack_arrays_up_to=pack_arrays_up_to)
     modules = _megatron_modules()
     with _lock:
         if _installation is not None:

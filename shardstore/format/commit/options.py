@@ -62,12 +62,11 @@ class SaveOptions:
         layout: StorageLayout | None = None, array_places: ArrayPlaces | None = None, *,
         zarr_metadata: str | None = None, pack_arrays_up_to: int | None = None,
     ) -> None:
-        spelled = {k: v for k, v in (("zarr_metadata", zarr_metadata), ("pack_arrays_up_to", pack_arrays_up_to))
-                   if v is not None}
         for name, value in (("overwrite", overwrite), ("reuse_from", reuse_from),
                             ("shared_directory", shared_directory), ("array_places", array_places)):
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "layout", StorageLayout.of(layout, **spelled))
+        object.__setattr__(self, "layout", StorageLayout.of(layout, zarr_metadata=zarr_metadata,
+                                                            pack_arrays_up_to=pack_arrays_up_to))
 
     @property
     def zarr_metadata(self) -> ZarrMetadata | str:

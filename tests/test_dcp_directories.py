@@ -269,7 +269,7 @@ def test_a_dcp_checkpoint_saved_over_ours_is_refused_as_ambiguous_naming_both(tm
     ckpt = tmp_path / "ckpt"
     run_distributed(dcp_saved_over_ours, 2, str(ckpt))
     request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(6, 3))}
-    both = (r"holds two checkpoints.*a shardstore checkpoint \(save [0-9a-f]{32}: common.pt, metadata.json, w, "
+    both = (r"holds two checkpoints.*a shardstore checkpoint \(save [0-9a-f]{32}: common.pt, metadata.json, packs, "
             r"zarr.json\) and a PyTorch DCP checkpoint \(.metadata, __0_0.distcp, __1_0.distcp\).*Move one of the two")
     with pytest.raises(CheckpointingException, match=both):
         shardstore.load(request, ckpt)

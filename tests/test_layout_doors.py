@@ -125,4 +125,7 @@ def test_the_dcp_writer_shards_by_default_from_32_ranks_where_they_can_exchange(
     with pytest.raises(CheckpointingException, match="not DCP's"):
         ShardstoreWriter(tmp_path / "ckpt", shard_bytes=MiB)._chosen(_plans([None] * 2))
     layout, exchange = writer._chosen(_plans([(0, 2), (1, 2)]))
-    assert layout.shard_bytes is None and not exchange  # below 32 ranks
+    assert layout.shard_bytes is None and exchange  # below 32 ranks: no shards, small split arrays gathered to packs
+    unpacked = ShardstoreWriter(tmp_path / "ckpt", layout=StorageLayout(pack_arrays_up_to=0))
+    layout, exchange = unpacked._chosen(_plans([(0, 2), (1, 2)]))
+    assert layout.shard_bytes is None and not exchange  # nothing to gather: each rank writes its own blocks

@@ -446,7 +446,8 @@ class ShardstoreWriter(StorageWriter):
     def _chosen(self, plans: list[SavePlan]) -> tuple[StorageLayout, bool]:
         """Coordinator: this save's layout, chosen for DCP's ranks, the store and whether
         the ranks can exchange blocks (``tools.dcp_exchange``), and whether they do: where
-        it shards (small split arrays are then also gathered whole for packs).
+        it shards or packs (small split arrays are gathered whole into a rank's pack: a
+        file per rank instead of a chunk file per block and a directory per array).
 
         Raises:
             CheckpointingException: an explicit ``shard_bytes`` where they cannot."""
@@ -456,7 +457,7 @@ class ShardstoreWriter(StorageWriter):
         layout = self.layout.chosen_for(site)
         if ranks > 1 and not can and layout.shard_bytes is not None:
             refuse_other_group(plans, _id_text(self.checkpoint_id) or "")
-        return layout, can and layout.shard_bytes is not None
+        return layout, can and (layout.shard_bytes is not None or layout.pack_arrays_up_to > 0)
 
     def _as_array(self, item: WriteItem) -> bool:
         """A plain tensor's item that is written as an array (the same answer on every

@@ -580,3 +580,21 @@ def test_megatrons_own_mapping_objects_are_validated_not_skipped(kind: str) -> N
         validate_sharding_integrity(global_metadata)
     with pytest.raises(CheckpointingException, match=phrase):  # Megatron's own global metadata, as given
         validate_sharding_integrity([[item.without_data() for item in state_dict.values()]])
+
+
+@pytest.mark.parametrize("blocks, tiled", [
+    ([((0, 0), (3, 4)), ((3, 0), (3, 4))], True),  # Shard(0) over two ranks
+    ([((0, 2), (6, 2)), ((0, 0), (6, 2))], True),  # the last axis, out of order
+    ([((0, 0), (6, 4))], True),  # whole, alone
+    ([((0, 0), (3, 4)), ((4, 0), (2, 4))], False),  # a gap
+    ([((0, 0), (4, 4)), ((3, 0), (3, 4))], False),  # an overlap
+    ([((0, 0), (3, 4)), ((3, 0), (4, 4))], False),  # past the end
+    ([((0, 0), (6, 4)), ((0, 0), (6, 4))], False),  # whole, twice
+    ([((0, 0), (3, 2)), ((3, 0), (3, 2)), ((0, 2), (6, 2))], False),  # two axes split: the general count decides
+    ([((0, 0), (3, 4)), ((3, 0), (-1, 4)), ((2, 0), (4, 4))], False),  # a negative extent
+])
+def test_the_one_axis_fast_path_accepts_only_exact_tilings(blocks: list, tiled: bool) -> None:
+    from shardstore.planning.checks import _tile_one_axis
+
+    offsets, extents = [o for o, _ in blocks], [e for _, e in blocks]
+    assert _tile_one_axis(offsets, extents, (6, 4)) is tiled

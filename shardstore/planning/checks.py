@@ -265,6 +265,9 @@ def _tensor_problems(key: str, shards: list[ShardRecord]) -> list[str]:
         s = next(s for s in main if (len(s.offset), len(s.block_shape)) != (ndim, ndim))
         return [f"{key!r}: rank {s.rank}'s shard has offset {s.offset} and shape {s.block_shape}, not one entry "
                 f"per axis of the global shape {s.global_shape}"]
+    if all(s.flat_range is None for s in main) and _tile_one_axis(offsets, extents, first.global_shape):
+        # the common split (FSDP2's Shard(0), tensor parallel): no grid to count
+        return []
     try:
         boxes = _Boxes.of_axes(offsets, extents, ndim)
         outside = boxes.first_outside(first.global_shape)
@@ -287,6 +290,25 @@ def _tensor_problems(key: str, shards: list[ShardRecord]) -> list[str]:
         main = list({s.offset: s for s in main}.values())
         boxes = _Boxes.of(main)
     return _coverage_problems(key, main, first.global_shape, boxes)
+
+
+def _tile_one_axis(offsets: list[tuple[int, ...]], extents: list[tuple[int, ...]], shape: tuple[int, ...]) -> bool:
+    """Whether the blocks cover ``shape`` exactly once by splitting one axis alone: each
+    whole along every other axis, and along that one, in order of their offsets, each
+    starting where the one before ended, from 0 to its extent. False does not mean a
+    problem: the general count (``_coverage_problems``) decides and names it."""
+    if not shape:
+        return False
+    split = [a for a in range(len(shape)) if any(o[a] or e[a] != shape[a] for o, e in zip(offsets, extents))]
+    if len(split) > 1:
+        return False
+    axis = split[0] if split else 0
+    position = 0
+    for start, extent in sorted((o[axis], e[axis]) for o, e in zip(offsets, extents)):
+        if start != position or extent < 0:
+            return False
+        position += extent
+    return position == shape[axis] and (bool(split) or len(offsets) == 1)
 
 
 def _inconsistency(key: str, first: ShardRecord, other: ShardRecord) -> str:

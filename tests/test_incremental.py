@@ -31,7 +31,7 @@ from tests.dist import run_distributed
 from tests.s3_support import KEY, REGION, SECRET, Faults, FaultyProxy, MotoServer
 from tests.scenarios import assert_bits_equal, global_tensor, rewrite_record
 
-BASE, ADAPTER = (512, 64), (8, 64)  # float32: 128 KiB of frozen base, above the 64 KiB pack bound; 2 KiB trained
+BASE, ADAPTER = (2048, 64), (8, 64)  # float32: 512 KiB of frozen base, above the 256 KiB pack bound; 2 KiB trained
 BASE_BYTES = BASE[0] * BASE[1] * 4
 PER_ARRAY = StorageLayout(pack_arrays_up_to=0)  # every array in chunk files of its own
 
@@ -608,7 +608,7 @@ def test_a_base_no_rank_can_share_from_is_noted_at_info_once_per_job(tmp_path: P
 
 
 def test_a_default_save_shares_a_large_frozen_array_and_packs_the_small_ones_anew(tmp_path: Path) -> None:
-    """On the default layout the 2 KiB adapter is packed (never shared) and the 128 KiB
+    """On the default layout the 2 KiB adapter is packed (never shared) and the 512 KiB
     base keeps chunk files of its own, which a reusing save shares."""
     save(_state(1), tmp_path / "s1")
     save(_state(2), tmp_path / "s2", reuse_from=tmp_path / "s1")

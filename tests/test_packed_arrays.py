@@ -335,7 +335,7 @@ def test_by_default_small_arrays_are_packed_and_with_zero_nothing_is(tmp_path: P
     save(_sd(_tensors()), str(tmp_path / "default"))
     record = read_commit_record(open_location(tmp_path / "default"))
     assert record.packs and record.requires == ("packs",)
-    assert record.layout["pack_arrays_up_to"] == 64 * 1024
+    assert record.layout["pack_arrays_up_to"] == 256 * 1024
     path = tmp_path / "unpacked"
     save(_sd(_tensors()), str(path), options=SaveOptions(pack_arrays_up_to=0))
     record = read_commit_record(open_location(path))

@@ -14,7 +14,6 @@ from shardstore import CheckpointingException, SaveOptions, ShardedTensor, Stora
 from shardstore.format.consolidated import ZarrMetadata
 from shardstore.format.storage_layout import (
     AUTO_SHARD_MIN_RANKS,
-    DEFAULT_OBJECT_STORE_PACK_BYTES,
     DEFAULT_PACK_BYTES,
     DEFAULT_SHARD_BYTES,
     LayoutSite,
@@ -27,7 +26,7 @@ def test_every_auto_field_is_chosen_by_the_site() -> None:
     assert disk.chosen and disk.shard_bytes is None and disk.pack_arrays_up_to == DEFAULT_PACK_BYTES
     assert disk.zarr_metadata is ZarrMetadata.PER_NODE
     s3 = StorageLayout().chosen_for(LayoutSite(world_size=2, object_store=True))
-    assert s3.zarr_metadata is ZarrMetadata.CONSOLIDATED_ONLY and s3.pack_arrays_up_to == DEFAULT_OBJECT_STORE_PACK_BYTES
+    assert s3.zarr_metadata is ZarrMetadata.CONSOLIDATED_ONLY and s3.pack_arrays_up_to == DEFAULT_PACK_BYTES == 256 * 1024
     many = StorageLayout().chosen_for(LayoutSite(world_size=AUTO_SHARD_MIN_RANKS))
     assert many.shard_bytes == DEFAULT_SHARD_BYTES
     alone = StorageLayout().chosen_for(LayoutSite(world_size=AUTO_SHARD_MIN_RANKS, can_exchange=False))
@@ -92,7 +91,7 @@ def test_the_save_says_its_layout_on_its_info_line(tmp_path: Path, caplog: pytes
     with caplog.at_level(logging.INFO, logger="shardstore"):
         save(state, str(tmp_path / "ckpt"))
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "layout:" in r.getMessage()]
-    assert lines and "packs <= 64 KiB" in lines[-1] and "metadata per_node" in lines[-1], lines
+    assert lines and "packs <= 256 KiB" in lines[-1] and "metadata per_node" in lines[-1], lines
 
 
 def test_inspect_says_the_layout(tmp_path: Path) -> None:

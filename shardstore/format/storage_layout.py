@@ -19,7 +19,7 @@ docs/guide/layout.md.
 from __future__ import annotations
 
 __all__ = [
-    "AUTO", "AUTO_SHARD_MIN_RANKS", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_OBJECT_STORE_PACK_BYTES",
+    "AUTO", "AUTO_SHARD_MIN_RANKS", "DEFAULT_MAX_CHUNK_BYTES",
     "DEFAULT_PACK_BYTES", "DEFAULT_READ_GRAIN", "DEFAULT_SHARD_BYTES",
     "CALLERS_DIRECTORY_LAYOUT", "SHARD_SLACK", "LayoutSite", "StorageLayout",
 ]
@@ -53,14 +53,13 @@ AUTO_SHARD_MIN_RANKS = 32
 the exchange costs more than the files it saves (a 2-rank Llama-shaped save with 64 MiB
 shards took 2.8x as long), above it the files per block dominate a save."""
 
-DEFAULT_PACK_BYTES = 64 * 1024
-"""Arrays of at most this many bytes go into zip packs by default on a file system:
-10,000 tensors of 1-64 KiB save 2x faster packed, and a loader reading a packed array
-whole reads at most this much more than it asked for."""
-
-DEFAULT_OBJECT_STORE_PACK_BYTES = 256 * 1024
-"""The same on an object store, where every object is a request: 300 arrays of 128 KiB
-at 2 ranks saved 5.6x and loaded 4.3x faster packed (docs/guide/layout.md)."""
+DEFAULT_PACK_BYTES = 256 * 1024
+"""Arrays of at most this many bytes go into zip packs by default, on a file system as on
+an object store: a file or an object each costs more than its bytes. On a local disk
+10,000 tensors of 1-64 KiB saved 2x faster packed, and 1,000 FSDP2 arrays of 128 KiB at
+2 ranks through DCP's door 1.4x (5 files, not 3,003); on S3, 300 arrays of 128 KiB at 2
+ranks saved 5.6x and loaded 4.3x faster (docs/measurements/layout.md). A loader reading
+a packed array whole reads at most this much more than it asked for."""
 
 DEFAULT_READ_GRAIN = 1 << 20
 """The piece a chunk is cut into for reads where asked (``read_grain=``): a 2 -> 4 rank load of
@@ -110,8 +109,8 @@ class StorageLayout:
             the ranks can exchange blocks, else never.
         pack_arrays_up_to: put each array of at most this many bytes that one rank
             writes whole (gathered to it where it is split and the ranks can exchange)
-            into that rank's zip pack (feature ``packs``); 0: never; ``AUTO``: 64 KiB on
-            a file system, 256 KiB on an object store.
+            into that rank's zip pack (feature ``packs``); 0: never; ``AUTO``:
+            ``DEFAULT_PACK_BYTES`` (256 KiB).
         zarr_metadata: where the Zarr metadata documents go (``ZarrMetadata``):
             ``"per_node"``, a ``zarr.json`` per array too; ``"consolidated_only"``, only
             the root's; ``AUTO``: consolidated only on an object store (a request per
@@ -194,7 +193,7 @@ class StorageLayout:
             shards = site.can_exchange and site.world_size >= AUTO_SHARD_MIN_RANKS
             choices["shard_bytes"] = DEFAULT_SHARD_BYTES if shards else None
         if self.pack_arrays_up_to == AUTO:
-            choices["pack_arrays_up_to"] = DEFAULT_OBJECT_STORE_PACK_BYTES if site.object_store else DEFAULT_PACK_BYTES
+            choices["pack_arrays_up_to"] = DEFAULT_PACK_BYTES
         if self.zarr_metadata == AUTO:
             choices["zarr_metadata"] = ZarrMetadata.CONSOLIDATED_ONLY if site.object_store else ZarrMetadata.PER_NODE
         if self.read_grain == AUTO:  # not yet: a load at the saving layout reads cut chunks slower
@@ -203,7 +202,7 @@ class StorageLayout:
 
     def describe(self) -> str:
         """One line for a log: ``"chunks <= 64 MiB read in 1 MiB pieces, no shards,
-        packs <= 64 KiB, metadata per_node"``."""
+        packs <= 256 KiB, metadata per_node"``."""
         grain = " read whole" if self.read_grain is None else f" read in {_spelled(self.read_grain)} pieces"
         shards = "no shards" if self.shard_bytes is None else f"shards ~{_spelled(self.shard_bytes)}"
         packs = "no packs" if self.pack_arrays_up_to == 0 else f"packs <= {_spelled(self.pack_arrays_up_to)}"

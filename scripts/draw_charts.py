@@ -28,7 +28,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 __all__ = ["Bar", "CHARTS", "Chart", "data_path_bars", "dcp_bars", "draw", "large_bars", "large_table", "main", "render_svg",
-           "small_tensor_bars"]
+           "row_bars", "small_tensor_bars"]
 
 MEASUREMENTS = Path(__file__).resolve().parent.parent / "docs" / "measurements"
 DATA = MEASUREMENTS / "data"
@@ -95,12 +95,20 @@ def dcp_bars(payload: dict) -> list[Bar]:
                                  ("dcp-plain.{op}.vs_dcp", "plain tensors, dcp.{op}")))
 
 
+def row_bars(payload: dict) -> list[Bar]:
+    """A bar per op of each of the JSON's ``rows`` (``{"label": ..., "save": ..., "load":
+    ...}``, either op optional), saves first: figures a page gathers from several runs."""
+    return [Bar(f"{op} {row['label']}", op, float(row[op])) for op in OPS for row in payload.get("rows", [])
+            if op in row]
+
+
 @dataclass(frozen=True)
 class Chart:
     """A measurement page's chart: its bars from ``data/<page>.json``, its SVG next to the page.
 
     ``subtitle`` is formatted with the JSON's top-level values (``world``, ``reps``,
-    ``gib``); a value the JSON lacks reads ``?``.
+    ``gib``); a value the JSON lacks reads ``?``. ``value_format`` writes a bar's value
+    (``"{:.2f}x"``, a ratio; ``"{:g} s"``, seconds); ``reference`` None draws no line.
     """
 
     page: str
@@ -108,8 +116,10 @@ class Chart:
     bars: Callable[[dict], list[Bar]]
     title: str
     subtitle: str
-    reference: float = 1.0  # where the dashed line goes
+    reference: float | None = 1.0  # where the dashed line goes
     reference_label: str = "1.0 = as fast"
+    value_format: str = "{:.2f}x"
+    label_w: int = LABEL_W  # px for the bars' labels
 
 
 CHARTS: dict[str, Chart] = {chart.page: chart for chart in (
@@ -123,24 +133,51 @@ CHARTS: dict[str, Chart] = {chart.page: chart for chart in (
           reference=0.9, reference_label="0.9 = the bar"),
     Chart("dcp", "dcp.svg", dcp_bars, "shardstore's throughput over DCP's own writer and reader",
           "{world} ranks, medians; above 1.0 shardstore is faster"),
+    Chart("planning", "planning.svg", row_bars, "the coordinator's CPU for one plan, in seconds",
+          "first save (later saves reuse the plan) and load, full size, simulated on 2 cores",
+          reference=None, value_format="{:g} s"),
+    Chart("scale", "scale.svg", row_bars, "on S3: shardstore's throughput over DCP (fsspec)",
+          "{world} ranks, a local S3 server (moto), medians; above 1.0 shardstore is faster", label_w=320),
+    Chart("incremental", "incremental.svg", row_bars, "a save reusing step 1: its time over a full save's",
+          "step 2 at {world} ranks, medians; below 1.0 cheaper than writing everything",
+          reference_label="1.0 = a full save"),
 )}
 
 
+def _tick_step(top: float) -> float:
+    """Ticks every half up to 5; above, a step of 1, 2 or 5 times a power of ten that
+    makes at most 10 ticks."""
+    if top <= 5:
+        return 0.5
+    magnitude = 1.0
+    while True:
+        for step in (magnitude, 2 * magnitude, 5 * magnitude):
+            if top / step <= 10:
+                return step
+        magnitude *= 10
+
+
 def _scale(bars: list[Bar]) -> float:
-    """The axis's upper end: a half step above the largest value, and at least 1.5."""
-    return max(1.5, (int(max(b.value for b in bars) * 2) + 1) / 2)
+    """The axis's upper end: a tick step above the largest value, and at least 1.5."""
+    largest = max(b.value for b in bars)
+    half = max(1.5, (int(largest * 2) + 1) / 2)
+    if half <= 5:
+        return half
+    step = _tick_step(largest)
+    return (int(largest / step) + 1) * step
 
 
-def render_svg(bars: list[Bar], title: str, subtitle: str = "", reference: float = 1.0,
-               reference_label: str = "1.0 = as fast") -> str:
-    """The chart as SVG text, a dashed line at ``reference``; every bar carries a
-    ``<title>`` naming its label and value."""
+def render_svg(bars: list[Bar], title: str, subtitle: str = "", reference: float | None = 1.0,
+               reference_label: str = "1.0 = as fast", value_format: str = "{:.2f}x", label_w: int = LABEL_W) -> str:
+    """The chart as SVG text, a dashed line at ``reference`` (None: none); every bar
+    carries a ``<title>`` naming its label and its value, written by ``value_format``;
+    ``label_w``: the labels' column, in px."""
     if not bars:
         raise ValueError("no ratios to draw: run scripts/bench.py with the page's cases and --json")
     top = _scale(bars)
-    width = LABEL_W + BAR_W + VALUE_W
+    width = label_w + BAR_W + VALUE_W
     height = TOP + ROW_H * len(bars) + BOTTOM
-    x0 = LABEL_W
+    x0 = label_w
 
     def x(value: float) -> float:
         return round(x0 + BAR_W * value / top, 1)
@@ -156,25 +193,27 @@ def render_svg(bars: list[Bar], title: str, subtitle: str = "", reference: float
     for i, bar in enumerate(bars):
         y = TOP + i * ROW_H
         mid = y + BAR_H / 2 + 4
-        name = bar.label
+        name, value = bar.label, value_format.format(bar.value)
         parts += [
             f'<text x="{x0 - 8}" y="{mid}" {FONT} text-anchor="end">{escape(name)}</text>',
             f'<rect x="{x0}" y="{y}" width="{round(x(bar.value) - x0, 1)}" height="{BAR_H}" fill="{COLOURS[bar.op]}">'
-            f"<title>{escape(name)}: {bar.value:.2f}x</title></rect>",
-            f'<text x="{x(bar.value) + 6}" y="{mid}" {FONT}>{bar.value:.2f}x</text>',
+            f"<title>{escape(name)}: {escape(value)}</title></rect>",
+            f'<text x="{x(bar.value) + 6}" y="{mid}" {FONT}>{escape(value)}</text>',
         ]
     axis_y = TOP + ROW_H * len(bars)
     parts.append(f'<line x1="{x0}" y1="{TOP - 4}" x2="{x0}" y2="{axis_y}" stroke="#333333"/>')
-    ticks = [t / 2 for t in range(int(top * 2) + 1)]
+    step = _tick_step(top)
+    ticks = [t * step for t in range(int(round(top / step)) + 1)]
     for tick in ticks:
         parts.append(f'<text x="{x(tick)}" y="{axis_y + 16}" {FONT} text-anchor="middle" '
                      f'fill="#555555">{tick:g}</text>')
-    parts += [
-        f'<line x1="{x(reference)}" y1="{TOP - 4}" x2="{x(reference)}" y2="{axis_y}" stroke="#333333" '
-        f'stroke-dasharray="4 3"><title>{escape(reference_label)}</title></line>',
-        f'<text x="{x(reference) + 4}" y="{TOP - 8}" {FONT} fill="#333333">{escape(reference_label)}</text>',
-        "</svg>",
-    ]
+    if reference is not None:
+        parts += [
+            f'<line x1="{x(reference)}" y1="{TOP - 4}" x2="{x(reference)}" y2="{axis_y}" stroke="#333333" '
+            f'stroke-dasharray="4 3"><title>{escape(reference_label)}</title></line>',
+            f'<text x="{x(reference) + 4}" y="{TOP - 8}" {FONT} fill="#333333">{escape(reference_label)}</text>',
+        ]
+    parts.append("</svg>")
     return "\n".join(parts) + "\n"
 
 
@@ -193,7 +232,8 @@ def draw(chart: Chart, json_path: Path | None = None, out: Path | None = None) -
     out = out or MEASUREMENTS / chart.svg
     payload = json.loads(json_path.read_text(encoding="utf-8"))
     subtitle = chart.subtitle.format_map(_Unknown(payload))
-    out.write_text(render_svg(chart.bars(payload), chart.title, subtitle, chart.reference, chart.reference_label),
+    out.write_text(render_svg(chart.bars(payload), chart.title, subtitle, chart.reference, chart.reference_label,
+                              chart.value_format, chart.label_w),
                    encoding="utf-8")
     return out
 

@@ -207,23 +207,14 @@ FRAGMENTS = (
         "from shardstore import verify\nassert verify(ckpt_dir).ok\n"
     )),
     Fragment("shardstore.megatron.install()", megatron_job=True, ranks=(1, 2), check=(
-        # Megatron-LM's calls, by module attribute, with 0.19's keywords
-        "import tempfile\n"
-        "from megatron.core import dist_checkpointing\n"
-        "from megatron.core.dist_checkpointing import ShardedTensor\n"
+        # the calls went through shardstore; Megatron-LM's 0.19 keywords too
         "from shardstore import verify\n"
-        "rank, world = dist.get_rank(), dist.get_world_size()\n"
-        "fc1 = torch.arange(32.0).reshape(8, 4)\n"
-        "megatron_sd = {'fc1': ShardedTensor.from_rank_offsets('decoder/fc1', fc1.chunk(world)[rank].clone(),\n"
-        "                                                      (0, rank, world))}\n"
-        "made = [tempfile.mkdtemp() + '/iter_0000001' if rank == 0 else None]\n"
-        "dist.broadcast_object_list(made, src=0)\n"
-        "ckpt = made[0]\n"
-        "dist_checkpointing.save(megatron_sd, ckpt, None, verify_integrity=True, content_metadata={'layout': 'tp'})\n"
-        "assert verify(ckpt).ok\n"
-        "assert dist_checkpointing.load_content_metadata(ckpt) == {'layout': 'tp'}\n"
-        "state = dist_checkpointing.load(megatron_sd, ckpt, None, verify_integrity=True)\n"
         "assert torch.equal(state['fc1'], fc1.chunk(world)[rank])\n"
+        "assert verify(ckpt).ok and dist_checkpointing.load_content_metadata(ckpt) == {'layout': 'tp'}\n"
+        "dist_checkpointing.save(sharded_state_dict, ckpt, None, verify_integrity=True, content_metadata={'n': 2})\n"
+        "state = dist_checkpointing.load(sharded_state_dict, ckpt, None, verify_integrity=True)\n"
+        "assert torch.equal(state['fc1'], fc1.chunk(world)[rank])\n"
+        "assert dist_checkpointing.load_content_metadata(ckpt) == {'n': 2}\n"
         "shardstore.megatron.uninstall()\n"
     )),
     # before "CheckpointManager(", which its block holds too: a Stateful item, restored by a restart

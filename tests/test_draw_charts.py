@@ -79,3 +79,18 @@ def test_the_data_path_chart_draws_each_run_against_the_bar(tmp_path: Path) -> N
     assert list(_bars(out)) == ["save vs raw, run 1 (0.5 GiB): 0.95x", "save vs raw, run 2 (2 GiB): 1.10x",
                                 "load vs raw, run 1 (0.5 GiB): 0.85x"]
     assert "0.9 = the bar" in {t.text for t in ET.parse(out).getroot().iter(f"{SVG}text")}
+
+
+def test_a_chart_of_rows_draws_seconds_on_round_ticks_without_a_reference(tmp_path: Path) -> None:
+    """Figures gathered from several runs (``rows``) in seconds: each op's bars, the value
+    written in seconds, ticks of a round step, no dashed line."""
+    rows = [{"label": "FSDP2", "save": 42, "load": 17}, {"label": "sharded", "save": 87}]
+    data = tmp_path / "planning.json"
+    data.write_text(json.dumps({"rows": rows}))
+    charts = load_script("draw_charts")
+    out = charts.draw(charts.CHARTS["planning"], data, tmp_path / "chart.svg")
+    assert list(_bars(out)) == ["save FSDP2: 42 s", "save sharded: 87 s", "load FSDP2: 17 s"]
+    root = ET.parse(out).getroot()
+    texts = [t.text for t in root.iter(f"{SVG}text")]
+    assert texts[-10:] == [str(tick) for tick in range(0, 100, 10)]
+    assert not [line for line in root.iter(f"{SVG}line") if line.get("stroke-dasharray")]

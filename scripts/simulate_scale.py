@@ -345,13 +345,17 @@ def _s3_worker(rank: int, world: int, port: int, op: str, url: str, arrays: int,
     import torch.distributed as dist
 
     import shardstore
+    from shardstore import StorageLayout
     from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     state = _s3_state(rank, world, arrays, rows)
     if op == "save":
-        shardstore.save(state, url, ZarrSaveShardedStrategy(max_chunk_bytes=chunk))
+        # every chunk an object of its own: the fit's cost per object (the simulated
+        # layouts count packs and shards as objects too), not the packs' per rank
+        layout = StorageLayout(max_chunk_bytes=chunk, pack_arrays_up_to=0)
+        shardstore.save(state, url, ZarrSaveShardedStrategy(layout=layout))
     else:
         shardstore.load(state, url)
     if world > 1:

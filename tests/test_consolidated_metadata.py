@@ -115,7 +115,7 @@ def test_the_default_on_a_file_system_packs_the_small_arrays_with_their_document
     assert os.listdir(path / "packs") == ["0-0.zip"] and not (path / "model" / "fc1").exists()
     record = _root(path)["attributes"]["shardstore"]
     assert record["requires"] == ["packs"] and "zarr_metadata" not in record
-    assert (record["layout"]["pack_arrays_up_to"], record["layout"]["zarr_metadata"]) == (64 * 1024, "per_node")
+    assert (record["layout"]["pack_arrays_up_to"], record["layout"]["zarr_metadata"]) == (256 * 1024, "per_node")
 
 
 def test_per_node_writes_every_node_document_and_requires_nothing(tmp_path: Path) -> None:

@@ -4,8 +4,9 @@
 as ``SaveOptions(pack_arrays_up_to=...)`` does for ``shardstore.save``.
 
 DCP at 2 gloo ranks: many small plain tensors (replicated: one writer each), small
-DTensors split over the ranks (not packed: two writers), a DTensor one rank holds whole
-and a replicated DTensor (packed by their one writer), Python values (DCP's byte items:
+DTensors split over the ranks (gathered whole to one writer over the writer's exchange
+group, and packed), a DTensor one rank holds whole and a replicated DTensor (packed by
+their one writer), Python values (DCP's byte items:
 common.pt, never packed). Each save loads back bit-exact through ``dcp.load`` with
 ``ShardstoreReader`` and through ``shardstore.load``, verifies, and gives DCP the same
 metadata as an unpacked save; a save beside another program's file, and a save over a
@@ -31,7 +32,7 @@ from tests.dist import run_distributed
 
 PACK_BYTES = 64 * 1024
 SMALL = 24  # plain tensors of 0.1-6 KiB: packed
-SPLIT = 4  # DTensors split over both ranks: packed only where the ranks exchange (shard_bytes)
+SPLIT = 4  # DTensors split over both ranks: gathered whole to one writer, packed
 
 
 def _state(world: int, seed: int, empty: bool = False) -> dict[str, Any]:
@@ -63,7 +64,8 @@ def _state(world: int, seed: int, empty: bool = False) -> dict[str, Any]:
 
 
 def _packed_keys() -> set[str]:
-    return {*(f"model.block{i % 5}.w{i}" for i in range(SMALL)), "model.ids", "dtensors.lonely", "dtensors.everywhere"}
+    return {*(f"model.block{i % 5}.w{i}" for i in range(SMALL)), "model.ids", "dtensors.lonely", "dtensors.everywhere",
+            *(f"dtensors.split{i}" for i in range(SPLIT))}
 
 
 def _comparable(state: dict[str, Any]) -> dict[str, Any]:
@@ -116,7 +118,7 @@ def test_dcp_save_packs_small_arrays_of_one_writer_and_loads_both_ways(tmp_path:
         with zipfile.ZipFile(ckpt / pack) as zipped:
             members += [name.rsplit("/", 1)[0] for name in zipped.namelist() if "/c" in name]
     assert sorted(members) == sorted(packed), sorted(members)
-    assert (ckpt / "model.big").is_dir() and (ckpt / "dtensors.split0").is_dir()
+    assert (ckpt / "model.big").is_dir()
     for key in packed:
         assert not (ckpt / key).exists(), key
     report = shardstore.verify(ckpt)
@@ -140,7 +142,7 @@ def save_packed_exchanging(rank: int, world: int, root: str) -> None:
 def test_dcp_save_with_shard_bytes_packs_split_dtensors_gathered_whole(tmp_path: Path) -> None:
     """With ``shard_bytes`` the ranks exchange blocks in ``write_data``: a small DTensor
     split over them is gathered whole to one writer and packed there, as
-    ``shardstore.save`` does; without it (above) each rank saves alone and it is not."""
+    ``shardstore.save`` does, as without it (above)."""
     run_distributed(save_packed_exchanging, 2, str(tmp_path))  # loads it back through DCP, bit-exact
     ckpt = tmp_path / "packed"
     record = read_commit_record(open_location(ckpt))

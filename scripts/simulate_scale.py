@@ -81,7 +81,8 @@ from shardstore.format.storage_layout import StorageLayout  # noqa: E402
 from shardstore.gc_pause import gc_paused  # noqa: E402
 from shardstore.planning.checks import check_layout  # noqa: E402
 from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
-from shardstore.planning.plans import RankSavePlan, plan_reads  # noqa: E402
+from shardstore.planning.plans import RankReadPlan, RankSavePlan, plan_reads  # noqa: E402
+from shardstore.strategies.zarr import ZarrLoadShardedStrategy  # noqa: E402
 from shardstore.validation import StrictHandling, plan_load  # noqa: E402
 
 MiB = 2**20
@@ -487,27 +488,49 @@ def _straddle_bytes(plans: list[RankSavePlan], arrays: dict[str, ArrayRecord]) -
 
 def _chunk_reads(by_rank: list[list[ShardRecord]], arrays: dict[str, ArrayRecord], reads: list) -> tuple[int, int, int]:
     """Chunk GETs of a load at the save's layout (``by_rank``: each rank's requests),
-    the bytes they fetch and the bytes the ranks asked for: a block read covers whole
-    chunks; a flattened range fetches every chunk it overlaps, whole."""
+    the bytes they fetch and the bytes the ranks asked for. A rank fetches each chunk
+    (or shard) it reads from once, however many of its blocks, pieces or forwards it
+    reads from there (neighbouring ranges of one object are one request); a block read
+    covers whole chunks; a flattened range fetches every chunk it overlaps, whole."""
     gets = fetched = needed = 0
     for plan in reads:
+        mine = by_rank[plan.rank]
+        fetched_from: set[tuple[str, tuple[int, ...]]] = set()
         for index in plan.reads.reads:
-            record = by_rank[plan.rank][index]
-            count, nbytes = _chunks_of(record, arrays[record.key])
-            gets, fetched, needed = gets + count, fetched + nbytes, needed + record.nbytes
+            record = _read_record(mine, plan.reads, index)
+            chunks, nbytes = _chunks_of(record, arrays[record.key])
+            fetched_from.update((record.key, chunk) for chunk in chunks)
+            fetched, needed = fetched + nbytes, needed + record.nbytes
+        gets += len(fetched_from)
     return gets, fetched, needed
 
 
-def _chunks_of(s: ShardRecord, array: ArrayRecord) -> tuple[int, int]:
-    """Chunks of ``array`` that the shard ``s`` overlaps, and their bytes."""
+def _read_record(mine: list[ShardRecord], plan: RankReadPlan, index: int) -> ShardRecord:
+    """What read ``index`` of a rank's plan reads: one of its own requests, one of its
+    pieces (part of a request, cut at a chunk's edge) or a block it forwards."""
+    if index < len(mine):
+        return mine[index]
+    if index < len(mine) + len(plan.pieces):
+        whole, box = plan.pieces[index - len(mine)]
+        block = mine[whole]
+        return replace(block, offset=tuple(o + a for o, (a, _) in zip(block.offset, box)),
+                       block_shape=tuple(b - a for a, b in box))
+    return plan.forwards[index - plan.requested]
+
+
+def _chunks_of(s: ShardRecord, array: ArrayRecord) -> tuple[list[tuple[int, ...]], int]:
+    """The grid indices of the chunks of ``array`` that the shard ``s`` overlaps, and
+    the bytes read from them."""
     c = array.chunk_shape
     if s.flat_range is None:  # the chunk grid is aligned with every block
         ends = [min(o + b, g) for o, b, g in zip(s.offset, s.block_shape, s.global_shape)]
-        return math.prod(-(-e // n) - o // n for o, e, n in zip(s.offset, ends, c)), s.nbytes
+        ranges = [range(o // n, -(-e // n)) for o, e, n in zip(s.offset, ends, c)]
+        return list(itertools.product(*ranges)), s.nbytes
     per_chunk = math.prod(min(n, b) for n, b in zip(c, s.block_shape))  # flat chunks are contiguous
     lo, hi = s.flat_range
-    count = -(-hi // per_chunk) - lo // per_chunk
-    return count, count * per_chunk * array.itemsize
+    first, stop = lo // per_chunk, -(-hi // per_chunk)
+    block = tuple(o // n for o, n in zip(s.offset, c))
+    return [(*block, k) for k in range(first, stop)], (stop - first) * per_chunk * array.itemsize
 
 
 @dataclass
@@ -626,16 +649,21 @@ def load_stage(gathered: list[tuple[list[ShardRecord], list]], arrays: dict[str,
     """The coordinator plans the reads (``plan_load``, ``plan_reads``, fully parallel)
     and pickles every rank's part; rank ``probe`` unpickles its own."""
 
+    # each chunk (a shard) read by one rank for all that ask, as the default load strategy
+    # does from ``reads_shards_once``'s world size on
+    once = ZarrLoadShardedStrategy().reads_shards_once(len(gathered))
+    shards = {key: array.chunk_shape for key, array in arrays.items()} if once else None
+
     def coordinator() -> list[bytes]:
         parts = plan_load(GlobalLayout.from_gathered(gathered), set(), StrictHandling.ASSUME_OK_UNEXPECTED, True,
-                          lambda layout: plan_reads(layout, fully_parallel=True))
+                          lambda layout: plan_reads(layout, fully_parallel=True, shards=shards))
         return [pickle.dumps((p, []), protocol=pickle.HIGHEST_PROTOCOL) for p in parts]
 
     parts, coordinator_s = _timed(coordinator)
     _, unpickle_s = _timed(lambda: pickle.loads(parts[probe]))
     plans = [pickle.loads(p)[0] for p in parts]
     by_rank = [g[0] for g in gathered]
-    exchange = sum(by_rank[p.rank][i].nbytes for p in plans for _, ix in p.reads.sends for i in ix)
+    exchange = sum(_read_record(by_rank[p.rank], p.reads, i).nbytes for p in plans for _, ix in p.reads.sends for i in ix)
     return LoadStage(len(parts) * (max(map(len, parts)) + FRAME), coordinator_s, unpickle_s, exchange,
                      *_chunk_reads(by_rank, arrays, plans))
 

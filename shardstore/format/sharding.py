@@ -73,7 +73,7 @@ __all__ = [
 
 import hashlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -90,9 +90,10 @@ from shardstore.format.codecs import (
     ChunkCodec,
     ChunkSource,
     EncodedChunk,
+    StreamedChunk,
     register,
 )
-from shardstore.stores.base import ChunkMismatch, StorageError
+from shardstore.stores.base import ChunkMismatch, Fold, StorageError
 
 EMPTY = 2**64 - 1
 INDEX_ENTRY_BYTES = 16
@@ -197,24 +198,31 @@ def encode_shard(inner: Sequence[memoryview | None]) -> EncodedShard:
     ``crc`` before it reads the inner chunks it needs."""
     pieces: list[memoryview] = []
     records: list[InnerRecord | None] = []
-    entries: list[tuple[int, int] | None] = []
-    offset = 0
     for data in inner:
         if data is None:
             records.append(None)
-            entries.append(None)
             continue
         crc = crc32c.crc32c(data)
         records.append(InnerRecord(crc, xxhash.xxh3_128_hexdigest(data)))
         pieces += [data, _trailer(crc)]
-        entries.append((offset, len(data) + CRC_BYTES))
-        offset += len(data) + CRC_BYTES
+    crcs = [None if r is None else r.crc for r in records]
+    suffix, index_crc, crc = _suffix([None if d is None else len(d) for d in inner], crcs)
+    return EncodedShard((*pieces, *suffix), tuple(records), index_crc, crc)
+
+
+def _suffix(sizes: Sequence[int | None], crcs: Sequence[int | None]) -> tuple[list[memoryview], int, int]:
+    """What follows the inner chunks of ``sizes`` bytes with ``crcs`` (None: empty, not
+    stored): the crc table and the index (``encode_shard``); with the index's crc32c
+    and the shard's ``crc``."""
+    entries: list[tuple[int, int] | None] = []
+    offset = 0
+    for size in sizes:
+        entries.append(None if size is None else (offset, size + CRC_BYTES))
+        offset += 0 if size is None else size + CRC_BYTES
     index = ShardIndex(tuple(entries)).encode()
     index_crc = int.from_bytes(index[-CRC_BYTES:], "little")
-    table = np.array([0 if r is None else r.crc for r in records], dtype="<u4").tobytes()
-    pieces += [memoryview(table), memoryview(index)]
-    crc = _shard_crc((None if r is None else r.crc for r in records), index_crc)
-    return EncodedShard(tuple(pieces), tuple(records), index_crc, crc)
+    table = np.array([0 if crc is None else crc for crc in crcs], dtype="<u4").tobytes()
+    return [memoryview(table), memoryview(index)], index_crc, _shard_crc(crcs, index_crc)
 
 
 def _trailer(crc: int) -> memoryview:
@@ -237,8 +245,9 @@ class ByteRanges(Protocol):
         """The object's last ``n`` bytes (fewer if it is shorter) and its length, or
         None when it does not exist."""
 
-    def read_range_into(self, offset: int, views: list[memoryview]) -> int:
-        """Fills ``views`` in order from ``offset``; returns the bytes that landed."""
+    def read_range_into(self, offset: int, views: list[memoryview], fold: Fold) -> int:
+        """Fills ``views`` in order from ``offset``, handing ``fold`` the bytes that
+        landed, in order (``ChunkStore.get_range_into_folded``); returns their count."""
 
 
 def read_inner(
@@ -280,11 +289,14 @@ def read_inner(
         for i in run:
             _check_size(index, i, len(wanted[i]), where)
         start = index.entries[run[0]][0]  # type: ignore[index]
-        if source.read_range_into(start, views) != sum(len(v) for v in views):
+        folded = _RunCrcs([len(wanted[i]) for i in run])
+        if source.read_range_into(start, views, folded) != sum(len(v) for v in views):
             raise CheckpointingException(f"Corrupt {where}: inner chunk {run[0]} truncated")
-        for i, trailer in zip(run, trailers):
-            crcs[i] = _checked_crc(wanted[i], trailer, i, where)
-            if crcs[i] != table[i]:
+        for i, trailer, crc in zip(run, trailers, folded.crcs):
+            if crc != int.from_bytes(trailer, "little"):
+                raise CheckpointingException(f"Corrupt {where}: inner chunk {i} crc32c mismatch")
+            crcs[i] = crc
+            if crc != table[i]:
                 raise CheckpointingException(f"Corrupt {where}: inner chunk {i} is not the one its crc table names")
     for i in wanted.keys() - crcs.keys():
         wanted[i][:] = bytes(len(wanted[i]))
@@ -307,19 +319,35 @@ def _runs(index: ShardIndex, wanted: list[int]) -> list[list[int]]:
     return runs
 
 
+class _RunCrcs:
+    """The crc32c of each inner chunk of a run read at once (``read_inner``), taken as
+    its bytes land (the read's ``fold``), while they are in the CPU's cache: the run's
+    views alternate an inner chunk's ``sizes[k]`` bytes and its trailer, skipped."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.segments = [n for size in sizes for n in (size, CRC_BYTES)]
+        self.crcs = [0] * len(sizes)
+        self.segment, self.left = 0, self.segments[0]
+
+    def __call__(self, piece: memoryview) -> None:
+        at = 0
+        while at < len(piece):
+            while not self.left:
+                self.segment += 1
+                self.left = self.segments[self.segment]
+            n = min(self.left, len(piece) - at)
+            if self.segment % 2 == 0:
+                k = self.segment // 2
+                self.crcs[k] = crc32c.crc32c(piece[at : at + n], self.crcs[k])
+            at, self.left = at + n, self.left - n
+
+
 def _check_size(index: ShardIndex, i: int, raw: int, where: str) -> None:
     entry = index.entries[i]
     if entry is not None and entry[1] != raw + CRC_BYTES:
         raise CheckpointingException(
             f"Corrupt {where}: inner chunk {i} is stored in {entry[1]} bytes, expected {raw + CRC_BYTES}"
         )
-
-
-def _checked_crc(data: memoryview, trailer: bytearray, i: int, where: str) -> int:
-    crc = crc32c.crc32c(data)
-    if crc != int.from_bytes(trailer, "little"):
-        raise CheckpointingException(f"Corrupt {where}: inner chunk {i} crc32c mismatch")
-    return crc
 
 
 @dataclass(frozen=True, eq=False)
@@ -372,11 +400,12 @@ class WholeObject:
     def read_suffix(self, n: int) -> tuple[bytes, int]:
         return bytes(self.data[max(0, len(self.data) - n):]), len(self.data)
 
-    def read_range_into(self, offset: int, views: list[memoryview]) -> int:
+    def read_range_into(self, offset: int, views: list[memoryview], fold: Fold) -> int:
         at = offset
         for v in views:
             n = max(0, min(len(v), len(self.data) - at))
             v[:n] = self.data[at : at + n]
+            fold(v[:n])
             at += n
         return at - offset
 
@@ -399,9 +428,9 @@ class ChunkRanges:
         except StorageError as exc:
             raise CheckpointingException(f"Cannot read the index of {self.describe()}: {exc}") from exc
 
-    def read_range_into(self, offset: int, views: list[memoryview]) -> int:
+    def read_range_into(self, offset: int, views: list[memoryview], fold: Fold) -> int:
         try:
-            self.chunk.store.get_range_into(self.chunk.rel, offset, views)
+            self.chunk.store.get_range_into_folded(self.chunk.rel, offset, views, fold)
         except StorageError as exc:
             raise CheckpointingException(f"Cannot read {self.describe()}: {exc}") from exc
         return sum(len(v) for v in views)
@@ -563,6 +592,25 @@ class ShardingIndexed(ChunkCodec):
     def encode(self, data: memoryview) -> EncodedChunk:
         shard = encode_shard(self._split(data))
         return EncodedChunk(shard.pieces, shard.crc)
+
+    def encode_stream(self, data: memoryview, fold: Fold, block_bytes: int) -> StreamedChunk:
+        """``encode_shard``'s object, each inner chunk streamed as ``BYTES_CRC32C``
+        streams a chunk (its crc32c and ``fold`` taken of each block just before it is
+        written, in cache), then the crc table and the index: one pass over the bytes,
+        where ``encode`` and a digest first took three."""
+        streamed = StreamedChunk(iter(()))
+
+        def pieces() -> Iterator[memoryview]:
+            inner, crcs = self._split(data), []
+            for chunk in inner:
+                stream = BYTES_CRC32C.encode_stream(chunk, fold, block_bytes)  # type: ignore[arg-type]
+                yield from stream.pieces
+                crcs.append(stream.crc)
+            suffix, _, streamed.crc = _suffix([len(c) for c in inner], crcs)  # type: ignore[arg-type]
+            yield from suffix
+
+        streamed.pieces = pieces()
+        return streamed
 
     def stored_nbytes(self, nbytes: int) -> int:
         """What ``encode_shard`` writes for ``nbytes`` of inner chunks: each with its

@@ -16,8 +16,10 @@ arrays of each split in turn. Each load starts with the checkpoint's pages dropp
 (``posix_fadvise(DONTNEED)``) and is checked bit-exact; its bytes read are
 ``/proc/self/io``'s ``rchar`` across it (records included) over the bytes the rank
 loads, the most of any rank. Prints, per layout, medians and (fastest-slowest) of the
-save, the 2-rank load and the 4-rank load (rank 0's times), and the bytes read per
-split.
+save, the 2-rank load and the 4-rank load (rank 0's times; for the save and the 2-rank
+load also rank 0's CPU time, all threads: less moved by other jobs), the bytes read per
+split; then each time of the first layout over the others', median of the per-round
+ratios.
 """
 
 from __future__ import annotations
@@ -100,15 +102,15 @@ class Loads:
         self.targets = {a[0]: ShardedTensor.from_rank_offsets(
             a[0], torch.empty_like(self.expected[a[0]]), (a[3], rank, world)) for a in chosen}
 
-    def run(self, path: Path, group: dist.ProcessGroup | None) -> tuple[float, float]:
-        """Seconds and bytes read / bytes loaded of one load, checked bit-exact."""
-        before, start = read_chars(), time.perf_counter()
+    def run(self, path: Path, group: dist.ProcessGroup | None) -> tuple[float, float, float]:
+        """Seconds, CPU seconds and bytes read / bytes loaded of one load, checked bit-exact."""
+        before, start, cpu = read_chars(), time.perf_counter(), time.process_time()
         loaded = load(self.targets, str(path), process_group=group)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         ratio = (read_chars() - before) / sum(t.numel() * t.element_size() for t in self.expected.values())
         for key, want in self.expected.items():
             assert torch.equal(loaded[key].view(torch.uint8), want.view(torch.uint8)), (path, key)
-        return seconds, ratio
+        return seconds, cpu, ratio
 
 
 def worker(rank: int, world: int, port: int, root: str, args: argparse.Namespace) -> None:
@@ -128,22 +130,24 @@ def worker(rank: int, world: int, port: int, root: str, args: argparse.Namespace
             got, path = figures[name], Path(root) / f"{name.replace(' ', '_')}-{rep}"
             if rank < 2:
                 dist.barrier(savers)
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 save(blocks, str(path), process_group=savers, layout=LAYOUTS[name])
                 got["save"].append(time.perf_counter() - start)
+                got["save CPU"].append(time.process_time() - cpu)
             dist.barrier()
             drop(path)
             dist.barrier()
             if at_two is not None:
-                seconds, ratio = at_two.run(path, savers)
+                seconds, cpu, ratio = at_two.run(path, savers)
                 got["load at 2"].append(seconds)
+                got["load at 2 CPU"].append(cpu)
                 got["read at 2"].append(ratio)
             dist.barrier()
             total = 0.0
             for axis, loads in at_four.items():
                 drop(path)
                 dist.barrier()
-                seconds, ratio = loads.run(path, None)
+                seconds, _, ratio = loads.run(path, None)
                 total += seconds
                 ratios = [0.0] * world
                 dist.all_gather_object(ratios, ratio)
@@ -161,6 +165,13 @@ def worker(rank: int, world: int, port: int, root: str, args: argparse.Namespace
             for what, values in figures[name].items():
                 unit = "x" if what.startswith("read") else " s"
                 line.append(f"{what} {statistics.median(values):.3f}{unit} ({min(values):.3f}-{max(values):.3f})")
+            print("; ".join(line), flush=True)
+        first, *others = names
+        for other in others:  # paired by round: the machine's phases fall on both alike
+            line = [f"{first} / {other}, median of per-round ratios (range)"]
+            for what in (w for w in figures[first] if not w.startswith("read")):
+                ratios = [a / b for a, b in zip(figures[first][what], figures[other][what])]
+                line.append(f"{what} {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
             print("; ".join(line), flush=True)
     dist.destroy_process_group()
 

@@ -98,3 +98,57 @@ def test_a_flipped_byte_in_a_block_read_names_its_inner_chunk(tmp_path: Path, mo
     wanted = {i: memoryview(bytearray(inner - 4)) for i in range(2, 6)}
     with pytest.raises(CheckpointingException, match=r"chunk c\.0 of array 'w'.*inner chunk 3 crc32c mismatch"):
         read_inner(ChunkRanges(chunk), 8, wanted)
+
+
+class _CountingFiles(FileChunkStore):
+    """A ``FileChunkStore`` that records each read: whole objects, ranges, suffixes."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.reads: list[str] = []
+
+    def get_into_folded(self, rel, views, tail, fold):  # type: ignore[no-untyped-def]
+        self.reads.append("whole")
+        return super().get_into_folded(rel, views, tail, fold)
+
+    def get_range_into_folded(self, rel, offset, views, fold):  # type: ignore[no-untyped-def]
+        self.reads.append("range")
+        return super().get_range_into_folded(rel, offset, views, fold)
+
+    def get_suffix(self, rel, nbytes):  # type: ignore[no-untyped-def]
+        self.reads.append("suffix")
+        return super().get_suffix(rel, nbytes)
+
+
+def test_a_shard_read_whole_is_one_read_as_a_chunk_is(tmp_path: Path) -> None:
+    codec, values, chunk, crc = _saved(tmp_path)
+    chunk.store = _CountingFiles(tmp_path)
+    out = np.zeros_like(values)
+    assert codec.read_into(chunk, [memoryview(out.reshape(-1).view(np.uint8))]) == crc
+    assert np.array_equal(out, values)
+    assert chunk.store.reads == ["whole"]  # no index read first, no second request
+
+
+@pytest.mark.parametrize("layout", ["a gap first", "inner chunks reversed"])
+def test_a_shard_of_another_layout_read_whole_falls_back_to_its_index(tmp_path: Path, layout: str) -> None:
+    """Zarr allows gaps between inner chunks and any order: the index says where each is."""
+    codec, values = _codec_and_data()
+    inner = [memoryview(part.reshape(-1).view(np.uint8)) for part in np.split(values, 8)]
+    encoded = sharding.encode_shard(inner)
+    stored = [(encoded.pieces[2 * k], encoded.pieces[2 * k + 1]) for k in range(8)]  # (bytes, trailer)
+    gap = 16 if layout == "a gap first" else 0
+    order = list(range(8)) if gap else list(reversed(range(8)))
+    step = len(inner[0]) + 4
+    entries = tuple((gap + order.index(k) * step, step) for k in range(8))
+    pieces = [memoryview(bytes(gap)), *(p for k in order for p in stored[k]), encoded.pieces[-2],
+              memoryview(sharding.ShardIndex(entries).encode())]
+    index_crc = int.from_bytes(bytes(pieces[-1][-4:]), "little")
+    store = _CountingFiles(tmp_path)
+    (tmp_path / "w").mkdir()
+    store.put("w/c.0", pieces)
+    chunk = _Chunk(store)
+    out = np.zeros_like(values)
+    crc = codec.read_into(chunk, [memoryview(out.reshape(-1).view(np.uint8))])
+    assert np.array_equal(out, values)
+    assert crc == sharding._shard_crc((r.crc for r in encoded.inner), index_crc)
+    assert store.reads[:2] == ["whole", "suffix"] and set(store.reads[2:]) == {"range"}

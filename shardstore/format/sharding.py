@@ -19,7 +19,8 @@ index's crc32c (``index_codecs`` ``[bytes, crc32c]``, ``index_location`` ``end``
   all); checks the index's crc32c, its entries and every inner chunk read against its
   trailer and the table; returns the shard's ``crc`` from the table and the index,
   which the caller compares with the record's, so the inner chunks it did not read are
-  bound too. Errors name the shard and the inner chunk.
+  bound too. Errors name the shard and the inner chunk. A reader of every inner chunk
+  reads the shard in one pass instead, as a chunk is read (``_read_whole``).
 - ``ShardingIndexed``: the same as a ``format.codecs.ChunkCodec`` (registered here), for
   any inner grid that tiles the shard (``check_chunk_shape``). A shard's decoded bytes
   (what ``encode`` takes, ``read_into`` gives, and the record's digest is taken of) are
@@ -272,16 +273,7 @@ def read_inner(
     stored, size = found
     if len(stored) != suffix:
         raise CheckpointingException(f"Corrupt {where}: {size} bytes, too short for {count} inner chunks' index")
-    table = np.frombuffer(stored[: count * CRC_BYTES], dtype="<u4").tolist()
-    index = ShardIndex.decode(stored[count * CRC_BYTES :], count, size - suffix, where)
-    index_crc = int.from_bytes(stored[-CRC_BYTES:], "little")
-    for i, entry in enumerate(index.entries):
-        if entry is None and i not in empty:
-            raise CheckpointingException(
-                f"Corrupt {where}: inner chunk {i} is marked empty in the shard's index (offset and length "
-                "2**64-1), which shardstore never writes and its commit record does not name: its values are "
-                "lost, the shard was changed after the save. Load an earlier checkpoint or restore this one"
-            )
+    table, index, index_crc = _parsed_suffix(stored, size, count, where, empty)
     crcs: dict[int, int | None] = {}
     for run in _runs(index, sorted(wanted)):
         trailers = [bytearray(CRC_BYTES) for _ in run]
@@ -292,15 +284,76 @@ def read_inner(
         folded = _RunCrcs([len(wanted[i]) for i in run])
         if source.read_range_into(start, views, folded) != sum(len(v) for v in views):
             raise CheckpointingException(f"Corrupt {where}: inner chunk {run[0]} truncated")
-        for i, trailer, crc in zip(run, trailers, folded.crcs):
-            if crc != int.from_bytes(trailer, "little"):
-                raise CheckpointingException(f"Corrupt {where}: inner chunk {i} crc32c mismatch")
-            crcs[i] = crc
-            if crc != table[i]:
-                raise CheckpointingException(f"Corrupt {where}: inner chunk {i} is not the one its crc table names")
+        crcs |= _checked_run(run, trailers, folded.crcs, table, where)
     for i in wanted.keys() - crcs.keys():
         wanted[i][:] = bytes(len(wanted[i]))
     return _shard_crc((None if entry is None else table[i] for i, entry in enumerate(index.entries)), index_crc)
+
+
+def _read_whole(chunk: ChunkSource, inner: list[memoryview]) -> int | None:
+    """Fills ``inner`` (every inner chunk's raw bytes, in order) from a shard laid out
+    as ``encode_shard`` lays it out, in one pass as a chunk is read (one request, each
+    inner chunk's crc32c taken as its bytes land), the index read last and checked as
+    ``read_inner`` checks it; returns the shard's crc32c. None where the object is
+    another size or its index another layout (another writer's shard): the caller then
+    reads it with ``read_inner``. Only for stores that tell a longer object
+    (``ChunkStore.tells_longer``).
+
+    Raises:
+        CheckpointingException: as ``read_inner``, naming ``chunk.describe()``."""
+    where, count = chunk.describe(), len(inner)
+    trailers = [bytearray(CRC_BYTES) for _ in inner]
+    suffix = bytearray(ShardIndex.suffix_nbytes(count))
+    views = [v for data, t in zip(inner, trailers) for v in (data, memoryview(t))] + [memoryview(suffix)]
+    folded = _RunCrcs([len(data) for data in inner])
+    got = chunk.store.get_into_folded(chunk.rel, views, 1, folded)
+    if got is None:
+        raise CheckpointingException(f"Missing {where}: the checkpoint is damaged")
+    size = sum(len(v) for v in views)
+    if got[0] + len(got[1]) != size:
+        return None
+    table, index, index_crc = _parsed_suffix(bytes(suffix), size, count, where, frozenset())
+    at, layout = 0, []
+    for data in inner:
+        layout.append((at, len(data) + CRC_BYTES))
+        at += len(data) + CRC_BYTES
+    if list(index.entries) != layout:
+        return None
+    _checked_run(range(count), trailers, folded.crcs, table, where)
+    return _shard_crc(table, index_crc)
+
+
+def _parsed_suffix(
+    stored: bytes, size: int, count: int, where: str, empty: frozenset[int],
+) -> tuple[list[int], ShardIndex, int]:
+    """A shard's crc table, index and the index's crc32c from its last bytes
+    (``stored``, of a shard of ``size`` bytes), checked; inner chunks marked empty are
+    refused unless ``empty`` names them."""
+    table = np.frombuffer(stored[: count * CRC_BYTES], dtype="<u4").tolist()
+    index = ShardIndex.decode(stored[count * CRC_BYTES :], count, size - len(stored), where)
+    for i, entry in enumerate(index.entries):
+        if entry is None and i not in empty:
+            raise CheckpointingException(
+                f"Corrupt {where}: inner chunk {i} is marked empty in the shard's index (offset and length "
+                "2**64-1), which shardstore never writes and its commit record does not name: its values are "
+                "lost, the shard was changed after the save. Load an earlier checkpoint or restore this one"
+            )
+    return table, index, int.from_bytes(stored[-CRC_BYTES:], "little")
+
+
+def _checked_run(
+    run: Iterable[int], trailers: list[bytearray], crcs: list[int], table: list[int], where: str,
+) -> dict[int, int | None]:
+    """The crc32c of each inner chunk of ``run`` as read (``crcs``), checked against its
+    ``trailers`` and the crc ``table``."""
+    checked: dict[int, int | None] = {}
+    for i, trailer, crc in zip(run, trailers, crcs):
+        if crc != int.from_bytes(trailer, "little"):
+            raise CheckpointingException(f"Corrupt {where}: inner chunk {i} crc32c mismatch")
+        if crc != table[i]:
+            raise CheckpointingException(f"Corrupt {where}: inner chunk {i} is not the one its crc table names")
+        checked[i] = crc
+    return checked
 
 
 def _runs(index: ShardIndex, wanted: list[int]) -> list[list[int]]:
@@ -322,10 +375,11 @@ def _runs(index: ShardIndex, wanted: list[int]) -> list[list[int]]:
 class _RunCrcs:
     """The crc32c of each inner chunk of a run read at once (``read_inner``), taken as
     its bytes land (the read's ``fold``), while they are in the CPU's cache: the run's
-    views alternate an inner chunk's ``sizes[k]`` bytes and its trailer, skipped."""
+    views alternate an inner chunk's ``sizes[k]`` bytes and its trailer; the trailers
+    and any bytes after the run (a shard's index, ``_read_whole``) are skipped."""
 
     def __init__(self, sizes: list[int]) -> None:
-        self.segments = [n for size in sizes for n in (size, CRC_BYTES)]
+        self.segments = [n for size in sizes for n in (size, CRC_BYTES)] + [0, 2**63]
         self.crcs = [0] * len(sizes)
         self.segment, self.left = 0, self.segments[0]
 
@@ -619,8 +673,9 @@ class ShardingIndexed(ChunkCodec):
         return count * (self.inner_nbytes + CRC_BYTES) + ShardIndex.suffix_nbytes(count)
 
     def read_into(self, chunk: ChunkSource, views: list[memoryview]) -> int:
-        """Reads the shard and checks it with ``read_inner``: its inner chunks straight
-        into ``views`` by ranged reads (two requests, no copy); read whole once
+        """Reads the shard and checks it: its inner chunks straight into ``views`` in one
+        pass as a chunk is read (``_read_whole``) where the store tells a longer object,
+        else by ranged reads (``read_inner``: two requests, no copy); read whole once
         (``WholeObject``, one request) where the shard is at most what one more request
         costs (``ChunkStore.request_bytes``). An inner chunk split over several
         ``views`` is read into a buffer first. The bytes held besides ``views``: the
@@ -633,6 +688,10 @@ class ShardingIndexed(ChunkCodec):
             if source is None:
                 raise CheckpointingException(f"Missing {chunk.describe()}: the checkpoint is damaged")
         inner = _inner_views(views, self.inner_nbytes)
+        if inner is not None and isinstance(source, ChunkRanges) and chunk.store.tells_longer:
+            crc = _read_whole(chunk, inner)  # as a chunk is read: one request, no index read first
+            if crc is not None:
+                return crc
         if inner is not None:
             return read_inner(source, count, dict(enumerate(inner)))
         buffer = bytearray(count * self.inner_nbytes)
@@ -652,11 +711,12 @@ class ShardingIndexed(ChunkCodec):
         in place, the whole one would be copied);
         straight into ``out`` when the one box is the shard, ``out`` is C-contiguous and
         the shard's decoded bytes are its C order."""
-        grid = InnerGrid.of(shard_shape, self.chunk_shape, shard_shape)
-        count, step, c_ordered = len(grid.starts), self.inner_nbytes, self.c_ordered(shard_shape)
+        c_ordered = self.c_ordered(shard_shape)
         if c_ordered and len(parts) == 1 and parts[0][1].flags.c_contiguous and all(
                 (s.start, s.stop) == (0, n) for s, n in zip(parts[0][0], shard_shape)):
             return self.read_into(chunk, [memoryview(parts[0][1].reshape(-1).view(np.uint8))])
+        grid = InnerGrid.of(shard_shape, self.chunk_shape, shard_shape)
+        count, step = len(grid.starts), self.inner_nbytes
         ends = grid.starts + np.asarray(self.chunk_shape, dtype=np.int64)
         hits = [np.all((grid.starts < [s.stop for s in box]) & (ends > [s.start for s in box]), axis=1)
                 for box, _ in parts]

@@ -152,3 +152,17 @@ def test_a_shard_of_another_layout_read_whole_falls_back_to_its_index(tmp_path: 
     assert np.array_equal(out, values)
     assert crc == sharding._shard_crc((r.crc for r in encoded.inner), index_crc)
     assert store.reads[:2] == ["whole", "suffix"] and set(store.reads[2:]) == {"range"}
+
+
+def test_a_run_of_whole_inner_chunks_lands_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 2 -> 4 load of first-axis blocks asks for half a shard: its inner chunks are
+    read straight into the target, not into a buffer copied out."""
+    codec, values, chunk, crc = _saved(tmp_path)
+
+    def copied(*_: object) -> None:
+        raise AssertionError("copied out of a buffer")
+
+    monkeypatch.setattr(sharding, "_box", copied)
+    out = np.zeros((ROWS // 2, COLS), np.float32)
+    assert codec.read_boxes_into(chunk, (ROWS, COLS), [((slice(ROWS // 2, ROWS), slice(0, COLS)), out)]) == crc
+    assert np.array_equal(out, values[ROWS // 2 :])

@@ -323,9 +323,8 @@ def _read_whole(chunk: ChunkSource, inner: list[memoryview]) -> int | None:
     return _shard_crc(table, index_crc)
 
 
-def _parsed_suffix(
-    stored: bytes, size: int, count: int, where: str, empty: frozenset[int],
-) -> tuple[list[int], ShardIndex, int]:
+def _parsed_suffix(stored: bytes, size: int, count: int, where: str, empty: frozenset[int]
+                   ) -> tuple[list[int], ShardIndex, int]:
     """A shard's crc table, index and the index's crc32c from its last bytes
     (``stored``, of a shard of ``size`` bytes), checked; inner chunks marked empty are
     refused unless ``empty`` names them."""
@@ -341,9 +340,8 @@ def _parsed_suffix(
     return table, index, int.from_bytes(stored[-CRC_BYTES:], "little")
 
 
-def _checked_run(
-    run: Iterable[int], trailers: list[bytearray], crcs: list[int], table: list[int], where: str,
-) -> dict[int, int | None]:
+def _checked_run(run: Iterable[int], trailers: list[bytearray], crcs: list[int], table: list[int], where: str
+                 ) -> dict[int, int | None]:
     """The crc32c of each inner chunk of ``run`` as read (``crcs``), checked against its
     ``trailers`` and the crc ``table``."""
     checked: dict[int, int | None] = {}
@@ -709,8 +707,9 @@ class ShardingIndexed(ChunkCodec):
         its storage (``ChunkStore.request_bytes``: nothing locally, 8 MiB on S3), except
         where it is all needed and requests cost nothing (locally: the ranged read lands
         in place, the whole one would be copied);
-        straight into ``out`` when the one box is the shard, ``out`` is C-contiguous and
-        the shard's decoded bytes are its C order."""
+        straight into ``out`` when the one box is the shard or a run of its inner chunks
+        (a load at another layout of first-axis blocks), ``out`` is C-contiguous and the
+        shard's decoded bytes are its C order."""
         c_ordered = self.c_ordered(shard_shape)
         if c_ordered and len(parts) == 1 and parts[0][1].flags.c_contiguous and all(
                 (s.start, s.stop) == (0, n) for s, n in zip(parts[0][0], shard_shape)):
@@ -727,10 +726,16 @@ class ShardingIndexed(ChunkCodec):
             source = WholeObject.read(chunk, self.stored_nbytes(count * step))
             if source is None:
                 raise CheckpointingException(f"Missing {chunk.describe()}: the checkpoint is damaged")
+        one_run = c_ordered and needed[-1] - needed[0] + 1 == len(needed)  # along the split axis
+        box, out = parts[0]
+        if one_run and len(parts) == 1 and out.flags.c_contiguous and [(s.start, s.stop) for s in box] == list(
+                zip(grid.starts[needed[0]].tolist(), ends[needed[-1]].tolist())):  # the box is these inner chunks
+            flat = memoryview(out.reshape(-1).view(np.uint8))
+            return read_inner(source, count, {i: flat[k * step : (k + 1) * step] for k, i in enumerate(needed)})
         buffer = np.empty(len(needed) * step, np.uint8)
         crc = read_inner(source, count, {i: memoryview(buffer[k * step : (k + 1) * step]) for k, i in enumerate(needed)})
         values = buffer.view(parts[0][1].dtype)
-        if c_ordered and needed[-1] - needed[0] + 1 == len(needed):  # one C-ordered run along the split axis
+        if one_run:
             axis = self._split_axis(shard_shape) or 0
             run = values.reshape([len(needed) * n if a == axis else n for a, n in enumerate(self.chunk_shape)])
             for box, out in parts:

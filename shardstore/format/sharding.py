@@ -296,8 +296,8 @@ def _read_whole(chunk: ChunkSource, inner: list[memoryview]) -> int | None:
     inner chunk's crc32c taken as its bytes land), the index read last and checked as
     ``read_inner`` checks it; returns the shard's crc32c. None where the object is
     another size or its index another layout (another writer's shard): the caller then
-    reads it with ``read_inner``. Only for stores that tell a longer object
-    (``ChunkStore.tells_longer``).
+    reads it with ``read_inner``. A store that cannot tell a longer object
+    (``ChunkStore.tells_longer``: S3) reads one as its first bytes, refused by the index check.
 
     Raises:
         CheckpointingException: as ``read_inner``, naming ``chunk.describe()``."""
@@ -672,24 +672,21 @@ class ShardingIndexed(ChunkCodec):
 
     def read_into(self, chunk: ChunkSource, views: list[memoryview]) -> int:
         """Reads the shard and checks it: its inner chunks straight into ``views`` in one
-        pass as a chunk is read (``_read_whole``) where the store tells a longer object,
-        else by ranged reads (``read_inner``: two requests, no copy); read whole once
-        (``WholeObject``, one request) where the shard is at most what one more request
-        costs (``ChunkStore.request_bytes``). An inner chunk split over several
-        ``views`` is read into a buffer first. The bytes held besides ``views``: the
-        shard's index, or the shard where it is read whole."""
+        pass as a chunk is read (``_read_whole``: one request, no copy); a shard another
+        writer laid out by its index (``read_inner``): by ranged reads, or read whole
+        once (``WholeObject``) where it is at most what one more request costs
+        (``ChunkStore.request_bytes``). An inner chunk split over several ``views`` is
+        read into a buffer first. The bytes held besides ``views``: the shard's index,
+        or the shard where it is read whole."""
         count = self._count(sum(len(v) for v in views), chunk.describe())
-        stored = self.stored_nbytes(count * self.inner_nbytes)
+        inner = _inner_views(views, self.inner_nbytes)
+        if inner is not None and (crc := _read_whole(chunk, inner)) is not None:
+            return crc
         source: ByteRanges | None = ChunkRanges(chunk)
-        if stored <= chunk.store.request_bytes:
+        if (stored := self.stored_nbytes(count * self.inner_nbytes)) <= chunk.store.request_bytes:
             source = WholeObject.read(chunk, stored)
             if source is None:
                 raise CheckpointingException(f"Missing {chunk.describe()}: the checkpoint is damaged")
-        inner = _inner_views(views, self.inner_nbytes)
-        if inner is not None and isinstance(source, ChunkRanges) and chunk.store.tells_longer:
-            crc = _read_whole(chunk, inner)  # as a chunk is read: one request, no index read first
-            if crc is not None:
-                return crc
         if inner is not None:
             return read_inner(source, count, dict(enumerate(inner)))
         buffer = bytearray(count * self.inner_nbytes)

@@ -166,3 +166,19 @@ def test_a_run_of_whole_inner_chunks_lands_in_place(tmp_path: Path, monkeypatch:
     out = np.zeros((ROWS // 2, COLS), np.float32)
     assert codec.read_boxes_into(chunk, (ROWS, COLS), [((slice(ROWS // 2, ROWS), slice(0, COLS)), out)]) == crc
     assert np.array_equal(out, values[ROWS // 2 :])
+
+
+class _ObjectStoreLike(_CountingFiles):
+    """Counts reads as ``_CountingFiles``, priced as an object store: a request costs
+    what 1 KiB does, and a read cannot tell a longer object."""
+
+    request_bytes = 1024
+    tells_longer = False
+
+
+def test_a_shard_read_whole_is_one_request_on_an_object_store(tmp_path: Path) -> None:
+    codec, values, chunk, crc = _saved(tmp_path)
+    chunk.store = _ObjectStoreLike(tmp_path)
+    out = np.zeros_like(values)
+    assert codec.read_into(chunk, [memoryview(out.reshape(-1).view(np.uint8))]) == crc
+    assert np.array_equal(out, values) and chunk.store.reads == ["whole"]

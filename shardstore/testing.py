@@ -210,6 +210,13 @@ class StoreTests:
             chunks.get_range_into("k/obj", offset, views)
             assert b"".join(views) == data[offset : offset + sum(lengths)], (offset, lengths)
 
+    def test_a_folded_chunk_range_hands_the_fold_every_byte_in_order(self, store: Store) -> None:
+        chunks, data = _ranges_of(store)
+        seen: list[bytes] = []
+        views = [memoryview(bytearray(n)) for n in (100, 1, 400)]
+        chunks.get_range_into_folded("k/obj", 37, views, lambda piece: seen.append(bytes(piece)))
+        assert b"".join(views) == b"".join(seen) == data[37:538]
+
     def test_a_chunk_suffix_is_the_last_bytes_and_the_size(self, store: Store) -> None:
         chunks, data = _ranges_of(store)
         assert chunks.get_suffix("k/obj", 20) == (data[-20:], len(data))

@@ -16,6 +16,7 @@ import torch
 
 from shardstore import CheckpointingException, ShardedTensor, load, save, verify
 from shardstore.format.sharding import ShardIndex, encode_shard, read_inner
+from shardstore.stores.base import Fold
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 from tests.scenarios import rewrite_record
 
@@ -81,10 +82,11 @@ def test_read_inner_reads_an_empty_marker_as_zeros_only_where_it_is_told_the_chu
         def read_suffix(self, n: int) -> tuple[bytes, int]:
             return data[-n:], len(data)
 
-        def read_range_into(self, offset: int, out: list[memoryview]) -> int:
+        def read_range_into(self, offset: int, out: list[memoryview], fold: Fold) -> int:
             at = offset
             for v in out:
                 v[:] = data[at : at + len(v)]
+                fold(v)
                 at += len(v)
             return at - offset
 

@@ -1,4 +1,4 @@
-"""Reads at the layout's grain (issue 65.7): with ``read_grain=1 MiB``, blocks split along
+"""Reads at the layout's grain (issue 65.7): with the default layout, blocks split along
 their first axis are stored as one shard per chunk, written by the block's holder, whose
 inner chunks cut the rows, so a 2 -> 4 rank load reads at most 1.25x what it loads (2x
 with whole chunks); loads are bit-exact at 4, 3 and 1 ranks, plain readers read it."""
@@ -59,13 +59,14 @@ def loaded_counting_bytes(rank: int, world: int, ckpt: str) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def default(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ckpt = tmp_path_factory.mktemp("grain") / "ckpt"
-    run_distributed(saved, 2, str(ckpt), StorageLayout(read_grain=DEFAULT_READ_GRAIN))
+    run_distributed(saved, 2, str(ckpt), StorageLayout())
     return ckpt
 
 
-def test_the_read_grain_is_asked_for_and_checked() -> None:
-    assert StorageLayout().chosen_for(LayoutSite(world_size=2)).read_grain is None  # whole chunks by default
-    assert DEFAULT_READ_GRAIN == 1 << 20
+@pytest.mark.parametrize("site", [LayoutSite(world_size=2), LayoutSite(world_size=64, object_store=True),
+                                  LayoutSite(world_size=2, can_exchange=False)])
+def test_the_default_read_grain_is_1_mib_and_checked(site: LayoutSite) -> None:
+    assert StorageLayout().chosen_for(site).read_grain == DEFAULT_READ_GRAIN == 1 << 20
     assert StorageLayout(read_grain=None).chosen_for(LayoutSite()).read_grain is None
     with pytest.raises(ValueError, match="read_grain"):
         StorageLayout(read_grain=0)

@@ -252,7 +252,7 @@ def _count_chunk_reads() -> list[int]:
     from shardstore.stores.local import FileChunkStore
 
     read = [0]
-    real_into, real_range, real_suffix = FileChunkStore.get_into, FileChunkStore.get_range_into, FileChunkStore.get_suffix
+    real_into, real_range, real_suffix = FileChunkStore.get_into, FileChunkStore.get_range_into_folded, FileChunkStore.get_suffix
     real_folded = FileChunkStore.get_into_folded
 
     def get_into(self, rel, views, tail):
@@ -265,8 +265,8 @@ def _count_chunk_reads() -> list[int]:
         read[0] += 0 if got is None else got[0] + len(got[1])
         return got
 
-    def get_range_into(self, rel, offset, views):
-        real_range(self, rel, offset, views)
+    def get_range_into_folded(self, rel, offset, views, fold):  # get_range_into's too
+        real_range(self, rel, offset, views, fold)
         read[0] += sum(len(v) for v in views)
 
     def get_suffix(self, rel, nbytes):
@@ -274,8 +274,8 @@ def _count_chunk_reads() -> list[int]:
         read[0] += 0 if got is None else len(got[0])
         return got
 
-    FileChunkStore.get_into, FileChunkStore.get_range_into, FileChunkStore.get_suffix = (
-        get_into, get_range_into, get_suffix)
+    FileChunkStore.get_into, FileChunkStore.get_range_into_folded, FileChunkStore.get_suffix = (
+        get_into, get_range_into_folded, get_suffix)
     FileChunkStore.get_into_folded = get_into_folded
     return read
 

@@ -78,7 +78,7 @@ def _counting_reads() -> Iterator[list[int]]:
     """``_count_chunk_reads`` in this process, undone on leaving."""
     from shardstore.stores.local import FileChunkStore
 
-    names = ("get_into", "get_into_folded", "get_range_into", "get_suffix")
+    names = ("get_into", "get_into_folded", "get_range_into_folded", "get_suffix")
     real = {name: getattr(FileChunkStore, name) for name in names}
     try:
         yield _count_chunk_reads()

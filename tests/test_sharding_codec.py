@@ -29,7 +29,7 @@ from shardstore.format.sharding import (
     encode_shard,
     read_inner,
 )
-from shardstore.stores.base import ChunkMismatch
+from shardstore.stores.base import ChunkMismatch, Fold, fold_landed
 from shardstore.stores.local import FileChunkStore
 
 LITTLE = {"name": "bytes", "configuration": {"endian": "little"}}
@@ -60,12 +60,13 @@ class FileRanges:
         self.requests.append((size - len(data), len(data)))
         return data, size
 
-    def read_range_into(self, offset: int, views: list[memoryview]) -> int:
+    def read_range_into(self, offset: int, views: list[memoryview], fold: Fold) -> int:
         fd = os.open(self.path, os.O_RDONLY)
         try:
             got = os.preadv(fd, views, offset)
         finally:
             os.close(fd)
+        fold_landed(views, got, fold)
         self.requests.append((offset, got))
         return got
 
@@ -272,8 +273,8 @@ class CountingFiles(FileChunkStore):
         self.reads.append(("suffix", 0 if found is None else len(found[0])))
         return found
 
-    def get_range_into(self, rel: str, offset: int, views: list[memoryview]) -> None:
-        super().get_range_into(rel, offset, views)
+    def get_range_into_folded(self, rel: str, offset: int, views: list[memoryview], fold: Fold | None) -> None:
+        super().get_range_into_folded(rel, offset, views, fold)
         self.reads.append(("range", sum(len(v) for v in views)))
 
 
@@ -300,7 +301,7 @@ def test_a_range_past_a_shards_end_names_the_shard(tmp_path: Path) -> None:
     _write_array(tmp_path / "w", values, "float32")
     source = ChunkRanges(_Chunk(FileChunkStore(tmp_path / "w")))
     with pytest.raises(CheckpointingException, match=r"chunk c\.0\.0 of array 'w'.*292 bytes.*past its end"):
-        source.read_range_into(200, [memoryview(bytearray(52)), memoryview(bytearray(52))])
+        source.read_range_into(200, [memoryview(bytearray(52)), memoryview(bytearray(52))], lambda _: None)
     (tmp_path / "w" / "c.0.0").unlink()
     with pytest.raises(CheckpointingException, match=r"Missing chunk c\.0\.0 of array 'w'"):
         read_inner(source, 4, {0: memoryview(bytearray(48))})

@@ -80,7 +80,7 @@ def test_the_strategys_keywords_join_the_saves_layout(tmp_path: Path) -> None:
          layout=StorageLayout(pack_arrays_up_to=0))
     layout = json.loads((path / "zarr.json").read_text())["attributes"]["shardstore"]["layout"]
     assert layout == {"max_chunk_bytes": 4096, "shard_bytes": None, "pack_arrays_up_to": 0, "zarr_metadata": "per_node",
-                      "read_grain": None}
+                      "read_grain": 1 << 20}
     with pytest.raises(CheckpointingException, match="max_chunk_bytes"):
         save(state, str(path), overwrite=True, sharded_strategy=ZarrSaveShardedStrategy(max_chunk_bytes=4096),
              layout=StorageLayout(max_chunk_bytes=8192))
@@ -92,6 +92,7 @@ def test_the_save_says_its_layout_on_its_info_line(tmp_path: Path, caplog: pytes
         save(state, str(tmp_path / "ckpt"))
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "layout:" in r.getMessage()]
     assert lines and "packs <= 256 KiB" in lines[-1] and "metadata per_node" in lines[-1], lines
+    assert "read in 1 MiB pieces" in lines[-1], lines
 
 
 def test_inspect_says_the_layout(tmp_path: Path) -> None:
@@ -103,4 +104,4 @@ def test_inspect_says_the_layout(tmp_path: Path) -> None:
     save(state, str(tmp_path / "ckpt"), layout=StorageLayout(pack_arrays_up_to=0))
     result = CliRunner().invoke(main, ["inspect", str(tmp_path / "ckpt")])
     assert result.exit_code == 0, result.output
-    assert "layout chunks <= 64 MiB read whole, no shards, no packs, metadata per_node" in result.output
+    assert "layout chunks <= 64 MiB read in 1 MiB pieces, no shards, no packs, metadata per_node" in result.output

@@ -19,7 +19,8 @@ index's crc32c (``index_codecs`` ``[bytes, crc32c]``, ``index_location`` ``end``
   all); checks the index's crc32c, its entries and every inner chunk read against its
   trailer and the table; returns the shard's ``crc`` from the table and the index,
   which the caller compares with the record's, so the inner chunks it did not read are
-  bound too. Errors name the shard and the inner chunk.
+  bound too. Errors name the shard and the inner chunk. A reader of every inner chunk
+  reads the shard in one pass instead, as a chunk is read (``_read_whole``).
 - ``ShardingIndexed``: the same as a ``format.codecs.ChunkCodec`` (registered here), for
   any inner grid that tiles the shard (``check_chunk_shape``). A shard's decoded bytes
   (what ``encode`` takes, ``read_into`` gives, and the record's digest is taken of) are
@@ -73,7 +74,7 @@ __all__ = [
 
 import hashlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -90,9 +91,10 @@ from shardstore.format.codecs import (
     ChunkCodec,
     ChunkSource,
     EncodedChunk,
+    StreamedChunk,
     register,
 )
-from shardstore.stores.base import ChunkMismatch, StorageError
+from shardstore.stores.base import ChunkMismatch, Fold, StorageError
 
 EMPTY = 2**64 - 1
 INDEX_ENTRY_BYTES = 16
@@ -197,24 +199,31 @@ def encode_shard(inner: Sequence[memoryview | None]) -> EncodedShard:
     ``crc`` before it reads the inner chunks it needs."""
     pieces: list[memoryview] = []
     records: list[InnerRecord | None] = []
-    entries: list[tuple[int, int] | None] = []
-    offset = 0
     for data in inner:
         if data is None:
             records.append(None)
-            entries.append(None)
             continue
         crc = crc32c.crc32c(data)
         records.append(InnerRecord(crc, xxhash.xxh3_128_hexdigest(data)))
         pieces += [data, _trailer(crc)]
-        entries.append((offset, len(data) + CRC_BYTES))
-        offset += len(data) + CRC_BYTES
+    crcs = [None if r is None else r.crc for r in records]
+    suffix, index_crc, crc = _suffix([None if d is None else len(d) for d in inner], crcs)
+    return EncodedShard((*pieces, *suffix), tuple(records), index_crc, crc)
+
+
+def _suffix(sizes: Sequence[int | None], crcs: Sequence[int | None]) -> tuple[list[memoryview], int, int]:
+    """What follows the inner chunks of ``sizes`` bytes with ``crcs`` (None: empty, not
+    stored): the crc table and the index (``encode_shard``); with the index's crc32c
+    and the shard's ``crc``."""
+    entries: list[tuple[int, int] | None] = []
+    offset = 0
+    for size in sizes:
+        entries.append(None if size is None else (offset, size + CRC_BYTES))
+        offset += 0 if size is None else size + CRC_BYTES
     index = ShardIndex(tuple(entries)).encode()
     index_crc = int.from_bytes(index[-CRC_BYTES:], "little")
-    table = np.array([0 if r is None else r.crc for r in records], dtype="<u4").tobytes()
-    pieces += [memoryview(table), memoryview(index)]
-    crc = _shard_crc((None if r is None else r.crc for r in records), index_crc)
-    return EncodedShard(tuple(pieces), tuple(records), index_crc, crc)
+    table = np.array([0 if crc is None else crc for crc in crcs], dtype="<u4").tobytes()
+    return [memoryview(table), memoryview(index)], index_crc, _shard_crc(crcs, index_crc)
 
 
 def _trailer(crc: int) -> memoryview:
@@ -237,8 +246,9 @@ class ByteRanges(Protocol):
         """The object's last ``n`` bytes (fewer if it is shorter) and its length, or
         None when it does not exist."""
 
-    def read_range_into(self, offset: int, views: list[memoryview]) -> int:
-        """Fills ``views`` in order from ``offset``; returns the bytes that landed."""
+    def read_range_into(self, offset: int, views: list[memoryview], fold: Fold) -> int:
+        """Fills ``views`` in order from ``offset``, handing ``fold`` the bytes that
+        landed, in order (``ChunkStore.get_range_into_folded``); returns their count."""
 
 
 def read_inner(
@@ -263,16 +273,7 @@ def read_inner(
     stored, size = found
     if len(stored) != suffix:
         raise CheckpointingException(f"Corrupt {where}: {size} bytes, too short for {count} inner chunks' index")
-    table = np.frombuffer(stored[: count * CRC_BYTES], dtype="<u4").tolist()
-    index = ShardIndex.decode(stored[count * CRC_BYTES :], count, size - suffix, where)
-    index_crc = int.from_bytes(stored[-CRC_BYTES:], "little")
-    for i, entry in enumerate(index.entries):
-        if entry is None and i not in empty:
-            raise CheckpointingException(
-                f"Corrupt {where}: inner chunk {i} is marked empty in the shard's index (offset and length "
-                "2**64-1), which shardstore never writes and its commit record does not name: its values are "
-                "lost, the shard was changed after the save. Load an earlier checkpoint or restore this one"
-            )
+    table, index, index_crc = _parsed_suffix(stored, size, count, where, empty)
     crcs: dict[int, int | None] = {}
     for run in _runs(index, sorted(wanted)):
         trailers = [bytearray(CRC_BYTES) for _ in run]
@@ -280,15 +281,77 @@ def read_inner(
         for i in run:
             _check_size(index, i, len(wanted[i]), where)
         start = index.entries[run[0]][0]  # type: ignore[index]
-        if source.read_range_into(start, views) != sum(len(v) for v in views):
+        folded = _RunCrcs([len(wanted[i]) for i in run])
+        if source.read_range_into(start, views, folded) != sum(len(v) for v in views):
             raise CheckpointingException(f"Corrupt {where}: inner chunk {run[0]} truncated")
-        for i, trailer in zip(run, trailers):
-            crcs[i] = _checked_crc(wanted[i], trailer, i, where)
-            if crcs[i] != table[i]:
-                raise CheckpointingException(f"Corrupt {where}: inner chunk {i} is not the one its crc table names")
+        crcs |= _checked_run(run, trailers, folded.crcs, table, where)
     for i in wanted.keys() - crcs.keys():
         wanted[i][:] = bytes(len(wanted[i]))
     return _shard_crc((None if entry is None else table[i] for i, entry in enumerate(index.entries)), index_crc)
+
+
+def _read_whole(chunk: ChunkSource, inner: list[memoryview]) -> int | None:
+    """Fills ``inner`` (every inner chunk's raw bytes, in order) from a shard laid out
+    as ``encode_shard`` lays it out, in one pass as a chunk is read (one request, each
+    inner chunk's crc32c taken as its bytes land), the index read last and checked as
+    ``read_inner`` checks it; returns the shard's crc32c. None where the object is
+    another size or its index another layout (another writer's shard): the caller then
+    reads it with ``read_inner``. A store that cannot tell a longer object
+    (``ChunkStore.tells_longer``: S3) reads one as its first bytes, refused by the index check.
+
+    Raises:
+        CheckpointingException: as ``read_inner``, naming ``chunk.describe()``."""
+    where, count = chunk.describe(), len(inner)
+    trailers = [bytearray(CRC_BYTES) for _ in inner]
+    suffix = bytearray(ShardIndex.suffix_nbytes(count))
+    views = [v for data, t in zip(inner, trailers) for v in (data, memoryview(t))] + [memoryview(suffix)]
+    folded = _RunCrcs([len(data) for data in inner])
+    got = chunk.store.get_into_folded(chunk.rel, views, 1, folded)
+    if got is None:
+        raise CheckpointingException(f"Missing {where}: the checkpoint is damaged")
+    size = sum(len(v) for v in views)
+    if got[0] + len(got[1]) != size:
+        return None
+    table, index, index_crc = _parsed_suffix(bytes(suffix), size, count, where, frozenset())
+    at, layout = 0, []
+    for data in inner:
+        layout.append((at, len(data) + CRC_BYTES))
+        at += len(data) + CRC_BYTES
+    if list(index.entries) != layout:
+        return None
+    _checked_run(range(count), trailers, folded.crcs, table, where)
+    return _shard_crc(table, index_crc)
+
+
+def _parsed_suffix(stored: bytes, size: int, count: int, where: str, empty: frozenset[int]
+                   ) -> tuple[list[int], ShardIndex, int]:
+    """A shard's crc table, index and the index's crc32c from its last bytes
+    (``stored``, of a shard of ``size`` bytes), checked; inner chunks marked empty are
+    refused unless ``empty`` names them."""
+    table = np.frombuffer(stored[: count * CRC_BYTES], dtype="<u4").tolist()
+    index = ShardIndex.decode(stored[count * CRC_BYTES :], count, size - len(stored), where)
+    for i, entry in enumerate(index.entries):
+        if entry is None and i not in empty:
+            raise CheckpointingException(
+                f"Corrupt {where}: inner chunk {i} is marked empty in the shard's index (offset and length "
+                "2**64-1), which shardstore never writes and its commit record does not name: its values are "
+                "lost, the shard was changed after the save. Load an earlier checkpoint or restore this one"
+            )
+    return table, index, int.from_bytes(stored[-CRC_BYTES:], "little")
+
+
+def _checked_run(run: Iterable[int], trailers: list[bytearray], crcs: list[int], table: list[int], where: str
+                 ) -> dict[int, int | None]:
+    """The crc32c of each inner chunk of ``run`` as read (``crcs``), checked against its
+    ``trailers`` and the crc ``table``."""
+    checked: dict[int, int | None] = {}
+    for i, trailer, crc in zip(run, trailers, crcs):
+        if crc != int.from_bytes(trailer, "little"):
+            raise CheckpointingException(f"Corrupt {where}: inner chunk {i} crc32c mismatch")
+        if crc != table[i]:
+            raise CheckpointingException(f"Corrupt {where}: inner chunk {i} is not the one its crc table names")
+        checked[i] = crc
+    return checked
 
 
 def _runs(index: ShardIndex, wanted: list[int]) -> list[list[int]]:
@@ -307,19 +370,36 @@ def _runs(index: ShardIndex, wanted: list[int]) -> list[list[int]]:
     return runs
 
 
+class _RunCrcs:
+    """The crc32c of each inner chunk of a run read at once (``read_inner``), taken as
+    its bytes land (the read's ``fold``), while they are in the CPU's cache: the run's
+    views alternate an inner chunk's ``sizes[k]`` bytes and its trailer; the trailers
+    and any bytes after the run (a shard's index, ``_read_whole``) are skipped."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.segments = [n for size in sizes for n in (size, CRC_BYTES)] + [0, 2**63]
+        self.crcs = [0] * len(sizes)
+        self.segment, self.left = 0, self.segments[0]
+
+    def __call__(self, piece: memoryview) -> None:
+        at = 0
+        while at < len(piece):
+            while not self.left:
+                self.segment += 1
+                self.left = self.segments[self.segment]
+            n = min(self.left, len(piece) - at)
+            if self.segment % 2 == 0:
+                k = self.segment // 2
+                self.crcs[k] = crc32c.crc32c(piece[at : at + n], self.crcs[k])
+            at, self.left = at + n, self.left - n
+
+
 def _check_size(index: ShardIndex, i: int, raw: int, where: str) -> None:
     entry = index.entries[i]
     if entry is not None and entry[1] != raw + CRC_BYTES:
         raise CheckpointingException(
             f"Corrupt {where}: inner chunk {i} is stored in {entry[1]} bytes, expected {raw + CRC_BYTES}"
         )
-
-
-def _checked_crc(data: memoryview, trailer: bytearray, i: int, where: str) -> int:
-    crc = crc32c.crc32c(data)
-    if crc != int.from_bytes(trailer, "little"):
-        raise CheckpointingException(f"Corrupt {where}: inner chunk {i} crc32c mismatch")
-    return crc
 
 
 @dataclass(frozen=True, eq=False)
@@ -372,11 +452,12 @@ class WholeObject:
     def read_suffix(self, n: int) -> tuple[bytes, int]:
         return bytes(self.data[max(0, len(self.data) - n):]), len(self.data)
 
-    def read_range_into(self, offset: int, views: list[memoryview]) -> int:
+    def read_range_into(self, offset: int, views: list[memoryview], fold: Fold) -> int:
         at = offset
         for v in views:
             n = max(0, min(len(v), len(self.data) - at))
             v[:n] = self.data[at : at + n]
+            fold(v[:n])
             at += n
         return at - offset
 
@@ -399,9 +480,9 @@ class ChunkRanges:
         except StorageError as exc:
             raise CheckpointingException(f"Cannot read the index of {self.describe()}: {exc}") from exc
 
-    def read_range_into(self, offset: int, views: list[memoryview]) -> int:
+    def read_range_into(self, offset: int, views: list[memoryview], fold: Fold) -> int:
         try:
-            self.chunk.store.get_range_into(self.chunk.rel, offset, views)
+            self.chunk.store.get_range_into_folded(self.chunk.rel, offset, views, fold)
         except StorageError as exc:
             raise CheckpointingException(f"Cannot read {self.describe()}: {exc}") from exc
         return sum(len(v) for v in views)
@@ -564,6 +645,25 @@ class ShardingIndexed(ChunkCodec):
         shard = encode_shard(self._split(data))
         return EncodedChunk(shard.pieces, shard.crc)
 
+    def encode_stream(self, data: memoryview, fold: Fold, block_bytes: int) -> StreamedChunk:
+        """``encode_shard``'s object, each inner chunk streamed as ``BYTES_CRC32C``
+        streams a chunk (its crc32c and ``fold`` taken of each block just before it is
+        written, in cache), then the crc table and the index: one pass over the bytes,
+        where ``encode`` and a digest first took three."""
+        streamed = StreamedChunk(iter(()))
+
+        def pieces() -> Iterator[memoryview]:
+            inner, crcs = self._split(data), []
+            for chunk in inner:
+                stream = BYTES_CRC32C.encode_stream(chunk, fold, block_bytes)  # type: ignore[arg-type]
+                yield from stream.pieces
+                crcs.append(stream.crc)
+            suffix, _, streamed.crc = _suffix([len(c) for c in inner], crcs)  # type: ignore[arg-type]
+            yield from suffix
+
+        streamed.pieces = pieces()
+        return streamed
+
     def stored_nbytes(self, nbytes: int) -> int:
         """What ``encode_shard`` writes for ``nbytes`` of inner chunks: each with its
         crc32c, then the crc table and the index; the most a shard can be."""
@@ -571,20 +671,22 @@ class ShardingIndexed(ChunkCodec):
         return count * (self.inner_nbytes + CRC_BYTES) + ShardIndex.suffix_nbytes(count)
 
     def read_into(self, chunk: ChunkSource, views: list[memoryview]) -> int:
-        """Reads the shard and checks it with ``read_inner``: its inner chunks straight
-        into ``views`` by ranged reads (two requests, no copy); read whole once
-        (``WholeObject``, one request) where the shard is at most what one more request
-        costs (``ChunkStore.request_bytes``). An inner chunk split over several
-        ``views`` is read into a buffer first. The bytes held besides ``views``: the
-        shard's index, or the shard where it is read whole."""
+        """Reads the shard and checks it: its inner chunks straight into ``views`` in one
+        pass as a chunk is read (``_read_whole``: one request, no copy); a shard another
+        writer laid out by its index (``read_inner``): by ranged reads, or read whole
+        once (``WholeObject``) where it is at most what one more request costs
+        (``ChunkStore.request_bytes``). An inner chunk split over several ``views`` is
+        read into a buffer first. The bytes held besides ``views``: the shard's index,
+        or the shard where it is read whole."""
         count = self._count(sum(len(v) for v in views), chunk.describe())
-        stored = self.stored_nbytes(count * self.inner_nbytes)
+        inner = _inner_views(views, self.inner_nbytes)
+        if inner is not None and (crc := _read_whole(chunk, inner)) is not None:
+            return crc
         source: ByteRanges | None = ChunkRanges(chunk)
-        if stored <= chunk.store.request_bytes:
+        if (stored := self.stored_nbytes(count * self.inner_nbytes)) <= chunk.store.request_bytes:
             source = WholeObject.read(chunk, stored)
             if source is None:
                 raise CheckpointingException(f"Missing {chunk.describe()}: the checkpoint is damaged")
-        inner = _inner_views(views, self.inner_nbytes)
         if inner is not None:
             return read_inner(source, count, dict(enumerate(inner)))
         buffer = bytearray(count * self.inner_nbytes)
@@ -602,13 +704,15 @@ class ShardingIndexed(ChunkCodec):
         its storage (``ChunkStore.request_bytes``: nothing locally, 8 MiB on S3), except
         where it is all needed and requests cost nothing (locally: the ranged read lands
         in place, the whole one would be copied);
-        straight into ``out`` when the one box is the shard, ``out`` is C-contiguous and
-        the shard's decoded bytes are its C order."""
-        grid = InnerGrid.of(shard_shape, self.chunk_shape, shard_shape)
-        count, step, c_ordered = len(grid.starts), self.inner_nbytes, self.c_ordered(shard_shape)
+        straight into ``out`` when the one box is the shard or a run of its inner chunks
+        (a load at another layout of first-axis blocks), ``out`` is C-contiguous and the
+        shard's decoded bytes are its C order."""
+        c_ordered = self.c_ordered(shard_shape)
         if c_ordered and len(parts) == 1 and parts[0][1].flags.c_contiguous and all(
                 (s.start, s.stop) == (0, n) for s, n in zip(parts[0][0], shard_shape)):
             return self.read_into(chunk, [memoryview(parts[0][1].reshape(-1).view(np.uint8))])
+        grid = InnerGrid.of(shard_shape, self.chunk_shape, shard_shape)
+        count, step = len(grid.starts), self.inner_nbytes
         ends = grid.starts + np.asarray(self.chunk_shape, dtype=np.int64)
         hits = [np.all((grid.starts < [s.stop for s in box]) & (ends > [s.start for s in box]), axis=1)
                 for box, _ in parts]
@@ -619,10 +723,16 @@ class ShardingIndexed(ChunkCodec):
             source = WholeObject.read(chunk, self.stored_nbytes(count * step))
             if source is None:
                 raise CheckpointingException(f"Missing {chunk.describe()}: the checkpoint is damaged")
+        one_run = c_ordered and needed[-1] - needed[0] + 1 == len(needed)  # along the split axis
+        box, out = parts[0]
+        if one_run and len(parts) == 1 and out.flags.c_contiguous and [(s.start, s.stop) for s in box] == list(
+                zip(grid.starts[needed[0]].tolist(), ends[needed[-1]].tolist())):  # the box is these inner chunks
+            flat = memoryview(out.reshape(-1).view(np.uint8))
+            return read_inner(source, count, {i: flat[k * step : (k + 1) * step] for k, i in enumerate(needed)})
         buffer = np.empty(len(needed) * step, np.uint8)
         crc = read_inner(source, count, {i: memoryview(buffer[k * step : (k + 1) * step]) for k, i in enumerate(needed)})
         values = buffer.view(parts[0][1].dtype)
-        if c_ordered and needed[-1] - needed[0] + 1 == len(needed):  # one C-ordered run along the split axis
+        if one_run:
             axis = self._split_axis(shard_shape) or 0
             run = values.reshape([len(needed) * n if a == axis else n for a, n in enumerate(self.chunk_shape)])
             for box, out in parts:

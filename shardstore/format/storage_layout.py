@@ -62,9 +62,10 @@ ranks saved 5.6x and loaded 4.3x faster (docs/measurements/layout.md). A loader 
 a packed array whole reads at most this much more than it asked for."""
 
 DEFAULT_READ_GRAIN = 1 << 20
-"""The piece a chunk is cut into for reads where asked (``read_grain=``): a 2 -> 4 rank load of
-first-axis blocks of 1-16 MiB read 2.0x what it loaded with whole chunks, 1.0x cut; but
-a load of 192 KiB blocks cut into 64 KiB took 1.5x as long as reading them whole (an
+"""The smallest piece a chunk is cut into for reads by default: a 2 -> 4 rank load of
+first-axis blocks of 1-16 MiB read 2.0x what it loaded with whole chunks, 1.03x cut, and
+a load at the saving layout reads a cut chunk in one pass as it reads a whole one; but a
+load of 192 KiB blocks cut into 64 KiB took 1.5x as long as reading them whole (an
 index read per chunk costs more than the bytes it saves): docs/measurements/
 resharding.md. Chunks under twice it are read whole."""
 
@@ -118,8 +119,8 @@ class StorageLayout:
         read_grain: cut each chunk holding whole rows of a block split along its first
             axis into up to 8 inner chunks of at least this many bytes, one Zarr v3 shard
             per chunk (``planning.read_grain``): a load at another layout reads the rows
-            it needs, not whole chunks; None: never; ``AUTO``: never (a load at the
-            saving layout read cut chunks 1.8x slower: docs/guide/layout.md).
+            it needs, not whole chunks; None: never; ``AUTO``: ``DEFAULT_READ_GRAIN``
+            (1 MiB) on every store (chunks under 2 MiB stay whole: docs/guide/layout.md).
 
     Raises:
         ValueError: a field outside what it takes, naming it.
@@ -196,8 +197,8 @@ class StorageLayout:
             choices["pack_arrays_up_to"] = DEFAULT_PACK_BYTES
         if self.zarr_metadata == AUTO:
             choices["zarr_metadata"] = ZarrMetadata.CONSOLIDATED_ONLY if site.object_store else ZarrMetadata.PER_NODE
-        if self.read_grain == AUTO:  # not yet: a load at the saving layout reads cut chunks slower
-            choices["read_grain"] = None
+        if self.read_grain == AUTO:
+            choices["read_grain"] = DEFAULT_READ_GRAIN
         return replace(self, **choices)
 
     def describe(self) -> str:

@@ -24,7 +24,7 @@ from __future__ import annotations
 __all__ = [
     "DEFAULT_IO_THREADS", "STREAM_BLOCK_BYTES", "Capabilities", "ChunkAccess", "ChunkMismatch", "ChunkStore",
     "CopiedObject", "DirectoryPublishing", "ExpectedBytes", "Location", "NameLimits", "OBJECT_VERSION_TEXT",
-    "REFUSABLE_TEXTS", "RangeReader",
+    "REFUSABLE_TEXTS", "Fold", "RangeReader",
     "StorageError", "Store", "atomic_temp_name", "atomic_temp_of", "check_range", "fill_views", "fold_landed",
     "kvstore_spec", "run_parallel", "usable_cpus",
 ]
@@ -592,6 +592,8 @@ class ChunkMismatch(CheckpointingException):
 
 # ``ChunkStore.ranges_of``'s reader: fills the views with the object's bytes from the offset.
 RangeReader = Callable[[int, list[memoryview]], None]
+# A reader's checksum, handed the bytes of a read in order as they land (``get_into_folded``).
+Fold = Callable[[memoryview], None]
 
 
 class ChunkStore(ABC):
@@ -637,7 +639,7 @@ class ChunkStore(ABC):
         object shorter than the rest. Never reads more than asked for."""
 
     def get_into_folded(
-        self, rel: str, views: list[memoryview], tail: int, fold: Callable[[memoryview], None],
+        self, rel: str, views: list[memoryview], tail: int, fold: Fold,
     ) -> tuple[int, bytes] | None:
         """``get_into`` that hands ``fold`` the bytes that landed in ``views``, in order
         (a reader's checksum). A store that reads in blocks calls it after each block,
@@ -657,6 +659,13 @@ class ChunkStore(ABC):
         Raises:
             StorageError: naming the object: it does not exist, or the range reaches
                 past its end."""
+
+    def get_range_into_folded(self, rel: str, offset: int, views: list[memoryview], fold: Fold) -> None:
+        """``get_range_into`` that hands ``fold`` the bytes that landed in ``views``, in
+        order, as ``get_into_folded`` does (a sharded read's checksums of its inner chunks);
+        this default calls it once per view after the whole read."""
+        self.get_range_into(rel, offset, views)
+        fold_landed(views, sum(v.nbytes for v in views), fold)
 
     @abstractmethod
     def get_suffix(self, rel: str, nbytes: int) -> tuple[bytes, int] | None:
@@ -754,7 +763,7 @@ def fill_views(views: list[memoryview], data: memoryview, tail: int) -> tuple[in
 
 
 
-def fold_landed(views: list[memoryview], nbytes: int, fold: Callable[[memoryview], None]) -> None:
+def fold_landed(views: list[memoryview], nbytes: int, fold: Fold) -> None:
     """Calls ``fold`` with the first ``nbytes`` of ``views``, in order, view by view
     (``ChunkStore.get_into_folded``)."""
     for v in views:

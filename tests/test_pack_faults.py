@@ -22,6 +22,7 @@ from shardstore.format.records import read_commit_record
 from shardstore.stores.local import FileChunkStore
 from shardstore.stores.locations import open_location
 from shardstore.tools.manager import CheckpointManager, CheckpointManagerOptions
+from tests.dist import run_distributed
 from tests.forked_python import ForkedPython
 
 # Six arrays of 400-420 bytes: all packed by the default layout, into one pack per rank.
@@ -191,3 +192,179 @@ def test_a_writer_killed_while_writing_a_pack_commits_nothing_and_the_next_save_
     _assert_holds(ckpt, _tensors(3.0))
     assert not half.exists(), "the killed save's half pack was kept"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ready"]
+
+
+# ------------------------------------------------------------ 3. bytes changed while a pack is written
+
+
+def _changed_before_the_packs_are_laid_out(monkeypatch: pytest.MonkeyPatch, source: torch.Tensor) -> None:
+    """``source`` changes through NumPy (no version counter moves) once the packed chunks
+    are encoded, before they are laid out in the pack and written: the pack holds views
+    of the bytes it writes (``format.packs.PackCollector``)."""
+    from shardstore.execution import save as save_execution
+
+    real = save_execution.write_packs
+
+    def write_packs(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        source.numpy()[:5] = -1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(save_execution, "write_packs", write_packs)
+
+
+def test_an_async_packed_save_writes_the_values_at_the_call_whatever_changes_during_its_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As an async save of arrays of their own (``test_changed_bytes_while_saving``):
+    the pack is written from the host snapshot taken before ``save`` returned."""
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
+    tensors = _tensors(1.0)
+    originals = {k: t.clone() for k, t in tensors.items()}
+    _changed_before_the_packs_are_laid_out(monkeypatch, tensors["layer2/w"])
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(save(_sd(tensors), str(tmp_path / "ckpt"), async_sharded_save=True))
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    assert tensors["layer2/w"][0] == -1  # the change happened during the writes
+    _assert_holds(tmp_path / "ckpt", originals)
+
+
+def test_a_sync_packed_save_fails_where_a_tensor_changed_before_its_pack_was_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sync save packs views of the tensors' own bytes: a pack written after a change
+    would hold bytes its crc32c does not match. The save compares and fails instead."""
+    tensors = _tensors(1.0)
+    _changed_before_the_packs_are_laid_out(monkeypatch, tensors["layer2/w"])
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(CheckpointingException, match=r"tensor 'layer2/w' changed while the save read it"):
+        save(_sd(tensors), str(ckpt))
+    _assert_not_committed(ckpt, tensors)
+    monkeypatch.undo()
+    save(_sd(tensors), str(ckpt))
+    _assert_holds(ckpt, tensors)
+
+
+# ------------------------------------------------------------ 4. damaged packs
+
+
+def _damage(location, rel: str, how: str, at: int) -> None:  # noqa: ANN001 - a Location
+    data = bytearray(location.store.get(rel))
+    if how == "flip":
+        data[at] ^= 0x40
+    else:
+        del data[len(data) // 2 :]
+    location.store.put(rel, bytes(data))
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+@pytest.mark.parametrize("where", ["file", pytest.param("s3", marks=pytest.mark.integration)])
+def test_a_damaged_pack_is_reported_naming_the_array_and_the_checkpoint(
+    tmp_path: Path, request: pytest.FixtureRequest, how: str, where: str,
+) -> None:
+    if where == "s3":
+        from tests.s3_support import s3_options
+
+        server = request.getfixturevalue("moto_server")
+        server.create_bucket("packfaults")
+        url = f"s3://packfaults/{how}"
+        location = open_location(url, options=s3_options(server.endpoint))
+    else:
+        url = str(tmp_path / "ckpt")
+        location = open_location(url)
+    tensors = _tensors(1.0)
+    save(_sd(tensors), location)
+    array = read_commit_record(location).arrays["layer4/w"]  # in the pack's second half
+    _damage(location, array.pack, how, array.chunk_offsets[0] + 5)
+    report = verify(location)
+    assert not report.ok
+    assert ("layer4/w", "c.0") in {(p.key, p.part) for p in report.problems}, report
+    assert url in str(report)
+    named = rf"(?s)(?={'.*'}{url}/packs/0-0\.zip)(?=.*layer4/w)"
+    with pytest.raises(CheckpointingException, match=named):
+        load(_sd({"layer4/w": tensors["layer4/w"]}, empty=True), location)
+    with pytest.raises(CheckpointingException, match=named.replace("layer4", "layer4|layer0")):
+        load(_sd(tensors, empty=True), location)
+
+
+# ------------------------------------------------------------ 5. one rank's pack write fails
+
+
+def one_ranks_pack_write_fails(rank: int, world: int, ckpt: str) -> str:
+    if rank == 1:
+        real = FileChunkStore.put
+
+        def put(self: FileChunkStore, rel: str, buffers):  # noqa: ANN001, ANN202
+            if rel.startswith("packs/"):
+                raise OSError(errno.ENOSPC, "No space left on device", self.describe(rel))
+            return real(self, rel, buffers)
+
+        FileChunkStore.put = put
+    try:
+        save(_sd(_tensors(2.0, rank)), ckpt, overwrite=True)
+    except CheckpointingException as exc:
+        return str(exc)
+    raise AssertionError(f"rank {rank}'s save returned")
+
+
+def two_ranks_save(rank: int, world: int, ckpt: str, value: float) -> None:
+    save(_sd(_tensors(value, rank)), ckpt, overwrite=True)
+
+
+def test_one_ranks_failing_pack_write_fails_every_rank_and_nothing_is_committed(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    both = {**_tensors(1.0, 0), **_tensors(1.0, 1)}
+    save(_sd(both), str(ckpt))  # one process's save: the checkpoint the failed one would replace
+    for message in run_distributed(one_ranks_pack_write_fails, 2, str(ckpt)):
+        assert str(ckpt) in message and "No space left on device" in message and "rank(s) 1" in message, message
+        assert "packs/1-0.zip" in message, message
+    _assert_holds(ckpt, both)  # the replaced checkpoint, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    run_distributed(two_ranks_save, 2, str(ckpt), 3.0)
+    _assert_holds(ckpt, {**_tensors(3.0, 0), **_tensors(3.0, 1)})
+    assert sorted(read_commit_record(open_location(str(ckpt))).packs) == ["packs/0-0.zip", "packs/1-0.zip"]
+
+
+# ------------------------------------------------------------ 6. a writer of another process
+
+
+def test_a_packed_save_written_by_another_process_commits_and_loads(tmp_path: Path) -> None:
+    """Megatron's persistent worker pickles the request and runs its writes in another
+    process; here the pickled request's writes run after the tensors changed."""
+    import pickle
+
+    from shardstore.strategies.async_utils import AsyncRequest
+    from shardstore.strategies.forked_writes import for_another_process
+
+    tensors = _tensors(1.0)
+    originals = {k: t.clone() for k, t in tensors.items()}
+    request = for_another_process(save(_sd(tensors), tmp_path / "ckpt", async_sharded_save=True), AsyncRequest)
+    for t in tensors.values():
+        t.numpy()[:] = -1
+    copy = pickle.loads(pickle.dumps(request))
+    copy.async_fn(*copy.async_fn_args)
+    for finalize in request.finalize_fns:
+        finalize()
+    _assert_holds(tmp_path / "ckpt", originals)
+
+
+def test_a_pack_write_failing_in_another_process_is_raised_by_the_finalization(tmp_path: Path) -> None:
+    import pickle
+
+    from shardstore.strategies.async_utils import AsyncRequest
+    from shardstore.strategies.forked_writes import for_another_process
+
+    ckpt = tmp_path / "ckpt"
+    request = for_another_process(save(_sd(_tensors(1.0)), ckpt, async_sharded_save=True), AsyncRequest)
+    (staging,) = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt")]
+    (staging / "packs").mkdir(exist_ok=True)
+    (staging / "packs" / "0-0.zip").mkdir()  # in the way of the pack
+    copy = pickle.loads(pickle.dumps(request))
+    copy.async_fn(*copy.async_fn_args)  # reports, does not raise (a worker's loop would end)
+    with pytest.raises(CheckpointingException, match=rf"(?s)background write of rank 0 into .*{ckpt}.*packs/0-0\.zip"):
+        for finalize in request.finalize_fns:
+            finalize()
+    _assert_not_committed(ckpt, _tensors(1.0))
+    save(_sd(_tensors(2.0)), ckpt)
+    _assert_holds(ckpt, _tensors(2.0))

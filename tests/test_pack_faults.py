@@ -19,6 +19,7 @@ import torch
 from shardstore import CheckpointingException, ShardedTensor, load, save, verify
 from shardstore.format import is_committed
 from shardstore.format.records import read_commit_record
+from shardstore.stores.base import Location
 from shardstore.stores.local import FileChunkStore
 from shardstore.stores.locations import open_location
 from shardstore.tools.manager import CheckpointManager, CheckpointManagerOptions
@@ -38,16 +39,16 @@ def _sd(tensors: dict[str, torch.Tensor], empty: bool = False) -> dict[str, Shar
             for k, t in tensors.items()}
 
 
-def _loaded(path: str | Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return dict(load(_sd(like, empty=True), str(path)))
+def _loaded(path: str | Path | Location, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return dict(load(_sd(like, empty=True), path if isinstance(path, Location) else str(path)))
 
 
-def _assert_holds(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
+def _assert_holds(path: str | Path | Location, tensors: dict[str, torch.Tensor]) -> None:
     """``path`` is committed, verifies and loads ``tensors`` bit for bit, from packs."""
-    location = open_location(str(path))
+    location = path if isinstance(path, Location) else open_location(str(path))
     assert is_committed(location) and set(read_commit_record(location).packed_arrays) == set(tensors)
-    assert verify(path).ok
-    loaded = _loaded(path, tensors)
+    assert verify(location).ok
+    loaded = _loaded(location, tensors)
     assert [k for k, t in tensors.items() if not torch.equal(loaded[k], t)] == []
 
 
@@ -142,6 +143,7 @@ import sys, time
 from pathlib import Path
 import torch
 from shardstore import ShardedTensor, save
+from shardstore.stores.base import Location
 from shardstore.stores.local import FileChunkStore
 
 ckpt, ready = sys.argv[1], Path(sys.argv[2])
@@ -368,3 +370,36 @@ def test_a_pack_write_failing_in_another_process_is_raised_by_the_finalization(t
     _assert_not_committed(ckpt, _tensors(1.0))
     save(_sd(_tensors(2.0)), ckpt)
     _assert_holds(ckpt, _tensors(2.0))
+
+
+# ------------------------------------------------------------ S3: a pack PUT that fails
+
+
+@pytest.mark.integration
+def test_a_failing_pack_put_on_s3_removes_the_saves_objects_once_and_the_next_save_works(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The failed save's objects and marker are removed, and only once: the save was
+    abandoned a second time by ``save``'s own clean-up, which found its marker gone and
+    warned that another save had taken the prefix over (none had)."""
+    from shardstore.stores.kv_chunks import KvChunkStore
+    from tests.s3_support import s3_options
+
+    server = request.getfixturevalue("moto_server")
+    server.create_bucket("packfaults-put")
+    location = open_location("s3://packfaults-put/ckpt", options=s3_options(server.endpoint))
+    real = KvChunkStore.put
+
+    def put(self: KvChunkStore, rel: str, buffers):  # noqa: ANN001, ANN202
+        if rel.startswith("packs/"):
+            raise OSError(errno.EIO, "the PUT failed", self.describe(rel))
+        return real(self, rel, buffers)
+
+    monkeypatch.setattr(KvChunkStore, "put", put)
+    with pytest.raises(CheckpointingException, match=r"(?s)s3://packfaults-put/ckpt.*the PUT failed.*packs/0-0\.zip"):
+        save(_sd(_tensors(1.0)), location)
+    assert "took the prefix over" not in caplog.text, caplog.text
+    assert location.store.list_sizes() == {} and not location.store.exists(".shardstore-save.json")
+    monkeypatch.undo()
+    save(_sd(_tensors(2.0)), location)
+    _assert_holds(location, _tensors(2.0))

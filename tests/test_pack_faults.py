@@ -283,10 +283,10 @@ def test_a_damaged_pack_is_reported_naming_the_array_and_the_checkpoint(
     assert not report.ok
     assert ("layer4/w", "c.0") in {(p.key, p.part) for p in report.problems}, report
     assert url in str(report)
-    named = rf"(?s)(?={'.*'}{url}/packs/0-0\.zip)(?=.*layer4/w)"
-    with pytest.raises(CheckpointingException, match=named):
+    with pytest.raises(CheckpointingException, match=rf"(?s)(?=.*{url}/packs/0-0\.zip)(?=.*'layer4/w')"):
         load(_sd({"layer4/w": tensors["layer4/w"]}, empty=True), location)
-    with pytest.raises(CheckpointingException, match=named.replace("layer4", "layer4|layer0")):
+    # all of them: read in one run from the first (a truncated pack names the run's first array)
+    with pytest.raises(CheckpointingException, match=rf"(?s)(?=.*{url}/packs/0-0\.zip)(?=.*'layer[04]/w')"):
         load(_sd(tensors, empty=True), location)
 
 
@@ -346,6 +346,29 @@ def test_a_packed_save_written_by_another_process_commits_and_loads(tmp_path: Pa
         t.numpy()[:] = -1
     copy = pickle.loads(pickle.dumps(request))
     copy.async_fn(*copy.async_fn_args)
+    for finalize in request.finalize_fns:
+        finalize()
+    _assert_holds(tmp_path / "ckpt", originals)
+
+
+@pytest.mark.slow
+def test_a_packed_save_written_by_a_spawned_process_commits_and_loads(tmp_path: Path) -> None:
+    """The same in a spawned process, as Megatron's persistent worker runs it (a fresh
+    interpreter: about 5 s)."""
+    import multiprocessing
+
+    from shardstore.strategies.async_utils import AsyncRequest
+    from shardstore.strategies.forked_writes import for_another_process
+
+    tensors = _tensors(1.0)
+    originals = {k: t.clone() for k, t in tensors.items()}
+    request = for_another_process(save(_sd(tensors), tmp_path / "ckpt", async_sharded_save=True), AsyncRequest)
+    for t in tensors.values():
+        t.numpy()[:] = -1
+    process = multiprocessing.get_context("spawn").Process(target=request.async_fn, args=request.async_fn_args)
+    process.start()
+    process.join(timeout=120)
+    assert process.exitcode == 0
     for finalize in request.finalize_fns:
         finalize()
     _assert_holds(tmp_path / "ckpt", originals)

@@ -146,7 +146,7 @@ from shardstore import ShardedTensor, save
 from shardstore.stores.base import Location
 from shardstore.stores.local import FileChunkStore
 
-ckpt, ready = sys.argv[1], Path(sys.argv[2])
+ckpt, ready, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 real = FileChunkStore.put
 
 def put(self, rel, buffers):
@@ -159,18 +159,26 @@ def put(self, rel, buffers):
 
 FileChunkStore.put = put
 tensors = {f"layer{i}/w": torch.arange(100.0 + i) + 2.0 for i in range(6)}
-save({k: ShardedTensor.from_rank_offsets(k, t, replica_id=0) for k, t in tensors.items()}, ckpt, overwrite=True)
+state = {k: ShardedTensor.from_rank_offsets(k, t, replica_id=0) for k, t in tensors.items()}
+if mode == "sync":
+    save(state, ckpt, overwrite=True)
+else:  # the pack is written by the queue's background writer
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(save(state, ckpt, overwrite=True, async_sharded_save=True))
+    queue.maybe_finalize_async_calls(blocking=True)
 """
 
 
-@pytest.mark.parametrize("before", ["nothing", "a checkpoint"])
+@pytest.mark.parametrize("before,mode", [("nothing", "sync"), ("a checkpoint", "sync"), ("a checkpoint", "async")])
 def test_a_writer_killed_while_writing_a_pack_commits_nothing_and_the_next_save_works(
-    tmp_path: Path, before: str,
+    tmp_path: Path, before: str, mode: str,
 ) -> None:
     ckpt, ready = tmp_path / "ckpt", tmp_path / "ready"
     if before == "a checkpoint":
         save(_sd(_tensors(1.0)), str(ckpt))
-    writer = ForkedPython([sys.executable, "-c", _KILLED_WRITER, str(ckpt), str(ready)])
+    writer = ForkedPython([sys.executable, "-c", _KILLED_WRITER, str(ckpt), str(ready), mode])
     try:
         deadline = time.monotonic() + 120
         while not ready.exists():

@@ -360,23 +360,20 @@ def test_a_packed_save_written_by_another_process_commits_and_loads(tmp_path: Pa
 
 
 @pytest.mark.slow
+@pytest.mark.integration  # the helper starts the process, where conftest does not look
 def test_a_packed_save_written_by_a_spawned_process_commits_and_loads(tmp_path: Path) -> None:
     """The same in a spawned process, as Megatron's persistent worker runs it (a fresh
     interpreter: about 5 s)."""
-    import multiprocessing
-
     from shardstore.strategies.async_utils import AsyncRequest
     from shardstore.strategies.forked_writes import for_another_process
+    from tests.test_async_handoff import _run_in_spawned_process
 
     tensors = _tensors(1.0)
     originals = {k: t.clone() for k, t in tensors.items()}
     request = for_another_process(save(_sd(tensors), tmp_path / "ckpt", async_sharded_save=True), AsyncRequest)
     for t in tensors.values():
         t.numpy()[:] = -1
-    process = multiprocessing.get_context("spawn").Process(target=request.async_fn, args=request.async_fn_args)
-    process.start()
-    process.join(timeout=120)
-    assert process.exitcode == 0
+    assert _run_in_spawned_process(request) == 0
     for finalize in request.finalize_fns:
         finalize()
     _assert_holds(tmp_path / "ckpt", originals)

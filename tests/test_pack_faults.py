@@ -305,7 +305,11 @@ def test_a_damaged_pack_is_reported_naming_the_array_and_the_checkpoint(
 # ------------------------------------------------------------ 5. one rank's pack write fails
 
 
-def one_ranks_pack_write_fails(rank: int, world: int, ckpt: str) -> str:
+def one_ranks_pack_write_fails(rank: int, world: int, ckpt: str) -> list[str]:
+    """A sync save, then an async one (its failure raised by the finalization), each
+    over ``ckpt``, rank 1's pack write failing: each rank's error of each."""
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
     if rank == 1:
         real = FileChunkStore.put
 
@@ -315,22 +319,34 @@ def one_ranks_pack_write_fails(rank: int, world: int, ckpt: str) -> str:
             return real(self, rel, buffers)
 
         FileChunkStore.put = put
-    try:
-        save(_sd(_tensors(2.0, rank)), ckpt, overwrite=True)
-    except CheckpointingException as exc:
-        return str(exc)
-    raise AssertionError(f"rank {rank}'s save returned")
+    messages = []
+    for mode in ("sync", "async"):
+        try:
+            if mode == "sync":
+                save(_sd(_tensors(2.0, rank)), ckpt, overwrite=True)
+            else:
+                queue = AsyncCallsQueue()
+                queue.schedule_async_request(save(_sd(_tensors(2.0, rank)), ckpt, overwrite=True,
+                                                  async_sharded_save=True))
+                queue.close()
+        except CheckpointingException as exc:
+            messages.append(str(exc))
+            continue
+        raise AssertionError(f"rank {rank}'s {mode} save returned")
+    return messages
 
 
 def two_ranks_save(rank: int, world: int, ckpt: str, value: float) -> None:
     save(_sd(_tensors(value, rank)), ckpt, overwrite=True)
 
 
-def test_one_ranks_failing_pack_write_fails_every_rank_and_nothing_is_committed(tmp_path: Path) -> None:
+def test_one_ranks_failing_pack_write_fails_every_rank_sync_and_async_and_nothing_is_committed(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     both = {**_tensors(1.0, 0), **_tensors(1.0, 1)}
     save(_sd(both), str(ckpt))  # one process's save: the checkpoint the failed one would replace
-    for message in run_distributed(one_ranks_pack_write_fails, 2, str(ckpt)):
+    messages = sum(run_distributed(one_ranks_pack_write_fails, 2, str(ckpt)), [])
+    assert len(messages) == 4
+    for message in messages:
         assert str(ckpt) in message and "No space left on device" in message and "rank(s) 1" in message, message
         assert "packs/1-0.zip" in message, message
     _assert_holds(ckpt, both)  # the replaced checkpoint, whole

@@ -451,3 +451,32 @@ def test_a_failing_pack_put_on_s3_removes_the_saves_objects_once_and_the_next_sa
     monkeypatch.undo()
     save(_sd(_tensors(2.0)), location)
     _assert_holds(location, _tensors(2.0))
+
+
+def test_closing_a_queue_after_a_failed_pack_write_still_commits_the_next_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two async saves in flight, the first one's pack write failing: ``close()``
+    raises the first's failure naming each save's outcome, and commits the second."""
+    from shardstore.strategies.async_utils import AsyncCallsQueue
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    real = FileChunkStore.put
+
+    def put(self: FileChunkStore, rel: str, buffers):  # noqa: ANN001, ANN202
+        if rel.startswith("packs/") and "/.a." in self.describe(rel):
+            raise OSError(errno.ENOSPC, "No space left on device", self.describe(rel))
+        return real(self, rel, buffers)
+
+    monkeypatch.setattr(FileChunkStore, "put", put)
+    queue = AsyncCallsQueue()
+    for path, value in ((first, 1.0), (second, 2.0)):
+        queue.schedule_async_request(save(_sd(_tensors(value)), str(path), async_sharded_save=True))
+    with pytest.raises(CheckpointingException) as raised:
+        queue.close()
+    message = str(raised.value)
+    assert "No space left on device" in message and "packs/0-0.zip" in message, message
+    assert f"{first}: not committed" in message and f"{second}: committed" in message, message
+    assert queue.get_num_unfinalized_calls() == 0
+    _assert_not_committed(first, _tensors(1.0))
+    _assert_holds(second, _tensors(2.0))

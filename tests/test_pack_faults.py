@@ -1,8 +1,9 @@
 """The fault attacks of the per-array layout (a failing or full disk, a killed writer,
 bytes changed during an async save, damaged bytes, one rank's failure, a spawned
 writer) run against packed saves (``packs/<rank>-<n>.zip``, the default layout's small
-arrays): a pack that is not whole is never committed, the error names the checkpoint,
-an earlier checkpoint at the same place is kept, and the next save works."""
+arrays): a pack that is not whole is never committed, the error names the checkpoint
+and the pack, an earlier checkpoint at the same place is kept, and the next save works.
+The slow-marked spawned writer needs a fresh interpreter (multiprocessing's spawn)."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def _assert_not_committed(path: Path, like: dict[str, torch.Tensor]) -> None:
         assert not verify(path).ok
 
 
-def _packs_fail(monkeypatch: pytest.MonkeyPatch, when: str = "always") -> list[str]:
+def _packs_fail(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Each pack's write writes half of its pieces, then fails with ENOSPC (as a disk
     filling up would); chunk files of arrays that are not packed are written. Returns
     the packs tried."""

@@ -260,8 +260,19 @@ def write_pack(
             chunk_offsets.append(zip_.add(rel, member))
         offsets[record.key] = tuple(chunk_offsets)
     pieces = zip_.finish()
-    store.put(name, [memoryview(p) if isinstance(p, bytes) else p for p in pieces])
+    try:
+        store.put(name, [memoryview(p) if isinstance(p, bytes) else p for p in pieces])
+    except CheckpointingException:
+        raise
+    except Exception as exc:  # OSError locally (a full disk); TensorStore's ValueError for S3
+        raise CheckpointingException(f"Writing pack {store.describe(name)} {_holding(records)} failed: {exc}") from exc
     return offsets, zip_.size
+
+
+def _holding(records: Sequence[ArrayRecord], named: int = 5) -> str:
+    """Which arrays a pack holds, as its write failure names them (the first ``named``)."""
+    keys = ", ".join(repr(r.key) for r in records[:named])
+    return f"(arrays {keys}{f' and {len(records) - named} more' if len(records) > named else ''})"
 
 
 def read_members(store: ChunkStore, records: Sequence[ArrayRecord], into: PackCollector) -> None:

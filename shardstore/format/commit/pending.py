@@ -94,6 +94,7 @@ class PendingCheckpoint:
         self.options = options or SaveOptions()
         self.tops_at_begin = tops_at_begin
         self._committed: CommitRecord | None = None
+        self._abandoned = False
         self.location = SaveLocation(writes_into, target, self)
         self._locks: list[int] = []  # descriptors holding the staging directory's flock
         self._releases: list[Callable[[], None]] = []  # claims on the target (``Store.claim_for_save``)
@@ -177,9 +178,15 @@ class PendingCheckpoint:
 
     def abandon(self) -> None:
         """Coordinator, after a failed save: deletes what this save wrote (what its
-        ``publisher`` can prove is this save's)."""
+        ``publisher`` can prove is this save's). Safe to call again: a failed save is
+        abandoned where its commit stage fails and again as ``save`` unwinds, and only
+        the first call deletes (a second one found an object store's marker gone and
+        warned that another save had taken the prefix over)."""
+        if self._abandoned:
+            return
         try:
             self.publisher.abandon(self)
+            self._abandoned = True  # one that failed is tried again
         finally:
             self.release()
 

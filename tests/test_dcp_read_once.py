@@ -149,13 +149,13 @@ def loaded_on_a_subgroup_under_auto(rank: int, world: int, ckpt: str) -> tuple[b
     import logging
 
     import shardstore.strategies.zarr as zarr_strategy
-    import shardstore.tools.dcp_storage as dcp_storage
+    import shardstore.tools.dcp_reader as dcp_reader
 
     zarr_strategy.AUTO_SHARD_MIN_RANKS = 2  # this spawned rank's copy only
     warnings: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-    dcp_storage.logger.addHandler(handler)
+    dcp_reader.logger.addHandler(handler)
     group = dist.new_group([0, 1])
     if rank >= 2:
         return True, []

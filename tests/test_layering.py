@@ -213,9 +213,12 @@ def test_the_doors_reach_lower_layers_only_through_their_packages() -> None:
 # The save and load machinery below the api: the doors call the api for it (DESIGN.md).
 MACHINERY_PACKAGES = ("planning", "protocol", "execution")
 # Issue 64.4: the import statements by which the doors still reach the machinery (the DCP
-# writer composes a save: ``execution`` and ``protocol``; the array writer opens a save
-# pipeline; the manager agrees on its save decision across ranks).
-MAX_DOOR_MACHINERY_IMPORTS = 4
+# writer composes a save: ``execution`` and ``protocol``, and its parts carry a rank's
+# ``RankSave``; the DCP reader reads on the load's ``Group``; the array writer opens a
+# save pipeline; the manager agrees on its save decision across ranks). The DCP door is
+# three modules since it was split by idea (writer, reader, the parts between its stages):
+# the same reach as one module's two statements, in four.
+MAX_DOOR_MACHINERY_IMPORTS = 6
 
 
 def test_the_doors_reach_the_machinery_in_few_imports() -> None:

@@ -23,7 +23,6 @@ KNOWN_LONGER = frozenset({
     "execution/save.py",
     "serialization.py",
     "strategies/zarr.py",
-    "tools/dcp_storage.py",
 })
 
 KNOWN_WIDER = frozenset({

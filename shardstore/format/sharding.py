@@ -20,7 +20,7 @@ index's crc32c (``index_codecs`` ``[bytes, crc32c]``, ``index_location`` ``end``
   trailer and the table; returns the shard's ``crc`` from the table and the index,
   which the caller compares with the record's, so the inner chunks it did not read are
   bound too. Errors name the shard and the inner chunk. A reader of every inner chunk
-  reads the shard in one pass instead, as a chunk is read (``_read_whole``).
+  reads the shard in one pass, as a chunk is read (``_read_whole``).
 - ``ShardingIndexed``: the same as a ``format.codecs.ChunkCodec`` (registered here), for
   any inner grid that tiles the shard (``check_chunk_shape``). A shard's decoded bytes
   (what ``encode`` takes, ``read_into`` gives, and the record's digest is taken of) are
@@ -31,8 +31,7 @@ index's crc32c (``index_codecs`` ``[bytes, crc32c]``, ``index_location`` ``end``
   chunks a gathered writer holds (``InnerGrid``: each inner chunk's part inside the
   array, back to back); ``pack`` orders a whole shard's values so (one copy, for a
   shard inside a block); ``read_boxes_into`` fills boxes of the shard into arrays,
-  reading once only the inner chunks they cover (or the shard whole when that costs
-  little more).
+  reading only the inner chunks they cover (or the shard whole if that costs little).
 
 The planner (``planning.plans.sharded_record``) shards arrays of small chunk-aligned
 blocks split along any axes when asked (``ZarrSaveShardedStrategy(shard_bytes=...)``),

@@ -73,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from layout_files import DOORS, LayoutFiles, bound, chosen_layout, files_by_door, plan_with  # noqa: E402
 
-from shardstore.execution.save import bind_chunks  # noqa: E402
+from shardstore.execution.save_commit import bind_chunks  # noqa: E402
 from shardstore.format.chunks import WrittenChunk  # noqa: E402
 from shardstore.format.config import CONFIG_FNAME  # noqa: E402
 from shardstore.format.records import COMMON_FILE, ArrayRecord, CommitRecord  # noqa: E402

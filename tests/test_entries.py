@@ -59,7 +59,7 @@ def test_the_save_protocol_is_composed_in_one_place() -> None:
     callers = _callers({"begin_save", "join_save", "bind_chunks", "write_commit_record"})
     assert callers["begin_save"] - NOT_YET_ADAPTED == {"execution/pipeline.py"}
     assert callers["join_save"] - NOT_YET_ADAPTED == {"execution/pipeline.py"}
-    assert callers["bind_chunks"] - NOT_YET_ADAPTED == {"execution/save.py"}  # in commit_save
+    assert callers["bind_chunks"] - NOT_YET_ADAPTED == {"execution/save_commit.py"}  # in commit_save
     # the commit record is written by the publisher, and rewritten only by remove_sharded_tensors
     assert callers["write_commit_record"] == {"format/commit/callers_directory.py", "format/removal.py"}
 

@@ -70,7 +70,7 @@ def _die_unseen() -> None:
 def _arm(point: str, die: str) -> None:
     """Makes this process die (``die``: "seen" or "unseen") at ``point``."""
     import shardstore.execution.load as load_execution
-    import shardstore.execution.save as save_execution
+    import shardstore.execution.save_commit as save_execution
 
     end = _die if die == "seen" else _die_unseen
     if point == "finalization":

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from shardstore.errors import CheckpointingException
-from shardstore.execution.save import bind_chunks
+from shardstore.execution.save_commit import bind_chunks
 from shardstore.format.chunks import WrittenChunk
 from shardstore.format.consolidated import ZarrMetadata
 from shardstore.format.features import FORMAT_VERSION

@@ -5,7 +5,7 @@ of conversions, the DCP writer, the Megatron-Core plug-in) opens ONE pipeline at
 boundary and calls its steps in this order: ``open`` (all ranks; the one place a save's
 target is opened), ``plan`` (collective: the coordinator validates, plans and ``begin``s,
 every rank ``join``s), the writes (all ranks), then ``commit`` (coordinator), which goes
-through ``execution.save.commit_save``, the ONLY place that binds the chunks' digests into
+through ``execution.save_commit.commit_save``, the ONLY place that binds the chunks' digests into
 the commit record and publishes. On failure, ``abandon`` (coordinator, once every rank
 knows) or ``release``. ``SavePipeline``'s docstring lists each step and who calls it, and
 how each door maps onto them.
@@ -30,10 +30,11 @@ import numpy as np
 
 from shardstore.errors import CheckpointingException
 
-# The rank-level steps are called through their module (``rank_save.write_ops``, ...), so
-# a test that replaces one there (a crash before the writes, a lost report) reaches this
-# pipeline too.
+# The rank-level steps are called through their modules (``rank_save.write_ops``,
+# ``rank_commit.commit_save``, ...), so a test that replaces one there (a crash before the
+# writes, a lost report) reaches this pipeline too.
 from shardstore.execution import save as rank_save
+from shardstore.execution import save_commit as rank_commit
 from shardstore.execution.changes import SourceVersions, in_place_ops
 from shardstore.execution.save import (
     StagedWrites,
@@ -151,14 +152,14 @@ class SavePipeline:
                      (its collective commit); or write_plan(plan, tensors): a rank's part of
                      a plan it was handed
         coordinator  commit(record, reports) -> CommitRecord
-                     ``execution.save.commit_save``: the ONLY place that binds the chunks'
+                     ``execution.save_commit.commit_save``: the ONLY place that binds the chunks'
                      crc32c and XXH3-128 digests and the reused chunks into the commit record
                      and publishes (by the pending checkpoint's ``Publisher``)
         on failure   abandon() (coordinator, once every rank knows) or release() (a rank
                      that lets go without deleting anything)
 
     A save that runs its commit as a collective stage (``finalize``, through
-    ``execution.save.finalize_save``: every rank's written chunks gathered to the
+    ``execution.save_commit.finalize_save``: every rank's written chunks gathered to the
     coordinator) reaches ``commit_save`` too;
     ``SavePipeline.commit`` is for doors that gathered the reports themselves (DCP's
     ``finish``) or write from one process (``tools.array_writer``).
@@ -515,7 +516,7 @@ class SavePipeline:
         self.written = list(written)
 
     def finalize(self, error: BaseException | None) -> None:
-        """Collective: the commit of a staged save (``execution.save.finalize_save``),
+        """Collective: the commit of a staged save (``execution.save_commit.finalize_save``),
         given this rank's ``error`` from the writes; the host copies are let go first."""
         staged, self._staged = self._require_staged(), None
         if staged.snapshot is not None:
@@ -526,7 +527,7 @@ class SavePipeline:
             error = versions.error_after_writes(self.describe(), in_place, staged.records, self.written)
         error = error or self._changed
         try:
-            rank_save.finalize_save(self.pending, self.group, self._commit_record, self.written, error)
+            rank_commit.finalize_save(self.pending, self.group, self._commit_record, self.written, error)
             self._progress().finalized = True
         finally:
             if self.group.is_coordinator:
@@ -613,9 +614,9 @@ class SavePipeline:
         return chunks
 
     def commit(self, record: CommitRecord, reports: list[list[WrittenChunk]] | None = None) -> CommitRecord:
-        """Coordinator: ``execution.save.commit_save`` with every rank's reports (default:
+        """Coordinator: ``execution.save_commit.commit_save`` with every rank's reports (default:
         this rank's ``written``, a save from one process); returns the committed record."""
-        return rank_save.commit_save(self.pending, record, [self.written] if reports is None else reports)
+        return rank_commit.commit_save(self.pending, record, [self.written] if reports is None else reports)
 
     def shared_bytes(self) -> int:
         """Coordinator, once the save committed: the stored bytes it shared with its

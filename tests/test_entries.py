@@ -204,6 +204,7 @@ def test_a_callers_directory_is_opened_by_one_function() -> None:
 
 def test_the_zarr_modules_seed_functions_round_trip_and_read_through_open_read(tmp_path: Path, monkeypatch) -> None:
     from shardstore.strategies import zarr as zarr_module
+    from shardstore.strategies import zarr_arrays  # where the seed's functions live
 
     ckpt = tmp_path / "seed"
     ckpt.mkdir()
@@ -217,7 +218,7 @@ def test_the_zarr_modules_seed_functions_round_trip_and_read_through_open_read(t
 
     save(_state(3.0), tmp_path / "ours")
     reads = []
-    monkeypatch.setattr(zarr_module, "open_read", lambda c: reads.append(c) or open_read(c))
+    monkeypatch.setattr(zarr_arrays, "open_read", lambda c: reads.append(c) or open_read(c))
     metadata = zarr_module.load_zarr_based_sharded_metadata(tmp_path / "ours", lambda path: ((4, 3), "float32"))
     assert reads == [tmp_path / "ours"] and set(metadata) == {"w"} and metadata["w"].global_shape == (4, 3)
     with pytest.warns(UserWarning, match="single process"):

@@ -21,7 +21,6 @@ MAX_ALL_NAMES = 30
 
 KNOWN_LONGER = frozenset({
     "serialization.py",
-    "strategies/zarr.py",
 })
 
 KNOWN_WIDER = frozenset({

@@ -19,7 +19,7 @@ LONGER = {
     "format/records/commit_record.py:CommitRecord",
     "format/records/array_record.py:ArrayRecord",
     "serialization.py:save",
-    "serialization.py:load",
+    "serialization_load.py:load",
     "stores/kv_chunks.py:share_from",
     "planning/plans/in_block.py:in_block_sharded_record",
     "planning/plans/read_plans.py:plan_reads",

@@ -33,7 +33,7 @@ import pytest
 import shardstore
 
 ROOT = Path(shardstore.__file__).parent
-API_MODULES = {"serialization", "opened", "load_strictness", "cross_rank_checks", "utils", "testing", "__init__"}
+API_MODULES = {"serialization", "serialization_common", "serialization_load", "opened", "load_strictness", "cross_rank_checks", "utils", "testing", "__init__"}
 BASE_MODULES = {"errors", "progress", "mapping", "dict_utils", "lazy_exports", "gc_pause"}
 # Top-level modules that belong to another layer: the zarr start-up hook must be importable as
 # shardstore._zarr_autoload (a .pth file names it) but is the format's; shardstore.megatron and

@@ -20,7 +20,6 @@ MAX_MODULE_LINES = 800
 MAX_ALL_NAMES = 30
 
 KNOWN_LONGER = frozenset({
-    "serialization.py",
 })
 
 KNOWN_WIDER = frozenset({

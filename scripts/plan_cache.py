@@ -42,13 +42,13 @@ def _state_dict(rank: int, world: int, tensors: int, step: int) -> dict:
 
 def _measure(rank: int, world: int, tensors: int, repeats: int, root: str) -> dict[str, Any]:
     """On every rank: the plan stage's wall time (s) and bytes sent, cached and not."""
-    import shardstore.serialization as serialization
+    import shardstore.execution.pipeline as pipeline  # where the save's plan stage is called
     from shardstore import save
     from shardstore.protocol.collectives import Group
     from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 
     timed, sent, counting = [], [], [False]
-    plan_stage, gather = serialization.gather_and_plan_cached, Group.gather_object
+    plan_stage, gather = pipeline.gather_and_plan_cached, Group.gather_object
 
     def timed_plan_stage(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -62,7 +62,7 @@ def _measure(rank: int, world: int, tensors: int, repeats: int, root: str) -> di
             sent.append(len(pickle.dumps(obj)))
         return gather(self, obj)
 
-    serialization.gather_and_plan_cached, Group.gather_object = timed_plan_stage, counted_gather
+    pipeline.gather_and_plan_cached, Group.gather_object = timed_plan_stage, counted_gather
     cached = ZarrSaveShardedStrategy(cache_plan=True)
     uncached = ZarrSaveShardedStrategy()
     step = 0

@@ -19,8 +19,7 @@ PACKAGE = Path(shardstore.__file__).parent
 MAX_MODULE_LINES = 800
 MAX_ALL_NAMES = 30
 
-KNOWN_LONGER = frozenset({
-})
+KNOWN_LONGER: frozenset[str] = frozenset()  # none left: every module is within the limit
 
 KNOWN_WIDER = frozenset({
     "format/__init__.py",

@@ -214,15 +214,21 @@ def _suffix(sizes: Sequence[int | None], crcs: Sequence[int | None]) -> tuple[li
     """What follows the inner chunks of ``sizes`` bytes with ``crcs`` (None: empty, not
     stored): the crc table and the index (``encode_shard``); with the index's crc32c
     and the shard's ``crc``."""
+    index = ShardIndex(_entries(sizes)).encode()
+    index_crc = int.from_bytes(index[-CRC_BYTES:], "little")
+    table = np.array([0 if crc is None else crc for crc in crcs], dtype="<u4").tobytes()
+    return [memoryview(table), memoryview(index)], index_crc, _shard_crc(crcs, index_crc)
+
+
+def _entries(sizes: Sequence[int | None]) -> tuple[tuple[int, int] | None, ...]:
+    """The index entries ``encode_shard`` writes for inner chunks of ``sizes`` raw bytes
+    (None: empty, not stored): each stored one after another with its crc32c."""
     entries: list[tuple[int, int] | None] = []
     offset = 0
     for size in sizes:
         entries.append(None if size is None else (offset, size + CRC_BYTES))
         offset += 0 if size is None else size + CRC_BYTES
-    index = ShardIndex(tuple(entries)).encode()
-    index_crc = int.from_bytes(index[-CRC_BYTES:], "little")
-    table = np.array([0 if crc is None else crc for crc in crcs], dtype="<u4").tobytes()
-    return [memoryview(table), memoryview(index)], index_crc, _shard_crc(crcs, index_crc)
+    return tuple(entries)
 
 
 def _trailer(crc: int) -> memoryview:
@@ -312,11 +318,7 @@ def _read_whole(chunk: ChunkSource, inner: list[memoryview]) -> int | None:
     if got[0] + len(got[1]) != size:
         return None
     table, index, index_crc = _parsed_suffix(bytes(suffix), size, count, where, frozenset())
-    at, layout = 0, []
-    for data in inner:
-        layout.append((at, len(data) + CRC_BYTES))
-        at += len(data) + CRC_BYTES
-    if list(index.entries) != layout:
+    if index.entries != _entries([len(data) for data in inner]):
         return None
     _checked_run(range(count), trailers, folded.crcs, table, where)
     return _shard_crc(table, index_crc)

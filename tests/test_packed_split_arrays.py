@@ -138,3 +138,54 @@ def test_a_cached_plan_is_reused_for_packing_saves_and_not_for_others(tmp_path: 
         assert bool(record.packed_arrays) == packed, name
         assert record.arrays["layer0/w"].chunk_shape == (record.arrays["layer0/w"].shape if packed else (6, 16)), name
     run_distributed(_load, 2, str(tmp_path / "b"))
+
+
+# Blocks of 96 KiB (rows of 256 float32, 96 per rank at 2 ranks): each a chunk of its
+# own inside the pack, so a rank loading its block reads that member only.
+BLOCKED = (192, 256)  # 192 KiB, under the default bound
+
+
+def _blocked(rank: int, world: int, empty: bool = False) -> dict[str, ShardedTensor]:
+    gen = torch.Generator().manual_seed(11)
+    out = {}
+    for key in ("a", "b"):
+        block = torch.randn(*BLOCKED, generator=gen).chunk(world)[rank].clone()
+        out[key] = ShardedTensor.from_rank_offsets(key, torch.empty_like(block) if empty else block, (0, rank, world))
+    return out
+
+
+def _save_blocked(rank: int, world: int, path: str) -> None:
+    save(_blocked(rank, world), path)  # the default layout
+
+
+def _load_blocked(rank: int, world: int, path: str) -> int:
+    """Loads this rank's blocks bit-exact; the bytes this process read doing it."""
+    with open("/proc/self/io") as f:
+        before = next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+    loaded = load(_blocked(rank, world, empty=True), path)
+    with open("/proc/self/io") as f:
+        read = next(int(line.split()[1]) for line in f if line.startswith("rchar:")) - before
+    expected = _blocked(rank, world)
+    assert [k for k, t in expected.items() if not torch.equal(loaded[k], t.data)] == []
+    return read
+
+
+def test_blocks_of_a_packed_split_array_stay_chunks_a_load_reads_alone(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save_blocked, 2, path)
+    record = read_commit_record(open_location(path))
+    for key in ("a", "b"):
+        array = record.arrays[key]
+        assert array.pack is not None and array.chunk_shape == (96, 256), (key, array.chunk_shape)
+        assert not (Path(path) / key).exists()
+    assert verify(path).ok
+    block_bytes = 96 * 256 * 4
+    reads = run_distributed(_load_blocked, 2, path)
+    # each rank reads its two blocks (and the record), not the whole arrays
+    assert all(2 * block_bytes <= read < 3 * block_bytes for read in reads), reads
+    run_distributed(_load_blocked, 3, path)
+    _load_blocked(0, 1, path)
+    with zarr.storage.ZipStore(Path(path) / record.arrays["a"].pack, mode="r") as store:
+        got = zarr.open_group(store, mode="r")["a"][...]
+    gen = torch.Generator().manual_seed(11)
+    np.testing.assert_array_equal(got, torch.randn(*BLOCKED, generator=gen).numpy())

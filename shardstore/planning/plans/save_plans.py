@@ -170,9 +170,9 @@ def plan_save(
             part.touched.add(key)
         whole = plan_packed_whole(records[key], main, pack_arrays_up_to, load)
         if whole is not None:  # packed: its writer packs it, document included
-            records[key], chunk = whole
-            parts[chunk.writer].add_metadata(key)
-            exchanges.gather(key, main, [chunk], records[key].itemsize)
+            records[key], chunks = whole
+            parts[chunks[0].writer].add_metadata(key)
+            exchanges.gather(key, main, chunks, records[key].itemsize)
             continue
         parts[main[ordinal % len(main)].rank].add_metadata(key)
         if key in grids:  # gathered into shards (shards inside blocks are not in ``grids``)

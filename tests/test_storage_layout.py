@@ -14,6 +14,7 @@ from shardstore import CheckpointingException, SaveOptions, ShardedTensor, Stora
 from shardstore.format.consolidated import ZarrMetadata
 from shardstore.format.storage_layout import (
     AUTO_SHARD_MIN_RANKS,
+    DEFAULT_OBJECT_STORE_PACK_BYTES,
     DEFAULT_PACK_BYTES,
     DEFAULT_SHARD_BYTES,
     LayoutSite,
@@ -26,7 +27,7 @@ def test_every_auto_field_is_chosen_by_the_site() -> None:
     assert disk.chosen and disk.shard_bytes is None and disk.pack_arrays_up_to == DEFAULT_PACK_BYTES
     assert disk.zarr_metadata is ZarrMetadata.PER_NODE
     s3 = StorageLayout().chosen_for(LayoutSite(world_size=2, object_store=True))
-    assert s3.zarr_metadata is ZarrMetadata.CONSOLIDATED_ONLY and s3.pack_arrays_up_to == DEFAULT_PACK_BYTES == 256 * 1024
+    assert s3.zarr_metadata is ZarrMetadata.CONSOLIDATED_ONLY and s3.pack_arrays_up_to == DEFAULT_OBJECT_STORE_PACK_BYTES == 1 << 20
     many = StorageLayout().chosen_for(LayoutSite(world_size=AUTO_SHARD_MIN_RANKS))
     assert many.shard_bytes == DEFAULT_SHARD_BYTES
     alone = StorageLayout().chosen_for(LayoutSite(world_size=AUTO_SHARD_MIN_RANKS, can_exchange=False))

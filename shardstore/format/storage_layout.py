@@ -19,7 +19,7 @@ docs/guide/layout.md.
 from __future__ import annotations
 
 __all__ = [
-    "AUTO", "AUTO_SHARD_MIN_RANKS", "DEFAULT_MAX_CHUNK_BYTES",
+    "AUTO", "AUTO_SHARD_MIN_RANKS", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_OBJECT_STORE_PACK_BYTES",
     "DEFAULT_PACK_BYTES", "DEFAULT_READ_GRAIN", "DEFAULT_SHARD_BYTES",
     "CALLERS_DIRECTORY_LAYOUT", "SHARD_SLACK", "LayoutSite", "StorageLayout",
 ]
@@ -54,12 +54,17 @@ the exchange costs more than the files it saves (a 2-rank Llama-shaped save with
 shards took 2.8x as long), above it the files per block dominate a save."""
 
 DEFAULT_PACK_BYTES = 256 * 1024
-"""Arrays of at most this many bytes go into zip packs by default, on a file system as on
-an object store: a file or an object each costs more than its bytes. On a local disk
-10,000 tensors of 1-64 KiB saved 2x faster packed, and 1,000 FSDP2 arrays of 128 KiB at
-2 ranks through DCP's door 1.4x (5 files, not 3,003); on S3, 300 arrays of 128 KiB at 2
-ranks saved 5.6x and loaded 4.3x faster (docs/measurements/layout.md). A loader reading
-a packed array whole reads at most this much more than it asked for."""
+"""Arrays of at most this many bytes go into zip packs by default on a file system: a
+file and its directory cost more than 256 KiB of bytes. 10,000 tensors of 1-64 KiB saved
+2x faster packed, and 1,000 FSDP2 arrays of 128 KiB at 2 ranks through DCP's door 1.4x
+(5 files, not 3,003)."""
+
+DEFAULT_OBJECT_STORE_PACK_BYTES = 1 << 20
+"""The same on an object store, where every object is a request, which costs about
+as long as a MiB of bytes: 300 arrays of 128 KiB at 2 ranks saved 5.6x and loaded 4.3x
+faster packed (docs/measurements/layout.md). A split array's blocks of 64 KiB or more
+stay chunks of their own in the pack (``planning.plans.packed``), so a load reads no
+more than its blocks."""
 
 DEFAULT_READ_GRAIN = 1 << 20
 """The smallest piece a chunk is cut into for reads by default: a 2 -> 4 rank load of
@@ -110,8 +115,8 @@ class StorageLayout:
             the ranks can exchange blocks, else never.
         pack_arrays_up_to: put each array of at most this many bytes that one rank
             writes whole (gathered to it where it is split and the ranks can exchange)
-            into that rank's zip pack (feature ``packs``); 0: never; ``AUTO``:
-            ``DEFAULT_PACK_BYTES`` (256 KiB).
+            into that rank's zip pack (feature ``packs``); 0: never; ``AUTO``: 256 KiB
+            on a file system, 1 MiB on an object store.
         zarr_metadata: where the Zarr metadata documents go (``ZarrMetadata``):
             ``"per_node"``, a ``zarr.json`` per array too; ``"consolidated_only"``, only
             the root's; ``AUTO``: consolidated only on an object store (a request per
@@ -194,7 +199,7 @@ class StorageLayout:
             shards = site.can_exchange and site.world_size >= AUTO_SHARD_MIN_RANKS
             choices["shard_bytes"] = DEFAULT_SHARD_BYTES if shards else None
         if self.pack_arrays_up_to == AUTO:
-            choices["pack_arrays_up_to"] = DEFAULT_PACK_BYTES
+            choices["pack_arrays_up_to"] = DEFAULT_OBJECT_STORE_PACK_BYTES if site.object_store else DEFAULT_PACK_BYTES
         if self.zarr_metadata == AUTO:
             choices["zarr_metadata"] = ZarrMetadata.CONSOLIDATED_ONLY if site.object_store else ZarrMetadata.PER_NODE
         if self.read_grain == AUTO:

@@ -189,3 +189,39 @@ def test_blocks_of_a_packed_split_array_stay_chunks_a_load_reads_alone(tmp_path:
         got = zarr.open_group(store, mode="r")["a"][...]
     gen = torch.Generator().manual_seed(11)
     np.testing.assert_array_equal(got, torch.randn(*BLOCKED, generator=gen).numpy())
+
+
+def _blocked4(rank: int, world: int) -> dict[str, ShardedTensor]:
+    gen = torch.Generator().manual_seed(12)
+    return {key: ShardedTensor.from_rank_offsets(key, torch.randn(*BLOCKED, generator=gen).chunk(world)[rank].clone(),
+                                                 (0, rank, world)) for key in "abcd"}
+
+
+def _save_blocked4(rank: int, world: int, path: str) -> None:
+    save(_blocked4(rank, world), path)
+
+
+def test_a_pack_lays_each_ranks_blocks_side_by_side(tmp_path: Path) -> None:
+    """Every array's first block, then every array's second: the blocks a rank loads
+    again are one run of each pack, read with one ranged read (``format.packs.pack_runs``)
+    however many arrays the pack holds."""
+    import zipfile
+
+    from shardstore.format.packs import pack_runs
+
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save_blocked4, 2, path)
+    record = read_commit_record(open_location(path))
+    packs: dict[str, list[str]] = {}
+    for key in "abcd":
+        packs.setdefault(record.arrays[key].pack, []).append(key)
+    assert sorted(map(len, packs.values())) == [2, 2], packs  # two writers, two arrays each
+    stored = 96 * 256 * 4 + 4
+    for pack, keys in packs.items():
+        with zipfile.ZipFile(Path(path) / pack) as zip_:
+            chunks = [i.filename for i in sorted(zip_.infolist(), key=lambda i: i.header_offset)
+                      if not i.filename.endswith("zarr.json")]
+        assert chunks == [f"{k}/c.{block}.0" for block in (0, 1) for k in keys], chunks
+        for block in (0, 1):
+            spans = [(record.arrays[key].chunk_offsets[block], stored) for key in keys]
+            assert len(pack_runs(spans)) == 1, spans

@@ -240,25 +240,24 @@ def write_pack(
 ) -> tuple[dict[str, tuple[int, ...]], int]:
     """Writes the pack ``name`` holding ``records`` (their chunks' stored bytes in
     ``collector``) as one object through ``store``: the root's and the groups' documents,
-    then each array's document and chunks. Returns each array's chunk offsets (C order
-    over its grid) and the pack's size in bytes."""
+    then the arrays' documents, then their chunks block-major (``_chunks_block_major``).
+    Returns each array's chunk offsets (C order over its grid) and the pack's size."""
     zip_ = _ZipBuilder()
     group = _document(_GROUP)
     zip_.add(ZARR_JSON, group)
     for path in parent_groups([r.key for r in records]):
         zip_.add(f"{path}/{ZARR_JSON}", group)
-    offsets: dict[str, tuple[int, ...]] = {}
     for record in records:
         # the document the commit record encodes too (``encoded_document``, kept): encoded once
         zip_.add(f"{record.key}/{ZARR_JSON}", _document(record.encoded_document))
-        chunk_offsets = []
-        for index in record.chunk_indices():
-            rel = f"{record.key}/{record.chunk_key(index)}"
-            member = collector.members.get(rel)
-            if member is None:
-                raise CheckpointingException(f"Internal error: packed chunk {rel} was not written; please report it")
-            chunk_offsets.append(zip_.add(rel, member))
-        offsets[record.key] = tuple(chunk_offsets)
+    placed: dict[str, list[int]] = {record.key: [] for record in records}
+    for _, record, index in _chunks_block_major(records):
+        rel = f"{record.key}/{record.chunk_key(index)}"
+        member = collector.members.get(rel)
+        if member is None:
+            raise CheckpointingException(f"Internal error: packed chunk {rel} was not written; please report it")
+        placed[record.key].append(zip_.add(rel, member))
+    offsets = {key: tuple(chunk_offsets) for key, chunk_offsets in placed.items()}
     pieces = zip_.finish()
     try:
         store.put(name, [memoryview(p) if isinstance(p, bytes) else p for p in pieces])
@@ -267,6 +266,16 @@ def write_pack(
     except Exception as exc:  # OSError locally (a full disk); TensorStore's ValueError for S3
         raise CheckpointingException(f"Writing pack {store.describe(name)} {_holding(records)} failed: {exc}") from exc
     return offsets, zip_.size
+
+
+def _chunks_block_major(records: Sequence[ArrayRecord]) -> list[tuple[int, ArrayRecord, tuple[int, ...]]]:
+    """The chunks of ``records`` in the order a pack lays them out: every array's first
+    chunk, then every array's second, and so on (each array's in C order over its grid).
+    A split array packed with a chunk per block (``planning.plans.packed``) has its
+    blocks in rank order, so the blocks one rank loads again lie side by side and are
+    read in runs (``pack_runs``), not with a ranged read each."""
+    chunks = [(ordinal, record, index) for record in records for ordinal, index in enumerate(record.chunk_indices())]
+    return sorted(chunks, key=lambda chunk: chunk[0])  # stable: the arrays' order within an ordinal
 
 
 def _holding(records: Sequence[ArrayRecord], named: int = 5) -> str:

@@ -38,8 +38,8 @@ take the ``OpenedCheckpoint`` instead of asking a location what it is:
 from __future__ import annotations
 
 __all__ = [
-    "OpenedCheckpoint", "bare_location", "holds_committed_checkpoint", "open_read",
-    "other_format_of", "read_location", "refuse_ambiguous", "write_location",
+    "SHARED_FILE_BYTES", "OpenedCheckpoint", "bare_location", "holds_committed_checkpoint", "open_read",
+    "open_read_together", "other_format_of", "read_location", "refuse_ambiguous", "write_location",
 ]
 
 import os
@@ -49,6 +49,7 @@ from shardstore.errors import CheckpointingException
 from shardstore.format.config import CONFIG_FNAME, CheckpointingConfig, maybe_load_config
 from shardstore.format.integrity import ChecksummedLocation
 from shardstore.format.records import COMMIT_RECORD, CommitRecord, is_committed, read_commit_record
+from shardstore.format.records.names import COMMON_FILE
 from shardstore.format.records.other_checkpoints import other_checkpoint_beside
 from shardstore.other_formats import registry
 from shardstore.other_formats.base import OtherFormat
@@ -127,6 +128,59 @@ def open_read(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -> Op
     record = read_commit_record(location)
     refuse_ambiguous(location, record)
     return OpenedCheckpoint(ChecksummedLocation(location, record), record)
+
+
+SHARED_FILE_BYTES = 16 << 20
+"""The largest common file (``common.pt``, ``metadata.json``) the coordinator of a load
+reads for every rank (``open_read_together``); a larger one each rank reads itself."""
+
+
+def open_read_together(target: Location | OpenedCheckpoint, group: Group) -> OpenedCheckpoint:
+    """Collective on ``group``: ``open_read`` of ``target`` by the coordinator alone,
+    which hands every rank the commit record and the files every rank of a load reads
+    (``metadata.json``, ``common.pt``, each up to ``SHARED_FILE_BYTES``), so that a load
+    of N ranks asks the storage for them once, not N times (4 requests per rank on
+    S3). Each rank checks those bytes against the record as it reads them
+    (``ChecksummedLocation``). Another tool's checkpoint is opened by each rank.
+
+    Raises:
+        CheckpointingException: on every rank, the coordinator's failure to open it."""
+    if group.world_size == 1 or isinstance(target, OpenedCheckpoint):
+        return open_read(target)
+    opened: OpenedCheckpoint | None = None
+    answer: tuple[CommitRecord, dict[str, bytes | None]] | CheckpointingException | None = None
+    failure: Exception | None = None
+    if group.is_coordinator:
+        try:
+            opened = open_read(target)
+            answer = _shared_files(opened)
+        except Exception as exc:  # raised on every rank: the others wait in the broadcast
+            failure = exc
+            answer = exc if isinstance(exc, CheckpointingException) else CheckpointingException(
+                f"Opening checkpoint {target.describe()} failed: {type(exc).__name__}: {exc}")
+    answer = group.broadcast_object(answer)
+    if isinstance(answer, CheckpointingException):
+        raise answer from failure
+    if opened is not None:
+        return opened
+    if answer is None:  # another tool's checkpoint
+        return open_read(target)
+    record, fetched = answer
+    return OpenedCheckpoint(ChecksummedLocation(target, record, fetched), record)
+
+
+def _shared_files(opened: OpenedCheckpoint) -> tuple[CommitRecord, dict[str, bytes | None]] | None:
+    """What the coordinator of a load hands the other ranks (``open_read_together``):
+    the record and the common files as it read them (kept on its own location too, so
+    that it does not read them again); None for another tool's checkpoint."""
+    if opened.record is None or not isinstance(opened.location, ChecksummedLocation):
+        return None
+    location = opened.location
+    for rel in (CONFIG_FNAME, COMMON_FILE):
+        data = location.inner.read_bytes_or_none(rel)
+        if data is None or len(data) <= SHARED_FILE_BYTES:
+            location.fetched[rel] = data
+    return opened.record, location.fetched
 
 
 def refuse_ambiguous(location: Location, record: CommitRecord) -> None:

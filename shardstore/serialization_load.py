@@ -44,7 +44,7 @@ from shardstore.mapping import (
     ShardedTensorFactory,
     StateDict,
 )
-from shardstore.opened import OpenedCheckpoint, bare_location, open_read
+from shardstore.opened import OpenedCheckpoint, bare_location, open_read, open_read_together
 from shardstore.planning.layout import GlobalLayout
 from shardstore.planning.plans import RankLoadPlan
 from shardstore.progress import operation, progress_shown, stage
@@ -166,7 +166,7 @@ def _load(
     """``load`` of ``target`` on ``group`` (``Group.local()``: this process alone, no collectives)."""
     with operation("load", target.describe(), coordinator=group.is_coordinator) as timing:
         with stage("load: record", target.describe()):
-            opened = open_read(target)
+            opened = open_read_together(target, group)
         result, timing.nbytes = _load_opened(
             sharded_state_dict, opened, sharded_strategy, common_strategy, validate_access_integrity, strict, group
         )

@@ -35,6 +35,7 @@ __all__ = [
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -171,13 +172,20 @@ class ChecksummedLocation(Location):
     does not list is refused. It shares
     ``inner``'s store and changes only reads."""
 
-    def __init__(self, inner: Location, record: CommitRecord) -> None:
+    def __init__(self, inner: Location, record: CommitRecord, fetched: Mapping[str, bytes | None] | None = None) -> None:
         super().__init__(inner.store)
         self.inner, self.record = inner, record
         self._vouchable = record.expected_files()
+        self.fetched = dict(fetched or {})
 
     def read_bytes_or_none(self, rel: str, max_bytes: int | None = None) -> bytes | None:
-        data = self.inner.read_bytes_or_none(rel, max_bytes)
+        """The file's bytes, checked as the class says; a file in ``fetched`` (what
+        another rank read of it, None where it found none) is taken from there, not
+        read again, and checked the same way."""
+        if rel in self.fetched and (max_bytes is None or len(self.fetched[rel] or b"") <= max_bytes):
+            data = self.fetched[rel]
+        else:
+            data = self.inner.read_bytes_or_none(rel, max_bytes)
         if data is None or not self._of_a_vouched_kind(rel):
             return data
         listed = rel in self.record.files or rel in self.record.external_files

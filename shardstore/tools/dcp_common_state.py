@@ -54,25 +54,27 @@ def refuse_unwritten(metadata: Metadata, commit: CommitRecord, common: dict[str,
             "is committed. If DCP's plan caching is on (enable_plan_caching=True), save with it off"
         )
 
+
 def write_result(item: WriteItem, planner: SavePlanner, as_array: bool) -> WriteResult:
     """The WriteResult of one item: a sharded item's or a plain array's bytes were
     written (by this rank or the one the plan chose); a common value travels in it."""
     if is_sharded(item) or as_array:
         return WriteResult(index=item.index, size_in_bytes=item.tensor_storage_size() or 0, storage_data=None)
     data = planner.resolve_data(item)
-    if isinstance(data, torch.Tensor):
-        value, size = saved_bytes(data), data.nbytes
-    else:
-        value = data.getvalue()
-        size = len(value)
-    return WriteResult(index=item.index, size_in_bytes=size, storage_data=CommonValue(item.index.fqn, value))
+    value = saved_bytes(data) if isinstance(data, torch.Tensor) else data.getvalue()
+    return WriteResult(index=item.index, size_in_bytes=len(value), storage_data=CommonValue(item.index.fqn, value))
+
 
 def saved_bytes(tensor: torch.Tensor) -> bytes:
     """A tensor of the common state as ``torch.save`` bytes of a copy in host memory (a
     view would carry its whole storage)."""
     buffer = io.BytesIO()
-    torch.save(tensor.detach().cpu().clone(memory_format=torch.contiguous_format), buffer)
+    copy = tensor.detach().cpu()
+    # a sparse or quantized layout has no memory format to ask for; its clone is compact
+    copy = copy.clone(memory_format=torch.contiguous_format) if copy.layout == torch.strided else copy.clone()
+    torch.save(copy, buffer)
     return buffer.getvalue()
+
 
 def common_value(value: CommonValue, where: str) -> Any:
     """A common value as common.pt stores it: a tensor, or a Python value DCP serialized
@@ -85,6 +87,7 @@ def common_value(value: CommonValue, where: str) -> Any:
             f"which this value does not pass. Store plain Python values, tensors and numpy arrays, or keep it "
             f"out of the checkpoint. {exc}"
         ) from exc
+
 
 def nested_common(common: dict[str, Any], mappings: Any) -> dict[str, Any]:
     """The common values nested as the caller's state dict was (DCP's flattening

@@ -408,3 +408,45 @@ def test_a_plan_is_not_reused_where_a_rank_dropped_a_replica_the_writer_gave_it(
         assert torch.equal(loaded["a_small"], torch.arange(512, dtype=torch.float32) + step), step
         assert torch.equal(loaded["b_big"], torch.arange(2048, dtype=torch.float32) + step), step
         assert shardstore.verify(tmp_path / f"s{step}").ok
+
+
+def saves_without_dcps_cache(rank: int, world: int, root: str) -> list[int]:
+    """Three saves with DCP's default planner (no plan caching): the same structure
+    twice, then a changed one; how many times the coordinator planned, after each."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardstore.execution.pipeline import SavePipeline
+
+    planned = [0]
+    plan_gathered = SavePipeline.plan_gathered
+
+    def counting(self: SavePipeline, *args: Any, **kwargs: Any) -> Any:
+        planned[0] += 1
+        return plan_gathered(self, *args, **kwargs)
+
+    SavePipeline.plan_gathered = counting  # type: ignore[method-assign]
+    counts = []
+    try:
+        model, optimizer = fm.build(world)
+        for step, extra in enumerate((False, False, True)):
+            fm.train_step(model, optimizer, step)
+            state = _state(model, optimizer, step, rank, extra)
+            dcp.save(state, storage_writer=ShardstoreWriter(f"{root}/step{step}"))
+            counts.append(planned[0])
+            request = _state(*fm.build(world, seed=9), step, rank, extra)
+            dcp.load(request, storage_reader=ShardstoreReader(f"{root}/step{step}"))
+            fm.assert_same(fm.full_values(request), fm.full_values(state))
+    finally:
+        SavePipeline.plan_gathered = plan_gathered  # type: ignore[method-assign]
+    return counts
+
+
+def test_the_coordinator_plans_a_structure_it_saved_recently_once(tmp_path: Path) -> None:
+    """A training loop saves the same structure at every step: the second save takes
+    the first one's plan (a checkpoint of its own, bit-exact); a changed structure is
+    planned anew."""
+    coordinator, other = run_distributed(saves_without_dcps_cache, 2, str(tmp_path))
+    assert coordinator == [1, 1, 2] and other == [0, 0, 0], (coordinator, other)
+    records = [json.loads((tmp_path / f"step{s}" / "zarr.json").read_text()) for s in range(3)]
+    ids = {r["attributes"]["shardstore"]["save_id"] for r in records}
+    assert len(ids) == 3, ids

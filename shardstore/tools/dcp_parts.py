@@ -11,7 +11,8 @@ Also how a write item becomes shardstore's description of a shard.
 from __future__ import annotations
 
 __all__ = [
-    "CheckpointId", "CommonValue", "DELIVERED", "DELIVERED_LOCK", "HeldPlainTensors",
+    "COORDINATOR_PLANS", "COORDINATOR_PLANS_KEPT", "CheckpointId", "CommonValue", "CoordinatorPlan",
+    "DELIVERED", "DELIVERED_LOCK", "HeldPlainTensors",
     "PlanAtWrite", "PlannedPart", "RECENT_PLANS", "RECENT_PLANS_KEPT", "RankPart", "Refused",
     "WrittenChunks", "first_delivery", "gathered_shards", "id_text", "is_plain", "is_sharded",
     "new_id", "plain_kind", "shard_description",
@@ -135,6 +136,31 @@ class PlannedPart:
 RECENT_PLANS: list[PlannedPart] = []
 
 RECENT_PLANS_KEPT = 4
+
+@dataclass(frozen=True)
+class CoordinatorPlan:
+    """Every rank's part of a save as the coordinator planned it, and what from.
+
+    Attributes:
+        inputs: ``ShardstoreWriter._coordinator_inputs``: every rank's items and
+            holdings, the writer's settings, the layout chosen and whether the ranks
+            exchange. Equal inputs plan equal parts.
+        parts: each rank's part (its save's intent is that save's: a later save takes
+            the plans, with an intent of its own).
+        names_needed: the longest names the plan's files have.
+    """
+
+    inputs: tuple
+    parts: tuple[RankPart, ...]
+    names_needed: NameLimits
+
+# The plans this process most recently made as a coordinator, newest first: a save
+# whose ranks hold what they held then is not planned again (``ShardstoreWriter.
+# _planned``): a training loop saves the same structure at every step, and DCP's own
+# plan caching is off by default. Two, for a process that saves two state dicts in turn.
+COORDINATOR_PLANS: list[CoordinatorPlan] = []
+
+COORDINATOR_PLANS_KEPT = 2
 
 def first_delivery(part: RankPart | Refused) -> bool:
     """Whether ``part`` reaches ``write_data`` for the first time in this process

@@ -58,6 +58,16 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardstore.compat.megatron.strategies.async_utils import AsyncRequest
+from shardstore.compat.megatron.strategies.base import (
+    AsyncSaveShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    get_default_strategy,
+    strategy_by_name,
+    validate_sharded_objects_handling,
+)
 from shardstore.dict_utils import Leaf, flatten, nest, with_list_places
 from shardstore.errors import CheckpointingException
 from shardstore.execution.pipeline import SavePipeline
@@ -98,16 +108,6 @@ from shardstore.serialization_load import (  # the seed API's load side, offered
     verify_checkpoint_and_load_strategy,
 )
 from shardstore.stores.base import Location
-from shardstore.strategies.async_utils import AsyncRequest
-from shardstore.strategies.base import (
-    AsyncSaveShardedStrategy,
-    SaveCommonStrategy,
-    SaveShardedStrategy,
-    StrategyAction,
-    get_default_strategy,
-    strategy_by_name,
-    validate_sharded_objects_handling,
-)
 from shardstore.utils import (
     _clean_metadata_for_serialization,
     sharded_values_in_common,

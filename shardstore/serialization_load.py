@@ -22,6 +22,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardstore.compat.megatron.strategies.base import (
+    DelegatingLoadStrategy,
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    StrategyAction,
+    get_default_strategy,
+    plan_load_with_record,
+    strategy_by_name,
+    validate_sharded_objects_handling,
+)
+from shardstore.compat.megatron.strategies.common import TorchCommonLoadStrategy
+from shardstore.compat.megatron.strategies.other_formats import (
+    OtherFormatLoadCommonStrategy,
+    OtherFormatLoadShardedStrategy,
+)
+from shardstore.compat.megatron.strategies.zarr import ZarrLoadShardedStrategy
 from shardstore.dict_utils import flatten, merge, nest
 from shardstore.errors import CheckpointingException
 from shardstore.format.integrity import verify
@@ -58,22 +74,6 @@ from shardstore.serialization_common import (
     request_visitor,
 )
 from shardstore.stores.base import Location
-from shardstore.strategies.base import (
-    DelegatingLoadStrategy,
-    LoadCommonStrategy,
-    LoadShardedStrategy,
-    StrategyAction,
-    get_default_strategy,
-    plan_load_with_record,
-    strategy_by_name,
-    validate_sharded_objects_handling,
-)
-from shardstore.strategies.common import TorchCommonLoadStrategy
-from shardstore.strategies.other_formats import (
-    OtherFormatLoadCommonStrategy,
-    OtherFormatLoadShardedStrategy,
-)
-from shardstore.strategies.zarr import ZarrLoadShardedStrategy
 
 logger = logging.getLogger(__name__)
 

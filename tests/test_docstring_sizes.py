@@ -39,9 +39,9 @@ LONGER = {
     "stores/base.py:share_from",
     "cross_rank_checks.py:validate_sharding_integrity",
     "other_formats/safetensors.py:write_safetensors",
-    "strategies/shard_exchange.py:distribute_shards_to_ranks",
+    "compat/megatron/strategies/shard_exchange.py:distribute_shards_to_ranks",
     "format/sharding.py:read_boxes_into",
-    "strategies/zarr.py:remove_sharded_tensors",
+    "compat/megatron/strategies/zarr.py:remove_sharded_tensors",
 }
 
 

@@ -27,6 +27,17 @@ from typing import Any, Literal
 
 import torch
 
+from shardstore.compat.megatron.strategies.common import (
+    COMMON_BACKEND,
+    COMMON_VERSION,
+    TorchCommonSaveStrategy,
+)
+from shardstore.compat.megatron.strategies.zarr import (
+    SHARDSTORE_BACKEND,
+    ZARR_VERSION,
+    checked_max_chunk_bytes,
+    single_tensor_record,
+)
 from shardstore.errors import CheckpointingException
 from shardstore.execution import SavePipeline
 from shardstore.format import (
@@ -43,13 +54,6 @@ from shardstore.format import (
 )
 from shardstore.mapping import ShardedObject, ShardedTensor
 from shardstore.stores import Location
-from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION, TorchCommonSaveStrategy
-from shardstore.strategies.zarr import (
-    SHARDSTORE_BACKEND,
-    ZARR_VERSION,
-    checked_max_chunk_bytes,
-    single_tensor_record,
-)
 
 
 class CheckpointWriter:

@@ -141,7 +141,7 @@ def read_arrays(
 
     Not collective; the tensors of a batch are freed when the caller drops them.
     """
-    from shardstore.strategies.zarr import ZarrLoadShardedStrategy
+    from shardstore.compat.megatron.strategies.zarr import ZarrLoadShardedStrategy
 
     opened = open_read(checkpoint)
     location, record = opened.location, opened.require_record()
@@ -170,7 +170,7 @@ def read_tensors(
     """``read_arrays`` of any checkpoint ``load`` reads: a shardstore checkpoint's
     arrays a batch at a time, another tool's tensors (a registered other format) one at
     a time; sorted by key. Not collective."""
-    from shardstore.strategies.other_formats import open_other_format
+    from shardstore.compat.megatron.strategies.other_formats import open_other_format
 
     opened = open_read(checkpoint)
     if opened.other_format is None:
@@ -259,7 +259,7 @@ def _checkpoint_source(checkpoint: Location) -> ExportSource:
     which go where they were in the state dict DCP saved, as ``dcp_to_torch_save`` puts
     them, and the arrays an import of model files recorded the places of
     (``records.ArrayPlaces``), which go back there."""
-    from shardstore.strategies.other_formats import open_other_format
+    from shardstore.compat.megatron.strategies.other_formats import open_other_format
 
     opened = open_read(checkpoint)
     saved_paths: Mapping[str, tuple[str | int, ...]] = {}
@@ -507,7 +507,10 @@ def from_other_format(
     the common state. A plain DCP's arrays keep their places in the state dict DCP saved
     (``records.ArrayPlaces``), so an export puts them back there, as from the DCP
     checkpoint itself. Returns the number of arrays."""
-    from shardstore.strategies.other_formats import OtherFormatLoadCommonStrategy, open_other_format
+    from shardstore.compat.megatron.strategies.other_formats import (
+        OtherFormatLoadCommonStrategy,
+        open_other_format,
+    )
     from shardstore.tools.array_writer import CheckpointWriter
 
     source = open_other_format(path)

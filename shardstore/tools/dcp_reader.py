@@ -33,6 +33,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from shardstore.compat.megatron.strategies.zarr import (
+    ZarrLoadShardedStrategy,
+)
 from shardstore.dict_utils import flatten
 from shardstore.errors import CheckpointingException
 from shardstore.format import (
@@ -56,9 +59,6 @@ from shardstore.opened import open_read
 from shardstore.protocol import Group
 from shardstore.serialization import verify_checkpoint_and_load_strategy
 from shardstore.stores import Location
-from shardstore.strategies.zarr import (
-    ZarrLoadShardedStrategy,
-)
 from shardstore.tools.dcp_parts import CheckpointId, id_text, new_id
 
 logger = logging.getLogger(__name__)

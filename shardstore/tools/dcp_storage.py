@@ -56,6 +56,15 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from shardstore.compat.megatron.strategies.common import COMMON_BACKEND, COMMON_VERSION
+from shardstore.compat.megatron.strategies.zarr import (
+    DEFAULT_SYNC_STAGING_BYTES,
+    SHARDSTORE_BACKEND,
+    ZARR_VERSION,
+    ShardBytes,
+    ZarrSaveShardedStrategy,
+    checked_staging_bytes,
+)
 from shardstore.errors import CheckpointingException
 from shardstore.execution import RankSave, SavePipeline, fail_before_staging
 from shardstore.format import (
@@ -82,15 +91,6 @@ from shardstore.mapping import ShardedTensor
 from shardstore.opened import bare_location
 from shardstore.protocol import Deliver, Group, run_stage
 from shardstore.stores import NameLimits
-from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION
-from shardstore.strategies.zarr import (
-    DEFAULT_SYNC_STAGING_BYTES,
-    SHARDSTORE_BACKEND,
-    ZARR_VERSION,
-    ShardBytes,
-    ZarrSaveShardedStrategy,
-    checked_staging_bytes,
-)
 from shardstore.tools.dcp_common_state import (
     common_value,
     given_paths,

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from shardstore.compat.megatron.strategies.base import LoadCommonStrategy
+from shardstore.compat.megatron.strategies.other_formats import open_other_format
 from shardstore.format import (
     StorageLayout,
     from_zarr_name,
@@ -33,8 +35,6 @@ from shardstore.format import (
 from shardstore.mapping import ShardedObject
 from shardstore.opened import OpenedCheckpoint, open_read
 from shardstore.stores import Location
-from shardstore.strategies.base import LoadCommonStrategy
-from shardstore.strategies.other_formats import open_other_format
 from shardstore.tools.convert import DEFAULT_MEMORY_BYTES, read_tensors
 
 

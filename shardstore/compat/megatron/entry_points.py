@@ -67,6 +67,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from shardstore.compat.megatron.strategies.forked_writes import for_another_process
+from shardstore.compat.megatron.strategies.zarr import (
+    SHARDSTORE_BACKEND,
+    ZARR_VERSION,
+    ShardBytes,
+    ZarrLoadShardedStrategy,
+    ZarrSaveShardedStrategy,
+)
 from shardstore.errors import CheckpointingException
 from shardstore.format import SaveOptions, StorageLayout, is_committed, read_commit_record
 from shardstore.load_strictness import StrictHandling
@@ -86,14 +94,6 @@ from shardstore.serialization import (
 )
 from shardstore.serialization import (
     save as _shardstore_save,
-)
-from shardstore.strategies.forked_writes import for_another_process
-from shardstore.strategies.zarr import (
-    SHARDSTORE_BACKEND,
-    ZARR_VERSION,
-    ShardBytes,
-    ZarrLoadShardedStrategy,
-    ZarrSaveShardedStrategy,
 )
 
 logger = logging.getLogger(__name__)
@@ -650,7 +650,7 @@ def _dispatching(name: str, ours: Any) -> Any:
     return entry_point
 
 
-_STRATEGY_MODULES = ("megatron.core.dist_checkpointing.strategies", "shardstore.strategies", "shardstore.tools")
+_STRATEGY_MODULES = ("megatron.core.dist_checkpointing.strategies", "shardstore.compat.megatron", "shardstore.tools")
 
 
 def _is_strategy(value: Any) -> bool:

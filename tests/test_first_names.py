@@ -18,7 +18,11 @@ import shardstore
 PACKAGE = Path(shardstore.__file__).parent
 STRATEGIES = sorted(p.stem for p in (PACKAGE / "compat" / "megatron" / "strategies").glob("*.py")
                     if p.stem != "__init__")
-FIRST_NAMES = {f"shardstore.strategies.{m}": f"shardstore.compat.megatron.strategies.{m}" for m in STRATEGIES}
+SERIALIZATION = ("serialization", "serialization_load", "serialization_common")
+FIRST_NAMES = {
+    **{f"shardstore.strategies.{m}": f"shardstore.compat.megatron.strategies.{m}" for m in STRATEGIES},
+    **{f"shardstore.{m}": f"shardstore.compat.megatron.{m}" for m in SERIALIZATION},
+}
 
 
 def test_every_strategy_module_has_its_first_name() -> None:
@@ -50,3 +54,10 @@ def test_a_pickle_naming_a_class_by_its_first_name_loads() -> None:
     by_first_name = b"cshardstore.strategies.zarr\nZarrSaveShardedStrategy\n."
     assert pickle.loads(by_first_name) is ZarrSaveShardedStrategy  # noqa: S301  (our own bytes)
     assert pickle.loads(pickle.dumps(ZarrSaveShardedStrategy)) is ZarrSaveShardedStrategy  # noqa: S301
+
+
+def test_the_top_level_names_are_the_seed_apis_own() -> None:
+    from shardstore.compat.megatron import serialization
+
+    for name in ("save", "load", "load_common_state_dict", "load_tensors_metadata", "remove_sharded_tensors"):
+        assert getattr(shardstore, name) is getattr(serialization, name)

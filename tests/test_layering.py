@@ -44,8 +44,8 @@ BASE_MODULES = {"errors", "progress", "mapping", "dict_utils", "lazy_exports", "
 # shardstore._zarr_autoload (a .pth file names it) but is the format's; shardstore.megatron,
 # shardstore.core, shardstore.validation, shardstore.exchange_utils and the package
 # shardstore.strategies (first names of modules of compat.megatron, issue 66.1) are the
-# compat package's, and so are the seed API's module functions (serialization*); testing
-# saves and loads through them, as a user does.
+# compat package's, and so are shardstore.serialization* (first names of the seed API's
+# module functions); testing saves and loads through them, as a user does.
 TOP_LEVEL_ELSEWHERE = {"serialization": "compat", "serialization_common": "compat", "serialization_load": "compat",
                        "_zarr_autoload": "format", "megatron": "compat", "core": "compat", "compat": "compat",
                        "validation": "compat", "exchange_utils": "compat", "strategies": "compat",
@@ -195,7 +195,8 @@ ENTRY_PACKAGES = ("stores", "format", "planning", "protocol", "execution", "othe
 
 # The seed API: Megatron-Core's strategy classes and module functions, the api's engine
 # moved into compat with their first names (issue 66.1); they reach below as the api does.
-SEED_API = ("shardstore.compat.megatron.strategies", "shardstore.strategies", "shardstore.serialization")
+SEED_API = ("shardstore.compat.megatron.strategies", "shardstore.compat.megatron.serialization",
+            "shardstore.strategies", "shardstore.serialization")
 
 
 def is_door(module: str) -> bool:

@@ -188,7 +188,7 @@ def read_non_tensor_state(checkpoint: str | os.PathLike | Location) -> StateDict
     (``rng_state/shard_0_2``), each the Python object it holds; of a shardstore
     checkpoint or of another tool's (a plain DCP checkpoint's values nested where they
     were in the state dict it saved)."""
-    from shardstore.serialization import load, load_sharded_metadata
+    from shardstore.compat.megatron.serialization import load, load_sharded_metadata
 
     _refuse_process_group("reading a checkpoint's common state for conversion")
     opened = open_read(checkpoint)
@@ -283,7 +283,7 @@ def _checkpoint_source(checkpoint: Location) -> ExportSource:
         return _with_array_containers(state, places, opened.location.describe())
 
     def objects() -> tuple[str, ...]:
-        from shardstore.serialization import load_sharded_metadata
+        from shardstore.compat.megatron.serialization import load_sharded_metadata
 
         return tuple(k for k, v in load_sharded_metadata(opened).items() if isinstance(v, ShardedObject))
 
@@ -454,7 +454,7 @@ def _import_files(
 ) -> int:
     """Saves the model files at ``path``, of the format ``files``, as a checkpoint;
     returns the number of arrays written."""
-    from shardstore.serialization import save
+    from shardstore.compat.megatron.serialization import save
 
     _refuse_process_group(f"converting {files.title}")
     state = files.state_to_save(path)

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from shardstore.compat.megatron.serialization import verify_checkpoint_and_load_strategy
 from shardstore.compat.megatron.strategies.zarr import (
     ZarrLoadShardedStrategy,
 )
@@ -57,7 +58,6 @@ from shardstore.inputs.dtensors import fqn
 from shardstore.mapping import ShardedTensor
 from shardstore.opened import open_read
 from shardstore.protocol import Group
-from shardstore.serialization import verify_checkpoint_and_load_strategy
 from shardstore.stores import Location
 from shardstore.tools.dcp_parts import CheckpointId, id_text, new_id
 

@@ -81,7 +81,7 @@ class CheckpointSummary:
 def describe_checkpoint(checkpoint: str | os.PathLike | Location) -> CheckpointSummary:
     """The arrays (shape, dtype, chunking, bytes), sharded objects, common-state keys,
     format version and saving world size of a committed checkpoint."""
-    from shardstore.serialization import load_common_state_dict
+    from shardstore.compat.megatron.serialization import load_common_state_dict
 
     opened = open_read(checkpoint)
     if opened.other_format is not None:
@@ -505,7 +505,7 @@ class _NonArrayParts:
 
     @classmethod
     def of(cls, opened: OpenedCheckpoint) -> _NonArrayParts:
-        from shardstore.serialization import verify_checkpoint_and_load_strategy
+        from shardstore.compat.megatron.serialization import verify_checkpoint_and_load_strategy
 
         _, strategy = verify_checkpoint_and_load_strategy(opened)
         location = opened.location

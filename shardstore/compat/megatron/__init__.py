@@ -2,6 +2,9 @@
 
 * ``strategies``: Megatron-Core's strategy classes, whose methods take a checkpoint
   directory (also ``shardstore.strategies``, module by module);
+* ``serialization`` (with ``serialization_load`` and ``serialization_common``): the seed
+  API's module functions, ``save``, ``load`` and the metadata queries (also
+  ``shardstore.serialization``, and ``shardstore.save`` and its siblings);
 * ``entry_points``: ``install`` puts shardstore behind ``megatron.core.dist_checkpointing``'s
   module functions (also ``shardstore.megatron``);
 * ``strategy``: the strategy plug-in for Megatron-Core <= 0.16 (also

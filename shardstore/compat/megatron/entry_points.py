@@ -67,6 +67,21 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from shardstore.compat.megatron.serialization import (
+    load as _shardstore_load,
+)
+from shardstore.compat.megatron.serialization import (
+    load_common_state_dict,
+    load_content_metadata,
+    load_plain_tensors,
+    load_sharded_metadata,
+    load_tensors_metadata,
+    remove_sharded_tensors,
+    verify_before_load,
+)
+from shardstore.compat.megatron.serialization import (
+    save as _shardstore_save,
+)
 from shardstore.compat.megatron.strategies.forked_writes import for_another_process
 from shardstore.compat.megatron.strategies.zarr import (
     SHARDSTORE_BACKEND,
@@ -80,21 +95,6 @@ from shardstore.format import SaveOptions, StorageLayout, is_committed, read_com
 from shardstore.load_strictness import StrictHandling
 from shardstore.opened import bare_location
 from shardstore.progress import info_on_first_rank, log_once, operations_logged_at
-from shardstore.serialization import (
-    load as _shardstore_load,
-)
-from shardstore.serialization import (
-    load_common_state_dict,
-    load_content_metadata,
-    load_plain_tensors,
-    load_sharded_metadata,
-    load_tensors_metadata,
-    remove_sharded_tensors,
-    verify_before_load,
-)
-from shardstore.serialization import (
-    save as _shardstore_save,
-)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -49,6 +49,7 @@ except ImportError as exc:  # pragma: no cover - exercised where megatron-core i
         "(pip install megatron-core); shardstore.save/load work without it"
     ) from exc
 
+from shardstore.compat.megatron.serialization import load_preprocess
 from shardstore.compat.megatron.strategies.base import DelegatingLoadStrategy
 from shardstore.compat.megatron.strategies.common import TorchCommonLoadStrategy
 from shardstore.compat.megatron.strategies.forked_writes import for_another_process
@@ -63,7 +64,6 @@ from shardstore.errors import CheckpointingException
 from shardstore.inputs.megatron_objects import convert_megatron_objects
 from shardstore.mapping import ShardedObject, apply_factories, apply_factory_merges
 from shardstore.opened import holds_committed_checkpoint, open_read
-from shardstore.serialization import load_preprocess
 
 
 class ShardstoreSaveShardedStrategy(_megatron_base.AsyncSaveShardedStrategy):

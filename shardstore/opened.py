@@ -1,18 +1,20 @@
 """The api's entries to a place a caller names, each saying how far it is trusted.
 
-* ``open_read``: a checkpoint to read, opened once for every door that reads one (below);
-* ``bare_location``: a place taken as it is, no commit record asked for: a directory of
-  the seed's own functions (Megatron's zarr module functions, ``maybe_load_config``), a
-  checkpoint ``verify`` examines in whatever state it is, a root of checkpoints, a
-  destination whose kind is asked;
-* ``write_location``: where a writer with the seed's signature (``save_common``,
+* ``bare_location``: what a caller names (a path, a URL, a Location), as a Location
+  taken as it is, no commit record asked for: the one conversion a door (the tools,
+  the dialects' entry points) makes, once, before it hands the Location on;
+* ``open_read``: a checkpoint to read at a Location, opened once for every door that
+  reads one (below);
+* ``write_location``: a Location a writer with the seed's signature (``save_common``,
   ``save_sharded_objects``, ``_create_zarr_array``, ``_create_or_open_zarr_arrays``,
-  ``save_config``) writes a file into a caller's directory; a committed shardstore
-  checkpoint there is refused (but for a ``metadata.json`` its record does not list),
-  since a file changed or added under its commit record is damage.
+  ``save_config``) writes a file into; a committed shardstore checkpoint there is
+  refused (but for a ``metadata.json`` its record does not list), since a file changed
+  or added under its commit record is damage.
 
-A save is opened by ``execution.pipeline.SavePipeline`` (staged, published by the
-commit rules); nothing above this module turns a path into a location itself
+Only ``bare_location`` takes a path; the others take a Location (what the seed API's
+checkpoint directories lead to is ``compat.megatron.checkpoint_dirs``'s). A save is
+opened by ``execution.pipeline.SavePipeline`` (staged, published by the commit rules);
+nothing above this module turns a path into a location itself
 (``scripts/count_doors.py``).
 
 A checkpoint to read is either
@@ -29,7 +31,7 @@ A checkpoint to read is either
 ``shardstore.load`` and the metadata queries, inspection, conversion and the DCP reader
 take the ``OpenedCheckpoint`` instead of asking a location what it is:
 
-    opened = open_read("/ckpt/step_100")        # path, URL, Location or OpenedCheckpoint
+    opened = open_read(bare_location("/ckpt/step_100"))
     record = opened.require_record()            # a shardstore checkpoint's record, or a
                                                 # CheckpointingException naming the other tool
     opened.location.read_bytes("common.pt")     # checked against the record
@@ -38,8 +40,7 @@ take the ``OpenedCheckpoint`` instead of asking a location what it is:
 from __future__ import annotations
 
 __all__ = [
-    "OpenedCheckpoint", "bare_location", "holds_committed_checkpoint", "open_read",
-    "other_format_of", "read_location", "refuse_ambiguous", "write_location",
+    "OpenedCheckpoint", "bare_location", "open_read", "other_format_of", "refuse_ambiguous", "write_location",
 ]
 
 import os
@@ -52,7 +53,6 @@ from shardstore.format.records import COMMIT_RECORD, CommitRecord, is_committed,
 from shardstore.format.records.other_checkpoints import other_checkpoint_beside
 from shardstore.other_formats import registry
 from shardstore.other_formats.base import OtherFormat
-from shardstore.protocol.collectives import Group
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 
@@ -109,9 +109,9 @@ def other_format_of(location: Location) -> OtherFormat | None:
     return registry.detect(location, OtherFormat)
 
 
-def open_read(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -> OpenedCheckpoint:
+def open_read(checkpoint: Location | OpenedCheckpoint) -> OpenedCheckpoint:
     """The checkpoint at ``checkpoint``, opened once (one already opened is returned as
-    it is).
+    it is; a caller's path becomes a Location by ``bare_location`` first).
 
     Raises:
         CheckpointingException: neither a committed shardstore checkpoint nor another
@@ -120,7 +120,7 @@ def open_read(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -> Op
     """
     if isinstance(checkpoint, OpenedCheckpoint):
         return checkpoint
-    location = open_location(checkpoint)
+    location = checkpoint
     other = other_format_of(location)
     if other is not None:
         return OpenedCheckpoint(location, None, other)
@@ -162,8 +162,8 @@ def bare_location(place: str | os.PathLike | Location | OpenedCheckpoint) -> Loc
     return open_location(place)
 
 
-def write_location(checkpoint_dir: str | os.PathLike | Location, *, writes_config: bool = False) -> Location:
-    """Where a writer with the seed's signature writes into ``checkpoint_dir``: the
+def write_location(location: Location, *, writes_config: bool = False) -> Location:
+    """``location``, where a writer with the seed's signature writes a file: the
     directory of Megatron's own protocol a direct caller names, or the pending checkpoint
     of a save that hands it down.
 
@@ -176,7 +176,6 @@ def write_location(checkpoint_dir: str | os.PathLike | Location, *, writes_confi
     Raises:
         CheckpointingException: a committed shardstore checkpoint is there.
     """
-    location = bare_location(checkpoint_dir)
     if not is_committed(location):
         return location
     if writes_config and CONFIG_FNAME not in read_commit_record(location).files:
@@ -187,49 +186,3 @@ def write_location(checkpoint_dir: str | os.PathLike | Location, *, writes_confi
         "into it now would be damage under its commit record. Write into an empty directory, or save with "
         "shardstore.save(..., overwrite=True) to replace the checkpoint"
     )
-
-
-def holds_committed_checkpoint(checkpoint_dir: str | os.PathLike | Location) -> bool:
-    """Collective over the default process group (every rank calls it): whether
-    ``checkpoint_dir`` holds a committed shardstore checkpoint, as the coordinator sees
-    it, so that ranks whose views of a shared file system differ for a moment still
-    decide alike and none is left waiting in a later collective. A place shardstore
-    cannot open (another scheme, such as Megatron's ``msc://``) holds none of ours.
-
-    Raises:
-        CheckpointingException: on every rank, where the coordinator's check failed
-            (the storage's error, named)."""
-    group = Group()
-    answer: bool | CheckpointingException = False
-    failure: Exception | None = None
-    if group.is_coordinator:
-        try:
-            location = bare_location(checkpoint_dir)
-        except CheckpointingException:
-            location = None
-        try:
-            answer = location is not None and is_committed(location)
-        except Exception as exc:  # raised on every rank: the others would wait in the broadcast
-            failure = exc
-            answer = CheckpointingException(
-                f"Could not tell whether {checkpoint_dir} holds a committed shardstore checkpoint: "
-                f"{type(exc).__name__}: {exc}"
-            )
-    answer = group.broadcast_object(answer)
-    if isinstance(answer, CheckpointingException):
-        raise answer from failure
-    return bool(answer)
-
-
-def read_location(checkpoint: str | bytes | os.PathLike | Location | OpenedCheckpoint) -> Location:
-    """Where a reader with the seed's signature (a strategy's ``load_common``,
-    ``load_sharded_objects``, the zarr module's ``_load_from_array``) reads ``checkpoint``.
-
-    A load hands such a reader the location it opened (checked against the record
-    already) and it is used as it is. A path or URL, as a direct caller of the seed's API
-    passes, is opened here by ``open_read``: a committed checkpoint's files are then
-    checked against its record on that route too (read unchecked, a flipped bit in
-    ``common.pt`` came back as a wrong integer), and an unfinished save is refused."""
-    if isinstance(checkpoint, (str, bytes, os.PathLike, OpenedCheckpoint)):
-        return open_read(checkpoint).location
-    return checkpoint

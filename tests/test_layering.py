@@ -194,9 +194,10 @@ ENTRY_PACKAGES = ("stores", "format", "planning", "protocol", "execution", "othe
 
 
 # The seed API: Megatron-Core's strategy classes and module functions, the api's engine
-# moved into compat with their first names (issue 66.1); they reach below as the api does.
+# moved into compat with their first names, and where their checkpoint directories lead
+# (issue 66.1); they reach below as the api does.
 SEED_API = ("shardstore.compat.megatron.strategies", "shardstore.compat.megatron.serialization",
-            "shardstore.strategies", "shardstore.serialization")
+            "shardstore.compat.megatron.checkpoint_dirs", "shardstore.strategies", "shardstore.serialization")
 
 
 def is_door(module: str) -> bool:

@@ -53,6 +53,7 @@ from shardstore.format import (
     tensor_to_numpy,
 )
 from shardstore.mapping import ShardedObject, ShardedTensor
+from shardstore.opened import bare_location
 from shardstore.stores import Location
 
 
@@ -88,7 +89,7 @@ class CheckpointWriter:
         layout = StorageLayout.of(layout, max_chunk_bytes=max_chunk_bytes)
         config = CheckpointingConfig(SHARDSTORE_BACKEND, ZARR_VERSION, COMMON_BACKEND, COMMON_VERSION)
         options = SaveOptions(overwrite=overwrite, array_places=array_places, layout=layout)
-        self._save = SavePipeline.open(checkpoint_dir, options=options, config=config)
+        self._save = SavePipeline.open(bare_location(checkpoint_dir), options=options, config=config)
         self.max_chunk_bytes = int(self._save.options.layout.max_chunk_bytes)
         self._save.check_storable(
             [ShardedTensor.from_rank_offsets(key, tensor) for key, tensor in (planned_arrays or {}).items()],

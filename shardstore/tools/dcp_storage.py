@@ -223,7 +223,7 @@ class ShardstoreWriter(StorageWriter):
         options = SaveOptions(overwrite=self.overwrite, reuse_from=self.reuse_from, shared_directory=True,
                               layout=layout)
         group = Group(self.process_group) if exchange else None
-        return SavePipeline.open(self._target(), group, options=options, config=CONFIG)
+        return SavePipeline.open(bare_location(self._target()), group, options=options, config=CONFIG)
 
     def _target(self) -> CheckpointId:
         """Where this save goes (``checkpoint_id``), refused where none was given."""
@@ -335,7 +335,7 @@ class ShardstoreWriter(StorageWriter):
         except Exception as exc:
             if not isinstance(exc, CheckpointingException):
                 logger.exception("Planning checkpoint %s failed", id_text(self.checkpoint_id))
-            parts = [Refused(new_id(), _refusal(exc, self.checkpoint_id), len(plans))] * len(plans)
+            parts = [Refused(new_id(), _refusal(exc, id_text(self.checkpoint_id)), len(plans))] * len(plans)
         return [replace(plan, storage_data=part) for plan, part in zip(plans, parts)]
 
     def _planned(self, plans: list[SavePlan]) -> list[RankPart]:
@@ -654,11 +654,12 @@ def _plain_array_writers(plans: list[SavePlan], as_array: Callable[[WriteItem], 
     )
     return [[item for item in items if writers[item.index.fqn] == rank] for rank, items in enumerate(held)]
 
-def _refusal(exc: Exception, checkpoint_id: CheckpointId | None) -> str:
-    """What every rank raises for the coordinator's failure to plan a save."""
+def _refusal(exc: Exception, where: str | None) -> str:
+    """What every rank raises for the coordinator's failure to plan a save of the
+    checkpoint ``where`` names (``id_text``)."""
     if isinstance(exc, CheckpointingException):
         return str(exc)
-    return f"Planning checkpoint {id_text(checkpoint_id)} failed on the coordinator: {type(exc).__name__}: {exc}"
+    return f"Planning checkpoint {where} failed on the coordinator: {type(exc).__name__}: {exc}"
 
 def _resolved(item: WriteItem, planner: SavePlanner, where: str) -> Any:
     """An item's data from the planner, refused where its dtype is not the plan's: DCP's

@@ -104,6 +104,7 @@ from shardstore.mapping import (
     ShardedTensor,
     StateDict,
 )
+from shardstore.opened import bare_location
 from shardstore.progress import StageTiming, operation, progress_shown, stage
 from shardstore.protocol.collectives import Group, PeerLost
 from shardstore.protocol.common_state import common_state_digests
@@ -208,7 +209,9 @@ def save(
         sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
     )
     options = SaveOptions.resolve(options, SaveOptions(overwrite, reuse_from, shared_directory, layout))
-    pipeline = SavePipeline.open(checkpoint_dir, group, _with_strategy_layout(options, sharded_strategy), config=config)
+    pipeline = SavePipeline.open(
+        bare_location(checkpoint_dir), group, _with_strategy_layout(options, sharded_strategy), config=config
+    )
 
     where = pipeline.describe()
     with progress_shown(progress and group.is_coordinator), operation("save", where, coordinator=group.is_coordinator) as timing:

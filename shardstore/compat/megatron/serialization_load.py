@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardstore.compat.megatron.checkpoint_dirs import open_dir
 from shardstore.compat.megatron.serialization_common import (
     CONTENT_METADATA_KEY,
     CheckpointDir,
@@ -406,7 +407,7 @@ def verify_checkpoint_and_load_strategy(
     takes them) after checking they can read it."""
     sharded_strategy = strategy_by_name(sharded_strategy, StrategyAction.LOAD_SHARDED)
     common_strategy = strategy_by_name(common_strategy, StrategyAction.LOAD_COMMON)
-    opened = open_read(checkpoint_dir)
+    opened = open_dir(checkpoint_dir)
     if opened.other_format is not None:
         return _other_format_sharded_strategy(sharded_strategy), _other_format_common_strategy(common_strategy)
     config = opened.config()
@@ -466,7 +467,7 @@ def load_common_state_dict(
     checkpoint_dir: CheckpointDir, common_strategy: LoadCommonStrategy | None = None
 ) -> StateDict:
     """The common (non-sharded) state of a committed checkpoint."""
-    opened = open_read(checkpoint_dir)
+    opened = open_dir(checkpoint_dir)
     _, common_strategy = verify_checkpoint_and_load_strategy(opened, None, common_strategy)
     return common_strategy.load_common(opened.location)
 
@@ -500,7 +501,7 @@ def load_tensors_metadata(
     Returns:
         ``{key: ShardedTensor without data covering the whole tensor}``
     """
-    opened = open_read(checkpoint_dir)
+    opened = open_dir(checkpoint_dir)
     sharded_strategy, _ = verify_checkpoint_and_load_strategy(opened, sharded_strategy)
     return sharded_strategy.load_tensors_metadata(opened.location)
 
@@ -516,7 +517,7 @@ def load_sharded_metadata(
         ``{sharded key: ShardedTensor or ShardedObject}`` (tensors by key, object shards
         by their unique key).
     """
-    opened = open_read(checkpoint_dir)
+    opened = open_dir(checkpoint_dir)
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(opened, sharded_strategy, common_strategy)
     metadata = sharded_strategy.load_sharded_metadata(opened.location)
     if not sharded_strategy.can_handle_sharded_objects:
@@ -530,7 +531,7 @@ def load_plain_tensors(checkpoint_dir: CheckpointDir) -> StateDict:
 
     Not collective: any one process may call it, also one rank of a running job.
     """
-    opened = open_read(checkpoint_dir)
+    opened = open_dir(checkpoint_dir)
     sharded_state_dict = {
         key: replace(t, flattened_range=None) if t.flattened_range is not None else t
         for key, t in load_tensors_metadata(opened).items()
@@ -541,6 +542,6 @@ def load_plain_tensors(checkpoint_dir: CheckpointDir) -> StateDict:
 def remove_sharded_tensors(checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
     """Removes every tensor whose key starts with ``key_prefix``, and every ShardedObject
     shard whose unique key does, as Megatron-Core's torch_dist does (call on one process)."""
-    opened = open_read(checkpoint_dir)
+    opened = open_dir(checkpoint_dir)
     sharded_strategy = get_default_load_sharded_strategy(opened)
     sharded_strategy.remove_sharded_tensors(opened.location, key_prefix)

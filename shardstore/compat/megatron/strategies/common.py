@@ -14,6 +14,7 @@ __all__ = [
 
 from typing import Any
 
+from shardstore.compat.megatron.checkpoint_dirs import open_dir, read_location, write_dir
 from shardstore.compat.megatron.strategies.base import (
     CheckpointDir,
     LoadCommonStrategy,
@@ -32,7 +33,6 @@ from shardstore.mapping import (
     fill_unknown_last_axes,
     is_main_replica,
 )
-from shardstore.opened import open_read, read_location, write_location
 from shardstore.stores.base import Location
 
 COMMON_BACKEND = "torch"
@@ -46,7 +46,7 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
         super().__init__(backend, version)
 
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: CheckpointDir | Location) -> None:
-        write_location(checkpoint_dir).write_bytes(COMMON_FILE, serialize(common_state_dict))
+        write_dir(checkpoint_dir).write_bytes(COMMON_FILE, serialize(common_state_dict))
 
     def save_sharded_objects(
         self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir | Location
@@ -57,7 +57,7 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
             for obj in nested_values(sharded_objects_state_dict)
             if isinstance(obj, ShardedObject) and is_main_replica(obj.replica_id)
         }
-        write_location(checkpoint_dir).write_many(files)
+        write_dir(checkpoint_dir).write_many(files)
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -108,7 +108,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
     def load_sharded_metadata(self, checkpoint_dir: CheckpointDir | Location) -> ShardedStateDict:
         """Data-less ShardedObjects of the checkpoint, keyed by their unique key (an old
         key's shape completed by ``fill_unknown_last_axes`` first, as in Megatron-Core)."""
-        record = open_read(checkpoint_dir).require_record()
+        record = open_dir(checkpoint_dir).require_record()
         objects = [ShardedObject.empty_from_unique_key(shard_key) for shard_key in record.object_shard_files]
         fill_unknown_last_axes(objects)
         return {obj.unique_key: obj for obj in objects}

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from shardstore.compat.megatron.checkpoint_dirs import open_dir
 from shardstore.compat.megatron.strategies.base import CheckpointDir
 from shardstore.compat.megatron.strategies.other_formats import open_other_format
 from shardstore.dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
@@ -60,7 +61,7 @@ from shardstore.mapping import (
     apply_factories,
     apply_factory_merges,
 )
-from shardstore.opened import OpenedCheckpoint, open_read
+from shardstore.opened import OpenedCheckpoint
 from shardstore.stores.base import Location
 
 logger = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ def get_reformulation_metadata(
             hold (a 1-D one is skipped with a warning, as Megatron-Core does for its
             legacy 1-D format).
     """
-    opened = open_read(checkpoint_dir)
+    opened = open_dir(checkpoint_dir)
     location = opened.location
     saved = _saved_formulations(opened)
     metadata: dict[str, TensorReformulationMetadata] = {}

@@ -41,6 +41,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from shardstore.compat.megatron.checkpoint_dirs import open_dir
 from shardstore.compat.megatron.strategies.async_utils import AsyncRequest
 from shardstore.compat.megatron.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -99,7 +100,7 @@ from shardstore.format.storage_layout import (
     StorageLayout,
 )
 from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict
-from shardstore.opened import open_read
+from shardstore.opened import bare_location
 from shardstore.planning.layout import (
     GlobalLayout,
 )
@@ -298,7 +299,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         """The save into a directory the caller made and wrote into (the seed's
         signatures; Megatron-Core's ``save``), on ``process_group`` or else this
         strategy's (``SavePipeline.into_callers_directory``)."""
-        return SavePipeline.into_callers_directory(checkpoint_dir, self._group(process_group), self.layout)
+        return SavePipeline.into_callers_directory(bare_location(checkpoint_dir), self._group(process_group), self.layout)
 
     def plan_into(self, sharded_state_dict: ShardedStateDict, pipeline: SavePipeline) -> RankSavePlan:
         """Collective: this rank's part of the plan of saving ``sharded_state_dict``
@@ -431,7 +432,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         self._uploader = DeviceUploader(checked_staging_bytes("load_staging_bytes", load_staging_bytes))
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> StateDict:
-        opened = open_read(checkpoint_dir)
+        opened = open_dir(checkpoint_dir)
         return self.load_with_record(sharded_state_dict, opened.location, opened.require_record())
 
     def load_with_record(
@@ -484,7 +485,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         return sharded_state_dict
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
-        record = open_read(checkpoint_dir).require_record()
+        record = open_dir(checkpoint_dir).require_record()
         return {key: tensor_metadata(a) for key, a in record.arrays.items()}
 
     def load_sharded_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
@@ -508,7 +509,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         Packed arrays (feature `packs`) go with their packs, whole: a pack that also holds
         arrays that stay is refused (its zip would still show plain readers the removed ones).
         """
-        opened = open_read(checkpoint_dir)
+        opened = open_dir(checkpoint_dir)
         remove_entries(opened.location, opened.require_record(), key_prefix)
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:

@@ -27,6 +27,7 @@ import tensorstore as ts
 import torch
 
 from shardstore._zarr_autoload import EXTENSION_METADATA
+from shardstore.compat.megatron.checkpoint_dirs import open_dir, write_dir
 from shardstore.compat.megatron.strategies.base import (
     CheckpointDir,
 )
@@ -60,7 +61,7 @@ from shardstore.format.storage_layout import (
     DEFAULT_MAX_CHUNK_BYTES,
 )
 from shardstore.mapping import ShardedStateDict, ShardedTensor, is_main_replica
-from shardstore.opened import bare_location, open_read, write_location
+from shardstore.opened import bare_location
 from shardstore.planning.layout import (
     Region,
     ShardRecord,
@@ -153,7 +154,7 @@ def _should_create_array(ten: ShardedTensor) -> bool:
 
 def _create_zarr_array(sharded_tensor: ShardedTensor, checkpoint_dir: CheckpointDir | Location) -> ts.TensorStore:
     """Creates the array of ``sharded_tensor``'s key (writes its ``zarr.json``)."""
-    return _create_array_in(write_location(checkpoint_dir), sharded_tensor)
+    return _create_array_in(write_dir(checkpoint_dir), sharded_tensor)
 
 
 def _create_array_in(location: Location, sharded_tensor: ShardedTensor) -> ts.TensorStore:
@@ -172,7 +173,7 @@ def _create_or_open_zarr_arrays(
     The arrays created here must exist before others open them (a barrier in between
     when several ranks take part).
     """
-    location = write_location(checkpoint_dir)
+    location = write_dir(checkpoint_dir)
     arrays: list[ts.TensorStore | None] = [
         _create_array_in(location, t) if _should_create_array(t) else None for t in sharded_tensors
     ]
@@ -315,7 +316,7 @@ def _load_from_array(sharded_tensor: ShardedTensor, checkpoint_dir: CheckpointDi
     each chunk's crc32c, a codec of the array, is checked by TensorStore)."""
     location = bare_location(checkpoint_dir)
     if _holds_shardstore_checkpoint(location):
-        opened = open_read(checkpoint_dir)
+        opened = open_dir(checkpoint_dir)
         return load_tensors([sharded_tensor], opened.location, opened.require_record())[0]
     arr = _open_array(location, sharded_tensor.key, "r")
     stored = ArrayRecord(
@@ -367,7 +368,7 @@ def load_zarr_based_sharded_metadata(
         checkpoint_dir: checkpoint root
         get_shape_dtype_fn: returns ``(shape, numpy dtype)`` for an array's path
     """
-    opened = open_read(checkpoint_dir)
+    opened = open_dir(checkpoint_dir)
     sharded = {}
     for key in opened.require_record().arrays:
         shape, dtype = get_shape_dtype_fn(opened.describe(key))

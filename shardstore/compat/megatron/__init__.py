@@ -5,6 +5,8 @@
 * ``serialization`` (with ``serialization_load`` and ``serialization_common``): the seed
   API's module functions, ``save``, ``load`` and the metadata queries (also
   ``shardstore.serialization``, and ``shardstore.save`` and its siblings);
+* ``checkpoint_dirs``: where the seed API's checkpoint directories lead (the one place
+  its paths become what the core takes: a Location, an opened checkpoint);
 * ``entry_points``: ``install`` puts shardstore behind ``megatron.core.dist_checkpointing``'s
   module functions (also ``shardstore.megatron``);
 * ``strategy``: the strategy plug-in for Megatron-Core <= 0.16 (also

@@ -34,10 +34,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardstore import ShardedTensor, save
+from shardstore.compat.megatron.strategies.zarr import ZarrSaveShardedStrategy
 from shardstore.format.records import read_commit_record
 from shardstore.format.sharding import ShardingIndexed
 from shardstore.stores.locations import open_location
-from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 from shardstore.testing import free_port
 
 MiB = 1 << 20

@@ -912,7 +912,7 @@ def run_fsdp(b: Bench, args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardstore
-    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+    from shardstore.compat.megatron.strategies.zarr import ZarrSaveShardedStrategy
     from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 
     rows = args.fsdp_rows * b.world
@@ -965,7 +965,7 @@ def run_reshard_fsdp(b: Bench, args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     import shardstore
-    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+    from shardstore.compat.megatron.strategies.zarr import ZarrSaveShardedStrategy
 
     saving = b.world - 1
     rows = 64 * saving * b.world
@@ -1037,8 +1037,11 @@ def measure_fsdp_on_s3(b: Bench, state: State, nbytes: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardstore
+    from shardstore.compat.megatron.strategies.zarr import (
+        ZarrLoadShardedStrategy,
+        ZarrSaveShardedStrategy,
+    )
     from shardstore.format.commit import SaveOptions
-    from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 
     sharded = ZarrSaveShardedStrategy(shard_bytes=64 << 20)
     per_node, consolidated = SaveOptions(overwrite=True), SaveOptions(overwrite=True, zarr_metadata="consolidated_only")
@@ -1385,7 +1388,7 @@ STAGING_CAP_MIB = 256
 def run_async(b: Bench, state: State, nbytes: int) -> None:
     """Caller-blocked time of an async save vs clone(); a matmul loop during the save."""
     import shardstore
-    from shardstore.strategies.async_utils import AsyncCallsQueue
+    from shardstore.compat.megatron.strategies.async_utils import AsyncCallsQueue
 
     path = b.root / "async"
     blocked = Result("async", "shardstore", "blocked", nbytes)
@@ -1435,7 +1438,7 @@ def run_async(b: Bench, state: State, nbytes: int) -> None:
     queue.close()
 
     # with a staging cap: the snapshot is written in waves, host memory stays bounded
-    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
+    from shardstore.compat.megatron.strategies.zarr import ZarrSaveShardedStrategy
 
     capped = Result("async", f"capped-{STAGING_CAP_MIB}MiB", "blocked", nbytes)
     strategy = ZarrSaveShardedStrategy(max_staging_bytes=STAGING_CAP_MIB * 2**20)
@@ -1462,7 +1465,7 @@ def run_device(b: Bench, args: argparse.Namespace) -> None:
     import torch.distributed.checkpoint as dcp
 
     import shardstore
-    from shardstore.strategies.async_utils import AsyncCallsQueue
+    from shardstore.compat.megatron.strategies.async_utils import AsyncCallsQueue
 
     device = torch.device(args.device)
     cpu_state = build_large(int(args.gib * GiB), b.rank, b.world)

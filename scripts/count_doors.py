@@ -21,7 +21,9 @@ With the save's options one object (issue 43.1: ``SaveOptions.opened`` takes the
 6, 4, 0. The 6: the save pipeline's entries (``SavePipeline.open`` with the reuse source
 through ``SaveOptions.opened``, ``into_callers_directory``),
 ``open_read`` and ``bare_location`` in ``opened``, and ``maybe_load_config`` (Megatron's
-name) and ``verify``, public functions of the format layer that take a path. The count
+name) and ``verify``, public functions of the format layer that take a path. With
+``open_read`` and the save pipeline's entries taking a Location (issue 66.1: a door
+converts once, by ``bare_location``): 3. The count
 says which entry each call uses, not how many conversions run (tests/test_entries.py
 pins the counts). The second count was then redefined (issue 43.3, as above; until then
 it counted tools' imports of ``execution``, ``planning``, ``protocol`` and

@@ -57,23 +57,40 @@ def _name(node: ast.expr) -> str:
     return node.id if isinstance(node, ast.Name) else ""
 
 
-def takes_path_or_location(annotation: ast.expr) -> bool:
-    """Whether an annotation admits both a path and a ``Location``."""
+def takes_path_or_location(annotation: ast.expr, aliases: frozenset[str] = frozenset()) -> bool:
+    """Whether an annotation admits both a path and a ``Location`` (``aliases``: the
+    names of module-level aliases that do)."""
     members = _members(annotation)
-    return "CheckpointDir" in members or ("Location" in members and bool(members & PATH_TYPES))
+    return bool(members & ({"CheckpointDir"} | aliases)) or ("Location" in members and bool(members & PATH_TYPES))
+
+
+def path_aliases(trees: list[ast.Module]) -> frozenset[str]:
+    """The names that module-level assignments in ``trees`` bind to a union admitting a
+    path and a ``Location`` (``Target = str | os.PathLike | Location``)."""
+    found = set()
+    for tree in trees:
+        for node in tree.body:
+            target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else (
+                node.target if isinstance(node, ast.AnnAssign) else None)
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            if isinstance(target, ast.Name) and value is not None and takes_path_or_location(value):
+                found.add(target.id)
+    return frozenset(found)
 
 
 def path_params(root: Path = ROOT) -> list[PathParam]:
     """Every parameter under ``root`` that takes a path or a Location, in file order."""
     found = []
-    for path in sorted(root.rglob("*.py")):
-        module = path.relative_to(root).as_posix()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    trees = {path.relative_to(root).as_posix(): ast.parse(path.read_text(encoding="utf-8"))
+             for path in sorted(root.rglob("*.py"))}
+    aliases = path_aliases(list(trees.values()))
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             args = node.args
             for arg in (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg):
-                if arg is not None and arg.annotation is not None and takes_path_or_location(arg.annotation):
+                if arg is not None and arg.annotation is not None and takes_path_or_location(arg.annotation, aliases):
                     found.append(PathParam(module, arg.lineno, node.name, arg.arg, ast.unparse(arg.annotation)))
     return sorted(found, key=lambda p: (p.module, p.line))
 

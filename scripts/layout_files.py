@@ -32,6 +32,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shardstore.compat.megatron.strategies.zarr import ZarrSaveShardedStrategy
 from shardstore.format.codecs import BYTES_CRC32C
 from shardstore.format.consolidated import ZarrMetadata
 from shardstore.format.packs import PACK_BYTES, PACK_MEMBERS, fits_one_pack
@@ -39,7 +40,6 @@ from shardstore.format.records import ArrayRecord, parent_groups
 from shardstore.format.storage_layout import DEFAULT_SHARD_BYTES, LayoutSite, StorageLayout
 from shardstore.planning.layout import GlobalLayout
 from shardstore.planning.plans import RankSavePlan
-from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 
 FIXED_FILES = 3
 """Files beside the arrays: the root zarr.json (commit record), metadata.json, common.pt."""

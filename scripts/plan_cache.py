@@ -44,8 +44,8 @@ def _measure(rank: int, world: int, tensors: int, repeats: int, root: str) -> di
     """On every rank: the plan stage's wall time (s) and bytes sent, cached and not."""
     import shardstore.execution.pipeline as pipeline  # where the save's plan stage is called
     from shardstore import save
+    from shardstore.compat.megatron.strategies.zarr import ZarrSaveShardedStrategy
     from shardstore.protocol.collectives import Group
-    from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 
     timed, sent, counting = [], [], [False]
     plan_stage, gather = pipeline.gather_and_plan_cached, Group.gather_object

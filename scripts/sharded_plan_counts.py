@@ -42,6 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import simulate_scale as sim  # noqa: E402
 
+from shardstore.compat.megatron.strategies.zarr import (  # noqa: E402
+    DEFAULT_MAX_CHUNK_BYTES,
+    DEFAULT_SYNC_STAGING_BYTES,
+)
 from shardstore.execution.save import assembly_wave_bytes  # noqa: E402
 from shardstore.format.codecs import BYTES_CRC32C, CRC_BYTES  # noqa: E402
 from shardstore.format.records import ArrayRecord, CommitRecord  # noqa: E402
@@ -56,7 +60,6 @@ from shardstore.planning.plans import (  # noqa: E402
     planned_requests,
 )
 from shardstore.stores.kv_chunks import KvChunkStore  # noqa: E402
-from shardstore.strategies.zarr import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_SYNC_STAGING_BYTES  # noqa: E402
 
 MiB = 1 << 20
 

@@ -1,18 +1,20 @@
 """The api's entries to a place a caller names, each saying how far it is trusted.
 
-* ``open_read``: a checkpoint to read, opened once for every door that reads one (below);
-* ``bare_location``: a place taken as it is, no commit record asked for: a directory of
-  the seed's own functions (Megatron's zarr module functions, ``maybe_load_config``), a
-  checkpoint ``verify`` examines in whatever state it is, a root of checkpoints, a
-  destination whose kind is asked;
-* ``write_location``: where a writer with the seed's signature (``save_common``,
+* ``bare_location``: what a caller names (a path, a URL, a Location), as a Location
+  taken as it is, no commit record asked for: the one conversion a door (the tools,
+  the dialects' entry points) makes, once, before it hands the Location on;
+* ``open_read``: a checkpoint to read at a Location, opened once for every door that
+  reads one (below);
+* ``write_location``: a Location a writer with the seed's signature (``save_common``,
   ``save_sharded_objects``, ``_create_zarr_array``, ``_create_or_open_zarr_arrays``,
-  ``save_config``) writes a file into a caller's directory; a committed shardstore
-  checkpoint there is refused (but for a ``metadata.json`` its record does not list),
-  since a file changed or added under its commit record is damage.
+  ``save_config``) writes a file into; a committed shardstore checkpoint there is
+  refused (but for a ``metadata.json`` its record does not list), since a file changed
+  or added under its commit record is damage.
 
-A save is opened by ``execution.pipeline.SavePipeline`` (staged, published by the
-commit rules); nothing above this module turns a path into a location itself
+Only ``bare_location`` takes a path; the others take a Location (what the seed API's
+checkpoint directories lead to is ``compat.megatron.checkpoint_dirs``'s). A save is
+opened by ``execution.pipeline.SavePipeline`` (staged, published by the commit rules);
+nothing above this module turns a path into a location itself
 (``scripts/count_doors.py``).
 
 A checkpoint to read is either
@@ -29,7 +31,7 @@ A checkpoint to read is either
 ``shardstore.load`` and the metadata queries, inspection, conversion and the DCP reader
 take the ``OpenedCheckpoint`` instead of asking a location what it is:
 
-    opened = open_read("/ckpt/step_100")        # path, URL, Location or OpenedCheckpoint
+    opened = open_read(bare_location("/ckpt/step_100"))
     record = opened.require_record()            # a shardstore checkpoint's record, or a
                                                 # CheckpointingException naming the other tool
     opened.location.read_bytes("common.pt")     # checked against the record
@@ -38,8 +40,8 @@ take the ``OpenedCheckpoint`` instead of asking a location what it is:
 from __future__ import annotations
 
 __all__ = [
-    "SHARED_FILE_BYTES", "OpenedCheckpoint", "bare_location", "holds_committed_checkpoint", "open_read",
-    "open_read_together", "other_format_of", "read_location", "refuse_ambiguous", "write_location",
+    "SHARED_FILE_BYTES", "OpenedCheckpoint", "bare_location", "open_read", "open_read_together", "other_format_of",
+    "refuse_ambiguous", "write_location",
 ]
 
 import os
@@ -110,9 +112,9 @@ def other_format_of(location: Location) -> OtherFormat | None:
     return registry.detect(location, OtherFormat)
 
 
-def open_read(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -> OpenedCheckpoint:
+def open_read(checkpoint: Location | OpenedCheckpoint) -> OpenedCheckpoint:
     """The checkpoint at ``checkpoint``, opened once (one already opened is returned as
-    it is).
+    it is; a caller's path becomes a Location by ``bare_location`` first).
 
     Raises:
         CheckpointingException: neither a committed shardstore checkpoint nor another
@@ -121,7 +123,7 @@ def open_read(checkpoint: str | os.PathLike | Location | OpenedCheckpoint) -> Op
     """
     if isinstance(checkpoint, OpenedCheckpoint):
         return checkpoint
-    location = open_location(checkpoint)
+    location = checkpoint
     other = other_format_of(location)
     if other is not None:
         return OpenedCheckpoint(location, None, other)
@@ -147,13 +149,12 @@ def open_read_together(target: Location | OpenedCheckpoint, group: Group) -> Ope
         CheckpointingException: on every rank, the coordinator's failure to open it."""
     if group.world_size == 1 or isinstance(target, OpenedCheckpoint):
         return open_read(target)
-    opened: OpenedCheckpoint | None = None
     answer: tuple[CommitRecord, dict[str, bytes | None]] | CheckpointingException | None = None
     failure: Exception | None = None
     if group.is_coordinator:
         try:
             opened = open_read(target)
-            answer = _shared_files(opened)
+            answer = None if opened.record is None else (opened.record, _shared_files(target))
         except Exception as exc:  # raised on every rank: the others wait in the broadcast
             failure = exc
             answer = exc if isinstance(exc, CheckpointingException) else CheckpointingException(
@@ -161,26 +162,22 @@ def open_read_together(target: Location | OpenedCheckpoint, group: Group) -> Ope
     answer = group.broadcast_object(answer)
     if isinstance(answer, CheckpointingException):
         raise answer from failure
-    if opened is not None:
-        return opened
     if answer is None:  # another tool's checkpoint
-        return open_read(target)
+        return opened if group.is_coordinator else open_read(target)
     record, fetched = answer
     return OpenedCheckpoint(ChecksummedLocation(target, record, fetched), record)
 
 
-def _shared_files(opened: OpenedCheckpoint) -> tuple[CommitRecord, dict[str, bytes | None]] | None:
-    """What the coordinator of a load hands the other ranks (``open_read_together``):
-    the record and the common files as it read them (kept on its own location too, so
-    that it does not read them again); None for another tool's checkpoint."""
-    if opened.record is None or not isinstance(opened.location, ChecksummedLocation):
-        return None
-    location = opened.location
+def _shared_files(location: Location) -> dict[str, bytes | None]:
+    """The files the coordinator of a load hands the other ranks (``open_read_together``)
+    as it read them (None: not there), up to ``SHARED_FILE_BYTES`` each; every rank,
+    the coordinator too, reads them from there, checked against the record."""
+    shared: dict[str, bytes | None] = {}
     for rel in (CONFIG_FNAME, COMMON_FILE):
-        data = location.inner.read_bytes_or_none(rel)
+        data = location.read_bytes_or_none(rel)
         if data is None or len(data) <= SHARED_FILE_BYTES:
-            location.fetched[rel] = data
-    return opened.record, location.fetched
+            shared[rel] = data
+    return shared
 
 
 def refuse_ambiguous(location: Location, record: CommitRecord) -> None:
@@ -216,8 +213,8 @@ def bare_location(place: str | os.PathLike | Location | OpenedCheckpoint) -> Loc
     return open_location(place)
 
 
-def write_location(checkpoint_dir: str | os.PathLike | Location, *, writes_config: bool = False) -> Location:
-    """Where a writer with the seed's signature writes into ``checkpoint_dir``: the
+def write_location(location: Location, *, writes_config: bool = False) -> Location:
+    """``location``, where a writer with the seed's signature writes a file: the
     directory of Megatron's own protocol a direct caller names, or the pending checkpoint
     of a save that hands it down.
 
@@ -230,7 +227,6 @@ def write_location(checkpoint_dir: str | os.PathLike | Location, *, writes_confi
     Raises:
         CheckpointingException: a committed shardstore checkpoint is there.
     """
-    location = bare_location(checkpoint_dir)
     if not is_committed(location):
         return location
     if writes_config and CONFIG_FNAME not in read_commit_record(location).files:
@@ -241,49 +237,3 @@ def write_location(checkpoint_dir: str | os.PathLike | Location, *, writes_confi
         "into it now would be damage under its commit record. Write into an empty directory, or save with "
         "shardstore.save(..., overwrite=True) to replace the checkpoint"
     )
-
-
-def holds_committed_checkpoint(checkpoint_dir: str | os.PathLike | Location) -> bool:
-    """Collective over the default process group (every rank calls it): whether
-    ``checkpoint_dir`` holds a committed shardstore checkpoint, as the coordinator sees
-    it, so that ranks whose views of a shared file system differ for a moment still
-    decide alike and none is left waiting in a later collective. A place shardstore
-    cannot open (another scheme, such as Megatron's ``msc://``) holds none of ours.
-
-    Raises:
-        CheckpointingException: on every rank, where the coordinator's check failed
-            (the storage's error, named)."""
-    group = Group()
-    answer: bool | CheckpointingException = False
-    failure: Exception | None = None
-    if group.is_coordinator:
-        try:
-            location = bare_location(checkpoint_dir)
-        except CheckpointingException:
-            location = None
-        try:
-            answer = location is not None and is_committed(location)
-        except Exception as exc:  # raised on every rank: the others would wait in the broadcast
-            failure = exc
-            answer = CheckpointingException(
-                f"Could not tell whether {checkpoint_dir} holds a committed shardstore checkpoint: "
-                f"{type(exc).__name__}: {exc}"
-            )
-    answer = group.broadcast_object(answer)
-    if isinstance(answer, CheckpointingException):
-        raise answer from failure
-    return bool(answer)
-
-
-def read_location(checkpoint: str | bytes | os.PathLike | Location | OpenedCheckpoint) -> Location:
-    """Where a reader with the seed's signature (a strategy's ``load_common``,
-    ``load_sharded_objects``, the zarr module's ``_load_from_array``) reads ``checkpoint``.
-
-    A load hands such a reader the location it opened (checked against the record
-    already) and it is used as it is. A path or URL, as a direct caller of the seed's API
-    passes, is opened here by ``open_read``: a committed checkpoint's files are then
-    checked against its record on that route too (read unchecked, a flipped bit in
-    ``common.pt`` came back as a wrong integer), and an unfinished save is refused."""
-    if isinstance(checkpoint, (str, bytes, os.PathLike, OpenedCheckpoint)):
-        return open_read(checkpoint).location
-    return checkpoint

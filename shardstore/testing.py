@@ -37,12 +37,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from shardstore.compat.megatron.serialization import load, save
+from shardstore.compat.megatron.strategies.zarr import ZarrSaveShardedStrategy
 from shardstore.format.integrity import verify
 from shardstore.format.records import COMMIT_RECORD, is_committed, read_commit_record
 from shardstore.mapping import ShardedTensor
-from shardstore.serialization import load, save
 from shardstore.stores.base import ChunkStore, Location, StorageError, Store
-from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 
 # Characters a checkpoint key may hold (``format.records.check_key`` refuses only control
 # characters, backslashes, empty segments, "." and ".."), and names of our own files.

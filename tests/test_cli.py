@@ -315,6 +315,7 @@ def test_convert_a_hugging_face_safetensors_file(tmp_path: Path) -> None:
 
 
 def test_conversions_hold_a_bounded_number_of_bytes(demo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardstore.opened import bare_location
     from shardstore.strategies.zarr import ZarrLoadShardedStrategy
     from shardstore.tools.convert import read_arrays
 
@@ -326,7 +327,7 @@ def test_conversions_hold_a_bounded_number_of_bytes(demo: Path, monkeypatch: pyt
         return original(self, sharded_state_dict, *args, **kwargs)
 
     monkeypatch.setattr(ZarrLoadShardedStrategy, "load_with_record", spy)
-    keys = [key for key, _ in read_arrays(demo, memory_bytes=200)]
+    keys = [key for key, _ in read_arrays(bare_location(demo), memory_bytes=200)]
     assert keys == ["decoder/fc1", "decoder/scale", "embedding/word"]
     assert requested == [192 + 4, 128]  # fc1 and scale, then emb: never more than 200 bytes
 

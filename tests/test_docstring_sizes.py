@@ -18,8 +18,8 @@ LONGER = {
     "execution/pipeline.py:SavePipeline",
     "format/records/commit_record.py:CommitRecord",
     "format/records/array_record.py:ArrayRecord",
-    "serialization.py:save",
-    "serialization_load.py:load",
+    "compat/megatron/serialization.py:save",
+    "compat/megatron/serialization_load.py:load",
     "stores/kv_chunks.py:share_from",
     "planning/plans/in_block.py:in_block_sharded_record",
     "planning/plans/read_plans.py:plan_reads",
@@ -39,9 +39,9 @@ LONGER = {
     "stores/base.py:share_from",
     "cross_rank_checks.py:validate_sharding_integrity",
     "other_formats/safetensors.py:write_safetensors",
-    "strategies/shard_exchange.py:distribute_shards_to_ranks",
+    "compat/megatron/strategies/shard_exchange.py:distribute_shards_to_ranks",
     "format/sharding.py:read_boxes_into",
-    "strategies/zarr.py:remove_sharded_tensors",
+    "compat/megatron/strategies/zarr.py:remove_sharded_tensors",
 }
 
 

@@ -12,7 +12,9 @@ import torch.distributed.checkpoint as dcp
 
 import shardstore
 import shardstore.execution.pipeline as pipeline_module
+import shardstore.opened as opened_module
 from shardstore import CheckpointingException, ShardedTensor, save
+from shardstore.compat.megatron.checkpoint_dirs import open_dir
 from shardstore.execution.pipeline import SavePipeline
 from shardstore.format.commit import (
     ByRename,
@@ -89,9 +91,16 @@ def test_a_save_opens_its_target_once_and_its_reuse_source_once(tmp_path: Path, 
     per_array = shardstore.StorageLayout(pack_arrays_up_to=0)  # packed arrays are never reused
     save(_state(), tmp_path / "base", layout=per_array)
     opens = []
-    monkeypatch.setattr(pipeline_module, "open_location", lambda t, **o: opens.append(t) or open_location(t, **o))
+
+    def counted(t, **o):
+        if isinstance(t, Path):  # a Location handed down is not opened again
+            opens.append(t)
+        return open_location(t, **o)
+
+    monkeypatch.setattr(pipeline_module, "open_location", counted)  # the reuse source's
+    monkeypatch.setattr(opened_module, "open_location", counted)  # the target's, at the door
     save(_state(), tmp_path / "next", reuse_from=tmp_path / "base", layout=per_array)
-    assert opens == [tmp_path / "base", tmp_path / "next"]
+    assert sorted(opens) == [tmp_path / "base", tmp_path / "next"]
     assert read_commit_record(open_location(tmp_path / "next")).reused_from is not None  # issue 32 kept
 
 
@@ -152,7 +161,7 @@ def test_the_publisher_comes_from_the_store_and_is_held_by_the_save(tmp_path: Pa
         assert isinstance(pending.publisher, InPlace) and adopt_save(pending.location) is pending
     finally:
         pending.abandon()
-    assert isinstance(SavePipeline.open(tmp_path / "ckpt").publisher, ByRename)
+    assert isinstance(SavePipeline.open(open_location(tmp_path / "ckpt")).publisher, ByRename)
 
 
 def test_a_callers_directory_is_committed_in_place_and_never_deleted(tmp_path: Path) -> None:
@@ -161,7 +170,7 @@ def test_a_callers_directory_is_committed_in_place_and_never_deleted(tmp_path: P
     ckpt = tmp_path / "megatron"
     ckpt.mkdir()
     (ckpt / "common.pt").write_bytes(b"the caller's")
-    adopted = SavePipeline.into_callers_directory(ckpt)
+    adopted = SavePipeline.into_callers_directory(open_location(ckpt))
     assert isinstance(adopted.publisher, IntoCallersDirectory)
     adopted.abandon()
     assert (ckpt / "common.pt").read_bytes() == b"the caller's"
@@ -174,17 +183,17 @@ def test_a_callers_directory_is_committed_in_place_and_never_deleted(tmp_path: P
 
 def test_open_read_opens_once_and_tells_ours_from_another_tools(tmp_path: Path) -> None:
     save(_state(), tmp_path / "ours")
-    ours = open_read(tmp_path / "ours")
+    ours = open_read(bare_location(tmp_path / "ours"))
     assert ours.is_shardstore and set(ours.require_record().arrays) == {"w"} and open_read(ours) is ours
     assert ours.config() is not None
     with pytest.warns(UserWarning, match="single process"):
         dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "dcp")
-    theirs = open_read(tmp_path / "dcp")
+    theirs = open_read(bare_location(tmp_path / "dcp"))
     assert theirs.other_format is not None and theirs.record is None
     with pytest.raises(CheckpointingException, match="not a shardstore checkpoint"):
         theirs.require_record()
     with pytest.raises(CheckpointingException):
-        open_read(tmp_path / "nothing")
+        open_read(bare_location(tmp_path / "nothing"))
 
 
 def test_a_callers_directory_is_opened_by_one_function() -> None:
@@ -199,7 +208,7 @@ def test_a_callers_directory_is_opened_by_one_function() -> None:
                     and node.func.attr in ("into_callers_directory", "plan")
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "SavePipeline"):
                 direct.append(path.relative_to(ROOT).as_posix())
-    assert direct == ["strategies/zarr.py"]
+    assert direct == ["compat/megatron/strategies/zarr.py"]
 
 
 def test_the_zarr_modules_seed_functions_round_trip_and_read_through_open_read(tmp_path: Path, monkeypatch) -> None:
@@ -218,7 +227,7 @@ def test_the_zarr_modules_seed_functions_round_trip_and_read_through_open_read(t
 
     save(_state(3.0), tmp_path / "ours")
     reads = []
-    monkeypatch.setattr(zarr_arrays, "open_read", lambda c: reads.append(c) or open_read(c))
+    monkeypatch.setattr(zarr_arrays, "open_dir", lambda c: reads.append(c) or open_dir(c))
     metadata = zarr_module.load_zarr_based_sharded_metadata(tmp_path / "ours", lambda path: ((4, 3), "float32"))
     assert reads == [tmp_path / "ours"] and set(metadata) == {"w"} and metadata["w"].global_shape == (4, 3)
     with pytest.warns(UserWarning, match="single process"):
@@ -229,7 +238,7 @@ def test_the_zarr_modules_seed_functions_round_trip_and_read_through_open_read(t
 
 def test_the_seeds_writers_refuse_a_committed_checkpoint_given_by_path(tmp_path: Path) -> None:
     """Megatron's protocol writes files into a caller's directory outside our commit; given
-    the path of a committed checkpoint, each writer refuses (``opened.write_location``)
+    the path of a committed checkpoint, each writer refuses (``checkpoint_dirs.write_dir``)
     instead of changing a file its record vouches for, and the checkpoint stays whole."""
     from shardstore import verify
     from shardstore.core import CheckpointingConfig, save_config
@@ -282,14 +291,15 @@ def test_the_seeds_writers_in_megatrons_order_write_metadata_after_the_commit(tm
 
 
 def test_only_the_entries_turn_a_path_into_a_location() -> None:
-    """Issue 31.1: ``open_location`` is called by the save pipeline's entries, the read
-    entries of ``opened`` and two format functions whose seed signatures take a path
-    (``maybe_load_config``, ``verify``); every other module goes through them."""
+    """Issue 31.1: ``open_location`` is called by ``opened.bare_location`` (the doors'
+    one conversion) and two format functions whose seed signatures take a path
+    (``maybe_load_config``, ``verify``); every other module goes through them (the save
+    pipeline hands it to ``SaveOptions.opened`` for the reuse source, issue 66.1)."""
     from tests.script_support import load_script
 
     count_doors = load_script("count_doors")
     assert count_doors.counts() == {
-        "open_location calls": 6, "tools imports of lower layers": 0, "location subclass probes": 0,
+        "open_location calls": 3, "tools imports of lower layers": 0, "location subclass probes": 0,
     }
 
 

@@ -259,11 +259,12 @@ def toy_file(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_a_registered_file_format_is_found_by_the_lookup_convert_uses(toy_file: Path) -> None:
+    from shardstore.opened import bare_location
     from shardstore.tools.convert import source_kind
 
     assert registry.detect(open_location(toy_file), FileFormat) is registry.named("toyw")
     assert registry.detect(open_location(toy_file), OtherFormat) is None  # load does not read it
-    assert source_kind(toy_file) == "toyw"
+    assert source_kind(bare_location(toy_file)) == "toyw"
 
 
 def test_the_command_converts_a_registered_file_format(toy_file: Path, tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ def test_torch_dist_strategy_names_are_shardstores_strategies(tmp_path: Path, ca
         "a": ShardedTensor.from_rank_offsets("keyA", torch.ones(2, 4)),
         "p": ShardedTensor.from_rank_offsets("prefix_key_to_remove", torch.ones(3, 5, 7)),
     }
-    with caplog.at_level(logging.INFO, logger="shardstore.strategies.torch"):
+    with caplog.at_level(logging.INFO, logger="shardstore.compat.megatron.strategies.torch"):
         save(state, tmp_path / "ckpt", TorchDistSaveShardedStrategy("torch_dist", 1, separation_hint="prefix"))
     assert "separation_hint" in caplog.text
     remove_sharded_tensors(tmp_path / "ckpt", key_prefix="prefix")

@@ -97,8 +97,9 @@ def test_streamed_reads_hold_their_memory_bound(checkpoint: Path) -> None:
     arrays at a time, each freed when the caller drops it."""
     peak = _peak_above_start(
         IMPORTS,
+        f"from shardstore.opened import bare_location\n"
         f"from shardstore.tools.convert import read_tensors\n"
-        f"for key, tensor in read_tensors({str(checkpoint)!r}, None, {BOUND}):\n"
+        f"for key, tensor in read_tensors(bare_location({str(checkpoint)!r}), None, {BOUND}):\n"
         f"    assert tensor.numel() * 4 == {BOUND}\n"
         f"    del tensor",
     )

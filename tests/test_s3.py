@@ -183,7 +183,7 @@ import numpy as np
 import tensorstore as ts
 import zarr
 endpoint, url, key, secret = sys.argv[1:5]
-assert "shardstore.serialization" not in sys.modules  # only the dtype hook of the .pth
+assert "shardstore.compat.megatron.serialization" not in sys.modules  # only the dtype hook of the .pth
 opts = {"key": key, "secret": secret, "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
 group = zarr.open_group(url, mode="r", storage_options=opts)
 bucket, prefix = url[5:].split("/", 1)
@@ -195,7 +195,7 @@ for name in ("dense", "emb"):
                 open=True).result().read().result()
     assert a.tobytes() == t.tobytes(), name
     out[name] = [str(a.dtype), list(a.shape), a.view(np.uint8).tobytes().hex()]
-assert "torch" not in sys.modules and "shardstore.serialization" not in sys.modules
+assert "torch" not in sys.modules and "shardstore.compat.megatron.serialization" not in sys.modules
 print(json.dumps(out))
 """
 

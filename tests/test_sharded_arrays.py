@@ -457,12 +457,12 @@ def test_blocks_of_one_unsharded_chunk_read_it_once(tmp_path: Path, monkeypatch,
     the whole array, its rows 12-24 and a column: one read of the chunk, landing in the
     whole request where there is one, each part copied out of it, exactly."""
     from shardstore.execution.load import load_tensors
-    from shardstore.opened import open_read
+    from shardstore.opened import bare_location, open_read
     from shardstore.stores.local import FileChunkStore
 
     ckpt = tmp_path / "ckpt"
     save({"w0": ShardedTensor.from_rank_offsets("w0", _whole_tensor(0))}, ckpt, layout=PER_ARRAY)
-    opened = open_read(ckpt)
+    opened = open_read(bare_location(ckpt))
     whole = ShardedTensor.from_rank_offsets("w0", torch.zeros(48, 8))
     rows = ShardedTensor("w0", torch.zeros(12, 8), torch.float32, (12, 8), (48, 8), (12, 0), None)
     column = ShardedTensor("w0", torch.zeros(48, 1), torch.float32, (48, 1), (48, 8), (0, 3), None)
@@ -485,11 +485,11 @@ def test_run_reads_of_two_blocks_of_one_chunk_without_a_thread_count(tmp_path: P
     """``format.run_reads`` takes its thread count from the jobs' stores when not given
     one, one chunk's jobs made one (``CopiesJob``) included."""
     from shardstore.format import ArrayChunks, chunk_store_for, read_region, run_reads
-    from shardstore.opened import open_read
+    from shardstore.opened import bare_location, open_read
 
     ckpt = tmp_path / "ckpt"
     save({"w0": ShardedTensor.from_rank_offsets("w0", _whole_tensor(0))}, ckpt, layout=PER_ARRAY)
-    opened = open_read(ckpt)
+    opened = open_read(bare_location(ckpt))
     array = ArrayChunks.of(chunk_store_for(opened.location, 4), opened.require_record().arrays["w0"])
     top, band = np.zeros((12, 8), np.float32), np.zeros((5, 8), np.float32)
     run_reads(read_region(array, (slice(0, 12), slice(0, 8)), top) + read_region(array, (slice(3, 8), slice(0, 8)), band))

@@ -305,7 +305,9 @@ def test_the_manager_verify_covers_a_step_whose_record_is_damaged(tmp_path: Path
 
 def test_the_megatron_guard_lets_a_scheme_shardstore_cannot_open_through(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core.dist_checkpointing.strategies.common", reason="megatron-core not installed")
-    from shardstore.opened import holds_committed_checkpoint as _holds_a_committed_checkpoint
+    from shardstore.compat.megatron.checkpoint_dirs import (
+        holds_committed_checkpoint as _holds_a_committed_checkpoint,
+    )
 
     assert not _holds_a_committed_checkpoint("msc://profile/ckpt/iter_0000001")
     assert not _holds_a_committed_checkpoint(tmp_path / "empty")
@@ -339,15 +341,15 @@ def test_a_base_that_cannot_serve_is_logged_at_the_documented_levels(tmp_path: P
 
 
 def _guard_with_a_failing_check(rank: int, world: int, path: str) -> str:
-    import shardstore.opened as opened
+    import shardstore.compat.megatron.checkpoint_dirs as checkpoint_dirs
 
     def failing(location) -> bool:
         raise PermissionError(13, "Permission denied", path)
 
     if rank == 0:
-        opened.is_committed = failing
+        checkpoint_dirs.is_committed = failing
     try:
-        opened.holds_committed_checkpoint(path)
+        checkpoint_dirs.holds_committed_checkpoint(path)
     except CheckpointingException as exc:
         return str(exc)
     return "no error"

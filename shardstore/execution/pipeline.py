@@ -20,7 +20,6 @@ __all__ = ["RankSave", "SaveFinalization", "SavePipeline", "SaveProgress"]
 
 import functools
 import itertools
-import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -78,8 +77,6 @@ from shardstore.protocol.stopped_writers import StoppedWriters
 from shardstore.stores.base import Location, NameLimits
 from shardstore.stores.locations import open_location
 
-Target = str | os.PathLike | Location
-
 # How long a coordinator unwinding an interrupted save waits for every rank to say it
 # stopped writing (``protocol.stopped_writers``) before it leaves the staged files to the
 # next save into the same place instead of deleting them (seconds).
@@ -125,14 +122,14 @@ class SavePipeline:
 
     Its steps, in order (who calls each):
 
-        all ranks    SavePipeline.open(checkpoint_dir, group, options, config=)
-                     the one place a save's target (and ``options.reuse_from``, the
-                     checkpoint it reuses from) is opened; ``options`` (``SaveOptions``:
+        all ranks    SavePipeline.open(location, group, options, config=)
+                     a save into a Location the door made of its caller's target (and
+                     ``options.reuse_from``, the checkpoint it reuses from, opened here); ``options`` (``SaveOptions``:
                      overwrite, reuse, shared directory, where the arrays' Zarr metadata
                      goes) come whole from the door; the
                      publisher follows from the target's capabilities
                      (``format.commit.publisher_for``: rename locally, in place on S3)
-                 or  SavePipeline.into_callers_directory(checkpoint_dir, group)
+                 or  SavePipeline.into_callers_directory(location, group)
                      a directory the caller created and wrote into (Megatron-Core's own
                      ``save``): no staging, no begin; published in place, the caller's
                      files listed as external (``format.commit.IntoCallersDirectory``)
@@ -231,20 +228,20 @@ class SavePipeline:
 
     @classmethod
     def open(
-        cls, checkpoint_dir: Target, group: Group | None = None, options: SaveOptions | None = None, *,
+        cls, location: Location, group: Group | None = None, options: SaveOptions | None = None, *,
         config: CheckpointingConfig | None = None,
     ) -> SavePipeline:
-        """A save into ``checkpoint_dir`` (path, URL or Location), staged and published by
-        the rules of ``format.commit``, as ``options`` allow (``options.reuse_from``, an
+        """A save into ``location`` (a door's ``opened.bare_location`` of its caller's
+        target), staged and published by the rules of ``format.commit``, as ``options`` allow (``options.reuse_from``, an
         earlier committed checkpoint whose unchanged chunks it shares, is opened here);
         ``config``: written as ``metadata.json``; ``group``: default, this process alone
         (no collectives)."""
         opened = (options or SaveOptions()).opened(open_location)
-        return cls(open_location(checkpoint_dir), group or Group.local(), opened, config)
+        return cls(location, group or Group.local(), opened, config)
 
     @classmethod
     def into_callers_directory(
-        cls, checkpoint_dir: Target, group: Group | None = None, layout: StorageLayout | None = None,
+        cls, location: Location, group: Group | None = None, layout: StorageLayout | None = None,
     ) -> SavePipeline:
         """A save into a directory the caller created and already wrote into
         (Megatron-Core's ``save``, the seed's strategy API called directly): joined at
@@ -252,7 +249,7 @@ class SavePipeline:
         save this process began or joined (the strategies' API passes
         ``SavePipeline.location`` down as a checkpoint directory), it is that save's
         (``format.commit.adopt_save``)."""
-        pending = adopt_save(open_location(checkpoint_dir), layout, (group or Group.local()).world_size)
+        pending = adopt_save(location, layout, (group or Group.local()).world_size)
         return cls(pending.target, group or Group.local(), pending.options, pending=pending)
 
     def describe(self, rel: str = "") -> str:

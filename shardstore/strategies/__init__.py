@@ -1,16 +1,12 @@
-"""Strategies: how a save or load reaches storage (``base``: the interfaces and the
-registry). Importing the package registers shardstore's own strategies as the defaults,
-so the registry in ``base`` never imports the modules that import it.
+"""The first name of the strategies, ``shardstore.compat.megatron.strategies``: each
+module here is that package's module of the same name under its first name
+(``import shardstore.strategies.zarr`` gives ``shardstore.compat.megatron.strategies.zarr``
+itself). Importing this package imports that one, which registers shardstore's own
+strategies as the defaults.
 """
+
+from __future__ import annotations
 
 __all__: list[str] = []
 
-from shardstore.strategies.common import register_default_common_strategies
-from shardstore.strategies.other_formats import register_default_other_format_strategies
-from shardstore.strategies.torch import register_default_torch_dist_save_strategy
-from shardstore.strategies.zarr import register_default_zarr_strategies
-
-register_default_zarr_strategies()
-register_default_common_strategies()
-register_default_other_format_strategies()
-register_default_torch_dist_save_strategy()
+import shardstore.compat.megatron.strategies  # noqa: F401  (registers the default strategies)

@@ -27,6 +27,17 @@ from typing import Any, Literal
 
 import torch
 
+from shardstore.compat.megatron.strategies.common import (
+    COMMON_BACKEND,
+    COMMON_VERSION,
+    TorchCommonSaveStrategy,
+)
+from shardstore.compat.megatron.strategies.zarr import (
+    SHARDSTORE_BACKEND,
+    ZARR_VERSION,
+    checked_max_chunk_bytes,
+    single_tensor_record,
+)
 from shardstore.errors import CheckpointingException
 from shardstore.execution import SavePipeline
 from shardstore.format import (
@@ -42,14 +53,8 @@ from shardstore.format import (
     tensor_to_numpy,
 )
 from shardstore.mapping import ShardedObject, ShardedTensor
+from shardstore.opened import bare_location
 from shardstore.stores import Location
-from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION, TorchCommonSaveStrategy
-from shardstore.strategies.zarr import (
-    SHARDSTORE_BACKEND,
-    ZARR_VERSION,
-    checked_max_chunk_bytes,
-    single_tensor_record,
-)
 
 
 class CheckpointWriter:
@@ -84,7 +89,7 @@ class CheckpointWriter:
         layout = StorageLayout.of(layout, max_chunk_bytes=max_chunk_bytes)
         config = CheckpointingConfig(SHARDSTORE_BACKEND, ZARR_VERSION, COMMON_BACKEND, COMMON_VERSION)
         options = SaveOptions(overwrite=overwrite, array_places=array_places, layout=layout)
-        self._save = SavePipeline.open(checkpoint_dir, options=options, config=config)
+        self._save = SavePipeline.open(bare_location(checkpoint_dir), options=options, config=config)
         self.max_chunk_bytes = int(self._save.options.layout.max_chunk_bytes)
         self._save.check_storable(
             [ShardedTensor.from_rank_offsets(key, tensor) for key, tensor in (planned_arrays or {}).items()],

@@ -435,12 +435,15 @@ def convert_command(source: str, destination: str, to: str | None, overwrite: bo
     A checkpoint written here is verified before the command succeeds; a failed
     conversion leaves nothing at DESTINATION.
     """
+    from shardstore.opened import bare_location
     from shardstore.tools import convert
 
     with _reported_errors():
-        src = convert.source_kind(source)
+        source_location = bare_location(source)
+        src = convert.source_kind(source_location)
         dst = target_format(src, destination, to)
-        convert.refuse_destination_inside(source, destination)  # before what the destination's kind says
+        # before what the destination's kind says
+        convert.refuse_destination_inside(source_location, bare_location(destination))
         _check_destination(destination, dst, overwrite)
         if src == dst and src != "safetensors":  # safetensors to safetensors: sharded anew
             what = "a shardstore checkpoint" if src == "shardstore" else "a torch.save file"

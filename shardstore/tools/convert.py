@@ -28,6 +28,10 @@ its tensors were arrays and which values of the common state
 (``other_formats.layout``), so that an import gives the checkpoint back as it was.
 Sharded objects and values JSON cannot hold are left out of safetensors, and named.
 
+The converters take a path or a Location and turn it into a Location once
+(``opened.bare_location``); what they call (``source_kind``, ``read_arrays``, ...) takes
+that Location, or the checkpoint opened at it.
+
 Nothing is left behind by a conversion that fails: a checkpoint is staged and
 published by its commit (``shardstore.format.commit``), a file is written under a temporary
 name beside its destination and renamed at the end, a safetensors directory is filled
@@ -81,7 +85,7 @@ from shardstore.dict_utils import nested_values
 from shardstore.errors import CheckpointingException
 from shardstore.format import ArrayPlaces, SaveOptions, StatePath, from_zarr_name
 from shardstore.mapping import ShardedObject, ShardedTensor, StateDict
-from shardstore.opened import bare_location, open_read
+from shardstore.opened import OpenedCheckpoint, bare_location, open_read
 from shardstore.other_formats import (
     SAFETENSORS_FORMAT,
     SAFETENSORS_INDEX,
@@ -132,7 +136,7 @@ def array_batches(
 
 
 def read_arrays(
-    checkpoint: str | os.PathLike | Location,
+    checkpoint: Location | OpenedCheckpoint,
     keys: list[str] | None = None,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -141,7 +145,7 @@ def read_arrays(
 
     Not collective; the tensors of a batch are freed when the caller drops them.
     """
-    from shardstore.strategies.zarr import ZarrLoadShardedStrategy
+    from shardstore.compat.megatron.strategies.zarr import ZarrLoadShardedStrategy
 
     opened = open_read(checkpoint)
     location, record = opened.location, opened.require_record()
@@ -163,14 +167,14 @@ def read_arrays(
 
 
 def read_tensors(
-    checkpoint: str | os.PathLike | Location,
+    checkpoint: Location | OpenedCheckpoint,
     keys: list[str] | None = None,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``read_arrays`` of any checkpoint ``load`` reads: a shardstore checkpoint's
     arrays a batch at a time, another tool's tensors (a registered other format) one at
     a time; sorted by key. Not collective."""
-    from shardstore.strategies.other_formats import open_other_format
+    from shardstore.compat.megatron.strategies.other_formats import open_other_format
 
     opened = open_read(checkpoint)
     if opened.other_format is None:
@@ -183,12 +187,12 @@ def read_tensors(
         yield key, source.read_tensor(key)
 
 
-def read_non_tensor_state(checkpoint: str | os.PathLike | Location) -> StateDict:
+def read_non_tensor_state(checkpoint: Location | OpenedCheckpoint) -> StateDict:
     """The common state, with every sharded object's shards added at their unique keys
     (``rng_state/shard_0_2``), each the Python object it holds; of a shardstore
     checkpoint or of another tool's (a plain DCP checkpoint's values nested where they
     were in the state dict it saved)."""
-    from shardstore.serialization import load, load_sharded_metadata
+    from shardstore.compat.megatron.serialization import load, load_sharded_metadata
 
     _refuse_process_group("reading a checkpoint's common state for conversion")
     opened = open_read(checkpoint)
@@ -200,13 +204,12 @@ def read_non_tensor_state(checkpoint: str | os.PathLike | Location) -> StateDict
 # --------------------------------------------------------------------------- what an export reads
 
 
-def source_kind(source: str | os.PathLike | Location) -> str:
+def source_kind(location: Location) -> str:
     """What a conversion's source is: the name of its format in
     ``shardstore.other_formats.registry`` (model files: ``"torch"``, ``"safetensors"``;
     another tool's checkpoint: ``"dcp"``, ``"torch_dist"``, ``"zarr"``) or
     ``"shardstore"``; anything else is refused, saying what it is (nothing, an
     unfinished save, a file or directory of something else)."""
-    location = bare_location(source)
     files = _file_format(location)
     if files is not None:
         return files.name
@@ -214,9 +217,8 @@ def source_kind(source: str | os.PathLike | Location) -> str:
     return opened.other_format.name if opened.other_format is not None else "shardstore"
 
 
-def open_export_source(source: str | os.PathLike | Location) -> ExportSource:
-    """The source of an export, opened (see ``source_kind``)."""
-    location = bare_location(source)
+def open_export_source(location: Location) -> ExportSource:
+    """The source of an export at ``location``, opened (see ``source_kind``)."""
     files = _file_format(location)
     if files is not None:
         return files.open(_local_path(location, files))
@@ -259,7 +261,7 @@ def _checkpoint_source(checkpoint: Location) -> ExportSource:
     which go where they were in the state dict DCP saved, as ``dcp_to_torch_save`` puts
     them, and the arrays an import of model files recorded the places of
     (``records.ArrayPlaces``), which go back there."""
-    from shardstore.strategies.other_formats import open_other_format
+    from shardstore.compat.megatron.strategies.other_formats import open_other_format
 
     opened = open_read(checkpoint)
     saved_paths: Mapping[str, tuple[str | int, ...]] = {}
@@ -283,7 +285,7 @@ def _checkpoint_source(checkpoint: Location) -> ExportSource:
         return _with_array_containers(state, places, opened.location.describe())
 
     def objects() -> tuple[str, ...]:
-        from shardstore.serialization import load_sharded_metadata
+        from shardstore.compat.megatron.serialization import load_sharded_metadata
 
         return tuple(k for k, v in load_sharded_metadata(opened).items() if isinstance(v, ShardedObject))
 
@@ -325,10 +327,11 @@ def to_torch_file(
     (``ExportSource.place``), each sharded object shard at its unique key as the Python
     object it holds; a plain DCP checkpoint gives what ``dcp_to_torch_save`` gives.
     Needs memory for the whole model (one pickle); nothing is written if it fails."""
-    if source_kind(source) == "torch":
+    location = bare_location(source)
+    if source_kind(location) == "torch":
         raise CheckpointingException(f"{source} is a torch.save file already")
-    refuse_destination_inside(source, path)
-    opened = open_export_source(source)
+    refuse_destination_inside(location, bare_location(path))
+    opened = open_export_source(location)
     state = opened.other_values()
     for key, tensor in opened.read(list(opened.tensor_bytes), memory_bytes):
         place_value(state, opened.place(key), tensor, key)
@@ -344,7 +347,7 @@ def from_torch_file(
     """Saves a ``torch.save`` file (loaded with ``weights_only=True``, memory-mapped) as a
     shardstore checkpoint (``other_formats.torch_file.state_to_save``); returns the
     number of arrays written."""
-    return _import_files(TORCH_FILE_FORMAT, Path(path), checkpoint, overwrite)
+    return _import_files(TORCH_FILE_FORMAT, Path(path), bare_location(checkpoint), overwrite)
 
 
 # --------------------------------------------------------------------------- safetensors
@@ -378,8 +381,9 @@ def to_safetensors(
     source's own metadata goes into every file; sharded objects and
     values that JSON cannot hold are left out, and named. The directory is filled under
     a temporary name and renamed at the end: a failure leaves nothing."""
-    refuse_destination_inside(source, out_dir)
-    opened = open_export_source(source)
+    location = bare_location(source)
+    refuse_destination_inside(location, bare_location(out_dir))
+    opened = open_export_source(location)
     # read first: a source whose other values cannot be read fails before anything is written
     other = opened.other_values()
     objects = opened.objects()
@@ -429,7 +433,7 @@ def from_safetensors(
     """Saves a safetensors file or model directory as a shardstore checkpoint (one array
     per tensor name; where a shardstore export wrote its layout, the common state and
     the arrays as they were); returns the number of arrays written."""
-    return _import_files(SAFETENSORS_FORMAT, Path(path), checkpoint, overwrite)
+    return _import_files(SAFETENSORS_FORMAT, Path(path), bare_location(checkpoint), overwrite)
 
 
 # --------------------------------------------------------------------------- into a checkpoint
@@ -441,20 +445,18 @@ def import_checkpoint(
     """Saves ``source``, of any format in ``shardstore.other_formats.registry`` (model
     files, or another tool's checkpoint), as a shardstore checkpoint; returns the number
     of arrays written."""
-    refuse_destination_inside(source, checkpoint)
-    location = bare_location(source)
+    location, destination = bare_location(source), bare_location(checkpoint)
+    refuse_destination_inside(location, destination)
     files = _file_format(location)
     if files is not None:
-        return _import_files(files, _local_path(location, files), checkpoint, overwrite)
-    return from_other_format(source, checkpoint, overwrite)
+        return _import_files(files, _local_path(location, files), destination, overwrite)
+    return _from_other_format(location, destination, overwrite)
 
 
-def _import_files(
-    files: FileFormat, path: Path, checkpoint: str | os.PathLike | Location, overwrite: bool
-) -> int:
+def _import_files(files: FileFormat, path: Path, checkpoint: Location, overwrite: bool) -> int:
     """Saves the model files at ``path``, of the format ``files``, as a checkpoint;
     returns the number of arrays written."""
-    from shardstore.serialization import save
+    from shardstore.compat.megatron.serialization import save
 
     _refuse_process_group(f"converting {files.title}")
     state = files.state_to_save(path)
@@ -507,10 +509,18 @@ def from_other_format(
     the common state. A plain DCP's arrays keep their places in the state dict DCP saved
     (``records.ArrayPlaces``), so an export puts them back there, as from the DCP
     checkpoint itself. Returns the number of arrays."""
-    from shardstore.strategies.other_formats import OtherFormatLoadCommonStrategy, open_other_format
+    return _from_other_format(bare_location(path), bare_location(checkpoint), overwrite)
+
+
+def _from_other_format(source_location: Location, checkpoint: Location, overwrite: bool) -> int:
+    """``from_other_format`` from and into Locations."""
+    from shardstore.compat.megatron.strategies.other_formats import (
+        OtherFormatLoadCommonStrategy,
+        open_other_format,
+    )
     from shardstore.tools.array_writer import CheckpointWriter
 
-    source = open_other_format(path)
+    source = open_other_format(source_location)
     object_keys = list(OtherFormatLoadCommonStrategy().load_sharded_metadata(source.path))
     planned = {
         key: torch.empty(t.shape, dtype=source.stored_dtype(key).torch_dtype, device="meta")
@@ -544,17 +554,15 @@ def _saved_array_places(
 # --------------------------------------------------------------------------- helpers
 
 
-def refuse_destination_inside(
-    source: str | os.PathLike | Location, destination: str | os.PathLike | Location
-) -> None:
+def refuse_destination_inside(source: Location, destination: Location) -> None:
     """Refuses a destination in the source directory (or the source itself): the
     conversion would write into the checkpoint it reads, a file its commit record does
     not list (damage ``verify`` reports)."""
-    src, dst = bare_location(source).local_path(), bare_location(destination).local_path()
+    src, dst = source.local_path(), destination.local_path()
     if src is not None and dst is not None and src.is_dir() and dst.resolve().is_relative_to(src.resolve()):
         raise CheckpointingException(
-            f"{destination} is inside the source {source}: a conversion never writes into the checkpoint it "
-            "reads; choose a destination outside it"
+            f"{destination.describe()} is inside the source {source.describe()}: a conversion never writes into "
+            "the checkpoint it reads; choose a destination outside it"
         )
 
 

@@ -33,6 +33,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from shardstore.compat.megatron.serialization import verify_checkpoint_and_load_strategy
+from shardstore.compat.megatron.strategies.zarr import (
+    ZarrLoadShardedStrategy,
+)
 from shardstore.dict_utils import flatten
 from shardstore.errors import CheckpointingException
 from shardstore.format import (
@@ -52,13 +56,9 @@ from shardstore.format import (
 )
 from shardstore.inputs.dtensors import fqn
 from shardstore.mapping import ShardedTensor
-from shardstore.opened import open_read
+from shardstore.opened import bare_location, open_read
 from shardstore.protocol import Group
-from shardstore.serialization import verify_checkpoint_and_load_strategy
 from shardstore.stores import Location
-from shardstore.strategies.zarr import (
-    ZarrLoadShardedStrategy,
-)
 from shardstore.tools.dcp_parts import CheckpointId, id_text, new_id
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class ShardstoreReader(StorageReader):
         (``_flat_common``), no planner data, and only this load's id."""
         if self.checkpoint_id is None:
             raise CheckpointingException("ShardstoreReader has no checkpoint path: pass one, or checkpoint_id= to dcp.load")
-        opened = open_read(self.checkpoint_id)
+        opened = open_read(bare_location(self.checkpoint_id))
         location = opened.location
         if not opened.is_shardstore:
             raise CheckpointingException(
@@ -307,7 +307,7 @@ class ShardstoreReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:
         try:
-            return open_read(checkpoint_id).is_shardstore
+            return open_read(bare_location(checkpoint_id)).is_shardstore
         except Exception:  # noqa: BLE001  (any reason: not a checkpoint we can read)
             return False
 

@@ -56,6 +56,15 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from shardstore.compat.megatron.strategies.common import COMMON_BACKEND, COMMON_VERSION
+from shardstore.compat.megatron.strategies.zarr import (
+    DEFAULT_SYNC_STAGING_BYTES,
+    SHARDSTORE_BACKEND,
+    ZARR_VERSION,
+    ShardBytes,
+    ZarrSaveShardedStrategy,
+    checked_staging_bytes,
+)
 from shardstore.errors import CheckpointingException
 from shardstore.execution import RankSave, SavePipeline, fail_before_staging
 from shardstore.format import (
@@ -82,15 +91,6 @@ from shardstore.mapping import ShardedTensor
 from shardstore.opened import bare_location
 from shardstore.protocol import Deliver, Group, run_stage
 from shardstore.stores import NameLimits
-from shardstore.strategies.common import COMMON_BACKEND, COMMON_VERSION
-from shardstore.strategies.zarr import (
-    DEFAULT_SYNC_STAGING_BYTES,
-    SHARDSTORE_BACKEND,
-    ZARR_VERSION,
-    ShardBytes,
-    ZarrSaveShardedStrategy,
-    checked_staging_bytes,
-)
 from shardstore.tools.dcp_common_state import (
     common_value,
     given_paths,
@@ -226,7 +226,7 @@ class ShardstoreWriter(StorageWriter):
         options = SaveOptions(overwrite=self.overwrite, reuse_from=self.reuse_from, shared_directory=True,
                               layout=layout)
         group = Group(self.process_group) if exchange else None
-        return SavePipeline.open(self._target(), group, options=options, config=CONFIG)
+        return SavePipeline.open(bare_location(self._target()), group, options=options, config=CONFIG)
 
     def _target(self) -> CheckpointId:
         """Where this save goes (``checkpoint_id``), refused where none was given."""
@@ -338,7 +338,7 @@ class ShardstoreWriter(StorageWriter):
         except Exception as exc:
             if not isinstance(exc, CheckpointingException):
                 logger.exception("Planning checkpoint %s failed", id_text(self.checkpoint_id))
-            parts = [Refused(new_id(), _refusal(exc, self.checkpoint_id), len(plans))] * len(plans)
+            parts = [Refused(new_id(), _refusal(exc, id_text(self.checkpoint_id)), len(plans))] * len(plans)
         return [replace(plan, storage_data=part) for plan, part in zip(plans, parts)]
 
     def _planned(self, plans: list[SavePlan]) -> list[RankPart]:
@@ -688,11 +688,12 @@ def _plain_array_writers(plans: list[SavePlan], as_array: Callable[[WriteItem], 
     )
     return [[item for item in items if writers[item.index.fqn] == rank] for rank, items in enumerate(held)]
 
-def _refusal(exc: Exception, checkpoint_id: CheckpointId | None) -> str:
-    """What every rank raises for the coordinator's failure to plan a save."""
+def _refusal(exc: Exception, where: str | None) -> str:
+    """What every rank raises for the coordinator's failure to plan a save of the
+    checkpoint ``where`` names (``id_text``)."""
     if isinstance(exc, CheckpointingException):
         return str(exc)
-    return f"Planning checkpoint {id_text(checkpoint_id)} failed on the coordinator: {type(exc).__name__}: {exc}"
+    return f"Planning checkpoint {where} failed on the coordinator: {type(exc).__name__}: {exc}"
 
 def _resolved(item: WriteItem, planner: SavePlanner, where: str) -> Any:
     """An item's data from the planner, refused where its dtype is not the plan's: DCP's

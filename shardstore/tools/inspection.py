@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from shardstore.compat.megatron.strategies.base import LoadCommonStrategy
+from shardstore.compat.megatron.strategies.other_formats import open_other_format
 from shardstore.format import (
     StorageLayout,
     from_zarr_name,
@@ -31,10 +33,8 @@ from shardstore.format import (
     tensor_to_numpy,
 )
 from shardstore.mapping import ShardedObject
-from shardstore.opened import OpenedCheckpoint, open_read
+from shardstore.opened import OpenedCheckpoint, bare_location, open_read
 from shardstore.stores import Location
-from shardstore.strategies.base import LoadCommonStrategy
-from shardstore.strategies.other_formats import open_other_format
 from shardstore.tools.convert import DEFAULT_MEMORY_BYTES, read_tensors
 
 
@@ -81,9 +81,13 @@ class CheckpointSummary:
 def describe_checkpoint(checkpoint: str | os.PathLike | Location) -> CheckpointSummary:
     """The arrays (shape, dtype, chunking, bytes), sharded objects, common-state keys,
     format version and saving world size of a committed checkpoint."""
-    from shardstore.serialization import load_common_state_dict
+    return _described(open_read(bare_location(checkpoint)))
 
-    opened = open_read(checkpoint)
+
+def _described(opened: OpenedCheckpoint) -> CheckpointSummary:
+    """``describe_checkpoint`` of a checkpoint opened already."""
+    from shardstore.compat.megatron.serialization import load_common_state_dict
+
     if opened.other_format is not None:
         return describe_other_format(opened.location)
     location, record = opened.location, opened.require_record()
@@ -108,7 +112,7 @@ def describe_checkpoint(checkpoint: str | os.PathLike | Location) -> CheckpointS
     )
 
 
-def describe_other_format(checkpoint: str | os.PathLike | Location) -> CheckpointSummary:
+def describe_other_format(checkpoint: Location) -> CheckpointSummary:
     """What another tool's checkpoint (a format in ``shardstore.other_formats.registry``)
     holds, read as ``load`` reads it (no code from it runs)."""
     source = open_other_format(checkpoint)
@@ -116,7 +120,7 @@ def describe_other_format(checkpoint: str | os.PathLike | Location) -> Checkpoin
         ArraySummary(key, t.shape, source.stored_dtype(key).zarr_name, t.chunk_shape, t.chunk_count, t.nbytes)
         for key, t in sorted(source.tensors.items())
     )
-    parts = _NonArrayParts.of(open_read(source.path))
+    parts = _NonArrayParts.of(open_read(checkpoint))
     return CheckpointSummary(
         checkpoint=str(source.path), format_version=0, library_version="", created=0.0, world_size=0, save_id="",
         arrays=arrays, objects=_shards_by_key(sorted(parts.objects)),
@@ -231,8 +235,9 @@ def diff_checkpoints(
     another tool's checkpoint, one tensor at a time) and one object shard of each at a
     time. Either may be another tool's checkpoint (``describe_other_format``), e.g. to check
     a conversion against its source. Not collective."""
-    ra = {a.key: a for a in describe_checkpoint(first).arrays}
-    rb = {a.key: a for a in describe_checkpoint(second).arrays}
+    opened_a, opened_b = open_read(bare_location(first)), open_read(bare_location(second))
+    ra = {a.key: a for a in _described(opened_a).arrays}
+    rb = {a.key: a for a in _described(opened_b).arrays}
     shared = sorted(set(ra) & set(rb))
     comparable = {
         k: common
@@ -241,11 +246,11 @@ def diff_checkpoints(
     }
     compared: dict[str, TensorComparison] = {}
     keys = sorted(comparable)
-    pairs = zip(read_tensors(first, keys, memory_bytes), read_tensors(second, keys, memory_bytes))
+    pairs = zip(read_tensors(opened_a, keys, memory_bytes), read_tensors(opened_b, keys, memory_bytes))
     for (key, x), (_, y) in pairs:
         compared[key] = compare_tensors(x, y, comparable[key])
     arrays = tuple(_array_difference(ra[k], rb[k], compared.get(k)) for k in shared)
-    parts_a, parts_b = _NonArrayParts.of(open_read(first)), _NonArrayParts.of(open_read(second))
+    parts_a, parts_b = _NonArrayParts.of(opened_a), _NonArrayParts.of(opened_b)
     return CheckpointDiff(
         tuple(sorted(set(ra) - set(rb))),
         tuple(sorted(set(rb) - set(ra))),
@@ -505,7 +510,7 @@ class _NonArrayParts:
 
     @classmethod
     def of(cls, opened: OpenedCheckpoint) -> _NonArrayParts:
-        from shardstore.serialization import verify_checkpoint_and_load_strategy
+        from shardstore.compat.megatron.serialization import verify_checkpoint_and_load_strategy
 
         _, strategy = verify_checkpoint_and_load_strategy(opened)
         location = opened.location

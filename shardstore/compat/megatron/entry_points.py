@@ -67,15 +67,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from shardstore.errors import CheckpointingException
-from shardstore.format import SaveOptions, StorageLayout, is_committed, read_commit_record
-from shardstore.load_strictness import StrictHandling
-from shardstore.opened import bare_location
-from shardstore.progress import info_on_first_rank, log_once, operations_logged_at
-from shardstore.serialization import (
+from shardstore.compat.megatron.serialization import (
     load as _shardstore_load,
 )
-from shardstore.serialization import (
+from shardstore.compat.megatron.serialization import (
     load_common_state_dict,
     load_content_metadata,
     load_plain_tensors,
@@ -84,17 +79,22 @@ from shardstore.serialization import (
     remove_sharded_tensors,
     verify_before_load,
 )
-from shardstore.serialization import (
+from shardstore.compat.megatron.serialization import (
     save as _shardstore_save,
 )
-from shardstore.strategies.forked_writes import for_another_process
-from shardstore.strategies.zarr import (
+from shardstore.compat.megatron.strategies.forked_writes import for_another_process
+from shardstore.compat.megatron.strategies.zarr import (
     SHARDSTORE_BACKEND,
     ZARR_VERSION,
     ShardBytes,
     ZarrLoadShardedStrategy,
     ZarrSaveShardedStrategy,
 )
+from shardstore.errors import CheckpointingException
+from shardstore.format import SaveOptions, StorageLayout, is_committed, read_commit_record
+from shardstore.load_strictness import StrictHandling
+from shardstore.opened import bare_location
+from shardstore.progress import info_on_first_rank, log_once, operations_logged_at
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -650,7 +650,7 @@ def _dispatching(name: str, ours: Any) -> Any:
     return entry_point
 
 
-_STRATEGY_MODULES = ("megatron.core.dist_checkpointing.strategies", "shardstore.strategies", "shardstore.tools")
+_STRATEGY_MODULES = ("megatron.core.dist_checkpointing.strategies", "shardstore.compat.megatron", "shardstore.tools")
 
 
 def _is_strategy(value: Any) -> bool:

@@ -1,7 +1,7 @@
 """Megatron-Core's ``dist_checkpointing.exchange_utils`` names: which rank of a
 parallelization group saves or loads each shard, and how the shards one rank loaded reach
 the other ranks that hold them. The distribution and the exchange are the fully-parallel
-wrappers' (``shardstore.strategies.shard_exchange``, re-exported here);
+wrappers' (``shardstore.compat.megatron.strategies.shard_exchange``, re-exported here);
 ``exchange_by_distribution`` is Megatron's one-call form of a prepared exchange.
 ``shardstore.exchange_utils`` is this module under its first name.
 """
@@ -17,8 +17,7 @@ __all__ = [
 import torch
 import torch.distributed as dist
 
-from shardstore.mapping import ShardedTensor
-from shardstore.strategies.shard_exchange import (
+from shardstore.compat.megatron.strategies.shard_exchange import (
     EXCHANGE_ALGOS,
     ShardDistribution,
     build_shard_distribution,
@@ -27,6 +26,7 @@ from shardstore.strategies.shard_exchange import (
     exchange_loaded_objects_gather_object,
     prepare_exchange_by_distribution,
 )
+from shardstore.mapping import ShardedTensor
 from shardstore.utils import _ShardId
 
 

@@ -49,21 +49,21 @@ except ImportError as exc:  # pragma: no cover - exercised where megatron-core i
         "(pip install megatron-core); shardstore.save/load work without it"
     ) from exc
 
-from shardstore.dict_utils import extract_matching_values, merge
-from shardstore.errors import CheckpointingException
-from shardstore.inputs.megatron_objects import convert_megatron_objects
-from shardstore.mapping import ShardedObject, apply_factories, apply_factory_merges
-from shardstore.opened import holds_committed_checkpoint, open_read
-from shardstore.serialization import load_preprocess
-from shardstore.strategies.base import DelegatingLoadStrategy
-from shardstore.strategies.common import TorchCommonLoadStrategy
-from shardstore.strategies.forked_writes import for_another_process
-from shardstore.strategies.zarr import (
+from shardstore.compat.megatron.checkpoint_dirs import holds_committed_checkpoint, open_dir
+from shardstore.compat.megatron.serialization import load_preprocess
+from shardstore.compat.megatron.strategies.base import DelegatingLoadStrategy
+from shardstore.compat.megatron.strategies.common import TorchCommonLoadStrategy
+from shardstore.compat.megatron.strategies.forked_writes import for_another_process
+from shardstore.compat.megatron.strategies.zarr import (
     SHARDSTORE_BACKEND,
     ZARR_VERSION,
     ZarrLoadShardedStrategy,
     ZarrSaveShardedStrategy,
 )
+from shardstore.dict_utils import extract_matching_values, merge
+from shardstore.errors import CheckpointingException
+from shardstore.inputs.megatron_objects import convert_megatron_objects
+from shardstore.mapping import ShardedObject, apply_factories, apply_factory_merges
 
 
 class ShardstoreSaveShardedStrategy(_megatron_base.AsyncSaveShardedStrategy):
@@ -155,14 +155,14 @@ class ShardstoreLoadShardedStrategy(DelegatingLoadStrategy, _megatron_base.LoadS
     def load(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
         sharded_state_dict, _, factories = load_preprocess(convert_megatron_objects(sharded_state_dict))
         objects, sharded_state_dict = extract_matching_values(sharded_state_dict, _is_sharded_object)
-        opened = open_read(checkpoint_dir)  # once: the record read and checked once for both parts
+        opened = open_dir(checkpoint_dir)  # once: the record read and checked once for both parts
         loaded = apply_factory_merges(self.base_strategy.load(sharded_state_dict, opened), factories)
         return merge(loaded, TorchCommonLoadStrategy().load_sharded_objects(objects, opened))
 
     def load_sharded_metadata(self, checkpoint_dir: Any) -> Any:
         """The checkpoint's ShardedTensors and ShardedObjects (``can_handle_sharded_objects``),
         keyed by sharded key."""
-        opened = open_read(checkpoint_dir)
+        opened = open_dir(checkpoint_dir)
         return {
             **self.base_strategy.load_sharded_metadata(opened),
             **TorchCommonLoadStrategy().load_sharded_metadata(opened),

@@ -16,6 +16,7 @@ __all__ = [
 
 from typing import Any
 
+from shardstore.compat.megatron.strategies.base import validate_sharded_objects_handling
 from shardstore.cross_rank_checks import (
     determine_global_metadata,
     validate_common_state_dict,
@@ -30,7 +31,6 @@ from shardstore.load_strictness import (
     reported_mismatches,
 )
 from shardstore.mapping import ShardedBase, ShardedStateDict
-from shardstore.strategies.base import validate_sharded_objects_handling
 
 
 def adjust_non_strict_load(

@@ -66,7 +66,9 @@ faster packed, and 404 arrays of 512 KiB saved 2.2x faster (15 requests, not 821
 loaded as fast (docs/measurements/layout.md). A split array's blocks of 64 KiB or more
 stay chunks of their own in the pack (``planning.plans.packed``), laid out so that one
 rank's blocks are one ranged read (``format.packs``): a load reads no more than its
-blocks."""
+blocks. Smaller blocks are packed as one chunk, the whole array, which a loader reads
+whole: a 300 KiB array split over 8 ranks costs each rank 300 KiB instead of its 37.5
+KiB, inside the ranged reads it makes anyway, not a request per block."""
 
 DEFAULT_READ_GRAIN = 1 << 20
 """The smallest piece a chunk is cut into for reads by default: a 2 -> 4 rank load of

@@ -1,9 +1,10 @@
 """Counts of issue 31.1 (how many doors compose the save protocol themselves).
 
 * ``open_location(`` calls outside its definition;
-* imports by the doors (``shardstore/tools/``, ``shardstore/megatron.py``) of a module
-  inside a package below the api (``from shardstore.format.records import ...``) rather
-  than of the package, their entry (``from shardstore.format import ...``; issue 43.3);
+* imports by the doors (``shardstore/tools/``, ``shardstore/megatron.py``, PyTorch
+  DCP's dialect ``shardstore/compat/dcp/``) of a module inside a package below the api
+  (``from shardstore.format.records import ...``) rather than of the package, their
+  entry (``from shardstore.format import ...``; issue 43.3);
 * probes of location subclasses: ``getattr(<location>, "record", ...)`` and
   ``isinstance(<x>, <Location or a subclass>)`` (outside ``stores/``, which knows its own classes).
 
@@ -41,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent / "shardstore"
 LOCATION_CLASSES = ("Location", "ChecksummedLocation", "PendingCheckpoint", "LocalStore", "S3Store", "MemoryStore",
                     "FsspecStore", "DirectoryPublishing")
 OPEN_CALL = re.compile(r"\bopen_location\(")
-DOORS = ("tools/", "megatron.py")
+DOORS = ("tools/", "megatron.py", "compat/dcp/")
 TOOL_IMPORT = re.compile(
     r"^\s*(from|import) shardstore\.(stores|format|planning|protocol|execution|other_formats)\.\w")
 PROBE = re.compile(

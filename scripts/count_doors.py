@@ -24,9 +24,10 @@ through ``SaveOptions.opened``, ``into_callers_directory``),
 ``open_read`` and ``bare_location`` in ``opened``, and ``maybe_load_config`` (Megatron's
 name) and ``verify``, public functions of the format layer that take a path. With
 ``open_read`` and the save pipeline's entries taking a Location (issue 66.1: a door
-converts once, by ``bare_location``): 3. The count
-says which entry each call uses, not how many conversions run (tests/test_entries.py
-pins the counts). The second count was then redefined (issue 43.3, as above; until then
+converts once, by ``bare_location``): 3. With Megatron-Core's ``maybe_load_config`` in
+its dialect (``compat.megatron.core``, through ``bare_location``; the format reads the
+config at a Location): 2. The count says which entry each call uses, not how many
+conversions run (tests/test_entries.py pins the counts). The second count was then redefined (issue 43.3, as above; until then
 it counted tools' imports of ``execution``, ``planning``, ``protocol`` and
 ``format.commit`` modules): 34 imports, 0 once every lower package's ``__init__`` offered
 the doors' names.

@@ -47,7 +47,7 @@ _EXPORTS = {
     "CheckpointingException": "shardstore.errors",
     "SaveOptions": "shardstore.format.commit",
     "StorageLayout": "shardstore.format.storage_layout",
-    "check_is_distributed_checkpoint": "shardstore.format.config",
+    "check_is_distributed_checkpoint": "shardstore.compat.megatron.core",
     "LocalNonpersistentObject": "shardstore.mapping",
     "ShardedObject": "shardstore.mapping",
     "ShardedTensor": "shardstore.mapping",

@@ -38,13 +38,20 @@ def test_a_first_name_gives_the_very_module_of_its_home(first: str, home: str) -
 @pytest.mark.parametrize("first_imported", ["shardstore.strategies.zarr", "shardstore.compat.megatron.strategies.zarr"])
 def test_either_name_imported_first_gives_one_module(first_imported: str) -> None:
     """In a fresh interpreter: one module object, one registry of default strategies."""
+    _one_module_in_a_fresh_interpreter(
+        first_imported, "shardstore.strategies.zarr", "shardstore.compat.megatron.strategies.zarr",
+        "import shardstore.strategies as package\n"
+        "assert a is package.zarr and a.ZarrSaveShardedStrategy.__module__ == b.__name__\n"
+        "assert importlib.import_module('shardstore.strategies.base').default_strategies['save_sharded']\n")
+
+
+def _one_module_in_a_fresh_interpreter(first_imported: str, first: str, home: str, checks: str) -> None:
+    """Imports ``first_imported``, then both names, in a fresh interpreter: ``a`` (the
+    first name) and ``b`` (the home) are one module; ``checks`` runs after."""
     code = (f"import {first_imported}, importlib, sys\n"
-            "a = importlib.import_module('shardstore.strategies.zarr')\n"
-            "b = importlib.import_module('shardstore.compat.megatron.strategies.zarr')\n"
-            "import shardstore.strategies as package\n"
-            "assert a is b is package.zarr is sys.modules['shardstore.strategies.zarr']\n"
-            "assert a.ZarrSaveShardedStrategy.__module__ == 'shardstore.compat.megatron.strategies.zarr'\n"
-            "assert importlib.import_module('shardstore.strategies.base').default_strategies['save_sharded']\n")
+            f"a = importlib.import_module({first!r})\n"
+            f"b = importlib.import_module({home!r})\n"
+            f"assert a is b is sys.modules[{first!r}]\n" + checks)
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
 
 
@@ -83,12 +90,9 @@ def test_every_dcp_module_has_its_first_name() -> None:
 @pytest.mark.parametrize("first_imported", ["shardstore.tools.dcp_parts", "shardstore.compat.dcp.parts"])
 def test_either_dcp_name_imported_first_gives_one_module(first_imported: str) -> None:
     """In a fresh interpreter: one module object, one set of the plan cache's records."""
-    code = (f"import {first_imported}, importlib, sys\n"
-            "a = importlib.import_module('shardstore.tools.dcp_parts')\n"
-            "b = importlib.import_module('shardstore.compat.dcp.parts')\n"
-            "assert a is b is sys.modules['shardstore.tools.dcp_parts'] and a.RECENT_PLANS is b.RECENT_PLANS\n"
-            "assert a.RankPart.__module__ == 'shardstore.compat.dcp.parts'\n")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
+    _one_module_in_a_fresh_interpreter(
+        first_imported, "shardstore.tools.dcp_parts", "shardstore.compat.dcp.parts",
+        "assert a.RECENT_PLANS is b.RECENT_PLANS and a.RankPart.__module__ == b.__name__\n")
 
 
 def test_a_plan_part_pickled_under_its_first_name_loads() -> None:

@@ -1,9 +1,10 @@
 """Counts of issue 31.1 (how many doors compose the save protocol themselves).
 
 * ``open_location(`` calls outside its definition;
-* imports by the doors (``shardstore/tools/``, ``shardstore/megatron.py``) of a module
-  inside a package below the api (``from shardstore.format.records import ...``) rather
-  than of the package, their entry (``from shardstore.format import ...``; issue 43.3);
+* imports by the doors (``shardstore/tools/``, ``shardstore/megatron.py``, PyTorch
+  DCP's dialect ``shardstore/compat/dcp/``) of a module inside a package below the api
+  (``from shardstore.format.records import ...``) rather than of the package, their
+  entry (``from shardstore.format import ...``; issue 43.3);
 * probes of location subclasses: ``getattr(<location>, "record", ...)`` and
   ``isinstance(<x>, <Location or a subclass>)`` (outside ``stores/``, which knows its own classes).
 
@@ -23,9 +24,10 @@ through ``SaveOptions.opened``, ``into_callers_directory``),
 ``open_read`` and ``bare_location`` in ``opened``, and ``maybe_load_config`` (Megatron's
 name) and ``verify``, public functions of the format layer that take a path. With
 ``open_read`` and the save pipeline's entries taking a Location (issue 66.1: a door
-converts once, by ``bare_location``): 3. The count
-says which entry each call uses, not how many conversions run (tests/test_entries.py
-pins the counts). The second count was then redefined (issue 43.3, as above; until then
+converts once, by ``bare_location``): 3. With Megatron-Core's ``maybe_load_config`` in
+its dialect (``compat.megatron.core``, through ``bare_location``; the format reads the
+config at a Location): 2. The count says which entry each call uses, not how many
+conversions run (tests/test_entries.py pins the counts). The second count was then redefined (issue 43.3, as above; until then
 it counted tools' imports of ``execution``, ``planning``, ``protocol`` and
 ``format.commit`` modules): 34 imports, 0 once every lower package's ``__init__`` offered
 the doors' names.
@@ -41,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent / "shardstore"
 LOCATION_CLASSES = ("Location", "ChecksummedLocation", "PendingCheckpoint", "LocalStore", "S3Store", "MemoryStore",
                     "FsspecStore", "DirectoryPublishing")
 OPEN_CALL = re.compile(r"\bopen_location\(")
-DOORS = ("tools/", "megatron.py")
+DOORS = ("tools/", "megatron.py", "compat/dcp/")
 TOOL_IMPORT = re.compile(
     r"^\s*(from|import) shardstore\.(stores|format|planning|protocol|execution|other_formats)\.\w")
 PROBE = re.compile(

@@ -1,5 +1,5 @@
 """Counts the parameters that take "a path or a Location" (issue 66.1: at most 10
-outside ``shardstore/compat/``, the Megatron dialect's one mapping from path to save).
+outside ``shardstore/compat/``, the dialects' mappings from a path to a save).
 
 A parameter counts when its annotation's union (``a | b``, ``Union``, ``Optional``)
 admits both a path and a ``Location``: it names ``CheckpointDir`` (``serialization.CheckpointDir``, ``Union[str, Path, Location]``, and

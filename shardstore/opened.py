@@ -48,7 +48,7 @@ import os
 from dataclasses import dataclass
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.config import CONFIG_FNAME, CheckpointingConfig, maybe_load_config
+from shardstore.format.config import CONFIG_FNAME, CheckpointingConfig, read_config
 from shardstore.format.integrity import ChecksummedLocation
 from shardstore.format.records import COMMIT_RECORD, CommitRecord, is_committed, read_commit_record
 from shardstore.format.records.names import COMMON_FILE
@@ -99,7 +99,7 @@ class OpenedCheckpoint:
     def config(self) -> CheckpointingConfig | None:
         """Its ``metadata.json`` (the backends that wrote it), read through the checked
         location; None where there is none."""
-        return maybe_load_config(self.location) if self.record is not None else None
+        return read_config(self.location) if self.record is not None else None
 
 
 def other_format_of(location: Location) -> OtherFormat | None:

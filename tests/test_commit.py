@@ -72,6 +72,23 @@ def test_an_empty_path_or_a_file_is_no_distributed_checkpoint(tmp_path: Path, mo
     assert not check_is_distributed_checkpoint(str(a_file))
 
 
+def test_the_core_reads_the_config_at_a_location_and_megatrons_names_take_a_directory(tmp_path: Path) -> None:
+    """Issue 66.1: the format reads ``metadata.json`` at a Location (``read_config``);
+    Megatron-Core's functions of a checkpoint directory, ``maybe_load_config`` and
+    ``check_is_distributed_checkpoint``, are its dialect's (``shardstore.core``)."""
+    import shardstore
+    import shardstore.core
+    import shardstore.format
+    from shardstore.format import read_config
+
+    (tmp_path / "metadata.json").write_text('{"sharded_backend": "zarr"}')
+    assert read_config(open_location(tmp_path)).sharded_backend == "zarr"
+    assert read_config(open_location(tmp_path / "metadata.json")) is None  # a file: no checkpoint
+    assert shardstore.core.maybe_load_config(str(tmp_path)) == read_config(open_location(tmp_path))
+    assert shardstore.check_is_distributed_checkpoint is shardstore.core.check_is_distributed_checkpoint
+    assert not {"maybe_load_config", "check_is_distributed_checkpoint"} & set(shardstore.format.__all__)
+
+
 def test_load_tensors_metadata_needs_only_the_root_record(ckpt_dir: Path) -> None:
     _save_small(ckpt_dir)
     for child in ckpt_dir.iterdir():  # leave only the commit record and the config

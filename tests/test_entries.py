@@ -292,14 +292,15 @@ def test_the_seeds_writers_in_megatrons_order_write_metadata_after_the_commit(tm
 
 def test_only_the_entries_turn_a_path_into_a_location() -> None:
     """Issue 31.1: ``open_location`` is called by ``opened.bare_location`` (the doors'
-    one conversion) and two format functions whose seed signatures take a path
-    (``maybe_load_config``, ``verify``); every other module goes through them (the save
-    pipeline hands it to ``SaveOptions.opened`` for the reuse source, issue 66.1)."""
+    one conversion) and one format function whose seed signature takes a path
+    (``verify``); every other module goes through them (the save pipeline hands it to
+    ``SaveOptions.opened`` for the reuse source; Megatron-Core's ``maybe_load_config``
+    converts by ``bare_location`` in its dialect, issue 66.1)."""
     from tests.script_support import load_script
 
     count_doors = load_script("count_doors")
     assert count_doors.counts() == {
-        "open_location calls": 3, "tools imports of lower layers": 0, "location subclass probes": 0,
+        "open_location calls": 2, "tools imports of lower layers": 0, "location subclass probes": 0,
     }
 
 

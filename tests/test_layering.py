@@ -2,9 +2,11 @@
 
 The drawing, top to bottom (a layer may import the layers below it, never above):
 
-    tools           CLI, manager, inspection, conversion, the DCP plug-in, testing (the
-                    store conformance suite, which saves and loads)
-    compat          other libraries' dialects: compat.megatron, Megatron-Core's seed API
+    tools           CLI, manager, inspection, conversion, testing (the store conformance
+                    suite, which saves and loads)
+    compat          other libraries' dialects: compat.dcp, PyTorch DCP's StorageWriter and
+                    StorageReader (first names shardstore.tools.dcp_*); compat.megatron,
+                    Megatron-Core's seed API
                     (its strategies and module functions: first names
                     shardstore.strategies.*, shardstore.serialization*) and its doors
                     (shardstore.megatron, shardstore.core, shardstore.validation,
@@ -134,6 +136,18 @@ def test_the_core_never_imports_compat() -> None:
     assert {layer_of(m) for m in graph} >= set(CORE)
 
 
+def test_the_megatron_dialect_never_imports_the_dcp_dialect() -> None:
+    """Issue 66.1: PyTorch DCP's dialect (``compat.dcp``) stores through the seed
+    strategies of Megatron-Core's (``compat.megatron``), never the other way, under any
+    of its names (its first names ``shardstore.tools.dcp_*`` are the tools layer's)."""
+    graph = _imports()
+    dcp = {m for m in graph if m.startswith("shardstore.compat.dcp")}
+    assert "shardstore.compat.dcp.writer" in dcp
+    reaching = sorted(f"{m} imports {d}" for m, deps in graph.items() if m.startswith("shardstore.compat.megatron")
+                      for d in deps if d.startswith("shardstore.compat.dcp") or d.startswith("shardstore.tools"))
+    assert reaching == []
+
+
 def test_every_module_belongs_to_a_layer() -> None:
     layers = {layer_of(m) for m in _imports()}
     assert layers == set(ORDER), layers
@@ -229,7 +243,7 @@ def test_the_doors_reach_lower_layers_only_through_their_packages() -> None:
     ``__all__`` offers, never one of its modules (``shardstore.format.records``); or it
     imports from an api or base module. An empty exception list."""
     found = _imported_names()
-    assert {"shardstore.megatron", "shardstore.tools.dcp_storage"} <= set(found)
+    assert {"shardstore.megatron", "shardstore.compat.dcp.writer"} <= set(found)
     reaching = []
     for door, imports in sorted(found.items()):
         for module, name, line in imports:
@@ -246,8 +260,8 @@ def test_the_doors_reach_lower_layers_only_through_their_packages() -> None:
 
 # The save and load machinery below the api: the doors call the api for it (DESIGN.md).
 MACHINERY_PACKAGES = ("planning", "protocol", "execution")
-# Issue 64.4: the import statements by which the doors still reach the machinery (the DCP
-# writer composes a save: ``execution`` and ``protocol``, and its parts carry a rank's
+# Issue 64.4: the import statements by which the doors (the tools, and the dialects' doors
+# in compat) still reach the machinery (the DCP writer composes a save: ``execution`` and ``protocol``, and its parts carry a rank's
 # ``RankSave``; the DCP reader reads on the load's ``Group``; the array writer opens a
 # save pipeline; the manager agrees on its save decision across ranks). The DCP door is
 # three modules since it was split by idea (writer, reader, the parts between its stages):
@@ -256,7 +270,7 @@ MAX_DOOR_MACHINERY_IMPORTS = 6
 
 
 def test_the_doors_reach_the_machinery_in_few_imports() -> None:
-    """Every import statement of a door (the tools layer) from ``planning``,
+    """Every import statement of a door (``is_door``) from ``planning``,
     ``protocol`` or ``execution`` counts once, whatever it names; what a door needs of
     them belongs behind the api."""
     found = _imported_names()

@@ -3,15 +3,14 @@
 ``metadata.json`` says which backends wrote the checkpoint (Megatron-Core's
 ``CheckpointingConfig``). It is NOT the commit record: a checkpoint exists only once
 the root ``zarr.json`` has been written (see ``shardstore.format.commit``).
-``shardstore.core`` exposes these under Megatron-Core's names.
+``read_config`` and ``write_config`` take a Location; Megatron-Core's functions of a
+checkpoint directory (``maybe_load_config``, ``check_is_distributed_checkpoint``,
+``save_config``) are ``shardstore.core``'s (``compat.megatron.core``).
 """
 
 from __future__ import annotations
 
-__all__ = [
-    "CONFIG_FNAME", "CheckpointingConfig", "check_is_distributed_checkpoint", "maybe_load_config",
-    "write_config",
-]
+__all__ = ["CONFIG_FNAME", "MAX_CONFIG_BYTES", "CheckpointingConfig", "read_config", "write_config"]
 
 import json
 from dataclasses import asdict, dataclass
@@ -19,9 +18,9 @@ from typing import Any
 
 from shardstore.errors import CheckpointingException
 from shardstore.stores.base import Location
-from shardstore.stores.locations import open_location
 
 CONFIG_FNAME = "metadata.json"
+MAX_CONFIG_BYTES = 2**20  # a config larger than this is refused before it is read
 
 
 @dataclass(frozen=True)
@@ -60,28 +59,18 @@ class CheckpointingConfig:
         return config
 
 
-def check_is_distributed_checkpoint(checkpoint_dir: str | Location) -> bool:
-    """True if ``checkpoint_dir`` holds a distributed checkpoint's ``metadata.json``.
+def read_config(location: Location) -> CheckpointingConfig | None:
+    """The config of the checkpoint at ``location``; None where there is no
+    ``metadata.json``, or the location is a file (as in Megatron-Core: no checkpoint,
+    not an error).
 
-    Like Megatron-Core this looks for the config only; use
-    ``shardstore.format.is_committed`` to know whether the save completed.
+    Raises:
+        CheckpointingException: the file cannot be read, or is no config.
     """
-    return maybe_load_config(checkpoint_dir) is not None
-
-
-def maybe_load_config(checkpoint_dir: str | Location) -> CheckpointingConfig | None:
-    """Returns the checkpoint's config, or None when there is no ``metadata.json``.
-
-    As in Megatron-Core, an empty path and a path that is a file are no checkpoint
-    (None), not an error.
-    """
-    if checkpoint_dir == "":
-        return None
-    location = open_location(checkpoint_dir)
     try:
-        data = location.read_bytes_or_none(CONFIG_FNAME, max_bytes=2**20)
+        data = location.read_bytes_or_none(CONFIG_FNAME, max_bytes=MAX_CONFIG_BYTES)
     except CheckpointingException as exc:  # a StorageError already names the file
-        if isinstance(exc.__cause__, NotADirectoryError):  # the path is a file
+        if isinstance(exc.__cause__, NotADirectoryError):  # the location is a file
             return None
         raise
     except OSError as exc:

@@ -9,7 +9,7 @@ qualified name as PyTorch DCP names it: the path of dict keys and list indices t
 leads to it, joined by ``"."`` (``model.layers.0.weight``,
 ``optim.state.layers.0.weight.exp_avg``; ``torch.distributed.checkpoint``'s
 ``flatten_state_dict``). So a checkpoint written by ``shardstore.save`` and one written by
-``dcp.save`` through ``shardstore.tools.dcp_storage`` hold the same arrays under the same
+``dcp.save`` through ``shardstore.compat.dcp.writer`` hold the same arrays under the same
 keys, and a reader finds a parameter under the name DCP users know.
 
 Placements: ``Shard(d)``, uneven ones included (the last ranks hold fewer rows, or

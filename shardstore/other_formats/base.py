@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from shardstore.errors import CheckpointingException
+from shardstore.format.config import CONFIG_FNAME, MAX_CONFIG_BYTES, CheckpointingConfig
 from shardstore.format.dtypes import DType, ShapedTensorSize, UnsupportedDTypeError, from_torch
 from shardstore.format.pickles import deserialize, deserialize_dict
 from shardstore.format.records import COMMON_FILE
@@ -142,6 +143,15 @@ class OtherCheckpoint(ABC):
         if data is None:
             return {}
         return deserialize_dict(data, str(self.path / COMMON_FILE), allow_unsafe_pickle)
+
+    def config(self) -> CheckpointingConfig | None:
+        """Its ``metadata.json`` (Megatron-Core's record of the backends that wrote it),
+        read as every file of it is; None where there is none."""
+        what = "the checkpoint's config"
+        if self.file_size(CONFIG_FNAME, what) is None:
+            return None
+        data = self.read_bounded(CONFIG_FNAME, MAX_CONFIG_BYTES, what)
+        return CheckpointingConfig.from_json(data, where=str(self.path / CONFIG_FNAME))
 
     def file_size(self, rel: str, what: str) -> int | None:
         """The size of the regular file ``rel`` from ``lstat``, nothing opened or read:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.config import CONFIG_FNAME, maybe_load_config
+from shardstore.format.config import CONFIG_FNAME
 from shardstore.format.pickles import dcp_metadata_globals, load_restricted, load_torch
 from shardstore.format.records import COMMON_FILE, sharded_backend, state_paths
 from shardstore.other_formats.base import OtherCheckpoint, OtherFormat, OtherTensor
@@ -103,7 +103,7 @@ class DcpCheckpoint(OtherCheckpoint):
         self.path = Path(path)
         self._sizes: dict[str, int] = {}  # data file -> size in bytes
         metadata = self._read_metadata()
-        config = maybe_load_config(str(self.path))
+        config = self.config()
         self.kind = TORCH_DIST if config is not None and config.sharded_backend == TORCH_DIST else "dcp"
         original_shapes = {
             key: tuple(value["nd_reformulated_orig_global_shape"])

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.config import CONFIG_FNAME, maybe_load_config
+from shardstore.format.config import CONFIG_FNAME
 from shardstore.format.dtypes import from_torch, numpy_to_tensor
 from shardstore.format.records import COMMIT_RECORD, sharded_backend
 from shardstore.other_formats.base import OtherCheckpoint, OtherFormat, OtherTensor
@@ -88,7 +88,7 @@ class MegatronZarrCheckpoint(OtherCheckpoint):
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.kind = BACKEND
-        config = maybe_load_config(str(self.path))
+        config = self.config()
         if config is None or config.sharded_backend != BACKEND:
             raise CheckpointingException(
                 f"{self.path} is not a Megatron-Core zarr checkpoint ({CONFIG_FNAME} does not name the 'zarr' backend)"

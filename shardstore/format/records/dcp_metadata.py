@@ -56,7 +56,7 @@ def _lists_are_dense(paths: Iterable[StatePath]) -> bool:
 
 @dataclass(frozen=True)
 class DcpMetadata:
-    """What a save through PyTorch DCP's API (``tools.dcp_storage.ShardstoreWriter``)
+    """What a save through PyTorch DCP's API (``compat.dcp.writer.ShardstoreWriter``)
     recorded of DCP's own metadata, for ``ShardstoreReader.read_metadata`` to give back:
     sealed in the commit record like the rest of it. Checkpoints saved before it existed,
     and every ``shardstore.save``, have none.

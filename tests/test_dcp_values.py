@@ -174,13 +174,15 @@ def test_common_tensors_of_dtypes_pickle_cannot_carry_are_saved(tmp_path: Path, 
 def sparse_common_tensor(rank: int, world: int, root: str) -> None:
     import torch.distributed.checkpoint as dcp
 
-    sparse = torch.sparse_coo_tensor([[0, 2], [1, 3]], [1.5, -2.0], (4, 4))
+    # dense, 64 MiB of float32: far above the bytes that make a plain tensor an array
+    sparse = torch.sparse_coo_tensor([[0, 2], [1, 3]], [1.5, -2.0], (4096, 4096))
     dcp.save({"mask": sparse, "w": _dtensor(1.0)}, storage_writer=ShardstoreWriter(f"{root}/ckpt"))
     common = shardstore.load_common_state_dict(f"{root}/ckpt")
     assert common["mask"].is_sparse and torch.equal(common["mask"].to_dense(), sparse.to_dense())
 
 
 def test_a_sparse_tensor_of_the_common_state_is_saved(tmp_path: Path) -> None:
-    """A sparse tensor is no array: it goes to the common state, copied to host memory
-    first, where a clone asking for a memory format was refused for sparse layouts."""
+    """A sparse tensor is no array, whatever its dense size: it goes to the common state,
+    copied to host memory first (a clone asking for a memory format was refused for
+    sparse layouts; a large one was planned as an array, whose staging failed)."""
     run_distributed(sparse_common_tensor, 2, str(tmp_path))

@@ -70,7 +70,7 @@ def saved_bytes(tensor: torch.Tensor) -> bytes:
     view would carry its whole storage)."""
     buffer = io.BytesIO()
     copy = tensor.detach().cpu()
-    # a sparse or quantized layout has no memory format to ask for; its clone is compact
+    # a sparse layout has no memory format to ask for; its clone is compact
     copy = copy.clone(memory_format=torch.contiguous_format) if copy.layout == torch.strided else copy.clone()
     torch.save(copy, buffer)
     return buffer.getvalue()

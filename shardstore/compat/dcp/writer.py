@@ -258,9 +258,11 @@ class ShardstoreWriter(StorageWriter):
 
     def _as_array(self, item: WriteItem) -> bool:
         """A plain tensor's item that is written as an array (the same answer on every
-        rank: it depends on the item alone)."""
+        rank: it depends on the item alone). A sparse tensor is none: it goes to the
+        common state as it is."""
+        properties = item.tensor_data.properties
         return (
-            is_plain(item) and item.tensor_data.properties.dtype in BY_TORCH
+            is_plain(item) and properties.dtype in BY_TORCH and properties.layout == torch.strided
             and stored_as_array(tuple(item.tensor_data.size), item.tensor_storage_size() or 0, self.min_array_bytes)
         )
 

@@ -48,7 +48,12 @@ import os
 from dataclasses import dataclass
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.config import CONFIG_FNAME, CheckpointingConfig, read_config
+from shardstore.format.config import (
+    CONFIG_FNAME,
+    MAX_CONFIG_BYTES,
+    CheckpointingConfig,
+    read_config,
+)
 from shardstore.format.integrity import ChecksummedLocation
 from shardstore.format.records import COMMIT_RECORD, CommitRecord, is_committed, read_commit_record
 from shardstore.format.records.names import COMMON_FILE
@@ -145,6 +150,9 @@ def open_read_together(target: Location | OpenedCheckpoint, group: Group) -> Ope
     S3). Each rank checks those bytes against the record as it reads them
     (``ChecksummedLocation``). Another tool's checkpoint is opened by each rank.
 
+    Every rank passes the same kind of ``target`` (an ``OpenedCheckpoint`` is used as
+    it is, with no collective).
+
     Raises:
         CheckpointingException: on every rank, the coordinator's failure to open it."""
     if group.world_size == 1 or isinstance(target, OpenedCheckpoint):
@@ -170,13 +178,15 @@ def open_read_together(target: Location | OpenedCheckpoint, group: Group) -> Ope
 
 def _shared_files(location: Location) -> dict[str, bytes | None]:
     """The files the coordinator of a load hands the other ranks (``open_read_together``)
-    as it read them (None: not there), up to ``SHARED_FILE_BYTES`` each; every rank,
-    the coordinator too, reads them from there, checked against the record."""
-    shared: dict[str, bytes | None] = {}
-    for rel in (CONFIG_FNAME, COMMON_FILE):
-        data = location.read_bytes_or_none(rel)
-        if data is None or len(data) <= SHARED_FILE_BYTES:
-            shared[rel] = data
+    as it read them (None: not there); every rank, the coordinator too, reads them from
+    there, checked against the record. ``metadata.json`` is read through the bound every
+    reader of it uses (a larger one is refused, on every rank); ``common.pt`` only where
+    it holds at most ``SHARED_FILE_BYTES`` (its size asked first: a larger one each rank
+    reads itself, never read twice or of unchecked size here)."""
+    shared: dict[str, bytes | None] = {CONFIG_FNAME: location.read_bytes_or_none(CONFIG_FNAME, MAX_CONFIG_BYTES)}
+    size = location.store.size(COMMON_FILE)
+    if size is None or size <= SHARED_FILE_BYTES:
+        shared[COMMON_FILE] = None if size is None else location.read_bytes_or_none(COMMON_FILE, SHARED_FILE_BYTES)
     return shared
 
 

@@ -26,7 +26,8 @@ def _save(rank: int, world: int, path: str) -> None:
 
 
 def _load_counting(rank: int, world: int, path: str) -> tuple[list[str], bool]:
-    """Loads; the root files this rank read from storage, and whether the load is exact."""
+    """Loads; the root files this rank read from storage (once per read), and whether
+    the load is exact."""
     from shardstore.stores.local import LocalStore
 
     read: list[str] = []
@@ -42,7 +43,7 @@ def _load_counting(rank: int, world: int, path: str) -> tuple[list[str], bool]:
     finally:
         LocalStore.get = get  # type: ignore[method-assign]
     exact = torch.equal(loaded["w"], _state(rank, world)["w"].data) and loaded["step"] == 7
-    return sorted(set(read) & ROOT_FILES), exact
+    return sorted(key for key in read if key in ROOT_FILES), exact
 
 
 def test_only_the_coordinator_reads_the_record_and_the_common_files(tmp_path: Path) -> None:
@@ -73,3 +74,19 @@ def test_a_damaged_common_file_handed_over_is_refused_on_every_rank(tmp_path: Pa
 def test_a_missing_checkpoint_is_refused_on_every_rank_naming_it(tmp_path: Path) -> None:
     messages = run_distributed(_load_expecting_refusal, 2, str(tmp_path / "nothing"))
     assert all("nothing" in m for m in messages), messages
+
+
+def _load_counting_with_a_small_bound(rank: int, world: int, path: str) -> tuple[list[str], bool]:
+    import shardstore.opened as opened
+
+    opened.SHARED_FILE_BYTES = 16  # common.pt is larger: each rank reads it itself, once
+    return _load_counting(rank, world, path)
+
+
+def test_a_common_file_over_the_bound_is_read_by_each_rank_once(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save, 2, path)
+    (coordinator, coordinator_exact), (other, other_exact) = run_distributed(
+        _load_counting_with_a_small_bound, 2, path)
+    assert coordinator == sorted(ROOT_FILES) and coordinator_exact
+    assert other == ["common.pt"] and other_exact

@@ -11,7 +11,7 @@ Also how a write item becomes shardstore's description of a shard.
 from __future__ import annotations
 
 __all__ = [
-    "COORDINATOR_PLANS", "COORDINATOR_PLANS_KEPT", "CheckpointId", "CommonValue", "CoordinatorPlan",
+    "COORDINATOR_PLAN_ITEMS", "COORDINATOR_PLANS", "COORDINATOR_PLANS_KEPT", "CheckpointId", "CommonValue", "CoordinatorPlan",
     "DELIVERED", "DELIVERED_LOCK", "HeldPlainTensors",
     "PlanAtWrite", "PlannedPart", "RECENT_PLANS", "RECENT_PLANS_KEPT", "RankPart", "Refused",
     "WrittenChunks", "first_delivery", "gathered_shards", "id_text", "is_plain", "is_sharded",
@@ -52,9 +52,10 @@ class RankPart:
             a save of several ranks; ``compat.dcp.exchange``).
         ranks: how many ranks the save has (DCP's plans): the group a later save plans
             on where DCP's plan cache hands this part back (``PlanAtWrite``).
-        plan_id: the planning that made it (the same in every rank's part): a later save
-            whose every rank holds a part of it, for the same inputs, reuses it
-            (``ShardstoreWriter._reused_at_write``).
+        plan_id: the planning that made it (the same in every rank's part, and in the
+            parts of later saves that took the plan again, ``COORDINATOR_PLANS``): a
+            later save whose every rank holds a part of it, for the same inputs, reuses
+            it (``ShardstoreWriter._reused_at_write``).
     """
 
     save: RankSave
@@ -161,6 +162,11 @@ class CoordinatorPlan:
 COORDINATOR_PLANS: list[CoordinatorPlan] = []
 
 COORDINATOR_PLANS_KEPT = 2
+
+# The most write items, over all ranks, of a plan kept there: each costs about 1.3 KB
+# with its part, so two plans of this many hold about 130 MB; a larger save (1,024
+# ranks of 400 items: 0.5 GB a plan) is planned at every step, as without.
+COORDINATOR_PLAN_ITEMS = 50_000
 
 def first_delivery(part: RankPart | Refused) -> bool:
     """Whether ``part`` reaches ``write_data`` for the first time in this process

@@ -71,6 +71,7 @@ from shardstore.compat.dcp.exchange import (
     refuse_other_group,
 )
 from shardstore.compat.dcp.parts import (
+    COORDINATOR_PLAN_ITEMS,
     COORDINATOR_PLANS,
     COORDINATOR_PLANS_KEPT,
     DELIVERED_LOCK,
@@ -260,9 +261,11 @@ class ShardstoreWriter(StorageWriter):
         """A plain tensor's item that is written as an array (the same answer on every
         rank: it depends on the item alone). A sparse tensor is none: it goes to the
         common state as it is."""
+        if not is_plain(item):
+            return False
         properties = item.tensor_data.properties
         return (
-            is_plain(item) and properties.dtype in BY_TORCH and properties.layout == torch.strided
+            properties.dtype in BY_TORCH and properties.layout == torch.strided
             and stored_as_array(tuple(item.tensor_data.size), item.tensor_storage_size() or 0, self.min_array_bytes)
         )
 
@@ -362,10 +365,11 @@ class ShardstoreWriter(StorageWriter):
         self._save, self._commit = save, parts[0].plan.commit
         plan_id = new_id()
         rank_parts = [RankPart(part, order, exchange, len(plans), plan_id, layout) for part, order in zip(parts, orders)]
-        with DELIVERED_LOCK:
-            kept = [p for p in COORDINATOR_PLANS if p.inputs != inputs]
-            COORDINATOR_PLANS[:] = [CoordinatorPlan(inputs, tuple(rank_parts), self._names_needed), *kept][
-                :COORDINATOR_PLANS_KEPT]
+        if sum(len(plan.items) for plan in plans) <= COORDINATOR_PLAN_ITEMS:
+            with DELIVERED_LOCK:
+                kept = [p for p in COORDINATOR_PLANS if p.inputs != inputs]
+                COORDINATOR_PLANS[:] = [CoordinatorPlan(inputs, tuple(rank_parts), self._names_needed), *kept][
+                    :COORDINATOR_PLANS_KEPT]
         return rank_parts
 
     def _coordinator_inputs(self, plans: list[SavePlan], layout: StorageLayout, exchange: bool) -> tuple:

@@ -28,7 +28,7 @@ its tensors were arrays and which values of the common state
 (``other_formats.layout``), so that an import gives the checkpoint back as it was.
 Sharded objects and values JSON cannot hold are left out of safetensors, and named.
 
-The converters take a path or a Location and turn it into a Location once
+The converters take a path or URL and turn it into a Location once
 (``opened.bare_location``); what they call (``source_kind``, ``read_arrays``, ...) takes
 that Location, or the checkpoint opened at it.
 
@@ -320,7 +320,7 @@ def _with_array_containers(state: dict[Any, Any], places: ArrayPlaces, where: st
 
 
 def to_torch_file(
-    source: str | os.PathLike | Location, path: str | os.PathLike, memory_bytes: int = DEFAULT_MEMORY_BYTES
+    source: str | os.PathLike, path: str | os.PathLike, memory_bytes: int = DEFAULT_MEMORY_BYTES
 ) -> Export:
     """Writes a checkpoint (shardstore, PyTorch DCP, Megatron-Core torch_dist or zarr)
     or a safetensors model as one new ``torch.save`` file: every value at its place
@@ -342,7 +342,7 @@ def to_torch_file(
 
 
 def from_torch_file(
-    path: str | os.PathLike, checkpoint: str | os.PathLike | Location, overwrite: bool = False
+    path: str | os.PathLike, checkpoint: str | os.PathLike, overwrite: bool = False
 ) -> int:
     """Saves a ``torch.save`` file (loaded with ``weights_only=True``, memory-mapped) as a
     shardstore checkpoint (``other_formats.torch_file.state_to_save``); returns the
@@ -366,7 +366,7 @@ class Export:
 
 
 def to_safetensors(
-    source: str | os.PathLike | Location,
+    source: str | os.PathLike,
     out_dir: str | os.PathLike,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
@@ -428,7 +428,7 @@ def to_safetensors(
 
 
 def from_safetensors(
-    path: str | os.PathLike, checkpoint: str | os.PathLike | Location, overwrite: bool = False
+    path: str | os.PathLike, checkpoint: str | os.PathLike, overwrite: bool = False
 ) -> int:
     """Saves a safetensors file or model directory as a shardstore checkpoint (one array
     per tensor name; where a shardstore export wrote its layout, the common state and
@@ -440,7 +440,7 @@ def from_safetensors(
 
 
 def import_checkpoint(
-    source: str | os.PathLike | Location, checkpoint: str | os.PathLike | Location, overwrite: bool = False
+    source: str | os.PathLike, checkpoint: str | os.PathLike, overwrite: bool = False
 ) -> int:
     """Saves ``source``, of any format in ``shardstore.other_formats.registry`` (model
     files, or another tool's checkpoint), as a shardstore checkpoint; returns the number
@@ -499,7 +499,7 @@ def _sharded_tensors_at(
 
 
 def from_other_format(
-    path: str | os.PathLike, checkpoint: str | os.PathLike | Location, overwrite: bool = False
+    path: str | os.PathLike, checkpoint: str | os.PathLike, overwrite: bool = False
 ) -> int:
     """Imports another tool's checkpoint, of any format in
     ``shardstore.other_formats.registry`` (PyTorch DCP, Megatron-Core torch_dist or zarr;

@@ -78,7 +78,7 @@ class CheckpointSummary:
         return {**asdict(self), "nbytes": self.nbytes}
 
 
-def describe_checkpoint(checkpoint: str | os.PathLike | Location) -> CheckpointSummary:
+def describe_checkpoint(checkpoint: str | os.PathLike) -> CheckpointSummary:
     """The arrays (shape, dtype, chunking, bytes), sharded objects, common-state keys,
     format version and saving world size of a committed checkpoint."""
     return _described(open_read(bare_location(checkpoint)))
@@ -224,8 +224,8 @@ class CheckpointDiff:
 
 
 def diff_checkpoints(
-    first: str | os.PathLike | Location,
-    second: str | os.PathLike | Location,
+    first: str | os.PathLike,
+    second: str | os.PathLike,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
 ) -> CheckpointDiff:
     """Compares everything ``load`` returns from the two checkpoints, exactly: array

@@ -178,7 +178,7 @@ def refuse_unreadable_version(location: Location) -> None:
         return
 
 
-def verify_root(root: str | os.PathLike | Location, progress: bool = False) -> RootVerifyReport:
+def verify_root(root: str | os.PathLike, progress: bool = False) -> RootVerifyReport:
     """Verifies every checkpoint directly under ``root`` (``entries_under``). Never
     raises for damage: the report lists it, each damaged file once with every
     checkpoint that shares it.

@@ -35,6 +35,7 @@ import os
 import pickle
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -58,8 +59,11 @@ _LENGTH_BYTES = 8
 # SLOTS_BYTES over all ranks, what the coordinator receives in one call.
 SLOT_BYTES = 16 << 10
 SLOTS_BYTES = 64 << 20
-# Each process group's slot (``_group_key``), as its ranks last agreed on it.
-_SLOTS: dict[Any, int] = {}
+# Each process group's slot (``_group_key``), as its ranks last agreed on it. What
+# shardstore keeps of a group it holds weakly (here and in ``_LOST``): a group held
+# strongly outlives ``destroy_process_group`` with its backend's threads (gloo's), which
+# can then abort the process at exit ("terminate called without an active exception").
+_SLOTS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -97,8 +101,8 @@ class WaitBudget:
 
 
 # The process groups that lost a peer (``PeerLost``), and what their first loss said.
-# Keyed by the group object (None: the default group, as of when it was lost).
-_LOST: dict[Any, str] = {}
+# Keyed, weakly, by the group object (for None: the default group as of the loss).
+_LOST: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 class Group:
@@ -269,7 +273,7 @@ class Group:
     def slot_bytes(self) -> int:
         """The bytes each rank's message gets in one call of ``gather_to_answer`` and
         of an object scatter or broadcast, alike on every rank of the group (``SLOT_BYTES``)."""
-        return _SLOTS.get(_group_key(self.process_group), SLOT_BYTES)
+        return _of_group(_SLOTS, self.process_group, SLOT_BYTES)
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
         """Collective, in place: group rank ``src``'s ``tensor`` lands in every rank's
@@ -545,9 +549,16 @@ def _group_key(process_group: Any) -> Any:
     return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
+def _of_group(table: weakref.WeakKeyDictionary[Any, Any], process_group: Any, default: Any) -> Any:
+    """``process_group``'s entry in ``table`` (``_SLOTS``, ``_LOST``); ``default``
+    without one, or without a process group at all."""
+    key = _group_key(process_group)
+    return default if key is None else table.get(key, default)
+
+
 def _raise_if_lost(process_group: Any) -> None:
     """Raises ``PeerLost`` at once when ``process_group`` already lost a peer."""
-    message = _LOST.get(_group_key(process_group))
+    message = _of_group(_LOST, process_group, None)
     if message is not None:
         raise PeerLost(f"{message} (an earlier collective of this process group lost it; it cannot be used again)")
 
@@ -566,7 +577,9 @@ def _lose(process_group: Any, what: str, budget: WaitBudget, exc: BaseException)
         f"Lost contact with the other ranks during {during} ({what}): a rank died, was killed or did not answer "
         f"within {budget.seconds:.0f} s, the process group's timeout ({exc}).{consequence}"
     )
-    _LOST.setdefault(_group_key(process_group), message)
+    key = _group_key(process_group)
+    if key is not None:  # None: the default group is gone already (destroyed), nothing to mark
+        _LOST.setdefault(key, message)
     return PeerLost(message)
 
 

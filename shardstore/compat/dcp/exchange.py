@@ -27,13 +27,16 @@ from __future__ import annotations
 __all__ = ["default_group", "exchange_members_match", "on_another_thread", "own_group", "refuse_other_group"]
 
 import threading
+import weakref
 from typing import Any
 
 import torch.distributed as dist
 
 from shardstore.errors import CheckpointingException
 
-_OWN_GROUPS: dict[Any, dist.ProcessGroup] = {}
+# The writers' own group by default group, held weakly (as ``protocol.collectives`` holds
+# groups): each goes with its default group at ``destroy_process_group``, threads included.
+_OWN_GROUPS: weakref.WeakKeyDictionary[Any, dist.ProcessGroup] = weakref.WeakKeyDictionary()
 _OWN_GROUPS_LOCK = threading.Lock()
 
 

@@ -60,7 +60,7 @@ from shardstore.format.records.names import COMMON_FILE
 from shardstore.format.records.other_checkpoints import other_checkpoint_beside
 from shardstore.other_formats import registry
 from shardstore.other_formats.base import OtherFormat
-from shardstore.protocol.collectives import Group
+from shardstore.protocol import Deliver, Group, run_stage
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 
@@ -138,8 +138,9 @@ def open_read(checkpoint: Location | OpenedCheckpoint) -> OpenedCheckpoint:
 
 
 SHARED_FILE_BYTES = 16 << 20
-"""The largest common file (``common.pt``, ``metadata.json``) the coordinator of a load
-reads for every rank (``open_read_together``); a larger one each rank reads itself."""
+"""The largest ``common.pt`` the coordinator of a load reads for every rank
+(``open_read_together``); a larger one each rank reads itself (``metadata.json`` is
+handed over whole: its readers refuse one over ``MAX_CONFIG_BYTES``)."""
 
 
 def open_read_together(target: Location | OpenedCheckpoint, group: Group) -> OpenedCheckpoint:
@@ -153,25 +154,25 @@ def open_read_together(target: Location | OpenedCheckpoint, group: Group) -> Ope
     Every rank passes the same kind of ``target`` (an ``OpenedCheckpoint`` is used as
     it is, with no collective).
 
+    One stage (``protocol.run_stage``): a failure to open it is raised on every rank.
+
     Raises:
         CheckpointingException: on every rank, the coordinator's failure to open it."""
     if group.world_size == 1 or isinstance(target, OpenedCheckpoint):
         return open_read(target)
-    answer: tuple[CommitRecord, dict[str, bytes | None]] | CheckpointingException | None = None
-    failure: Exception | None = None
-    if group.is_coordinator:
-        try:
-            opened = open_read(target)
-            answer = None if opened.record is None else (opened.record, _shared_files(target))
-        except Exception as exc:  # raised on every rank: the others wait in the broadcast
-            failure = exc
-            answer = exc if isinstance(exc, CheckpointingException) else CheckpointingException(
-                f"Opening checkpoint {target.describe()} failed: {type(exc).__name__}: {exc}")
-    answer = group.broadcast_object(answer)
-    if isinstance(answer, CheckpointingException):
-        raise answer from failure
+    opened: list[OpenedCheckpoint] = []  # the coordinator's
+
+    def open_on_coordinator() -> tuple[CommitRecord, dict[str, bytes | None]] | None:
+        if not group.is_coordinator:
+            return None
+        opened.append(open_read(target))
+        record = opened[0].record
+        return None if record is None else (record, _shared_files(target))
+
+    answer = run_stage(group, f"Opening checkpoint {target.describe()}", open_on_coordinator,
+                       reduce=lambda answers: answers[0], deliver=Deliver.BROADCAST)
     if answer is None:  # another tool's checkpoint
-        return opened if group.is_coordinator else open_read(target)
+        return opened[0] if opened else open_read(target)
     record, fetched = answer
     return OpenedCheckpoint(ChecksummedLocation(target, record, fetched), record)
 

@@ -67,16 +67,16 @@ WALKERS = {
 # the split), then the strategies' own (a save: the objects, its tensors are the ones
 # the pipeline planned, issue 43.1; a load: the objects and the sharded part, filled in
 # place); the result is rebuilt from the flat list (``dict_utils.nest``), not walked again.
-# A load's fifth collective is its opening (``opened.open_read_together``): one broadcast
-# of the record and the common files from the coordinator, in place of 4 storage requests
-# per rank.
+# A load's opening (``opened.open_read_together``) is one stage, two collectives (the
+# agreement's gather, the broadcast of the record and the common files from the
+# coordinator), in place of 4 storage requests per rank.
 MAX_SAVE_COLLECTIVES = 6
 MAX_SAVE_WALKS = 2
-MAX_LOAD_COLLECTIVES = 5
+MAX_LOAD_COLLECTIVES = 6
 MAX_LOAD_WALKS = 3
 # torch.distributed calls on the busiest rank (issue 64.4): a save plans (gather, scatter),
 # agrees before its straddle exchange (all_reduce), exchanges (batch_isend_irecv) and
-# commits (gather, broadcast); a load opens (broadcast), plans, agrees and exchanges.
+# commits (gather, broadcast); a load opens (gather, broadcast), plans, agrees and exchanges.
 MAX_SAVE_CALLS = 6
 MAX_LOAD_CALLS = 6
 # A save that shares chunks with an earlier one makes the same calls. An async save adds the

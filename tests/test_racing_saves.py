@@ -31,7 +31,7 @@ from tests.dist import _context
 from tests.s3_support import MotoServer, s3_options
 
 BUCKET = "racing-saves"
-ARRAYS, ELEMENTS = 16, 1 << 18  # 16 arrays of 1 MiB each
+ARRAYS, ELEMENTS = 16, (1 << 18) + 1024  # 16 arrays of 1 MiB and 4 KiB: above S3's pack bound
 FIRST_CHUNK = "w0/c.0"  # a chunk object of a save (on S3, no array has a zarr.json of its own)
 ROUNDS = 4
 

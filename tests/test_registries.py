@@ -71,13 +71,26 @@ def test_the_check_sees_identity_registries() -> None:
     assert identity_registries(source) == ["_A = WeakSet()", "_B[id(...)]", "_B.get(id(...))"]
 
 
+# State of a process group itself, not of a save: kept by the group object, weakly, so
+# that it ends with the group. torch's ProcessGroup takes no attribute of ours, and a
+# table holding groups strongly kept gloo's threads alive past destroy_process_group
+# (an abort at exit: "terminate called without an active exception").
+PROCESS_GROUP_TABLES = {
+    "protocol/collectives.py": ["_SLOTS = WeakKeyDictionary()", "_LOST = WeakKeyDictionary()"],
+    "compat/dcp/exchange.py": ["_OWN_GROUPS = WeakKeyDictionary()"],
+}
+
+
 def test_no_module_keeps_an_identity_registry() -> None:
     found = {}
     for path in sorted(ROOT.rglob("*.py")):
-        hits = identity_registries(path.read_text())
+        relative = str(path.relative_to(ROOT))
+        hits = [hit for hit in identity_registries(path.read_text()) if hit not in PROCESS_GROUP_TABLES.get(relative, ())]
         if hits:
             found[str(path.relative_to(ROOT))] = hits
     assert not found, f"process-global registries keyed by identity (hand the object down instead): {found}"
+    for relative, tables in PROCESS_GROUP_TABLES.items():  # the allowance names what is there, no more
+        assert identity_registries((ROOT / relative).read_text()) == tables, relative
 
 
 # ------------------------------------------------------------------ the save handed down

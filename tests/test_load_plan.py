@@ -137,12 +137,13 @@ def _load_counting_collectives(rank: int, world: int, ckpt: str) -> dict:
     return calls
 
 
-def test_a_load_gathers_once_and_each_replica_reads_its_share(ckpt_dir: Path) -> None:
+def test_a_load_gathers_twice_and_each_replica_reads_its_share(ckpt_dir: Path) -> None:
     run_distributed(_save_replicated, 2, str(ckpt_dir))
     calls = run_distributed(_load_counting_collectives, 4, str(ckpt_dir))
     for rank, c in enumerate(calls):
-        # one gather answered by a scatter (the plan), one all-reduce (the read's agreement)
-        assert (c["gather_to_answer"], c["reduce_over_ranks"]) == (1, 1), (rank, c)
+        # two gathers answered by the coordinator (the opening's record and common files,
+        # broadcast; the plan, scattered), one all-reduce (the read's agreement)
+        assert (c["gather_to_answer"], c["reduce_over_ranks"]) == (2, 1), (rank, c)
         assert c["gather_object"] == c["scatter_object"] == c["all_gather_object"] == 0, (rank, c)
         assert c["read"] == 2, (rank, c)  # 8 replicated tensors over 4 ranks
 

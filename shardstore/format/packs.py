@@ -74,8 +74,11 @@ PACK_MEMBERS = 65_000
 # ``PACK_RUN_GAP`` bytes apart (the next member's local header and name, an array's
 # ``zarr.json``) are read with one ranged read of at most ``PACK_RUN_BYTES`` (a member
 # larger than that alone), so a load reads at most ``PACK_RUN_GAP`` bytes it does not
-# need between two members, and a reader thread holds one run's buffer at a time.
-PACK_RUN_BYTES = 4 << 20
+# need between two members, and a reader thread holds one run's buffer at a time. 16 MiB
+# (a size S3 serves ranged GETs of well): 404 packed 512 KiB blocks of 2 ranks load from
+# the local S3 server with 21 requests in 1.05 s, against 61 in 2.53 s with 4 MiB runs
+# (that server reads the whole object for every ranged GET) and 813 in 2.13 s unpacked.
+PACK_RUN_BYTES = 16 << 20
 PACK_RUN_GAP = 4096
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header, before the name

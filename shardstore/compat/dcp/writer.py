@@ -355,7 +355,7 @@ class ShardstoreWriter(StorageWriter):
         inputs = self._coordinator_inputs(plans, layout, exchange)
         with DELIVERED_LOCK:
             recent = next((p for p in COORDINATOR_PLANS if p.inputs == inputs), None)
-        if recent is not None and (parts := self._begun_again(recent, layout, exchange)) is not None:
+        if recent is not None and (parts := self._begun_again(recent)) is not None:
             return parts
         save = self._open_save(layout, exchange)
         save.refuse_oversized_objects(self._strategy(layout).object_bounds(len(plans)))
@@ -376,19 +376,13 @@ class ShardstoreWriter(StorageWriter):
         """What the coordinator's plan of a save depends on (``CoordinatorPlan.inputs``)."""
         return tuple((tuple(plan.items), plan.storage_data) for plan in plans), self._held_settings(), layout, exchange
 
-    def _begun_again(self, recent: CoordinatorPlan, layout: StorageLayout, exchange: bool) -> list[RankPart] | None:
+    def _begun_again(self, recent: CoordinatorPlan) -> list[RankPart] | None:
         """Coordinator: the parts of ``recent``'s plan for a new save into this writer's
-        checkpoint, begun (None, nothing begun: its store takes shorter names than the
-        plan's files have, or refuses the plan's objects: planned anew, it says why)."""
-        save = self._open_save(layout, exchange)
-        try:
-            save.refuse_oversized_objects(self._strategy(layout).object_bounds(len(recent.parts)))
-        except CheckpointingException:
-            return None
-        intent = save.begin_planned(len(recent.parts), recent.names_needed)
+        checkpoint, begun (``_begin_reused``; None, nothing begun: its store takes
+        shorter names than the plan's files have, and the save is planned anew)."""
+        intent = self._begin_reused(recent.parts[0], recent.names_needed, len(recent.parts))
         if intent is None:
             return None
-        self._save, self._commit, self._names_needed = save, recent.parts[0].save.plan.commit, recent.names_needed
         return [replace(part, save=RankSave(intent, part.save.plan)) for part in recent.parts]
 
     def _planning_group(self, ranks: int) -> Group:
@@ -496,7 +490,8 @@ class ShardstoreWriter(StorageWriter):
         def decide(held: list[tuple[str, ...]]) -> list[tuple[str, SaveIntent] | None]:
             common = set(held[0]).intersection(*held[1:])
             newest = next((mine[i] for i in held[0] if i in common and mine[i].names_needed is not None), None)
-            intent = self._begin_reused(newest, len(held)) if newest is not None else None
+            intent = (self._begin_reused(newest.part, cast(NameLimits, newest.names_needed), len(held))
+                      if newest is not None else None)
             return [(newest.part.plan_id, intent) if newest is not None and intent is not None else None] * len(held)
 
         where = id_text(self.checkpoint_id)
@@ -509,16 +504,16 @@ class ShardstoreWriter(StorageWriter):
         first_delivery(part)
         return part
 
-    def _begin_reused(self, planned: PlannedPart, ranks: int) -> SaveIntent | None:
-        """Coordinator: begins a save by ``planned``'s plan, into this writer's
-        checkpoint (None, nothing begun: its target stores shorter names than the
-        plan's files have)."""
-        save = self._open_save(planned.part.layout, planned.part.exchange)
-        save.refuse_oversized_objects(self._strategy(planned.part.layout).object_bounds(ranks))
-        intent = save.begin_planned(ranks, cast(NameLimits, planned.names_needed))
+    def _begin_reused(self, part: RankPart, names_needed: NameLimits, ranks: int) -> SaveIntent | None:
+        """Coordinator: begins a save by the plan ``part`` is one rank's part of (made
+        for ``ranks`` ranks, whose files have names up to ``names_needed``), into this
+        writer's checkpoint (None, nothing begun: its target stores shorter names than
+        the plan's files have)."""
+        save = self._open_save(part.layout, part.exchange)
+        save.refuse_oversized_objects(self._strategy(part.layout).object_bounds(ranks))
+        intent = save.begin_planned(ranks, names_needed)
         if intent is not None:
-            self._save, self._commit = save, planned.part.save.plan.commit
-            self._names_needed = planned.names_needed
+            self._save, self._commit, self._names_needed = save, part.save.plan.commit, names_needed
         return intent
 
     def _planned_at_write(self, plan: SavePlan, group: Group) -> RankPart:

@@ -46,16 +46,16 @@ def plan_packed_whole(
                for s in main)
     ):
         return None
-    strides = [math.prod(shape[a + 1 :]) for a in range(len(shape))]
-    pieces = tuple(
-        (s.rank, s.index, 0, math.prod(s.block_shape), sum(o * st for o, st in zip(s.offset, strides)))
-        for s in held
-    )
     writer = min({s.rank for s in held}, key=lambda r: (load[r], r))
     load[writer] += nbytes
     blocks = _block_chunks(record, held, writer)
     if blocks is not None:
         return replace(record, codec=BYTES_CRC32C), blocks
+    strides = [math.prod(shape[a + 1 :]) for a in range(len(shape))]
+    pieces = tuple(
+        (s.rank, s.index, 0, math.prod(s.block_shape), sum(o * st for o, st in zip(s.offset, strides)))
+        for s in held
+    )
     whole = replace(record, chunk_shape=shape, codec=BYTES_CRC32C)
     return whole, [FlatChunk(record.key, tuple(slice(0, n) for n in shape), writer, pieces)]
 

@@ -448,36 +448,50 @@ def _op(results: list[Any], method: str, op: str) -> dict[str, Any] | None:
         return None
     seconds = [s.seconds for s in found[0].samples]
     return {"median_s": round(statistics.median(seconds), 4), "min_s": round(min(seconds), 4),
-            "max_s": round(max(seconds), 4), "requests": found[0].requests}
+            "max_s": round(max(seconds), 4), "requests": found[0].requests, "seconds": seconds}
+
+
+def _paired(results: list[Any], method: str, other: str, op: str) -> float | None:
+    """The median over rounds of ``other``'s time / ``method``'s in the same round (a
+    throughput ratio): the methods of one round run back to back, so a slow phase of
+    the machine, which lasts seconds, falls on both sides of most pairs."""
+    mine, theirs = _op(results, method, op), _op(results, other, op)
+    if not mine or not theirs:
+        return None
+    pairs = [b / a for a, b in zip(mine["seconds"], theirs["seconds"])]
+    return round(statistics.median(pairs), 3) if pairs else None
 
 
 def layout_summary(results: list[Any], explicit_names: tuple[str, ...], files: dict[str, int | None]) -> dict:
     """Per method the save and load times (median, fastest, slowest) and S3 requests,
     and files; the ratios of ``default`` to the best explicit layout and to each peer,
-    as throughput (the other's median time / the default's), per operation."""
+    as throughput, per operation: each the median over rounds of the same round's
+    ratio (``_paired``); the best explicit layout is the one of the lowest such ratio."""
     methods = list(dict.fromkeys(r.method for r in results))
-    table = {m: {"save": _op(results, m, "save"), "load": _op(results, m, "load"), "files": files.get(m)}
-             for m in methods}
+    table = {m: {"save": _public(_op(results, m, "save")), "load": _public(_op(results, m, "load")),
+                 "files": files.get(m)} for m in methods}
     ratios: dict[str, Any] = {}
     bars: dict[str, bool] = {}
     for op in ("save", "load"):
-        default = table.get("default", {}).get(op)
-        if not default:
+        if not table.get("default", {}).get(op):
             continue
-        timed = {m: table[m][op]["median_s"] for m in explicit_names if m in table and table[m][op]}
-        if timed:
-            best = min(timed, key=timed.__getitem__)
-            ratios[f"{op}.default_vs_best_explicit"] = round(timed[best] / default["median_s"], 3)
+        paired = {m: r for m in explicit_names if (r := _paired(results, "default", m, op)) is not None}
+        if paired:
+            best = min(paired, key=paired.__getitem__)
+            ratios[f"{op}.default_vs_best_explicit"] = paired[best]
             ratios[f"{op}.best_explicit"] = best
-            bars[f"{op}: default >= {EXPLICIT_BAR}x the best explicit layout"] = timed[best] >= EXPLICIT_BAR * default[
-                "median_s"]
+            bars[f"{op}: default >= {EXPLICIT_BAR}x the best explicit layout"] = paired[best] >= EXPLICIT_BAR
         for peer in (m for m in methods if m != "default" and m not in explicit_names):
-            if table[peer][op]:
-                ratios[f"{op}.default_vs_{peer}"] = round(table[peer][op]["median_s"] / default["median_s"], 3)
+            if (r := _paired(results, "default", peer, op)) is not None:
+                ratios[f"{op}.default_vs_{peer}"] = r
                 if peer in PEER_BARS:
-                    bars[f"{op}: default >= {PEER_BARS[peer]}x {peer}"] = (
-                        table[peer][op]["median_s"] >= PEER_BARS[peer] * default["median_s"])
+                    bars[f"{op}: default >= {PEER_BARS[peer]}x {peer}"] = r >= PEER_BARS[peer]
     return {"methods": table, "ratios": ratios, "bars": bars}
+
+
+def _public(op: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``_op`` without its per-round seconds (the JSON keeps them with the results)."""
+    return None if op is None else {k: v for k, v in op.items() if k != "seconds"}
 
 
 def print_summary(case: str, summary: dict) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from shardstore.format.config import CONFIG_FNAME
+from shardstore.format.config import CONFIG_FNAME, MAX_CONFIG_BYTES
 from shardstore.stores.base import Location
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ def sharded_backend(location: Location) -> str | None:
     """The backend ``metadata.json`` names, or None (no such file, or not a config): a
     lenient look, for telling what a directory holds, never an error."""
     try:
-        config = json.loads(location.read_bytes_or_none(CONFIG_FNAME, max_bytes=2**20) or b"null")
+        config = json.loads(location.read_bytes_or_none(CONFIG_FNAME, max_bytes=MAX_CONFIG_BYTES) or b"null")
     except (ValueError, RecursionError, OSError):  # RecursionError: nested past the parser's depth
         return None
     backend = config.get("sharded_backend") if isinstance(config, dict) else None

@@ -44,3 +44,16 @@ def test_summary_ratios_are_throughput_against_the_best_explicit() -> None:
     bars = summary["bars"]
     assert bars == {"save: default >= 0.9x the best explicit layout": False, "save: default >= 1.0x dcp-filesystem": True,
                     "load: default >= 0.9x the best explicit layout": True, "load: default >= 1.0x dcp-filesystem": False}
+
+
+def test_every_method_runs_first_once_in_as_many_rounds() -> None:
+    """Round r starts with method r; odd rounds run against the listed order, so a
+    method's predecessor changes from round to round."""
+    bench = load_script("bench")
+    methods = list("ABCDE")
+    orders = [bench.round_order(methods, rep) for rep in range(5)]
+    assert sorted(order[0] for order in orders) == methods
+    assert all(sorted(order) == methods for order in orders)
+    assert orders[1] == list("BAEDC")
+    predecessors = {(order[i - 1], order[i]) for order in orders for i in range(1, 5)}
+    assert ("A", "B") in predecessors and ("C", "B") in predecessors

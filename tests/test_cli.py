@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -631,7 +632,7 @@ def test_verbose_logs_shardstores_lines_not_other_libraries_debug(moto_server, m
 def test_inspect_names_the_features_a_reader_must_understand(tmp_path: Path) -> None:
     """``requires`` (``format.features``): none for a save of one directory per array,
     the feature for a packed one (the default for small arrays), in the text and in
-    the JSON."""
+    the JSON; a packed array names its pack."""
     from shardstore import ShardedTensor, save
     from shardstore.format import SaveOptions
 
@@ -642,5 +643,10 @@ def test_inspect_names_the_features_a_reader_must_understand(tmp_path: Path) -> 
     assert code == 0 and "requires no feature beyond the base format" in out
     code, out, _ = run("inspect", str(tmp_path / "packed"))
     assert code == 0 and "requires packs" in out
+    assert re.search(r"^  w .* in packs/\S+\.zip$", out, re.MULTILINE), out  # where a plain reader finds it
+    code, out, _ = run("inspect", str(tmp_path / "plain"))
+    assert " in packs/" not in out
     code, out, _ = run("ls", "--json", str(tmp_path / "packed"))
-    assert json.loads(out)["requires"] == ["packs"]
+    summary = json.loads(out)
+    assert summary["requires"] == ["packs"]
+    assert summary["arrays"][0]["pack"].startswith("packs/") and summary["arrays"][0]["pack"].endswith(".zip")

@@ -270,7 +270,8 @@ def inspect_command(checkpoint: str, as_json: bool) -> None:
     width = max((len(a.key) for a in summary.arrays), default=0)
     for a in summary.arrays:
         chunking = f"chunks {_dims(a.chunk_shape)} x{a.chunks}" if a.chunk_shape or not a.shape else f"{a.chunks} chunk(s)"
-        click.echo(f"  {a.key:<{width}}  {_dims(a.shape):<16} {a.dtype:<14} {chunking}  {format_bytes(a.nbytes)}")
+        packed = f"  in {a.pack}" if a.pack else ""
+        click.echo(f"  {a.key:<{width}}  {_dims(a.shape):<16} {a.dtype:<14} {chunking}  {format_bytes(a.nbytes)}{packed}")
     click.echo(f"sharded objects: {len(summary.objects)}")
     for key, shards in summary.objects.items():
         click.echo(f"  {key}  {len(shards)} shard(s)")

@@ -40,12 +40,17 @@ from shardstore.tools.convert import DEFAULT_MEMORY_BYTES, read_tensors
 
 @dataclass(frozen=True)
 class ArraySummary:
+    """One array: ``pack`` names the zip pack holding it (``packs/<rank>-<n>.zip``; a
+    plain reader opens it as a ``zarr.storage.ZipStore``), "" where it is a directory
+    of its own."""
+
     key: str
     shape: tuple[int, ...]
     dtype: str
     chunk_shape: tuple[int, ...]
     chunks: int
     nbytes: int
+    pack: str = ""
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,7 @@ def _described(opened: OpenedCheckpoint) -> CheckpointSummary:
         return describe_other_format(opened.location)
     location, record = opened.location, opened.require_record()
     arrays = tuple(
-        ArraySummary(a.key, a.shape, a.dtype, a.chunk_shape, a.chunk_count, a.nbytes)
+        ArraySummary(a.key, a.shape, a.dtype, a.chunk_shape, a.chunk_count, a.nbytes, a.pack or "")
         for _, a in sorted(record.arrays.items())
     )
     common = load_common_state_dict(opened)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import shardstore
+from shardstore.compat.dcp.common_state import RAW_DTYPES
 from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 from tests import fsdp_models as fm
 from tests.dist import run_distributed
@@ -186,3 +187,37 @@ def test_a_sparse_tensor_of_the_common_state_is_saved(tmp_path: Path) -> None:
     copied to host memory first (a clone asking for a memory format was refused for
     sparse layouts; a large one was planned as an array, whose staging failed)."""
     run_distributed(sparse_common_tensor, 2, str(tmp_path))
+
+
+@pytest.mark.parametrize("dtype", sorted(RAW_DTYPES, key=str))
+def test_a_common_tensor_travels_as_its_bytes_and_comes_back_equal(dtype: torch.dtype) -> None:
+    """A plain dense tensor of the common state goes to the coordinator as its bytes,
+    dtype and shape (no torch.save/torch.load per tensor), through pickling as DCP's
+    gather does, and comes back bit-equal, in memory of its own: 0-d, empty,
+    non-contiguous and conjugated views too."""
+    import pickle
+
+    from shardstore.compat.dcp.common_state import common_value, tensor_value
+    from shardstore.compat.dcp.parts import CommonValue, TensorBytes
+
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6).to(dtype)
+    cases = [base, base.t(), base[1], base[0, 0], base[:0], base[::2, 1::3]]
+    if dtype.is_complex:
+        cases.append((base * (1 + 2j)).conj())
+    for tensor in cases:
+        value = tensor_value(tensor)
+        assert isinstance(value, TensorBytes), (dtype, tensor.shape)
+        back = common_value(pickle.loads(pickle.dumps(CommonValue("t", value))), "checkpoint")
+        assert back.dtype == dtype and back.shape == tensor.shape and back.is_contiguous()
+        assert torch.equal(back.resolve_conj(), tensor.resolve_conj())
+        assert back.data_ptr() != tensor.data_ptr() or tensor.numel() == 0
+
+
+def test_a_common_tensor_of_another_kind_travels_saved() -> None:
+    """Dtypes outside ``RAW_DTYPES``, sparse tensors and subclasses still travel as
+    ``torch.save`` bytes (the path tested with DCP above)."""
+    from shardstore.compat.dcp.common_state import tensor_value
+
+    assert isinstance(tensor_value(torch.zeros(4, dtype=torch.float8_e4m3fn)), bytes)
+    assert isinstance(tensor_value(torch.zeros(4).to_sparse()), bytes)
+    assert isinstance(tensor_value(torch.nn.Parameter(torch.zeros(4))), type(tensor_value(torch.zeros(4))))

@@ -8,8 +8,8 @@ DCP's flattening mappings, ``given_paths``, and the list slots it dropped,
 from __future__ import annotations
 
 __all__ = [
-    "common_value", "given_paths", "hold_place", "nested_common", "refuse_unwritten",
-    "saved_bytes", "with_dropped_slots", "write_result",
+    "RAW_DTYPES", "common_value", "given_paths", "hold_place", "nested_common", "refuse_unwritten",
+    "saved_bytes", "tensor_value", "with_dropped_slots", "write_result",
 ]
 
 import io
@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from shardstore.compat.dcp.parts import CommonValue, is_sharded
+from shardstore.compat.dcp.parts import CommonValue, TensorBytes, is_sharded
 from shardstore.errors import CheckpointingException
 from shardstore.format import (
     CommitRecord,
@@ -61,8 +61,39 @@ def write_result(item: WriteItem, planner: SavePlanner, as_array: bool) -> Write
     if is_sharded(item) or as_array:
         return WriteResult(index=item.index, size_in_bytes=item.tensor_storage_size() or 0, storage_data=None)
     data = planner.resolve_data(item)
-    value = saved_bytes(data) if isinstance(data, torch.Tensor) else data.getvalue()
-    return WriteResult(index=item.index, size_in_bytes=len(value), storage_data=CommonValue(item.index.fqn, value))
+    value = tensor_value(data) if isinstance(data, torch.Tensor) else data.getvalue()
+    size = len(value.data) if isinstance(value, TensorBytes) else len(value)
+    return WriteResult(index=item.index, size_in_bytes=size, storage_data=CommonValue(item.index.fqn, value))
+
+
+RAW_DTYPES = frozenset({
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+})
+"""The dtypes whose dense tensors travel as their bytes (``TensorBytes``); any other
+as ``torch.save`` bytes (``saved_bytes``)."""
+
+
+def tensor_value(tensor: torch.Tensor) -> bytes | TensorBytes:
+    """A tensor of the common state as it travels to the coordinator: a plain dense
+    tensor of ``RAW_DTYPES`` as its bytes in host memory, C order; any other (sparse,
+    a subclass, another dtype) as ``saved_bytes``."""
+    copy = tensor.detach()
+    if type(copy) is not torch.Tensor or copy.layout != torch.strided or copy.dtype not in RAW_DTYPES:
+        return saved_bytes(tensor)
+    flat = copy.cpu().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    return TensorBytes(str(copy.dtype).removeprefix("torch."), tuple(copy.shape), flat.numpy().tobytes())
+
+
+def _rebuilt(value: TensorBytes, where: str) -> torch.Tensor:
+    """The tensor of ``value`` (``tensor_value``), in memory of its own."""
+    dtype = getattr(torch, value.dtype, None)
+    if dtype not in RAW_DTYPES:
+        raise CheckpointingException(f"Internal error: {where} received a tensor of dtype {value.dtype!r} as bytes; "
+                                     "please report it")
+    if not value.data:
+        return torch.empty(value.shape, dtype=dtype)
+    return torch.frombuffer(bytearray(value.data), dtype=torch.uint8).view(dtype).reshape(value.shape)
 
 
 def saved_bytes(tensor: torch.Tensor) -> bytes:
@@ -79,6 +110,8 @@ def saved_bytes(tensor: torch.Tensor) -> bytes:
 def common_value(value: CommonValue, where: str) -> Any:
     """A common value as common.pt stores it: a tensor, or a Python value DCP serialized
     with ``torch.save``, read back as every common state is (``weights_only``)."""
+    if isinstance(value.value, TensorBytes):
+        return _rebuilt(value.value, f"{where} ({value.fqn})")
     try:
         return load_torch(value.value, f"{where} ({value.fqn})")
     except CheckpointingException as exc:

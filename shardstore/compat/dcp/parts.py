@@ -13,7 +13,7 @@ from __future__ import annotations
 __all__ = [
     "COORDINATOR_PLAN_ITEMS", "COORDINATOR_PLANS", "COORDINATOR_PLANS_KEPT", "CheckpointId", "CommonValue", "CoordinatorPlan",
     "DELIVERED", "DELIVERED_LOCK", "HeldPlainTensors",
-    "PlanAtWrite", "PlannedPart", "RECENT_PLANS", "RECENT_PLANS_KEPT", "RankPart", "Refused",
+    "PlanAtWrite", "PlannedPart", "RECENT_PLANS", "RECENT_PLANS_KEPT", "RankPart", "Refused", "TensorBytes",
     "WrittenChunks", "first_delivery", "gathered_shards", "id_text", "is_plain", "is_sharded",
     "new_id", "plain_kind", "shard_description",
 ]
@@ -180,15 +180,27 @@ def first_delivery(part: RankPart | Refused) -> bool:
         return True
 
 @dataclass(frozen=True)
+class TensorBytes:
+    """A dense tensor of the common state as its bytes, dtype and shape
+    (``common_state.tensor_value``): rebuilt in microseconds, where a ``torch.save`` on
+    its rank and a ``torch.load`` on the coordinator cost about 0.1-0.2 ms each (an
+    FSDP2 + AdamW state's 48 step tensors: the coordinator's ``finish`` 17 -> 12 ms)."""
+
+    dtype: str  # the name of a ``torch`` dtype of ``common_state.RAW_DTYPES``
+    shape: tuple[int, ...]
+    data: bytes
+
+
+@dataclass(frozen=True)
 class CommonValue:
     """A value of the common state, on its way to the coordinator (on its WriteResult):
-    the ``torch.save`` bytes of a tensor (``saved_bytes``), or those DCP's planner
-    serialized a Python value to. Never a tensor itself: DCP pickles the results, and
-    torch's pickling of some dtypes (complex32, float8_e8m0fnu, the fnuz float8s,
-    float4) does not load back."""
+    a tensor's bytes (``TensorBytes``) or its ``torch.save`` bytes (``saved_bytes``),
+    or those DCP's planner serialized a Python value to. Never a tensor itself: DCP
+    pickles the results, and torch's pickling of some dtypes (complex32,
+    float8_e8m0fnu, the fnuz float8s, float4) does not load back."""
 
     fqn: str
-    value: bytes
+    value: bytes | TensorBytes
 
 @dataclass(frozen=True)
 class HeldPlainTensors:

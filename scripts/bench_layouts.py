@@ -442,23 +442,26 @@ def finish(b: Any, case: str, targets: Targets, peers: dict[str, Path]) -> None:
         b._clean(path)
 
 
+def _seconds(results: list[Any], method: str, op: str) -> list[float]:
+    """``method``'s time of ``op`` in each round, in order ([] where it did not run)."""
+    found = [r for r in results if r.method == method and r.op == op]
+    return [s.seconds for s in found[0].samples] if found else []
+
+
 def _op(results: list[Any], method: str, op: str) -> dict[str, Any] | None:
     found = [r for r in results if r.method == method and r.op == op]
     if not found:
         return None
     seconds = [s.seconds for s in found[0].samples]
     return {"median_s": round(statistics.median(seconds), 4), "min_s": round(min(seconds), 4),
-            "max_s": round(max(seconds), 4), "requests": found[0].requests, "seconds": seconds}
+            "max_s": round(max(seconds), 4), "requests": found[0].requests}
 
 
 def _paired(results: list[Any], method: str, other: str, op: str) -> float | None:
     """The median over rounds of ``other``'s time / ``method``'s in the same round (a
     throughput ratio): the methods of one round run back to back, so a slow phase of
     the machine, which lasts seconds, falls on both sides of most pairs."""
-    mine, theirs = _op(results, method, op), _op(results, other, op)
-    if not mine or not theirs:
-        return None
-    pairs = [b / a for a, b in zip(mine["seconds"], theirs["seconds"])]
+    pairs = [b / a for a, b in zip(_seconds(results, method, op), _seconds(results, other, op))]
     return round(statistics.median(pairs), 3) if pairs else None
 
 
@@ -468,8 +471,8 @@ def layout_summary(results: list[Any], explicit_names: tuple[str, ...], files: d
     as throughput, per operation: each the median over rounds of the same round's
     ratio (``_paired``); the best explicit layout is the one of the lowest such ratio."""
     methods = list(dict.fromkeys(r.method for r in results))
-    table = {m: {"save": _public(_op(results, m, "save")), "load": _public(_op(results, m, "load")),
-                 "files": files.get(m)} for m in methods}
+    table = {m: {"save": _op(results, m, "save"), "load": _op(results, m, "load"), "files": files.get(m)}
+             for m in methods}
     ratios: dict[str, Any] = {}
     bars: dict[str, bool] = {}
     for op in ("save", "load"):
@@ -487,11 +490,6 @@ def layout_summary(results: list[Any], explicit_names: tuple[str, ...], files: d
                 if peer in PEER_BARS:
                     bars[f"{op}: default >= {PEER_BARS[peer]}x {peer}"] = r >= PEER_BARS[peer]
     return {"methods": table, "ratios": ratios, "bars": bars}
-
-
-def _public(op: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``_op`` without its per-round seconds (the JSON keeps them with the results)."""
-    return None if op is None else {k: v for k, v in op.items() if k != "seconds"}
 
 
 def print_summary(case: str, summary: dict) -> None:

@@ -83,6 +83,7 @@ from shardstore.gc_pause import gc_paused  # noqa: E402
 from shardstore.planning.checks import check_layout  # noqa: E402
 from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
 from shardstore.planning.plans import RankReadPlan, RankSavePlan, plan_reads  # noqa: E402
+from shardstore.planning.plans.chunk_pieces import request_piece  # noqa: E402
 from shardstore.validation import StrictHandling, plan_load  # noqa: E402
 
 MiB = 2**20
@@ -491,16 +492,21 @@ def _chunk_reads(by_rank: list[list[ShardRecord]], arrays: dict[str, ArrayRecord
     the bytes they fetch and the bytes the ranks asked for. A rank fetches each chunk
     (or shard) it reads from once, however many of its blocks, pieces or forwards it
     reads from there (neighbouring ranges of one object are one request); a block read
-    covers whole chunks; a flattened range fetches every chunk it overlaps, whole."""
+    covers whole chunks; flattened ranges fetch every chunk they overlap, whole, once."""
     gets = fetched = needed = 0
     for plan in reads:
         mine = by_rank[plan.rank]
         fetched_from: set[tuple[str, tuple[int, ...]]] = set()
         for index in plan.reads.reads:
             record = _read_record(mine, plan.reads, index)
-            chunks, nbytes = _chunks_of(record, arrays[record.key])
+            array = arrays[record.key]
+            chunks = _chunks_of(record, array)
+            if record.flat_range is None:
+                fetched += record.nbytes
+            else:
+                fetched += sum(array.chunk_nbytes(c) for c in chunks if (record.key, c) not in fetched_from)
             fetched_from.update((record.key, chunk) for chunk in chunks)
-            fetched, needed = fetched + nbytes, needed + record.nbytes
+            needed += record.nbytes
         gets += len(fetched_from)
     return gets, fetched, needed
 
@@ -512,25 +518,26 @@ def _read_record(mine: list[ShardRecord], plan: RankReadPlan, index: int) -> Sha
         return mine[index]
     if index < len(mine) + len(plan.pieces):
         whole, box = plan.pieces[index - len(mine)]
-        block = mine[whole]
-        return replace(block, offset=tuple(o + a for o, (a, _) in zip(block.offset, box)),
-                       block_shape=tuple(b - a for a, b in box))
+        return request_piece(mine[whole], box, index)
     return plan.forwards[index - plan.requested]
 
 
-def _chunks_of(s: ShardRecord, array: ArrayRecord) -> tuple[list[tuple[int, ...]], int]:
-    """The grid indices of the chunks of ``array`` that the shard ``s`` overlaps, and
-    the bytes read from them."""
+def _chunks_of(s: ShardRecord, array: ArrayRecord) -> list[tuple[int, ...]]:
+    """The grid indices of the chunks of ``array`` that the shard ``s`` overlaps (a
+    flattened range: those that the rows of its block it covers overlap)."""
     c = array.chunk_shape
     if s.flat_range is None:  # the chunk grid is aligned with every block
         ends = [min(o + b, g) for o, b, g in zip(s.offset, s.block_shape, s.global_shape)]
-        ranges = [range(o // n, -(-e // n)) for o, e, n in zip(s.offset, ends, c)]
-        return list(itertools.product(*ranges)), s.nbytes
-    per_chunk = math.prod(min(n, b) for n, b in zip(c, s.block_shape))  # flat chunks are contiguous
+        return list(itertools.product(*(range(o // n, -(-e // n)) for o, e, n in zip(s.offset, ends, c))))
     lo, hi = s.flat_range
-    first, stop = lo // per_chunk, -(-hi // per_chunk)
-    block = tuple(o // n for o, n in zip(s.offset, c))
-    return [(*block, k) for k in range(first, stop)], (stop - first) * per_chunk * array.itemsize
+    if hi <= lo:
+        return []
+    axis = next((a for a, b in enumerate(s.block_shape) if b > 1), 0)
+    row = math.prod(s.block_shape[axis + 1 :])
+    first, last = s.offset[axis] + lo // row, s.offset[axis] + (hi - 1) // row
+    ranges = [range(o // n, (o + max(b, 1) - 1) // n + 1) for o, b, n in zip(s.offset, s.block_shape, c)]
+    ranges[axis] = range(first // c[axis], last // c[axis] + 1)
+    return list(itertools.product(*ranges))
 
 
 @dataclass

@@ -327,8 +327,8 @@ class _Pieces:
     """A rank's requests split at chunk edges (``RankReadPlan.pieces``): a request for
     each piece, landing in its part of the tensor the split request returns (the
     request's own where a load may fill it in place, ``_claim``; a new one otherwise),
-    and that tensor once every piece is in. The pieces of a block's leading axis are
-    contiguous runs of it, so each lands in place. A failure copying one in (after the
+    and that tensor once every piece is in. The pieces of a block's leading axis, and
+    of a flattened range, are contiguous runs of it, so each lands in place. A failure copying one in (after the
     read stage's agreement) is raised on its rank alone: only a new tensor's memory is
     written there."""
 
@@ -343,11 +343,9 @@ class _Pieces:
             t = tensors[index]
             if index not in self.targets:  # the request's own tensor, as a load returns it unsplit
                 self.targets[index] = _receive_target(t, shared)
-            at = tuple(slice(a, b) for a, b in box[t.prepend_axis_num :])
+            at = _piece_slices(t, box)
             part = self.targets[index].detach()[at]  # detached: it may be a parameter
-            offset = tuple(o + a for o, (a, _) in zip(t.global_offset, box))
-            self.requests.append(ShardedTensor(t.key, part, t.dtype, tuple(part.shape), t.global_shape, offset, None,
-                                               t.replica_id, t.prepend_axis_num))
+            self.requests.append(_piece_request(t, box, part))
             self.parts.append((index, at))
 
     def assembled(self, out: dict[int, torch.Tensor], first: int) -> dict[int, torch.Tensor]:
@@ -358,6 +356,27 @@ class _Pieces:
             if not (got.data_ptr() == part.data_ptr() and got.shape == part.shape and got.stride() == part.stride()):
                 part.copy_(got.reshape(part.shape))
         return self.targets
+
+
+def _piece_slices(t: ShardedTensor, box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
+    """Where the part ``box`` of request ``t`` lies in the tensor a load returns for it
+    (of a flattened range: the range's part)."""
+    if t.flattened_range is not None:
+        ((a, b),) = box
+        return (slice(a, b),)
+    return tuple(slice(a, b) for a, b in box[t.prepend_axis_num :])
+
+
+def _piece_request(t: ShardedTensor, box: tuple[tuple[int, int], ...], part: torch.Tensor) -> ShardedTensor:
+    """The request for the part ``box`` of ``t``, landing in ``part``."""
+    if t.flattened_range is not None:
+        ((a, b),) = box
+        start = t.flattened_range.start
+        return ShardedTensor(t.key, part, t.dtype, t.local_shape, t.global_shape, t.global_offset, None, t.replica_id,
+                             t.prepend_axis_num, flattened_range=slice(start + a, start + b))
+    offset = tuple(o + a for o, (a, _) in zip(t.global_offset, box))
+    return ShardedTensor(t.key, part, t.dtype, tuple(part.shape), t.global_shape, offset, None, t.replica_id,
+                         t.prepend_axis_num)
 
 
 def forwarded_request(s: ShardRecord, record: CommitRecord) -> ShardedTensor:

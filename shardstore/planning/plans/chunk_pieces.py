@@ -1,5 +1,6 @@
 """A load's requests split at the edges of the chunks they touch along their leading
-axis, so each chunk is read once (``RankReadPlan.pieces``).
+axis, so each chunk is read once (``RankReadPlan.pieces``): a block into blocks, a
+flattened range (the distributed optimizer's fragment) into flattened ranges.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ __all__ = [
     "split_at_chunk_edges", "split_records",
 ]
 
+import math
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -20,8 +22,9 @@ from shardstore.planning.layout import (
     ShardRecord,
 )
 
-# A block's part: ``(start, stop)`` per axis of the block; and each rank's pieces, as
-# ``RankReadPlan.pieces`` lists them (the index of the request split, and the part).
+# A request's part: ``(start, stop)`` per axis of its block, or for a flattened range one
+# ``(start, stop)`` within the range; and each rank's pieces, as ``RankReadPlan.pieces``
+# lists them (the index of the request split, and the part).
 Box = tuple[tuple[int, int], ...]
 PiecesByRank = list[list[tuple[int, Box]]]
 
@@ -74,35 +77,58 @@ def split_records(
 
 
 def request_piece(block: ShardRecord, box: Box, index: int) -> ShardRecord:
-    """The part ``box`` of ``block`` as the request ``index`` of its rank."""
+    """The part ``box`` of ``block`` as the request ``index`` of its rank (of a
+    flattened range: the range's part, in the same block)."""
+    if block.flat_range is not None:
+        ((a, b),) = box
+        start = block.flat_range[0]
+        return replace(block, index=index, flat_range=(start + a, start + b))
     return replace(block, index=index, offset=tuple(o + a for o, (a, _) in zip(block.offset, box)),
                    block_shape=tuple(b - a for a, b in box))
 
 
 def crossing_blocks(rows: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray | None:
-    """Per block (``planning.columns.record_rows`` of every axis of the array), whether
-    it is one to split: its leading axis (its first of more than one element:
-    ``chunk_boxes``) runs over an edge of ``chunk``, and it has elements and no
-    flattened range; None where none is."""
+    """Per request (``planning.columns.record_rows`` of every axis of the array),
+    whether it is one to split: its leading axis (its block's first of more than one
+    element: ``chunk_boxes``) runs over an edge of ``chunk``, and it has elements; for a
+    flattened range, the rows of its block it covers do, and its block lies in one chunk
+    along every later axis (so its parts are contiguous runs). None where none is."""
     ndim = len(chunk)
-    offset, extent, flat = rows[:, :ndim], rows[:, ndim : 2 * ndim], rows[:, 2 * ndim]
+    offset, extent = rows[:, :ndim], rows[:, ndim : 2 * ndim]
+    lo, hi = rows[:, 2 * ndim], rows[:, 2 * ndim + 1]
     if not len(rows):
         return None
     leading = np.argmax(extent > 1, axis=1)  # 0 where no axis has more than one element (nothing crosses)
-    start, size = offset[np.arange(len(rows)), leading], extent[np.arange(len(rows)), leading]
+    at = np.arange(len(rows))
+    start, size = offset[at, leading], extent[at, leading]
     step = np.asarray(chunk, np.int64)[leading]
-    crossing = (start // step != (start + size - 1) // step) & (flat < 0) & (extent > 0).all(axis=1)
+    flat = lo >= 0
+    crossing = (start // step != (start + size - 1) // step) & ~flat & (extent > 0).all(axis=1)
+    if flat.any():
+        steps = np.asarray(chunk, np.int64)
+        later = np.arange(ndim)[None, :] > leading[:, None]
+        one_cell = (~later | (offset // steps == (offset + np.maximum(extent, 1) - 1) // steps)).all(axis=1)
+        row = np.where(later, extent, 1).prod(axis=1)  # elements per step of the leading axis
+        first, last = start + lo // np.maximum(row, 1), start + (hi - 1) // np.maximum(row, 1)
+        crossing |= flat & (hi > lo) & one_cell & (first // step != last // step)
     return crossing if crossing.any() else None
 
 
 def chunk_boxes(block: ShardRecord, chunk: tuple[int, ...]) -> list[Box]:
     """The parts of ``block`` at the edges of ``chunk`` along its leading axis, the
-    first with more than one element (``(start, stop)`` per axis of the block), in
-    order. Only there: a part of the leading axis is a contiguous run of the block's
-    tensor, read and received in place; a part along a later axis would be strided,
-    each landing in a buffer of its own first (the block's size again at once)."""
+    first with more than one element (``(start, stop)`` per axis of the block; of a
+    flattened range, ``(start, stop)`` within it, cut where the rows it covers cross an
+    edge), in order. Only there: a part of the leading axis is a contiguous run of the
+    block's tensor, read and received in place; a part along a later axis would be
+    strided, each landing in a buffer of its own first (the block's size again at once)."""
     axis = next(a for a, size in enumerate(block.block_shape) if size > 1)
     start, size, step = block.offset[axis], block.block_shape[axis], chunk[axis]
+    if block.flat_range is not None:
+        row = math.prod(block.block_shape[axis + 1 :])
+        lo, hi = block.flat_range
+        first, last = start + lo // row, start + (hi - 1) // row
+        cuts = [lo, *((edge - start) * row for edge in range((first // step + 1) * step, last + 1, step)), hi]
+        return [((a - lo, b - lo),) for a, b in zip(cuts[:-1], cuts[1:])]
     edges = [start, *range((start // step + 1) * step, start + size, step), start + size]
     whole = [(0, n) for n in block.block_shape]
     return [(*whole[:axis], (a - start, b - start), *whole[axis + 1 :]) for a, b in zip(edges[:-1], edges[1:])]

@@ -338,8 +338,10 @@ def torch_save(sd: dict, path: Path) -> None:
 class Bench:
     """Runs identical sequences on every rank; rank 0 keeps the results."""
 
-    def __init__(self, rank: int, world: int, root: Path, reps: int, s3_requests: RequestCounter | None = None) -> None:
+    def __init__(self, rank: int, world: int, root: Path, reps: int, s3_requests: RequestCounter | None = None,
+                 methods: frozenset[str] | None = None) -> None:
         self.rank, self.world, self.root, self.reps = rank, world, root, reps
+        self.methods = methods  # ``--methods``: only these are measured (None: all)
         self.s3_requests = s3_requests
         self.results: list[Result] = []
         self.cache_method = "none"
@@ -395,18 +397,24 @@ class Bench:
         check: Callable[[], None] | None = None, solo: bool = False,
         before_save: Callable[[], None] | None = None,
     ) -> None:
-        """Registers a method; ``flush`` measures all registered methods together.
-        ``before_save``: runs untimed before each save, after the page cache is dropped."""
+        """Registers a method (unless ``--methods`` leaves it out); ``flush`` measures all
+        registered methods together. ``before_save``: runs untimed before each save,
+        after the page cache is dropped."""
+        if self.methods is not None and method not in self.methods:
+            return
         self._methods.append(Method(case, method, nbytes, path, save, load, check, solo, before_save))
 
     def flush(self) -> None:
         """``reps`` rounds over the registered methods, interleaved, so that the disk's
         slow phases (seen here: the same write taking 0.7 s or 3.4 s minutes apart) fall
-        on every method alike. Each method: save, then load; both start with the page
-        cache dropped. What ran just before matters: at 2 ranks on the 2-core machine a
-        save right after a 2 GiB ``torch.load`` took 1.6-1.8 s instead of 0.5-0.7 s
-        (shardstore) and 0.6-1.5 s instead of 0.6-0.7 s (DCP), and dropping the cache
-        first removed the difference. So the order changes every round (``round_order``):
+        on every method alike. A round saves by every method, then loads each one's
+        output, each operation starting with the page cache dropped. What ran just
+        before matters: at 2 ranks on the 2-core machine a save right after a 2 GiB
+        ``torch.load`` took 1.6-1.8 s instead of 0.5-0.7 s (shardstore) and 0.6-1.5 s
+        instead of 0.6-0.7 s (DCP), and dropping the cache first removed the
+        difference; a 2 GiB save right after a 2 GiB load still ran 0.89-1.74 s
+        against 1.02-1.33 s after another save, the same save in every round. So saves
+        follow saves, and the order changes every round (``round_order``):
         a plain rotation keeps each method's predecessor the same in every round, and one
         method paid for the one-process ``torch`` case every time."""
         methods, self._methods = self._methods, []
@@ -415,19 +423,21 @@ class Bench:
             results[m] = (Result(m.case, m.name, "save", m.nbytes), Result(m.case, m.name, "load", m.nbytes))
         graveyards: set[Path] = set()  # earlier outputs set aside (``_set_aside``), deleted after the rounds
         for rep in range(self.reps):
-            for m in round_order(methods, rep):
-                saved, loaded = results[m]
-                here = self.rank == 0 or not m.solo
+            order = round_order(methods, rep)
+            for m in order:
                 if m.save is not None:
                     graveyards.add(m.path.parent / "set-aside")
                     self._set_aside(m.path, m.path.parent / "set-aside")
                     self._drop([x.path for x in methods if x.path.exists()])
+                    here = self.rank == 0 or not m.solo
                     if m.before_save is not None and here:
                         m.before_save()
-                    saved.samples.append(self._timed(m.save, participate=here))
+                    results[m][0].samples.append(self._timed(m.save, participate=here))
+            for m in order:
                 if m.load is not None:
+                    here = self.rank == 0 or not m.solo
                     self._drop([m.path])
-                    loaded.samples.append(self._timed(m.load, participate=here))
+                    results[m][1].samples.append(self._timed(m.load, participate=here))
                     if m.check is not None and rep == 0 and here:
                         m.check()
         for graveyard in sorted(graveyards):
@@ -1688,7 +1698,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, root: str
     torch.set_num_threads(1)  # one core per rank, as a trainer's rank has its own GPU
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(minutes=30))
-    b = Bench(rank, world, Path(root), args.reps, s3_requests)
+    methods = frozenset(args.methods.split(",")) if args.methods else None
+    b = Bench(rank, world, Path(root), args.reps, s3_requests, methods)
     for case, run in CASES.items():  # in this order, whatever order --cases names them in
         if case in args.cases:
             run(b, args)
@@ -1735,6 +1746,8 @@ def main() -> None:
     parser.add_argument("--fsdp-rows", type=int, default=64,
                         help="rows of 256 fp32 per rank of each fsdp array (64: 64 KiB per rank)")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--methods", default=None,
+                        help="measure only these methods of each case, comma-separated (e.g. default,consolidated)")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--cases", default="large,reshard,dcp-api,dcp-plain,small,async,s3,incr")
     parser.add_argument("--plain-gib", type=float, default=0.5, help="size of the dcp-plain case's model + Adam")

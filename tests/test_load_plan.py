@@ -288,18 +288,22 @@ def test_a_shard_goes_to_an_asker_it_keeps_within_the_bound(monkeypatch: pytest.
     assert plans[1].sends == ((0, (1,)),) and plans[0].receives == ((1, (0,)),)
 
 
-def test_a_flattened_range_falls_in_the_shard_of_its_first_element() -> None:
+def test_a_flattened_range_is_read_in_the_shards_its_rows_cross() -> None:
     """Distributed-optimizer fragments: ranks 0 and 1 split one block of 8 x 8 flat, in
-    shards of 4 rows: a range starting at row 4 lies in the second, one at row 2 in the
-    first, which its reader then reads for both."""
+    shards of 4 rows. A range starting at row 4 lies in the second shard; one from row 2
+    is split at row 4: its first piece is read by the first shard's reader (rank 0) and
+    sent, its second by rank 1 itself, so no shard is read twice."""
     def fragment(rank: int, start: int, stop: int) -> ShardRecord:
         return ShardRecord("f", rank, 0, "float32", (8, 8), (0, 0), (8, 8), (start, stop), True)
 
     layout = GlobalLayout.from_gathered([([fragment(0, 0, 32)], []), ([fragment(1, 32, 64)], [])])
     assert plan_reads(layout, True, shards={"f": (4, 8)}) == plan_reads(layout, False)
     layout = GlobalLayout.from_gathered([([fragment(0, 0, 16)], []), ([fragment(1, 16, 64)], [])])
-    plans = plan_reads(layout, True, shards={"f": (4, 8)})
-    assert [p.reads for p in plans] == [(0, 1), ()]  # rank 1's range starts in row 2: the first shard
+    first, second = plan_reads(layout, True, shards={"f": (4, 8)})
+    assert second.pieces == ((0, ((0, 16),)), (0, ((16, 48),)))  # rows 2-3, rows 4-7
+    assert [f.flat_range for f in first.forwards] == [(16, 32)]
+    assert (first.reads, tuple(first.sends), second.reads, tuple(second.receives)) == (
+        (0, 1), ((1, (1,)),), (2,), ((0, (1,)),))
 
 
 def test_a_strategy_planning_from_the_layout_alone_still_loads(tmp_path: Path) -> None:

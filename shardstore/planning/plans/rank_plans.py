@@ -82,8 +82,9 @@ class RankReadPlan:
             touch along their leading axis, where each chunk is read once
             (``plan_reads``' ``shards``): piece
             ``k`` of the rank's ``n`` requests is request ``n + k``, the part ``box``
-            (``(start, stop)`` per axis of the block, prepended axes included) of
-            request ``index``, which is then read only through its pieces.
+            (``(start, stop)`` per axis of the block, prepended axes included; of a
+            flattened range, one ``(start, stop)`` within the range) of request
+            ``index``, which is then read only through its pieces.
 
     ``sends``, ``receives`` and ``forwards`` are tuples, or where planned in bulk
     sequences of the same entries held as numpy columns (``planning.columns``), equal

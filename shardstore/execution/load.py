@@ -328,9 +328,9 @@ class _Pieces:
     each piece, landing in its part of the tensor the split request returns (the
     request's own where a load may fill it in place, ``_claim``; a new one otherwise),
     and that tensor once every piece is in. The pieces of a block's leading axis, and
-    of a flattened range, are contiguous runs of it, so each lands in place. A failure copying one in (after the
-    read stage's agreement) is raised on its rank alone: only a new tensor's memory is
-    written there."""
+    of a flattened range, are contiguous runs of it, so each lands in place. A failure
+    copying one in (after the read stage's agreement) is raised on its rank alone: only
+    a new tensor's memory is written there."""
 
     def __init__(self, tensors: list[ShardedTensor], pieces: Sequence[tuple[int, tuple[tuple[int, int], ...]]]) -> None:
         # tied requests (one memory, two keys): a split one gets a new tensor (unsplit, the first fills it)
@@ -343,9 +343,8 @@ class _Pieces:
             t = tensors[index]
             if index not in self.targets:  # the request's own tensor, as a load returns it unsplit
                 self.targets[index] = _receive_target(t, shared)
-            at = _piece_slices(t, box)
-            part = self.targets[index].detach()[at]  # detached: it may be a parameter
-            self.requests.append(_piece_request(t, box, part))
+            at, request = _piece(t, box, self.targets[index].detach())  # detached: it may be a parameter
+            self.requests.append(request)
             self.parts.append((index, at))
 
     def assembled(self, out: dict[int, torch.Tensor], first: int) -> dict[int, torch.Tensor]:
@@ -358,25 +357,23 @@ class _Pieces:
         return self.targets
 
 
-def _piece_slices(t: ShardedTensor, box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
-    """Where the part ``box`` of request ``t`` lies in the tensor a load returns for it
-    (of a flattened range: the range's part)."""
+def _piece(
+    t: ShardedTensor, box: tuple[tuple[int, int], ...], target: torch.Tensor,
+) -> tuple[tuple[slice, ...], ShardedTensor]:
+    """Where the part ``box`` of request ``t`` lies in ``target`` (the tensor a load
+    returns for ``t``), and the request for it, landing there: of a block, a block; of
+    a flattened range, the range's part of the same block."""
     if t.flattened_range is not None:
         ((a, b),) = box
-        return (slice(a, b),)
-    return tuple(slice(a, b) for a, b in box[t.prepend_axis_num :])
-
-
-def _piece_request(t: ShardedTensor, box: tuple[tuple[int, int], ...], part: torch.Tensor) -> ShardedTensor:
-    """The request for the part ``box`` of ``t``, landing in ``part``."""
-    if t.flattened_range is not None:
-        ((a, b),) = box
+        at: tuple[slice, ...] = (slice(a, b),)
         start = t.flattened_range.start
-        return ShardedTensor(t.key, part, t.dtype, t.local_shape, t.global_shape, t.global_offset, None, t.replica_id,
-                             t.prepend_axis_num, flattened_range=slice(start + a, start + b))
+        return at, ShardedTensor(t.key, target[at], t.dtype, t.local_shape, t.global_shape, t.global_offset, None,
+                                 t.replica_id, t.prepend_axis_num, flattened_range=slice(start + a, start + b))
+    at = tuple(slice(a, b) for a, b in box[t.prepend_axis_num :])
+    part = target[at]
     offset = tuple(o + a for o, (a, _) in zip(t.global_offset, box))
-    return ShardedTensor(t.key, part, t.dtype, tuple(part.shape), t.global_shape, offset, None, t.replica_id,
-                         t.prepend_axis_num)
+    return at, ShardedTensor(t.key, part, t.dtype, tuple(part.shape), t.global_shape, offset, None, t.replica_id,
+                             t.prepend_axis_num)
 
 
 def forwarded_request(s: ShardRecord, record: CommitRecord) -> ShardedTensor:

@@ -101,15 +101,15 @@ def crossing_blocks(rows: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray | No
     leading = np.argmax(extent > 1, axis=1)  # 0 where no axis has more than one element (nothing crosses)
     at = np.arange(len(rows))
     start, size = offset[at, leading], extent[at, leading]
-    step = np.asarray(chunk, np.int64)[leading]
+    steps = np.asarray(chunk, np.int64)
+    step = steps[leading]
     flat = lo >= 0
     crossing = (start // step != (start + size - 1) // step) & ~flat & (extent > 0).all(axis=1)
     if flat.any():
-        steps = np.asarray(chunk, np.int64)
         later = np.arange(ndim)[None, :] > leading[:, None]
         one_cell = (~later | (offset // steps == (offset + np.maximum(extent, 1) - 1) // steps)).all(axis=1)
-        row = np.where(later, extent, 1).prod(axis=1)  # elements per step of the leading axis
-        first, last = start + lo // np.maximum(row, 1), start + (hi - 1) // np.maximum(row, 1)
+        row = np.maximum(np.where(later, extent, 1).prod(axis=1), 1)  # elements per step of the leading axis
+        first, last = start + lo // row, start + (hi - 1) // row
         crossing |= flat & (hi > lo) & one_cell & (first // step != last // step)
     return crossing if crossing.any() else None
 

@@ -26,8 +26,8 @@ from shardstore.stores import local
 from shardstore.stores.base import STREAM_BLOCK_BYTES, fold_landed
 from shardstore.stores.local import FileChunkStore, start_writeback
 
-# float32 chunks of 1 MiB (256 x 1024) and of 4 KiB (1 x 1024)
-BIG, SMALL = (256, 1024), (1, 1024)
+# float32 chunks of 1 MiB (256 x 1024), of 256 KiB (64 x 1024) and of 4 KiB (1 x 1024)
+BIG, BOUND, SMALL = (256, 1024), (64, 1024), (1, 1024)
 
 
 def _array(tmp_path, chunk_shape: tuple[int, int], rows: int = 512) -> tuple[ArrayChunks, np.ndarray]:
@@ -42,14 +42,18 @@ def _write(array: ArrayChunks, value: np.ndarray) -> tuple[int, ...]:
     return tuple(c.crc for c in sorted(written, key=lambda c: c.index))
 
 
-def test_chunk_files_of_a_mebibyte_or_more_start_their_write_back(tmp_path, monkeypatch) -> None:
+def test_chunk_files_of_256_kib_or_more_start_their_write_back(tmp_path, monkeypatch) -> None:
+    assert local.EARLY_WRITEBACK_BYTES == 256 << 10
     started: list[int] = []
     monkeypatch.setattr(local, "start_writeback", lambda fd: started.append(os.fstat(fd).st_size))
     big, value = _array(tmp_path / "big", BIG)
     _write(big, value)
+    at_bound, value = _array(tmp_path / "bound", BOUND, rows=64)
+    _write(at_bound, value)
     small, value = _array(tmp_path / "small", SMALL, rows=4)
     _write(small, value)
-    assert started == [2**20 + 4, 2**20 + 4]  # the two big chunks (data + crc32c), no small one
+    # the two big chunks and the one at the bound (data + crc32c), no small one
+    assert sorted(started) == [2**18 + 4, 2**20 + 4, 2**20 + 4]
 
 
 def test_start_writeback_returns_at_once_and_changes_no_byte(tmp_path) -> None:

@@ -839,11 +839,13 @@ def run_tiny(b: Bench, args: argparse.Namespace) -> None:
     (``--world 1``) as ``ShardedTensor``s, against ``torch.save``/``torch.load`` of the
     same dict and the per-array layout's floor (``files``: each key a directory with a
     metadata file and a chunk file, 8 threads, one ``sync``; ``files-dirs-first``: the
-    directories made first by one thread), interleaved; ``shardstore-consolidated``: the
-    arrays' metadata in the root's consolidated metadata only (no ``zarr.json`` per key);
-    ``shardstore-packed``: every array packed into the process's zip
-    (``SaveOptions(pack_arrays_up_to=...)``, format version 8); ``zip-pack``: the floor of a packed design, every array inside one zip
-    (``zip_pack_save``)."""
+    directories made first by one thread), interleaved. ``shardstore``: the layout
+    shardstore chooses (arrays of at most 256 KiB packed); ``shardstore-per-array``: a
+    directory per key; ``shardstore-consolidated``: the same with the arrays' metadata
+    in the root's consolidated metadata only (no ``zarr.json`` per key);
+    ``shardstore-packed``: arrays of at most 64 KiB packed into the process's zip
+    (feature ``packs``); ``zip-pack``: the floor of a packed design, every array inside
+    one zip (``zip_pack_save``)."""
     import shardstore
     from shardstore.format.commit import SaveOptions
 
@@ -1609,6 +1611,7 @@ def ratios(results: list[Result]) -> dict[str, float]:
         for peer in ("torch", "files", "files-dirs-first"):
             out |= ratio(f"tiny.{op}.vs_{peer}", ("tiny", "shardstore", op), ("tiny", peer, op))
             out |= ratio(f"tiny.consolidated.{op}.vs_{peer}", ("tiny", "shardstore-consolidated", op), ("tiny", peer, op))
+        out |= ratio(f"tiny.per-array.{op}.vs_torch", ("tiny", "shardstore-per-array", op), ("tiny", "torch", op))
         out |= ratio(f"tiny.packed.{op}.vs_torch", ("tiny", "shardstore-packed", op), ("tiny", "torch", op))
         out |= ratio(f"tiny.packed.{op}.vs_zip-pack-floor", ("tiny", "shardstore-packed", op), ("tiny", "zip-pack", op))
         # the packed design's floor against torch.save/load: what such a layout could reach

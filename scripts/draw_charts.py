@@ -70,9 +70,10 @@ def large_bars(payload: dict) -> list[Bar]:
 
 def small_tensor_bars(payload: dict) -> list[Bar]:
     """The ``tiny`` case's layouts, and the zip floor, against ``torch.save``/``torch.load``."""
-    return _ratio_bars(payload, (("tiny.{op}.vs_torch", "an array per tensor"),
+    return _ratio_bars(payload, (("tiny.{op}.vs_torch", "default (packs <= 256 KiB)"),
+                                 ("tiny.per-array.{op}.vs_torch", "an array per tensor"),
                                  ("tiny.consolidated.{op}.vs_torch", "consolidated_only"),
-                                 ("tiny.packed.{op}.vs_torch", "packed"),
+                                 ("tiny.packed.{op}.vs_torch", "packs <= 64 KiB"),
                                  ("tiny.zip-pack-floor.{op}.vs_torch", "zip floor (no checks)")))
 
 

@@ -77,3 +77,23 @@ def test_a_round_saves_by_every_method_before_it_loads_and_measures_only_those_a
     assert {name for _, name in log} == {"a", "b"}
     assert sorted((r.method, r.op, len(r.samples)) for r in b.results) == [
         ("a", "load", 2), ("a", "save", 2), ("b", "load", 2), ("b", "save", 2)]
+
+
+def test_the_best_explicit_layout_is_the_one_of_the_lowest_median_time() -> None:
+    """Of several explicit layouts the fastest by median time is the best, not the one
+    whose paired ratio happens to be lowest (the lowest of several noisy ratios is
+    biased low); every layout's ratio is kept."""
+    bench = load_script("bench")
+    layouts = load_script("bench_layouts")
+
+    def result(method: str, *seconds: float):
+        r = bench.Result("layouts-fsdp", method, "save", 100)
+        r.samples = [bench.Sample(s, 0) for s in seconds]
+        return r
+
+    # "steady" is fastest by median (1.1 s); "lucky" pairs best with the default's slow round
+    results = [result("default", 1.0, 1.0, 4.0), result("steady", 1.1, 1.1, 1.1), result("lucky", 1.0, 1.2, 4.0)]
+    ratios = layouts.layout_summary(results, ("steady", "lucky"), {})["ratios"]
+    assert ratios["save.best_explicit"] == "steady"
+    assert ratios["save.default_vs_best_explicit"] == 1.1
+    assert ratios["save.default_vs_lucky"] == 1.0

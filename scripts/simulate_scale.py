@@ -83,7 +83,7 @@ from shardstore.gc_pause import gc_paused  # noqa: E402
 from shardstore.planning.checks import check_layout  # noqa: E402
 from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
 from shardstore.planning.plans import RankReadPlan, RankSavePlan, plan_reads  # noqa: E402
-from shardstore.planning.plans.chunk_pieces import request_piece  # noqa: E402
+from shardstore.planning.plans.chunk_pieces import leading_rows, request_piece  # noqa: E402
 from shardstore.validation import StrictHandling, plan_load  # noqa: E402
 
 MiB = 2**20
@@ -532,9 +532,7 @@ def _chunks_of(s: ShardRecord, array: ArrayRecord) -> list[tuple[int, ...]]:
     lo, hi = s.flat_range
     if hi <= lo:
         return []
-    axis = next((a for a, b in enumerate(s.block_shape) if b > 1), 0)
-    row = math.prod(s.block_shape[axis + 1 :])
-    first, last = s.offset[axis] + lo // row, s.offset[axis] + (hi - 1) // row
+    axis, first, last, _ = leading_rows(s)
     ranges = [range(o // n, (o + max(b, 1) - 1) // n + 1) for o, b, n in zip(s.offset, s.block_shape, c)]
     ranges[axis] = range(first // c[axis], last // c[axis] + 1)
     return list(itertools.product(*ranges))

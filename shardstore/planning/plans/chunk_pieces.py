@@ -6,7 +6,7 @@ flattened range (the distributed optimizer's fragment) into flattened ranges.
 from __future__ import annotations
 
 __all__ = [
-    "Box", "PiecesByRank", "chunk_boxes", "crossing_blocks", "request_piece",
+    "Box", "PiecesByRank", "chunk_boxes", "crossing_blocks", "leading_rows", "request_piece",
     "split_at_chunk_edges", "split_records",
 ]
 
@@ -114,6 +114,19 @@ def crossing_blocks(rows: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray | No
     return crossing if crossing.any() else None
 
 
+def leading_rows(block: ShardRecord) -> tuple[int, int, int, int]:
+    """``(axis, first, last, row)``: the block's leading axis (its first of more than
+    one element; 0 where none is), the first and last index along it that the block,
+    or its flattened range, covers, and the elements per step of that axis. A
+    flattened range must have elements."""
+    axis = next((a for a, size in enumerate(block.block_shape) if size > 1), 0)
+    start, row = block.offset[axis], math.prod(block.block_shape[axis + 1 :])
+    if block.flat_range is None:
+        return axis, start, start + block.block_shape[axis] - 1, row
+    lo, hi = block.flat_range
+    return axis, start + lo // row, start + (hi - 1) // row, row
+
+
 def chunk_boxes(block: ShardRecord, chunk: tuple[int, ...]) -> list[Box]:
     """The parts of ``block`` at the edges of ``chunk`` along its leading axis, the
     first with more than one element (``(start, stop)`` per axis of the block; of a
@@ -121,14 +134,12 @@ def chunk_boxes(block: ShardRecord, chunk: tuple[int, ...]) -> list[Box]:
     edge), in order. Only there: a part of the leading axis is a contiguous run of the
     block's tensor, read and received in place; a part along a later axis would be
     strided, each landing in a buffer of its own first (the block's size again at once)."""
-    axis = next(a for a, size in enumerate(block.block_shape) if size > 1)
-    start, size, step = block.offset[axis], block.block_shape[axis], chunk[axis]
+    axis, first, last, row = leading_rows(block)
+    start, step = block.offset[axis], chunk[axis]
     if block.flat_range is not None:
-        row = math.prod(block.block_shape[axis + 1 :])
         lo, hi = block.flat_range
-        first, last = start + lo // row, start + (hi - 1) // row
         cuts = [lo, *((edge - start) * row for edge in range((first // step + 1) * step, last + 1, step)), hi]
         return [((a - lo, b - lo),) for a, b in zip(cuts[:-1], cuts[1:])]
-    edges = [start, *range((start // step + 1) * step, start + size, step), start + size]
+    edges = [start, *range((start // step + 1) * step, last + 1, step), last + 1]
     whole = [(0, n) for n in block.block_shape]
     return [(*whole[:axis], (a - start, b - start), *whole[axis + 1 :]) for a, b in zip(edges[:-1], edges[1:])]

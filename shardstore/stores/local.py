@@ -592,13 +592,9 @@ class DirectoryGuard:
 # ------------------------------------------------------------------ chunk I/O
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-# Chunk files at least this large start their write-back as soon as they are written
-# (``FileChunkStore.put``); smaller ones are left to ``make_durable``'s one ``syncfs``,
-# which writes many small files in fewer, larger requests. Arrays of at most 256 KiB
-# are packed locally by default (``StorageLayout``), so what stays a chunk file of its
-# own below this is a small block of a split array. FSDP2 through DCP's door, 2 ranks,
-# 512 KiB blocks, 30 interleaved saves: DCP's ``FileSystemWriter`` over this save,
-# paired median, 0.79-0.89x with a 1 MiB bound, 1.08-1.12x with 256 KiB.
+# Chunk files at least this large start their write-back once written (``put``); smaller
+# ones are left to ``make_durable``'s one ``syncfs``, in fewer, larger requests. FSDP2's
+# 512 KiB blocks at 2 ranks: 0.79-0.89x DCP's writer's speed with 1 MiB, 1.08-1.12x now.
 EARLY_WRITEBACK_BYTES = 256 << 10
 # The most bytes one ``preadv`` of a chunk asks for. The kernel's readahead runs ahead
 # of a stream of such reads, while one read of a whole chunk file waits for each

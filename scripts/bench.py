@@ -52,6 +52,7 @@ operation, maximum over ranks. Times are medians over ``--reps``
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import logging
@@ -352,8 +353,17 @@ class Bench:
 
     def _timed(self, fn: Callable[[], None], participate: bool = True) -> Sample:
         """``fn`` on every rank between barriers, with the S3 requests it made (read on
-        rank 0 before the first barrier and after the last, so none is another's)."""
+        rank 0 before the first barrier and after the last, so none is another's).
+
+        A full garbage collection runs first, untimed, on every rank. Otherwise one
+        of 150-185 ms over the FSDP2 workload's 300,000 objects fell into whichever
+        operation crossed the collector's threshold, left there by all that ran before
+        (24 of the 26 slow saves among 90 saves of three methods had one, 5-10 per
+        method), in saves of 0.12-0.16 s; ``timeit`` pauses the collector for the same
+        reason. An operation still pays for the collections
+        its own allocations start."""
         before = self.s3_requests.snapshot() if self.s3_requests is not None and self.rank == 0 else None
+        gc.collect()
         dist.barrier()
         with PeakRSS() as rss:
             start = time.perf_counter()

@@ -42,7 +42,8 @@ and its smoke test (about 2 minutes; not figures): ``--cases layouts --world 2 -
 
 Every timed load starts with the page cache dropped (``/proc/sys/vm/drop_caches`` when
 writable, else ``posix_fadvise(DONTNEED)`` on the checkpoint's files; the report says
-which). In the large case shardstore, DCP and the raw read fill targets made once,
+which), and every timed operation after a full garbage collection, untimed
+(``Bench._timed``). In the large case shardstore, DCP and the raw read fill targets made once,
 before the timings, as a trainer's tensors exist before its load. Peak RSS is the
 kernel's high-water mark (reset through ``clear_refs``) minus the RSS before the
 operation, maximum over ranks. Times are medians over ``--reps``

@@ -361,8 +361,9 @@ class Bench:
         operation crossed the collector's threshold, left there by all that ran before
         (24 of the 26 slow saves among 90 saves of three methods had one, 5-10 per
         method), in saves of 0.12-0.16 s; ``timeit`` pauses the collector for the same
-        reason. An operation still pays for the collections
-        its own allocations start."""
+        reason. An operation still pays for the collections its own allocations start
+        while the collector runs (``shardstore.save`` and ``load`` pause it: their
+        cycles are collected after them, here untimed)."""
         before = self.s3_requests.snapshot() if self.s3_requests is not None and self.rank == 0 else None
         gc.collect()
         dist.barrier()

@@ -109,7 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def quick_sizes(args: argparse.Namespace) -> None:
     """``--quick``: every layout workload small."""
     args.tiny, args.layouts_s3_arrays, args.layouts_s3_rows = 300, 24, 64
-    args.layouts_fsdp_layers, args.layouts_fsdp_dim, args.layouts_fsdp_reps = 4, 64, 0
+    args.layouts_fsdp_layers, args.layouts_fsdp_dim = 4, 64
+    if args.layouts_fsdp_reps == FSDP_REPS:  # not given: the smoke test's --reps
+        args.layouts_fsdp_reps = 0
 
 
 def expand_cases(cases: list[str]) -> list[str]:
@@ -449,6 +451,7 @@ def finish(b: Any, case: str, targets: Targets, peers: dict[str, Path]) -> None:
     if b.rank == 0:
         files = {m: _files(p) for m, p in paths.items()} if targets.bucket is None else {}
         summary = layout_summary([r for r in b.results if r.case == case], CHOICES[case], files)
+        summary["rounds"] = b.reps  # the case's own, where it runs more than --reps
         b.sections.setdefault("layouts", {})[case] = summary
         print_summary(case, summary)
     for path in paths.values():

@@ -26,8 +26,9 @@ from shardstore.stores import local
 from shardstore.stores.base import STREAM_BLOCK_BYTES, fold_landed
 from shardstore.stores.local import FileChunkStore, start_writeback
 
-# float32 chunks of 1 MiB (256 x 1024), of 256 KiB (64 x 1024) and of 4 KiB (1 x 1024)
-BIG, BOUND, SMALL = (256, 1024), (64, 1024), (1, 1024)
+# float32 chunks of 1 MiB (256 x 1024), of 256 KiB (64 x 1024), of 252 KiB (63 x 1024)
+# and of 4 KiB (1 x 1024)
+BIG, BOUND, UNDER, SMALL = (256, 1024), (64, 1024), (63, 1024), (1, 1024)
 
 
 def _array(tmp_path, chunk_shape: tuple[int, int], rows: int = 512) -> tuple[ArrayChunks, np.ndarray]:
@@ -50,9 +51,11 @@ def test_chunk_files_of_256_kib_or_more_start_their_write_back(tmp_path, monkeyp
     _write(big, value)
     at_bound, value = _array(tmp_path / "bound", BOUND, rows=64)
     _write(at_bound, value)
+    under, value = _array(tmp_path / "under", UNDER, rows=63)
+    _write(under, value)
     small, value = _array(tmp_path / "small", SMALL, rows=4)
     _write(small, value)
-    # the two big chunks and the one at the bound (data + crc32c), no small one
+    # the two big chunks and the one at the bound (data + crc32c), none smaller
     assert sorted(started) == [2**18 + 4, 2**20 + 4, 2**20 + 4]
 
 

@@ -100,8 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layouts-s3-rows", type=int, default=512, help="rows of 256 fp32 of each of them")
     parser.add_argument("--layouts-fsdp-layers", type=int, default=24, help="Linear layers of the layouts-fsdp model")
     parser.add_argument("--layouts-fsdp-dim", type=int, default=512, help="their width")
-    parser.add_argument("--layouts-fsdp-reps", type=int, default=FSDP_REPS,
-                        help="rounds of the layouts-fsdp workload, at least --reps")
+    parser.add_argument("--layouts-fsdp-reps", type=int, default=None,
+                        help=f"rounds of the layouts-fsdp workload, at least --reps (default {FSDP_REPS}; "
+                             "with --quick, --reps)")
     parser.add_argument("--quick", action="store_true",
                         help="the layout workloads small: a smoke test of the comparison, not figures")
 
@@ -110,8 +111,15 @@ def quick_sizes(args: argparse.Namespace) -> None:
     """``--quick``: every layout workload small."""
     args.tiny, args.layouts_s3_arrays, args.layouts_s3_rows = 300, 24, 64
     args.layouts_fsdp_layers, args.layouts_fsdp_dim = 4, 64
-    if args.layouts_fsdp_reps == FSDP_REPS:  # not given: the smoke test's --reps
-        args.layouts_fsdp_reps = 0
+
+
+def fsdp_rounds(args: argparse.Namespace, reps: int) -> int:
+    """The rounds of the FSDP2 workload: ``--layouts-fsdp-reps``, by default
+    ``FSDP_REPS`` (with ``--quick``, none more than ``reps``), and at least ``reps``."""
+    given = args.layouts_fsdp_reps
+    if given is None:
+        given = 0 if args.quick else FSDP_REPS
+    return max(reps, given)
 
 
 def expand_cases(cases: list[str]) -> list[str]:
@@ -394,12 +402,13 @@ def run_fsdp(b: Any, args: argparse.Namespace) -> None:
     from shardstore.tools.dcp_storage import ShardstoreReader
 
     state = fsdp_state(args.layouts_fsdp_layers, args.layouts_fsdp_dim, b.world)
+    rounds = fsdp_rounds(args, b.reps)
     mine = {k: (t.to_local() if hasattr(t, "to_local") else t).clone() for k, t in _tensors(state).items()}
     nbytes = sum(t.numel() * t.element_size() for t in _tensors(state).values())
     if b.rank == 0:
         print(f"layouts-fsdp: FSDP2 {args.layouts_fsdp_layers} x Linear({args.layouts_fsdp_dim}) + AdamW, "
               f"{len(mine)} tensors, {nbytes / MiB:.1f} MiB, {b.world} ranks, through dcp.save, "
-              f"{max(b.reps, args.layouts_fsdp_reps)} rounds", flush=True)
+              f"{rounds} rounds", flush=True)
     targets = Targets(b.root, "layouts-fsdp")
 
     def load(storage_reader: Any) -> dict:
@@ -424,7 +433,7 @@ def run_fsdp(b: Any, args: argparse.Namespace) -> None:
               lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(dcp_path)),
               lambda: loaded.update(dcp=load(dcp.FileSystemReader(dcp_path))),
               lambda: _same("dcp-filesystem", mine, loaded.pop("dcp")))
-    reps, b.reps = b.reps, max(b.reps, args.layouts_fsdp_reps)
+    reps, b.reps = b.reps, rounds
     try:
         finish(b, "layouts-fsdp", targets, {"dcp-filesystem": dcp_path})
     finally:

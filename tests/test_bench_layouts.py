@@ -97,3 +97,17 @@ def test_the_best_explicit_layout_is_the_one_of_the_lowest_median_time() -> None
     assert ratios["save.best_explicit"] == "steady"
     assert ratios["save.default_vs_best_explicit"] == 1.1
     assert ratios["save.default_vs_lucky"] == 1.0
+
+
+def test_the_fsdp2_workload_runs_21_rounds_unless_told_or_quick() -> None:
+    """``--layouts-fsdp-reps`` (default 21) and never fewer than ``--reps``; a
+    ``--quick`` smoke test runs ``--reps`` unless the FSDP2 rounds are given."""
+    import argparse
+
+    layouts = load_script("bench_layouts")
+    parser = argparse.ArgumentParser()
+    layouts.add_arguments(parser)
+    assert layouts.fsdp_rounds(parser.parse_args([]), 5) == 21
+    assert layouts.fsdp_rounds(parser.parse_args([]), 30) == 30
+    assert layouts.fsdp_rounds(parser.parse_args(["--quick"]), 2) == 2
+    assert layouts.fsdp_rounds(parser.parse_args(["--quick", "--layouts-fsdp-reps", "21"]), 2) == 21

@@ -324,7 +324,7 @@ def run_large(b: Any, args: argparse.Namespace) -> None:
     targets = Targets(b.root, "layouts-large")
     mesh = init_device_mesh("cpu", (b.world,))
     warm_up(b, core.build_fsdp(2, 2 * b.world, b.rank, b.world), str(b.root / "layouts-large-warm-up"), mesh)
-    empty = core.shardstore_sd(state, b.rank, b.world, empty=True)
+    empty = core.faulted_in(core.shardstore_sd(state, b.rank, b.world, empty=True))
     mine = {k: t for k, (t, _) in state.shards.items()}
 
     def save(target: str, layout: StorageLayout | None) -> None:
@@ -333,7 +333,7 @@ def run_large(b: Any, args: argparse.Namespace) -> None:
 
     register_layouts(b, "layouts-large", nbytes, targets, PACK, save,
                      lambda target: shardstore.load(empty, target), lambda name, got: _same(name, mine, got))
-    dcp_path, dcp_empty = b.root / "layouts-large-dcp", core.dcp_sd(state, mesh, empty=True)
+    dcp_path, dcp_empty = b.root / "layouts-large-dcp", core.faulted_in(core.dcp_sd(state, mesh, empty=True))
     b.measure("layouts-large", "dcp", nbytes, dcp_path,
               lambda: dcp.save(core.dcp_sd(state, mesh), checkpoint_id=str(dcp_path)),
               lambda: dcp.load(dcp_empty, checkpoint_id=str(dcp_path)), lambda: _same("dcp", mine, dcp_empty))

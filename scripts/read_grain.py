@@ -44,7 +44,7 @@ from shardstore.format.storage_layout import LayoutSite
 from shardstore.testing import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import large_shapes  # noqa: E402
+from bench import faulted_in, large_shapes  # noqa: E402
 
 LAYOUTS = {
     "read_grain 1 MiB": StorageLayout(read_grain=1 << 20),
@@ -99,8 +99,8 @@ class Loads:
     def __init__(self, chosen: list[Array], rank: int, world: int) -> None:
         self.rank, self.world = rank, world
         self.expected = {a[0]: part(a, rank, world) for a in chosen}
-        self.targets = {a[0]: ShardedTensor.from_rank_offsets(
-            a[0], torch.empty_like(self.expected[a[0]]), (a[3], rank, world)) for a in chosen}
+        self.targets = faulted_in({a[0]: ShardedTensor.from_rank_offsets(
+            a[0], torch.empty_like(self.expected[a[0]]), (a[3], rank, world)) for a in chosen})
 
     def run(self, path: Path, group: dist.ProcessGroup | None) -> tuple[float, float, float]:
         """Seconds, CPU seconds and bytes read / bytes loaded of one load, checked bit-exact."""

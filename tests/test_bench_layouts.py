@@ -67,7 +67,7 @@ def test_a_round_saves_by_every_method_before_it_loads_and_measures_only_those_a
     b = bench.Bench.__new__(bench.Bench)
     b.rank, b.world, b.reps, b.methods, b._methods, b.results = 0, 1, 2, frozenset({"a", "b"}), [], []
     b._timed = lambda fn, participate=True: (fn(), bench.Sample(0.001, 0))[1]
-    b._drop = b._set_aside = b._clean = lambda *args: None
+    b._drop = b._set_aside = b._clean = b._make_room = lambda *args: None
     log: list[tuple[str, str]] = []
     for name in "abc":
         b.measure("case", name, 1, tmp_path / name, lambda name=name: log.append(("save", name)),
@@ -127,3 +127,26 @@ def test_targets_made_once_are_faulted_in() -> None:
     assert bench.faulted_in(wrapped) is wrapped
     assert torch.count_nonzero(plain[0]) == 0
     assert torch.count_nonzero(wrapped["w"].data) == 0
+
+
+def test_rounds_make_room_only_where_the_disk_is_short(tmp_path, monkeypatch) -> None:
+    """The outputs set aside are deleted at a round's end only where the disk could not
+    hold two more rounds of this round's outputs and the spare; else they stay."""
+    from types import SimpleNamespace
+
+    bench = load_script("bench")
+    out, graveyard = tmp_path / "out", tmp_path / "set-aside"
+    out.mkdir()
+    (out / "a").write_bytes(b"x" * 1000)
+    (graveyard / "old").mkdir(parents=True)
+    assert bench.stored_bytes(out) == 1000 and bench.stored_bytes(out / "a") == 1000
+    assert bench.stored_bytes(tmp_path / "none") == 0
+    monkeypatch.setattr(bench.dist, "barrier", lambda: None)
+    b = object.__new__(bench.Bench)
+    b.rank, b.root = 0, tmp_path
+    monkeypatch.setattr(bench.shutil, "disk_usage", lambda _: SimpleNamespace(free=bench.ROOM_SPARE + 2000))
+    b._make_room({graveyard}, [out])
+    assert graveyard.exists()
+    monkeypatch.setattr(bench.shutil, "disk_usage", lambda _: SimpleNamespace(free=bench.ROOM_SPARE + 1999))
+    b._make_room({graveyard}, [out])
+    assert not graveyard.exists() and (out / "a").exists()

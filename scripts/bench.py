@@ -275,11 +275,11 @@ def dcp_sd(state: State, mesh, empty: bool = False) -> dict:
     return sd
 
 
-def faulted_in(targets):
+def faulted_in(targets: dict | list) -> dict | list:
     """``targets`` (a state dict of load targets made once, or a list of tensors) with
     every byte written, untimed: a load into fresh ``torch.empty`` memory pays the
     kernel's page faults, so whichever method loaded first in round 0 paid them (1 GiB:
-    2.7-4.9 s against 0.8-1.1 s, every run, always the default layout). Returns
+    2.3-4.9 s against 0.8-1.1 s, every run, always the default layout). Returns
     ``targets``."""
     for value in (targets.values() if isinstance(targets, dict) else targets):
         local = value.to_local() if hasattr(value, "to_local") else getattr(value, "data", value)

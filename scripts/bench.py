@@ -411,11 +411,11 @@ class Bench:
     def _make_room(self, graveyards: set[Path], outputs: list[Path]) -> None:
         """At the end of a round, untimed: deletes the outputs set aside so far
         (``_set_aside``) where the disk could not hold two more rounds of ``outputs``
-        (this round's) and ``ROOM_SPARE``. A round of the Llama-shaped layouts workload
+        (the bytes this round's added, ``bytes_only_here``) and ``ROOM_SPARE``. A round of the Llama-shaped layouts workload
         writes about 10 GB: 5 rounds fit on this machine's disk, 11 did not."""
         dist.barrier()
         if self.rank == 0:
-            need = 2 * sum(stored_bytes(p) for p in outputs) + ROOM_SPARE
+            need = 2 * sum(bytes_only_here(p) for p in outputs) + ROOM_SPARE
             if shutil.disk_usage(self.root).free < need:
                 for graveyard in sorted(g for g in graveyards if g.exists()):
                     shutil.rmtree(graveyard)
@@ -496,13 +496,6 @@ class Bench:
 ROOM_SPARE = 5 * GiB
 """Free disk ``Bench._make_room`` keeps beyond two rounds' outputs (a nearly full disk
 measured the Llama-shaped save 0.60-0.69x)."""
-
-
-def stored_bytes(path: Path) -> int:
-    """Bytes of the files under ``path`` (its own where it is a file; 0 where there is none)."""
-    if path.is_file():
-        return path.stat().st_size
-    return sum((Path(top) / name).stat().st_size for top, _, names in os.walk(path) for name in names)
 
 
 def round_order(methods: list, rep: int) -> list:
@@ -1288,9 +1281,11 @@ def incremental_state(b: Bench, base: State, step: int, shape: tuple[int, int]) 
 
 
 def bytes_only_here(path: Path) -> int:
-    """Bytes of the files under ``path`` that no other path shares (a file hard-linked
-    from another checkpoint has more than one link): what a save added to the disk."""
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.stat().st_nlink == 1)
+    """Bytes of the files under ``path`` (or of the file ``path``; 0 where there is none)
+    that no other path shares (a file hard-linked from another checkpoint has more than
+    one link): what a save added to the disk."""
+    files = [path] if path.is_file() else (p for p in path.rglob("*") if p.is_file())
+    return sum(st.st_size for st in map(Path.stat, files) if st.st_nlink == 1)
 
 
 def s3_bytes_written() -> int:

@@ -139,8 +139,8 @@ def test_rounds_make_room_only_where_the_disk_is_short(tmp_path, monkeypatch) ->
     out.mkdir()
     (out / "a").write_bytes(b"x" * 1000)
     (graveyard / "old").mkdir(parents=True)
-    assert bench.stored_bytes(out) == 1000 and bench.stored_bytes(out / "a") == 1000
-    assert bench.stored_bytes(tmp_path / "none") == 0
+    assert bench.bytes_only_here(out) == 1000 and bench.bytes_only_here(out / "a") == 1000
+    assert bench.bytes_only_here(tmp_path / "none") == 0
     monkeypatch.setattr(bench.dist, "barrier", lambda: None)
     b = object.__new__(bench.Bench)
     b.rank, b.root = 0, tmp_path

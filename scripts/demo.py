@@ -6,6 +6,8 @@ TensorStore; on a local disk, then on S3 (MinIO from docker/, or an embedded loc
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -82,39 +84,79 @@ def run_demo(ckpt: str) -> None:
     print("4. Every chunk and file verified against its checksum:")
     print("  ", shardstore.verify(ckpt))
 
-    print("5. The same bytes without shardstore's API (a fresh interpreter that imports only zarr and tensorstore):")
-    subprocess.run([sys.executable, "-c", PLAIN_READER, ckpt], check=True)
+    print("5. The same bytes without shardstore's API (a fresh interpreter that imports only zarr and tensorstore),")
+    print("   as docs/guide/plain-readers.md shows: large arrays by path, small ones from their packs:")
+    read = subprocess.run([sys.executable, "-c", PLAIN_READER, ckpt], check=True, capture_output=True, text=True)
+    *lines, digests = read.stdout.splitlines()
+    print("\n".join(lines))
+    read_back = json.loads(digests.removeprefix(DIGESTS))
+    saved = {f"model/{name}": _sha256(tensor) for name, tensor in full_model().items()}
+    assert read_back == saved, (read_back, saved)
+    print(f"   every array's bytes as plain readers see them equal what was saved ({len(saved)} arrays)")
 
 
-# Step 5's reader. zarr-python reads the float32 array, a Zarr core type, with or without
-# shardstore; TensorStore reads bfloat16 natively. zarr-python reads bfloat16 only where
-# shardstore is installed: its start-up hook (shardstore_zarr_dtypes.pth) registers the type,
-# and this venv has it. tests/test_plain_readers.py runs the readers in a venv without shardstore.
+def _sha256(tensor: torch.Tensor) -> str:
+    """The SHA-256 of a tensor's bytes in C order, as numpy holds them (bfloat16: its 2 bytes)."""
+    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+DIGESTS = "digests: "  # the reader's last line, before the SHA-256 of each array
+
+# Step 5's reader, the routes of docs/guide/plain-readers.md. The root group's
+# 'packed_arrays' attribute names the zip of each small array (packs/<rank>-<n>.zip, a Zarr
+# hierarchy of its own): zarr-python opens a local pack with ZipStore, TensorStore with its
+# zip kvstore over the file or the S3 object. The other arrays are directories, opened by
+# path. zarr-python reads bfloat16 only where shardstore is installed (its start-up hook,
+# shardstore_zarr_dtypes.pth, registers the type; this venv has it); TensorStore reads it
+# natively. tests/test_plain_readers.py runs readers in a venv without shardstore.
 PLAIN_READER = """
-import os, sys
+import hashlib, json, os, sys
+import numpy as np
 import tensorstore as ts
 import zarr
 
 ckpt = sys.argv[1]
-fc1 = zarr.open_array(ckpt + "/model/fc1", mode="r")
-print(f"   zarr-python  model/fc1        {str(fc1.dtype):<9} {fc1.shape}: float32, read by any zarr-python")
+endpoint = os.environ.get("AWS_ENDPOINT_URL")
 if ckpt.startswith("s3://"):
     bucket, _, prefix = ckpt.removeprefix("s3://").partition("/")
-    kvstore = {"driver": "s3", "bucket": bucket, "path": f"{prefix}/model/embedding/",
-               "aws_region": os.environ.get("AWS_REGION", "us-east-1")}
+    base = {"driver": "s3", "bucket": bucket, "aws_region": os.environ.get("AWS_REGION", "us-east-1")}
     if os.environ.get("AWS_ACCESS_KEY_ID"):  # keys in the environment: no lookup chain printing its misses
-        kvstore["aws_credentials"] = {"type": "environment"}
-    if os.environ.get("AWS_ENDPOINT_URL"):
-        kvstore["endpoint"] = os.environ["AWS_ENDPOINT_URL"]
+        base["aws_credentials"] = {"type": "environment"}
+    if endpoint:
+        base["endpoint"] = endpoint
+    kvstore = lambda rel: {**base, "path": f"{prefix}/{rel}"}
+    storage_options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else None
 else:
-    kvstore = {"driver": "file", "path": f"{ckpt}/model/embedding/"}
-emb = ts.open({"driver": "zarr3", "kvstore": kvstore}, read=True).result()
-print(f"   TensorStore  model/embedding  {emb.dtype.name:<9} {emb.shape}: bfloat16, read natively")
-emb_zarr = zarr.open_array(ckpt + "/model/embedding", mode="r")
-assert (emb_zarr[...] == emb.read().result()).all()
-print(f"   zarr-python  model/embedding  {str(emb_zarr.dtype):<9} {emb_zarr.shape}: the same bytes, but only because")
-print("      shardstore is installed in this venv (its zarr hook registers bfloat16 at start-up); without")
-print("      shardstore, zarr-python cannot open it, and the root group's 'readers' attribute says to use TensorStore")
+    kvstore = lambda rel: {"driver": "file", "path": f"{ckpt}/{rel}"}
+    storage_options = None
+
+group = zarr.open_group(ckpt, mode="r", storage_options=storage_options)  # consolidated: one read
+packed = group.attrs.get("packed_arrays", {})  # {key: "packs/<rank>-<n>.zip"}
+digests = {}
+
+def show(key, values, where, reader):
+    digests[key] = hashlib.sha256(np.ascontiguousarray(values).tobytes()).hexdigest()
+    print(f"   {key:<16} {str(values.dtype):<9} {str(values.shape):<10} {where:<15} {reader}")
+
+for key, array in sorted(group.members(max_depth=None)):
+    if isinstance(array, zarr.Array):  # a directory of its own
+        show(key, array[...], f"{key}/", "zarr-python, by path")
+for key, pack in sorted(packed.items()):
+    spec = {"driver": "zarr3", "kvstore": {"driver": "zip", "base": kvstore(pack)}, "path": key}
+    values = ts.open(spec, read=True).result().read().result()
+    if not ckpt.startswith("s3://"):
+        from_zarr = zarr.open_group(zarr.storage.ZipStore(f"{ckpt}/{pack}", mode="r"), mode="r")[key][...]
+        assert from_zarr.tobytes() == values.tobytes(), key
+        reader = "TensorStore, and zarr-python's ZipStore" + (" (bfloat16: shardstore's hook)" if values.dtype.name == "bfloat16" else "")
+    else:
+        reader = "TensorStore (its zip kvstore over S3; ZipStore takes a local file)"
+    show(key, values, pack, reader)
+readers = group.attrs.get("readers", {})
+needing = [*readers.get("arrays_needing_shardstore_or_tensorstore", {}),
+           *readers.get("packed_arrays_needing_shardstore_or_tensorstore", {})]
+print(f"   without shardstore, zarr-python cannot read {', '.join(sorted(needing)) or 'none of them'}: "
+      "the root's 'readers' attribute says so, and names TensorStore")
+print("digests: " + json.dumps(digests, sort_keys=True))  # the last line: run_demo checks them
 """
 
 

@@ -1,9 +1,11 @@
-"""Every Python example in README.md and docs/**/*.md runs as written (issues 16.6, 43):
-the quick start's ``save.py`` on 2 ranks under torchrun and ``load.py`` on 1 rank and on
-2 (so at another world size); the DCP page's ``fsdp.py`` at 2 ranks, then 1; every other
-block alone, in a process of its own, with nothing before it but what its page says
-surrounds it (the quick start's checkpoint on disk, a Megatron job's process group, AWS
-settings), so a name the block uses and does not define fails here.
+"""Every Python example in README.md and docs/**/*.md runs as printed (issues 16.6, 43,
+77): the quick start's ``save.py`` on 2 ranks under torchrun and ``load.py`` on 1 rank and
+on 2 (so at another world size); the DCP page's ``fsdp.py`` at 2 ranks, then 1; every
+other block alone, in a process of its own, at 2 ranks too where its page says torchrun,
+with nothing before it: a block that needs a process group starts it itself, and what
+else it needs (the quick start's checkpoint on disk, AWS settings naming a server) its
+page says just before it. A name the block uses and does not define fails here, and a
+block added to a page runs without anyone adding it to this file.
 
 torch 2.13's gloo backend can abort a process at interpreter exit ("terminate called
 without an active exception", pytorch/pytorch#190489: its worker threads outlive the
@@ -156,32 +158,30 @@ def test_every_block_names_the_checkpoint_the_quick_start_writes() -> None:
 
 # ------------------------------------------------ the pages' other Python blocks
 
-# Each runs as written, alone, in a process of its own: nothing is put before it but what
-# its page says surrounds it (a Megatron job: a gloo group of one; with no CUDA in this
-# torch, Megatron's calls to torch.cuda are stubbed). ``/tmp/ckpt/`` and ``/ckpt/`` paths
-# point into the test's directory; the AWS settings, to a local S3 server.
-_MEGATRON_JOB = (
-    "import torch\nimport torch.distributed as dist\n"
-    "{init}\n"
-    "torch.cuda.synchronize = lambda *a, **k: None  # Megatron calls these; this torch has no CUDA\n"
-    "torch.cuda.current_device = lambda: 'cpu'\n"
-)
+# Each runs as printed, alone, in a process of its own: nothing is put before it, and a
+# block that needs a process group starts it itself (under torchrun). What the test adds:
+# ``/tmp/ckpt/`` and ``/ckpt/`` paths point into the test's directory; a block whose page
+# says just before it that it reads the quick start's checkpoint runs after save.py, and
+# one whose page says its endpoint comes from the AWS settings gets a local S3 server
+# there, with the bucket it names; a fragment's ``check`` runs after the block (before
+# its closing ``destroy_process_group``). A block no fragment names runs too, checked by
+# its own asserts only: a new block is tested without anyone adding it here.
 
 
 @dataclass(frozen=True)
 class Fragment:
-    """How the test runs the block that holds ``marker``: as written, then ``check`` (what
+    """How the test runs the block that holds ``marker``: as printed, then ``check`` (what
     it must leave behind) in the same process."""
 
     marker: str
-    check: str
+    check: str = ""
     # run after the quick start's save.py (at 2 ranks), whose checkpoint it reads: its page says so
     reads_the_quick_start: bool = False
-    ranks: tuple[int, ...] = (1,)  # a run at each; > 1: as torchrun's workers
-    # its page says it runs after dist.init_process_group: above 1 rank, the test starts the group
-    in_a_group: bool = False
-    megatron_job: bool = False  # run inside _MEGATRON_JOB (megatron-core needed)
-    s3: bool = False  # the AWS settings name a local S3 server with the bucket "my-bucket"
+    # a run at each; > 1: as torchrun's workers. A block its page runs under torchrun runs at 2 too.
+    ranks: tuple[int, ...] = (1,)
+    # "workers": every run as torchrun's workers, 1 rank included (its page says torchrun only)
+    launch: str = "auto"
+    needs_megatron: bool = False  # skipped where megatron-core is not installed
 
 
 FRAGMENTS = (
@@ -202,11 +202,11 @@ FRAGMENTS = (
         "assert sorted(os.listdir(f'{ckpt}/decoder/fc1')) == ['c.0.0'] and not os.path.exists(f'{ckpt}/decoder/zarr.json')\n"
         "assert (from_zarr == weight.numpy()).all() and (from_tensorstore == weight.numpy()).all()\n"
     )),
-    Fragment("shardstore.tools.megatron_strategy import", megatron_job=True, ranks=(1, 2), check=(
+    Fragment("shardstore.tools.megatron_strategy import", needs_megatron=True, launch="workers", check=(
         "assert torch.equal(state['fc1'], fc1.chunk(world)[rank])\n"
         "from shardstore import verify\nassert verify(ckpt_dir).ok\n"
     )),
-    Fragment("shardstore.megatron.install()", megatron_job=True, ranks=(1, 2), check=(
+    Fragment("shardstore.megatron.install()", needs_megatron=True, check=(
         # the calls went through shardstore; Megatron-LM's 0.19 keywords too
         "from shardstore import verify\n"
         "assert torch.equal(state['fc1'], fc1.chunk(world)[rank])\n"
@@ -221,7 +221,7 @@ FRAGMENTS = (
     Fragment("def load_state_dict(self", check=(
         "assert state['data']['loader'] is loader and manager.all_steps() == [0, 1, 2]\n"
     )),
-    Fragment("CheckpointManager(", ranks=(1, 2), in_a_group=True, check=(
+    Fragment("CheckpointManager(", check=(
         "assert manager.latest_step() == 2000, manager.latest_step()\n"
         "assert torch.equal(weight, torch.full((4,), float(total_steps))) and state['steps_trained'] == total_steps\n"
         "assert scheduler.last_epoch == total_steps and scheduler.get_last_lr() == [0.1 * 0.5 ** 2]\n"
@@ -231,7 +231,7 @@ FRAGMENTS = (
         "                                f'{root}/iter_0000003')\n"
         "assert torch.equal(state['fc1'], torch.full((8, 4), 3.0)), state  # step 3's snapshot\n"
     )),
-    Fragment("s3://my-bucket", s3=True, check=(
+    Fragment("s3://my-bucket", check=(
         "meta = dist_checkpointing.load_tensors_metadata('s3://my-bucket/run7/iter_0001000')\n"
         "assert meta['decoder/fc1'].global_shape == (8, 4)\n"
     )),
@@ -315,7 +315,8 @@ def _fsdp_block() -> str:
 
 def _fragments() -> list[tuple[str, Fragment, str]]:
     """(page, fragment, block) for every Python block of every page but the scripts the
-    tests above and below run whole (the quick start's and ``fsdp.py``)."""
+    tests above and below run whole (the quick start's and ``fsdp.py``): the first
+    fragment whose marker the block holds, or a bare one (its block's own asserts)."""
     scripts = {*_quick_start_blocks(), _fsdp_block()}
     found = []
     for page in PAGES:
@@ -323,14 +324,14 @@ def _fragments() -> list[tuple[str, Fragment, str]]:
             if block in scripts:
                 continue
             fragment = next((f for f in FRAGMENTS if f.marker in block), None)
-            assert fragment, f"a Python block of {_page_name(page)} that no test runs:\n{block}"
-            found.append((_page_name(page), fragment, block))
+            found.append((_page_name(page), fragment or Fragment(marker=block.splitlines()[0]), block))
     return found
 
 
-def test_every_python_block_runs_somewhere() -> None:
-    """Each page's Python is a script run whole or a fragment (above), each fragment once."""
-    markers = [fragment.marker for _, fragment, _ in _fragments()]
+def test_every_fragment_names_one_block() -> None:
+    """A fragment whose block was changed or removed is not left behind checking nothing,
+    and no two blocks share one."""
+    markers = [fragment.marker for _, fragment, _ in _fragments() if fragment in FRAGMENTS]
     assert sorted(markers) == sorted(f.marker for f in FRAGMENTS), markers
 
 
@@ -338,18 +339,46 @@ def test_a_block_that_reads_the_quick_starts_checkpoint_says_so() -> None:
     """What a block needs beyond itself, its page says just before it."""
     for page, fragment, block in _fragments():
         if fragment.reads_the_quick_start:
-            text = (ROOT / page).read_text()
-            before = text[:text.index(block)][-600:]
-            assert "quick start" in before or "quick\nstart" in before, f"{page}: {fragment.marker}"
+            assert re.search(r"quick\sstart", _said_before(page, block, 600)), f"{page}: {fragment.marker}"
+
+
+def _said_before(page: str, block: str, chars: int = 400) -> str:
+    """The ``chars`` characters of ``page`` just before ``block``."""
+    text = (ROOT / page).read_text()
+    return text[:text.index(block)][-chars:]
+
+
+def _says_torchrun(page: str, block: str) -> bool:
+    """Whether the block, or the paragraph just before it, says it runs under torchrun."""
+    return "torchrun" in block or "torchrun" in _said_before(page, block)
+
+
+def _s3_bucket(page: str, block: str) -> str | None:
+    """The bucket a block saves to when its page says, just before it, that the endpoint
+    comes from the AWS settings (the test then makes them name a local S3 server)."""
+    match = re.search(r"s3://([a-z0-9.-]+)/", block)
+    return match.group(1) if match and "AWS settings" in _said_before(page, block) else None
+
+
+def _with_check(block: str, check: str) -> str:
+    """The block, then ``check``: before its closing ``destroy_process_group`` if it has
+    one, so that the check runs while the block's process group is up."""
+    closing = re.search(r"^if dist\.is_initialized\(\):\n    dist\.destroy_process_group\(\).*\n\Z|"
+                        r"^dist\.destroy_process_group\(\).*\n\Z", block, flags=re.M)
+    if closing is None:
+        return block + check
+    return block[:closing.start()] + check + block[closing.start():]
 
 
 def _fragment_script(tmp_path: Path, block: str, check: str, before: str = "") -> str:
-    """A page's block as a script: ``before`` (what its page says surrounds it), the block
-    with its checkpoint directories in ``tmp_path``, then ``check`` and the marker."""
-    return _finished(before + _in_test_directory(block, tmp_path) + check)
+    """A page's block as a script: ``before`` (the manager test's interruptions), the block
+    with its checkpoint directories in ``tmp_path`` and ``check``, then the marker."""
+    return _finished(before + _with_check(_in_test_directory(block, tmp_path), check))
 
 
 def _fragment_id(page: str, fragment: Fragment) -> str:
+    if fragment not in FRAGMENTS:
+        return f"{Path(page).stem}:{fragment.marker[:24]}"
     return f"{Path(page).stem}:{fragment.marker.split('(')[0].split()[-1]}"
 
 
@@ -363,25 +392,12 @@ def quick_start_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _runs() -> list[tuple[str, Fragment, str, int]]:
-    return [(page, fragment, block, ranks) for page, fragment, block in _fragments() for ranks in fragment.ranks]
-
-
-# How the test starts the process group a page says is up before its block: torchrun's
-# workers (``_run`` above 1 rank) find their peers by the environment; one process alone
-# on a free port of 127.0.0.1.
-_GROUP_OF_WORKERS = "dist.init_process_group('gloo')"
-_GROUP_OF_ONE = "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=0, world_size=1)"
-
-
-def _surroundings(fragment: Fragment, ranks: int) -> tuple[str, str]:
-    """What the test runs before and after a block: the process group its page says
-    surrounds it, if any."""
-    init = (_GROUP_OF_WORKERS if ranks > 1 else _GROUP_OF_ONE).format(port=free_port())
-    if fragment.megatron_job:
-        return _MEGATRON_JOB.format(init=init), "dist.destroy_process_group()\n"
-    if fragment.in_a_group and ranks > 1:
-        return f"import torch.distributed as dist\n{init}\n", "dist.destroy_process_group()\n"
-    return "", ""
+    """Each block at each of its rank counts: its fragment's, and 2 where its page says torchrun."""
+    runs = []
+    for page, fragment, block in _fragments():
+        ranks = sorted({*fragment.ranks, *((2,) if _says_torchrun(page, block) else ())})
+        runs += [(page, fragment, block, n) for n in ranks]
+    return runs
 
 
 @pytest.mark.parametrize("page, fragment, block, ranks", _runs(),
@@ -389,31 +405,32 @@ def _surroundings(fragment: Fragment, ranks: int) -> tuple[str, str]:
 def test_page_blocks_run_as_written(
     tmp_path: Path, page: str, fragment: Fragment, block: str, ranks: int, request: pytest.FixtureRequest
 ) -> None:
-    if fragment.megatron_job and importlib.util.find_spec("megatron") is None:
+    if fragment.needs_megatron and importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core not installed (it needs torch>=2.6: scripts/oldest_torch.sh below that)")
     ckpt = tmp_path / "ckpt" / "iter_0001000"
     if fragment.reads_the_quick_start:  # a copy: the block may write beside it
         shutil.copytree(request.getfixturevalue("quick_start_checkpoint"), ckpt)
-    before, after = _surroundings(fragment, ranks)
-    (tmp_path / "block.py").write_text(_fragment_script(tmp_path, block, fragment.check + after, before))
+    (tmp_path / "block.py").write_text(_fragment_script(tmp_path, block, fragment.check))
     env = {**os.environ, "CKPT": str(ckpt)}
-    if fragment.s3:
+    bucket = _s3_bucket(page, block)
+    if bucket is not None:
         server = request.getfixturevalue("moto_server")  # the run's one
-        server.create_bucket("my-bucket")
+        server.create_bucket(bucket)
         env.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID=server.key,
                    AWS_SECRET_ACCESS_KEY=server.secret, AWS_REGION=server.region)
-    _run(tmp_path / "block.py", ranks, ckpt, env=env, what=f"{page}: {fragment.marker}")
+    _run(tmp_path / "block.py", ranks, ckpt, env=env, what=f"{page}: {fragment.marker}", launch=fragment.launch)
 
 
 def test_every_block_its_page_runs_under_torchrun_runs_at_2_ranks() -> None:
     """A block whose page (the block, or the paragraph just before it) says it runs
-    under torchrun, or in a Megatron job, runs here at 2 ranks: a path made on each rank
-    (``tempfile.mkdtemp()``) fails there, not at 1."""
+    under torchrun runs here at 2 ranks: a path made on each rank
+    (``tempfile.mkdtemp()``) fails there, not at 1; a block that starts no process
+    group saves as two 1-rank jobs there, and fails."""
+    at_2 = {(page, block) for page, _, block, ranks in _runs() if ranks == 2}
     for page, fragment, block in _fragments():
-        text = (ROOT / page).read_text()
-        said_before = text[:text.index(block)][-400:]
-        if "torchrun" in block or "torchrun" in said_before or fragment.megatron_job:
-            assert 2 in fragment.ranks, f"{page}: {fragment.marker} runs at {fragment.ranks} only"
+        if _says_torchrun(page, block):
+            assert (page, block) in at_2, f"{page}: {fragment.marker}"
+    assert any("megatron" in page for page, _ in at_2), "the Megatron page's blocks say torchrun"
 
 
 # ------------------------------------------------ the DCP page's script

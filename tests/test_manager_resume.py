@@ -128,3 +128,47 @@ def test_stateful_items_restore_each_ranks_own_state_at_two_ranks(tmp_path: Path
     expected_lr = [0.1 * 0.5]  # StepLR(step_size=2, gamma=0.5) after 3 steps
     assert [(start, position, steps) for start, position, _, steps in results] == [(3, 1000, 3), (3, 1001, 3)]
     assert all(lr == expected_lr for _, _, lr, _ in results)
+
+
+def _resume_warnings(root: Path, caplog, **options) -> list[str]:
+    caplog.clear()
+    with caplog.at_level("INFO", logger="shardstore"), CheckpointManager(
+        root, CheckpointManagerOptions(**options)
+    ) as manager:
+        manager.resume(_plain_state())
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_resume_that_finds_nothing_warns_naming_the_root_and_what_it_holds(tmp_path: Path, caplog) -> None:
+    """Issue 77.3: a root with a typo restarted training at step 0 and said so at INFO
+    only. The warning names the root and says what is there instead."""
+    with CheckpointManager(tmp_path / "run1") as manager:
+        manager.save(5, _plain_state())
+
+    (typo,) = _resume_warnings(tmp_path / "run_1", caplog)
+    assert str(tmp_path / "run_1") in typo and "starts at step 0" in typo and "empty or does not exist" in typo
+    (parent,) = _resume_warnings(tmp_path, caplog)  # the run's parent: an entry, not a step
+    assert "1 entry, none a step directory named like iter_0000000" in parent, parent
+    (prefix,) = _resume_warnings(tmp_path / "run1", caplog, step_prefix="step_")
+    assert "step_prefix='step_'" in prefix, prefix
+    (tmp_path / "run2" / "iter_0000003").mkdir(parents=True)  # a save that died before its commit
+    (uncommitted,) = _resume_warnings(tmp_path / "run2", caplog)
+    assert "its step directory iter_0000003 is not committed" in uncommitted, uncommitted
+    assert _resume_warnings(tmp_path / "run1", caplog) == []  # found: no warning
+
+
+def test_a_manager_under_torchrun_without_a_process_group_says_so(
+    tmp_path: Path, caplog, monkeypatch
+) -> None:
+    """Issue 77.4: torchrun's workers that never start a process group each ran a 1-rank
+    manager over one root, silently."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with caplog.at_level("WARNING", logger="shardstore"), CheckpointManager(tmp_path):
+        pass
+    (warning,) = [r.getMessage() for r in caplog.records if "WORLD_SIZE" in r.getMessage()]
+    assert "WORLD_SIZE=2 and no process group" in warning and "dist.init_process_group()" in warning
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="shardstore"), CheckpointManager(tmp_path):
+        pass
+    assert not caplog.records

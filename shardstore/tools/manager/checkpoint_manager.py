@@ -101,6 +101,13 @@ class CheckpointManager:
         self._schedule = SaveSchedule(self.root, self.options, lambda: Group(self.process_group), clock,
                                       self.options.async_save)
         self._saves = SaveRunner(self._steps, self.options, process_group)
+        world = os.environ.get("WORLD_SIZE", "1")
+        if process_group is None and not dist.is_initialized() and world.isdigit() and int(world) > 1:
+            logger.warning(
+                "CheckpointManager(%s) made with WORLD_SIZE=%s and no process group: each of the %s "
+                "processes runs a manager of its own over this root. Call dist.init_process_group() first.",
+                self.root.describe(), world, world,
+            )
 
     # ------------------------------------------------------------------ finding steps
 
@@ -475,13 +482,31 @@ class CheckpointManager:
         self.wait_until_finished()
         step = self._on_coordinator(self.latest_step)
         if step is None:
-            logger.info("No committed checkpoint under %s: starting at step 0", self.root.describe())
+            if Group(self.process_group).is_coordinator:
+                logger.warning("%s", self._nothing_to_resume())
             return Resumed(0, None)
         state = self.restore(sharded_state_dict, step, **load_kwargs)
         logger.info(
             "Resumed from step %d under %s: training continues at step %d", step, self.root.describe(), step + 1
         )
         return Resumed(step + 1, state)
+
+    def _nothing_to_resume(self) -> str:
+        """What ``resume`` found under a root without a committed step, and what to check:
+        a root with a typo starts training from step 0."""
+        named = [self.options.step_name(step) for step in self._steps.named()]
+        entries = self.root.list_top(limit=None)
+        if named:
+            found = (f"its step directory {named[0]} is not committed" if len(named) == 1 else
+                     f"{len(named)} step directories, {named[0]} to {named[-1]}, none committed")
+        elif entries:
+            found = (f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'}, none a step directory "
+                     f"named like {self.options.step_name(0)} (step_prefix={self.options.step_prefix!r}, "
+                     f"step_digits={self.options.step_digits})")
+        else:
+            found = "nothing: it is empty or does not exist"
+        return (f"No committed checkpoint under {self.root.describe()} ({found}): training starts at "
+                "step 0. To resume a run, give the manager the root its steps are in.")
 
     def restore(
         self, sharded_state_dict: ShardedStateDict, step: int | None = None, **load_kwargs: Any

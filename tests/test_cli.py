@@ -90,6 +90,29 @@ def test_inspect_lists_arrays_objects_common_state_and_format(demo: Path) -> Non
     assert "common state: args, iteration" in out
 
 
+def test_inspect_of_a_run_root_lists_its_checkpoints(tmp_path: Path) -> None:
+    """Issue 77.3: ``inspect`` of a manager's root read as if ``iter_0000007`` were "a
+    file a save writes". It lists the checkpoints under it, a damaged record named."""
+    from shardstore import CheckpointManager
+
+    with CheckpointManager(tmp_path) as manager:
+        for step in (5, 7):
+            manager.save(step, {"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, force=True)
+    (tmp_path / "iter_0000009").mkdir()
+    (tmp_path / "iter_0000009" / "zarr.json").write_text("{not json")
+    code, out, err = run("inspect", str(tmp_path))
+    assert code == 0, err
+    assert out.startswith(f"run root {tmp_path}: 3 checkpoint(s); `shardstore inspect {tmp_path}/iter_0000007`"), out
+    assert re.search(r"iter_0000005  committed .*, 1 arrays, 16 B, 1 rank\(s\), format \d+", out), out
+    assert "iter_0000009  commit record does not read" in out and "file a save writes" not in out + err
+    code, out, _ = run("ls", "--json", str(tmp_path))
+    listed = json.loads(out)
+    assert code == 0 and [c["name"] for c in listed["checkpoints"]] == ["iter_0000005", "iter_0000007", "iter_0000009"]
+    assert listed["checkpoints"][1]["arrays"] == 1 and listed["checkpoints"][2]["error"]
+    code, out, _ = run("inspect", str(tmp_path / "iter_0000007"))  # one of them: its arrays, as before
+    assert code == 0 and out.startswith(f"checkpoint {tmp_path}/iter_0000007") and "arrays: 1" in out
+
+
 def test_inspect_json_is_complete(demo: Path) -> None:
     code, out, _ = run("ls", "--json", str(demo))
     summary = json.loads(out)

@@ -31,12 +31,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from shardstore.errors import CheckpointingException
 from shardstore.progress import format_bytes, progress_shown
+
+if TYPE_CHECKING:
+    from shardstore.tools.inspection import RootSummary
 
 EXIT_FINDING = 1
 EXIT_ERROR = 2
@@ -237,11 +240,17 @@ def _shardstore_logged(level: int) -> Iterator[None]:
 @click.argument("checkpoint")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 def inspect_command(checkpoint: str, as_json: bool) -> None:
-    """What CHECKPOINT holds: arrays, sharded objects, common state, format."""
-    from shardstore.tools.inspection import describe_checkpoint
+    """What CHECKPOINT holds: arrays, sharded objects, common state, format. Given a run
+    root (a directory of checkpoints, such as a manager's iter_* steps): its checkpoints."""
+    from shardstore.tools.inspection import describe_checkpoint, describe_root
 
     with _reported_errors():
-        summary = describe_checkpoint(checkpoint)
+        root = describe_root(checkpoint)
+        summary = describe_checkpoint(checkpoint) if root is None else None
+    if root is not None:
+        _echo_root(root, as_json)
+        return
+    assert summary is not None
     if as_json:
         _echo_json(summary.to_json())
         return
@@ -279,6 +288,26 @@ def inspect_command(checkpoint: str, as_json: bool) -> None:
 
 
 main.add_command(inspect_command, "ls")
+
+
+def _echo_root(root: RootSummary, as_json: bool) -> None:
+    """``inspect`` of a run root: one line per checkpoint under it, from its commit record."""
+    if as_json:
+        _echo_json(root.to_json())
+        return
+    readable = [entry.checkpoint for entry in root.checkpoints if not entry.error]
+    shown = f"; `shardstore inspect {readable[-1]}` shows one's arrays" if readable else ""
+    click.echo(f"run root {root.root}: {len(root.checkpoints)} checkpoint(s){shown}")
+    width = max(len(entry.name) for entry in root.checkpoints)
+    for entry in root.checkpoints:
+        if entry.error:
+            click.echo(f"  {entry.name:<{width}}  commit record does not read: {entry.error}")
+            continue
+        click.echo(f"  {entry.name:<{width}}  committed {_commit_time(entry.created)}, {entry.arrays} arrays, "
+                   f"{format_bytes(entry.nbytes)}, {entry.world_size} rank(s), format {entry.format_version}, "
+                   f"save {entry.save_id}")
+    if root.leftovers:
+        click.echo(f"  left by interrupted saves (not checkpoints): {', '.join(root.leftovers)}")
 
 
 def _commit_time(created: float) -> str:

@@ -1,5 +1,7 @@
 """Looking at checkpoints without loading them into a model: what one holds
-(``describe_checkpoint``), and how two differ (``diff_checkpoints``).
+(``describe_checkpoint``), what a run root holds (``describe_root``: a manager's or a
+Megatron-LM run's directory of ``iter_*`` checkpoints), and how two differ
+(``diff_checkpoints``).
 
 Both are plain data (frozen dataclasses with ``to_json``) that the ``shardstore``
 command prints; neither is collective.
@@ -9,8 +11,8 @@ from __future__ import annotations
 
 __all__ = [
     "ONLY_IN_FIRST", "ONLY_IN_SECOND", "ArrayDifference", "ArraySummary", "CheckpointDiff",
-    "CheckpointSummary", "ValueDifference", "describe_checkpoint", "diff_checkpoints",
-    "value_differences",
+    "CheckpointSummary", "RootEntry", "RootSummary", "ValueDifference", "describe_checkpoint",
+    "describe_root", "diff_checkpoints", "value_differences",
 ]
 
 import argparse
@@ -26,6 +28,7 @@ import torch
 
 from shardstore.compat.megatron.strategies.base import LoadCommonStrategy
 from shardstore.compat.megatron.strategies.other_formats import open_other_format
+from shardstore.errors import CheckpointingException
 from shardstore.format import (
     StorageLayout,
     from_zarr_name,
@@ -131,6 +134,61 @@ def describe_other_format(checkpoint: Location) -> CheckpointSummary:
         arrays=arrays, objects=_shards_by_key(sorted(parts.objects)),
         common_keys=tuple(sorted(str(k) for k in parts.common)), kind=source.kind,
     )
+
+
+@dataclass(frozen=True)
+class RootEntry:
+    """One checkpoint under a run root, from its commit record alone; ``error``: why
+    its record does not read (the other fields then empty)."""
+
+    name: str
+    checkpoint: str
+    format_version: int = 0
+    created: float = 0.0
+    world_size: int = 0
+    save_id: str = ""
+    arrays: int = 0
+    nbytes: int = 0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class RootSummary:
+    """A directory whose entries are checkpoints (``iter_0000007``, ...), in name order,
+    and the leftovers of interrupted saves beside them."""
+
+    root: str
+    checkpoints: tuple[RootEntry, ...]
+    leftovers: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def describe_root(root: str | os.PathLike) -> RootSummary | None:
+    """What a run root holds: each checkpoint directly under it (a commit record, damaged
+    ones included), or None where ``root`` is itself a checkpoint or holds none."""
+    from shardstore.format import read_commit_record
+    from shardstore.tools.root_verify import entries_under, holds_commit_record
+
+    location = bare_location(root)
+    if holds_commit_record(location):
+        return None
+    found, leftovers = entries_under(location)
+    if not found:
+        return None
+    entries = []
+    for name, child in sorted(found.items()):
+        try:
+            record = read_commit_record(child)
+        except (CheckpointingException, OSError, ValueError) as error:  # damaged: listed with its error
+            entries.append(RootEntry(name, child.describe(), error=f"{type(error).__name__}: {error}"))
+            continue
+        entries.append(RootEntry(
+            name, child.describe(), record.format_version, record.created, record.world_size, record.save_id,
+            len(record.arrays), sum(a.nbytes for a in record.arrays.values()),
+        ))
+    return RootSummary(location.describe(), tuple(entries), tuple(leftovers))
 
 
 def _shards_by_key(unique_keys: Iterable[str]) -> dict[str, tuple[str, ...]]:

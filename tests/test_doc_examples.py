@@ -217,6 +217,10 @@ FRAGMENTS = (
         "assert dist_checkpointing.load_content_metadata(ckpt) == {'n': 2}\n"
         "shardstore.megatron.uninstall()\n"
     )),
+    # before "CheckpointManager(", which its block holds too: FSDP2 through the manager, torchrun only
+    Fragment('CheckpointManager("/tmp/ckpt/fsdp-run"', launch="workers", check=(
+        "assert manager.latest_step() == total_steps - 1 and scheduler.last_epoch == total_steps\n"
+    )),
     # before "CheckpointManager(", which its block holds too: a Stateful item, restored by a restart
     Fragment("def load_state_dict(self", check=(
         "assert state['data']['loader'] is loader and manager.all_steps() == [0, 1, 2]\n"

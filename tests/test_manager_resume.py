@@ -172,3 +172,68 @@ def test_a_manager_under_torchrun_without_a_process_group_says_so(
     with caplog.at_level("WARNING", logger="shardstore"), CheckpointManager(tmp_path):
         pass
     assert not caplog.records
+
+
+def _save_items_at_two_ranks(rank: int, world: int, root: str) -> None:
+    scheduler, loader = _scheduler(), _Loader(position=1000 + rank)  # the same schedule; each rank's data
+    for _ in range(3):
+        scheduler.optimizer.step()
+        scheduler.step()
+    with CheckpointManager(root) as manager:
+        manager.save(2, {**_plain_state(rank), "scheduler": scheduler, "data": {"loader": loader}})
+
+
+def _resume_at_one_rank(root: str, **options) -> tuple[torch.optim.lr_scheduler.StepLR, _Loader]:
+    scheduler, loader = _scheduler(), _Loader(position=-1)
+    with CheckpointManager(root, CheckpointManagerOptions(**options)) as manager:
+        assert manager.resume({**_plain_state(), "scheduler": scheduler, "data": {"loader": loader}})[0] == 3
+    return scheduler, loader
+
+
+def test_items_saved_at_two_ranks_resume_at_one_as_the_user_says(tmp_path: Path) -> None:
+    """Issue 77.2: an LR scheduler and a data loader saved at 2 ranks, resumed at 1, failed
+    with "ShardedObject 'shardstore_manager.items.scheduler' shard ... is missing", about
+    an object the user never made. An item every rank saved alike (the scheduler)
+    restores at any world size; one that differs (the loader) as the user says, and
+    without a word from the user the error names the item and the choices."""
+    import pytest
+
+    from shardstore import CheckpointingException
+
+    run_distributed(_save_items_at_two_ranks, 2, str(tmp_path))
+    with pytest.raises(CheckpointingException) as refused:
+        _resume_at_one_rank(str(tmp_path))
+    message = str(refused.value)
+    assert "'data.loader' was saved by 2 ranks" in message and "this job has 1" in message, message
+    assert "items_at_another_world_size={'data.loader': ...}" in message and "'rank_0'" in message
+    assert "'fresh'" in message and "missing" not in message, message
+
+    scheduler, loader = _resume_at_one_rank(str(tmp_path), items_at_another_world_size={"data.loader": "rank_0"})
+    assert scheduler.last_epoch == 3 and scheduler.get_last_lr() == [0.1 * 0.5] and loader.position == 1000
+    scheduler, loader = _resume_at_one_rank(str(tmp_path), items_at_another_world_size={"data.loader": "fresh"})
+    assert scheduler.last_epoch == 3 and loader.position == -1  # not restored: as it was
+
+
+def _resume_at_two_ranks(rank: int, world: int, root: str) -> tuple[int, int]:
+    scheduler, loader = _scheduler(), _Loader(position=-1)
+    options = CheckpointManagerOptions(items_at_another_world_size={"data.loader": "rank_0"})
+    with CheckpointManager(root, options) as manager:
+        manager.resume({**_plain_state(rank), "scheduler": scheduler, "data": {"loader": loader}})
+    return scheduler.last_epoch, loader.position
+
+
+def test_items_saved_at_one_rank_resume_at_two(tmp_path: Path) -> None:
+    scheduler, loader = _scheduler(), _Loader(position=7)
+    for _ in range(3):
+        scheduler.optimizer.step()
+        scheduler.step()
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(2, {**_plain_state(), "scheduler": scheduler, "data": {"loader": loader}})
+    assert run_distributed(_resume_at_two_ranks, 2, str(tmp_path)) == [(3, 7), (3, 7)]
+
+
+def test_an_unknown_choice_for_an_item_is_refused_where_the_options_are_made() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="items_at_another_world_size\\['data.loader'\\] must be one of"):
+        CheckpointManagerOptions(items_at_another_world_size={"data.loader": "first"})

@@ -32,10 +32,11 @@ from shardstore.stores import Location
 from shardstore.tools.manager.deletion import StepDeletion
 from shardstore.tools.manager.options import MANAGER_STATE_KEY, CheckpointManagerOptions, Metrics
 from shardstore.tools.manager.resume import (
+    AnotherWorldSize,
     Resumed,
     put_back,
-    requested_item,
     saved_item,
+    saved_item_ranks,
     with_items,
 )
 from shardstore.tools.manager.retention import Retention, checked_metrics, score
@@ -520,6 +521,7 @@ class CheckpointManager:
         manager's own ``shardstore_manager`` entry. Async saves in flight commit first.
         To continue training, ``resume`` says which step comes next."""
         from shardstore.compat.megatron.serialization import load
+        from shardstore.format import read_commit_record
 
         self._refuse_if_closed("restore " + ("the latest step" if step is None else f"step {step}"))
         self._refuse_managers_arguments(load_kwargs, "Not restoring")
@@ -531,9 +533,13 @@ class CheckpointManager:
             if step is None:
                 raise CheckpointingException(f"No committed checkpoint under {self.root.describe()} to restore")
         group = Group(self.process_group)
-        request = with_items(sharded_state_dict, requested_item(group.rank, group.world_size))
-        result = load(request, self.location(step), process_group=self.process_group, **load_kwargs)
+        location = self.location(step)
+        saved = self._on_coordinator(lambda: saved_item_ranks(read_commit_record(location).object_shard_files))
+        items = AnotherWorldSize(saved, group.rank, group.world_size, self.options.items_at_another_world_size)
+        request = with_items(sharded_state_dict, items.requested)
+        result = load(request, location, process_group=self.process_group, **load_kwargs)
         state = result[0] if isinstance(result, tuple) else result  # strict="return_...": (state, keys...)
+        items.resolve(state)
         if isinstance(state, dict):
             state.pop(MANAGER_STATE_KEY, None)  # the manager's own, not the trainer's
         put_back(sharded_state_dict, state)

@@ -3,12 +3,12 @@ and how a step's directory is named. Frozen: checked once, where they are made."
 
 from __future__ import annotations
 
-__all__ = ["MANAGER_STATE_KEY", "CheckpointManagerOptions", "Metrics"]
+__all__ = ["ITEM_CHOICES", "MANAGER_STATE_KEY", "CheckpointManagerOptions", "Metrics"]
 
 import numbers
 import signal
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shardstore.format import StorageLayout
@@ -18,6 +18,12 @@ Metrics = Mapping[str, float]
 # The common state's key under which the manager keeps what it stores in a step (its
 # metrics, its items); reserved: a state dict that holds it is refused.
 MANAGER_STATE_KEY = "shardstore_manager"
+# What a restore at another world size gives each rank of a Stateful item whose saving
+# ranks saved different states (``items_at_another_world_size``).
+ITEM_CHOICES = {
+    "rank_0": "every rank gets the state rank 0 saved",
+    "fresh": "the item is not restored and keeps its state",
+}
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,12 @@ class CheckpointManagerOptions:
             that keeps it; a ``sharded_strategy`` given to ``save`` is used as it is).
             Off: every save plans anew.
         layout: where each save puts its bytes (``StorageLayout``; with ``options=``).
+        items_at_another_world_size: for a Stateful item (named by its place in the
+            state, ``"data.loader"``) whose saving ranks saved different states, what a
+            restore at another number of ranks gives each rank: ``"rank_0"`` (the state
+            rank 0 saved) or ``"fresh"`` (not restored: the item keeps its state). Items
+            that every saving rank saved alike restore at any number of ranks anyway;
+            one that differs and is not named here is refused, naming both choices.
     """
 
     save_interval_steps: int | None = 1
@@ -68,8 +80,13 @@ class CheckpointManagerOptions:
     reuse_unchanged: bool = True
     cache_plan: bool = True
     layout: StorageLayout = StorageLayout()
+    items_at_another_world_size: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for item, choice in self.items_at_another_world_size.items():
+            if choice not in ITEM_CHOICES:
+                raise ValueError(f"items_at_another_world_size[{item!r}] must be one of {sorted(ITEM_CHOICES)}, "
+                                 f"got {choice!r}")
         for name in ("save_interval_steps", "max_to_keep", "keep_period", "step_digits", "keep_best"):
             _require_int_or_none(name, getattr(self, name))
         if self.save_interval_steps is not None and self.save_interval_steps < 1:

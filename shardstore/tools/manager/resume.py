@@ -12,8 +12,11 @@ loads into the caller's state, which it then holds whole:
   of its own: its ``state_dict()`` at the time of the save, one per rank (a data
   loader's position differs between ranks), stored as a ShardedObject named by its
   place in the state under ``MANAGER_STATE_KEY`` (``item_key``). On restore its
-  ``load_state_dict`` gets this rank's state back, so items restore at the number of
-  ranks that saved them.
+  ``load_state_dict`` gets this rank's state back. At another number of ranks every
+  rank reads every saved state of the item (``AnotherWorldSize``): states equal on
+  every saving rank (an LR scheduler) restore on every rank; different ones (a data
+  loader) as ``CheckpointManagerOptions.items_at_another_world_size`` says, and are
+  refused where it says nothing.
 
 What ``restore`` returns is what ``shardstore.load`` returned, with each item in
 place of its loaded state.
@@ -21,15 +24,20 @@ place of its loaded state.
 
 from __future__ import annotations
 
-__all__ = ["Resumed", "is_stateful", "item_key", "put_back", "requested_item", "saved_item", "with_items"]
+__all__ = [
+    "AnotherWorldSize", "Resumed", "is_stateful", "item_key", "put_back", "requested_item", "saved_item",
+    "saved_item_ranks", "with_items",
+]
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 
+from shardstore.errors import CheckpointingException
 from shardstore.mapping import LocalNonpersistentObject, ShardedBase, ShardedObject, StateDict
-from shardstore.tools.manager.options import MANAGER_STATE_KEY
+from shardstore.tools.manager.options import ITEM_CHOICES, MANAGER_STATE_KEY
 
 Path = tuple[Any, ...]
 
@@ -89,6 +97,85 @@ def requested_item(group_rank: int, group_size: int) -> Callable[[Path, Any], Sh
     return lambda path, item: ShardedObject(item_key(path), None, (group_size,), (group_rank,))
 
 
+def saved_item_ranks(object_shard_keys: Iterable[str]) -> dict[str, int]:
+    """How many ranks saved each item, from a commit record's ShardedObject shard keys
+    (``<item key>/shard_<rank>_<ranks>``)."""
+    prefix = re.escape(item_key(()))
+    ranks = {}
+    for key in object_shard_keys:
+        match = re.fullmatch(rf"({prefix}\..+)/shard_\d+_(\d+)", key)
+        if match:
+            ranks[match.group(1)] = int(match.group(2))
+    return ranks
+
+
+_NOT_RESTORED = object()  # put_back leaves the item whose loaded state is this as it is
+
+
+class AnotherWorldSize:
+    """Restoring items saved by another number of ranks (``saved``: item key to the
+    ranks that saved it): ``requested`` asks every rank for every saved state of such an
+    item, ``resolve`` then puts one state in their place, or refuses. Every rank
+    compares the same states, so every rank decides alike, without a collective."""
+
+    def __init__(self, saved: Mapping[str, int], group_rank: int, group_size: int,
+                 choices: Mapping[str, str]) -> None:
+        self.saved, self.group_rank, self.group_size, self.choices = saved, group_rank, group_size, choices
+        self._own = requested_item(group_rank, group_size)
+        self.paths: list[Path] = []
+
+    def requested(self, path: Path, item: Any) -> Any:
+        """``with_items``'s ``shard``: this rank's shard, or every saved one where the
+        item was saved by another number of ranks."""
+        ranks = self.saved.get(item_key(path), self.group_size)
+        if ranks == self.group_size:
+            return self._own(path, item)
+        self.paths.append(path)
+        # every rank reads them all: the main replica of each is the first rank's
+        return {rank: ShardedObject(item_key(path), None, (ranks,), (rank,), replica_id=self.group_rank)
+                for rank in range(ranks)}
+
+    def resolve(self, loaded: Any) -> None:
+        """Puts in ``loaded`` one state of each item ``requested`` asked all states of."""
+        for path in self.paths:
+            node = loaded
+            for part in path[:-1]:
+                node = node[part]
+            node[path[-1]] = self._chosen(path, node[path[-1]])
+
+    def _chosen(self, path: Path, states: dict[int, Any]) -> Any:
+        first = states[0]
+        if all(_same(first, states[rank]) for rank in states):
+            return first
+        name = ".".join(map(str, path))
+        choice = self.choices.get(name)
+        if choice == "rank_0":
+            return first
+        if choice == "fresh":
+            return _NOT_RESTORED
+        options = "; ".join(f"{value!r}: {meaning}" for value, meaning in ITEM_CHOICES.items())
+        raise CheckpointingException(
+            f"The Stateful item {name!r} was saved by {len(states)} ranks, each with its own state (they differ), "
+            f"and this job has {self.group_size}: no rank's state is this rank's. Say what each rank gets with "
+            f"CheckpointManagerOptions(items_at_another_world_size={{{name!r}: ...}}): {options}"
+        )
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two saved states are equal, tensors by value and dtype."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and bool(torch.equal(a, b)))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001  (an object without a plain ==: not the same)
+        return False
+
+
 def put_back(target: Any, loaded: Any) -> Any:
     """Puts what ``loaded`` (what ``shardstore.load`` returned for ``target``) holds back
     into ``target``'s dicts and lists, nested as saved: a Stateful item gets its state
@@ -113,7 +200,8 @@ def _put_back_one(container: dict | list, key: Any, loaded: Any) -> Any:
     """``put_back`` of one entry of ``container``; returns what ``loaded`` holds there."""
     current = container[key]
     if is_stateful(current):
-        current.load_state_dict(loaded)
+        if loaded is not _NOT_RESTORED:
+            current.load_state_dict(loaded)
         return current
     if isinstance(current, dict) and isinstance(loaded, dict):
         return put_back(current, loaded)

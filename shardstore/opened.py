@@ -48,6 +48,7 @@ import os
 from dataclasses import dataclass
 
 from shardstore.errors import CheckpointingException
+from shardstore.format.commit.pending import SaveLocation
 from shardstore.format.config import (
     CONFIG_FNAME,
     MAX_CONFIG_BYTES,
@@ -240,6 +241,12 @@ def write_location(location: Location, *, writes_config: bool = False) -> Locati
     """
     if not is_committed(location):
         return location
+    if isinstance(location, SaveLocation) and location.save is not None:  # in place, committed by another save
+        raise CheckpointingException(
+            f"Not writing into {location.describe()}: another save took the prefix over and committed there while "
+            f"this save (save {location.save.intent.save_id}) ran, which lost its claim on it (paused past its "
+            "lease?). Nothing of this save is committed, and nothing was written over; save again"
+        )
     if writes_config and CONFIG_FNAME not in read_commit_record(location).files:
         return location
     what = CONFIG_FNAME if writes_config else "a file"

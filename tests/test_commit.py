@@ -31,8 +31,10 @@ from shardstore.format.records import (
     REPLACED_TAG,
     SAVE_MARKER,
     STAGING_TAG,
+    is_committed,
     read_commit_record,
 )
+from shardstore.format.records.claim_document import ABANDONED, ClaimDocument
 from shardstore.stores import local as local_backend
 from shardstore.stores.base import StorageError
 from shardstore.stores.local import LocalStore
@@ -154,48 +156,50 @@ def test_own_marker_left_in_a_committed_in_place_checkpoint_does_not_block_overw
 
 
 def test_in_place_overwrite_interrupted_while_deleting_the_old_checkpoint_is_recoverable(monkeypatch) -> None:
-    """``InPlace.begin`` deleted the old commit record, then everything else, and only
-    then wrote its marker. A failure in between (S3 DeleteObjects errors after retries,
-    Ctrl-C, a kill) left objects with neither commit record nor marker, which every later
-    save refused as "not a checkpoint". The marker now goes first and the deletions
-    leave it in place, so the next save removes what is left."""
+    """An in-place overwrite that fails while it deletes the old checkpoint's objects
+    (S3 DeleteObjects errors after retries, Ctrl-C) gives its claim up: what is left
+    stays proven a save's that is over, and the next save removes it and commits."""
     url = "memory://commit-interrupted-delete/ckpt"
     save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 1.0))}, url)
-    real_delete_prefix = MemoryStore.delete_prefix
+    real_delete_many = MemoryStore.delete_many
 
-    def fail_after_a_few(self: MemoryStore, prefix: str = "", keep=()) -> None:
-        keys = [key for key in self.list(prefix) if key not in keep]
-        self.delete(keys[0])  # a first batch went, then the service failed
+    def fail_after_one(self: MemoryStore, keys: list[str]) -> None:
+        real_delete_many(self, keys[:1])  # a first object went, then the service failed
         raise StorageError("DeleteObjects: InternalError (injected, after retries)")
 
-    monkeypatch.setattr(MemoryStore, "delete_prefix", fail_after_a_few)
+    monkeypatch.setattr(MemoryStore, "delete_many", fail_after_one)
     with pytest.raises(StorageError, match="injected"):
         save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 2.0))}, url, overwrite=True)
-    monkeypatch.setattr(MemoryStore, "delete_prefix", real_delete_prefix)
-    assert open_location(url).exists(SAVE_MARKER), "what the interrupted save left is marked"
+    monkeypatch.setattr(MemoryStore, "delete_many", real_delete_many)
+    claim = ClaimDocument.parse(open_location(url).read_bytes(COMMIT_RECORD))
+    assert claim is not None and claim.state == ABANDONED, "what the interrupted save left is proven a save's"
+    with pytest.raises(CheckpointingException, match="ended without a commit"):
+        load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}, url)
     save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 3.0))}, url, overwrite=True)
     loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}, url)
     assert torch.equal(loaded["w"], torch.full((4, 3), 3.0))
 
 
-def test_in_place_overwrite_interrupted_before_the_old_record_went_keeps_it_and_recovers(monkeypatch) -> None:
-    """Interrupted after its marker, before the old record's DELETE: the old checkpoint
-    still loads, and its marker (naming the checkpoint it replaces) does not block the
-    next overwrite."""
+def test_in_place_overwrite_interrupted_before_it_removed_anything_puts_the_old_record_back(monkeypatch) -> None:
+    """Interrupted after its claim replaced the old record, before it removed anything
+    (the listing failed): the old record is put back, so the old checkpoint still loads
+    and verifies, and the next overwrite works."""
     url = "memory://commit-interrupted-record/ckpt"
     save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 1.0))}, url)
-    real_delete = MemoryStore.delete
+    real_list = MemoryStore.list
 
-    def delete(self: MemoryStore, key: str) -> None:
-        if key == COMMIT_RECORD:
-            raise StorageError("DeleteObject: InternalError (injected)")
-        real_delete(self, key)
+    def fail_the_listing(self: MemoryStore, prefix: str = "") -> list[str]:
+        if not prefix and self.exists(COMMIT_RECORD) and not is_committed(open_location(url)):
+            raise StorageError("ListObjectsV2: InternalError (injected)")
+        return real_list(self, prefix)
 
-    monkeypatch.setattr(MemoryStore, "delete", delete)
+    monkeypatch.setattr(MemoryStore, "list", fail_the_listing)
     with pytest.raises(StorageError, match="injected"):
         save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 2.0))}, url, overwrite=True)
     monkeypatch.undo()
     assert verify(url).ok, str(verify(url))
+    loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}, url)
+    assert torch.equal(loaded["w"], torch.full((4, 3), 1.0))
     save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), 3.0))}, url, overwrite=True)
     loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}, url)
     assert torch.equal(loaded["w"], torch.full((4, 3), 3.0))

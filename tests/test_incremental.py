@@ -409,7 +409,7 @@ def test_s3_copies_are_proven_by_the_recorded_etag_without_hashing(s3, monkeypat
 def test_s3_etags_that_name_versions_not_bytes_end_sharing(s3, monkeypatch) -> None:
     """A store whose ETags look like MD5s but are not the bytes' (equal on a copy
     whatever the bytes): the save's first copy finds it out, and nothing is shared."""
-    from shardstore.stores import kv_chunks
+    from shardstore.stores import kv_chunks, s3_fenced
     from shardstore.stores.base import CopiedObject
     from shardstore.stores.s3 import S3Store
 
@@ -419,6 +419,7 @@ def test_s3_etags_that_name_versions_not_bytes_end_sharing(s3, monkeypatch) -> N
     monkeypatch.setattr(kv_chunks, "_MD5_ETAG_BUCKETS", set())  # as in a new process
     version = "ab" * 16  # hex, 32 digits, and no MD5 of anything saved here
     monkeypatch.setattr(kv_chunks, "_etag_of", lambda generation: version)
+    monkeypatch.setattr(s3_fenced, "_etag", lambda reply: version)
     save(_state(1), first, layout=PER_ARRAY)
     assert read_commit_record(first).arrays["base"].chunk_etags == (version,)
     monkeypatch.setattr(S3Store, "copy_from", lambda self, source, key: CopiedObject(version))

@@ -425,30 +425,33 @@ def test_a_pack_write_failing_in_another_process_is_raised_by_the_finalization(t
 
 
 @pytest.mark.integration
-def test_a_failing_pack_put_on_s3_removes_the_saves_objects_once_and_the_next_save_works(
+def test_a_failing_pack_put_on_s3_gives_the_claim_up_once_and_the_next_save_works(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The failed save's objects and marker are removed, and only once: the save was
-    abandoned a second time by ``save``'s own clean-up, which found its marker gone and
-    warned that another save had taken the prefix over (none had)."""
-    from shardstore.stores.kv_chunks import KvChunkStore
+    """The failed save gives its claim up, once: it was abandoned a second time by
+    ``save``'s own clean-up, which warned that another save had taken the prefix over
+    (none had). What it wrote stays under its given-up claim, which the next save takes
+    over at once, removing it."""
+    from shardstore.format.records.claim_document import ABANDONED, ClaimDocument
+    from shardstore.stores.s3 import S3ChunkStore
     from tests.s3_support import s3_options
 
     server = request.getfixturevalue("moto_server")
     server.create_bucket("packfaults-put")
     location = open_location("s3://packfaults-put/ckpt", options=s3_options(server.endpoint))
-    real = KvChunkStore.put
+    real = S3ChunkStore.put
 
-    def put(self: KvChunkStore, rel: str, buffers):  # noqa: ANN001, ANN202
+    def put(self: S3ChunkStore, rel: str, buffers):  # noqa: ANN001, ANN202
         if rel.startswith("packs/"):
             raise OSError(errno.EIO, "the PUT failed", self.describe(rel))
         return real(self, rel, buffers)
 
-    monkeypatch.setattr(KvChunkStore, "put", put)
+    monkeypatch.setattr(S3ChunkStore, "put", put)
     with pytest.raises(CheckpointingException, match=r"(?s)s3://packfaults-put/ckpt.*the PUT failed.*packs/0-0\.zip"):
         save(_sd(_tensors(1.0)), location)
-    assert "took the prefix over" not in caplog.text, caplog.text
-    assert location.store.list_sizes() == {} and not location.store.exists(".shardstore-save.json")
+    assert "no longer its own" not in caplog.text and "took the prefix over" not in caplog.text, caplog.text
+    claim = ClaimDocument.parse(location.read_bytes("zarr.json"))
+    assert claim is not None and claim.state == ABANDONED
     monkeypatch.undo()
     save(_sd(_tensors(2.0)), location)
     _assert_holds(location, _tensors(2.0))

@@ -23,8 +23,14 @@ from shardstore import (
     save,
     verify,
 )
-from shardstore.format.claims import PrefixClaim
-from shardstore.format.records import SAVE_MARKER
+from shardstore.format.claims import PrefixClaim, Taken
+from shardstore.format.records import COMMIT_RECORD, is_committed
+from shardstore.format.records.claim_document import (
+    WRITING,
+    ClaimDocument,
+    ProcessIdentity,
+    this_process,
+)
 from shardstore.stores.locations import open_location
 from shardstore.stores.s3 import S3Options
 from tests.dist import _context
@@ -129,31 +135,40 @@ def _location(server: MotoServer, prefix: str, **options):
     return open_location(f"s3://{BUCKET}/{prefix}", options=s3_options(server.endpoint, **options))
 
 
+def _take(location, save_id: str) -> tuple[PrefixClaim, Taken]:
+    def committed(found):
+        raise AssertionError("no commit record expected here")
+
+    return PrefixClaim.take(location, save_id, when_empty=lambda: None, when_committed=committed)
+
+
 def test_a_claim_is_renewed_while_its_save_runs_and_refuses_others(server: MotoServer) -> None:
     location = _location(server, "claims/renewed", save_lease_s=4.0)
-    claim, dead = PrefixClaim.take(location, "a" * 32)
+    claim, taken = _take(location, "a" * 32)
     try:
-        assert dead is None
+        assert taken == Taken()
         time.sleep(9.0)  # past two leases: only renewals (every second) keep it alive
+        started = time.monotonic()
         with pytest.raises(CheckpointingException, match="another save is writing there.*Nothing there was changed"):
-            PrefixClaim.take(location, "b" * 32)
-        claim.ensure_held()
+            _take(location, "b" * 32)
+        assert time.monotonic() - started < 4.0, "refused once it saw a renewal, within a lease"
+        claim.check()
     finally:
         claim.stop()
 
 
-def test_a_dead_claim_is_taken_over_and_its_save_does_not_commit(server: MotoServer) -> None:
+def test_a_lapsed_claim_is_taken_over_and_its_save_does_not_commit(server: MotoServer) -> None:
     location = _location(server, "claims/dead", save_lease_s=1.0)
-    first, _ = PrefixClaim.take(location, "a" * 32)
-    first.stop()  # the save hangs (or died): no renewal from here on
+    first, _ = _take(location, "a" * 32)
+    first.stop()  # the save hangs: no renewal from here on (its process lives: only the lease tells)
     time.sleep(2.0)
-    second, dead = PrefixClaim.take(location, "b" * 32)
+    second, taken = _take(location, "b" * 32)
     try:
-        assert dead is not None and dead.save_id == "a" * 32
-        with pytest.raises(CheckpointingException, match="Nothing was committed"):
-            first.ensure_held()
-        assert not first.owns_marker()
-        second.ensure_held()
+        assert taken.over is not None and taken.over.claim.save_id == "a" * 32
+        with pytest.raises(CheckpointingException, match="Nothing was committed.*nothing of the save that holds"):
+            first.commit(b'{"zarr_format": 3}')
+        assert not first.abandon()
+        assert ClaimDocument.parse(location.read_bytes(COMMIT_RECORD)).save_id == "b" * 32
     finally:
         second.stop()
 
@@ -166,20 +181,57 @@ def test_a_save_whose_prefix_was_taken_over_commits_nothing_and_removes_nothing(
     target = f"s3://{BUCKET}/claims/taken-over"
     options = s3_options(server.endpoint)
     location = open_location(target, options=options)
-    real_ensure = PrefixClaim.ensure_held
+    real_commit = PrefixClaim.commit
+    theirs = ClaimDocument("c" * 32, WRITING, this_process(), 60.0).to_json()
 
-    def taken_over_first(self: PrefixClaim) -> None:
+    def taken_over_first(self: PrefixClaim, record: bytes) -> None:
         self.stop()
-        writes = self.target.store.conditional_writes()
-        writes.put_if_version(SAVE_MARKER, b'{"save_id": "' + b"c" * 32 + b'"}', self._version)
+        assert self.writes.put_if_version(COMMIT_RECORD, theirs, self._version) is not None
         location.write_bytes("theirs.bin", b"the other save's")
-        real_ensure(self)
+        real_commit(self, record)
 
-    monkeypatch.setattr(PrefixClaim, "ensure_held", taken_over_first)
+    monkeypatch.setattr(PrefixClaim, "commit", taken_over_first)
     with pytest.raises(CheckpointingException, match="another save took the prefix over"):
         save(_state(1), location)
     assert location.exists("theirs.bin") and location.exists(FIRST_CHUNK)
-    assert not location.exists("zarr.json")
+    assert location.read_bytes(COMMIT_RECORD) == theirs and not is_committed(location)
+
+
+def test_a_claim_from_another_machine_is_waited_for_no_longer_than_its_lease(server: MotoServer) -> None:
+    location = _location(server, "claims/elsewhere", save_lease_s=1.0)
+    elsewhere = ClaimDocument("d" * 32, WRITING, ProcessIdentity("another-host", None, 1, 1), 3.0)
+    assert location.store.conditional_writes().put_if_absent(COMMIT_RECORD, elsewhere.to_json()) is not None
+    location.write_bytes("w0/c.0", b"what the other save wrote")
+    started = time.monotonic()
+    save(_state(8), location)  # its own 3 s lease, not this save's 1 s, is the one it renews within
+    assert 1.5 < time.monotonic() - started < 30
+    _check_whole(location.describe(), s3_options(server.endpoint), [8])
+
+
+def test_a_claim_names_its_process_so_a_reused_pid_is_no_proof_of_life() -> None:
+    here = this_process()
+    assert not here.is_gone()
+    assert ProcessIdentity(here.host, here.boot_id, here.pid, (here.start or 0) + 1).is_gone()  # pid reused
+    assert not ProcessIdentity("another-host", here.boot_id, 1, 1).is_gone()  # cannot be told from here
+    assert not ProcessIdentity(here.host, "another boot", 1, 1).is_gone()
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("root", [b'{"shardstore_claim": 1, "state": "writing"}', b"garbage", None])
+def test_what_no_claim_of_ours_proves_is_never_deleted(server: MotoServer, overwrite: bool, root) -> None:
+    """Another program's objects, beside a root document or a legacy marker that
+    shardstore cannot prove it wrote: every save is refused, whatever ``overwrite``."""
+    location = _location(server, f"claims/foreign-{overwrite}-{len(root or b'')}")
+    location.write_bytes("notes.txt", b"mine")
+    location.write_bytes("results/eval.json", b"{}")
+    if root is None:
+        location.write_bytes(".shardstore-save.json", b'{"save_id": "' + b"e" * 32 + b'"}')
+    else:
+        location.write_bytes(COMMIT_RECORD, root)
+    with pytest.raises(CheckpointingException, match="(?i)nothing there was changed|refusing to delete|refusing"):
+        save(_state(9), location, overwrite=overwrite)
+    assert location.read_bytes("notes.txt") == b"mine" and location.exists("results/eval.json")
+    assert location.read_bytes(COMMIT_RECORD) == root if root is not None else not location.exists(COMMIT_RECORD)
 
 
 def test_saves_on_a_store_without_conditional_writes_still_commit(server: MotoServer) -> None:
@@ -196,29 +248,29 @@ def _save_then_die_before_commit(target: str, options: S3Options) -> None:
     import os
     import signal
 
-    def die(self: PrefixClaim) -> None:
+    def die(self: PrefixClaim, record: bytes) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    PrefixClaim.ensure_held = die
+    PrefixClaim.commit = die
     save(_state(5), open_location(target, options=options))
 
 
-def test_a_save_killed_on_s3_is_waited_for_then_its_leftovers_are_removed(server: MotoServer) -> None:
-    """The killed save renewed by a 6 s lease; the next save, given 1 s, still waits 6 s
-    (a save's own lease, which its marker names, is the one it renews within)."""
+def test_a_save_killed_on_s3_is_taken_over_at_once_on_its_machine(server: MotoServer) -> None:
+    """The killed save's process is provably gone (same machine, its pid no longer that
+    process): the next save takes its claim over without waiting out its 60 s lease and
+    removes what it wrote."""
     target = f"s3://{BUCKET}/killed/ck"
-    options = s3_options(server.endpoint, save_lease_s=1.0)
+    options = s3_options(server.endpoint)
     ctx = _context()
-    victim = ctx.Process(target=_save_then_die_before_commit,
-                         args=(target, s3_options(server.endpoint, save_lease_s=6.0)))
+    victim = ctx.Process(target=_save_then_die_before_commit, args=(target, options))
     victim.start()
     victim.join(timeout=120)
     assert victim.exitcode == -9
     location = open_location(target, options=options)
-    assert location.exists(FIRST_CHUNK) and location.exists(SAVE_MARKER)
-    with pytest.raises(CheckpointingException, match="another save is writing there"):
-        save(_state(6), location)  # within its lease, a killed save looks like a running one
-    assert location.exists(FIRST_CHUNK)
-    time.sleep(6.5)
+    assert location.exists(FIRST_CHUNK) and not is_committed(location)
+    with pytest.raises(CheckpointingException, match="a save is in flight there"):
+        load({"w0": ShardedTensor.from_rank_offsets("w0", torch.empty(ELEMENTS))}, location)
+    started = time.monotonic()
     save(_state(6), location)
+    assert time.monotonic() - started < 30
     _check_whole(target, options, [6])

@@ -26,6 +26,7 @@ from shardstore import (
     verify,
 )
 from shardstore.format.records import is_committed
+from shardstore.format.records.claim_document import WRITING, ClaimDocument, ProcessIdentity
 from shardstore.stores.locations import open_location
 from shardstore.stores.s3 import S3Options, S3Store
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
@@ -131,13 +132,15 @@ def test_overwrite_protection_and_cleanup_of_an_interrupted_save(server: MotoSer
     with pytest.raises(CheckpointingException, match="holds no committed shardstore checkpoint"):
         save(sd, location, overwrite=True)
     assert location.exists("w/zarr.json")
-    location.write_bytes(".shardstore-save.json", b'{"save_id": "0123abcd"}')  # a save's marker, just written
-    with pytest.raises(CheckpointingException, match="another save is writing there.*Nothing there was changed"):
-        save({"v": ShardedTensor.from_rank_offsets("v", torch.ones(3))}, location)
-    assert location.exists("w/zarr.json")
-    time.sleep(2.0)  # the marker is a dead save's once a lease passed without renewal, by the server's clock
-    short_lease = open_location(url, options=s3_options(server.endpoint, save_lease_s=1.0))
-    save({"v": ShardedTensor.from_rank_offsets("v", torch.ones(3))}, short_lease)  # clears the leftovers
+    location.write_bytes(".shardstore-save.json", b'{"save_id": "0123abcd"}')  # an older version's marker
+    with pytest.raises(CheckpointingException, match="holds no committed shardstore checkpoint"):
+        save(sd, location, overwrite=True)  # proves nothing: what is there stays
+    location.remove(".shardstore-save.json")
+    claim = ClaimDocument("0123abcd" * 4, WRITING, ProcessIdentity("another-host", None, 1, None), 1.0)
+    location.write_bytes("zarr.json", claim.to_json())  # a save's claim, just written on another machine
+    with pytest.raises(CheckpointingException, match="a save is in flight there"):
+        load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(6))}, location)
+    save({"v": ShardedTensor.from_rank_offsets("v", torch.ones(3))}, location)  # waits out its lease, clears it
     assert set(load_tensors_metadata(location)) == {"v"}
     assert not location.exists("w/zarr.json")
 

@@ -1,90 +1,109 @@
-"""An in-place save's claim on its prefix (object stores: ``format.commit.InPlace``).
+"""An in-place save's claim on its prefix (object stores and ``memory://``:
+``format.commit.InPlace``).
 
-The claim is the save marker (``SAVE_MARKER``), written with the store's conditional
-writes (``stores.conditional``):
+The claim and the commit record are one object, the root ``zarr.json``: while the save
+writes, it holds the save's claim (``records.claim_document``); the commit replaces the
+claim with the record. Every change of it is a conditional write on the version read
+last (``stores.conditional``), so of two saves that act on one version, one wins:
 
-* **taken** only where no marker is (``put_if_absent``), before the save looks at the
-  prefix or writes anything; where one is, it is another save's. That save is alive
-  while its marker is younger than the store's lease (``lease_s``, by the store's
-  clock): the new save is refused and changes nothing. An older marker is a dead save's:
-  the new save takes it over (``put_if_version`` of the version it read, so of two saves
-  that find one dead marker, one takes it), then removes what the dead save left.
-* **kept** by rewriting the marker every quarter of the lease, only while it holds the
-  version this save wrote last; a rewrite refused means another save took it over, and
-  this one will not commit.
-* **checked** before the commit (``ensure_held``): renewed within half a lease, and
-  still this save's version. Then the commit record is written only where none is.
+* **taken** where ``zarr.json`` holds nothing (``put_if_absent``), or a committed record
+  that an ``overwrite=True`` save may replace (``put_if_version`` of that record: the
+  record is gone from here until the new one commits), or the claim of a save that is
+  over: one that gave it up (``ABANDONED``), one whose process provably no longer runs on
+  this very machine (pid and start time), or one not renewed for its lease (by the
+  store's clock). A claim that may still be renewed is waited on for as long as its
+  lease can last, never longer; one renewed meanwhile is a running save's, which refuses
+  the new one with nothing changed.
+* **kept** by rewriting it every quarter of the lease, only while it is the version this
+  save wrote last; a refused rewrite means another save took it over.
+* **committed** by writing the record only where the claim is still the version this
+  save wrote last. A save that lost its claim (paused past its lease, and taken over)
+  can therefore never commit, whatever moment it resumes at.
+* **given up** (``ABANDONED``) by a save that ends without a commit (an error, Ctrl-C):
+  the next save takes it at once. The claim itself is never deleted by a save that
+  wrote anything, so what a save wrote (or a write still in flight lands) stays proven
+  a save's that is over, and the next save removes it before it writes.
 
-What this does not cover: a save's other ranks still writing after its coordinator died
-and its lease ran out (a save that takes the prefix over meanwhile may have a chunk
-overwritten: its loads then fail on that chunk's crc32c, naming it, never returning
-other bytes); a store without conditional writes (``S3Options.conditional_writes``).
+Writers that lost the claim write nothing over the objects of the save that holds it:
+on S3 every object of a save is written only where none is (``stores.s3_fenced``).
 """
 
 from __future__ import annotations
 
-__all__ = ["OtherSave", "PrefixClaim"]
+__all__ = ["OtherSave", "PrefixClaim", "Taken"]
 
-import json
 import logging
-import os
-import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.records import SAVE_MARKER
-from shardstore.format.records.bounds import MAX_MARKER_BYTES
+from shardstore.format.records import COMMIT_RECORD
+from shardstore.format.records.bounds import MAX_RECORD_BYTES
+from shardstore.format.records.claim_document import (
+    ABANDONED,
+    WRITING,
+    ClaimDocument,
+    is_claim,
+    this_process,
+)
 from shardstore.stores.base import Location
 from shardstore.stores.conditional import ConditionalWrites, VersionedObject
 
 logger = logging.getLogger(__name__)
 
-# Attempts at taking a prefix whose marker vanished between the refused write and the read.
-TAKE_ATTEMPTS = 3
+# How often ``take`` reads a claim it waits on, at most (seconds).
+POLL_S = 1.0
+# Rounds of ``take`` whose conditional write lost to another save's (each reads anew).
+TAKE_ROUNDS = 8
 
 
 @dataclass(frozen=True)
 class OtherSave:
-    """A save marker found where a save wanted to claim the prefix.
+    """Another save's claim, found where a save wanted to claim the prefix.
 
     Attributes:
-        save_id: the save it names (None: not a marker of ours).
-        host, pid: where that save ran, as its marker says (None where it does not).
+        claim: what it holds.
         age_s: seconds since it was last written, by the store's clock.
-        version: the store's version of it (``VersionedObject.version``).
-        lease_s: the lease its save renews it within, as the marker says (0: unsaid).
+        version: the store's version of it.
     """
 
-    save_id: str | None
-    host: str | None
-    pid: int | None
+    claim: ClaimDocument
     age_s: float
     version: str
-    lease_s: float = 0.0
 
-    def alive(self, lease_s: float) -> bool:
-        """Whether its save may still be running: renewed within ``lease_s`` or within the
-        lease the marker names, whichever is longer (a save renews by its own lease)."""
-        return self.age_s < max(lease_s, self.lease_s)
+    def lease_s(self, store_lease_s: float) -> float:
+        """The lease its save renews the claim within: the one its claim names (the
+        store's, ``store_lease_s``, where it names none)."""
+        return self.claim.lease_s or store_lease_s
 
-    @classmethod
-    def of(cls, found: VersionedObject) -> OtherSave:
-        try:
-            fields = json.loads(found.data)
-        except (ValueError, RecursionError):
-            fields = None
-        fields = fields if isinstance(fields, dict) else {}
-        save_id, host, pid, lease = (fields.get(k) for k in ("save_id", "host", "pid", "lease_s"))
-        return cls(save_id if isinstance(save_id, str) else None, host if isinstance(host, str) else None,
-                   pid if isinstance(pid, int) else None, found.age_s, found.version,
-                   float(lease) if isinstance(lease, (int, float)) and not isinstance(lease, bool) else 0.0)
+    def over(self, store_lease_s: float) -> bool:
+        """Whether its save is over: it gave the claim up, its process is provably gone,
+        or it was not renewed within its lease."""
+        return (self.claim.state == ABANDONED or self.claim.process.is_gone()
+                or self.age_s >= self.lease_s(store_lease_s))
 
     def describe(self) -> str:
-        where = f" on {self.host}, pid {self.pid}" if self.host else ""
-        return f"save {self.save_id or '(unnamed)'}{where}, whose claim was last renewed {self.age_s:.0f} s ago"
+        if self.claim.state == ABANDONED:
+            return f"{self.claim.describe()}, which ended without a commit"
+        return f"{self.claim.describe()}, whose claim was last renewed {self.age_s:.0f} s ago"
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What the prefix held when a claim was taken.
+
+    Attributes:
+        over: the claim of a save that is over, taken over (its objects are leftovers).
+        replaced: the committed record the claim replaced (``overwrite=True``).
+        replaces: that record's save id.
+    """
+
+    over: OtherSave | None = None
+    replaced: VersionedObject | None = None
+    replaces: str | None = None
 
 
 class PrefixClaim:
@@ -94,16 +113,19 @@ class PrefixClaim:
     another process (a pickled save) holds nothing and cannot commit.
     """
 
-    def __init__(self, target: Location, writes: ConditionalWrites, save_id: str) -> None:
-        self.target, self.writes, self.save_id = target, writes, save_id
-        self._replaces: str | None = None
-        self._renewals = 0
+    def __init__(self, target: Location, writes: ConditionalWrites, save_id: str, replaces: str | None) -> None:
+        self.target, self.writes = target, writes
+        self._doc = ClaimDocument(save_id, WRITING, this_process(), writes.lease_s, replaces=replaces)
         self._version: str | None = None
         self._renewed_at = time.monotonic()
         self._lost: str | None = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def save_id(self) -> str:
+        return self._doc.save_id
 
     def __getstate__(self) -> dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_stopped", "_thread")}
@@ -114,35 +136,60 @@ class PrefixClaim:
         self._lock, self._stopped, self._thread = threading.Lock(), threading.Event(), None
         self._stopped.set()
 
+    # ------------------------------------------------------------------ taking
+
     @classmethod
-    def take(cls, target: Location, save_id: str) -> tuple[PrefixClaim, OtherSave | None]:
-        """Claims ``target`` for ``save_id``: the claim, and the dead save whose marker it
-        took over (None: there was none).
+    def take(
+        cls, target: Location, save_id: str, *, when_empty: Callable[[], None],
+        when_committed: Callable[[VersionedObject], str | None],
+    ) -> tuple[PrefixClaim, Taken]:
+        """Claims ``target`` for ``save_id``.
+
+        ``when_empty`` is called where ``zarr.json`` holds nothing, before the claim is
+        written (it raises where the prefix holds other objects); ``when_committed``
+        where it holds a commit record: it raises unless the save may replace it, and
+        returns its save id.
 
         Raises:
-            CheckpointingException: a live save holds the prefix (nothing was changed).
+            CheckpointingException: a running save holds the prefix, or the prefix is
+                refused; nothing was changed.
         """
-        writes = target.store.conditional_writes()
-        if writes is None:
-            raise CheckpointingException(
-                f"Internal error: {target.describe()} publishes in place without conditional writes; please report it"
-            )
-        claim = cls(target, writes, save_id)
-        for _ in range(TAKE_ATTEMPTS):
-            version = writes.put_if_absent(SAVE_MARKER, claim._body())
-            if version is not None:
-                return claim._holding(version), None
-            found = writes.get_versioned(SAVE_MARKER, MAX_MARKER_BYTES)
+        writes = _writes_of(target)
+        waited: OtherSave | None = None
+        deadline: float | None = None
+        rounds = 0
+        while rounds < TAKE_ROUNDS:
+            found = writes.get_versioned(COMMIT_RECORD, MAX_RECORD_BYTES)
             if found is None:
-                continue  # its save finished or gave up between the two requests
-            other = OtherSave.of(found)
-            if other.alive(writes.lease_s):
-                raise claim._refused(other)
-            version = writes.put_if_version(SAVE_MARKER, claim._body(), other.version)
-            if version is None:
-                raise claim._refused(None)
-            return claim._holding(version), other
-        raise claim._refused(None)
+                when_empty()
+                claim = cls(target, writes, save_id, None)
+                if (version := writes.put_if_absent(COMMIT_RECORD, claim._doc.to_json())) is not None:
+                    return claim._holding(version), Taken()
+            elif not is_claim(found.data):
+                replaces = when_committed(found)
+                claim = cls(target, writes, save_id, replaces)
+                if (version := writes.put_if_version(COMMIT_RECORD, claim._doc.to_json(), found.version)) is not None:
+                    return claim._holding(version), Taken(replaced=found, replaces=replaces)
+            else:
+                other = _other_save(target, found)
+                if not other.over(writes.lease_s):
+                    if waited is not None and (waited.version != other.version or time.monotonic() > deadline):
+                        raise _refused(target, other, writes.lease_s)
+                    if waited is None:
+                        waited = other
+                        deadline = time.monotonic() + other.lease_s(writes.lease_s) - other.age_s + POLL_S
+                        logger.warning("Saving %s: waiting up to %.0f s for %s to be renewed or to lapse",
+                                       target.describe(), deadline - time.monotonic(), other.describe())
+                    time.sleep(min(POLL_S, max(0.05, writes.lease_s / 20)))
+                    continue
+                claim = cls(target, writes, save_id, None)
+                if (version := writes.put_if_version(COMMIT_RECORD, claim._doc.to_json(), found.version)) is not None:
+                    return claim._holding(version), Taken(over=other)
+            rounds += 1
+        raise CheckpointingException(
+            f"Not saving into {target.describe()}: other saves changed its claim {TAKE_ROUNDS} times while this one "
+            "tried to take it. Nothing there was changed; save again once they are done, or to another prefix"
+        )
 
     def _holding(self, version: str) -> PrefixClaim:
         self._version, self._renewed_at = version, time.monotonic()
@@ -152,92 +199,136 @@ class PrefixClaim:
             self._thread.start()
         return self
 
-    def _body(self) -> bytes:
-        fields: dict[str, Any] = {"save_id": self.save_id}
-        if self._replaces is not None:
-            fields["replaces"] = self._replaces
-        fields.update(host=socket.gethostname(), pid=os.getpid(), lease_s=self.writes.lease_s,
-                      renewal=self._renewals)
-        return json.dumps(fields).encode()
+    # ------------------------------------------------------------------ keeping
 
-    def _refused(self, other: OtherSave | None) -> CheckpointingException:
-        where = self.target.describe()
-        lease = max(self.writes.lease_s, other.lease_s) if other is not None else self.writes.lease_s
-        if other is None:
-            found = "another save took it over at the same moment"
-        else:
-            found = f"another save is writing there ({other.describe()}; a claim renewed within {lease:.0f} s is a running save's)"
-        return CheckpointingException(
-            f"Not saving into {where}: {found}. Nothing there was changed. Wait for that save to finish and save "
-            "again (overwrite=True to replace what it commits), or save to another prefix. A save that died "
-            f"leaves its claim, which the next save takes over {lease:.0f} s after its last renewal."
-        )
-
-    def mark_replacing(self, replaces: str) -> None:
-        """Names in the marker the checkpoint this save is about to replace (so that the
-        marker is that checkpoint's own: ``records.own_markers``)."""
-        with self._lock:
-            self._replaces = replaces
-            self._renew_locked()
-
-    def _renew_locked(self) -> None:
+    def _write_locked(self, data: bytes) -> str | None:
+        """Writes ``data`` where the claim is still this save's version; None (and the
+        claim lost, saying who holds it) where it is not."""
         if self._lost is not None or self._version is None:
-            return
-        self._renewals += 1
-        version = self.writes.put_if_version(SAVE_MARKER, self._body(), self._version)
+            return None
+        version = self.writes.put_if_version(COMMIT_RECORD, data, self._version)
         if version is None:
-            self._lost = _taken_by(self.writes.get_versioned(SAVE_MARKER, MAX_MARKER_BYTES))
-            return
+            self._lost = _held_by(self.target, self.writes.get_versioned(COMMIT_RECORD, MAX_RECORD_BYTES))
+            return None
         self._version, self._renewed_at = version, time.monotonic()
+        return version
 
     def _keep(self) -> None:
         while not self._stopped.wait(self.writes.lease_s / 4):
             with self._lock:
                 try:
-                    self._renew_locked()
-                except Exception as exc:  # reported at the commit, if the claim lapsed by then
+                    self._doc = self._doc.renewed()
+                    self._write_locked(self._doc.to_json())
+                except Exception as exc:  # reported at the commit, which needs the claim
                     logger.warning("Could not renew the claim of save %s on %s (trying again): %s",
                                    self.save_id, self.target.describe(), exc)
                 if self._lost is not None:
                     return
 
     def stop(self) -> None:
-        """Renews no more (idempotent); the claim lapses a lease later unless released."""
+        """Renews no more (idempotent)."""
         self._stopped.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
-    def ensure_held(self) -> None:
-        """Stops renewing, then checks that the prefix is still this save's: renewed
-        within half a lease, and the marker still the version written last.
+    def check(self) -> None:
+        """Raises unless the claim is still this save's by what this process knows:
+        not lost, and renewed within half a lease (a save paused past that may have been
+        taken over). Checked before each batch of deletions.
 
         Raises:
-            CheckpointingException: it is not (nothing may be committed), saying why.
-        """
-        self.stop()
+            CheckpointingException: naming why; nothing more may be changed."""
         lapsed = time.monotonic() - self._renewed_at
         if self._lost is None and self.writes.lease_s > 0 and lapsed > self.writes.lease_s / 2:
             self._lost = f"its claim was last renewed {lapsed:.0f} s ago, past half of its {self.writes.lease_s:.0f} s"
-        if self._lost is None:
-            found = self.writes.get_versioned(SAVE_MARKER, MAX_MARKER_BYTES)
-            if found is None or found.version != self._version:
-                self._lost = _taken_by(found)
         if self._lost is not None:
-            raise CheckpointingException(
-                f"Not committing the save into {self.target.describe()}: {self._lost}. Nothing was committed; "
-                "save again"
-            )
+            raise CheckpointingException(f"The save into {self.target.describe()} no longer holds it: {self._lost}")
 
-    def owns_marker(self) -> bool:
-        """Whether the marker at the prefix is still the version this save wrote last."""
-        if self._version is None:
-            return False
-        found = self.writes.get_versioned(SAVE_MARKER, MAX_MARKER_BYTES)
-        return found is not None and found.version == self._version
+    # ------------------------------------------------------------------ ending
+
+    def commit(self, record: bytes) -> None:
+        """Replaces the claim with the commit ``record``, only where the claim is still
+        the version this save wrote last.
+
+        Raises:
+            CheckpointingException: it is not (nothing was committed), saying who holds it."""
+        self.stop()
+        with self._lock:
+            if self._write_locked(record) is None:
+                raise CheckpointingException(
+                    f"Not committing the save into {self.target.describe()}: {self._lost}. Nothing was committed, and "
+                    "nothing of the save that holds the prefix now was changed by this one; save again"
+                )
+
+    def abandon(self) -> bool:
+        """Gives the claim up (``ABANDONED``): the next save takes it at once and removes
+        what this one wrote. False where it was no longer this save's (logged)."""
+        self.stop()
+        with self._lock:
+            written = self._write_locked(self._doc.renewed(ABANDONED).to_json()) is not None
+        if not written:
+            logger.warning("The save into %s ended without a commit, and its claim was no longer its own (%s): "
+                           "left everything as it is", self.target.describe(), self._lost)
+        return written
+
+    def restore(self, replaced: VersionedObject) -> None:
+        """Puts back the record the claim replaced (a save that failed before it removed
+        anything), only where the claim is still this save's."""
+        self.stop()
+        with self._lock:
+            if self._write_locked(replaced.data) is None:
+                logger.warning("Could not put back the commit record of %s: %s", self.target.describe(), self._lost)
+
+    def release_unused(self) -> None:
+        """Removes the claim of a save that wrote nothing into an empty prefix, where it
+        is still this save's; a failure is logged (the claim then lapses a lease later)."""
+        self.stop()
+        try:
+            found = self.writes.get_versioned(COMMIT_RECORD, MAX_RECORD_BYTES)
+            if found is not None and found.version == self._version:
+                self.target.remove(COMMIT_RECORD)
+        except OSError as exc:
+            logger.warning("Could not remove the claim of the save into %s (the next save takes it over a lease "
+                           "later): %s", self.target.describe(), exc)
 
 
-def _taken_by(found: VersionedObject | None) -> str:
-    """Says who holds the prefix, as ``found`` (its marker now) shows, once a save lost it."""
+def _writes_of(target: Location) -> ConditionalWrites:
+    writes = target.store.conditional_writes()
+    if writes is None:
+        raise CheckpointingException(
+            f"Internal error: {target.describe()} publishes in place without conditional writes; please report it"
+        )
+    return writes
+
+
+def _other_save(target: Location, found: VersionedObject) -> OtherSave:
+    """The claim ``found`` holds, or a refusal where it is no claim this format writes."""
+    claim = ClaimDocument.parse(found.data)
+    if claim is None:
+        raise CheckpointingException(
+            f"Not saving into {target.describe()}: its {COMMIT_RECORD} is neither a commit record nor a claim that "
+            "shardstore writes, so nothing there is provably a save's. Nothing there was changed. Find out what wrote "
+            "it; save to another prefix"
+        )
+    return OtherSave(claim, found.age_s, found.version)
+
+
+def _refused(target: Location, other: OtherSave, lease_s: float) -> CheckpointingException:
+    lease = other.lease_s(lease_s)
+    return CheckpointingException(
+        f"Not saving into {target.describe()}: another save is writing there ({other.describe()}; it renewed its "
+        f"claim while this save waited). Nothing there was changed. Wait for that save to finish and save again "
+        f"(overwrite=True to replace what it commits), or save to another prefix. A save that dies leaves its claim, "
+        f"which the next save takes over at once on the same machine, else {lease:.0f} s after its last renewal."
+    )
+
+
+def _held_by(target: Location, found: VersionedObject | None) -> str:
+    """Who holds the prefix now, as ``found`` (its ``zarr.json`` now) shows, once a save
+    lost it."""
     if found is None:
-        return "its save marker was removed by another program"
-    return f"another save took the prefix over ({OtherSave.of(found).describe()})"
+        return "its claim was removed by another program"
+    if not is_claim(found.data):
+        return "another save took the prefix over and committed there"
+    claim = ClaimDocument.parse(found.data)
+    return f"another save took the prefix over ({claim.describe() if claim else 'an unknown writer'})"

@@ -18,6 +18,12 @@ still lists what the marker removes (a kill before step 2), only the marker and 
 written anew go; otherwise step 3 runs again, deleting only what the record does not
 vouch for. ``verify`` names the files such a removal still had to delete as its own
 (``leftover_files``), with how to finish it, instead of as another program's.
+
+A removal is bound to the checkpoint it began from (``_Binding``), whatever replaces it
+meanwhile (a save with ``overwrite=True``, paused removals resumed): on a file system it
+works through a descriptor of the checkpoint's directory, so a directory renamed over
+it is never touched; on an object store it rewrites the record only where it is still
+the version read first, and checks that version before each deletion.
 """
 
 from __future__ import annotations
@@ -25,8 +31,11 @@ from __future__ import annotations
 __all__ = ["plan_removal", "remove_entries", "rewrite_packs"]
 
 import logging
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.chunks import chunk_store_for
@@ -34,14 +43,17 @@ from shardstore.format.consolidated import ZarrMetadata
 from shardstore.format.pack_listing import PACK_NAME
 from shardstore.format.packs import PackCollector, pack_name, read_members, write_pack
 from shardstore.format.records import (
+    COMMIT_RECORD,
+    MAX_RECORD_BYTES,
     ZARR_JSON,
     CommitRecord,
     object_path,
     parent_groups,
+    read_commit_record,
     write_commit_record,
 )
 from shardstore.format.removal_marker import REMOVAL_MARKER, RemovalPlan, pending_removal
-from shardstore.stores.locations import Location
+from shardstore.stores.locations import Location, open_location
 
 logger = logging.getLogger(__name__)
 
@@ -74,24 +86,154 @@ def plan_removal(record: CommitRecord, key_prefix: str, where: str) -> tuple[Rem
 
 def remove_entries(location: Location, record: CommitRecord, key_prefix: str) -> None:
     """Removes the arrays and object shards under ``key_prefix`` from the committed
-    checkpoint at ``location`` (``record``: its commit record), after finishing a removal
-    a killed process began there (the module docstring gives the order).
+    checkpoint at ``location`` (``record``: its commit record, as the caller read it),
+    after finishing a removal a killed process began there (the module docstring gives
+    the order), bound to that checkpoint.
 
     Raises:
         CheckpointingException: as ``RemovalPlan.of`` and ``RemovalPlan.delete``; a
-            marker that is not one of ours."""
-    _finish_interrupted(location, record)
-    plan, kept = plan_removal(record, key_prefix, location.describe())
-    if plan.is_empty():
-        return
-    location.write_atomic(REMOVAL_MARKER, plan.to_json())  # durable before the record changes
-    kept = rewrite_packs(location, plan, kept)
-    write_commit_record(location, kept)
-    plan.delete(location, kept)
-    location.remove(REMOVAL_MARKER)
+            marker that is not one of ours; the checkpoint was replaced before or while
+            the removal ran (saying what was and was not changed)."""
+    with _Binding.to(location, record) as bound:
+        here, record = bound.location, bound.record
+        try:
+            _finish_interrupted(here, record, bound)
+            plan, kept = plan_removal(record, key_prefix, location.describe())
+            if plan.is_empty():
+                return
+            here.write_atomic(REMOVAL_MARKER, plan.to_json())  # durable before the record changes
+            kept = rewrite_packs(here, plan, kept)
+            bound.write_record(kept)
+            plan.delete(here, kept, bound.check)
+            bound.check()
+            here.remove(REMOVAL_MARKER)
+        except OSError:
+            bound.check()  # a held directory removed by the save that replaced it: say so
+            raise
 
 
-def _finish_interrupted(location: Location, record: CommitRecord) -> None:
+class _Binding:
+    """A removal's hold on the checkpoint it began from (module docstring).
+
+    Attributes:
+        location: where the removal reads and writes: the checkpoint's directory held
+            open (a file system), else ``location`` itself.
+        record: the checkpoint's record, as read through ``location``.
+    """
+
+    def __init__(self, given: Location, location: Location, record: CommitRecord, version: str | None,
+                 fd: int | None) -> None:
+        self.given, self.location, self.record = given, location, record
+        self._version, self._fd = version, fd
+
+    @classmethod
+    @contextmanager
+    def to(cls, location: Location, record: CommitRecord) -> Iterator[_Binding]:
+        """Binds a removal to the checkpoint ``record`` commits at ``location``; on a
+        file system, checks at the end that ``location`` still names that checkpoint.
+
+        Raises:
+            CheckpointingException: ``location`` commits another checkpoint now."""
+        path = location.local_path()
+        if path is not None and Path(PROC_FD).is_dir():
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                held = _HeldLocation(open_location(f"{PROC_FD}/{fd}"), path)
+                binding = cls(location, held, _record_of(held, record, location), None, fd)
+                yield binding
+                binding._check_still_named()
+            finally:
+                os.close(fd)
+            return
+        writes = location.store.conditional_writes()
+        found = writes.get_versioned(COMMIT_RECORD, MAX_RECORD_BYTES) if writes is not None else None
+        version = found.version if found is not None else None
+        data = found.data if found is not None else location.read_bytes_or_none(COMMIT_RECORD, MAX_RECORD_BYTES)
+        current = CommitRecord.from_json(data, where=location.describe(COMMIT_RECORD)) if data else None
+        yield cls(location, location, _same_save(current, record, location), version, None)
+
+    def write_record(self, kept: CommitRecord) -> None:
+        """Writes the record without the removed entries: through the held directory, or
+        only where the record is still the version the removal began from."""
+        if self._version is None:
+            self.check()
+            write_commit_record(self.location, kept)
+            return
+        writes = self.location.store.conditional_writes()
+        assert writes is not None  # a version was read through them
+        version = writes.put_if_version(COMMIT_RECORD, kept.to_json(), self._version)
+        if version is None:
+            raise _replaced(self.given, "before it changed the commit record; it changed nothing of the checkpoint "
+                            f"there now (its {REMOVAL_MARKER} and any packs it rewrote stay, listed by `verify`)")
+        self._version = version
+
+    def check(self) -> None:
+        """Raises where the checkpoint was replaced since: the path names another
+        directory than the one held, or (object stores) the record is no longer the
+        version this removal wrote or read."""
+        if self._fd is not None:
+            self._check_still_named()
+            return
+        if self._version is None:
+            return
+        writes = self.location.store.conditional_writes()
+        assert writes is not None
+        if writes.version_of(COMMIT_RECORD) != self._version:
+            raise _replaced(self.given, "while it deleted the removed entries' files; it deleted nothing more")
+
+    def _check_still_named(self) -> None:
+        """Raises where the path now names another directory than the one the removal
+        worked in (a save replaced the checkpoint meanwhile)."""
+        assert self._fd is not None
+        path = self.given.local_path()
+        try:
+            now = os.stat(path) if path is not None else None
+        except OSError:
+            now = None
+        held = os.fstat(self._fd)
+        if now is None or held.st_nlink == 0 or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            raise _replaced(self.given, "while it ran; it worked on the replaced checkpoint only, and changed nothing "
+                            "of the one there now")
+
+
+# Where a process's open descriptors are named (Linux): a directory held open is reached
+# through it whatever name the directory has now.
+PROC_FD = "/proc/self/fd"
+
+
+class _HeldLocation(Location):
+    """A directory held open as a descriptor (reached through ``PROC_FD``), named in
+    messages by the path it was opened at."""
+
+    def __init__(self, held: Location, opened_at: Path) -> None:
+        super().__init__(held.store)
+        self._opened_at = opened_at
+
+    def describe(self, rel: str = "") -> str:
+        return str(self._opened_at / rel) if rel else str(self._opened_at)
+
+
+def _record_of(held: Location, expected: CommitRecord, given: Location) -> CommitRecord:
+    return _same_save(read_commit_record(held), expected, given)
+
+
+def _same_save(current: CommitRecord | None, expected: CommitRecord, given: Location) -> CommitRecord:
+    """``current`` (the record read where the removal binds), where it commits the save
+    the caller read; else the checkpoint was replaced before the removal began."""
+    if current is None or current.save_id != expected.save_id:
+        raise _replaced(given, "before it began; nothing was removed")
+    return current
+
+
+def _replaced(location: Location, when: str) -> CheckpointingException:
+    return CheckpointingException(
+        f"The removal from {location.describe()} stopped: the checkpoint there was replaced (by a save with "
+        f"overwrite=True, or another removal) {when}. Open the checkpoint there now and remove the entries again if "
+        "they are still wanted gone"
+    )
+
+
+def _finish_interrupted(location: Location, record: CommitRecord, bound: _Binding) -> None:
     """Finishes the removal whose marker lies in the checkpoint (``record``: its record).
 
     Raises:
@@ -107,7 +249,7 @@ def _finish_interrupted(location: Location, record: CommitRecord) -> None:
             )
         return
     if plan.took_effect(record):
-        plan.delete(location, record)
+        plan.delete(location, record, bound.check)
         logger.info("Finished removing %r from %s (a removal cut short)", plan.key_prefix, location.describe())
     else:
         vouched = record.vouched_paths()

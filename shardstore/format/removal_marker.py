@@ -13,7 +13,7 @@ from __future__ import annotations
 __all__ = ["MAX_REMOVAL_MARKER_BYTES", "REMOVAL_MARKER", "RemovalPlan", "leftover_files", "pending_removal"]
 
 import json
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -98,8 +98,9 @@ class RemovalPlan:
             rel.startswith(f"{key}/") and rel.removeprefix(f"{key}/") not in keep for key, keep in self.trees
         )
 
-    def delete(self, location: Location, record: CommitRecord) -> None:
-        """Step 3: deletes what the plan names that ``record`` does not vouch for.
+    def delete(self, location: Location, record: CommitRecord, before_each: Callable[[], None] = lambda: None) -> None:
+        """Step 3: deletes what the plan names that ``record`` does not vouch for,
+        calling ``before_each`` before each deletion (it raises to stop them).
 
         Raises:
             CheckpointingException: ``record`` vouches for a file the plan deletes."""
@@ -111,11 +112,14 @@ class RemovalPlan:
                 f"{REMOVAL_MARKER} out of the checkpoint once you have checked it"
             )
         for key, keep in self.trees:
+            before_each()
             location.remove_tree(key, keep=keep)
         for rel in (*self.files, *self.documents):
+            before_each()
             location.remove(rel)
         for folder in self.folders:
             if not location.child(folder).list_files():
+                before_each()
                 location.remove_tree(folder)  # an empty directory on a file system
 
 

@@ -57,7 +57,7 @@ from shardstore.format.chunks import (
     WrittenChunk,
 )
 from shardstore.format.codecs import HeldBytes
-from shardstore.format.records import COMMIT_RECORD, ArrayRecord, CommitRecord, read_commit_record
+from shardstore.format.records import ArrayRecord, CommitRecord, is_committed, read_commit_record
 from shardstore.progress import info_on_first_rank
 from shardstore.stores.base import Location
 
@@ -72,7 +72,7 @@ def reuse_save_id(source: Location, target: Location, in_place: bool) -> str | N
         why = "the save replaces it in place (an object store has no staging area)"
     else:
         try:
-            if source.exists(COMMIT_RECORD):
+            if is_committed(source):
                 return read_commit_record(source).save_id
             why = "it holds no committed shardstore checkpoint"
         except Exception as exc:  # unreadable, no permission, damaged: the save writes everything

@@ -232,6 +232,11 @@ class Store(ABC):
         of objects directly under ``prefix`` left in place (an in-place save's marker,
         removed last so that what an interrupted removal leaves is still marked)."""
 
+    def delete_many(self, keys: list[str]) -> None:
+        """Deletes these exact keys (missing ones are no error), in few requests."""
+        for key in keys:
+            self.delete(key)
+
     @abstractmethod
     def list(self, prefix: str = "") -> list[str]:
         """Every object key under the directory ``prefix``, relative to the root, sorted
@@ -279,6 +284,11 @@ class Store(ABC):
     def put_many(self, objects: dict[str, bytes]) -> None:
         """Stores many small objects concurrently."""
         run_parallel(lambda item: self.put(*item), list(objects.items()))
+
+    def put_new(self, objects: dict[str, bytes]) -> None:
+        """Stores objects of an in-place save, each new in the prefix it claimed: where
+        the store fences writers that lost their claim (S3), only where none is."""
+        self.put_many(objects)
 
     def make_directories(self, prefixes: Iterable[str]) -> None:
         """Makes the directories ``prefixes`` name, before many threads write files

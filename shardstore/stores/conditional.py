@@ -69,6 +69,12 @@ class ConditionalWrites(ABC):
         """``key`` as it is now (None: there is none), its bytes cut after ``max_bytes``
         + 1, so that a longer object is told by its length."""
 
+    def version_of(self, key: str) -> str | None:
+        """The version ``key`` holds now (None: none); a store that can tell it without
+        the bytes (a HEAD) overrides this."""
+        found = self.get_versioned(key, max_bytes=0)
+        return found.version if found is not None else None
+
     def put_if_absent(self, key: str, data: bytes) -> str | None:
         """Writes ``data`` where ``key`` holds nothing: its version, or None where the key
         holds another object (``data`` itself there: done, by an earlier attempt)."""

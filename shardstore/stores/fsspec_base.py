@@ -170,6 +170,10 @@ class FsspecStore(Store):
         self._delete_keys(keys)
         self._refresh()
 
+    def delete_many(self, keys: list[str]) -> None:
+        self._delete_keys(keys)
+        self._refresh()
+
     def _delete_keys(self, keys: list[str]) -> None:
         """Deletes these exact keys (missing ones are no error); one call per key here, a
         backend with a batch delete overrides it."""

@@ -181,13 +181,28 @@ class KvChunkStore(ChunkStore):
             with self._probe_lock:
                 if not self._etags_probed:
                     try:
-                        return self._copy_proven(source, rel, held)
+                        return self._copy_or_remove(source, rel, held)
                     finally:
                         self._etags_probed = True
-        return None if self._etags_say_nothing else self._copy_proven(source, rel, held)
+        return None if self._etags_say_nothing else self._copy_or_remove(source, rel, held)
 
-    def _copy_proven(self, source: KvChunkStore, rel: str, held: ExpectedBytes) -> CopiedObject | None:
-        """``share_from``'s copy and its proof."""
+    def _copy_or_remove(self, source: KvChunkStore, rel: str, held: ExpectedBytes) -> CopiedObject | None:
+        """``_copy_proven``; a copy made but not proven is deleted, so that the caller's
+        write of the bytes is a new object (``stores.s3_fenced`` writes only where none is)."""
+        landed: list[bool] = []
+        try:
+            copied = self._copy_proven(source, rel, held, landed)
+        except ChunkMismatch:
+            self.store.delete(rel)
+            raise
+        if copied is None and landed:
+            self.store.delete(rel)
+        return copied
+
+    def _copy_proven(
+        self, source: KvChunkStore, rel: str, held: ExpectedBytes, landed: list[bool]
+    ) -> CopiedObject | None:
+        """``share_from``'s copy and its proof (``landed`` gets an item once a copy is made)."""
         recorded = held.source_etag if held.source_etag and _MD5_HEX.fullmatch(held.source_etag) else None
         if recorded is not None:
             copied, md5 = self.store.copy_from(source.store, rel), None
@@ -195,6 +210,7 @@ class KvChunkStore(ChunkStore):
             copied, md5 = _while_hashing(held, lambda: self.store.copy_from(source.store, rel))
         if copied is None:
             return None
+        landed.append(True)
         etag = copied.etag.lower() if copied.etag is not None else None
         if etag is None or not _MD5_HEX.fullmatch(etag):
             # a multipart ETag ("...-3"), an encrypted object's, or none: no later copy of

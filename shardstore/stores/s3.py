@@ -40,7 +40,6 @@ import errno
 import logging
 import math
 import os
-import random
 import stat
 import tempfile
 import time
@@ -63,6 +62,7 @@ from shardstore.stores.base import (
 from shardstore.stores.conditional import ConditionalWrites, PreconditionFailed, VersionedObject
 from shardstore.stores.fsspec_base import FsspecStore
 from shardstore.stores.kv_chunks import KvChunkStore
+from shardstore.stores.s3_fenced import backoff_s, error_code, put_new_objects, put_object
 
 logger = logging.getLogger(__name__)
 
@@ -395,7 +395,7 @@ class S3Store(FsspecStore):
                 if attempt >= self.options.max_retries:
                     raise
                 logger.debug("Reading %s again: its bytes were cut short (%s)", self.describe(key), exc)
-            await asyncio.sleep(_backoff(self.options, attempt))
+            await asyncio.sleep(backoff_s(self.options, attempt))
             attempt += 1
 
     async def _body(self, key: str, reply: dict[str, Any], max_bytes: int | None) -> bytes:
@@ -438,13 +438,20 @@ class S3Store(FsspecStore):
         return data, int(total) if content_range else len(data)
 
     def put_many(self, objects: dict[str, bytes]) -> None:
-        """All in flight at once through TensorStore's kvstore (a save's ``zarr.json``
-        documents, one per array): its requests cost a tenth of the CPU of s3fs's, whose
-        connection pool holds 10."""
+        """All in flight at once through TensorStore's kvstore: its requests cost a
+        tenth of the CPU of s3fs's, whose connection pool holds 10."""
         for key in objects:
             self._key(key)  # refused here as everywhere else
         if objects:
-            S3ChunkStore(self, self.options.request_concurrency).put_all(objects)
+            KvChunkStore.put_all(S3ChunkStore(self, self.options.request_concurrency), objects)
+
+    def put_new(self, objects: dict[str, bytes]) -> None:
+        """Each only where no object is (``stores.s3_fenced``), unless the store takes
+        no conditional writes (``S3Options.conditional_writes``)."""
+        if self.options.conditional_writes:
+            put_new_objects(self, objects)
+        else:
+            self.put_many(objects)
 
     def _delete_keys(self, keys: list[str]) -> None:
         """DeleteObjects requests of up to ``S3_DELETE_BATCH`` exact keys (s3fs's
@@ -595,11 +602,15 @@ class S3ChunkStore(KvChunkStore):
     def get_suffix(self, rel: str, nbytes: int) -> tuple[bytes, int] | None:
         return self.store.get_suffix(rel, nbytes)
 
+    def put(self, rel: str, buffers: list[memoryview]) -> str | None:
+        """One PUT only where no object is (``stores.s3_fenced``): a chunk is always a
+        new object of the save that writes it."""
+        if not self.store.options.conditional_writes:
+            return super().put(rel, buffers)
+        return put_new_objects(self.store, {rel: b"".join(buffers)})[rel]
 
-def _backoff(options: S3Options, attempt: int) -> float:
-    """Seconds to wait before retry ``attempt + 1``: exponential from ``initial_delay``,
-    at most ``max_delay``, jittered (as botocore's and TensorStore's retries wait)."""
-    return min(options.max_delay, options.initial_delay * 2**attempt) * random.uniform(0.5, 1.0)
+    def put_all(self, objects: dict[str, bytes]) -> None:
+        self.store.put_new(objects)
 
 
 def _merged(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
@@ -649,7 +660,7 @@ class S3ConditionalWrites(ConditionalWrites):
             except FileNotFoundError as exc:  # If-Match on a key that holds nothing
                 raise PreconditionFailed(key) from exc
             except StorageError as exc:
-                code = _error_code(exc)
+                code = error_code(exc)
                 if code in ("PreconditionFailed", "412"):
                     raise PreconditionFailed(key) from exc
                 if code in ("NotImplemented", "501"):
@@ -667,8 +678,7 @@ class S3ConditionalWrites(ConditionalWrites):
 
     def _put_object(self, key: str, data: bytes, condition: dict[str, str]) -> dict[str, Any]:
         s = self.store
-        reply = s._call("write", key, s.fs.call_s3, "put_object", Bucket=s.bucket, Key=s._key(key), Body=data,
-                        **condition)
+        reply = s._call("write", key, s._run, put_object, s, key, data, **condition)
         s.fs.invalidate_cache(s._path(key))
         return reply
 
@@ -677,6 +687,14 @@ class S3ConditionalWrites(ConditionalWrites):
         if (found is None) != (version is None) or (found is not None and found.version != version):
             raise PreconditionFailed(key)
         return str(self._put_object(key, data, {})["ETag"]).strip('"')
+
+    def version_of(self, key: str) -> str | None:
+        s = self.store
+        try:
+            reply = s._call("look up", key, s.fs.call_s3, "head_object", Bucket=s.bucket, Key=s._key(key))
+        except FileNotFoundError:
+            return None
+        return str(reply["ETag"]).strip('"')
 
     def get_versioned(self, key: str, max_bytes: int) -> VersionedObject | None:
         s = self.store
@@ -695,17 +713,3 @@ def _age_s(reply: dict[str, Any]) -> float:
     if modified is None or not date:
         return 0.0
     return max(0.0, (parsedate_to_datetime(date) - modified).total_seconds())
-
-
-def _error_code(exc: BaseException) -> str | None:
-    """The S3 error code (or HTTP status) behind ``exc``, from botocore's ``ClientError``
-    down its chain of causes."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            error = response.get("Error") or {}
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            return str(error.get("Code") or status)
-        seen = seen.__cause__ or seen.__context__
-    return None

@@ -340,7 +340,7 @@ def verify_command(checkpoint: str, as_json: bool) -> None:
     Exit status 1 and one line per problem (array and chunk) if anything is damaged,
     the commit record included.
     """
-    from shardstore.format import COMMIT_RECORD, read_commit_record, verify
+    from shardstore.format import is_committed, read_commit_record, verify
     from shardstore.opened import bare_location
     from shardstore.other_formats import detect  # noqa: F401  (importing the registry lets read_commit_record's errors name other formats)
     from shardstore.tools.root_verify import (
@@ -352,7 +352,7 @@ def verify_command(checkpoint: str, as_json: bool) -> None:
 
     with _reported_errors():
         location = bare_location(checkpoint)
-        found, leftovers = ({}, ()) if location.exists(COMMIT_RECORD) else entries_under(location)
+        found, leftovers = ({}, ()) if is_committed(location) else entries_under(location)
         if found:
             root_report = verify_checkpoints(location.describe(), found, leftovers=leftovers)
         else:

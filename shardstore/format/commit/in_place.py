@@ -1,6 +1,6 @@
-"""``InPlace``: a save written at the target itself, its commit record last (one atomic
-PUT), under a claim on the prefix (object stores, and any store that cannot rename a
-directory); the rules are in its docstring.
+"""``InPlace``: a save written at the target itself, under a claim on the prefix that
+its commit record replaces (object stores, and any store that cannot rename a
+directory); the rules are in its docstring and in ``format.claims``.
 """
 
 from __future__ import annotations
@@ -10,34 +10,35 @@ __all__ = ["InPlace"]
 import logging
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.claims import PrefixClaim
+from shardstore.format.claims import PrefixClaim, Taken
 from shardstore.format.commit.options import SaveIntent, SaveOptions
-from shardstore.format.commit.pending import (
-    PendingCheckpoint,
-    Publisher,
-    _lost_race,
-    _remove_own_marker,
-)
-from shardstore.format.commit.targets import _check_target, committed_save_id
-from shardstore.format.records import COMMIT_RECORD, SAVE_MARKER, CommitRecord
+from shardstore.format.commit.pending import PendingCheckpoint, Publisher
+from shardstore.format.commit.targets import _check_target
+from shardstore.format.records import COMMIT_RECORD, CommitRecord
 from shardstore.format.reuse import reuse_save_id
 from shardstore.stores.base import Location
+from shardstore.stores.conditional import VersionedObject
 
 logger = logging.getLogger(__name__)
 
+# Objects deleted between two checks of the claim (one DeleteObjects request on S3).
+DELETE_BATCH = 1000
+
 
 class InPlace(Publisher):
-    """Written at the target itself, commit record last (one atomic PUT): object stores
-    and any store that cannot rename a directory.
+    """Written at the target itself: object stores and any store that cannot rename a
+    directory.
 
-    The save first claims the prefix (``format.claims.PrefixClaim``): its marker,
-    written only where none is and renewed while it runs. A running save's claim refuses
-    every other save before it changes anything; a dead save's is taken over, and what
-    that save left is removed. With ``overwrite=True`` the save names the checkpoint it
-    replaces in its marker, deletes the old commit record, then the rest, so from then
-    until the new commit the prefix holds no loadable checkpoint (save each step to a
-    new prefix to avoid that window). The commit checks that the claim is still held,
-    writes the commit record only where none is, then removes the marker.
+    The save first claims the prefix (``format.claims.PrefixClaim``): its claim stands
+    in the root ``zarr.json``, written only where nothing, a committed record it may
+    replace (``overwrite=True``) or the claim of a save that is over stands. A running
+    save's claim refuses every other save before it changes anything. Then the save
+    removes what stood there (the replaced checkpoint's objects, or what a save that is
+    over left), checking its claim before each batch: from the claim until the commit,
+    the prefix holds no loadable checkpoint (save each step to a new prefix to avoid that
+    window). The commit replaces the claim with the record, only where the claim is
+    still this save's. A save that ends without a commit gives its claim up, leaving its
+    objects to the next save into the prefix (``verify`` lists them).
 
     Attributes:
         claim: the coordinator's claim (None on the other ranks).
@@ -48,31 +49,25 @@ class InPlace(Publisher):
 
     def begin(self, target: Location, options: SaveOptions, save_id: str) -> PendingCheckpoint:
         target.prepare()
-        claim, dead = PrefixClaim.take(target, save_id)
+        claim, taken = PrefixClaim.take(
+            target, save_id, when_empty=lambda: _refuse_unless_empty(target, options),
+            when_committed=lambda found: _replaceable(target, options, found),
+        )
         removing = False
         try:
-            tops = [name for name in target.list_top(None) if name != SAVE_MARKER]
-            if dead is not None and tops and COMMIT_RECORD not in tops:
-                logger.warning("Removing the leftovers of an interrupted save at %s: %s", target.describe(),
-                               dead.describe())
-                removing = True
-                target.remove_tree("", keep=(SAVE_MARKER,))
-                tops = []
-            if COMMIT_RECORD in tops and options.overwrite:
-                _name_replaced(claim, target)
-            replaces = _check_target(target, options.overwrite, empty=not tops)
             source = options.reuse_from
             reuses = reuse_save_id(source, target, in_place=True) if source is not None else None
-            if replaces is not None:
-                removing = True  # what an interrupted removal leaves stays marked
-                target.remove(COMMIT_RECORD)  # the documented window on object stores starts here
-                target.remove_tree("", keep=(SAVE_MARKER,))
+            if taken.over is not None:
+                logger.warning("Removing the leftovers of an interrupted save at %s: %s", target.describe(),
+                               taken.over.describe())
+            if taken.over is not None or taken.replaced is not None:
+                keys = _objects_but_claim(target)
+                removing = True  # from the first deletion on, the replaced record cannot be put back
+                _remove_under_claim(target, keys, claim)
         except BaseException:
-            claim.stop()
-            if not removing:
-                _give_up_claim(claim)
+            _undo_begin(claim, taken, removing)
             raise
-        intent = SaveIntent(save_id, replaces, reuses, options.layout)
+        intent = SaveIntent(save_id, taken.replaces, reuses, options.layout)
         pending = PendingCheckpoint(target, target, intent, InPlace(claim), options)
         pending.hold_until_released(claim.stop)
         return pending
@@ -84,21 +79,16 @@ class InPlace(Publisher):
         return None  # the claim is the marker
 
     def commit(self, save: PendingCheckpoint, record: CommitRecord) -> CommitRecord:
-        claim = self._coordinators_claim(save)
-        claim.ensure_held()
-        if claim.writes.put_if_absent(COMMIT_RECORD, record.to_json()) is None:
-            raise _lost_race(save, committed_save_id(save.target))
-        _remove_own_marker(save)
+        self._coordinators_claim(save).commit(record.to_json())
         return record
 
     def abandon(self, save: PendingCheckpoint) -> None:
         claim = self._coordinators_claim(save)
-        claim.stop()
-        if not claim.owns_marker():
-            logger.warning("Abandoning the save into %s: its save marker is no longer its own (another save took "
-                           "the prefix over); removed nothing", save.describe())
-        elif committed_save_id(save.target) is None:
-            _remove_marked(save.target)
+        if claim.abandon() and claim.writes.lease_s == 0:
+            # The store keeps saves apart for as long as they run (``memory://``): no
+            # writer of this save can still be writing, so what it wrote goes now.
+            _remove_under_claim(save.target, _objects_but_claim(save.target), None)
+            save.target.remove(COMMIT_RECORD)
 
     def _coordinators_claim(self, save: PendingCheckpoint) -> PrefixClaim:
         if self.claim is None:
@@ -109,32 +99,48 @@ class InPlace(Publisher):
         return self.claim
 
 
-def _give_up_claim(claim: PrefixClaim) -> None:
-    """Removes the marker of a save that failed before it removed or wrote anything, so
-    that the next save need not wait a lease; a failure to is logged (the claim then
-    lapses a lease later), the save's own error being the one raised."""
+def _refuse_unless_empty(target: Location, options: SaveOptions) -> None:
+    """Before a claim is written where ``zarr.json`` holds nothing: refuses a prefix that
+    holds other objects (another program's, or what no claim proves a save's)."""
+    tops = target.list_top(None)
+    if tops and COMMIT_RECORD not in tops:  # one written since is read anew (the claim's write fails)
+        _check_target(target, options.overwrite, empty=False)
+
+
+def _replaceable(target: Location, options: SaveOptions, found: VersionedObject) -> str | None:
+    """The save id of the committed checkpoint ``found`` (its record as read) at
+    ``target``, where this save may replace it; else the refusal ``_check_target`` gives."""
     try:
-        if claim.owns_marker():
-            claim.target.remove(SAVE_MARKER)
-    except OSError as exc:
-        logger.warning("Could not remove the save marker of %s (the next save takes it over a lease later): %s",
-                       claim.target.describe(SAVE_MARKER), exc)
+        record = CommitRecord.from_json(found.data, where=target.describe(COMMIT_RECORD))
+    except CheckpointingException as exc:
+        raise CheckpointingException(f"Refusing to save into {target.describe()}: {exc}. Nothing there was changed") from exc
+    replaces = _check_target(target, options.overwrite, empty=False)
+    if replaces != record.save_id:  # replaced between the two reads: the claim's write is refused
+        return record.save_id
+    return replaces
 
 
-def _name_replaced(claim: PrefixClaim, target: Location) -> None:
-    """Names the committed checkpoint at ``target`` in ``claim``'s marker, where it is a
-    shardstore checkpoint (``_check_target`` refuses any other)."""
-    try:
-        replaces = committed_save_id(target)
-    except CheckpointingException:
-        return
-    if replaces is not None:
-        claim.mark_replacing(replaces)
+def _objects_but_claim(target: Location) -> list[str]:
+    """Every object of ``target`` but its ``zarr.json`` (the claim)."""
+    return [key for key in target.store.list("") if key != COMMIT_RECORD]
 
 
-def _remove_marked(target: Location) -> None:
-    """Removes a save's objects in place, its marker last: an interruption at any point
-    leaves what is left still marked (the next save removes it), never objects that no
-    later save can prove ours."""
-    target.remove_tree("", keep=(SAVE_MARKER,))
-    target.remove(SAVE_MARKER)
+def _remove_under_claim(target: Location, keys: list[str], claim: PrefixClaim | None) -> None:
+    """Removes ``keys`` from ``target``, checking before each batch that the claim is
+    still this save's (``PrefixClaim.check``)."""
+    for start in range(0, len(keys), DELETE_BATCH):
+        if claim is not None:
+            claim.check()
+        target.store.delete_many(keys[start:start + DELETE_BATCH])
+
+
+def _undo_begin(claim: PrefixClaim, taken: Taken, removing: bool) -> None:
+    """After a failure in ``begin``: puts back the record the claim replaced where
+    nothing was removed yet, removes a claim that stands alone in an empty prefix, else
+    gives the claim up (what is there stays a save's that is over)."""
+    if not removing and taken.replaced is not None:
+        claim.restore(taken.replaced)
+    elif not removing and taken.over is None:
+        claim.release_unused()
+    else:
+        claim.abandon()

@@ -46,6 +46,26 @@ class SaveLocation(Location):
         super().__init__(writes_into.store)
         self.target = target
         self._save = weakref.ref(save)  # the save holds its location, not the reverse
+        # An in-place save's files are each new in the prefix it claimed (``Store.put_new``).
+        self._in_place = not writes_into.capabilities.supports_rename
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        if self._in_place:
+            self.store.put_new({rel: data})
+        else:
+            super().write_bytes(rel, data)
+
+    def write_many(self, files: dict[str, bytes]) -> None:
+        if self._in_place:
+            self.store.put_new(files)
+        else:
+            super().write_many(files)
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        if self._in_place:  # a PUT is atomic on an object store
+            self.store.put_new({rel: data})
+        else:
+            super().write_atomic(rel, data)
 
     @property
     def save(self) -> PendingCheckpoint | None:

@@ -13,6 +13,7 @@ import logging
 from shardstore.errors import CheckpointingException
 from shardstore.format.pack_listing import PACKS_DIR
 from shardstore.format.records import COMMIT_RECORD, MAX_RECORD_BYTES, CommitRecord, own_markers
+from shardstore.format.records.claim_document import is_claim
 from shardstore.format.records.other_checkpoints import (
     other_checkpoint_beside,
     other_checkpoint_files,
@@ -56,7 +57,7 @@ def committed_save_id(location: Location) -> str | None:
 
 def _committed_record(location: Location) -> CommitRecord | None:
     data = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_RECORD_BYTES)
-    if data is None:
+    if data is None or is_claim(data):  # nothing, or an in-place save's claim (``format.claims``)
         return None
     return CommitRecord.from_json(data, where=location.describe(COMMIT_RECORD))
 

@@ -33,6 +33,7 @@ from shardstore.format.pack_listing import packs_from_json
 from shardstore.format.records.array_places import ArrayPlaces
 from shardstore.format.records.array_record import ArrayRecord
 from shardstore.format.records.bounds import MAX_UNBOUND_CHUNKS
+from shardstore.format.records.claim_document import is_claim, no_checkpoint_yet
 from shardstore.format.records.dcp_metadata import DcpMetadata
 from shardstore.format.records.digests import (
     DIGEST_HEX_DIGITS,
@@ -83,6 +84,8 @@ class RecordParsing:
 
     @classmethod
     def _parse(cls, data: bytes, where: str) -> Self:
+        if is_claim(data):
+            raise CheckpointingException(no_checkpoint_yet(data, where.removesuffix("/zarr.json")))
         try:
             root = json.loads(data)
         except (ValueError, RecursionError) as exc:  # not JSON, or nested past the parser's depth

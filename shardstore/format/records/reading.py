@@ -13,6 +13,7 @@ __all__ = [
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.records.bounds import MAX_RECORD_BYTES
+from shardstore.format.records.claim_document import MAX_CLAIM_BYTES, is_claim
 from shardstore.format.records.commit_record import CommitRecord
 from shardstore.format.records.markers import interrupted_replacement, unfinished_saves
 from shardstore.format.records.names import (
@@ -28,7 +29,7 @@ from shardstore.format.records.other_checkpoints import (
     sharded_backend,
     title_of_model_files,
 )
-from shardstore.stores.base import Location
+from shardstore.stores.base import Location, StorageError
 
 
 def _replaced_name(location: Location, save_id: str) -> str:
@@ -40,7 +41,18 @@ def _replaced_name(location: Location, save_id: str) -> str:
 
 
 def is_committed(location: Location) -> bool:
-    return location.exists(COMMIT_RECORD)
+    """Whether ``location`` holds a commit record (not an in-place save's claim, which
+    stands in its place while that save writes: ``records.claim_document``)."""
+    if location.capabilities.supports_rename:  # a claim stands only where saves publish in place
+        return location.exists(COMMIT_RECORD)
+    size = location.store.size(COMMIT_RECORD)
+    if size is None or size > MAX_CLAIM_BYTES:  # a claim is small: a larger object is no claim
+        return size is not None
+    try:
+        data = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_CLAIM_BYTES)
+    except StorageError:  # grown past a claim since (replaced by a record): committed
+        return True
+    return data is not None and not is_claim(data)
 
 
 def read_commit_record(location: Location) -> CommitRecord:

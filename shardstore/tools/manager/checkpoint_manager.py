@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from shardstore.errors import CheckpointingException
-from shardstore.format import COMMIT_RECORD, SaveOptions
+from shardstore.format import SaveOptions, is_committed
 from shardstore.mapping import ShardedStateDict, StateDict
 from shardstore.opened import bare_location
 from shardstore.protocol import Group
@@ -141,7 +141,7 @@ class CheckpointManager:
         rank."""
         steps = {self.options.step_name(step): self.location(step) for step in self._steps.named()}
         return verify_checkpoints(
-            self.root.describe(), {name: loc for name, loc in steps.items() if loc.exists(COMMIT_RECORD)}, progress,
+            self.root.describe(), {name: loc for name, loc in steps.items() if is_committed(loc)}, progress,
             leftovers_under(self.root),
         )
 

@@ -34,6 +34,7 @@ from shardstore.format import (
     DELETION_MARKER,
     MAX_RECORD_BYTES,
     CommitRecord,
+    is_committed,
     own_markers,
 )
 from shardstore.stores import Location, run_parallel
@@ -127,7 +128,7 @@ class StepDeletion:
         the step, a file added after its commit) stays, WARNING."""
         location = self.steps.location(step)
         _refuse_links(location)
-        marker = None if location.exists(COMMIT_RECORD) else _read_marker(location, step)
+        marker = None if is_committed(location) else _read_marker(location, step)
         if marker is None:
             raise CheckpointingException(f"{location.describe()} is not a deletion of ours to finish; left as it is")
         if marker.record is None:

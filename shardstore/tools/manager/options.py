@@ -35,34 +35,28 @@ class CheckpointManagerOptions:
         max_to_keep: keep the newest K committed steps (None: keep all).
         keep_period: also keep every step divisible by it, forever (None: none).
         step_prefix: a step's directory is ``step_prefix`` + the step in ``step_digits``
-            digits, zero-padded (taken as written: no separator is added).
+            digits, zero-padded (no separator is added).
         step_digits: see ``step_prefix``; None: the step's digits, not padded.
         async_save: ``save`` returns once the state is staged in host memory; the
-            writes commit at a later ``save`` (once finished on every rank),
-            ``wait_until_finished``, ``resume``, ``rollback``, ``delete`` or ``close``.
+            writes commit at a later call (once finished on every rank).
         save_interval_secs: also save when this many seconds (of the coordinator's
             clock) have passed since this manager's last save or its start (None: off).
-        save_on_preemption: the next ``save`` after one of ``preemption_signals``
-            saves, whatever the intervals say.
+        save_on_preemption: the next ``save`` after a ``preemption_signals`` saves.
         preemption_signals: the signals that mean preemption (SIGTERM by default).
         best_fn: scores a step's metrics (those given to ``save``); None: no ranking.
         best_mode: ``"max"``: a higher score is better; ``"min"``: lower (a loss).
         keep_best: also keep the N best committed steps by ``best_fn`` (needs
             ``max_to_keep``: the newest steps are kept besides the best).
         reuse_unchanged: each step shares the chunks whose bytes did not change with
-            the newest committed step before it instead of writing them again (every
-            step still stands alone). Off: every step writes every byte.
+            the newest committed step before it (every step still stands alone).
         cache_plan: each save after the first reuses the last one's plan while every
-            rank's structure is unchanged (through a copy of the default save strategy
-            that keeps it; a ``sharded_strategy`` given to ``save`` is used as it is).
-            Off: every save plans anew.
+            rank's structure is unchanged (a ``sharded_strategy`` given to ``save`` is
+            used as it is).
         layout: where each save puts its bytes (``StorageLayout``; with ``options=``).
-        items_at_another_world_size: for a Stateful item (named by its place in the
-            state, ``"data.loader"``) whose saving ranks saved different states, what a
-            restore at another number of ranks gives each rank: ``"rank_0"`` (the state
-            rank 0 saved) or ``"fresh"`` (not restored: the item keeps its state). Items
-            that every saving rank saved alike restore at any number of ranks anyway;
-            one that differs and is not named here is refused, naming both choices.
+        items_at_another_world_size: for a Stateful item (``"data.loader"``) whose
+            saving ranks saved different states, what a restore at another number of
+            ranks gives each rank: ``"rank_0"`` (rank 0's state) or ``"fresh"`` (its
+            own state, not restored). Items saved alike restore at any number of ranks.
     """
 
     save_interval_steps: int | None = 1

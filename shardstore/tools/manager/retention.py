@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 
 from shardstore.errors import CheckpointingException
-from shardstore.format import COMMIT_RECORD
+from shardstore.format import is_committed
 from shardstore.tools.manager.deletion import StepDeletion
 from shardstore.tools.manager.options import MANAGER_STATE_KEY, CheckpointManagerOptions, Metrics
 from shardstore.tools.manager.steps import StepDirectories, StepState
@@ -129,7 +129,7 @@ class Retention:
             kept_unread = options.max_to_keep is None or (
                 newest_found and options.is_kept_forever(step) and options.keep_best is None
             )
-            if step != just_saved and kept_unread and self.steps.location(step).exists(COMMIT_RECORD):
+            if step != just_saved and kept_unread and is_committed(self.steps.location(step)):
                 continue
             state = self.steps.step_state(step)
             if state.kind == "committed":

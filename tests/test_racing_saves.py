@@ -33,6 +33,7 @@ from shardstore.format.records.claim_document import (
 )
 from shardstore.stores.locations import open_location
 from shardstore.stores.s3 import S3Options
+from shardstore.tools.root_verify import entries_under
 from tests.dist import _context
 from tests.s3_support import MotoServer, s3_options
 
@@ -270,6 +271,9 @@ def test_a_save_killed_on_s3_is_taken_over_at_once_on_its_machine(server: MotoSe
     assert location.exists(FIRST_CHUNK) and not is_committed(location)
     with pytest.raises(CheckpointingException, match="a save is in flight there"):
         load({"w0": ShardedTensor.from_rank_offsets("w0", torch.empty(ELEMENTS))}, location)
+    save(_state(4), open_location(f"s3://{BUCKET}/killed/other", options=options))
+    found, leftovers = entries_under(open_location(f"s3://{BUCKET}/killed", options=options))
+    assert set(found) == {"other"} and leftovers == ("ck",), "verify of the root names what the killed save left"
     started = time.monotonic()
     save(_state(6), location)
     assert time.monotonic() - started < 30

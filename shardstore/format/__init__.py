@@ -37,6 +37,8 @@ __all__ = [
     "from_zarr_name",
     "group_metadata",
     "holds_its_values",
+    "holds_claim",
+    "is_claim",
     "is_committed",
     "is_exact_conversion",
     "load_torch",
@@ -51,6 +53,7 @@ __all__ = [
     "read_marker",
     "read_region",
     "REPLACED_TAG",
+    "remove_unfinished",
     "restore_replaced",
     "run_reads",
     "SaveIntent",
@@ -73,7 +76,7 @@ __all__ = [
 from shardstore.lazy_exports import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {
-    "commit": ("SaveIntent", "SaveOptions", "restore_replaced"),
+    "commit": ("SaveIntent", "SaveOptions", "remove_unfinished", "restore_replaced"),
     "config": ("CONFIG_FNAME", "CheckpointingConfig", "read_config", "write_config"),
     "chunks": ("ArrayChunks", "DEFAULT_IO_CONCURRENCY", "WrittenChunk", "chunk_store_for", "read_region", "run_reads"),
     "dtypes": ("BY_TORCH", "cast_checked", "from_torch", "from_zarr_name", "holds_its_values", "is_exact_conversion",
@@ -91,6 +94,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "records.markers": ("own_markers", "read_marker"),
     "records.names": ("COMMIT_RECORD", "COMMON_FILE", "DELETION_MARKER", "REPLACED_TAG", "STAGING_TAG", "ZARR_JSON"),
     "records.object_record": ("ObjectRecord",),
-    "records.reading": ("is_committed", "read_commit_record"),
+    "records.reading": ("holds_claim", "is_committed", "read_commit_record"),
+    "records.claim_document": ("is_claim",),
     "records.writing": ("group_metadata",),
 })

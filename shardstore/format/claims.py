@@ -141,14 +141,15 @@ class PrefixClaim:
     @classmethod
     def take(
         cls, target: Location, save_id: str, *, when_empty: Callable[[], None],
-        when_committed: Callable[[VersionedObject], str | None],
+        when_committed: Callable[[VersionedObject], str | None], wait: bool = True,
     ) -> tuple[PrefixClaim, Taken]:
         """Claims ``target`` for ``save_id``.
 
         ``when_empty`` is called where ``zarr.json`` holds nothing, before the claim is
         written (it raises where the prefix holds other objects); ``when_committed``
         where it holds a commit record: it raises unless the save may replace it, and
-        returns its save id.
+        returns its save id. ``wait``: False refuses a claim that may still be renewed
+        at once, instead of waiting for it to be renewed or to lapse.
 
         Raises:
             CheckpointingException: a running save holds the prefix, or the prefix is
@@ -173,6 +174,8 @@ class PrefixClaim:
             else:
                 other = _other_save(target, found)
                 if not other.over(writes.lease_s):
+                    if not wait:
+                        raise _refused(target, other, writes.lease_s)
                     if waited is not None and (waited.version != other.version or time.monotonic() > deadline):
                         raise _refused(target, other, writes.lease_s)
                     if waited is None:

@@ -31,6 +31,7 @@ from shardstore.format import (
     Problem,
     UnsupportedFormatVersion,
     VerifyReport,
+    holds_claim,
     read_commit_record,
     verify,
 )
@@ -65,8 +66,9 @@ class RootVerifyReport:
     grouped by the file they are.
 
     Attributes:
-        leftovers: hidden entries under the root that interrupted saves left (a staging
-            directory, an old checkpoint a replacement set aside), by name: not verified
+        leftovers: entries under the root that interrupted saves left (a staging
+            directory, an old checkpoint a replacement set aside, an object store's
+            prefix whose save is in flight or ended without a commit), by name: not verified
             as checkpoints (a half-moved one would read as damage, which a cleanup
             script may answer by deleting it), named so that none goes unseen.
     """
@@ -108,20 +110,22 @@ def entries_under(root: Location) -> tuple[dict[str, Location], tuple[str, ...]]
     no commit record."""
     names = _top_names(root)
     leftovers = _leftovers(names)
-    found = {}
+    found, claimed = {}, []
     for name in names:
         if name in leftovers:
             continue
         child = root.child(name)
         if holds_commit_record(child):
             found[name] = child
-    return found, leftovers
+        elif holds_claim(child):
+            claimed.append(name)
+    return found, tuple(sorted((*leftovers, *claimed)))
 
 
 def leftovers_under(root: Location) -> tuple[str, ...]:
-    """The hidden entries directly under ``root`` that interrupted saves left, by name
+    """The entries directly under ``root`` that interrupted saves left, by name
     (``RootVerifyReport.leftovers``); none under a root that is itself a save's."""
-    return _leftovers(_top_names(root))
+    return entries_under(root)[1]
 
 
 def _top_names(root: Location) -> list[str]:

@@ -40,13 +40,13 @@ from __future__ import annotations
 __all__ = [
     "ByRename", "InPlace", "IntoCallersDirectory", "PendingCheckpoint", "Publisher",
     "SaveIntent", "SaveLocation", "SaveOptions", "adopt_save", "begin_save", "check_shared",
-    "join_save", "publisher_for", "restore_replaced",
+    "join_save", "publisher_for", "remove_unfinished", "restore_replaced",
 ]
 
 from shardstore.format.commit.begin import adopt_save, begin_save, join_save, publisher_for
 from shardstore.format.commit.by_rename import ByRename
 from shardstore.format.commit.callers_directory import IntoCallersDirectory
-from shardstore.format.commit.in_place import InPlace
+from shardstore.format.commit.in_place import InPlace, remove_unfinished
 from shardstore.format.commit.options import SaveIntent, SaveOptions
 from shardstore.format.commit.pending import PendingCheckpoint, Publisher, SaveLocation
 from shardstore.format.commit.replaced import restore_replaced

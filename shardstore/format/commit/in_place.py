@@ -5,13 +5,13 @@ directory); the rules are in its docstring and in ``format.claims``.
 
 from __future__ import annotations
 
-__all__ = ["InPlace"]
+__all__ = ["InPlace", "remove_unfinished"]
 
 import logging
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.claims import PrefixClaim, Taken
-from shardstore.format.commit.options import SaveIntent, SaveOptions
+from shardstore.format.commit.options import SaveIntent, SaveOptions, new_save_id
 from shardstore.format.commit.pending import PendingCheckpoint, Publisher
 from shardstore.format.commit.targets import _check_target
 from shardstore.format.records import COMMIT_RECORD, CommitRecord
@@ -97,6 +97,35 @@ class InPlace(Publisher):
                 "begin it; please report it"
             )
         return self.claim
+
+
+def remove_unfinished(target: Location) -> bool:
+    """Removes what a save that is over left at ``target`` (its claim stands in
+    ``zarr.json``: given up, its process gone, or its lease lapsed), taking its claim
+    over first and removing it last. False, with nothing changed, where ``target``
+    holds no claim or one that may still be renewed (never waited for), a committed
+    checkpoint, or anything else.
+
+    Raises:
+        CheckpointingException: a failure while removing (what is left stays claimed)."""
+    def refuse(*_: object) -> None:
+        raise CheckpointingException(f"{target.describe()} holds no claim")
+
+    try:
+        claim, taken = PrefixClaim.take(target, new_save_id(), when_empty=refuse, when_committed=refuse, wait=False)
+    except CheckpointingException:
+        return False
+    if taken.over is None:  # taken where nothing or a record stood: cannot be (both refused)
+        claim.release_unused()
+        return False
+    try:
+        _remove_under_claim(target, _objects_but_claim(target), claim)
+    except BaseException:
+        claim.abandon()
+        raise
+    claim.release_unused()
+    logger.warning("Removed what an interrupted save left at %s: %s", target.describe(), taken.over.describe())
+    return True
 
 
 def _refuse_unless_empty(target: Location, options: SaveOptions) -> None:

@@ -6,6 +6,7 @@ interrupted replacement or deletion, another tool's checkpoint, or no checkpoint
 from __future__ import annotations
 
 __all__ = [
+    "holds_claim",
     "is_committed",
     "read_commit_record",
 ]
@@ -53,6 +54,19 @@ def is_committed(location: Location) -> bool:
     except StorageError:  # grown past a claim since (replaced by a record): committed
         return True
     return data is not None and not is_claim(data)
+
+
+def holds_claim(location: Location) -> bool:
+    """Whether ``location``'s ``zarr.json`` is an in-place save's claim
+    (``records.claim_document``): a save in flight there, or one that ended without a
+    commit, whose objects the next save into it removes."""
+    if location.capabilities.supports_rename:
+        return False
+    try:
+        data = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_CLAIM_BYTES)
+    except StorageError:  # larger than any claim: a record's (or another program's)
+        return False
+    return data is not None and is_claim(data)
 
 
 def read_commit_record(location: Location) -> CommitRecord:

@@ -36,6 +36,7 @@ from shardstore.format import (
     CommitRecord,
     is_committed,
     own_markers,
+    remove_unfinished,
 )
 from shardstore.stores import Location, run_parallel
 from shardstore.tools.manager.steps import StepDirectories, StepState, marker_json, marker_save_id
@@ -171,6 +172,8 @@ class StepDeletion:
                     self.finish(newer)
                 elif state.kind == "damaged":
                     self.steps.warn_if_damaged(state)
+                elif state.kind == "unfinished" and remove_unfinished(self.steps.location(newer)):
+                    pass  # what an interrupted save left: removed (left where that save may still run)
                 else:
                     logger.warning(
                         "Rollback to step %d leaves %s alone: it holds no shardstore checkpoint",

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 
 from shardstore.errors import CheckpointingException
-from shardstore.format import is_committed
+from shardstore.format import is_committed, remove_unfinished
 from shardstore.tools.manager.deletion import StepDeletion
 from shardstore.tools.manager.options import MANAGER_STATE_KEY, CheckpointManagerOptions, Metrics
 from shardstore.tools.manager.steps import StepDirectories, StepState
@@ -97,12 +97,15 @@ class Retention:
         deletions and deletes the steps retention no longer keeps. Failures are logged
         and listed in ``retention_errors``, never raised: the save succeeded."""
         try:
-            unfinished, doomed, kept = self.plan(just_saved, metrics)
+            unfinished, doomed, kept, interrupted = self.plan(just_saved, metrics)
         except (CheckpointingException, OSError) as exc:
             self.deletion.failed(f"Retention under {self.steps.root.describe()} skipped: cannot list its steps: {exc}")
             return
         for step in unfinished:
             self._safely(step, "finish the interrupted deletion of", lambda s=step: self.deletion.finish(s))
+        for step in interrupted:
+            self._safely(step, "remove what an interrupted save left in",
+                         lambda s=step: remove_unfinished(self.steps.location(s)))
         for state in doomed:
             self._safely(state.step, "delete old checkpoint", lambda s=state: self.deletion.delete(s))
         for state in kept:
@@ -110,9 +113,12 @@ class Retention:
 
     def plan(
         self, just_saved: int, metrics: dict[str, float] | None = None
-    ) -> tuple[list[int], list[StepState], list[StepState]]:
+    ) -> tuple[list[int], list[StepState], list[StepState], list[int]]:
         """(interrupted deletions to finish, committed steps to delete, committed steps
-        read and kept). Walks the steps
+        read and kept, steps older than ``just_saved`` where an in-place save's claim
+        stands: what an interrupted save left, which ``format.remove_unfinished``
+        removes once that save is over; a resume that trained past such a step never
+        saves it again). Walks the steps
         newest first: the records of the newest ``max_to_keep`` and of the steps that
         may go are read; ``keep_period`` steps older than those are kept whatever they
         hold, so only a missing record is looked for there (an interrupted deletion),
@@ -123,6 +129,7 @@ class Retention:
         kept, for good."""
         options = self.options
         unfinished: list[int] = []
+        interrupted: list[int] = []
         committed: dict[int, StepState] = {}
         for step in reversed(self.steps.named()):
             newest_found = options.max_to_keep is not None and len(committed) >= options.max_to_keep
@@ -138,14 +145,16 @@ class Retention:
                     self._metrics_cache.setdefault((step, state.save_id), metrics)
             elif state.kind == "deleting":
                 unfinished.append(step)
+            elif state.kind == "unfinished" and step < just_saved:
+                interrupted.append(step)
             else:
                 self.steps.warn_if_damaged(state)
         scores = self.scores(committed) if options.keep_best is not None and options.max_to_keep is not None else None
         doomed = steps_to_delete(committed, options, protected=(just_saved,), scores=scores)
         kept = [state for step, state in sorted(committed.items()) if step not in doomed]
-        return unfinished, [committed[s] for s in doomed], kept
+        return unfinished, [committed[s] for s in doomed], kept, interrupted
 
-    def _safely(self, step: int, what: str, action: Callable[[], None]) -> None:
+    def _safely(self, step: int, what: str, action: Callable[[], object]) -> None:
         try:
             action()
         except (CheckpointingException, OSError) as exc:

@@ -23,6 +23,7 @@ from shardstore.format import (
     MAX_RECORD_BYTES,
     CommitRecord,
     UnsupportedFormatVersion,
+    is_claim,
     read_marker,
 )
 from shardstore.stores import Location
@@ -40,14 +41,16 @@ class StepState:
         kind: ``committed`` (its commit record reads and checks: a step),
             ``deleting`` (no commit record, our deletion marker: a deletion to finish),
             ``damaged`` (a commit record that does not read or check: not a step, left
-            alone) or ``other`` (no commit record and no marker of ours: a save in
-            progress, a foreign directory; left alone).
+            alone), ``unfinished`` (an in-place save's claim: a save in flight, or one
+            that ended without a commit, which retention removes once it is over) or
+            ``other`` (no commit record and no marker of ours: a save in progress, a
+            foreign directory; left alone).
         save_id: committed: its record's save id; deleting: the marker's.
         reason: damaged: why the record does not count.
     """
 
     step: int
-    kind: Literal["committed", "deleting", "damaged", "other"]
+    kind: Literal["committed", "deleting", "damaged", "unfinished", "other"]
     save_id: str = ""
     reason: str = ""
 
@@ -88,6 +91,8 @@ class StepDirectories:
             if data is None:
                 marker = marker_save_id(location, step)
                 return StepState(step, "other") if marker is None else StepState(step, "deleting", save_id=marker)
+            if is_claim(data):
+                return StepState(step, "unfinished")
             record = CommitRecord.from_json(data, where=location.describe(COMMIT_RECORD))
         except OSError as exc:
             if exc.__cause__ is None:  # the store's own refusal (an oversized file): what is there is damaged

@@ -497,3 +497,15 @@ def test_an_object_truncated_on_s3_is_refused_naming_it(server: MotoServer, url:
     assert [(p.key, p.part) for p in report.problems] == [("w", rel.split("/", 1)[1])], str(report)
     with pytest.raises(CheckpointingException, match=rel.split("/", 1)[1].replace(".", r"\.")):
         load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 256))}, location)
+
+
+def test_an_overwrite_that_changes_the_layout_leaves_nothing_of_the_old_one(server: MotoServer, url: str) -> None:
+    """The old layout's pack (``packs/0-0.zip``) stayed behind an overwrite that packs
+    nothing, listed by no record, which ``verify`` passed and nothing ever reclaimed."""
+    location = open_location(url, options=s3_options(server.endpoint))
+    small = {f"b{i}": ShardedTensor.from_rank_offsets(f"b{i}", torch.full((64,), float(i))) for i in range(4)}
+    save(small, location)
+    assert any(key.startswith("packs/") for key in location.list_files())
+    save(small, location, overwrite=True, layout=StorageLayout(pack_arrays_up_to=0))
+    assert not [key for key in location.list_files() if key.startswith("packs/")], location.list_files()
+    assert verify(location).ok

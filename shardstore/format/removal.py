@@ -31,11 +31,10 @@ from __future__ import annotations
 __all__ = ["plan_removal", "remove_entries", "rewrite_packs"]
 
 import logging
-import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from pathlib import Path
+from typing import Any
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.chunks import chunk_store_for
@@ -53,7 +52,8 @@ from shardstore.format.records import (
     write_commit_record,
 )
 from shardstore.format.removal_marker import REMOVAL_MARKER, RemovalPlan, pending_removal
-from shardstore.stores.locations import Location, open_location
+from shardstore.stores.base import Store
+from shardstore.stores.locations import Location
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +122,9 @@ class _Binding:
     """
 
     def __init__(self, given: Location, location: Location, record: CommitRecord, version: str | None,
-                 fd: int | None) -> None:
+                 held: Any) -> None:
         self.given, self.location, self.record = given, location, record
-        self._version, self._fd = version, fd
+        self._version, self._held = version, held
 
     @classmethod
     @contextmanager
@@ -134,17 +134,15 @@ class _Binding:
 
         Raises:
             CheckpointingException: ``location`` commits another checkpoint now."""
-        path = location.local_path()
-        if path is not None and Path(PROC_FD).is_dir():
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                held = _HeldLocation(open_location(f"{PROC_FD}/{fd}"), path)
-                binding = cls(location, held, _record_of(held, record, location), None, fd)
-                yield binding
-                binding._check_still_named()
-            finally:
-                os.close(fd)
-            return
+        directory = location.store.publishing()
+        if directory is not None:
+            with directory.held() as held:
+                if held is not None:
+                    here = _HeldLocation(held.store, location)
+                    binding = cls(location, here, _record_of(here, record, location), None, held)
+                    yield binding
+                    binding.check()
+                    return
         writes = location.store.conditional_writes()
         found = writes.get_versioned(COMMIT_RECORD, MAX_RECORD_BYTES) if writes is not None else None
         version = found.version if found is not None else None
@@ -171,8 +169,10 @@ class _Binding:
         """Raises where the checkpoint was replaced since: the path names another
         directory than the one held, or (object stores) the record is no longer the
         version this removal wrote or read."""
-        if self._fd is not None:
-            self._check_still_named()
+        if self._held is not None:
+            if not self._held.still_named():
+                raise _replaced(self.given, "while it ran; it worked on the replaced checkpoint only, and changed "
+                                "nothing of the one there now")
             return
         if self._version is None:
             return
@@ -181,36 +181,16 @@ class _Binding:
         if writes.version_of(COMMIT_RECORD) != self._version:
             raise _replaced(self.given, "while it deleted the removed entries' files; it deleted nothing more")
 
-    def _check_still_named(self) -> None:
-        """Raises where the path now names another directory than the one the removal
-        worked in (a save replaced the checkpoint meanwhile)."""
-        assert self._fd is not None
-        path = self.given.local_path()
-        try:
-            now = os.stat(path) if path is not None else None
-        except OSError:
-            now = None
-        held = os.fstat(self._fd)
-        if now is None or held.st_nlink == 0 or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
-            raise _replaced(self.given, "while it ran; it worked on the replaced checkpoint only, and changed nothing "
-                            "of the one there now")
-
-
-# Where a process's open descriptors are named (Linux): a directory held open is reached
-# through it whatever name the directory has now.
-PROC_FD = "/proc/self/fd"
-
-
 class _HeldLocation(Location):
-    """A directory held open as a descriptor (reached through ``PROC_FD``), named in
-    messages by the path it was opened at."""
+    """A checkpoint's directory held open (``DirectoryPublishing.held``), named in
+    messages as the location it was opened at."""
 
-    def __init__(self, held: Location, opened_at: Path) -> None:
-        super().__init__(held.store)
+    def __init__(self, store: Store, opened_at: Location) -> None:
+        super().__init__(store)
         self._opened_at = opened_at
 
     def describe(self, rel: str = "") -> str:
-        return str(self._opened_at / rel) if rel else str(self._opened_at)
+        return self._opened_at.describe(rel)
 
 
 def _record_of(held: Location, expected: CommitRecord, given: Location) -> CommitRecord:

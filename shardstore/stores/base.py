@@ -234,8 +234,7 @@ class Store(ABC):
 
     def delete_many(self, keys: list[str]) -> None:
         """Deletes these exact keys (missing ones are no error), in few requests."""
-        for key in keys:
-            self.delete(key)
+        run_parallel(self.delete, keys)
 
     @abstractmethod
     def list(self, prefix: str = "") -> list[str]:
@@ -411,6 +410,11 @@ class DirectoryPublishing(Store):
     @abstractmethod
     def remove_directory(self) -> None:
         """Deletes this directory and everything in it (FileNotFoundError if missing)."""
+
+    @abstractmethod
+    def held(self) -> AbstractContextManager[Any]:
+        """This directory held open: a ``stores.local_files.HeldDirectory`` whose store
+        reaches it whatever it is renamed to, until the context ends (or None)."""
 
 
 class Location:

@@ -9,13 +9,12 @@ commit record) writes a temporary file, fsyncs it, renames it over the key and f
 the directory: it appears whole, after everything it vouches for.
 
 Reads trust nothing: ``open_regular_file`` refuses symbolic links, directories that
-resolve outside the checkpoint, and anything but a regular file, and records are read
-through a size bound. Removals (``delete``, ``delete_prefix``) likewise never go through
-a symbolic link. Chunks bypass ``get``/``put``: ``chunk_access`` hands
-``format.chunks`` the directory, which it reads and writes in place.
+resolve outside the checkpoint, and anything but a regular file; records are read
+through a size bound; removals never go through a symbolic link. Chunks bypass
+``get``/``put``: ``chunk_access`` hands ``format.chunks`` the directory.
 
 Publishing (``stores.base.DirectoryPublishing``): renames, atomic exchanges
-(``renameat2``) and ``flock``s, which ``format.commit`` uses to publish a save.
+(``renameat2``), ``flock``s and directories held open, which ``format`` uses.
 """
 
 from __future__ import annotations
@@ -55,7 +54,16 @@ from shardstore.stores.base import (
     run_parallel,
 )
 from shardstore.stores.file_identity import FileIdentity
-from shardstore.stores.local_files import create_file, create_new_file, open_regular, share_file
+from shardstore.stores.local_files import (  # check_inside, open_regular_file: imported from here too
+    HeldDirectory,
+    check_inside,
+    create_file,
+    create_new_file,
+    hold_directory,
+    open_regular,
+    open_regular_file,
+    share_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -295,6 +303,9 @@ class LocalStore(DirectoryPublishing):
     def sibling(self, name: str) -> LocalStore:
         return LocalStore(self.root.parent / name, fsync=self.fsync)
 
+    def held(self) -> contextlib.AbstractContextManager[HeldDirectory | None]:
+        return hold_directory(self.root, lambda path: LocalStore(path, fsync=self.fsync))
+
     def siblings(self, prefix: str) -> list[str]:
         try:
             return sorted(n for n in os.listdir(self.root.parent) if n.startswith(prefix))
@@ -533,28 +544,6 @@ def start_writeback(fd: int) -> None:
     err = ctypes.get_errno()
     if err not in _NO_SYNC_FILE_RANGE:
         raise OSError(err, os.strerror(err))
-
-
-def open_regular_file(root: Path, path: Path) -> int | None:
-    """A read-only descriptor of ``path``, a regular file inside ``root``; None if it
-    does not exist.
-
-    Refused (StorageError): a symbolic link (``O_NOFOLLOW``), a directory on the way
-    that resolves outside ``root``, and anything but a regular file: a FIFO would block
-    the reader (``O_NONBLOCK`` keeps even the open from waiting), ``/dev/zero`` would
-    never end.
-    """
-    check_inside(root, path.parent)
-    return open_regular(path)
-
-
-def check_inside(root: Path, directory: Path, real_root: str | None = None, action: str = "read it") -> None:
-    """Raises StorageError if ``directory`` resolves outside ``root`` (a symbolic link
-    on the way would lead a read, or a removal, into another checkpoint). ``real_root``:
-    ``root`` resolved already; ``action``: what is refused, for the message."""
-    real_root, real = real_root or os.path.realpath(root), os.path.realpath(directory)
-    if real != real_root and not real.startswith(real_root + os.sep):
-        raise StorageError(f"{directory} leads outside {root} (to {real}): a symbolic link; refusing to {action}")
 
 
 class DirectoryGuard:

@@ -9,14 +9,17 @@ link; ``stores.local.FileChunkStore.share_from`` proves what it shared.
 
 from __future__ import annotations
 
-__all__ = ["SharedFile", "create_file", "create_new_file", "open_regular", "share_file"]
+__all__ = ["HeldDirectory", "SharedFile", "check_inside", "create_file", "create_new_file", "hold_directory",
+           "open_regular", "open_regular_file", "share_file"]
 
 import errno
 import fcntl
 import os
 import stat
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from shardstore.stores.base import ChunkMismatch, StorageError
 
@@ -147,3 +150,67 @@ def open_regular(path: Path) -> int | None:
         os.close(fd)
         raise StorageError(f"{path} is not a regular file; refusing to read it")
     return fd
+
+
+def open_regular_file(root: Path, path: Path) -> int | None:
+    """A read-only descriptor of ``path``, a regular file inside ``root``; None if it
+    does not exist.
+
+    Refused (StorageError): a symbolic link (``O_NOFOLLOW``), a directory on the way
+    that resolves outside ``root``, and anything but a regular file: a FIFO would block
+    the reader (``O_NONBLOCK`` keeps even the open from waiting), ``/dev/zero`` would
+    never end.
+    """
+    check_inside(root, path.parent)
+    return open_regular(path)
+
+
+def check_inside(root: Path, directory: Path, real_root: str | None = None, action: str = "read it") -> None:
+    """Raises StorageError if ``directory`` resolves outside ``root`` (a symbolic link
+    on the way would lead a read, or a removal, into another checkpoint). ``real_root``:
+    ``root`` resolved already; ``action``: what is refused, for the message."""
+    real_root, real = real_root or os.path.realpath(root), os.path.realpath(directory)
+    if real != real_root and not real.startswith(real_root + os.sep):
+        raise StorageError(f"{directory} leads outside {root} (to {real}): a symbolic link; refusing to {action}")
+
+
+# Where a process's open descriptors are named (Linux): a directory held open is reached
+# through its entry here whatever name the directory has now.
+PROC_FD = "/proc/self/fd"
+
+
+class HeldDirectory(NamedTuple):
+    """A directory held open (``hold_directory``).
+
+    Attributes:
+        store: a store of the directory, reached through the descriptor.
+        fd: the descriptor.
+        path: the path it was opened at."""
+
+    store: Any
+    fd: int
+    path: Path
+
+    def still_named(self) -> bool:
+        """Whether ``path`` still names the directory held, and it still exists."""
+        held = os.fstat(self.fd)
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            return False
+        return held.st_nlink > 0 and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
+@contextmanager
+def hold_directory(path: Path, make: Callable[[str], Any]) -> Iterator[HeldDirectory | None]:
+    """The directory at ``path`` held open until the context ends, with a store of it
+    made by ``make`` from the path that reaches it through the descriptor; None where
+    descriptors cannot be reached by path (no ``PROC_FD``)."""
+    if not os.path.isdir(PROC_FD):
+        yield None
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield HeldDirectory(make(f"{PROC_FD}/{fd}"), fd, path)
+    finally:
+        os.close(fd)

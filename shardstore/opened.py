@@ -241,10 +241,13 @@ def write_location(location: Location, *, writes_config: bool = False) -> Locati
     """
     if not is_committed(location):
         return location
-    if isinstance(location, SaveLocation) and location.save is not None:  # in place, committed by another save
+    pending = location.save if isinstance(location, SaveLocation) else None
+    if pending is not None and pending.committed is None and read_commit_record(location).save_id != (
+        pending.intent.save_id
+    ):  # in place, committed by another save
         raise CheckpointingException(
             f"Not writing into {location.describe()}: another save took the prefix over and committed there while "
-            f"this save (save {location.save.intent.save_id}) ran, which lost its claim on it (paused past its "
+            f"this save (save {pending.intent.save_id}) ran, which lost its claim on it (paused past its "
             "lease?). Nothing of this save is committed, and nothing was written over; save again"
         )
     if writes_config and CONFIG_FNAME not in read_commit_record(location).files:

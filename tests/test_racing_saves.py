@@ -212,7 +212,9 @@ def test_a_claim_from_another_machine_is_waited_for_no_longer_than_its_lease(ser
 def test_a_claim_names_its_process_so_a_reused_pid_is_no_proof_of_life() -> None:
     here = this_process()
     assert not here.is_gone()
-    assert ProcessIdentity(here.host, here.boot_id, here.pid, (here.start or 0) + 1).is_gone()  # pid reused
+    reused = (here.start or 0) + 1
+    assert ProcessIdentity(here.host, here.boot_id, here.pid, reused, here.pid_ns).is_gone()  # the pid reused
+    assert not ProcessIdentity(here.host, here.boot_id, here.pid, reused, 1).is_gone()  # another pid namespace
     assert not ProcessIdentity("another-host", here.boot_id, 1, 1).is_gone()  # cannot be told from here
     assert not ProcessIdentity(here.host, "another boot", 1, 1).is_gone()
 

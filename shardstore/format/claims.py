@@ -117,6 +117,7 @@ class PrefixClaim:
         self.target, self.writes = target, writes
         self._doc = ClaimDocument(save_id, WRITING, this_process(), writes.lease_s, replaces=replaces)
         self._version: str | None = None
+        self._attempted: bytes | None = None  # the claim's last write (unique to this save)
         self._renewed_at = time.monotonic()
         self._lost: str | None = None
         self._lock = threading.Lock()
@@ -177,7 +178,7 @@ class PrefixClaim:
                     if not wait:
                         raise _refused(target, other, writes.lease_s)
                     if waited is not None and (waited.version != other.version or time.monotonic() > deadline):
-                        raise _refused(target, other, writes.lease_s)
+                        raise _refused(target, other, writes.lease_s, renewed=waited.version != other.version)
                     if waited is None:
                         waited = other
                         deadline = time.monotonic() + other.lease_s(writes.lease_s) - other.age_s + POLL_S
@@ -209,9 +210,16 @@ class PrefixClaim:
         claim lost, saying who holds it) where it is not."""
         if self._lost is not None or self._version is None:
             return None
+        previous, self._attempted = self._attempted, data
         version = self.writes.put_if_version(COMMIT_RECORD, data, self._version)
         if version is None:
-            self._lost = _held_by(self.target, self.writes.get_versioned(COMMIT_RECORD, MAX_RECORD_BYTES))
+            found = self.writes.get_versioned(COMMIT_RECORD, MAX_RECORD_BYTES)
+            if found is not None and previous is not None and found.data == previous:
+                # the write before landed, its answer lost (bytes unique to this save): its version is ours
+                version = self.writes.put_if_version(COMMIT_RECORD, data, found.version)
+                found = self.writes.get_versioned(COMMIT_RECORD, MAX_RECORD_BYTES) if version is None else found
+        if version is None:
+            self._lost = _held_by(self.target, found)
             return None
         self._version, self._renewed_at = version, time.monotonic()
         return version
@@ -283,13 +291,13 @@ class PrefixClaim:
                 logger.warning("Could not put back the commit record of %s: %s", self.target.describe(), self._lost)
 
     def release_unused(self) -> None:
-        """Removes the claim of a save that wrote nothing into an empty prefix, where it
-        is still this save's; a failure is logged (the claim then lapses a lease later)."""
+        """Removes the claim of a save that wrote nothing into an empty prefix, or that
+        removed everything else there, only where it is still this save's version (a
+        conditional delete); a failure is logged (the claim then lapses a lease later)."""
         self.stop()
         try:
-            found = self.writes.get_versioned(COMMIT_RECORD, MAX_RECORD_BYTES)
-            if found is not None and found.version == self._version:
-                self.target.remove(COMMIT_RECORD)
+            if self._version is not None:
+                self.writes.delete_if_version(COMMIT_RECORD, self._version)
         except OSError as exc:
             logger.warning("Could not remove the claim of the save into %s (the next save takes it over a lease "
                            "later): %s", self.target.describe(), exc)
@@ -316,11 +324,13 @@ def _other_save(target: Location, found: VersionedObject) -> OtherSave:
     return OtherSave(claim, found.age_s, found.version)
 
 
-def _refused(target: Location, other: OtherSave, lease_s: float) -> CheckpointingException:
+def _refused(target: Location, other: OtherSave, lease_s: float, renewed: bool = False) -> CheckpointingException:
     lease = other.lease_s(lease_s)
+    why = ("it renewed its claim while this save waited" if renewed else
+           "its claim did not lapse while this save waited, by the server's clock")
     return CheckpointingException(
-        f"Not saving into {target.describe()}: another save is writing there ({other.describe()}; it renewed its "
-        f"claim while this save waited). Nothing there was changed. Wait for that save to finish and save again "
+        f"Not saving into {target.describe()}: another save is writing there ({other.describe()}; {why}). "
+        f"Nothing there was changed. Wait for that save to finish and save again "
         f"(overwrite=True to replace what it commits), or save to another prefix. A save that dies leaves its claim, "
         f"which the next save takes over at once on the same machine, else {lease:.0f} s after its last renewal."
     )

@@ -101,11 +101,12 @@ def remove_entries(location: Location, record: CommitRecord, key_prefix: str) ->
             plan, kept = plan_removal(record, key_prefix, location.describe())
             if plan.is_empty():
                 return
+            bound.check()
             here.write_atomic(REMOVAL_MARKER, plan.to_json())  # durable before the record changes
             kept = rewrite_packs(here, plan, kept)
             bound.write_record(kept)
             plan.delete(here, kept, bound.check)
-            bound.check()
+            bound.check()  # the record is still the one this removal wrote
             here.remove(REMOVAL_MARKER)
         except OSError:
             bound.check()  # a held directory removed by the save that replaced it: say so
@@ -235,8 +236,10 @@ def _finish_interrupted(location: Location, record: CommitRecord, bound: _Bindin
         vouched = record.vouched_paths()
         for _, new in plan.rewritten:
             if new not in vouched:  # the marker names it: the removal's own, never committed
+                bound.check()
                 location.remove(new)
         logger.info("A removal of %r from %s stopped before it changed anything", plan.key_prefix, location.describe())
+    bound.check()
     location.remove(REMOVAL_MARKER)
 
 

@@ -1,10 +1,10 @@
 """Conditional writes: the compare-and-swap an object store offers where a file system
 offers ``rename`` and ``flock``.
 
-An in-place save (``format.commit.InPlace``) claims its prefix by writing its marker only
-where none is, keeps the claim by rewriting the marker only while it still holds the
-version it wrote last, and writes the commit record only where none is
-(``format.claims``). A store that can do this atomically (S3 since 2024 with
+An in-place save (``format.commit.InPlace``) claims its prefix by writing its claim into
+the root ``zarr.json`` only where nothing (or what it may replace) is, keeps the claim by
+rewriting it only while it still holds the version it wrote last, and commits by
+replacing it with the commit record on that same condition (``format.claims``). A store that can do this atomically (S3 since 2024 with
 ``If-None-Match: *`` and ``If-Match``, MinIO, moto; ``memory://`` under a lock) offers a
 ``ConditionalWrites`` through ``Store.conditional_writes``.
 
@@ -74,6 +74,19 @@ class ConditionalWrites(ABC):
         the bytes (a HEAD) overrides this."""
         found = self.get_versioned(key, max_bytes=0)
         return found.version if found is not None else None
+
+    def delete_if_version(self, key: str, version: str) -> bool:
+        """Deletes ``key`` where it holds ``version``; False where it holds another one
+        (or none). This default reads, then deletes: a store that can delete
+        conditionally (S3's ``If-Match`` on DELETE) overrides it."""
+        if self.version_of(key) != version:
+            return False
+        self._delete(key)
+        return True
+
+    @abstractmethod
+    def _delete(self, key: str) -> None:
+        """Deletes ``key`` (no error where it holds nothing)."""
 
     def put_if_absent(self, key: str, data: bytes) -> str | None:
         """Writes ``data`` where ``key`` holds nothing: its version, or None where the key

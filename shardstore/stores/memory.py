@@ -118,6 +118,17 @@ class _MemoryConditional(ConditionalWrites):
             self.store.put(key, data)
         return _version(data)
 
+    def _delete(self, key: str) -> None:
+        self.store.delete(key)
+
+    def delete_if_version(self, key: str, version: str) -> bool:
+        with _claims_lock:
+            found = self.store.get(key)
+            if found is None or _version(found) != version:
+                return False
+            self.store.delete(key)
+        return True
+
     def get_versioned(self, key: str, max_bytes: int) -> VersionedObject | None:
         with _claims_lock:
             found = self.store.get(key)

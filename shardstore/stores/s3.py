@@ -1,10 +1,10 @@
 """``s3://bucket/prefix`` checkpoint locations: S3, MinIO, Ceph, any S3-compatible store.
 
-Chunks, and a save's many ``zarr.json`` documents, go through TensorStore's ``s3``
-kvstore (one PUT per object, many in flight); other small files (``common.pt``, sharded
-objects, the commit record), listing and deletion go through s3fs, one request each
-(``get``, ``size``, ``exists``, ``list_dir`` and ``prepare`` avoid the extra HEADs and
-listings s3fs's own calls send; a shard index's suffix GET names the size).
+A save's objects are written through s3fs's client, each only where none is
+(``stores.s3_fenced``: one PUT with ``If-None-Match``, many in flight); chunk reads go
+through TensorStore's ``s3`` kvstore; small files, listing and deletion through s3fs,
+one request each (``get``, ``size``, ``exists``, ``list_dir`` and ``prepare`` avoid the
+extra HEADs and listings s3fs's own calls send; a shard index's suffix GET names the size).
 
 Settings come from the standard AWS environment unless given in code
 (``S3Options``): ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, ``AWS_REGION`` /
@@ -93,7 +93,8 @@ class S3Options:
         initial_delay, max_delay: backoff bounds in seconds (jittered, exponential).
         connect_timeout, read_timeout: seconds before one request is given up (then
             retried); TensorStore takes them from the first S3 location a process opens.
-        request_concurrency: TensorStore requests in flight per process.
+        request_concurrency: requests in flight per process (TensorStore's reads; a
+            save's writes, through as many of botocore's connections).
         s3fs_kwargs: extra keyword arguments for ``s3fs.S3FileSystem``, merged into
             ours (their keys winning).
         save_lease_s: how long a save's claim on its prefix holds without renewal
@@ -288,6 +289,7 @@ class S3Store(FsspecStore):
                     "retries": {"total_max_attempts": o.max_retries + 1, "mode": "standard"},
                     "connect_timeout": o.connect_timeout,
                     "read_timeout": o.read_timeout,
+                    "max_pool_connections": o.request_concurrency,
                 },
             }
             kwargs = _merged(kwargs, o.s3fs_kwargs)
@@ -687,6 +689,28 @@ class S3ConditionalWrites(ConditionalWrites):
         if (found is None) != (version is None) or (found is not None and found.version != version):
             raise PreconditionFailed(key)
         return str(self._put_object(key, data, {})["ETag"]).strip('"')
+
+    def _delete(self, key: str) -> None:
+        self.store.delete(key)
+
+    def delete_if_version(self, key: str, version: str) -> bool:
+        """One DeleteObject with ``If-Match`` (AWS since 2025, MinIO, moto); a store that
+        refuses the header gets the default's read, then delete."""
+        if not self.store.options.conditional_writes:
+            return super().delete_if_version(key, version)
+        s = self.store
+        try:
+            s._call("remove", key, s.fs.call_s3, "delete_object", Bucket=s.bucket, Key=s._key(key), IfMatch=f'"{version}"')
+        except FileNotFoundError:
+            return False
+        except StorageError as exc:
+            if error_code(exc) in ("PreconditionFailed", "412"):
+                return False
+            if error_code(exc) not in ("NotImplemented", "501"):
+                raise
+            return super().delete_if_version(key, version)
+        s.fs.invalidate_cache(s._path(key))
+        return True
 
     def version_of(self, key: str) -> str | None:
         s = self.store

@@ -17,6 +17,7 @@ from __future__ import annotations
 __all__ = ["SLOWEST_UPLOAD", "backoff_s", "error_code", "put_new_objects", "put_object"]
 
 import asyncio
+import concurrent.futures
 import random
 from typing import Any, Protocol
 
@@ -35,7 +36,6 @@ class S3Store(Protocol):
 
     def _key(self, rel: str) -> str: ...
     def describe(self, key: str = "") -> str: ...
-    def _run(self, coroutine_function: Any, *args: Any) -> Any: ...
     async def _get_object(self, key: str) -> tuple[bytes, dict[str, Any]]: ...
 
 
@@ -51,7 +51,12 @@ def put_new_objects(store: S3Store, objects: dict[str, bytes]) -> dict[str, str 
         return {}
     for key in objects:
         store._key(key)  # refused here as everywhere else
-    return store._run(_put_all, store, objects)
+    running = asyncio.run_coroutine_threadsafe(_put_all(store, objects), store.fs.loop)
+    try:
+        return running.result()
+    except BaseException:  # an interrupt (Ctrl-C) too: the requests in flight end first
+        concurrent.futures.wait([running])
+        raise
 
 
 async def _put_all(store: S3Store, objects: dict[str, bytes]) -> dict[str, str | None]:

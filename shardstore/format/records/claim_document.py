@@ -53,20 +53,24 @@ def is_claim(data: bytes) -> bool:
 @dataclass(frozen=True)
 class ProcessIdentity:
     """A process as another process on the same machine can check it: the host's name,
-    the kernel's boot id, its pid and its start time (clock ticks since boot), so that
-    a pid reused by another process is never taken for it."""
+    the kernel's boot id, its pid namespace (containers sharing a host name and a
+    kernel see other pids), its pid and its start time (clock ticks since boot), so
+    that a pid reused by another process is never taken for it."""
 
     host: str
     boot_id: str | None
     pid: int
     start: int | None
+    pid_ns: int | None = None
 
     def is_gone(self) -> bool:
         """Whether this process provably no longer runs: it ran on this machine, since
-        its last boot, and its pid now names no process or one started at another time.
-        False wherever that cannot be proven (another host, another boot, no /proc)."""
+        its last boot, in this pid namespace, and its pid now names no process or one
+        started at another time. False wherever that cannot be proven (another host,
+        boot or namespace, no /proc)."""
         here = this_process()
-        if self.host != here.host or self.boot_id is None or self.boot_id != here.boot_id or self.start is None:
+        same_place = (self.host, self.boot_id, self.pid_ns) == (here.host, here.boot_id, here.pid_ns)
+        if not same_place or None in (self.boot_id, self.pid_ns, self.start):
             return False
         return _start_ticks(self.pid) != self.start
 
@@ -97,7 +101,11 @@ def this_process() -> ProcessIdentity:
     """The calling process's identity (its pid read each time: a forked child is
     another process)."""
     pid = os.getpid()
-    return ProcessIdentity(socket.gethostname(), _boot_id(), pid, _start_ticks(pid))
+    try:
+        pid_ns: int | None = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pid_ns = None
+    return ProcessIdentity(socket.gethostname(), _boot_id(), pid, _start_ticks(pid), pid_ns)
 
 
 @dataclass(frozen=True)
@@ -147,12 +155,12 @@ class ClaimDocument:
             return None
         if replaces is not None and not (isinstance(replaces, str) and _SAVE_ID.fullmatch(replaces)):
             return None
-        host, boot_id, pid, start = (f.get(k) for k in ("host", "boot_id", "pid", "start"))
+        host, boot_id, pid, start, pid_ns = (f.get(k) for k in ("host", "boot_id", "pid", "start", "pid_ns"))
         lease, renewal = f.get("lease_s"), f.get("renewal")
         if not isinstance(host, str) or not _is_int(pid) or not _is_int(renewal) or not _is_number(lease):
             return None
         process = ProcessIdentity(host, boot_id if isinstance(boot_id, str) else None, pid,
-                                  start if _is_int(start) else None)
+                                  start if _is_int(start) else None, pid_ns if _is_int(pid_ns) else None)
         return cls(save_id, state, process, float(lease), renewal, replaces)
 
     def describe(self) -> str:

@@ -189,20 +189,30 @@ class KvChunkStore(ChunkStore):
     def _copy_or_remove(self, source: KvChunkStore, rel: str, held: ExpectedBytes) -> CopiedObject | None:
         """``_copy_proven``; a copy made but not proven is deleted, so that the caller's
         write of the bytes is a new object (``stores.s3_fenced`` writes only where none is)."""
-        landed: list[bool] = []
+        landed: list[str | None] = []
         try:
             copied = self._copy_proven(source, rel, held, landed)
         except ChunkMismatch:
-            self.store.delete(rel)
+            self._remove_copy(rel, landed[0])
             raise
         if copied is None and landed:
-            self.store.delete(rel)
+            self._remove_copy(rel, landed[0])
         return copied
 
+    def _remove_copy(self, rel: str, etag: str | None) -> None:
+        """Deletes the copy made at ``rel``: only where it is still that copy (its ETag),
+        where the store deletes conditionally."""
+        writes = self.store.conditional_writes()
+        if etag is not None and writes is not None:
+            writes.delete_if_version(rel, etag)
+        else:
+            self.store.delete(rel)
+
     def _copy_proven(
-        self, source: KvChunkStore, rel: str, held: ExpectedBytes, landed: list[bool]
+        self, source: KvChunkStore, rel: str, held: ExpectedBytes, landed: list[str | None]
     ) -> CopiedObject | None:
-        """``share_from``'s copy and its proof (``landed`` gets an item once a copy is made)."""
+        """``share_from``'s copy and its proof (``landed`` gets the copy's ETag once a copy
+        is made)."""
         recorded = held.source_etag if held.source_etag and _MD5_HEX.fullmatch(held.source_etag) else None
         if recorded is not None:
             copied, md5 = self.store.copy_from(source.store, rel), None
@@ -210,7 +220,7 @@ class KvChunkStore(ChunkStore):
             copied, md5 = _while_hashing(held, lambda: self.store.copy_from(source.store, rel))
         if copied is None:
             return None
-        landed.append(True)
+        landed.append(copied.etag)
         etag = copied.etag.lower() if copied.etag is not None else None
         if etag is None or not _MD5_HEX.fullmatch(etag):
             # a multipart ETag ("...-3"), an encrypted object's, or none: no later copy of

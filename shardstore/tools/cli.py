@@ -353,7 +353,7 @@ def verify_command(checkpoint: str, as_json: bool) -> None:
     with _reported_errors():
         location = bare_location(checkpoint)
         found, leftovers = ({}, ()) if is_committed(location) else entries_under(location)
-        if found:
+        if found or leftovers:  # a root: of checkpoints, or only of what interrupted saves left
             root_report = verify_checkpoints(location.describe(), found, leftovers=leftovers)
         else:
             if holds_commit_record(location):  # a damaged record is a finding, as under a root
@@ -361,7 +361,7 @@ def verify_command(checkpoint: str, as_json: bool) -> None:
             else:
                 read_commit_record(location)  # no checkpoint at all is an error, not a finding
             report = verify(location)
-    if found:
+    if found or leftovers:
         _report_root(root_report, as_json)
     if as_json:
         _echo_json({**asdict(report), "ok": report.ok})

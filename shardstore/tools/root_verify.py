@@ -188,14 +188,14 @@ def verify_root(root: str | os.PathLike, progress: bool = False) -> RootVerifyRe
     checkpoint that shares it.
 
     Raises:
-        CheckpointingException: ``root`` holds no checkpoint under it (missing, empty,
-            or a checkpoint itself, which ``verify`` checks): a report of nothing
-            checked would read as "no problems".
+        CheckpointingException: ``root`` holds no checkpoint under it, nor what an
+            interrupted save left (missing, empty, or a checkpoint itself, which
+            ``verify`` checks): a report of nothing checked would read as "no problems".
         UnsupportedFormatVersion: a checkpoint's record is of a format version this
             shardstore cannot read (``refuse_unreadable_version``), before any is verified."""
     location = bare_location(root)
     found, leftovers = entries_under(location)
-    if not found:
+    if not found and not leftovers:
         raise CheckpointingException(
             f"{location.describe()} holds no checkpoint under it (no entry with a commit record), so there is "
             "nothing to verify as a root; to verify one checkpoint, call shardstore.verify on it"

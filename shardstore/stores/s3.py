@@ -226,6 +226,7 @@ class S3Store(FsspecStore):
         self.bucket, self.prefix = parse_s3_url(url)
         self.options = options or S3Options()
         self._fs = None
+        self._fs_pid = os.getpid()
         self._profile_files: tuple[str, str] | None = None
 
     def __repr__(self) -> str:
@@ -269,6 +270,8 @@ class S3Store(FsspecStore):
 
     @property
     def fs(self) -> Any:
+        if self._fs is not None and self._fs_pid != os.getpid():  # forked: s3fs's client is its parent's
+            self._fs = None
         if self._fs is None:
             try:
                 import s3fs
@@ -297,7 +300,7 @@ class S3Store(FsspecStore):
                 kwargs.update(key=o.key, secret=o.secret, token=o.token)
             elif o.resolved_profile():
                 kwargs["profile"] = o.resolved_profile()
-            self._fs = s3fs.S3FileSystem(**kwargs)
+            self._fs, self._fs_pid = s3fs.S3FileSystem(**kwargs), os.getpid()
             # botocore retries; s3fs's own loop around it (5 rounds by default) would
             # multiply the attempts: 81 s to report a refused connection, measured.
             self._fs.retries = 1

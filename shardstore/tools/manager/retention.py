@@ -115,18 +115,13 @@ class Retention:
         self, just_saved: int, metrics: dict[str, float] | None = None
     ) -> tuple[list[int], list[StepState], list[StepState], list[int]]:
         """(interrupted deletions to finish, committed steps to delete, committed steps
-        read and kept, steps older than ``just_saved`` where an in-place save's claim
-        stands: what an interrupted save left, which ``format.remove_unfinished``
-        removes once that save is over; a resume that trained past such a step never
-        saves it again). Walks the steps
-        newest first: the records of the newest ``max_to_keep`` and of the steps that
-        may go are read; ``keep_period`` steps older than those are kept whatever they
-        hold, so only a missing record is looked for there (an interrupted deletion),
-        unless ``keep_best`` ranks every step (then every record and, once per manager,
-        every step's metrics are read). ``metrics``: those ``just_saved`` was saved with,
-        ranked as they are, not read back: a common state that also holds a value the
-        safe unpickler refuses (``allow_unsafe_pickle``) left every step unranked, and so
-        kept, for good."""
+        read and kept, older steps where an in-place save's claim stands: what an
+        interrupted save left, for ``format.remove_unfinished``). Walks the steps newest
+        first, reading the records of the newest ``max_to_keep`` and of the steps that
+        may go; older ``keep_period`` steps are kept unread unless ``keep_best`` ranks
+        every step. ``metrics``: those ``just_saved`` was saved with, ranked as given
+        (not read back: a common state the safe unpickler refuses left every step
+        unranked, and kept, for good)."""
         options = self.options
         unfinished: list[int] = []
         interrupted: list[int] = []

@@ -101,7 +101,9 @@ class StepDeletion:
         module docstring gives."""
         location = self.steps.location(state.step)
         _refuse_links(location)
-        record = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_RECORD_BYTES)
+        writes = location.store.conditional_writes()  # an object store: the record's version read too
+        found = writes.get_versioned(COMMIT_RECORD, MAX_RECORD_BYTES) if writes is not None else None
+        record = found.data if found is not None else location.read_bytes_or_none(COMMIT_RECORD, MAX_RECORD_BYTES)
         if record is None or CommitRecord.from_json(record, where=location.describe(COMMIT_RECORD)).save_id != state.save_id:
             raise CheckpointingException(
                 f"{location.describe()} changed while retention read it (save {state.save_id} replaced or removed); "
@@ -117,7 +119,13 @@ class StepDeletion:
                 f"{location.describe()} changed while retention read it (save {state.save_id} -> "
                 f"{current.save_id or current.kind}); left as it is"
             )
-        location.remove(COMMIT_RECORD)  # from here on it is no longer a step
+        if writes is None or found is None:
+            location.remove(COMMIT_RECORD)  # from here on it is no longer a step
+        elif not writes.delete_if_version(COMMIT_RECORD, found.version):  # only the record read, never a newer one
+            location.remove(DELETION_MARKER)
+            raise CheckpointingException(
+                f"{location.describe()} changed while retention deleted it (save {state.save_id} replaced); left as it is"
+            )
         self.finish(state.step)
         logger.info("Deleted checkpoint step %d at %s", state.step, location.describe())
 

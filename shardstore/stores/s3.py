@@ -448,7 +448,7 @@ class S3Store(FsspecStore):
         for key in objects:
             self._key(key)  # refused here as everywhere else
         if objects:
-            KvChunkStore.put_all(S3ChunkStore(self, self.options.request_concurrency), objects)
+            KvChunkStore(self, self.options.request_concurrency).put_all(objects)
 
     def put_new(self, objects: dict[str, bytes]) -> None:
         """Each only where no object is (``stores.s3_fenced``), unless the store takes

@@ -115,9 +115,7 @@ def remove_unfinished(target: Location) -> bool:
         claim, taken = PrefixClaim.take(target, new_save_id(), when_empty=refuse, when_committed=refuse, wait=False)
     except CheckpointingException:
         return False
-    if taken.over is None:  # taken where nothing or a record stood: cannot be (both refused)
-        claim.release_unused()
-        return False
+    assert taken.over is not None  # where nothing or a record stood, ``refuse`` raised
     try:
         _remove_under_claim(target, _objects_but_claim(target), claim)
     except BaseException:

@@ -137,14 +137,7 @@ def _refuse_unless_empty(target: Location, options: SaveOptions) -> None:
 def _replaceable(target: Location, options: SaveOptions, found: VersionedObject) -> str | None:
     """The save id of the committed checkpoint ``found`` (its record as read) at
     ``target``, where this save may replace it; else the refusal ``_check_target`` gives."""
-    try:
-        record = CommitRecord.from_json(found.data, where=target.describe(COMMIT_RECORD))
-    except CheckpointingException as exc:
-        raise CheckpointingException(f"Refusing to save into {target.describe()}: {exc}. Nothing there was changed") from exc
-    replaces = _check_target(target, options.overwrite, empty=False)
-    if replaces != record.save_id:  # replaced between the two reads: the claim's write is refused
-        return record.save_id
-    return replaces
+    return _check_target(target, options.overwrite, empty=False, record_read=found.data)
 
 
 def _objects_but_claim(target: Location) -> list[str]:

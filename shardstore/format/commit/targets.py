@@ -55,8 +55,11 @@ def committed_save_id(location: Location) -> str | None:
     return record.save_id if record is not None else None
 
 
-def _committed_record(location: Location) -> CommitRecord | None:
-    data = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_RECORD_BYTES)
+def _committed_record(location: Location, data: bytes | None = None) -> CommitRecord | None:
+    """The record at ``location`` (``data``: its bytes as the caller just read them; None:
+    read here), or None where there is none."""
+    if data is None:
+        data = location.read_bytes_or_none(COMMIT_RECORD, max_bytes=MAX_RECORD_BYTES)
     if data is None or is_claim(data):  # nothing, or an in-place save's claim (``format.claims``)
         return None
     return CommitRecord.from_json(data, where=location.describe(COMMIT_RECORD))
@@ -166,7 +169,7 @@ def _refuse_inside_checkpoint(target: Location) -> None:
 
 def _check_target(
     target: Location, overwrite: bool, shared_directory: bool = False, empty: bool | None = None,
-    packing: bool = False,
+    packing: bool = False, record_read: bytes | None = None,
 ) -> str | None:
     """The save id the new save will replace (None: nothing committed there). Refused:
     another tool's checkpoint (``_refuse_other_checkpoint``); any other non-empty
@@ -178,12 +181,13 @@ def _check_target(
     another program keeps ``packs`` in where the save may pack (``packing``,
     ``_refuse_packs_beside``); and a path that is no directory (``_refuse_non_directory``).
     ``empty``: whether the caller just listed the target empty (None: it is listed
-    here; on S3 a listing is a request)."""
+    here; on S3 a listing is a request); ``record_read``: the commit record's bytes as
+    the caller just read them (None: read here)."""
     _refuse_non_directory(target)
     if target.is_empty() if empty is None else empty:
         return None
     try:
-        record = _committed_record(target)
+        record = _committed_record(target, record_read)
     except CheckpointingException as exc:
         raise CheckpointingException(f"Refusing to save into {target.describe()}: {exc}") from exc
     if record is None:

@@ -26,7 +26,7 @@ import time
 import torch
 
 from shardstore import ShardedTensor, save
-from shardstore.compat.megatron.strategies.async_utils import IO_PRIORITIES, AsyncCallsQueue
+from shardstore.engine.async_requests import IO_PRIORITIES, AsyncCallsQueue
 
 
 def _spin(stop: mp.Event) -> None:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardstore import ShardedTensor, save
-from shardstore.compat.megatron.strategies.zarr import ZarrSaveShardedStrategy
+from shardstore.engine.zarr_strategies import ZarrSaveShardedStrategy
 from shardstore.format.records import read_commit_record
 from shardstore.format.sharding import ShardingIndexed
 from shardstore.stores.locations import open_location

@@ -978,7 +978,7 @@ def run_fsdp(b: Bench, args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardstore
-    from shardstore.compat.megatron.strategies.zarr import ZarrSaveShardedStrategy
+    from shardstore.engine.zarr_strategies import ZarrSaveShardedStrategy
     from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 
     rows = args.fsdp_rows * b.world
@@ -1031,7 +1031,7 @@ def run_reshard_fsdp(b: Bench, args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     import shardstore
-    from shardstore.compat.megatron.strategies.zarr import ZarrSaveShardedStrategy
+    from shardstore.engine.zarr_strategies import ZarrSaveShardedStrategy
 
     saving = b.world - 1
     rows = 64 * saving * b.world
@@ -1103,7 +1103,7 @@ def measure_fsdp_on_s3(b: Bench, state: State, nbytes: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardstore
-    from shardstore.compat.megatron.strategies.zarr import (
+    from shardstore.engine.zarr_strategies import (
         ZarrLoadShardedStrategy,
         ZarrSaveShardedStrategy,
     )
@@ -1456,7 +1456,7 @@ STAGING_CAP_MIB = 256
 def run_async(b: Bench, state: State, nbytes: int) -> None:
     """Caller-blocked time of an async save vs clone(); a matmul loop during the save."""
     import shardstore
-    from shardstore.compat.megatron.strategies.async_utils import AsyncCallsQueue
+    from shardstore.engine.async_requests import AsyncCallsQueue
 
     path = b.root / "async"
     blocked = Result("async", "shardstore", "blocked", nbytes)
@@ -1506,7 +1506,7 @@ def run_async(b: Bench, state: State, nbytes: int) -> None:
     queue.close()
 
     # with a staging cap: the snapshot is written in waves, host memory stays bounded
-    from shardstore.compat.megatron.strategies.zarr import ZarrSaveShardedStrategy
+    from shardstore.engine.zarr_strategies import ZarrSaveShardedStrategy
 
     capped = Result("async", f"capped-{STAGING_CAP_MIB}MiB", "blocked", nbytes)
     strategy = ZarrSaveShardedStrategy(max_staging_bytes=STAGING_CAP_MIB * 2**20)
@@ -1533,7 +1533,7 @@ def run_device(b: Bench, args: argparse.Namespace) -> None:
     import torch.distributed.checkpoint as dcp
 
     import shardstore
-    from shardstore.compat.megatron.strategies.async_utils import AsyncCallsQueue
+    from shardstore.engine.async_requests import AsyncCallsQueue
 
     device = torch.device(args.device)
     cpu_state = build_large(int(args.gib * GiB), b.rank, b.world)

@@ -49,7 +49,7 @@ def _request(tensors: int, elements: int, device: str) -> dict:
 def load_once(ckpt: str, tensors: int, elements: int, staging_bytes: int) -> float:
     """One load in this (fresh) process: seconds from the call to the data on the device."""
     import shardstore
-    from shardstore.compat.megatron.strategies.zarr import ZarrLoadShardedStrategy
+    from shardstore.engine.zarr_strategies import ZarrLoadShardedStrategy
 
     device = _device()
     request = _request(tensors, elements, device)

@@ -32,7 +32,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shardstore.compat.megatron.strategies.zarr import ZarrSaveShardedStrategy
+from shardstore.engine.zarr_strategies import ZarrSaveShardedStrategy
 from shardstore.format.codecs import BYTES_CRC32C
 from shardstore.format.consolidated import ZarrMetadata
 from shardstore.format.packs import PACK_BYTES, PACK_MEMBERS, fits_one_pack

@@ -44,7 +44,7 @@ def _measure(rank: int, world: int, tensors: int, repeats: int, root: str) -> di
     """On every rank: the plan stage's wall time (s) and bytes sent, cached and not."""
     import shardstore.execution.pipeline as pipeline  # where the save's plan stage is called
     from shardstore import save
-    from shardstore.compat.megatron.strategies.zarr import ZarrSaveShardedStrategy
+    from shardstore.engine.zarr_strategies import ZarrSaveShardedStrategy
     from shardstore.protocol.collectives import Group
 
     timed, sent, counting = [], [], [False]

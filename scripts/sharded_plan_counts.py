@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import simulate_scale as sim  # noqa: E402
 
-from shardstore.compat.megatron.strategies.zarr import (  # noqa: E402
+from shardstore.engine.zarr_strategies import (  # noqa: E402
     DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_SYNC_STAGING_BYTES,
 )

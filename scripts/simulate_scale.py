@@ -73,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from layout_files import DOORS, LayoutFiles, bound, chosen_layout, files_by_door, plan_with  # noqa: E402
 
-from shardstore.compat.megatron.strategies.zarr import ZarrLoadShardedStrategy  # noqa: E402
+from shardstore.engine.zarr_strategies import ZarrLoadShardedStrategy  # noqa: E402
 from shardstore.execution.save_commit import bind_chunks  # noqa: E402
 from shardstore.format.chunks import WrittenChunk  # noqa: E402
 from shardstore.format.config import CONFIG_FNAME  # noqa: E402
@@ -348,7 +348,7 @@ def _s3_worker(rank: int, world: int, port: int, op: str, url: str, arrays: int,
 
     import shardstore
     from shardstore import StorageLayout
-    from shardstore.compat.megatron.strategies.zarr import ZarrSaveShardedStrategy
+    from shardstore.engine.zarr_strategies import ZarrSaveShardedStrategy
 
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import simulate_scale as sim  # noqa: E402
 
-from shardstore.compat.megatron.strategies.zarr import ZarrLoadShardedStrategy  # noqa: E402
+from shardstore.engine.zarr_strategies import ZarrLoadShardedStrategy  # noqa: E402
 from shardstore.format.chunks import chunk_pieces  # noqa: E402
 from shardstore.format.records import ArrayRecord, CommitRecord  # noqa: E402
 from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402

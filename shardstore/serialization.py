@@ -1,5 +1,5 @@
 """``shardstore.serialization`` is the first name of
-``shardstore.compat.megatron.serialization``: importing it gives that very module, so its state
+``shardstore.engine.save``: importing it gives that very module, so its state
 and classes are one whichever name imported them first, and Megatron-Core-style imports
 by this name keep working.
 """

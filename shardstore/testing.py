@@ -37,8 +37,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from shardstore.compat.megatron.serialization import load, save
-from shardstore.compat.megatron.strategies.zarr import ZarrSaveShardedStrategy
+from shardstore.engine.load import load
+from shardstore.engine.save import save
+from shardstore.engine.zarr_strategies import ZarrSaveShardedStrategy
 from shardstore.format.integrity import verify
 from shardstore.format.records import COMMIT_RECORD, is_committed, read_commit_record
 from shardstore.mapping import ShardedTensor

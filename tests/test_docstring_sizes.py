@@ -18,8 +18,8 @@ LONGER = {
     "execution/pipeline.py:SavePipeline",
     "format/records/commit_record.py:CommitRecord",
     "format/records/array_record.py:ArrayRecord",
-    "compat/megatron/serialization.py:save",
-    "compat/megatron/serialization_load.py:load",
+    "engine/save.py:save",
+    "engine/load.py:load",
     "stores/kv_chunks.py:share_from",
     "planning/plans/in_block.py:in_block_sharded_record",
     "planning/plans/read_plans.py:plan_reads",
@@ -41,7 +41,7 @@ LONGER = {
     "other_formats/safetensors.py:write_safetensors",
     "compat/megatron/strategies/shard_exchange.py:distribute_shards_to_ranks",
     "format/sharding.py:read_boxes_into",
-    "compat/megatron/strategies/zarr.py:remove_sharded_tensors",
+    "engine/zarr_strategies.py:remove_sharded_tensors",
 }
 
 

@@ -53,7 +53,7 @@ for key in keys:
     t = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{ckpt}/{key}/"}}).result().read().result()
     out[key] = {"zarr": z.view(np.uint8).tobytes().hex(), "ts": t.view(np.uint8).tobytes().hex(),
                 "zarr_dtype": str(z.dtype), "shape": list(z.shape)}
-out["imported"] = sorted(m for m in ("torch", "shardstore.compat.megatron.serialization") if m in sys.modules)
+out["imported"] = sorted(m for m in ("torch", "shardstore.engine.save") if m in sys.modules)
 print(json.dumps(out))
 """
 

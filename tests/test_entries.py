@@ -14,7 +14,7 @@ import shardstore
 import shardstore.execution.pipeline as pipeline_module
 import shardstore.opened as opened_module
 from shardstore import CheckpointingException, ShardedTensor, save
-from shardstore.compat.megatron.checkpoint_dirs import open_dir
+from shardstore.engine.directories import open_dir
 from shardstore.execution.pipeline import SavePipeline
 from shardstore.format.commit import (
     ByRename,
@@ -108,8 +108,8 @@ def test_a_save_walks_the_state_dict_once_and_sets_nothing_on_its_pending_save(t
     """Issue 43.1: the split walks the state dict; the strategy writes the tensors the
     pipeline planned (no second walk, no relinking by position across walks); the pending
     save's facts are all given at construction."""
-    import shardstore.serialization as serialization
-    import shardstore.strategies.zarr as zarr_strategy
+    import shardstore.engine.save as serialization
+    import shardstore.engine.zarr_strategies as zarr_strategy
 
     walks, sets = [], []
     real_flatten, real_items = serialization.flatten, zarr_strategy.local_sharded_items
@@ -208,12 +208,12 @@ def test_a_callers_directory_is_opened_by_one_function() -> None:
                     and node.func.attr in ("into_callers_directory", "plan")
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "SavePipeline"):
                 direct.append(path.relative_to(ROOT).as_posix())
-    assert direct == ["compat/megatron/strategies/zarr.py"]
+    assert direct == ["engine/zarr_strategies.py"]
 
 
 def test_the_zarr_modules_seed_functions_round_trip_and_read_through_open_read(tmp_path: Path, monkeypatch) -> None:
-    from shardstore.strategies import zarr as zarr_module
-    from shardstore.strategies import zarr_arrays  # where the seed's functions live
+    from shardstore.engine import zarr_arrays  # where the seed's functions live
+    from shardstore.engine import zarr_strategies as zarr_module
 
     ckpt = tmp_path / "seed"
     ckpt.mkdir()
@@ -242,8 +242,8 @@ def test_the_seeds_writers_refuse_a_committed_checkpoint_given_by_path(tmp_path:
     instead of changing a file its record vouches for, and the checkpoint stays whole."""
     from shardstore import verify
     from shardstore.core import CheckpointingConfig, save_config
+    from shardstore.engine import zarr_strategies as zarr_module
     from shardstore.mapping import ShardedObject
-    from shardstore.strategies import zarr as zarr_module
     from shardstore.strategies.common import TorchCommonSaveStrategy
 
     ckpt = tmp_path / "ours"

@@ -35,11 +35,11 @@ def test_a_first_name_gives_the_very_module_of_its_home(first: str, home: str) -
     assert importlib.import_module(first) is importlib.import_module(home)
 
 
-@pytest.mark.parametrize("first_imported", ["shardstore.strategies.zarr", "shardstore.compat.megatron.strategies.zarr"])
+@pytest.mark.parametrize("first_imported", ["shardstore.strategies.zarr", "shardstore.engine.zarr_strategies"])
 def test_either_name_imported_first_gives_one_module(first_imported: str) -> None:
     """In a fresh interpreter: one module object, one registry of default strategies."""
     _one_module_in_a_fresh_interpreter(
-        first_imported, "shardstore.strategies.zarr", "shardstore.compat.megatron.strategies.zarr",
+        first_imported, "shardstore.strategies.zarr", "shardstore.engine.zarr_strategies",
         "import shardstore.strategies as package\n"
         "assert a is package.zarr and a.ZarrSaveShardedStrategy.__module__ == b.__name__\n"
         "assert importlib.import_module('shardstore.strategies.base').default_strategies['save_sharded']\n")
@@ -56,7 +56,7 @@ def _one_module_in_a_fresh_interpreter(first_imported: str, first: str, home: st
 
 
 def test_a_pickle_naming_a_class_by_its_first_name_loads() -> None:
-    from shardstore.compat.megatron.strategies.zarr import ZarrSaveShardedStrategy
+    from shardstore.engine.zarr_strategies import ZarrSaveShardedStrategy
 
     by_first_name = b"cshardstore.strategies.zarr\nZarrSaveShardedStrategy\n."
     assert pickle.loads(by_first_name) is ZarrSaveShardedStrategy  # noqa: S301  (our own bytes)

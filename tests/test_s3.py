@@ -186,7 +186,7 @@ import numpy as np
 import tensorstore as ts
 import zarr
 endpoint, url, key, secret = sys.argv[1:5]
-assert "shardstore.compat.megatron.serialization" not in sys.modules  # only the dtype hook of the .pth
+assert "shardstore.engine.save" not in sys.modules  # only the dtype hook of the .pth
 opts = {"key": key, "secret": secret, "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
 group = zarr.open_group(url, mode="r", storage_options=opts)
 bucket, prefix = url[5:].split("/", 1)
@@ -198,7 +198,7 @@ for name in ("dense", "emb"):
                 open=True).result().read().result()
     assert a.tobytes() == t.tobytes(), name
     out[name] = [str(a.dtype), list(a.shape), a.view(np.uint8).tobytes().hex()]
-assert "torch" not in sys.modules and "shardstore.compat.megatron.serialization" not in sys.modules
+assert "torch" not in sys.modules and "shardstore.engine.save" not in sys.modules
 print(json.dumps(out))
 """
 
@@ -430,7 +430,7 @@ def test_the_zarr_modules_seed_functions_open_arrays_on_s3(server: MotoServer, u
     """Megatron's seed functions of the zarr strategy (``_load_from_array``,
     ``_open_zarr_array_verbose``) on an S3 checkpoint: a path split by ``pathlib`` turned
     ``s3://bucket`` into ``s3:/bucket``."""
-    from shardstore.strategies import zarr as zarr_module
+    from shardstore.engine import zarr_strategies as zarr_module
 
     for name, value in {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": KEY,
                         "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_REGION": REGION}.items():

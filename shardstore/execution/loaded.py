@@ -2,7 +2,7 @@
 check (or padding, ``allow_shape_mismatch``), the flattened range, the dtype (exact
 conversions of the values read only, unless lossy ones are allowed) and the device. Shared by shardstore's
 own format (``execution.load``) and the readers of other tools' checkpoints
-(``strategies.other_formats``).
+(``engine.other_formats``).
 """
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ class SavePipeline:
     The doors, as adapters over it:
 
         shardstore.save          SavePipeline.open -> plan (begins, joins) -> the strategy's
-                                 save_into / async_save_into (strategies.base; ours stages
+                                 save_into / async_save_into (engine.strategies; ours stages
                                  the tensors ``plan`` was given, writes into
                                  ``pipeline.location``; finalize -> commit_save)
         ZarrSaveShardedStrategy  save_with_plan / async_save_with_plan / async_save (the seed's
@@ -676,7 +676,7 @@ class SavePipeline:
 
 @dataclass(frozen=True)
 class SaveFinalization:
-    """The ``AsyncRequest`` finalization of a staged save (``strategies.async_utils.
+    """The ``AsyncRequest`` finalization of a staged save (``engine.async_requests.
     Finalization``): ``finalize(error)`` commits under the ``save: commit`` stage, given
     the background writer's error; ``abort()`` only releases what the save holds."""
 

@@ -1,6 +1,6 @@
 """A rank's part of a save, as its ``planning.plans.RankSavePlan`` says: stage, write, commit.
 
-The stages (``strategies.zarr.ZarrSaveShardedStrategy`` runs them):
+The stages (``engine.zarr_strategies.ZarrSaveShardedStrategy`` runs them):
 
     all ranks    stage     tensors -> host numpy views; CUDA tensors (and, for an async
                            save, every tensor) copied into host buffers, in waves under

@@ -5,7 +5,7 @@ how to tell its files from everything else. There are two kinds, one subtype eac
 
 * ``OtherFormat``: a checkpoint directory that ``load`` reads as it is, at any layout
   (PyTorch DCP, Megatron-Core torch_dist and zarr). Its reader implements
-  ``OtherCheckpoint``, which ``strategies.other_formats`` (``load`` and the queries),
+  ``OtherCheckpoint``, which ``engine.other_formats`` (``load`` and the queries),
   inspection and ``convert`` use.
 * ``FileFormat``: model files that shardstore converts from and to, but does not
   ``load`` (a ``torch.save`` file, safetensors). Its reader opens them as an

@@ -5,7 +5,7 @@ Two kinds of format stand in ``FORMATS`` (``base``): checkpoint directories that
 reads as they are (``OtherFormat``: DCP, Megatron-Core torch_dist and zarr), and model
 files that shardstore converts from and to (``FileFormat``: safetensors, ``torch.save``).
 Every door asks ``detect``, naming the kind it can use: ``load`` and the metadata
-queries (``opened``, ``strategies.other_formats``) and inspection ask for an
+queries (``opened``, ``engine.other_formats``) and inspection ask for an
 ``OtherFormat``; ``convert`` and the command's ``convert`` ask for a ``FileFormat``
 first, then open the path as a checkpoint; the errors about a directory without a
 commit record (``format.records``, below this layer: what a directory or file is

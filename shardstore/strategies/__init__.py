@@ -1,6 +1,6 @@
 """The first name of the strategies, ``shardstore.compat.megatron.strategies``: each
 module here is that package's module of the same name under its first name
-(``import shardstore.strategies.zarr`` gives ``shardstore.compat.megatron.strategies.zarr``
+(``import shardstore.strategies.zarr`` gives ``shardstore.engine.zarr_strategies``
 itself). Importing this package imports that one, which registers shardstore's own
 strategies as the defaults.
 """

@@ -1,5 +1,5 @@
 """``shardstore.strategies.async_utils`` is the first name of
-``shardstore.compat.megatron.strategies.async_utils``: importing it gives that very module, so its
+``shardstore.engine.async_requests``: importing it gives that very module, so its
 state and classes are one whichever name imported them first, and pickles and
 Megatron-Core's imports by this name keep working.
 """

@@ -1,5 +1,5 @@
 """``shardstore.strategies.base`` is the first name of
-``shardstore.compat.megatron.strategies.base``: importing it gives that very module, so its
+``shardstore.engine.strategies``: importing it gives that very module, so its
 state and classes are one whichever name imported them first, and pickles and
 Megatron-Core's imports by this name keep working.
 """

@@ -1,5 +1,5 @@
 """``shardstore.strategies.other_formats`` is the first name of
-``shardstore.compat.megatron.strategies.other_formats``: importing it gives that very module, so its
+``shardstore.engine.other_formats``: importing it gives that very module, so its
 state and classes are one whichever name imported them first, and pickles and
 Megatron-Core's imports by this name keep working.
 """

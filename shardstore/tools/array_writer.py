@@ -27,12 +27,12 @@ from typing import Any, Literal
 
 import torch
 
-from shardstore.compat.megatron.strategies.common import (
+from shardstore.engine.common_state import (
     COMMON_BACKEND,
     COMMON_VERSION,
     TorchCommonSaveStrategy,
 )
-from shardstore.compat.megatron.strategies.zarr import (
+from shardstore.engine.zarr_strategies import (
     SHARDSTORE_BACKEND,
     ZARR_VERSION,
     checked_max_chunk_bytes,

@@ -145,7 +145,7 @@ def read_arrays(
 
     Not collective; the tensors of a batch are freed when the caller drops them.
     """
-    from shardstore.compat.megatron.strategies.zarr import ZarrLoadShardedStrategy
+    from shardstore.engine.zarr_strategies import ZarrLoadShardedStrategy
 
     opened = open_read(checkpoint)
     location, record = opened.location, opened.require_record()
@@ -174,7 +174,7 @@ def read_tensors(
     """``read_arrays`` of any checkpoint ``load`` reads: a shardstore checkpoint's
     arrays a batch at a time, another tool's tensors (a registered other format) one at
     a time; sorted by key. Not collective."""
-    from shardstore.compat.megatron.strategies.other_formats import open_other_format
+    from shardstore.engine.other_formats import open_other_format
 
     opened = open_read(checkpoint)
     if opened.other_format is None:
@@ -192,7 +192,7 @@ def read_non_tensor_state(checkpoint: Location | OpenedCheckpoint) -> StateDict:
     (``rng_state/shard_0_2``), each the Python object it holds; of a shardstore
     checkpoint or of another tool's (a plain DCP checkpoint's values nested where they
     were in the state dict it saved)."""
-    from shardstore.compat.megatron.serialization import load, load_sharded_metadata
+    from shardstore.engine.load import load, load_sharded_metadata
 
     _refuse_process_group("reading a checkpoint's common state for conversion")
     opened = open_read(checkpoint)
@@ -261,7 +261,7 @@ def _checkpoint_source(checkpoint: Location) -> ExportSource:
     which go where they were in the state dict DCP saved, as ``dcp_to_torch_save`` puts
     them, and the arrays an import of model files recorded the places of
     (``records.ArrayPlaces``), which go back there."""
-    from shardstore.compat.megatron.strategies.other_formats import open_other_format
+    from shardstore.engine.other_formats import open_other_format
 
     opened = open_read(checkpoint)
     saved_paths: Mapping[str, tuple[str | int, ...]] = {}
@@ -285,7 +285,7 @@ def _checkpoint_source(checkpoint: Location) -> ExportSource:
         return _with_array_containers(state, places, opened.location.describe())
 
     def objects() -> tuple[str, ...]:
-        from shardstore.compat.megatron.serialization import load_sharded_metadata
+        from shardstore.engine.load import load_sharded_metadata
 
         return tuple(k for k, v in load_sharded_metadata(opened).items() if isinstance(v, ShardedObject))
 
@@ -456,7 +456,7 @@ def import_checkpoint(
 def _import_files(files: FileFormat, path: Path, checkpoint: Location, overwrite: bool) -> int:
     """Saves the model files at ``path``, of the format ``files``, as a checkpoint;
     returns the number of arrays written."""
-    from shardstore.compat.megatron.serialization import save
+    from shardstore.engine.save import save
 
     _refuse_process_group(f"converting {files.title}")
     state = files.state_to_save(path)
@@ -514,7 +514,7 @@ def from_other_format(
 
 def _from_other_format(source_location: Location, checkpoint: Location, overwrite: bool) -> int:
     """``from_other_format`` from and into Locations."""
-    from shardstore.compat.megatron.strategies.other_formats import (
+    from shardstore.engine.other_formats import (
         OtherFormatLoadCommonStrategy,
         open_other_format,
     )

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardstore.compat.megatron.strategies.base import LoadCommonStrategy
-from shardstore.compat.megatron.strategies.other_formats import open_other_format
+from shardstore.engine.other_formats import open_other_format
+from shardstore.engine.strategies import LoadCommonStrategy
 from shardstore.errors import CheckpointingException
 from shardstore.format import (
     StorageLayout,
@@ -94,7 +94,7 @@ def describe_checkpoint(checkpoint: str | os.PathLike) -> CheckpointSummary:
 
 def _described(opened: OpenedCheckpoint) -> CheckpointSummary:
     """``describe_checkpoint`` of a checkpoint opened already."""
-    from shardstore.compat.megatron.serialization import load_common_state_dict
+    from shardstore.engine.load import load_common_state_dict
 
     if opened.other_format is not None:
         return describe_other_format(opened.location)
@@ -573,7 +573,7 @@ class _NonArrayParts:
 
     @classmethod
     def of(cls, opened: OpenedCheckpoint) -> _NonArrayParts:
-        from shardstore.compat.megatron.serialization import verify_checkpoint_and_load_strategy
+        from shardstore.engine.load import verify_checkpoint_and_load_strategy
 
         _, strategy = verify_checkpoint_and_load_strategy(opened)
         location = opened.location

@@ -34,11 +34,11 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from shardstore.compat.dcp.parts import CheckpointId, id_text, new_id
-from shardstore.compat.megatron.serialization import verify_checkpoint_and_load_strategy
-from shardstore.compat.megatron.strategies.zarr import (
+from shardstore.dict_utils import flatten
+from shardstore.engine.load import verify_checkpoint_and_load_strategy
+from shardstore.engine.zarr_strategies import (
     ZarrLoadShardedStrategy,
 )
-from shardstore.dict_utils import flatten
 from shardstore.errors import CheckpointingException
 from shardstore.format import (
     DEFAULT_IO_CONCURRENCY,

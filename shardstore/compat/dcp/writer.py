@@ -96,8 +96,8 @@ from shardstore.compat.dcp.parts import (
     shard_description,
 )
 from shardstore.compat.dcp.reader import ShardstoreReader
-from shardstore.compat.megatron.strategies.common import COMMON_BACKEND, COMMON_VERSION
-from shardstore.compat.megatron.strategies.zarr import (
+from shardstore.engine.common_state import COMMON_BACKEND, COMMON_VERSION
+from shardstore.engine.zarr_strategies import (
     DEFAULT_SYNC_STAGING_BYTES,
     SHARDSTORE_BACKEND,
     ZARR_VERSION,

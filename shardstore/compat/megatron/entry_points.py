@@ -67,10 +67,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from shardstore.compat.megatron.serialization import (
-    load as _shardstore_load,
-)
-from shardstore.compat.megatron.serialization import (
+from shardstore.compat.megatron.strategies.forked_writes import for_another_process
+from shardstore.engine.load import load as _shardstore_load
+from shardstore.engine.load import (
     load_common_state_dict,
     load_content_metadata,
     load_plain_tensors,
@@ -79,11 +78,8 @@ from shardstore.compat.megatron.serialization import (
     remove_sharded_tensors,
     verify_before_load,
 )
-from shardstore.compat.megatron.serialization import (
-    save as _shardstore_save,
-)
-from shardstore.compat.megatron.strategies.forked_writes import for_another_process
-from shardstore.compat.megatron.strategies.zarr import (
+from shardstore.engine.save import save as _shardstore_save
+from shardstore.engine.zarr_strategies import (
     SHARDSTORE_BACKEND,
     ZARR_VERSION,
     ShardBytes,

@@ -49,18 +49,18 @@ except ImportError as exc:  # pragma: no cover - exercised where megatron-core i
         "(pip install megatron-core); shardstore.save/load work without it"
     ) from exc
 
-from shardstore.compat.megatron.checkpoint_dirs import holds_committed_checkpoint, open_dir
-from shardstore.compat.megatron.serialization import load_preprocess
-from shardstore.compat.megatron.strategies.base import DelegatingLoadStrategy
-from shardstore.compat.megatron.strategies.common import TorchCommonLoadStrategy
 from shardstore.compat.megatron.strategies.forked_writes import for_another_process
-from shardstore.compat.megatron.strategies.zarr import (
+from shardstore.dict_utils import extract_matching_values, merge
+from shardstore.engine.common_state import TorchCommonLoadStrategy
+from shardstore.engine.directories import holds_committed_checkpoint, open_dir
+from shardstore.engine.load import load_preprocess
+from shardstore.engine.strategies import DelegatingLoadStrategy
+from shardstore.engine.zarr_strategies import (
     SHARDSTORE_BACKEND,
     ZARR_VERSION,
     ZarrLoadShardedStrategy,
     ZarrSaveShardedStrategy,
 )
-from shardstore.dict_utils import extract_matching_values, merge
 from shardstore.errors import CheckpointingException
 from shardstore.inputs.megatron_objects import convert_megatron_objects
 from shardstore.mapping import ShardedObject, apply_factories, apply_factory_merges

@@ -16,13 +16,13 @@ __all__ = [
 
 from typing import Any
 
-from shardstore.compat.megatron.strategies.base import validate_sharded_objects_handling
 from shardstore.cross_rank_checks import (
     determine_global_metadata,
     validate_common_state_dict,
     validate_sharding_integrity,
 )
 from shardstore.dict_utils import extract_matching_values
+from shardstore.engine.strategies import validate_sharded_objects_handling
 from shardstore.load_strictness import (
     StrictHandling,
     maybe_report_missing_and_unexpected_keys,

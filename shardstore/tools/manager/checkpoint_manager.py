@@ -520,7 +520,7 @@ class CheckpointManager:
         (with a ``strict`` mode that returns the mismatched keys, the tuple), less the
         manager's own ``shardstore_manager`` entry. Async saves in flight commit first.
         To continue training, ``resume`` says which step comes next."""
-        from shardstore.compat.megatron.serialization import load
+        from shardstore.engine.load import load
         from shardstore.format import read_commit_record
 
         self._refuse_if_closed("restore " + ("the latest step" if step is None else f"step {step}"))

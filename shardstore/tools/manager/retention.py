@@ -160,7 +160,7 @@ class Retention:
         without), read through its commit record, so they are the bytes it vouches for;
         raises if they cannot be read. Cached by (step, save id): a replaced step has a
         new save id, so the cache never answers for another save."""
-        from shardstore.compat.megatron.serialization import load_common_state_dict
+        from shardstore.engine.load import load_common_state_dict
         from shardstore.opened import open_read
 
         key = (state.step, state.save_id)

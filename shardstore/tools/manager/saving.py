@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardstore.compat.megatron.strategies.async_utils import AsyncCallsQueue
+from shardstore.engine.async_requests import AsyncCallsQueue
 from shardstore.format import SaveOptions
 from shardstore.mapping import ShardedStateDict
 from shardstore.tools.manager.options import CheckpointManagerOptions
@@ -67,7 +67,7 @@ class SaveRunner:
         (None: the caller chose, or no base) unless ``options.reuse_from`` names one, and
         calls ``after_commit`` once it committed. Async: returns once staged, unless
         ``commit_now`` (a preemption save: the job may be killed any moment)."""
-        from shardstore.compat.megatron.serialization import save
+        from shardstore.engine.save import save
 
         chosen_base = None
         if base is not None and options.reuse_from is None:
@@ -117,8 +117,8 @@ class SaveRunner:
         default is replaced or one of its settings changes (so the manager follows it as
         ``save`` does); the default itself where it keeps plans already or is not
         shardstore's own (None: ``save`` then takes the default)."""
-        from shardstore.compat.megatron.serialization import get_default_save_sharded_strategy
-        from shardstore.compat.megatron.strategies.zarr import ZarrSaveShardedStrategy
+        from shardstore.engine.save import get_default_save_sharded_strategy
+        from shardstore.engine.zarr_strategies import ZarrSaveShardedStrategy
 
         default = get_default_save_sharded_strategy()
         if not isinstance(default, ZarrSaveShardedStrategy) or default.cache_plan:

@@ -1,18 +1,13 @@
-"""Strategies: how a save or load reaches storage (``base``: the interfaces and the
-registry). Importing the package registers shardstore's own strategies as the defaults,
-so the registry in ``base`` never imports the modules that import it.
+"""Megatron-Core's strategy modules under their names (``base``, ``zarr``, ``common``,
+``async_utils``: the engine's, ``shardstore.engine``), and the ones that are Megatron-Core's
+alone (``fully_parallel``, ``torch``, ``checkpointable``, ``resharding``). Importing the
+package registers ``("torch_dist", 1)``'s save strategy beside the engine's defaults.
 """
+
+from __future__ import annotations
 
 __all__: list[str] = []
 
-from shardstore.compat.megatron.strategies.common import register_default_common_strategies
-from shardstore.compat.megatron.strategies.other_formats import (
-    register_default_other_format_strategies,
-)
 from shardstore.compat.megatron.strategies.torch import register_default_torch_dist_save_strategy
-from shardstore.compat.megatron.strategies.zarr import register_default_zarr_strategies
 
-register_default_zarr_strategies()
-register_default_common_strategies()
-register_default_other_format_strategies()
 register_default_torch_dist_save_strategy()

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from shardstore.compat.megatron.strategies.async_utils import AsyncRequest, Finalization
+from shardstore.engine.async_requests import AsyncRequest, Finalization
 from shardstore.errors import CheckpointingException
 from shardstore.execution.pipeline import SavePipeline
 from shardstore.format.chunks import WrittenChunk

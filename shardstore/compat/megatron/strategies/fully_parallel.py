@@ -57,15 +57,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardstore.compat.megatron.strategies.async_utils import AsyncRequest
-from shardstore.compat.megatron.strategies.base import (
-    AsyncSaveShardedStrategy,
-    CheckpointDir,
-    DelegatingLoadStrategy,
-    LoadShardedStrategy,
-    SaveShardedStrategy,
-    agree_before_save,
-)
 from shardstore.compat.megatron.strategies.shard_exchange import (
     EXCHANGE_ALGOS,
     ShardDistribution,
@@ -73,11 +64,20 @@ from shardstore.compat.megatron.strategies.shard_exchange import (
     exchange_loaded_objects_gather_object,
     prepare_exchange_by_distribution,
 )
-from shardstore.compat.megatron.strategies.zarr import (
+from shardstore.dict_utils import dict_list_map_outplace, nested_values
+from shardstore.engine.async_requests import AsyncRequest
+from shardstore.engine.strategies import (
+    AsyncSaveShardedStrategy,
+    CheckpointDir,
+    DelegatingLoadStrategy,
+    LoadShardedStrategy,
+    SaveShardedStrategy,
+    agree_before_save,
+)
+from shardstore.engine.zarr_strategies import (
     ZarrLoadShardedStrategy,
     ZarrSaveShardedStrategy,
 )
-from shardstore.dict_utils import dict_list_map_outplace, nested_values
 from shardstore.errors import CheckpointingException, first_failure
 from shardstore.format.storage_layout import StorageLayout
 from shardstore.mapping import (

@@ -24,10 +24,10 @@ __all__ = [
 import logging
 from typing import Any
 
-from shardstore.compat.megatron.strategies.base import StrategyAction, register_default_strategy
-from shardstore.compat.megatron.strategies.other_formats import TORCH_DIST_BACKEND
 from shardstore.compat.megatron.strategies.resharding import get_reformulation_metadata
-from shardstore.compat.megatron.strategies.zarr import (
+from shardstore.engine.other_formats import TORCH_DIST_BACKEND
+from shardstore.engine.strategies import StrategyAction, register_default_strategy
+from shardstore.engine.zarr_strategies import (
     ZARR_VERSION,
     ZarrLoadShardedStrategy,
     ZarrSaveShardedStrategy,

@@ -19,15 +19,15 @@ import torch
 from shardstore import ShardedTensor, StorageLayout, load, save
 from shardstore.format.records import read_commit_record
 from shardstore.format.sharding import ShardingIndexed
+from shardstore.format.storage_layout import LayoutSite
 from shardstore.planning.layout import GlobalLayout, ShardRecord
-from shardstore.planning.plans import largest_shard_bytes
+from shardstore.planning.plans import largest_shard_bytes, object_bounds
 from shardstore.serialization import get_default_save_sharded_strategy
 from shardstore.stores.locations import open_location
 from shardstore.strategies.zarr import (
     AUTO_SHARD_MIN_RANKS,
     DEFAULT_SHARD_BYTES,
     ZarrSaveShardedStrategy,
-    resolve_shard_bytes,
 )
 from tests.dist import run_distributed
 
@@ -84,14 +84,18 @@ def test_a_number_of_bytes_shards_at_any_world_size(world: int) -> None:
     assert _sharded_keys(ZarrSaveShardedStrategy(shard_bytes=1 << 20), world) == ["w0", "w1", "w2"]
 
 
-def test_the_resolution_and_the_object_bounds_follow_the_world_size() -> None:
-    assert resolve_shard_bytes("auto", AUTO_SHARD_MIN_RANKS - 1) is None
-    assert resolve_shard_bytes("auto", AUTO_SHARD_MIN_RANKS) == DEFAULT_SHARD_BYTES == 64 << 20
-    assert resolve_shard_bytes(None, 4096) is None
-    assert resolve_shard_bytes(4096, 1) == 4096
-    strategy = ZarrSaveShardedStrategy()
-    assert strategy.object_bounds(31)["shard_bytes"] == (None, None)
-    assert strategy.object_bounds(32)["shard_bytes"] == (DEFAULT_SHARD_BYTES, largest_shard_bytes(DEFAULT_SHARD_BYTES))
+def _shards_chosen(shard_bytes: object, world_size: int) -> int | None:
+    return StorageLayout(shard_bytes=shard_bytes).chosen_for(LayoutSite(world_size)).shard_bytes  # type: ignore[arg-type, return-value]
+
+
+def test_the_choice_and_the_object_bounds_follow_the_world_size() -> None:
+    assert _shards_chosen("auto", AUTO_SHARD_MIN_RANKS - 1) is None
+    assert _shards_chosen("auto", AUTO_SHARD_MIN_RANKS) == DEFAULT_SHARD_BYTES == 64 << 20
+    assert _shards_chosen(None, 4096) is None
+    assert _shards_chosen(4096, 1) == 4096
+    layouts = [StorageLayout().chosen_for(LayoutSite(world)) for world in (31, 32)]
+    assert object_bounds(layouts[0])["shard_bytes"] == (None, None)
+    assert object_bounds(layouts[1])["shard_bytes"] == (DEFAULT_SHARD_BYTES, largest_shard_bytes(DEFAULT_SHARD_BYTES))
     assert 80 << 20 < largest_shard_bytes(DEFAULT_SHARD_BYTES) < 81 << 20  # 1.25x of data, and the index
 
 

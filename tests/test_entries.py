@@ -27,6 +27,7 @@ from shardstore.format.commit import (
     publisher_for,
 )
 from shardstore.format.records import read_commit_record
+from shardstore.format.storage_layout import LayoutSite
 from shardstore.opened import bare_location, open_read
 from shardstore.stores.locations import open_location
 from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
@@ -156,7 +157,7 @@ def test_the_publisher_comes_from_the_store_and_is_held_by_the_save(tmp_path: Pa
     local, memory = open_location(tmp_path / "ckpt"), open_location("memory://entries/ckpt")
     assert isinstance(publisher_for(local.capabilities), ByRename)
     assert isinstance(publisher_for(memory.capabilities), InPlace)
-    pending = begin_save(memory, SaveOptions())
+    pending = begin_save(memory, SaveOptions().chosen_for(LayoutSite()))
     try:
         assert isinstance(pending.publisher, InPlace) and adopt_save(pending.location) is pending
     finally:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 import shardstore
+from shardstore.format.storage_layout import LayoutSite
 from shardstore.mapping import ShardedTensor
 from shardstore.stores.locations import open_location
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
@@ -99,7 +100,7 @@ def test_no_module_keeps_an_identity_registry() -> None:
 def test_a_location_knows_its_save_while_the_save_lives(tmp_path: Path) -> None:
     from shardstore.format.commit import SaveLocation, SaveOptions, adopt_save, begin_save
 
-    pending = begin_save(open_location(tmp_path / "ckpt"), SaveOptions())
+    pending = begin_save(open_location(tmp_path / "ckpt"), SaveOptions().chosen_for(LayoutSite()))
     try:
         assert isinstance(pending.location, SaveLocation) and adopt_save(pending.location) is pending
         again = pickle.loads(pickle.dumps(pending))  # a writer process's copy knows its own

@@ -282,8 +282,9 @@ class SaveShardedStrategy(SaveStrategyBase):
 
     def plan_save(self, layout: GlobalLayout, storage: StorageLayout | None = None) -> list[Any]:
         """Coordinator: every rank's part of the save of a validated layout (index =
-        group rank), which ``serialization.save`` scatters (``shardstore.planning.plans``);
-        ``storage``: the save's chosen ``StorageLayout`` (``SavePipeline`` passes it).
+        group rank), which ``engine.save`` scatters (``shardstore.planning.plans``);
+        ``storage``: the save's chosen ``StorageLayout``, as planned at its site
+        (``SavePipeline`` passes it: ``StorageLayout.planned_at``).
 
         This default hands every rank the whole layout."""
         return [layout] * layout.world_size

@@ -23,7 +23,7 @@ __all__ = [
     "SHARDSTORE_BACKEND", "ShardBytes",
     "ZARR_VERSION", "ZarrLoadShardedStrategy", "ZarrSaveShardedStrategy", "checked_max_chunk_bytes",
     "checked_shard_bytes", "checked_staging_bytes",
-    "resolve_shard_bytes", "_create_or_open_zarr_arrays", "_create_zarr_array",
+"_create_or_open_zarr_arrays", "_create_zarr_array",
     "_load_from_array", "_open_zarr_array_verbose", "_save_to_existing_array",
     "_should_create_array", "array_spec", "consolidated_document", "flatten_range", "load_zarr_based_sharded_metadata",
     "numpy_to_torch_dtype_dict", "pad_to_expected_shape", "postprocess_numpy_array",
@@ -107,10 +107,8 @@ from shardstore.planning.layout import (
 from shardstore.planning.plans import (
     RankReadPlan,
     RankSavePlan,
-    largest_shard_bytes,
     plan_reads,
     plan_save,
-    stored_at_most,
 )
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_cache import PlanCache
@@ -170,12 +168,6 @@ def checked_staging_bytes(name: str, value: object, optional: bool = False) -> i
         return int(value)
     accepted = "None (no bound) or " if optional else ""
     raise ValueError(f"{name} must be {accepted}a positive, finite number of bytes, got {value!r}")
-
-
-def resolve_shard_bytes(shard_bytes: ShardBytes, world_size: int) -> int | None:
-    """The shard size a save from ``world_size`` ranks uses (None: no array sharded), as
-    ``StorageLayout.chosen_for`` chooses it."""
-    return StorageLayout(shard_bytes=shard_bytes).chosen_for(LayoutSite(world_size)).shard_bytes  # type: ignore[return-value]
 
 
 class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
@@ -310,13 +302,12 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def plan_save(self, layout: GlobalLayout, storage: StorageLayout | None = None) -> list[RankSavePlan]:
         """Coordinator: every rank's part of the save (``shardstore.planning.plans``) by
-        ``storage``, the save's chosen layout (``SavePipeline`` passes it; its
-        ``pack_arrays_up_to`` gathers small arrays split over ranks whole, for packing);
-        without it, by this strategy's layout chosen for the world size, packing none."""
-        if storage is None:
-            unpacked = self.layout.combined(StorageLayout(pack_arrays_up_to=0)) if self.layout.pack_arrays_up_to == AUTO \
-                else self.layout
-            storage = unpacked.chosen_for(LayoutSite(layout.world_size))
+        ``storage``, the save's chosen layout as planned at its site (``SavePipeline``
+        passes it: ``StorageLayout.planned_at``; its ``pack_arrays_up_to`` gathers small
+        arrays split over ranks whole, for packing); without it, by this strategy's
+        layout chosen for the world size, gathering none."""
+        if storage is None:  # the seed's API: no pipeline, so no array gathered for a pack
+            storage = self.layout.chosen_for(LayoutSite(layout.world_size)).planned_at(LayoutSite(can_exchange=False))
         return plan_save(layout, int(storage.max_chunk_bytes), self.fully_parallel, storage.shard_bytes,  # type: ignore[arg-type]
                          int(storage.pack_arrays_up_to), storage.read_grain)  # type: ignore[arg-type]
 
@@ -357,15 +348,6 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         staging = Staging(False, self.sync_staging_bytes, self._sync_buffers, self.io_concurrency)
         self._request(sharded_state_dict, pipeline, plan, staging, local_error).execute_sync()
 
-    def object_bounds(self, world_size: int) -> dict[str, tuple[int | None, int | None]]:
-        """By option name, its value in a save from ``world_size`` ranks and the largest
-        stored object it allows (a chunk and its crc32c, or a shard inside a block and its
-        index: ``stored_at_most``; a gathered shard: ``largest_shard_bytes``), as
-        ``SavePipeline.refuse_oversized_objects`` takes them."""
-        shard_bytes = resolve_shard_bytes(self.shard_bytes, world_size)  # the strategy's, as chosen for the world
-        return {"max_chunk_bytes": (self.max_chunk_bytes, stored_at_most(self.max_chunk_bytes)),
-                "shard_bytes": (shard_bytes, None if shard_bytes is None else largest_shard_bytes(shard_bytes))}
-
     def _group(self, process_group: dist.ProcessGroup | None) -> Group:
         return Group(process_group if process_group is not None else self.process_group)
 
@@ -376,7 +358,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         tensors = pipeline.planned_tensors
         if tensors is None:  # a plan made elsewhere (the seed's save_with_plan): its tensors, in its order
             tensors, _ = local_sharded_items(sharded_state_dict)
-        pipeline.refuse_oversized_objects(self.object_bounds(pipeline.group.world_size))
+        pipeline.refuse_oversized_objects()
         pipeline.stage(tensors, plan, staging, local_error)
         return AsyncRequest(
             async_fn=SavePipeline.write_staged,

@@ -68,7 +68,7 @@ from shardstore.planning.checks import (
     name_lengths_needed,
 )
 from shardstore.planning.layout import GlobalLayout, region_at
-from shardstore.planning.plans import RankSavePlan
+from shardstore.planning.plans import RankSavePlan, object_bounds
 from shardstore.progress import stage
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_cache import PlanCache, gather_and_plan_cached
@@ -203,8 +203,9 @@ class SavePipeline:
         config: CheckpointingConfig | None = None, pending: PendingCheckpoint | None = None,
     ) -> None:
         self.target, self.group, self.config = target, group, config
-        site = LayoutSite.of(target.capabilities, group.world_size)
-        self.options = pending.options if pending is not None else (options or SaveOptions()).chosen_for(site)
+        # what the save's layout is chosen for: its ranks exchange blocks only where there are several
+        self.site = LayoutSite.of(target.capabilities, group.world_size, can_exchange=group.world_size > 1)
+        self.options = pending.options if pending is not None else (options or SaveOptions()).chosen_for(self.site)
         self._pending = pending
         self.publisher: Publisher = pending.publisher if pending is not None else publisher_for(target.capabilities)
         self.written: list[WrittenChunk] = []
@@ -367,24 +368,22 @@ class SavePipeline:
 
     def _layout_planner(self, planner: Callable[..., list[Any]]) -> Callable[[Any], list[Any]]:
         """``planner`` (a strategy's ``plan_save``) told this save's chosen layout (the
-        coordinator's plan decides it for every rank). Small arrays split over ranks are
-        gathered whole for packing only where the save's group can exchange them (not
-        DCP's writer, whose plan's ranks are each a process alone here)."""
-        layout = self.options.layout
-        if layout.pack_arrays_up_to and self.group.world_size == 1:
-            layout = replace(layout, pack_arrays_up_to=0)
-        return functools.partial(planner, storage=layout)
+        coordinator's plan decides it for every rank), as planned at its site
+        (``StorageLayout.planned_at``: no small array split over ranks gathered whole for
+        packing where the save's group cannot exchange them, as DCP's writer's, whose
+        plan's ranks are each a process alone here)."""
+        return functools.partial(planner, storage=self.options.layout.planned_at(self.site))
 
-    def refuse_oversized_objects(self, bounds: dict[str, tuple[int | None, int | None]]) -> None:
-        """Refuses, before anything is written, an option whose stored objects may be
+    def refuse_oversized_objects(self) -> None:
+        """Refuses, before anything is written, a layout whose stored objects may be
         larger than the target's object size limit (``Capabilities.max_object_bytes``:
-        S3's 5 GiB for one PUT). ``bounds``: by option name, its value and the largest
-        object it allows (``{"shard_bytes": (value, largest shard)}``; None: unbounded).
+        S3's 5 GiB for one PUT), by the save's chosen layout (``planning.plans.
+        object_bounds``).
 
         Raises:
             CheckpointingException: naming the option, the limit and the checkpoint."""
         limit = self.target.capabilities.max_object_bytes
-        for name, (value, largest) in bounds.items():
+        for name, (value, largest) in object_bounds(self.options.layout).items():
             if limit is not None and largest is not None and largest > limit:
                 raise CheckpointingException(
                     f"{name}={value} exceeds the {limit}-byte object limit of {self.describe()} (objects of up "

@@ -21,7 +21,7 @@ from __future__ import annotations
 __all__ = [
     "AUTO", "AUTO_SHARD_MIN_RANKS", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_OBJECT_STORE_PACK_BYTES",
     "DEFAULT_PACK_BYTES", "DEFAULT_READ_GRAIN", "DEFAULT_SHARD_BYTES",
-    "CALLERS_DIRECTORY_LAYOUT", "SHARD_SLACK", "LayoutSite", "StorageLayout",
+    "SHARD_SLACK", "LayoutSite", "StorageLayout",
 ]
 
 import numbers
@@ -87,19 +87,27 @@ class LayoutSite:
         world_size: ranks saving together.
         object_store: the target is an object store (S3): every object is a request.
         can_exchange: the ranks share a process group the save may send blocks on
-            (False for a door without one, such as DCP's writer given no group).
+            (False for a door without one, such as DCP's writer given no group, and for
+            a save from one process): shards and arrays gathered whole for packing
+            need it.
+        callers_directory: the save writes into a directory its caller made and wrote
+            into (Megatron-Core's ``save``, the seed's strategy API called directly): a
+            ``zarr.json`` per array and no packs, as Megatron-Core's own readers expect.
     """
 
     world_size: int = 1
     object_store: bool = False
     can_exchange: bool = True
+    callers_directory: bool = False
 
     @classmethod
-    def of(cls, capabilities: Capabilities, world_size: int, can_exchange: bool = True) -> LayoutSite:
+    def of(
+        cls, capabilities: Capabilities, world_size: int, can_exchange: bool = True, callers_directory: bool = False,
+    ) -> LayoutSite:
         """The site of a save into a store with ``capabilities``: an object store is one
         the ranks share that is no local file system."""
         object_store = capabilities.shared_across_processes and not capabilities.is_local_filesystem
-        return cls(world_size, object_store, can_exchange)
+        return cls(world_size, object_store, can_exchange, callers_directory)
 
 
 ShardBytes = int | None | Literal["auto"]
@@ -194,8 +202,14 @@ class StorageLayout:
 
     def chosen_for(self, site: LayoutSite) -> StorageLayout:
         """This layout with every ``AUTO`` field chosen for ``site`` (the rules in the
-        fields' descriptions); fields set stay as they are. Deterministic: every rank
-        given the same site chooses the same."""
+        fields' descriptions and ``LayoutSite``'s); fields set stay as they are. The one
+        place a save's layout is chosen: nothing changes it afterwards. Deterministic:
+        every rank given the same site chooses the same.
+
+        Raises:
+            ValueError: a caller's directory given packs or consolidated-only documents."""
+        if site.callers_directory:
+            return _CALLERS_DIRECTORY.combined(self).chosen_for(replace(site, callers_directory=False))
         choices: dict[str, Any] = {}
         if self.max_chunk_bytes == AUTO:
             choices["max_chunk_bytes"] = DEFAULT_MAX_CHUNK_BYTES
@@ -209,6 +223,14 @@ class StorageLayout:
         if self.read_grain == AUTO:
             choices["read_grain"] = DEFAULT_READ_GRAIN
         return replace(self, **choices)
+
+    def planned_at(self, site: LayoutSite) -> StorageLayout:
+        """What a save's plan is made by at ``site`` (a strategy's ``plan_save`` takes
+        it; the save itself keeps this chosen layout): the same, but where the ranks
+        cannot exchange blocks, its ``pack_arrays_up_to`` is 0, so that no array split
+        over ranks is gathered whole to one of them for its pack (arrays one rank holds
+        whole are packed by this layout all the same)."""
+        return self if site.can_exchange else replace(self, pack_arrays_up_to=0)
 
     def describe(self) -> str:
         """One line for a log: ``"chunks <= 64 MiB read in 1 MiB pieces, no shards,
@@ -262,6 +284,5 @@ def _spelled(value: Any) -> str:
     return f"{value} B"
 
 
-CALLERS_DIRECTORY_LAYOUT = StorageLayout(pack_arrays_up_to=0, zarr_metadata=ZarrMetadata.PER_NODE)
-"""The layout of a save into a directory its caller made (the seed's strategy API called
-directly): a ``zarr.json`` per array and no packs, as Megatron-Core's own readers expect."""
+# What a save into a directory its caller made sets (``LayoutSite.callers_directory``).
+_CALLERS_DIRECTORY = StorageLayout(pack_arrays_up_to=0, zarr_metadata=ZarrMetadata.PER_NODE)

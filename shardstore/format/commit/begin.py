@@ -18,7 +18,7 @@ from shardstore.format.commit.in_place import InPlace
 from shardstore.format.commit.options import SaveIntent, SaveOptions, new_save_id
 from shardstore.format.commit.pending import PendingCheckpoint, Publisher, SaveLocation
 from shardstore.format.commit.targets import _refuse_inside_checkpoint
-from shardstore.format.storage_layout import CALLERS_DIRECTORY_LAYOUT, LayoutSite, StorageLayout
+from shardstore.format.storage_layout import LayoutSite, StorageLayout
 from shardstore.stores.base import Capabilities, Location
 
 logger = logging.getLogger(__name__)
@@ -38,8 +38,10 @@ def begin_save(target: Location, options: SaveOptions) -> PendingCheckpoint:
     ``options.shared_directory``: other programs' files there, already or written while
     the save runs, are kept and the checkpoint published beside them
     (``ByRename._publish_beside``). The target's store is claimed for the save first
-    (``Store.claim_for_save``), until the save is released."""
-    options = options.chosen_for(LayoutSite.of(target.capabilities, 1, can_exchange=False))
+    (``Store.claim_for_save``), until the save is released. ``options.layout``: as
+    the save chose it (``SaveOptions.chosen_for``), no field ``AUTO``."""
+    if not options.layout.chosen:
+        raise ValueError(f"Internal error: the save into {target.describe()} began with no layout chosen")
     save_id = new_save_id()
     release_claim = target.store.claim_for_save(save_id)
     try:
@@ -96,12 +98,12 @@ def adopt_save(location: Location, layout: StorageLayout | None = None, world_si
     ``begin_save``, ``join_save``), else ``location`` as a
     directory the caller made (``IntoCallersDirectory``: Megatron-Core's ``save`` and the
     seed's strategy API called directly), with a fresh save id, written by ``layout``
-    (a strategy's) in ``CALLERS_DIRECTORY_LAYOUT``'s documents, chosen for ``world_size``
-    ranks."""
+    (a strategy's) chosen for ``world_size`` ranks writing into a caller's directory
+    (``LayoutSite.callers_directory``)."""
     found = location.save if isinstance(location, SaveLocation) else None
     if found is not None:
         return found
-    site = LayoutSite.of(location.capabilities, world_size)
-    chosen = CALLERS_DIRECTORY_LAYOUT.combined(layout or StorageLayout()).chosen_for(site)
+    site = LayoutSite.of(location.capabilities, world_size, can_exchange=world_size > 1, callers_directory=True)
+    chosen = (layout or StorageLayout()).chosen_for(site)
     intent = SaveIntent(new_save_id(), None, layout=chosen, agreed=False)
     return PendingCheckpoint(location, location, intent, IntoCallersDirectory(), SaveOptions(layout=chosen))

@@ -52,7 +52,7 @@ __all__ = [
     "SHARDED_FILES_SHARE", "SHARD_SLACK", "array_records", "exchange_waves",
     "in_block_sharded_record", "largest_shard_bytes", "largest_shard_data_bytes",
     "plan_flat_writes", "plan_gathered_writes", "plan_packed_whole", "plan_reads", "plan_save",
-    "planned_requests", "sharded_record", "stored_at_most",
+    "object_bounds", "planned_requests", "sharded_record", "stored_at_most",
 ]
 
 from shardstore.format.storage_layout import SHARD_SLACK
@@ -72,6 +72,7 @@ from shardstore.planning.plans.shard_sizes import (
     MIN_INNER_BYTES,
     largest_shard_bytes,
     largest_shard_data_bytes,
+    object_bounds,
     stored_at_most,
 )
 from shardstore.planning.plans.shared_reads import MAX_FORWARDED_BYTES

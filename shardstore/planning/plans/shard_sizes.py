@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __all__ = [
     "FRAGMENT_PARTS", "INNER_PARTS", "MIN_INNER_BYTES", "SMALL_FRAGMENT_SHARE", "count_chunks",
-    "inner_rows", "largest_shard_bytes", "largest_shard_data_bytes", "shard_shape", "split_axis",
+    "inner_rows", "largest_shard_bytes", "largest_shard_data_bytes", "object_bounds", "shard_shape", "split_axis",
     "stored_at_most", "whole_inner_chunks",
 ]
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from shardstore.format.codecs import CRC_BYTES
 from shardstore.format.sharding import ShardIndex
-from shardstore.format.storage_layout import SHARD_SLACK
+from shardstore.format.storage_layout import SHARD_SLACK, StorageLayout
 from shardstore.planning.plans.block_grid import BlockGrid
 
 # A sharded array's chunk rows are split into at most INNER_PARTS inner chunks of at
@@ -47,8 +47,18 @@ def largest_shard_data_bytes(shard_bytes: int) -> int:
 def largest_shard_bytes(shard_bytes: int) -> int:
     """The most bytes one stored shard of a save with ``shard_bytes`` takes: its data
     (``largest_shard_data_bytes``) and index (``stored_at_most``). S3's object limit is
-    checked against it (``ZarrSaveShardedStrategy.object_bounds``)."""
+    checked against it (``object_bounds``)."""
     return stored_at_most(largest_shard_data_bytes(shard_bytes))
+
+
+def object_bounds(layout: StorageLayout) -> dict[str, tuple[int | None, int | None]]:
+    """By option name, its value in a save's chosen ``layout`` and the largest stored
+    object it allows (a chunk and its crc32c, or a shard inside a block and its index:
+    ``stored_at_most``; a gathered shard: ``largest_shard_bytes``; None: no shards), as
+    ``SavePipeline.refuse_oversized_objects`` checks them against the store's limit."""
+    chunk, shard = int(layout.max_chunk_bytes), layout.shard_bytes
+    return {"max_chunk_bytes": (chunk, stored_at_most(chunk)),
+            "shard_bytes": (shard, None if shard is None else largest_shard_bytes(int(shard)))}
 
 
 def stored_at_most(data_bytes: int) -> int:

@@ -108,8 +108,8 @@ def test_a_save_walks_the_state_dict_once_and_sets_nothing_on_its_pending_save(t
     """Issue 43.1: the split walks the state dict; the strategy writes the tensors the
     pipeline planned (no second walk, no relinking by position across walks); the pending
     save's facts are all given at construction."""
-    import shardstore.serialization as serialization
-    import shardstore.strategies.zarr as zarr_strategy
+    import shardstore.compat.megatron.serialization as serialization  # where save looks the names up
+    import shardstore.compat.megatron.strategies.zarr as zarr_strategy
 
     walks, sets = [], []
     real_flatten, real_items = serialization.flatten, zarr_strategy.local_sharded_items
@@ -212,8 +212,8 @@ def test_a_callers_directory_is_opened_by_one_function() -> None:
 
 
 def test_the_zarr_modules_seed_functions_round_trip_and_read_through_open_read(tmp_path: Path, monkeypatch) -> None:
+    from shardstore.compat.megatron.strategies import zarr_arrays  # where the seed's functions live
     from shardstore.strategies import zarr as zarr_module
-    from shardstore.strategies import zarr_arrays  # where the seed's functions live
 
     ckpt = tmp_path / "seed"
     ckpt.mkdir()

@@ -95,16 +95,16 @@ def test_unreadable_metrics_keep_a_step_and_missing_ones_leave_it_to_its_age(
     manager.save(3, _state(3), metrics={"loss": 2.0})
     assert manager.all_steps() == [2, 3] and manager.metrics(3) == {"loss": 2.0}
 
-    import shardstore.serialization
+    import shardstore.compat.megatron.serialization as serialization  # where the manager looks it up
 
-    real = shardstore.serialization.load_common_state_dict
+    real = serialization.load_common_state_dict
 
     def unreadable_step_3(location, *args, **kwargs):
         if "iter_0000003" in location.describe():
             raise CheckpointingException(f"{location.describe()}: injected read error")
         return real(location, *args, **kwargs)
 
-    monkeypatch.setattr(shardstore.serialization, "load_common_state_dict", unreadable_step_3)
+    monkeypatch.setattr(serialization, "load_common_state_dict", unreadable_step_3)
     restarted = CheckpointManager(tmp_path, options)
     with caplog.at_level(logging.WARNING, logger="shardstore.tools.manager"):
         restarted.save(4, _state(4), metrics={"loss": 0.5})
@@ -315,14 +315,14 @@ def test_delete_goes_marker_first_and_an_interrupted_one_is_finished_by_calling_
 
 
 def test_reload_forgets_the_metrics_read(tmp_path: Path, monkeypatch) -> None:
-    import shardstore.serialization
+    import shardstore.compat.megatron.serialization as serialization  # where the manager looks it up
 
     CheckpointManager(tmp_path).save(1, _state(1), metrics={"loss": 1.0})
     manager = CheckpointManager(tmp_path)  # not the one that saved it, which knows its metrics
     reads = []
-    real = shardstore.serialization.load_common_state_dict
+    real = serialization.load_common_state_dict
     monkeypatch.setattr(
-        shardstore.serialization, "load_common_state_dict", lambda *a, **k: reads.append(a) or real(*a, **k)
+        serialization, "load_common_state_dict", lambda *a, **k: reads.append(a) or real(*a, **k)
     )
     assert manager.metrics(1) == manager.metrics(1) == {"loss": 1.0}
     assert len(reads) == 1  # cached by save id

@@ -1,7 +1,7 @@
 """Megatron-Core's dialect of shardstore's API, in one package:
 
 * ``strategies``: Megatron-Core's strategy classes, whose methods take a checkpoint
-  directory (also ``shardstore.strategies``, module by module);
+  directory (those Megatron-Core has also under ``shardstore.strategies``);
 * ``serialization`` (with ``serialization_load`` and ``serialization_common``): the seed
   API's module functions, ``save``, ``load`` and the metadata queries (also
   ``shardstore.serialization``, and ``shardstore.save`` and its siblings);

@@ -15,7 +15,7 @@ Methods, on the same generated data:
 Cases: ``large`` (tensor-parallel shards, mixed bfloat16/float32), ``small`` (5,000
 replicated 4 KiB tensors), ``reshard`` (saved at 2 ranks, loaded at 1; baseline: the
 same tensors saved and loaded by one process), ``dcp-api`` (the large state as DTensors
-through DCP's own ``dcp.save``/``dcp.load``: with ``shardstore.tools.dcp_storage``'s writer and
+through DCP's own ``dcp.save``/``dcp.load``: with ``shardstore.ShardstoreWriter`` and
 reader against DCP's ``FileSystemWriter``/``FileSystemReader``, and through
 ``shardstore.save``/``load``), ``dcp-plain`` (a plain model plus Adam, replicated on every
 rank as DDP holds it, through ``dcp.save``/``dcp.load`` with ``ShardstoreWriter``/``Reader``
@@ -640,7 +640,7 @@ def run_reshard(b: Bench, state: State, ss_path: Path, dcp_path: Path, nbytes: i
 
 def run_dcp_api(b: Bench, args: argparse.Namespace) -> None:
     """DCP's own API on both formats: ``dcp.save`` / ``dcp.load`` of the large case's
-    state as DTensors, through ``shardstore.tools.dcp_storage`` and through DCP's
+    state as DTensors, through ``shardstore.ShardstoreWriter`` and through DCP's
     ``FileSystemWriter`` / ``FileSystemReader`` (``sync_files=True``); and the same
     DTensors through ``shardstore.save`` / ``load`` (``shardstore.inputs.dtensors``)."""
     import torch.distributed.checkpoint as dcp
@@ -648,7 +648,7 @@ def run_dcp_api(b: Bench, args: argparse.Namespace) -> None:
     from torch.distributed.tensor import DTensor, Replicate
 
     import shardstore
-    from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
+    from shardstore import ShardstoreReader, ShardstoreWriter
 
     state = build_large(int(args.gib * GiB), b.rank, b.world)
     nbytes = state.local_bytes * b.world
@@ -710,7 +710,7 @@ def run_dcp_plain(b: Bench, args: argparse.Namespace) -> None:
     interleaved. Loads fill a state of the same structure in place."""
     import torch.distributed.checkpoint as dcp
 
-    from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
+    from shardstore import ShardstoreReader, ShardstoreWriter
 
     state = plain_model_state(int(args.plain_gib * GiB))
     tensors = [t for group in (state["model"], *state["optim"]["state"].values()) for t in group.values()]
@@ -978,8 +978,8 @@ def run_fsdp(b: Bench, args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardstore
+    from shardstore import ShardstoreReader, ShardstoreWriter
     from shardstore.engine.zarr_strategies import ZarrSaveShardedStrategy
-    from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 
     rows = args.fsdp_rows * b.world
     state = build_fsdp(args.fsdp_arrays, rows, b.rank, b.world)
@@ -1665,7 +1665,7 @@ def ratios(results: list[Result]) -> dict[str, float]:
         for method in ("shardstore", "shardstore-sharded", "shardstore-consolidated", "shardstore-sharded-consolidated",
                        "shardstore-packed"):
             out |= ratio(f"fsdp.{method}-s3.{op}.vs_dcp_fsspec", ("fsdp", f"{method}-s3", op), ("fsdp", "dcp-fsspec-s3", op))
-        # dcp.save/load through shardstore.tools.dcp_storage vs DCP's file system writer/reader,
+        # dcp.save/load through shardstore.ShardstoreWriter vs DCP's file system writer/reader,
         # and shardstore.save/load of the same DTensors vs the same
         out |= ratio(f"dcp-api.{op}.vs_dcp", ("dcp-api", "shardstore", op), ("dcp-api", "dcp", op))
         out |= ratio(f"dcp-api.{op}.ss_api_vs_dcp", ("dcp-api", "ss-api", op), ("dcp-api", "dcp", op))

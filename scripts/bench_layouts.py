@@ -384,7 +384,7 @@ def shardstore_writer(path: str, layout: StorageLayout | None) -> Any:
     """DCP's door: ``ShardstoreWriter(path)`` with no layout keyword for the default;
     an explicit layout as ``layout=`` where the writer takes it, else as its older
     keywords (every field spelled)."""
-    from shardstore.tools.dcp_storage import ShardstoreWriter
+    from shardstore import ShardstoreWriter
 
     if layout is None:
         return ShardstoreWriter(path)
@@ -399,7 +399,7 @@ def run_fsdp(b: Any, args: argparse.Namespace) -> None:
     """``layouts-fsdp``: FSDP2 + AdamW through ``dcp.save``/``dcp.load``."""
     import torch.distributed.checkpoint as dcp
 
-    from shardstore.tools.dcp_storage import ShardstoreReader
+    from shardstore import ShardstoreReader
 
     state = fsdp_state(args.layouts_fsdp_layers, args.layouts_fsdp_dim, b.world)
     rounds = fsdp_rounds(args, b.reps)

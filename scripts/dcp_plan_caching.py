@@ -38,7 +38,7 @@ METHODS = [("shardstore", True), ("shardstore", False), ("dcp", True), ("dcp", F
 def _writer(kind: str, path: str):
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from shardstore.tools.dcp_storage import ShardstoreWriter
+    from shardstore import ShardstoreWriter
 
     return ShardstoreWriter(path) if kind == "shardstore" else FileSystemWriter(path)
 

@@ -1,7 +1,6 @@
-"""Megatron-Core's ``dist_checkpointing.core`` names under its first name,
-``shardstore.core``: the module is ``shardstore.compat.megatron.core`` (``import
-shardstore.core`` gives that very module, so its state and its classes are one,
-whichever name imported them first).
+"""Megatron-Core's ``dist_checkpointing.core`` names, under the name its users import: those
+of ``shardstore.compat.megatron.core``, re-exported (the same objects, so a pickle naming
+a class by this module loads it, and type checkers see each name).
 """
 
 from __future__ import annotations
@@ -11,10 +10,7 @@ __all__ = [
     "check_is_distributed_checkpoint", "gc_paused", "maybe_load_config", "save_config",
 ]
 
-import sys
-
-from shardstore.compat.megatron import core as _module
-from shardstore.compat.megatron.core import (  # the names, for readers and linters
+from shardstore.compat.megatron.core import (
     CONFIG_FNAME,
     CheckpointingConfig,
     CheckpointingException,
@@ -24,5 +20,3 @@ from shardstore.compat.megatron.core import (  # the names, for readers and lint
     maybe_load_config,
     save_config,
 )
-
-sys.modules[__name__] = _module

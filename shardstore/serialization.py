@@ -1,15 +1,32 @@
-"""``shardstore.serialization`` is the first name of
-``shardstore.engine.save``: importing it gives that very module, so its state
-and classes are one whichever name imported them first, and Megatron-Core-style imports
-by this name keep working.
+"""Megatron-Core's ``dist_checkpointing.serialization`` names, under the name its users
+import: those of ``shardstore.compat.megatron.serialization``, re-exported (the same
+objects, so a pickle naming a class by this module loads it, and type checkers see each
+name).
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []  # the module's own names: this name gives the module itself
+__all__ = [
+    "get_default_load_sharded_strategy", "get_default_save_common_strategy",
+    "get_default_save_sharded_strategy", "load", "load_common_state_dict",
+    "load_content_metadata", "load_plain_tensors", "load_preprocess", "load_sharded_metadata",
+    "load_tensors_metadata", "remove_sharded_tensors", "save", "verify_before_load",
+    "verify_checkpoint_and_load_strategy",
+]
 
-import sys
-
-from shardstore.compat.megatron import serialization as _module
-
-sys.modules[__name__] = _module
+from shardstore.compat.megatron.serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_common_strategy,
+    get_default_save_sharded_strategy,
+    load,
+    load_common_state_dict,
+    load_content_metadata,
+    load_plain_tensors,
+    load_preprocess,
+    load_sharded_metadata,
+    load_tensors_metadata,
+    remove_sharded_tensors,
+    save,
+    verify_before_load,
+    verify_checkpoint_and_load_strategy,
+)

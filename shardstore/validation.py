@@ -1,7 +1,6 @@
-"""Megatron-Core's ``dist_checkpointing.validation`` names under their first name,
-``shardstore.validation``: the module is ``shardstore.compat.megatron.validation``
-(``import shardstore.validation`` gives that very module, so its state and its classes
-are one, whichever name imported them first).
+"""Megatron-Core's ``dist_checkpointing.validation`` names, under the name its users import:
+those of ``shardstore.compat.megatron.validation``, re-exported (the same objects, so a
+pickle naming a class by this module loads it, and type checkers see each name).
 """
 
 from __future__ import annotations
@@ -13,10 +12,7 @@ __all__ = [
     "validate_sharding_integrity",
 ]
 
-import sys
-
-from shardstore.compat.megatron import validation as _module
-from shardstore.compat.megatron.validation import (  # the names, for readers and linters
+from shardstore.compat.megatron.validation import (
     StrictHandling,
     adjust_non_strict_load,
     determine_global_metadata,
@@ -28,5 +24,3 @@ from shardstore.compat.megatron.validation import (  # the names, for readers an
     validate_sharded_objects_handling,
     validate_sharding_integrity,
 )
-
-sys.modules[__name__] = _module

@@ -58,7 +58,7 @@ from typing import IO, Any
 PRELOAD = (
     "torch", "numpy", "tensorstore", "zarr", "click", "shardstore", "shardstore.core",
     "shardstore.strategies.zarr", "shardstore.tools.cli", "shardstore.tools.inspection",
-    "shardstore.tools.manager", "shardstore.tools.dcp_storage", "torch.distributed.run",
+    "shardstore.tools.manager", "shardstore.compat.dcp.writer", "torch.distributed.run",
     "megatron.core.dist_checkpointing", "shardstore.megatron",
 )
 _EXIT_FLUSH_FAILED = 120  # what Python exits with when flushing stdout at exit fails

@@ -74,7 +74,7 @@ def test_a_save_written_by_a_spawned_process_commits_and_reuses(tmp_path) -> Non
     import torch
 
     from shardstore import ShardedTensor, load, save, verify
-    from shardstore.strategies.forked_writes import for_another_process
+    from shardstore.compat.megatron.strategies.forked_writes import for_another_process
 
     state = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(4096.0)), "step": 2}
     save(state, tmp_path / "step1", layout=PER_ARRAY)
@@ -96,7 +96,7 @@ def test_a_spawned_writers_failure_is_raised_by_the_finalization_not_by_the_work
     import torch
 
     from shardstore import ShardedTensor, save
-    from shardstore.strategies.forked_writes import for_another_process
+    from shardstore.compat.megatron.strategies.forked_writes import for_another_process
 
     request = for_another_process(
         save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(8))}, tmp_path / "ckpt", async_sharded_save=True,
@@ -123,8 +123,8 @@ def test_a_forked_writer_leaves_the_commit_records_encoding_to_the_committer(tmp
     import torch
 
     from shardstore import ShardedTensor, save, verify
+    from shardstore.compat.megatron.strategies.forked_writes import for_another_process
     from shardstore.format.records import CommitRecord
-    from shardstore.strategies.forked_writes import for_another_process
 
     encoded_in = tmp_path / "encoded-in"
     original = CommitRecord.encode_ahead
@@ -261,8 +261,8 @@ def test_a_writer_that_cannot_leave_its_report_still_does_not_raise(tmp_path, mo
     import torch
 
     from shardstore import ShardedTensor, save
+    from shardstore.compat.megatron.strategies import forked_writes
     from shardstore.stores.base import Location
-    from shardstore.strategies import forked_writes
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -294,8 +294,8 @@ def test_a_request_for_another_process_leaves_the_host_snapshot_behind(tmp_path,
     import torch
 
     from shardstore import ShardedTensor, save, verify
+    from shardstore.compat.megatron.strategies.forked_writes import for_another_process
     from shardstore.execution import staging
-    from shardstore.strategies.forked_writes import for_another_process
 
     class StreamsThatDoNotPickle(staging._CopyStreams):
         def __reduce_ex__(self, protocol: object) -> object:
@@ -364,7 +364,7 @@ def test_a_report_left_by_an_earlier_save_into_the_directory_is_not_taken(tmp_pa
     import torch
 
     from shardstore import ShardedTensor, verify
-    from shardstore.strategies.forked_writes import for_another_process
+    from shardstore.compat.megatron.strategies.forked_writes import for_another_process
     from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 
     ckpt = tmp_path / "iter_0000010"

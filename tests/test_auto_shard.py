@@ -112,7 +112,7 @@ def test_a_shard_size_that_is_neither_auto_none_nor_bytes_is_refused(bad: object
 def test_the_dcp_writer_leaves_its_shard_size_auto_unless_told(tmp_path: Path) -> None:
     """It exchanges blocks on a group of its own (``tools.dcp_exchange``): ``"auto"``
     by default, chosen per save; an explicit size or None is kept."""
-    from shardstore.tools.dcp_storage import ShardstoreWriter
+    from shardstore import ShardstoreWriter
 
     assert ShardstoreWriter(tmp_path / "ckpt").layout.shard_bytes == "auto"
     assert ShardstoreWriter(tmp_path / "ckpt", shard_bytes=None).layout.shard_bytes is None

@@ -119,7 +119,7 @@ def test_a_change_on_one_rank_fails_the_save_on_every_rank(tmp_path: Path) -> No
 def test_a_dcp_save_fails_where_a_tensor_changed_during_its_writes(tmp_path: Path, monkeypatch) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from shardstore.tools.dcp_storage import ShardstoreWriter
+    from shardstore import ShardstoreWriter
 
     w = torch.arange(4096.0)
     _changing_during_writes(monkeypatch, w)

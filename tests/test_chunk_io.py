@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
+from shardstore.compat.megatron.strategies.zarr import array_spec, tensorstore_context
 from shardstore.core import CheckpointingException
 from shardstore.format import chunks as chunk_io
 from shardstore.format.chunks import (
@@ -22,7 +23,6 @@ from shardstore.format.records import ArrayRecord
 from shardstore.planning.layout import region_at
 from shardstore.stores.local import FileChunkStore
 from shardstore.stores.locations import open_location
-from shardstore.strategies.zarr import array_spec, tensorstore_context
 
 # shape (10, 7) in chunks of (4, 7): the last chunk row is an edge chunk, padded on disk
 RECORD = ArrayRecord("w", (10, 7), "bfloat16", (4, 7))

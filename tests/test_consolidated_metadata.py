@@ -185,7 +185,7 @@ def test_inspect_and_convert_read_it(checkpoint: Path, tmp_path: Path) -> None:
 def test_dcp_reader_loads_it(checkpoint: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from shardstore.tools.dcp_storage import ShardstoreReader
+    from shardstore import ShardstoreReader
 
     request = {k: torch.zeros_like(t) for k, t in _tensors().items()}
     dcp.load(request, storage_reader=ShardstoreReader(str(checkpoint)), no_dist=True)

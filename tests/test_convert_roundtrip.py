@@ -21,10 +21,15 @@ import pytest
 import torch
 
 import shardstore
-from shardstore import CheckpointingException, ShardedTensor, load_common_state_dict, save
+from shardstore import (
+    CheckpointingException,
+    ShardedTensor,
+    ShardstoreReader,
+    load_common_state_dict,
+    save,
+)
 from shardstore.other_formats import layout as convert_layout
 from shardstore.tools.convert import from_torch_file, to_torch_file
-from shardstore.tools.dcp_storage import ShardstoreReader
 from shardstore.tools.manager import CheckpointManager
 from tests import fsdp_models as fm
 from tests.dist import run_distributed

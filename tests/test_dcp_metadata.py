@@ -23,9 +23,9 @@ import torch
 from click.testing import CliRunner
 
 import shardstore
+from shardstore import ShardstoreReader, ShardstoreWriter
 from shardstore.core import CheckpointingException
 from shardstore.format.records import COMMIT_RECORD, CommitRecord, DcpMetadata
-from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 from tests import fsdp_models as fm
 from tests.dist import run_distributed
 

@@ -21,13 +21,12 @@ import torch
 from torch import nn
 
 import shardstore
-from shardstore import StorageLayout
+from shardstore import ShardstoreReader, ShardstoreWriter, StorageLayout
 from shardstore.inputs.plain_tensors import (
     HeldTensor,
     assign_writers,
     checkpointable_tensor_protocol,
 )
-from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 from tests import fsdp_models as fm
 from tests.dist import run_distributed
 

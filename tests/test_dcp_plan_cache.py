@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 import shardstore
-from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
+from shardstore import ShardstoreReader, ShardstoreWriter
 from tests import fsdp_models as fm
 from tests.dist import run_distributed
 

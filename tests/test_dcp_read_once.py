@@ -15,8 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from shardstore import StorageLayout
-from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
+from shardstore import ShardstoreReader, ShardstoreWriter, StorageLayout
 from tests.dist import run_distributed
 from tests.test_sharded_arrays import _count_chunk_reads
 
@@ -148,10 +147,10 @@ def loaded_on_a_subgroup_under_auto(rank: int, world: int, ckpt: str) -> tuple[b
     threshold lowered to 2 ranks: the ranks read alone, and the coordinator warns."""
     import logging
 
-    import shardstore.strategies.zarr as zarr_strategy
-    import shardstore.tools.dcp_reader as dcp_reader
+    import shardstore.compat.dcp.reader as dcp_reader
+    import shardstore.compat.megatron.strategies.zarr as zarr_strategy
 
-    zarr_strategy.AUTO_SHARD_MIN_RANKS = 2  # this spawned rank's copy only
+    zarr_strategy.AUTO_SHARD_MIN_RANKS = 2  # where reads_shards_once looks it up; this spawned rank's copy only
     warnings: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]

@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException as DcpFailure
 
 import shardstore
+from shardstore import ShardstoreReader, ShardstoreWriter
 from shardstore.core import CheckpointingException
 from shardstore.planning.plans import largest_shard_bytes
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
-from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 from tests import fsdp_models as fm
 from tests.dist import run_distributed
 
@@ -141,7 +141,7 @@ def async_save_on_the_writers_own_group(rank: int, world: int, root: str) -> Non
     import torch.distributed.checkpoint as dcp
 
     from shardstore import StorageLayout
-    from shardstore.tools import dcp_exchange
+    from shardstore.compat.dcp import exchange as dcp_exchange
 
     state = _blocks(world)
     dcp.async_save(state, storage_writer=ShardstoreWriter(f"{root}/default", shard_bytes=SHARD_BYTES, pack_arrays_up_to=0)).result(timeout=60)

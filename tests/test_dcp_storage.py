@@ -1,5 +1,5 @@
 """Issue 25.2: DCP's own API (``dcp.save``, ``dcp.async_save``, ``dcp.load``) on
-shardstore's format through ``shardstore.tools.dcp_storage``.
+shardstore's format through ``shardstore.ShardstoreWriter``.
 
 A real ``fully_shard`` model with AdamW at 2 gloo ranks is saved by ``dcp.save`` with our
 writer, by ``shardstore.save`` and by DCP's own ``FileSystemWriter``; each of ours loads
@@ -24,9 +24,8 @@ import torch
 import torch.distributed as dist
 
 import shardstore
-from shardstore import CheckpointingException, ShardedTensor
-from shardstore.tools import dcp_storage
-from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
+from shardstore import CheckpointingException, ShardedTensor, ShardstoreReader, ShardstoreWriter
+from shardstore.compat.dcp import writer as dcp_storage
 from tests import fsdp_models as fm
 from tests.dist import run_distributed
 from tests.test_plain_readers_recipe import plain_read

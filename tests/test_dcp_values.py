@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import shardstore
+from shardstore import ShardstoreReader, ShardstoreWriter
 from shardstore.compat.dcp.common_state import RAW_DTYPES
-from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 from tests import fsdp_models as fm
 from tests.dist import run_distributed
 

@@ -272,7 +272,7 @@ FRAGMENTS = (
     Fragment("DefaultSavePlanner(enable_plan_caching=True)", check=(
         # the later saves went through DCP's cache; each is a checkpoint of its own, with its values
         "import os\nimport shardstore\nfrom torch.distributed.checkpoint.planner import SavePlanner\n"
-        "from shardstore.tools.dcp_storage import ShardstoreReader\n"
+        "from shardstore import ShardstoreReader\n"
         "assert SavePlanner._cached_all_plans\n"
         "root = os.path.dirname(os.environ['CKPT'])\n"
         "for step in range(3):\n"

@@ -4,7 +4,7 @@ Real ``fully_shard`` models with AdamW on gloo ranks (``tests.fsdp_models``): a 
 TP mesh at 4 ranks, resharded to 1-D FSDP at 2 ranks, to 1 rank and back to 4, each
 load bit-exact against the same state saved by DCP's own ``FileSystemWriter``, and the
 next training step from our checkpoint the same as from DCP's. The 4-rank state also goes
-through DCP's API onto our format (``shardstore.tools.dcp_storage``) and loads resharded. The block arithmetic
+through DCP's API onto our format (``shardstore.ShardstoreWriter``) and loads resharded. The block arithmetic
 (uneven, empty and strided shards) is checked without ranks.
 """
 
@@ -21,9 +21,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import shardstore
-from shardstore import CheckpointingException, ShardedTensor
+from shardstore import CheckpointingException, ShardedTensor, ShardstoreReader, ShardstoreWriter
 from shardstore.inputs.dtensors import blocks_at
-from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 from tests import fsdp_models as fm
 from tests.dist import run_distributed
 

@@ -239,7 +239,7 @@ def saved_through_dcp(rank: int, world: int, ckpt: str, bound: int) -> list[int]
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
+    from shardstore import ShardstoreReader, ShardstoreWriter
 
     mesh = init_device_mesh("cpu", (world,))
 
@@ -352,7 +352,7 @@ def test_device_blocks_are_copied_for_their_wave_and_let_go_after_it(tmp_path: P
 
 @pytest.mark.parametrize("bound", [0, -5, float("inf"), float("nan"), "1GiB", True])
 def test_a_bound_that_is_no_positive_finite_number_is_refused_when_made(bound: object) -> None:
-    from shardstore.tools.dcp_storage import ShardstoreWriter
+    from shardstore import ShardstoreWriter
 
     with pytest.raises(ValueError, match="sync_staging_bytes must be a positive, finite number of bytes"):
         ZarrSaveShardedStrategy(sync_staging_bytes=bound)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shardstore import ShardedObject, ShardedTensor, load, save
+from shardstore.compat.megatron.strategies.fully_parallel import _exchanged_shard_id
 from shardstore.dict_utils import dict_list_map_outplace, nested_values
 from shardstore.errors import CheckpointingException
 from shardstore.exchange_utils import build_shard_distribution, distribute_shards_to_ranks
@@ -25,7 +26,6 @@ from shardstore.strategies.base import LoadShardedStrategy, SaveShardedStrategy
 from shardstore.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
-    _exchanged_shard_id,
 )
 from shardstore.utils import _sharded_tensor_shard_id
 from tests.dist import run_distributed
@@ -432,7 +432,7 @@ _RANK_1_FAILURES = {
 
 
 def load_with_rank_1_failing(rank: int, world: int, algo: str, step: str) -> tuple[str, float]:
-    import shardstore.strategies.shard_exchange as shard_exchange
+    import shardstore.compat.megatron.strategies.shard_exchange as shard_exchange
 
     if rank == 1:
         function, why = _RANK_1_FAILURES[step]

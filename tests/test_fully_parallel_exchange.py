@@ -152,8 +152,8 @@ def test_different_blocks_at_one_offset_load_exactly_through_the_wrappers_own_lo
 def test_the_wrappers_load_distribution_tells_the_blocks_apart() -> None:
     """Pure: the load distribution the wrapper computes makes one shard of 'same' and
     two of each other tensor (one per rank), each loaded by its only holder."""
+    from shardstore.compat.megatron.strategies.fully_parallel import _exchanged_shard_id
     from shardstore.exchange_utils import build_shard_distribution
-    from shardstore.strategies.fully_parallel import _exchanged_shard_id
 
     gathered = [[t.without_data() for t in requests(r).values()] for r in range(2)]
     distribution = build_shard_distribution(gathered, ignore_groups=True, shard_id_of=_exchanged_shard_id)

@@ -5,12 +5,12 @@ The drawing, top to bottom (a layer may import the layers below it, never above)
     tools           CLI, manager, inspection, conversion, testing (the store conformance
                     suite, which saves and loads)
     compat          other libraries' dialects: compat.dcp, PyTorch DCP's StorageWriter and
-                    StorageReader (first names shardstore.tools.dcp_*); compat.megatron,
-                    Megatron-Core's seed API
-                    (its strategies and module functions: first names
-                    shardstore.strategies.*, shardstore.serialization*) and its doors
-                    (shardstore.megatron, shardstore.core, shardstore.validation,
-                    shardstore.exchange_utils, shardstore.tools.megatron_strategy)
+                    StorageReader; compat.megatron, Megatron-Core's names (its
+                    strategies and module functions, re-exported under the names users
+                    import: shardstore.strategies.*, shardstore.serialization) and its
+                    doors (re-exported as shardstore.megatron, shardstore.core,
+                    shardstore.validation, shardstore.exchange_utils; the tools layer's
+                    shardstore.tools.megatron_strategy)
     engine          the one save and the one load every door stands on, and the
                     strategies they run (shardstore's storage core, common.pt, other
                     tools' checkpoints)
@@ -47,11 +47,11 @@ API_MODULES = {"opened", "load_strictness", "cross_rank_checks", "utils", "__ini
 BASE_MODULES = {"errors", "progress", "mapping", "dict_utils", "lazy_exports", "gc_pause"}
 # Top-level modules that belong to another layer: the zarr start-up hook must be importable as
 # shardstore._zarr_autoload (a .pth file names it) but is the format's; shardstore.megatron,
-# shardstore.core, shardstore.validation, shardstore.exchange_utils and the package
-# shardstore.strategies (first names of modules of compat.megatron, issue 66.1) are the
-# compat package's, and so are shardstore.serialization* (first names of the seed API's
-# module functions); testing saves and loads through them, as a user does.
-TOP_LEVEL_ELSEWHERE = {"serialization": "compat", "serialization_common": "compat", "serialization_load": "compat",
+# shardstore.core, shardstore.validation, shardstore.exchange_utils, shardstore.serialization
+# and the package shardstore.strategies (plain re-exports of compat.megatron's modules under
+# the names users import; tests/test_public_modules.py checks they are nothing more) are the
+# compat package's; testing saves and loads through them, as a user does.
+TOP_LEVEL_ELSEWHERE = {"serialization": "compat",
                        "_zarr_autoload": "format", "megatron": "compat", "core": "compat", "compat": "compat",
                        "validation": "compat", "exchange_utils": "compat", "strategies": "compat",
                        "testing": "tools"}
@@ -131,7 +131,7 @@ def upward_imports() -> set[tuple[str, str]]:
 
 def test_the_core_never_imports_compat() -> None:
     """Issue 66.1: the dialects translate into the core; no module of the core imports
-    ``compat`` or a first name of its modules (also not inside a function)."""
+    ``compat`` or a module that re-exports its names (also not inside a function)."""
     graph = _imports()
     reaching = sorted(f"{m} imports {d}" for m, deps in graph.items() if layer_of(m) in CORE
                       for d in deps if layer_of(d) == "compat")
@@ -145,7 +145,7 @@ def _first_name(module: str) -> bool:
     ...): the one place outside a dialect that imports it."""
     top = module.split(".")[1] if module.count(".") else ""
     return (TOP_LEVEL_ELSEWHERE.get(top) == "compat" and top != "compat") or module.startswith(
-        ("shardstore.tools.megatron_strategy", "shardstore.tools.dcp_"))
+        "shardstore.tools.megatron_strategy")
 
 
 def _importers_of(prefix: str) -> list[str]:
@@ -239,7 +239,7 @@ ENTRY_PACKAGES = ("stores", "format", "planning", "protocol", "execution", "othe
 
 
 # The seed API: Megatron-Core's strategy classes and module functions, the api's engine
-# moved into compat with their first names, and where their checkpoint directories lead
+# moved into compat (re-exported under the names users import), and where their checkpoint directories lead
 # (issue 66.1); they reach below as the api does.
 SEED_API = ("shardstore.compat.megatron.strategies", "shardstore.compat.megatron.serialization",
             "shardstore.strategies", "shardstore.serialization")

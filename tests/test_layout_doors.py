@@ -12,10 +12,9 @@ import pytest
 import torch
 
 import shardstore
-from shardstore import CheckpointingException, SaveOptions, StorageLayout
+from shardstore import CheckpointingException, SaveOptions, ShardstoreWriter, StorageLayout
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 from shardstore.tools.array_writer import CheckpointWriter
-from shardstore.tools.dcp_storage import ShardstoreWriter
 
 MiB = 1 << 20
 
@@ -107,7 +106,7 @@ def test_the_manager_hands_its_layout_to_each_save_and_refuses_a_contradicting_o
 def _plans(members: list[tuple[int, int] | None]) -> list:
     from torch.distributed.checkpoint.planner import SavePlan
 
-    from shardstore.tools.dcp_storage import HeldPlainTensors
+    from shardstore.compat.dcp.parts import HeldPlainTensors
 
     return [SavePlan(items=[], storage_data=HeldPlainTensors((), (), member)) for member in members]
 

@@ -349,8 +349,8 @@ def test_the_unsafe_pickle_opt_in_loads_another_tools_checkpoint(tmp_path: Path)
     ignored the flag and refused the pickle again."""
     import fractions
 
+    from shardstore.engine.other_formats import OtherFormatLoadCommonStrategy
     from shardstore.strategies.common import TorchCommonLoadStrategy
-    from shardstore.strategies.other_formats import OtherFormatLoadCommonStrategy
 
     source = _trusted_zarr_copy(tmp_path)
     request = {"rng": [ShardedObject("rng_state", None, (2,), (r,)) for r in range(2)],

@@ -24,6 +24,7 @@ pytest.importorskip("megatron.core.dist_checkpointing.strategies.fully_parallel"
 
 import shardstore.megatron as shardstore_megatron  # noqa: E402
 from shardstore import CheckpointingException, StorageLayout, load_plain_tensors, verify  # noqa: E402
+from shardstore.compat.megatron import entry_points  # noqa: E402  (its own names, beyond the public ones)
 from shardstore.format.records import read_commit_record  # noqa: E402
 from shardstore.stores.locations import open_location  # noqa: E402
 
@@ -335,7 +336,7 @@ def test_an_error_raised_through_megatrons_door_can_be_pickled(tmp_path: Path) -
     finally:
         shardstore_megatron.uninstall()
     again = pickle.loads(pickle.dumps(raised.value))
-    assert type(again) is type(raised.value) is shardstore_megatron.MegatronCheckpointingException
+    assert type(again) is type(raised.value) is entry_points.MegatronCheckpointingException
     assert str(again) == str(raised.value)
 
 
@@ -343,7 +344,7 @@ def failing_async_save(rank: int, world: int, ckpt: str) -> None:
     from megatron.core.dist_checkpointing.core import CheckpointingException as MegatronsException
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    import shardstore.strategies.forked_writes as forked_writes
+    import shardstore.compat.megatron.strategies.forked_writes as forked_writes
 
     def disk_full(*args, **kwargs) -> None:
         raise OSError(28, "No space left on device")
@@ -465,7 +466,7 @@ def test_a_fully_parallel_wrapper_around_the_plugin_keeps_the_plugins_strategy()
         assert shardstore_megatron.strategy_for_save(wrapped) is plugin.base_strategy
         assert plugin.base_strategy.shard_bytes is None
         loader = ShardstoreLoadShardedStrategy()
-        assert shardstore_megatron._strategy_for_load(FullyParallelLoadStrategyWrapper(loader, None)) is (
+        assert entry_points._strategy_for_load(FullyParallelLoadStrategyWrapper(loader, None)) is (
             loader.base_strategy
         )
     finally:

@@ -347,7 +347,7 @@ def test_plugin_without_megatron_says_what_to_install(monkeypatch) -> None:
     import importlib
     import sys
 
-    names = ("shardstore.tools.megatron_strategy", "shardstore.compat.megatron.strategy")  # first name, home
+    names = ("shardstore.tools.megatron_strategy", "shardstore.compat.megatron.strategy")  # the name users import, home
     monkeypatch.setitem(sys.modules, "megatron.core.dist_checkpointing.strategies", None)
     for name in names:
         monkeypatch.delitem(sys.modules, name, raising=False)

@@ -365,8 +365,8 @@ def test_a_packed_save_written_by_another_process_commits_and_loads(tmp_path: Pa
     process; here the pickled request's writes run after the tensors changed."""
     import pickle
 
+    from shardstore.compat.megatron.strategies.forked_writes import for_another_process
     from shardstore.strategies.async_utils import AsyncRequest
-    from shardstore.strategies.forked_writes import for_another_process
 
     tensors = _tensors(1.0)
     originals = {k: t.clone() for k, t in tensors.items()}
@@ -385,8 +385,8 @@ def test_a_packed_save_written_by_another_process_commits_and_loads(tmp_path: Pa
 def test_a_packed_save_written_by_a_spawned_process_commits_and_loads(tmp_path: Path) -> None:
     """The same in a spawned process, as Megatron's persistent worker runs it (a fresh
     interpreter: about 5 s)."""
+    from shardstore.compat.megatron.strategies.forked_writes import for_another_process
     from shardstore.strategies.async_utils import AsyncRequest
-    from shardstore.strategies.forked_writes import for_another_process
     from tests.test_async_handoff import _run_in_spawned_process
 
     tensors = _tensors(1.0)
@@ -403,8 +403,8 @@ def test_a_packed_save_written_by_a_spawned_process_commits_and_loads(tmp_path: 
 def test_a_pack_write_failing_in_another_process_is_raised_by_the_finalization(tmp_path: Path) -> None:
     import pickle
 
+    from shardstore.compat.megatron.strategies.forked_writes import for_another_process
     from shardstore.strategies.async_utils import AsyncRequest
-    from shardstore.strategies.forked_writes import for_another_process
 
     ckpt = tmp_path / "ckpt"
     request = for_another_process(save(_sd(_tensors(1.0)), ckpt, async_sharded_save=True), AsyncRequest)

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import shardstore
+from shardstore import ShardstoreReader, ShardstoreWriter
 from shardstore.format.records import read_commit_record
 from shardstore.stores.locations import open_location
-from shardstore.tools.dcp_storage import ShardstoreReader, ShardstoreWriter
 from tests import fsdp_models as fm
 from tests.dist import run_distributed
 

@@ -85,7 +85,7 @@ def _gloo_threads() -> list[str]:
 def save_load_then_destroy(rank: int, world: int, root: str, what: str) -> list[str]:
     import shardstore
     from shardstore import ShardedTensor
-    from shardstore.tools import dcp_exchange
+    from shardstore.compat.dcp import exchange as dcp_exchange
 
     if what == "save and load":
         state = {"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 4), float(rank)), (0, rank, world))}

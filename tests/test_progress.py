@@ -168,8 +168,8 @@ def test_an_async_save_handed_to_another_process_is_logged_when_it_commits(ckpt_
     """The request handed to Megatron's queue (``forked_writes.for_another_process``)
     keeps the step that logs the save's line once it committed (it kept only the
     commit, so such a save was never logged once the INFO line left ``save``'s return)."""
+    from shardstore.compat.megatron.strategies.forked_writes import for_another_process
     from shardstore.strategies.async_utils import AsyncRequest
-    from shardstore.strategies.forked_writes import for_another_process
 
     with caplog.at_level(logging.DEBUG, logger="shardstore"):
         request = for_another_process(save(_sd(), ckpt_dir, async_sharded_save=True), AsyncRequest)

@@ -13,14 +13,20 @@ import torch
 
 import shardstore.execution.load as load_execution
 import shardstore.execution.save as save_execution
-from shardstore import CheckpointingException, ShardedTensor, StorageLayout, load, save
+from shardstore import (
+    CheckpointingException,
+    ShardedTensor,
+    ShardstoreWriter,
+    StorageLayout,
+    load,
+    save,
+)
 from shardstore.execution.staging import DeviceUploader, HostBufferPool, HostSnapshot, _Marks
 from shardstore.format.records import MAX_CHUNK_BYTES
 from shardstore.planning.plans import SHARD_SLACK
 from shardstore.strategies.async_utils import AsyncCallsQueue
 from shardstore.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from shardstore.tools.array_writer import CheckpointWriter
-from shardstore.tools.dcp_storage import ShardstoreWriter
 
 BLOCK = 64 * 1024  # bytes of each of the 12 tensors below
 

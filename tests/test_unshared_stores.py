@@ -47,7 +47,7 @@ def _dcp_save_to_memory_on_every_rank(rank: int, world: int, url: str) -> tuple[
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from shardstore.tools.dcp_storage import ShardstoreWriter
+    from shardstore import ShardstoreWriter
 
     try:
         dcp.save({"w": torch.full((64, 64), float(rank))}, storage_writer=ShardstoreWriter(url))

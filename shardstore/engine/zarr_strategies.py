@@ -23,7 +23,7 @@ __all__ = [
     "SHARDSTORE_BACKEND", "ShardBytes",
     "ZARR_VERSION", "ZarrLoadShardedStrategy", "ZarrSaveShardedStrategy", "checked_max_chunk_bytes",
     "checked_shard_bytes", "checked_staging_bytes",
-"_create_or_open_zarr_arrays", "_create_zarr_array",
+    "_create_or_open_zarr_arrays", "_create_zarr_array",
     "_load_from_array", "_open_zarr_array_verbose", "_save_to_existing_array",
     "_should_create_array", "array_spec", "consolidated_document", "flatten_range", "load_zarr_based_sharded_metadata",
     "numpy_to_torch_dtype_dict", "pad_to_expected_shape", "postprocess_numpy_array",

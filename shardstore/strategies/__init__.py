@@ -1,8 +1,8 @@
-"""The first name of the strategies, ``shardstore.compat.megatron.strategies``: each
-module here is that package's module of the same name under its first name
-(``import shardstore.strategies.zarr`` gives ``shardstore.engine.zarr_strategies``
-itself). Importing this package imports that one, which registers shardstore's own
-strategies as the defaults.
+"""Megatron-Core's ``dist_checkpointing.strategies`` modules under the names its users
+import: each module here re-exports the names of the module of the same name in
+``shardstore.compat.megatron.strategies`` (base, zarr, torch, fully_parallel, async_utils,
+common, resharding, checkpointable). Importing this package imports that one, which
+registers shardstore's own strategies as the defaults.
 """
 
 from __future__ import annotations

@@ -1,15 +1,18 @@
-"""``shardstore.strategies.async_utils`` is the first name of
-``shardstore.engine.async_requests``: importing it gives that very module, so its
-state and classes are one whichever name imported them first, and pickles and
-Megatron-Core's imports by this name keep working.
+"""Megatron-Core's ``dist_checkpointing.strategies.async_utils`` names, under the name its
+users import: those of ``shardstore.compat.megatron.strategies.async_utils``, re-exported
+(the same objects, so a pickle naming a class by this module loads it, and type checkers
+see each name).
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []  # the module's own names: this name gives the module itself
+__all__ = [
+    "AsyncCallsQueue", "AsyncRequest", "Finalization", "IO_PRIORITIES",
+]
 
-import sys
-
-from shardstore.compat.megatron.strategies import async_utils as _module
-
-sys.modules[__name__] = _module
+from shardstore.compat.megatron.strategies.async_utils import (
+    IO_PRIORITIES,
+    AsyncCallsQueue,
+    AsyncRequest,
+    Finalization,
+)

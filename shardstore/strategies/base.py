@@ -1,15 +1,40 @@
-"""``shardstore.strategies.base`` is the first name of
-``shardstore.engine.strategies``: importing it gives that very module, so its
-state and classes are one whichever name imported them first, and pickles and
-Megatron-Core's imports by this name keep working.
+"""Megatron-Core's ``dist_checkpointing.strategies.base`` names, under the name its users
+import: those of ``shardstore.compat.megatron.strategies.base``, re-exported (the same
+objects, so a pickle naming a class by this module loads it, and type checkers see each
+name).
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []  # the module's own names: this name gives the module itself
+__all__ = [
+    "AsyncCallsQueue", "AsyncRequest", "AsyncSaveShardedStrategy", "CheckpointDir",
+    "DelegatingLoadStrategy", "LoadCommonStrategy", "LoadShardedStrategy", "LoadStrategyBase",
+    "SaveCommonStrategy", "SaveShardedStrategy", "SaveStrategyBase", "StrategyAction",
+    "agree_before_save", "async_calls", "default_strategies", "get_default_strategy",
+    "plan_load_with_record", "register_default_strategy", "require_committed",
+    "strategy_by_name", "validate_sharded_objects_handling",
+]
 
-import sys
-
-from shardstore.compat.megatron.strategies import base as _module
-
-sys.modules[__name__] = _module
+from shardstore.compat.megatron.strategies.base import (
+    AsyncCallsQueue,
+    AsyncRequest,
+    AsyncSaveShardedStrategy,
+    CheckpointDir,
+    DelegatingLoadStrategy,
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    LoadStrategyBase,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    SaveStrategyBase,
+    StrategyAction,
+    agree_before_save,
+    async_calls,
+    default_strategies,
+    get_default_strategy,
+    plan_load_with_record,
+    register_default_strategy,
+    require_committed,
+    strategy_by_name,
+    validate_sharded_objects_handling,
+)

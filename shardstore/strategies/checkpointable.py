@@ -1,15 +1,17 @@
-"""``shardstore.strategies.checkpointable`` is the first name of
-``shardstore.compat.megatron.strategies.checkpointable``: importing it gives that very module, so its
-state and classes are one whichever name imported them first, and pickles and
-Megatron-Core's imports by this name keep working.
+"""Megatron-Core's ``dist_checkpointing.strategies.checkpointable`` names, under the name its
+users import: those of ``shardstore.compat.megatron.strategies.checkpointable``, re-
+exported (the same objects, so a pickle naming a class by this module loads it, and type
+checkers see each name).
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []  # the module's own names: this name gives the module itself
+__all__ = [
+    "CheckpointableShardedTensor", "LocalShardsContainer", "to_dcp_state_dict",
+]
 
-import sys
-
-from shardstore.compat.megatron.strategies import checkpointable as _module
-
-sys.modules[__name__] = _module
+from shardstore.compat.megatron.strategies.checkpointable import (
+    CheckpointableShardedTensor,
+    LocalShardsContainer,
+    to_dcp_state_dict,
+)

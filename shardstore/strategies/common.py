@@ -1,15 +1,20 @@
-"""``shardstore.strategies.common`` is the first name of
-``shardstore.engine.common_state``: importing it gives that very module, so its
-state and classes are one whichever name imported them first, and pickles and
-Megatron-Core's imports by this name keep working.
+"""Megatron-Core's ``dist_checkpointing.strategies.common`` names, under the name its users
+import: those of ``shardstore.compat.megatron.strategies.common``, re-exported (the same
+objects, so a pickle naming a class by this module loads it, and type checkers see each
+name).
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []  # the module's own names: this name gives the module itself
+__all__ = [
+    "COMMON_BACKEND", "COMMON_VERSION", "TorchCommonLoadStrategy", "TorchCommonSaveStrategy",
+    "register_default_common_strategies",
+]
 
-import sys
-
-from shardstore.compat.megatron.strategies import common as _module
-
-sys.modules[__name__] = _module
+from shardstore.compat.megatron.strategies.common import (
+    COMMON_BACKEND,
+    COMMON_VERSION,
+    TorchCommonLoadStrategy,
+    TorchCommonSaveStrategy,
+    register_default_common_strategies,
+)

@@ -1,15 +1,19 @@
-"""``shardstore.strategies.fully_parallel`` is the first name of
-``shardstore.compat.megatron.strategies.fully_parallel``: importing it gives that very module, so its
-state and classes are one whichever name imported them first, and pickles and
-Megatron-Core's imports by this name keep working.
+"""Megatron-Core's ``dist_checkpointing.strategies.fully_parallel`` names, under the name its
+users import: those of ``shardstore.compat.megatron.strategies.fully_parallel``, re-
+exported (the same objects, so a pickle naming a class by this module loads it, and type
+checkers see each name).
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []  # the module's own names: this name gives the module itself
+__all__ = [
+    "FullyParallelLoadStrategyWrapper", "FullyParallelSaveStrategyWrapper",
+    "_sharded_tensor_shard_id", "distribute_main_replicas_with_precomputed_distribution",
+]
 
-import sys
-
-from shardstore.compat.megatron.strategies import fully_parallel as _module
-
-sys.modules[__name__] = _module
+from shardstore.compat.megatron.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+    _sharded_tensor_shard_id,
+    distribute_main_replicas_with_precomputed_distribution,
+)

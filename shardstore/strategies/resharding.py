@@ -1,15 +1,25 @@
-"""``shardstore.strategies.resharding`` is the first name of
-``shardstore.compat.megatron.strategies.resharding``: importing it gives that very module, so its
-state and classes are one whichever name imported them first, and pickles and
-Megatron-Core's imports by this name keep working.
+"""Megatron-Core's ``dist_checkpointing.strategies.resharding`` names, under the name its
+users import: those of ``shardstore.compat.megatron.strategies.resharding``, re-exported
+(the same objects, so a pickle naming a class by this module loads it, and type checkers
+see each name).
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []  # the module's own names: this name gives the module itself
+__all__ = [
+    "ReformulationRestoreMetadata", "TensorReformulationMetadata",
+    "apply_nd_flattened_tensors_reformulation", "get_reformulation_metadata",
+    "is_nd_flattened_tensor", "nd_flattened_tensor_reformulated_global_shape",
+    "reformulate_single_nd_flattened_tensor", "restore_nd_flattened_tensors_formulation",
+]
 
-import sys
-
-from shardstore.compat.megatron.strategies import resharding as _module
-
-sys.modules[__name__] = _module
+from shardstore.compat.megatron.strategies.resharding import (
+    ReformulationRestoreMetadata,
+    TensorReformulationMetadata,
+    apply_nd_flattened_tensors_reformulation,
+    get_reformulation_metadata,
+    is_nd_flattened_tensor,
+    nd_flattened_tensor_reformulated_global_shape,
+    reformulate_single_nd_flattened_tensor,
+    restore_nd_flattened_tensors_formulation,
+)

@@ -1,8 +1,6 @@
-"""The Megatron-Core strategy plug-in under its first name,
-``shardstore.tools.megatron_strategy``: the module is
-``shardstore.compat.megatron.strategy`` (``import shardstore.tools.megatron_strategy``
-gives that very module, so its state and its classes are one, whichever name imported
-them first).
+"""shardstore as a strategy of Megatron-Core's own ``dist_checkpointing.save``/``load``
+(Megatron-Core <= 0.16): the strategy classes of ``shardstore.compat.megatron.strategy``,
+re-exported (the same objects).
 """
 
 from __future__ import annotations
@@ -11,12 +9,7 @@ __all__ = [
     "ShardstoreLoadShardedStrategy", "ShardstoreSaveShardedStrategy",
 ]
 
-import sys
-
-from shardstore.compat.megatron import strategy as _module
-from shardstore.compat.megatron.strategy import (  # the names, for readers and linters
+from shardstore.compat.megatron.strategy import (
     ShardstoreLoadShardedStrategy,
     ShardstoreSaveShardedStrategy,
 )
-
-sys.modules[__name__] = _module

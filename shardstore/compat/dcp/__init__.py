@@ -3,18 +3,15 @@
 ``validate_checkpoint_id``) take a path or a Location as DCP's do.
 
 * ``writer``: ``ShardstoreWriter``, a save through ``dcp.save``/``dcp.async_save`` (also
-  ``shardstore.tools.dcp_storage`` and ``shardstore.ShardstoreWriter``);
+  ``shardstore.ShardstoreWriter``);
 * ``reader``: ``ShardstoreReader``, a load through ``dcp.load`` (also
-  ``shardstore.tools.dcp_reader`` and ``shardstore.ShardstoreReader``);
+  ``shardstore.ShardstoreReader``);
 * ``parts``: what the save's stages hand each other in DCP's plans and write results,
-  pickled across ranks (also ``shardstore.tools.dcp_parts``);
-* ``common_state``: the common state of a save, from the write results to ``common.pt``
-  (also ``shardstore.tools.dcp_common_state``);
-* ``exchange``: the group the writer's ranks exchange blocks on (also
-  ``shardstore.tools.dcp_exchange``).
+  pickled across ranks;
+* ``common_state``: the common state of a save, from the write results to ``common.pt``;
+* ``exchange``: the group the writer's ranks exchange blocks on.
 
-Each first name under ``shardstore.tools`` gives the very module here, so pickles that
-name it (DCP's plans across ranks of different versions) load.
+Users import the two classes from ``shardstore``; the modules have no other names.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Megatron-Core's ``dist_checkpointing.core`` names: the exception type, the
 ``metadata.json`` record (``shardstore.format.config``, re-exported here on purpose), and
 the garbage-collector pause a save and load run under (``gc_paused``, whose home is
-``gc_pause``). ``shardstore.core`` is this module under its first name.
+``gc_pause``). ``shardstore.core`` re-exports its names.
 
 ``save_config`` writes ``metadata.json`` into a checkpoint directory (one rank only);
 into a committed shardstore checkpoint only where its record does not list one.

@@ -3,7 +3,7 @@ parallelization group saves or loads each shard, and how the shards one rank loa
 the other ranks that hold them. The distribution and the exchange are the fully-parallel
 wrappers' (``shardstore.compat.megatron.strategies.shard_exchange``, re-exported here);
 ``exchange_by_distribution`` is Megatron's one-call form of a prepared exchange.
-``shardstore.exchange_utils`` is this module under its first name.
+``shardstore.exchange_utils`` re-exports its names.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 common-state check and every rank's metadata (``shardstore.cross_rank_checks``), load
 mismatches (``StrictHandling`` and the load's plan: ``shardstore.load_strictness``), the
 strategies' ShardedObjects check (``strategies.base``), each re-exported here, and
-``adjust_non_strict_load``. ``shardstore.validation`` is this module under its first name.
+``adjust_non_strict_load``. ``shardstore.validation`` re-exports its names.
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ def loaded_on_a_subgroup_under_auto(rank: int, world: int, ckpt: str) -> tuple[b
     import logging
 
     import shardstore.compat.dcp.reader as dcp_reader
-    import shardstore.compat.megatron.strategies.zarr as zarr_strategy
+    import shardstore.engine.zarr_strategies as zarr_strategy
 
     zarr_strategy.AUTO_SHARD_MIN_RANKS = 2  # where reads_shards_once looks it up; this spawned rank's copy only
     warnings: list[str] = []

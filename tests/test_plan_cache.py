@@ -82,7 +82,7 @@ class Traffic:
 @contextmanager
 def traffic() -> Iterator[Traffic]:
     """Records every gathered object (pickled, as it travels) and every call of the save planner."""
-    import shardstore.compat.megatron.strategies.zarr as zarr_strategy  # where the strategy looks it up
+    import shardstore.engine.zarr_strategies as zarr_strategy  # where the strategy looks it up
 
     seen = Traffic()
     gather, planner = Group.gather_to_answer, zarr_strategy.plan_save

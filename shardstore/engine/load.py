@@ -5,7 +5,9 @@ which ``compat.megatron.serialization`` offers): ``load`` and its checks (``veri
 ``load_plain_tensors``, ``load_content_metadata``), and ``remove_sharded_tensors``.
 Load, in stages:
 
-    all ranks    record      the commit record is read first, so an incomplete checkpoint
+    collective   record      the commit record is read first (the coordinator reads it and
+                             the common files, every rank receives them: opened.
+                             open_read_together), so an incomplete checkpoint
                              is refused before anything else happens; every file is read
                              through it
     all ranks    preprocess  common state read, factories built, the request collected

@@ -216,17 +216,17 @@ class ShardstoreWriter(StorageWriter):
         recorded at the commit for ``ShardstoreReader.read_metadata``."""
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
-    def _open_save(self, layout: StorageLayout, exchange: bool) -> SavePipeline:
+    def _open_save(self, layout: StorageLayout, group: Group | None) -> SavePipeline:
         """This rank's view of the save (``execution.pipeline``): the one place the
         target and the checkpoint reused from are opened. DCP's ranks talk through its
-        plans and results; they exchange blocks themselves only where ``exchange``
-        (``RankPart.exchange``), on ``process_group``; otherwise the pipeline's group is
-        this process alone. The target is a shared directory, as ``FileSystemWriter``
+        plans and results; they exchange blocks themselves only where
+        ``RankPart.exchange``, on ``group`` (the coordinator's planning: ``process_group``;
+        the writes: ``_collective_group``); otherwise (None) the pipeline's group is this
+        process alone. The target is a shared directory, as ``FileSystemWriter``
         takes one: the checkpoint is published beside the files other programs keep
         there (``format.commit.SaveOptions``)."""
         options = SaveOptions(overwrite=self.overwrite, reuse_from=self.reuse_from, shared_directory=True,
                               layout=layout)
-        group = Group(self.process_group) if exchange else None
         return SavePipeline.open(bare_location(self._target()), group, options=options, config=CONFIG)
 
     def _target(self) -> CheckpointId:
@@ -357,7 +357,7 @@ class ShardstoreWriter(StorageWriter):
             recent = next((p for p in COORDINATOR_PLANS if p.inputs == inputs), None)
         if recent is not None and (parts := self._begun_again(recent)) is not None:
             return parts
-        save = self._open_save(layout, exchange)
+        save = self._open_save(layout, Group(self.process_group) if exchange else None)
         save.refuse_oversized_objects()
         _refuse_divergent_replicas(plans, save.describe())
         shards, orders = gathered_shards(plans, _plain_array_writers(plans, self._as_array))
@@ -509,7 +509,7 @@ class ShardstoreWriter(StorageWriter):
         for ``ranks`` ranks, whose files have names up to ``names_needed``), into this
         writer's checkpoint (None, nothing begun: its target stores shorter names than
         the plan's files have)."""
-        save = self._open_save(part.layout, part.exchange)
+        save = self._open_save(part.layout, Group(self.process_group) if part.exchange else None)
         save.refuse_oversized_objects()
         intent = save.begin_planned(ranks, names_needed)
         if intent is not None:
@@ -537,17 +537,28 @@ class ShardstoreWriter(StorageWriter):
         (``SavePipeline.write_plan``): every rank raises it, none waits for a timeout."""
         group = self._collective_group() if part.exchange else None
         try:
-            save = self._save if self.is_coordinator else self._open_save(part.layout, part.exchange)
-            if save is None:
-                raise CheckpointingException("ShardstoreWriter.write_data on the coordinator without a save in progress")
-            if group is not None:
-                save.group = group  # the coordinator opened it before every rank could make the writers' own
-            save.join(part.save.intent)
+            if self.is_coordinator:
+                save = self._coordinators_writes(group)
+            else:
+                save = self._open_save(part.layout, group)
+                save.join(part.save.intent)
             return save
         except Exception as exc:
             if group is not None:
                 fail_before_staging(group, id_text(self.checkpoint_id), exc)
             raise
+
+    def _coordinators_writes(self, group: Group | None) -> SavePipeline:
+        """Coordinator: the pipeline it writes its part through, the save it began
+        (``prepare_global_plan``) on ``group``, the writers' own (made only once every
+        rank reached ``write_data``, after the save was opened), or on this process
+        alone (None). The planning pipeline stays as it was opened; both hold the one
+        pending checkpoint, which ``finish`` commits."""
+        if self._save is None:
+            raise CheckpointingException("ShardstoreWriter.write_data on the coordinator without a save in progress")
+        if group is None:
+            return self._save
+        return SavePipeline(self._save.target, group, config=CONFIG, pending=self._save.pending)
 
     def _write_shards(self, part: RankPart, planner: SavePlanner, save: SavePipeline) -> WrittenChunks:
         """This rank's arrays' ``zarr.json`` files and chunks (the blocks of sharded

@@ -21,7 +21,7 @@ from shardstore.format.records import (
     ObjectRecord,
     ReusedChunks,
 )
-from shardstore.format.records.digests import seal_record
+from shardstore.format.records.encoding import seal_record
 from shardstore.format.sharding import ShardingIndexed
 
 

@@ -623,7 +623,7 @@ def test_a_version_1_record_bounds_its_chunks_in_all_not_per_array(ckpt_dir: Pat
     array alone, and a record of a few hundred bytes naming arrays each just under the
     bound made ``verify`` (and a save with overwrite=True, which lists the paths the
     record vouches for) walk tens of millions of chunk paths: minutes and gigabytes."""
-    from shardstore.format.records.bounds import MAX_UNBOUND_CHUNKS
+    from shardstore.format.records.array_record import MAX_UNBOUND_CHUNKS
 
     _two_arrays(ckpt_dir)
     _edit_record(ckpt_dir, _unbound_arrays(2, MAX_UNBOUND_CHUNKS))

@@ -13,9 +13,8 @@ __all__ = [
 
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.records.bounds import MAX_RECORD_BYTES
 from shardstore.format.records.claim_document import MAX_CLAIM_BYTES, is_claim
-from shardstore.format.records.commit_record import CommitRecord
+from shardstore.format.records.commit_record import MAX_RECORD_BYTES, CommitRecord
 from shardstore.format.records.markers import interrupted_replacement, unfinished_saves
 from shardstore.format.records.names import (
     COMMIT_RECORD,

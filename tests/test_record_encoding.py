@@ -12,8 +12,7 @@ import pytest
 from shardstore.errors import CheckpointingException
 from shardstore.execution.save_commit import bind_chunks
 from shardstore.format.chunks import WrittenChunk
-from shardstore.format.consolidated import ZarrMetadata
-from shardstore.format.features import FORMAT_VERSION
+from shardstore.format.features import FORMAT_VERSION, ZarrMetadata
 from shardstore.format.records import (
     ArrayPlaces,
     ArrayRecord,

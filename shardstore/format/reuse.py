@@ -20,8 +20,7 @@ that checkpoint's chunk of the same array at the same grid index:
 - **Proven** by the store before the commit binds it (``ChunkStore.share_from``), by
   the tag the source's record keeps for the object (``RecordedBytes``): an S3 copy by
   its ETag; a local file by its identity (``stores.file_identity``), else by reading
-  it back. The scrub (below, ``scrub_plan``) chooses the local chunks read back though
-  their identity matches (bit rot changes none of it).
+  it back; the scrub (below) reads some back though their identity matches.
 - **Every checkpoint stands alone.** A shared chunk is listed in the new commit record
   with its crc32c and digest like any other; deleting the earlier checkpoint leaves the
   new one whole (a hard link keeps the file; a copy is a copy). The earlier checkpoint's
@@ -37,26 +36,13 @@ tool's, older records without digests, another kind of store, replaced meanwhile
 checkpoint than the coordinator's) is logged once and the save writes everything: never an
 error.
 
-The scrub of shared chunks: which chunks an incremental save on a local file system
-proves by reading them back, though their file identity matches (``scrub_plan``).
-
-A shared chunk whose recorded identity matches (``stores.file_identity``) is proven
-without reading its bytes; bit rot and writes whose author set ``mtime`` back change no
-identity field. So each reusing save also re-reads a bounded share of the chunks the
-base's record proves by identity, those unread longest first (the count each chunk's
-identity keeps; ties in key and grid order), and compares them with the bytes being
-saved: a chunk that no longer holds them is written, not shared, and the save warns
-("run `shardstore verify`").
-
-Each rank plans over every chunk of the arrays it writes chunks of, from the base's
-record alone (ranks that write chunks of the same arrays make the same plan), and reads
-the planned chunks it shares: at most ``ScrubPolicy.budget`` of the bytes the record
-proves by identity in those arrays, at least ``min_bytes``; a single chunk larger than
-the budget is read alone when it is the oldest. As each save moves on past more than
-``budget - largest chunk`` bytes, every shared chunk is re-read at least once every
-``ceil(S / (budget - largest chunk))`` saves (S: those bytes), about ``rotation_saves``
-with the default budget. The order is one over all chunks, so the oldest chunk of the
-checkpoint is read at every save by the rank that writes it, whatever the layout.
+The scrub (``scrub_plan``): a shared chunk whose recorded identity matches
+(``stores.file_identity``) is proven without reading its bytes; bit rot and writes whose
+author set ``mtime`` back change no identity field. So each reusing save on a local file
+system also re-reads a bounded share of the chunks the base's record proves by identity,
+those unread longest first (the count each chunk's identity keeps; ties in key and grid
+order), and compares them with the bytes being saved: a chunk that no longer holds them
+is written, not shared, and the save warns ("run `shardstore verify`").
 """
 
 from __future__ import annotations
@@ -309,6 +295,15 @@ class ChunkReuse:
         )
 
 
+# Each rank plans over every chunk of the arrays it writes chunks of, from the base's
+# record alone (ranks that write chunks of the same arrays make the same plan), and reads
+# the planned chunks it shares: at most ``ScrubPolicy.budget`` of the bytes the record
+# proves by identity in those arrays, at least ``min_bytes``; a single chunk larger than
+# the budget is read alone when it is the oldest. As each save moves on past more than
+# ``budget - largest chunk`` bytes, every shared chunk is re-read at least once every
+# ``ceil(S / (budget - largest chunk))`` saves (S: those bytes), about ``rotation_saves``
+# with the default budget. The order is one over all chunks, so the oldest chunk of the
+# checkpoint is read at every save by the rank that writes it, whatever the layout.
 @dataclass(frozen=True)
 class ScrubPolicy:
     """How much a reusing save re-reads of the chunks it could prove by identity.

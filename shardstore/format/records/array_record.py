@@ -30,7 +30,7 @@ from typing import Any
 from shardstore.errors import CheckpointingException
 from shardstore.format.codecs import BYTES_CRC32C, ChunkCodec, codec_for
 from shardstore.format.dtypes import from_zarr_name
-from shardstore.format.pack_listing import PACK_NAME
+from shardstore.format.features import PACK_NAME
 from shardstore.format.records.encoding import (
     CHUNK_DIGESTS,
     DIGEST_HEX_DIGITS,

@@ -53,16 +53,18 @@ from typing import Any
 from shardstore._zarr_autoload import EXTENSION_METADATA
 from shardstore.errors import CheckpointingException
 from shardstore.format.config import CONFIG_FNAME
-from shardstore.format.consolidated import ZarrMetadata, zarr_metadata_from_json
 from shardstore.format.dtypes import CORE_DATA_TYPES
 from shardstore.format.features import (
     FORMAT_VERSION,
+    PACKED_ARRAYS_ATTRIBUTE,
     UnsupportedFormatVersion,
+    ZarrMetadata,
     allowed_by,
     check_uses,
+    packs_from_json,
     required_by,
+    zarr_metadata_from_json,
 )
-from shardstore.format.pack_listing import PACKED_ARRAYS_ATTRIBUTE, packs_from_json
 from shardstore.format.readers_attribute import READERS_ATTRIBUTE, readers_note
 from shardstore.format.records.array_record import MAX_UNBOUND_CHUNKS, ArrayRecord
 from shardstore.format.records.claim_document import is_claim, no_checkpoint_yet

@@ -47,7 +47,7 @@ from typing import Any
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.config import CONFIG_FNAME
-from shardstore.format.pack_listing import (
+from shardstore.format.features import (
     PACK_NAME,
     PACKS_DIR,
 )

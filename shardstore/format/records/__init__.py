@@ -11,9 +11,9 @@
   ``ReusedChunks``, ``DcpMetadata``, ``ArrayPlaces``).
 - ``commit_record``: the commit record (``CommitRecord``), the root ``zarr.json`` as
   written (``to_json``, consolidated metadata) and read back and checked (``from_json``).
-- ``reading``: a checkpoint's record read (``read_commit_record``, ``is_committed``);
-  ``markers``: the markers saves leave; ``claim_document``: an in-place save's claim;
-  ``other_checkpoints``: another tool's checkpoint where ours is looked for.
+- ``reading``: a checkpoint's record read (``read_commit_record``, ``is_committed``), or
+  what is there instead, another tool's checkpoint among it; ``markers``: the markers
+  saves leave; ``claim_document``: an in-place save's claim.
 
 A checkpoint is one Zarr v3 group (docs/format.md):
 
@@ -87,8 +87,7 @@ from shardstore.format.records.names import (
     object_path,
     parent_groups,
 )
-from shardstore.format.records.other_checkpoints import sharded_backend
-from shardstore.format.records.reading import is_committed, read_commit_record
+from shardstore.format.records.reading import is_committed, read_commit_record, sharded_backend
 from shardstore.format.records.record_parts import (
     ArrayPlaces,
     DcpMetadata,

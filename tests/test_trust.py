@@ -450,7 +450,7 @@ def test_a_reader_per_tensor_parses_the_record_once_and_a_new_one_again(tmp_path
     record on every call (1 s per tensor at 5,000 arrays here). The record is now parsed
     once for the same bytes, and a record replaced since (a new save into the same path)
     is read anew: its values come back, not the old record's."""
-    from shardstore.format.records import CommitRecord, parsing
+    from shardstore.format.records import CommitRecord, commit_record
     from shardstore.strategies.zarr import _load_from_array
 
     parses = []
@@ -465,7 +465,7 @@ def test_a_reader_per_tensor_parses_the_record_once_and_a_new_one_again(tmp_path
     save({k: ShardedTensor.from_rank_offsets(k, torch.full((4,), -1.0)) for k in keys}, ckpt, overwrite=True)
     assert [_load_from_array(request(k), ckpt)[0].item() for k in keys] == [-1.0] * 5
     assert len(parses) == 2
-    monkeypatch.setattr(parsing, "_REMEMBERED_RECORD_BYTES", 10)  # a record larger than that is not kept
+    monkeypatch.setattr(commit_record, "_REMEMBERED_RECORD_BYTES", 10)  # a record larger than that is not kept
     save({k: ShardedTensor.from_rank_offsets(k, torch.full((4,), -2.0)) for k in keys}, ckpt, overwrite=True)
     assert [_load_from_array(request(k), ckpt)[0].item() for k in keys] == [-2.0] * 5
     assert len(parses) == 2 + 5

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from shardstore.engine.zarr_strategies import ZarrSaveShardedStrategy
 from shardstore.format.codecs import BYTES_CRC32C
-from shardstore.format.consolidated import ZarrMetadata
+from shardstore.format.features import ZarrMetadata
 from shardstore.format.packs import PACK_BYTES, PACK_MEMBERS, fits_one_pack
 from shardstore.format.records import ArrayRecord, parent_groups
 from shardstore.format.storage_layout import DEFAULT_SHARD_BYTES, LayoutSite, StorageLayout

@@ -58,7 +58,7 @@ from shardstore.format.config import (
 from shardstore.format.integrity import ChecksummedLocation
 from shardstore.format.records import COMMIT_RECORD, CommitRecord, is_committed, read_commit_record
 from shardstore.format.records.names import COMMON_FILE
-from shardstore.format.records.other_checkpoints import other_checkpoint_beside
+from shardstore.format.records.reading import other_checkpoint_beside
 from shardstore.other_formats import registry
 from shardstore.other_formats.base import OtherFormat
 from shardstore.protocol import Deliver, Group, run_stage

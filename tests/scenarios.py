@@ -17,7 +17,7 @@ import torch
 
 from shardstore import ShardedTensor
 from shardstore.format.records import COMMIT_RECORD
-from shardstore.format.records.digests import RECORD_DIGEST, UNSEALED_DIGEST, seal_record
+from shardstore.format.records.encoding import RECORD_DIGEST, UNSEALED_DIGEST, seal_record
 
 
 def global_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -34,9 +34,8 @@ from shardstore import (
 from shardstore.errors import CheckpointingException
 from shardstore.format import features
 from shardstore.format.commit import SaveOptions
-from shardstore.format.consolidated import ZarrMetadata
 from shardstore.format.dtypes import from_torch
-from shardstore.format.features import FORMAT_VERSION
+from shardstore.format.features import FORMAT_VERSION, ZarrMetadata
 from shardstore.format.records import COMMIT_RECORD, ZARR_JSON
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy, _load_from_array
 from tests import forked_python

@@ -24,7 +24,7 @@ from shardstore import (
     verify,
 )
 from shardstore.format.records import COMMON_FILE, file_digest, is_committed, read_commit_record
-from shardstore.format.records.digests import FILE_DIGESTS, checksum
+from shardstore.format.records.encoding import FILE_DIGESTS, checksum
 from shardstore.stores.locations import open_location
 from tests.dist import run_distributed
 from tests.scenarios import rewrite_record

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import shardstore.format.scrub as scrub
+import shardstore.format.reuse as reuse
 import shardstore.stores.local as local_io
 from shardstore import CheckpointingException, ShardedTensor, load, save, verify
 from shardstore.format.records import read_commit_record
@@ -47,7 +47,7 @@ def reads(monkeypatch) -> list[tuple[str, int]]:
 def no_scrub(monkeypatch) -> None:
     """A scrub that reads one chunk per save (the smallest it reads), the adapter's:
     its key comes first and it changes every step."""
-    monkeypatch.setattr(scrub, "SCRUB", scrub.ScrubPolicy(rotation_saves=10**9, min_bytes=0))
+    monkeypatch.setattr(reuse, "SCRUB", reuse.ScrubPolicy(rotation_saves=10**9, min_bytes=0))
 
 
 def _base_reads(reads: list[tuple[str, int]]) -> int:
@@ -138,7 +138,7 @@ def _scrubbed_by_save(tmp_path: Path, reads, saves: int) -> list[dict[str, int]]
 
 def test_the_scrub_reads_at_most_its_budget_and_covers_every_chunk(tmp_path: Path, reads, monkeypatch) -> None:
     chunk = 32 * 32 * 4 + 4
-    monkeypatch.setattr(scrub, "SCRUB", scrub.ScrubPolicy(rotation_saves=10**9, min_bytes=3 * chunk + 100))
+    monkeypatch.setattr(reuse, "SCRUB", reuse.ScrubPolicy(rotation_saves=10**9, min_bytes=3 * chunk + 100))
     per_save = _scrubbed_by_save(tmp_path, reads, saves=5)
     assert all(sum(read.values()) <= 3 * chunk + 100 for read in per_save)
     assert all(n == chunk for read in per_save for n in read.values())  # whole chunks, each once
@@ -148,14 +148,14 @@ def test_the_scrub_reads_at_most_its_budget_and_covers_every_chunk(tmp_path: Pat
 
 
 def test_the_default_scrub_rereads_a_sixteenth_or_its_floor(tmp_path: Path) -> None:
-    assert scrub.ScrubPolicy().budget(2**30) == 64 << 20
-    assert scrub.ScrubPolicy().budget(2**40) == 2**36
-    assert scrub.ScrubPolicy().budget(0) == 64 << 20
+    assert reuse.ScrubPolicy().budget(2**30) == 64 << 20
+    assert reuse.ScrubPolicy().budget(2**40) == 2**36
+    assert reuse.ScrubPolicy().budget(0) == 64 << 20
 
 
 def test_a_bit_flipped_with_mtime_set_back_is_caught_by_the_scrub(tmp_path: Path, reads, monkeypatch, caplog) -> None:
     chunk = 32 * 32 * 4 + 4
-    monkeypatch.setattr(scrub, "SCRUB", scrub.ScrubPolicy(rotation_saves=10**9, min_bytes=3 * chunk))
+    monkeypatch.setattr(reuse, "SCRUB", reuse.ScrubPolicy(rotation_saves=10**9, min_bytes=3 * chunk))
     save(_frozen_state(0), tmp_path / "s0", layout=PER_ARRAY)
     rotted = tmp_path / "s0" / "f10" / "c.0.0"
     info = os.stat(rotted)

@@ -167,7 +167,7 @@ def test_a_source_that_cannot_be_reused_from_is_logged_not_an_error(tmp_path: Pa
         root = json.loads((origin / "zarr.json").read_bytes())
         for summary in root["attributes"]["shardstore"]["arrays"].values():
             del summary["chunk_xxh3_128"]
-        from shardstore.format.records.digests import RECORD_DIGEST, UNSEALED_DIGEST, seal_record
+        from shardstore.format.records.encoding import RECORD_DIGEST, UNSEALED_DIGEST, seal_record
 
         root["attributes"]["shardstore"][RECORD_DIGEST] = UNSEALED_DIGEST
         (origin / "zarr.json").write_bytes(seal_record(json.dumps(root, separators=(",", ":")).encode()))

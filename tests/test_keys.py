@@ -31,7 +31,7 @@ from shardstore import (
     verify,
 )
 from shardstore.format.records import check_key
-from shardstore.format.records.keys import check_storable_key
+from shardstore.format.records.names import check_storable_key
 from shardstore.stores.base import NameLimits
 from shardstore.stores.locations import open_location
 from shardstore.stores.s3 import S3Options

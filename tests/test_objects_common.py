@@ -22,7 +22,7 @@ from shardstore import (
     save,
 )
 from shardstore.format.records import read_commit_record
-from shardstore.format.records.digests import FILE_DIGESTS
+from shardstore.format.records.encoding import FILE_DIGESTS
 from shardstore.stores.locations import open_location
 from shardstore.strategies.common import TorchCommonLoadStrategy
 from tests.dist import run_distributed

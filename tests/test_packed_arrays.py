@@ -23,7 +23,7 @@ from shardstore import CheckpointingException, ShardedTensor, StorageLayout, loa
 from shardstore.format import features
 from shardstore.format.commit import SaveOptions
 from shardstore.format.features import FORMAT_VERSION
-from shardstore.format.records import parsing, read_commit_record
+from shardstore.format.records import commit_record, read_commit_record
 from shardstore.serialization import load_plain_tensors, remove_sharded_tensors
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
@@ -326,7 +326,7 @@ def test_a_reader_without_packs_refuses_a_packed_checkpoint_by_the_feature_s_nam
     saved: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(features, "FEATURES", tuple(f for f in features.FEATURES if f.name != "packs"))
-    parsing._LAST_PARSED[0] = None
+    commit_record._LAST_PARSED[0] = None
     with pytest.raises(CheckpointingException, match=r"requires feature 'packs'.*upgrade shardstore"):
         load(_sd(saved[1], empty=True), str(saved[0]))
 

@@ -41,7 +41,7 @@ import shardstore
 from shardstore import CheckpointingException, ShardedObject, ShardedTensor
 from shardstore.format.pickles import dcp_metadata_globals, load_restricted
 from shardstore.format.records import COMMIT_RECORD, CommitRecord, file_digest, object_path
-from shardstore.format.records.digests import checksum
+from shardstore.format.records.encoding import checksum
 from shardstore.tools.cli import main
 from shardstore.tools.convert import from_other_format, from_torch_file, to_torch_file
 from shardstore.tools.inspection import describe_checkpoint, diff_checkpoints

@@ -28,7 +28,7 @@ from shardstore import (
 )
 from shardstore.format.features import FORMAT_VERSION
 from shardstore.format.records import COMMIT_RECORD, read_commit_record
-from shardstore.format.records.digests import FILE_DIGESTS, RECORD_DIGEST
+from shardstore.format.records.encoding import FILE_DIGESTS, RECORD_DIGEST
 from shardstore.stores.base import Location
 from shardstore.stores.locations import open_location
 from shardstore.stores.s3 import S3Options

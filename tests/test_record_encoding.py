@@ -12,8 +12,7 @@ import pytest
 from shardstore.errors import CheckpointingException
 from shardstore.execution.save_commit import bind_chunks
 from shardstore.format.chunks import WrittenChunk
-from shardstore.format.consolidated import ZarrMetadata
-from shardstore.format.features import FORMAT_VERSION
+from shardstore.format.features import FORMAT_VERSION, ZarrMetadata
 from shardstore.format.records import (
     ArrayPlaces,
     ArrayRecord,
@@ -21,7 +20,7 @@ from shardstore.format.records import (
     ObjectRecord,
     ReusedChunks,
 )
-from shardstore.format.records.digests import seal_record
+from shardstore.format.records.encoding import seal_record
 from shardstore.format.sharding import ShardingIndexed
 
 

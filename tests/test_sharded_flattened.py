@@ -18,8 +18,7 @@ import torch
 import shardstore
 from shardstore import ShardedTensor, load, load_plain_tensors, save
 from shardstore.errors import CheckpointingException
-from shardstore.format.consolidated import ZarrMetadata
-from shardstore.format.features import FORMAT_VERSION, required_by
+from shardstore.format.features import FORMAT_VERSION, ZarrMetadata, required_by
 from shardstore.format.records import ArrayRecord, CommitRecord, read_commit_record
 from shardstore.format.sharding import InnerGrid, ShardingIndexed
 from shardstore.planning.layout import GlobalLayout, ShardRecord

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardstore import CheckpointingException, SaveOptions, ShardedTensor, StorageLayout, load, save
-from shardstore.format.consolidated import ZarrMetadata
+from shardstore.format.features import ZarrMetadata
 from shardstore.format.storage_layout import (
     AUTO_SHARD_MIN_RANKS,
     DEFAULT_OBJECT_STORE_PACK_BYTES,

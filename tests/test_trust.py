@@ -450,7 +450,7 @@ def test_a_reader_per_tensor_parses_the_record_once_and_a_new_one_again(tmp_path
     record on every call (1 s per tensor at 5,000 arrays here). The record is now parsed
     once for the same bytes, and a record replaced since (a new save into the same path)
     is read anew: its values come back, not the old record's."""
-    from shardstore.format.records import CommitRecord, parsing
+    from shardstore.format.records import CommitRecord, commit_record
     from shardstore.strategies.zarr import _load_from_array
 
     parses = []
@@ -465,7 +465,7 @@ def test_a_reader_per_tensor_parses_the_record_once_and_a_new_one_again(tmp_path
     save({k: ShardedTensor.from_rank_offsets(k, torch.full((4,), -1.0)) for k in keys}, ckpt, overwrite=True)
     assert [_load_from_array(request(k), ckpt)[0].item() for k in keys] == [-1.0] * 5
     assert len(parses) == 2
-    monkeypatch.setattr(parsing, "_REMEMBERED_RECORD_BYTES", 10)  # a record larger than that is not kept
+    monkeypatch.setattr(commit_record, "_REMEMBERED_RECORD_BYTES", 10)  # a record larger than that is not kept
     save({k: ShardedTensor.from_rank_offsets(k, torch.full((4,), -2.0)) for k in keys}, ckpt, overwrite=True)
     assert [_load_from_array(request(k), ckpt)[0].item() for k in keys] == [-2.0] * 5
     assert len(parses) == 2 + 5
@@ -623,7 +623,7 @@ def test_a_version_1_record_bounds_its_chunks_in_all_not_per_array(ckpt_dir: Pat
     array alone, and a record of a few hundred bytes naming arrays each just under the
     bound made ``verify`` (and a save with overwrite=True, which lists the paths the
     record vouches for) walk tens of millions of chunk paths: minutes and gigabytes."""
-    from shardstore.format.records.bounds import MAX_UNBOUND_CHUNKS
+    from shardstore.format.records.array_record import MAX_UNBOUND_CHUNKS
 
     _two_arrays(ckpt_dir)
     _edit_record(ckpt_dir, _unbound_arrays(2, MAX_UNBOUND_CHUNKS))

@@ -41,7 +41,6 @@ from shardstore.execution.staging import (
     to_host,
 )
 from shardstore.format.chunks import DEFAULT_IO_CONCURRENCY
-from shardstore.format.consolidated import ZarrMetadata
 from shardstore.format.dtypes import (
     from_torch,
     from_zarr_name,
@@ -49,7 +48,7 @@ from shardstore.format.dtypes import (
     numpy_to_torch_dtype_dict,
     tensor_to_numpy,
 )
-from shardstore.format.pack_listing import PACKED_ARRAYS_ATTRIBUTE
+from shardstore.format.features import PACKED_ARRAYS_ATTRIBUTE, ZarrMetadata
 from shardstore.format.records import (
     MAX_RECORD_BYTES,
     ZARR_JSON,

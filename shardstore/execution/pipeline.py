@@ -54,7 +54,7 @@ from shardstore.format.commit import (
     publisher_for,
 )
 from shardstore.format.config import CheckpointingConfig, write_config
-from shardstore.format.pack_listing import PACKS_DIR
+from shardstore.format.features import PACKS_DIR
 from shardstore.format.packs import Packing
 from shardstore.format.records import ZARR_JSON, ArrayRecord, CommitRecord
 from shardstore.format.storage_layout import LayoutSite, StorageLayout

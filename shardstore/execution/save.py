@@ -57,8 +57,8 @@ from shardstore.format.chunks import (
 )
 from shardstore.format.codecs import BYTES_CRC32C
 from shardstore.format.commit import PendingCheckpoint
-from shardstore.format.consolidated import ZarrMetadata
 from shardstore.format.dtypes import byte_view, from_zarr_name, holds_its_values, tensor_to_numpy
+from shardstore.format.features import ZarrMetadata
 from shardstore.format.packs import PackCollector, Packing, fits_one_pack, write_packs
 from shardstore.format.records import (
     ZARR_JSON,

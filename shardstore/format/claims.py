@@ -40,8 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.records import COMMIT_RECORD
-from shardstore.format.records.bounds import MAX_RECORD_BYTES
+from shardstore.format.records import COMMIT_RECORD, MAX_RECORD_BYTES
 from shardstore.format.records.claim_document import (
     ABANDONED,
     WRITING,

@@ -67,9 +67,9 @@ from shardstore.format.records import (
     read_commit_record,
 )
 from shardstore.format.records.array_record import zero_fill_value
-from shardstore.format.records.digests import checksum
+from shardstore.format.records.encoding import checksum
 from shardstore.format.records.names import is_megatron_object_file
-from shardstore.format.records.other_checkpoints import other_checkpoint_beside
+from shardstore.format.records.reading import other_checkpoint_beside
 from shardstore.format.removal_marker import REMOVAL_MARKER, leftover_files
 from shardstore.progress import Tick, operation, progress_shown, tracked
 from shardstore.stores.base import Location

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.pack_listing import PACKS_DIR
+from shardstore.format.features import PACKS_DIR
 from shardstore.format.records import ZARR_JSON, ArrayRecord, group_metadata, parent_groups
 from shardstore.stores.base import ChunkStore, RangeReader, StorageError, fill_views
 

@@ -20,9 +20,9 @@ array by its path. Its ``recipe`` is data of a size that does not grow with the 
 - ``tensorstore_only_data_types``: the data types of this checkpoint's arrays that
   zarr-python has no type for without shardstore: TensorStore opens those.
 
-Each source is written beside its feature (``format.consolidated.documents_recipe``,
-``format.pack_listing.packs_recipe``); ``scripts/plain_read.py`` follows the recipe
-with nothing but json, numpy, zarr and TensorStore.
+Each source is written beside its feature (``format.features.documents_recipe``,
+``format.features.packs_recipe``); ``scripts/plain_read.py`` follows the recipe with
+nothing but json, numpy, zarr and TensorStore.
 """
 
 from __future__ import annotations
@@ -33,9 +33,13 @@ from collections.abc import Collection
 from typing import Any
 
 from shardstore._zarr_autoload import EXTENSION_METADATA
-from shardstore.format.consolidated import ZarrMetadata, documents_recipe
 from shardstore.format.dtypes import CORE_DATA_TYPES
-from shardstore.format.pack_listing import PACKED_ARRAYS_ATTRIBUTE, packs_recipe
+from shardstore.format.features import (
+    PACKED_ARRAYS_ATTRIBUTE,
+    ZarrMetadata,
+    documents_recipe,
+    packs_recipe,
+)
 
 READERS_ATTRIBUTE = "readers"
 # The key of the recipe in the ``readers`` attribute, and its version.

@@ -38,8 +38,7 @@ from typing import Any
 
 from shardstore.errors import CheckpointingException
 from shardstore.format.chunks import chunk_store_for
-from shardstore.format.consolidated import ZarrMetadata
-from shardstore.format.pack_listing import PACK_NAME
+from shardstore.format.features import PACK_NAME, ZarrMetadata
 from shardstore.format.packs import PackCollector, pack_name, read_members, write_pack
 from shardstore.format.records import (
     COMMIT_RECORD,

@@ -20,8 +20,7 @@ that checkpoint's chunk of the same array at the same grid index:
 - **Proven** by the store before the commit binds it (``ChunkStore.share_from``), by
   the tag the source's record keeps for the object (``RecordedBytes``): an S3 copy by
   its ETag; a local file by its identity (``stores.file_identity``), else by reading
-  it back. ``format.scrub`` chooses the local chunks read back though their identity
-  matches (bit rot changes none of it).
+  it back; the scrub (below) reads some back though their identity matches.
 - **Every checkpoint stands alone.** A shared chunk is listed in the new commit record
   with its crc32c and digest like any other; deleting the earlier checkpoint leaves the
   new one whole (a hard link keeps the file; a copy is a copy). The earlier checkpoint's
@@ -36,19 +35,36 @@ shares chunk by chunk as it writes. A source that cannot be used (missing, anoth
 tool's, older records without digests, another kind of store, replaced meanwhile, another
 checkpoint than the coordinator's) is logged once and the save writes everything: never an
 error.
+
+The scrub (``scrub_plan``): a shared chunk whose recorded identity matches
+(``stores.file_identity``) is proven without reading its bytes; bit rot and writes whose
+author set ``mtime`` back change no identity field. So each reusing save on a local file
+system also re-reads a bounded share of the chunks the base's record proves by identity,
+those unread longest first (the count each chunk's identity keeps; ties in key and grid
+order), and compares them with the bytes being saved: a chunk that no longer holds them
+is written, not shared, and the save warns ("run `shardstore verify`").
 """
 
 from __future__ import annotations
 
-__all__ = ["ChunkReuse", "RecordedBytes", "ReusableArray", "ReuseTally", "reuse_save_id"]
+__all__ = [
+    "SCRUB",
+    "ChunkReuse",
+    "RecordedBytes",
+    "ReusableArray",
+    "ReuseTally",
+    "ScrubPolicy",
+    "reuse_save_id",
+    "scrub_plan",
+]
 
 import logging
+import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from shardstore.format import scrub
 from shardstore.format.chunks import (
     ChunkFile,
     ChunkMismatch,
@@ -60,6 +76,7 @@ from shardstore.format.codecs import HeldBytes
 from shardstore.format.records import ArrayRecord, CommitRecord, is_committed, read_commit_record
 from shardstore.progress import info_on_first_rank
 from shardstore.stores.base import Location
+from shardstore.stores.file_identity import FileIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +174,7 @@ class ReuseTally:
         shared_bytes: their stored bytes.
         written: chunks the record called unchanged that were written instead.
         seconds: time spent sharing and proving, summed over the I/O threads.
-        scrubbed_bytes: stored bytes of the chunks re-read by the scrub (``format.scrub``).
+        scrubbed_bytes: stored bytes of the chunks re-read by the scrub (``scrub_plan``).
     """
 
     shared: int = 0
@@ -172,7 +189,7 @@ class ChunkReuse:
 
     def __init__(self, source: Location, store: ChunkStore, arrays: dict[str, ReusableArray]) -> None:
         self.source, self.store, self.arrays = source, store, arrays
-        self.scrub = scrub.scrub_plan({key: a.record for key, a in arrays.items()}, scrub.SCRUB)
+        self.scrub = scrub_plan({key: a.record for key, a in arrays.items()}, SCRUB)
         self.tally = ReuseTally()
         self._logged: set[str] = set()
         self._lock = threading.Lock()
@@ -219,7 +236,7 @@ class ChunkReuse:
             if held is None:
                 return None
             scrubbed = (file.array_key, array.record.chunk_ordinal(file.index)) in self.scrub  # type: ignore[union-attr]
-            if scrubbed:  # read back, whatever its identity says (``format.scrub``)
+            if scrubbed:  # read back, whatever its identity says (``scrub_plan``)
                 held = RecordedBytes(held.held, None)
             start = time.perf_counter()
             error: Exception | None = None
@@ -276,3 +293,53 @@ class ChunkReuse:
             "instead; %d bytes re-read by the scrub; %.3f s sharing and proving (summed over threads)",
             t.shared, t.shared_bytes, self.source.describe(), t.written, t.scrubbed_bytes, t.seconds,
         )
+
+
+# Each rank plans over every chunk of the arrays it writes chunks of, from the base's
+# record alone (ranks that write chunks of the same arrays make the same plan), and reads
+# the planned chunks it shares: at most ``ScrubPolicy.budget`` of the bytes the record
+# proves by identity in those arrays, at least ``min_bytes``; a single chunk larger than
+# the budget is read alone when it is the oldest. As each save moves on past more than
+# ``budget - largest chunk`` bytes, every shared chunk is re-read at least once every
+# ``ceil(S / (budget - largest chunk))`` saves (S: those bytes), about ``rotation_saves``
+# with the default budget. The order is one over all chunks, so the oldest chunk of the
+# checkpoint is read at every save by the rank that writes it, whatever the layout.
+@dataclass(frozen=True)
+class ScrubPolicy:
+    """How much a reusing save re-reads of the chunks it could prove by identity.
+
+    Attributes:
+        rotation_saves: the budget is this fraction (1 / rotation_saves) of those
+            chunks' bytes: each is re-read about once every ``rotation_saves`` saves.
+        min_bytes: the budget's floor, bytes per save (small checkpoints rotate faster).
+    """
+
+    rotation_saves: int = 16
+    min_bytes: int = 64 << 20
+
+    def budget(self, nbytes: int) -> int:
+        """Bytes to re-read in one save, of ``nbytes`` proven by identity."""
+        return max(self.min_bytes, math.ceil(nbytes / self.rotation_saves))
+
+
+SCRUB = ScrubPolicy()
+
+
+def scrub_plan(arrays: Mapping[str, ArrayRecord], policy: ScrubPolicy = SCRUB) -> frozenset[tuple[str, int]]:
+    """The ``(array key, chunk ordinal)`` of the base's chunks (``arrays``: its records
+    of the arrays that may be shared) to re-read in this save; the same on every rank."""
+    tagged = []
+    for key in sorted(arrays):
+        for ordinal, tag in enumerate(arrays[key].chunk_etags or ()):
+            if (identity := FileIdentity.parse(tag)) is not None:
+                tagged.append((-identity.unread, key, ordinal, identity.size))
+    tagged.sort()
+    budget = policy.budget(sum(t[3] for t in tagged))
+    chosen: list[tuple[str, int]] = []
+    total = 0
+    for _, key, ordinal, size in tagged:
+        if chosen and total + size > budget:
+            break
+        chosen.append((key, ordinal))
+        total += size
+    return frozenset(chosen)

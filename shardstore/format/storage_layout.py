@@ -28,7 +28,7 @@ import numbers
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
-from shardstore.format.consolidated import ZarrMetadata
+from shardstore.format.features import ZarrMetadata
 from shardstore.format.records import MAX_CHUNK_BYTES
 from shardstore.stores.base import Capabilities
 

@@ -24,7 +24,7 @@ __all__ = ["FORMATS", "detect", "files_found", "formats", "named", "register"]
 from typing import TypeVar
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.records.other_checkpoints import (
+from shardstore.format.records.reading import (
     OtherCheckpointFiles,
     name_other_formats_with,
 )

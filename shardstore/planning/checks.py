@@ -26,8 +26,7 @@ import numpy as np
 from shardstore.errors import CheckpointingException
 from shardstore.format.dtypes import UnsupportedDTypeError, from_torch, from_zarr_name
 from shardstore.format.records import ZARR_JSON, array_group_collisions, check_key, object_path
-from shardstore.format.records.keys import check_storable_key
-from shardstore.format.records.names import chunk_key
+from shardstore.format.records.names import check_storable_key, chunk_key
 from shardstore.mapping import ShardedBase, ShardedObject, ShardedTensor
 from shardstore.planning.layout import GlobalLayout, ObjectShardRecord, ShardRecord
 from shardstore.stores.base import REFUSABLE_TEXTS, NameLimits

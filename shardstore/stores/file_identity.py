@@ -7,17 +7,18 @@ The identity is ``(st_dev, st_ino, st_size, st_mtime_ns)`` of the file, taken wi
 and compared through, or that it was cloned from. It is kept as the chunk's tag in the
 commit record's ``chunk_etags``, where object stores keep an ETag:
 ``file:<dev>:<ino>:<size>:<mtime_ns>:<unread>``, ``unread`` counting the saves that
-shared the file since its bytes were last read (``format.scrub`` re-reads the
-chunks unread longest first).
+shared the file since its bytes were last read (the scrub of ``format.reuse`` re-reads
+the chunks unread longest first).
 
 What a match proves: the shared file is the inode the record named, and no write or
 truncation through the file system changed it since (each moves ``mtime``), short of
 one in the same clock tick as shardstore's own write, before the identity was taken.
 What it does not: bit rot (silent media errors change no field), nor a write whose
 author then set ``mtime`` back on purpose (``os.utime``, ``touch -d``, ``rsync -t``
-onto the file). ``format.scrub`` covers both within a known number of saves, and a
-load or ``verify`` checks every chunk's crc32c. ``ctime`` is not used: every link and
-unlink of the inode moves it, so a keep-N manager's retention would stale it each step.
+onto the file). The scrub of ``format.reuse`` covers both within a known number of
+saves, and a load or ``verify`` checks every chunk's crc32c. ``ctime`` is not used:
+every link and unlink of the inode moves it, so a keep-N manager's retention would
+stale it each step.
 """
 
 from __future__ import annotations

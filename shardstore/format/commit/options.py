@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.consolidated import ZarrMetadata
+from shardstore.format.features import ZarrMetadata
 from shardstore.format.records import ArrayPlaces
 from shardstore.format.storage_layout import LayoutSite, StorageLayout
 from shardstore.stores.base import Location

@@ -11,10 +11,10 @@ __all__ = ["check_shared", "committed_save_id"]
 import logging
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.pack_listing import PACKS_DIR
+from shardstore.format.features import PACKS_DIR
 from shardstore.format.records import COMMIT_RECORD, MAX_RECORD_BYTES, CommitRecord, own_markers
 from shardstore.format.records.claim_document import is_claim
-from shardstore.format.records.other_checkpoints import (
+from shardstore.format.records.reading import (
     other_checkpoint_beside,
     other_checkpoint_files,
     other_checkpoint_kind,

@@ -1,21 +1,19 @@
 """The on-disk format's records (version 9; 1 to 8 read), one idea per module:
 
 - ``names``: what the checkpoint's files and markers are called (``COMMIT_RECORD``,
-  ``SAVE_MARKER``, ``STAGING_TAG``, ...), chunk keys and object shard paths.
-- ``bounds``: the sizes a record, marker or chunk read back must respect.
-- ``keys``: what a checkpoint key may be (``check_key``) and the groups keys imply.
-- ``digests``: the record's checksums and its own digest (``seal_record``);
-  ``compact_json``: the JSON it is written in.
-- ``array_record``: one array's record (``ArrayRecord``) and its Zarr metadata.
-- ``object_record``, ``reused_chunks``, ``dcp_metadata``, ``array_places``: the other
-  parts of the commit record (``ObjectRecord``, ``ReusedChunks``, ``DcpMetadata``,
-  ``ArrayPlaces``).
-- ``commit_record``: the commit record (``CommitRecord``); ``writing``: the root
-  ``zarr.json`` as written (``to_json``, consolidated metadata); ``parsing``: read back
-  and checked (``from_json``).
-- ``reading``: a checkpoint's record read (``read_commit_record``, ``is_committed``);
-  ``markers``: the markers saves leave; ``other_checkpoints``: another tool's
-  checkpoint where ours is looked for.
+  ``SAVE_MARKER``, ``STAGING_TAG``, ...), chunk keys and object shard paths, what a
+  checkpoint key may be (``check_key``) and the groups keys imply.
+- ``encoding``: the compact JSON the record is written in, its checksums and its own
+  digest (``seal_record``).
+- ``array_record``: one array's record (``ArrayRecord``), its Zarr metadata and the
+  bounds its summary read back must respect.
+- ``record_parts``: the other parts of the commit record (``ObjectRecord``,
+  ``ReusedChunks``, ``DcpMetadata``, ``ArrayPlaces``).
+- ``commit_record``: the commit record (``CommitRecord``), the root ``zarr.json`` as
+  written (``to_json``, consolidated metadata) and read back and checked (``from_json``).
+- ``reading``: a checkpoint's record read (``read_commit_record``, ``is_committed``), or
+  what is there instead, another tool's checkpoint among it; ``markers``: the markers
+  saves leave; ``claim_document``: an in-place save's claim.
 
 A checkpoint is one Zarr v3 group (docs/format.md):
 
@@ -66,13 +64,14 @@ __all__ = [
     "write_commit_record",
 ]
 
-from shardstore.format.records.array_places import ArrayPlaces
-from shardstore.format.records.array_record import ArrayRecord
-from shardstore.format.records.bounds import MAX_CHUNK_BYTES, MAX_RECORD_BYTES
-from shardstore.format.records.commit_record import CommitRecord
-from shardstore.format.records.dcp_metadata import DcpMetadata, StatePath, state_paths
-from shardstore.format.records.digests import file_digest
-from shardstore.format.records.keys import array_group_collisions, check_key, parent_groups
+from shardstore.format.records.array_record import MAX_CHUNK_BYTES, ArrayRecord
+from shardstore.format.records.commit_record import (
+    MAX_RECORD_BYTES,
+    CommitRecord,
+    group_metadata,
+    write_commit_record,
+)
+from shardstore.format.records.encoding import file_digest
 from shardstore.format.records.markers import own_markers, read_marker
 from shardstore.format.records.names import (
     COMMIT_RECORD,
@@ -83,10 +82,17 @@ from shardstore.format.records.names import (
     SAVE_MARKER,
     STAGING_TAG,
     ZARR_JSON,
+    array_group_collisions,
+    check_key,
     object_path,
+    parent_groups,
 )
-from shardstore.format.records.object_record import ObjectRecord
-from shardstore.format.records.other_checkpoints import sharded_backend
-from shardstore.format.records.reading import is_committed, read_commit_record
-from shardstore.format.records.reused_chunks import ReusedChunks
-from shardstore.format.records.writing import group_metadata, write_commit_record
+from shardstore.format.records.reading import is_committed, read_commit_record, sharded_backend
+from shardstore.format.records.record_parts import (
+    ArrayPlaces,
+    DcpMetadata,
+    ObjectRecord,
+    ReusedChunks,
+    StatePath,
+    state_paths,
+)

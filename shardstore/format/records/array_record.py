@@ -2,8 +2,10 @@
 shardstore's terms, its summary in the commit record with its chunks' checksums, and
 that summary parsed back and checked (``ArrayRecord.from_summary``).
 
-A summary read back is checked against the bounds of ``records.bounds``: a malformed
-one gives a ``CheckpointingException`` that names the checkpoint and the array.
+A summary read back is checked against the bounds below (a hostile-input guard: its
+shapes are refused before anything is allocated for them, a chunk by its size before
+it is read whole): a malformed one gives a ``CheckpointingException`` that names the
+checkpoint and the array.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ from __future__ import annotations
 __all__ = [
     "ArrayRecord",
     "CHUNK_ETAGS",
+    "MAX_CHUNK_BYTES",
+    "MAX_ELEMENTS",
+    "MAX_NDIM",
+    "MAX_UNBOUND_CHUNKS",
     "zero_fill_value",
 ]
 
@@ -24,17 +30,22 @@ from typing import Any
 from shardstore.errors import CheckpointingException
 from shardstore.format.codecs import BYTES_CRC32C, ChunkCodec, codec_for
 from shardstore.format.dtypes import from_zarr_name
-from shardstore.format.pack_listing import PACK_NAME
-from shardstore.format.records.bounds import (
-    MAX_CHUNK_BYTES,
-    MAX_ELEMENTS,
-    MAX_NDIM,
-    MAX_UNBOUND_CHUNKS,
+from shardstore.format.features import PACK_NAME
+from shardstore.format.records.encoding import (
+    CHUNK_DIGESTS,
+    DIGEST_HEX_DIGITS,
+    HEX_DIGITS,
+    encode_compact,
 )
-from shardstore.format.records.compact_json import encode_compact
-from shardstore.format.records.digests import CHUNK_DIGESTS, DIGEST_HEX_DIGITS, HEX_DIGITS
 from shardstore.format.records.names import CHUNK_SEPARATOR, chunk_key
 from shardstore.format.sharding import MAX_FLAT_INNER_CHUNKS, ShardingIndexed, spans_blocks
+
+# Upper bounds that a record read back must respect (hostile-input guard).
+MAX_NDIM = 32
+MAX_ELEMENTS = 2**62
+MAX_CHUNK_BYTES = 2**34  # one chunk is read into memory whole; 16 GiB is far above any we write
+# Chunks of all arrays of a format-1 record, which lists no checksums to pay for them.
+MAX_UNBOUND_CHUNKS = 2**24
 
 # Each chunk object's ETag as its object store reported it when the object was written
 # (null for a chunk it gave none); only in records of saves to object stores.

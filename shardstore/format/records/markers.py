@@ -8,6 +8,8 @@ checkpoint's own save left (``own_markers``), an interrupted replacement
 from __future__ import annotations
 
 __all__ = [
+    "MAX_DELETION_MARKER_BYTES",
+    "MAX_MARKER_BYTES",
     "interrupted_replacement",
     "marker_save_id",
     "own_markers",
@@ -18,9 +20,9 @@ __all__ = [
 import json
 import re
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from shardstore.format.records.bounds import MAX_DELETION_MARKER_BYTES, MAX_MARKER_BYTES
+from shardstore.format.records.commit_record import MAX_RECORD_BYTES, CommitRecord
 from shardstore.format.records.names import (
     COMMIT_RECORD,
     DELETION_MARKER,
@@ -33,8 +35,11 @@ from shardstore.format.records.names import (
 from shardstore.format.removal_marker import REMOVAL_MARKER, leftover_files
 from shardstore.stores.base import Location, atomic_temp_of
 
-if TYPE_CHECKING:
-    from shardstore.format.records.commit_record import CommitRecord
+# The most bytes a marker holds (a few ids); a larger file of that name is not ours.
+MAX_MARKER_BYTES = 4096
+# The checkpoint manager's deletion marker also holds a copy of the commit record (what
+# finishing the deletion removes once the record itself is gone).
+MAX_DELETION_MARKER_BYTES = MAX_RECORD_BYTES + 4096
 
 
 def read_marker(location: Location, name: str) -> dict[str, Any] | None:

@@ -206,7 +206,7 @@ def save(
                 request.add_finalize_fn(functools.partial(_finish_timing, timing, pipeline))
                 return request
             sharded_strategy.save_into(sharded_part, pipeline, plan, error)
-            timing.shared = pipeline.shared_bytes()
+            timing.shared = _shared_bytes(pipeline)
         except PeerLost as exc:  # known to this rank only: a peer may still be writing
             pipeline.unwind(exc)
             raise
@@ -239,7 +239,15 @@ def _with_strategy_layout(options: SaveOptions, strategy: Any) -> SaveOptions:
 
 def _finish_timing(timing: StageTiming, pipeline: SavePipeline) -> None:
     """An async save's last local step: logs its line with the bytes it shared."""
-    timing.finish(shared=pipeline.shared_bytes())
+    timing.finish(shared=_shared_bytes(pipeline))
+
+
+def _shared_bytes(pipeline: SavePipeline) -> int:
+    """Coordinator, once the save committed: the stored bytes it shared with its reuse
+    base instead of writing them (``CommitRecord.reused_from``); 0 on the other ranks and
+    for a save that shared nothing."""
+    committed = pipeline.pending.committed
+    return committed.reused_from.nbytes if committed is not None and committed.reused_from is not None else 0
 
 
 def save_preprocess(

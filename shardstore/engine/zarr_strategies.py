@@ -73,7 +73,7 @@ from shardstore.execution.loaded import (  # flatten_range, pad_to_expected_shap
     flatten_range,  # noqa: F401
     pad_to_expected_shape,  # noqa: F401
 )
-from shardstore.execution.pipeline import SavePipeline
+from shardstore.execution.pipeline import SaveFinalization, SavePipeline
 from shardstore.execution.save import Staging
 from shardstore.execution.staging import (
     DEFAULT_LOAD_STAGING_BYTES,
@@ -358,12 +358,11 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         tensors = pipeline.planned_tensors
         if tensors is None:  # a plan made elsewhere (the seed's save_with_plan): its tensors, in its order
             tensors, _ = local_sharded_items(sharded_state_dict)
-        pipeline.refuse_oversized_objects()
         pipeline.stage(tensors, plan, staging, local_error)
         return AsyncRequest(
             async_fn=SavePipeline.write_staged,
             async_fn_args=(pipeline, self.io_concurrency, staging.io_threads),
-            finalize_fns=[pipeline.finalization()],
+            finalize_fns=[SaveFinalization(pipeline)],
         )
 
 

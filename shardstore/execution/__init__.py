@@ -15,8 +15,9 @@ writer, the DCP writer) open the save pipeline here; the api offers only whole s
 
 from __future__ import annotations
 
-__all__ = ["RankSave", "SavePipeline", "fail_before_staging"]
+__all__ = ["ArrayWrites", "RankSave", "SavePipeline", "fail_before_staging"]
 
 from shardstore.lazy_exports import lazy_exports
 
-__getattr__, __dir__ = lazy_exports(__name__, {"pipeline": ("RankSave", "SavePipeline"), "save": ("fail_before_staging",)})
+__getattr__, __dir__ = lazy_exports(__name__, {"array_writes": ("ArrayWrites",), "pipeline": ("RankSave", "SavePipeline"),
+                                             "save": ("fail_before_staging",)})

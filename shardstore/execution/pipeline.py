@@ -19,13 +19,10 @@ from __future__ import annotations
 __all__ = ["RankSave", "SaveFinalization", "SavePipeline", "SaveProgress"]
 
 import functools
-import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
-
-import numpy as np
 
 from shardstore.errors import CheckpointingException
 
@@ -39,7 +36,6 @@ from shardstore.execution.save import (
     StagedWrites,
     Staging,
     WriteOp,
-    node_document_files,
 )
 from shardstore.format.chunks import DEFAULT_IO_CONCURRENCY, DEFAULT_IO_THREADS, WrittenChunk
 from shardstore.format.commit import (
@@ -56,18 +52,17 @@ from shardstore.format.commit import (
 from shardstore.format.config import CheckpointingConfig, write_config
 from shardstore.format.features import PACKS_DIR
 from shardstore.format.packs import Packing
-from shardstore.format.records import ZARR_JSON, ArrayRecord, CommitRecord
+from shardstore.format.records import ArrayRecord, CommitRecord
 from shardstore.format.storage_layout import LayoutSite, StorageLayout
 from shardstore.mapping import ShardedObject, ShardedTensor
 from shardstore.planning.checks import (
     admits_names,
     check_layout,
     check_storable_data,
-    check_storable_keys,
     local_records,
     name_lengths_needed,
 )
-from shardstore.planning.layout import GlobalLayout, region_at
+from shardstore.planning.layout import GlobalLayout
 from shardstore.planning.plans import RankSavePlan, object_bounds
 from shardstore.progress import stage
 from shardstore.protocol.collectives import Group
@@ -171,7 +166,7 @@ class SavePipeline:
           seed signatures        signatures, a path): its into_callers_directory (this class's
                                  on its process group), plan_into (plan with its plan_save and
                                  plan cache), then save_into / async_save_into
-        CheckpointWriter         open -> check_storable -> begin -> write_array ... -> commit
+        CheckpointWriter         open -> begin -> ArrayWrites(pipeline): check_storable, write_array ... -> commit
         DCP ShardstoreWriter     prepare_global_plan (coordinator): open, plan_gathered (the
                                  shards DCP gathered, as ShardedTensors without data: the checks,
                                  the plan, begin); each rank's RankSave (intent and plan) travels
@@ -216,6 +211,7 @@ class SavePipeline:
         self._versions: SourceVersions | None = None
         self._changed: CheckpointingException | None = None
         self._in_place: list[WriteOp] = []  # the writes of a sync save from the caller's memory
+        self._refuse_oversized_objects()
 
     def __getstate__(self) -> dict:
         """What a writer in another process needs (Megatron's persistent worker pickles
@@ -267,10 +263,6 @@ class SavePipeline:
     def location(self) -> Location:
         """Where this rank writes (``PendingCheckpoint.location``; after ``begin`` or ``join``)."""
         return self.pending.location
-
-    @property
-    def begun(self) -> bool:
-        return self._pending is not None
 
     @property
     def committed(self) -> bool:
@@ -345,7 +337,7 @@ class SavePipeline:
                     check_storable_data(tensor, self.describe())
             except CheckpointingException as exc:  # reported on every rank by the plan stage
                 local_error = exc
-        if self.begun:  # a caller's directory: nothing to begin
+        if self._pending is not None:  # a caller's directory: nothing to begin
             return gather_and_plan_cached(
                 plan_cache, tensors, objects, self.group, planner, local_error=local_error,
                 common_digests=common_digests, save_to=self.target, common_state=common_state,
@@ -374,7 +366,7 @@ class SavePipeline:
         plan's ranks are each a process alone here)."""
         return functools.partial(planner, storage=self.options.layout.planned_at(self.site))
 
-    def refuse_oversized_objects(self) -> None:
+    def _refuse_oversized_objects(self) -> None:
         """Refuses, before anything is written, a layout whose stored objects may be
         larger than the target's object size limit (``Capabilities.max_object_bytes``:
         S3's 5 GiB for one PUT), by the save's chosen layout (``planning.plans.
@@ -506,14 +498,14 @@ class SavePipeline:
             self.location.make_durable()
             encoded.result()
 
-    def reported_by_writer(self, written: list[WrittenChunk]) -> None:
-        """What a writer in another process wrote for this rank (``strategies.
-        forked_writes``), in place of what this process wrote itself."""
-        self.written = list(written)
-
-    def finalize(self, error: BaseException | None) -> None:
+    def finalize(self, error: BaseException | None, written: list[WrittenChunk] | None = None) -> None:
         """Collective: the commit of a staged save (``execution.save_commit.finalize_save``),
-        given this rank's ``error`` from the writes; the host copies are let go first."""
+        given this rank's ``error`` from the writes; the host copies are let go first.
+        ``written``: what a writer in another process wrote for this rank
+        (``compat.megatron.strategies.forked_writes``), in place of what this process
+        wrote itself."""
+        if written is not None:
+            self.written = list(written)
         staged, self._staged = self._require_staged(), None
         if staged.snapshot is not None:
             staged.snapshot.release()
@@ -529,74 +521,10 @@ class SavePipeline:
             if self.group.is_coordinator:
                 self._writers().forget()
 
-    def finalization(self) -> SaveFinalization:
-        """The ``AsyncRequest`` finalization of the staged save."""
-        return SaveFinalization(self)
-
     def _require_staged(self) -> StagedWrites:
         if self._staged is None:
             raise CheckpointingException(f"Internal error: the save into {self.describe()} was not staged")
         return self._staged
-
-    def check_storable(self, tensors: list[ShardedTensor], objects: list[ShardedObject]) -> None:
-        """A save's key check (``planning.checks.check_storable_keys``, the target's name
-        limits) on what one process is about to write, before any of it is written
-        (the collective ``plan`` checks every rank's keys itself)."""
-        where = self.describe()
-        layout = GlobalLayout.from_gathered([local_records(tensors, objects, self.group.rank, where)])
-        check_storable_keys(layout, self.target.name_limits, where)
-
-    def write_array(
-        self, record: ArrayRecord, value: np.ndarray, source: ShardedTensor | None = None,
-    ) -> list[WrittenChunk]:
-        """One process: the whole array ``record`` (its ``zarr.json``, then every chunk)
-        from ``value`` (host memory, the array's shape). ``source``: the tensor whose
-        memory ``value`` may be; changed during the writes, it fails them
-        (``execution.changes``). A write that fails, that way or any other, reports no
-        chunk for the commit and removes every file it may have written
-        (``unwrite_array``) before it raises."""
-        versions = SourceVersions.of([source] if source is not None else [])
-        reported = len(self.written)
-        try:
-            self.location.write_many(node_document_files([record], (), self.pending.options.zarr_metadata))
-            op = WriteOp(record.key, region_at((0,) * len(record.shape), record.shape), value)
-            written = self.write_arrays({record.key: record}, [op])
-            in_place = in_place_ops([op], [source] if source is not None else [])
-            if changed := versions.error_after_writes(self.describe(), in_place, {record.key: record}, written):
-                raise changed
-        except Exception:
-            del self.written[reported:]
-            self.unwrite_array(record)  # its failure raises, the write's as its context
-            raise
-        return written
-
-    def array_files(self, record: ArrayRecord) -> list[str]:
-        """The files of the array ``record`` that ``write_array`` may write, relative to
-        the save's location: its ``zarr.json`` and every chunk of its grid."""
-        chunks = (f"{record.key}/{record.chunk_key(index)}" for index in itertools.product(*map(range, record.chunk_grid)))
-        return [f"{record.key}/{ZARR_JSON}", *chunks]
-
-    def unwrite_array(self, record: ArrayRecord) -> None:
-        """Removes what ``write_array`` of ``record`` may have written (``array_files``;
-        ours: nothing else writes into a save's location, and a key is written once),
-        then the array's directories where that left them empty (``rmdir`` never removes
-        a file)."""
-        for rel in self.array_files(record):
-            self.location.remove(rel)
-        parts = record.key.split("/")
-        for depth in range(len(parts), 0, -1):
-            path = self.location.local_path("/".join(parts[:depth]))
-            if path is None:
-                return
-            try:
-                path.rmdir()
-            except OSError:  # not empty (another array's files below it), or gone
-                return
-
-    def write_groups(self, groups: Iterable[str]) -> None:
-        """One process: the ``zarr.json`` of each of ``groups`` where the save's options
-        keep a document per node (none for a consolidated-only save)."""
-        self.location.write_many(node_document_files((), groups, self.pending.options.zarr_metadata))
 
     def write_arrays(
         self, records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int = DEFAULT_IO_CONCURRENCY,
@@ -613,13 +541,6 @@ class SavePipeline:
         """Coordinator: ``execution.save_commit.commit_save`` with every rank's reports (default:
         this rank's ``written``, a save from one process); returns the committed record."""
         return rank_commit.commit_save(self.pending, record, [self.written] if reports is None else reports)
-
-    def shared_bytes(self) -> int:
-        """Coordinator, once the save committed: the stored bytes it shared with its
-        reuse base instead of writing them (``CommitRecord.reused_from``); 0 before, on
-        the other ranks, and for a save that shared nothing."""
-        committed = self._pending.committed if self._pending is not None else None
-        return committed.reused_from.nbytes if committed is not None and committed.reused_from is not None else 0
 
     def abandon(self) -> None:
         """Coordinator, after a failure every rank knows of: deletes what the save wrote
@@ -685,10 +606,10 @@ class SaveFinalization:
     def checkpoint(self) -> str:
         return self.pipeline.describe()
 
-    def finalize(self, error: BaseException | None) -> None:
+    def finalize(self, error: BaseException | None, written: list[WrittenChunk] | None = None) -> None:
         """Collective: ``SavePipeline.finalize``."""
         with stage("save: commit", self.checkpoint):
-            self.pipeline.finalize(error)
+            self.pipeline.finalize(error, written)
 
     def abort(self) -> None:
         """Local, no agreement: releases the save's descriptors and lock, so the next

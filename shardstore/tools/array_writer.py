@@ -39,7 +39,7 @@ from shardstore.engine.zarr_strategies import (
     single_tensor_record,
 )
 from shardstore.errors import CheckpointingException
-from shardstore.execution import SavePipeline
+from shardstore.execution import ArrayWrites, SavePipeline
 from shardstore.format import (
     ArrayPlaces,
     ArrayRecord,
@@ -90,8 +90,9 @@ class CheckpointWriter:
         config = CheckpointingConfig(SHARDSTORE_BACKEND, ZARR_VERSION, COMMON_BACKEND, COMMON_VERSION)
         options = SaveOptions(overwrite=overwrite, array_places=array_places, layout=layout)
         self._save = SavePipeline.open(bare_location(checkpoint_dir), options=options, config=config)
+        self._writes = ArrayWrites(self._save)
         self.max_chunk_bytes = int(self._save.options.layout.max_chunk_bytes)
-        self._save.check_storable(
+        self._writes.check_storable(
             [ShardedTensor.from_rank_offsets(key, tensor) for key, tensor in (planned_arrays or {}).items()],
             [ShardedObject.empty_from_unique_key(key) for key in planned_objects],
         )
@@ -109,15 +110,15 @@ class CheckpointWriter:
         Raises:
             CheckpointingException: ``tensor`` changed while it was written
                 (``execution.changes``), or its write failed: the array is not
-                recorded and its files are removed (``SavePipeline.write_array``); write
+                recorded and its files are removed (``ArrayWrites.write_array``); write
                 it again or commit without it."""
         sharded = ShardedTensor.from_rank_offsets(key, tensor.detach().cpu())
-        self._save.check_storable([sharded], [])
+        self._writes.check_storable([sharded], [])
         if key in self._arrays:
             raise CheckpointingException(f"Array {key!r} was already written to {self.describe()}")
         record = single_tensor_record(sharded, self.max_chunk_bytes)
         try:
-            self._save.write_array(record, tensor_to_numpy(sharded.data.contiguous()).reshape(record.shape), sharded)
+            self._writes.write_array(record, tensor_to_numpy(sharded.data.contiguous()).reshape(record.shape), sharded)
         except BaseException:
             self._failed[key] = record
             raise
@@ -135,14 +136,14 @@ class CheckpointWriter:
                 short), naming the arrays: write them again, or abandon the writer."""
         self._refuse_leftovers()
         shards = [replace(ShardedObject.empty_from_unique_key(k), data=v) for k, v in (objects or {}).items()]
-        self._save.check_storable([], shards)
+        self._writes.check_storable([], shards)
         if clashes := array_group_collisions([*self._arrays, *(objects or {})]):
             raise CheckpointingException(f"Cannot commit {self.describe()}: clashing keys {clashes[0]}")
         common = TorchCommonSaveStrategy()
         location = self._save.location
         common.save_common(common_state or {}, location)
         common.save_sharded_objects(shards, location)
-        self._save.write_groups(parent_groups(list(self._arrays)))
+        self._writes.write_groups(parent_groups(list(self._arrays)))
         location.make_durable()
         by_key: dict[str, list[str]] = {}
         for s in shards:
@@ -159,7 +160,7 @@ class CheckpointWriter:
         if not self._failed:
             return
         stored = set(self._save.location.list_files())
-        left = {key: [f for f in self._save.array_files(r) if f in stored] for key, r in self._failed.items()}
+        left = {key: [f for f in self._writes.array_files(r) if f in stored] for key, r in self._failed.items()}
         if left := {key: files for key, files in left.items() if files}:
             named = ", ".join(f"{key!r} ({len(files)} files, e.g. {files[0]})" for key, files in left.items())
             raise CheckpointingException(

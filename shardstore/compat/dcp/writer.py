@@ -358,7 +358,6 @@ class ShardstoreWriter(StorageWriter):
         if recent is not None and (parts := self._begun_again(recent)) is not None:
             return parts
         save = self._open_save(layout, Group(self.process_group) if exchange else None)
-        save.refuse_oversized_objects()
         _refuse_divergent_replicas(plans, save.describe())
         shards, orders = gathered_shards(plans, _plain_array_writers(plans, self._as_array))
         parts, self._names_needed = save.plan_gathered(shards, self._strategy(layout).plan_save)
@@ -510,7 +509,6 @@ class ShardstoreWriter(StorageWriter):
         writer's checkpoint (None, nothing begun: its target stores shorter names than
         the plan's files have)."""
         save = self._open_save(part.layout, Group(self.process_group) if part.exchange else None)
-        save.refuse_oversized_objects()
         intent = save.begin_planned(ranks, names_needed)
         if intent is not None:
             self._save, self._commit, self._names_needed = save, part.save.plan.commit, names_needed

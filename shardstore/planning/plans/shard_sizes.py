@@ -55,7 +55,7 @@ def object_bounds(layout: StorageLayout) -> dict[str, tuple[int | None, int | No
     """By option name, its value in a save's chosen ``layout`` and the largest stored
     object it allows (a chunk and its crc32c, or a shard inside a block and its index:
     ``stored_at_most``; a gathered shard: ``largest_shard_bytes``; None: no shards), as
-    ``SavePipeline.refuse_oversized_objects`` checks them against the store's limit."""
+    a save checks them against the store's limit when it is opened (``SavePipeline``)."""
     chunk, shard = int(layout.max_chunk_bytes), layout.shard_bytes
     return {"max_chunk_bytes": (chunk, stored_at_most(chunk)),
             "shard_bytes": (shard, None if shard is None else largest_shard_bytes(int(shard)))}

@@ -33,7 +33,7 @@ from typing import Any
 
 from shardstore.engine.async_requests import AsyncRequest, Finalization
 from shardstore.errors import CheckpointingException
-from shardstore.execution.pipeline import SavePipeline
+from shardstore.execution.pipeline import SaveFinalization, SavePipeline
 from shardstore.format.chunks import WrittenChunk
 
 logger = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ def finalize_from_report(pipeline: SavePipeline) -> None:
     location, rank = pipeline.location, pipeline.group.rank
     rel = _report_file(rank)
     error: BaseException | None = None
+    written: list[WrittenChunk] | None = None
     try:
         data = location.read_bytes_or_none(rel)
         if data is None:
@@ -140,9 +141,7 @@ def finalize_from_report(pipeline: SavePipeline) -> None:
                 f"The background write of rank {rank} into {location.describe()} failed: "
                 f"{outcome['error']}; nothing was committed"
             )
-        pipeline.reported_by_writer(
-            [WrittenChunk(key, tuple(index), *rest) for key, index, *rest in outcome["written"]]
-        )
+        written = [WrittenChunk(key, tuple(index), *rest) for key, index, *rest in outcome["written"]]
     except Exception as exc:  # reported on every rank by the finalization
         error = exc
-    pipeline.finalization().finalize(error)
+    SaveFinalization(pipeline).finalize(error, written)

@@ -138,7 +138,7 @@ def test_the_plan_cache_key_distinguishes_the_shard_size(tmp_path: Path) -> None
     keys = set()
     for i, shard_bytes in enumerate(["auto", "auto", 1 << 20, None, "auto"]):
         strategy.shard_bytes = shard_bytes
-        keys.add(strategy.plan_cache.settings)
+        keys.add(strategy.plan_settings)
         save(_state(), tmp_path / f"c{i}", strategy)
         expected = ("sharding_indexed",) if shard_bytes == 1 << 20 else ()  # "auto" at one rank: unsharded
         assert read_commit_record(open_location(tmp_path / f"c{i}")).requires == expected, shard_bytes

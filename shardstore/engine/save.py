@@ -372,7 +372,8 @@ def _preprocess_and_plan(
     except Exception as exc:  # reported on every rank by the plan stage
         error = exc
     plan = pipeline.plan(
-        tensors, objects, sharded_strategy.plan_save, plan_cache=sharded_strategy.plan_cache, local_error=error,
+        tensors, objects, sharded_strategy.plan_save, plan_cache=sharded_strategy.plan_cache,
+        plan_settings=sharded_strategy.plan_settings, local_error=error,
         common_digests=digests, common_state=compared,
     )
     return sharded_part, common_part, objects_part, plan

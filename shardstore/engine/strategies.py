@@ -20,6 +20,7 @@ import functools
 import inspect
 from abc import ABC, abstractmethod
 from collections import defaultdict
+from collections.abc import Hashable
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
@@ -279,6 +280,12 @@ class SaveShardedStrategy(SaveStrategyBase):
         """The plan this strategy reuses while every rank's structure is unchanged
         (``protocol.plan_cache``); None: every save plans."""
         return None
+
+    @property
+    def plan_settings(self) -> Hashable:
+        """What this strategy's plans depend on besides the save's layout, part of a
+        cached plan's key; () for a strategy whose plans depend on nothing else."""
+        return ()
 
     def plan_save(self, layout: GlobalLayout, storage: StorageLayout | None = None) -> list[Any]:
         """Coordinator: every rank's part of the save of a validated layout (index =

@@ -266,11 +266,14 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     @property
     def plan_cache(self) -> PlanCache | None:
-        """The cached plan (None without ``cache_plan``), keyed also by the settings
-        the plan depends on, as they are now."""
-        if self._plan_cache is not None:  # "auto" as given: the cache's key holds the world size it resolves by
-            self._plan_cache.settings = (self.fully_parallel, self.layout)
+        """The cached plan (None without ``cache_plan``)."""
         return self._plan_cache
+
+    @property
+    def plan_settings(self) -> tuple[bool, StorageLayout]:
+        """What this strategy's plans depend on besides the save's layout, as they are
+        now: part of the cached plan's key (``SavePipeline.plan``)."""
+        return (self.fully_parallel, self.layout)
 
     def release_buffers(self) -> None:
         """Frees the pinned host buffers kept for the next save's copies."""
@@ -298,7 +301,8 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         through ``pipeline`` (``SavePipeline.plan`` with ``plan_save`` and this strategy's
         plan cache), the save begun and joined."""
         tensors, objects = local_sharded_items(sharded_state_dict)
-        return pipeline.plan(tensors, objects, self.plan_save, plan_cache=self.plan_cache)
+        return pipeline.plan(tensors, objects, self.plan_save, plan_cache=self.plan_cache,
+                             plan_settings=self.plan_settings)
 
     def plan_save(self, layout: GlobalLayout, storage: StorageLayout | None = None) -> list[RankSavePlan]:
         """Coordinator: every rank's part of the save (``shardstore.planning.plans``) by

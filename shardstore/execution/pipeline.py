@@ -19,7 +19,7 @@ from __future__ import annotations
 __all__ = ["RankSave", "SaveFinalization", "SavePipeline", "SaveProgress"]
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -312,7 +312,7 @@ class SavePipeline:
 
     def plan(
         self, tensors: list[ShardedTensor], objects: list[ShardedObject], planner: Callable[[Any], list[Any]], *,
-        plan_cache: PlanCache | None = None, local_error: BaseException | None = None,
+        plan_cache: PlanCache | None = None, plan_settings: Hashable = (), local_error: BaseException | None = None,
         common_digests: dict[str, str] | None = None, common_state: dict[str, Any] | None = None,
     ) -> Any:
         """Collective: this rank's part of ``planner``'s plan (``protocol.plan_cache``),
@@ -325,11 +325,11 @@ class SavePipeline:
         cannot join fails every rank in the staging stage's agreement
         (``execution.save.fail_before_staging``). The
         pipeline keeps ``tensors`` (``planned_tensors``): the state dict is not walked
-        again to write them."""
+        again to write them. ``plan_cache`` reuses a plan made under the same
+        ``plan_settings`` (the planner's) and this save's layout."""
         self._planned = tensors
         planner = self._layout_planner(planner)
-        if plan_cache is not None:  # a plan for this layout, not one made for another
-            plan_cache.settings = (plan_cache.settings, self.options.layout)
+        settings = (plan_settings, self.options.layout.planned_at(self.site))  # a plan for this layout only
         if local_error is None:
             try:
                 check_shared(self.target, self.group.world_size)
@@ -340,13 +340,13 @@ class SavePipeline:
         if self._pending is not None:  # a caller's directory: nothing to begin
             return gather_and_plan_cached(
                 plan_cache, tensors, objects, self.group, planner, local_error=local_error,
-                common_digests=common_digests, save_to=self.target, common_state=common_state,
+                common_digests=common_digests, save_to=self.target, common_state=common_state, settings=settings,
             )
         try:
             intent, plan = gather_and_plan_cached(
                 plan_cache, tensors, objects, self.group, planner, anew=self._begin_for_every_rank,
                 local_error=local_error, common_digests=common_digests, save_to=self.target,
-                common_state=common_state,
+                common_state=common_state, settings=settings,
             )
         except BaseException:  # no rank joined the save: nothing of it can be in use
             if self._pending is not None:

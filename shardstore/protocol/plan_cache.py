@@ -71,14 +71,11 @@ class PlanCache:
     coordinator, the name lengths the plan's files need.
 
     Attributes:
-        settings: the planner's settings (e.g. ``(max_chunk_bytes, fully_parallel)``),
-            part of the key: a strategy sets them before each plan.
         planned: plans made (the full round trip) through this cache.
         reused: plans reused.
     """
 
     def __init__(self) -> None:
-        self.settings: Hashable = ()
         self.planned = 0
         self.reused = 0
         self._key: tuple | None = None
@@ -125,10 +122,12 @@ def gather_and_plan_cached(
     common_digests: dict[str, str] | None = None,
     save_to: Location | None = None,
     common_state: dict[str, Any] | None = None,
+    settings: Hashable = (),
 ) -> Any:
     """Collective: ``gather_and_plan`` (same arguments), reusing ``cache``'s plan when
-    every rank's structure is unchanged (module docstring). ``cache`` None: exactly
-    ``gather_and_plan``.
+    every rank's structure is unchanged (module docstring) and the plan was made under
+    the same ``settings`` (the planner's, and the layout it plans by: part of the key).
+    ``cache`` None: exactly ``gather_and_plan``.
 
     ``anew``: on the coordinator, once the plan is made or reused, what every call
     needs anew (a save's begin); its result reaches every rank with its part.
@@ -144,7 +143,7 @@ def gather_and_plan_cached(
     key = None
     if cache is not None and local_error is None:
         try:
-            key = _structure_key(cache, sharded_tensors, sharded_objects, group, place)
+            key = _structure_key(settings, sharded_tensors, sharded_objects, group, place)
         except Exception:  # noqa: BLE001  (gather_and_plan reports the same failure on every rank)
             key = None
     if cache is not None:  # even holding no plan: a rank whose cache was cleared votes to re-plan
@@ -172,14 +171,14 @@ def gather_and_plan_cached(
 
 
 def _structure_key(
-    cache: PlanCache, sharded_tensors: list[ShardedTensor], sharded_objects: list[ShardedObject], group: Group,
+    settings: Hashable, sharded_tensors: list[ShardedTensor], sharded_objects: list[ShardedObject], group: Group,
     place: str | None,
 ) -> tuple:
     """What this rank's part of the plan depends on: its records exactly as
     ``gather_and_plan`` would send them, its rank and the world size and the planner's
     settings (the target's name limits are the coordinator's to check)."""
     tensors, objects = local_records(sharded_tensors, sharded_objects, group.rank, place)
-    return (group.rank, group.world_size, cache.settings, tuple(tensors), tuple(objects))
+    return (group.rank, group.world_size, settings, tuple(tensors), tuple(objects))
 
 
 def _reuse(

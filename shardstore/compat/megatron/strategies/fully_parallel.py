@@ -51,7 +51,7 @@ __all__ = [
 import copy
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -285,6 +285,11 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
     def plan_cache(self) -> PlanCache | None:
         """The wrapped strategy's cached plan (``protocol.plan_cache``), if it keeps one."""
         return self.base_strategy.plan_cache if _is_shardstores_own(self.base_strategy) else None
+
+    @property
+    def plan_settings(self) -> Hashable:
+        """The wrapped strategy's (``SaveShardedStrategy.plan_settings``)."""
+        return self.base_strategy.plan_settings if _is_shardstores_own(self.base_strategy) else ()
 
     @property
     def cached_distribution(self) -> ShardDistribution | None:

@@ -38,7 +38,7 @@ from shardstore.format.features import ZarrMetadata
 from shardstore.format.packs import PACK_BYTES, PACK_MEMBERS, fits_one_pack
 from shardstore.format.records import ArrayRecord, parent_groups
 from shardstore.format.storage_layout import DEFAULT_SHARD_BYTES, LayoutSite, StorageLayout
-from shardstore.planning.layout import GlobalLayout
+from shardstore.planning.layout import GatheredShards
 from shardstore.planning.plans import RankSavePlan
 
 FIXED_FILES = 3
@@ -68,7 +68,7 @@ def chosen_layout(world: int, object_store: bool, door: Door = DOORS[0],
     return (layout or StorageLayout()).chosen_for(LayoutSite(world, object_store, door.can_exchange))
 
 
-def plan_with(layout: GlobalLayout, storage: StorageLayout) -> list[RankSavePlan]:
+def plan_with(layout: GatheredShards, storage: StorageLayout) -> list[RankSavePlan]:
     """Every rank's part of the save of ``layout`` with the chosen ``storage``, planned by
     the default strategy as a save plans it."""
     return ZarrSaveShardedStrategy().plan_save(layout, storage)
@@ -153,7 +153,7 @@ def _plans_alike(storage: StorageLayout) -> tuple:
 
 
 def files_by_door(
-    global_layout: Callable[[], GlobalLayout], world: int, plans: list[RankSavePlan], planned_with: StorageLayout,
+    global_layout: Callable[[], GatheredShards], world: int, plans: list[RankSavePlan], planned_with: StorageLayout,
     layout: StorageLayout | None = None,
 ) -> dict[str, LayoutFiles]:
     """The files of the save through every door of ``DOORS`` on a file system and on S3,

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shardstore.format.records import CommitRecord  # noqa: E402
 from shardstore.gc_pause import gc_paused  # noqa: E402
 from shardstore.planning.checks import admits_names, name_lengths_needed  # noqa: E402
-from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
+from shardstore.planning.layout import GatheredShards, ShardRecord  # noqa: E402
 from shardstore.planning.plans import plan_reads, plan_save  # noqa: E402
 from shardstore.protocol.plan_cache import _CachedPlanQuery  # noqa: E402
 from shardstore.stores.base import NameLimits  # noqa: E402
@@ -94,7 +94,7 @@ def measure_cached(world: int, tensors: int) -> dict[str, float]:
     gc.collect()
 
     start = time.process_time()  # the full stage: the coordinator unpickles, checks, plans, pickles the parts
-    layout = GlobalLayout.from_gathered([pickle.loads(g)[1] for g in gathered])
+    layout = GatheredShards.from_gathered([pickle.loads(g)[1] for g in gathered])
     validate_sharding_integrity(layout)
     plans = plan_save(layout, *settings)
     needed = name_lengths_needed(layout)
@@ -141,7 +141,7 @@ def measure(world: int, tensors: int) -> dict[str, float]:
     gc.collect()
 
     start = time.process_time()
-    layout = GlobalLayout.from_gathered(gathered)
+    layout = GatheredShards.from_gathered(gathered)
     validate_sharding_integrity(layout)
     plans = plan_save(layout, 64 * 2**20, fully_parallel=True)
     plan_cpu = time.process_time() - start
@@ -157,7 +157,7 @@ def measure(world: int, tensors: int) -> dict[str, float]:
     gc.collect()
 
     start = time.process_time()  # the coordinator plans the reads
-    load_plans = plan_load(GlobalLayout.from_gathered(gathered), set(), StrictHandling.ASSUME_OK_UNEXPECTED, True,
+    load_plans = plan_load(GatheredShards.from_gathered(gathered), set(), StrictHandling.ASSUME_OK_UNEXPECTED, True,
                            lambda layout: plan_reads(layout, fully_parallel=True))
     load_pickled = [pickle.dumps(p) for p in load_plans]
     load_cpu = time.process_time() - start

@@ -51,7 +51,7 @@ from shardstore.format.codecs import BYTES_CRC32C, CRC_BYTES  # noqa: E402
 from shardstore.format.records import ArrayRecord, CommitRecord  # noqa: E402
 from shardstore.format.sharding import ShardIndex, ShardingIndexed  # noqa: E402
 from shardstore.gc_pause import gc_paused  # noqa: E402
-from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
+from shardstore.planning.layout import GatheredShards, ShardRecord  # noqa: E402
 from shardstore.planning.plans import (  # noqa: E402
     RankReadPlan,
     exchange_waves,
@@ -66,7 +66,7 @@ MiB = 1 << 20
 
 def counts(model: sim.Model, shard_bytes: int | None) -> dict[str, float]:
     """One plan of ``model``'s save: the figures the module docstring lists."""
-    layout = GlobalLayout.from_gathered([(model.rank_records(r), []) for r in range(model.world)])
+    layout = GatheredShards.from_gathered([(model.rank_records(r), []) for r in range(model.world)])
     start = time.perf_counter()
     plans = plan_save(layout, DEFAULT_MAX_CHUNK_BYTES, True, shard_bytes)
     seconds = time.perf_counter() - start
@@ -144,7 +144,7 @@ def _fetched(s: ShardRecord, array: ArrayRecord) -> int:
     return total
 
 
-def same_layout_fetched(layout: GlobalLayout, arrays: dict[str, ArrayRecord]) -> tuple[int, int]:
+def same_layout_fetched(layout: GatheredShards, arrays: dict[str, ArrayRecord]) -> tuple[int, int]:
     """Bytes a load at the save's layout fetches from a local disk, and the bytes it
     asks for: every main shard read once (a fully-parallel load reads each replicated
     block once and sends it on)."""
@@ -156,7 +156,7 @@ def same_layout_fetched(layout: GlobalLayout, arrays: dict[str, ArrayRecord]) ->
     return fetched, needed
 
 
-def load_requests(layout: GlobalLayout, arrays: dict[str, ArrayRecord], once: bool) -> dict[str, float]:
+def load_requests(layout: GatheredShards, arrays: dict[str, ArrayRecord], once: bool) -> dict[str, float]:
     """A load at the save's layout from S3, planned by the real planner
     (``plan_reads``, fully parallel, with or without ``read_shards_once``): the data
     GETs all ranks make (per rank and shard it reads: one where it reads the shard
@@ -218,7 +218,7 @@ def sharded_record(sampled: sim.Model, model: sim.Model, shard_bytes: int, parse
     """The commit record of ``model``'s sharded save, built from ``sampled``'s plan (the
     same world, fewer layers) at ``model``'s layer count: its bytes, its shards, and the
     median and range of ``parses`` parses' CPU seconds."""
-    layout = GlobalLayout.from_gathered([(sampled.rank_records(r), []) for r in range(sampled.world)])
+    layout = GatheredShards.from_gathered([(sampled.rank_records(r), []) for r in range(sampled.world)])
     plans = plan_save(layout, DEFAULT_MAX_CHUNK_BYTES, True, shard_bytes)
     bound, _, _ = sim.commit_stage(plans)
     del plans, layout
@@ -257,7 +257,7 @@ def print_loads(models: list[sim.Model], shard_bytes: int, quick: bool) -> None:
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
     for model in models:
         sampled = model if quick else model.with_layers(16 if isinstance(model, sim.MegatronGpt) else 2)
-        layout = GlobalLayout.from_gathered([(sampled.rank_records(r), []) for r in range(sampled.world)])
+        layout = GatheredShards.from_gathered([(sampled.rank_records(r), []) for r in range(sampled.world)])
         arrays = plan_save(layout, DEFAULT_MAX_CHUNK_BYTES, True, shard_bytes)[0].commit.arrays
         asked = sum(s.nbytes for records in layout.tensors.values() for s in records if s.main)
         for once in (False, True):

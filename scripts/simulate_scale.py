@@ -81,7 +81,7 @@ from shardstore.format.records import COMMON_FILE, ArrayRecord, CommitRecord  # 
 from shardstore.format.storage_layout import StorageLayout  # noqa: E402
 from shardstore.gc_pause import gc_paused  # noqa: E402
 from shardstore.planning.checks import check_layout  # noqa: E402
-from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
+from shardstore.planning.layout import GatheredShards, ShardRecord  # noqa: E402
 from shardstore.planning.plans import RankReadPlan, RankSavePlan, plan_reads  # noqa: E402
 from shardstore.planning.plans.chunk_pieces import leading_rows, request_piece  # noqa: E402
 from shardstore.validation import StrictHandling, plan_load  # noqa: E402
@@ -612,7 +612,7 @@ def save_stage(gathered: list[tuple[list[ShardRecord], list]], probe: int, stora
     gather_wire = world * max(_framed((PLACE, g, None)) for g in gathered)  # every rank sends the largest's size
 
     def coordinator() -> tuple[list[RankSavePlan], list[bytes]]:
-        layout = GlobalLayout.from_gathered(gathered)
+        layout = GatheredShards.from_gathered(gathered)
         check_layout(layout, where=PLACE)
         plans = plan_with(layout, storage)
         return plans, [pickle.dumps((p, []), protocol=pickle.HIGHEST_PROTOCOL) for p in plans]
@@ -660,7 +660,7 @@ def load_stage(gathered: list[tuple[list[ShardRecord], list]], arrays: dict[str,
     shards = {key: array.chunk_shape for key, array in arrays.items()} if once else None
 
     def coordinator() -> list[bytes]:
-        parts = plan_load(GlobalLayout.from_gathered(gathered), set(), StrictHandling.ASSUME_OK_UNEXPECTED, True,
+        parts = plan_load(GatheredShards.from_gathered(gathered), set(), StrictHandling.ASSUME_OK_UNEXPECTED, True,
                           lambda layout: plan_reads(layout, fully_parallel=True, shards=shards))
         return [pickle.dumps((p, []), protocol=pickle.HIGHEST_PROTOCOL) for p in parts]
 
@@ -687,7 +687,7 @@ def plan_layout(model: Model, layout: StorageLayout | None = None) -> tuple[Figu
     local = chosen_layout(world, object_store=False, layout=layout)
     save = save_stage(gathered, probe, local)
     nbytes, straddle = save.plans[0].checkpoint_nbytes, _straddle_bytes(save.plans, save.plans[0].commit.arrays)
-    doors = files_by_door(lambda: GlobalLayout.from_gathered(gathered), world, save.plans, local, layout)
+    doors = files_by_door(lambda: GatheredShards.from_gathered(gathered), world, save.plans, local, layout)
     record, commit_wire, bind_s = commit_stage(save.plans)
     del save.plans[:]  # the plans are done with: their memory is the next stage's
     gc.collect()

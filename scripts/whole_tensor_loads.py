@@ -30,12 +30,12 @@ import simulate_scale as sim  # noqa: E402
 from shardstore.engine.zarr_strategies import ZarrLoadShardedStrategy  # noqa: E402
 from shardstore.format.chunks import chunk_pieces  # noqa: E402
 from shardstore.format.records import ArrayRecord, CommitRecord  # noqa: E402
-from shardstore.planning.layout import GlobalLayout, ShardRecord  # noqa: E402
+from shardstore.planning.layout import GatheredShards, ShardRecord  # noqa: E402
 from shardstore.planning.plans import RankReadPlan, plan_save, planned_requests  # noqa: E402
 
 
-def _layout(model: sim.FsdpLlama) -> GlobalLayout:
-    return GlobalLayout.from_gathered([(model.rank_records(r), []) for r in range(model.world)])
+def _layout(model: sim.FsdpLlama) -> GatheredShards:
+    return GatheredShards.from_gathered([(model.rank_records(r), []) for r in range(model.world)])
 
 
 def _chunks(block: ShardRecord, array: ArrayRecord) -> set[tuple[str, tuple[int, ...]]]:
@@ -43,7 +43,7 @@ def _chunks(block: ShardRecord, array: ArrayRecord) -> set[tuple[str, tuple[int,
     return {(block.key, piece.index) for piece in chunk_pieces(block.region, array.shape, array.chunk_shape)}
 
 
-def bytes_read(layout: GlobalLayout, record: CommitRecord, plans: list[RankReadPlan]) -> list[int]:
+def bytes_read(layout: GatheredShards, record: CommitRecord, plans: list[RankReadPlan]) -> list[int]:
     """Per rank, the bytes of the chunks its reads touch (its own requests and the
     blocks it forwards), each chunk once, as stored (edge chunks padded whole)."""
     own: list[dict[int, ShardRecord]] = [{} for _ in plans]

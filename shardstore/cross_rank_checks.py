@@ -22,7 +22,7 @@ from shardstore.planning.checks import (
     layout_of_global_metadata,
     ranks_with_differing_common_state,
 )
-from shardstore.planning.layout import GlobalLayout
+from shardstore.planning.layout import GatheredShards
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.common_state import (
     check_common_state_consistency,
@@ -33,7 +33,7 @@ from shardstore.stores.base import NameLimits
 
 
 def validate_sharding_integrity(
-    global_metadata: GlobalLayout | list[list[ShardedBase]],
+    global_metadata: GatheredShards | list[list[ShardedBase]],
     common_state_dict: CommonStateDict | None = None,
     *,
     storage: NameLimits | None = FORMAT_NAME_LIMITS,
@@ -62,7 +62,7 @@ def validate_sharding_integrity(
     if common_state_dict is not None:
         validate_common_state_dict(common_state_dict, Group())
     layout = global_metadata
-    if not isinstance(layout, GlobalLayout):
+    if not isinstance(layout, GatheredShards):
         if Group().rank != 0:
             return
         layout = layout_of_global_metadata([[converted_class(item) for item in items] for items in layout])

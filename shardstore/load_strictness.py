@@ -21,7 +21,7 @@ from typing import Any
 
 from shardstore.errors import CheckpointingException
 from shardstore.planning.checks import check_layout
-from shardstore.planning.layout import GlobalLayout, ShardRecord
+from shardstore.planning.layout import GatheredShards, ShardRecord
 from shardstore.planning.plans import RankLoadPlan
 
 logger = logging.getLogger(__name__)
@@ -88,11 +88,11 @@ def parse_strict_flag(strict: str | Enum) -> StrictHandling:
 
 
 def plan_load(
-    layout: GlobalLayout,
+    layout: GatheredShards,
     ckpt_keys: set[str],
     strict: StrictHandling,
     validate_access_integrity: bool,
-    read_planner: Callable[[GlobalLayout], list[Any]],
+    read_planner: Callable[[GatheredShards], list[Any]],
     where: str = "",
 ) -> list[RankLoadPlan]:
     """The coordinator's part of a load, from every rank's request (index = group rank).
@@ -125,7 +125,7 @@ def plan_load(
     ]
 
 
-def without_keys(layout: GlobalLayout, keys: set[str]) -> GlobalLayout:
+def without_keys(layout: GatheredShards, keys: set[str]) -> GatheredShards:
     """``layout`` without the requests for ``keys``, each rank's remaining tensors
     renumbered as in its state dict once those keys are dropped from it."""
     if not keys:
@@ -139,7 +139,7 @@ def without_keys(layout: GlobalLayout, keys: set[str]) -> GlobalLayout:
     for shards in kept.values():
         for index, s in enumerate(sorted(shards, key=lambda s: s.index)):
             renumbered[s.key].append(replace(s, index=index))
-    return GlobalLayout(
+    return GatheredShards(
         {k: renumbered[k] for k in layout.tensors if k in renumbered},
         {k: v for k, v in layout.objects.items() if k not in keys},
         layout.world_size,

@@ -49,7 +49,7 @@ class MeshReplicaId(tuple):
     the DTensor's mesh (another data-parallel group's copy of a TP submesh) cannot be
     seen from it, so equal blocks of one key held by several ranks with such ids are
     replicas of each other, one of them main, as DCP's planner deduplicates them
-    (``planning.layout.GlobalLayout.from_gathered``). Their values are not compared,
+    (``planning.layout.GatheredShards.from_gathered``). Their values are not compared,
     as DCP does not compare them: copies that differ save one of them per block."""
 
     __slots__ = ()

@@ -4,7 +4,7 @@ default of ``ZarrSaveShardedStrategy``, stores arrays of small blocks in shards 
 and never below; None never shards, a number of bytes always does. Megatron-LM users
 reach it through ``shardstore.megatron.install(shard_bytes=...)``.
 
-The world-size cases are planned, not run: a ``GlobalLayout`` of 31 or 32 ranks' FSDP2
+The world-size cases are planned, not run: a ``GatheredShards`` of 31 or 32 ranks' FSDP2
 records goes through the strategy's own planning function (``plan_save``), so the
 resolution is tested where the coordinator makes it.
 """
@@ -20,7 +20,7 @@ from shardstore import ShardedTensor, StorageLayout, load, save
 from shardstore.format.records import read_commit_record
 from shardstore.format.sharding import ShardingIndexed
 from shardstore.format.storage_layout import LayoutSite
-from shardstore.planning.layout import GlobalLayout, ShardRecord
+from shardstore.planning.layout import GatheredShards, ShardRecord
 from shardstore.planning.plans import largest_shard_bytes, object_bounds
 from shardstore.serialization import get_default_save_sharded_strategy
 from shardstore.stores.locations import open_location
@@ -35,10 +35,10 @@ COLS = 1024  # a row of float32: 4 KiB; a rank's block of ROWS_PER_RANK rows: 64
 ROWS_PER_RANK = 16
 
 
-def _fsdp_layout(world: int, arrays: int = 3) -> GlobalLayout:
+def _fsdp_layout(world: int, arrays: int = 3) -> GatheredShards:
     """FSDP2's ``Shard(0)``: every array split along its rows over all ``world`` ranks."""
     shape = (world * ROWS_PER_RANK, COLS)
-    return GlobalLayout.from_gathered([
+    return GatheredShards.from_gathered([
         ([ShardRecord(f"w{i}", rank, i, "float32", shape, (rank * ROWS_PER_RANK, 0), (ROWS_PER_RANK, COLS), None, True)
           for i in range(arrays)], [])
         for rank in range(world)

@@ -18,7 +18,7 @@ import zarr
 
 from shardstore import ShardedTensor, load, save
 from shardstore.format.records import read_commit_record
-from shardstore.planning.layout import GlobalLayout, ShardRecord, bound_chunk
+from shardstore.planning.layout import GatheredShards, ShardRecord, bound_chunk
 from shardstore.planning.plans import plan_save
 from shardstore.stores.locations import open_location
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
@@ -49,9 +49,9 @@ def test_chunks_contiguous_in_their_block_keep_whole_later_axes() -> None:
     assert bound_chunk((4138, 8192), 4, 64 * MiB) == (2, 8192)
 
 
-def _fsdp_layout(world: int, rows: int, cols: int, arrays: int = 2) -> GlobalLayout:
+def _fsdp_layout(world: int, rows: int, cols: int, arrays: int = 2) -> GatheredShards:
     per_rank = -(-rows // world)
-    return GlobalLayout.from_gathered([
+    return GatheredShards.from_gathered([
         ([ShardRecord(f"a{i}", rank, i, "float32", (rows, cols), (rank * per_rank, 0),
                       (min(per_rank, rows - rank * per_rank), cols), None, True) for i in range(arrays)], [])
         for rank in range(world) if rank * per_rank < rows

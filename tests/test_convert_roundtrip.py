@@ -353,7 +353,7 @@ def test_a_safetensors_layout_placing_an_array_far_past_its_list_is_refused(tmp_
     and a file as large as the hostile number said."""
     from safetensors.torch import save_file
 
-    layout = convert_layout.Layout({"w": ("l", index)})
+    layout = convert_layout.ExportStructure({"w": ("l", index)})
     file = tmp_path / "hf" / "model.safetensors"
     file.parent.mkdir()
     save_file({"w": torch.ones(2)}, file, metadata={"format": "pt", **convert_layout.safetensors_metadata(layout)})

@@ -19,7 +19,7 @@ import torch
 import shardstore
 from shardstore import ShardedTensor, StorageLayout, load, save
 from shardstore.execution.save import ASSEMBLY_SHARE
-from shardstore.planning.layout import GlobalLayout, ShardRecord
+from shardstore.planning.layout import GatheredShards, ShardRecord
 from shardstore.planning.plans import exchange_waves, plan_save
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
 from tests.dist import run_distributed
@@ -200,14 +200,14 @@ def saved_in_waves_or_not(rank: int, world: int, ckpt: str) -> None:
     save(_state(rank, world), ckpt, ZarrSaveShardedStrategy(shard_bytes=ARRAY_BYTES, sync_staging_bytes=bound), layout=PER_ARRAY)
 
 
-def _layout(world: int, arrays: int, rows: int) -> GlobalLayout:
+def _layout(world: int, arrays: int, rows: int) -> GatheredShards:
     tensors = {}
     for i in range(arrays):
         key, block = f"a{i:02d}", rows // world
         tensors[key] = [
             ShardRecord(key, r, 0, "float32", (rows, COLS), (r * block, 0), (block, COLS), None, True)
             for r in range(world)]
-    return GlobalLayout(tensors, {}, world)
+    return GatheredShards(tensors, {}, world)
 
 
 @pytest.mark.parametrize("wave_bytes", [None, 1, 10_000, 24 * 1024, 100_000])

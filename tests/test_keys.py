@@ -414,10 +414,10 @@ def test_a_plan_whose_keys_hold_a_text_a_store_refuses_is_made_anew_for_it() -> 
     """A cached plan is reused for a target whose limits admit its names: not for S3 where
     a key holds ``?versionId=`` (the full check then names the key)."""
     from shardstore.planning.checks import admits_names, local_records, name_lengths_needed
-    from shardstore.planning.layout import GlobalLayout
+    from shardstore.planning.layout import GatheredShards
     from shardstore.stores.base import OBJECT_VERSION_TEXT
 
     tensors = [ShardedTensor.from_rank_offsets(f"w{OBJECT_VERSION_TEXT}1", torch.ones(2))]
-    needed = name_lengths_needed(GlobalLayout.from_gathered([local_records(tensors, [], 0)]))
+    needed = name_lengths_needed(GatheredShards.from_gathered([local_records(tensors, [], 0)]))
     s3_like = NameLimits(None, 1000, "S3's keys", ((OBJECT_VERSION_TEXT, "an object version"),))
     assert not admits_names(s3_like, needed) and admits_names(NameLimits(None, 1000), needed)

@@ -11,7 +11,7 @@ import torch
 
 from shardstore import ShardedTensor, StorageLayout, load, save
 from shardstore.core import CheckpointingException
-from shardstore.planning.layout import GlobalLayout, ShardRecord
+from shardstore.planning.layout import GatheredShards, ShardRecord
 from shardstore.planning.plans import plan_reads
 from shardstore.protocol.collectives import Group
 from shardstore.validation import StrictHandling, plan_load
@@ -25,7 +25,7 @@ def _record(key: str, rank: int, index: int, rows: int = 4, offset: int = 0, dty
 def test_each_replicated_block_is_read_once_and_the_reads_are_balanced() -> None:
     # 4 ranks all ask for the same 4 equal blocks (a data-parallel group loading the model)
     per_rank = [([_record(f"w{i}", rank, i) for i in range(4)], []) for rank in range(4)]
-    plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True)
+    plans = plan_reads(GatheredShards.from_gathered(per_rank), fully_parallel=True)
     assert sorted(len(p.reads) for p in plans) == [1, 1, 1, 1]
     readers = {}
     for p in plans:
@@ -43,7 +43,7 @@ def test_each_replicated_block_is_read_once_and_the_reads_are_balanced() -> None
 
 def test_without_fully_parallel_every_rank_reads_what_it_asked_for() -> None:
     per_rank = [([_record(f"w{i}", rank, i) for i in range(3)], []) for rank in range(2)]
-    plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=False)
+    plans = plan_reads(GatheredShards.from_gathered(per_rank), fully_parallel=False)
     assert [p.reads for p in plans] == [(0, 1, 2), (0, 1, 2)]
     assert all(not p.sends and not p.receives for p in plans)
 
@@ -53,22 +53,22 @@ def test_blocks_asked_for_once_are_read_by_their_askers_as_without_fully_paralle
     plain one (no choice to balance, nothing to send); one shared block among them
     still gets one reader and a send."""
     per_rank = [([_record(f"w{i}", rank, i, offset=4 * rank) for i in range(3)], []) for rank in range(4)]
-    layout = GlobalLayout.from_gathered(per_rank)
+    layout = GatheredShards.from_gathered(per_rank)
     assert plan_reads(layout, fully_parallel=True) == plan_reads(layout, fully_parallel=False)
     per_rank[1][0].append(_record("w0", 1, 3, offset=0))  # rank 1 asks for rank 0's block of w0 too
-    plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True)
+    plans = plan_reads(GatheredShards.from_gathered(per_rank), fully_parallel=True)
     assert sum(len(p.reads) for p in plans) == 12 and sum(len(ix) for p in plans for _, ix in p.sends) == 1
 
 
 def test_replicas_asking_for_different_dtypes_each_get_a_reader() -> None:
     per_rank = [([_record("w", 0, 0, dtype="float32")], []), ([_record("w", 1, 0, dtype="bfloat16")], [])]
-    plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True)
+    plans = plan_reads(GatheredShards.from_gathered(per_rank), fully_parallel=True)
     assert [p.reads for p in plans] == [(0,), (0,)]
 
 
 def test_a_block_asked_for_twice_by_one_rank_is_read_once() -> None:
     per_rank = [([_record("w", 0, 0), _record("w", 0, 1)], [])]
-    (plan,) = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True)
+    (plan,) = plan_reads(GatheredShards.from_gathered(per_rank), fully_parallel=True)
     assert len(plan.reads) == 1 and len(plan.copies) == 1
 
 
@@ -78,7 +78,7 @@ def test_unexpected_keys_are_dropped_and_the_rest_renumbered() -> None:
         ([_record("a", 0, 0), _record("b", 0, 1)], []),
         ([_record("a", 1, 0), _record("gone", 1, 1), _record("b", 1, 2)], []),
     ]
-    layout = GlobalLayout.from_gathered(per_rank)
+    layout = GatheredShards.from_gathered(per_rank)
     plans = plan_load(layout, {"a", "b", "extra"}, StrictHandling.RETURN_ALL, False,
                       lambda lay: plan_reads(lay, fully_parallel=False))
     assert plans[1].unexpected == {"gone"} and plans[0].unexpected == set()
@@ -204,7 +204,7 @@ def test_a_shard_read_once_is_read_by_one_asker_who_sends_the_others_their_block
     the other array, not sharded, is read as before."""
     per_rank = [([_record("w0", rank, 0, offset=4 * rank), _record("w1", rank, 1, offset=4 * rank)], [])
                 for rank in range(4)]
-    layout = GlobalLayout.from_gathered(per_rank)
+    layout = GatheredShards.from_gathered(per_rank)
     plans = plan_reads(layout, fully_parallel=True, shards={"w0": (8, 8)})
     assert [p.reads for p in plans] == [(0, 1, 2), (1,), (0, 1, 2), (1,)]  # ranks 0 and 2 read w0's shards
     assert [[(f.rank, f.index, f.offset) for f in p.forwards] for p in plans] == [[(1, 0, (4, 0))], [],
@@ -223,14 +223,14 @@ def test_a_block_over_a_shard_edge_is_split_into_pieces_numbered_after_the_reque
     its pieces), who sends the other its piece."""
     per_rank = [([_record("w", 0, 0, rows=6, offset=0)], []),
                 ([_record("w", 1, 0, rows=6, offset=6), _record("v", 1, 1)], [])]
-    plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True, shards={"w": (4, 8)})
+    plans = plan_reads(GatheredShards.from_gathered(per_rank), fully_parallel=True, shards={"w": (4, 8)})
     assert [p.pieces for p in plans] == [((0, ((0, 4), (0, 8))), (0, ((4, 6), (0, 8)))),
                                          ((0, ((0, 2), (0, 8))), (0, ((2, 6), (0, 8))))]
     assert [p.requested for p in plans] == [3, 4]  # requests and pieces
     assert [p.reads for p in plans] == [(1, 2, 3), (1, 3)]  # never 0, the split requests
     assert [(f.rank, f.index, f.offset, f.block_shape) for f in plans[0].forwards] == [(1, 2, (6, 0), (2, 8))]
     assert tuple(plans[0].sends) == ((1, (3,)),) and tuple(plans[1].receives) == ((0, (2,)),)
-    unsplit = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True)
+    unsplit = plan_reads(GatheredShards.from_gathered(per_rank), fully_parallel=True)
     assert not any(p.pieces for p in unsplit)  # nothing read once: nothing split
 
 
@@ -241,11 +241,11 @@ def test_a_block_is_split_along_its_leading_axis_only() -> None:
     whole, as before, and a layer-stacked block (a prepended axis of 1) is split along
     its rows."""
     columns = [([ShardRecord("w", r, 0, "float32", (8, 16), (0, 6 * r), (8, 6), None, True)], []) for r in range(2)]
-    plans = plan_reads(GlobalLayout.from_gathered(columns), fully_parallel=True, shards={"w": (8, 4)})
+    plans = plan_reads(GatheredShards.from_gathered(columns), fully_parallel=True, shards={"w": (8, 4)})
     assert not any(p.pieces for p in plans)
     stacked = [([ShardRecord("l", r, 0, "float32", (2, 12, 8), (1, 6 * r, 0), (1, 6, 8), None, True)], [])
                for r in range(2)]
-    plans = plan_reads(GlobalLayout.from_gathered(stacked), fully_parallel=True, shards={"l": (1, 4, 8)})
+    plans = plan_reads(GatheredShards.from_gathered(stacked), fully_parallel=True, shards={"l": (1, 4, 8)})
     assert plans[0].pieces == ((0, ((0, 1), (0, 4), (0, 8))), (0, ((0, 1), (4, 6), (0, 8))))
 
 
@@ -255,7 +255,7 @@ def test_a_shard_reader_reads_blocks_it_did_not_ask_for_as_forwards() -> None:
     as forwards, indices past its own request (1 and 2), and sends them."""
     per_rank = [([_record("w", 0, 0, offset=0)], []),
                 ([_record("w", 1, 0, offset=4), _record("w", 1, 1, offset=8)], [])]
-    plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True, shards={"w": (12, 8)})
+    plans = plan_reads(GatheredShards.from_gathered(per_rank), fully_parallel=True, shards={"w": (12, 8)})
     assert plans[0].reads == (0, 1, 2) and plans[1].reads == ()
     assert [(f.rank, f.index) for f in plans[0].forwards] == [(1, 0), (1, 1)]
     assert plans[0].sends == ((1, (1, 2)),) and plans[1].receives == ((0, (0, 1)),)
@@ -267,10 +267,10 @@ def test_forwards_past_the_bound_are_read_by_each_asker(monkeypatch: pytest.Monk
     block = 4 * 8 * 4  # 4 rows of 8 float32
     per_rank = [([_record("w", 0, 0, offset=0)], []), ([_record("w", 1, 0, offset=4)], [])]
     monkeypatch.setattr(plans_module, "MAX_FORWARDED_BYTES", block)
-    plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True, shards={"w": (8, 8)})
+    plans = plan_reads(GatheredShards.from_gathered(per_rank), fully_parallel=True, shards={"w": (8, 8)})
     assert [p.reads for p in plans] == [(0, 1), ()] and plans[0].sends == ((1, (1,)),)
     monkeypatch.setattr(plans_module, "MAX_FORWARDED_BYTES", block - 1)
-    plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True, shards={"w": (8, 8)})
+    plans = plan_reads(GatheredShards.from_gathered(per_rank), fully_parallel=True, shards={"w": (8, 8)})
     assert [p.reads for p in plans] == [(0,), (0,)] and not plans[0].forwards and not plans[0].sends
 
 
@@ -283,7 +283,7 @@ def test_a_shard_goes_to_an_asker_it_keeps_within_the_bound(monkeypatch: pytest.
 
     per_rank = [([_record("w", 0, 0, rows=1, offset=0)], []), ([_record("w", 1, 0, rows=7, offset=1)], [])]
     monkeypatch.setattr(plans_module, "MAX_FORWARDED_BYTES", 4 * 8 * 4)
-    plans = plan_reads(GlobalLayout.from_gathered(per_rank), fully_parallel=True, shards={"w": (8, 8)})
+    plans = plan_reads(GatheredShards.from_gathered(per_rank), fully_parallel=True, shards={"w": (8, 8)})
     assert [p.reads for p in plans] == [(), (0, 1)] and [(f.rank, f.index) for f in plans[1].forwards] == [(0, 0)]
     assert plans[1].sends == ((0, (1,)),) and plans[0].receives == ((1, (0,)),)
 
@@ -296,9 +296,9 @@ def test_a_flattened_range_is_read_in_the_shards_its_rows_cross() -> None:
     def fragment(rank: int, start: int, stop: int) -> ShardRecord:
         return ShardRecord("f", rank, 0, "float32", (8, 8), (0, 0), (8, 8), (start, stop), True)
 
-    layout = GlobalLayout.from_gathered([([fragment(0, 0, 32)], []), ([fragment(1, 32, 64)], [])])
+    layout = GatheredShards.from_gathered([([fragment(0, 0, 32)], []), ([fragment(1, 32, 64)], [])])
     assert plan_reads(layout, True, shards={"f": (4, 8)}) == plan_reads(layout, False)
-    layout = GlobalLayout.from_gathered([([fragment(0, 0, 16)], []), ([fragment(1, 16, 64)], [])])
+    layout = GatheredShards.from_gathered([([fragment(0, 0, 16)], []), ([fragment(1, 16, 64)], [])])
     first, second = plan_reads(layout, True, shards={"f": (4, 8)})
     assert second.pieces == ((0, ((0, 16),)), (0, ((16, 48),)))  # rows 2-3, rows 4-7
     assert [f.flat_range for f in first.forwards] == [(16, 32)]
@@ -312,7 +312,7 @@ def test_a_strategy_planning_from_the_layout_alone_still_loads(tmp_path: Path) -
     from shardstore.strategies.zarr import ZarrLoadShardedStrategy
 
     class LayoutOnly(ZarrLoadShardedStrategy):
-        def plan_load(self, layout: GlobalLayout) -> list:  # type: ignore[override]
+        def plan_load(self, layout: GatheredShards) -> list:  # type: ignore[override]
             self.planned = True
             return super().plan_load(layout)
 

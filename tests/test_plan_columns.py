@@ -16,7 +16,7 @@ from shardstore.planning.columns import (
     split_by_peer,
     widened,
 )
-from shardstore.planning.layout import GlobalLayout, ShardRecord
+from shardstore.planning.layout import GatheredShards, ShardRecord
 from shardstore.planning.plans import plan_reads
 
 
@@ -65,7 +65,7 @@ def test_a_bulk_plan_equals_the_same_plan_as_tuples() -> None:
     world = 4
     records = [([ShardRecord("w", r, 0, "float32", (8, 4), (2 * r, 0), (2, 4), None, True)], [])
                for r in range(world)]
-    plans = plan_reads(GlobalLayout.from_gathered(records), True, {"w": (8, 4)})
+    plans = plan_reads(GatheredShards.from_gathered(records), True, {"w": (8, 4)})
     reader = next(p for p in plans if p.forwards)
     assert isinstance(reader.forwards, ForwardedBlocks) and isinstance(reader.sends, PeerIndices)
     assert sorted((f.rank, f.index) for f in reader.forwards) == [(r, 0) for r in range(world) if r != reader.rank]

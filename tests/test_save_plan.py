@@ -9,7 +9,7 @@ from collections import Counter
 
 from shardstore.format.codecs import BYTES_CRC32C
 from shardstore.format.sharding import ShardingIndexed, encode_shard
-from shardstore.planning.layout import GlobalLayout, ShardRecord
+from shardstore.planning.layout import GatheredShards, ShardRecord
 from shardstore.planning.plans import (
     MIN_INNER_BYTES,
     SHARD_SLACK,
@@ -29,7 +29,7 @@ def test_fsdp_arrays_spread_their_metadata_files_over_every_rank() -> None:
     (1,000 files and directories at 1,000 arrays) while the others waited."""
     world, arrays = 4, 8
     per_rank = [([_block(f"w{i}", rank, i, world) for i in range(arrays)], []) for rank in range(world)]
-    plans = plan_save(GlobalLayout.from_gathered(per_rank), 1 << 20, fully_parallel=False)
+    plans = plan_save(GatheredShards.from_gathered(per_rank), 1 << 20, fully_parallel=False)
     writers = Counter(plan.rank for plan in plans for _ in plan.array_metadata)
     assert writers == {rank: arrays // world for rank in range(world)}, writers
     assert sorted(key for plan in plans for key in plan.array_metadata) == sorted(f"w{i}" for i in range(arrays))
@@ -39,15 +39,15 @@ def test_fsdp_arrays_spread_their_metadata_files_over_every_rank() -> None:
 
 def test_an_array_held_by_one_rank_has_its_metadata_written_there() -> None:
     replicated = [ShardRecord("norm", rank, 0, "float32", (8,), (0,), (8,), None, rank == 2) for rank in range(4)]
-    plans = plan_save(GlobalLayout.from_gathered([([r], []) for r in replicated]), 1 << 20, fully_parallel=False)
+    plans = plan_save(GatheredShards.from_gathered([([r], []) for r in replicated]), 1 << 20, fully_parallel=False)
     assert [plan.array_metadata for plan in plans] == [(), (), ("norm",), ()]
 
 
-def _row_blocks(key: str, rows: list[int], columns: int, dtype: str = "float32") -> GlobalLayout:
+def _row_blocks(key: str, rows: list[int], columns: int, dtype: str = "float32") -> GatheredShards:
     """FSDP2-like blocks of ``rows[r]`` rows on rank ``r`` of a ``(sum(rows), columns)`` array."""
     starts = [sum(rows[:r]) for r in range(len(rows))]
     shape = (sum(rows), columns)
-    return GlobalLayout.from_gathered([([ShardRecord(key, r, 0, dtype, shape, (starts[r], 0),
+    return GatheredShards.from_gathered([([ShardRecord(key, r, 0, dtype, shape, (starts[r], 0),
                                                      (rows[r], columns), None, True)], [])
                                        for r in range(len(rows))])
 

@@ -21,7 +21,7 @@ from shardstore.errors import CheckpointingException
 from shardstore.format.features import FORMAT_VERSION, ZarrMetadata, required_by
 from shardstore.format.records import ArrayRecord, CommitRecord, read_commit_record
 from shardstore.format.sharding import InnerGrid, ShardingIndexed
-from shardstore.planning.layout import GlobalLayout, ShardRecord
+from shardstore.planning.layout import GatheredShards, ShardRecord
 from shardstore.planning.plans import plan_save
 from shardstore.stores.locations import open_location
 from shardstore.strategies.resharding import (
@@ -425,7 +425,7 @@ def test_every_shard_is_assembled_from_the_fragments_that_hold_it() -> None:
     per_rank = _megatron_records(2, 5, [0.3, 0.3, 0.3 + 1 / volume, 0.7])  # an empty range, one of 1 element
     full = np.arange(LAYERS * 2 * volume, dtype=np.float32).reshape(LAYERS, 2 * PLAN_ROWS, PLAN_COLS)
     data = {(r.rank, r.index): full[r.region].reshape(-1)[slice(*r.flat_range)] for rs in per_rank for r in rs}
-    layout = GlobalLayout.from_gathered([(rs, []) for rs in per_rank])
+    layout = GatheredShards.from_gathered([(rs, []) for rs in per_rank])
     plans = plan_save(layout, 1 << 20, fully_parallel=False, shard_bytes=30 * 8 * PLAN_COLS * 4)
     record = plans[0].commit.arrays["k"]
     assert isinstance(record.codec, ShardingIndexed)
@@ -454,7 +454,7 @@ def _inner_chunk_planned(cuts: list[float]) -> tuple[int, ...]:
     bounds = [0, *[int(c * volume) for c in cuts], volume]
     per_rank = [[ShardRecord("k", d, layer, "float32", shape, (layer, 0, 0), (1, 256, 1024),
                              (bounds[d], bounds[d + 1]), True) for layer in range(LAYERS)] for d in range(len(bounds) - 1)]
-    record = plan_save(GlobalLayout.from_gathered([(rs, []) for rs in per_rank]), 1 << 30, fully_parallel=False,
+    record = plan_save(GatheredShards.from_gathered([(rs, []) for rs in per_rank]), 1 << 30, fully_parallel=False,
                        shard_bytes=64 << 20)[0].commit.arrays["k"]
     assert isinstance(record.codec, ShardingIndexed)
     return record.codec.chunk_shape
@@ -475,7 +475,7 @@ def test_a_block_of_a_prime_length_stays_unsharded_rather_than_cut_into_tiny_inn
     shard, a 20-byte index entry and checksum each) would cost more than they save."""
     per_rank = [[ShardRecord("p", rank, 0, "float32", (2, 12289), (0, 0), (2, 12289), (lo, hi), True)]
                 for rank, (lo, hi) in enumerate([(0, 9000), (9000, 24578)])]
-    layout = GlobalLayout.from_gathered([(rs, []) for rs in per_rank])
+    layout = GatheredShards.from_gathered([(rs, []) for rs in per_rank])
     record = plan_save(layout, 1 << 20, fully_parallel=False, shard_bytes=64 << 20)[0].commit.arrays["p"]
     assert not isinstance(record.codec, ShardingIndexed)
 

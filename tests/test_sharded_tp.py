@@ -21,7 +21,7 @@ import shardstore
 from shardstore import ShardedTensor, load, save
 from shardstore.format.records import read_commit_record
 from shardstore.format.sharding import ShardingIndexed
-from shardstore.planning.layout import GlobalLayout, ShardRecord
+from shardstore.planning.layout import GatheredShards, ShardRecord
 from shardstore.planning.plans import plan_save
 from shardstore.stores.locations import open_location
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
@@ -206,14 +206,14 @@ def test_pack_orders_a_shard_inner_chunk_major() -> None:
     assert np.array_equal(codec.pack(np.asfortranarray(values)).view(np.float32), expected)  # any strides
 
 
-def _layout(out: int, cols: int, tp: int, itemsize_dtype: torch.dtype) -> GlobalLayout:
+def _layout(out: int, cols: int, tp: int, itemsize_dtype: torch.dtype) -> GatheredShards:
     """``[out, cols]`` split along its last axis over ``tp`` ranks."""
     gathered = []
     for rank in range(tp):
         t = ShardedTensor.from_rank_offsets("w", torch.empty(out, cols // tp, dtype=itemsize_dtype),
                                             (1, rank, tp))
         gathered.append(([ShardRecord.from_sharded_tensor(t, rank, 0)], []))
-    return GlobalLayout.from_gathered(gathered)
+    return GatheredShards.from_gathered(gathered)
 
 
 @pytest.mark.parametrize(("out", "cols", "inner"), [

@@ -20,7 +20,7 @@ import shardstore
 from shardstore import ShardedTensor, StorageLayout, load, save
 from shardstore.format.records import read_commit_record
 from shardstore.format.sharding import ShardingIndexed
-from shardstore.planning.layout import GlobalLayout, ShardRecord
+from shardstore.planning.layout import GatheredShards, ShardRecord
 from shardstore.planning.plans import plan_save
 from shardstore.stores.locations import open_location
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
@@ -191,12 +191,12 @@ def test_an_incremental_save_shares_unchanged_nd_shards(tmp_path: Path) -> None:
     assert shardstore.verify(tmp_path / "2").ok
 
 
-def _records(world: int, arrays: list[Stacked]) -> GlobalLayout:
+def _records(world: int, arrays: list[Stacked]) -> GatheredShards:
     gathered = []
     for rank in range(world):
         tensors = [t for a in arrays for t in a.state(rank, world).values()]
         gathered.append(([ShardRecord.from_sharded_tensor(t, rank, i) for i, t in enumerate(tensors)], []))
-    return GlobalLayout.from_gathered(gathered)
+    return GatheredShards.from_gathered(gathered)
 
 
 def test_the_plan_sends_each_block_as_one_piece_and_balances_writers() -> None:
@@ -209,7 +209,7 @@ def test_the_plan_sends_each_block_as_one_piece_and_balances_writers() -> None:
     assert sorted(p[4] for p in chunk.pieces) == list(range(0, 512, 8))  # packed, inner-chunk-major
 
 
-def _cut_layout(cuts_per_layer: list[list[int]]) -> GlobalLayout:
+def _cut_layout(cuts_per_layer: list[list[int]]) -> GatheredShards:
     """Layers of a ``[layers, 10, 12]`` weight cut along its last axis at ``cuts``
     (per layer), block ``j`` of a layer held by rank ``j % 2``."""
     shape = (len(cuts_per_layer), 10, 12)
@@ -220,7 +220,7 @@ def _cut_layout(cuts_per_layer: list[list[int]]) -> GlobalLayout:
             t = ShardedTensor("w", torch.zeros(10, hi - lo), torch.float32, (10, hi - lo), shape, (layer, 0, lo), None,
                               prepend_axis_num=1)
             records.append(ShardRecord.from_sharded_tensor(t, j % 2, len(records)))
-    return GlobalLayout.from_gathered(gathered)
+    return GatheredShards.from_gathered(gathered)
 
 
 @pytest.mark.parametrize(("cuts", "sharded"), [

@@ -249,11 +249,11 @@ def test_a_block_of_the_whole_shape_held_at_an_offset_is_refused() -> None:
     it: the check of a tensor held whole by one rank looks at the offset too."""
     from shardstore import CheckpointingException
     from shardstore.planning.checks import check_layout
-    from shardstore.planning.layout import GlobalLayout, ShardRecord
+    from shardstore.planning.layout import GatheredShards, ShardRecord
 
     shard = ShardRecord("w", 0, 0, "float32", (4, 2), (1, 0), (4, 2), None, True)
     with pytest.raises(CheckpointingException, match="'w': rank 0's shard at offset \\(1, 0\\).*lies outside"):
-        check_layout(GlobalLayout.from_gathered([([shard], [])]))
+        check_layout(GatheredShards.from_gathered([([shard], [])]))
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["grid", "sparse"])
@@ -271,7 +271,7 @@ def test_the_coverage_check_agrees_with_counting_every_element(seed: int, sparse
 
     from shardstore import CheckpointingException
     from shardstore.planning.checks import check_layout
-    from shardstore.planning.layout import GlobalLayout, ShardRecord
+    from shardstore.planning.layout import GatheredShards, ShardRecord
 
     if sparse:
         monkeypatch.setattr("shardstore.planning.checks.MAX_COVERAGE_CELLS", 0)
@@ -293,7 +293,7 @@ def test_the_coverage_check_agrees_with_counting_every_element(seed: int, sparse
             shards.append(ShardRecord("w", index, index, "float32", shape, offset, block, None, main))
             if main:
                 counts[tuple(slice(o, o + b) for o, b in zip(offset, block))] += 1
-        layout = GlobalLayout.from_gathered([([s], []) for s in shards])
+        layout = GatheredShards.from_gathered([([s], []) for s in shards])
         if not any(s.main for s in shards):
             continue
         if (counts == 1).all():
@@ -332,12 +332,12 @@ def test_a_gap_and_an_overlap_of_one_size_are_found_on_a_grid_too_large_to_count
     from shardstore import CheckpointingException
     from shardstore.planning import checks
     from shardstore.planning.checks import check_layout
-    from shardstore.planning.layout import GlobalLayout
+    from shardstore.planning.layout import GatheredShards
 
     rows = 4100
     assert rows * (rows + 1) > checks.MAX_COVERAGE_CELLS
-    check_layout(GlobalLayout.from_gathered([([s], []) for s in _staggered_rows(rows)]))
-    moved = GlobalLayout.from_gathered([([s], []) for s in _staggered_rows(rows, moved=2000)])
+    check_layout(GatheredShards.from_gathered([([s], []) for s in _staggered_rows(rows)]))
+    moved = GatheredShards.from_gathered([([s], []) for s in _staggered_rows(rows, moved=2000)])
     with pytest.raises(CheckpointingException, match="'w': the region starting at \\(2000, 2000\\) .*\\(overlap\\)"):
         check_layout(moved)
 
@@ -346,16 +346,16 @@ def test_past_the_pair_budget_only_the_volume_is_checked_and_a_warning_says_so(m
     from shardstore import CheckpointingException
     from shardstore.planning import checks
     from shardstore.planning.checks import check_layout
-    from shardstore.planning.layout import GlobalLayout
+    from shardstore.planning.layout import GatheredShards
 
     monkeypatch.setattr(checks, "MAX_COVERAGE_CELLS", 0)
     monkeypatch.setattr(checks, "MAX_OVERLAP_PAIRS", 0)
     with caplog.at_level("WARNING", logger="shardstore.planning.checks"):
-        check_layout(GlobalLayout.from_gathered([([s], []) for s in _staggered_rows(6, moved=3)]))
+        check_layout(GatheredShards.from_gathered([([s], []) for s in _staggered_rows(6, moved=3)]))
     assert "too irregular to check for overlaps" in caplog.text and "'w'" in caplog.text, caplog.text
     short = _staggered_rows(6)[:-1]
     with pytest.raises(CheckpointingException, match="cover 41 of the 42 elements .* 1 are not covered .*\\(gap\\)"):
-        check_layout(GlobalLayout.from_gathered([([s], []) for s in short]))
+        check_layout(GatheredShards.from_gathered([([s], []) for s in short]))
 
 
 @pytest.mark.parametrize(("offset", "block", "message"), [
@@ -370,20 +370,20 @@ def test_a_crafted_shard_is_refused_naming_it(offset: tuple, block: tuple, messa
     The check runs on 64-bit arrays; none of these slips through or crashes it."""
     from shardstore import CheckpointingException
     from shardstore.planning.checks import check_layout
-    from shardstore.planning.layout import GlobalLayout, ShardRecord
+    from shardstore.planning.layout import GatheredShards, ShardRecord
 
     whole = [ShardRecord("w", rank, 0, "float32", (4,), (0,), (4,), None, True) for rank in range(2)]
     crafted = ShardRecord("w", 2, 0, "float32", (4,), offset, block, None, True)
     with pytest.raises(CheckpointingException, match=f"'w': rank 2's shard .*{message}"):
-        check_layout(GlobalLayout.from_gathered([([s], []) for s in (*whole, crafted)]))
+        check_layout(GatheredShards.from_gathered([([s], []) for s in (*whole, crafted)]))
 
 
 def test_a_block_of_no_elements_held_by_two_ranks_is_written_by_one() -> None:
     """A zero-size tensor split over two ranks: both blocks are empty at offset 0, so
     both are main replicas of one block, and a fully parallel save picks one writer."""
-    from shardstore.planning.layout import GlobalLayout, ShardRecord, balance_writers
+    from shardstore.planning.layout import GatheredShards, ShardRecord, balance_writers
 
-    layout = GlobalLayout.from_gathered(
+    layout = GatheredShards.from_gathered(
         [([ShardRecord("w", rank, 0, "float32", (0,), (0,), (0,), None, True)], []) for rank in range(2)])
     assert [s.main for s in balance_writers(layout).tensors["w"]] == [True, False]
 
@@ -412,11 +412,11 @@ def test_an_offset_that_is_no_integer_is_refused_naming_the_tensor(tmp_path) -> 
 def test_a_negative_global_extent_is_refused_naming_it() -> None:
     from shardstore import CheckpointingException
     from shardstore.planning.checks import check_layout
-    from shardstore.planning.layout import GlobalLayout, ShardRecord
+    from shardstore.planning.layout import GatheredShards, ShardRecord
 
     crafted = ShardRecord("w", 0, 0, "float32", (-2, 0), (0, 0), (2**63 - 1, 0), None, True)
     with pytest.raises(CheckpointingException, match="'w': rank 0's global shape \\(-2, 0\\) has a negative extent"):
-        check_layout(GlobalLayout.from_gathered([([crafted], [])]))
+        check_layout(GatheredShards.from_gathered([([crafted], [])]))
 
 
 def test_the_coverage_of_a_tensor_of_many_axes_is_counted_within_the_cell_bound() -> None:
@@ -427,7 +427,7 @@ def test_the_coverage_of_a_tensor_of_many_axes_is_counted_within_the_cell_bound(
 
     from shardstore import CheckpointingException
     from shardstore.planning.checks import check_layout
-    from shardstore.planning.layout import GlobalLayout, ShardRecord
+    from shardstore.planning.layout import GatheredShards, ShardRecord
 
     shape = (2,) * 16
     corner = ShardRecord("w", 0, 0, "int8", shape, (0,) * 16, (1,) * 16, None, True)
@@ -435,7 +435,7 @@ def test_the_coverage_of_a_tensor_of_many_axes_is_counted_within_the_cell_bound(
     start = time.perf_counter()
     with pytest.raises(CheckpointingException, match="starting at \\(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "
                                                      "0\\) is covered by more than one main replica"):
-        check_layout(GlobalLayout.from_gathered([([corner], []), ([whole], [])]))
+        check_layout(GatheredShards.from_gathered([([corner], []), ([whole], [])]))
     assert time.perf_counter() - start < 5
 
 
@@ -537,19 +537,19 @@ def test_a_non_strict_load_skips_a_factory_whose_tensors_the_checkpoint_lacks(ck
 def test_overlapping_dtensor_copies_are_refused_saying_what_a_dtensor_user_can_change(storage: str) -> None:
     """TP + DDP at 4 ranks where the two DP groups hold one DTensor with other
     placements (rows on one ``mesh["tp"]``, columns on the other): the blocks overlap
-    without being equal, so they are no replicas (``GlobalLayout.from_gathered``) and
+    without being equal, so they are no replicas (``GatheredShards.from_gathered``) and
     the save (or a load's request) is refused. The error told the user only to "give
     the duplicates a nonzero replica_id", which a DTensor's user cannot set (its
     replica ids come from its placements); it now names the DTensor and what to
     change."""
     from shardstore.planning.checks import FORMAT_NAME_LIMITS, check_layout
-    from shardstore.planning.layout import GlobalLayout, ShardRecord
+    from shardstore.planning.layout import GatheredShards, ShardRecord
 
     blocks = [((0, 0), (4, 8)), ((4, 0), (4, 8)), ((0, 0), (8, 4)), ((0, 4), (8, 4))]  # Shard(0), then Shard(1)
     records = [ShardRecord("model.w", rank, 0, "float32", (8, 8), offset, block, None, True, mesh_replica=True)
                for rank, (offset, block) in enumerate(blocks)]
     with pytest.raises(CheckpointingException) as raised:
-        check_layout(GlobalLayout.from_gathered([([r], []) for r in records]),
+        check_layout(GatheredShards.from_gathered([([r], []) for r in records]),
                      FORMAT_NAME_LIMITS if storage == "save" else None)
     message = str(raised.value)
     assert "more than one main replica (overlap)" in message

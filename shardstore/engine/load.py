@@ -80,7 +80,7 @@ from shardstore.mapping import (
     StateDict,
 )
 from shardstore.opened import OpenedCheckpoint, bare_location, open_read_together
-from shardstore.planning.layout import GlobalLayout
+from shardstore.planning.layout import GatheredShards
 from shardstore.planning.plans import RankLoadPlan
 from shardstore.progress import operation, progress_shown, stage
 from shardstore.protocol.collectives import Group
@@ -222,7 +222,7 @@ def _load_opened(
     except Exception as exc:  # reported on every rank by gather_and_plan
         error = exc
 
-    def planner(layout: GlobalLayout) -> list[RankLoadPlan]:  # on the coordinator
+    def planner(layout: GatheredShards) -> list[RankLoadPlan]:  # on the coordinator
         saved_keys = _saved_keys(location, record, sharded_strategy, common_strategy)
         return plan_load(layout, saved_keys, strict, validate_access_integrity,
                          functools.partial(plan_load_with_record, sharded_strategy, record=record), where)

@@ -36,7 +36,7 @@ from shardstore.protocol.stage import run_stage
 
 if TYPE_CHECKING:
     from shardstore.execution.pipeline import SavePipeline
-    from shardstore.planning.layout import GlobalLayout
+    from shardstore.planning.layout import GatheredShards
 
 CheckpointDir = Union[str, Path]
 
@@ -173,7 +173,7 @@ class LoadShardedStrategy(LoadStrategyBase):
         reading a checkpoint's arrays batch by batch)."""
         return self.load_with_record(sharded_state_dict, location, record, Group.local())
 
-    def plan_load(self, layout: GlobalLayout, record: Any = None) -> list[Any]:
+    def plan_load(self, layout: GatheredShards, record: Any = None) -> list[Any]:
         """Coordinator: every rank's read plan for the gathered requests (index = group
         rank; ``shardstore.planning.plans``), given the checkpoint's commit record where
         it has one. Default: each rank reads what it asked for."""
@@ -214,7 +214,7 @@ class LoadShardedStrategy(LoadStrategyBase):
         raise NotImplementedError(f"{self} does not support removing tensors from a checkpoint")
 
 
-def plan_load_with_record(strategy: Any, layout: GlobalLayout, record: Any) -> list[Any]:
+def plan_load_with_record(strategy: Any, layout: GatheredShards, record: Any) -> list[Any]:
     """``strategy.plan_load`` of ``layout``, given the checkpoint's commit ``record``
     where its ``plan_load`` takes one (a strategy that overrides it with the layout
     alone plans from that)."""
@@ -231,7 +231,7 @@ class DelegatingLoadStrategy:
 
     base_strategy: Any
 
-    def plan_load(self, layout: GlobalLayout, record: Any = None) -> list[Any]:
+    def plan_load(self, layout: GatheredShards, record: Any = None) -> list[Any]:
         return plan_load_with_record(self.base_strategy, layout, record)
 
     def load_with_plan(self, sharded_state_dict: ShardedStateDict, location: Any, record: Any, plan: Any,
@@ -287,7 +287,7 @@ class SaveShardedStrategy(SaveStrategyBase):
         cached plan's key; () for a strategy whose plans depend on nothing else."""
         return ()
 
-    def plan_save(self, layout: GlobalLayout, storage: StorageLayout | None = None) -> list[Any]:
+    def plan_save(self, layout: GatheredShards, storage: StorageLayout | None = None) -> list[Any]:
         """Coordinator: every rank's part of the save of a validated layout (index =
         group rank), which ``engine.save`` scatters (``shardstore.planning.plans``);
         ``storage``: the save's chosen ``StorageLayout``, as planned at its site

@@ -102,7 +102,7 @@ from shardstore.format.storage_layout import (
 from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict
 from shardstore.opened import bare_location
 from shardstore.planning.layout import (
-    GlobalLayout,
+    GatheredShards,
 )
 from shardstore.planning.plans import (
     RankReadPlan,
@@ -304,7 +304,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         return pipeline.plan(tensors, objects, self.plan_save, plan_cache=self.plan_cache,
                              plan_settings=self.plan_settings)
 
-    def plan_save(self, layout: GlobalLayout, storage: StorageLayout | None = None) -> list[RankSavePlan]:
+    def plan_save(self, layout: GatheredShards, storage: StorageLayout | None = None) -> list[RankSavePlan]:
         """Coordinator: every rank's part of the save (``shardstore.planning.plans``) by
         ``storage``, the save's chosen layout as planned at its site (``SavePipeline``
         passes it: ``StorageLayout.planned_at``; its ``pack_arrays_up_to`` gathers small
@@ -444,7 +444,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         ``"auto"`` from ``AUTO_SHARD_MIN_RANKS`` ranks)."""
         return self.read_shards_once is True or (self.read_shards_once == "auto" and ranks >= AUTO_SHARD_MIN_RANKS)
 
-    def plan_load(self, layout: GlobalLayout, record: CommitRecord | None = None) -> list[RankReadPlan]:
+    def plan_load(self, layout: GatheredShards, record: CommitRecord | None = None) -> list[RankReadPlan]:
         """Coordinator: who reads which requested block (``planning.plans.plan_reads``);
         given the checkpoint's ``record``, each chunk (or shard) of its arrays once where
         ``read_shards_once`` says so."""

@@ -20,7 +20,7 @@ from shardstore.format.chunks import WrittenChunk
 from shardstore.format.records import ZARR_JSON, ArrayRecord
 from shardstore.mapping import ShardedObject, ShardedTensor
 from shardstore.planning.checks import check_storable_keys, local_records
-from shardstore.planning.layout import GlobalLayout, region_at
+from shardstore.planning.layout import GatheredShards, region_at
 
 
 class ArrayWrites:
@@ -35,7 +35,7 @@ class ArrayWrites:
         limits) on what one process is about to write, before any of it is written
         (the collective ``plan`` checks every rank's keys itself)."""
         where = self.save.describe()
-        layout = GlobalLayout.from_gathered([local_records(tensors, objects, self.save.group.rank, where)])
+        layout = GatheredShards.from_gathered([local_records(tensors, objects, self.save.group.rank, where)])
         check_storable_keys(layout, self.save.target.name_limits, where)
 
     def write_array(

@@ -62,7 +62,7 @@ from shardstore.planning.checks import (
     local_records,
     name_lengths_needed,
 )
-from shardstore.planning.layout import GlobalLayout
+from shardstore.planning.layout import GatheredShards
 from shardstore.planning.plans import RankSavePlan, object_bounds
 from shardstore.progress import stage
 from shardstore.protocol.collectives import Group
@@ -383,7 +383,7 @@ class SavePipeline:
                 )
 
     def plan_gathered(
-        self, tensors: list[list[ShardedTensor]], planner: Callable[[GlobalLayout], list[RankSavePlan]],
+        self, tensors: list[list[ShardedTensor]], planner: Callable[[GatheredShards], list[RankSavePlan]],
     ) -> tuple[list[RankSave], NameLimits]:
         """Coordinator of a door whose framework gathers the ranks' shards itself (DCP's
         ``prepare_global_plan``), given every rank's ``tensors`` (``tensors[rank]``, data
@@ -398,7 +398,7 @@ class SavePipeline:
         check_shared(self.target, len(tensors))
         for tensor in (tensor for rank_tensors in tensors for tensor in rank_tensors):
             check_storable_data(tensor, where)  # no data here: its dtype, named by its key
-        layout = GlobalLayout.from_gathered([local_records(ts, [], rank, where) for rank, ts in enumerate(tensors)])
+        layout = GatheredShards.from_gathered([local_records(ts, [], rank, where) for rank, ts in enumerate(tensors)])
         check_layout(layout, self.target.name_limits, where)
         plans = self._layout_planner(planner)(layout)
         intent = self.begin()

@@ -21,7 +21,7 @@ from __future__ import annotations
 __all__ = [
     "ExportSource",
     "FileFormat",
-    "Layout",
+    "ExportStructure",
     "SAFETENSORS_FORMAT",
     "SAFETENSORS_INDEX",
     "SAFETENSORS_SINGLE",
@@ -45,7 +45,7 @@ from shardstore.lazy_exports import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {
     "base": ("ExportSource", "FileFormat", "TensorSpec", "make_parents", "place_of_key", "place_value"),
-    "layout": ("Layout", "encode_common", "safetensors_metadata", "save_torch_file", "sparse_list_index"),
+    "layout": ("ExportStructure", "encode_common", "safetensors_metadata", "save_torch_file", "sparse_list_index"),
     "model_files": ("SAFETENSORS_INDEX", "SAFETENSORS_SINGLE"),
     "registry": ("detect", "formats", "named"),
     "safetensors": ("SAFETENSORS_FORMAT", "write_safetensors"),

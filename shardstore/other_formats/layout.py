@@ -4,7 +4,7 @@ that converting back gives the same checkpoint (``shardstore diff`` finds nothin
 A ``torch.save`` file or a safetensors model holds tensors and values, but not which
 tensor was an array of the checkpoint (and under which key) and which was a value of
 its common state (AdamW's 0-dim ``step``); a safetensors file holds no values at all.
-A ``Layout`` says it:
+An ``ExportStructure`` says it:
 
 * ``arrays``: each array's key and its place in the file's state dict (dict keys and
   list indices, ints kept as ints: ``optim/state/0/exp_avg`` may sit at
@@ -29,7 +29,7 @@ objects of other types, and each place checked against the file it describes.
 from __future__ import annotations
 
 __all__ = [
-    "Layout",
+    "ExportStructure",
     "Place",
     "TORCH_ENTRY",
     "common_tensor_names",
@@ -71,7 +71,7 @@ Place = tuple[str | int, ...]
 
 
 @dataclass(frozen=True)
-class Layout:
+class ExportStructure:
     """Which values of an exported file are the checkpoint's arrays (by key, at their
     place), which top-level entries are its sharded object shards, and (safetensors
     only) its common state encoded by ``encode_common``."""
@@ -88,7 +88,7 @@ class Layout:
         })
 
     @classmethod
-    def from_json(cls, text: str | bytes, where: str) -> Layout:
+    def from_json(cls, text: str | bytes, where: str) -> ExportStructure:
         """The layout ``text`` holds; anything malformed is refused naming ``where``."""
         try:
             data = json.loads(text)
@@ -250,7 +250,7 @@ def value_at(state: Any, place: Place, where: str) -> Any:
     return node
 
 
-def refuse_sparse_lists(layout: Layout, where: str) -> None:
+def refuse_sparse_lists(layout: ExportStructure, where: str) -> None:
     """Refuses a layout (read from ``where``) whose arrays go to list indices past what
     the lists could hold (``sparse_list_index``)."""
     found = sparse_list_index(_skeleton(layout.common) if layout.common is not None else {}, layout.arrays.values())
@@ -332,13 +332,13 @@ def without_places(node: Any, places: set[Place], path: Place = ()) -> Any:
 # --------------------------------------------------------------------------- where files carry it
 
 
-def write_torch_layout(path: Path, layout: Layout) -> None:
+def write_torch_layout(path: Path, layout: ExportStructure) -> None:
     """Adds the layout to the ``torch.save`` archive ``path``, beside its ``data.pkl``."""
     with zipfile.ZipFile(path, "a") as archive:
         archive.writestr(f"{_archive_folder(archive, path)}/{TORCH_ENTRY}", layout.to_json())
 
 
-def read_torch_layout(path: Path) -> Layout | None:
+def read_torch_layout(path: Path) -> ExportStructure | None:
     """The layout a ``torch.save`` file carries; None where it carries none (written by
     another tool, or in the legacy non-zip format)."""
     if not zipfile.is_zipfile(path):
@@ -355,7 +355,7 @@ def read_torch_layout(path: Path) -> Layout | None:
             text = archive.read(info)
     except (OSError, zipfile.BadZipFile) as exc:
         raise CheckpointingException(f"Cannot read {path} as a torch.save archive: {exc}") from exc
-    return Layout.from_json(text, str(path))
+    return ExportStructure.from_json(text, str(path))
 
 
 def _archive_folder(archive: zipfile.ZipFile, path: Path) -> str:
@@ -366,15 +366,15 @@ def _archive_folder(archive: zipfile.ZipFile, path: Path) -> str:
     return folders.pop()
 
 
-def safetensors_metadata(layout: Layout) -> dict[str, str]:
+def safetensors_metadata(layout: ExportStructure) -> dict[str, str]:
     """The ``__metadata__`` entry that carries ``layout`` in a safetensors file."""
     return {SAFETENSORS_KEY: layout.to_json()}
 
 
-def read_safetensors_layout(path: str | os.PathLike) -> Layout | None:
+def read_safetensors_layout(path: str | os.PathLike) -> ExportStructure | None:
     """The layout a safetensors file's ``__metadata__`` carries; None where there is none."""
     text = _read_safetensors_metadata(path).get(SAFETENSORS_KEY)
-    return None if text is None else Layout.from_json(text, str(path))
+    return None if text is None else ExportStructure.from_json(text, str(path))
 
 
 def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -416,7 +416,7 @@ class ErrorKeepingWriter:
         self.file.flush()
 
 
-def save_torch_file(state: Any, path: Path, target: Path, layout: Layout | None) -> None:
+def save_torch_file(state: Any, path: Path, target: Path, layout: ExportStructure | None) -> None:
     """``torch.save(state)`` into ``path`` (with ``layout``), flushed to the disk; a
     failure raises naming ``target`` and the cause (``No space left on device``)."""
     try:

@@ -46,7 +46,7 @@ from shardstore.format.records import is_committed
 from shardstore.mapping import ShardedTensor, StateDict
 from shardstore.other_formats.base import ExportSource, FileFormat, TensorSpec, place_value
 from shardstore.other_formats.layout import (
-    Layout,
+    ExportStructure,
     common_tensor_names,
     decode_common,
     read_safetensors_layout,
@@ -255,7 +255,7 @@ def open_safetensors(path: str | os.PathLike) -> ExportSource:
     export wrote its layout, the common state and each array's place back."""
     model = safetensors_model(path)
     tensors = safetensors_tensors(model, path)
-    layout = read_safetensors_layout(model.files[0]) or Layout()
+    layout = read_safetensors_layout(model.files[0]) or ExportStructure()
     refuse_sparse_lists(layout, str(model.files[0]))
     in_common = set(common_tensor_names(layout.common)) if layout.common is not None else set()
     missing = [key for key in layout.arrays if key not in tensors or key in in_common]

@@ -31,7 +31,12 @@ from shardstore.errors import CheckpointingException
 from shardstore.format.pickles import load_torch_file
 from shardstore.mapping import ShardedObject, ShardedTensor, StateDict
 from shardstore.other_formats.base import ExportSource, FileFormat, TensorSpec, is_object_shard_key
-from shardstore.other_formats.layout import Layout, read_torch_layout, value_at, without_places
+from shardstore.other_formats.layout import (
+    ExportStructure,
+    read_torch_layout,
+    value_at,
+    without_places,
+)
 from shardstore.stores.base import Location
 from shardstore.stores.local import open_regular
 
@@ -65,7 +70,7 @@ def open_torch_file(path: Path) -> ExportSource:
 
 
 def _layout_arrays(
-    state: dict[Any, Any], layout: Layout, path: Path
+    state: dict[Any, Any], layout: ExportStructure, path: Path
 ) -> dict[str, tuple[tuple[str | int, ...], torch.Tensor]]:
     """The arrays a ``torch.save`` file's layout names, by key, with their places."""
     found = {}

@@ -28,7 +28,7 @@ from shardstore.format.dtypes import UnsupportedDTypeError, from_torch, from_zar
 from shardstore.format.records import ZARR_JSON, array_group_collisions, check_key, object_path
 from shardstore.format.records.names import check_storable_key, chunk_key
 from shardstore.mapping import ShardedBase, ShardedObject, ShardedTensor
-from shardstore.planning.layout import GlobalLayout, ObjectShardRecord, ShardRecord
+from shardstore.planning.layout import GatheredShards, ObjectShardRecord, ShardRecord
 from shardstore.stores.base import REFUSABLE_TEXTS, NameLimits
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def ranks_with_differing_common_state(digests: list[dict[str, str] | None]) -> l
     return [rank for rank, theirs in enumerate(digests[1:], start=1) if (theirs or {}) != reference]
 
 
-def check_layout(layout: GlobalLayout, storage: NameLimits | None = FORMAT_NAME_LIMITS, where: str = "") -> None:
+def check_layout(layout: GatheredShards, storage: NameLimits | None = FORMAT_NAME_LIMITS, where: str = "") -> None:
     """The global checks on a gathered layout, run by the coordinator before anything is
     written or read (``validation.validate_sharding_integrity`` is Megatron's name for
     it): every key can be stored in ``storage`` (None: a load's request, whose keys name
@@ -138,7 +138,7 @@ def _dtensor_hint(keys: list[str]) -> str:
     """What the user of a DTensor among ``keys`` (a problem's keys) can change: its
     replica ids come from its placements (``inputs.dtensors``), not from the user, and
     copies of it on several ranks are replicas only where their blocks are equal
-    (``planning.layout.GlobalLayout.from_gathered``). Empty for no such key."""
+    (``planning.layout.GatheredShards.from_gathered``). Empty for no such key."""
     if not keys:
         return ""
     named = ", ".join(map(repr, keys[:MAX_REPORTED_PROBLEMS]))
@@ -148,17 +148,17 @@ def _dtensor_hint(keys: list[str]) -> str:
             "shape, or a name of its own.")
 
 
-def layout_of_global_metadata(global_metadata: list[list[ShardedBase]]) -> GlobalLayout:
+def layout_of_global_metadata(global_metadata: list[list[ShardedBase]]) -> GatheredShards:
     """The layout of Megatron-Core's global metadata (one list of sharded items per rank)."""
     per_rank = []
     for rank, items in enumerate(global_metadata):
         tensors = [x for x in items if isinstance(x, ShardedTensor)]
         objects = [x for x in items if isinstance(x, ShardedObject)]
         per_rank.append(local_records(tensors, objects, rank))
-    return GlobalLayout.from_gathered(per_rank)
+    return GatheredShards.from_gathered(per_rank)
 
 
-def check_storable_keys(layout: GlobalLayout, storage: NameLimits, where: str = "") -> None:
+def check_storable_keys(layout: GatheredShards, storage: NameLimits, where: str = "") -> None:
     """The one check of a save's keys against its target, on the coordinator before
     anything is written: every ShardedTensor key, ShardedObject key and shard key, with
     the files each will be written to, against ``storage``'s limits (``format.
@@ -190,7 +190,7 @@ def check_storable_keys(layout: GlobalLayout, storage: NameLimits, where: str = 
         )
 
 
-def name_lengths_needed(layout: GlobalLayout) -> NameLimits:
+def name_lengths_needed(layout: GatheredShards) -> NameLimits:
     """The tightest limits ``check_storable_keys`` passes the layout under: the longest
     file name and file path its keys' files have, in bytes of UTF-8 (what ``check_key``
     compares with a storage's limits; its other refusals do not depend on them). A plan
@@ -223,7 +223,7 @@ _RECORDED_KEYS = frozenset({_TENSOR, _OBJECT})
 
 
 def _keys_and_files(
-    layout: GlobalLayout,
+    layout: GatheredShards,
 ) -> Iterator[tuple[str, str, tuple[str, ...], list[ShardRecord] | list[ObjectShardRecord]]]:
     """Every key a save writes, what it is, its longest files (relative to the
     checkpoint) and the shards that hold it: an array's ``zarr.json`` and its last chunk

@@ -1,7 +1,7 @@
 """The global layout of a save or load and the chunk grid derived from it. Pure functions.
 
 Every rank contributes the metadata (never the data) of its shards; the coordinator
-alone holds the ``GlobalLayout`` and plans from it (``shardstore.protocol.plan_stage``,
+alone holds the ``GatheredShards`` and plans from it (``shardstore.protocol.plan_stage``,
 ``shardstore.planning.plans``):
 
 * the chunk grid of every array is aligned with the sharding grid (the chunk shape
@@ -16,7 +16,7 @@ alone holds the ``GlobalLayout`` and plans from it (``shardstore.protocol.plan_s
 from __future__ import annotations
 
 __all__ = [
-    "DirectFlatWrite", "FlatChunk", "GlobalLayout", "ObjectShardRecord", "ShardRecord",
+    "DirectFlatWrite", "FlatChunk", "GatheredShards", "ObjectShardRecord", "ShardRecord",
     "balance_writers", "block_chunks", "block_shape", "bound_chunk", "chunk_shape_for", "largest_divisor_at_most",
     "pick_balanced", "region_at", "region_shape",
 ]
@@ -186,7 +186,7 @@ class ObjectShardRecord:
 
 
 @dataclass(frozen=True)
-class GlobalLayout:
+class GatheredShards:
     """Every rank's shards, grouped by key. Identical on every rank after the gather."""
 
     tensors: dict[str, list[ShardRecord]]
@@ -196,7 +196,7 @@ class GlobalLayout:
     @classmethod
     def from_gathered(
         cls, per_rank: list[tuple[list[ShardRecord], list[ObjectShardRecord]]]
-    ) -> GlobalLayout:
+    ) -> GatheredShards:
         tensors: dict[str, list[ShardRecord]] = defaultdict(list)
         objects: dict[str, list[ObjectShardRecord]] = defaultdict(list)
         main_mesh_blocks: set[tuple] = set()
@@ -232,7 +232,7 @@ def _deduplicated(record: ShardRecord, main_mesh_blocks: set[tuple]) -> ShardRec
     return record
 
 
-def balance_writers(layout: GlobalLayout) -> GlobalLayout:
+def balance_writers(layout: GatheredShards) -> GatheredShards:
     """Fully-parallel save: each replicated block is written by one of its replicas,
     chosen so that every rank writes about the same number of bytes.
 
@@ -258,7 +258,7 @@ def balance_writers(layout: GlobalLayout) -> GlobalLayout:
               for s in shards]
         for key, shards in layout.tensors.items()
     }
-    return GlobalLayout(tensors, layout.objects, layout.world_size)
+    return GatheredShards(tensors, layout.objects, layout.world_size)
 
 
 def pick_balanced(groups: list[list[ShardRecord]], load: list[int]) -> list[ShardRecord]:

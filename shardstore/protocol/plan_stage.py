@@ -22,7 +22,7 @@ from shardstore.planning.checks import (
     local_records,
     ranks_with_differing_common_state,
 )
-from shardstore.planning.layout import GlobalLayout, ShardRecord
+from shardstore.planning.layout import GatheredShards, ShardRecord
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.common_state import check_common_state_consistency
 from shardstore.protocol.stage import Deliver, run_stage
@@ -36,7 +36,7 @@ def gather_and_plan(
     sharded_tensors: list[ShardedTensor],
     sharded_objects: list[ShardedObject],
     group: Group,
-    planner: Callable[[GlobalLayout], list[Any]],
+    planner: Callable[[GatheredShards], list[Any]],
     local_error: BaseException | None = None,
     place: str | None = None,
     common_digests: dict[str, str] | None = None,
@@ -88,7 +88,7 @@ def gather_and_plan(
     return part
 
 
-def _layout_of(gathered: list[tuple[str | None, Any, Any]]) -> GlobalLayout:
+def _layout_of(gathered: list[tuple[str | None, Any, Any]]) -> GatheredShards:
     """The layout of every rank's ``(place, records, digests)``; raises when the ranks
     name different checkpoints, or some sent a plan cache's vote instead of records."""
     voted = [rank for rank, g in enumerate(gathered) if not isinstance(g, tuple)]
@@ -98,7 +98,7 @@ def _layout_of(gathered: list[tuple[str | None, Any, Any]]) -> GlobalLayout:
             f"{PLAN_CACHE_SETTINGS}"
         )
     check_same_place([p for p, _, _ in gathered])
-    return GlobalLayout.from_gathered([c for _, c, _ in gathered])
+    return GatheredShards.from_gathered([c for _, c, _ in gathered])
 
 
 def check_same_place(places: list[str | None]) -> None:

@@ -93,8 +93,8 @@ from shardstore.other_formats import (
     TORCH_FILE_FORMAT,
     TORCH_SUFFIXES,
     ExportSource,
+    ExportStructure,
     FileFormat,
-    Layout,
     TensorSpec,
     detect,
     encode_common,
@@ -336,7 +336,7 @@ def to_torch_file(
     for key, tensor in opened.read(list(opened.tensor_bytes), memory_bytes):
         place_value(state, opened.place(key), tensor, key)
     out = Path(path)
-    layout = Layout(opened.places(), opened.objects())
+    layout = ExportStructure(opened.places(), opened.objects())
     _write_new_file(out, lambda p: save_torch_file(state, p, out, layout))
     return Export((out.name,), len(opened.tensor_bytes), sum(opened.tensor_bytes.values()), ())
 
@@ -404,7 +404,7 @@ def to_safetensors(
     )
     out = Path(out_dir)
     kept = {"format": "pt", **opened.metadata()}  # a safetensors source's own, in every file
-    metadata = {**kept, **safetensors_metadata(Layout(opened.places(), common=common))}
+    metadata = {**kept, **safetensors_metadata(ExportStructure(opened.places(), common=common))}
     with _new_directory(out) as staging:
         for name, shard in zip(names, shards):
             keys = [key for key, _ in shard]

@@ -14,7 +14,7 @@ from shardstore.format.dtypes import from_zarr_name
 from shardstore.format.records import ArrayRecord
 from shardstore.format.sharding import MAX_FLAT_INNER_CHUNKS, ShardingIndexed
 from shardstore.planning.layout import (
-    GlobalLayout,
+    GatheredShards,
     ShardRecord,
     bound_chunk,
     chunk_shape_for,
@@ -47,7 +47,7 @@ SHARDED_FILES_SHARE = 0.75
 
 
 def array_records(
-    layout: GlobalLayout, max_chunk_bytes: int, shard_bytes: int | None = None, read_grain: int | None = None,
+    layout: GatheredShards, max_chunk_bytes: int, shard_bytes: int | None = None, read_grain: int | None = None,
 ) -> tuple[dict[str, ArrayRecord], dict[str, BlockGrid]]:
     """Every array's metadata: its chunk grid aligned with the sharding of its main
     shards; with ``shard_bytes``, an array of small blocks on a grid (split along any

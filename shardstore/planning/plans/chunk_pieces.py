@@ -18,7 +18,7 @@ import numpy as np
 
 from shardstore.planning.columns import record_rows
 from shardstore.planning.layout import (
-    GlobalLayout,
+    GatheredShards,
     ShardRecord,
 )
 
@@ -30,9 +30,9 @@ PiecesByRank = list[list[tuple[int, Box]]]
 
 
 def split_at_chunk_edges(
-    layout: GlobalLayout, shards: Mapping[str, tuple[int, ...]], own: list[int],
+    layout: GatheredShards, shards: Mapping[str, tuple[int, ...]], own: list[int],
     pieces: PiecesByRank,
-) -> GlobalLayout:
+) -> GatheredShards:
     """``layout`` with each block of the arrays in ``shards`` whose leading axis runs over
     a chunk's edge replaced by its pieces (``split_records``)."""
     tensors: dict[str, list[ShardRecord]] = {}
@@ -41,7 +41,7 @@ def split_at_chunk_edges(
         usable = chunk is not None and len(chunk) > 0 and all(len(s.offset) == len(chunk) for s in records)
         crossing = crossing_blocks(record_rows(records, len(chunk)), chunk) if usable else None
         tensors[key] = split_records(records, crossing, chunk, own, pieces)[0] if crossing is not None else records
-    return GlobalLayout(tensors, layout.objects, layout.world_size)
+    return GatheredShards(tensors, layout.objects, layout.world_size)
 
 
 def split_records(

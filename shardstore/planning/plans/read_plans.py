@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from shardstore.planning.layout import (
-    GlobalLayout,
+    GatheredShards,
     ShardRecord,
 )
 from shardstore.planning.plans.chunk_pieces import PiecesByRank, request_piece, split_at_chunk_edges
@@ -21,7 +21,7 @@ from shardstore.planning.plans.shared_reads import plan_shared_reads, single_ask
 
 
 def plan_reads(
-    layout: GlobalLayout, fully_parallel: bool, shards: Mapping[str, tuple[int, ...]] | None = None,
+    layout: GatheredShards, fully_parallel: bool, shards: Mapping[str, tuple[int, ...]] | None = None,
 ) -> list[RankReadPlan]:
     """Every rank's reads of a load (index = group rank).
 

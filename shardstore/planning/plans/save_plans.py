@@ -24,7 +24,7 @@ from shardstore.format.records import ArrayRecord, CommitRecord, ObjectRecord, p
 from shardstore.planning.layout import (
     DirectFlatWrite,
     FlatChunk,
-    GlobalLayout,
+    GatheredShards,
     ShardRecord,
     balance_writers,
 )
@@ -142,7 +142,7 @@ class _Exchanges:
 
 
 def plan_save(
-    layout: GlobalLayout, max_chunk_bytes: int, fully_parallel: bool, shard_bytes: int | None = None,
+    layout: GatheredShards, max_chunk_bytes: int, fully_parallel: bool, shard_bytes: int | None = None,
     pack_arrays_up_to: int = 0, read_grain: int | None = None,
 ) -> list[RankSavePlan]:
     """Every rank's part of the save of a validated layout (index = group rank);

@@ -23,7 +23,7 @@ from shardstore.planning.columns import (
     widened,
 )
 from shardstore.planning.layout import (
-    GlobalLayout,
+    GatheredShards,
     ShardRecord,
     pick_balanced,
 )
@@ -157,7 +157,7 @@ def _shard_readers(buckets: list[_Bucket], load: list[int]) -> list[tuple[int, n
 
 
 def single_asker_plans(
-    layout: GlobalLayout, own: list[int], shards: Mapping[str, tuple[int, ...]],
+    layout: GatheredShards, own: list[int], shards: Mapping[str, tuple[int, ...]],
     pieces: PiecesByRank,
 ) -> list[RankReadPlan]:
     """``plan_reads`` where every block has one asker (FSDP2: millions of blocks at 4,096

@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import gc
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -142,3 +144,19 @@ def test_a_wrapping_strategy_handed_the_location_commits_the_same_save(tmp_path:
     assert [type(d).__name__ for d in wrapper.handed] == ["SaveLocation"]
     loaded = shardstore.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, tmp_path / "ckpt")
     assert torch.equal(loaded["w"], torch.ones(4))
+
+
+def test_megatrons_torch_dist_save_strategy_is_found_by_name_in_a_fresh_interpreter(tmp_path: Path) -> None:
+    """``shardstore.save(sharded_strategy=("torch_dist", 1))`` finds Megatron-Core's name for
+    shardstore's save strategy, with nothing imported before but ``shardstore`` (the
+    engine's registry holds it once the Megatron names are imported, which ``save``'s
+    module does)."""
+    code = ("import sys, torch, shardstore\n"
+            "from shardstore import ShardedTensor\n"
+            "shardstore.save({'a': ShardedTensor.from_rank_offsets('a', torch.ones(3))}, sys.argv[1],\n"
+            "                sharded_strategy=('torch_dist', 1))\n"
+            "print(tuple(shardstore.load_tensors_metadata(sys.argv[1])['a'].global_shape))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ckpt")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "(3,)"

@@ -1,5 +1,7 @@
 """Megatron-Core's ``dist_checkpointing.serialization`` names: ``save``, ``load`` and the
 metadata queries, which run in ``shardstore.engine`` (``engine.save``, ``engine.load``).
+Importing it registers Megatron-Core's ``("torch_dist", 1)`` save strategy too
+(``strategies.torch``), so ``save(sharded_strategy=("torch_dist", 1))`` finds it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "verify_checkpoint_and_load_strategy",
 ]
 
+import shardstore.compat.megatron.strategies  # noqa: F401  (registers ("torch_dist", 1))
 from shardstore.engine.load import (
     get_default_load_sharded_strategy,
     load,

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from shardstore.compat.megatron.strategies.zarr import array_spec, tensorstore_context
 from shardstore.core import CheckpointingException
+from shardstore.engine.zarr_strategies import array_spec, tensorstore_context
 from shardstore.format import chunks as chunk_io
 from shardstore.format.chunks import (
     ArrayChunks,

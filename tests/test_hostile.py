@@ -192,7 +192,7 @@ def test_other_readers_of_json_nested_past_the_parsers_depth_give_clear_errors(t
     a consolidated-only root, a Hugging Face index, a safetensors header and a Megatron
     zarr ``.zarray`` raise ``CheckpointingException`` naming the file. Before, each let
     the parser's ``RecursionError`` escape as a bare traceback."""
-    from shardstore.compat.megatron.strategies.zarr import consolidated_document
+    from shardstore.engine.zarr_strategies import consolidated_document
     from shardstore.other_formats.megatron_zarr import MegatronZarrCheckpoint
     from shardstore.other_formats.model_files import _read_index
     from shardstore.other_formats.safetensors import map_safetensors

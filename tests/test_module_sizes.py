@@ -23,7 +23,6 @@ KNOWN_LONGER: frozenset[str] = frozenset()  # none left: every module is within 
 
 KNOWN_WIDER = frozenset({
     "format/__init__.py",
-    "compat/megatron/strategies/zarr.py",  # Megatron-Core's strategies.zarr names, offered whole
 })
 
 

@@ -700,7 +700,7 @@ def test_threads_follow_the_cpus_this_process_may_use_not_the_machine(tmp_path: 
     """A job scheduler or a container's cpuset narrows a process's CPUs below
     ``os.cpu_count()``: the packed chunks' encoding threads and TensorStore's copy
     threads follow the affinity mask (before: the machine's count)."""
-    from shardstore.compat.megatron.strategies.zarr import tensorstore_context
+    from shardstore.engine.zarr_strategies import tensorstore_context
     from shardstore.execution import save as rank_save
     from shardstore.stores.base import usable_cpus
 

@@ -39,8 +39,13 @@ HOMES: dict[str, str | None] = {
     "shardstore.exchange_utils": "shardstore.compat.megatron.exchange_utils",
     "shardstore.megatron": "shardstore.compat.megatron.entry_points",
     "shardstore.tools.megatron_strategy": "shardstore.compat.megatron.strategy",
+    # the engine's strategies under Megatron-Core's module names; the rest are Megatron-Core's alone
+    "shardstore.strategies.async_utils": "shardstore.engine.async_requests",
+    "shardstore.strategies.base": "shardstore.engine.strategies",
+    "shardstore.strategies.common": "shardstore.engine.common_state",
+    "shardstore.strategies.zarr": "shardstore.engine.zarr_strategies",
     **{f"shardstore.strategies.{m}": f"shardstore.compat.megatron.strategies.{m}" for m in (
-        "async_utils", "base", "checkpointable", "common", "fully_parallel", "resharding", "torch", "zarr")},
+        "checkpointable", "fully_parallel", "resharding", "torch")},
 }
 
 PUBLIC_NAMES: dict[str, list[str]] = {
@@ -230,20 +235,20 @@ def test_the_seed_names_are_those_the_documents_name() -> None:
 
 
 def test_a_pickle_naming_a_class_by_the_name_users_import_loads() -> None:
-    from shardstore.compat.megatron.strategies.zarr import ZarrSaveShardedStrategy
+    from shardstore.engine.zarr_strategies import ZarrSaveShardedStrategy
 
     by_public_name = b"cshardstore.strategies.zarr\nZarrSaveShardedStrategy\n."
     assert pickle.loads(by_public_name) is ZarrSaveShardedStrategy  # noqa: S301  (our own bytes)
     assert pickle.loads(pickle.dumps(ZarrSaveShardedStrategy)) is ZarrSaveShardedStrategy  # noqa: S301
 
 
-@pytest.mark.parametrize("first_imported", ["shardstore.strategies.zarr", "shardstore.compat.megatron.strategies.zarr"])
+@pytest.mark.parametrize("first_imported", ["shardstore.strategies.zarr", "shardstore.engine.zarr_strategies"])
 def test_either_name_imported_first_gives_one_registry(first_imported: str) -> None:
     """In a fresh interpreter: one set of classes, one registry of default strategies,
     holding shardstore's own, whichever name is imported first."""
     code = (f"import importlib, {first_imported}\n"
-            "import shardstore.strategies.base as public, shardstore.compat.megatron.strategies.base as home\n"
-            "import shardstore.strategies.zarr as zarr, shardstore.compat.megatron.strategies.zarr as zarr_home\n"
+            "import shardstore.strategies.base as public, shardstore.engine.strategies as home\n"
+            "import shardstore.strategies.zarr as zarr, shardstore.engine.zarr_strategies as zarr_home\n"
             "assert public.default_strategies is home.default_strategies\n"
             "assert zarr.ZarrSaveShardedStrategy is zarr_home.ZarrSaveShardedStrategy\n"
             "saving = public.get_default_strategy(public.StrategyAction.SAVE_SHARDED, 'zarr', 1)\n"

@@ -214,7 +214,7 @@ def _enospc(*args, **kwargs):
 
 ENOSPC_POINTS = {  # each phase of a save: (module, attribute that fails)
     "metadata.json": ("shardstore.execution.pipeline", "write_config"),  # the save pipeline begins the save
-    "common.pt": ("shardstore.compat.megatron.strategies.common", "TorchCommonSaveStrategy.save_common"),
+    "common.pt": ("shardstore.engine.common_state", "TorchCommonSaveStrategy.save_common"),
     "chunk write": ("shardstore.format.chunks", "ChunkFile.write"),
     "syncfs": ("shardstore.stores.local", "_syncfs"),
     "commit record": ("shardstore.stores.local", "LocalStore.put_atomic"),

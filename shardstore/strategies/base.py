@@ -1,5 +1,5 @@
 """Megatron-Core's ``dist_checkpointing.strategies.base`` names, under the name its users
-import: those of ``shardstore.compat.megatron.strategies.base``, re-exported (the same
+import: those of ``shardstore.engine.strategies``, re-exported (the same
 objects, so a pickle naming a class by this module loads it, and type checkers see each
 name).
 """
@@ -15,7 +15,7 @@ __all__ = [
     "strategy_by_name", "validate_sharded_objects_handling",
 ]
 
-from shardstore.compat.megatron.strategies.base import (
+from shardstore.engine.strategies import (
     AsyncCallsQueue,
     AsyncRequest,
     AsyncSaveShardedStrategy,

@@ -1,5 +1,5 @@
 """Megatron-Core's ``dist_checkpointing.strategies.common`` names, under the name its users
-import: those of ``shardstore.compat.megatron.strategies.common``, re-exported (the same
+import: those of ``shardstore.engine.common_state``, re-exported (the same
 objects, so a pickle naming a class by this module loads it, and type checkers see each
 name).
 """
@@ -11,7 +11,7 @@ __all__ = [
     "register_default_common_strategies",
 ]
 
-from shardstore.compat.megatron.strategies.common import (
+from shardstore.engine.common_state import (
     COMMON_BACKEND,
     COMMON_VERSION,
     TorchCommonLoadStrategy,

@@ -1,6 +1,6 @@
 """Megatron-Core's ``dist_checkpointing.strategies.zarr`` names, under the name its users
 import, and the settings of shardstore's zarr strategies (backend, shard sizes): those names
-of ``shardstore.compat.megatron.strategies.zarr``, re-exported (the same objects, so a pickle
+of ``shardstore.engine.zarr_strategies``, re-exported (the same objects, so a pickle
 naming a class by this module loads it, and type checkers see each name). The home module's
 other names are its own.
 """
@@ -18,7 +18,7 @@ __all__ = [
     "torch_to_numpy_dtype_dict",
 ]
 
-from shardstore.compat.megatron.strategies.zarr import (
+from shardstore.engine.zarr_strategies import (
     AUTO_SHARD_MIN_RANKS,
     DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_SHARD_BYTES,

@@ -1,11 +1,11 @@
 """Megatron-Core's dialect of shardstore's API, in one package, over the engine
 (``shardstore.engine``, which every door runs and which never imports this package):
 
-* ``serialization`` and ``strategies``: Megatron-Core's module and strategy names
-  (also ``shardstore.serialization`` and ``shardstore.strategies``), the engine's save,
-  load and strategies offered under them, and the strategies that are Megatron-Core's
-  alone (``fully_parallel``, ``torch``, ``checkpointable``, ``resharding``,
-  ``forked_writes``, ``shard_exchange``);
+* ``serialization``: Megatron-Core's module of that name, the engine's save, load and
+  metadata queries (also ``shardstore.serialization``);
+* ``strategies``: the strategies that are Megatron-Core's alone (``fully_parallel``,
+  ``torch``, ``checkpointable``, ``resharding``, ``forked_writes``, ``shard_exchange``;
+  ``shardstore.strategies`` offers them with the engine's under Megatron-Core's names);
 * ``entry_points``: ``install`` puts shardstore behind ``megatron.core.dist_checkpointing``'s
   module functions (also ``shardstore.megatron``);
 * ``strategy``: the strategy plug-in for Megatron-Core <= 0.16;

@@ -1,7 +1,8 @@
-"""Megatron-Core's strategy modules under their names (``base``, ``zarr``, ``common``,
-``async_utils``: the engine's, ``shardstore.engine``), and the ones that are Megatron-Core's
-alone (``fully_parallel``, ``torch``, ``checkpointable``, ``resharding``). Importing the
-package registers ``("torch_dist", 1)``'s save strategy beside the engine's defaults.
+"""The strategies that are Megatron-Core's alone (``fully_parallel`` with its distribution
+``shard_exchange``, ``torch``, ``checkpointable``, ``resharding``, ``forked_writes``); its
+``base``, ``zarr``, ``common`` and ``async_utils`` are the engine's (``shardstore.engine``),
+offered under those names by ``shardstore.strategies``. Importing the package registers
+``("torch_dist", 1)``'s save strategy beside the engine's defaults.
 """
 
 from __future__ import annotations

@@ -178,7 +178,7 @@ def test_an_array_a_checkpoint_writer_refused_leaves_nothing_in_what_it_commits(
 def test_a_checkpoint_writer_refuses_to_commit_the_files_a_failed_write_left(tmp_path: Path, monkeypatch) -> None:
     """Where removing a failed array's files was itself cut short, ``commit`` refuses,
     naming the array, instead of publishing files its record does not list."""
-    from shardstore.execution.pipeline import SavePipeline
+    from shardstore.execution.array_writes import ArrayWrites
     from shardstore.tools.array_writer import CheckpointWriter
 
     w = torch.arange(4096.0)
@@ -187,7 +187,7 @@ def test_a_checkpoint_writer_refuses_to_commit_the_files_a_failed_write_left(tmp
     def unwrite_array(self, record):
         raise OSError("removal cut short")
 
-    monkeypatch.setattr(SavePipeline, "unwrite_array", unwrite_array)
+    monkeypatch.setattr(ArrayWrites, "unwrite_array", unwrite_array)
     ckpt = tmp_path / "ckpt"
     with CheckpointWriter(ckpt, max_chunk_bytes=4096) as writer:
         with pytest.raises(OSError, match="removal cut short"):

@@ -19,27 +19,29 @@ Save, in stages (each named function below; "collective" = every rank calls it):
                              the plan (the same scatter)
     all ranks    common      coordinator writes common.pt; each rank its ShardedObjects (a
                              failure is told to every rank by the staging stage)
-    collective   sharded     the storage core (engine.zarr_strategies, its stages in
-                             execution.save): stage, write, gather the chunk
-                             checksums to the coordinator, which commits (the root
-                             zarr.json, written last) and publishes
+    collective   sharded     sharded_writes, by the sharded strategy's SaveSettings, read
+                             once when the save starts (its stages in execution.save):
+                             stage, write, gather the chunk checksums to the
+                             coordinator, which commits (the root zarr.json, written
+                             last) and publishes; a strategy of another library (no
+                             settings) writes through its own save_into
 
 A failure on any rank at any stage raises a CheckpointingException on every rank, the
 coordinator deletes what the save wrote, and whatever was committed at the target
 before stays.
-
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "get_default_save_common_strategy", "get_default_save_sharded_strategy", "save", "save_preprocess",
+    "SaveSettings", "get_default_save_common_strategy", "get_default_save_sharded_strategy", "save",
+    "save_preprocess", "sharded_writes",
 ]
 
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch.distributed as dist
@@ -62,7 +64,9 @@ from shardstore.engine.walk import (
     request_visitor,
 )
 from shardstore.errors import CheckpointingException
-from shardstore.execution.pipeline import SavePipeline
+from shardstore.execution.pipeline import SaveFinalization, SavePipeline
+from shardstore.execution.save import Staging
+from shardstore.execution.staging import HostBufferPool
 from shardstore.format.commit import SaveOptions
 from shardstore.format.config import CheckpointingConfig
 from shardstore.format.pickles import serialize
@@ -78,6 +82,7 @@ from shardstore.mapping import (
     StateDict,
 )
 from shardstore.opened import bare_location
+from shardstore.planning.plans import RankSavePlan
 from shardstore.progress import StageTiming, operation, progress_shown, stage
 from shardstore.protocol.collectives import Group, PeerLost
 from shardstore.protocol.common_state import common_state_digests
@@ -181,6 +186,7 @@ def save(
     config = CheckpointingConfig(
         sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
     )
+    settings = sharded_strategy.save_settings  # read once: None for another library's strategy
     options = SaveOptions.resolve(options, SaveOptions(overwrite, reuse_from, shared_directory, layout))
     pipeline = SavePipeline.open(
         bare_location(checkpoint_dir), group, _with_strategy_layout(options, sharded_strategy), config=config
@@ -199,13 +205,12 @@ def save(
                 validate_sharded_objects_handling(sharded_strategy, common_strategy)
             with stage("save: common", where):
                 error = _save_common(pipeline.location, group, common_strategy, common_part, objects_part)
+            request = _sharded(sharded_strategy, settings, sharded_part, pipeline, plan, error, async_sharded_save)
             if async_sharded_save:
-                request = sharded_strategy.async_save_into(sharded_part, pipeline, plan, error)
                 timing.defer()
                 # a local step: runs only once the save committed (a partial: the request may be pickled)
                 request.add_finalize_fn(functools.partial(_finish_timing, timing, pipeline))
                 return request
-            sharded_strategy.save_into(sharded_part, pipeline, plan, error)
             timing.shared = _shared_bytes(pipeline)
         except PeerLost as exc:  # known to this rank only: a peer may still be writing
             pipeline.unwind(exc)
@@ -219,6 +224,76 @@ def save(
         except BaseException as exc:  # a bug or an interrupt, maybe on this rank alone
             pipeline.unwind(exc)
             raise
+    return None
+
+
+@dataclass(frozen=True)
+class SaveSettings:
+    """How shardstore's storage strategy stages and writes a save, read once when the
+    save starts (``ZarrSaveShardedStrategy.save_settings``; each option at length there).
+
+    Attributes:
+        io_concurrency: I/O operations in flight at once per rank.
+        max_staging_bytes: async saves: the most host memory a rank's snapshot holds.
+        sync_staging_bytes: sync saves: the most host memory copies of CUDA tensors hold.
+        background_io_threads: async saves: threads writing local chunks.
+        snapshot_buffers, copy_buffers: the pinned host buffers kept for the next
+            save's snapshots and sync copies (the strategy's, shared by its saves).
+    """
+
+    io_concurrency: int
+    max_staging_bytes: int | None
+    sync_staging_bytes: int
+    background_io_threads: int
+    snapshot_buffers: HostBufferPool = field(compare=False)
+    copy_buffers: HostBufferPool = field(compare=False)
+
+    def staging(self, snapshot: bool) -> Staging:
+        """The host copies of an async save (``snapshot``: every tensor copied, within
+        ``max_staging_bytes``) or of a sync one (CUDA tensors only, within
+        ``sync_staging_bytes``)."""
+        if snapshot:
+            return Staging(True, self.max_staging_bytes, self.snapshot_buffers, self.io_concurrency,
+                           self.background_io_threads)
+        return Staging(False, self.sync_staging_bytes, self.copy_buffers, self.io_concurrency)
+
+
+def sharded_writes(
+    pipeline: SavePipeline, tensors: list[ShardedTensor], plan: RankSavePlan, settings: SaveSettings,
+    local_error: BaseException | None = None, snapshot: bool = False,
+) -> AsyncRequest:
+    """Collective: this rank's part of ``plan`` staged (``SavePipeline.stage``: host copies,
+    the exchange of gathered blocks; ``local_error``, this rank's failure before, fails
+    every rank), and the request whose ``async_fn`` writes it into ``pipeline``'s save and
+    whose finalization commits (``SaveFinalization``). ``snapshot``: an async save, whose
+    caller may change its tensors once this returns."""
+    staging = settings.staging(snapshot)
+    pipeline.stage(tensors, plan, staging, local_error)
+    return AsyncRequest(
+        async_fn=SavePipeline.write_staged,
+        async_fn_args=(pipeline, settings.io_concurrency, staging.io_threads),
+        finalize_fns=[SaveFinalization(pipeline)],
+    )
+
+
+def _sharded(
+    strategy: SaveShardedStrategy, settings: SaveSettings | None, sharded_part: ShardedStateDict,
+    pipeline: SavePipeline, plan: Any, error: BaseException | None, snapshot: bool,
+) -> AsyncRequest | None:
+    """The sharded part's stage, write and commit: by ``settings`` (shardstore's
+    strategy, alone or wrapped: ``sharded_writes`` of the tensors the plan numbers), a
+    sync save written and committed before this returns; else through ``strategy``'s
+    ``save_into``/``async_save_into``. Returns the async save's request."""
+    if settings is not None:
+        tensors = pipeline.planned_tensors or []
+        request = sharded_writes(pipeline, tensors, plan, settings, error, snapshot)
+        if snapshot:
+            return request
+        request.execute_sync()
+        return None
+    if snapshot:
+        return strategy.async_save_into(sharded_part, pipeline, plan, error)  # type: ignore[attr-defined]
+    strategy.save_into(sharded_part, pipeline, plan, error)
     return None
 
 

@@ -282,6 +282,13 @@ class SaveShardedStrategy(SaveStrategyBase):
         return None
 
     @property
+    def save_settings(self) -> Any:
+        """How shardstore's own strategy stages and writes (``engine.save.SaveSettings``),
+        read once when a save starts; None for a strategy that writes its own way
+        (``save_into``)."""
+        return None
+
+    @property
     def plan_settings(self) -> Hashable:
         """What this strategy's plans depend on besides the save's layout, part of a
         cached plan's key; () for a strategy whose plans depend on nothing else."""

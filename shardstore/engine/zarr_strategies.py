@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from shardstore.engine.async_requests import AsyncRequest
 from shardstore.engine.directories import open_dir
+from shardstore.engine.save import SaveSettings, sharded_writes
 from shardstore.engine.strategies import (
     AsyncSaveShardedStrategy,
     CheckpointDir,
@@ -73,8 +74,7 @@ from shardstore.execution.loaded import (  # flatten_range, pad_to_expected_shap
     flatten_range,  # noqa: F401
     pad_to_expected_shape,  # noqa: F401
 )
-from shardstore.execution.pipeline import SaveFinalization, SavePipeline
-from shardstore.execution.save import Staging
+from shardstore.execution.pipeline import SavePipeline
 from shardstore.execution.staging import (
     DEFAULT_LOAD_STAGING_BYTES,
     DeviceUploader,
@@ -270,6 +270,12 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         return self._plan_cache
 
     @property
+    def save_settings(self) -> SaveSettings:
+        """This strategy's options as a save reads them, once, when it starts."""
+        return SaveSettings(self.io_concurrency, self.max_staging_bytes, self.sync_staging_bytes,
+                            self.background_io_threads, self._buffers, self._sync_buffers)
+
+    @property
     def plan_settings(self) -> tuple[bool, StorageLayout]:
         """What this strategy's plans depend on besides the save's layout, as they are
         now: part of the cached plan's key (``SavePipeline.plan``)."""
@@ -338,9 +344,9 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         """Snapshots the tensors to host memory (the blocking part) and returns the
         request whose ``async_fn`` writes them into ``pipeline``'s save and whose
         finalization commits. ``local_error``: this rank's failure in the step before,
-        agreed in the staging stage (``execution.save.stage_save``)."""
-        staging = Staging(True, self.max_staging_bytes, self._buffers, self.io_concurrency, self.background_io_threads)
-        return self._request(sharded_state_dict, pipeline, plan, staging, local_error)
+        agreed in the staging stage (``execution.save.stage_save``). The save's run,
+        ``engine.save.sharded_writes``, by this strategy's ``save_settings``."""
+        return self._request(sharded_state_dict, pipeline, plan, local_error, snapshot=True)
 
     def save_into(
         self, sharded_state_dict: ShardedStateDict, pipeline: SavePipeline, plan: RankSavePlan,
@@ -348,26 +354,20 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
     ) -> None:
         """Synchronous: writes CPU tensors straight from their memory; CUDA tensors
         stream through pinned buffers, at most ``sync_staging_bytes`` at once, their
-        copies overlapping the writes."""
-        staging = Staging(False, self.sync_staging_bytes, self._sync_buffers, self.io_concurrency)
-        self._request(sharded_state_dict, pipeline, plan, staging, local_error).execute_sync()
+        copies overlapping the writes (``engine.save.sharded_writes``)."""
+        self._request(sharded_state_dict, pipeline, plan, local_error, snapshot=False).execute_sync()
 
     def _group(self, process_group: dist.ProcessGroup | None) -> Group:
         return Group(process_group if process_group is not None else self.process_group)
 
     def _request(
-        self, sharded_state_dict: ShardedStateDict, pipeline: SavePipeline, plan: RankSavePlan, staging: Staging,
-        local_error: BaseException | None = None,
+        self, sharded_state_dict: ShardedStateDict, pipeline: SavePipeline, plan: RankSavePlan,
+        local_error: BaseException | None, snapshot: bool,
     ) -> AsyncRequest:
         tensors = pipeline.planned_tensors
         if tensors is None:  # a plan made elsewhere (the seed's save_with_plan): its tensors, in its order
             tensors, _ = local_sharded_items(sharded_state_dict)
-        pipeline.stage(tensors, plan, staging, local_error)
-        return AsyncRequest(
-            async_fn=SavePipeline.write_staged,
-            async_fn_args=(pipeline, self.io_concurrency, staging.io_threads),
-            finalize_fns=[SaveFinalization(pipeline)],
-        )
+        return sharded_writes(pipeline, tensors, plan, self.save_settings, local_error, snapshot)
 
 
 class ZarrLoadShardedStrategy(LoadShardedStrategy):

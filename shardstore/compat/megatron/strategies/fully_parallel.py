@@ -66,6 +66,7 @@ from shardstore.compat.megatron.strategies.shard_exchange import (
 )
 from shardstore.dict_utils import dict_list_map_outplace, nested_values
 from shardstore.engine.async_requests import AsyncRequest
+from shardstore.engine.save import SaveSettings
 from shardstore.engine.strategies import (
     AsyncSaveShardedStrategy,
     CheckpointDir,
@@ -285,6 +286,12 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
     def plan_cache(self) -> PlanCache | None:
         """The wrapped strategy's cached plan (``protocol.plan_cache``), if it keeps one."""
         return self.base_strategy.plan_cache if _is_shardstores_own(self.base_strategy) else None
+
+    @property
+    def save_settings(self) -> SaveSettings | None:
+        """The wrapped strategy's where it is shardstore's own (whose plan already spreads
+        the writes), else None: this wrapper distributes, then the wrapped one writes."""
+        return self.base_strategy.save_settings if _is_shardstores_own(self.base_strategy) else None
 
     @property
     def plan_settings(self) -> Hashable:

@@ -157,32 +157,35 @@ class _MegatronsStrategy:
 
 def test_without_install_megatrons_strategies_become_the_auto_default() -> None:
     from shardstore import megatron as shardstore_megatron
+    from shardstore.compat.megatron import entry_points
 
     assert shardstore_megatron.strategy_for_save(None).shard_bytes == "auto"
     assert shardstore_megatron.strategy_for_save(_MegatronsStrategy()).shard_bytes == "auto"
+    assert entry_points._save_layout(None) == entry_points._save_layout(_MegatronsStrategy()) == StorageLayout()
 
 
 def test_install_shard_bytes_reaches_the_strategies_megatrons_saves_use() -> None:
     pytest.importorskip("megatron.core.dist_checkpointing", reason="megatron-core not installed")
     from shardstore import megatron as shardstore_megatron
+    from shardstore.compat.megatron.entry_points import _save_layout
 
     theirs, ours = _MegatronsStrategy(), ZarrSaveShardedStrategy(shard_bytes=None)
     shardstore_megatron.install(shard_bytes=1 << 20)
     try:
         built = shardstore_megatron.strategy_for_save(theirs)
-        assert built.shard_bytes == 1 << 20
-        assert shardstore_megatron.strategy_for_save(None).shard_bytes == 1 << 20
-        assert shardstore_megatron.strategy_for_save(("torch_dist", 1)).shard_bytes == 1 << 20
-        assert shardstore_megatron.strategy_for_save(ours).shard_bytes is None  # the caller's own keeps its own
+        assert built.shard_bytes == "auto"  # the save's options carry install's sizes
+        assert _save_layout(theirs).shard_bytes == _save_layout(None).shard_bytes == 1 << 20
+        assert _save_layout(("torch_dist", 1)).shard_bytes == 1 << 20
+        assert _save_layout(ours).shard_bytes == "auto" and ours.shard_bytes is None  # the caller's own keeps its own
         shardstore_megatron.install(shard_bytes=None)  # idempotent: changes the setting only
         assert shardstore_megatron.strategy_for_save(theirs) is built  # the same object: its cached plan stays
-        assert built.shard_bytes is None
+        assert _save_layout(theirs).shard_bytes is None
         with pytest.raises(ValueError, match="shard_bytes must be"):
             shardstore_megatron.install(shard_bytes="64 MiB")
-        assert shardstore_megatron.strategy_for_save(theirs).shard_bytes is None  # a refused call changes nothing
+        assert _save_layout(theirs).shard_bytes is None  # a refused call changes nothing
     finally:
         shardstore_megatron.uninstall()
-    assert shardstore_megatron.strategy_for_save(theirs).shard_bytes == "auto"
+    assert _save_layout(theirs).shard_bytes == "auto"
 
 
 def megatron_save_with_shards(rank: int, world: int, ckpt: str) -> None:

@@ -78,9 +78,10 @@ def test_install_given_a_layout_equals_install_given_its_keywords() -> None:
         by_keywords = entry_points._installation.layout
         shardstore_megatron.install(layout=StorageLayout(shard_bytes=MiB, pack_arrays_up_to=4096))
         assert entry_points._installation.layout == by_keywords == StorageLayout(shard_bytes=MiB, pack_arrays_up_to=4096)
-        built = entry_points.strategy_for_save(None)
-        assert built.layout == StorageLayout(shard_bytes=MiB)  # the sizes; the options carry the rest
-        assert entry_points._options_layout() == StorageLayout(pack_arrays_up_to=4096)
+        assert entry_points.strategy_for_save(None).layout == StorageLayout()  # the options carry it all
+        assert entry_points._save_layout(None) == StorageLayout(shard_bytes=MiB, pack_arrays_up_to=4096)
+        ours = ZarrSaveShardedStrategy(shard_bytes=2 * MiB)  # a caller's own carries its sizes
+        assert entry_points._save_layout(ours) == StorageLayout(pack_arrays_up_to=4096)
     finally:
         shardstore_megatron.uninstall()
 

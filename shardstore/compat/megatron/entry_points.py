@@ -302,16 +302,12 @@ def strategy_for_save(strategy: Any) -> ZarrSaveShardedStrategy:
     fully-parallel wrapper as our fully-parallel plan (its ``do_cache_distribution`` as
     our cached plan), anything else (Megatron's torch_dist strategy, a ``(backend,
     version)`` tuple, None) as our default; one object per Megatron strategy object, so
-    that a cached plan carries over between saves. A strategy built here takes the chunk
-    and shard sizes of ``install``'s layout at the time of the call (``"auto"`` when not
-    installed); ours keeps its own."""
+    that a cached plan carries over between saves. A strategy built here leaves its
+    layout to the save's options (``_save_layout``); ours keeps its own."""
     inner = _wrapped(strategy, ZarrSaveShardedStrategy)
     if inner is not None:  # ours, or the plug-in's as its caller made it, however wrapped
         return inner
-    ours = _built_for(strategy)
-    installed = _installation.layout if _installation is not None else StorageLayout()
-    ours.layout = StorageLayout(max_chunk_bytes=installed.max_chunk_bytes, shard_bytes=installed.shard_bytes)
-    return ours
+    return _built_for(strategy)
 
 
 def _wrapped(strategy: Any, kind: type[T]) -> T | None:
@@ -502,17 +498,22 @@ def save(
         content_metadata,
         process_group=process_group,
         # Megatron-LM's iteration directory is shared: ModelOpt writes its state there too
-        options=SaveOptions(overwrite=True, reuse_from=reuse_from, shared_directory=True, layout=_options_layout()),
+        options=SaveOptions(overwrite=True, reuse_from=reuse_from, shared_directory=True,
+                            layout=_save_layout(sharded_strategy)),
     )
     if request is None:
         return None
     return for_another_process(request, _megatron_request_class(async_strategy), finalize_wrapper=_in_megatrons_terms)
 
 
-def _options_layout() -> StorageLayout:
-    """The layout a save's options carry: ``install``'s, but for the chunk and shard
-    sizes, which the save's strategy carries (``strategy_for_save``; ours its own)."""
+def _save_layout(strategy: Any) -> StorageLayout:
+    """The layout the options of a save with Megatron's ``strategy`` carry: ``install``'s
+    at the time of the call (all ``"auto"`` when not installed), but where ``strategy`` is
+    or wraps shardstore's own, without the chunk and shard sizes, which that strategy
+    carries (``ZarrSaveShardedStrategy(shard_bytes=...)``; the save combines the two)."""
     installed = _installation.layout if _installation is not None else StorageLayout()
+    if _wrapped(strategy, ZarrSaveShardedStrategy) is None:
+        return installed
     return replace(installed, max_chunk_bytes="auto", shard_bytes="auto")
 
 

@@ -83,7 +83,7 @@ from shardstore.gc_pause import gc_paused  # noqa: E402
 from shardstore.planning.checks import check_layout  # noqa: E402
 from shardstore.planning.layout import GatheredShards, ShardRecord  # noqa: E402
 from shardstore.planning.plans import RankReadPlan, RankSavePlan, plan_reads  # noqa: E402
-from shardstore.planning.plans.chunk_pieces import leading_rows, request_piece  # noqa: E402
+from shardstore.planning.plans.read_plans import leading_rows, request_piece  # noqa: E402
 from shardstore.validation import StrictHandling, plan_load  # noqa: E402
 
 MiB = 2**20

@@ -64,7 +64,7 @@ def test_the_save_protocol_is_composed_in_one_place() -> None:
     assert callers["join_save"] - NOT_YET_ADAPTED == {"execution/pipeline.py"}
     assert callers["bind_chunks"] - NOT_YET_ADAPTED == {"execution/save_commit.py"}  # in commit_save
     # the commit record is written by the publisher, and rewritten only by remove_sharded_tensors
-    assert callers["write_commit_record"] == {"format/commit/callers_directory.py", "format/removal.py"}
+    assert callers["write_commit_record"] == {"format/commit/begin.py", "format/removal.py"}
 
 
 def test_every_save_door_opens_one_pipeline_and_commits_once(tmp_path: Path, monkeypatch) -> None:

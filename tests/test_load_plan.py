@@ -262,7 +262,7 @@ def test_a_shard_reader_reads_blocks_it_did_not_ask_for_as_forwards() -> None:
 
 
 def test_forwards_past_the_bound_are_read_by_each_asker(monkeypatch: pytest.MonkeyPatch) -> None:
-    import shardstore.planning.plans.shared_reads as plans_module
+    import shardstore.planning.plans.read_plans as plans_module
 
     block = 4 * 8 * 4  # 4 rows of 8 float32
     per_rank = [([_record("w", 0, 0, offset=0)], []), ([_record("w", 1, 0, offset=4)], [])]
@@ -279,7 +279,7 @@ def test_a_shard_goes_to_an_asker_it_keeps_within_the_bound(monkeypatch: pytest.
     rank 0 (fewest bytes so far, the lowest rank) would hold 7 rows for rank 1, so rank
     1 reads the shard and holds row 0 for rank 0. Before, only the first choice was
     tried, and each rank read the shard."""
-    import shardstore.planning.plans.shared_reads as plans_module
+    import shardstore.planning.plans.read_plans as plans_module
 
     per_rank = [([_record("w", 0, 0, rows=1, offset=0)], []), ([_record("w", 1, 0, rows=7, offset=1)], [])]
     monkeypatch.setattr(plans_module, "MAX_FORWARDED_BYTES", 4 * 8 * 4)

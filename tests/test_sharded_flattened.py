@@ -177,7 +177,7 @@ def test_a_fragment_s_pieces_are_its_runs_in_each_shard() -> None:
     splits where its rows cross 9 and 12; a block whose later axis spans two shards is
     not split (its parts would not be contiguous runs)."""
     from shardstore.planning.columns import record_rows
-    from shardstore.planning.plans.chunk_pieces import chunk_boxes, crossing_blocks, request_piece
+    from shardstore.planning.plans.read_plans import chunk_boxes, crossing_blocks, request_piece
 
     fragment = ShardRecord("k", 0, 0, "float32", (2, 16, 4), (1, 8, 0), (1, 8, 4), (2, 27), True)
     wide = ShardRecord("k", 0, 1, "float32", (2, 16, 4), (1, 8, 0), (1, 8, 4), (2, 27), True)

@@ -25,11 +25,11 @@ Modules, one idea each:
 * ``by_rename``: ``ByRename`` (local and shared POSIX file systems: a staging directory
   and one rename; beside other programs' files in a shared directory).
 * ``in_place``: ``InPlace`` (object stores: marker first, commit record last).
-* ``callers_directory``: ``IntoCallersDirectory`` (a directory Megatron-Core made).
 * ``replaced``: putting back a checkpoint an interrupted replacement set aside
   (``restore_replaced``).
 * ``dead_saves``: removing only what is proven ours; dead saves' leftovers.
-* ``begin``: ``begin_save``, ``join_save``, ``adopt_save``, ``publisher_for``.
+* ``begin``: ``begin_save``, ``join_save``, ``adopt_save``, ``publisher_for``, and
+  ``IntoCallersDirectory`` (a directory Megatron-Core made, adopted).
 
 The on-disk rules are in docs/format.md ("Publishing a save"), what they promise in
 docs/guide/guarantees.md.
@@ -43,9 +43,14 @@ __all__ = [
     "join_save", "publisher_for", "remove_unfinished", "restore_replaced",
 ]
 
-from shardstore.format.commit.begin import adopt_save, begin_save, join_save, publisher_for
+from shardstore.format.commit.begin import (
+    IntoCallersDirectory,
+    adopt_save,
+    begin_save,
+    join_save,
+    publisher_for,
+)
 from shardstore.format.commit.by_rename import ByRename
-from shardstore.format.commit.callers_directory import IntoCallersDirectory
 from shardstore.format.commit.in_place import InPlace, remove_unfinished
 from shardstore.format.commit.options import SaveIntent, SaveOptions
 from shardstore.format.commit.pending import PendingCheckpoint, Publisher, SaveLocation

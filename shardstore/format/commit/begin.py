@@ -1,25 +1,52 @@
 """The entry points of a save: ``begin_save`` (coordinator), ``join_save`` (every other
 rank) and ``adopt_save`` (a strategy handed a directory), each returning the
 ``PendingCheckpoint`` whose publisher ``publisher_for`` chose from the store's
-capabilities.
+capabilities; a directory the caller made and wrote into is published by
+``IntoCallersDirectory``, adopted, never begun or joined, and nothing there is ever
+deleted.
 """
 
 from __future__ import annotations
 
-__all__ = ["adopt_save", "begin_save", "join_save", "publisher_for"]
+__all__ = [
+    "IntoCallersDirectory",
+    "adopt_save",
+    "begin_save",
+    "join_save",
+    "publisher_for",
+]
 
 import contextlib
 import logging
 from dataclasses import replace
 
 from shardstore.format.commit.by_rename import ByRename
-from shardstore.format.commit.callers_directory import IntoCallersDirectory
 from shardstore.format.commit.in_place import InPlace
 from shardstore.format.commit.options import SaveIntent, SaveOptions, new_save_id
 from shardstore.format.commit.pending import PendingCheckpoint, Publisher, SaveLocation
 from shardstore.format.commit.targets import _refuse_inside_checkpoint
+from shardstore.format.records import CommitRecord, write_commit_record
 from shardstore.format.storage_layout import LayoutSite, StorageLayout
 from shardstore.stores.base import Capabilities, Location
+
+
+class IntoCallersDirectory(Publisher):
+    """A directory the caller created and already wrote into (Megatron-Core's ``save``):
+    written in place, the commit record last, the caller's files bound as external ones.
+    Nothing there is provably ours, so an abandoned save deletes nothing, and nothing is
+    held open there (a background writer forked by the caller drops its copy
+    unreleased). Such a save is adopted (``adopt_save``), never begun or joined."""
+
+    holds_resources = False
+    binds_callers_files = True
+
+    def commit(self, save: PendingCheckpoint, record: CommitRecord) -> CommitRecord:
+        write_commit_record(save.target, record)
+        return record
+
+    def abandon(self, save: PendingCheckpoint) -> None:
+        return None  # the caller's directory: nothing in it is provably ours
+
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 rank receives only its own part. Pure functions, one idea a
 module (below).
 
-Save protocol (``serialization.save``; "coordinator" is group rank 0):
+Save protocol (``engine.save``; "coordinator" is group rank 0):
 
     every rank   records     its shards' metadata (``planning.checks.local_records``)
     collective   gather      the records travel to the coordinator only
@@ -17,7 +17,7 @@ So a rank's work and the bytes it receives grow with its own shards, not with th
 world size; the coordinator's grow linearly with all records (``scripts/plan_scaling.py``
 measures both).
 
-Load protocol (``serialization.load``):
+Load protocol (``engine.load``):
 
     every rank   records     the regions it requests (``planning.checks.local_records``)
     collective   gather      to the coordinator only
@@ -35,14 +35,13 @@ order of ``utils.local_sharded_items``), so it is applied to the same state dict
 whose records were gathered (for a load: after dropping the unexpected keys the plan
 names, which ``validation.plan_load`` renumbers for).
 
-The modules, save side: ``rank_plans`` (the frozen per-rank plans), ``save_plans``
-(``plan_save``: each array placed by its kind), ``array_storage`` (each array's record:
-chunks, or shards), ``shard_sizes`` (bounds and shapes of shards and inner chunks),
-``in_block`` (shards inside blocks), ``block_grid`` (an array's blocks as a grid),
-``gathered`` (shards gathered to a writer), ``packed`` (small arrays gathered whole),
-``flat`` (flattened ranges), ``waves`` (the exchange waves). Load side: ``read_plans``
-(``plan_reads``), ``chunk_pieces`` (requests split at chunk edges), ``shared_reads``
-(a block or shard read once for every rank that asks).
+The modules, save side: ``rank_plans`` (the frozen per-rank plans, a save's exchange
+waves), ``save_plans`` (``plan_save``: each array placed by its kind: blocks, packed
+small arrays, gathered shards, flattened ranges), ``array_storage`` (each array's record:
+chunks, or shards across or inside blocks), ``shard_sizes`` (bounds and shapes of shards
+and inner chunks), ``block_grid`` (an array's blocks as a grid). Load side:
+``read_plans`` (``plan_reads``: requests split at chunk edges, a block or shard read once
+for every rank that asks).
 """
 
 from __future__ import annotations
@@ -59,15 +58,22 @@ from shardstore.format.storage_layout import SHARD_SLACK
 from shardstore.planning.plans.array_storage import (
     SHARDED_FILES_SHARE,
     array_records,
+    in_block_sharded_record,
     sharded_record,
 )
-from shardstore.planning.plans.flat import plan_flat_writes
-from shardstore.planning.plans.gathered import plan_gathered_writes
-from shardstore.planning.plans.in_block import in_block_sharded_record
-from shardstore.planning.plans.packed import plan_packed_whole
-from shardstore.planning.plans.rank_plans import RankLoadPlan, RankReadPlan, RankSavePlan
-from shardstore.planning.plans.read_plans import plan_reads, planned_requests
-from shardstore.planning.plans.save_plans import plan_save
+from shardstore.planning.plans.rank_plans import (
+    RankLoadPlan,
+    RankReadPlan,
+    RankSavePlan,
+    exchange_waves,
+)
+from shardstore.planning.plans.read_plans import MAX_FORWARDED_BYTES, plan_reads, planned_requests
+from shardstore.planning.plans.save_plans import (
+    plan_flat_writes,
+    plan_gathered_writes,
+    plan_packed_whole,
+    plan_save,
+)
 from shardstore.planning.plans.shard_sizes import (
     MIN_INNER_BYTES,
     largest_shard_bytes,
@@ -75,5 +81,3 @@ from shardstore.planning.plans.shard_sizes import (
     object_bounds,
     stored_at_most,
 )
-from shardstore.planning.plans.shared_reads import MAX_FORWARDED_BYTES
-from shardstore.planning.plans.waves import exchange_waves

@@ -1,38 +1,244 @@
 """The coordinator's save plan (``plan_save``): a loop that places each array by its
 kind and hands its writes to the ranks' parts (``RankPart``, one per rank):
 
-    blocks       unsharded chunks, or shards inside blocks (``in_block``): written by
-                 their holders, as the main shards say
-    packed       a small array split over ranks, gathered whole to one writer (``packed``)
-    gathered     shards across blocks, each gathered to one writer (``gathered``)
-    flattened    flattened ranges' chunks, direct or assembled (``flat``)
+    blocks       unsharded chunks, or shards inside blocks (``array_storage``): written
+                 by their holders, as the main shards say
+    packed       a small array split over ranks, gathered whole to one writer, who
+                 packs it (``plan_packed_whole``): as one chunk, or, where each block is
+                 a chunk of the array's grid and at least ``MIN_PACKED_BLOCK_BYTES``,
+                 as those chunks, so that a rank loading its block again reads only
+                 that member of the pack
+    gathered     each shard of a sharded array (``array_storage.sharded_record``)
+                 assembled by exchange on one writer from the blocks it covers
+                 (``plan_gathered_writes``)
+    flattened    flattened ranges (the distributed optimizer's fragments): each chunk
+                 written directly by the holder of the range it lies in, or assembled by
+                 exchange where it straddles ranges (``plan_flat_writes``)
 
 What is assembled by exchange goes to its writer and to each contributor, numbered with
 a tag unique within the save, at its place in the writer's assembly (``FlatChunk.at``,
-which ``waves.exchange_waves`` cuts into waves).
+which ``rank_plans.exchange_waves`` cuts into waves).
 """
 
 from __future__ import annotations
 
-__all__ = ["RankPart", "plan_save"]
+__all__ = [
+    "MIN_PACKED_BLOCK_BYTES",
+    "RankPart",
+    "ShardRuns",
+    "plan_flat_writes",
+    "plan_gathered_writes",
+    "plan_packed_whole",
+    "plan_save",
+]
 
+import bisect
+import itertools
+import math
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import numpy as np
+
+from shardstore.errors import CheckpointingException
+from shardstore.format.codecs import BYTES_CRC32C
 from shardstore.format.records import ArrayRecord, CommitRecord, ObjectRecord, parent_groups
+from shardstore.format.sharding import InnerGrid
 from shardstore.planning.layout import (
     DirectFlatWrite,
     FlatChunk,
     GatheredShards,
     ShardRecord,
     balance_writers,
+    block_chunks,
 )
 from shardstore.planning.plans.array_storage import array_records
-from shardstore.planning.plans.flat import plan_flat_writes
-from shardstore.planning.plans.gathered import plan_gathered_writes
-from shardstore.planning.plans.packed import plan_packed_whole
+from shardstore.planning.plans.block_grid import BlockGrid, Piece
 from shardstore.planning.plans.rank_plans import RankSavePlan
+
+
+def plan_flat_writes(
+    key: str, main_shards: list[ShardRecord], chunk_shape: tuple[int, ...]
+) -> tuple[list[DirectFlatWrite], list[FlatChunk]]:
+    """Every rank's chunk writes of the flattened tensor ``key``: the chunks inside one
+    range (written directly by their holder, ``DirectFlatWrite.rank``) and the chunks
+    straddling ranges (assembled by exchange)."""
+    direct: list[DirectFlatWrite] = []
+    straddling: list[FlatChunk] = []
+    blocks: dict[tuple[int, ...], list[ShardRecord]] = defaultdict(list)
+    for r in main_shards:
+        blocks[r.offset].append(r)
+    for offset in sorted(blocks):
+        ranges = sorted(blocks[offset], key=lambda r: r.flat_range[0])
+        range_starts = [r.flat_range[0] for r in ranges]
+        for region, fs, fe in block_chunks(ranges[0], chunk_shape, ranges[0].global_shape):
+            first = bisect.bisect_right(range_starts, fs) - 1
+            holder = ranges[first]
+            if holder.flat_range[1] >= fe:
+                lo = fs - holder.flat_range[0]
+                direct.append(DirectFlatWrite(key, holder.index, region, lo, lo + fe - fs, holder.rank))
+                continue
+            pieces = []
+            for r in ranges[first:]:
+                lo, hi = max(fs, r.flat_range[0]), min(fe, r.flat_range[1])
+                if lo >= hi:
+                    if r.flat_range[0] >= fe:
+                        break
+                    continue
+                start = r.flat_range[0]
+                pieces.append((r.rank, r.index, lo - start, hi - start, lo - fs))
+            straddling.append(FlatChunk(key, region, holder.rank, tuple(pieces)))
+    return direct, straddling
+
+
+# A packed array's blocks stay chunks of their own from this size on: below it a load
+# reads the whole array in the one ranged read it makes anyway (``format.packs``' runs
+# join members less than a few KiB apart), and fewer members keep the zip small.
+MIN_PACKED_BLOCK_BYTES = 64 * 1024
+
+
+def plan_packed_whole(
+    record: ArrayRecord, main: list[ShardRecord], pack_up_to: int, load: list[int],
+) -> tuple[ArrayRecord, list[FlatChunk]] | None:
+    """An array of at most ``pack_up_to`` bytes (``SaveOptions.pack_arrays_up_to``) whose
+    whole blocks several ranks hold (FSDP2's ``Shard(0)``), each block a contiguous run
+    of the array's C order: gathered by exchange to the holder of one of them with the
+    fewest bytes to write so far (``load``, updated: the shard writers' balance), which
+    packs it (``execution.save.packed_keys``), so such arrays cost a pack per rank
+    instead of a chunk or shard each and a document. Stored as ``[bytes, crc32c]``
+    chunks: a chunk per block where the blocks are the record's chunks
+    (``_block_chunks``), else ONE chunk, the whole array. Its record and the chunks;
+    None where this does not apply (no packing, larger arrays, one holder, flattened
+    ranges)."""
+    shape = record.shape
+    nbytes = math.prod(shape) * record.itemsize
+    held = [s for s in main if math.prod(s.block_shape)]
+    if (
+        not pack_up_to or not shape or not 0 < nbytes <= pack_up_to or len({s.rank for s in held}) < 2
+        or any(s.flat_range is not None or s.allow_shape_mismatch or not _runs_in_c_order(s.block_shape, shape)
+               for s in main)
+    ):
+        return None
+    writer = min({s.rank for s in held}, key=lambda r: (load[r], r))
+    load[writer] += nbytes
+    blocks = _block_chunks(record, held, writer)
+    if blocks is not None:
+        return replace(record, codec=BYTES_CRC32C), blocks
+    strides = [math.prod(shape[a + 1 :]) for a in range(len(shape))]
+    pieces = tuple(
+        (s.rank, s.index, 0, math.prod(s.block_shape), sum(o * st for o, st in zip(s.offset, strides)))
+        for s in held
+    )
+    whole = replace(record, chunk_shape=shape, codec=BYTES_CRC32C)
+    return whole, [FlatChunk(record.key, tuple(slice(0, n) for n in shape), writer, pieces)]
+
+
+def _block_chunks(record: ArrayRecord, held: list[ShardRecord], writer: int) -> list[FlatChunk] | None:
+    """A chunk per block, each assembled from that block alone, where every block is
+    exactly one chunk of ``record``'s grid (its offset on the grid, its extent the
+    chunk's, cut at the array's edge) of at least ``MIN_PACKED_BLOCK_BYTES``; else None."""
+    grid, shape = record.chunk_shape, record.shape
+    if math.prod(grid) * record.itemsize < MIN_PACKED_BLOCK_BYTES:
+        return None
+    chunks = []
+    for s in held:
+        if any(o % n for o, n in zip(s.offset, grid)) or tuple(s.block_shape) != tuple(
+                min(n, g - o) for n, g, o in zip(grid, shape, s.offset)):
+            return None
+        region = tuple(slice(o, o + b) for o, b in zip(s.offset, s.block_shape))
+        chunks.append(FlatChunk(record.key, region, writer, ((s.rank, s.index, 0, math.prod(s.block_shape), 0),)))
+    return chunks
+
+
+def _runs_in_c_order(block: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether a block of shape ``block`` is one contiguous run of an array of ``shape``
+    in C order: single elements along the axes before its first longer one, whole
+    along those after it."""
+    lead = next((a for a, b in enumerate(block) if b != 1), len(block))
+    return tuple(block[lead + 1 :]) == tuple(shape[lead + 1 :])
+
+
+def plan_gathered_writes(key: str, record: ArrayRecord, grid: BlockGrid, load: list[int]) -> list[FlatChunk]:
+    """The shards of the sharded array ``key`` (``sharded_record``) whose main blocks
+    form ``grid``, each assembled by one writer: the holder of one of its pieces with
+    the fewest bytes to write so far (``load``, updated), so shard writing spreads over
+    the ranks.
+
+    The writer's buffer holds the shard's inner chunks in C order over its inner grid,
+    each its part inside the array, C-contiguous (``format.sharding.InnerGrid``; the
+    shard's C order when its inner chunks split the first axis only). An inner chunk is
+    a contiguous range of its block (``sharded_record``), so each piece is one flat range
+    of a block and of the buffer; adjacent ones of one block merge (where the shard
+    also merges blocks along a later axis, a block's inner chunks interleave with its
+    neighbours' and each is a piece of its own: a larger plan, its small pieces still
+    packed into a message per pair of ranks; a flattened block's runs are split at its
+    fragments, ``FlatBlockGrid``). The runs of all the shards are found at once (``ShardRuns``)."""
+    shard, inner = record.chunk_shape, record.codec.chunk_shape  # type: ignore[attr-defined]
+    runs = ShardRuns.of(grid, record.shape, shard, inner)
+    chunks = []
+    for ordinal, index in enumerate(itertools.product(*map(range, record.chunk_grid))):
+        pieces = runs.pieces(grid, ordinal)
+        if not pieces:
+            raise CheckpointingException(
+                f"Internal error: no rank holds shard {index} of {key!r}, whose layout was validated; please report it"
+            )
+        origin = [i * c for i, c in zip(index, shard)]
+        valid = [min(c, n - o) for c, n, o in zip(shard, record.shape, origin)]
+        writer = min({p[0] for p in pieces}, key=lambda r: (load[r], r))
+        load[writer] += math.prod(valid) * record.itemsize
+        region = tuple(slice(o, o + v) for o, v in zip(origin, valid))
+        chunks.append(FlatChunk(key, region, writer, tuple(pieces)))
+    return chunks
+
+
+@dataclass(frozen=True, eq=False)
+class ShardRuns:
+    """Every shard's runs of inner chunks (packed, ``InnerGrid``: each its part inside
+    the array) that lie one after another in one block, computed for all the shards of
+    an array at once: per run its block (a position in the grid's ``ranks``), ``[src,
+    stop)`` in the block's flattened order and ``dst`` in its shard's buffer, in
+    elements; shard ``i`` (C order over the shard grid) has the runs
+    ``bounds[i]:bounds[i + 1]``."""
+
+    blocks: np.ndarray
+    src: np.ndarray
+    stop: np.ndarray
+    dst: np.ndarray
+    bounds: np.ndarray
+
+    @classmethod
+    def of(cls, grid: BlockGrid, shape: tuple[int, ...], shard: tuple[int, ...], inner: tuple[int, ...]) -> ShardRuns:
+        ndim = len(shape)
+        axes = np.meshgrid(*(np.arange(0, n, c, dtype=np.int64) for n, c in zip(shape, shard)), indexing="ij")
+        origins = np.stack([a.reshape(-1) for a in axes], 1)
+        in_shard = InnerGrid.of(shard, inner, shard).starts
+        starts = (origins[:, None, :] + in_shard[None, :, :]).reshape(-1, ndim)
+        volumes = np.clip(np.asarray(shape, dtype=np.int64) - starts, 0, np.asarray(inner, dtype=np.int64)).prod(1)
+        shard_of = np.repeat(np.arange(len(origins)), len(in_shard))
+        keep = volumes > 0
+        starts, volumes, shard_of = starts[keep], volumes[keep], shard_of[keep]
+        at = np.cumsum(volumes) - volumes  # each inner chunk's place in all the shards' buffers, back to back
+        dst = at - at[np.searchsorted(shard_of, shard_of)]
+        cells = np.stack([np.searchsorted(axis, starts[:, a], side="right") - 1 for a, axis in enumerate(grid.starts)], 1)
+        extents = np.stack([e[cells[:, a]] for a, e in enumerate(grid.extents)], 1)
+        strides = np.concatenate((np.cumprod(extents[:, :0:-1], axis=1)[:, ::-1], np.ones((len(cells), 1), np.int64)), 1)
+        block_starts = np.stack([axis[cells[:, a]] for a, axis in enumerate(grid.starts)], 1)
+        src = ((starts - block_starts) * strides).sum(axis=1)
+        cell_ids = np.ravel_multi_index(tuple(cells.T), tuple(len(axis) for axis in grid.starts))
+        new_run = np.ones(len(src), dtype=bool)
+        new_run[1:] = ((cell_ids[1:] != cell_ids[:-1]) | (src[1:] != src[:-1] + volumes[:-1])
+                       | (shard_of[1:] != shard_of[:-1]))
+        firsts = np.flatnonzero(new_run)
+        run_src = src[firsts]
+        return cls(grid.by_cell[cell_ids[firsts]], run_src, run_src + np.diff(at[firsts], append=int(volumes.sum())),
+                   dst[firsts], np.searchsorted(shard_of[firsts], np.arange(len(origins) + 1)))
+
+    def pieces(self, grid: BlockGrid, shard: int) -> list[Piece]:
+        """``FlatChunk.pieces`` of shard number ``shard``: ``(rank, index, start in the
+        block, stop, start in the shard's buffer)`` per run (``BlockGrid.pieces``)."""
+        lo, hi = self.bounds[shard], self.bounds[shard + 1]
+        return grid.pieces(self.blocks[lo:hi], self.src[lo:hi], self.stop[lo:hi], self.dst[lo:hi])
 
 
 @dataclass
@@ -196,4 +402,3 @@ def plan_save(
     nbytes, assembled_bytes = sum(r.nbytes for r in records.values()), max(p.assembling for p in parts)
     return [part.plan(rank, records, nbytes, commit if rank == 0 else None, assembled_bytes, exchanges.largest)
             for rank, part in enumerate(parts)]
-

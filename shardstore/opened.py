@@ -12,7 +12,7 @@
   or added under its commit record is damage.
 
 Only ``bare_location`` takes a path; the others take a Location (what the seed API's
-checkpoint directories lead to is ``engine.directories``'s). A save is
+checkpoint directories lead to is ``engine.walk``'s). A save is
 opened by ``execution.pipeline.SavePipeline`` (staged, published by the commit rules);
 nothing above this module turns a path into a location itself
 (``scripts/count_doors.py``).

@@ -14,7 +14,7 @@ import shardstore
 import shardstore.execution.pipeline as pipeline_module
 import shardstore.opened as opened_module
 from shardstore import CheckpointingException, ShardedTensor, save
-from shardstore.engine.directories import open_dir
+from shardstore.engine.walk import open_dir
 from shardstore.execution.pipeline import SavePipeline
 from shardstore.format.commit import (
     ByRename,

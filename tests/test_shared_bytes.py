@@ -305,7 +305,7 @@ def test_the_manager_verify_covers_a_step_whose_record_is_damaged(tmp_path: Path
 
 def test_the_megatron_guard_lets_a_scheme_shardstore_cannot_open_through(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core.dist_checkpointing.strategies.common", reason="megatron-core not installed")
-    from shardstore.engine.directories import (
+    from shardstore.engine.walk import (
         holds_committed_checkpoint as _holds_a_committed_checkpoint,
     )
 
@@ -341,7 +341,7 @@ def test_a_base_that_cannot_serve_is_logged_at_the_documented_levels(tmp_path: P
 
 
 def _guard_with_a_failing_check(rank: int, world: int, path: str) -> str:
-    import shardstore.engine.directories as checkpoint_dirs
+    import shardstore.engine.walk as checkpoint_dirs
 
     def failing(location) -> bool:
         raise PermissionError(13, "Permission denied", path)

@@ -18,7 +18,7 @@ import tensorstore as ts
 import torch
 
 from shardstore import ShardedTensor, load, save
-from shardstore.engine.directories import read_location
+from shardstore.engine.walk import read_location
 from shardstore.format.records import COMMIT_RECORD
 from shardstore.stores import local as local_backend
 from shardstore.stores.base import StorageError, Store, kvstore_spec

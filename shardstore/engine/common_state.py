@@ -15,7 +15,6 @@ __all__ = [
 from typing import Any
 
 from shardstore.dict_utils import dict_list_map_inplace, nested_values
-from shardstore.engine.directories import open_dir, read_location, write_dir
 from shardstore.engine.strategies import (
     CheckpointDir,
     LoadCommonStrategy,
@@ -23,6 +22,7 @@ from shardstore.engine.strategies import (
     StrategyAction,
     register_default_strategy,
 )
+from shardstore.engine.walk import open_dir, read_location, write_dir
 from shardstore.errors import CheckpointingException
 from shardstore.format.pickles import deserialize, deserialize_dict, serialize
 from shardstore.format.records import COMMON_FILE, object_path

@@ -36,7 +36,6 @@ import torch.distributed as dist
 
 from shardstore.dict_utils import flatten, merge, nest
 from shardstore.engine.common_state import TorchCommonLoadStrategy
-from shardstore.engine.directories import open_dir
 from shardstore.engine.other_formats import (
     OtherFormatLoadCommonStrategy,
     OtherFormatLoadShardedStrategy,
@@ -55,6 +54,7 @@ from shardstore.engine.walk import (
     CONTENT_METADATA_KEY,
     CheckpointDir,
     group_of,
+    open_dir,
     request_visitor,
 )
 from shardstore.engine.zarr_strategies import ZarrLoadShardedStrategy

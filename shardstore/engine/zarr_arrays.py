@@ -27,10 +27,10 @@ import tensorstore as ts
 import torch
 
 from shardstore._zarr_autoload import EXTENSION_METADATA
-from shardstore.engine.directories import open_dir, write_dir
 from shardstore.engine.strategies import (
     CheckpointDir,
 )
+from shardstore.engine.walk import open_dir, write_dir
 from shardstore.errors import CheckpointingException
 from shardstore.execution.load import load_tensors, plan_read
 from shardstore.execution.loaded import (

@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 
 from shardstore.engine.async_requests import AsyncRequest
-from shardstore.engine.directories import open_dir
 from shardstore.engine.save import SaveSettings, sharded_writes
 from shardstore.engine.strategies import (
     AsyncSaveShardedStrategy,
@@ -51,6 +50,7 @@ from shardstore.engine.strategies import (
     StrategyAction,
     register_default_strategy,
 )
+from shardstore.engine.walk import open_dir
 from shardstore.engine.zarr_arrays import (  # Megatron-Core's names for them are this module's
     READABLE_BACKENDS,
     SHARDSTORE_BACKEND,

@@ -135,7 +135,7 @@ class StorageLayout:
             array saved), per node on a file system (any reader opens an array by path).
         read_grain: cut each chunk holding whole rows of a block split along its first
             axis into up to 8 inner chunks of at least this many bytes, one Zarr v3 shard
-            per chunk (``planning.read_grain``): a load at another layout reads the rows
+            per chunk (``planning.layout.read_grained_record``): a load at another layout reads the rows
             it needs, not whole chunks; None: never; ``AUTO``: ``DEFAULT_READ_GRAIN``
             (1 MiB) on every store (chunks under 2 MiB stay whole: docs/guide/layout.md).
 

@@ -34,10 +34,10 @@ from shardstore.stores import Location
 def save_config(config: CheckpointingConfig, checkpoint_dir: str | os.PathLike | Location) -> None:
     """Megatron-Core's ``save_config``: writes ``metadata.json`` into ``checkpoint_dir``
     (call on one rank only). Into a committed shardstore checkpoint only where its record
-    does not list one (``engine.directories.write_dir``): Megatron-Core's own save writes it after
+    does not list one (``engine.walk.write_dir``): Megatron-Core's own save writes it after
     the commit."""
     # imported here: the read entries import torch's DCP, which shardstore.core's many importers need not
-    from shardstore.engine.directories import write_dir
+    from shardstore.engine.walk import write_dir
 
     write_config(config, write_dir(checkpoint_dir, writes_config=True))
 

@@ -52,9 +52,9 @@ except ImportError as exc:  # pragma: no cover - exercised where megatron-core i
 from shardstore.compat.megatron.strategies.forked_writes import for_another_process
 from shardstore.dict_utils import extract_matching_values, merge
 from shardstore.engine.common_state import TorchCommonLoadStrategy
-from shardstore.engine.directories import holds_committed_checkpoint, open_dir
 from shardstore.engine.load import load_preprocess
 from shardstore.engine.strategies import DelegatingLoadStrategy
+from shardstore.engine.walk import holds_committed_checkpoint, open_dir
 from shardstore.engine.zarr_strategies import (
     SHARDSTORE_BACKEND,
     ZARR_VERSION,

@@ -29,6 +29,7 @@ from shardstore.planning.layout import (
     bound_chunk,
     chunk_shape_for,
     largest_divisor_at_most,
+    read_grained_record,
 )
 from shardstore.planning.plans.block_grid import BlockGrid
 from shardstore.planning.plans.shard_sizes import (
@@ -42,7 +43,6 @@ from shardstore.planning.plans.shard_sizes import (
     split_axis,
     whole_inner_chunks,
 )
-from shardstore.planning.read_grain import read_grained_record
 
 # Shards inside blocks (``in_block_sharded_record``): chunks of at least an
 # IN_BLOCK_PARTS-th of ``shard_bytes`` (a gathered shard would hold at most that many:

@@ -48,9 +48,9 @@ from typing import Any
 import torch
 
 from shardstore.dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
-from shardstore.engine.directories import open_dir
 from shardstore.engine.other_formats import open_other_format
 from shardstore.engine.strategies import CheckpointDir
+from shardstore.engine.walk import open_dir
 from shardstore.errors import CheckpointingException
 from shardstore.format.records import ArrayRecord
 from shardstore.mapping import (

@@ -137,9 +137,7 @@ class SavePipeline:
                      refuses what is not ours to replace, clears dead saves, creates the
                      staging area and its marker, writes ``metadata.json``
         all ranks    join(intent) -> PendingCheckpoint   (the coordinator's own pending)
-        all ranks    write_arrays(records, ops) -> list[WrittenChunk]
-                     whole chunks into ``location`` (shared with the checkpoint reused
-                     from where unchanged); or stage(tensors, plan, staging) then
+        all ranks    stage(tensors, plan, staging) then
                      write_staged() (the strategies; an async save's I/O) and finalize(error)
                      (its collective commit); or write_plan(plan, tensors): a rank's part of
                      a plan it was handed
@@ -476,7 +474,7 @@ class SavePipeline:
             packed = packing.keys if packing is not None else frozenset()
             directories = {op.key for op in ops if op.key not in packed} | ({PACKS_DIR} if packed else set())
             self.location.make_directories(directories - {rel.rpartition("/")[0] for rel in files})
-            written = self.write_arrays(records, ops, io_concurrency, io_threads, packing)
+            written = self._write_arrays(records, ops, io_concurrency, io_threads, packing)
             timing.nbytes = sum(op.value.nbytes for op in ops)
         with stage("save: durable", where):
             self._make_durable()
@@ -526,7 +524,7 @@ class SavePipeline:
             raise CheckpointingException(f"Internal error: the save into {self.describe()} was not staged")
         return self._staged
 
-    def write_arrays(
+    def _write_arrays(
         self, records: dict[str, ArrayRecord], ops: list[WriteOp], io_concurrency: int = DEFAULT_IO_CONCURRENCY,
         io_threads: int = DEFAULT_IO_THREADS, packing: Packing | None = None,
     ) -> list[WrittenChunk]:

@@ -19,7 +19,7 @@ from shardstore.execution import (
 from shardstore.execution.changes import SourceVersions, in_place_ops
 from shardstore.execution.pipeline import SavePipeline
 from shardstore.execution.save import WriteOp, node_document_files
-from shardstore.format.chunks import WrittenChunk
+from shardstore.format.chunks import DEFAULT_IO_CONCURRENCY, WrittenChunk
 from shardstore.format.records import ZARR_JSON, ArrayRecord
 from shardstore.mapping import ShardedObject, ShardedTensor
 from shardstore.planning.checks import check_storable_keys, local_records
@@ -55,7 +55,7 @@ class ArrayWrites:
         try:
             self.save.location.write_many(node_document_files([record], (), self.save.pending.options.zarr_metadata))
             op = WriteOp(record.key, region_at((0,) * len(record.shape), record.shape), value)
-            written = rank_save.write_ops(self.save.pending, {record.key: record}, [op])
+            written = rank_save.write_ops(self.save.pending, {record.key: record}, [op], DEFAULT_IO_CONCURRENCY)
             self.save.written += written
             in_place = in_place_ops([op], [source] if source is not None else [])
             if changed := versions.error_after_writes(self.save.describe(), in_place, {record.key: record}, written):

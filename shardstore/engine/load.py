@@ -15,20 +15,25 @@ Load, in stages:
                              checks access integrity and plans who reads what
                              (load_strictness.plan_load); each rank receives only its part
     collective   read        each rank reads its part, agree, exchange of replicated
-                             blocks (the sharded strategy's load_with_plan; ours:
-                             execution.load.run_read_plan)
+                             blocks (read_planned, by the sharded strategy's
+                             LoadSettings, read once when the load starts:
+                             execution.load.run_read_plan; a strategy of another
+                             library, with no settings, reads through its
+                             load_with_plan)
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "get_default_load_sharded_strategy", "load", "load_common_state_dict", "load_content_metadata", "load_plain_tensors", "load_preprocess", "load_sharded_metadata", "load_tensors_metadata", "remove_sharded_tensors", "verify_before_load", "verify_checkpoint_and_load_strategy",
+    "LoadSettings", "get_default_load_sharded_strategy", "load", "load_common_state_dict", "load_content_metadata",
+    "load_plain_tensors", "load_preprocess", "load_sharded_metadata", "load_tensors_metadata", "read_planned",
+    "remove_sharded_tensors", "verify_before_load", "verify_checkpoint_and_load_strategy",
 ]
 
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -57,8 +62,9 @@ from shardstore.engine.walk import (
     open_dir,
     request_visitor,
 )
-from shardstore.engine.zarr_strategies import ZarrLoadShardedStrategy
 from shardstore.errors import CheckpointingException
+from shardstore.execution.load import run_read_plan
+from shardstore.execution.staging import DeviceUploader
 from shardstore.format.integrity import verify
 from shardstore.format.records import CommitRecord
 from shardstore.gc_pause import gc_paused
@@ -81,12 +87,13 @@ from shardstore.mapping import (
 )
 from shardstore.opened import OpenedCheckpoint, bare_location, open_read_together
 from shardstore.planning.layout import GatheredShards
-from shardstore.planning.plans import RankLoadPlan
+from shardstore.planning.plans import RankLoadPlan, RankReadPlan
 from shardstore.progress import operation, progress_shown, stage
 from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_stage import gather_and_plan
 from shardstore.protocol.stage import run_stage
 from shardstore.stores.base import Location
+from shardstore.utils import sharded_tensor_slots
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +212,8 @@ def _load_opened(
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
         opened, sharded_strategy, common_strategy
     )
+    settings = sharded_strategy.load_settings if isinstance(  # read once: None for another library's strategy
+        sharded_strategy, (LoadShardedStrategy, DelegatingLoadStrategy)) else None
     strict = parse_strict_flag(strict)
     where = location.describe()
     # A failure on one rank must reach every rank (never leave them waiting in the
@@ -241,7 +250,10 @@ def _load_opened(
     except Exception as exc:
         error = exc
     with stage("load: read", where):
-        loaded = sharded_strategy.load_with_plan(sharded_part, location, record, plan.reads, group, error)
+        if settings is not None:  # shardstore's own, alone or wrapped: read by the settings read at the start
+            loaded = read_planned(sharded_part, location, record, plan.reads, group, settings, error)
+        else:
+            loaded = sharded_strategy.load_with_plan(sharded_part, location, record, plan.reads, group, error)
     try:
         result, nbytes = request.result(common_state_dict, loaded)
     except ValueError as exc:  # dict_utils.nest/merge: a loaded value where the common state holds another
@@ -253,6 +265,40 @@ def _load_opened(
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return (result, missing_keys, unexpected_keys), nbytes
     return result, nbytes
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """How shardstore's storage strategy reads a load, read once when the load starts
+    (``ZarrLoadShardedStrategy.load_settings``; each option at length there).
+
+    Attributes:
+        io_concurrency: TensorStore I/O operations in flight at once.
+        allow_lossy_casts: convert to the requested dtype even where that can change values.
+        uploader: the pinned host memory a load into CUDA tensors goes through (the
+            strategy's, shared by its loads).
+    """
+
+    io_concurrency: int
+    allow_lossy_casts: bool
+    uploader: DeviceUploader = field(compare=False)
+
+
+def read_planned(
+    sharded_state_dict: ShardedStateDict, location: Location, record: CommitRecord, plan: RankReadPlan,
+    group: Group, settings: LoadSettings, local_error: BaseException | None = None,
+) -> StateDict:
+    """Collective: reads this rank's part of a load's ``plan`` by ``settings``
+    (``execution.load.run_read_plan``) and puts the tensors in place of the request's
+    ShardedTensors. A read that fails on one rank raises the same error, naming the
+    checkpoint, key and chunk, on every rank; so does ``local_error``, this rank's
+    failure before."""
+    tensors, slots = sharded_tensor_slots(sharded_state_dict)
+    results = run_read_plan(tensors, location, record, plan, group, settings.io_concurrency,
+                            settings.allow_lossy_casts, local_error, settings.uploader)
+    for (container, key), tensor in zip(slots, results):
+        container[key] = tensor
+    return sharded_state_dict
 
 
 class _LoadRequest:
@@ -440,11 +486,11 @@ def _other_format_sharded_strategy(strategy: LoadShardedStrategy | None) -> Load
     name code written for Megatron-Core gives it), alone or in a wrapper, reads
     committed checkpoints only, and becomes ``OtherFormatLoadShardedStrategy`` with its
     ``allow_lossy_casts``."""
-    own = strategy.base_strategy if isinstance(strategy, DelegatingLoadStrategy) else strategy
     if strategy is None:
         return OtherFormatLoadShardedStrategy()
-    if isinstance(own, ZarrLoadShardedStrategy):
-        return OtherFormatLoadShardedStrategy(own.allow_lossy_casts)
+    settings = strategy.load_settings if isinstance(strategy, (LoadShardedStrategy, DelegatingLoadStrategy)) else None
+    if settings is not None:  # shardstore's own, alone or wrapped
+        return OtherFormatLoadShardedStrategy(settings.allow_lossy_casts)
     return strategy
 
 

@@ -35,7 +35,7 @@ from shardstore.engine.strategies import (
     StrategyAction,
     register_default_strategy,
 )
-from shardstore.engine.zarr_strategies import whole_tensor_metadata
+from shardstore.engine.walk import whole_tensor_metadata
 from shardstore.errors import CheckpointingException
 from shardstore.execution.loaded import local_part, place_loaded, postprocess_loaded
 from shardstore.format.records import CommitRecord

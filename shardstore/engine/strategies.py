@@ -154,6 +154,13 @@ class LoadCommonStrategy(LoadStrategyBase):
 class LoadShardedStrategy(LoadStrategyBase):
     """Load strategy for ShardedTensors."""
 
+    @property
+    def load_settings(self) -> Any:
+        """How shardstore's own strategy reads (``engine.load.LoadSettings``), read once
+        when a load starts; None for a strategy that reads its own way
+        (``load_with_plan``)."""
+        return None
+
     @abstractmethod
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> StateDict:
         """Loads the sharded part of the checkpoint."""
@@ -230,6 +237,11 @@ class DelegatingLoadStrategy:
     the Megatron-Core plug-in)."""
 
     base_strategy: Any
+
+    @property
+    def load_settings(self) -> Any:
+        """The wrapped strategy's (None where it reads its own way)."""
+        return getattr(self.base_strategy, "load_settings", None)
 
     def plan_load(self, layout: GatheredShards, record: Any = None) -> list[Any]:
         return plan_load_with_record(self.base_strategy, layout, record)

@@ -1,7 +1,8 @@
 """What the engine's save (``engine.save``) and load (``engine.load``) share:
 the path-or-Location a caller names a checkpoint by (``CheckpointDir``), the walk over a
 caller's state dict that converts each leaf and builds each factory once
-(``request_visitor``), and the ranks a save or load runs on (``group_of``).
+(``request_visitor``), the ranks a save or load runs on (``group_of``), and a stored
+array as a data-less ShardedTensor covering all of it (``tensor_metadata``).
 
 Where the seed API's checkpoint directories lead. Megatron-Core's signatures take a
 ``checkpoint_dir``: a path or URL from a direct caller, or the Location (or opened
@@ -19,6 +20,8 @@ once, at the seed API's boundary (``opened`` says how far each is trusted):
 from __future__ import annotations
 
 __all__ = [
+    "tensor_metadata",
+    "whole_tensor_metadata",
     "CONTENT_METADATA_KEY",
     "CheckpointDir",
     "group_of",
@@ -34,14 +37,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Union
 
+import torch
 import torch.distributed as dist
 
 from shardstore.errors import CheckpointingException
-from shardstore.format.records import is_committed
+from shardstore.format.dtypes import from_zarr_name
+from shardstore.format.records import ArrayRecord, is_committed
 from shardstore.inputs.megatron_objects import convert_leaf
 from shardstore.mapping import (
     LocalNonpersistentObject,
     ShardedBase,
+    ShardedTensor,
     ShardedTensorFactory,
 )
 from shardstore.opened import OpenedCheckpoint, bare_location, open_read, write_location
@@ -172,3 +178,24 @@ def holds_committed_checkpoint(checkpoint_dir: str | os.PathLike | Location) -> 
     if isinstance(answer, CheckpointingException):
         raise answer from failure
     return bool(answer)
+
+
+def tensor_metadata(record: ArrayRecord) -> ShardedTensor:
+    """A data-less ShardedTensor covering the whole stored array (one shard); for an
+    array saved from flattened ranges, a flattened one (its whole range), as Megatron-Core
+    describes a flattened tensor: a load of it gives the 1-D tensor."""
+    dtype = from_zarr_name(record.dtype).torch_dtype
+    return whole_tensor_metadata(record.key, record.shape, dtype, flattened=record.flattened_block is not None)
+
+
+def whole_tensor_metadata(
+    key: str, shape: tuple[int, ...], dtype: torch.dtype, flattened: bool = False
+) -> ShardedTensor:
+    """A data-less ShardedTensor covering a whole global tensor of ``shape``; with
+    ``flattened`` (and at least one axis), as the flattened range of all its elements."""
+    meta = torch.empty(shape, dtype=dtype, device="meta")
+    if flattened and meta.ndim > 0:
+        return ShardedTensor.from_rank_offsets_flat(
+            key, meta.flatten(), tuple(shape), flattened_range=slice(0, meta.numel())
+        ).without_data()
+    return ShardedTensor.from_rank_offsets(key, meta).without_data()

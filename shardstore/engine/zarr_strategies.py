@@ -28,7 +28,7 @@ __all__ = [
     "_should_create_array", "array_spec", "consolidated_document", "flatten_range", "load_zarr_based_sharded_metadata",
     "numpy_to_torch_dtype_dict", "pad_to_expected_shape", "postprocess_numpy_array",
     "register_default_zarr_strategies", "single_tensor_record", "tensorstore_context",
-    "torch_to_numpy_dtype_dict", "whole_tensor_metadata",
+    "torch_to_numpy_dtype_dict",
 ]
 
 import functools
@@ -38,10 +38,10 @@ import numbers
 from dataclasses import replace
 from typing import Literal
 
-import torch
 import torch.distributed as dist
 
 from shardstore.engine.async_requests import AsyncRequest
+from shardstore.engine.load import LoadSettings, read_planned
 from shardstore.engine.save import SaveSettings, sharded_writes
 from shardstore.engine.strategies import (
     AsyncSaveShardedStrategy,
@@ -50,7 +50,7 @@ from shardstore.engine.strategies import (
     StrategyAction,
     register_default_strategy,
 )
-from shardstore.engine.walk import open_dir
+from shardstore.engine.walk import open_dir, tensor_metadata
 from shardstore.engine.zarr_arrays import (  # Megatron-Core's names for them are this module's
     READABLE_BACKENDS,
     SHARDSTORE_BACKEND,
@@ -69,7 +69,6 @@ from shardstore.engine.zarr_arrays import (  # Megatron-Core's names for them ar
     tensorstore_context,
 )
 from shardstore.errors import CheckpointingException
-from shardstore.execution.load import run_read_plan
 from shardstore.execution.loaded import (  # flatten_range, pad_to_expected_shape: Megatron-Core's names here
     flatten_range,  # noqa: F401
     pad_to_expected_shape,  # noqa: F401
@@ -82,12 +81,10 @@ from shardstore.execution.staging import (
 )
 from shardstore.format.chunks import DEFAULT_IO_CONCURRENCY
 from shardstore.format.dtypes import (
-    from_zarr_name,
     numpy_to_torch_dtype_dict,  # noqa: F401  (seed API)
     torch_to_numpy_dtype_dict,  # noqa: F401  (seed API)
 )
 from shardstore.format.records import (
-    ArrayRecord,
     CommitRecord,
 )
 from shardstore.format.removal import remove_entries
@@ -99,7 +96,7 @@ from shardstore.format.storage_layout import (
     LayoutSite,
     StorageLayout,
 )
-from shardstore.mapping import ShardedStateDict, ShardedTensor, StateDict
+from shardstore.mapping import ShardedStateDict, StateDict
 from shardstore.opened import bare_location
 from shardstore.planning.layout import (
     GatheredShards,
@@ -114,7 +111,7 @@ from shardstore.protocol.collectives import Group
 from shardstore.protocol.plan_cache import PlanCache
 from shardstore.protocol.plan_stage import gather_and_plan
 from shardstore.stores.base import Location
-from shardstore.utils import local_sharded_items, sharded_tensor_slots
+from shardstore.utils import local_sharded_items
 
 logger = logging.getLogger(__name__)
 
@@ -453,21 +450,17 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             shards = {k: a.chunk_shape for k, a in record.arrays.items() if k in layout.tensors}
         return plan_reads(layout, self.fully_parallel, shards)
 
+    @property
+    def load_settings(self) -> LoadSettings:
+        """This strategy's read options as a load reads them, once, when it starts."""
+        return LoadSettings(self.io_concurrency, self.allow_lossy_casts, self._uploader)
+
     def load_with_plan(
         self, sharded_state_dict: ShardedStateDict, location: Location, record: CommitRecord, plan: RankReadPlan,
         group: Group, local_error: BaseException | None = None,
     ) -> StateDict:
-        """Collective: reads this rank's part (``run_read_plan``) and puts the tensors in
-        place of the request's ShardedTensors. A read that fails on one rank raises the
-        same error, naming the checkpoint, key and chunk, on every rank."""
-        tensors, slots = sharded_tensor_slots(sharded_state_dict)
-        results = run_read_plan(
-            tensors, location, record, plan, group, self.io_concurrency, self.allow_lossy_casts, local_error,
-            self._uploader,
-        )
-        for (container, key), tensor in zip(slots, results):
-            container[key] = tensor
-        return sharded_state_dict
+        """Collective: ``engine.load.read_planned`` by this strategy's ``load_settings``."""
+        return read_planned(sharded_state_dict, location, record, plan, group, self.load_settings, local_error)
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
         record = open_dir(checkpoint_dir).require_record()
@@ -513,27 +506,6 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
 
     def __str__(self) -> str:
         return self.__class__.__name__
-
-
-def tensor_metadata(record: ArrayRecord) -> ShardedTensor:
-    """A data-less ShardedTensor covering the whole stored array (one shard); for an
-    array saved from flattened ranges, a flattened one (its whole range), as Megatron-Core
-    describes a flattened tensor: a load of it gives the 1-D tensor."""
-    dtype = from_zarr_name(record.dtype).torch_dtype
-    return whole_tensor_metadata(record.key, record.shape, dtype, flattened=record.flattened_block is not None)
-
-
-def whole_tensor_metadata(
-    key: str, shape: tuple[int, ...], dtype: torch.dtype, flattened: bool = False
-) -> ShardedTensor:
-    """A data-less ShardedTensor covering a whole global tensor of ``shape``; with
-    ``flattened`` (and at least one axis), as the flattened range of all its elements."""
-    meta = torch.empty(shape, dtype=dtype, device="meta")
-    if flattened and meta.ndim > 0:
-        return ShardedTensor.from_rank_offsets_flat(
-            key, meta.flatten(), tuple(shape), flattened_range=slice(0, meta.numel())
-        ).without_data()
-    return ShardedTensor.from_rank_offsets(key, meta).without_data()
 
 
 def register_default_zarr_strategies() -> None:

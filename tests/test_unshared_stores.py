@@ -104,11 +104,12 @@ def test_threads_saving_into_one_memory_prefix_commit_one_at_a_time() -> None:
 
 def test_a_failed_save_lets_go_of_its_memory_prefix(monkeypatch) -> None:
     url = f"memory://unshared/{uuid.uuid4().hex}"
-    strategy = ZarrSaveShardedStrategy()
-    monkeypatch.setattr(type(strategy), "save_into", lambda *a, **k: (_ for _ in ()).throw(
+    import shardstore.engine.save as engine_save  # where the save looks its writes up
+
+    monkeypatch.setattr(engine_save, "sharded_writes", lambda *a, **k: (_ for _ in ()).throw(
         CheckpointingException("injected failure")))
     with pytest.raises(CheckpointingException, match="injected failure"):
-        save(_state(1.0), url, strategy)
+        save(_state(1.0), url, ZarrSaveShardedStrategy())
     monkeypatch.undo()
     save(_state(2.0), url)
     loaded = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(8, 256))}, url)

@@ -15,10 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import shardstore
-from shardstore.format.storage_layout import LayoutSite
+from shardstore.format.storage_layout import LayoutSite, StorageLayout
 from shardstore.mapping import ShardedTensor
 from shardstore.stores.locations import open_location
 from shardstore.strategies.zarr import ZarrSaveShardedStrategy
@@ -108,7 +109,10 @@ def test_a_location_knows_its_save_while_the_save_lives(tmp_path: Path) -> None:
         again = pickle.loads(pickle.dumps(pending))  # a writer process's copy knows its own
         assert again.location.save is again and again.location.describe() == pending.describe()
         alone = pickle.loads(pickle.dumps(pending.location))
-        assert alone.save is None and adopt_save(alone) is not pending
+        callers = StorageLayout().chosen_for(LayoutSite(callers_directory=True))
+        assert alone.save is None and adopt_save(alone, callers) is not pending
+        with pytest.raises(ValueError, match="no chosen layout"):
+            adopt_save(alone)  # a caller's directory is adopted by the layout its save chose
     finally:
         pending.abandon()
     location = pending.location

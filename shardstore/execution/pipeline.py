@@ -44,6 +44,7 @@ from shardstore.format.commit import (
     SaveIntent,
     SaveOptions,
     adopt_save,
+    adopted,
     begin_save,
     check_shared,
     join_save,
@@ -196,8 +197,7 @@ class SavePipeline:
         config: CheckpointingConfig | None = None, pending: PendingCheckpoint | None = None,
     ) -> None:
         self.target, self.group, self.config = target, group, config
-        # what the save's layout is chosen for: its ranks exchange blocks only where there are several
-        self.site = LayoutSite.of(target.capabilities, group.world_size, can_exchange=group.world_size > 1)
+        self.site = _site(target, group)
         self.options = pending.options if pending is not None else (options or SaveOptions()).chosen_for(self.site)
         self._pending = pending
         self.publisher: Publisher = pending.publisher if pending is not None else publisher_for(target.capabilities)
@@ -244,8 +244,12 @@ class SavePipeline:
         save this process began or joined (the strategies' API passes
         ``SavePipeline.location`` down as a checkpoint directory), it is that save's
         (``format.commit.adopt_save``)."""
-        pending = adopt_save(location, layout, (group or Group.local()).world_size)
-        return cls(pending.target, group or Group.local(), pending.options, pending=pending)
+        group = group or Group.local()
+        chosen = None
+        if adopted(location) is None:  # a caller's directory: this save's layout, chosen here
+            chosen = (layout or StorageLayout()).chosen_for(_site(location, group, callers_directory=True))
+        pending = adopt_save(location, chosen)
+        return cls(pending.target, group, pending.options, pending=pending)
 
     def describe(self, rel: str = "") -> str:
         return self.target.describe(rel)
@@ -590,6 +594,13 @@ class SavePipeline:
         return pending.shared(SaveProgress, lambda: SaveProgress(
             StoppedWriters(self.group, pending.intent.save_id, shared_id=pending.intent.agreed)
         ))
+
+
+def _site(target: Location, group: Group, callers_directory: bool = False) -> LayoutSite:
+    """What a save into ``target`` by ``group`` chooses its layout for (the one place a
+    save's site is made): its ranks exchange blocks only where there are several."""
+    return LayoutSite.of(target.capabilities, group.world_size, can_exchange=group.world_size > 1,
+                         callers_directory=callers_directory)
 
 
 @dataclass(frozen=True)

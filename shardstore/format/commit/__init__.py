@@ -39,13 +39,14 @@ from __future__ import annotations
 
 __all__ = [
     "ByRename", "InPlace", "IntoCallersDirectory", "PendingCheckpoint", "Publisher",
-    "SaveIntent", "SaveLocation", "SaveOptions", "adopt_save", "begin_save", "check_shared",
+    "SaveIntent", "SaveLocation", "SaveOptions", "adopt_save", "adopted", "begin_save", "check_shared",
     "join_save", "publisher_for", "remove_unfinished", "restore_replaced",
 ]
 
 from shardstore.format.commit.begin import (
     IntoCallersDirectory,
     adopt_save,
+    adopted,
     begin_save,
     join_save,
     publisher_for,

@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "IntoCallersDirectory",
     "adopt_save",
+    "adopted",
     "begin_save",
     "join_save",
     "publisher_for",
@@ -26,7 +27,7 @@ from shardstore.format.commit.options import SaveIntent, SaveOptions, new_save_i
 from shardstore.format.commit.pending import PendingCheckpoint, Publisher, SaveLocation
 from shardstore.format.commit.targets import _refuse_inside_checkpoint
 from shardstore.format.records import CommitRecord, write_commit_record
-from shardstore.format.storage_layout import LayoutSite, StorageLayout
+from shardstore.format.storage_layout import StorageLayout
 from shardstore.stores.base import Capabilities, Location
 
 
@@ -119,18 +120,25 @@ def join_save(target: Location, intent: SaveIntent, options: SaveOptions) -> Pen
     return pending
 
 
-def adopt_save(location: Location, layout: StorageLayout | None = None, world_size: int = 1) -> PendingCheckpoint:
-    """The save that writes into ``location``: the pending checkpoint whose
-    ``location`` it is (``SaveLocation.save``: this process began or joined that save,
-    ``begin_save``, ``join_save``), else ``location`` as a
-    directory the caller made (``IntoCallersDirectory``: Megatron-Core's ``save`` and the
-    seed's strategy API called directly), with a fresh save id, written by ``layout``
-    (a strategy's) chosen for ``world_size`` ranks writing into a caller's directory
-    (``LayoutSite.callers_directory``)."""
-    found = location.save if isinstance(location, SaveLocation) else None
+def adopted(location: Location) -> PendingCheckpoint | None:
+    """The pending checkpoint whose ``location`` this is (``SaveLocation.save``: this
+    process began or joined that save, ``begin_save``, ``join_save``), or None."""
+    return location.save if isinstance(location, SaveLocation) else None
+
+
+def adopt_save(location: Location, chosen: StorageLayout | None = None) -> PendingCheckpoint:
+    """The save that writes into ``location``: its own (``adopted``), else ``location``
+    as a directory the caller made (``IntoCallersDirectory``: Megatron-Core's ``save``
+    and the seed's strategy API called directly), with a fresh save id, written by
+    ``chosen``, the layout the save chose for a caller's directory
+    (``LayoutSite.callers_directory``: ``SavePipeline.into_callers_directory``).
+
+    Raises:
+        ValueError: no chosen layout for a caller's directory (an internal error)."""
+    found = adopted(location)
     if found is not None:
         return found
-    site = LayoutSite.of(location.capabilities, world_size, can_exchange=world_size > 1, callers_directory=True)
-    chosen = (layout or StorageLayout()).chosen_for(site)
+    if chosen is None or not chosen.chosen:
+        raise ValueError(f"Internal error: the save into {location.describe()} was adopted with no chosen layout")
     intent = SaveIntent(new_save_id(), None, layout=chosen, agreed=False)
     return PendingCheckpoint(location, location, intent, IntoCallersDirectory(), SaveOptions(layout=chosen))

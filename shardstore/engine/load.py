@@ -212,8 +212,7 @@ def _load_opened(
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
         opened, sharded_strategy, common_strategy
     )
-    settings = sharded_strategy.load_settings if isinstance(  # read once: None for another library's strategy
-        sharded_strategy, (LoadShardedStrategy, DelegatingLoadStrategy)) else None
+    settings = _load_settings(sharded_strategy)  # read once
     strict = parse_strict_flag(strict)
     where = location.describe()
     # A failure on one rank must reach every rank (never leave them waiting in the
@@ -480,6 +479,15 @@ def verify_checkpoint_and_load_strategy(
     return sharded_strategy, common_strategy
 
 
+def _load_settings(strategy: Any) -> LoadSettings | None:
+    """``strategy``'s ``load_settings``: shardstore's own, alone or wrapped, has them;
+    None for a strategy that reads its own way (another library's, or one without our
+    interface)."""
+    if isinstance(strategy, (LoadShardedStrategy, DelegatingLoadStrategy)):
+        return strategy.load_settings
+    return None
+
+
 def _other_format_sharded_strategy(strategy: LoadShardedStrategy | None) -> LoadShardedStrategy:
     """The sharded strategy for another tool's checkpoint: ``strategy``, except that
     shardstore's own (``ZarrLoadShardedStrategy``; ``TorchDistLoadShardedStrategy``, the
@@ -488,7 +496,7 @@ def _other_format_sharded_strategy(strategy: LoadShardedStrategy | None) -> Load
     ``allow_lossy_casts``."""
     if strategy is None:
         return OtherFormatLoadShardedStrategy()
-    settings = strategy.load_settings if isinstance(strategy, (LoadShardedStrategy, DelegatingLoadStrategy)) else None
+    settings = _load_settings(strategy)
     if settings is not None:  # shardstore's own, alone or wrapped
         return OtherFormatLoadShardedStrategy(settings.allow_lossy_casts)
     return strategy

@@ -285,7 +285,9 @@ def _sharded(
     sync save written and committed before this returns; else through ``strategy``'s
     ``save_into``/``async_save_into``. Returns the async save's request."""
     if settings is not None:
-        tensors = pipeline.planned_tensors or []
+        tensors = pipeline.planned_tensors
+        if tensors is None:
+            raise CheckpointingException(f"Internal error: the save into {pipeline.describe()} was not planned")
         request = sharded_writes(pipeline, tensors, plan, settings, error, snapshot)
         if snapshot:
             return request

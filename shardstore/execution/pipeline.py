@@ -330,8 +330,9 @@ class SavePipeline:
         again to write them. ``plan_cache`` reuses a plan made under the same
         ``plan_settings`` (the planner's) and this save's layout."""
         self._planned = tensors
-        planner = self._layout_planner(planner)
-        settings = (plan_settings, self.options.layout.planned_at(self.site))  # a plan for this layout only
+        storage = self._planned_layout()
+        planner = functools.partial(planner, storage=storage)
+        settings = (plan_settings, storage)  # a cached plan for this layout only
         if local_error is None:
             try:
                 check_shared(self.target, self.group.world_size)
@@ -360,13 +361,13 @@ class SavePipeline:
             rank_save.fail_before_staging(self.group, self.describe(), exc)
         return plan
 
-    def _layout_planner(self, planner: Callable[..., list[Any]]) -> Callable[[Any], list[Any]]:
-        """``planner`` (a strategy's ``plan_save``) told this save's chosen layout (the
-        coordinator's plan decides it for every rank), as planned at its site
-        (``StorageLayout.planned_at``: no small array split over ranks gathered whole for
-        packing where the save's group cannot exchange them, as DCP's writer's, whose
-        plan's ranks are each a process alone here)."""
-        return functools.partial(planner, storage=self.options.layout.planned_at(self.site))
+    def _planned_layout(self) -> StorageLayout:
+        """What a planner (a strategy's ``plan_save``, as its ``storage``) plans this save
+        by: its chosen layout (the coordinator's plan decides it for every rank) as
+        planned at its site (``StorageLayout.planned_at``: no small array split over ranks
+        gathered whole for packing where the save's group cannot exchange them, as DCP's
+        writer's, whose plan's ranks are each a process alone here)."""
+        return self.options.layout.planned_at(self.site)
 
     def _refuse_oversized_objects(self) -> None:
         """Refuses, before anything is written, a layout whose stored objects may be
@@ -385,7 +386,7 @@ class SavePipeline:
                 )
 
     def plan_gathered(
-        self, tensors: list[list[ShardedTensor]], planner: Callable[[GatheredShards], list[RankSavePlan]],
+        self, tensors: list[list[ShardedTensor]], planner: Callable[..., list[RankSavePlan]],
     ) -> tuple[list[RankSave], NameLimits]:
         """Coordinator of a door whose framework gathers the ranks' shards itself (DCP's
         ``prepare_global_plan``), given every rank's ``tensors`` (``tensors[rank]``, data
@@ -402,7 +403,7 @@ class SavePipeline:
             check_storable_data(tensor, where)  # no data here: its dtype, named by its key
         layout = GatheredShards.from_gathered([local_records(ts, [], rank, where) for rank, ts in enumerate(tensors)])
         check_layout(layout, self.target.name_limits, where)
-        plans = self._layout_planner(planner)(layout)
+        plans = planner(layout, storage=self._planned_layout())
         intent = self.begin()
         return [RankSave(intent, plan) for plan in plans], name_lengths_needed(layout)
 
